@@ -1,0 +1,210 @@
+"""Step time, jitter, outliers and stragglers: plain functions over the recorded steps of a Run."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from ..records import StepRecord
+from ..store import Run
+
+# An outlier step is slower than the rank's median by at least this fraction ...
+OUTLIER_MIN_FRACTION = 0.25  # below a quarter of a step, a slow step is noise on a busy host
+# ... and by at least this many robust standard deviations (1.4826 × MAD).
+OUTLIER_MIN_SIGMAS = 5.0
+# A straggler rank's own time (step minus time waiting in collectives) exceeds the others' by this much ...
+STRAGGLER_MIN_FRACTION = 0.15  # under 15% ranks differ by noise and placement on a shared host
+STRAGGLER_MIN_MS = 1.0  # ... and by at least a millisecond, below which timer noise dominates
+STRAGGLER_MIN_STEPS = 5  # too few steps say nothing about consistency
+# ... in at least this share of steps.
+STRAGGLER_MIN_CONSISTENCY = 0.6
+
+
+def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
+    """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
+    profiler window or a FLOP-counting step (their cost is the tool's, not the model's)."""
+    return [s for s in steps if s.step > 0 and not s.profiled]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def step_stats(steps: list[StepRecord]) -> dict:
+    xs = [s.wall_ms for s in steps]
+    if not xs:
+        return {"count": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None, "max_ms": None, "cv": None}
+    mean = statistics.fmean(xs)
+    sd = statistics.pstdev(xs) if len(xs) > 1 else 0.0
+
+    def med(key):
+        return round(statistics.median([getattr(s, key) for s in steps]), 3)
+
+    return {
+        "count": len(xs),
+        "p50_ms": round(percentile(xs, 50), 3),
+        "p90_ms": round(percentile(xs, 90), 3),
+        "p99_ms": round(percentile(xs, 99), 3),
+        "max_ms": round(max(xs), 3),
+        "mean_ms": round(mean, 3),
+        "cv": round(sd / mean, 4) if mean > 0 else None,
+        "phases_p50_ms": {k: med(k + "_ms") for k in ("forward", "backward", "optimizer", "outside", "gc")},
+        "gc_ms_total": round(sum(s.gc_ms for s in steps), 3),
+        "gc_count_total": sum(s.gc_count for s in steps),
+        "wall_ms_total": round(sum(xs), 3),
+    }
+
+
+def collective_wait_ms(s: StepRecord) -> float:
+    """Time the rank's host spent waiting for all-gathers in this step (forward and backward). Each unit's
+    wait covers only its own unshard (nested units are timed separately), so the sum does not double count."""
+    return sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units)
+
+
+def own_ms(s: StepRecord) -> float:
+    return s.wall_ms - collective_wait_ms(s)
+
+
+@dataclass
+class _Base:
+    wall: float
+    gc: float
+    outside: float
+    wait: float
+    fwd: float
+    bwd: float
+    opt: float
+
+
+def _baseline(steps: list[StepRecord]) -> _Base:
+    med = statistics.median
+    return _Base(
+        wall=med([s.wall_ms for s in steps]), gc=med([s.gc_ms for s in steps]),
+        outside=med([s.outside_ms for s in steps]), wait=med([collective_wait_ms(s) for s in steps]),
+        fwd=med([s.forward_ms for s in steps]), bwd=med([s.backward_ms for s in steps]),
+        opt=med([s.optimizer_ms for s in steps]),
+    )
+
+
+def find_outliers(run: Run) -> list[dict]:
+    by_rank = {r: usable_steps(rd.steps) for r, rd in run.ranks.items()}
+    base = {r: _baseline(st) for r, st in by_rank.items() if len(st) >= 3}
+    index = {(r, s.step): s for r, st in by_rank.items() for s in st}
+    out = []
+    for r, steps in by_rank.items():
+        if r not in base:
+            continue
+        b = base[r]
+        mad = statistics.median([abs(s.wall_ms - b.wall) for s in steps])
+        thresh = b.wall + max(OUTLIER_MIN_FRACTION * b.wall, OUTLIER_MIN_SIGMAS * 1.4826 * mad)
+        for s in steps:
+            if s.wall_ms <= thresh:
+                continue
+            cause, detail = _cause(r, s, b, base, index)
+            out.append({"rank": r, "step": s.step, "ms": round(s.wall_ms, 3), "median_ms": round(b.wall, 3),
+                        "excess_ms": round(s.wall_ms - b.wall, 3), "cause": cause, "detail": detail})
+    out.sort(key=lambda o: -o["excess_ms"])
+    return out
+
+
+def _unit_wait_excess(s: StepRecord, steps_base: _Base) -> tuple[str | None, float]:
+    best, best_ms = None, 0.0
+    for u in s.units:
+        w = u.ag_wait_fwd_ms + u.ag_wait_bwd_ms
+        if w > best_ms:
+            best, best_ms = u.name, w
+    return best, best_ms
+
+
+def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple[str, str]:
+    excess = s.wall_ms - b.wall
+    parts = {
+        "gc": s.gc_ms - b.gc,
+        "outside": s.outside_ms - b.outside - max(0.0, s.gc_ms - b.gc),
+        "wait": collective_wait_ms(s) - b.wait,
+    }
+    own_compute = (s.forward_ms + s.backward_ms + s.optimizer_ms) - collective_wait_ms(s)
+    parts["compute"] = own_compute - (b.fwd + b.bwd + b.opt - b.wait)
+    # Another rank arriving late shows up here as waiting, and there as time outside or computing.
+    late_rank, late_ms = None, 0.0
+    for (r2, st), s2 in index.items():
+        if st != s.step or r2 == rank or r2 not in base:
+            continue
+        b2 = base[r2]
+        own_excess = (s2.wall_ms - b2.wall) - (collective_wait_ms(s2) - b2.wait)
+        if own_excess > late_ms:
+            late_rank, late_ms = r2, own_excess
+    key = max(parts, key=parts.get)
+    if key == "wait" and late_rank is not None and late_ms > 0.5 * parts["wait"]:
+        return "late_rank", f"waiting for rank {late_rank} (late by {late_ms:.1f} ms)"
+    if key == "gc":
+        return "gc", f"GC pause {s.gc_ms:.1f} ms ({s.gc_count} collections)"
+    if key == "outside":
+        return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
+    if key == "wait":
+        unit, ms = _unit_wait_excess(s, b)
+        return "allgather_wait", f"all-gather wait +{parts['wait']:.1f} ms (largest in unit {unit!r}: {ms:.1f} ms)"
+    return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
+
+
+def find_stragglers(run: Run) -> list[dict]:
+    """Ranks whose own time (step minus collective waits) is consistently above the others'."""
+    by_rank = {r: {s.step: s for s in usable_steps(rd.steps)} for r, rd in run.ranks.items()}
+    if len(by_rank) < 2:
+        return []
+    common = set.intersection(*(set(d) for d in by_rank.values()))
+    if len(common) < STRAGGLER_MIN_STEPS:
+        return []
+    out = []
+    for r, d in by_rank.items():
+        others = [o for o in by_rank if o != r]
+        slower = 0
+        excess_phase = {"outside": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        own_r = []
+        own_o = []
+        for st in common:
+            mine = own_ms(d[st])
+            theirs = statistics.median([own_ms(by_rank[o][st]) for o in others])
+            own_r.append(mine)
+            own_o.append(theirs)
+            if mine > theirs * (1 + STRAGGLER_MIN_FRACTION) and mine - theirs > STRAGGLER_MIN_MS:
+                slower += 1
+            for ph in excess_phase:
+                mine_ph = getattr(d[st], ph + "_ms")
+                theirs_ph = statistics.median([getattr(by_rank[o][st], ph + "_ms") for o in others])
+                excess_phase[ph] += mine_ph - theirs_ph
+        share = slower / len(common)
+        m_r, m_o = statistics.median(own_r), statistics.median(own_o)
+        if share >= STRAGGLER_MIN_CONSISTENCY and m_r > m_o * (1 + STRAGGLER_MIN_FRACTION) and m_r - m_o > STRAGGLER_MIN_MS:
+            phase = max(excess_phase, key=excess_phase.get)
+            out.append({
+                "rank": r, "phase": phase, "steps_slower": slower, "steps": len(common),
+                "own_ms_p50": round(m_r, 3), "others_own_ms_p50": round(m_o, 3),
+                "excess_ms_per_step": round((m_r - m_o), 3),
+                "phase_excess_ms_per_step": round(excess_phase[phase] / len(common), 3),
+            })
+    return out
+
+
+def analyze_steps(run: Run) -> dict:
+    per_rank = {}
+    for r, rd in sorted(run.ranks.items()):
+        st = usable_steps(rd.steps)
+        stats = step_stats(st)
+        stats["recorded"] = len(rd.steps)
+        stats["excluded"] = len(rd.steps) - len(st)
+        per_rank[str(r)] = stats
+    job = [s.wall_ms for rd in run.ranks.values() for s in usable_steps(rd.steps)]
+    return {
+        "per_rank": per_rank,
+        "job": step_stats([s for rd in run.ranks.values() for s in usable_steps(rd.steps)]) if job else None,
+        "outliers": find_outliers(run),
+        "stragglers": find_stragglers(run),
+    }

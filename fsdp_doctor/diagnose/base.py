@@ -1,0 +1,68 @@
+"""Findings and the rule shape (after torch.profiler's ``_pattern_matcher.Pattern``: name, description,
+match, report). A rule is a small class over plain data: the Run and the report's analysis sections."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from ..store import Run
+
+SEVERITIES = ("info", "warning", "critical")
+
+
+@dataclass
+class Finding:
+    code: str
+    severity: str  # "info" | "warning" | "critical"
+    title: str
+    evidence: dict[str, Any]  # numbers with units in their keys (``_ms``, ``_bytes``, ``_pct``) and who is concerned
+    recommendation: dict[str, str]  # {"text": ..., "code": ...}
+    predicted: dict[str, Any] | None = None  # {step_ms_before, step_ms_after, peak_bytes_before, peak_bytes_after}
+    ranks: list[int] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        if d["predicted"] is None:
+            del d["predicted"]
+        return d
+
+
+@dataclass
+class Context:
+    """What every rule may look at: the run (configs, raw steps) and the analyses already computed."""
+
+    run: Run
+    report: dict[str, Any]
+
+    @property
+    def config(self):
+        return self.run.config
+
+    def section(self, name: str) -> dict:
+        return self.report.get(name) or {}
+
+
+class Rule:
+    """One diagnosis rule. Subclasses set ``code``, ``name`` and ``description`` and implement ``match``."""
+
+    code: ClassVar[str] = ""
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def match(self, ctx: Context) -> list[Finding]:
+        raise NotImplementedError
+
+    def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", **kw) -> Finding:
+        assert severity in SEVERITIES, severity
+        return Finding(code=self.code, severity=severity, title=title, evidence=evidence,
+                       recommendation={"text": text, "code": code}, **kw)
+
+
+RULES: list[type[Rule]] = []
+
+
+def register(cls: type[Rule]) -> type[Rule]:
+    RULES.append(cls)
+    return cls

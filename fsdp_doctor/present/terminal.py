@@ -1,0 +1,171 @@
+"""Terminal presenter: formats a report (rich), computes nothing."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from .fmt import fmt_bytes, fmt_ms
+
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def render_header(report: dict):
+    r = report.get("run", {})
+    parts = [f"[bold]{r.get('path', '')}[/]"]
+    facts = []
+    if r.get("world_size"):
+        facts.append(f"{r['world_size']} ranks")
+    if r.get("units"):
+        facts.append(f"{r['units']} FSDP units")
+    if r.get("model_param_count"):
+        facts.append(f"{r['model_param_count'] / 1e6:.2f} M params")
+    for k in ("backend", "device_name", "torch_version", "optimizer"):
+        if r.get(k):
+            facts.append(str(r[k]))
+    if r.get("trace_files"):
+        facts.append(f"{r['trace_files']} trace files")
+    parts.append(" · ".join(facts))
+    incomplete = [k for k, v in (r.get("complete") or {}).items() if not v]
+    if incomplete:
+        parts.append(f"[yellow]ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed steps are used[/]")
+    for e in r.get("doctor_errors", []):
+        parts.append(f"[red]doctor stepped aside on rank {e['rank']} at step {e['step']} ({e['where']}): {e['message']}[/]")
+    return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
+
+
+def render_steps(section: dict):
+    t = Table(title="Step time per rank (steady state: first step and profiled steps excluded)", box=box.SIMPLE_HEAD,
+              title_justify="left")
+    for col in ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r, st in section.get("per_rank", {}).items():
+        if not st.get("count"):
+            t.add_row(r, f"{st.get('recorded', 0)}", *["—"] * 10)
+            continue
+        ph = st["phases_p50_ms"]
+        t.add_row(r, str(st["count"]), fmt_ms(st["p50_ms"]), fmt_ms(st["p90_ms"]), fmt_ms(st["p99_ms"]),
+                  fmt_ms(st["max_ms"]), f"{100 * st['cv']:.1f}%" if st["cv"] is not None else "—",
+                  fmt_ms(ph["forward"]), fmt_ms(ph["backward"]), fmt_ms(ph["optimizer"]), fmt_ms(ph["outside"]),
+                  fmt_ms(ph["gc"]))
+    items = [t]
+    outs = section.get("outliers", [])
+    if outs:
+        o = Table(title=f"Outlier steps ({len(outs)}, worst first)", box=box.SIMPLE_HEAD, title_justify="left")
+        for col, j in (("rank", "right"), ("step", "right"), ("time", "right"), ("median", "right"), ("likely cause", "left")):
+            o.add_column(col, justify=j, no_wrap=(j == "right"))
+        for x in outs[:8]:
+            o.add_row(str(x["rank"]), str(x["step"]), fmt_ms(x["ms"]), fmt_ms(x["median_ms"]), x["detail"])
+        items.append(o)
+    for s in section.get("stragglers", []):
+        items.append(Text(f"Straggler: rank {s['rank']} spends +{s['excess_ms_per_step']:.1f} ms/step in {s['phase']} "
+                          f"({s['steps_slower']} of {s['steps']} steps)", style="yellow"))
+    return Group(*items)
+
+
+def render_throughput(section: dict):
+    t = Table(title="Throughput", box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("rank", "tokens/s", "TFLOP/s", "MFU"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r, row in section.get("per_rank", {}).items():
+        t.add_row(r, f"{row['tokens_per_s']:,.0f}" if "tokens_per_s" in row else "—",
+                  f"{row['achieved_tflops']:.3f}" if "achieved_tflops" in row else "—",
+                  f"{row['mfu_pct']:.1f}%" if "mfu_pct" in row else "—")
+    job = section.get("job", {})
+    if job:
+        t.add_row("job", f"{job['tokens_per_s']:,.0f}" if "tokens_per_s" in job else "—",
+                  f"{job['achieved_tflops']:.3f}" if "achieved_tflops" in job else "—",
+                  f"{job['mfu_pct']:.1f}%" if "mfu_pct" in job else "—", style="bold")
+    return t
+
+
+def render_units(units: list[dict]):
+    t = Table(title=f"FSDP units ({len(units)})", box=box.SIMPLE_HEAD, title_justify="left")
+    for col, j in (("unit", "left"), ("params", "right"), ("shard", "right"), ("gathered", "right"), ("reshard", "center"),
+                   ("AC", "center"), ("fwd", "right"), ("AG wait", "right"), ("bwd", "right"), ("AG wait", "right")):
+        t.add_column(col, justify=j, no_wrap=(j != "left"), overflow="fold")
+    for u in units[:24]:
+        tm = u.get("timing_p50", {})
+        name = u["name"] or "<root>"
+        t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
+                  fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
+                  u.get("checkpoint", "none"), fmt_ms(tm.get("fwd_ms")), fmt_ms(tm.get("ag_wait_fwd_ms")),
+                  fmt_ms(tm.get("bwd_ms")), fmt_ms(tm.get("ag_wait_bwd_ms")))
+    if len(units) > 24:
+        t.add_row(f"… {len(units) - 24} more", *[""] * 9)
+    return t
+
+
+def render_findings(findings: list[dict]):
+    if not findings:
+        return Text("No findings.", style="green")
+    items = []
+    worst = {f["severity"] for f in findings}
+    if "warning" not in worst and "critical" not in worst:
+        items.append(Text("Healthy: no warnings. Notes below.", style="green"))
+    for f in findings:
+        ev = "\n".join(f"  {k}: {_fmt_val(k, v)}" for k, v in f["evidence"].items())
+        body = [Text(f["recommendation"]["text"]), Text("Evidence:\n" + ev, style="dim")]
+        pred = f.get("predicted")
+        if pred and (pred.get("step_ms_after") is not None or pred.get("peak_bytes_after") is not None):
+            bits = []
+            if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
+                bits.append(f"step {fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}")
+            if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
+                bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+            body.append(Text("Expected: " + ", ".join(bits), style="green"))
+        if f["recommendation"].get("code"):
+            body.append(Syntax(f["recommendation"]["code"], "python", theme="ansi_dark", word_wrap=True))
+        style = SEVERITY_STYLE.get(f["severity"], "")
+        items.append(Panel(Group(*body), title=f"[{style}]{f['severity'].upper()}[/] {f['code']}: {f['title']}",
+                           title_align="left", box=box.ROUNDED, border_style=style))
+    return Group(*items)
+
+
+def _fmt_val(key: str, v) -> str:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if key.endswith("_bytes"):
+            return fmt_bytes(v)
+        if key.endswith("_ms") or "_ms_" in key:
+            return fmt_ms(v)
+        if key.endswith("_us"):
+            return fmt_ms(v / 1e3)
+        if key.endswith("_pct"):
+            return f"{v:.1f}%"
+    if isinstance(v, list):
+        s = ", ".join(str(x) for x in v[:8])
+        return s + (f" … (+{len(v) - 8})" if len(v) > 8 else "")
+    return str(v)
+
+
+def render_report(report: dict, console: Console | None = None) -> None:
+    console = console or Console(width=100)
+    console.print(render_header(report))
+    if report.get("steps"):
+        console.print(render_steps(report["steps"]))
+    if report.get("throughput"):
+        console.print(render_throughput(report["throughput"]))
+    if report.get("units"):
+        console.print(render_units(report["units"]))
+    if report.get("memory"):
+        try:
+            from .memory import render_memory
+
+            console.print(render_memory(report["memory"]))
+        except ImportError:
+            pass
+    if report.get("overlap"):
+        try:
+            from .overlap import render_overlap
+
+            console.print(render_overlap(report["overlap"]))
+        except ImportError:
+            pass
+    console.rule("Diagnosis")
+    console.print(render_findings(report.get("findings", [])))
+    for p in report.get("problems", []):
+        console.print(Text(f"skipped: {p}", style="yellow"))

@@ -1,0 +1,119 @@
+"""Profiler windows: torch.profiler with a schedule, traces written in TensorBoard's plugin layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.profiler import ProfilerAction
+
+from ..records import PROFILER_DIR
+
+
+@dataclass(frozen=True)
+class ProfileSchedule:
+    """When profiler windows run, as a pure function of the step (like ``torch.profiler.schedule``).
+
+    The first window records ``active`` steps starting at step ``first`` (after ``warmup`` warm-up
+    steps); later windows start every ``every`` steps after it (0: only the first window).
+    """
+
+    first: int = 6
+    active: int = 2
+    warmup: int = 1
+    every: int = 200
+
+    def __call__(self, step: int) -> ProfilerAction:
+        if step < self.first - self.warmup:
+            return ProfilerAction.NONE
+        k = step - self.first
+        if self.every > 0 and k >= self.every - self.warmup:
+            k = (step - self.first + self.warmup) % self.every - self.warmup
+        if -self.warmup <= k < 0:
+            return ProfilerAction.WARMUP
+        if 0 <= k < self.active - 1:
+            return ProfilerAction.RECORD
+        if k == self.active - 1:
+            return ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.NONE
+
+    def as_dict(self) -> dict[str, int]:
+        return {"first": self.first, "active": self.active, "warmup": self.warmup, "every": self.every}
+
+
+def resolve_profile(profile: Any) -> dict[str, Any] | None:
+    """Normalises ``watch(profile=...)``: False/None (off), True (default schedule), a ProfileSchedule,
+    any callable(step) -> ProfilerAction (e.g. ``torch.profiler.schedule(...)``), or a dict of
+    ``torch.profiler.profile`` keyword arguments (``schedule``, ``activities``, ``record_shapes``,
+    ``profile_memory``, ``with_stack``, ...)."""
+    if profile is None or profile is False:
+        return None
+    if profile is True:
+        return {"schedule": ProfileSchedule()}
+    if isinstance(profile, dict):
+        kw = dict(profile)
+        kw.setdefault("schedule", ProfileSchedule())
+        kw.pop("on_trace_ready", None)  # the doctor owns where traces go
+        return kw
+    if callable(profile):
+        return {"schedule": profile}
+    raise TypeError(f"profile= must be True, False, a schedule callable or a dict of torch.profiler.profile arguments, not {type(profile).__name__}")
+
+
+class ProfilerWindows:
+    """Owns one ``torch.profiler.profile`` driven by ``step()``; writes each finished window to
+    ``<out_dir>/profiler/rank{R}.{first_step}.pt.trace.json.gz`` and reports it to ``on_saved``."""
+
+    def __init__(self, out_dir: Path, rank: int, kwargs: dict[str, Any], on_saved: Callable[[list[int], str], None]):
+        self.dir = Path(out_dir) / PROFILER_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for old in self.dir.glob(f"rank{rank}.*.pt.trace.json*"):  # a previous run's windows of this rank
+            old.unlink(missing_ok=True)
+        self.rank = rank
+        self.schedule = kwargs["schedule"]
+        self.on_saved = on_saved
+        self._step = 0
+        self._window: list[int] = []
+        kw = dict(kwargs)
+        if "activities" not in kw:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            kw["activities"] = acts
+        kw.setdefault("record_shapes", False)
+        kw.setdefault("with_stack", False)
+        self.prof = torch.profiler.profile(on_trace_ready=self._ready, **kw)
+
+    def action(self, step: int) -> ProfilerAction:
+        return self.schedule(step)
+
+    def is_profiled(self, step: int) -> bool:
+        return self.action(step) != ProfilerAction.NONE
+
+    def start(self) -> None:
+        self.prof.start()
+
+    def step(self) -> bool:
+        """Advances the profiler past the step just finished; True if a trace was written."""
+        if self.action(self._step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+            self._window.append(self._step)
+        saved_before = self._saved
+        self._step += 1
+        self.prof.step()
+        return self._saved != saved_before
+
+    _saved = 0
+
+    def _ready(self, prof) -> None:
+        steps = self._window or [self._step]
+        name = f"rank{self.rank}.{steps[0]}.pt.trace.json.gz"
+        prof.export_chrome_trace(str(self.dir / name))
+        self._window = []
+        self._saved += 1
+        self.on_saved(steps, f"{PROFILER_DIR}/{name}")
+
+    def stop(self) -> None:
+        # Stopping mid-window saves what was recorded so far (torch calls on_trace_ready).
+        self.prof.stop()

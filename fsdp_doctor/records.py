@@ -1,0 +1,173 @@
+"""The one record model shared by the live recorder and every reader.
+
+A run directory written by :func:`fsdp_doctor.watch` holds::
+
+    manifest.json                       the run manifest (format name and version, world size, files)
+    rank{R}.records.jsonl               one append-only record stream per rank (JSON lines)
+    profiler/rank{R}.{step}.pt.trace.json.gz   Kineto traces of the profiled windows (TensorBoard layout)
+
+Each line of a record stream is one of the tagged structs below (field ``"t"`` names the type). Lines
+are written whole and flushed at the end of each step, so a run killed at any point (even SIGKILL)
+leaves every completed step readable; a reader ignores a final line cut short. Readers accept any
+stream whose ``Header.version`` is ``<= FORMAT_VERSION``; new optional fields may be added within a
+version, renames or removals bump it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+FORMAT_NAME = "fsdp-doctor-run"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PROFILER_DIR = "profiler"
+
+
+def stream_name(rank: int) -> str:
+    return f"rank{rank}.records.jsonl"
+
+
+class Record(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
+    """Base of every record: the rank that wrote it."""
+
+    rank: int
+
+
+class Header(Record, tag="header"):
+    """First line of each stream."""
+
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    world_size: int = 1
+    pid: int = 0
+    host: str = ""
+    started_ns: int = 0  # time.time_ns() at watch() entry
+    doctor_version: str = ""
+
+
+class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Configuration snapshot of one FSDP unit (one FSDPState; a grouped unit is one unit)."""
+
+    name: str  # FSDP's own module fqn for the unit ("" for the root, "norm, lm_head" for a group)
+    modules: list[str]  # fqns of the modules the unit was applied to
+    is_root: bool
+    param_count: int  # elements of the unsharded parameters
+    n_params: int  # number of parameter tensors
+    sharded_bytes: int  # this rank's local shards, padding included
+    unsharded_bytes: int  # bytes when all-gathered (in param_dtype)
+    orig_dtypes: list[str]  # distinct dtypes of the unit's parameters
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    reshard_after_forward: Union[bool, int] = True
+    forward_prefetch: list[str] = []
+    backward_prefetch: list[str] = []
+    unshard_async_op: bool = False
+    offload: str | None = None  # "cpu" when CPUOffloadPolicy is set
+    offload_pin_memory: bool | None = None
+    checkpoint: str = "none"  # "none" | "unit" (AC wraps the unit) | "children" | "partial"
+    param_groups: int = 1
+    depth: int = 0  # nesting depth among units (root 0)
+    parent: str | None = None  # name of the enclosing unit
+
+
+class RunConfig(Record, tag="config"):
+    """Written once per rank at the first step."""
+
+    world_size: int
+    backend: str
+    device: str  # "cpu" or "cuda:N"
+    device_name: str = ""
+    torch_version: str = ""
+    optimizer: str | None = None
+    optimizer_params: int = 0  # parameter tensors held by the optimizer
+    optimizer_foreign_params: int = 0  # of those, tensors that are not the model's parameters
+    optimizer_foreign_bytes: int = 0
+    units: list[UnitConfig] = []
+    unmanaged_param_bytes: int = 0  # parameters no FSDP unit manages
+    model_param_count: int = 0
+    capacity_bytes: int | None = None
+    tokens_per_step: int | None = None
+    peak_tflops: float | None = None
+    flops_per_step: float | None = None
+    profile_schedule: dict[str, int] | None = None
+    notes: list[str] = []
+
+
+class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    """Host-side timings of one unit within one step (milliseconds).
+
+    fwd_ms brackets FSDP's own forward hooks (pre-forward all-gather wait through post-forward
+    reshard); ag_wait_fwd_ms is the part between entering FSDP's pre-forward hook and leaving it
+    (the unshard issued and waited for). bwd_ms runs from FSDP's pre-backward to its post-backward
+    for the unit; ag_wait_bwd_ms is the pre-backward unshard wait. recompute_ms is forward time
+    re-run under activation checkpointing during backward. All inclusive of nested units.
+    """
+
+    name: str
+    fwd_ms: float = 0.0
+    ag_wait_fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    ag_wait_bwd_ms: float = 0.0
+    recompute_ms: float = 0.0
+    fwd_calls: int = 0
+
+
+class StepRecord(Record, tag="step"):
+    """One training step of one rank: from the previous ``doctor.step()`` to this one."""
+
+    step: int
+    start_ns: int  # wall clock (time.time_ns) at the step's start
+    wall_ms: float
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    outside_ms: float = 0.0  # wall - forward - backward - optimizer: data loading, loss, user code
+    gc_ms: float = 0.0
+    gc_count: int = 0
+    profiled: bool = False  # inside an active torch.profiler window
+    units: list[UnitStep] = []
+    memory: dict[str, Any] | None = None  # memory by category (see fsdp_doctor.record.memory)
+
+
+class ProfileWindow(Record, tag="profile"):
+    """A torch.profiler window whose Kineto trace was written."""
+
+    steps: list[int]
+    path: str  # relative to the run directory
+
+
+class DoctorError(Record, tag="error"):
+    """The doctor caught an exception in its own hooks and stepped aside; training went on."""
+
+    where: str
+    message: str
+    step: int | None = None
+
+
+class End(Record, tag="end"):
+    """Written when ``watch`` exits normally."""
+
+    steps: int
+    ended_ns: int
+
+
+AnyRecord = Union[Header, RunConfig, StepRecord, ProfileWindow, DoctorError, End]
+
+
+class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    world_size: int = 1
+    started_ns: int = 0
+    streams: list[str] = []
+    profiler_dir: str = PROFILER_DIR
+    doctor_version: str = ""
+    command: list[str] = []
+
+
+record_encoder = msgspec.json.Encoder()
+record_decoder = msgspec.json.Decoder(AnyRecord)
+manifest_decoder = msgspec.json.Decoder(Manifest)

@@ -1,0 +1,42 @@
+"""The trace engine: communication/compute overlap, per-FSDP-unit exposure and prefetch timing from
+Kineto (torch.profiler) traces, GPU/NCCL and CPU/gloo.
+
+    from fsdp_doctor.trace import analyze_traces
+    result = analyze_traces("runs/run1/profiler")   # a file, a folder (recursive) or a list
+
+This package does not import torch.
+"""
+
+from .analysis import (
+    analyze_traces,
+    analyze_windows,
+    blocking,
+    call_exposure,
+    copies,
+    gpu_overlap_pct,
+    idle,
+    load_windows,
+    overlap,
+    unit_rows,
+)
+from .model import CollectiveCall, WindowTrace, build_window
+from .reader import TraceError, decode, find_trace_files
+
+__all__ = [
+    "CollectiveCall",
+    "TraceError",
+    "WindowTrace",
+    "analyze_traces",
+    "analyze_windows",
+    "blocking",
+    "build_window",
+    "call_exposure",
+    "copies",
+    "decode",
+    "find_trace_files",
+    "gpu_overlap_pct",
+    "idle",
+    "load_windows",
+    "overlap",
+    "unit_rows",
+]

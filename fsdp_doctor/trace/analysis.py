@@ -1,0 +1,274 @@
+"""Analyses over :class:`~fsdp_doctor.trace.model.WindowTrace` and the top-level ``analyze_traces``.
+
+Metrics (per rank, summed over that rank's windows; times in µs):
+
+* ``comm_us``: measure of the union of communication; ``overlap_us``: measure of (communication ∩ compute);
+  ``exposed_us = comm_us - overlap_us``; ``overlap_pct = 100·overlap_us/comm_us`` (None without comm).
+  On GPU this is HTA 0.5.0's ``get_comm_comp_overlap``.
+* Per FSDP unit × collective × phase: ``count``; ``comm_us`` (sum of the calls' durations);
+  ``exposed_us`` (sum over calls of the part not overlapped by compute); ``bytes_per_call`` (mean message
+  size S, the unsharded size, where the trace has it); ``busbw_gbps`` = S·count·f / Σduration with
+  f = (n-1)/n for all_gather/reduce_scatter and 2(n-1)/n for all_reduce (NCCL-tests convention);
+  ``slack_us`` (mean over calls of need - finish: negative means compute waited for the all-gather);
+  ``held_us`` (mean over calls of max(0, need - finish): how long the gathered parameters sat unused).
+* ``copies``: union of Memcpy HtoD / DtoH and the part of their union not overlapped by compute.
+* ``idle``: on GPU the compute stream (most compute-kernel time) — its span minus its busy time
+  (``idle_us``) and its busy time (``kernel_us``); on CPU the same for the main thread's compute.
+* ``blocking`` (gloo): all-gathers during which the host thread sat in the all-gather (its
+  ``FSDP::all_gather`` label or the c10d op) from the collective's start to its end: count and total µs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+import numpy as np
+
+from . import intervals as iv
+from .model import CollectiveCall, WindowTrace, build_window
+from .reader import TraceError, find_trace_files
+
+PathLike = Union[str, os.PathLike]
+
+# Decoding in worker processes pays off once there is this much to read (bytes on disk).
+PARALLEL_MIN_BYTES = 8 << 20
+
+
+# ---------------------------------------------------------------- per-window analyses
+
+
+def overlap(win: WindowTrace) -> dict:
+    comm = iv.measure(win.comm)
+    ov = iv.intersection_measure(win.comm, win.compute)
+    return {"comm_us": comm, "overlap_us": ov, "exposed_us": comm - ov}
+
+
+def copies(win: WindowTrace) -> dict:
+    both = iv.union_many(win.h2d, win.d2h)
+    exposed = iv.measure(both) - iv.intersection_measure(both, win.compute)
+    return {"h2d_us": iv.measure(win.h2d), "d2h_us": iv.measure(win.d2h), "exposed_us": exposed}
+
+
+def idle(win: WindowTrace) -> dict:
+    busy = iv.measure(win.stream_busy)
+    span = win.span[1] - win.span[0] if win.stream_busy[0].size else 0.0
+    return {"idle_us": max(span - busy, 0.0), "kernel_us": busy}
+
+
+def blocking(win: WindowTrace) -> dict:
+    blk = [c for c in win.calls if c.blocking]
+    return {"count": len(blk), "us": float(sum(c.end - c.start for c in blk))}
+
+
+def call_exposure(win: WindowTrace) -> np.ndarray:
+    """Per call in ``win.calls``: the µs of the call not overlapped by compute."""
+    if not win.calls:
+        return np.zeros(0)
+    s = np.array([c.start for c in win.calls])
+    e = np.array([c.end for c in win.calls])
+    return (e - s) - iv.overlap_each(s, e, win.compute)
+
+
+def busbw_factor(collective: str, n: Optional[int]) -> Optional[float]:
+    if not n or n < 1:
+        return None
+    if collective in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("broadcast", "reduce", "send_recv", "send", "recv"):
+        return 1.0
+    return None
+
+
+def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[dict]:
+    groups: dict = defaultdict(list)
+    for c, exp in calls:
+        groups[(c.unit, c.collective, c.phase)].append((c, exp))
+    rows = []
+    for (unit, coll, phase), items in groups.items():
+        durs = [c.end - c.start for c, _ in items]
+        comm = float(sum(durs))
+        sizes = [c.bytes for c, _ in items]
+        bytes_per_call = float(np.mean(sizes)) if sizes and all(b is not None for b in sizes) else None
+        n = items[0][0].group_size
+        f = busbw_factor(coll, n)
+        busbw = None
+        if bytes_per_call is not None and f is not None and comm > 0:
+            busbw = bytes_per_call * len(items) * f / comm / 1e3  # bytes/µs → GB/s
+        slacks = [c.need - c.end for c, _ in items if c.need is not None]
+        rows.append({
+            "rank": rank,
+            "unit": unit,
+            "collective": coll,
+            "phase": phase,
+            "count": len(items),
+            "comm_us": comm,
+            "exposed_us": float(sum(exp for _, exp in items)),
+            "bytes_per_call": bytes_per_call,
+            "busbw_gbps": busbw,
+            "slack_us": float(np.mean(slacks)) if slacks else None,
+            "held_us": float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
+        })
+    return rows
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _load(path: str):
+    try:
+        return build_window(path)
+    except TraceError as e:
+        return TraceError(str(e))
+    except Exception as e:  # a reader must never take the CLI down with a traceback
+        return TraceError(f"cannot analyze ({type(e).__name__}: {e})")
+
+
+def _display(path: Path, root: Optional[Path]) -> str:
+    if root is not None and root.is_dir():
+        try:
+            return str(path.relative_to(root))
+        except ValueError:
+            pass
+    return path.name
+
+
+def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int], None]] = None,
+                 workers: Optional[int] = None, root: Optional[Path] = None):
+    """Build the model for each file; returns (windows, skipped). Files are decoded in parallel processes
+    when there are several and they are large enough to pay for it."""
+    paths = list(paths)
+    total = len(paths)
+    results: dict[int, object] = {}
+    size = sum(p.stat().st_size for p in paths if p.exists())
+    n_workers = workers if workers is not None else min(total, os.cpu_count() or 1)
+    done = 0
+    if progress:
+        progress(0, total)
+    if n_workers > 1 and total > 1 and size >= PARALLEL_MIN_BYTES:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+        with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+            futs = {pool.submit(_load, str(p)): i for i, p in enumerate(paths)}
+            for f in as_completed(futs):
+                results[futs[f]] = f.result()
+                done += 1
+                if progress:
+                    progress(done, total)
+    else:
+        for i, p in enumerate(paths):
+            results[i] = _load(str(p))
+            done += 1
+            if progress:
+                progress(done, total)
+    windows, skipped = [], []
+    for i, p in enumerate(paths):
+        r = results[i]
+        if isinstance(r, WindowTrace):
+            windows.append(r)
+        else:
+            skipped.append({"file": _display(p, root), "error": str(r)})
+    return windows, skipped
+
+
+# ---------------------------------------------------------------- top level
+
+
+def analyze_windows(windows: list[WindowTrace]) -> dict:
+    per_rank: dict = {}
+    copies_out: dict = {}
+    idle_out: dict = {}
+    block_out: dict = {}
+    calls: dict = defaultdict(list)
+    for w in sorted(windows, key=lambda w: (w.rank, w.file)):
+        k = str(w.rank)
+        o = overlap(w)
+        pr = per_rank.setdefault(k, {"comm_us": 0.0, "overlap_us": 0.0, "exposed_us": 0.0,
+                                     "overlap_pct": None, "steps": [], "device": w.device})
+        for f in ("comm_us", "overlap_us", "exposed_us"):
+            pr[f] += o[f]
+        pr["steps"] = sorted(set(pr["steps"]) | set(w.steps))
+        if w.device == "gpu":
+            pr["device"] = "gpu"
+        for dst, fn in ((copies_out, copies), (idle_out, idle), (block_out, blocking)):
+            r = fn(w)
+            acc = dst.setdefault(k, {f: 0 for f in r})
+            for f, v in r.items():
+                acc[f] += v
+        calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
+    for pr in per_rank.values():
+        pr["overlap_pct"] = 100.0 * pr["overlap_us"] / pr["comm_us"] if pr["comm_us"] > 0 else None
+    for d in copies_out.values():
+        for f in d:
+            d[f] = float(d[f])
+    for d in idle_out.values():
+        for f in d:
+            d[f] = float(d[f])
+    for d in block_out.values():
+        d["count"] = int(d["count"])
+        d["us"] = float(d["us"])
+    rows = []
+    for rank in sorted(calls):
+        rows.extend(unit_rows(rank, calls[rank]))
+    rows.sort(key=lambda r: (-r["exposed_us"], r["rank"], r["unit"], r["collective"], str(r["phase"])))
+    return {"per_rank": per_rank, "per_unit": rows, "copies": copies_out, "idle": idle_out,
+            "blocking": block_out}
+
+
+def _empty_result() -> dict:
+    return {"per_rank": {}, "per_unit": [], "copies": {}, "idle": {}, "blocking": {}, "files": [],
+            "skipped": []}
+
+
+def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,
+                   workers: Optional[int] = None) -> dict:
+    """Analyse Kineto traces: a file, a directory (searched recursively), or a list of either.
+
+    Returns plain data (see the module docstring). Files that cannot be read are listed in ``skipped`` as
+    ``{"file", "error"}`` with a one-line error; everything else is still analysed."""
+    if isinstance(path_or_paths, (str, os.PathLike)):
+        inputs = [Path(path_or_paths)]
+    else:
+        inputs = [Path(p) for p in path_or_paths]
+    result = _empty_result()
+    files: list[Path] = []
+    roots: dict[Path, Optional[Path]] = {}
+    for p in inputs:
+        try:
+            found = find_trace_files(p)
+        except FileNotFoundError:
+            result["skipped"].append({"file": str(p), "error": "no such file or directory"})
+            continue
+        if not found:
+            result["skipped"].append({"file": str(p), "error": "no Kineto trace files (*.json, *.json.gz) found"})
+        for f in found:
+            if f not in roots:
+                roots[f] = p if p.is_dir() else None
+                files.append(f)
+    if not files:
+        return result
+    common = Path(os.path.commonpath([str(f.parent) for f in files])) if len(files) > 1 else None
+    windows, skipped = load_windows(files, progress=progress, workers=workers,
+                                    root=common if common is not None else roots[files[0]])
+    result.update(analyze_windows(windows))
+    result["files"] = [w.file for w in windows]
+    result["skipped"].extend(skipped)
+    return result
+
+
+def gpu_overlap_pct(result: dict, rank) -> Optional[float]:
+    """HTA-comparable overlap % for a rank: None unless the rank is a GPU rank with communication kernels."""
+    pr = result["per_rank"].get(str(rank))
+    if pr is None or pr["device"] != "gpu":
+        return None
+    return pr["overlap_pct"]
+
+
+_ = math  # keep import for users extending the module

@@ -1,0 +1,555 @@
+"""The typed intermediate model: one profiler window of one rank, reduced to interval arrays and a short
+list of collective calls. Built from a decoded trace by :func:`build_window`; the analyses in
+``fsdp_doctor.trace.analysis`` are plain functions over it.
+
+Semantics (see the module docstring of ``analysis`` for the metrics):
+
+* Time is in µs (float64) on the trace's own clock. Traces whose ``ts`` are integer nanoseconds
+  (``displayTimeUnit: "ns"`` with integer timestamps, or timestamps too large to be µs) are divided by 1000.
+* Complete steps, as HTA does it: when a window has two or more ``ProfilerStep#N`` markers, the last step is
+  dropped. On GPU, a device event is kept when its launch (the CPU event with the same ``correlation``)
+  started before the last step's start; on CPU, an event is kept when it starts before it.
+* GPU classes follow HTA 0.5.0: communication ``^nccl.*Kernel``; memory ``^Memcpy|^Memset|^dma``; compute:
+  every other device event except names containing ``Sync`` or ``Memcpy``.
+* CPU/gloo: communication = ``gloo:*`` events (they run on gloo threads); compute = time on the main thread
+  (the thread carrying the FSDP labels / ProfilerStep markers) whose innermost event is an operator
+  (``cpu_op``) that is not a c10d/communication/wait op nor nested inside one. Time inside a bare
+  record_function label (``FSDP::all_gather``'s blocking wait, ``FSDP::all_gather_copy_out``'s wait) or
+  between operators is not compute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from . import intervals as iv
+from .reader import Event, KinetoTrace, decode, rank_from_name
+
+NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
+MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
+NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
+LABEL_RE = re.compile(r"^FSDP::(?P<kind>[A-Za-z_]+)(?: \((?P<fqn>.*)\))?(?: \[pg=(?P<pg>\d+)\])?$")
+PREFETCH_RE = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<fqn>.*)$")
+COMM_OP_RE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::|record_param_comms|nccl:|gloo:)|wait")
+NCCL_COLL_RE = re.compile(r"(AllGather|ReduceScatter|AllReduce|Broadcast|SendRecv|AllToAll|Reduce|Send|Recv)")
+
+_CAMEL_TO_SNAKE = {
+    "AllGather": "all_gather",
+    "ReduceScatter": "reduce_scatter",
+    "AllReduce": "all_reduce",
+    "Broadcast": "broadcast",
+    "SendRecv": "send_recv",
+    "AllToAll": "all_to_all",
+    "Reduce": "reduce",
+    "Send": "send",
+    "Recv": "recv",
+}
+
+# bytes per element by the dtype names found in traces (record_param_comms 'dtype', record_shapes 'Input type')
+DTYPE_BYTES = {
+    "float": 4, "float32": 4, "float64": 8, "double": 8, "half": 2, "float16": 2, "bfloat16": 2,
+    "c10::half": 2, "c10::bfloat16": 2, "int": 4, "int32": 4, "long": 8, "long int": 8, "int64": 8,
+    "short": 2, "int16": 2, "char": 1, "signed char": 1, "unsigned char": 1, "uint8": 1, "int8": 1,
+    "byte": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "c10::float8_e4m3fn": 1,
+    "c10::float8_e5m2": 1, "complexfloat": 8, "c10::complex<float>": 8,
+}
+
+OTHER_UNIT = "(other)"
+ROOT_UNIT = "(root)"
+
+
+@dataclass
+class CollectiveCall:
+    """One collective (one NCCL kernel, or one gloo-thread event)."""
+
+    unit: str  # FSDP unit fqn, "(root)", or "(other)" when no FSDP label launched it
+    collective: str  # all_gather | reduce_scatter | all_reduce | ...
+    phase: Optional[str]  # forward | backward | None (not an FSDP collective)
+    start: float
+    end: float
+    issue: float  # host time the collective was issued (launch / c10d op start)
+    bytes: Optional[int] = None  # message size S (NCCL-tests convention: the full, unsharded size)
+    group_size: Optional[int] = None
+    need: Optional[float] = None  # when compute needed the gathered params (all_gather only)
+    blocking: bool = False  # gloo: the host thread sat in the all-gather for the whole collective
+
+
+@dataclass
+class WindowTrace:
+    """One trace file (one profiler window of one rank)."""
+
+    file: str
+    rank: int
+    device: str  # "gpu" | "cpu"
+    world_size: Optional[int]
+    steps: list[int]  # complete steps analysed
+    comm: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of communication
+    compute: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of compute
+    h2d: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of Memcpy HtoD
+    d2h: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of Memcpy DtoH
+    stream_busy: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # compute stream / main thread busy
+    span: tuple[float, float] = (0.0, 0.0)  # first start, last end of the compute stream / main thread
+    calls: list[CollectiveCall] = field(default_factory=list)
+
+
+def _snake_collective(name: str) -> Optional[str]:
+    m = NCCL_COLL_RE.search(name)
+    return _CAMEL_TO_SNAKE[m.group(1)] if m else None
+
+
+def _c10d_collective(op: str) -> str:
+    n = op.split("::", 1)[-1].strip("_").lower()
+    if "allgather" in n or "all_gather" in n:
+        return "all_gather"
+    if "reduce_scatter" in n or "reducescatter" in n:
+        return "reduce_scatter"
+    if "allreduce" in n or "all_reduce" in n:
+        return "all_reduce"
+    if "broadcast" in n:
+        return "broadcast"
+    if "alltoall" in n or "all_to_all" in n:
+        return "all_to_all"
+    return n
+
+
+def _gloo_collective(name: str) -> str:
+    return name.split(":", 1)[-1].strip().lower().replace("allgather", "all_gather").replace(
+        "allreduce", "all_reduce"
+    )
+
+
+# which gloo-thread event names a c10d op's collective can show up as
+_GLOO_NAMES_FOR = {
+    "all_gather": ("all_gather",),
+    "reduce_scatter": ("reduce_scatter", "all_reduce"),
+    "all_reduce": ("all_reduce",),
+    "broadcast": ("broadcast",),
+    "all_to_all": ("all_to_all", "alltoall"),
+}
+
+
+def _dtype_bytes(name: Optional[str]) -> Optional[int]:
+    if not name:
+        return None
+    return DTYPE_BYTES.get(name.strip().lower())
+
+
+def _numel(dims) -> Optional[int]:
+    if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
+        return math.prod(dims) if dims else 1
+    return None
+
+
+def _bytes_from_shapes(args) -> Optional[int]:
+    """Message size from record_shapes args of a c10d op: the larger of its first two tensors."""
+    if args is None or not args.input_dims or not args.input_type:
+        return None
+    try:
+        dims = json.loads(bytes(args.input_dims))
+        types = json.loads(bytes(args.input_type))
+    except ValueError:
+        return None
+    best = None
+    for d, t in list(zip(dims, types))[:2]:
+        n = _numel(d)
+        if n is None and isinstance(d, list):  # a tensor list: sum its tensors
+            ns = [_numel(x) for x in d]
+            n = sum(ns) if ns and all(x is not None for x in ns) else None
+        b = _dtype_bytes(t if isinstance(t, str) else None)
+        if n is not None and b is not None:
+            best = max(best or 0, n * b)
+    return best
+
+
+def _bytes_from_msg(args) -> Optional[int]:
+    if args is None:
+        return None
+    n = max(args.in_nelems or 0, args.out_nelems or 0)
+    b = _dtype_bytes(args.dtype)
+    return n * b if n and b else None
+
+
+@dataclass
+class _Label:
+    ts: float
+    end: float
+    name: str
+
+
+class _LabelIndex:
+    """FSDP record_function labels per (pid, tid), for 'innermost label containing t' queries."""
+
+    def __init__(self, labels: dict):
+        self._by_thread = {}
+        for key, lst in labels.items():
+            lst.sort(key=lambda x: x.ts)
+            self._by_thread[key] = ([x.ts for x in lst], lst)
+
+    def innermost(self, key, t: float, pred) -> Optional[_Label]:
+        entry = self._by_thread.get(key)
+        if entry is None:
+            return None
+        starts, lst = entry
+        i = bisect.bisect_right(starts, t) - 1
+        best = None
+        # labels nest, so the innermost container is the latest-starting one that still contains t
+        for j in range(i, max(i - 64, -1), -1):
+            lab = lst[j]
+            if lab.end >= t and pred(lab.name):
+                best = lab
+                break
+        return best
+
+    def first_after(self, t: float, name: str) -> Optional[_Label]:
+        best = None
+        for starts, lst in self._by_thread.values():
+            i = bisect.bisect_left(starts, t)
+            for j in range(i, len(lst)):
+                if lst[j].name == name:
+                    if best is None or lst[j].ts < best.ts:
+                        best = lst[j]
+                    break
+        return best
+
+
+def _unit_of(fqn: Optional[str], pg: Optional[str] = None) -> str:
+    u = fqn if fqn else ROOT_UNIT
+    return f"{u} [pg={pg}]" if pg else u
+
+
+def _attribution(lab: Optional[_Label]):
+    """(unit, kind, label suffix) from an FSDP label: kind is 'all_gather' or 'reduce'."""
+    if lab is None:
+        return None
+    m = PREFETCH_RE.match(lab.name)
+    if m:
+        fqn = m.group("fqn")
+        return _unit_of(fqn), "all_gather", (f" ({fqn})" if fqn else "")
+    m = LABEL_RE.match(lab.name)
+    if not m:
+        return None
+    kind = m.group("kind")
+    suffix = lab.name[len("FSDP::" + kind):]
+    if kind == "all_gather":
+        return _unit_of(m.group("fqn"), m.group("pg")), "all_gather", suffix
+    if kind == "post_backward_reduce":
+        return _unit_of(m.group("fqn"), m.group("pg")), "reduce", suffix
+    return None
+
+
+def _is_comm_label(name: str) -> bool:
+    return name.startswith("FSDP::all_gather (") or name == "FSDP::all_gather" or name.startswith(
+        "FSDP::all_gather [") or name.startswith("FSDP::post_backward_reduce") or "_prefetch for " in name
+
+
+class _Phases:
+    def __init__(self, boundaries: list[tuple[float, str]]):
+        boundaries.sort()
+        self._ts = [b[0] for b in boundaries]
+        self._kind = [b[1] for b in boundaries]
+
+    def at(self, t: float) -> str:
+        i = bisect.bisect_right(self._ts, t) - 1
+        return self._kind[i] if i >= 0 else "forward"
+
+
+def _stream_id(args) -> int:
+    if args is None or args.stream is None:
+        return -1
+    s = args.stream
+    if isinstance(s, int):
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        return -1
+
+
+def build_window(path, trace: Optional[KinetoTrace] = None) -> WindowTrace:
+    """Decode (unless ``trace`` is given) and reduce one trace file. Raises reader.TraceError."""
+    path = Path(path)
+    if trace is None:
+        trace = decode(path)
+    events: list[Event] = trace.traceEvents or []
+    dist = trace.distributedInfo
+    rank = dist.rank if dist is not None and dist.rank is not None else rank_from_name(path)
+    rank = 0 if rank is None else rank
+    world = dist.world_size if dist is not None else None
+
+    # ---- one pass: keep complete events, sort them into the few kinds the analyses use ----
+    all_int = True
+    max_ts = 0.0
+    gpu: list[Event] = []
+    host: list[Event] = []
+    for e in events:
+        if e.dur is None or e.ts is None or e.cat is None or e.cat == "Trace":
+            continue
+        if all_int and not isinstance(e.ts, int):
+            all_int = False
+        if e.ts > max_ts:
+            max_ts = e.ts
+        a = e.args
+        if a is not None and a.stream is not None and a.correlation is not None and a.correlation >= 0:
+            if _stream_id(a) >= 0:
+                gpu.append(e)
+                continue
+        host.append(e)
+    scale = 1e-3 if (all_int and events and (trace.displayTimeUnit == "ns" or max_ts > 1e17)) else 1.0
+
+    def t0(e):
+        return e.ts * scale
+
+    def t1(e):
+        return (e.ts + e.dur) * scale
+
+    # ---- profiler steps and the cut at the last step's start ----
+    steps: dict[int, float] = {}
+    for e in host:
+        if e.name.startswith("ProfilerStep") and e.cat != "gpu_user_annotation":
+            m = STEP_RE.match(e.name)
+            if m:
+                n = int(m.group(1))
+                steps[n] = min(steps.get(n, math.inf), t0(e))
+    cutoff = math.inf
+    kept_steps = sorted(steps)
+    if len(steps) >= 2:
+        cutoff = max(steps.values())
+        kept_steps = sorted(n for n, s in steps.items() if s < cutoff)
+    if cutoff != math.inf:
+        host = [e for e in host if t0(e) < cutoff]
+
+    labels: dict = {}
+    boundaries: list[tuple[float, str]] = []
+    for e in host:
+        n = e.name
+        if n.startswith("FSDP::"):
+            labels.setdefault((e.pid, e.tid), []).append(_Label(t0(e), t1(e), n))
+            if n == "FSDP::root_pre_forward":
+                boundaries.append((t0(e), "forward"))
+            elif n.startswith("FSDP::pre_backward"):
+                boundaries.append((t0(e), "backward"))
+    index = _LabelIndex(labels)
+    phases = _Phases(boundaries)
+
+    win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu else "cpu", world_size=world,
+                      steps=kept_steps)
+    if gpu:
+        _build_gpu(win, gpu, host, index, phases, scale, cutoff)
+    else:
+        _build_cpu(win, host, labels, index, phases, scale)
+    return win
+
+
+def _build_gpu(win, gpu, host, index, phases, scale, cutoff):
+    launches = {}
+    for e in host:
+        a = e.args
+        if a is not None and a.correlation is not None and a.correlation >= 0:
+            launches[a.correlation] = e
+    if cutoff != math.inf:
+        gpu = [e for e in gpu if e.args.correlation in launches]
+
+    n = len(gpu)
+    ts = np.fromiter((e.ts for e in gpu), dtype=np.float64, count=n) * scale
+    te = ts + np.fromiter((e.dur for e in gpu), dtype=np.float64, count=n) * scale
+    kind = np.zeros(n, dtype=np.int8)  # 0 other, 1 compute, 2 comm, 3 memory
+    h2d = np.zeros(n, dtype=bool)
+    d2h = np.zeros(n, dtype=bool)
+    streams = np.fromiter((_stream_id(e.args) for e in gpu), dtype=np.int64, count=n)
+    cache: dict[str, int] = {}
+    for i, e in enumerate(gpu):
+        name = e.name
+        k = cache.get(name)
+        if k is None:
+            if NCCL_KERNEL_RE.match(name):
+                k = 2
+            elif MEMORY_KERNEL_RE.match(name):
+                k = 3
+            elif not NOT_COMPUTE_RE.match(name):
+                k = 1
+            else:
+                k = 0
+            cache[name] = k
+        kind[i] = k
+        if k == 3:
+            if name.startswith("Memcpy HtoD"):
+                h2d[i] = True
+            elif name.startswith("Memcpy DtoH"):
+                d2h[i] = True
+
+    comp = kind == 1
+    win.comm = iv.union(ts[kind == 2], te[kind == 2])
+    win.compute = iv.union(ts[comp], te[comp])
+    win.h2d = iv.union(ts[h2d], te[h2d])
+    win.d2h = iv.union(ts[d2h], te[d2h])
+    if comp.any():
+        # the compute stream: the stream with the most compute-kernel time
+        durs = np.bincount(np.unique(streams[comp], return_inverse=True)[1], weights=(te - ts)[comp])
+        cs = np.unique(streams[comp])[int(np.argmax(durs))]
+        on = streams == cs
+        win.stream_busy = iv.union(ts[on], te[on])
+        win.span = (float(ts[on].min()), float(te[on].max()))
+
+    # compute kernels ordered by launch time, for "when did the compute stream need the params"
+    ci = np.flatnonzero(comp)
+    launch_ts = np.array([launches[gpu[i].args.correlation].ts * scale if gpu[i].args.correlation in launches
+                          else ts[i] for i in ci], dtype=np.float64)
+    order = np.argsort(launch_ts, kind="stable")
+    launch_sorted = launch_ts[order]
+    end_prefmax = np.maximum.accumulate(te[ci][order]) if ci.size else np.zeros(0)
+
+    for i in np.flatnonzero(kind == 2):
+        e = gpu[i]
+        a = e.args
+        launch = launches.get(a.correlation)
+        issue = launch.ts * scale if launch is not None else float(ts[i])
+        lab = None
+        if launch is not None:
+            lab = index.innermost((launch.pid, launch.tid), issue, _is_comm_label)
+        att = _attribution(lab)
+        coll = _snake_collective(e.name) or (a.collective or "unknown")
+        call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=float(ts[i]), end=float(te[i]),
+                              issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size)
+        if att is not None:
+            unit, k, suffix = att
+            call.unit = unit
+            if k == "all_gather":
+                call.collective = "all_gather" if coll in ("all_gather", "unknown") else coll
+                call.phase = phases.at(lab.ts)
+                out = index.first_after(issue, "FSDP::all_gather_copy_out" + suffix)
+                if out is not None:
+                    j = np.searchsorted(launch_sorted, out.ts, side="left")
+                    dev_ready = float(end_prefmax[j - 1]) if j > 0 else -math.inf
+                    call.need = max(out.ts, dev_ready)
+            else:
+                call.phase = "backward"
+        win.calls.append(call)
+
+
+def _main_thread(host, labels) -> Optional[tuple]:
+    if labels:
+        return max(labels, key=lambda k: len(labels[k]))
+    counts: dict = {}
+    for e in host:
+        if e.name.startswith("ProfilerStep"):
+            return (e.pid, e.tid)
+    gloo = {(e.pid, e.tid) for e in host if e.name.startswith("gloo:")}
+    for e in host:
+        if e.cat == "cpu_op" and (e.pid, e.tid) not in gloo:
+            counts[(e.pid, e.tid)] = counts.get((e.pid, e.tid), 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def _compute_self_time(evs, scale) -> iv.Intervals:
+    """Main-thread compute: self time of operators that are not communication/wait ops (nor nested in one)."""
+    items = []
+    for e in evs:
+        if e.cat == "cpu_op":
+            comm = bool(COMM_OP_RE.search(e.name))
+            items.append((e.ts * scale, (e.ts + e.dur) * scale, not comm, comm))
+        elif e.cat == "user_annotation":
+            items.append((e.ts * scale, (e.ts + e.dur) * scale, False, False))
+    items.sort(key=lambda x: (x[0], -x[1]))
+    starts: list[float] = []
+    ends: list[float] = []
+    stack: list[list] = []  # [end, is_compute, in_comm]
+    cur = 0.0
+    for s, e, comp, comm in items:
+        while stack and stack[-1][0] <= s:
+            top = stack.pop()
+            if top[1] and top[0] > cur:
+                starts.append(cur)
+                ends.append(top[0])
+            cur = max(cur, top[0])
+        if stack and stack[-1][1] and s > cur:
+            starts.append(cur)
+            ends.append(s)
+        cur = max(cur, s)
+        in_comm = comm or (stack[-1][2] if stack else False)
+        end = min(e, stack[-1][0]) if stack else e
+        stack.append([end, comp and not in_comm, in_comm])
+    while stack:
+        top = stack.pop()
+        if top[1] and top[0] > cur:
+            starts.append(cur)
+            ends.append(top[0])
+        cur = max(cur, top[0])
+    return iv.union(starts, ends)
+
+
+def _build_cpu(win, host, labels, index, phases, scale):
+    main = _main_thread(host, labels)
+    gloo = sorted((e for e in host if e.name.startswith("gloo:")), key=lambda e: e.ts)
+    win.comm = iv.union([e.ts * scale for e in gloo], [(e.ts + e.dur) * scale for e in gloo])
+    if main is None:
+        return
+    main_evs = [e for e in host if (e.pid, e.tid) == main]
+    win.compute = _compute_self_time(main_evs, scale)
+    win.stream_busy = win.compute
+    ops = [e for e in main_evs if e.cat in ("cpu_op", "user_annotation")]
+    if ops:
+        win.span = (min(e.ts for e in ops) * scale, max((e.ts + e.dur) for e in ops) * scale)
+
+    # link main-thread c10d ops to gloo-thread events: FIFO per gloo event name, the gloo event
+    # starting no earlier than the c10d op (gloo runs its work queue in issue order)
+    c10d = sorted((e for e in main_evs if e.cat == "cpu_op" and e.name.startswith("c10d::")
+                   and _c10d_collective(e.name) in _GLOO_NAMES_FOR), key=lambda e: e.ts)
+    pools: dict[str, list] = {}
+    for g in gloo:
+        pools.setdefault(_gloo_collective(g.name), []).append(g)
+    heads = {k: 0 for k in pools}
+    matched = set()
+    for op in c10d:
+        coll = _c10d_collective(op.name)
+        best = None
+        for gname in _GLOO_NAMES_FOR[coll]:
+            pool = pools.get(gname)
+            if not pool:
+                continue
+            h = heads[gname]
+            while h < len(pool) and (id(pool[h]) in matched or pool[h].ts < op.ts):
+                h += 1
+            heads[gname] = h
+            if h < len(pool) and (best is None or pool[h].ts < best.ts):
+                best = pool[h]
+        if best is None:
+            continue
+        matched.add(id(best))
+        g0, g1 = best.ts * scale, (best.ts + best.dur) * scale
+        o0, o1 = op.ts * scale, (op.ts + op.dur) * scale
+        lab = index.innermost(main, o0, _is_comm_label)
+        att = _attribution(lab)
+        call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=g0, end=g1, issue=o0,
+                              bytes=_bytes_from_shapes(op.args), group_size=win.world_size)
+        if att is not None:
+            unit, k, suffix = att
+            call.unit = unit
+            if k == "all_gather":
+                call.phase = phases.at(lab.ts)
+                # blocking: the host sat in the all-gather (its label, or the c10d op) for the whole collective
+                holder_end = max(o1, lab.end if lab.name.startswith("FSDP::all_gather") else o1)
+                call.blocking = o0 <= g0 and holder_end >= g1
+                if call.blocking:
+                    call.need = o0
+                else:
+                    out = index.first_after(o0, "FSDP::all_gather_copy_out" + suffix)
+                    call.need = out.ts if out is not None else None
+            else:
+                call.phase = "backward"
+        else:
+            call.blocking = coll == "all_gather" and o1 >= g1
+        win.calls.append(call)
+    for g in gloo:
+        if id(g) not in matched:
+            win.calls.append(CollectiveCall(unit=OTHER_UNIT, collective=_gloo_collective(g.name), phase=None,
+                                            start=g.ts * scale, end=(g.ts + g.dur) * scale, issue=g.ts * scale,
+                                            group_size=win.world_size))

@@ -1,0 +1,148 @@
+"""Run the reference workload on N local processes, one command, no torchrun.
+
+`launch` spawns `nproc` ranks with torch.multiprocessing (start method "spawn"), each initialising
+the default process group (gloo on CPU, nccl on CUDA) over 127.0.0.1 and a free port, and returns
+every rank's losses. A rank that raises, dies or outlives `timeout_s` turns into a `WorkloadError`
+naming the rank and its error; the other ranks are terminated rather than left hanging.
+
+Scripts that call `launch` at import time need the usual `if __name__ == "__main__":` guard, since
+spawned children re-import the main module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from .config import WorkloadConfig
+from .train import OnStep, backend_for, setup_rank, train
+
+MASTER_ADDR = "127.0.0.1"
+_TERMINATE_GRACE_S = 5.0
+_FAILURE_GRACE_S = 1.0  # after a rank fails, the others get this long to report their own errors
+
+
+class WorkloadError(RuntimeError):
+    """A rank of a launched workload failed; `rank` is the failing rank (None if unknown)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkloadTimeout(WorkloadError, TimeoutError):
+    """The launched workload did not finish within its time limit."""
+
+
+def free_port(host: str = MASTER_ADDR) -> int:
+    """A TCP port that was free on `host` a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def launch(cfg: WorkloadConfig, nproc: int = 2, watch_kwargs: Optional[dict] = None,
+           timeout_s: float = 600, on_step: Optional[OnStep] = None) -> list[list[float]]:
+    """Train `cfg` on `nproc` spawned ranks and return the per-step losses of every rank (rank order).
+
+    `watch_kwargs` and `on_step` go to `train` in every rank, so they must be picklable (`on_step` a
+    module-level function or an instance of a module-level class). Raises `WorkloadError` when a rank
+    fails and `WorkloadTimeout` after `timeout_s` seconds.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if cfg.device == "cuda" and nproc > torch.cuda.device_count():
+        raise ValueError(f"nproc={nproc} ranks need as many GPUs; {torch.cuda.device_count()} visible")
+    with tempfile.TemporaryDirectory(prefix="fsdp_doctor_launch_") as tmp:
+        outdir = Path(tmp)
+        args = (cfg, nproc, free_port(), str(outdir), watch_kwargs, on_step)
+        context = mp.start_processes(_rank_main, args=args, nprocs=nproc, join=False, start_method="spawn")
+        _wait(context, timeout_s, outdir)
+        return [_read_losses(outdir, rank) for rank in range(nproc)]
+
+
+def _rank_main(rank: int, cfg: WorkloadConfig, world_size: int, port: int, outdir: str,
+               watch_kwargs: Optional[dict], on_step: Optional[OnStep]) -> None:
+    """Entry point of one spawned rank: init the group, train, write the losses or the error."""
+    os.environ.update(MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    out = Path(outdir)
+    try:
+        setup_rank(cfg, rank)
+        dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world_size)
+        try:
+            losses = train(cfg, rank, world_size, watch_kwargs=watch_kwargs, on_step=on_step)
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:
+        _write_json(out / f"error{rank}.json", {
+            "rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+            "traceback": traceback.format_exc(),
+        })
+        raise
+    _write_json(out / f"losses{rank}.json", losses)
+
+
+def _write_json(path: Path, payload) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    tmp.replace(path)
+
+
+def _read_losses(outdir: Path, rank: int) -> list[float]:
+    path = outdir / f"losses{rank}.json"
+    if not path.exists():
+        raise WorkloadError(f"rank {rank} exited without reporting its losses", rank)
+    return json.loads(path.read_text())
+
+
+def _wait(context, timeout_s: float, outdir: Path) -> None:
+    """Join every rank; on a failure or timeout, stop the others and raise a WorkloadError."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic())),
+                                grace_period=_FAILURE_GRACE_S):
+            if time.monotonic() >= deadline:
+                alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+                _terminate(context)
+                raise WorkloadTimeout(f"workload timed out after {timeout_s:g} s; ranks still running: "
+                                      f"{alive}", alive[0] if alive else None)
+    except ProcessException as exc:
+        _terminate(context)
+        raise _rank_error(outdir, exc) from None
+
+
+def _terminate(context) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(_TERMINATE_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _rank_error(outdir: Path, exc: ProcessException) -> WorkloadError:
+    """The earliest error any rank reported (the cause; later ones are usually its echo)."""
+    reports = [json.loads(p.read_text()) for p in sorted(outdir.glob("error*.json"))]
+    if not reports:
+        rank = getattr(exc, "error_index", None)
+        return WorkloadError(f"rank {rank} failed: {str(exc).strip()}", rank)
+    first = min(reports, key=lambda r: r["time"])
+    others = sorted(r["rank"] for r in reports if r is not first)
+    also = f" (ranks {others} failed after it)" if others else ""
+    message = (f"rank {first['rank']} failed: {first['type']}: {first['message']}{also}\n\n"
+               f"--- traceback of rank {first['rank']} ---\n{first['traceback']}")
+    return WorkloadError(message, first["rank"])
