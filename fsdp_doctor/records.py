@@ -112,7 +112,7 @@ class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True
     bwd_ms: float = 0.0
     ag_wait_bwd_ms: float = 0.0
     recompute_ms: float = 0.0
-    fwd_calls: int = 0
+    fwd_calls: int = 0  # forward calls of the unit's modules (a grouped unit of two modules: 2 per pass)
 
 
 class StepRecord(Record, tag="step"):

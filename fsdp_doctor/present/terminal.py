@@ -39,8 +39,8 @@ def render_header(report: dict):
 
 
 def render_steps(section: dict):
-    t = Table(title="Step time per rank (steady state: first step and profiled steps excluded)", box=box.SIMPLE_HEAD,
-              title_justify="left")
+    t = Table(title="Step time per rank, ms (steady state: first step and profiled steps excluded)",
+              box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC"):
         t.add_column(col, justify="right", no_wrap=True)
     for r, st in section.get("per_rank", {}).items():
@@ -48,10 +48,9 @@ def render_steps(section: dict):
             t.add_row(r, f"{st.get('recorded', 0)}", *["—"] * 10)
             continue
         ph = st["phases_p50_ms"]
-        t.add_row(r, str(st["count"]), fmt_ms(st["p50_ms"]), fmt_ms(st["p90_ms"]), fmt_ms(st["p99_ms"]),
-                  fmt_ms(st["max_ms"]), f"{100 * st['cv']:.1f}%" if st["cv"] is not None else "—",
-                  fmt_ms(ph["forward"]), fmt_ms(ph["backward"]), fmt_ms(ph["optimizer"]), fmt_ms(ph["outside"]),
-                  fmt_ms(ph["gc"]))
+        t.add_row(r, str(st["count"]), *(_num(st[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
+                  f"{100 * st['cv']:.1f}%" if st["cv"] is not None else "—",
+                  *(_num(ph[k]) for k in ("forward", "backward", "optimizer", "outside", "gc")))
     items = [t]
     outs = section.get("outliers", [])
     if outs:
@@ -84,20 +83,26 @@ def render_throughput(section: dict):
 
 
 def render_units(units: list[dict]):
-    t = Table(title=f"FSDP units ({len(units)})", box=box.SIMPLE_HEAD, title_justify="left")
-    for col, j in (("unit", "left"), ("params", "right"), ("shard", "right"), ("gathered", "right"), ("reshard", "center"),
-                   ("AC", "center"), ("fwd", "right"), ("AG wait", "right"), ("bwd", "right"), ("AG wait", "right")):
-        t.add_column(col, justify=j, no_wrap=(j != "left"), overflow="fold")
+    t = Table(title=f"FSDP units ({len(units)}); times are per-step medians in ms", box=box.SIMPLE_HEAD,
+              title_justify="left")
+    t.add_column("unit", justify="left", min_width=12, max_width=26, overflow="fold")
+    for col in ("params", "shard", "gathered", "reshard", "AC", "fwd", "AG wait", "bwd", "AG wait"):
+        t.add_column(col, justify="right", no_wrap=True)
     for u in units[:24]:
         tm = u.get("timing_p50", {})
         name = u["name"] or "<root>"
         t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
                   fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
-                  u.get("checkpoint", "none"), fmt_ms(tm.get("fwd_ms")), fmt_ms(tm.get("ag_wait_fwd_ms")),
-                  fmt_ms(tm.get("bwd_ms")), fmt_ms(tm.get("ag_wait_bwd_ms")))
+                  u.get("checkpoint", "none"), *(_num(tm.get(k)) for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms")))
     if len(units) > 24:
         t.add_row(f"… {len(units) - 24} more", *[""] * 9)
     return t
+
+
+def _num(x) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
 
 def render_findings(findings: list[dict]):

@@ -104,6 +104,7 @@ def read_bytes(path: Path) -> bytes:
 
 def decode(path: Path) -> KinetoTrace:
     """Decode one trace file. Raises TraceError with a one-line reason."""
+    path = Path(path)
     try:
         data = read_bytes(path)
     except OSError as e:
@@ -113,7 +114,7 @@ def decode(path: Path) -> KinetoTrace:
     try:
         trace = _DECODER.decode(data)
     except msgspec.ValidationError as e:
-        if "Expected `object`" in str(e) and "$" == str(e).rsplit(" - at `", 1)[-1].rstrip("`"):
+        if " - at `" not in str(e):  # the top level itself has the wrong type
             raise TraceError("not a Kineto trace (top level is not an object)") from None
         raise TraceError(f"not a Kineto trace ({e})") from None
     except msgspec.DecodeError as e:

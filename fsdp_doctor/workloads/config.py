@@ -98,6 +98,8 @@ class WorkloadConfig:
         _check(self.sleep_ms >= 0 and self.loader_ms >= 0, "sleep_ms and loader_ms must be >= 0")
         _check(self.gc_garbage >= 0, f"gc_garbage must be >= 0, got {self.gc_garbage}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1 or None")
+        _check(not self.cpu_offload or self.device == "cuda",
+               "cpu_offload needs device='cuda': on the CPU the parameters already live in host memory")
         self.ac_every()  # validates the ac string
         _check(self.reshard_after_forward is None or isinstance(self.reshard_after_forward, (bool, int)),
                f"reshard_after_forward must be None, a bool or an int, got {self.reshard_after_forward!r}")

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from .config import WorkloadConfig
+from .sharding import preflight
 from .train import OnStep, backend_for, setup_rank, train
 
 MASTER_ADDR = "127.0.0.1"
@@ -60,6 +61,7 @@ def launch(cfg: WorkloadConfig, nproc: int = 2, watch_kwargs: Optional[dict] = N
     module-level function or an instance of a module-level class). Raises `WorkloadError` when a rank
     fails and `WorkloadTimeout` after `timeout_s` seconds.
     """
+    preflight(cfg)
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if cfg.device == "cuda" and nproc > torch.cuda.device_count():

@@ -121,10 +121,13 @@ def analytic_param_counts(cfg: WorkloadConfig) -> dict[str, int]:
     """Parameter elements per FSDP unit name for `cfg`'s wrap policy, computed from the shapes.
 
     Keys are the names FSDP2 uses (`_module_fqn`): module fqns, "" for the root, ", "-joined member
-    names for grouped units ("tok_emb, pos_emb", "norm, lm_head"). The values sum to the model's
-    parameter count except for wrap="no_root", whose embeddings, final norm and head belong to no unit.
+    names for grouped units ("tok_emb, pos_emb", "norm, lm_head"). Units that manage no parameter
+    (the root under wrap="block" or "leaf") are left out: FSDP2 gives them no parameter group, hence
+    no `_module_fqn`. The values sum to the model's parameter count except for wrap="no_root", whose
+    embeddings, final norm and head belong to no unit. Under "no_root" every block is its own FSDP
+    root, so FSDP2 itself names each of them "" - the keys here stay the fqns in the whole model.
     """
-    return {unit.name: unit.param_count for unit in fsdp_units(cfg)}
+    return {unit.name: unit.param_count for unit in fsdp_units(cfg) if unit.param_count}
 
 
 def _unit(paths: list[str], count: int, cfg: WorkloadConfig, *, default_reshard=None,
@@ -223,8 +226,8 @@ def offload_policy(cfg: WorkloadConfig) -> Optional[CPUOffloadPolicy]:
     if not cfg.cpu_offload:
         return None
     if cfg.device != "cuda":
-        raise ValueError("cpu_offload needs --device cuda: on a CPU device the parameters already live "
-                         "in host memory, so there is nothing to offload")
+        raise ValueError("cpu_offload needs device='cuda': on the CPU the parameters already live in host "
+                         "memory")
     return CPUOffloadPolicy(pin_memory=cfg.offload_pin_memory)
 
 
@@ -238,8 +241,8 @@ def apply_fsdp(model: nn.Module, cfg: WorkloadConfig, mesh: Optional[DeviceMesh]
 
     Requires an initialised process group. Returns `model` (now an FSDPModule unless wrap="no_root").
     """
-    offload = offload_policy(cfg)  # refuse before touching the model
-    _check_prefetch_supported(cfg)
+    preflight(cfg)  # refuse a bad config before touching the model
+    offload = offload_policy(cfg)
     apply_activation_checkpointing(model, cfg)
     mesh = mesh if mesh is not None else default_mesh(cfg)
     common = {"mesh": mesh}
@@ -258,6 +261,14 @@ def apply_fsdp(model: nn.Module, cfg: WorkloadConfig, mesh: Optional[DeviceMesh]
         warnings.warn("async_unshard ignored: this torch has no FSDPModule._set_unshard_async_op",
                       stacklevel=2)
     return model
+
+
+def preflight(cfg: WorkloadConfig) -> None:
+    """Raise ValueError for what can be refused without a process group: unknown reshard override
+    names, explicit prefetch without block units, CPU offload without a GPU."""
+    fsdp_units(cfg)
+    _check_prefetch_supported(cfg)
+    offload_policy(cfg)
 
 
 def _check_prefetch_supported(cfg: WorkloadConfig) -> None:

@@ -1,0 +1,169 @@
+"""The Dash app: ``fsdp-doctor dashboard PATH [--host 127.0.0.1] [--port 8050]``.
+
+One server-side :class:`~dashboards.state.RunState` follows the run directory; a ``dcc.Interval`` polls it
+every second and bumps a version number when something new was read, and only then are the filters and the
+current page re-rendered. The app serves its own assets and Dash's bundled scripts, never a file of the run
+directory, and runs without debug mode.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from dash import Dash, Input, Output, State, dcc, html, no_update
+
+from .pages import PAGES
+from .pages.common import ALL, Filters, unit_value
+from .state import RunState
+
+POLL_MS = 1000  # new steps appear within two seconds
+
+
+def _rank_options(snap) -> list[dict]:
+    ranks = sorted(snap.steps)
+    return [{"label": "all ranks", "value": ALL}] + [{"label": f"rank {r}", "value": str(r)} for r in ranks]
+
+
+def _unit_options(snap) -> list[dict]:
+    from .figures import unit_label
+
+    units = snap.report.get("units") or []
+    return [{"label": "all units", "value": ALL}] + [{"label": unit_label(u["name"]), "value": unit_value(u["name"])}
+                                                      for u in units]
+
+
+def _step_bounds(snap) -> tuple[int, int]:
+    lo = min((c["step"][0] for c in snap.steps.values() if c["step"]), default=0)
+    hi = max((c["step"][-1] for c in snap.steps.values() if c["step"]), default=0)
+    return lo, max(hi, lo)
+
+
+def _marks(lo: int, hi: int) -> dict:
+    if hi <= lo:
+        return {lo: str(lo)}
+    n = 6
+    stepw = max(1, (hi - lo) // n)
+    marks = {s: str(s) for s in range(lo, hi + 1, stepw)}
+    marks[hi] = str(hi)
+    return marks
+
+
+def _status(snap) -> str:
+    run = snap.report.get("run") or {}
+    if not snap.has_records:
+        return f"waiting for records in {snap.path} …"
+    done = run.get("complete") or {}
+    n = max((run.get("steps_recorded") or {}).values(), default=0)
+    state = "finished" if done and all(done.values()) else "live"
+    return f"{state} · {n} steps × {len(run.get('ranks', []))} ranks · updated {time.strftime('%H:%M:%S')}"
+
+
+def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int = POLL_MS) -> Dash:
+    path = Path(path)
+    state = state or RunState(path)
+    app = Dash(__name__, title=f"fsdp-doctor · {path.name or path}", suppress_callback_exceptions=True,
+               update_title=None, assets_folder=str(Path(__file__).parent / "assets"), serve_locally=True)
+    app._fsdp_state = state  # for tests and the benchmark
+
+    def serve_layout():
+        state.refresh()
+        snap = state.snapshot()
+        lo, hi = _step_bounds(snap)
+        return html.Div([
+            html.Header([
+                html.Div([html.Span("fsdp-doctor", className="brand"), html.Span(str(path), className="run-path")]),
+                html.Span(_status(snap), id="status", className="status"),
+            ], className="topbar"),
+            html.Div([
+                html.Div([html.Label("Rank", htmlFor="flt-rank"),
+                          dcc.Dropdown(id="flt-rank", options=_rank_options(snap), value=ALL, clearable=False,
+                                       searchable=False)], className="flt flt-rank"),
+                html.Div([html.Label("Steps"),
+                          dcc.RangeSlider(id="flt-steps", min=lo, max=hi, step=1, value=[lo, hi], marks=_marks(lo, hi),
+                                          allowCross=False, tooltip={"placement": "bottom", "always_visible": False})],
+                         className="flt flt-steps"),
+                html.Div([html.Label("Unit", htmlFor="flt-unit"),
+                          dcc.Dropdown(id="flt-unit", options=_unit_options(snap), value=ALL, clearable=False)],
+                         className="flt flt-unit"),
+            ], className="filters"),
+            dcc.Tabs(id="tabs", value="overview", className="tabs",
+                     children=[dcc.Tab(label=label, value=key, id=f"tab-{key}", className="tab",
+                                       selected_className="tab--selected") for key, (label, _) in PAGES.items()]),
+            html.Main(id="page", className="page"),
+            dcc.Interval(id="tick", interval=poll_ms),
+            dcc.Store(id="version", data=snap.version),
+        ], className="app")
+
+    app.layout = serve_layout
+
+    @app.callback(Output("version", "data"), Output("status", "children"), Input("tick", "n_intervals"),
+                  State("version", "data"), prevent_initial_call=True)
+    def _poll(_n, version):
+        state.refresh()
+        snap = state.snapshot()
+        if snap.version == version:
+            return no_update, no_update
+        return snap.version, _status(snap)
+
+    @app.callback(Output("flt-rank", "options"), Output("flt-unit", "options"), Output("flt-steps", "min"),
+                  Output("flt-steps", "max"), Output("flt-steps", "value"), Output("flt-steps", "marks"),
+                  Input("version", "data"), State("flt-steps", "value"), State("flt-steps", "max"),
+                  prevent_initial_call=True)
+    def _filters(_version, value, old_max):
+        snap = state.snapshot()
+        lo, hi = _step_bounds(snap)
+        if not value or len(value) != 2:
+            value = [lo, hi]
+        elif old_max is None or value[1] >= old_max:  # the window followed the newest step: keep following
+            value = [max(lo, value[0]), hi]
+        return _rank_options(snap), _unit_options(snap), lo, hi, value, _marks(lo, hi)
+
+    @app.callback(Output("page", "children"), Input("tabs", "value"), Input("version", "data"),
+                  Input("flt-rank", "value"), Input("flt-steps", "value"), Input("flt-unit", "value"))
+    def _page(tab, _version, rank, steps, unit):
+        snap = state.snapshot()
+        flt = Filters.from_controls(rank, steps, unit)
+        lo, hi = _step_bounds(snap)
+        if flt.window is not None and flt.window[0] <= lo and flt.window[1] >= hi:
+            flt = Filters(rank=flt.rank, window=None, unit=flt.unit)  # everything selected: no window
+        _, mod = PAGES.get(tab, PAGES["overview"])
+        try:
+            return mod.layout(snap, flt)
+        except Exception as e:  # noqa: BLE001  (a presenter bug must not blank the whole app)
+            return html.Div(f"This page could not be drawn ({type(e).__name__}: {e}).", className="note note-error")
+
+    for _, mod in PAGES.values():
+        if hasattr(mod, "register"):
+            mod.register(app)
+    return app
+
+
+def serve(path: Path | str, host: str = "127.0.0.1", port: int = 8050) -> int:
+    """Serves the dashboard until interrupted; prints the URL. Returns the exit code."""
+    path = Path(path)
+    if not path.exists():
+        print(f"fsdp-doctor: {path}: no such run directory", file=sys.stderr)
+        return 2
+    if not path.is_dir():
+        print(f"fsdp-doctor: {path}: not a directory (the dashboard serves a run directory written by "
+              "fsdp_doctor.watch; for a single trace file use `fsdp-doctor analyze`)", file=sys.stderr)
+        return 2
+    state = RunState(path)
+    state.refresh()
+    if not state.snapshot().has_records:
+        print(f"fsdp-doctor: {path}: no fsdp-doctor records (rank*.records.jsonl) yet; the dashboard shows the "
+              "run as soon as they appear", file=sys.stderr)
+    app = create_app(path, state=state)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    print(f"fsdp-doctor dashboard for {path}: http://{shown}:{port}/  (Ctrl+C to stop)", flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"fsdp-doctor: listening on {host}: anyone who can reach this machine can read the report",
+              file=sys.stderr)
+    try:
+        app.run(host=host, port=port, debug=False, dev_tools_ui=False, dev_tools_hot_reload=False)
+    except OSError as e:
+        print(f"fsdp-doctor: cannot listen on {host}:{port} ({e.strerror or e}); choose another --port", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,456 @@
+"""Pure figure builders: plain data (report sections, step columns, trace intervals) in, plotly figures out.
+
+No I/O, no Dash, no analysis: every number drawn comes from the report or the records as given. Each
+builder returns a figure with a readable note instead of raising when its data is missing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+# ---------------------------------------------------------------- palette and shared layout
+
+PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
+                "gc": "#E45756"}
+COLLECTIVE_COLORS = {"all_gather": "#4C78A8", "reduce_scatter": "#F58518", "all_reduce": "#E45756",
+                     "broadcast": "#72B7B2", "compute": "#9D9D9D"}
+MEMORY_CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
+                     "activations", "comm_buffers", "temporaries", "offloaded_host")
+MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sharded_grads": "#FF7F0E",
+                 "unsharded_grads": "#FFBB78", "optimizer_state": "#2CA02C", "activations": "#D62728",
+                 "comm_buffers": "#9467BD", "temporaries": "#8C564B", "offloaded_host": "#7F7F7F"}
+RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D",
+               "#FF9DA6", "#BAB0AC")
+MIB = float(1 << 20)
+
+
+# plotly_white's layout only: the full template carries per-trace-type defaults whose copy costs ~0.3 s per
+# figure; the layout part alone looks the same for the traces used here.
+TEMPLATE = "fsdp_doctor"
+if TEMPLATE not in pio.templates:
+    pio.templates[TEMPLATE] = go.layout.Template(layout=pio.templates["plotly_white"].layout.to_plotly_json())
+
+
+def rank_color(rank: int) -> str:
+    return RANK_COLORS[int(rank) % len(RANK_COLORS)]
+
+
+def unit_label(name: Optional[str]) -> str:
+    """Display name of an FSDP unit ("" is the root)."""
+    return "(root)" if name in ("", None) else str(name)
+
+
+def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        template=TEMPLATE, height=height, margin={"l": 60, "r": 20, "t": 48, "b": 44},
+        font={"size": 12}, legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        hoverlabel={"namelength": -1}, **kw,
+    )
+    return fig
+
+
+def empty_figure(message: str, title: str = "", height: int = 260) -> go.Figure:
+    fig = go.Figure()
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font={"size": 14, "color": "#666"})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return _layout(fig, title, height)
+
+
+def _in_window(step: int, window: Optional[Sequence[int]]) -> bool:
+    return window is None or window[0] <= step <= window[1]
+
+
+def _select_ranks(steps: dict, ranks: Optional[Iterable[int]]) -> list[int]:
+    keys = sorted(int(r) for r in steps)
+    if ranks is None:
+        return keys
+    want = {int(r) for r in ranks}
+    return [r for r in keys if r in want]
+
+
+def _rows(cols: dict, window) -> list[int]:
+    return [i for i, s in enumerate(cols.get("step", [])) if _in_window(s, window)]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    if not n:
+        return float("nan")
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+# ---------------------------------------------------------------- steps
+
+
+def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) -> go.Figure:
+    """Step wall time per rank over steps; profiled steps (tool overhead inside) drawn hollow."""
+    sel = _select_ranks(steps, ranks)
+    fig = go.Figure()
+    for r in sel:
+        cols = steps.get(r) or steps.get(str(r))
+        idx = _rows(cols, window)
+        if not idx:
+            continue
+        x = [cols["step"][i] for i in idx]
+        y = [cols["wall_ms"][i] for i in idx]
+        prof = [bool(cols["profiled"][i]) for i in idx]
+        fig.add_trace(go.Scatter(
+            x=x, y=y, mode="lines+markers", name=f"rank {r}", line={"color": rank_color(r), "width": 1.5},
+            marker={"size": [5 if not p else 8 for p in prof], "symbol": ["circle" if not p else "circle-open" for p in prof]},
+            customdata=[["profiled" if p else ""] for p in prof],
+            hovertemplate=f"rank {r}<br>step %{{x}}<br>%{{y:.2f}} ms %{{customdata[0]}}<extra></extra>",
+        ))
+    if not fig.data:
+        return empty_figure("No steps recorded in this selection yet.", "Step time per rank", height)
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="wall time (ms)", rangemode="tozero")
+    return _layout(fig, "Step time per rank (hollow: profiled steps)", height)
+
+
+def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -> go.Figure:
+    """Per step of one rank, the wall time split into forward / backward / optimizer / outside (stacked)."""
+    cols = steps.get(rank) or steps.get(str(rank))
+    if not cols:
+        return empty_figure("No steps recorded for this rank yet.", "Step phases", height)
+    idx = _rows(cols, window)
+    if not idx:
+        return empty_figure("No steps in the selected window.", "Step phases", height)
+    x = [cols["step"][i] for i in idx]
+    fig = go.Figure()
+    for ph in ("forward", "backward", "optimizer", "outside"):
+        fig.add_trace(go.Bar(x=x, y=[cols[f"{ph}_ms"][i] for i in idx], name=ph, marker_color=PHASE_COLORS[ph],
+                             hovertemplate=f"step %{{x}}<br>{ph} %{{y:.2f}} ms<extra></extra>"))
+    fig.update_layout(barmode="stack", bargap=0.1)
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="ms")
+    return _layout(fig, f"Where the time goes, rank {rank}", height)
+
+
+def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) -> go.Figure:
+    """Distribution of each steady-state step's deviation from its rank's median (first and profiled steps
+    left out, as in the step analysis)."""
+    sel = _select_ranks(steps, ranks)
+    fig = go.Figure()
+    for r in sel:
+        cols = steps.get(r) or steps.get(str(r))
+        idx = [i for i in _rows(cols, window) if cols["step"][i] > 0 and not cols["profiled"][i]]
+        if len(idx) < 2:
+            continue
+        w = [cols["wall_ms"][i] for i in idx]
+        med = _median(w)
+        fig.add_trace(go.Histogram(x=[v - med for v in w], name=f"rank {r}", marker_color=rank_color(r), opacity=0.7,
+                                   hovertemplate=f"rank {r}<br>%{{x}} ms from median<br>%{{y}} steps<extra></extra>"))
+    if not fig.data:
+        return empty_figure("Too few steady-state steps for a distribution.", "Step-time jitter", height)
+    fig.update_layout(barmode="overlay")
+    fig.update_xaxes(title_text="ms from the rank's median step")
+    fig.update_yaxes(title_text="steps")
+    return _layout(fig, "Step-time jitter", height)
+
+
+def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.Figure:
+    """Rank × step heatmap of wall time: a slow rank is a row, a slow step a column."""
+    sel = _select_ranks(steps, ranks)
+    all_steps: set[int] = set()
+    for r in sel:
+        cols = steps.get(r) or steps.get(str(r))
+        all_steps.update(cols["step"][i] for i in _rows(cols, window))
+    if not sel or not all_steps:
+        return empty_figure("No steps recorded in this selection yet.", "Step time, rank × step", height)
+    xs = sorted(all_steps)
+    pos = {s: i for i, s in enumerate(xs)}
+    z = []
+    for r in sel:
+        row: list = [None] * len(xs)
+        cols = steps.get(r) or steps.get(str(r))
+        for i in _rows(cols, window):
+            row[pos[cols["step"][i]]] = cols["wall_ms"][i]
+        z.append(row)
+    fig = go.Figure(go.Heatmap(
+        z=z, x=xs, y=[f"rank {r}" for r in sel], colorscale="Viridis", colorbar={"title": {"text": "ms"}},
+        hovertemplate="%{y}<br>step %{x}<br>%{z:.2f} ms<extra></extra>", xgap=1 if len(xs) < 120 else 0, ygap=1,
+    ))
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(autorange="reversed")
+    return _layout(fig, "Step time, rank × step", max(height, 120 + 22 * len(sel)))
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _sample_categories(sample: dict) -> dict:
+    """Per-category bytes of one timeline sample: either flat keys or a nested ``bytes``/``categories`` dict."""
+    for key in ("bytes", "categories", "breakdown"):
+        if isinstance(sample.get(key), dict):
+            return sample[key]
+    known = {k: v for k, v in sample.items() if k in MEMORY_CATEGORIES}
+    if known:
+        return known
+    return {k: v for k, v in sample.items() if k not in _SAMPLE_META and isinstance(v, (int, float))
+            and not isinstance(v, bool) and "total" not in k and "reserved" not in k}
+
+
+_SAMPLE_META = {"step", "unit", "phase", "t", "t_ms", "t_us", "ts", "index", "i", "rank"}
+
+
+def _ordered_categories(keys: Iterable[str]) -> list[str]:
+    keys = set(keys)
+    out = [c for c in MEMORY_CATEGORIES if c in keys]
+    return out + sorted(keys - set(out))
+
+
+def memory_timeline_figure(mem_rank: Optional[dict], window=None, capacity_bytes: Optional[int] = None,
+                           rank: Optional[int] = None, height: int = 360) -> go.Figure:
+    """Stacked area of memory by category over the step timeline (unit and phase on hover), capacity line."""
+    title = "Memory by category over the step" + (f" (rank {rank})" if rank is not None else "")
+    samples = (mem_rank or {}).get("timeline") or []
+    samples = [s for s in samples if s.get("step") is None or _in_window(s["step"], window)]
+    if not samples:
+        return empty_figure("No memory timeline in the report.", title, height)
+    cats_per = [_sample_categories(s) for s in samples]
+    cats = _ordered_categories(k for c in cats_per for k, v in c.items() if isinstance(v, (int, float)))
+    x = list(range(len(samples)))
+    hover = [[str(s.get("step", "")), unit_label(s.get("unit")), str(s.get("phase", ""))] for s in samples]
+    fig = go.Figure()
+    for c in cats:
+        fig.add_trace(go.Scatter(
+            x=x, y=[(cp.get(c) or 0) / MIB for cp in cats_per], name=c, stackgroup="mem", mode="lines",
+            line={"width": 0.5, "color": MEMORY_COLORS.get(c)}, customdata=hover,
+            hovertemplate=f"{c}: %{{y:.1f}} MiB<br>step %{{customdata[0]}} · unit %{{customdata[1]}} · %{{customdata[2]}}<extra></extra>",
+        ))
+    cap = capacity_bytes if capacity_bytes is not None else (mem_rank or {}).get("capacity_bytes")
+    if cap:
+        fig.add_hline(y=cap / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},
+                      annotation_text=f"capacity {cap / MIB:,.0f} MiB", annotation_position="top left")
+    # step boundaries as tick labels when samples carry their step
+    ticks, labels, last = [], [], None
+    for i, s in enumerate(samples):
+        if s.get("step") is not None and s["step"] != last:
+            ticks.append(i)
+            labels.append(f"step {s['step']}")
+            last = s["step"]
+    if ticks and len(ticks) <= 40:
+        fig.update_xaxes(tickvals=ticks, ticktext=labels)
+    else:
+        fig.update_xaxes(title_text="sample (unit hook) along the step")
+    fig.update_yaxes(title_text="MiB")
+    fig.update_layout(hovermode="x unified")
+    return _layout(fig, title, height)
+
+
+def memory_breakdown_figure(mem_rank: Optional[dict], rank: Optional[int] = None, height: int = 320) -> go.Figure:
+    """Memory by category at the peak (horizontal bars), with where the peak happened in the title."""
+    mem_rank = mem_rank or {}
+    bd = mem_rank.get("peak_breakdown") or {}
+    title = "Breakdown at the peak" + (f" (rank {rank})" if rank is not None else "")
+    if not bd:
+        return empty_figure("No peak breakdown in the report.", title, height)
+    at = mem_rank.get("peak_at") or {}
+    where = ", ".join(f"{k} {unit_label(v) if k == 'unit' else v}" for k, v in at.items() if v is not None)
+    cats = [c for c in _ordered_categories(bd) if isinstance(bd.get(c), (int, float))][::-1]
+    fig = go.Figure(go.Bar(
+        x=[bd[c] / MIB for c in cats], y=cats, orientation="h", marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
+        text=[f"{bd[c] / MIB:,.1f} MiB" for c in cats], textposition="auto",
+        hovertemplate="%{y}: %{x:.1f} MiB<extra></extra>",
+    ))
+    if mem_rank.get("peak_bytes") is not None:
+        title += f": {mem_rank['peak_bytes'] / MIB:,.1f} MiB"
+    if where:
+        title += f" at {where}"
+    fig.update_xaxes(title_text="MiB")
+    fig.update_yaxes(automargin=True)
+    return _layout(fig, title, height, showlegend=False)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def window_timeline_data(win, max_intervals: int = 4000) -> dict:
+    """Plain data for :func:`comm_timeline_figure` from one ``fsdp_doctor.trace.WindowTrace``: times in ms
+    from the start of the window. Compute intervals closer than the figure can show are merged."""
+    t0 = float(win.span[0])
+    cs, ce = win.compute
+    starts = [(float(s) - t0) / 1e3 for s in cs]
+    ends = [(float(e) - t0) / 1e3 for e in ce]
+    if len(starts) > max_intervals and starts:
+        gap = (ends[-1] - starts[0]) / max_intervals
+        ms, me = [starts[0]], [ends[0]]
+        for s, e in zip(starts[1:], ends[1:]):
+            if s - me[-1] <= gap:
+                me[-1] = max(me[-1], e)
+            else:
+                ms.append(s)
+                me.append(e)
+        starts, ends = ms, me
+    calls = [{"unit": c.unit, "collective": c.collective, "phase": c.phase, "start_ms": (c.start - t0) / 1e3,
+              "end_ms": (c.end - t0) / 1e3} for c in win.calls]
+    return {"rank": win.rank, "steps": list(win.steps), "file": win.file, "device": win.device,
+            "span_ms": (float(win.span[1]) - t0) / 1e3, "compute": (starts, ends), "calls": calls}
+
+
+def comm_timeline_figure(windows: list[dict], unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+    """Per rank, one lane of compute and one per collective kind for one profiled window: what overlaps what.
+    ``windows`` are :func:`window_timeline_data` dicts (one per rank). A selected ``unit`` is highlighted."""
+    title = "Compute vs communication in a profiled step"
+    if not windows:
+        return empty_figure("No profiled window in this selection (the run has no Kineto traces yet).", title, 240)
+    windows = sorted(windows, key=lambda w: w["rank"])
+    lanes: list[str] = []
+    fig = go.Figure()
+    for w in windows:
+        r = w["rank"]
+        kinds = sorted({c["collective"] for c in w["calls"]}, key=lambda k: (k != "all_gather", k))
+        lane_c = f"rank {r} compute"
+        lanes.append(lane_c)
+        s, e = w["compute"]
+        fig.add_trace(go.Bar(
+            y=[lane_c] * len(s), x=[b - a for a, b in zip(s, e)], base=s, orientation="h", name="compute",
+            legendgroup="compute", showlegend=r == windows[0]["rank"], marker_color=COLLECTIVE_COLORS["compute"],
+            marker_line_width=0, hovertemplate="compute %{base:.2f} → +%{x:.2f} ms<extra></extra>",
+        ))
+        for k in kinds:
+            lane = f"rank {r} {k}"
+            lanes.append(lane)
+            cs = [c for c in w["calls"] if c["collective"] == k]
+            colors = [COLLECTIVE_COLORS.get(k, "#444") if unit is None or c["unit"] == unit else "#D8D8D8" for c in cs]
+            fig.add_trace(go.Bar(
+                y=[lane] * len(cs), x=[c["end_ms"] - c["start_ms"] for c in cs], base=[c["start_ms"] for c in cs],
+                orientation="h", name=k, legendgroup=k, showlegend=not any(t.name == k for t in fig.data),
+                marker={"color": colors, "line": {"width": 0.5, "color": "#333"}},
+                customdata=[[unit_label(c["unit"]), c["phase"] or "", c["end_ms"] - c["start_ms"]] for c in cs],
+                hovertemplate=k + " %{customdata[0]} (%{customdata[1]})<br>%{base:.2f} ms, lasts %{customdata[2]:.2f} ms<extra></extra>",
+            ))
+    steps = sorted({s for w in windows for s in w["steps"]})
+    fig.update_layout(barmode="overlay", bargap=0.25)
+    fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], automargin=True)
+    fig.update_xaxes(title_text="ms from the start of the profiled step (each rank on its own clock)")
+    h = height or max(220, 80 + 34 * len(lanes))
+    return _layout(fig, f"{title} (step {', '.join(map(str, steps))})", h)
+
+
+def _unit_rows(per_unit: list[dict], ranks=None, unit: Optional[str] = None, collectives=None) -> list[dict]:
+    want = None if ranks is None else {int(r) for r in ranks}
+    return [r for r in per_unit or []
+            if (want is None or int(r["rank"]) in want) and (unit is None or r["unit"] == unit)
+            and (collectives is None or r["collective"] in collectives)]
+
+
+def _agg(rows: list[dict], key, fields: Sequence[str]) -> dict:
+    out: dict = {}
+    for r in rows:
+        k = key(r)
+        acc = out.setdefault(k, {f: 0.0 for f in fields})
+        for f in fields:
+            acc[f] += r.get(f) or 0.0
+    return out
+
+
+def unit_exposure_figure(per_unit: list[dict], ranks=None, unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+    """Per unit and collective (summed over the selected ranks): communication time exposed vs overlapped."""
+    title = "Communication per unit: exposed vs overlapped"
+    rows = _unit_rows(per_unit, ranks, unit)
+    if not rows:
+        return empty_figure("No per-unit communication in this selection.", title, 240)
+    agg = _agg(rows, lambda r: (unit_label(r["unit"]), r["collective"], r["phase"] or "-"), ("comm_us", "exposed_us"))
+    keys = sorted(agg, key=lambda k: agg[k]["exposed_us"])
+    labels = [f"{u} · {c} ({p})" for u, c, p in keys]
+    exposed = [agg[k]["exposed_us"] / 1e3 for k in keys]
+    overlapped = [max(0.0, agg[k]["comm_us"] - agg[k]["exposed_us"]) / 1e3 for k in keys]
+    fig = go.Figure([
+        go.Bar(y=labels, x=exposed, name="exposed (compute waited)", orientation="h", marker_color="#E45756",
+               hovertemplate="%{y}<br>exposed %{x:.2f} ms<extra></extra>"),
+        go.Bar(y=labels, x=overlapped, name="overlapped with compute", orientation="h", marker_color="#54A24B",
+               hovertemplate="%{y}<br>overlapped %{x:.2f} ms<extra></extra>"),
+    ])
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="ms per profiled window (sum over selected ranks)")
+    fig.update_yaxes(automargin=True)
+    return _layout(fig, title, height or max(260, 90 + 20 * len(labels)))
+
+
+def prefetch_slack_figure(per_unit: list[dict], ranks=None, unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+    """All-gather slack per unit: need − finish. Negative: compute waited for the parameters (prefetch too late);
+    positive: the gathered parameters sat unused that long (memory held early)."""
+    title = "All-gather prefetch slack per unit (< 0: compute waited; > 0: parameters held early)"
+    rows = [r for r in _unit_rows(per_unit, ranks, unit, ("all_gather",)) if r.get("slack_us") is not None]
+    if not rows:
+        return empty_figure("No all-gather timing (slack) in this selection.", title, 240)
+    rows = sorted(rows, key=lambda r: (r["phase"] or "", r["rank"], unit_label(r["unit"])))
+    fig = go.Figure()
+    for ph in sorted({r["phase"] or "-" for r in rows}):
+        sub = [r for r in rows if (r["phase"] or "-") == ph]
+        fig.add_trace(go.Bar(
+            y=[f"{unit_label(r['unit'])} · r{r['rank']}" for r in sub], x=[r["slack_us"] / 1e3 for r in sub], orientation="h",
+            name=ph, marker_color=["#E45756" if r["slack_us"] < 0 else "#72B7B2" for r in sub],
+            marker_pattern_shape="" if ph == "forward" else "/",
+            customdata=[[ph, (r.get("held_us") or 0) / 1e3] for r in sub],
+            hovertemplate="%{y} (%{customdata[0]})<br>slack %{x:.2f} ms<br>held %{customdata[1]:.2f} ms<extra></extra>",
+        ))
+    fig.add_vline(x=0, line={"color": "#333", "width": 1})
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title_text="ms (mean over calls)")
+    fig.update_yaxes(automargin=True)
+    n = len({(r["unit"], r["rank"]) for r in rows})
+    return _layout(fig, title, height or max(260, 90 + 22 * n))
+
+
+def overlap_by_rank_figure(per_rank: dict, ranks=None, height: int = 260) -> go.Figure:
+    title = "Communication per rank: exposed vs overlapped"
+    keys = sorted((int(k) for k in (per_rank or {})), reverse=True)
+    if ranks is not None:
+        keys = [k for k in keys if k in {int(r) for r in ranks}]
+    if not keys:
+        return empty_figure("No trace analysis yet.", title, 200)
+    rows = [per_rank[str(k)] for k in keys]
+    labels = [f"rank {k}" for k in keys]
+    pct = [f"{r['overlap_pct']:.0f}% overlapped" if r.get("overlap_pct") is not None else "" for r in rows]
+    fig = go.Figure([
+        go.Bar(y=labels, x=[r["exposed_us"] / 1e3 for r in rows], name="exposed", orientation="h", marker_color="#E45756",
+               hovertemplate="%{y}<br>exposed %{x:.2f} ms<extra></extra>"),
+        go.Bar(y=labels, x=[r["overlap_us"] / 1e3 for r in rows], name="overlapped", orientation="h", marker_color="#54A24B",
+               text=pct, textposition="outside", hovertemplate="%{y}<br>overlapped %{x:.2f} ms<extra></extra>"),
+    ])
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="ms per profiled window")
+    return _layout(fig, title, max(height, 100 + 30 * len(keys)))
+
+
+# ---------------------------------------------------------------- units
+
+
+def unit_timing_figure(units: list[dict], unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+    """Median per-step host timings of each unit: forward, backward and their all-gather waits."""
+    title = "Per-unit host timings (median per step, all ranks)"
+    rows = [u for u in units or [] if u.get("timing_p50")]
+    if not rows:
+        return empty_figure("No unit timings yet.", title, 240)
+    labels = [unit_label(u["name"]) for u in rows][::-1]
+    rows = rows[::-1]
+    fig = go.Figure()
+    for key, name, color in (("fwd_ms", "forward", PHASE_COLORS["forward"]), ("ag_wait_fwd_ms", "AG wait fwd", "#9ECAE9"),
+                             ("bwd_ms", "backward", PHASE_COLORS["backward"]), ("ag_wait_bwd_ms", "AG wait bwd", "#FFBF79"),
+                             ("recompute_ms", "recompute", "#B279A2")):
+        vals = [u["timing_p50"].get(key, 0.0) for u in rows]
+        if not any(vals):
+            continue
+        op = [1.0 if unit is None or u["name"] == unit else 0.3 for u in rows]
+        fig.add_trace(go.Bar(y=labels, x=vals, name=name, orientation="h", marker={"color": color, "opacity": op},
+                             hovertemplate="%{y}<br>" + name + " %{x:.2f} ms<extra></extra>"))
+    fig.update_layout(barmode="group")
+    fig.update_xaxes(title_text="ms")
+    fig.update_yaxes(automargin=True)
+    return _layout(fig, title, height or max(280, 90 + 40 * len(rows)))
+
+
+def fmt_num(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"

@@ -1,0 +1,87 @@
+"""Communication: per rank a timeline of compute vs all-gather / reduce-scatter in a profiled step, per-unit
+exposed vs overlapped communication, and all-gather prefetch slack per unit."""
+
+from __future__ import annotations
+
+from dash import html
+
+from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+
+from .. import figures as F
+from .common import Filters, graph, grid, kpi, note, section, table
+
+
+_TIMELINES: dict[int, tuple] = {}
+
+
+def _timeline(win) -> dict:
+    """Timeline data per window; the state caches WindowTrace objects per file, so identity is stable."""
+    hit = _TIMELINES.get(id(win))
+    if hit is None or hit[0] is not win:
+        if len(_TIMELINES) > 256:
+            _TIMELINES.clear()
+        hit = _TIMELINES[id(win)] = (win, F.window_timeline_data(win))
+    return hit[1]
+
+
+def pick_windows(windows: list, flt: Filters) -> list:
+    """Per selected rank, the first profiled window that lies in the step window (else the rank's first)."""
+    out = {}
+    for w in windows:
+        if flt.rank is not None and w.rank != flt.rank:
+            continue
+        inside = flt.window is None or any(flt.window[0] <= s <= flt.window[1] for s in w.steps)
+        cur = out.get(w.rank)
+        if cur is None or (inside and not cur[0]):
+            out[w.rank] = (inside, w)
+    return [w for _, (_, w) in sorted(out.items())]
+
+
+def layout(snap, flt: Filters) -> list:
+    ov = snap.report.get("overlap")
+    if not snap.windows and not ov:
+        msg = ("Analysing the profiler traces …" if snap.traces_pending else
+               "No Kineto traces in this run yet: communication is measured from the profiler windows "
+               f"({snap.path}/profiler/rank*.pt.trace.json.gz), written after the first profiled steps.")
+        return [note(msg, "warning", nid="comm-absent")]
+    ov = ov or {}
+    per_rank = ov.get("per_rank") or {}
+    keys = [str(flt.rank)] if flt.rank is not None else sorted(per_rank, key=int)
+    sel = [per_rank[k] for k in keys if k in per_rank]
+    comm = sum(p["comm_us"] for p in sel)
+    ovl = sum(p["overlap_us"] for p in sel)
+    blocking = ov.get("blocking") or {}
+    blk = sum(blocking.get(k, {}).get("us", 0.0) for k in keys)
+    copies = ov.get("copies") or {}
+    cp = sum(copies.get(k, {}).get("exposed_us", 0.0) for k in keys)
+    tiles = html.Div([
+        kpi("Communication", fmt_ms(comm / 1e3), f"{len(sel)} rank(s), profiled windows"),
+        kpi("Overlapped", f"{100 * ovl / comm:.0f}%" if comm else "—", f"{fmt_ms(ovl / 1e3)} under compute", kid="kpi-comm-overlap"),
+        kpi("Exposed", fmt_ms((comm - ovl) / 1e3), "compute waited"),
+        kpi("Host blocked in all-gather", fmt_ms(blk / 1e3), "gloo: host sat in the collective") if blk else
+        kpi("Exposed copies", fmt_ms(cp / 1e3), "H2D / D2H not under compute"),
+    ], className="kpis")
+    wins = pick_windows(snap.windows, flt)
+    out = [tiles,
+           section("Timeline", graph(F.comm_timeline_figure([_timeline(w) for w in wins], flt.unit), "fig-comm-timeline"),
+                   sid="sec-comm-timeline")]
+    per_unit = ov.get("per_unit") or []
+    out.append(grid(
+        section("", graph(F.unit_exposure_figure(per_unit, flt.ranks, flt.unit), "fig-unit-exposure")),
+        section("", graph(F.prefetch_slack_figure(per_unit, flt.ranks, flt.unit), "fig-prefetch-slack")),
+    ))
+    rows = [{"rank": r["rank"], "unit": F.unit_label(r["unit"]), "collective": r["collective"], "phase": r["phase"] or "—",
+             "count": r["count"], "comm": fmt_ms(r["comm_us"] / 1e3), "exposed": fmt_ms(r["exposed_us"] / 1e3),
+             "bytes": fmt_bytes(r["bytes_per_call"]) if r.get("bytes_per_call") is not None else "—",
+             "busbw": f"{r['busbw_gbps']:.2f}" if r.get("busbw_gbps") is not None else "—",
+             "slack": fmt_ms(r["slack_us"] / 1e3) if r.get("slack_us") is not None else "—"}
+            for r in per_unit if (flt.rank is None or r["rank"] == flt.rank) and (flt.unit is None or r["unit"] == flt.unit)]
+    out.append(section("Collectives per unit",
+                       table("tbl-comm-units", rows, [("rank", "rank"), ("unit", "unit"), ("collective", "collective"),
+                                                      ("phase", "phase"), ("count", "calls"), ("comm", "time"),
+                                                      ("exposed", "exposed"), ("bytes", "bytes / call"),
+                                                      ("busbw", "bus BW GB/s"), ("slack", "slack")],
+                             left=("unit", "collective", "phase"), page_size=15)))
+    if snap.traces_pending:
+        out.insert(0, note(f"Analysing {snap.traces_pending} more trace file(s) …", "info"))
+    return out

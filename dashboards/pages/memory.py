@@ -1,0 +1,60 @@
+"""Memory: categories over the step timeline (stacked, unit and phase on hover, capacity line), the breakdown
+at the peak and the per-unit table. Built against the report's ``memory`` section; without it, a note."""
+
+from __future__ import annotations
+
+from fsdp_doctor.present.fmt import fmt_bytes
+
+from .. import figures as F
+from .common import Filters, graph, grid, kpi, note, section, table
+from dash import html
+
+
+def _pick_rank(per_rank: dict, flt: Filters):
+    if flt.rank is not None:
+        return str(flt.rank) if str(flt.rank) in per_rank else None
+    if not per_rank:
+        return None
+    return max(per_rank, key=lambda r: per_rank[r].get("peak_bytes") or 0)
+
+
+def layout(snap, flt: Filters) -> list:
+    mem = snap.report.get("memory")
+    if not snap.has_records:
+        return [note(f"No fsdp-doctor records in {snap.path} yet.", "warning", nid="empty-note")]
+    if not mem or not mem.get("per_rank"):
+        return [note("This report has no memory section: the run was recorded without the memory probe "
+                     "(watch(memory=False), or an fsdp-doctor without memory tracking), or its memory analysis "
+                     "found nothing to report. Step time, communication and units are on the other pages.",
+                     "warning", nid="memory-absent")]
+    per_rank = mem["per_rank"]
+    key = _pick_rank(per_rank, flt)
+    if key is None:
+        return [note(f"No memory data for rank {flt.rank}.", "warning", nid="memory-absent")]
+    m = per_rank[key]
+    rank = int(key)
+    cap = m.get("capacity_bytes") or (snap.report.get("run") or {}).get("capacity_bytes")
+    picked = "" if flt.rank is not None else f" (rank {rank}: the highest peak of {len(per_rank)} ranks)"
+    at = m.get("peak_at") or {}
+    tiles = html.Div([
+        kpi("Peak", fmt_bytes(m.get("peak_bytes")), f"step {at.get('step', '?')}, unit {F.unit_label(at.get('unit'))}, {at.get('phase', '?')}",
+            kid="kpi-mem-peak"),
+        kpi("Activations at peak", fmt_bytes(m.get("activations_peak_bytes")), "peak of activations"),
+        kpi("Capacity", fmt_bytes(cap) if cap else "unknown",
+            f"headroom {fmt_bytes(cap - m['peak_bytes'])}" if cap and m.get("peak_bytes") is not None else ""),
+    ], className="kpis")
+    out = [tiles,
+           section("Memory over the step" + picked,
+                   graph(F.memory_timeline_figure(m, flt.window, cap, rank), "fig-mem-timeline"), sid="sec-mem-timeline")]
+    pu = [u for u in m.get("per_unit") or [] if flt.unit is None or u.get("unit") == flt.unit]
+    rows = [{"unit": F.unit_label(u.get("unit")), "sharded": fmt_bytes(u.get("sharded_bytes")),
+             "unsharded": fmt_bytes(u.get("unsharded_bytes")), "activations": fmt_bytes(u.get("activation_bytes"))}
+            for u in pu]
+    out.append(grid(
+        section("", graph(F.memory_breakdown_figure(m, rank), "fig-mem-breakdown")),
+        section(f"Per unit (rank {rank})",
+                table("tbl-mem-units", rows, [("unit", "unit"), ("sharded", "sharded params"), ("unsharded", "gathered params"),
+                                              ("activations", "activations saved")], left=("unit",), page_size=15)
+                if rows else note("No per-unit memory in the report.", "info")),
+    ))
+    return out

@@ -1,0 +1,303 @@
+"""Shared numbers for the rules: the run's step time and peak, per-unit views with defaults filled in, the
+trace's per-unit collective rows normalised per step, and the gain estimates that several rules share.
+
+Every estimate here is built from what this run measured (host-side unit timings, trace exposure, the
+memory breakdown) plus the few stated assumptions below; a rule that lacks an input gets ``None`` and
+leaves that side of its prediction empty rather than guessing.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any, Iterable, Optional
+
+from .base import Context
+
+# Defaults of UnitConfig fields that the report omits (msgspec omit_defaults).
+_UNIT_DEFAULTS = {"reshard_after_forward": True, "unshard_async_op": False, "checkpoint": "none", "depth": 0,
+                  "parent": None, "offload": None, "offload_pin_memory": None, "param_dtype": None,
+                  "reduce_dtype": None, "forward_prefetch": [], "backward_prefetch": [], "orig_dtypes": [],
+                  "modules": [], "param_groups": 1, "n_params": 0, "param_count": 0, "sharded_bytes": 0,
+                  "unsharded_bytes": 0, "is_root": False}
+_TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
+
+# A checkpointed transformer block keeps only its input; without checkpointing it keeps roughly this many
+# times the input in saved tensors (Korthikanti et al. 2022: ~34·s·b·h bytes of saved activations per
+# layer in 16-bit against 2·s·b·h of input, attention scores aside). Used only where the run cannot measure it.
+SAVED_PER_INPUT = 16.0
+# The memory target a recommendation aims for: this share of capacity leaves room for fragmentation and
+# allocator caching (the CUDA caching allocator rarely runs cleanly above ~90%).
+TARGET_CAPACITY_SHARE = 0.85
+
+
+# ---------------------------------------------------------------------------------------------- run-level
+def step_ms(ctx: Context) -> Optional[float]:
+    """The job's median step time (ms), or the median of the ranks' medians."""
+    steps = ctx.section("steps")
+    job = steps.get("job") or {}
+    if job.get("p50_ms"):
+        return float(job["p50_ms"])
+    vals = [st["p50_ms"] for st in (steps.get("per_rank") or {}).values() if st.get("p50_ms")]
+    return float(statistics.median(vals)) if vals else None
+
+
+def phase_ms(ctx: Context, phase: str) -> Optional[float]:
+    steps = ctx.section("steps")
+    ph = (steps.get("job") or {}).get("phases_p50_ms") or {}
+    if phase in ph:
+        return float(ph[phase])
+    vals = [st["phases_p50_ms"][phase] for st in (steps.get("per_rank") or {}).values()
+            if st.get("phases_p50_ms") and phase in st["phases_p50_ms"]]
+    return float(statistics.median(vals)) if vals else None
+
+
+def backend(ctx: Context) -> Optional[str]:
+    cfg = ctx.config
+    if cfg is not None and cfg.backend:
+        return cfg.backend
+    return ctx.section("run").get("backend")
+
+
+def device(ctx: Context) -> str:
+    cfg = ctx.config
+    if cfg is not None and cfg.device:
+        return cfg.device
+    return ctx.section("run").get("device") or ""
+
+
+def on_gpu(ctx: Context) -> bool:
+    return device(ctx).startswith("cuda")
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def memory_per_rank(ctx: Context) -> dict[str, dict]:
+    """The memory section's ``per_rank``; without one, the same shape derived from the step records'
+    memory samples (steady-state steps): the highest peak with its breakdown and the activations each unit
+    left at that step."""
+    per_rank = ctx.section("memory").get("per_rank")
+    if per_rank:
+        return per_rank
+    out: dict[str, dict] = {}
+    run = ctx.run
+    cap = ctx.config.capacity_bytes if ctx.config is not None else None
+    for r, rd in (getattr(run, "ranks", None) or {}).items():
+        best = None
+        for s in rd.steps:
+            m = s.memory
+            if s.step == 0 or not m or not m.get("peak"):
+                continue
+            if best is None or m["peak"].get("bytes", 0) > best[1]["peak"]["bytes"]:
+                best = (s.step, m)
+        if best is None:
+            continue
+        step, m = best
+        pk = m["peak"]
+        bd = dict(pk.get("breakdown") or {})
+        acts = m.get("unit_activations") or {}
+        out[str(r)] = {"peak_bytes": int(pk["bytes"]),
+                       "peak_at": {"step": step, "unit": pk.get("unit"), "phase": pk.get("phase")},
+                       "peak_breakdown": bd, "activations_peak_bytes": bd.get("activations"),
+                       "capacity_bytes": cap,
+                       "per_unit": [{"unit": u, "activation_bytes": int(b)} for u, b in acts.items()]}
+    return out
+
+
+def peak_rank(ctx: Context) -> Optional[tuple[str, dict]]:
+    """(rank, its memory record) of the rank with the highest measured peak."""
+    per_rank = memory_per_rank(ctx)
+    best = None
+    for r, m in per_rank.items():
+        if m.get("peak_bytes") is None:
+            continue
+        if best is None or m["peak_bytes"] > best[1]["peak_bytes"]:
+            best = (str(r), m)
+    return best
+
+
+def peak_bytes(ctx: Context) -> Optional[int]:
+    pr = peak_rank(ctx)
+    return int(pr[1]["peak_bytes"]) if pr else None
+
+
+def capacity_bytes(ctx: Context) -> Optional[int]:
+    pr = peak_rank(ctx)
+    if pr and pr[1].get("capacity_bytes"):
+        return int(pr[1]["capacity_bytes"])
+    cfg = ctx.config
+    if cfg is not None and cfg.capacity_bytes:
+        return int(cfg.capacity_bytes)
+    cap = ctx.section("run").get("capacity_bytes")
+    return int(cap) if cap else None
+
+
+def breakdown(ctx: Context) -> dict[str, int]:
+    pr = peak_rank(ctx)
+    return dict((pr[1].get("peak_breakdown") or {})) if pr else {}
+
+
+def memory_units(ctx: Context) -> dict[str, dict]:
+    """Per-unit memory rows of the peak rank, by unit name."""
+    pr = peak_rank(ctx)
+    if not pr:
+        return {}
+    return {u["unit"]: u for u in (pr[1].get("per_unit") or []) if "unit" in u}
+
+
+def headroom_share(ctx: Context) -> Optional[float]:
+    """peak / capacity, or None when either is unknown."""
+    p, c = peak_bytes(ctx), capacity_bytes(ctx)
+    if p is None or not c:
+        return None
+    return p / c
+
+
+# ---------------------------------------------------------------------------------------------- units
+def units(ctx: Context) -> list[dict]:
+    """The report's unit rows with omitted defaults filled in and ``timing_p50`` always present.
+
+    Falls back to the run's config when the report has no unit table."""
+    rows = ctx.report.get("units")
+    if not rows and ctx.config is not None:
+        import msgspec
+
+        rows = [msgspec.to_builtins(u) for u in ctx.config.units]
+    out = []
+    for u in rows or []:
+        d = dict(_UNIT_DEFAULTS)
+        d.update({k: v for k, v in u.items() if v is not None or k not in _UNIT_DEFAULTS})
+        t = dict(u.get("timing_p50") or {})
+        d["timing_p50"] = {k: float(t.get(k, 0.0) or 0.0) for k in _TIMING_KEYS}
+        d["has_timing"] = bool(u.get("timing_p50"))
+        out.append(d)
+    return out
+
+
+def param_units(ctx: Context) -> list[dict]:
+    return [u for u in units(ctx) if u["param_count"] > 0]
+
+
+def non_root(us: Iterable[dict]) -> list[dict]:
+    return [u for u in us if not u["is_root"]]
+
+
+def roots(us: Iterable[dict]) -> list[dict]:
+    return [u for u in us if u["is_root"]]
+
+
+def total_params(us: Iterable[dict]) -> int:
+    return sum(u["param_count"] for u in us)
+
+
+def mib(n: Optional[float]) -> Optional[float]:
+    return None if n is None else round(n / (1 << 20), 2)
+
+
+# ---------------------------------------------------------------------------------------------- trace rows
+def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[dict]:
+    """The trace's per-unit collective rows with per-step values (``*_per_step``): counts and µs are divided
+    by the number of steps the rank's profiler windows covered."""
+    ov = ctx.section("overlap")
+    per_rank = ov.get("per_rank") or {}
+    out = []
+    for row in ov.get("per_unit") or []:
+        if collective is not None and row.get("collective") != collective:
+            continue
+        n = max(1, len((per_rank.get(str(row.get("rank"))) or {}).get("steps") or [None]))
+        r = dict(row)
+        r["steps"] = n
+        r["count_per_step"] = row.get("count", 0) / n
+        r["comm_ms_per_step"] = (row.get("comm_us") or 0.0) / n / 1e3
+        r["exposed_ms_per_step"] = (row.get("exposed_us") or 0.0) / n / 1e3
+        out.append(r)
+    return out
+
+
+def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[tuple[str, str], float]:
+    """Exposed ms per step per (unit, phase), the median over ranks."""
+    acc: dict[tuple[str, str], list[float]] = {}
+    for r in trace_rows(ctx, collective):
+        acc.setdefault((r["unit"], r.get("phase") or ""), []).append(r["exposed_ms_per_step"])
+    return {k: statistics.median(v) for k, v in acc.items()}
+
+
+def steps_in_windows(ctx: Context, rank: str) -> int:
+    pr = (ctx.section("overlap").get("per_rank") or {}).get(str(rank)) or {}
+    return max(1, len(pr.get("steps") or [None]))
+
+
+# ---------------------------------------------------------------------------------------------- estimates
+def predicted(step_before=None, step_after=None, peak_before=None, peak_after=None) -> dict[str, Any]:
+    def r(x, nd):
+        return None if x is None else round(float(x), nd)
+
+    return {"step_ms_before": r(step_before, 3), "step_ms_after": r(step_after, 3),
+            "peak_bytes_before": None if peak_before is None else int(peak_before),
+            "peak_bytes_after": None if peak_after is None else int(max(0, peak_after))}
+
+
+def ag_wait_ms(u: dict, phase: str) -> float:
+    return u["timing_p50"]["ag_wait_fwd_ms" if phase == "forward" else "ag_wait_bwd_ms"]
+
+
+def compute_fwd_ms(u: dict) -> float:
+    """A unit's forward time minus its own all-gather wait (still inclusive of nested units)."""
+    t = u["timing_p50"]
+    return max(0.0, t["fwd_ms"] - t["ag_wait_fwd_ms"])
+
+
+def zero2_gain(us: list[dict]) -> tuple[float, int]:
+    """reshard_after_forward=False on these units: (ms saved per step, bytes added at the peak).
+
+    Time: their backward all-gather waits disappear (the forward's gathered parameters are kept).
+    Memory: every such unit stays unsharded from its forward to its backward, so at the start of backward
+    all of them are gathered at once: the sum of (unsharded - sharded) bytes."""
+    saved = sum(ag_wait_ms(u, "backward") for u in us)
+    added = sum(max(0, u["unsharded_bytes"] - u["sharded_bytes"]) for u in us)
+    return saved, added
+
+
+# ---------------------------------------------------------------------------------------------- code names
+_CKPT = "._checkpoint_wrapped_module"
+_IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def strip_ckpt(fqn: str) -> str:
+    return fqn.replace(_CKPT, "").replace("_checkpoint_wrapped_module.", "")
+
+
+def module_expr(fqn: str, root: str = "model") -> str:
+    """Python expression for a module fqn: "layers.0.attn" -> ``model.layers[0].attn``; "" -> ``model``."""
+    if not fqn:
+        return root
+    out = root
+    for part in fqn.split("."):
+        out += f"[{part}]" if part.isdigit() else f".{part}"
+    return out
+
+
+def unit_expr(u: dict, root: str = "model") -> str:
+    mods = u.get("modules") or [u.get("name", "")]
+    exprs = [module_expr(m, root) for m in mods]
+    return exprs[0] if len(exprs) == 1 else "[" + ", ".join(exprs) + "]"
+
+
+def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
+    """Repeated-block containers among module names: {"layers": [0, 1, 2, 3]} for "layers.0.attn.qkv", ..."""
+    out: dict[str, set[int]] = {}
+    for n in names:
+        m = _IDX.match(strip_ckpt(n))
+        if m:
+            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
+
+
+def block_of(name: str) -> Optional[str]:
+    """The repeated block a module belongs to: "layers.2.mlp.fc1" -> "layers.2"."""
+    m = _IDX.match(strip_ckpt(name))
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def fmt_list(items: list[str], n: int = 6) -> str:
+    items = [i if i else "<root>" for i in items]
+    return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")

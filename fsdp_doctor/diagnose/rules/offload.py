@@ -1,0 +1,142 @@
+"""CPU-offload rules (GPU runs only): offloading that costs more than it saves, offloading that would
+make a run fit, and offloading from pageable (unpinned) host memory."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from ..base import Context, Rule, register
+
+# Host<->device copies exposed for at least this share of the step make offloading costly ...
+OFFLOAD_COSTLY_SHARE = 0.10
+# ... when, without offloading, the peak would still stay below this share of capacity.
+OFFLOAD_FITS_SHARE = 0.85
+# Offloading is worth proposing when the peak is at least this share of capacity ...
+OFFLOAD_NEEDED_SHARE = 0.95
+# ... and the sharded parameters, gradients and optimizer state are at least this share of the peak.
+OFFLOAD_STATE_SHARE_MIN = 0.40
+# Effective host<->device bandwidth for pinned copies (PCIe gen4 x16 reaches ~20-25 GB/s; FSDP's copies
+# of many shards reach less) and for pageable ones (staged through a bounce buffer, ~2.5x slower).
+PINNED_GBPS = 12.0
+PAGEABLE_SLOWDOWN = 2.5
+
+_STATE_KEYS = ("sharded_params", "sharded_grads", "optimizer_state")
+
+
+def _copies_ms(ctx: Context) -> tuple[float | None, float | None]:
+    """(h2d + d2h ms per step, exposed ms per step), the worst rank."""
+    cp = ctx.section("overlap").get("copies") or {}
+    best = (None, None)
+    for r, c in cp.items():
+        n = E.steps_in_windows(ctx, r)
+        tot = ((c.get("h2d_us") or 0) + (c.get("d2h_us") or 0)) / n / 1e3
+        exp = (c.get("exposed_us") or 0) / n / 1e3
+        if best[1] is None or exp > best[1]:
+            best = (tot, exp)
+    return best
+
+
+def _offloaded(ctx: Context) -> list[dict]:
+    return [u for u in E.param_units(ctx) if u["offload"] == "cpu"]
+
+
+@register
+class OffloadCostly(Rule):
+    code = "offload.costly"
+    name = "CPU offload costs more than it saves"
+    description = "Offload copies stall the step while the sharded state would fit on the device."
+
+    def match(self, ctx: Context):
+        if not E.on_gpu(ctx):
+            return []
+        off = _offloaded(ctx)
+        if not off:
+            return []
+        step, peak, cap = E.step_ms(ctx), E.peak_bytes(ctx), E.capacity_bytes(ctx)
+        tot, exposed = _copies_ms(ctx)
+        if not step or exposed is None or exposed / step < OFFLOAD_COSTLY_SHARE:
+            return []
+        bd = E.breakdown(ctx)
+        host = bd.get("offloaded_host") or E.peak_rank(ctx) and E.peak_rank(ctx)[1].get("offloaded_host") or 0
+        if not host:
+            host = sum(u["sharded_bytes"] for u in off) * 4  # params, grads, 2 Adam states
+        if peak is not None and cap and peak + host > OFFLOAD_FITS_SHARE * cap:
+            return []  # offloading is what makes it fit
+        return [self.finding(
+            "warning", f"CPU offload copies stall the step for {exposed:.1f} ms ({100 * exposed / step:.0f}%)",
+            {"offloaded_units": len(off), "copies_ms_per_step": round(tot or 0, 3),
+             "exposed_copies_ms_per_step": round(exposed, 3), "offloaded_host_bytes": host,
+             "peak_bytes": peak, "capacity_bytes": cap, "step_p50_ms": step},
+            f"The {len(off)} offloaded unit(s) copy parameters to the device and gradients back every step, "
+            f"and {exposed:.1f} ms of those copies are not hidden by compute. Keeping the "
+            f"{E.mib(host)} MiB of offloaded state on the device still leaves the peak under "
+            f"{100 * OFFLOAD_FITS_SHARE:.0f}% of capacity: drop the offload policy.",
+            "fully_shard(block, mesh=mesh)  # no offload_policy=CPUOffloadPolicy(...)",
+            predicted=E.predicted(step, step - exposed, peak, peak + host if peak is not None else None),
+            units=[u["name"] for u in off])]
+
+
+@register
+class OffloadRecommended(Rule):
+    code = "offload.recommended"
+    name = "CPU offload would make the run fit"
+    description = "The sharded state dominates a peak at capacity; offloading it to the host frees it."
+
+    def match(self, ctx: Context):
+        if not E.on_gpu(ctx) or _offloaded(ctx):
+            return []
+        peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
+        if peak is None or not cap or peak / cap < OFFLOAD_NEEDED_SHARE:
+            return []
+        bd = E.breakdown(ctx)
+        state = sum(bd.get(k) or 0 for k in _STATE_KEYS)
+        if state / peak < OFFLOAD_STATE_SHARE_MIN:
+            return []
+        us = E.param_units(ctx)
+        shard = sum(u["sharded_bytes"] for u in us)
+        # per step: params host->device twice (forward and backward unshard), grads device->host once
+        copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
+        return [self.finding(
+            "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
+                       f"peak at {100 * peak / cap:.0f}% of capacity",
+            {"peak_bytes": peak, "capacity_bytes": cap, "sharded_state_bytes": state,
+             "sharded_params_bytes": bd.get("sharded_params"), "sharded_grads_bytes": bd.get("sharded_grads"),
+             "optimizer_state_bytes": bd.get("optimizer_state"), "copy_ms_per_step_est": round(copy_ms, 3),
+             "step_p50_ms": step},
+            f"The persistent sharded state ({E.mib(state)} MiB) is what fills the device. CPUOffloadPolicy keeps "
+            "it on the host: parameters are copied in for each unshard, gradients out after each "
+            "reduce-scatter, and the optimizer steps on the CPU (slow for large models: prefer more ranks "
+            "or checkpointing first if they are an option).",
+            "from torch.distributed.fsdp import CPUOffloadPolicy\n"
+            "for block in model.layers:\n"
+            "    fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))\n"
+            "fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))",
+            predicted=E.predicted(step, step + copy_ms if step is not None else None, peak, peak - state),
+            units=[u["name"] for u in us])]
+
+
+@register
+class OffloadUnpinned(Rule):
+    code = "offload.unpinned"
+    name = "CPU offload from pageable memory"
+    description = "Offloaded tensors in pageable host memory make every copy synchronous and slower."
+
+    def match(self, ctx: Context):
+        if not E.on_gpu(ctx):
+            return []
+        bad = [u for u in _offloaded(ctx) if u["offload_pin_memory"] is False]
+        if not bad:
+            return []
+        step = E.step_ms(ctx)
+        tot, exposed = _copies_ms(ctx)
+        saved = (tot or 0) * (1 - 1 / PAGEABLE_SLOWDOWN)
+        return [self.finding(
+            "warning", f"{len(bad)} offloaded unit(s) use pageable host memory",
+            {"units": [u["name"] or "<root>" for u in bad], "copies_ms_per_step": None if tot is None else round(tot, 3),
+             "exposed_copies_ms_per_step": None if exposed is None else round(exposed, 3), "step_p50_ms": step},
+            "With CPUOffloadPolicy(pin_memory=False) the host copies of parameters and gradients are pageable: "
+            "each transfer is staged through a driver buffer, cannot overlap with compute and runs at a "
+            "fraction of the bandwidth. Pin them (the default).",
+            "from torch.distributed.fsdp import CPUOffloadPolicy\n"
+            "fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))",
+            predicted=E.predicted(step, step - saved if (step is not None and saved > 0) else None),
+            units=[u["name"] for u in bad])]

@@ -1,0 +1,303 @@
+"""Prefetch and reshard rules: all-gathers on the critical path, parameters gathered too early, the
+synchronous unshard on gloo, the last unit resharded for nothing, ZeRO-2 when memory allows it."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from ..base import Context, Rule, register
+
+# Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
+# collectives run on their own stream and could overlap fully ...
+EXPOSED_AG_WARN_SHARE_GPU = 0.10
+EXPOSED_AG_INFO_SHARE_GPU = 0.05
+# ... and on a CPU host, where gloo's threads compete with compute for the same cores, so a large part
+# of the wait is structural (measured on the 2-rank reference workload: 20-45% of the step with async
+# unshard, on a loaded host): only a majority of the step is a finding.
+EXPOSED_AG_WARN_SHARE_CPU = 0.50
+EXPOSED_AG_INFO_SHARE_CPU = 0.15
+# Share of an all-gather that explicit prefetch hides behind the previous unit's compute: all of it on a
+# GPU (own stream), about half on gloo (the collective's threads and compute share the cores).
+PREFETCH_OVERLAP_GPU = 1.0
+PREFETCH_OVERLAP_CPU = 0.5
+# Memory is tight when the peak is at least this share of capacity.
+TIGHT_SHARE = 0.85
+# Gathered parameters held unused this long before use (and this share of the step) cost memory for nothing.
+HELD_MIN_MS = 1.0
+HELD_MIN_STEP_SHARE = 0.03
+# Synchronous unshard on gloo: the share of the backward all-gather waits that async unshard plus FSDP's
+# implicit backward prefetch removed on the reference workload (2 ranks, 2 cores: waits ~3.3 -> ~1.4 ms).
+GLOO_ASYNC_BWD_SAVED = 0.5
+# The last unit's immediate re-gather matters when it costs at least this share of the step.
+LAST_UNIT_WARN_SHARE = 0.02
+# ZeRO-2 (no reshard after forward) is affordable when the peak plus the extra gathered bytes stays below
+# this share of capacity.
+ZERO2_MAX_SHARE = 0.80
+# ... and worth mentioning when it saves at least this share of the step.
+ZERO2_MIN_GAIN_SHARE = 0.02
+
+
+def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) -> str:
+    us = [u for u in E.non_root(E.param_units(ctx))]
+    blocks = E.block_containers(m for u in us for m in u["modules"])
+    lines = []
+    if blocks:
+        cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
+        lines.append(f"blocks = list({E.module_expr(cont)})  # each an FSDP unit")
+    else:
+        lines.append("blocks = [" + ", ".join(E.unit_expr(u) for u in us[:8]) + (", ...]" if len(us) > 8 else "]"))
+    lines.append("for i, block in enumerate(blocks):")
+    if forward:
+        lines.append("    if i + 1 < len(blocks):\n        block.set_modules_to_forward_prefetch([blocks[i + 1]])")
+    if backward:
+        lines.append("    if i > 0:\n        block.set_modules_to_backward_prefetch([blocks[i - 1]])")
+    return "\n".join(lines)
+
+
+def _is_cpu(ctx: Context) -> bool:
+    return not E.on_gpu(ctx)
+
+
+def _sync_gloo_units(ctx: Context) -> list[dict]:
+    if E.backend(ctx) != "gloo":
+        return []
+    return [u for u in E.non_root(E.param_units(ctx)) if not u["unshard_async_op"]]
+
+
+@register
+class ExposedAllGather(Rule):
+    code = "prefetch.exposed_allgather"
+    name = "All-gathers on the critical path"
+    description = "Compute waits for parameter all-gathers that prefetching could have started earlier."
+
+    def match(self, ctx: Context):
+        step = E.step_ms(ctx)
+        us = [u for u in E.param_units(ctx) if u["has_timing"]]
+        if not step or not us:
+            return []
+        rows = []
+        for u in us:
+            for ph in ("forward", "backward"):
+                w = E.ag_wait_ms(u, ph)
+                if w > 0:
+                    rows.append((u, ph, w))
+        total = sum(w for _, _, w in rows)
+        share = total / step
+        cpu = _is_cpu(ctx)
+        warn, info = ((EXPOSED_AG_WARN_SHARE_CPU, EXPOSED_AG_INFO_SHARE_CPU) if cpu
+                      else (EXPOSED_AG_WARN_SHARE_GPU, EXPOSED_AG_INFO_SHARE_GPU))
+        if share < info:
+            return []
+        sev = "warning" if share >= warn else "info"
+        notes = []
+        sync = _sync_gloo_units(ctx)
+        if sync:
+            sev = "info"
+            notes.append("the unshard is synchronous on gloo (see prefetch.sync_unshard): fix that first")
+        stragglers = ctx.section("steps").get("stragglers") or []
+        if stragglers:
+            sev = "info"
+            notes.append("part of the first all-gather's wait is time spent waiting for straggler rank(s) "
+                         + ", ".join(str(s["rank"]) for s in stragglers))
+        rows.sort(key=lambda x: -x[2])
+        fwd = sum(w for _, ph, w in rows if ph == "forward")
+        bwd = total - fwd
+        trace = E.trace_exposed_by_unit(ctx, "all_gather")
+        # explicit forward prefetch: unit i's all-gather overlaps unit i-1's forward compute
+        order = [u for u in E.non_root(us)]
+        eff = 0.0 if sync else (PREFETCH_OVERLAP_CPU if cpu else PREFETCH_OVERLAP_GPU)
+        saved = 0.0
+        for prev, cur in zip(order, order[1:]):
+            saved += min(E.ag_wait_ms(cur, "forward"), E.compute_fwd_ms(prev)) * eff
+        has_fwd_prefetch = any(u["forward_prefetch"] for u in us)
+        text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
+                f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
+                + ", ".join(f"{u['name'] or '<root>'} {ph} {w:.1f} ms" for u, ph, w in rows[:4]) + ". ")
+        if has_fwd_prefetch:
+            text += ("Explicit prefetch is already set; if the waits remain, the all-gathers are slower than the "
+                     "compute they hide behind: larger units (fewer, bigger calls) or reshard_after_forward=False "
+                     "on the units whose backward waits dominate (if memory allows).")
+        else:
+            text += ("FSDP2 prefetches implicitly only in backward; in forward each unit's all-gather starts "
+                     "when the unit is reached. Prefetch the next unit explicitly so that its all-gather runs "
+                     "during the current unit's compute; if the backward waits dominate and memory allows, "
+                     "reshard_after_forward=False on those units removes them.")
+        if notes:
+            text += " Note: " + "; ".join(notes) + "."
+        return [self.finding(
+            sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
+            {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
+             "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
+             "worst_units": [f"{u['name'] or '<root>'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
+             "trace_exposed_ag_ms_per_step": round(sum(trace.values()), 3) if trace else None,
+             "prefetch_overlap_assumed_pct": round(100 * eff)},
+            text, _prefetch_code(ctx),
+            predicted=E.predicted(step, step - saved if saved > 0 else None),
+            units=sorted({u["name"] for u, _, _ in rows[:6]}))]
+
+
+@register
+class PrefetchTooEarly(Rule):
+    code = "prefetch.too_early"
+    name = "Parameters gathered too early"
+    description = "Prefetched parameters sit gathered long before use while memory is tight."
+
+    def match(self, ctx: Context):
+        share = E.headroom_share(ctx)
+        step = E.step_ms(ctx)
+        if share is None or share < TIGHT_SHARE or not step:
+            return []
+        by_name = {u["name"]: u for u in E.units(ctx)}
+        held: dict[tuple[str, str], list[float]] = {}
+        for r in E.trace_rows(ctx, "all_gather"):
+            if r.get("held_us") is None:
+                continue
+            held.setdefault((r["unit"], r.get("phase") or ""), []).append(r["held_us"] / 1e3)
+        rows = []
+        for (unit, ph), v in held.items():
+            ms = max(v)
+            if ms >= max(HELD_MIN_MS, HELD_MIN_STEP_SHARE * step) and unit in by_name:
+                rows.append((by_name[unit], ph, ms))
+        if not rows:
+            return []
+        rows.sort(key=lambda x: -x[2])
+        peak = E.peak_bytes(ctx)
+        # one fewer unit gathered at the peak: the largest of those held early
+        saved = max(u["unsharded_bytes"] - u["sharded_bytes"] for u, _, _ in rows)
+        depth = max((len(u["forward_prefetch"]) for u in by_name.values()), default=0)
+        bdepth = max((len(u["backward_prefetch"]) for u in by_name.values()), default=0)
+        code = ("# prefetch one unit ahead at most (or clear the explicit lists to fall back to FSDP's default)\n"
+                + _prefetch_code(ctx))
+        return [self.finding(
+            "warning", f"Parameters of {len(rows)} unit(s) are gathered up to {rows[0][2]:.1f} ms before use "
+                       f"with memory at {100 * share:.0f}% of capacity",
+            {"peak_share_of_capacity_pct": round(100 * share, 1), "peak_bytes": peak,
+             "capacity_bytes": E.capacity_bytes(ctx), "forward_prefetch_depth": depth,
+             "backward_prefetch_depth": bdepth,
+             "held_units": [f"{u['name'] or '<root>'} ({ph}): {ms:.1f} ms, {E.mib(u['unsharded_bytes'])} MiB"
+                            for u, ph, ms in rows[:6]]},
+            "These all-gathers finish long before their unit computes, so their unsharded parameters occupy "
+            "memory while earlier units still run, and memory is near capacity. Reduce the explicit prefetch "
+            "depth to one unit (or drop it), so at most the computing unit and the next one are gathered.",
+            code, predicted=E.predicted(step, step, peak, peak - saved if peak is not None else None),
+            units=[u["name"] for u, _, _ in rows[:10]])]
+
+
+@register
+class SyncUnshard(Rule):
+    code = "prefetch.sync_unshard"
+    name = "Synchronous unshard on gloo"
+    description = "On gloo the default synchronous unshard blocks the host inside every all-gather."
+
+    def match(self, ctx: Context):
+        sync = _sync_gloo_units(ctx)
+        if not sync:
+            return []
+        step = E.step_ms(ctx)
+        ov = ctx.section("overlap")
+        blk = ov.get("blocking") or {}
+        blocking_ms = []
+        for r, b in blk.items():
+            blocking_ms.append(b.get("us", 0.0) / E.steps_in_windows(ctx, r) / 1e3)
+        ag_rows = E.trace_rows(ctx, "all_gather")
+        ag_comm = sum(r["comm_us"] for r in ag_rows if r.get("comm_us"))
+        ag_exp = sum(r["exposed_us"] for r in ag_rows if r.get("exposed_us") is not None)
+        ag_overlap_pct = round(100 * (1 - ag_exp / ag_comm), 1) if ag_comm > 0 else None
+        bwd_waits = sum(E.ag_wait_ms(u, "backward") for u in sync if u["has_timing"])
+        fwd_waits = sum(E.ag_wait_ms(u, "forward") for u in sync if u["has_timing"])
+        saved = bwd_waits * GLOO_ASYNC_BWD_SAVED
+        names = [u["name"] for u in sync]
+        return [self.finding(
+            "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} units)",
+            {"backend": "gloo", "units_sync": len(sync), "ag_wait_fwd_ms": round(fwd_waits, 3),
+             "ag_wait_bwd_ms": round(bwd_waits, 3), "step_p50_ms": step,
+             "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,
+             "blocking_calls": sum(int(b.get("count", 0)) for b in blk.values()) if blk else None,
+             "ag_overlap_pct": ag_overlap_pct},
+            "On gloo, CPU streams and events are no-ops, so with the default synchronous unshard the "
+            "all-gather runs to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, "
+            "including the all-gathers FSDP prefetches in backward. Make the unshard asynchronous on every "
+            "unit (private API, torch >= 2.4): the collective then runs on gloo's threads while the host "
+            "computes, and FSDP waits for it only when the unit is needed.",
+            "from torch.distributed.fsdp import FSDPModule\n"
+            "for m in model.modules():\n"
+            "    if isinstance(m, FSDPModule):\n"
+            "        m._set_unshard_async_op(True)",
+            predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None),
+            units=names)]
+
+
+@register
+class LastUnitResharded(Rule):
+    code = "reshard.last_unit"
+    name = "Last unit resharded after forward"
+    description = "The last unit of forward is resharded only to be gathered again at once for backward."
+
+    def match(self, ctx: Context):
+        allu = E.param_units(ctx)
+        us = E.non_root(allu)
+        if not us or any(u["is_root"] for u in allu):
+            return []  # a root with parameters computes between the last unit's forward and its backward
+        last = us[-1]  # module order = forward order for sequential models
+        if last["reshard_after_forward"] is False or last["reshard_after_forward"] == 0:
+            return []
+        step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
+        wait = E.ag_wait_ms(last, "backward") if last["has_timing"] else None
+        share = (wait / step) if (wait is not None and step) else None
+        sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
+        extra = last["unsharded_bytes"] - last["sharded_bytes"]
+        name = last["name"] or "<root>"
+        expr = E.unit_expr(last)
+        if len(last["modules"]) > 1:
+            code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"
+                    f"# or, after wrapping: {E.module_expr(last['modules'][0])}.set_reshard_after_forward(False)")
+        else:
+            code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"
+                    f"# or, after wrapping: {expr}.set_reshard_after_forward(False)")
+        return [self.finding(
+            sev, f"Last unit {name!r} is resharded after forward and gathered again at once",
+            {"unit": name, "unsharded_bytes": last["unsharded_bytes"],
+             "ag_wait_bwd_ms": None if wait is None else round(wait, 3),
+             "step_p50_ms": step, "regather_share_pct": None if share is None else round(100 * share, 2)},
+            f"{name!r} runs last in forward and first in backward: resharding it after forward frees "
+            f"{E.mib(extra)} MiB only for the length of the loss computation, then backward all-gathers it "
+            "again with nothing to overlap. Keep it gathered (as torchtitan does for the final norm and output "
+            "head).",
+            code, predicted=E.predicted(step, step - wait if (step is not None and wait) else None, peak,
+                                        peak + extra if peak is not None else None),
+            units=[last["name"]])]
+
+
+@register
+class Zero2Affordable(Rule):
+    code = "reshard.zero2_affordable"
+    name = "Memory allows reshard_after_forward=False"
+    description = "The memory headroom covers keeping parameters gathered between forward and backward."
+
+    def match(self, ctx: Context):
+        peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
+        if peak is None or not cap or not step:
+            return []
+        us = [u for u in E.non_root(E.param_units(ctx))
+              if u["reshard_after_forward"] not in (False, 0) and u["has_timing"]]
+        if not us:
+            return []
+        saved, added = E.zero2_gain(us)
+        if peak + added > ZERO2_MAX_SHARE * cap or saved < ZERO2_MIN_GAIN_SHARE * step:
+            return []
+        blocks = E.block_containers(m for u in us for m in u["modules"])
+        if blocks:
+            cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
+            code = (f"for block in {E.module_expr(cont)}:\n"
+                    "    fully_shard(block, mesh=mesh, reshard_after_forward=False)\n"
+                    "# or, after wrapping: block.set_reshard_after_forward(False)")
+        else:
+            code = "\n".join(f"{E.unit_expr(u)}.set_reshard_after_forward(False)" for u in us[:8])
+        return [self.finding(
+            "info", f"Memory allows reshard_after_forward=False: ~{saved:.1f} ms per step to gain",
+            {"peak_bytes": peak, "capacity_bytes": cap, "added_bytes": added,
+             "peak_after_share_pct": round(100 * (peak + added) / cap, 1),
+             "ag_wait_bwd_ms": round(saved, 3), "units": len(us), "step_p50_ms": step},
+            f"The peak is {100 * peak / cap:.0f}% of capacity. Keeping the {len(us)} resharded units gathered "
+            f"from forward to backward (ZeRO-2 style) adds {E.mib(added)} MiB at the start of backward and "
+            f"removes their backward all-gathers, which now stall compute for {saved:.1f} ms per step.",
+            code, predicted=E.predicted(step, step - saved, peak, peak + added), units=[u["name"] for u in us])]

@@ -1,0 +1,255 @@
+"""Wrapping rules: how the model was cut into FSDP units (too coarse, too fine, parameters left in the root,
+the root never sharded, a unit mixing parameter dtypes)."""
+
+from __future__ import annotations
+
+import statistics
+
+from .. import estimate as E
+from ..base import Context, Rule, register
+
+# One unit holding at least this share of all parameters gathers most of the model at once: its
+# all-gather sets the peak of unsharded memory and has no compute before it to overlap with.
+COARSE_SHARE_MIN = 0.5
+# Splitting a coarse unit: the estimate assumes it becomes this many similar units, two of them gathered
+# at a time (the one computing, the one prefetched).
+COARSE_SPLIT_INTO = 4
+# Below this many units, per-call latency times the number of calls stays small against a step.
+FINE_MIN_UNITS = 12
+# A unit of one leaf module (a Linear/Norm/Embedding: weight and bias) holds at most this many tensors.
+FINE_LEAF_TENSORS = 2
+# Collectives below this size are latency-bound on every interconnect (NCCL reaches bus bandwidth only
+# in the MiB range; gloo's per-call overhead is ~0.1-1 ms).
+FINE_SMALL_BYTES = 256 << 10
+# A root unit holding at least this share of the parameters keeps them gathered for the whole step.
+ROOT_SHARE_MIN = 0.05
+
+
+def _job_numbers(ctx: Context):
+    return E.step_ms(ctx), E.peak_bytes(ctx)
+
+
+@register
+class TooCoarse(Rule):
+    code = "wrap.too_coarse"
+    name = "Unit too coarse"
+    description = "One unit holds most parameters: its all-gather dominates unsharded memory and cannot overlap."
+
+    def match(self, ctx: Context):
+        us = E.param_units(ctx)
+        total = E.total_params(us)
+        if not us or total <= 0:
+            return []
+        big = max(us, key=lambda u: u["param_count"])
+        share = big["param_count"] / total
+        if share < COARSE_SHARE_MIN:
+            return []
+        step, peak = _job_numbers(ctx)
+        t = big["timing_p50"]
+        ag = t["ag_wait_fwd_ms"] + t["ag_wait_bwd_ms"]
+        k = COARSE_SPLIT_INTO
+        # after the split only the first of k units waits in each phase; the rest overlap with compute
+        step_after = step - ag * (k - 1) / k if (step is not None and big["has_timing"]) else None
+        gathered_extra = big["unsharded_bytes"] - big["sharded_bytes"]
+        peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
+        name = big["name"] or "<root>"
+        whole = big["is_root"] and len(us) == 1
+        blocks = E.block_containers(m for u in E.units(ctx) for m in u["modules"])
+        if blocks:
+            cont, idx = next(iter(blocks.items()))
+            loop = f"for block in {E.module_expr(cont)}:"
+        else:
+            loop = "for block in model.layers:  # your repeated blocks (transformer layers, ResNet stages, ...)"
+        code = (
+            "from torch.distributed.fsdp import fully_shard\n"
+            f"{loop}\n    fully_shard(block, mesh=mesh)\n"
+            "fully_shard(model, mesh=mesh)  # the root last: it keeps what no block holds"
+        )
+        text = (f"Unit {name!r} holds {100 * share:.0f}% of the parameters, so FSDP gathers "
+                f"{E.mib(big['unsharded_bytes'])} MiB in one all-gather with nothing to overlap it with "
+                + ("(the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
+                + "Apply fully_shard to each repeated block first, then to the root: each block's all-gather "
+                "overlaps with the previous block's compute and only two blocks are gathered at a time.")
+        return [self.finding(
+            "warning", f"Unit {name!r} holds {100 * share:.0f}% of all parameters",
+            {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big["param_count"],
+             "unsharded_bytes": big["unsharded_bytes"], "units_with_params": len(us),
+             "ag_wait_fwd_ms": t["ag_wait_fwd_ms"], "ag_wait_bwd_ms": t["ag_wait_bwd_ms"],
+             "step_p50_ms": step, "estimate_assumes": f"split into {k} similar units, 2 gathered at a time"},
+            text, code,
+            predicted=E.predicted(step, step_after, peak, peak_after), units=[big["name"]])]
+
+
+@register
+class TooFine(Rule):
+    code = "wrap.too_fine"
+    name = "Units too fine"
+    description = "Many small units: their collectives are too small to reach bandwidth and pay per-call latency."
+
+    def match(self, ctx: Context):
+        us = E.non_root(E.param_units(ctx))
+        if len(us) < FINE_MIN_UNITS:
+            return []
+        med_tensors = statistics.median(u["n_params"] for u in us)
+        med_bytes = statistics.median(u["unsharded_bytes"] for u in us)
+        if med_tensors > FINE_LEAF_TENSORS and med_bytes >= FINE_SMALL_BYTES:
+            return []
+        small = [u for u in us if u["unsharded_bytes"] < FINE_SMALL_BYTES or u["n_params"] <= FINE_LEAF_TENSORS]
+        step, _ = _job_numbers(ctx)
+        timed = [u for u in us if u["has_timing"]]
+        waits = [E.ag_wait_ms(u, "forward") for u in timed]
+        ag_total = sum(E.ag_wait_ms(u, p) for u in timed for p in ("forward", "backward"))
+        # per-call fixed cost: the all-gather wait of the smallest quarter of the units (their bytes are ~0)
+        by_size = sorted(timed, key=lambda u: u["unsharded_bytes"])[:max(1, len(timed) // 4)]
+        latency = statistics.median(E.ag_wait_ms(u, "forward") for u in by_size) if by_size else None
+        # group the units by repeated block: what the calls would be after re-wrapping
+        groups = {E.block_of(m) or m for u in us for m in u["modules"]}
+        calls_before = 2 * len(us)  # one all-gather in forward, one in backward
+        calls_after = 2 * len(groups)
+        step_after = None
+        if step is not None and latency is not None and waits:
+            step_after = step - max(0, calls_before - calls_after) * latency
+        blocks = E.block_containers(m for u in us for m in u["modules"])
+        if blocks:
+            cont, _idx = next(iter(blocks.items()))
+            code = ("from torch.distributed.fsdp import fully_shard\n"
+                    f"# wrap whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})\n"
+                    f"for block in {E.module_expr(cont)}:\n    fully_shard(block, mesh=mesh)\n"
+                    "fully_shard(model, mesh=mesh)")
+        else:
+            code = ("from torch.distributed.fsdp import fully_shard\n"
+                    "for block in model.layers:  # your repeated blocks, not their Linear/Norm leaves\n"
+                    "    fully_shard(block, mesh=mesh)\nfully_shard(model, mesh=mesh)")
+        return [self.finding(
+            "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
+            {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
+             "small_units": len(small), "all_gathers_per_step": calls_before,
+             "ag_wait_ms_per_step": round(ag_total, 3),
+             "ag_latency_ms_per_call": None if latency is None else round(latency, 3),
+             "step_p50_ms": step, "examples": [u["name"] for u in small[:6]]},
+            f"{len(us)} units with a median of {E.mib(med_bytes)} MiB each: every unit pays a fixed cost per "
+            "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
+            "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
+            f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones.",
+            code, predicted=E.predicted(step, step_after), units=[u["name"] for u in small[:20]])]
+
+
+@register
+class ParamsInRoot(Rule):
+    code = "wrap.params_in_root"
+    name = "Parameters left in the root"
+    description = "A material share of the parameters sits in the root unit, gathered for the whole step."
+
+    def match(self, ctx: Context):
+        allu = E.units(ctx)
+        us = E.param_units(ctx)
+        rts = E.roots(us)
+        others = E.non_root(us)
+        total = E.total_params(us)
+        if len(rts) != 1 or not others or total <= 0:
+            return []  # a root-only model is wrap.too_coarse; several roots are wrap.root_not_sharded
+        root = rts[0]
+        share = root["param_count"] / total
+        if share < ROOT_SHARE_MIN:
+            return []
+        step, peak = _job_numbers(ctx)
+        held = root["unsharded_bytes"] - root["sharded_bytes"]
+        peak_after = peak - held if peak is not None else None
+        t = root["timing_p50"]
+        wrapped = {m for u in allu if not u["is_root"] for m in u["modules"]}
+        code = ("from torch.distributed.fsdp import FSDPModule, fully_shard\n"
+                "# before fully_shard(model): give every parameter-holding child of the root its own unit\n"
+                "for name, child in model.named_children():\n"
+                "    if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):\n"
+                "        fully_shard(child, mesh=mesh)  # e.g. the embeddings; group the final norm and output\n"
+                "                                       # head: fully_shard([model.norm, model.output],\n"
+                "                                       #     reshard_after_forward=False)\n"
+                "fully_shard(model, mesh=mesh)")
+        return [self.finding(
+            "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
+            {"root_param_share_pct": round(100 * share, 1), "root_param_count": root["param_count"],
+             "root_unsharded_bytes": root["unsharded_bytes"], "held_gathered_bytes": held,
+             "root_ag_wait_fwd_ms": t["ag_wait_fwd_ms"], "wrapped_units": len(others),
+             "wrapped_examples": sorted(wrapped)[:6]},
+            f"The root unit manages {E.mib(root['unsharded_bytes'])} MiB of parameters outside the wrapped "
+            "units (typically embeddings, the final norm and the output head). The root is not resharded "
+            "after forward, so these stay gathered from the first forward to the end of backward, and their "
+            "all-gather is the first of the step with nothing to overlap. Wrap them as units of their own "
+            "before wrapping the root.",
+            code, predicted=E.predicted(step, step, peak, peak_after), units=[""])]
+
+
+@register
+class RootNotSharded(Rule):
+    code = "wrap.root_not_sharded"
+    name = "Root never sharded"
+    description = "Blocks were wrapped but fully_shard was never applied to the root module."
+
+    def match(self, ctx: Context):
+        allu = E.units(ctx)
+        us = [u for u in allu if u["param_count"] > 0 or u["is_root"]]
+        if len(us) < 2:
+            return []
+        rts = E.roots(us)
+        nested = [u for u in us if u.get("parent") is not None or u["depth"] > 0]
+        if len(rts) < 2 and nested:
+            return []
+        if len(rts) < 2 and not nested and any(not u["modules"] or "" in u["modules"] for u in us):
+            return []
+        cfg = ctx.config
+        unmanaged = cfg.unmanaged_param_bytes if cfg is not None else 0
+        step, peak = _job_numbers(ctx)
+        # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
+        # block computing (and the one prefetched) would be gathered
+        extra = sorted((u["unsharded_bytes"] - u["sharded_bytes"] for u in rts), reverse=True)
+        saved = sum(extra[2:]) if len(extra) > 2 else 0
+        peak_after = peak - saved if peak is not None else None
+        # and the backward all-gathers come back: roughly the forward waits again
+        refetch = sum(E.ag_wait_ms(u, "forward") for u in rts[1:])
+        step_after = step + refetch if step is not None else None
+        names = [u["name"] for u in rts] or [u["name"] for u in us]
+        sev = "critical" if unmanaged > 0 else "warning"
+        text = (f"{len(rts)} units are each their own FSDP root ({E.fmt_list(names)}): fully_shard was applied "
+                "to the blocks but not to the model. Every root keeps its parameters gathered after forward "
+                "(FSDP never reshards a root), so all blocks are unsharded at once at the start of backward.")
+        if unmanaged:
+            text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
+                     "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
+        text += " Apply fully_shard to the root module after the blocks."
+        code = ("from torch.distributed.fsdp import fully_shard\n"
+                + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh)" for u in (rts or us)[:3])
+                + ("\n..." if len(rts or us) > 3 else "")
+                + "\nfully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
+        return [self.finding(
+            sev, f"fully_shard was never applied to the root: {len(rts)} independent FSDP roots",
+            {"roots": names, "root_count": len(rts), "unmanaged_param_bytes": unmanaged,
+             "held_gathered_bytes": sum(extra), "step_p50_ms": step},
+            text, code, predicted=E.predicted(step, step_after, peak, peak_after), units=names)]
+
+
+@register
+class MixedDtypeUnit(Rule):
+    code = "wrap.mixed_dtype_unit"
+    name = "Unit mixing parameter dtypes"
+    description = "A unit whose parameters have several dtypes is all-gathered byte-wise."
+
+    def match(self, ctx: Context):
+        out = []
+        for u in E.param_units(ctx):
+            dts = [d for d in u["orig_dtypes"] if d]
+            if len(set(dts)) < 2:
+                continue
+            name = u["name"] or "<root>"
+            out.append(self.finding(
+                "warning", f"Unit {name!r} mixes parameter dtypes ({', '.join(sorted(set(dts)))})",
+                {"unit": name, "dtypes": sorted(set(dts)), "unsharded_bytes": u["unsharded_bytes"],
+                 "param_count": u["param_count"]},
+                "FSDP2 all-gathers a unit in one flat buffer; with several dtypes it falls back to a byte-wise "
+                "all-gather plus per-dtype copies, and a unit with trainable parameters of several dtypes "
+                "fails in mixed precision. Cast the module to one dtype before fully_shard (use "
+                "MixedPrecisionPolicy for compute precision), or give the odd-dtype parameters their own unit.",
+                f"{E.unit_expr(u)}.to(torch.float32)  # one storage dtype per unit\n"
+                f"fully_shard({E.unit_expr(u)}, mesh=mesh,\n"
+                "            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))",
+                units=[u["name"]]))
+        return out

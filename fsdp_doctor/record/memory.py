@@ -1,0 +1,856 @@
+"""Memory by category: where every byte of an FSDP2 step goes, per rank, per unit and phase.
+
+The :class:`MemoryProbe` is driven by the :class:`~fsdp_doctor.record.tracker.Doctor`: it calls
+``mark(unit, phase)`` at FSDP's own hook boundaries and ``step_end(step)`` once per step. At every mark
+the probe samples these categories (bytes on this rank's device):
+
+``sharded_params``
+    the local shards FSDP keeps (``FSDPParam._sharded_param_data``, padding included) plus every model
+    parameter no FSDP unit manages.
+``unsharded_params``
+    all-gathered parameters alive now: units whose param group is UNSHARDED (the all-gather output
+    storages, measured once per group) or SHARDED_POST_FORWARD (the smaller-world copy).
+``sharded_grads`` / ``unsharded_grads``
+    the reduce-scattered gradients on the sharded parameters (unique storages: FSDP views them out of one
+    flat reduce-scatter output per unit), and the full gradients of unsharded parameters that have not
+    been reduced yet (transient in backward; they stay when gradient sync is off).
+``optimizer_state``
+    every tensor in ``optimizer.state`` of a model parameter (local bytes of DTensors).
+``stale_optimizer_params``
+    tensors an optimizer created *before* ``fully_shard`` holds: its params are the old full tensors the
+    model no longer uses (plus their grads and state). Kept apart so the bug is visible.
+``activations``
+    tensors saved for backward and alive, counted exactly by an outer
+    ``torch.autograd.graph.saved_tensors_hooks`` pair: each storage once, parameters and any storage shared
+    with a parameter skipped (FSDP2 saves its unsharded weights as views), storages freed by a reshard
+    count 0. A saved tensor's bytes are removed when autograd drops its packed handle (the handle's
+    ``__del__``), so the running counter is exact during backward too. Under activation checkpointing
+    the checkpoint's inner hooks take precedence: only what checkpointing keeps (its inputs) is counted,
+    which is what is alive.
+``comm_buffers``
+    FSDP's collective buffers in flight: the all-gather output kept for copy-out overlap
+    (``comm_ctx.all_gather_state``), pending (prefetched) all-gather results, reduce-scatter inputs kept
+    by ``comm_ctx.reduce_scatter_states``, and HSDP all-reduce / partial-reduce buffers.
+``buffers``
+    the model's registered buffers.
+``temporaries``
+    on CUDA: ``torch.cuda.memory_allocated()`` minus every category above (autograd's gradient
+    temporaries, op workspaces, tensors held by user code). On CPU there is no allocator total to subtract
+    from, so it is 0.
+
+``offloaded_host`` (host memory, reported apart): tensors of the categories above that live on the host
+while the model computes on an accelerator (``CPUOffloadPolicy`` params and grads, optimizer state on the
+host). On a CPU run every tensor is "device" memory and ``offloaded_host`` is 0.
+
+On CUDA each step also records ``allocated`` / ``reserved`` / fragmentation (reserved - allocated, the
+allocator's inactive split bytes, the largest free cached block from ``torch.cuda.memory_snapshot()`` on
+some steps) and the process's device memory outside PyTorch's allocator from NVML (``nvidia-ml-py``,
+imported lazily; its absence is normal). Those CUDA/NVML paths are written against the documented APIs but
+could not be exercised on the CPU-only machine this was developed on.
+
+Cost: per-unit byte sizes are cached; a mark reads a few FSDP state fields per param group and the cached
+figures; gradients are re-measured only for the units whose backward just ran; the optimizer state only
+when its size changes (and every ``refresh_every`` steps). The pack hook costs ~2 us per saved tensor.
+Options (``watch(memory={...})``): ``activations_every`` (count saved tensors exactly on every Nth step,
+default 1; in between the last exact step's activation figures are replayed mark by mark),
+``timeline_every`` (store every sample of every Nth step, default 50; the first steps and every step
+that raises the running peak are stored too), ``refresh_every`` (re-measure the static sizes, default 50),
+``fragmentation_every`` (CUDA memory snapshot for the largest free block, default 200; 0 = never),
+``nvml`` (default True).
+
+The step's dict (``StepRecord.memory``) is documented in :func:`MemoryProbe.step_end`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("fsdp_doctor")
+_now = time.perf_counter_ns
+# the probe's own cost is timed with the same wall clock (thread_time_ns is a slow syscall in some sandboxes)
+_cpu = _now
+
+MEMORY_FORMAT = 1
+
+#: device categories, in the order of every sample row; they add up to the sample's total.
+CATEGORIES = (
+    "sharded_params",
+    "unsharded_params",
+    "sharded_grads",
+    "unsharded_grads",
+    "optimizer_state",
+    "stale_optimizer_params",
+    "activations",
+    "comm_buffers",
+    "buffers",
+    "temporaries",
+)
+HOST_CATEGORIES = ("offloaded_host",)
+(_SP, _USP, _SG, _UG, _OPT, _STALE, _ACT, _COMM, _BUF, _TMP) = range(len(CATEGORIES))
+
+_DEFAULTS = {
+    "activations_every": 1,
+    "timeline_every": 50,
+    "refresh_every": 50,
+    "fragmentation_every": 200,
+    "nvml": True,
+    "first_timeline_steps": 3,
+}
+
+
+def _options(option: Any) -> dict:
+    opts = dict(_DEFAULTS)
+    if isinstance(option, dict):
+        unknown = set(option) - set(_DEFAULTS)
+        if unknown:
+            raise ValueError(f"watch(memory=...): unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+        opts.update(option)
+    for k in ("activations_every", "timeline_every", "refresh_every", "fragmentation_every", "first_timeline_steps"):
+        opts[k] = max(0, int(opts[k]))
+    return opts
+
+
+def _storage(t: torch.Tensor):
+    """(storage key, storage bytes) of a plain tensor or a DTensor's local tensor; (None, 0) if it has none."""
+    lt = t if type(t) is torch.Tensor or isinstance(t, nn.Parameter) else getattr(t, "_local_tensor", t)
+    try:
+        st = lt.untyped_storage()
+        return st._cdata, st.nbytes()
+    except Exception:  # noqa: BLE001 - tensor subclasses without a storage (fake, nested, sparse)
+        return None, 0
+
+
+def _is_host(t: torch.Tensor) -> bool:
+    lt = getattr(t, "_local_tensor", t)
+    return lt.device.type == "cpu"
+
+
+class _Saved:
+    """What the pack hook leaves in the autograd graph: the detached tensor and its storage key.
+
+    When autograd drops the saved variable (after the node ran in backward, or with the graph), this
+    object dies and ``__del__`` takes the storage's bytes off the running counter once its last saved
+    reference is gone.
+    """
+
+    __slots__ = ("t", "k", "live")
+
+    def __init__(self, t, k, live):
+        self.t = t
+        self.k = k
+        self.live = live
+
+    def __del__(self):
+        live = self.live
+        e = live.entries.get(self.k)
+        if e is None:
+            return
+        e[0] -= 1
+        if e[0] <= 0:
+            del live.entries[self.k]
+            live.bytes -= e[1]
+
+
+class _Live:
+    """Running count of saved-for-backward storages (shared with the _Saved handles)."""
+
+    __slots__ = ("entries", "bytes", "packs")
+
+    def __init__(self):
+        self.entries: dict[int, list[int]] = {}  # storage key -> [saved references alive, bytes]
+        self.bytes = 0
+        self.packs = 0
+
+
+class _GroupInfo:
+    """One FSDPParamGroup with its cached sizes."""
+
+    __slots__ = ("pg", "unit", "fps", "unsharded_bytes", "post_fwd_bytes")
+
+    def __init__(self, pg, unit: int):
+        self.pg = pg
+        self.unit = unit
+        self.fps = list(getattr(pg, "fsdp_params", []) or [])
+        self.unsharded_bytes: int | None = None
+        self.post_fwd_bytes: int | None = None
+
+
+class MemoryProbe:
+    """Samples memory by category at the Doctor's marks; one instance per watched rank."""
+
+    def __init__(self, doctor, option):
+        self.doctor = doctor
+        self.opts = _options(option)
+        self.model: nn.Module = doctor.model
+        self.optimizer = getattr(doctor, "optimizer", None)
+        self.units = list(doctor._units)
+        self.unit_names = [u.name for u in self.units]
+        self.unit_index = {u.name: i for i, u in enumerate(self.units)}
+        self.device = _compute_device(self.units, self.model)
+        self.dev_type = self.device.type
+        self.host_is_device = self.dev_type == "cpu"
+        self.is_cuda = self.dev_type == "cuda"
+        self.groups: list[_GroupInfo] = []
+        self.unit_groups: list[list[_GroupInfo]] = [[] for _ in self.units]
+        for i, u in enumerate(self.units):
+            for pg in u.param_groups:
+                g = _GroupInfo(pg, i)
+                self.groups.append(g)
+                self.unit_groups[i].append(g)
+        self._unsharded_state = None
+        self._post_fwd_state = None
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+            self._unsharded_state = ShardedState.UNSHARDED
+            self._post_fwd_state = ShardedState.SHARDED_POST_FORWARD
+        except Exception:  # noqa: BLE001 - moved in another torch version: fall back to is_unsharded
+            pass
+        # cached figures (device bytes, host bytes)
+        self.static = [0] * len(CATEGORIES)
+        self.host_static = 0
+        self.unit_sgrad = [0] * len(self.units)
+        self.unit_ugrad = [0] * len(self.units)
+        self.unit_host_grad = [0] * len(self.units)
+        self.unmanaged_sgrad = 0
+        self.unmanaged_host_grad = 0
+        self.opt_bytes = 0
+        self.opt_host = 0
+        self.opt_len = -1
+        self.stale_bytes = 0
+        self.stale_params = 0
+        self._unmanaged: list[nn.Parameter] = []
+        self._param_keys: set[int] = set()
+        self._keys_built: set[int] = set()
+        self._comm_ctxs: list = []
+        self._static_done = False
+        self._pending: list[int] = []  # units whose post-backward ran since their grads were measured
+        # activations
+        self.live = _Live()
+        self._hooks_pushed = False
+        self._act_error: str | None = None
+        self._act_mode = "off"  # this step: "exact" | "replayed" | "off"
+        self._act_note: str | None = None
+        self._last_exact: list | None = None  # [(unit, phase, activations)] of the last exact step
+        self._unit_act_start: dict[int, int] = {}
+        self._unit_act: dict[int, int] = {}
+        # step state
+        self.step_idx = 0
+        self._samples: list[tuple] = []
+        self._t0 = _now()
+        self._cost_ns = 0
+        self._running_peak = -1
+        self._nvml = None
+        self._nvml_failed = False
+        self._unmanaged_static()
+        self._refresh_optimizer(force=True)
+        self._begin(0)
+
+    # ------------------------------------------------------------------ static sizes
+    def _unmanaged_static(self) -> None:
+        managed = set()
+        for g in self.groups:
+            for fp in g.fps:
+                sp = getattr(fp, "sharded_param", None)
+                if sp is not None:
+                    managed.add(id(sp))
+        self._unmanaged = [p for p in self.model.parameters() if id(p) not in managed]
+
+    def _refresh_static(self) -> None:
+        """Sharded params, unmanaged params, buffers, parameter storage keys (after FSDP's lazy init)."""
+        dev = host = 0
+        seen: set[int] = set()
+        keys: set[int] = set()
+        for g in self.groups:
+            for fp in g.fps:
+                data = getattr(fp, "_sharded_param_data", None)
+                if data is None:
+                    data = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+                if data is None:
+                    continue
+                k, nb = _storage(data)
+                if k is None or k in seen:
+                    continue
+                seen.add(k)
+                keys.add(k)
+                nb = data.numel() * data.element_size() if nb == 0 else nb
+                if self.host_is_device or not _is_host(data):
+                    dev += nb
+                else:
+                    host += nb
+        self._unmanaged_static()
+        for p in self._unmanaged:
+            k, nb = _storage(p)
+            if k is None or k in seen:
+                continue
+            seen.add(k)
+            keys.add(k)
+            if self.host_is_device or not _is_host(p):
+                dev += nb
+            else:
+                host += nb
+        buf = 0
+        for b in self.model.buffers():
+            k, nb = _storage(b)
+            if k is not None and k not in seen:
+                seen.add(k)
+                buf += nb
+        self.static[_SP] = dev
+        self.static[_BUF] = buf
+        self.host_static = host
+        self._param_keys = keys
+        self._keys_built = set()
+        ctxs = {}
+        for g in self.groups:
+            c = getattr(g.pg, "comm_ctx", None)
+            if c is not None:
+                ctxs[id(c)] = c
+        self._comm_ctxs = list(ctxs.values())
+        self._static_done = True
+
+    def _add_unit_param_keys(self, idx: int) -> None:
+        """Storage keys of a unit's unsharded parameters (persist across reshards: FSDP resizes them)."""
+        added = False
+        for g in self.unit_groups[idx]:
+            for fp in g.fps:
+                up = getattr(fp, "_unsharded_param", None)
+                if up is not None:
+                    k, _ = _storage(up)
+                    if k is not None:
+                        self._param_keys.add(k)
+                        added = True
+                for t in getattr(fp, "all_gather_outputs", ()) or ():
+                    k, _ = _storage(t)
+                    if k is not None:
+                        self._param_keys.add(k)
+        if added:
+            self._keys_built.add(idx)
+
+    # ------------------------------------------------------------------ gradients and optimizer
+    def _grad_bytes(self, t, seen: set) -> tuple[int, int]:
+        k, nb = _storage(t)
+        if k is None or k in seen:
+            return 0, 0
+        seen.add(k)
+        if self.host_is_device or not _is_host(t):
+            return nb, 0
+        return 0, nb
+
+    def _measure_unit_grads(self, idx: int) -> None:
+        sg = ug = host = 0
+        seen: set[int] = set()
+        for g in self.unit_groups[idx]:
+            for fp in g.fps:
+                sp = getattr(fp, "sharded_param", None)
+                gr = sp.grad if sp is not None else None
+                if gr is not None:
+                    d, h = self._grad_bytes(gr, seen)
+                    sg += d
+                    host += h
+                up = getattr(fp, "_unsharded_param", None)
+                if up is not None:
+                    gr = up.grad
+                    if gr is not None:
+                        d, h = self._grad_bytes(gr, seen)
+                        ug += d
+                        host += h
+                acc = getattr(fp, "unsharded_accumulated_grad", None)
+                if acc is not None:
+                    d, h = self._grad_bytes(acc, seen)
+                    ug += d
+                    host += h
+        self.unit_sgrad[idx] = sg
+        self.unit_ugrad[idx] = ug
+        self.unit_host_grad[idx] = host
+
+    def _quick_grads(self) -> None:
+        """At the forward start: units whose grads were set to None (zero_grad) cost one check per param."""
+        for idx in range(len(self.units)):
+            if self.unit_sgrad[idx] or self.unit_ugrad[idx] or self.unit_host_grad[idx]:
+                self._measure_unit_grads(idx)
+        self._measure_unmanaged_grads()
+
+    def _measure_unmanaged_grads(self) -> None:
+        dev = host = 0
+        seen: set[int] = set()
+        for p in self._unmanaged:
+            gr = p.grad
+            if gr is not None:
+                d, h = self._grad_bytes(gr, seen)
+                dev += d
+                host += h
+        self.unmanaged_sgrad = dev
+        self.unmanaged_host_grad = host
+
+    def _refresh_optimizer(self, force: bool = False) -> None:
+        opt = self.optimizer
+        if opt is None:
+            return
+        state = getattr(opt, "state", None)
+        n = len(state) if state is not None else 0
+        if not force and n == self.opt_len:
+            return
+        self.opt_len = n
+        model_ids = {id(p) for p in self.model.parameters()}
+        seen: set[int] = set()
+        dev = host = 0
+        stale = 0
+        stale_n = 0
+        for group in opt.param_groups:
+            for p in group.get("params", ()):
+                if id(p) in model_ids:
+                    continue
+                stale_n += 1
+                for t in (p, p.grad):
+                    if t is None:
+                        continue
+                    k, nb = _storage(t)
+                    if k is not None and k not in seen:
+                        seen.add(k)
+                        stale += nb
+        for p, st in (state or {}).items():
+            is_stale = id(p) not in model_ids
+            for v in st.values() if isinstance(st, dict) else ():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                k, nb = _storage(v)
+                if k is None or k in seen:
+                    continue
+                seen.add(k)
+                if is_stale:
+                    stale += nb
+                elif self.host_is_device or not _is_host(v):
+                    dev += nb
+                else:
+                    host += nb
+        self.opt_bytes = dev
+        self.opt_host = host
+        self.stale_bytes = stale
+        self.stale_params = stale_n
+
+    # ------------------------------------------------------------------ per-mark figures
+    def _unsharded_bytes(self) -> int:
+        total = 0
+        us, pf = self._unsharded_state, self._post_fwd_state
+        for g in self.groups:
+            pg = g.pg
+            s = getattr(pg, "_sharded_state", None)
+            if us is not None and s is not None:
+                if s is us:
+                    b = g.unsharded_bytes
+                    if b is None:
+                        b = g.unsharded_bytes = self._measure_unsharded(g)
+                    total += b
+                elif s is pf:
+                    b = g.post_fwd_bytes
+                    if b is None:
+                        b = g.post_fwd_bytes = self._measure_post_forward(g)
+                    total += b
+            elif getattr(pg, "is_unsharded", False):
+                b = g.unsharded_bytes
+                if b is None:
+                    b = g.unsharded_bytes = self._measure_unsharded(g)
+                total += b
+        return total
+
+    @staticmethod
+    def _measure_unsharded(g: _GroupInfo) -> int:
+        seen: set[int] = set()
+        total = 0
+        for fp in g.fps:
+            ts = list(getattr(fp, "all_gather_outputs", ()) or ()) + list(getattr(fp, "_unsharded_inner_tensors", ()) or ())
+            if not ts and getattr(fp, "_unsharded_param", None) is not None:
+                ts = [fp._unsharded_param]
+            for t in ts:
+                k, nb = _storage(t)
+                if k is not None and k not in seen:
+                    seen.add(k)
+                    total += nb
+        return total
+
+    @staticmethod
+    def _measure_post_forward(g: _GroupInfo) -> int:
+        total = 0
+        for fp in g.fps:
+            t = getattr(fp, "_sharded_post_forward_param_data", None)
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    def _comm_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+
+        def add(t):
+            nonlocal total
+            if isinstance(t, torch.Tensor):
+                k, nb = _storage(t)
+                if k is not None and k not in seen:
+                    seen.add(k)
+                    total += nb
+
+        for c in self._comm_ctxs:
+            ags = getattr(c, "all_gather_state", None)
+            if ags is not None:
+                add(getattr(getattr(ags, "all_gather_result", None), "all_gather_output", None))
+            for rs in getattr(c, "reduce_scatter_states", None) or ():
+                add(getattr(rs, "reduce_scatter_input", None))
+        for g in self.groups:
+            pg = g.pg
+            agr = getattr(pg, "_all_gather_result", None)
+            if agr is not None:
+                add(getattr(agr, "all_gather_output", None))
+            ars = getattr(pg, "_all_reduce_state", None)
+            if ars is not None:
+                add(getattr(ars, "all_reduce_input", None))
+            pro = getattr(pg, "_partial_reduce_output", None)
+            if pro is not None:
+                add(pro)
+        return total
+
+    # ------------------------------------------------------------------ activations (saved tensors)
+    def _pack(self, t):
+        live = self.live
+        try:
+            live.packs += 1
+            if isinstance(t, nn.Parameter):
+                return t
+            d = t.detach()
+            b = t._base
+            if b is not None and isinstance(b, nn.Parameter):
+                return d
+            if type(t) is not torch.Tensor:
+                lt = getattr(t, "_local_tensor", None)
+                if lt is None:
+                    return d
+                st = lt.untyped_storage()
+            else:
+                st = t.untyped_storage()
+            if not self.host_is_device and st.device.type == "cpu":
+                return d
+            k = st._cdata
+            if k in self._param_keys:
+                return d
+            e = live.entries.get(k)
+            if e is None:
+                nb = st.nbytes()
+                if nb == 0:  # a freed (resharded) storage holds nothing
+                    return d
+                live.entries[k] = [1, nb]
+                live.bytes += nb
+            else:
+                e[0] += 1
+            return _Saved(d, k, live)
+        except Exception as exc:  # noqa: BLE001 - never break the user's forward
+            if self._act_error is None:
+                self._act_error = f"{type(exc).__name__}: {exc}"[:200]
+                log.warning("fsdp_doctor: activation counting failed (%s); activations are not counted", self._act_error)
+            try:
+                return t.detach()
+            except Exception:  # noqa: BLE001
+                return t
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if type(x) is _Saved else x
+
+    def _push_hooks(self) -> None:
+        if self._hooks_pushed or self._act_error is not None:
+            return
+        ag = torch._C._autograd
+        try:
+            if not ag._saved_tensors_hooks_is_enabled():
+                self._act_note = "saved tensor hooks are disabled here"
+                return
+            if ag._top_saved_tensors_default_hooks(False) is not None:
+                # the user's own saved_tensors_hooks (e.g. save_on_cpu) are active: ours would override them
+                self._act_note = "the training loop's own saved_tensors_hooks are active; activations not counted"
+                return
+            ag._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._hooks_pushed = True
+            self._act_mode = "exact"
+        except Exception as exc:  # noqa: BLE001
+            self._act_note = f"saved tensor hooks unavailable ({type(exc).__name__}: {exc})"[:200]
+
+    def _pop_hooks(self) -> None:
+        """Pops our hooks when they are on top (main thread, outside the forward/backward)."""
+        if not self._hooks_pushed:
+            return
+        ag = torch._C._autograd
+        top = ag._top_saved_tensors_default_hooks(False)
+        if top is not None and getattr(top[0], "__func__", None) is MemoryProbe._pack and getattr(top[0], "__self__", None) is self:
+            ag._pop_saved_tensors_default_hooks()
+            self._hooks_pushed = False
+
+    # ------------------------------------------------------------------ probe interface
+    def mark(self, unit: str | None, phase: str) -> None:
+        t = _now()
+        c0 = _cpu()
+        idx = self.unit_index.get(unit) if unit is not None else None
+        in_bwd = torch._C._current_graph_task_id() != -1
+        if phase == "forward_start":
+            if idx is None:
+                self._on_step_forward()
+            else:
+                if in_bwd:
+                    phase = "recompute_start"
+                else:
+                    if not self._static_done:
+                        self._refresh_static()
+                    if idx not in self._keys_built:
+                        self._add_unit_param_keys(idx)
+                    self._unit_act_start[idx] = self.live.bytes
+        elif phase == "forward_end":
+            if in_bwd:
+                phase = "recompute_end"
+            elif idx is not None:
+                s = self._unit_act_start.pop(idx, None)
+                if s is not None:
+                    self._unit_act[idx] = self._unit_act.get(idx, 0) + self.live.bytes - s
+        elif phase == "backward_start":
+            self._flush_pending()
+        elif phase == "backward_end":
+            self._flush_pending()
+            if idx is not None:
+                self._measure_unit_grads(idx)  # unsharded grads before the reduce-scatter
+                self._pending.append(idx)
+            else:
+                self._measure_unmanaged_grads()
+        elif phase == "optimizer_start":
+            self._flush_pending()
+            self._pop_hooks()
+        elif phase == "optimizer_end":
+            self._refresh_optimizer(force=self.step_idx < 2)
+            # zero_grad(set_to_none=False) keeps the grads; a step may also free them (rare)
+        self._sample(t, unit, phase)
+        self._cost_ns += _cpu() - c0
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            for i in self._pending:
+                self._measure_unit_grads(i)
+            self._pending.clear()
+
+    def _on_step_forward(self) -> None:
+        """The whole model's forward starts (once per micro-batch)."""
+        if self._static_done and not self._fwd_seen:
+            self._quick_grads()
+        self._fwd_seen = True
+        every = self.opts["activations_every"]
+        if every and self.step_idx % every == 0:
+            self._push_hooks()
+        if not self._hooks_pushed and self._act_mode != "exact":
+            self._act_mode = "replayed" if self._last_exact is not None else "off"
+
+    def _sample(self, t: int, unit, phase: str) -> None:
+        v = list(self.static)
+        v[_USP] = self._unsharded_bytes()
+        v[_SG] = sum(self.unit_sgrad) + self.unmanaged_sgrad
+        v[_UG] = sum(self.unit_ugrad)
+        v[_OPT] = self.opt_bytes
+        v[_STALE] = self.stale_bytes
+        v[_COMM] = self._comm_bytes()
+        if self._act_mode == "exact":
+            v[_ACT] = self.live.bytes
+        elif self._act_mode == "replayed":
+            v[_ACT] = self._replayed_activation(len(self._samples), unit, phase)
+        if self.is_cuda:
+            try:
+                alloc = torch.cuda.memory_allocated(self.device)
+                v[_TMP] = max(0, alloc - sum(v))
+            except Exception:  # noqa: BLE001
+                pass
+        self._samples.append((t, unit, phase, v))
+
+    def _replayed_activation(self, i: int, unit, phase: str) -> int:
+        last = self._last_exact
+        if last is not None and i < len(last) and last[i][0] == unit and last[i][1] == phase:
+            return last[i][2]
+        return 0
+
+    def _host_bytes(self) -> int:
+        return self.host_static + sum(self.unit_host_grad) + self.unmanaged_host_grad + self.opt_host
+
+    def _begin(self, step: int) -> None:
+        self.step_idx = step
+        self._samples = []
+        self._cost_ns = 0
+        self._unit_act = {}
+        self._unit_act_start = {}
+        self._fwd_seen = False
+        self._act_mode = "off"
+        self._act_note = None
+        self.live.packs = 0
+        self._t0 = _now()
+
+    def step_end(self, step: int) -> dict | None:
+        """Closes the step; returns ``StepRecord.memory``::
+
+            {"v": 1, "device": "cpu" | "cuda:0", "categories": [CATEGORIES...],
+             "samples": int,                      # marks sampled this step
+             "peak": {"bytes", "t_ms", "unit", "phase", "breakdown": {category: bytes}},
+             "end": {category: bytes},            # the last sample (after the optimizer step)
+             "offloaded_host": int,               # host bytes of offloaded params/grads/optimizer state
+             "activations": "exact" | "replayed" | "off", "activations_note": str (optional),
+             "unit_activations": {unit: bytes},   # exact steps: saved bytes each unit's forward left
+             "stale_optimizer_param_tensors": int,
+             "timeline": {"columns": ["t_ms", "unit", "phase", *CATEGORIES], "rows": [[...], ...]},
+                                                  # on timeline steps only
+             "cuda": {...},                       # CUDA only: allocated, reserved, fragmentation, nvml
+             "probe_us": float, "saved_tensors": int}
+
+        Breakdown figures add up to ``peak.bytes``; ``t_ms`` counts from the previous step's end.
+        """
+        t_end = _now()
+        c0 = _cpu()
+        if self._pending:
+            self._flush_pending()
+        self._pop_hooks()
+        if self._act_error is not None and self._act_mode == "exact":
+            self._act_mode = "off"
+        samples = self._samples
+        opts = self.opts
+        if not samples:  # no mark this step (e.g. a step without forward): one sample now
+            self._sample(t_end, None, "step_end")
+            samples = self._samples
+        totals = [sum(s[3]) for s in samples]
+        pi = max(range(len(samples)), key=totals.__getitem__)
+        pt, punit, pphase, pv = samples[pi]
+        t0 = self._t0
+        out: dict[str, Any] = {
+            "v": MEMORY_FORMAT,
+            "device": str(self.device),
+            "categories": list(CATEGORIES),
+            "samples": len(samples),
+            "peak": {"bytes": totals[pi], "t_ms": round((pt - t0) * 1e-6, 3), "unit": punit, "phase": pphase,
+                     "breakdown": dict(zip(CATEGORIES, pv))},
+            "end": dict(zip(CATEGORIES, samples[-1][3])),
+            "offloaded_host": self._host_bytes(),
+            "activations": self._act_mode,
+            "stale_optimizer_param_tensors": self.stale_params,
+            "saved_tensors": self.live.packs,
+        }
+        note = self._act_error or self._act_note
+        if note:
+            out["activations_note"] = note
+        if self._act_mode == "exact":
+            out["unit_activations"] = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
+            self._last_exact = [(s[1], s[2], s[3][_ACT]) for s in samples]
+        new_peak = totals[pi] > self._running_peak
+        if new_peak:
+            self._running_peak = totals[pi]
+        te = opts["timeline_every"]
+        if step < opts["first_timeline_steps"] or new_peak or (te and step % te == 0):
+            out["timeline"] = {
+                "columns": ["t_ms", "unit", "phase", *CATEGORIES],
+                "rows": [[round((s[0] - t0) * 1e-6, 3), s[1], s[2], *s[3]] for s in samples],
+            }
+        if self.is_cuda:
+            out["cuda"] = self._cuda_stats(step)
+        re = opts["refresh_every"]
+        if step < 2 or (re and step % re == 0):
+            self._refresh_static()
+            self._refresh_optimizer(force=True)
+        else:
+            self._refresh_optimizer()
+        self._cost_ns += _cpu() - c0
+        # pack hook cost is not timed per call (it would double it); estimate it from the measured rate
+        out["probe_us"] = round(self._cost_ns * 1e-3 + self.live.packs * _PACK_US, 1)
+        self._begin(step + 1)
+        return out
+
+    # ------------------------------------------------------------------ CUDA / NVML (untestable on CPU)
+    def _cuda_stats(self, step: int) -> dict:
+        """Allocator and device figures. Written against torch.cuda / NVML's documented APIs; not run on
+        the CPU-only development machine, so every call is guarded."""
+        dev = self.device
+        out: dict[str, Any] = {}
+        try:
+            alloc = torch.cuda.memory_allocated(dev)
+            reserved = torch.cuda.memory_reserved(dev)
+            out.update(allocated=alloc, reserved=reserved, fragmentation=max(0, reserved - alloc),
+                       max_allocated=torch.cuda.max_memory_allocated(dev))
+            stats = torch.cuda.memory_stats(dev)
+            out["inactive_split_bytes"] = int(stats.get("inactive_split_bytes.all.current", 0))
+            out["alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+            out["ooms"] = int(stats.get("num_ooms", 0))
+            free, total = torch.cuda.mem_get_info(dev)
+            out["device_free"] = int(free)
+            out["device_total"] = int(total)
+        except Exception as exc:  # noqa: BLE001
+            out["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        fe = self.opts["fragmentation_every"]
+        if fe and step % fe == 0:
+            try:
+                largest = 0
+                for seg in torch.cuda.memory_snapshot():
+                    if seg.get("device") not in (None, dev.index):
+                        continue
+                    for blk in seg.get("blocks", ()):
+                        if blk.get("state") == "inactive":
+                            largest = max(largest, int(blk.get("size", 0)))
+                out["largest_free_block"] = largest
+            except Exception as exc:  # noqa: BLE001
+                out["snapshot_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        if self.opts["nvml"] and not self._nvml_failed:
+            used = self._nvml_process_bytes()
+            if used is not None:
+                out["nvml_process_bytes"] = used
+                if "reserved" in out:
+                    out["outside_allocator"] = max(0, used - out["reserved"])
+        return out
+
+    def _nvml_process_bytes(self) -> int | None:
+        try:
+            if self._nvml is None:
+                import pynvml  # nvidia-ml-py; absent is normal
+
+                pynvml.nvmlInit()
+                uuid = str(getattr(torch.cuda.get_device_properties(self.device), "uuid", ""))
+                if uuid and not uuid.startswith("GPU-"):
+                    uuid = "GPU-" + uuid
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid else pynvml.nvmlDeviceGetHandleByIndex(
+                    self.device.index or 0)
+                self._nvml = (pynvml, handle)
+            pynvml, handle = self._nvml
+            pid = os.getpid()
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    return int(proc.usedGpuMemory)
+            return None
+        except Exception:  # noqa: BLE001 - no NVML, no permission, containers hiding pids: normal
+            self._nvml_failed = True
+            return None
+
+    def detach(self) -> None:
+        """Removes our saved-tensor hooks if they are still pushed (watch exit)."""
+        try:
+            self._pop_hooks()
+        except Exception:  # noqa: BLE001
+            pass
+        if self._hooks_pushed:
+            log.warning("fsdp_doctor: could not remove the activation-counting hooks (another saved_tensors_hooks "
+                        "context is above them); they stay until the thread ends")
+        self._last_exact = None
+
+
+_PACK_US = 2.0  # measured cost of one pack + release of a saved tensor (see benchmarks and tests)
+
+
+def _compute_device(units, model: nn.Module) -> torch.device:
+    """FSDP's compute device (``FSDPParamGroup.device``): CPU-offloaded params live on the host, so the
+    parameters' own device is not the answer."""
+    for u in units:
+        for pg in u.param_groups:
+            dev = getattr(pg, "device", None)
+            if isinstance(dev, torch.device):
+                return dev
+    for p in model.parameters():
+        return getattr(p, "_local_tensor", p).device
+    return torch.device("cpu")

@@ -1,0 +1,48 @@
+"""Shared fixtures: one recorded multi-rank run serves many tests (real FSDP2 on gloo, recorded once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+HTA_TRACES = SHARED / "reference_traces" / "hta"
+SAMPLE_RUN = REPO / "traces" / "sample"
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def record(out_dir: Path, nproc: int = 2, watch_extra: dict | None = None, **knobs):
+    """Runs the reference workload with the doctor attached; returns (losses per rank, Run)."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.workloads import WorkloadConfig, launch
+
+    cfg = WorkloadConfig(**knobs)
+    watch_kwargs = {"out_dir": str(out_dir), "tokens_per_step": cfg.tokens_per_step(nproc)}
+    watch_kwargs.update(watch_extra or {})
+    losses = launch(cfg, nproc=nproc, watch_kwargs=watch_kwargs)
+    return losses, load_run(out_dir)
+
+
+@pytest.fixture(scope="session")
+def recorded_run(tmp_path_factory):
+    """A 2-rank run of the default workload, 16 steps, async unshard on, one profiler window (steps 6-7).
+
+    Returns ``(run, losses, cfg_knobs)``. Treat it as read-only: many tests share it.
+    """
+    from fsdp_doctor import ProfileSchedule
+
+    out = tmp_path_factory.mktemp("recorded_run")
+    knobs = dict(steps=16, async_unshard=True)
+    losses, run = record(out, watch_extra={"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)}, **knobs)
+    return run, losses, knobs
+
+
+@pytest.fixture(scope="session")
+def sample_run_path():
+    if not (SAMPLE_RUN / "manifest.json").exists():
+        pytest.skip("traces/sample is missing")
+    return SAMPLE_RUN

@@ -1,0 +1,189 @@
+"""The recorder on real 2-rank FSDP2 runs: unit snapshot, phase times, injected faults, kills, safety."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, record
+
+pytestmark = pytest.mark.slow
+PY = sys.executable
+
+
+def test_unit_snapshot_matches_analytic_sizes(recorded_run):
+    import torch
+
+    from fsdp_doctor.workloads import WorkloadConfig, analytic_param_counts, build_model
+
+    run, _, knobs = recorded_run
+    cfg = WorkloadConfig(**knobs)
+    expected = analytic_param_counts(cfg)
+    model = build_model(cfg)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    ws = run.world_size
+    assert ws == 2 and sorted(run.ranks) == [0, 1]
+    for rank, rd in run.ranks.items():
+        units = {u.name: u for u in rd.config.units}
+        assert {n: u.param_count for n, u in units.items() if n in expected} == expected
+        assert all(u.param_count == 0 for n, u in units.items() if n not in expected)  # the root holds none
+        for name, u in units.items():
+            # FSDP2 shards dim 0, padded to a multiple of the world size: every rank holds ceil(d0/ws) rows.
+            mods = [m for m in u.modules]
+            own = [n for n in shapes if any(n.startswith(m + ".") for m in mods if m)]
+            if name == "":
+                own = [n for n in shapes if not any(n.startswith(m + ".") for v in units.values() if v.name for m in v.modules)]
+            local = sum(math.ceil(shapes[n][0] / ws) * math.prod(shapes[n][1:]) * 4 for n in own)
+            assert u.sharded_bytes == local, name
+            assert u.unsharded_bytes == 4 * u.param_count, name
+        assert rd.config.world_size == 2 and rd.config.backend == "gloo" and rd.config.device == "cpu"
+        assert rd.config.optimizer == "AdamW" and rd.config.optimizer_foreign_params == 0
+        assert units["norm, lm_head"].reshard_after_forward is False
+        assert units["layers.0"].reshard_after_forward is True and units["layers.0"].unshard_async_op is True
+        assert units[""].is_root and units["layers.0"].parent == "" and units["layers.0"].depth == 1
+        assert rd.config.tokens_per_step == cfg.tokens_per_step(2)
+
+
+def test_phase_times_add_up(recorded_run):
+    run, _, knobs = recorded_run
+    for rd in run.ranks.values():
+        assert [s.step for s in rd.steps] == list(range(knobs["steps"]))
+        assert rd.end is not None and rd.end.steps == knobs["steps"]
+        for s in rd.steps:
+            parts = s.forward_ms + s.backward_ms + s.optimizer_ms + s.outside_ms
+            assert abs(parts - s.wall_ms) < 0.01, s
+            assert min(s.forward_ms, s.backward_ms, s.optimizer_ms) > 0
+            assert s.forward_ms + s.backward_ms + s.optimizer_ms <= s.wall_ms + 1e-6
+            by = {u.name: u for u in s.units}
+            n_modules = {u.name: len(u.modules) for u in rd.config.units}
+            # the root's forward brackets the whole model forward; nested units fit inside it
+            assert by[""].fwd_ms <= s.forward_ms + 1e-6
+            assert sum(u.fwd_ms for n, u in by.items() if n) <= by[""].fwd_ms + 1e-6
+            for n, u in by.items():
+                assert 0 <= u.ag_wait_fwd_ms <= u.fwd_ms + 1e-6 and u.fwd_calls == n_modules[n]
+                if n not in ("",):
+                    assert 0 < u.bwd_ms <= s.backward_ms + 1e-6, (n, u)
+        # marked as profiled: step 1 (FLOP counting), the profiler's warm-up (5) and window (6, 7), and the step
+        # whose wall time carried the trace export (8)
+        assert [s.step for s in rd.steps if s.profiled] == [1, 5, 6, 7, 8]
+        assert len(rd.profiles) == 1 and rd.profiles[0].steps == [6, 7]
+        assert (run.path / rd.profiles[0].path).exists()
+        assert rd.config.flops_per_step and rd.config.flops_per_step > 0
+
+
+def test_losses_bit_identical_with_and_without_doctor(recorded_run):
+    from fsdp_doctor.workloads import WorkloadConfig, launch
+
+    _, losses_with, knobs = recorded_run
+    losses_without = launch(WorkloadConfig(**knobs), nproc=2, watch_kwargs=None)
+    assert losses_with == losses_without  # exact float equality, every step, every rank
+
+
+def test_injected_sleep_found_at_its_step_and_rank(tmp_path):
+    from fsdp_doctor.analyze import build_report
+
+    _, run = record(tmp_path / "sleep", steps=12, sleep_rank=1, sleep_ms=1500.0, sleep_steps=[7],
+                    watch_extra={"profile": False})
+    report = build_report(run)
+    outliers = report["steps"]["outliers"]
+    by = {(o["rank"], o["step"]): o for o in outliers}
+    assert (1, 7) in by and by[(1, 7)]["cause"] == "outside", outliers
+    assert by[(1, 7)]["excess_ms"] > 1000
+    # rank 0 waited for rank 1 in its first collective of that step
+    assert (0, 7) in by and by[(0, 7)]["cause"] == "late_rank" and "rank 1" in by[(0, 7)]["detail"], outliers
+    assert all(o["step"] == 7 for o in outliers if o["excess_ms"] > 1000)
+
+
+_KILL_SCRIPT = """
+import sys
+from fsdp_doctor.workloads import WorkloadConfig, launch
+launch(WorkloadConfig(steps=400), nproc=2, watch_kwargs={"out_dir": sys.argv[1], "profile": False})
+"""
+
+
+def test_run_killed_with_sigkill_is_still_analyzable(tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([PY, "-c", _KILL_SCRIPT, str(out)], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:
+            streams = list(out.glob("rank*.records.jsonl"))
+            if len(streams) == 2 and all(p.read_bytes().count(b'"t":"step"') >= 6 for p in streams):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run did not record 6 steps in time")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # a SIGKILL can land mid-write: simulate the worst case, a record cut in half at the end of a stream
+    s0 = out / "rank0.records.jsonl"
+    s0.write_bytes(s0.read_bytes() + b'{"t":"step","step":999,"start_')
+    res = subprocess.run([PY, "-m", "fsdp_doctor.cli", "analyze", str(out), "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode in (0, 3), res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert "did not finish" in res.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["run"]["complete"] == {"0": False, "1": False}
+    assert all(n >= 6 for n in report["run"]["steps_recorded"].values())
+    assert report["steps"]["per_rank"]["0"]["count"] >= 4
+    assert any("incomplete" in p for p in report["problems"])
+
+
+def test_bad_input_gets_one_line(tmp_path, sample_run_path):
+    def analyze(path):
+        r = subprocess.run([PY, "-m", "fsdp_doctor.cli", "analyze", str(path)], capture_output=True, text=True,
+                           timeout=120)
+        assert "Traceback" not in r.stdout + r.stderr
+        return r
+
+    r = analyze(tmp_path / "nope")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "nope" in r.stderr and "no such" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = analyze(tmp_path / "empty")
+    assert r.returncode == 2 and "no fsdp-doctor records" in r.stderr
+    # a corrupt line in the middle of rank 1's stream: that line is named and skipped, the rest is analyzed
+    bad = tmp_path / "bad"
+    shutil.copytree(sample_run_path, bad)
+    lines = (bad / "rank1.records.jsonl").read_bytes().splitlines(keepends=True)
+    lines[5] = b'{"t":"step", garbage\n'
+    (bad / "rank1.records.jsonl").write_bytes(b"".join(lines))
+    r = analyze(bad)
+    assert r.returncode == 3
+    assert "rank1.records.jsonl: line 6 is not a valid record" in r.stdout.replace("\n", " ") or \
+        "rank1.records.jsonl: line 6 is not a valid record" in r.stdout
+    from fsdp_doctor import load_run
+
+    run = load_run(bad)
+    assert len(run.ranks[0].steps) == len(load_run(sample_run_path).ranks[0].steps)
+    assert len(run.ranks[1].steps) == len(load_run(sample_run_path).ranks[1].steps) - 1
+
+
+def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
+    res = subprocess.run([PY, str(REPO / "tests" / "watch_cases.py")], capture_output=True, text=True, timeout=240,
+                         cwd=REPO)
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, res.stdout + res.stderr
+    out = json.loads(line[0][7:])
+    assert "has no FSDP2 unit" in out["no_fsdp"] and "\n" not in out["no_fsdp"]
+    assert "cannot write to out_dir" in out["bad_dir"]
+    assert "already being watched" in out["double"]
+    # an exception inside the doctor's hooks: reported once, training unchanged
+    assert out["sabotaged_losses_equal"] is True
+    assert res.stderr.count("the doctor stops recording") == 1, res.stderr
+    from fsdp_doctor import load_run
+
+    rd = load_run(out["sabotaged_dir"]).ranks[0]
+    assert len(rd.errors) == 1 and rd.errors[0].step == 2
+    assert [s.step for s in rd.steps] == [0, 1]  # what was recorded before the error is kept

@@ -1,0 +1,191 @@
+"""Known-answer traces (tests/trace_fixtures.py): every number is fixed by construction."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from fsdp_doctor.trace import analyze_traces, build_window, find_trace_files
+from fsdp_doctor.trace import intervals as iv
+from trace_fixtures import gloo_known_trace, gpu_known_trace
+
+
+def rows_by(result, rank=0):
+    return {(r["unit"], r["collective"], r["phase"]): r for r in result["per_unit"] if r["rank"] == rank}
+
+
+# ------------------------------------------------------------------ interval arithmetic
+def test_union_and_intersection():
+    u = iv.union([5, 0, 2, 10, 10], [6, 3, 4, 10, 12])  # [0,4) [5,6) [10,12); empty interval dropped
+    assert u[0].tolist() == [0, 5, 10] and u[1].tolist() == [4, 6, 12]
+    assert iv.measure(u) == 7
+    other = iv.union([3, 11], [5.5, 20])
+    assert iv.intersection_measure(u, other) == pytest.approx(1 + 0.5 + 1)
+    inter = iv.intersect(u, other)
+    assert inter[0].tolist() == [3, 5, 11] and inter[1].tolist() == [4, 5.5, 12]
+    sub = iv.subtract(u, other)
+    assert iv.measure(sub) == pytest.approx(7 - 2.5)
+    assert iv.overlap_each([0, 4, 9], [12, 5, 10.5], u).tolist() == [7, 0, 0.5]
+    assert iv.measure(iv.union([], [])) == 0.0
+
+
+# ------------------------------------------------------------------ GPU
+def test_gpu_known_answer_prefetch_on(tmp_path):
+    gpu_known_trace(prefetch=True).write(tmp_path / "rank0.1.pt.trace.json.gz")
+    r = analyze_traces(tmp_path)
+    assert r["skipped"] == [] and len(r["files"]) == 1
+    pr = r["per_rank"]["0"]
+    assert pr["device"] == "gpu" and pr["steps"] == [1, 2]  # step 3 is incomplete: dropped
+    assert pr["comm_us"] == pytest.approx(1000.0)
+    assert pr["overlap_us"] == pytest.approx(420.0)
+    assert pr["exposed_us"] == pytest.approx(580.0)
+    assert pr["overlap_pct"] == pytest.approx(42.0)
+    rows = rows_by(r)
+    assert set(rows) == {("layers.0", "all_gather", "forward"), ("layers.1", "all_gather", "forward"),
+                         ("layers.1", "all_gather", "backward"), ("layers.1", "reduce_scatter", "backward"),
+                         ("layers.0", "reduce_scatter", "backward")}
+    ag0 = rows[("layers.0", "all_gather", "forward")]
+    assert (ag0["count"], ag0["comm_us"], ag0["exposed_us"]) == (2, pytest.approx(200), pytest.approx(200))
+    assert ag0["bytes_per_call"] == 4_000_000
+    assert ag0["busbw_gbps"] == pytest.approx(4e6 * 0.5 / 100e-6 / 1e9)  # 20 GB/s
+    assert ag0["slack_us"] == pytest.approx(-90) and ag0["held_us"] == pytest.approx(0)
+    ag1f = rows[("layers.1", "all_gather", "forward")]
+    assert ag1f["exposed_us"] == pytest.approx(0) and ag1f["comm_us"] == pytest.approx(200)
+    assert ag1f["slack_us"] == pytest.approx(50) and ag1f["held_us"] == pytest.approx(50)
+    assert ag1f["busbw_gbps"] == pytest.approx(40.0)
+    ag1b = rows[("layers.1", "all_gather", "backward")]
+    assert ag1b["exposed_us"] == pytest.approx(100) and ag1b["slack_us"] == pytest.approx(-120)
+    rs1 = rows[("layers.1", "reduce_scatter", "backward")]
+    assert rs1["exposed_us"] == pytest.approx(80) and rs1["slack_us"] is None and rs1["held_us"] is None
+    assert rs1["bytes_per_call"] == 8_000_000 and rs1["busbw_gbps"] == pytest.approx(40.0)
+    rs0 = rows[("layers.0", "reduce_scatter", "backward")]
+    assert rs0["exposed_us"] == pytest.approx(200)
+    # worst exposure first
+    assert [r["exposed_us"] for r in r["per_unit"]] == sorted((x["exposed_us"] for x in r["per_unit"]), reverse=True)
+    assert r["copies"]["0"] == {"h2d_us": pytest.approx(100), "d2h_us": pytest.approx(40),
+                                "exposed_us": pytest.approx(100)}
+    # compute stream 7: busy 650 per step, span [100, 1990)
+    assert r["idle"]["0"] == {"idle_us": pytest.approx(1890 - 1300), "kernel_us": pytest.approx(1300)}
+    assert r["blocking"]["0"] == {"count": 0, "us": 0.0}
+
+
+def test_gpu_known_answer_prefetch_off(tmp_path):
+    gpu_known_trace(prefetch=False).write(tmp_path / "rank0.1.pt.trace.json")
+    r = analyze_traces(tmp_path / "rank0.1.pt.trace.json")
+    pr = r["per_rank"]["0"]
+    assert pr["comm_us"] == pytest.approx(1000.0) and pr["overlap_us"] == pytest.approx(220.0)
+    assert pr["overlap_pct"] == pytest.approx(22.0)
+    ag1f = rows_by(r)[("layers.1", "all_gather", "forward")]
+    assert ag1f["exposed_us"] == pytest.approx(200) and ag1f["slack_us"] == pytest.approx(-100)
+    assert ag1f["held_us"] == pytest.approx(0)
+    assert r["idle"]["0"]["kernel_us"] == pytest.approx(1140)
+
+
+def test_gpu_two_ranks_different_event_counts_ns_and_name_rank(tmp_path):
+    gpu_known_trace(rank=0).write(tmp_path / "rank0.1.pt.trace.json.gz")
+    b = gpu_known_trace(rank=None, extra_unit_events=True)  # no distributedInfo: rank from the name
+    b.write(tmp_path / "worker_rank-1.1.pt.trace.json.gz", ns=True)
+    raw = json.loads(gzip.decompress((tmp_path / "worker_rank-1.1.pt.trace.json.gz").read_bytes()))
+    assert all(isinstance(e["ts"], int) and e["ts"] > 1e15 for e in raw["traceEvents"] if "ts" in e)
+    r = analyze_traces(tmp_path)
+    assert set(r["per_rank"]) == {"0", "1"}
+    assert r["per_rank"]["0"]["overlap_pct"] == pytest.approx(42.0)
+    p1 = r["per_rank"]["1"]
+    assert p1["comm_us"] == pytest.approx(1010.0) and p1["overlap_us"] == pytest.approx(420.0)
+    other = rows_by(r, 1)[("(other)", "all_reduce", None)]
+    assert other["count"] == 2 and other["exposed_us"] == pytest.approx(10)
+    # the same per-unit exposure as rank 0 for the FSDP units, despite ns timestamps
+    for key, row in rows_by(r, 0).items():
+        assert rows_by(r, 1)[key]["exposed_us"] == pytest.approx(row["exposed_us"])
+
+
+def test_several_windows_per_rank_aggregate(tmp_path):
+    gpu_known_trace(steps=(1, 2)).write(tmp_path / "profiler" / "rank0.1.pt.trace.json.gz")
+    gpu_known_trace(steps=(10, 11)).write(tmp_path / "profiler" / "rank0.10.pt.trace.json.gz")
+    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "rank0.records.jsonl").write_text("{}\n")
+    (tmp_path / "report.json").write_text("{}")
+    assert [p.name for p in find_trace_files(tmp_path)] == ["rank0.1.pt.trace.json.gz", "rank0.10.pt.trace.json.gz"]
+    r = analyze_traces(tmp_path)
+    assert r["skipped"] == []
+    pr = r["per_rank"]["0"]
+    assert pr["steps"] == [1, 2, 10, 11]
+    assert pr["comm_us"] == pytest.approx(2000) and pr["overlap_us"] == pytest.approx(840)
+    assert rows_by(r)[("layers.0", "all_gather", "forward")]["count"] == 4
+
+
+def test_no_profiler_steps_keeps_everything(tmp_path):
+    b = gpu_known_trace()
+    b.events = [e for e in b.events if not e["name"].startswith("ProfilerStep")]
+    b.write(tmp_path / "t.json")
+    r = analyze_traces(tmp_path)
+    pr = r["per_rank"]["0"]
+    assert pr["steps"] == [] and pr["comm_us"] == pytest.approx(1500) and pr["overlap_us"] == pytest.approx(630)
+
+
+def test_progress_callback(tmp_path):
+    for k in range(3):
+        gpu_known_trace(rank=k).write(tmp_path / f"rank{k}.json")
+    seen = []
+    analyze_traces(tmp_path, progress=lambda d, t: seen.append((d, t)))
+    assert seen[0] == (0, 3) and seen[-1] == (3, 3)
+
+
+def test_parallel_load_matches_serial(tmp_path):
+    from fsdp_doctor.trace.analysis import analyze_windows, load_windows
+
+    paths = []
+    for k in range(3):
+        paths.append(gpu_known_trace(rank=k, prefetch=bool(k % 2)).write(tmp_path / f"rank{k}.json.gz"))
+    import fsdp_doctor.trace.analysis as an
+
+    old = an.PARALLEL_MIN_BYTES
+    an.PARALLEL_MIN_BYTES = 0
+    try:
+        par, _ = load_windows(paths, workers=2)
+    finally:
+        an.PARALLEL_MIN_BYTES = old
+    ser, _ = load_windows(paths, workers=1)
+    assert analyze_windows(par) == analyze_windows(ser)
+
+
+# ------------------------------------------------------------------ CPU / gloo
+def test_gloo_known_answer(tmp_path):
+    gloo_known_trace().write(tmp_path / "rank0.5.pt.trace.json.gz")
+    r = analyze_traces(tmp_path)
+    pr = r["per_rank"]["0"]
+    assert pr["device"] == "cpu" and pr["steps"] == [5, 6]
+    assert pr["comm_us"] == pytest.approx(6000) and pr["overlap_us"] == pytest.approx(2400)
+    assert pr["overlap_pct"] == pytest.approx(40.0)
+    rows = rows_by(r)
+    assert set(rows) == {("0", "all_gather", "forward"), ("1", "all_gather", "forward"),
+                         ("1", "reduce_scatter", "backward")}
+    sync = rows[("0", "all_gather", "forward")]
+    assert sync["exposed_us"] == pytest.approx(2000) and sync["comm_us"] == pytest.approx(2000)
+    assert sync["slack_us"] == pytest.approx(20 - 1050)  # needed at issue: the host blocked
+    assert sync["bytes_per_call"] == 800 and sync["busbw_gbps"] == pytest.approx(800 * 0.5 / 1000e-6 / 1e9)
+    asy = rows[("1", "all_gather", "forward")]
+    assert asy["exposed_us"] == pytest.approx(800) and asy["slack_us"] == pytest.approx(-350)
+    assert asy["bytes_per_call"] is None and asy["busbw_gbps"] is None
+    rs = rows[("1", "reduce_scatter", "backward")]
+    assert rs["exposed_us"] == pytest.approx(800) and rs["count"] == 2
+    assert r["blocking"]["0"] == {"count": 2, "us": pytest.approx(2000)}
+    assert r["idle"]["0"] == {"idle_us": pytest.approx(19000 - 4400), "kernel_us": pytest.approx(4400)}
+    assert r["copies"]["0"] == {"h2d_us": 0.0, "d2h_us": 0.0, "exposed_us": 0.0}
+
+
+def test_gloo_compute_excludes_waits_inside_operators(tmp_path):
+    """A wait inside an autograd op (no child op running) is not compute; c10d children are not either."""
+    b = gloo_known_trace(steps=(1,))
+    b.events = [e for e in b.events if not e["name"].startswith("ProfilerStep")]
+    w_path = b.write(tmp_path / "rank0.json")
+    base = build_window(w_path)
+    b.op("autograd::engine::evaluate_function: Outer", 5000, 2000)
+    b.op("c10d::allreduce_", 5100, 1800)        # communication op inside: not compute
+    b.op("aten::copy_", 5150, 100)              # nested in the c10d op: not compute either
+    b.label("FSDP::post_backward_rs_wait (1)", 6950, 40)  # label self time: not compute
+    w = build_window(b.write(tmp_path / "rank0b.json"))
+    extra = iv.measure(w.compute) - iv.measure(base.compute)
+    # the outer op's self time only: [5000,5100), [6900,6950) and [6990,7000)
+    assert extra == pytest.approx(100 + 50 + 10)

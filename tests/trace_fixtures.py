@@ -1,0 +1,252 @@
+"""Builders of Kineto-format traces whose analysis results are known exactly by construction, and a
+plain-torch.profiler hook for real FSDP2 runs.
+
+Times in the builders are µs relative to a base; ``write`` serializes a trace as ``.json`` or
+``.json.gz`` (optionally with integer-nanosecond timestamps).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+BASE_US = 1_700_000_000_000.0  # a realistic absolute µs clock
+
+
+@dataclass
+class TraceBuilder:
+    rank: Optional[int] = 0
+    world_size: int = 2
+    pid: int = 100
+    main_tid: int = 100
+    bwd_tid: int = 101  # the autograd thread on GPU
+    events: list = field(default_factory=list)
+    _corr: int = 1000
+
+    # ------------------------------------------------------------------ generic
+    def x(self, name, ts, dur, cat="cpu_op", tid=None, pid=None, **args):
+        ev = {"ph": "X", "cat": cat, "name": name, "pid": self.pid if pid is None else pid,
+              "tid": self.main_tid if tid is None else tid, "ts": BASE_US + ts, "dur": dur}
+        if args:
+            ev["args"] = args
+        self.events.append(ev)
+        return ev
+
+    def step(self, n, ts, dur):
+        return self.x(f"ProfilerStep#{n}", ts, dur, cat="user_annotation")
+
+    def label(self, name, ts, dur, tid=None):
+        return self.x(name, ts, dur, cat="user_annotation", tid=tid)
+
+    # ------------------------------------------------------------------ GPU
+    def kernel(self, name, ts, dur, stream=7, launch_ts=None, tid=None, cat="kernel", **args):
+        """A device event plus its cudaLaunchKernel (at launch_ts on the host thread tid)."""
+        self._corr += 1
+        corr = self._corr
+        lt = ts - 5.0 if launch_ts is None else launch_ts
+        self.x("cudaLaunchKernel" if cat == "kernel" else "cudaMemcpyAsync", lt, 2.0, cat="cuda_runtime",
+               tid=tid, correlation=corr)
+        a = {"device": 0, "stream": stream, "correlation": corr, "External id": corr}
+        a.update(args)
+        return self.x(name, ts, dur, cat=cat, pid=0, tid=stream, **a)
+
+    def compute(self, ts, dur, launch_ts=None, tid=None, stream=7):
+        return self.kernel("void at::native::elementwise_kernel<128, 4>(int)", ts, dur, stream=stream,
+                           launch_ts=launch_ts, tid=tid)
+
+    def nccl(self, coll, ts, dur, launch_ts, tid=None, nelems=None, dtype="Float", stream=20):
+        camel = {"all_gather": "AllGather", "reduce_scatter": "ReduceScatter", "all_reduce": "AllReduce"}[coll]
+        args = {}
+        if nelems is not None:
+            shard = nelems // self.world_size
+            i, o = (shard, nelems) if coll == "all_gather" else (nelems, shard)
+            if coll == "all_reduce":
+                i = o = nelems
+            args = {"In msg nelems": i, "Out msg nelems": o, "Group size": self.world_size, "dtype": dtype,
+                    "Collective name": coll}
+        return self.kernel(f"ncclDevKernel_{camel}_RING_LL(ncclDevKernelArgsStorage<4096ul>)", ts, dur,
+                           stream=stream, launch_ts=launch_ts, tid=tid, **args)
+
+    def memcpy(self, kind, ts, dur, launch_ts=None, stream=7):
+        name = {"h2d": "Memcpy HtoD (Pinned -> Device)", "d2h": "Memcpy DtoH (Device -> Pinned)"}[kind]
+        return self.kernel(name, ts, dur, stream=stream, launch_ts=launch_ts, cat="gpu_memcpy")
+
+    # ------------------------------------------------------------------ CPU / gloo
+    def gloo(self, name, ts, dur, tid=200):
+        return self.x(f"gloo:{name}", ts, dur, cat="user_annotation", tid=tid)
+
+    def op(self, name, ts, dur, tid=None, **args):
+        return self.x(name, ts, dur, cat="cpu_op", tid=tid, **args)
+
+    # ------------------------------------------------------------------ output
+    def document(self):
+        doc = {"schemaVersion": 1, "traceEvents": list(self.events), "displayTimeUnit": "ms",
+               "baseTimeNanoseconds": 1_700_000_000_000_000_000}
+        doc["traceEvents"].append({"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans",
+                                   "tid": "PyTorch Profiler", "ts": BASE_US - 100, "dur": 1e9})
+        doc["traceEvents"].append({"ph": "M", "name": "thread_name", "pid": self.pid, "tid": self.main_tid,
+                                   "args": {"name": "python"}})
+        if self.rank is not None:
+            doc["distributedInfo"] = {"backend": "nccl", "rank": self.rank, "world_size": self.world_size}
+        return doc
+
+    def write(self, path, ns=False):
+        doc = self.document()
+        if ns:  # integer nanoseconds, as some exporters write them
+            for e in doc["traceEvents"]:
+                for k in ("ts", "dur"):
+                    if k in e:
+                        e[k] = int(round(e[k] * 1000))
+            doc["displayTimeUnit"] = "ns"
+        data = json.dumps(doc).encode()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
+        return path
+
+
+# ====================================================================== known-answer GPU trace
+# One rank, 3 steps (the last is dropped as incomplete), units "layers.0" and "layers.1", NCCL on
+# stream 20, compute on stream 7, backward launched from the autograd thread. µs, T = 1000·step_index:
+#   forward:  AG(layers.0) [T+0, T+100) with no compute under it: exposed 100; copy-out at T+10 → slack -90
+#             compute [T+100, T+300)
+#             prefetch=True:  AG(layers.1) [T+150, T+250) issued in FSDP::forward_prefetch: hidden;
+#                             copy-out at T+260, compute stream busy until T+300 → need T+300, slack +50;
+#                             layers.1 compute [T+300, T+400)
+#             prefetch=False: AG(layers.1) [T+300, T+400) issued at its pre_forward: exposed 100;
+#                             need T+300 → slack -100; layers.1 compute [T+400, T+420)
+#   backward: AG(layers.1) [T+450, T+550), compute [T+500, T+600): exposed 50; copy-out T+430 → slack -120
+#             RS(layers.1) [T+600, T+700), compute [T+640, T+800): exposed 40
+#             RS(layers.0) [T+800, T+900): exposed 100
+#   copies:   Memcpy HtoD [T+900, T+950) exposed 50; DtoH [T+960, T+980) under compute [T+950, T+990)
+# Per step, prefetch on: comm 500, overlap 210; prefetch off: comm 500, overlap 110.
+# extra_unit_events adds a non-FSDP all_reduce [T+990, T+995) (exposed 5) attributed to "(other)".
+
+
+def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False) -> TraceBuilder:
+    b = TraceBuilder(rank=rank)
+    M, B = b.main_tid, b.bwd_tid
+    all_steps = list(steps) + [steps[-1] + 1]
+    for i, n in enumerate(all_steps):
+        T = 1000.0 * i
+        b.step(n, T, 1000.0)
+        b.label("FSDP::root_pre_forward", T + 0.5, 1.0)
+        b.label("FSDP::pre_forward (layers.0)", T + 1, 20)
+        b.label("FSDP::all_gather (layers.0)", T + 2, 5)
+        b.nccl("all_gather", T + 0, 100, launch_ts=T + 3, nelems=1_000_000)
+        b.label("FSDP::all_gather_copy_out (layers.0)", T + 10, 5)  # needed at T+10 → slack -90
+        b.compute(T + 100, 200, launch_ts=T + 11)
+        if prefetch:  # issued early by FSDP::forward_prefetch: runs under layers.0's compute
+            b.label("FSDP::forward_prefetch for layers.1", T + 20, 10)
+            b.label("FSDP::all_gather (layers.1)", T + 21, 8)
+            b.nccl("all_gather", T + 150, 100, launch_ts=T + 22, nelems=2_000_000)
+            b.label("FSDP::pre_forward (layers.1)", T + 255, 10)
+            b.label("FSDP::all_gather_copy_out (layers.1)", T + 260, 2)  # compute stream ready at T+300
+            b.compute(T + 300, 100, launch_ts=T + 262)
+        else:  # issued at layers.1's pre_forward: runs alone, layers.1's compute waits for it
+            b.label("FSDP::pre_forward (layers.1)", T + 255, 10)
+            b.label("FSDP::all_gather (layers.1)", T + 256, 2)
+            b.nccl("all_gather", T + 300, 100, launch_ts=T + 257, nelems=2_000_000)
+            b.label("FSDP::all_gather_copy_out (layers.1)", T + 260, 2)
+            b.compute(T + 400, 20, launch_ts=T + 262)
+        # backward, on the autograd thread
+        b.label("FSDP::pre_backward (layers.1)", T + 420, 30, tid=B)
+        b.label("FSDP::all_gather (layers.1)", T + 421, 5, tid=B)
+        b.nccl("all_gather", T + 450, 100, launch_ts=T + 422, tid=B, nelems=2_000_000)
+        b.label("FSDP::all_gather_copy_out (layers.1)", T + 430, 5, tid=B)
+        b.compute(T + 500, 100, launch_ts=T + 431, tid=B)
+        b.label("FSDP::post_backward_reduce (layers.1)", T + 590, 5, tid=B)
+        b.nccl("reduce_scatter", T + 600, 100, launch_ts=T + 591, tid=B, nelems=2_000_000)
+        b.compute(T + 640, 160, launch_ts=T + 596, tid=B)
+        b.label("FSDP::post_backward_reduce (layers.0)", T + 795, 5, tid=B)
+        b.nccl("reduce_scatter", T + 800, 100, launch_ts=T + 796, tid=B, nelems=1_000_000)
+        b.memcpy("h2d", T + 900, 50, launch_ts=T + 850)
+        b.compute(T + 950, 40, launch_ts=T + 851)
+        b.memcpy("d2h", T + 960, 20, launch_ts=T + 852, stream=8)
+        if extra_unit_events:  # a non-FSDP collective (e.g. a user all_reduce): attributed to "(other)"
+            b.nccl("all_reduce", T + 990, 5, launch_ts=T + 853, nelems=10)
+    return b
+
+
+# ====================================================================== known-answer CPU/gloo trace
+# One rank, steps 5, 6 (+7 dropped). Main thread 100, gloo thread 200. Per step (offset T = 10000*i):
+#   forward, synchronous all-gather of "0": label [T+10, T+1190) ⊃ c10d op [T+20, T+100);
+#       gloo:all_gather [T+50, T+1050) — host blocked: overlap 0 (the label/wait is not compute)
+#   compute aten::mm [T+1200, T+2200) (with a child aten::empty [T+1300, T+1310): still compute)
+#   forward, async all-gather of "1": label [T+2300, T+2396) ⊃ c10d op [T+2310, T+2390);
+#       gloo:all_gather [T+2350, T+3350); compute aten::addmm [T+2400, T+3000) → overlap 600, exposed 400;
+#       copy-out label [T+3000, T+3400) (wait inside): needed at T+3000 → slack -350
+#   backward: label FSDP::pre_backward (1) at T+3500; reduce-scatter of "1": label
+#       FSDP::post_backward_reduce (1) [T+3600, T+3700) ⊃ c10d::_reduce_scatter_base_ [T+3610, T+3690);
+#       gloo:all_reduce [T+3650, T+4650); compute autograd op [T+3700, T+4300) → overlap 600
+# comm per step 3000, overlap 1200.
+
+
+def gloo_known_trace(rank=0, steps=(5, 6)) -> TraceBuilder:
+    b = TraceBuilder(rank=rank)
+    b.pid = b.main_tid = 100
+    all_steps = list(steps) + [steps[-1] + 1]
+    for i, n in enumerate(all_steps):
+        T = 10000.0 * i
+        b.step(n, T, 9000.0)
+        b.label("FSDP::root_pre_forward", T + 1, 2)
+        b.label("FSDP::pre_forward (0)", T + 5, 1190)
+        b.label("FSDP::all_gather (0)", T + 10, 1180)
+        b.op("c10d::_allgather_base_", T + 20, 80, **{"Input Dims": [[200], [100]], "Input type": ["float", "float"]})
+        b.gloo("all_gather", T + 50, 1000)
+        b.op("aten::mm", T + 1200, 1000)
+        b.op("aten::empty", T + 1300, 10)
+        b.label("FSDP::pre_forward (1)", T + 2290, 108)
+        b.label("FSDP::all_gather (1)", T + 2300, 96)
+        b.op("c10d::_allgather_base_", T + 2310, 80)
+        b.gloo("all_gather", T + 2350, 1000, tid=201)
+        b.op("aten::addmm", T + 2400, 600)
+        b.label("FSDP::all_gather_copy_out (1)", T + 3000, 400)
+        b.label("FSDP::pre_backward (1)", T + 3500, 50)
+        b.label("FSDP::post_backward_reduce (1)", T + 3600, 100)
+        b.op("c10d::_reduce_scatter_base_", T + 3610, 80)
+        b.gloo("all_reduce", T + 3650, 1000)
+        b.op("autograd::engine::evaluate_function: AddmmBackward0", T + 3700, 600)
+    return b
+
+
+# ====================================================================== real runs
+class ProfileWindow:
+    """``on_step`` hook for ``fsdp_doctor.workloads.train``: plain torch.profiler with a schedule writing
+    ``rank{R}.{step}.pt.trace.json.gz`` into ``out_dir`` (module-level, so it pickles to spawned ranks)."""
+
+    def __init__(self, out_dir, warmup=1, active=3):
+        self.out_dir = str(out_dir)
+        self.warmup = warmup
+        self.active = active
+        self._prof = None
+
+    def __call__(self, step, model=None, optimizer=None, loss=None):
+        import torch
+        import torch.distributed as dist
+
+        if self._prof is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            out = self.out_dir
+
+            def ready(p):
+                p.export_chrome_trace(f"{out}/rank{rank}.{p.step_num}.pt.trace.json.gz")
+
+            self._prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU],
+                schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1),
+                on_trace_ready=ready,
+            )
+            self._prof.start()
+            self._calls = 0
+            return
+        self._prof.step()
+        self._calls += 1
+        if self._calls == self.warmup + self.active:
+            self._prof.stop()
+
+    def steps_needed(self) -> int:
+        return 1 + self.warmup + self.active

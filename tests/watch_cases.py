@@ -1,0 +1,76 @@
+"""Run as a script (one gloo rank in a fresh process): exercises watch()'s entry checks and its
+step-aside-on-error path, printing one JSON object with what happened. Used by test_recorder.py."""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+
+import fsdp_doctor
+from fsdp_doctor.workloads import WorkloadConfig, free_port
+from fsdp_doctor.workloads.train import build_training
+from fsdp_doctor.workloads.train import next_token_loss
+from fsdp_doctor.workloads.data import batches
+
+
+def train_losses(cfg, out_dir=None, sabotage=False):
+    torch.manual_seed(0)
+    model, opt = build_training(cfg)
+    losses, errors = [], []
+    ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, profile=False) if out_dir else None
+    doctor = ctx.__enter__() if ctx else None
+    for step, (tok, tgt) in zip(range(cfg.steps), batches(cfg, 0)):
+        if sabotage and step == 2:
+            doctor._acc[1] = None  # the next hook that touches it raises inside the doctor
+        loss = next_token_loss(model(tok), tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if doctor:
+            doctor.step()
+        losses.append(loss.item())
+    if ctx:
+        ctx.__exit__(None, None, None)
+    return losses
+
+
+def main():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    out = {}
+    tmp = tempfile.mkdtemp()
+
+    def refused(fn):
+        try:
+            fn()
+        except fsdp_doctor.WatchError as e:
+            return str(e)
+        return None
+
+    plain = nn.Linear(4, 4)
+    out["no_fsdp"] = refused(lambda: fsdp_doctor.watch(plain, out_dir=tmp).__enter__())
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(m[0])
+    fully_shard(m)
+    blocker = os.path.join(tmp, "a_file")
+    open(blocker, "w").close()
+    out["bad_dir"] = refused(lambda: fsdp_doctor.watch(m, out_dir=os.path.join(blocker, "sub")).__enter__())
+    with fsdp_doctor.watch(m, out_dir=os.path.join(tmp, "w1"), profile=False):
+        out["double"] = refused(lambda: fsdp_doctor.watch(m, out_dir=os.path.join(tmp, "w2")).__enter__())
+
+    cfg = WorkloadConfig(steps=5, n_layers=2, d_model=64)
+    base = train_losses(cfg)
+    run_dir = os.path.join(tmp, "sabotaged")
+    out["sabotaged_losses_equal"] = train_losses(cfg, run_dir, sabotage=True) == base
+    out["sabotaged_dir"] = run_dir
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
