@@ -103,6 +103,7 @@ class RunState:
 
     # ------------------------------------------------------------------ internals
     def _rebuild(self, run) -> None:
+        run.trace_files = sorted(self._traces)
         report = build_report(run, traces=False)
         windows = [w for _, w in self._traces.values() if not isinstance(w, str)]
         skipped = [f"{p.name}: {w}" for p, (k, w) in sorted(self._traces.items()) if isinstance(w, str) and k[0] >= 0]

@@ -111,6 +111,17 @@ def driver():
     shutil.rmtree(profile, ignore_errors=True)
 
 
+@pytest.fixture
+def browser(driver, serve):
+    """The shared browser for one test; leaves the page (and drains the log) before the test's server stops."""
+    driver.get("about:blank")
+    _severe(driver)
+    driver.set_window_size(1366, 768)
+    yield driver
+    driver.get("about:blank")
+    _severe(driver)
+
+
 def _severe(driver) -> list[str]:
     try:
         logs = driver.get_log("browser")
@@ -138,13 +149,19 @@ def _open_tab(driver, key: str):
 
 def _screenshot(driver, name: str, full: bool = False):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    if full:
-        w, h = driver.get_window_size()["width"], driver.execute_script("return document.body.scrollHeight")
-        driver.set_window_size(w, max(768, min(h + 40, 4000)))
-        time.sleep(0.6)  # responsive graphs re-layout
-    driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
-    if full:
-        driver.set_window_size(1366, 768)
+    if not full:
+        driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+        return
+    # the whole page at the current width: grow the viewport (device metrics), capture, restore
+    w = driver.execute_script("return window.innerWidth")
+    h = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": w, "height": max(768, min(h, 6000)), "deviceScaleFactor": 1, "mobile": False})
+    time.sleep(0.5)
+    try:
+        driver.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def _copy_sample(dst: Path, mutate=None) -> Path:
@@ -161,7 +178,8 @@ def _copy_sample(dst: Path, mutate=None) -> Path:
 
 # ------------------------------------------------------------------ tests
 
-def test_every_page_renders_without_console_errors(driver, serve, tmp_path):
+def test_every_page_renders_without_console_errors(browser, serve, tmp_path):
+    driver = browser
     srv = serve(_copy_sample(tmp_path / "run"))
     driver.set_window_size(1366, 768)
     driver.get(srv.url)
@@ -217,7 +235,8 @@ def _more_gc(line: bytes) -> bytes:
     return msgspec.json.encode(d) + b"\n"
 
 
-def test_finding_card_shows_evidence_and_fix(driver, serve, tmp_path):
+def test_finding_card_shows_evidence_and_fix(browser, serve, tmp_path):
+    driver = browser
     srv = serve(_copy_sample(tmp_path / "gc-run", mutate=_more_gc))
     findings = srv.app._fsdp_state.snapshot().report["findings"]
     assert any(f["code"] == "jitter.gc" for f in findings), [f["code"] for f in findings]
@@ -237,7 +256,8 @@ def test_finding_card_shows_evidence_and_fix(driver, serve, tmp_path):
     assert not _severe(driver)
 
 
-def test_live_run_shows_new_steps_without_reload(driver, serve, tmp_path):
+def test_live_run_shows_new_steps_without_reload(browser, serve, tmp_path):
+    driver = browser
     run = tmp_path / "live"
     run.mkdir()
     srcs = sorted(SAMPLE.glob("rank*.records.jsonl"))
@@ -275,7 +295,7 @@ def test_live_run_shows_new_steps_without_reload(driver, serve, tmp_path):
 
         def n_points():
             return driver.execute_script(
-                "var g = document.getElementById('fig-step-time'); if (!g || !g.data) return -1;"
+                "var g = document.querySelector('#fig-step-time .js-plotly-plot'); if (!g || !g.data) return -1;"
                 "return Math.max.apply(null, g.data.map(function(t){ return t.x.length; }));")
 
         assert n_points() == 5
@@ -298,7 +318,8 @@ def test_live_run_shows_new_steps_without_reload(driver, serve, tmp_path):
             f.close()
 
 
-def test_empty_directory_says_so(driver, serve, tmp_path):
+def test_empty_directory_says_so(browser, serve, tmp_path):
+    driver = browser
     empty = tmp_path / "empty"
     empty.mkdir()
     srv = serve(empty)

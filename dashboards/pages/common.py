@@ -46,7 +46,8 @@ class Filters:
 
 
 def graph(fig, gid: str, **style) -> dcc.Graph:
-    return dcc.Graph(id=gid, figure=fig, config=GRAPH_CONFIG, className="graph", style=style or None)
+    kw = {"style": style} if style else {}
+    return dcc.Graph(id=gid, figure=fig, config=GRAPH_CONFIG, className="graph", **kw)
 
 
 def section(title: str, *children, cls: str = "", sid: Optional[str] = None) -> html.Section:

@@ -292,6 +292,14 @@ def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
 
 
+def blocks_expr(ctx: Context, default: str = "model.layers") -> str:
+    """The model's repeated-block container as code (``model.layers``), from the unit names."""
+    blocks = block_containers(m for u in units(ctx) for m in u["modules"])
+    if not blocks:
+        return default
+    return module_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0])
+
+
 def block_of(name: str) -> Optional[str]:
     """The repeated block a module belongs to: "layers.2.mlp.fc1" -> "layers.2"."""
     m = _IDX.match(strip_ckpt(name))

@@ -50,9 +50,14 @@ could not be exercised on the CPU-only machine this was developed on.
 
 Cost: per-unit byte sizes are cached; a mark reads a few FSDP state fields per param group and the cached
 figures; gradients are re-measured only for the units whose backward just ran; the optimizer state only
-when its size changes (and every ``refresh_every`` steps). The pack hook costs ~2 us per saved tensor.
-Options (``watch(memory={...})``): ``activations_every`` (count saved tensors exactly on every Nth step,
-default 1; in between the last exact step's activation figures are replayed mark by mark),
+when its size changes (and every ``refresh_every`` steps). The pack hook costs ~2-3 us per saved tensor,
+which is the one cost that grows with the model; so by default (``activations_every="auto"``) steps 0-2
+are counted exactly and then every Nth step, N chosen so that exact counting costs at most
+``activations_budget`` (0.3%) of the median step time; on the steps in between the last exact step's
+activation figures are replayed mark by mark (the step's ``"activations"`` says ``"exact"`` or
+``"replayed"``). On the CPU reference workload (109 saved tensors, ~200 ms steps) N is 1.
+Options (``watch(memory={...})``): ``activations_every`` ("auto", or N: exact on every Nth step, 0 never),
+``activations_budget``,
 ``timeline_every`` (store every sample of every Nth step, default 50; the first steps and every step
 that raises the running peak are stored too), ``refresh_every`` (re-measure the static sizes, default 50),
 ``fragmentation_every`` (CUDA memory snapshot for the largest free block, default 200; 0 = never),
@@ -72,6 +77,9 @@ import torch
 import torch.nn as nn
 
 log = logging.getLogger("fsdp_doctor")
+# Property reads (``.grad``) on DTensor parameters go through __torch_function__ (~1 us each); inside this
+# context they are plain C reads.
+_NoTF = getattr(torch._C, "DisableTorchFunctionSubclass", None)
 _now = time.perf_counter_ns
 # the probe's own cost is timed with the same wall clock (thread_time_ns is a slow syscall in some sandboxes)
 _cpu = _now
@@ -95,7 +103,8 @@ HOST_CATEGORIES = ("offloaded_host",)
 (_SP, _USP, _SG, _UG, _OPT, _STALE, _ACT, _COMM, _BUF, _TMP) = range(len(CATEGORIES))
 
 _DEFAULTS = {
-    "activations_every": 1,
+    "activations_every": "auto",
+    "activations_budget": 0.003,  # "auto": exact counting may cost this fraction of the median step time
     "timeline_every": 50,
     "refresh_every": 50,
     "fragmentation_every": 200,
@@ -111,8 +120,11 @@ def _options(option: Any) -> dict:
         if unknown:
             raise ValueError(f"watch(memory=...): unknown option(s) {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
         opts.update(option)
-    for k in ("activations_every", "timeline_every", "refresh_every", "fragmentation_every", "first_timeline_steps"):
+    for k in ("timeline_every", "refresh_every", "fragmentation_every", "first_timeline_steps"):
         opts[k] = max(0, int(opts[k]))
+    if opts["activations_every"] != "auto":
+        opts["activations_every"] = max(0, int(opts["activations_every"]))
+    opts["activations_budget"] = float(opts["activations_budget"])
     return opts
 
 
@@ -229,6 +241,10 @@ class MemoryProbe:
         self._param_keys: set[int] = set()
         self._keys_built: set[int] = set()
         self._comm_ctxs: list = []
+        self._hsdp_groups: list[_GroupInfo] = []
+        self._comm_note: str | None = None
+        # per unit: gradient signature (see _grad_signature) -> (sharded, unsharded, host) bytes
+        self._grad_cache: list[dict] = [{} for _ in self.units]
         self._static_done = False
         self._pending: list[int] = []  # units whose post-backward ran since their grads were measured
         # activations
@@ -237,6 +253,11 @@ class MemoryProbe:
         self._act_error: str | None = None
         self._act_mode = "off"  # this step: "exact" | "replayed" | "off"
         self._act_note: str | None = None
+        self._pack_ns = 0
+        self._every = 1  # current period of exact activation steps
+        self._next_exact = 0
+        self._last_step_end = 0
+        self._walls: list[int] = []
         self._last_exact: list | None = None  # [(unit, phase, activations)] of the last exact step
         self._unit_act_start: dict[int, int] = {}
         self._unit_act: dict[int, int] = {}
@@ -312,6 +333,14 @@ class MemoryProbe:
             if c is not None:
                 ctxs[id(c)] = c
         self._comm_ctxs = list(ctxs.values())
+        # the comm fields read at every mark (private FSDP API): check them once, else report comm as 0
+        ok = all(hasattr(c, "all_gather_state") and hasattr(c, "reduce_scatter_states") for c in self._comm_ctxs)
+        ok = ok and all(hasattr(g.pg, "_all_gather_result") for g in self.groups)
+        if not ok:
+            self._comm_ctxs = []
+            self._comm_note = "this torch version's FSDP comm state is not recognised: comm_buffers not measured"
+        self._hsdp_groups = [g for g in self.groups if getattr(g.pg, "_is_hsdp", False)
+                             or getattr(g.pg, "_partial_reduce_output", None) is not None]
         self._static_done = True
 
     def _add_unit_param_keys(self, idx: int) -> None:
@@ -342,7 +371,34 @@ class MemoryProbe:
             return nb, 0
         return 0, nb
 
-    def _measure_unit_grads(self, idx: int) -> None:
+    def _grad_signature(self, idx: int) -> tuple:
+        """Which params of the unit hold which gradients: cheap attribute reads, no storage access."""
+        ns = nu = na = 0
+        with _NoTF():
+            for g in self.unit_groups[idx]:
+                for fp in g.fps:
+                    if fp.sharded_param.grad is not None:
+                        ns += 1
+                    up = getattr(fp, "_unsharded_param", None)
+                    if up is not None and up.grad is not None:
+                        nu += 1
+                    if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                        na += 1
+        return ns, nu, na
+
+    def _measure_unit_grads(self, idx: int, force: bool = False) -> None:
+        """Sharded / unsharded gradient bytes of one unit. Gradient sizes repeat from step to step, so
+        when the same params hold the same kinds of gradient as at the last measurement the cached bytes
+        are kept (re-measured every ``refresh_every`` steps)."""
+        sig = self._grad_signature(idx)
+        if sig == (0, 0, 0):
+            self.unit_sgrad[idx] = self.unit_ugrad[idx] = self.unit_host_grad[idx] = 0
+            return
+        cache = self._grad_cache[idx]
+        hit = cache.get(sig)
+        if hit is not None and not force and not self._refresh_step:
+            self.unit_sgrad[idx], self.unit_ugrad[idx], self.unit_host_grad[idx] = hit
+            return
         sg = ug = host = 0
         seen: set[int] = set()
         for g in self.unit_groups[idx]:
@@ -368,13 +424,15 @@ class MemoryProbe:
         self.unit_sgrad[idx] = sg
         self.unit_ugrad[idx] = ug
         self.unit_host_grad[idx] = host
+        cache[sig] = (sg, ug, host)
 
     def _quick_grads(self) -> None:
-        """At the forward start: units whose grads were set to None (zero_grad) cost one check per param."""
+        """At the forward start: notice gradients freed (or kept) since the last backward."""
         for idx in range(len(self.units)):
-            if self.unit_sgrad[idx] or self.unit_ugrad[idx] or self.unit_host_grad[idx]:
+            if self.unit_sgrad[idx] or self.unit_ugrad[idx] or self.unit_host_grad[idx] or self._refresh_step:
                 self._measure_unit_grads(idx)
-        self._measure_unmanaged_grads()
+        if self._unmanaged:
+            self._measure_unmanaged_grads()
 
     def _measure_unmanaged_grads(self) -> None:
         dev = host = 0
@@ -484,38 +542,41 @@ class MemoryProbe:
         return total
 
     def _comm_bytes(self) -> int:
-        seen: set[int] = set()
+        """FSDP's collective buffers in flight. They are standalone tensors, so ``nbytes`` is their size."""
+        seen: list[int] = []
         total = 0
-
-        def add(t):
-            nonlocal total
-            if isinstance(t, torch.Tensor):
-                k, nb = _storage(t)
-                if k is not None and k not in seen:
-                    seen.add(k)
-                    total += nb
-
         for c in self._comm_ctxs:
-            ags = getattr(c, "all_gather_state", None)
+            ags = c.all_gather_state
             if ags is not None:
-                add(getattr(getattr(ags, "all_gather_result", None), "all_gather_output", None))
-            for rs in getattr(c, "reduce_scatter_states", None) or ():
-                add(getattr(rs, "reduce_scatter_input", None))
+                t = ags.all_gather_result.all_gather_output
+                seen.append(id(t))
+                total += t.nbytes
+            for rs in c.reduce_scatter_states:
+                total += rs.reduce_scatter_input.nbytes
         for g in self.groups:
-            pg = g.pg
-            agr = getattr(pg, "_all_gather_result", None)
+            agr = g.pg._all_gather_result
             if agr is not None:
-                add(getattr(agr, "all_gather_output", None))
+                t = agr.all_gather_output
+                if id(t) not in seen:
+                    total += t.nbytes
+        for g in self._hsdp_groups:
+            pg = g.pg
             ars = getattr(pg, "_all_reduce_state", None)
-            if ars is not None:
-                add(getattr(ars, "all_reduce_input", None))
+            if ars is not None and isinstance(getattr(ars, "all_reduce_input", None), torch.Tensor):
+                total += ars.all_reduce_input.nbytes
             pro = getattr(pg, "_partial_reduce_output", None)
-            if pro is not None:
-                add(pro)
+            if isinstance(pro, torch.Tensor):
+                total += pro.nbytes
         return total
 
     # ------------------------------------------------------------------ activations (saved tensors)
     def _pack(self, t):
+        t0 = _now()
+        r = self._pack_inner(t)
+        self._pack_ns += _now() - t0
+        return r
+
+    def _pack_inner(self, t):
         live = self.live
         try:
             live.packs += 1
@@ -620,7 +681,7 @@ class MemoryProbe:
             if idx is not None:
                 self._measure_unit_grads(idx)  # unsharded grads before the reduce-scatter
                 self._pending.append(idx)
-            else:
+            elif self._unmanaged:
                 self._measure_unmanaged_grads()
         elif phase == "optimizer_start":
             self._flush_pending()
@@ -642,11 +703,31 @@ class MemoryProbe:
         if self._static_done and not self._fwd_seen:
             self._quick_grads()
         self._fwd_seen = True
-        every = self.opts["activations_every"]
-        if every and self.step_idx % every == 0:
+        if self._exact_step():
             self._push_hooks()
         if not self._hooks_pushed and self._act_mode != "exact":
             self._act_mode = "replayed" if self._last_exact is not None else "off"
+
+    def _exact_step(self) -> bool:
+        every = self.opts["activations_every"]
+        if every == "auto":
+            return self.step_idx < 3 or self.step_idx >= self._next_exact
+        return bool(every) and self.step_idx % every == 0
+
+    def _schedule_exact(self, step: int, pack_ns: int, packs: int) -> None:
+        """activations_every="auto": after an exact step, the next one comes when the amortised cost of
+        exact counting (pack hooks + handle releases) stays within the budget share of the step time."""
+        if self.opts["activations_every"] != "auto":
+            self._every = self.opts["activations_every"] or 0
+            return
+        walls = sorted(self._walls[-20:])
+        if not walls:
+            return
+        wall = walls[len(walls) // 2]
+        cost = pack_ns + packs * _RELEASE_NS
+        budget = max(1.0, self.opts["activations_budget"] * wall)
+        self._every = max(1, min(_MAX_EVERY, -(-int(cost) // int(budget))))
+        self._next_exact = step + self._every
 
     def _sample(self, t: int, unit, phase: str) -> None:
         v = list(self.static)
@@ -684,9 +765,12 @@ class MemoryProbe:
         self._unit_act = {}
         self._unit_act_start = {}
         self._fwd_seen = False
+        re = self.opts["refresh_every"]
+        self._refresh_step = step < 2 or bool(re and step % re == 0)
         self._act_mode = "off"
         self._act_note = None
         self.live.packs = 0
+        self._pack_ns = 0
         self._t0 = _now()
 
     def step_end(self, step: int) -> dict | None:
@@ -709,6 +793,11 @@ class MemoryProbe:
         """
         t_end = _now()
         c0 = _cpu()
+        if self._last_step_end:
+            self._walls.append(t_end - self._last_step_end)
+            if len(self._walls) > 64:
+                del self._walls[:32]
+        self._last_step_end = t_end
         if self._pending:
             self._flush_pending()
         self._pop_hooks()
@@ -739,9 +828,13 @@ class MemoryProbe:
         note = self._act_error or self._act_note
         if note:
             out["activations_note"] = note
+        if self._comm_note:
+            out["comm_note"] = self._comm_note
         if self._act_mode == "exact":
             out["unit_activations"] = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
             self._last_exact = [(s[1], s[2], s[3][_ACT]) for s in samples]
+            self._schedule_exact(step, self._pack_ns, self.live.packs)
+        out["activations_every"] = self._every
         new_peak = totals[pi] > self._running_peak
         if new_peak:
             self._running_peak = totals[pi]
@@ -760,8 +853,9 @@ class MemoryProbe:
         else:
             self._refresh_optimizer()
         self._cost_ns += _cpu() - c0
-        # pack hook cost is not timed per call (it would double it); estimate it from the measured rate
-        out["probe_us"] = round(self._cost_ns * 1e-3 + self.live.packs * _PACK_US, 1)
+        # marks and step_end are timed; pack hooks are timed each; handle releases (_Saved.__del__, run by
+        # autograd) are estimated
+        out["probe_us"] = round((self._cost_ns + self._pack_ns + self.live.packs * _RELEASE_NS) * 1e-3, 1)
         self._begin(step + 1)
         return out
 
@@ -840,7 +934,8 @@ class MemoryProbe:
         self._last_exact = None
 
 
-_PACK_US = 2.0  # measured cost of one pack + release of a saved tensor (see benchmarks and tests)
+_RELEASE_NS = 600  # one _Saved.__del__ + the unpack call (measured ~0.5 us on a 2-core CPU box)
+_MAX_EVERY = 100
 
 
 def _compute_device(units, model: nn.Module) -> torch.device:

@@ -56,7 +56,10 @@ class OffloadCostly(Rule):
         if not step or exposed is None or exposed / step < OFFLOAD_COSTLY_SHARE:
             return []
         bd = E.breakdown(ctx)
-        host = bd.get("offloaded_host") or E.peak_rank(ctx) and E.peak_rank(ctx)[1].get("offloaded_host") or 0
+        host = bd.get("offloaded_host") or 0
+        if not host:
+            pr = E.peak_rank(ctx)
+            host = (pr[1].get("offloaded_host") if pr else 0) or 0
         if not host:
             host = sum(u["sharded_bytes"] for u in off) * 4  # params, grads, 2 Adam states
         if peak is not None and cap and peak + host > OFFLOAD_FITS_SHARE * cap:
@@ -95,6 +98,8 @@ class OffloadRecommended(Rule):
         shard = sum(u["sharded_bytes"] for u in us)
         # per step: params host->device twice (forward and backward unshard), grads device->host once
         copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
+        blocks = E.block_containers(m for u in us for m in u["modules"])
+        cont = E.module_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks else "model.layers"
         return [self.finding(
             "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
                        f"peak at {100 * peak / cap:.0f}% of capacity",
@@ -107,7 +112,7 @@ class OffloadRecommended(Rule):
             "reduce-scatter, and the optimizer steps on the CPU (slow for large models: prefer more ranks "
             "or checkpointing first if they are an option).",
             "from torch.distributed.fsdp import CPUOffloadPolicy\n"
-            "for block in model.layers:\n"
+            f"for block in {cont}:\n"
             "    fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))\n"
             "fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))",
             predicted=E.predicted(step, step + copy_ms if step is not None else None, peak, peak - state),

@@ -24,6 +24,8 @@ TIGHT_SHARE = 0.85
 # Gathered parameters held unused this long before use (and this share of the step) cost memory for nothing.
 HELD_MIN_MS = 1.0
 HELD_MIN_STEP_SHARE = 0.03
+# Explicit prefetch this many units ahead keeps that many extra units gathered; one ahead is the norm.
+EXPLICIT_DEPTH_WARN = 2
 # Synchronous unshard on gloo: the share of the backward all-gather waits that async unshard plus FSDP's
 # implicit backward prefetch removed on the reference workload (2 ranks, 2 cores: waits ~3.3 -> ~1.4 ms).
 GLOO_ASYNC_BWD_SAVED = 0.5
@@ -157,18 +159,19 @@ class PrefetchTooEarly(Rule):
             ms = max(v)
             if ms >= max(HELD_MIN_MS, HELD_MIN_STEP_SHARE * step) and unit in by_name:
                 rows.append((by_name[unit], ph, ms))
-        if not rows:
-            return []
+        depth = max((len(u["forward_prefetch"]) for u in by_name.values()), default=0)
+        bdepth = max((len(u["backward_prefetch"]) for u in by_name.values()), default=0)
+        if not rows or max(depth, bdepth) == 0:
+            return []  # FSDP's implicit prefetch (one unit ahead) holds the next unit by design
         rows.sort(key=lambda x: -x[2])
         peak = E.peak_bytes(ctx)
         # one fewer unit gathered at the peak: the largest of those held early
         saved = max(u["unsharded_bytes"] - u["sharded_bytes"] for u, _, _ in rows)
-        depth = max((len(u["forward_prefetch"]) for u in by_name.values()), default=0)
-        bdepth = max((len(u["backward_prefetch"]) for u in by_name.values()), default=0)
+        sev = "warning" if max(depth, bdepth) >= EXPLICIT_DEPTH_WARN else "info"
         code = ("# prefetch one unit ahead at most (or clear the explicit lists to fall back to FSDP's default)\n"
                 + _prefetch_code(ctx))
         return [self.finding(
-            "warning", f"Parameters of {len(rows)} unit(s) are gathered up to {rows[0][2]:.1f} ms before use "
+            sev, f"Parameters of {len(rows)} unit(s) are gathered up to {rows[0][2]:.1f} ms before use "
                        f"with memory at {100 * share:.0f}% of capacity",
             {"peak_share_of_capacity_pct": round(100 * share, 1), "peak_bytes": peak,
              "capacity_bytes": E.capacity_bytes(ctx), "forward_prefetch_depth": depth,

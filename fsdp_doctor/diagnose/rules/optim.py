@@ -1,0 +1,128 @@
+"""Optimizer rules: an optimizer built before fully_shard, collectives outside FSDP's own (optimizer step,
+gradient clipping), optimizer state dominating a tight memory budget."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from ..base import Context, Rule, register
+
+# Collectives that no FSDP unit issued are worth a look above this share of the step ...
+OTHER_COMM_INFO_SHARE = 0.02
+# ... and a warning when their exposed time reaches this share.
+OTHER_COMM_WARN_SHARE = 0.10
+# Optimizer state is "dominant" at this share of the peak ...
+STATE_SHARE_MIN = 0.40
+# ... and matters only when the peak is at least this share of capacity.
+STATE_TIGHT_SHARE = 0.80
+# FSDP's own collectives as the trace engine labels them; everything else came from user code.
+_OTHER_UNITS = ("(other)",)
+
+
+@register
+class OptimizerBeforeShard(Rule):
+    code = "optim.before_shard"
+    name = "Optimizer created before fully_shard"
+    description = "The optimizer holds tensors that are not the model's parameters: nothing is trained."
+
+    def match(self, ctx: Context):
+        cfg = ctx.config
+        if cfg is None or cfg.optimizer_foreign_params <= 0:
+            return []
+        step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
+        stale = cfg.optimizer_foreign_bytes
+        bd = E.breakdown(ctx)
+        stale_mem = bd.get("stale_optimizer_params")
+        held = stale_mem if stale_mem else stale
+        opt = cfg.optimizer or "the optimizer"
+        return [self.finding(
+            "critical", f"{opt} was created before fully_shard: {cfg.optimizer_foreign_params} of its "
+                        f"{cfg.optimizer_params} parameters are not the model's",
+            {"optimizer": cfg.optimizer, "optimizer_params": cfg.optimizer_params,
+             "foreign_params": cfg.optimizer_foreign_params, "foreign_bytes": stale,
+             "stale_bytes_at_peak": stale_mem, "optimizer_ms_p50": E.phase_ms(ctx, "optimizer")},
+            "fully_shard replaces each parameter with a sharded DTensor parameter. An optimizer built before "
+            "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
+            "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
+            f"({E.mib(stale)} MiB per rank). Create the optimizer after sharding.",
+            "model = build_model()\n"
+            f"for block in {E.blocks_expr(ctx)}:\n    fully_shard(block, mesh=mesh)\nfully_shard(model, mesh=mesh)\n"
+            f"optimizer = torch.optim.{cfg.optimizer or 'AdamW'}(model.parameters(), lr=lr)  # after fully_shard",
+            predicted=E.predicted(step, None, peak, peak - held if (peak is not None and held) else None))]
+
+
+@register
+class OptimizerStepComm(Rule):
+    code = "optim.step_comm"
+    name = "Collectives outside FSDP's own"
+    description = "Collectives no FSDP unit issued (optimizer step, gradient clipping, metrics) take step time."
+
+    def match(self, ctx: Context):
+        step = E.step_ms(ctx)
+        rows = [r for r in E.trace_rows(ctx) if r.get("unit") in _OTHER_UNITS]
+        if not rows or not step:
+            return []
+        by_rank: dict = {}
+        for r in rows:
+            a = by_rank.setdefault(r["rank"], {"calls": 0.0, "comm_ms": 0.0, "exposed_ms": 0.0, "kinds": set()})
+            a["calls"] += r["count_per_step"]
+            a["comm_ms"] += r["comm_ms_per_step"]
+            a["exposed_ms"] += r["exposed_ms_per_step"]
+            a["kinds"].add(r["collective"])
+        rank, worst = max(by_rank.items(), key=lambda kv: kv[1]["exposed_ms"])
+        share = worst["exposed_ms"] / step
+        if share < OTHER_COMM_INFO_SHARE:
+            return []
+        sev = "warning" if share >= OTHER_COMM_WARN_SHARE else "info"
+        opt_ms = E.phase_ms(ctx, "optimizer")
+        kinds = sorted(worst["kinds"])
+        return [self.finding(
+            sev, f"{worst['calls']:.0f} collectives per step outside FSDP's own ({worst['exposed_ms']:.1f} ms exposed)",
+            {"rank": rank, "calls_per_step": round(worst["calls"], 1), "comm_ms_per_step": round(worst["comm_ms"], 3),
+             "exposed_ms_per_step": round(worst["exposed_ms"], 3), "collectives": kinds,
+             "optimizer_ms_p50": opt_ms, "step_p50_ms": step,
+             "attribution": "not attributed to a phase: the trace has no FSDP label around them"},
+            "The traces show collectives that no FSDP unit issued. The usual sources are "
+            "clip_grad_norm_ over DTensor gradients (an all-reduce per norm, with foreach=False one per "
+            "parameter), an optimizer that calls full_tensor() or redistributes DTensors, and metrics such as a "
+            "loss all-reduce with .item() every step. The trace cannot tell which: profile one step with "
+            "with_stack=True, or check the optimizer step for these calls. Batch them (foreach=True, one "
+            "all-reduce of the total norm) and log metrics every N steps.",
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)  # one batched reduction\n"
+            "if step % 50 == 0:  # metrics off the per-step path\n"
+            "    dist.all_reduce(loss_sum)",
+            predicted=E.predicted(step, step - worst["exposed_ms"]), ranks=[int(rank)])]
+
+
+@register
+class OptimizerStateDominates(Rule):
+    code = "optim.state_dominates"
+    name = "Optimizer state dominates memory"
+    description = "Optimizer state is the largest part of a peak that is close to capacity."
+
+    def match(self, ctx: Context):
+        peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
+        if peak is None or not cap or peak / cap < STATE_TIGHT_SHARE:
+            return []
+        bd = E.breakdown(ctx)
+        st = bd.get("optimizer_state") or 0
+        if not st or st / peak < STATE_SHARE_MIN:
+            return []
+        step = E.step_ms(ctx)
+        cfg = ctx.config
+        opt = (cfg.optimizer if cfg is not None else None) or "the optimizer"
+        # bf16 state halves it; the options below are listed from least to most invasive
+        saved = st / 2
+        return [self.finding(
+            "warning", f"{opt} state is {100 * st / peak:.0f}% of a peak at {100 * peak / cap:.0f}% of capacity",
+            {"optimizer": opt, "optimizer_state_bytes": st, "peak_bytes": peak, "capacity_bytes": cap,
+             "state_share_pct": round(100 * st / peak, 1), "world_size": cfg.world_size if cfg else None},
+            f"{opt}'s per-parameter state ({E.mib(st)} MiB per rank, already sharded) is the largest part of "
+            "the peak. Options, least invasive first: keep the state in bf16 (halves it), shard over more "
+            "ranks, switch to an optimizer with factored or 8-bit state (Adafactor, 8-bit Adam), or offload "
+            "the state to the host (CPUOffloadPolicy, GPU only).",
+            f"# e.g. bf16 optimizer state: build the model in bf16 before fully_shard and keep an fp32 reduce\n"
+            "model.to(torch.bfloat16)\n"
+            "fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
+            "                                                            reduce_dtype=torch.float32))\n"
+            f"optimizer = torch.optim.{cfg.optimizer if cfg and cfg.optimizer else 'AdamW'}(model.parameters(), lr=lr)",
+            predicted=E.predicted(step, step, peak, peak - saved))]

@@ -1,0 +1,49 @@
+"""The terminal rendering of the trace result fits 100 columns and shows units on every number."""
+
+from rich.console import Console
+
+from fsdp_doctor.present.overlap import fmt_bytes, fmt_us, render_overlap
+from fsdp_doctor.trace import analyze_traces
+from trace_fixtures import gloo_known_trace, gpu_known_trace
+
+
+def _render(result):
+    console = Console(width=100, record=True, color_system=None)
+    console.print(render_overlap(result))
+    return console.export_text()
+
+
+def test_formatters():
+    assert fmt_us(850) == "850 µs" and fmt_us(12_345) == "12.3 ms" and fmt_us(2_500_000) == "2.50 s"
+    assert fmt_us(-90, signed=True) == "-90 µs" and fmt_us(50, signed=True) == "+50 µs"
+    assert fmt_us(None) == "–" and fmt_bytes(4_000_000) == "4.0 MB" and fmt_bytes(800) == "800 B"
+
+
+def test_render_tables(tmp_path):
+    gpu_known_trace(rank=0).write(tmp_path / "rank0.json")
+    gloo_known_trace(rank=1).write(tmp_path / "rank1.json")
+    (tmp_path / "rank2.json").write_text('{"a": 1}')
+    for k in range(3, 6):  # more rows than the table shows
+        b = gpu_known_trace(rank=k)
+        for e in b.events:
+            if e["name"].startswith("FSDP::") and "layers.0" in e["name"]:
+                e["name"] = e["name"].replace("layers.0", "model.very_long_module_name.layers.0")
+        b.write(tmp_path / f"rank{k}.json")
+    text = _render(analyze_traces(tmp_path))
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "42.0%" in text and "40.0%" in text  # rank 0 GPU, rank 1 gloo
+    assert "20 GB/s" in text and "40 GB/s" in text and "MB" in text and "µs" in text
+    assert "top 15 of" in text
+    assert "skipped rank2.json: not a Kineto trace (no traceEvents)" in text
+    unit_lines = [line for line in lines if " fwd " in line or " bwd " in line]
+    assert len(unit_lines) == 15
+    # worst exposure first: the gloo rank's fully exposed synchronous all-gathers (2 × 1 ms)
+    assert unit_lines[0].split()[:3] == ["1", "0", "AG"] and "2.0 ms" in unit_lines[0]
+    assert "0.0004 GB/s" in unit_lines[0] and "800 B" in unit_lines[0]
+
+
+def test_render_empty():
+    text = _render({"per_rank": {}, "per_unit": [], "copies": {}, "idle": {}, "blocking": {}, "files": [],
+                    "skipped": [{"file": "x", "error": "no such file or directory"}]})
+    assert "No traces" in text and "skipped x: no such file or directory" in text
