@@ -132,6 +132,17 @@ class StepRecord(Record, tag="step"):
     memory: dict[str, Any] | None = None  # memory by category (see fsdp_doctor.record.memory)
 
 
+class GpuTimes(Record, tag="gpu"):
+    """Device-side times of one step on CUDA, from events read a step later (see record/gpu_timing.py).
+
+    ``units`` rows are ``[name, fwd_ms, bwd_ms]``: the device time between the same brackets the host
+    timings use (inclusive of nested units)."""
+
+    step: int
+    step_ms: float
+    units: list[list[Union[str, float]]] = []
+
+
 class ProfileWindow(Record, tag="profile"):
     """A torch.profiler window whose Kineto trace was written."""
 
@@ -154,7 +165,7 @@ class End(Record, tag="end"):
     ended_ns: int
 
 
-AnyRecord = Union[Header, RunConfig, StepRecord, ProfileWindow, DoctorError, End]
+AnyRecord = Union[Header, RunConfig, StepRecord, GpuTimes, ProfileWindow, DoctorError, End]
 
 
 class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):

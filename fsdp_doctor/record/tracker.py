@@ -137,6 +137,7 @@ class Doctor:
         self._config_written = False
         self._entered = False
         self._gc_ns = self._gc_count = self._gc_start = 0
+        self._gpu = None  # GpuTimeline on CUDA
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -156,6 +157,10 @@ class Doctor:
                          streams=[stream_name(r) for r in range(self.world_size)], command=list(sys.argv)),
             )
         self._install()
+        if _device_of(self.model).type == "cuda":
+            from .gpu_timing import GpuTimeline
+
+            self._gpu = GpuTimeline(self.rank, len(self._units), [u.name for u in self._units])
         _WATCHED.add(self.model)
         self._entered = True
         self.active = True
@@ -182,6 +187,11 @@ class Doctor:
             self._uninstall()
             if self._memory is not None:
                 self._memory.detach()
+            if self._gpu is not None and self.active:
+                try:
+                    self._writer.write(*self._gpu.flush())
+                except Exception as e:  # noqa: BLE001
+                    self._fail("gpu timing", e, stop=False)
             if self._writer is not None:
                 if exc_type is None:
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns()))
@@ -279,6 +289,8 @@ class Doctor:
         a = self._acc[idx]
         if a.fwd_depth == 0:  # grouped units: only the first module's entry opens the unit
             a.t_outer = _now()
+            if self._gpu is not None and not self._in_backward():
+                self._gpu.open(idx, 0)
         a.fwd_depth += 1
 
     def _fwd_inner_pre(self, idx, args):
@@ -307,6 +319,8 @@ class Doctor:
             return
         a.fwd += dt
         a.calls += 1
+        if self._gpu is not None:
+            self._gpu.close(idx, 0)
         output = args[1] if len(args) > 1 else None
         if not a.bwd_hooked and output is not None:
             self._hook_outputs(idx, output)
@@ -376,12 +390,16 @@ class Doctor:
                 self._bwd_start = t
             if not a.t_pre_bwd:
                 a.t_pre_bwd = t
+                if self._gpu is not None:
+                    self._gpu.open(idx, 1)
             if self._memory is not None:
                 self._memory.mark(self._units[idx].name, "backward_start")
         else:
             if a.t_pre_bwd:
                 a.bwd += t - a.t_pre_bwd
                 a.t_pre_bwd = 0
+                if self._gpu is not None:
+                    self._gpu.close(idx, 1)
             if self._memory is not None:
                 self._memory.mark(self._units[idx].name, "backward_end")
 
@@ -429,6 +447,8 @@ class Doctor:
         self._bwd_cb_queued = False
         for a in self._acc.values():
             a.reset()
+        if self._gpu is not None:
+            self._gpu.begin_step()
 
     def step(self) -> None:
         """Marks the end of one training step. Call it once per step, after ``optimizer.step()``."""
@@ -465,6 +485,10 @@ class Doctor:
             gc_ms=_ms(self._gc_ns), gc_count=self._gc_count, profiled=profiled, units=units, memory=mem,
         )
         self._writer.write(rec)
+        if self._gpu is not None:
+            done = self._gpu.end_step(step)
+            if done:
+                self._writer.write(*done)
         self._flops_tick(step)
         if self._profiler is not None:
             try:

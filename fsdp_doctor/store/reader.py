@@ -13,6 +13,7 @@ from ..records import (
     MANIFEST_NAME,
     DoctorError,
     End,
+    GpuTimes,
     Header,
     Manifest,
     ProfileWindow,
@@ -36,6 +37,7 @@ class RankData:
     profiles: list[ProfileWindow] = field(default_factory=list)
     errors: list[DoctorError] = field(default_factory=list)
     end: End | None = None
+    gpu: dict[int, GpuTimes] = field(default_factory=dict)  # step -> device-side times (CUDA only)
 
     def add(self, rec) -> None:
         if isinstance(rec, StepRecord):
@@ -50,6 +52,8 @@ class RankData:
             self.header = rec
         elif isinstance(rec, End):
             self.end = rec
+        elif isinstance(rec, GpuTimes):
+            self.gpu[rec.step] = rec
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Device-side unit timings on CUDA: events recorded at the same brackets as the host timings, read a
+step later so that nothing ever synchronizes the step.
+
+On a GPU the host runs ahead of the device, so host timestamps at FSDP's hooks measure when work was
+*issued*. CUDA events recorded on the current stream at those hooks measure when the device *ran* it.
+Events of step N are resolved at the end of a later step once ``Event.query()`` says they completed
+(normally at step N+1); only ``flush()`` at exit waits for the last ones. Results are written as
+``GpuTimes`` records, which readers attach to the step they belong to.
+
+This path needs a CUDA device: it is written against ``torch.cuda.Event`` and exercised by
+``tests/test_gpu_timing.py``, which is skipped on machines without one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..records import GpuTimes
+
+
+class GpuTimeline:
+    def __init__(self, rank: int, n_units: int, names: list[str]):
+        self.rank = rank
+        self.names = names
+        self._pool: list[torch.cuda.Event] = []
+        self._spans: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (unit, 0 fwd / 1 bwd, start, end)
+        self._open: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._step_start: torch.cuda.Event | None = None
+        self._pending: deque = deque()
+
+    def _event(self) -> torch.cuda.Event:
+        ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def begin_step(self) -> None:
+        self._step_start = self._event()
+
+    def open(self, unit: int, kind: int) -> None:
+        if (unit, kind) not in self._open:
+            self._open[(unit, kind)] = self._event()
+
+    def close(self, unit: int, kind: int) -> None:
+        start = self._open.pop((unit, kind), None)
+        if start is not None:
+            self._spans.append((unit, kind, start, self._event()))
+
+    def end_step(self, step: int) -> list[GpuTimes]:
+        """Closes the step (no wait) and returns the records of earlier steps whose events completed."""
+        end = self._event()
+        self._pending.append((step, self._step_start, end, self._spans))
+        self._spans = []
+        for ev in self._open.values():  # spans left open (a forward without backward): drop them
+            self._pool.append(ev)
+        self._open.clear()
+        out = []
+        while self._pending and self._pending[0][2].query():
+            out.append(self._resolve(*self._pending.popleft()))
+        return out
+
+    def flush(self) -> list[GpuTimes]:
+        out = []
+        while self._pending:
+            item = self._pending.popleft()
+            item[2].synchronize()  # only at exit
+            out.append(self._resolve(*item))
+        return out
+
+    def _resolve(self, step, start, end, spans) -> GpuTimes:
+        fwd = [0.0] * len(self.names)
+        bwd = [0.0] * len(self.names)
+        for unit, kind, s, e in spans:
+            (fwd if kind == 0 else bwd)[unit] += s.elapsed_time(e)
+            self._pool += [s, e]
+        rec = GpuTimes(
+            rank=self.rank, step=step, step_ms=round(start.elapsed_time(end), 3),
+            units=[[n, round(f, 3), round(b, 3)] for n, f, b in zip(self.names, fwd, bwd)],
+        )
+        self._pool += [start, end]
+        return rec

@@ -1,0 +1,41 @@
+"""Device-side unit timings with CUDA events (skipped without a GPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist
+import fsdp_doctor
+from fsdp_doctor.workloads import WorkloadConfig, free_port
+from fsdp_doctor.workloads.train import build_training, next_token_loss
+from fsdp_doctor.workloads.data import batches
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1)
+cfg = WorkloadConfig(steps=6, device="cuda")
+model, opt = build_training(cfg)
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doc:
+    for step, (tok, tgt) in zip(range(cfg.steps), batches(cfg, 0)):
+        loss = next_token_loss(model(tok.cuda()), tgt.cuda()); loss.backward(); opt.step(); opt.zero_grad()
+        doc.step()
+dist.destroy_process_group()
+"""
+
+
+def test_cuda_event_timings_recorded(tmp_path):
+    from fsdp_doctor import load_run
+
+    subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], check=True, timeout=300)
+    rd = load_run(tmp_path).ranks[0]
+    assert sorted(rd.gpu) == list(range(6))  # every step resolved, the last ones at exit
+    for g in rd.gpu.values():
+        assert g.step_ms > 0
+        by = {row[0]: row for row in g.units}
+        assert by["layers.0"][1] > 0 and by["layers.0"][2] > 0
+        assert by[""][1] >= by["layers.0"][1]  # the root's forward contains its blocks'
