@@ -7,11 +7,32 @@
 
 Data flows one way: record (fsdp_doctor.record) -> store (fsdp_doctor.store) -> analyze
 (fsdp_doctor.analyze, fsdp_doctor.trace) -> diagnose (fsdp_doctor.diagnose) -> present (fsdp_doctor.present).
+
+The live side (``watch``) imports torch; the readers and analyses do not, so ``fsdp-doctor analyze``
+starts fast. Names are resolved lazily for that reason.
 """
 
 __version__ = "0.1.0"
 
-from .record import Doctor, ProfileSchedule, WatchError, watch  # noqa: E402
-from .store import Run, load_run  # noqa: E402
+_LAZY = {
+    "watch": ("record", "watch"),
+    "Doctor": ("record", "Doctor"),
+    "WatchError": ("record", "WatchError"),
+    "ProfileSchedule": ("record", "ProfileSchedule"),
+    "load_run": ("store", "load_run"),
+    "Run": ("store", "Run"),
+    "build_report": ("analyze", "build_report"),
+}
 
-__all__ = ["Doctor", "ProfileSchedule", "Run", "WatchError", "__version__", "load_run", "watch"]
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f"{__name__}.{mod}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fsdp_doctor' has no attribute {name!r}")

@@ -153,7 +153,8 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
     return serve(path, host=ns.host, port=ns.port) or EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
+    """``with_workload``: add the demo's workload flags (importing torch); skipped for the other commands."""
     p = argparse.ArgumentParser(prog="fsdp-doctor", description="Profiling and diagnostics for PyTorch FSDP2 training.")
     from . import __version__
 
@@ -170,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="traces/demo", help="run directory (default: traces/demo)")
     d.add_argument("--nproc", type=int, default=2, help="gloo ranks (default: 2)")
     d.add_argument("--capacity-mib", type=float, default=None, help="memory budget per rank for the diagnosis")
-    from .workloads import add_cli_args
+    if with_workload:
+        from .workloads import add_cli_args
 
-    add_cli_args(d)
+        add_cli_args(d)
     d.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("dashboard", help="serve the live dashboard over a run directory")
@@ -184,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    first = next((a for a in args if not a.startswith("-")), None)
+    ns = build_parser(with_workload=first == "demo" or "-h" in args or "--help" in args).parse_args(args)
     try:
         return ns.fn(ns)
     except KeyboardInterrupt:

@@ -3,7 +3,6 @@
 import gzip
 import json
 
-import numpy as np
 import pytest
 
 from fsdp_doctor.trace import analyze_traces, build_window, find_trace_files

@@ -285,76 +285,80 @@ def build_window(path, trace: Optional[KinetoTrace] = None) -> WindowTrace:
     rank = 0 if rank is None else rank
     world = dist.world_size if dist is not None else None
 
-    # ---- one pass: keep complete events, sort them into the few kinds the analyses use ----
+    # ---- one pass over everything: device events, launches (host events with a correlation), and the
+    # few host events the analyses read (steps, FSDP labels). The CPU path re-reads the host events.
     all_int = True
-    max_ts = 0.0
     gpu: list[Event] = []
-    host: list[Event] = []
+    launches: dict[int, Event] = {}
+    special: list[Event] = []
     for e in events:
-        if e.dur is None or e.ts is None or e.cat is None or e.cat == "Trace":
+        ts = e.ts
+        if e.dur is None or ts is None:
             continue
-        if all_int and not isinstance(e.ts, int):
+        c = e.cat
+        if c is None or c == "Trace":
+            continue
+        if all_int and ts.__class__ is not int:
             all_int = False
-        if e.ts > max_ts:
-            max_ts = e.ts
         a = e.args
-        if a is not None and a.stream is not None and a.correlation is not None and a.correlation >= 0:
-            if _stream_id(a) >= 0:
-                gpu.append(e)
-                continue
-        host.append(e)
-    scale = 1e-3 if (all_int and events and (trace.displayTimeUnit == "ns" or max_ts > 1e17)) else 1.0
-
-    def t0(e):
-        return e.ts * scale
-
-    def t1(e):
-        return (e.ts + e.dur) * scale
+        if a is not None:
+            corr = a.correlation
+            if corr is not None and corr >= 0:
+                st = a.stream
+                if st is not None and (st >= 0 if st.__class__ is int else _stream_id(a) >= 0):
+                    gpu.append(e)
+                    continue
+                launches[corr] = e
+        n = e.name
+        if n.startswith("FSDP::") or (n.startswith("ProfilerStep") and c != "gpu_user_annotation"):
+            special.append(e)
+    scale = 1.0
+    if all_int and events and (trace.displayTimeUnit == "ns" or max(
+            (e.ts for e in events if e.ts is not None), default=0) > 1e17):
+        scale = 1e-3
 
     # ---- profiler steps and the cut at the last step's start ----
     steps: dict[int, float] = {}
-    for e in host:
-        if e.name.startswith("ProfilerStep") and e.cat != "gpu_user_annotation":
+    for e in special:
+        if e.name.startswith("ProfilerStep"):
             m = STEP_RE.match(e.name)
             if m:
                 n = int(m.group(1))
-                steps[n] = min(steps.get(n, math.inf), t0(e))
+                steps[n] = min(steps.get(n, math.inf), e.ts * scale)
     cutoff = math.inf
     kept_steps = sorted(steps)
     if len(steps) >= 2:
         cutoff = max(steps.values())
         kept_steps = sorted(n for n, s in steps.items() if s < cutoff)
-    if cutoff != math.inf:
-        host = [e for e in host if t0(e) < cutoff]
 
     labels: dict = {}
     boundaries: list[tuple[float, str]] = []
-    for e in host:
+    for e in special:
         n = e.name
-        if n.startswith("FSDP::"):
-            labels.setdefault((e.pid, e.tid), []).append(_Label(t0(e), t1(e), n))
+        t = e.ts * scale
+        if n.startswith("FSDP::") and t < cutoff:
+            labels.setdefault((e.pid, e.tid), []).append(_Label(t, (e.ts + e.dur) * scale, n))
             if n == "FSDP::root_pre_forward":
-                boundaries.append((t0(e), "forward"))
+                boundaries.append((t, "forward"))
             elif n.startswith("FSDP::pre_backward"):
-                boundaries.append((t0(e), "backward"))
+                boundaries.append((t, "backward"))
     index = _LabelIndex(labels)
     phases = _Phases(boundaries)
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu else "cpu", world_size=world,
                       steps=kept_steps)
     if gpu:
-        _build_gpu(win, gpu, host, index, phases, scale, cutoff)
+        if cutoff != math.inf:
+            launches = {k: v for k, v in launches.items() if v.ts * scale < cutoff}
+        _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:
+        host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
+                and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, labels, index, phases, scale)
     return win
 
 
-def _build_gpu(win, gpu, host, index, phases, scale, cutoff):
-    launches = {}
-    for e in host:
-        a = e.args
-        if a is not None and a.correlation is not None and a.correlation >= 0:
-            launches[a.correlation] = e
+def _build_gpu(win, gpu, launches, index, phases, scale, cutoff):
     if cutoff != math.inf:
         gpu = [e for e in gpu if e.args.correlation in launches]
 

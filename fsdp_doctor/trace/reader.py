@@ -22,7 +22,7 @@ class TraceError(Exception):
     """A file that cannot be read as a Kineto trace; ``str()`` is one line naming the problem."""
 
 
-class Args(msgspec.Struct):
+class Args(msgspec.Struct, gc=False):
     external_id: Optional[int] = msgspec.field(default=None, name="External id")
     correlation: Optional[int] = None
     stream: Union[int, str, None] = None
@@ -36,7 +36,7 @@ class Args(msgspec.Struct):
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
 
-class Event(msgspec.Struct):
+class Event(msgspec.Struct, gc=False):
     ph: str = ""
     name: str = ""
     cat: Optional[str] = None
@@ -47,7 +47,7 @@ class Event(msgspec.Struct):
     args: Optional[Args] = None
 
 
-class DistributedInfo(msgspec.Struct):
+class DistributedInfo(msgspec.Struct, gc=False):
     rank: Optional[int] = None
     world_size: Optional[int] = None
     backend: Optional[str] = None

@@ -1,0 +1,264 @@
+"""Trace engine speed and memory against Holistic Trace Analysis (HTA 0.5.0).
+
+Builds a multi-rank set of GPU-shaped FSDP2 Kineto traces (NCCL all-gather / reduce-scatter kernels on
+their own stream, compute kernels with cudaLaunchKernel correlation, FSDP record_function labels,
+realistic args and flow events), then runs, each in its own fresh subprocess so that peak memory is
+measured separately:
+
+  * HTA:  TraceAnalysis(trace_dir=...).get_comm_comp_overlap(visualize=False)
+  * ours: fsdp_doctor.trace.analyze_traces(trace_dir)
+
+and prints load+analysis seconds for each (imports excluded, reported apart), the speed ratio, and the
+peak RSS of each process tree (psutil, sampled every 20 ms; summed over worker processes).
+
+    python benchmarks/trace_speed.py                 # --size small: 4 ranks x ~12 MB
+    python benchmarks/trace_speed.py --size medium   # 8 ranks x ~40 MB
+    python benchmarks/trace_speed.py --ranks 4 --mb-per-rank 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {"small": (4, 12), "medium": (8, 40), "large": (8, 100)}  # ranks, MB (uncompressed) per rank
+
+KERNEL = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+          "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, "
+          "at::detail::Array<char*, 3>)")
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off"
+OPS = ["aten::linear", "aten::addmm", "aten::gelu", "aten::add", "aten::layer_norm", "aten::mul"]
+
+
+# ---------------------------------------------------------------------------- synthesis
+class _Gen:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.ev: list = []
+        self.ext = 0
+        self.corr = 1_800_000  # real correlation ids are large counters (HTA+pandas 3 also need > int16)
+        self.pid, self.main, self.bwd = 1000 + rank, 1000 + rank, 1100 + rank
+
+    def x(self, name, ts, dur, cat, tid, pid=None, args=None):
+        self.ev.append({"ph": "X", "cat": cat, "name": name, "pid": self.pid if pid is None else pid, "tid": tid,
+                        "ts": round(ts, 3), "dur": round(dur, 3), "args": args or {}})
+
+    def op(self, name, ts, dur, tid, dims=None):
+        self.ext += 1
+        self.x(name, ts, dur, "cpu_op", tid, args={
+            "External id": self.ext, "Record function id": 0, "Ev Idx": len(self.ev),
+            "Input Dims": dims or [[4096, 4096], [4096], []], "Input type": ["c10::BFloat16", "c10::BFloat16", ""],
+            "Input Strides": [[4096, 1], [1], []], "Concrete Inputs": ["", "", "1"]})
+
+    def label(self, name, ts, dur, tid):
+        self.ext += 1
+        self.x(name, ts, dur, "user_annotation", tid, args={"External id": self.ext, "Record function id": 0,
+                                                              "Ev Idx": len(self.ev)})
+
+    def launch(self, ts, tid, kname, kts, kdur, stream, extra=None):
+        self.corr += 1
+        c = self.corr
+        self.x("cudaLaunchKernel", ts, 4.0, "cuda_runtime", tid,
+               args={"External id": self.ext, "cbid": 211, "correlation": c})
+        self.ev.append({"ph": "s", "id": c, "pid": self.pid, "tid": tid, "ts": round(ts, 3), "cat": "ac2g",
+                        "name": "ac2g"})
+        args = {"External id": self.ext, "queued": 0, "device": self.rank % 8, "context": 1, "stream": stream,
+                "correlation": c, "registers per thread": 128, "shared memory": 49152, "blocks per SM": 1.2,
+                "warps per SM": 4.8, "grid": [132, 1, 1], "block": [128, 1, 1], "est. achieved occupancy %": 6}
+        if extra:
+            args.update(extra)
+        self.x(kname, kts, kdur, "kernel", stream, pid=self.rank % 8, args=args)
+        self.ev.append({"ph": "f", "id": c, "pid": self.rank % 8, "tid": stream, "ts": round(kts, 3),
+                        "cat": "ac2g", "name": "ac2g", "bp": "e"})
+
+    def collective(self, coll, unit, c, tid, n_free, nelems, dur):
+        self.op("record_param_comms", c, 12, tid)
+        shard = nelems // self.world
+        i, o = (shard, nelems) if coll == "AllGather" else (nelems, shard)
+        extra = {"In msg nelems": i, "Out msg nelems": o, "Group size": self.world, "dtype": "BFloat16",
+                 "Collective name": "_allgather_base" if coll == "AllGather" else "_reduce_scatter_base",
+                 "Process Group Name": "0"}
+        kts = max(n_free, c + 8)
+        self.launch(c + 4, tid, f"ncclDevKernel_{coll}_RING_LL(ncclDevKernelArgsStorage<4096ul>)", kts, dur, 20,
+                    extra)
+        return kts + dur
+
+
+def synth_rank(rank: int, world: int, target_mb: float, units: int = 24, ops_per_unit: int = 12) -> dict:
+    g = _Gen(rank, world)
+    c = 0.0  # host cursor
+    gc = 0.0  # compute stream free at
+    nc = 0.0  # nccl stream free at
+    bytes_per_step_est = units * (2 * ops_per_unit * 4 + 30) * 330
+    steps = max(3, int(target_mb * 1e6 / bytes_per_step_est) + 1)
+    extra_ops = rank % 3  # ranks differ in event counts
+    for step in range(steps):
+        s0 = c
+        g.label(f"ProfilerStep#{100 + step}", c, 0, g.main)  # dur patched below
+        step_idx = len(g.ev) - 1
+        g.label("FSDP::root_pre_forward", c + 1, 5, g.main)
+        c += 10
+        ag_end = {}
+        for u in range(units):  # forward
+            fqn = f"layers.{u}"
+            g.label(f"FSDP::pre_forward ({fqn})", c, 30, g.main)
+            g.label(f"FSDP::all_gather ({fqn})", c + 1, 20, g.main)
+            ag_end[u] = nc = g.collective("AllGather", fqn, c + 2, g.main, nc, 50_000_000 + rank, 180.0 + (u % 5))
+            g.label(f"FSDP::all_gather_copy_out ({fqn})", c + 22, 6, g.main)
+            c += 32
+            for k in range(ops_per_unit + extra_ops):
+                g.op(OPS[k % len(OPS)], c, 9, g.main)
+                kts = max(gc, c + 12, ag_end[u] if k == 0 else 0)
+                kd = 35.0 if k % 3 else 60.0
+                g.launch(c + 3, g.main, GEMM if k % 2 else KERNEL, kts, kd, 7)
+                gc = kts + kd
+                c += 11
+            g.label(f"FSDP::post_forward ({fqn})", c, 4, g.main)
+            c += 5
+        for u in reversed(range(units)):  # backward, autograd thread
+            fqn = f"layers.{u}"
+            g.label(f"FSDP::pre_backward ({fqn})", c, 30, g.bwd)
+            g.label(f"FSDP::all_gather ({fqn})", c + 1, 20, g.bwd)
+            end = nc = g.collective("AllGather", fqn, c + 2, g.bwd, nc, 50_000_000, 185.0)
+            g.label(f"FSDP::all_gather_copy_out ({fqn})", c + 22, 6, g.bwd)
+            c += 32
+            for k in range(ops_per_unit):
+                g.op(OPS[k % len(OPS)] + "_backward", c, 9, g.bwd)
+                kts = max(gc, c + 12, end if k == 0 else 0)
+                g.launch(c + 3, g.bwd, GEMM, kts, 70.0, 7)
+                gc = kts + 70.0
+                c += 11
+            g.label(f"FSDP::post_backward_reduce ({fqn})", c, 25, g.bwd)
+            nc = g.collective("ReduceScatter", fqn, c + 2, g.bwd, max(nc, gc), 50_000_000, 200.0)
+            c += 26
+        c = max(c, gc, nc) + 50
+        g.ev[step_idx]["dur"] = round(c - s0, 3)
+    doc = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}],
+           "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": world},
+           "traceEvents": g.ev, "displayTimeUnit": "ms", "baseTimeNanoseconds": 1_700_000_000_000_000_000}
+    base = 4_455_000_000_000.0 + rank * 3.7
+    for e in g.ev:
+        e["ts"] = round(e["ts"] + base, 3)
+    return doc
+
+
+def build_set(out: Path, ranks: int, mb: float) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in range(ranks):
+        p = out / f"rank{r}.100.pt.trace.json.gz"
+        if not p.exists():
+            data = json.dumps(synth_rank(r, ranks, mb)).encode()
+            tmp = p.with_suffix(".tmp")
+            tmp.write_bytes(gzip.compress(data, compresslevel=3))
+            tmp.rename(p)
+            print(f"  built {p.name}: {len(data) / 1e6:.1f} MB JSON, {p.stat().st_size / 1e6:.1f} MB gz", flush=True)
+        paths.append(p)
+    return paths
+
+
+# ---------------------------------------------------------------------------- the two contenders
+CHILD_HTA = r"""
+import json, sys, time, logging
+logging.disable(logging.WARNING)
+t0 = time.perf_counter()
+from hta.trace_analysis import TraceAnalysis
+t1 = time.perf_counter()
+a = TraceAnalysis(trace_dir=sys.argv[1])
+df = a.get_comm_comp_overlap(visualize=False)
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1,
+                  "overlap": {str(int(r)): float(p) for r, p in zip(df["rank"], df["comp_comm_overlap_pctg"])}}))
+"""
+
+CHILD_OURS = r"""
+import json, sys, time, types
+t0 = time.perf_counter()
+# import the trace engine alone: fsdp_doctor/__init__ imports torch, which the engine does not need
+pkg = types.ModuleType("fsdp_doctor"); pkg.__path__ = [sys.argv[2] + "/fsdp_doctor"]
+sys.modules["fsdp_doctor"] = pkg
+from fsdp_doctor.trace import analyze_traces
+t1 = time.perf_counter()
+r = analyze_traces(sys.argv[1])
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1, "skipped": r["skipped"],
+                  "overlap": {k: round(v["overlap_pct"], 2) for k, v in r["per_rank"].items()}}))
+"""
+
+
+def run_child(code: str, args: list[str]) -> dict:
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    peak = 0
+    ps = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            tree = [ps] + ps.children(recursive=True)
+            rss = 0
+            for p in tree:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            peak = max(peak, rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.02)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"child failed ({proc.returncode}):\n{err[-3000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss_mb"] = peak / 2**20
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--ranks", type=int, help="override the number of ranks")
+    ap.add_argument("--mb-per-rank", type=float, help="override the uncompressed MB per rank")
+    ap.add_argument("--dir", type=Path, help="where to keep the generated traces (reused if present)")
+    ap.add_argument("--skip-hta", action="store_true")
+    a = ap.parse_args(argv)
+    ranks, mb = SIZES[a.size]
+    ranks = a.ranks or ranks
+    mb = a.mb_per_rank or mb
+    out = a.dir or Path(tempfile.gettempdir()) / f"fsdp_doctor_trace_speed_{ranks}x{mb:g}MB"
+    print(f"[1/3] trace set: {ranks} ranks x ~{mb:g} MB (JSON) in {out}", flush=True)
+    paths = build_set(out, ranks, mb)
+    total = sum(p.stat().st_size for p in paths)
+    print(f"      {len(paths)} files, {total / 1e6:.1f} MB gz on disk", flush=True)
+
+    print("[2/3] ours: fsdp_doctor.trace.analyze_traces ...", flush=True)
+    ours = run_child(CHILD_OURS, [str(out), str(REPO)])
+    print(f"      {ours['run_s']:.2f} s, peak RSS {ours['peak_rss_mb']:.0f} MB, overlap % {ours['overlap']}",
+          flush=True)
+    if a.skip_hta:
+        return 0
+    print("[3/3] HTA 0.5.0: TraceAnalysis(...).get_comm_comp_overlap() ...", flush=True)
+    hta = run_child(CHILD_HTA, [str(out)])
+    print(f"      {hta['run_s']:.2f} s, peak RSS {hta['peak_rss_mb']:.0f} MB, overlap % {hta['overlap']}",
+          flush=True)
+
+    ratio = hta["run_s"] / ours["run_s"]
+    print()
+    print(f"{'':18}{'load+analysis':>15}{'import':>10}{'peak RSS':>12}")
+    print(f"{'HTA 0.5.0':18}{hta['run_s']:>13.2f} s{hta['import_s']:>8.2f} s{hta['peak_rss_mb']:>9.0f} MB")
+    print(f"{'fsdp_doctor.trace':18}{ours['run_s']:>13.2f} s{ours['import_s']:>8.2f} s{ours['peak_rss_mb']:>9.0f} MB")
+    print(f"speed-up: {ratio:.1f}x (goal >= 20x); memory: {hta['peak_rss_mb'] / ours['peak_rss_mb']:.1f}x less")
+    worst = max(abs(hta["overlap"][k] - ours["overlap"][k]) for k in hta["overlap"])
+    print(f"largest per-rank overlap difference vs HTA: {worst:.2f} percentage points")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
