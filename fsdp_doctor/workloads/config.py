@@ -172,12 +172,29 @@ def _required_reshard_value(name: str, value: Union[str, bool, int]) -> ReshardV
     return parsed
 
 
+def _cli_type(parse):
+    """Wrap a parser so argparse shows its ValueError message instead of a generic "invalid value"."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
 def _dtype_arg(text: str) -> Optional[str]:
-    return None if text.lower() in ("none", "") else text.lower()
+    value = None if text.lower() in ("none", "") else text.lower()
+    if value is not None and value not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {DTYPE_NAMES} or none, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(part) for part in text.replace(",", " ").split()]
+    try:
+        return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated step indices, got {text!r}") from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -202,10 +219,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     fsdp = parser.add_argument_group("workload FSDP2 settings")
     fsdp.add_argument("--wrap", choices=WRAP_POLICIES, default=d.wrap, help="wrapping policy")
-    fsdp.add_argument("--reshard-after-forward", type=parse_reshard_value, default=d.reshard_after_forward,
-                      metavar="{true,false,default,N}",
+    fsdp.add_argument("--reshard-after-forward", type=_cli_type(parse_reshard_value),
+                      default=d.reshard_after_forward, metavar="{true,false,default,N}",
                       help="reshard_after_forward for every non-root unit (default: expert default)")
-    fsdp.add_argument("--reshard-unit", type=parse_reshard_unit, action="append", default=[],
+    fsdp.add_argument("--reshard-unit", type=_cli_type(parse_reshard_unit), action="append", default=[],
                       metavar="NAME=VALUE",
                       help="per-unit reshard_after_forward, e.g. layers.3=false (repeatable; '' = root)")
     fsdp.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=d.async_unshard,
@@ -216,9 +233,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="explicit backward prefetch depth over blocks (0 = FSDP default)")
     fsdp.add_argument("--ac", default=d.ac, metavar="{none,block,every:K,children}",
                       help="activation checkpointing policy")
-    fsdp.add_argument("--param-dtype", type=_dtype_arg, default=d.param_dtype,
+    fsdp.add_argument("--param-dtype", type=_cli_type(_dtype_arg), default=d.param_dtype,
                       metavar="{bf16,fp32,fp16}", help="MixedPrecisionPolicy param_dtype")
-    fsdp.add_argument("--reduce-dtype", type=_dtype_arg, default=d.reduce_dtype,
+    fsdp.add_argument("--reduce-dtype", type=_cli_type(_dtype_arg), default=d.reduce_dtype,
                       metavar="{bf16,fp32,fp16}", help="MixedPrecisionPolicy reduce_dtype")
     fsdp.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, default=d.cpu_offload,
                       help="CPUOffloadPolicy (needs --device cuda)")
@@ -230,7 +247,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     faults.add_argument("--sleep-rank", type=int, default=d.sleep_rank,
                         help="this rank sleeps inside the step, before forward")
     faults.add_argument("--sleep-ms", type=float, default=d.sleep_ms, help="how long --sleep-rank sleeps")
-    faults.add_argument("--sleep-steps", type=_int_list, default=[], metavar="I,J,...",
+    faults.add_argument("--sleep-steps", type=_cli_type(_int_list), default=[], metavar="I,J,...",
                         help="steps on which --sleep-rank sleeps (default: every step)")
     faults.add_argument("--loader-ms", type=float, default=d.loader_ms,
                         help="data loader sleep per batch, every rank")

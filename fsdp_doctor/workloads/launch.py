@@ -31,6 +31,7 @@ from .train import OnStep, backend_for, setup_rank, train
 
 MASTER_ADDR = "127.0.0.1"
 _TERMINATE_GRACE_S = 5.0
+_PORT_ATTEMPTS = 3
 _FAILURE_GRACE_S = 1.0  # after a rank fails, the others get this long to report their own errors
 
 
@@ -66,12 +67,29 @@ def launch(cfg: WorkloadConfig, nproc: int = 2, watch_kwargs: Optional[dict] = N
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if cfg.device == "cuda" and nproc > torch.cuda.device_count():
         raise ValueError(f"nproc={nproc} ranks need as many GPUs; {torch.cuda.device_count()} visible")
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _launch_once(cfg, nproc, watch_kwargs, timeout_s, on_step)
+        except WorkloadError as exc:
+            # The free port can be taken by another process before rank 0 binds it: pick another.
+            if attempt + 1 == _PORT_ATTEMPTS or not _is_port_clash(exc):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(cfg: WorkloadConfig, nproc: int, watch_kwargs: Optional[dict], timeout_s: float,
+                 on_step: Optional[OnStep]) -> list[list[float]]:
     with tempfile.TemporaryDirectory(prefix="fsdp_doctor_launch_") as tmp:
         outdir = Path(tmp)
         args = (cfg, nproc, free_port(), str(outdir), watch_kwargs, on_step)
         context = mp.start_processes(_rank_main, args=args, nprocs=nproc, join=False, start_method="spawn")
         _wait(context, timeout_s, outdir)
         return [_read_losses(outdir, rank) for rank in range(nproc)]
+
+
+def _is_port_clash(exc: WorkloadError) -> bool:
+    text = str(exc).lower()
+    return "address already in use" in text or "eaddrinuse" in text
 
 
 def _rank_main(rank: int, cfg: WorkloadConfig, world_size: int, port: int, outdir: str,
@@ -123,6 +141,9 @@ def _wait(context, timeout_s: float, outdir: Path) -> None:
     except ProcessException as exc:
         _terminate(context)
         raise _rank_error(outdir, exc) from None
+    except BaseException:  # KeyboardInterrupt and the like: leave no rank behind
+        _terminate(context)
+        raise
 
 
 def _terminate(context) -> None:

@@ -121,13 +121,14 @@ def analytic_param_counts(cfg: WorkloadConfig) -> dict[str, int]:
     """Parameter elements per FSDP unit name for `cfg`'s wrap policy, computed from the shapes.
 
     Keys are the names FSDP2 uses (`_module_fqn`): module fqns, "" for the root, ", "-joined member
-    names for grouped units ("tok_emb, pos_emb", "norm, lm_head"). Units that manage no parameter
-    (the root under wrap="block" or "leaf") are left out: FSDP2 gives them no parameter group, hence
-    no `_module_fqn`. The values sum to the model's parameter count except for wrap="no_root", whose
-    embeddings, final norm and head belong to no unit. Under "no_root" every block is its own FSDP
-    root, so FSDP2 itself names each of them "" - the keys here stay the fqns in the whole model.
+    names for grouped units ("tok_emb, pos_emb", "norm, lm_head"). Every unit is listed, including
+    a root that manages no parameter (0 under wrap="block" or "leaf"; FSDP2 gives such a unit no
+    parameter group, hence no `_module_fqn` of its own). The values sum to the model's parameter count
+    except for wrap="no_root", whose embeddings, final norm and head belong to no unit. Under "no_root"
+    every block is its own FSDP root, so FSDP2 itself names each of them "" - the keys here stay the
+    blocks' fqns in the whole model.
     """
-    return {unit.name: unit.param_count for unit in fsdp_units(cfg) if unit.param_count}
+    return {unit.name: unit.param_count for unit in fsdp_units(cfg)}
 
 
 def _unit(paths: list[str], count: int, cfg: WorkloadConfig, *, default_reshard=None,
@@ -246,9 +247,9 @@ def apply_fsdp(model: nn.Module, cfg: WorkloadConfig, mesh: Optional[DeviceMesh]
     apply_activation_checkpointing(model, cfg)
     mesh = mesh if mesh is not None else default_mesh(cfg)
     common = {"mesh": mesh}
-    mp = mixed_precision_policy(cfg)
-    if mp is not None:
-        common["mp_policy"] = mp
+    mp_policy = mixed_precision_policy(cfg)
+    if mp_policy is not None:
+        common["mp_policy"] = mp_policy
     if offload is not None:
         common["offload_policy"] = offload
     units = fsdp_units(cfg)
@@ -272,7 +273,8 @@ def preflight(cfg: WorkloadConfig) -> None:
 
 
 def _check_prefetch_supported(cfg: WorkloadConfig) -> None:
-    if (cfg.forward_prefetch or cfg.backward_prefetch) and cfg.wrap not in ("block", "blocks_only", "no_root"):
+    has_blocks = cfg.wrap in ("block", "blocks_only", "no_root")
+    if (cfg.forward_prefetch or cfg.backward_prefetch) and not has_blocks:
         raise ValueError(f"explicit prefetch works over block units; wrap={cfg.wrap!r} has none "
                          "(use wrap=block, blocks_only or no_root, or prefetch depth 0)")
 

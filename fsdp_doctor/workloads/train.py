@@ -27,12 +27,14 @@ OnStep = Callable[[int, nn.Module, torch.optim.Optimizer, torch.Tensor], Any]
 
 
 def make_optimizer(model: nn.Module, cfg: WorkloadConfig) -> torch.optim.Optimizer:
-    """AdamW over `model.parameters()` at `cfg.lr`.
+    """AdamW over `model.parameters()` at `cfg.lr` (torch's default implementation choice).
 
-    The single-tensor implementation is used because wrap="no_root" mixes DTensor (sharded) and plain
-    (replicated) parameters, which the foreach kernels refuse; at this model size it costs nothing.
+    Under wrap="no_root" the model mixes DTensor (sharded) and plain (never wrapped) parameters,
+    which the foreach kernels refuse ("got mixed torch.Tensor and DTensor"), so the single-tensor
+    implementation is forced there.
     """
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False)
+    foreach = False if cfg.wrap == "no_root" else None
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=foreach)
 
 
 def backend_for(device: str) -> str:
