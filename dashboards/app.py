@@ -156,6 +156,9 @@ def serve(path: Path | str, host: str = "127.0.0.1", port: int = 8050) -> int:
         print(f"fsdp-doctor: {path}: no fsdp-doctor records (rank*.records.jsonl) yet; the dashboard shows the "
               "run as soon as they appear", file=sys.stderr)
     app = create_app(path, state=state)
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per poll request in the terminal
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     print(f"fsdp-doctor dashboard for {path}: http://{shown}:{port}/  (Ctrl+C to stop)", flush=True)
     if host not in ("127.0.0.1", "localhost", "::1"):

@@ -19,10 +19,11 @@ PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A2
 COLLECTIVE_COLORS = {"all_gather": "#4C78A8", "reduce_scatter": "#F58518", "all_reduce": "#E45756",
                      "broadcast": "#72B7B2", "compute": "#9D9D9D"}
 MEMORY_CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
-                     "activations", "comm_buffers", "temporaries", "offloaded_host")
+                     "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries", "offloaded_host")
 MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sharded_grads": "#FF7F0E",
                  "unsharded_grads": "#FFBB78", "optimizer_state": "#2CA02C", "activations": "#D62728",
-                 "comm_buffers": "#9467BD", "temporaries": "#8C564B", "offloaded_host": "#7F7F7F"}
+                 "comm_buffers": "#9467BD", "temporaries": "#8C564B", "offloaded_host": "#7F7F7F",
+                 "stale_optimizer_params": "#E377C2", "buffers": "#BCBD22"}
 RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D",
                "#FF9DA6", "#BAB0AC")
 MIB = float(1 << 20)
@@ -41,14 +42,18 @@ def rank_color(rank: int) -> str:
 
 def unit_label(name: Optional[str]) -> str:
     """Display name of an FSDP unit ("" is the root)."""
-    return "(root)" if name in ("", None) else str(name)
+    if name is None:
+        return "—"  # outside every unit
+    return "(root)" if name == "" else str(name)
 
 
 def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
+    """Shared look: title top-left, legend on its own row just above the plot (never over the title)."""
     fig.update_layout(
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
-        template=TEMPLATE, height=height, margin={"l": 60, "r": 20, "t": 48, "b": 44},
-        font={"size": 12}, legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        title={"text": title, "x": 0.01, "xanchor": "left", "y": 0.985, "yanchor": "top", "yref": "container",
+               "font": {"size": 15}},
+        template=TEMPLATE, height=height, margin={"l": 60, "r": 24, "t": 78, "b": 48},
+        font={"size": 12}, legend={"orientation": "h", "yanchor": "bottom", "y": 1.01, "xanchor": "left", "x": 0.0},
         hoverlabel={"namelength": -1}, **kw,
     )
     return fig
@@ -174,13 +179,18 @@ def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.
         for i in _rows(cols, window):
             row[pos[cols["step"][i]]] = cols["wall_ms"][i]
         z.append(row)
+    steady = [cols["wall_ms"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+              for i in _rows(cols, window) if cols["step"][i] > 0 and not cols["profiled"][i]]
+    zmax = max(steady) if steady else None  # first and profiled steps (tool cost) would wash the scale out
     fig = go.Figure(go.Heatmap(
-        z=z, x=xs, y=[f"rank {r}" for r in sel], colorscale="Viridis", colorbar={"title": {"text": "ms"}},
+        z=z, x=xs, y=[f"rank {r}" for r in sel], colorscale="Viridis", zmax=zmax,
+        zmin=min(steady) if steady else None, colorbar={"title": {"text": "ms"}},
         hovertemplate="%{y}<br>step %{x}<br>%{z:.2f} ms<extra></extra>", xgap=1 if len(xs) < 120 else 0, ygap=1,
     ))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(autorange="reversed")
-    return _layout(fig, "Step time, rank × step", max(height, 120 + 22 * len(sel)))
+    title = "Step time, rank × step" + (" (colour capped at the slowest steady step)" if zmax is not None else "")
+    return _layout(fig, title, max(height, 140 + 22 * len(sel)))
 
 
 # ---------------------------------------------------------------- memory
@@ -191,14 +201,19 @@ def _sample_categories(sample: dict) -> dict:
     for key in ("bytes", "categories", "breakdown"):
         if isinstance(sample.get(key), dict):
             return sample[key]
-    known = {k: v for k, v in sample.items() if k in MEMORY_CATEGORIES}
-    if known:
-        return known
     return {k: v for k, v in sample.items() if k not in _SAMPLE_META and isinstance(v, (int, float))
             and not isinstance(v, bool) and "total" not in k and "reserved" not in k}
 
 
-_SAMPLE_META = {"step", "unit", "phase", "t", "t_ms", "t_us", "ts", "index", "i", "rank"}
+_SAMPLE_META = {"step", "unit", "phase", "t", "t_ms", "t_us", "ts", "index", "i", "rank", "total"}
+
+
+def timeline_samples(timeline) -> list[dict]:
+    """Timeline samples as dicts, from a list of dicts or a ``{"columns": [...], "rows": [[...], ...]}`` table."""
+    if isinstance(timeline, dict) and "columns" in timeline:
+        cols = list(timeline["columns"])
+        return [dict(zip(cols, row)) for row in timeline.get("rows") or []]
+    return [s for s in timeline or [] if isinstance(s, dict)]
 
 
 def _ordered_categories(keys: Iterable[str]) -> list[str]:
@@ -208,39 +223,52 @@ def _ordered_categories(keys: Iterable[str]) -> list[str]:
 
 
 def memory_timeline_figure(mem_rank: Optional[dict], window=None, capacity_bytes: Optional[int] = None,
-                           rank: Optional[int] = None, height: int = 360) -> go.Figure:
-    """Stacked area of memory by category over the step timeline (unit and phase on hover), capacity line."""
-    title = "Memory by category over the step" + (f" (rank {rank})" if rank is not None else "")
-    samples = (mem_rank or {}).get("timeline") or []
+                           rank: Optional[int] = None, height: int = 360, categories: Optional[Sequence[str]] = None) -> go.Figure:
+    """Stacked area of memory by category along the step (unit and phase on hover), with the capacity line.
+
+    Samples carry ``t_ms`` (time into the step) or a ``step`` each; ``mem_rank["timeline_step"]`` names the step
+    of a one-step timeline. ``categories`` (the section's list) fixes which keys are stacked and in what order."""
+    mem_rank = mem_rank or {}
+    tl_step = mem_rank.get("timeline_step")
+    title = "Memory by category along the step" + (f" {tl_step}" if tl_step is not None else "") + \
+        (f" (rank {rank})" if rank is not None else "")
+    samples = timeline_samples(mem_rank.get("timeline"))
     samples = [s for s in samples if s.get("step") is None or _in_window(s["step"], window)]
     if not samples:
         return empty_figure("No memory timeline in the report.", title, height)
     cats_per = [_sample_categories(s) for s in samples]
-    cats = _ordered_categories(k for c in cats_per for k, v in c.items() if isinstance(v, (int, float)))
-    x = list(range(len(samples)))
-    hover = [[str(s.get("step", "")), unit_label(s.get("unit")), str(s.get("phase", ""))] for s in samples]
+    present = {k for c in cats_per for k in c}
+    cats = [c for c in categories if c in present] if categories else _ordered_categories(present)
+    nonzero = [c for c in cats if any(cp.get(c) for cp in cats_per)]
+    cats = nonzero or cats  # categories that stay at 0 along the step only clutter the legend
+    use_t = all(isinstance(s.get("t_ms"), (int, float)) for s in samples) and not any("step" in s for s in samples)
+    x = [s["t_ms"] for s in samples] if use_t else list(range(len(samples)))
+    hover = [[str(s.get("step", tl_step if tl_step is not None else "")), unit_label(s.get("unit")),
+              str(s.get("phase", ""))] for s in samples]
     fig = go.Figure()
     for c in cats:
         fig.add_trace(go.Scatter(
             x=x, y=[(cp.get(c) or 0) / MIB for cp in cats_per], name=c, stackgroup="mem", mode="lines",
             line={"width": 0.5, "color": MEMORY_COLORS.get(c)}, customdata=hover,
-            hovertemplate=f"{c}: %{{y:.1f}} MiB<br>step %{{customdata[0]}} · unit %{{customdata[1]}} · %{{customdata[2]}}<extra></extra>",
+            hovertemplate=f"{c}: %{{y:.2f}} MiB<br>step %{{customdata[0]}} · unit %{{customdata[1]}} · %{{customdata[2]}}<extra></extra>",
         ))
-    cap = capacity_bytes if capacity_bytes is not None else (mem_rank or {}).get("capacity_bytes")
+    cap = capacity_bytes if capacity_bytes is not None else mem_rank.get("capacity_bytes")
     if cap:
         fig.add_hline(y=cap / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},
                       annotation_text=f"capacity {cap / MIB:,.0f} MiB", annotation_position="top left")
-    # step boundaries as tick labels when samples carry their step
-    ticks, labels, last = [], [], None
-    for i, s in enumerate(samples):
-        if s.get("step") is not None and s["step"] != last:
-            ticks.append(i)
-            labels.append(f"step {s['step']}")
-            last = s["step"]
-    if ticks and len(ticks) <= 40:
-        fig.update_xaxes(tickvals=ticks, ticktext=labels)
+    if use_t:
+        fig.update_xaxes(title_text="ms into the step")
     else:
-        fig.update_xaxes(title_text="sample (unit hook) along the step")
+        ticks, labels, last = [], [], None  # step boundaries as tick labels when samples carry their step
+        for i, s in enumerate(samples):
+            if s.get("step") is not None and s["step"] != last:
+                ticks.append(i)
+                labels.append(f"step {s['step']}")
+                last = s["step"]
+        if ticks and len(ticks) <= 40:
+            fig.update_xaxes(tickvals=ticks, ticktext=labels)
+        else:
+            fig.update_xaxes(title_text="sample (unit hook) along the step")
     fig.update_yaxes(title_text="MiB")
     fig.update_layout(hovermode="x unified")
     return _layout(fig, title, height)
@@ -254,18 +282,17 @@ def memory_breakdown_figure(mem_rank: Optional[dict], rank: Optional[int] = None
     if not bd:
         return empty_figure("No peak breakdown in the report.", title, height)
     at = mem_rank.get("peak_at") or {}
-    where = ", ".join(f"{k} {unit_label(v) if k == 'unit' else v}" for k, v in at.items() if v is not None)
+    where = " · ".join(f"unit {unit_label(v)}" if k == "unit" else (f"step {v}" if k == "step" else str(v))
+                       for k, v in at.items() if k in ("step", "unit", "phase") and (v is not None or k == "unit"))
     cats = [c for c in _ordered_categories(bd) if isinstance(bd.get(c), (int, float))][::-1]
     fig = go.Figure(go.Bar(
         x=[bd[c] / MIB for c in cats], y=cats, orientation="h", marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
-        text=[f"{bd[c] / MIB:,.1f} MiB" for c in cats], textposition="auto",
+        text=[f"{bd[c] / MIB:,.1f} MiB" if bd[c] else "" for c in cats], textposition="outside", cliponaxis=False,
         hovertemplate="%{y}: %{x:.1f} MiB<extra></extra>",
     ))
     if mem_rank.get("peak_bytes") is not None:
         title += f": {mem_rank['peak_bytes'] / MIB:,.1f} MiB"
-    if where:
-        title += f" at {where}"
-    fig.update_xaxes(title_text="MiB")
+    fig.update_xaxes(title_text=f"MiB at the peak: {where}" if where else "MiB")
     fig.update_yaxes(automargin=True)
     return _layout(fig, title, height, showlegend=False)
 
@@ -379,7 +406,7 @@ def unit_exposure_figure(per_unit: list[dict], ranks=None, unit: Optional[str] =
 def prefetch_slack_figure(per_unit: list[dict], ranks=None, unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
     """All-gather slack per unit: need − finish. Negative: compute waited for the parameters (prefetch too late);
     positive: the gathered parameters sat unused that long (memory held early)."""
-    title = "All-gather prefetch slack per unit (< 0: compute waited; > 0: parameters held early)"
+    title = "All-gather slack per unit (ms; < 0 compute waited, > 0 held early)"
     rows = [r for r in _unit_rows(per_unit, ranks, unit, ("all_gather",)) if r.get("slack_us") is not None]
     if not rows:
         return empty_figure("No all-gather timing (slack) in this selection.", title, 240)
@@ -389,8 +416,7 @@ def prefetch_slack_figure(per_unit: list[dict], ranks=None, unit: Optional[str] 
         sub = [r for r in rows if (r["phase"] or "-") == ph]
         fig.add_trace(go.Bar(
             y=[f"{unit_label(r['unit'])} · r{r['rank']}" for r in sub], x=[r["slack_us"] / 1e3 for r in sub], orientation="h",
-            name=ph, marker_color=["#E45756" if r["slack_us"] < 0 else "#72B7B2" for r in sub],
-            marker_pattern_shape="" if ph == "forward" else "/",
+            name=ph, marker_color=PHASE_COLORS.get(ph, "#888"),
             customdata=[[ph, (r.get("held_us") or 0) / 1e3] for r in sub],
             hovertemplate="%{y} (%{customdata[0]})<br>slack %{x:.2f} ms<br>held %{customdata[1]:.2f} ms<extra></extra>",
         ))

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fsdp_doctor.analyze import build_report
 from fsdp_doctor.store import RunFollower
@@ -37,6 +37,14 @@ class Snapshot:
     has_records: bool
     traces_pending: int = 0
     updated: float = field(default_factory=time.time)
+    window_fn: Optional[Callable[[tuple[int, int]], dict]] = field(default=None, repr=False, compare=False)
+
+    def sections(self, window: Optional[tuple[int, int]]) -> dict:
+        """The report's ``steps``, ``units`` and ``throughput`` sections recomputed by the same analyses over
+        the steps inside ``window`` only (the whole report when ``window`` is None)."""
+        if window is None or self.window_fn is None:
+            return {k: self.report.get(k) for k in ("steps", "units", "throughput")}
+        return self.window_fn(window)
 
 
 STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled")
@@ -68,6 +76,7 @@ class RunState:
         self._traces_dirty = False
         self._background = background_traces
         self._snapshot: Snapshot | None = None
+        self._window_cache: dict = {}
 
     # ------------------------------------------------------------------ polling
     def refresh(self) -> bool:
@@ -121,9 +130,36 @@ class RunState:
         self._report = report
         self._steps = steps_columns(run)
         self._version += 1
+        frozen = {r: (rd, list(rd.steps)) for r, rd in run.ranks.items()}  # the steps of this version
+        self._window_cache: dict = {}
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
-                                  has_records=run.has_records, traces_pending=len(self._pending))
+                                  has_records=run.has_records, traces_pending=len(self._pending),
+                                  window_fn=lambda w, _f=frozen, _v=self._version: self._window_sections(_f, _v, w))
+
+    def _window_sections(self, frozen: dict, version: int, window: tuple[int, int]) -> dict:
+        key = (version, tuple(window))
+        hit = self._window_cache.get(key)
+        if hit is not None:
+            return hit
+        from fsdp_doctor.analyze.report import unit_table
+        from fsdp_doctor.analyze.steps import analyze_steps
+        from fsdp_doctor.analyze.throughput import analyze_throughput
+        from fsdp_doctor.store.reader import RankData, Run
+
+        lo, hi = window
+        sub = Run(path=self.path, manifest=self._follower.run.manifest)
+        for r, (rd, steps) in frozen.items():
+            sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=list(rd.profiles),
+                                    errors=list(rd.errors), end=rd.end, steps=[s for s in steps if lo <= s.step <= hi])
+        out = {"steps": analyze_steps(sub), "units": unit_table(sub)}
+        tp = analyze_throughput(sub)
+        if tp:
+            out["throughput"] = tp
+        if len(self._window_cache) > 32:
+            self._window_cache.clear()
+        self._window_cache[key] = out
+        return out
 
     def _trace_files(self) -> list[Path]:
         if not self.path.is_dir():

@@ -153,6 +153,28 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
     return serve(path, host=ns.host, port=ns.port) or EXIT_OK
 
 
+# ----------------------------------------------------------------------------------------- tensorboard
+def cmd_tensorboard(ns: argparse.Namespace) -> int:
+    from .record.tensorboard import export_tensorboard
+    from .store import load_run
+
+    path = Path(ns.path)
+    try:
+        run = load_run(path)
+    except FileNotFoundError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    if not run.has_records:
+        _err(f"{path}: no fsdp-doctor records (rank*.records.jsonl) to convert")
+        return EXIT_BAD_INPUT
+    out = Path(ns.out) if ns.out else path
+    dirs = export_tensorboard(run, out, traces=not ns.no_traces)
+    for d in dirs:
+        print(f"wrote {d}")
+    print(f"open with: tensorboard --logdir {out}")
+    return EXIT_OK
+
+
 def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     """``with_workload``: add the demo's workload flags (importing torch); skipped for the other commands."""
     p = argparse.ArgumentParser(prog="fsdp-doctor", description="Profiling and diagnostics for PyTorch FSDP2 training.")
@@ -182,6 +204,12 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8050)
     s.set_defaults(fn=cmd_dashboard)
+
+    t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run")
+    t.add_argument("path")
+    t.add_argument("--out", default=None, help="log directory (default: the run directory)")
+    t.add_argument("--no-traces", action="store_true", help="skip the overlap scalars from the profiler traces")
+    t.set_defaults(fn=cmd_tensorboard)
     return p
 
 

@@ -13,7 +13,7 @@ from ..figures import unit_label
 
 ALL = "__all__"
 ROOT = "__root__"  # the root unit's name is "", which a dropdown cannot hold
-GRAPH_CONFIG = {"displaylogo": False, "responsive": True,
+GRAPH_CONFIG = {"displaylogo": False, "responsive": True, "displayModeBar": "hover",
                 "modeBarButtonsToRemove": ["lasso2d", "select2d", "autoScale2d"]}
 
 
@@ -99,7 +99,7 @@ def fmt_value(key: str, v: Any) -> str:
 TABLE_STYLE = dict(
     style_table={"overflowX": "auto"},
     style_cell={"fontFamily": "inherit", "fontSize": "13px", "padding": "4px 8px", "textAlign": "right",
-                "whiteSpace": "normal", "height": "auto", "maxWidth": "320px"},
+                "whiteSpace": "nowrap", "height": "auto", "maxWidth": "360px"},
     style_header={"fontWeight": "600", "backgroundColor": "#F3F5F8", "textAlign": "right"},
     style_data_conditional=[{"if": {"row_index": "odd"}, "backgroundColor": "#FAFBFC"}],
     page_action="native", page_size=25, sort_action="native",
@@ -109,7 +109,9 @@ TABLE_STYLE = dict(
 def table(tid: str, rows: list[dict], columns: list[tuple[str, str]], left: tuple[str, ...] = (), **kw) -> dash_table.DataTable:
     style = dict(TABLE_STYLE)
     style.update(kw)
-    style["style_cell_conditional"] = [{"if": {"column_id": c}, "textAlign": "left"} for c in left]
+    style["style_cell_conditional"] = [{"if": {"column_id": c}, "textAlign": "left", "whiteSpace": "normal"} for c in left]
+    style["style_header_conditional"] = [{"if": {"column_id": c}, "textAlign": "left"} for c in left]
+    style["style_header"] = dict(style["style_header"], whiteSpace="normal")
     return dash_table.DataTable(id=tid, data=rows, columns=[{"name": n, "id": c} for c, n in columns], **style)
 
 

@@ -39,13 +39,16 @@ def layout(snap, flt: Filters) -> list:
     tiles = html.Div([
         kpi("Peak", fmt_bytes(m.get("peak_bytes")), f"step {at.get('step', '?')}, unit {F.unit_label(at.get('unit'))}, {at.get('phase', '?')}",
             kid="kpi-mem-peak"),
-        kpi("Activations at peak", fmt_bytes(m.get("activations_peak_bytes")), "peak of activations"),
+        kpi("Activations", fmt_bytes(m.get("activations_peak_bytes")), "their own peak in the step"),
+        kpi("Steady state", fmt_bytes(sum((m.get("steady_bytes") or {}).values())) if m.get("steady_bytes") else "—",
+            "between steps (params, grads, optimizer)"),
         kpi("Capacity", fmt_bytes(cap) if cap else "unknown",
             f"headroom {fmt_bytes(cap - m['peak_bytes'])}" if cap and m.get("peak_bytes") is not None else ""),
     ], className="kpis")
     out = [tiles,
            section("Memory over the step" + picked,
-                   graph(F.memory_timeline_figure(m, flt.window, cap, rank), "fig-mem-timeline"), sid="sec-mem-timeline")]
+                   graph(F.memory_timeline_figure(m, flt.window, cap, rank, categories=mem.get("categories")),
+                         "fig-mem-timeline"), sid="sec-mem-timeline")]
     pu = [u for u in m.get("per_unit") or [] if flt.unit is None or u.get("unit") == flt.unit]
     rows = [{"unit": F.unit_label(u.get("unit")), "sharded": fmt_bytes(u.get("sharded_bytes")),
              "unsharded": fmt_bytes(u.get("unsharded_bytes")), "activations": fmt_bytes(u.get("activation_bytes"))}

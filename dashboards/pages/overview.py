@@ -17,7 +17,7 @@ def _kpis(report: dict, flt: Filters) -> html.Div:
     steps = report.get("steps") or {}
     key = str(flt.rank) if flt.rank is not None else None
     st = (steps.get("per_rank") or {}).get(key) if key else steps.get("job")
-    who = f"rank {flt.rank}" if key else "all ranks"
+    who = (f"rank {flt.rank}" if key else "all ranks") + (f", steps {flt.window[0]}–{flt.window[1]}" if flt.window else "")
     tp_sec = report.get("throughput") or {}
     tp = (tp_sec.get("per_rank") or {}).get(key) if key else tp_sec.get("job")
     ov = (report.get("overlap") or {}).get("per_rank") or {}
@@ -107,7 +107,8 @@ def layout(snap, flt: Filters) -> list:
         return [note(f"No fsdp-doctor records in {snap.path} yet. This page updates on its own when a run "
                      "wrapped in fsdp_doctor.watch(...) starts writing here (rank*.records.jsonl).",
                      "warning", nid="empty-note")]
-    out = [_kpis(report, flt)]
+    windowed = dict(report, **{k: v for k, v in snap.sections(flt.window).items() if v is not None})
+    out = [_kpis(windowed, flt)]
     run = report.get("run") or {}
     for e in run.get("doctor_errors", []):
         out.append(note(f"The doctor stepped aside on rank {e['rank']} at step {e['step']} ({e['where']}): {e['message']}", "error"))

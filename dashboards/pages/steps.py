@@ -16,6 +16,7 @@ def layout(snap, flt: Filters) -> list:
         return [note(f"No fsdp-doctor records in {snap.path} yet.", "warning", nid="empty-note")]
     steps = snap.steps
     sec = snap.report.get("steps") or {}
+    win_sec = snap.sections(flt.window).get("steps") or sec  # stragglers over the selected steps
     ranks = flt.ranks
     phase_rank = flt.rank if flt.rank is not None else min(steps, default=0)
     out = [
@@ -36,7 +37,7 @@ def layout(snap, flt: Filters) -> list:
                                                     ("excess", "excess"), ("cause", "cause"), ("detail", "likely cause")],
                              left=("cause", "detail"), page_size=10)
                        if rows else note("No outlier steps in this selection.", "ok"), sid="sec-outliers"))
-    strag = [s for s in sec.get("stragglers") or [] if flt.rank is None or s.get("rank") == flt.rank]
+    strag = [s for s in win_sec.get("stragglers") or [] if flt.rank is None or s.get("rank") == flt.rank]
     items = [html.Li(f"rank {s['rank']} spends +{s.get('excess_ms_per_step', 0):.1f} ms/step in {s.get('phase', '?')} "
                      f"({s.get('steps_slower', '?')} of {s.get('steps', '?')} steps)") for s in strag]
     out.append(section("Stragglers", html.Ul(items) if items else note("No straggler rank.", "ok"), sid="sec-stragglers"))

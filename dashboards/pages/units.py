@@ -38,7 +38,7 @@ def unit_rows(units: list[dict]) -> list[dict]:
 
 
 def layout(snap, flt: Filters) -> list:
-    units = snap.report.get("units") or []
+    units = snap.sections(flt.window).get("units") or snap.report.get("units") or []
     if not units:
         return [note("No FSDP unit configuration recorded yet (it is written at the first step).", "warning",
                      nid="empty-note")]

@@ -112,6 +112,7 @@ class Doctor:
         peak_tflops: float | None = None,
         count_flops: bool | None = None,
         memory: Any = True,
+        tensorboard: bool = True,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -122,6 +123,8 @@ class Doctor:
         self.count_flops = (tokens_per_step is not None or peak_tflops is not None) if count_flops is None else count_flops
         self._profile_kwargs = resolve_profile(profile)
         self._memory_opt = memory
+        self._tb_opt = tensorboard
+        self._tb = None  # fsdp_doctor.record.tensorboard.TensorBoardWriter
         self.active = False
         self.steps_done = 0
         self._failed = False
@@ -157,6 +160,14 @@ class Doctor:
                          streams=[stream_name(r) for r in range(self.world_size)], command=list(sys.argv)),
             )
         self._install()
+        if self._tb_opt:
+            try:
+                from .tensorboard import TensorBoardWriter
+
+                self._tb = TensorBoardWriter(self.out_dir, self.rank)
+            except Exception as e:  # noqa: BLE001  (no tensorboard installed, unwritable dir: record without it)
+                self._tb = None
+                self._fail("tensorboard", e, stop=False)
         if _device_of(self.model).type == "cuda":
             from .gpu_timing import GpuTimeline
 
@@ -187,6 +198,12 @@ class Doctor:
             self._uninstall()
             if self._memory is not None:
                 self._memory.detach()
+            if self._tb is not None:
+                try:
+                    self._tb.close()
+                except Exception as e:  # noqa: BLE001
+                    self._fail("tensorboard close", e, stop=False)
+                self._tb = None
             if self._gpu is not None and self.active:
                 try:
                     self._writer.write(*self._gpu.flush())
@@ -485,6 +502,8 @@ class Doctor:
             gc_ms=_ms(self._gc_ns), gc_count=self._gc_count, profiled=profiled, units=units, memory=mem,
         )
         self._writer.write(rec)
+        if self._tb is not None:
+            self._tb.on_step(rec)  # queues the record; the scalars are written on the writer's thread
         if self._gpu is not None:
             done = self._gpu.end_step(step)
             if done:
@@ -543,7 +562,10 @@ class Doctor:
         )
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
-        self._safe_write(ProfileWindow(rank=self.rank, steps=steps, path=rel_path))
+        window = ProfileWindow(rank=self.rank, steps=steps, path=rel_path)
+        self._safe_write(window)
+        if self._tb is not None:
+            self._tb.on_profile(window, self.out_dir / rel_path)  # overlap analysed on the writer's thread
 
     # ------------------------------------------------------------------ failure handling
     def _safe(self, fn, where: str) -> None:
@@ -634,6 +656,7 @@ def watch(
     peak_tflops: float | None = None,
     count_flops: bool | None = None,
     memory: Any = True,
+    tensorboard: bool = True,
 ) -> Doctor:
     """Watches an FSDP2 training loop; use as ``with fsdp_doctor.watch(model, opt, out_dir=...) as doctor``
     and call ``doctor.step()`` once per step.
@@ -652,6 +675,9 @@ def watch(
         count_flops: count FLOPs of step 1 with FlopCounterMode (default: when tokens_per_step or
             peak_tflops is given).
         memory: memory by category (True: default sampling; False: off).
+        tensorboard: also write TensorBoard scalars to ``out_dir/tb/rank{R}`` (step time and split, memory at the
+            peak, overlap of profiled steps); ``tensorboard --logdir out_dir``.
     """
     return Doctor(model, optimizer, out_dir=out_dir, capacity_bytes=capacity_bytes, profile=profile,
-                  tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, count_flops=count_flops, memory=memory)
+                  tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, count_flops=count_flops, memory=memory,
+                  tensorboard=tensorboard)

@@ -1,0 +1,413 @@
+"""The dashboard without a browser: pure figure builders, the server-side run follower, page layouts (including
+the documented memory section), the app's HTTP surface and ``serve()``'s messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import plotly.graph_objects as go
+import pytest
+
+from dashboards import figures as F
+from dashboards.pages import PAGES
+from dashboards.pages.common import ALL, ROOT, Filters, fmt_value
+from dashboards.state import RunState, steps_columns
+from fsdp_doctor.store import load_run
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+CATS = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state", "activations",
+        "comm_buffers", "temporaries", "offloaded_host")
+
+
+@pytest.fixture(scope="module")
+def sample_run():
+    return load_run(SAMPLE)
+
+
+@pytest.fixture(scope="module")
+def steps(sample_run):
+    return steps_columns(sample_run)
+
+
+@pytest.fixture(scope="module")
+def snap():
+    st = RunState(SAMPLE, background_traces=False)
+    st.refresh()
+    return st.snapshot()
+
+
+def _is_note(fig: go.Figure) -> bool:
+    return not fig.data and bool(fig.layout.annotations)
+
+
+def memory_section(ranks=(0, 1), steps=(3, 4)) -> dict:
+    """A memory section of the documented shape (built by hand: the analysis is another module's)."""
+    per_rank = {}
+    units = ["", "layers.0", "layers.1"]
+    for r in ranks:
+        timeline = []
+        for s in steps:
+            for i, (u, ph) in enumerate([(x, "forward") for x in units] + [(x, "backward") for x in units[::-1]]):
+                row = {"step": s, "unit": u, "phase": ph}
+                for j, c in enumerate(CATS):
+                    row[c] = (j + 1) * (1 << 20) + i * (1 << 18) * (c == "activations")
+                timeline.append(row)
+        peak = max(timeline, key=lambda x: sum(x[c] for c in CATS))
+        per_rank[str(r)] = {
+            "peak_bytes": sum(peak[c] for c in CATS) + r, "peak_at": {"step": peak["step"], "unit": peak["unit"], "phase": peak["phase"]},
+            "peak_breakdown": {c: peak[c] for c in CATS}, "activations_peak_bytes": peak["activations"],
+            "capacity_bytes": 64 << 20, "timeline": timeline,
+            "per_unit": [{"unit": u, "sharded_bytes": 1 << 20, "unsharded_bytes": 2 << 20, "activation_bytes": 3 << 20}
+                         for u in units],
+        }
+    return {"per_rank": per_rank}
+
+
+# ---------------------------------------------------------------- step figures
+
+def test_step_time_figure_per_rank_and_filters(steps):
+    fig = F.step_time_figure(steps)
+    assert [t.name for t in fig.data] == ["rank 0", "rank 1"]
+    assert list(fig.data[0].x) == steps[0]["step"] and list(fig.data[0].y) == steps[0]["wall_ms"]
+    # profiled steps are hollow markers
+    sym = list(fig.data[0].marker.symbol)
+    assert [s for s, p in zip(steps[0]["step"], steps[0]["profiled"]) if p] == \
+        [s for s, m in zip(steps[0]["step"], sym) if m == "circle-open"]
+    one = F.step_time_figure(steps, ranks=[1], window=(5, 9))
+    assert [t.name for t in one.data] == ["rank 1"] and list(one.data[0].x) == [5, 6, 7, 8, 9]
+    assert _is_note(F.step_time_figure({}, None, None))
+    assert _is_note(F.step_time_figure(steps, ranks=[7]))
+
+
+def test_heatmap_jitter_and_phases(steps):
+    hm = F.step_heatmap(steps)
+    assert len(hm.data[0].z) == 2 and len(hm.data[0].z[0]) == len(steps[0]["step"])
+    assert hm.data[0].z[1][3] == steps[1]["wall_ms"][3]
+    steady = [w for s, w, p in zip(steps[0]["step"], steps[0]["wall_ms"], steps[0]["profiled"]) if s > 0 and not p]
+    assert hm.data[0].zmax == max(steady + [w for s, w, p in zip(steps[1]["step"], steps[1]["wall_ms"], steps[1]["profiled"])
+                                            if s > 0 and not p])
+    jit = F.jitter_histogram(steps, ranks=[0])
+    assert len(jit.data) == 1 and len(jit.data[0].x) == len(steady)
+    assert sorted(jit.data[0].x)[len(steady) // 2] == pytest.approx(0.0, abs=1e-9) or len(steady) % 2 == 0
+    ph = F.phase_split_figure(steps, 0, window=(2, 4))
+    assert [t.name for t in ph.data] == ["forward", "backward", "optimizer", "outside"]
+    assert list(ph.data[1].y) == steps[0]["backward_ms"][2:5]
+    assert _is_note(F.phase_split_figure(steps, 5))
+    assert _is_note(F.jitter_histogram(steps, window=(0, 1)))
+
+
+# ---------------------------------------------------------------- memory figures
+
+def test_memory_timeline_stacks_categories_with_unit_and_phase():
+    m = memory_section()["per_rank"]["0"]
+    fig = F.memory_timeline_figure(m, rank=0)
+    assert [t.name for t in fig.data] == list(CATS)
+    assert all(t.stackgroup == "mem" for t in fig.data)
+    assert len(fig.data[0].x) == len(m["timeline"])
+    act = fig.data[CATS.index("activations")]
+    assert act.y[2] == pytest.approx(m["timeline"][2]["activations"] / F.MIB)
+    assert act.customdata[1][1] == "layers.0" and act.customdata[1][2] == "forward"
+    assert act.customdata[0][1] == "(root)"
+    assert any(s.type == "line" for s in fig.layout.shapes)  # capacity line
+    assert list(fig.layout.xaxis.ticktext) == ["step 3", "step 4"]
+    # step window
+    only4 = F.memory_timeline_figure(m, window=(4, 4))
+    assert len(only4.data[0].x) == len(m["timeline"]) // 2
+
+
+def test_memory_timeline_accepts_a_columns_rows_table_and_nested_categories():
+    m = {"timeline": {"columns": ["t_ms", "unit", "phase", "activations", "sharded_params"],
+                      "rows": [[0.1, "a", "forward", 1 << 20, 2 << 20], [0.2, "b", "backward", 3 << 20, 2 << 20]]}}
+    fig = F.memory_timeline_figure(m)
+    assert [t.name for t in fig.data] == ["sharded_params", "activations"]
+    nested = {"timeline": [{"unit": "a", "phase": "forward", "bytes": {"activations": 5 << 20}}]}
+    assert list(F.memory_timeline_figure(nested).data[0].y) == [5.0]
+
+
+def test_memory_breakdown_and_absent_section():
+    m = memory_section()["per_rank"]["1"]
+    fig = F.memory_breakdown_figure(m, rank=1)
+    bars = dict(zip(fig.data[0].y, fig.data[0].x))
+    assert set(bars) == set(CATS)
+    assert bars["optimizer_state"] == pytest.approx(m["peak_breakdown"]["optimizer_state"] / F.MIB)
+    assert "step 4" in fig.layout.xaxis.title.text or "step 3" in fig.layout.xaxis.title.text
+    assert _is_note(F.memory_breakdown_figure(None))
+    assert _is_note(F.memory_timeline_figure({}))
+
+
+# ---------------------------------------------------------------- communication figures
+
+def test_comm_timeline_from_a_real_trace(snap):
+    assert len(snap.windows) == 2
+    data = [F.window_timeline_data(w) for w in snap.windows]
+    assert data[0]["rank"] == 0 and data[0]["calls"]
+    s, e = data[0]["compute"]
+    assert len(s) == len(e) > 0 and all(b >= a for a, b in zip(s, e))
+    fig = F.comm_timeline_figure(data)
+    lanes = {y for t in fig.data for y in t.y}
+    assert {"rank 0 compute", "rank 0 all_gather", "rank 0 reduce_scatter", "rank 1 compute"} <= lanes
+    n_calls = sum(len(d["calls"]) for d in data)
+    assert sum(len(t.x) for t in fig.data if t.name != "compute") == n_calls
+    # a selected unit greys the others out
+    hi = F.comm_timeline_figure(data, unit="layers.1")
+    colors = [c for t in hi.data if t.name == "all_gather" for c in t.marker.color]
+    assert "#D8D8D8" in colors and F.COLLECTIVE_COLORS["all_gather"] in colors
+    # merging keeps the figure light on long windows
+    merged = F.window_timeline_data(snap.windows[0], max_intervals=50)
+    assert len(merged["compute"][0]) <= 60
+    assert _is_note(F.comm_timeline_figure([]))
+
+
+def test_unit_exposure_and_slack(snap):
+    per_unit = snap.report["overlap"]["per_unit"]
+    fig = F.unit_exposure_figure(per_unit)
+    exp, ovl = fig.data
+    total_exposed = sum(r["exposed_us"] for r in per_unit) / 1e3
+    assert sum(exp.x) == pytest.approx(total_exposed)
+    assert sum(exp.x) + sum(ovl.x) == pytest.approx(sum(r["comm_us"] for r in per_unit) / 1e3)
+    r1 = F.unit_exposure_figure(per_unit, ranks=[1], unit="layers.2")
+    assert all(lbl.startswith("layers.2") for lbl in r1.data[0].y)
+    slack = F.prefetch_slack_figure(per_unit, ranks=[0])
+    ag = [r for r in per_unit if r["rank"] == 0 and r["collective"] == "all_gather" and r["slack_us"] is not None]
+    assert sum(len(t.x) for t in slack.data) == len(ag)
+    assert sorted(x for t in slack.data for x in t.x) == pytest.approx(sorted(r["slack_us"] / 1e3 for r in ag))
+    assert _is_note(F.prefetch_slack_figure([], None))
+    ov = F.overlap_by_rank_figure(snap.report["overlap"]["per_rank"])
+    assert len(ov.data[0].y) == 2
+
+
+def test_unit_timing(snap):
+    units = snap.report["units"]
+    fig = F.unit_timing_figure(units)
+    fwd = next(t for t in fig.data if t.name == "forward")
+    assert "(root)" in fwd.y and len(fwd.x) == len(units)
+    sel = F.unit_timing_figure(units, unit="layers.0")
+    ops = sel.data[0].marker.opacity
+    assert sorted(set(ops)) == [0.3, 1.0]
+
+
+def test_value_formatting():
+    assert fmt_value("peak_bytes", 3 << 30) == "3.00 GiB"
+    assert fmt_value("gc_ms_per_step", 12.0) == "12.0 ms"
+    assert fmt_value("exposed_us", 2500.0) == "2.50 ms"
+    assert fmt_value("share_pct", 8.123) == "8.1%"
+    assert fmt_value("units", ["", "layers.0"]) == "(root), layers.0"
+    assert Filters.from_controls(ALL, [0, 5], ROOT) == Filters(rank=None, window=(0, 5), unit="")
+    assert Filters.from_controls("1", None, ALL) == Filters(rank=1, window=None, unit=None)
+
+
+# ---------------------------------------------------------------- state: incremental following
+
+def test_run_state_follows_a_growing_run_incrementally(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    src = SAMPLE / "rank0.records.jsonl"
+    lines = src.read_bytes().splitlines(keepends=True)
+    cut = 8
+    (run / src.name).write_bytes(b"".join(lines[:cut]) + lines[cut][:40])  # a line cut mid-write
+    st = RunState(run, background_traces=False)
+    assert st.refresh() is True
+    snap1 = st.snapshot()
+    n1 = len(snap1.steps[0]["step"])
+    assert n1 == sum(1 for ln in lines[:cut] if ln.startswith(b'{"t":"step"'))
+    off1 = st._follower._streams[0].offset
+    assert off1 == len(b"".join(lines[:cut]))  # the partial line is left for later
+    assert st.refresh() is False and st.snapshot().version == snap1.version  # nothing new: no rebuild
+    with open(run / src.name, "ab") as f:
+        f.write(lines[cut][40:] + b"".join(lines[cut + 1:]))
+    assert st.refresh() is True
+    snap2 = st.snapshot()
+    assert snap2.version == snap1.version + 1
+    assert len(snap2.steps[0]["step"]) == sum(1 for ln in lines if ln.startswith(b'{"t":"step"'))
+    assert snap2.report["steps"]["per_rank"]["0"]["count"] > snap1.report["steps"]["per_rank"]["0"]["count"]
+    assert st._follower._streams[0].offset == src.stat().st_size
+
+
+def test_run_state_caches_trace_analysis_per_file(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run)
+    import fsdp_doctor.trace.analysis as A
+
+    calls = []
+    real = A._load
+    monkeypatch.setattr(A, "_load", lambda p: calls.append(p) or real(p))
+    st = RunState(run, background_traces=True)
+    st.refresh()
+    st.wait_traces(60)
+    snap = st.snapshot()
+    assert len(calls) == 2 and len(snap.windows) == 2
+    assert snap.report["overlap"]["per_rank"].keys() == {"0", "1"}
+    assert snap.report["run"]["trace_files"] == 2
+    with open(run / "rank0.records.jsonl", "ab") as f:  # one more step: report rebuilt, traces not re-read
+        last = [ln for ln in (SAMPLE / "rank0.records.jsonl").read_bytes().splitlines() if ln.startswith(b'{"t":"step"')][-1]
+        f.write(last.replace(b'"step":29', b'"step":30') + b"\n")
+    assert st.refresh() is True
+    assert len(calls) == 2
+    assert st.snapshot().report["overlap"] == snap.report["overlap"]
+
+
+# ---------------------------------------------------------------- pages
+
+def _ids(component) -> set:
+    out = set()
+
+    def walk(c):
+        if isinstance(c, (list, tuple)):
+            for x in c:
+                walk(x)
+            return
+        if hasattr(c, "to_plotly_json"):
+            cid = getattr(c, "id", None)
+            if cid:
+                out.add(cid)
+            walk(getattr(c, "children", None))
+
+    walk(component)
+    return out
+
+
+@pytest.mark.parametrize("flt", [Filters(), Filters(rank=1, window=(3, 20), unit="layers.1"), Filters(unit="")])
+def test_every_page_lays_out_the_sample(snap, flt):
+    ids = {key: _ids(mod.layout(snap, flt)) for key, (_, mod) in PAGES.items()}
+    assert {"kpi-p50", "findings", "run-facts"} <= ids["overview"]
+    assert ("fig-mem-timeline" if snap.report.get("memory") else "memory-absent") in ids["memory"]
+    assert {"fig-comm-timeline", "fig-unit-exposure", "fig-prefetch-slack"} <= ids["communication"]
+    assert {"fig-step-time", "fig-step-heatmap", "fig-jitter", "fig-phases", "tbl-outliers" if flt.rank in (None, 1) else "sec-outliers"} <= ids["steps"]
+    assert {"tbl-units", "fig-unit-timing"} <= ids["units"]
+
+
+def test_memory_page_with_the_documented_section(snap):
+    import dataclasses
+
+    report = dict(snap.report, memory=memory_section())
+    s2 = dataclasses.replace(snap, report=report)
+    ids = _ids(PAGES["memory"][1].layout(s2, Filters()))
+    assert {"fig-mem-timeline", "fig-mem-breakdown", "tbl-mem-units", "kpi-mem-peak"} <= ids
+    page = PAGES["memory"][1].layout(s2, Filters(rank=0, unit="layers.0"))
+    table = next(c for c in _walk(page) if getattr(c, "id", None) == "tbl-mem-units")
+    assert [r["unit"] for r in table.data] == ["layers.0"]
+    assert "kpi-peak" in _ids(PAGES["overview"][1].layout(s2, Filters()))
+
+
+def _walk(c):
+    if isinstance(c, (list, tuple)):
+        for x in c:
+            yield from _walk(x)
+    elif hasattr(c, "to_plotly_json"):
+        yield c
+        yield from _walk(getattr(c, "children", None))
+
+
+def test_findings_are_cards_with_evidence_and_a_copyable_fix(snap):
+    import dataclasses
+
+    finding = {"code": "x.test", "severity": "critical", "title": "Something is wrong",
+               "evidence": {"exposed_ms": 12.5, "peak_bytes": 1 << 30}, "ranks": [1], "units": ["layers.0"],
+               "recommendation": {"text": "Do this.", "code": "model.fix()"},
+               "predicted": {"step_ms_before": 100.0, "step_ms_after": 80.0, "peak_bytes_before": None, "peak_bytes_after": None}}
+    s2 = dataclasses.replace(snap, report=dict(snap.report, findings=[{**finding, "severity": "info", "code": "y"}, finding]))
+    page = PAGES["overview"][1].layout(s2, Filters())
+    comps = list(_walk(page))
+    cards = [c for c in comps if "finding-" in (getattr(c, "className", "") or "") and getattr(c, "id", "").startswith("finding-")]
+    assert cards[0].className.endswith("critical")  # by severity
+    text = json.dumps([c.to_plotly_json() for c in cards], default=str)
+    assert "12.5 ms" in text and "1.00 GiB" in text and "model.fix()" in text and "20% faster" in text
+    clip = [c for c in comps if type(c).__name__ == "Clipboard"]
+    assert clip and clip[0].target_id == "fix-code-0"
+    # filtered out for another rank / unit
+    page0 = PAGES["overview"][1].layout(s2, Filters(rank=0))
+    assert "Something is wrong" not in json.dumps([c.to_plotly_json() for c in _walk(page0)], default=str)
+
+
+# ---------------------------------------------------------------- app and serve()
+
+@pytest.fixture
+def client():
+    from dashboards.app import create_app
+
+    app = create_app(SAMPLE)
+    return app, app.server.test_client()
+
+
+def test_app_serves_layout_and_callbacks_but_no_run_files(client):
+    app, c = client
+    assert c.get("/").status_code == 200
+    layout = c.get("/_dash-layout").get_json()
+    assert "fsdp-doctor" in json.dumps(layout)
+    deps = c.get("/_dash-dependencies").get_json()
+    page_cb = next(d for d in deps if d["output"] == "page.children")
+    body = {"output": "page.children", "outputs": {"id": "page", "property": "children"},
+            "inputs": [{"id": "tabs", "property": "value", "value": "steps"},
+                       {"id": "version", "property": "data", "value": 1},
+                       {"id": "flt-rank", "property": "value", "value": ALL},
+                       {"id": "flt-steps", "property": "value", "value": [0, 29]},
+                       {"id": "flt-unit", "property": "value", "value": ALL}],
+            "changedPropIds": ["tabs.value"], "state": []}
+    r = c.post("/_dash-update-component", json=body)
+    assert r.status_code == 200, r.data[:500]
+    assert "fig-step-time" in r.get_data(as_text=True)
+    assert page_cb
+    # nothing of the run directory is served: Dash answers unknown paths with its index page
+    records = (SAMPLE / "rank0.records.jsonl").read_text()[:60]
+    for p in ("/rank0.records.jsonl", "/manifest.json", "/assets/../rank0.records.jsonl", "/profiler/rank0.6.pt.trace.json.gz",
+              "/assets/../../traces/sample/rank0.records.jsonl"):
+        resp = c.get(p)
+        assert records not in resp.get_data(as_text=True)
+        assert resp.status_code in (200, 404) and resp.mimetype != "application/gzip"
+
+
+def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
+    from dash import Dash
+
+    from dashboards.app import serve
+
+    assert serve(tmp_path / "missing") == 2
+    assert "no such run directory" in capsys.readouterr().err
+    f = tmp_path / "file.json"
+    f.write_text("{}")
+    assert serve(f) == 2
+    assert "not a directory" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(Dash, "run", lambda self, **kw: seen.update(kw))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert serve(empty) == 0
+    out = capsys.readouterr()
+    assert "no fsdp-doctor records" in out.err
+    assert "http://127.0.0.1:8050/" in out.out
+    assert seen["host"] == "127.0.0.1" and seen["debug"] is False
+    assert serve(SAMPLE, host="0.0.0.0", port=9999) == 0
+    out = capsys.readouterr()
+    assert "http://127.0.0.1:9999/" in out.out and "anyone who can reach" in out.err
+    assert seen["host"] == "0.0.0.0" and seen["port"] == 9999
+
+
+def test_cli_dashboard_command_uses_serve(monkeypatch, tmp_path, capsys):
+    import dashboards.app as appmod
+    from fsdp_doctor.cli import main
+
+    seen = {}
+    monkeypatch.setattr(appmod, "serve", lambda path, host, port: seen.update(path=path, host=host, port=port) or 0)
+    assert main(["dashboard", str(SAMPLE)]) == 0
+    assert seen == {"path": SAMPLE, "host": "127.0.0.1", "port": 8050}
+    assert main(["dashboard", str(tmp_path / "nope")]) == 2
+
+
+def test_step_window_recomputes_sections_with_the_same_analyses(snap):
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.store.reader import RankData, Run
+
+    run = load_run(SAMPLE)
+    sub = Run(path=run.path, ranks={r: RankData(rank=r, config=rd.config, steps=[s for s in rd.steps if 10 <= s.step <= 20])
+                                     for r, rd in run.ranks.items()})
+    got = snap.sections((10, 20))
+    assert got["steps"]["per_rank"] == analyze_steps(sub)["per_rank"]
+    assert got["steps"]["per_rank"]["0"]["count"] == 11
+    assert snap.sections(None)["steps"] is snap.report["steps"]
+    page = PAGES["overview"][1].layout(snap, Filters(window=(10, 20)))
+    kp = next(c for c in _walk(page) if getattr(c, "id", None) == "kpi-p50")
+    from fsdp_doctor.present.fmt import fmt_ms
+
+    assert fmt_ms(got["steps"]["job"]["p50_ms"]) in json.dumps(kp.to_plotly_json(), default=str)

@@ -1,0 +1,141 @@
+"""TensorBoard output: scalars read back with EventAccumulator equal the records; the profiler windows are found
+by torch-tb-profiler as run "profiler" with workers rank0/rank1; the live writer costs little per step."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from fsdp_doctor.record.tensorboard import MIB, STEP_FIELDS, TensorBoardWriter, export_tensorboard  # noqa: E402
+from fsdp_doctor.records import ProfileWindow, StepRecord  # noqa: E402
+from fsdp_doctor.store import load_run  # noqa: E402
+from fsdp_doctor.trace import analyze_traces  # noqa: E402
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+
+
+@pytest.fixture
+def sample_copy(tmp_path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(SAMPLE, dst)
+    return dst
+
+
+def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_export_scalars_equal_the_records(sample_copy, tmp_path):
+    run = load_run(sample_copy)
+    out = tmp_path / "out"
+    dirs = export_tensorboard(run, out)
+    assert [d.name for d in dirs] == ["rank0", "rank1"]
+    for rank, rd in sorted(run.ranks.items()):
+        sc = _scalars(out / "tb" / f"rank{rank}")
+        for f in STEP_FIELDS:
+            got = sc[f"step/{f}"]
+            assert sorted(got) == [s.step for s in rd.steps]
+            for s in rd.steps:
+                assert got[s.step] == pytest.approx(getattr(s, f), rel=1e-6, abs=1e-6), (rank, f, s.step)
+        assert {k for k, v in sc["step/profiled"].items() if v == 1.0} == {s.step for s in rd.steps if s.profiled}
+        # overlap of the one profiled window: equal to the trace engine's result for that file
+        (pw,) = rd.profiles
+        res = analyze_traces([sample_copy / pw.path])["per_rank"][str(rank)]
+        steps = res["steps"]
+        assert sorted(sc["overlap/overlap_pct"]) == steps
+        for st in steps:
+            assert sc["overlap/overlap_pct"][st] == pytest.approx(res["overlap_pct"], rel=1e-6)
+            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res["exposed_us"] / 1e3 / len(steps), rel=1e-6)
+            assert sc["overlap/comm_ms"][st] == pytest.approx(res["comm_us"] / 1e3 / len(steps), rel=1e-6)
+
+
+def test_export_defaults_to_the_run_directory(sample_copy):
+    run = load_run(sample_copy)
+    export_tensorboard(run, traces=False)
+    assert (sample_copy / "tb" / "rank0").is_dir() and (sample_copy / "tb" / "rank1").is_dir()
+    assert "overlap/overlap_pct" not in _scalars(sample_copy / "tb" / "rank0")
+
+
+def _mem_step(step: int, scale: int) -> StepRecord:
+    breakdown = {"sharded_params": 3 * scale, "unsharded_params": 5 * scale, "sharded_grads": 3 * scale,
+                 "unsharded_grads": 0, "optimizer_state": 6 * scale, "activations": 11 * scale + 7,
+                 "comm_buffers": 2 * scale, "temporaries": 123_456_789}
+    return StepRecord(rank=0, step=step, start_ns=1_700_000_000_000_000_000 + step * 10**8, wall_ms=100.0 + step,
+                      forward_ms=30.0, backward_ms=50.0, optimizer_ms=10.0, outside_ms=10.0 + step, profiled=step == 2,
+                      memory={"v": 1, "device": "cuda:0", "peak": {"bytes": sum(breakdown.values()), "t_ms": 12.5,
+                                                                  "unit": "layers.0", "phase": "backward",
+                                                                  "breakdown": breakdown},
+                              "offloaded_host": 4096, "cuda": {"allocated": 7 * scale, "reserved": 9 * scale}})
+
+
+def test_memory_by_category_at_the_peak(tmp_path):
+    w = TensorBoardWriter(tmp_path, 0)
+    recs = [_mem_step(i, (i + 1) << 20) for i in range(4)]
+    for r in recs:
+        w.on_step(r)
+    w.close()
+    sc = _scalars(tmp_path / "tb" / "rank0")
+    for r in recs:
+        peak = r.memory["peak"]
+        assert sc["memory/peak_mib"][r.step] == pytest.approx(peak["bytes"] / MIB, rel=1e-6)
+        for cat, v in peak["breakdown"].items():
+            assert sc[f"memory/{cat}_mib"][r.step] == pytest.approx(v / MIB, rel=1e-6, abs=1e-9), cat
+        assert sc["memory/offloaded_host_mib"][r.step] == pytest.approx(4096 / MIB)
+        assert sc["memory/cuda_allocated_mib"][r.step] == pytest.approx(r.memory["cuda"]["allocated"] / MIB)
+        assert sc["step/outside_ms"][r.step] == pytest.approx(r.outside_ms)
+
+
+def test_live_writer_is_cheap_and_analyses_windows_in_background(sample_copy):
+    run = load_run(sample_copy)
+    rd = run.ranks[0]
+    w = TensorBoardWriter(sample_copy, 0)
+    w.on_step(rd.steps[0])  # first call pays the lazy set-up
+    t0 = time.perf_counter()
+    n = 0
+    for _ in range(10):
+        for rec in rd.steps:
+            w.on_step(rec)
+            n += 1
+    per_step_ms = (time.perf_counter() - t0) * 1e3 / n
+    (pw,) = rd.profiles
+    t1 = time.perf_counter()
+    w.on_profile(pw, sample_copy / pw.path)
+    hook_ms = (time.perf_counter() - t1) * 1e3
+    t2 = time.perf_counter()
+    w.close()
+    close_ms = (time.perf_counter() - t2) * 1e3
+    print(f"\nTensorBoardWriter.on_step: {per_step_ms * 1e3:.1f} us/step in the training thread; on_profile returns "
+          f"in {hook_ms:.2f} ms; close() drained {n} steps + 1 window in {close_ms:.0f} ms")
+    assert per_step_ms < 0.2, per_step_ms  # a queue put; generous for a shared CI machine
+    assert hook_ms < 50.0, hook_ms  # the trace analysis runs on the writer's thread, not in the hook
+    sc = _scalars(sample_copy / "tb" / "rank0")
+    assert "overlap/overlap_pct" in sc and "step/wall_ms" in sc
+
+
+def test_profiler_windows_found_by_torch_tb_profiler(sample_copy):
+    tbp = pytest.importorskip("torch_tb_profiler")
+    from torch_tb_profiler import consts, io
+    from torch_tb_profiler.plugin import TorchProfilerPlugin
+    from torch_tb_profiler.profiler.loader import RunLoader
+
+    export_tensorboard(load_run(sample_copy), traces=False)  # scalars next to the traces must not confuse it
+    plugin = TorchProfilerPlugin.__new__(TorchProfilerPlugin)  # only the run discovery, no TensorBoard context
+    plugin.logdir = io.abspath(str(sample_copy))
+    run_dirs = list(plugin._get_run_dirs())
+    assert [plugin._get_run_name(d) for d in run_dirs] == ["profiler"]
+    names = sorted(p.name for p in (sample_copy / "profiler").iterdir())
+    matches = [consts.WORKER_PATTERN.match(n) for n in names]
+    assert all(matches)
+    assert sorted({m.group(1) for m in matches}) == ["rank0", "rank1"]
+    loaded = RunLoader("profiler", run_dirs[0], io.Cache()).load()
+    assert set(loaded.workers) >= {"rank0", "rank1"}
+    assert loaded.get_profile("rank0", loaded.get_spans("rank0")[0]) is not None
+    del tbp
