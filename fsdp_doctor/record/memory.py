@@ -48,20 +48,23 @@ some steps) and the process's device memory outside PyTorch's allocator from NVM
 imported lazily; its absence is normal). Those CUDA/NVML paths are written against the documented APIs but
 could not be exercised on the CPU-only machine this was developed on.
 
-Cost: per-unit byte sizes are cached; a mark reads a few FSDP state fields per param group and the cached
-figures; gradients are re-measured only for the units whose backward just ran; the optimizer state only
-when its size changes (and every ``refresh_every`` steps). The pack hook costs ~2-3 us per saved tensor,
-which is the one cost that grows with the model; so by default (``activations_every="auto"``) steps 0-2
-are counted exactly and then every Nth step, N chosen so that exact counting costs at most
-``activations_budget`` (0.3%) of the median step time; on the steps in between the last exact step's
-activation figures are replayed mark by mark (the step's ``"activations"`` says ``"exact"`` or
-``"replayed"``). On the CPU reference workload (109 saved tensors, ~200 ms steps) N is 1.
-Options (``watch(memory={...})``): ``activations_every`` ("auto", or N: exact on every Nth step, 0 never),
-``activations_budget``,
-``timeline_every`` (store every sample of every Nth step, default 50; the first steps and every step
-that raises the running peak are stored too), ``refresh_every`` (re-measure the static sizes, default 50),
-``fragmentation_every`` (CUDA memory snapshot for the largest free block, default 200; 0 = never),
-``nvml`` (default True).
+Cost: Python code run between large tensor ops runs with cold caches (a mark that takes 2 us in a tight
+loop takes 10-30 us inside a training step), and the pack hook adds ~3 us per saved tensor. So the probe
+alternates *full* steps, where every figure is measured at every mark and saved tensors are counted
+exactly, with *light* steps, where a mark only notes when and where it happened (plus
+``torch.cuda.memory_allocated`` on CUDA) and the figures of the same mark of the last full step are replayed:
+FSDP's schedule repeats, so they are the same; a mark that does not line up is reported
+(``replay_mismatches``) and forces a full step next. Steps 0-2 are full; then (``full_every="auto"``) the
+period is chosen from the measured costs so that the probe costs at most ``budget`` (0.3%) of the median
+step time. Within a full step, per-unit byte sizes are cached, gradients are re-measured only for the units
+whose backward just ran (and cached by unit after the first steps), the optimizer state only when its size
+changes; everything is re-measured every ``refresh_every`` steps.
+
+Options (``watch(memory={...})``): ``full_every`` ("auto", or N: every Nth step; steps 0-2 are always full: step 0 runs FSDP's lazy init
+and has no optimizer state yet), ``budget``, ``timeline_every`` (store
+every sample of every Nth full step, default 50; full steps 0-2 and every step that raises the running
+peak are stored too), ``refresh_every`` (default 50), ``fragmentation_every`` (CUDA memory snapshot for
+the largest free block, default 200; 0 = never), ``nvml`` (default True).
 
 The step's dict (``StepRecord.memory``) is documented in :func:`MemoryProbe.step_end`.
 """
@@ -81,8 +84,6 @@ log = logging.getLogger("fsdp_doctor")
 # context they are plain C reads.
 _NoTF = getattr(torch._C, "DisableTorchFunctionSubclass", None)
 _now = time.perf_counter_ns
-# the probe's own cost is timed with the same wall clock (thread_time_ns is a slow syscall in some sandboxes)
-_cpu = _now
 
 MEMORY_FORMAT = 1
 
@@ -103,8 +104,8 @@ HOST_CATEGORIES = ("offloaded_host",)
 (_SP, _USP, _SG, _UG, _OPT, _STALE, _ACT, _COMM, _BUF, _TMP) = range(len(CATEGORIES))
 
 _DEFAULTS = {
-    "activations_every": "auto",
-    "activations_budget": 0.003,  # "auto": exact counting may cost this fraction of the median step time
+    "full_every": "auto",
+    "budget": 0.003,  # "auto": the probe may cost this fraction of the median step time
     "timeline_every": 50,
     "refresh_every": 50,
     "fragmentation_every": 200,
@@ -122,9 +123,9 @@ def _options(option: Any) -> dict:
         opts.update(option)
     for k in ("timeline_every", "refresh_every", "fragmentation_every", "first_timeline_steps"):
         opts[k] = max(0, int(opts[k]))
-    if opts["activations_every"] != "auto":
-        opts["activations_every"] = max(0, int(opts["activations_every"]))
-    opts["activations_budget"] = float(opts["activations_budget"])
+    if opts["full_every"] != "auto":
+        opts["full_every"] = max(1, int(opts["full_every"]))
+    opts["budget"] = float(opts["budget"])
     return opts
 
 
@@ -225,7 +226,7 @@ class MemoryProbe:
         except Exception:  # noqa: BLE001 - moved in another torch version: fall back to is_unsharded
             pass
         # cached figures (device bytes, host bytes)
-        self.static = [0] * len(CATEGORIES)
+        self._static_t = (0, 0)
         self.host_static = 0
         self.unit_sgrad = [0] * len(self.units)
         self.unit_ugrad = [0] * len(self.units)
@@ -243,8 +244,18 @@ class MemoryProbe:
         self._comm_ctxs: list = []
         self._hsdp_groups: list[_GroupInfo] = []
         self._comm_note: str | None = None
-        # per unit: gradient signature (see _grad_signature) -> (sharded, unsharded, host) bytes
-        self._grad_cache: list[dict] = [{} for _ in self.units]
+        self._sg_total = 0
+        self._ug_total = 0
+        self._ugrad_cache: dict[int, int] = {}  # unit -> unsharded grad bytes before its post-backward
+        self._sgrad_cache: dict[int, tuple[int, int]] = {}  # unit -> (sharded, host) grad bytes after it
+        self._probe_fps: list[list] = []
+        for gs in self.unit_groups:
+            fps = []
+            for g in gs:
+                trainable = [fp for fp in g.fps if getattr(getattr(fp, "sharded_param", None), "requires_grad", False)]
+                if trainable:
+                    fps.append(trainable[0])
+            self._probe_fps.append(fps)
         self._static_done = False
         self._pending: list[int] = []  # units whose post-backward ran since their grads were measured
         # activations
@@ -254,11 +265,14 @@ class MemoryProbe:
         self._act_mode = "off"  # this step: "exact" | "replayed" | "off"
         self._act_note: str | None = None
         self._pack_ns = 0
-        self._every = 1  # current period of exact activation steps
-        self._next_exact = 0
+        self._every = 1  # current period of full steps
+        self._next_full = 0
+        self._full = True  # this step measures everything (else: replays the last full step)
+        self._last_full: list | None = None  # [(unit, phase, row)] of the last full step
+        self._light_ns: list[int] = []
+        self._full_ns: list[int] = []
         self._last_step_end = 0
         self._walls: list[int] = []
-        self._last_exact: list | None = None  # [(unit, phase, activations)] of the last exact step
         self._unit_act_start: dict[int, int] = {}
         self._unit_act: dict[int, int] = {}
         # step state
@@ -322,8 +336,7 @@ class MemoryProbe:
             if k is not None and k not in seen:
                 seen.add(k)
                 buf += nb
-        self.static[_SP] = dev
-        self.static[_BUF] = buf
+        self._static_t = (dev, buf)  # (sharded_params, buffers)
         self.host_static = host
         self._param_keys = keys
         self._keys_built = set()
@@ -371,66 +384,54 @@ class MemoryProbe:
             return nb, 0
         return 0, nb
 
-    def _grad_signature(self, idx: int) -> tuple:
-        """Which params of the unit hold which gradients: cheap attribute reads, no storage access."""
-        ns = nu = na = 0
+    def _has_grads(self, idx: int) -> bool:
+        """Whether the unit holds any gradient now, read off one trainable param per param group (FSDP
+        treats a group's params together): a few attribute reads, no storage access."""
+        for fp in self._probe_fps[idx]:
+            if fp.sharded_param.grad is not None:
+                return True
+            up = getattr(fp, "_unsharded_param", None)
+            if up is not None and up.grad is not None:
+                return True
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                return True
+        return False
+
+    def _measure_unit_grads(self, idx: int) -> None:
+        """Sharded / unsharded gradient bytes of one unit, from every param's gradient storages."""
+        sg = ug = host = 0
+        seen: set[int] = set()
         with _NoTF():
             for g in self.unit_groups[idx]:
                 for fp in g.fps:
-                    if fp.sharded_param.grad is not None:
-                        ns += 1
-                    up = getattr(fp, "_unsharded_param", None)
-                    if up is not None and up.grad is not None:
-                        nu += 1
-                    if getattr(fp, "unsharded_accumulated_grad", None) is not None:
-                        na += 1
-        return ns, nu, na
-
-    def _measure_unit_grads(self, idx: int, force: bool = False) -> None:
-        """Sharded / unsharded gradient bytes of one unit. Gradient sizes repeat from step to step, so
-        when the same params hold the same kinds of gradient as at the last measurement the cached bytes
-        are kept (re-measured every ``refresh_every`` steps)."""
-        sig = self._grad_signature(idx)
-        if sig == (0, 0, 0):
-            self.unit_sgrad[idx] = self.unit_ugrad[idx] = self.unit_host_grad[idx] = 0
-            return
-        cache = self._grad_cache[idx]
-        hit = cache.get(sig)
-        if hit is not None and not force and not self._refresh_step:
-            self.unit_sgrad[idx], self.unit_ugrad[idx], self.unit_host_grad[idx] = hit
-            return
-        sg = ug = host = 0
-        seen: set[int] = set()
-        for g in self.unit_groups[idx]:
-            for fp in g.fps:
-                sp = getattr(fp, "sharded_param", None)
-                gr = sp.grad if sp is not None else None
-                if gr is not None:
-                    d, h = self._grad_bytes(gr, seen)
-                    sg += d
-                    host += h
-                up = getattr(fp, "_unsharded_param", None)
-                if up is not None:
-                    gr = up.grad
+                    sp = getattr(fp, "sharded_param", None)
+                    gr = sp.grad if sp is not None else None
                     if gr is not None:
                         d, h = self._grad_bytes(gr, seen)
+                        sg += d
+                        host += h
+                    up = getattr(fp, "_unsharded_param", None)
+                    if up is not None:
+                        gr = up.grad
+                        if gr is not None:
+                            d, h = self._grad_bytes(gr, seen)
+                            ug += d
+                            host += h
+                    acc = getattr(fp, "unsharded_accumulated_grad", None)
+                    if acc is not None:
+                        d, h = self._grad_bytes(acc, seen)
                         ug += d
                         host += h
-                acc = getattr(fp, "unsharded_accumulated_grad", None)
-                if acc is not None:
-                    d, h = self._grad_bytes(acc, seen)
-                    ug += d
-                    host += h
-        self.unit_sgrad[idx] = sg
-        self.unit_ugrad[idx] = ug
-        self.unit_host_grad[idx] = host
-        cache[sig] = (sg, ug, host)
+        self._set_grads(idx, sg, ug, host)
 
     def _quick_grads(self) -> None:
-        """At the forward start: notice gradients freed (or kept) since the last backward."""
+        """At the forward start: notice gradients freed (zero_grad) or kept since the last backward."""
         for idx in range(len(self.units)):
             if self.unit_sgrad[idx] or self.unit_ugrad[idx] or self.unit_host_grad[idx] or self._refresh_step:
-                self._measure_unit_grads(idx)
+                if self._refresh_step:
+                    self._measure_unit_grads(idx)
+                elif not self._has_grads(idx):
+                    self._set_grads(idx, 0, 0, 0)
         if self._unmanaged:
             self._measure_unmanaged_grads()
 
@@ -622,7 +623,7 @@ class MemoryProbe:
         return x.t if type(x) is _Saved else x
 
     def _push_hooks(self) -> None:
-        if self._hooks_pushed or self._act_error is not None:
+        if self._hooks_pushed or self._act_error is not None or not self._full:
             return
         ag = torch._C._autograd
         try:
@@ -652,108 +653,143 @@ class MemoryProbe:
     # ------------------------------------------------------------------ probe interface
     def mark(self, unit: str | None, phase: str) -> None:
         t = _now()
-        c0 = _cpu()
+        if not self._full:
+            # light step: when and where only (+ the allocator total on CUDA); the figures are replayed
+            if phase[0] == "f" and torch._C._current_graph_task_id() != -1:
+                phase = "recompute_start" if phase == "forward_start" else "recompute_end"
+            elif phase == "optimizer_start" and self._hooks_pushed:
+                self._pop_hooks()
+            tmp = torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
+            self._samples.append((t, unit, phase, tmp))
+            self._cost_ns += _now() - t
+            return
         idx = self.unit_index.get(unit) if unit is not None else None
-        in_bwd = torch._C._current_graph_task_id() != -1
         if phase == "forward_start":
             if idx is None:
                 self._on_step_forward()
+            elif torch._C._current_graph_task_id() != -1:
+                phase = "recompute_start"
             else:
-                if in_bwd:
-                    phase = "recompute_start"
-                else:
-                    if not self._static_done:
-                        self._refresh_static()
-                    if idx not in self._keys_built:
-                        self._add_unit_param_keys(idx)
-                    self._unit_act_start[idx] = self.live.bytes
+                if not self._static_done:
+                    self._refresh_static()
+                if idx not in self._keys_built:
+                    self._add_unit_param_keys(idx)
+                self._unit_act_start[idx] = self.live.bytes
         elif phase == "forward_end":
-            if in_bwd:
+            if torch._C._current_graph_task_id() != -1:
                 phase = "recompute_end"
             elif idx is not None:
                 s = self._unit_act_start.pop(idx, None)
                 if s is not None:
                     self._unit_act[idx] = self._unit_act.get(idx, 0) + self.live.bytes - s
         elif phase == "backward_start":
-            self._flush_pending()
+            if self._pending:
+                self._flush_pending()
         elif phase == "backward_end":
-            self._flush_pending()
+            if self._pending:
+                self._flush_pending()
             if idx is not None:
-                self._measure_unit_grads(idx)  # unsharded grads before the reduce-scatter
-                self._pending.append(idx)
+                self._before_post_backward(idx)
             elif self._unmanaged:
                 self._measure_unmanaged_grads()
         elif phase == "optimizer_start":
-            self._flush_pending()
+            if self._pending:
+                self._flush_pending()
             self._pop_hooks()
         elif phase == "optimizer_end":
             self._refresh_optimizer(force=self.step_idx < 2)
-            # zero_grad(set_to_none=False) keeps the grads; a step may also free them (rare)
         self._sample(t, unit, phase)
-        self._cost_ns += _cpu() - c0
+        self._cost_ns += _now() - t
+
+    def _set_grads(self, idx: int, sg: int, ug: int, host: int) -> None:
+        self._sg_total += sg - self.unit_sgrad[idx]
+        self._ug_total += ug - self.unit_ugrad[idx]
+        self.unit_sgrad[idx] = sg
+        self.unit_ugrad[idx] = ug
+        self.unit_host_grad[idx] = host
+
+    def _before_post_backward(self, idx: int) -> None:
+        """FSDP's post-backward of the unit starts: its unsharded gradients are all there, unreduced.
+        Their size repeats every step: measured on refresh steps and first sightings, cached otherwise."""
+        hit = self._ugrad_cache.get(idx)
+        if hit is None or self._refresh_step:
+            self._measure_unit_grads(idx)
+            self._ugrad_cache[idx] = self.unit_ugrad[idx]
+        else:
+            self._set_grads(idx, self.unit_sgrad[idx], hit, self.unit_host_grad[idx])
+        self._pending.append(idx)
 
     def _flush_pending(self) -> None:
-        if self._pending:
-            for i in self._pending:
+        """Units whose post-backward ran since the last mark: with gradient sync, FSDP dropped the
+        unsharded gradients and left sharded ones (one flat reduce-scatter output per unit, the same size
+        every step: cached like the unsharded ones); without sync, the unsharded ones stay (measured)."""
+        for i in self._pending:
+            reduce = True
+            for g in self.unit_groups[i]:
+                if not getattr(g.pg, "reduce_grads", True):
+                    reduce = False
+            hit = self._sgrad_cache.get(i)
+            if not reduce or hit is None or self._refresh_step:
                 self._measure_unit_grads(i)
-            self._pending.clear()
+                if reduce:
+                    self._sgrad_cache[i] = (self.unit_sgrad[i], self.unit_host_grad[i])
+            else:
+                self._set_grads(i, hit[0], 0, hit[1])
+        self._pending.clear()
 
     def _on_step_forward(self) -> None:
         """The whole model's forward starts (once per micro-batch)."""
         if self._static_done and not self._fwd_seen:
             self._quick_grads()
         self._fwd_seen = True
-        if self._exact_step():
-            self._push_hooks()
-        if not self._hooks_pushed and self._act_mode != "exact":
-            self._act_mode = "replayed" if self._last_exact is not None else "off"
+        self._push_hooks()
 
-    def _exact_step(self) -> bool:
-        every = self.opts["activations_every"]
+    def _is_full(self, step: int) -> bool:
+        every = self.opts["full_every"]
         if every == "auto":
-            return self.step_idx < 3 or self.step_idx >= self._next_exact
-        return bool(every) and self.step_idx % every == 0
+            return step < 3 or step >= self._next_full or self._last_full is None
+        return step < 3 or step % every == 0 or self._last_full is None
 
-    def _schedule_exact(self, step: int, pack_ns: int, packs: int) -> None:
-        """activations_every="auto": after an exact step, the next one comes when the amortised cost of
-        exact counting (pack hooks + handle releases) stays within the budget share of the step time."""
-        if self.opts["activations_every"] != "auto":
-            self._every = self.opts["activations_every"] or 0
+    def _schedule(self, step: int) -> None:
+        """full_every="auto": the next full step comes when the amortised probe cost (a full step's cost
+        over the period, plus light steps) stays within ``budget`` of the median step time."""
+        every = self.opts["full_every"]
+        if every != "auto":
+            self._every = every
             return
         walls = sorted(self._walls[-20:])
-        if not walls:
+        if not walls or not self._full_ns:
             return
         wall = walls[len(walls) // 2]
-        cost = pack_ns + packs * _RELEASE_NS
-        budget = max(1.0, self.opts["activations_budget"] * wall)
-        self._every = max(1, min(_MAX_EVERY, -(-int(cost) // int(budget))))
-        self._next_exact = step + self._every
+        full = sorted(self._full_ns[-5:])[len(self._full_ns[-5:]) // 2]
+        light = sorted(self._light_ns[-20:])[len(self._light_ns[-20:]) // 2] if self._light_ns else full // 10
+        room = self.opts["budget"] * wall - light
+        n = _MAX_EVERY if room <= 0 else -(-int(full - light) // max(1, int(room)))
+        self._every = max(1, min(_MAX_EVERY, n))
+        self._next_full = step + self._every
 
     def _sample(self, t: int, unit, phase: str) -> None:
-        v = list(self.static)
-        v[_USP] = self._unsharded_bytes()
-        v[_SG] = sum(self.unit_sgrad) + self.unmanaged_sgrad
-        v[_UG] = sum(self.unit_ugrad)
-        v[_OPT] = self.opt_bytes
-        v[_STALE] = self.stale_bytes
-        v[_COMM] = self._comm_bytes()
-        if self._act_mode == "exact":
-            v[_ACT] = self.live.bytes
-        elif self._act_mode == "replayed":
-            v[_ACT] = self._replayed_activation(len(self._samples), unit, phase)
+        """One sample: the per-mark figures; the static ones (sharded params, buffers) are referenced."""
+        act = self.live.bytes if self._act_mode == "exact" else 0
+        usp = self._unsharded_bytes()
+        sg = self._sg_total + self.unmanaged_sgrad
+        comm = self._comm_bytes()
+        tmp = 0
         if self.is_cuda:
             try:
-                alloc = torch.cuda.memory_allocated(self.device)
-                v[_TMP] = max(0, alloc - sum(v))
+                st = self._static_t
+                known = st[0] + st[1] + usp + sg + self._ug_total + self.opt_bytes + self.stale_bytes + act + comm
+                tmp = max(0, torch.cuda.memory_allocated(self.device) - known)
             except Exception:  # noqa: BLE001
                 pass
-        self._samples.append((t, unit, phase, v))
+        self._samples.append((t, unit, phase, self._static_t, usp, sg, self._ug_total, self.opt_bytes,
+                              self.stale_bytes, act, comm, tmp))
 
-    def _replayed_activation(self, i: int, unit, phase: str) -> int:
-        last = self._last_exact
-        if last is not None and i < len(last) and last[i][0] == unit and last[i][1] == phase:
-            return last[i][2]
-        return 0
+    @staticmethod
+    def _row(s) -> list[int]:
+        """A sample as bytes per category, in CATEGORIES order."""
+        st = s[3]
+        return [st[0], s[4], s[5], s[6], s[7], s[8], s[9], s[10], st[1], s[11]]
 
     def _host_bytes(self) -> int:
         return self.host_static + sum(self.unit_host_grad) + self.unmanaged_host_grad + self.opt_host
@@ -767,6 +803,7 @@ class MemoryProbe:
         self._fwd_seen = False
         re = self.opts["refresh_every"]
         self._refresh_step = step < 2 or bool(re and step % re == 0)
+        self._full = self._is_full(step)
         self._act_mode = "off"
         self._act_note = None
         self.live.packs = 0
@@ -777,6 +814,9 @@ class MemoryProbe:
         """Closes the step; returns ``StepRecord.memory``::
 
             {"v": 1, "device": "cpu" | "cuda:0", "categories": [CATEGORIES...],
+             "sampling": "full" | "replayed",     # full: every figure measured at every mark this step;
+                                                  # replayed: the last full step's figures, mark by mark
+                                                  # (temporaries still measured live on CUDA)
              "samples": int,                      # marks sampled this step
              "peak": {"bytes", "t_ms", "unit", "phase", "breakdown": {category: bytes}},
              "end": {category: bytes},            # the last sample (after the optimizer step)
@@ -785,79 +825,126 @@ class MemoryProbe:
              "unit_activations": {unit: bytes},   # exact steps: saved bytes each unit's forward left
              "stale_optimizer_param_tensors": int,
              "timeline": {"columns": ["t_ms", "unit", "phase", *CATEGORIES], "rows": [[...], ...]},
-                                                  # on timeline steps only
+                                                  # full steps 0-2, every timeline_every-th, new highs
              "cuda": {...},                       # CUDA only: allocated, reserved, fragmentation, nvml
-             "probe_us": float, "saved_tensors": int}
+             "full_every": int,                   # current period of full steps
+             "probe_us": float, "probe_pack_us": float, "saved_tensors": int}
 
         Breakdown figures add up to ``peak.bytes``; ``t_ms`` counts from the previous step's end.
         """
         t_end = _now()
-        c0 = _cpu()
         if self._last_step_end:
             self._walls.append(t_end - self._last_step_end)
             if len(self._walls) > 64:
                 del self._walls[:32]
         self._last_step_end = t_end
-        if self._pending:
+        full = self._full
+        if full and self._pending:
             self._flush_pending()
         self._pop_hooks()
         if self._act_error is not None and self._act_mode == "exact":
             self._act_mode = "off"
         samples = self._samples
         opts = self.opts
-        if not samples:  # no mark this step (e.g. a step without forward): one sample now
-            self._sample(t_end, None, "step_end")
-            samples = self._samples
-        totals = [sum(s[3]) for s in samples]
-        pi = max(range(len(samples)), key=totals.__getitem__)
-        pt, punit, pphase, pv = samples[pi]
+        mismatched = 0
+        if full:
+            if not samples:  # no mark this step (e.g. a step without forward): one sample now
+                self._sample(t_end, None, "step_end")
+            rows = [self._row(s) for s in samples]
+            act_mode = self._act_mode
+        else:
+            rows, mismatched = self._replay(samples)
+            act_mode = "replayed" if self._last_full is not None else "off"
+            if not rows:
+                rows = [self._fallback_row(0)]
+                samples = [(t_end, None, "step_end", 0)]
+        totals = [sum(r) for r in rows]
+        pi = max(range(len(rows)), key=totals.__getitem__)
+        pt, punit, pphase = samples[pi][:3]
+        pv = rows[pi]
         t0 = self._t0
         out: dict[str, Any] = {
             "v": MEMORY_FORMAT,
             "device": str(self.device),
             "categories": list(CATEGORIES),
+            "sampling": "full" if full else "replayed",
             "samples": len(samples),
             "peak": {"bytes": totals[pi], "t_ms": round((pt - t0) * 1e-6, 3), "unit": punit, "phase": pphase,
                      "breakdown": dict(zip(CATEGORIES, pv))},
-            "end": dict(zip(CATEGORIES, samples[-1][3])),
+            "end": dict(zip(CATEGORIES, rows[-1])),
             "offloaded_host": self._host_bytes(),
-            "activations": self._act_mode,
+            "activations": act_mode,
             "stale_optimizer_param_tensors": self.stale_params,
             "saved_tensors": self.live.packs,
         }
+        if mismatched:
+            out["replay_mismatches"] = mismatched  # marks that did not line up with the last full step
         note = self._act_error or self._act_note
         if note:
             out["activations_note"] = note
         if self._comm_note:
             out["comm_note"] = self._comm_note
-        if self._act_mode == "exact":
-            out["unit_activations"] = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
-            self._last_exact = [(s[1], s[2], s[3][_ACT]) for s in samples]
-            self._schedule_exact(step, self._pack_ns, self.live.packs)
-        out["activations_every"] = self._every
+        if full:
+            if act_mode == "exact":
+                out["unit_activations"] = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
+            self._last_full = [(s[1], s[2], r) for s, r in zip(samples, rows)]
         new_peak = totals[pi] > self._running_peak
         if new_peak:
             self._running_peak = totals[pi]
         te = opts["timeline_every"]
-        if step < opts["first_timeline_steps"] or new_peak or (te and step % te == 0):
+        if full and (step < opts["first_timeline_steps"] or new_peak or (te and step % te == 0)):
             out["timeline"] = {
                 "columns": ["t_ms", "unit", "phase", *CATEGORIES],
-                "rows": [[round((s[0] - t0) * 1e-6, 3), s[1], s[2], *s[3]] for s in samples],
+                "rows": [[round((s[0] - t0) * 1e-6, 3), s[1], s[2], *r] for s, r in zip(samples, rows)],
             }
         if self.is_cuda:
             out["cuda"] = self._cuda_stats(step)
-        re = opts["refresh_every"]
-        if step < 2 or (re and step % re == 0):
-            self._refresh_static()
-            self._refresh_optimizer(force=True)
-        else:
-            self._refresh_optimizer()
-        self._cost_ns += _cpu() - c0
-        # marks and step_end are timed; pack hooks are timed each; handle releases (_Saved.__del__, run by
-        # autograd) are estimated
-        out["probe_us"] = round((self._cost_ns + self._pack_ns + self.live.packs * _RELEASE_NS) * 1e-3, 1)
+        if full:
+            re = opts["refresh_every"]
+            if step < 2 or (re and step % re == 0):
+                self._refresh_static()
+                self._refresh_optimizer(force=True)
+            else:
+                self._refresh_optimizer()
+        cost = self._cost_ns + _now() - t_end
+        # marks, step_end and each pack hook are timed; handle releases (_Saved.__del__, run by autograd)
+        # are estimated
+        total = cost + self._pack_ns + self.live.packs * _RELEASE_NS
+        (self._full_ns if full else self._light_ns).append(total)
+        for lst in (self._full_ns, self._light_ns):
+            if len(lst) > 64:
+                del lst[:32]
+        if mismatched:
+            self._next_full = step + 1
+        elif full and step >= 2:
+            self._schedule(step)
+        out["full_every"] = self._every
+        out["probe_us"] = round(total * 1e-3, 1)
+        out["probe_pack_us"] = round(self._pack_ns * 1e-3, 1)
         self._begin(step + 1)
         return out
+
+    def _fallback_row(self, tmp: int) -> list[int]:
+        st = self._static_t
+        return [st[0], 0, self._sg_total + self.unmanaged_sgrad, 0, self.opt_bytes, self.stale_bytes, 0, 0, st[1], tmp]
+
+    def _replay(self, samples) -> tuple[list, int]:
+        """Light step: each mark takes the figures of the same mark of the last full step (same unit and
+        phase at the same position); temporaries are this step's own (CUDA)."""
+        last = self._last_full or []
+        rows = []
+        bad = 0
+        for i, (t, unit, phase, tmp) in enumerate(samples):
+            if i < len(last) and last[i][0] == unit and last[i][1] == phase:
+                r = list(last[i][2])
+                if self.is_cuda:
+                    known = sum(r) - r[_TMP]
+                    r[_TMP] = max(0, tmp - known)
+                rows.append(r)
+            else:
+                bad += 1
+                rows.append(self._fallback_row(0))
+        return rows, bad
 
     # ------------------------------------------------------------------ CUDA / NVML (untestable on CPU)
     def _cuda_stats(self, step: int) -> dict:
@@ -931,7 +1018,7 @@ class MemoryProbe:
         if self._hooks_pushed:
             log.warning("fsdp_doctor: could not remove the activation-counting hooks (another saved_tensors_hooks "
                         "context is above them); they stay until the thread ends")
-        self._last_exact = None
+        self._last_full = None
 
 
 _RELEASE_NS = 600  # one _Saved.__del__ + the unpack call (measured ~0.5 us on a 2-core CPU box)

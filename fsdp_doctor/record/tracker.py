@@ -49,7 +49,7 @@ from ..records import (
 from ..store.writer import RecordWriter, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
 from .throughput import FlopCounter, device_peak_tflops
-from .units import Unit, find_units, label_to_unit, snapshot_units, unmanaged_param_bytes
+from .units import Unit, checkpointed_modules, find_units, label_to_unit, snapshot_units, unmanaged_param_bytes
 
 log = logging.getLogger("fsdp_doctor")
 _FSDP_LOGGER = "torch.distributed.fsdp.fully_shard"
@@ -65,7 +65,7 @@ class _UnitAcc:
     """Per-step accumulators of one unit (ns)."""
 
     __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
-                 "t_pre_bwd", "bwd_hooked", "fwd_depth")
+                 "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs")
 
     def __init__(self):
         self.reset()
@@ -76,6 +76,8 @@ class _UnitAcc:
         self.t_outer = self.t_inner = self.t_pre_bwd = 0
         self.bwd_hooked = False
         self.fwd_depth = 0
+        self.t_recompute = 0
+        self.recompute_runs = 0
 
 
 class _FSDPLogTap(logging.Handler):
@@ -246,6 +248,11 @@ class Doctor:
                 h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx)))
                 h.append(m.register_forward_hook(self._mk(self._fwd_inner_post, idx), prepend=True))
                 h.append(m.register_forward_hook(self._mk(self._fwd_outer_post, idx)))
+            # Activation checkpointing re-runs the wrapped inner module in backward, not the unit's own
+            # module: time those re-runs as the unit's recompute.
+            for inner in checkpointed_modules(u, self._units):
+                h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
+                h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
         h.append(self.model.register_forward_pre_hook(self._model_pre, prepend=True))
         h.append(self.model.register_forward_hook(self._model_post))
         if self.optimizer is not None:
@@ -301,6 +308,27 @@ class Doctor:
     @staticmethod
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
+
+    def _recompute_pre(self, idx, args):
+        if self._in_backward():
+            a = self._acc[idx]
+            a.t_recompute = _now()
+            a.recompute_runs += 1
+
+    def _recompute_post(self, idx, args):
+        a = self._acc[idx]
+        if self._in_backward() and a.t_recompute:
+            a.recompute += _now() - a.t_recompute
+            a.t_recompute = 0
+
+    @staticmethod
+    def _recompute_ns(a: "_UnitAcc") -> int:
+        """Measured re-run time; when the re-run was cut short (non-reentrant checkpoint stops early once
+        it has rebuilt the saved tensors, so its forward hook never fires) the unit's forward compute time,
+        which is what checkpointing re-runs."""
+        if a.recompute or not a.recompute_runs:
+            return a.recompute
+        return max(0, a.fwd - a.ag_fwd)
 
     def _fwd_outer_pre(self, idx, args):
         a = self._acc[idx]
@@ -488,7 +516,7 @@ class Doctor:
         wall = t_end - self._step_t0
         units = [
             UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),
-                     ag_wait_bwd_ms=_ms(a.ag_bwd), recompute_ms=_ms(a.recompute), fwd_calls=a.calls)
+                     ag_wait_bwd_ms=_ms(a.ag_bwd), recompute_ms=_ms(self._recompute_ns(a)), fwd_calls=a.calls)
             for u, a in ((self._units[i], self._acc[i]) for i in range(len(self._units)))
         ]
         fwd, bwd, opt = _ms(self._forward_ns), _ms(self._backward_ns), _ms(self._optimizer_ns)
@@ -674,7 +702,9 @@ def watch(
         peak_tflops: the device's peak TFLOP/s for MFU (default: a table of common GPUs).
         count_flops: count FLOPs of step 1 with FlopCounterMode (default: when tokens_per_step or
             peak_tflops is given).
-        memory: memory by category (True: default sampling; False: off).
+        memory: memory by category: True (default: full sampling on steps 0-2, then adaptively within
+            0.3% of the step time), False (off), or a dict of options, e.g. {"full_every": 1}
+            (see fsdp_doctor.record.memory).
         tensorboard: also write TensorBoard scalars to ``out_dir/tb/rank{R}`` (step time and split, memory at the
             peak, overlap of profiled steps); ``tensorboard --logdir out_dir``.
     """

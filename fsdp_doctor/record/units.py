@@ -142,6 +142,22 @@ def _checkpoint_kind(unit: Unit, all_units: list[Unit]) -> str:
     return "children" if found else "none"
 
 
+def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
+    """The modules activation checkpointing re-runs during backward for this unit: the inner module of
+    every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    other = {id(m) for u in all_units if u is not unit for m in u.modules}
+    out, stack = [], list(unit.modules)
+    while stack:
+        m = stack.pop()
+        if isinstance(m, CheckpointWrapper):
+            out.append(m._checkpoint_wrapped_module)
+            continue
+        stack.extend(c for c in m.children() if id(c) not in other)
+    return out
+
+
 def _param_bytes(fp) -> tuple[int, int, int, list[str]]:
     """(elements unsharded, local sharded bytes incl. padding, unsharded bytes in param dtype, dtypes)."""
     orig_size = getattr(fp, "_orig_size", None)

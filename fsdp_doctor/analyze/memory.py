@@ -1,0 +1,166 @@
+"""Memory by category: the report's ``memory`` section, from the probe's per-step dicts.
+
+``analyze_memory(run)`` returns::
+
+    {"categories": [...],                         # device categories, in order
+     "peak_rank": "0", "peak_bytes": int,         # the highest peak over ranks
+     "per_rank": {"0": {
+         "peak_bytes": int,                       # device bytes at the highest sampled mark
+         "peak_at": {"step", "unit", "phase", "t_ms"},
+         "peak_breakdown": {category: bytes},     # adds up to peak_bytes (device categories only)
+         "peak_share": {category: fraction},
+         "offloaded_host_bytes": int,             # host memory of CPU-offloaded state, apart from the peak
+         "activations_peak_bytes": int,           # highest activation figure sampled on any step
+         "capacity_bytes": int | None, "capacity_fraction": float | None,
+         "steady_bytes": {category: bytes},       # after the last optimizer step (what stays between steps)
+         "timeline_step": int | None,             # the step the timeline comes from (the peak step when
+         "timeline": [{"t_ms", "unit", "phase", "total", category...}],   # it has one)
+         "per_unit": [{"unit", "sharded_bytes", "unsharded_bytes", "activation_bytes",
+                       "activation_self_bytes"}],  # activation_bytes: what the unit's forward left saved
+                                                   # (nested units included); _self: without them
+         "stale_optimizer_params_bytes": int,
+         "steps": int, "full_steps": int, "activations": "exact" | "replayed" | "off",
+         "probe_us_median": float, "cuda": {...}}}}
+
+Step 0 (FSDP's lazy init, no optimizer state yet) is left out when later steps exist.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+CATEGORIES = (
+    "sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
+    "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries",
+)
+
+
+def analyze_memory(run) -> dict | None:
+    per_rank: dict[str, dict] = {}
+    for r in sorted(getattr(run, "ranks", {}) or {}):
+        sec = _rank_section(run.ranks[r])
+        if sec is not None:
+            per_rank[str(r)] = sec
+    if not per_rank:
+        return None
+    top = max(per_rank, key=lambda k: per_rank[k]["peak_bytes"])
+    return {"categories": list(CATEGORIES), "peak_rank": top, "peak_bytes": per_rank[top]["peak_bytes"],
+            "per_rank": per_rank}
+
+
+def _rank_section(rd) -> dict | None:
+    steps = [s for s in rd.steps if isinstance(getattr(s, "memory", None), dict) and s.memory.get("peak")]
+    if not steps:
+        return None
+    if len(steps) > 1:
+        steps = [s for s in steps if s.step != 0] or steps
+    # the highest peak; on a tie prefer a full step (measured, with its timeline), then the earliest
+    best = max(steps, key=lambda s: (int(s.memory["peak"].get("bytes", 0)), s.memory.get("sampling") != "replayed",
+                                     -s.step))
+    m = best.memory
+    pk = m["peak"]
+    bd = {c: int((pk.get("breakdown") or {}).get(c, 0) or 0) for c in _cats(m)}
+    peak = sum(bd.values())
+    cfg = getattr(rd, "config", None)
+    cap = getattr(cfg, "capacity_bytes", None)
+    out: dict[str, Any] = {
+        "peak_bytes": peak,
+        "peak_at": {"step": best.step, "unit": pk.get("unit"), "phase": pk.get("phase"), "t_ms": pk.get("t_ms")},
+        "peak_breakdown": bd,
+        "peak_share": {c: (v / peak if peak else 0.0) for c, v in bd.items()},
+        "offloaded_host_bytes": int(m.get("offloaded_host", 0) or 0),
+        "activations_peak_bytes": _activation_peak(steps),
+        "capacity_bytes": cap,
+        "capacity_fraction": (peak / cap) if cap else None,
+        "steady_bytes": {c: int(v) for c, v in (m.get("end") or {}).items()},
+        "stale_optimizer_params_bytes": bd.get("stale_optimizer_params", 0),
+        "steps": len(steps),
+        "full_steps": sum(1 for s in steps if s.memory.get("sampling", "full") == "full"),
+        "activations": m.get("activations", "off"),
+        "probe_us_median": median(float(s.memory.get("probe_us", 0.0)) for s in steps),
+    }
+    tl_step = _timeline_step(steps, best)
+    out["timeline_step"] = tl_step.step if tl_step is not None else None
+    out["timeline"] = _timeline(tl_step.memory) if tl_step is not None else []
+    out["per_unit"] = _per_unit(cfg, steps)
+    if m.get("cuda"):
+        out["cuda"] = m["cuda"]
+    notes = sorted({s.memory[k] for s in steps for k in ("activations_note", "comm_note") if s.memory.get(k)})
+    if notes:
+        out["notes"] = notes
+    mism = sum(int(s.memory.get("replay_mismatches", 0) or 0) for s in steps)
+    if mism:
+        out["replay_mismatches"] = mism
+    return out
+
+
+def _cats(m: dict) -> list[str]:
+    cats = list(m.get("categories") or CATEGORIES)
+    for c in (m.get("peak") or {}).get("breakdown") or {}:
+        if c not in cats:
+            cats.append(c)
+    return cats
+
+
+def _activation_peak(steps) -> int:
+    best = 0
+    for s in steps:
+        m = s.memory
+        best = max(best, int(((m.get("peak") or {}).get("breakdown") or {}).get("activations", 0) or 0))
+        tl = m.get("timeline")
+        if tl:
+            cols = tl.get("columns") or []
+            if "activations" in cols:
+                i = cols.index("activations")
+                best = max([best] + [int(row[i] or 0) for row in tl.get("rows") or []])
+    return best
+
+
+def _timeline_step(steps, best):
+    if best.memory.get("timeline"):
+        return best
+    earlier = [s for s in steps if s.memory.get("timeline") and s.step <= best.step]
+    if earlier:
+        return earlier[-1]
+    later = [s for s in steps if s.memory.get("timeline")]
+    return later[0] if later else None
+
+
+def _timeline(m: dict) -> list[dict]:
+    tl = m.get("timeline") or {}
+    cols = tl.get("columns") or []
+    out = []
+    for row in tl.get("rows") or []:
+        d = dict(zip(cols, row))
+        d["total"] = sum(int(d.get(c, 0) or 0) for c in cols[3:])
+        out.append(d)
+    return out
+
+
+def _per_unit(cfg, steps) -> list[dict]:
+    acts: dict[str, int] = {}
+    for s in reversed(steps):
+        ua = s.memory.get("unit_activations")
+        if ua:
+            acts = {k: int(v) for k, v in ua.items()}
+            break
+    units = list(getattr(cfg, "units", None) or [])
+    rows = []
+    names = [u.name for u in units] or list(acts)
+    children: dict[str, list[str]] = {}
+    for u in units:
+        if u.parent is not None:
+            children.setdefault(u.parent, []).append(u.name)
+    by_name = {u.name: u for u in units}
+    for name in names:
+        u = by_name.get(name)
+        a = acts.get(name)
+        row = {"unit": name,
+               "sharded_bytes": int(u.sharded_bytes) if u is not None else None,
+               "unsharded_bytes": int(u.unsharded_bytes) if u is not None else None,
+               "activation_bytes": a}
+        if a is not None:
+            row["activation_self_bytes"] = a - sum(acts.get(c, 0) for c in children.get(name, []))
+        rows.append(row)
+    return rows

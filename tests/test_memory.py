@@ -1,0 +1,381 @@
+"""Memory by category (fsdp_doctor.record.memory, analyze.memory, present.memory).
+
+Three real 2-rank runs of the reference workload (gloo, CPU), shared by module-scoped fixtures:
+
+* ``base``: fp32, the default per-block wrap, AdamW; run by a small script that also walks the autograd
+  graph of step 1's forward (every node's saved tensors, an independent count of activations).
+* ``ac_bf16``: activation checkpointing on every block, bf16 param_dtype.
+* ``noreshard_stale``: reshard_after_forward=False and the optimizer created before fully_shard.
+
+Plus in-process tests of the saved-tensor counter on a plain module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+REPO = Path(__file__).resolve().parents[1]
+NPROC = 2
+
+pytestmark = pytest.mark.slow
+
+_BASE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+    def saved_bytes(root, model):
+        # every node's saved tensors reachable from root; unique storages, parameters' storages excluded
+        from torch.distributed.fsdp import FSDPModule
+        pkeys = set()
+        for p in model.parameters():
+            pkeys.add(getattr(p, "_local_tensor", p).untyped_storage()._cdata)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                for pg in m._get_fsdp_state()._fsdp_param_groups:
+                    for fp in pg.fsdp_params:
+                        if hasattr(fp, "_unsharded_param"):
+                            pkeys.add(fp._unsharded_param.untyped_storage()._cdata)
+        seen, total, stack, nodes = set(), 0, [root], set()
+        while stack:
+            n = stack.pop()
+            if n is None or n in nodes:
+                continue
+            nodes.add(n)
+            vals = []
+            for a in dir(n):
+                if a.startswith("_saved_"):
+                    try:
+                        vals.append(getattr(n, a))
+                    except Exception:
+                        pass
+            try:
+                vals.extend(n.saved_tensors)
+            except Exception:
+                pass
+            for v in vals:
+                for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                        st = t.untyped_storage()
+                        if st._cdata not in seen and st._cdata not in pkeys:
+                            seen.add(st._cdata)
+                            total += st.nbytes()
+            stack.extend(f for f, _ in n.next_functions)
+        return total
+
+    def worker(rank, port, out, steps):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        import fsdp_doctor
+        from fsdp_doctor.workloads import WorkloadConfig
+        from fsdp_doctor.workloads.data import batches
+        from fsdp_doctor.workloads.train import build_training, next_token_loss
+        cfg = WorkloadConfig(vocab=509, steps=steps)
+        model, opt = build_training(cfg)
+        counted = {}
+        with fsdp_doctor.watch(model, opt, out_dir=out, profile=False, memory={"full_every": 2}) as doc:
+            for step, (x, y) in zip(range(cfg.steps), batches(cfg, rank)):
+                logits = model(x)
+                if step == 1:
+                    counted[step] = saved_bytes(logits.grad_fn, model)
+                loss = next_token_loss(logits, y)
+                del logits
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                doc.step()
+        with open(os.path.join(out, f"graph{rank}.json"), "w") as f:
+            json.dump(counted, f)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        from fsdp_doctor.workloads import free_port
+        mp.spawn(worker, args=(free_port(), sys.argv[1], int(sys.argv[2])), nprocs=2)
+    """
+)
+
+
+def _samples(step) -> list[dict]:
+    tl = step.memory["timeline"]
+    return [dict(zip(tl["columns"], row)) for row in tl["rows"]]
+
+
+def _sample(step, unit, phase) -> dict:
+    rows = [s for s in _samples(step) if s["unit"] == unit and s["phase"] == phase]
+    assert rows, f"no sample ({unit!r}, {phase}) at step {step.step}"
+    return rows[0]
+
+
+def _unit_cfg(rd, name):
+    return next(u for u in rd.config.units if u.name == name)
+
+
+def _local_padded_bytes(cfg, world: int, itemsize: int = 4) -> int:
+    """This rank's FSDP shard bytes by formula: dim-0 chunks padded to ceil(dim0 / world)."""
+    from fsdp_doctor.workloads import build_model
+
+    total = 0
+    for p in build_model(cfg).parameters():
+        rows = math.ceil(p.shape[0] / world)
+        total += rows * math.prod(p.shape[1:]) * itemsize
+    return total
+
+
+def _local_unpadded_bytes(cfg, rank: int, world: int, itemsize: int = 4) -> int:
+    from fsdp_doctor.workloads import build_model
+
+    total = 0
+    for p in build_model(cfg).parameters():
+        chunk = math.ceil(p.shape[0] / world)
+        rows = max(0, min(chunk, p.shape[0] - rank * chunk))
+        total += rows * math.prod(p.shape[1:]) * itemsize
+    return total
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from fsdp_doctor import load_run
+
+    out = tmp_path_factory.mktemp("mem_base")
+    script = out / "run_base.py"
+    script.write_text(_BASE_SCRIPT)
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(out), "5"], check=True, env=env, timeout=300)
+    graph = {r: json.loads((out / f"graph{r}.json").read_text()) for r in range(NPROC)}
+    return load_run(out), graph
+
+
+def _record(out: Path, **knobs):
+    from fsdp_doctor import load_run
+    from fsdp_doctor.workloads import WorkloadConfig, launch
+
+    cfg = WorkloadConfig(steps=3, **knobs)
+    launch(cfg, nproc=NPROC, watch_kwargs={"out_dir": str(out), "profile": False})
+    return load_run(out), cfg
+
+
+@pytest.fixture(scope="module")
+def ac_bf16(tmp_path_factory):
+    return _record(tmp_path_factory.mktemp("mem_ac"), ac="block", param_dtype="bf16")
+
+
+@pytest.fixture(scope="module")
+def noreshard_stale(tmp_path_factory):
+    return _record(tmp_path_factory.mktemp("mem_stale"), reshard_after_forward=False, optimizer_before_shard=True)
+
+
+# ----------------------------------------------------------------------------------------- base run
+def test_no_errors_and_every_step_has_memory(base):
+    run, _ = base
+    for r in range(NPROC):
+        rd = run.ranks[r]
+        assert not rd.errors, rd.errors
+        assert [s.step for s in rd.steps] == list(range(5))
+        assert all(s.memory and s.memory["peak"]["bytes"] > 0 for s in rd.steps)
+        assert [s.memory["sampling"] for s in rd.steps] == ["full", "full", "full", "replayed", "full"]
+
+
+def test_sharded_params_equal_analytic_shard(base):
+    from fsdp_doctor.workloads import WorkloadConfig
+
+    run, _ = base
+    cfg = WorkloadConfig(vocab=509)  # 509 rows: uneven over 2 ranks, so FSDP pads
+    expect = _local_padded_bytes(cfg, NPROC)
+    for r in range(NPROC):
+        for s in run.ranks[r].steps:
+            assert s.memory["end"]["sharded_params"] == expect
+
+
+def test_optimizer_state_is_two_fp32_moments(base):
+    from fsdp_doctor.workloads import WorkloadConfig, build_model
+
+    run, _ = base
+    cfg = WorkloadConfig(vocab=509)
+    n_params = len(list(build_model(cfg).parameters()))
+    for r in range(NPROC):
+        moments = 2 * _local_unpadded_bytes(cfg, r, NPROC)
+        # AdamW: exp_avg and exp_avg_sq like the (unpadded) local shard, plus a 4-byte step per param
+        for s in run.ranks[r].steps[1:]:
+            assert s.memory["end"]["optimizer_state"] == moments + 4 * n_params
+        assert run.ranks[r].steps[0].memory["peak"]["breakdown"]["optimizer_state"] == 0
+
+
+def test_unsharded_params_at_a_units_forward_equal_its_size(base):
+    run, _ = base
+    for r in range(NPROC):
+        rd = run.ranks[r]
+        for i in range(4):
+            name = f"layers.{i}"
+            s = _sample(rd.steps[1], name, "forward_start")
+            # only this block is gathered (the root holds no params; the head group is not reached yet)
+            assert s["unsharded_params"] == _unit_cfg(rd, name).unsharded_bytes
+            # its all-gather output is kept for copy-out overlap until the next unit's unshard
+            assert s["comm_buffers"] >= _unit_cfg(rd, name).unsharded_bytes
+
+
+def test_activations_match_autograd_saved_tensors(base):
+    run, graph = base
+    for r in range(NPROC):
+        s = _sample(run.ranks[r].steps[1], "", "forward_end")  # the root's forward end: the model's output
+        assert s["activations"] == graph[r]["1"] > 0
+
+
+def test_activations_are_released_by_backward(base):
+    run, _ = base
+    rows = _samples(run.ranks[0].steps[1])
+    bwd = [s["activations"] for s in rows if s["phase"] == "backward_end" and s["unit"]]
+    assert bwd == sorted(bwd, reverse=True) and bwd[0] > bwd[-1]
+    assert rows[-1]["activations"] == 0  # nothing saved survives the step
+
+
+def test_grads_sharded_after_backward_unsharded_only_transiently(base):
+    run, _ = base
+    rd = run.ranks[0]
+    end = rd.steps[1].memory["end"]
+    assert end["sharded_grads"] == end["sharded_params"]  # fp32 grads, same padded layout
+    assert end["unsharded_grads"] == 0
+    s = _sample(rd.steps[1], "layers.2", "backward_end")
+    assert s["unsharded_grads"] == _unit_cfg(rd, "layers.2").unsharded_bytes
+
+
+def test_peak_breakdown_adds_up_and_replay_matches_full(base):
+    run, _ = base
+    for r in range(NPROC):
+        steps = run.ranks[r].steps
+        for s in steps:
+            pk = s.memory["peak"]
+            assert sum(pk["breakdown"].values()) == pk["bytes"]
+        assert steps[3].memory["peak"] == {**steps[2].memory["peak"], "t_ms": steps[3].memory["peak"]["t_ms"]}
+        assert "replay_mismatches" not in steps[3].memory
+
+
+def test_unit_activations(base):
+    run, _ = base
+    ua = run.ranks[0].steps[1].memory["unit_activations"]
+    blocks = [ua[f"layers.{i}"] for i in range(4)]
+    assert len(set(blocks)) == 1 and blocks[0] > 0
+    assert ua[""] == _sample(run.ranks[0].steps[1], "", "forward_end")["activations"]
+
+
+def test_analyze_and_render(base):
+    from rich.console import Console
+
+    from fsdp_doctor.analyze.memory import analyze_memory
+    from fsdp_doctor.present.memory import render_memory
+
+    run, _ = base
+    sec = analyze_memory(run)
+    json.dumps(sec)
+    for r in ("0", "1"):
+        pr = sec["per_rank"][r]
+        assert sum(pr["peak_breakdown"].values()) == pr["peak_bytes"]
+        assert pr["peak_at"]["step"] >= 1 and pr["peak_at"]["phase"]
+        assert pr["timeline"] and pr["timeline_step"] == pr["peak_at"]["step"]
+        assert max(t["total"] for t in pr["timeline"]) == pr["peak_bytes"]
+        assert pr["activations_peak_bytes"] >= pr["peak_breakdown"]["activations"]
+        units = {u["unit"]: u for u in pr["per_unit"]}
+        assert units["layers.0"]["activation_bytes"] == units["layers.0"]["activation_self_bytes"] > 0
+    console = Console(width=100, record=True)
+    console.print(render_memory(sec))
+    text = console.export_text()
+    assert "activations" in text and "rank 1" in text and "MiB" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+# ------------------------------------------------------------------------------ variant configurations
+def test_activation_checkpointing_and_bf16(ac_bf16, base):
+    run, cfg = ac_bf16
+    base_run, _ = base
+    for r in range(NPROC):
+        rd = run.ranks[r]
+        assert not rd.errors, rd.errors
+        s1 = rd.steps[1]
+        base_act = _sample(base_run.ranks[r].steps[1], "", "forward_end")["activations"]
+        act = _sample(s1, "", "forward_end")["activations"]
+        assert 0 < act < 0.25 * base_act  # only the checkpointed blocks' inputs (and the head) stay
+        for i in range(4):
+            name = f"layers.{i}"
+            u = _unit_cfg(rd, name)
+            s = _sample(s1, name, "forward_start")
+            assert s["unsharded_params"] == u.unsharded_bytes == u.sharded_bytes  # bf16: half of 2 fp32 shards
+        assert s1.memory["end"]["sharded_params"] == _local_padded_bytes(cfg, NPROC)  # shards stay fp32
+
+
+def test_reshard_after_forward_false_keeps_units_gathered(noreshard_stale):
+    run, cfg = noreshard_stale
+    for r in range(NPROC):
+        rd = run.ranks[r]
+        assert not rd.errors, rd.errors
+        s = _sample(rd.steps[1], "", "forward_end")
+        assert s["unsharded_params"] == sum(u.unsharded_bytes for u in rd.config.units)
+
+
+def test_stale_optimizer_params_are_visible(noreshard_stale):
+    from fsdp_doctor.workloads import total_param_count
+
+    run, cfg = noreshard_stale
+    for r in range(NPROC):
+        m = run.ranks[r].steps[2].memory
+        assert m["end"]["stale_optimizer_params"] == 4 * total_param_count(cfg)  # the old full fp32 tensors
+        assert m["end"]["optimizer_state"] == 0  # AdamW never saw a grad on them
+        assert m["stale_optimizer_param_tensors"] == run.ranks[r].config.optimizer_foreign_params > 0
+
+
+# ------------------------------------------------------------------------------ in-process: the counter
+class _FakeDoctor:
+    def __init__(self, model):
+        self.model = model
+        self.optimizer = None
+        self._units = []
+        self.rank = 0
+        self.capacity_bytes = None
+
+
+def test_counter_counts_each_storage_once_and_skips_params():
+    from fsdp_doctor.record.memory import MemoryProbe
+
+    lin = nn.Linear(16, 32)
+    probe = MemoryProbe(_FakeDoctor(lin), True)
+    x = torch.randn(8, 16, requires_grad=True)
+    probe.mark(None, "forward_start")
+    h = lin(x)  # saves x (input) and the weight (a parameter: skipped)
+    y = torch.relu(h)  # saves its output y
+    z = (y * y).sum()  # saves y twice: counted once
+    assert probe.live.bytes == x.nbytes + y.nbytes
+    del h
+    z.backward()
+    assert probe.live.bytes == 0
+    probe.step_end(0)
+    probe.detach()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_user_saved_tensor_hooks_win():
+    from fsdp_doctor.record.memory import MemoryProbe
+
+    lin = nn.Linear(4, 4)
+    probe = MemoryProbe(_FakeDoctor(lin), True)
+    with torch.autograd.graph.save_on_cpu():
+        probe.mark(None, "forward_start")
+        lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    out = probe.step_end(0)
+    assert out["activations"] == "off" and "saved_tensors_hooks" in out["activations_note"]
+    probe.detach()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_unknown_option_is_refused():
+    from fsdp_doctor.record.memory import MemoryProbe
+
+    with pytest.raises(ValueError, match="unknown option"):
+        MemoryProbe(_FakeDoctor(nn.Linear(2, 2)), {"activation_every": 3})
