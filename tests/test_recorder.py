@@ -187,3 +187,7 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     rd = load_run(out["sabotaged_dir"]).ranks[0]
     assert len(rd.errors) == 1 and rd.errors[0].step == 2
     assert [s.step for s in rd.steps] == [0, 1]  # what was recorded before the error is kept
+    # checkpointed blocks re-run their forward in backward; nothing else does
+    rec = out["recompute_ms"]
+    assert rec["layers.0"] > 0 and rec["layers.1"] > 0, rec
+    assert rec[""] == 0 and rec["norm, lm_head"] == 0 and rec["tok_emb, pos_emb"] == 0, rec

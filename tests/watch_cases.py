@@ -68,6 +68,11 @@ def main():
     run_dir = os.path.join(tmp, "sabotaged")
     out["sabotaged_losses_equal"] = train_losses(cfg, run_dir, sabotage=True) == base
     out["sabotaged_dir"] = run_dir
+    # activation checkpointing: the re-run in backward is timed per unit
+    ac_dir = os.path.join(tmp, "ac")
+    train_losses(WorkloadConfig(steps=3, n_layers=2, d_model=64, ac="block"), ac_dir)
+    last = fsdp_doctor.load_run(ac_dir).ranks[0].steps[-1]
+    out["recompute_ms"] = {u.name: u.recompute_ms for u in last.units}
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out))
 
