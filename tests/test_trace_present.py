@@ -40,7 +40,7 @@ def test_render_tables(tmp_path):
     assert len(unit_lines) == 15
     # worst exposure first: the gloo rank's fully exposed synchronous all-gathers (2 × 1 ms)
     assert unit_lines[0].split()[:3] == ["1", "0", "AG"] and "2.0 ms" in unit_lines[0]
-    assert "0.0004 GB/s" in unit_lines[0] and "800 B" in unit_lines[0]
+    assert "0.4 MB/s" in unit_lines[0] and "800 B" in unit_lines[0]
 
 
 def test_render_empty():

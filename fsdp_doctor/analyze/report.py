@@ -57,6 +57,38 @@ def unit_table(run: Run) -> list[dict]:
     return out
 
 
+_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "float8_e4m3fn": 1,
+             "float8_e5m2": 1}
+
+
+def fill_sizes_from_units(overlap: dict, run: Run) -> None:
+    """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes
+    (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
+    reduce-scatter its unsharded gradients in reduce dtype."""
+    from ..trace.analysis import busbw_factor
+
+    cfg = run.config
+    if cfg is None:
+        return
+    units = {u.name: u for u in cfg.units}
+    for row in overlap.get("per_unit", []):
+        u = units.get(row["unit"])
+        if u is None or row.get("bytes_per_call") is not None or not u.param_count:
+            continue
+        if row["collective"] == "all_gather":
+            nbytes = u.unsharded_bytes
+        elif row["collective"] == "reduce_scatter":
+            dt = u.reduce_dtype or (u.orig_dtypes[0] if u.orig_dtypes else "float32")
+            nbytes = u.param_count * _ITEMSIZE.get(dt, 4)
+        else:
+            continue
+        row["bytes_per_call"] = float(nbytes)
+        row["bytes_source"] = "unit snapshot"
+        f = busbw_factor(row["collective"], cfg.world_size)
+        if f is not None and row["comm_us"] > 0:
+            row["busbw_gbps"] = nbytes * row["count"] * f / row["comm_us"] / 1e3
+
+
 def build_report(run: Run, *, progress: Callable[[int, int], None] | None = None, traces: bool = True) -> dict:
     report: dict = {"schema": SCHEMA, "doctor_version": __version__, "run": run_facts(run)}
     problems = list(run.problems)
@@ -78,6 +110,7 @@ def build_report(run: Run, *, progress: Callable[[int, int], None] | None = None
         from ..trace import analyze_traces
 
         ov = analyze_traces(run.trace_files, progress=progress)
+        fill_sizes_from_units(ov, run)
         report["overlap"] = ov
         problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
     from ..diagnose import diagnose

@@ -41,7 +41,9 @@ def fmt_pct(p: Optional[float]) -> str:
 
 
 def fmt_bw(g: Optional[float]) -> str:
-    return "–" if g is None else f"{g:.3g} GB/s"
+    if g is None:
+        return "–"
+    return f"{g:.3g} GB/s" if g >= 1 else f"{g * 1e3:.3g} MB/s"
 
 
 def _rank_table(result: dict) -> Table:
@@ -84,12 +86,12 @@ def _unit_table(result: dict, top: int) -> Table:
         title += f" (top {top} of {len(rows)})"
     t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left", pad_edge=False)
     t.add_column("Rank", justify="right", no_wrap=True)
-    t.add_column("Unit", max_width=16, overflow="ellipsis", no_wrap=True)
+    t.add_column("Unit", max_width=14, overflow="ellipsis", no_wrap=True)
     t.add_column("Op", no_wrap=True)
     t.add_column("N", justify="right", no_wrap=True)
     t.add_column("Comm", justify="right", no_wrap=True)
     t.add_column("Exposed", justify="right", no_wrap=True)
-    t.add_column("Size/call", justify="right", no_wrap=True)
+    t.add_column("Size", justify="right", no_wrap=True)
     t.add_column("Bus BW", justify="right", no_wrap=True)
     t.add_column("Slack", justify="right", no_wrap=True)
     t.add_column("Held", justify="right", no_wrap=True)
