@@ -25,20 +25,27 @@ def _err(msg: str) -> None:
     print(f"fsdp-doctor: {msg}", file=sys.stderr)
 
 
+def _load(path: Path):
+    """The run at ``path``, or None after one line on stderr saying why not."""
+    from .store import load_run
+
+    try:
+        return load_run(path)
+    except FileNotFoundError as e:
+        _err(str(e))
+    except (NotADirectoryError, PermissionError) as e:
+        _err(f"{path}: cannot be read as a run directory or trace file ({e.strerror or e})")
+    return None
+
+
 # ----------------------------------------------------------------------------------------- analyze
 def cmd_analyze(ns: argparse.Namespace) -> int:
     from .analyze import build_report
-    from .store import load_run
 
     console = _console()
     path = Path(ns.path)
-    try:
-        run = load_run(path)
-    except FileNotFoundError as e:
-        _err(str(e))
-        return EXIT_BAD_INPUT
-    except NotADirectoryError as e:
-        _err(f"{path}: not a run directory or trace file ({e})")
+    run = _load(path)
+    if run is None:
         return EXIT_BAD_INPUT
     if not run.has_records and not run.trace_files:
         _err(f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found")
@@ -156,13 +163,10 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------------------- tensorboard
 def cmd_tensorboard(ns: argparse.Namespace) -> int:
     from .record.tensorboard import export_tensorboard
-    from .store import load_run
 
     path = Path(ns.path)
-    try:
-        run = load_run(path)
-    except FileNotFoundError as e:
-        _err(str(e))
+    run = _load(path)
+    if run is None:
         return EXIT_BAD_INPUT
     if not run.has_records:
         _err(f"{path}: no fsdp-doctor records (rank*.records.jsonl) to convert")
