@@ -17,7 +17,7 @@ STRAGGLER_MIN_FRACTION = 0.15  # under 15% ranks differ by noise and placement o
 STRAGGLER_MIN_MS = 1.0  # ... and by at least a millisecond, below which timer noise dominates
 STRAGGLER_MIN_STEPS = 5  # too few steps say nothing about consistency
 # ... in at least this share of steps.
-STRAGGLER_MIN_CONSISTENCY = 0.6
+STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared host
 
 
 def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
@@ -69,7 +69,8 @@ def collective_wait_ms(s: StepRecord) -> float:
 
 
 def own_ms(s: StepRecord) -> float:
-    return s.wall_ms - collective_wait_ms(s)
+    """The rank's own time in the step: what it did not spend waiting for others (GC pauses are jitter.gc's)."""
+    return s.wall_ms - collective_wait_ms(s) - s.gc_ms
 
 
 @dataclass

@@ -107,7 +107,7 @@ def _num(x) -> str:
 
 def render_findings(findings: list[dict]):
     if not findings:
-        return Text("No findings.", style="green")
+        return Text("Healthy: no findings.", style="green")
     items = []
     worst = {f["severity"] for f in findings}
     if "warning" not in worst and "critical" not in worst:

@@ -76,6 +76,9 @@ class DataWait(Rule):
         rank, share, outside, st = worst
         ranks = [int(r) for r, s in per_rank.items() if s.get("count") and s.get("p50_ms")
                  and (s["phases_p50_ms"]["outside"] - s["phases_p50_ms"]["gc"]) / s["p50_ms"] >= OUTSIDE_SHARE_MIN]
+        strag = {s["rank"] for s in ctx.section("steps").get("stragglers", []) if s["phase"] == "outside"}
+        if strag and set(ranks) <= strag:
+            return []  # one rank's own delay: straggler.rank reports it
         p50 = st["p50_ms"]
         return [self.finding(
             "warning",

@@ -14,6 +14,10 @@ OTHER_COMM_WARN_SHARE = 0.10
 STATE_SHARE_MIN = 0.40
 # ... and matters only when the peak is at least this share of capacity.
 STATE_TIGHT_SHARE = 0.80
+# Optimizer state per parameter byte (fp32 state on fp32 params), for predicting the state a fixed optimizer
+# creates: Adam-family keep exp_avg and exp_avg_sq; SGD with momentum one buffer (assumed on).
+STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "sgd": 1, "rmsprop": 1,
+                   "adagrad": 1}
 # FSDP's own collectives as the trace engine labels them; everything else came from user code.
 _OTHER_UNITS = ("(other)",)
 
@@ -34,12 +38,21 @@ class OptimizerBeforeShard(Rule):
         stale_mem = bd.get("stale_optimizer_params")
         held = stale_mem if stale_mem else stale
         opt = cfg.optimizer or "the optimizer"
+        # after the fix: the stale tensors go, the model's gradients are freed by zero_grad (this optimizer
+        # never zeroes them, so they persist), and the optimizer state appears for the first time
+        shard = sum(u["sharded_bytes"] for u in E.param_units(ctx))
+        per_param = STATE_PER_PARAM.get((cfg.optimizer or "").lower())
+        new_state = 0 if bd.get("optimizer_state") else (per_param or 0) * shard
+        peak_after = None
+        if peak is not None and held:
+            peak_after = peak - held - (bd.get("sharded_grads") or 0) + new_state
         return [self.finding(
             "critical", f"{opt} was created before fully_shard: {cfg.optimizer_foreign_params} of its "
                         f"{cfg.optimizer_params} parameters are not the model's",
             {"optimizer": cfg.optimizer, "optimizer_params": cfg.optimizer_params,
              "foreign_params": cfg.optimizer_foreign_params, "foreign_bytes": stale,
-             "stale_bytes_at_peak": stale_mem, "optimizer_ms_p50": E.phase_ms(ctx, "optimizer")},
+             "stale_bytes_at_peak": stale_mem, "optimizer_ms_p50": E.phase_ms(ctx, "optimizer"),
+             "optimizer_state_after_fix_bytes_est": new_state if per_param is not None else None},
             "fully_shard replaces each parameter with a sharded DTensor parameter. An optimizer built before "
             "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
@@ -47,7 +60,7 @@ class OptimizerBeforeShard(Rule):
             "model = build_model()\n"
             f"for block in {E.blocks_expr(ctx)}:\n    fully_shard(block, mesh=mesh)\nfully_shard(model, mesh=mesh)\n"
             f"optimizer = torch.optim.{cfg.optimizer or 'AdamW'}(model.parameters(), lr=lr)  # after fully_shard",
-            predicted=E.predicted(step, None, peak, peak - held if (peak is not None and held) else None))]
+            predicted=E.predicted(step, None, peak, peak_after))]
 
 
 @register

@@ -16,9 +16,10 @@ EXPOSED_AG_INFO_SHARE_GPU = 0.05
 EXPOSED_AG_WARN_SHARE_CPU = 0.50
 EXPOSED_AG_INFO_SHARE_CPU = 0.15
 # Share of an all-gather that explicit prefetch hides behind the previous unit's compute: all of it on a
-# GPU (own stream), about half on gloo (the collective's threads and compute share the cores).
+# GPU (own stream); none measurable on gloo (its threads and compute share the cores: benchmarks/
+# predictions.py measured explicit depth-1 prefetch at +13% +- noise on the 2-rank CPU workload).
 PREFETCH_OVERLAP_GPU = 1.0
-PREFETCH_OVERLAP_CPU = 0.5
+PREFETCH_OVERLAP_CPU = 0.0
 # Memory is tight when the peak is at least this share of capacity.
 TIGHT_SHARE = 0.85
 # Gathered parameters held unused this long before use (and this share of the step) cost memory for nothing.
@@ -40,13 +41,19 @@ ZERO2_MIN_GAIN_SHARE = 0.02
 
 def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) -> str:
     us = [u for u in E.non_root(E.param_units(ctx))]
-    blocks = E.block_containers(m for u in us for m in u["modules"])
+    mods = {m for u in us if len(u["modules"]) == 1 for m in u["modules"]}
+    blocks = {c: idx for c, idx in E.block_containers(m for u in us for m in u["modules"]).items()
+              if all(f"{c}.{i}" in mods for i in idx)}  # containers whose children are units themselves
     lines = []
     if blocks:
         cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
         lines.append(f"blocks = list({E.module_expr(cont)})  # each an FSDP unit")
+    elif len(us) <= 8:
+        lines.append("blocks = [" + ", ".join(E.module_expr(u["modules"][0] if u["modules"] else u["name"])
+                                          for u in us) + "]  # the units, in forward order")
     else:
-        lines.append("blocks = [" + ", ".join(E.unit_expr(u) for u in us[:8]) + (", ...]" if len(us) > 8 else "]"))
+        lines.append("from torch.distributed.fsdp import FSDPModule\n"
+                     "blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]")
     lines.append("for i, block in enumerate(blocks):")
     if forward:
         lines.append("    if i + 1 < len(blocks):\n        block.set_modules_to_forward_prefetch([blocks[i + 1]])")
@@ -73,18 +80,29 @@ class ExposedAllGather(Rule):
 
     def match(self, ctx: Context):
         step = E.step_ms(ctx)
-        us = [u for u in E.param_units(ctx) if u["has_timing"]]
-        if not step or not us:
-            return []
+        trace = E.trace_exposed_by_unit(ctx, "all_gather")
+        cpu = _is_cpu(ctx)
+        by_name = {u["name"]: u for u in E.param_units(ctx)}
         rows = []
-        for u in us:
-            for ph in ("forward", "backward"):
-                w = E.ag_wait_ms(u, ph)
-                if w > 0:
-                    rows.append((u, ph, w))
+        if not cpu and trace:
+            # on a GPU the host runs ahead of the device: only the trace sees the stream waiting
+            source = "trace"
+            for (name, ph), w in trace.items():
+                if w > 0 and name in by_name and ph in ("forward", "backward"):
+                    rows.append((by_name[name], ph, w))
+            us = [by_name[n] for n in by_name if by_name[n]["has_timing"]] or list(by_name.values())
+        else:
+            source = "host"
+            us = [u for u in by_name.values() if u["has_timing"]]
+            for u in us:
+                for ph in ("forward", "backward"):
+                    w = E.ag_wait_ms(u, ph)
+                    if w > 0:
+                        rows.append((u, ph, w))
+        if not step or not us or not rows:
+            return []
         total = sum(w for _, _, w in rows)
         share = total / step
-        cpu = _is_cpu(ctx)
         warn, info = ((EXPOSED_AG_WARN_SHARE_CPU, EXPOSED_AG_INFO_SHARE_CPU) if cpu
                       else (EXPOSED_AG_WARN_SHARE_GPU, EXPOSED_AG_INFO_SHARE_GPU))
         if share < info:
@@ -103,13 +121,13 @@ class ExposedAllGather(Rule):
         rows.sort(key=lambda x: -x[2])
         fwd = sum(w for _, ph, w in rows if ph == "forward")
         bwd = total - fwd
-        trace = E.trace_exposed_by_unit(ctx, "all_gather")
         # explicit forward prefetch: unit i's all-gather overlaps unit i-1's forward compute
         order = [u for u in E.non_root(us)]
         eff = 0.0 if sync else (PREFETCH_OVERLAP_CPU if cpu else PREFETCH_OVERLAP_GPU)
         saved = 0.0
+        fwd_wait = {u["name"]: w for u, ph, w in rows if ph == "forward"}
         for prev, cur in zip(order, order[1:]):
-            saved += min(E.ag_wait_ms(cur, "forward"), E.compute_fwd_ms(prev)) * eff
+            saved += min(fwd_wait.get(cur["name"], 0.0), E.compute_fwd_ms(prev)) * eff
         has_fwd_prefetch = any(u["forward_prefetch"] for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
@@ -131,6 +149,7 @@ class ExposedAllGather(Rule):
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
              "worst_units": [f"{u['name'] or '<root>'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": round(sum(trace.values()), 3) if trace else None,
+             "measured_by": source,
              "prefetch_overlap_assumed_pct": round(100 * eff)},
             text, _prefetch_code(ctx),
             predicted=E.predicted(step, step - saved if saved > 0 else None),

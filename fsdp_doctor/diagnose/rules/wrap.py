@@ -14,6 +14,12 @@ COARSE_SHARE_MIN = 0.5
 # Splitting a coarse unit: the estimate assumes it becomes this many similar units, two of them gathered
 # at a time (the one computing, the one prefetched).
 COARSE_SPLIT_INTO = 4
+# On a GPU the split units' all-gathers overlap with compute (own stream). On gloo they do not (the
+# collectives share the host's cores with compute), and splitting adds calls and a backward re-gather:
+# benchmarks/predictions.py measured whole -> block at +74% step time on the 2-rank CPU workload.
+# Fixed cost of one gloo collective on a shared host: the all-gather wait of a 1 KiB LayerNorm unit in the
+# leaf-wrapped reference run was 1.5-2 ms.
+GLOO_CALL_MS = 1.5
 # Below this many units, per-call latency times the number of calls stays small against a step.
 FINE_MIN_UNITS = 12
 # A unit of one leaf module (a Linear/Norm/Embedding: weight and bias) holds at most this many tensors.
@@ -44,12 +50,19 @@ class TooCoarse(Rule):
         share = big["param_count"] / total
         if share < COARSE_SHARE_MIN:
             return []
+        if big["is_root"] and len(us) > 1:
+            return []  # a root holding most parameters next to wrapped units: wrap.params_in_root says it
         step, peak = _job_numbers(ctx)
         t = big["timing_p50"]
         ag = t["ag_wait_fwd_ms"] + t["ag_wait_bwd_ms"]
         k = COARSE_SPLIT_INTO
         # after the split only the first of k units waits in each phase; the rest overlap with compute
-        step_after = step - ag * (k - 1) / k if (step is not None and big["has_timing"]) else None
+        step_after = None
+        if step is not None and big["has_timing"]:
+            if E.on_gpu(ctx):
+                step_after = step - ag * (k - 1) / k
+            else:  # backward re-gathers the resharded parts, and 3(k-1) more collectives pay their fixed cost
+                step_after = step + t["ag_wait_fwd_ms"] * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
         gathered_extra = big["unsharded_bytes"] - big["sharded_bytes"]
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
         name = big["name"] or "<root>"
@@ -68,8 +81,10 @@ class TooCoarse(Rule):
         text = (f"Unit {name!r} holds {100 * share:.0f}% of the parameters, so FSDP gathers "
                 f"{E.mib(big['unsharded_bytes'])} MiB in one all-gather with nothing to overlap it with "
                 + ("(the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
-                + "Apply fully_shard to each repeated block first, then to the root: each block's all-gather "
-                "overlaps with the previous block's compute and only two blocks are gathered at a time.")
+                + "Apply fully_shard to each repeated block first, then to the root: only two blocks are "
+                "gathered at a time, and on a GPU each block's all-gather overlaps with the previous block's "
+                "compute." + ("" if E.on_gpu(ctx) else " On a CPU/gloo host the gain is memory only: more, "
+                              "smaller collectives that cannot overlap make the step longer."))
         return [self.finding(
             "warning", f"Unit {name!r} holds {100 * share:.0f}% of all parameters",
             {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big["param_count"],

@@ -1,0 +1,346 @@
+"""HTML presenter: one self-contained file (plotly.js inlined once, no network) with the findings, the
+memory breakdown at the peak, per-unit communication exposure and the step timeline. Formats the report;
+computes nothing."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from .fmt import fmt_bytes, fmt_ms, fmt_pct
+
+PHASES = ("forward", "backward", "optimizer", "outside")
+PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
+                "gc": "#E45756"}
+MEMORY_CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
+                     "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries",
+                     "offloaded_host")
+MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sharded_grads": "#FF7F0E",
+                 "unsharded_grads": "#FFBB78", "optimizer_state": "#2CA02C", "stale_optimizer_params": "#98DF8A",
+                 "activations": "#D62728", "comm_buffers": "#9467BD", "buffers": "#C5B0D5",
+                 "temporaries": "#8C564B", "offloaded_host": "#7F7F7F"}
+COLLECTIVE_COLORS = {"all_gather (forward)": "#4C78A8", "all_gather (backward)": "#72B7B2",
+                     "reduce_scatter (backward)": "#F58518", "all_reduce": "#E45756"}
+SEVERITY_COLORS = {"critical": "#C62828", "warning": "#E0A100", "info": "#1E88E5"}
+MIB = float(1 << 20)
+
+_CSS = """
+body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
+     background:#f6f7f9;color:#222}
+main{max-width:1100px;margin:0 auto;padding:16px 24px 48px}
+h1{font-size:22px;margin:8px 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd;
+     padding-bottom:4px}
+.facts{color:#555;font-size:13px} .healthy{background:#e8f5e9;border-left:5px solid #2e7d32;padding:10px 14px;
+     font-weight:600}
+.finding{background:#fff;border-left:6px solid #999;border-radius:4px;margin:12px 0;padding:10px 14px;
+     box-shadow:0 1px 2px rgba(0,0,0,.06)}
+.finding h3{margin:0 0 6px;font-size:15px} .sev{font-weight:700;text-transform:uppercase;font-size:12px;
+     padding:1px 6px;border-radius:3px;color:#fff;margin-right:6px}
+.code{color:#666;font-family:monospace;font-size:12px;margin-left:4px}
+pre{background:#1e1e1e;color:#eee;padding:10px;border-radius:4px;overflow-x:auto;font-size:12px}
+table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{padding:2px 10px 2px 0;text-align:left;
+     vertical-align:top} th{color:#555;font-weight:600}
+.pred{color:#2e7d32;font-weight:600;margin:6px 0} .note{color:#777;font-size:13px}
+.fig{background:#fff;border-radius:4px;margin:10px 0;padding:4px}
+"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _fmt_val(key: str, v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return "—" if v is None else str(v)
+    if isinstance(v, (int, float)):
+        if key.endswith("_bytes"):
+            return fmt_bytes(v)
+        if key.endswith("_ms") or "_ms_" in key:
+            return fmt_ms(v)
+        if key.endswith("_us"):
+            return fmt_ms(v / 1e3)
+        if key.endswith("_pct"):
+            return f"{v:.1f}%"
+        return f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+    if isinstance(v, (list, tuple)):
+        s = ", ".join(str(x) for x in v[:10])
+        return s + (f" … (+{len(v) - 10})" if len(v) > 10 else "")
+    return str(v)
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def _figure(fig, first: bool) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs=True if first else False,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _layout(fig, title: str, height: int = 340, **kw):
+    fig.update_layout(title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+                      template="plotly_white", height=height, margin={"l": 60, "r": 20, "t": 56, "b": 44},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1.0},
+                      **kw)
+    return fig
+
+
+def memory_figure(memory: dict):
+    """Stacked bars: each rank's peak by category (MiB), with the capacity as a line."""
+    import plotly.graph_objects as go
+
+    per_rank = (memory or {}).get("per_rank") or {}
+    ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r))
+    if not ranks:
+        return None
+    fig = go.Figure()
+    cats = [c for c in MEMORY_CATEGORIES if any((per_rank[r].get("peak_breakdown") or {}).get(c) for r in ranks)]
+    extra = sorted({c for r in ranks for c in (per_rank[r].get("peak_breakdown") or {}) if c not in MEMORY_CATEGORIES})
+    for c in cats + extra:
+        ys = [((per_rank[r].get("peak_breakdown") or {}).get(c) or 0) / MIB for r in ranks]
+        fig.add_bar(name=c, x=[f"rank {r}" for r in ranks], y=ys, marker_color=MEMORY_COLORS.get(c),
+                    hovertemplate=f"{c}: %{{y:.2f}} MiB<extra></extra>")
+    caps = [per_rank[r].get("capacity_bytes") for r in ranks if per_rank[r].get("capacity_bytes")]
+    if caps:
+        fig.add_hline(y=max(caps) / MIB, line_dash="dash", line_color="#C62828",
+                      annotation_text=f"capacity {fmt_bytes(max(caps))}", annotation_position="top left")
+    where = []
+    for r in ranks:
+        at = per_rank[r].get("peak_at") or {}
+        if at:
+            where.append(f"rank {r}: step {at.get('step')}, {at.get('unit') or '(root)'} {at.get('phase') or ''}")
+    title = "Memory at the peak, by category" + (" — " + "; ".join(where[:4]) if where else "")
+    return _layout(fig, title, barmode="stack", yaxis_title="MiB")
+
+
+def memory_units_figure(memory: dict):
+    """Per unit on the peak rank: sharded and unsharded parameter bytes and the activations it left."""
+    import plotly.graph_objects as go
+
+    per_rank = (memory or {}).get("per_rank") or {}
+    best = max(per_rank.items(), key=lambda kv: kv[1].get("peak_bytes") or 0, default=None)
+    if not best or not best[1].get("per_unit"):
+        return None
+    rows = best[1]["per_unit"]
+    names = [u.get("unit") or "(root)" for u in rows]
+    fig = go.Figure()
+    for key, color in (("sharded_bytes", "#1F77B4"), ("unsharded_bytes", "#AEC7E8"), ("activation_bytes", "#D62728")):
+        if any(u.get(key) for u in rows):
+            fig.add_bar(name=key.replace("_bytes", ""), x=names, y=[(u.get(key) or 0) / MIB for u in rows],
+                        marker_color=color)
+    return _layout(fig, f"Memory per unit (rank {best[0]})", barmode="group", yaxis_title="MiB")
+
+
+def overlap_units_figure(overlap: dict):
+    """Per unit and collective: time in the collective and the part not overlapped by compute (ms per
+    profiled window, summed over ranks)."""
+    import plotly.graph_objects as go
+
+    rows = (overlap or {}).get("per_unit") or []
+    if not rows:
+        return None
+    acc: dict[tuple[str, str], list[float]] = {}
+    order: list[str] = []
+    for r in rows:
+        unit = r.get("unit") or "(root)"
+        if unit not in order:
+            order.append(unit)
+        k = (unit, f"{r.get('collective')} ({r.get('phase') or '-'})")
+        a = acc.setdefault(k, [0.0, 0.0])
+        a[0] += (r.get("comm_us") or 0.0) / 1e3
+        a[1] += (r.get("exposed_us") or 0.0) / 1e3
+    series = sorted({k[1] for k in acc})
+    fig = go.Figure()
+    for s in series:
+        color = COLLECTIVE_COLORS.get(s) or COLLECTIVE_COLORS.get(s.split(" ")[0], "#9D9D9D")
+        xs = [u for u in order if (u, s) in acc]
+        fig.add_bar(name=f"{s} exposed", x=xs, y=[acc[(u, s)][1] for u in xs], marker_color=color,
+                    offsetgroup=s, hovertemplate="%{x}: %{y:.2f} ms exposed<extra>" + s + "</extra>")
+        fig.add_bar(name=f"{s} overlapped", x=xs, y=[acc[(u, s)][0] - acc[(u, s)][1] for u in xs],
+                    marker_color=color, opacity=0.35, offsetgroup=s, base=[acc[(u, s)][1] for u in xs],
+                    hovertemplate="%{x}: %{y:.2f} ms overlapped<extra>" + s + "</extra>")
+    fig = _layout(fig, "Collectives per unit: exposed (solid) and overlapped (light), ms in the profiled windows",
+                  height=420, barmode="group", yaxis_title="ms")
+    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.12, "xanchor": "left", "x": 0.0},
+                      margin={"b": 110})
+    return fig
+
+
+def unit_waits_figure(units: list[dict]):
+    """Host-measured per-unit medians: forward/backward time and the all-gather waits inside them."""
+    import plotly.graph_objects as go
+
+    rows = [u for u in units or [] if u.get("timing_p50")]
+    if not rows:
+        return None
+    names = [u.get("name") or "(root)" for u in rows]
+    fig = go.Figure()
+    for key, label, color, op in (("fwd_ms", "forward", "#4C78A8", 0.35), ("ag_wait_fwd_ms", "AG wait (fwd)", "#4C78A8", 1.0),
+                                  ("bwd_ms", "backward", "#F58518", 0.35), ("ag_wait_bwd_ms", "AG wait (bwd)", "#F58518", 1.0),
+                                  ("recompute_ms", "recompute", "#E45756", 1.0)):
+        ys = [u["timing_p50"].get(key) or 0 for u in rows]
+        if any(ys):
+            fig.add_bar(name=label, x=names, y=ys, marker_color=color, opacity=op)
+    return _layout(fig, "Per unit, median per step (host-measured; times include nested units)",
+                   barmode="group", yaxis_title="ms")
+
+
+def step_timeline_figure(steps: dict):
+    """The median step of each rank as a timeline of its phases, with outlier steps marked."""
+    import plotly.graph_objects as go
+
+    per_rank = (steps or {}).get("per_rank") or {}
+    ranks = [r for r in sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r))
+             if per_rank[r].get("count")]
+    if not ranks:
+        return None
+    fig = go.Figure()
+    labels = [f"rank {r}" for r in ranks]
+    for ph in PHASES:
+        xs = [(per_rank[r].get("phases_p50_ms") or {}).get(ph) or 0 for r in ranks]
+        fig.add_bar(name=ph, y=labels, x=xs, orientation="h", marker_color=PHASE_COLORS[ph],
+                    hovertemplate=f"{ph}: %{{x:.1f}} ms<extra></extra>")
+    outs = (steps or {}).get("outliers") or []
+    if outs:
+        fig.add_scatter(name="outlier steps", mode="markers", marker={"symbol": "x", "size": 10, "color": "#C62828"},
+                        x=[o["ms"] for o in outs], y=[f"rank {o['rank']}" for o in outs],
+                        text=[f"step {o['step']}: {o.get('detail', '')}" for o in outs],
+                        hovertemplate="%{text}<br>%{x:.1f} ms<extra></extra>")
+    for r, lab in zip(ranks, labels):
+        p50 = per_rank[r].get("p50_ms")
+        if p50:
+            fig.add_annotation(x=p50, y=lab, text=f"p50 {fmt_ms(p50)}", showarrow=False, xanchor="left",
+                               font={"size": 11, "color": "#444"})
+    return _layout(fig, "Step timeline: median time per phase (ms); × = outlier steps",
+                   height=max(220, 90 + 50 * len(ranks)), barmode="stack", xaxis_title="ms")
+
+
+# ---------------------------------------------------------------------------------------------- html parts
+def _header(report: dict) -> str:
+    r = report.get("run") or {}
+    facts = []
+    if r.get("world_size"):
+        facts.append(f"{r['world_size']} ranks")
+    if r.get("units"):
+        facts.append(f"{r['units']} FSDP units")
+    if r.get("model_param_count"):
+        facts.append(f"{r['model_param_count'] / 1e6:.2f} M params")
+    for k in ("backend", "device_name", "torch_version", "optimizer"):
+        if r.get(k):
+            facts.append(str(r[k]))
+    if r.get("capacity_bytes"):
+        facts.append(f"capacity {fmt_bytes(r['capacity_bytes'])}")
+    job = ((report.get("steps") or {}).get("job") or {})
+    if job.get("p50_ms"):
+        facts.append(f"step p50 {fmt_ms(job['p50_ms'])}")
+    return (f"<h1>fsdp-doctor report</h1><div class='facts'>{_esc(r.get('path', ''))}<br>"
+            f"{_esc(' · '.join(facts))}<br>report schema {_esc(report.get('schema', ''))}, "
+            f"doctor {_esc(report.get('doctor_version', ''))}</div>")
+
+
+def _predicted(pred: Optional[dict]) -> str:
+    if not pred:
+        return ""
+    bits = []
+    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
+        bits.append(f"step {fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}")
+    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
+        bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+    return f"<div class='pred'>Expected: {_esc(', '.join(bits))}</div>" if bits else ""
+
+
+def _finding(f: dict) -> str:
+    sev = f.get("severity", "info")
+    color = SEVERITY_COLORS.get(sev, "#999")
+    rec = f.get("recommendation") or {}
+    ev = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(_fmt_val(k, v))}</td></tr>"
+                 for k, v in (f.get("evidence") or {}).items())
+    code = f"<pre><code>{_esc(rec['code'])}</code></pre>" if rec.get("code") else ""
+    return (f"<div class='finding' style='border-left-color:{color}'>"
+            f"<h3><span class='sev' style='background:{color}'>{_esc(sev)}</span>{_esc(f.get('title', ''))}"
+            f"<span class='code'>{_esc(f.get('code', ''))}</span></h3>"
+            f"<div>{_esc(rec.get('text', ''))}</div>{_predicted(f.get('predicted'))}"
+            f"<table>{ev}</table>{code}</div>")
+
+
+def _findings(findings: list[dict]) -> str:
+    if not findings:
+        return "<div class='healthy'>Healthy: no findings.</div>"
+    sevs = {f.get("severity") for f in findings}
+    head = ""
+    if not sevs & {"warning", "critical"}:
+        head = "<div class='healthy'>Healthy: no warnings. Notes below.</div>"
+    return head + "".join(_finding(f) for f in findings)
+
+
+def _units_table(units: list[dict]) -> str:
+    if not units:
+        return ""
+    head = ("<tr><th>unit</th><th>params</th><th>shard</th><th>gathered</th><th>reshard</th><th>AC</th>"
+            "<th>fwd</th><th>AG wait</th><th>bwd</th><th>AG wait</th></tr>")
+    rows = []
+    for u in units[:64]:
+        t = u.get("timing_p50") or {}
+        pad = 12 * int(u.get("depth", 0) or 0)
+        rows.append(f"<tr><td style='padding-left:{pad}px'>{_esc(u.get('name') or '(root)')}</td>" + "".join(
+            f"<td>{_esc(x)}</td>" for x in (
+            f"{u.get('param_count', 0) / 1e6:.2f} M", fmt_bytes(u.get("sharded_bytes")),
+            fmt_bytes(u.get("unsharded_bytes")), str(u.get("reshard_after_forward", True)).lower(),
+            u.get("checkpoint", "none"), fmt_ms(t.get("fwd_ms")), fmt_ms(t.get("ag_wait_fwd_ms")),
+            fmt_ms(t.get("bwd_ms")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
+    more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
+    return f"<table>{head}{''.join(rows)}{more}</table>"
+
+
+def render_html(report: dict) -> str:
+    """The whole report as one HTML document (plotly.js inlined in the first figure)."""
+    parts = [_header(report), "<h2>Diagnosis</h2>", _findings(report.get("findings") or [])]
+    sections = [
+        ("Step timeline", step_timeline_figure, report.get("steps"), "No step records."),
+        ("Memory", memory_figure, report.get("memory"), "No memory measurements in this report."),
+        (None, memory_units_figure, report.get("memory"), None),
+        ("Communication per unit", overlap_units_figure, report.get("overlap"),
+         "No profiler traces: per-unit overlap needs a profiled window."),
+        (None, unit_waits_figure, report.get("units"), None),
+    ]
+    first = True
+    for title, builder, data, missing in sections:
+        if title:
+            parts.append(f"<h2>{_esc(title)}</h2>")
+        fig = None
+        try:
+            fig = builder(data) if data else None
+        except Exception as e:  # noqa: BLE001  (a figure must never take the report down)
+            parts.append(f"<p class='note'>figure unavailable ({_esc(type(e).__name__)}: {_esc(e)})</p>")
+        if fig is not None:
+            parts.append(f"<div class='fig'>{_figure(fig, first)}</div>")
+            first = False
+        elif missing:
+            parts.append(f"<p class='note'>{_esc(missing)}</p>")
+    ov = report.get("overlap") or {}
+    if ov.get("per_rank"):
+        rows = "".join(
+            f"<tr><td>{_esc(r)}</td><td>{fmt_ms((v.get('comm_us') or 0) / 1e3)}</td>"
+            f"<td>{fmt_ms((v.get('exposed_us') or 0) / 1e3)}</td><td>{fmt_pct(v.get('overlap_pct'))}</td></tr>"
+            for r, v in sorted(ov["per_rank"].items()))
+        parts.append("<table><tr><th>rank</th><th>communication</th><th>exposed</th><th>overlap</th></tr>"
+                     f"{rows}</table>")
+    if report.get("units"):
+        parts.append("<h2>FSDP units</h2>" + _units_table(report["units"]))
+    probs = report.get("problems") or []
+    if probs:
+        parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in probs) + "</ul>")
+    data = json.dumps(report, default=str).replace("</", "<\\/")
+    parts.append(f"<script type='application/json' id='fsdp-doctor-report'>{data}</script>")
+    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+            f"<title>fsdp-doctor — {_esc((report.get('run') or {}).get('path', 'report'))}</title>"
+            f"<style>{_CSS}</style></head><body><main>{''.join(parts)}</main></body></html>")
+
+
+def write_html(report: dict, path: Path) -> Path:
+    """Writes the report as one self-contained HTML file (no network needed to view it)."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(report), encoding="utf-8")
+    return path

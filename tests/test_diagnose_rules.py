@@ -1,0 +1,480 @@
+"""Unit tests of the diagnosis rules on constructed report dicts and configs (no training runs)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from fsdp_doctor.diagnose import RULES, Context, diagnose
+from fsdp_doctor.diagnose import estimate as E
+from fsdp_doctor.records import RunConfig, UnitConfig
+
+MiB = 1 << 20
+BLOCK = dict(n_params=12, param_count=198_272, sharded_bytes=396_544, unsharded_bytes=793_088, orig_dtypes=["float32"])
+
+
+def unit(name, *, timing=None, **kw):
+    base = dict(name=name, modules=[m.strip() for m in name.split(",")] if name else [""], is_root=(name == ""),
+                param_count=0, n_params=0, sharded_bytes=0, unsharded_bytes=0, orig_dtypes=[], depth=0 if name == "" else 1,
+                parent=None if name == "" else "")
+    base.update(kw)
+    return base, timing
+
+
+def healthy_units(n_layers=4, **block_kw):
+    """The torchtitan layout of the reference GPT: embeddings, blocks, [norm, lm_head] kept gathered, root."""
+    us = [unit("", reshard_after_forward=False, timing=dict(fwd_ms=34.0, ag_wait_fwd_ms=0.2)),
+          unit("tok_emb, pos_emb", n_params=2, param_count=73_728, sharded_bytes=147_456, unsharded_bytes=294_912,
+               orig_dtypes=["float32"], unshard_async_op=True,
+               timing=dict(fwd_ms=3.1, ag_wait_fwd_ms=1.0, bwd_ms=0.5, ag_wait_bwd_ms=0.3))]
+    for i in range(n_layers):
+        kw = dict(BLOCK, unshard_async_op=True)
+        kw.update(block_kw)
+        us.append(unit(f"layers.{i}", timing=dict(fwd_ms=6.0, ag_wait_fwd_ms=1.0, bwd_ms=6.0, ag_wait_bwd_ms=0.8), **kw))
+    us.append(unit("norm, lm_head", n_params=3, param_count=65_792, sharded_bytes=131_584, unsharded_bytes=263_168,
+                   orig_dtypes=["float32"], reshard_after_forward=False, unshard_async_op=True,
+                   timing=dict(fwd_ms=4.5, ag_wait_fwd_ms=1.0, bwd_ms=3.4, ag_wait_bwd_ms=0.5)))
+    return us
+
+
+def build(units=None, *, step_ms=110.0, phases=None, capacity=None, memory=None, overlap=None, stragglers=(),
+          backend="gloo", device="cpu", **cfg_kw):
+    """(Context, report) for constructed units [(config dict, timing dict)] and sections."""
+    units = healthy_units() if units is None else units
+    cfg_units = [UnitConfig(**u) for u, _ in units]
+    cfg = RunConfig(rank=0, world_size=2, backend=backend, device=device, optimizer="AdamW", optimizer_params=53,
+                    units=cfg_units, capacity_bytes=capacity, **cfg_kw)
+    rows = []
+    for u, t in units:
+        d = msgspec.to_builtins(UnitConfig(**u))
+        d.setdefault("forward_prefetch", [])
+        d.setdefault("backward_prefetch", [])
+        if t:
+            d["timing_p50"] = {k: float(t.get(k, 0.0)) for k in E._TIMING_KEYS}
+        rows.append(d)
+    ph = phases or {"forward": 34.0, "backward": 60.0, "optimizer": 13.0, "outside": 3.0, "gc": 0.0}
+    st = {"count": 16, "p50_ms": step_ms, "phases_p50_ms": ph, "gc_ms_total": 0.0, "gc_count_total": 0,
+          "wall_ms_total": 16 * step_ms}
+    report = {"run": {"backend": backend, "device": device, "capacity_bytes": capacity},
+              "steps": {"per_rank": {"0": dict(st), "1": dict(st)}, "job": {"p50_ms": step_ms, "phases_p50_ms": ph},
+                        "outliers": [], "stragglers": list(stragglers)},
+              "units": rows}
+    if memory is not None:
+        report["memory"] = memory
+    if overlap is not None:
+        report["overlap"] = overlap
+    run = SimpleNamespace(config=cfg, ranks={}, path="constructed")
+    return Context(run=run, report=report), report
+
+
+def memory(peak, *, capacity=None, per_unit=None, **bd):
+    breakdown = {"sharded_params": 0, "unsharded_params": 0, "sharded_grads": 0, "unsharded_grads": 0,
+                 "optimizer_state": 0, "activations": 0, "comm_buffers": 0, "temporaries": 0, "offloaded_host": 0}
+    breakdown.update(bd)
+    rank = {"peak_bytes": peak, "peak_at": {"step": 3, "unit": "layers.3", "phase": "backward"},
+            "peak_breakdown": breakdown, "activations_peak_bytes": breakdown["activations"],
+            "capacity_bytes": capacity, "per_unit": per_unit or []}
+    return {"per_rank": {"0": rank, "1": copy.deepcopy(rank)}}
+
+
+def run_rule(code, ctx):
+    cls = next(c for c in RULES if c.code == code)
+    return cls().match(ctx)
+
+
+def codes(findings, min_sev="warning"):
+    order = {"info": 0, "warning": 1, "critical": 2}
+    out = set()
+    for f in findings:
+        d = f if isinstance(f, dict) else f.as_dict()
+        if order[d["severity"]] >= order[min_sev]:
+            out.add(d["code"])
+    return out
+
+
+EXPECTED_CODES = {
+    "wrap.too_coarse", "wrap.too_fine", "wrap.params_in_root", "wrap.root_not_sharded", "wrap.mixed_dtype_unit",
+    "prefetch.exposed_allgather", "prefetch.too_early", "prefetch.sync_unshard", "reshard.last_unit",
+    "reshard.zero2_affordable", "ac.recommended", "ac.unneeded", "ac.wrong_granularity", "offload.costly",
+    "offload.recommended", "offload.unpinned", "optim.before_shard", "optim.step_comm", "optim.state_dominates",
+    "jitter.gc", "jitter.data_wait", "straggler.rank",
+}
+
+
+# ------------------------------------------------------------------------------------------------ general
+def test_every_rule_registered_once():
+    got = [c.code for c in RULES]
+    assert len(got) == len(set(got))
+    assert EXPECTED_CODES <= set(got)
+    for c in RULES:
+        assert c.name and c.description
+
+
+def test_rules_on_empty_report_return_nothing():
+    run = SimpleNamespace(config=None, ranks={}, path="x")
+    for report in ({}, {"steps": {}, "units": [], "memory": {}, "overlap": {}}):
+        ctx = Context(run=run, report=report)
+        for cls in RULES:
+            assert cls().match(ctx) == [], cls.code
+
+
+def test_rules_without_memory_or_overlap_do_not_crash():
+    ctx, report = build(capacity=1 << 30)
+    for cls in RULES:
+        cls().match(ctx)  # no exception
+
+
+def test_healthy_run_has_no_warnings():
+    ctx, report = build(capacity=1 << 30,
+                        memory=memory(int(600 * MiB), capacity=1 << 30, sharded_params=2 * MiB,
+                                      activations=500 * MiB, optimizer_state=4 * MiB))
+    findings = diagnose(ctx.run, report)
+    assert codes(findings) == set(), findings
+
+
+def test_findings_have_evidence_units_and_code():
+    ctx, report = build(units=[unit("", param_count=900_000, n_params=50, sharded_bytes=1_800_000,
+                                    unsharded_bytes=3_600_000, orig_dtypes=["float32"], reshard_after_forward=False,
+                                    timing=dict(fwd_ms=50, ag_wait_fwd_ms=20, bwd_ms=47))])
+    (f,) = run_rule("wrap.too_coarse", ctx)
+    d = f.as_dict()
+    assert d["severity"] == "warning"
+    assert any(k.endswith(("_bytes", "_ms", "_pct")) for k in d["evidence"])
+    assert "fully_shard" in d["recommendation"]["code"]
+    assert set(d["predicted"]) == {"step_ms_before", "step_ms_after", "peak_bytes_before", "peak_bytes_after"}
+
+
+# ------------------------------------------------------------------------------------------------ wrap
+def test_too_coarse_whole_model():
+    ctx, _ = build(units=[unit("", param_count=932_608, n_params=53, sharded_bytes=1_865_216,
+                               unsharded_bytes=3_730_432, orig_dtypes=["float32"], reshard_after_forward=False,
+                               timing=dict(fwd_ms=52.8, ag_wait_fwd_ms=20.0, bwd_ms=47.4, ag_wait_bwd_ms=0.1))],
+                   memory=memory(20 * MiB, unsharded_params=3_730_432))
+    (f,) = run_rule("wrap.too_coarse", ctx)
+    assert f.evidence["param_share_pct"] == 100.0
+    assert f.predicted["step_ms_after"] > f.predicted["step_ms_before"]  # gloo: memory is the gain
+    ctx.run.config.device = "cuda:0"
+    (g,) = run_rule("wrap.too_coarse", ctx)
+    assert g.predicted["step_ms_after"] < g.predicted["step_ms_before"]
+    assert f.predicted["peak_bytes_after"] < f.predicted["peak_bytes_before"]
+    assert run_rule("wrap.too_coarse", build()[0]) == []
+
+
+def test_too_fine_leaf_wrapping_names_the_blocks():
+    us = [unit("", reshard_after_forward=False, timing=dict(fwd_ms=78))]
+    for i in range(4):
+        for leaf, n, b in (("attn_norm", 2, 1024), ("attn.qkv", 2, 198_144), ("attn.proj", 2, 66_048),
+                           ("mlp_norm", 2, 1024), ("mlp.fc1", 2, 264_192), ("mlp.fc2", 2, 262_656)):
+            us.append(unit(f"layers.{i}.{leaf}", n_params=n, param_count=b // 4, sharded_bytes=b // 2,
+                           unsharded_bytes=b, orig_dtypes=["float32"], unshard_async_op=True,
+                           timing=dict(fwd_ms=2.3, ag_wait_fwd_ms=2.0 if "norm" not in leaf else 1.7,
+                                       bwd_ms=1.0, ag_wait_bwd_ms=0.7)))
+    ctx, _ = build(units=us, step_ms=262.0)
+    (f,) = run_rule("wrap.too_fine", ctx)
+    assert f.evidence["units"] == 24
+    assert "model.layers" in f.recommendation["code"]
+    assert f.predicted["step_ms_after"] < 262.0
+    assert run_rule("wrap.too_fine", build()[0]) == []
+
+
+def test_params_in_root():
+    us = [unit("", param_count=139_520, n_params=5, sharded_bytes=279_040, unsharded_bytes=558_080,
+               orig_dtypes=["float32"], reshard_after_forward=False, timing=dict(fwd_ms=65, ag_wait_fwd_ms=4.9))]
+    us += [unit(f"layers.{i}", timing=dict(fwd_ms=8, ag_wait_fwd_ms=3, bwd_ms=9, ag_wait_bwd_ms=1), **BLOCK)
+           for i in range(4)]
+    ctx, _ = build(units=us, memory=memory(10 * MiB))
+    (f,) = run_rule("wrap.params_in_root", ctx)
+    assert f.evidence["root_param_share_pct"] == pytest.approx(15.0, abs=0.1)
+    assert f.predicted["peak_bytes_after"] == 10 * MiB - (558_080 - 279_040)
+    assert run_rule("wrap.params_in_root", build()[0]) == []
+
+
+def test_root_not_sharded_is_critical_with_unmanaged_params():
+    us = [unit(f"layers.{i}", is_root=True, depth=0, parent=None,
+               timing=dict(fwd_ms=12, ag_wait_fwd_ms=9), **BLOCK) for i in range(4)]
+    ctx, _ = build(units=us, unmanaged_param_bytes=558_080)
+    (f,) = run_rule("wrap.root_not_sharded", ctx)
+    assert f.severity == "critical"
+    assert f.evidence["root_count"] == 4
+    assert "fully_shard(model" in f.recommendation["code"]
+    assert "fully_shard(model.layers[0]" in f.recommendation["code"]
+    ctx, _ = build(units=us)
+    assert run_rule("wrap.root_not_sharded", ctx)[0].severity == "warning"
+    assert run_rule("wrap.root_not_sharded", build()[0]) == []
+
+
+def test_mixed_dtype_unit():
+    us = healthy_units()
+    us[2][0]["orig_dtypes"] = ["bfloat16", "float32"]
+    ctx, _ = build(units=us)
+    (f,) = run_rule("wrap.mixed_dtype_unit", ctx)
+    assert f.units == ["layers.0"]
+    assert "model.layers[0]" in f.recommendation["code"]
+    assert run_rule("wrap.mixed_dtype_unit", build()[0]) == []
+
+
+# ------------------------------------------------------------------------------------------------ prefetch
+def test_exposed_allgather_gpu_warns_cpu_notes():
+    us = healthy_units()
+    for u, t in us[1:]:
+        t.update(ag_wait_fwd_ms=5.0, ag_wait_bwd_ms=2.0)
+    ctx, _ = build(units=us, backend="nccl", device="cuda:0")
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    assert f.severity == "warning"
+    assert f.evidence["exposed_ag_fwd_ms"] == pytest.approx(30.0)
+    assert "set_modules_to_forward_prefetch" in f.recommendation["code"]
+    assert "model.layers" in f.recommendation["code"]
+    assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
+    ctx, _ = build(units=us)  # same waits on a CPU/gloo host: structural, a note only
+    assert [x.severity for x in run_rule("prefetch.exposed_allgather", ctx)] == ["info"]
+    healthy = run_rule("prefetch.exposed_allgather", build(backend="nccl", device="cuda:0")[0])
+    assert codes(healthy) == set()
+
+
+def test_exposed_allgather_defers_to_straggler():
+    us = healthy_units()
+    for u, t in us[1:]:
+        t.update(ag_wait_fwd_ms=5.0, ag_wait_bwd_ms=2.0)
+    ctx, _ = build(units=us, backend="nccl", device="cuda:0",
+                   stragglers=[{"rank": 1, "phase": "outside", "excess_ms_per_step": 50.0}])
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    assert f.severity == "info" and "straggler" in f.recommendation["text"]
+
+
+def test_exposed_allgather_gpu_reads_the_trace():
+    rows = [{"rank": 0, "unit": f"layers.{i}", "collective": "all_gather", "phase": "forward", "count": 2,
+             "comm_us": 8000.0, "exposed_us": 16000.0} for i in range(4)]
+    ov = {"per_rank": {"0": {"comm_us": 1.0, "steps": [6, 7], "device": "gpu"}}, "per_unit": rows}
+    ctx, _ = build(overlap=ov, backend="nccl", device="cuda:0")  # host waits small, the trace says 8 ms/unit
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    assert f.evidence["measured_by"] == "trace"
+    assert f.evidence["exposed_ag_fwd_ms"] == pytest.approx(32.0)
+    assert f.severity == "warning"
+
+
+def _held_overlap(held_ms):
+    rows = [{"rank": 0, "unit": f"layers.{i}", "collective": "all_gather", "phase": "forward", "count": 1,
+             "comm_us": 2000.0, "exposed_us": 0.0, "bytes_per_call": None, "busbw_gbps": None,
+             "slack_us": held_ms * 1e3, "held_us": held_ms * 1e3} for i in range(1, 4)]
+    return {"per_rank": {"0": {"comm_us": 6000.0, "overlap_us": 6000.0, "exposed_us": 0.0, "overlap_pct": 100.0,
+                               "steps": [6], "device": "gpu"}}, "per_unit": rows}
+
+
+def test_prefetch_too_early():
+    us = healthy_units()
+    for i, (u, t) in enumerate(us[2:6]):
+        u["forward_prefetch"] = [f"layers.{j}" for j in range(i + 1, min(4, i + 3))]
+    mem = memory(int(0.95 * (1 << 30)), capacity=1 << 30, activations=500 * MiB)
+    ctx, _ = build(units=us, memory=mem, overlap=_held_overlap(12.0), backend="nccl", device="cuda:0")
+    (f,) = run_rule("prefetch.too_early", ctx)
+    assert f.severity == "warning" and f.evidence["forward_prefetch_depth"] == 2
+    assert f.predicted["peak_bytes_after"] < f.predicted["peak_bytes_before"]
+    # ample memory, or FSDP's implicit one-ahead prefetch: nothing to say
+    ctx, _ = build(units=us, memory=memory(100 * MiB, capacity=1 << 30), overlap=_held_overlap(12.0))
+    assert run_rule("prefetch.too_early", ctx) == []
+    ctx, _ = build(memory=mem, overlap=_held_overlap(12.0))
+    assert run_rule("prefetch.too_early", ctx) == []
+
+
+def test_sync_unshard_on_gloo():
+    us = healthy_units(unshard_async_op=False)
+    for u, _ in us:
+        u["unshard_async_op"] = False
+    ov = {"per_rank": {"0": {"comm_us": 50_000.0, "overlap_us": 0.0, "exposed_us": 50_000.0, "overlap_pct": 0.0,
+                             "steps": [4], "device": "cpu"}},
+          "per_unit": [{"rank": 0, "unit": "layers.0", "collective": "all_gather", "phase": "forward", "count": 1,
+                        "comm_us": 3000.0, "exposed_us": 3000.0}],
+          "blocking": {"0": {"count": 11, "us": 17_000.0}}}
+    ctx, _ = build(units=us, overlap=ov)
+    (f,) = run_rule("prefetch.sync_unshard", ctx)
+    assert f.evidence["blocking_calls"] == 11 and f.evidence["ag_overlap_pct"] == 0.0
+    assert "_set_unshard_async_op(True)" in f.recommendation["code"]
+    assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
+    assert run_rule("prefetch.sync_unshard", build()[0]) == []  # async already
+    ctx, _ = build(units=us, backend="nccl", device="cuda:0")
+    assert run_rule("prefetch.sync_unshard", ctx) == []  # not gloo
+
+
+def test_reshard_last_unit():
+    us = healthy_units()
+    us[-1][0]["reshard_after_forward"] = True
+    us[-1][1]["ag_wait_bwd_ms"] = 4.0
+    ctx, _ = build(units=us, memory=memory(50 * MiB))
+    (f,) = run_rule("reshard.last_unit", ctx)
+    assert f.severity == "warning" and f.units == ["norm, lm_head"]
+    assert "reshard_after_forward=False" in f.recommendation["code"]
+    assert f.predicted["step_ms_after"] == pytest.approx(106.0)
+    assert run_rule("reshard.last_unit", build()[0]) == []
+
+
+def test_zero2_affordable():
+    mem = memory(100 * MiB, capacity=1 << 30)
+    ctx, _ = build(memory=mem)
+    (f,) = run_rule("reshard.zero2_affordable", ctx)
+    assert f.severity == "info"
+    saved, added = E.zero2_gain([u for u in E.units(ctx) if u["name"].startswith(("layers", "tok"))])
+    assert f.predicted["step_ms_after"] == pytest.approx(110.0 - saved)
+    assert f.predicted["peak_bytes_after"] == 100 * MiB + added
+    ctx, _ = build(memory=memory(int(0.9 * (1 << 30)), capacity=1 << 30))
+    assert run_rule("reshard.zero2_affordable", ctx) == []
+    assert run_rule("reshard.zero2_affordable", build()[0]) == []  # no capacity known
+
+
+# ------------------------------------------------------------------------------------------------ ac
+def _act_units(n=4, act=16 * MiB):
+    return [{"unit": f"layers.{i}", "sharded_bytes": BLOCK["sharded_bytes"], "unsharded_bytes": BLOCK["unsharded_bytes"],
+             "activation_bytes": act} for i in range(n)] + [{"unit": "", "activation_bytes": n * act}]
+
+
+def test_ac_recommended_picks_enough_blocks():
+    mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(), activations=64 * MiB, optimizer_state=8 * MiB)
+    ctx, _ = build(memory=mem, capacity=72 * MiB)
+    (f,) = run_rule("ac.recommended", ctx)
+    assert f.severity == "critical"  # above capacity
+    chosen = f.evidence["blocks_to_checkpoint"]
+    # need 80 - 0.85*72 = 18.8 MiB; each block saves 15 MiB: two blocks
+    assert chosen == ["layers.0", "layers.1"]
+    assert f.evidence["recompute_ms_added"] == pytest.approx(10.0)  # 2 x (6.0 - 1.0)
+    assert f.predicted["peak_bytes_after"] < 0.85 * 72 * MiB
+    assert "apply_activation_checkpointing" in f.recommendation["code"] and '"layers.0"' in f.recommendation["code"]
+    # activations a small part of the peak: not the lever
+    mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(act=2 * MiB), activations=8 * MiB,
+                 optimizer_state=60 * MiB)
+    assert run_rule("ac.recommended", build(memory=mem)[0]) == []
+    mem = memory(30 * MiB, capacity=72 * MiB, per_unit=_act_units(), activations=20 * MiB)
+    assert run_rule("ac.recommended", build(memory=mem)[0]) == []
+
+
+def test_ac_unneeded():
+    us = healthy_units(checkpoint="unit")
+    mem = memory(10 * MiB, capacity=8 << 30, per_unit=_act_units(act=64 * 1024), activations=256 * 1024)
+    ctx, _ = build(units=us, memory=mem)
+    (f,) = run_rule("ac.unneeded", ctx)
+    assert f.severity == "warning"
+    assert f.evidence["recompute_source"].startswith("estimated")
+    assert f.evidence["recompute_ms_per_step"] == pytest.approx(20.0)
+    assert f.predicted["step_ms_after"] == pytest.approx(90.0)
+    us[2][1]["recompute_ms"] = 4.0
+    ctx, _ = build(units=us, memory=mem)
+    assert run_rule("ac.unneeded", ctx)[0].evidence["recompute_source"] == "measured"
+    # tight memory: checkpointing earns its keep
+    mem = memory(int(0.6 * (8 << 30)), capacity=8 << 30, per_unit=_act_units(act=64 * 1024))
+    assert run_rule("ac.unneeded", build(units=us, memory=mem)[0]) == []
+    assert run_rule("ac.unneeded", build(memory=memory(10 * MiB, capacity=8 << 30))[0]) == []
+
+
+def test_ac_wrong_granularity():
+    ctx, _ = build(units=healthy_units(checkpoint="children"))
+    (f,) = run_rule("ac.wrong_granularity", ctx)
+    assert len(f.units) == 4 and "apply_activation_checkpointing" in f.recommendation["code"]
+    assert run_rule("ac.wrong_granularity", build()[0]) == []
+
+
+# ------------------------------------------------------------------------------------------------ offload
+def _gpu_overlap(h2d_ms, d2h_ms, exposed_ms):
+    return {"per_rank": {"0": {"comm_us": 1.0, "overlap_us": 1.0, "exposed_us": 0.0, "overlap_pct": 100.0,
+                               "steps": [6], "device": "gpu"}}, "per_unit": [],
+            "copies": {"0": {"h2d_us": h2d_ms * 1e3, "d2h_us": d2h_ms * 1e3, "exposed_us": exposed_ms * 1e3}}}
+
+
+def test_offload_costly():
+    us = healthy_units(offload="cpu", offload_pin_memory=True)
+    mem = memory(2 << 30, capacity=80 << 30, activations=1 << 30, offloaded_host=4 << 30)
+    ctx, _ = build(units=us, memory=mem, overlap=_gpu_overlap(20, 10, 25), backend="nccl", device="cuda:0")
+    (f,) = run_rule("offload.costly", ctx)
+    assert f.evidence["exposed_copies_ms_per_step"] == pytest.approx(25.0)
+    assert f.predicted["step_ms_after"] == pytest.approx(85.0)
+    assert f.predicted["peak_bytes_after"] == (2 << 30) + (4 << 30)
+    # without offload the state would not fit: offload is what makes it run
+    mem = memory(60 << 30, capacity=80 << 30, offloaded_host=20 << 30)
+    assert run_rule("offload.costly", build(units=us, memory=mem, overlap=_gpu_overlap(20, 10, 25),
+                                            backend="nccl", device="cuda:0")[0]) == []
+    # CPU runs: nothing to offload
+    assert run_rule("offload.costly", build(units=us, memory=mem, overlap=_gpu_overlap(20, 10, 25))[0]) == []
+
+
+def test_offload_recommended():
+    mem = memory(79 << 30, capacity=80 << 30, sharded_params=10 << 30, sharded_grads=10 << 30,
+                 optimizer_state=20 << 30, activations=30 << 30)
+    ctx, _ = build(memory=mem, backend="nccl", device="cuda:0")
+    (f,) = run_rule("offload.recommended", ctx)
+    assert f.evidence["sharded_state_bytes"] == 40 << 30
+    assert f.predicted["peak_bytes_after"] == 39 << 30
+    assert "CPUOffloadPolicy(pin_memory=True)" in f.recommendation["code"]
+    assert "model.layers" in f.recommendation["code"]
+    assert run_rule("offload.recommended", build(memory=mem)[0]) == []  # CPU run
+    mem = memory(40 << 30, capacity=80 << 30, optimizer_state=20 << 30)
+    assert run_rule("offload.recommended", build(memory=mem, backend="nccl", device="cuda:0")[0]) == []
+
+
+def test_offload_unpinned():
+    us = healthy_units(offload="cpu", offload_pin_memory=False)
+    ctx, _ = build(units=us, overlap=_gpu_overlap(20, 10, 25), backend="nccl", device="cuda:0")
+    (f,) = run_rule("offload.unpinned", ctx)
+    assert f.predicted["step_ms_after"] == pytest.approx(110.0 - 30 * 0.6)
+    us = healthy_units(offload="cpu", offload_pin_memory=True)
+    assert run_rule("offload.unpinned", build(units=us, backend="nccl", device="cuda:0")[0]) == []
+
+
+# ------------------------------------------------------------------------------------------------ optim
+def test_optimizer_before_shard_is_critical():
+    # figures of a real run: the stale full tensors go, the never-zeroed grads are freed, AdamW state appears
+    ctx, _ = build(optimizer_foreign_params=53, optimizer_foreign_bytes=3_730_432,
+                   memory=memory(17_204_224, stale_optimizer_params=3_730_432, sharded_grads=1_865_216,
+                                 activations=8_423_936))
+    (f,) = run_rule("optim.before_shard", ctx)
+    assert f.severity == "critical"
+    assert f.evidence["foreign_params"] == 53
+    shard = sum(u["sharded_bytes"] for u in E.param_units(ctx))
+    assert f.predicted["peak_bytes_after"] == 17_204_224 - 3_730_432 - 1_865_216 + 2 * shard
+    assert "after fully_shard" in f.recommendation["code"]
+    assert run_rule("optim.before_shard", build()[0]) == []
+
+
+def test_optimizer_step_comm():
+    ov = {"per_rank": {"0": {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                             "steps": [6, 7], "device": "gpu"}},
+          "per_unit": [{"rank": 0, "unit": "(other)", "collective": "all_reduce", "phase": None, "count": 106,
+                        "comm_us": 30_000.0, "exposed_us": 28_000.0}]}
+    ctx, _ = build(overlap=ov, backend="nccl", device="cuda:0")
+    (f,) = run_rule("optim.step_comm", ctx)
+    assert f.severity == "warning"  # 14 ms of 110 exposed
+    assert f.evidence["calls_per_step"] == 53.0
+    assert f.evidence["exposed_ms_per_step"] == pytest.approx(14.0)
+    ov["per_unit"][0].update(comm_us=1000.0, exposed_us=1000.0)
+    assert run_rule("optim.step_comm", build(overlap=ov)[0]) == []
+
+
+def test_optimizer_state_dominates():
+    mem = memory(70 << 30, capacity=80 << 30, optimizer_state=40 << 30, activations=10 << 30)
+    (f,) = run_rule("optim.state_dominates", build(memory=mem, backend="nccl", device="cuda:0")[0])
+    assert f.evidence["state_share_pct"] == pytest.approx(57.1, abs=0.1)
+    assert f.predicted["peak_bytes_after"] == 50 << 30
+    mem = memory(20 << 30, capacity=80 << 30, optimizer_state=15 << 30)
+    assert run_rule("optim.state_dominates", build(memory=mem)[0]) == []
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def test_module_expr_and_blocks():
+    assert E.module_expr("") == "model"
+    assert E.module_expr("layers.0.attn") == "model.layers[0].attn"
+    assert E.block_containers(["layers.0._checkpoint_wrapped_module.attn", "layers.1.mlp", "tok_emb"]) == {"layers": [0, 1]}
+    assert E.block_of("layers.2._checkpoint_wrapped_module.mlp.fc1") == "layers.2"
+    assert E.unit_expr({"modules": ["norm", "lm_head"]}) == "[model.norm, model.lm_head]"
+
+
+def test_memory_fallback_from_step_records():
+    from fsdp_doctor.records import StepRecord
+
+    step = StepRecord(rank=0, step=3, start_ns=0, wall_ms=100.0, memory={
+        "peak": {"bytes": 50 * MiB, "unit": "layers.3", "phase": "forward_end",
+                 "breakdown": {"activations": 40 * MiB, "sharded_params": 2 * MiB}},
+        "unit_activations": {"layers.0": 10 * MiB}})
+    ctx, _ = build(capacity=48 * MiB)
+    ctx.run.ranks = {0: SimpleNamespace(steps=[step])}
+    assert E.peak_bytes(ctx) == 50 * MiB
+    assert E.capacity_bytes(ctx) == 48 * MiB
+    assert E.memory_units(ctx)["layers.0"]["activation_bytes"] == 10 * MiB
