@@ -23,7 +23,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
 @pytest.fixture
 def sample_copy(tmp_path) -> Path:
     dst = tmp_path / "run"
-    shutil.copytree(SAMPLE, dst)
+    shutil.copytree(SAMPLE, dst, ignore=shutil.ignore_patterns("tb"))  # the scalars the run wrote live
     return dst
 
 
