@@ -6,14 +6,18 @@ realistic args and flow events), then runs, each in its own fresh subprocess so 
 measured separately:
 
   * HTA:  TraceAnalysis(trace_dir=...).get_comm_comp_overlap(visualize=False)
-  * ours: fsdp_doctor.trace.analyze_traces(trace_dir)
+  * ours: fsdp_doctor.trace.analyze_traces(trace_dir)   (checked not to import torch)
 
-and prints load+analysis seconds for each (imports excluded, reported apart), the speed ratio, and the
-peak RSS of each process tree (psutil, sampled every 20 ms; summed over worker processes).
+and prints load+analysis wall and CPU seconds for each (imports excluded, reported apart; CPU summed over
+worker processes), the speed ratios, the peak RSS of each process tree (psutil, sampled every 20 ms; summed
+over worker processes) and the per-rank overlap percentages of both. The contenders run in rounds (ours
+``--repeat`` times, HTA in the first ``--hta-repeat`` rounds; medians reported) so that on a shared machine
+they see the same load: compare ratios rather than seconds.
 
-    python benchmarks/trace_speed.py                 # --size small: 4 ranks x ~12 MB
-    python benchmarks/trace_speed.py --size medium   # 8 ranks x ~40 MB
-    python benchmarks/trace_speed.py --ranks 4 --mb-per-rank 25
+    python benchmarks/trace_speed.py                 # --size default: 8 ranks x ~22 MB (~180 MB of JSON)
+    python benchmarks/trace_speed.py --size small    # 4 ranks x ~12 MB
+    python benchmarks/trace_speed.py --ranks 4 --mb-per-rank 30
+    python benchmarks/trace_speed.py --baseline /path/to/old/checkout   # also time another fsdp_doctor tree
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +33,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES = {"small": (4, 12), "medium": (8, 40), "large": (8, 100)}  # ranks, MB (uncompressed) per rank
+# ranks, MB (uncompressed) per rank; "default" is the issue's measurement: 181 MB of Kineto JSON over 8 ranks
+SIZES = {"small": (4, 12), "default": (8, 24), "medium": (8, 40), "large": (8, 100)}
 
 KERNEL = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
           "at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, "
@@ -167,29 +173,33 @@ def build_set(out: Path, ranks: int, mb: float) -> list[Path]:
 # ---------------------------------------------------------------------------- the two contenders
 CHILD_HTA = r"""
 import json, sys, time, logging
+import os
 logging.disable(logging.WARNING)
 t0 = time.perf_counter()
 from hta.trace_analysis import TraceAnalysis
 t1 = time.perf_counter()
+c1 = os.times()
 a = TraceAnalysis(trace_dir=sys.argv[1])
 df = a.get_comm_comp_overlap(visualize=False)
 t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1,
+c2 = os.times()
+print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1, "cpu_s": sum(c2[:4]) - sum(c1[:4]),
                   "overlap": {str(int(r)): float(p) for r, p in zip(df["rank"], df["comp_comm_overlap_pctg"])}}))
 """
 
 CHILD_OURS = r"""
-import json, sys, time, types
+import json, os, sys, time
+sys.path.insert(0, sys.argv[2])  # the fsdp_doctor source tree to time (this checkout, or --baseline)
 t0 = time.perf_counter()
-# import the trace engine alone: fsdp_doctor/__init__ imports torch, which the engine does not need
-pkg = types.ModuleType("fsdp_doctor"); pkg.__path__ = [sys.argv[2] + "/fsdp_doctor"]
-sys.modules["fsdp_doctor"] = pkg
 from fsdp_doctor.trace import analyze_traces
 t1 = time.perf_counter()
+c1 = os.times()
 r = analyze_traces(sys.argv[1])
 t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1, "skipped": r["skipped"],
-                  "overlap": {k: round(v["overlap_pct"], 2) for k, v in r["per_rank"].items()}}))
+c2 = os.times()
+print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1, "cpu_s": sum(c2[:4]) - sum(c1[:4]), "skipped": r["skipped"],
+                  "torch_imported": "torch" in sys.modules,
+                  "overlap": {k: v["overlap_pct"] for k, v in r["per_rank"].items()}}))
 """
 
 
@@ -221,42 +231,82 @@ def run_child(code: str, args: list[str]) -> dict:
     return res
 
 
+def _summary(runs: list[dict]) -> dict:
+    """The run with the median time; its CPU time the median of the runs'; the largest peak RSS of all."""
+    runs = sorted(runs, key=lambda r: r["run_s"])
+    res = dict(runs[len(runs) // 2])
+    res["all_s"] = [r["run_s"] for r in runs]
+    res["cpu_s"] = statistics.median(r["cpu_s"] for r in runs)
+    res["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--size", choices=list(SIZES), default="default")
     ap.add_argument("--ranks", type=int, help="override the number of ranks")
     ap.add_argument("--mb-per-rank", type=float, help="override the uncompressed MB per rank")
     ap.add_argument("--dir", type=Path, help="where to keep the generated traces (reused if present)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; HTA runs in the first --hta-repeat of them")
+    ap.add_argument("--hta-repeat", type=int, default=1, help="runs of HTA (median reported)")
+    ap.add_argument("--baseline", type=Path, action="append", default=[],
+                    help="another fsdp_doctor source tree (a checkout's root) to time the same way; repeatable")
     ap.add_argument("--skip-hta", action="store_true")
     a = ap.parse_args(argv)
     ranks, mb = SIZES[a.size]
     ranks = a.ranks or ranks
     mb = a.mb_per_rank or mb
     out = a.dir or Path(tempfile.gettempdir()) / f"fsdp_doctor_trace_speed_{ranks}x{mb:g}MB"
-    print(f"[1/3] trace set: {ranks} ranks x ~{mb:g} MB (JSON) in {out}", flush=True)
+    print(f"[1/2] trace set: {ranks} ranks x ~{mb:g} MB (JSON) in {out}", flush=True)
     paths = build_set(out, ranks, mb)
     total = sum(p.stat().st_size for p in paths)
     print(f"      {len(paths)} files, {total / 1e6:.1f} MB gz on disk", flush=True)
 
-    print("[2/3] ours: fsdp_doctor.trace.analyze_traces ...", flush=True)
-    ours = run_child(CHILD_OURS, [str(out), str(REPO)])
-    print(f"      {ours['run_s']:.2f} s, peak RSS {ours['peak_rss_mb']:.0f} MB, overlap % {ours['overlap']}",
-          flush=True)
-    if a.skip_hta:
+    # Rounds, each running every contender once, so that all of them see the same (shared) machine load
+    contenders = [("fsdp_doctor.trace", CHILD_OURS, [str(out), str(REPO)])]
+    contenders += [(f"baseline {b.name or b}", CHILD_OURS, [str(out), str(b.resolve())]) for b in a.baseline]
+    hta_runs = 0 if a.skip_hta else max(1, a.hta_repeat)
+    rounds = max(a.repeat, hta_runs)
+    runs: dict = {label: [] for label, _, _ in contenders}
+    if hta_runs:
+        runs["HTA 0.5.0"] = []
+    print(f"[2/2] {rounds} rounds of: {', '.join(runs)}", flush=True)
+    for k in range(rounds):
+        todo = [c for c in contenders if k < a.repeat]
+        if k < hta_runs:
+            todo.append(("HTA 0.5.0", CHILD_HTA, [str(out)]))
+        for label, code, args in todo:
+            r = run_child(code, args)
+            runs[label].append(r)
+            print(f"      round {k + 1}: {label:22} {r['run_s']:6.2f} s wall, {r['cpu_s']:6.2f} s CPU, "
+                  f"peak RSS {r['peak_rss_mb']:4.0f} MB", flush=True)
+    res = {label: _summary(rs) for label, rs in runs.items()}
+    ours = res["fsdp_doctor.trace"]
+    if ours["torch_imported"]:
+        print("WARNING: fsdp_doctor.trace imported torch")
+    if ours["skipped"]:
+        print(f"WARNING: files skipped: {ours['skipped']}")
+    if not hta_runs:
         return 0
-    print("[3/3] HTA 0.5.0: TraceAnalysis(...).get_comm_comp_overlap() ...", flush=True)
-    hta = run_child(CHILD_HTA, [str(out)])
-    print(f"      {hta['run_s']:.2f} s, peak RSS {hta['peak_rss_mb']:.0f} MB, overlap % {hta['overlap']}",
-          flush=True)
+    hta = res["HTA 0.5.0"]
 
-    ratio = hta["run_s"] / ours["run_s"]
     print()
-    print(f"{'':18}{'load+analysis':>15}{'import':>10}{'peak RSS':>12}")
-    print(f"{'HTA 0.5.0':18}{hta['run_s']:>13.2f} s{hta['import_s']:>8.2f} s{hta['peak_rss_mb']:>9.0f} MB")
-    print(f"{'fsdp_doctor.trace':18}{ours['run_s']:>13.2f} s{ours['import_s']:>8.2f} s{ours['peak_rss_mb']:>9.0f} MB")
-    print(f"speed-up: {ratio:.1f}x (goal >= 20x); memory: {hta['peak_rss_mb'] / ours['peak_rss_mb']:.1f}x less")
-    worst = max(abs(hta["overlap"][k] - ours["overlap"][k]) for k in hta["overlap"])
-    print(f"largest per-rank overlap difference vs HTA: {worst:.2f} percentage points")
+    print("load+analysis: medians over the runs (imports excluded); CPU includes worker processes")
+    print(f"{'':22}{'wall':>9}{'CPU':>9}{'import':>9}{'peak RSS':>10}{'HTA/this wall':>15}{'CPU':>6}")
+    for label in ["HTA 0.5.0"] + [c[0] for c in contenders]:
+        r = res[label]
+        print(f"{label[:21]:22}{r['run_s']:>7.2f} s{r['cpu_s']:>7.2f} s{r['import_s']:>7.2f} s"
+              f"{r['peak_rss_mb']:>7.0f} MB{hta['run_s'] / r['run_s']:>14.1f}x{hta['cpu_s'] / r['cpu_s']:>5.1f}x")
+    print(f"speed-up: {hta['run_s'] / ours['run_s']:.1f}x wall, {hta['cpu_s'] / ours['cpu_s']:.1f}x CPU (goal >= 20x); "
+          f"peak memory {hta['peak_rss_mb'] / ours['peak_rss_mb']:.1f}x less than HTA (goal: no more)")
+    print(f"torch imported by fsdp_doctor.trace: {ours['torch_imported']}")
+    print("per-rank overlap % (HTA vs fsdp_doctor.trace):")
+    worst = 0.0
+    for k in sorted(hta["overlap"], key=int):
+        h, o = hta["overlap"][k], ours["overlap"].get(k)
+        worst = max(worst, abs(h - o) if o is not None else float("inf"))
+        print(f"  rank {k}: {h:.2f} vs {'-' if o is None else f'{o:.2f}'}")
+    print(f"largest per-rank overlap difference vs HTA: {worst:.3f} percentage points")
     return 0
 
 

@@ -20,6 +20,8 @@ Metrics (per rank, summed over that rank's windows; times in µs):
 
 from __future__ import annotations
 
+import gc
+import multiprocessing as mp
 import os
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -29,15 +31,16 @@ from typing import Callable, Iterable, Optional, Union
 import numpy as np
 
 from . import intervals as iv
-from .model import CollectiveCall, WindowTrace, build_window
-from .reader import TraceError, find_trace_files
+from .model import CollectiveCall, WindowTrace, _gc_paused, build_window
+from .reader import TraceError, decode, find_trace_files
 
 PathLike = Union[str, os.PathLike]
 
 # Decoding in worker processes pays off once there is this much JSON to read (gzip counted as 8x its size;
-# one process decodes and reduces roughly 150-300 MB of trace JSON per second).
+# one process decodes and reduces roughly 100-200 MB of trace JSON per second; forking a worker ~10 ms).
 PARALLEL_MIN_BYTES = 16 << 20
 GZIP_RATIO = 8
+_CAN_FORK = "fork" in mp.get_all_start_methods()
 
 
 # ---------------------------------------------------------------- per-window analyses
@@ -131,6 +134,95 @@ def _load(path: str):
         return TraceError(f"cannot analyze ({type(e).__name__}: {e})")
 
 
+def _worker(paths: list[str], conn) -> None:
+    """A forked worker: receives file indices, sends back (index, window or TraceError), until None. Each file's
+    decoded events (hundreds of thousands of objects) are freed only when the next file comes, so the memory
+    is reused rather than faulted in afresh; the last file's are never freed: the worker leaves with
+    os._exit (nothing of the parent's to flush or finalize)."""
+    gc.disable()  # no cycles here; see model._gc_paused
+    trace = None
+    try:
+        while True:
+            i = conn.recv()
+            if i is None:
+                break
+            trace = None
+            try:
+                trace = decode(Path(paths[i]))
+                res = build_window(paths[i], trace)
+            except TraceError as e:
+                res = TraceError(str(e))
+            except Exception as e:  # as in _load
+                res = TraceError(f"cannot analyze ({type(e).__name__}: {e})")
+            conn.send((i, res))
+    except BaseException:  # the parent sees EOF and reports the file as not analysed
+        pass
+    finally:
+        os._exit(0)
+
+
+def _load_forked(paths: list[Path], n_workers: int, on_result: Callable[[int, object], None]) -> None:
+    """Forked workers (at most ``n_workers``) take the files one at a time, largest first. The cyclic GC is
+    paused in the parent meanwhile: unpickling a window makes thousands of small objects and no cycles."""
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("fork")
+    names = [str(p) for p in paths]
+    sizes = [p.stat().st_size if p.exists() else 0 for p in paths]
+    todo = sorted(range(len(paths)), key=lambda i: -sizes[i])
+    busy: dict = {}  # parent's end of a worker's pipe -> (file index, process)
+
+    def start_worker() -> bool:
+        here, there = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_worker, args=(names, there), daemon=True)
+        try:
+            proc.start()
+        except (OSError, AssertionError):  # no process to be had (limits; a daemonic parent)
+            here.close()
+            there.close()
+            return False
+        there.close()
+        i = todo.pop(0)
+        here.send(i)
+        busy[here] = (i, proc)
+        return True
+
+    with _gc_paused():
+        try:
+            while todo and len(busy) < n_workers and start_worker():
+                pass
+            while busy:
+                for conn in wait(list(busy)):
+                    i, proc = busy.pop(conn)
+                    try:
+                        _, res = conn.recv()
+                        alive = True
+                    except (EOFError, OSError):
+                        res, alive = TraceError("cannot analyze (the worker process died)"), False
+                    except Exception as e:
+                        res, alive = TraceError(f"cannot analyze ({type(e).__name__}: {e})"), False
+                    on_result(i, res)
+                    if alive and todo:
+                        i = todo.pop(0)
+                        conn.send(i)
+                        busy[conn] = (i, proc)
+                        continue
+                    if alive:
+                        conn.send(None)
+                    conn.close()
+                    proc.join()
+                    if todo:  # a worker died: replace it
+                        start_worker()
+            for i in list(todo):  # no worker to be had: in this process
+                todo.remove(i)
+                on_result(i, _load(names[i]))
+        finally:
+            for conn, (_, proc) in busy.items():  # only on an error in the parent (e.g. KeyboardInterrupt)
+                proc.kill()
+                proc.join()
+                conn.close()
+
+
 def _display(path: Path, root: Optional[Path]) -> str:
     if root is not None and root.is_dir():
         try:
@@ -152,11 +244,18 @@ def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int
     done = 0
     if progress:
         progress(0, total)
-    if n_workers > 1 and total > 1 and size >= PARALLEL_MIN_BYTES:
-        import multiprocessing as mp
+    parallel = n_workers > 1 and total > 1 and size >= PARALLEL_MIN_BYTES
+    if parallel and _CAN_FORK:
+        def on_result(i, res):
+            nonlocal done
+            results[i] = res
+            done += 1
+            if progress:
+                progress(done, total)
 
-        ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-        with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx) as pool:
+        _load_forked(paths, n_workers, on_result)
+    elif parallel:  # no fork (Windows): a pool of spawned processes
+        with ProcessPoolExecutor(max_workers=n_workers) as pool:
             futs = {pool.submit(_load, str(p)): i for i, p in enumerate(paths)}
             for f in as_completed(futs):
                 results[futs[f]] = f.result()
@@ -183,6 +282,11 @@ def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int
 
 
 def analyze_windows(windows: list[WindowTrace]) -> dict:
+    with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
+        return _analyze_windows(windows)
+
+
+def _analyze_windows(windows: list[WindowTrace]) -> dict:
     per_rank: dict = {}
     copies_out: dict = {}
     idle_out: dict = {}
