@@ -63,8 +63,14 @@ def resolve_profile(profile: Any) -> dict[str, Any] | None:
 
 
 class ProfilerWindows:
-    """Owns one ``torch.profiler.profile`` driven by ``step()``; writes each finished window to
-    ``<out_dir>/profiler/rank{R}.{first_step}.pt.trace.json.gz`` and reports it to ``on_saved``."""
+    """Drives ``torch.profiler.profile`` from ``step()``; writes each finished window to
+    ``<out_dir>/profiler/rank{R}.{first_step}.pt.trace.json.gz`` and reports it to ``on_saved``.
+
+    A profiler object exists only around a window: it is created and started at the step before the
+    window's warm-up and dropped once the window is saved, so steps between windows pay nothing (a live
+    ``torch.profiler.profile`` enters a ``ProfilerStep#N`` record function at every step, even idle). Its
+    ``step_num`` starts at the global step, so ``ProfilerStep#N`` in the traces are training steps.
+    """
 
     def __init__(self, out_dir: Path, rank: int, kwargs: dict[str, Any], on_saved: Callable[[list[int], str], None]):
         self.dir = Path(out_dir) / PROFILER_DIR
@@ -76,6 +82,7 @@ class ProfilerWindows:
         self.on_saved = on_saved
         self._step = 0
         self._window: list[int] = []
+        self._saved = 0
         kw = dict(kwargs)
         if "activities" not in kw:
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -84,7 +91,8 @@ class ProfilerWindows:
             kw["activities"] = acts
         kw.setdefault("record_shapes", False)
         kw.setdefault("with_stack", False)
-        self.prof = torch.profiler.profile(on_trace_ready=self._ready, **kw)
+        self._kw = kw
+        self.prof: torch.profiler.profile | None = None
 
     def action(self, step: int) -> ProfilerAction:
         return self.schedule(step)
@@ -93,18 +101,30 @@ class ProfilerWindows:
         return self.action(step) != ProfilerAction.NONE
 
     def start(self) -> None:
-        self.prof.start()
+        self._maybe_open(self._step)
+
+    def _maybe_open(self, step: int) -> None:
+        if self.prof is not None or self.action(step) == ProfilerAction.NONE:
+            return
+        prof = torch.profiler.profile(on_trace_ready=self._ready, **self._kw)
+        prof.step_num = step  # the schedule sees global steps; ProfilerStep#N labels are training steps
+        prof.current_action = self.action(step)
+        prof.start()
+        self.prof = prof
 
     def step(self) -> bool:
-        """Advances the profiler past the step just finished; True if a trace was written."""
+        """Advances past the step just finished; True if a trace was written."""
         if self.action(self._step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
             self._window.append(self._step)
         saved_before = self._saved
         self._step += 1
-        self.prof.step()
+        if self.prof is not None:
+            self.prof.step()
+            if self.action(self._step) == ProfilerAction.NONE:  # the window is over (and was saved)
+                self.prof.stop()
+                self.prof = None
+        self._maybe_open(self._step)
         return self._saved != saved_before
-
-    _saved = 0
 
     def _ready(self, prof) -> None:
         steps = self._window or [self._step]
@@ -116,4 +136,6 @@ class ProfilerWindows:
 
     def stop(self) -> None:
         # Stopping mid-window saves what was recorded so far (torch calls on_trace_ready).
-        self.prof.stop()
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None

@@ -19,15 +19,16 @@
   ``overlap/comm_ms``             all communication, per profiled step
   ==============================  =====================================================================
 
-Cost per step: ``on_step`` only queues the record (~1-2 µs); a writer thread makes the ``add_scalar`` calls (~30 µs
-each) and ``SummaryWriter`` writes the event file on its own thread. The overlap of a saved window is computed on a background thread
+Cost per step: ``on_step`` only queues the record (~1-2 µs); a writer thread turns it into one event holding
+all the step's scalars (a Summary proto built directly, ~1 µs a value) and ``SummaryWriter`` writes the event
+file on its own thread. The overlap of a saved window is computed on a background thread
 (``fsdp_doctor.trace.analyze_traces`` over that one file), never in the training loop.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import collections
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -109,10 +110,12 @@ class TensorBoardWriter:
         self.dir = tb_dir(out_dir, rank)
         self.writer = SummaryWriter(log_dir=str(self.dir), max_queue=1000, flush_secs=flush_secs)
         self._background = background
-        self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._jobs: "collections.deque[tuple]" = collections.deque()  # append/popleft are atomic: no lock, no wake-up
         self._worker: Optional[threading.Thread] = None
         self._walltime: dict[int, float] = {}  # step -> wall-clock end (s), to place overlap points in time
         self._closed = False
+        self._stop = threading.Event()
+        self.poll_s = 1.0
 
     # ------------------------------------------------------------------ hooks
     def on_step(self, rec: StepRecord) -> None:
@@ -138,23 +141,27 @@ class TensorBoardWriter:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
         if self._worker is not None and self._worker.is_alive():
-            self._jobs.put(None)
             self._worker.join(timeout)
+        self._drain()  # whatever the worker had not picked up
         self.writer.close()
 
     # ------------------------------------------------------------------ internals
     def _submit(self, job) -> None:
-        self._jobs.put(job)
-        if self._worker is None or not self._worker.is_alive():
+        self._jobs.append(job)
+        if self._worker is None:
             self._worker = threading.Thread(target=self._work, name=f"fsdp-doctor-tb-rank{self.rank}", daemon=True)
             self._worker.start()
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+        """Wakes up every ``poll_s`` and writes what queued up meanwhile: the training thread never signals it."""
+        while not self._stop.wait(self.poll_s):
+            self._drain()
+
+    def _drain(self) -> None:
+        while self._jobs:
+            job = self._jobs.popleft()
             try:
                 if job[0] == "step":
                     self._write_step(job[1])
@@ -170,9 +177,15 @@ class TensorBoardWriter:
             if len(self._walltime) > 4096:
                 for k in sorted(self._walltime)[:2048]:
                     del self._walltime[k]
-        add = self.writer.add_scalar
-        for tag, v in step_scalars(rec).items():
-            add(tag, v, rec.step, walltime=wt)
+        self._add_many(step_scalars(rec), rec.step, wt)
+
+    def _add_many(self, values: dict[str, float], step: int, walltime: Optional[float]) -> None:
+        """One event holding every scalar of the step: what ``add_scalar`` writes, one value each, built
+        straight as a Summary proto (~1 µs a value instead of ~30 µs through ``add_scalar``)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()])
+        self.writer._get_file_writer().add_summary(summary, step, walltime)
 
     def _analyze(self, window: Optional[ProfileWindow], path: Path) -> None:
         try:
@@ -180,8 +193,7 @@ class TensorBoardWriter:
 
             result = analyze_traces([path], workers=1)
             for step, vals in sorted(overlap_scalars(result, self.rank).items()):
-                for tag, v in vals.items():
-                    self.writer.add_scalar(tag, v, step, walltime=self._walltime.get(step))
+                self._add_many(vals, step, self._walltime.get(step))
             for s in result.get("skipped", []):
                 log.info("fsdp_doctor: TensorBoard overlap skipped %s (%s)", s.get("file"), s.get("error"))
         except Exception as e:  # noqa: BLE001  (TensorBoard output must never disturb training)
