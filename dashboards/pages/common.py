@@ -8,6 +8,7 @@ from typing import Any, Optional
 from dash import dash_table, dcc, html
 
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.present.fmt import fmt_value as _fmt_value
 
 from ..figures import unit_label
 
@@ -71,29 +72,10 @@ def grid(*children, cols: int = 2) -> html.Div:
 
 
 def fmt_value(key: str, v: Any) -> str:
-    """A number formatted by the unit its key names (``_bytes``, ``_ms``, ``_us``, ``_pct``)."""
-    if isinstance(v, bool) or v is None:
-        return "—" if v is None else str(v).lower()
-    if isinstance(v, (int, float)):
-        if key.endswith("_bytes") or key == "bytes":
-            return fmt_bytes(v)
-        if key.endswith("_ms") or "_ms_" in key:
-            return fmt_ms(v)
-        if key.endswith("_us"):
-            return fmt_ms(v / 1e3)
-        if key.endswith("_pct"):
-            return f"{v:.1f}%"
-        if key.endswith("_gbps"):
-            return f"{v:.2f} GB/s"
-        if isinstance(v, float):
-            return f"{v:,.4g}"
-        return f"{v:,}"
-    if isinstance(v, (list, tuple)):
-        s = ", ".join(unit_label(x) if isinstance(x, str) and key.startswith("unit") else str(x) for x in v[:8])
-        return s + (f" … (+{len(v) - 8})" if len(v) > 8 else "")
-    if isinstance(v, dict):
-        return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())
-    return str(v)
+    """An evidence value formatted by its unit (fsdp_doctor.present.fmt), unit names shown as on screen."""
+    if isinstance(v, (list, tuple)) and key.startswith("unit"):
+        v = [unit_label(x) if isinstance(x, str) else x for x in v]
+    return _fmt_value(key, v)
 
 
 TABLE_STYLE = dict(

@@ -30,3 +30,43 @@ def fmt_ms(ms) -> str:
 
 def fmt_pct(x) -> str:
     return "—" if x is None else f"{x:.1f}%"
+
+
+def fmt_value(key: str, v, max_items: int = 8) -> str:
+    """An evidence value formatted by the unit its key names (``_bytes``, ``_ms``, ``_us``, ``_pct``,
+    ``_gbps``); lists are shortened, dicts formatted item by item. Shared by every presenter."""
+    if isinstance(v, bool) or v is None:
+        return "—" if v is None else str(v).lower()
+    if isinstance(v, (int, float)):
+        if key.endswith("_bytes") or key == "bytes":
+            return fmt_bytes(v)
+        if key.endswith("_ms") or "_ms_" in key:
+            return fmt_ms(v)
+        if key.endswith("_us"):
+            return fmt_ms(v / 1e3)
+        if key.endswith("_pct"):
+            return f"{v:.1f}%"
+        if key.endswith("_gbps"):
+            return f"{v:.2f} GB/s"
+        return f"{v:,.4g}" if isinstance(v, float) else f"{v:,}"
+    if isinstance(v, (list, tuple)):
+        s = ", ".join(str(x) for x in v[:max_items])
+        return s + (f" … (+{len(v) - max_items})" if len(v) > max_items else "")
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())
+    return str(v)
+
+
+def run_facts(run: dict) -> list[str]:
+    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions."""
+    facts = []
+    if run.get("world_size"):
+        facts.append(f"{run['world_size']} ranks")
+    if run.get("units"):
+        facts.append(f"{run['units']} FSDP units")
+    if run.get("model_param_count"):
+        facts.append(f"{run['model_param_count'] / 1e6:.2f} M params")
+    for k in ("backend", "device_name", "torch_version", "optimizer"):
+        if run.get(k):
+            facts.append(str(run[k]))
+    return facts

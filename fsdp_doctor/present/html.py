@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from .fmt import fmt_bytes, fmt_ms, fmt_pct
+from .fmt import fmt_bytes, fmt_ms, fmt_pct, fmt_value, run_facts
 
 PHASES = ("forward", "backward", "optimizer", "outside")
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
@@ -49,25 +49,6 @@ table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{padding:2px 10
 
 def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
-
-
-def _fmt_val(key: str, v: Any) -> str:
-    if isinstance(v, bool) or v is None:
-        return "—" if v is None else str(v)
-    if isinstance(v, (int, float)):
-        if key.endswith("_bytes"):
-            return fmt_bytes(v)
-        if key.endswith("_ms") or "_ms_" in key:
-            return fmt_ms(v)
-        if key.endswith("_us"):
-            return fmt_ms(v / 1e3)
-        if key.endswith("_pct"):
-            return f"{v:.1f}%"
-        return f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
-    if isinstance(v, (list, tuple)):
-        s = ", ".join(str(x) for x in v[:10])
-        return s + (f" … (+{len(v) - 10})" if len(v) > 10 else "")
-    return str(v)
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -217,16 +198,7 @@ def step_timeline_figure(steps: dict):
 # ---------------------------------------------------------------------------------------------- html parts
 def _header(report: dict) -> str:
     r = report.get("run") or {}
-    facts = []
-    if r.get("world_size"):
-        facts.append(f"{r['world_size']} ranks")
-    if r.get("units"):
-        facts.append(f"{r['units']} FSDP units")
-    if r.get("model_param_count"):
-        facts.append(f"{r['model_param_count'] / 1e6:.2f} M params")
-    for k in ("backend", "device_name", "torch_version", "optimizer"):
-        if r.get(k):
-            facts.append(str(r[k]))
+    facts = run_facts(r)
     if r.get("capacity_bytes"):
         facts.append(f"capacity {fmt_bytes(r['capacity_bytes'])}")
     job = ((report.get("steps") or {}).get("job") or {})
@@ -252,7 +224,7 @@ def _finding(f: dict) -> str:
     sev = f.get("severity", "info")
     color = SEVERITY_COLORS.get(sev, "#999")
     rec = f.get("recommendation") or {}
-    ev = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(_fmt_val(k, v))}</td></tr>"
+    ev = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(fmt_value(k, v, max_items=10))}</td></tr>"
                  for k, v in (f.get("evidence") or {}).items())
     code = f"<pre><code>{_esc(rec['code'])}</code></pre>" if rec.get("code") else ""
     return (f"<div class='finding' style='border-left-color:{color}'>"

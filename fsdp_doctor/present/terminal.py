@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import fmt_bytes, fmt_ms
+from .fmt import fmt_bytes, fmt_ms, fmt_value, run_facts
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -17,16 +17,7 @@ SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 def render_header(report: dict):
     r = report.get("run", {})
     parts = [f"[bold]{r.get('path', '')}[/]"]
-    facts = []
-    if r.get("world_size"):
-        facts.append(f"{r['world_size']} ranks")
-    if r.get("units"):
-        facts.append(f"{r['units']} FSDP units")
-    if r.get("model_param_count"):
-        facts.append(f"{r['model_param_count'] / 1e6:.2f} M params")
-    for k in ("backend", "device_name", "torch_version", "optimizer"):
-        if r.get(k):
-            facts.append(str(r[k]))
+    facts = run_facts(r)
     if r.get("trace_files"):
         facts.append(f"{r['trace_files']} trace files")
     parts.append(" · ".join(facts))
@@ -113,7 +104,7 @@ def render_findings(findings: list[dict]):
     if "warning" not in worst and "critical" not in worst:
         items.append(Text("Healthy: no warnings. Notes below.", style="green"))
     for f in findings:
-        ev = "\n".join(f"  {k}: {_fmt_val(k, v)}" for k, v in f["evidence"].items())
+        ev = "\n".join(f"  {k}: {fmt_value(k, v)}" for k, v in f["evidence"].items())
         body = [Text(f["recommendation"]["text"]), Text("Evidence:\n" + ev, style="dim")]
         pred = f.get("predicted")
         if pred and (pred.get("step_ms_after") is not None or pred.get("peak_bytes_after") is not None):
@@ -129,22 +120,6 @@ def render_findings(findings: list[dict]):
         items.append(Panel(Group(*body), title=f"[{style}]{f['severity'].upper()}[/] {f['code']}: {f['title']}",
                            title_align="left", box=box.ROUNDED, border_style=style))
     return Group(*items)
-
-
-def _fmt_val(key: str, v) -> str:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if key.endswith("_bytes"):
-            return fmt_bytes(v)
-        if key.endswith("_ms") or "_ms_" in key:
-            return fmt_ms(v)
-        if key.endswith("_us"):
-            return fmt_ms(v / 1e3)
-        if key.endswith("_pct"):
-            return f"{v:.1f}%"
-    if isinstance(v, list):
-        s = ", ".join(str(x) for x in v[:8])
-        return s + (f" … (+{len(v) - 8})" if len(v) > 8 else "")
-    return str(v)
 
 
 def render_report(report: dict, console: Console | None = None) -> None:
