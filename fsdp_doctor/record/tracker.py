@@ -127,6 +127,7 @@ class Doctor:
         self._gpu = None  # GpuTimeline on CUDA
         self._tap = self._tap_prev = None  # the FSDP logger interception
         self._grad_hooks: dict[int, Any] = {}
+        self._log_cache: dict[str, tuple[bool, int] | None] = {}
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -431,21 +432,28 @@ class Doctor:
         except Exception as e:  # noqa: BLE001
             self._fail("backward end", e)
 
-    def _on_fsdp_log(self, msg: str, t: int) -> None:
-        # "FSDP::pre_backward (layers.0)" / "FSDP::post_backward (layers.0) [pg=2]"
+    def _parse_fsdp_log(self, msg: str) -> tuple[bool, int] | None:
+        """("FSDP::pre_backward (layers.0)" -> (True, unit index)); None for labels the doctor does not use."""
         kind, _, rest = msg.partition(" (")
         if kind not in ("FSDP::pre_backward", "FSDP::post_backward"):
-            return
+            return None
         fqn = rest.rsplit(")", 1)[0] if rest else ""
+        if fqn not in self._unit_of_label:
+            self._unit_of_label = {k: i for i, u in enumerate(self._units) for k in label_to_unit([u])}
         idx = self._unit_of_label.get(fqn)
-        if idx is None:
-            self._unit_of_label = {k: i for i, u in enumerate(self._units)
-                                   for k in label_to_unit([u])}
-            idx = self._unit_of_label.get(fqn)
-            if idx is None:
-                return
+        return None if idx is None else (kind == "FSDP::pre_backward", idx)
+
+    def _on_fsdp_log(self, msg: str, t: int) -> None:
+        # The same few label strings recur every step: parse each once.
+        try:
+            parsed = self._log_cache[msg]
+        except KeyError:
+            parsed = self._log_cache[msg] = self._parse_fsdp_log(msg)
+        if parsed is None:
+            return
+        is_pre, idx = parsed
         a = self._acc[idx]
-        if kind == "FSDP::pre_backward":
+        if is_pre:
             if self._bwd_start == 0:
                 self._bwd_start = t
             if not a.t_pre_bwd:
