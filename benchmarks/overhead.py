@@ -7,7 +7,7 @@ processes, the same memory layout and the same background load. Step times come 
 against it. Excluded from both kinds of block alike: the first ``--skip`` steps of each block (warm-up after
 attaching) and the steps the default profiler schedule records (and the one that carries the trace export).
 
-    .venv/bin/python benchmarks/overhead.py [--blocks 12] [--block-steps 30]
+    .venv/bin/python benchmarks/overhead.py [--blocks 40] [--block-steps 30]   (about 2 minutes)
 
 Prints the median step time of each kind and their ratio (the figure the README quotes), the spread of the
 per-block-pair ratios (this shared 2-core VM's noise is about ±5%), and the process CPU time per step
@@ -89,7 +89,7 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--blocks", type=int, default=12, help="blocks of steps, alternating off/on (even)")
+    ap.add_argument("--blocks", type=int, default=40, help="blocks of steps, alternating off/on (even)")
     ap.add_argument("--block-steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out at the start of each block")
     ap.add_argument("--nproc", type=int, default=2, help="gloo ranks")

@@ -137,6 +137,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     console.print(f"trained {cfg.steps} steps in {time.perf_counter() - t0:.1f} s; loss {losses[0][0]:.3f} → {losses[0][-1]:.3f}")
     run = load_run(out)
     report = build_report(run)
+    from .record.tensorboard import export_tensorboard
+
+    export_tensorboard(run, out)  # TensorBoard scalars written after training, at no cost to it
     report_path = out / "report.json"
     report_path.write_text(json.dumps(report, indent=1, default=str))
     ns.json = None
