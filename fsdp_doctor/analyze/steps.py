@@ -115,7 +115,8 @@ def find_outliers(run: Run) -> list[dict]:
     return out
 
 
-def _unit_wait_excess(s: StepRecord, steps_base: _Base) -> tuple[str | None, float]:
+def _largest_unit_wait(s: StepRecord) -> tuple[str | None, float]:
+    """The unit whose all-gathers kept this step's host waiting longest, and that wait (ms)."""
     best, best_ms = None, 0.0
     for u in s.units:
         w = u.ag_wait_fwd_ms + u.ag_wait_bwd_ms
@@ -150,7 +151,7 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     if key == "outside":
         return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
     if key == "wait":
-        unit, ms = _unit_wait_excess(s, b)
+        unit, ms = _largest_unit_wait(s)
         return "allgather_wait", f"all-gather wait +{parts['wait']:.1f} ms (largest in unit {unit!r}: {ms:.1f} ms)"
     return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
 

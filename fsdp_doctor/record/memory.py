@@ -405,22 +405,16 @@ class MemoryProbe:
             for g in self.unit_groups[idx]:
                 for fp in g.fps:
                     sp = getattr(fp, "sharded_param", None)
-                    gr = sp.grad if sp is not None else None
-                    if gr is not None:
-                        d, h = self._grad_bytes(gr, seen)
-                        sg += d
-                        host += h
                     up = getattr(fp, "_unsharded_param", None)
-                    if up is not None:
-                        gr = up.grad
-                        if gr is not None:
-                            d, h = self._grad_bytes(gr, seen)
+                    for gr, sharded in ((getattr(sp, "grad", None), True), (getattr(up, "grad", None), False),
+                                        (getattr(fp, "unsharded_accumulated_grad", None), False)):
+                        if gr is None:
+                            continue
+                        d, h = self._grad_bytes(gr, seen)
+                        if sharded:
+                            sg += d
+                        else:
                             ug += d
-                            host += h
-                    acc = getattr(fp, "unsharded_accumulated_grad", None)
-                    if acc is not None:
-                        d, h = self._grad_bytes(acc, seen)
-                        ug += d
                         host += h
         self._set_grads(idx, sg, ug, host)
 

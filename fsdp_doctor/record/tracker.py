@@ -49,7 +49,7 @@ from ..records import (
 from ..store.writer import RecordWriter, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
 from .throughput import FlopCounter, device_peak_tflops
-from .units import Unit, checkpointed_modules, find_units, label_to_unit, snapshot_units, unmanaged_param_bytes
+from .units import Unit, checkpointed_modules, find_units, label_to_index, snapshot_units, unmanaged_param_bytes
 
 log = logging.getLogger("fsdp_doctor")
 _FSDP_LOGGER = "torch.distributed.fsdp.fully_shard"
@@ -439,7 +439,7 @@ class Doctor:
             return None
         fqn = rest.rsplit(")", 1)[0] if rest else ""
         if fqn not in self._unit_of_label:
-            self._unit_of_label = {k: i for i, u in enumerate(self._units) for k in label_to_unit([u])}
+            self._unit_of_label = label_to_index(self._units)
         idx = self._unit_of_label.get(fqn)
         return None if idx is None else (kind == "FSDP::pre_backward", idx)
 
@@ -584,7 +584,7 @@ class Doctor:
 
     def _write_config(self) -> None:
         self._config_written = True
-        self._unit_of_label = {k: i for i, u in enumerate(self._units) for k in label_to_unit([u])}
+        self._unit_of_label = label_to_index(self._units)
         self._writer.write(self._config())
 
     def _config(self) -> RunConfig:

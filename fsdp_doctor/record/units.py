@@ -238,13 +238,14 @@ def unmanaged_param_bytes(model: nn.Module, units: list[Unit]) -> int:
     return total
 
 
-def label_to_unit(units: list[Unit]) -> dict[str, str]:
-    """Maps the fqn FSDP puts in its labels and logs (``FSDP::pre_backward (fqn)``) to our unit names."""
-    out = {}
-    for u in units:
+def label_to_index(units: list[Unit]) -> dict[str, int]:
+    """Maps the fqn FSDP puts in its labels and logs (``FSDP::pre_backward (fqn)``) to the unit's index in
+    ``units`` (our own unit names map too)."""
+    out: dict[str, int] = {}
+    for i, u in enumerate(units):
         for pg in u.param_groups:
             fqn = getattr(pg, "_module_fqn", None)
             if fqn is not None:
-                out[fqn] = u.name
-        out.setdefault(u.name, u.name)
+                out[fqn] = i
+        out.setdefault(u.name, i)
     return out
