@@ -18,11 +18,11 @@ from fsdp_doctor.workloads.train import next_token_loss
 from fsdp_doctor.workloads.data import batches
 
 
-def train_losses(cfg, out_dir=None, sabotage=False):
+def train_losses(cfg, out_dir=None, sabotage=False, **watch_kwargs):
     torch.manual_seed(0)
     model, opt = build_training(cfg)
-    losses, errors = [], []
-    ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, profile=False) if out_dir else None
+    losses = []
+    ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, profile=False, **watch_kwargs) if out_dir else None
     doctor = ctx.__enter__() if ctx else None
     for step, (tok, tgt) in zip(range(cfg.steps), batches(cfg, 0)):
         if sabotage and step == 2:

@@ -1,9 +1,21 @@
-"""Tokens/s, achieved TFLOP/s and MFU from the recorded step times and the counted FLOPs."""
+"""Tokens/s, achieved TFLOP/s and MFU from the recorded step times and the counted FLOPs.
+
+Where FLOPs were not counted (counting failed, or was off) but tokens per step are known, the FLOPs come
+from the analytic estimate 6 x parameters x tokens per rank (Kaplan et al. 2020: forward 2, backward 4 FLOPs
+per parameter per token; attention scores not included, so it reads low for long sequences), and each row
+says which (``flops_source``: ``"counted"`` or ``"analytic"``)."""
 
 from __future__ import annotations
 
 from ..store import Run
 from .steps import step_stats, usable_steps
+
+
+def analytic_flops_per_step(cfg) -> float | None:
+    """6 x parameters x this rank's tokens per step, or None without tokens or parameters."""
+    if not cfg.tokens_per_step or not cfg.model_param_count:
+        return None
+    return 6.0 * cfg.model_param_count * cfg.tokens_per_step / max(1, cfg.world_size)
 
 
 def analyze_throughput(run: Run) -> dict | None:
@@ -20,9 +32,13 @@ def analyze_throughput(run: Run) -> dict | None:
         if cfg.tokens_per_step:
             row["tokens_per_s"] = round(cfg.tokens_per_step / cfg.world_size / p50_s, 1)
             any_data = True
-        if cfg.flops_per_step:
-            tf = cfg.flops_per_step / p50_s / 1e12
-            row["flops_per_step"] = cfg.flops_per_step
+        flops, source = cfg.flops_per_step, "counted"
+        if not flops:
+            flops, source = analytic_flops_per_step(cfg), "analytic"
+        if flops:
+            tf = flops / p50_s / 1e12
+            row["flops_per_step"] = flops
+            row["flops_source"] = source
             row["achieved_tflops"] = round(tf, 4)
             job_tflops += tf
             any_data = True

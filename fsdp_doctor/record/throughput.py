@@ -1,8 +1,21 @@
-"""FLOPs per step (counted once with FlopCounterMode) and the peak-TFLOP/s table for MFU."""
+"""FLOPs per step (counted once with FlopCounterMode) and the peak-TFLOP/s table for MFU.
+
+Counting never breaks training: every exception inside it (a FLOP formula that rejects an operator's
+shapes, entering or leaving the mode) is caught, logged once, and the count is reported as unknown
+(``finish()`` returns None), so the report falls back to the analytic estimate
+(``analyze.throughput``: 6 x parameters x tokens). Attention is counted by our own formulas, which count
+grouped-query attention (fewer key/value heads than query heads) as the same matmuls with the query head
+count, on every torch version, and include the CPU kernels torch's table leaves out.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger("fsdp_doctor")
 
 # Dense peak TFLOP/s by device-name fragment and compute dtype (vendor datasheets, no sparsity).
 # The first fragment found in torch.cuda.get_device_name() wins, so longer names come first.
@@ -28,25 +41,114 @@ def device_peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
+def sdpa_flops(query_shape, key_shape, value_shape) -> int:
+    """Forward FLOPs of scaled-dot-product attention, grouped-query attention included: QK^T and AV are
+    computed for every query head (the kernel broadcasts each key/value head to its group), so the count is
+    that of multi-head attention with the query head count. Not halved for causal masks (torch's convention)."""
+    b, h_q, s_q, d_q = query_shape
+    s_k = key_shape[-2]
+    d_v = value_shape[-1]
+    return 2 * b * h_q * s_q * s_k * d_q + 2 * b * h_q * s_q * s_k * d_v
+
+
+def sdpa_backward_flops(query_shape, key_shape, value_shape) -> int:
+    """Backward FLOPs: QK^T recomputed, then dO·V^T, P^T·dO, dS·K and dS^T·Q (torch's five matmuls), every
+    one over the query heads (the key/value gradients of a group are summed from its query heads)."""
+    b, h_q, s_q, d_q = query_shape
+    s_k = key_shape[-2]
+    d_v = value_shape[-1]
+    return 2 * b * h_q * s_q * s_k * (d_q + d_v + d_v + d_q + d_q)
+
+
+def _fwd_formula(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flops(query_shape, key_shape, value_shape)
+
+
+def _bwd_formula(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flops(query_shape, key_shape, value_shape)
+
+
+# SDPA operators whose first tensors are (query, key, value), resp. (grad_out, query, key, value); the
+# ones this torch lacks are skipped. The CPU kernels are missing from torch's own table (counted as 0).
+_SDPA_FWD = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+_SDPA_BWD = tuple(n + "_backward" for n in _SDPA_FWD)
+
+
+def attention_formulas() -> dict:
+    """``custom_mapping`` for FlopCounterMode: our attention formulas for every SDPA operator this torch has."""
+    aten = torch.ops.aten
+    out = {}
+    for names, fn in ((_SDPA_FWD, _fwd_formula), (_SDPA_BWD, _bwd_formula)):
+        for n in names:
+            op = getattr(aten, n, None)
+            if op is not None:
+                out[op] = fn
+    return out
+
+
 class FlopCounter:
     """Counts the FLOPs of one step. The mode is entered at one ``doctor.step()`` and left at the next,
     so it sees exactly one step's forward, backward and optimizer; that step is marked profiled and left
-    out of step-time statistics."""
+    out of step-time statistics.
+
+    Never raises: a failure while counting (inside the user's forward or backward, where the mode sees
+    every operator) is caught after the operator has run, so the step's results are untouched; the count is
+    then abandoned (``error`` says why, ``finish()`` returns None) with one warning."""
 
     def __init__(self):
-        self.mode = FlopCounterMode(display=False)
+        self.error: str | None = None
         self._on = False
+        self.mode = None
+        try:
+            self.mode = FlopCounterMode(display=False, custom_mapping=attention_formulas())
+            count = self.mode._count_flops  # called once per operator, after the operator ran
+
+            def guarded(func_packet, out, args, kwargs):
+                if self.error is not None:
+                    return out
+                try:
+                    return count(func_packet, out, args, kwargs)
+                except Exception as e:  # noqa: BLE001  (a formula rejecting shapes must not break the step)
+                    self._failed(f"counting {func_packet}", e)
+                    return out
+
+            self.mode._count_flops = guarded
+        except Exception as e:  # noqa: BLE001
+            self.mode = None
+            self._failed("creating FlopCounterMode", e)
+
+    def _failed(self, where: str, exc: BaseException) -> None:
+        if self.error is not None:
+            return
+        self.error = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        log.warning("fsdp_doctor: FLOP counting failed (%s); training continues, the report uses the analytic "
+                    "6 x parameters x tokens estimate where it can, else MFU is unknown", self.error)
 
     def start(self) -> None:
-        self.mode.__enter__()
-        self._on = True
+        if self.mode is None or self.error is not None:
+            return
+        try:
+            self.mode.__enter__()
+            self._on = True
+        except Exception as e:  # noqa: BLE001
+            self._failed("entering FlopCounterMode", e)
 
-    def finish(self) -> float:
-        self.mode.__exit__(None, None, None)
-        self._on = False
-        return float(self.mode.get_total_flops())
+    def finish(self) -> float | None:
+        """The step's FLOPs, or None when counting failed."""
+        self.abort()
+        if self.error is not None or self.mode is None:
+            return None
+        try:
+            return float(self.mode.get_total_flops())
+        except Exception as e:  # noqa: BLE001
+            self._failed("reading the count", e)
+            return None
 
     def abort(self) -> None:
         if self._on:
-            self.mode.__exit__(None, None, None)
             self._on = False
+            try:
+                self.mode.__exit__(None, None, None)
+            except Exception as e:  # noqa: BLE001
+                self._failed("leaving FlopCounterMode", e)

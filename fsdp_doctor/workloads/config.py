@@ -23,7 +23,8 @@ ReshardValue = Union[bool, int]
 class WorkloadConfig:
     """Every knob of the reference GPT workload.
 
-    Model and training: `vocab`, `d_model`, `n_layers`, `n_heads`, `seq_len`, `batch_size` (per rank),
+    Model and training: `vocab`, `d_model`, `n_layers`, `n_heads`, `n_kv_heads` (key/value heads: None =
+    `n_heads`; fewer = grouped-query attention), `seq_len`, `batch_size` (per rank),
     `steps`, `lr`, `seed`, `pos_emb` (learned position embedding as a top-level `pos_emb` module).
 
     FSDP2: `wrap` (one of `WRAP_POLICIES`), `reshard_after_forward` (None keeps the expert default:
@@ -44,6 +45,7 @@ class WorkloadConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
+    n_kv_heads: Optional[int] = None
     seq_len: int = 64
     batch_size: int = 4
     steps: int = 20
@@ -90,6 +92,9 @@ class WorkloadConfig:
                    f"{name} must be None or one of {DTYPE_NAMES}, got {value!r}")
         _check(self.d_model % self.n_heads == 0,
                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        _check(self.n_kv_heads is None or (1 <= self.n_kv_heads <= self.n_heads
+                                           and self.n_heads % self.n_kv_heads == 0),
+               f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         for name in ("vocab", "d_model", "n_layers", "n_heads", "seq_len", "batch_size"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
@@ -205,6 +210,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--d-model", type=int, default=d.d_model, help="hidden size")
     model.add_argument("--n-layers", type=int, default=d.n_layers, help="number of decoder blocks")
     model.add_argument("--n-heads", type=int, default=d.n_heads, help="attention heads")
+    model.add_argument("--n-kv-heads", type=int, default=d.n_kv_heads,
+                       help="key/value heads (fewer than --n-heads: grouped-query attention; default: n_heads)")
     model.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
     model.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank per step")
     model.add_argument("--steps", type=int, default=d.steps, help="training steps")

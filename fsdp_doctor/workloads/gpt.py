@@ -6,7 +6,8 @@ Module tree (the fully-qualified names matter: they are FSDP unit names):
     pos_emb                 nn.Embedding(seq_len, d_model)       (when cfg.pos_emb)
     layers.<i>              Block
         attn_norm           nn.LayerNorm(d_model)
-        attn                CausalSelfAttention: qkv Linear(d, 3d), proj Linear(d, d)
+        attn                CausalSelfAttention: qkv Linear(d, d + 2·kv·d/h), proj Linear(d, d)
+                            (kv = n_kv_heads: grouped-query attention when fewer than n_heads)
         mlp_norm            nn.LayerNorm(d_model)
         mlp                 MLP: fc1 Linear(d, 4d), GELU, fc2 Linear(4d, d)
     norm                    nn.LayerNorm(d_model)
@@ -30,20 +31,38 @@ MLP_RATIO = 4
 INIT_STD = 0.02
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused `qkv` projection and an output `proj`."""
+# torch >= 2.5 broadcasts grouped key/value heads inside scaled_dot_product_attention (enable_gqa=True)
+SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention with a fused `qkv` projection and an output `proj`. With `n_kv_heads` below
+    `n_heads` it is grouped-query attention: `n_kv_heads` key/value heads, each shared by
+    `n_heads / n_kv_heads` query heads (SDPA's `enable_gqa=True` where the torch has it, else the key/value
+    heads are repeated with `repeat_interleave`, which computes the same)."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = d_model // n_heads
+        self.kv_dim = self.n_kv_heads * self.head_dim
+        self.qkv = nn.Linear(d_model, d_model + 2 * self.kv_dim)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = self.qkv(x).split((d, self.kv_dim, self.kv_dim), dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k, v = (z.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2) for z in (k, v))
+        if self.n_kv_heads == self.n_heads:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif SDPA_HAS_GQA:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            rep = self.n_heads // self.n_kv_heads
+            y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1),
+                                               is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -63,10 +82,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.attn = CausalSelfAttention(d_model, n_heads, n_kv_heads)
         self.mlp_norm = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
 
@@ -82,7 +101,7 @@ class GPT(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos_emb else None
-        self.layers = nn.ModuleList(Block(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, cfg.n_kv_heads) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
@@ -133,12 +152,17 @@ def layer_norm_count(d: int) -> int:
     return 2 * d
 
 
+def kv_dim(cfg: WorkloadConfig) -> int:
+    """Width of the key (and of the value) projection: n_kv_heads x head_dim."""
+    return (cfg.n_kv_heads or cfg.n_heads) * (cfg.d_model // cfg.n_heads)
+
+
 def block_leaf_counts(cfg: WorkloadConfig) -> dict[str, int]:
     """Parameter elements of each parameter-holding leaf of a block, by its path inside the block."""
     d = cfg.d_model
     return {
         "attn_norm": layer_norm_count(d),
-        "attn.qkv": linear_count(d, 3 * d),
+        "attn.qkv": linear_count(d, d + 2 * kv_dim(cfg)),
         "attn.proj": linear_count(d, d),
         "mlp_norm": layer_norm_count(d),
         "mlp.fc1": linear_count(d, MLP_RATIO * d),
@@ -147,7 +171,7 @@ def block_leaf_counts(cfg: WorkloadConfig) -> dict[str, int]:
 
 
 def block_param_count(cfg: WorkloadConfig) -> int:
-    """Parameter elements of one block: 12 d^2 + 13 d."""
+    """Parameter elements of one block: 12 d^2 + 13 d (multi-head attention; fewer with grouped KV heads)."""
     return sum(block_leaf_counts(cfg).values())
 
 
@@ -164,3 +188,16 @@ def top_level_counts(cfg: WorkloadConfig) -> dict[str, int]:
 def total_param_count(cfg: WorkloadConfig) -> int:
     """Parameter elements of the whole model, by formula."""
     return sum(top_level_counts(cfg).values()) + cfg.n_layers * block_param_count(cfg)
+
+
+def flops_per_step(cfg: WorkloadConfig) -> int:
+    """FLOPs of one training step on one rank, by formula, counted as FlopCounterMode counts them: every
+    matmul as 2·m·k·n (bias adds, norms, softmax and the optimizer not counted), a Linear's backward twice
+    its forward (input and weight gradients), attention over all query heads and not halved for the causal
+    mask (forward 2 matmuls, backward 5, each 2·b·h·T²·head_dim)."""
+    d, t = cfg.d_model, cfg.seq_len
+    tokens = cfg.batch_size * t
+    block = d * (d + 2 * kv_dim(cfg)) + d * d + 2 * d * MLP_RATIO * d  # weight elements of the block's Linears
+    linear_fwd = 2 * tokens * (cfg.n_layers * block + d * cfg.vocab)
+    attn_unit = 2 * cfg.batch_size * cfg.n_heads * t * t * (d // cfg.n_heads)
+    return 3 * linear_fwd + cfg.n_layers * (2 + 5) * attn_unit

@@ -1,0 +1,156 @@
+"""FLOP counting: grouped-query attention counted right, and a failing counter never breaks training."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_doctor.record.throughput import FlopCounter
+from fsdp_doctor.workloads import WorkloadConfig, build_model
+from fsdp_doctor.workloads import gpt
+from fsdp_doctor.workloads.train import next_token_loss
+
+SMALL = dict(vocab=96, d_model=64, n_layers=2, n_heads=8, seq_len=24, batch_size=3)
+
+
+def _one_step_flops(cfg: WorkloadConfig) -> float:
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tok = torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq_len))
+    fc = FlopCounter()
+    fc.start()
+    next_token_loss(model(tok), tok).backward()
+    flops = fc.finish()
+    assert fc.error is None
+    return flops
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 4, 2, 1])
+def test_counted_flops_equal_the_analytic_count(n_kv_heads):
+    cfg = WorkloadConfig(**SMALL, n_kv_heads=n_kv_heads)
+    assert _one_step_flops(cfg) == gpt.flops_per_step(cfg)
+
+
+def test_gqa_attention_counted_with_the_query_heads():
+    # the attention part does not shrink with fewer KV heads (QK^T and AV run for every query head) ...
+    mha, gqa = WorkloadConfig(**SMALL), WorkloadConfig(**SMALL, n_kv_heads=2)
+    d, kv = SMALL["d_model"], 2 * SMALL["d_model"] // SMALL["n_heads"]
+    tokens = SMALL["batch_size"] * SMALL["seq_len"]
+    # ... only the qkv projection does: 2 x (d - kv) output features fewer, x 2·tokens·d, x3 for backward
+    qkv_saved = 3 * 2 * tokens * d * (2 * d - 2 * kv) * SMALL["n_layers"]
+    assert _one_step_flops(mha) - _one_step_flops(gqa) == qkv_saved
+    # against the closed forms of one attention call: 4·b·h·T²·hd forward, 10·b·h·T²·hd backward
+    b, h, t, hd = 3, 8, 24, 8
+    from fsdp_doctor.record.throughput import sdpa_backward_flops, sdpa_flops
+
+    assert sdpa_flops((b, h, t, hd), (b, 2, t, hd), (b, 2, t, hd)) == 4 * b * h * t * t * hd
+    assert sdpa_backward_flops((b, h, t, hd), (b, 2, t, hd), (b, 2, t, hd)) == 10 * b * h * t * t * hd
+
+
+def test_gqa_model_same_with_enable_gqa_and_repeat_interleave(monkeypatch):
+    cfg = WorkloadConfig(**SMALL, n_kv_heads=2)
+    tok = torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    model = build_model(cfg)
+    assert model.layers[0].attn.qkv.out_features == 64 + 2 * 2 * 8
+    assert sum(p.numel() for p in model.parameters()) == gpt.total_param_count(cfg)
+    with torch.no_grad():
+        a = model(tok)
+        monkeypatch.setattr(gpt, "SDPA_HAS_GQA", False)
+        b = model(tok)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_n_kv_heads_validated_and_on_the_command_line():
+    import argparse
+
+    from fsdp_doctor.workloads.config import add_cli_args, config_from_args
+
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        WorkloadConfig(n_heads=4, n_kv_heads=3)
+    ns = add_cli_args(argparse.ArgumentParser()).parse_args(["--n-heads", "8", "--n-kv-heads", "2"])
+    assert config_from_args(ns).n_kv_heads == 2
+
+
+def test_counter_never_raises_and_reports_unknown(monkeypatch, caplog):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def boom(self, *a, **k):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    monkeypatch.setattr(FlopCounterMode, "_count_flops", boom)
+    model = build_model(WorkloadConfig(**SMALL))
+    tok = torch.randint(0, 96, (3, 24))
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        fc = FlopCounter()
+        fc.start()
+        next_token_loss(model(tok), tok).backward()
+        assert fc.finish() is None
+    assert "shapes are incompatible" in fc.error
+    assert len([r for r in caplog.records if "FLOP counting failed" in r.getMessage()]) == 1
+
+
+# ---------------------------------------------------------------------------------------------- watch()
+def _train(cfg, out_dir=None):
+    from watch_cases import train_losses
+
+    kw = dict(memory=False, tokens_per_step=cfg.tokens_per_step(1), peak_tflops=1.0) if out_dir else {}
+    return train_losses(cfg, out_dir, **kw)
+
+
+@pytest.fixture
+def one_rank_group():
+    from fsdp_doctor.workloads import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_failing_flop_count_leaves_training_alone(one_rank_group, tmp_path, monkeypatch, caplog):
+    """A FLOP formula that raises inside the user's forward (as torch's SDPA formula did for grouped-query
+    attention) must not reach the user's loop: same losses bit for bit, one warning, every step recorded,
+    and MFU from the analytic 6·N·tokens fallback."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+
+    cfg = WorkloadConfig(**SMALL, n_kv_heads=2, steps=4)
+    base = _train(cfg)
+
+    def boom(self, func_packet, out, args, kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    monkeypatch.setattr(FlopCounterMode, "_count_flops", boom)
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        watched = _train(cfg, tmp_path / "run")
+    assert watched == base  # exact float equality
+    msgs = [r.getMessage() for r in caplog.records if r.name == "fsdp_doctor"]
+    assert len(msgs) == 1 and "FLOP counting failed" in msgs[0] and "training continues" in msgs[0], msgs
+    run = load_run(tmp_path / "run")
+    rd = run.ranks[0]
+    assert [s.step for s in rd.steps] == [0, 1, 2, 3] and rd.errors == [] and rd.end is not None
+    assert rd.config.flops_per_step is None
+    tp = analyze_throughput(run)["per_rank"]["0"]
+    assert tp["flops_source"] == "analytic"
+    assert tp["flops_per_step"] == 6.0 * rd.config.model_param_count * cfg.tokens_per_step(1)
+    assert tp["mfu_pct"] > 0
+
+
+def test_gqa_flops_counted_under_watch(one_rank_group, tmp_path):
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+
+    cfg = WorkloadConfig(**SMALL, n_kv_heads=2, steps=3)
+    _train(cfg, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    # step 1 counted: forward, backward and the optimizer (which has no matmuls)
+    assert run.ranks[0].config.flops_per_step == gpt.flops_per_step(cfg)
+    assert analyze_throughput(run)["per_rank"]["0"]["flops_source"] == "counted"
