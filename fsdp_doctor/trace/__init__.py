@@ -11,12 +11,14 @@ from .analysis import (
     analyze_traces,
     analyze_windows,
     blocking,
+    breakdown,
     call_exposure,
     copies,
     gpu_overlap_pct,
     idle,
     load_windows,
     overlap,
+    temporal_breakdown,
     unit_rows,
 )
 from .model import CollectiveCall, WindowTrace, build_window
@@ -29,6 +31,7 @@ __all__ = [
     "analyze_traces",
     "analyze_windows",
     "blocking",
+    "breakdown",
     "build_window",
     "call_exposure",
     "copies",
@@ -38,5 +41,6 @@ __all__ = [
     "idle",
     "load_windows",
     "overlap",
+    "temporal_breakdown",
     "unit_rows",
 ]

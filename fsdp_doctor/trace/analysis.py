@@ -14,6 +14,8 @@ Metrics (per rank, summed over that rank's windows; times in µs):
 * ``copies``: union of Memcpy HtoD / DtoH and the part of their union not overlapped by compute.
 * ``idle``: on GPU the compute stream (most compute-kernel time) — its span minus its busy time
   (``idle_us``) and its busy time (``kernel_us``); on CPU the same for the main thread's compute.
+* ``breakdown``: the complete steps' wall time (``window_us``) split into exclusive parts, in µs (see
+  :func:`breakdown`); the verdict (``fsdp_doctor.analyze.verdict``) turns it into shares.
 * ``blocking`` (gloo): all-gathers during which the host thread sat in the all-gather (its
   ``FSDP::all_gather`` label or the c10d op) from the collective's start to its end: count and total µs.
 """
@@ -62,6 +64,94 @@ def idle(win: WindowTrace) -> dict:
     busy = iv.measure(win.stream_busy)
     span = win.span[1] - win.span[0] if win.stream_busy[0].size else 0.0
     return {"idle_us": max(span - busy, 0.0), "kernel_us": busy}
+
+
+# Exposed communication by collective and phase, in the order an instant is given to: when several
+# collectives run exposed at once, compute is waiting for the all-gather (it needs the parameters).
+COMM_PARTS = ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")
+BREAKDOWN_PARTS = ("compute", *COMM_PARTS, "offload", "other_gpu", "host", "input", "idle")
+
+
+def _comm_part(c: CollectiveCall) -> str:
+    if c.collective == "all_gather":
+        return "allgather_bwd" if c.phase == "backward" else "allgather_fwd"
+    if c.collective == "reduce_scatter":
+        return "reducescatter"
+    return "other_comm"
+
+
+def _clip(a: iv.Intervals, w0: float, w1: float) -> iv.Intervals:
+    s, e = a
+    s, e = np.maximum(s, w0), np.minimum(e, w1)
+    keep = e > s
+    return s[keep], e[keep]
+
+
+def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) -> dict:
+    """The window (default: the complete steps' host span) split into exclusive parts, µs. At each instant,
+    in this order: ``compute`` (a compute kernel runs / the main thread runs an operator); exposed
+    communication (``allgather_fwd``, ``allgather_bwd``, ``reducescatter``, ``other_comm``); ``offload``
+    (Memcpy HtoD/DtoH alone on the device); ``other_gpu`` (memsets, device-to-device copies alone). Where
+    the device is idle: ``host`` (the next device work was not launched yet and the host was inside the
+    model: launch/framework overhead; on CPU, main-thread time between operators), ``input`` (the same while
+    the host was outside the model: data loading, the user's code), ``idle`` (launched work waiting:
+    synchronisation, launch latency). The parts add up to ``window_us``."""
+    out = {k: 0.0 for k in BREAKDOWN_PARTS}
+    w = window or win.window or (win.span if win.span[1] > win.span[0] else None)
+    if w is None or w[1] <= w[0]:
+        out["window_us"] = 0.0
+        return out
+    w0, w1 = w
+    full = (np.array([w0]), np.array([w1]))
+    compute = _clip(win.compute, w0, w1)
+    out["compute"] = iv.measure(compute)
+    taken = compute
+    exposed = iv.subtract(_clip(win.comm, w0, w1), compute)
+    by_part: dict = defaultdict(lambda: ([], []))
+    for c in win.calls:
+        s, e = by_part[_comm_part(c)]
+        s.append(c.start)
+        e.append(c.end)
+    for part in COMM_PARTS:
+        if part in by_part and exposed[0].size:
+            mine = iv.intersect(exposed, iv.union(*by_part[part]))
+            out[part] = iv.measure(mine)
+            exposed = iv.subtract(exposed, mine)
+    out["other_comm"] += iv.measure(exposed)  # communication no call accounts for
+    taken = iv.union_many(taken, _clip(win.comm, w0, w1))
+    copies_iv = iv.subtract(_clip(iv.union_many(win.h2d, win.d2h), w0, w1), taken)
+    out["offload"] = iv.measure(copies_iv)
+    taken = iv.union_many(taken, copies_iv)
+    if win.device == "gpu":
+        other = iv.subtract(_clip(win.other_dev, w0, w1), taken)
+        out["other_gpu"] = iv.measure(other)
+        busy = _clip(win.gpu_busy, w0, w1)
+        free = iv.subtract(full, busy)
+        waiting = iv.intersect(free, win.host_wait) if win.host_wait[0].size else iv.EMPTY
+        outside = iv.intersect(waiting, win.outside) if win.outside[0].size else iv.EMPTY
+        out["input"] = iv.measure(outside)
+        out["host"] = iv.measure(waiting) - out["input"]
+        out["idle"] = iv.measure(free) - iv.measure(waiting)
+    else:
+        free = iv.subtract(full, taken)
+        outside = iv.intersect(free, win.outside) if win.outside[0].size else iv.EMPTY
+        out["input"] = iv.measure(outside)
+        out["host"] = iv.measure(free) - out["input"]
+    out["window_us"] = w1 - w0
+    return out
+
+
+def temporal_breakdown(win: WindowTrace) -> dict:
+    """HTA 0.5.0's ``get_temporal_breakdown`` for a GPU window, µs: ``kernel_us`` (first device event start to
+    last end), ``idle_us`` (of that, no device event runs), ``compute_us`` (union of compute kernels),
+    ``non_compute_us`` (the rest: communication, copies and memsets alone)."""
+    busy = win.gpu_busy
+    if not busy[0].size:
+        return {"kernel_us": 0.0, "idle_us": 0.0, "compute_us": 0.0, "non_compute_us": 0.0}
+    kernel = float(busy[1][-1] - busy[0][0])
+    idle_us = kernel - iv.measure(busy)
+    comp = iv.measure(win.compute)
+    return {"kernel_us": kernel, "idle_us": idle_us, "compute_us": comp, "non_compute_us": kernel - comp - idle_us}
 
 
 def blocking(win: WindowTrace) -> dict:
@@ -291,6 +381,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> dict:
     copies_out: dict = {}
     idle_out: dict = {}
     block_out: dict = {}
+    parts_out: dict = {}
     calls: dict = defaultdict(list)
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
@@ -302,7 +393,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> dict:
         pr["steps"] = sorted(set(pr["steps"]) | set(w.steps))
         if w.device == "gpu":
             pr["device"] = "gpu"
-        for dst, fn in ((copies_out, copies), (idle_out, idle), (block_out, blocking)):
+        for dst, fn in ((copies_out, copies), (idle_out, idle), (block_out, blocking), (parts_out, breakdown)):
             r = fn(w)
             acc = dst.setdefault(k, {f: 0 for f in r})
             for f, v in r.items():
@@ -316,6 +407,9 @@ def _analyze_windows(windows: list[WindowTrace]) -> dict:
     for d in idle_out.values():
         for f in d:
             d[f] = float(d[f])
+    for d in parts_out.values():
+        for f in d:
+            d[f] = float(d[f])
     for d in block_out.values():
         d["count"] = int(d["count"])
         d["us"] = float(d["us"])
@@ -324,12 +418,12 @@ def _analyze_windows(windows: list[WindowTrace]) -> dict:
         rows.extend(unit_rows(rank, calls[rank]))
     rows.sort(key=lambda r: (-r["exposed_us"], r["rank"], r["unit"], r["collective"], str(r["phase"])))
     return {"per_rank": per_rank, "per_unit": rows, "copies": copies_out, "idle": idle_out,
-            "blocking": block_out}
+            "blocking": block_out, "breakdown": parts_out}
 
 
 def _empty_result() -> dict:
-    return {"per_rank": {}, "per_unit": [], "copies": {}, "idle": {}, "blocking": {}, "files": [],
-            "skipped": []}
+    return {"per_rank": {}, "per_unit": [], "copies": {}, "idle": {}, "blocking": {}, "breakdown": {},
+            "files": [], "skipped": []}
 
 
 def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,

@@ -11,6 +11,13 @@ Semantics (see the module docstring of ``analysis`` for the metrics):
   started before the last step's start; on CPU, an event is kept when it starts before it.
 * GPU classes follow HTA 0.5.0: communication ``^nccl.*Kernel``; memory ``^Memcpy|^Memset|^dma``; compute:
   every other device event except names containing ``Sync`` or ``Memcpy``.
+* The verdict's timeline (``window``, ``gpu_busy``, ``other_dev``, ``host_wait``, ``outside``): the analysis
+  window is the complete steps' host span (first kept ``ProfilerStep`` start to the cut; one step: its span);
+  ``host_wait`` is where the GPU sat idle before a device event that the host had not launched yet (the
+  gap before each run of device activity, up to that event's launch, and the idle tail of the window);
+  ``outside`` is host time outside the model: data-loader ``enumerate(DataLoader)#...`` labels and, when FSDP
+  labels delimit the model, each step's time before its ``FSDP::root_pre_forward`` and after its last
+  ``FSDP::*`` / ``Optimizer.*`` label.
 * CPU/gloo: communication = ``gloo:*`` events (they run on gloo threads); compute = time on the main thread
   (the thread carrying the FSDP labels / ProfilerStep markers) whose innermost event is an operator
   (``cpu_op``) that is not a c10d/communication/wait op nor nested inside one. Time inside a bare
@@ -38,6 +45,8 @@ from .reader import Args, Event, KinetoTrace, TraceError, decode, rank_from_name
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
+DATALOADER_PREFIX = "enumerate(DataLoader)"
+OPTIMIZER_PREFIX = "Optimizer."
 STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 LABEL_RE = re.compile(r"^FSDP::(?P<kind>[A-Za-z_]+)(?: \((?P<fqn>.*)\))?(?: \[pg=(?P<pg>\d+)\])?$")
 PREFETCH_RE = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<fqn>.*)$")
@@ -101,6 +110,13 @@ class WindowTrace:
     stream_busy: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # compute stream / main thread busy
     span: tuple[float, float] = (0.0, 0.0)  # first start, last end of the compute stream / main thread
     calls: list[CollectiveCall] = field(default_factory=list)
+    # the verdict's timeline (see the module docstring)
+    window: Optional[tuple[float, float]] = None  # the complete steps' host span
+    gpu_busy: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of every device event
+    other_dev: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # memset, D2D copies, syncs
+    host_wait: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # GPU idle, next work not yet launched
+    outside: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host time outside the model
+    model_delimited: bool = False  # FSDP labels marked where the model runs
 
 
 def _snake_collective(name: str) -> Optional[str]:
@@ -285,7 +301,7 @@ def _stream_id(args) -> int:
         return -1
 
 
-_SPECIAL_FIRST = frozenset("FP")  # first letters of the special names: a cheap test before startswith
+_SPECIAL_FIRST = frozenset("FPeO")  # first letters of the special names: a cheap test before startswith
 
 
 @contextmanager
@@ -360,8 +376,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         continue
                 launches[corr] = e
         n = e.name
-        if n[:1] in first and (c := e.cat) is not None and c != "Trace" and (
-                n.startswith("FSDP::") or (n.startswith("ProfilerStep") and c != "gpu_user_annotation")):
+        if n[:1] in first and (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
+                n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
+                or n.startswith(OPTIMIZER_PREFIX)):
             special_append(e)
     scale = 1.0
     if all_int and events and (trace.displayTimeUnit == "ns" or max(
@@ -370,12 +387,14 @@ def _build_window(path: Path, trace) -> WindowTrace:
 
     # ---- profiler steps and the cut at the last step's start ----
     steps: dict[int, float] = {}
+    step_end: dict[int, float] = {}
     for e in special:
         if e.name.startswith("ProfilerStep"):
             m = STEP_RE.match(e.name)
             if m:
                 n = int(m.group(1))
                 steps[n] = min(steps.get(n, math.inf), e.ts * scale)
+                step_end[n] = max(step_end.get(n, -math.inf), (e.ts + e.dur) * scale)
     cutoff = math.inf
     kept_steps = sorted(steps)
     if len(steps) >= 2:
@@ -398,6 +417,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.events else "cpu", world_size=world,
                       steps=kept_steps)
+    if kept_steps:
+        win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
+    _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
     if gpu.events:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:
@@ -405,6 +427,58 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
     return win
+
+
+def _outside_model(win: WindowTrace, special: list, step_spans: list, scale: float) -> None:
+    """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
+    root pre-forward and after its last FSDP / optimizer label."""
+    starts, ends = [], []
+    fsdp = []
+    for e in special:
+        n = e.name
+        if n.startswith(DATALOADER_PREFIX):
+            starts.append(e.ts * scale)
+            ends.append((e.ts + e.dur) * scale)
+        elif n.startswith("FSDP::") or n.startswith(OPTIMIZER_PREFIX):
+            fsdp.append((e.ts * scale, (e.ts + e.dur) * scale, n == "FSDP::root_pre_forward"))
+    if fsdp and step_spans:
+        fsdp.sort()
+        fs = [f[0] for f in fsdp]
+        for s0, s1 in step_spans:
+            inside = fsdp[bisect.bisect_left(fs, s0):bisect.bisect_left(fs, s1)]
+            roots = [f[0] for f in inside if f[2]]
+            if not roots:
+                continue
+            win.model_delimited = True
+            starts += [s0, max(f[1] for f in inside)]
+            ends += [min(roots), s1]
+    win.outside = iv.union(starts, ends)
+
+
+def _gpu_timeline(win: WindowTrace, ts, te, lts, classified) -> None:
+    """``gpu_busy``, ``other_dev`` and ``host_wait`` from the kept device events (start, end, launch)."""
+    win.gpu_busy = busy = iv.union(ts, te)
+    win.other_dev = iv.union(ts[~classified], te[~classified])
+    if win.window is None:
+        win.window = (float(busy[0][0]), float(busy[1][-1])) if busy[0].size else None
+    if win.window is None:
+        return
+    w0, w1 = win.window
+    # each run of device activity starts with some event; the GPU waited for the host before it while that
+    # event was not launched yet: from the end of the previous run (or the window start) to its launch
+    order = np.argsort(ts, kind="stable")
+    first = order[np.searchsorted(ts[order], busy[0], side="left")]
+    launch = lts[first]
+    gap_start = np.concatenate(([w0], busy[1][:-1]))
+    gap_end = busy[0]
+    wait_end = np.minimum(np.where(np.isnan(launch), -np.inf, launch), gap_end)
+    s = list(gap_start[wait_end > gap_start])
+    e = list(wait_end[wait_end > gap_start])
+    tail = max(w0, float(busy[1][-1]))
+    if w1 > tail:  # nothing launched runs in the window's idle tail
+        s.append(tail)
+        e.append(w1)
+    win.host_wait = iv.union(s, e)
 
 
 def _kernel_kind(name: str) -> int:
@@ -458,6 +532,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
 
     comp = kind == 1
     is_comm = kind == 2
+    _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
     win.comm = iv.union(ts[is_comm], te[is_comm])
     win.compute = iv.union(ts[comp], te[comp])
     win.h2d = iv.union(ts[h2d], te[h2d])
