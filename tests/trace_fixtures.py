@@ -250,3 +250,127 @@ class ProfileWindow:
 
     def steps_needed(self) -> int:
         return 1 + self.warmup + self.active
+
+
+# ====================================================================== FSDP2-shaped GPU traces
+EPS = 0.01  # µs: the width of a host label around one launch
+
+
+def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs_us=0.0, opt_us=0.0,
+                   prefetch=False, h2d_us=0.0, loader_us=0.0, launch_gap_us=0.0, nelems=1_000_000,
+                   nccl_stream=20, rank=0, world_size=8, step_skew_us=0.0, first_ag_wait_us=0.0) -> TraceBuilder:
+    """An FSDP2-shaped GPU trace simulated on two streams (compute 7, NCCL ``nccl_stream``), ``steps``
+    complete steps plus one that the analysis cuts. Per step: an optional data-loader label of ``loader_us``
+    (nothing launched meanwhile), then forward over ``units`` units (optionally an H2D copy of ``h2d_us`` on
+    the compute stream before each all-gather: CPU offload's copy-in), backward in reverse order (when
+    ``bwd_us``; a reduce-scatter of ``rs_us`` after each unit's backward), then an optimizer kernel of
+    ``opt_us``. Without ``prefetch`` a unit's all-gather starts only once the previous kernel of the compute
+    stream is done (nothing hides it); with it, each all-gather is issued when the previous unit's compute
+    is launched and runs under it. The host launches one kernel every ``launch_gap_us`` (0: at once), and a
+    kernel never starts before its launch. ``step_skew_us`` adds that much host time (a slow rank) before
+    each step's forward, inside the model (after the root pre-forward); ``first_ag_wait_us`` lengthens each
+    step's first all-gather by that much (this rank waits inside it for a late rank)."""
+    b = TraceBuilder(rank=rank, world_size=world_size)
+    bwd_tid = b.bwd_tid
+    T = 0.0
+    names = [f"layers.{i}" for i in range(units)]
+    for k in range(steps + 1):
+        host = T
+        comp_free = comm_free = T
+
+        def launch():
+            nonlocal host
+            t = host
+            host += launch_gap_us if launch_gap_us else EPS
+            return t
+
+        if loader_us:
+            b.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", host, loader_us)
+            host += loader_us
+            comp_free = comm_free = host
+        b.label("FSDP::root_pre_forward", host, EPS)  # the first launch is at its start
+        if step_skew_us:
+            host += step_skew_us
+            comp_free = comm_free = host
+
+        first = [first_ag_wait_us]
+
+        def all_gather(unit, tid=None, after=None):
+            nonlocal comm_free, comp_free
+            t = launch()
+            b.label(f"FSDP::all_gather ({unit})", t, EPS, tid=tid)
+            start = max(comm_free, t, after if after is not None else comm_free)
+            dur = ag_us + first.pop() if first else ag_us
+            b.nccl("all_gather", start, dur, launch_ts=t, tid=tid, nelems=nelems, stream=nccl_stream)
+            comm_free = start + dur
+            if nccl_stream == 7:
+                comp_free = comm_free
+            return start + ag_us
+
+        def compute(dur, tid=None, after=0.0):
+            nonlocal comp_free, comm_free
+            t = launch()
+            start = max(comp_free, t, after)
+            b.compute(start, dur, launch_ts=t, tid=tid)
+            comp_free = start + dur
+            if nccl_stream == 7:
+                comm_free = comp_free
+            return comp_free
+
+        # forward
+        ready = None
+        for i, u in enumerate(names):
+            b.label(f"FSDP::pre_forward ({u})", host, EPS)
+            if h2d_us:
+                t = launch()
+                s = max(comp_free, t)
+                b.memcpy("h2d", s, h2d_us, launch_ts=t)
+                comp_free = comm_free = s + h2d_us
+            if ready is None:  # not prefetched: issued now, after the compute stream's previous work
+                ready = all_gather(u, after=comp_free)
+            compute_launch = host
+            b.label(f"FSDP::all_gather_copy_out ({u})", compute_launch, EPS)
+            if prefetch and i + 1 < units:
+                host += EPS
+                b.label(f"FSDP::forward_prefetch for {names[i + 1]}", host, 2 * EPS)
+                nxt = all_gather(names[i + 1])
+                end = compute(fwd_us, after=ready)
+                ready = nxt
+            else:
+                end = compute(fwd_us, after=ready)
+                ready = None
+            b.label(f"FSDP::post_forward ({u})", host, EPS)
+            host += EPS
+        # backward (autograd thread)
+        if bwd_us:
+            ready = None
+            for j, u in enumerate(reversed(names)):
+                i = units - 1 - j
+                b.label(f"FSDP::pre_backward ({u})", host, EPS, tid=bwd_tid)
+                host += EPS
+                if ready is None:
+                    ready = all_gather(u, tid=bwd_tid, after=comp_free)
+                b.label(f"FSDP::all_gather_copy_out ({u})", host, EPS, tid=bwd_tid)
+                if prefetch and i > 0:
+                    host += EPS
+                    b.label(f"FSDP::backward_prefetch for {names[i - 1]}", host, 2 * EPS, tid=bwd_tid)
+                    nxt = all_gather(names[i - 1], tid=bwd_tid)
+                else:
+                    nxt = None
+                end = compute(bwd_us, tid=bwd_tid, after=ready)
+                ready = nxt
+                if rs_us:
+                    t = launch()
+                    b.label(f"FSDP::post_backward_reduce ({u})", t, EPS, tid=bwd_tid)
+                    s = max(comm_free, t, end)
+                    b.nccl("reduce_scatter", s, rs_us, launch_ts=t, tid=bwd_tid, nelems=nelems, stream=nccl_stream)
+                    comm_free = s + rs_us
+                    if nccl_stream == 7:
+                        comp_free = comm_free
+        if opt_us:
+            b.label("Optimizer.step#AdamW.step", host, EPS)
+            compute(opt_us, after=max(comp_free, comm_free))
+        end = max(comp_free, comm_free, host)
+        b.step(k + 1, T, end - T)
+        T = end
+    return b

@@ -113,6 +113,13 @@ def build_report(run: Run, *, progress: Callable[[int, int], None] | None = None
         fill_sizes_from_units(ov, run)
         report["overlap"] = ov
         problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
+    # --- verdict (e11): what bounds the step, per rank and for the job; port to pipeline.py at merge ---
+    from .verdict import verdict
+
+    v = verdict(report, run)
+    if v is not None:
+        report["verdict"] = v
+    # --- end verdict ---
     from ..diagnose import diagnose
 
     report["findings"] = diagnose(run, report)

@@ -29,6 +29,36 @@ def render_header(report: dict):
     return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
 
 
+# --- verdict (e11): printed first; port with the rest at merge ---
+def render_verdict(section: dict):
+    job = section["job"]
+    t = Table(title=f"Verdict: % of the step ({job['source']})", box=box.SIMPLE_HEAD, title_justify="left",
+              padding=(0, 0))
+    cols = (("compute", ("compute", "other_gpu")),
+            ("comm", ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")),
+            ("AG fwd", ("allgather_fwd",)), ("AG bwd", ("allgather_bwd",)), ("RS", ("reducescatter",)),
+            ("offload", ("offload",)), ("host", ("host",)), ("input", ("input",)), ("idle", ("idle",)))
+    for c in ("rank", "bound", "step"):
+        t.add_column(c, justify="right" if c != "bound" else "left", no_wrap=True)
+    for c, _ in cols:
+        t.add_column(c, justify="right", no_wrap=True)
+
+    def row(name, v, style=None):
+        sh = v["shares_pct"]
+        t.add_row(name, v["bound"], fmt_ms(v["step_ms"]) if v.get("step_ms") is not None else "",
+                  *(f"{sum(sh.get(k, 0.0) for k in ks):.1f}" for _, ks in cols), style=style)
+
+    ranks = list(section["per_rank"].items())
+    for r, v in ranks[:8]:
+        row(r, v)
+    if len(ranks) > 8:
+        t.add_row(f"+{len(ranks) - 8}", "more ranks", *[""] * (len(cols) + 1))
+    if len(ranks) > 1:
+        row("job", job, style="bold")
+    return Group(Text(f"Verdict: {job['summary']}", style="bold"), t)
+# --- end verdict ---
+
+
 def render_steps(section: dict):
     t = Table(title="Step time per rank, ms (steady state: first step and profiled steps excluded)",
               box=box.SIMPLE_HEAD, title_justify="left")
@@ -125,6 +155,8 @@ def render_findings(findings: list[dict]):
 def render_report(report: dict, console: Console | None = None) -> None:
     console = console or Console(width=100)
     console.print(render_header(report))
+    if report.get("verdict"):
+        console.print(render_verdict(report["verdict"]))  # e11
     if report.get("steps"):
         console.print(render_steps(report["steps"]))
     if report.get("throughput"):

@@ -387,7 +387,10 @@ def _analyze_windows(windows: list[WindowTrace]) -> dict:
         k = str(w.rank)
         o = overlap(w)
         pr = per_rank.setdefault(k, {"comm_us": 0.0, "overlap_us": 0.0, "exposed_us": 0.0,
-                                     "overlap_pct": None, "steps": [], "device": w.device})
+                                     "overlap_pct": None, "steps": [], "device": w.device,
+                                     "comm_calls": 0, "comm_calls_on_compute_stream": 0})
+        pr["comm_calls"] += len(w.calls)
+        pr["comm_calls_on_compute_stream"] += sum(1 for c in w.calls if c.on_compute_stream)
         for f in ("comm_us", "overlap_us", "exposed_us"):
             pr[f] += o[f]
         pr["steps"] = sorted(set(pr["steps"]) | set(w.steps))

@@ -92,6 +92,7 @@ class CollectiveCall:
     group_size: Optional[int] = None
     need: Optional[float] = None  # when compute needed the gathered params (all_gather only)
     blocking: bool = False  # gloo: the host thread sat in the all-gather for the whole collective
+    on_compute_stream: bool = False  # GPU: the NCCL kernel ran on the compute stream (serialised with compute)
 
 
 @dataclass
@@ -537,6 +538,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
     win.compute = iv.union(ts[comp], te[comp])
     win.h2d = iv.union(ts[h2d], te[h2d])
     win.d2h = iv.union(ts[d2h], te[d2h])
+    cs = None
     if comp.any():
         # the compute stream: the stream with the most compute-kernel time
         uniq, inverse = np.unique(streams[comp], return_inverse=True)
@@ -576,7 +578,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
             coll = collectives[e.name] = _snake_collective(e.name)
         coll = coll or (a.collective or "unknown")
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=ts_l[i], end=te_l[i],
-                              issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size)
+                              issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size,
+                              on_compute_stream=cs is not None and int(streams[i]) == cs)
         if att is not None:
             unit, k, suffix = att
             call.unit = unit

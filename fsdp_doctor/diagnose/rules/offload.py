@@ -46,6 +46,8 @@ class OffloadCostly(Rule):
     description = "Offload copies stall the step while the sharded state would fit on the device."
 
     def match(self, ctx: Context):
+        if not E.param_units(ctx):
+            return self._from_plain_trace(ctx)
         if not E.on_gpu(ctx):
             return []
         off = _offloaded(ctx)
@@ -76,6 +78,38 @@ class OffloadCostly(Rule):
             "fully_shard(block, mesh=mesh)  # no offload_policy=CPUOffloadPolicy(...)",
             predicted=E.predicted(step, step - exposed, peak, peak + host if peak is not None else None),
             units=[u["name"] for u in off])]
+
+
+    def _from_plain_trace(self, ctx: Context):
+        """A plain Kineto GPU trace: H2D/D2H copies alone on the device (the verdict's ``offload`` part) for a
+        material share of the step. Without the unit snapshot and memory there is no telling whether the
+        state would fit on the device, so the finding says what to check."""
+        from .comm import breakdown_ms, trace_device, trace_step_ms
+
+        step = trace_step_ms(ctx)
+        exposed = breakdown_ms(ctx, "offload")
+        if trace_device(ctx) != "gpu" or not step or not exposed:
+            return []
+        worst = max(exposed, key=exposed.get)
+        ms = exposed[worst]
+        if ms / step < OFFLOAD_COSTLY_SHARE:
+            return []
+        cp = (ctx.section("overlap").get("copies") or {}).get(worst) or {}
+        from .comm import per_step
+
+        return [self.finding(
+            "warning", f"Host-device copies stall the step for {ms:.2f} ms ({100 * ms / step:.0f}%)",
+            {"exposed_copies_ms_per_step": round(ms, 3), "exposed_share_pct": round(100 * ms / step, 1),
+             "h2d_ms_per_step": round(per_step(ctx, worst, cp.get("h2d_us") or 0.0), 3),
+             "d2h_ms_per_step": round(per_step(ctx, worst, cp.get("d2h_us") or 0.0), 3),
+             "rank": int(worst), "step_ms": round(step, 3), "measured_by": "trace"},
+            f"Memcpy HtoD/DtoH run with nothing else on the device for {ms:.2f} ms per step: with FSDP2's "
+            "CPUOffloadPolicy these are the parameters copied in before each all-gather and the gradients "
+            "copied out after each reduce-scatter. If the sharded parameters, gradients and optimizer state fit "
+            "on the device (check with `fsdp-doctor` memory records, or torch.cuda.max_memory_allocated), drop "
+            "the offload policy; if they do not, pin the host memory (the default) so copies can overlap.",
+            "fully_shard(block, mesh=mesh)  # no offload_policy=CPUOffloadPolicy(...)",
+            predicted=E.predicted(step, step - ms), ranks=[int(worst)])]
 
 
 @register

@@ -3,6 +3,8 @@ synchronous unshard on gloo, the last unit resharded for nothing, ZeRO-2 when me
 
 from __future__ import annotations
 
+import statistics
+
 from .. import estimate as E
 from ..base import Context, Rule, register
 
@@ -62,6 +64,13 @@ def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) ->
     return "\n".join(lines)
 
 
+def _exposed_severity(share: float, cpu: bool):
+    """"warning", "info" or None for exposed all-gather waits taking ``share`` of the step."""
+    warn, info = ((EXPOSED_AG_WARN_SHARE_CPU, EXPOSED_AG_INFO_SHARE_CPU) if cpu
+                  else (EXPOSED_AG_WARN_SHARE_GPU, EXPOSED_AG_INFO_SHARE_GPU))
+    return None if share < info else ("warning" if share >= warn else "info")
+
+
 def _is_cpu(ctx: Context) -> bool:
     return not E.on_gpu(ctx)
 
@@ -79,6 +88,8 @@ class ExposedAllGather(Rule):
     description = "Compute waits for parameter all-gathers that prefetching could have started earlier."
 
     def match(self, ctx: Context):
+        if not E.param_units(ctx):
+            return self._from_plain_trace(ctx)
         step = E.step_ms(ctx)
         trace = E.trace_exposed_by_unit(ctx, "all_gather")
         cpu = _is_cpu(ctx)
@@ -103,11 +114,9 @@ class ExposedAllGather(Rule):
             return []
         total = sum(w for _, _, w in rows)
         share = total / step
-        warn, info = ((EXPOSED_AG_WARN_SHARE_CPU, EXPOSED_AG_INFO_SHARE_CPU) if cpu
-                      else (EXPOSED_AG_WARN_SHARE_GPU, EXPOSED_AG_INFO_SHARE_GPU))
-        if share < info:
+        sev = _exposed_severity(share, cpu)
+        if sev is None:
             return []
-        sev = "warning" if share >= warn else "info"
         notes = []
         sync = _sync_gloo_units(ctx)
         if sync:
@@ -154,6 +163,58 @@ class ExposedAllGather(Rule):
             text, _prefetch_code(ctx),
             predicted=E.predicted(step, step - saved if saved > 0 else None),
             units=sorted({u["name"] for u, _, _ in rows[:6]}))]
+
+
+    def _from_plain_trace(self, ctx: Context):
+        """A plain Kineto trace (no records, no unit snapshot): units and phases from FSDP2's labels, the
+        step from the trace's complete steps, the compute that could hide a forward all-gather from the
+        verdict's breakdown."""
+        from .comm import trace_device, trace_step_ms
+
+        trace = E.trace_exposed_by_unit(ctx, "all_gather")
+        step = trace_step_ms(ctx)
+        rows = [(u, ph, w) for (u, ph), w in trace.items() if w > 0 and ph in ("forward", "backward")
+                and u not in ("(other)",)]
+        if not rows or not step:
+            return []
+        cpu = trace_device(ctx) != "gpu"
+        total = sum(w for _, _, w in rows)
+        share = total / step
+        sev = _exposed_severity(share, cpu)
+        if sev is None:
+            return []
+        rows.sort(key=lambda x: -x[2])
+        fwd = sum(w for _, ph, w in rows if ph == "forward")
+        bwd = total - fwd
+        # explicit forward prefetch hides every forward all-gather but the first behind the previous unit's
+        # compute, as far as there is compute (GPU); none measurable on gloo
+        fwd_rows = sorted((u, w) for u, ph, w in rows if ph == "forward")
+        hideable = fwd - (max(w for _, w in fwd_rows) if fwd_rows else 0.0)
+        compute_ms = statistics.median(
+            v["step_ms"] * v["groups_pct"]["compute"] / 100 for v in ctx.section("verdict").get("per_rank", {}).values()
+        ) if ctx.section("verdict").get("per_rank") else 0.0
+        saved = 0.0 if cpu else min(hideable, compute_ms) * PREFETCH_OVERLAP_GPU
+        names = sorted({u for u, _, _ in rows})
+        blocks = E.block_containers(names)
+        if blocks:
+            cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
+            code = f"blocks = list({E.module_expr(cont)})  # each an FSDP unit\n"
+        else:
+            code = "blocks = [" + ", ".join(E.module_expr(n) for n in names[:8] if n != "(root)") + "]\n"
+        code += ("for i, block in enumerate(blocks):\n    if i + 1 < len(blocks):\n"
+                 "        block.set_modules_to_forward_prefetch([blocks[i + 1]])")
+        return [self.finding(
+            sev, f"All-gathers stall compute for {total:.2f} ms per step ({100 * share:.0f}%)",
+            {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
+             "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1),
+             "step_ms": round(step, 3),
+             "worst_units": [f"{u} ({ph}): {w:.3f} ms" for u, ph, w in rows[:6]], "measured_by": "trace"},
+            f"Compute waits {total:.2f} ms per step for all-gathers ({fwd:.2f} ms in forward, {bwd:.2f} ms in "
+            "backward; from the trace: units and phases from FSDP2's labels). In forward FSDP2 issues a unit's "
+            "all-gather when the unit is reached; prefetch the next unit explicitly so that it runs during the "
+            "current unit's compute. Backward waits remain when an all-gather takes longer than the unit's "
+            "backward compute: larger units, or reshard_after_forward=False where memory allows.",
+            code, predicted=E.predicted(step, step - saved if saved > 0 else None), units=names[:10])]
 
 
 @register

@@ -1,0 +1,132 @@
+"""The verdict: what bounds the step, per rank and for the job, with the share of the step each cause takes.
+
+From a Kineto trace (``report["overlap"]["breakdown"]``, see ``fsdp_doctor.trace.analysis.breakdown``) the
+complete steps' wall time is split into exclusive parts at every instant: compute; exposed communication
+(all-gather in forward / backward, reduce-scatter, other collectives); offload copies alone on the device;
+other device work alone (memsets, device-to-device copies); and, where the device is idle, host-bound (the
+next work was not launched yet while the host was in the model), input (the same while the host was outside
+the model: data loading, the user's code) and idle (work launched but waiting). On a CPU/gloo trace, compute
+is the main thread's operators and host the main thread's time between them.
+
+Without a trace for a rank, the rank's step records give a coarser split on the host clock: exposed
+all-gather waits per phase, GC pauses (host), time outside the model (input) and the rest (compute). On a
+GPU the host runs ahead of the device, so that split is marked ``"records (host clock)"``.
+
+``bound`` is the group with the largest share: ``communication``, ``compute``, ``host``, ``input``,
+``offload`` or ``idle``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..store import Run
+from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
+from .steps import usable_steps
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "communication": COMM_PARTS,
+    "compute": ("compute", "other_gpu"),
+    "host": ("host",),
+    "input": ("input",),
+    "offload": ("offload",),
+    "idle": ("idle",),
+}
+
+PART_LABELS = {
+    "compute": "compute",
+    "allgather_fwd": "exposed all-gather (forward)",
+    "allgather_bwd": "exposed all-gather (backward)",
+    "reducescatter": "exposed reduce-scatter",
+    "other_comm": "exposed other collectives",
+    "offload": "offload copies (H2D/D2H)",
+    "other_gpu": "other device work (memset, D2D)",
+    "host": "host-bound (GPU waits for launches)",
+    "input": "input / outside the model",
+    "idle": "idle (launched work waiting)",
+}
+
+
+def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
+    shares = {k: round(100.0 * parts_us.get(k, 0.0) / total_us, 2) for k in BREAKDOWN_PARTS}
+    groups = {g: round(100.0 * sum(parts_us.get(k, 0.0) for k in ks) / total_us, 2) for g, ks in GROUPS.items()}
+    return shares, groups
+
+
+def _entry(parts_us: dict[str, float], total_us: float, steps: int, source: str) -> dict:
+    shares, groups = _shares(parts_us, total_us)
+    bound = max(groups, key=lambda g: (groups[g], g == "compute"))
+    mine = sorted((k for k in GROUPS[bound] if shares[k] >= 0.5), key=lambda k: -shares[k])
+    rest = sorted((k for k in BREAKDOWN_PARTS if k not in GROUPS[bound] and shares[k] >= 0.5),
+                  key=lambda k: -shares[k])[:2]
+    summary = f"{bound}-bound ({groups[bound]:.0f}% of the step"
+    if len(GROUPS[bound]) > 1 and len(mine) > 1:
+        summary += ": " + ", ".join(f"{PART_LABELS[k]} {shares[k]:.0f}%" for k in mine)
+    summary += ")"
+    if rest:
+        summary += "; then " + ", ".join(f"{PART_LABELS[k]} {shares[k]:.0f}%" for k in rest)
+    return {"bound": bound, "shares_pct": shares, "groups_pct": groups, "summary": summary,
+            "step_ms": round(total_us / max(1, steps) / 1e3, 3), "steps": steps, "source": source}
+
+
+def _trace_parts(report: dict) -> dict[str, tuple[dict, float, int]]:
+    ov = report.get("overlap") or {}
+    per_rank = ov.get("per_rank") or {}
+    out = {}
+    for r, parts in (ov.get("breakdown") or {}).items():
+        total = float(parts.get("window_us") or 0.0)
+        if total <= 0:
+            continue
+        n = len((per_rank.get(r) or {}).get("steps") or []) or 1
+        out[str(r)] = ({k: float(parts.get(k, 0.0)) for k in BREAKDOWN_PARTS}, total, n)
+    return out
+
+
+def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
+    out = {}
+    for r, rd in sorted(run.ranks.items()):
+        steps = usable_steps(rd.steps)
+        if not steps:
+            continue
+        parts = {k: 0.0 for k in BREAKDOWN_PARTS}
+        total = 0.0
+        for s in steps:
+            fwd = sum(u.ag_wait_fwd_ms for u in s.units)
+            bwd = sum(u.ag_wait_bwd_ms for u in s.units)
+            rest = max(0.0, s.wall_ms - fwd - bwd - s.gc_ms - s.outside_ms)
+            for k, v in (("allgather_fwd", fwd), ("allgather_bwd", bwd), ("host", s.gc_ms),
+                         ("input", s.outside_ms), ("compute", rest)):
+                parts[k] += v * 1e3
+            total += max(s.wall_ms, fwd + bwd + s.gc_ms + s.outside_ms) * 1e3
+        cfg = rd.config or run.config
+        gpu = bool(cfg is not None and str(cfg.device).startswith("cuda"))
+        out[str(r)] = (parts, total, len(steps), gpu)
+    return out
+
+
+def verdict(report: dict, run: Optional[Run] = None) -> Optional[dict]:
+    """``{"job": {...}, "per_rank": {rank: {...}}}`` (see the module docstring), or None without any data."""
+    per_rank: dict[str, dict] = {}
+    used: dict[str, tuple[dict, float]] = {}
+    for r, (parts, total, n) in _trace_parts(report).items():
+        per_rank[r] = _entry(parts, total, n, "trace")
+        used[r] = (parts, total)
+    if run is not None and run.has_records:
+        for r, (parts, total, n, gpu) in _record_parts(run).items():
+            if r in per_rank or total <= 0:
+                continue
+            per_rank[r] = _entry(parts, total, n, "records (host clock)" if gpu else "records")
+            used[r] = (parts, total)
+    if not per_rank:
+        return None
+    job_parts = {k: sum(p[k] for p, _ in used.values()) for k in BREAKDOWN_PARTS}
+    job_total = sum(t for _, t in used.values())
+    job = _entry(job_parts, job_total, 1, ", ".join(sorted({v["source"] for v in per_rank.values()})))
+    job.pop("step_ms")
+    job.pop("steps")
+    by_bound: dict[str, list[int]] = {}
+    for r, v in per_rank.items():
+        by_bound.setdefault(v["bound"], []).append(int(r))
+    job["ranks_by_bound"] = {b: sorted(rs) for b, rs in sorted(by_bound.items())}
+    job["ranks"] = len(per_rank)
+    return {"job": job, "per_rank": dict(sorted(per_rank.items(), key=lambda kv: int(kv[0])))}

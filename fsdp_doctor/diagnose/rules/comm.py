@@ -1,0 +1,325 @@
+"""Communication rules decided from a plain Kineto trace (no records needed): exposed reduce-scatters,
+communication-bound steps with the achieved bus bandwidth per collective size, many small latency-bound
+collectives (too-fine wrapping), NCCL kernels queued on the compute stream, and a straggler rank across the
+files of one job.
+
+Evidence comes from the trace section (``report["overlap"]``): units and phases from FSDP2's
+``record_function`` labels, bytes and group size from the NCCL kernels' args, the step's exclusive split from
+``breakdown`` and the verdict. A rule whose evidence is missing stays quiet; ``why_quiet`` says why.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from .. import estimate as E
+from ..base import Context, Rule, register
+
+# Exposed reduce-scatter worth acting on, as a share of the step (GPU: it could hide behind backward compute).
+EXPOSED_RS_WARN_SHARE = 0.10
+EXPOSED_RS_INFO_SHARE = 0.05
+# A step is communication-bound when exposed communication is the largest group of the verdict and at least
+# this share of the step.
+COMM_BOUND_MIN_SHARE = 0.25
+# Message-size buckets (bytes) for the bandwidth table: NCCL's latency regime ends around 1 MiB on NVLink and
+# IB (nccl-tests: bus bandwidth reaches half its peak between 1 and 8 MiB).
+SIZE_BUCKETS = ((1 << 20, "< 1 MiB"), (16 << 20, "1-16 MiB"), (128 << 20, "16-128 MiB"), (float("inf"), ">= 128 MiB"))
+# Too-fine wrapping: at least this many all-gathers per step ...
+SMALL_MIN_CALLS_PER_STEP = 24
+# ... whose median message is below this size (latency-bound on any fabric) ...
+SMALL_MAX_MEDIAN_BYTES = 4 << 20
+# ... with exposed communication at least this share of the step.
+SMALL_MIN_EXPOSED_SHARE = 0.10
+# Grouping this many units into one keeps the per-call latency of one call in k.
+GROUP_FACTOR = 4
+# A rank whose own time (step minus exposed communication) exceeds the median of the others' by this share
+# and at least this long is a straggler: the other ranks wait for it inside their collectives.
+STRAGGLER_MIN_FRACTION = 0.15
+STRAGGLER_MIN_MS = 0.5
+
+
+def overlap(ctx: Context) -> dict:
+    return ctx.section("overlap")
+
+
+def trace_step_ms(ctx: Context) -> Optional[float]:
+    """Median over ranks of the trace's step time (complete steps' wall time / steps), else the records'."""
+    v = (ctx.section("verdict").get("per_rank") or {})
+    ms = [x["step_ms"] for x in v.values() if x.get("source") == "trace" and x.get("step_ms")]
+    return float(statistics.median(ms)) if ms else E.step_ms(ctx)
+
+
+def trace_device(ctx: Context) -> Optional[str]:
+    devs = {pr.get("device") for pr in (overlap(ctx).get("per_rank") or {}).values()}
+    return "gpu" if "gpu" in devs else ("cpu" if devs else None)
+
+
+def per_step(ctx: Context, rank, us: float) -> float:
+    """µs over a rank's windows -> ms per step."""
+    return us / E.steps_in_windows(ctx, str(rank)) / 1e3
+
+
+def breakdown_ms(ctx: Context, part: str) -> dict[str, float]:
+    """Per rank, one part of the step's breakdown in ms per step."""
+    return {r: per_step(ctx, r, b.get(part, 0.0)) for r, b in (overlap(ctx).get("breakdown") or {}).items()}
+
+
+def _fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "?"
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _bucket(nbytes: float) -> str:
+    for lim, name in SIZE_BUCKETS:
+        if nbytes < lim:
+            return name
+    return SIZE_BUCKETS[-1][1]
+
+
+class TraceRule(Rule):
+    """A rule over the trace section; ``why_quiet`` holds the reason it found nothing (missing evidence)."""
+
+    why_quiet: str = ""
+
+    def quiet(self, why: str) -> list:
+        self.why_quiet = why
+        return []
+
+
+@register
+class ExposedReduceScatter(TraceRule):
+    code = "comm.exposed_reducescatter"
+    name = "Reduce-scatters on the critical path"
+    description = "Gradient reduce-scatters that no backward compute hides, mostly those of the last units."
+
+    def match(self, ctx: Context):
+        if trace_device(ctx) != "gpu":
+            return self.quiet("needs a GPU trace (on gloo the reduce-scatter shares the cores with compute)")
+        rows = E.trace_rows(ctx, "reduce_scatter")
+        step = trace_step_ms(ctx)
+        if not rows or not step:
+            return self.quiet("no reduce-scatter in the trace" if not rows else "no step time")
+        by_unit: dict[str, list[float]] = {}
+        for r in rows:
+            by_unit.setdefault(r["unit"], []).append(r["exposed_ms_per_step"])
+        exposed = {u: statistics.median(v) for u, v in by_unit.items()}
+        total = sum(exposed.values())
+        share = total / step
+        if share < EXPOSED_RS_INFO_SHARE:
+            return []
+        worst = sorted(exposed.items(), key=lambda kv: -kv[1])
+        bw = [r["busbw_gbps"] for r in rows if r.get("busbw_gbps")]
+        sizes = [r["bytes_per_call"] for r in rows if r.get("bytes_per_call")]
+        return [self.finding(
+            "warning" if share >= EXPOSED_RS_WARN_SHARE else "info",
+            f"Reduce-scatters stall the step for {total:.2f} ms ({100 * share:.0f}%)",
+            {"exposed_rs_ms_per_step": round(total, 3), "exposed_share_pct": round(100 * share, 1),
+             "step_ms": round(step, 3), "worst_units": [f"{u or '<root>'}: {ms:.3f} ms" for u, ms in worst[:6]],
+             "rs_bytes_per_call_median": statistics.median(sizes) if sizes else None,
+             "rs_busbw_gbps_median": round(statistics.median(bw), 1) if bw else None, "measured_by": "trace"},
+            "These gradient reduce-scatters run while no compute is left to hide them: the units that finish "
+            "backward last (the first in forward: embeddings, the first blocks) reduce with nothing after them "
+            "but the optimizer. Halve their bytes with a 16-bit reduce dtype, and keep the first unit small "
+            "(its reduce-scatter is always exposed); with gradient accumulation, skip the reduce-scatter on all "
+            "but the last micro-batch.",
+            "from torch.distributed.fsdp import MixedPrecisionPolicy\n"
+            "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)\n"
+            "fully_shard(block, mesh=mesh, mp_policy=mp)\n"
+            "# gradient accumulation: model.set_requires_gradient_sync(is_last_microbatch)",
+            predicted=E.predicted(step, None),
+            units=[u for u, _ in worst[:6]])]
+
+
+def _size_table(rows: list[dict]) -> list[dict]:
+    """Per collective and size bucket: calls per step, median message, achieved bus bandwidth, exposed."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r.get("bytes_per_call"):
+            groups.setdefault((r["collective"], _bucket(r["bytes_per_call"])), []).append(r)
+    out = []
+    for (coll, bucket), rs in sorted(groups.items()):
+        comm_us = sum(r["comm_us"] for r in rs)
+        moved = sum(r["bytes_per_call"] * r["count"] for r in rs)
+        bw = [r["busbw_gbps"] for r in rs if r.get("busbw_gbps")]
+        out.append({"collective": coll, "size": bucket, "calls_per_step": round(sum(r["count_per_step"] for r in rs), 1),
+                    "median_bytes": statistics.median(r["bytes_per_call"] for r in rs),
+                    "busbw_gbps": round(statistics.median(bw), 1) if bw else None,
+                    "algbw_gbps": round(moved / comm_us / 1e3, 1) if comm_us > 0 else None,
+                    "exposed_ms_per_step": round(sum(r["exposed_ms_per_step"] for r in rs), 3)})
+    return out
+
+
+@register
+class CommunicationBound(TraceRule):
+    code = "comm.bound"
+    name = "Communication-bound step"
+    description = "Exposed communication is the largest share of the step; bandwidth per collective size says why."
+
+    def match(self, ctx: Context):
+        v = ctx.section("verdict")
+        job = v.get("job")
+        if not job:
+            return self.quiet("no verdict")
+        share = job["groups_pct"]["communication"] / 100
+        if job["bound"] != "communication" or share < COMM_BOUND_MIN_SHARE:
+            return []
+        rows = E.trace_rows(ctx)
+        table = _size_table(rows)
+        step = trace_step_ms(ctx)
+        small = [t for t in table if t["size"] == SIZE_BUCKETS[0][1]]
+        small_exp = sum(t["exposed_ms_per_step"] for t in small)
+        all_exp = sum(t["exposed_ms_per_step"] for t in table) or None
+        latency_bound = bool(all_exp and small_exp / all_exp >= 0.5)
+        if latency_bound:
+            text = ("Most exposed communication is in small messages (< 1 MiB), where NCCL is latency-bound and "
+                    "reaches a fraction of the link's bandwidth: fewer, larger collectives (larger FSDP units) "
+                    "move the same bytes in less time.")
+            code = ("# group consecutive blocks into one FSDP unit\n"
+                    f"for i in range(0, len(model.layers), {GROUP_FACTOR}):\n"
+                    f"    fully_shard(list(model.layers[i:i + {GROUP_FACTOR}]), mesh=mesh)")
+        else:
+            text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
+                    "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
+                    "reduces across nodes), or give each byte more compute (a larger micro-batch per rank).")
+            code = ("from torch.distributed.fsdp import MixedPrecisionPolicy\n"
+                    "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)\n"
+                    "# HSDP: mesh = init_device_mesh('cuda', (nodes, gpus_per_node), "
+                    "mesh_dim_names=('replicate', 'shard'))\n"
+                    "fully_shard(block, mesh=mesh, mp_policy=mp)")
+        sh = job["shares_pct"]
+        return [self.finding(
+            "warning", f"Communication-bound: exposed collectives take {100 * share:.0f}% of the step",
+            {"exposed_comm_share_pct": round(100 * share, 1), "allgather_fwd_pct": sh["allgather_fwd"],
+             "allgather_bwd_pct": sh["allgather_bwd"], "reducescatter_pct": sh["reducescatter"],
+             "other_comm_pct": sh["other_comm"], "compute_pct": job["groups_pct"]["compute"],
+             "step_ms": None if step is None else round(step, 3), "latency_bound": latency_bound,
+             "by_size": [f"{t['collective']} {t['size']}: {t['calls_per_step']}/step, median "
+                         f"{_fmt_bytes(t['median_bytes'])}, busbw {t['busbw_gbps']} GB/s, exposed "
+                         f"{t['exposed_ms_per_step']:.3f} ms" for t in table]},
+            text, code, predicted=E.predicted(step, None))]
+
+
+@register
+class SmallCollectives(TraceRule):
+    code = "comm.small_collectives"
+    name = "Many small, latency-bound collectives"
+    description = "Too-fine wrapping seen in the trace: many all-gathers of small messages per step."
+
+    def match(self, ctx: Context):
+        rows = E.trace_rows(ctx, "all_gather")
+        step = trace_step_ms(ctx)
+        if not rows or not step:
+            return self.quiet("no all-gather in the trace" if not rows else "no step time")
+        sized = [r for r in rows if r.get("bytes_per_call")]
+        if not sized:
+            return self.quiet("the trace has no message sizes (NCCL args 'In msg nelems' / 'dtype')")
+        ranks = {r["rank"] for r in rows}
+        calls = max(sum(r["count_per_step"] for r in rows if r["rank"] == k) for k in ranks)
+        median_bytes = statistics.median(r["bytes_per_call"] for r in sized)
+        exposed = {k: sum(r["exposed_ms_per_step"] for r in E.trace_rows(ctx) if r["rank"] == k) for k in ranks}
+        exp = statistics.median(exposed.values())
+        if calls < SMALL_MIN_CALLS_PER_STEP or median_bytes >= SMALL_MAX_MEDIAN_BYTES:
+            return []
+        if exp / step < SMALL_MIN_EXPOSED_SHARE:
+            return []
+        units = sorted({r["unit"] for r in rows})
+        # per-call time of the smallest messages bounds the latency a merged call still pays once
+        per_call_ms = statistics.median(r["comm_ms_per_step"] / r["count_per_step"] for r in rows if r["count_per_step"])
+        bw = [r["busbw_gbps"] for r in sized if r.get("busbw_gbps")]
+        return [self.finding(
+            "warning", f"{calls:.0f} all-gathers per step of {_fmt_bytes(median_bytes)} each: latency-bound",
+            {"allgathers_per_step": round(calls, 1), "units": len(units), "median_bytes_per_call": median_bytes,
+             "median_ms_per_call": round(per_call_ms, 4),
+             "busbw_gbps_median": round(statistics.median(bw), 2) if bw else None,
+             "exposed_comm_ms_per_step": round(exp, 3), "exposed_share_pct": round(100 * exp / step, 1),
+             "step_ms": round(step, 3), "measured_by": "trace"},
+            f"The model is wrapped into {len(units)} units whose all-gathers move {_fmt_bytes(median_bytes)} "
+            "each: every call pays NCCL's fixed latency and none reaches the link's bandwidth, and each unit's "
+            "compute is too short to hide the next call. Wrap coarser: group consecutive blocks so that each "
+            "all-gather moves tens of MiB (this is wrap.too_fine, seen from the trace).",
+            "# group consecutive blocks into one FSDP unit\n"
+            f"for i in range(0, len(model.layers), {GROUP_FACTOR}):\n"
+            f"    fully_shard(list(model.layers[i:i + {GROUP_FACTOR}]), mesh=mesh)",
+            predicted=E.predicted(step, None), units=units[:10])]
+
+
+@register
+class NcclOnComputeStream(TraceRule):
+    code = "comm.on_compute_stream"
+    name = "Collectives on the compute stream"
+    description = "NCCL kernels queued on the compute stream serialise with compute and can never overlap it."
+
+    def match(self, ctx: Context):
+        per_rank = overlap(ctx).get("per_rank") or {}
+        if trace_device(ctx) != "gpu":
+            return self.quiet("needs a GPU trace")
+        bad = {r: pr["comm_calls_on_compute_stream"] for r, pr in per_rank.items()
+               if pr.get("comm_calls_on_compute_stream")}
+        if not bad:
+            return []
+        step = trace_step_ms(ctx)
+        rows = E.trace_rows(ctx)
+        tot = {r: per_rank[r].get("comm_calls") or 0 for r in bad}
+        return [self.finding(
+            "warning", f"NCCL kernels run on the compute stream on {len(bad)} rank(s)",
+            {"ranks": sorted(int(r) for r in bad),
+             "calls_on_compute_stream": {r: f"{n} of {tot[r]}" for r, n in sorted(bad.items())},
+             "collectives": sorted({r["collective"] for r in rows}), "step_ms": step},
+            "These collectives were queued on the stream that runs the model's kernels, so compute waits for "
+            "each of them and they never overlap it. FSDP2 issues its all-gathers and reduce-scatters on its own "
+            "streams; collectives on the compute stream come from code that calls torch.distributed directly "
+            "with the current stream (a loss or metric all-reduce, gradient-norm clipping, a custom sync). Issue "
+            "them with async_op=True and wait only where the result is used, or move them out of the step.",
+            "work = dist.all_reduce(t, async_op=True)\n...  # compute that does not need t\nwork.wait()",
+            predicted=E.predicted(step, None), ranks=sorted(int(r) for r in bad))]
+
+
+@register
+class TraceStraggler(TraceRule):
+    code = "straggler.trace"
+    name = "Straggler rank (from the trace)"
+    description = "One rank's own work per step is longer; the others wait for it inside their collectives."
+
+    def match(self, ctx: Context):
+        if ctx.run is not None and getattr(ctx.run, "has_records", False):
+            return self.quiet("the job has step records: straggler.rank decides from them")
+        v = ctx.section("verdict").get("per_rank") or {}
+        tr = {r: x for r, x in v.items() if x.get("source") == "trace"}
+        if len(tr) < 2:
+            return self.quiet("needs the trace files of two or more ranks of one job")
+        comm = ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")
+        own = {r: x["step_ms"] * (1 - sum(x["shares_pct"][k] for k in comm) / 100) for r, x in tr.items()}
+        waits = {r: x["step_ms"] - own[r] for r, x in tr.items()}
+        worst = max(own, key=own.get)
+        others = [own[r] for r in own if r != worst]
+        base = statistics.median(others)
+        excess = own[worst] - base
+        if excess < STRAGGLER_MIN_MS or excess < STRAGGLER_MIN_FRACTION * base:
+            return []
+        # the others must be the ones waiting: their exposed communication exceeds the straggler's
+        if statistics.median(waits[r] for r in own if r != worst) <= waits[worst]:
+            return []
+        x = tr[worst]
+
+        def group_ms(r, g):
+            return tr[r]["step_ms"] * tr[r]["groups_pct"][g] / 100
+
+        # where the extra time is: the group that grew most against the other ranks' median
+        top = max(("compute", "host", "input", "offload", "idle"),
+                  key=lambda g: group_ms(worst, g) - statistics.median(group_ms(r, g) for r in tr if r != worst))
+        return [self.finding(
+            "warning", f"Rank {worst} is a straggler: +{excess:.2f} ms of its own work per step",
+            {"rank": int(worst), "own_ms_per_step": round(own[worst], 3), "others_own_ms_median": round(base, 3),
+             "others_wait_ms_median": round(statistics.median(waits[r] for r in own if r != worst), 3),
+             "rank_wait_ms": round(waits[worst], 3), "rank_bound": x["bound"], "rank_largest_part": top,
+             "own_ms_by_rank": {r: round(ms, 3) for r, ms in sorted(own.items(), key=lambda kv: int(kv[0]))}},
+            f"Rank {worst} spends {excess:.2f} ms more per step on its own work (mostly {top}) than the median "
+            "rank, and the other ranks wait that long in their collectives. Look at what differs on that rank: "
+            "its data (longer sequences, a slower loader), its host (CPU contention, throttling), or its GPU "
+            "(clocks, a different model).",
+            "", predicted=E.predicted(tr[worst]["step_ms"], tr[worst]["step_ms"] - excess), ranks=[int(worst)])]

@@ -1,0 +1,191 @@
+"""The step breakdown and the verdict: known-answer traces (every number derived by hand below) and HTA's
+reference traces (checked against HTA 0.5.0's own figures)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from trace_fixtures import fsdp_gpu_trace, gloo_known_trace, gpu_known_trace
+
+from fsdp_doctor.analyze.verdict import verdict
+from fsdp_doctor.trace import analyze_traces, breakdown, build_window, find_trace_files, temporal_breakdown
+
+HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
+EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
+PARTS = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm", "offload", "other_gpu",
+         "host", "input", "idle")
+
+
+def _analyze(tmp_path, builders):
+    for r, b in enumerate(builders):
+        b.write(tmp_path / f"rank{r}.json")
+    return analyze_traces(tmp_path)
+
+
+def _bd(result, rank="0"):
+    d = dict(result["breakdown"][rank])
+    assert sum(d[k] for k in PARTS) == pytest.approx(d["window_us"], abs=1e-6)  # a partition of the window
+    return d
+
+
+def _check(d, **expected):
+    for k in PARTS:
+        assert d[k] == pytest.approx(expected.get(k, 0.0), abs=1e-3), (k, d)  # float µs on a 1.7e12 µs clock
+
+
+# ------------------------------------------------------------------------------------- known answers
+def test_known_gpu_trace_breakdown(tmp_path):
+    """gpu_known_trace (trace_fixtures.py), per step of 1000 µs, steps 1-2 (the window is [0, 2000)):
+    compute [100,400) [500,600) [640,800) [950,990) = 600; exposed AG forward [0,100) = 100; AG backward
+    [450,500) = 50; RS [600,640) + [800,900) = 140; H2D alone [900,950) = 50; device idle [400,450): the
+    backward all-gather was launched at 422, so [400,422) waits for the host (inside the model: host 22) and
+    [422,450) for the launched kernel (idle 28); idle [990,1000): the next step's first launch comes later and
+    the host is past the step's last FSDP label (T+800): input 10."""
+    d = _bd(_analyze(tmp_path, [gpu_known_trace()]))
+    assert d["window_us"] == 2000
+    _check(d, compute=1200, allgather_fwd=200, allgather_bwd=100, reducescatter=280, offload=100, host=44,
+           input=20, idle=56)
+
+
+def test_known_gpu_trace_without_prefetch_and_other_collective(tmp_path):
+    # without prefetch layers.1's all-gather runs alone [300,400) and its compute shrinks to 20 µs:
+    # AG forward 200 per step, compute 520; the gap [420,450) waits for the host until the launch at 422
+    d = _bd(_analyze(tmp_path, [gpu_known_trace(prefetch=False)]))
+    _check(d, compute=1040, allgather_fwd=400, allgather_bwd=100, reducescatter=280, offload=100, host=4,
+           input=20, idle=56)
+    # a user all_reduce [990,995) alone: other communication 5 per step, leaving input 5
+    d = _bd(_analyze(tmp_path / "x", [gpu_known_trace(extra_unit_events=True)]))
+    _check(d, compute=1200, allgather_fwd=200, allgather_bwd=100, reducescatter=280, other_comm=10, offload=100,
+           host=44, input=10, idle=56)
+
+
+def test_known_gloo_trace_breakdown(tmp_path):
+    """gloo_known_trace, steps 5-6 (window [0, 20000): the cut is step 7's start). Per step: compute
+    mm 1000 + addmm 600 + backward op 600 = 2200; all-gathers exposed 1000 (synchronous) + 400; the
+    reduce-scatter 400; outside the model: [T, T+1) before the root pre-forward and [T+3700, T+9000) after
+    the last FSDP label, less the reduce-scatter's exposed [4300,4650): 1 + 4350 = 4351 input; the rest,
+    main-thread time between operators inside the model and the gap between steps: host 1649."""
+    d = _bd(_analyze(tmp_path, [gloo_known_trace()]))
+    assert d["window_us"] == 20000
+    _check(d, compute=4400, allgather_fwd=2800, reducescatter=800, input=8702, host=3298)
+
+
+@pytest.mark.parametrize("kw,parts,bound", [
+    # 4 units, no prefetch, all-gather 94 µs then compute 6 µs each: 94% of the step waits for all-gathers
+    (dict(units=4, ag_us=94, fwd_us=6), dict(compute=48, allgather_fwd=752), "communication"),
+    # prefetched: only the first unit's all-gather (10 µs) is exposed per step of 370 µs
+    (dict(units=4, ag_us=10, fwd_us=90, prefetch=True), dict(compute=720, allgather_fwd=20), "compute"),
+    # CPU offload: an H2D copy-in of 50 µs on the compute stream before each 10 µs all-gather and 40 µs compute
+    (dict(units=4, h2d_us=50, ag_us=10, fwd_us=40), dict(compute=320, allgather_fwd=80, offload=400), "offload"),
+    # 48 tiny units, no prefetch: per unit forward AG 20 + compute 10; backward RS 20, next AG 20, compute 20
+    (dict(units=48, ag_us=20, fwd_us=10, bwd_us=20, rs_us=20, nelems=65536),
+     dict(compute=2880, allgather_fwd=1920, allgather_bwd=1920, reducescatter=1920), "communication"),
+    # the host launches one kernel every 50 µs: 8 launches per step of 400 µs, 20 µs of device work each
+    # 2 launches; the 4 post-forward labels add 0.04 µs of host time per step
+    (dict(units=4, ag_us=10, fwd_us=10, launch_gap_us=50), dict(compute=80, allgather_fwd=80, host=640.08), "host"),
+    # a 1000 µs data-loader label before each step of 370 µs
+    (dict(units=4, ag_us=10, fwd_us=90, prefetch=True, loader_us=1000), dict(compute=720, allgather_fwd=20,
+                                                                            input=2000), "input"),
+    # a full step: prefetched forward (400) and backward (800), optimizer 30; exposed: the first forward
+    # all-gather 40, the first backward all-gather 40, the last reduce-scatter 50
+    (dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True, opt_us=30),
+     dict(compute=2460, allgather_fwd=80, allgather_bwd=80, reducescatter=100), "compute"),
+], ids=["ag_94pct_exposed", "compute_dominates", "h2d_on_critical_path", "48_tiny_units", "host_bound",
+        "input_bound", "full_step"])
+def test_simulated_fsdp_traces(tmp_path, kw, parts, bound):
+    result = _analyze(tmp_path, [fsdp_gpu_trace(**kw)])
+    d = _bd(result)
+    _check(d, **parts)
+    v = verdict({"overlap": result})
+    r0 = v["per_rank"]["0"]
+    assert r0["bound"] == bound and r0["source"] == "trace" and r0["steps"] == 2
+    assert r0["step_ms"] == pytest.approx(d["window_us"] / 2 / 1e3, abs=1e-3)
+    for k in PARTS:
+        assert r0["shares_pct"][k] == pytest.approx(100 * parts.get(k, 0.0) / d["window_us"], abs=0.01)
+    assert sum(r0["groups_pct"].values()) == pytest.approx(100, abs=0.05)
+
+
+def test_ag_94pct_exposed_verdict_text(tmp_path):
+    v = verdict({"overlap": _analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)])})
+    r0 = v["per_rank"]["0"]
+    assert r0["shares_pct"]["allgather_fwd"] == 94.0 and r0["groups_pct"]["communication"] == 94.0
+    assert r0["summary"] == "communication-bound (94% of the step); then compute 6%"
+
+
+def test_job_verdict_over_ranks(tmp_path):
+    # rank 0 waits for all-gathers, rank 1 computes: the job sums both ranks' time
+    result = _analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6, rank=0),
+                                 fsdp_gpu_trace(units=4, ag_us=10, fwd_us=90, prefetch=True, rank=1)])
+    v = verdict({"overlap": result})
+    assert v["per_rank"]["0"]["bound"] == "communication" and v["per_rank"]["1"]["bound"] == "compute"
+    assert v["job"]["ranks_by_bound"] == {"communication": [0], "compute": [1]}
+    # (752 + 20) / (800 + 740) all-gather, (48 + 720) / 1540 compute
+    assert v["job"]["shares_pct"]["allgather_fwd"] == pytest.approx(100 * 772 / 1540, abs=0.01)
+    assert v["job"]["bound"] == "communication"
+
+
+def test_no_data_no_verdict():
+    assert verdict({}) is None
+    assert verdict({"overlap": {"breakdown": {"0": {"window_us": 0.0}}}}) is None
+
+
+def test_verdict_from_records_of_a_real_run(recorded_run):
+    """The recorded 2-rank gloo run has one profiler window (its trace gives ranks a trace verdict); without
+    the trace, the step records give one: its parts add up to the step and its input share is the recorded
+    time outside the model."""
+    from fsdp_doctor.analyze.steps import usable_steps
+
+    run, _, _ = recorded_run
+    v = verdict({}, run)
+    assert set(v["per_rank"]) == {"0", "1"}
+    for r, rv in v["per_rank"].items():
+        assert rv["source"] == "records"
+        steps = usable_steps(run.ranks[int(r)].steps)
+        outside = sum(s.outside_ms for s in steps) / sum(s.wall_ms for s in steps)
+        assert rv["shares_pct"]["input"] == pytest.approx(100 * outside, abs=0.02)
+        assert sum(rv["shares_pct"].values()) == pytest.approx(100, abs=0.05)
+
+
+# ------------------------------------------------------------------------------------- HTA references
+def _hta_cases():
+    if not EXPECTED.exists():
+        return []
+    res = json.loads(EXPECTED.read_text())["results"]
+    return [(f, e) for f, e in sorted(res.items())
+            if f in ("a100_rank3_of_8", "a100_sendrecv_16rank_rank0", "a100_sendrecv_2rank", "v100_allreduce_rank1",
+                     "v100_rank1_of_2")]
+
+
+@pytest.mark.skipif(not EXPECTED.exists(), reason="reference traces not found")
+@pytest.mark.parametrize("folder,expected", _hta_cases(), ids=[c[0] for c in _hta_cases()])
+def test_breakdown_over_htas_window_matches_htas_figures(folder, expected):
+    """Over HTA's window (first to last device event), our partition gives HTA's numbers: compute = HTA's
+    compute time; host + input + idle = HTA's idle time; exposed communication + offload + other device work
+    = HTA's non-compute time; and exposed communication = communication × (1 - HTA's overlap %)."""
+    for path in find_trace_files(HTA_DIR / folder):
+        w = build_window(path)
+        busy = w.gpu_busy
+        d = breakdown(w, window=(float(busy[0][0]), float(busy[1][-1])))
+        hta = expected["temporal_breakdown"][str(w.rank)]
+        assert d["compute"] == pytest.approx(hta["compute_time(us)"], abs=1e-6)
+        assert d["host"] + d["input"] + d["idle"] == pytest.approx(hta["idle_time(us)"], abs=1e-6)
+        comm = sum(d[k] for k in ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"))
+        assert comm + d["offload"] + d["other_gpu"] == pytest.approx(hta["non_compute_time(us)"], abs=1e-6)
+        pct = expected["comm_comp_overlap_pct"][str(w.rank)]
+        comm_total = sum(e - s for s, e in zip(*w.comm))
+        assert comm == pytest.approx(comm_total * (1 - pct / 100), rel=0.005, abs=1.0)
+        assert temporal_breakdown(w)["kernel_us"] == d["window_us"]
+
+
+@pytest.mark.skipif(not EXPECTED.exists(), reason="reference traces not found")
+def test_verdict_on_reference_traces_is_sensible(tmp_path):
+    """Over the complete steps: v100_rank1_of_2 (HTA: 68% compute, 7.5% idle over its kernel span) is
+    compute-bound; the DDP trace (HTA: 78% idle) has a GPU that mostly waits for the host; each verdict's
+    shares add up to 100% of the steps' wall time."""
+    v = verdict({"overlap": analyze_traces(HTA_DIR / "v100_rank1_of_2")})["per_rank"]["1"]
+    assert v["bound"] == "compute" and 60 < v["groups_pct"]["compute"] < 85
+    v = verdict({"overlap": analyze_traces(HTA_DIR / "a100_ddp_allreduce_rank0")})["per_rank"]["0"]
+    assert v["bound"] == "host" and v["groups_pct"]["host"] + v["groups_pct"]["idle"] > 70
+    for folder in ("a100_sendrecv_2rank", "a100_rank3_of_8", "cpu_only_gloo", "amd_mi250"):
+        for rv in verdict({"overlap": analyze_traces(HTA_DIR / folder)})["per_rank"].values():
+            assert sum(rv["groups_pct"].values()) == pytest.approx(100, abs=0.05)
