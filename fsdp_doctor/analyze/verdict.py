@@ -45,6 +45,8 @@ PART_LABELS = {
     "input": "input / outside the model",
     "idle": "idle (launched work waiting)",
 }
+# on a CPU/gloo trace the "device" is the main thread
+CPU_LABELS = {"compute": "compute (operators)", "host": "host (main thread between operators)"}
 
 
 def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
@@ -53,23 +55,24 @@ def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
     return shares, groups
 
 
-def _entry(parts_us: dict[str, float], total_us: float, steps: int, source: str) -> dict:
+def _entry(parts_us: dict[str, float], total_us: float, steps: int, source: str, device: str) -> dict:
     shares, groups = _shares(parts_us, total_us)
+    labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else PART_LABELS
     bound = max(groups, key=lambda g: (groups[g], g == "compute"))
     mine = sorted((k for k in GROUPS[bound] if shares[k] >= 0.5), key=lambda k: -shares[k])
     rest = sorted((k for k in BREAKDOWN_PARTS if k not in GROUPS[bound] and shares[k] >= 0.5),
                   key=lambda k: -shares[k])[:2]
     summary = f"{bound}-bound ({groups[bound]:.0f}% of the step"
     if len(GROUPS[bound]) > 1 and len(mine) > 1:
-        summary += ": " + ", ".join(f"{PART_LABELS[k]} {shares[k]:.0f}%" for k in mine)
+        summary += ": " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in mine)
     summary += ")"
     if rest:
-        summary += "; then " + ", ".join(f"{PART_LABELS[k]} {shares[k]:.0f}%" for k in rest)
+        summary += "; then " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in rest)
     return {"bound": bound, "shares_pct": shares, "groups_pct": groups, "summary": summary,
-            "step_ms": round(total_us / max(1, steps) / 1e3, 3), "steps": steps, "source": source}
+            "step_ms": round(total_us / max(1, steps) / 1e3, 3), "steps": steps, "source": source, "device": device}
 
 
-def _trace_parts(report: dict) -> dict[str, tuple[dict, float, int]]:
+def _trace_parts(report: dict) -> dict[str, tuple[dict, float, int, str]]:
     ov = report.get("overlap") or {}
     per_rank = ov.get("per_rank") or {}
     out = {}
@@ -78,7 +81,8 @@ def _trace_parts(report: dict) -> dict[str, tuple[dict, float, int]]:
         if total <= 0:
             continue
         n = len((per_rank.get(r) or {}).get("steps") or []) or 1
-        out[str(r)] = ({k: float(parts.get(k, 0.0)) for k in BREAKDOWN_PARTS}, total, n)
+        dev = (per_rank.get(r) or {}).get("device") or "gpu"
+        out[str(r)] = ({k: float(parts.get(k, 0.0)) for k in BREAKDOWN_PARTS}, total, n, dev)
     return out
 
 
@@ -108,20 +112,22 @@ def verdict(report: dict, run: Optional[Run] = None) -> Optional[dict]:
     """``{"job": {...}, "per_rank": {rank: {...}}}`` (see the module docstring), or None without any data."""
     per_rank: dict[str, dict] = {}
     used: dict[str, tuple[dict, float]] = {}
-    for r, (parts, total, n) in _trace_parts(report).items():
-        per_rank[r] = _entry(parts, total, n, "trace")
+    for r, (parts, total, n, dev) in _trace_parts(report).items():
+        per_rank[r] = _entry(parts, total, n, "trace", dev)
         used[r] = (parts, total)
     if run is not None and run.has_records:
         for r, (parts, total, n, gpu) in _record_parts(run).items():
             if r in per_rank or total <= 0:
                 continue
-            per_rank[r] = _entry(parts, total, n, "records (host clock)" if gpu else "records")
+            per_rank[r] = _entry(parts, total, n, "records (host clock)" if gpu else "records", "gpu" if gpu else "cpu")
             used[r] = (parts, total)
     if not per_rank:
         return None
     job_parts = {k: sum(p[k] for p, _ in used.values()) for k in BREAKDOWN_PARTS}
     job_total = sum(t for _, t in used.values())
-    job = _entry(job_parts, job_total, 1, ", ".join(sorted({v["source"] for v in per_rank.values()})))
+    devices = {v["device"] for v in per_rank.values()}
+    job = _entry(job_parts, job_total, 1, ", ".join(sorted({v["source"] for v in per_rank.values()})),
+                 "gpu" if "gpu" in devices else "cpu")
     job.pop("step_ms")
     job.pop("steps")
     by_bound: dict[str, list[int]] = {}

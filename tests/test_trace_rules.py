@@ -1,0 +1,146 @@
+"""Rules decided from plain Kineto traces (no records): known-answer FSDP2-shaped GPU traces, numbers derived
+by hand in each test (see trace_fixtures.fsdp_gpu_trace for the schedule)."""
+
+import pytest
+from trace_fixtures import fsdp_gpu_trace, gloo_known_trace
+
+from fsdp_doctor import load_run
+from fsdp_doctor.analyze import build_report
+from fsdp_doctor.diagnose.base import Context
+from fsdp_doctor.diagnose.rules.comm import (
+    CommunicationBound,
+    ExposedReduceScatter,
+    NcclOnComputeStream,
+    SmallCollectives,
+    TraceStraggler,
+)
+
+
+def _report(tmp_path, *kws):
+    for r, kw in enumerate(kws):
+        fsdp_gpu_trace(rank=r, **kw).write(tmp_path / f"rank{r}.json")
+    run = load_run(tmp_path)
+    return run, build_report(run)
+
+
+def _by_code(report):
+    out = {}
+    for f in report["findings"]:
+        assert f["code"] not in out, f["code"]
+        out[f["code"]] = f
+    return out
+
+
+def test_allgathers_94pct_exposed(tmp_path):
+    # 4 units x (all-gather 94 µs alone, then compute 6 µs): 376 of every 400 µs wait for all-gathers
+    _, rep = _report(tmp_path, dict(units=4, ag_us=94, fwd_us=6))
+    f = _by_code(rep)
+    ag = f["prefetch.exposed_allgather"]
+    assert ag["severity"] == "warning" and ag["evidence"]["measured_by"] == "trace"
+    assert ag["evidence"]["exposed_ag_ms_per_step"] == pytest.approx(0.376)
+    assert ag["evidence"]["exposed_share_pct"] == 94.0 and ag["evidence"]["exposed_ag_bwd_ms"] == 0
+    # prefetching hides units 1-3's all-gathers only as far as there is compute to hide them: 24 µs per step
+    assert ag["predicted"]["step_ms_before"] == 0.4 and ag["predicted"]["step_ms_after"] == pytest.approx(0.376)
+    assert "set_modules_to_forward_prefetch" in ag["recommendation"]["code"]
+    assert "model.layers" in ag["recommendation"]["code"]
+    cb = f["comm.bound"]
+    assert cb["evidence"]["exposed_comm_share_pct"] == 94.0 and cb["evidence"]["latency_bound"] is False
+    # 1M float32 elements = 4 MB per all-gather, 94 µs each on 8 ranks: busbw 4e6 x 7/8 / 94 µs = 37.2 GB/s
+    assert cb["evidence"]["by_size"] == ["all_gather 1-16 MiB: 4.0/step, median 3.8 MiB, busbw 37.2 GB/s, "
+                                         "exposed 0.376 ms"]
+    assert "comm.small_collectives" not in f  # 4 calls per step
+    assert rep["verdict"]["job"]["bound"] == "communication"
+
+
+def test_48_tiny_units(tmp_path):
+    """48 units, 65536 float32 elements (256 KiB) per collective, each 20 µs: per step 48 forward and 48
+    backward all-gathers, all exposed; the reduce-scatters exposed 48 x 20 µs = 0.96 ms of 4.32 ms."""
+    run, rep = _report(tmp_path, *[dict(units=48, ag_us=20, fwd_us=10, bwd_us=20, rs_us=20, nelems=65536)] * 2)
+    f = _by_code(rep)
+    sc = f["comm.small_collectives"]["evidence"]
+    assert sc["allgathers_per_step"] == 96 and sc["units"] == 48 and sc["median_bytes_per_call"] == 262144
+    assert sc["busbw_gbps_median"] == pytest.approx(262144 * 7 / 8 / 20e-6 / 1e9, abs=0.01)  # 11.47 GB/s
+    assert sc["exposed_share_pct"] == pytest.approx(66.7, abs=0.05) and sc["median_ms_per_call"] == 0.02
+    assert f["comm.bound"]["evidence"]["latency_bound"] is True
+    rs = f["comm.exposed_reducescatter"]
+    assert rs["severity"] == "warning" and rs["evidence"]["exposed_rs_ms_per_step"] == pytest.approx(0.96)
+    assert rs["evidence"]["exposed_share_pct"] == pytest.approx(22.2, abs=0.05)
+    assert rs["evidence"]["rs_busbw_gbps_median"] == pytest.approx(11.5, abs=0.05)
+
+
+def test_h2d_copies_on_the_critical_path(tmp_path):
+    # per unit: H2D 50 µs alone, then all-gather 10, then compute 40: offload is half the step
+    _, rep = _report(tmp_path, dict(units=4, h2d_us=50, ag_us=10, fwd_us=40))
+    oc = _by_code(rep)["offload.costly"]
+    assert oc["severity"] == "warning" and oc["evidence"]["exposed_copies_ms_per_step"] == pytest.approx(0.2)
+    assert oc["evidence"]["exposed_share_pct"] == 50.0 and oc["evidence"]["h2d_ms_per_step"] == pytest.approx(0.2)
+    assert oc["predicted"]["step_ms_after"] == pytest.approx(0.2)
+    assert rep["verdict"]["per_rank"]["0"]["bound"] == "offload"
+
+
+def test_compute_dominated_run_is_quiet(tmp_path):
+    # prefetched, compute 90 µs per unit, all-gathers 10 µs: only the first (10 of 370 µs, 2.7%) is exposed
+    _, rep = _report(tmp_path, dict(units=4, ag_us=10, fwd_us=90, prefetch=True))
+    assert rep["findings"] == []
+    assert rep["verdict"]["job"]["bound"] == "compute"
+
+
+def test_nccl_on_the_compute_stream(tmp_path):
+    _, rep = _report(tmp_path, dict(units=4, ag_us=40, fwd_us=100, nccl_stream=7))
+    f = _by_code(rep)["comm.on_compute_stream"]
+    assert f["evidence"]["calls_on_compute_stream"] == {"0": "8 of 8"} and f["ranks"] == [0]
+    _, rep = _report(tmp_path / "ok", dict(units=4, ag_us=40, fwd_us=100))
+    assert "comm.on_compute_stream" not in _by_code(rep)
+
+
+def test_straggler_across_the_ranks_files(tmp_path):
+    """Rank 1 spends 1000 µs more per step on the host before its forward; ranks 0, 2, 3 wait that long in
+    their first all-gather: rank 1's own work is 2.2 ms per step against 1.2 ms on the others."""
+    kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True,
+                step_skew_us=1000 if r == 1 else 0, first_ag_wait_us=0 if r == 1 else 1000) for r in range(4)]
+    run, rep = _report(tmp_path, *kws)
+    s = _by_code(rep)["straggler.trace"]
+    ev = s["evidence"]
+    assert s["ranks"] == [1] and ev["rank"] == 1 and ev["rank_largest_part"] == "host"
+    assert ev["own_ms_per_step"] - ev["others_own_ms_median"] == pytest.approx(1.0, abs=0.01)
+    assert ev["others_wait_ms_median"] == pytest.approx(1.07, abs=0.01)
+    # the same job without the late rank: no straggler
+    kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True) for _ in range(4)]
+    run, rep = _report(tmp_path / "even", *kws)
+    assert "straggler.trace" not in _by_code(rep)
+
+
+def test_rules_quiet_with_a_reason_when_evidence_is_missing(tmp_path):
+    # a CPU/gloo trace: the GPU-only rules say why they are quiet
+    gloo_known_trace().write(tmp_path / "cpu" / "rank0.json")
+    run = load_run(tmp_path / "cpu")
+    ctx = Context(run=run, report=build_report(run))
+    for cls in (ExposedReduceScatter, NcclOnComputeStream):
+        rule = cls()
+        assert rule.match(ctx) == [] and "GPU trace" in rule.why_quiet
+    rule = TraceStraggler()
+    assert rule.match(ctx) == [] and "two or more ranks" in rule.why_quiet
+    # all-gathers without NCCL message-size args: no size, no small-collectives verdict
+    fsdp_gpu_trace(units=48, ag_us=20, fwd_us=10, nelems=None).write(tmp_path / "nosize" / "rank0.json")
+    run = load_run(tmp_path / "nosize")
+    rule = SmallCollectives()
+    assert rule.match(Context(run=run, report=build_report(run))) == [] and "message sizes" in rule.why_quiet
+    rule = CommunicationBound()
+    assert rule.match(Context(run=run, report={})) == [] and rule.why_quiet == "no verdict"
+
+
+def test_terminal_prints_the_verdict_first_within_100_columns(tmp_path):
+    from rich.console import Console
+
+    from fsdp_doctor.present.terminal import render_report
+
+    _, rep = _report(tmp_path, *[dict(units=48, ag_us=20, fwd_us=10, bwd_us=20, rs_us=20, nelems=65536)] * 2)
+    console = Console(width=100, record=True, color_system=None)
+    render_report(rep, console)
+    lines = console.export_text().splitlines()
+    assert all(len(line) <= 100 for line in lines)
+    first = next(i for i, line in enumerate(lines) if line.startswith("Verdict"))
+    assert lines[first].startswith("Verdict: communication-bound (67% of the step")
+    assert first < next(i for i, line in enumerate(lines) if "overlap" in line.lower())
+    row0 = next(line for line in lines if line.split()[:2] == ["0", "communication"])
+    assert row0.split()[2:] == ["4.32", "ms", "33.3", "66.7", "22.2", "22.2", "22.2", "0.0", "0.0", "0.0", "0.0"]
