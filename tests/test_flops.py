@@ -149,8 +149,30 @@ def test_gqa_flops_counted_under_watch(one_rank_group, tmp_path):
     from fsdp_doctor.analyze.throughput import analyze_throughput
 
     cfg = WorkloadConfig(**SMALL, n_kv_heads=2, steps=3)
-    _train(cfg, tmp_path / "run")
+    assert _train(cfg, tmp_path / "run") == _train(cfg)  # counting step 1 changes no loss
     run = load_run(tmp_path / "run")
     # step 1 counted: forward, backward and the optimizer (which has no matmuls)
     assert run.ranks[0].config.flops_per_step == gpt.flops_per_step(cfg)
     assert analyze_throughput(run)["per_rank"]["0"]["flops_source"] == "counted"
+
+
+def test_a_raising_formula_is_caught(monkeypatch, caplog):
+    """A formula that raises (torch's own SDPA formula on grouped-query shapes, in older torch) is caught
+    inside the formula itself, on any torch that has FlopCounterMode's registry."""
+    import torch.utils.flop_counter as fc_mod
+
+    def bad(*args, **kwargs):
+        raise AssertionError("sdpa_flop_count: query/key/value shapes are incompatible")
+
+    aten = torch.ops.aten
+    monkeypatch.setitem(fc_mod.flop_registry, aten.mm, bad)
+    model = build_model(WorkloadConfig(**SMALL))
+    tok = torch.randint(0, 96, (3, 24))
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        fc = FlopCounter()
+        fc.start()
+        loss = next_token_loss(model(tok), tok)
+        loss.backward()
+        assert fc.finish() is None
+    assert fc.error.startswith("counting aten.mm") and torch.isfinite(loss)
+    assert len([r for r in caplog.records if "FLOP counting failed" in r.getMessage()]) == 1

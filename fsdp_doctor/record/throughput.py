@@ -102,21 +102,34 @@ class FlopCounter:
         self.mode = None
         try:
             self.mode = FlopCounterMode(display=False, custom_mapping=attention_formulas())
-            count = self.mode._count_flops  # called once per operator, after the operator ran
+            # every formula guarded (a formula rejecting an operator's shapes must not break the step) ...
+            self.mode.flop_registry = {op: self._guard(op, f) for op, f in self.mode.flop_registry.items()}
+            # ... and, where this torch has it, the per-operator bookkeeping that calls them (after the op ran)
+            count = getattr(self.mode, "_count_flops", None)
+            if count is not None:
+                def guarded(func_packet, out, args, kwargs):
+                    if self.error is not None:
+                        return out
+                    try:
+                        return count(func_packet, out, args, kwargs)
+                    except Exception as e:  # noqa: BLE001
+                        self._failed(f"counting {func_packet}", e)
+                        return out
 
-            def guarded(func_packet, out, args, kwargs):
-                if self.error is not None:
-                    return out
-                try:
-                    return count(func_packet, out, args, kwargs)
-                except Exception as e:  # noqa: BLE001  (a formula rejecting shapes must not break the step)
-                    self._failed(f"counting {func_packet}", e)
-                    return out
-
-            self.mode._count_flops = guarded
+                self.mode._count_flops = guarded
         except Exception as e:  # noqa: BLE001
             self.mode = None
             self._failed("creating FlopCounterMode", e)
+
+    def _guard(self, op, formula):
+        def guarded(*args, **kwargs):
+            try:
+                return formula(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                self._failed(f"counting {op}", e)
+                return 0
+
+        return guarded
 
     def _failed(self, where: str, exc: BaseException) -> None:
         if self.error is not None:
