@@ -48,6 +48,8 @@ def test_allgathers_94pct_exposed(tmp_path):
     # 1M float32 elements = 4 MB per all-gather, 94 µs each on 8 ranks: busbw 4e6 x 7/8 / 94 µs = 37.2 GB/s
     assert cb["evidence"]["by_size"] == ["all_gather 1-16 MiB: 4.0/step, median 3.8 MiB, busbw 37.2 GB/s, "
                                          "exposed 0.376 ms"]
+    # bandwidth-bound float32 all-gathers: bf16 halves their bytes, so half their exposed 0.376 ms per step
+    assert cb["predicted"]["step_ms_after"] == pytest.approx(0.4 - 0.188)
     assert "comm.small_collectives" not in f  # 4 calls per step
     assert rep["verdict"]["job"]["bound"] == "communication"
 
@@ -62,10 +64,12 @@ def test_48_tiny_units(tmp_path):
     assert sc["busbw_gbps_median"] == pytest.approx(262144 * 7 / 8 / 20e-6 / 1e9, abs=0.01)  # 11.47 GB/s
     assert sc["exposed_share_pct"] == pytest.approx(66.7, abs=0.05) and sc["median_ms_per_call"] == 0.02
     assert f["comm.bound"]["evidence"]["latency_bound"] is True
+    assert f["comm.bound"]["predicted"]["step_ms_after"] is None  # latency: halving bytes says little
     rs = f["comm.exposed_reducescatter"]
     assert rs["severity"] == "warning" and rs["evidence"]["exposed_rs_ms_per_step"] == pytest.approx(0.96)
     assert rs["evidence"]["exposed_share_pct"] == pytest.approx(22.2, abs=0.05)
     assert rs["evidence"]["rs_busbw_gbps_median"] == pytest.approx(11.5, abs=0.05)
+    assert rs["evidence"]["rs_dtype"] == "Float" and rs["predicted"]["step_ms_after"] == pytest.approx(4.32 - 0.48)
 
 
 def test_h2d_copies_on_the_critical_path(tmp_path):

@@ -208,6 +208,7 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[dict
             "busbw_gbps": busbw,
             "slack_us": float(np.mean(slacks)) if slacks else None,
             "held_us": float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
+            "dtype": items[0][0].dtype,
         })
     return rows
 

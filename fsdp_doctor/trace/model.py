@@ -90,6 +90,7 @@ class CollectiveCall:
     issue: float  # host time the collective was issued (launch / c10d op start)
     bytes: Optional[int] = None  # message size S (NCCL-tests convention: the full, unsharded size)
     group_size: Optional[int] = None
+    dtype: Optional[str] = None  # element type from the NCCL args ("Float", "BFloat16", ...), where present
     need: Optional[float] = None  # when compute needed the gathered params (all_gather only)
     blocking: bool = False  # gloo: the host thread sat in the all-gather for the whole collective
     on_compute_stream: bool = False  # GPU: the NCCL kernel ran on the compute stream (serialised with compute)
@@ -579,6 +580,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
         coll = coll or (a.collective or "unknown")
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=ts_l[i], end=te_l[i],
                               issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size,
+                              dtype=a.dtype,
                               on_compute_stream=cs is not None and int(streams[i]) == cs)
         if att is not None:
             unit, k, suffix = att
