@@ -119,7 +119,7 @@ def test_rules_quiet_with_a_reason_when_evidence_is_missing(tmp_path):
     gloo_known_trace().write(tmp_path / "cpu" / "rank0.json")
     run = load_run(tmp_path / "cpu")
     ctx = Context(run=run, report=build_report(run))
-    for cls in (ExposedReduceScatter, NcclOnComputeStream):
+    for cls in (ExposedReduceScatter, NcclOnComputeStream, CommunicationBound, SmallCollectives):
         rule = cls()
         assert rule.match(ctx) == [] and "GPU trace" in rule.why_quiet
     rule = TraceStraggler()

@@ -52,6 +52,10 @@ STRAGGLER_MIN_FRACTION = 0.15
 STRAGGLER_MIN_MS = 0.5
 
 
+_GLOO_QUIET = ("needs a GPU trace: on gloo the collectives share the cores with compute (prefetch.* and wrap.* "
+               "cover CPU runs)")
+
+
 def overlap(ctx: Context) -> dict:
     return ctx.section("overlap")
 
@@ -112,7 +116,7 @@ class ExposedReduceScatter(TraceRule):
 
     def match(self, ctx: Context):
         if trace_device(ctx) != "gpu":
-            return self.quiet("needs a GPU trace (on gloo the reduce-scatter shares the cores with compute)")
+            return self.quiet(_GLOO_QUIET)
         rows = E.trace_rows(ctx, "reduce_scatter")
         step = trace_step_ms(ctx)
         if not rows or not step:
@@ -180,6 +184,8 @@ class CommunicationBound(TraceRule):
         job = v.get("job")
         if not job:
             return self.quiet("no verdict")
+        if trace_device(ctx) != "gpu":
+            return self.quiet(_GLOO_QUIET)
         share = job["groups_pct"]["communication"] / 100
         if job["bound"] != "communication" or share < COMM_BOUND_MIN_SHARE:
             return []
@@ -227,6 +233,8 @@ class SmallCollectives(TraceRule):
     description = "Too-fine wrapping seen in the trace: many all-gathers of small messages per step."
 
     def match(self, ctx: Context):
+        if trace_device(ctx) != "gpu":
+            return self.quiet(_GLOO_QUIET)
         rows = E.trace_rows(ctx, "all_gather")
         step = trace_step_ms(ctx)
         if not rows or not step:
