@@ -57,7 +57,9 @@ def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
 
 def _entry(parts_us: dict[str, float], total_us: float, steps: int, source: str, device: str) -> dict:
     shares, groups = _shares(parts_us, total_us)
-    labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else PART_LABELS
+    labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else dict(PART_LABELS)
+    if source.startswith("records"):
+        labels.update(host="GC pauses", compute="forward, backward and optimizer (less waits)")
     bound = max(groups, key=lambda g: (groups[g], g == "compute"))
     mine = sorted((k for k in GROUPS[bound] if shares[k] >= 0.5), key=lambda k: -shares[k])
     rest = sorted((k for k in BREAKDOWN_PARTS if k not in GROUPS[bound] and shares[k] >= 0.5),
