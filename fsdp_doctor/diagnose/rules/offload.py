@@ -99,7 +99,7 @@ class OffloadRecommended(Rule):
         # per step: params host->device twice (forward and backward unshard), grads device->host once
         copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
         blocks = E.block_containers(m for u in us for m in u["modules"])
-        cont = E.module_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks else "model.layers"
+        cont = E.children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks else "model.layers.children()"
         return [self.finding(
             "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
                        f"peak at {100 * peak / cap:.0f}% of capacity",
