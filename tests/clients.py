@@ -273,11 +273,29 @@ def run_llama(out: Path) -> dict:
 
 
 CLIENTS = {"transformer": run_transformer, "compiled": run_compiled, "llama": run_llama}
+def gpt():
+    """The reference GPT (module names tok_emb, pos_emb, layers.N, norm, lm_head: those of the constructed
+    diagnosis contexts in tests/test_diagnose_rules.py)."""
+    from fsdp_doctor.workloads import WorkloadConfig
+    from fsdp_doctor.workloads.gpt import build_model
+
+    torch.manual_seed(0)
+    return build_model(WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512))
+
+
+def shard_gpt(model, mesh):
+    from fsdp_doctor.workloads import WorkloadConfig
+    from fsdp_doctor.workloads.sharding import apply_fsdp
+
+    return apply_fsdp(model, WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512), mesh)
+
+
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
-         "llama": llama}
-SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh)}
-VOCAB = {"transformer": 512, "compiled": 512, "llama": 256}
+         "llama": llama, "gpt": gpt}
+SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
+         "gpt": shard_gpt}
+VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512}
 # a snippet that shards or checkpoints is pasted where the user builds the model: it gets the model unsharded
 _BEFORE_SHARDING = ("fully_shard(", "apply_activation_checkpointing(", "build_model(")
 
@@ -291,6 +309,9 @@ def run_snippets(spec_path: Path) -> dict:
     mesh = init_device_mesh("cpu", (1,))
     out = []
     for client, finding_code, snippet in spec:
+        if "CPUOffloadPolicy(" in snippet and not torch.accelerator.is_available():
+            out.append([client, finding_code, "skipped: CPUOffloadPolicy needs an accelerator"])
+            continue
         try:
             model = BUILD[client]()
             if not any(k in snippet for k in _BEFORE_SHARDING):

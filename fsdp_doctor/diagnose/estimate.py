@@ -278,6 +278,11 @@ def module_expr(fqn: str, root: str = "model") -> str:
     return f"{root}.get_submodule({fqn!r})"
 
 
+def root_last(us: list[dict]) -> list[dict]:
+    """Units in the order fully_shard must be applied: nested ones first, the root last."""
+    return sorted(us, key=lambda u: bool(u.get("is_root")))
+
+
 def children_expr(fqn: str, root: str = "model") -> str:
     """Code iterating a block container's modules: ``model.layers.children()`` (iterating a ModuleDict itself
     would give its keys)."""

@@ -285,7 +285,8 @@ class MixedDtypeUnit(Rule):
                 # bf16 weights beside trainable fp32 ones under a bf16 policy): one dtype on the wire
                 continue
             name = u["name"] or "<root>"
-            narrow = min(dts, key=lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER))
+            rank = lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER)  # noqa: E731
+            narrow, wide = min(dts, key=rank), max(dts, key=rank)
             out.append(self.finding(
                 "warning", f"Unit {name!r} mixes parameter dtypes ({', '.join(dts)})",
                 {"unit": name, "dtypes": dts, "unsharded_bytes": u["unsharded_bytes"],
@@ -297,7 +298,8 @@ class MixedDtypeUnit(Rule):
                 "odd-dtype parameters a unit of their own.",
                 "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n"
                 f"fully_shard({E.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
-                f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32))",
+                f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
+                f"                                           output_dtype=torch.{wide}))  # what the next units expect",
                 units=[u["name"]]))
         return out
 
