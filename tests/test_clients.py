@@ -62,6 +62,21 @@ def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _run_snippets(spec: list[list[str]], tmp_path: Path) -> list[list[str]]:
+    """Executes each [client, code, snippet] on a fresh copy of the client's model (tests/clients.py, one
+    gloo rank); asserts none failed and only the GPU-only offload fixes were skipped on a CPU host."""
+    spec_path = tmp_path / "snippets.json"
+    spec_path.write_text(json.dumps(spec))
+    (res,), _ = _launch("snippets", 1, spec_path)
+    results = res["results"]
+    assert len(results) == len(spec)
+    failed = [r for r in results if r[2] != "ok" and not r[2].startswith("skipped")]
+    assert not failed, "\n".join(map(str, failed))
+    skipped = {r[1] for r in results if r[2].startswith("skipped")}
+    assert skipped <= {"offload.recommended", "offload.unpinned"}  # GPU-only rules, on this CPU host
+    return results
+
+
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory):
     """Each client run once (they share the 2 cores; running all three takes about a minute here)."""
@@ -186,15 +201,7 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
                     spec.append([name, f["code"], f["recommendation"]["code"]])
     emitted = {c for _, c, _ in spec}
     assert {"wrap.params_in_root", "ac.unneeded", "wrap.unreduced_params"} <= emitted
-    spec_path = tmp_path / "snippets.json"
-    spec_path.write_text(json.dumps(spec))
-    (res,), _ = _launch("snippets", 1, spec_path)
-    failed = [r for r in res["results"] if r[2] != "ok" and not r[2].startswith("skipped")]
-    assert not failed, "\n".join(map(str, failed))
-    skipped = {r[1] for r in res["results"] if r[2].startswith("skipped")}
-    assert skipped <= {"offload.recommended", "offload.unpinned"}  # GPU-only rules, on this CPU host
-    assert sum(r[2] == "ok" for r in res["results"]) >= 18
-    assert len(res["results"]) == len(spec)
+    _run_snippets(spec, tmp_path)
 
 
 def _constructed_snippets() -> list[list[str]]:
@@ -233,11 +240,4 @@ def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
     codes = {c for _, c, _ in spec}
     # the jitter rules fire on real runs only (tests/test_scenarios.py); every other rule's snippet is here
     assert {r.code for r in RULES} - codes <= {"jitter.gc", "jitter.data_wait", "straggler.rank"}
-    spec_path = tmp_path / "snippets.json"
-    spec_path.write_text(json.dumps(spec))
-    (res,), _ = _launch("snippets", 1, spec_path)
-    failed = [r for r in res["results"] if r[2] != "ok" and not r[2].startswith("skipped")]
-    assert not failed, "\n".join(map(str, failed))
-    skipped = {r[1] for r in res["results"] if r[2].startswith("skipped")}
-    assert skipped <= {"offload.recommended", "offload.unpinned"}  # GPU-only rules, on this CPU host
-    assert sum(r[2] == "ok" for r in res["results"]) >= 18
+    assert sum(r[2] == "ok" for r in _run_snippets(spec, tmp_path)) >= 18
