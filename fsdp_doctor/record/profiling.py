@@ -31,11 +31,10 @@ def other_profiler() -> str | None:
     now, or a ``torch.profiler.profile`` object alive (entered with a schedule that has not started yet).
     Two Kineto sessions in one process do not nest: the second one's stop ends the first one's session and
     the first one's stop then crashes the process (SIGSEGV in torch 2.13) or leaves its trace empty."""
-    try:
-        if torch.autograd.profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled():
-            return "a torch.profiler session is running"
-    except AttributeError:  # pragma: no cover
-        pass
+    enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+    probe = getattr(torch._C._autograd, "_profiler_enabled", None)
+    if enabled or (probe is not None and probe()):
+        return "a torch.profiler session is running"
     tracker = _step_tracker()
     if tracker is not None and _PROFILER_STEP_NAME in tracker:
         return "a torch.profiler.profile object is alive (e.g. with a schedule not started yet)"

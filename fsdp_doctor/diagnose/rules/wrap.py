@@ -320,7 +320,8 @@ class UnreducedParams(Rule):
             "critical", f"{len(names)} trainable parameter(s) outside every FSDP unit: replicas drift apart",
             {"params": names[:12], "param_tensors": len(names), "trainable_unmanaged_bytes": nbytes,
              "world_size": cfg.world_size},
-            f"{E.fmt_list(names, 4)} require gradients but no FSDP unit manages them (passed as ignored_params, "
+            f"{E.fmt_list(names, 4)} require{'s' if len(names) == 1 else ''} gradients but no FSDP unit manages "
+            f"{'it' if len(names) == 1 else 'them'} (passed as ignored_params, "
             "or set on a module after fully_shard). FSDP neither shards them nor reduces their gradients, so "
             "each rank updates its own copy from its own data and the replicas drift apart, unless your code "
             "all-reduces their gradients itself. Let FSDP manage them, or average their gradients before "
