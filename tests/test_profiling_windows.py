@@ -6,6 +6,7 @@ import gzip
 import json
 import logging
 
+import pytest
 import torch
 
 from fsdp_doctor.record.profiling import ProfilerWindows, ProfileSchedule, other_profiler, resolve_profile
@@ -70,6 +71,7 @@ def test_steps_aside_for_a_running_user_profiler(tmp_path, caplog):
     assert any(e.name == "aten::mm" for e in user.events())
 
 
+@pytest.mark.slow  # the session's recorded 2-rank run
 def test_recorded_windows_carry_message_sizes(recorded_run):
     """record_shapes=True by default: the gloo trace's c10d ops give each collective its message size."""
     import fsdp_doctor
