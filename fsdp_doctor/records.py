@@ -94,6 +94,8 @@ class RunConfig(Record, tag="config"):
     flops_per_step: float | None = None
     profile_schedule: dict[str, int] | None = None
     notes: list[str] = []
+    unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
+    unmanaged_trainable_bytes: int | None = None
 
 
 class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):

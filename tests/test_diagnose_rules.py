@@ -97,6 +97,7 @@ def codes(findings, min_sev="warning"):
 
 EXPECTED_CODES = {
     "wrap.too_coarse", "wrap.too_fine", "wrap.params_in_root", "wrap.root_not_sharded", "wrap.mixed_dtype_unit",
+    "wrap.unreduced_params",
     "prefetch.exposed_allgather", "prefetch.too_early", "prefetch.sync_unshard", "reshard.last_unit",
     "reshard.zero2_affordable", "ac.recommended", "ac.unneeded", "ac.wrong_granularity", "offload.costly",
     "offload.recommended", "offload.unpinned", "optim.before_shard", "optim.step_comm", "optim.state_dominates",
@@ -200,10 +201,25 @@ def test_root_not_sharded_is_critical_with_unmanaged_params():
     assert f.severity == "critical"
     assert f.evidence["root_count"] == 4
     assert "fully_shard(model" in f.recommendation["code"]
-    assert "fully_shard(model.layers[0]" in f.recommendation["code"]
+    assert "fully_shard(model.get_submodule('layers.0')" in f.recommendation["code"]
     ctx, _ = build(units=us)
     assert run_rule("wrap.root_not_sharded", ctx)[0].severity == "warning"
     assert run_rule("wrap.root_not_sharded", build()[0]) == []
+
+
+def test_unreduced_params():
+    us = healthy_units()
+    names = ["pos_bias", "layers.0.gate"]
+    ctx, _ = build(units=us, unmanaged_trainable_names=names, unmanaged_trainable_bytes=4096,
+                   unmanaged_param_bytes=4096)
+    (f,) = run_rule("wrap.unreduced_params", ctx)
+    assert f.severity == "critical"
+    assert f.evidence["params"] == names and f.evidence["trainable_unmanaged_bytes"] == 4096
+    assert "dist.all_reduce(p.grad)" in f.recommendation["code"]
+    assert run_rule("wrap.unreduced_params", build()[0]) == []
+    # several roots: wrap.root_not_sharded reports the same drift
+    roots = [unit(f"layers.{i}", is_root=True, depth=0, parent=None, **BLOCK) for i in range(2)]
+    assert run_rule("wrap.unreduced_params", build(units=roots, unmanaged_trainable_names=names)[0]) == []
 
 
 def test_mixed_dtype_unit():
@@ -212,8 +228,13 @@ def test_mixed_dtype_unit():
     ctx, _ = build(units=us)
     (f,) = run_rule("wrap.mixed_dtype_unit", ctx)
     assert f.units == ["layers.0"]
-    assert "model.layers[0]" in f.recommendation["code"]
+    assert "fully_shard(model.get_submodule('layers.0')" in f.recommendation["code"]
+    assert "param_dtype=torch.bfloat16" in f.recommendation["code"]
+    assert ".to(" not in f.recommendation["code"]  # the fix never upcasts (frozen) weights
     assert run_rule("wrap.mixed_dtype_unit", build()[0]) == []
+    # frozen bf16 weights beside trainable fp32 ones under a bf16 policy: every all-gather input is bf16
+    us[2][0]["param_dtype"] = "bfloat16"
+    assert run_rule("wrap.mixed_dtype_unit", build(units=us)[0]) == []
 
 
 # ------------------------------------------------------------------------------------------------ prefetch
@@ -444,6 +465,16 @@ def test_optimizer_step_comm():
     assert f.severity == "warning"  # 14 ms of 110 exposed
     assert f.evidence["calls_per_step"] == 53.0
     assert f.evidence["exposed_ms_per_step"] == pytest.approx(14.0)
+    assert "foreach=True" in f.recommendation["code"]  # 53 calls per step: one per tensor
+    few = copy.deepcopy(ov)
+    few["per_unit"][0]["count"] = 4  # already batched (foreach=True): do not advise it again
+    (f,) = run_rule("optim.step_comm", build(overlap=few, backend="nccl", device="cuda:0")[0])
+    assert "foreach=True" not in f.recommendation["code"]
+    # decided on the median rank: one rank alone above the threshold does not raise it
+    two = copy.deepcopy(ov)
+    two["per_unit"].append({**ov["per_unit"][0], "rank": 1, "comm_us": 100.0, "exposed_us": 100.0})
+    two["per_unit"].append({**ov["per_unit"][0], "rank": 2, "comm_us": 100.0, "exposed_us": 100.0})
+    assert run_rule("optim.step_comm", build(overlap=two, backend="nccl", device="cuda:0")[0]) == []
     ov["per_unit"][0].update(comm_us=1000.0, exposed_us=1000.0)
     assert run_rule("optim.step_comm", build(overlap=ov)[0]) == []
 
@@ -460,7 +491,8 @@ def test_optimizer_state_dominates():
 # ------------------------------------------------------------------------------------------------ helpers
 def test_module_expr_and_blocks():
     assert E.module_expr("") == "model"
-    assert E.module_expr("layers.0.attn") == "model.layers[0].attn"
+    assert E.module_expr("layers.0.attn") == "model.get_submodule('layers.0.attn')"  # ModuleDict-safe
+    assert E.module_expr("norm.weight_proj") == "model.norm.weight_proj"
     assert E.block_containers(["layers.0._checkpoint_wrapped_module.attn", "layers.1.mlp", "tok_emb"]) == {"layers": [0, 1]}
     assert E.block_of("layers.2._checkpoint_wrapped_module.mlp.fc1") == "layers.2"
     assert E.unit_expr({"modules": ["norm", "lm_head"]}) == "[model.norm, model.lm_head]"

@@ -47,9 +47,7 @@ def unit_table(run: Run) -> list[dict]:
                     t[k].append(getattr(u, k))
     out = []
     for u in cfg.units:
-        d = msgspec.to_builtins(u)
-        d.setdefault("forward_prefetch", [])
-        d.setdefault("backward_prefetch", [])
+        d = msgspec.to_builtins(msgspec.structs.asdict(u))  # every field, defaults included (JSON rows are whole)
         t = timings.get(u.name)
         if t:
             d["timing_p50"] = {k: round(statistics.median(v), 3) for k, v in t.items() if v}

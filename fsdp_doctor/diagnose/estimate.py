@@ -267,13 +267,26 @@ def strip_ckpt(fqn: str) -> str:
 
 
 def module_expr(fqn: str, root: str = "model") -> str:
-    """Python expression for a module fqn: "layers.0.attn" -> ``model.layers[0].attn``; "" -> ``model``."""
+    """Python expression for a module fqn: "layers.0.attn" -> ``model.get_submodule('layers.0.attn')``,
+    "norm" -> ``model.norm``; "" -> ``model``."""
     if not fqn:
         return root
-    out = root
-    for part in fqn.split("."):
-        out += f"[{part}]" if part.isdigit() else f".{part}"
-    return out
+    if all(part.isidentifier() for part in fqn.split(".")):
+        return f"{root}.{fqn}"
+    # a numbered child: get_submodule works for ModuleList and ModuleDict alike (model.layers[0] fails on a
+    # ModuleDict, whose keys are strings, as torchtitan's llama has)
+    return f"{root}.get_submodule({fqn!r})"
+
+
+def root_last(us: list[dict]) -> list[dict]:
+    """Units in the order fully_shard must be applied: nested ones first, the root last."""
+    return sorted(us, key=lambda u: bool(u.get("is_root")))
+
+
+def children_expr(fqn: str, root: str = "model") -> str:
+    """Code iterating a block container's modules: ``model.layers.children()`` (iterating a ModuleDict itself
+    would give its keys)."""
+    return f"{module_expr(fqn, root)}.children()"
 
 
 def unit_expr(u: dict, root: str = "model") -> str:
@@ -292,12 +305,12 @@ def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
 
 
-def blocks_expr(ctx: Context, default: str = "model.layers") -> str:
-    """The model's repeated-block container as code (``model.layers``), from the unit names."""
+def blocks_expr(ctx: Context, default: str = "model.layers.children()") -> str:
+    """Iteration over the model's repeated blocks as code (``model.layers.children()``), from the unit names."""
     blocks = block_containers(m for u in units(ctx) for m in u["modules"])
     if not blocks:
         return default
-    return module_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0])
+    return children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0])
 
 
 def block_of(name: str) -> Optional[str]:

@@ -558,11 +558,26 @@ class MemoryProbe:
             pg = g.pg
             ars = getattr(pg, "_all_reduce_state", None)
             if ars is not None and isinstance(getattr(ars, "all_reduce_input", None), torch.Tensor):
-                total += ars.all_reduce_input.nbytes
+                if not self._is_grad_storage(g, ars.all_reduce_input):
+                    total += ars.all_reduce_input.nbytes
             pro = getattr(pg, "_partial_reduce_output", None)
             if isinstance(pro, torch.Tensor):
                 total += pro.nbytes
         return total
+
+    @staticmethod
+    def _is_grad_storage(g: _GroupInfo, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the storage of the group's sharded gradients: with reduce dtype = param dtype
+        FSDP all-reduces (HSDP) in place in the buffer its sharded gradients are views of, already counted
+        as sharded_grads."""
+        k, _ = _storage(t)
+        if k is None:
+            return False
+        for fp in g.fps:
+            gr = getattr(getattr(fp, "sharded_param", None), "grad", None)
+            if gr is not None:
+                return _storage(gr)[0] == k
+        return False
 
     # ------------------------------------------------------------------ activations (saved tensors)
     def _pack(self, t):

@@ -49,7 +49,8 @@ from ..records import (
 from ..store.writer import RecordWriter, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
 from .throughput import FlopCounter, device_peak_tflops
-from .units import Unit, checkpointed_modules, find_units, label_to_index, snapshot_units, unmanaged_param_bytes
+from .units import (Unit, checkpointed_modules, find_units, label_to_index, snapshot_units, unmanaged_param_bytes,
+                    unmanaged_params)
 
 log = logging.getLogger("fsdp_doctor")
 _FSDP_LOGGER = "torch.distributed.fsdp.fully_shard"
@@ -115,6 +116,7 @@ class Doctor:
         self._handles: list[Any] = []
         self._units: list[Unit] = []
         self._acc: dict[int, _UnitAcc] = {}
+        self._runtime_ckpt: set[int] = set()  # units seen re-running their forward in backward
         self._unit_of_label: dict[str, int] = {}
         self._writer: RecordWriter | None = None
         self._profiler: ProfilerWindows | None = None
@@ -337,6 +339,13 @@ class Doctor:
 
     def _fwd_outer_pre(self, idx, args):
         a = self._acc[idx]
+        if self._in_backward() and a.fwd_depth == 0:
+            # the unit re-runs in backward: torch.utils.checkpoint.checkpoint(unit, ...) around it. The
+            # non-reentrant re-run stops early (no post-hook), so nothing here may wait for one.
+            a.t_recompute = _now()
+            a.recompute_runs += 1
+            self._runtime_ckpt.add(idx)
+            return
         if a.fwd_depth == 0:  # grouped units: only the first module's entry opens the unit
             a.t_outer = _now()
             if self._gpu is not None and not self._in_backward():
@@ -358,6 +367,11 @@ class Doctor:
 
     def _fwd_outer_post(self, idx, args):
         a = self._acc[idx]
+        if self._in_backward() and a.fwd_depth == 0:
+            if a.t_recompute:
+                a.recompute += _now() - a.t_recompute
+                a.t_recompute = 0
+            return
         a.fwd_depth = max(0, a.fwd_depth - 1)
         if a.fwd_depth:
             return
@@ -600,16 +614,21 @@ class Doctor:
             peak = device_peak_tflops(dev_name, _compute_dtype(self._units))
         sched = getattr(self._profiler, "schedule", None)
         unit_cfgs = snapshot_units(self._units)
+        for idx in self._runtime_ckpt:  # functional torch.utils.checkpoint(unit, ...): seen re-running in backward
+            if unit_cfgs[idx].checkpoint == "none":
+                unit_cfgs[idx].checkpoint = "unit"
+        ign_numel, ign_names, ign_bytes = unmanaged_params(self.model, self._units)
         return RunConfig(
             rank=self.rank, world_size=self.world_size, backend=str(backend), device=str(dev), device_name=dev_name,
             torch_version=str(torch.__version__),
             optimizer=type(self.optimizer).__name__ if self.optimizer is not None else None,
             optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
             units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(self.model, self._units),
-            model_param_count=sum(u.param_count for u in unit_cfgs),
+            model_param_count=sum(u.param_count for u in unit_cfgs) + ign_numel,
             capacity_bytes=capacity, tokens_per_step=self.tokens_per_step, peak_tflops=peak,
             flops_per_step=self.flops_per_step,
             profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
+            unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
         )
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:

@@ -238,6 +238,21 @@ def unmanaged_param_bytes(model: nn.Module, units: list[Unit]) -> int:
     return total
 
 
+def unmanaged_params(model: nn.Module, units: list[Unit]) -> tuple[int, list[str], int]:
+    """Parameters no unit manages (``ignored_params``): (elements, names of the trainable ones, their bytes)."""
+    managed = managed_param_ids(units)
+    numel, names, nbytes = 0, [], 0
+    for n, p in model.named_parameters():
+        if id(p) in managed:
+            continue
+        numel += p.numel()
+        if p.requires_grad:
+            names.append(n)
+            lt = getattr(p, "_local_tensor", p)
+            nbytes += lt.numel() * lt.element_size()
+    return numel, names, nbytes
+
+
 def label_to_index(units: list[Unit]) -> dict[str, int]:
     """Maps the fqn FSDP puts in its labels and logs (``FSDP::pre_backward (fqn)``) to the unit's index in
     ``units`` (our own unit names map too)."""

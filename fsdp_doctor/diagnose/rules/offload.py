@@ -75,7 +75,9 @@ class OffloadCostly(Rule):
             f"and {exposed:.1f} ms of those copies are not hidden by compute. Keeping the "
             f"{E.mib(host)} MiB of offloaded state on the device still leaves the peak under "
             f"{100 * OFFLOAD_FITS_SHARE:.0f}% of capacity: drop the offload policy.",
-            "fully_shard(block, mesh=mesh)  # no offload_policy=CPUOffloadPolicy(...)",
+            "from torch.distributed.fsdp import fully_shard\n"
+            + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh)  # no offload_policy: the state stays on the device"
+                        for u in E.root_last(off)),
             predicted=E.predicted(step, step - exposed, peak, peak + host if peak is not None else None),
             units=[u["name"] for u in off])]
 
@@ -133,7 +135,8 @@ class OffloadRecommended(Rule):
         # per step: params host->device twice (forward and backward unshard), grads device->host once
         copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
         blocks = E.block_containers(m for u in us for m in u["modules"])
-        cont = E.module_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks else "model.layers"
+        cont = (E.children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks
+                else "model.layers.children()")
         return [self.finding(
             "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
                        f"peak at {100 * peak / cap:.0f}% of capacity",
@@ -175,7 +178,8 @@ class OffloadUnpinned(Rule):
             "With CPUOffloadPolicy(pin_memory=False) the host copies of parameters and gradients are pageable: "
             "each transfer is staged through a driver buffer, cannot overlap with compute and runs at a "
             "fraction of the bandwidth. Pin them (the default).",
-            "from torch.distributed.fsdp import CPUOffloadPolicy\n"
-            "fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))",
+            "from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard\n"
+            + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh,\n"
+                        "            offload_policy=CPUOffloadPolicy(pin_memory=True))" for u in E.root_last(bad)),
             predicted=E.predicted(step, step - saved if (step is not None and saved > 0) else None),
             units=[u["name"] for u in bad])]

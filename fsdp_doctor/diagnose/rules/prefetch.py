@@ -49,7 +49,7 @@ def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) ->
     lines = []
     if blocks:
         cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-        lines.append(f"blocks = list({E.module_expr(cont)})  # each an FSDP unit")
+        lines.append(f"blocks = list({E.children_expr(cont)})  # each an FSDP unit")
     elif len(us) <= 8:
         lines.append("blocks = [" + ", ".join(E.module_expr(u["modules"][0] if u["modules"] else u["name"])
                                           for u in us) + "]  # the units, in forward order")
@@ -370,7 +370,7 @@ class Zero2Affordable(Rule):
         blocks = E.block_containers(m for u in us for m in u["modules"])
         if blocks:
             cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-            code = (f"for block in {E.module_expr(cont)}:\n"
+            code = (f"for block in {E.children_expr(cont)}:\n"
                     "    fully_shard(block, mesh=mesh, reshard_after_forward=False)\n"
                     "# or, after wrapping: block.set_reshard_after_forward(False)")
         else:

@@ -70,7 +70,7 @@ class TooCoarse(Rule):
         blocks = E.block_containers(m for u in E.units(ctx) for m in u["modules"])
         if blocks:
             cont, idx = next(iter(blocks.items()))
-            loop = f"for block in {E.module_expr(cont)}:"
+            loop = f"for block in {E.children_expr(cont)}:"
         else:
             loop = "for block in model.layers:  # your repeated blocks (transformer layers, ResNet stages, ...)"
         code = (
@@ -129,7 +129,7 @@ class TooFine(Rule):
             cont, _idx = next(iter(blocks.items()))
             code = ("from torch.distributed.fsdp import fully_shard\n"
                     f"# wrap whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})\n"
-                    f"for block in {E.module_expr(cont)}:\n    fully_shard(block, mesh=mesh)\n"
+                    f"for block in {E.children_expr(cont)}:\n    fully_shard(block, mesh=mesh)\n"
                     "fully_shard(model, mesh=mesh)")
         else:
             code = ("from torch.distributed.fsdp import fully_shard\n"
@@ -147,6 +147,34 @@ class TooFine(Rule):
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
             f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones.",
             code, predicted=E.predicted(step, step_after), units=[u["name"] for u in small[:20]])]
+
+
+# Runs on any model before fully_shard(model) (executed on every client model by tests/test_clients.py):
+# containers without a forward (ModuleList/ModuleDict) have their children wrapped instead; a module sharing a
+# parameter with another one (tied embedding and output head) or with a unit stays in the root, since FSDP
+# refuses a parameter "already managed" by another unit.
+_ROOT_CHILDREN_CODE = """\
+import collections
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+def unwrapped_children(module):  # the parameter-holding children of the root that no unit manages yet
+    for child in module.children():
+        if isinstance(child, FSDPModule) or next(child.parameters(), None) is None:
+            continue
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward: wrap their children
+            yield from unwrapped_children(child)
+        else:
+            yield child
+
+todo = list(unwrapped_children(model))
+holders = collections.Counter(id(p) for m in todo for p in m.parameters())
+for child in todo:
+    if any(isinstance(p, DTensor) or holders[id(p)] > 1 for p in child.parameters()):
+        continue  # shares a parameter (tied embedding/output head) with another module: it stays in the root
+    fully_shard(child, mesh=mesh)
+fully_shard(model, mesh=mesh)  # the root last"""
 
 
 @register
@@ -172,14 +200,7 @@ class ParamsInRoot(Rule):
         peak_after = peak - held if peak is not None else None
         t = root["timing_p50"]
         wrapped = {m for u in allu if not u["is_root"] for m in u["modules"]}
-        code = ("from torch.distributed.fsdp import FSDPModule, fully_shard\n"
-                "# before fully_shard(model): give every parameter-holding child of the root its own unit\n"
-                "for name, child in model.named_children():\n"
-                "    if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):\n"
-                "        fully_shard(child, mesh=mesh)  # e.g. the embeddings; group the final norm and output\n"
-                "                                       # head: fully_shard([model.norm, model.output],\n"
-                "                                       #     reshard_after_forward=False)\n"
-                "fully_shard(model, mesh=mesh)")
+        code = _ROOT_CHILDREN_CODE
         return [self.finding(
             "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
             {"root_param_share_pct": round(100 * share, 1), "root_param_count": root["param_count"],
@@ -190,7 +211,8 @@ class ParamsInRoot(Rule):
             "units (typically embeddings, the final norm and the output head). The root is not resharded "
             "after forward, so these stay gathered from the first forward to the end of backward, and their "
             "all-gather is the first of the step with nothing to overlap. Wrap them as units of their own "
-            "before wrapping the root.",
+            "before wrapping the root (modules tied to another one, such as an output head sharing the "
+            "embedding's weight, must stay together: the snippet leaves them in the root).",
             code, predicted=E.predicted(step, step, peak, peak_after), units=[""])]
 
 
@@ -242,6 +264,10 @@ class RootNotSharded(Rule):
             text, code, predicted=E.predicted(step, step_after, peak, peak_after), units=names)]
 
 
+# Narrowest first: the dtype a MixedPrecisionPolicy should gather a mixed unit in.
+_DTYPE_ORDER = ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float32", "float64")
+
+
 @register
 class MixedDtypeUnit(Rule):
     code = "wrap.mixed_dtype_unit"
@@ -251,20 +277,61 @@ class MixedDtypeUnit(Rule):
     def match(self, ctx: Context):
         out = []
         for u in E.param_units(ctx):
-            dts = [d for d in u["orig_dtypes"] if d]
-            if len(set(dts)) < 2:
+            dts = sorted({d for d in u["orig_dtypes"] if d})
+            if len(dts) < 2:
+                continue
+            if u.get("param_dtype"):
+                # a MixedPrecisionPolicy casts every parameter to param_dtype before the all-gather (frozen
+                # bf16 weights beside trainable fp32 ones under a bf16 policy): one dtype on the wire
                 continue
             name = u["name"] or "<root>"
+            rank = lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER)  # noqa: E731
+            narrow, wide = min(dts, key=rank), max(dts, key=rank)
             out.append(self.finding(
-                "warning", f"Unit {name!r} mixes parameter dtypes ({', '.join(sorted(set(dts)))})",
-                {"unit": name, "dtypes": sorted(set(dts)), "unsharded_bytes": u["unsharded_bytes"],
+                "warning", f"Unit {name!r} mixes parameter dtypes ({', '.join(dts)})",
+                {"unit": name, "dtypes": dts, "unsharded_bytes": u["unsharded_bytes"],
                  "param_count": u["param_count"]},
                 "FSDP2 all-gathers a unit in one flat buffer; with several dtypes it falls back to a byte-wise "
-                "all-gather plus per-dtype copies, and a unit with trainable parameters of several dtypes "
-                "fails in mixed precision. Cast the module to one dtype before fully_shard (use "
-                "MixedPrecisionPolicy for compute precision), or give the odd-dtype parameters their own unit.",
-                f"{E.unit_expr(u)}.to(torch.float32)  # one storage dtype per unit\n"
-                f"fully_shard({E.unit_expr(u)}, mesh=mesh,\n"
-                "            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))",
+                "all-gather plus per-dtype copies. A MixedPrecisionPolicy gathers every parameter in its "
+                f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
+                "weights stay as they are, trainable ones keep their dtype for the optimizer); or give the "
+                "odd-dtype parameters a unit of their own.",
+                "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n"
+                f"fully_shard({E.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
+                f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
+                f"                                           output_dtype=torch.{wide}))  # what the next units expect",
                 units=[u["name"]]))
         return out
+
+
+@register
+class UnreducedParams(Rule):
+    code = "wrap.unreduced_params"
+    name = "Trainable parameters outside every unit"
+    description = "Trainable parameters no FSDP unit manages (ignored_params): their gradients are never reduced."
+
+    def match(self, ctx: Context):
+        cfg = ctx.config
+        names = list(getattr(cfg, "unmanaged_trainable_names", None) or []) if cfg is not None else []
+        if not names or len(E.roots(E.units(ctx))) > 1:
+            return []  # several roots: wrap.root_not_sharded says it, with the same drift
+        nbytes = getattr(cfg, "unmanaged_trainable_bytes", None)
+        return [self.finding(
+            "critical", f"{len(names)} trainable parameter(s) outside every FSDP unit: replicas drift apart",
+            {"params": names[:12], "param_tensors": len(names), "trainable_unmanaged_bytes": nbytes,
+             "world_size": cfg.world_size},
+            f"{E.fmt_list(names, 4)} require{'s' if len(names) == 1 else ''} gradients but no FSDP unit manages "
+            f"{'it' if len(names) == 1 else 'them'} (passed as ignored_params, "
+            "or set on a module after fully_shard). FSDP neither shards them nor reduces their gradients, so "
+            "each rank updates its own copy from its own data and the replicas drift apart, unless your code "
+            "all-reduces their gradients itself. Let FSDP manage them, or average their gradients before "
+            "optimizer.step(), or freeze them.",
+            "# either drop them from ignored_params (FSDP then shards and reduces them), or after backward,\n"
+            f"# before optimizer.step(), average the gradients of {E.fmt_list(names, 3)}:\n"
+            "import torch.distributed as dist\n"
+            "from torch.distributed.tensor import DTensor\n"
+            "for p in model.parameters():\n"
+            "    if p.grad is not None and not isinstance(p, DTensor):  # the parameters FSDP does not manage\n"
+            "        dist.all_reduce(p.grad)  # a sum (gloo has no AVG)\n"
+            "        p.grad /= dist.get_world_size()",
+            units=[""])]

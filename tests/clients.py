@@ -1,0 +1,349 @@
+"""Models we did not write, trained the way their users do, with and without the doctor (one rank per
+process; tests/test_clients.py starts the ranks). Prints one ``RESULT {json}`` line per rank.
+
+Clients:
+  transformer  torch's test Transformer (torch.testing._internal, tied embedding/output weights, functional
+               ``torch.utils.checkpoint.checkpoint(layer, h)``), 2 ranks, gradient accumulation with
+               ``set_requires_gradient_sync(False)``, ``clip_grad_norm_``, the user's own profiler (scheduled,
+               overlapping the doctor's window; then unscheduled).
+  compiled     the same Transformer with each block ``torch.compile``d (torchtitan's order: compile, then
+               fully_shard); backend "aot_eager": inductor needs a C++ toolchain and minutes per block on this
+               CPU, and what the doctor meets (an OptimizedModule per block, hooks outside the graph) is the same.
+  llama        a torchtitan-style llama3 (RMSNorm, GQA attention, SwiGLU) sharded the torchtitan way on a
+               2x2 HSDP mesh (4 ranks), bf16 params / fp32 reduce, frozen bf16 weights beside trainable fp32
+               ones, and a trainable parameter passed as ``ignored_params``.
+
+Usage: python tests/clients.py CLIENT RANK WORLD PORT OUT_DIR
+       python tests/clients.py snippets 0 1 PORT SPEC.json   (runs fix snippets: [[client, code, snippet], ...])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fsdp_doctor
+
+STEPS = 10
+SEQ = 32
+BATCH = 2
+
+
+# ------------------------------------------------------------------------------------------------ models
+def transformer(checkpoint: bool = True):
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(n_layers=3, vocab_size=512, max_seq_len=SEQ, dim=64, n_heads=4, dropout_p=0.0,
+                                 checkpoint_activations=checkpoint))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (llama3): n_kv_heads < n_heads, keys and values repeated per group."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU; w3 is a frozen bf16 weight (a frozen base beside trainable fp32 weights, as in adapters)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False).to(torch.bfloat16).requires_grad_(False)
+
+    def forward(self, x):  # the cast is a no-op under a bf16 MixedPrecisionPolicy
+        return self.w2(F.silu(self.w1(x)) * self.w3(x.to(self.w3.weight.dtype)).to(x.dtype))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, hidden):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.ffn_norm = RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=128):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, n_kv_heads, hidden) for i in range(n_layers)})
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.out_scale = nn.Parameter(torch.ones(()))  # trainable, passed as ignored_params
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h)) * self.out_scale
+
+
+def llama():
+    torch.manual_seed(0)
+    return Llama()
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+def shard_blocks(model, mesh=None):
+    """fully_shard per block and on the root: the embedding and the tied output head stay in the root."""
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def compile_blocks(model):
+    """torchtitan's apply_compile: each block compiled and put back in place, before fully_shard."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = torch.compile(block, backend="aot_eager")
+    return model
+
+
+def apply_fsdp_titan(model, mesh):
+    """torchtitan's apply_fsdp: bf16 params / fp32 reduce, embeddings a unit, each block a unit, [norm, output]
+    grouped and kept gathered after forward, then the root (here with a trainable parameter ignored)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = {"mesh": mesh, "mp_policy": mp}
+    fully_shard(model.tok_embeddings, **cfg, reshard_after_forward=True)
+    for block in model.layers.values():
+        fully_shard(block, **cfg, reshard_after_forward=True)
+    fully_shard([model.norm, model.output], **cfg, reshard_after_forward=False)
+    fully_shard(model, **cfg, ignored_params={model.out_scale})
+    return model
+
+
+def hsdp_mesh():
+    return init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+# ------------------------------------------------------------------------------------------------ training
+def batch(step: int, vocab: int, rank: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    tok = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def train(model, vocab, *, out_dir=None, watch_kw=None, micro_steps=1, clip=False, user_profiler=None,
+          steps=STEPS, foreach=None):
+    """The user's loop. Returns (losses, doctor or None). ``user_profiler``: a torch.profiler.profile, stepped
+    by the loop when it has a schedule."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=foreach)
+    rank = dist.get_rank()
+    losses = []
+    ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), **(watch_kw or {})) if out_dir else None
+    doctor = ctx.__enter__() if ctx else None
+    try:
+        for step in range(steps):
+            total = 0.0
+            for micro in range(micro_steps):
+                last = micro == micro_steps - 1
+                model.set_requires_gradient_sync(last)  # gradient accumulation: reduce on the last micro-step
+                tok, tgt = batch(step, vocab, rank, micro)
+                loss = F.cross_entropy(model(tok).float().flatten(0, 1), tgt.flatten()) / micro_steps
+                loss.backward()
+                total += loss.item()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)
+            opt.step()
+            opt.zero_grad()
+            if doctor is not None:
+                doctor.step()
+            if user_profiler is not None and user_profiler.schedule is not None:
+                user_profiler.step()
+            losses.append(total)
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    return losses, doctor
+
+
+class EventCount:
+    """on_trace_ready for the user's profiler: counts the events of each trace it delivers."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, prof):
+        self.events.append(len(prof.events()))
+
+
+def user_profiler(scheduled: bool) -> tuple[torch.profiler.profile, EventCount]:
+    seen = EventCount()
+    kw = {"activities": [torch.profiler.ProfilerActivity.CPU], "on_trace_ready": seen}
+    if scheduled:  # warm-up at step 5, records 6-7: the doctor's default window exactly (it opens first)
+        kw["schedule"] = torch.profiler.schedule(wait=5, warmup=1, active=2, repeat=1)
+    return torch.profiler.profile(**kw), seen
+
+
+# ------------------------------------------------------------------------------------------------ clients
+def run_transformer(out: Path) -> dict:
+    res = {}
+    vocab = 512
+    common = dict(micro_steps=2, clip=True)
+    # 1. scheduled user profiler overlapping the doctor's window: without, then with the doctor
+    for tag, out_dir in (("plain", None), ("doctor", out / "transformer")):
+        prof, seen = user_profiler(scheduled=True)
+        with prof:
+            losses, _ = train(shard_blocks(transformer()), vocab, out_dir=out_dir, user_profiler=prof,
+                              watch_kw={"capacity_bytes": 1 << 30}, **common)
+        res[f"losses_{tag}"] = losses
+        res[f"user_events_{tag}"] = seen.events
+    # 2. unscheduled user profiler around the whole loop, without and with the doctor
+    for tag, out_dir in (("plain", None), ("doctor", out / "transformer_unscheduled")):
+        prof, seen = user_profiler(scheduled=False)
+        with prof:
+            losses, _ = train(shard_blocks(transformer()), vocab, out_dir=out_dir, steps=8, **common)
+        res[f"unscheduled_losses_{tag}"] = losses
+        res[f"unscheduled_events_{tag}"] = seen.events
+    # 3. checkpoint_wrapper instead of the functional checkpoint: ac.unneeded must fire for both
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    m = transformer(checkpoint=False)
+    apply_activation_checkpointing(m, check_fn=lambda mod: mod in set(m.layers))
+    train(shard_blocks(m), vocab, out_dir=out / "transformer_wrapper", steps=5, watch_kw={"capacity_bytes": 1 << 30,
+                                                                                        "profile": False})
+    return res
+
+
+def run_compiled(out: Path) -> dict:
+    res = {}
+    for tag, out_dir in (("plain", None), ("doctor", out / "compiled")):
+        torch._dynamo.reset()
+        model = shard_blocks(compile_blocks(transformer(checkpoint=False)))
+        res[f"losses_{tag}"], _ = train(model, 512, out_dir=out_dir, steps=8, clip=True,
+                                        watch_kw={"profile": False})
+    return res
+
+
+def run_llama(out: Path) -> dict:
+    res = {}
+    for tag, out_dir in (("plain", None), ("doctor", out / "llama")):
+        model = apply_fsdp_titan(llama(), hsdp_mesh())
+        res[f"losses_{tag}"], _ = train(model, 256, out_dir=out_dir, steps=6, foreach=False,
+                                        watch_kw={"profile": False, "memory": {"full_every": 1}})
+        # the ignored trainable parameter: how far apart the ranks' copies are after training
+        vals = [torch.zeros(()) for _ in range(dist.get_world_size())]
+        dist.all_gather(vals, model.out_scale.detach().clone())
+        res[f"ignored_spread_{tag}"] = float(max(vals) - min(vals))
+    res["param_count"] = sum(p.numel() for p in llama().parameters())
+    return res
+
+
+CLIENTS = {"transformer": run_transformer, "compiled": run_compiled, "llama": run_llama}
+def gpt():
+    """The reference GPT (module names tok_emb, pos_emb, layers.N, norm, lm_head: those of the constructed
+    diagnosis contexts in tests/test_diagnose_rules.py)."""
+    from fsdp_doctor.workloads import WorkloadConfig
+    from fsdp_doctor.workloads.gpt import build_model
+
+    torch.manual_seed(0)
+    return build_model(WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512))
+
+
+def shard_gpt(model, mesh):
+    from fsdp_doctor.workloads import WorkloadConfig
+    from fsdp_doctor.workloads.sharding import apply_fsdp
+
+    return apply_fsdp(model, WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512), mesh)
+
+
+# each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
+BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
+         "llama": llama, "gpt": gpt}
+SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
+         "gpt": shard_gpt}
+VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512}
+# a snippet that shards or checkpoints is pasted where the user builds the model: it gets the model unsharded
+_BEFORE_SHARDING = ("fully_shard(", "apply_activation_checkpointing(", "build_model(")
+
+
+def run_snippets(spec_path: Path) -> dict:
+    """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank), then trains one
+    step of the result. Returns {"results": [[client, code, "ok" | error line], ...]}."""
+    from torch.distributed.fsdp import FSDPModule
+
+    spec = json.loads(Path(spec_path).read_text())
+    mesh = init_device_mesh("cpu", (1,))
+    out = []
+    for client, finding_code, snippet in spec:
+        if "CPUOffloadPolicy(" in snippet and not torch.accelerator.is_available():
+            out.append([client, finding_code, "skipped: CPUOffloadPolicy needs an accelerator"])
+            continue
+        try:
+            model = BUILD[client]()
+            if not any(k in snippet for k in _BEFORE_SHARDING):
+                model = SHARD[client](model, mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            ns = {"model": model, "mesh": mesh, "torch": torch, "nn": nn, "dist": dist, "fully_shard": fully_shard,
+                  "MixedPrecisionPolicy": MixedPrecisionPolicy, "build_model": BUILD[client], "lr": 1e-3,
+                  "optimizer": opt, "step": 0, "loss_sum": torch.zeros(())}
+            exec(compile(snippet, f"<{finding_code} fix>", "exec"), ns)
+            model = ns["model"]
+            if not isinstance(model, FSDPModule):
+                fully_shard(model, mesh=mesh)  # a snippet that only prepares the model: the user shards next
+            tok, tgt = batch(0, VOCAB[client], 0)
+            F.cross_entropy(model(tok).float().flatten(0, 1), tgt.flatten()).backward()
+            out.append([client, finding_code, "ok"])
+        except Exception as e:  # noqa: BLE001 - reported per snippet
+            out.append([client, finding_code, f"{type(e).__name__}: {e}".splitlines()[0][:300]])
+    return {"results": out}
+
+
+def main(argv: list[str]) -> int:
+    client, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = run_snippets(out) if client == "snippets" else CLIENTS[client](out)
+    finally:
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

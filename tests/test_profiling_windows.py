@@ -1,0 +1,86 @@
+"""The doctor's profiler windows: memory and shapes recorded; stepping aside beside the user's own profiler."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+
+import pytest
+import torch
+
+from fsdp_doctor.record.profiling import ProfilerWindows, ProfileSchedule, other_profiler, resolve_profile
+
+STEPPED_ASIDE = "the doctor records no profiler windows in this run"
+
+
+def _work():
+    a = torch.randn(64, 64, requires_grad=True)
+    (a @ a).sum().backward()
+
+
+def _drive(windows: ProfilerWindows, steps: int, user=None) -> None:
+    for _ in range(steps):
+        _work()
+        windows.step()
+        if user is not None:
+            user.step()
+    windows.stop()
+
+
+def test_window_records_memory_and_shapes_and_leaves_no_profiler_behind(tmp_path):
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=1, warmup=1, every=0)),
+                        lambda steps, path: saved.append((steps, path)))
+    w.start()
+    _drive(w, 5)
+    assert [s for s, _ in saved] == [[2]]
+    trace = json.loads(gzip.open(tmp_path / saved[0][1]).read())
+    events = trace["traceEvents"]
+    assert any(e.get("name") == "[memory]" for e in events)  # profile_memory: TensorBoard's Memory view
+    assert any("Input Dims" in (e.get("args") or {}) for e in events if e.get("name") == "aten::mm")  # shapes
+    assert w.stepped_aside is None
+    assert other_profiler() is None  # our profile object unregistered itself from Kineto's step tracker
+
+
+def test_steps_aside_for_a_scheduled_user_profiler(tmp_path, caplog):
+    seen = []
+    user = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                  schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),
+                                  on_trace_ready=lambda p: seen.append(len(p.events())))
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=2, warmup=1, every=0)),
+                        lambda steps, path: saved.append(steps))
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"), user:
+        w.start()
+        _drive(w, 6, user)
+    assert saved == [] and w.stepped_aside  # no window of ours overlapping theirs
+    assert seen and seen[0] > 0  # the user's trace is whole
+    lines = [r.getMessage() for r in caplog.records if STEPPED_ASIDE in r.getMessage()]
+    assert len(lines) == 1 and "rank 0" in lines[0]
+    assert other_profiler() is None  # the user's profiler exited: a later run profiles again
+
+
+def test_steps_aside_for_a_running_user_profiler(tmp_path, caplog):
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=1, active=1, warmup=0, every=0)),
+                        lambda steps, path: None)
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"), torch.profiler.profile() as user:
+        w.start()
+        _drive(w, 3)
+    assert w.stepped_aside == "a torch.profiler session is running"
+    assert any(e.name == "aten::mm" for e in user.events())
+
+
+@pytest.mark.slow  # the session's recorded 2-rank run
+def test_recorded_windows_carry_message_sizes(recorded_run):
+    """record_shapes=True by default: the gloo trace's c10d ops give each collective its message size."""
+    import fsdp_doctor
+
+    run, _, _ = recorded_run
+    overlap = fsdp_doctor.build_report(run)["overlap"]
+    rows = [r for r in overlap["per_unit"] if r["collective"] in ("all_gather", "reduce_scatter") and r["unit"]]
+    assert rows
+    assert all(r["bytes_per_call"] and r.get("bytes_source") != "unit snapshot" for r in rows), rows[:2]
+    units = {u.name: u for u in run.config.units}
+    ag = next(r for r in rows if r["collective"] == "all_gather" and r["unit"] == "layers.1")
+    assert ag["bytes_per_call"] == units["layers.1"].unsharded_bytes  # the gathered block, from the trace
