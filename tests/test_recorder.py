@@ -179,6 +179,9 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert "has no FSDP2 unit" in out["no_fsdp"] and "\n" not in out["no_fsdp"]
     assert "cannot write to out_dir" in out["bad_dir"]
     assert "already being watched" in out["double"]
+    assert "already holds a run's records" in out["rerun"] and "overwrite=True" in out["rerun"], out["rerun"]
+    old_id, new_id, header_id, steps = out["overwritten"]
+    assert len(old_id) == 12 and new_id == header_id and new_id != old_id and steps == [0], out["overwritten"]
     # an exception inside the doctor's hooks: reported once, training unchanged
     assert out["sabotaged_losses_equal"] is True
     assert res.stderr.count("the doctor stops recording") == 1, res.stderr
