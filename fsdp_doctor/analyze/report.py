@@ -1,16 +1,14 @@
-"""The report: one JSON document built from a Run by plain analysis functions, then diagnosed."""
+"""Pieces of the report: the run's facts, the unit table, message sizes from the unit snapshot. The report itself
+is assembled by :mod:`fsdp_doctor.pipeline`."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Callable
 
 import msgspec
 
-from .. import __version__
 from ..store import Run
-from .steps import analyze_steps, usable_steps
-from .throughput import analyze_throughput
+from .steps import usable_steps
 
 SCHEMA = "fsdp-doctor-report/1"
 
@@ -87,34 +85,3 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
         f = busbw_factor(row["collective"], cfg.world_size)
         if f is not None and row["comm_us"] > 0:
             row["busbw_gbps"] = nbytes * row["count"] * f / row["comm_us"] / 1e3
-
-
-def build_report(run: Run, *, progress: Callable[[int, int], None] | None = None, traces: bool = True) -> dict:
-    report: dict = {"schema": SCHEMA, "doctor_version": __version__, "run": run_facts(run)}
-    problems = list(run.problems)
-    if run.has_records:
-        report["steps"] = analyze_steps(run)
-        report["units"] = unit_table(run)
-        tp = analyze_throughput(run)
-        if tp:
-            report["throughput"] = tp
-        try:
-            from .memory import analyze_memory
-        except ImportError:
-            analyze_memory = None
-        if analyze_memory is not None:
-            mem = analyze_memory(run)
-            if mem:
-                report["memory"] = mem
-    if traces and run.trace_files:
-        from ..trace import analyze_traces
-
-        ov = analyze_traces(run.trace_files, progress=progress)
-        fill_sizes_from_units(ov, run)
-        report["overlap"] = ov
-        problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
-    from ..diagnose import diagnose
-
-    report["findings"] = diagnose(run, report)
-    report["problems"] = problems
-    return report

@@ -174,7 +174,7 @@ class RunFollower:
             try:
                 run.manifest = manifest_decoder.decode(mpath.read_bytes())
             except (msgspec.DecodeError, msgspec.ValidationError, OSError) as e:
-                self._problem(f"{mpath}: not a valid fsdp-doctor manifest ({_short(e)})")
+                self.note_problem(f"{mpath}: not a valid fsdp-doctor manifest ({_short(e)})")
         new = 0
         for rank, p in layout.streams(self.path).items():
             if rank not in self._streams:
@@ -187,13 +187,13 @@ class RunFollower:
                 rd.add(rec)
                 new += 1
             for pr in sr.problems:
-                self._problem(pr)
+                self.note_problem(pr)
             why = self._foreign_reason(rank, rd)
             if why:
                 self._foreign.add(rank)
                 new -= len(rd.steps)
                 del run.ranks[rank]
-                self._problem(f"{sr.path.name}: {why}; skipped (a run directory holds one run)")
+                self.note_problem(f"{sr.path.name}: {why}; skipped (a run directory holds one run)")
         return run, max(new, 0)
 
     def _foreign_reason(self, rank: int, rd: RankData) -> str:
@@ -207,7 +207,8 @@ class RunFollower:
             return f"records of another run (run id {h.run_id or 'none'}, {layout.MANIFEST_NAME} says {m.run_id})"
         return ""
 
-    def _problem(self, msg: str) -> None:
+    def note_problem(self, msg: str) -> None:
+        """Adds one line to ``run.problems``, once."""
         if msg not in self._reported:
             self._reported.add(msg)
             self.run.problems.append(msg)
