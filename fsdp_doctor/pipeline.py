@@ -154,5 +154,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
 
 
 def is_usable(run: Run, report: dict) -> bool:
-    """Whether anything could be analysed: records with steps or a configuration, or a trace window."""
-    return run.has_records or bool((report.get("overlap") or {}).get("per_rank"))
+    """Whether anything could be analysed: records with steps or a configuration, or a trace window holding a
+    profiler step or communication (an empty ``traceEvents`` is not a run)."""
+    per_rank = (report.get("overlap") or {}).get("per_rank") or {}
+    return run.has_records or any(pr.get("steps") or pr.get("comm_us") for pr in per_rank.values())

@@ -15,7 +15,9 @@ SCHEMA = "fsdp-doctor-report/1"
 
 def run_facts(run: Run) -> dict:
     cfg = run.config
-    facts = {"path": str(run.path), "ranks": sorted(run.ranks), "world_size": run.world_size,
+    single = not run.ranks and len(run.trace_files) == 1  # one trace file given: name it, not its folder
+    facts = {"path": str(run.trace_files[0] if single else run.path), "ranks": sorted(run.ranks),
+             "world_size": run.world_size, "run_id": run.run_id or None,
              "trace_files": len(run.trace_files)}
     if cfg is not None:
         facts.update(backend=cfg.backend, device=cfg.device, device_name=cfg.device_name,

@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import fmt_bytes, fmt_ms, fmt_value, run_facts
+from .fmt import fmt_bytes, fmt_ms, fmt_pct, fmt_value, run_facts, unit_label
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -81,7 +81,7 @@ def render_units(units: list[dict]):
         t.add_column(col, justify="right", no_wrap=True)
     for u in units[:24]:
         tm = u.get("timing_p50", {})
-        name = u["name"] or "<root>"
+        name = unit_label(u["name"])
         t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
                   fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
                   u.get("checkpoint", "none"), *(_num(tm.get(k)) for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms")))
@@ -96,13 +96,36 @@ def _num(x) -> str:
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
 
-def render_findings(findings: list[dict]):
+def findings_headline(findings: list[dict]) -> str:
+    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
     if not findings:
-        return Text("Healthy: no findings.", style="green")
+        return "Healthy: no findings."
+    n = {sev: sum(f["severity"] == sev for f in findings) for sev in ("critical", "warning", "info")}
+    if not n["critical"] and not n["warning"]:
+        return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
+    parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
+    if n["info"]:
+        parts.append(f"{n['info']} note{'s' if n['info'] > 1 else ''}")
+    return ", ".join(parts) + "."
+
+
+def comm_headline(comm: dict | None) -> str | None:
+    """The report's one exposed-communication figure with its source, the same text in every presenter."""
+    if not comm or comm.get("exposed_ms_per_step") is None:
+        return None
+    txt = f"Exposed communication: {fmt_ms(comm['exposed_ms_per_step'])} per step"
+    if comm.get("comm_ms_per_step") is not None:
+        txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
+    return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"
+
+
+def render_findings(findings: list[dict]):
+    head = findings_headline(findings)
+    if not findings:
+        return Text(head, style="green")
     items = []
     worst = {f["severity"] for f in findings}
-    if "warning" not in worst and "critical" not in worst:
-        items.append(Text("Healthy: no warnings. Notes below.", style="green"))
+    items.append(Text(head, style="green" if not worst & {"critical", "warning"} else "bold"))
     for f in findings:
         ev = "\n".join(f"  {k}: {fmt_value(k, v)}" for k, v in f["evidence"].items())
         body = [Text(f["recommendation"]["text"]), Text("Evidence:\n" + ev, style="dim")]
@@ -132,19 +155,16 @@ def render_report(report: dict, console: Console | None = None) -> None:
     if report.get("units"):
         console.print(render_units(report["units"]))
     if report.get("memory"):
-        try:
-            from .memory import render_memory
+        from .memory import render_memory
 
-            console.print(render_memory(report["memory"]))
-        except ImportError:
-            pass
+        console.print(render_memory(report["memory"]))
     if report.get("overlap"):
-        try:
-            from .overlap import render_overlap
+        from .overlap import render_overlap
 
-            console.print(render_overlap(report["overlap"]))
-        except ImportError:
-            pass
+        console.print(render_overlap(report["overlap"], skipped=False))  # listed once below, with the problems
+    head = comm_headline(report.get("comm"))
+    if head:
+        console.print(Text(head, style="bold"))
     console.rule("Diagnosis")
     console.print(render_findings(report.get("findings", [])))
     for p in report.get("problems", []):
