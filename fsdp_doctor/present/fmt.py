@@ -101,3 +101,26 @@ def run_facts(run: dict) -> list[str]:
         if run.get(k):
             facts.append(str(run[k]))
     return facts
+
+
+def findings_headline(findings: list[dict]) -> str:
+    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
+    if not findings:
+        return "Healthy: no findings."
+    n = {sev: sum(f["severity"] == sev for f in findings) for sev in ("critical", "warning", "info")}
+    if not n["critical"] and not n["warning"]:
+        return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
+    parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
+    if n["info"]:
+        parts.append(f"{n['info']} note{'s' if n['info'] > 1 else ''}")
+    return ", ".join(parts) + "."
+
+
+def comm_headline(comm: dict | None) -> str | None:
+    """The report's one exposed-communication figure with its source, the same text in every presenter."""
+    if not comm or comm.get("exposed_ms_per_step") is None:
+        return None
+    txt = f"Exposed communication: {fmt_ms(comm['exposed_ms_per_step'])} per step"
+    if comm.get("comm_ms_per_step") is not None:
+        txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
+    return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"

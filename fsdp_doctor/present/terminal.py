@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import fmt_bytes, fmt_ms, fmt_pct, fmt_value, run_facts, unit_label
+from .fmt import comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_value, run_facts, unit_label
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -94,29 +94,6 @@ def _num(x) -> str:
     if x is None:
         return "—"
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
-
-
-def findings_headline(findings: list[dict]) -> str:
-    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
-    if not findings:
-        return "Healthy: no findings."
-    n = {sev: sum(f["severity"] == sev for f in findings) for sev in ("critical", "warning", "info")}
-    if not n["critical"] and not n["warning"]:
-        return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
-    parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
-    if n["info"]:
-        parts.append(f"{n['info']} note{'s' if n['info'] > 1 else ''}")
-    return ", ".join(parts) + "."
-
-
-def comm_headline(comm: dict | None) -> str | None:
-    """The report's one exposed-communication figure with its source, the same text in every presenter."""
-    if not comm or comm.get("exposed_ms_per_step") is None:
-        return None
-    txt = f"Exposed communication: {fmt_ms(comm['exposed_ms_per_step'])} per step"
-    if comm.get("comm_ms_per_step") is not None:
-        txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
-    return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"
 
 
 def render_findings(findings: list[dict]):
