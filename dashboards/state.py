@@ -51,13 +51,19 @@ STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", 
 
 
 def steps_columns(run) -> dict[int, dict[str, list]]:
-    """The per-step records of each rank as columns (plain lists), the input of the step figures."""
+    """The per-step records of each rank as columns (plain lists), the input of the step figures. Column
+    ``profiler_export`` is True on a step that wrote a profiler window's trace (its "outside" time is that
+    export, not data loading)."""
+    from fsdp_doctor.analyze.steps import profiler_export_steps
+
     out: dict[int, dict[str, list]] = {}
     for r, rd in sorted(run.ranks.items()):
         cols: dict[str, list] = {k: [] for k in STEP_COLUMNS}
         for s in rd.steps:
             for k in STEP_COLUMNS:
                 cols[k].append(getattr(s, k))
+        export = set(profiler_export_steps(rd))
+        cols["profiler_export"] = [st in export for st in cols["step"]]
         out[r] = cols
     return out
 
