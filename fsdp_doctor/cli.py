@@ -129,7 +129,7 @@ def _emit(report: dict, outputs: dict, console: Console) -> bool:
         except OSError as e:
             _err(f"--{kind} {p}: cannot write ({e.strerror or e})")
             return False
-        console.print(f"{kind.upper()} report written to {p}")
+        console.print(f"{kind.upper()} report written to {p}", soft_wrap=True)  # a path to copy: never wrapped
     return True
 
 

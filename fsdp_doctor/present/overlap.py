@@ -56,7 +56,7 @@ def _unit_table(result: dict, top: int) -> Table:
         title += f" (top {top} of {len(rows)})"
     t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left", pad_edge=False)
     t.add_column("Rank", justify="right", no_wrap=True)
-    t.add_column("Unit", max_width=13, overflow="ellipsis", no_wrap=True)
+    t.add_column("Unit", max_width=12, overflow="ellipsis", no_wrap=True)
     t.add_column("Op", no_wrap=True)
     t.add_column("N", justify="right", no_wrap=True)
     t.add_column("Comm", justify="right", no_wrap=True)
@@ -78,7 +78,7 @@ def _unit_table(result: dict, top: int) -> Table:
             str(r["count"]),
             fmt_us(r["comm_us"]),
             Text(fmt_us(r["exposed_us"]), style="red" if exposed_frac > 0.5 else ""),
-            fmt_bytes(r["bytes_per_call"], 1),
+            fmt_bytes(r["bytes_per_call"]),
             fmt_bw(r["busbw_gbps"]),
             Text(fmt_us(slack, signed=True), style="red" if slack is not None and slack < 0 else ""),
             fmt_us(r["held_us"]),
