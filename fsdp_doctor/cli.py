@@ -148,7 +148,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
             _err(f"{out} already holds a run's records; add --overwrite to replace them, or choose a new --out")
             return EXIT_BAD_INPUT
         layout.clear_run(out)  # before training starts: nothing of the old run is read as the new one's
-    os.environ.setdefault("KINETO_LOG_LEVEL", "4")  # Kineto's INFO lines would cut through the progress bar
+    # Kineto prints "USDT: ... profiler_start/stop" lines (its highest level, 5) from every rank, through the progress
+    # bar: above its last level nothing is printed. The demo only; a user's own run keeps Kineto's defaults.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         cfg = config_from_args(ns)
     except ValueError as e:

@@ -33,18 +33,34 @@ def run_facts(run: Run) -> dict:
     return facts
 
 
+_TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
+
+
 def unit_table(run: Run) -> list[dict]:
-    """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks."""
+    """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks.
+
+    ``timing_p50``'s ``fwd_ms`` and ``bwd_ms`` include nested units (as recorded); ``fwd_self_ms`` and
+    ``bwd_self_ms`` are the unit's own time, its direct nested units' times taken out (for a leaf unit, the
+    same). A unit whose backward FSDP never brackets (a root without parameters) has ``bwd_self_ms`` None."""
     cfg = run.config
     if cfg is None:
         return []
+    children: dict[str, list[str]] = {}
+    for u in cfg.units:
+        if u.parent is not None:
+            children.setdefault(u.parent, []).append(u.name)
     timings: dict[str, dict[str, list[float]]] = {}
     for rd in run.ranks.values():
         for s in usable_steps(rd.steps):
+            by_name = {u.name: u for u in s.units}
             for u in s.units:
-                t = timings.setdefault(u.name, {k: [] for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")})
-                for k in t:
+                t = timings.setdefault(u.name, {k: [] for k in (*_TIMING_KEYS, "fwd_self_ms", "bwd_self_ms")})
+                for k in _TIMING_KEYS:
                     t[k].append(getattr(u, k))
+                kids = [by_name[c] for c in children.get(u.name, ()) if c in by_name]
+                t["fwd_self_ms"].append(max(0.0, u.fwd_ms - sum(c.fwd_ms for c in kids)))
+                if u.bwd_ms > 0 or not kids:
+                    t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids)))
     out = []
     for u in cfg.units:
         d = msgspec.to_builtins(u)
@@ -53,6 +69,7 @@ def unit_table(run: Run) -> list[dict]:
         t = timings.get(u.name)
         if t:
             d["timing_p50"] = {k: round(statistics.median(v), 3) for k, v in t.items() if v}
+            d["timing_p50"].setdefault("bwd_self_ms", None)
         out.append(d)
     return out
 

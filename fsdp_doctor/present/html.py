@@ -191,13 +191,13 @@ def unit_waits_figure(units: list[dict]):
         return None
     names = [unit_label(u.get("name") or "") for u in rows]
     fig = go.Figure()
-    for key, label, color, op in (("fwd_ms", "forward", "#4C78A8", 0.35), ("ag_wait_fwd_ms", "AG wait (fwd)", "#4C78A8", 1.0),
-                                  ("bwd_ms", "backward", "#F58518", 0.35), ("ag_wait_bwd_ms", "AG wait (bwd)", "#F58518", 1.0),
+    for key, label, color, op in (("fwd", "forward", "#4C78A8", 0.35), ("ag_wait_fwd_ms", "AG wait (fwd)", "#4C78A8", 1.0),
+                                  ("bwd", "backward", "#F58518", 0.35), ("ag_wait_bwd_ms", "AG wait (bwd)", "#F58518", 1.0),
                                   ("recompute_ms", "recompute", "#E45756", 1.0)):
-        ys = [u["timing_p50"].get(key) or 0 for u in rows]
+        ys = [(_own(u["timing_p50"], key) if key in ("fwd", "bwd") else u["timing_p50"].get(key)) or 0 for u in rows]
         if any(ys):
             fig.add_bar(name=label, x=names, y=ys, marker_color=color, opacity=op)
-    return _layout(fig, "Per unit, median per step (host-measured; times include nested units)",
+    return _layout(fig, "Per unit, median per step (host-measured; own time, nested units excluded)",
                    barmode="group", yaxis_title="ms")
 
 
@@ -292,6 +292,11 @@ def _comm_units_table(per_unit: list[dict], top: int = 15) -> str:
     return f"<table>{head}{rows}</table>{more}"
 
 
+def _own(t: dict, phase: str):
+    """A unit's own time in ``phase`` (nested units excluded); reports written before it: the inclusive time."""
+    return t.get(f"{phase}_self_ms") if f"{phase}_self_ms" in t else t.get(f"{phase}_ms")
+
+
 def _units_table(units: list[dict]) -> str:
     if not units:
         return ""
@@ -305,10 +310,11 @@ def _units_table(units: list[dict]) -> str:
             f"<td>{_esc(x)}</td>" for x in (
             f"{u.get('param_count', 0) / 1e6:.2f} M", fmt_bytes(u.get("sharded_bytes")),
             fmt_bytes(u.get("unsharded_bytes")), str(u.get("reshard_after_forward", True)).lower(),
-            u.get("checkpoint", "none"), fmt_ms(t.get("fwd_ms")), fmt_ms(t.get("ag_wait_fwd_ms")),
-            fmt_ms(t.get("bwd_ms")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
+            u.get("checkpoint", "none"), fmt_ms(_own(t, "fwd")), fmt_ms(t.get("ag_wait_fwd_ms")),
+            fmt_ms(_own(t, "bwd")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
-    return f"<table>{head}{''.join(rows)}{more}</table>"
+    return (f"<p class='note'>Per-step medians; each unit's own time (nested units excluded).</p>"
+            f"<table>{head}{''.join(rows)}{more}</table>")
 
 
 def render_html(report: dict) -> str:

@@ -74,8 +74,8 @@ def render_throughput(section: dict):
 
 
 def render_units(units: list[dict]):
-    t = Table(title=f"FSDP units ({len(units)}); times are per-step medians in ms", box=box.SIMPLE_HEAD,
-              title_justify="left")
+    t = Table(title=f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
+                    "excluded)", box=box.SIMPLE_HEAD, title_justify="left")
     t.add_column("unit", justify="left", min_width=12, max_width=26, overflow="fold")
     for col in ("params", "shard", "gathered", "reshard", "AC", "fwd", "AG wait", "bwd", "AG wait"):
         t.add_column(col, justify="right", no_wrap=True)
@@ -84,7 +84,8 @@ def render_units(units: list[dict]):
         name = unit_label(u["name"])
         t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
                   fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
-                  u.get("checkpoint", "none"), *(_num(tm.get(k)) for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms")))
+                  u.get("checkpoint", "none"), *(_num(tm.get(k, tm.get(k.replace("_self", "")))) for k in
+                    ("fwd_self_ms", "ag_wait_fwd_ms", "bwd_self_ms", "ag_wait_bwd_ms")))
     if len(units) > 24:
         t.add_row(f"… {len(units) - 24} more", *[""] * 9)
     return t
