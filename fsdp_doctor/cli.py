@@ -174,18 +174,18 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     th.start()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("train", total=cfg.steps)
+        task = prog.add_task(f"starting {ns.nproc} ranks", total=cfg.steps)
         follower = None
         while th.is_alive():
             th.join(0.5)
             if follower is None and out.exists():
-                follower = RunFollower(out)
+                follower = RunFollower(out)  # the directory was emptied above: only this run's records
             if follower is not None:
                 run, _ = follower.poll()
-                done = min((len(rd.steps) for rd in run.ranks.values()), default=0)
-                prog.update(task, completed=done)
+                done = min((len(rd.steps) for rd in run.ranks.values()), default=0) if len(run.ranks) == ns.nproc else 0
+                prog.update(task, completed=done, description="training" if run.ranks else f"starting {ns.nproc} ranks")
     if "error" in result:
         e = result["error"]
         _err(f"the demo workload failed: {e}" if isinstance(e, WorkloadError) else f"the demo workload failed: {type(e).__name__}: {e}")
@@ -269,7 +269,9 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
     if run is None:
         return EXIT_BAD_INPUT
     if not run.has_records:
-        _err(f"{path}: no fsdp-doctor records (rank*.records.jsonl) to convert")
+        from .store.layout import STREAM_GLOB
+
+        _err(f"{path}: no fsdp-doctor records ({STREAM_GLOB}) to convert")
         return EXIT_BAD_INPUT
     out = Path(ns.out) if ns.out else path
     dirs = export_tensorboard(run, out, traces=not ns.no_traces)
