@@ -140,11 +140,13 @@ def memory_units_figure(memory: dict):
     rows = best[1]["per_unit"]
     names = [unit_label(u.get("unit") or "") for u in rows]
     fig = go.Figure()
-    for key, color in (("sharded_bytes", "#1F77B4"), ("unsharded_bytes", "#AEC7E8"), ("activation_bytes", "#D62728")):
+    # each unit's own activations (nested units excluded): the bars add up instead of counting a parent's children twice
+    own = "activation_self_bytes" if any("activation_self_bytes" in u for u in rows) else "activation_bytes"
+    for key, label, color in (("sharded_bytes", "sharded", "#1F77B4"), ("unsharded_bytes", "unsharded", "#AEC7E8"),
+                              (own, "activations (own)", "#D62728")):
         if any(u.get(key) for u in rows):
-            fig.add_bar(name=key.replace("_bytes", ""), x=names, y=[(u.get(key) or 0) / MIB for u in rows],
-                        marker_color=color)
-    return _layout(fig, f"Memory per unit (rank {best[0]})", barmode="group", yaxis_title="MiB")
+            fig.add_bar(name=label, x=names, y=[(u.get(key) or 0) / MIB for u in rows], marker_color=color)
+    return _layout(fig, f"Memory per unit (rank {best[0]}), MiB", barmode="group", yaxis_title="MiB")
 
 
 def overlap_units_figure(overlap: dict):
