@@ -53,8 +53,9 @@ STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", 
 def steps_columns(run) -> dict[int, dict[str, list]]:
     """The per-step records of each rank as columns (plain lists), the input of the step figures. Column
     ``profiler_export`` is True on a step that wrote a profiler window's trace (its "outside" time is that
-    export, not data loading)."""
-    from fsdp_doctor.analyze.steps import profiler_export_steps
+    export, not data loading); ``steady`` is True on the steps the analyses use for statistics (the one
+    steady-state rule, ``fsdp_doctor.analyze.steps.usable_steps``: figures need not re-implement it)."""
+    from fsdp_doctor.analyze.steps import profiler_export_steps, usable_steps
 
     out: dict[int, dict[str, list]] = {}
     for r, rd in sorted(run.ranks.items()):
@@ -64,6 +65,8 @@ def steps_columns(run) -> dict[int, dict[str, list]]:
                 cols[k].append(getattr(s, k))
         export = set(profiler_export_steps(rd))
         cols["profiler_export"] = [st in export for st in cols["step"]]
+        steady = {s.step for s in usable_steps(rd.steps)}
+        cols["steady"] = [st in steady for st in cols["step"]]
         out[r] = cols
     return out
 

@@ -124,6 +124,8 @@ def test_profiler_export_step_is_marked(cli_report, snap):
     i = cols["step"].index(8)
     assert cols["profiler_export"][i] is True and cols["outside_ms"][i] > 500  # the 625 ms "outside" is the export
     assert sum(cols["profiler_export"]) == 1
+    # the one steady-state rule, as a column: as many steady steps as the statistics counted
+    assert sum(cols["steady"]) == cli_report["steps"]["per_rank"]["0"]["count"] and not cols["steady"][i]
 
 
 # ------------------------------------------------------------------------------------------- one run per directory
