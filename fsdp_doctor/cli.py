@@ -143,11 +143,6 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     console = _console()
     out = Path(ns.out)
-    if layout.has_run(out):
-        if not ns.overwrite:
-            _err(f"{out} already holds a run's records; add --overwrite to replace them, or choose a new --out")
-            return EXIT_BAD_INPUT
-        layout.clear_run(out)  # before training starts: nothing of the old run is read as the new one's
     # Kineto prints "USDT: ... profiler_start/stop" lines (its highest level, 5) from every rank, through the progress
     # bar: above its last level nothing is printed. The demo only; a user's own run keeps Kineto's defaults.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -156,6 +151,15 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     except ValueError as e:
         _err(str(e))
         return EXIT_BAD_INPUT
+    if layout.has_run(out):
+        if not ns.overwrite:
+            _err(f"{out} already holds a run's records; add --overwrite to replace them, or choose a new --out")
+            return EXIT_BAD_INPUT
+        try:
+            layout.clear_run(out)  # before training starts: nothing of the old run is read as the new one's
+        except OSError as e:
+            _err(f"{out}: cannot remove the previous run ({e.strerror or e})")
+            return EXIT_BAD_INPUT
     watch_kwargs = {"out_dir": str(out), "tokens_per_step": cfg.tokens_per_step(ns.nproc), "overwrite": ns.overwrite}
     if ns.capacity_mib:
         watch_kwargs["capacity_bytes"] = int(ns.capacity_mib * (1 << 20))

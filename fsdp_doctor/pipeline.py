@@ -87,9 +87,10 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
     return ov
 
 
-def comm_summary(report: dict) -> Optional[dict]:
+def comm_summary(report: dict, ag_waits: Optional[dict[str, float]] = None) -> Optional[dict]:
     """The one exposed-communication figure of the report, with its definition and source: from the profiled
-    windows' traces when there are any, else from the recorder's all-gather waits."""
+    windows' traces when there are any, else from the recorder's all-gather waits (``ag_waits``: per rank, ms
+    per step, see ``recorded_ag_waits``)."""
     per_rank = ((report.get("overlap") or {}).get("per_rank")) or {}
     rows = {}
     for r, pr in per_rank.items():
@@ -109,7 +110,7 @@ def comm_summary(report: dict) -> Optional[dict]:
         pcts = [v["overlap_pct"] for v in rows.values() if v["overlap_pct"] is not None]
         out["overlap_pct"] = round(statistics.median(pcts), 1) if pcts else None
         return out
-    waits = (report.get("_ag_waits") or {})
+    waits = ag_waits or {}
     if waits:
         return {"source": "records", "source_text": "recorded all-gather waits", "definition": COMM_DEFINITION_RECORDS,
                 "exposed_ms_per_step": round(statistics.median(waits.values()), 3), "comm_ms_per_step": None,
@@ -117,7 +118,7 @@ def comm_summary(report: dict) -> Optional[dict]:
     return None
 
 
-def _ag_waits(run: Run) -> dict[str, float]:
+def recorded_ag_waits(run: Run) -> dict[str, float]:
     """Per rank, the median over steady steps of the all-gather waits the recorder measured (ms per step)."""
     out = {}
     for r, rd in sorted(run.ranks.items()):
@@ -140,7 +141,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         if ov is not None:
             report["overlap"] = ov
             problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
-    comm = comm_summary(dict(report, _ag_waits=_ag_waits(run)))
+    comm = comm_summary(report, recorded_ag_waits(run))
     if comm is not None:
         report["comm"] = comm
     if diagnosis:

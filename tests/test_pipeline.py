@@ -192,3 +192,19 @@ def test_manifest_and_header_carry_the_run_id():
     h = record_decoder.decode(record_encoder.encode(Header(rank=0, run_id="0123456789ab")))
     assert h.run_id == "0123456789ab"
     assert msgspec.json.decode(b'{"format":"fsdp-doctor-run","version":1}', type=Manifest).run_id == ""
+
+
+def test_exposed_comm_without_traces_comes_from_the_records_and_says_so():
+    import statistics
+
+    run = load_run(SAMPLE)
+    rep = build_report(run, traces=False)
+    comm = rep["comm"]
+    assert comm["source"] == "records" and "all-gather waits" in comm["source_text"]
+    per_rank = {}
+    for r, rd in run.ranks.items():
+        waits = [sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units) for s in rd.steps if s.step > 0 and not s.profiled]
+        per_rank[str(r)] = statistics.median(waits)
+    assert comm["exposed_ms_per_step"] == pytest.approx(statistics.median(per_rank.values()), abs=1e-3)
+    assert comm["comm_ms_per_step"] is None and "reduce-scatters need a profiler trace" in comm["definition"]
+    assert "source: recorded all-gather waits" in comm_headline(comm)
