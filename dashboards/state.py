@@ -2,9 +2,9 @@
 
 ``RunState.refresh()`` is called by the polling callback (and when a page is served). It reads only the new
 bytes of each record stream (:class:`fsdp_doctor.store.RunFollower`), rebuilds the record analyses when
-something new arrived (``build_report(run, traces=False)``: milliseconds for thousands of steps) and merges
-the trace analysis, which is cached per trace file: each profiler window is decoded once, on a background
-thread, and only the cheap combination (``analyze_windows``) is redone. Every change bumps ``version``;
+something new arrived with the same pipeline as the CLI (``fsdp_doctor.pipeline.build_report``, given the
+decoded trace windows, which are cached per trace file: each profiler window is decoded once, on a background
+thread, and only the cheap combination is redone). Every change bumps ``version``;
 pages are re-rendered only when it changes.
 
 Nothing here analyses anything: it calls the analyses and keeps their results.
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from fsdp_doctor.analyze import build_report
-from fsdp_doctor.store import RunFollower
+from fsdp_doctor.pipeline import build_report, record_sections, window_run
+from fsdp_doctor.store import RunFollower, run_trace_files
 
 # A trace file that fails to decode and was modified this recently may still be being written: retry it.
 TRACE_SETTLE_S = 10.0
@@ -51,13 +51,22 @@ STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", 
 
 
 def steps_columns(run) -> dict[int, dict[str, list]]:
-    """The per-step records of each rank as columns (plain lists), the input of the step figures."""
+    """The per-step records of each rank as columns (plain lists), the input of the step figures. Column
+    ``profiler_export`` is True on a step that wrote a profiler window's trace (its "outside" time is that
+    export, not data loading); ``steady`` is True on the steps the analyses use for statistics (the one
+    steady-state rule, ``fsdp_doctor.analyze.steps.usable_steps``: figures need not re-implement it)."""
+    from fsdp_doctor.analyze.steps import profiler_export_steps, usable_steps
+
     out: dict[int, dict[str, list]] = {}
     for r, rd in sorted(run.ranks.items()):
         cols: dict[str, list] = {k: [] for k in STEP_COLUMNS}
         for s in rd.steps:
             for k in STEP_COLUMNS:
                 cols[k].append(getattr(s, k))
+        export = set(profiler_export_steps(rd))
+        cols["profiler_export"] = [st in export for st in cols["step"]]
+        steady = {s.step for s in usable_steps(rd.steps)}
+        cols["steady"] = [st in steady for st in cols["step"]]
         out[r] = cols
     return out
 
@@ -113,49 +122,27 @@ class RunState:
     # ------------------------------------------------------------------ internals
     def _rebuild(self, run) -> None:
         run.trace_files = sorted(self._traces)
-        report = build_report(run, traces=False)
         windows = [w for _, w in self._traces.values() if not isinstance(w, str)]
         skipped = [f"{p.name}: {w}" for p, (k, w) in sorted(self._traces.items()) if isinstance(w, str) and k[0] >= 0]
-        if windows:
-            from fsdp_doctor.diagnose import diagnose
-            from fsdp_doctor.trace import analyze_windows
-
-            ov = analyze_windows(windows)
-            ov["files"] = [w.file for w in windows]
-            ov["skipped"] = []
-            report["overlap"] = ov
-            report["findings"] = diagnose(run, report)  # rules over overlap need it in the report
+        report = build_report(run, traces=False, windows=windows or None)  # the CLI's pipeline, sizes included
         if skipped:
             report["problems"] = list(report.get("problems", [])) + skipped
         self._report = report
         self._steps = steps_columns(run)
         self._version += 1
-        frozen = {r: (rd, list(rd.steps)) for r, rd in run.ranks.items()}  # the steps of this version
+        frozen = window_run(run, (-1, 1 << 62))  # the steps of this version
         self._window_cache: dict = {}
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
                                   window_fn=lambda w, _f=frozen, _v=self._version: self._window_sections(_f, _v, w))
 
-    def _window_sections(self, frozen: dict, version: int, window: tuple[int, int]) -> dict:
+    def _window_sections(self, frozen, version: int, window: tuple[int, int]) -> dict:
         key = (version, tuple(window))
         hit = self._window_cache.get(key)
         if hit is not None:
             return hit
-        from fsdp_doctor.analyze.report import unit_table
-        from fsdp_doctor.analyze.steps import analyze_steps
-        from fsdp_doctor.analyze.throughput import analyze_throughput
-        from fsdp_doctor.store.reader import RankData, Run
-
-        lo, hi = window
-        sub = Run(path=self.path, manifest=self._follower.run.manifest)
-        for r, (rd, steps) in frozen.items():
-            sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=list(rd.profiles),
-                                    errors=list(rd.errors), end=rd.end, steps=[s for s in steps if lo <= s.step <= hi])
-        out = {"steps": analyze_steps(sub), "units": unit_table(sub)}
-        tp = analyze_throughput(sub)
-        if tp:
-            out["throughput"] = tp
+        out = record_sections(frozen, tuple(window), memory=False)
         if len(self._window_cache) > 32:
             self._window_cache.clear()
         self._window_cache[key] = out
@@ -164,11 +151,13 @@ class RunState:
     def _trace_files(self) -> list[Path]:
         if not self.path.is_dir():
             return []
-        from fsdp_doctor.trace import find_trace_files
-
         root = self.path.resolve()
         out = []
-        for p in find_trace_files(self.path):
+        problems: list[str] = []
+        found = run_trace_files(self._follower.run, problems)  # the store knows which traces are this run's
+        for msg in problems:
+            self._follower.note_problem(msg)
+        for p in found:
             try:
                 if p.resolve().is_relative_to(root):  # never follow links out of the run directory
                     out.append(p)
@@ -211,7 +200,7 @@ class RunState:
         return changed
 
     def _load_pending(self) -> None:
-        from fsdp_doctor.trace.analysis import _load  # build_window, errors as values
+        from fsdp_doctor.trace import load_window  # errors as values
 
         while True:
             with self._lock:
@@ -221,7 +210,7 @@ class RunState:
             try:
                 st = p.stat()
                 key = (st.st_mtime_ns, st.st_size)
-                res = _load(str(p))
+                res = load_window(str(p))
                 if not hasattr(res, "calls"):
                     res = str(res)
                     if time.time() - st.st_mtime < TRACE_SETTLE_S:

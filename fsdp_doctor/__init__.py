@@ -21,7 +21,7 @@ _LAZY = {
     "ProfileSchedule": ("record", "ProfileSchedule"),
     "load_run": ("store", "load_run"),
     "Run": ("store", "Run"),
-    "build_report": ("analyze", "build_report"),
+    "build_report": ("pipeline", "build_report"),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,4 +1,4 @@
-"""Command: ``fsdp-doctor demo | analyze | dashboard``."""
+"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard``."""
 
 from __future__ import annotations
 
@@ -40,10 +40,13 @@ def _load(path: Path):
 
 # ----------------------------------------------------------------------------------------- analyze
 def cmd_analyze(ns: argparse.Namespace) -> int:
-    from .analyze import build_report
+    from .pipeline import build_report, is_usable
 
     console = _console()
     path = Path(ns.path)
+    outputs = _check_outputs(ns)
+    if outputs is None:
+        return EXIT_BAD_INPUT
     run = _load(path)
     if run is None:
         return EXIT_BAD_INPUT
@@ -53,11 +56,49 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
             _err(p)
         return EXIT_BAD_INPUT
     report = _build_with_progress(run, console, build_report)
-    _emit(report, ns, console)
-    usable = run.has_records or bool((report.get("overlap") or {}).get("per_rank"))
-    if not usable:
+    if not is_usable(run, report):
+        _err(_nothing_usable(path, report))
+        return EXIT_BAD_INPUT
+    if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
     return EXIT_PARTIAL if report.get("problems") else EXIT_OK
+
+
+def _nothing_usable(path: Path, report: dict) -> str:
+    """One line: why nothing at ``path`` could be analysed."""
+    skipped = (report.get("overlap") or {}).get("skipped", [])
+    if path.is_file() and len(skipped) == 1:
+        return f"{path}: {skipped[0]['error']}"
+    why = [f"{s['file']}: {s['error']}" for s in skipped]
+    if not why:
+        why = [p for p in report.get("problems", [])] or ["no profiler step and no communication in the trace(s)"]
+    more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
+    return f"{path}: nothing to analyse: {why[0]}{more}"
+
+
+def _check_outputs(ns: argparse.Namespace) -> dict | None:
+    """The report files asked for (``--json``, ``--html``), checked before any work: each one's directory must
+    exist and be writable. None after one line on stderr when one cannot be written."""
+    import os
+
+    out = {}
+    for kind in ("json", "html"):
+        f = getattr(ns, kind, None)
+        if not f:
+            continue
+        p = Path(f)
+        parent = p.parent if str(p.parent) else Path(".")
+        if p.is_dir():
+            _err(f"--{kind} {p}: is a directory; give a file name")
+            return None
+        if not parent.is_dir():
+            _err(f"--{kind} {p}: directory {parent} does not exist")
+            return None
+        if not os.access(parent, os.W_OK):
+            _err(f"--{kind} {p}: directory {parent} is not writable")
+            return None
+        out[kind] = p
+    return out
 
 
 def _build_with_progress(run, console: Console, build_report):
@@ -72,34 +113,54 @@ def _build_with_progress(run, console: Console, build_report):
         return build_report(run, progress=lambda done, total: prog.update(task, completed=done, total=total))
 
 
-def _emit(report: dict, ns: argparse.Namespace, console: Console) -> None:
+def _emit(report: dict, outputs: dict, console: Console) -> bool:
+    """Prints the report and writes the files asked for; False after one line on stderr if a write failed."""
     from .present.terminal import render_report
 
     render_report(report, console)
-    if getattr(ns, "json", None):
-        Path(ns.json).write_text(json.dumps(report, indent=1, default=str))
-        console.print(f"JSON report written to {ns.json}")
-    if getattr(ns, "html", None):
-        from .present.html import write_html
+    for kind, p in outputs.items():
+        try:
+            if kind == "json":
+                p.write_text(json.dumps(report, indent=1, default=str))
+            else:
+                from .present.html import write_html
 
-        write_html(report, Path(ns.html))
-        console.print(f"HTML report written to {ns.html}")
+                write_html(report, p)
+        except OSError as e:
+            _err(f"--{kind} {p}: cannot write ({e.strerror or e})")
+            return False
+        console.print(f"{kind.upper()} report written to {p}", soft_wrap=True)  # a path to copy: never wrapped
+    return True
 
 
 # ----------------------------------------------------------------------------------------- demo
 def cmd_demo(ns: argparse.Namespace) -> int:
-    from .analyze import build_report
-    from .store import RunFollower, load_run
+    import os
+
+    from .pipeline import build_report
+    from .store import RunFollower, layout, load_run
     from .workloads import WorkloadError, config_from_args, launch
 
     console = _console()
+    out = Path(ns.out)
+    # Kineto prints "USDT: ... profiler_start/stop" lines (its highest level, 5) from every rank, through the progress
+    # bar: above its last level nothing is printed. The demo only; a user's own run keeps Kineto's defaults.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         cfg = config_from_args(ns)
     except ValueError as e:
         _err(str(e))
         return EXIT_BAD_INPUT
-    out = Path(ns.out)
-    watch_kwargs = {"out_dir": str(out), "tokens_per_step": cfg.tokens_per_step(ns.nproc)}
+    if layout.has_run(out):
+        if not ns.overwrite:
+            _err(f"{out} already holds a run's records; add --overwrite to replace them, or choose a new --out")
+            return EXIT_BAD_INPUT
+        try:
+            layout.clear_run(out)  # before training starts: nothing of the old run is read as the new one's
+        except OSError as e:
+            _err(f"{out}: cannot remove the previous run ({e.strerror or e})")
+            return EXIT_BAD_INPUT
+    watch_kwargs = {"out_dir": str(out), "tokens_per_step": cfg.tokens_per_step(ns.nproc), "overwrite": ns.overwrite}
     if ns.capacity_mib:
         watch_kwargs["capacity_bytes"] = int(ns.capacity_mib * (1 << 20))
     console.print(f"[bold]fsdp-doctor demo[/]: GPT {cfg.n_layers}×{cfg.d_model} (wrap={cfg.wrap}) on {ns.nproc} "
@@ -117,18 +178,18 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     th.start()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                   TimeElapsedColumn(), console=console, transient=True) as prog:
-        task = prog.add_task("train", total=cfg.steps)
+        task = prog.add_task(f"starting {ns.nproc} ranks", total=cfg.steps)
         follower = None
         while th.is_alive():
             th.join(0.5)
             if follower is None and out.exists():
-                follower = RunFollower(out)
+                follower = RunFollower(out)  # the directory was emptied above: only this run's records
             if follower is not None:
                 run, _ = follower.poll()
-                done = min((len(rd.steps) for rd in run.ranks.values()), default=0)
-                prog.update(task, completed=done)
+                done = min((len(rd.steps) for rd in run.ranks.values()), default=0) if len(run.ranks) == ns.nproc else 0
+                prog.update(task, completed=done, description="training" if run.ranks else f"starting {ns.nproc} ranks")
     if "error" in result:
         e = result["error"]
         _err(f"the demo workload failed: {e}" if isinstance(e, WorkloadError) else f"the demo workload failed: {type(e).__name__}: {e}")
@@ -137,16 +198,34 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     console.print(f"trained {cfg.steps} steps in {time.perf_counter() - t0:.1f} s; loss {losses[0][0]:.3f} → {losses[0][-1]:.3f}")
     run = load_run(out)
     report = build_report(run)
-    from .record.tensorboard import export_tensorboard
+    from .present.tensorboard import export_tensorboard
 
     export_tensorboard(run, out)  # TensorBoard scalars written after training, at no cost to it
-    report_path = out / "report.json"
+    report_path = layout.report_path(out)
     report_path.write_text(json.dumps(report, indent=1, default=str))
-    ns.json = None
-    _emit(report, ns, console)
-    console.print(f"\nJSON report: {report_path}\nAnalyze again: fsdp-doctor analyze {out}\n"
-                  f"Dashboard:   fsdp-doctor dashboard {out}\nTensorBoard: tensorboard --logdir {out}")
+    _emit(report, {}, console)
+    fd, tb = _command("fsdp-doctor"), _command("tensorboard")
+    console.print(f"\nJSON report: {report_path}\nAnalyze again: {fd} analyze {out}\n"
+                  f"Dashboard:   {fd} dashboard {out}\nTensorBoard: {tb} --logdir {out}", soft_wrap=True)
+    if "/" in fd:
+        console.print(f"(to type them without the path: source {Path(fd).parent}/activate)", soft_wrap=True)
     return EXIT_OK
+
+
+def _command(name: str) -> str:
+    """How to run ``name`` from this shell: the bare name when PATH finds this environment's copy, else its path
+    (relative to the current directory when inside it), so that the printed commands work as printed."""
+    bindir = Path(sys.executable).parent
+    exe = bindir / name
+    found = shutil.which(name)
+    if found and Path(found).resolve() == exe.resolve():
+        return name
+    if not exe.exists():
+        return name
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
 
 
 # ----------------------------------------------------------------------------------------- dashboard
@@ -154,6 +233,10 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
     path = Path(ns.path)
     if not path.exists():
         _err(f"{path}: no such run directory")
+        return EXIT_BAD_INPUT
+    busy = _port_in_use(ns.host, ns.port)
+    if busy:
+        _err(f"cannot serve on {ns.host}:{ns.port} ({busy}); choose another --port")
         return EXIT_BAD_INPUT
     try:
         from dashboards.app import serve
@@ -163,41 +246,80 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
     return serve(path, host=ns.host, port=ns.port) or EXIT_OK
 
 
+def _port_in_use(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound right now ("" when it can), checked before anything is announced."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"unknown host: {e}"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # what Werkzeug sets: TIME_WAIT is no conflict
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return "port already in use" if e.errno in (98, 48, 10048) else (e.strerror or str(e))
+    return ""
+
+
 # ----------------------------------------------------------------------------------------- tensorboard
 def cmd_tensorboard(ns: argparse.Namespace) -> int:
-    from .record.tensorboard import export_tensorboard
+    from .present.tensorboard import export_tensorboard
 
     path = Path(ns.path)
     run = _load(path)
     if run is None:
         return EXIT_BAD_INPUT
     if not run.has_records:
-        _err(f"{path}: no fsdp-doctor records (rank*.records.jsonl) to convert")
+        from .store.layout import STREAM_GLOB
+
+        _err(f"{path}: no fsdp-doctor records ({STREAM_GLOB}) to convert")
         return EXIT_BAD_INPUT
     out = Path(ns.out) if ns.out else path
     dirs = export_tensorboard(run, out, traces=not ns.no_traces)
     for d in dirs:
         print(f"wrote {d}")
-    print(f"open with: tensorboard --logdir {out}")
+    print(f"open with: {_command('tensorboard')} --logdir {out}")
     return EXIT_OK
+
+
+EPILOG = """exit codes:
+  0  everything read and analysed
+  1  the demo workload failed
+  2  nothing usable (no such path, no records or traces, an output file that cannot be written, port in use,
+     a run directory that already holds another run)
+  3  analysed, but some files or lines were skipped (each named in the report)
+  130 interrupted"""
 
 
 def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     """``with_workload``: add the demo's workload flags (importing torch); skipped for the other commands."""
-    p = argparse.ArgumentParser(prog="fsdp-doctor", description="Profiling and diagnostics for PyTorch FSDP2 training.")
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="fsdp-doctor", description="Profiling and diagnostics for PyTorch FSDP2 training.",
+                                epilog=EPILOG, formatter_class=fmt)
     from . import __version__
 
     p.add_argument("--version", action="version", version=f"fsdp-doctor {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    a = sub.add_parser("analyze", help="analyze a run directory or Kineto traces (.json / .json.gz)")
-    a.add_argument("path")
-    a.add_argument("--json", metavar="FILE", help="write the JSON report here")
-    a.add_argument("--html", metavar="FILE", help="write a self-contained HTML report here")
+    a = sub.add_parser("analyze", help="analyze a run directory or Kineto traces (.json / .json.gz)",
+                       description="Reads a run directory written by fsdp_doctor.watch() (records and profiler "
+                       "traces), a directory of plain torch.profiler traces (one file per rank), or one trace "
+                       "file, and prints the diagnosis.", epilog=EPILOG, formatter_class=fmt)
+    a.add_argument("path", help="run directory, directory of Kineto traces, or one trace file")
+    a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist)")
+    a.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained HTML report here (its directory must exist)")
     a.set_defaults(fn=cmd_analyze)
 
-    d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it")
+    d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it",
+                       epilog=EPILOG, formatter_class=fmt)
     d.add_argument("--out", default="traces/demo", help="run directory (default: traces/demo)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (a run directory holds one run; without this flag "
+                   "the demo refuses it)")
     d.add_argument("--nproc", type=int, default=2, help="gloo ranks (default: 2)")
     d.add_argument("--capacity-mib", type=float, default=None, help="memory budget per rank for the diagnosis")
     if with_workload:
@@ -206,14 +328,17 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
         add_cli_args(d)
     d.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("dashboard", help="serve the live dashboard over a run directory")
-    s.add_argument("path")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8050)
+    s = sub.add_parser("dashboard", help="serve the live dashboard over a run directory", epilog=EPILOG,
+                       formatter_class=fmt)
+    s.add_argument("path", help="run directory (finished, or still being written)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 serves the network)")
+    s.add_argument("--port", type=int, default=8050, help="port to bind (default: 8050)")
     s.set_defaults(fn=cmd_dashboard)
 
-    t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run")
-    t.add_argument("path")
+    t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run",
+                       epilog=EPILOG, formatter_class=fmt)
+    t.add_argument("path", help="run directory written by fsdp_doctor.watch()")
     t.add_argument("--out", default=None, help="log directory (default: the run directory)")
     t.add_argument("--no-traces", action="store_true", help="skip the overlap scalars from the profiler traces")
     t.set_defaults(fn=cmd_tensorboard)
@@ -223,7 +348,7 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     first = next((a for a in args if not a.startswith("-")), None)
-    ns = build_parser(with_workload=first == "demo" or "-h" in args or "--help" in args).parse_args(args)
+    ns = build_parser(with_workload=first == "demo").parse_args(args)  # torch only for the demo
     try:
         return ns.fn(ns)
     except KeyboardInterrupt:

@@ -21,12 +21,8 @@ import msgspec
 
 FORMAT_NAME = "fsdp-doctor-run"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-PROFILER_DIR = "profiler"
-
-
-def stream_name(rank: int) -> str:
-    return f"rank{rank}.records.jsonl"
+# The run directory's layout is known by one module, fsdp_doctor.store.layout; re-exported for the writers.
+from .store.layout import MANIFEST_NAME, PROFILER_DIR, stream_name  # noqa: E402,F401
 
 
 class Record(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
@@ -45,6 +41,7 @@ class Header(Record, tag="header"):
     host: str = ""
     started_ns: int = 0  # time.time_ns() at watch() entry
     doctor_version: str = ""
+    run_id: str = ""  # the same on every rank of one run and in its manifest ("" in files written before it)
 
 
 class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -181,6 +178,7 @@ class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     profiler_dir: str = PROFILER_DIR
     doctor_version: str = ""
     command: list[str] = []
+    run_id: str = ""  # see Header.run_id
 
 
 record_encoder = msgspec.json.Encoder()

@@ -228,11 +228,11 @@ def test_run_state_follows_a_growing_run_incrementally(tmp_path):
 def test_run_state_caches_trace_analysis_per_file(tmp_path, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(SAMPLE, run)
-    import fsdp_doctor.trace.analysis as A
+    import fsdp_doctor.trace as A
 
     calls = []
-    real = A._load
-    monkeypatch.setattr(A, "_load", lambda p: calls.append(p) or real(p))
+    real = A.load_window
+    monkeypatch.setattr(A, "load_window", lambda p: calls.append(p) or real(p))
     st = RunState(run, background_traces=True)
     st.refresh()
     st.wait_traces(60)

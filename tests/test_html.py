@@ -83,7 +83,8 @@ def test_healthy_and_missing_sections(tmp_path):
     assert "Healthy: no findings." in text
     info = [{"code": "prefetch.exposed_allgather", "severity": "info", "title": "t", "evidence": {},
              "recommendation": {"text": "x", "code": ""}}]
-    assert "Healthy: no warnings" in render_html(_report(findings=info))
+    text = render_html(_report(findings=info))
+    assert "No warnings; 1 note below" in text and "Healthy" not in text  # a note is not "healthy"
     bare = render_html({"run": {"path": "p"}})
     assert "Healthy: no findings." in bare and "No memory measurements" in bare and "No step records" in bare
     assert "Plotly.newPlot" not in bare
@@ -104,3 +105,24 @@ def test_cli_writes_html(sample_run_path, tmp_path):
     rc = main(["analyze", str(sample_run_path), "--html", str(out)])
     assert rc in (0, 3)
     assert out.exists() and "fsdp-doctor report" in out.read_text()
+
+
+def test_basic_plotly_bundle_when_installed_else_the_full_one(tmp_path, monkeypatch):
+    """The report draws only bars and scatters: plotly.js's basic bundle (installed by `make setup` from npm) is
+    inlined when its version is plotly.py's; otherwise, or with another version, the full bundle."""
+    from plotly.offline import get_plotlyjs_version
+
+    from fsdp_doctor.present import html as H
+
+    ver = get_plotlyjs_version()
+    fake = tmp_path / "plotly-basic.min.js"
+    fake.write_text(f"/**\n* plotly.js (basic - minified) v{ver}\n*/\nwindow.FAKE_BASIC_BUNDLE=1;</script>x")
+    monkeypatch.setattr(H.sys, "prefix", str(tmp_path / "no-venv"))  # ignore a bundle installed in this venv
+    monkeypatch.setenv(H.PLOTLYJS_ENV, str(fake))
+    text = render_html(_report())
+    assert text.count("FAKE_BASIC_BUNDLE") == 1 and len(text) < 200_000  # inlined once; no full bundle
+    assert "<\\/script>x" in text  # the bundle cannot close its script tag early
+    assert text.count("Plotly.newPlot") >= 5
+    fake.write_text("/**\n* plotly.js (basic - minified) v0.0.1\n*/\nwindow.FAKE_BASIC_BUNDLE=1;")
+    text = render_html(_report())
+    assert "FAKE_BASIC_BUNDLE" not in text and len(text) > 1_000_000 and f"plotly.js v{ver}" in text

@@ -179,6 +179,9 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert "has no FSDP2 unit" in out["no_fsdp"] and "\n" not in out["no_fsdp"]
     assert "cannot write to out_dir" in out["bad_dir"]
     assert "already being watched" in out["double"]
+    assert "already holds a run's records" in out["rerun"] and "overwrite=True" in out["rerun"], out["rerun"]
+    old_id, new_id, header_id, steps = out["overwritten"]
+    assert len(old_id) == 12 and new_id == header_id and new_id != old_id and steps == [0], out["overwritten"]
     # an exception inside the doctor's hooks: reported once, training unchanged
     assert out["sabotaged_losses_equal"] is True
     assert res.stderr.count("the doctor stops recording") == 1, res.stderr
@@ -191,3 +194,27 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     rec = out["recompute_ms"]
     assert rec["layers.0"] > 0 and rec["layers.1"] > 0, rec
     assert rec[""] == 0 and rec["norm, lm_head"] == 0 and rec["tok_emb, pos_emb"] == 0, rec
+
+
+@pytest.mark.slow
+def test_multi_rank_rerun_is_refused_and_overwrite_gives_one_run(sample_run_path, tmp_path):
+    """The issue's reproduction: a 3-rank run's directory reused by a 2-rank run. Every rank refuses it (they agree
+    before any writes); with overwrite=True the old run is gone and the new one has one run id on every rank."""
+    from fsdp_doctor.workloads import WorkloadConfig, WorkloadError, launch
+
+    d = tmp_path / "run"
+    shutil.copytree(sample_run_path, d)
+    shutil.copy(d / "rank1.records.jsonl", d / "rank2.records.jsonl")  # as left by an earlier 3-rank run
+    cfg = WorkloadConfig(steps=3, n_layers=2, d_model=64)
+    with pytest.raises(WorkloadError, match="already holds a run's records"):
+        launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False})
+    assert (d / "rank2.records.jsonl").exists() and (d / "profiler").is_dir()  # nothing touched
+    launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False, "overwrite": True})
+    from fsdp_doctor import load_run
+
+    run = load_run(d)
+    assert sorted(run.ranks) == [0, 1] and not run.problems and run.trace_files == []
+    ids = {rd.header.run_id for rd in run.ranks.values()} | {run.manifest.run_id}
+    assert len(ids) == 1 and len(ids.pop()) == 12
+    assert not (d / "rank2.records.jsonl").exists() and not (d / "report.json").exists()
+    assert [s.step for s in run.ranks[1].steps] == [0, 1, 2]

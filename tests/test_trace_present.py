@@ -2,6 +2,7 @@
 
 from rich.console import Console
 
+from fsdp_doctor.present.fmt import fmt_bw
 from fsdp_doctor.present.overlap import fmt_bytes, fmt_us, render_overlap
 from fsdp_doctor.trace import analyze_traces
 from trace_fixtures import gloo_known_trace, gpu_known_trace
@@ -16,7 +17,9 @@ def _render(result):
 def test_formatters():
     assert fmt_us(850) == "850 µs" and fmt_us(12_345) == "12.3 ms" and fmt_us(2_500_000) == "2.50 s"
     assert fmt_us(-90, signed=True) == "-90 µs" and fmt_us(50, signed=True) == "+50 µs"
-    assert fmt_us(None) == "–" and fmt_bytes(4_000_000) == "4.0 MB" and fmt_bytes(800) == "800 B"
+    # one convention (present/fmt.py): binary units for sizes, decimal for bandwidth, µs below a millisecond
+    assert fmt_us(None) == "—" and fmt_bytes(4_000_000) == "3.81 MiB" and fmt_bytes(800) == "800 B"
+    assert fmt_bw(0.0298) == "29.8 MB/s" and fmt_bw(20.0) == "20 GB/s" and fmt_us(200) == "200 µs"
 
 
 def test_render_tables(tmp_path):
@@ -39,7 +42,7 @@ def test_render_tables(tmp_path):
     unit_lines = [line for line in lines if " fwd " in line or " bwd " in line]
     assert len(unit_lines) == 15
     # worst exposure first: the gloo rank's fully exposed synchronous all-gathers (2 × 1 ms)
-    assert unit_lines[0].split()[:3] == ["1", "0", "AG"] and "2.0 ms" in unit_lines[0]
+    assert unit_lines[0].split()[:3] == ["1", "0", "AG"] and "2.00 ms" in unit_lines[0]
     assert "0.4 MB/s" in unit_lines[0] and "800 B" in unit_lines[0]
 
 

@@ -3,6 +3,7 @@ step-aside-on-error path, printing one JSON object with what happened. Used by t
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -68,6 +69,15 @@ def main():
     run_dir = os.path.join(tmp, "sabotaged")
     out["sabotaged_losses_equal"] = train_losses(cfg, run_dir, sabotage=True) == base
     out["sabotaged_dir"] = run_dir
+    # a run directory holds one run: watching into it again is refused, overwrite=True replaces the old run
+    out["rerun"] = refused(lambda: fsdp_doctor.watch(m, out_dir=run_dir).__enter__())
+    copy = shutil.copytree(run_dir, os.path.join(tmp, "rerun"))
+    old_id = fsdp_doctor.load_run(copy).run_id
+    with fsdp_doctor.watch(m, out_dir=copy, profile=False, overwrite=True) as doc:
+        m(torch.randn(2, 4)).sum().backward()
+        doc.step()
+    again = fsdp_doctor.load_run(copy)
+    out["overwritten"] = [old_id, again.run_id, again.ranks[0].header.run_id, [s.step for s in again.ranks[0].steps]]
     # activation checkpointing: the re-run in backward is timed per unit
     ac_dir = os.path.join(tmp, "ac")
     train_losses(WorkloadConfig(steps=3, n_layers=2, d_model=64, ac="block"), ac_dir)

@@ -1,23 +1,23 @@
-"""The report: one JSON document built from a Run by plain analysis functions, then diagnosed."""
+"""Pieces of the report: the run's facts, the unit table, message sizes from the unit snapshot. The report itself
+is assembled by :mod:`fsdp_doctor.pipeline`."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Callable
 
 import msgspec
 
-from .. import __version__
 from ..store import Run
-from .steps import analyze_steps, usable_steps
-from .throughput import analyze_throughput
+from .steps import usable_steps
 
 SCHEMA = "fsdp-doctor-report/1"
 
 
 def run_facts(run: Run) -> dict:
     cfg = run.config
-    facts = {"path": str(run.path), "ranks": sorted(run.ranks), "world_size": run.world_size,
+    single = not run.ranks and len(run.trace_files) == 1  # one trace file given: name it, not its folder
+    facts = {"path": str(run.trace_files[0] if single else run.path), "ranks": sorted(run.ranks),
+             "world_size": run.world_size, "run_id": run.run_id or None,
              "trace_files": len(run.trace_files)}
     if cfg is not None:
         facts.update(backend=cfg.backend, device=cfg.device, device_name=cfg.device_name,
@@ -33,24 +33,41 @@ def run_facts(run: Run) -> dict:
     return facts
 
 
+_TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
+
+
 def unit_table(run: Run) -> list[dict]:
-    """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks."""
+    """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks.
+
+    ``timing_p50``'s ``fwd_ms`` and ``bwd_ms`` include nested units (as recorded); ``fwd_self_ms`` and
+    ``bwd_self_ms`` are the unit's own time, its direct nested units' times taken out (for a leaf unit, the
+    same). A unit whose backward FSDP never brackets (a root without parameters) has ``bwd_self_ms`` None."""
     cfg = run.config
     if cfg is None:
         return []
+    children: dict[str, list[str]] = {}
+    for u in cfg.units:
+        if u.parent is not None:
+            children.setdefault(u.parent, []).append(u.name)
     timings: dict[str, dict[str, list[float]]] = {}
     for rd in run.ranks.values():
         for s in usable_steps(rd.steps):
+            by_name = {u.name: u for u in s.units}
             for u in s.units:
-                t = timings.setdefault(u.name, {k: [] for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")})
-                for k in t:
+                t = timings.setdefault(u.name, {k: [] for k in (*_TIMING_KEYS, "fwd_self_ms", "bwd_self_ms")})
+                for k in _TIMING_KEYS:
                     t[k].append(getattr(u, k))
+                kids = [by_name[c] for c in children.get(u.name, ()) if c in by_name]
+                t["fwd_self_ms"].append(max(0.0, u.fwd_ms - sum(c.fwd_ms for c in kids)))
+                if u.bwd_ms > 0 or not kids:
+                    t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids)))
     out = []
     for u in cfg.units:
         d = msgspec.to_builtins(msgspec.structs.asdict(u))  # every field, defaults included (JSON rows are whole)
         t = timings.get(u.name)
         if t:
             d["timing_p50"] = {k: round(statistics.median(v), 3) for k, v in t.items() if v}
+            d["timing_p50"].setdefault("bwd_self_ms", None)
         out.append(d)
     return out
 
@@ -85,41 +102,3 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
         f = busbw_factor(row["collective"], cfg.world_size)
         if f is not None and row["comm_us"] > 0:
             row["busbw_gbps"] = nbytes * row["count"] * f / row["comm_us"] / 1e3
-
-
-def build_report(run: Run, *, progress: Callable[[int, int], None] | None = None, traces: bool = True) -> dict:
-    report: dict = {"schema": SCHEMA, "doctor_version": __version__, "run": run_facts(run)}
-    problems = list(run.problems)
-    if run.has_records:
-        report["steps"] = analyze_steps(run)
-        report["units"] = unit_table(run)
-        tp = analyze_throughput(run)
-        if tp:
-            report["throughput"] = tp
-        try:
-            from .memory import analyze_memory
-        except ImportError:
-            analyze_memory = None
-        if analyze_memory is not None:
-            mem = analyze_memory(run)
-            if mem:
-                report["memory"] = mem
-    if traces and run.trace_files:
-        from ..trace import analyze_traces
-
-        ov = analyze_traces(run.trace_files, progress=progress)
-        fill_sizes_from_units(ov, run)
-        report["overlap"] = ov
-        problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
-    # --- verdict (e11): what bounds the step, per rank and for the job; port to pipeline.py at merge ---
-    from .verdict import verdict
-
-    v = verdict(report, run)
-    if v is not None:
-        report["verdict"] = v
-    # --- end verdict ---
-    from ..diagnose import diagnose
-
-    report["findings"] = diagnose(run, report)
-    report["problems"] = problems
-    return report

@@ -195,6 +195,19 @@ def find_stragglers(run: Run) -> list[dict]:
     return out
 
 
+def profiler_export_steps(rd) -> list[int]:
+    """Steps whose time includes writing a profiler window's trace (the step after the window: its "outside"
+    time is the export, not data loading)."""
+    recorded = {s.step: s for s in rd.steps}
+    out = set()
+    for pw in rd.profiles:
+        if pw.steps:
+            nxt = recorded.get(max(pw.steps) + 1)
+            if nxt is not None and nxt.profiled:
+                out.add(nxt.step)
+    return sorted(out)
+
+
 def analyze_steps(run: Run) -> dict:
     per_rank = {}
     for r, rd in sorted(run.ranks.items()):
@@ -209,4 +222,8 @@ def analyze_steps(run: Run) -> dict:
         "job": step_stats([s for rd in run.ranks.values() for s in usable_steps(rd.steps)]) if job else None,
         "outliers": find_outliers(run),
         "stragglers": find_stragglers(run),
+        # per rank, the profiled windows' steps and the step that exported each window (left out of the
+        # statistics like every profiled step; a presenter marks them instead of reading them as a stall)
+        "profiler_steps": {str(r): {"window": sorted({s for pw in rd.profiles for s in pw.steps}),
+                                    "export": profiler_export_steps(rd)} for r, rd in sorted(run.ranks.items())},
     }

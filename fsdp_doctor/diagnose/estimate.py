@@ -320,5 +320,5 @@ def block_of(name: str) -> Optional[str]:
 
 
 def fmt_list(items: list[str], n: int = 6) -> str:
-    items = [i if i else "<root>" for i in items]
+    items = [i if i else "(root)" for i in items]
     return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")

@@ -1,42 +1,73 @@
-"""Number formatting with units, shared by every presenter."""
+"""Number formatting with units, shared by every presenter (terminal, HTML, dashboard, TensorBoard tags).
+
+One convention everywhere: memory and message sizes in binary units (B, KiB, MiB, GiB: powers of 1024);
+bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests' bus bandwidth); times in
+µs below a millisecond, then ms, then s; a missing value is "—"; the root FSDP unit is "(root)".
+"""
 
 from __future__ import annotations
 
+MISSING = "—"
+ROOT_LABEL = "(root)"
 
-def fmt_bytes(n) -> str:
+
+def unit_label(name) -> str:
+    """Display name of an FSDP unit: "" is the root; None (outside every unit) is "—"."""
+    if name is None:
+        return MISSING
+    return ROOT_LABEL if name == "" else str(name)
+
+
+def fmt_bytes(n, prec: int = 2) -> str:
+    """Bytes in binary units: "774.50 KiB", "1.25 GiB" (``prec`` decimals; 1 where a table is tight)."""
     if n is None:
-        return "—"
+        return MISSING
     n = float(n)
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div:
-            return f"{sign}{n / div:.2f} {unit}"
+            return f"{sign}{n / div:.{prec}f} {unit}"
     return f"{sign}{n:.0f} B"
 
 
-def fmt_ms(ms) -> str:
+def fmt_ms(ms, signed: bool = False) -> str:
+    """A duration given in ms: "850 µs", "2.50 ms", "12.3 ms", "1.25 s" (``signed``: "+" on positive values)."""
     if ms is None:
-        return "—"
+        return MISSING
     ms = float(ms)
-    if abs(ms) >= 1000:
-        return f"{ms / 1000:.2f} s"
-    if abs(ms) >= 10:
-        return f"{ms:.1f} ms"
-    if abs(ms) >= 0.1:
-        return f"{ms:.2f} ms"
-    return f"{ms * 1000:.0f} µs"
+    sign = "+" if signed and ms > 0 else ""
+    a = abs(ms)
+    if a >= 1000:
+        return f"{sign}{ms / 1000:.2f} s"
+    if a >= 10:
+        return f"{sign}{ms:.1f} ms"
+    if a >= 1:
+        return f"{sign}{ms:.2f} ms"
+    return f"{sign}{ms * 1000:.0f} µs"
+
+
+def fmt_us(us, signed: bool = False) -> str:
+    """A duration given in µs, formatted as :func:`fmt_ms`."""
+    return MISSING if us is None else fmt_ms(us / 1e3, signed)
+
+
+def fmt_bw(gbps) -> str:
+    """A bandwidth given in GB/s (decimal): "29.8 MB/s", "1.25 GB/s"."""
+    if gbps is None:
+        return MISSING
+    return f"{gbps:.3g} GB/s" if gbps >= 1 else f"{gbps * 1e3:.3g} MB/s"
 
 
 def fmt_pct(x) -> str:
-    return "—" if x is None else f"{x:.1f}%"
+    return MISSING if x is None else f"{x:.1f}%"
 
 
 def fmt_value(key: str, v, max_items: int = 8) -> str:
     """An evidence value formatted by the unit its key names (``_bytes``, ``_ms``, ``_us``, ``_pct``,
     ``_gbps``); lists are shortened, dicts formatted item by item. Shared by every presenter."""
     if isinstance(v, bool) or v is None:
-        return "—" if v is None else str(v).lower()
+        return MISSING if v is None else str(v).lower()
     if isinstance(v, (int, float)):
         if key.endswith("_bytes") or key == "bytes":
             return fmt_bytes(v)
@@ -47,7 +78,7 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
         if key.endswith("_pct"):
             return f"{v:.1f}%"
         if key.endswith("_gbps"):
-            return f"{v:.2f} GB/s"
+            return fmt_bw(v)
         return f"{v:,.4g}" if isinstance(v, float) else f"{v:,}"
     if isinstance(v, (list, tuple)):
         s = ", ".join(str(x) for x in v[:max_items])
@@ -70,3 +101,26 @@ def run_facts(run: dict) -> list[str]:
         if run.get(k):
             facts.append(str(run[k]))
     return facts
+
+
+def findings_headline(findings: list[dict]) -> str:
+    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
+    if not findings:
+        return "Healthy: no findings."
+    n = {sev: sum(f["severity"] == sev for f in findings) for sev in ("critical", "warning", "info")}
+    if not n["critical"] and not n["warning"]:
+        return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
+    parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
+    if n["info"]:
+        parts.append(f"{n['info']} note{'s' if n['info'] > 1 else ''}")
+    return ", ".join(parts) + "."
+
+
+def comm_headline(comm: dict | None) -> str | None:
+    """The report's one exposed-communication figure with its source, the same text in every presenter."""
+    if not comm or comm.get("exposed_ms_per_step") is None:
+        return None
+    txt = f"Exposed communication: {fmt_ms(comm['exposed_ms_per_step'])} per step"
+    if comm.get("comm_ms_per_step") is not None:
+        txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
+    return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"

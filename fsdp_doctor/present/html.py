@@ -1,15 +1,23 @@
 """HTML presenter: one self-contained file (plotly.js inlined once, no network) with the findings, the
 memory breakdown at the peak, per-unit communication exposure and the step timeline. Formats the report;
-computes nothing."""
+computes nothing.
+
+plotly.js: the report draws only bars and scatter traces, which plotly.js's *basic* bundle holds (1.2 MB against
+4.8 MB for the full one). ``make setup`` installs it from the npm registry (``plotly.js-basic-dist-min``, the
+version plotly.py bundles) into ``<venv>/share/fsdp-doctor/``; ``FSDP_DOCTOR_PLOTLYJS`` may name another copy.
+Without it, or when its version differs from plotly.py's, the full bundle plotly.py ships is inlined."""
 
 from __future__ import annotations
 
 import html
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .fmt import fmt_bytes, fmt_ms, fmt_pct, fmt_value, run_facts
+from .fmt import (comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, fmt_value, run_facts,
+                  unit_label)
 
 PHASES = ("forward", "backward", "optimizer", "outside")
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
@@ -52,6 +60,34 @@ def _esc(x: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- figures
+PARTIAL_BUNDLE = "plotly-basic.min.js"  # npm plotly.js-basic-dist-min: bar and scatter, all the report draws
+PLOTLYJS_ENV = "FSDP_DOCTOR_PLOTLYJS"
+
+
+def partial_plotlyjs() -> Optional[str]:
+    """plotly.js's basic bundle when one of the same version as plotly.py's is installed (see the module doc)."""
+    from plotly.offline import get_plotlyjs_version
+
+    want = f" v{get_plotlyjs_version()}\n"
+    for cand in (os.environ.get(PLOTLYJS_ENV), Path(sys.prefix) / "share" / "fsdp-doctor" / PARTIAL_BUNDLE):
+        if not cand or not Path(cand).is_file():
+            continue
+        try:
+            text = Path(cand).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if want in text[:300] and "plotly.js (basic" in text[:300]:
+            return text
+    return None
+
+
+def _plotlyjs_script(bundle: str) -> str:
+    """The bundle inlined as plotly.py inlines its own (MathJax left alone, no network)."""
+    safe = bundle.replace("</script", "<\\/script")
+    return ("<script type='text/javascript'>window.PlotlyConfig = {MathJaxConfig: 'local'};</script>"
+            f"<script type='text/javascript'>{safe}</script>")
+
+
 def _figure(fig, first: bool) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=True if first else False,
                        config={"displaylogo": False, "responsive": True})
@@ -88,7 +124,7 @@ def memory_figure(memory: dict):
     for r in ranks:
         at = per_rank[r].get("peak_at") or {}
         if at:
-            where.append(f"rank {r}: step {at.get('step')}, {at.get('unit') or '(root)'} {at.get('phase') or ''}")
+            where.append(f"rank {r}: step {at.get('step')}, {unit_label(at.get('unit') or '')} {at.get('phase') or ''}")
     title = "Memory at the peak, by category" + (" — " + "; ".join(where[:4]) if where else "")
     return _layout(fig, title, barmode="stack", yaxis_title="MiB")
 
@@ -102,13 +138,15 @@ def memory_units_figure(memory: dict):
     if not best or not best[1].get("per_unit"):
         return None
     rows = best[1]["per_unit"]
-    names = [u.get("unit") or "(root)" for u in rows]
+    names = [unit_label(u.get("unit") or "") for u in rows]
     fig = go.Figure()
-    for key, color in (("sharded_bytes", "#1F77B4"), ("unsharded_bytes", "#AEC7E8"), ("activation_bytes", "#D62728")):
+    # each unit's own activations (nested units excluded): the bars add up instead of counting a parent's children twice
+    own = "activation_self_bytes" if any("activation_self_bytes" in u for u in rows) else "activation_bytes"
+    for key, label, color in (("sharded_bytes", "sharded", "#1F77B4"), ("unsharded_bytes", "unsharded", "#AEC7E8"),
+                              (own, "activations (own)", "#D62728")):
         if any(u.get(key) for u in rows):
-            fig.add_bar(name=key.replace("_bytes", ""), x=names, y=[(u.get(key) or 0) / MIB for u in rows],
-                        marker_color=color)
-    return _layout(fig, f"Memory per unit (rank {best[0]})", barmode="group", yaxis_title="MiB")
+            fig.add_bar(name=label, x=names, y=[(u.get(key) or 0) / MIB for u in rows], marker_color=color)
+    return _layout(fig, f"Memory per unit (rank {best[0]}), MiB", barmode="group", yaxis_title="MiB")
 
 
 def overlap_units_figure(overlap: dict):
@@ -122,7 +160,7 @@ def overlap_units_figure(overlap: dict):
     acc: dict[tuple[str, str], list[float]] = {}
     order: list[str] = []
     for r in rows:
-        unit = r.get("unit") or "(root)"
+        unit = unit_label(r.get("unit") or "")
         if unit not in order:
             order.append(unit)
         k = (unit, f"{r.get('collective')} ({r.get('phase') or '-'})")
@@ -153,15 +191,15 @@ def unit_waits_figure(units: list[dict]):
     rows = [u for u in units or [] if u.get("timing_p50")]
     if not rows:
         return None
-    names = [u.get("name") or "(root)" for u in rows]
+    names = [unit_label(u.get("name") or "") for u in rows]
     fig = go.Figure()
-    for key, label, color, op in (("fwd_ms", "forward", "#4C78A8", 0.35), ("ag_wait_fwd_ms", "AG wait (fwd)", "#4C78A8", 1.0),
-                                  ("bwd_ms", "backward", "#F58518", 0.35), ("ag_wait_bwd_ms", "AG wait (bwd)", "#F58518", 1.0),
+    for key, label, color, op in (("fwd", "forward", "#4C78A8", 0.35), ("ag_wait_fwd_ms", "AG wait (fwd)", "#4C78A8", 1.0),
+                                  ("bwd", "backward", "#F58518", 0.35), ("ag_wait_bwd_ms", "AG wait (bwd)", "#F58518", 1.0),
                                   ("recompute_ms", "recompute", "#E45756", 1.0)):
-        ys = [u["timing_p50"].get(key) or 0 for u in rows]
+        ys = [(_own(u["timing_p50"], key) if key in ("fwd", "bwd") else u["timing_p50"].get(key)) or 0 for u in rows]
         if any(ys):
             fig.add_bar(name=label, x=names, y=ys, marker_color=color, opacity=op)
-    return _layout(fig, "Per unit, median per step (host-measured; times include nested units)",
+    return _layout(fig, "Per unit, median per step (host-measured; own time, nested units excluded)",
                    barmode="group", yaxis_title="ms")
 
 
@@ -235,13 +273,30 @@ def _finding(f: dict) -> str:
 
 
 def _findings(findings: list[dict]) -> str:
-    if not findings:
-        return "<div class='healthy'>Healthy: no findings.</div>"
     sevs = {f.get("severity") for f in findings}
-    head = ""
-    if not sevs & {"warning", "critical"}:
-        head = "<div class='healthy'>Healthy: no warnings. Notes below.</div>"
-    return head + "".join(_finding(f) for f in findings)
+    cls = "healthy" if not sevs & {"warning", "critical"} else "facts"
+    return f"<div class='{cls}'>{_esc(findings_headline(findings))}</div>" + "".join(_finding(f) for f in findings)
+
+
+def _comm_units_table(per_unit: list[dict], top: int = 15) -> str:
+    """The per-unit collectives, worst exposure first: the terminal's table, same formatters."""
+    if not per_unit:
+        return ""
+    head = ("<tr><th>rank</th><th>unit</th><th>collective</th><th>phase</th><th>calls</th><th>time</th>"
+            "<th>exposed</th><th>bytes / call</th><th>bus BW</th><th>slack</th></tr>")
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{_esc(x)}</td>" for x in (
+            r["rank"], unit_label(r["unit"]), r["collective"], r.get("phase") or "—", r["count"],
+            fmt_us(r["comm_us"]), fmt_us(r["exposed_us"]), fmt_bytes(r.get("bytes_per_call")),
+            fmt_bw(r.get("busbw_gbps")), fmt_us(r.get("slack_us"), signed=True))) + "</tr>"
+        for r in per_unit[:top])
+    more = f"<p class='note'>top {top} of {len(per_unit)}</p>" if len(per_unit) > top else ""
+    return f"<table>{head}{rows}</table>{more}"
+
+
+def _own(t: dict, phase: str):
+    """A unit's own time in ``phase`` (nested units excluded); reports written before it: the inclusive time."""
+    return t.get(f"{phase}_self_ms") if f"{phase}_self_ms" in t else t.get(f"{phase}_ms")
 
 
 def _units_table(units: list[dict]) -> str:
@@ -253,14 +308,15 @@ def _units_table(units: list[dict]) -> str:
     for u in units[:64]:
         t = u.get("timing_p50") or {}
         pad = 12 * int(u.get("depth", 0) or 0)
-        rows.append(f"<tr><td style='padding-left:{pad}px'>{_esc(u.get('name') or '(root)')}</td>" + "".join(
+        rows.append(f"<tr><td style='padding-left:{pad}px'>{_esc(unit_label(u.get('name') or ''))}</td>" + "".join(
             f"<td>{_esc(x)}</td>" for x in (
             f"{u.get('param_count', 0) / 1e6:.2f} M", fmt_bytes(u.get("sharded_bytes")),
             fmt_bytes(u.get("unsharded_bytes")), str(u.get("reshard_after_forward", True)).lower(),
-            u.get("checkpoint", "none"), fmt_ms(t.get("fwd_ms")), fmt_ms(t.get("ag_wait_fwd_ms")),
-            fmt_ms(t.get("bwd_ms")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
+            u.get("checkpoint", "none"), fmt_ms(_own(t, "fwd")), fmt_ms(t.get("ag_wait_fwd_ms")),
+            fmt_ms(_own(t, "bwd")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
-    return f"<table>{head}{''.join(rows)}{more}</table>"
+    return (f"<p class='note'>Per-step medians; each unit's own time (nested units excluded).</p>"
+            f"<table>{head}{''.join(rows)}{more}</table>")
 
 
 def render_html(report: dict) -> str:
@@ -274,7 +330,10 @@ def render_html(report: dict) -> str:
          "No profiler traces: per-unit overlap needs a profiled window."),
         (None, unit_waits_figure, report.get("units"), None),
     ]
-    first = True
+    bundle = partial_plotlyjs()
+    if bundle is not None:
+        parts.append(_plotlyjs_script(bundle))
+    first = bundle is None
     for title, builder, data, missing in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")
@@ -296,6 +355,10 @@ def render_html(report: dict) -> str:
             for r, v in sorted(ov["per_rank"].items()))
         parts.append("<table><tr><th>rank</th><th>communication</th><th>exposed</th><th>overlap</th></tr>"
                      f"{rows}</table>")
+        parts.append(_comm_units_table(ov.get("per_unit") or []))
+    head = comm_headline(report.get("comm"))
+    if head:
+        parts.append(f"<p class='pred'>{_esc(head)}</p>")
     if report.get("units"):
         parts.append("<h2>FSDP units</h2>" + _units_table(report["units"]))
     probs = report.get("problems") or []
@@ -312,7 +375,6 @@ def render_html(report: dict) -> str:
 def write_html(report: dict, path: Path) -> Path:
     """Writes the report as one self-contained HTML file (no network needed to view it)."""
     path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the CLI checks --html's directory exists before any work
     path.write_text(render_html(report), encoding="utf-8")
     return path

@@ -7,7 +7,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import fmt_bytes
+from .fmt import fmt_bytes, unit_label
 
 _LABELS = {
     "sharded_params": "sharded params",
@@ -31,7 +31,7 @@ def _bar(frac: float) -> str:
 
 def _where(at: dict) -> str:
     unit = at.get("unit")
-    unit = "(model)" if unit is None else (unit or "(root)")
+    unit = "(model)" if unit is None else unit_label(unit)
     return f"step {at.get('step')}, {unit} {at.get('phase') or ''}".strip()
 
 
@@ -98,7 +98,7 @@ def render_memory(section: dict):
                        ("activations (own)", "right"), ("activations (incl. nested)", "right")):
             ut.add_column(col, justify=j, no_wrap=(col != "unit"), max_width=36 if col == "unit" else None)
         for u in units:
-            ut.add_row(u.get("unit") or "(root)", fmt_bytes(u.get("sharded_bytes")), fmt_bytes(u.get("unsharded_bytes")),
+            ut.add_row(unit_label(u.get("unit") or ""), fmt_bytes(u.get("sharded_bytes")), fmt_bytes(u.get("unsharded_bytes")),
                        fmt_bytes(u.get("activation_self_bytes")), fmt_bytes(u.get("activation_bytes")))
         parts.append(ut)
     return Group(*parts)

@@ -1,49 +1,19 @@
-"""Terminal rendering of ``fsdp_doctor.trace.analyze_traces``'s result (rich). Formatting only."""
+"""Terminal rendering of the trace section (``overlap``) of the report (rich). Formatting only."""
 
 from __future__ import annotations
 
-from typing import Optional
 
 from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from .fmt import fmt_bw, fmt_bytes, fmt_pct, fmt_us, unit_label  # noqa: F401  (one convention, see fmt.py)
+
 TOP_UNITS = 15
 _COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
          "send_recv": "SR", "all_to_all": "A2A"}
 _PHASE = {"forward": "fwd", "backward": "bwd"}
-
-
-def fmt_us(us: Optional[float], signed: bool = False) -> str:
-    if us is None:
-        return "–"
-    sign = "+" if signed and us > 0 else ""
-    a = abs(us)
-    if a < 1000:
-        return f"{sign}{us:.0f} µs"
-    if a < 1e6:
-        return f"{sign}{us / 1e3:.1f} ms"
-    return f"{sign}{us / 1e6:.2f} s"
-
-
-def fmt_bytes(b: Optional[float]) -> str:
-    if b is None:
-        return "–"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= scale:
-            return f"{b / scale:.1f} {unit}"
-    return f"{b:.0f} B"
-
-
-def fmt_pct(p: Optional[float]) -> str:
-    return "–" if p is None else f"{p:.1f}%"
-
-
-def fmt_bw(g: Optional[float]) -> str:
-    if g is None:
-        return "–"
-    return f"{g:.3g} GB/s" if g >= 1 else f"{g * 1e3:.3g} MB/s"
 
 
 def _rank_table(result: dict) -> Table:
@@ -86,7 +56,7 @@ def _unit_table(result: dict, top: int) -> Table:
         title += f" (top {top} of {len(rows)})"
     t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left", pad_edge=False)
     t.add_column("Rank", justify="right", no_wrap=True)
-    t.add_column("Unit", max_width=14, overflow="ellipsis", no_wrap=True)
+    t.add_column("Unit", max_width=12, overflow="ellipsis", no_wrap=True)
     t.add_column("Op", no_wrap=True)
     t.add_column("N", justify="right", no_wrap=True)
     t.add_column("Comm", justify="right", no_wrap=True)
@@ -103,7 +73,7 @@ def _unit_table(result: dict, top: int) -> Table:
         slack = r["slack_us"]
         t.add_row(
             str(r["rank"]),
-            r["unit"],
+            unit_label(r["unit"]),
             op,
             str(r["count"]),
             fmt_us(r["comm_us"]),
@@ -116,8 +86,9 @@ def _unit_table(result: dict, top: int) -> Table:
     return t
 
 
-def render_overlap(result: dict, top: int = TOP_UNITS):
-    """A rich renderable: per-rank overlap table, per-unit table (worst exposure first), skipped files."""
+def render_overlap(result: dict, top: int = TOP_UNITS, skipped: bool = True):
+    """A rich renderable: per-rank overlap table, per-unit table (worst exposure first), skipped files (unless
+    ``skipped=False``: the full report lists them once among its problems)."""
     parts = []
     if result.get("per_rank"):
         parts.append(_rank_table(result))
@@ -127,6 +98,6 @@ def render_overlap(result: dict, top: int = TOP_UNITS):
         parts.append(_unit_table(result, top))
         parts.append(Text("Slack: need − finish of the all-gather (negative: compute waited). "
                           "Held: gathered params unused before need.", style="dim"))
-    for s in result.get("skipped", []):
+    for s in result.get("skipped", []) if skipped else []:
         parts.append(Text(f"skipped {s['file']}: {s['error']}", style="yellow"))
     return Group(*parts)

@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import fmt_bytes, fmt_ms, fmt_value, run_facts
+from .fmt import comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_value, run_facts, unit_label
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -104,17 +104,18 @@ def render_throughput(section: dict):
 
 
 def render_units(units: list[dict]):
-    t = Table(title=f"FSDP units ({len(units)}); times are per-step medians in ms", box=box.SIMPLE_HEAD,
-              title_justify="left")
+    t = Table(title=f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
+                    "excluded)", box=box.SIMPLE_HEAD, title_justify="left")
     t.add_column("unit", justify="left", min_width=12, max_width=26, overflow="fold")
     for col in ("params", "shard", "gathered", "reshard", "AC", "fwd", "AG wait", "bwd", "AG wait"):
         t.add_column(col, justify="right", no_wrap=True)
     for u in units[:24]:
         tm = u.get("timing_p50", {})
-        name = u["name"] or "<root>"
+        name = unit_label(u["name"])
         t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
                   fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
-                  u.get("checkpoint", "none"), *(_num(tm.get(k)) for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms")))
+                  u.get("checkpoint", "none"), *(_num(tm.get(k, tm.get(k.replace("_self", "")))) for k in
+                    ("fwd_self_ms", "ag_wait_fwd_ms", "bwd_self_ms", "ag_wait_bwd_ms")))
     if len(units) > 24:
         t.add_row(f"… {len(units) - 24} more", *[""] * 9)
     return t
@@ -127,12 +128,12 @@ def _num(x) -> str:
 
 
 def render_findings(findings: list[dict]):
+    head = findings_headline(findings)
     if not findings:
-        return Text("Healthy: no findings.", style="green")
+        return Text(head, style="green")
     items = []
     worst = {f["severity"] for f in findings}
-    if "warning" not in worst and "critical" not in worst:
-        items.append(Text("Healthy: no warnings. Notes below.", style="green"))
+    items.append(Text(head, style="green" if not worst & {"critical", "warning"} else "bold"))
     for f in findings:
         ev = "\n".join(f"  {k}: {fmt_value(k, v)}" for k, v in f["evidence"].items())
         body = [Text(f["recommendation"]["text"]), Text("Evidence:\n" + ev, style="dim")]
@@ -164,19 +165,16 @@ def render_report(report: dict, console: Console | None = None) -> None:
     if report.get("units"):
         console.print(render_units(report["units"]))
     if report.get("memory"):
-        try:
-            from .memory import render_memory
+        from .memory import render_memory
 
-            console.print(render_memory(report["memory"]))
-        except ImportError:
-            pass
+        console.print(render_memory(report["memory"]))
     if report.get("overlap"):
-        try:
-            from .overlap import render_overlap
+        from .overlap import render_overlap
 
-            console.print(render_overlap(report["overlap"]))
-        except ImportError:
-            pass
+        console.print(render_overlap(report["overlap"], skipped=False))  # listed once below, with the problems
+    head = comm_headline(report.get("comm"))
+    if head:
+        console.print(Text(head, style="bold"))
     console.rule("Diagnosis")
     console.print(render_findings(report.get("findings", [])))
     for p in report.get("problems", []):

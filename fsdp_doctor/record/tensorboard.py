@@ -1,4 +1,5 @@
-"""TensorBoard scalars for a run: live from the Doctor, or post-hoc from a recorded run.
+"""TensorBoard scalars written live by the Doctor (``watch(tensorboard=True)``); the after-the-fact export is
+``fsdp_doctor.present.tensorboard.export_tensorboard`` (re-exported here).
 
 ``tensorboard --logdir RUN_DIR`` then shows
 
@@ -22,7 +23,7 @@
 Cost per step: ``on_step`` only queues the record (~1-2 µs); a writer thread turns it into one event holding
 all the step's scalars (a Summary proto built directly, ~1 µs a value) and ``SummaryWriter`` writes the event
 file on its own thread. The overlap of a saved window is computed on a background thread
-(``fsdp_doctor.trace.analyze_traces`` over that one file), never in the training loop.
+(the pipeline's trace section over that one file), never in the training loop.
 """
 
 from __future__ import annotations
@@ -31,70 +32,24 @@ import logging
 import collections
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Optional
 
 from ..records import ProfileWindow, StepRecord
 
+from ..present.tensorboard import (  # noqa: F401  (one definition of the scalars, shared with the export)
+    MIB,
+    STEP_FIELDS,
+    add_scalars,
+    export_tensorboard,
+    memory_scalars,
+    overlap_scalars,
+    step_scalars,
+    step_walltime,
+    window_overlap_scalars,
+)
+from ..store.layout import TB_DIR, tb_dir  # noqa: F401
+
 log = logging.getLogger("fsdp_doctor")
-
-TB_DIR = "tb"
-MIB = float(1 << 20)
-STEP_FIELDS = ("wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms")
-
-
-def tb_dir(out_dir: Path | str, rank: int) -> Path:
-    return Path(out_dir) / TB_DIR / f"rank{rank}"
-
-
-def step_scalars(rec: StepRecord) -> dict[str, float]:
-    """The scalars written for one step record (tag -> value)."""
-    out = {f"step/{f}": float(getattr(rec, f)) for f in STEP_FIELDS}
-    out["step/profiled"] = 1.0 if rec.profiled else 0.0
-    out.update(memory_scalars(rec.memory))
-    return out
-
-
-def memory_scalars(mem: Optional[dict]) -> dict[str, float]:
-    """Memory by category at the step's peak, in MiB, from ``StepRecord.memory`` (see fsdp_doctor.record.memory)."""
-    if not isinstance(mem, dict):
-        return {}
-    out: dict[str, float] = {}
-    peak = mem.get("peak")
-    if isinstance(peak, dict):
-        if _num(peak.get("bytes")):
-            out["memory/peak_mib"] = peak["bytes"] / MIB
-        for cat, v in (peak.get("breakdown") or {}).items():
-            if _num(v):
-                out[f"memory/{cat}_mib"] = v / MIB
-    if _num(mem.get("offloaded_host")):
-        out["memory/offloaded_host_mib"] = mem["offloaded_host"] / MIB
-    cuda = mem.get("cuda")
-    if isinstance(cuda, dict):
-        for k, v in cuda.items():
-            if _num(v) and ("bytes" in k or k in ("allocated", "reserved", "fragmentation", "max_allocated",
-                                                  "max_reserved", "largest_free_block", "nvml_used", "non_torch")):
-                out[f"memory/cuda_{k.removesuffix('_bytes')}_mib"] = v / MIB
-    return out
-
-
-def overlap_scalars(result: dict, rank: int) -> dict[int, dict[str, float]]:
-    """Per analysed step of one trace window: overlap %, exposed and total communication (ms per step)."""
-    per_rank = result.get("per_rank") or {}
-    pr = per_rank.get(str(rank))
-    if pr is None and len(per_rank) == 1:
-        pr = next(iter(per_rank.values()))
-    if pr is None or not pr.get("steps"):
-        return {}
-    n = len(pr["steps"])
-    vals: dict[str, float] = {"overlap/exposed_comm_ms": pr["exposed_us"] / 1e3 / n,
-                              "overlap/comm_ms": pr["comm_us"] / 1e3 / n}
-    if pr.get("overlap_pct") is not None:
-        vals["overlap/overlap_pct"] = float(pr["overlap_pct"])
-    return {int(s): dict(vals) for s in pr["steps"]}
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class TensorBoardWriter:
@@ -171,7 +126,7 @@ class TensorBoardWriter:
                 log.warning("fsdp_doctor: TensorBoard writer: %s: %s", type(e).__name__, e)
 
     def _write_step(self, rec: StepRecord) -> None:
-        wt = (rec.start_ns + rec.wall_ms * 1e6) / 1e9 if rec.start_ns else None
+        wt = step_walltime(rec)
         if wt is not None:
             self._walltime[rec.step] = wt
             if len(self._walltime) > 4096:
@@ -180,52 +135,16 @@ class TensorBoardWriter:
         self._add_many(step_scalars(rec), rec.step, wt)
 
     def _add_many(self, values: dict[str, float], step: int, walltime: Optional[float]) -> None:
-        """One event holding every scalar of the step: what ``add_scalar`` writes, one value each, built
-        straight as a Summary proto (~1 µs a value instead of ~30 µs through ``add_scalar``)."""
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        summary = Summary(value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()])
-        self.writer._get_file_writer().add_summary(summary, step, walltime)
+        add_scalars(self.writer._get_file_writer(), values, step, walltime)
 
     def _analyze(self, window: Optional[ProfileWindow], path: Path) -> None:
         try:
-            from ..trace import analyze_traces
+            from ..store import Run
 
-            result = analyze_traces([path], workers=1)
-            for step, vals in sorted(overlap_scalars(result, self.rank).items()):
+            vals_by_step = window_overlap_scalars(Run(path=path.parent), self.rank, [path])
+            for step, vals in sorted(vals_by_step.items()):
                 self._add_many(vals, step, self._walltime.get(step))
-            for s in result.get("skipped", []):
-                log.info("fsdp_doctor: TensorBoard overlap skipped %s (%s)", s.get("file"), s.get("error"))
+            if not vals_by_step:
+                log.info("fsdp_doctor: TensorBoard overlap: nothing analysable in %s", path)
         except Exception as e:  # noqa: BLE001  (TensorBoard output must never disturb training)
             log.warning("fsdp_doctor: TensorBoard overlap for %s failed (%s: %s)", path, type(e).__name__, e)
-
-
-def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = True) -> list[Path]:
-    """Writes the same scalars post-hoc from a recorded :class:`~fsdp_doctor.store.Run` to ``<out>/tb/rank{R}``
-    (``out`` defaults to the run directory). Returns the directories written."""
-    out = Path(out) if out is not None else Path(run.path)
-    written = []
-    for rank, rd in sorted(run.ranks.items()):
-        if not rd.steps and not rd.profiles:
-            continue
-        w = TensorBoardWriter(out, rank, background=False)
-        try:
-            for rec in rd.steps:
-                w.on_step(rec)
-            if traces:
-                for pw in _profiles(run, rd.profiles):
-                    w.on_profile(pw, Path(run.path) / pw.path)
-        finally:
-            w.close()
-        written.append(w.dir)
-    return written
-
-
-def _profiles(run, profiles: Iterable[ProfileWindow]) -> list[ProfileWindow]:
-    root = Path(run.path).resolve()
-    out = []
-    for pw in profiles:
-        p = (Path(run.path) / pw.path).resolve()
-        if p.is_relative_to(root) and p.exists():
-            out.append(pw)
-    return out

@@ -46,7 +46,7 @@ from ..records import (
     UnitStep,
     stream_name,
 )
-from ..store.writer import RecordWriter, write_manifest
+from ..store.writer import RecordWriter, RunDirTaken, claim_run_dir, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
 from .throughput import FlopCounter, device_peak_tflops
 from .units import (Unit, checkpointed_modules, find_units, label_to_index, snapshot_units, unmanaged_param_bytes,
@@ -98,8 +98,10 @@ class Doctor:
         count_flops: bool | None = None,
         memory: Any = True,
         tensorboard: bool = False,
+        overwrite: bool = False,
     ):
         self.model = model
+        self._overwrite = overwrite
         self.optimizer = optimizer
         self.out_dir = Path(out_dir)
         self.capacity_bytes = capacity_bytes
@@ -136,17 +138,19 @@ class Doctor:
         self._check_entry()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.run_id = self._claim_out_dir()
         self.started_ns = time.time_ns()
         self._writer = RecordWriter(self.out_dir, self.rank)
         self._writer.write(
             Header(rank=self.rank, world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
-                   started_ns=self.started_ns, doctor_version=__version__)
+                   started_ns=self.started_ns, doctor_version=__version__, run_id=self.run_id)
         )
         if self.rank == 0:
             write_manifest(
                 self.out_dir,
                 Manifest(world_size=self.world_size, started_ns=self.started_ns, doctor_version=__version__,
-                         streams=[stream_name(r) for r in range(self.world_size)], command=list(sys.argv)),
+                         streams=[stream_name(r) for r in range(self.world_size)], command=list(sys.argv),
+                         run_id=self.run_id),
             )
         self._install()
         if self._tb_opt:
@@ -224,6 +228,20 @@ class Doctor:
             probe.unlink()
         except OSError as e:
             raise WatchError(f"fsdp_doctor.watch: cannot write to out_dir {self.out_dir} ({e.strerror or e})") from None
+
+    def _claim_out_dir(self) -> str:
+        """A run directory holds one run: refuse one holding another run's records (unless ``overwrite``); all
+        ranks agree on the verdict and the run id before any writes (one all_gather_object at entry)."""
+        exchange = None
+        if self.world_size > 1:
+            def exchange(v):
+                got = [None] * self.world_size
+                dist.all_gather_object(got, v)
+                return got
+        try:
+            return claim_run_dir(self.out_dir, self.rank, overwrite=self._overwrite, exchange=exchange)
+        except RunDirTaken as e:
+            raise WatchError(f"fsdp_doctor.watch: {e}") from None
 
     # ------------------------------------------------------------------ hooks
     def _install(self) -> None:
@@ -727,6 +745,7 @@ def watch(
     count_flops: bool | None = None,
     memory: Any = True,
     tensorboard: bool = False,
+    overwrite: bool = False,
 ) -> Doctor:
     """Watches an FSDP2 training loop; use as ``with fsdp_doctor.watch(model, opt, out_dir=...) as doctor``
     and call ``doctor.step()`` once per step.
@@ -752,7 +771,9 @@ def watch(
             CPU of a step here (its CRC32C and protobuf work run in Python on a background thread that competes
             with training). ``fsdp-doctor tensorboard OUT_DIR`` writes the same scalars afterwards, at no
             cost to training.
+        overwrite: ``out_dir`` already holding another run's records is refused (a run directory holds one
+            run); True removes that run's files first (manifest, record streams, profiler/, tb/, report.json).
     """
     return Doctor(model, optimizer, out_dir=out_dir, capacity_bytes=capacity_bytes, profile=profile,
                   tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, count_flops=count_flops, memory=memory,
-                  tensorboard=tensorboard)
+                  tensorboard=tensorboard, overwrite=overwrite)

@@ -1,6 +1,20 @@
-"""Store: the append-only record streams of a run directory (writer) and their readers."""
+"""Store: the run directory. ``layout`` knows where each file is; the writer appends the record streams; the
+readers load or follow a run. Names resolve lazily, so that the record schema can import ``layout``."""
 
-from .reader import RankData, Run, RunFollower, StreamReader, load_run
-from .writer import RecordWriter, write_manifest
+_LAZY = {
+    "RankData": "reader", "Run": "reader", "RunFollower": "reader", "StreamReader": "reader", "load_run": "reader",
+    "run_trace_files": "reader",
+    "RecordWriter": "writer", "RunDirTaken": "writer", "claim_run_dir": "writer", "write_manifest": "writer",
+}
 
-__all__ = ["RankData", "Run", "RunFollower", "StreamReader", "load_run", "RecordWriter", "write_manifest"]
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fsdp_doctor.store' has no attribute {name!r}")

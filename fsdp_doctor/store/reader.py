@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
+from . import layout
 from ..records import (
     FORMAT_VERSION,
-    MANIFEST_NAME,
     DoctorError,
     End,
     GpuTimes,
@@ -22,8 +21,6 @@ from ..records import (
     manifest_decoder,
     record_decoder,
 )
-
-_STREAM_RE = re.compile(r"^rank(\d+)\.records\.jsonl$")
 
 
 @dataclass
@@ -84,6 +81,17 @@ class Run:
     @property
     def has_records(self) -> bool:
         return any(rd.steps or rd.config for rd in self.ranks.values())
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (manifest, else the lowest rank's header); "" for runs recorded before run ids."""
+        if self.manifest is not None and self.manifest.run_id:
+            return self.manifest.run_id
+        for r in sorted(self.ranks):
+            h = self.ranks[r].header
+            if h is not None and h.run_id:
+                return h.run_id
+        return ""
 
 
 class StreamReader:
@@ -153,33 +161,54 @@ class RunFollower:
         self.path = Path(path)
         self.run = Run(path=self.path)
         self._streams: dict[int, StreamReader] = {}
+        self._foreign: set[int] = set()
         self._reported: set[str] = set()
 
     def poll(self) -> tuple[Run, int]:
-        """Reads new records; returns the run and how many records were new."""
+        """Reads new records; returns the run and how many records were new. Streams of another run (their
+        header's run id differs from the manifest's, or their rank is outside the manifest's world size) are
+        never mixed in: each is named once in ``run.problems`` and left unread."""
         run = self.run
-        mpath = self.path / MANIFEST_NAME
+        mpath = layout.manifest_path(self.path)
         if run.manifest is None and mpath.exists():
             try:
                 run.manifest = manifest_decoder.decode(mpath.read_bytes())
             except (msgspec.DecodeError, msgspec.ValidationError, OSError) as e:
-                self._problem(f"{mpath}: not a valid fsdp-doctor manifest ({_short(e)})")
+                self.note_problem(f"{mpath}: not a valid fsdp-doctor manifest ({_short(e)})")
         new = 0
-        if self.path.is_dir():
-            for p in sorted(self.path.iterdir()):
-                m = _STREAM_RE.match(p.name)
-                if m and int(m.group(1)) not in self._streams:
-                    self._streams[int(m.group(1))] = StreamReader(p)
+        for rank, p in layout.streams(self.path).items():
+            if rank not in self._streams:
+                self._streams[rank] = StreamReader(p)
         for rank, sr in sorted(self._streams.items()):
+            if rank in self._foreign:
+                continue
             rd = run.ranks.setdefault(rank, RankData(rank=rank))
             for rec in sr.poll():
                 rd.add(rec)
                 new += 1
             for pr in sr.problems:
-                self._problem(pr)
-        return run, new
+                self.note_problem(pr)
+            why = self._foreign_reason(rank, rd)
+            if why:
+                self._foreign.add(rank)
+                new -= len(rd.steps)
+                del run.ranks[rank]
+                self.note_problem(f"{sr.path.name}: {why}; skipped (a run directory holds one run)")
+        return run, max(new, 0)
 
-    def _problem(self, msg: str) -> None:
+    def _foreign_reason(self, rank: int, rd: RankData) -> str:
+        m = self.run.manifest
+        if m is None:
+            return ""
+        if rank >= m.world_size:
+            return f"rank {rank} is outside this run's {m.world_size} ranks ({layout.MANIFEST_NAME}): left from another run"
+        h = rd.header
+        if m.run_id and h is not None and h.run_id != m.run_id:
+            return f"records of another run (run id {h.run_id or 'none'}, {layout.MANIFEST_NAME} says {m.run_id})"
+        return ""
+
+    def note_problem(self, msg: str) -> None:
+        """Adds one line to ``run.problems``, once."""
         if msg not in self._reported:
             self._reported.add(msg)
             self.run.problems.append(msg)
@@ -202,7 +231,37 @@ def load_run(path: Path | str) -> Run:
                 f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
                 "cut off mid-write); every complete step before it is used"
             )
-    from ..trace import find_trace_files  # the trace engine owns what counts as a trace file
-
-    run.trace_files = find_trace_files(p)
+    run.trace_files = run_trace_files(run, run.problems)
     return run
+
+
+def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
+    """The Kineto traces that belong to ``run``: every trace file under its directory, except profiler
+    windows of another run (a trace in ``profiler/`` of a run with a run id that no accepted rank recorded
+    and that is older than the run, or of a rank outside it), each named once in ``problems``."""
+    from ..trace import find_trace_files
+
+    p = Path(run.path)
+    found = find_trace_files(p)
+    m = run.manifest
+    if m is None or not m.run_id or not run.ranks:
+        return found
+    pdir = layout.profiler_dir(p).resolve()
+    recorded = {(p / pw.path).resolve() for rd in run.ranks.values() for pw in rd.profiles}
+    out = []
+    for f in found:
+        rf = f.resolve()
+        if rf.parent != pdir or rf in recorded:
+            out.append(f)
+            continue
+        rank = layout.trace_rank(f)
+        try:
+            fresh = f.stat().st_mtime_ns >= m.started_ns
+        except OSError:
+            fresh = False
+        if rank in run.ranks and fresh:
+            out.append(f)  # written by this run, its record not (yet) there: a window being saved, or cut off
+        elif problems is not None:
+            problems.append(f"{layout.PROFILER_DIR}/{f.name}: a profiler window of another run (not recorded by "
+                            f"run {m.run_id}); skipped")
+    return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..records import MANIFEST_NAME, Manifest, Record, record_encoder, stream_name
+from . import layout
+from ..records import Manifest, Record, record_encoder
 
 
 class RecordWriter:
@@ -18,7 +19,7 @@ class RecordWriter:
 
     def __init__(self, out_dir: Path, rank: int, fresh: bool = True):
         """``fresh``: a run directory holds one run; watching into it again replaces this rank's stream."""
-        self.path = Path(out_dir) / stream_name(rank)
+        self.path = Path(out_dir) / layout.stream_name(rank)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if fresh else 0)
         self._fd = os.open(self.path, flags, 0o644)
         self.bytes_written = 0
@@ -39,8 +40,47 @@ class RecordWriter:
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
     """Writes ``manifest.json`` atomically (temp file then rename)."""
-    path = Path(out_dir) / MANIFEST_NAME
+    path = layout.manifest_path(out_dir)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_bytes(record_encoder.encode(manifest))
     os.replace(tmp, path)
     return path
+
+
+class RunDirTaken(Exception):
+    """The run directory already holds another run's records; ``str()`` is one line saying what to do."""
+
+
+def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, exchange=None) -> str:
+    """Makes ``out_dir`` this run's own before anything is written, and returns the run's id.
+
+    A run directory holds one run: one that already holds a run's records (a manifest or a record stream)
+    is refused with :class:`RunDirTaken`, or, with ``overwrite``, that run's files are removed (rank 0 the
+    shared ones, every rank its own stream; nothing else in the directory is touched). ``exchange`` (given
+    when there are several ranks) gathers one picklable value from every rank and returns the list of all of
+    them in rank order (``torch.distributed.all_gather_object``): the ranks agree on the verdict and on rank
+    0's run id before any of them writes."""
+    out = Path(out_dir)
+    verdict: dict = {"error": None, "run_id": None}
+    try:
+        if rank == 0:
+            taken = layout.has_run(out)
+        else:
+            taken = (out / layout.stream_name(rank)).exists()
+        if taken and not overwrite:
+            verdict["error"] = (f"{out} already holds a run's records; pass overwrite=True "
+                                "(fsdp-doctor demo --overwrite) to replace them, or choose a new out_dir")
+        elif taken:
+            if rank == 0:
+                layout.clear_run(out)
+            else:
+                (out / layout.stream_name(rank)).unlink(missing_ok=True)
+        if rank == 0:
+            verdict["run_id"] = layout.new_run_id()
+    except OSError as e:
+        verdict["error"] = f"cannot prepare {out} ({e.strerror or e})"
+    verdicts = exchange(verdict) if exchange is not None else [verdict]
+    for v in verdicts:
+        if v["error"]:
+            raise RunDirTaken(v["error"])
+    return verdicts[0]["run_id"] or layout.new_run_id()

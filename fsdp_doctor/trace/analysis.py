@@ -216,13 +216,17 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[dict
 # ---------------------------------------------------------------- loading
 
 
-def _load(path: str):
+def load_window(path: str):
+    """The window model of one trace file, or a TraceError (returned, not raised) saying in one line why not."""
     try:
         return build_window(path)
     except TraceError as e:
         return TraceError(str(e))
     except Exception as e:  # a reader must never take the CLI down with a traceback
         return TraceError(f"cannot analyze ({type(e).__name__}: {e})")
+
+
+_load = load_window
 
 
 def _worker(paths: list[str], conn) -> None:

@@ -12,15 +12,13 @@ same fields from both, so results do not depend on which decoded a file (tests/t
 from __future__ import annotations
 
 import gzip
-import re
 import zlib
 from pathlib import Path
 from typing import Optional, Union
 
 import msgspec
 
-# Not traces although they are JSON: the doctor's run manifest and reports.
-NON_TRACE_NAMES = {"manifest.json", "report.json"}
+from ..store.layout import NON_TRACE_NAMES, is_trace_name, trace_rank  # noqa: F401  (the run directory's layout)
 
 
 class TraceError(Exception):
@@ -104,14 +102,6 @@ class _TaggedKinetoTrace(msgspec.Struct):
 
 _DECODER = msgspec.json.Decoder(KinetoTrace)
 _FAST_DECODER = msgspec.json.Decoder(_TaggedKinetoTrace)
-_RANK_RE = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
-
-
-def is_trace_name(p: Path) -> bool:
-    name = p.name
-    if name in NON_TRACE_NAMES:
-        return False
-    return name.endswith(".json") or name.endswith(".json.gz")
 
 
 def find_trace_files(path) -> list[Path]:
@@ -129,8 +119,7 @@ def find_trace_files(path) -> list[Path]:
 
 
 def rank_from_name(path: Path) -> Optional[int]:
-    m = _RANK_RE.search(path.name)
-    return int(m.group(1)) if m else None
+    return trace_rank(path)
 
 
 def _gunzip(data: bytes) -> bytes:

@@ -173,7 +173,7 @@ class OffloadUnpinned(Rule):
         saved = (tot or 0) * (1 - 1 / PAGEABLE_SLOWDOWN)
         return [self.finding(
             "warning", f"{len(bad)} offloaded unit(s) use pageable host memory",
-            {"units": [u["name"] or "<root>" for u in bad], "copies_ms_per_step": None if tot is None else round(tot, 3),
+            {"units": [u["name"] or "(root)" for u in bad], "copies_ms_per_step": None if tot is None else round(tot, 3),
              "exposed_copies_ms_per_step": None if exposed is None else round(exposed, 3), "step_p50_ms": step},
             "With CPUOffloadPolicy(pin_memory=False) the host copies of parameters and gradients are pageable: "
             "each transfer is staged through a driver buffer, cannot overlap with compute and runs at a "

@@ -137,10 +137,15 @@ class ExposedAllGather(Rule):
         fwd_wait = {u["name"]: w for u, ph, w in rows if ph == "forward"}
         for prev, cur in zip(order, order[1:]):
             saved += min(fwd_wait.get(cur["name"], 0.0), E.compute_fwd_ms(prev)) * eff
+        # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
+        # all-gathers (measured host waits) at the cost of keeping them gathered until backward
+        z2 = [u for u in E.non_root(us) if u["reshard_after_forward"] not in (False, 0)] if bwd > 0 else []
+        saved_bwd, added = E.zero2_gain(z2) if z2 else (0.0, 0)
+        peak = E.peak_bytes(ctx)
         has_fwd_prefetch = any(u["forward_prefetch"] for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
-                + ", ".join(f"{u['name'] or '<root>'} {ph} {w:.1f} ms" for u, ph, w in rows[:4]) + ". ")
+                + ", ".join(f"{u['name'] or '(root)'} {ph} {w:.1f} ms" for u, ph, w in rows[:4]) + ". ")
         if has_fwd_prefetch:
             text += ("Explicit prefetch is already set; if the waits remain, the all-gathers are slower than the "
                      "compute they hide behind: larger units (fewer, bigger calls) or reshard_after_forward=False "
@@ -150,18 +155,29 @@ class ExposedAllGather(Rule):
                      "when the unit is reached. Prefetch the next unit explicitly so that its all-gather runs "
                      "during the current unit's compute; if the backward waits dominate and memory allows, "
                      "reshard_after_forward=False on those units removes them.")
+        gains = ([f"~{saved:.1f} ms per step from forward prefetch"] if saved > 0 else []) + (
+            [f"~{saved_bwd:.1f} ms per step from reshard_after_forward=False (+{E.mib(added)} MiB)"] if saved_bwd > 0 else [])
+        if gains:
+            text += " Expected: " + ", ".join(gains) + "."
+            if cpu and saved <= 0:
+                text += " On gloo, forward prefetch alone gains nothing measurable (its threads share the cores)."
+        elif cpu:
+            text += (" On gloo, prefetch gains nothing measurable (gloo's threads share the cores with compute): "
+                     "expect no step-time change from it alone.")
         if notes:
             text += " Note: " + "; ".join(notes) + "."
+        gain = saved + saved_bwd
         return [self.finding(
             sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
-             "worst_units": [f"{u['name'] or '<root>'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
+             "worst_units": [f"{u['name'] or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": round(sum(trace.values()), 3) if trace else None,
              "measured_by": source,
-             "prefetch_overlap_assumed_pct": round(100 * eff)},
+             "prefetch_overlap_assumed_pct": round(100 * eff), "expected_gain_ms": round(gain, 3)},
             text, _prefetch_code(ctx),
-            predicted=E.predicted(step, step - saved if saved > 0 else None),
+            # always a prediction, a zero gain included: "no change expected" is a prediction too
+            predicted=E.predicted(step, step - gain, peak, None if peak is None else peak + added),
             units=sorted({u["name"] for u, _, _ in rows[:6]}))]
 
 
@@ -256,7 +272,7 @@ class PrefetchTooEarly(Rule):
             {"peak_share_of_capacity_pct": round(100 * share, 1), "peak_bytes": peak,
              "capacity_bytes": E.capacity_bytes(ctx), "forward_prefetch_depth": depth,
              "backward_prefetch_depth": bdepth,
-             "held_units": [f"{u['name'] or '<root>'} ({ph}): {ms:.1f} ms, {E.mib(u['unsharded_bytes'])} MiB"
+             "held_units": [f"{u['name'] or '(root)'} ({ph}): {ms:.1f} ms, {E.mib(u['unsharded_bytes'])} MiB"
                             for u, ph, ms in rows[:6]]},
             "These all-gathers finish long before their unit computes, so their unsharded parameters occupy "
             "memory while earlier units still run, and memory is near capacity. Reduce the explicit prefetch "
@@ -328,7 +344,7 @@ class LastUnitResharded(Rule):
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
         extra = last["unsharded_bytes"] - last["sharded_bytes"]
-        name = last["name"] or "<root>"
+        name = last["name"] or "(root)"
         expr = E.unit_expr(last)
         if len(last["modules"]) > 1:
             code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"

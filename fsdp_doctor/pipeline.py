@@ -1,0 +1,166 @@
+"""The pipeline: the one place that turns a run (records and/or Kineto traces, a step window) into the report,
+message sizes and diagnosis included. The CLI (terminal, JSON, HTML), the dashboard and the TensorBoard export
+all call it, so every presenter shows the same figures.
+
+    from fsdp_doctor.pipeline import build_report
+    report = build_report(load_run("traces/run1"))
+
+Stages: records -> ``steps``, ``units``, ``throughput``, ``memory`` (``record_sections``); traces ->
+``overlap`` with bytes and bus bandwidth filled from the unit snapshot where the trace has no message sizes
+(``trace_section``); both -> ``comm``, the one exposed-communication figure (``comm_summary``); then the
+diagnosis. Does not import torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Iterable, Optional
+
+from . import __version__
+from .analyze.report import SCHEMA, fill_sizes_from_units, run_facts, unit_table
+from .analyze.steps import analyze_steps, usable_steps
+from .analyze.throughput import analyze_throughput
+from .store import Run
+
+StepWindow = Optional[tuple[int, int]]
+
+# What the headline exposed-communication figure means, shown next to it by every presenter.
+COMM_DEFINITION_TRACE = ("communication time during which no compute ran (union of collectives minus its overlap "
+                         "with compute), per profiled step, median over ranks")
+COMM_DEFINITION_RECORDS = ("time compute waited for all-gathers (the recorder's unshard waits, forward and "
+                           "backward), per step, median over ranks; reduce-scatters need a profiler trace")
+
+
+def window_run(run: Run, window: StepWindow) -> Run:
+    """The same run with only the steps inside ``window`` (inclusive), or ``run`` itself when None."""
+    if window is None:
+        return run
+    from .store.reader import RankData
+
+    lo, hi = window
+    sub = Run(path=run.path, manifest=run.manifest, trace_files=list(run.trace_files), problems=list(run.problems))
+    for r, rd in run.ranks.items():
+        sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=list(rd.profiles),
+                                errors=list(rd.errors), end=rd.end, gpu=dict(rd.gpu),
+                                steps=[s for s in rd.steps if lo <= s.step <= hi])
+    return sub
+
+
+def record_sections(run: Run, window: StepWindow = None, *, memory: bool = True) -> dict:
+    """The sections computed from the records: ``steps``, ``units``, ``throughput`` and ``memory`` (over the
+    steps inside ``window`` only when given). Empty when the run has no records."""
+    if not run.has_records:
+        return {}
+    sub = window_run(run, window)
+    out: dict = {"steps": analyze_steps(sub), "units": unit_table(sub)}
+    tp = analyze_throughput(sub)
+    if tp:
+        out["throughput"] = tp
+    if memory:
+        from .analyze.memory import analyze_memory
+
+        mem = analyze_memory(sub)
+        if mem:
+            out["memory"] = mem
+    return out
+
+
+def trace_section(run: Run, *, windows: Optional[Iterable] = None,
+                  progress: Optional[Callable[[int, int], None]] = None) -> Optional[dict]:
+    """The ``overlap`` section: from already decoded ``windows`` (the dashboard caches them) or by reading
+    ``run.trace_files``; bytes per call and bus bandwidth filled from the unit snapshot where the trace has
+    no message sizes. None when there is nothing to analyse."""
+    from .trace import analyze_traces, analyze_windows
+
+    if windows is not None:
+        windows = list(windows)
+        if not windows:
+            return None
+        ov = analyze_windows(windows)
+        ov["files"] = [w.file for w in windows]
+        ov["skipped"] = []
+    elif run.trace_files:
+        ov = analyze_traces(run.trace_files, progress=progress)
+    else:
+        return None
+    fill_sizes_from_units(ov, run)
+    return ov
+
+
+def comm_summary(report: dict, ag_waits: Optional[dict[str, float]] = None) -> Optional[dict]:
+    """The one exposed-communication figure of the report, with its definition and source: from the profiled
+    windows' traces when there are any, else from the recorder's all-gather waits (``ag_waits``: per rank, ms
+    per step, see ``recorded_ag_waits``)."""
+    per_rank = ((report.get("overlap") or {}).get("per_rank")) or {}
+    rows = {}
+    for r, pr in per_rank.items():
+        n = len(pr.get("steps") or [])
+        if n and pr.get("comm_us") is not None:
+            rows[str(r)] = {"exposed_ms_per_step": round(pr["exposed_us"] / 1e3 / n, 3),
+                            "comm_ms_per_step": round(pr["comm_us"] / 1e3 / n, 3),
+                            "overlap_pct": None if pr.get("overlap_pct") is None else round(pr["overlap_pct"], 1),
+                            "steps": sorted(pr["steps"])}
+    if rows:
+        steps = sorted({s for v in rows.values() for s in v["steps"]})
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
+        out = {"source": "trace", "source_text": f"profiler trace, {span}", "definition": COMM_DEFINITION_TRACE,
+               "per_rank": rows}
+        for k in ("exposed_ms_per_step", "comm_ms_per_step"):
+            out[k] = round(statistics.median(v[k] for v in rows.values()), 3)
+        pcts = [v["overlap_pct"] for v in rows.values() if v["overlap_pct"] is not None]
+        out["overlap_pct"] = round(statistics.median(pcts), 1) if pcts else None
+        return out
+    waits = ag_waits or {}
+    if waits:
+        return {"source": "records", "source_text": "recorded all-gather waits", "definition": COMM_DEFINITION_RECORDS,
+                "exposed_ms_per_step": round(statistics.median(waits.values()), 3), "comm_ms_per_step": None,
+                "overlap_pct": None, "per_rank": {r: {"exposed_ms_per_step": round(v, 3)} for r, v in waits.items()}}
+    return None
+
+
+def recorded_ag_waits(run: Run) -> dict[str, float]:
+    """Per rank, the median over steady steps of the all-gather waits the recorder measured (ms per step)."""
+    out = {}
+    for r, rd in sorted(run.ranks.items()):
+        per_step = [sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units) for s in usable_steps(rd.steps)]
+        if per_step:
+            out[str(r)] = statistics.median(per_step)
+    return out
+
+
+def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = None, traces: bool = True,
+                 windows: Optional[Iterable] = None, diagnosis: bool = True) -> dict:
+    """The report of ``run``: run facts, the record sections, the trace section (``traces=False`` skips it;
+    ``windows`` gives pre-decoded trace windows instead of reading ``run.trace_files``), the exposed
+    communication headline (``comm``), the findings and the problems met on the way."""
+    report: dict = {"schema": SCHEMA, "doctor_version": __version__, "run": run_facts(run)}
+    problems = list(run.problems)
+    report.update(record_sections(run))
+    if windows is not None or traces:
+        ov = trace_section(run, windows=windows, progress=progress)
+        if ov is not None:
+            report["overlap"] = ov
+            problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
+    comm = comm_summary(report, recorded_ag_waits(run))
+    if comm is not None:
+        report["comm"] = comm
+    from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
+
+    v = verdict(report, run)
+    if v is not None:
+        report["verdict"] = v
+    if diagnosis:
+        from .diagnose import diagnose
+
+        report["findings"] = diagnose(run, report)
+    else:
+        report["findings"] = []
+    report["problems"] = problems
+    return report
+
+
+def is_usable(run: Run, report: dict) -> bool:
+    """Whether anything could be analysed: records with steps or a configuration, or a trace window holding a
+    profiler step or communication (an empty ``traceEvents`` is not a run)."""
+    per_rank = (report.get("overlap") or {}).get("per_rank") or {}
+    return run.has_records or any(pr.get("steps") or pr.get("comm_us") for pr in per_rank.values())

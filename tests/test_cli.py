@@ -1,0 +1,144 @@
+"""The command line's edges: each bad input is one line on stderr and exit 2, never a traceback, never "healthy";
+help texts name every argument and the exit codes without importing torch; reruns never mix runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "traces" / "sample"
+PY = sys.executable
+
+
+def fd(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "fsdp_doctor.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=cwd or REPO)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("fsdp-doctor: "), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "Healthy" not in r.stdout
+    return err
+
+
+def test_empty_trace_is_not_healthy(tmp_path):
+    f = tmp_path / "empty.json"
+    f.write_text('{"traceEvents": []}')
+    r = fd("analyze", f)
+    err = one_line_error(r)
+    assert str(f) in err and "no profiler step and no communication" in err
+    assert r.stdout == ""  # no report, no "Healthy: no findings"
+
+
+def test_text_file_is_one_line_naming_it(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello\n")
+    r = fd("analyze", f)
+    err = one_line_error(r)
+    assert err.startswith(f"fsdp-doctor: {f}: invalid JSON") and r.stdout == ""
+
+
+def test_folder_of_foreign_files_is_one_line(tmp_path):
+    (tmp_path / "a.json").write_text('{"a": 1}')
+    (tmp_path / "b.json").write_text("[")
+    err = one_line_error(fd("analyze", tmp_path))
+    assert "nothing to analyse" in err and "(and 1 more)" in err
+
+
+@pytest.mark.parametrize("kind", ["json", "html"])
+def test_report_file_in_missing_directory_fails_before_any_work(tmp_path, kind):
+    target = tmp_path / "missing" / "dir" / f"r.{kind}"
+    r = fd("analyze", SAMPLE, f"--{kind}", target)
+    err = one_line_error(r)
+    assert err == f"fsdp-doctor: --{kind} {target}: directory {target.parent} does not exist"
+    assert r.stdout == "" and not target.parent.exists()
+
+
+def test_report_file_that_is_a_directory(tmp_path):
+    err = one_line_error(fd("analyze", SAMPLE, "--json", tmp_path))
+    assert "is a directory" in err
+
+
+def test_dashboard_port_in_use_is_checked_before_announcing():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = fd("dashboard", SAMPLE, "--port", port)
+    err = one_line_error(r)
+    assert f"127.0.0.1:{port}" in err and "choose another --port" in err
+    assert r.stdout == "" and "Dash is running" not in r.stderr
+
+
+def test_help_names_every_argument_and_the_exit_codes_without_torch():
+    code = ("import sys\nfrom fsdp_doctor.cli import main\n"
+            "for cmd in ('analyze', 'dashboard', 'tensorboard'):\n"
+            "    try:\n        main([cmd, '--help'])\n    except SystemExit:\n        pass\n"
+            "print('TORCH', 'torch' in sys.modules)")
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert "TORCH False" in r.stdout, r.stdout[-500:] + r.stderr
+    out = r.stdout
+    assert "run directory, directory of Kineto traces, or one trace file" in out
+    assert "address to bind" in out and "port to bind" in out
+    for line in ("0  everything read and analysed", "2  nothing usable", "3  analysed, but some files"):
+        assert line in out
+
+
+def test_tensorboard_export_does_not_import_torch(tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d, ignore=shutil.ignore_patterns("tb"))
+    code = ("import sys\nfrom fsdp_doctor.cli import main\nrc = main(['tensorboard', sys.argv[1], '--no-traces'])\n"
+            "print('RC', rc, 'TORCH', 'torch' in sys.modules)")
+    r = subprocess.run([PY, "-c", code, str(d)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert "RC 0 TORCH False" in r.stdout, r.stdout + r.stderr
+    assert sorted(p.name for p in (d / "tb").iterdir()) == ["rank0", "rank1"]
+
+
+def test_demo_refuses_a_directory_holding_a_run(tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d)
+    before = sorted(p.name for p in d.rglob("*"))
+    err = one_line_error(fd("demo", "--out", d, "--steps", "2"))
+    assert err == f"fsdp-doctor: {d} already holds a run's records; add --overwrite to replace them, or choose a new --out"
+    assert sorted(p.name for p in d.rglob("*")) == before  # nothing touched
+
+
+def test_clear_run_removes_only_the_runs_files(tmp_path):
+    from fsdp_doctor.store import layout
+
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d)
+    (d / "notes.md").write_text("mine")
+    assert layout.has_run(d)
+    layout.clear_run(d)
+    assert sorted(p.name for p in d.iterdir()) == ["notes.md"] and not layout.has_run(d)
+
+
+def test_demo_hints_are_commands_that_work_as_printed(monkeypatch, tmp_path):
+    from fsdp_doctor import cli
+
+    bindir = Path(PY).parent
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a fresh shell: the venv is not on PATH
+    got = cli._command("fsdp-doctor")
+    assert Path(got).is_file() and Path(got).resolve() == (bindir / "fsdp-doctor").resolve()
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    assert cli._command("fsdp-doctor") == "fsdp-doctor"
+
+
+def test_json_report_of_the_sample(tmp_path):
+    out = tmp_path / "r.json"
+    r = fd("analyze", SAMPLE, "--json", out)
+    assert r.returncode == 0 and f"JSON report written to {out}" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["comm"]["source"] == "trace" and rep["run"]["path"] == str(SAMPLE)

@@ -1,0 +1,210 @@
+"""One pipeline, one truth: the committed sample run rendered in the terminal, JSON, HTML and the dashboard shows
+the same figures; the run directory holds one run (readers never mix runs); the diagnosis always predicts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+from rich.console import Console
+
+from fsdp_doctor.pipeline import build_report
+from fsdp_doctor.present.fmt import comm_headline, fmt_bw, fmt_bytes, fmt_ms
+from fsdp_doctor.present.html import render_html
+from fsdp_doctor.present.terminal import render_report
+from fsdp_doctor.store import load_run
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+
+
+@pytest.fixture(scope="module")
+def cli_report():
+    return build_report(load_run(SAMPLE))
+
+
+@pytest.fixture(scope="module")
+def snap():
+    from dashboards.state import RunState
+
+    st = RunState(SAMPLE, background_traces=False)
+    st.refresh()
+    return st.snapshot()
+
+
+def _terminal(report: dict) -> str:
+    c = Console(width=100, record=True, color_system=None)
+    render_report(report, c)
+    return c.export_text()
+
+
+def _walk_text(component) -> str:
+    return json.dumps(component.to_plotly_json() if hasattr(component, "to_plotly_json") else component,
+                      default=lambda o: o.to_plotly_json() if hasattr(o, "to_plotly_json") else str(o))
+
+
+def test_dashboard_report_is_the_cli_report(cli_report, snap):
+    """The dashboard's state goes through the same pipeline: every figure of the report is equal (sizes from
+    the unit snapshot included: all 34 per-unit rows of the sample carry bytes and bus bandwidth)."""
+    dash = snap.report
+    for key in ("steps", "units", "throughput", "memory", "comm", "findings"):
+        assert dash[key] == cli_report[key], key
+    rows, cli_rows = dash["overlap"]["per_unit"], cli_report["overlap"]["per_unit"]
+    assert len(rows) == 34
+    assert sum(r.get("bytes_per_call") is not None for r in rows) == 34
+    assert sum(r.get("busbw_gbps") is not None for r in rows) == 34
+    key = lambda r: (r["rank"], r["unit"], r["collective"], str(r["phase"]))  # noqa: E731
+    assert sorted(rows, key=key) == sorted(cli_rows, key=key)
+    assert dash["overlap"]["per_rank"] == cli_report["overlap"]["per_rank"]
+
+
+def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_path):
+    from fsdp_doctor.cli import main
+    from dashboards.pages import PAGES
+    from dashboards.pages.common import Filters
+
+    out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
+    assert main(["analyze", str(SAMPLE), "--json", str(out_json), "--html", str(out_html)]) == 0
+    js = json.loads(out_json.read_text())
+    html = out_html.read_text()
+    term = _terminal(cli_report)
+    dash = "".join(_walk_text(c) for name in ("overview", "memory", "communication", "units")
+                   for c in PAGES[name][1].layout(snap, Filters()))
+
+    p50 = js["steps"]["job"]["p50_ms"]
+    peak = max(m["peak_bytes"] for m in js["memory"]["per_rank"].values())
+    assert p50 == cli_report["steps"]["job"]["p50_ms"] == snap.report["steps"]["job"]["p50_ms"]
+    assert fmt_ms(p50) in html and fmt_ms(p50) in dash
+    assert fmt_bytes(peak) in term and fmt_bytes(peak) in html and fmt_bytes(peak) in dash
+    # the one exposed-communication figure, with its source, in the terminal and the HTML report
+    comm = js["comm"]
+    assert comm["source"] == "trace" and comm == snap.report["comm"]
+    head = comm_headline(comm)
+    assert fmt_ms(comm["exposed_ms_per_step"]) in head and "source: profiler trace, step 6" in head
+    assert " ".join(head.split()) in " ".join(term.split())  # the terminal wraps it at 100 columns
+    assert head in html.replace("&#x27;", "'")
+    # per-unit message size and bus bandwidth: same numbers, same formatter (binary bytes, decimal bandwidth)
+    top = js["overlap"]["per_unit"][0]
+    assert fmt_bytes(top["bytes_per_call"]) == "774.50 KiB" and fmt_bw(top["busbw_gbps"]) == "29.8 MB/s"
+    line = next(ln for ln in term.splitlines() if top["unit"] in ln and "RS bwd" in ln)
+    assert "774.50 KiB" in line and "29.8 MB/s" in line
+    assert "<td>774.50 KiB</td><td>29.8 MB/s</td>" in html
+    assert "774.50 KiB" in dash
+    assert "793.1 kB" not in term + html + dash  # one convention: no decimal byte units left
+    # finding codes and the prediction
+    codes = [f["code"] for f in js["findings"]]
+    assert codes == [f["code"] for f in snap.report["findings"]] == ["prefetch.exposed_allgather"]
+    for c in codes:
+        assert c in term and c in html and c in dash
+    pred = js["findings"][0]["predicted"]
+    arrow = f"{fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}"
+    assert arrow in term and arrow in html
+
+
+def test_prefetch_finding_always_predicts(cli_report):
+    f = next(f for f in cli_report["findings"] if f["code"] == "prefetch.exposed_allgather")
+    p = f["predicted"]
+    assert p["step_ms_after"] is not None and p["step_ms_after"] < p["step_ms_before"]
+    assert f["evidence"]["expected_gain_ms"] == pytest.approx(p["step_ms_before"] - p["step_ms_after"], abs=2e-3)
+    assert p["peak_bytes_after"] > p["peak_bytes_before"]  # reshard_after_forward=False keeps units gathered
+
+
+def test_no_warning_is_not_called_healthy(cli_report):
+    term = _terminal(cli_report)
+    assert "Healthy" not in term and "No warnings; 1 note below" in term
+
+
+def test_profiler_export_step_is_marked(cli_report, snap):
+    ps = cli_report["steps"]["profiler_steps"]
+    assert ps == {"0": {"window": [6, 7], "export": [8]}, "1": {"window": [6, 7], "export": [8]}}
+    cols = snap.steps[0]
+    i = cols["step"].index(8)
+    assert cols["profiler_export"][i] is True and cols["outside_ms"][i] > 500  # the 625 ms "outside" is the export
+    assert sum(cols["profiler_export"]) == 1
+    # the one steady-state rule, as a column: as many steady steps as the statistics counted
+    assert sum(cols["steady"]) == cli_report["steps"]["per_rank"]["0"]["count"] and not cols["steady"][i]
+
+
+# ------------------------------------------------------------------------------------------- one run per directory
+def _with_run_ids(dst: Path, ids: dict[int, str], manifest_id: str, world_size: int | None = None) -> None:
+    """Stamps run ids into a copy of the sample (written before run ids existed): header of each rank, manifest."""
+    m = json.loads((dst / "manifest.json").read_text())
+    m["run_id"] = manifest_id
+    if world_size is not None:
+        m["world_size"] = world_size
+    (dst / "manifest.json").write_text(json.dumps(m))
+    for r, rid in ids.items():
+        p = dst / f"rank{r}.records.jsonl"
+        lines = p.read_bytes().splitlines(keepends=True)
+        head = json.loads(lines[0])
+        assert head["t"] == "header"
+        head["run_id"] = rid
+        lines[0] = json.dumps(head).encode() + b"\n"
+        p.write_bytes(b"".join(lines))
+
+
+def test_readers_accept_files_without_run_id():
+    run = load_run(SAMPLE)
+    assert run.run_id == "" and sorted(run.ranks) == [0, 1] and not run.problems
+    assert len(run.trace_files) == 2
+
+
+def test_reader_refuses_to_mix_runs(tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d)
+    # a stale rank 2 of an earlier 3-rank run, and rank 1 of another run
+    shutil.copy(d / "rank1.records.jsonl", d / "rank2.records.jsonl")
+    shutil.copy(d / "profiler" / "rank1.6.pt.trace.json.gz", d / "profiler" / "rank2.6.pt.trace.json.gz")
+    _with_run_ids(d, {0: "aaaaaaaaaaaa", 1: "bbbbbbbbbbbb", 2: "aaaaaaaaaaaa"}, "aaaaaaaaaaaa")
+    run = load_run(d)
+    assert sorted(run.ranks) == [0] and run.run_id == "aaaaaaaaaaaa"
+    probs = "\n".join(run.problems)
+    assert "rank1.records.jsonl: records of another run (run id bbbbbbbbbbbb, manifest.json says aaaaaaaaaaaa)" in probs
+    assert "rank2.records.jsonl: rank 2 is outside this run's 2 ranks" in probs
+    # rank 1's and rank 2's profiler windows are not this run's: only rank 0's trace is analysed
+    assert [p.name for p in run.trace_files] == ["rank0.6.pt.trace.json.gz"]
+    assert "profiler/rank2.6.pt.trace.json.gz: a profiler window of another run" in probs
+    rep = build_report(run)
+    assert rep["run"]["ranks"] == [0] and sorted(rep["overlap"]["per_rank"]) == ["0"]
+    assert {r["rank"] for r in rep["overlap"]["per_unit"]} == {0}
+
+
+def test_cli_names_the_mixed_run_and_exits_3(tmp_path, capsys):
+    from fsdp_doctor.cli import main
+
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d)
+    _with_run_ids(d, {0: "aaaaaaaaaaaa", 1: "cccccccccccc"}, "aaaaaaaaaaaa")
+    assert main(["analyze", str(d)]) == 3
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())
+    assert "1 trace files" in flat and "rank1.records.jsonl: records of another run" in flat
+    steps_rows = re.findall(r"^\s+(\d+)\s+\d+\s+[\d.]+\s+[\d.]+", out.split("Step time per rank")[1].split("Throughput")[0], re.M)
+    assert steps_rows == ["0"]  # rank 1 of the other run is in no table
+
+
+def test_manifest_and_header_carry_the_run_id():
+    from fsdp_doctor.records import Header, Manifest, record_decoder, record_encoder
+
+    h = record_decoder.decode(record_encoder.encode(Header(rank=0, run_id="0123456789ab")))
+    assert h.run_id == "0123456789ab"
+    assert msgspec.json.decode(b'{"format":"fsdp-doctor-run","version":1}', type=Manifest).run_id == ""
+
+
+def test_exposed_comm_without_traces_comes_from_the_records_and_says_so():
+    import statistics
+
+    run = load_run(SAMPLE)
+    rep = build_report(run, traces=False)
+    comm = rep["comm"]
+    assert comm["source"] == "records" and "all-gather waits" in comm["source_text"]
+    per_rank = {}
+    for r, rd in run.ranks.items():
+        waits = [sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units) for s in rd.steps if s.step > 0 and not s.profiled]
+        per_rank[str(r)] = statistics.median(waits)
+    assert comm["exposed_ms_per_step"] == pytest.approx(statistics.median(per_rank.values()), abs=1e-3)
+    assert comm["comm_ms_per_step"] is None and "reduce-scatters need a profiler trace" in comm["definition"]
+    assert "source: recorded all-gather waits" in comm_headline(comm)
