@@ -61,7 +61,7 @@ class _Server:
     def __init__(self, path: Path):
         from werkzeug.serving import make_server
 
-        from dashboards.app import create_app
+        from fsdp_doctor.dashboards.app import create_app
 
         self.app = create_app(path)
         self.port = _free_port()

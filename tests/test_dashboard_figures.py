@@ -10,10 +10,10 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from dashboards import figures as F
-from dashboards.pages import PAGES
-from dashboards.pages.common import ALL, ROOT, Filters, fmt_value
-from dashboards.state import RunState, steps_columns
+from fsdp_doctor.dashboards import figures as F
+from fsdp_doctor.dashboards.pages import PAGES
+from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
+from fsdp_doctor.dashboards.state import RunState, steps_columns
 from fsdp_doctor.store import load_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -326,7 +326,7 @@ def test_findings_are_cards_with_evidence_and_a_copyable_fix(snap):
 
 @pytest.fixture
 def client():
-    from dashboards.app import create_app
+    from fsdp_doctor.dashboards.app import create_app
 
     app = create_app(SAMPLE)
     return app, app.server.test_client()
@@ -362,7 +362,7 @@ def test_app_serves_layout_and_callbacks_but_no_run_files(client):
 def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
     from dash import Dash
 
-    from dashboards.app import serve
+    from fsdp_doctor.dashboards.app import serve
 
     assert serve(tmp_path / "missing") == 2
     assert "no such run directory" in capsys.readouterr().err
@@ -386,7 +386,7 @@ def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_dashboard_command_uses_serve(monkeypatch, tmp_path, capsys):
-    import dashboards.app as appmod
+    import fsdp_doctor.dashboards.app as appmod
     from fsdp_doctor.cli import main
 
     seen = {}
@@ -412,3 +412,20 @@ def test_step_window_recomputes_sections_with_the_same_analyses(snap):
     from fsdp_doctor.present.fmt import fmt_ms
 
     assert fmt_ms(got["steps"]["job"]["p50_ms"]) in json.dumps(kp.to_plotly_json(), default=str)
+
+
+def test_every_package_is_installed_and_dashboard_under_fsdp_doctor():
+    """pyproject lists packages explicitly (the dashboard folder maps to fsdp_doctor.dashboards): every package
+    folder must be listed, and no top-level ``dashboards`` is installed."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    import fsdp_doctor.dashboards as dash_pkg
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    on_disk = {".".join(p.parent.relative_to(root).parts) for p in (root / "fsdp_doctor").rglob("__init__.py")}
+    on_disk |= {"fsdp_doctor." + ".".join(p.parent.relative_to(root).parts) for p in (root / "dashboards").rglob("__init__.py")}
+    assert on_disk == listed
+    assert cfg["package-dir"] == {"fsdp_doctor.dashboards": "dashboards"}
+    assert Path(dash_pkg.__file__).parent == root / "dashboards"
