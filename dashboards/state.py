@@ -37,14 +37,15 @@ class Snapshot:
     has_records: bool
     traces_pending: int = 0
     updated: float = field(default_factory=time.time)
-    window_fn: Optional[Callable[[tuple[int, int]], dict]] = field(default=None, repr=False, compare=False)
+    window_fn: Optional[Callable[..., dict]] = field(default=None, repr=False, compare=False)
 
-    def sections(self, window: Optional[tuple[int, int]]) -> dict:
-        """The report's ``steps``, ``units`` and ``throughput`` sections recomputed by the same analyses over
-        the steps inside ``window`` only (the whole report when ``window`` is None)."""
-        if window is None or self.window_fn is None:
-            return {k: self.report.get(k) for k in ("steps", "units", "throughput")}
-        return self.window_fn(window)
+    def sections(self, window: Optional[tuple[int, int]], rank: Optional[int] = None) -> dict:
+        """The report's ``steps``, ``units``, ``throughput`` and ``memory`` sections recomputed by the same
+        analyses over the steps inside ``window`` only and, with ``rank``, that rank only (the whole report when
+        both are None)."""
+        if (window is None and rank is None) or self.window_fn is None:
+            return {k: self.report.get(k) for k in ("steps", "units", "throughput", "memory")}
+        return self.window_fn(window, rank)
 
 
 STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled")
@@ -135,10 +136,11 @@ class RunState:
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
-                                  window_fn=lambda w, _f=frozen, _v=self._version: self._window_sections(_f, _v, w))
+                                  window_fn=lambda w, r=None, _f=frozen, _v=self._version: self._window_sections(_f, _v, w, r))
 
-    def _window_sections(self, frozen: dict, version: int, window: tuple[int, int]) -> dict:
-        key = (version, tuple(window))
+    def _window_sections(self, frozen: dict, version: int, window: Optional[tuple[int, int]],
+                         rank: Optional[int] = None) -> dict:
+        key = (version, None if window is None else tuple(window), rank)
         hit = self._window_cache.get(key)
         if hit is not None:
             return hit
@@ -147,15 +149,20 @@ class RunState:
         from fsdp_doctor.analyze.throughput import analyze_throughput
         from fsdp_doctor.store.reader import RankData, Run
 
-        lo, hi = window
+        from fsdp_doctor.analyze.memory import analyze_memory
+
+        lo, hi = window if window is not None else (-1, 1 << 62)
         sub = Run(path=self.path, manifest=self._follower.run.manifest)
         for r, (rd, steps) in frozen.items():
+            if rank is not None and r != rank:
+                continue
             sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=list(rd.profiles),
                                     errors=list(rd.errors), end=rd.end, steps=[s for s in steps if lo <= s.step <= hi])
         out = {"steps": analyze_steps(sub), "units": unit_table(sub)}
         tp = analyze_throughput(sub)
         if tp:
             out["throughput"] = tp
+        out["memory"] = analyze_memory(sub)
         if len(self._window_cache) > 32:
             self._window_cache.clear()
         self._window_cache[key] = out

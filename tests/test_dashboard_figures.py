@@ -288,7 +288,7 @@ def test_memory_page_with_the_documented_section(snap):
     assert {"fig-mem-timeline", "fig-mem-breakdown", "tbl-mem-units", "kpi-mem-peak"} <= ids
     page = PAGES["memory"][1].layout(s2, Filters(rank=0, unit="layers.0"))
     table = next(c for c in _walk(page) if getattr(c, "id", None) == "tbl-mem-units")
-    assert [r["unit"] for r in table.data] == ["layers.0"]
+    assert [r["unit"] for r in table.rowData] == ["layers.0"]
     assert "kpi-peak" in _ids(PAGES["overview"][1].layout(s2, Filters()))
 
 
@@ -340,16 +340,22 @@ def test_app_serves_layout_and_callbacks_but_no_run_files(client):
     deps = c.get("/_dash-dependencies").get_json()
     page_cb = next(d for d in deps if d["output"] == "page.children")
     body = {"output": "page.children", "outputs": {"id": "page", "property": "children"},
-            "inputs": [{"id": "tabs", "property": "value", "value": "steps"},
-                       {"id": "version", "property": "data", "value": 1},
-                       {"id": "flt-rank", "property": "value", "value": ALL},
-                       {"id": "flt-steps", "property": "value", "value": [0, 29]},
-                       {"id": "flt-unit", "property": "value", "value": ALL}],
-            "changedPropIds": ["tabs.value"], "state": []}
+            "inputs": [{"id": "url", "property": "pathname", "value": "/steps"},
+                       {"id": "url", "property": "search", "value": "?rank=1&steps=5-9"},
+                       {"id": "version", "property": "data", "value": 1}],
+            "changedPropIds": ["url.pathname"], "state": []}
     r = c.post("/_dash-update-component", json=body)
     assert r.status_code == 200, r.data[:500]
-    assert "fig-step-time" in r.get_data(as_text=True)
+    page = r.get_data(as_text=True)
+    assert "fig-step-time" in page and "rank 1" in page and "rank 0" not in page  # the URL's filters applied
     assert page_cb
+    # every page has its own URL (an unknown path is the overview)
+    for path, marker in (("/memory", "fig-mem-timeline"), ("/communication", "comm"), ("/units", "tbl-units"),
+                         ("/nonsense", "kpi-p50"), ("/", "kpi-p50")):
+        body["inputs"][0]["value"] = path
+        body["inputs"][1]["value"] = ""
+        r = c.post("/_dash-update-component", json=body)
+        assert r.status_code == 200 and marker in r.get_data(as_text=True), path
     # nothing of the run directory is served: Dash answers unknown paths with its index page
     records = (SAMPLE / "rank0.records.jsonl").read_text()[:60]
     for p in ("/rank0.records.jsonl", "/manifest.json", "/assets/../rank0.records.jsonl", "/profiler/rank0.6.pt.trace.json.gz",

@@ -10,6 +10,10 @@ from .common import Filters, graph, grid, kpi, note, section, table
 from dash import html
 
 
+def at_step(m: dict):
+    return (m.get("peak_at") or {}).get("step")
+
+
 def _pick_rank(per_rank: dict, flt: Filters):
     if flt.rank is not None:
         return str(flt.rank) if str(flt.rank) in per_rank else None
@@ -22,6 +26,11 @@ def layout(snap, flt: Filters) -> list:
     mem = snap.report.get("memory")
     if not snap.has_records:
         return [note(f"No fsdp-doctor records in {snap.path} yet.", "warning", nid="empty-note")]
+    if mem and mem.get("per_rank") and flt.window is not None:  # the same analysis over the selected steps
+        mem = snap.sections(flt.window).get("memory")
+        if not mem or not mem.get("per_rank"):
+            return [note(f"No memory samples in steps {flt.window[0]}–{flt.window[1]}: widen the step window "
+                         "(the memory probe leaves out step 0 when later steps exist).", "warning", nid="memory-absent")]
     if not mem or not mem.get("per_rank"):
         return [note("This report has no memory section: the run was recorded without the memory probe "
                      "(watch(memory=False), or an fsdp-doctor without memory tracking), or its memory analysis "
@@ -34,7 +43,12 @@ def layout(snap, flt: Filters) -> list:
     m = per_rank[key]
     rank = int(key)
     cap = m.get("capacity_bytes") or (snap.report.get("run") or {}).get("capacity_bytes")
-    picked = "" if flt.rank is not None else f" (rank {rank}: the highest peak of {len(per_rank)} ranks)"
+    tl_step = m.get("timeline_step")
+    where = f"steps {flt.window[0]}–{flt.window[1]}" if flt.window is not None else "the run"
+    why = (f"step {tl_step}, the peak step of {where}" if tl_step == at_step(m) else
+           f"step {tl_step}, the nearest step with a measured timeline to the peak step {at_step(m)} of {where}")
+    picked = f"rank {rank}" + ("" if flt.rank is not None else f", the highest peak of {len(per_rank)} ranks")
+    picked = f" — {why} ({picked})" if tl_step is not None else f" ({picked})"
     at = m.get("peak_at") or {}
     tiles = html.Div([
         kpi("Peak", fmt_bytes(m.get("peak_bytes")), f"step {at.get('step', '?')}, unit {F.unit_label(at.get('unit'))}, {at.get('phase', '?')}",
@@ -46,7 +60,7 @@ def layout(snap, flt: Filters) -> list:
             f"headroom {fmt_bytes(cap - m['peak_bytes'])}" if cap and m.get("peak_bytes") is not None else ""),
     ], className="kpis")
     out = [tiles,
-           section("Memory over the step" + picked,
+           section("Memory over one step" + picked,
                    graph(F.memory_timeline_figure(m, flt.window, cap, rank, categories=mem.get("categories")),
                          "fig-mem-timeline"), sid="sec-mem-timeline")]
     pu = [u for u in m.get("per_unit") or [] if flt.unit is None or u.get("unit") == flt.unit]
