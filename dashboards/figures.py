@@ -323,7 +323,7 @@ def memory_breakdown_figure(mem_rank: Optional[dict], rank: Optional[int] = None
         title += f": {fmt_bytes(mem_rank['peak_bytes'])}"
     fig.update_xaxes(title_text=f"MiB at the peak: {where}" if where else "MiB")
     fig.update_yaxes(automargin=True)
-    return _layout(fig, title, height, showlegend=False)
+    return _layout(fig, title, height, showlegend=False).update_layout(margin_r=84)  # room for the bar labels
 
 
 # ---------------------------------------------------------------- communication

@@ -165,6 +165,9 @@ def fmt_value(key: str, v: Any) -> str:
     return _fmt_value(key, v)
 
 
+MAX_COL_PX = 360  # a column's text wraps beyond this width
+
+
 def table(tid: str, rows: list[dict], columns: list[tuple[str, str]], left: tuple[str, ...] = (), page_size: int = 25,
           sort_keys: Optional[dict[str, str]] = None, row_id: Optional[str] = None, **grid_kw) -> Any:
     """An AG Grid table of display strings (formatted by fsdp_doctor.present.fmt). ``sort_keys`` maps a column
@@ -173,8 +176,12 @@ def table(tid: str, rows: list[dict], columns: list[tuple[str, str]], left: tupl
     sort_keys = sort_keys or {}
     defs = []
     for c, name in columns:
+        longest = max([len(str(r.get(c, ""))) + str(r.get(c, "")).count("\u2003") for r in rows] + [len(name) + 2])
+        px = 26 + round(7.2 * longest)
         d = {"field": c, "headerName": name, "type": "leftAligned" if c in left else "rightAligned",
-             "wrapText": c in left, "autoHeight": c in left}
+             "minWidth": min(MAX_COL_PX, px)}  # fits its text; a wider table scrolls
+        if px > MAX_COL_PX:
+            d.update(wrapText=True, autoHeight=True)
         if c in sort_keys:
             d["valueGetter"] = {"function": f"params.data[{sort_keys[c]!r}]"}
             d["valueFormatter"] = {"function": f"params.data[{c!r}]"}

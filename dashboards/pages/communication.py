@@ -82,7 +82,8 @@ def layout(snap, flt: Filters) -> list:
         kpi("Communication", fmt_ms(comm / 1e3), who, kid="kpi-comm-total"),
         kpi("Overlapped", f"{100 * ovl / comm:.0f}%" if comm else "—", f"{fmt_ms(ovl / 1e3)} under compute", kid="kpi-comm-overlap"),
         kpi("Exposed", fmt_ms((comm - ovl) / 1e3), "compute waited", kid="kpi-comm-exposed"),
-        kpi("Host blocked in all-gather", fmt_ms(blk / 1e3), "gloo: host sat in the collective") if blk else
+        kpi("Host blocked in all-gather", fmt_ms(blk / 1e3), "gloo: host sat in the collective" +
+            ("" if flt.unit is None else " (all units: not split per unit)")) if blk else
         kpi("Exposed copies", fmt_ms(cp / 1e3), "H2D / D2H not under compute"),
     ], className="kpis")
     wins, inside = pick_windows(snap.windows, flt)

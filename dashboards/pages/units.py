@@ -10,9 +10,9 @@ from .. import figures as F
 from .common import Filters, graph, note, section, table, unit_value
 
 COLUMNS = [("unit", "unit"), ("params", "params"), ("shard", "shard / rank"), ("gathered", "gathered"),
-           ("dtype", "param dtype"), ("reshard", "reshard after fwd"), ("prefetch", "explicit prefetch"),
-           ("async", "async unshard"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd"), ("agf", "AG wait fwd"),
-           ("bwd", "bwd"), ("agb", "AG wait bwd"), ("rec", "recompute")]
+           ("dtype", "dtype"), ("reshard", "reshard"), ("prefetch", "prefetch"),
+           ("async", "async"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd"), ("agf", "AG wait"),
+           ("bwd", "bwd"), ("agb", "AG wait"), ("rec", "recomp.")]
 
 
 def unit_rows(units: list[dict]) -> list[dict]:
@@ -29,7 +29,7 @@ def unit_rows(units: list[dict]) -> list[dict]:
             "params": f"{u['param_count'] / 1e6:.2f} M", "shard": fmt_bytes(u["sharded_bytes"]),
             "gathered": fmt_bytes(u["unsharded_bytes"]),
             "dtype": u.get("param_dtype") or "/".join(u.get("orig_dtypes") or []) or "—",
-            "reshard": str(u.get("reshard_after_forward", True)).lower(), "prefetch": "; ".join(pf) or "default",
+            "reshard": "after fwd" if u.get("reshard_after_forward", True) else "no", "prefetch": "; ".join(pf) or "default",
             "async": "yes" if u.get("unshard_async_op") else "no", "offload": u.get("offload") or "—",
             "ac": u.get("checkpoint", "none"), "fwd": fmt_ms(tm.get("fwd_ms")), "agf": fmt_ms(tm.get("ag_wait_fwd_ms")),
             "bwd": fmt_ms(tm.get("bwd_ms")), "agb": fmt_ms(tm.get("ag_wait_bwd_ms")), "rec": fmt_ms(tm.get("recompute_ms")),
@@ -43,13 +43,20 @@ def layout(snap, flt: Filters) -> list:
         return [note("No FSDP unit configuration recorded yet (it is written at the first step).", "warning",
                      nid="empty-note")]
     shown = [u for u in units if flt.unit is None or u["name"] == flt.unit]
+    rows = unit_rows(shown)
     return [
         section(f"FSDP units ({len(shown)} of {len(units)})" + ("" if flt.unit is None else
                                                               " — clear the unit filter (× in the Unit box) to see all"),
-                table("tbl-units", unit_rows(shown), COLUMNS, left=("unit", "prefetch"), page_size=50, row_id="rid"),
+                table("tbl-units", rows, columns(rows), left=("unit", "prefetch"), page_size=50, row_id="rid"),
                 note("Click a unit's name to filter every page by it.", "info"), sid="sec-units"),
         section("", graph(F.unit_timing_figure(units, flt.unit, who=_who(flt)), "fig-unit-timing")),
     ]
+
+
+def columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """COLUMNS less offload and recompute when no unit has any (CPU runs, no checkpointing): the table fits."""
+    empty = {c for c, blank in (("offload", ("—",)), ("rec", ("0 µs", "—"))) if all(r[c] in blank for r in rows)}
+    return [c for c in COLUMNS if c[0] not in empty]
 
 
 def _who(flt: Filters) -> str:
