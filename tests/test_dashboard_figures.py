@@ -435,3 +435,111 @@ def test_every_package_is_installed_and_dashboard_under_fsdp_doctor():
     assert on_disk == listed
     assert cfg["package-dir"] == {"fsdp_doctor.dashboards": "dashboards"}
     assert Path(dash_pkg.__file__).parent == root / "dashboards"
+
+
+# ---------------------------------------------------------------- issue 13: filters, URLs, honest figures
+
+def test_profiler_steps_are_drawn_apart_from_stalls(steps):
+    cols = steps[0]
+    prof = [s for s, p in zip(cols["step"], cols["profiled"]) if p]
+    assert 8 in prof  # the sample's step 8 exports the profiler window (625 ms outside the model)
+    ph = F.phase_split_figure(steps, 0)
+    names = [t.name for t in ph.data]
+    assert names == ["forward", "backward", "optimizer", "outside", F.PROFILER_OUTSIDE]
+    outside = dict(zip(ph.data[3].x, ph.data[3].y))
+    assert all(outside[s] is None for s in prof)  # not drawn as time outside the model (a loader stall) ...
+    tool = dict(zip(ph.data[4].x, ph.data[4].y))
+    assert sorted(tool) == prof and tool[8] == cols["outside_ms"][cols["step"].index(8)] > 600  # ... but as the tool's
+    assert ph.data[4].marker.pattern.shape == "/"
+    st = F.step_time_figure(steps)
+    bands = [(s.x0, s.x1) for s in st.layout.shapes]
+    assert any(a < 8 < b for a, b in bands) and not any(a < 12 < b for a, b in bands)
+    assert F._runs([1, 5, 6, 7, 8]) == [(1, 1), (5, 8)]
+    # the outlier analysis does not count the profiler step as a stall
+    from fsdp_doctor.analyze.steps import find_outliers
+
+    assert all(o["step"] not in prof for o in find_outliers(load_run(SAMPLE)))
+    # one step window without profiled steps: no hatched trace
+    assert [t.name for t in F.phase_split_figure(steps, 0, window=(10, 20)).data] == ["forward", "backward", "optimizer", "outside"]
+
+
+def test_query_string_round_trip_and_bad_input():
+    from fsdp_doctor.dashboards.pages.common import Query
+
+    q = Query.parse("?rank=1&steps=5-20&unit=tok_emb,+pos_emb")
+    assert q == Query(rank=1, lo=5, hi=20, unit="tok_emb, pos_emb")
+    assert Query.parse(q.search()) == q
+    assert Query.parse("?unit=(root)").unit == "" and Query(unit="").search() == "?unit=(root)"
+    assert Query.parse("?steps=7-").filters(0, 29) == Filters(window=(7, 29))
+    assert Query.parse("?steps=0-").filters(0, 29) == Filters()  # every step: no window
+    assert Query.parse("?steps=20-5").slider(0, 29) == [5, 20]
+    assert Query.parse("?steps=40-50").slider(0, 29) == [29, 29]
+    for bad in ("?rank=x&steps=a-b", "?rank=-3", "?steps=", "", None, "?unit=__all__"):
+        assert Query.parse(bad) == Query()
+    # from the controls: a window reaching the newest step stays open-ended (a live run keeps following)
+    assert Query.from_controls("1", [3, 29], "layers.0", 0, 29).search() == "?rank=1&steps=3-&unit=layers.0"
+    assert Query.from_controls(ALL, [0, 29], ALL, 0, 29).search() == ""
+    assert Query.from_controls(ALL, [0, 12], ROOT, 0, 29).search() == "?steps=-12&unit=(root)"
+    from fsdp_doctor.dashboards.pages import page_key
+
+    assert [page_key(p) for p in ("/", "/memory", "/units/", "/nope", "")] == ["overview", "memory", "units", "overview",
+                                                                                "overview"]
+
+
+def test_unit_timing_title_names_the_selection(snap):
+    units = snap.sections(None, 1)["units"]
+    assert "rank 1" in F.unit_timing_figure(units, who="rank 1").layout.title.text
+    # rank 1's own medians, not all ranks'
+    all_r = {u["name"]: u["timing_p50"]["fwd_ms"] for u in snap.report["units"] if u.get("timing_p50")}
+    r1 = {u["name"]: u["timing_p50"]["fwd_ms"] for u in units if u.get("timing_p50")}
+    assert r1.keys() == all_r.keys() and r1 != all_r
+    page = PAGES["units"][1].layout(snap, Filters(rank=1, window=(3, 12)))
+    fig = next(c for c in _walk(page) if getattr(c, "id", None) == "fig-unit-timing").figure
+    assert "rank 1, steps 3–12" in fig.layout.title.text
+
+
+def test_memory_and_communication_pages_follow_the_window(snap):
+    page = PAGES["memory"][1].layout(snap, Filters(window=(10, 20)))
+    txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
+    per_rank = snap.sections((10, 20))["memory"]["per_rank"]
+    assert all(10 <= m["peak_at"]["step"] <= 20 for m in per_rank.values())
+    assert "mem-step-note" in txt and "steps 10–20" in txt
+    from fsdp_doctor.dashboards.pages.communication import pick_windows, shown_steps_note
+
+    wins, inside = pick_windows(snap.windows, Filters(window=(10, 20)))
+    assert wins and not inside
+    assert "outside the selected steps 10–20" in shown_steps_note(wins, inside, Filters(window=(10, 20)))
+    wins, inside = pick_windows(snap.windows, Filters(window=(5, 7)))
+    assert inside and "inside steps 5–7" in shown_steps_note(wins, inside, Filters(window=(5, 7)))
+
+
+def test_overview_headline_and_one_exposed_figure(snap):
+    from fsdp_doctor.dashboards.pages.overview import exposed_comm, headline
+
+    info = {"severity": "info", "title": "All-gathers stall compute"}
+    warn = {"severity": "warning", "title": "GC pauses"}
+    assert headline([]).children.startswith("No findings")
+    assert headline([info]).children == "No warnings; 1 note: All-gathers stall compute"
+    assert headline([warn, info, info]).children == "1 warning, 2 notes. First: GC pauses"
+    v, src, definition = exposed_comm(snap.report, None)
+    assert v is not None and src and definition
+    if "comm" in snap.report:  # the pipeline's one figure, where the report has it
+        assert v == snap.report["comm"]["exposed_ms_per_step"]
+    else:
+        waits = [u["timing_p50"]["ag_wait_fwd_ms"] + u["timing_p50"]["ag_wait_bwd_ms"] for u in snap.report["units"]
+                 if u.get("timing_p50")]
+        assert v == pytest.approx(sum(waits)) and "records" in src
+    page = PAGES["overview"][1].layout(snap, Filters())
+    txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
+    assert "kpi-exposed" in txt and "per window" not in txt and "Healthy" not in txt
+
+
+def test_units_table_hides_empty_columns_and_selects_by_row_id(snap):
+    from fsdp_doctor.dashboards.pages.units import columns, unit_rows
+
+    rows = unit_rows(snap.report["units"])
+    cols = [c for c, _ in columns(rows)]
+    assert "offload" not in cols and "rec" not in cols  # CPU run, no checkpointing
+    assert rows[0]["rid"] == ROOT and rows[0]["unit"] == "(root)"
+    rows[1]["offload"] = "cpu"
+    assert "offload" in [c for c, _ in columns(rows)]
