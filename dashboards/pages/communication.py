@@ -65,7 +65,9 @@ def layout(snap, flt: Filters) -> list:
     keys = [str(flt.rank)] if flt.rank is not None else sorted(per_rank, key=int)
     sel = [per_rank[k] for k in keys if k in per_rank]
     per_unit = ov.get("per_unit") or []
-    who = f"{len(sel)} rank(s), profiled windows"
+    prof = sorted({s for p in sel for s in p.get("steps") or []})
+    who = (f"sum over {len(sel)} ranks" if len(sel) > 1 else f"rank {keys[0]}" if sel else "no rank") + \
+        (f", profiled step{'s' * (len(prof) > 1)} {', '.join(map(str, prof))}" if prof else ", profiled windows")
     if flt.unit is None:
         comm = sum(p["comm_us"] for p in sel)
         ovl = sum(p["overlap_us"] for p in sel)
