@@ -26,16 +26,18 @@ POLL_MS = 1000  # new steps appear within two seconds
 
 
 def _rank_options(snap) -> list[dict]:
-    ranks = sorted(snap.steps)
+    ranks = sorted(snap.steps) or sorted({w.rank for w in snap.windows})  # plain Kineto traces: their ranks
     return [{"label": "all ranks", "value": ALL}] + [{"label": f"rank {r}", "value": str(r)} for r in ranks]
 
 
 def _unit_options(snap) -> list[dict]:
     from .figures import unit_label
 
-    units = snap.report.get("units") or []
-    return [{"label": "all units", "value": ALL}] + [{"label": unit_label(u["name"]), "value": unit_value(u["name"])}
-                                                      for u in units]
+    names = [u["name"] for u in snap.report.get("units") or []]
+    if not names:  # plain Kineto traces: the units their collectives were attributed to
+        names = list(dict.fromkeys(r["unit"] for r in (snap.report.get("overlap") or {}).get("per_unit") or []
+                                   if r.get("unit") is not None))
+    return [{"label": "all units", "value": ALL}] + [{"label": unit_label(n), "value": unit_value(n)} for n in names]
 
 
 def _step_bounds(snap) -> tuple[int, int]:
@@ -57,6 +59,8 @@ def _marks(lo: int, hi: int) -> dict:
 def _status(snap) -> str:
     run = snap.report.get("run") or {}
     if not snap.has_records:
+        if snap.windows:
+            return f"{len(snap.windows)} profiler trace(s), no fsdp-doctor records"
         return f"waiting for records in {snap.path} …"
     done = run.get("complete") or {}
     n = max((run.get("steps_recorded") or {}).values(), default=0)

@@ -473,4 +473,9 @@ def test_plain_kineto_folder_overview_shows_the_traces(browser, serve, tmp_path)
     kpi_text = _text(driver, "kpi-exposed")
     assert "ms / step" in kpi_text and "trace" in kpi_text
     assert "%" in _text(driver, "kpi-overlap")
+    assert "profiler trace" in _text(driver, "status")
+    # the filters offer the traces' ranks and units
+    driver.find_element(By.ID, "flt-unit").click()
+    opts = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]"), what="unit options")
+    assert "layers.1" in [o.text.strip() for o in opts]
     assert not _severe(driver)

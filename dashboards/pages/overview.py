@@ -3,6 +3,8 @@ headline numbers."""
 
 from __future__ import annotations
 
+import statistics
+
 from dash import dcc, html
 
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
@@ -66,7 +68,8 @@ def exposed_comm(report: dict, rank: str | None) -> tuple:
             per = {r: v for r, v in per.items() if r == rank}
         if not per:
             return None, "", ""
-        return (sorted(per.values())[len(per) // 2], "profiler trace: exposed communication, per profiled step",
+        return (statistics.median(per.values()),
+                "profiler trace: exposed communication per profiled step" + (", median over ranks" if len(per) > 1 else ""),
                 "communication time during which no compute ran, per profiled step")
     return (sum(waits), "records: all-gather waits, median per unit summed",
             "time compute waited for all-gathers (the recorder's unshard waits, forward and backward), per step")
@@ -148,7 +151,7 @@ def run_facts(run: dict) -> html.Table:
         ("finished", ", ".join(f"r{k}: {'yes' if v else 'no'}" for k, v in (run.get("complete") or {}).items())),
         ("trace files", run.get("trace_files")),
     ]
-    return html.Table([html.Tr([html.Th(k), html.Td(str(v))]) for k, v in facts if v not in (None, "")],
+    return html.Table([html.Tr([html.Th(k), html.Td(str(v))]) for k, v in facts if v not in (None, "", 0)],
                       className="facts")
 
 
@@ -176,7 +179,8 @@ def layout(snap, flt: Filters) -> list:
                 if (flt.rank is None or not f.get("ranks") or flt.rank in f["ranks"])
                 and (flt.unit is None or not f.get("units") or flt.unit in f["units"])]
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
-    out.insert(0, headline(findings))
+    if findings:  # without any, the findings panel says so
+        out.insert(0, headline(findings))
     counts = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "none"
     if findings:
