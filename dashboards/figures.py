@@ -375,15 +375,22 @@ def comm_timeline_figure(windows: list[dict], unit: Optional[str] = None, height
         for k in kinds:
             lane = f"rank {r} {k}"
             lanes.append(lane)
-            cs = [c for c in w["calls"] if c["collective"] == k]
-            colors = [COLLECTIVE_COLORS.get(k, "#444") if unit is None or c["unit"] == unit else "#D8D8D8" for c in cs]
-            fig.add_trace(go.Bar(
-                y=[lane] * len(cs), x=[c["end_ms"] - c["start_ms"] for c in cs], base=[c["start_ms"] for c in cs],
-                orientation="h", name=k, legendgroup=k, showlegend=not any(t.name == k for t in fig.data),
-                marker={"color": colors, "line": {"width": 0.5, "color": "#333"}},
-                customdata=[[unit_label(c["unit"]), c["phase"] or "", c["end_ms"] - c["start_ms"]] for c in cs],
-                hovertemplate=k + " %{customdata[0]} (%{customdata[1]})<br>%{base:.2f} ms, lasts %{customdata[2]:.2f} ms<extra></extra>",
-            ))
+            calls = [c for c in w["calls"] if c["collective"] == k]
+            # with a unit selected, its calls in colour and every other unit's in grey, each under its own legend entry
+            for name, color, cs in ((k if unit is None else f"{k} ({unit_label(unit)})", COLLECTIVE_COLORS.get(k, "#444"),
+                                     [c for c in calls if unit is None or c["unit"] == unit]),
+                                    (f"{k} (other units)", "#D8D8D8",
+                                     [c for c in calls if unit is not None and c["unit"] != unit])):
+                if not cs:
+                    continue
+                fig.add_trace(go.Bar(
+                    y=[lane] * len(cs), x=[c["end_ms"] - c["start_ms"] for c in cs], base=[c["start_ms"] for c in cs],
+                    orientation="h", name=name, legendgroup=name, showlegend=not any(t.name == name for t in fig.data),
+                    marker={"color": color, "line": {"width": 0.5, "color": "#333"}},
+                    customdata=[[unit_label(c["unit"]), c["phase"] or "", c["end_ms"] - c["start_ms"]] for c in cs],
+                    hovertemplate=k + " %{customdata[0]} (%{customdata[1]})<br>%{base:.2f} ms, lasts %{customdata[2]:.2f} ms"
+                                      "<extra></extra>",
+                ))
     steps = sorted({s for w in windows for s in w["steps"]})
     fig.update_layout(barmode="overlay", bargap=0.25)
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], automargin=True)

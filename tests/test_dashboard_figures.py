@@ -152,8 +152,12 @@ def test_comm_timeline_from_a_real_trace(snap):
     assert sum(len(t.x) for t in fig.data if t.name != "compute") == n_calls
     # a selected unit greys the others out
     hi = F.comm_timeline_figure(data, unit="layers.1")
-    colors = [c for t in hi.data if t.name == "all_gather" for c in t.marker.color]
-    assert "#D8D8D8" in colors and F.COLLECTIVE_COLORS["all_gather"] in colors
+    mine = [t for t in hi.data if t.name == "all_gather (layers.1)"]
+    others = [t for t in hi.data if t.name == "all_gather (other units)"]
+    assert mine and others and mine[0].marker.color == F.COLLECTIVE_COLORS["all_gather"]
+    assert others[0].marker.color == "#D8D8D8"  # the legend shows both, each in its own colour
+    assert all(c[0] == "layers.1" for t in mine for c in t.customdata)
+    assert sum(len(t.x) for t in hi.data if t.name != "compute") == n_calls
     # merging keeps the figure light on long windows
     merged = F.window_timeline_data(snap.windows[0], max_intervals=50)
     assert len(merged["compute"][0]) <= 60
