@@ -508,6 +508,12 @@ def test_memory_and_communication_pages_follow_the_window(snap):
     per_rank = snap.sections((10, 20))["memory"]["per_rank"]
     assert all(10 <= m["peak_at"]["step"] <= 20 for m in per_rank.values())
     assert "mem-step-note" in txt and "steps 10–20" in txt
+    # a window holding a measured step draws that step, not the run's peak step 1
+    page = PAGES["memory"][1].layout(snap, Filters(window=(2, 5)))
+    txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
+    assert "Showing step 2, the peak step of steps 2–5" in txt
+    fig = next(c for c in _walk(page) if getattr(c, "id", None) == "fig-mem-timeline").figure
+    assert "step 2 " in fig.layout.title.text
     from fsdp_doctor.dashboards.pages.communication import pick_windows, shown_steps_note
 
     wins, inside = pick_windows(snap.windows, Filters(window=(10, 20)))
