@@ -82,20 +82,23 @@ def _overlap_pct(report: dict, rank: str | None):
     return 100 * sum(o["overlap_us"] for o in rows) / comm if comm else None
 
 
+def _count(n: int, severity: str) -> str:
+    """``1 warning``, ``2 notes``, ``1 critical``: info findings are notes."""
+    word = {"info": "note"}.get(severity, severity)
+    return f"{n} {word}" + ("s" if n != 1 and word != "critical" else "")
+
+
 def headline(findings: list[dict]) -> html.Div:
     """One honest line: how many warnings (critical first) or, without any, how many notes and the first one."""
     n = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
-    bad = n["critical"] + n["warning"]
+    first = findings[0].get("title", "") if findings else ""
     if not findings:
         text, kind = "No findings: nothing the rules flag.", "ok"
-    elif bad:
-        parts = [f"{n['critical']} critical" if n["critical"] else "", f"{n['warning']} warning" + ("s" * (n["warning"] != 1))
-                 if n["warning"] else "", f"{n['info']} note" + ("s" * (n["info"] != 1)) if n["info"] else ""]
-        text, kind = ", ".join(p for p in parts if p) + ". First: " + findings[0].get("title", ""), \
-            "error" if n["critical"] else "warning"
+    elif n["critical"] + n["warning"]:
+        text = ", ".join(_count(k, s) for s, k in n.items() if k) + ". First: " + first
+        kind = "error" if n["critical"] else "warning"
     else:
-        text = f"No warnings; {n['info']} note" + ("s" * (n["info"] != 1)) + ": " + findings[0].get("title", "")
-        kind = "info"
+        text, kind = f"No warnings; {_count(n['info'], 'info')}: {first}", "info"
     return note(text, kind, nid="headline")
 
 
@@ -182,7 +185,7 @@ def layout(snap, flt: Filters) -> list:
     if findings:  # without any, the findings panel says so
         out.insert(0, headline(findings))
     counts = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "none"
+    summary = ", ".join(_count(n, s) for s, n in counts.items() if n) or "none"
     if findings:
         cards = [finding_card(i, f) for i, f in enumerate(findings)]
     else:
