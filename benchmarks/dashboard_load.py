@@ -97,10 +97,10 @@ def _fields(s) -> dict:
 
 
 def server_side(run: Path, repeat: int = 3) -> dict:
-    from dashboards.app import create_app
-    from dashboards.pages import PAGES
-    from dashboards.pages.common import Filters
-    from dashboards.state import RunState
+    from fsdp_doctor.dashboards.app import create_app
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.state import RunState
 
     out: dict[str, list[float]] = {"refresh_ms": [], "layout_ms": [], "overview_ms": [], "total_ms": []}
     for _ in range(repeat):
@@ -146,7 +146,7 @@ def browser(run: Path) -> dict | None:
     from selenium.webdriver.support.ui import WebDriverWait
     from werkzeug.serving import make_server
 
-    from dashboards.app import create_app
+    from fsdp_doctor.dashboards.app import create_app
 
     app = create_app(run)
     port = _free_port()

@@ -1,8 +1,10 @@
 """The Dash app: ``fsdp-doctor dashboard PATH [--host 127.0.0.1] [--port 8050]``.
 
-One server-side :class:`~dashboards.state.RunState` follows the run directory; a ``dcc.Interval`` polls it
-every second and bumps a version number when something new was read, and only then are the filters and the
-current page re-rendered. The app serves its own assets and Dash's bundled scripts, never a file of the run
+One server-side :class:`~fsdp_doctor.dashboards.state.RunState` follows the run directory; a ``dcc.Interval``
+polls it every second and bumps a version number when something new was read, and only then are the filters
+and the current page re-rendered. Each page has its own URL (``/overview``, ``/memory``, ...) and the filters
+live in its query string (``?rank=1&steps=5-20&unit=layers.0``): a link opens the same view, and the back
+button undoes a page change or a filter change. The app serves its own assets and Dash's bundled scripts, never a file of the run
 directory, and runs without debug mode.
 """
 
@@ -12,26 +14,30 @@ import sys
 import time
 from pathlib import Path
 
-from dash import Dash, Input, Output, State, dcc, html, no_update
+from typing import Optional
 
-from .pages import PAGES
-from .pages.common import ALL, Filters, unit_value
+from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
+
+from .pages import PAGES, page_key
+from .pages.common import ALL, Query, unit_value
 from .state import RunState
 
 POLL_MS = 1000  # new steps appear within two seconds
 
 
 def _rank_options(snap) -> list[dict]:
-    ranks = sorted(snap.steps)
+    ranks = sorted(snap.steps) or sorted({w.rank for w in snap.windows})  # plain Kineto traces: their ranks
     return [{"label": "all ranks", "value": ALL}] + [{"label": f"rank {r}", "value": str(r)} for r in ranks]
 
 
 def _unit_options(snap) -> list[dict]:
     from .figures import unit_label
 
-    units = snap.report.get("units") or []
-    return [{"label": "all units", "value": ALL}] + [{"label": unit_label(u["name"]), "value": unit_value(u["name"])}
-                                                      for u in units]
+    names = [u["name"] for u in snap.report.get("units") or []]
+    if not names:  # plain Kineto traces: the units their collectives were attributed to
+        names = list(dict.fromkeys(r["unit"] for r in (snap.report.get("overlap") or {}).get("per_unit") or []
+                                   if r.get("unit") is not None))
+    return [{"label": "all units", "value": ALL}] + [{"label": unit_label(n), "value": unit_value(n)} for n in names]
 
 
 def _step_bounds(snap) -> tuple[int, int]:
@@ -53,11 +59,21 @@ def _marks(lo: int, hi: int) -> dict:
 def _status(snap) -> str:
     run = snap.report.get("run") or {}
     if not snap.has_records:
+        if snap.windows:
+            return f"{len(snap.windows)} profiler trace(s), no fsdp-doctor records"
         return f"waiting for records in {snap.path} …"
     done = run.get("complete") or {}
     n = max((run.get("steps_recorded") or {}).values(), default=0)
     state = "finished" if done and all(done.values()) else "live"
     return f"{state} · {n} steps × {len(run.get('ranks', []))} ranks · updated {time.strftime('%H:%M:%S')}"
+
+
+def _nav(app: Dash, pathname: Optional[str], search: Optional[str]) -> list:
+    """The page links: each keeps the current filters (the query string); the current page is marked."""
+    cur = page_key(app.strip_relative_path(pathname or "/"))
+    return [dcc.Link(label, href=app.get_relative_path(f"/{key}") + (search or ""), id=f"tab-{key}",
+                     className="tab tab--selected" if key == cur else "tab")
+            for key, (label, _) in PAGES.items()]
 
 
 def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int = POLL_MS) -> Dash:
@@ -72,6 +88,7 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
         snap = state.snapshot()
         lo, hi = _step_bounds(snap)
         return html.Div([
+            dcc.Location(id="url", refresh=False),
             html.Header([
                 html.Div([html.Span("fsdp-doctor", className="brand"), html.Span(str(path), className="run-path")]),
                 html.Span(_status(snap), id="status", className="status"),
@@ -80,17 +97,23 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
                 html.Div([html.Label("Rank", htmlFor="flt-rank"),
                           dcc.Dropdown(id="flt-rank", options=_rank_options(snap), value=ALL, clearable=False,
                                        searchable=False)], className="flt flt-rank"),
-                html.Div([html.Label("Steps"),
-                          dcc.RangeSlider(id="flt-steps", min=lo, max=hi, step=1, value=[lo, hi], marks=_marks(lo, hi),
-                                          allowCross=False, tooltip={"placement": "bottom", "always_visible": False})],
-                         className="flt flt-steps"),
+                html.Div([html.Label("Steps", htmlFor="flt-lo"),
+                          html.Div([
+                              dcc.Input(id="flt-lo", type="number", value=lo, debounce=True, min=0, step=1,
+                                        className="step-box", placeholder="first"),
+                              html.Div(dcc.RangeSlider(id="flt-steps", min=lo, max=hi, step=1, value=[lo, hi],
+                                                       marks=_marks(lo, hi), allowCross=False, allow_direct_input=False,
+                                                       tooltip={"placement": "bottom", "always_visible": False}),
+                                       className="step-slider"),
+                              dcc.Input(id="flt-hi", type="number", value=hi, debounce=True, min=0, step=1,
+                                        className="step-box", placeholder="last"),
+                          ], className="step-row")], className="flt flt-steps"),
                 html.Div([html.Label("Unit", htmlFor="flt-unit"),
-                          dcc.Dropdown(id="flt-unit", options=_unit_options(snap), value=ALL, clearable=False)],
+                          dcc.Dropdown(id="flt-unit", options=_unit_options(snap), value=ALL, clearable=True,
+                                       placeholder="all units", maxHeight=420, optionHeight=32)],
                          className="flt flt-unit"),
             ], className="filters"),
-            dcc.Tabs(id="tabs", value="overview", className="tabs",
-                     children=[dcc.Tab(label=label, value=key, id=f"tab-{key}", className="tab",
-                                       selected_className="tab--selected") for key, (label, _) in PAGES.items()]),
+            html.Nav(_nav(app, "/", ""), id="nav", className="tabs"),
             html.Main(id="page", className="page"),
             dcc.Interval(id="tick", interval=poll_ms),
             dcc.Store(id="version", data=snap.version),
@@ -108,9 +131,9 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
         return snap.version, _status(snap)
 
     @app.callback(Output("flt-rank", "options"), Output("flt-unit", "options"), Output("flt-steps", "min"),
-                  Output("flt-steps", "max"), Output("flt-steps", "value"), Output("flt-steps", "marks"),
-                  Input("version", "data"), State("flt-steps", "value"), State("flt-steps", "max"),
-                  prevent_initial_call=True)
+                  Output("flt-steps", "max"), Output("flt-steps", "value", allow_duplicate=True),
+                  Output("flt-steps", "marks"), Input("version", "data"), State("flt-steps", "value"),
+                  State("flt-steps", "max"), prevent_initial_call=True)
     def _filters(_version, value, old_max):
         snap = state.snapshot()
         lo, hi = _step_bounds(snap)
@@ -120,15 +143,49 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
             value = [max(lo, value[0]), hi]
         return _rank_options(snap), _unit_options(snap), lo, hi, value, _marks(lo, hi)
 
-    @app.callback(Output("page", "children"), Input("tabs", "value"), Input("version", "data"),
-                  Input("flt-rank", "value"), Input("flt-steps", "value"), Input("flt-unit", "value"))
-    def _page(tab, _version, rank, steps, unit):
+    @app.callback(Output("url", "search"), Output("flt-rank", "value"), Output("flt-steps", "value"),
+                  Output("flt-lo", "value"), Output("flt-hi", "value"), Output("flt-unit", "value"),
+                  Input("url", "search"), Input("flt-rank", "value"), Input("flt-steps", "value"),
+                  Input("flt-lo", "value"), Input("flt-hi", "value"), Input("flt-unit", "value"),
+                  State("flt-steps", "min"), State("flt-steps", "max"))
+    def _sync(search, rank, steps, lo_box, hi_box, unit, lo, hi):
+        """The URL's query string is the filters' state: a change of a control writes it (a history entry, so
+        the back button works), a change of the URL (a link, back/forward) sets the controls."""
+        lo = 0 if lo is None else lo
+        hi = lo if hi is None else hi
+        trig = ctx.triggered_id
+        if trig in (None, "url"):
+            q = Query.parse(search)
+            w = q.slider(lo, hi)
+            return no_update, q.rank_value(), w, w[0], w[1], q.unit_value()
+        if trig in ("flt-lo", "flt-hi"):
+            cur = list(steps or [lo, hi])
+            a, b = (lo_box, cur[1]) if trig == "flt-lo" else (cur[0], hi_box)
+            if a is None or b is None:  # an empty or invalid box: keep the window
+                return no_update, no_update, no_update, cur[0], cur[1], no_update
+            a, b = sorted((min(max(int(a), lo), hi), min(max(int(b), lo), hi)))
+            steps = [a, b]
+        q = Query.from_controls(rank, steps, unit, lo, hi)
+        new = q.search()
+        out_search = no_update if new == (search or "") else new
+        s = list(steps or [lo, hi])
+        if trig in ("flt-lo", "flt-hi"):
+            return out_search, no_update, s, s[0], s[1], no_update
+        if trig == "flt-steps":
+            return out_search, no_update, no_update, s[0], s[1], no_update
+        return out_search, no_update, no_update, no_update, no_update, no_update
+
+    @app.callback(Output("nav", "children"), Input("url", "pathname"), Input("url", "search"))
+    def _links(pathname, search):
+        return _nav(app, pathname, search)
+
+    @app.callback(Output("page", "children"), Input("url", "pathname"), Input("url", "search"),
+                  Input("version", "data"))
+    def _page(pathname, search, _version):
         snap = state.snapshot()
-        flt = Filters.from_controls(rank, steps, unit)
         lo, hi = _step_bounds(snap)
-        if flt.window is not None and flt.window[0] <= lo and flt.window[1] >= hi:
-            flt = Filters(rank=flt.rank, window=None, unit=flt.unit)  # everything selected: no window
-        _, mod = PAGES.get(tab, PAGES["overview"])
+        flt = Query.parse(search).filters(lo, hi)
+        _, mod = PAGES[page_key(app.strip_relative_path(pathname or "/"))]
         try:
             return mod.layout(snap, flt)
         except Exception as e:  # noqa: BLE001  (a presenter bug must not blank the whole app)

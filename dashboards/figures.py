@@ -12,6 +12,8 @@ from typing import Iterable, Optional, Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from fsdp_doctor.present.fmt import fmt_bytes
+
 # ---------------------------------------------------------------- palette and shared layout
 
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
@@ -27,6 +29,7 @@ MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sh
 RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D",
                "#FF9DA6", "#BAB0AC")
 MIB = float(1 << 20)
+PROFILER_OUTSIDE = "outside: profiler window (tool)"
 
 
 # plotly_white's layout only: the full template carries per-trace-type defaults whose copy costs ~0.3 s per
@@ -115,13 +118,29 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) ->
         ))
     if not fig.data:
         return empty_figure("No steps recorded in this selection yet.", "Step time per rank", height)
+    for a, b in _runs(sorted({cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+                              for i in _rows(cols, window) if cols["profiled"][i]})):
+        fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="wall time (ms)", rangemode="tozero")
-    return _layout(fig, "Step time per rank (hollow: profiled steps)", height)
+    return _layout(fig, "Step time per rank (grey band, hollow: profiled steps; their time is the tool's)", height)
+
+
+def _runs(xs: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted integers: [1, 5, 6, 7] -> [(1, 1), (5, 7)]."""
+    out: list[tuple[int, int]] = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return out
 
 
 def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -> go.Figure:
-    """Per step of one rank, the wall time split into forward / backward / optimizer / outside (stacked)."""
+    """Per step of one rank, the wall time split into forward / backward / optimizer / outside (stacked). Time
+    outside the model in a profiled step (the profiler starting, stopping and writing its trace) is the tool's,
+    not a data-loader stall: it is drawn apart, hatched, under its own legend entry."""
     cols = steps.get(rank) or steps.get(str(rank))
     if not cols:
         return empty_figure("No steps recorded for this rank yet.", "Step phases", height)
@@ -129,10 +148,20 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
     if not idx:
         return empty_figure("No steps in the selected window.", "Step phases", height)
     x = [cols["step"][i] for i in idx]
+    prof = [bool(cols["profiled"][i]) for i in idx]
     fig = go.Figure()
     for ph in ("forward", "backward", "optimizer", "outside"):
-        fig.add_trace(go.Bar(x=x, y=[cols[f"{ph}_ms"][i] for i in idx], name=ph, marker_color=PHASE_COLORS[ph],
+        y = [cols[f"{ph}_ms"][i] for i in idx]
+        if ph == "outside":
+            y = [None if p else v for v, p in zip(y, prof)]
+        fig.add_trace(go.Bar(x=x, y=y, name=ph, marker_color=PHASE_COLORS[ph],
                              hovertemplate=f"step %{{x}}<br>{ph} %{{y:.2f}} ms<extra></extra>"))
+    if any(prof):
+        fig.add_trace(go.Bar(
+            x=[s for s, p in zip(x, prof) if p], y=[cols["outside_ms"][i] for i, p in zip(idx, prof) if p],
+            name=PROFILER_OUTSIDE, marker={"color": "#D9D9D9", "pattern": {"shape": "/", "fgcolor": "#7F7F7F"}},
+            hovertemplate="step %{x} (profiled)<br>outside %{y:.2f} ms: the profiler (start, stop, trace export), "
+                          "not a stall<extra></extra>"))
     fig.update_layout(barmode="stack", bargap=0.1)
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="ms")
@@ -255,7 +284,7 @@ def memory_timeline_figure(mem_rank: Optional[dict], window=None, capacity_bytes
     cap = capacity_bytes if capacity_bytes is not None else mem_rank.get("capacity_bytes")
     if cap:
         fig.add_hline(y=cap / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},
-                      annotation_text=f"capacity {cap / MIB:,.0f} MiB", annotation_position="top left")
+                      annotation_text=f"capacity {fmt_bytes(cap)}", annotation_position="top left")
     if use_t:
         fig.update_xaxes(title_text="ms into the step")
     else:
@@ -287,14 +316,14 @@ def memory_breakdown_figure(mem_rank: Optional[dict], rank: Optional[int] = None
     cats = [c for c in _ordered_categories(bd) if isinstance(bd.get(c), (int, float))][::-1]
     fig = go.Figure(go.Bar(
         x=[bd[c] / MIB for c in cats], y=cats, orientation="h", marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
-        text=[f"{bd[c] / MIB:,.1f} MiB" if bd[c] else "" for c in cats], textposition="outside", cliponaxis=False,
+        text=[fmt_bytes(bd[c]) if bd[c] else "" for c in cats], textposition="outside", cliponaxis=False,
         hovertemplate="%{y}: %{x:.1f} MiB<extra></extra>",
     ))
     if mem_rank.get("peak_bytes") is not None:
-        title += f": {mem_rank['peak_bytes'] / MIB:,.1f} MiB"
+        title += f": {fmt_bytes(mem_rank['peak_bytes'])}"
     fig.update_xaxes(title_text=f"MiB at the peak: {where}" if where else "MiB")
     fig.update_yaxes(automargin=True)
-    return _layout(fig, title, height, showlegend=False)
+    return _layout(fig, title, height, showlegend=False).update_layout(margin_r=84)  # room for the bar labels
 
 
 # ---------------------------------------------------------------- communication
@@ -346,15 +375,22 @@ def comm_timeline_figure(windows: list[dict], unit: Optional[str] = None, height
         for k in kinds:
             lane = f"rank {r} {k}"
             lanes.append(lane)
-            cs = [c for c in w["calls"] if c["collective"] == k]
-            colors = [COLLECTIVE_COLORS.get(k, "#444") if unit is None or c["unit"] == unit else "#D8D8D8" for c in cs]
-            fig.add_trace(go.Bar(
-                y=[lane] * len(cs), x=[c["end_ms"] - c["start_ms"] for c in cs], base=[c["start_ms"] for c in cs],
-                orientation="h", name=k, legendgroup=k, showlegend=not any(t.name == k for t in fig.data),
-                marker={"color": colors, "line": {"width": 0.5, "color": "#333"}},
-                customdata=[[unit_label(c["unit"]), c["phase"] or "", c["end_ms"] - c["start_ms"]] for c in cs],
-                hovertemplate=k + " %{customdata[0]} (%{customdata[1]})<br>%{base:.2f} ms, lasts %{customdata[2]:.2f} ms<extra></extra>",
-            ))
+            calls = [c for c in w["calls"] if c["collective"] == k]
+            # with a unit selected, its calls in colour and every other unit's in grey, each under its own legend entry
+            for name, color, cs in ((k if unit is None else f"{k} ({unit_label(unit)})", COLLECTIVE_COLORS.get(k, "#444"),
+                                     [c for c in calls if unit is None or c["unit"] == unit]),
+                                    (f"{k} (other units)", "#D8D8D8",
+                                     [c for c in calls if unit is not None and c["unit"] != unit])):
+                if not cs:
+                    continue
+                fig.add_trace(go.Bar(
+                    y=[lane] * len(cs), x=[c["end_ms"] - c["start_ms"] for c in cs], base=[c["start_ms"] for c in cs],
+                    orientation="h", name=name, legendgroup=name, showlegend=not any(t.name == name for t in fig.data),
+                    marker={"color": color, "line": {"width": 0.5, "color": "#333"}},
+                    customdata=[[unit_label(c["unit"]), c["phase"] or "", c["end_ms"] - c["start_ms"]] for c in cs],
+                    hovertemplate=k + " %{customdata[0]} (%{customdata[1]})<br>%{base:.2f} ms, lasts %{customdata[2]:.2f} ms"
+                                      "<extra></extra>",
+                ))
     steps = sorted({s for w in windows for s in w["steps"]})
     fig.update_layout(barmode="overlay", bargap=0.25)
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], automargin=True)
@@ -452,9 +488,11 @@ def overlap_by_rank_figure(per_rank: dict, ranks=None, height: int = 260) -> go.
 # ---------------------------------------------------------------- units
 
 
-def unit_timing_figure(units: list[dict], unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
-    """Median per-step host timings of each unit: forward, backward and their all-gather waits."""
-    title = "Per-unit host timings (median per step, all ranks)"
+def unit_timing_figure(units: list[dict], unit: Optional[str] = None, height: Optional[int] = None,
+                       who: str = "all ranks") -> go.Figure:
+    """Median per-step host timings of each unit: forward, backward and their all-gather waits. ``who`` names
+    the ranks and steps the medians were taken over."""
+    title = f"Per-unit host timings (median per step, {who})"
     rows = [u for u in units or [] if u.get("timing_p50")]
     if not rows:
         return empty_figure("No unit timings yet.", title, 240)

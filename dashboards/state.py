@@ -12,6 +12,7 @@ Nothing here analyses anything: it calls the analyses and keeps their results.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,14 +38,15 @@ class Snapshot:
     has_records: bool
     traces_pending: int = 0
     updated: float = field(default_factory=time.time)
-    window_fn: Optional[Callable[[tuple[int, int]], dict]] = field(default=None, repr=False, compare=False)
+    window_fn: Optional[Callable[..., dict]] = field(default=None, repr=False, compare=False)
 
-    def sections(self, window: Optional[tuple[int, int]]) -> dict:
-        """The report's ``steps``, ``units`` and ``throughput`` sections recomputed by the same analyses over
-        the steps inside ``window`` only (the whole report when ``window`` is None)."""
-        if window is None or self.window_fn is None:
-            return {k: self.report.get(k) for k in ("steps", "units", "throughput")}
-        return self.window_fn(window)
+    def sections(self, window: Optional[tuple[int, int]], rank: Optional[int] = None) -> dict:
+        """The report's ``steps``, ``units``, ``throughput`` and ``memory`` sections recomputed by the same
+        analyses over the steps inside ``window`` only and, with ``rank``, that rank only (the whole report when
+        both are None)."""
+        if (window is None and rank is None) or self.window_fn is None:
+            return {k: self.report.get(k) for k in ("steps", "units", "throughput", "memory")}
+        return self.window_fn(window, rank)
 
 
 STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled")
@@ -135,14 +137,17 @@ class RunState:
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
-                                  window_fn=lambda w, _f=frozen, _v=self._version: self._window_sections(_f, _v, w))
+                                  window_fn=lambda w, r=None, _f=frozen, _v=self._version: self._window_sections(_f, _v, w, r))
 
-    def _window_sections(self, frozen, version: int, window: tuple[int, int]) -> dict:
-        key = (version, tuple(window))
+    def _window_sections(self, frozen, version: int, window: Optional[tuple[int, int]],
+                         rank: Optional[int] = None) -> dict:
+        key = (version, None if window is None else tuple(window), rank)
         hit = self._window_cache.get(key)
         if hit is not None:
             return hit
-        out = record_sections(frozen, tuple(window), memory=False)
+        if rank is not None:  # that rank only (the Units page's per-rank timings)
+            frozen = dataclasses.replace(frozen, ranks={r: rd for r, rd in frozen.ranks.items() if r == rank})
+        out = record_sections(frozen, None if window is None else tuple(window))  # memory too: the Memory page
         if len(self._window_cache) > 32:
             self._window_cache.clear()
         self._window_cache[key] = out

@@ -239,7 +239,7 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
         _err(f"cannot serve on {ns.host}:{ns.port} ({busy}); choose another --port")
         return EXIT_BAD_INPUT
     try:
-        from dashboards.app import serve
+        from fsdp_doctor.dashboards.app import serve
     except ImportError as e:
         _err(f"the dashboard is not available ({e})")
         return 1

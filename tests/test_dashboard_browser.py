@@ -61,7 +61,7 @@ class _Server:
     def __init__(self, path: Path):
         from werkzeug.serving import make_server
 
-        from dashboards.app import create_app
+        from fsdp_doctor.dashboards.app import create_app
 
         self.app = create_app(path)
         self.port = _free_port()
@@ -328,4 +328,154 @@ def test_empty_directory_says_so(browser, serve, tmp_path):
     for key in PAGES:
         _open_tab(driver, key)
         _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#page .note"), what=f"{key} note")
+    assert not _severe(driver)
+
+
+# ------------------------------------------------------------------ filters and URLs (one server for all checks)
+
+def _url_query(driver) -> dict:
+    from urllib.parse import parse_qs, urlparse
+
+    return {k: v[-1] for k, v in parse_qs(urlparse(driver.current_url).query).items()}
+
+
+def _path(driver) -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(driver.current_url).path
+
+
+def _text(driver, eid: str) -> str:
+    els = driver.find_elements(By.ID, eid)
+    return els[0].text if els else ""
+
+
+def _fig_title(driver, gid: str) -> str:
+    return driver.execute_script(
+        "var g = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');"
+        "return g && g.layout && g.layout.title ? (g.layout.title.text || '') : '';", gid)
+
+
+def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp_path):
+    from selenium.webdriver.common.keys import Keys
+
+    from fsdp_doctor.present.fmt import fmt_ms
+
+    driver = browser
+    srv = serve(_copy_sample(tmp_path / "run"))
+    srv.app._fsdp_state.refresh()  # finds the trace files and starts their analysis
+    srv.app._fsdp_state.wait_traces(60)
+    report = srv.app._fsdp_state.snapshot().report
+    base = srv.url.rstrip("/")
+
+    # a link with filters opens that page filtered: rank 1 on Steps draws one rank
+    driver.get(base + "/steps?rank=1")
+    _wait(driver, lambda d: _graphs_drawn(d) >= 4, what="steps graphs")
+    _wait(driver, lambda d: d.execute_script(
+        "var g = document.querySelector('#fig-step-time .js-plotly-plot'); return g && g.data && g.data.length == 1 "
+        "&& g.data[0].name == 'rank 1';"), what="only rank 1 drawn")
+    assert "rank 1" in _text(driver, "flt-rank")
+    assert "tab--selected" in driver.find_element(By.ID, "tab-steps").get_attribute("class")
+
+    # a page link keeps the filters; the back button returns to the previous page with its filters
+    driver.find_element(By.ID, "tab-units").click()
+    _wait(driver, lambda d: _path(d) == "/units" and d.find_elements(By.ID, "fig-unit-timing"), what="units page")
+    assert _url_query(driver) == {"rank": "1"}
+    _wait(driver, lambda d: "rank 1" in _fig_title(d, "fig-unit-timing"), what="unit chart names rank 1")
+    assert "all ranks" not in _fig_title(driver, "fig-unit-timing")
+    driver.back()
+    _wait(driver, lambda d: _path(d) == "/steps" and d.find_elements(By.ID, "fig-step-time"), what="back to steps")
+    assert _url_query(driver) == {"rank": "1"}
+
+    # a step typed into the box applies on Enter (the box keeps the focus: no blur needed)
+    box = driver.find_element(By.ID, "flt-lo")
+    box.send_keys(Keys.CONTROL, "a")
+    box.send_keys("12", Keys.ENTER)
+    _wait(driver, lambda d: _url_query(d).get("steps") == "12-", what="steps=12- in the URL after Enter")
+    assert driver.execute_script("return document.activeElement.id") == "flt-lo"
+    _wait(driver, lambda d: d.execute_script(
+        "var g = document.querySelector('#fig-step-time .js-plotly-plot'); return g && g.data && g.data.length"
+        " && Math.min.apply(null, g.data[0].x) == 12;"), what="step-time figure starts at step 12")
+    # ... and the back button undoes the filter change
+    driver.back()
+    _wait(driver, lambda d: "steps" not in _url_query(d), what="back: no step window")
+    _wait(driver, lambda d: d.find_element(By.ID, "flt-lo").get_attribute("value") == "0", what="box back to 0")
+
+    # memory follows the step window and says which step it draws and why
+    driver.get(base + "/memory?steps=10-20")
+    note = _wait(driver, lambda d: d.find_elements(By.ID, "mem-step-note"), what="memory step note")[0]
+    assert "steps 10–20" in note.text and "measured in full" in note.text
+    peak_sub = _text(driver, "kpi-mem-peak")
+    assert any(f"step {s}," in peak_sub for s in range(10, 21)), peak_sub
+
+    # communication says it falls back to a profiled step outside the window
+    driver.get(base + "/communication?steps=10-20")
+    note = _wait(driver, lambda d: d.find_elements(By.ID, "comm-step-note"), what="comm step note")[0]
+    assert "outside the selected steps 10–20" in note.text
+    assert "step 6" in note.text
+
+    # the unit dropdown: every option visible at once, "all units" not under the search box; selecting a unit
+    # narrows the communication KPIs to its collectives; the clear button removes the filter
+    driver.get(base + "/communication")
+    _wait(driver, lambda d: _text(d, "kpi-comm-total"), what="comm KPIs")
+    total_all = _text(driver, "kpi-comm-total")
+    driver.find_element(By.ID, "flt-unit").click()
+    opts = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]"), what="options")
+    names = [o.text.strip() for o in opts]
+    assert names[0] == "all units" and "layers.1" in names and len(names) == 1 + len(report["units"])
+    visible = driver.execute_script("""
+        return arguments[0].map(function(o){ var r = o.getBoundingClientRect();
+          var e = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+          return !!e && o.contains(e); });""", opts)
+    assert all(visible), dict(zip(names, visible))
+    next(o for o in opts if o.text.strip() == "layers.1").click()
+    _wait(driver, lambda d: _url_query(d).get("unit") == "layers.1", what="unit in the URL")
+    mine = [r for r in report["overlap"]["per_unit"] if r["unit"] == "layers.1"]
+    want = fmt_ms(sum(r["comm_us"] for r in mine) / 1e3)
+    _wait(driver, lambda d: _text(d, "kpi-comm-total").splitlines()[1:2] == [want], what=f"unit KPI {want}")
+    assert "unit layers.1" in _text(driver, "kpi-comm-total") and _text(driver, "kpi-comm-total") != total_all
+    driver.find_element(By.CSS_SELECTOR, "#flt-unit .dash-dropdown-clear").click()
+    _wait(driver, lambda d: "unit" not in _url_query(d), what="cleared unit filter")
+    _wait(driver, lambda d: _text(d, "kpi-comm-total") == total_all, what="KPIs back to every unit")
+
+    # clicking a unit's name in the Units table selects it
+    driver.get(base + "/units")
+    cell = _wait(driver, lambda d: [c for c in d.find_elements(By.CSS_SELECTOR, "#tbl-units .ag-cell[col-id=unit]")
+                                    if c.text.strip() == "layers.2"], what="units table")[0]
+    cell.click()
+    _wait(driver, lambda d: _url_query(d).get("unit") == "layers.2", what="unit selected from the table")
+
+    # the overview: one exposed-communication figure with its source, an honest headline
+    driver.get(base + "/overview")
+    head = _wait(driver, lambda d: d.find_elements(By.ID, "headline"), what="headline")[0].text
+    infos = [f for f in report["findings"] if f["severity"] == "info"]
+    if not any(f["severity"] in ("warning", "critical") for f in report["findings"]):
+        assert head.startswith(f"No warnings; {len(infos)} note") and infos[0]["title"] in head
+    assert "Healthy" not in head
+    kpi_text = _text(driver, "kpi-exposed")
+    assert "/ step" in kpi_text and ("records" in kpi_text or "trace" in kpi_text)
+    assert "per window" not in driver.find_element(By.CSS_SELECTOR, ".kpis").text
+    _screenshot(driver, "overview-1920x1080", width=1920, height=1080)
+    assert not _severe(driver)
+
+
+def test_plain_kineto_folder_overview_shows_the_traces(browser, serve, tmp_path):
+    driver = browser
+    run = tmp_path / "kineto"
+    shutil.copytree(SAMPLE / "profiler", run)  # traces only, no fsdp-doctor records
+    srv = serve(run)
+    srv.app._fsdp_state.refresh()
+    srv.app._fsdp_state.wait_traces(60)
+    driver.get(srv.url)
+    note = _wait(driver, lambda d: d.find_elements(By.ID, "traces-only-note"), what="traces-only note")[0]
+    assert "Kineto" in note.text
+    assert "No fsdp-doctor records" not in driver.find_element(By.ID, "page").text
+    kpi_text = _text(driver, "kpi-exposed")
+    assert "ms / step" in kpi_text and "trace" in kpi_text
+    assert "%" in _text(driver, "kpi-overlap")
+    assert "profiler trace" in _text(driver, "status")
+    # the filters offer the traces' ranks and units
+    driver.find_element(By.ID, "flt-unit").click()
+    opts = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]"), what="unit options")
+    assert "layers.1" in [o.text.strip() for o in opts]
     assert not _severe(driver)

@@ -10,10 +10,10 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from dashboards import figures as F
-from dashboards.pages import PAGES
-from dashboards.pages.common import ALL, ROOT, Filters, fmt_value
-from dashboards.state import RunState, steps_columns
+from fsdp_doctor.dashboards import figures as F
+from fsdp_doctor.dashboards.pages import PAGES
+from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
+from fsdp_doctor.dashboards.state import RunState, steps_columns
 from fsdp_doctor.store import load_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -152,8 +152,12 @@ def test_comm_timeline_from_a_real_trace(snap):
     assert sum(len(t.x) for t in fig.data if t.name != "compute") == n_calls
     # a selected unit greys the others out
     hi = F.comm_timeline_figure(data, unit="layers.1")
-    colors = [c for t in hi.data if t.name == "all_gather" for c in t.marker.color]
-    assert "#D8D8D8" in colors and F.COLLECTIVE_COLORS["all_gather"] in colors
+    mine = [t for t in hi.data if t.name == "all_gather (layers.1)"]
+    others = [t for t in hi.data if t.name == "all_gather (other units)"]
+    assert mine and others and mine[0].marker.color == F.COLLECTIVE_COLORS["all_gather"]
+    assert others[0].marker.color == "#D8D8D8"  # the legend shows both, each in its own colour
+    assert all(c[0] == "layers.1" for t in mine for c in t.customdata)
+    assert sum(len(t.x) for t in hi.data if t.name != "compute") == n_calls
     # merging keeps the figure light on long windows
     merged = F.window_timeline_data(snap.windows[0], max_intervals=50)
     assert len(merged["compute"][0]) <= 60
@@ -288,7 +292,7 @@ def test_memory_page_with_the_documented_section(snap):
     assert {"fig-mem-timeline", "fig-mem-breakdown", "tbl-mem-units", "kpi-mem-peak"} <= ids
     page = PAGES["memory"][1].layout(s2, Filters(rank=0, unit="layers.0"))
     table = next(c for c in _walk(page) if getattr(c, "id", None) == "tbl-mem-units")
-    assert [r["unit"] for r in table.data] == ["layers.0"]
+    assert [r["unit"] for r in table.rowData] == ["layers.0"]
     assert "kpi-peak" in _ids(PAGES["overview"][1].layout(s2, Filters()))
 
 
@@ -326,7 +330,7 @@ def test_findings_are_cards_with_evidence_and_a_copyable_fix(snap):
 
 @pytest.fixture
 def client():
-    from dashboards.app import create_app
+    from fsdp_doctor.dashboards.app import create_app
 
     app = create_app(SAMPLE)
     return app, app.server.test_client()
@@ -340,16 +344,22 @@ def test_app_serves_layout_and_callbacks_but_no_run_files(client):
     deps = c.get("/_dash-dependencies").get_json()
     page_cb = next(d for d in deps if d["output"] == "page.children")
     body = {"output": "page.children", "outputs": {"id": "page", "property": "children"},
-            "inputs": [{"id": "tabs", "property": "value", "value": "steps"},
-                       {"id": "version", "property": "data", "value": 1},
-                       {"id": "flt-rank", "property": "value", "value": ALL},
-                       {"id": "flt-steps", "property": "value", "value": [0, 29]},
-                       {"id": "flt-unit", "property": "value", "value": ALL}],
-            "changedPropIds": ["tabs.value"], "state": []}
+            "inputs": [{"id": "url", "property": "pathname", "value": "/steps"},
+                       {"id": "url", "property": "search", "value": "?rank=1&steps=5-9"},
+                       {"id": "version", "property": "data", "value": 1}],
+            "changedPropIds": ["url.pathname"], "state": []}
     r = c.post("/_dash-update-component", json=body)
     assert r.status_code == 200, r.data[:500]
-    assert "fig-step-time" in r.get_data(as_text=True)
+    page = r.get_data(as_text=True)
+    assert "fig-step-time" in page and "rank 1" in page and "rank 0" not in page  # the URL's filters applied
     assert page_cb
+    # every page has its own URL (an unknown path is the overview)
+    for path, marker in (("/memory", "fig-mem-timeline"), ("/communication", "comm"), ("/units", "tbl-units"),
+                         ("/nonsense", "kpi-p50"), ("/", "kpi-p50")):
+        body["inputs"][0]["value"] = path
+        body["inputs"][1]["value"] = ""
+        r = c.post("/_dash-update-component", json=body)
+        assert r.status_code == 200 and marker in r.get_data(as_text=True), path
     # nothing of the run directory is served: Dash answers unknown paths with its index page
     records = (SAMPLE / "rank0.records.jsonl").read_text()[:60]
     for p in ("/rank0.records.jsonl", "/manifest.json", "/assets/../rank0.records.jsonl", "/profiler/rank0.6.pt.trace.json.gz",
@@ -362,7 +372,7 @@ def test_app_serves_layout_and_callbacks_but_no_run_files(client):
 def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
     from dash import Dash
 
-    from dashboards.app import serve
+    from fsdp_doctor.dashboards.app import serve
 
     assert serve(tmp_path / "missing") == 2
     assert "no such run directory" in capsys.readouterr().err
@@ -386,7 +396,7 @@ def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_dashboard_command_uses_serve(monkeypatch, tmp_path, capsys):
-    import dashboards.app as appmod
+    import fsdp_doctor.dashboards.app as appmod
     from fsdp_doctor.cli import main
 
     seen = {}
@@ -412,3 +422,134 @@ def test_step_window_recomputes_sections_with_the_same_analyses(snap):
     from fsdp_doctor.present.fmt import fmt_ms
 
     assert fmt_ms(got["steps"]["job"]["p50_ms"]) in json.dumps(kp.to_plotly_json(), default=str)
+
+
+def test_every_package_is_installed_and_dashboard_under_fsdp_doctor():
+    """pyproject lists packages explicitly (the dashboard folder maps to fsdp_doctor.dashboards): every package
+    folder must be listed, and the dashboard package is the dashboards/ folder under the fsdp_doctor name."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    import fsdp_doctor.dashboards as dash_pkg
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    on_disk = {".".join(p.parent.relative_to(root).parts) for p in (root / "fsdp_doctor").rglob("__init__.py")}
+    on_disk |= {"fsdp_doctor." + ".".join(p.parent.relative_to(root).parts) for p in (root / "dashboards").rglob("__init__.py")}
+    assert on_disk == listed
+    assert cfg["package-dir"] == {"fsdp_doctor.dashboards": "dashboards"}
+    assert Path(dash_pkg.__file__).parent == root / "dashboards"
+
+
+# ---------------------------------------------------------------- issue 13: filters, URLs, honest figures
+
+def test_profiler_steps_are_drawn_apart_from_stalls(steps):
+    cols = steps[0]
+    prof = [s for s, p in zip(cols["step"], cols["profiled"]) if p]
+    assert 8 in prof  # the sample's step 8 exports the profiler window (625 ms outside the model)
+    ph = F.phase_split_figure(steps, 0)
+    names = [t.name for t in ph.data]
+    assert names == ["forward", "backward", "optimizer", "outside", F.PROFILER_OUTSIDE]
+    outside = dict(zip(ph.data[3].x, ph.data[3].y))
+    assert all(outside[s] is None for s in prof)  # not drawn as time outside the model (a loader stall) ...
+    tool = dict(zip(ph.data[4].x, ph.data[4].y))
+    assert sorted(tool) == prof and tool[8] == cols["outside_ms"][cols["step"].index(8)] > 600  # ... but as the tool's
+    assert ph.data[4].marker.pattern.shape == "/"
+    st = F.step_time_figure(steps)
+    bands = [(s.x0, s.x1) for s in st.layout.shapes]
+    assert any(a < 8 < b for a, b in bands) and not any(a < 12 < b for a, b in bands)
+    assert F._runs([1, 5, 6, 7, 8]) == [(1, 1), (5, 8)]
+    # the outlier analysis does not count the profiler step as a stall
+    from fsdp_doctor.analyze.steps import find_outliers
+
+    assert all(o["step"] not in prof for o in find_outliers(load_run(SAMPLE)))
+    # one step window without profiled steps: no hatched trace
+    assert [t.name for t in F.phase_split_figure(steps, 0, window=(10, 20)).data] == ["forward", "backward", "optimizer", "outside"]
+
+
+def test_query_string_round_trip_and_bad_input():
+    from fsdp_doctor.dashboards.pages.common import Query
+
+    q = Query.parse("?rank=1&steps=5-20&unit=tok_emb,+pos_emb")
+    assert q == Query(rank=1, lo=5, hi=20, unit="tok_emb, pos_emb")
+    assert Query.parse(q.search()) == q
+    assert Query.parse("?unit=(root)").unit == "" and Query(unit="").search() == "?unit=(root)"
+    assert Query.parse("?steps=7-").filters(0, 29) == Filters(window=(7, 29))
+    assert Query.parse("?steps=0-").filters(0, 29) == Filters()  # every step: no window
+    assert Query.parse("?steps=20-5").slider(0, 29) == [5, 20]
+    assert Query.parse("?steps=40-50").slider(0, 29) == [29, 29]
+    for bad in ("?rank=x&steps=a-b", "?rank=-3", "?steps=", "", None, "?unit=__all__"):
+        assert Query.parse(bad) == Query()
+    # from the controls: a window reaching the newest step stays open-ended (a live run keeps following)
+    assert Query.from_controls("1", [3, 29], "layers.0", 0, 29).search() == "?rank=1&steps=3-&unit=layers.0"
+    assert Query.from_controls(ALL, [0, 29], ALL, 0, 29).search() == ""
+    assert Query.from_controls(ALL, [0, 12], ROOT, 0, 29).search() == "?steps=-12&unit=(root)"
+    from fsdp_doctor.dashboards.pages import page_key
+
+    assert [page_key(p) for p in ("/", "/memory", "/units/", "/nope", "")] == ["overview", "memory", "units", "overview",
+                                                                                "overview"]
+
+
+def test_unit_timing_title_names_the_selection(snap):
+    units = snap.sections(None, 1)["units"]
+    assert "rank 1" in F.unit_timing_figure(units, who="rank 1").layout.title.text
+    # rank 1's own medians, not all ranks'
+    all_r = {u["name"]: u["timing_p50"]["fwd_ms"] for u in snap.report["units"] if u.get("timing_p50")}
+    r1 = {u["name"]: u["timing_p50"]["fwd_ms"] for u in units if u.get("timing_p50")}
+    assert r1.keys() == all_r.keys() and r1 != all_r
+    page = PAGES["units"][1].layout(snap, Filters(rank=1, window=(3, 12)))
+    fig = next(c for c in _walk(page) if getattr(c, "id", None) == "fig-unit-timing").figure
+    assert "rank 1, steps 3–12" in fig.layout.title.text
+
+
+def test_memory_and_communication_pages_follow_the_window(snap):
+    page = PAGES["memory"][1].layout(snap, Filters(window=(10, 20)))
+    txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
+    per_rank = snap.sections((10, 20))["memory"]["per_rank"]
+    assert all(10 <= m["peak_at"]["step"] <= 20 for m in per_rank.values())
+    assert "mem-step-note" in txt and "steps 10–20" in txt
+    # a window holding a measured step draws that step, not the run's peak step 1
+    page = PAGES["memory"][1].layout(snap, Filters(window=(2, 5)))
+    txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
+    assert "Showing step 2, the peak step of steps 2–5" in txt
+    fig = next(c for c in _walk(page) if getattr(c, "id", None) == "fig-mem-timeline").figure
+    assert "step 2 " in fig.layout.title.text
+    from fsdp_doctor.dashboards.pages.communication import pick_windows, shown_steps_note
+
+    wins, inside = pick_windows(snap.windows, Filters(window=(10, 20)))
+    assert wins and not inside
+    assert "outside the selected steps 10–20" in shown_steps_note(wins, inside, Filters(window=(10, 20)))
+    wins, inside = pick_windows(snap.windows, Filters(window=(5, 7)))
+    assert inside and "inside steps 5–7" in shown_steps_note(wins, inside, Filters(window=(5, 7)))
+
+
+def test_overview_headline_and_one_exposed_figure(snap):
+    from fsdp_doctor.dashboards.pages.overview import exposed_comm, headline
+
+    info = {"severity": "info", "title": "All-gathers stall compute"}
+    warn = {"severity": "warning", "title": "GC pauses"}
+    assert headline([]).children.startswith("No findings")
+    assert headline([info]).children == "No warnings; 1 note: All-gathers stall compute"
+    assert headline([warn, info, info]).children == "1 warning, 2 notes. First: GC pauses"
+    v, src, definition = exposed_comm(snap.report, None)
+    assert v is not None and src and definition
+    if "comm" in snap.report:  # the pipeline's one figure, where the report has it
+        assert v == snap.report["comm"]["exposed_ms_per_step"]
+    else:
+        waits = [u["timing_p50"]["ag_wait_fwd_ms"] + u["timing_p50"]["ag_wait_bwd_ms"] for u in snap.report["units"]
+                 if u.get("timing_p50")]
+        assert v == pytest.approx(sum(waits)) and "records" in src
+    page = PAGES["overview"][1].layout(snap, Filters())
+    txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
+    assert "kpi-exposed" in txt and "per window" not in txt and "Healthy" not in txt
+
+
+def test_units_table_hides_empty_columns_and_selects_by_row_id(snap):
+    from fsdp_doctor.dashboards.pages.units import columns, unit_rows
+
+    rows = unit_rows(snap.report["units"])
+    cols = [c for c, _ in columns(rows)]
+    assert "offload" not in cols and "rec" not in cols  # CPU run, no checkpointing
+    assert rows[0]["rid"] == ROOT and rows[0]["unit"] == "(root)"
+    rows[1]["offload"] = "cpu"
+    assert "offload" in [c for c, _ in columns(rows)]

@@ -28,7 +28,7 @@ def cli_report():
 
 @pytest.fixture(scope="module")
 def snap():
-    from dashboards.state import RunState
+    from fsdp_doctor.dashboards.state import RunState
 
     st = RunState(SAMPLE, background_traces=False)
     st.refresh()
@@ -63,8 +63,8 @@ def test_dashboard_report_is_the_cli_report(cli_report, snap):
 
 def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_path):
     from fsdp_doctor.cli import main
-    from dashboards.pages import PAGES
-    from dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages.common import Filters
 
     out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
     assert main(["analyze", str(SAMPLE), "--json", str(out_json), "--html", str(out_html)]) == 0

@@ -11,4 +11,12 @@ PAGES = {
     "units": ("Units", units),
 }
 
-__all__ = ["PAGES"]
+
+
+def page_key(path: str) -> str:
+    """The page a URL path names (``/memory`` -> ``memory``); the overview for ``/`` or an unknown path."""
+    key = (path or "").strip("/").split("/")[0]
+    return key if key in PAGES else "overview"
+
+
+__all__ = ["PAGES", "page_key"]

@@ -8,7 +8,7 @@ from dash import html
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
 
 from .. import figures as F
-from .common import Filters, graph, grid, kpi, note, section, table
+from .common import Filters, fmt_value, graph, grid, kpi, note, section, table
 
 
 _TIMELINES: dict[int, tuple] = {}
@@ -24,8 +24,9 @@ def _timeline(win) -> dict:
     return hit[1]
 
 
-def pick_windows(windows: list, flt: Filters) -> list:
-    """Per selected rank, the first profiled window that lies in the step window (else the rank's first)."""
+def pick_windows(windows: list, flt: Filters) -> tuple[list, bool]:
+    """Per selected rank, the first profiled window that lies in the step window (else the rank's first), and
+    whether every window picked lies in the step window."""
     out = {}
     for w in windows:
         if flt.rank is not None and w.rank != flt.rank:
@@ -34,7 +35,22 @@ def pick_windows(windows: list, flt: Filters) -> list:
         cur = out.get(w.rank)
         if cur is None or (inside and not cur[0]):
             out[w.rank] = (inside, w)
-    return [w for _, (_, w) in sorted(out.items())]
+    return [w for _, (_, w) in sorted(out.items())], all(i for i, _ in out.values())
+
+
+def shown_steps_note(wins: list, inside: bool, flt: Filters) -> str:
+    """Which profiled step the timeline shows, and why."""
+    steps = sorted({s for w in wins for s in w.steps})
+    if not steps:
+        return ""
+    shown = ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
+    if flt.window is None:
+        return f"Showing profiled {shown}: the first profiled window of the run."
+    sel = f"steps {flt.window[0]}–{flt.window[1]}"
+    if inside:
+        return f"Showing profiled {shown}: the first profiled window inside {sel}."
+    return (f"Showing profiled {shown}, outside the selected {sel}: no profiled window lies inside them "
+            "(the profiler records only a few steps; widen the window to include one).")
 
 
 def layout(snap, flt: Filters) -> list:
@@ -48,40 +64,54 @@ def layout(snap, flt: Filters) -> list:
     per_rank = ov.get("per_rank") or {}
     keys = [str(flt.rank)] if flt.rank is not None else sorted(per_rank, key=int)
     sel = [per_rank[k] for k in keys if k in per_rank]
-    comm = sum(p["comm_us"] for p in sel)
-    ovl = sum(p["overlap_us"] for p in sel)
+    per_unit = ov.get("per_unit") or []
+    prof = sorted({s for p in sel for s in p.get("steps") or []})
+    who = (f"sum over {len(sel)} ranks" if len(sel) > 1 else f"rank {keys[0]}" if sel else "no rank") + \
+        (f", profiled step{'s' * (len(prof) > 1)} {', '.join(map(str, prof))}" if prof else ", profiled windows")
+    if flt.unit is None:
+        comm = sum(p["comm_us"] for p in sel)
+        ovl = sum(p["overlap_us"] for p in sel)
+    else:  # the selected unit's collectives only (the per-unit attribution of the same windows)
+        mine = [r for r in per_unit if r["unit"] == flt.unit and (flt.rank is None or r["rank"] == flt.rank)]
+        comm = sum(r["comm_us"] for r in mine)
+        ovl = comm - sum(r["exposed_us"] for r in mine)
+        who = f"unit {F.unit_label(flt.unit)}, {who}"
     blocking = ov.get("blocking") or {}
     blk = sum(blocking.get(k, {}).get("us", 0.0) for k in keys)
     copies = ov.get("copies") or {}
     cp = sum(copies.get(k, {}).get("exposed_us", 0.0) for k in keys)
     tiles = html.Div([
-        kpi("Communication", fmt_ms(comm / 1e3), f"{len(sel)} rank(s), profiled windows"),
+        kpi("Communication", fmt_ms(comm / 1e3), who, kid="kpi-comm-total"),
         kpi("Overlapped", f"{100 * ovl / comm:.0f}%" if comm else "—", f"{fmt_ms(ovl / 1e3)} under compute", kid="kpi-comm-overlap"),
-        kpi("Exposed", fmt_ms((comm - ovl) / 1e3), "compute waited"),
-        kpi("Host blocked in all-gather", fmt_ms(blk / 1e3), "gloo: host sat in the collective") if blk else
+        kpi("Exposed", fmt_ms((comm - ovl) / 1e3), "compute waited", kid="kpi-comm-exposed"),
+        kpi("Host blocked in all-gather", fmt_ms(blk / 1e3), "gloo: host sat in the collective" +
+            ("" if flt.unit is None else " (all units: not split per unit)")) if blk else
         kpi("Exposed copies", fmt_ms(cp / 1e3), "H2D / D2H not under compute"),
     ], className="kpis")
-    wins = pick_windows(snap.windows, flt)
+    wins, inside = pick_windows(snap.windows, flt)
+    why = shown_steps_note(wins, inside, flt)
     out = [tiles,
-           section("Timeline", graph(F.comm_timeline_figure([_timeline(w) for w in wins], flt.unit), "fig-comm-timeline"),
+           section("Timeline", *([note(why, "info" if inside else "warning", nid="comm-step-note")] if why else []),
+                   graph(F.comm_timeline_figure([_timeline(w) for w in wins], flt.unit), "fig-comm-timeline"),
                    sid="sec-comm-timeline")]
-    per_unit = ov.get("per_unit") or []
     out.append(grid(
         section("", graph(F.unit_exposure_figure(per_unit, flt.ranks, flt.unit), "fig-unit-exposure")),
         section("", graph(F.prefetch_slack_figure(per_unit, flt.ranks, flt.unit), "fig-prefetch-slack")),
     ))
     rows = [{"rank": r["rank"], "unit": F.unit_label(r["unit"]), "collective": r["collective"], "phase": r["phase"] or "—",
              "count": r["count"], "comm": fmt_ms(r["comm_us"] / 1e3), "exposed": fmt_ms(r["exposed_us"] / 1e3),
-             "bytes": fmt_bytes(r["bytes_per_call"]) if r.get("bytes_per_call") is not None else "—",
-             "busbw": f"{r['busbw_gbps']:.2f}" if r.get("busbw_gbps") is not None else "—",
-             "slack": fmt_ms(r["slack_us"] / 1e3) if r.get("slack_us") is not None else "—"}
+             "bytes": fmt_bytes(r.get("bytes_per_call")), "busbw": fmt_value("busbw_gbps", r.get("busbw_gbps")),
+             "slack": fmt_ms(r["slack_us"] / 1e3) if r.get("slack_us") is not None else "—",
+             "comm_v": r["comm_us"], "exposed_v": r["exposed_us"], "bytes_v": r.get("bytes_per_call"),
+             "busbw_v": r.get("busbw_gbps"), "slack_v": r.get("slack_us")}
             for r in per_unit if (flt.rank is None or r["rank"] == flt.rank) and (flt.unit is None or r["unit"] == flt.unit)]
     out.append(section("Collectives per unit",
                        table("tbl-comm-units", rows, [("rank", "rank"), ("unit", "unit"), ("collective", "collective"),
                                                       ("phase", "phase"), ("count", "calls"), ("comm", "time"),
                                                       ("exposed", "exposed"), ("bytes", "bytes / call"),
-                                                      ("busbw", "bus BW GB/s"), ("slack", "slack")],
-                             left=("unit", "collective", "phase"), page_size=15)))
+                                                      ("busbw", "bus bandwidth"), ("slack", "slack")],
+                             left=("unit", "collective", "phase"), page_size=15,
+                             sort_keys={c: c + "_v" for c in ("comm", "exposed", "bytes", "busbw", "slack")})))
     if snap.traces_pending:
         out.insert(0, note(f"Analysing {snap.traces_pending} more trace file(s) …", "info"))
     return out

@@ -3,6 +3,8 @@ headline numbers."""
 
 from __future__ import annotations
 
+import statistics
+
 from dash import dcc, html
 
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
@@ -13,17 +15,14 @@ from .common import Filters, fmt_value, kpi, note, section
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
-def _kpis(report: dict, flt: Filters) -> html.Div:
+def _kpis(report: dict, flt: Filters, traces_only: bool = False) -> html.Div:
     steps = report.get("steps") or {}
     key = str(flt.rank) if flt.rank is not None else None
     st = (steps.get("per_rank") or {}).get(key) if key else steps.get("job")
     who = (f"rank {flt.rank}" if key else "all ranks") + (f", steps {flt.window[0]}–{flt.window[1]}" if flt.window else "")
     tp_sec = report.get("throughput") or {}
     tp = (tp_sec.get("per_rank") or {}).get(key) if key else tp_sec.get("job")
-    ov = (report.get("overlap") or {}).get("per_rank") or {}
-    ovs = [ov[key]] if key and key in ov else ([] if key else list(ov.values()))
-    comm = sum(o["comm_us"] for o in ovs)
-    ovl = sum(o["overlap_us"] for o in ovs)
+    exposed, source, definition = exposed_comm(report, key)
     recorded = (report.get("run") or {}).get("steps_recorded") or {}
     n_steps = recorded.get(key, 0) if key else max(recorded.values(), default=0)
     st = st or {}
@@ -34,15 +33,73 @@ def _kpis(report: dict, flt: Filters) -> html.Div:
             (f"MFU {tp['mfu_pct']:.1f}%" if tp and tp.get("mfu_pct") is not None else
              (f"{tp['achieved_tflops']:.3g} TFLOP/s" if tp and tp.get("achieved_tflops") is not None else who)),
             kid="kpi-tokens"),
-        kpi("Comm overlapped", f"{100 * ovl / comm:.0f}%" if comm > 0 else "—",
-            f"exposed {fmt_ms((comm - ovl) / 1e3)} per window" if comm > 0 else "no profiled window yet", kid="kpi-overlap"),
+        kpi("Exposed communication", f"{fmt_ms(exposed)} / step" if exposed is not None else "—",
+            source or "no profiled window or all-gather timing yet", kid="kpi-exposed", title=definition or ""),
         kpi("Steps recorded", f"{n_steps:,}", "live" if _live(report) else "run finished", kid="kpi-steps"),
     ]
+    if traces_only:  # step times, throughput and memory come from records
+        tiles = [t for t in tiles if getattr(t, "id", None) == "kpi-exposed"] + [
+            kpi("Comm overlapped", fmt_value("overlap_pct", _overlap_pct(report, key)), "profiler traces", kid="kpi-overlap")]
+        return html.Div(tiles, className="kpis")
     mem = ((report.get("memory") or {}).get("per_rank") or {})
     peaks = [m.get("peak_bytes") for r, m in mem.items() if (key is None or r == key) and m.get("peak_bytes")]
     if peaks:
         tiles.insert(3, kpi("Peak memory", fmt_bytes(max(peaks)), who, kid="kpi-peak"))
     return html.Div(tiles, className="kpis")
+
+
+def exposed_comm(report: dict, rank: str | None) -> tuple:
+    """The one exposed-communication figure (ms per step), where it comes from, and what it means.
+
+    The report's ``comm`` section when it has one (the pipeline picks the trace or the records); otherwise the
+    recorder's all-gather waits: the unit table's median waits per step, summed over units."""
+    comm = report.get("comm")
+    if comm and comm.get("exposed_ms_per_step") is not None:
+        row = (comm.get("per_rank") or {}).get(rank) if rank is not None else None
+        v = row.get("exposed_ms_per_step") if row else (None if rank is not None else comm["exposed_ms_per_step"])
+        src = comm.get("source_text") or comm.get("source") or ""
+        return v, (f"rank {rank}, " if rank is not None else "median over ranks, ") + src, comm.get("definition")
+    units = [u.get("timing_p50") or {} for u in report.get("units") or []]
+    waits = [t.get("ag_wait_fwd_ms", 0.0) + t.get("ag_wait_bwd_ms", 0.0) for t in units if t]
+    if not waits:
+        ov = ((report.get("overlap") or {}).get("per_rank") or {})
+        per = {r: o["exposed_us"] / 1e3 / len(o["steps"]) for r, o in ov.items() if o.get("steps")}
+        if rank is not None:
+            per = {r: v for r, v in per.items() if r == rank}
+        if not per:
+            return None, "", ""
+        return (statistics.median(per.values()),
+                "profiler trace: exposed communication per profiled step" + (", median over ranks" if len(per) > 1 else ""),
+                "communication time during which no compute ran, per profiled step")
+    return (sum(waits), "records: all-gather waits, median per unit summed",
+            "time compute waited for all-gathers (the recorder's unshard waits, forward and backward), per step")
+
+
+def _overlap_pct(report: dict, rank: str | None):
+    ov = (report.get("overlap") or {}).get("per_rank") or {}
+    rows = [o for r, o in ov.items() if rank is None or r == rank]
+    comm = sum(o["comm_us"] for o in rows)
+    return 100 * sum(o["overlap_us"] for o in rows) / comm if comm else None
+
+
+def _count(n: int, severity: str) -> str:
+    """``1 warning``, ``2 notes``, ``1 critical``: info findings are notes."""
+    word = {"info": "note"}.get(severity, severity)
+    return f"{n} {word}" + ("s" if n != 1 and word != "critical" else "")
+
+
+def headline(findings: list[dict]) -> html.Div:
+    """One honest line: how many warnings (critical first) or, without any, how many notes and the first one."""
+    n = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
+    first = findings[0].get("title", "") if findings else ""
+    if not findings:
+        text, kind = "No findings: nothing the rules flag.", "ok"
+    elif n["critical"] + n["warning"]:
+        text = ", ".join(_count(k, s) for s, k in n.items() if k) + ". First: " + first
+        kind = "error" if n["critical"] else "warning"
+    else:
+        text, kind = f"No warnings; {_count(n['info'], 'info')}: {first}", "info"
+    return note(text, kind, nid="headline")
 
 
 def _live(report: dict) -> bool:
@@ -97,18 +154,27 @@ def run_facts(run: dict) -> html.Table:
         ("finished", ", ".join(f"r{k}: {'yes' if v else 'no'}" for k, v in (run.get("complete") or {}).items())),
         ("trace files", run.get("trace_files")),
     ]
-    return html.Table([html.Tr([html.Th(k), html.Td(str(v))]) for k, v in facts if v not in (None, "")],
+    return html.Table([html.Tr([html.Th(k), html.Td(str(v))]) for k, v in facts if v not in (None, "", 0)],
                       className="facts")
 
 
 def layout(snap, flt: Filters) -> list:
     report = snap.report
-    if not snap.has_records:
-        return [note(f"No fsdp-doctor records in {snap.path} yet. This page updates on its own when a run "
-                     "wrapped in fsdp_doctor.watch(...) starts writing here (rank*.records.jsonl).",
-                     "warning", nid="empty-note")]
+    traces_only = not snap.has_records and (snap.windows or report.get("overlap"))
+    if not snap.has_records and not traces_only:
+        if snap.traces_pending:
+            return [note(f"Analysing {snap.traces_pending} trace file(s) …", "info", nid="empty-note")]
+        return [note(f"No fsdp-doctor records or profiler traces in {snap.path} yet. This page updates on its own "
+                     "when a run wrapped in fsdp_doctor.watch(...) starts writing here (rank*.records.jsonl), or "
+                     "when Kineto traces appear.", "warning", nid="empty-note")]
     windowed = dict(report, **{k: v for k, v in snap.sections(flt.window).items() if v is not None})
-    out = [_kpis(windowed, flt)]
+    out = []
+    if traces_only:
+        n = len(snap.windows) or len((report.get("overlap") or {}).get("files") or [])
+        out.append(note(f"Plain profiler traces ({n} Kineto file(s)), no fsdp-doctor records: communication and "
+                        "its findings come from the traces (Communication page); step times, memory and the unit "
+                        "table need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
+    out.append(_kpis(windowed, flt, traces_only=bool(traces_only)))
     run = report.get("run") or {}
     for e in run.get("doctor_errors", []):
         out.append(note(f"The doctor stepped aside on rank {e['rank']} at step {e['step']} ({e['where']}): {e['message']}", "error"))
@@ -116,8 +182,10 @@ def layout(snap, flt: Filters) -> list:
                 if (flt.rank is None or not f.get("ranks") or flt.rank in f["ranks"])
                 and (flt.unit is None or not f.get("units") or flt.unit in f["units"])]
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
+    if findings:  # without any, the findings panel says so
+        out.insert(0, headline(findings))
     counts = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "none"
+    summary = ", ".join(_count(n, s) for s, n in counts.items() if n) or "none"
     if findings:
         cards = [finding_card(i, f) for i, f in enumerate(findings)]
     else:

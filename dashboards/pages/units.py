@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from dash import Input, Output, State, no_update
+from dash import Input, Output, no_update
 
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
 
 from .. import figures as F
-from .common import ALL, Filters, graph, note, section, table, unit_value
+from .common import Filters, graph, note, section, table, unit_value
 
 COLUMNS = [("unit", "unit"), ("params", "params"), ("shard", "shard / rank"), ("gathered", "gathered"),
-           ("dtype", "param dtype"), ("reshard", "reshard after fwd"), ("prefetch", "explicit prefetch"),
-           ("async", "async unshard"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd"), ("agf", "AG wait fwd"),
-           ("bwd", "bwd"), ("agb", "AG wait bwd"), ("rec", "recompute")]
+           ("dtype", "dtype"), ("reshard", "reshard"), ("prefetch", "prefetch"),
+           ("async", "async"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd"), ("agf", "AG wait"),
+           ("bwd", "bwd"), ("agb", "AG wait"), ("rec", "recomp.")]
 
 
 def unit_rows(units: list[dict]) -> list[dict]:
@@ -25,11 +25,11 @@ def unit_rows(units: list[dict]) -> list[dict]:
         if u.get("backward_prefetch"):
             pf.append("bwd: " + ", ".join(u["backward_prefetch"]))
         rows.append({
-            "unit": ("\u2003" * u.get("depth", 0)) + F.unit_label(u["name"]), "name": u["name"],
+            "unit": ("\u2003" * u.get("depth", 0)) + F.unit_label(u["name"]), "rid": unit_value(u["name"]),
             "params": f"{u['param_count'] / 1e6:.2f} M", "shard": fmt_bytes(u["sharded_bytes"]),
             "gathered": fmt_bytes(u["unsharded_bytes"]),
             "dtype": u.get("param_dtype") or "/".join(u.get("orig_dtypes") or []) or "—",
-            "reshard": str(u.get("reshard_after_forward", True)).lower(), "prefetch": "; ".join(pf) or "default",
+            "reshard": "after fwd" if u.get("reshard_after_forward", True) else "no", "prefetch": "; ".join(pf) or "default",
             "async": "yes" if u.get("unshard_async_op") else "no", "offload": u.get("offload") or "—",
             "ac": u.get("checkpoint", "none"), "fwd": fmt_ms(tm.get("fwd_ms")), "agf": fmt_ms(tm.get("ag_wait_fwd_ms")),
             "bwd": fmt_ms(tm.get("bwd_ms")), "agb": fmt_ms(tm.get("ag_wait_bwd_ms")), "rec": fmt_ms(tm.get("recompute_ms")),
@@ -38,28 +38,36 @@ def unit_rows(units: list[dict]) -> list[dict]:
 
 
 def layout(snap, flt: Filters) -> list:
-    units = snap.sections(flt.window).get("units") or snap.report.get("units") or []
+    units = snap.sections(flt.window, flt.rank).get("units") or snap.report.get("units") or []
     if not units:
         return [note("No FSDP unit configuration recorded yet (it is written at the first step).", "warning",
                      nid="empty-note")]
     shown = [u for u in units if flt.unit is None or u["name"] == flt.unit]
+    rows = unit_rows(shown)
     return [
-        section(f"FSDP units ({len(shown)} of {len(units)})" + ("" if flt.unit is None else " — clear the unit filter to see all"),
-                table("tbl-units", unit_rows(shown), COLUMNS, left=("unit", "prefetch"), page_size=50,
-                      row_selectable=False, cell_selectable=True),
+        section(f"FSDP units ({len(shown)} of {len(units)})" + ("" if flt.unit is None else
+                                                              " — clear the unit filter (× in the Unit box) to see all"),
+                table("tbl-units", rows, columns(rows), left=("unit", "prefetch"), page_size=50, row_id="rid"),
                 note("Click a unit's name to filter every page by it.", "info"), sid="sec-units"),
-        section("", graph(F.unit_timing_figure(units, flt.unit), "fig-unit-timing")),
+        section("", graph(F.unit_timing_figure(units, flt.unit, who=_who(flt)), "fig-unit-timing")),
     ]
 
 
+def columns(rows: list[dict]) -> list[tuple[str, str]]:
+    """COLUMNS less offload and recompute when no unit has any (CPU runs, no checkpointing): the table fits."""
+    empty = {c for c, blank in (("offload", ("—",)), ("rec", ("0 µs", "—"))) if all(r[c] in blank for r in rows)}
+    return [c for c in COLUMNS if c[0] not in empty]
+
+
+def _who(flt: Filters) -> str:
+    who = "all ranks" if flt.rank is None else f"rank {flt.rank}"
+    return who + ("" if flt.window is None else f", steps {flt.window[0]}–{flt.window[1]}")
+
+
 def register(app) -> None:
-    @app.callback(Output("flt-unit", "value"), Input("tbl-units", "active_cell"),
-                  State("tbl-units", "derived_viewport_data"), prevent_initial_call=True)
-    def _select_unit(cell, data):
-        if not cell or cell.get("column_id") != "unit" or not data:
+    @app.callback(Output("flt-unit", "value", allow_duplicate=True), Input("tbl-units", "cellClicked"),
+                  prevent_initial_call=True)
+    def _select_unit(cell):
+        if not cell or cell.get("colId") != "unit" or cell.get("rowId") is None:
             return no_update
-        row = cell.get("row", -1)
-        if not 0 <= row < len(data):
-            return no_update
-        name = data[row].get("name")
-        return ALL if name is None else unit_value(name)
+        return cell["rowId"]
