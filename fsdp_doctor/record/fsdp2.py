@@ -411,8 +411,8 @@ def enable_cpu_fsdp() -> list[str]:
     except Exception:  # noqa: BLE001
         return added
     orig = getattr(_fsdp_param_group, "foreach_all_gather_copy_out", None)
-    if orig is None or getattr(orig, "_fsdp_doctor_vc", False):
-        return added
+    if orig is None or getattr(orig, "_fsdp_doctor_vc", False) or TORCH[:2] >= (2, 9):
+        return added  # 2.9+ preserves the counters itself (2.15 moved that code elsewhere)
     try:
         preserves = "_unsafe_preserve_version_counter" in inspect.getsource(_fsdp_collectives.foreach_all_gather_copy_out)
     except Exception:  # noqa: BLE001
