@@ -40,7 +40,8 @@ class Unit:
         return F2.param_groups(self.state) is not None
 
     @property
-    def fsdp_params(self) -> list:
+    def params(self) -> list:
+        """The unit's FSDPParams, every group."""
         return [fp for pg in self.param_groups for fp in F2.group_params(pg)]
 
 
@@ -169,7 +170,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
         numel: int | None = 0 if known else None
         local, unsharded = numel, numel
         dtypes: set[str] = set()
-        fps = u.fsdp_params
+        fps = u.params
         for fp in fps:
             n, lb, ub, dts = _param_bytes(fp)
             numel, local, unsharded = _add(numel, n), _add(local, lb), _add(unsharded, ub)
@@ -209,7 +210,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
 
 
 def managed_param_ids(units: list[Unit]) -> set[int]:
-    return {id(sp) for u in units for fp in u.fsdp_params if (sp := F2.sharded_param(fp)) is not None}
+    return {id(sp) for u in units for fp in u.params if (sp := F2.sharded_param(fp)) is not None}
 
 
 def unmanaged_params(model: nn.Module, units: list[Unit]) -> list[nn.Parameter]:
@@ -244,7 +245,7 @@ def consistency_problem(model: nn.Module, units: list[Unit], cfgs: list[UnitConf
         if c.sharded_bytes is None:
             continue
         local = 0
-        for fp in u.fsdp_params:
+        for fp in u.params:
             sp = F2.sharded_param(fp)
             lt = getattr(sp, "_local_tensor", sp)
             if lt is not None:
