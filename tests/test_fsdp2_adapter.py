@@ -151,3 +151,32 @@ def test_labels_this_torch_lacks_are_listed():
     assert set(lacking) <= set(F2.LABELS_MISSING_IN)
     if F2.TORCH[:2] == (2, 13):
         assert lacking == []  # the pinned torch has both
+
+
+def test_unknown_reaches_the_report_the_terminal_and_the_dashboard(sample_run_path):
+    """A run recorded on a torch whose sizes could not be read: the report lists why, the rules that need
+    them stay quiet with a reason, and the unit tables say unknown instead of 0."""
+    from rich.console import Console
+
+    from dashboards.pages.units import unit_rows
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze import build_report
+    from fsdp_doctor.present.terminal import render_units
+
+    run = load_run(sample_run_path)
+    line = "torch 9.9.9: cannot read FSDPParam._orig_size; parameter counts unknown"
+    for rd in run.ranks.values():
+        for u in rd.config.units:
+            u.param_count = u.sharded_bytes = u.unsharded_bytes = u.unshard_async_op = None
+        rd.config.unavailable = [line]
+    report = build_report(run, traces=False)
+    assert line in report["problems"]
+    skipped = [p for p in report["problems"] if " not checked: " in p]
+    assert any(p.startswith("prefetch.sync_unshard not checked") for p in skipped)
+    assert not [f for f in report["findings"] if f["code"].startswith(("wrap.", "prefetch.", "reshard."))]
+    con = Console(width=100, record=True)
+    con.print(render_units(report["units"]))
+    text = con.export_text()
+    assert "unknown" in text and "0.00 M" not in text
+    rows = unit_rows(report["units"])
+    assert all(r["params"] == "unknown" and r["shard"] == "unknown" and r["async"] == "unknown" for r in rows)

@@ -116,5 +116,8 @@ def build_report(run: Run, *, progress: Callable[[int, int], None] | None = None
     from ..diagnose import diagnose
 
     report["findings"] = diagnose(run, report)
+    if run.config is not None:  # what this torch's FSDP2 did not let the recorder read (one line each)
+        problems.extend(n for n in run.config.unavailable if n not in problems)
+    problems.extend(report.pop("rules_skipped", []))
     report["problems"] = problems
     return report

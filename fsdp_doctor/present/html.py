@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from .fmt import fmt_bytes, fmt_ms, fmt_pct, fmt_value, run_facts
+from .fmt import fmt_bytes, fmt_ms, fmt_pct, fmt_unit_figures, fmt_value, run_facts
 
 PHASES = ("forward", "backward", "optimizer", "outside")
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
@@ -255,9 +255,7 @@ def _units_table(units: list[dict]) -> str:
         pad = 12 * int(u.get("depth", 0) or 0)
         rows.append(f"<tr><td style='padding-left:{pad}px'>{_esc(u.get('name') or '(root)')}</td>" + "".join(
             f"<td>{_esc(x)}</td>" for x in (
-            f"{u.get('param_count', 0) / 1e6:.2f} M", fmt_bytes(u.get("sharded_bytes")),
-            fmt_bytes(u.get("unsharded_bytes")), str(u.get("reshard_after_forward", True)).lower(),
-            u.get("checkpoint", "none"), fmt_ms(t.get("fwd_ms")), fmt_ms(t.get("ag_wait_fwd_ms")),
+            *fmt_unit_figures(u), u.get("checkpoint", "none"), fmt_ms(t.get("fwd_ms")), fmt_ms(t.get("ag_wait_fwd_ms")),
             fmt_ms(t.get("bwd_ms")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
     return f"<table>{head}{''.join(rows)}{more}</table>"

@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import fmt_bytes, fmt_ms, fmt_value, run_facts
+from .fmt import fmt_bytes, fmt_ms, fmt_unit_figures, fmt_value, run_facts
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -82,9 +82,7 @@ def render_units(units: list[dict]):
     for u in units[:24]:
         tm = u.get("timing_p50", {})
         name = u["name"] or "<root>"
-        t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
-                  fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
-                  u.get("checkpoint", "none"), *(_num(tm.get(k)) for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms")))
+        t.add_row(("  " * u.get("depth", 0)) + name, *fmt_unit_figures(u), u.get("checkpoint", "none"), *(_num(tm.get(k)) for k in ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms")))
     if len(units) > 24:
         t.add_row(f"… {len(units) - 24} more", *[""] * 9)
     return t
