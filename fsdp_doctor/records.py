@@ -98,6 +98,9 @@ class RunConfig(Record, tag="config"):
     # one line each: what this torch's FSDP2 could not tell the doctor (private state it could not read, a
     # failed consistency check, a label or API this release lacks); the report lists them under problems
     unavailable: list[str] = []
+    # features of FSDP2 this torch release does not have (a record_function label, a private API), e.g.
+    # "label FSDP::post_backward_rs_wait": facts about the release, not problems of the run
+    torch_lacks: list[str] = []
 
 
 class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):

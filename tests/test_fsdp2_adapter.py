@@ -180,3 +180,20 @@ def test_unknown_reaches_the_report_the_terminal_and_the_dashboard(sample_run_pa
     assert "unknown" in text and "0.00 M" not in text
     rows = unit_rows(report["units"])
     assert all(r["params"] == "unknown" and r["shard"] == "unknown" and r["async"] == "unknown" for r in rows)
+
+
+def test_consistency_check_names_the_mismatch():
+    from fsdp_doctor.record.units import consistency_problem
+    from fsdp_doctor.records import UnitConfig
+
+    model = nn.Linear(2, 2)  # 6 parameters, no unit manages them
+
+    def cfg(n):
+        return UnitConfig(name="u", modules=["u"], is_root=True, param_count=n, n_params=0, sharded_bytes=0,
+                          unsharded_bytes=0, orig_dtypes=[])
+
+    assert consistency_problem(model, [], [cfg(0)]) is None
+    line = consistency_problem(model, [], [cfg(5)])
+    assert line.startswith(f"torch {F2.TORCH_STR}: unit parameter counts do not add up") and "\n" not in line
+    assert "5 + unmanaged 6 != model 6" in line
+    assert consistency_problem(model, [], [cfg(None)]) is None  # unknown counts are reported as unknown, once

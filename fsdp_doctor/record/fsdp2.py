@@ -486,6 +486,16 @@ def labels_unavailable() -> list[str]:
     return out
 
 
+def features_unavailable() -> list[str]:
+    """What this release lacks of what some torch releases have (labels, private APIs), one name each."""
+    out = [f"label {lab}" for lab in labels_unavailable()]
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):  # 2.6
+        out.append("torch._C._autograd._top_saved_tensors_default_hooks (saved-tensor hooks found by a probe op)")
+    if FSDPModule is not None and not hasattr(FSDPModule, "_set_unshard_async_op"):
+        out.append("FSDPModule._set_unshard_async_op")
+    return out
+
+
 _SRC: list = []
 
 

@@ -611,8 +611,6 @@ class Doctor:
             if self._consistency:
                 log.warning("fsdp_doctor: %s", self._consistency)
         unavailable = F2.problems() + ([self._consistency] if self._consistency else [])
-        unavailable += [f"torch {F2.TORCH_STR}: FSDP2 does not emit the label {lab}; analyses that use it skip it"
-                        for lab in F2.labels_unavailable()]
         return RunConfig(
             rank=self.rank, world_size=self.world_size, backend=str(backend), device=str(dev), device_name=dev_name,
             torch_version=str(torch.__version__),
@@ -624,6 +622,7 @@ class Doctor:
             flops_per_step=self.flops_per_step,
             profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
             unavailable=unavailable,
+            torch_lacks=F2.features_unavailable(),
         )
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
