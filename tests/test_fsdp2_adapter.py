@@ -197,3 +197,23 @@ def test_consistency_check_names_the_mismatch():
     assert line.startswith(f"torch {F2.TORCH_STR}: unit parameter counts do not add up") and "\n" not in line
     assert "5 + unmanaged 6 != model 6" in line
     assert consistency_problem(model, [], [cfg(None)]) is None  # unknown counts are reported as unknown, once
+
+
+def test_unmeasured_memory_category_is_unknown_not_zero(sample_run_path):
+    from rich.console import Console
+
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze.memory import analyze_memory
+    from fsdp_doctor.present.memory import render_memory
+
+    run = load_run(sample_run_path)
+    for rd in run.ranks.values():
+        for s in rd.steps:
+            if s.memory:
+                s.memory["unknown"] = ["comm_buffers"]  # what the probe writes when CommReader is not ok
+    mem = analyze_memory(run)
+    assert all(pr["unknown_categories"] == ["comm_buffers"] for pr in mem["per_rank"].values())
+    con = Console(width=100, record=True)
+    con.print(render_memory(mem))
+    row = next(line for line in con.export_text().splitlines() if line.strip().startswith("comm buffers"))
+    assert "unknown" in row and "B" not in row.replace("buffers", "")

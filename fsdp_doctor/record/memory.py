@@ -772,6 +772,7 @@ class MemoryProbe:
              "end": {category: bytes},            # the last sample (after the optimizer step)
              "offloaded_host": int,               # host bytes of offloaded params/grads/optimizer state
              "activations": "exact" | "replayed" | "off", "activations_note": str (optional),
+             "unknown": [category, ...],          # optional: not measurable on this torch (0 is no figure)
              "unit_activations": {unit: bytes},   # exact steps: saved bytes each unit's forward left
              "stale_optimizer_param_tensors": int,
              "timeline": {"columns": ["t_ms", "unit", "phase", *CATEGORIES], "rows": [[...], ...]},
