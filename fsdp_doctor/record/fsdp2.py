@@ -35,6 +35,14 @@ hook logs                       2.6: ``logger.debug`` only when compiled     alw
 labels                          ``FSDP::post_backward_rs_wait`` absent       present; 2.15 drops
                                                                              ``FSDP::post_backward_
                                                                              accumulate``
+saved-tensor hooks reader       2.6: no ``torch._C._autograd._top_saved_     present
+                                tensors_default_hooks`` (a probe op tells
+                                whether hooks are active: see
+                                :func:`saved_hooks_top`); 2.9: present
+all-gather copy-out             2.6: bumps the all-gather outputs' version   2.9+: preserves them
+                                counters (see :func:`enable_cpu_fsdp`)
+``fully_shard(reshard_after_    2.6 refuses ``None`` (its default is True;   ``None`` (auto) is the
+forward=None)``                 the root is set to False at lazy init)       default
 =============================== ============================================ ==============================
 
 Unchanged across 2.6 - 2.15 (still read defensively): ``FSDPState._modules``, ``_is_root``,
@@ -53,7 +61,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -511,5 +519,3 @@ def _fsdp_source() -> str | None:
             _SRC.append(None)
     return _SRC[0]
 
-
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "Any", "Iterable", "Optional")]

@@ -6,7 +6,6 @@ that torch version does not have becomes ``None`` in the snapshot ("unknown"), w
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
