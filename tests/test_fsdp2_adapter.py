@@ -217,3 +217,16 @@ def test_unmeasured_memory_category_is_unknown_not_zero(sample_run_path):
     con.print(render_memory(mem))
     row = next(line for line in con.export_text().splitlines() if line.strip().startswith("comm buffers"))
     assert "unknown" in row and "B" not in row.replace("buffers", "")
+
+
+def test_unsupported_torch_is_one_sentence_from_watch(monkeypatch, tmp_path):
+    import fsdp_doctor
+    from fsdp_doctor.record.tracker import WatchError
+
+    monkeypatch.setattr(F2, "TORCH", (2, 5, 1))
+    monkeypatch.setattr(F2, "TORCH_STR", "2.5.1")
+    with pytest.raises(WatchError) as e:
+        with fsdp_doctor.watch(nn.Linear(2, 2), out_dir=tmp_path):
+            pass
+    msg = str(e.value)
+    assert "torch 2.5.1 is not supported" in msg and "2.6" in msg and "\n" not in msg
