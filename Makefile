@@ -7,7 +7,12 @@ STAMP   := $(VENV)/.setup-stamp
 # The package itself accepts any torch >= 2.6 (see pyproject.toml).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast browser-deps clean plotlyjs-basic
+# `make test-compat`: the tests marked `compat` on each end of the supported torch range, each in its own
+# virtual environment under COMPAT_DIR (made once, ~1-3 min and ~7 GB each; reused while its stamp matches).
+COMPAT_DIR   ?= $(HOME)/.cache/fsdp_doctor/compat
+COMPAT_TORCH ?= 2.6.0 2.15.0
+
+.PHONY: setup demo test test-fast test-compat browser-deps clean plotlyjs-basic
 
 setup: $(STAMP)
 
@@ -43,6 +48,13 @@ browser-deps:
 
 test: setup browser-deps
 	$(VPY) -m pytest -q
+
+test-compat:
+	@t0=$$(date +%s); for v in $(COMPAT_TORCH); do \
+	  py=$$(bash .ci/compat-env.sh "$(COMPAT_DIR)" $$v | tail -n 1) || exit 1; \
+	  echo "test-compat: torch $$v ($$py), tests marked compat, this checkout ($(CURDIR))"; \
+	  OMP_NUM_THREADS=1 PYTHONPATH="$(CURDIR)" $$py -m pytest -q -p no:cacheprovider -m compat || exit 1; \
+	done; echo "test-compat: torch $(COMPAT_TORCH) passed in $$(( $$(date +%s) - t0 )) s"
 
 test-fast: setup
 	$(VPY) -m pytest -q -m "not browser and not slow"

@@ -155,6 +155,9 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         report["findings"] = diagnose(run, report)
     else:
         report["findings"] = []
+    if run.config is not None:  # what this torch's FSDP2 did not let the recorder read (one line each)
+        problems.extend(n for n in run.config.unavailable if n not in problems)
+    problems.extend(report.pop("rules_skipped", []))
     report["problems"] = problems
     return report
 

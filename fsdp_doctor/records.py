@@ -50,22 +50,23 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str  # FSDP's own module fqn for the unit ("" for the root, "norm, lm_head" for a group)
     modules: list[str]  # fqns of the modules the unit was applied to
     is_root: bool
-    param_count: int  # elements of the unsharded parameters
-    n_params: int  # number of parameter tensors
-    sharded_bytes: int  # this rank's local shards, padding included
-    unsharded_bytes: int  # bytes when all-gathered (in param_dtype)
+    # None wherever this torch's FSDP internals could not be read ("unknown"; RunConfig.notes says why)
+    param_count: int | None  # elements of the unsharded parameters
+    n_params: int | None  # number of parameter tensors
+    sharded_bytes: int | None  # this rank's local shards, padding included
+    unsharded_bytes: int | None  # bytes when all-gathered (in param_dtype)
     orig_dtypes: list[str]  # distinct dtypes of the unit's parameters
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     output_dtype: str | None = None
-    reshard_after_forward: Union[bool, int] = True
-    forward_prefetch: list[str] = []
-    backward_prefetch: list[str] = []
-    unshard_async_op: bool = False
+    reshard_after_forward: Union[bool, int, None] = True
+    forward_prefetch: list[str] | None = []
+    backward_prefetch: list[str] | None = []
+    unshard_async_op: bool | None = False
     offload: str | None = None  # "cpu" when CPUOffloadPolicy is set
     offload_pin_memory: bool | None = None
     checkpoint: str = "none"  # "none" | "unit" (AC wraps the unit) | "children" | "partial"
-    param_groups: int = 1
+    param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     parent: str | None = None  # name of the enclosing unit
 
@@ -83,7 +84,7 @@ class RunConfig(Record, tag="config"):
     optimizer_foreign_params: int = 0  # of those, tensors that are not the model's parameters
     optimizer_foreign_bytes: int = 0
     units: list[UnitConfig] = []
-    unmanaged_param_bytes: int = 0  # parameters no FSDP unit manages
+    unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0
     capacity_bytes: int | None = None
     tokens_per_step: int | None = None
@@ -93,6 +94,12 @@ class RunConfig(Record, tag="config"):
     notes: list[str] = []
     unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
     unmanaged_trainable_bytes: int | None = None
+    # one line each: what this torch's FSDP2 could not tell the doctor (private state it could not read, a
+    # failed consistency check, a label or API this release lacks); the report lists them under problems
+    unavailable: list[str] = []
+    # features of FSDP2 this torch release does not have (a record_function label, a private API), e.g.
+    # "label FSDP::post_backward_rs_wait": facts about the release, not problems of the run
+    torch_lacks: list[str] = []
 
 
 class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):

@@ -35,16 +35,16 @@ _BASE_SCRIPT = textwrap.dedent(
 
     def saved_bytes(root, model):
         # every node's saved tensors reachable from root; unique storages, parameters' storages excluded
-        from torch.distributed.fsdp import FSDPModule
+        from fsdp_doctor.record import fsdp2 as F2
         pkeys = set()
         for p in model.parameters():
             pkeys.add(getattr(p, "_local_tensor", p).untyped_storage()._cdata)
         for m in model.modules():
-            if isinstance(m, FSDPModule):
-                for pg in m._get_fsdp_state()._fsdp_param_groups:
-                    for fp in pg.fsdp_params:
-                        if hasattr(fp, "_unsharded_param"):
-                            pkeys.add(fp._unsharded_param.untyped_storage()._cdata)
+            if F2.is_fsdp_module(m):
+                for pg in F2.param_groups(F2.state_of(m)):
+                    for fp in F2.group_params(pg):
+                        if F2.unsharded_param(fp) is not None:
+                            pkeys.add(F2.unsharded_param(fp).untyped_storage()._cdata)
         seen, total, stack, nodes = set(), 0, [root], set()
         while stack:
             n = stack.pop()

@@ -80,6 +80,7 @@ def test_phase_times_add_up(recorded_run):
         assert rd.config.flops_per_step and rd.config.flops_per_step > 0
 
 
+@pytest.mark.compat
 def test_losses_bit_identical_with_and_without_doctor(recorded_run):
     from fsdp_doctor.workloads import WorkloadConfig, launch
 

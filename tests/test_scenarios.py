@@ -64,7 +64,11 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+# the scenarios whose findings need few steps and no timing luck also run on the ends of the torch range
+COMPAT = {"whole", "blocks_only", "no_root", "optimizer_before_shard"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.compat) if n in COMPAT else n for n in SCENARIOS])
 def test_scenario_yields_its_code(tmp_path, name):
     knobs, extra, code = SCENARIOS[name]
     report = _diagnose(tmp_path, name, watch_extra=extra, **knobs)
@@ -75,6 +79,7 @@ def test_scenario_yields_its_code(tmp_path, name):
         assert f["recommendation"]["code"], code
 
 
+@pytest.mark.compat
 def test_sync_unshard_on_gloo(tmp_path):
     report = _diagnose(tmp_path, "sync", profile=True, async_unshard=False)
     assert "prefetch.sync_unshard" in _codes(report)

@@ -76,16 +76,16 @@ class UnitProbe:
     def __call__(self, step, model, optimizer, loss) -> None:
         if step != 0:
             return
-        from torch.distributed.fsdp import FSDPModule
+        from fsdp_doctor.record import fsdp2 as F2
 
         seen, states = [], set()
         for module in model.modules():
-            if isinstance(module, FSDPModule) and id(module._get_fsdp_state()) not in states:
-                state = module._get_fsdp_state()
+            if F2.is_fsdp_module(module) and id(F2.state_of(module)) not in states:
+                state = F2.state_of(module)
                 states.add(id(state))
-                for group in state._fsdp_param_groups:
-                    count = sum(math.prod(p._orig_size) for p in group.fsdp_params)
-                    seen.append((group._module_fqn, count))
+                for group in F2.param_groups(state):
+                    count = sum(F2.param_numel(p) for p in F2.group_params(group))
+                    seen.append((F2.group_fqn(group), count))
         if self.names_reliable:
             assert dict(seen) == self.expected, (dict(seen), self.expected)
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dash import Input, Output, no_update
 
-from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.present.fmt import UNKNOWN, fmt_ms, fmt_unit_figures
 
 from .. import figures as F
 from .common import Filters, graph, note, section, table, unit_value
@@ -26,11 +26,10 @@ def unit_rows(units: list[dict]) -> list[dict]:
             pf.append("bwd: " + ", ".join(u["backward_prefetch"]))
         rows.append({
             "unit": ("\u2003" * u.get("depth", 0)) + F.unit_label(u["name"]), "rid": unit_value(u["name"]),
-            "params": f"{u['param_count'] / 1e6:.2f} M", "shard": fmt_bytes(u["sharded_bytes"]),
-            "gathered": fmt_bytes(u["unsharded_bytes"]),
+            **dict(zip(("params", "shard", "gathered", "reshard"), fmt_unit_figures(u))),
             "dtype": u.get("param_dtype") or "/".join(u.get("orig_dtypes") or []) or "—",
-            "reshard": "after fwd" if u.get("reshard_after_forward", True) else "no", "prefetch": "; ".join(pf) or "default",
-            "async": "yes" if u.get("unshard_async_op") else "no", "offload": u.get("offload") or "—",
+            "prefetch": "; ".join(pf) or "default" if u.get("forward_prefetch") is not None else UNKNOWN,
+            "async": UNKNOWN if u.get("unshard_async_op", False) is None else "yes" if u.get("unshard_async_op") else "no", "offload": u.get("offload") or "—",
             "ac": u.get("checkpoint", "none"), "fwd": fmt_ms(tm.get("fwd_ms")), "agf": fmt_ms(tm.get("ag_wait_fwd_ms")),
             "bwd": fmt_ms(tm.get("bwd_ms")), "agb": fmt_ms(tm.get("ag_wait_bwd_ms")), "rec": fmt_ms(tm.get("recompute_ms")),
         })

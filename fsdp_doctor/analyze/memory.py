@@ -86,6 +86,9 @@ def _rank_section(rd) -> dict | None:
     out["per_unit"] = _per_unit(cfg, steps)
     if m.get("cuda"):
         out["cuda"] = m["cuda"]
+    unknown = sorted({c for s in steps for c in s.memory.get("unknown") or ()})
+    if unknown:  # not measurable on this torch: their 0 in the breakdown is not a figure
+        out["unknown_categories"] = unknown
     notes = sorted({s.memory[k] for s in steps for k in ("activations_note", "comm_note") if s.memory.get(k)})
     if notes:
         out["notes"] = notes
@@ -157,8 +160,8 @@ def _per_unit(cfg, steps) -> list[dict]:
         u = by_name.get(name)
         a = acts.get(name)
         row = {"unit": name,
-               "sharded_bytes": int(u.sharded_bytes) if u is not None else None,
-               "unsharded_bytes": int(u.unsharded_bytes) if u is not None else None,
+               "sharded_bytes": int(u.sharded_bytes) if u is not None and u.sharded_bytes is not None else None,
+               "unsharded_bytes": int(u.unsharded_bytes) if u is not None and u.unsharded_bytes is not None else None,
                "activation_bytes": a}
         if a is not None:
             row["activation_self_bytes"] = a - sum(acts.get(c, 0) for c in children.get(name, []))

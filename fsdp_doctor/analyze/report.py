@@ -24,6 +24,8 @@ def run_facts(run: Run) -> dict:
                      torch_version=cfg.torch_version, optimizer=cfg.optimizer, units=len(cfg.units),
                      model_param_count=cfg.model_param_count, capacity_bytes=cfg.capacity_bytes,
                      tokens_per_step=cfg.tokens_per_step)
+        if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
+            facts["torch_lacks"] = list(cfg.torch_lacks)
     errs = [{"rank": e.rank, "where": e.where, "message": e.message, "step": e.step}
             for rd in run.ranks.values() for e in rd.errors]
     if errs:

@@ -14,7 +14,13 @@ def diagnose(run, report: dict) -> list[dict]:
     """Runs every registered rule; a rule that fails is reported as an info finding, never a crash."""
     ctx = Context(run=run, report=report)
     out: list[Finding] = []
+    unknown = _unknown_unit_fields(run)
     for cls in RULES:
+        needs = [f for prefix, fields in _NEEDS for f in fields if cls.code.startswith(prefix) and f in unknown]
+        if needs:  # the rule would read a figure this torch did not let us record: quiet, with the reason
+            report.setdefault("rules_skipped", []).append(
+                f"{cls.code} not checked: unit {', '.join(sorted(set(needs)))} unknown on this torch")
+            continue
         try:
             out.extend(cls().match(ctx))
         except Exception as e:  # noqa: BLE001
@@ -22,6 +28,19 @@ def diagnose(run, report: dict) -> list[dict]:
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return [f.as_dict() for f in out]
+
+
+# unit fields (UnitConfig) each family of rules reads; a None there ("unknown") keeps the rule quiet
+_SIZES = ("param_count", "sharded_bytes", "unsharded_bytes")
+_NEEDS = (("wrap.", _SIZES), ("reshard.", _SIZES + ("reshard_after_forward",)), ("ac.", _SIZES),
+          ("offload.", _SIZES), ("prefetch.", _SIZES + ("reshard_after_forward", "forward_prefetch")),
+          ("prefetch.sync_unshard", ("unshard_async_op",)), ("optim.state_dominates", _SIZES))
+
+
+def _unknown_unit_fields(run) -> set[str]:
+    cfg = getattr(run, "config", None)
+    fields = {f for _, fs in _NEEDS for f in fs}
+    return {f for u in (cfg.units if cfg is not None else []) for f in fields if getattr(u, f, 0) is None}
 
 
 __all__ = ["Context", "Finding", "RULES", "Rule", "SEVERITIES", "diagnose", "register"]

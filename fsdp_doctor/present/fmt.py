@@ -31,6 +31,18 @@ def fmt_bytes(n, prec: int = 2) -> str:
     return f"{sign}{n:.0f} B"
 
 
+UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)
+
+
+def fmt_unit_figures(u: dict) -> tuple[str, str, str, str]:
+    """(params, shard, gathered, reshard) of a unit-table row; ``unknown`` where the record has None."""
+    pc = u.get("param_count", 0)
+    raf = u.get("reshard_after_forward", True)
+    return (UNKNOWN if pc is None else f"{pc / 1e6:.2f} M",
+            *(UNKNOWN if u.get(k, 0) is None else fmt_bytes(u.get(k, 0)) for k in ("sharded_bytes", "unsharded_bytes")),
+            UNKNOWN if raf is None else str(raf).lower())
+
+
 def fmt_ms(ms, signed: bool = False) -> str:
     """A duration given in ms: "850 µs", "2.50 ms", "12.3 ms", "1.25 s" (``signed``: "+" on positive values)."""
     if ms is None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .fmt import (comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, fmt_value, run_facts,
+from .fmt import (comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_pct, fmt_us, fmt_value, run_facts,
                   unit_label)
 
 PHASES = ("forward", "backward", "optimizer", "outside")
@@ -310,9 +310,7 @@ def _units_table(units: list[dict]) -> str:
         pad = 12 * int(u.get("depth", 0) or 0)
         rows.append(f"<tr><td style='padding-left:{pad}px'>{_esc(unit_label(u.get('name') or ''))}</td>" + "".join(
             f"<td>{_esc(x)}</td>" for x in (
-            f"{u.get('param_count', 0) / 1e6:.2f} M", fmt_bytes(u.get("sharded_bytes")),
-            fmt_bytes(u.get("unsharded_bytes")), str(u.get("reshard_after_forward", True)).lower(),
-            u.get("checkpoint", "none"), fmt_ms(_own(t, "fwd")), fmt_ms(t.get("ag_wait_fwd_ms")),
+            *fmt_unit_figures(u), u.get("checkpoint", "none"), fmt_ms(_own(t, "fwd")), fmt_ms(t.get("ag_wait_fwd_ms")),
             fmt_ms(_own(t, "bwd")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
     return (f"<p class='note'>Per-step medians; each unit's own time (nested units excluded).</p>"

@@ -42,7 +42,8 @@ def render_memory(section: dict):
         return Text("No memory measurements.")
     ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
     cats = list(section.get("categories") or _LABELS)
-    shown = [c for c in cats if any((per_rank[r].get("peak_breakdown") or {}).get(c) for r in ranks)]
+    unknown = {c for r in ranks for c in per_rank[r].get("unknown_categories") or ()}
+    shown = [c for c in cats if c in unknown or any((per_rank[r].get("peak_breakdown") or {}).get(c) for r in ranks)]
     table = Table(title="Memory at the peak, by category (device bytes per rank)", box=box.SIMPLE_HEAD,
                   title_justify="left", pad_edge=False)
     table.add_column("category", style="bold", no_wrap=True)
@@ -58,6 +59,9 @@ def render_memory(section: dict):
             pr = per_rank[r]
             v = (pr.get("peak_breakdown") or {}).get(c, 0) or 0
             peak = pr.get("peak_bytes") or 0
+            if c in (pr.get("unknown_categories") or ()):
+                row += ["unknown", "—"]
+                continue
             row += [fmt_bytes(v), f"{100 * v / peak:.1f}" if peak else "—"]
         if not many:
             p0 = per_rank[ranks[0]]

@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_value, run_facts, unit_label
+from .fmt import comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_value, run_facts, unit_label
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -112,8 +112,7 @@ def render_units(units: list[dict]):
     for u in units[:24]:
         tm = u.get("timing_p50", {})
         name = unit_label(u["name"])
-        t.add_row(("  " * u.get("depth", 0)) + name, f"{u['param_count'] / 1e6:.2f} M", fmt_bytes(u["sharded_bytes"]),
-                  fmt_bytes(u["unsharded_bytes"]), str(u.get("reshard_after_forward", True)).lower(),
+        t.add_row(("  " * u.get("depth", 0)) + name, *fmt_unit_figures(u),
                   u.get("checkpoint", "none"), *(_num(tm.get(k, tm.get(k.replace("_self", "")))) for k in
                     ("fwd_self_ms", "ag_wait_fwd_ms", "bwd_self_ms", "ag_wait_bwd_ms")))
     if len(units) > 24:

@@ -79,6 +79,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import fsdp2 as F2
+
 log = logging.getLogger("fsdp_doctor")
 # Property reads (``.grad``) on DTensor parameters go through __torch_function__ (~1 us each); inside this
 # context they are plain C reads.
@@ -189,7 +191,7 @@ class _GroupInfo:
     def __init__(self, pg, unit: int):
         self.pg = pg
         self.unit = unit
-        self.fps = list(getattr(pg, "fsdp_params", []) or [])
+        self.fps = F2.group_params(pg)
         self.unsharded_bytes: int | None = None
         self.post_fwd_bytes: int | None = None
 
@@ -216,15 +218,11 @@ class MemoryProbe:
                 g = _GroupInfo(pg, i)
                 self.groups.append(g)
                 self.unit_groups[i].append(g)
-        self._unsharded_state = None
-        self._post_fwd_state = None
-        try:
-            from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-            self._unsharded_state = ShardedState.UNSHARDED
-            self._post_fwd_state = ShardedState.SHARDED_POST_FORWARD
-        except Exception:  # noqa: BLE001 - moved in another torch version: fall back to is_unsharded
-            pass
+        self._ss = F2.ShardedStates()
+        # categories this torch's FSDP internals do not let us measure: reported as unknown, not as 0
+        self._unknown: list[str] = []
+        if not all(u.groups_known for u in self.units):
+            self._unknown = ["unsharded_params", "unsharded_grads", "comm_buffers"]
         # cached figures (device bytes, host bytes)
         self._static_t = (0, 0)
         self.host_static = 0
@@ -241,8 +239,7 @@ class MemoryProbe:
         self._unmanaged: list[nn.Parameter] = []
         self._param_keys: set[int] = set()
         self._keys_built: set[int] = set()
-        self._comm_ctxs: list = []
-        self._hsdp_groups: list[_GroupInfo] = []
+        self._comm: F2.CommReader | None = None
         self._comm_note: str | None = None
         self._sg_total = 0
         self._ug_total = 0
@@ -252,7 +249,7 @@ class MemoryProbe:
         for gs in self.unit_groups:
             fps = []
             for g in gs:
-                trainable = [fp for fp in g.fps if getattr(getattr(fp, "sharded_param", None), "requires_grad", False)]
+                trainable = [fp for fp in g.fps if getattr(F2.sharded_param(fp), "requires_grad", False)]
                 if trainable:
                     fps.append(trainable[0])
             self._probe_fps.append(fps)
@@ -292,7 +289,7 @@ class MemoryProbe:
         managed = set()
         for g in self.groups:
             for fp in g.fps:
-                sp = getattr(fp, "sharded_param", None)
+                sp = F2.sharded_param(fp)
                 if sp is not None:
                     managed.add(id(sp))
         self._unmanaged = [p for p in self.model.parameters() if id(p) not in managed]
@@ -304,9 +301,7 @@ class MemoryProbe:
         keys: set[int] = set()
         for g in self.groups:
             for fp in g.fps:
-                data = getattr(fp, "_sharded_param_data", None)
-                if data is None:
-                    data = getattr(getattr(fp, "sharded_param", None), "_local_tensor", None)
+                data = F2.sharded_data(fp)
                 if data is None:
                     continue
                 k, nb = _storage(data)
@@ -340,20 +335,12 @@ class MemoryProbe:
         self.host_static = host
         self._param_keys = keys
         self._keys_built = set()
-        ctxs = {}
-        for g in self.groups:
-            c = getattr(g.pg, "comm_ctx", None)
-            if c is not None:
-                ctxs[id(c)] = c
-        self._comm_ctxs = list(ctxs.values())
-        # the comm fields read at every mark (private FSDP API): check them once, else report comm as 0
-        ok = all(hasattr(c, "all_gather_state") and hasattr(c, "reduce_scatter_states") for c in self._comm_ctxs)
-        ok = ok and all(hasattr(g.pg, "_all_gather_result") for g in self.groups)
-        if not ok:
-            self._comm_ctxs = []
-            self._comm_note = "this torch version's FSDP comm state is not recognised: comm_buffers not measured"
-        self._hsdp_groups = [g for g in self.groups if getattr(g.pg, "_is_hsdp", False)
-                             or getattr(g.pg, "_partial_reduce_output", None) is not None]
+        # the comm fields read at every mark (private FSDP API): checked once by the adapter
+        self._comm = F2.CommReader(g.pg for g in self.groups)
+        if not self._comm.ok:
+            self._comm_note = (f"torch {F2.TORCH_STR}: FSDP's comm state is not recognised: comm_buffers unknown")
+            if "comm_buffers" not in self._unknown:
+                self._unknown.append("comm_buffers")
         self._static_done = True
 
     def _add_unit_param_keys(self, idx: int) -> None:
@@ -361,13 +348,13 @@ class MemoryProbe:
         added = False
         for g in self.unit_groups[idx]:
             for fp in g.fps:
-                up = getattr(fp, "_unsharded_param", None)
+                up = F2.unsharded_param(fp)
                 if up is not None:
                     k, _ = _storage(up)
                     if k is not None:
                         self._param_keys.add(k)
                         added = True
-                for t in getattr(fp, "all_gather_outputs", ()) or ():
+                for t in F2.unsharded_tensors(fp):
                     k, _ = _storage(t)
                     if k is not None:
                         self._param_keys.add(k)
@@ -388,12 +375,12 @@ class MemoryProbe:
         """Whether the unit holds any gradient now, read off one trainable param per param group (FSDP
         treats a group's params together): a few attribute reads, no storage access."""
         for fp in self._probe_fps[idx]:
-            if fp.sharded_param.grad is not None:
+            if F2.sharded_param(fp).grad is not None:
                 return True
-            up = getattr(fp, "_unsharded_param", None)
+            up = F2.unsharded_param(fp)
             if up is not None and up.grad is not None:
                 return True
-            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+            if F2.accumulated_grad(fp) is not None:
                 return True
         return False
 
@@ -404,10 +391,10 @@ class MemoryProbe:
         with _NoTF():
             for g in self.unit_groups[idx]:
                 for fp in g.fps:
-                    sp = getattr(fp, "sharded_param", None)
-                    up = getattr(fp, "_unsharded_param", None)
+                    sp = F2.sharded_param(fp)
+                    up = F2.unsharded_param(fp)
                     for gr, sharded in ((getattr(sp, "grad", None), True), (getattr(up, "grad", None), False),
-                                        (getattr(fp, "unsharded_accumulated_grad", None), False)):
+                                        (F2.accumulated_grad(fp), False)):
                         if gr is None:
                             continue
                         d, h = self._grad_bytes(gr, seen)
@@ -490,25 +477,18 @@ class MemoryProbe:
     # ------------------------------------------------------------------ per-mark figures
     def _unsharded_bytes(self) -> int:
         total = 0
-        us, pf = self._unsharded_state, self._post_fwd_state
+        state_of = self._ss.of
         for g in self.groups:
-            pg = g.pg
-            s = getattr(pg, "_sharded_state", None)
-            if us is not None and s is not None:
-                if s is us:
-                    b = g.unsharded_bytes
-                    if b is None:
-                        b = g.unsharded_bytes = self._measure_unsharded(g)
-                    total += b
-                elif s is pf:
-                    b = g.post_fwd_bytes
-                    if b is None:
-                        b = g.post_fwd_bytes = self._measure_post_forward(g)
-                    total += b
-            elif getattr(pg, "is_unsharded", False):
+            s = state_of(g.pg)
+            if s == "unsharded":
                 b = g.unsharded_bytes
                 if b is None:
                     b = g.unsharded_bytes = self._measure_unsharded(g)
+                total += b
+            elif s == "post_forward":
+                b = g.post_fwd_bytes
+                if b is None:
+                    b = g.post_fwd_bytes = self._measure_post_forward(g)
                 total += b
         return total
 
@@ -517,10 +497,7 @@ class MemoryProbe:
         seen: set[int] = set()
         total = 0
         for fp in g.fps:
-            ts = list(getattr(fp, "all_gather_outputs", ()) or ()) + list(getattr(fp, "_unsharded_inner_tensors", ()) or ())
-            if not ts and getattr(fp, "_unsharded_param", None) is not None:
-                ts = [fp._unsharded_param]
-            for t in ts:
+            for t in F2.unsharded_tensors(fp):
                 k, nb = _storage(t)
                 if k is not None and k not in seen:
                     seen.add(k)
@@ -531,53 +508,15 @@ class MemoryProbe:
     def _measure_post_forward(g: _GroupInfo) -> int:
         total = 0
         for fp in g.fps:
-            t = getattr(fp, "_sharded_post_forward_param_data", None)
+            t = F2.post_forward_data(fp)
             if t is not None:
                 total += t.numel() * t.element_size()
         return total
 
     def _comm_bytes(self) -> int:
-        """FSDP's collective buffers in flight. They are standalone tensors, so ``nbytes`` is their size."""
-        seen: list[int] = []
-        total = 0
-        for c in self._comm_ctxs:
-            ags = c.all_gather_state
-            if ags is not None:
-                t = ags.all_gather_result.all_gather_output
-                seen.append(id(t))
-                total += t.nbytes
-            for rs in c.reduce_scatter_states:
-                total += rs.reduce_scatter_input.nbytes
-        for g in self.groups:
-            agr = g.pg._all_gather_result
-            if agr is not None:
-                t = agr.all_gather_output
-                if id(t) not in seen:
-                    total += t.nbytes
-        for g in self._hsdp_groups:
-            pg = g.pg
-            ars = getattr(pg, "_all_reduce_state", None)
-            if ars is not None and isinstance(getattr(ars, "all_reduce_input", None), torch.Tensor):
-                if not self._is_grad_storage(g, ars.all_reduce_input):
-                    total += ars.all_reduce_input.nbytes
-            pro = getattr(pg, "_partial_reduce_output", None)
-            if isinstance(pro, torch.Tensor):
-                total += pro.nbytes
-        return total
-
-    @staticmethod
-    def _is_grad_storage(g: _GroupInfo, t: torch.Tensor) -> bool:
-        """Whether ``t`` is the storage of the group's sharded gradients: with reduce dtype = param dtype
-        FSDP all-reduces (HSDP) in place in the buffer its sharded gradients are views of, already counted
-        as sharded_grads."""
-        k, _ = _storage(t)
-        if k is None:
-            return False
-        for fp in g.fps:
-            gr = getattr(getattr(fp, "sharded_param", None), "grad", None)
-            if gr is not None:
-                return _storage(gr)[0] == k
-        return False
+        """FSDP's collective buffers in flight (0 while unknown: the step says ``unknown``)."""
+        c = self._comm
+        return (c.bytes() or 0) if c is not None else 0
 
     # ------------------------------------------------------------------ activations (saved tensors)
     def _pack(self, t):
@@ -639,7 +578,7 @@ class MemoryProbe:
             if not ag._saved_tensors_hooks_is_enabled():
                 self._act_note = "saved tensor hooks are disabled here"
                 return
-            if ag._top_saved_tensors_default_hooks(False) is not None:
+            if F2.saved_hooks_top() is not None:
                 # the user's own saved_tensors_hooks (e.g. save_on_cpu) are active: ours would override them
                 self._act_note = "the training loop's own saved_tensors_hooks are active; activations not counted"
                 return
@@ -654,8 +593,10 @@ class MemoryProbe:
         if not self._hooks_pushed:
             return
         ag = torch._C._autograd
-        top = ag._top_saved_tensors_default_hooks(False)
-        if top is not None and getattr(top[0], "__func__", None) is MemoryProbe._pack and getattr(top[0], "__self__", None) is self:
+        top = F2.saved_hooks_top()
+        if top is F2.UNKNOWN_HOOKS or (top is not None and getattr(top[0], "__func__", None) is MemoryProbe._pack
+                                       and getattr(top[0], "__self__", None) is self):
+            # (torch 2.6 cannot show the top: context managers above ours have exited by now)
             ag._pop_saved_tensors_default_hooks()
             self._hooks_pushed = False
 
@@ -735,7 +676,7 @@ class MemoryProbe:
         for i in self._pending:
             reduce = True
             for g in self.unit_groups[i]:
-                if not getattr(g.pg, "reduce_grads", True):
+                if not F2.reduce_grads(g.pg):
                     reduce = False
             hit = self._sgrad_cache.get(i)
             if not reduce or hit is None or self._refresh_step:
@@ -831,6 +772,7 @@ class MemoryProbe:
              "end": {category: bytes},            # the last sample (after the optimizer step)
              "offloaded_host": int,               # host bytes of offloaded params/grads/optimizer state
              "activations": "exact" | "replayed" | "off", "activations_note": str (optional),
+             "unknown": [category, ...],          # optional: not measurable on this torch (0 is no figure)
              "unit_activations": {unit: bytes},   # exact steps: saved bytes each unit's forward left
              "stale_optimizer_param_tensors": int,
              "timeline": {"columns": ["t_ms", "unit", "phase", *CATEGORIES], "rows": [[...], ...]},
@@ -893,6 +835,8 @@ class MemoryProbe:
             out["activations_note"] = note
         if self._comm_note:
             out["comm_note"] = self._comm_note
+        if self._unknown:
+            out["unknown"] = list(self._unknown)  # categories not measured on this torch (their 0 is not a figure)
         if full:
             if act_mode == "exact":
                 out["unit_activations"] = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
@@ -1039,8 +983,8 @@ def _compute_device(units, model: nn.Module) -> torch.device:
     parameters' own device is not the answer."""
     for u in units:
         for pg in u.param_groups:
-            dev = getattr(pg, "device", None)
-            if isinstance(dev, torch.device):
+            dev = F2.compute_device(pg)
+            if dev is not None:
                 return dev
     for p in model.parameters():
         return getattr(p, "_local_tensor", p).device

@@ -49,11 +49,12 @@ from ..records import (
 from ..store.writer import RecordWriter, RunDirTaken, claim_run_dir, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
 from .throughput import FlopCounter, device_peak_tflops
-from .units import (Unit, checkpointed_modules, find_units, label_to_index, snapshot_units, unmanaged_param_bytes,
-                    unmanaged_params)
+from . import fsdp2 as F2
+from .units import (Unit, checkpointed_modules, consistency_problem, find_units, label_to_index, snapshot_units,
+                    unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
-_FSDP_LOGGER = "torch.distributed.fsdp.fully_shard"
+_FSDP_LOGGER = F2.LOGGER_NAME
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _now = time.perf_counter_ns
 
@@ -120,6 +121,7 @@ class Doctor:
         self._acc: dict[int, _UnitAcc] = {}
         self._runtime_ckpt: set[int] = set()  # units seen re-running their forward in backward
         self._unit_of_label: dict[str, int] = {}
+        self._consistency: str | None = None  # the first step's consistency check ("" when it passed)
         self._writer: RecordWriter | None = None
         self._profiler: ProfilerWindows | None = None
         self._memory = None
@@ -214,6 +216,9 @@ class Doctor:
     def _check_entry(self) -> None:
         if self.model in _WATCHED:
             raise WatchError("fsdp_doctor.watch: this model is already being watched; exit the first watch() before starting another")
+        reason = F2.unsupported_reason()
+        if reason is not None:
+            raise WatchError(f"fsdp_doctor.watch: {reason}")
         units = find_units(self.model)
         if not units:
             raise WatchError(
@@ -635,18 +640,25 @@ class Doctor:
         for idx in self._runtime_ckpt:  # functional torch.utils.checkpoint(unit, ...): seen re-running in backward
             if unit_cfgs[idx].checkpoint == "none":
                 unit_cfgs[idx].checkpoint = "unit"
-        ign_numel, ign_names, ign_bytes = unmanaged_params(self.model, self._units)
+        _, ign_names, ign_bytes = unmanaged_summary(self.model, self._units)
+        if self._consistency is None:
+            self._consistency = consistency_problem(self.model, self._units, unit_cfgs) or ""
+            if self._consistency:
+                log.warning("fsdp_doctor: %s", self._consistency)
+        unavailable = F2.problems() + ([self._consistency] if self._consistency else [])
         return RunConfig(
             rank=self.rank, world_size=self.world_size, backend=str(backend), device=str(dev), device_name=dev_name,
             torch_version=str(torch.__version__),
             optimizer=type(self.optimizer).__name__ if self.optimizer is not None else None,
             optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
             units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(self.model, self._units),
-            model_param_count=sum(u.param_count for u in unit_cfgs) + ign_numel,
+            model_param_count=sum(p.numel() for p in self.model.parameters()),  # DTensor numel: global
             capacity_bytes=capacity, tokens_per_step=self.tokens_per_step, peak_tflops=peak,
             flops_per_step=self.flops_per_step,
             profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
             unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
+            unavailable=unavailable,
+            torch_lacks=F2.features_unavailable(),
         )
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
@@ -712,7 +724,7 @@ def _device_of(model: nn.Module) -> torch.device:
 
 def _compute_dtype(units: list[Unit]) -> str:
     for u in units:
-        dt = getattr(getattr(u.state, "_mp_policy", None), "param_dtype", None)
+        dt = getattr(F2.mp_policy(u.state), "param_dtype", None)
         if dt is not None:
             return str(dt).replace("torch.", "")
     return "float32"

@@ -1,23 +1,18 @@
 """Finding FSDP2 units and taking their configuration snapshot.
 
-Everything below ``FSDPModule``'s public methods is private API; it is read defensively here (getattr with
-fallbacks) so that a torch version that moved a field degrades to a missing value, not a crash.
+Every read of FSDP2's private state goes through :mod:`fsdp_doctor.record.fsdp2` (the adapter): a field
+that torch version does not have becomes ``None`` in the snapshot ("unknown"), with one line saying so.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from ..records import UnitConfig
-
-try:  # torch >= 2.6 exposes FSDPModule here
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover - older layouts
-    from torch.distributed._composable.fsdp import FSDPModule  # type: ignore
+from . import fsdp2 as F2
 
 _CKPT_PREFIX = "_checkpoint_wrapped_module"
 
@@ -36,20 +31,17 @@ class Unit:
 
     @property
     def param_groups(self) -> list:
-        return list(getattr(self.state, "_fsdp_param_groups", None) or [])
+        """The unit's FSDPParamGroups ([] when this torch's groups cannot be read: see ``groups_known``)."""
+        return F2.param_groups(self.state) or []
 
     @property
-    def fsdp_params(self) -> list:
-        return [fp for pg in self.param_groups for fp in getattr(pg, "fsdp_params", [])]
+    def groups_known(self) -> bool:
+        return F2.param_groups(self.state) is not None
 
-
-def _state_of(module: nn.Module):
-    get = getattr(module, "_get_fsdp_state", None)
-    if get is not None:
-        return get()
-    from torch.distributed.fsdp import fully_shard
-
-    return fully_shard.state(module)
+    @property
+    def params(self) -> list:
+        """The unit's FSDPParams, every group."""
+        return [fp for pg in self.param_groups for fp in F2.group_params(pg)]
 
 
 def find_units(model: nn.Module) -> list[Unit]:
@@ -58,12 +50,12 @@ def find_units(model: nn.Module) -> list[Unit]:
     by_state: dict[int, Unit] = {}
     order: list[int] = []
     for mod_name, m in model.named_modules():
-        if not isinstance(m, FSDPModule):
+        if not F2.is_fsdp_module(m):
             continue
-        state = _state_of(m)
+        state = F2.state_of(m)
         key = id(state)
         if key not in by_state:
-            mods = list(getattr(state, "_modules", None) or [m])
+            mods = F2.state_modules(state) or [m]
             mnames = [names.get(id(x), mod_name) for x in mods]
             by_state[key] = Unit(state=state, modules=mods, module_names=mnames, name=", ".join(mnames))
             order.append(key)
@@ -100,18 +92,6 @@ def _link_nesting(units: list[Unit]) -> None:
 
 def _dtype_name(dt) -> str | None:
     return None if dt is None else str(dt).replace("torch.", "")
-
-
-def _reshard_after_forward(pg) -> bool | int:
-    mi = getattr(pg, "mesh_info", None)
-    pfmi = getattr(pg, "post_forward_mesh_info", "missing")
-    if pfmi == "missing":
-        return True
-    if pfmi is None:
-        return False
-    if pfmi is mi:
-        return True
-    return int(getattr(pfmi, "shard_mesh_size", 0) or 0) or True
 
 
 def _checkpoint_kind(unit: Unit, all_units: list[Unit]) -> str:
@@ -158,64 +138,69 @@ def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
     return out
 
 
-def _param_bytes(fp) -> tuple[int, int, int, list[str]]:
-    """(elements unsharded, local sharded bytes incl. padding, unsharded bytes in param dtype, dtypes)."""
-    orig_size = getattr(fp, "_orig_size", None)
-    sp = getattr(fp, "sharded_param", None)
-    numel = math.prod(orig_size) if orig_size is not None else (sp.numel() if sp is not None else 0)
-    orig_dtype = getattr(fp, "orig_dtype", None) or (sp.dtype if sp is not None else torch.float32)
-    param_dtype = getattr(fp, "param_dtype", None) or orig_dtype
-    data = getattr(fp, "_sharded_param_data", None)
-    if data is not None:
-        local = data.numel() * data.element_size()
-    elif sp is not None:
-        lt = getattr(sp, "_local_tensor", sp)
-        local = lt.numel() * lt.element_size()
-    else:
-        local = 0
-    unsharded = numel * torch.empty((), dtype=param_dtype).element_size()
-    return numel, local, unsharded, [_dtype_name(orig_dtype)]
+def _param_bytes(fp) -> tuple[int | None, int | None, int | None, list[str]]:
+    """(elements unsharded, local sharded bytes incl. padding, unsharded bytes in param dtype, dtypes);
+    None for what this torch does not let us read."""
+    numel = F2.param_numel(fp)
+    orig = F2.orig_dtype(fp)
+    pdt = F2.param_dtype(fp)
+    data = F2.sharded_data(fp)
+    local = data.numel() * data.element_size() if data is not None else None
+    unsharded = numel * torch.empty((), dtype=pdt).element_size() if numel is not None and pdt is not None else None
+    return numel, local, unsharded, [_dtype_name(orig)] if orig is not None else []
+
+
+def _add(total: int | None, v: int | None) -> int | None:
+    return None if total is None or v is None else total + v
+
+
+def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
+    return None if states is None else [names.get(id(s), "?") for s in states]
 
 
 def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
+    """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown")."""
     names = {id(u.state): u.name for u in units}
     out = []
     for u in units:
-        pgs = u.param_groups
-        numel = local = unsharded = 0
+        pgs = F2.param_groups(u.state)
+        known = pgs is not None
+        pgs = pgs or []
+        numel: int | None = 0 if known else None
+        local, unsharded = numel, numel
         dtypes: set[str] = set()
-        for fp in u.fsdp_params:
+        fps = u.params
+        for fp in fps:
             n, lb, ub, dts = _param_bytes(fp)
-            numel += n
-            local += lb
-            unsharded += ub
+            numel, local, unsharded = _add(numel, n), _add(local, lb), _add(unsharded, ub)
             dtypes.update(d for d in dts if d)
-        mp = getattr(u.state, "_mp_policy", None)
+        mp = F2.mp_policy(u.state)
         pg0 = pgs[0] if pgs else None
-        offload = getattr(pg0, "offload_policy", None) if pg0 is not None else None
+        offload = F2.offload_policy(pg0) if pg0 is not None else None
         is_cpu_offload = type(offload).__name__ == "CPUOffloadPolicy"
-        fps = u.fsdp_params
+        root = F2.is_root(u.state)
         out.append(
             UnitConfig(
                 name=u.name,
                 modules=u.module_names,
-                is_root=bool(getattr(u.state, "_is_root", False)),
+                is_root=bool(root),
                 param_count=numel,
-                n_params=len(fps),
+                n_params=len(fps) if known else None,
                 sharded_bytes=local,
                 unsharded_bytes=unsharded,
                 orig_dtypes=sorted(dtypes),
                 param_dtype=_dtype_name(getattr(mp, "param_dtype", None)),
                 reduce_dtype=_dtype_name(getattr(mp, "reduce_dtype", None)),
                 output_dtype=_dtype_name(getattr(mp, "output_dtype", None)),
-                reshard_after_forward=_reshard_after_forward(pg0) if pg0 is not None else False,
-                forward_prefetch=[names.get(id(s), "?") for s in getattr(u.state, "_states_to_forward_prefetch", [])],
-                backward_prefetch=[names.get(id(s), "?") for s in getattr(u.state, "_states_to_backward_prefetch", [])],
-                unshard_async_op=bool(getattr(pg0, "unshard_async_op", False)) if pg0 is not None else False,
+                # a unit without parameters has nothing to reshard; unknown when the groups are
+                reshard_after_forward=F2.reshard_after_forward(pg0) if pg0 is not None else (False if known else None),
+                forward_prefetch=_names(F2.prefetch_targets(u.state, "forward"), names),
+                backward_prefetch=_names(F2.prefetch_targets(u.state, "backward"), names),
+                unshard_async_op=F2.unshard_async_op(pg0) if pg0 is not None else (False if known else None),
                 offload="cpu" if is_cpu_offload else None,
                 offload_pin_memory=bool(getattr(offload, "pin_memory", False)) if is_cpu_offload else None,
                 checkpoint=_checkpoint_kind(u, units),
-                param_groups=len(pgs),
+                param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,
             )
@@ -224,21 +209,26 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
 
 
 def managed_param_ids(units: list[Unit]) -> set[int]:
-    return {id(fp.sharded_param) for u in units for fp in u.fsdp_params if getattr(fp, "sharded_param", None) is not None}
+    return {id(sp) for u in units for fp in u.params if (sp := F2.sharded_param(fp)) is not None}
 
 
-def unmanaged_param_bytes(model: nn.Module, units: list[Unit]) -> int:
+def unmanaged_params(model: nn.Module, units: list[Unit]) -> list[nn.Parameter]:
+    """Model parameters no unit manages (the DTensor parameters FSDP put on the modules are managed)."""
     managed = managed_param_ids(units)
+    return [p for p in model.parameters() if id(p) not in managed]
+
+
+def unmanaged_param_bytes(model: nn.Module, units: list[Unit]) -> int | None:
+    if not all(u.groups_known for u in units):
+        return None
     total = 0
-    for p in model.parameters():
-        if id(p) in managed:
-            continue
+    for p in unmanaged_params(model, units):
         lt = getattr(p, "_local_tensor", p)
         total += lt.numel() * lt.element_size()
     return total
 
 
-def unmanaged_params(model: nn.Module, units: list[Unit]) -> tuple[int, list[str], int]:
+def unmanaged_summary(model: nn.Module, units: list[Unit]) -> tuple[int, list[str], int]:
     """Parameters no unit manages (``ignored_params``): (elements, names of the trainable ones, their bytes)."""
     managed = managed_param_ids(units)
     numel, names, nbytes = 0, [], 0
@@ -253,13 +243,40 @@ def unmanaged_params(model: nn.Module, units: list[Unit]) -> tuple[int, list[str
     return numel, names, nbytes
 
 
+def consistency_problem(model: nn.Module, units: list[Unit], cfgs: list[UnitConfig]) -> str | None:
+    """At the first step: the units' parameter counts plus the unmanaged ones must equal the model's
+    parameter count (global elements), and each unit's sharded bytes must be the local shards of its
+    parameters (padding included, so at least ``ceil(numel / world)`` elements each). One line when not."""
+    counts = [c.param_count for c in cfgs]
+    if any(c is None for c in counts):
+        return None  # already reported as unknown
+    model_count = sum(p.numel() for p in model.parameters())  # DTensor numel is global
+    unmanaged = sum(p.numel() for p in unmanaged_params(model, units))
+    if sum(counts) + unmanaged != model_count:
+        return (f"torch {F2.TORCH_STR}: unit parameter counts do not add up: units {sum(counts):,} + unmanaged "
+                f"{unmanaged:,} != model {model_count:,}; this torch's FSDP internals may have changed")
+    for u, c in zip(units, cfgs):
+        if c.sharded_bytes is None:
+            continue
+        local = 0
+        for fp in u.params:
+            sp = F2.sharded_param(fp)
+            lt = getattr(sp, "_local_tensor", sp)
+            if lt is not None:
+                local += lt.numel() * lt.element_size()
+        if c.sharded_bytes < local:
+            return (f"torch {F2.TORCH_STR}: unit {u.name or '(root)'} sharded bytes {c.sharded_bytes:,} are less than "
+                    f"its local shards {local:,}; this torch's FSDP internals may have changed")
+    return None
+
+
 def label_to_index(units: list[Unit]) -> dict[str, int]:
     """Maps the fqn FSDP puts in its labels and logs (``FSDP::pre_backward (fqn)``) to the unit's index in
     ``units`` (our own unit names map too)."""
     out: dict[str, int] = {}
     for i, u in enumerate(units):
         for pg in u.param_groups:
-            fqn = getattr(pg, "_module_fqn", None)
+            fqn = F2.group_fqn(pg)
             if fqn is not None:
                 out[fqn] = i
         out.setdefault(u.name, i)

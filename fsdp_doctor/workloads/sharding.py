@@ -26,6 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from ..record import fsdp2 as F2
 from .config import ReshardValue, WorkloadConfig
 from .gpt import block_leaf_counts, block_param_count, top_level_counts
 
@@ -243,6 +244,8 @@ def apply_fsdp(model: nn.Module, cfg: WorkloadConfig, mesh: Optional[DeviceMesh]
     Requires an initialised process group. Returns `model` (now an FSDPModule unless wrap="no_root").
     """
     preflight(cfg)  # refuse a bad config before touching the model
+    if cfg.device == "cpu":
+        F2.enable_cpu_fsdp()  # torch 2.6: FSDP2 cannot train on CPU without these back-ports
     offload = offload_policy(cfg)
     apply_activation_checkpointing(model, cfg)
     mesh = mesh if mesh is not None else default_mesh(cfg)
@@ -255,8 +258,9 @@ def apply_fsdp(model: nn.Module, cfg: WorkloadConfig, mesh: Optional[DeviceMesh]
     units = fsdp_units(cfg)
     for unit in units:
         modules = [model.get_submodule(path) for path in unit.paths]
-        fully_shard(modules[0] if len(modules) == 1 else modules, reshard_after_forward=unit.reshard,
-                    **common)
+        # None (auto: True, the root False) is fully_shard's default; torch 2.6 refuses it spelled out
+        reshard = {} if unit.reshard is None else {"reshard_after_forward": unit.reshard}
+        fully_shard(modules[0] if len(modules) == 1 else modules, **reshard, **common)
     _set_explicit_prefetch(model, units, cfg)
     if cfg.async_unshard and units and set_unshard_async(model) == 0:
         warnings.warn("async_unshard ignored: this torch has no FSDPModule._set_unshard_async_op",
@@ -296,8 +300,7 @@ def set_unshard_async(model: nn.Module) -> int:
     """
     switched = 0
     for module in model.modules():
-        setter = getattr(module, "_set_unshard_async_op", None)
-        if isinstance(module, FSDPModule) and setter is not None:
-            setter(True)  # recurses into nested units; harmless to repeat
+        # recurses into nested units; harmless to repeat
+        if isinstance(module, FSDPModule) and F2.set_unshard_async_op(module, True):
             switched += 1
     return switched

@@ -1,0 +1,544 @@
+"""The one place fsdp_doctor touches torch's private FSDP2 internals.
+
+Everything below ``FSDPModule``'s public methods is private API and moves between releases. Every read of
+it is here, next to a note of what differs between the releases we test (2.6.0, 2.9.1, 2.13.0 pinned,
+2.15.0; read from each release's ``torch/distributed/fsdp/_fully_shard/`` and probed on CPU/gloo).
+Nothing else in the package reads an ``_fsdp*`` attribute (``tests/test_fsdp2_adapter.py`` greps).
+
+When something the doctor needs cannot be read (a name is missing or has another shape), the accessor
+returns ``None`` and :func:`problem` says so once, in one line naming the torch version and what it
+could not read; the figure that depends on it is left out (``None`` -> "unknown"), never a silent zero.
+
+Versioned names (first release we saw each form in; lookups go by presence, not by version number, so a
+release between two tested ones works whichever form it has):
+
+=============================== ============================================ ==============================
+what                            2.6 - 2.9                                    2.13 - 2.15
+=============================== ============================================ ==============================
+param groups of a state         ``FSDPState._fsdp_param_group`` (one/None)   ``_fsdp_param_groups`` (list;
+                                                                             the singular is a property
+                                                                             that raises for several)
+reduce-scatter buffers kept     ``FSDPCommContext.reduce_scatter_state``     ``reduce_scatter_states``
+                                (one ``ReduceScatterState`` or None)         (list, capped by
+                                                                             ``reduce_scatter_max_input_
+                                                                             buffers``)
+all-gather state kept           ``comm_ctx.all_gather_state`` (instance)     same (2.15: class default
+                                                                             None until first set)
+unsharded accumulated grad      ``FSDPParam.unsharded_accumulated_grad``     same (2.15: a property)
+                                (attribute)
+CPU streams                     2.6: ``torch.cpu.Stream`` has no             no-op methods present
+                                ``record_event``/``wait_event``: FSDP2
+                                cannot run on CPU (see
+                                :func:`enable_cpu_fsdp`); 2.9: present
+hook logs                       2.6: ``logger.debug`` only when compiled     always
+                                autograd is off (it is, in eager)
+labels                          ``FSDP::post_backward_rs_wait`` absent       present; 2.15 drops
+                                                                             ``FSDP::post_backward_
+                                                                             accumulate``
+saved-tensor hooks reader       2.6: no ``torch._C._autograd._top_saved_     present
+                                tensors_default_hooks`` (a probe op tells
+                                whether hooks are active: see
+                                :func:`saved_hooks_top`); 2.9: present
+all-gather copy-out             2.6: bumps the all-gather outputs' version   2.9+: preserves them
+                                counters (see :func:`enable_cpu_fsdp`)
+``fully_shard(reshard_after_    2.6 refuses ``None`` (its default is True;   ``None`` (auto) is the
+forward=None)``                 the root is set to False at lazy init)       default
+=============================== ============================================ ==============================
+
+Unchanged across 2.6 - 2.15 (still read defensively): ``FSDPState._modules``, ``_is_root``,
+``_mp_policy``, ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``, ``_training_state``;
+``FSDPParamGroup.fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``, ``_module_fqn``,
+``offload_policy``, ``unshard_async_op``, ``reduce_grads``, ``device``, ``comm_ctx``,
+``_all_gather_result``, ``_sharded_state``, ``_is_hsdp``, ``_all_reduce_state``,
+``_partial_reduce_output``; ``FSDPParam._orig_size``, ``sharded_param``, ``_sharded_param_data``,
+``_unsharded_param``, ``all_gather_outputs``, ``_unsharded_inner_tensors``,
+``_sharded_post_forward_param_data``, ``orig_dtype``, ``param_dtype``; ``ShardedState`` in
+``_fsdp_param``; ``FSDPModule._set_unshard_async_op``; the logger ``torch.distributed.fsdp.fully_shard``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("fsdp_doctor")
+
+#: The oldest torch whose FSDP2 (``torch.distributed.fsdp.fully_shard``) the doctor reads.
+MIN_TORCH = (2, 6)
+#: Releases the test matrix runs (``make test`` on the pinned one, ``make test-compat`` on the ends).
+TESTED_TORCH = ("2.6.0", "2.9.1", "2.13.0", "2.15.0")
+#: The logger FSDP2 writes its per-unit hook logs to (``FSDP::pre_backward (fqn)``), every tested release.
+LOGGER_NAME = "torch.distributed.fsdp.fully_shard"
+
+_MISSING = object()
+
+
+def torch_version(v: str | None = None) -> tuple[int, int, int]:
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", v or torch.__version__)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else (0, 0, 0)
+
+
+TORCH = torch_version()
+TORCH_STR = torch.__version__.split("+")[0]
+
+try:  # public since 2.6
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - torch < 2.6: unsupported_reason() says so
+    FSDPModule = None  # type: ignore[assignment,misc]
+
+
+def unsupported_reason() -> str | None:
+    """One sentence when this torch is too old (or has no FSDP2) for the doctor; None when supported."""
+    if TORCH[:2] < MIN_TORCH or FSDPModule is None:
+        return (f"torch {TORCH_STR} is not supported: fsdp_doctor reads FSDP2 (fully_shard) internals of "
+                f"torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- problems
+_problems: dict[str, str] = {}
+
+
+def problem(what: str, consequence: str) -> None:
+    """Say once per process that ``what`` could not be read on this torch, and what is left out."""
+    if what in _problems:
+        return
+    line = f"torch {TORCH_STR}: cannot read {what}; {consequence}"
+    _problems[what] = line
+    log.warning("fsdp_doctor: %s", line)
+
+
+def problems() -> list[str]:
+    """Every :func:`problem` line of this process, in order (written to ``RunConfig.notes``)."""
+    return list(_problems.values())
+
+
+def _read(obj, name: str, owner: str, consequence: str, default=None):
+    v = getattr(obj, name, _MISSING)
+    if v is _MISSING:
+        problem(f"{owner}.{name}", consequence)
+        return default
+    return v
+
+
+# ------------------------------------------------------------------------------------------- states
+def is_fsdp_module(m: nn.Module) -> bool:
+    return FSDPModule is not None and isinstance(m, FSDPModule)
+
+
+def state_of(module: nn.Module):
+    """The module's ``FSDPState`` (grouped units share one)."""
+    get = getattr(module, "_get_fsdp_state", None)
+    if get is not None:
+        return get()
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard.state(module)
+
+
+def state_modules(state) -> list[nn.Module] | None:
+    mods = _read(state, "_modules", "FSDPState", "unit members taken from the module found")
+    return list(mods) if mods is not None else None
+
+
+def param_groups(state) -> list | None:
+    """The state's ``FSDPParamGroup`` list; None when unreadable. 2.13+: ``_fsdp_param_groups`` (list);
+    2.6-2.9: ``_fsdp_param_group`` (one group, or None for a unit without parameters)."""
+    pgs = getattr(state, "_fsdp_param_groups", _MISSING)
+    if pgs is not _MISSING:
+        return list(pgs or [])
+    try:
+        pg = getattr(state, "_fsdp_param_group", _MISSING)
+    except Exception:  # noqa: BLE001 - 2.13+'s compatibility property raises for several groups
+        pg = _MISSING
+    if pg is not _MISSING:
+        return [pg] if pg is not None else []
+    problem("FSDPState._fsdp_param_groups (or 2.6-2.9's _fsdp_param_group)",
+            "unit sizes, dtypes and settings unknown")
+    return None
+
+
+def is_root(state) -> bool | None:
+    return _read(state, "_is_root", "FSDPState", "root unit unknown")
+
+
+def mp_policy(state):
+    return _read(state, "_mp_policy", "FSDPState", "mixed-precision dtypes unknown")
+
+
+def prefetch_targets(state, direction: str) -> list | None:
+    """The states explicitly prefetched after this one (``set_modules_to_{forward,backward}_prefetch``)."""
+    v = _read(state, f"_states_to_{direction}_prefetch", "FSDPState", f"explicit {direction} prefetch unknown")
+    return list(v) if v is not None else None
+
+
+def training_state(state) -> str | None:
+    """``IDLE`` / ``FORWARD`` / ``PRE_BACKWARD`` / ``POST_BACKWARD`` (the ``TrainingState`` member name)."""
+    v = _read(state, "_training_state", "FSDPState", "training state unknown")
+    return getattr(v, "name", None) if v is not None else None
+
+
+# ------------------------------------------------------------------------------------------- param groups
+def group_params(pg) -> list:
+    return list(getattr(pg, "fsdp_params", None) or [])
+
+
+def group_fqn(pg) -> str | None:
+    """The name FSDP puts in its labels and logs (set at lazy init; ", "-joined for a grouped unit)."""
+    return getattr(pg, "_module_fqn", None)
+
+
+def reshard_after_forward(pg) -> bool | int | None:
+    """``post_forward_mesh_info``: None -> False; the group's ``mesh_info`` -> True; another mesh -> its
+    shard size (reshard to a smaller world). None when unreadable."""
+    pfmi = _read(pg, "post_forward_mesh_info", "FSDPParamGroup", "reshard_after_forward unknown", _MISSING)
+    if pfmi is _MISSING:
+        return None
+    if pfmi is None:
+        return False
+    if pfmi is getattr(pg, "mesh_info", None):
+        return True
+    return int(getattr(pfmi, "shard_mesh_size", 0) or 0) or True
+
+
+def offload_policy(pg):
+    return _read(pg, "offload_policy", "FSDPParamGroup", "CPU offload unknown")
+
+
+def unshard_async_op(pg) -> bool | None:
+    v = _read(pg, "unshard_async_op", "FSDPParamGroup", "async unshard unknown")
+    return None if v is None else bool(v)
+
+
+def reduce_grads(pg) -> bool:
+    return bool(getattr(pg, "reduce_grads", True))
+
+
+def compute_device(pg) -> torch.device | None:
+    dev = getattr(pg, "device", None)
+    return dev if isinstance(dev, torch.device) else None
+
+
+def is_hsdp(pg) -> bool:
+    try:
+        return bool(getattr(pg, "_is_hsdp", False)) or getattr(pg, "_partial_reduce_output", None) is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class ShardedStates:
+    """``ShardedState.UNSHARDED`` / ``SHARDED_POST_FORWARD`` (``_fsdp_param``) and the reader of a group's
+    ``_sharded_state``; ``ok`` False when either is missing (then ``is_unsharded`` is used)."""
+
+    def __init__(self):
+        self.unsharded = self.post_forward = None
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+            self.unsharded = ShardedState.UNSHARDED
+            self.post_forward = ShardedState.SHARDED_POST_FORWARD
+        except Exception:  # noqa: BLE001
+            pass
+        self.ok = self.unsharded is not None
+
+    def of(self, pg) -> str:
+        """"unsharded" | "post_forward" | "sharded"."""
+        if self.ok:
+            s = getattr(pg, "_sharded_state", None)
+            if s is not None:
+                return "unsharded" if s is self.unsharded else "post_forward" if s is self.post_forward else "sharded"
+        return "unsharded" if getattr(pg, "is_unsharded", False) else "sharded"
+
+
+# ------------------------------------------------------------------------------------------- FSDPParam
+def sharded_param(fp):
+    return getattr(fp, "sharded_param", None)
+
+
+def param_numel(fp) -> int | None:
+    """Elements of the unsharded parameter (``_orig_size``; the DTensor's global shape otherwise)."""
+    size = getattr(fp, "_orig_size", None)
+    if size is not None:
+        return math.prod(size)
+    sp = sharded_param(fp)
+    if sp is not None:
+        return sp.numel()  # a DTensor's numel is the global one
+    problem("FSDPParam._orig_size", "parameter counts unknown")
+    return None
+
+
+def sharded_data(fp) -> torch.Tensor | None:
+    """This rank's padded local shard (``_sharded_param_data``), else the DTensor's local tensor."""
+    data = getattr(fp, "_sharded_param_data", None)
+    if data is None:
+        data = getattr(sharded_param(fp), "_local_tensor", None)
+    if data is None:
+        problem("FSDPParam._sharded_param_data", "sharded bytes unknown")
+    return data
+
+
+def orig_dtype(fp) -> torch.dtype | None:
+    sp = sharded_param(fp)
+    return getattr(fp, "orig_dtype", None) or (sp.dtype if sp is not None else None)
+
+
+def param_dtype(fp) -> torch.dtype | None:
+    """The all-gather dtype (None in the policy means no cast: the original dtype)."""
+    return getattr(fp, "param_dtype", None) or orig_dtype(fp)
+
+
+def unsharded_param(fp):
+    return getattr(fp, "_unsharded_param", None)
+
+
+def unsharded_tensors(fp) -> list:
+    """The storages of the gathered parameter: all-gather outputs and inner tensors (tensor subclasses),
+    else the unsharded parameter itself."""
+    ts = list(getattr(fp, "all_gather_outputs", ()) or ()) + list(getattr(fp, "_unsharded_inner_tensors", ()) or ())
+    if not ts:
+        up = unsharded_param(fp)
+        if up is not None:
+            ts = [up]
+    return ts
+
+
+def post_forward_data(fp):
+    """The smaller-world copy kept after forward (``reshard_after_forward=int``)."""
+    return getattr(fp, "_sharded_post_forward_param_data", None)
+
+
+def accumulated_grad(fp):
+    """The unsharded gradient kept across micro-batches without sync (attribute in 2.6-2.13, property in
+    2.15; None when absent)."""
+    try:
+        return getattr(fp, "unsharded_accumulated_grad", None)
+    except Exception:  # noqa: BLE001 - a property on a param whose unsharded storage is freed
+        return None
+
+
+# ------------------------------------------------------------------------------------------- comm buffers
+class CommReader:
+    """FSDP's collective buffers in flight, read from the groups' shared ``comm_ctx`` and the groups'
+    pending all-gather results. ``ok`` False (and :meth:`bytes` returns None) when this torch's comm state
+    is not recognised."""
+
+    def __init__(self, groups: Iterable):
+        self.groups = list(groups)
+        ctxs = {}
+        for pg in self.groups:
+            c = getattr(pg, "comm_ctx", None)
+            if c is not None:
+                ctxs[id(c)] = c
+        self.ctxs = list(ctxs.values())
+        self.rs_list = all(hasattr(c, "reduce_scatter_states") for c in self.ctxs)  # 2.13+
+        rs_one = all(hasattr(c, "reduce_scatter_state") for c in self.ctxs)  # 2.6-2.9
+        self.ok = (bool(self.ctxs) or not self.groups) and (self.rs_list or rs_one)
+        self.ok = self.ok and all(hasattr(c, "all_gather_state") for c in self.ctxs)
+        self.ok = self.ok and all(hasattr(pg, "_all_gather_result") for pg in self.groups)
+        if not self.ok:
+            problem("FSDPCommContext.all_gather_state / reduce_scatter_states (2.6-2.9: reduce_scatter_state) / "
+                    "FSDPParamGroup._all_gather_result", "comm_buffers unknown")
+        self.hsdp = [pg for pg in self.groups if is_hsdp(pg)]
+
+    def bytes(self) -> int | None:
+        """They are standalone tensors, so ``nbytes`` is their size."""
+        if not self.ok:
+            return None
+        seen: list[int] = []
+        total = 0
+        for c in self.ctxs:
+            ags = c.all_gather_state
+            if ags is not None:
+                t = ags.all_gather_result.all_gather_output
+                seen.append(id(t))
+                total += t.nbytes
+            if self.rs_list:
+                for rs in c.reduce_scatter_states:
+                    total += rs.reduce_scatter_input.nbytes
+            else:
+                rs = c.reduce_scatter_state
+                if rs is not None:
+                    total += rs.reduce_scatter_input.nbytes
+        for pg in self.groups:
+            agr = pg._all_gather_result
+            if agr is not None:
+                t = agr.all_gather_output
+                if id(t) not in seen:
+                    total += t.nbytes
+        for pg in self.hsdp:
+            ars = getattr(pg, "_all_reduce_state", None)
+            if ars is not None and isinstance(getattr(ars, "all_reduce_input", None), torch.Tensor):
+                if not _is_grad_storage(pg, ars.all_reduce_input):
+                    total += ars.all_reduce_input.nbytes
+            pro = getattr(pg, "_partial_reduce_output", None)
+            if isinstance(pro, torch.Tensor):
+                total += pro.nbytes
+        return total
+
+
+def _storage_key(t: torch.Tensor):
+    lt = getattr(t, "_local_tensor", t)
+    try:
+        return lt.untyped_storage()._cdata
+    except Exception:  # noqa: BLE001 - tensor subclasses without a storage
+        return None
+
+
+def _is_grad_storage(pg, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the storage of the group's sharded gradients: with reduce dtype = param dtype FSDP
+    all-reduces (HSDP) in place in the buffer its sharded gradients are views of, already counted as
+    sharded_grads (counting it again as a comm buffer double-counts it)."""
+    k = _storage_key(t)
+    if k is None:
+        return False
+    for fp in group_params(pg):
+        gr = getattr(sharded_param(fp), "grad", None)
+        if gr is not None:
+            return _storage_key(gr) == k
+    return False
+
+
+# ------------------------------------------------------------------------------------------- knobs
+def set_unshard_async_op(module: nn.Module, value: bool = True) -> bool:
+    """``FSDPModule._set_unshard_async_op`` (private; every tested release has it). False when absent."""
+    setter = getattr(module, "_set_unshard_async_op", None)
+    if setter is None:
+        problem("FSDPModule._set_unshard_async_op", "async unshard not set")
+        return False
+    setter(value)
+    return True
+
+
+def enable_cpu_fsdp() -> list[str]:
+    """Makes FSDP2 train on CPU with torch releases whose CPU path is broken, by back-porting what later
+    releases ship; the reference workload calls it on CPU, ``watch`` never does. Returns what was added.
+
+    * torch 2.6: ``torch.cpu.Stream`` lacks the no-op ``record_event`` / ``wait_event`` FSDP2 calls
+      (``AttributeError: 'Stream' object has no attribute 'record_event'``); 2.7+ ship them as no-ops (CPU
+      has one stream; its events are no-ops).
+    * torch 2.6: the all-gather copy-out (``foreach_all_gather_copy_out``) writes into the persistent
+      all-gather outputs with an out= op that bumps their version counter, so a parameter re-gathered
+      in backward fails autograd's saved-tensor check ("modified by an inplace operation ... is at version
+      2; expected version 1"). torch 2.9 wraps that copy in ``_unsafe_preserve_version_counter``; this
+      does the same around the call (the data written is identical).
+    """
+    added = []
+    cpu = getattr(torch, "cpu", None)
+    stream = getattr(cpu, "Stream", None)
+    if stream is not None and not hasattr(stream, "record_event"):
+        event = getattr(cpu, "Event", None)
+        stream.record_event = lambda self, event_=None: event() if event is not None else None  # type: ignore[attr-defined]
+        stream.wait_event = lambda self, event_: None  # type: ignore[attr-defined]
+        added.append("torch.cpu.Stream.record_event/wait_event")
+    try:
+        import inspect
+
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    except Exception:  # noqa: BLE001
+        return added
+    orig = getattr(_fsdp_param_group, "foreach_all_gather_copy_out", None)
+    if orig is None or getattr(orig, "_fsdp_doctor_vc", False) or TORCH[:2] >= (2, 9):
+        return added  # 2.9+ preserves the counters itself (2.15 moved that code elsewhere)
+    try:
+        preserves = "_unsafe_preserve_version_counter" in inspect.getsource(_fsdp_collectives.foreach_all_gather_copy_out)
+    except Exception:  # noqa: BLE001
+        preserves = True
+    if preserves:
+        return added
+
+    def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group, *args, **kwargs):
+        outs = tuple(t for fp in fsdp_params for t in (getattr(fp, "all_gather_outputs", None) or ())
+                     if isinstance(t, torch.Tensor) and not t.is_inference())
+        versions = [t._version for t in outs]
+        try:
+            return orig(all_gather_result, fsdp_params, group, *args, **kwargs)
+        finally:
+            for t, v in zip(outs, versions):
+                torch._C._autograd._unsafe_set_version_counter(t, v)
+
+    foreach_all_gather_copy_out._fsdp_doctor_vc = True  # type: ignore[attr-defined]
+    _fsdp_param_group.foreach_all_gather_copy_out = foreach_all_gather_copy_out
+    added.append("version-counter-preserving all-gather copy-out")
+    return added
+
+
+# ------------------------------------------------------------------------------------------- autograd
+#: :func:`saved_hooks_top` on a torch that cannot show the hooks (torch 2.6) while some are active.
+UNKNOWN_HOOKS = ("unknown",)
+
+
+def saved_hooks_top():
+    """The saved-tensor default hooks on top of autograd's stack: ``(pack, unpack)``, or None when none are
+    active. torch 2.9+ has ``torch._C._autograd._top_saved_tensors_default_hooks``; torch 2.6 has no reader,
+    so a tiny probe op tells whether any hooks are active (a saved tensor refuses ``register_hooks`` when
+    default hooks already set them) and :data:`UNKNOWN_HOOKS` stands for "some, not known which"."""
+    ag = torch._C._autograd
+    top = getattr(ag, "_top_saved_tensors_default_hooks", None)
+    if top is not None:
+        return top(False)
+    with torch.enable_grad():
+        x = torch.ones(1, requires_grad=True)
+        y = x * x  # kept alive: its graph holds the saved tensor
+    try:
+        y.grad_fn._raw_saved_self.register_hooks(_identity, _identity)
+    except RuntimeError as e:
+        if "already been set" in str(e):
+            return UNKNOWN_HOOKS
+    return None
+
+
+def _identity(t):
+    return t
+
+
+# ------------------------------------------------------------------------------------------- labels
+#: record_function labels of FSDP2 the analyses use, with the releases that lack them.
+LABELS_MISSING_IN = {
+    "FSDP::post_backward_rs_wait": ((2, 6), (2, 12)),  # not in 2.6 / 2.9; added by 2.13
+    "FSDP::post_backward_accumulate": ((2, 15), (99, 0)),  # gone in 2.15
+}
+
+
+def labels_unavailable() -> list[str]:
+    """The labels of :data:`LABELS_MISSING_IN` this torch does not emit (read from its source when possible)."""
+    src = _fsdp_source()
+    out = []
+    for label, (lo, hi) in LABELS_MISSING_IN.items():
+        if src is not None:
+            if f'"{label}' not in src and f"'{label}" not in src:
+                out.append(label)
+        elif lo <= TORCH[:2] <= hi:
+            out.append(label)
+    return out
+
+
+def features_unavailable() -> list[str]:
+    """What this release lacks of what some torch releases have (labels, private APIs), one name each."""
+    out = [f"label {lab}" for lab in labels_unavailable()]
+    if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):  # 2.6
+        out.append("torch._C._autograd._top_saved_tensors_default_hooks (saved-tensor hooks found by a probe op)")
+    if FSDPModule is not None and not hasattr(FSDPModule, "_set_unshard_async_op"):
+        out.append("FSDPModule._set_unshard_async_op")
+    return out
+
+
+_SRC: list = []
+
+
+def _fsdp_source() -> str | None:
+    if not _SRC:
+        try:
+            import inspect
+
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+
+            _SRC.append(inspect.getsource(_fsdp_param_group) + inspect.getsource(_fsdp_state))
+        except Exception:  # noqa: BLE001
+            _SRC.append(None)
+    return _SRC[0]
+
