@@ -12,7 +12,8 @@ from typing import Iterable, Optional, Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from fsdp_doctor.present.fmt import fmt_bytes
+from fsdp_doctor.present.fmt import (VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, verdict_share,
+                                     verdict_title)
 
 # ---------------------------------------------------------------- palette and shared layout
 
@@ -28,6 +29,12 @@ MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sh
                  "stale_optimizer_params": "#E377C2", "buffers": "#BCBD22"}
 RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D",
                "#FF9DA6", "#BAB0AC")
+# the verdict's share kinds (fsdp_doctor.present.fmt.VERDICT_SEGMENTS): communication warm, the device's own work
+# blue, the host and input yellow/teal, idle grey; the HTML report and the dashboard draw the same bar
+VERDICT_COLORS = {"compute": "#4C78A8", "AG fwd": "#F58518", "AG bwd": "#FFBF79", "RS": "#E45756",
+                  "other comm": "#FF9DA6", "offload": "#B279A2", "host": "#EECA3B", "input": "#72B7B2",
+                  "idle": "#BAB0AC"}
+VERDICT_LABEL_MIN_PCT = 3.0  # narrower segments are labelled on hover only (the text would not fit)
 MIB = float(1 << 20)
 PROFILER_OUTSIDE = "outside: profiler window (tool)"
 
@@ -483,6 +490,50 @@ def overlap_by_rank_figure(per_rank: dict, ranks=None, height: int = 260) -> go.
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="ms per profiled window")
     return _layout(fig, title, max(height, 100 + 30 * len(keys)))
+
+
+# ---------------------------------------------------------------- verdict
+
+
+def verdict_figure(section: Optional[dict], rank: Optional[int] = None, max_ranks: int = VERDICT_MAX_RANKS,
+                   height: Optional[int] = None) -> go.Figure:
+    """The verdict (``report["verdict"]``) as one stacked horizontal bar per rank and one for the job: the share
+    of the step (%) of each kind, one colour per kind (VERDICT_COLORS), labelled in % (the terminal's figures,
+    one decimal), each rank's step time in its label. ``rank``: that rank and the job only. The first
+    ``max_ranks`` ranks are drawn, as in the terminal; the title counts the rest."""
+    if not section or not section.get("per_rank"):
+        return empty_figure("No verdict yet: it needs step records or a profiled window.", "Verdict", 200)
+    per_rank = section["per_rank"]
+    keys = [str(rank)] if rank is not None and str(rank) in per_rank else list(per_rank)
+    shown = keys[:max_ranks]
+    rows = [(f"rank {r} · {fmt_ms(per_rank[r]['step_ms'])}" if per_rank[r].get("step_ms") is not None
+             else f"rank {r}", per_rank[r]) for r in shown]
+    if len(per_rank) > 1:
+        rows.append((f"job · {section['job'].get('ranks', len(per_rank))} ranks", section["job"]))
+    labels = [lab for lab, _ in rows]
+    fig = go.Figure()
+    for seg in VERDICT_SEGMENTS:
+        xs = [verdict_share(v, seg) for _, v in rows]
+        if not any(xs):
+            continue
+        fig.add_trace(go.Bar(y=labels, x=xs, name=seg, orientation="h", marker_color=VERDICT_COLORS[seg],
+                             text=[f"{x:.1f}%" if x >= VERDICT_LABEL_MIN_PCT else "" for x in xs],
+                             textposition="inside", insidetextanchor="middle", textfont={"size": 12},
+                             hovertemplate="%{y}<br>" + seg + " %{x:.1f}% of the step<extra></extra>"))
+    title = verdict_title(section)
+    if len(keys) > len(shown):
+        title += f", first {len(shown)} of {len(keys)} ranks"
+    counts = sorted({v["steps"] for _, v in rows if v.get("steps")})
+    if counts:  # the verdict's step time is over the profiled (or steady) steps it covers, not the run's p50
+        kind = "profiled" if str(section["job"].get("source", "")).startswith("trace") else "steady"
+        num = str(counts[0]) if len(counts) == 1 else "its"
+        title += f"; step time over {num} {kind} step{'' if counts == [1] else 's'}"
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(range=[0, 100], ticksuffix="%", dtick=10)
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    fig = _layout(fig, title, height or 96 + 30 * len(rows))
+    fig.update_layout(margin={"l": 60, "r": 24, "t": 58, "b": 26}, legend={"traceorder": "normal", "y": 1.0})
+    return fig
 
 
 # ---------------------------------------------------------------- units

@@ -7,10 +7,10 @@ import statistics
 
 from dash import dcc, html
 
-from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.present.fmt import VERDICT_HEADER, fmt_bytes, fmt_ms, verdict_headline, verdict_rows
 
-from ..figures import unit_label
-from .common import Filters, fmt_value, kpi, note, section
+from ..figures import unit_label, verdict_figure
+from .common import Filters, fmt_value, graph, kpi, note, section
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
@@ -102,6 +102,26 @@ def headline(findings: list[dict]) -> html.Div:
     return note(text, kind, nid="headline")
 
 
+def verdict_panel(section: dict, flt: Filters) -> html.Section:
+    """What bounds the step, first on the page: the terminal's sentence, the shares as a bar per rank and the job
+    (the HTML report's figure), and the terminal's table under "Shares". The verdict covers the profiled windows
+    (or, without a trace, every steady step); the step filter does not change it, the rank filter picks a rank."""
+    rank = flt.rank if flt.rank is not None and str(flt.rank) in section["per_rank"] else None
+    rows = verdict_rows(section)
+    if rank is not None:
+        rows = [r for r in rows if r[0] in (str(rank), "job")]
+    cell = {"textAlign": "right", "padding": "1px 0 1px 14px", "whiteSpace": "nowrap"}
+    tbl = html.Table([html.Tr([html.Th(c, style=cell) for c in VERDICT_HEADER])] +
+                     [html.Tr([html.Td(x, style=cell) for x in r], style={"fontWeight": 700} if r[0] == "job" else None)
+                      for r in rows], className="verdict-table", style={"fontSize": "13px", "borderCollapse": "collapse"})
+    return html.Section([
+        html.Div(verdict_headline(section, rank), id="verdict-head", style={"fontWeight": 700, "fontSize": "16px"}),
+        graph(verdict_figure(section, rank), "fig-verdict"),
+        html.Details([html.Summary("Shares as a table (% of the step)", style={"cursor": "pointer"}), tbl],
+                     className="verdict-shares", style={"color": "#1f2933"}),
+    ], className="panel verdict", id="verdict", style={"borderLeft": "5px solid #4C78A8"})
+
+
 def _live(report: dict) -> bool:
     return not all((report.get("run") or {}).get("complete", {}).values() or [False])
 
@@ -184,6 +204,8 @@ def layout(snap, flt: Filters) -> list:
     findings.sort(key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
     if findings:  # without any, the findings panel says so
         out.insert(0, headline(findings))
+    if report.get("verdict"):  # what bounds the step comes first (from the records or the traces)
+        out.insert(0, verdict_panel(report["verdict"], flt))
     counts = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
     summary = ", ".join(_count(n, s) for s, n in counts.items() if n) or "none"
     if findings:

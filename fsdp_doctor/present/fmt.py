@@ -136,3 +136,53 @@ def comm_headline(comm: dict | None) -> str | None:
     if comm.get("comm_ms_per_step") is not None:
         txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
     return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"
+
+
+# --- the verdict (report["verdict"], fsdp_doctor.analyze.verdict): one sentence and one table in every presenter
+# Each column is a sum of the verdict's ``shares_pct`` parts (% of the step); "other comm" is drawn in the bar only
+# (the table's "comm" holds it), "comm" in the table only (the bar shows its parts).
+VERDICT_PARTS: dict[str, tuple[str, ...]] = {
+    "compute": ("compute", "other_gpu"),
+    "comm": ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"),
+    "AG fwd": ("allgather_fwd",), "AG bwd": ("allgather_bwd",), "RS": ("reducescatter",),
+    "other comm": ("other_comm",), "offload": ("offload",), "host": ("host",), "input": ("input",), "idle": ("idle",),
+}
+VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k != "other comm")  # the table's share columns
+VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's segments (they add up to 100%)
+VERDICT_MAX_RANKS = 8  # ranks listed one by one; the rest are counted
+
+
+def verdict_share(entry: dict, column: str) -> float:
+    """% of the step in ``column`` (a key of VERDICT_PARTS) for one verdict entry (a rank or the job)."""
+    sh = entry.get("shares_pct") or {}
+    return sum(sh.get(k, 0.0) for k in VERDICT_PARTS[column])
+
+
+def verdict_headline(section: dict, rank=None) -> str:
+    """The verdict's sentence: the job's (or, with ``rank``, that rank's) summary."""
+    if rank is not None and str(rank) in (section.get("per_rank") or {}):
+        return f"Verdict, rank {rank}: {section['per_rank'][str(rank)]['summary']}"
+    return f"Verdict: {section['job']['summary']}"
+
+
+def verdict_title(section: dict) -> str:
+    return f"Verdict: % of the step ({section['job']['source']})"
+
+
+VERDICT_HEADER = ("rank", "bound", "step", *VERDICT_COLUMNS)
+
+
+def verdict_rows(section: dict, max_ranks: int = VERDICT_MAX_RANKS) -> list[tuple[str, ...]]:
+    """The verdict's table rows (VERDICT_HEADER's columns, as text): the first ``max_ranks`` ranks, a "+N more
+    ranks" row, and the job's row (first cell "job") when there is more than one rank."""
+    def row(name, v):
+        return (name, v["bound"], fmt_ms(v["step_ms"]) if v.get("step_ms") is not None else "",
+                *(f"{verdict_share(v, c):.1f}" for c in VERDICT_COLUMNS))
+
+    ranks = list((section.get("per_rank") or {}).items())
+    out = [row(str(r), v) for r, v in ranks[:max_ranks]]
+    if len(ranks) > max_ranks:
+        out.append((f"+{len(ranks) - max_ranks}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
+    if len(ranks) > 1:
+        out.append(row("job", section["job"]))
+    return out

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .fmt import (comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_pct, fmt_us, fmt_value, run_facts,
-                  unit_label)
+from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_pct,
+                  fmt_us, fmt_value, run_facts, unit_label, verdict_headline, verdict_rows)
 
 PHASES = ("forward", "backward", "optimizer", "outside")
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
@@ -52,6 +52,9 @@ table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{padding:2px 10
      vertical-align:top} th{color:#555;font-weight:600}
 .pred{color:#2e7d32;font-weight:600;margin:6px 0} .note{color:#777;font-size:13px}
 .fig{background:#fff;border-radius:4px;margin:10px 0;padding:4px}
+.verdict{background:#fff;border-left:6px solid #4C78A8;border-radius:4px;margin:14px 0 6px;padding:10px 14px;
+     font-size:16px;font-weight:600}
+table.verdict-table td,table.verdict-table th{text-align:right} table.verdict-table .l{text-align:left}
 """
 
 
@@ -317,9 +320,33 @@ def _units_table(units: list[dict]) -> str:
             f"<table>{head}{''.join(rows)}{more}</table>")
 
 
+def _verdict_table(section: dict) -> str:
+    """The terminal's verdict table, the same rows (fsdp_doctor.present.fmt.verdict_rows)."""
+    def cells(row, tag):
+        return "".join(f"<{tag}{' class=l' if i == 1 else ''}>{_esc(x)}</{tag}>" for i, x in enumerate(row))
+    body = "".join(f"<tr{' style=font-weight:600' if r[0] == 'job' else ''}>{cells(r, 'td')}</tr>"
+                   for r in verdict_rows(section))
+    return f"<table class='verdict-table'><tr>{cells(VERDICT_HEADER, 'th')}</tr>{body}</table>"
+
+
+def _verdict(section: dict, first: bool) -> tuple[str, bool]:
+    """What bounds the step, first: the sentence, the shares as a bar per rank and the job, and the table.
+    Returns the HTML and whether it drew a figure (plotly.js goes with the first one)."""
+    from ..dashboards.figures import verdict_figure  # the dashboard's builder: one bar, one palette
+
+    out = f"<div class='verdict' id='verdict'>{_esc(verdict_headline(section))}</div>"
+    try:
+        out += f"<div class='fig'>{_figure(verdict_figure(section), first)}</div>"
+        drew = True
+    except Exception as e:  # noqa: BLE001  (a figure must never take the report down)
+        out += f"<p class='note'>figure unavailable ({_esc(type(e).__name__)}: {_esc(e)})</p>"
+        drew = False
+    return out + _verdict_table(section), drew
+
+
 def render_html(report: dict) -> str:
-    """The whole report as one HTML document (plotly.js inlined in the first figure)."""
-    parts = [_header(report), "<h2>Diagnosis</h2>", _findings(report.get("findings") or [])]
+    """The whole report as one HTML document (plotly.js inlined once, before the first figure)."""
+    parts = [_header(report)]
     sections = [
         ("Step timeline", step_timeline_figure, report.get("steps"), "No step records."),
         ("Memory", memory_figure, report.get("memory"), "No memory measurements in this report."),
@@ -332,6 +359,11 @@ def render_html(report: dict) -> str:
     if bundle is not None:
         parts.append(_plotlyjs_script(bundle))
     first = bundle is None
+    if report.get("verdict"):
+        text, drew = _verdict(report["verdict"], first)
+        parts.append(text)
+        first = first and not drew
+    parts += ["<h2>Diagnosis</h2>", _findings(report.get("findings") or [])]
     for title, builder, data, missing in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")

@@ -9,7 +9,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from .fmt import comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_value, run_facts, unit_label
+from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_value,
+                  run_facts, unit_label, verdict_headline, verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -31,31 +32,13 @@ def render_header(report: dict):
 
 # --- verdict (e11): printed first; port with the rest at merge ---
 def render_verdict(section: dict):
-    job = section["job"]
-    t = Table(title=f"Verdict: % of the step ({job['source']})", box=box.SIMPLE_HEAD, title_justify="left",
-              padding=(0, 0))
-    cols = (("compute", ("compute", "other_gpu")),
-            ("comm", ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")),
-            ("AG fwd", ("allgather_fwd",)), ("AG bwd", ("allgather_bwd",)), ("RS", ("reducescatter",)),
-            ("offload", ("offload",)), ("host", ("host",)), ("input", ("input",)), ("idle", ("idle",)))
-    for c in ("rank", "bound", "step"):
-        t.add_column(c, justify="right" if c != "bound" else "left", no_wrap=True)
-    for c, _ in cols:
-        t.add_column(c, justify="right", no_wrap=True)
-
-    def row(name, v, style=None):
-        sh = v["shares_pct"]
-        t.add_row(name, v["bound"], fmt_ms(v["step_ms"]) if v.get("step_ms") is not None else "",
-                  *(f"{sum(sh.get(k, 0.0) for k in ks):.1f}" for _, ks in cols), style=style)
-
-    ranks = list(section["per_rank"].items())
-    for r, v in ranks[:8]:
-        row(r, v)
-    if len(ranks) > 8:
-        t.add_row(f"+{len(ranks) - 8}", "more ranks", *[""] * (len(cols) + 1))
-    if len(ranks) > 1:
-        row("job", job, style="bold")
-    return Group(Text(f"Verdict: {job['summary']}", style="bold"), t)
+    """The verdict's sentence and table: the text every presenter shows (fsdp_doctor.present.fmt)."""
+    t = Table(title=verdict_title(section), box=box.SIMPLE_HEAD, title_justify="left", padding=(0, 0))
+    for c in VERDICT_HEADER:
+        t.add_column(c, justify="left" if c == "bound" else "right", no_wrap=True)
+    for row in verdict_rows(section):
+        t.add_row(*row, style="bold" if row[0] == "job" else None)
+    return Group(Text(verdict_headline(section), style="bold"), t)
 # --- end verdict ---
 
 
