@@ -469,6 +469,14 @@ def test_plain_kineto_folder_overview_shows_the_traces(browser, serve, tmp_path)
     driver.get(srv.url)
     note = _wait(driver, lambda d: d.find_elements(By.ID, "traces-only-note"), what="traces-only note")[0]
     assert "Kineto" in note.text
+    # what bounds the step comes first, from the traces: the terminal's sentence, then its bar
+    from fsdp_doctor.present.fmt import verdict_headline
+
+    verdict = srv.app._fsdp_state.snapshot().report["verdict"]
+    assert verdict["job"]["source"] == "trace"
+    assert driver.find_element(By.ID, "page").text.startswith(verdict_headline(verdict) + "\n")
+    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#fig-verdict .main-svg"), what="verdict bar")
+    _screenshot(driver, "overview-kineto-1366x768")
     assert "No fsdp-doctor records" not in driver.find_element(By.ID, "page").text
     kpi_text = _text(driver, "kpi-exposed")
     assert "ms / step" in kpi_text and "trace" in kpi_text

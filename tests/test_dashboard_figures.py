@@ -553,3 +553,82 @@ def test_units_table_hides_empty_columns_and_selects_by_row_id(snap):
     assert rows[0]["rid"] == ROOT and rows[0]["unit"] == "(root)"
     rows[1]["offload"] = "cpu"
     assert "offload" in [c for c, _ in columns(rows)]
+
+
+# ---------------------------------------------------------------- verdict
+
+def _known_verdict() -> dict:
+    """Two GPU ranks, two profiled steps each, parts in µs chosen by hand (the analysis turns them into shares).
+    rank 0: 10 ms window = compute 5, other device work 0.5, AG fwd 2, AG bwd 1, RS 0.5, host 1 (ms);
+    rank 1: 8 ms window = compute 1, AG fwd 4, host 3 (ms)."""
+    from fsdp_doctor.analyze.verdict import verdict
+
+    parts = {"0": dict(window_us=10_000.0, compute=5_000.0, other_gpu=500.0, allgather_fwd=2_000.0,
+                       allgather_bwd=1_000.0, reducescatter=500.0, host=1_000.0),
+             "1": dict(window_us=8_000.0, compute=1_000.0, allgather_fwd=4_000.0, host=3_000.0)}
+    per_rank = {r: {"steps": [6, 7], "device": "gpu"} for r in parts}
+    return verdict({"overlap": {"breakdown": parts, "per_rank": per_rank}})
+
+
+def test_verdict_bar_known_answers():
+    from fsdp_doctor.present.fmt import verdict_headline, verdict_rows
+
+    v = _known_verdict()
+    fig = F.verdict_figure(v)
+    labels = ["rank 0 · 5.00 ms", "rank 1 · 4.00 ms", "job · 2 ranks"]
+    # one trace per share kind present, in the fixed order, each in its one colour; other kinds are left out
+    assert [t.name for t in fig.data] == ["compute", "AG fwd", "AG bwd", "RS", "host"]
+    assert [t.marker.color for t in fig.data] == [F.VERDICT_COLORS[t.name] for t in fig.data]
+    assert len(set(F.VERDICT_COLORS.values())) == len(F.VERDICT_COLORS)
+    assert all(t.orientation == "h" and list(t.y) == labels for t in fig.data)
+    x = {t.name: list(t.x) for t in fig.data}
+    assert x["compute"] == pytest.approx([55.0, 12.5, 6_500 / 180], abs=0.005)  # compute + other device work
+    assert x["AG fwd"] == pytest.approx([20.0, 50.0, 6_000 / 180], abs=0.005)
+    assert x["AG bwd"] == pytest.approx([10.0, 0.0, 1_000 / 180], abs=0.005)
+    assert x["RS"] == pytest.approx([5.0, 0.0, 500 / 180], abs=0.005)
+    assert x["host"] == pytest.approx([10.0, 37.5, 4_000 / 180], abs=0.005)
+    for i in range(3):
+        assert sum(xs[i] for xs in x.values()) == pytest.approx(100.0, abs=0.02)
+    # labelled in % with the terminal's one decimal; a segment under 3% only on hover
+    assert list(fig.data[0].text) == ["55.0%", "12.5%", "36.1%"]
+    assert list(fig.data[3].text) == ["5.0%", "", ""]
+    assert fig.layout.barmode == "stack" and tuple(fig.layout.xaxis.range) == (0, 100)
+    assert fig.layout.yaxis.autorange == "reversed"  # rank 0 on top, the job last
+    assert fig.layout.title.text == "Verdict: % of the step (trace); step time over 2 profiled steps"
+    assert fig.layout.height == 96 + 30 * 3
+    # the same rows as the terminal and the HTML table
+    rows = verdict_rows(v)
+    assert rows[0] == ("0", "compute", "5.00 ms", "55.0", "35.0", "20.0", "10.0", "5.0", "0.0", "10.0", "0.0", "0.0")
+    assert rows[1] == ("1", "communication", "4.00 ms", "12.5", "50.0", "50.0", "0.0", "0.0", "0.0", "37.5", "0.0", "0.0")
+    assert rows[2] == ("job", "communication", "", "36.1", "41.7", "33.3", "5.6", "2.8", "0.0", "22.2", "0.0", "0.0")
+    assert verdict_headline(v) == ("Verdict: communication-bound (42% of the step: exposed all-gather (forward) 33%, "
+                                   "exposed all-gather (backward) 6%, exposed reduce-scatter 3%); then compute 33%, "  # the compute part alone
+                                   "host-bound (GPU waits for launches) 22%")
+    assert verdict_headline(v, 1) == f"Verdict, rank 1: {v['per_rank']['1']['summary']}"
+    # a rank selected: that rank and the job; more ranks than shown: the title counts them
+    one = F.verdict_figure(v, rank=1)
+    assert list(one.data[0].y) == ["rank 1 · 4.00 ms", "job · 2 ranks"]
+    assert F.verdict_figure(v, max_ranks=1).layout.title.text.startswith("Verdict: % of the step (trace), first 1 of 2 ranks")
+    assert _is_note(F.verdict_figure(None)) and _is_note(F.verdict_figure({"job": {}, "per_rank": {}}))
+
+
+def test_verdict_rows_count_the_ranks_not_shown():
+    from fsdp_doctor.present.fmt import VERDICT_HEADER, verdict_rows
+
+    v = _known_verdict()
+    many = {"job": v["job"], "per_rank": {str(r): v["per_rank"]["0"] for r in range(10)}}
+    rows = verdict_rows(many)
+    assert [r[0] for r in rows] == [*map(str, range(8)), "+2", "job"]
+    assert rows[8][:2] == ("+2", "more ranks") and all(len(r) == len(VERDICT_HEADER) for r in rows)
+    assert [r[0] for r in verdict_rows({"job": v["job"], "per_rank": {"0": v["per_rank"]["0"]}})] == ["0"]
+
+
+def test_html_report_draws_the_same_verdict_bar_first():
+    from fsdp_doctor.present.html import render_html
+
+    v = _known_verdict()
+    doc = render_html({"verdict": v, "findings": []})
+    i = doc.index("id='verdict'")
+    assert i < doc.index('class="plotly-graph-div"') < doc.index("<table class='verdict-table'>") < doc.index("<h2>Diagnosis")
+    assert all(F.VERDICT_COLORS[k] in doc for k in ("compute", "AG fwd", "AG bwd", "RS", "host"))
+    assert json.dumps("rank 0 · 5.00 ms") in doc

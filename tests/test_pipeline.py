@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from fsdp_doctor.pipeline import build_report
-from fsdp_doctor.present.fmt import comm_headline, fmt_bw, fmt_bytes, fmt_ms
+from fsdp_doctor.present.fmt import VERDICT_COLUMNS, comm_headline, fmt_bw, fmt_bytes, fmt_ms, verdict_headline, verdict_share
 from fsdp_doctor.present.html import render_html
 from fsdp_doctor.present.terminal import render_report
 from fsdp_doctor.store import load_run
@@ -102,6 +102,31 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
     pred = js["findings"][0]["predicted"]
     arrow = f"{fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}"
     assert arrow in term and arrow in html
+    # the verdict: the same bound, sentence and shares everywhere, first in every presenter
+    v = js["verdict"]
+    assert v == cli_report["verdict"] == snap.report["verdict"]
+    assert v["job"]["bound"] == "compute" and v["job"]["source"] == "trace"
+    head = verdict_headline(v)
+    assert head == ("Verdict: compute-bound (42% of the step); then host (main thread between operators) 33%, "
+                    "exposed reduce-scatter 15%")
+    flat = " ".join(term.split())
+    assert head in flat and flat.index(head) < flat.index("Step time per rank")
+    assert html.index(head) < html.index("<h2>Diagnosis</h2>")
+    page = PAGES["overview"][1].layout(snap, Filters())
+    assert _walk_text(page[0]).count(head) == 1 and head not in "".join(_walk_text(c) for c in page[1:])
+    for r, want in (("0", ["39.0", "22.5", "4.8", "4.3", "13.3", "0.0", "35.0", "3.5", "0.0"]),
+                    ("1", ["44.1", "21.8", "1.9", "3.2", "16.7", "0.0", "31.7", "2.4", "0.0"]),
+                    ("job", ["41.5", "22.1", "3.4", "3.8", "15.0", "0.0", "33.4", "3.0", "0.0"])):
+        entry = v["job"] if r == "job" else v["per_rank"][r]
+        assert [f"{verdict_share(entry, c):.1f}" for c in VERDICT_COLUMNS] == want
+        step = fmt_ms(entry["step_ms"]) if r != "job" else ""
+        line = next(ln for ln in term.splitlines() if ln.split()[:2] == [r, "compute"])
+        assert line.split() == [r, "compute", *step.split(), *want]
+        cells = "".join(f"<td>{x}</td>" for x in (step, *want))
+        assert f"<td>{r}</td><td class=l>compute</td>{cells}</tr>" in html
+        assert all(f'"{x}"' in dash for x in (r, "compute", *want))  # the overview's table cells
+        label = json.dumps(f"rank {r} · {step}" if step else "job · 2 ranks")  # the bar's label, as JSON holds it
+        assert label in dash and label in html
 
 
 def test_prefetch_finding_always_predicts(cli_report):
