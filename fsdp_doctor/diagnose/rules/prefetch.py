@@ -214,7 +214,7 @@ class ExposedAllGather(Rule):
         blocks = E.block_containers(names)
         if blocks:
             cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-            code = f"blocks = list({E.module_expr(cont)})  # each an FSDP unit\n"
+            code = f"blocks = list({E.children_expr(cont)})  # each an FSDP unit\n"
         else:
             code = "blocks = [" + ", ".join(E.module_expr(n) for n in names[:8] if n != "(root)") + "]\n"
         code += ("for i, block in enumerate(blocks):\n    if i + 1 < len(blocks):\n"
