@@ -373,7 +373,8 @@ def test_zero2_per_unit_known_answer():
     assert f.predicted["step_ms_after"] == pytest.approx(110.0 - 5.3)
     assert f.severity == "info"  # 5.3 ms of 110: above 2%, under 10%
     # alone, layers.3 adds only 0.26 MiB at the peak (rows 'norm forward_start' .. 'norm backward_start')
-    assert "layers.3: -3.00 ms" in ev["per_unit"][0] and "(+0.26 MiB at the peak)" in ev["per_unit"][0]
+    assert ev["per_unit"][0] == "layers.3: -3.00 ms for 0.76 MiB held (+0.26 at the peak) = 3.97 ms/MiB: flip"
+    assert ev["per_unit"][2].startswith("layers.1: -1.00 ms") and ev["per_unit"][2].endswith("does not fit")
     code = f.recommendation["code"]
     assert code.index("get_submodule('layers.3')") < code.index("get_submodule('layers.2')")
     assert "model.tok_emb.set_reshard_after_forward(False, recurse=False)" in code

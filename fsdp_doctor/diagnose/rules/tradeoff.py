@@ -108,9 +108,11 @@ class Zero2PerUnit(TraceRule):
         us = [r["u"] for r in chosen]
         peak_after = E.zero2_peak(ctx, us)
         picked = {id(r) for r in chosen}
-        table = [f"{r['u']['name']}: -{r['saved']:.2f} ms backward all-gather wait"
-                 + (f" (of {r['comm']:.2f} ms all-gather)" if r["comm"] is not None else "")
-                 + f", holds {E.mib(r['held'])} MiB forward->backward (+{E.mib(r['at_peak'])} MiB at the peak), "
+        # per candidate: backward all-gather wait saved (of its whole all-gather), MiB held forward->backward
+        # (added at the peak), ms saved per MiB held, and the verdict
+        table = [f"{r['u']['name']}: -{r['saved']:.2f} ms"
+                 + (f" (of {r['comm']:.2f})" if r["comm"] is not None else "")
+                 + f" for {E.mib(r['held'])} MiB held (+{E.mib(r['at_peak'])} at the peak) = "
                  f"{r['saved'] / (r['held'] / (1 << 20)):.2f} ms/MiB: "
                  + ("flip" if id(r) in picked else "does not fit") for r in rows]
         left = [r["u"]["name"] for r in rows if id(r) not in picked]
@@ -128,12 +130,13 @@ class Zero2PerUnit(TraceRule):
         if last is not None:
             text += f" The last unit {last['name']!r} is reshard.last_unit's finding."
         return [self.finding(
-            sev, f"ZeRO-2 on {len(us)} of {len(rows)} unit(s) fits the memory: -{saved:.1f} ms per step, "
-                 f"+{E.mib(peak_after - peak)} MiB at the peak",
+            sev, f"ZeRO-2 on {len(us)} of {len(rows)} units: -{saved:.1f} ms/step, "
+                 f"+{E.mib(peak_after - peak)} MiB peak",
             {"peak_bytes": peak, "capacity_bytes": cap, "budget_bytes": int(budget),
              "headroom_bytes": int(budget - peak), "peak_after_bytes": peak_after,
              "added_at_peak_bytes": peak_after - peak, "peak_after_share_pct": round(100 * peak_after / cap, 1),
-             "saved_ms_per_step": round(saved, 3), "saved_upper_ms_per_step": None if upper is None else round(upper, 3),
+             "saved_ms_per_step": round(saved, 3),
+             "saved_upper_ms_per_step": None if upper is None else round(upper, 3),
              "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left, "per_unit": table,
              "measured_by": source, "memory_model": "timeline" if E.peak_rank(ctx)[1].get("timeline") else "peak"},
             text, _unit_fix(us), predicted=E.predicted(step, step - saved, peak, peak_after), units=names)]
@@ -231,8 +234,9 @@ def _levers(ctx: Context, step: float, groups: dict, records: bool, mfu: float, 
                             "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')"),
                     "code": "" if gc else ("for block in " + E.blocks_expr(ctx) + ":\n    block.compile()"
                                            "  # fused kernels; mode='reduce-overhead' adds CUDA graphs")})
-    for group, lever, fix in (("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
-                              ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
+    for group, lever, fix in (
+            ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
+            ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
         t = ms(group)
         if t > 0:
             out.append({"lever": lever, "recoverable_ms": t, "evidence": f"{group} {t:.1f} ms ({groups[group]:.0f}%)",
