@@ -135,8 +135,12 @@ class ExposedAllGather(Rule):
         # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
         # all-gathers (measured host waits) at the cost of keeping them gathered until backward
         z2 = [u for u in E.non_root(us) if u["reshard_after_forward"] not in (False, 0)] if bwd > 0 else []
-        saved_bwd, added = E.zero2_gain(z2) if z2 else (0.0, 0)
+        saved_bwd = sum(E.ag_wait_ms(u, "backward") for u in z2)
         peak = E.peak_bytes(ctx)
+        # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
+        # from its forward to its backward all-gather, added along the peak step's timeline
+        z2_peak = E.zero2_peak(ctx, z2) if z2 else None
+        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(u["unsharded_bytes"] for u in z2)
         has_fwd_prefetch = any(u["forward_prefetch"] for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
