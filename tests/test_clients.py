@@ -210,16 +210,21 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
 
 
 def _constructed_snippets() -> list[list[str]]:
-    """Every fix snippet the rules emit in tests/test_diagnose_rules.py's constructed contexts (their unit
-    names are the reference GPT's), captured by running those tests with Rule.finding wrapped."""
+    """Every fix snippet the rules emit in tests/test_diagnose_rules.py's constructed contexts and in
+    tests/test_trace_rules.py's known-answer traces (their unit names are the reference GPT's), captured by
+    running those tests with Rule.finding wrapped."""
     import importlib.util
     import inspect
 
     from fsdp_doctor.diagnose.base import Rule
 
-    spec = importlib.util.spec_from_file_location("_rules_tests", HERE / "test_diagnose_rules.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import tempfile
+
+    mods = []
+    for fname in ("test_diagnose_rules.py", "test_trace_rules.py"):  # records-based and trace-decided rules
+        spec = importlib.util.spec_from_file_location("_rules_" + fname[:-3], HERE / fname)
+        mods.append(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(mods[-1])
     got: dict[tuple[str, str], None] = {}
     orig = Rule.finding
 
@@ -230,9 +235,16 @@ def _constructed_snippets() -> list[list[str]]:
 
     Rule.finding = capture
     try:
-        for name, fn in vars(mod).items():
-            if name.startswith("test_") and callable(fn) and not inspect.signature(fn).parameters:
-                fn()
+        for mod in mods:
+            for name, fn in vars(mod).items():
+                if not (name.startswith("test_") and callable(fn)):
+                    continue
+                params = list(inspect.signature(fn).parameters)
+                if not params:
+                    fn()
+                elif params == ["tmp_path"]:  # the trace-rule tests write their known-answer traces there
+                    with tempfile.TemporaryDirectory() as d:
+                        fn(Path(d))
     finally:
         Rule.finding = orig
     return [["gpt", c, s] for c, s in got]
@@ -243,6 +255,7 @@ def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
 
     spec = _constructed_snippets()
     codes = {c for _, c, _ in spec}
-    # the jitter rules fire on real runs only (tests/test_scenarios.py); every other rule's snippet is here
-    assert {r.code for r in RULES} - codes <= {"jitter.gc", "jitter.data_wait", "straggler.rank"}
+    # the jitter rules fire on real runs only (tests/test_scenarios.py) and the straggler findings carry no code
+    # (what differs on that rank is for the user to find); every other rule's snippet is here
+    assert {r.code for r in RULES} - codes <= {"jitter.gc", "jitter.data_wait", "straggler.rank", "straggler.trace"}
     assert sum(r[2] == "ok" for r in _run_snippets(spec, tmp_path)) >= 18

@@ -233,3 +233,19 @@ def test_exposed_comm_without_traces_comes_from_the_records_and_says_so():
     assert comm["exposed_ms_per_step"] == pytest.approx(statistics.median(per_rank.values()), abs=1e-3)
     assert comm["comm_ms_per_step"] is None and "reduce-scatters need a profiler trace" in comm["definition"]
     assert "source: recorded all-gather waits" in comm_headline(comm)
+
+
+def test_a_failing_rule_is_a_problem_not_a_silent_healthy(sample_run_path, monkeypatch):
+    """A rule that raises is listed under problems (the analysis says what it could not check)."""
+    from fsdp_doctor.diagnose.rules.prefetch import ExposedAllGather
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.store import load_run
+
+    def boom(self, ctx):
+        raise ZeroDivisionError("injected")
+
+    monkeypatch.setattr(ExposedAllGather, "match", boom)
+    report = build_report(load_run(sample_run_path))
+    assert "prefetch.exposed_allgather" not in {f["code"] for f in report["findings"]}
+    assert any(p.startswith("prefetch.exposed_allgather not checked: the rule failed (ZeroDivisionError: injected)")
+               for p in report["problems"])

@@ -11,7 +11,8 @@ log = logging.getLogger("fsdp_doctor")
 
 
 def diagnose(run, report: dict) -> list[dict]:
-    """Runs every registered rule; a rule that fails is reported as an info finding, never a crash."""
+    """Runs every registered rule; a rule that fails is logged once and listed under the report's problems
+    ("not checked"), never a crash and never a silent omission."""
     ctx = Context(run=run, report=report)
     out: list[Finding] = []
     unknown = _unknown_unit_fields(run)
@@ -25,6 +26,9 @@ def diagnose(run, report: dict) -> list[dict]:
             out.extend(cls().match(ctx))
         except Exception as e:  # noqa: BLE001
             log.warning("fsdp_doctor: rule %s failed (%s: %s)", cls.code, type(e).__name__, e)
+            # never a silent "healthy": the report lists the rule that could not run
+            report.setdefault("rules_skipped", []).append(
+                f"{cls.code} not checked: the rule failed ({type(e).__name__}: {e})")
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return [f.as_dict() for f in out]

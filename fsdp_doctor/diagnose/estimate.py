@@ -246,17 +246,6 @@ def compute_fwd_ms(u: dict) -> float:
     return max(0.0, t["fwd_ms"] - t["ag_wait_fwd_ms"])
 
 
-def zero2_gain(us: list[dict]) -> tuple[float, int]:
-    """reshard_after_forward=False on these units: (ms saved per step, bytes added at the peak).
-
-    Time: their backward all-gather waits disappear (the forward's gathered parameters are kept).
-    Memory: every such unit stays unsharded from its forward to its backward, so at the start of backward
-    all of them are gathered at once: the sum of (unsharded - sharded) bytes."""
-    saved = sum(ag_wait_ms(u, "backward") for u in us)
-    added = sum(max(0, u["unsharded_bytes"] - u["sharded_bytes"]) for u in us)
-    return saved, added
-
-
 # ---------------------------------------------------------------------------------------------- code names
 _CKPT = "._checkpoint_wrapped_module"
 _IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
@@ -322,3 +311,70 @@ def block_of(name: str) -> Optional[str]:
 def fmt_list(items: list[str], n: int = 6) -> str:
     items = [i if i else "(root)" for i in items]
     return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")
+
+
+# ---------------------------------------------------------------------------------------------- ZeRO-2 per unit
+def held_window(timeline: list[dict], name: str) -> Optional[tuple[int, int]]:
+    """Rows [start, end) of the peak step's memory timeline during which unit ``name`` would hold its
+    unsharded parameters if it were not resharded after forward, and does not now: from after its (last)
+    forward_end to the point its backward all-gather is issued. FSDP2 issues it one unit early (implicit
+    backward prefetch, at the pre-backward of the unit that runs backward just before it), so the window
+    ends with that unit's backward_start row; a unit with no predecessor in backward ends at its own.
+    None when the timeline does not show the unit's forward and backward."""
+    bs = next((i for i, r in enumerate(timeline) if r.get("unit") == name and r.get("phase") == "backward_start"),
+              None)
+    if bs is None:
+        return None
+    fe = max((i for i in range(bs) if timeline[i].get("unit") == name and timeline[i].get("phase") == "forward_end"),
+             default=None)
+    if fe is None:
+        return None
+    prev = max((i for i in range(fe + 1, bs) if timeline[i].get("phase") == "backward_start"
+                and timeline[i].get("unit") not in (None, "", name)), default=None)
+    return fe + 1, (prev if prev is not None else bs) + 1
+
+
+def zero2_peak(ctx: Context, us: list[dict]) -> Optional[int]:
+    """The peak (bytes, peak rank) with reshard_after_forward=False on the units ``us``.
+
+    Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too)
+    from its forward to its backward all-gather; they are added at every mark of the peak step's timeline
+    that falls in that window (``held_window``), and the new peak is the highest mark. Without a timeline,
+    or for a unit the timeline does not show, its bytes are added at the peak (the start of backward holds
+    every such unit)."""
+    pr = peak_rank(ctx)
+    if not pr:
+        return None
+    peak = int(pr[1]["peak_bytes"])
+    tl = pr[1].get("timeline") or []
+    totals = [int(r.get("total") or 0) for r in tl]
+    added = [0] * len(tl)
+    flat = 0
+    for u in us:
+        w = held_window(tl, u["name"]) if tl else None
+        if w is None:
+            flat += u["unsharded_bytes"]
+            continue
+        for i in range(*w):
+            added[i] += u["unsharded_bytes"]
+    if not totals:
+        return peak + flat
+    return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)
+
+
+def backward_allgather_ms(ctx: Context, u: dict) -> tuple[Optional[float], str]:
+    """(ms per step that compute waits for this unit's backward all-gather, source): on a GPU with a trace the
+    trace's exposed time (the host runs ahead of the device there), else the recorder's ``ag_wait_bwd_ms``."""
+    if on_gpu(ctx):
+        tr = trace_exposed_by_unit(ctx, "all_gather")
+        if tr:
+            return tr.get((u["name"], "backward"), 0.0), "trace"
+    return (ag_wait_ms(u, "backward"), "host") if u["has_timing"] else (None, "")
+
+
+def backward_allgather_comm_ms(ctx: Context, name: str) -> Optional[float]:
+    """The trace's whole backward all-gather time for a unit (ms per step, median over ranks), exposed or
+    not: what keeping it gathered removes at most (on gloo its copies share the cores with compute)."""
+    vals = [r["comm_ms_per_step"] for r in trace_rows(ctx, "all_gather")
+            if r["unit"] == name and r.get("phase") == "backward"]
+    return statistics.median(vals) if vals else None

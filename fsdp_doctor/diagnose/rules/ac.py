@@ -158,7 +158,7 @@ class AcWrongGranularity(Rule):
         acts = sum(per_unit.values()) if per_unit else None
         return [self.finding(
             "warning", f"Checkpointing is applied inside {len(ch)} unit(s) instead of to the whole block",
-            {"units": [u["name"] or "<root>" for u in ch], "checkpoint": sorted({u['checkpoint'] for u in ch}),
+            {"units": [u["name"] or "(root)" for u in ch], "checkpoint": sorted({u['checkpoint'] for u in ch}),
              "activation_bytes": acts, "step_p50_ms": step},
             "The checkpoint wrappers sit on the blocks' children (attention, MLP), not on the blocks: every "
             "tensor passed between the children and the residual adds and norms around them stays saved, so a "

@@ -108,6 +108,46 @@ class TraceRule(Rule):
         return []
 
 
+def reshard_snippet(ctx: Context, unit_names, kwargs: str = "", prelude: tuple[str, ...] = (),
+                    comment: str = "each an FSDP unit") -> str:
+    """A runnable fix that applies ``fully_shard(..., mesh=mesh{kwargs})`` to the run's units, named from the
+    units the run has (the trace's unit labels and the unit snapshot when there is one): a repeated-block
+    container is looped over (``model.layers.children()``), other units are named one by one, the root last."""
+    names = sorted({n for n in unit_names if n is not None} | {u["name"] for u in E.param_units(ctx)})
+    mods = [m for n in names for m in n.split(", ") if m]
+    containers = E.block_containers(mods)
+    lines = list(prelude)
+    for c in containers:
+        lines += [f"for block in {E.children_expr(c)}:  # {comment}",
+                  f"    fully_shard(block, mesh=mesh{kwargs})"]
+    in_container = {f"{c}.{i}" for c, idx in containers.items() for i in idx}
+    for n in names:
+        members = [m for m in n.split(", ") if m]
+        if members and not any(m in in_container for m in members):
+            expr = E.module_expr(members[0]) if len(members) == 1 else "[" + ", ".join(map(E.module_expr, members)) + "]"
+            lines.append(f"fully_shard({expr}, mesh=mesh{kwargs})")
+    lines.append(f"fully_shard(model, mesh=mesh{kwargs})  # the root last")
+    return "\n".join(lines)
+
+
+def group_snippet(ctx: Context, unit_names) -> str:
+    """A runnable fix grouping consecutive blocks of the run's largest block container into one unit each."""
+    names = {n for n in unit_names if n is not None} | {u["name"] for u in E.param_units(ctx)}
+    containers = E.block_containers([m for n in names for m in n.split(", ") if m])
+    cont = max(containers.items(), key=lambda kv: len(kv[1]))[0] if containers else "layers"
+    return (f"blocks = list({E.children_expr(cont)})\n"
+            f"for i in range(0, len(blocks), {GROUP_FACTOR}):  # {GROUP_FACTOR} consecutive blocks per FSDP unit\n"
+            "    fully_shard(blocks[i:i + " + str(GROUP_FACTOR) + "], mesh=mesh)\n"
+            "fully_shard(model, mesh=mesh)  # the root last")
+
+
+def _mp_snippet(ctx: Context, unit_names) -> str:
+    """16-bit parameters and reductions for every unit."""
+    return reshard_snippet(ctx, unit_names, ", mp_policy=mp", (
+        "from torch.distributed.fsdp import MixedPrecisionPolicy",
+        "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)"))
+
+
 @register
 class ExposedReduceScatter(TraceRule):
     code = "comm.exposed_reducescatter"
@@ -136,7 +176,7 @@ class ExposedReduceScatter(TraceRule):
             "warning" if share >= EXPOSED_RS_WARN_SHARE else "info",
             f"Reduce-scatters stall the step for {total:.2f} ms ({100 * share:.0f}%)",
             {"exposed_rs_ms_per_step": round(total, 3), "exposed_share_pct": round(100 * share, 1),
-             "step_ms": round(step, 3), "worst_units": [f"{u or '<root>'}: {ms:.3f} ms" for u, ms in worst[:6]],
+             "step_ms": round(step, 3), "worst_units": [f"{u or '(root)'}: {ms:.3f} ms" for u, ms in worst[:6]],
              "rs_bytes_per_call_median": statistics.median(sizes) if sizes else None,
              "rs_busbw_gbps_median": round(statistics.median(bw), 1) if bw else None,
              "rs_dtype": rows[0].get("dtype"), "measured_by": "trace"},
@@ -145,10 +185,8 @@ class ExposedReduceScatter(TraceRule):
             "but the optimizer. Halve their bytes with a 16-bit reduce dtype, and keep the first unit small "
             "(its reduce-scatter is always exposed); with gradient accumulation, skip the reduce-scatter on all "
             "but the last micro-batch.",
-            "from torch.distributed.fsdp import MixedPrecisionPolicy\n"
-            "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)\n"
-            "fully_shard(block, mesh=mesh, mp_policy=mp)\n"
-            "# gradient accumulation: model.set_requires_gradient_sync(is_last_microbatch)",
+            _mp_snippet(ctx, [r.get("unit") for r in rows])
+            + "\n# gradient accumulation: model.set_requires_gradient_sync(is_last_microbatch)",
             predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32_exposed_ms(rows) if fp32_exposed_ms(rows)
                                   else None),
             units=[u for u, _ in worst[:6]])]
@@ -200,18 +238,13 @@ class CommunicationBound(TraceRule):
             text = ("Most exposed communication is in small messages (< 1 MiB), where NCCL is latency-bound and "
                     "reaches a fraction of the link's bandwidth: fewer, larger collectives (larger FSDP units) "
                     "move the same bytes in less time.")
-            code = ("# group consecutive blocks into one FSDP unit\n"
-                    f"for i in range(0, len(model.layers), {GROUP_FACTOR}):\n"
-                    f"    fully_shard(list(model.layers[i:i + {GROUP_FACTOR}]), mesh=mesh)")
+            code = group_snippet(ctx, [r.get("unit") for r in rows])
         else:
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
                     "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
                     "reduces across nodes), or give each byte more compute (a larger micro-batch per rank).")
-            code = ("from torch.distributed.fsdp import MixedPrecisionPolicy\n"
-                    "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)\n"
-                    "# HSDP: mesh = init_device_mesh('cuda', (nodes, gpus_per_node), "
-                    "mesh_dim_names=('replicate', 'shard'))\n"
-                    "fully_shard(block, mesh=mesh, mp_policy=mp)")
+            code = ("# HSDP: mesh = init_device_mesh('cuda', (nodes, gpus_per_node), "
+                    "mesh_dim_names=('replicate', 'shard'))\n" + _mp_snippet(ctx, [r.get("unit") for r in rows]))
         sh = job["shares_pct"]
         fp32 = 0.0 if latency_bound else fp32_exposed_ms(rows)
         return [self.finding(
@@ -266,9 +299,7 @@ class SmallCollectives(TraceRule):
             "each: every call pays NCCL's fixed latency and none reaches the link's bandwidth, and each unit's "
             "compute is too short to hide the next call. Wrap coarser: group consecutive blocks so that each "
             "all-gather moves tens of MiB (this is wrap.too_fine, seen from the trace).",
-            "# group consecutive blocks into one FSDP unit\n"
-            f"for i in range(0, len(model.layers), {GROUP_FACTOR}):\n"
-            f"    fully_shard(list(model.layers[i:i + {GROUP_FACTOR}]), mesh=mesh)",
+            group_snippet(ctx, units),
             predicted=E.predicted(step, None), units=units[:10])]
 
 
@@ -299,7 +330,10 @@ class NcclOnComputeStream(TraceRule):
             "streams; collectives on the compute stream come from code that calls torch.distributed directly "
             "with the current stream (a loss or metric all-reduce, gradient-norm clipping, a custom sync). Issue "
             "them with async_op=True and wait only where the result is used, or move them out of the step.",
-            "work = dist.all_reduce(t, async_op=True)\n...  # compute that does not need t\nwork.wait()",
+            "# e.g. a loss or metric all-reduce: issue it without blocking, wait where the value is read\n"
+            "work = dist.all_reduce(loss_sum, async_op=True)\n"
+            "...  # compute that does not need loss_sum\n"
+            "work.wait()",
             predicted=E.predicted(step, None), ranks=sorted(int(r) for r in bad))]
 
 

@@ -97,7 +97,7 @@ class OffloadCostly(Rule):
         if ms / step < OFFLOAD_COSTLY_SHARE:
             return []
         cp = (ctx.section("overlap").get("copies") or {}).get(worst) or {}
-        from .comm import per_step
+        from .comm import per_step, reshard_snippet
 
         return [self.finding(
             "warning", f"Host-device copies stall the step for {ms:.2f} ms ({100 * ms / step:.0f}%)",
@@ -110,7 +110,8 @@ class OffloadCostly(Rule):
             "copied out after each reduce-scatter. If the sharded parameters, gradients and optimizer state fit "
             "on the device (check with `fsdp-doctor` memory records, or torch.cuda.max_memory_allocated), drop "
             "the offload policy; if they do not, pin the host memory (the default) so copies can overlap.",
-            "fully_shard(block, mesh=mesh)  # no offload_policy=CPUOffloadPolicy(...)",
+            reshard_snippet(ctx, [r.get("unit") for r in E.trace_rows(ctx)],
+                            comment="no offload_policy: the state stays on the device"),
             predicted=E.predicted(step, step - ms), ranks=[int(worst)])]
 
 

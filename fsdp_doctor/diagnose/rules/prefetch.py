@@ -1,5 +1,5 @@
 """Prefetch and reshard rules: all-gathers on the critical path, parameters gathered too early, the
-synchronous unshard on gloo, the last unit resharded for nothing, ZeRO-2 when memory allows it."""
+synchronous unshard on gloo, the last unit resharded for nothing (ZeRO-2 per unit: rules/tradeoff.py)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,6 @@ EXPLICIT_DEPTH_WARN = 2
 GLOO_ASYNC_BWD_SAVED = 0.5
 # The last unit's immediate re-gather matters when it costs at least this share of the step.
 LAST_UNIT_WARN_SHARE = 0.02
-# ZeRO-2 (no reshard after forward) is affordable when the peak plus the extra gathered bytes stays below
-# this share of capacity.
-ZERO2_MAX_SHARE = 0.80
-# ... and worth mentioning when it saves at least this share of the step.
-ZERO2_MIN_GAIN_SHARE = 0.02
 
 
 def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) -> str:
@@ -140,8 +135,12 @@ class ExposedAllGather(Rule):
         # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
         # all-gathers (measured host waits) at the cost of keeping them gathered until backward
         z2 = [u for u in E.non_root(us) if u["reshard_after_forward"] not in (False, 0)] if bwd > 0 else []
-        saved_bwd, added = E.zero2_gain(z2) if z2 else (0.0, 0)
+        saved_bwd = sum(E.ag_wait_ms(u, "backward") for u in z2)
         peak = E.peak_bytes(ctx)
+        # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
+        # from its forward to its backward all-gather, added along the peak step's timeline
+        z2_peak = E.zero2_peak(ctx, z2) if z2 else None
+        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(u["unsharded_bytes"] for u in z2)
         has_fwd_prefetch = any(u["forward_prefetch"] for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
@@ -214,7 +213,7 @@ class ExposedAllGather(Rule):
         blocks = E.block_containers(names)
         if blocks:
             cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-            code = f"blocks = list({E.module_expr(cont)})  # each an FSDP unit\n"
+            code = f"blocks = list({E.children_expr(cont)})  # each an FSDP unit\n"
         else:
             code = "blocks = [" + ", ".join(E.module_expr(n) for n in names[:8] if n != "(root)") + "]\n"
         code += ("for i, block in enumerate(blocks):\n    if i + 1 < len(blocks):\n"
@@ -325,6 +324,19 @@ class SyncUnshard(Rule):
             units=names)]
 
 
+def resharded_last_unit(ctx: Context):
+    """The last unit of forward when it is resharded after forward only to be gathered again at once for
+    backward (the root has no parameters to compute in between), else None."""
+    allu = E.param_units(ctx)
+    us = E.non_root(allu)
+    if not us or any(u["is_root"] for u in allu):
+        return None  # a root with parameters computes between the last unit's forward and its backward
+    last = us[-1]  # module order = forward order for sequential models
+    if last["reshard_after_forward"] is False or last["reshard_after_forward"] == 0:
+        return None
+    return last
+
+
 @register
 class LastUnitResharded(Rule):
     code = "reshard.last_unit"
@@ -332,18 +344,14 @@ class LastUnitResharded(Rule):
     description = "The last unit of forward is resharded only to be gathered again at once for backward."
 
     def match(self, ctx: Context):
-        allu = E.param_units(ctx)
-        us = E.non_root(allu)
-        if not us or any(u["is_root"] for u in allu):
-            return []  # a root with parameters computes between the last unit's forward and its backward
-        last = us[-1]  # module order = forward order for sequential models
-        if last["reshard_after_forward"] is False or last["reshard_after_forward"] == 0:
+        last = resharded_last_unit(ctx)
+        if last is None:
             return []
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         wait = E.ag_wait_ms(last, "backward") if last["has_timing"] else None
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
-        extra = last["unsharded_bytes"] - last["sharded_bytes"]
+        extra = last["unsharded_bytes"]  # FSDP2 keeps the sharded parameters while the unsharded ones live
         name = last["name"] or "(root)"
         expr = E.unit_expr(last)
         if len(last["modules"]) > 1:
@@ -362,41 +370,6 @@ class LastUnitResharded(Rule):
             "again with nothing to overlap. Keep it gathered (as torchtitan does for the final norm and output "
             "head).",
             code, predicted=E.predicted(step, step - wait if (step is not None and wait) else None, peak,
-                                        peak + extra if peak is not None else None),
+                                        E.zero2_peak(ctx, [last])),
             units=[last["name"]])]
 
-
-@register
-class Zero2Affordable(Rule):
-    code = "reshard.zero2_affordable"
-    name = "Memory allows reshard_after_forward=False"
-    description = "The memory headroom covers keeping parameters gathered between forward and backward."
-
-    def match(self, ctx: Context):
-        peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
-        if peak is None or not cap or not step:
-            return []
-        us = [u for u in E.non_root(E.param_units(ctx))
-              if u["reshard_after_forward"] not in (False, 0) and u["has_timing"]]
-        if not us:
-            return []
-        saved, added = E.zero2_gain(us)
-        if peak + added > ZERO2_MAX_SHARE * cap or saved < ZERO2_MIN_GAIN_SHARE * step:
-            return []
-        blocks = E.block_containers(m for u in us for m in u["modules"])
-        if blocks:
-            cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-            code = (f"for block in {E.children_expr(cont)}:\n"
-                    "    fully_shard(block, mesh=mesh, reshard_after_forward=False)\n"
-                    "# or, after wrapping: block.set_reshard_after_forward(False)")
-        else:
-            code = "\n".join(f"{E.unit_expr(u)}.set_reshard_after_forward(False)" for u in us[:8])
-        return [self.finding(
-            "info", f"Memory allows reshard_after_forward=False: ~{saved:.1f} ms per step to gain",
-            {"peak_bytes": peak, "capacity_bytes": cap, "added_bytes": added,
-             "peak_after_share_pct": round(100 * (peak + added) / cap, 1),
-             "ag_wait_bwd_ms": round(saved, 3), "units": len(us), "step_p50_ms": step},
-            f"The peak is {100 * peak / cap:.0f}% of capacity. Keeping the {len(us)} resharded units gathered "
-            f"from forward to backward (ZeRO-2 style) adds {E.mib(added)} MiB at the start of backward and "
-            f"removes their backward all-gathers, which now stall compute for {saved:.1f} ms per step.",
-            code, predicted=E.predicted(step, step - saved, peak, peak + added), units=[u["name"] for u in us])]

@@ -65,7 +65,7 @@ class TooCoarse(Rule):
                 step_after = step + t["ag_wait_fwd_ms"] * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
         gathered_extra = big["unsharded_bytes"] - big["sharded_bytes"]
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
-        name = big["name"] or "<root>"
+        name = big["name"] or "(root)"
         whole = big["is_root"] and len(us) == 1
         blocks = E.block_containers(m for u in E.units(ctx) for m in u["modules"])
         if blocks:
@@ -284,7 +284,7 @@ class MixedDtypeUnit(Rule):
                 # a MixedPrecisionPolicy casts every parameter to param_dtype before the all-gather (frozen
                 # bf16 weights beside trainable fp32 ones under a bf16 policy): one dtype on the wire
                 continue
-            name = u["name"] or "<root>"
+            name = u["name"] or "(root)"
             rank = lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER)  # noqa: E731
             narrow, wide = min(dts, key=rank), max(dts, key=rank)
             out.append(self.finding(

@@ -1,0 +1,306 @@
+"""The trade-offs the field argues about, as findings with predicted time and memory.
+
+``reshard.zero2_affordable``: ZeRO-2 against ZeRO-3 per unit. Keeping a unit gathered after forward
+(``reshard_after_forward=False``) costs its unsharded parameters from its forward to its backward, at the
+step's peak (the peak step's memory timeline says which units are held at which mark), and saves its backward
+all-gather (the measured exposed wait). Units are flipped best time saved per byte first, as long as the
+predicted peak stays within the memory budget.
+
+``throughput.low_mfu``: a low MFU with its levers in the order the evidence gives them: exposed
+communication (fewer, larger units when the collectives are small; overlap when they are large), batch size
+(compute dominates but runs far below the device's peak: the kernels are too small), host overhead (CUDA
+graphs / compile / fewer launches), input and offload. Each lever gets the step time it could recover, and
+the largest is the one the finding points to.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from .. import estimate as E
+from ..base import Context, register
+from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule, _fmt_bytes
+from .prefetch import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, _prefetch_code, resharded_last_unit
+
+# ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
+# fragmentation and the allocator's cache, below the 0.85 target other rules aim for).
+ZERO2_MAX_SHARE = 0.80
+# ... and worth a finding when the flipped units save at least this share of the step ...
+ZERO2_MIN_GAIN_SHARE = 0.02
+# ... and a warning when they save this much (a tenth of the step for memory that is there anyway).
+ZERO2_WARN_GAIN_SHARE = 0.10
+# The code lists at most this many units one per line; more go in a loop over their names.
+ZERO2_LINES = 8
+
+# MFU below this is low: well-tuned FSDP transformer training reaches 35-55% on A100/H100 (torchtitan's
+# Llama 3 8B ~40% on H100, PaLM 46%, MegaScale 55%), so below 35% some lever is left.
+LOW_MFU_PCT = 35.0
+# ... and a warning below this, half of a tuned run: a large lever is left.
+LOW_MFU_WARN_PCT = 20.0
+# Share of the peak that well-sized kernels reach while computing (large bf16 GEMMs 60-80% of the dense
+# peak; the transformer's other ops pull the average down): compute below it means kernels too small.
+KERNEL_EFFICIENCY_TARGET = 0.6
+# Levers recovering less than this share of the step are left out of the list.
+LEVER_MIN_SHARE = 0.01
+
+
+def _median(xs) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return float(statistics.median(xs)) if xs else None
+
+
+# ------------------------------------------------------------------------------------------------ ZeRO-2 vs 3
+def _unit_fix(us: list[dict]) -> str:
+    names = [(u["modules"][0] if u["modules"] else u["name"]) for u in us]
+    head = ("# keep these units gathered from forward to backward (ZeRO-2 for them), best time saved per byte first;\n"
+            "# or pass reshard_after_forward=False to their fully_shard calls\n")
+    if len(us) > ZERO2_LINES:
+        return (head + f"for name in {names!r}:\n"
+                "    model.get_submodule(name).set_reshard_after_forward(False, recurse=False)")
+    return head + "\n".join(f"{E.module_expr(n)}.set_reshard_after_forward(False, recurse=False)" for n in names)
+
+
+@register
+class Zero2PerUnit(TraceRule):
+    code = "reshard.zero2_affordable"
+    name = "ZeRO-2 vs ZeRO-3 per unit"
+    description = ("Units whose backward all-gather costs more time than keeping them gathered costs memory, "
+                   "flipped best time saved per byte first while the peak fits the budget.")
+
+    def match(self, ctx: Context):
+        peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
+        if not cap:
+            return self.quiet("memory capacity unknown: pass capacity_bytes= to watch()")
+        if peak is None or not step:
+            return self.quiet("needs the step records' memory and step times")
+        budget = ZERO2_MAX_SHARE * cap
+        if peak >= budget:
+            return self.quiet(f"the peak is already {100 * peak / cap:.0f}% of capacity "
+                              f"(budget {100 * ZERO2_MAX_SHARE:.0f}%)")
+        last = resharded_last_unit(ctx)
+        cands = [u for u in E.non_root(E.param_units(ctx)) if u["reshard_after_forward"] is True
+                 and (last is None or u["name"] != last["name"])]  # the last unit is reshard.last_unit's
+        rows = []
+        source = ""
+        for u in cands:
+            saved, src = E.backward_allgather_ms(ctx, u)
+            if saved is None or saved <= 0 or u["unsharded_bytes"] <= 0:
+                continue
+            source = source or src
+            at_peak = E.zero2_peak(ctx, [u]) - peak
+            rows.append({"u": u, "saved": saved, "held": u["unsharded_bytes"], "at_peak": at_peak,
+                         "comm": E.backward_allgather_comm_ms(ctx, u["name"])})
+        if not rows:
+            return self.quiet("no resharded unit waits for a backward all-gather")
+        rows.sort(key=lambda r: (-r["saved"] / r["held"], r["u"]["name"]))
+        chosen: list[dict] = []
+        for r in rows:
+            if E.zero2_peak(ctx, [c["u"] for c in chosen] + [r["u"]]) <= budget:
+                chosen.append(r)
+        if not chosen:
+            return self.quiet(f"no unit fits: headroom {E.mib(budget - peak)} MiB below the budget, the cheapest "
+                              f"unit holds {E.mib(min(r['held'] for r in rows))} MiB")
+        saved = sum(r["saved"] for r in chosen)
+        if saved < ZERO2_MIN_GAIN_SHARE * step:
+            return self.quiet(f"the units that fit save {saved:.2f} ms, under "
+                              f"{100 * ZERO2_MIN_GAIN_SHARE:.0f}% of the {step:.1f} ms step")
+        us = [r["u"] for r in chosen]
+        peak_after = E.zero2_peak(ctx, us)
+        picked = {id(r) for r in chosen}
+        # per candidate: backward all-gather wait saved (of its whole all-gather), MiB held forward->backward
+        # (added at the peak), ms saved per MiB held, and the verdict
+        table = [f"{r['u']['name']}: -{r['saved']:.2f} ms"
+                 + (f" (of {r['comm']:.2f})" if r["comm"] is not None else "")
+                 + f" for {E.mib(r['held'])} MiB held (+{E.mib(r['at_peak'])} at the peak) = "
+                 f"{r['saved'] / (r['held'] / (1 << 20)):.2f} ms/MiB: "
+                 + ("flip" if id(r) in picked else "does not fit") for r in rows]
+        left = [r["u"]["name"] for r in rows if id(r) not in picked]
+        upper = sum(r["comm"] for r in chosen if r["comm"] is not None) if any(r["comm"] for r in chosen) else None
+        sev = "warning" if saved >= ZERO2_WARN_GAIN_SHARE * step else "info"
+        names = [u["name"] for u in us]
+        text = (f"The peak is {100 * peak / cap:.1f}% of capacity ({E.mib(peak)} of {E.mib(cap)} MiB; the budget "
+                f"is {100 * ZERO2_MAX_SHARE:.0f}%). Keeping a unit gathered after forward (ZeRO-2 for that unit) "
+                "holds its unsharded parameters from its forward to its backward and removes its backward "
+                f"all-gather. Flip {len(us)} of {len(rows)} unit(s), best time saved per byte first: "
+                f"{E.fmt_list(names)}: -{saved:.1f} ms per step (the measured wait), peak "
+                f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({100 * peak_after / cap:.1f}% of capacity).")
+        if left:
+            text += f" {E.fmt_list(left)} would not fit the budget."
+        if last is not None:
+            text += f" The last unit {last['name']!r} is reshard.last_unit's finding."
+        return [self.finding(
+            sev, f"ZeRO-2 on {len(us)} of {len(rows)} units: -{saved:.1f} ms/step, "
+                 f"+{E.mib(peak_after - peak)} MiB peak",
+            {"peak_bytes": peak, "capacity_bytes": cap, "budget_bytes": int(budget),
+             "headroom_bytes": int(budget - peak), "peak_after_bytes": peak_after,
+             "added_at_peak_bytes": peak_after - peak, "peak_after_share_pct": round(100 * peak_after / cap, 1),
+             "saved_ms_per_step": round(saved, 3),
+             "saved_upper_ms_per_step": None if upper is None else round(upper, 3),
+             "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left, "per_unit": table,
+             "measured_by": source, "memory_model": "timeline" if E.peak_rank(ctx)[1].get("timeline") else "peak"},
+            text, _unit_fix(us), predicted=E.predicted(step, step - saved, peak, peak_after), units=names)]
+
+
+# ------------------------------------------------------------------------------------------------ low MFU
+def _mfu(tp: dict) -> Optional[float]:
+    job = tp.get("job") or {}
+    if job.get("mfu_pct") is not None:
+        return float(job["mfu_pct"])
+    return _median(r.get("mfu_pct") for r in (tp.get("per_rank") or {}).values())
+
+
+def _collective_sizes(ctx: Context) -> dict:
+    """All-gathers per step, median message and achieved bus bandwidth: from the trace, else the unit snapshot
+    (each unit all-gathers its unsharded parameters once in forward, once in backward unless kept gathered)."""
+    rows = [r for r in E.trace_rows(ctx, "all_gather") if r.get("bytes_per_call")]
+    if rows:
+        ranks = {r["rank"] for r in rows}
+        calls = max(sum(r["count_per_step"] for r in rows if r["rank"] == k) for k in ranks)
+        return {"calls_per_step": round(calls, 1),
+                "median_bytes": statistics.median(r["bytes_per_call"] for r in rows),
+                "busbw_gbps": _median(r.get("busbw_gbps") for r in rows), "source": "trace"}
+    us = E.non_root(E.param_units(ctx))
+    if not us:
+        return {}
+    calls = sum(1 + (u["reshard_after_forward"] is not False) for u in us)
+    return {"calls_per_step": calls, "median_bytes": statistics.median(u["unsharded_bytes"] for u in us),
+            "busbw_gbps": None, "source": "unit snapshot"}
+
+
+def _group_code(ctx: Context) -> str:
+    blocks = E.block_containers(m for u in E.units(ctx) for m in u["modules"])
+    cont = max(blocks.items(), key=lambda kv: len(kv[1]))[0] if blocks else "layers"
+    return ("# group consecutive blocks into one FSDP unit (fewer, larger all-gathers)\n"
+            f"blocks = list({E.children_expr(cont)})\n"
+            f"for i in range(0, len(blocks), {GROUP_FACTOR}):\n"
+            f"    fully_shard(blocks[i:i + {GROUP_FACTOR}], mesh=mesh)")
+
+
+def _levers(ctx: Context, step: float, groups: dict, records: bool, mfu: float, tp_rows: list[dict]) -> list[dict]:
+    def ms(group):
+        return step * groups.get(group, 0.0) / 100
+
+    gpu = E.on_gpu(ctx)
+    out = []
+    # exposed communication: small collectives -> fewer, larger units; large ones -> overlap
+    comm = ms("communication")
+    sizes = _collective_sizes(ctx)
+    if comm > 0:
+        small = sizes.get("median_bytes") is not None and sizes["median_bytes"] < SMALL_MAX_MEDIAN_BYTES
+        size_ev = (f"{sizes.get('calls_per_step')} all-gathers per step, median {_fmt_bytes(sizes.get('median_bytes'))}"
+                   + (f", busbw {sizes['busbw_gbps']:.1f} GB/s" if sizes.get("busbw_gbps") else "")
+                   + f" ({sizes.get('source')})") if sizes else "no collective sizes"
+        if small:
+            # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
+            out.append({"lever": "fewer, larger units", "recoverable_ms": comm * (1 - 1 / GROUP_FACTOR),
+                        "evidence": f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
+                                    f"{size_ev}: under {_fmt_bytes(SMALL_MAX_MEDIAN_BYTES)}, latency-bound",
+                        "fix": "group consecutive blocks into one FSDP unit", "code": _group_code(ctx)})
+        else:
+            ov = ctx.section("overlap").get("per_rank") or {}
+            overlapped = _median(pr.get("overlap_us", 0.0) / E.steps_in_windows(ctx, r) / 1e3 for r, pr in ov.items())
+            hideable = max(0.0, ms("compute") - (overlapped or 0.0))
+            eff = PREFETCH_OVERLAP_GPU if gpu else PREFETCH_OVERLAP_CPU
+            out.append({"lever": "overlap", "recoverable_ms": min(comm, hideable) * eff,
+                        "evidence": f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
+                                    f"{size_ev}: bandwidth-bound; compute free to hide it {hideable:.1f} ms",
+                        "fix": "explicit forward/backward prefetch, reshard_after_forward=False where memory "
+                               "allows (reshard.zero2_affordable), 16-bit collectives",
+                        "code": _prefetch_code(ctx)})
+    # batch size: compute dominates but runs far below the peak -> the kernels are too small
+    comp = ms("compute")
+    flops = _median(r.get("flops_per_step") for r in tp_rows)
+    peak_tf = _median(r.get("peak_tflops") for r in tp_rows)
+    cfg = ctx.config
+    tokens = (cfg.tokens_per_step / max(1, cfg.world_size)) if cfg is not None and cfg.tokens_per_step else None
+    if comp > 0 and flops and peak_tf:
+        eff = flops / (comp / 1e3) / (peak_tf * 1e12)
+        ideal = flops / (peak_tf * 1e12 * KERNEL_EFFICIENCY_TARGET) * 1e3
+        out.append({"lever": "batch size", "recoverable_ms": max(0.0, comp - ideal),
+                    "evidence": f"compute {comp:.1f} ms ({groups['compute']:.0f}%) at {100 * eff:.0f}% of peak "
+                                f"while computing (well-sized kernels reach {100 * KERNEL_EFFICIENCY_TARGET:.0f}%)"
+                                + (f"; {tokens:.0f} tokens per rank per step" if tokens else ""),
+                    "fix": "a larger micro-batch per rank (more tokens per kernel); activation checkpointing "
+                           "if memory does not allow it",
+                    "code": "", "compute_efficiency_pct": round(100 * eff, 1)})
+    host = ms("host")
+    if host > 0:
+        gc = records  # from step records the host part is GC pauses
+        out.append({"lever": "GC pauses" if gc else "host overhead", "recoverable_ms": host,
+                    "evidence": f"{'GC pauses' if gc else 'device waiting for launches'} {host:.1f} ms "
+                                f"({groups['host']:.0f}%)",
+                    "fix": ("gc.freeze() after setup and scheduled collections (jitter.gc)" if gc else
+                            "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')"),
+                    "code": "" if gc else ("for block in " + E.blocks_expr(ctx) + ":\n    block.compile()"
+                                           "  # fused kernels; mode='reduce-overhead' adds CUDA graphs")})
+    for group, lever, fix in (
+            ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
+            ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
+        t = ms(group)
+        if t > 0:
+            out.append({"lever": lever, "recoverable_ms": t, "evidence": f"{group} {t:.1f} ms ({groups[group]:.0f}%)",
+                        "fix": fix, "code": ""})
+    out = [lv for lv in out if lv["recoverable_ms"] >= LEVER_MIN_SHARE * step]
+    for lv in out:
+        lv["mfu_after_pct"] = round(mfu * step / max(1e-9, step - lv["recoverable_ms"]), 1)
+    out.sort(key=lambda lv: -lv["recoverable_ms"])
+    return out
+
+
+@register
+class LowMfu(TraceRule):
+    code = "throughput.low_mfu"
+    name = "Low MFU"
+    description = ("Model FLOPs utilisation below what tuned FSDP runs reach, with its levers ordered by the "
+                   "step time each could recover.")
+
+    def match(self, ctx: Context):
+        tp = ctx.section("throughput")
+        rows = list((tp.get("per_rank") or {}).values())
+        if not rows:
+            return self.quiet("no throughput: pass tokens_per_step= to watch() (FLOPs are counted from it)")
+        mfu = _mfu(tp)
+        if mfu is None:
+            why = ("no FLOP count" if not any(r.get("flops_per_step") for r in rows) else
+                   "no peak TFLOP/s for this device (a CPU, or a GPU not in the table)")
+            return self.quiet(f"MFU unknown: {why}; pass peak_tflops= (and tokens_per_step=) to watch()")
+        if mfu >= LOW_MFU_PCT:
+            return self.quiet(f"MFU {mfu:.1f}% is not below {LOW_MFU_PCT:.0f}%")
+        step = E.step_ms(ctx) or _median(r.get("step_p50_ms") for r in rows)
+        job = ctx.section("verdict").get("job")
+        if not step or not job:
+            return self.quiet("needs the verdict (what bounds the step) and a step time")
+        groups = job["groups_pct"]
+        records = str(job.get("source", "")).startswith("records")
+        levers = _levers(ctx, step, groups, records, mfu, rows)
+        if not levers:
+            return self.quiet("no lever recovers 1% of the step")
+        first = levers[0]
+        sev = "warning" if mfu < LOW_MFU_WARN_PCT else "info"
+        text = (f"MFU is {mfu:.1f}% (below the {LOW_MFU_PCT:.0f}% tuned FSDP runs reach; the step is "
+                f"{job.get('summary', job['bound'])}). Levers by the step time each could recover: "
+                + "; ".join(f"{i + 1}. {lv['lever']} ~{lv['recoverable_ms']:.1f} ms -> MFU {lv['mfu_after_pct']:.1f}%"
+                            for i, lv in enumerate(levers[:4]))
+                + f". The evidence points to {first['lever']} first: {first['evidence']}. Fix: {first['fix']}.")
+        if first["lever"] == "batch size":
+            # a larger micro-batch: the same step time per token falls; the activations grow with the batch
+            acts = E.breakdown(ctx).get("activations")
+            peak = E.peak_bytes(ctx)
+            pred = E.predicted(step, None, peak, peak + acts if (peak is not None and acts) else None)
+            text += " Doubling the micro-batch doubles the activations (the predicted peak)."
+        else:
+            pred = E.predicted(step, step - first["recoverable_ms"])
+        return [self.finding(
+            sev, f"MFU {mfu:.1f}%: the evidence points to {first['lever']} first",
+            {"mfu_pct": round(mfu, 2), "threshold_pct": LOW_MFU_PCT, "step_p50_ms": round(step, 3),
+             "achieved_tflops_per_rank": _median(r.get("achieved_tflops") for r in rows),
+             "peak_tflops": _median(r.get("peak_tflops") for r in rows),
+             "flops_source": ", ".join(sorted({r["flops_source"] for r in rows if r.get("flops_source")})),
+             "bound": job["bound"],
+             "groups_pct": {k: v for k, v in groups.items() if v}, "first_lever": first["lever"],
+             "levers": [f"{lv['lever']}: ~{lv['recoverable_ms']:.1f} ms/step -> MFU {lv['mfu_after_pct']:.1f}% "
+                        f"({lv['evidence']})" for lv in levers],
+             "lever_order": [lv["lever"] for lv in levers],
+             "recoverable_ms": {lv["lever"]: round(lv["recoverable_ms"], 3) for lv in levers}},
+            text, first["code"], predicted=pred)]
