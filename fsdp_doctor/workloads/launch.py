@@ -103,6 +103,10 @@ def _rank_main(rank: int, cfg: WorkloadConfig, world_size: int, port: int, outdi
         dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world_size)
         try:
             losses = train(cfg, rank, world_size, watch_kwargs=watch_kwargs, on_step=on_step)
+            # every rank done with every collective before any rank tears gloo down: a peer destroying its
+            # group while the other still has a transfer in flight aborted a rank now and then
+            # ("terminate called without an active exception", SIGABRT) on a loaded host
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException as exc:

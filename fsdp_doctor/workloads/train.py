@@ -158,7 +158,10 @@ def train_from_env(cfg: WorkloadConfig, watch_kwargs: Optional[dict] = None,
     if created:
         dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world_size)
     try:
-        return train(cfg, rank, world_size, watch_kwargs=watch_kwargs, on_step=on_step)
+        losses = train(cfg, rank, world_size, watch_kwargs=watch_kwargs, on_step=on_step)
+        if created:
+            dist.barrier()  # all ranks done with every collective before the group is torn down
+        return losses
     finally:
         if created:
             dist.destroy_process_group()
