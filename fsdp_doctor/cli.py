@@ -146,6 +146,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     # Kineto prints "USDT: ... profiler_start/stop" lines (its highest level, 5) from every rank, through the progress
     # bar: above its last level nothing is printed. The demo only; a user's own run keeps Kineto's defaults.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # torch's C++ warning "Memory block of unknown size was allocated before the profiling started" (one per rank
+    # and window, from the windows' memory profiling) cuts through it the same way: errors only, the demo only
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         cfg = config_from_args(ns)
     except ValueError as e:
