@@ -30,10 +30,9 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-CATEGORIES = (
-    "sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
-    "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries",
-)
+from ..memory_categories import DEVICE
+
+CATEGORIES = DEVICE
 
 
 def analyze_memory(run) -> dict | None:

@@ -74,8 +74,6 @@ def unit_table(run: Run) -> list[dict]:
     return out
 
 
-_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "float8_e4m3fn": 1,
-             "float8_e5m2": 1}
 
 
 def fill_sizes_from_units(overlap: dict, run: Run) -> None:
@@ -83,6 +81,7 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
     (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
     reduce-scatter its unsharded gradients in reduce dtype."""
     from ..trace.analysis import busbw_factor
+    from ..trace.model import dtype_bytes
 
     cfg = run.config
     if cfg is None:
@@ -96,7 +95,7 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
             nbytes = u.unsharded_bytes
         elif row["collective"] == "reduce_scatter":
             dt = u.reduce_dtype or (u.orig_dtypes[0] if u.orig_dtypes else "float32")
-            nbytes = u.param_count * _ITEMSIZE.get(dt, 4)
+            nbytes = u.param_count * (dtype_bytes(dt) or 4)
         else:
             continue
         row["bytes_per_call"] = float(nbytes)

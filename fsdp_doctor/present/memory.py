@@ -7,20 +7,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from ..memory_categories import DEVICE, label
 from .fmt import fmt_bytes, unit_label
 
-_LABELS = {
-    "sharded_params": "sharded params",
-    "unsharded_params": "unsharded params",
-    "sharded_grads": "sharded grads",
-    "unsharded_grads": "unsharded grads",
-    "optimizer_state": "optimizer state",
-    "stale_optimizer_params": "stale optimizer params",
-    "activations": "activations",
-    "comm_buffers": "comm buffers",
-    "buffers": "buffers",
-    "temporaries": "temporaries",
-}
 _BAR = 20
 
 
@@ -41,7 +30,7 @@ def render_memory(section: dict):
     if not per_rank:
         return Text("No memory measurements.")
     ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
-    cats = list(section.get("categories") or _LABELS)
+    cats = list(section.get("categories") or DEVICE)
     unknown = {c for r in ranks for c in per_rank[r].get("unknown_categories") or ()}
     shown = [c for c in cats if c in unknown or any((per_rank[r].get("peak_breakdown") or {}).get(c) for r in ranks)]
     table = Table(title="Memory at the peak, by category (device bytes per rank)", box=box.SIMPLE_HEAD,
@@ -54,7 +43,7 @@ def render_memory(section: dict):
     if not many:
         table.add_column(f"share (rank {ranks[0]})", no_wrap=True)
     for c in shown:
-        row = [_LABELS.get(c, c)]
+        row = [label(c)]
         for r in ranks:
             pr = per_rank[r]
             v = (pr.get("peak_breakdown") or {}).get(c, 0) or 0

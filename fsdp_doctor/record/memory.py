@@ -79,6 +79,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .. import memory_categories as MC
 from . import fsdp2 as F2
 
 log = logging.getLogger("fsdp_doctor")
@@ -89,20 +90,9 @@ _now = time.perf_counter_ns
 
 MEMORY_FORMAT = 1
 
-#: device categories, in the order of every sample row; they add up to the sample's total.
-CATEGORIES = (
-    "sharded_params",
-    "unsharded_params",
-    "sharded_grads",
-    "unsharded_grads",
-    "optimizer_state",
-    "stale_optimizer_params",
-    "activations",
-    "comm_buffers",
-    "buffers",
-    "temporaries",
-)
-HOST_CATEGORIES = ("offloaded_host",)
+#: device categories, in the order of every sample row (defined in fsdp_doctor.memory_categories)
+CATEGORIES = MC.DEVICE
+HOST_CATEGORIES = MC.HOST
 (_SP, _USP, _SG, _UG, _OPT, _STALE, _ACT, _COMM, _BUF, _TMP) = range(len(CATEGORIES))
 
 _DEFAULTS = {
