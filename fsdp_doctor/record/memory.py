@@ -66,7 +66,7 @@ every sample of every Nth full step, default 50; full steps 0-2 and every step t
 peak are stored too), ``refresh_every`` (default 50), ``fragmentation_every`` (CUDA memory snapshot for
 the largest free block, default 200; 0 = never), ``nvml`` (default True).
 
-The step's dict (``StepRecord.memory``) is documented in :func:`MemoryProbe.step_end`.
+The step's figures (``StepRecord.memory``) are :class:`fsdp_doctor.records.MemoryStep`.
 """
 
 from __future__ import annotations
@@ -76,10 +76,12 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import torch
 import torch.nn as nn
 
 from .. import memory_categories as MC
+from ..records import CudaMemory, MemoryPeak, MemoryStep, MemoryTimeline
 from . import fsdp2 as F2
 
 log = logging.getLogger("fsdp_doctor")
@@ -750,29 +752,9 @@ class MemoryProbe:
         self._pack_ns = 0
         self._t0 = _now()
 
-    def step_end(self, step: int) -> dict | None:
-        """Closes the step; returns ``StepRecord.memory``::
-
-            {"v": 1, "device": "cpu" | "cuda:0", "categories": [CATEGORIES...],
-             "sampling": "full" | "replayed",     # full: every figure measured at every mark this step;
-                                                  # replayed: the last full step's figures, mark by mark
-                                                  # (temporaries still measured live on CUDA)
-             "samples": int,                      # marks sampled this step
-             "peak": {"bytes", "t_ms", "unit", "phase", "breakdown": {category: bytes}},
-             "end": {category: bytes},            # the last sample (after the optimizer step)
-             "offloaded_host": int,               # host bytes of offloaded params/grads/optimizer state
-             "activations": "exact" | "replayed" | "off", "activations_note": str (optional),
-             "unknown": [category, ...],          # optional: not measurable on this torch (0 is no figure)
-             "unit_activations": {unit: bytes},   # exact steps: saved bytes each unit's forward left
-             "stale_optimizer_param_tensors": int,
-             "timeline": {"columns": ["t_ms", "unit", "phase", *CATEGORIES], "rows": [[...], ...]},
-                                                  # full steps 0-2, every timeline_every-th, new highs
-             "cuda": {...},                       # CUDA only: allocated, reserved, fragmentation, nvml
-             "full_every": int,                   # current period of full steps
-             "probe_us": float, "probe_pack_us": float, "saved_tensors": int}
-
-        Breakdown figures add up to ``peak.bytes``; ``t_ms`` counts from the previous step's end.
-        """
+    def step_end(self, step: int) -> MemoryStep:
+        """Closes the step; returns ``StepRecord.memory`` (:class:`fsdp_doctor.records.MemoryStep`). Breakdown
+        figures add up to ``peak.bytes``; ``t_ms`` counts from the previous step's end."""
         t_end = _now()
         if self._last_step_end:
             self._walls.append(t_end - self._last_step_end)
@@ -804,44 +786,30 @@ class MemoryProbe:
         pt, punit, pphase = samples[pi][:3]
         pv = rows[pi]
         t0 = self._t0
-        out: dict[str, Any] = {
-            "v": MEMORY_FORMAT,
-            "device": str(self.device),
-            "categories": list(CATEGORIES),
-            "sampling": "full" if full else "replayed",
-            "samples": len(samples),
-            "peak": {"bytes": totals[pi], "t_ms": round((pt - t0) * 1e-6, 3), "unit": punit, "phase": pphase,
-                     "breakdown": dict(zip(CATEGORIES, pv))},
-            "end": dict(zip(CATEGORIES, rows[-1])),
-            "offloaded_host": self._host_bytes(),
-            "activations": act_mode,
-            "stale_optimizer_param_tensors": self.stale_params,
-            "saved_tensors": self.live.packs,
-        }
-        if mismatched:
-            out["replay_mismatches"] = mismatched  # marks that did not line up with the last full step
-        note = self._act_error or self._act_note
-        if note:
-            out["activations_note"] = note
-        if self._comm_note:
-            out["comm_note"] = self._comm_note
-        if self._unknown:
-            out["unknown"] = list(self._unknown)  # categories not measured on this torch (their 0 is not a figure)
+        out = MemoryStep(
+            v=MEMORY_FORMAT, device=str(self.device), categories=list(CATEGORIES),
+            sampling="full" if full else "replayed", samples=len(samples),
+            peak=MemoryPeak(bytes=totals[pi], t_ms=round((pt - t0) * 1e-6, 3), unit=punit, phase=pphase,
+                            breakdown=dict(zip(CATEGORIES, pv))),
+            end=dict(zip(CATEGORIES, rows[-1])), offloaded_host=self._host_bytes(), activations=act_mode,
+            stale_optimizer_param_tensors=self.stale_params, saved_tensors=self.live.packs,
+            replay_mismatches=mismatched,  # marks that did not line up with the last full step
+            activations_note=self._act_error or self._act_note or None, comm_note=self._comm_note,
+            unknown=list(self._unknown))  # categories not measured on this torch (their 0 is not a figure)
         if full:
             if act_mode == "exact":
-                out["unit_activations"] = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
+                out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(self._unit_act.items())}
             self._last_full = [(s[1], s[2], r) for s, r in zip(samples, rows)]
         new_peak = totals[pi] > self._running_peak
         if new_peak:
             self._running_peak = totals[pi]
         te = opts["timeline_every"]
         if full and (step < opts["first_timeline_steps"] or new_peak or (te and step % te == 0)):
-            out["timeline"] = {
-                "columns": ["t_ms", "unit", "phase", *CATEGORIES],
-                "rows": [[round((s[0] - t0) * 1e-6, 3), s[1], s[2], *r] for s, r in zip(samples, rows)],
-            }
+            out.timeline = MemoryTimeline(
+                columns=["t_ms", "unit", "phase", *CATEGORIES],
+                rows=[[round((s[0] - t0) * 1e-6, 3), s[1], s[2], *r] for s, r in zip(samples, rows)])
         if self.is_cuda:
-            out["cuda"] = self._cuda_stats(step)
+            out.cuda = self._cuda_stats(step)
         if full:
             re = opts["refresh_every"]
             if step < 2 or (re and step % re == 0):
@@ -861,9 +829,9 @@ class MemoryProbe:
             self._next_full = step + 1
         elif full and step >= 2:
             self._schedule(step)
-        out["full_every"] = self._every
-        out["probe_us"] = round(total * 1e-3, 1)
-        out["probe_pack_us"] = round(self._pack_ns * 1e-3, 1)
+        out.full_every = self._every
+        out.probe_us = round(total * 1e-3, 1)
+        out.probe_pack_us = round(self._pack_ns * 1e-3, 1)
         self._begin(step + 1)
         return out
 
@@ -890,7 +858,7 @@ class MemoryProbe:
         return rows, bad
 
     # ------------------------------------------------------------------ CUDA / NVML (untestable on CPU)
-    def _cuda_stats(self, step: int) -> dict:
+    def _cuda_stats(self, step: int) -> CudaMemory:
         """Allocator and device figures. Written against torch.cuda / NVML's documented APIs; not run on
         the CPU-only development machine, so every call is guarded."""
         dev = self.device
@@ -928,7 +896,7 @@ class MemoryProbe:
                 out["nvml_process_bytes"] = used
                 if "reserved" in out:
                     out["outside_allocator"] = max(0, used - out["reserved"])
-        return out
+        return msgspec.convert(out, CudaMemory)
 
     def _nvml_process_bytes(self) -> int | None:
         try:

@@ -1,0 +1,42 @@
+"""The typed contracts between stages: the unit config's defaults, the memory categories, module imports."""
+
+from __future__ import annotations
+
+import msgspec
+
+from fsdp_doctor import memory_categories as MC
+from fsdp_doctor.records import UnitConfig, unit_defaults
+
+
+def test_unit_defaults_come_from_unitconfig():
+    """The rules' view of a report row fills omitted fields with UnitConfig's own defaults (one source)."""
+    from fsdp_doctor.diagnose import estimate as E
+
+    d = unit_defaults()
+    names = {f.name for f in msgspec.structs.fields(UnitConfig)}
+    assert set(d) == names - {"name"}
+    assert d["reshard_after_forward"] is True and d["checkpoint"] == "none" and d["param_groups"] == 1
+    assert d["param_count"] == 0 and d["is_root"] is False
+    # a row as the report writes it (msgspec omit_defaults): only what differs from the defaults
+    row = msgspec.to_builtins(UnitConfig(name="layers.0", modules=["layers.0"], is_root=False, param_count=10,
+                                         n_params=2, sharded_bytes=20, unsharded_bytes=40, orig_dtypes=["float32"],
+                                         checkpoint="unit"))
+    assert "reshard_after_forward" not in row
+    from fsdp_doctor.diagnose.base import Context
+    from fsdp_doctor.store import Run
+
+    (u,) = E.units(Context(run=Run(path="."), report={"units": [row]}))
+    assert u["reshard_after_forward"] is True and u["checkpoint"] == "unit" and u["forward_prefetch"] == []
+
+
+def test_memory_categories_once():
+    """Every presenter's category order and colours are the one table's."""
+    from dashboards import figures
+    from fsdp_doctor.analyze import memory as analyze_memory
+    from fsdp_doctor.present import html
+    from fsdp_doctor.record import memory as record_memory
+
+    assert record_memory.CATEGORIES == analyze_memory.CATEGORIES == MC.DEVICE
+    assert html.MEMORY_COLORS == figures.MEMORY_COLORS == MC.COLOURS
+    assert len(set(MC.COLOURS.values())) == len(MC.ALL)  # no two categories share a colour
+    assert MC.HOST == ("offloaded_host",) and "offloaded_host" not in MC.DEVICE
