@@ -40,3 +40,25 @@ def test_memory_categories_once():
     assert html.MEMORY_COLORS == figures.MEMORY_COLORS == MC.COLOURS
     assert len(set(MC.COLOURS.values())) == len(MC.ALL)  # no two categories share a colour
     assert MC.HOST == ("offloaded_host",) and "offloaded_host" not in MC.DEVICE
+
+
+def test_every_module_imports_alone():
+    """Each module of the recorder imports on its own in a fresh interpreter: no import loop between the
+    collaborators (a loop shows only when the cycle is entered from the wrong end)."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import fsdp_doctor
+
+    mods = sorted(m.name for m in pkgutil.walk_packages(fsdp_doctor.__path__, "fsdp_doctor."))
+    assert "fsdp_doctor.record.memory_sizes" in mods
+    code = ("import importlib, subprocess, sys\n"
+            "bad = []\n"
+            "for m in sys.argv[1:]:\n"
+            "    r = subprocess.run([sys.executable, '-c', f'import {m}'], capture_output=True, text=True)\n"
+            "    if r.returncode: bad.append(m + ': ' + r.stderr.strip().splitlines()[-1])\n"
+            "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n")
+    mods = [m for m in mods if m.startswith(("fsdp_doctor.record", "fsdp_doctor.memory_"))]  # the split rooms
+    r = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
