@@ -62,3 +62,40 @@ def test_every_module_imports_alone():
     mods = [m for m in mods if m.startswith(("fsdp_doctor.record", "fsdp_doctor.memory_"))]  # the split rooms
     r = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_run_device_comes_from_the_process_group_not_a_parameter(monkeypatch):
+    """With CPUOffloadPolicy the parameters live on the host while FSDP computes on the GPU: the run's device is
+    the process group's (NCCL: the current CUDA device) or FSDP's compute device, never a parameter's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fsdp_doctor.record import run_device as RD
+
+    asked = []
+
+    def cuda_index():
+        asked.append(1)
+        return 3
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert RD.choose_device("nccl", None, cuda_index) == torch.device("cuda", 3)
+    assert RD.choose_device("cpu:gloo,cuda:nccl", cpu, cuda_index) == torch.device("cuda", 3)
+    n = len(asked)
+    assert RD.choose_device("gloo", None, cuda_index) == cpu and RD.choose_device(None, None, cuda_index) == cpu
+    assert RD.choose_device("gloo", gpu, cuda_index) == gpu  # FSDP's mesh says GPU: offloading does not change it
+    assert len(asked) == n  # the CUDA device is asked only for a NCCL group (no CUDA init on CPU runs)
+
+    # a CPUOffloadPolicy-like unit: its parameter on the host, FSDP's param group computing on cuda:1
+    param = torch.nn.Parameter(torch.zeros(2))
+    pg = SimpleNamespace(device=gpu, fsdp_params=[SimpleNamespace(sharded_param=param)])
+    unit = SimpleNamespace(param_groups=[pg])
+    assert param.device == cpu and RD.fsdp_compute_device([unit]) == gpu
+    monkeypatch.setattr(RD.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(RD.dist, "get_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(RD.torch.cuda, "current_device", lambda: 1)
+    assert RD.run_device([unit]) == gpu
+    monkeypatch.setattr(RD.dist, "get_backend", lambda *a, **k: "gloo")
+    assert RD.run_device([unit]) == gpu
+    assert RD.run_device([SimpleNamespace(param_groups=[SimpleNamespace(device=None)])]) == cpu

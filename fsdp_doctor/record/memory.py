@@ -85,9 +85,10 @@ import torch
 from .. import memory_categories as MC
 from ..records import MemoryPeak, MemoryStep, MemoryTimeline
 from .memory_activations import SavedTensors
-from .memory_device import DeviceStats, compute_device
+from .memory_device import DeviceStats
 from .memory_sampler import Sampler
 from .memory_sizes import FsdpSizes
+from .run_device import run_device
 
 log = logging.getLogger("fsdp_doctor")
 _now = time.perf_counter_ns
@@ -134,7 +135,7 @@ class MemoryProbe:
         self.units = list(doctor._units)
         self.unit_names = [u.name for u in self.units]
         self.unit_index = {u.name: i for i, u in enumerate(self.units)}
-        self.device = compute_device(self.units, self.model)
+        self.device = run_device(self.units)  # the process group's device (a GPU under CPUOffloadPolicy)
         self.is_cuda = self.device.type == "cuda"
         host_is_device = self.device.type == "cpu"
         self.sizes = FsdpSizes(self.model, getattr(doctor, "optimizer", None), self.units, host_is_device)

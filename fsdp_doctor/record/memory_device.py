@@ -9,10 +9,8 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.nn as nn
 
 from ..records import CudaMemory
-from . import fsdp2 as F2
 
 
 class DeviceStats:
@@ -92,16 +90,3 @@ class DeviceStats:
         except Exception:  # noqa: BLE001 - no NVML, no permission, containers hiding pids: normal
             self._nvml_failed = True
             return None
-
-
-def compute_device(units, model: nn.Module) -> torch.device:
-    """FSDP's compute device (``FSDPParamGroup.device``): CPU-offloaded params live on the host, so the
-    parameters' own device is not the answer."""
-    for u in units:
-        for pg in u.param_groups:
-            dev = F2.compute_device(pg)
-            if dev is not None:
-                return dev
-    for p in model.parameters():
-        return getattr(p, "_local_tensor", p).device
-    return torch.device("cpu")

@@ -48,6 +48,7 @@ from ..records import (
 )
 from ..store.writer import RecordWriter, RunDirTaken, claim_run_dir, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
+from .run_device import run_device
 from .throughput import FlopCounter, device_peak_tflops
 from . import fsdp2 as F2
 from .units import (Unit, checkpointed_modules, consistency_problem, find_units, label_to_index, snapshot_units,
@@ -163,7 +164,8 @@ class Doctor:
             except Exception as e:  # noqa: BLE001  (no tensorboard installed, unwritable dir: record without it)
                 self._tb = None
                 self._fail("tensorboard", e, stop=False)
-        if _device_of(self.model).type == "cuda":
+        self.device = run_device(self._units)  # the process group's device, a GPU under CPUOffloadPolicy
+        if self.device.type == "cuda":
             from .gpu_timing import GpuTimeline
 
             self._gpu = GpuTimeline(self.rank, len(self._units), [u.name for u in self._units])
@@ -625,7 +627,7 @@ class Doctor:
         self._writer.write(self._config())
 
     def _config(self) -> RunConfig:
-        dev = _device_of(self.model)
+        dev = self.device
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
         opt_params, foreign, foreign_bytes = _optimizer_params(self.optimizer, self.model)
         dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -713,13 +715,6 @@ def _collect_tensors(obj, out: list, depth: int = 0) -> None:
     elif hasattr(obj, "__dataclass_fields__"):
         for k in obj.__dataclass_fields__:
             _collect_tensors(getattr(obj, k, None), out, depth + 1)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        lt = getattr(p, "_local_tensor", p)
-        return lt.device
-    return torch.device("cpu")
 
 
 def _compute_dtype(units: list[Unit]) -> str:
