@@ -36,7 +36,6 @@ import torch.nn as nn
 
 from .. import __version__
 from ..records import (
-    DoctorError,
     End,
     Header,
     Manifest,
@@ -46,13 +45,14 @@ from ..records import (
     UnitStep,
     stream_name,
 )
-from ..store.writer import RecordWriter, RunDirTaken, claim_run_dir, write_manifest
+from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
 from .run_device import run_device
-from .throughput import FlopCounter, device_peak_tflops
+from .sinks import FailurePolicy, Sinks
+from .config_snapshot import config_snapshot
+from .throughput import FlopCounter
 from . import fsdp2 as F2
-from .units import (Unit, checkpointed_modules, consistency_problem, find_units, label_to_index, snapshot_units,
-                    unmanaged_param_bytes, unmanaged_summary)
+from .units import Unit, checkpointed_modules, find_units, label_to_index
 
 log = logging.getLogger("fsdp_doctor")
 _FSDP_LOGGER = F2.LOGGER_NAME
@@ -113,17 +113,16 @@ class Doctor:
         self._profile_kwargs = resolve_profile(profile)
         self._memory_opt = memory
         self._tb_opt = tensorboard
-        self._tb = None  # fsdp_doctor.record.tensorboard.TensorBoardWriter
         self.active = False
         self.steps_done = 0
-        self._failed = False
+        self._failures = FailurePolicy(self._step_aside, self._safe_write)
         self._handles: list[Any] = []
         self._units: list[Unit] = []
         self._acc: dict[int, _UnitAcc] = {}
         self._runtime_ckpt: set[int] = set()  # units seen re-running their forward in backward
         self._unit_of_label: dict[str, int] = {}
         self._consistency: str | None = None  # the first step's consistency check ("" when it passed)
-        self._writer: RecordWriter | None = None
+        self._sinks: Sinks | None = None  # the record stream and the live TensorBoard writer
         self._profiler: ProfilerWindows | None = None
         self._memory = None
         self._flops: FlopCounter | None = None
@@ -143,8 +142,8 @@ class Doctor:
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.run_id = self._claim_out_dir()
         self.started_ns = time.time_ns()
-        self._writer = RecordWriter(self.out_dir, self.rank)
-        self._writer.write(
+        self._sinks = Sinks(self.out_dir, self.rank)
+        self._sinks.write(
             Header(rank=self.rank, world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                    started_ns=self.started_ns, doctor_version=__version__, run_id=self.run_id)
         )
@@ -158,11 +157,8 @@ class Doctor:
         self._install()
         if self._tb_opt:
             try:
-                from .tensorboard import TensorBoardWriter
-
-                self._tb = TensorBoardWriter(self.out_dir, self.rank)
+                self._sinks.open_tensorboard(self.rank)
             except Exception as e:  # noqa: BLE001  (no tensorboard installed, unwritable dir: record without it)
-                self._tb = None
                 self._fail("tensorboard", e, stop=False)
         self.device = run_device(self._units)  # the process group's device, a GPU under CPUOffloadPolicy
         if self.device.type == "cuda":
@@ -195,21 +191,20 @@ class Doctor:
             self._uninstall()
             if self._memory is not None:
                 self._memory.detach()
-            if self._tb is not None:
+            if self._sinks is not None:
                 try:
-                    self._tb.close()
+                    self._sinks.close_tensorboard()
                 except Exception as e:  # noqa: BLE001
                     self._fail("tensorboard close", e, stop=False)
-                self._tb = None
             if self._gpu is not None and self.active:
                 try:
-                    self._writer.write(*self._gpu.flush())
+                    self._sinks.write(*self._gpu.flush())
                 except Exception as e:  # noqa: BLE001
                     self._fail("gpu timing", e, stop=False)
-            if self._writer is not None:
+            if self._sinks is not None:
                 if exc_type is None:
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns()))
-                self._writer.close()
+                self._sinks.close()
         finally:
             _WATCHED.discard(self.model)
             self.active = False
@@ -591,13 +586,11 @@ class Doctor:
             forward_ms=fwd, backward_ms=bwd, optimizer_ms=opt, outside_ms=max(0.0, round(_ms(wall) - fwd - bwd - opt, 3)),
             gc_ms=_ms(self._gc_ns), gc_count=self._gc_count, profiled=profiled, units=units, memory=mem,
         )
-        self._writer.write(rec)
-        if self._tb is not None:
-            self._tb.on_step(rec)  # queues the record; the scalars are written on the writer's thread
+        self._sinks.on_step(rec)
         if self._gpu is not None:
             done = self._gpu.end_step(step)
             if done:
-                self._writer.write(*done)
+                self._sinks.write(*done)
         self._flops_tick(step)
         if self._profiler is not None:
             try:
@@ -624,50 +617,18 @@ class Doctor:
     def _write_config(self) -> None:
         self._config_written = True
         self._unit_of_label = label_to_index(self._units)
-        self._writer.write(self._config())
+        self._sinks.write(self._config())
 
     def _config(self) -> RunConfig:
-        dev = self.device
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-        opt_params, foreign, foreign_bytes = _optimizer_params(self.optimizer, self.model)
-        dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        capacity = self.capacity_bytes
-        if capacity is None and dev.type == "cuda":
-            capacity = torch.cuda.get_device_properties(dev).total_memory
-        peak = self.peak_tflops
-        if peak is None and dev.type == "cuda":
-            peak = device_peak_tflops(dev_name, _compute_dtype(self._units))
-        sched = getattr(self._profiler, "schedule", None)
-        unit_cfgs = snapshot_units(self._units)
-        for idx in self._runtime_ckpt:  # functional torch.utils.checkpoint(unit, ...): seen re-running in backward
-            if unit_cfgs[idx].checkpoint == "none":
-                unit_cfgs[idx].checkpoint = "unit"
-        _, ign_names, ign_bytes = unmanaged_summary(self.model, self._units)
-        if self._consistency is None:
-            self._consistency = consistency_problem(self.model, self._units, unit_cfgs) or ""
-            if self._consistency:
-                log.warning("fsdp_doctor: %s", self._consistency)
-        unavailable = F2.problems() + ([self._consistency] if self._consistency else [])
-        return RunConfig(
-            rank=self.rank, world_size=self.world_size, backend=str(backend), device=str(dev), device_name=dev_name,
-            torch_version=str(torch.__version__),
-            optimizer=type(self.optimizer).__name__ if self.optimizer is not None else None,
-            optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
-            units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(self.model, self._units),
-            model_param_count=sum(p.numel() for p in self.model.parameters()),  # DTensor numel: global
-            capacity_bytes=capacity, tokens_per_step=self.tokens_per_step, peak_tflops=peak,
-            flops_per_step=self.flops_per_step,
-            profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
-            unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
-            unavailable=unavailable,
-            torch_lacks=F2.features_unavailable(),
-        )
+        cfg, self._consistency = config_snapshot(
+            self.model, self.optimizer, self._units, rank=self.rank, world_size=self.world_size, device=self.device,
+            capacity_bytes=self.capacity_bytes, tokens_per_step=self.tokens_per_step, peak_tflops=self.peak_tflops,
+            flops_per_step=self.flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
+            runtime_checkpointed=self._runtime_ckpt, consistency=self._consistency)
+        return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
-        window = ProfileWindow(rank=self.rank, steps=steps, path=rel_path)
-        self._safe_write(window)
-        if self._tb is not None:
-            self._tb.on_profile(window, self.out_dir / rel_path)  # overlap analysed on the writer's thread
+        self._sinks.on_profile(ProfileWindow(rank=self.rank, steps=steps, path=rel_path))
 
     # ------------------------------------------------------------------ failure handling
     def _safe(self, fn, where: str) -> None:
@@ -677,23 +638,16 @@ class Doctor:
             self._fail(where, e)
 
     def _safe_write(self, rec) -> None:
-        try:
-            if self._writer is not None:
-                self._writer.write(rec)
-        except Exception as e:  # noqa: BLE001
-            log.warning("fsdp_doctor: could not write a record (%s)", e)
+        if self._sinks is not None:
+            self._sinks.safe_write(rec)
+
+    def _step_aside(self) -> None:
+        self.active = False
 
     def _fail(self, where: str, exc: BaseException, stop: bool = True) -> None:
-        """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run."""
-        if self._failed:
-            return
-        if stop:
-            self._failed = True
-            self.active = False
-        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log.warning("fsdp_doctor: error in %s on rank %s (%s); the doctor stops recording, training continues",
-                    where, getattr(self, "rank", "?"), msg)
-        self._safe_write(DoctorError(rank=getattr(self, "rank", 0), where=where, message=msg, step=self.steps_done))
+        """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run
+        (the one failure policy: fsdp_doctor.record.sinks.FailurePolicy)."""
+        self._failures.fail(where, exc, rank=getattr(self, "rank", "?"), step=self.steps_done, stop=stop)
 
 
 def _ms(ns: int) -> float:
@@ -715,29 +669,6 @@ def _collect_tensors(obj, out: list, depth: int = 0) -> None:
     elif hasattr(obj, "__dataclass_fields__"):
         for k in obj.__dataclass_fields__:
             _collect_tensors(getattr(obj, k, None), out, depth + 1)
-
-
-def _compute_dtype(units: list[Unit]) -> str:
-    for u in units:
-        dt = getattr(F2.mp_policy(u.state), "param_dtype", None)
-        if dt is not None:
-            return str(dt).replace("torch.", "")
-    return "float32"
-
-
-def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
-    if optimizer is None:
-        return 0, 0, 0
-    model_ids = {id(p) for p in model.parameters()}
-    n = foreign = nbytes = 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            n += 1
-            if id(p) not in model_ids:
-                foreign += 1
-                lt = getattr(p, "_local_tensor", p)
-                nbytes += lt.numel() * lt.element_size()
-    return n, foreign, nbytes
 
 
 def watch(
