@@ -99,3 +99,24 @@ def test_run_device_comes_from_the_process_group_not_a_parameter(monkeypatch):
     monkeypatch.setattr(RD.dist, "get_backend", lambda *a, **k: "gloo")
     assert RD.run_device([unit]) == gpu
     assert RD.run_device([SimpleNamespace(param_groups=[SimpleNamespace(device=None)])]) == cpu
+
+
+def test_comm_section_is_typed_and_its_json_unchanged(sample_run_path):
+    """The pipeline builds ``comm`` as a CommSummary and stores its JSON-ready form: the keys of the JSON report
+    are those it always had, and a presenter reads it back by attribute."""
+    from fsdp_doctor.pipeline import build_report, comm_summary
+    from fsdp_doctor.present.fmt import comm_headline
+    from fsdp_doctor.report_sections import CommSummary
+    from fsdp_doctor.store import load_run
+
+    rep = build_report(load_run(sample_run_path), diagnosis=False)
+    comm = rep["comm"]
+    assert set(comm) == {"source", "source_text", "definition", "per_rank", "exposed_ms_per_step", "comm_ms_per_step",
+                         "overlap_pct"}
+    typed = CommSummary.of(comm)
+    assert typed.source == "trace" and msgspec.to_builtins(typed) == comm
+    assert comm_headline(comm) == comm_headline(typed)
+    assert comm_headline(comm).startswith(f"Exposed communication: ")
+    rec = comm_summary({}, {"0": 1.5, "1": 2.5})  # from the records: per rank the waits only
+    assert msgspec.to_builtins(rec)["per_rank"] == {"0": {"exposed_ms_per_step": 1.5}, "1": {"exposed_ms_per_step": 2.5}}
+    assert rec.exposed_ms_per_step == 2.0 and rec.comm_ms_per_step is None and rec.overlap_pct is None

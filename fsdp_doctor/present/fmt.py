@@ -128,11 +128,15 @@ def findings_headline(findings: list[dict]) -> str:
     return ", ".join(parts) + "."
 
 
-def comm_headline(comm: dict | None) -> str | None:
-    """The report's one exposed-communication figure with its source, the same text in every presenter."""
-    if not comm or comm.get("exposed_ms_per_step") is None:
+def comm_headline(comm) -> str | None:
+    """The report's one exposed-communication figure with its source, the same text in every presenter
+    (``comm``: ``report["comm"]``, read as :class:`fsdp_doctor.report_sections.CommSummary`)."""
+    from ..report_sections import CommSummary
+
+    c = CommSummary.of(comm) if comm else None
+    if c is None or c.exposed_ms_per_step is None:
         return None
-    txt = f"Exposed communication: {fmt_ms(comm['exposed_ms_per_step'])} per step"
-    if comm.get("comm_ms_per_step") is not None:
-        txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
-    return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"
+    txt = f"Exposed communication: {fmt_ms(c.exposed_ms_per_step)} per step"
+    if c.comm_ms_per_step is not None:
+        txt += f" of {fmt_ms(c.comm_ms_per_step)} ({fmt_pct(c.overlap_pct)} overlapped)"
+    return txt + f"; source: {c.source_text or c.source}, median over ranks"
