@@ -136,7 +136,8 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     """The report of ``run``: run facts, the record sections, the trace section (``traces=False`` skips it;
     ``windows`` gives pre-decoded trace windows instead of reading ``run.trace_files``), the exposed
     communication headline (``comm``), the findings and the problems met on the way."""
-    report: dict = {"schema": SCHEMA, "doctor_version": __version__, "run": run_facts(run)}
+    report: dict = {"schema": SCHEMA, "doctor_version": __version__,
+                    "run": msgspec.to_builtins(run_facts(run))}  # typed RunFacts; presenters read RunFacts.of
     problems = list(run.problems)
     report.update(record_sections(run))
     if windows is not None or traces:

@@ -120,3 +120,25 @@ def test_comm_section_is_typed_and_its_json_unchanged(sample_run_path):
     rec = comm_summary({}, {"0": 1.5, "1": 2.5})  # from the records: per rank the waits only
     assert msgspec.to_builtins(rec)["per_rank"] == {"0": {"exposed_ms_per_step": 1.5}, "1": {"exposed_ms_per_step": 2.5}}
     assert rec.exposed_ms_per_step == 2.0 and rec.comm_ms_per_step is None and rec.overlap_pct is None
+
+
+def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
+    """``run`` is built as RunFacts: with a config record every fact is written (a None capacity included); a
+    folder of plain traces has no config facts at all (not nulls); the header line reads attributes."""
+    from fsdp_doctor.analyze.report import run_facts
+    from fsdp_doctor.present.fmt import run_facts as header_facts
+    from fsdp_doctor.report_sections import RunFacts
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    facts = msgspec.to_builtins(run_facts(run))
+    assert {"path", "ranks", "world_size", "run_id", "trace_files", "backend", "device", "device_name",
+            "torch_version", "optimizer", "units", "model_param_count", "capacity_bytes", "tokens_per_step",
+            "steps_recorded", "complete"} <= set(facts)
+    assert facts["capacity_bytes"] is None and facts["device"] == "cpu" and facts["ranks"] == [0, 1]
+    assert header_facts(facts) == header_facts(RunFacts.of(facts))
+    assert header_facts(facts)[:2] == ["2 ranks", f"{facts['units']} FSDP units"]
+    traces = load_run(sample_run_path / "profiler")
+    bare = msgspec.to_builtins(run_facts(traces))
+    assert "backend" not in bare and "capacity_bytes" not in bare and bare["trace_files"] >= 1
+    assert header_facts({"world_size": 2, "backend": "gloo"}) == ["2 ranks", "gloo"]  # a partial dict still reads

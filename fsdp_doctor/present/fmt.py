@@ -100,18 +100,24 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
     return str(v)
 
 
-def run_facts(run: dict) -> list[str]:
-    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions."""
+def run_facts(run) -> list[str]:
+    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions
+    (``run``: ``report["run"]``, read as :class:`fsdp_doctor.report_sections.RunFacts`)."""
+    from ..report_sections import RunFacts
+
+    r = RunFacts.of(run) if run else None
     facts = []
-    if run.get("world_size"):
-        facts.append(f"{run['world_size']} ranks")
-    if run.get("units"):
-        facts.append(f"{run['units']} FSDP units")
-    if run.get("model_param_count"):
-        facts.append(f"{run['model_param_count'] / 1e6:.2f} M params")
-    for k in ("backend", "device_name", "torch_version", "optimizer"):
-        if run.get(k):
-            facts.append(str(run[k]))
+    if r is None:
+        return facts
+    if r.world_size:
+        facts.append(f"{r.world_size} ranks")
+    if r.units:
+        facts.append(f"{r.units} FSDP units")
+    if r.model_param_count:
+        facts.append(f"{r.model_param_count / 1e6:.2f} M params")
+    for v in (r.backend, r.device_name, r.torch_version, r.optimizer):
+        if v:
+            facts.append(str(v))
     return facts
 
 
