@@ -2,7 +2,7 @@
 
 The report itself stays a JSON-ready dict (``msgspec.to_builtins`` of each typed section, so ``--json`` writes the
 same keys as before); a presenter reads a section through its ``of`` constructor, which accepts the stored dict.
-So far the run facts (``run``) and the ``comm`` headline are typed; the other sections are still plain dicts (see the README's code map).
+So far the run facts (``run``), the ``memory`` section and the ``comm`` headline are typed; the other sections are still plain dicts (see the README's code map).
 """
 
 from __future__ import annotations
@@ -60,3 +60,54 @@ class CommSummary(_Section):
     overlap_pct: Optional[float] = None  # share of communication overlapped by compute (trace only)
     # per rank: {"exposed_ms_per_step"} from records; from traces also "comm_ms_per_step", "overlap_pct", "steps"
     per_rank: dict[str, dict[str, Any]] = {}
+
+
+class MemoryPeakAt(_Section):
+    step: Optional[int] = None
+    unit: Optional[str] = None  # "" the root unit; None outside every unit
+    phase: Optional[str] = None
+    t_ms: Optional[float] = None  # from the step's start
+
+
+class MemoryUnitRow(_Section):
+    unit: str = ""
+    sharded_bytes: Optional[int] = None
+    unsharded_bytes: Optional[int] = None
+    activation_bytes: Optional[int] = None  # what the unit's forward left saved (nested units included)
+    activation_self_bytes: int | UnsetType = UNSET  # without the nested units' (where activation_bytes is known)
+
+
+class MemoryRank(_Section):
+    """``report["memory"]["per_rank"][rank]`` (fsdp_doctor.analyze.memory); bytes unless named otherwise."""
+
+    peak_bytes: int = 0  # device bytes at the highest sampled mark
+    peak_at: MemoryPeakAt = msgspec.field(default_factory=MemoryPeakAt)
+    peak_breakdown: dict[str, int] = {}  # category -> bytes; adds up to peak_bytes (device categories)
+    peak_share: dict[str, float] = {}  # category -> fraction of the peak
+    offloaded_host_bytes: int = 0  # host memory of CPU-offloaded state, apart from the peak
+    activations_peak_bytes: int = 0  # highest activation figure sampled on any step
+    capacity_bytes: Optional[int] = None
+    capacity_fraction: Optional[float] = None
+    steady_bytes: dict[str, int] = {}  # after the last optimizer step (what stays between steps)
+    stale_optimizer_params_bytes: int = 0
+    steps: int = 0
+    full_steps: int = 0
+    activations: str = "off"  # "exact" | "replayed" | "off"
+    probe_us_median: float = 0.0
+    timeline_step: Optional[int] = None  # the step the timeline comes from (the peak step when it has one)
+    timeline: list[dict[str, Any]] = []  # {"t_ms", "unit", "phase", "total", category...}
+    per_unit: list[MemoryUnitRow] = []
+    cuda: dict[str, Any] | UnsetType = UNSET  # the peak step's CudaMemory (CUDA only)
+    unknown_categories: list[str] | UnsetType = UNSET  # not measurable on this torch: their 0 is no figure
+    notes: list[str] | UnsetType = UNSET
+    replay_mismatches: int | UnsetType = UNSET
+
+
+class MemorySection(_Section):
+    """``report["memory"]``: memory by category per rank (step 0, FSDP's lazy init, left out when later steps
+    exist)."""
+
+    categories: list[str] = []  # device categories, in order
+    peak_rank: str = ""  # the rank with the highest peak
+    peak_bytes: int = 0
+    per_rank: dict[str, MemoryRank] = {}

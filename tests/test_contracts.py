@@ -142,3 +142,23 @@ def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
     bare = msgspec.to_builtins(run_facts(traces))
     assert "backend" not in bare and "capacity_bytes" not in bare and bare["trace_files"] >= 1
     assert header_facts({"world_size": 2, "backend": "gloo"}) == ["2 ranks", "gloo"]  # a partial dict still reads
+
+
+def test_memory_section_schema_is_the_struct(sample_run_path):
+    """The analysis's memory section round-trips through MemorySection unchanged: every key it writes is a field
+    (msgspec drops unknown keys, so a key missing from the struct would show here), and the terminal reads it."""
+    from rich.console import Console
+
+    from fsdp_doctor.analyze.memory import analyze_memory
+    from fsdp_doctor.present.memory import render_memory
+    from fsdp_doctor.report_sections import MemorySection
+    from fsdp_doctor.store import load_run
+
+    mem = analyze_memory(load_run(sample_run_path))
+    typed = MemorySection.of(mem)
+    assert msgspec.to_builtins(typed) == mem
+    pr = typed.per_rank[typed.peak_rank]
+    assert sum(pr.peak_breakdown.values()) == pr.peak_bytes == typed.peak_bytes
+    con = Console(width=100, record=True)
+    con.print(render_memory(mem))
+    assert f"rank {typed.peak_rank}: peak" in con.export_text()

@@ -1,27 +1,7 @@
-"""Memory by category: the report's ``memory`` section, from the probe's per-step dicts.
+"""Memory by category: the report's ``memory`` section, from the probe's per-step ``MemoryStep`` records.
 
-``analyze_memory(run)`` returns::
-
-    {"categories": [...],                         # device categories, in order
-     "peak_rank": "0", "peak_bytes": int,         # the highest peak over ranks
-     "per_rank": {"0": {
-         "peak_bytes": int,                       # device bytes at the highest sampled mark
-         "peak_at": {"step", "unit", "phase", "t_ms"},
-         "peak_breakdown": {category: bytes},     # adds up to peak_bytes (device categories only)
-         "peak_share": {category: fraction},
-         "offloaded_host_bytes": int,             # host memory of CPU-offloaded state, apart from the peak
-         "activations_peak_bytes": int,           # highest activation figure sampled on any step
-         "capacity_bytes": int | None, "capacity_fraction": float | None,
-         "steady_bytes": {category: bytes},       # after the last optimizer step (what stays between steps)
-         "timeline_step": int | None,             # the step the timeline comes from (the peak step when
-         "timeline": [{"t_ms", "unit", "phase", "total", category...}],   # it has one)
-         "per_unit": [{"unit", "sharded_bytes", "unsharded_bytes", "activation_bytes",
-                       "activation_self_bytes"}],  # activation_bytes: what the unit's forward left saved
-                                                   # (nested units included); _self: without them
-         "stale_optimizer_params_bytes": int,
-         "steps": int, "full_steps": int, "activations": "exact" | "replayed" | "off",
-         "probe_us_median": float, "cuda": {...}}}}
-
+``analyze_memory(run)`` returns the JSON-ready form of :class:`fsdp_doctor.report_sections.MemorySection` (its
+fields, their units and meaning are documented there; presenters read it back with ``MemorySection.of``).
 Step 0 (FSDP's lazy init, no optimizer state yet) is left out when later steps exist.
 """
 
