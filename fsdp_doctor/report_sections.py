@@ -2,7 +2,7 @@
 
 The report itself stays a JSON-ready dict (``msgspec.to_builtins`` of each typed section, so ``--json`` writes the
 same keys as before); a presenter reads a section through its ``of`` constructor, which accepts the stored dict.
-So far the run facts (``run``), the ``memory`` section and the ``comm`` headline are typed; the other sections are still plain dicts (see the README's code map).
+So far the run facts (``run``), the ``steps`` and ``memory`` sections and the ``comm`` headline are typed; the other sections are still plain dicts (see the README's code map).
 """
 
 from __future__ import annotations
@@ -111,3 +111,54 @@ class MemorySection(_Section):
     peak_rank: str = ""  # the rank with the highest peak
     peak_bytes: int = 0
     per_rank: dict[str, MemoryRank] = {}
+
+
+class StepStats(_Section):
+    """Step-time statistics of one rank or the job over its steady steps (ms); only ``count`` and the percentiles
+    (None) when there is none. ``recorded`` / ``excluded`` per rank only."""
+
+    count: int = 0
+    p50_ms: Optional[float] = None
+    p90_ms: Optional[float] = None
+    p99_ms: Optional[float] = None
+    max_ms: Optional[float] = None
+    mean_ms: float | UnsetType = UNSET
+    cv: Optional[float] = None  # coefficient of variation (fraction)
+    phases_p50_ms: dict[str, float] | UnsetType = UNSET  # forward, backward, optimizer, outside, gc
+    gc_ms_total: float | UnsetType = UNSET
+    gc_count_total: int | UnsetType = UNSET
+    wall_ms_total: float | UnsetType = UNSET
+    recorded: int | UnsetType = UNSET  # steps recorded
+    excluded: int | UnsetType = UNSET  # of those, left out (first step, profiled steps)
+
+
+class Outlier(_Section):
+    rank: int
+    step: int
+    ms: float
+    median_ms: float
+    excess_ms: float
+    cause: str  # "late_rank" | "gc" | "outside" | "allgather_wait" | "compute"
+    detail: str
+
+
+class Straggler(_Section):
+    rank: int
+    phase: str  # where its excess goes
+    steps_slower: int
+    steps: int
+    own_ms_p50: float  # step minus collective waits and GC
+    others_own_ms_p50: float
+    excess_ms_per_step: float
+    phase_excess_ms_per_step: float
+
+
+class StepsSection(_Section):
+    """``report["steps"]`` (fsdp_doctor.analyze.steps)."""
+
+    per_rank: dict[str, StepStats] = {}
+    job: Optional[StepStats] = None
+    outliers: list[Outlier] = []  # worst first
+    stragglers: list[Straggler] = []
+    # per rank: {"window": steps inside profiled windows, "export": the steps that exported a window}
+    profiler_steps: dict[str, dict[str, list[int]]] = {}

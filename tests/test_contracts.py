@@ -162,3 +162,35 @@ def test_memory_section_schema_is_the_struct(sample_run_path):
     con = Console(width=100, record=True)
     con.print(render_memory(mem))
     assert f"rank {typed.peak_rank}: peak" in con.export_text()
+
+
+def test_steps_section_schema_is_the_struct(sample_run_path):
+    """The steps section round-trips through StepsSection unchanged (every key a field), with outliers and
+    stragglers typed too (built here on a run with one slow step), and the terminal reads it by attribute."""
+    from rich.console import Console
+
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.terminal import render_steps
+    from fsdp_doctor.report_sections import StepsSection
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    steps = analyze_steps(run)
+    typed = StepsSection.of(steps)
+    assert msgspec.to_builtins(typed) == steps and typed.job.count == sum(s.count for s in typed.per_rank.values())
+    rd = run.ranks[0]
+    slow = max((s for s in rd.steps if s.step > 0 and not s.profiled), key=lambda s: s.step)
+    slow.wall_ms *= 20
+    slow.outside_ms += slow.wall_ms * 0.95
+    withoutlier = analyze_steps(run)
+    assert withoutlier["outliers"] and msgspec.to_builtins(StepsSection.of(withoutlier)) == withoutlier
+    con = Console(width=100, record=True)
+    con.print(render_steps(withoutlier))
+    text = con.export_text()
+    assert "Outlier steps (1, worst first)" in text and "time outside the model" in text
+
+    for st in run.ranks[1].steps:  # rank 1 slower in forward on every step: a straggler
+        st.forward_ms += 60
+        st.wall_ms += 60
+    strag = analyze_steps(run)
+    assert strag["stragglers"][0]["rank"] == 1 and msgspec.to_builtins(StepsSection.of(strag)) == strag
