@@ -32,7 +32,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import fsdp_doctor
-    from fsdp_doctor.record import tracker
+    from fsdp_doctor.record import hooks, tracker
     from fsdp_doctor.workloads import WorkloadConfig, free_port
     from fsdp_doctor.workloads.data import batches
     from fsdp_doctor.workloads.train import build_training, next_token_loss
@@ -51,8 +51,9 @@ def main() -> None:
                 acc[name] = acc.get(name, 0) + time.perf_counter_ns() - t
         return wrapper
 
-    for n in HOOKS:
-        setattr(tracker.Doctor, n, timed(n, getattr(tracker.Doctor, n)))
+    for n in HOOKS:  # the hook bodies live on the Doctor's StepTimer (record/hooks.py); _end_step on the Doctor
+        cls = hooks.StepTimer if hasattr(hooks.StepTimer, n) else tracker.Doctor
+        setattr(cls, n, timed(n, getattr(cls, n)))
     cfg = WorkloadConfig(steps=60, async_unshard=True)
     model, opt = build_training(cfg)
     kw = {} if a.default else dict(memory=False, tensorboard=False, profile=False)

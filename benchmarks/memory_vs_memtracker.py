@@ -124,15 +124,15 @@ def compare(out: str, rank: int = 0) -> list[tuple]:
     run = load_run(out)
     tr = json.loads(open(os.path.join(out, f"tracker{rank}.json")).read())
     step = run.ranks[rank].steps[-1]
-    tl = step.memory["timeline"] if "timeline" in step.memory else None
+    tl = step.memory.timeline
     if tl is None:
         raise SystemExit("the last step has no timeline; run with more steps")
-    cols = tl["columns"]
+    cols = tl.columns
     ours_max = {c: 0 for c in OURS_TO_TRACKER}
     theirs_max = {c: 0 for c in OURS_TO_TRACKER}
     matched = 0
     best = None
-    for row in tl["rows"]:
+    for row in tl.rows:
         d = dict(zip(cols, row))
         if d["unit"] is None or d["phase"] not in PHASE_TO_STATE:
             continue
@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     print(f"our peak mark: {d['unit'] or '(root)'} {d['phase']}: ours {best[0] / mib:.3f} MiB, tracker at the same "
           f"point {t_total / mib:.3f} MiB without inputs ({best[2].get('Inputs', 0) / mib:.3f} MiB inputs)")
     print("tracker op-level peak of the step: " + ", ".join(f"{k} {v / mib:.3f}M" for k, v in op_peak.items() if v))
-    print(f"probe cost this step: {mem['probe_us']} us")
+    print(f"probe cost this step: {mem.probe_us} us")
 
 
 if __name__ == "__main__":

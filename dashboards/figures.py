@@ -12,6 +12,7 @@ from typing import Iterable, Optional, Sequence
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from fsdp_doctor import memory_categories as MC
 from fsdp_doctor.present.fmt import (VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, verdict_share,
                                      verdict_title)
 
@@ -21,12 +22,8 @@ PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A2
                 "gc": "#E45756"}
 COLLECTIVE_COLORS = {"all_gather": "#4C78A8", "reduce_scatter": "#F58518", "all_reduce": "#E45756",
                      "broadcast": "#72B7B2", "compute": "#9D9D9D"}
-MEMORY_CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
-                     "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries", "offloaded_host")
-MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sharded_grads": "#FF7F0E",
-                 "unsharded_grads": "#FFBB78", "optimizer_state": "#2CA02C", "activations": "#D62728",
-                 "comm_buffers": "#9467BD", "temporaries": "#8C564B", "offloaded_host": "#7F7F7F",
-                 "stale_optimizer_params": "#E377C2", "buffers": "#BCBD22"}
+MEMORY_CATEGORIES = MC.NAMES
+MEMORY_COLORS = MC.COLOURS
 RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#EECA3B", "#9D755D",
                "#FF9DA6", "#BAB0AC")
 # the verdict's share kinds (fsdp_doctor.present.fmt.VERDICT_SEGMENTS): communication warm, the device's own work

@@ -16,10 +16,13 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Iterable, Optional
 
+import msgspec
+
 from . import __version__
 from .analyze.report import SCHEMA, fill_sizes_from_units, run_facts, unit_table
 from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
+from .report_sections import CommSummary
 from .store import Run
 
 StepWindow = Optional[tuple[int, int]]
@@ -87,7 +90,7 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
     return ov
 
 
-def comm_summary(report: dict, ag_waits: Optional[dict[str, float]] = None) -> Optional[dict]:
+def comm_summary(report: dict, ag_waits: Optional[dict[str, float]] = None) -> Optional[CommSummary]:
     """The one exposed-communication figure of the report, with its definition and source: from the profiled
     windows' traces when there are any, else from the recorder's all-gather waits (``ag_waits``: per rank, ms
     per step, see ``recorded_ag_waits``)."""
@@ -103,18 +106,18 @@ def comm_summary(report: dict, ag_waits: Optional[dict[str, float]] = None) -> O
     if rows:
         steps = sorted({s for v in rows.values() for s in v["steps"]})
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
-        out = {"source": "trace", "source_text": f"profiler trace, {span}", "definition": COMM_DEFINITION_TRACE,
-               "per_rank": rows}
-        for k in ("exposed_ms_per_step", "comm_ms_per_step"):
-            out[k] = round(statistics.median(v[k] for v in rows.values()), 3)
         pcts = [v["overlap_pct"] for v in rows.values() if v["overlap_pct"] is not None]
-        out["overlap_pct"] = round(statistics.median(pcts), 1) if pcts else None
-        return out
+        return CommSummary(
+            source="trace", source_text=f"profiler trace, {span}", definition=COMM_DEFINITION_TRACE, per_rank=rows,
+            exposed_ms_per_step=round(statistics.median(v["exposed_ms_per_step"] for v in rows.values()), 3),
+            comm_ms_per_step=round(statistics.median(v["comm_ms_per_step"] for v in rows.values()), 3),
+            overlap_pct=round(statistics.median(pcts), 1) if pcts else None)
     waits = ag_waits or {}
     if waits:
-        return {"source": "records", "source_text": "recorded all-gather waits", "definition": COMM_DEFINITION_RECORDS,
-                "exposed_ms_per_step": round(statistics.median(waits.values()), 3), "comm_ms_per_step": None,
-                "overlap_pct": None, "per_rank": {r: {"exposed_ms_per_step": round(v, 3)} for r, v in waits.items()}}
+        return CommSummary(source="records", source_text="recorded all-gather waits",
+                           definition=COMM_DEFINITION_RECORDS,
+                           exposed_ms_per_step=round(statistics.median(waits.values()), 3),
+                           per_rank={r: {"exposed_ms_per_step": round(v, 3)} for r, v in waits.items()})
     return None
 
 
@@ -133,7 +136,8 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     """The report of ``run``: run facts, the record sections, the trace section (``traces=False`` skips it;
     ``windows`` gives pre-decoded trace windows instead of reading ``run.trace_files``), the exposed
     communication headline (``comm``), the findings and the problems met on the way."""
-    report: dict = {"schema": SCHEMA, "doctor_version": __version__, "run": run_facts(run)}
+    report: dict = {"schema": SCHEMA, "doctor_version": __version__,
+                    "run": msgspec.to_builtins(run_facts(run))}  # typed RunFacts; presenters read RunFacts.of
     problems = list(run.problems)
     report.update(record_sections(run))
     if windows is not None or traces:
@@ -143,7 +147,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
             problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
     comm = comm_summary(report, recorded_ag_waits(run))
     if comm is not None:
-        report["comm"] = comm
+        report["comm"] = msgspec.to_builtins(comm)  # the JSON-ready form; presenters read CommSummary.of(...)
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 
     v = verdict(report, run)

@@ -15,7 +15,7 @@ version, renames or removals bump it.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 
@@ -70,6 +70,24 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     depth: int = 0  # nesting depth among units (root 0)
     parent: str | None = None  # name of the enclosing unit
 
+    #: what a reader assumes for the fields every snapshot writes, where a report row lacks one or has None
+    READER_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "modules": [], "is_root": False, "param_count": 0, "n_params": 0, "sharded_bytes": 0, "unsharded_bytes": 0,
+        "orig_dtypes": []}
+
+
+def unit_defaults() -> dict[str, Any]:
+    """Every :class:`UnitConfig` field's default, the one source of them: the struct's own defaults plus
+    ``READER_DEFAULTS`` for the fields without one (the unit's name aside)."""
+    out: dict[str, Any] = {}
+    for f in msgspec.structs.fields(UnitConfig):
+        if f.default is not msgspec.NODEFAULT:
+            out[f.name] = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out[f.name] = f.default_factory()
+    out.update(UnitConfig.READER_DEFAULTS)
+    return out
+
 
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
@@ -123,6 +141,76 @@ class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True
     fwd_calls: int = 0  # forward calls of the unit's modules (a grouped unit of two modules: 2 per pass)
 
 
+class MemoryPeak(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The highest sample of a step (device bytes)."""
+
+    bytes: int = 0  # device bytes at the step's highest sampled mark
+    t_ms: float = 0.0  # ms from the previous step's end
+    unit: str | None = None  # FSDP unit of the mark ("" the root; None: outside every unit)
+    phase: str | None = None  # "forward_start", "backward_end", "optimizer_end", ...
+    breakdown: dict[str, int] = {}  # category -> bytes; adds up to ``bytes`` (fsdp_doctor.memory_categories)
+
+
+class MemoryTimeline(msgspec.Struct, kw_only=True):
+    """Every sample of a step: ``columns`` are ``["t_ms", "unit", "phase", *categories]`` (bytes)."""
+
+    columns: list[str] = []
+    rows: list[list[Any]] = []
+
+
+class CudaMemory(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Allocator and device figures of a CUDA step (torch.cuda, NVML); every figure in bytes unless a count."""
+
+    allocated: int | None = None  # torch.cuda.memory_allocated
+    reserved: int | None = None  # torch.cuda.memory_reserved
+    fragmentation: int | None = None  # reserved - allocated
+    max_allocated: int | None = None
+    inactive_split_bytes: int | None = None  # the allocator's inactive split blocks
+    device_free: int | None = None  # torch.cuda.mem_get_info
+    device_total: int | None = None
+    largest_free_block: int | None = None  # largest inactive cached block (memory_snapshot, some steps)
+    nvml_process_bytes: int | None = None  # this process's device memory as NVML sees it
+    outside_allocator: int | None = None  # nvml_process_bytes - reserved: NCCL, CUDA context, other allocators
+    alloc_retries: int | None = None  # count
+    ooms: int | None = None  # count
+    error: str | None = None  # a torch.cuda call failed (the figures after it are missing)
+    snapshot_error: str | None = None
+
+    #: the fields that are bytes (TensorBoard writes each as ``memory/cuda_<name without _bytes>_mib``)
+    BYTE_FIELDS: ClassVar[tuple[str, ...]] = (
+        "allocated", "reserved", "fragmentation", "max_allocated", "inactive_split_bytes", "device_free",
+        "device_total", "largest_free_block", "nvml_process_bytes", "outside_allocator")
+
+
+class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Memory by category of one step of one rank (``StepRecord.memory``; see fsdp_doctor.record.memory).
+
+    Files written before this struct existed hold the same fields as a JSON object: they decode into it."""
+
+    v: int = 1  # the memory step's own format
+    device: str = ""  # "cpu" | "cuda:0"
+    categories: list[str] = []  # device categories, in the order of the timeline's columns
+    sampling: str = "full"  # "full": every figure measured at every mark; "replayed": the last full
+    # step's figures, mark by mark (temporaries still measured live on CUDA)
+    samples: int = 0  # marks sampled this step
+    peak: MemoryPeak | None = None
+    end: dict[str, int] = {}  # category -> bytes at the last sample (after the optimizer step)
+    offloaded_host: int = 0  # host bytes of offloaded params/grads/optimizer state
+    activations: str = "off"  # "exact" | "replayed" | "off"
+    activations_note: str | None = None  # why activations are not counted
+    comm_note: str | None = None  # why comm_buffers are unknown
+    unknown: list[str] = []  # categories not measurable on this torch (their 0 is no figure)
+    unit_activations: dict[str, int] | None = None  # exact steps: bytes each unit's forward left saved
+    stale_optimizer_param_tensors: int = 0
+    saved_tensors: int = 0  # tensors the pack hook saw this step
+    replay_mismatches: int = 0  # marks that did not line up with the last full step
+    timeline: MemoryTimeline | None = None  # full steps 0-2, every timeline_every-th, new highs
+    cuda: CudaMemory | None = None  # CUDA only
+    full_every: int = 1  # current period of full steps
+    probe_us: float = 0.0  # the probe's own cost this step (µs)
+    probe_pack_us: float = 0.0  # of which in the pack hook (µs)
+
+
 class StepRecord(Record, tag="step"):
     """One training step of one rank: from the previous ``doctor.step()`` to this one."""
 
@@ -137,7 +225,7 @@ class StepRecord(Record, tag="step"):
     gc_count: int = 0
     profiled: bool = False  # inside an active torch.profiler window
     units: list[UnitStep] = []
-    memory: dict[str, Any] | None = None  # memory by category (see fsdp_doctor.record.memory)
+    memory: MemoryStep | None = None  # memory by category (see fsdp_doctor.record.memory)
 
 
 class GpuTimes(Record, tag="gpu"):

@@ -653,12 +653,14 @@ def test_module_expr_and_blocks():
 
 
 def test_memory_fallback_from_step_records():
-    from fsdp_doctor.records import StepRecord
+    import msgspec
 
-    step = StepRecord(rank=0, step=3, start_ns=0, wall_ms=100.0, memory={
+    from fsdp_doctor.records import MemoryStep, StepRecord
+
+    step = StepRecord(rank=0, step=3, start_ns=0, wall_ms=100.0, memory=msgspec.convert({
         "peak": {"bytes": 50 * MiB, "unit": "layers.3", "phase": "forward_end",
                  "breakdown": {"activations": 40 * MiB, "sharded_params": 2 * MiB}},
-        "unit_activations": {"layers.0": 10 * MiB}})
+        "unit_activations": {"layers.0": 10 * MiB}}, MemoryStep))
     ctx, _ = build(capacity=48 * MiB)
     ctx.run.ranks = {0: SimpleNamespace(steps=[step])}
     assert E.peak_bytes(ctx) == 50 * MiB

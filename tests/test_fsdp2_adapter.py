@@ -210,7 +210,7 @@ def test_unmeasured_memory_category_is_unknown_not_zero(sample_run_path):
     for rd in run.ranks.values():
         for s in rd.steps:
             if s.memory:
-                s.memory["unknown"] = ["comm_buffers"]  # what the probe writes when CommReader is not ok
+                s.memory.unknown = ["comm_buffers"]  # what the probe writes when CommReader is not ok
     mem = analyze_memory(run)
     assert all(pr["unknown_categories"] == ["comm_buffers"] for pr in mem["per_rank"].values())
     con = Console(width=100, record=True)

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import torch.nn as nn
@@ -106,8 +107,8 @@ _BASE_SCRIPT = textwrap.dedent(
 
 
 def _samples(step) -> list[dict]:
-    tl = step.memory["timeline"]
-    return [dict(zip(tl["columns"], row)) for row in tl["rows"]]
+    tl = step.memory.timeline
+    return [dict(zip(tl.columns, row)) for row in tl.rows]
 
 
 def _sample(step, unit, phase) -> dict:
@@ -181,8 +182,8 @@ def test_no_errors_and_every_step_has_memory(base):
         rd = run.ranks[r]
         assert not rd.errors, rd.errors
         assert [s.step for s in rd.steps] == list(range(5))
-        assert all(s.memory and s.memory["peak"]["bytes"] > 0 for s in rd.steps)
-        assert [s.memory["sampling"] for s in rd.steps] == ["full", "full", "full", "replayed", "full"]
+        assert all(s.memory and s.memory.peak.bytes > 0 for s in rd.steps)
+        assert [s.memory.sampling for s in rd.steps] == ["full", "full", "full", "replayed", "full"]
 
 
 def test_sharded_params_equal_analytic_shard(base):
@@ -193,7 +194,7 @@ def test_sharded_params_equal_analytic_shard(base):
     expect = _local_padded_bytes(cfg, NPROC)
     for r in range(NPROC):
         for s in run.ranks[r].steps:
-            assert s.memory["end"]["sharded_params"] == expect
+            assert s.memory.end["sharded_params"] == expect
 
 
 def test_optimizer_state_is_two_fp32_moments(base):
@@ -206,8 +207,8 @@ def test_optimizer_state_is_two_fp32_moments(base):
         moments = 2 * _local_unpadded_bytes(cfg, r, NPROC)
         # AdamW: exp_avg and exp_avg_sq like the (unpadded) local shard, plus a 4-byte step per param
         for s in run.ranks[r].steps[1:]:
-            assert s.memory["end"]["optimizer_state"] == moments + 4 * n_params
-        assert run.ranks[r].steps[0].memory["peak"]["breakdown"]["optimizer_state"] == 0
+            assert s.memory.end["optimizer_state"] == moments + 4 * n_params
+        assert run.ranks[r].steps[0].memory.peak.breakdown["optimizer_state"] == 0
 
 
 def test_unsharded_params_at_a_units_forward_equal_its_size(base):
@@ -241,7 +242,7 @@ def test_activations_are_released_by_backward(base):
 def test_grads_sharded_after_backward_unsharded_only_transiently(base):
     run, _ = base
     rd = run.ranks[0]
-    end = rd.steps[1].memory["end"]
+    end = rd.steps[1].memory.end
     assert end["sharded_grads"] == end["sharded_params"]  # fp32 grads, same padded layout
     assert end["unsharded_grads"] == 0
     s = _sample(rd.steps[1], "layers.2", "backward_end")
@@ -253,15 +254,15 @@ def test_peak_breakdown_adds_up_and_replay_matches_full(base):
     for r in range(NPROC):
         steps = run.ranks[r].steps
         for s in steps:
-            pk = s.memory["peak"]
-            assert sum(pk["breakdown"].values()) == pk["bytes"]
-        assert steps[3].memory["peak"] == {**steps[2].memory["peak"], "t_ms": steps[3].memory["peak"]["t_ms"]}
-        assert "replay_mismatches" not in steps[3].memory
+            pk = s.memory.peak
+            assert sum(pk.breakdown.values()) == pk.bytes
+        assert steps[3].memory.peak == msgspec.structs.replace(steps[2].memory.peak, t_ms=steps[3].memory.peak.t_ms)
+        assert not steps[3].memory.replay_mismatches
 
 
 def test_unit_activations(base):
     run, _ = base
-    ua = run.ranks[0].steps[1].memory["unit_activations"]
+    ua = run.ranks[0].steps[1].memory.unit_activations
     blocks = [ua[f"layers.{i}"] for i in range(4)]
     assert len(set(blocks)) == 1 and blocks[0] > 0
     assert ua[""] == _sample(run.ranks[0].steps[1], "", "forward_end")["activations"]
@@ -308,7 +309,7 @@ def test_activation_checkpointing_and_bf16(ac_bf16, base):
             u = _unit_cfg(rd, name)
             s = _sample(s1, name, "forward_start")
             assert s["unsharded_params"] == u.unsharded_bytes == u.sharded_bytes  # bf16: half of 2 fp32 shards
-        assert s1.memory["end"]["sharded_params"] == _local_padded_bytes(cfg, NPROC)  # shards stay fp32
+        assert s1.memory.end["sharded_params"] == _local_padded_bytes(cfg, NPROC)  # shards stay fp32
 
 
 def test_reshard_after_forward_false_keeps_units_gathered(noreshard_stale):
@@ -326,9 +327,9 @@ def test_stale_optimizer_params_are_visible(noreshard_stale):
     run, cfg = noreshard_stale
     for r in range(NPROC):
         m = run.ranks[r].steps[2].memory
-        assert m["end"]["stale_optimizer_params"] == 4 * total_param_count(cfg)  # the old full fp32 tensors
-        assert m["end"]["optimizer_state"] == 0  # AdamW never saw a grad on them
-        assert m["stale_optimizer_param_tensors"] == run.ranks[r].config.optimizer_foreign_params > 0
+        assert m.end["stale_optimizer_params"] == 4 * total_param_count(cfg)  # the old full fp32 tensors
+        assert m.end["optimizer_state"] == 0  # AdamW never saw a grad on them
+        assert m.stale_optimizer_param_tensors == run.ranks[r].config.optimizer_foreign_params > 0
 
 
 # ------------------------------------------------------------------------------ in-process: the counter
@@ -369,7 +370,7 @@ def test_user_saved_tensor_hooks_win():
         probe.mark(None, "forward_start")
         lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
     out = probe.step_end(0)
-    assert out["activations"] == "off" and "saved_tensors_hooks" in out["activations_note"]
+    assert out.activations == "off" and "saved_tensors_hooks" in out.activations_note
     probe.detach()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 

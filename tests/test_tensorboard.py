@@ -7,13 +7,14 @@ import shutil
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from fsdp_doctor.record.tensorboard import MIB, STEP_FIELDS, TensorBoardWriter, export_tensorboard  # noqa: E402
-from fsdp_doctor.records import ProfileWindow, StepRecord  # noqa: E402
+from fsdp_doctor.records import CudaMemory, MemoryStep, ProfileWindow, StepRecord  # noqa: E402
 from fsdp_doctor.store import load_run  # noqa: E402
 from fsdp_doctor.trace import analyze_traces  # noqa: E402
 
@@ -70,10 +71,10 @@ def _mem_step(step: int, scale: int) -> StepRecord:
                  "comm_buffers": 2 * scale, "temporaries": 123_456_789}
     return StepRecord(rank=0, step=step, start_ns=1_700_000_000_000_000_000 + step * 10**8, wall_ms=100.0 + step,
                       forward_ms=30.0, backward_ms=50.0, optimizer_ms=10.0, outside_ms=10.0 + step, profiled=step == 2,
-                      memory={"v": 1, "device": "cuda:0", "peak": {"bytes": sum(breakdown.values()), "t_ms": 12.5,
+                      memory=msgspec.convert({"v": 1, "device": "cuda:0", "peak": {"bytes": sum(breakdown.values()), "t_ms": 12.5,
                                                                   "unit": "layers.0", "phase": "backward",
                                                                   "breakdown": breakdown},
-                              "offloaded_host": 4096, "cuda": {"allocated": 7 * scale, "reserved": 9 * scale}})
+                              "offloaded_host": 4096, "cuda": {"allocated": 7 * scale, "reserved": 9 * scale}}, MemoryStep))
 
 
 def test_memory_by_category_at_the_peak(tmp_path):
@@ -84,12 +85,12 @@ def test_memory_by_category_at_the_peak(tmp_path):
     w.close()
     sc = _scalars(tmp_path / "tb" / "rank0")
     for r in recs:
-        peak = r.memory["peak"]
-        assert sc["memory/peak_mib"][r.step] == pytest.approx(peak["bytes"] / MIB, rel=1e-6)
-        for cat, v in peak["breakdown"].items():
+        peak = r.memory.peak
+        assert sc["memory/peak_mib"][r.step] == pytest.approx(peak.bytes / MIB, rel=1e-6)
+        for cat, v in peak.breakdown.items():
             assert sc[f"memory/{cat}_mib"][r.step] == pytest.approx(v / MIB, rel=1e-6, abs=1e-9), cat
         assert sc["memory/offloaded_host_mib"][r.step] == pytest.approx(4096 / MIB)
-        assert sc["memory/cuda_allocated_mib"][r.step] == pytest.approx(r.memory["cuda"]["allocated"] / MIB)
+        assert sc["memory/cuda_allocated_mib"][r.step] == pytest.approx(r.memory.cuda.allocated / MIB)
         assert sc["step/outside_ms"][r.step] == pytest.approx(r.outside_ms)
 
 
@@ -139,3 +140,37 @@ def test_profiler_windows_found_by_torch_tb_profiler(sample_copy):
     assert set(loaded.workers) >= {"rank0", "rank1"}
     assert loaded.get_profile("rank0", loaded.get_spans("rank0")[0]) is not None
     del tbp
+
+
+def test_memory_tags_are_exactly_what_the_recorder_writes():
+    """The memory tags come from the categories and CudaMemory's byte fields: a step carrying every figure the
+    probe writes (every category, every CUDA field) yields every listed tag and nothing else; counts and error
+    strings are not scalars."""
+    from fsdp_doctor import memory_categories as MC
+    from fsdp_doctor.present.tensorboard import memory_scalars, memory_tags
+
+    cuda = {f: 1 << 20 for f in CudaMemory.BYTE_FIELDS} | {"alloc_retries": 3, "ooms": 1, "error": "x", "snapshot_error": "y"}
+    assert set(cuda) == set(msgspec.structs.asdict(CudaMemory())), "a CudaMemory field is neither bytes nor listed"
+    mem = msgspec.convert({"peak": {"bytes": 5, "breakdown": {c: 1 << 20 for c in MC.DEVICE}},
+                           "offloaded_host": 1 << 20, "cuda": cuda}, MemoryStep)
+    written = memory_scalars(mem)
+    assert set(written) == set(memory_tags())
+    assert written["memory/cuda_outside_allocator_mib"] == 1.0  # once dropped by a hand-written whitelist
+    assert "memory/cuda_nvml_used_mib" not in memory_tags()  # once listed, never written
+
+
+def test_old_memory_dicts_decode_into_the_typed_step():
+    """A step line written when ``StepRecord.memory`` was a dict (format version 1) reads as a MemoryStep."""
+    from fsdp_doctor.records import record_decoder
+
+    line = (b'{"t":"step","rank":0,"step":3,"start_ns":1,"wall_ms":9.5,"memory":{"v":1,"device":"cpu",'
+            b'"categories":["sharded_params","activations"],"sampling":"replayed","samples":2,'
+            b'"peak":{"bytes":30,"t_ms":1,"unit":"","phase":"forward_end","breakdown":{"sharded_params":10,'
+            b'"activations":20}},"end":{"sharded_params":10,"activations":0},"offloaded_host":0,'
+            b'"activations":"replayed","stale_optimizer_param_tensors":0,"saved_tensors":0,"full_every":4,'
+            b'"probe_us":12.5,"probe_pack_us":0.0,"some_future_key":1}}')
+    rec = record_decoder.decode(line)
+    m = rec.memory
+    assert isinstance(m, MemoryStep) and m.sampling == "replayed" and m.full_every == 4
+    assert m.peak.bytes == 30 and m.peak.unit == "" and m.peak.t_ms == 1.0 and m.peak.breakdown["activations"] == 20
+    assert m.timeline is None and m.cuda is None and m.unknown == []

@@ -1,27 +1,7 @@
-"""Memory by category: the report's ``memory`` section, from the probe's per-step dicts.
+"""Memory by category: the report's ``memory`` section, from the probe's per-step ``MemoryStep`` records.
 
-``analyze_memory(run)`` returns::
-
-    {"categories": [...],                         # device categories, in order
-     "peak_rank": "0", "peak_bytes": int,         # the highest peak over ranks
-     "per_rank": {"0": {
-         "peak_bytes": int,                       # device bytes at the highest sampled mark
-         "peak_at": {"step", "unit", "phase", "t_ms"},
-         "peak_breakdown": {category: bytes},     # adds up to peak_bytes (device categories only)
-         "peak_share": {category: fraction},
-         "offloaded_host_bytes": int,             # host memory of CPU-offloaded state, apart from the peak
-         "activations_peak_bytes": int,           # highest activation figure sampled on any step
-         "capacity_bytes": int | None, "capacity_fraction": float | None,
-         "steady_bytes": {category: bytes},       # after the last optimizer step (what stays between steps)
-         "timeline_step": int | None,             # the step the timeline comes from (the peak step when
-         "timeline": [{"t_ms", "unit", "phase", "total", category...}],   # it has one)
-         "per_unit": [{"unit", "sharded_bytes", "unsharded_bytes", "activation_bytes",
-                       "activation_self_bytes"}],  # activation_bytes: what the unit's forward left saved
-                                                   # (nested units included); _self: without them
-         "stale_optimizer_params_bytes": int,
-         "steps": int, "full_steps": int, "activations": "exact" | "replayed" | "off",
-         "probe_us_median": float, "cuda": {...}}}}
-
+``analyze_memory(run)`` returns the JSON-ready form of :class:`fsdp_doctor.report_sections.MemorySection` (its
+fields, their units and meaning are documented there; presenters read it back with ``MemorySection.of``).
 Step 0 (FSDP's lazy init, no optimizer state yet) is left out when later steps exist.
 """
 
@@ -30,10 +10,12 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-CATEGORIES = (
-    "sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
-    "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries",
-)
+import msgspec
+
+from ..memory_categories import DEVICE
+from ..records import MemoryStep
+
+CATEGORIES = DEVICE
 
 
 def analyze_memory(run) -> dict | None:
@@ -50,57 +32,56 @@ def analyze_memory(run) -> dict | None:
 
 
 def _rank_section(rd) -> dict | None:
-    steps = [s for s in rd.steps if isinstance(getattr(s, "memory", None), dict) and s.memory.get("peak")]
+    steps = [s for s in rd.steps if getattr(s, "memory", None) is not None and s.memory.peak is not None]
     if not steps:
         return None
     if len(steps) > 1:
         steps = [s for s in steps if s.step != 0] or steps
     # the highest peak; on a tie prefer a full step (measured, with its timeline), then the earliest
-    best = max(steps, key=lambda s: (int(s.memory["peak"].get("bytes", 0)), s.memory.get("sampling") != "replayed",
-                                     -s.step))
+    best = max(steps, key=lambda s: (int(s.memory.peak.bytes), s.memory.sampling != "replayed", -s.step))
     m = best.memory
-    pk = m["peak"]
-    bd = {c: int((pk.get("breakdown") or {}).get(c, 0) or 0) for c in _cats(m)}
+    pk = m.peak
+    bd = {c: int(pk.breakdown.get(c, 0) or 0) for c in _cats(m)}
     peak = sum(bd.values())
     cfg = getattr(rd, "config", None)
     cap = getattr(cfg, "capacity_bytes", None)
     out: dict[str, Any] = {
         "peak_bytes": peak,
-        "peak_at": {"step": best.step, "unit": pk.get("unit"), "phase": pk.get("phase"), "t_ms": pk.get("t_ms")},
+        "peak_at": {"step": best.step, "unit": pk.unit, "phase": pk.phase, "t_ms": pk.t_ms},
         "peak_breakdown": bd,
         "peak_share": {c: (v / peak if peak else 0.0) for c, v in bd.items()},
-        "offloaded_host_bytes": int(m.get("offloaded_host", 0) or 0),
+        "offloaded_host_bytes": int(m.offloaded_host or 0),
         "activations_peak_bytes": _activation_peak(steps),
         "capacity_bytes": cap,
         "capacity_fraction": (peak / cap) if cap else None,
-        "steady_bytes": {c: int(v) for c, v in (m.get("end") or {}).items()},
+        "steady_bytes": {c: int(v) for c, v in m.end.items()},
         "stale_optimizer_params_bytes": bd.get("stale_optimizer_params", 0),
         "steps": len(steps),
-        "full_steps": sum(1 for s in steps if s.memory.get("sampling", "full") == "full"),
-        "activations": m.get("activations", "off"),
-        "probe_us_median": median(float(s.memory.get("probe_us", 0.0)) for s in steps),
+        "full_steps": sum(1 for s in steps if s.memory.sampling == "full"),
+        "activations": m.activations,
+        "probe_us_median": median(float(s.memory.probe_us) for s in steps),
     }
     tl_step = _timeline_step(steps, best)
     out["timeline_step"] = tl_step.step if tl_step is not None else None
     out["timeline"] = _timeline(tl_step.memory) if tl_step is not None else []
     out["per_unit"] = _per_unit(cfg, steps)
-    if m.get("cuda"):
-        out["cuda"] = m["cuda"]
-    unknown = sorted({c for s in steps for c in s.memory.get("unknown") or ()})
+    if m.cuda is not None:
+        out["cuda"] = msgspec.to_builtins(m.cuda)
+    unknown = sorted({c for s in steps for c in s.memory.unknown})
     if unknown:  # not measurable on this torch: their 0 in the breakdown is not a figure
         out["unknown_categories"] = unknown
-    notes = sorted({s.memory[k] for s in steps for k in ("activations_note", "comm_note") if s.memory.get(k)})
+    notes = sorted({n for s in steps for n in (s.memory.activations_note, s.memory.comm_note) if n})
     if notes:
         out["notes"] = notes
-    mism = sum(int(s.memory.get("replay_mismatches", 0) or 0) for s in steps)
+    mism = sum(int(s.memory.replay_mismatches or 0) for s in steps)
     if mism:
         out["replay_mismatches"] = mism
     return out
 
 
-def _cats(m: dict) -> list[str]:
-    cats = list(m.get("categories") or CATEGORIES)
-    for c in (m.get("peak") or {}).get("breakdown") or {}:
+def _cats(m: MemoryStep) -> list[str]:
+    cats = list(m.categories or CATEGORIES)
+    for c in m.peak.breakdown if m.peak is not None else ():
         if c not in cats:
             cats.append(c)
     return cats
@@ -110,31 +91,28 @@ def _activation_peak(steps) -> int:
     best = 0
     for s in steps:
         m = s.memory
-        best = max(best, int(((m.get("peak") or {}).get("breakdown") or {}).get("activations", 0) or 0))
-        tl = m.get("timeline")
-        if tl:
-            cols = tl.get("columns") or []
-            if "activations" in cols:
-                i = cols.index("activations")
-                best = max([best] + [int(row[i] or 0) for row in tl.get("rows") or []])
+        best = max(best, int((m.peak.breakdown.get("activations", 0) if m.peak is not None else 0) or 0))
+        tl = m.timeline
+        if tl is not None and "activations" in tl.columns:
+            i = tl.columns.index("activations")
+            best = max([best] + [int(row[i] or 0) for row in tl.rows])
     return best
 
 
 def _timeline_step(steps, best):
-    if best.memory.get("timeline"):
+    if best.memory.timeline is not None:
         return best
-    earlier = [s for s in steps if s.memory.get("timeline") and s.step <= best.step]
+    earlier = [s for s in steps if s.memory.timeline is not None and s.step <= best.step]
     if earlier:
         return earlier[-1]
-    later = [s for s in steps if s.memory.get("timeline")]
+    later = [s for s in steps if s.memory.timeline is not None]
     return later[0] if later else None
 
 
-def _timeline(m: dict) -> list[dict]:
-    tl = m.get("timeline") or {}
-    cols = tl.get("columns") or []
+def _timeline(m: MemoryStep) -> list[dict]:
+    cols = m.timeline.columns if m.timeline is not None else []
     out = []
-    for row in tl.get("rows") or []:
+    for row in m.timeline.rows if m.timeline is not None else ():
         d = dict(zip(cols, row))
         d["total"] = sum(int(d.get(c, 0) or 0) for c in cols[3:])
         out.append(d)
@@ -144,7 +122,7 @@ def _timeline(m: dict) -> list[dict]:
 def _per_unit(cfg, steps) -> list[dict]:
     acts: dict[str, int] = {}
     for s in reversed(steps):
-        ua = s.memory.get("unit_activations")
+        ua = s.memory.unit_activations
         if ua:
             acts = {k: int(v) for k, v in ua.items()}
             break

@@ -7,31 +7,32 @@ import statistics
 
 import msgspec
 
+from ..report_sections import RunFacts
 from ..store import Run
 from .steps import usable_steps
 
 SCHEMA = "fsdp-doctor-report/1"
 
 
-def run_facts(run: Run) -> dict:
+def run_facts(run: Run) -> RunFacts:
     cfg = run.config
     single = not run.ranks and len(run.trace_files) == 1  # one trace file given: name it, not its folder
-    facts = {"path": str(run.trace_files[0] if single else run.path), "ranks": sorted(run.ranks),
-             "world_size": run.world_size, "run_id": run.run_id or None,
-             "trace_files": len(run.trace_files)}
+    facts = RunFacts(path=str(run.trace_files[0] if single else run.path), ranks=sorted(run.ranks),
+                     world_size=run.world_size, run_id=run.run_id or None, trace_files=len(run.trace_files))
     if cfg is not None:
-        facts.update(backend=cfg.backend, device=cfg.device, device_name=cfg.device_name,
-                     torch_version=cfg.torch_version, optimizer=cfg.optimizer, units=len(cfg.units),
-                     model_param_count=cfg.model_param_count, capacity_bytes=cfg.capacity_bytes,
-                     tokens_per_step=cfg.tokens_per_step)
+        facts = msgspec.structs.replace(
+            facts, backend=cfg.backend, device=cfg.device, device_name=cfg.device_name,
+            torch_version=cfg.torch_version, optimizer=cfg.optimizer, units=len(cfg.units),
+            model_param_count=cfg.model_param_count, capacity_bytes=cfg.capacity_bytes,
+            tokens_per_step=cfg.tokens_per_step)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
-            facts["torch_lacks"] = list(cfg.torch_lacks)
+            facts.torch_lacks = list(cfg.torch_lacks)
     errs = [{"rank": e.rank, "where": e.where, "message": e.message, "step": e.step}
             for rd in run.ranks.values() for e in rd.errors]
     if errs:
-        facts["doctor_errors"] = errs
-    facts["steps_recorded"] = {str(r): len(rd.steps) for r, rd in sorted(run.ranks.items())}
-    facts["complete"] = {str(r): rd.end is not None for r, rd in sorted(run.ranks.items())}
+        facts.doctor_errors = errs
+    facts.steps_recorded = {str(r): len(rd.steps) for r, rd in sorted(run.ranks.items())}
+    facts.complete = {str(r): rd.end is not None for r, rd in sorted(run.ranks.items())}
     return facts
 
 
@@ -74,8 +75,6 @@ def unit_table(run: Run) -> list[dict]:
     return out
 
 
-_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "float8_e4m3fn": 1,
-             "float8_e5m2": 1}
 
 
 def fill_sizes_from_units(overlap: dict, run: Run) -> None:
@@ -83,6 +82,7 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
     (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
     reduce-scatter its unsharded gradients in reduce dtype."""
     from ..trace.analysis import busbw_factor
+    from ..trace.model import dtype_bytes
 
     cfg = run.config
     if cfg is None:
@@ -96,7 +96,7 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
             nbytes = u.unsharded_bytes
         elif row["collective"] == "reduce_scatter":
             dt = u.reduce_dtype or (u.orig_dtypes[0] if u.orig_dtypes else "float32")
-            nbytes = u.param_count * _ITEMSIZE.get(dt, 4)
+            nbytes = u.param_count * (dtype_bytes(dt) or 4)
         else:
             continue
         row["bytes_per_call"] = float(nbytes)

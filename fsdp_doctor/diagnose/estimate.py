@@ -12,14 +12,11 @@ import re
 import statistics
 from typing import Any, Iterable, Optional
 
+from ..records import unit_defaults
 from .base import Context
 
 # Defaults of UnitConfig fields that the report omits (msgspec omit_defaults).
-_UNIT_DEFAULTS = {"reshard_after_forward": True, "unshard_async_op": False, "checkpoint": "none", "depth": 0,
-                  "parent": None, "offload": None, "offload_pin_memory": None, "param_dtype": None,
-                  "reduce_dtype": None, "forward_prefetch": [], "backward_prefetch": [], "orig_dtypes": [],
-                  "modules": [], "param_groups": 1, "n_params": 0, "param_count": 0, "sharded_bytes": 0,
-                  "unsharded_bytes": 0, "is_root": False}
+_UNIT_DEFAULTS = unit_defaults()  # UnitConfig's defaults (fsdp_doctor.records), the one source
 _TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
 
 # A checkpointed transformer block keeps only its input; without checkpointing it keeps roughly this many
@@ -85,18 +82,18 @@ def memory_per_rank(ctx: Context) -> dict[str, dict]:
         best = None
         for s in rd.steps:
             m = s.memory
-            if s.step == 0 or not m or not m.get("peak"):
+            if s.step == 0 or m is None or m.peak is None:
                 continue
-            if best is None or m["peak"].get("bytes", 0) > best[1]["peak"]["bytes"]:
+            if best is None or m.peak.bytes > best[1].peak.bytes:
                 best = (s.step, m)
         if best is None:
             continue
         step, m = best
-        pk = m["peak"]
-        bd = dict(pk.get("breakdown") or {})
-        acts = m.get("unit_activations") or {}
-        out[str(r)] = {"peak_bytes": int(pk["bytes"]),
-                       "peak_at": {"step": step, "unit": pk.get("unit"), "phase": pk.get("phase")},
+        pk = m.peak
+        bd = dict(pk.breakdown)
+        acts = m.unit_activations or {}
+        out[str(r)] = {"peak_bytes": int(pk.bytes),
+                       "peak_at": {"step": step, "unit": pk.unit, "phase": pk.phase},
                        "peak_breakdown": bd, "activations_peak_bytes": bd.get("activations"),
                        "capacity_bytes": cap,
                        "per_unit": [{"unit": u, "activation_bytes": int(b)} for u, b in acts.items()]}

@@ -100,18 +100,24 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
     return str(v)
 
 
-def run_facts(run: dict) -> list[str]:
-    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions."""
+def run_facts(run) -> list[str]:
+    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions
+    (``run``: ``report["run"]``, read as :class:`fsdp_doctor.report_sections.RunFacts`)."""
+    from ..report_sections import RunFacts
+
+    r = RunFacts.of(run) if run else None
     facts = []
-    if run.get("world_size"):
-        facts.append(f"{run['world_size']} ranks")
-    if run.get("units"):
-        facts.append(f"{run['units']} FSDP units")
-    if run.get("model_param_count"):
-        facts.append(f"{run['model_param_count'] / 1e6:.2f} M params")
-    for k in ("backend", "device_name", "torch_version", "optimizer"):
-        if run.get(k):
-            facts.append(str(run[k]))
+    if r is None:
+        return facts
+    if r.world_size:
+        facts.append(f"{r.world_size} ranks")
+    if r.units:
+        facts.append(f"{r.units} FSDP units")
+    if r.model_param_count:
+        facts.append(f"{r.model_param_count / 1e6:.2f} M params")
+    for v in (r.backend, r.device_name, r.torch_version, r.optimizer):
+        if v:
+            facts.append(str(v))
     return facts
 
 
@@ -128,14 +134,18 @@ def findings_headline(findings: list[dict]) -> str:
     return ", ".join(parts) + "."
 
 
-def comm_headline(comm: dict | None) -> str | None:
-    """The report's one exposed-communication figure with its source, the same text in every presenter."""
-    if not comm or comm.get("exposed_ms_per_step") is None:
+def comm_headline(comm) -> str | None:
+    """The report's one exposed-communication figure with its source, the same text in every presenter
+    (``comm``: ``report["comm"]``, read as :class:`fsdp_doctor.report_sections.CommSummary`)."""
+    from ..report_sections import CommSummary
+
+    c = CommSummary.of(comm) if comm else None
+    if c is None or c.exposed_ms_per_step is None:
         return None
-    txt = f"Exposed communication: {fmt_ms(comm['exposed_ms_per_step'])} per step"
-    if comm.get("comm_ms_per_step") is not None:
-        txt += f" of {fmt_ms(comm['comm_ms_per_step'])} ({fmt_pct(comm.get('overlap_pct'))} overlapped)"
-    return txt + f"; source: {comm.get('source_text', comm.get('source'))}, median over ranks"
+    txt = f"Exposed communication: {fmt_ms(c.exposed_ms_per_step)} per step"
+    if c.comm_ms_per_step is not None:
+        txt += f" of {fmt_ms(c.comm_ms_per_step)} ({fmt_pct(c.overlap_pct)} overlapped)"
+    return txt + f"; source: {c.source_text or c.source}, median over ranks"
 
 
 # --- the verdict (report["verdict"], fsdp_doctor.analyze.verdict): one sentence and one table in every presenter

@@ -16,19 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import memory_categories as MC
 from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_pct,
                   fmt_us, fmt_value, run_facts, unit_label, verdict_headline, verdict_rows)
 
 PHASES = ("forward", "backward", "optimizer", "outside")
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
                 "gc": "#E45756"}
-MEMORY_CATEGORIES = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
-                     "stale_optimizer_params", "activations", "comm_buffers", "buffers", "temporaries",
-                     "offloaded_host")
-MEMORY_COLORS = {"sharded_params": "#1F77B4", "unsharded_params": "#AEC7E8", "sharded_grads": "#FF7F0E",
-                 "unsharded_grads": "#FFBB78", "optimizer_state": "#2CA02C", "stale_optimizer_params": "#98DF8A",
-                 "activations": "#D62728", "comm_buffers": "#9467BD", "buffers": "#C5B0D5",
-                 "temporaries": "#8C564B", "offloaded_host": "#7F7F7F"}
+MEMORY_CATEGORIES = MC.NAMES
+MEMORY_COLORS = MC.COLOURS
 COLLECTIVE_COLORS = {"all_gather (forward)": "#4C78A8", "all_gather (backward)": "#72B7B2",
                      "reduce_scatter (backward)": "#F58518", "all_reduce": "#E45756"}
 SEVERITY_COLORS = {"critical": "#C62828", "warning": "#E0A100", "info": "#1E88E5"}

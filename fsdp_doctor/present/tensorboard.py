@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ..records import ProfileWindow, StepRecord
+from ..memory_categories import NAMES
+from ..records import CudaMemory, MemoryStep, ProfileWindow, StepRecord
 from ..store import layout
 
 MIB = float(1 << 20)
@@ -29,26 +30,36 @@ def step_scalars(rec: StepRecord) -> dict[str, float]:
     return out
 
 
-def memory_scalars(mem: Optional[dict]) -> dict[str, float]:
+def memory_tags() -> tuple[str, ...]:
+    """Every memory tag :func:`memory_scalars` can write: derived from the categories and ``CudaMemory``'s byte
+    fields, so a figure the recorder writes is never dropped and nothing it does not write is listed."""
+    return ("memory/peak_mib", *(f"memory/{c}_mib" for c in NAMES),
+            *(_cuda_tag(k) for k in CudaMemory.BYTE_FIELDS))
+
+
+def _cuda_tag(field: str) -> str:
+    return f"memory/cuda_{field.removesuffix('_bytes')}_mib"
+
+
+def memory_scalars(mem: Optional[MemoryStep]) -> dict[str, float]:
     """Memory by category at the step's peak, in MiB, from ``StepRecord.memory`` (see fsdp_doctor.record.memory)."""
-    if not isinstance(mem, dict):
+    if mem is None:
         return {}
     out: dict[str, float] = {}
-    peak = mem.get("peak")
-    if isinstance(peak, dict):
-        if _num(peak.get("bytes")):
-            out["memory/peak_mib"] = peak["bytes"] / MIB
-        for cat, v in (peak.get("breakdown") or {}).items():
+    peak = mem.peak
+    if peak is not None:
+        if _num(peak.bytes):
+            out["memory/peak_mib"] = peak.bytes / MIB
+        for cat, v in peak.breakdown.items():
             if _num(v):
                 out[f"memory/{cat}_mib"] = v / MIB
-    if _num(mem.get("offloaded_host")):
-        out["memory/offloaded_host_mib"] = mem["offloaded_host"] / MIB
-    cuda = mem.get("cuda")
-    if isinstance(cuda, dict):
-        for k, v in cuda.items():
-            if _num(v) and ("bytes" in k or k in ("allocated", "reserved", "fragmentation", "max_allocated",
-                                                  "max_reserved", "largest_free_block", "nvml_used", "non_torch")):
-                out[f"memory/cuda_{k.removesuffix('_bytes')}_mib"] = v / MIB
+    if _num(mem.offloaded_host):
+        out["memory/offloaded_host_mib"] = mem.offloaded_host / MIB
+    if mem.cuda is not None:
+        for k in CudaMemory.BYTE_FIELDS:
+            v = getattr(mem.cuda, k)
+            if _num(v):
+                out[_cuda_tag(k)] = v / MIB
     return out
 
 

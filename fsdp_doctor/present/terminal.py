@@ -9,6 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from ..report_sections import StepsSection
 from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_value,
                   run_facts, unit_label, verdict_headline, verdict_rows, verdict_title)
 
@@ -42,31 +43,33 @@ def render_verdict(section: dict):
 # --- end verdict ---
 
 
-def render_steps(section: dict):
+def render_steps(section):
+    """``section``: ``report["steps"]``, read as :class:`fsdp_doctor.report_sections.StepsSection`."""
+    sec = StepsSection.of(section) or StepsSection()
     t = Table(title="Step time per rank, ms (steady state: first step and profiled steps excluded)",
               box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC"):
         t.add_column(col, justify="right", no_wrap=True)
-    for r, st in section.get("per_rank", {}).items():
-        if not st.get("count"):
-            t.add_row(r, f"{st.get('recorded', 0)}", *["—"] * 10)
+    for r, st in sec.per_rank.items():
+        if not st.count:
+            t.add_row(r, f"{st.recorded or 0}", *["—"] * 10)
             continue
-        ph = st["phases_p50_ms"]
-        t.add_row(r, str(st["count"]), *(_num(st[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms")),
-                  f"{100 * st['cv']:.1f}%" if st["cv"] is not None else "—",
+        ph = st.phases_p50_ms
+        t.add_row(r, str(st.count), *(_num(v) for v in (st.p50_ms, st.p90_ms, st.p99_ms, st.max_ms)),
+                  f"{100 * st.cv:.1f}%" if st.cv is not None else "—",
                   *(_num(ph[k]) for k in ("forward", "backward", "optimizer", "outside", "gc")))
     items = [t]
-    outs = section.get("outliers", [])
+    outs = sec.outliers
     if outs:
         o = Table(title=f"Outlier steps ({len(outs)}, worst first)", box=box.SIMPLE_HEAD, title_justify="left")
         for col, j in (("rank", "right"), ("step", "right"), ("time", "right"), ("median", "right"), ("likely cause", "left")):
             o.add_column(col, justify=j, no_wrap=(j == "right"))
         for x in outs[:8]:
-            o.add_row(str(x["rank"]), str(x["step"]), fmt_ms(x["ms"]), fmt_ms(x["median_ms"]), x["detail"])
+            o.add_row(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail)
         items.append(o)
-    for s in section.get("stragglers", []):
-        items.append(Text(f"Straggler: rank {s['rank']} spends +{s['excess_ms_per_step']:.1f} ms/step in {s['phase']} "
-                          f"({s['steps_slower']} of {s['steps']} steps)", style="yellow"))
+    for s in sec.stragglers:
+        items.append(Text(f"Straggler: rank {s.rank} spends +{s.excess_ms_per_step:.1f} ms/step in {s.phase} "
+                          f"({s.steps_slower} of {s.steps} steps)", style="yellow"))
     return Group(*items)
 
 

@@ -1,26 +1,23 @@
-"""Tracker: the live recorder behind ``fsdp_doctor.watch``.
+"""Tracker: the live recorder behind ``fsdp_doctor.watch``: the :class:`Doctor` owns the lifecycle (entry checks,
+the run directory, install and uninstall, ``step()``) and fans the work out to its collaborators:
 
-It brackets FSDP2's own hooks without patching FSDP:
+* :class:`~fsdp_doctor.record.hooks.StepTimer` (``hooks.py``): the hooks around FSDP2's own (forward, the FSDP
+  log tap for backward, gradient hooks, optimizer, gc), the per-unit and per-phase timings, and the marks it
+  emits to the memory probe;
+* :class:`~fsdp_doctor.record.memory.MemoryProbe` (``memory.py`` and its collaborators): memory by category;
+* :func:`~fsdp_doctor.record.config_snapshot.config_snapshot`: the ``RunConfig`` written at the first step;
+* :class:`~fsdp_doctor.record.sinks.Sinks` (record stream, live TensorBoard) and
+  :class:`~fsdp_doctor.record.profiling.ProfilerWindows` (torch.profiler windows), under one
+  :class:`~fsdp_doctor.record.sinks.FailurePolicy`;
+* :func:`~fsdp_doctor.record.run_device.run_device`: the run's device, from the process group.
 
-* forward: for every module of every unit, a forward pre-hook registered with ``prepend=True`` runs
-  before FSDP's pre-forward (unit still sharded), a plain one runs after it (unshard waited for); post
-  hooks bracket FSDP's post-forward (reshard) the same way.
-* backward: FSDP logs ``FSDP::pre_backward (fqn)`` / ``FSDP::post_backward (fqn)`` on the logger
-  ``torch.distributed.fsdp.fully_shard`` at DEBUG; the doctor intercepts that logger's ``debug`` calls
-  (restored at exit; passed on when the user has the logger at DEBUG) and timestamps them. A gradient hook registered on each unit's outputs after FSDP's own marks the end
-  of the unit's backward unshard wait, and an autograd-engine callback queued from it marks the end of
-  backward (after FSDP's final callback, i.e. after the reduce-scatter waits).
-* optimizer: ``Optimizer.register_step_pre_hook`` / ``register_step_post_hook``.
-* garbage collection: ``gc.callbacks``.
-
-None of these hooks changes a tensor: losses are bit-identical with and without the doctor. Every hook
+None of the hooks changes a tensor: losses are bit-identical with and without the doctor. Every hook
 body is guarded: an exception is caught, reported once (log + an ``error`` record) and the doctor steps
 aside while training continues.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -36,51 +33,31 @@ import torch.nn as nn
 
 from .. import __version__
 from ..records import (
-    DoctorError,
     End,
     Header,
     Manifest,
     ProfileWindow,
     RunConfig,
     StepRecord,
-    UnitStep,
     stream_name,
 )
-from ..store.writer import RecordWriter, RunDirTaken, claim_run_dir, write_manifest
+from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .profiling import ProfilerWindows, resolve_profile
-from .throughput import FlopCounter, device_peak_tflops
+from .run_device import run_device
+from .sinks import FailurePolicy, Sinks
+from .config_snapshot import config_snapshot
+from .throughput import FlopCounter
 from . import fsdp2 as F2
-from .units import (Unit, checkpointed_modules, consistency_problem, find_units, label_to_index, snapshot_units,
-                    unmanaged_param_bytes, unmanaged_summary)
+from .hooks import StepTimer, _ms
+from .units import Unit, find_units
 
 log = logging.getLogger("fsdp_doctor")
-_FSDP_LOGGER = F2.LOGGER_NAME
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _now = time.perf_counter_ns
 
 
 class WatchError(RuntimeError):
     """``watch`` refused to start; the message is one sentence for the user."""
-
-
-class _UnitAcc:
-    """Per-step accumulators of one unit (ns)."""
-
-    __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
-                 "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen")
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.fwd = self.ag_fwd = self.bwd = self.ag_bwd = self.recompute = 0
-        self.calls = 0
-        self.t_outer = self.t_inner = self.t_pre_bwd = 0
-        self.bwd_hooked = False
-        self.fwd_depth = 0
-        self.t_recompute = 0
-        self.recompute_runs = 0
-        self.grad_seen = False
 
 
 class Doctor:
@@ -112,28 +89,20 @@ class Doctor:
         self._profile_kwargs = resolve_profile(profile)
         self._memory_opt = memory
         self._tb_opt = tensorboard
-        self._tb = None  # fsdp_doctor.record.tensorboard.TensorBoardWriter
+        self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
         self.active = False
         self.steps_done = 0
-        self._failed = False
-        self._handles: list[Any] = []
+        self._failures = FailurePolicy(self._step_aside, self._safe_write)
         self._units: list[Unit] = []
-        self._acc: dict[int, _UnitAcc] = {}
-        self._runtime_ckpt: set[int] = set()  # units seen re-running their forward in backward
-        self._unit_of_label: dict[str, int] = {}
         self._consistency: str | None = None  # the first step's consistency check ("" when it passed)
-        self._writer: RecordWriter | None = None
+        self._sinks: Sinks | None = None  # the record stream and the live TensorBoard writer
         self._profiler: ProfilerWindows | None = None
         self._memory = None
         self._flops: FlopCounter | None = None
         self.flops_per_step: float | None = None
         self._config_written = False
         self._entered = False
-        self._gc_ns = self._gc_count = self._gc_start = 0
         self._gpu = None  # GpuTimeline on CUDA
-        self._tap = self._tap_prev = None  # the FSDP logger interception
-        self._grad_hooks: dict[int, Any] = {}
-        self._log_cache: dict[str, tuple[bool, int] | None] = {}
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -142,8 +111,8 @@ class Doctor:
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.run_id = self._claim_out_dir()
         self.started_ns = time.time_ns()
-        self._writer = RecordWriter(self.out_dir, self.rank)
-        self._writer.write(
+        self._sinks = Sinks(self.out_dir, self.rank)
+        self._sinks.write(
             Header(rank=self.rank, world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
                    started_ns=self.started_ns, doctor_version=__version__, run_id=self.run_id)
         )
@@ -157,16 +126,14 @@ class Doctor:
         self._install()
         if self._tb_opt:
             try:
-                from .tensorboard import TensorBoardWriter
-
-                self._tb = TensorBoardWriter(self.out_dir, self.rank)
+                self._sinks.open_tensorboard(self.rank)
             except Exception as e:  # noqa: BLE001  (no tensorboard installed, unwritable dir: record without it)
-                self._tb = None
                 self._fail("tensorboard", e, stop=False)
-        if _device_of(self.model).type == "cuda":
+        self.device = run_device(self._units)  # the process group's device, a GPU under CPUOffloadPolicy
+        if self.device.type == "cuda":
             from .gpu_timing import GpuTimeline
 
-            self._gpu = GpuTimeline(self.rank, len(self._units), [u.name for u in self._units])
+            self._gpu = self._timer.gpu = GpuTimeline(self.rank, len(self._units), [u.name for u in self._units])
         _WATCHED.add(self.model)
         self._entered = True
         self.active = True
@@ -190,27 +157,27 @@ class Doctor:
             if self._flops is not None:
                 self._flops.abort()
                 self._flops = None
-            self._uninstall()
+            self._timer.uninstall()
             if self._memory is not None:
                 self._memory.detach()
-            if self._tb is not None:
+            if self._sinks is not None:
                 try:
-                    self._tb.close()
+                    self._sinks.close_tensorboard()
                 except Exception as e:  # noqa: BLE001
                     self._fail("tensorboard close", e, stop=False)
-                self._tb = None
             if self._gpu is not None and self.active:
                 try:
-                    self._writer.write(*self._gpu.flush())
+                    self._sinks.write(*self._gpu.flush())
                 except Exception as e:  # noqa: BLE001
                     self._fail("gpu timing", e, stop=False)
-            if self._writer is not None:
+            if self._sinks is not None:
                 if exc_type is None:
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns()))
-                self._writer.close()
+                self._sinks.close()
         finally:
             _WATCHED.discard(self.model)
-            self.active = False
+            self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
+        self.active = False
         return False  # never swallow the user's exception
 
     def _check_entry(self) -> None:
@@ -249,69 +216,24 @@ class Doctor:
             raise WatchError(f"fsdp_doctor.watch: {e}") from None
 
     # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ collaborators
+    @property
+    def active(self) -> bool:
+        return self._timer.active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._timer.active = value
+
+    @property
+    def _acc(self):
+        """Per-unit accumulators of the step (the timer's)."""
+        return self._timer._acc
+
     def _install(self) -> None:
-        h = self._handles
-        for idx, u in enumerate(self._units):
-            self._acc[idx] = _UnitAcc()
-            for m in u.modules:
-                h.append(m.register_forward_pre_hook(self._mk(self._fwd_outer_pre, idx), prepend=True))
-                h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx)))
-                h.append(m.register_forward_hook(self._mk(self._fwd_inner_post, idx), prepend=True))
-                h.append(m.register_forward_hook(self._mk(self._fwd_outer_post, idx)))
-            # Activation checkpointing re-runs the wrapped inner module in backward, not the unit's own
-            # module: time those re-runs as the unit's recompute.
-            for inner in checkpointed_modules(u, self._units):
-                h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
-                h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
-        h.append(self.model.register_forward_pre_hook(self._model_pre, prepend=True))
-        h.append(self.model.register_forward_hook(self._model_post))
-        if self.optimizer is not None:
-            h.append(self.optimizer.register_step_pre_hook(self._opt_pre))
-            h.append(self.optimizer.register_step_post_hook(self._opt_post))
-        gc.callbacks.append(self._gc_cb)
-        self._tap_fsdp_log()
+        self._timer.install(self._units, self.model, self.optimizer)
         self._init_memory()
-
-    def _uninstall(self) -> None:
-        for hd in self._handles:
-            try:
-                hd.remove()
-            except Exception:  # noqa: BLE001
-                pass
-        self._handles.clear()
-        if self._gc_cb in gc.callbacks:
-            gc.callbacks.remove(self._gc_cb)
-        lg = logging.getLogger(_FSDP_LOGGER)
-        if self._tap is not None and lg.__dict__.get("debug") is self._tap:
-            if self._tap_prev is None:
-                del lg.debug
-            else:
-                lg.debug = self._tap_prev
-        self._tap = None
-
-    def _tap_fsdp_log(self) -> None:
-        """Time-stamps FSDP2's per-unit hook logs (``FSDP::pre_backward (fqn)``...) by intercepting its
-        logger's ``debug`` calls: about a microsecond each, against ~25 µs for a logging.Handler, whose
-        LogRecord and caller lookup would cost ~1 ms per step. FSDP's code is untouched, and the call is
-        passed on unchanged when the user has that logger at DEBUG."""
-        lg = logging.getLogger(_FSDP_LOGGER)
-        prev = lg.__dict__.get("debug")  # someone else's interception, kept and chained
-        orig = prev if prev is not None else lg.debug
-        now, enabled = _now, lg.isEnabledFor
-
-        def debug(msg, *args, **kwargs):
-            if self.active:
-                label = args[0] if args and msg == "%s" else msg
-                if isinstance(label, str) and label.startswith("FSDP::"):
-                    try:
-                        self._on_fsdp_log(label, now())
-                    except Exception as e:  # noqa: BLE001
-                        self._fail("fsdp log tap", e)
-            if prev is not None or enabled(logging.DEBUG):
-                orig(msg, *args, **kwargs)
-
-        self._tap, self._tap_prev = debug, prev
-        lg.debug = debug
+        self._timer.marks = self._memory
 
     def _init_memory(self) -> None:
         if not self._memory_opt:
@@ -326,234 +248,11 @@ class Doctor:
             self._memory = None
             self._fail("memory probe", e, stop=False)
 
-    def _mk(self, fn, idx):
-        def hook(module, *args):
-            if self.active:
-                try:
-                    fn(idx, args)
-                except Exception as e:  # noqa: BLE001
-                    self._fail(fn.__name__, e)
-        return hook
-
-    @staticmethod
-    def _in_backward() -> bool:
-        return torch._C._current_graph_task_id() != -1
-
-    def _recompute_pre(self, idx, args):
-        if self._in_backward():
-            a = self._acc[idx]
-            a.t_recompute = _now()
-            a.recompute_runs += 1
-
-    def _recompute_post(self, idx, args):
-        a = self._acc[idx]
-        if self._in_backward() and a.t_recompute:
-            a.recompute += _now() - a.t_recompute
-            a.t_recompute = 0
-
-    @staticmethod
-    def _recompute_ns(a: "_UnitAcc") -> int:
-        """Measured re-run time; when the re-run was cut short (non-reentrant checkpoint stops early once
-        it has rebuilt the saved tensors, so its forward hook never fires) the unit's forward compute time,
-        which is what checkpointing re-runs."""
-        if a.recompute or not a.recompute_runs:
-            return a.recompute
-        return max(0, a.fwd - a.ag_fwd)
-
-    def _fwd_outer_pre(self, idx, args):
-        a = self._acc[idx]
-        if self._in_backward() and a.fwd_depth == 0:
-            # the unit re-runs in backward: torch.utils.checkpoint.checkpoint(unit, ...) around it. The
-            # non-reentrant re-run stops early (no post-hook), so nothing here may wait for one.
-            a.t_recompute = _now()
-            a.recompute_runs += 1
-            self._runtime_ckpt.add(idx)
-            return
-        if a.fwd_depth == 0:  # grouped units: only the first module's entry opens the unit
-            a.t_outer = _now()
-            if self._gpu is not None and not self._in_backward():
-                self._gpu.open(idx, 0)
-        a.fwd_depth += 1
-
-    def _fwd_inner_pre(self, idx, args):
-        a = self._acc[idx]
-        if a.fwd_depth == 1 and a.t_inner == 0:
-            a.t_inner = _now()
-            if not self._in_backward():
-                a.ag_fwd += a.t_inner - a.t_outer
-        if self._memory is not None:
-            self._memory.mark(self._units[idx].name, "forward_start")
-
-    def _fwd_inner_post(self, idx, args):
-        if self._memory is not None:
-            self._memory.mark(self._units[idx].name, "forward_end")
-
-    def _fwd_outer_post(self, idx, args):
-        a = self._acc[idx]
-        if self._in_backward() and a.fwd_depth == 0:
-            if a.t_recompute:
-                a.recompute += _now() - a.t_recompute
-                a.t_recompute = 0
-            return
-        a.fwd_depth = max(0, a.fwd_depth - 1)
-        if a.fwd_depth:
-            return
-        t = _now()
-        dt = t - a.t_outer
-        a.t_inner = 0
-        if self._in_backward():
-            a.recompute += dt
-            return
-        a.fwd += dt
-        a.calls += 1
-        if self._gpu is not None:
-            self._gpu.close(idx, 0)
-        output = args[1] if len(args) > 1 else None
-        if not a.bwd_hooked and output is not None:
-            self._hook_outputs(idx, output)
-
-    def _hook_outputs(self, idx: int, output) -> None:
-        """Marks the unit's outputs so that the first gradient reaching them (after FSDP's own pre-backward
-        hook, registered before ours) tells when the unit's backward unshard was waited for."""
-        hook = self._grad_hooks.get(idx)
-        if hook is None:
-            hook = self._grad_hooks[idx] = self._make_grad_hook(idx)
-        if isinstance(output, torch.Tensor):
-            tensors = (output,)
-        else:
-            tensors = []
-            _collect_tensors(output, tensors)
-        for t in tensors:
-            if t.requires_grad:
-                t.register_hook(hook)
-                self._acc[idx].bwd_hooked = True
-
-    def _make_grad_hook(self, idx: int):
-        acc = self._acc[idx]
-
-        def grad_hook(grad):
-            if self.active and not acc.grad_seen:
-                acc.grad_seen = True
-                try:
-                    self._on_unit_grad(idx)
-                except Exception as e:  # noqa: BLE001
-                    self._fail("grad hook", e)
-            return None
-
-        return grad_hook
-
-    def _on_unit_grad(self, idx: int) -> None:
-        t = _now()
-        a = self._acc[idx]
-        if a.t_pre_bwd:
-            a.ag_bwd += t - a.t_pre_bwd
-        if self._bwd_start == 0:
-            self._bwd_start = t
-        if not self._bwd_cb_queued:
-            self._bwd_cb_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-
-    def _on_backward_end(self) -> None:
-        if not self.active:
-            return
-        try:
-            t = _now()
-            if self._bwd_start:
-                self._backward_ns += t - self._bwd_start
-            self._bwd_start = 0
-            self._bwd_cb_queued = False
-            for a in self._acc.values():
-                a.bwd_hooked = a.grad_seen = False
-            if self._memory is not None:
-                self._memory.mark(None, "backward_end")
-        except Exception as e:  # noqa: BLE001
-            self._fail("backward end", e)
-
-    def _parse_fsdp_log(self, msg: str) -> tuple[bool, int] | None:
-        """("FSDP::pre_backward (layers.0)" -> (True, unit index)); None for labels the doctor does not use."""
-        kind, _, rest = msg.partition(" (")
-        if kind not in ("FSDP::pre_backward", "FSDP::post_backward"):
-            return None
-        fqn = rest.rsplit(")", 1)[0] if rest else ""
-        if fqn not in self._unit_of_label:
-            self._unit_of_label = label_to_index(self._units)
-        idx = self._unit_of_label.get(fqn)
-        return None if idx is None else (kind == "FSDP::pre_backward", idx)
-
-    def _on_fsdp_log(self, msg: str, t: int) -> None:
-        # The same few label strings recur every step: parse each once.
-        try:
-            parsed = self._log_cache[msg]
-        except KeyError:
-            parsed = self._log_cache[msg] = self._parse_fsdp_log(msg)
-        if parsed is None:
-            return
-        is_pre, idx = parsed
-        a = self._acc[idx]
-        if is_pre:
-            if self._bwd_start == 0:
-                self._bwd_start = t
-            if not a.t_pre_bwd:
-                a.t_pre_bwd = t
-                if self._gpu is not None:
-                    self._gpu.open(idx, 1)
-            if self._memory is not None:
-                self._memory.mark(self._units[idx].name, "backward_start")
-        else:
-            if a.t_pre_bwd:
-                a.bwd += t - a.t_pre_bwd
-                a.t_pre_bwd = 0
-                if self._gpu is not None:
-                    self._gpu.close(idx, 1)
-            if self._memory is not None:
-                self._memory.mark(self._units[idx].name, "backward_end")
-
-    def _model_pre(self, module, args):
-        if self.active and not self._in_backward():
-            self._fwd_start = _now()
-            if self._memory is not None:
-                self._safe(lambda: self._memory.mark(None, "forward_start"), "memory")
-
-    def _model_post(self, module, args, output):
-        if self.active and not self._in_backward() and self._fwd_start:
-            self._forward_ns += _now() - self._fwd_start
-            self._fwd_start = 0
-
-    def _opt_pre(self, optimizer, args, kwargs):
-        if self.active:
-            self._opt_start = _now()
-            if self._memory is not None:
-                self._safe(lambda: self._memory.mark(None, "optimizer_start"), "memory")
-
-    def _opt_post(self, optimizer, args, kwargs):
-        if self.active and self._opt_start:
-            self._optimizer_ns += _now() - self._opt_start
-            self._opt_start = 0
-            if self._memory is not None:
-                self._safe(lambda: self._memory.mark(None, "optimizer_end"), "memory")
-
-    def _gc_cb(self, phase, info):
-        if not self.active:
-            return
-        if phase == "start":
-            self._gc_start = _now()
-        elif self._gc_start:
-            self._gc_ns += _now() - self._gc_start
-            self._gc_count += 1
-            self._gc_start = 0
-
     # ------------------------------------------------------------------ steps
     def _begin_step(self, t: int) -> None:
         self._step_t0 = t
         self._step_wall_ns = time.time_ns()
-        self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = 0
-        self._gc_count = 0
-        self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
-        self._bwd_cb_queued = False
-        for a in self._acc.values():
-            a.reset()
-        if self._gpu is not None:
-            self._gpu.begin_step()
+        self._timer.begin_step()
 
     def step(self) -> None:
         """Marks the end of one training step. Call it once per step, after ``optimizer.step()``."""
@@ -574,12 +273,9 @@ class Doctor:
         if not self._config_written:
             self._write_config()
         wall = t_end - self._step_t0
-        units = [
-            UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),
-                     ag_wait_bwd_ms=_ms(a.ag_bwd), recompute_ms=_ms(self._recompute_ns(a)), fwd_calls=a.calls)
-            for u, a in ((self._units[i], self._acc[i]) for i in range(len(self._units)))
-        ]
-        fwd, bwd, opt = _ms(self._forward_ns), _ms(self._backward_ns), _ms(self._optimizer_ns)
+        tm = self._timer
+        units = tm.unit_rows()
+        fwd, bwd, opt = _ms(tm._forward_ns), _ms(tm._backward_ns), _ms(tm._optimizer_ns)
         profiled = self._profiler is not None and self._profiler.is_profiled(step)
         profiled = profiled or self._spill_profiled or self._flops is not None
         self._spill_profiled = False
@@ -587,15 +283,13 @@ class Doctor:
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=_ms(wall),
             forward_ms=fwd, backward_ms=bwd, optimizer_ms=opt, outside_ms=max(0.0, round(_ms(wall) - fwd - bwd - opt, 3)),
-            gc_ms=_ms(self._gc_ns), gc_count=self._gc_count, profiled=profiled, units=units, memory=mem,
+            gc_ms=_ms(tm._gc_ns), gc_count=tm._gc_count, profiled=profiled, units=units, memory=mem,
         )
-        self._writer.write(rec)
-        if self._tb is not None:
-            self._tb.on_step(rec)  # queues the record; the scalars are written on the writer's thread
+        self._sinks.on_step(rec)
         if self._gpu is not None:
             done = self._gpu.end_step(step)
             if done:
-                self._writer.write(*done)
+                self._sinks.write(*done)
         self._flops_tick(step)
         if self._profiler is not None:
             try:
@@ -621,51 +315,19 @@ class Doctor:
 
     def _write_config(self) -> None:
         self._config_written = True
-        self._unit_of_label = label_to_index(self._units)
-        self._writer.write(self._config())
+        self._timer.index_labels()
+        self._sinks.write(self._config())
 
     def _config(self) -> RunConfig:
-        dev = _device_of(self.model)
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-        opt_params, foreign, foreign_bytes = _optimizer_params(self.optimizer, self.model)
-        dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        capacity = self.capacity_bytes
-        if capacity is None and dev.type == "cuda":
-            capacity = torch.cuda.get_device_properties(dev).total_memory
-        peak = self.peak_tflops
-        if peak is None and dev.type == "cuda":
-            peak = device_peak_tflops(dev_name, _compute_dtype(self._units))
-        sched = getattr(self._profiler, "schedule", None)
-        unit_cfgs = snapshot_units(self._units)
-        for idx in self._runtime_ckpt:  # functional torch.utils.checkpoint(unit, ...): seen re-running in backward
-            if unit_cfgs[idx].checkpoint == "none":
-                unit_cfgs[idx].checkpoint = "unit"
-        _, ign_names, ign_bytes = unmanaged_summary(self.model, self._units)
-        if self._consistency is None:
-            self._consistency = consistency_problem(self.model, self._units, unit_cfgs) or ""
-            if self._consistency:
-                log.warning("fsdp_doctor: %s", self._consistency)
-        unavailable = F2.problems() + ([self._consistency] if self._consistency else [])
-        return RunConfig(
-            rank=self.rank, world_size=self.world_size, backend=str(backend), device=str(dev), device_name=dev_name,
-            torch_version=str(torch.__version__),
-            optimizer=type(self.optimizer).__name__ if self.optimizer is not None else None,
-            optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
-            units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(self.model, self._units),
-            model_param_count=sum(p.numel() for p in self.model.parameters()),  # DTensor numel: global
-            capacity_bytes=capacity, tokens_per_step=self.tokens_per_step, peak_tflops=peak,
-            flops_per_step=self.flops_per_step,
-            profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
-            unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
-            unavailable=unavailable,
-            torch_lacks=F2.features_unavailable(),
-        )
+        cfg, self._consistency = config_snapshot(
+            self.model, self.optimizer, self._units, rank=self.rank, world_size=self.world_size, device=self.device,
+            capacity_bytes=self.capacity_bytes, tokens_per_step=self.tokens_per_step, peak_tflops=self.peak_tflops,
+            flops_per_step=self.flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
+            runtime_checkpointed=self._timer._runtime_ckpt, consistency=self._consistency)
+        return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
-        window = ProfileWindow(rank=self.rank, steps=steps, path=rel_path)
-        self._safe_write(window)
-        if self._tb is not None:
-            self._tb.on_profile(window, self.out_dir / rel_path)  # overlap analysed on the writer's thread
+        self._sinks.on_profile(ProfileWindow(rank=self.rank, steps=steps, path=rel_path))
 
     # ------------------------------------------------------------------ failure handling
     def _safe(self, fn, where: str) -> None:
@@ -675,74 +337,17 @@ class Doctor:
             self._fail(where, e)
 
     def _safe_write(self, rec) -> None:
-        try:
-            if self._writer is not None:
-                self._writer.write(rec)
-        except Exception as e:  # noqa: BLE001
-            log.warning("fsdp_doctor: could not write a record (%s)", e)
+        if self._sinks is not None:
+            self._sinks.safe_write(rec)
+
+    def _step_aside(self) -> None:
+        self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
+        self.active = False
 
     def _fail(self, where: str, exc: BaseException, stop: bool = True) -> None:
-        """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run."""
-        if self._failed:
-            return
-        if stop:
-            self._failed = True
-            self.active = False
-        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log.warning("fsdp_doctor: error in %s on rank %s (%s); the doctor stops recording, training continues",
-                    where, getattr(self, "rank", "?"), msg)
-        self._safe_write(DoctorError(rank=getattr(self, "rank", 0), where=where, message=msg, step=self.steps_done))
-
-
-def _ms(ns: int) -> float:
-    """Nanoseconds to milliseconds, kept to the microsecond."""
-    return round(ns * 1e-6, 3)
-
-
-def _collect_tensors(obj, out: list, depth: int = 0) -> None:
-    if depth > 4:
-        return
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _collect_tensors(x, out, depth + 1)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _collect_tensors(x, out, depth + 1)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in obj.__dataclass_fields__:
-            _collect_tensors(getattr(obj, k, None), out, depth + 1)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        lt = getattr(p, "_local_tensor", p)
-        return lt.device
-    return torch.device("cpu")
-
-
-def _compute_dtype(units: list[Unit]) -> str:
-    for u in units:
-        dt = getattr(F2.mp_policy(u.state), "param_dtype", None)
-        if dt is not None:
-            return str(dt).replace("torch.", "")
-    return "float32"
-
-
-def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
-    if optimizer is None:
-        return 0, 0, 0
-    model_ids = {id(p) for p in model.parameters()}
-    n = foreign = nbytes = 0
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            n += 1
-            if id(p) not in model_ids:
-                foreign += 1
-                lt = getattr(p, "_local_tensor", p)
-                nbytes += lt.numel() * lt.element_size()
-    return n, foreign, nbytes
+        """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run
+        (the one failure policy: fsdp_doctor.record.sinks.FailurePolicy)."""
+        self._failures.fail(where, exc, rank=getattr(self, "rank", "?"), step=self.steps_done, stop=stop)
 
 
 def watch(

@@ -157,7 +157,9 @@ _GLOO_NAMES_FOR = {
 }
 
 
-def _dtype_bytes(name: Optional[str]) -> Optional[int]:
+def dtype_bytes(name: Optional[str]) -> Optional[int]:
+    """Bytes per element of a dtype named as in traces or torch ("bfloat16", "c10::Half"); None if unknown.
+    The one dtype-size table (``DTYPE_BYTES``) of the package."""
     if not name:
         return None
     return DTYPE_BYTES.get(name.strip().lower())
@@ -184,7 +186,7 @@ def _bytes_from_shapes(args) -> Optional[int]:
         if n is None and isinstance(d, list):  # a tensor list: sum its tensors
             ns = [_numel(x) for x in d]
             n = sum(ns) if ns and all(x is not None for x in ns) else None
-        b = _dtype_bytes(t if isinstance(t, str) else None)
+        b = dtype_bytes(t if isinstance(t, str) else None)
         if n is not None and b is not None:
             best = max(best or 0, n * b)
     return best
@@ -194,7 +196,7 @@ def _bytes_from_msg(args) -> Optional[int]:
     if args is None:
         return None
     n = max(args.in_nelems or 0, args.out_nelems or 0)
-    b = _dtype_bytes(args.dtype)
+    b = dtype_bytes(args.dtype)
     return n * b if n and b else None
 
 

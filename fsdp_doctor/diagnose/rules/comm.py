@@ -14,6 +14,7 @@ import statistics
 from typing import Optional
 
 from .. import estimate as E
+from ...present.fmt import fmt_bytes
 from ..base import Context, Rule, register
 
 # Exposed reduce-scatter worth acting on, as a share of the step (GPU: it could hide behind backward compute).
@@ -80,15 +81,6 @@ def per_step(ctx: Context, rank, us: float) -> float:
 def breakdown_ms(ctx: Context, part: str) -> dict[str, float]:
     """Per rank, one part of the step's breakdown in ms per step."""
     return {r: per_step(ctx, r, b.get(part, 0.0)) for r, b in (overlap(ctx).get("breakdown") or {}).items()}
-
-
-def _fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "?"
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _bucket(nbytes: float) -> str:
@@ -254,7 +246,7 @@ class CommunicationBound(TraceRule):
              "other_comm_pct": sh["other_comm"], "compute_pct": job["groups_pct"]["compute"],
              "step_ms": None if step is None else round(step, 3), "latency_bound": latency_bound,
              "by_size": [f"{t['collective']} {t['size']}: {t['calls_per_step']}/step, median "
-                         f"{_fmt_bytes(t['median_bytes'])}, busbw {t['busbw_gbps']} GB/s, exposed "
+                         f"{fmt_bytes(t['median_bytes'], 1)}, busbw {t['busbw_gbps']} GB/s, exposed "
                          f"{t['exposed_ms_per_step']:.3f} ms" for t in table]},
             text, code, predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32 if (step and fp32) else None))]
 
@@ -289,13 +281,13 @@ class SmallCollectives(TraceRule):
         per_call_ms = statistics.median(r["comm_ms_per_step"] / r["count_per_step"] for r in rows if r["count_per_step"])
         bw = [r["busbw_gbps"] for r in sized if r.get("busbw_gbps")]
         return [self.finding(
-            "warning", f"{calls:.0f} all-gathers per step of {_fmt_bytes(median_bytes)} each: latency-bound",
+            "warning", f"{calls:.0f} all-gathers per step of {fmt_bytes(median_bytes, 1)} each: latency-bound",
             {"allgathers_per_step": round(calls, 1), "units": len(units), "median_bytes_per_call": median_bytes,
              "median_ms_per_call": round(per_call_ms, 4),
              "busbw_gbps_median": round(statistics.median(bw), 2) if bw else None,
              "exposed_comm_ms_per_step": round(exp, 3), "exposed_share_pct": round(100 * exp / step, 1),
              "step_ms": round(step, 3), "measured_by": "trace"},
-            f"The model is wrapped into {len(units)} units whose all-gathers move {_fmt_bytes(median_bytes)} "
+            f"The model is wrapped into {len(units)} units whose all-gathers move {fmt_bytes(median_bytes, 1)} "
             "each: every call pays NCCL's fixed latency and none reaches the link's bandwidth, and each unit's "
             "compute is too short to hide the next call. Wrap coarser: group consecutive blocks so that each "
             "all-gather moves tens of MiB (this is wrap.too_fine, seen from the trace).",

@@ -1,0 +1,86 @@
+"""The configuration snapshot written at the first step (``RunConfig``): the units, the job, the optimizer and
+what this torch's FSDP2 could not tell. One collaborator of :class:`fsdp_doctor.record.tracker.Doctor`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..records import RunConfig
+from . import fsdp2 as F2
+from .throughput import device_peak_tflops
+from .units import Unit, consistency_problem, snapshot_units, unmanaged_param_bytes, unmanaged_summary
+
+log = logging.getLogger("fsdp_doctor")
+
+
+def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,
+                    device: torch.device, capacity_bytes: int | None, tokens_per_step: int | None,
+                    peak_tflops: float | None, flops_per_step: float | None, profile_schedule,
+                    runtime_checkpointed: Iterable[int], consistency: str | None) -> tuple[RunConfig, str]:
+    """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
+    ``runtime_checkpointed``: units seen re-running their forward in backward (functional
+    ``torch.utils.checkpoint(unit, ...)``); ``consistency``: the first snapshot's check ("" when it passed; None:
+    not run yet, run and logged now)."""
+    dev = device
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+    opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model)
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    capacity = capacity_bytes
+    if capacity is None and dev.type == "cuda":
+        capacity = torch.cuda.get_device_properties(dev).total_memory
+    peak = peak_tflops
+    if peak is None and dev.type == "cuda":
+        peak = device_peak_tflops(dev_name, _compute_dtype(units))
+    sched = profile_schedule
+    unit_cfgs = snapshot_units(units)
+    for idx in runtime_checkpointed:
+        if unit_cfgs[idx].checkpoint == "none":
+            unit_cfgs[idx].checkpoint = "unit"
+    _, ign_names, ign_bytes = unmanaged_summary(model, units)
+    if consistency is None:
+        consistency = consistency_problem(model, units, unit_cfgs) or ""
+        if consistency:
+            log.warning("fsdp_doctor: %s", consistency)
+    unavailable = F2.problems() + ([consistency] if consistency else [])
+    return RunConfig(
+        rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
+        torch_version=str(torch.__version__),
+        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+        optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
+        units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
+        model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
+        capacity_bytes=capacity, tokens_per_step=tokens_per_step, peak_tflops=peak,
+        flops_per_step=flops_per_step,
+        profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
+        unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
+        unavailable=unavailable,
+        torch_lacks=F2.features_unavailable(),
+    ), consistency
+
+
+def _compute_dtype(units: list[Unit]) -> str:
+    for u in units:
+        dt = getattr(F2.mp_policy(u.state), "param_dtype", None)
+        if dt is not None:
+            return str(dt).replace("torch.", "")
+    return "float32"
+
+
+def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
+    if optimizer is None:
+        return 0, 0, 0
+    model_ids = {id(p) for p in model.parameters()}
+    n = foreign = nbytes = 0
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            n += 1
+            if id(p) not in model_ids:
+                foreign += 1
+                lt = getattr(p, "_local_tensor", p)
+                nbytes += lt.numel() * lt.element_size()
+    return n, foreign, nbytes

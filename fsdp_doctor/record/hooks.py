@@ -1,0 +1,417 @@
+"""The hooks around FSDP2's own, and the timings they take; one collaborator of
+:class:`fsdp_doctor.record.tracker.Doctor` (which owns the lifecycle, the steps and the sinks).
+
+It brackets FSDP2's own hooks without patching FSDP:
+
+* forward: for every module of every unit, a forward pre-hook registered with ``prepend=True`` runs
+  before FSDP's pre-forward (unit still sharded), a plain one runs after it (unshard waited for); post
+  hooks bracket FSDP's post-forward (reshard) the same way.
+* backward: FSDP logs ``FSDP::pre_backward (fqn)`` / ``FSDP::post_backward (fqn)`` on the logger
+  ``torch.distributed.fsdp.fully_shard`` at DEBUG; the timer intercepts that logger's ``debug`` calls
+  (restored at exit; passed on when the user has the logger at DEBUG) and timestamps them. A gradient hook
+  registered on each unit's outputs after FSDP's own marks the end of the unit's backward unshard wait, and an
+  autograd-engine callback queued from it marks the end of backward.
+* optimizer: ``Optimizer.register_step_pre_hook`` / ``register_step_post_hook``.
+* garbage collection: ``gc.callbacks``.
+
+At FSDP's natural points the hooks emit *marks* ``(unit, phase)`` to a :class:`MarkSink` (the memory probe);
+the per-unit and per-phase times are read at the step's end (``unit_rows``, ``forward_ns`` ...). Every hook body
+is guarded: an exception goes to ``fail`` (the Doctor's failure policy) and ``active`` turns off.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+import torch.nn as nn
+
+from ..records import UnitStep
+from . import fsdp2 as F2
+from .units import Unit, checkpointed_modules, label_to_index
+
+_FSDP_LOGGER = F2.LOGGER_NAME
+_now = time.perf_counter_ns
+
+
+class MarkSink(Protocol):
+    """What listens to the hooks' marks: ``mark(unit, phase)`` at FSDP's boundaries (unit None: the whole model;
+    phases ``forward_start``/``forward_end``/``backward_start``/``backward_end``/``optimizer_start``/
+    ``optimizer_end``) and ``step_end(step)`` once per step."""
+
+    def mark(self, unit: Optional[str], phase: str) -> None: ...
+
+    def step_end(self, step: int) -> Any: ...
+
+
+class _UnitAcc:
+    """Per-step accumulators of one unit (ns)."""
+
+    __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
+                 "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.fwd = self.ag_fwd = self.bwd = self.ag_bwd = self.recompute = 0
+        self.calls = 0
+        self.t_outer = self.t_inner = self.t_pre_bwd = 0
+        self.bwd_hooked = False
+        self.fwd_depth = 0
+        self.t_recompute = 0
+        self.recompute_runs = 0
+        self.grad_seen = False
+
+
+class StepTimer:
+    """Host-side timings of one rank's steps, per unit and per phase, from hooks around FSDP2's own."""
+
+    def __init__(self, fail: Callable[[str, BaseException], None]):
+        self._units: list[Unit] = []
+        self._fail = fail
+        self.active = False  # the Doctor turns it on at entry and off when it steps aside
+        self.marks: Optional[MarkSink] = None  # the memory probe
+        self.gpu = None  # GpuTimeline on CUDA
+        self._handles: list[Any] = []
+        self._acc: dict[int, _UnitAcc] = {}
+        self._runtime_ckpt: set[int] = set()  # units seen re-running their forward in backward
+        self._unit_of_label: dict[str, int] = {}
+        self._tap = self._tap_prev = None  # the FSDP logger interception
+        self._grad_hooks: dict[int, Any] = {}
+        self._log_cache: dict[str, tuple[bool, int] | None] = {}
+        self.begin_step()
+
+    def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
+        self._units = units
+        h = self._handles
+        for idx, u in enumerate(self._units):
+            self._acc[idx] = _UnitAcc()
+            for m in u.modules:
+                h.append(m.register_forward_pre_hook(self._mk(self._fwd_outer_pre, idx), prepend=True))
+                h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx)))
+                h.append(m.register_forward_hook(self._mk(self._fwd_inner_post, idx), prepend=True))
+                h.append(m.register_forward_hook(self._mk(self._fwd_outer_post, idx)))
+            # Activation checkpointing re-runs the wrapped inner module in backward, not the unit's own
+            # module: time those re-runs as the unit's recompute.
+            for inner in checkpointed_modules(u, self._units):
+                h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
+                h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
+        h.append(model.register_forward_pre_hook(self._model_pre, prepend=True))
+        h.append(model.register_forward_hook(self._model_post))
+        if optimizer is not None:
+            h.append(optimizer.register_step_pre_hook(self._opt_pre))
+            h.append(optimizer.register_step_post_hook(self._opt_post))
+        gc.callbacks.append(self._gc_cb)
+        self._tap_fsdp_log()
+
+    def uninstall(self) -> None:
+        for hd in self._handles:
+            try:
+                hd.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles.clear()
+        if self._gc_cb in gc.callbacks:
+            gc.callbacks.remove(self._gc_cb)
+        lg = logging.getLogger(_FSDP_LOGGER)
+        if self._tap is not None and lg.__dict__.get("debug") is self._tap:
+            if self._tap_prev is None:
+                del lg.debug
+            else:
+                lg.debug = self._tap_prev
+        self._tap = None
+
+    def _tap_fsdp_log(self) -> None:
+        """Time-stamps FSDP2's per-unit hook logs (``FSDP::pre_backward (fqn)``...) by intercepting its
+        logger's ``debug`` calls: about a microsecond each, against ~25 µs for a logging.Handler, whose
+        LogRecord and caller lookup would cost ~1 ms per step. FSDP's code is untouched, and the call is
+        passed on unchanged when the user has that logger at DEBUG."""
+        lg = logging.getLogger(_FSDP_LOGGER)
+        prev = lg.__dict__.get("debug")  # someone else's interception, kept and chained
+        orig = prev if prev is not None else lg.debug
+        now, enabled = _now, lg.isEnabledFor
+
+        def debug(msg, *args, **kwargs):
+            if self.active:
+                label = args[0] if args and msg == "%s" else msg
+                if isinstance(label, str) and label.startswith("FSDP::"):
+                    try:
+                        self._on_fsdp_log(label, now())
+                    except Exception as e:  # noqa: BLE001
+                        self._fail("fsdp log tap", e)
+            if prev is not None or enabled(logging.DEBUG):
+                orig(msg, *args, **kwargs)
+
+        self._tap, self._tap_prev = debug, prev
+        lg.debug = debug
+
+
+    def _mk(self, fn, idx):
+        def hook(module, *args):
+            if self.active:
+                try:
+                    fn(idx, args)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(fn.__name__, e)
+        return hook
+
+    def _safe(self, fn, where: str) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            self._fail(where, e)
+
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _recompute_pre(self, idx, args):
+        if self._in_backward():
+            a = self._acc[idx]
+            a.t_recompute = _now()
+            a.recompute_runs += 1
+
+    def _recompute_post(self, idx, args):
+        a = self._acc[idx]
+        if self._in_backward() and a.t_recompute:
+            a.recompute += _now() - a.t_recompute
+            a.t_recompute = 0
+
+    @staticmethod
+    def _recompute_ns(a: "_UnitAcc") -> int:
+        """Measured re-run time; when the re-run was cut short (non-reentrant checkpoint stops early once
+        it has rebuilt the saved tensors, so its forward hook never fires) the unit's forward compute time,
+        which is what checkpointing re-runs."""
+        if a.recompute or not a.recompute_runs:
+            return a.recompute
+        return max(0, a.fwd - a.ag_fwd)
+
+    def _fwd_outer_pre(self, idx, args):
+        a = self._acc[idx]
+        if self._in_backward() and a.fwd_depth == 0:
+            # the unit re-runs in backward: torch.utils.checkpoint.checkpoint(unit, ...) around it. The
+            # non-reentrant re-run stops early (no post-hook), so nothing here may wait for one.
+            a.t_recompute = _now()
+            a.recompute_runs += 1
+            self._runtime_ckpt.add(idx)
+            return
+        if a.fwd_depth == 0:  # grouped units: only the first module's entry opens the unit
+            a.t_outer = _now()
+            if self.gpu is not None and not self._in_backward():
+                self.gpu.open(idx, 0)
+        a.fwd_depth += 1
+
+    def _fwd_inner_pre(self, idx, args):
+        a = self._acc[idx]
+        if a.fwd_depth == 1 and a.t_inner == 0:
+            a.t_inner = _now()
+            if not self._in_backward():
+                a.ag_fwd += a.t_inner - a.t_outer
+        if self.marks is not None:
+            self.marks.mark(self._units[idx].name, "forward_start")
+
+    def _fwd_inner_post(self, idx, args):
+        if self.marks is not None:
+            self.marks.mark(self._units[idx].name, "forward_end")
+
+    def _fwd_outer_post(self, idx, args):
+        a = self._acc[idx]
+        if self._in_backward() and a.fwd_depth == 0:
+            if a.t_recompute:
+                a.recompute += _now() - a.t_recompute
+                a.t_recompute = 0
+            return
+        a.fwd_depth = max(0, a.fwd_depth - 1)
+        if a.fwd_depth:
+            return
+        t = _now()
+        dt = t - a.t_outer
+        a.t_inner = 0
+        if self._in_backward():
+            a.recompute += dt
+            return
+        a.fwd += dt
+        a.calls += 1
+        if self.gpu is not None:
+            self.gpu.close(idx, 0)
+        output = args[1] if len(args) > 1 else None
+        if not a.bwd_hooked and output is not None:
+            self._hook_outputs(idx, output)
+
+    def _hook_outputs(self, idx: int, output) -> None:
+        """Marks the unit's outputs so that the first gradient reaching them (after FSDP's own pre-backward
+        hook, registered before ours) tells when the unit's backward unshard was waited for."""
+        hook = self._grad_hooks.get(idx)
+        if hook is None:
+            hook = self._grad_hooks[idx] = self._make_grad_hook(idx)
+        if isinstance(output, torch.Tensor):
+            tensors = (output,)
+        else:
+            tensors = []
+            _collect_tensors(output, tensors)
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(hook)
+                self._acc[idx].bwd_hooked = True
+
+    def _make_grad_hook(self, idx: int):
+        acc = self._acc[idx]
+
+        def grad_hook(grad):
+            if self.active and not acc.grad_seen:
+                acc.grad_seen = True
+                try:
+                    self._on_unit_grad(idx)
+                except Exception as e:  # noqa: BLE001
+                    self._fail("grad hook", e)
+            return None
+
+        return grad_hook
+
+    def _on_unit_grad(self, idx: int) -> None:
+        t = _now()
+        a = self._acc[idx]
+        if a.t_pre_bwd:
+            a.ag_bwd += t - a.t_pre_bwd
+        if self._bwd_start == 0:
+            self._bwd_start = t
+        if not self._bwd_cb_queued:
+            self._bwd_cb_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        if not self.active:
+            return
+        try:
+            t = _now()
+            if self._bwd_start:
+                self._backward_ns += t - self._bwd_start
+            self._bwd_start = 0
+            self._bwd_cb_queued = False
+            for a in self._acc.values():
+                a.bwd_hooked = a.grad_seen = False
+            if self.marks is not None:
+                self.marks.mark(None, "backward_end")
+        except Exception as e:  # noqa: BLE001
+            self._fail("backward end", e)
+
+    def _parse_fsdp_log(self, msg: str) -> tuple[bool, int] | None:
+        """("FSDP::pre_backward (layers.0)" -> (True, unit index)); None for labels the doctor does not use."""
+        kind, _, rest = msg.partition(" (")
+        if kind not in ("FSDP::pre_backward", "FSDP::post_backward"):
+            return None
+        fqn = rest.rsplit(")", 1)[0] if rest else ""
+        if fqn not in self._unit_of_label:
+            self._unit_of_label = label_to_index(self._units)
+        idx = self._unit_of_label.get(fqn)
+        return None if idx is None else (kind == "FSDP::pre_backward", idx)
+
+    def _on_fsdp_log(self, msg: str, t: int) -> None:
+        # The same few label strings recur every step: parse each once.
+        try:
+            parsed = self._log_cache[msg]
+        except KeyError:
+            parsed = self._log_cache[msg] = self._parse_fsdp_log(msg)
+        if parsed is None:
+            return
+        is_pre, idx = parsed
+        a = self._acc[idx]
+        if is_pre:
+            if self._bwd_start == 0:
+                self._bwd_start = t
+            if not a.t_pre_bwd:
+                a.t_pre_bwd = t
+                if self.gpu is not None:
+                    self.gpu.open(idx, 1)
+            if self.marks is not None:
+                self.marks.mark(self._units[idx].name, "backward_start")
+        else:
+            if a.t_pre_bwd:
+                a.bwd += t - a.t_pre_bwd
+                a.t_pre_bwd = 0
+                if self.gpu is not None:
+                    self.gpu.close(idx, 1)
+            if self.marks is not None:
+                self.marks.mark(self._units[idx].name, "backward_end")
+
+    def _model_pre(self, module, args):
+        if self.active and not self._in_backward():
+            self._fwd_start = _now()
+            if self.marks is not None:
+                self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
+
+    def _model_post(self, module, args, output):
+        if self.active and not self._in_backward() and self._fwd_start:
+            self._forward_ns += _now() - self._fwd_start
+            self._fwd_start = 0
+
+    def _opt_pre(self, optimizer, args, kwargs):
+        if self.active:
+            self._opt_start = _now()
+            if self.marks is not None:
+                self._safe(lambda: self.marks.mark(None, "optimizer_start"), "memory")
+
+    def _opt_post(self, optimizer, args, kwargs):
+        if self.active and self._opt_start:
+            self._optimizer_ns += _now() - self._opt_start
+            self._opt_start = 0
+            if self.marks is not None:
+                self._safe(lambda: self.marks.mark(None, "optimizer_end"), "memory")
+
+    def _gc_cb(self, phase, info):
+        if not self.active:
+            return
+        if phase == "start":
+            self._gc_start = _now()
+        elif self._gc_start:
+            self._gc_ns += _now() - self._gc_start
+            self._gc_count += 1
+            self._gc_start = 0
+
+
+    def begin_step(self) -> None:
+        self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = 0
+        self._gc_count = 0
+        self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
+        self._bwd_cb_queued = False
+        for a in self._acc.values():
+            a.reset()
+        if self.gpu is not None:
+            self.gpu.begin_step()
+
+    def unit_rows(self) -> list[UnitStep]:
+        """The step's per-unit timings (ms)."""
+        return [
+            UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),
+                     ag_wait_bwd_ms=_ms(a.ag_bwd), recompute_ms=_ms(self._recompute_ns(a)), fwd_calls=a.calls)
+            for u, a in ((self._units[i], self._acc[i]) for i in range(len(self._units)))
+        ]
+
+    def index_labels(self) -> None:
+        """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""
+        self._unit_of_label = label_to_index(self._units)
+
+
+def _ms(ns: int) -> float:
+    """Nanoseconds to milliseconds, kept to the microsecond."""
+    return round(ns * 1e-6, 3)
+
+
+def _collect_tensors(obj, out: list, depth: int = 0) -> None:
+    if depth > 4:
+        return
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect_tensors(x, out, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect_tensors(x, out, depth + 1)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            _collect_tensors(getattr(obj, k, None), out, depth + 1)

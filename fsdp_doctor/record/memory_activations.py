@@ -1,0 +1,175 @@
+"""Saved-tensor counting for the memory probe: the ``activations`` category, exactly.
+
+An outer ``torch.autograd.graph.saved_tensors_hooks`` pair (pushed on full steps only) counts every tensor
+autograd saves for backward, each storage once, parameters and storages shared with them skipped; a saved
+tensor's bytes leave the running counter when autograd drops its packed handle. One collaborator of
+:class:`fsdp_doctor.record.memory.MemoryProbe`."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn as nn
+
+from . import fsdp2 as F2
+
+log = logging.getLogger("fsdp_doctor")
+_now = time.perf_counter_ns
+RELEASE_NS = 600  # one _Saved.__del__ + the unpack call (measured ~0.5 us on a 2-core CPU box)
+
+
+class _Saved:
+    """What the pack hook leaves in the autograd graph: the detached tensor and its storage key.
+
+    When autograd drops the saved variable (after the node ran in backward, or with the graph), this
+    object dies and ``__del__`` takes the storage's bytes off the running counter once its last saved
+    reference is gone.
+    """
+
+    __slots__ = ("t", "k", "live")
+
+    def __init__(self, t, k, live):
+        self.t = t
+        self.k = k
+        self.live = live
+
+    def __del__(self):
+        live = self.live
+        e = live.entries.get(self.k)
+        if e is None:
+            return
+        e[0] -= 1
+        if e[0] <= 0:
+            del live.entries[self.k]
+            live.bytes -= e[1]
+
+
+class _Live:
+    """Running count of saved-for-backward storages (shared with the _Saved handles)."""
+
+    __slots__ = ("entries", "bytes", "packs")
+
+    def __init__(self):
+        self.entries: dict[int, list[int]] = {}  # storage key -> [saved references alive, bytes]
+        self.bytes = 0
+        self.packs = 0
+
+
+class SavedTensors:
+    """The running count of saved-for-backward bytes, and what each unit's forward left saved."""
+
+    def __init__(self, param_keys: set, host_is_device: bool):
+        self.param_keys = param_keys  # storages of parameters: never activations (the sizes keep it current)
+        self.host_is_device = host_is_device
+        self.live = _Live()
+        self.pushed = False
+        self.error: str | None = None  # the pack hook failed once: activations are not counted any more
+        self.mode = "off"  # this step: "exact" | "off"
+        self.note: str | None = None  # why they are not counted this step
+        self.pack_ns = 0
+        self.unit_act_start: dict[int, int] = {}
+        self.unit_act: dict[int, int] = {}  # unit -> bytes its forward left saved (this step)
+
+    def begin(self) -> None:
+        self.mode = "off"
+        self.note = None
+        self.live.packs = 0
+        self.pack_ns = 0
+        self.unit_act = {}
+        self.unit_act_start = {}
+
+    def unit_forward_start(self, idx: int) -> None:
+        self.unit_act_start[idx] = self.live.bytes
+
+    def unit_forward_end(self, idx: int) -> None:
+        s = self.unit_act_start.pop(idx, None)
+        if s is not None:
+            self.unit_act[idx] = self.unit_act.get(idx, 0) + self.live.bytes - s
+
+    def cost_ns(self) -> int:
+        """The pack hook's measured time plus the handle releases (run by autograd: estimated)."""
+        return self.pack_ns + self.live.packs * RELEASE_NS
+
+    def _pack(self, t):
+        t0 = _now()
+        r = self._pack_inner(t)
+        self.pack_ns += _now() - t0
+        return r
+
+    def _pack_inner(self, t):
+        live = self.live
+        try:
+            live.packs += 1
+            if isinstance(t, nn.Parameter):
+                return t
+            d = t.detach()
+            b = t._base
+            if b is not None and isinstance(b, nn.Parameter):
+                return d
+            if type(t) is not torch.Tensor:
+                lt = getattr(t, "_local_tensor", None)
+                if lt is None:
+                    return d
+                st = lt.untyped_storage()
+            else:
+                st = t.untyped_storage()
+            if not self.host_is_device and st.device.type == "cpu":
+                return d
+            k = st._cdata
+            if k in self.param_keys:
+                return d
+            e = live.entries.get(k)
+            if e is None:
+                nb = st.nbytes()
+                if nb == 0:  # a freed (resharded) storage holds nothing
+                    return d
+                live.entries[k] = [1, nb]
+                live.bytes += nb
+            else:
+                e[0] += 1
+            return _Saved(d, k, live)
+        except Exception as exc:  # noqa: BLE001 - never break the user's forward
+            if self.error is None:
+                self.error = f"{type(exc).__name__}: {exc}"[:200]
+                log.warning("fsdp_doctor: activation counting failed (%s); activations are not counted", self.error)
+            try:
+                return t.detach()
+            except Exception:  # noqa: BLE001
+                return t
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if type(x) is _Saved else x
+
+    def push(self) -> None:
+        """Pushes our saved-tensor hooks (a full step's forward starts)."""
+        if self.pushed or self.error is not None:
+            return
+        ag = torch._C._autograd
+        try:
+            if not ag._saved_tensors_hooks_is_enabled():
+                self.note = "saved tensor hooks are disabled here"
+                return
+            if F2.saved_hooks_top() is not None:
+                # the user's own saved_tensors_hooks (e.g. save_on_cpu) are active: ours would override them
+                self.note = "the training loop's own saved_tensors_hooks are active; activations not counted"
+                return
+            ag._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self.pushed = True
+            self.mode = "exact"
+        except Exception as exc:  # noqa: BLE001
+            self.note = f"saved tensor hooks unavailable ({type(exc).__name__}: {exc})"[:200]
+
+    def pop(self) -> None:
+        """Pops our hooks when they are on top (main thread, outside the forward/backward)."""
+        if not self.pushed:
+            return
+        ag = torch._C._autograd
+        top = F2.saved_hooks_top()
+        if top is F2.UNKNOWN_HOOKS or (top is not None and getattr(top[0], "__func__", None) is SavedTensors._pack
+                                       and getattr(top[0], "__self__", None) is self):
+            # (torch 2.6 cannot show the top: context managers above ours have exited by now)
+            ag._pop_saved_tensors_default_hooks()
+            self.pushed = False

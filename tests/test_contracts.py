@@ -1,0 +1,196 @@
+"""The typed contracts between stages: the unit config's defaults, the memory categories, module imports."""
+
+from __future__ import annotations
+
+import msgspec
+
+from fsdp_doctor import memory_categories as MC
+from fsdp_doctor.records import UnitConfig, unit_defaults
+
+
+def test_unit_defaults_come_from_unitconfig():
+    """The rules' view of a report row fills omitted fields with UnitConfig's own defaults (one source)."""
+    from fsdp_doctor.diagnose import estimate as E
+
+    d = unit_defaults()
+    names = {f.name for f in msgspec.structs.fields(UnitConfig)}
+    assert set(d) == names - {"name"}
+    assert d["reshard_after_forward"] is True and d["checkpoint"] == "none" and d["param_groups"] == 1
+    assert d["param_count"] == 0 and d["is_root"] is False
+    # a row as the report writes it (msgspec omit_defaults): only what differs from the defaults
+    row = msgspec.to_builtins(UnitConfig(name="layers.0", modules=["layers.0"], is_root=False, param_count=10,
+                                         n_params=2, sharded_bytes=20, unsharded_bytes=40, orig_dtypes=["float32"],
+                                         checkpoint="unit"))
+    assert "reshard_after_forward" not in row
+    from fsdp_doctor.diagnose.base import Context
+    from fsdp_doctor.store import Run
+
+    (u,) = E.units(Context(run=Run(path="."), report={"units": [row]}))
+    assert u["reshard_after_forward"] is True and u["checkpoint"] == "unit" and u["forward_prefetch"] == []
+
+
+def test_memory_categories_once():
+    """Every presenter's category order and colours are the one table's."""
+    from dashboards import figures
+    from fsdp_doctor.analyze import memory as analyze_memory
+    from fsdp_doctor.present import html
+    from fsdp_doctor.record import memory as record_memory
+
+    assert record_memory.CATEGORIES == analyze_memory.CATEGORIES == MC.DEVICE
+    assert html.MEMORY_COLORS == figures.MEMORY_COLORS == MC.COLOURS
+    assert len(set(MC.COLOURS.values())) == len(MC.ALL)  # no two categories share a colour
+    assert MC.HOST == ("offloaded_host",) and "offloaded_host" not in MC.DEVICE
+
+
+def test_every_module_imports_alone():
+    """Each module of the recorder imports on its own in a fresh interpreter: no import loop between the
+    collaborators (a loop shows only when the cycle is entered from the wrong end)."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import fsdp_doctor
+
+    mods = sorted(m.name for m in pkgutil.walk_packages(fsdp_doctor.__path__, "fsdp_doctor."))
+    assert "fsdp_doctor.record.memory_sizes" in mods
+    code = ("import importlib, subprocess, sys\n"
+            "bad = []\n"
+            "for m in sys.argv[1:]:\n"
+            "    r = subprocess.run([sys.executable, '-c', f'import {m}'], capture_output=True, text=True)\n"
+            "    if r.returncode: bad.append(m + ': ' + r.stderr.strip().splitlines()[-1])\n"
+            "print('\\n'.join(bad)); sys.exit(1 if bad else 0)\n")
+    mods = [m for m in mods if m.startswith(("fsdp_doctor.record", "fsdp_doctor.memory_"))]  # the split rooms
+    r = subprocess.run([sys.executable, "-c", code, *mods], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_run_device_comes_from_the_process_group_not_a_parameter(monkeypatch):
+    """With CPUOffloadPolicy the parameters live on the host while FSDP computes on the GPU: the run's device is
+    the process group's (NCCL: the current CUDA device) or FSDP's compute device, never a parameter's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fsdp_doctor.record import run_device as RD
+
+    asked = []
+
+    def cuda_index():
+        asked.append(1)
+        return 3
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert RD.choose_device("nccl", None, cuda_index) == torch.device("cuda", 3)
+    assert RD.choose_device("cpu:gloo,cuda:nccl", cpu, cuda_index) == torch.device("cuda", 3)
+    n = len(asked)
+    assert RD.choose_device("gloo", None, cuda_index) == cpu and RD.choose_device(None, None, cuda_index) == cpu
+    assert RD.choose_device("gloo", gpu, cuda_index) == gpu  # FSDP's mesh says GPU: offloading does not change it
+    assert len(asked) == n  # the CUDA device is asked only for a NCCL group (no CUDA init on CPU runs)
+
+    # a CPUOffloadPolicy-like unit: its parameter on the host, FSDP's param group computing on cuda:1
+    param = torch.nn.Parameter(torch.zeros(2))
+    pg = SimpleNamespace(device=gpu, fsdp_params=[SimpleNamespace(sharded_param=param)])
+    unit = SimpleNamespace(param_groups=[pg])
+    assert param.device == cpu and RD.fsdp_compute_device([unit]) == gpu
+    monkeypatch.setattr(RD.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(RD.dist, "get_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(RD.torch.cuda, "current_device", lambda: 1)
+    assert RD.run_device([unit]) == gpu
+    monkeypatch.setattr(RD.dist, "get_backend", lambda *a, **k: "gloo")
+    assert RD.run_device([unit]) == gpu
+    assert RD.run_device([SimpleNamespace(param_groups=[SimpleNamespace(device=None)])]) == cpu
+
+
+def test_comm_section_is_typed_and_its_json_unchanged(sample_run_path):
+    """The pipeline builds ``comm`` as a CommSummary and stores its JSON-ready form: the keys of the JSON report
+    are those it always had, and a presenter reads it back by attribute."""
+    from fsdp_doctor.pipeline import build_report, comm_summary
+    from fsdp_doctor.present.fmt import comm_headline
+    from fsdp_doctor.report_sections import CommSummary
+    from fsdp_doctor.store import load_run
+
+    rep = build_report(load_run(sample_run_path), diagnosis=False)
+    comm = rep["comm"]
+    assert set(comm) == {"source", "source_text", "definition", "per_rank", "exposed_ms_per_step", "comm_ms_per_step",
+                         "overlap_pct"}
+    typed = CommSummary.of(comm)
+    assert typed.source == "trace" and msgspec.to_builtins(typed) == comm
+    assert comm_headline(comm) == comm_headline(typed)
+    assert comm_headline(comm).startswith(f"Exposed communication: ")
+    rec = comm_summary({}, {"0": 1.5, "1": 2.5})  # from the records: per rank the waits only
+    assert msgspec.to_builtins(rec)["per_rank"] == {"0": {"exposed_ms_per_step": 1.5}, "1": {"exposed_ms_per_step": 2.5}}
+    assert rec.exposed_ms_per_step == 2.0 and rec.comm_ms_per_step is None and rec.overlap_pct is None
+
+
+def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
+    """``run`` is built as RunFacts: with a config record every fact is written (a None capacity included); a
+    folder of plain traces has no config facts at all (not nulls); the header line reads attributes."""
+    from fsdp_doctor.analyze.report import run_facts
+    from fsdp_doctor.present.fmt import run_facts as header_facts
+    from fsdp_doctor.report_sections import RunFacts
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    facts = msgspec.to_builtins(run_facts(run))
+    assert {"path", "ranks", "world_size", "run_id", "trace_files", "backend", "device", "device_name",
+            "torch_version", "optimizer", "units", "model_param_count", "capacity_bytes", "tokens_per_step",
+            "steps_recorded", "complete"} <= set(facts)
+    assert facts["capacity_bytes"] is None and facts["device"] == "cpu" and facts["ranks"] == [0, 1]
+    assert header_facts(facts) == header_facts(RunFacts.of(facts))
+    assert header_facts(facts)[:2] == ["2 ranks", f"{facts['units']} FSDP units"]
+    traces = load_run(sample_run_path / "profiler")
+    bare = msgspec.to_builtins(run_facts(traces))
+    assert "backend" not in bare and "capacity_bytes" not in bare and bare["trace_files"] >= 1
+    assert header_facts({"world_size": 2, "backend": "gloo"}) == ["2 ranks", "gloo"]  # a partial dict still reads
+
+
+def test_memory_section_schema_is_the_struct(sample_run_path):
+    """The analysis's memory section round-trips through MemorySection unchanged: every key it writes is a field
+    (msgspec drops unknown keys, so a key missing from the struct would show here), and the terminal reads it."""
+    from rich.console import Console
+
+    from fsdp_doctor.analyze.memory import analyze_memory
+    from fsdp_doctor.present.memory import render_memory
+    from fsdp_doctor.report_sections import MemorySection
+    from fsdp_doctor.store import load_run
+
+    mem = analyze_memory(load_run(sample_run_path))
+    typed = MemorySection.of(mem)
+    assert msgspec.to_builtins(typed) == mem
+    pr = typed.per_rank[typed.peak_rank]
+    assert sum(pr.peak_breakdown.values()) == pr.peak_bytes == typed.peak_bytes
+    con = Console(width=100, record=True)
+    con.print(render_memory(mem))
+    assert f"rank {typed.peak_rank}: peak" in con.export_text()
+
+
+def test_steps_section_schema_is_the_struct(sample_run_path):
+    """The steps section round-trips through StepsSection unchanged (every key a field), with outliers and
+    stragglers typed too (built here on a run with one slow step), and the terminal reads it by attribute."""
+    from rich.console import Console
+
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.terminal import render_steps
+    from fsdp_doctor.report_sections import StepsSection
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    steps = analyze_steps(run)
+    typed = StepsSection.of(steps)
+    assert msgspec.to_builtins(typed) == steps and typed.job.count == sum(s.count for s in typed.per_rank.values())
+    rd = run.ranks[0]
+    slow = max((s for s in rd.steps if s.step > 0 and not s.profiled), key=lambda s: s.step)
+    slow.wall_ms *= 20
+    slow.outside_ms += slow.wall_ms * 0.95
+    withoutlier = analyze_steps(run)
+    assert withoutlier["outliers"] and msgspec.to_builtins(StepsSection.of(withoutlier)) == withoutlier
+    con = Console(width=100, record=True)
+    con.print(render_steps(withoutlier))
+    text = con.export_text()
+    assert "Outlier steps (1, worst first)" in text and "time outside the model" in text
+
+    for st in run.ranks[1].steps:  # rank 1 slower in forward on every step: a straggler
+        st.forward_ms += 60
+        st.wall_ms += 60
+    strag = analyze_steps(run)
+    assert strag["stragglers"][0]["rank"] == 1 and msgspec.to_builtins(StepsSection.of(strag)) == strag
