@@ -20,7 +20,8 @@ from typing import Optional
 
 from .. import estimate as E
 from ..base import Context, register
-from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule, _fmt_bytes
+from ...present.fmt import fmt_bytes
+from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule
 from .prefetch import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, _prefetch_code, resharded_last_unit
 
 # ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
@@ -188,14 +189,14 @@ def _levers(ctx: Context, step: float, groups: dict, records: bool, mfu: float, 
     sizes = _collective_sizes(ctx)
     if comm > 0:
         small = sizes.get("median_bytes") is not None and sizes["median_bytes"] < SMALL_MAX_MEDIAN_BYTES
-        size_ev = (f"{sizes.get('calls_per_step')} all-gathers per step, median {_fmt_bytes(sizes.get('median_bytes'))}"
+        size_ev = (f"{sizes.get('calls_per_step')} all-gathers per step, median {fmt_bytes(sizes.get('median_bytes'), 1)}"
                    + (f", busbw {sizes['busbw_gbps']:.1f} GB/s" if sizes.get("busbw_gbps") else "")
                    + f" ({sizes.get('source')})") if sizes else "no collective sizes"
         if small:
             # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
             out.append({"lever": "fewer, larger units", "recoverable_ms": comm * (1 - 1 / GROUP_FACTOR),
                         "evidence": f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
-                                    f"{size_ev}: under {_fmt_bytes(SMALL_MAX_MEDIAN_BYTES)}, latency-bound",
+                                    f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
                         "fix": "group consecutive blocks into one FSDP unit", "code": _group_code(ctx)})
         else:
             ov = ctx.section("overlap").get("per_rank") or {}
