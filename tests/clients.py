@@ -319,7 +319,9 @@ def run_snippets(spec_path: Path) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
             ns = {"model": model, "mesh": mesh, "torch": torch, "nn": nn, "dist": dist, "fully_shard": fully_shard,
                   "MixedPrecisionPolicy": MixedPrecisionPolicy, "build_model": BUILD[client], "lr": 1e-3,
-                  "optimizer": opt, "step": 0, "loss_sum": torch.zeros(())}
+                  "optimizer": opt, "step": 0, "loss_sum": torch.zeros(()),
+                  # the user's own data: jitter.data_wait's fix builds a DataLoader over it
+                  "dataset": torch.utils.data.TensorDataset(torch.zeros(8, 4)), "bs": 4}
             exec(compile(snippet, f"<{finding_code} fix>", "exec"), ns)
             model = ns["model"]
             if not isinstance(model, FSDPModule):

@@ -64,6 +64,11 @@ SCENARIOS = {
 }
 
 
+# ac.unneeded's severity follows the measured recompute share of the step (warning from 5%): on this CPU workload
+# the blocks' recompute is ~7% of the step, so a loaded host can put it under the line; the finding is the point
+MIN_SEVERITY = {"ac_ample_capacity": "info"}
+
+
 # the scenarios whose findings need few steps and no timing luck also run on the ends of the torch range
 COMPAT = {"whole", "blocks_only", "no_root", "optimizer_before_shard"}
 
@@ -72,7 +77,8 @@ COMPAT = {"whole", "blocks_only", "no_root", "optimizer_before_shard"}
 def test_scenario_yields_its_code(tmp_path, name):
     knobs, extra, code = SCENARIOS[name]
     report = _diagnose(tmp_path, name, watch_extra=extra, **knobs)
-    assert code in _codes(report), f"{name}: expected {code}, got {[(f['code'], f['severity']) for f in report['findings']]}"
+    assert code in _codes(report, MIN_SEVERITY.get(name, "warning")), \
+        f"{name}: expected {code}, got {[(f['code'], f['severity']) for f in report['findings']]}"
     f = _finding(report, code)
     assert f["evidence"] and f["recommendation"]["text"]
     if code.startswith(("wrap.", "ac.", "optim.", "prefetch.")):
