@@ -345,8 +345,9 @@ class CommReader:
                     "FSDPParamGroup._all_gather_result", "comm_buffers unknown")
         self.hsdp = [pg for pg in self.groups if is_hsdp(pg)]
 
-    def bytes(self) -> int | None:
-        """They are standalone tensors, so ``nbytes`` is their size."""
+    def bytes(self, exclude=None) -> int | None:
+        """They are standalone tensors, so ``nbytes`` is their size. ``exclude(pg, tensor)``: an HSDP
+        all-reduce input the caller already counts elsewhere (see ``FsdpSizes.comm_bytes``)."""
         if not self.ok:
             return None
         seen: list[int] = []
@@ -373,34 +374,12 @@ class CommReader:
         for pg in self.hsdp:
             ars = getattr(pg, "_all_reduce_state", None)
             if ars is not None and isinstance(getattr(ars, "all_reduce_input", None), torch.Tensor):
-                if not _is_grad_storage(pg, ars.all_reduce_input):
+                if exclude is None or not exclude(pg, ars.all_reduce_input):
                     total += ars.all_reduce_input.nbytes
             pro = getattr(pg, "_partial_reduce_output", None)
             if isinstance(pro, torch.Tensor):
                 total += pro.nbytes
         return total
-
-
-def _storage_key(t: torch.Tensor):
-    lt = getattr(t, "_local_tensor", t)
-    try:
-        return lt.untyped_storage()._cdata
-    except Exception:  # noqa: BLE001 - tensor subclasses without a storage
-        return None
-
-
-def _is_grad_storage(pg, t: torch.Tensor) -> bool:
-    """Whether ``t`` is the storage of the group's sharded gradients: with reduce dtype = param dtype FSDP
-    all-reduces (HSDP) in place in the buffer its sharded gradients are views of, already counted as
-    sharded_grads (counting it again as a comm buffer double-counts it)."""
-    k = _storage_key(t)
-    if k is None:
-        return False
-    for fp in group_params(pg):
-        gr = getattr(sharded_param(fp), "grad", None)
-        if gr is not None:
-            return _storage_key(gr) == k
-    return False
 
 
 # ------------------------------------------------------------------------------------------- knobs

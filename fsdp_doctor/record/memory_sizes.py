@@ -25,6 +25,20 @@ def _storage(t: torch.Tensor):
         return None, 0
 
 
+def _is_grad_storage(pg, t: torch.Tensor) -> bool:
+    """Whether ``t`` is the storage of the group's sharded gradients: with reduce dtype = param dtype FSDP
+    all-reduces (HSDP) in place in the buffer its sharded gradients are views of, already counted as
+    sharded_grads (counting it again as a comm buffer double-counts it)."""
+    k, _ = _storage(t)
+    if k is None:
+        return False
+    for fp in F2.group_params(pg):
+        gr = getattr(F2.sharded_param(fp), "grad", None)
+        if gr is not None:
+            return _storage(gr)[0] == k
+    return False
+
+
 def _is_host(t: torch.Tensor) -> bool:
     lt = getattr(t, "_local_tensor", t)
     return lt.device.type == "cpu"
@@ -335,7 +349,7 @@ class FsdpSizes:
     def comm_bytes(self) -> int:
         """FSDP's collective buffers in flight (0 while unknown: the step says ``unknown``)."""
         c = self._comm
-        return (c.bytes() or 0) if c is not None else 0
+        return (c.bytes(exclude=_is_grad_storage) or 0) if c is not None else 0
 
     def _set_grads(self, idx: int, sg: int, ug: int, host: int) -> None:
         self.sg_total += sg - self.unit_sgrad[idx]

@@ -21,7 +21,7 @@ from typing import Optional
 from .. import estimate as E
 from ..base import Context, register
 from ...present.fmt import fmt_bytes
-from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule
+from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule, group_snippet
 from .prefetch import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, _prefetch_code, resharded_last_unit
 
 # ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
@@ -169,15 +169,6 @@ def _collective_sizes(ctx: Context) -> dict:
             "busbw_gbps": None, "source": "unit snapshot"}
 
 
-def _group_code(ctx: Context) -> str:
-    blocks = E.block_containers(m for u in E.units(ctx) for m in u["modules"])
-    cont = max(blocks.items(), key=lambda kv: len(kv[1]))[0] if blocks else "layers"
-    return ("# group consecutive blocks into one FSDP unit (fewer, larger all-gathers)\n"
-            f"blocks = list({E.children_expr(cont)})\n"
-            f"for i in range(0, len(blocks), {GROUP_FACTOR}):\n"
-            f"    fully_shard(blocks[i:i + {GROUP_FACTOR}], mesh=mesh)")
-
-
 def _levers(ctx: Context, step: float, groups: dict, records: bool, mfu: float, tp_rows: list[dict]) -> list[dict]:
     def ms(group):
         return step * groups.get(group, 0.0) / 100
@@ -197,7 +188,7 @@ def _levers(ctx: Context, step: float, groups: dict, records: bool, mfu: float, 
             out.append({"lever": "fewer, larger units", "recoverable_ms": comm * (1 - 1 / GROUP_FACTOR),
                         "evidence": f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
                                     f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
-                        "fix": "group consecutive blocks into one FSDP unit", "code": _group_code(ctx)})
+                        "fix": "group consecutive blocks into one FSDP unit", "code": group_snippet(ctx, ())})
         else:
             ov = ctx.section("overlap").get("per_rank") or {}
             overlapped = _median(pr.get("overlap_us", 0.0) / E.steps_in_windows(ctx, r) / 1e3 for r, pr in ov.items())
