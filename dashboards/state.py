@@ -126,7 +126,7 @@ class RunState:
         run.trace_files = sorted(self._traces)
         windows = [w for _, w in self._traces.values() if not isinstance(w, str)]
         skipped = [f"{p.name}: {w}" for p, (k, w) in sorted(self._traces.items()) if isinstance(w, str) and k[0] >= 0]
-        report = build_report(run, traces=False, windows=windows or None)  # the CLI's pipeline, sizes included
+        report = build_report(run, traces=False, windows=windows or None).to_builtins()  # the CLI's pipeline, sizes included
         if skipped:
             report["problems"] = list(report.get("problems", [])) + skipped
         self._report = report

@@ -121,7 +121,7 @@ def _emit(report: dict, outputs: dict, console: Console) -> bool:
     for kind, p in outputs.items():
         try:
             if kind == "json":
-                p.write_text(json.dumps(report, indent=1, default=str))
+                p.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
             else:
                 from .present.html import write_html
 
@@ -205,7 +205,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     export_tensorboard(run, out)  # TensorBoard scalars written after training, at no cost to it
     report_path = layout.report_path(out)
-    report_path.write_text(json.dumps(report, indent=1, default=str))
+    report_path.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
     _emit(report, {}, console)
     fd, tb = _command("fsdp-doctor"), _command("tensorboard")
     console.print(f"\nJSON report: {report_path}\nAnalyze again: {fd} analyze {out}\n"

@@ -19,10 +19,11 @@ from typing import Callable, Iterable, Optional
 import msgspec
 
 from . import __version__
-from .analyze.report import SCHEMA, fill_sizes_from_units, run_facts, unit_table
+from .analyze.report import fill_sizes_from_units, run_facts, unit_table
 from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
-from .report_sections import CommSummary
+from .report_sections import (CommSummary, MemorySection, OverlapSection, Report, StepsSection, ThroughputSection,
+                              UnitRow, Verdict)
 from .store import Run
 
 StepWindow = Optional[tuple[int, int]]
@@ -132,37 +133,41 @@ def recorded_ag_waits(run: Run) -> dict[str, float]:
 
 
 def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = None, traces: bool = True,
-                 windows: Optional[Iterable] = None, diagnosis: bool = True) -> dict:
-    """The report of ``run``: run facts, the record sections, the trace section (``traces=False`` skips it;
-    ``windows`` gives pre-decoded trace windows instead of reading ``run.trace_files``), the exposed
-    communication headline (``comm``), the findings and the problems met on the way."""
-    report: dict = {"schema": SCHEMA, "doctor_version": __version__,
-                    "run": msgspec.to_builtins(run_facts(run))}  # typed RunFacts; presenters read RunFacts.of
+                 windows: Optional[Iterable] = None, diagnosis: bool = True) -> Report:
+    """The :class:`~fsdp_doctor.report_sections.Report` of ``run``: run facts, the record sections, the trace
+    section (``traces=False`` skips it; ``windows`` gives pre-decoded trace windows instead of reading
+    ``run.trace_files``), the exposed-communication headline (``comm``), the verdict, the findings and the
+    problems met on the way."""
+    report = Report(doctor_version=__version__, run=run_facts(run))
     problems = list(run.problems)
-    report.update(record_sections(run))
+    secs = record_sections(run)
+    if secs:
+        report.steps = msgspec.convert(secs["steps"], StepsSection)
+        report.units = msgspec.convert(secs["units"], list[UnitRow])
+        if "throughput" in secs:
+            report.throughput = msgspec.convert(secs["throughput"], ThroughputSection)
+        if "memory" in secs:
+            report.memory = msgspec.convert(secs["memory"], MemorySection)
     if windows is not None or traces:
         ov = trace_section(run, windows=windows, progress=progress)
         if ov is not None:
-            report["overlap"] = ov
-            problems.extend(f"{s['file']}: {s['error']}" for s in ov.get("skipped", []))
-    comm = comm_summary(report, recorded_ag_waits(run))
-    if comm is not None:
-        report["comm"] = msgspec.to_builtins(comm)  # the JSON-ready form; presenters read CommSummary.of(...)
+            report.overlap = msgspec.convert(ov, OverlapSection)
+            problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
+    report.comm = comm_summary(report, recorded_ag_waits(run))
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 
     v = verdict(report, run)
     if v is not None:
-        report["verdict"] = v
+        report.verdict = msgspec.convert(v, Verdict)
+    skipped: list[str] = []
     if diagnosis:
         from .diagnose import diagnose
 
-        report["findings"] = diagnose(run, report)
-    else:
-        report["findings"] = []
+        report.findings = diagnose(run, report, skipped=skipped)
     if run.config is not None:  # what this torch's FSDP2 did not let the recorder read (one line each)
         problems.extend(n for n in run.config.unavailable if n not in problems)
-    problems.extend(report.pop("rules_skipped", []))
-    report["problems"] = problems
+    problems.extend(skipped)
+    report.problems = problems
     return report
 
 

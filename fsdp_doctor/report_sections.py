@@ -1,19 +1,41 @@
-"""Typed sections of the report (msgspec structs), built by the pipeline and read by the presenters by attribute.
+"""The report's contract: msgspec structs for every section, built by the pipeline and read by the analyses, the
+rules and the presenters by attribute.
 
-The report itself stays a JSON-ready dict (``msgspec.to_builtins`` of each typed section, so ``--json`` writes the
-same keys as before); a presenter reads a section through its ``of`` constructor, which accepts the stored dict.
-So far the run facts (``run``), the ``steps`` and ``memory`` sections and the ``comm`` headline are typed; the other sections are still plain dicts (see the README's code map).
+:class:`Report` is what :func:`fsdp_doctor.pipeline.build_report` returns. ``--json`` writes
+``msgspec.to_builtins(report)`` (the keys are the field names; a section that was not computed is absent), and
+``Report.of`` reads such a file back, section by section, so a report written by another version still shows
+what it can. Mappings keyed by rank (``"0"``), by memory category or by breakdown part stay mappings; everything
+else is a field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from .records import UnitConfig
 
-class _Section(msgspec.Struct, kw_only=True):
+
+class _Transitional:
+    """Dict-style reads of a section (its JSON form), kept only while readers move to the fields (issue 14)."""
+
+    def get(self, key: str, default=None):
+        v = getattr(self, key, None) if key in self.__struct_fields__ else None
+        return default if v is None or v is UNSET else msgspec.to_builtins(v)
+
+    def __getitem__(self, key: str):
+        v = getattr(self, key, None) if key in self.__struct_fields__ else None
+        if v is None and key not in self.__struct_fields__ or v is UNSET:
+            raise KeyError(key)
+        return msgspec.to_builtins(v)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.__struct_fields__ and getattr(self, key) is not UNSET
+
+
+class _Section(_Transitional, msgspec.Struct, kw_only=True):
     @classmethod
     def of(cls, section):
         """The typed section from the report (a dict, as stored and written to JSON) or None."""
@@ -162,3 +184,244 @@ class StepsSection(_Section):
     stragglers: list[Straggler] = []
     # per rank: {"window": steps inside profiled windows, "export": the steps that exported a window}
     profiler_steps: dict[str, dict[str, list[int]]] = {}
+
+
+# ---------------------------------------------------------------- units (fsdp_doctor.analyze.report.unit_table)
+
+
+class UnitTiming(_Section):
+    """A unit's median per-step timings across ranks (ms). ``fwd_ms``/``bwd_ms`` include nested units (as
+    recorded); ``fwd_self_ms``/``bwd_self_ms`` are the unit's own time (None: FSDP never brackets its backward)."""
+
+    fwd_ms: float = 0.0
+    ag_wait_fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    ag_wait_bwd_ms: float = 0.0
+    recompute_ms: float = 0.0
+    fwd_self_ms: Optional[float] = None
+    bwd_self_ms: Optional[float] = None
+
+
+class UnitRow(_Transitional, UnitConfig, omit_defaults=False):
+    """``report.units[i]``: a unit's configuration snapshot (every field written, so JSON rows are whole) and,
+    where it has steady steps, its timings."""
+
+    timing_p50: UnitTiming | UnsetType = UNSET  # UNSET (absent): no steady step timed the unit
+
+
+# ---------------------------------------------------------------- throughput (fsdp_doctor.analyze.throughput)
+
+
+class ThroughputRank(_Section, omit_defaults=True):  # a figure not known is absent from the JSON
+    step_p50_ms: float
+    tokens_per_s: Optional[float] = None
+    flops_per_step: Optional[float] = None
+    flops_source: Optional[str] = None  # "counted" | "analytic" (6 x parameters x tokens)
+    achieved_tflops: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    mfu_pct: Optional[float] = None
+
+
+class ThroughputJob(_Section, omit_defaults=True):  # a figure not known is absent from the JSON
+    tokens_per_s: Optional[float] = None  # the slowest rank paces the job
+    achieved_tflops: Optional[float] = None
+    mfu_pct: Optional[float] = None
+
+
+class ThroughputSection(_Section):
+    per_rank: dict[str, ThroughputRank] = {}
+    job: ThroughputJob = msgspec.field(default_factory=ThroughputJob)
+
+
+# ---------------------------------------------------------------- trace overlap (fsdp_doctor.trace.analysis)
+
+
+class OverlapRank(_Section):
+    """One rank's communication over its profiled windows (µs)."""
+
+    comm_us: float = 0.0  # union of collectives
+    overlap_us: float = 0.0  # of that, while compute ran
+    exposed_us: float = 0.0  # comm_us - overlap_us
+    overlap_pct: Optional[float] = None  # None without communication
+    steps: list[int] = []  # profiler steps in the windows
+    device: str = "cpu"  # "gpu" | "cpu"
+    comm_calls: int = 0
+    comm_calls_on_compute_stream: int = 0
+
+
+class CommUnitRow(_Section):
+    """One (rank, unit, collective, phase) group of collective calls (µs unless named otherwise)."""
+
+    rank: int
+    unit: str
+    collective: str  # "all_gather" | "reduce_scatter" | "all_reduce" | ...
+    phase: Optional[str] = None  # "forward" | "backward" | None
+    count: int = 0
+    comm_us: float = 0.0
+    exposed_us: float = 0.0
+    bytes_per_call: Optional[float] = None
+    bytes_source: str | UnsetType = UNSET  # "unit snapshot" where the trace carries no message sizes
+    busbw_gbps: Optional[float] = None  # bus bandwidth (decimal GB/s)
+    slack_us: Optional[float] = None  # mean time from the collective's end to its first use
+    held_us: Optional[float] = None  # the same, negative slack counted as 0
+    dtype: Optional[str] = None
+
+
+class Copies(_Section):
+    h2d_us: float = 0.0
+    d2h_us: float = 0.0
+    exposed_us: float = 0.0  # copies while no compute ran
+
+
+class DeviceIdle(_Section):
+    idle_us: float = 0.0
+    kernel_us: float = 0.0
+
+
+class Blocking(_Section):
+    count: int = 0  # collectives that blocked the host
+    us: float = 0.0
+
+
+class Breakdown(_Section):
+    """A rank's profiled window split into exclusive parts (µs) that add up to ``window_us``; see
+    ``fsdp_doctor.trace.analysis.breakdown``."""
+
+    PARTS: ClassVar[tuple[str, ...]] = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm",
+                                        "offload", "other_gpu", "host", "input", "idle")
+
+    compute: float = 0.0
+    allgather_fwd: float = 0.0
+    allgather_bwd: float = 0.0
+    reducescatter: float = 0.0
+    other_comm: float = 0.0
+    offload: float = 0.0
+    other_gpu: float = 0.0
+    host: float = 0.0
+    input: float = 0.0
+    idle: float = 0.0
+    window_us: float = 0.0
+
+    def parts(self) -> dict[str, float]:
+        """part -> µs, in ``PARTS`` order (``window_us`` aside)."""
+        return {k: getattr(self, k) for k in self.PARTS}
+
+
+class SkippedFile(_Section):
+    file: str
+    error: str  # one line
+
+
+class OverlapSection(_Section):
+    """``report.overlap``: what the Kineto traces say (``fsdp_doctor.trace.analysis.analyze_traces``)."""
+
+    per_rank: dict[str, OverlapRank] = {}
+    per_unit: list[CommUnitRow] = []  # most exposed first
+    copies: dict[str, Copies] = {}
+    idle: dict[str, DeviceIdle] = {}
+    blocking: dict[str, Blocking] = {}
+    breakdown: dict[str, Breakdown] = {}
+    files: list[str] = []  # trace files read
+    skipped: list[SkippedFile] = []  # trace files that could not be read
+
+
+# ---------------------------------------------------------------- verdict (fsdp_doctor.analyze.verdict)
+
+
+class VerdictEntry(_Section, omit_defaults=True):  # a figure not known is absent from the JSON
+    """What bounds the step: ``bound`` is the group with the largest share (``shares_pct`` by part,
+    ``groups_pct`` by group: communication, compute, host, input, offload, idle)."""
+
+    bound: str
+    shares_pct: dict[str, float] = {}
+    groups_pct: dict[str, float] = {}
+    summary: str = ""
+    source: str = ""  # "trace" | "records" | "records (host clock)" (the job: those of its ranks, joined)
+    device: str = "cpu"  # "gpu" | "cpu"
+    step_ms: Optional[float] = None  # per rank: the mean step of the window the shares come from
+    steps: Optional[int] = None  # per rank
+    ranks_by_bound: Optional[dict[str, list[int]]] = None  # the job only
+    ranks: Optional[int] = None  # the job only
+
+
+class Verdict(_Section):
+    job: VerdictEntry
+    per_rank: dict[str, VerdictEntry] = {}
+
+
+# ---------------------------------------------------------------- findings (fsdp_doctor.diagnose)
+
+
+class Finding(_Section):
+    """One finding of a rule: its evidence in numbers (units in the keys: ``_ms``, ``_bytes``, ``_pct``), a fix
+    the user can paste and, where the rule can tell, the predicted gain."""
+
+    code: str
+    severity: str  # "info" | "warning" | "critical"
+    title: str
+    evidence: dict[str, Any]
+    recommendation: dict[str, str]  # {"text": ..., "code": ...}
+    predicted: dict[str, Any] | UnsetType = UNSET  # {step_ms_before, step_ms_after, peak_bytes_before, ...}
+    ranks: list[int] = []
+    units: list[str] = []
+
+    def __post_init__(self):
+        if self.predicted is None:
+            self.predicted = UNSET
+
+    def as_dict(self) -> dict:
+        return msgspec.to_builtins(self)
+
+
+# ---------------------------------------------------------------- the report
+
+
+SCHEMA = "fsdp-doctor-report/1"
+
+
+class Report(_Transitional, msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The whole report. A section is None (and absent from the JSON) where nothing fed it: ``steps``,
+    ``units``, ``throughput`` and ``memory`` need records, ``overlap`` needs traces."""
+
+    schema: str = SCHEMA
+    doctor_version: str = ""
+    run: RunFacts = msgspec.field(default_factory=RunFacts)
+    steps: Optional[StepsSection] = None
+    units: Optional[list[UnitRow]] = None
+    throughput: Optional[ThroughputSection] = None
+    memory: Optional[MemorySection] = None
+    overlap: Optional[OverlapSection] = None
+    comm: Optional[CommSummary] = None  # the one exposed-communication figure
+    verdict: Optional[Verdict] = None
+    findings: list[Finding] = []
+    problems: list[str] = []  # one line each: files skipped, figures this torch could not give, rules not checked
+
+    def __contains__(self, key: str) -> bool:  # transitional (issue 14): a section not computed is absent
+        return key in self.__struct_fields__ and getattr(self, key) is not None
+
+    def to_builtins(self) -> dict:
+        """The JSON-ready form (what ``--json`` writes)."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def of(cls, report) -> "Report":
+        """The typed report from a report or its JSON form. A section this version cannot read (a report
+        written by another version) is left out and named under ``problems``, never an error."""
+        if isinstance(report, cls):
+            return report
+        try:
+            return msgspec.convert(report, cls)
+        except msgspec.ValidationError:
+            pass
+        ok, bad = {}, []
+        for name in cls.__struct_fields__:
+            if name not in report:
+                continue
+            try:
+                msgspec.convert({name: report[name]}, cls)
+                ok[name] = report[name]
+            except msgspec.ValidationError as e:
+                bad.append(f"report section {name!r} unreadable by this version ({e})")
+        out = msgspec.convert(ok, cls)
+        out.problems = list(out.problems) + bad
+        return out

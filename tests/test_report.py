@@ -25,7 +25,7 @@ def test_report_shape_and_step_stats(sample_run_path):
     for f in rep["findings"]:
         assert f["severity"] in ("info", "warning", "critical")
         assert set(f) >= {"code", "severity", "title", "evidence", "recommendation"}
-    json.dumps(rep)  # one JSON document
+    json.dumps(rep.to_builtins())  # one JSON document
 
 
 def test_gloo_collective_sizes_come_from_the_unit_snapshot(sample_run_path):

@@ -11,7 +11,7 @@ from ..report_sections import RunFacts
 from ..store import Run
 from .steps import usable_steps
 
-SCHEMA = "fsdp-doctor-report/1"
+from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
 
 
 def run_facts(run: Run) -> RunFacts:

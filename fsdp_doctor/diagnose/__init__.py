@@ -10,16 +10,18 @@ from . import rules as _rules  # noqa: F401  (registers the rules)
 log = logging.getLogger("fsdp_doctor")
 
 
-def diagnose(run, report: dict) -> list[dict]:
-    """Runs every registered rule; a rule that fails is logged once and listed under the report's problems
-    ("not checked"), never a crash and never a silent omission."""
+def diagnose(run, report, skipped: list[str] | None = None) -> list[Finding]:
+    """Runs every registered rule, most severe findings first. A rule that fails is logged once and named in
+    ``skipped`` ("not checked"; the pipeline lists them under the report's problems): never a crash and never a
+    silent omission. So is a rule that would read a unit figure this torch did not let the recorder read."""
+    skipped = [] if skipped is None else skipped
     ctx = Context(run=run, report=report)
     out: list[Finding] = []
     unknown = _unknown_unit_fields(run)
     for cls in RULES:
         needs = [f for prefix, fields in _NEEDS for f in fields if cls.code.startswith(prefix) and f in unknown]
         if needs:  # the rule would read a figure this torch did not let us record: quiet, with the reason
-            report.setdefault("rules_skipped", []).append(
+            skipped.append(
                 f"{cls.code} not checked: unit {', '.join(sorted(set(needs)))} unknown on this torch")
             continue
         try:
@@ -27,11 +29,11 @@ def diagnose(run, report: dict) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             log.warning("fsdp_doctor: rule %s failed (%s: %s)", cls.code, type(e).__name__, e)
             # never a silent "healthy": the report lists the rule that could not run
-            report.setdefault("rules_skipped", []).append(
+            skipped.append(
                 f"{cls.code} not checked: the rule failed ({type(e).__name__}: {e})")
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
-    return [f.as_dict() for f in out]
+    return out
 
 
 # unit fields (UnitConfig) each family of rules reads; a None there ("unknown") keeps the rule quiet

@@ -3,30 +3,13 @@ match, report). A rule is a small class over plain data: the Run and the report'
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..report_sections import Finding
 from ..store import Run
 
 SEVERITIES = ("info", "warning", "critical")
-
-
-@dataclass
-class Finding:
-    code: str
-    severity: str  # "info" | "warning" | "critical"
-    title: str
-    evidence: dict[str, Any]  # numbers with units in their keys (``_ms``, ``_bytes``, ``_pct``) and who is concerned
-    recommendation: dict[str, str]  # {"text": ..., "code": ...}
-    predicted: dict[str, Any] | None = None  # {step_ms_before, step_ms_after, peak_bytes_before, peak_bytes_after}
-    ranks: list[int] = field(default_factory=list)
-    units: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        if d["predicted"] is None:
-            del d["predicted"]
-        return d
 
 
 @dataclass

@@ -7,7 +7,8 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
-MISSING = "—"
+from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us  # noqa: F401  (re-exported)
+
 ROOT_LABEL = "(root)"
 
 
@@ -16,19 +17,6 @@ def unit_label(name) -> str:
     if name is None:
         return MISSING
     return ROOT_LABEL if name == "" else str(name)
-
-
-def fmt_bytes(n, prec: int = 2) -> str:
-    """Bytes in binary units: "774.50 KiB", "1.25 GiB" (``prec`` decimals; 1 where a table is tight)."""
-    if n is None:
-        return MISSING
-    n = float(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{sign}{n / div:.{prec}f} {unit}"
-    return f"{sign}{n:.0f} B"
 
 
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)
@@ -41,38 +29,6 @@ def fmt_unit_figures(u: dict) -> tuple[str, str, str, str]:
     return (UNKNOWN if pc is None else f"{pc / 1e6:.2f} M",
             *(UNKNOWN if u.get(k, 0) is None else fmt_bytes(u.get(k, 0)) for k in ("sharded_bytes", "unsharded_bytes")),
             UNKNOWN if raf is None else str(raf).lower())
-
-
-def fmt_ms(ms, signed: bool = False) -> str:
-    """A duration given in ms: "850 µs", "2.50 ms", "12.3 ms", "1.25 s" (``signed``: "+" on positive values)."""
-    if ms is None:
-        return MISSING
-    ms = float(ms)
-    sign = "+" if signed and ms > 0 else ""
-    a = abs(ms)
-    if a >= 1000:
-        return f"{sign}{ms / 1000:.2f} s"
-    if a >= 10:
-        return f"{sign}{ms:.1f} ms"
-    if a >= 1:
-        return f"{sign}{ms:.2f} ms"
-    return f"{sign}{ms * 1000:.0f} µs"
-
-
-def fmt_us(us, signed: bool = False) -> str:
-    """A duration given in µs, formatted as :func:`fmt_ms`."""
-    return MISSING if us is None else fmt_ms(us / 1e3, signed)
-
-
-def fmt_bw(gbps) -> str:
-    """A bandwidth given in GB/s (decimal): "29.8 MB/s", "1.25 GB/s"."""
-    if gbps is None:
-        return MISSING
-    return f"{gbps:.3g} GB/s" if gbps >= 1 else f"{gbps * 1e3:.3g} MB/s"
-
-
-def fmt_pct(x) -> str:
-    return MISSING if x is None else f"{x:.1f}%"
 
 
 def fmt_value(key: str, v, max_items: int = 8) -> str:

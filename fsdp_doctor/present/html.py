@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import memory_categories as MC
+from ..report_sections import Report
 from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_pct,
                   fmt_us, fmt_value, run_facts, unit_label, verdict_headline, verdict_rows)
 
@@ -390,7 +391,7 @@ def render_html(report: dict) -> str:
     probs = report.get("problems") or []
     if probs:
         parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in probs) + "</ul>")
-    data = json.dumps(report, default=str).replace("</", "<\\/")
+    data = json.dumps(Report.of(report).to_builtins(), default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='fsdp-doctor-report'>{data}</script>")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"

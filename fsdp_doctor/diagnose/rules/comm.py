@@ -14,7 +14,7 @@ import statistics
 from typing import Optional
 
 from .. import estimate as E
-from ...present.fmt import fmt_bytes
+from ...units import fmt_bytes
 from ..base import Context, Rule, register
 
 # Exposed reduce-scatter worth acting on, as a share of the step (GPU: it could hide behind backward compute).

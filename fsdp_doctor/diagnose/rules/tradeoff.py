@@ -20,7 +20,7 @@ from typing import Optional
 
 from .. import estimate as E
 from ..base import Context, register
-from ...present.fmt import fmt_bytes
+from ...units import fmt_bytes
 from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule, group_snippet
 from .prefetch import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, _prefetch_code, resharded_last_unit
 
