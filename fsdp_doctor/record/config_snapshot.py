@@ -21,10 +21,12 @@ log = logging.getLogger("fsdp_doctor")
 def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,
                     device: torch.device, capacity_bytes: int | None, tokens_per_step: int | None,
                     peak_tflops: float | None, flops_per_step: float | None, profile_schedule,
-                    runtime_checkpointed: Iterable[int], consistency: str | None) -> tuple[RunConfig, str]:
+                    runtime_checkpointed: Iterable[int], consistency: str | None,
+                    runtime_checkpointed_children: Iterable[int] = ()) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
-    ``torch.utils.checkpoint(unit, ...)``); ``consistency``: the first snapshot's check ("" when it passed; None:
+    ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
+    (``checkpoint(self.mlp, h)`` inside the unit's forward); ``consistency``: the first snapshot's check ("" when it passed; None:
     not run yet, run and logged now)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
@@ -41,6 +43,9 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     for idx in runtime_checkpointed:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "unit"
+    for idx in runtime_checkpointed_children:
+        if unit_cfgs[idx].checkpoint == "none":
+            unit_cfgs[idx].checkpoint = "children"
     _, ign_names, ign_bytes = unmanaged_summary(model, units)
     if consistency is None:
         consistency = consistency_problem(model, units, unit_cfgs) or ""

@@ -51,7 +51,8 @@ class _UnitAcc:
     """Per-step accumulators of one unit (ns)."""
 
     __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
-                 "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen")
+                 "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen",
+                 "t_child", "child_fwd")
 
     def __init__(self):
         self.reset()
@@ -65,6 +66,7 @@ class _UnitAcc:
         self.t_recompute = 0
         self.recompute_runs = 0
         self.grad_seen = False
+        self.t_child = self.child_fwd = 0  # forward time of the unit's functionally checkpointed submodules
 
 
 class StepTimer:
@@ -79,6 +81,11 @@ class StepTimer:
         self._handles: list[Any] = []
         self._acc: dict[int, _UnitAcc] = {}
         self._runtime_ckpt: set[int] = set()  # units seen re-running their forward in backward
+        # functional checkpointing of a unit's submodules, watched for during the first step (see _watch_children)
+        self._child_owner: dict[int, tuple[int, nn.Module, Optional[int]]] = {}  # id -> (unit, module, parent id)
+        self._child_seen: dict[int, set[int]] = {}  # unit -> ids of its submodules seen running in backward
+        self._child_probe = None  # the global forward pre-hook's handle while it watches
+        self.checkpointed_children: set[int] = set()  # units whose submodules re-run in backward
         self._unit_of_label: dict[str, int] = {}
         self._tap = self._tap_prev = None  # the FSDP logger interception
         self._grad_hooks: dict[int, Any] = {}
@@ -100,6 +107,7 @@ class StepTimer:
             for inner in checkpointed_modules(u, self._units):
                 h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
                 h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
+        self._watch_children()
         h.append(model.register_forward_pre_hook(self._model_pre, prepend=True))
         h.append(model.register_forward_hook(self._model_post))
         if optimizer is not None:
@@ -109,6 +117,7 @@ class StepTimer:
         self._tap_fsdp_log()
 
     def uninstall(self) -> None:
+        self._stop_child_probe()
         for hd in self._handles:
             try:
                 hd.remove()
@@ -165,6 +174,77 @@ class StepTimer:
         except Exception as e:  # noqa: BLE001
             self._fail(where, e)
 
+    # ------------------------------------------------------------------ functional checkpointing of submodules
+    # ``h = h + checkpoint(self.mlp, h)`` inside a block's forward leaves no wrapper to see in the module tree.
+    # During the first step a global forward pre-hook (torch.nn.modules.module.register_module_forward_pre_hook)
+    # watches for a unit's submodule running its forward during backward, which is checkpointing's recompute.
+    # It does nothing in forward but one C call per module, and it is removed when the first step ends
+    # (``end_child_watch``, at the configuration snapshot); the outermost submodules seen then get recompute
+    # hooks like a CheckpointWrapper's inner module, and the unit's ``checkpoint`` reads "children".
+
+    def _watch_children(self) -> None:
+        for idx, u in enumerate(self._units):
+            if checkpointed_modules(u, self._units):  # a CheckpointWrapper inside: already timed
+                continue
+            other = {id(m) for v in self._units if v is not u for m in v.modules}
+            stack = [(c, None) for m in u.modules for c in m.children() if id(c) not in other]
+            while stack:
+                m, parent = stack.pop()
+                self._child_owner[id(m)] = (idx, m, parent)
+                stack.extend((c, id(m)) for c in m.children() if id(c) not in other)
+        if self._child_owner:
+            self._child_probe = torch.nn.modules.module.register_module_forward_pre_hook(self._probe_child)
+
+    def _probe_child(self, module, args):
+        try:
+            if self.active and self._in_backward():
+                hit = self._child_owner.get(id(module))
+                if hit is not None:
+                    self._child_seen.setdefault(hit[0], set()).add(id(module))
+        except Exception as e:  # noqa: BLE001
+            self._fail("checkpoint watch", e)
+
+    def _stop_child_probe(self) -> None:
+        if self._child_probe is not None:
+            self._child_probe.remove()
+            self._child_probe = None
+
+    def end_child_watch(self) -> None:
+        """Ends the first step's watch: hooks the outermost submodules seen re-running in backward (of units
+        that did not re-run as a whole, whose submodules re-run with them) and records their units."""
+        if self._child_probe is None:
+            return
+        self._stop_child_probe()
+        for idx, ids in sorted(self._child_seen.items()):
+            if idx in self._runtime_ckpt:
+                continue
+            for i in ids:
+                _, m, parent = self._child_owner[i]
+                if parent not in ids:  # outermost: its parent did not re-run
+                    self._handles.append(m.register_forward_pre_hook(self._mk(self._child_pre, idx)))
+                    self._handles.append(m.register_forward_hook(self._mk(self._child_post, idx)))
+            self.checkpointed_children.add(idx)
+        self._child_owner.clear()
+        self._child_seen.clear()
+
+    def _child_pre(self, idx, args):
+        a = self._acc[idx]
+        if self._in_backward():
+            a.t_recompute = _now()
+            a.recompute_runs += 1
+        else:
+            a.t_child = _now()
+
+    def _child_post(self, idx, args):
+        a = self._acc[idx]
+        if self._in_backward():
+            if a.t_recompute:
+                a.recompute += _now() - a.t_recompute
+                a.t_recompute = 0
+        elif a.t_child:
+            a.child_fwd += _now() - a.t_child
+            a.t_child = 0
+
     @staticmethod
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
@@ -184,11 +264,11 @@ class StepTimer:
     @staticmethod
     def _recompute_ns(a: "_UnitAcc") -> int:
         """Measured re-run time; when the re-run was cut short (non-reentrant checkpoint stops early once
-        it has rebuilt the saved tensors, so its forward hook never fires) the unit's forward compute time,
-        which is what checkpointing re-runs."""
+        it has rebuilt the saved tensors, so its forward hook never fires) the forward time of what
+        checkpointing re-runs: the checkpointed submodules', or the unit's forward compute."""
         if a.recompute or not a.recompute_runs:
             return a.recompute
-        return max(0, a.fwd - a.ag_fwd)
+        return a.child_fwd or max(0, a.fwd - a.ag_fwd)
 
     def _fwd_outer_pre(self, idx, args):
         a = self._acc[idx]

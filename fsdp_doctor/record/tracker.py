@@ -316,6 +316,7 @@ class Doctor:
     def _write_config(self) -> None:
         self._config_written = True
         self._timer.index_labels()
+        self._timer.end_child_watch()  # the first step has shown which submodules checkpointing re-runs
         self._sinks.write(self._config())
 
     def _config(self) -> RunConfig:
@@ -323,7 +324,8 @@ class Doctor:
             self.model, self.optimizer, self._units, rank=self.rank, world_size=self.world_size, device=self.device,
             capacity_bytes=self.capacity_bytes, tokens_per_step=self.tokens_per_step, peak_tflops=self.peak_tflops,
             flops_per_step=self.flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
-            runtime_checkpointed=self._timer._runtime_ckpt, consistency=self._consistency)
+            runtime_checkpointed=self._timer._runtime_ckpt,
+            runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency)
         return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:

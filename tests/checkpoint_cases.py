@@ -1,0 +1,101 @@
+"""Run as a script (one gloo rank in a fresh process): blocks whose forward checkpoints a submodule
+functionally (``checkpoint(self.mlp, h)``), the whole block, or nothing; prints one JSON object per case with
+what the doctor recorded. Used by test_checkpoint_detection.py."""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
+
+import fsdp_doctor
+from fsdp_doctor.workloads import free_port
+
+DIM, HIDDEN, LAYERS, STEPS = 64, 256, 3, 5
+
+
+class Block(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode  # "children" | "block" | "none"
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+
+    def forward(self, x):
+        h = x + self.attn(self.norm(x))
+        if self.mode == "children":
+            return h + checkpoint(self.mlp, h, use_reentrant=False)
+        return h + self.mlp(h)
+
+
+class Model(nn.Module):
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.layers = nn.ModuleList(Block(mode) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False) if self.mode == "block" else layer(x)
+        return self.head(x)
+
+
+def run(mode: str, watched: bool) -> dict:
+    torch.manual_seed(0)
+    model = Model(mode)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = tempfile.mkdtemp()
+    ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
+    doctor = ctx.__enter__() if ctx else None
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 32, DIM, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if doctor:
+            doctor.step()
+            if step == 0:  # the watch for functional checkpointing ends with the first step
+                hooks_left = len(torch.nn.modules.module._global_forward_pre_hooks)
+        losses.append(loss.item())
+    res = {"losses": losses}
+    if ctx:
+        ctx.__exit__(None, None, None)
+        run_ = fsdp_doctor.load_run(out)
+        res["checkpoint"] = {u.name: u.checkpoint for u in run_.config.units}
+        steps = run_.ranks[0].steps[1:]  # the first step watched; the others are timed
+        res["recompute_ms"] = {u.name: [next(x for x in s.units if x.name == u.name).recompute_ms for s in steps]
+                               for u in run_.config.units}
+        res["fwd_ms"] = {u.name: [next(x for x in s.units if x.name == u.name).fwd_ms for s in steps]
+                         for u in run_.config.units}
+        res["errors"] = [e.message for e in run_.ranks[0].errors]
+        res["global_hooks_after_first_step"] = hooks_left
+    return res
+
+
+def main():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    out = {}
+    for mode in sys.argv[1:] or ["children", "block", "none"]:
+        out[mode] = run(mode, watched=True)
+        out[mode]["plain_losses"] = run(mode, watched=False)["losses"]
+    dist.destroy_process_group()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
