@@ -198,11 +198,14 @@ def unit_waits_figure(units: list[UnitRow]):
         return None
     names = [unit_label(u.name or "") for u in rows]
     fig = go.Figure()
-    for label, color, op, value in (
-            ("forward", "#4C78A8", 0.35, lambda t: t.fwd_self_ms), ("AG wait (fwd)", "#4C78A8", 1.0, lambda t: t.ag_wait_fwd_ms),
-            ("backward", "#F58518", 0.35, lambda t: t.bwd_self_ms), ("AG wait (bwd)", "#F58518", 1.0, lambda t: t.ag_wait_bwd_ms),
-            ("recompute", "#E45756", 1.0, lambda t: t.recompute_ms)):
-        ys = [value(u.timing_p50) or 0 for u in rows]
+    ts = [u.timing_p50 for u in rows]
+    series = (("forward", "#4C78A8", 0.35, [t.fwd_self_ms for t in ts]),
+              ("AG wait (fwd)", "#4C78A8", 1.0, [t.ag_wait_fwd_ms for t in ts]),
+              ("backward", "#F58518", 0.35, [t.bwd_self_ms for t in ts]),
+              ("AG wait (bwd)", "#F58518", 1.0, [t.ag_wait_bwd_ms for t in ts]),
+              ("recompute", "#E45756", 1.0, [t.recompute_ms for t in ts]))
+    for label, color, op, values in series:
+        ys = [v or 0 for v in values]
         if any(ys):
             fig.add_bar(name=label, x=names, y=ys, marker_color=color, opacity=op)
     return _layout(fig, "Per unit, median per step (host-measured; own time, nested units excluded)",
