@@ -9,8 +9,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from .report_sections import Report
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # nothing could be analyzed
@@ -61,17 +65,17 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
-    return EXIT_PARTIAL if report.get("problems") else EXIT_OK
+    return EXIT_PARTIAL if report.problems else EXIT_OK
 
 
-def _nothing_usable(path: Path, report: dict) -> str:
+def _nothing_usable(path: Path, report: Report) -> str:
     """One line: why nothing at ``path`` could be analysed."""
-    skipped = (report.get("overlap") or {}).get("skipped", [])
+    skipped = report.overlap.skipped if report.overlap is not None else []
     if path.is_file() and len(skipped) == 1:
-        return f"{path}: {skipped[0]['error']}"
-    why = [f"{s['file']}: {s['error']}" for s in skipped]
+        return f"{path}: {skipped[0].error}"
+    why = [f"{s.file}: {s.error}" for s in skipped]
     if not why:
-        why = [p for p in report.get("problems", [])] or ["no profiler step and no communication in the trace(s)"]
+        why = list(report.problems) or ["no profiler step and no communication in the trace(s)"]
     more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
     return f"{path}: nothing to analyse: {why[0]}{more}"
 
@@ -113,7 +117,7 @@ def _build_with_progress(run, console: Console, build_report):
         return build_report(run, progress=lambda done, total: prog.update(task, completed=done, total=total))
 
 
-def _emit(report: dict, outputs: dict, console: Console) -> bool:
+def _emit(report: Report, outputs: dict, console: Console) -> bool:
     """Prints the report and writes the files asked for; False after one line on stderr if a write failed."""
     from .present.terminal import render_report
 

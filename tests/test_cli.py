@@ -142,3 +142,32 @@ def test_json_report_of_the_sample(tmp_path):
     assert r.returncode == 0 and f"JSON report written to {out}" in r.stdout
     rep = json.loads(out.read_text())
     assert rep["comm"]["source"] == "trace" and rep["run"]["path"] == str(SAMPLE)
+
+
+def test_saved_json_report_renders_as_the_report(tmp_path):
+    """The presenters take a Report or its JSON form (a saved --json file): both show the same text."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.html import render_html
+    from fsdp_doctor.present.terminal import render_report
+    from fsdp_doctor.store import load_run
+
+    report = build_report(load_run(SAMPLE))
+    saved = json.loads(json.dumps(report.to_builtins(), default=str))
+
+    def terminal(r):
+        c = Console(file=io.StringIO(), width=100, record=True, color_system=None)
+        render_report(r, c)
+        return c.export_text()
+
+    def html(r):  # plotly names each figure's div with a fresh uuid
+        return re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "ID", render_html(r))
+
+    text = terminal(report)
+    assert "Step time per rank" in text and "prefetch.exposed_allgather" in text
+    assert terminal(saved) == text
+    assert html(saved) == html(report)

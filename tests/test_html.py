@@ -31,12 +31,15 @@ def _report(findings=None):
         "steps": {"per_rank": {"0": st, "1": st}, "job": {"p50_ms": 110.0, "phases_p50_ms": ph},
                   "outliers": [{"rank": 1, "step": 9, "ms": 180.0, "median_ms": 110.0, "excess_ms": 70.0,
                                 "cause": "gc", "detail": "GC 60 ms"}], "stragglers": []},
-        "units": [{"name": "", "param_count": 0, "sharded_bytes": 0, "unsharded_bytes": 0, "is_root": True,
-                   "timing_p50": {"fwd_ms": 34.0, "ag_wait_fwd_ms": 0.2, "bwd_ms": 0.0, "ag_wait_bwd_ms": 0.0}}]
-                 + [{"name": f"layers.{i}", "param_count": 198_272, "sharded_bytes": 396_544,
-                     "unsharded_bytes": 793_088, "depth": 1,
+        "units": [{"name": "", "modules": [""], "is_root": True, "param_count": 0, "n_params": 0, "sharded_bytes": 0,
+                   "unsharded_bytes": 0, "orig_dtypes": [],
+                   "timing_p50": {"fwd_ms": 34.0, "ag_wait_fwd_ms": 0.2, "bwd_ms": 0.0, "ag_wait_bwd_ms": 0.0,
+                                  "fwd_self_ms": 10.0, "bwd_self_ms": None}}]
+                 + [{"name": f"layers.{i}", "modules": [f"layers.{i}"], "is_root": False, "param_count": 198_272,
+                     "n_params": 6, "sharded_bytes": 396_544, "unsharded_bytes": 793_088, "orig_dtypes": ["float32"],
+                     "depth": 1,
                      "timing_p50": {"fwd_ms": 6.0, "ag_wait_fwd_ms": 3.0, "bwd_ms": 6.0, "ag_wait_bwd_ms": 1.0,
-                                    "recompute_ms": 0.0}} for i in range(4)],
+                                    "recompute_ms": 0.0, "fwd_self_ms": 6.0, "bwd_self_ms": 6.0}} for i in range(4)],
         "memory": {"per_rank": {"0": mem_rank, "1": mem_rank}},
         "overlap": {"per_rank": {"0": {"comm_us": 36000.0, "overlap_us": 18000.0, "exposed_us": 18000.0,
                                        "overlap_pct": 50.0, "steps": [6], "device": "cpu"}},
@@ -68,6 +71,7 @@ def test_self_contained_with_findings_and_figures(tmp_path):
     assert text.count("Plotly.newPlot") >= 5
     for title in ("Step timeline", "Memory at the peak", "Collectives per unit", "Memory per unit"):
         assert title in text
+    assert "<h2>FSDP units</h2>" in text and "unreadable" not in text  # every section of the report read
     # the finding, escaped, with its code and prediction
     assert "ac.recommended" in text and "Checkpoint &lt;blocks&gt; &amp; co." in text
     assert "apply_activation_checkpointing(model)" in text

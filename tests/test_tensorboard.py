@@ -13,9 +13,12 @@ import pytest
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from fsdp_doctor.record.tensorboard import MIB, STEP_FIELDS, TensorBoardWriter, export_tensorboard  # noqa: E402
+from fsdp_doctor.present.tensorboard import export_tensorboard  # noqa: E402
+from fsdp_doctor.record.tensorboard import TensorBoardWriter  # noqa: E402
 from fsdp_doctor.records import CudaMemory, MemoryStep, ProfileWindow, StepRecord  # noqa: E402
+from fsdp_doctor.report_sections import OverlapSection  # noqa: E402
 from fsdp_doctor.store import load_run  # noqa: E402
+from fsdp_doctor.tensorboard_scalars import MIB, STEP_FIELDS  # noqa: E402
 from fsdp_doctor.trace import analyze_traces  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -49,13 +52,13 @@ def test_export_scalars_equal_the_records(sample_copy, tmp_path):
         assert {k for k, v in sc["step/profiled"].items() if v == 1.0} == {s.step for s in rd.steps if s.profiled}
         # overlap of the one profiled window: equal to the trace engine's result for that file
         (pw,) = rd.profiles
-        res = analyze_traces([sample_copy / pw.path])["per_rank"][str(rank)]
-        steps = res["steps"]
+        res = OverlapSection.of(analyze_traces([sample_copy / pw.path])).per_rank[str(rank)]
+        steps = res.steps
         assert sorted(sc["overlap/overlap_pct"]) == steps
         for st in steps:
-            assert sc["overlap/overlap_pct"][st] == pytest.approx(res["overlap_pct"], rel=1e-6)
-            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res["exposed_us"] / 1e3 / len(steps), rel=1e-6)
-            assert sc["overlap/comm_ms"][st] == pytest.approx(res["comm_us"] / 1e3 / len(steps), rel=1e-6)
+            assert sc["overlap/overlap_pct"][st] == pytest.approx(res.overlap_pct, rel=1e-6)
+            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res.exposed_us / 1e3 / len(steps), rel=1e-6)
+            assert sc["overlap/comm_ms"][st] == pytest.approx(res.comm_us / 1e3 / len(steps), rel=1e-6)
 
 
 def test_export_defaults_to_the_run_directory(sample_copy):
@@ -147,7 +150,7 @@ def test_memory_tags_are_exactly_what_the_recorder_writes():
     probe writes (every category, every CUDA field) yields every listed tag and nothing else; counts and error
     strings are not scalars."""
     from fsdp_doctor import memory_categories as MC
-    from fsdp_doctor.present.tensorboard import memory_scalars, memory_tags
+    from fsdp_doctor.tensorboard_scalars import memory_scalars, memory_tags
 
     cuda = {f: 1 << 20 for f in CudaMemory.BYTE_FIELDS} | {"alloc_retries": 3, "ooms": 1, "error": "x", "snapshot_error": "y"}
     assert set(cuda) == set(msgspec.structs.asdict(CudaMemory())), "a CudaMemory field is neither bytes nor listed"
@@ -174,3 +177,19 @@ def test_old_memory_dicts_decode_into_the_typed_step():
     assert isinstance(m, MemoryStep) and m.sampling == "replayed" and m.full_every == 4
     assert m.peak.bytes == 30 and m.peak.unit == "" and m.peak.t_ms == 1.0 and m.peak.breakdown["activations"] == 20
     assert m.timeline is None and m.cuda is None and m.unknown == []
+
+
+def test_scalars_are_defined_once_outside_the_presenters():
+    """The live writer (record side) and the export both take their scalars from fsdp_doctor.tensorboard_scalars,
+    which imports neither torch nor a presenter; the live writer imports no presenter either."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport fsdp_doctor.tensorboard_scalars\n"
+            "print('NEUTRAL', 'torch' in sys.modules, any(m.startswith('fsdp_doctor.present') for m in sys.modules))\n"
+            "import fsdp_doctor.record.tensorboard as R\n"
+            "print('LIVE', any(m.startswith('fsdp_doctor.present') for m in sys.modules))\n"
+            "import fsdp_doctor.present.tensorboard as P, fsdp_doctor.tensorboard_scalars as S\n"
+            "print('SAME', R.step_scalars is S.step_scalars is P.step_scalars)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split("\n")[:3] == ["NEUTRAL False False", "LIVE False", "SAME True"], r.stdout + r.stderr

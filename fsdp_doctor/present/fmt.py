@@ -7,6 +7,9 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
+import msgspec
+
+from ..report_sections import CommSummary, Finding, RunFacts, UnitRow, Verdict, VerdictEntry
 from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us  # noqa: F401  (re-exported)
 
 ROOT_LABEL = "(root)"
@@ -22,12 +25,18 @@ def unit_label(name) -> str:
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)
 
 
-def fmt_unit_figures(u: dict) -> tuple[str, str, str, str]:
+def as_unit_row(u) -> UnitRow:
+    """A unit-table row as :class:`~fsdp_doctor.report_sections.UnitRow`, from the row or its JSON form (a field
+    every snapshot writes, where missing, reads as ``UnitConfig.READER_DEFAULTS`` says)."""
+    return u if isinstance(u, UnitRow) else msgspec.convert({**UnitRow.READER_DEFAULTS, **u}, UnitRow)
+
+
+def fmt_unit_figures(u: UnitRow) -> tuple[str, str, str, str]:
     """(params, shard, gathered, reshard) of a unit-table row; ``unknown`` where the record has None."""
-    pc = u.get("param_count", 0)
-    raf = u.get("reshard_after_forward", True)
+    u = as_unit_row(u)
+    pc, raf = u.param_count, u.reshard_after_forward
     return (UNKNOWN if pc is None else f"{pc / 1e6:.2f} M",
-            *(UNKNOWN if u.get(k, 0) is None else fmt_bytes(u.get(k, 0)) for k in ("sharded_bytes", "unsharded_bytes")),
+            *(UNKNOWN if b is None else fmt_bytes(b) for b in (u.sharded_bytes, u.unsharded_bytes)),
             UNKNOWN if raf is None else str(raf).lower())
 
 
@@ -56,11 +65,9 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
     return str(v)
 
 
-def run_facts(run) -> list[str]:
+def run_facts(run: RunFacts) -> list[str]:
     """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions
-    (``run``: ``report["run"]``, read as :class:`fsdp_doctor.report_sections.RunFacts`)."""
-    from ..report_sections import RunFacts
-
+    (``run``: ``report.run``, or its JSON form)."""
     r = RunFacts.of(run) if run else None
     facts = []
     if r is None:
@@ -77,11 +84,17 @@ def run_facts(run) -> list[str]:
     return facts
 
 
-def findings_headline(findings: list[dict]) -> str:
+def as_findings(items) -> list[Finding]:
+    """``report.findings`` as :class:`~fsdp_doctor.report_sections.Finding` items, from the findings or their JSON
+    form."""
+    return [Finding.of(f) for f in items or ()]
+
+
+def findings_headline(items: list[Finding]) -> str:
     """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
-    if not findings:
+    if not items:
         return "Healthy: no findings."
-    n = {sev: sum(f["severity"] == sev for f in findings) for sev in ("critical", "warning", "info")}
+    n = {sev: sum(f.severity == sev for f in as_findings(items)) for sev in ("critical", "warning", "info")}
     if not n["critical"] and not n["warning"]:
         return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
     parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
@@ -90,11 +103,22 @@ def findings_headline(findings: list[dict]) -> str:
     return ", ".join(parts) + "."
 
 
-def comm_headline(comm) -> str | None:
-    """The report's one exposed-communication figure with its source, the same text in every presenter
-    (``comm``: ``report["comm"]``, read as :class:`fsdp_doctor.report_sections.CommSummary`)."""
-    from ..report_sections import CommSummary
+def predicted_text(pred) -> str:
+    """A finding's expected change, e.g. "step 110.0 ms → 130.0 ms, peak 24.00 MiB → 10.00 MiB"; "" when it predicts
+    neither (``pred``: ``Finding.predicted``, a free-form mapping, or UNSET)."""
+    if not pred:
+        return ""
+    bits = []
+    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
+        bits.append(f"step {fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}")
+    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
+        bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+    return ", ".join(bits)
 
+
+def comm_headline(comm: CommSummary | None) -> str | None:
+    """The report's one exposed-communication figure with its source, the same text in every presenter
+    (``comm``: ``report.comm``, or its JSON form)."""
     c = CommSummary.of(comm) if comm else None
     if c is None or c.exposed_ms_per_step is None:
         return None
@@ -104,7 +128,7 @@ def comm_headline(comm) -> str | None:
     return txt + f"; source: {c.source_text or c.source}, median over ranks"
 
 
-# --- the verdict (report["verdict"], fsdp_doctor.analyze.verdict): one sentence and one table in every presenter
+# --- the verdict (report.verdict, fsdp_doctor.analyze.verdict): one sentence and one table in every presenter
 # Each column is a sum of the verdict's ``shares_pct`` parts (% of the step); "other comm" is drawn in the bar only
 # (the table's "comm" holds it), "comm" in the table only (the bar shows its parts).
 VERDICT_PARTS: dict[str, tuple[str, ...]] = {
@@ -118,37 +142,41 @@ VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's s
 VERDICT_MAX_RANKS = 8  # ranks listed one by one; the rest are counted
 
 
-def verdict_share(entry: dict, column: str) -> float:
-    """% of the step in ``column`` (a key of VERDICT_PARTS) for one verdict entry (a rank or the job)."""
-    sh = entry.get("shares_pct") or {}
+def verdict_share(entry: VerdictEntry, column: str) -> float:
+    """% of the step in ``column`` (a key of VERDICT_PARTS) for one verdict entry (a rank or the job; or its JSON
+    form)."""
+    e = VerdictEntry.of(entry)
+    sh = e.shares_pct if e is not None else {}
     return sum(sh.get(k, 0.0) for k in VERDICT_PARTS[column])
 
 
-def verdict_headline(section: dict, rank=None) -> str:
-    """The verdict's sentence: the job's (or, with ``rank``, that rank's) summary."""
-    if rank is not None and str(rank) in (section.get("per_rank") or {}):
-        return f"Verdict, rank {rank}: {section['per_rank'][str(rank)]['summary']}"
-    return f"Verdict: {section['job']['summary']}"
+def verdict_headline(section: Verdict, rank=None) -> str:
+    """The verdict's sentence: the job's (or, with ``rank``, that rank's) summary (``section``: ``report.verdict``,
+    or its JSON form)."""
+    v = Verdict.of(section)
+    entry = v.per_rank.get(str(rank)) if rank is not None else None
+    return f"Verdict, rank {rank}: {entry.summary}" if entry is not None else f"Verdict: {v.job.summary}"
 
 
-def verdict_title(section: dict) -> str:
-    return f"Verdict: % of the step ({section['job']['source']})"
+def verdict_title(section: Verdict) -> str:
+    return f"Verdict: % of the step ({Verdict.of(section).job.source})"
 
 
 VERDICT_HEADER = ("rank", "bound", "step", *VERDICT_COLUMNS)
 
 
-def verdict_rows(section: dict, max_ranks: int = VERDICT_MAX_RANKS) -> list[tuple[str, ...]]:
+def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[tuple[str, ...]]:
     """The verdict's table rows (VERDICT_HEADER's columns, as text): the first ``max_ranks`` ranks, a "+N more
     ranks" row, and the job's row (first cell "job") when there is more than one rank."""
-    def row(name, v):
-        return (name, v["bound"], fmt_ms(v["step_ms"]) if v.get("step_ms") is not None else "",
+    def row(name, v: VerdictEntry):
+        return (name, v.bound, fmt_ms(v.step_ms) if v.step_ms is not None else "",
                 *(f"{verdict_share(v, c):.1f}" for c in VERDICT_COLUMNS))
 
-    ranks = list((section.get("per_rank") or {}).items())
+    sec = Verdict.of(section)
+    ranks = list(sec.per_rank.items())
     out = [row(str(r), v) for r, v in ranks[:max_ranks]]
     if len(ranks) > max_ranks:
         out.append((f"+{len(ranks) - max_ranks}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
     if len(ranks) > 1:
-        out.append(row("job", section["job"]))
+        out.append(row("job", sec.job))
     return out

@@ -16,10 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from msgspec import UNSET
+
 from .. import memory_categories as MC
-from ..report_sections import Report
-from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_unit_figures, fmt_pct,
-                  fmt_us, fmt_value, run_facts, unit_label, verdict_headline, verdict_rows)
+from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection, UnitRow,
+                               Verdict)
+from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_unit_figures,
+                  fmt_us, fmt_value, predicted_text, run_facts, unit_label, verdict_headline, verdict_rows)
 
 PHASES = ("forward", "backward", "optimizer", "outside")
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
@@ -101,72 +104,74 @@ def _layout(fig, title: str, height: int = 340, **kw):
     return fig
 
 
-def memory_figure(memory: dict):
+def memory_figure(memory: MemorySection):
     """Stacked bars: each rank's peak by category (MiB), with the capacity as a line."""
     import plotly.graph_objects as go
 
-    per_rank = (memory or {}).get("per_rank") or {}
+    per_rank = memory.per_rank
     ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r))
     if not ranks:
         return None
     fig = go.Figure()
-    cats = [c for c in MEMORY_CATEGORIES if any((per_rank[r].get("peak_breakdown") or {}).get(c) for r in ranks)]
-    extra = sorted({c for r in ranks for c in (per_rank[r].get("peak_breakdown") or {}) if c not in MEMORY_CATEGORIES})
+    cats = [c for c in MEMORY_CATEGORIES if any(per_rank[r].peak_breakdown.get(c) for r in ranks)]
+    extra = sorted({c for r in ranks for c in per_rank[r].peak_breakdown if c not in MEMORY_CATEGORIES})
     for c in cats + extra:
-        ys = [((per_rank[r].get("peak_breakdown") or {}).get(c) or 0) / MIB for r in ranks]
+        ys = [(per_rank[r].peak_breakdown.get(c) or 0) / MIB for r in ranks]
         fig.add_bar(name=c, x=[f"rank {r}" for r in ranks], y=ys, marker_color=MEMORY_COLORS.get(c),
                     hovertemplate=f"{c}: %{{y:.2f}} MiB<extra></extra>")
-    caps = [per_rank[r].get("capacity_bytes") for r in ranks if per_rank[r].get("capacity_bytes")]
+    caps = [per_rank[r].capacity_bytes for r in ranks if per_rank[r].capacity_bytes]
     if caps:
         fig.add_hline(y=max(caps) / MIB, line_dash="dash", line_color="#C62828",
                       annotation_text=f"capacity {fmt_bytes(max(caps))}", annotation_position="top left")
     where = []
     for r in ranks:
-        at = per_rank[r].get("peak_at") or {}
-        if at:
-            where.append(f"rank {r}: step {at.get('step')}, {unit_label(at.get('unit') or '')} {at.get('phase') or ''}")
+        at = per_rank[r].peak_at
+        if at.step is not None:
+            where.append(f"rank {r}: step {at.step}, {unit_label(at.unit or '')} {at.phase or ''}")
     title = "Memory at the peak, by category" + (" — " + "; ".join(where[:4]) if where else "")
     return _layout(fig, title, barmode="stack", yaxis_title="MiB")
 
 
-def memory_units_figure(memory: dict):
+def memory_units_figure(memory: MemorySection):
     """Per unit on the peak rank: sharded and unsharded parameter bytes and the activations it left."""
     import plotly.graph_objects as go
 
-    per_rank = (memory or {}).get("per_rank") or {}
-    best = max(per_rank.items(), key=lambda kv: kv[1].get("peak_bytes") or 0, default=None)
-    if not best or not best[1].get("per_unit"):
+    best = max(memory.per_rank.items(), key=lambda kv: kv[1].peak_bytes or 0, default=None)
+    if not best or not best[1].per_unit:
         return None
-    rows = best[1]["per_unit"]
-    names = [unit_label(u.get("unit") or "") for u in rows]
+    rows = best[1].per_unit
+    names = [unit_label(u.unit or "") for u in rows]
     fig = go.Figure()
-    # each unit's own activations (nested units excluded): the bars add up instead of counting a parent's children twice
-    own = "activation_self_bytes" if any("activation_self_bytes" in u for u in rows) else "activation_bytes"
-    for key, label, color in (("sharded_bytes", "sharded", "#1F77B4"), ("unsharded_bytes", "unsharded", "#AEC7E8"),
-                              (own, "activations (own)", "#D62728")):
-        if any(u.get(key) for u in rows):
-            fig.add_bar(name=label, x=names, y=[(u.get(key) or 0) / MIB for u in rows], marker_color=color)
+    # each unit's own activations (nested units excluded): the bars add up instead of counting a parent's children
+    # twice; a report written before own activations existed has the inclusive figure only
+    own = any(u.activation_self_bytes is not UNSET for u in rows)
+    series = (("sharded", "#1F77B4", [u.sharded_bytes for u in rows]),
+              ("unsharded", "#AEC7E8", [u.unsharded_bytes for u in rows]),
+              ("activations (own)", "#D62728", [(u.activation_self_bytes or 0) if own else u.activation_bytes
+                                                for u in rows]))
+    for label, color, values in series:
+        if any(values):
+            fig.add_bar(name=label, x=names, y=[(v or 0) / MIB for v in values], marker_color=color)
     return _layout(fig, f"Memory per unit (rank {best[0]}), MiB", barmode="group", yaxis_title="MiB")
 
 
-def overlap_units_figure(overlap: dict):
+def overlap_units_figure(overlap: OverlapSection):
     """Per unit and collective: time in the collective and the part not overlapped by compute (ms per
     profiled window, summed over ranks)."""
     import plotly.graph_objects as go
 
-    rows = (overlap or {}).get("per_unit") or []
+    rows = overlap.per_unit
     if not rows:
         return None
     acc: dict[tuple[str, str], list[float]] = {}
     order: list[str] = []
     for r in rows:
-        unit = unit_label(r.get("unit") or "")
+        unit = unit_label(r.unit or "")
         if unit not in order:
             order.append(unit)
-        k = (unit, f"{r.get('collective')} ({r.get('phase') or '-'})")
-        a = acc.setdefault(k, [0.0, 0.0])
-        a[0] += (r.get("comm_us") or 0.0) / 1e3
-        a[1] += (r.get("exposed_us") or 0.0) / 1e3
+        a = acc.setdefault((unit, f"{r.collective} ({r.phase or '-'})"), [0.0, 0.0])
+        a[0] += r.comm_us / 1e3
+        a[1] += r.exposed_us / 1e3
     series = sorted({k[1] for k in acc})
     fig = go.Figure()
     for s in series:
@@ -184,48 +189,51 @@ def overlap_units_figure(overlap: dict):
     return fig
 
 
-def unit_waits_figure(units: list[dict]):
-    """Host-measured per-unit medians: forward/backward time and the all-gather waits inside them."""
+def unit_waits_figure(units: list[UnitRow]):
+    """Host-measured per-unit medians: forward/backward own time and the all-gather waits inside them."""
     import plotly.graph_objects as go
 
-    rows = [u for u in units or [] if u.get("timing_p50")]
+    rows = [u for u in units if u.timing_p50]
     if not rows:
         return None
-    names = [unit_label(u.get("name") or "") for u in rows]
+    names = [unit_label(u.name or "") for u in rows]
     fig = go.Figure()
-    for key, label, color, op in (("fwd", "forward", "#4C78A8", 0.35), ("ag_wait_fwd_ms", "AG wait (fwd)", "#4C78A8", 1.0),
-                                  ("bwd", "backward", "#F58518", 0.35), ("ag_wait_bwd_ms", "AG wait (bwd)", "#F58518", 1.0),
-                                  ("recompute_ms", "recompute", "#E45756", 1.0)):
-        ys = [(_own(u["timing_p50"], key) if key in ("fwd", "bwd") else u["timing_p50"].get(key)) or 0 for u in rows]
+    ts = [u.timing_p50 for u in rows]
+    series = (("forward", "#4C78A8", 0.35, [t.fwd_self_ms for t in ts]),
+              ("AG wait (fwd)", "#4C78A8", 1.0, [t.ag_wait_fwd_ms for t in ts]),
+              ("backward", "#F58518", 0.35, [t.bwd_self_ms for t in ts]),
+              ("AG wait (bwd)", "#F58518", 1.0, [t.ag_wait_bwd_ms for t in ts]),
+              ("recompute", "#E45756", 1.0, [t.recompute_ms for t in ts]))
+    for label, color, op, values in series:
+        ys = [v or 0 for v in values]
         if any(ys):
             fig.add_bar(name=label, x=names, y=ys, marker_color=color, opacity=op)
     return _layout(fig, "Per unit, median per step (host-measured; own time, nested units excluded)",
                    barmode="group", yaxis_title="ms")
 
 
-def step_timeline_figure(steps: dict):
+def step_timeline_figure(steps: StepsSection):
     """The median step of each rank as a timeline of its phases, with outlier steps marked."""
     import plotly.graph_objects as go
 
-    per_rank = (steps or {}).get("per_rank") or {}
-    ranks = [r for r in sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r))
-             if per_rank[r].get("count")]
+    per_rank = steps.per_rank
+    ranks = [r for r in sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r)) if per_rank[r].count]
     if not ranks:
         return None
     fig = go.Figure()
     labels = [f"rank {r}" for r in ranks]
     for ph in PHASES:
-        xs = [(per_rank[r].get("phases_p50_ms") or {}).get(ph) or 0 for r in ranks]
+        xs = [(per_rank[r].phases_p50_ms or {}).get(ph) or 0 for r in ranks]
         fig.add_bar(name=ph, y=labels, x=xs, orientation="h", marker_color=PHASE_COLORS[ph],
                     hovertemplate=f"{ph}: %{{x:.1f}} ms<extra></extra>")
-    outs = (steps or {}).get("outliers") or []
+    outs = steps.outliers
     if outs:
         fig.add_scatter(name="outlier steps", mode="markers", marker={"symbol": "x", "size": 10, "color": "#C62828"},
-                        x=[o["ms"] for o in outs], y=[f"rank {o['rank']}" for o in outs],
-                        text=[f"step {o['step']}: {o.get('detail', '')}" for o in outs],
+                        x=[o.ms for o in outs], y=[f"rank {o.rank}" for o in outs],
+                        text=[f"step {o.step}: {o.detail}" for o in outs],
                         hovertemplate="%{text}<br>%{x:.1f} ms<extra></extra>")
     for r, lab in zip(ranks, labels):
-        p50 = per_rank[r].get("p50_ms")
+        p50 = per_rank[r].p50_ms
         if p50:
             fig.add_annotation(x=p50, y=lab, text=f"p50 {fmt_ms(p50)}", showarrow=False, xanchor="left",
                                font={"size": 11, "color": "#444"})
@@ -234,51 +242,49 @@ def step_timeline_figure(steps: dict):
 
 
 # ---------------------------------------------------------------------------------------------- html parts
-def _header(report: dict) -> str:
-    r = report.get("run") or {}
+def _header(report: Report) -> str:
+    r = report.run
     facts = run_facts(r)
-    if r.get("capacity_bytes"):
-        facts.append(f"capacity {fmt_bytes(r['capacity_bytes'])}")
-    job = ((report.get("steps") or {}).get("job") or {})
-    if job.get("p50_ms"):
-        facts.append(f"step p50 {fmt_ms(job['p50_ms'])}")
-    return (f"<h1>fsdp-doctor report</h1><div class='facts'>{_esc(r.get('path', ''))}<br>"
-            f"{_esc(' · '.join(facts))}<br>report schema {_esc(report.get('schema', ''))}, "
-            f"doctor {_esc(report.get('doctor_version', ''))}</div>")
+    if r.capacity_bytes:
+        facts.append(f"capacity {fmt_bytes(r.capacity_bytes)}")
+    job = report.steps.job if report.steps is not None else None
+    if job is not None and job.p50_ms:
+        facts.append(f"step p50 {fmt_ms(job.p50_ms)}")
+    return (f"<h1>fsdp-doctor report</h1><div class='facts'>{_esc(r.path)}<br>"
+            f"{_esc(' · '.join(facts))}<br>report schema {_esc(report.schema)}, "
+            f"doctor {_esc(report.doctor_version)}</div>")
 
 
-def _predicted(pred: Optional[dict]) -> str:
-    if not pred:
-        return ""
-    bits = []
-    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
-        bits.append(f"step {fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}")
-    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
-        bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
-    return f"<div class='pred'>Expected: {_esc(', '.join(bits))}</div>" if bits else ""
-
-
-def _finding(f: dict) -> str:
-    sev = f.get("severity", "info")
-    color = SEVERITY_COLORS.get(sev, "#999")
-    rec = f.get("recommendation") or {}
+def _finding(f: Finding) -> str:
+    color = SEVERITY_COLORS.get(f.severity, "#999")
+    rec = f.recommendation  # {"text", "code"}
     ev = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(fmt_value(k, v, max_items=10))}</td></tr>"
-                 for k, v in (f.get("evidence") or {}).items())
+                 for k, v in f.evidence.items())
     code = f"<pre><code>{_esc(rec['code'])}</code></pre>" if rec.get("code") else ""
+    expected = predicted_text(f.predicted)
+    pred = f"<div class='pred'>Expected: {_esc(expected)}</div>" if expected else ""
     return (f"<div class='finding' style='border-left-color:{color}'>"
-            f"<h3><span class='sev' style='background:{color}'>{_esc(sev)}</span>{_esc(f.get('title', ''))}"
-            f"<span class='code'>{_esc(f.get('code', ''))}</span></h3>"
-            f"<div>{_esc(rec.get('text', ''))}</div>{_predicted(f.get('predicted'))}"
+            f"<h3><span class='sev' style='background:{color}'>{_esc(f.severity)}</span>{_esc(f.title)}"
+            f"<span class='code'>{_esc(f.code)}</span></h3>"
+            f"<div>{_esc(rec.get('text', ''))}</div>{pred}"
             f"<table>{ev}</table>{code}</div>")
 
 
-def _findings(findings: list[dict]) -> str:
-    sevs = {f.get("severity") for f in findings}
+def _findings(findings: list[Finding]) -> str:
+    sevs = {f.severity for f in findings}
     cls = "healthy" if not sevs & {"warning", "critical"} else "facts"
     return f"<div class='{cls}'>{_esc(findings_headline(findings))}</div>" + "".join(_finding(f) for f in findings)
 
 
-def _comm_units_table(per_unit: list[dict], top: int = 15) -> str:
+def _overlap_ranks_table(overlap: OverlapSection) -> str:
+    rows = "".join(
+        f"<tr><td>{_esc(r)}</td><td>{fmt_ms(v.comm_us / 1e3)}</td>"
+        f"<td>{fmt_ms(v.exposed_us / 1e3)}</td><td>{fmt_pct(v.overlap_pct)}</td></tr>"
+        for r, v in sorted(overlap.per_rank.items()))
+    return f"<table><tr><th>rank</th><th>communication</th><th>exposed</th><th>overlap</th></tr>{rows}</table>"
+
+
+def _comm_units_table(per_unit: list[CommUnitRow], top: int = 15) -> str:
     """The per-unit collectives, worst exposure first: the terminal's table, same formatters."""
     if not per_unit:
         return ""
@@ -286,38 +292,31 @@ def _comm_units_table(per_unit: list[dict], top: int = 15) -> str:
             "<th>exposed</th><th>bytes / call</th><th>bus BW</th><th>slack</th></tr>")
     rows = "".join(
         "<tr>" + "".join(f"<td>{_esc(x)}</td>" for x in (
-            r["rank"], unit_label(r["unit"]), r["collective"], r.get("phase") or "—", r["count"],
-            fmt_us(r["comm_us"]), fmt_us(r["exposed_us"]), fmt_bytes(r.get("bytes_per_call")),
-            fmt_bw(r.get("busbw_gbps")), fmt_us(r.get("slack_us"), signed=True))) + "</tr>"
+            r.rank, unit_label(r.unit), r.collective, r.phase or "—", r.count,
+            fmt_us(r.comm_us), fmt_us(r.exposed_us), fmt_bytes(r.bytes_per_call),
+            fmt_bw(r.busbw_gbps), fmt_us(r.slack_us, signed=True))) + "</tr>"
         for r in per_unit[:top])
     more = f"<p class='note'>top {top} of {len(per_unit)}</p>" if len(per_unit) > top else ""
     return f"<table>{head}{rows}</table>{more}"
 
 
-def _own(t: dict, phase: str):
-    """A unit's own time in ``phase`` (nested units excluded); reports written before it: the inclusive time."""
-    return t.get(f"{phase}_self_ms") if f"{phase}_self_ms" in t else t.get(f"{phase}_ms")
-
-
-def _units_table(units: list[dict]) -> str:
+def _units_table(units: list[UnitRow]) -> str:
     if not units:
         return ""
     head = ("<tr><th>unit</th><th>params</th><th>shard</th><th>gathered</th><th>reshard</th><th>AC</th>"
             "<th>fwd</th><th>AG wait</th><th>bwd</th><th>AG wait</th></tr>")
     rows = []
     for u in units[:64]:
-        t = u.get("timing_p50") or {}
-        pad = 12 * int(u.get("depth", 0) or 0)
-        rows.append(f"<tr><td style='padding-left:{pad}px'>{_esc(unit_label(u.get('name') or ''))}</td>" + "".join(
-            f"<td>{_esc(x)}</td>" for x in (
-            *fmt_unit_figures(u), u.get("checkpoint", "none"), fmt_ms(_own(t, "fwd")), fmt_ms(t.get("ag_wait_fwd_ms")),
-            fmt_ms(_own(t, "bwd")), fmt_ms(t.get("ag_wait_bwd_ms")))) + "</tr>")
+        t = u.timing_p50
+        times = (t.fwd_self_ms, t.ag_wait_fwd_ms, t.bwd_self_ms, t.ag_wait_bwd_ms) if t else (None,) * 4
+        rows.append(f"<tr><td style='padding-left:{12 * u.depth}px'>{_esc(unit_label(u.name or ''))}</td>" + "".join(
+            f"<td>{_esc(x)}</td>" for x in (*fmt_unit_figures(u), u.checkpoint, *map(fmt_ms, times))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
     return (f"<p class='note'>Per-step medians; each unit's own time (nested units excluded).</p>"
             f"<table>{head}{''.join(rows)}{more}</table>")
 
 
-def _verdict_table(section: dict) -> str:
+def _verdict_table(section: Verdict) -> str:
     """The terminal's verdict table, the same rows (fsdp_doctor.present.fmt.verdict_rows)."""
     def cells(row, tag):
         return "".join(f"<{tag}{' class=l' if i == 1 else ''}>{_esc(x)}</{tag}>" for i, x in enumerate(row))
@@ -326,7 +325,7 @@ def _verdict_table(section: dict) -> str:
     return f"<table class='verdict-table'><tr>{cells(VERDICT_HEADER, 'th')}</tr>{body}</table>"
 
 
-def _verdict(section: dict, first: bool) -> tuple[str, bool]:
+def _verdict(section: Verdict, first: bool) -> tuple[str, bool]:
     """What bounds the step, first: the sentence, the shares as a bar per rank and the job, and the table.
     Returns the HTML and whether it drew a figure (plotly.js goes with the first one)."""
     from ..dashboards.figures import verdict_figure  # the dashboard's builder: one bar, one palette
@@ -341,26 +340,28 @@ def _verdict(section: dict, first: bool) -> tuple[str, bool]:
     return out + _verdict_table(section), drew
 
 
-def render_html(report: dict) -> str:
-    """The whole report as one HTML document (plotly.js inlined once, before the first figure)."""
+def render_html(report: Report | dict) -> str:
+    """The whole report (a :class:`~fsdp_doctor.report_sections.Report`, or its JSON form) as one HTML document
+    (plotly.js inlined once, before the first figure)."""
+    report = Report.of(report)
     parts = [_header(report)]
     sections = [
-        ("Step timeline", step_timeline_figure, report.get("steps"), "No step records."),
-        ("Memory", memory_figure, report.get("memory"), "No memory measurements in this report."),
-        (None, memory_units_figure, report.get("memory"), None),
-        ("Communication per unit", overlap_units_figure, report.get("overlap"),
+        ("Step timeline", step_timeline_figure, report.steps, "No step records."),
+        ("Memory", memory_figure, report.memory, "No memory measurements in this report."),
+        (None, memory_units_figure, report.memory, None),
+        ("Communication per unit", overlap_units_figure, report.overlap,
          "No profiler traces: per-unit overlap needs a profiled window."),
-        (None, unit_waits_figure, report.get("units"), None),
+        (None, unit_waits_figure, report.units, None),
     ]
     bundle = partial_plotlyjs()
     if bundle is not None:
         parts.append(_plotlyjs_script(bundle))
     first = bundle is None
-    if report.get("verdict"):
-        text, drew = _verdict(report["verdict"], first)
+    if report.verdict is not None:
+        text, drew = _verdict(report.verdict, first)
         parts.append(text)
         first = first and not drew
-    parts += ["<h2>Diagnosis</h2>", _findings(report.get("findings") or [])]
+    parts += ["<h2>Diagnosis</h2>", _findings(report.findings)]
     for title, builder, data, missing in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")
@@ -374,33 +375,27 @@ def render_html(report: dict) -> str:
             first = False
         elif missing:
             parts.append(f"<p class='note'>{_esc(missing)}</p>")
-    ov = report.get("overlap") or {}
-    if ov.get("per_rank"):
-        rows = "".join(
-            f"<tr><td>{_esc(r)}</td><td>{fmt_ms((v.get('comm_us') or 0) / 1e3)}</td>"
-            f"<td>{fmt_ms((v.get('exposed_us') or 0) / 1e3)}</td><td>{fmt_pct(v.get('overlap_pct'))}</td></tr>"
-            for r, v in sorted(ov["per_rank"].items()))
-        parts.append("<table><tr><th>rank</th><th>communication</th><th>exposed</th><th>overlap</th></tr>"
-                     f"{rows}</table>")
-        parts.append(_comm_units_table(ov.get("per_unit") or []))
-    head = comm_headline(report.get("comm"))
+    if report.overlap is not None and report.overlap.per_rank:
+        parts.append(_overlap_ranks_table(report.overlap))
+        parts.append(_comm_units_table(report.overlap.per_unit))
+    head = comm_headline(report.comm)
     if head:
         parts.append(f"<p class='pred'>{_esc(head)}</p>")
-    if report.get("units"):
-        parts.append("<h2>FSDP units</h2>" + _units_table(report["units"]))
-    probs = report.get("problems") or []
-    if probs:
-        parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in probs) + "</ul>")
-    data = json.dumps(Report.of(report).to_builtins(), default=str).replace("</", "<\\/")
+    if report.units:
+        parts.append("<h2>FSDP units</h2>" + _units_table(report.units))
+    if report.problems:
+        parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in report.problems) + "</ul>")
+    data = json.dumps(report.to_builtins(), default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='fsdp-doctor-report'>{data}</script>")
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>fsdp-doctor — {_esc((report.get('run') or {}).get('path', 'report'))}</title>"
+            f"<title>fsdp-doctor — {_esc(report.run.path or 'report')}</title>"
             f"<style>{_CSS}</style></head><body><main>{''.join(parts)}</main></body></html>")
 
 
-def write_html(report: dict, path: Path) -> Path:
-    """Writes the report as one self-contained HTML file (no network needed to view it)."""
+def write_html(report: Report | dict, path: Path) -> Path:
+    """Writes the report (a Report, or its JSON form) as one self-contained HTML file (no network needed to view
+    it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # the CLI checks --html's directory exists before any work
     path.write_text(render_html(report), encoding="utf-8")

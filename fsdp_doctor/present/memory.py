@@ -25,9 +25,9 @@ def _where(at: MemoryPeakAt) -> str:
     return f"step {at.step}, {unit} {at.phase or ''}".strip()
 
 
-def render_memory(section):
+def render_memory(section: MemorySection):
     """Per rank: peak, where it happened, and each category in MiB/GiB with its share of the peak (``section``:
-    ``report["memory"]``, read as :class:`fsdp_doctor.report_sections.MemorySection`)."""
+    ``report.memory``, or its JSON form)."""
     sec = MemorySection.of(section) if section else None
     per_rank = sec.per_rank if sec is not None else {}
     if not per_rank:

@@ -1,5 +1,6 @@
 """TensorBoard scalars written live by the Doctor (``watch(tensorboard=True)``); the after-the-fact export is
-``fsdp_doctor.present.tensorboard.export_tensorboard`` (re-exported here).
+``fsdp_doctor.present.tensorboard.export_tensorboard``. Both write the scalars ``fsdp_doctor.tensorboard_scalars``
+defines.
 
 ``tensorboard --logdir RUN_DIR`` then shows
 
@@ -36,18 +37,8 @@ from typing import Optional
 
 from ..records import ProfileWindow, StepRecord
 
-from ..present.tensorboard import (  # noqa: F401  (one definition of the scalars, shared with the export)
-    MIB,
-    STEP_FIELDS,
-    add_scalars,
-    export_tensorboard,
-    memory_scalars,
-    overlap_scalars,
-    step_scalars,
-    step_walltime,
-    window_overlap_scalars,
-)
-from ..store.layout import TB_DIR, tb_dir  # noqa: F401
+from ..store.layout import tb_dir
+from ..tensorboard_scalars import add_scalars, step_scalars, step_walltime, window_overlap_scalars
 
 log = logging.getLogger("fsdp_doctor")
 
