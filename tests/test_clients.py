@@ -55,7 +55,7 @@ def _diagnosis(path: Path):
 
 
 def _codes(findings) -> set[str]:
-    return {f["code"] for f in findings}
+    return {f.code for f in findings}
 
 
 def _numel(module) -> int:
@@ -131,8 +131,8 @@ def test_transformer_with_user_profiler_accumulation_clipping_functional_checkpo
     assert "ac.unneeded" in codes and "wrap.params_in_root" in codes
     _, _, wrapper_findings = _diagnosis(out / "transformer_wrapper")
     assert "ac.unneeded" in _codes(wrapper_findings)  # as for checkpoint_wrapper
-    unneeded = next(f for f in findings if f["code"] == "ac.unneeded")
-    assert unneeded["evidence"]["recompute_source"] == "measured"
+    unneeded = next(f for f in findings if f.code == "ac.unneeded")
+    assert unneeded.evidence["recompute_source"] == "measured"
 
 
 def test_compiled_blocks(clients):
@@ -150,7 +150,7 @@ def test_compiled_blocks(clients):
     assert run.config.model_param_count == _numel(model)
     steps = run.ranks[0].steps
     assert len(steps) == 8 and all(u.fwd_ms > 0 for s in steps for u in s.units)
-    assert not any(f["severity"] == "critical" for f in findings)
+    assert not any(f.severity == "critical" for f in findings)
 
 
 def test_llama_hsdp_titan(clients):
@@ -167,15 +167,15 @@ def test_llama_hsdp_titan(clients):
     assert cfg.world_size == 4
     from fsdp_doctor.records import UnitConfig
 
-    for row in report["units"]:  # JSON unit rows carry every field, those left at their defaults too
+    for row in report.to_builtins()["units"]:  # JSON unit rows carry every field, those left at their defaults too
         assert set(UnitConfig.__struct_fields__) <= set(row), set(UnitConfig.__struct_fields__) - set(row)
     assert units["layers.0"].param_count == _numel(model.layers["0"])
     assert units["norm, output"].param_count == _numel(model.norm) + _numel(model.output)
     # the ignored trainable parameter: counted in the model's size, and its drift is a finding
     assert cfg.model_param_count == _numel(model) == results[0]["param_count"]
     assert results[0]["ignored_spread_doctor"] > 0  # the replicas really drifted apart
-    f = next(f for f in findings if f["code"] == "wrap.unreduced_params")
-    assert f["severity"] == "critical" and f["evidence"]["params"] == ["out_scale"]
+    f = next(f for f in findings if f.code == "wrap.unreduced_params")
+    assert f.severity == "critical" and f.evidence["params"] == ["out_scale"]
     # frozen bf16 weights beside trainable fp32 ones under a bf16 policy: one dtype on the wire, no finding
     assert units["layers.0"].orig_dtypes == ["bfloat16", "float32"] and units["layers.0"].param_dtype == "bfloat16"
     assert "wrap.mixed_dtype_unit" not in _codes(findings)
@@ -183,8 +183,8 @@ def test_llama_hsdp_titan(clients):
     # HSDP memory: with reduce dtype = param dtype (fp32) the all-reduce works in the sharded gradients' own
     # storage; it must not be added again as comm_buffers. At layers.1's backward start the buffers in flight
     # are its bf16 all-gather output and the fp32 reduce-scatter input of [norm, output] (trainable only).
-    mem = report["memory"]["per_rank"]["0"]
-    at = {(row["unit"], row["phase"]): row for row in mem["timeline"]}
+    mem = report.memory.per_rank["0"]
+    at = {(row["unit"], row["phase"]): row for row in mem.timeline}
     row = at[("layers.1", "backward_start")]
     expect_comm = 2 * _numel(model.layers["1"]) + 4 * (_numel(model.norm) + _numel(model.output))
     assert row["comm_buffers"] == expect_comm
@@ -192,8 +192,8 @@ def test_llama_hsdp_titan(clients):
     # nowhere more than two blocks' all-gathers and the largest reduce-scatter input in flight
     trainable = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model.layers.values())
     bound = 2 * 2 * _numel(model.layers["0"]) + 4 * trainable
-    assert max(r["comm_buffers"] for r in mem["timeline"]) <= bound
-    assert mem["peak_at"]["phase"] == "backward_start" and mem["peak_at"]["unit"] == "layers.1"
+    assert max(r["comm_buffers"] for r in mem.timeline) <= bound
+    assert mem.peak_at.phase == "backward_start" and mem.peak_at.unit == "layers.1"
 
 
 def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
@@ -202,8 +202,8 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
         runs = [out / name] + ([out / "transformer_wrapper"] if name == "transformer" else [])
         for path in runs:
             for f in _diagnosis(path)[2]:
-                if f["recommendation"].get("code"):
-                    spec.append([name, f["code"], f["recommendation"]["code"]])
+                if f.recommendation.get("code"):
+                    spec.append([name, f.code, f.recommendation["code"]])
     emitted = {c for _, c, _ in spec}
     assert {"wrap.params_in_root", "ac.unneeded", "wrap.unreduced_params"} <= emitted
     _run_snippets(spec, tmp_path)

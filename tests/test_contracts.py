@@ -26,7 +26,7 @@ def test_unit_defaults_come_from_unitconfig():
     from fsdp_doctor.store import Run
 
     (u,) = E.units(Context(run=Run(path="."), report={"units": [row]}))
-    assert u["reshard_after_forward"] is True and u["checkpoint"] == "unit" and u["forward_prefetch"] == []
+    assert u.reshard_after_forward is True and u.checkpoint == "unit" and u.forward_prefetch == []
 
 
 def test_memory_categories_once():

@@ -1,4 +1,5 @@
-"""Unit tests of the diagnosis rules on constructed report dicts and configs (no training runs)."""
+"""Unit tests of the diagnosis rules on constructed reports (built as their JSON form, read strictly into a
+``Report``) and configs (no training runs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.records import RunConfig, UnitConfig
+from fsdp_doctor.report_sections import Report, ThroughputSection, Verdict
 
 MiB = 1 << 20
 BLOCK = dict(n_params=12, param_count=198_272, sharded_bytes=396_544, unsharded_bytes=793_088, orig_dtypes=["float32"])
@@ -42,7 +44,7 @@ def healthy_units(n_layers=4, **block_kw):
 
 def build(units=None, *, step_ms=110.0, phases=None, capacity=None, memory=None, overlap=None, stragglers=(),
           backend="gloo", device="cpu", **cfg_kw):
-    """(Context, report) for constructed units [(config dict, timing dict)] and sections."""
+    """(Context, its Report) for constructed units [(config dict, timing dict)] and sections."""
     units = healthy_units() if units is None else units
     cfg_units = [UnitConfig(**u) for u, _ in units]
     cfg = RunConfig(rank=0, world_size=2, backend=backend, device=device, optimizer="AdamW", optimizer_params=53,
@@ -53,7 +55,7 @@ def build(units=None, *, step_ms=110.0, phases=None, capacity=None, memory=None,
         d.setdefault("forward_prefetch", [])
         d.setdefault("backward_prefetch", [])
         if t:
-            d["timing_p50"] = {k: float(t.get(k, 0.0)) for k in E._TIMING_KEYS}
+            d["timing_p50"] = {k: float(v) for k, v in t.items()}
         rows.append(d)
     ph = phases or {"forward": 34.0, "backward": 60.0, "optimizer": 13.0, "outside": 3.0, "gc": 0.0}
     st = {"count": 16, "p50_ms": step_ms, "phases_p50_ms": ph, "gc_ms_total": 0.0, "gc_count_total": 0,
@@ -67,7 +69,8 @@ def build(units=None, *, step_ms=110.0, phases=None, capacity=None, memory=None,
     if overlap is not None:
         report["overlap"] = overlap
     run = SimpleNamespace(config=cfg, ranks={}, path="constructed")
-    return Context(run=run, report=report), report
+    ctx = Context(run=run, report=msgspec.convert(report, Report))  # strict: a malformed section fails here
+    return ctx, ctx.report
 
 
 def memory(peak, *, capacity=None, per_unit=None, **bd):
@@ -260,7 +263,9 @@ def test_exposed_allgather_defers_to_straggler():
     for u, t in us[1:]:
         t.update(ag_wait_fwd_ms=5.0, ag_wait_bwd_ms=2.0)
     ctx, _ = build(units=us, backend="nccl", device="cuda:0",
-                   stragglers=[{"rank": 1, "phase": "outside", "excess_ms_per_step": 50.0}])
+                   stragglers=[{"rank": 1, "phase": "outside", "excess_ms_per_step": 50.0, "steps_slower": 16,
+                                "steps": 16, "own_ms_p50": 160.0, "others_own_ms_p50": 110.0,
+                                "phase_excess_ms_per_step": 50.0}])
     (f,) = run_rule("prefetch.exposed_allgather", ctx)
     assert f.severity == "info" and "straggler" in f.recommendation["text"]
 
@@ -428,9 +433,10 @@ def _mfu_ctx(groups, *, compute_eff, peak_tflops=100.0, step=110.0, source="reco
     full.update(groups)
     ctx, report = build(overlap=overlap, memory=mem, tokens_per_step=tokens,
                         **({"backend": "nccl", "device": "cuda:0"} if device != "cpu" else {}))
-    report["throughput"] = {"per_rank": {"0": dict(row), "1": dict(row)}, "job": {"mfu_pct": round(mfu, 2)}}
-    report["verdict"] = {"job": {"bound": max(full, key=full.get), "groups_pct": full, "source": source,
-                                 "summary": f"{max(full, key=full.get)}-bound"}}
+    report.throughput = msgspec.convert({"per_rank": {"0": dict(row), "1": dict(row)}, "job": {"mfu_pct": round(mfu, 2)}},
+                                        ThroughputSection)
+    report.verdict = msgspec.convert({"job": {"bound": max(full, key=full.get), "groups_pct": full, "source": source,
+                                              "summary": f"{max(full, key=full.get)}-bound"}}, Verdict)
     return ctx, mfu
 
 
@@ -490,9 +496,9 @@ def test_low_mfu_quiet_with_a_reason():
     assert rule.match(ctx) == [] and "tokens_per_step" in rule.why_quiet
     ctx, _ = _mfu_ctx({"communication": 50.0, "compute": 50.0}, compute_eff=0.5)
     report = ctx.report
-    for r in report["throughput"]["per_rank"].values():
-        del r["mfu_pct"], r["peak_tflops"]
-    del report["throughput"]["job"]["mfu_pct"]
+    for r in report.throughput.per_rank.values():
+        r.mfu_pct = r.peak_tflops = None  # not known: absent from the JSON
+    report.throughput.job.mfu_pct = None
     assert rule.match(ctx) == [] and "MFU unknown" in rule.why_quiet and "peak_tflops" in rule.why_quiet
     ctx, _ = _mfu_ctx({"communication": 10.0, "compute": 90.0}, compute_eff=0.5)  # MFU 45%
     assert rule.match(ctx) == [] and "not below 35%" in rule.why_quiet
@@ -603,7 +609,7 @@ def test_optimizer_before_shard_is_critical():
     (f,) = run_rule("optim.before_shard", ctx)
     assert f.severity == "critical"
     assert f.evidence["foreign_params"] == 53
-    shard = sum(u["sharded_bytes"] for u in E.param_units(ctx))
+    shard = sum(u.sharded_bytes for u in E.param_units(ctx))
     assert f.predicted["peak_bytes_after"] == 17_204_224 - 3_730_432 - 1_865_216 + 2 * shard
     assert "after fully_shard" in f.recommendation["code"]
     assert run_rule("optim.before_shard", build()[0]) == []
@@ -649,7 +655,7 @@ def test_module_expr_and_blocks():
     assert E.module_expr("norm.weight_proj") == "model.norm.weight_proj"
     assert E.block_containers(["layers.0._checkpoint_wrapped_module.attn", "layers.1.mlp", "tok_emb"]) == {"layers": [0, 1]}
     assert E.block_of("layers.2._checkpoint_wrapped_module.mlp.fc1") == "layers.2"
-    assert E.unit_expr({"modules": ["norm", "lm_head"]}) == "[model.norm, model.lm_head]"
+    assert E.unit_expr(SimpleNamespace(name="norm, lm_head", modules=["norm", "lm_head"])) == "[model.norm, model.lm_head]"
 
 
 def test_memory_fallback_from_step_records():
@@ -665,4 +671,4 @@ def test_memory_fallback_from_step_records():
     ctx.run.ranks = {0: SimpleNamespace(steps=[step])}
     assert E.peak_bytes(ctx) == 50 * MiB
     assert E.capacity_bytes(ctx) == 48 * MiB
-    assert E.memory_units(ctx)["layers.0"]["activation_bytes"] == 10 * MiB
+    assert E.memory_units(ctx)["layers.0"].activation_bytes == 10 * MiB

@@ -37,16 +37,16 @@ def _diagnose(tmp_path, name, *, profile=False, watch_extra=None, steps=STEPS, *
     losses, run = record(tmp_path / name, watch_extra=extra, steps=steps, **knobs)
     assert all(len(x) == steps for x in losses)
     report = build_report(run)
-    print(f"\n[{name}] " + ", ".join(f"{f['code']}:{f['severity']}" for f in report["findings"]))
+    print(f"\n[{name}] " + ", ".join(f"{f.code}:{f.severity}" for f in report.findings))
     return report
 
 
 def _codes(report, min_sev="warning"):
-    return {f["code"] for f in report["findings"] if _ORDER[f["severity"]] >= _ORDER[min_sev]}
+    return {f.code for f in report.findings if _ORDER[f.severity] >= _ORDER[min_sev]}
 
 
 def _finding(report, code):
-    return next(f for f in report["findings"] if f["code"] == code)
+    return next(f for f in report.findings if f.code == code)
 
 
 SCENARIOS = {
@@ -78,11 +78,11 @@ def test_scenario_yields_its_code(tmp_path, name):
     knobs, extra, code = SCENARIOS[name]
     report = _diagnose(tmp_path, name, watch_extra=extra, **knobs)
     assert code in _codes(report, MIN_SEVERITY.get(name, "warning")), \
-        f"{name}: expected {code}, got {[(f['code'], f['severity']) for f in report['findings']]}"
+        f"{name}: expected {code}, got {[(f.code, f.severity) for f in report.findings]}"
     f = _finding(report, code)
-    assert f["evidence"] and f["recommendation"]["text"]
+    assert f.evidence and f.recommendation["text"]
     if code.startswith(("wrap.", "ac.", "optim.", "prefetch.")):
-        assert f["recommendation"]["code"], code
+        assert f.recommendation["code"], code
 
 
 @pytest.mark.compat
@@ -90,21 +90,21 @@ def test_sync_unshard_on_gloo(tmp_path):
     report = _diagnose(tmp_path, "sync", profile=True, async_unshard=False)
     assert "prefetch.sync_unshard" in _codes(report)
     f = _finding(report, "prefetch.sync_unshard")
-    assert f["evidence"]["units_sync"] == 6
-    assert f["evidence"]["blocking_calls"], "the trace should show the host blocked in all-gathers"
-    assert "_set_unshard_async_op(True)" in f["recommendation"]["code"]
+    assert f.evidence["units_sync"] == 6
+    assert f.evidence["blocking_calls"], "the trace should show the host blocked in all-gathers"
+    assert "_set_unshard_async_op(True)" in f.recommendation["code"]
     # the exposed all-gathers are reported, but point at the synchronous unshard first
-    for g in report["findings"]:
-        if g["code"] == "prefetch.exposed_allgather":
-            assert g["severity"] == "info"
+    for g in report.findings:
+        if g.code == "prefetch.exposed_allgather":
+            assert g.severity == "info"
 
 
 def test_specific_evidence(tmp_path):
     """Names from the model itself end up in the recommendations (one run, several checks)."""
     report = _diagnose(tmp_path, "leaf2", wrap="leaf", async_unshard=True, steps=6)
     f = _finding(report, "wrap.too_fine")
-    assert "model.layers" in f["recommendation"]["code"]
-    assert f["evidence"]["units"] >= 24
+    assert "model.layers" in f.recommendation["code"]
+    assert f.evidence["units"] >= 24
 
 
 def test_tuned_baseline_is_healthy(tmp_path):
@@ -113,7 +113,7 @@ def test_tuned_baseline_is_healthy(tmp_path):
     if warned and warned <= NOISE_CODES:  # host noise: it must reproduce to count
         again = _diagnose(tmp_path, "baseline_again", profile=True, steps=12, async_unshard=True, wrap="block")
         warned &= _codes(again)
-    assert warned == set(), [(f["code"], f["severity"], f["title"]) for f in report["findings"]]
+    assert warned == set(), [(f.code, f.severity, f.title) for f in report.findings]
     # the terminal presenter then says so plainly
     from io import StringIO
 
@@ -122,6 +122,6 @@ def test_tuned_baseline_is_healthy(tmp_path):
     from fsdp_doctor.present.terminal import render_findings
 
     buf = StringIO()
-    Console(file=buf, width=100).print(render_findings([f for f in report["findings"] if f["code"] not in warned]))
+    Console(file=buf, width=100).print(render_findings([f for f in report.findings if f.code not in warned]))
     # "Healthy" only with no finding at all; notes (info) are announced as such, never as "healthy" (issue #13)
     assert buf.getvalue().startswith(("Healthy: no findings.", "No warnings; "))

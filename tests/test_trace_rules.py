@@ -25,9 +25,9 @@ def _report(tmp_path, *kws):
 
 def _by_code(report):
     out = {}
-    for f in report["findings"]:
-        assert f["code"] not in out, f["code"]
-        out[f["code"]] = f
+    for f in report.findings:
+        assert f.code not in out, f.code
+        out[f.code] = f
     return out
 
 
@@ -36,22 +36,22 @@ def test_allgathers_94pct_exposed(tmp_path):
     _, rep = _report(tmp_path, dict(units=4, ag_us=94, fwd_us=6))
     f = _by_code(rep)
     ag = f["prefetch.exposed_allgather"]
-    assert ag["severity"] == "warning" and ag["evidence"]["measured_by"] == "trace"
-    assert ag["evidence"]["exposed_ag_ms_per_step"] == pytest.approx(0.376)
-    assert ag["evidence"]["exposed_share_pct"] == 94.0 and ag["evidence"]["exposed_ag_bwd_ms"] == 0
+    assert ag.severity == "warning" and ag.evidence["measured_by"] == "trace"
+    assert ag.evidence["exposed_ag_ms_per_step"] == pytest.approx(0.376)
+    assert ag.evidence["exposed_share_pct"] == 94.0 and ag.evidence["exposed_ag_bwd_ms"] == 0
     # prefetching hides units 1-3's all-gathers only as far as there is compute to hide them: 24 µs per step
-    assert ag["predicted"]["step_ms_before"] == 0.4 and ag["predicted"]["step_ms_after"] == pytest.approx(0.376)
-    assert "set_modules_to_forward_prefetch" in ag["recommendation"]["code"]
-    assert "model.layers" in ag["recommendation"]["code"]
+    assert ag.predicted["step_ms_before"] == 0.4 and ag.predicted["step_ms_after"] == pytest.approx(0.376)
+    assert "set_modules_to_forward_prefetch" in ag.recommendation["code"]
+    assert "model.layers" in ag.recommendation["code"]
     cb = f["comm.bound"]
-    assert cb["evidence"]["exposed_comm_share_pct"] == 94.0 and cb["evidence"]["latency_bound"] is False
+    assert cb.evidence["exposed_comm_share_pct"] == 94.0 and cb.evidence["latency_bound"] is False
     # 1M float32 elements = 4 MB per all-gather, 94 µs each on 8 ranks: busbw 4e6 x 7/8 / 94 µs = 37.2 GB/s
-    assert cb["evidence"]["by_size"] == ["all_gather 1-16 MiB: 4.0/step, median 3.8 MiB, busbw 37.2 GB/s, "
+    assert cb.evidence["by_size"] == ["all_gather 1-16 MiB: 4.0/step, median 3.8 MiB, busbw 37.2 GB/s, "
                                          "exposed 0.376 ms"]
     # bandwidth-bound float32 all-gathers: bf16 halves their bytes, so half their exposed 0.376 ms per step
-    assert cb["predicted"]["step_ms_after"] == pytest.approx(0.4 - 0.188)
+    assert cb.predicted["step_ms_after"] == pytest.approx(0.4 - 0.188)
     assert "comm.small_collectives" not in f  # 4 calls per step
-    assert rep["verdict"]["job"]["bound"] == "communication"
+    assert rep.verdict.job.bound == "communication"
 
 
 def test_48_tiny_units(tmp_path):
@@ -59,40 +59,40 @@ def test_48_tiny_units(tmp_path):
     backward all-gathers, all exposed; the reduce-scatters exposed 48 x 20 µs = 0.96 ms of 4.32 ms."""
     run, rep = _report(tmp_path, *[dict(units=48, ag_us=20, fwd_us=10, bwd_us=20, rs_us=20, nelems=65536)] * 2)
     f = _by_code(rep)
-    sc = f["comm.small_collectives"]["evidence"]
+    sc = f["comm.small_collectives"].evidence
     assert sc["allgathers_per_step"] == 96 and sc["units"] == 48 and sc["median_bytes_per_call"] == 262144
     assert sc["busbw_gbps_median"] == pytest.approx(262144 * 7 / 8 / 20e-6 / 1e9, abs=0.01)  # 11.47 GB/s
     assert sc["exposed_share_pct"] == pytest.approx(66.7, abs=0.05) and sc["median_ms_per_call"] == 0.02
-    assert f["comm.bound"]["evidence"]["latency_bound"] is True
-    assert f["comm.bound"]["predicted"]["step_ms_after"] is None  # latency: halving bytes says little
+    assert f["comm.bound"].evidence["latency_bound"] is True
+    assert f["comm.bound"].predicted["step_ms_after"] is None  # latency: halving bytes says little
     rs = f["comm.exposed_reducescatter"]
-    assert rs["severity"] == "warning" and rs["evidence"]["exposed_rs_ms_per_step"] == pytest.approx(0.96)
-    assert rs["evidence"]["exposed_share_pct"] == pytest.approx(22.2, abs=0.05)
-    assert rs["evidence"]["rs_busbw_gbps_median"] == pytest.approx(11.5, abs=0.05)
-    assert rs["evidence"]["rs_dtype"] == "Float" and rs["predicted"]["step_ms_after"] == pytest.approx(4.32 - 0.48)
+    assert rs.severity == "warning" and rs.evidence["exposed_rs_ms_per_step"] == pytest.approx(0.96)
+    assert rs.evidence["exposed_share_pct"] == pytest.approx(22.2, abs=0.05)
+    assert rs.evidence["rs_busbw_gbps_median"] == pytest.approx(11.5, abs=0.05)
+    assert rs.evidence["rs_dtype"] == "Float" and rs.predicted["step_ms_after"] == pytest.approx(4.32 - 0.48)
 
 
 def test_h2d_copies_on_the_critical_path(tmp_path):
     # per unit: H2D 50 µs alone, then all-gather 10, then compute 40: offload is half the step
     _, rep = _report(tmp_path, dict(units=4, h2d_us=50, ag_us=10, fwd_us=40))
     oc = _by_code(rep)["offload.costly"]
-    assert oc["severity"] == "warning" and oc["evidence"]["exposed_copies_ms_per_step"] == pytest.approx(0.2)
-    assert oc["evidence"]["exposed_share_pct"] == 50.0 and oc["evidence"]["h2d_ms_per_step"] == pytest.approx(0.2)
-    assert oc["predicted"]["step_ms_after"] == pytest.approx(0.2)
-    assert rep["verdict"]["per_rank"]["0"]["bound"] == "offload"
+    assert oc.severity == "warning" and oc.evidence["exposed_copies_ms_per_step"] == pytest.approx(0.2)
+    assert oc.evidence["exposed_share_pct"] == 50.0 and oc.evidence["h2d_ms_per_step"] == pytest.approx(0.2)
+    assert oc.predicted["step_ms_after"] == pytest.approx(0.2)
+    assert rep.verdict.per_rank["0"].bound == "offload"
 
 
 def test_compute_dominated_run_is_quiet(tmp_path):
     # prefetched, compute 90 µs per unit, all-gathers 10 µs: only the first (10 of 370 µs, 2.7%) is exposed
     _, rep = _report(tmp_path, dict(units=4, ag_us=10, fwd_us=90, prefetch=True))
-    assert rep["findings"] == []
-    assert rep["verdict"]["job"]["bound"] == "compute"
+    assert rep.findings == []
+    assert rep.verdict.job.bound == "compute"
 
 
 def test_nccl_on_the_compute_stream(tmp_path):
     _, rep = _report(tmp_path, dict(units=4, ag_us=40, fwd_us=100, nccl_stream=7))
     f = _by_code(rep)["comm.on_compute_stream"]
-    assert f["evidence"]["calls_on_compute_stream"] == {"0": "8 of 8"} and f["ranks"] == [0]
+    assert f.evidence["calls_on_compute_stream"] == {"0": "8 of 8"} and f.ranks == [0]
     _, rep = _report(tmp_path / "ok", dict(units=4, ag_us=40, fwd_us=100))
     assert "comm.on_compute_stream" not in _by_code(rep)
 
@@ -104,8 +104,8 @@ def test_straggler_across_the_ranks_files(tmp_path):
                 step_skew_us=1000 if r == 1 else 0, first_ag_wait_us=0 if r == 1 else 1000) for r in range(4)]
     run, rep = _report(tmp_path, *kws)
     s = _by_code(rep)["straggler.trace"]
-    ev = s["evidence"]
-    assert s["ranks"] == [1] and ev["rank"] == 1 and ev["rank_largest_part"] == "host"
+    ev = s.evidence
+    assert s.ranks == [1] and ev["rank"] == 1 and ev["rank_largest_part"] == "host"
     assert ev["own_ms_per_step"] - ev["others_own_ms_median"] == pytest.approx(1.0, abs=0.01)
     assert ev["others_wait_ms_median"] == pytest.approx(1.07, abs=0.01)
     # the same job without the late rank: no straggler

@@ -31,7 +31,7 @@ def _reanalysed(path, **declared):
 
 
 def _finding(report, code):
-    return next((f for f in report["findings"] if f["code"] == code), None)
+    return next((f for f in report.findings if f.code == code), None)
 
 
 def _rule(code):
@@ -40,17 +40,17 @@ def _rule(code):
 
 def _expected_recoverable(report) -> dict[str, float]:
     """Each lever's recoverable ms, recomputed from the report's own sections (steps, verdict, throughput)."""
-    step = report["steps"]["job"]["p50_ms"]
-    groups = report["verdict"]["job"]["groups_pct"]
-    tp = list(report["throughput"]["per_rank"].values())
-    flops = sorted(r["flops_per_step"] for r in tp)[len(tp) // 2]
-    peak = tp[0]["peak_tflops"]
+    step = report.steps.job.p50_ms
+    groups = report.verdict.job.groups_pct
+    tp = list(report.throughput.per_rank.values())
+    flops = sorted(r.flops_per_step for r in tp)[len(tp) // 2]
+    peak = tp[0].peak_tflops
     comm, comp = step * groups["communication"] / 100, step * groups["compute"] / 100
     out = {"fewer, larger units": comm * (1 - 1 / GROUP_FACTOR),
            "batch size": max(0.0, comp - flops / (peak * 1e12 * KERNEL_EFFICIENCY_TARGET) * 1e3),
            "input pipeline": step * groups["input"] / 100,
            # the host part: GC pauses from step records, the main thread between operators from a trace
-           ("GC pauses" if report["verdict"]["job"]["source"].startswith("records") else "host overhead"):
+           ("GC pauses" if report.verdict.job.source.startswith("records") else "host overhead"):
                step * groups["host"] / 100}
     return {k: v for k, v in out.items() if v >= 0.01 * step}
 
@@ -62,7 +62,7 @@ def test_recorded_run_is_quiet_with_reasons(recorded_run):
     ctx = Context(run=run, report=report)
     z2, mfu = _rule("reshard.zero2_affordable"), _rule("throughput.low_mfu")
     assert z2.match(ctx) == [] and "capacity_bytes" in z2.why_quiet
-    assert report["throughput"]["per_rank"]["0"]["flops_source"] == "counted"
+    assert report.throughput.per_rank["0"].flops_source == "counted"
     assert mfu.match(ctx) == [] and "MFU unknown" in mfu.why_quiet and "peak_tflops" in mfu.why_quiet
 
 
@@ -70,21 +70,20 @@ def test_low_mfu_levers_follow_the_evidence(recorded_run):
     """A peak stated so that MFU is 30%: the levers come in the order of the step time each recovers."""
     run, _, _ = recorded_run
     base = build_report(load_run(run.path))
-    achieved = base["throughput"]["job"]["achieved_tflops"] / len(base["throughput"]["per_rank"])
+    achieved = base.throughput.job.achieved_tflops / len(base.throughput.per_rank)
     _, report = _reanalysed(run.path, peak_tflops=achieved / 0.30)
     f = _finding(report, "throughput.low_mfu")
-    assert f is not None and f["evidence"]["mfu_pct"] == pytest.approx(30.0, abs=1.0)
-    assert f["severity"] == "info"  # between 20% and 35%
-    sizes = [r["bytes_per_call"] for r in report["overlap"]["per_unit"]
-             if r["collective"] == "all_gather" and r.get("bytes_per_call")]
+    assert f is not None and f.evidence["mfu_pct"] == pytest.approx(30.0, abs=1.0)
+    assert f.severity == "info"  # between 20% and 35%
+    sizes = [r.bytes_per_call for r in report.overlap.per_unit if r.collective == "all_gather" and r.bytes_per_call]
     assert sizes and sorted(sizes)[len(sizes) // 2] < SMALL_MAX_MEDIAN_BYTES  # small units: the comm lever's name
     exp = _expected_recoverable(report)
-    got = f["evidence"]["recoverable_ms"]
+    got = f.evidence["recoverable_ms"]
     assert set(got) == set(exp)
     for k, v in exp.items():
         assert got[k] == pytest.approx(v, rel=1e-3, abs=1e-3), k
-    assert f["evidence"]["lever_order"] == sorted(exp, key=lambda k: -exp[k])
-    assert f["title"].endswith(f"points to {f['evidence']['lever_order'][0]} first")
+    assert f.evidence["lever_order"] == sorted(exp, key=lambda k: -exp[k])
+    assert f.title.endswith(f"points to {f.evidence['lever_order'][0]} first")
 
 
 def test_zero2_prediction_against_the_run_that_applies_it(recorded_run, tmp_path):
@@ -94,35 +93,34 @@ def test_zero2_prediction_against_the_run_that_applies_it(recorded_run, tmp_path
     run, _, knobs = recorded_run
     _, report = _reanalysed(run.path, capacity_bytes=8 << 30)
     f = _finding(report, "reshard.zero2_affordable")
-    assert f is not None, [(g["code"], g["severity"]) for g in report["findings"]]
-    ev = f["evidence"]
-    resharded = {u["name"] for u in report["units"] if u["param_count"] and not u["is_root"]
-                 and u["reshard_after_forward"] is True}
+    assert f is not None, [(g.code, g.severity) for g in report.findings]
+    ev = f.evidence
+    resharded = {u.name for u in report.units if u.param_count and not u.is_root and u.reshard_after_forward is True}
     assert set(ev["units_flipped"]) <= resharded and ev["units_not_fitting"] == []
     assert len(ev["units_flipped"]) >= 4 and ev["memory_model"] == "timeline"
-    p = f["predicted"]
+    p = f.predicted
     assert p["step_ms_after"] < p["step_ms_before"] and p["peak_bytes_after"] > p["peak_bytes_before"]
     for name in ev["units_flipped"]:
         mod = name.split(",")[0]
-        assert f"'{mod}'" in f["recommendation"]["code"] or f"model.{mod}." in f["recommendation"]["code"]
+        assert f"'{mod}'" in f.recommendation["code"] or f"model.{mod}." in f.recommendation["code"]
 
     _, after = record(tmp_path / "zero2", watch_extra={"profile": False, "capacity_bytes": 8 << 30, "peak_tflops": 1.0},
                       steps=6, async_unshard=knobs["async_unshard"],
                       reshard_overrides={n: False for n in ev["units_flipped"]})
     ra = build_report(after)
-    assert {u["name"] for u in ra["units"] if u["reshard_after_forward"] is False} >= set(ev["units_flipped"])
-    assert ra["memory"]["peak_bytes"] == pytest.approx(p["peak_bytes_after"], rel=0.01)
+    assert {u.name for u in ra.units if u.reshard_after_forward is False} >= set(ev["units_flipped"])
+    assert ra.memory.peak_bytes == pytest.approx(p["peak_bytes_after"], rel=0.01)
     print(f"\nZeRO-2 on {ev['units_flipped']}: step {p['step_ms_before']:.1f} -> predicted {p['step_ms_after']:.1f}, "
-          f"measured {ra['steps']['job']['p50_ms']:.1f} ms; peak predicted {p['peak_bytes_after']}, "
-          f"measured {ra['memory']['peak_bytes']} B")
+          f"measured {ra.steps.job.p50_ms:.1f} ms; peak predicted {p['peak_bytes_after']}, "
+          f"measured {ra.memory.peak_bytes} B")
 
     g = _finding(ra, "throughput.low_mfu")
-    tp = ra["throughput"]
-    assert g is not None and g["severity"] == "warning"
-    assert g["evidence"]["mfu_pct"] == pytest.approx(tp["job"]["mfu_pct"])
-    stated = 1.0 * len(tp["per_rank"])  # TFLOP/s stated per rank, summed over the job
-    assert tp["job"]["mfu_pct"] == pytest.approx(100 * tp["job"]["achieved_tflops"] / stated, abs=0.01)  # both rounded
-    assert g["evidence"]["first_lever"] == "batch size"
+    tp = ra.throughput
+    assert g is not None and g.severity == "warning"
+    assert g.evidence["mfu_pct"] == pytest.approx(tp.job.mfu_pct)
+    stated = 1.0 * len(tp.per_rank)  # TFLOP/s stated per rank, summed over the job
+    assert tp.job.mfu_pct == pytest.approx(100 * tp.job.achieved_tflops / stated, abs=0.01)  # both rounded
+    assert g.evidence["first_lever"] == "batch size"
     exp = _expected_recoverable(ra)
-    assert g["evidence"]["recoverable_ms"]["batch size"] == pytest.approx(exp["batch size"], rel=1e-3)
-    assert g["predicted"]["peak_bytes_after"] > g["predicted"]["peak_bytes_before"]  # a larger micro-batch
+    assert g.evidence["recoverable_ms"]["batch size"] == pytest.approx(exp["batch size"], rel=1e-3)
+    assert g.predicted["peak_bytes_after"] > g.predicted["peak_bytes_before"]  # a larger micro-batch

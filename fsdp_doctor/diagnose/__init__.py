@@ -11,9 +11,10 @@ log = logging.getLogger("fsdp_doctor")
 
 
 def diagnose(run, report, skipped: list[str] | None = None) -> list[Finding]:
-    """Runs every registered rule, most severe findings first. A rule that fails is logged once and named in
-    ``skipped`` ("not checked"; the pipeline lists them under the report's problems): never a crash and never a
-    silent omission. So is a rule that would read a unit figure this torch did not let the recorder read."""
+    """Runs every registered rule over the run and its ``Report`` (or the report's JSON form), most severe
+    findings first. A rule that fails is logged once and named in ``skipped`` ("not checked"; the pipeline
+    lists them under the report's problems): never a crash and never a silent omission. So is a rule that
+    would read a unit figure this torch did not let the recorder read."""
     skipped = [] if skipped is None else skipped
     ctx = Context(run=run, report=report)
     out: list[Finding] = []

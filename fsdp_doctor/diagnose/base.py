@@ -1,12 +1,12 @@
 """Findings and the rule shape (after torch.profiler's ``_pattern_matcher.Pattern``: name, description,
-match, report). A rule is a small class over plain data: the Run and the report's analysis sections."""
+match, report). A rule is a small class over plain typed data: the Run and the report's sections."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from ..report_sections import Finding
+from ..report_sections import Finding, Report
 from ..store import Run
 
 SEVERITIES = ("info", "warning", "critical")
@@ -14,17 +14,19 @@ SEVERITIES = ("info", "warning", "critical")
 
 @dataclass
 class Context:
-    """What every rule may look at: the run (configs, raw steps) and the analyses already computed."""
+    """What every rule may look at: the run (configs, raw steps) and the report's sections already computed,
+    by attribute (``ctx.report.steps``, ``.units``, ``.memory``, ``.overlap``, ``.throughput``, ``.verdict``,
+    ``.comm``: None where nothing fed the section). A report's JSON form is read into a ``Report``."""
 
     run: Run
-    report: dict[str, Any]
+    report: Report
+
+    def __post_init__(self):
+        self.report = Report.of(self.report)
 
     @property
     def config(self):
         return self.run.config
-
-    def section(self, name: str) -> dict:
-        return self.report.get(name) or {}
 
 
 class Rule:

@@ -1,5 +1,6 @@
-"""Shared numbers for the rules: the run's step time and peak, per-unit views with defaults filled in, the
-trace's per-unit collective rows normalised per step, and the gain estimates that several rules share.
+"""Shared numbers for the rules: the run's step time and peak, the units as the rules read them (``Unit``:
+defaults filled in, timings always there), the trace's per-unit collective rows per step (``TraceRow``), and
+the gain estimates that several rules share.
 
 Every estimate here is built from what this run measured (host-side unit timings, trace exposure, the
 memory breakdown) plus the few stated assumptions below; a rule that lacks an input gets ``None`` and
@@ -12,12 +13,16 @@ import re
 import statistics
 from typing import Any, Iterable, Optional
 
-from ..records import unit_defaults
+import msgspec
+
+from ..records import UnitConfig, unit_defaults
+from ..report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemoryUnitRow, OverlapSection,
+                               StepsSection, UnitTiming)
 from .base import Context
 
-# Defaults of UnitConfig fields that the report omits (msgspec omit_defaults).
-_UNIT_DEFAULTS = unit_defaults()  # UnitConfig's defaults (fsdp_doctor.records), the one source
-_TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
+# What a unit field reads as where the report (or the snapshot) has None ("unknown") for it: UnitConfig's own
+# defaults (fsdp_doctor.records), the one source.
+_UNIT_DEFAULTS = unit_defaults()
 
 # A checkpointed transformer block keeps only its input; without checkpointing it keeps roughly this many
 # times the input in saved tensors (Korthikanti et al. 2022: ~34·s·b·h bytes of saved activations per
@@ -28,24 +33,35 @@ SAVED_PER_INPUT = 16.0
 TARGET_CAPACITY_SHARE = 0.85
 
 
+# ---------------------------------------------------------------------------------------------- sections
+def steps(ctx: Context) -> StepsSection:
+    """The steps section, empty where the run has no step records."""
+    return ctx.report.steps or StepsSection()
+
+
+def overlap(ctx: Context) -> OverlapSection:
+    """The trace section, empty where the run has no trace."""
+    return ctx.report.overlap or OverlapSection()
+
+
 # ---------------------------------------------------------------------------------------------- run-level
 def step_ms(ctx: Context) -> Optional[float]:
     """The job's median step time (ms), or the median of the ranks' medians."""
-    steps = ctx.section("steps")
-    job = steps.get("job") or {}
-    if job.get("p50_ms"):
-        return float(job["p50_ms"])
-    vals = [st["p50_ms"] for st in (steps.get("per_rank") or {}).values() if st.get("p50_ms")]
+    st = steps(ctx)
+    if st.job is not None and st.job.p50_ms:
+        return float(st.job.p50_ms)
+    vals = [r.p50_ms for r in st.per_rank.values() if r.p50_ms]
     return float(statistics.median(vals)) if vals else None
 
 
 def phase_ms(ctx: Context, phase: str) -> Optional[float]:
-    steps = ctx.section("steps")
-    ph = (steps.get("job") or {}).get("phases_p50_ms") or {}
-    if phase in ph:
-        return float(ph[phase])
-    vals = [st["phases_p50_ms"][phase] for st in (steps.get("per_rank") or {}).values()
-            if st.get("phases_p50_ms") and phase in st["phases_p50_ms"]]
+    """The job's median time in one phase of the step (forward, backward, optimizer, outside, gc), or the
+    median over the ranks."""
+    st = steps(ctx)
+    job = st.job.phases_p50_ms if st.job is not None and st.job.phases_p50_ms else {}
+    if phase in job:
+        return float(job[phase])
+    vals = [r.phases_p50_ms[phase] for r in st.per_rank.values() if r.phases_p50_ms and phase in r.phases_p50_ms]
     return float(statistics.median(vals)) if vals else None
 
 
@@ -53,14 +69,14 @@ def backend(ctx: Context) -> Optional[str]:
     cfg = ctx.config
     if cfg is not None and cfg.backend:
         return cfg.backend
-    return ctx.section("run").get("backend")
+    return ctx.report.run.backend or None
 
 
 def device(ctx: Context) -> str:
     cfg = ctx.config
     if cfg is not None and cfg.device:
         return cfg.device
-    return ctx.section("run").get("device") or ""
+    return ctx.report.run.device or ""
 
 
 def on_gpu(ctx: Context) -> bool:
@@ -68,77 +84,62 @@ def on_gpu(ctx: Context) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def memory_per_rank(ctx: Context) -> dict[str, dict]:
-    """The memory section's ``per_rank``; without one, the same shape derived from the step records'
+def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:
+    """The memory section's ``per_rank``; without one, the same records derived from the step records'
     memory samples (steady-state steps): the highest peak with its breakdown and the activations each unit
     left at that step."""
-    per_rank = ctx.section("memory").get("per_rank")
-    if per_rank:
-        return per_rank
-    out: dict[str, dict] = {}
-    run = ctx.run
+    mem = ctx.report.memory
+    if mem is not None and mem.per_rank:
+        return mem.per_rank
     cap = ctx.config.capacity_bytes if ctx.config is not None else None
-    for r, rd in (getattr(run, "ranks", None) or {}).items():
-        best = None
-        for s in rd.steps:
-            m = s.memory
-            if s.step == 0 or m is None or m.peak is None:
-                continue
-            if best is None or m.peak.bytes > best[1].peak.bytes:
-                best = (s.step, m)
-        if best is None:
+    out: dict[str, MemoryRank] = {}
+    for r, rd in (getattr(ctx.run, "ranks", None) or {}).items():
+        sampled = [(s.step, s.memory) for s in rd.steps
+                   if s.step != 0 and s.memory is not None and s.memory.peak is not None]
+        if not sampled:
             continue
-        step, m = best
+        step, m = max(sampled, key=lambda sm: sm[1].peak.bytes)  # the first of equal peaks, as recorded
         pk = m.peak
-        bd = dict(pk.breakdown)
-        acts = m.unit_activations or {}
-        out[str(r)] = {"peak_bytes": int(pk.bytes),
-                       "peak_at": {"step": step, "unit": pk.unit, "phase": pk.phase},
-                       "peak_breakdown": bd, "activations_peak_bytes": bd.get("activations"),
-                       "capacity_bytes": cap,
-                       "per_unit": [{"unit": u, "activation_bytes": int(b)} for u, b in acts.items()]}
+        out[str(r)] = MemoryRank(
+            peak_bytes=int(pk.bytes), peak_at=MemoryPeakAt(step=step, unit=pk.unit, phase=pk.phase),
+            peak_breakdown=dict(pk.breakdown), activations_peak_bytes=pk.breakdown.get("activations", 0),
+            offloaded_host_bytes=m.offloaded_host, capacity_bytes=cap,
+            per_unit=[MemoryUnitRow(unit=u, activation_bytes=int(b)) for u, b in (m.unit_activations or {}).items()])
     return out
 
 
-def peak_rank(ctx: Context) -> Optional[tuple[str, dict]]:
-    """(rank, its memory record) of the rank with the highest measured peak."""
+def peak_memory(ctx: Context) -> Optional[MemoryRank]:
+    """The memory record of the rank with the highest measured peak (the first such rank)."""
     per_rank = memory_per_rank(ctx)
-    best = None
-    for r, m in per_rank.items():
-        if m.get("peak_bytes") is None:
-            continue
-        if best is None or m["peak_bytes"] > best[1]["peak_bytes"]:
-            best = (str(r), m)
-    return best
+    return max(per_rank.values(), key=lambda m: m.peak_bytes) if per_rank else None
 
 
 def peak_bytes(ctx: Context) -> Optional[int]:
-    pr = peak_rank(ctx)
-    return int(pr[1]["peak_bytes"]) if pr else None
+    pm = peak_memory(ctx)
+    return int(pm.peak_bytes) if pm else None
 
 
 def capacity_bytes(ctx: Context) -> Optional[int]:
-    pr = peak_rank(ctx)
-    if pr and pr[1].get("capacity_bytes"):
-        return int(pr[1]["capacity_bytes"])
+    pm = peak_memory(ctx)
+    if pm and pm.capacity_bytes:
+        return int(pm.capacity_bytes)
     cfg = ctx.config
     if cfg is not None and cfg.capacity_bytes:
         return int(cfg.capacity_bytes)
-    cap = ctx.section("run").get("capacity_bytes")
+    cap = ctx.report.run.capacity_bytes  # UNSET (no configuration record) or None read as unknown
     return int(cap) if cap else None
 
 
 def breakdown(ctx: Context) -> dict[str, int]:
-    pr = peak_rank(ctx)
-    return dict((pr[1].get("peak_breakdown") or {})) if pr else {}
+    """The peak rank's memory at its peak by category (bytes)."""
+    pm = peak_memory(ctx)
+    return dict(pm.peak_breakdown) if pm else {}
 
 
-def memory_units(ctx: Context) -> dict[str, dict]:
+def memory_units(ctx: Context) -> dict[str, MemoryUnitRow]:
     """Per-unit memory rows of the peak rank, by unit name."""
-    pr = peak_rank(ctx)
-    if not pr:
-        return {}
-    return {u["unit"]: u for u in (pr[1].get("per_unit") or []) if "unit" in u}
+    pm = peak_memory(ctx)
+    return {u.unit: u for u in pm.per_unit} if pm else {}
 
 
 def headroom_share(ctx: Context) -> Optional[float]:
@@ -150,40 +151,44 @@ def headroom_share(ctx: Context) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------------- units
-def units(ctx: Context) -> list[dict]:
-    """The report's unit rows with omitted defaults filled in and ``timing_p50`` always present.
+class Unit(UnitConfig, kw_only=True):
+    """A unit as the rules read it: its configuration with every "unknown" (None) figure at UnitConfig's
+    default, and its median timings (zeros, with ``has_timing`` False, where no steady step timed it)."""
 
-    Falls back to the run's config when the report has no unit table."""
-    rows = ctx.report.get("units")
+    timing: UnitTiming = msgspec.field(default_factory=UnitTiming)
+    has_timing: bool = False
+
+    @classmethod
+    def of(cls, row: UnitConfig) -> "Unit":
+        """From a report row (``UnitRow``) or the run's snapshot (``UnitConfig``, never timed)."""
+        fields = {f: getattr(row, f) for f in UnitConfig.__struct_fields__}
+        fields.update({f: d for f, d in _UNIT_DEFAULTS.items() if fields[f] is None})
+        timing = getattr(row, "timing_p50", msgspec.UNSET)
+        return cls(**fields, timing=timing or UnitTiming(), has_timing=bool(timing))
+
+
+def units(ctx: Context) -> list[Unit]:
+    """The report's units, from the run's config where the report has no unit table."""
+    rows = ctx.report.units
     if not rows and ctx.config is not None:
-        import msgspec
-
-        rows = [msgspec.to_builtins(u) for u in ctx.config.units]
-    out = []
-    for u in rows or []:
-        d = dict(_UNIT_DEFAULTS)
-        d.update({k: v for k, v in u.items() if v is not None or k not in _UNIT_DEFAULTS})
-        t = dict(u.get("timing_p50") or {})
-        d["timing_p50"] = {k: float(t.get(k, 0.0) or 0.0) for k in _TIMING_KEYS}
-        d["has_timing"] = bool(u.get("timing_p50"))
-        out.append(d)
-    return out
+        rows = ctx.config.units
+    return [Unit.of(r) for r in rows or []]
 
 
-def param_units(ctx: Context) -> list[dict]:
-    return [u for u in units(ctx) if u["param_count"] > 0]
+def param_units(ctx: Context) -> list[Unit]:
+    return [u for u in units(ctx) if u.param_count > 0]
 
 
-def non_root(us: Iterable[dict]) -> list[dict]:
-    return [u for u in us if not u["is_root"]]
+def non_root(us: Iterable[Unit]) -> list[Unit]:
+    return [u for u in us if not u.is_root]
 
 
-def roots(us: Iterable[dict]) -> list[dict]:
-    return [u for u in us if u["is_root"]]
+def roots(us: Iterable[Unit]) -> list[Unit]:
+    return [u for u in us if u.is_root]
 
 
-def total_params(us: Iterable[dict]) -> int:
-    return sum(u["param_count"] for u in us)
+def total_params(us: Iterable[Unit]) -> int:
+    return sum(u.param_count for u in us)
 
 
 def mib(n: Optional[float]) -> Optional[float]:
@@ -191,22 +196,30 @@ def mib(n: Optional[float]) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------------- trace rows
-def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[dict]:
-    """The trace's per-unit collective rows with per-step values (``*_per_step``): counts and µs are divided
-    by the number of steps the rank's profiler windows covered."""
-    ov = ctx.section("overlap")
-    per_rank = ov.get("per_rank") or {}
+class TraceRow(CommUnitRow, kw_only=True):
+    """A trace row with its figures per step: counts and µs divided by the ``steps`` that the rank's profiler
+    windows covered."""
+
+    steps: int = 1
+    count_per_step: float = 0.0
+    comm_ms_per_step: float = 0.0
+    exposed_ms_per_step: float = 0.0
+
+
+def steps_in_windows(ctx: Context, rank) -> int:
+    pr = overlap(ctx).per_rank.get(str(rank))
+    return max(1, len(pr.steps)) if pr is not None else 1
+
+
+def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]:
+    """The trace's per-unit collective rows (of one collective, or all), per step."""
     out = []
-    for row in ov.get("per_unit") or []:
-        if collective is not None and row.get("collective") != collective:
+    for row in overlap(ctx).per_unit:
+        if collective is not None and row.collective != collective:
             continue
-        n = max(1, len((per_rank.get(str(row.get("rank"))) or {}).get("steps") or [None]))
-        r = dict(row)
-        r["steps"] = n
-        r["count_per_step"] = row.get("count", 0) / n
-        r["comm_ms_per_step"] = (row.get("comm_us") or 0.0) / n / 1e3
-        r["exposed_ms_per_step"] = (row.get("exposed_us") or 0.0) / n / 1e3
-        out.append(r)
+        n = steps_in_windows(ctx, row.rank)
+        out.append(TraceRow(**msgspec.structs.asdict(row), steps=n, count_per_step=row.count / n,
+                            comm_ms_per_step=row.comm_us / n / 1e3, exposed_ms_per_step=row.exposed_us / n / 1e3))
     return out
 
 
@@ -214,13 +227,8 @@ def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[
     """Exposed ms per step per (unit, phase), the median over ranks."""
     acc: dict[tuple[str, str], list[float]] = {}
     for r in trace_rows(ctx, collective):
-        acc.setdefault((r["unit"], r.get("phase") or ""), []).append(r["exposed_ms_per_step"])
+        acc.setdefault((r.unit, r.phase or ""), []).append(r.exposed_ms_per_step)
     return {k: statistics.median(v) for k, v in acc.items()}
-
-
-def steps_in_windows(ctx: Context, rank: str) -> int:
-    pr = (ctx.section("overlap").get("per_rank") or {}).get(str(rank)) or {}
-    return max(1, len(pr.get("steps") or [None]))
 
 
 # ---------------------------------------------------------------------------------------------- estimates
@@ -233,14 +241,13 @@ def predicted(step_before=None, step_after=None, peak_before=None, peak_after=No
             "peak_bytes_after": None if peak_after is None else int(max(0, peak_after))}
 
 
-def ag_wait_ms(u: dict, phase: str) -> float:
-    return u["timing_p50"]["ag_wait_fwd_ms" if phase == "forward" else "ag_wait_bwd_ms"]
+def ag_wait_ms(u: Unit, phase: str) -> float:
+    return u.timing.ag_wait_fwd_ms if phase == "forward" else u.timing.ag_wait_bwd_ms
 
 
-def compute_fwd_ms(u: dict) -> float:
+def compute_fwd_ms(u: Unit) -> float:
     """A unit's forward time minus its own all-gather wait (still inclusive of nested units)."""
-    t = u["timing_p50"]
-    return max(0.0, t["fwd_ms"] - t["ag_wait_fwd_ms"])
+    return max(0.0, u.timing.fwd_ms - u.timing.ag_wait_fwd_ms)
 
 
 # ---------------------------------------------------------------------------------------------- code names
@@ -264,9 +271,9 @@ def module_expr(fqn: str, root: str = "model") -> str:
     return f"{root}.get_submodule({fqn!r})"
 
 
-def root_last(us: list[dict]) -> list[dict]:
+def root_last(us: list[Unit]) -> list[Unit]:
     """Units in the order fully_shard must be applied: nested ones first, the root last."""
-    return sorted(us, key=lambda u: bool(u.get("is_root")))
+    return sorted(us, key=lambda u: u.is_root)
 
 
 def children_expr(fqn: str, root: str = "model") -> str:
@@ -275,9 +282,9 @@ def children_expr(fqn: str, root: str = "model") -> str:
     return f"{module_expr(fqn, root)}.children()"
 
 
-def unit_expr(u: dict, root: str = "model") -> str:
-    mods = u.get("modules") or [u.get("name", "")]
-    exprs = [module_expr(m, root) for m in mods]
+def unit_expr(u: UnitConfig, root: str = "model") -> str:
+    """The unit's module(s) as code: ``model.norm``, or a list for a grouped unit."""
+    exprs = [module_expr(m, root) for m in (u.modules or [u.name])]
     return exprs[0] if len(exprs) == 1 else "[" + ", ".join(exprs) + "]"
 
 
@@ -293,7 +300,7 @@ def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
 
 def blocks_expr(ctx: Context, default: str = "model.layers.children()") -> str:
     """Iteration over the model's repeated blocks as code (``model.layers.children()``), from the unit names."""
-    blocks = block_containers(m for u in units(ctx) for m in u["modules"])
+    blocks = block_containers(m for u in units(ctx) for m in u.modules)
     if not blocks:
         return default
     return children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0])
@@ -312,12 +319,12 @@ def fmt_list(items: list[str], n: int = 6) -> str:
 
 # ---------------------------------------------------------------------------------------------- ZeRO-2 per unit
 def held_window(timeline: list[dict], name: str) -> Optional[tuple[int, int]]:
-    """Rows [start, end) of the peak step's memory timeline during which unit ``name`` would hold its
-    unsharded parameters if it were not resharded after forward, and does not now: from after its (last)
-    forward_end to the point its backward all-gather is issued. FSDP2 issues it one unit early (implicit
-    backward prefetch, at the pre-backward of the unit that runs backward just before it), so the window
-    ends with that unit's backward_start row; a unit with no predecessor in backward ends at its own.
-    None when the timeline does not show the unit's forward and backward."""
+    """Rows [start, end) of the peak step's memory timeline (rows keyed "unit", "phase", "total", ...) during
+    which unit ``name`` would hold its unsharded parameters if it were not resharded after forward, and does
+    not now: from after its (last) forward_end to the point its backward all-gather is issued. FSDP2 issues it
+    one unit early (implicit backward prefetch, at the pre-backward of the unit that runs backward just before
+    it), so the window ends with that unit's backward_start row; a unit with no predecessor in backward ends
+    at its own. None when the timeline does not show the unit's forward and backward."""
     bs = next((i for i, r in enumerate(timeline) if r.get("unit") == name and r.get("phase") == "backward_start"),
               None)
     if bs is None:
@@ -331,7 +338,7 @@ def held_window(timeline: list[dict], name: str) -> Optional[tuple[int, int]]:
     return fe + 1, (prev if prev is not None else bs) + 1
 
 
-def zero2_peak(ctx: Context, us: list[dict]) -> Optional[int]:
+def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     """The peak (bytes, peak rank) with reshard_after_forward=False on the units ``us``.
 
     Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too)
@@ -339,39 +346,38 @@ def zero2_peak(ctx: Context, us: list[dict]) -> Optional[int]:
     that falls in that window (``held_window``), and the new peak is the highest mark. Without a timeline,
     or for a unit the timeline does not show, its bytes are added at the peak (the start of backward holds
     every such unit)."""
-    pr = peak_rank(ctx)
-    if not pr:
+    pm = peak_memory(ctx)
+    if not pm:
         return None
-    peak = int(pr[1]["peak_bytes"])
-    tl = pr[1].get("timeline") or []
+    peak = int(pm.peak_bytes)
+    tl = pm.timeline
     totals = [int(r.get("total") or 0) for r in tl]
     added = [0] * len(tl)
     flat = 0
     for u in us:
-        w = held_window(tl, u["name"]) if tl else None
+        w = held_window(tl, u.name) if tl else None
         if w is None:
-            flat += u["unsharded_bytes"]
+            flat += u.unsharded_bytes
             continue
         for i in range(*w):
-            added[i] += u["unsharded_bytes"]
+            added[i] += u.unsharded_bytes
     if not totals:
         return peak + flat
     return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)
 
 
-def backward_allgather_ms(ctx: Context, u: dict) -> tuple[Optional[float], str]:
+def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
     """(ms per step that compute waits for this unit's backward all-gather, source): on a GPU with a trace the
     trace's exposed time (the host runs ahead of the device there), else the recorder's ``ag_wait_bwd_ms``."""
     if on_gpu(ctx):
         tr = trace_exposed_by_unit(ctx, "all_gather")
         if tr:
-            return tr.get((u["name"], "backward"), 0.0), "trace"
-    return (ag_wait_ms(u, "backward"), "host") if u["has_timing"] else (None, "")
+            return tr.get((u.name, "backward"), 0.0), "trace"
+    return (ag_wait_ms(u, "backward"), "host") if u.has_timing else (None, "")
 
 
 def backward_allgather_comm_ms(ctx: Context, name: str) -> Optional[float]:
     """The trace's whole backward all-gather time for a unit (ms per step, median over ranks), exposed or
     not: what keeping it gathered removes at most (on gloo its copies share the cores with compute)."""
-    vals = [r["comm_ms_per_step"] for r in trace_rows(ctx, "all_gather")
-            if r["unit"] == name and r.get("phase") == "backward"]
+    vals = [r.comm_ms_per_step for r in trace_rows(ctx, "all_gather") if r.unit == name and r.phase == "backward"]
     return statistics.median(vals) if vals else None

@@ -28,17 +28,17 @@ def _ckpt_code(names: list[str]) -> str:
             "                               check_fn=lambda m: m in targets)")
 
 
-def _unit_activations(ctx: Context, us: list[dict]) -> dict[str, int]:
+def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:
     """Activation bytes per unit from the memory section; without per-unit figures, the peak's activations
     spread evenly over the given units."""
     mem = E.memory_units(ctx)
-    got = {u["name"]: int(mem[u["name"]].get("activation_bytes") or 0) for u in us if u["name"] in mem}
+    got = {u.name: int(mem[u.name].activation_bytes or 0) for u in us if u.name in mem}
     if any(got.values()):
         return got
     acts = E.breakdown(ctx).get("activations")
     if not acts or not us:
         return {}
-    return {u["name"]: int(acts / len(us)) for u in us}
+    return {u.name: int(acts / len(us)) for u in us}
 
 
 @register
@@ -56,34 +56,34 @@ class AcRecommended(Rule):
         acts = bd.get("activations") or 0
         if share < AC_NEAR_CAPACITY or not peak or acts / peak < AC_ACT_SHARE_MIN:
             return []
-        cands = [u for u in E.non_root(E.param_units(ctx)) if u["checkpoint"] == "none"]
+        cands = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint == "none"]
         per_unit = _unit_activations(ctx, cands)
-        cands = [u for u in cands if per_unit.get(u["name"], 0) > 0]
+        cands = [u for u in cands if per_unit.get(u.name, 0) > 0]
         if not cands:
             return []
         # checkpoint the largest activation holders first until the peak is under the target
-        cands.sort(key=lambda u: -per_unit[u["name"]])
+        cands.sort(key=lambda u: -per_unit[u.name])
         need = peak - E.TARGET_CAPACITY_SHARE * cap
         chosen, saved = [], 0.0
         for u in cands:
             if chosen and saved >= need:
                 break
             chosen.append(u)
-            saved += per_unit[u["name"]] * (1 - 1 / E.SAVED_PER_INPUT)
+            saved += per_unit[u.name] * (1 - 1 / E.SAVED_PER_INPUT)
         recompute = sum(E.compute_fwd_ms(u) for u in chosen)
         step = E.step_ms(ctx)
         sev = "critical" if share >= 1.0 else "warning"
         # checkpoint the blocks themselves, in forward order
-        order = {u["name"]: i for i, u in enumerate(E.units(ctx))}
-        chosen.sort(key=lambda u: order.get(u["name"], 0))
-        mods = [m for u in chosen for m in u["modules"]]
+        order = {u.name: i for i, u in enumerate(E.units(ctx))}
+        chosen.sort(key=lambda u: order.get(u.name, 0))
+        mods = [m for u in chosen for m in u.modules]
         peak_after = peak - saved
         return [self.finding(
             sev, f"Activations are {100 * acts / peak:.0f}% of a peak at {100 * share:.0f}% of capacity: "
                  f"checkpoint {len(chosen)} block(s)",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * share, 1),
              "activation_bytes": acts, "activation_share_pct": round(100 * acts / peak, 1),
-             "blocks_to_checkpoint": [u["name"] for u in chosen], "memory_saved_bytes": int(saved),
+             "blocks_to_checkpoint": [u.name for u in chosen], "memory_saved_bytes": int(saved),
              "recompute_ms_added": round(recompute, 3), "step_p50_ms": step},
             f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
@@ -91,7 +91,7 @@ class AcRecommended(Rule):
             "per step (their forward compute). Apply checkpointing to whole blocks, before fully_shard.",
             _ckpt_code(mods),
             predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
-            units=[u["name"] for u in chosen])]
+            units=[u.name for u in chosen])]
 
 
 @register
@@ -101,8 +101,8 @@ class AcUnneeded(Rule):
     description = "Checkpointing recomputes the forward while the peak is far below capacity."
 
     def match(self, ctx: Context):
-        ck = [u for u in E.non_root(E.param_units(ctx)) if u["checkpoint"] != "none"]
-        ck += [u for u in E.roots(E.units(ctx)) if u["checkpoint"] != "none"]
+        ck = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none"]
+        ck += [u for u in E.roots(E.units(ctx)) if u.checkpoint != "none"]
         if not ck:
             return []
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
@@ -110,7 +110,7 @@ class AcUnneeded(Rule):
             return []
         step = E.step_ms(ctx)
         # recompute time: measured when the recorder saw it, else the blocks' forward compute
-        measured = sum(u["timing_p50"]["recompute_ms"] for u in ck)
+        measured = sum(u.timing.recompute_ms for u in ck)
         estimated = sum(E.compute_fwd_ms(u) for u in ck)
         recompute = measured if measured > 0 else estimated
         per_unit = _unit_activations(ctx, ck)
@@ -121,11 +121,11 @@ class AcUnneeded(Rule):
             return []  # removing it would not fit: checkpointing is earning its keep
         share = recompute / step if step else None
         sev = "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
-        mods = [m for u in ck for m in u["modules"]]
+        mods = [m for u in ck for m in u.modules]
         return [self.finding(
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {100 * peak / cap:.0f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
-             "checkpointed_units": [u["name"] for u in ck],
+             "checkpointed_units": [u.name for u in ck],
              "recompute_ms_per_step": round(recompute, 3),
              "recompute_source": "measured" if measured > 0 else "estimated from the units' forward compute",
              "activation_bytes_added_est": None if added is None else int(added), "step_p50_ms": step},
@@ -139,7 +139,7 @@ class AcUnneeded(Rule):
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
             "                               check_fn=lambda m: m in targets)",
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
-            units=[u["name"] for u in ck])]
+            units=[u.name for u in ck])]
 
 
 @register
@@ -149,20 +149,20 @@ class AcWrongGranularity(Rule):
     description = "Checkpointing wraps a block's children instead of the block."
 
     def match(self, ctx: Context):
-        ch = [u for u in E.units(ctx) if u["checkpoint"] in ("children", "partial")]
+        ch = [u for u in E.units(ctx) if u.checkpoint in ("children", "partial")]
         if not ch:
             return []
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
-        mods = [m for u in ch for m in u["modules"] if m]
+        mods = [m for u in ch for m in u.modules if m]
         per_unit = _unit_activations(ctx, ch)
         acts = sum(per_unit.values()) if per_unit else None
         return [self.finding(
             "warning", f"Checkpointing is applied inside {len(ch)} unit(s) instead of to the whole block",
-            {"units": [u["name"] or "(root)" for u in ch], "checkpoint": sorted({u['checkpoint'] for u in ch}),
+            {"units": [u.name or "(root)" for u in ch], "checkpoint": sorted({u.checkpoint for u in ch}),
              "activation_bytes": acts, "step_p50_ms": step},
             "The checkpoint wrappers sit on the blocks' children (attention, MLP), not on the blocks: every "
             "tensor passed between the children and the residual adds and norms around them stays saved, so a "
             "large part of the activations survives (seen in the wild: 29 of 40.8 GB at peak), while the "
             "recompute is paid in full. Checkpoint the blocks themselves.",
-            _ckpt_code(mods or [u["name"] for u in ch]),
-            predicted=E.predicted(step, step, peak, None), units=[u["name"] for u in ch])]
+            _ckpt_code(mods or [u.name for u in ch]),
+            predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]

@@ -3,7 +3,7 @@ communication-bound steps with the achieved bus bandwidth per collective size, m
 collectives (too-fine wrapping), NCCL kernels queued on the compute stream, and a straggler rank across the
 files of one job.
 
-Evidence comes from the trace section (``report["overlap"]``): units and phases from FSDP2's
+Evidence comes from the trace section (``report.overlap``): units and phases from FSDP2's
 ``record_function`` labels, bytes and group size from the NCCL kernels' args, the step's exclusive split from
 ``breakdown`` and the verdict. A rule whose evidence is missing stays quiet; ``why_quiet`` says why.
 """
@@ -11,7 +11,7 @@ Evidence comes from the trace section (``report["overlap"]``): units and phases 
 from __future__ import annotations
 
 import statistics
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .. import estimate as E
 from ...units import fmt_bytes
@@ -40,12 +40,12 @@ FP32_NAMES = frozenset({"float", "float32", "fp32"})
 HALF_BYTES_SAVING = 0.5
 
 
-def fp32_exposed_ms(rows: list[dict]) -> float:
+def fp32_exposed_ms(rows: list[E.TraceRow]) -> float:
     """Exposed ms per step of the rows whose NCCL dtype is 32-bit float (median over ranks)."""
-    by_rank: dict = {}
+    by_rank: dict[int, float] = {}
     for r in rows:
-        if (r.get("dtype") or "").lower() in FP32_NAMES:
-            by_rank[r["rank"]] = by_rank.get(r["rank"], 0.0) + r["exposed_ms_per_step"]
+        if (r.dtype or "").lower() in FP32_NAMES:
+            by_rank[r.rank] = by_rank.get(r.rank, 0.0) + r.exposed_ms_per_step
     return statistics.median(by_rank.values()) if by_rank else 0.0
 # A rank whose own time (step minus exposed communication) exceeds the median of the others' by this share
 # and at least this long is a straggler: the other ranks wait for it inside their collectives.
@@ -57,19 +57,20 @@ _GLOO_QUIET = ("needs a GPU trace: on gloo the collectives share the cores with 
                "cover CPU runs)")
 
 
-def overlap(ctx: Context) -> dict:
-    return ctx.section("overlap")
+def trace_verdicts(ctx: Context) -> dict:
+    """Per rank, the verdict entries decided from a trace."""
+    v = ctx.report.verdict
+    return {r: x for r, x in v.per_rank.items() if x.source == "trace"} if v is not None else {}
 
 
 def trace_step_ms(ctx: Context) -> Optional[float]:
     """Median over ranks of the trace's step time (complete steps' wall time / steps), else the records'."""
-    v = (ctx.section("verdict").get("per_rank") or {})
-    ms = [x["step_ms"] for x in v.values() if x.get("source") == "trace" and x.get("step_ms")]
+    ms = [x.step_ms for x in trace_verdicts(ctx).values() if x.step_ms]
     return float(statistics.median(ms)) if ms else E.step_ms(ctx)
 
 
 def trace_device(ctx: Context) -> Optional[str]:
-    devs = {pr.get("device") for pr in (overlap(ctx).get("per_rank") or {}).values()}
+    devs = {pr.device for pr in E.overlap(ctx).per_rank.values()}
     return "gpu" if "gpu" in devs else ("cpu" if devs else None)
 
 
@@ -80,7 +81,7 @@ def per_step(ctx: Context, rank, us: float) -> float:
 
 def breakdown_ms(ctx: Context, part: str) -> dict[str, float]:
     """Per rank, one part of the step's breakdown in ms per step."""
-    return {r: per_step(ctx, r, b.get(part, 0.0)) for r, b in (overlap(ctx).get("breakdown") or {}).items()}
+    return {r: per_step(ctx, r, b.parts()[part]) for r, b in E.overlap(ctx).breakdown.items()}
 
 
 def _bucket(nbytes: float) -> str:
@@ -105,7 +106,7 @@ def reshard_snippet(ctx: Context, unit_names, kwargs: str = "", prelude: tuple[s
     """A runnable fix that applies ``fully_shard(..., mesh=mesh{kwargs})`` to the run's units, named from the
     units the run has (the trace's unit labels and the unit snapshot when there is one): a repeated-block
     container is looped over (``model.layers.children()``), other units are named one by one, the root last."""
-    names = sorted({n for n in unit_names if n is not None} | {u["name"] for u in E.param_units(ctx)})
+    names = sorted({n for n in unit_names if n is not None} | {u.name for u in E.param_units(ctx)})
     mods = [m for n in names for m in n.split(", ") if m]
     containers = E.block_containers(mods)
     lines = list(prelude)
@@ -124,7 +125,7 @@ def reshard_snippet(ctx: Context, unit_names, kwargs: str = "", prelude: tuple[s
 
 def group_snippet(ctx: Context, unit_names) -> str:
     """A runnable fix grouping consecutive blocks of the run's largest block container into one unit each."""
-    names = {n for n in unit_names if n is not None} | {u["name"] for u in E.param_units(ctx)}
+    names = {n for n in unit_names if n is not None} | {u.name for u in E.param_units(ctx)}
     containers = E.block_containers([m for n in names for m in n.split(", ") if m])
     cont = max(containers.items(), key=lambda kv: len(kv[1]))[0] if containers else "layers"
     return (f"blocks = list({E.children_expr(cont)})\n"
@@ -155,15 +156,15 @@ class ExposedReduceScatter(TraceRule):
             return self.quiet("no reduce-scatter in the trace" if not rows else "no step time")
         by_unit: dict[str, list[float]] = {}
         for r in rows:
-            by_unit.setdefault(r["unit"], []).append(r["exposed_ms_per_step"])
+            by_unit.setdefault(r.unit, []).append(r.exposed_ms_per_step)
         exposed = {u: statistics.median(v) for u, v in by_unit.items()}
         total = sum(exposed.values())
         share = total / step
         if share < EXPOSED_RS_INFO_SHARE:
             return []
         worst = sorted(exposed.items(), key=lambda kv: -kv[1])
-        bw = [r["busbw_gbps"] for r in rows if r.get("busbw_gbps")]
-        sizes = [r["bytes_per_call"] for r in rows if r.get("bytes_per_call")]
+        bw = [r.busbw_gbps for r in rows if r.busbw_gbps]
+        sizes = [r.bytes_per_call for r in rows if r.bytes_per_call]
         return [self.finding(
             "warning" if share >= EXPOSED_RS_WARN_SHARE else "info",
             f"Reduce-scatters stall the step for {total:.2f} ms ({100 * share:.0f}%)",
@@ -171,35 +172,47 @@ class ExposedReduceScatter(TraceRule):
              "step_ms": round(step, 3), "worst_units": [f"{u or '(root)'}: {ms:.3f} ms" for u, ms in worst[:6]],
              "rs_bytes_per_call_median": statistics.median(sizes) if sizes else None,
              "rs_busbw_gbps_median": round(statistics.median(bw), 1) if bw else None,
-             "rs_dtype": rows[0].get("dtype"), "measured_by": "trace"},
+             "rs_dtype": rows[0].dtype, "measured_by": "trace"},
             "These gradient reduce-scatters run while no compute is left to hide them: the units that finish "
             "backward last (the first in forward: embeddings, the first blocks) reduce with nothing after them "
             "but the optimizer. Halve their bytes with a 16-bit reduce dtype, and keep the first unit small "
             "(its reduce-scatter is always exposed); with gradient accumulation, skip the reduce-scatter on all "
             "but the last micro-batch.",
-            _mp_snippet(ctx, [r.get("unit") for r in rows])
+            _mp_snippet(ctx, [r.unit for r in rows])
             + "\n# gradient accumulation: model.set_requires_gradient_sync(is_last_microbatch)",
             predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32_exposed_ms(rows) if fp32_exposed_ms(rows)
                                   else None),
             units=[u for u, _ in worst[:6]])]
 
 
-def _size_table(rows: list[dict]) -> list[dict]:
+class SizeRow(NamedTuple):
+    """One collective's calls of one size bucket, per step."""
+
+    collective: str
+    size: str  # the bucket's name (SIZE_BUCKETS)
+    calls_per_step: float
+    median_bytes: float
+    busbw_gbps: Optional[float]  # achieved bus bandwidth (median over the calls' groups)
+    algbw_gbps: Optional[float]  # bytes moved / time
+    exposed_ms_per_step: float
+
+
+def _size_table(rows: list[E.TraceRow]) -> list[SizeRow]:
     """Per collective and size bucket: calls per step, median message, achieved bus bandwidth, exposed."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str], list[E.TraceRow]] = {}
     for r in rows:
-        if r.get("bytes_per_call"):
-            groups.setdefault((r["collective"], _bucket(r["bytes_per_call"])), []).append(r)
+        if r.bytes_per_call:
+            groups.setdefault((r.collective, _bucket(r.bytes_per_call)), []).append(r)
     out = []
     for (coll, bucket), rs in sorted(groups.items()):
-        comm_us = sum(r["comm_us"] for r in rs)
-        moved = sum(r["bytes_per_call"] * r["count"] for r in rs)
-        bw = [r["busbw_gbps"] for r in rs if r.get("busbw_gbps")]
-        out.append({"collective": coll, "size": bucket, "calls_per_step": round(sum(r["count_per_step"] for r in rs), 1),
-                    "median_bytes": statistics.median(r["bytes_per_call"] for r in rs),
-                    "busbw_gbps": round(statistics.median(bw), 1) if bw else None,
-                    "algbw_gbps": round(moved / comm_us / 1e3, 1) if comm_us > 0 else None,
-                    "exposed_ms_per_step": round(sum(r["exposed_ms_per_step"] for r in rs), 3)})
+        comm_us = sum(r.comm_us for r in rs)
+        moved = sum(r.bytes_per_call * r.count for r in rs)
+        bw = [r.busbw_gbps for r in rs if r.busbw_gbps]
+        out.append(SizeRow(collective=coll, size=bucket, calls_per_step=round(sum(r.count_per_step for r in rs), 1),
+                           median_bytes=statistics.median(r.bytes_per_call for r in rs),
+                           busbw_gbps=round(statistics.median(bw), 1) if bw else None,
+                           algbw_gbps=round(moved / comm_us / 1e3, 1) if comm_us > 0 else None,
+                           exposed_ms_per_step=round(sum(r.exposed_ms_per_step for r in rs), 3)))
     return out
 
 
@@ -210,44 +223,43 @@ class CommunicationBound(TraceRule):
     description = "Exposed communication is the largest share of the step; bandwidth per collective size says why."
 
     def match(self, ctx: Context):
-        v = ctx.section("verdict")
-        job = v.get("job")
-        if not job:
+        if ctx.report.verdict is None:
             return self.quiet("no verdict")
+        job = ctx.report.verdict.job
         if trace_device(ctx) != "gpu":
             return self.quiet(_GLOO_QUIET)
-        share = job["groups_pct"]["communication"] / 100
-        if job["bound"] != "communication" or share < COMM_BOUND_MIN_SHARE:
+        share = job.groups_pct["communication"] / 100
+        if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
             return []
         rows = E.trace_rows(ctx)
         table = _size_table(rows)
         step = trace_step_ms(ctx)
-        small = [t for t in table if t["size"] == SIZE_BUCKETS[0][1]]
-        small_exp = sum(t["exposed_ms_per_step"] for t in small)
-        all_exp = sum(t["exposed_ms_per_step"] for t in table) or None
+        small = [t for t in table if t.size == SIZE_BUCKETS[0][1]]
+        small_exp = sum(t.exposed_ms_per_step for t in small)
+        all_exp = sum(t.exposed_ms_per_step for t in table) or None
         latency_bound = bool(all_exp and small_exp / all_exp >= 0.5)
         if latency_bound:
             text = ("Most exposed communication is in small messages (< 1 MiB), where NCCL is latency-bound and "
                     "reaches a fraction of the link's bandwidth: fewer, larger collectives (larger FSDP units) "
                     "move the same bytes in less time.")
-            code = group_snippet(ctx, [r.get("unit") for r in rows])
+            code = group_snippet(ctx, [r.unit for r in rows])
         else:
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
                     "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
                     "reduces across nodes), or give each byte more compute (a larger micro-batch per rank).")
             code = ("# HSDP: mesh = init_device_mesh('cuda', (nodes, gpus_per_node), "
-                    "mesh_dim_names=('replicate', 'shard'))\n" + _mp_snippet(ctx, [r.get("unit") for r in rows]))
-        sh = job["shares_pct"]
+                    "mesh_dim_names=('replicate', 'shard'))\n" + _mp_snippet(ctx, [r.unit for r in rows]))
+        sh = job.shares_pct
         fp32 = 0.0 if latency_bound else fp32_exposed_ms(rows)
         return [self.finding(
             "warning", f"Communication-bound: exposed collectives take {100 * share:.0f}% of the step",
             {"exposed_comm_share_pct": round(100 * share, 1), "allgather_fwd_pct": sh["allgather_fwd"],
              "allgather_bwd_pct": sh["allgather_bwd"], "reducescatter_pct": sh["reducescatter"],
-             "other_comm_pct": sh["other_comm"], "compute_pct": job["groups_pct"]["compute"],
+             "other_comm_pct": sh["other_comm"], "compute_pct": job.groups_pct["compute"],
              "step_ms": None if step is None else round(step, 3), "latency_bound": latency_bound,
-             "by_size": [f"{t['collective']} {t['size']}: {t['calls_per_step']}/step, median "
-                         f"{fmt_bytes(t['median_bytes'], 1)}, busbw {t['busbw_gbps']} GB/s, exposed "
-                         f"{t['exposed_ms_per_step']:.3f} ms" for t in table]},
+             "by_size": [f"{t.collective} {t.size}: {t.calls_per_step}/step, median "
+                         f"{fmt_bytes(t.median_bytes, 1)}, busbw {t.busbw_gbps} GB/s, exposed "
+                         f"{t.exposed_ms_per_step:.3f} ms" for t in table]},
             text, code, predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32 if (step and fp32) else None))]
 
 
@@ -264,22 +276,22 @@ class SmallCollectives(TraceRule):
         step = trace_step_ms(ctx)
         if not rows or not step:
             return self.quiet("no all-gather in the trace" if not rows else "no step time")
-        sized = [r for r in rows if r.get("bytes_per_call")]
+        sized = [r for r in rows if r.bytes_per_call]
         if not sized:
             return self.quiet("the trace has no message sizes (NCCL args 'In msg nelems' / 'dtype')")
-        ranks = {r["rank"] for r in rows}
-        calls = max(sum(r["count_per_step"] for r in rows if r["rank"] == k) for k in ranks)
-        median_bytes = statistics.median(r["bytes_per_call"] for r in sized)
-        exposed = {k: sum(r["exposed_ms_per_step"] for r in E.trace_rows(ctx) if r["rank"] == k) for k in ranks}
+        ranks = {r.rank for r in rows}
+        calls = max(sum(r.count_per_step for r in rows if r.rank == k) for k in ranks)
+        median_bytes = statistics.median(r.bytes_per_call for r in sized)
+        exposed = {k: sum(r.exposed_ms_per_step for r in E.trace_rows(ctx) if r.rank == k) for k in ranks}
         exp = statistics.median(exposed.values())
         if calls < SMALL_MIN_CALLS_PER_STEP or median_bytes >= SMALL_MAX_MEDIAN_BYTES:
             return []
         if exp / step < SMALL_MIN_EXPOSED_SHARE:
             return []
-        units = sorted({r["unit"] for r in rows})
+        units = sorted({r.unit for r in rows})
         # per-call time of the smallest messages bounds the latency a merged call still pays once
-        per_call_ms = statistics.median(r["comm_ms_per_step"] / r["count_per_step"] for r in rows if r["count_per_step"])
-        bw = [r["busbw_gbps"] for r in sized if r.get("busbw_gbps")]
+        per_call_ms = statistics.median(r.comm_ms_per_step / r.count_per_step for r in rows if r.count_per_step)
+        bw = [r.busbw_gbps for r in sized if r.busbw_gbps]
         return [self.finding(
             "warning", f"{calls:.0f} all-gathers per step of {fmt_bytes(median_bytes, 1)} each: latency-bound",
             {"allgathers_per_step": round(calls, 1), "units": len(units), "median_bytes_per_call": median_bytes,
@@ -302,21 +314,20 @@ class NcclOnComputeStream(TraceRule):
     description = "NCCL kernels queued on the compute stream serialise with compute and can never overlap it."
 
     def match(self, ctx: Context):
-        per_rank = overlap(ctx).get("per_rank") or {}
+        per_rank = E.overlap(ctx).per_rank
         if trace_device(ctx) != "gpu":
             return self.quiet("needs a GPU trace")
-        bad = {r: pr["comm_calls_on_compute_stream"] for r, pr in per_rank.items()
-               if pr.get("comm_calls_on_compute_stream")}
+        bad = {r: pr.comm_calls_on_compute_stream for r, pr in per_rank.items() if pr.comm_calls_on_compute_stream}
         if not bad:
             return []
         step = trace_step_ms(ctx)
         rows = E.trace_rows(ctx)
-        tot = {r: per_rank[r].get("comm_calls") or 0 for r in bad}
+        tot = {r: per_rank[r].comm_calls for r in bad}
         return [self.finding(
             "warning", f"NCCL kernels run on the compute stream on {len(bad)} rank(s)",
             {"ranks": sorted(int(r) for r in bad),
              "calls_on_compute_stream": {r: f"{n} of {tot[r]}" for r, n in sorted(bad.items())},
-             "collectives": sorted({r["collective"] for r in rows}), "step_ms": step},
+             "collectives": sorted({r.collective for r in rows}), "step_ms": step},
             "These collectives were queued on the stream that runs the model's kernels, so compute waits for "
             "each of them and they never overlap it. FSDP2 issues its all-gathers and reduce-scatters on its own "
             "streams; collectives on the compute stream come from code that calls torch.distributed directly "
@@ -338,13 +349,12 @@ class TraceStraggler(TraceRule):
     def match(self, ctx: Context):
         if ctx.run is not None and getattr(ctx.run, "has_records", False):
             return self.quiet("the job has step records: straggler.rank decides from them")
-        v = ctx.section("verdict").get("per_rank") or {}
-        tr = {r: x for r, x in v.items() if x.get("source") == "trace"}
+        tr = trace_verdicts(ctx)
         if len(tr) < 2:
             return self.quiet("needs the trace files of two or more ranks of one job")
         comm = ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")
-        own = {r: x["step_ms"] * (1 - sum(x["shares_pct"][k] for k in comm) / 100) for r, x in tr.items()}
-        waits = {r: x["step_ms"] - own[r] for r, x in tr.items()}
+        own = {r: x.step_ms * (1 - sum(x.shares_pct[k] for k in comm) / 100) for r, x in tr.items()}
+        waits = {r: x.step_ms - own[r] for r, x in tr.items()}
         worst = max(own, key=own.get)
         others = [own[r] for r in own if r != worst]
         base = statistics.median(others)
@@ -357,7 +367,7 @@ class TraceStraggler(TraceRule):
         x = tr[worst]
 
         def group_ms(r, g):
-            return tr[r]["step_ms"] * tr[r]["groups_pct"][g] / 100
+            return tr[r].step_ms * tr[r].groups_pct[g] / 100
 
         # where the extra time is: the group that grew most against the other ranks' median
         top = max(("compute", "host", "input", "offload", "idle"),
@@ -366,10 +376,10 @@ class TraceStraggler(TraceRule):
             "warning", f"Rank {worst} is a straggler: +{excess:.2f} ms of its own work per step",
             {"rank": int(worst), "own_ms_per_step": round(own[worst], 3), "others_own_ms_median": round(base, 3),
              "others_wait_ms_median": round(statistics.median(waits[r] for r in own if r != worst), 3),
-             "rank_wait_ms": round(waits[worst], 3), "rank_bound": x["bound"], "rank_largest_part": top,
+             "rank_wait_ms": round(waits[worst], 3), "rank_bound": x.bound, "rank_largest_part": top,
              "own_ms_by_rank": {r: round(ms, 3) for r, ms in sorted(own.items(), key=lambda kv: int(kv[0]))}},
             f"Rank {worst} spends {excess:.2f} ms more per step on its own work (mostly {top}) than the median "
             "rank, and the other ranks wait that long in their collectives. Look at what differs on that rank: "
             "its data (longer sequences, a slower loader), its host (CPU contention, throttling), or its GPU "
             "(clocks, a different model).",
-            "", predicted=E.predicted(tr[worst]["step_ms"], tr[worst]["step_ms"] - excess), ranks=[int(worst)])]
+            "", predicted=E.predicted(x.step_ms, x.step_ms - excess), ranks=[int(worst)])]

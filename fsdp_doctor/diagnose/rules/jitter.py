@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ...report_sections import StepStats
+from .. import estimate as E
 from ..base import Context, Rule, register
 
 # GC pauses that take this share of total step time are worth acting on (gc.freeze / fewer cycles).
@@ -19,15 +21,14 @@ class GcPauses(Rule):
     description = "Python's cyclic GC runs inside training steps and takes a material share of step time."
 
     def match(self, ctx: Context):
-        steps = ctx.section("steps")
-        per_rank = steps.get("per_rank", {})
-        outliers = steps.get("outliers", [])
-        gc_out = [o for o in outliers if o["cause"] == "gc"]
+        steps = E.steps(ctx)
+        outliers = steps.outliers
+        gc_out = [o for o in outliers if o.cause == "gc"]
         worst = None
-        for r, st in per_rank.items():
-            if not st.get("count"):
+        for r, st in steps.per_rank.items():
+            if not st.count:
                 continue
-            share = st["gc_ms_total"] / st["wall_ms_total"] if st["wall_ms_total"] else 0.0
+            share = st.gc_ms_total / st.wall_ms_total if st.wall_ms_total else 0.0
             if worst is None or share > worst[1]:
                 worst = (int(r), share, st)
         if worst is None:
@@ -36,12 +37,12 @@ class GcPauses(Rule):
         out_share = len(gc_out) / len(outliers) if outliers else 0.0
         if share < GC_SHARE_MIN and not (gc_out and out_share >= GC_OUTLIER_SHARE_MIN):
             return []
-        per_step = st["gc_ms_total"] / st["count"]
-        p50 = st["p50_ms"]
+        per_step = st.gc_ms_total / st.count
+        p50 = st.p50_ms
         return [self.finding(
             "warning",
             f"GC pauses take {100 * share:.1f}% of step time on rank {rank}",
-            {"gc_ms_per_step": round(per_step, 3), "gc_collections": st["gc_count_total"],
+            {"gc_ms_per_step": round(per_step, 3), "gc_collections": st.gc_count_total,
              "gc_share_pct": round(100 * share, 2), "outlier_steps_from_gc": len(gc_out),
              "outlier_steps": len(outliers), "step_p50_ms": p50},
             "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
@@ -55,6 +56,15 @@ class GcPauses(Rule):
         )]
 
 
+def _outside_ms(st: StepStats) -> float:
+    """A rank's median time outside the model (between optimizer.step() and the next forward) without GC."""
+    return st.phases_p50_ms["outside"] - st.phases_p50_ms["gc"]
+
+
+def _outside_share(st: StepStats) -> float:
+    return _outside_ms(st) / st.p50_ms
+
+
 @register
 class DataWait(Rule):
     code = "jitter.data_wait"
@@ -62,29 +72,25 @@ class DataWait(Rule):
     description = "Data loading and user code between steps take a material share of the step."
 
     def match(self, ctx: Context):
-        per_rank = ctx.section("steps").get("per_rank", {})
-        worst = None
-        for r, st in per_rank.items():
-            if not st.get("count") or not st.get("p50_ms"):
-                continue
-            outside = st["phases_p50_ms"]["outside"] - st["phases_p50_ms"]["gc"]
-            share = outside / st["p50_ms"]
-            if worst is None or share > worst[1]:
-                worst = (int(r), share, outside, st)
-        if worst is None or worst[1] < OUTSIDE_SHARE_MIN:
+        steps = E.steps(ctx)
+        shares = {int(r): _outside_share(st) for r, st in steps.per_rank.items() if st.count and st.p50_ms}
+        if not shares:
             return []
-        rank, share, outside, st = worst
-        ranks = [int(r) for r, s in per_rank.items() if s.get("count") and s.get("p50_ms")
-                 and (s["phases_p50_ms"]["outside"] - s["phases_p50_ms"]["gc"]) / s["p50_ms"] >= OUTSIDE_SHARE_MIN]
-        strag = {s["rank"] for s in ctx.section("steps").get("stragglers", []) if s["phase"] == "outside"}
+        rank = max(shares, key=shares.get)  # the first of equal shares
+        share, st = shares[rank], steps.per_rank[str(rank)]
+        if share < OUTSIDE_SHARE_MIN:
+            return []
+        outside = _outside_ms(st)
+        ranks = [r for r, sh in shares.items() if sh >= OUTSIDE_SHARE_MIN]
+        strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:
             return []  # one rank's own delay: straggler.rank reports it
-        p50 = st["p50_ms"]
+        p50 = st.p50_ms
         return [self.finding(
             "warning",
             f"{100 * share:.0f}% of each step is spent outside the model (data loading or user code)",
             {"outside_ms_p50": round(outside, 3), "step_p50_ms": p50, "outside_share_pct": round(100 * share, 1),
-             "forward_ms_p50": st["phases_p50_ms"]["forward"], "backward_ms_p50": st["phases_p50_ms"]["backward"]},
+             "forward_ms_p50": st.phases_p50_ms["forward"], "backward_ms_p50": st.phases_p50_ms["backward"]},
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
             "workers with pinned memory and prefetching, and move host-side work (logging, metrics, .item() "
             "calls) off the step's critical path.",
@@ -104,24 +110,25 @@ class Straggler(Rule):
 
     def match(self, ctx: Context):
         out = []
-        per_rank = ctx.section("steps").get("per_rank", {})
-        for s in ctx.section("steps").get("stragglers", []):
-            p50 = per_rank.get(str(s["rank"]), {}).get("p50_ms")
+        steps = E.steps(ctx)
+        for s in steps.stragglers:
+            st = steps.per_rank.get(str(s.rank))
+            p50 = st.p50_ms if st is not None else None
             where = {"outside": "outside the model (data loading or user code)", "forward": "forward compute",
-                     "backward": "backward compute", "optimizer": "the optimizer step"}[s["phase"]]
+                     "backward": "backward compute", "optimizer": "the optimizer step"}[s.phase]
             out.append(self.finding(
                 "warning",
-                f"Rank {s['rank']} is a straggler: +{s['excess_ms_per_step']:.1f} ms per step in {where}",
-                {"rank": s["rank"], "phase": s["phase"], "own_ms_p50": s["own_ms_p50"],
-                 "others_own_ms_p50": s["others_own_ms_p50"], "excess_ms_per_step": s["excess_ms_per_step"],
-                 "steps_slower": f"{s['steps_slower']} of {s['steps']}"},
-                f"Every other rank waits for rank {s['rank']} at the next collective. Look at what differs on "
+                f"Rank {s.rank} is a straggler: +{s.excess_ms_per_step:.1f} ms per step in {where}",
+                {"rank": s.rank, "phase": s.phase, "own_ms_p50": s.own_ms_p50,
+                 "others_own_ms_p50": s.others_own_ms_p50, "excess_ms_per_step": s.excess_ms_per_step,
+                 "steps_slower": f"{s.steps_slower} of {s.steps}"},
+                f"Every other rank waits for rank {s.rank} at the next collective. Look at what differs on "
                 f"that rank in {where}: its host (other processes, thermal throttling, a slower device), its data "
                 "shard (longer sequences, slower storage) or rank-specific code (logging, checkpointing on rank 0).",
                 "# find what the slow rank does differently, e.g.\nif dist.get_rank() == %d:\n"
-                "    ...  # move logging/checkpointing off the step, or balance the data shard" % s["rank"],
-                predicted={"step_ms_before": p50, "step_ms_after": round(p50 - s["excess_ms_per_step"], 3) if p50 else None,
+                "    ...  # move logging/checkpointing off the step, or balance the data shard" % s.rank,
+                predicted={"step_ms_before": p50, "step_ms_after": round(p50 - s.excess_ms_per_step, 3) if p50 else None,
                            "peak_bytes_before": None, "peak_bytes_after": None},
-                ranks=[s["rank"]],
+                ranks=[s.rank],
             ))
         return out

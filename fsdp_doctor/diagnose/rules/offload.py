@@ -3,6 +3,7 @@ make a run fit, and offloading from pageable (unpinned) host memory."""
 
 from __future__ import annotations
 
+from ...report_sections import Copies
 from .. import estimate as E
 from ..base import Context, Rule, register
 
@@ -24,19 +25,18 @@ _STATE_KEYS = ("sharded_params", "sharded_grads", "optimizer_state")
 
 def _copies_ms(ctx: Context) -> tuple[float | None, float | None]:
     """(h2d + d2h ms per step, exposed ms per step), the worst rank."""
-    cp = ctx.section("overlap").get("copies") or {}
     best = (None, None)
-    for r, c in cp.items():
+    for r, c in E.overlap(ctx).copies.items():
         n = E.steps_in_windows(ctx, r)
-        tot = ((c.get("h2d_us") or 0) + (c.get("d2h_us") or 0)) / n / 1e3
-        exp = (c.get("exposed_us") or 0) / n / 1e3
+        tot = (c.h2d_us + c.d2h_us) / n / 1e3
+        exp = c.exposed_us / n / 1e3
         if best[1] is None or exp > best[1]:
             best = (tot, exp)
     return best
 
 
-def _offloaded(ctx: Context) -> list[dict]:
-    return [u for u in E.param_units(ctx) if u["offload"] == "cpu"]
+def _offloaded(ctx: Context) -> list[E.Unit]:
+    return [u for u in E.param_units(ctx) if u.offload == "cpu"]
 
 
 @register
@@ -60,10 +60,10 @@ class OffloadCostly(Rule):
         bd = E.breakdown(ctx)
         host = bd.get("offloaded_host") or 0
         if not host:
-            pr = E.peak_rank(ctx)
-            host = (pr[1].get("offloaded_host") if pr else 0) or 0
+            pm = E.peak_memory(ctx)
+            host = pm.offloaded_host_bytes if pm else 0
         if not host:
-            host = sum(u["sharded_bytes"] for u in off) * 4  # params, grads, 2 Adam states
+            host = sum(u.sharded_bytes for u in off) * 4  # params, grads, 2 Adam states
         if peak is not None and cap and peak + host > OFFLOAD_FITS_SHARE * cap:
             return []  # offloading is what makes it fit
         return [self.finding(
@@ -79,7 +79,7 @@ class OffloadCostly(Rule):
             + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh)  # no offload_policy: the state stays on the device"
                         for u in E.root_last(off)),
             predicted=E.predicted(step, step - exposed, peak, peak + host if peak is not None else None),
-            units=[u["name"] for u in off])]
+            units=[u.name for u in off])]
 
 
     def _from_plain_trace(self, ctx: Context):
@@ -96,21 +96,21 @@ class OffloadCostly(Rule):
         ms = exposed[worst]
         if ms / step < OFFLOAD_COSTLY_SHARE:
             return []
-        cp = (ctx.section("overlap").get("copies") or {}).get(worst) or {}
+        cp = E.overlap(ctx).copies.get(worst) or Copies()
         from .comm import per_step, reshard_snippet
 
         return [self.finding(
             "warning", f"Host-device copies stall the step for {ms:.2f} ms ({100 * ms / step:.0f}%)",
             {"exposed_copies_ms_per_step": round(ms, 3), "exposed_share_pct": round(100 * ms / step, 1),
-             "h2d_ms_per_step": round(per_step(ctx, worst, cp.get("h2d_us") or 0.0), 3),
-             "d2h_ms_per_step": round(per_step(ctx, worst, cp.get("d2h_us") or 0.0), 3),
+             "h2d_ms_per_step": round(per_step(ctx, worst, cp.h2d_us), 3),
+             "d2h_ms_per_step": round(per_step(ctx, worst, cp.d2h_us), 3),
              "rank": int(worst), "step_ms": round(step, 3), "measured_by": "trace"},
             f"Memcpy HtoD/DtoH run with nothing else on the device for {ms:.2f} ms per step: with FSDP2's "
             "CPUOffloadPolicy these are the parameters copied in before each all-gather and the gradients "
             "copied out after each reduce-scatter. If the sharded parameters, gradients and optimizer state fit "
             "on the device (check with `fsdp-doctor` memory records, or torch.cuda.max_memory_allocated), drop "
             "the offload policy; if they do not, pin the host memory (the default) so copies can overlap.",
-            reshard_snippet(ctx, [r.get("unit") for r in E.trace_rows(ctx)],
+            reshard_snippet(ctx, [r.unit for r in E.trace_rows(ctx)],
                             comment="no offload_policy: the state stays on the device"),
             predicted=E.predicted(step, step - ms), ranks=[int(worst)])]
 
@@ -132,10 +132,10 @@ class OffloadRecommended(Rule):
         if state / peak < OFFLOAD_STATE_SHARE_MIN:
             return []
         us = E.param_units(ctx)
-        shard = sum(u["sharded_bytes"] for u in us)
+        shard = sum(u.sharded_bytes for u in us)
         # per step: params host->device twice (forward and backward unshard), grads device->host once
         copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
-        blocks = E.block_containers(m for u in us for m in u["modules"])
+        blocks = E.block_containers(m for u in us for m in u.modules)
         cont = (E.children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks
                 else "model.layers.children()")
         return [self.finding(
@@ -154,7 +154,7 @@ class OffloadRecommended(Rule):
             "    fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))\n"
             "fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))",
             predicted=E.predicted(step, step + copy_ms if step is not None else None, peak, peak - state),
-            units=[u["name"] for u in us])]
+            units=[u.name for u in us])]
 
 
 @register
@@ -166,7 +166,7 @@ class OffloadUnpinned(Rule):
     def match(self, ctx: Context):
         if not E.on_gpu(ctx):
             return []
-        bad = [u for u in _offloaded(ctx) if u["offload_pin_memory"] is False]
+        bad = [u for u in _offloaded(ctx) if u.offload_pin_memory is False]
         if not bad:
             return []
         step = E.step_ms(ctx)
@@ -174,7 +174,7 @@ class OffloadUnpinned(Rule):
         saved = (tot or 0) * (1 - 1 / PAGEABLE_SLOWDOWN)
         return [self.finding(
             "warning", f"{len(bad)} offloaded unit(s) use pageable host memory",
-            {"units": [u["name"] or "(root)" for u in bad], "copies_ms_per_step": None if tot is None else round(tot, 3),
+            {"units": [u.name or "(root)" for u in bad], "copies_ms_per_step": None if tot is None else round(tot, 3),
              "exposed_copies_ms_per_step": None if exposed is None else round(exposed, 3), "step_p50_ms": step},
             "With CPUOffloadPolicy(pin_memory=False) the host copies of parameters and gradients are pageable: "
             "each transfer is staged through a driver buffer, cannot overlap with compute and runs at a "
@@ -183,4 +183,4 @@ class OffloadUnpinned(Rule):
             + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh,\n"
                         "            offload_policy=CPUOffloadPolicy(pin_memory=True))" for u in E.root_last(bad)),
             predicted=E.predicted(step, step - saved if (step is not None and saved > 0) else None),
-            units=[u["name"] for u in bad])]
+            units=[u.name for u in bad])]

@@ -4,6 +4,7 @@ gradient clipping), optimizer state dominating a tight memory budget."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 
 from .. import estimate as E
 from ..base import Context, Rule, register
@@ -48,7 +49,7 @@ class OptimizerBeforeShard(Rule):
         opt = cfg.optimizer or "the optimizer"
         # after the fix: the stale tensors go, the model's gradients are freed by zero_grad (this optimizer
         # never zeroes them, so they persist), and the optimizer state appears for the first time
-        shard = sum(u["sharded_bytes"] for u in E.param_units(ctx))
+        shard = sum(u.sharded_bytes for u in E.param_units(ctx))
         per_param = STATE_PER_PARAM.get((cfg.optimizer or "").lower())
         new_state = 0 if bd.get("optimizer_state") else (per_param or 0) * shard
         peak_after = None
@@ -71,6 +72,22 @@ class OptimizerBeforeShard(Rule):
             predicted=E.predicted(step, None, peak, peak_after))]
 
 
+@dataclass
+class _OtherComm:
+    """One rank's collectives outside FSDP's own, per step."""
+
+    calls: float = 0.0
+    comm_ms: float = 0.0
+    exposed_ms: float = 0.0
+    kinds: set[str] = field(default_factory=set)
+
+    def add(self, r: E.TraceRow) -> None:
+        self.calls += r.count_per_step
+        self.comm_ms += r.comm_ms_per_step
+        self.exposed_ms += r.exposed_ms_per_step
+        self.kinds.add(r.collective)
+
+
 @register
 class OptimizerStepComm(Rule):
     code = "optim.step_comm"
@@ -79,48 +96,44 @@ class OptimizerStepComm(Rule):
 
     def match(self, ctx: Context):
         step = E.step_ms(ctx)
-        rows = [r for r in E.trace_rows(ctx) if r.get("unit") in _OTHER_UNITS]
+        rows = [r for r in E.trace_rows(ctx) if r.unit in _OTHER_UNITS]
         if not rows or not step:
             return []
-        by_rank: dict = {}
+        by_rank: dict[int, _OtherComm] = {}
         for r in rows:
-            a = by_rank.setdefault(r["rank"], {"calls": 0.0, "comm_ms": 0.0, "exposed_ms": 0.0, "kinds": set()})
-            a["calls"] += r["count_per_step"]
-            a["comm_ms"] += r["comm_ms_per_step"]
-            a["exposed_ms"] += r["exposed_ms_per_step"]
-            a["kinds"].add(r["collective"])
-        rank, worst = max(by_rank.items(), key=lambda kv: kv[1]["exposed_ms"])
-        share = worst["exposed_ms"] / step
+            by_rank.setdefault(r.rank, _OtherComm()).add(r)
+        rank, worst = max(by_rank.items(), key=lambda kv: kv[1].exposed_ms)
+        share = worst.exposed_ms / step
         # decided on the median rank, not the worst one: a single noisy rank near the threshold made the
         # finding come and go between otherwise identical runs
-        typical = statistics.median(a["exposed_ms"] for a in by_rank.values()) / step
+        typical = statistics.median(a.exposed_ms for a in by_rank.values()) / step
         if share < OTHER_COMM_INFO_SHARE or typical < OTHER_COMM_INFO_SHARE * (1 - OTHER_COMM_HYSTERESIS):
             return []
         sev = "warning" if share >= OTHER_COMM_WARN_SHARE else "info"
         opt_ms = E.phase_ms(ctx, "optimizer")
-        kinds = sorted(worst["kinds"])
-        per_tensor = worst["calls"] > PER_TENSOR_CALLS_MIN
+        kinds = sorted(worst.kinds)
+        per_tensor = worst.calls > PER_TENSOR_CALLS_MIN
         return [self.finding(
-            sev, f"{worst['calls']:.0f} collectives per step outside FSDP's own ({worst['exposed_ms']:.1f} ms exposed)",
-            {"rank": rank, "calls_per_step": round(worst["calls"], 1), "comm_ms_per_step": round(worst["comm_ms"], 3),
-             "exposed_ms_per_step": round(worst["exposed_ms"], 3), "collectives": kinds,
+            sev, f"{worst.calls:.0f} collectives per step outside FSDP's own ({worst.exposed_ms:.1f} ms exposed)",
+            {"rank": rank, "calls_per_step": round(worst.calls, 1), "comm_ms_per_step": round(worst.comm_ms, 3),
+             "exposed_ms_per_step": round(worst.exposed_ms, 3), "collectives": kinds,
              "optimizer_ms_p50": opt_ms, "step_p50_ms": step,
              "attribution": "not attributed to a phase: the trace has no FSDP label around them"},
             "The traces show collectives that no FSDP unit issued. The usual sources are "
             "clip_grad_norm_ over DTensor gradients, an optimizer that calls full_tensor() or redistributes "
             "DTensors, and metrics such as a loss all-reduce with .item() every step. The trace cannot tell "
             "which: profile one step with with_stack=True, or check the optimizer step for these calls. "
-            + (f"{worst['calls']:.0f} calls per step look like one collective per tensor: batch them "
+            + (f"{worst.calls:.0f} calls per step look like one collective per tensor: batch them "
                "(clip_grad_norm_(..., foreach=True) reduces the total norm in one call) and log metrics every "
                "N steps." if per_tensor else
-               f"{worst['calls']:.0f} calls per step are already batched (with clip_grad_norm_ that is "
+               f"{worst.calls:.0f} calls per step are already batched (with clip_grad_norm_ that is "
                "foreach=True, or a few norm reductions): what remains is their exposure; log metrics every N "
                "steps, and on a GPU clip less often or overlap the metric reduction with the next step."),
             (("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)  # one batched reduction\n"
               if per_tensor else "") +
              "if step % 50 == 0:  # metrics off the per-step path\n"
              "    dist.all_reduce(loss_sum)"),
-            predicted=E.predicted(step, step - worst["exposed_ms"]), ranks=[int(rank)])]
+            predicted=E.predicted(step, step - worst.exposed_ms), ranks=[int(rank)])]
 
 
 @register

@@ -38,15 +38,15 @@ LAST_UNIT_WARN_SHARE = 0.02
 
 def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) -> str:
     us = [u for u in E.non_root(E.param_units(ctx))]
-    mods = {m for u in us if len(u["modules"]) == 1 for m in u["modules"]}
-    blocks = {c: idx for c, idx in E.block_containers(m for u in us for m in u["modules"]).items()
+    mods = {m for u in us if len(u.modules) == 1 for m in u.modules}
+    blocks = {c: idx for c, idx in E.block_containers(m for u in us for m in u.modules).items()
               if all(f"{c}.{i}" in mods for i in idx)}  # containers whose children are units themselves
     lines = []
     if blocks:
         cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
         lines.append(f"blocks = list({E.children_expr(cont)})  # each an FSDP unit")
     elif len(us) <= 8:
-        lines.append("blocks = [" + ", ".join(E.module_expr(u["modules"][0] if u["modules"] else u["name"])
+        lines.append("blocks = [" + ", ".join(E.module_expr(u.modules[0] if u.modules else u.name)
                                           for u in us) + "]  # the units, in forward order")
     else:
         lines.append("from torch.distributed.fsdp import FSDPModule\n"
@@ -70,10 +70,10 @@ def _is_cpu(ctx: Context) -> bool:
     return not E.on_gpu(ctx)
 
 
-def _sync_gloo_units(ctx: Context) -> list[dict]:
+def _sync_gloo_units(ctx: Context) -> list[E.Unit]:
     if E.backend(ctx) != "gloo":
         return []
-    return [u for u in E.non_root(E.param_units(ctx)) if not u["unshard_async_op"]]
+    return [u for u in E.non_root(E.param_units(ctx)) if not u.unshard_async_op]
 
 
 @register
@@ -88,7 +88,7 @@ class ExposedAllGather(Rule):
         step = E.step_ms(ctx)
         trace = E.trace_exposed_by_unit(ctx, "all_gather")
         cpu = _is_cpu(ctx)
-        by_name = {u["name"]: u for u in E.param_units(ctx)}
+        by_name = {u.name: u for u in E.param_units(ctx)}
         rows = []
         if not cpu and trace:
             # on a GPU the host runs ahead of the device: only the trace sees the stream waiting
@@ -96,10 +96,10 @@ class ExposedAllGather(Rule):
             for (name, ph), w in trace.items():
                 if w > 0 and name in by_name and ph in ("forward", "backward"):
                     rows.append((by_name[name], ph, w))
-            us = [by_name[n] for n in by_name if by_name[n]["has_timing"]] or list(by_name.values())
+            us = [by_name[n] for n in by_name if by_name[n].has_timing] or list(by_name.values())
         else:
             source = "host"
-            us = [u for u in by_name.values() if u["has_timing"]]
+            us = [u for u in by_name.values() if u.has_timing]
             for u in us:
                 for ph in ("forward", "backward"):
                     w = E.ag_wait_ms(u, ph)
@@ -117,11 +117,11 @@ class ExposedAllGather(Rule):
         if sync:
             sev = "info"
             notes.append("the unshard is synchronous on gloo (see prefetch.sync_unshard): fix that first")
-        stragglers = ctx.section("steps").get("stragglers") or []
+        stragglers = E.steps(ctx).stragglers
         if stragglers:
             sev = "info"
             notes.append("part of the first all-gather's wait is time spent waiting for straggler rank(s) "
-                         + ", ".join(str(s["rank"]) for s in stragglers))
+                         + ", ".join(str(s.rank) for s in stragglers))
         rows.sort(key=lambda x: -x[2])
         fwd = sum(w for _, ph, w in rows if ph == "forward")
         bwd = total - fwd
@@ -129,22 +129,22 @@ class ExposedAllGather(Rule):
         order = [u for u in E.non_root(us)]
         eff = 0.0 if sync else (PREFETCH_OVERLAP_CPU if cpu else PREFETCH_OVERLAP_GPU)
         saved = 0.0
-        fwd_wait = {u["name"]: w for u, ph, w in rows if ph == "forward"}
+        fwd_wait = {u.name: w for u, ph, w in rows if ph == "forward"}
         for prev, cur in zip(order, order[1:]):
-            saved += min(fwd_wait.get(cur["name"], 0.0), E.compute_fwd_ms(prev)) * eff
+            saved += min(fwd_wait.get(cur.name, 0.0), E.compute_fwd_ms(prev)) * eff
         # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
         # all-gathers (measured host waits) at the cost of keeping them gathered until backward
-        z2 = [u for u in E.non_root(us) if u["reshard_after_forward"] not in (False, 0)] if bwd > 0 else []
+        z2 = [u for u in E.non_root(us) if u.reshard_after_forward not in (False, 0)] if bwd > 0 else []
         saved_bwd = sum(E.ag_wait_ms(u, "backward") for u in z2)
         peak = E.peak_bytes(ctx)
         # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
         # from its forward to its backward all-gather, added along the peak step's timeline
         z2_peak = E.zero2_peak(ctx, z2) if z2 else None
-        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(u["unsharded_bytes"] for u in z2)
-        has_fwd_prefetch = any(u["forward_prefetch"] for u in us)
+        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(u.unsharded_bytes for u in z2)
+        has_fwd_prefetch = any(u.forward_prefetch for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
-                + ", ".join(f"{u['name'] or '(root)'} {ph} {w:.1f} ms" for u, ph, w in rows[:4]) + ". ")
+                + ", ".join(f"{u.name or '(root)'} {ph} {w:.1f} ms" for u, ph, w in rows[:4]) + ". ")
         if has_fwd_prefetch:
             text += ("Explicit prefetch is already set; if the waits remain, the all-gathers are slower than the "
                      "compute they hide behind: larger units (fewer, bigger calls) or reshard_after_forward=False "
@@ -170,14 +170,14 @@ class ExposedAllGather(Rule):
             sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
-             "worst_units": [f"{u['name'] or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
+             "worst_units": [f"{u.name or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": round(sum(trace.values()), 3) if trace else None,
              "measured_by": source,
              "prefetch_overlap_assumed_pct": round(100 * eff), "expected_gain_ms": round(gain, 3)},
             text, _prefetch_code(ctx),
             # always a prediction, a zero gain included: "no change expected" is a prediction too
             predicted=E.predicted(step, step - gain, peak, None if peak is None else peak + added),
-            units=sorted({u["name"] for u, _, _ in rows[:6]}))]
+            units=sorted({u.name for u, _, _ in rows[:6]}))]
 
 
     def _from_plain_trace(self, ctx: Context):
@@ -205,9 +205,9 @@ class ExposedAllGather(Rule):
         # compute, as far as there is compute (GPU); none measurable on gloo
         fwd_rows = sorted((u, w) for u, ph, w in rows if ph == "forward")
         hideable = fwd - (max(w for _, w in fwd_rows) if fwd_rows else 0.0)
+        verdicts = ctx.report.verdict.per_rank if ctx.report.verdict is not None else {}
         compute_ms = statistics.median(
-            v["step_ms"] * v["groups_pct"]["compute"] / 100 for v in ctx.section("verdict").get("per_rank", {}).values()
-        ) if ctx.section("verdict").get("per_rank") else 0.0
+            v.step_ms * v.groups_pct["compute"] / 100 for v in verdicts.values()) if verdicts else 0.0
         saved = 0.0 if cpu else min(hideable, compute_ms) * PREFETCH_OVERLAP_GPU
         names = sorted({u for u, _, _ in rows})
         blocks = E.block_containers(names)
@@ -243,25 +243,25 @@ class PrefetchTooEarly(Rule):
         step = E.step_ms(ctx)
         if share is None or share < TIGHT_SHARE or not step:
             return []
-        by_name = {u["name"]: u for u in E.units(ctx)}
+        by_name = {u.name: u for u in E.units(ctx)}
         held: dict[tuple[str, str], list[float]] = {}
         for r in E.trace_rows(ctx, "all_gather"):
-            if r.get("held_us") is None:
+            if r.held_us is None:
                 continue
-            held.setdefault((r["unit"], r.get("phase") or ""), []).append(r["held_us"] / 1e3)
+            held.setdefault((r.unit, r.phase or ""), []).append(r.held_us / 1e3)
         rows = []
         for (unit, ph), v in held.items():
             ms = max(v)
             if ms >= max(HELD_MIN_MS, HELD_MIN_STEP_SHARE * step) and unit in by_name:
                 rows.append((by_name[unit], ph, ms))
-        depth = max((len(u["forward_prefetch"]) for u in by_name.values()), default=0)
-        bdepth = max((len(u["backward_prefetch"]) for u in by_name.values()), default=0)
+        depth = max((len(u.forward_prefetch) for u in by_name.values()), default=0)
+        bdepth = max((len(u.backward_prefetch) for u in by_name.values()), default=0)
         if not rows or max(depth, bdepth) == 0:
             return []  # FSDP's implicit prefetch (one unit ahead) holds the next unit by design
         rows.sort(key=lambda x: -x[2])
         peak = E.peak_bytes(ctx)
         # one fewer unit gathered at the peak: the largest of those held early
-        saved = max(u["unsharded_bytes"] - u["sharded_bytes"] for u, _, _ in rows)
+        saved = max(u.unsharded_bytes - u.sharded_bytes for u, _, _ in rows)
         sev = "warning" if max(depth, bdepth) >= EXPLICIT_DEPTH_WARN else "info"
         code = ("# prefetch one unit ahead at most (or clear the explicit lists to fall back to FSDP's default)\n"
                 + _prefetch_code(ctx))
@@ -271,13 +271,13 @@ class PrefetchTooEarly(Rule):
             {"peak_share_of_capacity_pct": round(100 * share, 1), "peak_bytes": peak,
              "capacity_bytes": E.capacity_bytes(ctx), "forward_prefetch_depth": depth,
              "backward_prefetch_depth": bdepth,
-             "held_units": [f"{u['name'] or '(root)'} ({ph}): {ms:.1f} ms, {E.mib(u['unsharded_bytes'])} MiB"
+             "held_units": [f"{u.name or '(root)'} ({ph}): {ms:.1f} ms, {E.mib(u.unsharded_bytes)} MiB"
                             for u, ph, ms in rows[:6]]},
             "These all-gathers finish long before their unit computes, so their unsharded parameters occupy "
             "memory while earlier units still run, and memory is near capacity. Reduce the explicit prefetch "
             "depth to one unit (or drop it), so at most the computing unit and the next one are gathered.",
             code, predicted=E.predicted(step, step, peak, peak - saved if peak is not None else None),
-            units=[u["name"] for u, _, _ in rows[:10]])]
+            units=[u.name for u, _, _ in rows[:10]])]
 
 
 @register
@@ -291,25 +291,22 @@ class SyncUnshard(Rule):
         if not sync:
             return []
         step = E.step_ms(ctx)
-        ov = ctx.section("overlap")
-        blk = ov.get("blocking") or {}
-        blocking_ms = []
-        for r, b in blk.items():
-            blocking_ms.append(b.get("us", 0.0) / E.steps_in_windows(ctx, r) / 1e3)
+        blk = E.overlap(ctx).blocking
+        blocking_ms = [b.us / E.steps_in_windows(ctx, r) / 1e3 for r, b in blk.items()]
         ag_rows = E.trace_rows(ctx, "all_gather")
-        ag_comm = sum(r["comm_us"] for r in ag_rows if r.get("comm_us"))
-        ag_exp = sum(r["exposed_us"] for r in ag_rows if r.get("exposed_us") is not None)
+        ag_comm = sum(r.comm_us for r in ag_rows)
+        ag_exp = sum(r.exposed_us for r in ag_rows)
         ag_overlap_pct = round(100 * (1 - ag_exp / ag_comm), 1) if ag_comm > 0 else None
-        bwd_waits = sum(E.ag_wait_ms(u, "backward") for u in sync if u["has_timing"])
-        fwd_waits = sum(E.ag_wait_ms(u, "forward") for u in sync if u["has_timing"])
+        bwd_waits = sum(E.ag_wait_ms(u, "backward") for u in sync if u.has_timing)
+        fwd_waits = sum(E.ag_wait_ms(u, "forward") for u in sync if u.has_timing)
         saved = bwd_waits * GLOO_ASYNC_BWD_SAVED
-        names = [u["name"] for u in sync]
+        names = [u.name for u in sync]
         return [self.finding(
             "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} units)",
             {"backend": "gloo", "units_sync": len(sync), "ag_wait_fwd_ms": round(fwd_waits, 3),
              "ag_wait_bwd_ms": round(bwd_waits, 3), "step_p50_ms": step,
              "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,
-             "blocking_calls": sum(int(b.get("count", 0)) for b in blk.values()) if blk else None,
+             "blocking_calls": sum(b.count for b in blk.values()) if blk else None,
              "ag_overlap_pct": ag_overlap_pct},
             "On gloo, CPU streams and events are no-ops, so with the default synchronous unshard the "
             "all-gather runs to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, "
@@ -329,10 +326,10 @@ def resharded_last_unit(ctx: Context):
     backward (the root has no parameters to compute in between), else None."""
     allu = E.param_units(ctx)
     us = E.non_root(allu)
-    if not us or any(u["is_root"] for u in allu):
+    if not us or any(u.is_root for u in allu):
         return None  # a root with parameters computes between the last unit's forward and its backward
     last = us[-1]  # module order = forward order for sequential models
-    if last["reshard_after_forward"] is False or last["reshard_after_forward"] == 0:
+    if last.reshard_after_forward is False or last.reshard_after_forward == 0:
         return None
     return last
 
@@ -348,21 +345,21 @@ class LastUnitResharded(Rule):
         if last is None:
             return []
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
-        wait = E.ag_wait_ms(last, "backward") if last["has_timing"] else None
+        wait = E.ag_wait_ms(last, "backward") if last.has_timing else None
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
-        extra = last["unsharded_bytes"]  # FSDP2 keeps the sharded parameters while the unsharded ones live
-        name = last["name"] or "(root)"
+        extra = last.unsharded_bytes  # FSDP2 keeps the sharded parameters while the unsharded ones live
+        name = last.name or "(root)"
         expr = E.unit_expr(last)
-        if len(last["modules"]) > 1:
+        if len(last.modules) > 1:
             code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"
-                    f"# or, after wrapping: {E.module_expr(last['modules'][0])}.set_reshard_after_forward(False)")
+                    f"# or, after wrapping: {E.module_expr(last.modules[0])}.set_reshard_after_forward(False)")
         else:
             code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"
                     f"# or, after wrapping: {expr}.set_reshard_after_forward(False)")
         return [self.finding(
             sev, f"Last unit {name!r} is resharded after forward and gathered again at once",
-            {"unit": name, "unsharded_bytes": last["unsharded_bytes"],
+            {"unit": name, "unsharded_bytes": last.unsharded_bytes,
              "ag_wait_bwd_ms": None if wait is None else round(wait, 3),
              "step_p50_ms": step, "regather_share_pct": None if share is None else round(100 * share, 2)},
             f"{name!r} runs last in forward and first in backward: resharding it after forward frees "
@@ -371,5 +368,5 @@ class LastUnitResharded(Rule):
             "head).",
             code, predicted=E.predicted(step, step - wait if (step is not None and wait) else None, peak,
                                         E.zero2_peak(ctx, [last])),
-            units=[last["name"]])]
+            units=[last.name])]
 

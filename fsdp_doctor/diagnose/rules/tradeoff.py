@@ -16,10 +16,12 @@ the largest is the one the finding points to.
 from __future__ import annotations
 
 import statistics
-from typing import Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 from .. import estimate as E
 from ..base import Context, register
+from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
 from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule, group_snippet
 from .prefetch import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, _prefetch_code, resharded_last_unit
@@ -52,14 +54,33 @@ def _median(xs) -> Optional[float]:
 
 
 # ------------------------------------------------------------------------------------------------ ZeRO-2 vs 3
-def _unit_fix(us: list[dict]) -> str:
-    names = [(u["modules"][0] if u["modules"] else u["name"]) for u in us]
+def _unit_fix(us: list[E.Unit]) -> str:
+    names = [(u.modules[0] if u.modules else u.name) for u in us]
     head = ("# keep these units gathered from forward to backward (ZeRO-2 for them), best time saved per byte first;\n"
             "# or pass reshard_after_forward=False to their fully_shard calls\n")
     if len(us) > ZERO2_LINES:
         return (head + f"for name in {names!r}:\n"
                 "    model.get_submodule(name).set_reshard_after_forward(False, recurse=False)")
     return head + "\n".join(f"{E.module_expr(n)}.set_reshard_after_forward(False, recurse=False)" for n in names)
+
+
+@dataclass
+class _Candidate:
+    """A resharded unit that waits for its backward all-gather: what keeping it gathered saves and costs."""
+
+    u: E.Unit
+    saved: float  # ms per step: its backward all-gather wait
+    held: int  # bytes held from its forward to its backward (its unsharded parameters)
+    at_peak: int  # bytes it alone adds at the peak
+    comm: Optional[float]  # ms per step: its whole backward all-gather (trace), the saving's upper bound
+    flip: bool = False  # chosen: it fits the budget
+
+    @property
+    def row(self) -> str:
+        """The evidence line: saved (of its whole all-gather), MiB held (added at the peak), ms per MiB."""
+        return (f"{self.u.name}: -{self.saved:.2f} ms" + (f" (of {self.comm:.2f})" if self.comm is not None else "")
+                + f" for {E.mib(self.held)} MiB held (+{E.mib(self.at_peak)} at the peak) = "
+                f"{self.saved / (self.held / (1 << 20)):.2f} ms/MiB: " + ("flip" if self.flip else "does not fit"))
 
 
 @register
@@ -80,46 +101,36 @@ class Zero2PerUnit(TraceRule):
             return self.quiet(f"the peak is already {100 * peak / cap:.0f}% of capacity "
                               f"(budget {100 * ZERO2_MAX_SHARE:.0f}%)")
         last = resharded_last_unit(ctx)
-        cands = [u for u in E.non_root(E.param_units(ctx)) if u["reshard_after_forward"] is True
-                 and (last is None or u["name"] != last["name"])]  # the last unit is reshard.last_unit's
-        rows = []
+        cands = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is True
+                 and (last is None or u.name != last.name)]  # the last unit is reshard.last_unit's
+        rows: list[_Candidate] = []
         source = ""
         for u in cands:
             saved, src = E.backward_allgather_ms(ctx, u)
-            if saved is None or saved <= 0 or u["unsharded_bytes"] <= 0:
+            if saved is None or saved <= 0 or u.unsharded_bytes <= 0:
                 continue
             source = source or src
-            at_peak = E.zero2_peak(ctx, [u]) - peak
-            rows.append({"u": u, "saved": saved, "held": u["unsharded_bytes"], "at_peak": at_peak,
-                         "comm": E.backward_allgather_comm_ms(ctx, u["name"])})
+            rows.append(_Candidate(u, saved, u.unsharded_bytes, E.zero2_peak(ctx, [u]) - peak,
+                                   E.backward_allgather_comm_ms(ctx, u.name)))
         if not rows:
             return self.quiet("no resharded unit waits for a backward all-gather")
-        rows.sort(key=lambda r: (-r["saved"] / r["held"], r["u"]["name"]))
-        chosen: list[dict] = []
+        rows.sort(key=lambda r: (-r.saved / r.held, r.u.name))
         for r in rows:
-            if E.zero2_peak(ctx, [c["u"] for c in chosen] + [r["u"]]) <= budget:
-                chosen.append(r)
+            r.flip = E.zero2_peak(ctx, [c.u for c in rows if c.flip] + [r.u]) <= budget
+        chosen = [r for r in rows if r.flip]
         if not chosen:
             return self.quiet(f"no unit fits: headroom {E.mib(budget - peak)} MiB below the budget, the cheapest "
-                              f"unit holds {E.mib(min(r['held'] for r in rows))} MiB")
-        saved = sum(r["saved"] for r in chosen)
+                              f"unit holds {E.mib(min(r.held for r in rows))} MiB")
+        saved = sum(r.saved for r in chosen)
         if saved < ZERO2_MIN_GAIN_SHARE * step:
             return self.quiet(f"the units that fit save {saved:.2f} ms, under "
                               f"{100 * ZERO2_MIN_GAIN_SHARE:.0f}% of the {step:.1f} ms step")
-        us = [r["u"] for r in chosen]
+        us = [r.u for r in chosen]
         peak_after = E.zero2_peak(ctx, us)
-        picked = {id(r) for r in chosen}
-        # per candidate: backward all-gather wait saved (of its whole all-gather), MiB held forward->backward
-        # (added at the peak), ms saved per MiB held, and the verdict
-        table = [f"{r['u']['name']}: -{r['saved']:.2f} ms"
-                 + (f" (of {r['comm']:.2f})" if r["comm"] is not None else "")
-                 + f" for {E.mib(r['held'])} MiB held (+{E.mib(r['at_peak'])} at the peak) = "
-                 f"{r['saved'] / (r['held'] / (1 << 20)):.2f} ms/MiB: "
-                 + ("flip" if id(r) in picked else "does not fit") for r in rows]
-        left = [r["u"]["name"] for r in rows if id(r) not in picked]
-        upper = sum(r["comm"] for r in chosen if r["comm"] is not None) if any(r["comm"] for r in chosen) else None
+        left = [r.u.name for r in rows if not r.flip]
+        upper = sum(r.comm for r in chosen if r.comm is not None) if any(r.comm for r in chosen) else None
         sev = "warning" if saved >= ZERO2_WARN_GAIN_SHARE * step else "info"
-        names = [u["name"] for u in us]
+        names = [u.name for u in us]
         text = (f"The peak is {100 * peak / cap:.1f}% of capacity ({E.mib(peak)} of {E.mib(cap)} MiB; the budget "
                 f"is {100 * ZERO2_MAX_SHARE:.0f}%). Keeping a unit gathered after forward (ZeRO-2 for that unit) "
                 "holds its unsharded parameters from its forward to its backward and removes its backward "
@@ -129,7 +140,7 @@ class Zero2PerUnit(TraceRule):
         if left:
             text += f" {E.fmt_list(left)} would not fit the budget."
         if last is not None:
-            text += f" The last unit {last['name']!r} is reshard.last_unit's finding."
+            text += f" The last unit {last.name!r} is reshard.last_unit's finding."
         return [self.finding(
             sev, f"ZeRO-2 on {len(us)} of {len(rows)} units: -{saved:.1f} ms/step, "
                  f"+{E.mib(peak_after - peak)} MiB peak",
@@ -138,105 +149,121 @@ class Zero2PerUnit(TraceRule):
              "added_at_peak_bytes": peak_after - peak, "peak_after_share_pct": round(100 * peak_after / cap, 1),
              "saved_ms_per_step": round(saved, 3),
              "saved_upper_ms_per_step": None if upper is None else round(upper, 3),
-             "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left, "per_unit": table,
-             "measured_by": source, "memory_model": "timeline" if E.peak_rank(ctx)[1].get("timeline") else "peak"},
+             "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left,
+             "per_unit": [r.row for r in rows], "measured_by": source,
+             "memory_model": "timeline" if E.peak_memory(ctx).timeline else "peak"},
             text, _unit_fix(us), predicted=E.predicted(step, step - saved, peak, peak_after), units=names)]
 
 
 # ------------------------------------------------------------------------------------------------ low MFU
-def _mfu(tp: dict) -> Optional[float]:
-    job = tp.get("job") or {}
-    if job.get("mfu_pct") is not None:
-        return float(job["mfu_pct"])
-    return _median(r.get("mfu_pct") for r in (tp.get("per_rank") or {}).values())
+def _mfu(tp: ThroughputSection) -> Optional[float]:
+    if tp.job.mfu_pct is not None:
+        return float(tp.job.mfu_pct)
+    return _median(r.mfu_pct for r in tp.per_rank.values())
 
 
-def _collective_sizes(ctx: Context) -> dict:
+class _Sizes(NamedTuple):
+    calls_per_step: float  # all-gathers per step (the rank with the most)
+    median_bytes: float
+    busbw_gbps: Optional[float]
+    source: str  # "trace" | "unit snapshot"
+
+
+def _collective_sizes(ctx: Context) -> Optional[_Sizes]:
     """All-gathers per step, median message and achieved bus bandwidth: from the trace, else the unit snapshot
     (each unit all-gathers its unsharded parameters once in forward, once in backward unless kept gathered)."""
-    rows = [r for r in E.trace_rows(ctx, "all_gather") if r.get("bytes_per_call")]
+    rows = [r for r in E.trace_rows(ctx, "all_gather") if r.bytes_per_call]
     if rows:
-        ranks = {r["rank"] for r in rows}
-        calls = max(sum(r["count_per_step"] for r in rows if r["rank"] == k) for k in ranks)
-        return {"calls_per_step": round(calls, 1),
-                "median_bytes": statistics.median(r["bytes_per_call"] for r in rows),
-                "busbw_gbps": _median(r.get("busbw_gbps") for r in rows), "source": "trace"}
+        ranks = {r.rank for r in rows}
+        calls = max(sum(r.count_per_step for r in rows if r.rank == k) for k in ranks)
+        return _Sizes(round(calls, 1), statistics.median(r.bytes_per_call for r in rows),
+                      _median(r.busbw_gbps for r in rows), "trace")
     us = E.non_root(E.param_units(ctx))
     if not us:
-        return {}
-    calls = sum(1 + (u["reshard_after_forward"] is not False) for u in us)
-    return {"calls_per_step": calls, "median_bytes": statistics.median(u["unsharded_bytes"] for u in us),
-            "busbw_gbps": None, "source": "unit snapshot"}
+        return None
+    calls = sum(1 + (u.reshard_after_forward is not False) for u in us)
+    return _Sizes(calls, statistics.median(u.unsharded_bytes for u in us), None, "unit snapshot")
 
 
-def _levers(ctx: Context, step: float, groups: dict, records: bool, mfu: float, tp_rows: list[dict]) -> list[dict]:
+@dataclass
+class _Lever:
+    lever: str
+    recoverable_ms: float  # step time it could recover
+    evidence: str
+    fix: str
+    code: str = ""
+    mfu_after_pct: float = 0.0
+
+    @property
+    def line(self) -> str:
+        return f"{self.lever}: ~{self.recoverable_ms:.1f} ms/step -> MFU {self.mfu_after_pct:.1f}% ({self.evidence})"
+
+
+def _comm_lever(ctx: Context, comm: float, groups: dict[str, float], compute_ms: float) -> _Lever:
+    """Exposed communication: small collectives -> fewer, larger units; large ones -> overlap."""
+    sizes = _collective_sizes(ctx)
+    exposed = f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
+    size_ev = (f"{sizes.calls_per_step} all-gathers per step, median {fmt_bytes(sizes.median_bytes, 1)}"
+               + (f", busbw {sizes.busbw_gbps:.1f} GB/s" if sizes.busbw_gbps else "")
+               + f" ({sizes.source})") if sizes else "no collective sizes"
+    if sizes is not None and sizes.median_bytes < SMALL_MAX_MEDIAN_BYTES:
+        # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
+        return _Lever("fewer, larger units", comm * (1 - 1 / GROUP_FACTOR),
+                      exposed + f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
+                      "group consecutive blocks into one FSDP unit", group_snippet(ctx, ()))
+    overlapped = _median(pr.overlap_us / E.steps_in_windows(ctx, r) / 1e3 for r, pr in E.overlap(ctx).per_rank.items())
+    hideable = max(0.0, compute_ms - (overlapped or 0.0))
+    eff = PREFETCH_OVERLAP_GPU if E.on_gpu(ctx) else PREFETCH_OVERLAP_CPU
+    return _Lever("overlap", min(comm, hideable) * eff,
+                  exposed + f"{size_ev}: bandwidth-bound; compute free to hide it {hideable:.1f} ms",
+                  "explicit forward/backward prefetch, reshard_after_forward=False where memory allows "
+                  "(reshard.zero2_affordable), 16-bit collectives", _prefetch_code(ctx))
+
+
+def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, mfu: float,
+            tp_rows: list[ThroughputRank]) -> list[_Lever]:
     def ms(group):
         return step * groups.get(group, 0.0) / 100
 
-    gpu = E.on_gpu(ctx)
     out = []
-    # exposed communication: small collectives -> fewer, larger units; large ones -> overlap
     comm = ms("communication")
-    sizes = _collective_sizes(ctx)
     if comm > 0:
-        small = sizes.get("median_bytes") is not None and sizes["median_bytes"] < SMALL_MAX_MEDIAN_BYTES
-        size_ev = (f"{sizes.get('calls_per_step')} all-gathers per step, median {fmt_bytes(sizes.get('median_bytes'), 1)}"
-                   + (f", busbw {sizes['busbw_gbps']:.1f} GB/s" if sizes.get("busbw_gbps") else "")
-                   + f" ({sizes.get('source')})") if sizes else "no collective sizes"
-        if small:
-            # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
-            out.append({"lever": "fewer, larger units", "recoverable_ms": comm * (1 - 1 / GROUP_FACTOR),
-                        "evidence": f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
-                                    f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
-                        "fix": "group consecutive blocks into one FSDP unit", "code": group_snippet(ctx, ())})
-        else:
-            ov = ctx.section("overlap").get("per_rank") or {}
-            overlapped = _median(pr.get("overlap_us", 0.0) / E.steps_in_windows(ctx, r) / 1e3 for r, pr in ov.items())
-            hideable = max(0.0, ms("compute") - (overlapped or 0.0))
-            eff = PREFETCH_OVERLAP_GPU if gpu else PREFETCH_OVERLAP_CPU
-            out.append({"lever": "overlap", "recoverable_ms": min(comm, hideable) * eff,
-                        "evidence": f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
-                                    f"{size_ev}: bandwidth-bound; compute free to hide it {hideable:.1f} ms",
-                        "fix": "explicit forward/backward prefetch, reshard_after_forward=False where memory "
-                               "allows (reshard.zero2_affordable), 16-bit collectives",
-                        "code": _prefetch_code(ctx)})
+        out.append(_comm_lever(ctx, comm, groups, ms("compute")))
     # batch size: compute dominates but runs far below the peak -> the kernels are too small
     comp = ms("compute")
-    flops = _median(r.get("flops_per_step") for r in tp_rows)
-    peak_tf = _median(r.get("peak_tflops") for r in tp_rows)
+    flops = _median(r.flops_per_step for r in tp_rows)
+    peak_tf = _median(r.peak_tflops for r in tp_rows)
     cfg = ctx.config
     tokens = (cfg.tokens_per_step / max(1, cfg.world_size)) if cfg is not None and cfg.tokens_per_step else None
     if comp > 0 and flops and peak_tf:
         eff = flops / (comp / 1e3) / (peak_tf * 1e12)
         ideal = flops / (peak_tf * 1e12 * KERNEL_EFFICIENCY_TARGET) * 1e3
-        out.append({"lever": "batch size", "recoverable_ms": max(0.0, comp - ideal),
-                    "evidence": f"compute {comp:.1f} ms ({groups['compute']:.0f}%) at {100 * eff:.0f}% of peak "
-                                f"while computing (well-sized kernels reach {100 * KERNEL_EFFICIENCY_TARGET:.0f}%)"
-                                + (f"; {tokens:.0f} tokens per rank per step" if tokens else ""),
-                    "fix": "a larger micro-batch per rank (more tokens per kernel); activation checkpointing "
-                           "if memory does not allow it",
-                    "code": "", "compute_efficiency_pct": round(100 * eff, 1)})
+        out.append(_Lever("batch size", max(0.0, comp - ideal),
+                          f"compute {comp:.1f} ms ({groups['compute']:.0f}%) at {100 * eff:.0f}% of peak "
+                          f"while computing (well-sized kernels reach {100 * KERNEL_EFFICIENCY_TARGET:.0f}%)"
+                          + (f"; {tokens:.0f} tokens per rank per step" if tokens else ""),
+                          "a larger micro-batch per rank (more tokens per kernel); activation checkpointing "
+                          "if memory does not allow it"))
     host = ms("host")
     if host > 0:
         gc = records  # from step records the host part is GC pauses
-        out.append({"lever": "GC pauses" if gc else "host overhead", "recoverable_ms": host,
-                    "evidence": f"{'GC pauses' if gc else 'device waiting for launches'} {host:.1f} ms "
-                                f"({groups['host']:.0f}%)",
-                    "fix": ("gc.freeze() after setup and scheduled collections (jitter.gc)" if gc else
-                            "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')"),
-                    "code": "" if gc else ("for block in " + E.blocks_expr(ctx) + ":\n    block.compile()"
-                                           "  # fused kernels; mode='reduce-overhead' adds CUDA graphs")})
+        out.append(_Lever("GC pauses" if gc else "host overhead", host,
+                          f"{'GC pauses' if gc else 'device waiting for launches'} {host:.1f} ms "
+                          f"({groups['host']:.0f}%)",
+                          ("gc.freeze() after setup and scheduled collections (jitter.gc)" if gc else
+                           "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')"),
+                          "" if gc else ("for block in " + E.blocks_expr(ctx) + ":\n    block.compile()"
+                                         "  # fused kernels; mode='reduce-overhead' adds CUDA graphs")))
     for group, lever, fix in (
             ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
             ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
         t = ms(group)
         if t > 0:
-            out.append({"lever": lever, "recoverable_ms": t, "evidence": f"{group} {t:.1f} ms ({groups[group]:.0f}%)",
-                        "fix": fix, "code": ""})
-    out = [lv for lv in out if lv["recoverable_ms"] >= LEVER_MIN_SHARE * step]
+            out.append(_Lever(lever, t, f"{group} {t:.1f} ms ({groups[group]:.0f}%)", fix))
+    out = [lv for lv in out if lv.recoverable_ms >= LEVER_MIN_SHARE * step]
     for lv in out:
-        lv["mfu_after_pct"] = round(mfu * step / max(1e-9, step - lv["recoverable_ms"]), 1)
-    out.sort(key=lambda lv: -lv["recoverable_ms"])
+        lv.mfu_after_pct = round(mfu * step / max(1e-9, step - lv.recoverable_ms), 1)
+    out.sort(key=lambda lv: -lv.recoverable_ms)
     return out
 
 
@@ -248,51 +275,49 @@ class LowMfu(TraceRule):
                    "step time each could recover.")
 
     def match(self, ctx: Context):
-        tp = ctx.section("throughput")
-        rows = list((tp.get("per_rank") or {}).values())
+        tp = ctx.report.throughput
+        rows = list(tp.per_rank.values()) if tp is not None else []
         if not rows:
             return self.quiet("no throughput: pass tokens_per_step= to watch() (FLOPs are counted from it)")
         mfu = _mfu(tp)
         if mfu is None:
-            why = ("no FLOP count" if not any(r.get("flops_per_step") for r in rows) else
+            why = ("no FLOP count" if not any(r.flops_per_step for r in rows) else
                    "no peak TFLOP/s for this device (a CPU, or a GPU not in the table)")
             return self.quiet(f"MFU unknown: {why}; pass peak_tflops= (and tokens_per_step=) to watch()")
         if mfu >= LOW_MFU_PCT:
             return self.quiet(f"MFU {mfu:.1f}% is not below {LOW_MFU_PCT:.0f}%")
-        step = E.step_ms(ctx) or _median(r.get("step_p50_ms") for r in rows)
-        job = ctx.section("verdict").get("job")
+        step = E.step_ms(ctx) or _median(r.step_p50_ms for r in rows)
+        job = ctx.report.verdict.job if ctx.report.verdict is not None else None
         if not step or not job:
             return self.quiet("needs the verdict (what bounds the step) and a step time")
-        groups = job["groups_pct"]
-        records = str(job.get("source", "")).startswith("records")
-        levers = _levers(ctx, step, groups, records, mfu, rows)
+        groups = job.groups_pct
+        levers = _levers(ctx, step, groups, job.source.startswith("records"), mfu, rows)
         if not levers:
             return self.quiet("no lever recovers 1% of the step")
         first = levers[0]
         sev = "warning" if mfu < LOW_MFU_WARN_PCT else "info"
         text = (f"MFU is {mfu:.1f}% (below the {LOW_MFU_PCT:.0f}% tuned FSDP runs reach; the step is "
-                f"{job.get('summary', job['bound'])}). Levers by the step time each could recover: "
-                + "; ".join(f"{i + 1}. {lv['lever']} ~{lv['recoverable_ms']:.1f} ms -> MFU {lv['mfu_after_pct']:.1f}%"
+                f"{job.summary or job.bound}). Levers by the step time each could recover: "
+                + "; ".join(f"{i + 1}. {lv.lever} ~{lv.recoverable_ms:.1f} ms -> MFU {lv.mfu_after_pct:.1f}%"
                             for i, lv in enumerate(levers[:4]))
-                + f". The evidence points to {first['lever']} first: {first['evidence']}. Fix: {first['fix']}.")
-        if first["lever"] == "batch size":
+                + f". The evidence points to {first.lever} first: {first.evidence}. Fix: {first.fix}.")
+        if first.lever == "batch size":
             # a larger micro-batch: the same step time per token falls; the activations grow with the batch
             acts = E.breakdown(ctx).get("activations")
             peak = E.peak_bytes(ctx)
             pred = E.predicted(step, None, peak, peak + acts if (peak is not None and acts) else None)
             text += " Doubling the micro-batch doubles the activations (the predicted peak)."
         else:
-            pred = E.predicted(step, step - first["recoverable_ms"])
+            pred = E.predicted(step, step - first.recoverable_ms)
         return [self.finding(
-            sev, f"MFU {mfu:.1f}%: the evidence points to {first['lever']} first",
+            sev, f"MFU {mfu:.1f}%: the evidence points to {first.lever} first",
             {"mfu_pct": round(mfu, 2), "threshold_pct": LOW_MFU_PCT, "step_p50_ms": round(step, 3),
-             "achieved_tflops_per_rank": _median(r.get("achieved_tflops") for r in rows),
-             "peak_tflops": _median(r.get("peak_tflops") for r in rows),
-             "flops_source": ", ".join(sorted({r["flops_source"] for r in rows if r.get("flops_source")})),
-             "bound": job["bound"],
-             "groups_pct": {k: v for k, v in groups.items() if v}, "first_lever": first["lever"],
-             "levers": [f"{lv['lever']}: ~{lv['recoverable_ms']:.1f} ms/step -> MFU {lv['mfu_after_pct']:.1f}% "
-                        f"({lv['evidence']})" for lv in levers],
-             "lever_order": [lv["lever"] for lv in levers],
-             "recoverable_ms": {lv["lever"]: round(lv["recoverable_ms"], 3) for lv in levers}},
-            text, first["code"], predicted=pred)]
+             "achieved_tflops_per_rank": _median(r.achieved_tflops for r in rows),
+             "peak_tflops": _median(r.peak_tflops for r in rows),
+             "flops_source": ", ".join(sorted({r.flops_source for r in rows if r.flops_source})),
+             "bound": job.bound,
+             "groups_pct": {k: v for k, v in groups.items() if v}, "first_lever": first.lever,
+             "levers": [lv.line for lv in levers],
+             "lever_order": [lv.lever for lv in levers],
+             "recoverable_ms": {lv.lever: round(lv.recoverable_ms, 3) for lv in levers}},
+            text, first.code, predicted=pred)]

@@ -46,28 +46,28 @@ class TooCoarse(Rule):
         total = E.total_params(us)
         if not us or total <= 0:
             return []
-        big = max(us, key=lambda u: u["param_count"])
-        share = big["param_count"] / total
+        big = max(us, key=lambda u: u.param_count)
+        share = big.param_count / total
         if share < COARSE_SHARE_MIN:
             return []
-        if big["is_root"] and len(us) > 1:
+        if big.is_root and len(us) > 1:
             return []  # a root holding most parameters next to wrapped units: wrap.params_in_root says it
         step, peak = _job_numbers(ctx)
-        t = big["timing_p50"]
-        ag = t["ag_wait_fwd_ms"] + t["ag_wait_bwd_ms"]
+        t = big.timing
+        ag = t.ag_wait_fwd_ms + t.ag_wait_bwd_ms
         k = COARSE_SPLIT_INTO
         # after the split only the first of k units waits in each phase; the rest overlap with compute
         step_after = None
-        if step is not None and big["has_timing"]:
+        if step is not None and big.has_timing:
             if E.on_gpu(ctx):
                 step_after = step - ag * (k - 1) / k
             else:  # backward re-gathers the resharded parts, and 3(k-1) more collectives pay their fixed cost
-                step_after = step + t["ag_wait_fwd_ms"] * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
-        gathered_extra = big["unsharded_bytes"] - big["sharded_bytes"]
+                step_after = step + t.ag_wait_fwd_ms * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
+        gathered_extra = big.unsharded_bytes - big.sharded_bytes
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
-        name = big["name"] or "(root)"
-        whole = big["is_root"] and len(us) == 1
-        blocks = E.block_containers(m for u in E.units(ctx) for m in u["modules"])
+        name = big.name or "(root)"
+        whole = big.is_root and len(us) == 1
+        blocks = E.block_containers(m for u in E.units(ctx) for m in u.modules)
         if blocks:
             cont, idx = next(iter(blocks.items()))
             loop = f"for block in {E.children_expr(cont)}:"
@@ -79,7 +79,7 @@ class TooCoarse(Rule):
             "fully_shard(model, mesh=mesh)  # the root last: it keeps what no block holds"
         )
         text = (f"Unit {name!r} holds {100 * share:.0f}% of the parameters, so FSDP gathers "
-                f"{E.mib(big['unsharded_bytes'])} MiB in one all-gather with nothing to overlap it with "
+                f"{E.mib(big.unsharded_bytes)} MiB in one all-gather with nothing to overlap it with "
                 + ("(the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
                 + "Apply fully_shard to each repeated block first, then to the root: only two blocks are "
                 "gathered at a time, and on a GPU each block's all-gather overlaps with the previous block's "
@@ -87,12 +87,12 @@ class TooCoarse(Rule):
                               "smaller collectives that cannot overlap make the step longer."))
         return [self.finding(
             "warning", f"Unit {name!r} holds {100 * share:.0f}% of all parameters",
-            {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big["param_count"],
-             "unsharded_bytes": big["unsharded_bytes"], "units_with_params": len(us),
-             "ag_wait_fwd_ms": t["ag_wait_fwd_ms"], "ag_wait_bwd_ms": t["ag_wait_bwd_ms"],
+            {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big.param_count,
+             "unsharded_bytes": big.unsharded_bytes, "units_with_params": len(us),
+             "ag_wait_fwd_ms": t.ag_wait_fwd_ms, "ag_wait_bwd_ms": t.ag_wait_bwd_ms,
              "step_p50_ms": step, "estimate_assumes": f"split into {k} similar units, 2 gathered at a time"},
             text, code,
-            predicted=E.predicted(step, step_after, peak, peak_after), units=[big["name"]])]
+            predicted=E.predicted(step, step_after, peak, peak_after), units=[big.name])]
 
 
 @register
@@ -105,26 +105,26 @@ class TooFine(Rule):
         us = E.non_root(E.param_units(ctx))
         if len(us) < FINE_MIN_UNITS:
             return []
-        med_tensors = statistics.median(u["n_params"] for u in us)
-        med_bytes = statistics.median(u["unsharded_bytes"] for u in us)
+        med_tensors = statistics.median(u.n_params for u in us)
+        med_bytes = statistics.median(u.unsharded_bytes for u in us)
         if med_tensors > FINE_LEAF_TENSORS and med_bytes >= FINE_SMALL_BYTES:
             return []
-        small = [u for u in us if u["unsharded_bytes"] < FINE_SMALL_BYTES or u["n_params"] <= FINE_LEAF_TENSORS]
+        small = [u for u in us if u.unsharded_bytes < FINE_SMALL_BYTES or u.n_params <= FINE_LEAF_TENSORS]
         step, _ = _job_numbers(ctx)
-        timed = [u for u in us if u["has_timing"]]
+        timed = [u for u in us if u.has_timing]
         waits = [E.ag_wait_ms(u, "forward") for u in timed]
         ag_total = sum(E.ag_wait_ms(u, p) for u in timed for p in ("forward", "backward"))
         # per-call fixed cost: the all-gather wait of the smallest quarter of the units (their bytes are ~0)
-        by_size = sorted(timed, key=lambda u: u["unsharded_bytes"])[:max(1, len(timed) // 4)]
+        by_size = sorted(timed, key=lambda u: u.unsharded_bytes)[:max(1, len(timed) // 4)]
         latency = statistics.median(E.ag_wait_ms(u, "forward") for u in by_size) if by_size else None
         # group the units by repeated block: what the calls would be after re-wrapping
-        groups = {E.block_of(m) or m for u in us for m in u["modules"]}
+        groups = {E.block_of(m) or m for u in us for m in u.modules}
         calls_before = 2 * len(us)  # one all-gather in forward, one in backward
         calls_after = 2 * len(groups)
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        blocks = E.block_containers(m for u in us for m in u["modules"])
+        blocks = E.block_containers(m for u in us for m in u.modules)
         if blocks:
             cont, _idx = next(iter(blocks.items()))
             code = ("from torch.distributed.fsdp import fully_shard\n"
@@ -141,12 +141,12 @@ class TooFine(Rule):
              "small_units": len(small), "all_gathers_per_step": calls_before,
              "ag_wait_ms_per_step": round(ag_total, 3),
              "ag_latency_ms_per_call": None if latency is None else round(latency, 3),
-             "step_p50_ms": step, "examples": [u["name"] for u in small[:6]]},
+             "step_p50_ms": step, "examples": [u.name for u in small[:6]]},
             f"{len(us)} units with a median of {E.mib(med_bytes)} MiB each: every unit pays a fixed cost per "
             "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
             f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones.",
-            code, predicted=E.predicted(step, step_after), units=[u["name"] for u in small[:20]])]
+            code, predicted=E.predicted(step, step_after), units=[u.name for u in small[:20]])]
 
 
 # Runs on any model before fully_shard(model) (executed on every client model by tests/test_clients.py):
@@ -192,22 +192,22 @@ class ParamsInRoot(Rule):
         if len(rts) != 1 or not others or total <= 0:
             return []  # a root-only model is wrap.too_coarse; several roots are wrap.root_not_sharded
         root = rts[0]
-        share = root["param_count"] / total
+        share = root.param_count / total
         if share < ROOT_SHARE_MIN:
             return []
         step, peak = _job_numbers(ctx)
-        held = root["unsharded_bytes"] - root["sharded_bytes"]
+        held = root.unsharded_bytes - root.sharded_bytes
         peak_after = peak - held if peak is not None else None
-        t = root["timing_p50"]
-        wrapped = {m for u in allu if not u["is_root"] for m in u["modules"]}
+        t = root.timing
+        wrapped = {m for u in allu if not u.is_root for m in u.modules}
         code = _ROOT_CHILDREN_CODE
         return [self.finding(
             "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
-            {"root_param_share_pct": round(100 * share, 1), "root_param_count": root["param_count"],
-             "root_unsharded_bytes": root["unsharded_bytes"], "held_gathered_bytes": held,
-             "root_ag_wait_fwd_ms": t["ag_wait_fwd_ms"], "wrapped_units": len(others),
+            {"root_param_share_pct": round(100 * share, 1), "root_param_count": root.param_count,
+             "root_unsharded_bytes": root.unsharded_bytes, "held_gathered_bytes": held,
+             "root_ag_wait_fwd_ms": t.ag_wait_fwd_ms, "wrapped_units": len(others),
              "wrapped_examples": sorted(wrapped)[:6]},
-            f"The root unit manages {E.mib(root['unsharded_bytes'])} MiB of parameters outside the wrapped "
+            f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped "
             "units (typically embeddings, the final norm and the output head). The root is not resharded "
             "after forward, so these stay gathered from the first forward to the end of backward, and their "
             "all-gather is the first of the step with nothing to overlap. Wrap them as units of their own "
@@ -224,27 +224,27 @@ class RootNotSharded(Rule):
 
     def match(self, ctx: Context):
         allu = E.units(ctx)
-        us = [u for u in allu if u["param_count"] > 0 or u["is_root"]]
+        us = [u for u in allu if u.param_count > 0 or u.is_root]
         if len(us) < 2:
             return []
         rts = E.roots(us)
-        nested = [u for u in us if u.get("parent") is not None or u["depth"] > 0]
+        nested = [u for u in us if u.parent is not None or u.depth > 0]
         if len(rts) < 2 and nested:
             return []
-        if len(rts) < 2 and not nested and any(not u["modules"] or "" in u["modules"] for u in us):
+        if len(rts) < 2 and not nested and any(not u.modules or "" in u.modules for u in us):
             return []
         cfg = ctx.config
         unmanaged = cfg.unmanaged_param_bytes if cfg is not None else 0
         step, peak = _job_numbers(ctx)
         # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
         # block computing (and the one prefetched) would be gathered
-        extra = sorted((u["unsharded_bytes"] - u["sharded_bytes"] for u in rts), reverse=True)
+        extra = sorted((u.unsharded_bytes - u.sharded_bytes for u in rts), reverse=True)
         saved = sum(extra[2:]) if len(extra) > 2 else 0
         peak_after = peak - saved if peak is not None else None
         # and the backward all-gathers come back: roughly the forward waits again
         refetch = sum(E.ag_wait_ms(u, "forward") for u in rts[1:])
         step_after = step + refetch if step is not None else None
-        names = [u["name"] for u in rts] or [u["name"] for u in us]
+        names = [u.name for u in rts] or [u.name for u in us]
         sev = "critical" if unmanaged > 0 else "warning"
         text = (f"{len(rts)} units are each their own FSDP root ({E.fmt_list(names)}): fully_shard was applied "
                 "to the blocks but not to the model. Every root keeps its parameters gathered after forward "
@@ -277,20 +277,20 @@ class MixedDtypeUnit(Rule):
     def match(self, ctx: Context):
         out = []
         for u in E.param_units(ctx):
-            dts = sorted({d for d in u["orig_dtypes"] if d})
+            dts = sorted({d for d in u.orig_dtypes if d})
             if len(dts) < 2:
                 continue
-            if u.get("param_dtype"):
+            if u.param_dtype:
                 # a MixedPrecisionPolicy casts every parameter to param_dtype before the all-gather (frozen
                 # bf16 weights beside trainable fp32 ones under a bf16 policy): one dtype on the wire
                 continue
-            name = u["name"] or "(root)"
+            name = u.name or "(root)"
             rank = lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER)  # noqa: E731
             narrow, wide = min(dts, key=rank), max(dts, key=rank)
             out.append(self.finding(
                 "warning", f"Unit {name!r} mixes parameter dtypes ({', '.join(dts)})",
-                {"unit": name, "dtypes": dts, "unsharded_bytes": u["unsharded_bytes"],
-                 "param_count": u["param_count"]},
+                {"unit": name, "dtypes": dts, "unsharded_bytes": u.unsharded_bytes,
+                 "param_count": u.param_count},
                 "FSDP2 all-gathers a unit in one flat buffer; with several dtypes it falls back to a byte-wise "
                 "all-gather plus per-dtype copies. A MixedPrecisionPolicy gathers every parameter in its "
                 f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
@@ -300,7 +300,7 @@ class MixedDtypeUnit(Rule):
                 f"fully_shard({E.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
                 f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
                 f"                                           output_dtype=torch.{wide}))  # what the next units expect",
-                units=[u["name"]]))
+                units=[u.name]))
         return out
 
 
