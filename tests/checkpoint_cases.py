@@ -54,7 +54,7 @@ def run(mode: str, watched: bool) -> dict:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out = tempfile.mkdtemp()
+    out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
     ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
     doctor = ctx.__enter__() if ctx else None
     losses = []
@@ -82,6 +82,7 @@ def run(mode: str, watched: bool) -> dict:
                          for u in run_.config.units}
         res["errors"] = [e.message for e in run_.ranks[0].errors]
         res["global_hooks_after_first_step"] = hooks_left
+        res["out_dir"] = out
     return res
 
 

@@ -3,6 +3,7 @@ detected at run time and its recompute timed, like a checkpoint_wrapper on the b
 unchanged. Real FSDP2 runs on one gloo rank (tests/checkpoint_cases.py)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def cases():
+def cases(tmp_path_factory):
+    env = {**os.environ, "CHECKPOINT_CASES_DIR": str(tmp_path_factory.mktemp("ckpt"))}
     r = subprocess.run([sys.executable, str(REPO / "tests" / "checkpoint_cases.py")], capture_output=True,
-                       text=True, timeout=300, cwd=REPO)
+                       text=True, timeout=300, cwd=REPO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -40,3 +42,12 @@ def test_checkpointing_the_whole_unit_still_reads_unit_and_nothing_reads_none(ca
 @pytest.mark.parametrize("mode", ["children", "block", "none"])
 def test_losses_bit_identical_with_and_without_the_doctor(cases, mode):
     assert cases[mode]["losses"] == cases[mode]["plain_losses"]
+
+
+def test_the_diagnosis_sees_the_children_granularity(cases):
+    from fsdp_doctor import load_run
+    from fsdp_doctor.pipeline import build_report
+
+    codes = {m: {f.code for f in build_report(load_run(cases[m]["out_dir"])).findings} for m in cases}
+    assert "ac.wrong_granularity" in codes["children"]
+    assert "ac.wrong_granularity" not in codes["block"] and "ac.wrong_granularity" not in codes["none"]

@@ -160,9 +160,10 @@ class AcWrongGranularity(Rule):
             "warning", f"Checkpointing is applied inside {len(ch)} unit(s) instead of to the whole block",
             {"units": [u.name or "(root)" for u in ch], "checkpoint": sorted({u.checkpoint for u in ch}),
              "activation_bytes": acts, "step_p50_ms": step},
-            "The checkpoint wrappers sit on the blocks' children (attention, MLP), not on the blocks: every "
-            "tensor passed between the children and the residual adds and norms around them stays saved, so a "
-            "large part of the activations survives (seen in the wild: 29 of 40.8 GB at peak), while the "
-            "recompute is paid in full. Checkpoint the blocks themselves.",
+            "Checkpointing re-runs the blocks' children (attention, MLP: checkpoint wrappers on them, or "
+            "checkpoint(self.mlp, h) calls in the block's forward), not the blocks: every tensor passed between "
+            "the children and the residual adds and norms around them stays saved, so a large part of the "
+            "activations survives (seen in the wild: 29 of 40.8 GB at peak), while the recompute is paid in "
+            "full. Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
             _ckpt_code(mods or [u.name for u in ch]),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
