@@ -336,7 +336,8 @@ def memory_breakdown_figure(mem_rank: Optional[MemoryRank], rank: Optional[int] 
     unknown = set(unknown_categories(mem_rank))
     cats = _ordered_categories(bd)[::-1]
     fig = go.Figure(go.Bar(
-        x=[bd[c] / MIB for c in cats], y=cats, orientation="h", marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
+        x=[0 if c in unknown else bd[c] / MIB for c in cats], y=cats, orientation="h",
+        marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
         text=[UNKNOWN if c in unknown else fmt_bytes(bd[c]) if bd[c] else "" for c in cats], textposition="outside",
         cliponaxis=False, hovertemplate=[f"%{{y}}: {UNKNOWN} ({NOT_MEASURED})<extra></extra>" if c in unknown else
                                          MIB_HOVER for c in cats] if unknown else MIB_HOVER,

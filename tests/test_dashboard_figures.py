@@ -160,6 +160,8 @@ def test_memory_category_not_measured_is_unknown_not_a_measured_zero(snap):
     assert text["comm_buffers"] == "unknown" and "unknown (not measurable" in hover["comm_buffers"]
     assert text["offloaded_host"] == "" and "%{x:.1f} MiB" in hover["offloaded_host"]  # a measured 0 is not unknown
     assert text["optimizer_state"] == "5.00 MiB"
+    m.peak_breakdown["comm_buffers"] = 1 << 20  # whatever the record holds, an unknown category claims no bytes
+    assert dict(zip(*(F.memory_breakdown_figure(m).data[0][k] for k in ("y", "x"))))["comm_buffers"] == 0
     tl = F.memory_timeline_figure(m, categories=CATS)
     assert "comm_buffers" not in [t.name for t in tl.data] and "activations" in [t.name for t in tl.data]
     # even where every category reads 0 (the figure then stacks them all), the unknown one is not stacked
