@@ -37,6 +37,7 @@ VERDICT_LABEL_MIN_PCT = 3.0  # narrower segments are labelled on hover only (the
 MIB = float(1 << 20)
 PROFILER_OUTSIDE = "outside: profiler window (tool)"
 NOT_MEASURED = "not measurable on this torch"  # a memory category's 0 that is no figure (MemoryRank.unknown_categories)
+MIB_HOVER = "%{y}: %{x:.1f} MiB<extra></extra>"
 
 
 # plotly_white's layout only: the full template carries per-trace-type defaults whose copy costs ~0.3 s per
@@ -317,12 +318,9 @@ def memory_timeline_figure(mem_rank: Optional[MemoryRank], window=None, capacity
 
 
 def _peak_where(at: MemoryPeakAt) -> str:
-    """Where the peak happened: ``step 4 · unit layers.0 · backward`` (a figure not known left out)."""
+    """Where the peak happened: ``step 4 · unit layers.0 · backward`` (step and phase where known)."""
     return " · ".join([*([f"step {at.step}"] if at.step is not None else []), f"unit {unit_label(at.unit)}",
                        *([str(at.phase)] if at.phase is not None else [])])
-
-
-MIB_HOVER = "%{y}: %{x:.1f} MiB<extra></extra>"
 
 
 def memory_breakdown_figure(mem_rank: Optional[MemoryRank], rank: Optional[int] = None, height: int = 320) -> go.Figure:
@@ -433,8 +431,9 @@ def _agg(rows: list[CommUnitRow], key) -> dict[tuple, tuple[float, float]]:
     """key -> (comm_us, exposed_us) summed over the rows with that key."""
     out: dict = {}
     for r in rows:
-        comm, exposed = out.get(key(r), (0.0, 0.0))
-        out[key(r)] = (comm + r.comm_us, exposed + r.exposed_us)
+        k = key(r)
+        comm, exposed = out.get(k, (0.0, 0.0))
+        out[k] = (comm + r.comm_us, exposed + r.exposed_us)
     return out
 
 
