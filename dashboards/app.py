@@ -33,10 +33,10 @@ def _rank_options(snap) -> list[dict]:
 def _unit_options(snap) -> list[dict]:
     from .figures import unit_label
 
-    names = [u["name"] for u in snap.report.get("units") or []]
-    if not names:  # plain Kineto traces: the units their collectives were attributed to
-        names = list(dict.fromkeys(r["unit"] for r in (snap.report.get("overlap") or {}).get("per_unit") or []
-                                   if r.get("unit") is not None))
+    names = [u.name for u in snap.report.units or []]
+    ov = snap.report.overlap
+    if not names and ov is not None:  # plain Kineto traces: the units their collectives were attributed to
+        names = list(dict.fromkeys(r.unit for r in ov.per_unit if r.unit is not None))
     return [{"label": "all units", "value": ALL}] + [{"label": unit_label(n), "value": unit_value(n)} for n in names]
 
 
@@ -57,15 +57,15 @@ def _marks(lo: int, hi: int) -> dict:
 
 
 def _status(snap) -> str:
-    run = snap.report.get("run") or {}
+    run = snap.report.run
     if not snap.has_records:
         if snap.windows:
             return f"{len(snap.windows)} profiler trace(s), no fsdp-doctor records"
         return f"waiting for records in {snap.path} …"
-    done = run.get("complete") or {}
-    n = max((run.get("steps_recorded") or {}).values(), default=0)
+    done = run.complete
+    n = max(run.steps_recorded.values(), default=0)
     state = "finished" if done and all(done.values()) else "live"
-    return f"{state} · {n} steps × {len(run.get('ranks', []))} ranks · updated {time.strftime('%H:%M:%S')}"
+    return f"{state} · {n} steps × {len(run.ranks)} ranks · updated {time.strftime('%H:%M:%S')}"
 
 
 def _nav(app: Dash, pathname: Optional[str], search: Optional[str]) -> list:

@@ -1,4 +1,5 @@
-"""Pure figure builders: plain data (report sections, step columns, trace intervals) in, plotly figures out.
+"""Pure figure builders: typed report sections (``fsdp_doctor.report_sections``), step columns and trace
+intervals in, plotly figures out.
 
 No I/O, no Dash, no analysis: every number drawn comes from the report or the records as given. Each
 builder returns a figure with a readable note instead of raising when its data is missing.
@@ -13,8 +14,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from fsdp_doctor import memory_categories as MC
-from fsdp_doctor.present.fmt import (VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, verdict_share,
+from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, verdict_share,
                                      verdict_title)
+from fsdp_doctor.report_sections import CommUnitRow, MemoryPeakAt, MemoryRank, OverlapRank, UnitRow, Verdict
 
 # ---------------------------------------------------------------- palette and shared layout
 
@@ -34,6 +36,8 @@ VERDICT_COLORS = {"compute": "#4C78A8", "AG fwd": "#F58518", "AG bwd": "#FFBF79"
 VERDICT_LABEL_MIN_PCT = 3.0  # narrower segments are labelled on hover only (the text would not fit)
 MIB = float(1 << 20)
 PROFILER_OUTSIDE = "outside: profiler window (tool)"
+NOT_MEASURED = "not measurable on this torch"  # a memory category's 0 that is no figure (MemoryRank.unknown_categories)
+MIB_HOVER = "%{y}: %{x:.1f} MiB<extra></extra>"
 
 
 # plotly_white's layout only: the full template carries per-trace-type defaults whose copy costs ~0.3 s per
@@ -255,22 +259,28 @@ def _ordered_categories(keys: Iterable[str]) -> list[str]:
     return out + sorted(keys - set(out))
 
 
-def memory_timeline_figure(mem_rank: Optional[dict], window=None, capacity_bytes: Optional[int] = None,
+def unknown_categories(mem_rank: Optional[MemoryRank]) -> list[str]:
+    """The memory categories this torch could not measure on the rank: their 0 is no figure."""
+    return list(mem_rank.unknown_categories or ()) if mem_rank is not None else []
+
+
+def memory_timeline_figure(mem_rank: Optional[MemoryRank], window=None, capacity_bytes: Optional[int] = None,
                            rank: Optional[int] = None, height: int = 360, categories: Optional[Sequence[str]] = None) -> go.Figure:
     """Stacked area of memory by category along the step (unit and phase on hover), with the capacity line.
 
-    Samples carry ``t_ms`` (time into the step) or a ``step`` each; ``mem_rank["timeline_step"]`` names the step
-    of a one-step timeline. ``categories`` (the section's list) fixes which keys are stacked and in what order."""
-    mem_rank = mem_rank or {}
-    tl_step = mem_rank.get("timeline_step")
+    Samples carry ``t_ms`` (time into the step) or a ``step`` each; ``mem_rank.timeline_step`` names the step
+    of a one-step timeline. ``categories`` (the section's list) fixes which keys are stacked and in what order.
+    A category this torch could not measure is not stacked: its 0 is no figure."""
+    mem_rank = mem_rank or MemoryRank()
+    tl_step = mem_rank.timeline_step
     title = "Memory by category along the step" + (f" {tl_step}" if tl_step is not None else "") + \
         (f" (rank {rank})" if rank is not None else "")
-    samples = timeline_samples(mem_rank.get("timeline"))
+    samples = timeline_samples(mem_rank.timeline)
     samples = [s for s in samples if s.get("step") is None or _in_window(s["step"], window)]
     if not samples:
         return empty_figure("No memory timeline in the report.", title, height)
     cats_per = [_sample_categories(s) for s in samples]
-    present = {k for c in cats_per for k in c}
+    present = {k for c in cats_per for k in c} - set(unknown_categories(mem_rank))
     cats = [c for c in categories if c in present] if categories else _ordered_categories(present)
     nonzero = [c for c in cats if any(cp.get(c) for cp in cats_per)]
     cats = nonzero or cats  # categories that stay at 0 along the step only clutter the legend
@@ -285,7 +295,7 @@ def memory_timeline_figure(mem_rank: Optional[dict], window=None, capacity_bytes
             line={"width": 0.5, "color": MEMORY_COLORS.get(c)}, customdata=hover,
             hovertemplate=f"{c}: %{{y:.2f}} MiB<br>step %{{customdata[0]}} · unit %{{customdata[1]}} · %{{customdata[2]}}<extra></extra>",
         ))
-    cap = capacity_bytes if capacity_bytes is not None else mem_rank.get("capacity_bytes")
+    cap = capacity_bytes if capacity_bytes is not None else mem_rank.capacity_bytes
     if cap:
         fig.add_hline(y=cap / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},
                       annotation_text=f"capacity {fmt_bytes(cap)}", annotation_position="top left")
@@ -307,24 +317,30 @@ def memory_timeline_figure(mem_rank: Optional[dict], window=None, capacity_bytes
     return _layout(fig, title, height)
 
 
-def memory_breakdown_figure(mem_rank: Optional[dict], rank: Optional[int] = None, height: int = 320) -> go.Figure:
-    """Memory by category at the peak (horizontal bars), with where the peak happened in the title."""
-    mem_rank = mem_rank or {}
-    bd = mem_rank.get("peak_breakdown") or {}
+def _peak_where(at: MemoryPeakAt) -> str:
+    """Where the peak happened: ``step 4 · unit layers.0 · backward`` (step and phase where known)."""
+    return " · ".join([*([f"step {at.step}"] if at.step is not None else []), f"unit {unit_label(at.unit)}",
+                       *([str(at.phase)] if at.phase is not None else [])])
+
+
+def memory_breakdown_figure(mem_rank: Optional[MemoryRank], rank: Optional[int] = None, height: int = 320) -> go.Figure:
+    """Memory by category at the peak (horizontal bars), with where the peak happened in the title. A category
+    this torch could not measure is labelled "unknown", never a measured 0."""
+    bd = mem_rank.peak_breakdown if mem_rank is not None else {}
     title = "Breakdown at the peak" + (f" (rank {rank})" if rank is not None else "")
     if not bd:
         return empty_figure("No peak breakdown in the report.", title, height)
-    at = mem_rank.get("peak_at") or {}
-    where = " · ".join(f"unit {unit_label(v)}" if k == "unit" else (f"step {v}" if k == "step" else str(v))
-                       for k, v in at.items() if k in ("step", "unit", "phase") and (v is not None or k == "unit"))
-    cats = [c for c in _ordered_categories(bd) if isinstance(bd.get(c), (int, float))][::-1]
+    where = _peak_where(mem_rank.peak_at)
+    unknown = set(unknown_categories(mem_rank))
+    cats = _ordered_categories(bd)[::-1]
     fig = go.Figure(go.Bar(
-        x=[bd[c] / MIB for c in cats], y=cats, orientation="h", marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
-        text=[fmt_bytes(bd[c]) if bd[c] else "" for c in cats], textposition="outside", cliponaxis=False,
-        hovertemplate="%{y}: %{x:.1f} MiB<extra></extra>",
+        x=[0 if c in unknown else bd[c] / MIB for c in cats], y=cats, orientation="h",
+        marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
+        text=[UNKNOWN if c in unknown else fmt_bytes(bd[c]) if bd[c] else "" for c in cats], textposition="outside",
+        cliponaxis=False, hovertemplate=[f"%{{y}}: {UNKNOWN} ({NOT_MEASURED})<extra></extra>" if c in unknown else
+                                         MIB_HOVER for c in cats] if unknown else MIB_HOVER,
     ))
-    if mem_rank.get("peak_bytes") is not None:
-        title += f": {fmt_bytes(mem_rank['peak_bytes'])}"
+    title += f": {fmt_bytes(mem_rank.peak_bytes)}"
     fig.update_xaxes(title_text=f"MiB at the peak: {where}" if where else "MiB")
     fig.update_yaxes(automargin=True)
     return _layout(fig, title, height, showlegend=False).update_layout(margin_r=84)  # room for the bar labels
@@ -403,34 +419,36 @@ def comm_timeline_figure(windows: list[dict], unit: Optional[str] = None, height
     return _layout(fig, f"{title} (step {', '.join(map(str, steps))})", h)
 
 
-def _unit_rows(per_unit: list[dict], ranks=None, unit: Optional[str] = None, collectives=None) -> list[dict]:
+def _unit_rows(per_unit: list[CommUnitRow], ranks=None, unit: Optional[str] = None,
+               collectives=None) -> list[CommUnitRow]:
     want = None if ranks is None else {int(r) for r in ranks}
     return [r for r in per_unit or []
-            if (want is None or int(r["rank"]) in want) and (unit is None or r["unit"] == unit)
-            and (collectives is None or r["collective"] in collectives)]
+            if (want is None or int(r.rank) in want) and (unit is None or r.unit == unit)
+            and (collectives is None or r.collective in collectives)]
 
 
-def _agg(rows: list[dict], key, fields: Sequence[str]) -> dict:
+def _agg(rows: list[CommUnitRow], key) -> dict[tuple, tuple[float, float]]:
+    """key -> (comm_us, exposed_us) summed over the rows with that key."""
     out: dict = {}
     for r in rows:
         k = key(r)
-        acc = out.setdefault(k, {f: 0.0 for f in fields})
-        for f in fields:
-            acc[f] += r.get(f) or 0.0
+        comm, exposed = out.get(k, (0.0, 0.0))
+        out[k] = (comm + r.comm_us, exposed + r.exposed_us)
     return out
 
 
-def unit_exposure_figure(per_unit: list[dict], ranks=None, unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+def unit_exposure_figure(per_unit: list[CommUnitRow], ranks=None, unit: Optional[str] = None,
+                         height: Optional[int] = None) -> go.Figure:
     """Per unit and collective (summed over the selected ranks): communication time exposed vs overlapped."""
     title = "Communication per unit: exposed vs overlapped"
     rows = _unit_rows(per_unit, ranks, unit)
     if not rows:
         return empty_figure("No per-unit communication in this selection.", title, 240)
-    agg = _agg(rows, lambda r: (unit_label(r["unit"]), r["collective"], r["phase"] or "-"), ("comm_us", "exposed_us"))
-    keys = sorted(agg, key=lambda k: agg[k]["exposed_us"])
+    agg = _agg(rows, lambda r: (unit_label(r.unit), r.collective, r.phase or "-"))
+    keys = sorted(agg, key=lambda k: agg[k][1])
     labels = [f"{u} · {c} ({p})" for u, c, p in keys]
-    exposed = [agg[k]["exposed_us"] / 1e3 for k in keys]
-    overlapped = [max(0.0, agg[k]["comm_us"] - agg[k]["exposed_us"]) / 1e3 for k in keys]
+    exposed = [agg[k][1] / 1e3 for k in keys]
+    overlapped = [max(0.0, agg[k][0] - agg[k][1]) / 1e3 for k in keys]
     fig = go.Figure([
         go.Bar(y=labels, x=exposed, name="exposed (compute waited)", orientation="h", marker_color="#E45756",
                hovertemplate="%{y}<br>exposed %{x:.2f} ms<extra></extra>"),
@@ -443,32 +461,33 @@ def unit_exposure_figure(per_unit: list[dict], ranks=None, unit: Optional[str] =
     return _layout(fig, title, height or max(260, 90 + 20 * len(labels)))
 
 
-def prefetch_slack_figure(per_unit: list[dict], ranks=None, unit: Optional[str] = None, height: Optional[int] = None) -> go.Figure:
+def prefetch_slack_figure(per_unit: list[CommUnitRow], ranks=None, unit: Optional[str] = None,
+                          height: Optional[int] = None) -> go.Figure:
     """All-gather slack per unit: need − finish. Negative: compute waited for the parameters (prefetch too late);
     positive: the gathered parameters sat unused that long (memory held early)."""
     title = "All-gather slack per unit (ms; < 0 compute waited, > 0 held early)"
-    rows = [r for r in _unit_rows(per_unit, ranks, unit, ("all_gather",)) if r.get("slack_us") is not None]
+    rows = [r for r in _unit_rows(per_unit, ranks, unit, ("all_gather",)) if r.slack_us is not None]
     if not rows:
         return empty_figure("No all-gather timing (slack) in this selection.", title, 240)
-    rows = sorted(rows, key=lambda r: (r["phase"] or "", r["rank"], unit_label(r["unit"])))
+    rows = sorted(rows, key=lambda r: (r.phase or "", r.rank, unit_label(r.unit)))
     fig = go.Figure()
-    for ph in sorted({r["phase"] or "-" for r in rows}):
-        sub = [r for r in rows if (r["phase"] or "-") == ph]
+    for ph in sorted({r.phase or "-" for r in rows}):
+        sub = [r for r in rows if (r.phase or "-") == ph]
         fig.add_trace(go.Bar(
-            y=[f"{unit_label(r['unit'])} · r{r['rank']}" for r in sub], x=[r["slack_us"] / 1e3 for r in sub], orientation="h",
+            y=[f"{unit_label(r.unit)} · r{r.rank}" for r in sub], x=[r.slack_us / 1e3 for r in sub], orientation="h",
             name=ph, marker_color=PHASE_COLORS.get(ph, "#888"),
-            customdata=[[ph, (r.get("held_us") or 0) / 1e3] for r in sub],
+            customdata=[[ph, (r.held_us or 0) / 1e3] for r in sub],
             hovertemplate="%{y} (%{customdata[0]})<br>slack %{x:.2f} ms<br>held %{customdata[1]:.2f} ms<extra></extra>",
         ))
     fig.add_vline(x=0, line={"color": "#333", "width": 1})
     fig.update_layout(barmode="group")
     fig.update_xaxes(title_text="ms (mean over calls)")
     fig.update_yaxes(automargin=True)
-    n = len({(r["unit"], r["rank"]) for r in rows})
+    n = len({(r.unit, r.rank) for r in rows})
     return _layout(fig, title, height or max(260, 90 + 22 * n))
 
 
-def overlap_by_rank_figure(per_rank: dict, ranks=None, height: int = 260) -> go.Figure:
+def overlap_by_rank_figure(per_rank: dict[str, OverlapRank], ranks=None, height: int = 260) -> go.Figure:
     title = "Communication per rank: exposed vs overlapped"
     keys = sorted((int(k) for k in (per_rank or {})), reverse=True)
     if ranks is not None:
@@ -477,11 +496,11 @@ def overlap_by_rank_figure(per_rank: dict, ranks=None, height: int = 260) -> go.
         return empty_figure("No trace analysis yet.", title, 200)
     rows = [per_rank[str(k)] for k in keys]
     labels = [f"rank {k}" for k in keys]
-    pct = [f"{r['overlap_pct']:.0f}% overlapped" if r.get("overlap_pct") is not None else "" for r in rows]
+    pct = [f"{r.overlap_pct:.0f}% overlapped" if r.overlap_pct is not None else "" for r in rows]
     fig = go.Figure([
-        go.Bar(y=labels, x=[r["exposed_us"] / 1e3 for r in rows], name="exposed", orientation="h", marker_color="#E45756",
+        go.Bar(y=labels, x=[r.exposed_us / 1e3 for r in rows], name="exposed", orientation="h", marker_color="#E45756",
                hovertemplate="%{y}<br>exposed %{x:.2f} ms<extra></extra>"),
-        go.Bar(y=labels, x=[r["overlap_us"] / 1e3 for r in rows], name="overlapped", orientation="h", marker_color="#54A24B",
+        go.Bar(y=labels, x=[r.overlap_us / 1e3 for r in rows], name="overlapped", orientation="h", marker_color="#54A24B",
                text=pct, textposition="outside", hovertemplate="%{y}<br>overlapped %{x:.2f} ms<extra></extra>"),
     ])
     fig.update_layout(barmode="stack")
@@ -492,21 +511,23 @@ def overlap_by_rank_figure(per_rank: dict, ranks=None, height: int = 260) -> go.
 # ---------------------------------------------------------------- verdict
 
 
-def verdict_figure(section: Optional[dict], rank: Optional[int] = None, max_ranks: int = VERDICT_MAX_RANKS,
+def verdict_figure(section: Verdict | dict | None, rank: Optional[int] = None, max_ranks: int = VERDICT_MAX_RANKS,
                    height: Optional[int] = None) -> go.Figure:
-    """The verdict (``report["verdict"]``) as one stacked horizontal bar per rank and one for the job: the share
+    """The verdict (``report.verdict``) as one stacked horizontal bar per rank and one for the job: the share
     of the step (%) of each kind, one colour per kind (VERDICT_COLORS), labelled in % (the terminal's figures,
     one decimal), each rank's step time in its label. ``rank``: that rank and the job only. The first
-    ``max_ranks`` ranks are drawn, as in the terminal; the title counts the rest."""
-    if not section or not section.get("per_rank"):
+    ``max_ranks`` ranks are drawn, as in the terminal; the title counts the rest. The HTML report draws the
+    same bar: ``section`` may also be the verdict's JSON form."""
+    section = Verdict.of(section)
+    if section is None or not section.per_rank:
         return empty_figure("No verdict yet: it needs step records or a profiled window.", "Verdict", 200)
-    per_rank = section["per_rank"]
+    per_rank, job = section.per_rank, section.job
     keys = [str(rank)] if rank is not None and str(rank) in per_rank else list(per_rank)
     shown = keys[:max_ranks]
-    rows = [(f"rank {r} · {fmt_ms(per_rank[r]['step_ms'])}" if per_rank[r].get("step_ms") is not None
+    rows = [(f"rank {r} · {fmt_ms(per_rank[r].step_ms)}" if per_rank[r].step_ms is not None
              else f"rank {r}", per_rank[r]) for r in shown]
     if len(per_rank) > 1:
-        rows.append((f"job · {section['job'].get('ranks', len(per_rank))} ranks", section["job"]))
+        rows.append((f"job · {len(per_rank) if job.ranks is None else job.ranks} ranks", job))
     labels = [lab for lab, _ in rows]
     fig = go.Figure()
     for seg in VERDICT_SEGMENTS:
@@ -520,9 +541,9 @@ def verdict_figure(section: Optional[dict], rank: Optional[int] = None, max_rank
     title = verdict_title(section)
     if len(keys) > len(shown):
         title += f", first {len(shown)} of {len(keys)} ranks"
-    counts = sorted({v["steps"] for _, v in rows if v.get("steps")})
+    counts = sorted({v.steps for _, v in rows if v.steps})
     if counts:  # the verdict's step time is over the profiled (or steady) steps it covers, not the run's p50
-        kind = "profiled" if str(section["job"].get("source", "")).startswith("trace") else "steady"
+        kind = "profiled" if job.source.startswith("trace") else "steady"
         num = str(counts[0]) if len(counts) == 1 else "its"
         title += f"; step time over {num} {kind} step{'' if counts == [1] else 's'}"
     fig.update_layout(barmode="stack")
@@ -536,24 +557,24 @@ def verdict_figure(section: Optional[dict], rank: Optional[int] = None, max_rank
 # ---------------------------------------------------------------- units
 
 
-def unit_timing_figure(units: list[dict], unit: Optional[str] = None, height: Optional[int] = None,
+def unit_timing_figure(units: list[UnitRow], unit: Optional[str] = None, height: Optional[int] = None,
                        who: str = "all ranks") -> go.Figure:
     """Median per-step host timings of each unit: forward, backward and their all-gather waits. ``who`` names
     the ranks and steps the medians were taken over."""
     title = f"Per-unit host timings (median per step, {who})"
-    rows = [u for u in units or [] if u.get("timing_p50")]
+    rows = [u for u in units or [] if u.timing_p50]
     if not rows:
         return empty_figure("No unit timings yet.", title, 240)
-    labels = [unit_label(u["name"]) for u in rows][::-1]
+    labels = [unit_label(u.name) for u in rows][::-1]
     rows = rows[::-1]
     fig = go.Figure()
     for key, name, color in (("fwd_ms", "forward", PHASE_COLORS["forward"]), ("ag_wait_fwd_ms", "AG wait fwd", "#9ECAE9"),
                              ("bwd_ms", "backward", PHASE_COLORS["backward"]), ("ag_wait_bwd_ms", "AG wait bwd", "#FFBF79"),
                              ("recompute_ms", "recompute", "#B279A2")):
-        vals = [u["timing_p50"].get(key, 0.0) for u in rows]
+        vals = [getattr(u.timing_p50, key) for u in rows]
         if not any(vals):
             continue
-        op = [1.0 if unit is None or u["name"] == unit else 0.3 for u in rows]
+        op = [1.0 if unit is None or u.name == unit else 0.3 for u in rows]
         fig.add_trace(go.Bar(y=labels, x=vals, name=name, orientation="h", marker={"color": color, "opacity": op},
                              hovertemplate="%{y}<br>" + name + " %{x:.2f} ms<extra></extra>"))
     fig.update_layout(barmode="group")

@@ -19,11 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import msgspec
+
 from fsdp_doctor.pipeline import build_report, record_sections, window_run
+from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import RunFollower, run_trace_files
 
 # A trace file that fails to decode and was modified this recently may still be being written: retry it.
 TRACE_SETTLE_S = 10.0
+# The report's sections computed from the records, which a step window (and a rank) recompute.
+RECORD_SECTIONS = ("steps", "units", "throughput", "memory")
 
 
 @dataclass
@@ -32,20 +37,20 @@ class Snapshot:
 
     version: int
     path: Path
-    report: dict
+    report: Report
     steps: dict[int, dict[str, list]]  # rank -> columns (see steps_columns)
     windows: list[Any]  # fsdp_doctor.trace WindowTrace, one per analysed profiler window
     has_records: bool
     traces_pending: int = 0
     updated: float = field(default_factory=time.time)
-    window_fn: Optional[Callable[..., dict]] = field(default=None, repr=False, compare=False)
+    window_fn: Optional[Callable[..., Report]] = field(default=None, repr=False, compare=False)
 
-    def sections(self, window: Optional[tuple[int, int]], rank: Optional[int] = None) -> dict:
-        """The report's ``steps``, ``units``, ``throughput`` and ``memory`` sections recomputed by the same
-        analyses over the steps inside ``window`` only and, with ``rank``, that rank only (the whole report when
-        both are None)."""
+    def sections(self, window: Optional[tuple[int, int]], rank: Optional[int] = None) -> Report:
+        """The report with its record sections (``RECORD_SECTIONS``) recomputed by the same analyses over the
+        steps inside ``window`` only and, with ``rank``, that rank only; a section with nothing there is None.
+        The report itself when both are None."""
         if (window is None and rank is None) or self.window_fn is None:
-            return {k: self.report.get(k) for k in ("steps", "units", "throughput", "memory")}
+            return self.report
         return self.window_fn(window, rank)
 
 
@@ -79,7 +84,7 @@ class RunState:
         self._follower = RunFollower(self.path)
         self._lock = threading.RLock()
         self._version = 0
-        self._report: dict | None = None
+        self._report: Report | None = None
         self._steps: dict[int, dict[str, list]] = {}
         self._traces: dict[Path, tuple[tuple[int, int], Any]] = {}  # path -> ((mtime_ns, size), window | error str)
         self._pending: set[Path] = set()
@@ -126,9 +131,9 @@ class RunState:
         run.trace_files = sorted(self._traces)
         windows = [w for _, w in self._traces.values() if not isinstance(w, str)]
         skipped = [f"{p.name}: {w}" for p, (k, w) in sorted(self._traces.items()) if isinstance(w, str) and k[0] >= 0]
-        report = build_report(run, traces=False, windows=windows or None).to_builtins()  # the CLI's pipeline, sizes included
+        report = build_report(run, traces=False, windows=windows or None)  # the CLI's pipeline, sizes included
         if skipped:
-            report["problems"] = list(report.get("problems", [])) + skipped
+            report.problems = [*report.problems, *skipped]
         self._report = report
         self._steps = steps_columns(run)
         self._version += 1
@@ -137,17 +142,19 @@ class RunState:
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
-                                  window_fn=lambda w, r=None, _f=frozen, _v=self._version: self._window_sections(_f, _v, w, r))
+                                  window_fn=lambda w, r=None, _f=frozen, _rep=report: self._window_sections(_f, _rep, w, r))
 
-    def _window_sections(self, frozen, version: int, window: Optional[tuple[int, int]],
-                         rank: Optional[int] = None) -> dict:
-        key = (version, None if window is None else tuple(window), rank)
+    def _window_sections(self, frozen, report: Report, window: Optional[tuple[int, int]],
+                         rank: Optional[int] = None) -> Report:
+        key = (id(report), None if window is None else tuple(window), rank)  # the report of one version
         hit = self._window_cache.get(key)
         if hit is not None:
             return hit
         if rank is not None:  # that rank only (the Units page's per-rank timings)
             frozen = dataclasses.replace(frozen, ranks={r: rd for r, rd in frozen.ranks.items() if r == rank})
-        out = record_sections(frozen, None if window is None else tuple(window))  # memory too: the Memory page
+        # name -> section, as a Report; memory too (the Memory page)
+        secs = Report.of(record_sections(frozen, None if window is None else tuple(window)))
+        out = msgspec.structs.replace(report, **{k: getattr(secs, k) for k in RECORD_SECTIONS})
         if len(self._window_cache) > 32:
             self._window_cache.clear()
         self._window_cache[key] = out

@@ -184,7 +184,7 @@ def test_every_page_renders_without_console_errors(browser, serve, tmp_path):
     driver.get(srv.url)
     _wait(driver, lambda d: d.find_elements(By.ID, "kpi-p50"), what="overview KPIs")
     srv.app._fsdp_state.wait_traces(60)
-    has_memory = bool(srv.app._fsdp_state.snapshot().report.get("memory"))
+    has_memory = srv.app._fsdp_state.snapshot().report.memory is not None
     need = dict(MIN_GRAPHS, memory=2 if has_memory else 0)
     for key in PAGES:
         _open_tab(driver, key)
@@ -237,8 +237,8 @@ def _more_gc(line: bytes) -> bytes:
 def test_finding_card_shows_evidence_and_fix(browser, serve, tmp_path):
     driver = browser
     srv = serve(_copy_sample(tmp_path / "gc-run", mutate=_more_gc))
-    findings = srv.app._fsdp_state.snapshot().report["findings"]
-    assert any(f["code"] == "jitter.gc" for f in findings), [f["code"] for f in findings]
+    findings = srv.app._fsdp_state.snapshot().report.findings
+    assert any(f.code == "jitter.gc" for f in findings), [f.code for f in findings]
     driver.set_window_size(1366, 768)
     driver.get(srv.url)
     card = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ".finding-warning, .finding-critical"),
@@ -252,6 +252,37 @@ def test_finding_card_shows_evidence_and_fix(browser, serve, tmp_path):
     assert "Expected: step" in text
     _screenshot(driver, "overview-finding-1366x768")
     _screenshot(driver, "overview-finding-full", full=True)
+    assert not _severe(driver)
+
+
+def _comm_buffers_unknown(line: bytes) -> bytes:
+    """Every step's memory probe could not read the communication buffers (a torch without the internals): it
+    names the category unknown."""
+    if not line.startswith(b'{"t":"step"'):
+        return line
+    d = msgspec.json.decode(line)
+    if d.get("memory"):
+        d["memory"]["unknown"] = ["comm_buffers"]
+    return msgspec.json.encode(d) + b"\n"
+
+
+def test_memory_category_not_measured_reads_unknown(browser, serve, tmp_path):
+    driver = browser
+    srv = serve(_copy_sample(tmp_path / "unknown-run", mutate=_comm_buffers_unknown))
+    mem = srv.app._fsdp_state.snapshot().report.memory
+    assert mem is not None and all(m.unknown_categories == ["comm_buffers"] for m in mem.per_rank.values())
+    driver.get(srv.url.rstrip("/") + "/memory")
+    note = _wait(driver, lambda d: d.find_elements(By.ID, "mem-unknown-note"), what="unknown-category note")[0]
+    assert "comm buffers" in note.text and "unknown" in note.text
+    # the breakdown's bar for the category is labelled "unknown" on screen (no length: no bytes are claimed)
+    _wait(driver, lambda d: "unknown" in d.execute_script(
+        "var t = document.querySelectorAll('#fig-mem-breakdown .bartext');"
+        "return Array.prototype.map.call(t, function(e){ return e.textContent; }).join('|');").split("|"),
+        what="'unknown' drawn on the breakdown")
+    legend = driver.execute_script("return Array.prototype.map.call(document.querySelectorAll("
+                                   "'#fig-mem-timeline .legendtext'), function(e){ return e.textContent; });")
+    assert legend and "comm_buffers" not in legend  # not stacked as a measured 0
+    _screenshot(driver, "memory-unknown-category-full", full=True)
     assert not _severe(driver)
 
 
@@ -422,7 +453,7 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
     driver.find_element(By.ID, "flt-unit").click()
     opts = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]"), what="options")
     names = [o.text.strip() for o in opts]
-    assert names[0] == "all units" and "layers.1" in names and len(names) == 1 + len(report["units"])
+    assert names[0] == "all units" and "layers.1" in names and len(names) == 1 + len(report.units)
     visible = driver.execute_script("""
         return arguments[0].map(function(o){ var r = o.getBoundingClientRect();
           var e = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
@@ -430,8 +461,8 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
     assert all(visible), dict(zip(names, visible))
     next(o for o in opts if o.text.strip() == "layers.1").click()
     _wait(driver, lambda d: _url_query(d).get("unit") == "layers.1", what="unit in the URL")
-    mine = [r for r in report["overlap"]["per_unit"] if r["unit"] == "layers.1"]
-    want = fmt_ms(sum(r["comm_us"] for r in mine) / 1e3)
+    mine = [r for r in report.overlap.per_unit if r.unit == "layers.1"]
+    want = fmt_ms(sum(r.comm_us for r in mine) / 1e3)
     _wait(driver, lambda d: _text(d, "kpi-comm-total").splitlines()[1:2] == [want], what=f"unit KPI {want}")
     assert "unit layers.1" in _text(driver, "kpi-comm-total") and _text(driver, "kpi-comm-total") != total_all
     driver.find_element(By.CSS_SELECTOR, "#flt-unit .dash-dropdown-clear").click()
@@ -448,9 +479,9 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
     # the overview: one exposed-communication figure with its source, an honest headline
     driver.get(base + "/overview")
     head = _wait(driver, lambda d: d.find_elements(By.ID, "headline"), what="headline")[0].text
-    infos = [f for f in report["findings"] if f["severity"] == "info"]
-    if not any(f["severity"] in ("warning", "critical") for f in report["findings"]):
-        assert head.startswith(f"No warnings; {len(infos)} note") and infos[0]["title"] in head
+    infos = [f for f in report.findings if f.severity == "info"]
+    if not any(f.severity in ("warning", "critical") for f in report.findings):
+        assert head.startswith(f"No warnings; {len(infos)} note") and infos[0].title in head
     assert "Healthy" not in head
     kpi_text = _text(driver, "kpi-exposed")
     assert "/ step" in kpi_text and ("records" in kpi_text or "trace" in kpi_text)
@@ -472,8 +503,8 @@ def test_plain_kineto_folder_overview_shows_the_traces(browser, serve, tmp_path)
     # what bounds the step comes first, from the traces: the terminal's sentence, then its bar
     from fsdp_doctor.present.fmt import verdict_headline
 
-    verdict = srv.app._fsdp_state.snapshot().report["verdict"]
-    assert verdict["job"]["source"] == "trace"
+    verdict = srv.app._fsdp_state.snapshot().report.verdict
+    assert verdict.job.source == "trace"
     assert driver.find_element(By.ID, "page").text.startswith(verdict_headline(verdict) + "\n")
     _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#fig-verdict .main-svg"), what="verdict bar")
     _screenshot(driver, "overview-kineto-1366x768")

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import plotly.graph_objects as go
 import pytest
 
@@ -14,6 +15,7 @@ from fsdp_doctor.dashboards import figures as F
 from fsdp_doctor.dashboards.pages import PAGES
 from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
 from fsdp_doctor.dashboards.state import RunState, steps_columns
+from fsdp_doctor.report_sections import Finding, MemoryRank, MemorySection, Report, StepsSection, Verdict
 from fsdp_doctor.store import load_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -42,8 +44,9 @@ def _is_note(fig: go.Figure) -> bool:
     return not fig.data and bool(fig.layout.annotations)
 
 
-def memory_section(ranks=(0, 1), steps=(3, 4)) -> dict:
-    """A memory section of the documented shape (built by hand: the analysis is another module's)."""
+def memory_section(ranks=(0, 1), steps=(3, 4), **rank_fields) -> MemorySection:
+    """A memory section of the documented shape (built by hand: the analysis is another module's);
+    ``rank_fields`` are set on every rank."""
     per_rank = {}
     units = ["", "layers.0", "layers.1"]
     for r in ranks:
@@ -60,9 +63,9 @@ def memory_section(ranks=(0, 1), steps=(3, 4)) -> dict:
             "peak_breakdown": {c: peak[c] for c in CATS}, "activations_peak_bytes": peak["activations"],
             "capacity_bytes": 64 << 20, "timeline": timeline,
             "per_unit": [{"unit": u, "sharded_bytes": 1 << 20, "unsharded_bytes": 2 << 20, "activation_bytes": 3 << 20}
-                         for u in units],
+                         for u in units], **rank_fields,
         }
-    return {"per_rank": per_rank}
+    return msgspec.convert({"per_rank": per_rank}, MemorySection)
 
 
 # ---------------------------------------------------------------- step figures
@@ -101,40 +104,77 @@ def test_heatmap_jitter_and_phases(steps):
 # ---------------------------------------------------------------- memory figures
 
 def test_memory_timeline_stacks_categories_with_unit_and_phase():
-    m = memory_section()["per_rank"]["0"]
+    m = memory_section().per_rank["0"]
     fig = F.memory_timeline_figure(m, rank=0)
     assert [t.name for t in fig.data] == list(CATS)
     assert all(t.stackgroup == "mem" for t in fig.data)
-    assert len(fig.data[0].x) == len(m["timeline"])
+    assert len(fig.data[0].x) == len(m.timeline)
     act = fig.data[CATS.index("activations")]
-    assert act.y[2] == pytest.approx(m["timeline"][2]["activations"] / F.MIB)
+    assert act.y[2] == pytest.approx(m.timeline[2]["activations"] / F.MIB)
     assert act.customdata[1][1] == "layers.0" and act.customdata[1][2] == "forward"
     assert act.customdata[0][1] == "(root)"
     assert any(s.type == "line" for s in fig.layout.shapes)  # capacity line
     assert list(fig.layout.xaxis.ticktext) == ["step 3", "step 4"]
     # step window
     only4 = F.memory_timeline_figure(m, window=(4, 4))
-    assert len(only4.data[0].x) == len(m["timeline"]) // 2
+    assert len(only4.data[0].x) == len(m.timeline) // 2
 
 
 def test_memory_timeline_accepts_a_columns_rows_table_and_nested_categories():
-    m = {"timeline": {"columns": ["t_ms", "unit", "phase", "activations", "sharded_params"],
-                      "rows": [[0.1, "a", "forward", 1 << 20, 2 << 20], [0.2, "b", "backward", 3 << 20, 2 << 20]]}}
+    # the recorder's columns/rows table, as a timeline may hold it (built directly: the struct does not convert it)
+    m = MemoryRank(timeline={"columns": ["t_ms", "unit", "phase", "activations", "sharded_params"],
+                             "rows": [[0.1, "a", "forward", 1 << 20, 2 << 20], [0.2, "b", "backward", 3 << 20, 2 << 20]]})
     fig = F.memory_timeline_figure(m)
     assert [t.name for t in fig.data] == ["sharded_params", "activations"]
-    nested = {"timeline": [{"unit": "a", "phase": "forward", "bytes": {"activations": 5 << 20}}]}
+    nested = MemoryRank(timeline=[{"unit": "a", "phase": "forward", "bytes": {"activations": 5 << 20}}])
     assert list(F.memory_timeline_figure(nested).data[0].y) == [5.0]
 
 
 def test_memory_breakdown_and_absent_section():
-    m = memory_section()["per_rank"]["1"]
+    m = memory_section().per_rank["1"]
     fig = F.memory_breakdown_figure(m, rank=1)
     bars = dict(zip(fig.data[0].y, fig.data[0].x))
     assert set(bars) == set(CATS)
-    assert bars["optimizer_state"] == pytest.approx(m["peak_breakdown"]["optimizer_state"] / F.MIB)
+    assert bars["optimizer_state"] == pytest.approx(m.peak_breakdown["optimizer_state"] / F.MIB)
     assert "step 4" in fig.layout.xaxis.title.text or "step 3" in fig.layout.xaxis.title.text
     assert _is_note(F.memory_breakdown_figure(None))
-    assert _is_note(F.memory_timeline_figure({}))
+    assert _is_note(F.memory_timeline_figure(MemoryRank()))
+
+
+def test_memory_category_not_measured_is_unknown_not_a_measured_zero(snap):
+    """A category this torch could not measure (``MemoryRank.unknown_categories``) reads 0 in the figures: the
+    dashboard says "unknown", as the terminal does, and never draws that 0 as a measurement; a measured 0 stays
+    an empty bar."""
+    import dataclasses
+
+    mem = memory_section(unknown_categories=["comm_buffers"])
+    for m in mem.per_rank.values():  # what the probe writes for a category it cannot read: 0 everywhere
+        m.peak_breakdown["comm_buffers"] = 0
+        m.peak_breakdown["offloaded_host"] = 0  # measured: nothing offloaded
+        for row in m.timeline:
+            row["comm_buffers"] = 0
+    m = mem.per_rank["0"]
+    bd = F.memory_breakdown_figure(m, rank=0)
+    text = dict(zip(bd.data[0].y, bd.data[0].text))
+    hover = dict(zip(bd.data[0].y, bd.data[0].hovertemplate))
+    assert text["comm_buffers"] == "unknown" and "unknown (not measurable" in hover["comm_buffers"]
+    assert text["offloaded_host"] == "" and "%{x:.1f} MiB" in hover["offloaded_host"]  # a measured 0 is not unknown
+    assert text["optimizer_state"] == "5.00 MiB"
+    m.peak_breakdown["comm_buffers"] = 1 << 20  # whatever the record holds, an unknown category claims no bytes
+    assert dict(zip(*(F.memory_breakdown_figure(m).data[0][k] for k in ("y", "x"))))["comm_buffers"] == 0
+    tl = F.memory_timeline_figure(m, categories=CATS)
+    assert "comm_buffers" not in [t.name for t in tl.data] and "activations" in [t.name for t in tl.data]
+    # even where every category reads 0 (the figure then stacks them all), the unknown one is not stacked
+    zeros = MemoryRank(timeline=[{"step": 3, "unit": "", "phase": "forward", **{c: 0 for c in CATS}}],
+                       unknown_categories=["comm_buffers"])
+    assert [t.name for t in F.memory_timeline_figure(zeros).data] == [c for c in CATS if c != "comm_buffers"]
+    # the page names it once, above the figures
+    s2 = dataclasses.replace(snap, report=msgspec.structs.replace(snap.report, memory=mem))
+    page = PAGES["memory"][1].layout(s2, Filters())
+    notes = [c for c in _walk(page) if getattr(c, "id", None) == "mem-unknown-note"]
+    assert len(notes) == 1 and "comm buffers" in notes[0].children and "unknown" in notes[0].children
+    measured = dataclasses.replace(snap, report=msgspec.structs.replace(snap.report, memory=memory_section()))
+    assert "mem-unknown-note" not in _ids(PAGES["memory"][1].layout(measured, Filters()))
 
 
 # ---------------------------------------------------------------- communication figures
@@ -165,25 +205,25 @@ def test_comm_timeline_from_a_real_trace(snap):
 
 
 def test_unit_exposure_and_slack(snap):
-    per_unit = snap.report["overlap"]["per_unit"]
+    per_unit = snap.report.overlap.per_unit
     fig = F.unit_exposure_figure(per_unit)
     exp, ovl = fig.data
-    total_exposed = sum(r["exposed_us"] for r in per_unit) / 1e3
+    total_exposed = sum(r.exposed_us for r in per_unit) / 1e3
     assert sum(exp.x) == pytest.approx(total_exposed)
-    assert sum(exp.x) + sum(ovl.x) == pytest.approx(sum(r["comm_us"] for r in per_unit) / 1e3)
+    assert sum(exp.x) + sum(ovl.x) == pytest.approx(sum(r.comm_us for r in per_unit) / 1e3)
     r1 = F.unit_exposure_figure(per_unit, ranks=[1], unit="layers.2")
     assert all(lbl.startswith("layers.2") for lbl in r1.data[0].y)
     slack = F.prefetch_slack_figure(per_unit, ranks=[0])
-    ag = [r for r in per_unit if r["rank"] == 0 and r["collective"] == "all_gather" and r["slack_us"] is not None]
+    ag = [r for r in per_unit if r.rank == 0 and r.collective == "all_gather" and r.slack_us is not None]
     assert sum(len(t.x) for t in slack.data) == len(ag)
-    assert sorted(x for t in slack.data for x in t.x) == pytest.approx(sorted(r["slack_us"] / 1e3 for r in ag))
+    assert sorted(x for t in slack.data for x in t.x) == pytest.approx(sorted(r.slack_us / 1e3 for r in ag))
     assert _is_note(F.prefetch_slack_figure([], None))
-    ov = F.overlap_by_rank_figure(snap.report["overlap"]["per_rank"])
+    ov = F.overlap_by_rank_figure(snap.report.overlap.per_rank)
     assert len(ov.data[0].y) == 2
 
 
 def test_unit_timing(snap):
-    units = snap.report["units"]
+    units = snap.report.units
     fig = F.unit_timing_figure(units)
     fwd = next(t for t in fig.data if t.name == "forward")
     assert "(root)" in fwd.y and len(fwd.x) == len(units)
@@ -225,7 +265,7 @@ def test_run_state_follows_a_growing_run_incrementally(tmp_path):
     snap2 = st.snapshot()
     assert snap2.version == snap1.version + 1
     assert len(snap2.steps[0]["step"]) == sum(1 for ln in lines if ln.startswith(b'{"t":"step"'))
-    assert snap2.report["steps"]["per_rank"]["0"]["count"] > snap1.report["steps"]["per_rank"]["0"]["count"]
+    assert snap2.report.steps.per_rank["0"].count > snap1.report.steps.per_rank["0"].count
     assert st._follower._streams[0].offset == src.stat().st_size
 
 
@@ -242,14 +282,14 @@ def test_run_state_caches_trace_analysis_per_file(tmp_path, monkeypatch):
     st.wait_traces(60)
     snap = st.snapshot()
     assert len(calls) == 2 and len(snap.windows) == 2
-    assert snap.report["overlap"]["per_rank"].keys() == {"0", "1"}
-    assert snap.report["run"]["trace_files"] == 2
+    assert snap.report.overlap.per_rank.keys() == {"0", "1"}
+    assert snap.report.run.trace_files == 2
     with open(run / "rank0.records.jsonl", "ab") as f:  # one more step: report rebuilt, traces not re-read
         last = [ln for ln in (SAMPLE / "rank0.records.jsonl").read_bytes().splitlines() if ln.startswith(b'{"t":"step"')][-1]
         f.write(last.replace(b'"step":29', b'"step":30') + b"\n")
     assert st.refresh() is True
     assert len(calls) == 2
-    assert st.snapshot().report["overlap"] == snap.report["overlap"]
+    assert st.snapshot().report.overlap == snap.report.overlap
 
 
 # ---------------------------------------------------------------- pages
@@ -276,9 +316,9 @@ def _ids(component) -> set:
 def test_every_page_lays_out_the_sample(snap, flt):
     ids = {key: _ids(mod.layout(snap, flt)) for key, (_, mod) in PAGES.items()}
     assert {"kpi-p50", "findings", "run-facts"} <= ids["overview"]
-    assert ("fig-mem-timeline" if snap.report.get("memory") else "memory-absent") in ids["memory"]
+    assert ("fig-mem-timeline" if snap.report.memory else "memory-absent") in ids["memory"]
     assert {"fig-comm-timeline", "fig-unit-exposure", "fig-prefetch-slack"} <= ids["communication"]
-    outliers = [o for o in snap.report["steps"]["outliers"] if flt.rank in (None, o["rank"])]
+    outliers = [o for o in snap.report.steps.outliers if flt.rank in (None, o.rank)]
     assert {"fig-step-time", "fig-step-heatmap", "fig-jitter", "fig-phases", "tbl-outliers" if outliers else "sec-outliers"} <= ids["steps"]
     assert {"tbl-units", "fig-unit-timing"} <= ids["units"]
 
@@ -286,7 +326,7 @@ def test_every_page_lays_out_the_sample(snap, flt):
 def test_memory_page_with_the_documented_section(snap):
     import dataclasses
 
-    report = dict(snap.report, memory=memory_section())
+    report = msgspec.structs.replace(snap.report, memory=memory_section())
     s2 = dataclasses.replace(snap, report=report)
     ids = _ids(PAGES["memory"][1].layout(s2, Filters()))
     assert {"fig-mem-timeline", "fig-mem-breakdown", "tbl-mem-units", "kpi-mem-peak"} <= ids
@@ -312,7 +352,8 @@ def test_findings_are_cards_with_evidence_and_a_copyable_fix(snap):
                "evidence": {"exposed_ms": 12.5, "peak_bytes": 1 << 30}, "ranks": [1], "units": ["layers.0"],
                "recommendation": {"text": "Do this.", "code": "model.fix()"},
                "predicted": {"step_ms_before": 100.0, "step_ms_after": 80.0, "peak_bytes_before": None, "peak_bytes_after": None}}
-    s2 = dataclasses.replace(snap, report=dict(snap.report, findings=[{**finding, "severity": "info", "code": "y"}, finding]))
+    findings = msgspec.convert([{**finding, "severity": "info", "code": "y"}, finding], list[Finding])
+    s2 = dataclasses.replace(snap, report=msgspec.structs.replace(snap.report, findings=findings))
     page = PAGES["overview"][1].layout(s2, Filters())
     comps = list(_walk(page))
     cards = [c for c in comps if "finding-" in (getattr(c, "className", "") or "") and getattr(c, "id", "").startswith("finding-")]
@@ -414,14 +455,14 @@ def test_step_window_recomputes_sections_with_the_same_analyses(snap):
     sub = Run(path=run.path, ranks={r: RankData(rank=r, config=rd.config, steps=[s for s in rd.steps if 10 <= s.step <= 20])
                                      for r, rd in run.ranks.items()})
     got = snap.sections((10, 20))
-    assert got["steps"]["per_rank"] == analyze_steps(sub)["per_rank"]
-    assert got["steps"]["per_rank"]["0"]["count"] == 11
-    assert snap.sections(None)["steps"] is snap.report["steps"]
+    assert got.steps.per_rank == StepsSection.of(analyze_steps(sub)).per_rank
+    assert got.steps.per_rank["0"].count == 11
+    assert snap.sections(None).steps is snap.report.steps
     page = PAGES["overview"][1].layout(snap, Filters(window=(10, 20)))
     kp = next(c for c in _walk(page) if getattr(c, "id", None) == "kpi-p50")
     from fsdp_doctor.present.fmt import fmt_ms
 
-    assert fmt_ms(got["steps"]["job"]["p50_ms"]) in json.dumps(kp.to_plotly_json(), default=str)
+    assert fmt_ms(got.steps.job.p50_ms) in json.dumps(kp.to_plotly_json(), default=str)
 
 
 def test_every_package_is_installed_and_dashboard_under_fsdp_doctor():
@@ -492,11 +533,11 @@ def test_query_string_round_trip_and_bad_input():
 
 
 def test_unit_timing_title_names_the_selection(snap):
-    units = snap.sections(None, 1)["units"]
+    units = snap.sections(None, 1).units
     assert "rank 1" in F.unit_timing_figure(units, who="rank 1").layout.title.text
     # rank 1's own medians, not all ranks'
-    all_r = {u["name"]: u["timing_p50"]["fwd_ms"] for u in snap.report["units"] if u.get("timing_p50")}
-    r1 = {u["name"]: u["timing_p50"]["fwd_ms"] for u in units if u.get("timing_p50")}
+    all_r = {u.name: u.timing_p50.fwd_ms for u in snap.report.units if u.timing_p50}
+    r1 = {u.name: u.timing_p50.fwd_ms for u in units if u.timing_p50}
     assert r1.keys() == all_r.keys() and r1 != all_r
     page = PAGES["units"][1].layout(snap, Filters(rank=1, window=(3, 12)))
     fig = next(c for c in _walk(page) if getattr(c, "id", None) == "fig-unit-timing").figure
@@ -506,8 +547,8 @@ def test_unit_timing_title_names_the_selection(snap):
 def test_memory_and_communication_pages_follow_the_window(snap):
     page = PAGES["memory"][1].layout(snap, Filters(window=(10, 20)))
     txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
-    per_rank = snap.sections((10, 20))["memory"]["per_rank"]
-    assert all(10 <= m["peak_at"]["step"] <= 20 for m in per_rank.values())
+    per_rank = snap.sections((10, 20)).memory.per_rank
+    assert all(10 <= m.peak_at.step <= 20 for m in per_rank.values())
     assert "mem-step-note" in txt and "steps 10–20" in txt
     # a window holding a measured step draws that step, not the run's peak step 1
     page = PAGES["memory"][1].layout(snap, Filters(window=(2, 5)))
@@ -524,21 +565,25 @@ def test_memory_and_communication_pages_follow_the_window(snap):
     assert inside and "inside steps 5–7" in shown_steps_note(wins, inside, Filters(window=(5, 7)))
 
 
+def _finding(severity: str, title: str) -> Finding:
+    return Finding(code="x.test", severity=severity, title=title, evidence={}, recommendation={"text": ""})
+
+
 def test_overview_headline_and_one_exposed_figure(snap):
     from fsdp_doctor.dashboards.pages.overview import exposed_comm, headline
 
-    info = {"severity": "info", "title": "All-gathers stall compute"}
-    warn = {"severity": "warning", "title": "GC pauses"}
+    info = _finding("info", "All-gathers stall compute")
+    warn = _finding("warning", "GC pauses")
     assert headline([]).children.startswith("No findings")
     assert headline([info]).children == "No warnings; 1 note: All-gathers stall compute"
     assert headline([warn, info, info]).children == "1 warning, 2 notes. First: GC pauses"
     v, src, definition = exposed_comm(snap.report, None)
     assert v is not None and src and definition
-    if "comm" in snap.report:  # the pipeline's one figure, where the report has it
-        assert v == snap.report["comm"]["exposed_ms_per_step"]
+    if snap.report.comm is not None:  # the pipeline's one figure, where the report has it
+        assert v == snap.report.comm.exposed_ms_per_step
     else:
-        waits = [u["timing_p50"]["ag_wait_fwd_ms"] + u["timing_p50"]["ag_wait_bwd_ms"] for u in snap.report["units"]
-                 if u.get("timing_p50")]
+        waits = [u.timing_p50.ag_wait_fwd_ms + u.timing_p50.ag_wait_bwd_ms for u in snap.report.units
+                 if u.timing_p50]
         assert v == pytest.approx(sum(waits)) and "records" in src
     page = PAGES["overview"][1].layout(snap, Filters())
     txt = json.dumps([c.to_plotly_json() for c in _walk(page)], default=str, ensure_ascii=False)
@@ -548,7 +593,7 @@ def test_overview_headline_and_one_exposed_figure(snap):
 def test_units_table_hides_empty_columns_and_selects_by_row_id(snap):
     from fsdp_doctor.dashboards.pages.units import columns, unit_rows
 
-    rows = unit_rows(snap.report["units"])
+    rows = unit_rows(snap.report.units)
     cols = [c for c, _ in columns(rows)]
     assert "offload" not in cols and "rec" not in cols  # CPU run, no checkpointing
     assert rows[0]["rid"] == ROOT and rows[0]["unit"] == "(root)"
@@ -558,7 +603,7 @@ def test_units_table_hides_empty_columns_and_selects_by_row_id(snap):
 
 # ---------------------------------------------------------------- verdict
 
-def _known_verdict() -> dict:
+def _known_verdict() -> Verdict:
     """Two GPU ranks, two profiled steps each, parts in µs chosen by hand (the analysis turns them into shares).
     rank 0: 10 ms window = compute 5, other device work 0.5, AG fwd 2, AG bwd 1, RS 0.5, host 1 (ms);
     rank 1: 8 ms window = compute 1, AG fwd 4, host 3 (ms)."""
@@ -568,7 +613,7 @@ def _known_verdict() -> dict:
                        allgather_bwd=1_000.0, reducescatter=500.0, host=1_000.0),
              "1": dict(window_us=8_000.0, compute=1_000.0, allgather_fwd=4_000.0, host=3_000.0)}
     per_rank = {r: {"steps": [6, 7], "device": "gpu"} for r in parts}
-    return verdict({"overlap": {"breakdown": parts, "per_rank": per_rank}})
+    return Verdict.of(verdict({"overlap": {"breakdown": parts, "per_rank": per_rank}}))
 
 
 def test_verdict_bar_known_answers():
@@ -605,7 +650,7 @@ def test_verdict_bar_known_answers():
     assert verdict_headline(v) == ("Verdict: communication-bound (42% of the step: exposed all-gather (forward) 33%, "
                                    "exposed all-gather (backward) 6%, exposed reduce-scatter 3%); then compute 33%, "  # the compute part alone
                                    "host-bound (GPU waits for launches) 22%")
-    assert verdict_headline(v, 1) == f"Verdict, rank 1: {v['per_rank']['1']['summary']}"
+    assert verdict_headline(v, 1) == f"Verdict, rank 1: {v.per_rank['1'].summary}"
     # a rank selected: that rank and the job; more ranks than shown: the title counts them
     one = F.verdict_figure(v, rank=1)
     assert list(one.data[0].y) == ["rank 1 · 4.00 ms", "job · 2 ranks"]
@@ -617,11 +662,11 @@ def test_verdict_rows_count_the_ranks_not_shown():
     from fsdp_doctor.present.fmt import VERDICT_HEADER, verdict_rows
 
     v = _known_verdict()
-    many = {"job": v["job"], "per_rank": {str(r): v["per_rank"]["0"] for r in range(10)}}
+    many = Verdict(job=v.job, per_rank={str(r): v.per_rank["0"] for r in range(10)})
     rows = verdict_rows(many)
     assert [r[0] for r in rows] == [*map(str, range(8)), "+2", "job"]
     assert rows[8][:2] == ("+2", "more ranks") and all(len(r) == len(VERDICT_HEADER) for r in rows)
-    assert [r[0] for r in verdict_rows({"job": v["job"], "per_rank": {"0": v["per_rank"]["0"]}})] == ["0"]
+    assert [r[0] for r in verdict_rows(Verdict(job=v.job, per_rank={"0": v.per_rank["0"]}))] == ["0"]
 
 
 def test_html_report_draws_the_same_verdict_bar_first():

@@ -178,7 +178,7 @@ def test_unknown_reaches_the_report_the_terminal_and_the_dashboard(sample_run_pa
     con.print(render_units(report["units"]))
     text = con.export_text()
     assert "unknown" in text and "0.00 M" not in text
-    rows = unit_rows(report["units"])
+    rows = unit_rows(report.units)
     assert all(r["params"] == "unknown" and r["shard"] == "unknown" and r["async"] == "unknown" for r in rows)
 
 

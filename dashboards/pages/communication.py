@@ -6,6 +6,7 @@ from __future__ import annotations
 from dash import html
 
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.report_sections import CommUnitRow, OverlapSection
 
 from .. import figures as F
 from .common import Filters, fmt_value, graph, grid, kpi, note, section, table
@@ -53,33 +54,41 @@ def shown_steps_note(wins: list, inside: bool, flt: Filters) -> str:
             "(the profiler records only a few steps; widen the window to include one).")
 
 
+def unit_row(r: CommUnitRow) -> dict:
+    """One row of the collectives table: display strings, and the raw numbers (``*_v``) they sort by."""
+    return {"rank": r.rank, "unit": F.unit_label(r.unit), "collective": r.collective, "phase": r.phase or "—",
+            "count": r.count, "comm": fmt_ms(r.comm_us / 1e3), "exposed": fmt_ms(r.exposed_us / 1e3),
+            "bytes": fmt_bytes(r.bytes_per_call), "busbw": fmt_value("busbw_gbps", r.busbw_gbps),
+            "slack": fmt_ms(r.slack_us / 1e3) if r.slack_us is not None else "—",
+            "comm_v": r.comm_us, "exposed_v": r.exposed_us, "bytes_v": r.bytes_per_call,
+            "busbw_v": r.busbw_gbps, "slack_v": r.slack_us}
+
+
 def layout(snap, flt: Filters) -> list:
-    ov = snap.report.get("overlap")
-    if not snap.windows and not ov:
+    ov = snap.report.overlap
+    if not snap.windows and ov is None:
         msg = ("Analysing the profiler traces …" if snap.traces_pending else
                "No Kineto traces in this run yet: communication is measured from the profiler windows "
                f"({snap.path}/profiler/rank*.pt.trace.json.gz), written after the first profiled steps.")
         return [note(msg, "warning", nid="comm-absent")]
-    ov = ov or {}
-    per_rank = ov.get("per_rank") or {}
+    ov = ov or OverlapSection()  # the windows are still being analysed
+    per_rank = ov.per_rank
     keys = [str(flt.rank)] if flt.rank is not None else sorted(per_rank, key=int)
     sel = [per_rank[k] for k in keys if k in per_rank]
-    per_unit = ov.get("per_unit") or []
-    prof = sorted({s for p in sel for s in p.get("steps") or []})
+    per_unit = ov.per_unit
+    prof = sorted({s for p in sel for s in p.steps})
     who = (f"sum over {len(sel)} ranks" if len(sel) > 1 else f"rank {keys[0]}" if sel else "no rank") + \
         (f", profiled step{'s' * (len(prof) > 1)} {', '.join(map(str, prof))}" if prof else ", profiled windows")
     if flt.unit is None:
-        comm = sum(p["comm_us"] for p in sel)
-        ovl = sum(p["overlap_us"] for p in sel)
+        comm = sum(p.comm_us for p in sel)
+        ovl = sum(p.overlap_us for p in sel)
     else:  # the selected unit's collectives only (the per-unit attribution of the same windows)
-        mine = [r for r in per_unit if r["unit"] == flt.unit and (flt.rank is None or r["rank"] == flt.rank)]
-        comm = sum(r["comm_us"] for r in mine)
-        ovl = comm - sum(r["exposed_us"] for r in mine)
+        mine = [r for r in per_unit if r.unit == flt.unit and (flt.rank is None or r.rank == flt.rank)]
+        comm = sum(r.comm_us for r in mine)
+        ovl = comm - sum(r.exposed_us for r in mine)
         who = f"unit {F.unit_label(flt.unit)}, {who}"
-    blocking = ov.get("blocking") or {}
-    blk = sum(blocking.get(k, {}).get("us", 0.0) for k in keys)
-    copies = ov.get("copies") or {}
-    cp = sum(copies.get(k, {}).get("exposed_us", 0.0) for k in keys)
+    blk = sum(ov.blocking[k].us for k in keys if k in ov.blocking)
+    cp = sum(ov.copies[k].exposed_us for k in keys if k in ov.copies)
     tiles = html.Div([
         kpi("Communication", fmt_ms(comm / 1e3), who, kid="kpi-comm-total"),
         kpi("Overlapped", f"{100 * ovl / comm:.0f}%" if comm else "—", f"{fmt_ms(ovl / 1e3)} under compute", kid="kpi-comm-overlap"),
@@ -98,13 +107,7 @@ def layout(snap, flt: Filters) -> list:
         section("", graph(F.unit_exposure_figure(per_unit, flt.ranks, flt.unit), "fig-unit-exposure")),
         section("", graph(F.prefetch_slack_figure(per_unit, flt.ranks, flt.unit), "fig-prefetch-slack")),
     ))
-    rows = [{"rank": r["rank"], "unit": F.unit_label(r["unit"]), "collective": r["collective"], "phase": r["phase"] or "—",
-             "count": r["count"], "comm": fmt_ms(r["comm_us"] / 1e3), "exposed": fmt_ms(r["exposed_us"] / 1e3),
-             "bytes": fmt_bytes(r.get("bytes_per_call")), "busbw": fmt_value("busbw_gbps", r.get("busbw_gbps")),
-             "slack": fmt_ms(r["slack_us"] / 1e3) if r.get("slack_us") is not None else "—",
-             "comm_v": r["comm_us"], "exposed_v": r["exposed_us"], "bytes_v": r.get("bytes_per_call"),
-             "busbw_v": r.get("busbw_gbps"), "slack_v": r.get("slack_us")}
-            for r in per_unit if (flt.rank is None or r["rank"] == flt.rank) and (flt.unit is None or r["unit"] == flt.unit)]
+    rows = [unit_row(r) for r in per_unit if (flt.rank is None or r.rank == flt.rank) and (flt.unit is None or r.unit == flt.unit)]
     out.append(section("Collectives per unit",
                        table("tbl-comm-units", rows, [("rank", "rank"), ("unit", "unit"), ("collective", "collective"),
                                                       ("phase", "phase"), ("count", "calls"), ("comm", "time"),

@@ -4,34 +4,38 @@ headline numbers."""
 from __future__ import annotations
 
 import statistics
+from typing import Optional
 
+import msgspec
 from dash import dcc, html
+from msgspec import UNSET
 
 from fsdp_doctor.present.fmt import VERDICT_HEADER, fmt_bytes, fmt_ms, verdict_headline, verdict_rows
+from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
 from ..figures import unit_label, verdict_figure
+from ..state import RECORD_SECTIONS
 from .common import Filters, fmt_value, graph, kpi, note, section
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 
-def _kpis(report: dict, flt: Filters, traces_only: bool = False) -> html.Div:
-    steps = report.get("steps") or {}
+def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
     key = str(flt.rank) if flt.rank is not None else None
-    st = (steps.get("per_rank") or {}).get(key) if key else steps.get("job")
+    steps, tp_sec = report.steps, report.throughput
+    st = (steps.per_rank.get(key) if key else steps.job) if steps else None
+    st = st or StepStats()
     who = (f"rank {flt.rank}" if key else "all ranks") + (f", steps {flt.window[0]}–{flt.window[1]}" if flt.window else "")
-    tp_sec = report.get("throughput") or {}
-    tp = (tp_sec.get("per_rank") or {}).get(key) if key else tp_sec.get("job")
+    tp = (tp_sec.per_rank.get(key) if key else tp_sec.job) if tp_sec else None
     exposed, source, definition = exposed_comm(report, key)
-    recorded = (report.get("run") or {}).get("steps_recorded") or {}
+    recorded = report.run.steps_recorded
     n_steps = recorded.get(key, 0) if key else max(recorded.values(), default=0)
-    st = st or {}
     tiles = [
-        kpi("Step time p50", fmt_ms(st.get("p50_ms")), f"{who}, {st.get('count', 0)} steady steps", kid="kpi-p50"),
-        kpi("Step time p99", fmt_ms(st.get("p99_ms")), f"max {fmt_ms(st.get('max_ms'))}", kid="kpi-p99"),
-        kpi("Tokens / s", f"{tp['tokens_per_s']:,.0f}" if tp and tp.get("tokens_per_s") is not None else "—",
-            (f"MFU {tp['mfu_pct']:.1f}%" if tp and tp.get("mfu_pct") is not None else
-             (f"{tp['achieved_tflops']:.3g} TFLOP/s" if tp and tp.get("achieved_tflops") is not None else who)),
+        kpi("Step time p50", fmt_ms(st.p50_ms), f"{who}, {st.count} steady steps", kid="kpi-p50"),
+        kpi("Step time p99", fmt_ms(st.p99_ms), f"max {fmt_ms(st.max_ms)}", kid="kpi-p99"),
+        kpi("Tokens / s", f"{tp.tokens_per_s:,.0f}" if tp and tp.tokens_per_s is not None else "—",
+            (f"MFU {tp.mfu_pct:.1f}%" if tp and tp.mfu_pct is not None else
+             (f"{tp.achieved_tflops:.3g} TFLOP/s" if tp and tp.achieved_tflops is not None else who)),
             kid="kpi-tokens"),
         kpi("Exposed communication", f"{fmt_ms(exposed)} / step" if exposed is not None else "—",
             source or "no profiled window or all-gather timing yet", kid="kpi-exposed", title=definition or ""),
@@ -41,29 +45,28 @@ def _kpis(report: dict, flt: Filters, traces_only: bool = False) -> html.Div:
         tiles = [t for t in tiles if getattr(t, "id", None) == "kpi-exposed"] + [
             kpi("Comm overlapped", fmt_value("overlap_pct", _overlap_pct(report, key)), "profiler traces", kid="kpi-overlap")]
         return html.Div(tiles, className="kpis")
-    mem = ((report.get("memory") or {}).get("per_rank") or {})
-    peaks = [m.get("peak_bytes") for r, m in mem.items() if (key is None or r == key) and m.get("peak_bytes")]
+    mem = report.memory.per_rank if report.memory else {}
+    peaks = [m.peak_bytes for r, m in mem.items() if (key is None or r == key) and m.peak_bytes]
     if peaks:
         tiles.insert(3, kpi("Peak memory", fmt_bytes(max(peaks)), who, kid="kpi-peak"))
     return html.Div(tiles, className="kpis")
 
 
-def exposed_comm(report: dict, rank: str | None) -> tuple:
+def exposed_comm(report: Report, rank: Optional[str]) -> tuple:
     """The one exposed-communication figure (ms per step), where it comes from, and what it means.
 
     The report's ``comm`` section when it has one (the pipeline picks the trace or the records); otherwise the
     recorder's all-gather waits: the unit table's median waits per step, summed over units."""
-    comm = report.get("comm")
-    if comm and comm.get("exposed_ms_per_step") is not None:
-        row = (comm.get("per_rank") or {}).get(rank) if rank is not None else None
-        v = row.get("exposed_ms_per_step") if row else (None if rank is not None else comm["exposed_ms_per_step"])
-        src = comm.get("source_text") or comm.get("source") or ""
-        return v, (f"rank {rank}, " if rank is not None else "median over ranks, ") + src, comm.get("definition")
-    units = [u.get("timing_p50") or {} for u in report.get("units") or []]
-    waits = [t.get("ag_wait_fwd_ms", 0.0) + t.get("ag_wait_bwd_ms", 0.0) for t in units if t]
+    comm = report.comm
+    if comm is not None and comm.exposed_ms_per_step is not None:
+        row = comm.per_rank.get(rank) if rank is not None else None  # per rank: a dict of figures (CommSummary)
+        v = row.get("exposed_ms_per_step") if row else (None if rank is not None else comm.exposed_ms_per_step)
+        src = comm.source_text or comm.source
+        return v, (f"rank {rank}, " if rank is not None else "median over ranks, ") + src, comm.definition
+    waits = [u.timing_p50.ag_wait_fwd_ms + u.timing_p50.ag_wait_bwd_ms for u in report.units or [] if u.timing_p50]
     if not waits:
-        ov = ((report.get("overlap") or {}).get("per_rank") or {})
-        per = {r: o["exposed_us"] / 1e3 / len(o["steps"]) for r, o in ov.items() if o.get("steps")}
+        ov = report.overlap.per_rank if report.overlap else {}
+        per = {r: o.exposed_us / 1e3 / len(o.steps) for r, o in ov.items() if o.steps}
         if rank is not None:
             per = {r: v for r, v in per.items() if r == rank}
         if not per:
@@ -75,11 +78,11 @@ def exposed_comm(report: dict, rank: str | None) -> tuple:
             "time compute waited for all-gathers (the recorder's unshard waits, forward and backward), per step")
 
 
-def _overlap_pct(report: dict, rank: str | None):
-    ov = (report.get("overlap") or {}).get("per_rank") or {}
+def _overlap_pct(report: Report, rank: Optional[str]):
+    ov = report.overlap.per_rank if report.overlap else {}
     rows = [o for r, o in ov.items() if rank is None or r == rank]
-    comm = sum(o["comm_us"] for o in rows)
-    return 100 * sum(o["overlap_us"] for o in rows) / comm if comm else None
+    comm = sum(o.comm_us for o in rows)
+    return 100 * sum(o.overlap_us for o in rows) / comm if comm else None
 
 
 def _count(n: int, severity: str) -> str:
@@ -88,10 +91,10 @@ def _count(n: int, severity: str) -> str:
     return f"{n} {word}" + ("s" if n != 1 and word != "critical" else "")
 
 
-def headline(findings: list[dict]) -> html.Div:
+def headline(findings: list[Finding]) -> html.Div:
     """One honest line: how many warnings (critical first) or, without any, how many notes and the first one."""
-    n = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
-    first = findings[0].get("title", "") if findings else ""
+    n = {s: sum(1 for f in findings if f.severity == s) for s in SEVERITY_ORDER}
+    first = findings[0].title if findings else ""
     if not findings:
         text, kind = "No findings: nothing the rules flag.", "ok"
     elif n["critical"] + n["warning"]:
@@ -102,11 +105,11 @@ def headline(findings: list[dict]) -> html.Div:
     return note(text, kind, nid="headline")
 
 
-def verdict_panel(section: dict, flt: Filters) -> html.Section:
+def verdict_panel(section: Verdict, flt: Filters) -> html.Section:
     """What bounds the step, first on the page: the terminal's sentence, the shares as a bar per rank and the job
     (the HTML report's figure), and the terminal's table under "Shares". The verdict covers the profiled windows
     (or, without a trace, every steady step); the step filter does not change it, the rank filter picks a rank."""
-    rank = flt.rank if flt.rank is not None and str(flt.rank) in section["per_rank"] else None
+    rank = flt.rank if flt.rank is not None and str(flt.rank) in section.per_rank else None
     rows = verdict_rows(section)
     if rank is not None:
         rows = [r for r in rows if r[0] in (str(rank), "job")]
@@ -122,27 +125,19 @@ def verdict_panel(section: dict, flt: Filters) -> html.Section:
     ], className="panel verdict", id="verdict", style={"borderLeft": "5px solid #4C78A8"})
 
 
-def _live(report: dict) -> bool:
-    return not all((report.get("run") or {}).get("complete", {}).values() or [False])
+def _live(report: Report) -> bool:
+    return not all(report.run.complete.values() or [False])
 
 
-def finding_card(i: int, f: dict) -> html.Div:
-    sev = f.get("severity", "info")
-    ev = f.get("evidence") or {}
-    rows = [html.Tr([html.Th(k.replace("_", " ")), html.Td(fmt_value(k, v))]) for k, v in ev.items()]
-    rec = f.get("recommendation") or {}
+def finding_card(i: int, f: Finding) -> html.Div:
+    sev = f.severity
+    rows = [html.Tr([html.Th(k.replace("_", " ")), html.Td(fmt_value(k, v))]) for k, v in f.evidence.items()]
+    rec = f.recommendation  # {"text", "code"}
     body = [html.P(rec.get("text", ""), className="finding-text")]
     if rows:
         body.append(html.Details([html.Summary("Evidence"), html.Table(rows, className="evidence")], open=True,
                                  className="finding-evidence"))
-    pred = f.get("predicted") or {}
-    gain = []
-    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
-        b, a = pred["step_ms_before"], pred["step_ms_after"]
-        pct = f" ({100 * (b - a) / b:.0f}% faster)" if b else ""
-        gain.append(f"step {fmt_ms(b)} → {fmt_ms(a)}{pct}")
-    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
-        gain.append(f"peak memory {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+    gain = _gain(f.predicted or {})
     if gain:
         body.append(html.Div("Expected: " + "; ".join(gain), className="finding-gain"))
     if rec.get("code"):
@@ -152,61 +147,80 @@ def finding_card(i: int, f: dict) -> html.Div:
             html.Pre(rec["code"], id=cid, className="fix-code"),
         ], className="fix"))
     who = []
-    if f.get("ranks"):
-        who.append("ranks " + ", ".join(map(str, f["ranks"])))
-    if f.get("units"):
-        who.append("units " + ", ".join(unit_label(u) for u in f["units"][:6]))
-    head = html.Div([html.Span(sev.upper(), className=f"badge badge-{sev}"), html.Span(f.get("title", ""), className="finding-title"),
-                     html.Span(f.get("code", "") + (" · " + " · ".join(who) if who else ""), className="finding-code")],
+    if f.ranks:
+        who.append("ranks " + ", ".join(map(str, f.ranks)))
+    if f.units:
+        who.append("units " + ", ".join(unit_label(u) for u in f.units[:6]))
+    head = html.Div([html.Span(sev.upper(), className=f"badge badge-{sev}"), html.Span(f.title, className="finding-title"),
+                     html.Span(f.code + (" · " + " · ".join(who) if who else ""), className="finding-code")],
                     className="finding-head")
     return html.Div([head, *body], className=f"finding finding-{sev}", id=f"finding-{i}")
 
 
-def run_facts(run: dict) -> html.Table:
+def _gain(pred: dict) -> list[str]:
+    """The predicted gain of a finding's fix (``Finding.predicted``, free-form): step time and peak memory."""
+    gain = []
+    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
+        b, a = pred["step_ms_before"], pred["step_ms_after"]
+        pct = f" ({100 * (b - a) / b:.0f}% faster)" if b else ""
+        gain.append(f"step {fmt_ms(b)} → {fmt_ms(a)}{pct}")
+    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
+        gain.append(f"peak memory {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+    return gain
+
+
+def run_facts(run: RunFacts) -> html.Table:
     facts = [
-        ("path", run.get("path")), ("world size", run.get("world_size")), ("backend", run.get("backend")),
-        ("device", run.get("device_name") or run.get("device")), ("torch", run.get("torch_version")),
-        ("optimizer", run.get("optimizer")), ("FSDP units", run.get("units")),
-        ("parameters", f"{run['model_param_count'] / 1e6:.2f} M" if run.get("model_param_count") else None),
-        ("memory capacity", fmt_bytes(run["capacity_bytes"]) if run.get("capacity_bytes") else "unknown"),
-        ("tokens / step", f"{run['tokens_per_step']:,}" if run.get("tokens_per_step") else None),
-        ("steps recorded", ", ".join(f"r{k}: {v}" for k, v in (run.get("steps_recorded") or {}).items())),
-        ("finished", ", ".join(f"r{k}: {'yes' if v else 'no'}" for k, v in (run.get("complete") or {}).items())),
-        ("trace files", run.get("trace_files")),
+        ("path", run.path), ("world size", run.world_size), ("backend", run.backend),
+        ("device", run.device_name or run.device), ("torch", run.torch_version),
+        ("optimizer", run.optimizer), ("FSDP units", run.units),
+        ("parameters", f"{run.model_param_count / 1e6:.2f} M" if run.model_param_count else None),
+        ("memory capacity", fmt_bytes(run.capacity_bytes) if run.capacity_bytes else "unknown"),
+        ("tokens / step", f"{run.tokens_per_step:,}" if run.tokens_per_step else None),
+        ("steps recorded", ", ".join(f"r{k}: {v}" for k, v in run.steps_recorded.items())),
+        ("finished", ", ".join(f"r{k}: {'yes' if v else 'no'}" for k, v in run.complete.items())),
+        ("trace files", run.trace_files),
     ]
-    return html.Table([html.Tr([html.Th(k), html.Td(str(v))]) for k, v in facts if v not in (None, "", 0)],
-                      className="facts")
+    return html.Table([html.Tr([html.Th(k), html.Td(str(v))]) for k, v in facts
+                       if v is not UNSET and v not in (None, "", 0)], className="facts")  # UNSET: no configuration record
+
+
+def windowed(snap, window) -> Report:
+    """The report with its record sections over the step ``window`` where the window has them (the run's
+    otherwise): the headline numbers follow the step filter."""
+    win = snap.sections(window)
+    return msgspec.structs.replace(snap.report, **{k: getattr(win, k) for k in RECORD_SECTIONS
+                                                   if getattr(win, k) is not None})
 
 
 def layout(snap, flt: Filters) -> list:
     report = snap.report
-    traces_only = not snap.has_records and (snap.windows or report.get("overlap"))
+    traces_only = not snap.has_records and (snap.windows or report.overlap is not None)
     if not snap.has_records and not traces_only:
         if snap.traces_pending:
             return [note(f"Analysing {snap.traces_pending} trace file(s) …", "info", nid="empty-note")]
         return [note(f"No fsdp-doctor records or profiler traces in {snap.path} yet. This page updates on its own "
                      "when a run wrapped in fsdp_doctor.watch(...) starts writing here (rank*.records.jsonl), or "
                      "when Kineto traces appear.", "warning", nid="empty-note")]
-    windowed = dict(report, **{k: v for k, v in snap.sections(flt.window).items() if v is not None})
     out = []
     if traces_only:
-        n = len(snap.windows) or len((report.get("overlap") or {}).get("files") or [])
+        n = len(snap.windows) or len(report.overlap.files if report.overlap else [])
         out.append(note(f"Plain profiler traces ({n} Kineto file(s)), no fsdp-doctor records: communication and "
                         "its findings come from the traces (Communication page); step times, memory and the unit "
                         "table need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
-    out.append(_kpis(windowed, flt, traces_only=bool(traces_only)))
-    run = report.get("run") or {}
-    for e in run.get("doctor_errors", []):
+    out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only)))
+    run = report.run
+    for e in run.doctor_errors or []:  # free-form: rank, where, message, step
         out.append(note(f"The doctor stepped aside on rank {e['rank']} at step {e['step']} ({e['where']}): {e['message']}", "error"))
-    findings = [f for f in report.get("findings") or []
-                if (flt.rank is None or not f.get("ranks") or flt.rank in f["ranks"])
-                and (flt.unit is None or not f.get("units") or flt.unit in f["units"])]
-    findings.sort(key=lambda f: SEVERITY_ORDER.get(f.get("severity"), 3))
+    findings = [f for f in report.findings
+                if (flt.rank is None or not f.ranks or flt.rank in f.ranks)
+                and (flt.unit is None or not f.units or flt.unit in f.units)]
+    findings.sort(key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     if findings:  # without any, the findings panel says so
         out.insert(0, headline(findings))
-    if report.get("verdict"):  # what bounds the step comes first (from the records or the traces)
-        out.insert(0, verdict_panel(report["verdict"], flt))
-    counts = {s: sum(1 for f in findings if f.get("severity") == s) for s in SEVERITY_ORDER}
+    if report.verdict is not None:  # what bounds the step comes first (from the records or the traces)
+        out.insert(0, verdict_panel(report.verdict, flt))
+    counts = {s: sum(1 for f in findings if f.severity == s) for s in SEVERITY_ORDER}
     summary = ", ".join(_count(n, s) for s, n in counts.items() if n) or "none"
     if findings:
         cards = [finding_card(i, f) for i, f in enumerate(findings)]
@@ -216,7 +230,7 @@ def layout(snap, flt: Filters) -> list:
     out.append(html.Div([
         section(f"Findings ({summary})", *cards, cls="findings", sid="findings"),
         html.Div([section("Run", run_facts(run), sid="run-facts")] +
-                 ([section("Problems", html.Ul([html.Li(p) for p in report["problems"]]), cls="problems")]
-                  if report.get("problems") else []), className="side"),
+                 ([section("Problems", html.Ul([html.Li(p) for p in report.problems]), cls="problems")]
+                  if report.problems else []), className="side"),
     ], className="overview-cols"))
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dash import html
 
 from fsdp_doctor.present.fmt import fmt_ms
+from fsdp_doctor.report_sections import StepsSection
 
 from .. import figures as F
 from .common import Filters, graph, grid, note, section, table
@@ -15,8 +16,8 @@ def layout(snap, flt: Filters) -> list:
     if not snap.has_records:
         return [note(f"No fsdp-doctor records in {snap.path} yet.", "warning", nid="empty-note")]
     steps = snap.steps
-    sec = snap.report.get("steps") or {}
-    win_sec = snap.sections(flt.window).get("steps") or sec  # stragglers over the selected steps
+    sec = snap.report.steps or StepsSection()
+    win_sec = snap.sections(flt.window).steps or sec  # stragglers over the selected steps
     ranks = flt.ranks
     phase_rank = flt.rank if flt.rank is not None else min(steps, default=0)
     out = [
@@ -26,19 +27,19 @@ def layout(snap, flt: Filters) -> list:
              section("", graph(F.jitter_histogram(steps, ranks, flt.window), "fig-jitter"))),
         section("", graph(F.phase_split_figure(steps, phase_rank, flt.window), "fig-phases")),
     ]
-    outs = [o for o in sec.get("outliers") or []
-            if (flt.rank is None or o["rank"] == flt.rank)
-            and (flt.window is None or flt.window[0] <= o["step"] <= flt.window[1])]
-    rows = [{"rank": o["rank"], "step": o["step"], "ms": fmt_ms(o["ms"]), "median": fmt_ms(o["median_ms"]),
-             "excess": fmt_ms(o.get("excess_ms")), "cause": o.get("cause", ""), "detail": o.get("detail", "")}
+    outs = [o for o in sec.outliers
+            if (flt.rank is None or o.rank == flt.rank)
+            and (flt.window is None or flt.window[0] <= o.step <= flt.window[1])]
+    rows = [{"rank": o.rank, "step": o.step, "ms": fmt_ms(o.ms), "median": fmt_ms(o.median_ms),
+             "excess": fmt_ms(o.excess_ms), "cause": o.cause, "detail": o.detail}
             for o in outs]
     out.append(section(f"Outlier steps ({len(rows)})",
                        table("tbl-outliers", rows, [("rank", "rank"), ("step", "step"), ("ms", "time"), ("median", "rank median"),
                                                     ("excess", "excess"), ("cause", "cause"), ("detail", "likely cause")],
                              left=("cause", "detail"), page_size=10)
                        if rows else note("No outlier steps in this selection.", "ok"), sid="sec-outliers"))
-    strag = [s for s in win_sec.get("stragglers") or [] if flt.rank is None or s.get("rank") == flt.rank]
-    items = [html.Li(f"rank {s['rank']} spends +{s.get('excess_ms_per_step', 0):.1f} ms/step in {s.get('phase', '?')} "
-                     f"({s.get('steps_slower', '?')} of {s.get('steps', '?')} steps)") for s in strag]
+    strag = [s for s in win_sec.stragglers if flt.rank is None or s.rank == flt.rank]
+    items = [html.Li(f"rank {s.rank} spends +{s.excess_ms_per_step:.1f} ms/step in {s.phase} "
+                     f"({s.steps_slower} of {s.steps} steps)") for s in strag]
     out.append(section("Stragglers", html.Ul(items) if items else note("No straggler rank.", "ok"), sid="sec-stragglers"))
     return out

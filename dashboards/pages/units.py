@@ -5,43 +5,47 @@ from __future__ import annotations
 from dash import Input, Output, no_update
 
 from fsdp_doctor.present.fmt import UNKNOWN, fmt_ms, fmt_unit_figures
+from fsdp_doctor.report_sections import UnitRow
 
 from .. import figures as F
 from .common import Filters, graph, note, section, table, unit_value
 
+TIMING_COLUMNS = (("fwd", "fwd_ms"), ("agf", "ag_wait_fwd_ms"), ("bwd", "bwd_ms"), ("agb", "ag_wait_bwd_ms"),
+                  ("rec", "recompute_ms"))  # table column -> UnitTiming field
 COLUMNS = [("unit", "unit"), ("params", "params"), ("shard", "shard / rank"), ("gathered", "gathered"),
            ("dtype", "dtype"), ("reshard", "reshard"), ("prefetch", "prefetch"),
            ("async", "async"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd"), ("agf", "AG wait"),
            ("bwd", "bwd"), ("agb", "AG wait"), ("rec", "recomp.")]
 
 
-def unit_rows(units: list[dict]) -> list[dict]:
+def unit_rows(units: list[UnitRow]) -> list[dict]:
+    """The unit table's rows: display strings (``rid``: the unit filter's value)."""
     rows = []
     for u in units:
-        tm = u.get("timing_p50") or {}
+        tm = u.timing_p50 or None  # UNSET: no steady step timed the unit ("—")
         pf = []
-        if u.get("forward_prefetch"):
-            pf.append("fwd: " + ", ".join(u["forward_prefetch"]))
-        if u.get("backward_prefetch"):
-            pf.append("bwd: " + ", ".join(u["backward_prefetch"]))
+        if u.forward_prefetch:
+            pf.append("fwd: " + ", ".join(u.forward_prefetch))
+        if u.backward_prefetch:
+            pf.append("bwd: " + ", ".join(u.backward_prefetch))
         rows.append({
-            "unit": ("\u2003" * u.get("depth", 0)) + F.unit_label(u["name"]), "rid": unit_value(u["name"]),
+            "unit": ("\u2003" * u.depth) + F.unit_label(u.name), "rid": unit_value(u.name),
             **dict(zip(("params", "shard", "gathered", "reshard"), fmt_unit_figures(u))),
-            "dtype": u.get("param_dtype") or "/".join(u.get("orig_dtypes") or []) or "—",
-            "prefetch": "; ".join(pf) or "default" if u.get("forward_prefetch") is not None else UNKNOWN,
-            "async": UNKNOWN if u.get("unshard_async_op", False) is None else "yes" if u.get("unshard_async_op") else "no", "offload": u.get("offload") or "—",
-            "ac": u.get("checkpoint", "none"), "fwd": fmt_ms(tm.get("fwd_ms")), "agf": fmt_ms(tm.get("ag_wait_fwd_ms")),
-            "bwd": fmt_ms(tm.get("bwd_ms")), "agb": fmt_ms(tm.get("ag_wait_bwd_ms")), "rec": fmt_ms(tm.get("recompute_ms")),
+            "dtype": u.param_dtype or "/".join(u.orig_dtypes) or "—",
+            "prefetch": ("; ".join(pf) or "default") if u.forward_prefetch is not None else UNKNOWN,
+            "async": UNKNOWN if u.unshard_async_op is None else "yes" if u.unshard_async_op else "no",
+            "offload": u.offload or "—", "ac": u.checkpoint,
+            **{col: fmt_ms(getattr(tm, field) if tm else None) for col, field in TIMING_COLUMNS},
         })
     return rows
 
 
 def layout(snap, flt: Filters) -> list:
-    units = snap.sections(flt.window, flt.rank).get("units") or snap.report.get("units") or []
+    units = snap.sections(flt.window, flt.rank).units or snap.report.units or []
     if not units:
         return [note("No FSDP unit configuration recorded yet (it is written at the first step).", "warning",
                      nid="empty-note")]
-    shown = [u for u in units if flt.unit is None or u["name"] == flt.unit]
+    shown = [u for u in units if flt.unit is None or u.name == flt.unit]
     rows = unit_rows(shown)
     return [
         section(f"FSDP units ({len(shown)} of {len(units)})" + ("" if flt.unit is None else
