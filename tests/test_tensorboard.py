@@ -49,13 +49,13 @@ def test_export_scalars_equal_the_records(sample_copy, tmp_path):
         assert {k for k, v in sc["step/profiled"].items() if v == 1.0} == {s.step for s in rd.steps if s.profiled}
         # overlap of the one profiled window: equal to the trace engine's result for that file
         (pw,) = rd.profiles
-        res = analyze_traces([sample_copy / pw.path])["per_rank"][str(rank)]
-        steps = res["steps"]
+        res = analyze_traces([sample_copy / pw.path]).per_rank[str(rank)]
+        steps = res.steps
         assert sorted(sc["overlap/overlap_pct"]) == steps
         for st in steps:
-            assert sc["overlap/overlap_pct"][st] == pytest.approx(res["overlap_pct"], rel=1e-6)
-            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res["exposed_us"] / 1e3 / len(steps), rel=1e-6)
-            assert sc["overlap/comm_ms"][st] == pytest.approx(res["comm_us"] / 1e3 / len(steps), rel=1e-6)
+            assert sc["overlap/overlap_pct"][st] == pytest.approx(res.overlap_pct, rel=1e-6)
+            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res.exposed_us / 1e3 / len(steps), rel=1e-6)
+            assert sc["overlap/comm_ms"][st] == pytest.approx(res.comm_us / 1e3 / len(steps), rel=1e-6)
 
 
 def test_export_defaults_to_the_run_directory(sample_copy):

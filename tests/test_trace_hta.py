@@ -22,20 +22,20 @@ def _cases():
 @pytest.mark.parametrize("folder,expected", _cases(), ids=[c[0] for c in _cases()])
 def test_overlap_matches_hta(folder, expected):
     result = analyze_traces(HTA_DIR / folder)
-    assert result["skipped"] == []
-    assert sorted(result["per_rank"]) == sorted(str(r) for r in expected["ranks"])
+    assert result.skipped == []
+    assert sorted(result.per_rank) == sorted(str(r) for r in expected["ranks"])
     for rank, hta_pct in expected["comm_comp_overlap_pct"].items():
-        pr = result["per_rank"][rank]
-        if pr["device"] == "cpu":
+        pr = result.per_rank[rank]
+        if pr.device == "cpu":
             # HTA only looks at GPU kernels, so a CPU/gloo trace has no communication for it (null).
             # Ours measures gloo collectives against main-thread compute instead: here 5 gloo:all_reduce
             # per gloo thread and 4 tiny main-thread ops that do not overlap them.
             assert hta_pct is None and folder == "cpu_only_gloo"
-            assert pr["comm_us"] > 0 and pr["overlap_pct"] == 0.0
+            assert pr.comm_us > 0 and pr.overlap_pct == 0.0
             continue
         if hta_pct is None:
-            assert pr["overlap_pct"] is None and pr["comm_us"] == 0.0
+            assert pr.overlap_pct is None and pr.comm_us == 0.0
         else:
-            assert pr["overlap_pct"] == pytest.approx(hta_pct, abs=0.5)
+            assert pr.overlap_pct == pytest.approx(hta_pct, abs=0.5)
         # HTA lists the complete steps it analysed
-        assert pr["steps"] == expected["profiler_steps"]
+        assert pr.steps == expected["profiler_steps"]
