@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_doctor.trace import analyze_traces
+from fsdp_doctor.trace import analyze_traces, gpu_overlap_pct
 
 HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
 EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
@@ -32,10 +32,12 @@ def test_overlap_matches_hta(folder, expected):
             # per gloo thread and 4 tiny main-thread ops that do not overlap them.
             assert hta_pct is None and folder == "cpu_only_gloo"
             assert pr.comm_us > 0 and pr.overlap_pct == 0.0
+            assert gpu_overlap_pct(result, rank) is None  # the HTA-comparable figure: GPU ranks only
             continue
         if hta_pct is None:
             assert pr.overlap_pct is None and pr.comm_us == 0.0
         else:
             assert pr.overlap_pct == pytest.approx(hta_pct, abs=0.5)
+        assert gpu_overlap_pct(result, int(rank)) == pr.overlap_pct
         # HTA lists the complete steps it analysed
         assert pr.steps == expected["profiler_steps"]
