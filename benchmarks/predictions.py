@@ -55,12 +55,14 @@ CASES = {
 }
 
 
-def _flipped(finding: dict | None) -> dict:
-    """reshard_overrides keeping the units a reshard.zero2_affordable finding chose gathered after forward."""
-    return {n: False for n in ((finding or {}).get("evidence") or {}).get("units_flipped", [])}
+def _flipped(finding) -> dict:
+    """reshard_overrides keeping the units a reshard.zero2_affordable finding (a Finding, or None) chose gathered
+    after forward."""
+    return {n: False for n in (finding.evidence if finding else {}).get("units_flipped", [])}
 
 
-def run_once(out: Path, steps: int, knobs: dict, extra: dict) -> dict:
+def run_once(out: Path, steps: int, knobs: dict, extra: dict):
+    """The report (a ``Report``) of the workload run with ``knobs`` and the doctor's ``extra`` watch options."""
     from fsdp_doctor import load_run
     from fsdp_doctor.analyze import build_report
     from fsdp_doctor.workloads import WorkloadConfig, launch
@@ -72,12 +74,12 @@ def run_once(out: Path, steps: int, knobs: dict, extra: dict) -> dict:
     return build_report(load_run(out), traces=False)
 
 
-def measured(report: dict) -> tuple[float | None, int | None]:
+def measured(report) -> tuple[float | None, int | None]:
     from fsdp_doctor.diagnose import Context
     from fsdp_doctor.diagnose import estimate as E
     from fsdp_doctor.store import load_run
 
-    ctx = Context(run=load_run(report["run"]["path"]), report=report)
+    ctx = Context(run=load_run(report.run.path), report=report)
     return E.step_ms(ctx), E.peak_bytes(ctx)
 
 
@@ -96,14 +98,14 @@ def run_case(name: str, steps: int, tmp: Path, reps: int = 2) -> dict:
     sb_l, sa_l, pb_l, pa_l, preds, fired, after_codes = [], [], [], [], [], [], set()
     for i in range(reps):
         rb = run_once(tmp / f"{name}_before{i}", steps, before, extra)
-        f = next((x for x in rb["findings"] if x["code"] == code), None)
+        f = next((x for x in rb.findings if x.code == code), None)
         ra = run_once(tmp / f"{name}_after{i}", steps, after(f) if callable(after) else after, extra)
         fired.append(f)
-        if f and f.get("predicted"):
-            preds.append(f["predicted"])
+        if f and f.predicted:
+            preds.append(f.predicted)
         (sb, pb), (sa, pa) = measured(rb), measured(ra)
         sb_l.append(sb), sa_l.append(sa), pb_l.append(pb), pa_l.append(pa)
-        after_codes |= {x["code"] for x in ra["findings"] if x["severity"] != "info"}
+        after_codes |= {x.code for x in ra.findings if x.severity != "info"}
 
     def med(xs):
         xs = [x for x in xs if x is not None]
@@ -122,7 +124,7 @@ def run_case(name: str, steps: int, tmp: Path, reps: int = 2) -> dict:
         peak_pred = pb + d_peak
     f = next((x for x in fired if x), None)
     return {"case": name, "code": code, "fired": sum(1 for x in fired if x), "reps": reps,
-            "severity": (f or {}).get("severity"), "fix": fix,
+            "severity": f.severity if f else None, "fix": fix,
             "step_before_ms": sb, "step_pred_ms": step_pred, "step_after_ms": sa,
             "step_change_pred_pct": None if step_pred is None or not sb else 100 * (step_pred - sb) / sb,
             "step_change_meas_pct": None if sa is None or not sb else 100 * (sa - sb) / sb,

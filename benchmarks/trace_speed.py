@@ -197,6 +197,8 @@ c1 = os.times()
 r = analyze_traces(sys.argv[1])
 t2 = time.perf_counter()
 c2 = os.times()
+import msgspec
+r = msgspec.to_builtins(r)  # a dict in a --baseline tree from before the typed report: the same
 print(json.dumps({"import_s": t1 - t0, "run_s": t2 - t1, "cpu_s": sum(c2[:4]) - sum(c1[:4]), "skipped": r["skipped"],
                   "torch_imported": "torch" in sys.modules,
                   "overlap": {k: v["overlap_pct"] for k, v in r["per_rank"].items()}}))

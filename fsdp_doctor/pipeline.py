@@ -16,14 +16,11 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Iterable, Optional
 
-import msgspec
-
 from . import __version__
 from .analyze.report import fill_sizes_from_units, run_facts, unit_table
 from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
-from .report_sections import (CommSummary, MemorySection, OverlapSection, Report, StepsSection, ThroughputSection,
-                              UnitRow, Verdict)
+from .report_sections import CommSummary, OverlapSection, Report
 from .store import Run
 
 StepWindow = Optional[tuple[int, int]]
@@ -51,8 +48,10 @@ def window_run(run: Run, window: StepWindow) -> Run:
 
 
 def record_sections(run: Run, window: StepWindow = None, *, memory: bool = True) -> dict:
-    """The sections computed from the records: ``steps``, ``units``, ``throughput`` and ``memory`` (over the
-    steps inside ``window`` only when given). Empty when the run has no records."""
+    """The sections computed from the records, by the report's field name: ``steps`` (a ``StepsSection``),
+    ``units`` (a list of ``UnitRow``), ``throughput`` (a ``ThroughputSection``) and ``memory`` (a
+    ``MemorySection``), the last two only where the records give them (over the steps inside ``window`` only
+    when given). Empty when the run has no records."""
     if not run.has_records:
         return {}
     sub = window_run(run, window)
@@ -70,7 +69,7 @@ def record_sections(run: Run, window: StepWindow = None, *, memory: bool = True)
 
 
 def trace_section(run: Run, *, windows: Optional[Iterable] = None,
-                  progress: Optional[Callable[[int, int], None]] = None) -> Optional[dict]:
+                  progress: Optional[Callable[[int, int], None]] = None) -> Optional[OverlapSection]:
     """The ``overlap`` section: from already decoded ``windows`` (the dashboard caches them) or by reading
     ``run.trace_files``; bytes per call and bus bandwidth filled from the unit snapshot where the trace has
     no message sizes. None when there is nothing to analyse."""
@@ -81,8 +80,6 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
         if not windows:
             return None
         ov = analyze_windows(windows)
-        ov["files"] = [w.file for w in windows]
-        ov["skipped"] = []
     elif run.trace_files:
         ov = analyze_traces(run.trace_files, progress=progress)
     else:
@@ -91,19 +88,19 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
     return ov
 
 
-def comm_summary(report: dict, ag_waits: Optional[dict[str, float]] = None) -> Optional[CommSummary]:
+def comm_summary(overlap: Optional[OverlapSection],
+                 ag_waits: Optional[dict[str, float]] = None) -> Optional[CommSummary]:
     """The one exposed-communication figure of the report, with its definition and source: from the profiled
-    windows' traces when there are any, else from the recorder's all-gather waits (``ag_waits``: per rank, ms
-    per step, see ``recorded_ag_waits``)."""
-    per_rank = ((report.get("overlap") or {}).get("per_rank")) or {}
+    windows' traces (the ``overlap`` section) when there are any, else from the recorder's all-gather waits
+    (``ag_waits``: per rank, ms per step, see ``recorded_ag_waits``)."""
     rows = {}
-    for r, pr in per_rank.items():
-        n = len(pr.get("steps") or [])
-        if n and pr.get("comm_us") is not None:
-            rows[str(r)] = {"exposed_ms_per_step": round(pr["exposed_us"] / 1e3 / n, 3),
-                            "comm_ms_per_step": round(pr["comm_us"] / 1e3 / n, 3),
-                            "overlap_pct": None if pr.get("overlap_pct") is None else round(pr["overlap_pct"], 1),
-                            "steps": sorted(pr["steps"])}
+    for r, pr in (overlap.per_rank if overlap is not None else {}).items():
+        n = len(pr.steps)
+        if n:
+            rows[str(r)] = {"exposed_ms_per_step": round(pr.exposed_us / 1e3 / n, 3),
+                            "comm_ms_per_step": round(pr.comm_us / 1e3 / n, 3),
+                            "overlap_pct": None if pr.overlap_pct is None else round(pr.overlap_pct, 1),
+                            "steps": sorted(pr.steps)}
     if rows:
         steps = sorted({s for v in rows.values() for s in v["steps"]})
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
@@ -140,25 +137,16 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     problems met on the way."""
     report = Report(doctor_version=__version__, run=run_facts(run))
     problems = list(run.problems)
-    secs = record_sections(run)
-    if secs:
-        report.steps = msgspec.convert(secs["steps"], StepsSection)
-        report.units = msgspec.convert(secs["units"], list[UnitRow])
-        if "throughput" in secs:
-            report.throughput = msgspec.convert(secs["throughput"], ThroughputSection)
-        if "memory" in secs:
-            report.memory = msgspec.convert(secs["memory"], MemorySection)
+    for name, section in record_sections(run).items():
+        setattr(report, name, section)
     if windows is not None or traces:
-        ov = trace_section(run, windows=windows, progress=progress)
-        if ov is not None:
-            report.overlap = msgspec.convert(ov, OverlapSection)
+        report.overlap = trace_section(run, windows=windows, progress=progress)
+        if report.overlap is not None:
             problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
-    report.comm = comm_summary(report, recorded_ag_waits(run))
+    report.comm = comm_summary(report.overlap, recorded_ag_waits(run))
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 
-    v = verdict(report, run)
-    if v is not None:
-        report.verdict = msgspec.convert(v, Verdict)
+    report.verdict = verdict(report, run)
     skipped: list[str] = []
     if diagnosis:
         from .diagnose import diagnose
@@ -171,8 +159,8 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     return report
 
 
-def is_usable(run: Run, report: dict) -> bool:
+def is_usable(run: Run, report: Report) -> bool:
     """Whether anything could be analysed: records with steps or a configuration, or a trace window holding a
     profiler step or communication (an empty ``traceEvents`` is not a run)."""
-    per_rank = (report.get("overlap") or {}).get("per_rank") or {}
-    return run.has_records or any(pr.get("steps") or pr.get("comm_us") for pr in per_rank.values())
+    per_rank = report.overlap.per_rank if report.overlap is not None else {}
+    return run.has_records or any(pr.steps or pr.comm_us for pr in per_rank.values())

@@ -35,18 +35,17 @@ def _units(run) -> list[dict]:
 def _peak(run) -> dict:
     from fsdp_doctor.analyze.memory import analyze_memory
 
-    pr = analyze_memory(run)["per_rank"]["0"]
-    return {"peak_bytes": pr["peak_bytes"], "breakdown": pr["peak_breakdown"],
-            "at": [pr["peak_at"]["unit"], pr["peak_at"]["phase"]]}
+    pr = analyze_memory(run).per_rank["0"]
+    return {"peak_bytes": pr.peak_bytes, "breakdown": pr.peak_breakdown, "at": [pr.peak_at.unit, pr.peak_at.phase]}
 
 
 def _trace_rows(run) -> dict:
     from fsdp_doctor.trace import analyze_traces
 
     ov = analyze_traces(run.trace_files)
-    rows = sorted({(r["unit"], r["collective"]) for r in ov.get("per_unit", [])})
-    return {"ranks": sorted(ov["per_rank"]), "unit_collectives": [list(r) for r in rows],
-            "skipped": [s["file"] for s in ov.get("skipped", [])]}
+    rows = sorted({(r.unit, r.collective) for r in ov.per_unit})
+    return {"ranks": sorted(ov.per_rank), "unit_collectives": [list(r) for r in rows],
+            "skipped": [s.file for s in ov.skipped]}
 
 
 def known_answer(run) -> dict:

@@ -102,22 +102,22 @@ def test_run_device_comes_from_the_process_group_not_a_parameter(monkeypatch):
 
 
 def test_comm_section_is_typed_and_its_json_unchanged(sample_run_path):
-    """The pipeline builds ``comm`` as a CommSummary and stores its JSON-ready form: the keys of the JSON report
-    are those it always had, and a presenter reads it back by attribute."""
+    """The pipeline builds ``comm`` as a CommSummary: the keys of its JSON form are those it always had, that form
+    reads back to the same struct, and a presenter shows the same headline from either."""
     from fsdp_doctor.pipeline import build_report, comm_summary
     from fsdp_doctor.present.fmt import comm_headline
     from fsdp_doctor.report_sections import CommSummary
     from fsdp_doctor.store import load_run
 
     rep = build_report(load_run(sample_run_path), diagnosis=False)
-    comm = rep["comm"]
+    typed = rep.comm
+    comm = msgspec.to_builtins(typed)
     assert set(comm) == {"source", "source_text", "definition", "per_rank", "exposed_ms_per_step", "comm_ms_per_step",
                          "overlap_pct"}
-    typed = CommSummary.of(comm)
-    assert typed.source == "trace" and msgspec.to_builtins(typed) == comm
+    assert typed.source == "trace" and CommSummary.of(comm) == typed
     assert comm_headline(comm) == comm_headline(typed)
     assert comm_headline(comm).startswith(f"Exposed communication: ")
-    rec = comm_summary({}, {"0": 1.5, "1": 2.5})  # from the records: per rank the waits only
+    rec = comm_summary(None, {"0": 1.5, "1": 2.5})  # from the records: per rank the waits only
     assert msgspec.to_builtins(rec)["per_rank"] == {"0": {"exposed_ms_per_step": 1.5}, "1": {"exposed_ms_per_step": 2.5}}
     assert rec.exposed_ms_per_step == 2.0 and rec.comm_ms_per_step is None and rec.overlap_pct is None
 
@@ -145,8 +145,8 @@ def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
 
 
 def test_memory_section_schema_is_the_struct(sample_run_path):
-    """The analysis's memory section round-trips through MemorySection unchanged: every key it writes is a field
-    (msgspec drops unknown keys, so a key missing from the struct would show here), and the terminal reads it."""
+    """The analysis builds a MemorySection whose JSON form reads back to the same struct (what ``--json`` writes
+    and ``Report.of`` reads), and the terminal shows it from either."""
     from rich.console import Console
 
     from fsdp_doctor.analyze.memory import analyze_memory
@@ -154,9 +154,9 @@ def test_memory_section_schema_is_the_struct(sample_run_path):
     from fsdp_doctor.report_sections import MemorySection
     from fsdp_doctor.store import load_run
 
-    mem = analyze_memory(load_run(sample_run_path))
-    typed = MemorySection.of(mem)
-    assert msgspec.to_builtins(typed) == mem
+    typed = analyze_memory(load_run(sample_run_path))
+    mem = msgspec.to_builtins(typed)
+    assert isinstance(typed, MemorySection) and MemorySection.of(mem) == typed
     pr = typed.per_rank[typed.peak_rank]
     assert sum(pr.peak_breakdown.values()) == pr.peak_bytes == typed.peak_bytes
     con = Console(width=100, record=True)
@@ -165,7 +165,7 @@ def test_memory_section_schema_is_the_struct(sample_run_path):
 
 
 def test_steps_section_schema_is_the_struct(sample_run_path):
-    """The steps section round-trips through StepsSection unchanged (every key a field), with outliers and
+    """The analysis builds a StepsSection whose JSON form reads back to the same struct, with outliers and
     stragglers typed too (built here on a run with one slow step), and the terminal reads it by attribute."""
     from rich.console import Console
 
@@ -175,15 +175,15 @@ def test_steps_section_schema_is_the_struct(sample_run_path):
     from fsdp_doctor.store import load_run
 
     run = load_run(sample_run_path)
-    steps = analyze_steps(run)
-    typed = StepsSection.of(steps)
-    assert msgspec.to_builtins(typed) == steps and typed.job.count == sum(s.count for s in typed.per_rank.values())
+    typed = analyze_steps(run)
+    assert StepsSection.of(msgspec.to_builtins(typed)) == typed
+    assert typed.job.count == sum(s.count for s in typed.per_rank.values())
     rd = run.ranks[0]
     slow = max((s for s in rd.steps if s.step > 0 and not s.profiled), key=lambda s: s.step)
     slow.wall_ms *= 20
     slow.outside_ms += slow.wall_ms * 0.95
     withoutlier = analyze_steps(run)
-    assert withoutlier["outliers"] and msgspec.to_builtins(StepsSection.of(withoutlier)) == withoutlier
+    assert withoutlier.outliers and StepsSection.of(msgspec.to_builtins(withoutlier)) == withoutlier
     con = Console(width=100, record=True)
     con.print(render_steps(withoutlier))
     text = con.export_text()
@@ -193,4 +193,4 @@ def test_steps_section_schema_is_the_struct(sample_run_path):
         st.forward_ms += 60
         st.wall_ms += 60
     strag = analyze_steps(run)
-    assert strag["stragglers"][0]["rank"] == 1 and msgspec.to_builtins(StepsSection.of(strag)) == strag
+    assert strag.stragglers[0].rank == 1 and StepsSection.of(msgspec.to_builtins(strag)) == strag

@@ -138,10 +138,10 @@ def test_failing_flop_count_leaves_training_alone(one_rank_group, tmp_path, monk
     rd = run.ranks[0]
     assert [s.step for s in rd.steps] == [0, 1, 2, 3] and rd.errors == [] and rd.end is not None
     assert rd.config.flops_per_step is None
-    tp = analyze_throughput(run)["per_rank"]["0"]
-    assert tp["flops_source"] == "analytic"
-    assert tp["flops_per_step"] == 6.0 * rd.config.model_param_count * cfg.tokens_per_step(1)
-    assert tp["mfu_pct"] > 0
+    tp = analyze_throughput(run).per_rank["0"]
+    assert tp.flops_source == "analytic"
+    assert tp.flops_per_step == 6.0 * rd.config.model_param_count * cfg.tokens_per_step(1)
+    assert tp.mfu_pct > 0
 
 
 def test_gqa_flops_counted_under_watch(one_rank_group, tmp_path):
@@ -153,7 +153,7 @@ def test_gqa_flops_counted_under_watch(one_rank_group, tmp_path):
     run = load_run(tmp_path / "run")
     # step 1 counted: forward, backward and the optimizer (which has no matmuls)
     assert run.ranks[0].config.flops_per_step == gpt.flops_per_step(cfg)
-    assert analyze_throughput(run)["per_rank"]["0"]["flops_source"] == "counted"
+    assert analyze_throughput(run).per_rank["0"].flops_source == "counted"
 
 
 def test_a_raising_formula_is_caught(monkeypatch, caplog):

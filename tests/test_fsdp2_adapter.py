@@ -170,12 +170,12 @@ def test_unknown_reaches_the_report_the_terminal_and_the_dashboard(sample_run_pa
             u.param_count = u.sharded_bytes = u.unsharded_bytes = u.unshard_async_op = None
         rd.config.unavailable = [line]
     report = build_report(run, traces=False)
-    assert line in report["problems"]
-    skipped = [p for p in report["problems"] if " not checked: " in p]
+    assert line in report.problems
+    skipped = [p for p in report.problems if " not checked: " in p]
     assert any(p.startswith("prefetch.sync_unshard not checked") for p in skipped)
-    assert not [f for f in report["findings"] if f["code"].startswith(("wrap.", "prefetch.", "reshard."))]
+    assert not [f for f in report.findings if f.code.startswith(("wrap.", "prefetch.", "reshard."))]
     con = Console(width=100, record=True)
-    con.print(render_units(report["units"]))
+    con.print(render_units(report.units))
     text = con.export_text()
     assert "unknown" in text and "0.00 M" not in text
     rows = unit_rows(report.units)
@@ -212,7 +212,7 @@ def test_unmeasured_memory_category_is_unknown_not_zero(sample_run_path):
             if s.memory:
                 s.memory.unknown = ["comm_buffers"]  # what the probe writes when CommReader is not ok
     mem = analyze_memory(run)
-    assert all(pr["unknown_categories"] == ["comm_buffers"] for pr in mem["per_rank"].values())
+    assert all(pr.unknown_categories == ["comm_buffers"] for pr in mem.per_rank.values())
     con = Console(width=100, record=True)
     con.print(render_memory(mem))
     row = next(line for line in con.export_text().splitlines() if line.strip().startswith("comm buffers"))

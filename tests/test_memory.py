@@ -276,16 +276,16 @@ def test_analyze_and_render(base):
 
     run, _ = base
     sec = analyze_memory(run)
-    json.dumps(sec)
+    json.dumps(msgspec.to_builtins(sec))
     for r in ("0", "1"):
-        pr = sec["per_rank"][r]
-        assert sum(pr["peak_breakdown"].values()) == pr["peak_bytes"]
-        assert pr["peak_at"]["step"] >= 1 and pr["peak_at"]["phase"]
-        assert pr["timeline"] and pr["timeline_step"] == pr["peak_at"]["step"]
-        assert max(t["total"] for t in pr["timeline"]) == pr["peak_bytes"]
-        assert pr["activations_peak_bytes"] >= pr["peak_breakdown"]["activations"]
-        units = {u["unit"]: u for u in pr["per_unit"]}
-        assert units["layers.0"]["activation_bytes"] == units["layers.0"]["activation_self_bytes"] > 0
+        pr = sec.per_rank[r]
+        assert sum(pr.peak_breakdown.values()) == pr.peak_bytes
+        assert pr.peak_at.step >= 1 and pr.peak_at.phase
+        assert pr.timeline and pr.timeline_step == pr.peak_at.step
+        assert max(t["total"] for t in pr.timeline) == pr.peak_bytes
+        assert pr.activations_peak_bytes >= pr.peak_breakdown["activations"]
+        units = {u.unit: u for u in pr.per_unit}
+        assert units["layers.0"].activation_bytes == units["layers.0"].activation_self_bytes > 0
     console = Console(width=100, record=True)
     console.print(render_memory(sec))
     text = console.export_text()

@@ -16,6 +16,7 @@ from fsdp_doctor.pipeline import build_report
 from fsdp_doctor.present.fmt import VERDICT_COLUMNS, comm_headline, fmt_bw, fmt_bytes, fmt_ms, verdict_headline, verdict_share
 from fsdp_doctor.present.html import render_html
 from fsdp_doctor.present.terminal import render_report
+from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import load_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -35,7 +36,7 @@ def snap():
     return st.snapshot()
 
 
-def _terminal(report: dict) -> str:
+def _terminal(report: Report) -> str:
     c = Console(width=100, record=True, color_system=None)
     render_report(report, c)
     return c.export_text()
@@ -49,16 +50,16 @@ def _walk_text(component) -> str:
 def test_dashboard_report_is_the_cli_report(cli_report, snap):
     """The dashboard's state goes through the same pipeline: every figure of the report is equal (sizes from
     the unit snapshot included: all 34 per-unit rows of the sample carry bytes and bus bandwidth)."""
-    dash = snap.report
+    dash = Report.of(snap.report)
     for key in ("steps", "units", "throughput", "memory", "comm", "findings"):
-        assert dash[key] == cli_report[key], key
-    rows, cli_rows = dash["overlap"]["per_unit"], cli_report["overlap"]["per_unit"]
+        assert getattr(dash, key) == getattr(cli_report, key), key
+    rows, cli_rows = dash.overlap.per_unit, cli_report.overlap.per_unit
     assert len(rows) == 34
-    assert sum(r.get("bytes_per_call") is not None for r in rows) == 34
-    assert sum(r.get("busbw_gbps") is not None for r in rows) == 34
-    key = lambda r: (r["rank"], r["unit"], r["collective"], str(r["phase"]))  # noqa: E731
+    assert sum(r.bytes_per_call is not None for r in rows) == 34
+    assert sum(r.busbw_gbps is not None for r in rows) == 34
+    key = lambda r: (r.rank, r.unit, r.collective, str(r.phase))  # noqa: E731
     assert sorted(rows, key=key) == sorted(cli_rows, key=key)
-    assert dash["overlap"]["per_rank"] == cli_report["overlap"]["per_rank"]
+    assert dash.overlap.per_rank == cli_report.overlap.per_rank
 
 
 def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_path):
@@ -76,12 +77,13 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
 
     p50 = js["steps"]["job"]["p50_ms"]
     peak = max(m["peak_bytes"] for m in js["memory"]["per_rank"].values())
-    assert p50 == cli_report["steps"]["job"]["p50_ms"] == snap.report["steps"]["job"]["p50_ms"]
+    dash_report = Report.of(snap.report)
+    assert p50 == cli_report.steps.job.p50_ms == dash_report.steps.job.p50_ms
     assert fmt_ms(p50) in html and fmt_ms(p50) in dash
     assert fmt_bytes(peak) in term and fmt_bytes(peak) in html and fmt_bytes(peak) in dash
     # the one exposed-communication figure, with its source, in the terminal and the HTML report
     comm = js["comm"]
-    assert comm["source"] == "trace" and comm == snap.report["comm"]
+    assert comm["source"] == "trace" and comm == msgspec.to_builtins(dash_report.comm)
     head = comm_headline(comm)
     assert fmt_ms(comm["exposed_ms_per_step"]) in head and "source: profiler trace, step 6" in head
     assert " ".join(head.split()) in " ".join(term.split())  # the terminal wraps it at 100 columns
@@ -96,7 +98,7 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
     assert "793.1 kB" not in term + html + dash  # one convention: no decimal byte units left
     # finding codes and the prediction
     codes = [f["code"] for f in js["findings"]]
-    assert codes == [f["code"] for f in snap.report["findings"]] == ["prefetch.exposed_allgather"]
+    assert codes == [f.code for f in dash_report.findings] == ["prefetch.exposed_allgather"]
     for c in codes:
         assert c in term and c in html and c in dash
     pred = js["findings"][0]["predicted"]
@@ -104,7 +106,7 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
     assert arrow in term and arrow in html
     # the verdict: the same bound, sentence and shares everywhere, first in every presenter
     v = js["verdict"]
-    assert v == cli_report["verdict"] == snap.report["verdict"]
+    assert v == msgspec.to_builtins(cli_report.verdict) == msgspec.to_builtins(dash_report.verdict)
     assert v["job"]["bound"] == "compute" and v["job"]["source"] == "trace"
     head = verdict_headline(v)
     assert head == ("Verdict: compute-bound (42% of the step); then host (main thread between operators) 33%, "
@@ -130,10 +132,10 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
 
 
 def test_prefetch_finding_always_predicts(cli_report):
-    f = next(f for f in cli_report["findings"] if f["code"] == "prefetch.exposed_allgather")
-    p = f["predicted"]
+    f = next(f for f in cli_report.findings if f.code == "prefetch.exposed_allgather")
+    p = f.predicted
     assert p["step_ms_after"] is not None and p["step_ms_after"] < p["step_ms_before"]
-    assert f["evidence"]["expected_gain_ms"] == pytest.approx(p["step_ms_before"] - p["step_ms_after"], abs=2e-3)
+    assert f.evidence["expected_gain_ms"] == pytest.approx(p["step_ms_before"] - p["step_ms_after"], abs=2e-3)
     assert p["peak_bytes_after"] > p["peak_bytes_before"]  # reshard_after_forward=False keeps units gathered
 
 
@@ -143,14 +145,14 @@ def test_no_warning_is_not_called_healthy(cli_report):
 
 
 def test_profiler_export_step_is_marked(cli_report, snap):
-    ps = cli_report["steps"]["profiler_steps"]
+    ps = cli_report.steps.profiler_steps
     assert ps == {"0": {"window": [6, 7], "export": [8]}, "1": {"window": [6, 7], "export": [8]}}
     cols = snap.steps[0]
     i = cols["step"].index(8)
     assert cols["profiler_export"][i] is True and cols["outside_ms"][i] > 500  # the 625 ms "outside" is the export
     assert sum(cols["profiler_export"]) == 1
     # the one steady-state rule, as a column: as many steady steps as the statistics counted
-    assert sum(cols["steady"]) == cli_report["steps"]["per_rank"]["0"]["count"] and not cols["steady"][i]
+    assert sum(cols["steady"]) == cli_report.steps.per_rank["0"].count and not cols["steady"][i]
 
 
 # ------------------------------------------------------------------------------------------- one run per directory
@@ -193,8 +195,8 @@ def test_reader_refuses_to_mix_runs(tmp_path):
     assert [p.name for p in run.trace_files] == ["rank0.6.pt.trace.json.gz"]
     assert "profiler/rank2.6.pt.trace.json.gz: a profiler window of another run" in probs
     rep = build_report(run)
-    assert rep["run"]["ranks"] == [0] and sorted(rep["overlap"]["per_rank"]) == ["0"]
-    assert {r["rank"] for r in rep["overlap"]["per_unit"]} == {0}
+    assert rep.run.ranks == [0] and sorted(rep.overlap.per_rank) == ["0"]
+    assert {r.rank for r in rep.overlap.per_unit} == {0}
 
 
 def test_cli_names_the_mixed_run_and_exits_3(tmp_path, capsys):
@@ -224,14 +226,14 @@ def test_exposed_comm_without_traces_comes_from_the_records_and_says_so():
 
     run = load_run(SAMPLE)
     rep = build_report(run, traces=False)
-    comm = rep["comm"]
-    assert comm["source"] == "records" and "all-gather waits" in comm["source_text"]
+    comm = rep.comm
+    assert comm.source == "records" and "all-gather waits" in comm.source_text
     per_rank = {}
     for r, rd in run.ranks.items():
         waits = [sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units) for s in rd.steps if s.step > 0 and not s.profiled]
         per_rank[str(r)] = statistics.median(waits)
-    assert comm["exposed_ms_per_step"] == pytest.approx(statistics.median(per_rank.values()), abs=1e-3)
-    assert comm["comm_ms_per_step"] is None and "reduce-scatters need a profiler trace" in comm["definition"]
+    assert comm.exposed_ms_per_step == pytest.approx(statistics.median(per_rank.values()), abs=1e-3)
+    assert comm.comm_ms_per_step is None and "reduce-scatters need a profiler trace" in comm.definition
     assert "source: recorded all-gather waits" in comm_headline(comm)
 
 
@@ -246,6 +248,6 @@ def test_a_failing_rule_is_a_problem_not_a_silent_healthy(sample_run_path, monke
 
     monkeypatch.setattr(ExposedAllGather, "match", boom)
     report = build_report(load_run(sample_run_path))
-    assert "prefetch.exposed_allgather" not in {f["code"] for f in report["findings"]}
+    assert "prefetch.exposed_allgather" not in {f.code for f in report.findings}
     assert any(p.startswith("prefetch.exposed_allgather not checked: the rule failed (ZeroDivisionError: injected)")
-               for p in report["problems"])
+               for p in report.problems)

@@ -77,10 +77,10 @@ def test_recorded_windows_carry_message_sizes(recorded_run):
     import fsdp_doctor
 
     run, _, _ = recorded_run
-    overlap = fsdp_doctor.build_report(run)["overlap"]
-    rows = [r for r in overlap["per_unit"] if r["collective"] in ("all_gather", "reduce_scatter") and r["unit"]]
+    overlap = fsdp_doctor.build_report(run).overlap
+    rows = [r for r in overlap.per_unit if r.collective in ("all_gather", "reduce_scatter") and r.unit]
     assert rows
-    assert all(r["bytes_per_call"] and r.get("bytes_source") != "unit snapshot" for r in rows), rows[:2]
+    assert all(r.bytes_per_call and r.bytes_source != "unit snapshot" for r in rows), rows[:2]
     units = {u.name: u for u in run.config.units}
-    ag = next(r for r in rows if r["collective"] == "all_gather" and r["unit"] == "layers.1")
-    assert ag["bytes_per_call"] == units["layers.1"].unsharded_bytes  # the gathered block, from the trace
+    ag = next(r for r in rows if r.collective == "all_gather" and r.unit == "layers.1")
+    assert ag.bytes_per_call == units["layers.1"].unsharded_bytes  # the gathered block, from the trace

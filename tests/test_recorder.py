@@ -95,13 +95,13 @@ def test_injected_sleep_found_at_its_step_and_rank(tmp_path):
     _, run = record(tmp_path / "sleep", steps=12, sleep_rank=1, sleep_ms=1500.0, sleep_steps=[7],
                     watch_extra={"profile": False})
     report = build_report(run)
-    outliers = report["steps"]["outliers"]
-    by = {(o["rank"], o["step"]): o for o in outliers}
-    assert (1, 7) in by and by[(1, 7)]["cause"] == "outside", outliers
-    assert by[(1, 7)]["excess_ms"] > 1000
+    outliers = report.steps.outliers
+    by = {(o.rank, o.step): o for o in outliers}
+    assert (1, 7) in by and by[(1, 7)].cause == "outside", outliers
+    assert by[(1, 7)].excess_ms > 1000
     # rank 0 waited for rank 1 in its first collective of that step
-    assert (0, 7) in by and by[(0, 7)]["cause"] == "late_rank" and "rank 1" in by[(0, 7)]["detail"], outliers
-    assert all(o["step"] == 7 for o in outliers if o["excess_ms"] > 1000)
+    assert (0, 7) in by and by[(0, 7)].cause == "late_rank" and "rank 1" in by[(0, 7)].detail, outliers
+    assert all(o.step == 7 for o in outliers if o.excess_ms > 1000)
 
 
 _KILL_SCRIPT = """

@@ -13,18 +13,18 @@ from fsdp_doctor.analyze.steps import percentile, usable_steps
 def test_report_shape_and_step_stats(sample_run_path):
     run = load_run(sample_run_path)
     rep = build_report(run)
-    assert rep["schema"] == "fsdp-doctor-report/1"
+    assert rep.schema == "fsdp-doctor-report/1"
     for key in ("run", "steps", "units", "memory", "overlap", "findings", "problems"):
-        assert key in rep, key
+        assert getattr(rep, key) is not None, key
     for r, rd in run.ranks.items():
-        st = rep["steps"]["per_rank"][str(r)]
+        st = rep.steps.per_rank[str(r)]
         xs = [s.wall_ms for s in usable_steps(rd.steps)]
-        assert st["count"] == len(xs) == len(rd.steps) - 1 - sum(1 for s in rd.steps[1:] if s.profiled)
-        assert st["p50_ms"] == round(percentile(xs, 50), 3) and st["max_ms"] == round(max(xs), 3)
-        assert st["p50_ms"] <= st["p90_ms"] <= st["p99_ms"] <= st["max_ms"]
-    for f in rep["findings"]:
-        assert f["severity"] in ("info", "warning", "critical")
-        assert set(f) >= {"code", "severity", "title", "evidence", "recommendation"}
+        assert st.count == len(xs) == len(rd.steps) - 1 - sum(1 for s in rd.steps[1:] if s.profiled)
+        assert st.p50_ms == round(percentile(xs, 50), 3) and st.max_ms == round(max(xs), 3)
+        assert st.p50_ms <= st.p90_ms <= st.p99_ms <= st.max_ms
+    for f in rep.findings:
+        assert f.severity in ("info", "warning", "critical")
+        assert set(f.as_dict()) >= {"code", "severity", "title", "evidence", "recommendation"}
     json.dumps(rep.to_builtins())  # one JSON document
 
 
@@ -32,14 +32,14 @@ def test_gloo_collective_sizes_come_from_the_unit_snapshot(sample_run_path):
     run = load_run(sample_run_path)
     rep = build_report(run)
     units = {u.name: u for u in run.config.units}
-    rows = [r for r in rep["overlap"]["per_unit"] if r["unit"] in units and units[r["unit"]].param_count]
+    rows = [r for r in rep.overlap.per_unit if r.unit in units and units[r.unit].param_count]
     assert rows
     for r in rows:
-        u = units[r["unit"]]
-        expected = u.unsharded_bytes if r["collective"] == "all_gather" else 4 * u.param_count
-        assert r["bytes_per_call"] == expected and r["bytes_source"] == "unit snapshot"
+        u = units[r.unit]
+        expected = u.unsharded_bytes if r.collective == "all_gather" else 4 * u.param_count
+        assert r.bytes_per_call == expected and r.bytes_source == "unit snapshot"
         # NCCL's bus-bandwidth convention for 2 ranks: bytes x (n-1)/n per second of collective time
-        assert abs(r["busbw_gbps"] - expected * r["count"] * 0.5 / r["comm_us"] / 1e3) < 1e-9
+        assert abs(r.busbw_gbps - expected * r.count * 0.5 / r.comm_us / 1e3) < 1e-9
 
 
 def test_analyze_cli_writes_json(sample_run_path, tmp_path):

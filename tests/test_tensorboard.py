@@ -52,7 +52,7 @@ def test_export_scalars_equal_the_records(sample_copy, tmp_path):
         assert {k for k, v in sc["step/profiled"].items() if v == 1.0} == {s.step for s in rd.steps if s.profiled}
         # overlap of the one profiled window: equal to the trace engine's result for that file
         (pw,) = rd.profiles
-        res = OverlapSection.of(analyze_traces([sample_copy / pw.path])).per_rank[str(rank)]
+        res = analyze_traces([sample_copy / pw.path]).per_rank[str(rank)]
         steps = res.steps
         assert sorted(sc["overlap/overlap_pct"]) == steps
         for st in steps:

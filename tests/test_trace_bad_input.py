@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from fsdp_doctor.report_sections import SkippedFile
 from fsdp_doctor.trace import analyze_traces, find_trace_files
 from trace_fixtures import gpu_known_trace
 
@@ -17,16 +18,16 @@ def good(tmp_path):
 
 def _one_line(skipped):
     for s in skipped:
-        assert set(s) == {"file", "error"}
-        assert "\n" not in s["error"] and "Traceback" not in s["error"] and len(s["error"]) < 300
+        assert isinstance(s, SkippedFile)  # file, error
+        assert "\n" not in s.error and "Traceback" not in s.error and len(s.error) < 300
 
 
 def test_truncated_gzip(good):
     data = gzip.compress(json.dumps(gpu_known_trace(rank=1).document()).encode())
     (good / "rank1.5.pt.trace.json.gz").write_bytes(data[: len(data) // 2])
     r = analyze_traces(good)
-    assert r["skipped"] == [{"file": "rank1.5.pt.trace.json.gz", "error": "truncated gzip stream"}]
-    assert list(r["per_rank"]) == ["0"] and r["per_rank"]["0"]["overlap_pct"] == pytest.approx(42.0)
+    assert r.skipped == [SkippedFile(file="rank1.5.pt.trace.json.gz", error="truncated gzip stream")]
+    assert list(r.per_rank) == ["0"] and r.per_rank["0"].overlap_pct == pytest.approx(42.0)
 
 
 def test_corrupt_gzip_and_corrupt_json(good):
@@ -35,13 +36,13 @@ def test_corrupt_gzip_and_corrupt_json(good):
     (good / "rank3.json").write_text(text[: len(text) - 40])  # cut mid-document
     (good / "rank4.json").write_text('{"traceEvents": [ {"ph": "X", ] }')
     r = analyze_traces(good)
-    _one_line(r["skipped"])
-    errs = {s["file"]: s["error"] for s in r["skipped"]}
+    _one_line(r.skipped)
+    errs = {s.file: s.error for s in r.skipped}
     assert set(errs) == {"rank2.json.gz", "rank3.json", "rank4.json"}
     assert errs["rank2.json.gz"].startswith("corrupt gzip data")
     assert errs["rank3.json"].startswith("invalid JSON")
     assert errs["rank4.json"].startswith("invalid JSON")
-    assert list(r["per_rank"]) == ["0"]
+    assert list(r.per_rank) == ["0"]
 
 
 def test_foreign_json(good):
@@ -49,26 +50,26 @@ def test_foreign_json(good):
     (good / "list.json").write_text("[1, 2, 3]")
     (good / "empty.json").write_text("")
     r = analyze_traces(good)
-    _one_line(r["skipped"])
-    errs = {s["file"]: s["error"] for s in r["skipped"]}
+    _one_line(r.skipped)
+    errs = {s.file: s.error for s in r.skipped}
     assert errs == {"other.json": "not a Kineto trace (no traceEvents)",
                     "list.json": "not a Kineto trace (top level is not an object)",
                     "empty.json": "empty file"}
-    assert list(r["per_rank"]) == ["0"]
+    assert list(r.per_rank) == ["0"]
 
 
 def test_empty_directory(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")  # not a trace: ignored, not an error
     assert find_trace_files(tmp_path) == []
     r = analyze_traces(tmp_path)
-    assert r["per_rank"] == {} and r["files"] == []
-    assert len(r["skipped"]) == 1 and "no Kineto trace files" in r["skipped"][0]["error"]
+    assert r.per_rank == {} and r.files == []
+    assert len(r.skipped) == 1 and "no Kineto trace files" in r.skipped[0].error
 
 
 def test_missing_path(tmp_path, good):
     missing = tmp_path / "nope"
     r = analyze_traces([missing, good])
-    assert r["skipped"] == [{"file": str(missing), "error": "no such file or directory"}]
-    assert list(r["per_rank"]) == ["0"]
+    assert r.skipped == [SkippedFile(file=str(missing), error="no such file or directory")]
+    assert list(r.per_rank) == ["0"]
     with pytest.raises(FileNotFoundError):
         find_trace_files(missing)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import fsdp_doctor.trace.analysis as an
+from fsdp_doctor.report_sections import SkippedFile
 from fsdp_doctor.trace import analyze_traces, build_window, reader
 from fsdp_doctor.trace.analysis import analyze_windows, load_windows
 from trace_fixtures import gloo_known_trace, gpu_known_trace
@@ -119,7 +120,7 @@ def test_parallel_worker_that_dies_is_one_skipped_file(tmp_path, monkeypatch):
     monkeypatch.setattr(an, "build_window", dies_on_rank1)
     windows, skipped = _parallel(paths)
     assert [w.rank for w in windows] == [0, 2]
-    assert skipped == [{"file": "rank1.json", "error": "cannot analyze (the worker process died)"}]
+    assert skipped == [SkippedFile(file="rank1.json", error="cannot analyze (the worker process died)")]
 
 
 def test_import_does_not_pull_torch():
@@ -138,7 +139,7 @@ def test_analyze_traces_parallel_equals_serial_on_mixed_set(tmp_path):
     finally:
         an.PARALLEL_MIN_BYTES = old
     assert par == analyze_traces(tmp_path, workers=1)
-    assert par["per_unit"] and par["skipped"] == []
+    assert par.per_unit and par.skipped == []
 
 
 def test_gunzip_matches_gzip_module():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_doctor.trace import analyze_traces
+from fsdp_doctor.trace import analyze_traces, gpu_overlap_pct
 
 HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
 EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
@@ -22,20 +22,22 @@ def _cases():
 @pytest.mark.parametrize("folder,expected", _cases(), ids=[c[0] for c in _cases()])
 def test_overlap_matches_hta(folder, expected):
     result = analyze_traces(HTA_DIR / folder)
-    assert result["skipped"] == []
-    assert sorted(result["per_rank"]) == sorted(str(r) for r in expected["ranks"])
+    assert result.skipped == []
+    assert sorted(result.per_rank) == sorted(str(r) for r in expected["ranks"])
     for rank, hta_pct in expected["comm_comp_overlap_pct"].items():
-        pr = result["per_rank"][rank]
-        if pr["device"] == "cpu":
+        pr = result.per_rank[rank]
+        if pr.device == "cpu":
             # HTA only looks at GPU kernels, so a CPU/gloo trace has no communication for it (null).
             # Ours measures gloo collectives against main-thread compute instead: here 5 gloo:all_reduce
             # per gloo thread and 4 tiny main-thread ops that do not overlap them.
             assert hta_pct is None and folder == "cpu_only_gloo"
-            assert pr["comm_us"] > 0 and pr["overlap_pct"] == 0.0
+            assert pr.comm_us > 0 and pr.overlap_pct == 0.0
+            assert gpu_overlap_pct(result, rank) is None  # the HTA-comparable figure: GPU ranks only
             continue
         if hta_pct is None:
-            assert pr["overlap_pct"] is None and pr["comm_us"] == 0.0
+            assert pr.overlap_pct is None and pr.comm_us == 0.0
         else:
-            assert pr["overlap_pct"] == pytest.approx(hta_pct, abs=0.5)
+            assert pr.overlap_pct == pytest.approx(hta_pct, abs=0.5)
+        assert gpu_overlap_pct(result, int(rank)) == pr.overlap_pct
         # HTA lists the complete steps it analysed
-        assert pr["steps"] == expected["profiler_steps"]
+        assert pr.steps == expected["profiler_steps"]

@@ -4,6 +4,7 @@ import gzip
 import json
 
 import pytest
+from msgspec.structs import asdict
 
 from fsdp_doctor.trace import analyze_traces, build_window, find_trace_files
 from fsdp_doctor.trace import intervals as iv
@@ -11,7 +12,7 @@ from trace_fixtures import gloo_known_trace, gpu_known_trace
 
 
 def rows_by(result, rank=0):
-    return {(r["unit"], r["collective"], r["phase"]): r for r in result["per_unit"] if r["rank"] == rank}
+    return {(r.unit, r.collective, r.phase): r for r in result.per_unit if r.rank == rank}
 
 
 # ------------------------------------------------------------------ interval arithmetic
@@ -33,52 +34,52 @@ def test_union_and_intersection():
 def test_gpu_known_answer_prefetch_on(tmp_path):
     gpu_known_trace(prefetch=True).write(tmp_path / "rank0.1.pt.trace.json.gz")
     r = analyze_traces(tmp_path)
-    assert r["skipped"] == [] and len(r["files"]) == 1
-    pr = r["per_rank"]["0"]
-    assert pr["device"] == "gpu" and pr["steps"] == [1, 2]  # step 3 is incomplete: dropped
-    assert pr["comm_us"] == pytest.approx(1000.0)
-    assert pr["overlap_us"] == pytest.approx(420.0)
-    assert pr["exposed_us"] == pytest.approx(580.0)
-    assert pr["overlap_pct"] == pytest.approx(42.0)
+    assert r.skipped == [] and len(r.files) == 1
+    pr = r.per_rank["0"]
+    assert pr.device == "gpu" and pr.steps == [1, 2]  # step 3 is incomplete: dropped
+    assert pr.comm_us == pytest.approx(1000.0)
+    assert pr.overlap_us == pytest.approx(420.0)
+    assert pr.exposed_us == pytest.approx(580.0)
+    assert pr.overlap_pct == pytest.approx(42.0)
     rows = rows_by(r)
     assert set(rows) == {("layers.0", "all_gather", "forward"), ("layers.1", "all_gather", "forward"),
                          ("layers.1", "all_gather", "backward"), ("layers.1", "reduce_scatter", "backward"),
                          ("layers.0", "reduce_scatter", "backward")}
     ag0 = rows[("layers.0", "all_gather", "forward")]
-    assert (ag0["count"], ag0["comm_us"], ag0["exposed_us"]) == (2, pytest.approx(200), pytest.approx(200))
-    assert ag0["bytes_per_call"] == 4_000_000
-    assert ag0["busbw_gbps"] == pytest.approx(4e6 * 0.5 / 100e-6 / 1e9)  # 20 GB/s
-    assert ag0["slack_us"] == pytest.approx(-90) and ag0["held_us"] == pytest.approx(0)
+    assert (ag0.count, ag0.comm_us, ag0.exposed_us) == (2, pytest.approx(200), pytest.approx(200))
+    assert ag0.bytes_per_call == 4_000_000
+    assert ag0.busbw_gbps == pytest.approx(4e6 * 0.5 / 100e-6 / 1e9)  # 20 GB/s
+    assert ag0.slack_us == pytest.approx(-90) and ag0.held_us == pytest.approx(0)
     ag1f = rows[("layers.1", "all_gather", "forward")]
-    assert ag1f["exposed_us"] == pytest.approx(0) and ag1f["comm_us"] == pytest.approx(200)
-    assert ag1f["slack_us"] == pytest.approx(50) and ag1f["held_us"] == pytest.approx(50)
-    assert ag1f["busbw_gbps"] == pytest.approx(40.0)
+    assert ag1f.exposed_us == pytest.approx(0) and ag1f.comm_us == pytest.approx(200)
+    assert ag1f.slack_us == pytest.approx(50) and ag1f.held_us == pytest.approx(50)
+    assert ag1f.busbw_gbps == pytest.approx(40.0)
     ag1b = rows[("layers.1", "all_gather", "backward")]
-    assert ag1b["exposed_us"] == pytest.approx(100) and ag1b["slack_us"] == pytest.approx(-120)
+    assert ag1b.exposed_us == pytest.approx(100) and ag1b.slack_us == pytest.approx(-120)
     rs1 = rows[("layers.1", "reduce_scatter", "backward")]
-    assert rs1["exposed_us"] == pytest.approx(80) and rs1["slack_us"] is None and rs1["held_us"] is None
-    assert rs1["bytes_per_call"] == 8_000_000 and rs1["busbw_gbps"] == pytest.approx(40.0)
+    assert rs1.exposed_us == pytest.approx(80) and rs1.slack_us is None and rs1.held_us is None
+    assert rs1.bytes_per_call == 8_000_000 and rs1.busbw_gbps == pytest.approx(40.0)
     rs0 = rows[("layers.0", "reduce_scatter", "backward")]
-    assert rs0["exposed_us"] == pytest.approx(200)
+    assert rs0.exposed_us == pytest.approx(200)
     # worst exposure first
-    assert [r["exposed_us"] for r in r["per_unit"]] == sorted((x["exposed_us"] for x in r["per_unit"]), reverse=True)
-    assert r["copies"]["0"] == {"h2d_us": pytest.approx(100), "d2h_us": pytest.approx(40),
-                                "exposed_us": pytest.approx(100)}
+    assert [r.exposed_us for r in r.per_unit] == sorted((x.exposed_us for x in r.per_unit), reverse=True)
+    assert asdict(r.copies["0"]) == {"h2d_us": pytest.approx(100), "d2h_us": pytest.approx(40),
+                                        "exposed_us": pytest.approx(100)}
     # compute stream 7: busy 650 per step, span [100, 1990)
-    assert r["idle"]["0"] == {"idle_us": pytest.approx(1890 - 1300), "kernel_us": pytest.approx(1300)}
-    assert r["blocking"]["0"] == {"count": 0, "us": 0.0}
+    assert asdict(r.idle["0"]) == {"idle_us": pytest.approx(1890 - 1300), "kernel_us": pytest.approx(1300)}
+    assert asdict(r.blocking["0"]) == {"count": 0, "us": 0.0}
 
 
 def test_gpu_known_answer_prefetch_off(tmp_path):
     gpu_known_trace(prefetch=False).write(tmp_path / "rank0.1.pt.trace.json")
     r = analyze_traces(tmp_path / "rank0.1.pt.trace.json")
-    pr = r["per_rank"]["0"]
-    assert pr["comm_us"] == pytest.approx(1000.0) and pr["overlap_us"] == pytest.approx(220.0)
-    assert pr["overlap_pct"] == pytest.approx(22.0)
+    pr = r.per_rank["0"]
+    assert pr.comm_us == pytest.approx(1000.0) and pr.overlap_us == pytest.approx(220.0)
+    assert pr.overlap_pct == pytest.approx(22.0)
     ag1f = rows_by(r)[("layers.1", "all_gather", "forward")]
-    assert ag1f["exposed_us"] == pytest.approx(200) and ag1f["slack_us"] == pytest.approx(-100)
-    assert ag1f["held_us"] == pytest.approx(0)
-    assert r["idle"]["0"]["kernel_us"] == pytest.approx(1140)
+    assert ag1f.exposed_us == pytest.approx(200) and ag1f.slack_us == pytest.approx(-100)
+    assert ag1f.held_us == pytest.approx(0)
+    assert r.idle["0"].kernel_us == pytest.approx(1140)
 
 
 def test_gpu_two_ranks_different_event_counts_ns_and_name_rank(tmp_path):
@@ -88,15 +89,15 @@ def test_gpu_two_ranks_different_event_counts_ns_and_name_rank(tmp_path):
     raw = json.loads(gzip.decompress((tmp_path / "worker_rank-1.1.pt.trace.json.gz").read_bytes()))
     assert all(isinstance(e["ts"], int) and e["ts"] > 1e15 for e in raw["traceEvents"] if "ts" in e)
     r = analyze_traces(tmp_path)
-    assert set(r["per_rank"]) == {"0", "1"}
-    assert r["per_rank"]["0"]["overlap_pct"] == pytest.approx(42.0)
-    p1 = r["per_rank"]["1"]
-    assert p1["comm_us"] == pytest.approx(1010.0) and p1["overlap_us"] == pytest.approx(420.0)
+    assert set(r.per_rank) == {"0", "1"}
+    assert r.per_rank["0"].overlap_pct == pytest.approx(42.0)
+    p1 = r.per_rank["1"]
+    assert p1.comm_us == pytest.approx(1010.0) and p1.overlap_us == pytest.approx(420.0)
     other = rows_by(r, 1)[("(other)", "all_reduce", None)]
-    assert other["count"] == 2 and other["exposed_us"] == pytest.approx(10)
+    assert other.count == 2 and other.exposed_us == pytest.approx(10)
     # the same per-unit exposure as rank 0 for the FSDP units, despite ns timestamps
     for key, row in rows_by(r, 0).items():
-        assert rows_by(r, 1)[key]["exposed_us"] == pytest.approx(row["exposed_us"])
+        assert rows_by(r, 1)[key].exposed_us == pytest.approx(row.exposed_us)
 
 
 def test_several_windows_per_rank_aggregate(tmp_path):
@@ -107,11 +108,11 @@ def test_several_windows_per_rank_aggregate(tmp_path):
     (tmp_path / "report.json").write_text("{}")
     assert [p.name for p in find_trace_files(tmp_path)] == ["rank0.1.pt.trace.json.gz", "rank0.10.pt.trace.json.gz"]
     r = analyze_traces(tmp_path)
-    assert r["skipped"] == []
-    pr = r["per_rank"]["0"]
-    assert pr["steps"] == [1, 2, 10, 11]
-    assert pr["comm_us"] == pytest.approx(2000) and pr["overlap_us"] == pytest.approx(840)
-    assert rows_by(r)[("layers.0", "all_gather", "forward")]["count"] == 4
+    assert r.skipped == []
+    pr = r.per_rank["0"]
+    assert pr.steps == [1, 2, 10, 11]
+    assert pr.comm_us == pytest.approx(2000) and pr.overlap_us == pytest.approx(840)
+    assert rows_by(r)[("layers.0", "all_gather", "forward")].count == 4
 
 
 def test_no_profiler_steps_keeps_everything(tmp_path):
@@ -119,8 +120,8 @@ def test_no_profiler_steps_keeps_everything(tmp_path):
     b.events = [e for e in b.events if not e["name"].startswith("ProfilerStep")]
     b.write(tmp_path / "t.json")
     r = analyze_traces(tmp_path)
-    pr = r["per_rank"]["0"]
-    assert pr["steps"] == [] and pr["comm_us"] == pytest.approx(1500) and pr["overlap_us"] == pytest.approx(630)
+    pr = r.per_rank["0"]
+    assert pr.steps == [] and pr.comm_us == pytest.approx(1500) and pr.overlap_us == pytest.approx(630)
 
 
 def test_progress_callback(tmp_path):
@@ -153,25 +154,25 @@ def test_parallel_load_matches_serial(tmp_path):
 def test_gloo_known_answer(tmp_path):
     gloo_known_trace().write(tmp_path / "rank0.5.pt.trace.json.gz")
     r = analyze_traces(tmp_path)
-    pr = r["per_rank"]["0"]
-    assert pr["device"] == "cpu" and pr["steps"] == [5, 6]
-    assert pr["comm_us"] == pytest.approx(6000) and pr["overlap_us"] == pytest.approx(2400)
-    assert pr["overlap_pct"] == pytest.approx(40.0)
+    pr = r.per_rank["0"]
+    assert pr.device == "cpu" and pr.steps == [5, 6]
+    assert pr.comm_us == pytest.approx(6000) and pr.overlap_us == pytest.approx(2400)
+    assert pr.overlap_pct == pytest.approx(40.0)
     rows = rows_by(r)
     assert set(rows) == {("0", "all_gather", "forward"), ("1", "all_gather", "forward"),
                          ("1", "reduce_scatter", "backward")}
     sync = rows[("0", "all_gather", "forward")]
-    assert sync["exposed_us"] == pytest.approx(2000) and sync["comm_us"] == pytest.approx(2000)
-    assert sync["slack_us"] == pytest.approx(20 - 1050)  # needed at issue: the host blocked
-    assert sync["bytes_per_call"] == 800 and sync["busbw_gbps"] == pytest.approx(800 * 0.5 / 1000e-6 / 1e9)
+    assert sync.exposed_us == pytest.approx(2000) and sync.comm_us == pytest.approx(2000)
+    assert sync.slack_us == pytest.approx(20 - 1050)  # needed at issue: the host blocked
+    assert sync.bytes_per_call == 800 and sync.busbw_gbps == pytest.approx(800 * 0.5 / 1000e-6 / 1e9)
     asy = rows[("1", "all_gather", "forward")]
-    assert asy["exposed_us"] == pytest.approx(800) and asy["slack_us"] == pytest.approx(-350)
-    assert asy["bytes_per_call"] is None and asy["busbw_gbps"] is None
+    assert asy.exposed_us == pytest.approx(800) and asy.slack_us == pytest.approx(-350)
+    assert asy.bytes_per_call is None and asy.busbw_gbps is None
     rs = rows[("1", "reduce_scatter", "backward")]
-    assert rs["exposed_us"] == pytest.approx(800) and rs["count"] == 2
-    assert r["blocking"]["0"] == {"count": 2, "us": pytest.approx(2000)}
-    assert r["idle"]["0"] == {"idle_us": pytest.approx(19000 - 4400), "kernel_us": pytest.approx(4400)}
-    assert r["copies"]["0"] == {"h2d_us": 0.0, "d2h_us": 0.0, "exposed_us": 0.0}
+    assert rs.exposed_us == pytest.approx(800) and rs.count == 2
+    assert asdict(r.blocking["0"]) == {"count": 2, "us": pytest.approx(2000)}
+    assert asdict(r.idle["0"]) == {"idle_us": pytest.approx(19000 - 4400), "kernel_us": pytest.approx(4400)}
+    assert asdict(r.copies["0"]) == {"h2d_us": 0.0, "d2h_us": 0.0, "exposed_us": 0.0}
 
 
 def test_gloo_compute_excludes_waits_inside_operators(tmp_path):

@@ -106,8 +106,8 @@ def test_overlap_on_fractional_trace_differs_until_rounded(tmp_path):
     folder = "a100_ddp_allreduce_rank0"
     (src,) = find_trace_files(HTA_DIR / folder)
     hta = _expected(folder)["comm_comp_overlap_pct"]["0"]
-    exact = analyze_traces(src)["per_rank"]["0"]["overlap_pct"]
+    exact = analyze_traces(src).per_rank["0"].overlap_pct
     assert exact == pytest.approx(14.76, abs=0.005)
     assert exact - hta == pytest.approx(0.45, abs=0.01)
-    rounded = analyze_traces(_rewrite(src, tmp_path / "hta.json", "hta"))["per_rank"]["0"]["overlap_pct"]
+    rounded = analyze_traces(_rewrite(src, tmp_path / "hta.json", "hta")).per_rank["0"].overlap_pct
     assert rounded == pytest.approx(hta, abs=0.005)

@@ -5,9 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+from msgspec.structs import asdict
 from trace_fixtures import fsdp_gpu_trace, gloo_known_trace, gpu_known_trace
 
-from fsdp_doctor.analyze.verdict import verdict
+from fsdp_doctor.analyze.verdict import GROUPS, verdict
+from fsdp_doctor.report_sections import Breakdown, Report
 from fsdp_doctor.trace import analyze_traces, breakdown, build_window, find_trace_files, temporal_breakdown
 
 HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
@@ -23,7 +25,7 @@ def _analyze(tmp_path, builders):
 
 
 def _bd(result, rank="0"):
-    d = dict(result["breakdown"][rank])
+    d = asdict(result.breakdown[rank])
     assert sum(d[k] for k in PARTS) == pytest.approx(d["window_us"], abs=1e-6)  # a partition of the window
     return d
 
@@ -96,37 +98,46 @@ def test_simulated_fsdp_traces(tmp_path, kw, parts, bound):
     result = _analyze(tmp_path, [fsdp_gpu_trace(**kw)])
     d = _bd(result)
     _check(d, **parts)
-    v = verdict({"overlap": result})
-    r0 = v["per_rank"]["0"]
-    assert r0["bound"] == bound and r0["source"] == "trace" and r0["steps"] == 2
-    assert r0["step_ms"] == pytest.approx(d["window_us"] / 2 / 1e3, abs=1e-3)
+    v = verdict(Report(overlap=result))
+    r0 = v.per_rank["0"]
+    assert r0.bound == bound and r0.source == "trace" and r0.steps == 2
+    assert r0.step_ms == pytest.approx(d["window_us"] / 2 / 1e3, abs=1e-3)
     for k in PARTS:
-        assert r0["shares_pct"][k] == pytest.approx(100 * parts.get(k, 0.0) / d["window_us"], abs=0.01)
-    assert sum(r0["groups_pct"].values()) == pytest.approx(100, abs=0.05)
+        assert r0.shares_pct[k] == pytest.approx(100 * parts.get(k, 0.0) / d["window_us"], abs=0.01)
+    assert sum(r0.groups_pct.values()) == pytest.approx(100, abs=0.05)
 
 
 def test_ag_94pct_exposed_verdict_text(tmp_path):
-    v = verdict({"overlap": _analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)])})
-    r0 = v["per_rank"]["0"]
-    assert r0["shares_pct"]["allgather_fwd"] == 94.0 and r0["groups_pct"]["communication"] == 94.0
-    assert r0["summary"] == "communication-bound (94% of the step); then compute 6%"
+    v = verdict(Report(overlap=_analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)])))
+    r0 = v.per_rank["0"]
+    assert r0.shares_pct["allgather_fwd"] == 94.0 and r0.groups_pct["communication"] == 94.0
+    assert r0.summary == "communication-bound (94% of the step); then compute 6%"
 
 
 def test_job_verdict_over_ranks(tmp_path):
     # rank 0 waits for all-gathers, rank 1 computes: the job sums both ranks' time
     result = _analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6, rank=0),
                                  fsdp_gpu_trace(units=4, ag_us=10, fwd_us=90, prefetch=True, rank=1)])
-    v = verdict({"overlap": result})
-    assert v["per_rank"]["0"]["bound"] == "communication" and v["per_rank"]["1"]["bound"] == "compute"
-    assert v["job"]["ranks_by_bound"] == {"communication": [0], "compute": [1]}
+    v = verdict(Report(overlap=result))
+    assert v.per_rank["0"].bound == "communication" and v.per_rank["1"].bound == "compute"
+    assert v.job.ranks_by_bound == {"communication": [0], "compute": [1]}
     # (752 + 20) / (800 + 740) all-gather, (48 + 720) / 1540 compute
-    assert v["job"]["shares_pct"]["allgather_fwd"] == pytest.approx(100 * 772 / 1540, abs=0.01)
-    assert v["job"]["bound"] == "communication"
+    assert v.job.shares_pct["allgather_fwd"] == pytest.approx(100 * 772 / 1540, abs=0.01)
+    assert v.job.bound == "communication"
 
 
 def test_no_data_no_verdict():
-    assert verdict({}) is None
-    assert verdict({"overlap": {"breakdown": {"0": {"window_us": 0.0}}}}) is None
+    assert verdict(Report()) is None
+    assert verdict({"overlap": {"breakdown": {"0": {"window_us": 0.0}}}}) is None  # a report's JSON form too
+
+
+def test_one_list_of_breakdown_parts():
+    """The analysis, the verdict and the report's Breakdown name the same parts; each group holds its own."""
+    from fsdp_doctor.trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
+
+    assert BREAKDOWN_PARTS == Breakdown.PARTS == PARTS
+    assert set(COMM_PARTS) < set(PARTS) and GROUPS["communication"] == COMM_PARTS
+    assert sorted(k for ks in GROUPS.values() for k in ks) == sorted(PARTS)
 
 
 def test_verdict_from_records_of_a_real_run(recorded_run):
@@ -136,14 +147,14 @@ def test_verdict_from_records_of_a_real_run(recorded_run):
     from fsdp_doctor.analyze.steps import usable_steps
 
     run, _, _ = recorded_run
-    v = verdict({}, run)
-    assert set(v["per_rank"]) == {"0", "1"}
-    for r, rv in v["per_rank"].items():
-        assert rv["source"] == "records"
+    v = verdict(Report(), run)
+    assert set(v.per_rank) == {"0", "1"}
+    for r, rv in v.per_rank.items():
+        assert rv.source == "records"
         steps = usable_steps(run.ranks[int(r)].steps)
         outside = sum(s.outside_ms for s in steps) / sum(s.wall_ms for s in steps)
-        assert rv["shares_pct"]["input"] == pytest.approx(100 * outside, abs=0.02)
-        assert sum(rv["shares_pct"].values()) == pytest.approx(100, abs=0.05)
+        assert rv.shares_pct["input"] == pytest.approx(100 * outside, abs=0.02)
+        assert sum(rv.shares_pct.values()) == pytest.approx(100, abs=0.05)
 
 
 # ------------------------------------------------------------------------------------- HTA references
@@ -182,10 +193,10 @@ def test_verdict_on_reference_traces_is_sensible(tmp_path):
     """Over the complete steps: v100_rank1_of_2 (HTA: 68% compute, 7.5% idle over its kernel span) is
     compute-bound; the DDP trace (HTA: 78% idle) has a GPU that mostly waits for the host; each verdict's
     shares add up to 100% of the steps' wall time."""
-    v = verdict({"overlap": analyze_traces(HTA_DIR / "v100_rank1_of_2")})["per_rank"]["1"]
-    assert v["bound"] == "compute" and 60 < v["groups_pct"]["compute"] < 85
-    v = verdict({"overlap": analyze_traces(HTA_DIR / "a100_ddp_allreduce_rank0")})["per_rank"]["0"]
-    assert v["bound"] == "host" and v["groups_pct"]["host"] + v["groups_pct"]["idle"] > 70
+    v = verdict(Report(overlap=analyze_traces(HTA_DIR / "v100_rank1_of_2"))).per_rank["1"]
+    assert v.bound == "compute" and 60 < v.groups_pct["compute"] < 85
+    v = verdict(Report(overlap=analyze_traces(HTA_DIR / "a100_ddp_allreduce_rank0"))).per_rank["0"]
+    assert v.bound == "host" and v.groups_pct["host"] + v.groups_pct["idle"] > 70
     for folder in ("a100_sendrecv_2rank", "a100_rank3_of_8", "cpu_only_gloo", "amd_mi250"):
-        for rv in verdict({"overlap": analyze_traces(HTA_DIR / folder)})["per_rank"].values():
-            assert sum(rv["groups_pct"].values()) == pytest.approx(100, abs=0.05)
+        for rv in verdict(Report(overlap=analyze_traces(HTA_DIR / folder))).per_rank.values():
+            assert sum(rv.groups_pct.values()) == pytest.approx(100, abs=0.05)

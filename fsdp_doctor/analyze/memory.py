@@ -1,37 +1,37 @@
 """Memory by category: the report's ``memory`` section, from the probe's per-step ``MemoryStep`` records.
 
-``analyze_memory(run)`` returns the JSON-ready form of :class:`fsdp_doctor.report_sections.MemorySection` (its
-fields, their units and meaning are documented there; presenters read it back with ``MemorySection.of``).
-Step 0 (FSDP's lazy init, no optimizer state yet) is left out when later steps exist.
+``analyze_memory(run)`` returns a :class:`fsdp_doctor.report_sections.MemorySection` (its fields, their units and
+meaning are documented there). Step 0 (FSDP's lazy init, no optimizer state yet) is left out when later steps
+exist.
 """
 
 from __future__ import annotations
 
 from statistics import median
-from typing import Any
 
 import msgspec
 
 from ..memory_categories import DEVICE
 from ..records import MemoryStep
+from ..report_sections import MemoryPeakAt, MemoryRank, MemorySection, MemoryUnitRow
 
 CATEGORIES = DEVICE
 
 
-def analyze_memory(run) -> dict | None:
-    per_rank: dict[str, dict] = {}
+def analyze_memory(run) -> MemorySection | None:
+    per_rank: dict[str, MemoryRank] = {}
     for r in sorted(getattr(run, "ranks", {}) or {}):
         sec = _rank_section(run.ranks[r])
         if sec is not None:
             per_rank[str(r)] = sec
     if not per_rank:
         return None
-    top = max(per_rank, key=lambda k: per_rank[k]["peak_bytes"])
-    return {"categories": list(CATEGORIES), "peak_rank": top, "peak_bytes": per_rank[top]["peak_bytes"],
-            "per_rank": per_rank}
+    top = max(per_rank, key=lambda k: per_rank[k].peak_bytes)
+    return MemorySection(categories=list(CATEGORIES), peak_rank=top, peak_bytes=per_rank[top].peak_bytes,
+                         per_rank=per_rank)
 
 
-def _rank_section(rd) -> dict | None:
+def _rank_section(rd) -> MemoryRank | None:
     steps = [s for s in rd.steps if getattr(s, "memory", None) is not None and s.memory.peak is not None]
     if not steps:
         return None
@@ -45,37 +45,37 @@ def _rank_section(rd) -> dict | None:
     peak = sum(bd.values())
     cfg = getattr(rd, "config", None)
     cap = getattr(cfg, "capacity_bytes", None)
-    out: dict[str, Any] = {
-        "peak_bytes": peak,
-        "peak_at": {"step": best.step, "unit": pk.unit, "phase": pk.phase, "t_ms": pk.t_ms},
-        "peak_breakdown": bd,
-        "peak_share": {c: (v / peak if peak else 0.0) for c, v in bd.items()},
-        "offloaded_host_bytes": int(m.offloaded_host or 0),
-        "activations_peak_bytes": _activation_peak(steps),
-        "capacity_bytes": cap,
-        "capacity_fraction": (peak / cap) if cap else None,
-        "steady_bytes": {c: int(v) for c, v in m.end.items()},
-        "stale_optimizer_params_bytes": bd.get("stale_optimizer_params", 0),
-        "steps": len(steps),
-        "full_steps": sum(1 for s in steps if s.memory.sampling == "full"),
-        "activations": m.activations,
-        "probe_us_median": median(float(s.memory.probe_us) for s in steps),
-    }
     tl_step = _timeline_step(steps, best)
-    out["timeline_step"] = tl_step.step if tl_step is not None else None
-    out["timeline"] = _timeline(tl_step.memory) if tl_step is not None else []
-    out["per_unit"] = _per_unit(cfg, steps)
+    out = MemoryRank(
+        peak_bytes=peak,
+        peak_at=MemoryPeakAt(step=best.step, unit=pk.unit, phase=pk.phase, t_ms=pk.t_ms),
+        peak_breakdown=bd,
+        peak_share={c: (v / peak if peak else 0.0) for c, v in bd.items()},
+        offloaded_host_bytes=int(m.offloaded_host or 0),
+        activations_peak_bytes=_activation_peak(steps),
+        capacity_bytes=cap,
+        capacity_fraction=(peak / cap) if cap else None,
+        steady_bytes={c: int(v) for c, v in m.end.items()},
+        stale_optimizer_params_bytes=bd.get("stale_optimizer_params", 0),
+        steps=len(steps),
+        full_steps=sum(1 for s in steps if s.memory.sampling == "full"),
+        activations=m.activations,
+        probe_us_median=median(float(s.memory.probe_us) for s in steps),
+        timeline_step=tl_step.step if tl_step is not None else None,
+        timeline=_timeline(tl_step.memory) if tl_step is not None else [],
+        per_unit=_per_unit(cfg, steps),
+    )
     if m.cuda is not None:
-        out["cuda"] = msgspec.to_builtins(m.cuda)
+        out.cuda = msgspec.to_builtins(m.cuda)
     unknown = sorted({c for s in steps for c in s.memory.unknown})
     if unknown:  # not measurable on this torch: their 0 in the breakdown is not a figure
-        out["unknown_categories"] = unknown
+        out.unknown_categories = unknown
     notes = sorted({n for s in steps for n in (s.memory.activations_note, s.memory.comm_note) if n})
     if notes:
-        out["notes"] = notes
+        out.notes = notes
     mism = sum(int(s.memory.replay_mismatches or 0) for s in steps)
     if mism:
-        out["replay_mismatches"] = mism
+        out.replay_mismatches = mism
     return out
 
 
@@ -119,7 +119,7 @@ def _timeline(m: MemoryStep) -> list[dict]:
     return out
 
 
-def _per_unit(cfg, steps) -> list[dict]:
+def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
     acts: dict[str, int] = {}
     for s in reversed(steps):
         ua = s.memory.unit_activations
@@ -137,11 +137,12 @@ def _per_unit(cfg, steps) -> list[dict]:
     for name in names:
         u = by_name.get(name)
         a = acts.get(name)
-        row = {"unit": name,
-               "sharded_bytes": int(u.sharded_bytes) if u is not None and u.sharded_bytes is not None else None,
-               "unsharded_bytes": int(u.unsharded_bytes) if u is not None and u.unsharded_bytes is not None else None,
-               "activation_bytes": a}
+        row = MemoryUnitRow(
+            unit=name,
+            sharded_bytes=int(u.sharded_bytes) if u is not None and u.sharded_bytes is not None else None,
+            unsharded_bytes=int(u.unsharded_bytes) if u is not None and u.unsharded_bytes is not None else None,
+            activation_bytes=a)
         if a is not None:
-            row["activation_self_bytes"] = a - sum(acts.get(c, 0) for c in children.get(name, []))
+            row.activation_self_bytes = a - sum(acts.get(c, 0) for c in children.get(name, []))
         rows.append(row)
     return rows

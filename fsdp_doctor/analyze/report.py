@@ -7,7 +7,7 @@ import statistics
 
 import msgspec
 
-from ..report_sections import RunFacts
+from ..report_sections import OverlapSection, RunFacts, UnitRow, UnitTiming
 from ..store import Run
 from .steps import usable_steps
 
@@ -39,7 +39,7 @@ def run_facts(run: Run) -> RunFacts:
 _TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
 
 
-def unit_table(run: Run) -> list[dict]:
+def unit_table(run: Run) -> list[UnitRow]:
     """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks.
 
     ``timing_p50``'s ``fwd_ms`` and ``bwd_ms`` include nested units (as recorded); ``fwd_self_ms`` and
@@ -66,18 +66,15 @@ def unit_table(run: Run) -> list[dict]:
                     t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids)))
     out = []
     for u in cfg.units:
-        d = msgspec.to_builtins(msgspec.structs.asdict(u))  # every field, defaults included (JSON rows are whole)
+        row = UnitRow(**msgspec.structs.asdict(u))
         t = timings.get(u.name)
         if t:
-            d["timing_p50"] = {k: round(statistics.median(v), 3) for k, v in t.items() if v}
-            d["timing_p50"].setdefault("bwd_self_ms", None)
-        out.append(d)
+            row.timing_p50 = UnitTiming(**{k: round(statistics.median(v), 3) for k, v in t.items() if v})
+        out.append(row)
     return out
 
 
-
-
-def fill_sizes_from_units(overlap: dict, run: Run) -> None:
+def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes
     (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
     reduce-scatter its unsharded gradients in reduce dtype."""
@@ -88,19 +85,19 @@ def fill_sizes_from_units(overlap: dict, run: Run) -> None:
     if cfg is None:
         return
     units = {u.name: u for u in cfg.units}
-    for row in overlap.get("per_unit", []):
-        u = units.get(row["unit"])
-        if u is None or row.get("bytes_per_call") is not None or not u.param_count:
+    for row in overlap.per_unit:
+        u = units.get(row.unit)
+        if u is None or row.bytes_per_call is not None or not u.param_count:
             continue
-        if row["collective"] == "all_gather":
+        if row.collective == "all_gather":
             nbytes = u.unsharded_bytes
-        elif row["collective"] == "reduce_scatter":
+        elif row.collective == "reduce_scatter":
             dt = u.reduce_dtype or (u.orig_dtypes[0] if u.orig_dtypes else "float32")
             nbytes = u.param_count * (dtype_bytes(dt) or 4)
         else:
             continue
-        row["bytes_per_call"] = float(nbytes)
-        row["bytes_source"] = "unit snapshot"
-        f = busbw_factor(row["collective"], cfg.world_size)
-        if f is not None and row["comm_us"] > 0:
-            row["busbw_gbps"] = nbytes * row["count"] * f / row["comm_us"] / 1e3
+        row.bytes_per_call = float(nbytes)
+        row.bytes_source = "unit snapshot"
+        f = busbw_factor(row.collective, cfg.world_size)
+        if f is not None and row.comm_us > 0:
+            row.busbw_gbps = nbytes * row.count * f / row.comm_us / 1e3

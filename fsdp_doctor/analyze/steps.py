@@ -6,6 +6,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..records import StepRecord
+from ..report_sections import Outlier, StepsSection, StepStats, Straggler
 from ..store import Run
 
 # An outlier step is slower than the rank's median by at least this fraction ...
@@ -37,29 +38,30 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def step_stats(steps: list[StepRecord]) -> dict:
+def step_stats(steps: list[StepRecord]) -> StepStats:
+    """Step-time statistics of ``steps`` (ms); only ``count`` (0) and the percentiles (None) without any."""
     xs = [s.wall_ms for s in steps]
     if not xs:
-        return {"count": 0, "p50_ms": None, "p90_ms": None, "p99_ms": None, "max_ms": None, "cv": None}
+        return StepStats()
     mean = statistics.fmean(xs)
     sd = statistics.pstdev(xs) if len(xs) > 1 else 0.0
 
     def med(key):
         return round(statistics.median([getattr(s, key) for s in steps]), 3)
 
-    return {
-        "count": len(xs),
-        "p50_ms": round(percentile(xs, 50), 3),
-        "p90_ms": round(percentile(xs, 90), 3),
-        "p99_ms": round(percentile(xs, 99), 3),
-        "max_ms": round(max(xs), 3),
-        "mean_ms": round(mean, 3),
-        "cv": round(sd / mean, 4) if mean > 0 else None,
-        "phases_p50_ms": {k: med(k + "_ms") for k in ("forward", "backward", "optimizer", "outside", "gc")},
-        "gc_ms_total": round(sum(s.gc_ms for s in steps), 3),
-        "gc_count_total": sum(s.gc_count for s in steps),
-        "wall_ms_total": round(sum(xs), 3),
-    }
+    return StepStats(
+        count=len(xs),
+        p50_ms=round(percentile(xs, 50), 3),
+        p90_ms=round(percentile(xs, 90), 3),
+        p99_ms=round(percentile(xs, 99), 3),
+        max_ms=round(max(xs), 3),
+        mean_ms=round(mean, 3),
+        cv=round(sd / mean, 4) if mean > 0 else None,
+        phases_p50_ms={k: med(k + "_ms") for k in ("forward", "backward", "optimizer", "outside", "gc")},
+        gc_ms_total=round(sum(s.gc_ms for s in steps), 3),
+        gc_count_total=sum(s.gc_count for s in steps),
+        wall_ms_total=round(sum(xs), 3),
+    )
 
 
 def collective_wait_ms(s: StepRecord) -> float:
@@ -94,7 +96,7 @@ def _baseline(steps: list[StepRecord]) -> _Base:
     )
 
 
-def find_outliers(run: Run) -> list[dict]:
+def find_outliers(run: Run) -> list[Outlier]:
     by_rank = {r: usable_steps(rd.steps) for r, rd in run.ranks.items()}
     base = {r: _baseline(st) for r, st in by_rank.items() if len(st) >= 3}
     index = {(r, s.step): s for r, st in by_rank.items() for s in st}
@@ -109,9 +111,9 @@ def find_outliers(run: Run) -> list[dict]:
             if s.wall_ms <= thresh:
                 continue
             cause, detail = _cause(r, s, b, base, index)
-            out.append({"rank": r, "step": s.step, "ms": round(s.wall_ms, 3), "median_ms": round(b.wall, 3),
-                        "excess_ms": round(s.wall_ms - b.wall, 3), "cause": cause, "detail": detail})
-    out.sort(key=lambda o: -o["excess_ms"])
+            out.append(Outlier(rank=r, step=s.step, ms=round(s.wall_ms, 3), median_ms=round(b.wall, 3),
+                               excess_ms=round(s.wall_ms - b.wall, 3), cause=cause, detail=detail))
+    out.sort(key=lambda o: -o.excess_ms)
     return out
 
 
@@ -156,7 +158,7 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
 
 
-def find_stragglers(run: Run) -> list[dict]:
+def find_stragglers(run: Run) -> list[Straggler]:
     """Ranks whose own time (step minus collective waits) is consistently above the others'."""
     by_rank = {r: {s.step: s for s in usable_steps(rd.steps)} for r, rd in run.ranks.items()}
     if len(by_rank) < 2:
@@ -186,12 +188,12 @@ def find_stragglers(run: Run) -> list[dict]:
         m_r, m_o = statistics.median(own_r), statistics.median(own_o)
         if share >= STRAGGLER_MIN_CONSISTENCY and m_r > m_o * (1 + STRAGGLER_MIN_FRACTION) and m_r - m_o > STRAGGLER_MIN_MS:
             phase = max(excess_phase, key=excess_phase.get)
-            out.append({
-                "rank": r, "phase": phase, "steps_slower": slower, "steps": len(common),
-                "own_ms_p50": round(m_r, 3), "others_own_ms_p50": round(m_o, 3),
-                "excess_ms_per_step": round((m_r - m_o), 3),
-                "phase_excess_ms_per_step": round(excess_phase[phase] / len(common), 3),
-            })
+            out.append(Straggler(
+                rank=r, phase=phase, steps_slower=slower, steps=len(common),
+                own_ms_p50=round(m_r, 3), others_own_ms_p50=round(m_o, 3),
+                excess_ms_per_step=round((m_r - m_o), 3),
+                phase_excess_ms_per_step=round(excess_phase[phase] / len(common), 3),
+            ))
     return out
 
 
@@ -208,22 +210,22 @@ def profiler_export_steps(rd) -> list[int]:
     return sorted(out)
 
 
-def analyze_steps(run: Run) -> dict:
+def analyze_steps(run: Run) -> StepsSection:
     per_rank = {}
     for r, rd in sorted(run.ranks.items()):
         st = usable_steps(rd.steps)
         stats = step_stats(st)
-        stats["recorded"] = len(rd.steps)
-        stats["excluded"] = len(rd.steps) - len(st)
+        stats.recorded = len(rd.steps)
+        stats.excluded = len(rd.steps) - len(st)
         per_rank[str(r)] = stats
-    job = [s.wall_ms for rd in run.ranks.values() for s in usable_steps(rd.steps)]
-    return {
-        "per_rank": per_rank,
-        "job": step_stats([s for rd in run.ranks.values() for s in usable_steps(rd.steps)]) if job else None,
-        "outliers": find_outliers(run),
-        "stragglers": find_stragglers(run),
+    job = [s for rd in run.ranks.values() for s in usable_steps(rd.steps)]
+    return StepsSection(
+        per_rank=per_rank,
+        job=step_stats(job) if job else None,
+        outliers=find_outliers(run),
+        stragglers=find_stragglers(run),
         # per rank, the profiled windows' steps and the step that exported each window (left out of the
         # statistics like every profiled step; a presenter marks them instead of reading them as a stall)
-        "profiler_steps": {str(r): {"window": sorted({s for pw in rd.profiles for s in pw.steps}),
-                                    "export": profiler_export_steps(rd)} for r, rd in sorted(run.ranks.items())},
-    }
+        profiler_steps={str(r): {"window": sorted({s for pw in rd.profiles for s in pw.steps}),
+                                 "export": profiler_export_steps(rd)} for r, rd in sorted(run.ranks.items())},
+    )

@@ -7,6 +7,7 @@ says which (``flops_source``: ``"counted"`` or ``"analytic"``)."""
 
 from __future__ import annotations
 
+from ..report_sections import ThroughputJob, ThroughputRank, ThroughputSection
 from ..store import Run
 from .steps import step_stats, usable_steps
 
@@ -18,44 +19,45 @@ def analytic_flops_per_step(cfg) -> float | None:
     return 6.0 * cfg.model_param_count * cfg.tokens_per_step / max(1, cfg.world_size)
 
 
-def analyze_throughput(run: Run) -> dict | None:
-    per_rank = {}
+def analyze_throughput(run: Run) -> ThroughputSection | None:
+    """Per rank and for the job, or None where neither tokens per step nor FLOPs are known."""
+    per_rank: dict[str, ThroughputRank] = {}
     job_tflops = 0.0
     any_data = False
     for r, rd in sorted(run.ranks.items()):
         cfg = rd.config
         st = step_stats(usable_steps(rd.steps))
-        if cfg is None or not st["count"]:
+        if cfg is None or not st.count:
             continue
-        p50_s = st["p50_ms"] / 1e3
-        row: dict = {"step_p50_ms": st["p50_ms"]}
+        p50_s = st.p50_ms / 1e3
+        row = ThroughputRank(step_p50_ms=st.p50_ms)
         if cfg.tokens_per_step:
-            row["tokens_per_s"] = round(cfg.tokens_per_step / cfg.world_size / p50_s, 1)
+            row.tokens_per_s = round(cfg.tokens_per_step / cfg.world_size / p50_s, 1)
             any_data = True
         flops, source = cfg.flops_per_step, "counted"
         if not flops:
             flops, source = analytic_flops_per_step(cfg), "analytic"
         if flops:
             tf = flops / p50_s / 1e12
-            row["flops_per_step"] = flops
-            row["flops_source"] = source
-            row["achieved_tflops"] = round(tf, 4)
+            row.flops_per_step = flops
+            row.flops_source = source
+            row.achieved_tflops = round(tf, 4)
             job_tflops += tf
             any_data = True
             if cfg.peak_tflops:
-                row["peak_tflops"] = cfg.peak_tflops
-                row["mfu_pct"] = round(100 * tf / cfg.peak_tflops, 2)
+                row.peak_tflops = cfg.peak_tflops
+                row.mfu_pct = round(100 * tf / cfg.peak_tflops, 2)
         per_rank[str(r)] = row
     if not any_data:
         return None
     cfg = run.config
-    job: dict = {}
-    p50s = [v["step_p50_ms"] for v in per_rank.values()]
+    job = ThroughputJob()
+    p50s = [v.step_p50_ms for v in per_rank.values()]
     if cfg and cfg.tokens_per_step and p50s:
-        job["tokens_per_s"] = round(cfg.tokens_per_step / (max(p50s) / 1e3), 1)  # the slowest rank paces the job
+        job.tokens_per_s = round(cfg.tokens_per_step / (max(p50s) / 1e3), 1)  # the slowest rank paces the job
     if job_tflops:
-        job["achieved_tflops"] = round(job_tflops, 4)
-        peaks = [v.get("peak_tflops") for v in per_rank.values()]
+        job.achieved_tflops = round(job_tflops, 4)
+        peaks = [v.peak_tflops for v in per_rank.values()]
         if all(peaks):
-            job["mfu_pct"] = round(100 * job_tflops / sum(peaks), 2)
-    return {"per_rank": per_rank, "job": job}
+            job.mfu_pct = round(100 * job_tflops / sum(peaks), 2)
+    return ThroughputSection(per_rank=per_rank, job=job)

@@ -1,6 +1,6 @@
 """The verdict: what bounds the step, per rank and for the job, with the share of the step each cause takes.
 
-From a Kineto trace (``report["overlap"]["breakdown"]``, see ``fsdp_doctor.trace.analysis.breakdown``) the
+From a Kineto trace (``report.overlap.breakdown``, see ``fsdp_doctor.trace.analysis.breakdown``) the
 complete steps' wall time is split into exclusive parts at every instant: compute; exposed communication
 (all-gather in forward / backward, reduce-scatter, other collectives); offload copies alone on the device;
 other device work alone (memsets, device-to-device copies); and, where the device is idle, host-bound (the
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..report_sections import OverlapSection, Report, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from .steps import usable_steps
@@ -55,7 +56,9 @@ def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
     return shares, groups
 
 
-def _entry(parts_us: dict[str, float], total_us: float, steps: int, source: str, device: str) -> dict:
+def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], source: str,
+           device: str) -> VerdictEntry:
+    """The verdict of one rank's parts (µs) over ``steps`` steps, or of the job's (``steps`` None)."""
     shares, groups = _shares(parts_us, total_us)
     labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else dict(PART_LABELS)
     if source.startswith("records"):
@@ -70,21 +73,20 @@ def _entry(parts_us: dict[str, float], total_us: float, steps: int, source: str,
     summary += ")"
     if rest:
         summary += "; then " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in rest)
-    return {"bound": bound, "shares_pct": shares, "groups_pct": groups, "summary": summary,
-            "step_ms": round(total_us / max(1, steps) / 1e3, 3), "steps": steps, "source": source, "device": device}
+    return VerdictEntry(bound=bound, shares_pct=shares, groups_pct=groups, summary=summary, source=source,
+                        device=device, steps=steps,
+                        step_ms=None if steps is None else round(total_us / max(1, steps) / 1e3, 3))
 
 
-def _trace_parts(report: dict) -> dict[str, tuple[dict, float, int, str]]:
-    ov = report.get("overlap") or {}
-    per_rank = ov.get("per_rank") or {}
-    out = {}
-    for r, parts in (ov.get("breakdown") or {}).items():
-        total = float(parts.get("window_us") or 0.0)
-        if total <= 0:
+def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, float, int, str]]:
+    out: dict = {}
+    for r, parts in (overlap.breakdown if overlap is not None else {}).items():
+        if parts.window_us <= 0:
             continue
-        n = len((per_rank.get(r) or {}).get("steps") or []) or 1
-        dev = (per_rank.get(r) or {}).get("device") or "gpu"
-        out[str(r)] = ({k: float(parts.get(k, 0.0)) for k in BREAKDOWN_PARTS}, total, n, dev)
+        pr = overlap.per_rank.get(r)
+        n = (len(pr.steps) if pr is not None else 0) or 1
+        dev = (pr.device if pr is not None else "") or "gpu"
+        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev)
     return out
 
 
@@ -110,11 +112,12 @@ def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
     return out
 
 
-def verdict(report: dict, run: Optional[Run] = None) -> Optional[dict]:
-    """``{"job": {...}, "per_rank": {rank: {...}}}`` (see the module docstring), or None without any data."""
-    per_rank: dict[str, dict] = {}
+def verdict(report: Report | dict, run: Optional[Run] = None) -> Optional[Verdict]:
+    """The :class:`~fsdp_doctor.report_sections.Verdict` of a report (or its JSON form) and its run, per rank and
+    for the job (see the module docstring), or None without any data. Of the report only ``overlap`` is read."""
+    per_rank: dict[str, VerdictEntry] = {}
     used: dict[str, tuple[dict, float]] = {}
-    for r, (parts, total, n, dev) in _trace_parts(report).items():
+    for r, (parts, total, n, dev) in _trace_parts(Report.of(report).overlap).items():
         per_rank[r] = _entry(parts, total, n, "trace", dev)
         used[r] = (parts, total)
     if run is not None and run.has_records:
@@ -127,14 +130,12 @@ def verdict(report: dict, run: Optional[Run] = None) -> Optional[dict]:
         return None
     job_parts = {k: sum(p[k] for p, _ in used.values()) for k in BREAKDOWN_PARTS}
     job_total = sum(t for _, t in used.values())
-    devices = {v["device"] for v in per_rank.values()}
-    job = _entry(job_parts, job_total, 1, ", ".join(sorted({v["source"] for v in per_rank.values()})),
+    devices = {v.device for v in per_rank.values()}
+    job = _entry(job_parts, job_total, None, ", ".join(sorted({v.source for v in per_rank.values()})),
                  "gpu" if "gpu" in devices else "cpu")
-    job.pop("step_ms")
-    job.pop("steps")
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
-        by_bound.setdefault(v["bound"], []).append(int(r))
-    job["ranks_by_bound"] = {b: sorted(rs) for b, rs in sorted(by_bound.items())}
-    job["ranks"] = len(per_rank)
-    return {"job": job, "per_rank": dict(sorted(per_rank.items(), key=lambda kv: int(kv[0])))}
+        by_bound.setdefault(v.bound, []).append(int(r))
+    job.ranks_by_bound = {b: sorted(rs) for b, rs in sorted(by_bound.items())}
+    job.ranks = len(per_rank)
+    return Verdict(job=job, per_rank=dict(sorted(per_rank.items(), key=lambda kv: int(kv[0]))))

@@ -3,6 +3,7 @@ Kineto (torch.profiler) traces, GPU/NCCL and CPU/gloo.
 
     from fsdp_doctor.trace import analyze_traces
     result = analyze_traces("runs/run1/profiler")   # a file, a folder (recursive) or a list
+    result.per_rank["0"].overlap_pct                 # an OverlapSection (fsdp_doctor.report_sections)
 
 This package does not import torch.
 """

@@ -18,6 +18,10 @@ Metrics (per rank, summed over that rank's windows; times in µs):
   :func:`breakdown`); the verdict (``fsdp_doctor.analyze.verdict``) turns it into shares.
 * ``blocking`` (gloo): all-gathers during which the host thread sat in the all-gather (its
   ``FSDP::all_gather`` label or the c10d op) from the collective's start to its end: count and total µs.
+
+``analyze_windows`` / ``analyze_traces`` return these as an
+:class:`~fsdp_doctor.report_sections.OverlapSection` (the report's ``overlap``); the per-window functions
+(``overlap``, ``copies``, ``breakdown``, ...) return plain dicts of µs, comparable with HTA's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from typing import Callable, Iterable, Optional, Union
 
 import numpy as np
 
+from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceIdle, OverlapRank, OverlapSection,
+                               SkippedFile)
 from . import intervals as iv
 from .model import CollectiveCall, WindowTrace, _gc_paused, build_window
 from .reader import TraceError, decode, find_trace_files
@@ -69,7 +75,7 @@ def idle(win: WindowTrace) -> dict:
 # Exposed communication by collective and phase, in the order an instant is given to: when several
 # collectives run exposed at once, compute is waiting for the all-gather (it needs the parameters).
 COMM_PARTS = ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")
-BREAKDOWN_PARTS = ("compute", *COMM_PARTS, "offload", "other_gpu", "host", "input", "idle")
+BREAKDOWN_PARTS = Breakdown.PARTS  # one definition, the report's (tests/test_verdict.py checks COMM_PARTS in it)
 
 
 def _comm_part(c: CollectiveCall) -> str:
@@ -180,7 +186,7 @@ def busbw_factor(collective: str, n: Optional[int]) -> Optional[float]:
     return None
 
 
-def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[dict]:
+def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[CommUnitRow]:
     groups: dict = defaultdict(list)
     for c, exp in calls:
         groups[(c.unit, c.collective, c.phase)].append((c, exp))
@@ -196,20 +202,12 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[dict
         if bytes_per_call is not None and f is not None and comm > 0:
             busbw = bytes_per_call * len(items) * f / comm / 1e3  # bytes/µs → GB/s
         slacks = [c.need - c.end for c, _ in items if c.need is not None]
-        rows.append({
-            "rank": rank,
-            "unit": unit,
-            "collective": coll,
-            "phase": phase,
-            "count": len(items),
-            "comm_us": comm,
-            "exposed_us": float(sum(exp for _, exp in items)),
-            "bytes_per_call": bytes_per_call,
-            "busbw_gbps": busbw,
-            "slack_us": float(np.mean(slacks)) if slacks else None,
-            "held_us": float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
-            "dtype": items[0][0].dtype,
-        })
+        rows.append(CommUnitRow(
+            rank=rank, unit=unit, collective=coll, phase=phase, count=len(items), comm_us=comm,
+            exposed_us=float(sum(exp for _, exp in items)), bytes_per_call=bytes_per_call, busbw_gbps=busbw,
+            slack_us=float(np.mean(slacks)) if slacks else None,
+            held_us=float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
+            dtype=items[0][0].dtype))
     return rows
 
 
@@ -369,112 +367,103 @@ def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int
         if isinstance(r, WindowTrace):
             windows.append(r)
         else:
-            skipped.append({"file": _display(p, root), "error": str(r)})
+            skipped.append(SkippedFile(file=_display(p, root), error=str(r)))
     return windows, skipped
 
 
 # ---------------------------------------------------------------- top level
 
 
-def analyze_windows(windows: list[WindowTrace]) -> dict:
+def analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
+    """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order."""
     with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
         return _analyze_windows(windows)
 
 
-def _analyze_windows(windows: list[WindowTrace]) -> dict:
-    per_rank: dict = {}
-    copies_out: dict = {}
-    idle_out: dict = {}
-    block_out: dict = {}
-    parts_out: dict = {}
+def _sum_into(acc: dict[str, dict], rank: str, part: dict) -> None:
+    """Adds one window's figures (``part``) to the rank's running totals."""
+    tot = acc.setdefault(rank, dict.fromkeys(part, 0))
+    for f, v in part.items():
+        tot[f] += v
+
+
+def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
+    per_rank: dict[str, OverlapRank] = {}
+    sums: dict[str, dict[str, dict]] = {"copies": {}, "idle": {}, "blocking": {}, "breakdown": {}}
     calls: dict = defaultdict(list)
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
-        pr = per_rank.setdefault(k, {"comm_us": 0.0, "overlap_us": 0.0, "exposed_us": 0.0,
-                                     "overlap_pct": None, "steps": [], "device": w.device,
-                                     "comm_calls": 0, "comm_calls_on_compute_stream": 0})
-        pr["comm_calls"] += len(w.calls)
-        pr["comm_calls_on_compute_stream"] += sum(1 for c in w.calls if c.on_compute_stream)
-        for f in ("comm_us", "overlap_us", "exposed_us"):
-            pr[f] += o[f]
-        pr["steps"] = sorted(set(pr["steps"]) | set(w.steps))
+        pr = per_rank.setdefault(k, OverlapRank(device=w.device))
+        pr.comm_calls += len(w.calls)
+        pr.comm_calls_on_compute_stream += sum(1 for c in w.calls if c.on_compute_stream)
+        pr.comm_us += o["comm_us"]
+        pr.overlap_us += o["overlap_us"]
+        pr.exposed_us += o["exposed_us"]
+        pr.steps = sorted(set(pr.steps) | set(w.steps))
         if w.device == "gpu":
-            pr["device"] = "gpu"
-        for dst, fn in ((copies_out, copies), (idle_out, idle), (block_out, blocking), (parts_out, breakdown)):
-            r = fn(w)
-            acc = dst.setdefault(k, {f: 0 for f in r})
-            for f, v in r.items():
-                acc[f] += v
+            pr.device = "gpu"
+        for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
+            _sum_into(sums[name], k, fn(w))
         calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
     for pr in per_rank.values():
-        pr["overlap_pct"] = 100.0 * pr["overlap_us"] / pr["comm_us"] if pr["comm_us"] > 0 else None
-    for d in copies_out.values():
-        for f in d:
-            d[f] = float(d[f])
-    for d in idle_out.values():
-        for f in d:
-            d[f] = float(d[f])
-    for d in parts_out.values():
-        for f in d:
-            d[f] = float(d[f])
-    for d in block_out.values():
-        d["count"] = int(d["count"])
-        d["us"] = float(d["us"])
+        pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
+        pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
     rows = []
     for rank in sorted(calls):
         rows.extend(unit_rows(rank, calls[rank]))
-    rows.sort(key=lambda r: (-r["exposed_us"], r["rank"], r["unit"], r["collective"], str(r["phase"])))
-    return {"per_rank": per_rank, "per_unit": rows, "copies": copies_out, "idle": idle_out,
-            "blocking": block_out, "breakdown": parts_out}
+    rows.sort(key=lambda r: (-r.exposed_us, r.rank, r.unit, r.collective, str(r.phase)))
 
+    def typed(cls, name):
+        return {k: cls(**{f: float(v) for f, v in d.items()}) for k, d in sums[name].items()}
 
-def _empty_result() -> dict:
-    return {"per_rank": {}, "per_unit": [], "copies": {}, "idle": {}, "blocking": {}, "breakdown": {},
-            "files": [], "skipped": []}
+    return OverlapSection(
+        per_rank=per_rank, per_unit=rows, copies=typed(Copies, "copies"), idle=typed(DeviceIdle, "idle"),
+        blocking={k: Blocking(count=int(d["count"]), us=float(d["us"])) for k, d in sums["blocking"].items()},
+        breakdown=typed(Breakdown, "breakdown"), files=[w.file for w in windows])
 
 
 def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,
-                   workers: Optional[int] = None) -> dict:
+                   workers: Optional[int] = None) -> OverlapSection:
     """Analyse Kineto traces: a file, a directory (searched recursively), or a list of either.
 
-    Returns plain data (see the module docstring). Files that cannot be read are listed in ``skipped`` as
-    ``{"file", "error"}`` with a one-line error; everything else is still analysed."""
+    Returns the overlap section (see the module docstring). Files that cannot be read are listed in ``skipped``
+    (a :class:`~fsdp_doctor.report_sections.SkippedFile` each, with a one-line error); everything else is still
+    analysed."""
     if isinstance(path_or_paths, (str, os.PathLike)):
         inputs = [Path(path_or_paths)]
     else:
         inputs = [Path(p) for p in path_or_paths]
-    result = _empty_result()
+    skipped: list[SkippedFile] = []
     files: list[Path] = []
     roots: dict[Path, Optional[Path]] = {}
     for p in inputs:
         try:
             found = find_trace_files(p)
         except FileNotFoundError:
-            result["skipped"].append({"file": str(p), "error": "no such file or directory"})
+            skipped.append(SkippedFile(file=str(p), error="no such file or directory"))
             continue
         if not found:
-            result["skipped"].append({"file": str(p), "error": "no Kineto trace files (*.json, *.json.gz) found"})
+            skipped.append(SkippedFile(file=str(p), error="no Kineto trace files (*.json, *.json.gz) found"))
         for f in found:
             if f not in roots:
                 roots[f] = p if p.is_dir() else None
                 files.append(f)
     if not files:
-        return result
+        return OverlapSection(skipped=skipped)
     common = Path(os.path.commonpath([str(f.parent) for f in files])) if len(files) > 1 else None
-    windows, skipped = load_windows(files, progress=progress, workers=workers,
-                                    root=common if common is not None else roots[files[0]])
-    result.update(analyze_windows(windows))
-    result["files"] = [w.file for w in windows]
-    result["skipped"].extend(skipped)
+    windows, unread = load_windows(files, progress=progress, workers=workers,
+                                   root=common if common is not None else roots[files[0]])
+    result = analyze_windows(windows)
+    result.skipped = skipped + unread
     return result
 
 
-def gpu_overlap_pct(result: dict, rank) -> Optional[float]:
+def gpu_overlap_pct(result: OverlapSection, rank) -> Optional[float]:
     """HTA-comparable overlap % for a rank: None unless the rank is a GPU rank with communication kernels."""
-    pr = result["per_rank"].get(str(rank))
-    if pr is None or pr["device"] != "gpu":
+    pr = result.per_rank.get(str(rank))
+    if pr is None or pr.device != "gpu":
         return None
-    return pr["overlap_pct"]
+    return pr.overlap_pct
 
 
