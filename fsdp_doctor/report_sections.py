@@ -18,24 +18,7 @@ from msgspec import UNSET, UnsetType
 from .records import UnitConfig
 
 
-class _Transitional:
-    """Dict-style reads of a section (its JSON form), kept only while readers move to the fields (issue 14)."""
-
-    def get(self, key: str, default=None):
-        v = getattr(self, key, None) if key in self.__struct_fields__ else None
-        return default if v is None or v is UNSET else msgspec.to_builtins(v)
-
-    def __getitem__(self, key: str):
-        v = getattr(self, key, None) if key in self.__struct_fields__ else None
-        if v is None and key not in self.__struct_fields__ or v is UNSET:
-            raise KeyError(key)
-        return msgspec.to_builtins(v)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.__struct_fields__ and getattr(self, key) is not UNSET
-
-
-class _Section(_Transitional, msgspec.Struct, kw_only=True):
+class _Section(msgspec.Struct, kw_only=True):
     @classmethod
     def of(cls, section):
         """The typed section from the report (a dict, as stored and written to JSON) or None."""
@@ -202,7 +185,7 @@ class UnitTiming(_Section):
     bwd_self_ms: Optional[float] = None
 
 
-class UnitRow(_Transitional, UnitConfig, omit_defaults=False):
+class UnitRow(UnitConfig, omit_defaults=False):
     """``report.units[i]``: a unit's configuration snapshot (every field written, so JSON rows are whole) and,
     where it has steady steps, its timings."""
 
@@ -379,7 +362,7 @@ class Finding(_Section):
 SCHEMA = "fsdp-doctor-report/1"
 
 
-class Report(_Transitional, msgspec.Struct, kw_only=True, omit_defaults=True):
+class Report(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The whole report. A section is None (and absent from the JSON) where nothing fed it: ``steps``,
     ``units``, ``throughput`` and ``memory`` need records, ``overlap`` needs traces."""
 
@@ -395,9 +378,6 @@ class Report(_Transitional, msgspec.Struct, kw_only=True, omit_defaults=True):
     verdict: Optional[Verdict] = None
     findings: list[Finding] = []
     problems: list[str] = []  # one line each: files skipped, figures this torch could not give, rules not checked
-
-    def __contains__(self, key: str) -> bool:  # transitional (issue 14): a section not computed is absent
-        return key in self.__struct_fields__ and getattr(self, key) is not None
 
     def to_builtins(self) -> dict:
         """The JSON-ready form (what ``--json`` writes)."""

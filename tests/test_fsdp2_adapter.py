@@ -25,10 +25,21 @@ PRIVATE = {"_fsdp_param_group", "_fsdp_param_groups", "_get_fsdp_state", "_orig_
            "_modules", "_param_fqn", "_comm_ctx"}
 
 
+def _imports_torch(tree: ast.AST) -> bool:
+    return any(isinstance(n, ast.Import) and any(a.name.split(".")[0] == "torch" for a in n.names)
+               or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torch" for n in ast.walk(tree))
+
+
 def _private_reads(path: Path) -> list[str]:
-    """Attribute reads (``x.name``) and ``getattr``/``hasattr`` string names of private FSDP2 fields."""
+    """Attribute reads (``x.name``) and ``getattr``/``hasattr`` string names of private FSDP2 fields. A module
+    that imports no torch holds no FSDP2 object: there a name that is also a field of our own unit record
+    (``UnitConfig.unshard_async_op``, read by the rules) is that field."""
+    from fsdp_doctor.records import UnitConfig
+
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    ours = set() if _imports_torch(tree) else set(UnitConfig.__struct_fields__)
+    for node in ast.walk(tree):
         name = None
         if isinstance(node, ast.Attribute):
             if isinstance(node.value, ast.Name) and node.value.id == "F2":
@@ -37,7 +48,7 @@ def _private_reads(path: Path) -> list[str]:
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
               and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
             name = node.args[1].value
-        if name is not None and (name in PRIVATE or name.startswith("_fsdp_param")):
+        if name is not None and name not in ours and (name in PRIVATE or name.startswith("_fsdp_param")):
             out.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {name}")
     return out
 
