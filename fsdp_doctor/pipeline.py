@@ -20,7 +20,7 @@ from . import __version__
 from .analyze.report import fill_sizes_from_units, run_facts, unit_table
 from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
-from .report_sections import CommSummary, OverlapSection, Report
+from .report_sections import CommRank, CommSummary, OverlapSection, Report
 from .store import Run
 
 StepWindow = Optional[tuple[int, int]]
@@ -93,29 +93,29 @@ def comm_summary(overlap: Optional[OverlapSection],
     """The one exposed-communication figure of the report, with its definition and source: from the profiled
     windows' traces (the ``overlap`` section) when there are any, else from the recorder's all-gather waits
     (``ag_waits``: per rank, ms per step, see ``recorded_ag_waits``)."""
-    rows = {}
+    rows: dict[str, CommRank] = {}
     for r, pr in (overlap.per_rank if overlap is not None else {}).items():
         n = len(pr.steps)
         if n:
-            rows[str(r)] = {"exposed_ms_per_step": round(pr.exposed_us / 1e3 / n, 3),
-                            "comm_ms_per_step": round(pr.comm_us / 1e3 / n, 3),
-                            "overlap_pct": None if pr.overlap_pct is None else round(pr.overlap_pct, 1),
-                            "steps": sorted(pr.steps)}
+            rows[str(r)] = CommRank(exposed_ms_per_step=round(pr.exposed_us / 1e3 / n, 3),
+                                    comm_ms_per_step=round(pr.comm_us / 1e3 / n, 3),
+                                    overlap_pct=None if pr.overlap_pct is None else round(pr.overlap_pct, 1),
+                                    steps=sorted(pr.steps))
     if rows:
-        steps = sorted({s for v in rows.values() for s in v["steps"]})
+        steps = sorted({s for v in rows.values() for s in v.steps})
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
-        pcts = [v["overlap_pct"] for v in rows.values() if v["overlap_pct"] is not None]
+        pcts = [v.overlap_pct for v in rows.values() if v.overlap_pct is not None]
         return CommSummary(
             source="trace", source_text=f"profiler trace, {span}", definition=COMM_DEFINITION_TRACE, per_rank=rows,
-            exposed_ms_per_step=round(statistics.median(v["exposed_ms_per_step"] for v in rows.values()), 3),
-            comm_ms_per_step=round(statistics.median(v["comm_ms_per_step"] for v in rows.values()), 3),
+            exposed_ms_per_step=round(statistics.median(v.exposed_ms_per_step for v in rows.values()), 3),
+            comm_ms_per_step=round(statistics.median(v.comm_ms_per_step for v in rows.values()), 3),
             overlap_pct=round(statistics.median(pcts), 1) if pcts else None)
     waits = ag_waits or {}
     if waits:
         return CommSummary(source="records", source_text="recorded all-gather waits",
                            definition=COMM_DEFINITION_RECORDS,
                            exposed_ms_per_step=round(statistics.median(waits.values()), 3),
-                           per_rank={r: {"exposed_ms_per_step": round(v, 3)} for r, v in waits.items()})
+                           per_rank={r: CommRank(exposed_ms_per_step=round(v, 3)) for r, v in waits.items()})
     return None
 
 

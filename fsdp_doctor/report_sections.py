@@ -30,6 +30,15 @@ class _Section(msgspec.Struct, kw_only=True):
             return None
 
 
+class DoctorError(_Section):
+    """The doctor stepped aside on a rank: where, why, at which step."""
+
+    rank: int
+    where: str
+    message: str
+    step: Optional[int] = None
+
+
 class RunFacts(_Section):
     """``report["run"]``: what was analysed. The fields after ``trace_files`` come from the configuration record
     and are absent (UNSET, not written) for a run without one; a recorded None (no capacity) is written."""
@@ -49,9 +58,19 @@ class RunFacts(_Section):
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
-    doctor_errors: list[dict[str, Any]] | UnsetType = UNSET  # the doctor stepped aside: rank, where, message, step
+    doctor_errors: list[DoctorError] | UnsetType = UNSET  # the doctor stepped aside
     steps_recorded: dict[str, int] = {}  # per rank
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly
+
+
+class CommRank(_Section, omit_defaults=True):
+    """One rank's exposed communication (ms per step). From the records only the waits: the trace-only
+    figures are then absent from the JSON."""
+
+    exposed_ms_per_step: float
+    comm_ms_per_step: Optional[float] = None
+    overlap_pct: Optional[float] = None
+    steps: Optional[list[int]] = None  # the profiled steps
 
 
 class CommSummary(_Section):
@@ -63,8 +82,7 @@ class CommSummary(_Section):
     exposed_ms_per_step: float  # median over ranks (ms per step)
     comm_ms_per_step: Optional[float] = None  # all communication, median over ranks (trace only)
     overlap_pct: Optional[float] = None  # share of communication overlapped by compute (trace only)
-    # per rank: {"exposed_ms_per_step"} from records; from traces also "comm_ms_per_step", "overlap_pct", "steps"
-    per_rank: dict[str, dict[str, Any]] = {}
+    per_rank: dict[str, CommRank] = {}
 
 
 class MemoryPeakAt(_Section):
@@ -335,6 +353,11 @@ class Verdict(_Section):
 # ---------------------------------------------------------------- findings (fsdp_doctor.diagnose)
 
 
+class Recommendation(_Section):
+    text: str
+    code: str = ""  # a fix the user can paste ("" where the text is the advice)
+
+
 class Finding(_Section):
     """One finding of a rule: its evidence in numbers (units in the keys: ``_ms``, ``_bytes``, ``_pct``), a fix
     the user can paste and, where the rule can tell, the predicted gain."""
@@ -343,7 +366,7 @@ class Finding(_Section):
     severity: str  # "info" | "warning" | "critical"
     title: str
     evidence: dict[str, Any]
-    recommendation: dict[str, str]  # {"text": ..., "code": ...}
+    recommendation: Recommendation
     predicted: dict[str, Any] | UnsetType = UNSET  # {step_ms_before, step_ms_after, peak_bytes_before, ...}
     ranks: list[int] = []
     units: list[str] = []

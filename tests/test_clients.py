@@ -202,8 +202,8 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
         runs = [out / name] + ([out / "transformer_wrapper"] if name == "transformer" else [])
         for path in runs:
             for f in _diagnosis(path)[2]:
-                if f.recommendation.get("code"):
-                    spec.append([name, f.code, f.recommendation["code"]])
+                if f.recommendation.code:
+                    spec.append([name, f.code, f.recommendation.code])
     emitted = {c for _, c, _ in spec}
     assert {"wrap.params_in_root", "ac.unneeded", "wrap.unreduced_params"} <= emitted
     _run_snippets(spec, tmp_path)

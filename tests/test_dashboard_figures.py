@@ -15,7 +15,8 @@ from fsdp_doctor.dashboards import figures as F
 from fsdp_doctor.dashboards.pages import PAGES
 from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
 from fsdp_doctor.dashboards.state import RunState, steps_columns
-from fsdp_doctor.report_sections import Finding, MemoryRank, MemorySection, Report, StepsSection, Verdict
+from fsdp_doctor.report_sections import (Finding, MemoryRank, MemorySection, Recommendation, Report, StepsSection,
+                                         Verdict)
 from fsdp_doctor.store import load_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -566,7 +567,7 @@ def test_memory_and_communication_pages_follow_the_window(snap):
 
 
 def _finding(severity: str, title: str) -> Finding:
-    return Finding(code="x.test", severity=severity, title=title, evidence={}, recommendation={"text": ""})
+    return Finding(code="x.test", severity=severity, title=title, evidence={}, recommendation=Recommendation(text=""))
 
 
 def test_overview_headline_and_one_exposed_figure(snap):

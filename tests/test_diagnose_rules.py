@@ -179,7 +179,7 @@ def test_too_fine_leaf_wrapping_names_the_blocks():
     ctx, _ = build(units=us, step_ms=262.0)
     (f,) = run_rule("wrap.too_fine", ctx)
     assert f.evidence["units"] == 24
-    assert "model.layers" in f.recommendation["code"]
+    assert "model.layers" in f.recommendation.code
     assert f.predicted["step_ms_after"] < 262.0
     assert run_rule("wrap.too_fine", build()[0]) == []
 
@@ -203,8 +203,8 @@ def test_root_not_sharded_is_critical_with_unmanaged_params():
     (f,) = run_rule("wrap.root_not_sharded", ctx)
     assert f.severity == "critical"
     assert f.evidence["root_count"] == 4
-    assert "fully_shard(model" in f.recommendation["code"]
-    assert "fully_shard(model.get_submodule('layers.0')" in f.recommendation["code"]
+    assert "fully_shard(model" in f.recommendation.code
+    assert "fully_shard(model.get_submodule('layers.0')" in f.recommendation.code
     ctx, _ = build(units=us)
     assert run_rule("wrap.root_not_sharded", ctx)[0].severity == "warning"
     assert run_rule("wrap.root_not_sharded", build()[0]) == []
@@ -218,7 +218,7 @@ def test_unreduced_params():
     (f,) = run_rule("wrap.unreduced_params", ctx)
     assert f.severity == "critical"
     assert f.evidence["params"] == names and f.evidence["trainable_unmanaged_bytes"] == 4096
-    assert "dist.all_reduce(p.grad)" in f.recommendation["code"]
+    assert "dist.all_reduce(p.grad)" in f.recommendation.code
     assert run_rule("wrap.unreduced_params", build()[0]) == []
     # several roots: wrap.root_not_sharded reports the same drift
     roots = [unit(f"layers.{i}", is_root=True, depth=0, parent=None, **BLOCK) for i in range(2)]
@@ -231,9 +231,9 @@ def test_mixed_dtype_unit():
     ctx, _ = build(units=us)
     (f,) = run_rule("wrap.mixed_dtype_unit", ctx)
     assert f.units == ["layers.0"]
-    assert "fully_shard(model.get_submodule('layers.0')" in f.recommendation["code"]
-    assert "param_dtype=torch.bfloat16" in f.recommendation["code"]
-    assert ".to(" not in f.recommendation["code"]  # the fix never upcasts (frozen) weights
+    assert "fully_shard(model.get_submodule('layers.0')" in f.recommendation.code
+    assert "param_dtype=torch.bfloat16" in f.recommendation.code
+    assert ".to(" not in f.recommendation.code  # the fix never upcasts (frozen) weights
     assert run_rule("wrap.mixed_dtype_unit", build()[0]) == []
     # frozen bf16 weights beside trainable fp32 ones under a bf16 policy: every all-gather input is bf16
     us[2][0]["param_dtype"] = "bfloat16"
@@ -249,8 +249,8 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     (f,) = run_rule("prefetch.exposed_allgather", ctx)
     assert f.severity == "warning"
     assert f.evidence["exposed_ag_fwd_ms"] == pytest.approx(30.0)
-    assert "set_modules_to_forward_prefetch" in f.recommendation["code"]
-    assert "model.layers" in f.recommendation["code"]
+    assert "set_modules_to_forward_prefetch" in f.recommendation.code
+    assert "model.layers" in f.recommendation.code
     assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
     ctx, _ = build(units=us)  # same waits on a CPU/gloo host: structural, a note only
     assert [x.severity for x in run_rule("prefetch.exposed_allgather", ctx)] == ["info"]
@@ -267,7 +267,7 @@ def test_exposed_allgather_defers_to_straggler():
                                 "steps": 16, "own_ms_p50": 160.0, "others_own_ms_p50": 110.0,
                                 "phase_excess_ms_per_step": 50.0}])
     (f,) = run_rule("prefetch.exposed_allgather", ctx)
-    assert f.severity == "info" and "straggler" in f.recommendation["text"]
+    assert f.severity == "info" and "straggler" in f.recommendation.text
 
 
 def test_exposed_allgather_gpu_reads_the_trace():
@@ -317,7 +317,7 @@ def test_sync_unshard_on_gloo():
     ctx, _ = build(units=us, overlap=ov)
     (f,) = run_rule("prefetch.sync_unshard", ctx)
     assert f.evidence["blocking_calls"] == 11 and f.evidence["ag_overlap_pct"] == 0.0
-    assert "_set_unshard_async_op(True)" in f.recommendation["code"]
+    assert "_set_unshard_async_op(True)" in f.recommendation.code
     assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
     assert run_rule("prefetch.sync_unshard", build()[0]) == []  # async already
     ctx, _ = build(units=us, backend="nccl", device="cuda:0")
@@ -331,7 +331,7 @@ def test_reshard_last_unit():
     ctx, _ = build(units=us, memory=memory(50 * MiB))
     (f,) = run_rule("reshard.last_unit", ctx)
     assert f.severity == "warning" and f.units == ["norm, lm_head"]
-    assert "reshard_after_forward=False" in f.recommendation["code"]
+    assert "reshard_after_forward=False" in f.recommendation.code
     assert f.predicted["step_ms_after"] == pytest.approx(106.0)
     assert run_rule("reshard.last_unit", build()[0]) == []
 
@@ -380,7 +380,7 @@ def test_zero2_per_unit_known_answer():
     # alone, layers.3 adds only 0.26 MiB at the peak (rows 'norm forward_start' .. 'norm backward_start')
     assert ev["per_unit"][0] == "layers.3: -3.00 ms for 0.76 MiB held (+0.26 at the peak) = 3.97 ms/MiB: flip"
     assert ev["per_unit"][2].startswith("layers.1: -1.00 ms") and ev["per_unit"][2].endswith("does not fit")
-    code = f.recommendation["code"]
+    code = f.recommendation.code
     assert code.index("get_submodule('layers.3')") < code.index("get_submodule('layers.2')")
     assert "model.tok_emb.set_reshard_after_forward(False, recurse=False)" in code
     assert "layers.1" not in code
@@ -405,7 +405,7 @@ def test_zero2_per_unit_without_timeline_and_quiet_reasons():
     us[-1][0]["reshard_after_forward"] = True
     us[-1][1]["ag_wait_bwd_ms"] = 9.0
     (f,) = run_rule("reshard.zero2_affordable", build(units=us, memory=mem)[0])
-    assert "norm, lm_head" not in f.evidence["units_flipped"] and "reshard.last_unit" in f.recommendation["text"]
+    assert "norm, lm_head" not in f.evidence["units_flipped"] and "reshard.last_unit" in f.recommendation.text
 
 
 def test_zero2_per_unit_gpu_reads_the_trace():
@@ -452,7 +452,7 @@ def test_low_mfu_points_to_fewer_larger_units():
     assert ev["recoverable_ms"] == {"fewer, larger units": pytest.approx(41.25), "input pipeline": pytest.approx(11.0)}
     assert f.predicted["step_ms_after"] == pytest.approx(110 - 41.25)
     assert "median 774.5 KiB" in ev["levers"][0] and "MFU 51.2%" in ev["levers"][0]
-    assert "list(model.layers.children())" in f.recommendation["code"]
+    assert "list(model.layers.children())" in f.recommendation.code
 
 
 def test_low_mfu_points_to_batch_size():
@@ -481,13 +481,13 @@ def test_low_mfu_gpu_trace_levers(case):
     (f,) = run_rule("throughput.low_mfu", ctx)
     ev = f.evidence
     if case == "host":
-        assert ev["first_lever"] == "host overhead" and ".compile()" in f.recommendation["code"]
+        assert ev["first_lever"] == "host overhead" and ".compile()" in f.recommendation.code
         assert f.predicted["step_ms_after"] == pytest.approx(55.0)
     else:
         # 49.5 ms exposed, 49.5 ms of compute of which 10 ms already hides a collective: 39.5 ms recoverable
         assert ev["first_lever"] == "overlap" and "busbw 90.0 GB/s" in ev["levers"][0]
         assert ev["recoverable_ms"]["overlap"] == pytest.approx(39.5)
-        assert "set_modules_to_forward_prefetch" in f.recommendation["code"]
+        assert "set_modules_to_forward_prefetch" in f.recommendation.code
 
 
 def test_low_mfu_quiet_with_a_reason():
@@ -520,7 +520,7 @@ def test_ac_recommended_picks_enough_blocks():
     assert chosen == ["layers.0", "layers.1"]
     assert f.evidence["recompute_ms_added"] == pytest.approx(10.0)  # 2 x (6.0 - 1.0)
     assert f.predicted["peak_bytes_after"] < 0.85 * 72 * MiB
-    assert "apply_activation_checkpointing" in f.recommendation["code"] and '"layers.0"' in f.recommendation["code"]
+    assert "apply_activation_checkpointing" in f.recommendation.code and '"layers.0"' in f.recommendation.code
     # activations a small part of the peak: not the lever
     mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(act=2 * MiB), activations=8 * MiB,
                  optimizer_state=60 * MiB)
@@ -550,7 +550,7 @@ def test_ac_unneeded():
 def test_ac_wrong_granularity():
     ctx, _ = build(units=healthy_units(checkpoint="children"))
     (f,) = run_rule("ac.wrong_granularity", ctx)
-    assert len(f.units) == 4 and "apply_activation_checkpointing" in f.recommendation["code"]
+    assert len(f.units) == 4 and "apply_activation_checkpointing" in f.recommendation.code
     assert run_rule("ac.wrong_granularity", build()[0]) == []
 
 
@@ -584,8 +584,8 @@ def test_offload_recommended():
     (f,) = run_rule("offload.recommended", ctx)
     assert f.evidence["sharded_state_bytes"] == 40 << 30
     assert f.predicted["peak_bytes_after"] == 39 << 30
-    assert "CPUOffloadPolicy(pin_memory=True)" in f.recommendation["code"]
-    assert "model.layers" in f.recommendation["code"]
+    assert "CPUOffloadPolicy(pin_memory=True)" in f.recommendation.code
+    assert "model.layers" in f.recommendation.code
     assert run_rule("offload.recommended", build(memory=mem)[0]) == []  # CPU run
     mem = memory(40 << 30, capacity=80 << 30, optimizer_state=20 << 30)
     assert run_rule("offload.recommended", build(memory=mem, backend="nccl", device="cuda:0")[0]) == []
@@ -611,7 +611,7 @@ def test_optimizer_before_shard_is_critical():
     assert f.evidence["foreign_params"] == 53
     shard = sum(u.sharded_bytes for u in E.param_units(ctx))
     assert f.predicted["peak_bytes_after"] == 17_204_224 - 3_730_432 - 1_865_216 + 2 * shard
-    assert "after fully_shard" in f.recommendation["code"]
+    assert "after fully_shard" in f.recommendation.code
     assert run_rule("optim.before_shard", build()[0]) == []
 
 
@@ -625,11 +625,11 @@ def test_optimizer_step_comm():
     assert f.severity == "warning"  # 14 ms of 110 exposed
     assert f.evidence["calls_per_step"] == 53.0
     assert f.evidence["exposed_ms_per_step"] == pytest.approx(14.0)
-    assert "foreach=True" in f.recommendation["code"]  # 53 calls per step: one per tensor
+    assert "foreach=True" in f.recommendation.code  # 53 calls per step: one per tensor
     few = copy.deepcopy(ov)
     few["per_unit"][0]["count"] = 4  # already batched (foreach=True): do not advise it again
     (f,) = run_rule("optim.step_comm", build(overlap=few, backend="nccl", device="cuda:0")[0])
-    assert "foreach=True" not in f.recommendation["code"]
+    assert "foreach=True" not in f.recommendation.code
     # decided on the median rank: one rank alone above the threshold does not raise it
     two = copy.deepcopy(ov)
     two["per_unit"].append({**ov["per_unit"][0], "rank": 1, "comm_us": 100.0, "exposed_us": 100.0})

@@ -80,9 +80,9 @@ def test_scenario_yields_its_code(tmp_path, name):
     assert code in _codes(report, MIN_SEVERITY.get(name, "warning")), \
         f"{name}: expected {code}, got {[(f.code, f.severity) for f in report.findings]}"
     f = _finding(report, code)
-    assert f.evidence and f.recommendation["text"]
+    assert f.evidence and f.recommendation.text
     if code.startswith(("wrap.", "ac.", "optim.", "prefetch.")):
-        assert f.recommendation["code"], code
+        assert f.recommendation.code, code
 
 
 @pytest.mark.compat
@@ -92,7 +92,7 @@ def test_sync_unshard_on_gloo(tmp_path):
     f = _finding(report, "prefetch.sync_unshard")
     assert f.evidence["units_sync"] == 6
     assert f.evidence["blocking_calls"], "the trace should show the host blocked in all-gathers"
-    assert "_set_unshard_async_op(True)" in f.recommendation["code"]
+    assert "_set_unshard_async_op(True)" in f.recommendation.code
     # the exposed all-gathers are reported, but point at the synchronous unshard first
     for g in report.findings:
         if g.code == "prefetch.exposed_allgather":
@@ -103,7 +103,7 @@ def test_specific_evidence(tmp_path):
     """Names from the model itself end up in the recommendations (one run, several checks)."""
     report = _diagnose(tmp_path, "leaf2", wrap="leaf", async_unshard=True, steps=6)
     f = _finding(report, "wrap.too_fine")
-    assert "model.layers" in f.recommendation["code"]
+    assert "model.layers" in f.recommendation.code
     assert f.evidence["units"] >= 24
 
 

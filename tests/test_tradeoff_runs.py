@@ -102,7 +102,7 @@ def test_zero2_prediction_against_the_run_that_applies_it(recorded_run, tmp_path
     assert p["step_ms_after"] < p["step_ms_before"] and p["peak_bytes_after"] > p["peak_bytes_before"]
     for name in ev["units_flipped"]:
         mod = name.split(",")[0]
-        assert f"'{mod}'" in f.recommendation["code"] or f"model.{mod}." in f.recommendation["code"]
+        assert f"'{mod}'" in f.recommendation.code or f"model.{mod}." in f.recommendation.code
 
     _, after = record(tmp_path / "zero2", watch_extra={"profile": False, "capacity_bytes": 8 << 30, "peak_tflops": 1.0},
                       steps=6, async_unshard=knobs["async_unshard"],

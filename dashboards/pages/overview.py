@@ -59,8 +59,8 @@ def exposed_comm(report: Report, rank: Optional[str]) -> tuple:
     recorder's all-gather waits: the unit table's median waits per step, summed over units."""
     comm = report.comm
     if comm is not None and comm.exposed_ms_per_step is not None:
-        row = comm.per_rank.get(rank) if rank is not None else None  # per rank: a dict of figures (CommSummary)
-        v = row.get("exposed_ms_per_step") if row else (None if rank is not None else comm.exposed_ms_per_step)
+        row = comm.per_rank.get(rank) if rank is not None else None
+        v = row.exposed_ms_per_step if row else (None if rank is not None else comm.exposed_ms_per_step)
         src = comm.source_text or comm.source
         return v, (f"rank {rank}, " if rank is not None else "median over ranks, ") + src, comm.definition
     waits = [u.timing_p50.ag_wait_fwd_ms + u.timing_p50.ag_wait_bwd_ms for u in report.units or [] if u.timing_p50]
@@ -132,19 +132,19 @@ def _live(report: Report) -> bool:
 def finding_card(i: int, f: Finding) -> html.Div:
     sev = f.severity
     rows = [html.Tr([html.Th(k.replace("_", " ")), html.Td(fmt_value(k, v))]) for k, v in f.evidence.items()]
-    rec = f.recommendation  # {"text", "code"}
-    body = [html.P(rec.get("text", ""), className="finding-text")]
+    rec = f.recommendation
+    body = [html.P(rec.text, className="finding-text")]
     if rows:
         body.append(html.Details([html.Summary("Evidence"), html.Table(rows, className="evidence")], open=True,
                                  className="finding-evidence"))
     gain = _gain(f.predicted or {})
     if gain:
         body.append(html.Div("Expected: " + "; ".join(gain), className="finding-gain"))
-    if rec.get("code"):
+    if rec.code:
         cid = f"fix-code-{i}"
         body.append(html.Div([
             dcc.Clipboard(target_id=cid, title="copy the fix", className="copy-btn"),
-            html.Pre(rec["code"], id=cid, className="fix-code"),
+            html.Pre(rec.code, id=cid, className="fix-code"),
         ], className="fix"))
     who = []
     if f.ranks:
@@ -210,8 +210,8 @@ def layout(snap, flt: Filters) -> list:
                         "table need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
     out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only)))
     run = report.run
-    for e in run.doctor_errors or []:  # free-form: rank, where, message, step
-        out.append(note(f"The doctor stepped aside on rank {e['rank']} at step {e['step']} ({e['where']}): {e['message']}", "error"))
+    for e in run.doctor_errors or []:
+        out.append(note(f"The doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error"))
     findings = [f for f in report.findings
                 if (flt.rank is None or not f.ranks or flt.rank in f.ranks)
                 and (flt.unit is None or not f.units or flt.unit in f.units)]

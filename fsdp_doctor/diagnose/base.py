@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..report_sections import Finding, Report
+from ..report_sections import Finding, Recommendation, Report
 from ..store import Run
 
 SEVERITIES = ("info", "warning", "critical")
@@ -42,7 +42,7 @@ class Rule:
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", **kw) -> Finding:
         assert severity in SEVERITIES, severity
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence,
-                       recommendation={"text": text, "code": code}, **kw)
+                       recommendation=Recommendation(text=text, code=code), **kw)
 
 
 RULES: list[type[Rule]] = []

@@ -257,16 +257,16 @@ def _header(report: Report) -> str:
 
 def _finding(f: Finding) -> str:
     color = SEVERITY_COLORS.get(f.severity, "#999")
-    rec = f.recommendation  # {"text", "code"}
+    rec = f.recommendation
     ev = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(fmt_value(k, v, max_items=10))}</td></tr>"
                  for k, v in f.evidence.items())
-    code = f"<pre><code>{_esc(rec['code'])}</code></pre>" if rec.get("code") else ""
+    code = f"<pre><code>{_esc(rec.code)}</code></pre>" if rec.code else ""
     expected = predicted_text(f.predicted)
     pred = f"<div class='pred'>Expected: {_esc(expected)}</div>" if expected else ""
     return (f"<div class='finding' style='border-left-color:{color}'>"
             f"<h3><span class='sev' style='background:{color}'>{_esc(f.severity)}</span>{_esc(f.title)}"
             f"<span class='code'>{_esc(f.code)}</span></h3>"
-            f"<div>{_esc(rec.get('text', ''))}</div>{pred}"
+            f"<div>{_esc(rec.text)}</div>{pred}"
             f"<table>{ev}</table>{code}</div>")
 
 

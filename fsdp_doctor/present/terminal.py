@@ -28,8 +28,8 @@ def render_header(report: Report):
     incomplete = [k for k, done in r.complete.items() if not done]
     if incomplete:
         parts.append(f"[yellow]ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed steps are used[/]")
-    for e in r.doctor_errors or []:  # free-form entries: rank, where, message, step
-        parts.append(f"[red]doctor stepped aside on rank {e['rank']} at step {e['step']} ({e['where']}): {e['message']}[/]")
+    for e in r.doctor_errors or []:
+        parts.append(f"[red]doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}[/]")
     return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
 
 
@@ -127,13 +127,13 @@ def render_findings(findings: list[Finding]):
     items.append(Text(head, style="green" if not worst & {"critical", "warning"} else "bold"))
     for f in findings:
         ev = "\n".join(f"  {k}: {fmt_value(k, v)}" for k, v in f.evidence.items())
-        rec = f.recommendation  # {"text", "code"}
-        body = [Text(rec["text"]), Text("Evidence:\n" + ev, style="dim")]
+        rec = f.recommendation
+        body = [Text(rec.text), Text("Evidence:\n" + ev, style="dim")]
         expected = predicted_text(f.predicted)
         if expected:
             body.append(Text(f"Expected: {expected}", style="green"))
-        if rec.get("code"):
-            body.append(Syntax(rec["code"], "python", theme="ansi_dark", word_wrap=True))
+        if rec.code:
+            body.append(Syntax(rec.code, "python", theme="ansi_dark", word_wrap=True))
         style = SEVERITY_STYLE.get(f.severity, "")
         items.append(Panel(Group(*body), title=f"[{style}]{f.severity.upper()}[/] {f.code}: {f.title}",
                            title_align="left", box=box.ROUNDED, border_style=style))
