@@ -18,7 +18,6 @@ Goal: overview on screen in < 2 s. Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import socket

@@ -511,14 +511,13 @@ def overlap_by_rank_figure(per_rank: dict[str, OverlapRank], ranks=None, height:
 # ---------------------------------------------------------------- verdict
 
 
-def verdict_figure(section: Verdict | dict | None, rank: Optional[int] = None, max_ranks: int = VERDICT_MAX_RANKS,
+def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_ranks: int = VERDICT_MAX_RANKS,
                    height: Optional[int] = None) -> go.Figure:
     """The verdict (``report.verdict``) as one stacked horizontal bar per rank and one for the job: the share
     of the step (%) of each kind, one colour per kind (VERDICT_COLORS), labelled in % (the terminal's figures,
     one decimal), each rank's step time in its label. ``rank``: that rank and the job only. The first
     ``max_ranks`` ranks are drawn, as in the terminal; the title counts the rest. The HTML report draws the
-    same bar: ``section`` may also be the verdict's JSON form."""
-    section = Verdict.of(section)
+    same bar."""
     if section is None or not section.per_rank:
         return empty_figure("No verdict yet: it needs step records or a profiled window.", "Verdict", 200)
     per_rank, job = section.per_rank, section.job

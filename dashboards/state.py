@@ -152,9 +152,9 @@ class RunState:
             return hit
         if rank is not None:  # that rank only (the Units page's per-rank timings)
             frozen = dataclasses.replace(frozen, ranks={r: rd for r, rd in frozen.ranks.items() if r == rank})
-        # name -> section, as a Report; memory too (the Memory page)
-        secs = Report.of(record_sections(frozen, None if window is None else tuple(window)))
-        out = msgspec.structs.replace(report, **{k: getattr(secs, k) for k in RECORD_SECTIONS})
+        # the record sections over the window (memory too: the Memory page); a section the window lacks is None
+        secs = record_sections(frozen, None if window is None else tuple(window))
+        out = msgspec.structs.replace(report, **{k: secs.get(k) for k in RECORD_SECTIONS})
         if len(self._window_cache) > 32:
             self._window_cache.clear()
         self._window_cache[key] = out

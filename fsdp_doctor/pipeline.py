@@ -146,7 +146,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     report.comm = comm_summary(report.overlap, recorded_ag_waits(run))
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 
-    report.verdict = verdict(report, run)
+    report.verdict = verdict(report.overlap, run)
     skipped: list[str] = []
     if diagnosis:
         from .diagnose import diagnose

@@ -30,7 +30,7 @@ class _Section(msgspec.Struct, kw_only=True):
             return None
 
 
-class DoctorError(_Section):
+class SteppedAside(_Section):
     """The doctor stepped aside on a rank: where, why, at which step."""
 
     rank: int
@@ -58,7 +58,7 @@ class RunFacts(_Section):
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
-    doctor_errors: list[DoctorError] | UnsetType = UNSET  # the doctor stepped aside
+    doctor_errors: list[SteppedAside] | UnsetType = UNSET  # the doctor stepped aside
     steps_recorded: dict[str, int] = {}  # per rank
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly
 

@@ -91,7 +91,7 @@ def window_overlap_scalars(run, rank: int, paths: Iterable[Path]) -> dict[int, d
         w = load_window(str(p))
         if not hasattr(w, "calls"):
             continue  # unreadable: `fsdp-doctor analyze` names it
-        out.update(overlap_scalars(OverlapSection.of(trace_section(run, windows=[w])), rank))
+        out.update(overlap_scalars(trace_section(run, windows=[w]), rank))
     return out
 
 

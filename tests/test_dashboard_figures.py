@@ -15,8 +15,7 @@ from fsdp_doctor.dashboards import figures as F
 from fsdp_doctor.dashboards.pages import PAGES
 from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
 from fsdp_doctor.dashboards.state import RunState, steps_columns
-from fsdp_doctor.report_sections import (Finding, MemoryRank, MemorySection, Recommendation, Report, StepsSection,
-                                         Verdict)
+from fsdp_doctor.report_sections import (Finding, MemoryRank, MemorySection, OverlapSection, Recommendation, StepsSection, Verdict, VerdictEntry)
 from fsdp_doctor.store import load_run
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
@@ -614,7 +613,7 @@ def _known_verdict() -> Verdict:
                        allgather_bwd=1_000.0, reducescatter=500.0, host=1_000.0),
              "1": dict(window_us=8_000.0, compute=1_000.0, allgather_fwd=4_000.0, host=3_000.0)}
     per_rank = {r: {"steps": [6, 7], "device": "gpu"} for r in parts}
-    return Verdict.of(verdict({"overlap": {"breakdown": parts, "per_rank": per_rank}}))
+    return verdict(OverlapSection.of({"breakdown": parts, "per_rank": per_rank}))
 
 
 def test_verdict_bar_known_answers():
@@ -656,7 +655,7 @@ def test_verdict_bar_known_answers():
     one = F.verdict_figure(v, rank=1)
     assert list(one.data[0].y) == ["rank 1 · 4.00 ms", "job · 2 ranks"]
     assert F.verdict_figure(v, max_ranks=1).layout.title.text.startswith("Verdict: % of the step (trace), first 1 of 2 ranks")
-    assert _is_note(F.verdict_figure(None)) and _is_note(F.verdict_figure({"job": {}, "per_rank": {}}))
+    assert _is_note(F.verdict_figure(None)) and _is_note(F.verdict_figure(Verdict(job=VerdictEntry(bound="compute"))))
 
 
 def test_verdict_rows_count_the_ranks_not_shown():

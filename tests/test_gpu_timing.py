@@ -1,6 +1,5 @@
 """Device-side unit timings with CUDA events (skipped without a GPU)."""
 
-import os
 import subprocess
 import sys
 

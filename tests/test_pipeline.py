@@ -14,7 +14,6 @@ from rich.console import Console
 
 from fsdp_doctor.pipeline import build_report
 from fsdp_doctor.present.fmt import VERDICT_COLUMNS, comm_headline, fmt_bw, fmt_bytes, fmt_ms, verdict_headline, verdict_share
-from fsdp_doctor.present.html import render_html
 from fsdp_doctor.present.terminal import render_report
 from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import load_run
@@ -84,7 +83,7 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
     # the one exposed-communication figure, with its source, in the terminal and the HTML report
     comm = js["comm"]
     assert comm["source"] == "trace" and comm == msgspec.to_builtins(dash_report.comm)
-    head = comm_headline(comm)
+    head = comm_headline(cli_report.comm)
     assert fmt_ms(comm["exposed_ms_per_step"]) in head and "source: profiler trace, step 6" in head
     assert " ".join(head.split()) in " ".join(term.split())  # the terminal wraps it at 100 columns
     assert head in html.replace("&#x27;", "'")
@@ -108,7 +107,7 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
     v = js["verdict"]
     assert v == msgspec.to_builtins(cli_report.verdict) == msgspec.to_builtins(dash_report.verdict)
     assert v["job"]["bound"] == "compute" and v["job"]["source"] == "trace"
-    head = verdict_headline(v)
+    head = verdict_headline(cli_report.verdict)
     assert head == ("Verdict: compute-bound (42% of the step); then host (main thread between operators) 33%, "
                     "exposed reduce-scatter 15%")
     flat = " ".join(term.split())
@@ -119,9 +118,9 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
     for r, want in (("0", ["39.0", "22.5", "4.8", "4.3", "13.3", "0.0", "35.0", "3.5", "0.0"]),
                     ("1", ["44.1", "21.8", "1.9", "3.2", "16.7", "0.0", "31.7", "2.4", "0.0"]),
                     ("job", ["41.5", "22.1", "3.4", "3.8", "15.0", "0.0", "33.4", "3.0", "0.0"])):
-        entry = v["job"] if r == "job" else v["per_rank"][r]
+        entry = cli_report.verdict.job if r == "job" else cli_report.verdict.per_rank[r]
         assert [f"{verdict_share(entry, c):.1f}" for c in VERDICT_COLUMNS] == want
-        step = fmt_ms(entry["step_ms"]) if r != "job" else ""
+        step = fmt_ms(entry.step_ms) if r != "job" else ""
         line = next(ln for ln in term.splitlines() if ln.split()[:2] == [r, "compute"])
         assert line.split() == [r, "compute", *step.split(), *want]
         cells = "".join(f"<td>{x}</td>" for x in (step, *want))

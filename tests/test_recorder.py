@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,6 @@ PY = sys.executable
 
 
 def test_unit_snapshot_matches_analytic_sizes(recorded_run):
-    import torch
 
     from fsdp_doctor.workloads import WorkloadConfig, analytic_param_counts, build_model
 

@@ -50,3 +50,26 @@ def test_analyze_cli_writes_json(sample_run_path, tmp_path):
     rep = json.loads(out.read_text())
     assert rep["run"]["world_size"] == 2 and set(rep["steps"]["per_rank"]) == {"0", "1"}
     assert max(len(line) for line in res.stdout.splitlines()) <= 100  # fits a terminal
+
+
+def test_a_rank_where_the_doctor_stepped_aside_is_named_in_the_json_and_the_terminal(sample_run_path):
+    """The store keeps the error record; the report carries it typed and the terminal says it in one line."""
+    import io
+
+    from rich.console import Console
+
+    from fsdp_doctor.present.terminal import render_report
+    from fsdp_doctor.records import DoctorError
+    from fsdp_doctor.report_sections import Report
+
+    run = load_run(sample_run_path)
+    run.ranks[1].errors.append(DoctorError(rank=1, where="fsdp log tap", message="KeyError: 7", step=3))
+    rep = build_report(run)
+    (e,) = rep.run.doctor_errors
+    assert (e.rank, e.where, e.message, e.step) == (1, "fsdp log tap", "KeyError: 7", 3)
+    js = rep.to_builtins()
+    assert js["run"]["doctor_errors"] == [{"rank": 1, "where": "fsdp log tap", "message": "KeyError: 7", "step": 3}]
+    assert Report.of(json.loads(json.dumps(js))).run.doctor_errors == [e]
+    buf = io.StringIO()
+    render_report(rep, Console(file=buf, width=200, color_system=None))
+    assert "doctor stepped aside on rank 1 at step 3 (fsdp log tap): KeyError: 7" in buf.getvalue()

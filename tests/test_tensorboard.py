@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fsdp_doctor.present.tensorboard import export_tensorboard  # noqa: E402
 from fsdp_doctor.record.tensorboard import TensorBoardWriter  # noqa: E402
-from fsdp_doctor.records import CudaMemory, MemoryStep, ProfileWindow, StepRecord  # noqa: E402
+from fsdp_doctor.records import CudaMemory, MemoryStep, StepRecord  # noqa: E402
 from fsdp_doctor.store import load_run  # noqa: E402
 from fsdp_doctor.tensorboard_scalars import MIB, STEP_FIELDS  # noqa: E402
 from fsdp_doctor.trace import analyze_traces  # noqa: E402

@@ -9,7 +9,7 @@ from msgspec.structs import asdict
 from trace_fixtures import fsdp_gpu_trace, gloo_known_trace, gpu_known_trace
 
 from fsdp_doctor.analyze.verdict import GROUPS, verdict
-from fsdp_doctor.report_sections import Breakdown, Report
+from fsdp_doctor.report_sections import Breakdown, OverlapSection
 from fsdp_doctor.trace import analyze_traces, breakdown, build_window, find_trace_files, temporal_breakdown
 
 HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
@@ -98,7 +98,7 @@ def test_simulated_fsdp_traces(tmp_path, kw, parts, bound):
     result = _analyze(tmp_path, [fsdp_gpu_trace(**kw)])
     d = _bd(result)
     _check(d, **parts)
-    v = verdict(Report(overlap=result))
+    v = verdict(result)
     r0 = v.per_rank["0"]
     assert r0.bound == bound and r0.source == "trace" and r0.steps == 2
     assert r0.step_ms == pytest.approx(d["window_us"] / 2 / 1e3, abs=1e-3)
@@ -108,7 +108,7 @@ def test_simulated_fsdp_traces(tmp_path, kw, parts, bound):
 
 
 def test_ag_94pct_exposed_verdict_text(tmp_path):
-    v = verdict(Report(overlap=_analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)])))
+    v = verdict(_analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)]))
     r0 = v.per_rank["0"]
     assert r0.shares_pct["allgather_fwd"] == 94.0 and r0.groups_pct["communication"] == 94.0
     assert r0.summary == "communication-bound (94% of the step); then compute 6%"
@@ -118,7 +118,7 @@ def test_job_verdict_over_ranks(tmp_path):
     # rank 0 waits for all-gathers, rank 1 computes: the job sums both ranks' time
     result = _analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6, rank=0),
                                  fsdp_gpu_trace(units=4, ag_us=10, fwd_us=90, prefetch=True, rank=1)])
-    v = verdict(Report(overlap=result))
+    v = verdict(result)
     assert v.per_rank["0"].bound == "communication" and v.per_rank["1"].bound == "compute"
     assert v.job.ranks_by_bound == {"communication": [0], "compute": [1]}
     # (752 + 20) / (800 + 740) all-gather, (48 + 720) / 1540 compute
@@ -127,8 +127,8 @@ def test_job_verdict_over_ranks(tmp_path):
 
 
 def test_no_data_no_verdict():
-    assert verdict(Report()) is None
-    assert verdict({"overlap": {"breakdown": {"0": {"window_us": 0.0}}}}) is None  # a report's JSON form too
+    assert verdict(None) is None
+    assert verdict(OverlapSection.of({"breakdown": {"0": {"window_us": 0.0}}})) is None
 
 
 def test_one_list_of_breakdown_parts():
@@ -147,7 +147,7 @@ def test_verdict_from_records_of_a_real_run(recorded_run):
     from fsdp_doctor.analyze.steps import usable_steps
 
     run, _, _ = recorded_run
-    v = verdict(Report(), run)
+    v = verdict(None, run)
     assert set(v.per_rank) == {"0", "1"}
     for r, rv in v.per_rank.items():
         assert rv.source == "records"
@@ -193,10 +193,10 @@ def test_verdict_on_reference_traces_is_sensible(tmp_path):
     """Over the complete steps: v100_rank1_of_2 (HTA: 68% compute, 7.5% idle over its kernel span) is
     compute-bound; the DDP trace (HTA: 78% idle) has a GPU that mostly waits for the host; each verdict's
     shares add up to 100% of the steps' wall time."""
-    v = verdict(Report(overlap=analyze_traces(HTA_DIR / "v100_rank1_of_2"))).per_rank["1"]
+    v = verdict(analyze_traces(HTA_DIR / "v100_rank1_of_2")).per_rank["1"]
     assert v.bound == "compute" and 60 < v.groups_pct["compute"] < 85
-    v = verdict(Report(overlap=analyze_traces(HTA_DIR / "a100_ddp_allreduce_rank0"))).per_rank["0"]
+    v = verdict(analyze_traces(HTA_DIR / "a100_ddp_allreduce_rank0")).per_rank["0"]
     assert v.bound == "host" and v.groups_pct["host"] + v.groups_pct["idle"] > 70
     for folder in ("a100_sendrecv_2rank", "a100_rank3_of_8", "cpu_only_gloo", "amd_mi250"):
-        for rv in verdict(Report(overlap=analyze_traces(HTA_DIR / folder))).per_rank.values():
+        for rv in verdict(analyze_traces(HTA_DIR / folder)).per_rank.values():
             assert sum(rv.groups_pct.values()) == pytest.approx(100, abs=0.05)

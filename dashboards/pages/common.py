@@ -8,7 +8,6 @@ from typing import Any, Optional
 import dash_ag_grid as dag  # imported with the app: Dash refuses a component library first imported in a callback
 from dash import dcc, html
 
-from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
 from fsdp_doctor.present.fmt import fmt_value as _fmt_value
 
 from ..figures import unit_label

@@ -7,7 +7,7 @@ import statistics
 
 import msgspec
 
-from ..report_sections import OverlapSection, RunFacts, UnitRow, UnitTiming
+from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
 from .steps import usable_steps
 
@@ -27,7 +27,7 @@ def run_facts(run: Run) -> RunFacts:
             tokens_per_step=cfg.tokens_per_step)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
-    errs = [DoctorError(rank=e.rank, where=e.where, message=e.message, step=e.step)
+    errs = [SteppedAside(rank=e.rank, where=e.where, message=e.message, step=e.step)
             for rd in run.ranks.values() for e in rd.errors]
     if errs:
         facts.doctor_errors = errs

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..report_sections import OverlapSection, Report, Verdict, VerdictEntry
+from ..report_sections import OverlapSection, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from .steps import usable_steps
@@ -112,12 +112,12 @@ def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
     return out
 
 
-def verdict(report: Report | dict, run: Optional[Run] = None) -> Optional[Verdict]:
-    """The :class:`~fsdp_doctor.report_sections.Verdict` of a report (or its JSON form) and its run, per rank and
-    for the job (see the module docstring), or None without any data. Of the report only ``overlap`` is read."""
+def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Optional[Verdict]:
+    """The :class:`~fsdp_doctor.report_sections.Verdict` from the report's ``overlap`` section (the traces) and
+    the run's records, per rank and for the job (see the module docstring), or None without any data."""
     per_rank: dict[str, VerdictEntry] = {}
     used: dict[str, tuple[dict, float]] = {}
-    for r, (parts, total, n, dev) in _trace_parts(Report.of(report).overlap).items():
+    for r, (parts, total, n, dev) in _trace_parts(overlap).items():
         per_rank[r] = _entry(parts, total, n, "trace", dev)
         used[r] = (parts, total)
     if run is not None and run.has_records:

@@ -67,8 +67,8 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
 
 def run_facts(run: RunFacts) -> list[str]:
     """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions
-    (``run``: ``report.run``, or its JSON form)."""
-    r = RunFacts.of(run) if run else None
+    (``run``: ``report.run``)."""
+    r = run
     facts = []
     if r is None:
         return facts
@@ -84,17 +84,11 @@ def run_facts(run: RunFacts) -> list[str]:
     return facts
 
 
-def as_findings(items) -> list[Finding]:
-    """``report.findings`` as :class:`~fsdp_doctor.report_sections.Finding` items, from the findings or their JSON
-    form."""
-    return [Finding.of(f) for f in items or ()]
-
-
 def findings_headline(items: list[Finding]) -> str:
     """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
     if not items:
         return "Healthy: no findings."
-    n = {sev: sum(f.severity == sev for f in as_findings(items)) for sev in ("critical", "warning", "info")}
+    n = {sev: sum(f.severity == sev for f in items) for sev in ("critical", "warning", "info")}
     if not n["critical"] and not n["warning"]:
         return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
     parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
@@ -118,8 +112,8 @@ def predicted_text(pred) -> str:
 
 def comm_headline(comm: CommSummary | None) -> str | None:
     """The report's one exposed-communication figure with its source, the same text in every presenter
-    (``comm``: ``report.comm``, or its JSON form)."""
-    c = CommSummary.of(comm) if comm else None
+    (``comm``: ``report.comm``)."""
+    c = comm
     if c is None or c.exposed_ms_per_step is None:
         return None
     txt = f"Exposed communication: {fmt_ms(c.exposed_ms_per_step)} per step"
@@ -143,23 +137,20 @@ VERDICT_MAX_RANKS = 8  # ranks listed one by one; the rest are counted
 
 
 def verdict_share(entry: VerdictEntry, column: str) -> float:
-    """% of the step in ``column`` (a key of VERDICT_PARTS) for one verdict entry (a rank or the job; or its JSON
-    form)."""
-    e = VerdictEntry.of(entry)
-    sh = e.shares_pct if e is not None else {}
+    """% of the step in ``column`` (a key of VERDICT_PARTS) for one verdict entry (a rank or the job)."""
+    sh = entry.shares_pct if entry is not None else {}
     return sum(sh.get(k, 0.0) for k in VERDICT_PARTS[column])
 
 
 def verdict_headline(section: Verdict, rank=None) -> str:
-    """The verdict's sentence: the job's (or, with ``rank``, that rank's) summary (``section``: ``report.verdict``,
-    or its JSON form)."""
-    v = Verdict.of(section)
+    """The verdict's sentence: the job's (or, with ``rank``, that rank's) summary (``section``: ``report.verdict``)."""
+    v = section
     entry = v.per_rank.get(str(rank)) if rank is not None else None
     return f"Verdict, rank {rank}: {entry.summary}" if entry is not None else f"Verdict: {v.job.summary}"
 
 
 def verdict_title(section: Verdict) -> str:
-    return f"Verdict: % of the step ({Verdict.of(section).job.source})"
+    return f"Verdict: % of the step ({section.job.source})"
 
 
 VERDICT_HEADER = ("rank", "bound", "step", *VERDICT_COLUMNS)
@@ -172,7 +163,7 @@ def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[t
         return (name, v.bound, fmt_ms(v.step_ms) if v.step_ms is not None else "",
                 *(f"{verdict_share(v, c):.1f}" for c in VERDICT_COLUMNS))
 
-    sec = Verdict.of(section)
+    sec = section
     ranks = list(sec.per_rank.items())
     out = [row(str(r), v) for r, v in ranks[:max_ranks]]
     if len(ranks) > max_ranks:

@@ -27,8 +27,8 @@ def _where(at: MemoryPeakAt) -> str:
 
 def render_memory(section: MemorySection):
     """Per rank: peak, where it happened, and each category in MiB/GiB with its share of the peak (``section``:
-    ``report.memory``, or its JSON form)."""
-    sec = MemorySection.of(section) if section else None
+    ``report.memory``)."""
+    sec = section
     per_rank = sec.per_rank if sec is not None else {}
     if not per_rank:
         return Text("No memory measurements.")

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
                                UnitRow, Verdict)
-from .fmt import (MISSING, VERDICT_HEADER, as_findings, as_unit_row, comm_headline, findings_headline, fmt_ms,
+from .fmt import (MISSING, VERDICT_HEADER, as_unit_row, comm_headline, findings_headline, fmt_ms,
                   fmt_unit_figures, fmt_value, predicted_text, run_facts, unit_label, verdict_headline, verdict_rows,
                   verdict_title)
 
@@ -44,8 +44,8 @@ def render_verdict(section: Verdict):
 
 
 def render_steps(section: StepsSection):
-    """``section``: ``report.steps`` (or its JSON form)."""
-    sec = StepsSection.of(section) or StepsSection()
+    """``section``: ``report.steps``."""
+    sec = section or StepsSection()
     t = Table(title="Step time per rank, ms (steady state: first step and profiled steps excluded)",
               box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC"):
@@ -74,8 +74,8 @@ def render_steps(section: StepsSection):
 
 
 def render_throughput(section: ThroughputSection):
-    """``section``: ``report.throughput`` (or its JSON form); a figure not known is "—"."""
-    sec = ThroughputSection.of(section) or ThroughputSection()
+    """``section``: ``report.throughput``; a figure not known is "—"."""
+    sec = section or ThroughputSection()
     t = Table(title="Throughput", box=box.SIMPLE_HEAD, title_justify="left")
     for col in ("rank", "tokens/s", "TFLOP/s", "MFU"):
         t.add_column(col, justify="right", no_wrap=True)
@@ -118,7 +118,6 @@ def _num(x) -> str:
 
 def render_findings(findings: list[Finding]):
     """``findings``: ``report.findings`` (or their JSON form), each with its evidence, fix and expected gain."""
-    findings = as_findings(findings)
     head = findings_headline(findings)
     if not findings:
         return Text(head, style="green")
