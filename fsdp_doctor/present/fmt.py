@@ -7,7 +7,6 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
-import msgspec
 
 from ..report_sections import CommSummary, Finding, RunFacts, UnitRow, Verdict, VerdictEntry
 from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us  # noqa: F401  (re-exported)
@@ -25,15 +24,8 @@ def unit_label(name) -> str:
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)
 
 
-def as_unit_row(u) -> UnitRow:
-    """A unit-table row as :class:`~fsdp_doctor.report_sections.UnitRow`, from the row or its JSON form (a field
-    every snapshot writes, where missing, reads as ``UnitConfig.READER_DEFAULTS`` says)."""
-    return u if isinstance(u, UnitRow) else msgspec.convert({**UnitRow.READER_DEFAULTS, **u}, UnitRow)
-
-
 def fmt_unit_figures(u: UnitRow) -> tuple[str, str, str, str]:
     """(params, shard, gathered, reshard) of a unit-table row; ``unknown`` where the record has None."""
-    u = as_unit_row(u)
     pc, raf = u.param_count, u.reshard_after_forward
     return (UNKNOWN if pc is None else f"{pc / 1e6:.2f} M",
             *(UNKNOWN if b is None else fmt_bytes(b) for b in (u.sharded_bytes, u.unsharded_bytes)),

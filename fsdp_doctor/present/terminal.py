@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
                                UnitRow, Verdict)
-from .fmt import (MISSING, VERDICT_HEADER, as_unit_row, comm_headline, findings_headline, fmt_ms,
+from .fmt import (MISSING, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
                   fmt_unit_figures, fmt_value, predicted_text, run_facts, unit_label, verdict_headline, verdict_rows,
                   verdict_title)
 
@@ -95,7 +95,6 @@ def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]
 
 def render_units(units: list[UnitRow]):
     """``units``: ``report.units`` (or their JSON form); each unit's own times, "—" where not timed."""
-    units = [as_unit_row(u) for u in units]
     t = Table(title=f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
                     "excluded)", box=box.SIMPLE_HEAD, title_justify="left")
     t.add_column("unit", justify="left", min_width=12, max_width=26, overflow="fold")
