@@ -25,7 +25,10 @@ def test_report_shape_and_step_stats(sample_run_path):
     for f in rep.findings:
         assert f.severity in ("info", "warning", "critical")
         assert set(f.as_dict()) >= {"code", "severity", "title", "evidence", "recommendation"}
-    json.dumps(rep.to_builtins())  # one JSON document
+    js = json.loads(json.dumps(rep.to_builtins()))  # one JSON document
+    from fsdp_doctor.report_sections import Report
+
+    assert Report.of(js) == rep  # ... that reads back into the same typed report, every section whole
 
 
 def test_gloo_collective_sizes_come_from_the_unit_snapshot(sample_run_path):

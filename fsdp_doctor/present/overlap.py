@@ -84,7 +84,7 @@ def _unit_table(rows: list[CommUnitRow], top: int) -> Table:
 
 
 def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped: bool = True):
-    """A rich renderable of ``report.overlap`` (or its JSON form, e.g. ``analyze_traces``'s result): per-rank
+    """A rich renderable of ``report.overlap`` or ``analyze_traces``' result (or its JSON form): per-rank
     overlap table, per-unit table (worst exposure first), skipped files (unless ``skipped=False``: the full report
     lists them once among its problems)."""
     sec = OverlapSection.of(section) or OverlapSection()

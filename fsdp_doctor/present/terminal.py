@@ -94,7 +94,7 @@ def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]
 
 
 def render_units(units: list[UnitRow]):
-    """``units``: ``report.units`` (or their JSON form); each unit's own times, "—" where not timed."""
+    """``units``: ``report.units``; each unit's own times, "—" where not timed."""
     t = Table(title=f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
                     "excluded)", box=box.SIMPLE_HEAD, title_justify="left")
     t.add_column("unit", justify="left", min_width=12, max_width=26, overflow="fold")
@@ -116,7 +116,7 @@ def _num(x) -> str:
 
 
 def render_findings(findings: list[Finding]):
-    """``findings``: ``report.findings`` (or their JSON form), each with its evidence, fix and expected gain."""
+    """``findings``: ``report.findings``, each with its evidence, fix and expected gain."""
     head = findings_headline(findings)
     if not findings:
         return Text(head, style="green")
