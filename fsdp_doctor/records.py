@@ -68,6 +68,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     checkpoint: str = "none"  # "none" | "unit" (AC wraps the unit) | "children" | "partial"
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
+    # the unit runs inside a frame compiled in place (``module.compile()``): the doctor's hooks return at once
+    # there (no graph break), so the unit's timings are not recorded
+    compiled_in_place: bool = False
     parent: str | None = None  # name of the enclosing unit
 
     #: what a reader assumes for the fields every snapshot writes, where a report row lacks one or has None

@@ -22,14 +22,14 @@ DIM, HIDDEN, LAYERS, STEPS = 64, 256, 3, 5
 class Block(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
-        self.mode = mode  # "children" | "block" | "none"
+        self.mode = mode  # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo)
         self.norm = nn.LayerNorm(DIM)
         self.attn = nn.Linear(DIM, DIM)
         self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
 
     def forward(self, x):
         h = x + self.attn(self.norm(x))
-        if self.mode == "children":
+        if self.mode in ("children", "compiled"):
             return h + checkpoint(self.mlp, h, use_reentrant=False)
         return h + self.mlp(h)
 
@@ -51,12 +51,18 @@ def run(mode: str, watched: bool) -> dict:
     torch.manual_seed(0)
     model = Model(mode)
     for layer in model.layers:
+        if mode == "compiled":
+            layer.compile(backend="eager")  # Dynamo without a C++ toolchain
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
     ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
     doctor = ctx.__enter__() if ctx else None
+    global_hooks = len(torch.nn.modules.module._global_forward_pre_hooks)  # the doctor's checkpoint watch
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     losses = []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
@@ -70,11 +76,12 @@ def run(mode: str, watched: bool) -> dict:
             if step == 0:  # the watch for functional checkpointing ends with the first step
                 hooks_left = len(torch.nn.modules.module._global_forward_pre_hooks)
         losses.append(loss.item())
-    res = {"losses": losses}
+    res = {"losses": losses, "graph_breaks": sum(counters["graph_break"].values())}
     if ctx:
         ctx.__exit__(None, None, None)
         run_ = fsdp_doctor.load_run(out)
         res["checkpoint"] = {u.name: u.checkpoint for u in run_.config.units}
+        res["compiled_in_place"] = [u.name for u in run_.config.units if u.compiled_in_place]
         steps = run_.ranks[0].steps[1:]  # the first step watched; the others are timed
         res["recompute_ms"] = {u.name: [next(x for x in s.units if x.name == u.name).recompute_ms for s in steps]
                                for u in run_.config.units}
@@ -83,6 +90,7 @@ def run(mode: str, watched: bool) -> dict:
         res["errors"] = [e.message for e in run_.ranks[0].errors]
         res["global_hooks_after_first_step"] = hooks_left
         res["out_dir"] = out
+        res["global_hooks_at_entry"] = global_hooks
     return res
 
 
@@ -91,9 +99,10 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     out = {}
-    for mode in sys.argv[1:] or ["children", "block", "none"]:
+    for mode in sys.argv[1:] or ["children", "block", "none", "compiled"]:
         out[mode] = run(mode, watched=True)
-        out[mode]["plain_losses"] = run(mode, watched=False)["losses"]
+        plain = run(mode, watched=False)
+        out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]
     dist.destroy_process_group()
     print(json.dumps(out))
 

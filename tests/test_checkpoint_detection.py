@@ -29,7 +29,7 @@ def test_functional_checkpoint_of_a_submodule_reads_children_and_its_recompute_i
     for i in range(3):  # every timed step re-ran the MLP in backward
         assert all(ms > 0 for ms in c["recompute_ms"][f"layers.{i}"])
     assert c["recompute_ms"][""] == [0.0] * 4
-    assert c["global_hooks_after_first_step"] == 0  # the watch is gone after the first step
+    assert c["global_hooks_at_entry"] == 1 and c["global_hooks_after_first_step"] == 0  # the watch: first step only
 
 
 def test_checkpointing_the_whole_unit_still_reads_unit_and_nothing_reads_none(cases):
@@ -37,6 +37,25 @@ def test_checkpointing_the_whole_unit_still_reads_unit_and_nothing_reads_none(ca
     assert cases["block"]["checkpoint"][""] == "none"
     assert all(v == "none" for v in cases["none"]["checkpoint"].values())
     assert all(ms == 0.0 for v in cases["none"]["recompute_ms"].values() for ms in v)
+
+
+def test_blocks_compiled_in_place_get_no_graph_break_and_their_timings_read_unknown(cases):
+    """``block.compile()`` runs the block's hooks in the compiled frame: Dynamo would trace the doctor's hooks (and
+    the checkpoint watch's global hook) as graph breaks that outlive them. The doctor's hooks return at once there,
+    and the report says the timings it could not take instead of showing zeros."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.pipeline import build_report
+
+    c = cases["compiled"]
+    assert c["errors"] == [] and c["global_hooks_at_entry"] == 0
+    assert c["graph_breaks"] == c["plain_graph_breaks"] == 0 and c["losses"] == c["plain_losses"]
+    assert c["compiled_in_place"] == ["layers.0", "layers.1", "layers.2"]
+    rep = build_report(load_run(c["out_dir"]))
+    units = {u.name: u for u in rep.units}
+    assert all(not units[f"layers.{i}"].timing_p50 for i in range(3))  # no figure, not a measured zero
+    root = units[""].timing_p50
+    assert root.fwd_ms > 0 and root.fwd_self_ms is None and root.bwd_self_ms is None
+    assert any("compiled in place with module.compile() (layers.0, layers.1, layers.2)" in p for p in rep.problems)
 
 
 @pytest.mark.parametrize("mode", ["children", "block", "none"])

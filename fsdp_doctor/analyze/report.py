@@ -64,12 +64,15 @@ def unit_table(run: Run) -> list[UnitRow]:
                 t["fwd_self_ms"].append(max(0.0, u.fwd_ms - sum(c.fwd_ms for c in kids)))
                 if u.bwd_ms > 0 or not kids:
                     t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids)))
+    blind = {u.name for u in cfg.units if u.compiled_in_place}  # the doctor's hooks stay out of a compiled frame
     out = []
     for u in cfg.units:
         row = UnitRow(**msgspec.structs.asdict(u))
-        t = timings.get(u.name)
+        t = timings.get(u.name) if u.name not in blind else None
         if t:
             row.timing_p50 = UnitTiming(**{k: round(statistics.median(v), 3) for k, v in t.items() if v})
+            if blind & set(children.get(u.name, ())):  # a nested unit's time unknown: so is this one's own
+                row.timing_p50.fwd_self_ms = row.timing_p50.bwd_self_ms = None
         out.append(row)
     return out
 

@@ -43,6 +43,9 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     for idx in runtime_checkpointed:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "unit"
+    in_place = _compiled_in_place(model, units)
+    for idx in in_place:
+        unit_cfgs[idx].compiled_in_place = True
     for idx in runtime_checkpointed_children:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "children"
@@ -52,6 +55,12 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         if consistency:
             log.warning("fsdp_doctor: %s", consistency)
     unavailable = F2.problems() + ([consistency] if consistency else [])
+    if in_place:
+        names = ", ".join(unit_cfgs[i].name or "(root)" for i in in_place[:4]) + (" ..." if len(in_place) > 4 else "")
+        unavailable.append(
+            f"{len(in_place)} unit(s) compiled in place with module.compile() ({names}): the doctor's hooks stay out "
+            "of the compiled frame, so these units' timings are not recorded; torch.compile(module) as a wrapper "
+            "(torchtitan's way) keeps them")
     return RunConfig(
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
         torch_version=str(torch.__version__),
@@ -89,3 +98,10 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
                 lt = getattr(p, "_local_tensor", p)
                 nbytes += lt.numel() * lt.element_size()
     return n, foreign, nbytes
+
+
+def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:
+    """Units whose modules run inside a frame compiled in place (``m.compile()`` on them or on an ancestor)."""
+    inside = {id(x) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None
+              for x in m.modules()}
+    return [i for i, u in enumerate(units) if any(id(m) in inside for m in u.modules)]

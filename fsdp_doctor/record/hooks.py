@@ -35,6 +35,11 @@ from .units import Unit, checkpointed_modules, label_to_index
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
+# Inside a region Dynamo traces (a module compiled in place with ``module.compile()`` runs its hooks, and the
+# hooks of the modules it calls, in the compiled frame) every hook returns at once: Dynamo folds the check to a
+# constant, so the hook leaves no graph break and no host call in the graph. Those modules' own timings are then
+# not recorded (the run's configuration says which units were compiled).
+_compiling = torch.compiler.is_compiling
 
 
 class MarkSink(Protocol):
@@ -107,7 +112,7 @@ class StepTimer:
             for inner in checkpointed_modules(u, self._units):
                 h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
                 h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
-        self._watch_children()
+        self._watch_children(model)
         h.append(model.register_forward_pre_hook(self._model_pre, prepend=True))
         h.append(model.register_forward_hook(self._model_post))
         if optimizer is not None:
@@ -145,7 +150,7 @@ class StepTimer:
         now, enabled = _now, lg.isEnabledFor
 
         def debug(msg, *args, **kwargs):
-            if self.active:
+            if self.active and not _compiling():
                 label = args[0] if args and msg == "%s" else msg
                 if isinstance(label, str) and label.startswith("FSDP::"):
                     try:
@@ -161,7 +166,7 @@ class StepTimer:
 
     def _mk(self, fn, idx):
         def hook(module, *args):
-            if self.active:
+            if self.active and not _compiling():
                 try:
                     fn(idx, args)
                 except Exception as e:  # noqa: BLE001
@@ -182,7 +187,11 @@ class StepTimer:
     # (``end_child_watch``, at the configuration snapshot); the outermost submodules seen then get recompute
     # hooks like a CheckpointWrapper's inner module, and the unit's ``checkpoint`` reads "children".
 
-    def _watch_children(self) -> None:
+    def _watch_children(self, model: nn.Module) -> None:
+        if _any_compiled(model.modules()):
+            # Dynamo traces a global hook into the compiled graph as a graph break, kept after the hook is gone:
+            # the watch would slow a compiled model for the whole run. Its recompute is inside the graph anyway.
+            return
         for idx, u in enumerate(self._units):
             if checkpointed_modules(u, self._units):  # a CheckpointWrapper inside: already timed
                 continue
@@ -342,7 +351,7 @@ class StepTimer:
         acc = self._acc[idx]
 
         def grad_hook(grad):
-            if self.active and not acc.grad_seen:
+            if self.active and not acc.grad_seen and not _compiling():
                 acc.grad_seen = True
                 try:
                     self._on_unit_grad(idx)
@@ -419,13 +428,13 @@ class StepTimer:
                 self.marks.mark(self._units[idx].name, "backward_end")
 
     def _model_pre(self, module, args):
-        if self.active and not self._in_backward():
+        if self.active and not _compiling() and not self._in_backward():
             self._fwd_start = _now()
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
     def _model_post(self, module, args, output):
-        if self.active and not self._in_backward() and self._fwd_start:
+        if self.active and not _compiling() and not self._in_backward() and self._fwd_start:
             self._forward_ns += _now() - self._fwd_start
             self._fwd_start = 0
 
@@ -474,6 +483,12 @@ class StepTimer:
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""
         self._unit_of_label = label_to_index(self._units)
+
+
+def _any_compiled(modules) -> bool:
+    """Whether a module was compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+               for m in modules)
 
 
 def _ms(ns: int) -> float:
