@@ -13,7 +13,8 @@ import torch.nn as nn
 from ..records import RunConfig
 from . import fsdp2 as F2
 from .throughput import device_peak_tflops
-from .units import Unit, consistency_problem, snapshot_units, unmanaged_param_bytes, unmanaged_summary
+from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
+                    unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 
@@ -26,8 +27,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
-    (``checkpoint(self.mlp, h)`` inside the unit's forward); ``consistency``: the first snapshot's check ("" when it passed; None:
-    not run yet, run and logged now)."""
+    (``checkpoint(self.mlp, h)`` inside the unit's forward); ``consistency``: the first snapshot's check ("" when
+    it passed; None: not run yet, run and logged now)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model)
@@ -43,12 +44,12 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     for idx in runtime_checkpointed:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "unit"
-    in_place = _compiled_in_place(model, units)
-    for idx in in_place:
-        unit_cfgs[idx].compiled_in_place = True
     for idx in runtime_checkpointed_children:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "children"
+    in_place = _compiled_in_place(model, units)
+    for idx in in_place:
+        unit_cfgs[idx].compiled_in_place = True
     _, ign_names, ign_bytes = unmanaged_summary(model, units)
     if consistency is None:
         consistency = consistency_problem(model, units, unit_cfgs) or ""
@@ -102,6 +103,5 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:
     """Units whose modules run inside a frame compiled in place (``m.compile()`` on them or on an ancestor)."""
-    inside = {id(x) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None
-              for x in m.modules()}
+    inside = {id(x) for m in model.modules() if compiled_in_place(m) for x in m.modules()}
     return [i for i, u in enumerate(units) if any(id(m) in inside for m in u.modules)]

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..records import UnitStep
 from . import fsdp2 as F2
-from .units import Unit, checkpointed_modules, label_to_index
+from .units import Unit, checkpointed_modules, compiled_in_place, label_to_index
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -237,19 +237,17 @@ class StepTimer:
         self._child_seen.clear()
 
     def _child_pre(self, idx, args):
-        a = self._acc[idx]
+        """In backward the submodule's recompute; in forward its forward time (the recompute's stand-in when
+        a non-reentrant re-run stops early)."""
         if self._in_backward():
-            a.t_recompute = _now()
-            a.recompute_runs += 1
+            self._recompute_pre(idx, args)
         else:
-            a.t_child = _now()
+            self._acc[idx].t_child = _now()
 
     def _child_post(self, idx, args):
         a = self._acc[idx]
         if self._in_backward():
-            if a.t_recompute:
-                a.recompute += _now() - a.t_recompute
-                a.t_recompute = 0
+            self._recompute_post(idx, args)
         elif a.t_child:
             a.child_fwd += _now() - a.t_child
             a.t_child = 0
@@ -487,8 +485,7 @@ class StepTimer:
 
 def _any_compiled(modules) -> bool:
     """Whether a module was compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
-               for m in modules)
+    return any(compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in modules)
 
 
 def _ms(ns: int) -> float:

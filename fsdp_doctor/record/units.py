@@ -122,6 +122,11 @@ def _checkpoint_kind(unit: Unit, all_units: list[Unit]) -> str:
     return "children" if found else "none"
 
 
+def compiled_in_place(module: nn.Module) -> bool:
+    """``module.compile()`` was called: its calls, hooks included, run in a compiled frame."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
     """The modules activation checkpointing re-runs during backward for this unit: the inner module of
     every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""

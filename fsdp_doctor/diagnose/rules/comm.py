@@ -100,6 +100,16 @@ class TraceRule(Rule):
         self.why_quiet = why
         return []
 
+    def gpu_calls(self, ctx: Context, collective: str, label: str):
+        """(rows, step ms) of ``collective`` in a GPU trace, or None after saying why the rule stays quiet."""
+        rows, step = E.trace_rows(ctx, collective), trace_step_ms(ctx)
+        why = (_GLOO_QUIET if trace_device(ctx) != "gpu" else f"no {label} in the trace" if not rows
+               else "no step time" if not step else "")
+        if why:
+            self.quiet(why)
+            return None
+        return rows, step
+
 
 def reshard_snippet(ctx: Context, unit_names, kwargs: str = "", prelude: tuple[str, ...] = (),
                     comment: str = "each an FSDP unit") -> str:
@@ -148,12 +158,10 @@ class ExposedReduceScatter(TraceRule):
     description = "Gradient reduce-scatters that no backward compute hides, mostly those of the last units."
 
     def match(self, ctx: Context):
-        if trace_device(ctx) != "gpu":
-            return self.quiet(_GLOO_QUIET)
-        rows = E.trace_rows(ctx, "reduce_scatter")
-        step = trace_step_ms(ctx)
-        if not rows or not step:
-            return self.quiet("no reduce-scatter in the trace" if not rows else "no step time")
+        got = self.gpu_calls(ctx, "reduce_scatter", "reduce-scatter")
+        if got is None:
+            return []
+        rows, step = got
         by_unit: dict[str, list[float]] = {}
         for r in rows:
             by_unit.setdefault(r.unit, []).append(r.exposed_ms_per_step)
@@ -270,12 +278,10 @@ class SmallCollectives(TraceRule):
     description = "Too-fine wrapping seen in the trace: many all-gathers of small messages per step."
 
     def match(self, ctx: Context):
-        if trace_device(ctx) != "gpu":
-            return self.quiet(_GLOO_QUIET)
-        rows = E.trace_rows(ctx, "all_gather")
-        step = trace_step_ms(ctx)
-        if not rows or not step:
-            return self.quiet("no all-gather in the trace" if not rows else "no step time")
+        got = self.gpu_calls(ctx, "all_gather", "all-gather")
+        if got is None:
+            return []
+        rows, step = got
         sized = [r for r in rows if r.bytes_per_call]
         if not sized:
             return self.quiet("the trace has no message sizes (NCCL args 'In msg nelems' / 'dtype')")
