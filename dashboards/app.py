@@ -31,7 +31,7 @@ def _rank_options(snap) -> list[dict]:
 
 
 def _unit_options(snap) -> list[dict]:
-    from .figures import unit_label
+    from fsdp_doctor.present.figures import unit_label
 
     names = [u.name for u in snap.report.units or []]
     ov = snap.report.overlap

@@ -31,7 +31,7 @@ def test_unit_defaults_come_from_unitconfig():
 
 def test_memory_categories_once():
     """Every presenter's category order and colours are the one table's."""
-    from dashboards import figures
+    from fsdp_doctor.present import figures
     from fsdp_doctor.analyze import memory as analyze_memory
     from fsdp_doctor.present import html
     from fsdp_doctor.record import memory as record_memory

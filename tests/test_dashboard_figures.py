@@ -11,7 +11,7 @@ import msgspec
 import plotly.graph_objects as go
 import pytest
 
-from fsdp_doctor.dashboards import figures as F
+from fsdp_doctor.present import figures as F
 from fsdp_doctor.dashboards.pages import PAGES
 from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
 from fsdp_doctor.dashboards.state import RunState, steps_columns

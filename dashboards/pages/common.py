@@ -10,7 +10,7 @@ from dash import dcc, html
 
 from fsdp_doctor.present.fmt import fmt_value as _fmt_value
 
-from ..figures import unit_label
+from fsdp_doctor.present.figures import unit_label
 
 ALL = "__all__"
 ROOT = "(root)"  # the root unit's name is "", which a dropdown cannot hold (no module path has parentheses)

@@ -10,7 +10,7 @@ from fsdp_doctor.memory_categories import label
 from fsdp_doctor.present.fmt import fmt_bytes
 from fsdp_doctor.report_sections import MemoryRank, MemorySection
 
-from .. import figures as F
+from fsdp_doctor.present import figures as F
 from .common import Filters, graph, grid, kpi, note, section, table
 from dash import html
 

@@ -13,7 +13,7 @@ from msgspec import UNSET
 from fsdp_doctor.present.fmt import VERDICT_HEADER, fmt_bytes, fmt_ms, verdict_headline, verdict_rows
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
-from ..figures import unit_label, verdict_figure
+from fsdp_doctor.present.figures import unit_label, verdict_figure
 from ..state import RECORD_SECTIONS
 from .common import Filters, fmt_value, graph, kpi, note, section
 

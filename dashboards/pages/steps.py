@@ -8,7 +8,7 @@ from dash import html
 from fsdp_doctor.present.fmt import fmt_ms
 from fsdp_doctor.report_sections import StepsSection
 
-from .. import figures as F
+from fsdp_doctor.present import figures as F
 from .common import Filters, graph, grid, note, section, table
 
 

@@ -7,7 +7,7 @@ from dash import Input, Output, no_update
 from fsdp_doctor.present.fmt import UNKNOWN, fmt_ms, fmt_unit_figures
 from fsdp_doctor.report_sections import UnitRow
 
-from .. import figures as F
+from fsdp_doctor.present import figures as F
 from .common import Filters, graph, note, section, table, unit_value
 
 TIMING_COLUMNS = (("fwd", "fwd_ms"), ("agf", "ag_wait_fwd_ms"), ("bwd", "bwd_ms"), ("agb", "ag_wait_bwd_ms"),

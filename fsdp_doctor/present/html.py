@@ -328,7 +328,7 @@ def _verdict_table(section: Verdict) -> str:
 def _verdict(section: Verdict, first: bool) -> tuple[str, bool]:
     """What bounds the step, first: the sentence, the shares as a bar per rank and the job, and the table.
     Returns the HTML and whether it drew a figure (plotly.js goes with the first one)."""
-    from ..dashboards.figures import verdict_figure  # the dashboard's builder: one bar, one palette
+    from .figures import verdict_figure  # the dashboard's builder too: one bar, one palette
 
     out = f"<div class='verdict' id='verdict'>{_esc(verdict_headline(section))}</div>"
     try:
