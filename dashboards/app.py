@@ -18,6 +18,7 @@ from typing import Optional
 
 from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 
+from . import guard
 from .pages import PAGES, page_key
 from .pages.common import ALL, Query, unit_value
 from .state import RunState
@@ -57,6 +58,10 @@ def _marks(lo: int, hi: int) -> dict:
 
 
 def _status(snap) -> str:
+    return _run_status(snap) + (f" · reloaded: {snap.notice}" if snap.notice else "")
+
+
+def _run_status(snap) -> str:
     run = snap.report.run
     if not snap.has_records:
         if snap.windows:
@@ -76,7 +81,10 @@ def _nav(app: Dash, pathname: Optional[str], search: Optional[str]) -> list:
             for key, (label, _) in PAGES.items()]
 
 
-def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int = POLL_MS) -> Dash:
+def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int = POLL_MS,
+               host: str = "127.0.0.1") -> Dash:
+    """The app over ``path``; ``host`` is the address it will be bound to (the ``Host:`` headers it accepts,
+    :mod:`fsdp_doctor.dashboards.guard`)."""
     path = Path(path)
     state = state or RunState(path)
     app = Dash(__name__, title=f"fsdp-doctor · {path.name or path}", suppress_callback_exceptions=True,
@@ -187,13 +195,17 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
         flt = Query.parse(search).filters(lo, hi)
         _, mod = PAGES[page_key(app.strip_relative_path(pathname or "/"))]
         try:
-            return mod.layout(snap, flt)
+            out = list(mod.layout(snap, flt))
         except Exception as e:  # noqa: BLE001  (a presenter bug must not blank the whole app)
-            return html.Div(f"This page could not be drawn ({type(e).__name__}: {e}).", className="note note-error")
+            out = [html.Div(f"This page could not be drawn ({type(e).__name__}: {e}).", className="note note-error")]
+        if snap.notice:  # the run was replaced: say so on every page
+            out.insert(0, html.Div(f"Reloaded: {snap.notice}.", className="note note-warning", id="reload-note"))
+        return out
 
     for _, mod in PAGES.values():
         if hasattr(mod, "register"):
             mod.register(app)
+    guard.install(app, guard.allowed_hosts(host), lambda: state.version, cached_outputs=("page.children", "nav.children"))
     return app
 
 
@@ -212,7 +224,7 @@ def serve(path: Path | str, host: str = "127.0.0.1", port: int = 8050) -> int:
     if not state.snapshot().has_records:
         print(f"fsdp-doctor: {path}: no fsdp-doctor records (rank*.records.jsonl) yet; the dashboard shows the "
               "run as soon as they appear", file=sys.stderr)
-    app = create_app(path, state=state)
+    app = create_app(path, state=state, host=host)
     import logging
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per poll request in the terminal

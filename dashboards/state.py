@@ -7,12 +7,19 @@ decoded trace windows, which are cached per trace file: each profiler window is 
 thread, and only the cheap combination is redone). Every change bumps ``version``;
 pages are re-rendered only when it changes.
 
+A run directory holds one run, but the run in it may be replaced while it is followed (``fsdp-doctor demo
+--overwrite`` removes the old run's files and writes a new one; a stream may be truncated or swapped). Each
+refresh compares the manifest's bytes and each stream's identity (device, inode, first line, size never
+shrinking) with what was read: on any difference everything read so far is dropped, the directory is read
+from scratch, and the snapshot's ``notice`` says what happened and when.
+
 Nothing here analyses anything: it calls the analyses and keeps their results.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,11 +31,13 @@ import msgspec
 from fsdp_doctor.pipeline import build_report, record_sections, window_run
 from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import RunFollower, run_trace_files
+from fsdp_doctor.store.layout import MANIFEST_NAME, manifest_path, streams
 
 # A trace file that fails to decode and was modified this recently may still be being written: retry it.
 TRACE_SETTLE_S = 10.0
 # The report's sections computed from the records, which a step window (and a rank) recompute.
 RECORD_SECTIONS = ("steps", "units", "throughput", "memory")
+HEAD_BYTES = 4096  # a stream's header line (its run id) lies within its first bytes; a manifest is smaller
 
 
 @dataclass
@@ -44,6 +53,8 @@ class Snapshot:
     traces_pending: int = 0
     updated: float = field(default_factory=time.time)
     window_fn: Optional[Callable[..., Report]] = field(default=None, repr=False, compare=False)
+    notice: str = ""  # the run was replaced or truncated and read again from scratch: what and when
+    trace_errors: list[str] = field(default_factory=list)  # "file: why" for each trace that did not decode
 
     def sections(self, window: Optional[tuple[int, int]], rank: Optional[int] = None) -> Report:
         """The report with its record sections (``RECORD_SECTIONS``) recomputed by the same analyses over the
@@ -78,10 +89,52 @@ def steps_columns(run) -> dict[int, dict[str, list]]:
     return out
 
 
+def _first_line(data: bytes) -> Optional[bytes]:
+    end = data.find(b"\n")
+    return data[: end + 1] if end >= 0 else None
+
+
+def _stream_identity(path: Path) -> Optional[tuple]:
+    """(device, inode, size, first line or None while it is being written) of a record stream; None when gone."""
+    try:
+        if not path.is_file():  # a FIFO would block the open
+            return None
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            head = f.read(HEAD_BYTES)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, _first_line(head)
+
+
+def replaced_reason(old: dict, new: dict) -> str:
+    """Why the run directory no longer holds the run that was read (``old`` and ``new``: file name -> identity,
+    the manifest's as its bytes); "" when it still does (files may only appear and grow)."""
+    for name, was in old.items():
+        now = new.get(name)
+        if now is None:
+            return f"{name} was removed"
+        if name == MANIFEST_NAME:
+            if now != was:
+                return f"{name} was rewritten"
+            continue
+        if was[:2] != now[:2]:
+            return f"{name} was replaced by another file"
+        if now[2] < was[2]:
+            return f"{name} was truncated ({was[2]:,} → {now[2]:,} bytes)"
+        if was[3] is not None and now[3] is not None and was[3] != now[3]:
+            return f"{name} now starts with another run's header"
+    return ""
+
+
 class RunState:
     def __init__(self, path: Path | str, *, background_traces: bool = True):
         self.path = Path(path)
         self._follower = RunFollower(self.path)
+        self._identity: dict[str, Any] = {}
+        self._generation = 0  # bumped when the run is read again from scratch
+        self._notice = ""
+        self._problems_seen = 0
         self._lock = threading.RLock()
         self._version = 0
         self._report: Report | None = None
@@ -98,9 +151,16 @@ class RunState:
     def refresh(self) -> bool:
         """Reads what is new; returns True when the snapshot changed."""
         with self._lock:
+            ident = self._read_identity()
+            why = replaced_reason(self._identity, ident)
+            if why:
+                self._restart(why)
+            self._identity = ident
             run, new = self._follower.poll()
             scanned = self._scan_traces()
-            if not new and not scanned and not self._traces_dirty and self._snapshot is not None:
+            problems = len(run.problems) != self._problems_seen  # shown as they appear, even without a record
+            self._problems_seen = len(run.problems)
+            if not (new or scanned or problems or why or self._traces_dirty) and self._snapshot is not None:
                 return False
             self._traces_dirty = False
             self._rebuild(run)
@@ -127,10 +187,36 @@ class RunState:
         self.refresh()
 
     # ------------------------------------------------------------------ internals
+    def _read_identity(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        mp = manifest_path(self.path)
+        try:
+            if mp.is_file():
+                with open(mp, "rb") as f:
+                    out[MANIFEST_NAME] = f.read(HEAD_BYTES)
+        except OSError:
+            pass
+        for p in streams(self.path).values():
+            ident = _stream_identity(p)
+            if ident is not None:
+                out[p.name] = ident
+        return out
+
+    def _restart(self, why: str) -> None:
+        """Forgets everything read so far: the next poll reads the directory from scratch."""
+        self._follower = RunFollower(self.path)
+        self._traces.clear()
+        self._pending.clear()
+        self._generation += 1
+        self._problems_seen = 0
+        self._notice = (f"{time.strftime('%H:%M:%S')}: the run in {self.path} changed ({why}); "
+                        "everything was read again from scratch")
+
     def _rebuild(self, run) -> None:
         run.trace_files = sorted(self._traces)
         windows = [w for _, w in self._traces.values() if not isinstance(w, str)]
         skipped = [f"{p.name}: {w}" for p, (k, w) in sorted(self._traces.items()) if isinstance(w, str) and k[0] >= 0]
+        failed = [f"{p.name}: {w}" for p, (_, w) in sorted(self._traces.items()) if isinstance(w, str)]
         report = build_report(run, traces=False, windows=windows or None)  # the CLI's pipeline, sizes included
         if skipped:
             report.problems = [*report.problems, *skipped]
@@ -142,6 +228,7 @@ class RunState:
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
+                                  notice=self._notice, trace_errors=failed,
                                   window_fn=lambda w, r=None, _f=frozen, _rep=report: self._window_sections(_f, _rep, w, r))
 
     def _window_sections(self, frozen, report: Report, window: Optional[tuple[int, int]],
@@ -219,6 +306,7 @@ class RunState:
                 if not self._pending:
                     return
                 p = sorted(self._pending)[0]
+                gen = self._generation
             try:
                 st = p.stat()
                 key = (st.st_mtime_ns, st.st_size)
@@ -230,6 +318,8 @@ class RunState:
             except OSError as e:
                 key, res = (-1, -1), f"cannot read ({e.strerror or e})"
             with self._lock:
+                if gen != self._generation:  # the run was replaced meanwhile: this file is read again
+                    continue
                 self._traces[p] = (key, res)
                 self._pending.discard(p)
                 self._traces_dirty = True

@@ -67,9 +67,14 @@ def unit_row(r: CommUnitRow) -> dict:
 def layout(snap, flt: Filters) -> list:
     ov = snap.report.overlap
     if not snap.windows and ov is None:
-        msg = ("Analysing the profiler traces …" if snap.traces_pending else
-               "No Kineto traces in this run yet: communication is measured from the profiler windows "
-               f"({snap.path}/profiler/rank*.pt.trace.json.gz), written after the first profiled steps.")
+        if snap.traces_pending:
+            msg = "Analysing the profiler traces …"
+        elif snap.trace_errors:  # the traces are there: say why none could be used
+            return [note(f"{len(snap.trace_errors)} Kineto trace file(s) found, none could be analysed:", "error",
+                         nid="comm-absent"), html.Ul([html.Li(e) for e in snap.trace_errors], id="comm-trace-errors")]
+        else:
+            msg = ("No Kineto traces in this run yet: communication is measured from the profiler windows "
+                   f"({snap.path}/profiler/rank*.pt.trace.json.gz), written after the first profiled steps.")
         return [note(msg, "warning", nid="comm-absent")]
     ov = ov or OverlapSection()  # the windows are still being analysed
     per_rank = ov.per_rank

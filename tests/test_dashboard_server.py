@@ -1,0 +1,178 @@
+"""The dashboard's server side without a browser (Flask's test client): a run replaced or truncated while it is
+followed is read again from scratch and the page says so; stream problems show as they appear; traces that fail
+to decode are named on the Communication page; the ``Host:`` header is checked; malformed callback posts are
+400s without a traceback in the log; the page answers are cached per run-state version."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from fsdp_doctor.dashboards import guard
+from fsdp_doctor.dashboards.app import create_app
+from fsdp_doctor.dashboards.state import RunState
+from fsdp_doctor.records import Header, Manifest, StepRecord, record_decoder, record_encoder
+from fsdp_doctor.store import layout
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "sample"
+
+
+def write_run(d: Path, run_id: str, steps: int, started_ns: int) -> Path:
+    """The sample's records as run ``run_id`` with its first ``steps`` steps (no traces): what
+    ``fsdp-doctor demo --overwrite`` leaves, a fresh manifest and fresh streams."""
+    d.mkdir(parents=True, exist_ok=True)
+    layout.clear_run(d)
+    m = msgspec.json.decode((SAMPLE / "manifest.json").read_bytes(), type=Manifest)
+    (d / "manifest.json").write_bytes(record_encoder.encode(msgspec.structs.replace(m, run_id=run_id,
+                                                                                   started_ns=started_ns)))
+    for src in sorted(SAMPLE.glob("rank*.records.jsonl")):
+        out = []
+        for ln in src.read_bytes().splitlines():
+            rec = record_decoder.decode(ln)
+            if isinstance(rec, Header):
+                rec = msgspec.structs.replace(rec, run_id=run_id, started_ns=started_ns)
+            if isinstance(rec, StepRecord) and rec.step >= steps:
+                continue
+            out.append(record_encoder.encode(rec) + b"\n")
+        (d / src.name).write_bytes(b"".join(out))
+    return d
+
+
+def _steps(state: RunState) -> dict[int, list[int]]:
+    return {r: c["step"] for r, c in state.snapshot().steps.items()}
+
+
+def _post(client, output: str, inputs: list, state: list = (), changed=()):
+    body = {"output": output, "outputs": {"id": output.split(".")[0], "property": output.split(".")[1]},
+            "inputs": inputs, "state": list(state), "changedPropIds": list(changed)}
+    return client.post("/_dash-update-component", data=json.dumps(body), content_type="application/json")
+
+
+def _page_post(client, pathname="/overview", search="", version=1):
+    return _post(client, "page.children", [{"id": "url", "property": "pathname", "value": pathname},
+                                          {"id": "url", "property": "search", "value": search},
+                                          {"id": "version", "property": "data", "value": version}],
+                 changed=["url.pathname"])
+
+
+def test_overwritten_run_is_read_again_and_the_page_says_so(tmp_path):
+    run = write_run(tmp_path / "run", "aaaaaaaaaaaa", 20, 1)
+    state = RunState(run, background_traces=False)
+    state.refresh()
+    assert _steps(state) == {0: list(range(20)), 1: list(range(20))}
+    assert state.snapshot().notice == ""
+    write_run(run, "bbbbbbbbbbbb", 8, 2)  # `make demo`: the old files removed, a new run written
+    state.refresh()
+    snap = state.snapshot()
+    assert _steps(state) == {0: list(range(8)), 1: list(range(8))}  # the new run only, never 0-19 and 0-7 mixed
+    assert snap.report.run.steps_recorded == {"0": 8, "1": 8}
+    assert "manifest.json was" in snap.notice and "from scratch" in snap.notice
+    app = create_app(run, state=state)
+    page = _page_post(app.server.test_client(), "/steps", "", snap.version).get_data(as_text=True)
+    assert "reload-note" in page and "from scratch" in page
+
+
+def test_truncated_stream_is_read_again(tmp_path):
+    run = write_run(tmp_path / "run", "cccccccccccc", 20, 1)
+    state = RunState(run, background_traces=False)
+    state.refresh()
+    p = run / "rank1.records.jsonl"
+    lines = p.read_bytes().splitlines(keepends=True)
+    keep = [ln for ln in lines if b'"t":"step"' not in ln or record_decoder.decode(ln).step < 5]
+    with open(p, "r+b") as f:  # the same file, cut short (no new inode)
+        f.truncate(0)
+        f.write(b"".join(keep))
+    state.refresh()
+    assert _steps(state) == {0: list(range(20)), 1: list(range(5))}
+    assert "rank1.records.jsonl was truncated" in state.snapshot().notice
+
+
+def test_stream_problem_shows_without_a_new_record(tmp_path):
+    run = write_run(tmp_path / "run", "dddddddddddd", 10, 1)
+    state = RunState(run, background_traces=False)
+    state.refresh()
+    v = state.version
+    with open(run / "rank0.records.jsonl", "ab") as f:
+        f.write(b'{"t":"step","rank":0,"step":"not a number"}\n')
+    assert state.refresh() and state.version == v + 1
+    assert any("rank0.records.jsonl: line" in p and "not a valid record" in p for p in state.snapshot().report.problems)
+    assert _steps(state)[0] == list(range(10))
+
+
+def test_communication_page_names_traces_that_failed(tmp_path):
+    from fsdp_doctor.dashboards.pages import communication
+    from fsdp_doctor.dashboards.pages.common import Filters
+
+    run = write_run(tmp_path / "run", "eeeeeeeeeeee", 10, 1)
+    (run / "profiler").mkdir()
+    (run / "profiler" / "rank0.6.pt.trace.json").write_text('{"traceEvents": [')  # cut short
+    state = RunState(run, background_traces=False)
+    state.refresh()
+    snap = state.snapshot()
+    text = json.dumps([c.to_plotly_json() for c in communication.layout(snap, Filters())], default=str)
+    assert "none could be analysed" in text and "rank0.6.pt.trace.json" in text
+    assert "No Kineto traces" not in text
+
+
+@pytest.fixture(scope="module")
+def sample_app():
+    state = RunState(SAMPLE, background_traces=False)
+    state.refresh()
+    return create_app(SAMPLE, state=state)
+
+
+def test_host_header_is_checked(sample_app):
+    c = sample_app.server.test_client()
+    for host in ("localhost", "127.0.0.1:8050", "[::1]:8050", "LOCALHOST:9000"):
+        assert c.get("/", headers={"Host": host}).status_code == 200, host
+    for host in ("evil.example", "evil.example:8050", "127.0.0.1.evil.example", "localhost.evil.example:8050"):
+        assert c.get("/", headers={"Host": host}).status_code == 403, host
+        assert _page_post(c).status_code == 200  # the default test Host (localhost) is served
+    assert "10.1.2.3" in guard.allowed_hosts("10.1.2.3") and "10.1.2.4" not in guard.allowed_hosts("10.1.2.3")
+    wild = guard.allowed_hosts("0.0.0.0")
+    assert {"localhost", "127.0.0.1"} <= wild and "evil.example" not in wild
+    assert guard.host_name("[::1]:8050") == "::1" and guard.host_name("Example.COM:80") == "example.com"
+
+
+BAD_BODIES = [b"", b"not json", b"[]", b"{}", b'{"output": "page.children"}',
+              b'{"output": "nope.children", "outputs": {}, "inputs": [], "changedPropIds": []}',
+              b'{"output": "page.children", "outputs": {"id": "page", "property": "children"}, "inputs": [], '
+              b'"changedPropIds": []}',
+              b'{"output": "page.children", "outputs": {"id": "page", "property": "children"}, "inputs": '
+              b'[{"id": "url", "property": "pathname", "value": 5}, {"id": "url", "property": "search", "value": [1]},'
+              b' {"id": "version", "property": "data", "value": 1}], "changedPropIds": []}',
+              b'{"output": "page.children", "outputs": {"id": "page", "property": "children"}, "inputs": '
+              b'[{"id": "url", "property": "pathname", "value": "/"}], "changedPropIds": "x"}']
+
+
+def test_malformed_callback_posts_are_400_without_traceback(sample_app, caplog):
+    c = sample_app.server.test_client()
+    caplog.set_level(logging.INFO)
+    for body in BAD_BODIES:
+        caplog.clear()
+        r = c.post("/_dash-update-component", data=body, content_type="application/json")
+        assert r.status_code == 400, body
+        assert b"Traceback" not in r.data
+        assert all(rec.exc_info is None and "Traceback" not in rec.getMessage() for rec in caplog.records), body
+        assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
+    assert _page_post(c).status_code == 200  # and a well-formed post is still answered
+
+
+def test_page_answers_are_cached_per_version(sample_app, monkeypatch):
+    from fsdp_doctor.dashboards.pages import steps
+
+    calls = []
+    real = steps.layout
+    monkeypatch.setattr(steps, "layout", lambda *a: calls.append(1) or real(*a))
+    c = sample_app.server.test_client()
+    v = sample_app._fsdp_state.version
+    first = _page_post(c, "/steps", "?rank=1", v)
+    again = _page_post(c, "/steps", "?rank=1", v)
+    assert first.status_code == again.status_code == 200 and first.data == again.data
+    assert len(calls) == 1
+    assert _page_post(c, "/steps", "?rank=0", v).data != first.data and len(calls) == 2
