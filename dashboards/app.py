@@ -82,9 +82,10 @@ def _nav(app: Dash, pathname: Optional[str], search: Optional[str]) -> list:
 
 
 def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int = POLL_MS,
-               host: str = "127.0.0.1") -> Dash:
+               host: str = "127.0.0.1", cache_pages: bool = True) -> Dash:
     """The app over ``path``; ``host`` is the address it will be bound to (the ``Host:`` headers it accepts,
-    :mod:`fsdp_doctor.dashboards.guard`)."""
+    :mod:`fsdp_doctor.dashboards.guard`). ``cache_pages=False`` computes every page answer (the benchmark's
+    baseline)."""
     path = Path(path)
     state = state or RunState(path)
     app = Dash(__name__, title=f"fsdp-doctor · {path.name or path}", suppress_callback_exceptions=True,
@@ -205,7 +206,8 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
     for _, mod in PAGES.values():
         if hasattr(mod, "register"):
             mod.register(app)
-    guard.install(app, guard.allowed_hosts(host), lambda: state.version, cached_outputs=("page.children", "nav.children"))
+    guard.install(app, guard.allowed_hosts(host), lambda: state.version,
+                  cached_outputs=("page.children", "nav.children") if cache_pages else ())
     return app
 
 
