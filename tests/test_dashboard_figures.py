@@ -574,8 +574,9 @@ def test_overview_headline_and_one_exposed_figure(snap):
 
     info = _finding("info", "All-gathers stall compute")
     warn = _finding("warning", "GC pauses")
-    assert headline([]).children.startswith("No findings")
-    assert headline([info]).children == "No warnings; 1 note: All-gathers stall compute"
+    assert headline([]).children.startswith("Healthy")
+    assert headline([info]).children == ("No warnings; 1 note below, each with its measured cost. "
+                                         "First: All-gathers stall compute")
     assert headline([warn, info, info]).children == "1 warning, 2 notes. First: GC pauses"
     v, src, definition = exposed_comm(snap.report, None)
     assert v is not None and src and definition

@@ -130,3 +130,102 @@ def test_basic_plotly_bundle_when_installed_else_the_full_one(tmp_path, monkeypa
     fake.write_text("/**\n* plotly.js (basic - minified) v0.0.1\n*/\nwindow.FAKE_BASIC_BUNDLE=1;")
     text = render_html(_report())
     assert "FAKE_BASIC_BUNDLE" not in text and len(text) > 1_000_000 and f"plotly.js v{ver}" in text
+
+
+def _html_tables(text: str) -> dict[str, list[list[str]]]:
+    """The report's tables by id: rows of cell texts (header row first)."""
+    from html.parser import HTMLParser
+
+    class P(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self.cur, self.row, self.cell = {}, None, None, None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "table":
+                self.cur = self.tables.setdefault(dict(attrs).get("id") or f"anon{len(self.tables)}", [])
+            elif tag == "tr" and self.cur is not None:
+                self.row = []
+                self.cur.append(self.row)
+            elif tag in ("td", "th") and self.row is not None:
+                self.cell = []
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th") and self.cell is not None:
+                self.row.append("".join(self.cell))
+                self.cell = None
+            elif tag == "table":
+                self.cur = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell.append(data)
+
+    p = P()
+    p.feed(text)
+    return p.tables
+
+
+def _rich_rows(table) -> list[list[str]]:
+    """A rich Table's header and rows as the terminal prints them (cell texts)."""
+    cols = table.columns
+    return [[c.header for c in cols]] + [[str(c._cells[i]) for c in cols] for i in range(table.row_count)]
+
+
+def _terminal_tables(report) -> dict[str, list[list[str]]]:
+    from rich.table import Table
+
+    from fsdp_doctor.present import terminal as T
+
+    out = {}
+    steps = [x for x in T.render_steps(report.steps).renderables if isinstance(x, Table)]
+    out["steps-table"] = _rich_rows(steps[0])
+    if len(steps) > 1:
+        out["outliers-table"] = _rich_rows(steps[1])
+    out["throughput-table"] = _rich_rows(T.render_throughput(report.throughput))
+    return out
+
+
+def _with_throughput(rep: dict) -> dict:
+    rep["throughput"] = {"per_rank": {"0": {"step_p50_ms": 110.0, "tokens_per_s": 37_236.4, "achieved_tflops": 0.0412},
+                                      "1": {"step_p50_ms": 111.0, "tokens_per_s": 36_900.0}},
+                         "job": {"tokens_per_s": 73_800.0, "achieved_tflops": 0.082, "mfu_pct": 12.25}}
+    rep["steps"]["stragglers"] = [{"rank": 1, "phase": "backward", "steps_slower": 7, "steps": 8, "own_ms_p50": 100.0,
+                                   "others_own_ms_p50": 90.0, "excess_ms_per_step": 10.04,
+                                   "phase_excess_ms_per_step": 9.0}]
+    return rep
+
+
+def test_html_carries_the_terminals_step_throughput_and_outlier_figures(sample_run_path):
+    """Every cell of the terminal's step table (p50/p90/p99/max/cv and phases per rank), outlier table and
+    throughput table is in the HTML report, in the same row and column; so are the stragglers."""
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.report_sections import Report
+    from fsdp_doctor.store import load_run
+
+    known = Report.of(_with_throughput(_report()))
+    for report in (known, build_report(load_run(sample_run_path))):
+        text = render_html(report)
+        tables = _html_tables(text)
+        term = _terminal_tables(report)
+        assert term["steps-table"][1:] and term["throughput-table"][1:]
+        for tid, rows in term.items():
+            assert tables[tid] == rows, tid
+    known_text = render_html(known)
+    assert "Straggler: rank 1 spends +10.0 ms/step in backward (7 of 8 steps)" in known_text
+    assert _html_tables(known_text)["outliers-table"][1] == ["1", "9", "180.0 ms", "110.0 ms", "GC 60 ms"]
+    assert _html_tables(known_text)["throughput-table"][-1] == ["job", "73,800", "0.082", "12.2%"]
+
+
+def test_step_figure_p50_never_written_over_a_bar():
+    """The p50 is in the rank's axis label and drawn as a tick, never as text over the stacked phases."""
+    from fsdp_doctor.present.figures import step_summary_figure
+    from fsdp_doctor.report_sections import Report
+
+    fig = step_summary_figure(Report.of(_report()).steps)
+    assert not fig.layout.annotations
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert list(bars[0].y) == ["rank 0 · p50 110.0 ms", "rank 1 · p50 110.0 ms"]
+    assert all(not t.text for t in bars)
+    tick = next(t for t in fig.data if t.name == "p50")
+    assert list(tick.x) == [110.0, 110.0]

@@ -10,15 +10,13 @@ import msgspec
 from dash import dcc, html
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import VERDICT_HEADER, fmt_bytes, fmt_ms, verdict_headline, verdict_rows
+from fsdp_doctor.present.fmt import (SEVERITY_ORDER, VERDICT_HEADER, findings_headline, fmt_bytes, fmt_ms,
+                                     predicted_text, severity_counts, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
 from fsdp_doctor.present.figures import unit_label, verdict_figure
 from ..state import RECORD_SECTIONS
 from .common import Filters, fmt_value, graph, kpi, note, section
-
-SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
-
 
 def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
     key = str(flt.rank) if flt.rank is not None else None
@@ -85,23 +83,11 @@ def _overlap_pct(report: Report, rank: Optional[str]):
     return 100 * sum(o.overlap_us for o in rows) / comm if comm else None
 
 
-def _count(n: int, severity: str) -> str:
-    """``1 warning``, ``2 notes``, ``1 critical``: info findings are notes."""
-    word = {"info": "note"}.get(severity, severity)
-    return f"{n} {word}" + ("s" if n != 1 and word != "critical" else "")
-
-
 def headline(findings: list[Finding]) -> html.Div:
-    """One honest line: how many warnings (critical first) or, without any, how many notes and the first one."""
-    n = {s: sum(1 for f in findings if f.severity == s) for s in SEVERITY_ORDER}
-    first = findings[0].title if findings else ""
-    if not findings:
-        text, kind = "No findings: nothing the rules flag.", "ok"
-    elif n["critical"] + n["warning"]:
-        text = ", ".join(_count(k, s) for s, k in n.items() if k) + ". First: " + first
-        kind = "error" if n["critical"] else "warning"
-    else:
-        text, kind = f"No warnings; {_count(n['info'], 'info')}: {first}", "info"
+    """The presenters' line above the findings (fsdp_doctor.present.fmt) and the first finding's title."""
+    text = findings_headline(findings) + (f" First: {findings[0].title}" if findings else "")
+    kind = ("ok" if not findings else "error" if any(f.severity == "critical" for f in findings) else
+            "warning" if any(f.severity == "warning" for f in findings) else "info")
     return note(text, kind, nid="headline")
 
 
@@ -137,9 +123,9 @@ def finding_card(i: int, f: Finding) -> html.Div:
     if rows:
         body.append(html.Details([html.Summary("Evidence"), html.Table(rows, className="evidence")], open=True,
                                  className="finding-evidence"))
-    gain = _gain(f.predicted or {})
+    gain = predicted_text(f.predicted)
     if gain:
-        body.append(html.Div("Expected: " + "; ".join(gain), className="finding-gain"))
+        body.append(html.Div("Expected: " + gain, className="finding-gain"))
     if rec.code:
         cid = f"fix-code-{i}"
         body.append(html.Div([
@@ -155,18 +141,6 @@ def finding_card(i: int, f: Finding) -> html.Div:
                      html.Span(f.code + (" · " + " · ".join(who) if who else ""), className="finding-code")],
                     className="finding-head")
     return html.Div([head, *body], className=f"finding finding-{sev}", id=f"finding-{i}")
-
-
-def _gain(pred: dict) -> list[str]:
-    """The predicted gain of a finding's fix (``Finding.predicted``, free-form): step time and peak memory."""
-    gain = []
-    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
-        b, a = pred["step_ms_before"], pred["step_ms_after"]
-        pct = f" ({100 * (b - a) / b:.0f}% faster)" if b else ""
-        gain.append(f"step {fmt_ms(b)} → {fmt_ms(a)}{pct}")
-    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
-        gain.append(f"peak memory {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
-    return gain
 
 
 def run_facts(run: RunFacts) -> html.Table:
@@ -220,8 +194,7 @@ def layout(snap, flt: Filters) -> list:
         out.insert(0, headline(findings))
     if report.verdict is not None:  # what bounds the step comes first (from the records or the traces)
         out.insert(0, verdict_panel(report.verdict, flt))
-    counts = {s: sum(1 for f in findings if f.severity == s) for s in SEVERITY_ORDER}
-    summary = ", ".join(_count(n, s) for s, n in counts.items() if n) or "none"
+    summary = severity_counts(findings)
     if findings:
         cards = [finding_card(i, f) for i, f in enumerate(findings)]
     else:

@@ -1,5 +1,6 @@
 """Pure figure builders: typed report sections (``fsdp_doctor.report_sections``), step columns and trace
-intervals in, plotly figures out.
+intervals in, plotly figures out. The dashboard and the HTML report both draw with them: one palette, one
+``unit_label`` (``fsdp_doctor.present.fmt``), one look.
 
 No I/O, no Dash, no analysis: every number drawn comes from the report or the records as given. Each
 builder returns a figure with a readable note instead of raising when its data is missing.
@@ -14,9 +15,12 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from fsdp_doctor import memory_categories as MC
-from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, verdict_share,
-                                     verdict_title)
-from fsdp_doctor.report_sections import CommUnitRow, MemoryPeakAt, MemoryRank, OverlapRank, UnitRow, Verdict
+from msgspec import UNSET
+
+from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
+                                     verdict_share, verdict_title)
+from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
+                                         StepsSection, UnitRow, Verdict)
 
 # ---------------------------------------------------------------- palette and shared layout
 
@@ -49,13 +53,6 @@ if TEMPLATE not in pio.templates:
 
 def rank_color(rank: int) -> str:
     return RANK_COLORS[int(rank) % len(RANK_COLORS)]
-
-
-def unit_label(name: Optional[str]) -> str:
-    """Display name of an FSDP unit ("" is the root)."""
-    if name is None:
-        return "—"  # outside every unit
-    return "(root)" if name == "" else str(name)
 
 
 def _layout(fig: go.Figure, title: str, height: int = 340, **kw) -> go.Figure:
@@ -558,17 +555,17 @@ def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_r
 
 def unit_timing_figure(units: list[UnitRow], unit: Optional[str] = None, height: Optional[int] = None,
                        who: str = "all ranks") -> go.Figure:
-    """Median per-step host timings of each unit: forward, backward and their all-gather waits. ``who`` names
-    the ranks and steps the medians were taken over."""
-    title = f"Per-unit host timings (median per step, {who})"
+    """Median per-step host timings of each unit: its own forward and backward (nested units excluded, the unit
+    tables' figures) and their all-gather waits. ``who`` names the ranks and steps the medians were taken over."""
+    title = f"Per-unit host timings (median per step, own time, {who})"
     rows = [u for u in units or [] if u.timing_p50]
     if not rows:
         return empty_figure("No unit timings yet.", title, 240)
     labels = [unit_label(u.name) for u in rows][::-1]
     rows = rows[::-1]
     fig = go.Figure()
-    for key, name, color in (("fwd_ms", "forward", PHASE_COLORS["forward"]), ("ag_wait_fwd_ms", "AG wait fwd", "#9ECAE9"),
-                             ("bwd_ms", "backward", PHASE_COLORS["backward"]), ("ag_wait_bwd_ms", "AG wait bwd", "#FFBF79"),
+    for key, name, color in (("fwd_self_ms", "forward", PHASE_COLORS["forward"]), ("ag_wait_fwd_ms", "AG wait fwd", "#9ECAE9"),
+                             ("bwd_self_ms", "backward", PHASE_COLORS["backward"]), ("ag_wait_bwd_ms", "AG wait bwd", "#FFBF79"),
                              ("recompute_ms", "recompute", "#B279A2")):
         vals = [getattr(u.timing_p50, key) for u in rows]
         if not any(vals):
@@ -586,3 +583,95 @@ def fmt_num(v) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+# ---------------------------------------------------------------- report summaries (the HTML report's figures)
+
+
+def _rank_order(keys) -> list[str]:
+    return sorted(keys, key=lambda r: (0, int(r)) if str(r).isdigit() else (1, str(r)))
+
+
+def memory_peaks_figure(memory: Optional[MemorySection], height: int = 340) -> go.Figure:
+    """Each rank's peak by category (stacked bars, MiB), with the capacity as a line and where each peak
+    happened in the title."""
+    title = "Memory at the peak, by category"
+    per_rank = memory.per_rank if memory is not None else {}
+    ranks = _rank_order(per_rank)
+    if not ranks:
+        return empty_figure("No memory measurements in the report.", title, 200)
+    fig = go.Figure()
+    present = {c for r in ranks for c, v in per_rank[r].peak_breakdown.items() if v}
+    for c in _ordered_categories(present):
+        fig.add_trace(go.Bar(name=c, x=[f"rank {r}" for r in ranks], marker_color=MEMORY_COLORS.get(c, "#888"),
+                             y=[(per_rank[r].peak_breakdown.get(c) or 0) / MIB for r in ranks],
+                             hovertemplate=f"{c}: %{{y:.1f}} MiB<extra></extra>"))
+    caps = [per_rank[r].capacity_bytes for r in ranks if per_rank[r].capacity_bytes]
+    if caps:
+        fig.add_hline(y=max(caps) / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},
+                      annotation_text=f"capacity {fmt_bytes(max(caps))}", annotation_position="top left")
+    where = [f"rank {r}: {_peak_where(per_rank[r].peak_at)}" for r in ranks if per_rank[r].peak_at.step is not None]
+    fig.update_layout(barmode="stack")
+    fig.update_yaxes(title_text="MiB")
+    return _layout(fig, title + (" (" + "; ".join(where[:4]) + ")" if where else ""), height)
+
+
+def memory_units_figure(memory: Optional[MemorySection], height: int = 340) -> go.Figure:
+    """Per unit on the rank with the highest peak: sharded and unsharded parameter bytes and the activations it
+    left (its own, nested units excluded, so the bars add up; the inclusive figure in reports written before)."""
+    title = "Memory per unit"
+    best = max((memory.per_rank if memory is not None else {}).items(), key=lambda kv: kv[1].peak_bytes or 0,
+               default=None)
+    if not best or not best[1].per_unit:
+        return empty_figure("No per-unit memory in the report.", title, 200)
+    rows = best[1].per_unit
+    names = [unit_label(u.unit) for u in rows]
+    own = any(u.activation_self_bytes is not UNSET for u in rows)
+    fig = go.Figure()
+    for label, color, values in (("sharded", "#1F77B4", [u.sharded_bytes for u in rows]),
+                                 ("unsharded", "#AEC7E8", [u.unsharded_bytes for u in rows]),
+                                 ("activations (own)" if own else "activations", MEMORY_COLORS.get("activations"),
+                                  [(u.activation_self_bytes or 0) if own else u.activation_bytes for u in rows])):
+        if any(values):
+            fig.add_trace(go.Bar(name=label, x=names, y=[(v or 0) / MIB for v in values], marker_color=color,
+                                 hovertemplate="%{x}: %{y:.2f} MiB<extra>" + label + "</extra>"))
+    fig.update_layout(barmode="group")
+    fig.update_yaxes(title_text="MiB")
+    return _layout(fig, f"{title} (rank {best[0]}), MiB", height)
+
+
+STEP_PHASES = ("forward", "backward", "optimizer", "outside")
+
+
+def step_summary_figure(steps: Optional[StepsSection], height: Optional[int] = None) -> go.Figure:
+    """Per rank, its median step split into phases (stacked bars), its p50 as a tick and in the rank's label
+    (never written over a bar), and the outlier steps as crosses at their time."""
+    title = "Step timeline: median time per phase (ms); | = p50, × = outlier steps"
+    per_rank = steps.per_rank if steps is not None else {}
+    ranks = [r for r in _rank_order(per_rank) if per_rank[r].count]
+    if not ranks:
+        return empty_figure("No step records.", title, 200)
+    labels = {r: f"rank {r} · p50 {fmt_ms(per_rank[r].p50_ms)}" for r in ranks}
+    ys = [labels[r] for r in ranks]
+    fig = go.Figure()
+    for ph in STEP_PHASES:
+        fig.add_trace(go.Bar(name=ph, y=ys, x=[(per_rank[r].phases_p50_ms or {}).get(ph) or 0 for r in ranks],
+                             orientation="h", marker_color=PHASE_COLORS[ph],
+                             hovertemplate=f"{ph}: %{{x:.1f}} ms<extra></extra>"))
+    p50 = [r for r in ranks if per_rank[r].p50_ms]
+    if p50:
+        fig.add_trace(go.Scatter(name="p50", mode="markers", x=[per_rank[r].p50_ms for r in p50],
+                                 y=[labels[r] for r in p50], marker={"symbol": "line-ns-open", "size": 22,
+                                                                     "color": "#222", "line": {"width": 2}},
+                                 hovertemplate="p50 %{x:.1f} ms<extra></extra>"))
+    outs = [o for o in steps.outliers if str(o.rank) in labels]
+    if outs:
+        fig.add_trace(go.Scatter(name="outlier steps", mode="markers", x=[o.ms for o in outs],
+                                 y=[labels[str(o.rank)] for o in outs],
+                                 marker={"symbol": "x", "size": 10, "color": "#C62828"},
+                                 customdata=[[o.step, o.detail] for o in outs],
+                                 hovertemplate="step %{customdata[0]}: %{customdata[1]}<br>%{x:.1f} ms<extra></extra>"))
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="ms", rangemode="tozero")
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    return _layout(fig, title, height or max(220, 100 + 46 * len(ranks)))

@@ -8,7 +8,8 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 from __future__ import annotations
 
 
-from ..report_sections import CommSummary, Finding, RunFacts, UnitRow, Verdict, VerdictEntry
+from ..report_sections import (CommSummary, Finding, Outlier, RunFacts, StepsSection, Straggler, ThroughputJob,
+                               ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us  # noqa: F401  (re-exported)
 
 ROOT_LABEL = "(root)"
@@ -76,27 +77,41 @@ def run_facts(run: RunFacts) -> list[str]:
     return facts
 
 
+SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}  # worst first
+SEVERITY_COLORS = {"critical": "#C62828", "warning": "#E0A100", "info": "#1E88E5"}
+
+
+def severity_count(n: int, severity: str) -> str:
+    """``1 warning``, ``2 notes``, ``1 critical``: info findings are notes."""
+    word = {"info": "note"}.get(severity, severity)
+    return f"{n} {word}" + ("s" if n != 1 and word != "critical" else "")
+
+
+def severity_counts(items: list[Finding]) -> str:
+    """``1 critical, 2 warnings, 1 note`` ("none" without findings)."""
+    n = {sev: sum(f.severity == sev for f in items) for sev in SEVERITY_ORDER}
+    return ", ".join(severity_count(k, s) for s, k in n.items() if k) or "none"
+
+
 def findings_headline(items: list[Finding]) -> str:
     """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
     if not items:
         return "Healthy: no findings."
-    n = {sev: sum(f.severity == sev for f in items) for sev in ("critical", "warning", "info")}
-    if not n["critical"] and not n["warning"]:
-        return f"No warnings; {n['info']} note{'s' if n['info'] > 1 else ''} below, each with its measured cost."
-    parts = [f"{n[s]} {s}{'s' if n[s] > 1 else ''}" for s in ("critical", "warning") if n[s]]
-    if n["info"]:
-        parts.append(f"{n['info']} note{'s' if n['info'] > 1 else ''}")
-    return ", ".join(parts) + "."
+    if not any(f.severity in ("critical", "warning") for f in items):
+        return f"No warnings; {severity_counts(items)} below, each with its measured cost."
+    return severity_counts(items) + "."
 
 
 def predicted_text(pred) -> str:
-    """A finding's expected change, e.g. "step 110.0 ms → 130.0 ms, peak 24.00 MiB → 10.00 MiB"; "" when it predicts
-    neither (``pred``: ``Finding.predicted``, a free-form mapping, or UNSET)."""
+    """A finding's expected change, e.g. "step 110.0 ms → 88.0 ms (20% faster), peak 24.00 MiB → 10.00 MiB"; ""
+    when it predicts neither (``pred``: ``Finding.predicted``, a free-form mapping, or UNSET)."""
     if not pred:
         return ""
     bits = []
-    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
-        bits.append(f"step {fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}")
+    b, a = pred.get("step_ms_before"), pred.get("step_ms_after")
+    if b is not None and a is not None:
+        pct = f" ({abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
+        bits.append(f"step {fmt_ms(b)} → {fmt_ms(a)}{pct}")
     if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
         bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
     return ", ".join(bits)
@@ -162,4 +177,68 @@ def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[t
         out.append((f"+{len(ranks) - max_ranks}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
     if len(ranks) > 1:
         out.append(row("job", sec.job))
+    return out
+
+
+# --- the step, throughput and outlier tables: the same cells in the terminal and the HTML report
+def fmt_ms_cell(x) -> str:
+    """A time in ms in a table whose header names the unit: "12.3", "2.50"; "—" when unknown."""
+    if x is None:
+        return MISSING
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+
+
+STEPS_TITLE = "Step time per rank, ms (steady state: first step and profiled steps excluded)"
+STEPS_HEADER = ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC")
+STEP_PHASES = ("forward", "backward", "optimizer", "outside", "gc")
+
+
+def steps_rows(section: StepsSection) -> list[tuple[str, ...]]:
+    """The step table's rows (STEPS_HEADER's columns, as text), one per rank (``section``: ``report.steps``)."""
+    out = []
+    for r, st in section.per_rank.items():
+        if not st.count:
+            out.append((r, f"{st.recorded or 0}", *[MISSING] * (len(STEPS_HEADER) - 2)))
+            continue
+        ph = st.phases_p50_ms or {}
+        out.append((r, str(st.count), *(fmt_ms_cell(v) for v in (st.p50_ms, st.p90_ms, st.p99_ms, st.max_ms)),
+                    f"{100 * st.cv:.1f}%" if st.cv is not None else MISSING,
+                    *(fmt_ms_cell(ph.get(k)) for k in STEP_PHASES)))
+    return out
+
+
+OUTLIERS_HEADER = ("rank", "step", "time", "median", "likely cause")
+OUTLIERS_SHOWN = 8
+
+
+def outliers_title(outliers: list[Outlier]) -> str:
+    return f"Outlier steps ({len(outliers)}, worst first)"
+
+
+def outlier_rows(outliers: list[Outlier], top: int = OUTLIERS_SHOWN) -> list[tuple[str, ...]]:
+    """The outlier table's rows (OUTLIERS_HEADER's columns): the ``top`` worst steps."""
+    return [(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail) for x in outliers[:top]]
+
+
+def straggler_text(s: Straggler) -> str:
+    return (f"Straggler: rank {s.rank} spends +{s.excess_ms_per_step:.1f} ms/step in {s.phase} "
+            f"({s.steps_slower} of {s.steps} steps)")
+
+
+THROUGHPUT_HEADER = ("rank", "tokens/s", "TFLOP/s", "MFU")
+
+
+def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]:
+    return (MISSING if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
+            MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
+            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%")
+
+
+def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
+    """The throughput table's rows (THROUGHPUT_HEADER's columns): each rank, then the job's (first cell "job")
+    when it knows a figure (``section``: ``report.throughput``)."""
+    out = [(r, *throughput_cells(row)) for r, row in section.per_rank.items()]
+    job = section.job
+    if any(x is not None for x in (job.tokens_per_s, job.achieved_tflops, job.mfu_pct)):
+        out.append(("job", *throughput_cells(job)))
     return out

@@ -1,6 +1,7 @@
-"""HTML presenter: one self-contained file (plotly.js inlined once, no network) with the findings, the
-memory breakdown at the peak, per-unit communication exposure and the step timeline. Formats the report;
-computes nothing.
+"""HTML presenter: one self-contained file (plotly.js inlined once, no network) with what the terminal shows
+(the verdict, step percentiles, outliers and stragglers, throughput, the unit and collective tables, the
+findings) and the figures, drawn by the dashboard's builders (:mod:`fsdp_doctor.present.figures`). Formats the
+report; computes nothing.
 
 plotly.js: the report draws only bars and scatter traces, which plotly.js's *basic* bundle holds (1.2 MB against
 4.8 MB for the full one). ``make setup`` installs it from the npm registry (``plotly.js-basic-dist-min``, the
@@ -16,23 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from msgspec import UNSET
-
-from .. import memory_categories as MC
-from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection, UnitRow,
-                               Verdict)
-from .fmt import (VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_unit_figures,
-                  fmt_us, fmt_value, predicted_text, run_facts, unit_label, verdict_headline, verdict_rows)
-
-PHASES = ("forward", "backward", "optimizer", "outside")
-PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
-                "gc": "#E45756"}
-MEMORY_CATEGORIES = MC.NAMES
-MEMORY_COLORS = MC.COLOURS
-COLLECTIVE_COLORS = {"all_gather (forward)": "#4C78A8", "all_gather (backward)": "#72B7B2",
-                     "reduce_scatter (backward)": "#F58518", "all_reduce": "#E45756"}
-SEVERITY_COLORS = {"critical": "#C62828", "warning": "#E0A100", "info": "#1E88E5"}
-MIB = float(1 << 20)
+from ..report_sections import (CommUnitRow, Finding, OverlapSection, Report, StepsSection, ThroughputSection,
+                               UnitRow, Verdict)
+from . import figures as F
+from .fmt import (OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE, THROUGHPUT_HEADER, VERDICT_HEADER,
+                  comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_unit_figures, fmt_us,
+                  fmt_value, outlier_rows, outliers_title, predicted_text, run_facts, steps_rows, straggler_text,
+                  throughput_rows, unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
 body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
@@ -51,6 +42,8 @@ pre{background:#1e1e1e;color:#eee;padding:10px;border-radius:4px;overflow-x:auto
 table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{padding:2px 10px 2px 0;text-align:left;
      vertical-align:top} th{color:#555;font-weight:600}
 .pred{color:#2e7d32;font-weight:600;margin:6px 0} .note{color:#777;font-size:13px}
+.warn{color:#8a6d00;font-weight:600} h3{font-size:14px;margin:14px 0 4px}
+table.num td,table.num th{text-align:right} table.num td:first-child,table.num th:first-child{text-align:left}
 .fig{background:#fff;border-radius:4px;margin:10px 0;padding:4px}
 .verdict{background:#fff;border-left:6px solid #4C78A8;border-radius:4px;margin:14px 0 6px;padding:10px 14px;
      font-size:16px;font-weight:600}
@@ -94,151 +87,6 @@ def _plotlyjs_script(bundle: str) -> str:
 def _figure(fig, first: bool) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=True if first else False,
                        config={"displaylogo": False, "responsive": True})
-
-
-def _layout(fig, title: str, height: int = 340, **kw):
-    fig.update_layout(title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
-                      template="plotly_white", height=height, margin={"l": 60, "r": 20, "t": 56, "b": 44},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "xanchor": "right", "x": 1.0},
-                      **kw)
-    return fig
-
-
-def memory_figure(memory: MemorySection):
-    """Stacked bars: each rank's peak by category (MiB), with the capacity as a line."""
-    import plotly.graph_objects as go
-
-    per_rank = memory.per_rank
-    ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r))
-    if not ranks:
-        return None
-    fig = go.Figure()
-    cats = [c for c in MEMORY_CATEGORIES if any(per_rank[r].peak_breakdown.get(c) for r in ranks)]
-    extra = sorted({c for r in ranks for c in per_rank[r].peak_breakdown if c not in MEMORY_CATEGORIES})
-    for c in cats + extra:
-        ys = [(per_rank[r].peak_breakdown.get(c) or 0) / MIB for r in ranks]
-        fig.add_bar(name=c, x=[f"rank {r}" for r in ranks], y=ys, marker_color=MEMORY_COLORS.get(c),
-                    hovertemplate=f"{c}: %{{y:.2f}} MiB<extra></extra>")
-    caps = [per_rank[r].capacity_bytes for r in ranks if per_rank[r].capacity_bytes]
-    if caps:
-        fig.add_hline(y=max(caps) / MIB, line_dash="dash", line_color="#C62828",
-                      annotation_text=f"capacity {fmt_bytes(max(caps))}", annotation_position="top left")
-    where = []
-    for r in ranks:
-        at = per_rank[r].peak_at
-        if at.step is not None:
-            where.append(f"rank {r}: step {at.step}, {unit_label(at.unit or '')} {at.phase or ''}")
-    title = "Memory at the peak, by category" + (" — " + "; ".join(where[:4]) if where else "")
-    return _layout(fig, title, barmode="stack", yaxis_title="MiB")
-
-
-def memory_units_figure(memory: MemorySection):
-    """Per unit on the peak rank: sharded and unsharded parameter bytes and the activations it left."""
-    import plotly.graph_objects as go
-
-    best = max(memory.per_rank.items(), key=lambda kv: kv[1].peak_bytes or 0, default=None)
-    if not best or not best[1].per_unit:
-        return None
-    rows = best[1].per_unit
-    names = [unit_label(u.unit or "") for u in rows]
-    fig = go.Figure()
-    # each unit's own activations (nested units excluded): the bars add up instead of counting a parent's children
-    # twice; a report written before own activations existed has the inclusive figure only
-    own = any(u.activation_self_bytes is not UNSET for u in rows)
-    series = (("sharded", "#1F77B4", [u.sharded_bytes for u in rows]),
-              ("unsharded", "#AEC7E8", [u.unsharded_bytes for u in rows]),
-              ("activations (own)", "#D62728", [(u.activation_self_bytes or 0) if own else u.activation_bytes
-                                                for u in rows]))
-    for label, color, values in series:
-        if any(values):
-            fig.add_bar(name=label, x=names, y=[(v or 0) / MIB for v in values], marker_color=color)
-    return _layout(fig, f"Memory per unit (rank {best[0]}), MiB", barmode="group", yaxis_title="MiB")
-
-
-def overlap_units_figure(overlap: OverlapSection):
-    """Per unit and collective: time in the collective and the part not overlapped by compute (ms per
-    profiled window, summed over ranks)."""
-    import plotly.graph_objects as go
-
-    rows = overlap.per_unit
-    if not rows:
-        return None
-    acc: dict[tuple[str, str], list[float]] = {}
-    order: list[str] = []
-    for r in rows:
-        unit = unit_label(r.unit or "")
-        if unit not in order:
-            order.append(unit)
-        a = acc.setdefault((unit, f"{r.collective} ({r.phase or '-'})"), [0.0, 0.0])
-        a[0] += r.comm_us / 1e3
-        a[1] += r.exposed_us / 1e3
-    series = sorted({k[1] for k in acc})
-    fig = go.Figure()
-    for s in series:
-        color = COLLECTIVE_COLORS.get(s) or COLLECTIVE_COLORS.get(s.split(" ")[0], "#9D9D9D")
-        xs = [u for u in order if (u, s) in acc]
-        fig.add_bar(name=f"{s} exposed", x=xs, y=[acc[(u, s)][1] for u in xs], marker_color=color,
-                    offsetgroup=s, hovertemplate="%{x}: %{y:.2f} ms exposed<extra>" + s + "</extra>")
-        fig.add_bar(name=f"{s} overlapped", x=xs, y=[acc[(u, s)][0] - acc[(u, s)][1] for u in xs],
-                    marker_color=color, opacity=0.35, offsetgroup=s, base=[acc[(u, s)][1] for u in xs],
-                    hovertemplate="%{x}: %{y:.2f} ms overlapped<extra>" + s + "</extra>")
-    fig = _layout(fig, "Collectives per unit: exposed (solid) and overlapped (light), ms in the profiled windows",
-                  height=420, barmode="group", yaxis_title="ms")
-    fig.update_layout(legend={"orientation": "h", "yanchor": "top", "y": -0.12, "xanchor": "left", "x": 0.0},
-                      margin={"b": 110})
-    return fig
-
-
-def unit_waits_figure(units: list[UnitRow]):
-    """Host-measured per-unit medians: forward/backward own time and the all-gather waits inside them."""
-    import plotly.graph_objects as go
-
-    rows = [u for u in units if u.timing_p50]
-    if not rows:
-        return None
-    names = [unit_label(u.name or "") for u in rows]
-    fig = go.Figure()
-    ts = [u.timing_p50 for u in rows]
-    series = (("forward", "#4C78A8", 0.35, [t.fwd_self_ms for t in ts]),
-              ("AG wait (fwd)", "#4C78A8", 1.0, [t.ag_wait_fwd_ms for t in ts]),
-              ("backward", "#F58518", 0.35, [t.bwd_self_ms for t in ts]),
-              ("AG wait (bwd)", "#F58518", 1.0, [t.ag_wait_bwd_ms for t in ts]),
-              ("recompute", "#E45756", 1.0, [t.recompute_ms for t in ts]))
-    for label, color, op, values in series:
-        ys = [v or 0 for v in values]
-        if any(ys):
-            fig.add_bar(name=label, x=names, y=ys, marker_color=color, opacity=op)
-    return _layout(fig, "Per unit, median per step (host-measured; own time, nested units excluded)",
-                   barmode="group", yaxis_title="ms")
-
-
-def step_timeline_figure(steps: StepsSection):
-    """The median step of each rank as a timeline of its phases, with outlier steps marked."""
-    import plotly.graph_objects as go
-
-    per_rank = steps.per_rank
-    ranks = [r for r in sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else str(r)) if per_rank[r].count]
-    if not ranks:
-        return None
-    fig = go.Figure()
-    labels = [f"rank {r}" for r in ranks]
-    for ph in PHASES:
-        xs = [(per_rank[r].phases_p50_ms or {}).get(ph) or 0 for r in ranks]
-        fig.add_bar(name=ph, y=labels, x=xs, orientation="h", marker_color=PHASE_COLORS[ph],
-                    hovertemplate=f"{ph}: %{{x:.1f}} ms<extra></extra>")
-    outs = steps.outliers
-    if outs:
-        fig.add_scatter(name="outlier steps", mode="markers", marker={"symbol": "x", "size": 10, "color": "#C62828"},
-                        x=[o.ms for o in outs], y=[f"rank {o.rank}" for o in outs],
-                        text=[f"step {o.step}: {o.detail}" for o in outs],
-                        hovertemplate="%{text}<br>%{x:.1f} ms<extra></extra>")
-    for r, lab in zip(ranks, labels):
-        p50 = per_rank[r].p50_ms
-        if p50:
-            fig.add_annotation(x=p50, y=lab, text=f"p50 {fmt_ms(p50)}", showarrow=False, xanchor="left",
-                               font={"size": 11, "color": "#444"})
-    return _layout(fig, "Step timeline: median time per phase (ms); × = outlier steps",
-                   height=max(220, 90 + 50 * len(ranks)), barmode="stack", xaxis_title="ms")
 
 
 # ---------------------------------------------------------------------------------------------- html parts
@@ -316,6 +164,29 @@ def _units_table(units: list[UnitRow]) -> str:
             f"<table>{head}{''.join(rows)}{more}</table>")
 
 
+def _table(header, rows, tid: str, bold_first: str = "job") -> str:
+    """A table of text cells (the terminal's cells: fsdp_doctor.present.fmt), numbers right-aligned."""
+    def cells(row, tag):
+        return "".join(f"<{tag}>{_esc(x)}</{tag}>" for x in row)
+    body = "".join(f"<tr{' style=font-weight:600' if r[0] == bold_first else ''}>{cells(r, 'td')}</tr>" for r in rows)
+    return f"<table class='num' id='{tid}'><tr>{cells(header, 'th')}</tr>{body}</table>"
+
+
+def _steps(section: StepsSection) -> str:
+    """The terminal's step table (percentiles and phases per rank), its outliers and stragglers."""
+    out = f"<h3>{_esc(STEPS_TITLE)}</h3>" + _table(STEPS_HEADER, steps_rows(section), "steps-table")
+    if section.outliers:
+        out += f"<h3>{_esc(outliers_title(section.outliers))}</h3>" + _table(
+            OUTLIERS_HEADER, outlier_rows(section.outliers), "outliers-table")
+    out += "".join(f"<p class='warn'>{_esc(straggler_text(s))}</p>" for s in section.stragglers)
+    return out
+
+
+def _throughput(section: ThroughputSection) -> str:
+    rows = throughput_rows(section)
+    return "<h2>Throughput</h2>" + _table(THROUGHPUT_HEADER, rows, "throughput-table") if rows else ""
+
+
 def _verdict_table(section: Verdict) -> str:
     """The terminal's verdict table, the same rows (fsdp_doctor.present.fmt.verdict_rows)."""
     def cells(row, tag):
@@ -328,11 +199,9 @@ def _verdict_table(section: Verdict) -> str:
 def _verdict(section: Verdict, first: bool) -> tuple[str, bool]:
     """What bounds the step, first: the sentence, the shares as a bar per rank and the job, and the table.
     Returns the HTML and whether it drew a figure (plotly.js goes with the first one)."""
-    from .figures import verdict_figure  # the dashboard's builder too: one bar, one palette
-
     out = f"<div class='verdict' id='verdict'>{_esc(verdict_headline(section))}</div>"
     try:
-        out += f"<div class='fig'>{_figure(verdict_figure(section), first)}</div>"
+        out += f"<div class='fig'>{_figure(F.verdict_figure(section), first)}</div>"
         drew = True
     except Exception as e:  # noqa: BLE001  (a figure must never take the report down)
         out += f"<p class='note'>figure unavailable ({_esc(type(e).__name__)}: {_esc(e)})</p>"
@@ -346,12 +215,12 @@ def render_html(report: Report | dict) -> str:
     report = Report.of(report)
     parts = [_header(report)]
     sections = [
-        ("Step timeline", step_timeline_figure, report.steps, "No step records."),
-        ("Memory", memory_figure, report.memory, "No memory measurements in this report."),
-        (None, memory_units_figure, report.memory, None),
-        ("Communication per unit", overlap_units_figure, report.overlap,
+        ("Steps", F.step_summary_figure, report.steps, "No step records."),
+        ("Memory", F.memory_peaks_figure, report.memory, "No memory measurements in this report."),
+        (None, F.memory_units_figure, report.memory, None),
+        ("Collectives per unit", F.unit_exposure_figure, report.overlap and report.overlap.per_unit,
          "No profiler traces: per-unit overlap needs a profiled window."),
-        (None, unit_waits_figure, report.units, None),
+        (None, F.unit_timing_figure, report.units, None),
     ]
     bundle = partial_plotlyjs()
     if bundle is not None:
@@ -375,6 +244,10 @@ def render_html(report: Report | dict) -> str:
             first = False
         elif missing:
             parts.append(f"<p class='note'>{_esc(missing)}</p>")
+        if builder is F.step_summary_figure and report.steps is not None:
+            parts.append(_steps(report.steps))
+            if report.throughput is not None:
+                parts.append(_throughput(report.throughput))
     if report.overlap is not None and report.overlap.per_rank:
         parts.append(_overlap_ranks_table(report.overlap))
         parts.append(_comm_units_table(report.overlap.per_unit))
