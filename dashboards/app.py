@@ -20,7 +20,7 @@ from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 
 from . import guard
 from .pages import PAGES, page_key
-from .pages.common import ALL, Query, unit_value
+from .pages.common import ALL, Query, unit_label, unit_value
 from .state import RunState
 
 POLL_MS = 1000  # new steps appear within two seconds
@@ -32,8 +32,6 @@ def _rank_options(snap) -> list[dict]:
 
 
 def _unit_options(snap) -> list[dict]:
-    from fsdp_doctor.present.figures import unit_label
-
     names = [u.name for u in snap.report.units or []]
     ov = snap.report.overlap
     if not names and ov is not None:  # plain Kineto traces: the units their collectives were attributed to

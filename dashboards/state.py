@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from fsdp_doctor.pipeline import build_report, record_sections, window_run
+from fsdp_doctor.pipeline import build_report, record_sections, steps_columns, window_run
 from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import RunFollower, run_trace_files
 from fsdp_doctor.store.layout import MANIFEST_NAME, manifest_path, streams
@@ -63,30 +63,6 @@ class Snapshot:
         if (window is None and rank is None) or self.window_fn is None:
             return self.report
         return self.window_fn(window, rank)
-
-
-STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled")
-
-
-def steps_columns(run) -> dict[int, dict[str, list]]:
-    """The per-step records of each rank as columns (plain lists), the input of the step figures. Column
-    ``profiler_export`` is True on a step that wrote a profiler window's trace (its "outside" time is that
-    export, not data loading); ``steady`` is True on the steps the analyses use for statistics (the one
-    steady-state rule, ``fsdp_doctor.analyze.steps.usable_steps``: figures need not re-implement it)."""
-    from fsdp_doctor.analyze.steps import profiler_export_steps, usable_steps
-
-    out: dict[int, dict[str, list]] = {}
-    for r, rd in sorted(run.ranks.items()):
-        cols: dict[str, list] = {k: [] for k in STEP_COLUMNS}
-        for s in rd.steps:
-            for k in STEP_COLUMNS:
-                cols[k].append(getattr(s, k))
-        export = set(profiler_export_steps(rd))
-        cols["profiler_export"] = [st in export for st in cols["step"]]
-        steady = {s.step for s in usable_steps(rd.steps)}
-        cols["steady"] = [st in steady for st in cols["step"]]
-        out[r] = cols
-    return out
 
 
 def _first_line(data: bytes) -> Optional[bytes]:

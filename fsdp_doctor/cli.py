@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import threading
@@ -125,7 +124,9 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
     for kind, p in outputs.items():
         try:
             if kind == "json":
-                p.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
+                from .present.json import write_json
+
+                write_json(report, p)
             else:
                 from .present.html import write_html
 
@@ -209,7 +210,9 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     export_tensorboard(run, out)  # TensorBoard scalars written after training, at no cost to it
     report_path = layout.report_path(out)
-    report_path.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
+    from .present.json import write_json
+
+    write_json(report, report_path)
     _emit(report, {}, console)
     fd, tb = _command("fsdp-doctor"), _command("tensorboard")
     console.print(f"\nJSON report: {report_path}\nAnalyze again: {fd} analyze {out}\n"

@@ -164,3 +164,28 @@ def is_usable(run: Run, report: Report) -> bool:
     profiler step or communication (an empty ``traceEvents`` is not a run)."""
     per_rank = report.overlap.per_rank if report.overlap is not None else {}
     return run.has_records or any(pr.steps or pr.comm_us for pr in per_rank.values())
+
+
+# The step records as columns, for the dashboard's step figures (which draw them and compute nothing).
+STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled")
+
+
+def steps_columns(run: Run) -> dict[int, dict[str, list]]:
+    """The per-step records of each rank as columns (plain lists), the input of the step figures. Column
+    ``profiler_export`` is True on a step that wrote a profiler window's trace (its "outside" time is that
+    export, not data loading); ``steady`` is True on the steps the analyses use for statistics (the one
+    steady-state rule, ``fsdp_doctor.analyze.steps.usable_steps``: figures need not re-implement it)."""
+    from .analyze.steps import profiler_export_steps
+
+    out: dict[int, dict[str, list]] = {}
+    for r, rd in sorted(run.ranks.items()):
+        cols: dict[str, list] = {k: [] for k in STEP_COLUMNS}
+        for s in rd.steps:
+            for k in STEP_COLUMNS:
+                cols[k].append(getattr(s, k))
+        export = set(profiler_export_steps(rd))
+        cols["profiler_export"] = [st in export for st in cols["step"]]
+        steady = {s.step for s in usable_steps(rd.steps)}
+        cols["steady"] = [st in steady for st in cols["step"]]
+        out[r] = cols
+    return out

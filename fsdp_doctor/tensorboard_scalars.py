@@ -64,7 +64,7 @@ def memory_scalars(mem: Optional[MemoryStep]) -> dict[str, float]:
 
 
 def overlap_scalars(section: Optional[OverlapSection], rank: int) -> dict[int, dict[str, float]]:
-    """Per analysed step of one trace window (``section``: the pipeline's overlap section of that window): overlap
+    """Per analysed step of one trace window (``section``: the trace engine's overlap section of that window): overlap
     %, exposed and total communication (ms per step). A window holding one rank counts for ``rank``."""
     per_rank = section.per_rank if section is not None else {}
     pr = per_rank.get(str(rank))
@@ -80,18 +80,17 @@ def overlap_scalars(section: Optional[OverlapSection], rank: int) -> dict[int, d
     return {int(s): dict(vals) for s in pr.steps}
 
 
-def window_overlap_scalars(run, rank: int, paths: Iterable[Path]) -> dict[int, dict[str, float]]:
-    """Overlap scalars per profiled step of ``rank``, each window analysed by the pipeline on its own (so each
-    window's steps get that window's figures)."""
-    from .pipeline import trace_section
-    from .trace import load_window
+def window_overlap_scalars(rank: int, paths: Iterable[Path]) -> dict[int, dict[str, float]]:
+    """Overlap scalars per profiled step of ``rank``, each window analysed by the trace engine on its own (so
+    each window's steps get that window's figures; no report is built)."""
+    from .trace import analyze_windows, load_window
 
     out: dict[int, dict[str, float]] = {}
     for p in paths:
         w = load_window(str(p))
         if not hasattr(w, "calls"):
             continue  # unreadable: `fsdp-doctor analyze` names it
-        out.update(overlap_scalars(trace_section(run, windows=[w]), rank))
+        out.update(overlap_scalars(analyze_windows([w]), rank))
     return out
 
 

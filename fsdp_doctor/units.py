@@ -7,6 +7,14 @@ presenters."""
 from __future__ import annotations
 
 MISSING = "—"
+ROOT_LABEL = "(root)"  # the root FSDP unit's display name (its module path is "")
+
+
+def unit_label(name) -> str:
+    """Display name of an FSDP unit: "" is the root; None (outside every unit) is "—"."""
+    if name is None:
+        return MISSING
+    return ROOT_LABEL if name == "" else str(name)
 
 
 def fmt_bytes(n, prec: int = 2) -> str:

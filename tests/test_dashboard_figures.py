@@ -14,7 +14,8 @@ import pytest
 from fsdp_doctor.present import figures as F
 from fsdp_doctor.dashboards.pages import PAGES
 from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
-from fsdp_doctor.dashboards.state import RunState, steps_columns
+from fsdp_doctor.dashboards.state import RunState
+from fsdp_doctor.pipeline import steps_columns
 from fsdp_doctor.report_sections import (Finding, MemoryRank, MemorySection, OverlapSection, Recommendation, StepsSection, Verdict, VerdictEntry)
 from fsdp_doctor.store import load_run
 

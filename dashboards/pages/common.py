@@ -8,12 +8,11 @@ from typing import Any, Optional
 import dash_ag_grid as dag  # imported with the app: Dash refuses a component library first imported in a callback
 from dash import dcc, html
 
+from fsdp_doctor.present.fmt import ROOT_LABEL, unit_label
 from fsdp_doctor.present.fmt import fmt_value as _fmt_value
 
-from fsdp_doctor.present.figures import unit_label
-
 ALL = "__all__"
-ROOT = "(root)"  # the root unit's name is "", which a dropdown cannot hold (no module path has parentheses)
+ROOT = ROOT_LABEL  # the root unit's name is "", which a dropdown cannot hold (no module path has parentheses)
 GRAPH_CONFIG = {"displaylogo": False, "responsive": True, "displayModeBar": "hover",
                 "modeBarButtonsToRemove": ["lasso2d", "select2d", "autoScale2d"]}
 

@@ -11,10 +11,10 @@ from dash import dcc, html
 from msgspec import UNSET
 
 from fsdp_doctor.present.fmt import (SEVERITY_ORDER, VERDICT_HEADER, findings_headline, fmt_bytes, fmt_ms,
-                                     predicted_text, severity_counts, verdict_headline, verdict_rows)
+                                     predicted_text, severity_counts, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
-from fsdp_doctor.present.figures import unit_label, verdict_figure
+from fsdp_doctor.present.figures import verdict_figure
 from ..state import RECORD_SECTIONS
 from .common import Filters, fmt_value, graph, kpi, note, section
 

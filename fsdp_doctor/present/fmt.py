@@ -10,16 +10,8 @@ from __future__ import annotations
 
 from ..report_sections import (CommSummary, Finding, Outlier, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
-from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us  # noqa: F401  (re-exported)
-
-ROOT_LABEL = "(root)"
-
-
-def unit_label(name) -> str:
-    """Display name of an FSDP unit: "" is the root; None (outside every unit) is "—"."""
-    if name is None:
-        return MISSING
-    return ROOT_LABEL if name == "" else str(name)
+from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
+                     unit_label)
 
 
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)

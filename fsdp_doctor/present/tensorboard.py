@@ -34,7 +34,7 @@ def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = Tru
                 walltime[rec.step] = step_walltime(rec)
                 add_scalars(w, step_scalars(rec), rec.step, walltime[rec.step])
             if traces:
-                for step, vals in sorted(window_overlap_scalars(run, rank, _profiles(run, rd.profiles)).items()):
+                for step, vals in sorted(window_overlap_scalars(rank, _profiles(run, rd.profiles)).items()):
                     add_scalars(w, vals, step, walltime.get(step))
         finally:
             w.close()

@@ -130,9 +130,7 @@ class TensorBoardWriter:
 
     def _analyze(self, window: Optional[ProfileWindow], path: Path) -> None:
         try:
-            from ..store import Run
-
-            vals_by_step = window_overlap_scalars(Run(path=path.parent), self.rank, [path])
+            vals_by_step = window_overlap_scalars(self.rank, [path])
             for step, vals in sorted(vals_by_step.items()):
                 self._add_many(vals, step, self._walltime.get(step))
             if not vals_by_step:

@@ -1,0 +1,22 @@
+"""JSON presenter: the report as JSON (``--json FILE``, the demo's ``report.json``), the typed contract of
+:mod:`fsdp_doctor.report_sections` encoded by msgspec. ``Report.of`` reads it back to the same struct."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from ..report_sections import Report
+
+
+def render_json(report: Report | dict) -> bytes:
+    """The report (a Report, or its JSON form) as indented JSON bytes."""
+    return msgspec.json.format(msgspec.json.encode(Report.of(report)), indent=1)
+
+
+def write_json(report: Report | dict, path: Path | str) -> Path:
+    """Writes the report as JSON to ``path``; returns it."""
+    path = Path(path)
+    path.write_bytes(render_json(report))
+    return path
