@@ -677,6 +677,6 @@ def test_html_report_draws_the_same_verdict_bar_first():
     v = _known_verdict()
     doc = render_html({"verdict": v, "findings": []})
     i = doc.index("id='verdict'")
-    assert i < doc.index('class="plotly-graph-div"') < doc.index("<table class='verdict-table'>") < doc.index("<h2>Diagnosis")
+    assert i < doc.index('class="plotly-graph-div"') < doc.index("<table class='num verdict-table'") < doc.index("<h2>Diagnosis")
     assert all(F.VERDICT_COLORS[k] in doc for k in ("compute", "AG fwd", "AG bwd", "RS", "host"))
     assert json.dumps("rank 0 · 5.00 ms") in doc

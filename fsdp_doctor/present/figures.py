@@ -8,7 +8,6 @@ builder returns a figure with a readable note instead of raising when its data i
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Sequence
 
 import plotly.graph_objects as go
@@ -578,11 +577,6 @@ def unit_timing_figure(units: list[UnitRow], unit: Optional[str] = None, height:
     fig.update_yaxes(automargin=True)
     return _layout(fig, title, height or max(280, 90 + 40 * len(rows)))
 
-
-def fmt_num(v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 # ---------------------------------------------------------------- report summaries (the HTML report's figures)

@@ -43,11 +43,10 @@ table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{padding:2px 10
      vertical-align:top} th{color:#555;font-weight:600}
 .pred{color:#2e7d32;font-weight:600;margin:6px 0} .note{color:#777;font-size:13px}
 .warn{color:#8a6d00;font-weight:600} h3{font-size:14px;margin:14px 0 4px}
-table.num td,table.num th{text-align:right} table.num td:first-child,table.num th:first-child{text-align:left}
+table.num td,table.num th{text-align:right} table.num .l{text-align:left}
 .fig{background:#fff;border-radius:4px;margin:10px 0;padding:4px}
 .verdict{background:#fff;border-left:6px solid #4C78A8;border-radius:4px;margin:14px 0 6px;padding:10px 14px;
      font-size:16px;font-weight:600}
-table.verdict-table td,table.verdict-table th{text-align:right} table.verdict-table .l{text-align:left}
 """
 
 
@@ -164,12 +163,13 @@ def _units_table(units: list[UnitRow]) -> str:
             f"<table>{head}{''.join(rows)}{more}</table>")
 
 
-def _table(header, rows, tid: str, bold_first: str = "job") -> str:
-    """A table of text cells (the terminal's cells: fsdp_doctor.present.fmt), numbers right-aligned."""
+def _table(header, rows, tid: str, left: tuple[int, ...] = (0,), cls: str = "num") -> str:
+    """A table of text cells (the terminal's cells: fsdp_doctor.present.fmt): numbers right-aligned, the columns
+    ``left`` left-aligned, the job's row (first cell "job") in bold."""
     def cells(row, tag):
-        return "".join(f"<{tag}>{_esc(x)}</{tag}>" for x in row)
-    body = "".join(f"<tr{' style=font-weight:600' if r[0] == bold_first else ''}>{cells(r, 'td')}</tr>" for r in rows)
-    return f"<table class='num' id='{tid}'><tr>{cells(header, 'th')}</tr>{body}</table>"
+        return "".join(f"<{tag}{' class=l' if i in left else ''}>{_esc(x)}</{tag}>" for i, x in enumerate(row))
+    body = "".join(f"<tr{' style=font-weight:600' if r[0] == 'job' else ''}>{cells(r, 'td')}</tr>" for r in rows)
+    return f"<table class='{cls}' id='{tid}'><tr>{cells(header, 'th')}</tr>{body}</table>"
 
 
 def _steps(section: StepsSection) -> str:
@@ -177,7 +177,7 @@ def _steps(section: StepsSection) -> str:
     out = f"<h3>{_esc(STEPS_TITLE)}</h3>" + _table(STEPS_HEADER, steps_rows(section), "steps-table")
     if section.outliers:
         out += f"<h3>{_esc(outliers_title(section.outliers))}</h3>" + _table(
-            OUTLIERS_HEADER, outlier_rows(section.outliers), "outliers-table")
+            OUTLIERS_HEADER, outlier_rows(section.outliers), "outliers-table", left=(4,))
     out += "".join(f"<p class='warn'>{_esc(straggler_text(s))}</p>" for s in section.stragglers)
     return out
 
@@ -189,11 +189,7 @@ def _throughput(section: ThroughputSection) -> str:
 
 def _verdict_table(section: Verdict) -> str:
     """The terminal's verdict table, the same rows (fsdp_doctor.present.fmt.verdict_rows)."""
-    def cells(row, tag):
-        return "".join(f"<{tag}{' class=l' if i == 1 else ''}>{_esc(x)}</{tag}>" for i, x in enumerate(row))
-    body = "".join(f"<tr{' style=font-weight:600' if r[0] == 'job' else ''}>{cells(r, 'td')}</tr>"
-                   for r in verdict_rows(section))
-    return f"<table class='verdict-table'><tr>{cells(VERDICT_HEADER, 'th')}</tr>{body}</table>"
+    return _table(VERDICT_HEADER, verdict_rows(section), "verdict-table", left=(1,), cls="num verdict-table")
 
 
 def _verdict(section: Verdict, first: bool) -> tuple[str, bool]:
