@@ -229,3 +229,22 @@ def test_step_figure_p50_never_written_over_a_bar():
     assert all(not t.text for t in bars)
     tick = next(t for t in fig.data if t.name == "p50")
     assert list(tick.x) == [110.0, 110.0]
+
+
+def test_memory_figures_known_answers():
+    """The HTML's memory figures (present/figures.py): each rank's peak categories stacked in MiB with where the
+    peak happened under its bar and the capacity line; per unit the own activations."""
+    from fsdp_doctor.present.figures import MEMORY_COLORS, memory_peaks_figure, memory_units_figure
+    from fsdp_doctor.report_sections import Report
+
+    mem = Report.of(_report()).memory
+    fig = memory_peaks_figure(mem)
+    bars = {t.name: t for t in fig.data}
+    assert set(bars) == {"sharded_params", "unsharded_params", "optimizer_state", "activations"}  # zeros left out
+    assert list(bars["activations"].y) == [16.0, 16.0] and bars["activations"].marker.color == MEMORY_COLORS["activations"]
+    assert [sum(t.y[i] for t in fig.data) for i in (0, 1)] == [22.25, 22.25]  # 2 + 0.25 + 4 + 16 MiB
+    assert list(bars["activations"].x) == [f"rank {r}<br>step 3 · unit norm, lm_head · forward_end" for r in (0, 1)]
+    assert fig.layout.shapes[0].y0 == 12.0  # the capacity, MiB
+    units = memory_units_figure(mem)
+    assert [t.name for t in units.data] == ["sharded", "unsharded", "activations"]
+    assert list(units.data[2].y) == [4.0] * 4 and list(units.data[0].x) == [f"layers.{i}" for i in range(4)]

@@ -588,26 +588,27 @@ def _rank_order(keys) -> list[str]:
 
 def memory_peaks_figure(memory: Optional[MemorySection], height: int = 340) -> go.Figure:
     """Each rank's peak by category (stacked bars, MiB), with the capacity as a line and where each peak
-    happened in the title."""
+    happened under its bar."""
     title = "Memory at the peak, by category"
     per_rank = memory.per_rank if memory is not None else {}
     ranks = _rank_order(per_rank)
     if not ranks:
         return empty_figure("No memory measurements in the report.", title, 200)
+    xs = [f"rank {r}" + (f"<br>{_peak_where(per_rank[r].peak_at)}" if per_rank[r].peak_at.step is not None else "")
+          for r in ranks]
     fig = go.Figure()
     present = {c for r in ranks for c, v in per_rank[r].peak_breakdown.items() if v}
     for c in _ordered_categories(present):
-        fig.add_trace(go.Bar(name=c, x=[f"rank {r}" for r in ranks], marker_color=MEMORY_COLORS.get(c, "#888"),
+        fig.add_trace(go.Bar(name=c, x=xs, marker_color=MEMORY_COLORS.get(c, "#888"),
                              y=[(per_rank[r].peak_breakdown.get(c) or 0) / MIB for r in ranks],
                              hovertemplate=f"{c}: %{{y:.1f}} MiB<extra></extra>"))
     caps = [per_rank[r].capacity_bytes for r in ranks if per_rank[r].capacity_bytes]
     if caps:
         fig.add_hline(y=max(caps) / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},
                       annotation_text=f"capacity {fmt_bytes(max(caps))}", annotation_position="top left")
-    where = [f"rank {r}: {_peak_where(per_rank[r].peak_at)}" for r in ranks if per_rank[r].peak_at.step is not None]
     fig.update_layout(barmode="stack")
     fig.update_yaxes(title_text="MiB")
-    return _layout(fig, title + (" (" + "; ".join(where[:4]) + ")" if where else ""), height)
+    return _layout(fig, title, height)
 
 
 def memory_units_figure(memory: Optional[MemorySection], height: int = 340) -> go.Figure:
