@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -175,3 +176,18 @@ def test_page_answers_are_cached_per_version(sample_app, monkeypatch):
     assert first.status_code == again.status_code == 200 and first.data == again.data
     assert len(calls) == 1
     assert _page_post(c, "/steps", "?rank=0", v).data != first.data and len(calls) == 2
+
+
+def test_communication_page_names_a_failed_trace_beside_good_ones(tmp_path):
+    from fsdp_doctor.dashboards.pages import communication
+    from fsdp_doctor.dashboards.pages.common import Filters
+
+    run = write_run(tmp_path / "run", "ffffffffffff", 10, 1)
+    shutil.copytree(SAMPLE / "profiler", run / "profiler")
+    (run / "profiler" / "rank1.6.pt.trace.json.gz").write_bytes(b"\x1f\x8b not gzip")
+    state = RunState(run, background_traces=False)
+    state.refresh()
+    snap = state.snapshot()
+    assert [w.rank for w in snap.windows] == [0]
+    text = json.dumps([c.to_plotly_json() for c in communication.layout(snap, Filters())], default=str)
+    assert "comm-trace-errors" in text and "rank1.6.pt.trace.json.gz" in text and "fig-comm-timeline" in text

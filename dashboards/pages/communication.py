@@ -120,6 +120,10 @@ def layout(snap, flt: Filters) -> list:
                                                       ("busbw", "bus bandwidth"), ("slack", "slack")],
                              left=("unit", "collective", "phase"), page_size=15,
                              sort_keys={c: c + "_v" for c in ("comm", "exposed", "bytes", "busbw", "slack")})))
+    if snap.trace_errors:  # the windows shown are not all there are
+        out.insert(0, note(f"{len(snap.trace_errors)} Kineto trace file(s) could not be analysed: "
+                           + "; ".join(snap.trace_errors[:3]) + (" …" if len(snap.trace_errors) > 3 else ""),
+                           "warning", nid="comm-trace-errors"))
     if snap.traces_pending:
         out.insert(0, note(f"Analysing {snap.traces_pending} more trace file(s) …", "info"))
     return out
