@@ -43,11 +43,15 @@ NOT_MEASURED = "not measurable on this torch"  # a memory category's 0 that is n
 MIB_HOVER = "%{y}: %{x:.1f} MiB<extra></extra>"
 
 
-# plotly_white's layout only: the full template carries per-trace-type defaults whose copy costs ~0.3 s per
-# figure; the layout part alone looks the same for the traces used here.
+# plotly_white's layout only, without the parts for trace types never drawn here (maps, polar, ternary and 3-D
+# axes, colour axes and scales: the heatmap names its own): the full template carries per-trace-type defaults
+# whose copy costs ~0.3 s per figure, and every figure copies the template it is given.
 TEMPLATE = "fsdp_doctor"
+_UNUSED_LAYOUT = ("geo", "mapbox", "polar", "scene", "ternary", "coloraxis", "colorscale", "shapedefaults",
+                  "annotationdefaults")
 if TEMPLATE not in pio.templates:
-    pio.templates[TEMPLATE] = go.layout.Template(layout=pio.templates["plotly_white"].layout.to_plotly_json())
+    pio.templates[TEMPLATE] = go.layout.Template(layout={
+        k: v for k, v in pio.templates["plotly_white"].layout.to_plotly_json().items() if k not in _UNUSED_LAYOUT})
 
 
 def rank_color(rank: int) -> str:
