@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-import fsdp_doctor.trace.analysis as an
+import fsdp_doctor.trace.loader as an
 from fsdp_doctor.report_sections import SkippedFile
 from fsdp_doctor.trace import analyze_traces, build_window, reader
-from fsdp_doctor.trace.analysis import analyze_windows, load_windows
+from fsdp_doctor.trace import analyze_windows, load_windows
 from trace_fixtures import gloo_known_trace, gpu_known_trace
 
 

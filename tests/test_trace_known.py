@@ -133,12 +133,12 @@ def test_progress_callback(tmp_path):
 
 
 def test_parallel_load_matches_serial(tmp_path):
-    from fsdp_doctor.trace.analysis import analyze_windows, load_windows
+    from fsdp_doctor.trace import analyze_windows, load_windows
 
     paths = []
     for k in range(3):
         paths.append(gpu_known_trace(rank=k, prefetch=bool(k % 2)).write(tmp_path / f"rank{k}.json.gz"))
-    import fsdp_doctor.trace.analysis as an
+    import fsdp_doctor.trace.loader as an
 
     old = an.PARALLEL_MIN_BYTES
     an.PARALLEL_MIN_BYTES = 0

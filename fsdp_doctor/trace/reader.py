@@ -39,7 +39,7 @@ class LeanArgs(msgspec.Struct, gc=False):
 class Args(LeanArgs, gc=False):
     # kept undecoded: only read for the few c10d ops of a CPU/gloo trace (record_shapes=True gives message
     # sizes). Two objects per operator, ~20% of a GPU trace's decode time, so the fast decoder leaves them out
-    # and a CPU trace that needs them is decoded again in full (see model._Shapes).
+    # and a CPU trace that needs them is decoded again in full (see build._Shapes).
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
