@@ -26,16 +26,18 @@ def _console() -> Console:
 
 
 def _err(msg: str) -> None:
-    print(f"fsdp-doctor: {msg}", file=sys.stderr)
+    from .units import printable
+
+    print(f"fsdp-doctor: {printable(msg)}", file=sys.stderr)
 
 
 def _load(path: Path):
     """The run at ``path``, or None after one line on stderr saying why not."""
-    from .store import load_run
+    from .store import RunRefused, load_run
 
     try:
         return load_run(path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, RunRefused) as e:
         _err(str(e))
     except (NotADirectoryError, PermissionError) as e:
         _err(f"{path}: cannot be read as a run directory or trace file ({e.strerror or e})")
@@ -54,6 +56,10 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     run = _load(path)
     if run is None:
         return EXIT_BAD_INPUT
+    for kind, p in outputs.items():
+        if _is_input(p, path, run):
+            _err(f"--{kind} {p}: is one of the inputs being analysed; give another file name")
+            return EXIT_BAD_INPUT
     if not run.has_records and not run.trace_files:
         _err(f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found")
         for p in run.problems:
@@ -105,6 +111,21 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
     return out
 
 
+def _is_input(out: Path, path: Path, run) -> bool:
+    """Whether writing ``out`` would overwrite something ``analyze`` reads: the trace file given, a trace, a
+    record stream or the manifest of the run directory."""
+    from .store import layout
+
+    try:
+        o = out.resolve()
+    except OSError:
+        return False
+    inputs = {f.resolve() for f in run.trace_files} | {path.resolve()}
+    if path.is_dir():
+        inputs |= {q.resolve() for q in layout.streams(path).values()} | {layout.manifest_path(path).resolve()}
+    return o in inputs
+
+
 def _build_with_progress(run, console: Console, build_report):
     n = len(run.trace_files)
     if n < 2 or not console.is_terminal:
@@ -122,10 +143,12 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
     from .present.terminal import render_report
 
     render_report(report, console)
+    from .store.layout import write_atomic
+
     for kind, p in outputs.items():
         try:
             if kind == "json":
-                p.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
+                write_atomic(p, report_json(report))
             else:
                 from .present.html import write_html
 
@@ -135,6 +158,11 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
             return False
         console.print(f"{kind.upper()} report written to {p}", soft_wrap=True)  # a path to copy: never wrapped
     return True
+
+
+def report_json(report: Report) -> str:
+    """The ``--json`` form of a report (what ``report.json`` holds too)."""
+    return json.dumps(report.to_builtins(), indent=1, default=str)
 
 
 # ----------------------------------------------------------------------------------------- demo
@@ -209,7 +237,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     export_tensorboard(run, out)  # TensorBoard scalars written after training, at no cost to it
     report_path = layout.report_path(out)
-    report_path.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
+    layout.write_atomic(report_path, report_json(report))
     _emit(report, {}, console)
     fd, tb = _command("fsdp-doctor"), _command("tensorboard")
     console.print(f"\nJSON report: {report_path}\nAnalyze again: {fd} analyze {out}\n"
@@ -361,6 +389,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:  # `fsdp-doctor analyze ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        return EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: stdout pointed at /dev/null, so that the interpreter's final flush has nowhere to
+    fail (and exits 0, not 1 with "Exception ignored ... BrokenPipeError")."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import numpy as np
 from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceIdle, OverlapRank, OverlapSection,
                                SkippedFile)
 from . import intervals as iv
+from .admit import admit
 from .build import _gc_paused
 from .loader import load_windows
 from .model import CollectiveCall, WindowTrace
@@ -207,9 +208,14 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[Comm
 
 
 def analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
-    """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order."""
+    """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order. Windows
+    of another job, without a rank among several, or of a rank already read for the same steps are left out and
+    listed in ``skipped`` (``trace.admit``)."""
+    kept, skipped = admit(windows)
     with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
-        return _analyze_windows(windows)
+        result = _analyze_windows(kept)
+    result.skipped = skipped
+    return result
 
 
 def _sum_into(acc: dict[str, dict], rank: str, part: dict) -> None:
@@ -270,12 +276,14 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     files: list[Path] = []
     roots: dict[Path, Optional[Path]] = {}
     for p in inputs:
+        unreadable: list = []
         try:
-            found = find_trace_files(p)
+            found = find_trace_files(p, unreadable)
         except FileNotFoundError:
             skipped.append(SkippedFile(file=str(p), error="no such file or directory"))
             continue
-        if not found:
+        skipped.extend(SkippedFile(file=str(q), error=why) for q, why in unreadable)
+        if not found and not unreadable:
             skipped.append(SkippedFile(file=str(p), error="no Kineto trace files (*.json, *.json.gz) found"))
         for f in found:
             if f not in roots:
@@ -287,7 +295,7 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     windows, unread = load_windows(files, progress=progress, workers=workers,
                                    root=common if common is not None else roots[files[0]])
     result = analyze_windows(windows)
-    result.skipped = skipped + unread
+    result.skipped = skipped + unread + result.skipped
     return result
 
 

@@ -42,6 +42,7 @@ from . import intervals as iv
 from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _gloo_collective,
                           _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
+from ..units import printable
 from .reader import Args, Event, KinetoTrace, TraceError, decode, rank_from_name
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
@@ -188,10 +189,15 @@ def build_window(path, trace: Optional[KinetoTrace] = None) -> WindowTrace:
 
 def _build_window(path: Path, trace) -> WindowTrace:
     events: list[Event] = trace.traceEvents or []
+    if not events:
+        raise TraceError('no events ("traceEvents" is empty)')
     dist = trace.distributedInfo
     rank = dist.rank if dist is not None and dist.rank is not None else rank_from_name(path)
+    rank_known = rank is not None
     rank = 0 if rank is None else rank
     world = dist.world_size if dist is not None else None
+    if rank < 0 or (world is not None and world < 1):
+        raise TraceError(f"rank {rank} of world size {world} is not a rank (distributedInfo)")
 
     # ---- one pass over everything: device events, launches (host events with a correlation), and the
     # few host events the analyses read (steps, FSDP labels). The CPU path re-reads the host events.
@@ -206,6 +212,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     first = _SPECIAL_FIRST
     # Events without a category, or of category "Trace" (the profiler's span), take no part; the category is
     # only read where it matters, not for the bulk of operators.
+    dmax = 0.0
     for e in events:
         d = e.dur
         if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
@@ -213,6 +220,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
         ts = e.ts
         if ts is None:
             continue
+        if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
+            _implausible(e)
+            dmax = d
         if all_int and ts.__class__ is not int and (c := e.cat) is not None and c != "Trace":
             all_int = False
         a = e.args
@@ -243,6 +253,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
     if all_int and events and (trace.displayTimeUnit == "ns" or max(
             (e.ts for e in events if e.ts is not None), default=0) > 1e17):
         scale = 1e-3
+    if dmax * scale > MAX_EVENT_US:
+        longest = max((e for e in events if e.dur is not None and e.ts is not None), key=lambda e: e.dur)
+        raise TraceError(f"implausible duration: {printable(longest.name)[:60]!r} lasts {dmax * scale / 3.6e9:.3g} h "
+                         "(an event longer than a day); not analysed")
 
     # ---- profiler steps and the cut at the last step's start ----
     steps: dict[int, float] = {}
@@ -275,7 +289,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     phases = _Phases(boundaries)
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.events else "cpu", world_size=world,
-                      steps=kept_steps)
+                      steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
+                      clock_us=(trace.baseTimeNanoseconds or 0) / 1e3)
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
@@ -286,6 +301,20 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
     return win
+
+
+MAX_EVENT_US = 86_400e6  # one event longer than a day is no measurement
+_ABSURD_TS = 1e19  # beyond ns since the epoch
+
+
+def _implausible(e) -> None:
+    """Raises TraceError for an event whose time cannot be true (a negative duration, a timestamp beyond any
+    clock); returns for a plausible one (the caller's running maximum grew)."""
+    what = printable(e.name)[:60]
+    if e.dur < 0:
+        raise TraceError(f"implausible duration: {what!r} lasts {e.dur} (negative); not analysed")
+    if not -_ABSURD_TS < e.ts < _ABSURD_TS:
+        raise TraceError(f"implausible timestamp: {what!r} at ts {e.ts:.3g}; not analysed")
 
 
 def _outside_model(win: WindowTrace, special: list, step_spans: list, scale: float) -> None:

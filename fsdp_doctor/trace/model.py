@@ -56,3 +56,7 @@ class WindowTrace:
     host_wait: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # GPU idle, next work not yet launched
     outside: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host time outside the model
     model_delimited: bool = False  # FSDP labels marked where the model runs
+    # the file's identity, for telling ranks and jobs apart (trace.admit)
+    rank_known: bool = True  # the rank came from distributedInfo or the file name (else read as 0)
+    backend: Optional[str] = None  # distributedInfo.backend
+    clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)

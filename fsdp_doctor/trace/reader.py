@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import msgspec
 
-from ..store.layout import NON_TRACE_NAMES, is_trace_name, trace_rank  # noqa: F401  (the run directory's layout)
+from ..store.layout import find_trace_files, read_regular, trace_rank  # noqa: F401  (the store finds the files)
 
 
 class TraceError(Exception):
@@ -104,20 +104,6 @@ _DECODER = msgspec.json.Decoder(KinetoTrace)
 _FAST_DECODER = msgspec.json.Decoder(_TaggedKinetoTrace)
 
 
-def find_trace_files(path) -> list[Path]:
-    """Kineto trace files at ``path``: the file itself, or ``*.json`` / ``*.json.gz`` found recursively
-    under a directory (TensorBoard plugin layout and the doctor's ``profiler/`` folder included), sorted.
-    Known non-trace JSON (``manifest.json``, ``report.json``, ``*.jsonl``) is left out.
-    Raises FileNotFoundError for a missing path."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such file or directory")
-    if p.is_file():
-        return [p]
-    found = [q for q in p.rglob("*") if q.is_file() and is_trace_name(q)]
-    return sorted(found)
-
-
 def rank_from_name(path: Path) -> Optional[int]:
     return trace_rank(path)
 
@@ -142,7 +128,7 @@ def _gunzip(data: bytes) -> bytes:
 
 
 def read_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
+    data = read_regular(path)
     if path.name.endswith(".gz") or data[:2] == b"\x1f\x8b":
         try:
             return _gunzip(data)
