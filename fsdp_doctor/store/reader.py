@@ -336,6 +336,10 @@ def load_run(path: Path | str) -> Run:
     if run.refused:
         raise RunRefused(run.refused)
     for rank, sr in follower._streams.items():
+        rd = run.ranks.get(rank)
+        if rd is not None and sr.offset == 0 and not sr.trailing_bytes():
+            run.problems.append(f"{sr.path.name}: empty (no records); skipped")
+            del run.ranks[rank]
         if sr.trailing_bytes():
             run.problems.append(
                 f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "

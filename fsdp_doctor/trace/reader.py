@@ -108,23 +108,56 @@ def rank_from_name(path: Path) -> Optional[int]:
     return trace_rank(path)
 
 
+# A gzip member inflating to more than this is refused (real Kineto traces inflate 9-20x): a small file that
+# inflates to gigabytes is a bomb, not a trace.
+GZIP_MAX_RATIO = 200
+GZIP_MIN_CAP = 64 << 20  # below this much inflated JSON, no ratio is refused
+
+
+def inflate_cap(compressed: int) -> int:
+    return max(GZIP_MIN_CAP, GZIP_MAX_RATIO * compressed)
+
+
 def _gunzip(data: bytes) -> bytes:
     """gzip.decompress, with the output in one buffer sized from the gzip trailer (ISIZE): gzip.decompress
     grows its output in blocks and joins them, which writes (and page-faults) twice the memory; ~40% faster
     on a fresh process. Taken only when the inflated first member has the trailer's length and CRC, i.e. the
     file is one member as torch.profiler writes it (or, absurdly, its first and last members are identical);
-    anything else goes through gzip.decompress, which also words the errors."""
+    anything else is inflated member by member, never past ``inflate_cap`` (TraceError beyond)."""
+    cap = inflate_cap(len(data))
     if len(data) >= 18:
         crc = int.from_bytes(data[-8:-4], "little")
         isize = int.from_bytes(data[-4:], "little")
-        if isize <= 1032 * len(data):  # deflate cannot expand more than that: a trailer to trust
+        if isize <= min(1032 * len(data), cap):  # deflate cannot expand more than that: a trailer to trust
             try:
                 out = zlib.decompress(data, 31, max(isize, 1))
             except (zlib.error, MemoryError):
                 out = None
             if out is not None and len(out) == isize and zlib.crc32(out) == crc:
                 return out
-    return gzip.decompress(data)
+    try:
+        return _inflate_capped(data, cap)
+    except (zlib.error, EOFError):  # the gzip module words the error (it stops at the same member: within the cap)
+        return gzip.decompress(data)
+
+
+def _inflate_capped(data: bytes, cap: int) -> bytes:
+    out: list[bytes] = []
+    n = 0
+    while data:
+        d = zlib.decompressobj(31)
+        chunk = d.decompress(data, cap - n + 1)
+        n += len(chunk)
+        if n > cap:
+            raise TraceError(f"gzip data inflates past {cap >> 20} MiB ({GZIP_MAX_RATIO}x its size, more than any "
+                             "trace): refused as a decompression bomb")
+        out.append(chunk)
+        if not d.eof:
+            raise EOFError
+        data = d.unused_data.lstrip(b"\x00")  # members follow one another; zero padding at the end is allowed
+        if data and data[:2] != b"\x1f\x8b":
+            raise EOFError  # trailing junk: worded by the gzip module
+    return b"".join(out)
 
 
 def read_bytes(path: Path) -> bytes:
