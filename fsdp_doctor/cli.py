@@ -21,8 +21,17 @@ EXIT_BAD_INPUT = 2  # nothing could be analyzed
 EXIT_PARTIAL = 3  # analyzed, but some files were skipped
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A closed pipe (``analyze ... | head``) is no failure: rich's default exits 1, which this CLI's
+        exit codes reserve for a failed demo. Output stops; ``main`` exits 0."""
+        self.quiet = True
+        _quiet_stdout()
+        raise BrokenPipeError
+
+
 def _console() -> Console:
-    return Console(width=min(shutil.get_terminal_size((100, 40)).columns, 100), highlight=False)
+    return _Console(width=min(shutil.get_terminal_size((100, 40)).columns, 100), highlight=False)
 
 
 def _err(msg: str) -> None:
