@@ -1,4 +1,4 @@
-"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard``."""
+"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard | schema``."""
 
 from __future__ import annotations
 
@@ -308,6 +308,22 @@ def _port_in_use(host: str, port: int) -> str:
     return ""
 
 
+# ----------------------------------------------------------------------------------------- schema
+SCHEMA_FILE = Path(__file__).with_name("report.schema.json")
+
+
+def schema_text() -> str:
+    """The JSON schema of the ``--json`` report, as published in ``fsdp_doctor/report.schema.json``."""
+    from .report_sections import Report
+
+    return json.dumps(Report.json_schema(), indent=1, sort_keys=True) + "\n"
+
+
+def cmd_schema(ns: argparse.Namespace) -> int:
+    sys.stdout.write(schema_text())
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------------------- tensorboard
 def cmd_tensorboard(ns: argparse.Namespace) -> int:
     from .present.tensorboard import export_tensorboard
@@ -379,6 +395,10 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                    help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 serves the network)")
     s.add_argument("--port", type=int, default=8050, help="port to bind (default: 8050)")
     s.set_defaults(fn=cmd_dashboard)
+
+    sc = sub.add_parser("schema", help="print the JSON schema of the --json report", epilog=EPILOG,
+                        formatter_class=fmt)
+    sc.set_defaults(fn=cmd_schema)
 
     t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run",
                        epilog=EPILOG, formatter_class=fmt)
