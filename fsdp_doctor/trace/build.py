@@ -43,7 +43,7 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
                           _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
-from .reader import Args, Event, KinetoTrace, TraceError, decode, rank_from_name
+from .reader import Args, Event, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -188,16 +188,8 @@ def build_window(path, trace: Optional[KinetoTrace] = None) -> WindowTrace:
 
 
 def _build_window(path: Path, trace) -> WindowTrace:
-    events: list[Event] = trace.traceEvents or []
-    if not events:
-        raise TraceError('no events ("traceEvents" is empty)')
-    dist = trace.distributedInfo
-    rank = dist.rank if dist is not None and dist.rank is not None else rank_from_name(path)
-    rank_known = rank is not None
-    rank = 0 if rank is None else rank
-    world = dist.world_size if dist is not None else None
-    if rank < 0 or (world is not None and world < 1):
-        raise TraceError(f"rank {rank} of world size {world} is not a rank (distributedInfo)")
+    streamed = isinstance(trace, StreamedTrace)
+    batches = trace.batches() if streamed else (trace.traceEvents or [],)
 
     # ---- one pass over everything: device events, launches (host events with a correlation), and the
     # few host events the analyses read (steps, FSDP labels). The CPU path re-reads the host events.
@@ -212,51 +204,64 @@ def _build_window(path: Path, trace) -> WindowTrace:
     first = _SPECIAL_FIRST
     # Events without a category, or of category "Trace" (the profiler's span), take no part; the category is
     # only read where it matters, not for the bulk of operators.
-    dmax = 0.0
-    for e in events:
-        d = e.dur
-        if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
-            continue
-        ts = e.ts
-        if ts is None:
-            continue
-        if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
-            _implausible(e)
-            dmax = d
-        if all_int and ts.__class__ is not int and (c := e.cat) is not None and c != "Trace":
-            all_int = False
-        a = e.args
-        if a is not None:
-            corr = a.correlation
-            if corr is not None and corr >= 0:
-                c = e.cat
-                if c is None or c == "Trace":
-                    continue
-                st = a.stream
-                if st is not None:
-                    if st.__class__ is not int:
-                        st = _stream_id(a)
-                    if st >= 0:
-                        gpu_append(e)
-                        g_ts(ts)
-                        g_dur(d)
-                        g_corr(corr)
-                        g_stream(st)
+    dmax = tmax = 0.0
+    n_events = 0
+    for events in batches:  # one list, or a streamed trace's batches (each freed once read)
+        n_events += len(events)
+        for e in events:
+            ts = e.ts
+            if ts is None:
+                continue
+            if ts > tmax:
+                tmax = ts
+            d = e.dur
+            if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
+                continue
+            if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
+                _implausible(e)
+                dmax = d
+            if all_int and ts.__class__ is not int and (c := e.cat) is not None and c != "Trace":
+                all_int = False
+            a = e.args
+            if a is not None:
+                corr = a.correlation
+                if corr is not None and corr >= 0:
+                    c = e.cat
+                    if c is None or c == "Trace":
                         continue
-                launches[corr] = e
-        n = e.name
-        if n[:1] in first and (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
-                n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
-                or n.startswith(OPTIMIZER_PREFIX)):
-            special_append(e)
+                    st = a.stream
+                    if st is not None:
+                        if st.__class__ is not int:
+                            st = _stream_id(a)
+                        if st >= 0:
+                            gpu_append(e)
+                            g_ts(ts)
+                            g_dur(d)
+                            g_corr(corr)
+                            g_stream(st)
+                            continue
+                    launches[corr] = e
+            n = e.name
+            if n[:1] in first and (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
+                    n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
+                    or n.startswith(OPTIMIZER_PREFIX)):
+                special_append(e)
+    if not n_events:
+        raise TraceError('no events ("traceEvents" is empty)')
+    # (after the events: a streamed trace knows its top-level fields once read)
+    dist = trace.distributedInfo
+    rank = dist.rank if dist is not None and dist.rank is not None else rank_from_name(path)
+    rank_known = rank is not None
+    rank = 0 if rank is None else rank
+    world = dist.world_size if dist is not None else None
+    if rank < 0 or (world is not None and world < 1):
+        raise TraceError(f"rank {rank} of world size {world} is not a rank (distributedInfo)")
     scale = 1.0
-    if all_int and events and (trace.displayTimeUnit == "ns" or max(
-            (e.ts for e in events if e.ts is not None), default=0) > 1e17):
+    if all_int and (trace.displayTimeUnit == "ns" or tmax > 1e17):
         scale = 1e-3
     if dmax * scale > MAX_EVENT_US:
-        longest = max((e for e in events if e.dur is not None and e.ts is not None), key=lambda e: e.dur)
-        raise TraceError(f"implausible duration: {printable(longest.name)[:60]!r} lasts {dmax * scale / 3.6e9:.3g} h "
-                         "(an event longer than a day); not analysed")
+        raise TraceError(f"implausible duration: an event lasts {dmax * scale / 3.6e9:.3g} h (longer than a day); "
+                         "not analysed")
 
     # ---- profiler steps and the cut at the last step's start ----
     steps: dict[int, float] = {}
@@ -296,7 +301,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
     if gpu.events:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
-    else:
+    else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
+        events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
