@@ -1,4 +1,4 @@
-"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard``."""
+"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard | schema``."""
 
 from __future__ import annotations
 
@@ -20,21 +20,32 @@ EXIT_BAD_INPUT = 2  # nothing could be analyzed
 EXIT_PARTIAL = 3  # analyzed, but some files were skipped
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A closed pipe (``analyze ... | head``) is no failure: rich's default exits 1, which this CLI's
+        exit codes reserve for a failed demo. Output stops; ``main`` exits 0."""
+        self.quiet = True
+        _quiet_stdout()
+        raise BrokenPipeError
+
+
 def _console() -> Console:
-    return Console(width=min(shutil.get_terminal_size((100, 40)).columns, 100), highlight=False)
+    return _Console(width=min(shutil.get_terminal_size((100, 40)).columns, 100), highlight=False)
 
 
 def _err(msg: str) -> None:
-    print(f"fsdp-doctor: {msg}", file=sys.stderr)
+    from .units import printable
+
+    print(f"fsdp-doctor: {printable(msg)}", file=sys.stderr)
 
 
 def _load(path: Path):
     """The run at ``path``, or None after one line on stderr saying why not."""
-    from .store import load_run
+    from .store import RunRefused, load_run
 
     try:
         return load_run(path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, RunRefused) as e:
         _err(str(e))
     except (NotADirectoryError, PermissionError) as e:
         _err(f"{path}: cannot be read as a run directory or trace file ({e.strerror or e})")
@@ -53,6 +64,10 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     run = _load(path)
     if run is None:
         return EXIT_BAD_INPUT
+    for kind, p in outputs.items():
+        if _is_input(p, path, run):
+            _err(f"--{kind} {p}: is one of the inputs being analysed; give another file name")
+            return EXIT_BAD_INPUT
     if not run.has_records and not run.trace_files:
         _err(f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found")
         for p in run.problems:
@@ -102,6 +117,21 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
             return None
         out[kind] = p
     return out
+
+
+def _is_input(out: Path, path: Path, run) -> bool:
+    """Whether writing ``out`` would overwrite something ``analyze`` reads: the trace file given, a trace, a
+    record stream or the manifest of the run directory."""
+    from .store import layout
+
+    try:
+        o = out.resolve()
+    except OSError:
+        return False
+    inputs = {f.resolve() for f in run.trace_files} | {path.resolve()}
+    if path.is_dir():
+        inputs |= {q.resolve() for q in layout.streams(path).values()} | {layout.manifest_path(path).resolve()}
+    return o in inputs
 
 
 def _build_with_progress(run, console: Console, build_report):
@@ -274,6 +304,22 @@ def _port_in_use(host: str, port: int) -> str:
     return ""
 
 
+# ----------------------------------------------------------------------------------------- schema
+SCHEMA_FILE = Path(__file__).with_name("report.schema.json")
+
+
+def schema_text() -> str:
+    """The JSON schema of the ``--json`` report, as published in ``fsdp_doctor/report.schema.json``."""
+    from .report_sections import Report
+
+    return json.dumps(Report.json_schema(), indent=1, sort_keys=True) + "\n"
+
+
+def cmd_schema(ns: argparse.Namespace) -> int:
+    sys.stdout.write(schema_text())
+    return EXIT_OK
+
+
 # ----------------------------------------------------------------------------------------- tensorboard
 def cmd_tensorboard(ns: argparse.Namespace) -> int:
     from .present.tensorboard import export_tensorboard
@@ -346,6 +392,10 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8050, help="port to bind (default: 8050)")
     s.set_defaults(fn=cmd_dashboard)
 
+    sc = sub.add_parser("schema", help="print the JSON schema of the --json report", epilog=EPILOG,
+                        formatter_class=fmt)
+    sc.set_defaults(fn=cmd_schema)
+
     t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run",
                        epilog=EPILOG, formatter_class=fmt)
     t.add_argument("path", help="run directory written by fsdp_doctor.watch()")
@@ -364,6 +414,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:  # `fsdp-doctor analyze ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        return EXIT_OK
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: stdout pointed at /dev/null, so that the interpreter's final flush has nowhere to
+    fail (and exits 0, not 1 with "Exception ignored ... BrokenPipeError")."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

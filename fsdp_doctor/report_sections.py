@@ -385,9 +385,11 @@ class Finding(_Section):
 SCHEMA = "fsdp-doctor-report/1"
 
 
-class Report(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The whole report. A section is None (and absent from the JSON) where nothing fed it: ``steps``,
-    ``units``, ``throughput`` and ``memory`` need records, ``overlap`` needs traces."""
+class Report(msgspec.Struct, kw_only=True):
+    """The whole report. A section is None (``null`` in the JSON) where nothing fed it: ``steps``, ``units``,
+    ``throughput`` and ``memory`` need records, ``overlap`` needs traces. Every key is always written, so that
+    ``r["findings"]`` works on any report; the JSON schema is published with the package
+    (``fsdp_doctor/report.schema.json``, ``fsdp-doctor schema``)."""
 
     schema: str = SCHEMA
     doctor_version: str = ""
@@ -405,6 +407,12 @@ class Report(msgspec.Struct, kw_only=True, omit_defaults=True):
     def to_builtins(self) -> dict:
         """The JSON-ready form (what ``--json`` writes)."""
         return msgspec.to_builtins(self)
+
+    @classmethod
+    def json_schema(cls) -> dict:
+        """The JSON schema of the ``--json`` form (``msgspec.json.schema``), as published in
+        ``fsdp_doctor/report.schema.json``."""
+        return msgspec.json.schema(cls)
 
     @classmethod
     def of(cls, report) -> "Report":

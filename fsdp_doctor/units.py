@@ -16,6 +16,16 @@ def unit_label(name) -> str:
         return MISSING
     return ROOT_LABEL if name == "" else str(name)
 
+# C0 and C1 control characters but newline and tab, DEL, and the bidi overrides that reorder what a terminal shows
+_CONTROL = {c: None for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0), *range(0x202a, 0x202f),
+                              *range(0x2066, 0x206a)]}
+
+
+def printable(text: str) -> str:
+    """``text`` without control characters (an escape sequence in a module or file name must never reach a
+    terminal raw: it could retitle the window, hide text or move the cursor)."""
+    return text.translate(_CONTROL) if not text.isprintable() else text
+
 
 def fmt_bytes(n, prec: int = 2) -> str:
     """Bytes in binary units: "774.50 KiB", "1.25 GiB" (``prec`` decimals; 1 where a table is tight)."""

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-import fsdp_doctor.trace.analysis as an
+import fsdp_doctor.trace.loader as an
 from fsdp_doctor.report_sections import SkippedFile
 from fsdp_doctor.trace import analyze_traces, build_window, reader
-from fsdp_doctor.trace.analysis import analyze_windows, load_windows
+from fsdp_doctor.trace import analyze_windows, load_windows
 from trace_fixtures import gloo_known_trace, gpu_known_trace
 
 
@@ -109,7 +109,7 @@ def test_parallel_errors_match_serial(tmp_path):
 def test_parallel_worker_that_dies_is_one_skipped_file(tmp_path, monkeypatch):
     import os
 
-    paths = [gpu_known_trace(rank=k).write(tmp_path / f"rank{k}.json") for k in range(3)]
+    paths = [gpu_known_trace(rank=k, world_size=3).write(tmp_path / f"rank{k}.json") for k in range(3)]
     real = an.build_window
 
     def dies_on_rank1(path, trace=None):

@@ -126,19 +126,19 @@ def test_no_profiler_steps_keeps_everything(tmp_path):
 
 def test_progress_callback(tmp_path):
     for k in range(3):
-        gpu_known_trace(rank=k).write(tmp_path / f"rank{k}.json")
+        gpu_known_trace(rank=k, world_size=3).write(tmp_path / f"rank{k}.json")
     seen = []
     analyze_traces(tmp_path, progress=lambda d, t: seen.append((d, t)))
     assert seen[0] == (0, 3) and seen[-1] == (3, 3)
 
 
 def test_parallel_load_matches_serial(tmp_path):
-    from fsdp_doctor.trace.analysis import analyze_windows, load_windows
+    from fsdp_doctor.trace import analyze_windows, load_windows
 
     paths = []
     for k in range(3):
-        paths.append(gpu_known_trace(rank=k, prefetch=bool(k % 2)).write(tmp_path / f"rank{k}.json.gz"))
-    import fsdp_doctor.trace.analysis as an
+        paths.append(gpu_known_trace(rank=k, prefetch=bool(k % 2), world_size=3).write(tmp_path / f"rank{k}.json.gz"))
+    import fsdp_doctor.trace.loader as an
 
     old = an.PARALLEL_MIN_BYTES
     an.PARALLEL_MIN_BYTES = 0

@@ -126,8 +126,8 @@ class TraceBuilder:
 # extra_unit_events adds a non-FSDP all_reduce [T+990, T+995) (exposed 5) attributed to "(other)".
 
 
-def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False) -> TraceBuilder:
-    b = TraceBuilder(rank=rank)
+def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False, world_size=2) -> TraceBuilder:
+    b = TraceBuilder(rank=rank, world_size=world_size)
     M, B = b.main_tid, b.bwd_tid
     all_steps = list(steps) + [steps[-1] + 1]
     for i, n in enumerate(all_steps):

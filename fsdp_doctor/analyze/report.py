@@ -82,7 +82,7 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
     reduce-scatter its unsharded gradients in reduce dtype."""
     from ..trace.analysis import busbw_factor
-    from ..trace.model import dtype_bytes
+    from ..trace.collectives import dtype_bytes
 
     cfg = run.config
     if cfg is None:

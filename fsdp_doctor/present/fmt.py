@@ -8,10 +8,29 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 from __future__ import annotations
 
 
-from ..report_sections import (CommSummary, Finding, Outlier, RunFacts, StepsSection, Straggler, ThroughputJob,
-                               ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
+from ..report_sections import (CommSummary, Finding, Outlier, Report, RunFacts, StepsSection, Straggler,
+                               ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
-                     unit_label)
+                     printable, unit_label)
+
+
+def printable_report(report: Report) -> Report:
+    """The report with every text (keys included) stripped of control characters, for a terminal: module, file
+    and host names come from the user's run and may carry escape sequences (``units.printable``)."""
+    import msgspec
+
+    def clean(v):
+        if isinstance(v, str):
+            return printable(v)
+        if isinstance(v, dict):
+            return {clean(k): clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    data = report.to_builtins()
+    cleaned = clean(data)
+    return report if cleaned == data else msgspec.convert(cleaned, Report)
 
 
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)

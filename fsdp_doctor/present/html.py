@@ -267,5 +267,7 @@ def write_html(report: Report | dict, path: Path) -> Path:
     it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # the CLI checks --html's directory exists before any work
-    path.write_text(render_html(report), encoding="utf-8")
+    from ..store.layout import write_atomic
+
+    write_atomic(path, render_html(report))
     return path

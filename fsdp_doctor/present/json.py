@@ -16,7 +16,7 @@ def render_json(report: Report | dict) -> bytes:
 
 
 def write_json(report: Report | dict, path: Path | str) -> Path:
-    """Writes the report as JSON to ``path``; returns it."""
-    path = Path(path)
-    path.write_bytes(render_json(report))
-    return path
+    """Writes the report as JSON to ``path`` atomically (a reader never sees half a file); returns it."""
+    from ..store.layout import write_atomic
+
+    return write_atomic(Path(path), render_json(report))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
@@ -11,7 +12,7 @@ from rich.text import Text
 
 from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
                                UnitRow, Verdict)
-from .fmt import (MISSING, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
+from .fmt import (MISSING, printable_report, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
                   fmt_unit_figures, fmt_value, predicted_text, run_facts, unit_label, verdict_headline, verdict_rows,
                   verdict_title)
 
@@ -20,7 +21,7 @@ SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 def render_header(report: Report):
     r = report.run
-    parts = [f"[bold]{r.path}[/]"]
+    parts = [f"[bold]{escape(r.path)}[/]"]
     facts = run_facts(r)
     if r.trace_files:
         facts.append(f"{r.trace_files} trace files")
@@ -140,7 +141,7 @@ def render_findings(findings: list[Finding]):
 
 def render_report(report: Report | dict, console: Console | None = None) -> None:
     """Prints the report (a :class:`~fsdp_doctor.report_sections.Report`, or its JSON form) section by section."""
-    report = Report.of(report)
+    report = printable_report(Report.of(report))  # no escape sequence from a module or file name reaches the terminal
     console = console or Console(width=100)
     console.print(render_header(report))
     if report.verdict is not None:

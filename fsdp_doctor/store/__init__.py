@@ -3,7 +3,7 @@ readers load or follow a run. Names resolve lazily, so that the record schema ca
 
 _LAZY = {
     "RankData": "reader", "Run": "reader", "RunFollower": "reader", "StreamReader": "reader", "load_run": "reader",
-    "run_trace_files": "reader",
+    "run_trace_files": "reader", "RunRefused": "reader",
     "RecordWriter": "writer", "RunDirTaken": "writer", "claim_run_dir": "writer", "write_manifest": "writer",
 }
 

@@ -13,11 +13,13 @@ This module imports nothing from the rest of the package (the record schema impo
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 MANIFEST_NAME = "manifest.json"
 PROFILER_DIR = "profiler"
@@ -89,6 +91,111 @@ def is_trace_name(path: Path) -> bool:
     return n.endswith(".json") or n.endswith(".json.gz")
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path | str) -> BinaryIO:
+    """``path`` opened for reading in binary mode, only if it is a regular file (after symlinks): a FIFO, a
+    socket or a device would block or never end. Raises OSError whose ``strerror`` is one short phrase
+    ("not a regular file (a FIFO)", "symlink loop", ...). The open itself never blocks (O_NONBLOCK)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, "symlink loop", str(path)) from None
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            raise OSError(e.errno, "dangling symlink", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"not a regular file ({_kind(mode)})", str(path))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path | str) -> bytes:
+    """The bytes of a regular file (see :func:`open_regular`)."""
+    with open_regular(path) as f:
+        return f.read()
+
+
+def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]] = None) -> list[Path]:
+    """Kineto trace files at ``path``: the file itself, or ``*.json`` / ``*.json.gz`` found recursively under a
+    directory (symlinked folders followed once; TensorBoard plugin layout and the ``profiler/`` folder
+    included), sorted. Known non-trace JSON (``manifest.json``, ``report.json``, ``*.jsonl``) is left out.
+    What cannot be read (an unreadable folder, a dangling or looping symlink, a FIFO or other non-regular
+    file with a trace's name) is added to ``problems`` as (path, why) and left out, never silently.
+    Raises FileNotFoundError for a missing path."""
+    p = Path(path)
+    problems = [] if problems is None else problems
+    if not p.exists() and not p.is_symlink():
+        raise FileNotFoundError(f"{p}: no such file or directory")
+    if not p.is_dir():
+        why = _not_readable(p)
+        if why:
+            problems.append((p, why))
+            return []
+        return [p]
+    found: list[Path] = []
+    seen: set[str] = set()
+
+    def walk(d: Path) -> None:
+        real = os.path.realpath(d)
+        if real in seen:
+            problems.append((d, "a folder already read (a symlink loop, or a second link to it); not read again"))
+            return
+        seen.add(real)
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            problems.append((d, f"cannot read folder ({e.strerror or e})"))
+            return
+        for e in entries:
+            q = Path(e.path)
+            try:
+                is_dir = e.is_dir()  # follows symlinks
+            except OSError:
+                is_dir = False
+            if is_dir:
+                walk(q)
+            elif is_trace_name(q):
+                why = _not_readable(q)
+                if why:
+                    problems.append((q, why))
+                else:
+                    found.append(q)
+
+    walk(p)
+    return sorted(found)
+
+
+def _not_readable(p: Path) -> str:
+    """Why ``p`` cannot be opened as a regular file ("" when it can), without opening it."""
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "symlink loop"
+        if os.path.islink(p):
+            return "dangling symlink"
+        return e.strerror or str(e)
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file ({_kind(st.st_mode)})"
+    if not os.access(p, os.R_OK):
+        return "permission denied"
+    return ""
+
+
 def has_run(run_dir: Path | str) -> bool:
     """True when ``run_dir`` already holds a run's records (a manifest or a record stream)."""
     p = Path(run_dir)
@@ -109,6 +216,27 @@ def clear_run(run_dir: Path | str) -> list[Path]:
             shutil.rmtree(d)
             gone.append(d)
     return gone
+
+
+def write_atomic(path: Path | str, data: bytes | str) -> Path:
+    """Writes ``data`` to ``path`` whole or not at all: into a temporary file in the same folder, then renamed
+    over ``path`` (``os.replace``), so that a failed or interrupted write never leaves a truncated file and a
+    reader never sees half of one. Text is written as UTF-8."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
 
 
 def new_run_id() -> str:

@@ -9,6 +9,7 @@ import msgspec
 
 from . import layout
 from ..records import (
+    FORMAT_NAME,
     FORMAT_VERSION,
     DoctorError,
     End,
@@ -21,6 +22,10 @@ from ..records import (
     manifest_decoder,
     record_decoder,
 )
+
+
+class RunRefused(ValueError):
+    """A run directory this version cannot read at all; ``str()`` is one line naming the file and why."""
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Run:
     ranks: dict[int, RankData] = field(default_factory=dict)
     trace_files: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # one line each: the file and what is wrong
+    refused: str = ""  # one line: why nothing here can be read (a manifest of another format or a newer version)
 
     @property
     def config(self) -> RunConfig | None:
@@ -109,12 +115,15 @@ class StreamReader:
         self.problems: list[str] = []
 
     def poll(self) -> list:
+        if self.offset >= 1 << 62:  # stopped (a newer version, or not a regular file)
+            return []
         try:
-            with open(self.path, "rb") as f:
+            with layout.open_regular(self.path) as f:
                 f.seek(self.offset)
                 data = f.read()
         except OSError as e:
-            self.problems.append(f"{self.path}: cannot read ({e.strerror or e})")
+            self.problems.append(f"{self.path.name}: cannot read ({e.strerror or e}); skipped")
+            self.offset = 1 << 62
             return []
         end = data.rfind(b"\n")
         if end < 0:
@@ -131,11 +140,9 @@ class StreamReader:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.problems.append(f"{self.path.name}: line {self.line_no} is not a valid record ({_short(e)}); skipped")
                 continue
-            if isinstance(rec, Header) and rec.version > FORMAT_VERSION:
-                self.problems.append(
-                    f"{self.path.name}: record format version {rec.version} is newer than this "
-                    f"fsdp-doctor reads ({FORMAT_VERSION}); upgrade fsdp-doctor"
-                )
+            why = _header_refusal(rec) if isinstance(rec, Header) else ""
+            if why:
+                self.problems.append(f"{self.path.name}: {why}; skipped")
                 self.offset = 1 << 62  # stop reading this stream
                 return out
             out.append(rec)
@@ -147,6 +154,47 @@ class StreamReader:
             return max(0, self.path.stat().st_size - self.offset)
         except OSError:
             return 0
+
+
+def _header_refusal(h: Header) -> str:
+    """Why a stream with this header cannot be read ("" when it can)."""
+    if h.format != FORMAT_NAME:
+        return f"format {h.format!r} is not an fsdp-doctor record stream ({FORMAT_NAME!r})"
+    if h.version > FORMAT_VERSION:
+        return (f"record format version {h.version} is newer than this fsdp-doctor reads ({FORMAT_VERSION}); "
+                "upgrade fsdp-doctor")
+    return ""
+
+
+def _manifest_refusal(m: Manifest) -> str:
+    """Why a run directory with this manifest cannot be read at all ("" when it can)."""
+    if m.format != FORMAT_NAME:
+        return f"format {m.format!r} is not an fsdp-doctor run ({FORMAT_NAME!r})"
+    if m.version > FORMAT_VERSION or m.version < 1:
+        return (f"format version {m.version} is not one this fsdp-doctor reads (1 to {FORMAT_VERSION})"
+                + ("; upgrade fsdp-doctor" if m.version > FORMAT_VERSION else ""))
+    return ""
+
+
+# a step time beyond this is no measurement (ms): a day
+MAX_STEP_MS = 86_400_000.0
+_STEP_TIMES = ("wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "gc_ms")
+
+
+def _implausible_step(rec: StepRecord) -> str:
+    """Why a step record's times cannot be true ("" when they can)."""
+    for f in _STEP_TIMES:
+        v = getattr(rec, f)
+        if not (0.0 <= v <= MAX_STEP_MS):  # NaN included
+            return f"{f} {v!r}"
+    return ""
+
+
+def _relative(q: Path, root: Path) -> str:
+    try:
+        return str(q.relative_to(root))
+    except ValueError:
+        return str(q)
 
 
 def _short(e: Exception) -> str:
@@ -163,6 +211,8 @@ class RunFollower:
         self._streams: dict[int, StreamReader] = {}
         self._foreign: set[int] = set()
         self._reported: set[str] = set()
+        self._seen_steps: dict[str, set[int]] = {}
+        self._run_id = ""  # without a manifest: the run id of the first stream read (the lowest rank's)
 
     def poll(self) -> tuple[Run, int]:
         """Reads new records; returns the run and how many records were new. Streams of another run (their
@@ -170,11 +220,10 @@ class RunFollower:
         never mixed in: each is named once in ``run.problems`` and left unread."""
         run = self.run
         mpath = layout.manifest_path(self.path)
-        if run.manifest is None and mpath.exists():
-            try:
-                run.manifest = manifest_decoder.decode(mpath.read_bytes())
-            except (msgspec.DecodeError, msgspec.ValidationError, OSError) as e:
-                self.note_problem(f"{mpath}: not a valid fsdp-doctor manifest ({_short(e)})")
+        if run.manifest is None and (mpath.exists() or mpath.is_symlink()):
+            self._read_manifest(mpath)
+        if run.refused:
+            return run, 0
         new = 0
         for rank, p in layout.streams(self.path).items():
             if rank not in self._streams:
@@ -183,7 +232,7 @@ class RunFollower:
             if rank in self._foreign:
                 continue
             rd = run.ranks.setdefault(rank, RankData(rank=rank))
-            for rec in sr.poll():
+            for rec in self._checked(sr, sr.poll()):
                 rd.add(rec)
                 new += 1
             for pr in sr.problems:
@@ -196,9 +245,68 @@ class RunFollower:
                 self.note_problem(f"{sr.path.name}: {why}; skipped (a run directory holds one run)")
         return run, max(new, 0)
 
+    def _read_manifest(self, mpath: Path) -> None:
+        name = layout.MANIFEST_NAME
+        try:
+            m = manifest_decoder.decode(layout.read_regular(mpath))
+        except OSError as e:
+            self.note_problem(f"{name}: cannot read ({e.strerror or e}); the streams are read without it")
+            return
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.note_problem(f"{name}: not a valid fsdp-doctor manifest ({_short(e)}); the streams are read without it")
+            return
+        why = _manifest_refusal(m)
+        if why:
+            self.run.refused = f"{self.path / name}: {why}"
+            self.note_problem(self.run.refused)
+        elif m.world_size < 1:
+            self.note_problem(f"{name}: world size {m.world_size} is not valid; the manifest is ignored and the "
+                              "streams are told apart by their headers' run ids")
+        else:
+            self.run.manifest = m
+
+    def _checked(self, sr: StreamReader, records: list) -> list:
+        """The records of one poll that can be used: a step recorded twice (its later copy) or with impossible
+        times is named and left out; a config's world size below 1 is named and not used."""
+        seen = self._seen_steps.setdefault(sr.path.name, set())
+        out, dup, bad = [], [], []
+        for rec in records:
+            if isinstance(rec, StepRecord):
+                why = _implausible_step(rec)
+                if why:
+                    bad.append(f"step {rec.step} ({why})")
+                    continue
+                if rec.step in seen:
+                    dup.append(rec.step)
+                    continue
+                seen.add(rec.step)
+            elif isinstance(rec, RunConfig) and rec.world_size < 1:
+                self.note_problem(f"{sr.path.name}: configuration with world size {rec.world_size}; not used "
+                                  "(the run's world size comes from the manifest or the streams)")
+                rec = msgspec.structs.replace(rec, world_size=max(1, len(self._streams)))
+            out.append(rec)
+        if dup:
+            more = f" and {len(dup) - 3} more" if len(dup) > 3 else ""
+            self.note_problem(f"{sr.path.name}: {len(dup)} step record(s) repeated (step "
+                              f"{', '.join(map(str, dup[:3]))}{more}); the repeats are skipped, never counted twice")
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            self.note_problem(f"{sr.path.name}: {len(bad)} step record(s) with impossible times "
+                              f"({'; '.join(bad[:3])}{more}); skipped")
+        return out
+
     def _foreign_reason(self, rank: int, rd: RankData) -> str:
         m = self.run.manifest
         if m is None:
+            h = rd.header
+            if h is None or not h.run_id:
+                return ""
+            if not self._run_id:
+                self._run_id = h.run_id
+                return ""
+            if h.run_id != self._run_id:
+                return (f"records of another run (run id {h.run_id}; the lowest rank's stream is run {self._run_id}, "
+                        f"and there is no {layout.MANIFEST_NAME} to say which is this directory's)")
             return ""
         if rank >= m.world_size:
             return f"rank {rank} is outside this run's {m.world_size} ranks ({layout.MANIFEST_NAME}): left from another run"
@@ -221,28 +329,85 @@ def load_run(path: Path | str) -> Run:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory")
-    if p.is_file():
+    if not p.is_dir():
         return Run(path=p.parent, trace_files=[p])
     follower = RunFollower(p)
     run, _ = follower.poll()
+    if run.refused:
+        raise RunRefused(run.refused)
     for rank, sr in follower._streams.items():
+        rd = run.ranks.get(rank)
+        if rd is not None and sr.offset == 0 and not sr.trailing_bytes():
+            run.problems.append(f"{sr.path.name}: empty (no records); skipped")
+            del run.ranks[rank]
         if sr.trailing_bytes():
             run.problems.append(
                 f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
                 "cut off mid-write); every complete step before it is used"
             )
     run.trace_files = run_trace_files(run, run.problems)
+    _leave_out_unfinished_windows(run)
+    _name_first_stopped(run)
     return run
+
+
+def _leave_out_unfinished_windows(run: Run) -> None:
+    """A profiler window saved while its rank was failing (the doctor saves what was recorded when training
+    raises, e.g. on a collective error after another rank died) holds a step the rank never completed: it is
+    left out and named, never analysed as a complete step. So are windows the records list but whose file is
+    missing."""
+    drop = set()
+    for r, rd in sorted(run.ranks.items()):
+        done = {s.step for s in rd.steps}
+        for pw in rd.profiles:
+            f = (run.path / pw.path)
+            if not (f.exists() or f.is_symlink()):
+                run.problems.append(f"{pw.path}: the profiler window of rank {r}, steps {_span(pw.steps)}, is listed "
+                                    "in its records but the file is missing; not analysed")
+                continue
+            unfinished = [n for n in pw.steps if n not in done]
+            if unfinished and rd.steps:
+                drop.add(f.resolve())
+                run.problems.append(f"{pw.path}: rank {r} never completed step {_span(unfinished)} of this profiler "
+                                    "window (it ended in an error: a collective failed, or a rank was killed); "
+                                    "not analysed")
+    if drop:
+        run.trace_files = [f for f in run.trace_files if f.resolve() not in drop]
+
+
+def _span(steps: list[int]) -> str:
+    return str(steps[0]) if len(steps) == 1 else f"{min(steps)}–{max(steps)}"
+
+
+def _name_first_stopped(run: Run) -> None:
+    """When ranks stopped without their end record at different points, the one that stopped first is named: it
+    died or hung, and the others' failure (a collective error, a timeout) follows from it."""
+    if len(run.ranks) < 2 or any(rd.end is not None for rd in run.ranks.values()):
+        return
+    reach = {r: max([s.step for s in rd.steps] + [n for pw in rd.profiles for n in pw.steps]
+                    + [e.step for e in rd.errors if e.step is not None], default=-1)
+             for r, rd in run.ranks.items()}
+    low = min(reach.values())
+    first = sorted(r for r, v in reach.items() if v == low)
+    if len(first) == len(reach):
+        return
+    others = ", ".join(f"rank {r} step {v}" for r, v in sorted(reach.items()) if v != low)
+    who = ", ".join(map(str, first))
+    run.problems.append(f"rank{'s' if len(first) > 1 else ''} {who} stopped first (last record: step {low}; "
+                        f"{others}) and wrote no end record: it died or hung, and the other ranks' errors or waits "
+                        "follow from it")
 
 
 def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
     """The Kineto traces that belong to ``run``: every trace file under its directory, except profiler
     windows of another run (a trace in ``profiler/`` of a run with a run id that no accepted rank recorded
     and that is older than the run, or of a rank outside it), each named once in ``problems``."""
-    from ..trace import find_trace_files
-
     p = Path(run.path)
-    found = find_trace_files(p)
+    unreadable: list = []
+    found = layout.find_trace_files(p, unreadable)
+    if problems is not None:
+        for q, why in unreadable:
+            problems.append(f"{_relative(q, p)}: {why}; skipped")
     m = run.manifest
     if m is None or not m.run_id or not run.ranks:
         return found

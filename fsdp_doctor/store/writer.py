@@ -40,11 +40,7 @@ class RecordWriter:
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
     """Writes ``manifest.json`` atomically (temp file then rename)."""
-    path = layout.manifest_path(out_dir)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_bytes(record_encoder.encode(manifest))
-    os.replace(tmp, path)
-    return path
+    return layout.write_atomic(layout.manifest_path(out_dir), record_encoder.encode(manifest))
 
 
 class RunDirTaken(Exception):

@@ -17,13 +17,13 @@ from .analysis import (
     copies,
     gpu_overlap_pct,
     idle,
-    load_window,
-    load_windows,
     overlap,
     temporal_breakdown,
     unit_rows,
 )
-from .model import CollectiveCall, WindowTrace, build_window
+from .build import build_window
+from .loader import load_window, load_windows
+from .model import CollectiveCall, WindowTrace
 from .reader import TraceError, decode, find_trace_files
 
 __all__ = [

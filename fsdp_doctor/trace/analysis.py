@@ -26,30 +26,23 @@ Metrics (per rank, summed over that rank's windows; times in µs):
 
 from __future__ import annotations
 
-import gc
-import multiprocessing as mp
 import os
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
 from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceIdle, OverlapRank, OverlapSection,
                                SkippedFile)
 from . import intervals as iv
-from .model import CollectiveCall, WindowTrace, _gc_paused, build_window
-from .reader import TraceError, decode, find_trace_files
+from .admit import admit
+from .build import _gc_paused
+from .loader import load_windows
+from .model import CollectiveCall, WindowTrace
+from .reader import find_trace_files
 
 PathLike = Union[str, os.PathLike]
-
-# Decoding in worker processes pays off once there is this much JSON to read (gzip counted as 8x its size;
-# one process decodes and reduces roughly 100-200 MB of trace JSON per second; forking a worker ~10 ms).
-PARALLEL_MIN_BYTES = 16 << 20
-GZIP_RATIO = 8
-_CAN_FORK = "fork" in mp.get_all_start_methods()
-
 
 # ---------------------------------------------------------------- per-window analyses
 
@@ -211,173 +204,18 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[Comm
     return rows
 
 
-# ---------------------------------------------------------------- loading
-
-
-def load_window(path: str):
-    """The window model of one trace file, or a TraceError (returned, not raised) saying in one line why not."""
-    try:
-        return build_window(path)
-    except TraceError as e:
-        return TraceError(str(e))
-    except Exception as e:  # a reader must never take the CLI down with a traceback
-        return TraceError(f"cannot analyze ({type(e).__name__}: {e})")
-
-
-_load = load_window
-
-
-def _worker(paths: list[str], conn) -> None:
-    """A forked worker: receives file indices, sends back (index, window or TraceError), until None. Each file's
-    decoded events (hundreds of thousands of objects) are freed only when the next file comes, so the memory
-    is reused rather than faulted in afresh; the last file's are never freed: the worker leaves with
-    os._exit (nothing of the parent's to flush or finalize)."""
-    gc.disable()  # no cycles here; see model._gc_paused
-    trace = None
-    try:
-        while True:
-            i = conn.recv()
-            if i is None:
-                break
-            trace = None
-            try:
-                trace = decode(Path(paths[i]))
-                res = build_window(paths[i], trace)
-            except TraceError as e:
-                res = TraceError(str(e))
-            except Exception as e:  # as in _load
-                res = TraceError(f"cannot analyze ({type(e).__name__}: {e})")
-            conn.send((i, res))
-    except BaseException:  # the parent sees EOF and reports the file as not analysed
-        pass
-    finally:
-        os._exit(0)
-
-
-def _load_forked(paths: list[Path], n_workers: int, on_result: Callable[[int, object], None]) -> None:
-    """Forked workers (at most ``n_workers``) take the files one at a time, largest first. The cyclic GC is
-    paused in the parent meanwhile: unpickling a window makes thousands of small objects and no cycles."""
-    from multiprocessing.connection import wait
-
-    ctx = mp.get_context("fork")
-    names = [str(p) for p in paths]
-    sizes = [p.stat().st_size if p.exists() else 0 for p in paths]
-    todo = sorted(range(len(paths)), key=lambda i: -sizes[i])
-    busy: dict = {}  # parent's end of a worker's pipe -> (file index, process)
-
-    def start_worker() -> bool:
-        here, there = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_worker, args=(names, there), daemon=True)
-        try:
-            proc.start()
-        except (OSError, AssertionError):  # no process to be had (limits; a daemonic parent)
-            here.close()
-            there.close()
-            return False
-        there.close()
-        i = todo.pop(0)
-        here.send(i)
-        busy[here] = (i, proc)
-        return True
-
-    with _gc_paused():
-        try:
-            while todo and len(busy) < n_workers and start_worker():
-                pass
-            while busy:
-                for conn in wait(list(busy)):
-                    i, proc = busy.pop(conn)
-                    try:
-                        _, res = conn.recv()
-                        alive = True
-                    except (EOFError, OSError):
-                        res, alive = TraceError("cannot analyze (the worker process died)"), False
-                    except Exception as e:
-                        res, alive = TraceError(f"cannot analyze ({type(e).__name__}: {e})"), False
-                    on_result(i, res)
-                    if alive and todo:
-                        i = todo.pop(0)
-                        conn.send(i)
-                        busy[conn] = (i, proc)
-                        continue
-                    if alive:
-                        conn.send(None)
-                    conn.close()
-                    proc.join()
-                    if todo:  # a worker died: replace it
-                        start_worker()
-            for i in list(todo):  # no worker to be had: in this process
-                todo.remove(i)
-                on_result(i, _load(names[i]))
-        finally:
-            for conn, (_, proc) in busy.items():  # only on an error in the parent (e.g. KeyboardInterrupt)
-                proc.kill()
-                proc.join()
-                conn.close()
-
-
-def _display(path: Path, root: Optional[Path]) -> str:
-    if root is not None and root.is_dir():
-        try:
-            return str(path.relative_to(root))
-        except ValueError:
-            pass
-    return path.name
-
-
-def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int], None]] = None,
-                 workers: Optional[int] = None, root: Optional[Path] = None):
-    """Build the model for each file; returns (windows, skipped). Files are decoded in parallel processes
-    when there are several and they are large enough to pay for it."""
-    paths = list(paths)
-    total = len(paths)
-    results: dict[int, object] = {}
-    size = sum(p.stat().st_size * (GZIP_RATIO if p.name.endswith(".gz") else 1) for p in paths if p.exists())
-    n_workers = workers if workers is not None else min(total, os.cpu_count() or 1)
-    done = 0
-    if progress:
-        progress(0, total)
-    parallel = n_workers > 1 and total > 1 and size >= PARALLEL_MIN_BYTES
-    if parallel and _CAN_FORK:
-        def on_result(i, res):
-            nonlocal done
-            results[i] = res
-            done += 1
-            if progress:
-                progress(done, total)
-
-        _load_forked(paths, n_workers, on_result)
-    elif parallel:  # no fork (Windows): a pool of spawned processes
-        with ProcessPoolExecutor(max_workers=n_workers) as pool:
-            futs = {pool.submit(_load, str(p)): i for i, p in enumerate(paths)}
-            for f in as_completed(futs):
-                results[futs[f]] = f.result()
-                done += 1
-                if progress:
-                    progress(done, total)
-    else:
-        for i, p in enumerate(paths):
-            results[i] = _load(str(p))
-            done += 1
-            if progress:
-                progress(done, total)
-    windows, skipped = [], []
-    for i, p in enumerate(paths):
-        r = results[i]
-        if isinstance(r, WindowTrace):
-            windows.append(r)
-        else:
-            skipped.append(SkippedFile(file=_display(p, root), error=str(r)))
-    return windows, skipped
-
-
 # ---------------------------------------------------------------- top level
 
 
 def analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
-    """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order."""
+    """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order. Windows
+    of another job, without a rank among several, or of a rank already read for the same steps are left out and
+    listed in ``skipped`` (``trace.admit``)."""
+    kept, skipped = admit(windows)
     with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
-        return _analyze_windows(windows)
+        result = _analyze_windows(kept)
+    result.skipped = skipped
+    return result
 
 
 def _sum_into(acc: dict[str, dict], rank: str, part: dict) -> None:
@@ -438,12 +276,14 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     files: list[Path] = []
     roots: dict[Path, Optional[Path]] = {}
     for p in inputs:
+        unreadable: list = []
         try:
-            found = find_trace_files(p)
+            found = find_trace_files(p, unreadable)
         except FileNotFoundError:
             skipped.append(SkippedFile(file=str(p), error="no such file or directory"))
             continue
-        if not found:
+        skipped.extend(SkippedFile(file=str(q), error=why) for q, why in unreadable)
+        if not found and not unreadable:
             skipped.append(SkippedFile(file=str(p), error="no Kineto trace files (*.json, *.json.gz) found"))
         for f in found:
             if f not in roots:
@@ -455,7 +295,7 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     windows, unread = load_windows(files, progress=progress, workers=workers,
                                    root=common if common is not None else roots[files[0]])
     result = analyze_windows(windows)
-    result.skipped = skipped + unread
+    result.skipped = skipped + unread + result.skipped
     return result
 
 

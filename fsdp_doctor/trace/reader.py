@@ -12,13 +12,15 @@ same fields from both, so results do not depend on which decoded a file (tests/t
 from __future__ import annotations
 
 import gzip
+import os
+import re
 import zlib
 from pathlib import Path
 from typing import Optional, Union
 
 import msgspec
 
-from ..store.layout import NON_TRACE_NAMES, is_trace_name, trace_rank  # noqa: F401  (the run directory's layout)
+from ..store.layout import find_trace_files, open_regular, read_regular, trace_rank  # noqa: F401  (the store finds the files)
 
 
 class TraceError(Exception):
@@ -39,7 +41,7 @@ class LeanArgs(msgspec.Struct, gc=False):
 class Args(LeanArgs, gc=False):
     # kept undecoded: only read for the few c10d ops of a CPU/gloo trace (record_shapes=True gives message
     # sizes). Two objects per operator, ~20% of a GPU trace's decode time, so the fast decoder leaves them out
-    # and a CPU trace that needs them is decoded again in full (see model._Shapes).
+    # and a CPU trace that needs them is decoded again in full (see build._Shapes).
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
@@ -104,22 +106,18 @@ _DECODER = msgspec.json.Decoder(KinetoTrace)
 _FAST_DECODER = msgspec.json.Decoder(_TaggedKinetoTrace)
 
 
-def find_trace_files(path) -> list[Path]:
-    """Kineto trace files at ``path``: the file itself, or ``*.json`` / ``*.json.gz`` found recursively
-    under a directory (TensorBoard plugin layout and the doctor's ``profiler/`` folder included), sorted.
-    Known non-trace JSON (``manifest.json``, ``report.json``, ``*.jsonl``) is left out.
-    Raises FileNotFoundError for a missing path."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such file or directory")
-    if p.is_file():
-        return [p]
-    found = [q for q in p.rglob("*") if q.is_file() and is_trace_name(q)]
-    return sorted(found)
-
-
 def rank_from_name(path: Path) -> Optional[int]:
     return trace_rank(path)
+
+
+# A gzip member inflating to more than this is refused (real Kineto traces inflate 9-20x): a small file that
+# inflates to gigabytes is a bomb, not a trace.
+GZIP_MAX_RATIO = 200
+GZIP_MIN_CAP = 64 << 20  # below this much inflated JSON, no ratio is refused
+
+
+def inflate_cap(compressed: int) -> int:
+    return max(GZIP_MIN_CAP, GZIP_MAX_RATIO * compressed)
 
 
 def _gunzip(data: bytes) -> bytes:
@@ -127,22 +125,44 @@ def _gunzip(data: bytes) -> bytes:
     grows its output in blocks and joins them, which writes (and page-faults) twice the memory; ~40% faster
     on a fresh process. Taken only when the inflated first member has the trailer's length and CRC, i.e. the
     file is one member as torch.profiler writes it (or, absurdly, its first and last members are identical);
-    anything else goes through gzip.decompress, which also words the errors."""
+    anything else is inflated member by member, never past ``inflate_cap`` (TraceError beyond)."""
+    cap = inflate_cap(len(data))
     if len(data) >= 18:
         crc = int.from_bytes(data[-8:-4], "little")
         isize = int.from_bytes(data[-4:], "little")
-        if isize <= 1032 * len(data):  # deflate cannot expand more than that: a trailer to trust
+        if isize <= min(1032 * len(data), cap):  # deflate cannot expand more than that: a trailer to trust
             try:
                 out = zlib.decompress(data, 31, max(isize, 1))
             except (zlib.error, MemoryError):
                 out = None
             if out is not None and len(out) == isize and zlib.crc32(out) == crc:
                 return out
-    return gzip.decompress(data)
+    try:
+        return _inflate_capped(data, cap)
+    except (zlib.error, EOFError):  # the gzip module words the error (it stops at the same member: within the cap)
+        return gzip.decompress(data)
+
+
+def _inflate_capped(data: bytes, cap: int) -> bytes:
+    out: list[bytes] = []
+    n = 0
+    while data:
+        d = zlib.decompressobj(31)
+        chunk = d.decompress(data, cap - n + 1)
+        n += len(chunk)
+        if n > cap:
+            raise _bomb(cap)
+        out.append(chunk)
+        if not d.eof:
+            raise EOFError
+        data = d.unused_data.lstrip(b"\x00")  # members follow one another; zero padding at the end is allowed
+        if data and data[:2] != b"\x1f\x8b":
+            raise EOFError  # trailing junk: worded by the gzip module
+    return b"".join(out)
 
 
 def read_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
+    data = read_regular(path)
     if path.name.endswith(".gz") or data[:2] == b"\x1f\x8b":
         try:
             return _gunzip(data)
@@ -153,19 +173,237 @@ def read_bytes(path: Path) -> bytes:
     return data
 
 
-def decode(path: Path, *, full: bool = False) -> KinetoTrace:
+def decode(path: Path, *, full: bool = False):
     """Decode one trace file. Raises TraceError with a one-line reason.
 
     By default with the fast decoder: complete events are XEvents (no record_shapes fields in their args)
-    and the other events carry only ``ts``; ``full=True`` gives Events with every field above."""
+    and the other events carry only ``ts``; ``full=True`` gives Events with every field above. A file whose
+    JSON is larger than ``STREAM_MIN_BYTES`` is not decoded whole: a :class:`StreamedTrace` is returned,
+    whose events come in batches as the file is read (peak memory bounded by the batch, not the file)."""
     path = Path(path)
     try:
+        if _json_size_estimate(path) > STREAM_MIN_BYTES:
+            return StreamedTrace(path, full)
         data = read_bytes(path)
     except OSError as e:
         raise TraceError(e.strerror or str(e)) from None
     if not data or data.isspace():  # (not strip(): that copies the whole buffer)
         raise TraceError("empty file")
     return _decode_bytes(data, full)
+
+
+# ---------------------------------------------------------------------------------------- streaming
+STREAM_MIN_BYTES = 64 << 20  # JSON larger than this is decoded in batches
+BATCH_BYTES = 8 << 20  # JSON per batch of events
+READ_BYTES = 4 << 20  # bytes read (or inflated) at a time
+_HEAD_MAX = 64 << 20  # the top-level fields before "traceEvents" (device properties...) fit in this
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+_WS = b" \t\r\n"
+
+
+def _is_gzip(path: Path) -> bool:
+    if path.name.endswith(".gz"):
+        return True
+    with open_regular(path) as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _json_size_estimate(path: Path) -> int:
+    """The JSON bytes ``path`` holds, or a lower bound: a gzip's trailer (ISIZE, modulo 4 GiB) or 8x its size."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if not (path.name.endswith(".gz") or f.read(2) == b"\x1f\x8b") or size < 18:
+            return size
+        f.seek(size - 4)
+        return max(int.from_bytes(f.read(4), "little"), GZIP_RATIO_ESTIMATE * size)
+
+
+GZIP_RATIO_ESTIMATE = 8
+
+
+def _chunks(path: Path):
+    """The file's bytes (inflated when gzip), about ``READ_BYTES`` at a time, inflation capped as in
+    ``_gunzip``. Raises TraceError."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        gz = path.name.endswith(".gz") or f.read(2) == b"\x1f\x8b"
+        f.seek(0)
+        if not gz:
+            while b := f.read(READ_BYTES):
+                yield b
+            return
+        cap, total, fed = inflate_cap(size), 0, False
+        d = zlib.decompressobj(31)
+        try:
+            while raw := f.read(READ_BYTES):
+                data = raw
+                while True:
+                    out = d.decompress(data, READ_BYTES)
+                    fed = True
+                    total += len(out)
+                    if total > cap:
+                        raise _bomb(cap)
+                    if out:
+                        yield out
+                    if d.eof:  # a member ended; another may follow, zero padding may end the file
+                        data = d.unused_data.lstrip(b"\x00")
+                        d, fed = zlib.decompressobj(31), False
+                        if data and data[:2] != b"\x1f\x8b":
+                            raise TraceError("corrupt gzip data (not a gzip member after the first)")
+                        if not data:
+                            break
+                        continue
+                    data = d.unconsumed_tail
+                    if not data and not out:
+                        break
+        except zlib.error as e:
+            raise TraceError(f"corrupt gzip data ({e})") from None
+        if fed and not d.eof:
+            raise TraceError("truncated gzip stream")
+
+
+def _bomb(cap: int) -> TraceError:
+    return TraceError(f"gzip data inflates past {cap >> 20} MiB ({GZIP_MAX_RATIO}x its size, more than any trace): "
+                      "refused as a decompression bomb")
+
+
+class _Meta(msgspec.Struct):
+    """The top-level fields other than the events (read from around the events array when streaming)."""
+    traceEvents: Optional[list[msgspec.Raw]] = None
+    distributedInfo: Optional[DistributedInfo] = None
+    displayTimeUnit: Optional[str] = None
+    baseTimeNanoseconds: Optional[int] = None
+
+
+_META_DECODER = msgspec.json.Decoder(_Meta)
+_FAST_LIST = msgspec.json.Decoder(list[Union[(XEvent, *_MARKS)]])
+_FULL_LIST = msgspec.json.Decoder(list[Event])
+
+
+class StreamedTrace:
+    """A trace decoded in batches of events as the file is read (``batches()`` reads it again at each call):
+    only a batch of events is in memory at once. ``distributedInfo`` is known at once (torch writes it before
+    the events); ``displayTimeUnit`` and ``baseTimeNanoseconds`` (written after them) once a pass has ended.
+    ``traceEvents`` is None. Raises TraceError (at construction, or from a batch) with a one-line reason."""
+
+    traceEvents = None
+
+    def __init__(self, path: Path, full: bool = False):
+        self.path, self.full = Path(path), full
+        self.distributedInfo = self.displayTimeUnit = self.baseTimeNanoseconds = None
+        chunks = _chunks(self.path)
+        head, _ = self._head(chunks)
+        chunks.close()
+        self._set(head)
+
+    def _set(self, meta: _Meta) -> None:
+        for k in ("distributedInfo", "displayTimeUnit", "baseTimeNanoseconds"):
+            v = getattr(meta, k)
+            if v is not None:
+                setattr(self, k, v)
+
+    def _head(self, chunks) -> tuple[_Meta, bytes]:
+        buf = b""
+        for chunk in chunks:
+            buf += chunk
+            m = _EVENTS_KEY.search(buf)
+            if m:
+                break
+            if len(buf) > _HEAD_MAX:
+                raise TraceError(f"not a Kineto trace (no traceEvents in its first {_HEAD_MAX >> 20} MiB)")
+        else:
+            if not buf.strip():
+                raise TraceError("empty file")
+            raise TraceError("not a Kineto trace (no traceEvents)")
+        try:
+            meta = _META_DECODER.decode(buf[:m.start()] + b'"traceEvents": []}')
+        except msgspec.DecodeError as e:
+            raise TraceError(f"not a Kineto trace (its fields before traceEvents do not decode: {e})") from None
+        return meta, buf[m.end():]
+
+    def batches(self, full: Optional[bool] = None):
+        """The events, a list at a time (fast decoder unless ``full``; see ``decode``)."""
+        full = self.full if full is None else full
+        chunks = _chunks(self.path)
+        _, pending = self._head(chunks)
+        parts, size = [pending], len(pending)
+        for chunk in chunks:
+            parts.append(chunk)
+            size += len(chunk)
+            if size < BATCH_BYTES:
+                continue
+            buf = b"".join(parts)
+            got = _whole_events(buf, full)
+            if got is None:
+                if size > 16 * BATCH_BYTES:
+                    raise TraceError(f"invalid JSON (no complete event in {size:,} bytes)")
+                parts = [buf]
+                continue
+            events, cut = got
+            parts, size = [buf[cut:]], len(buf) - cut
+            yield events
+        events, tail = _last_events(b"".join(parts), full)
+        self._set(tail)
+        if events:
+            yield events
+
+
+def _decode_list(body: bytes, full: bool) -> list:
+    """``[body]`` decoded as events; msgspec.DecodeError when it is not a list of whole events."""
+    data = b"[" + body + b"]"
+    if not full:
+        try:
+            return _FAST_LIST.decode(data)
+        except msgspec.ValidationError:
+            pass  # decoded by the plain decoder below (the fast one refuses some valid traces)
+    try:
+        return _FULL_LIST.decode(data)
+    except msgspec.ValidationError as e:
+        raise TraceError(f"not a Kineto trace ({e})") from None
+
+
+def _whole_events(buf: bytes, full: bool):
+    """(events, bytes used) for the longest run of whole events at the start of ``buf`` (cut after a ``}``
+    followed by a comma: a cut inside a string or a nested object does not decode and an earlier one is
+    tried), or None."""
+    end = len(buf)
+    for _ in range(16):
+        i = buf.rfind(b"}", 0, end)
+        if i < 0:
+            return None
+        k = i + 1
+        while k < len(buf) and buf[k] in _WS:
+            k += 1
+        if k < len(buf) and buf[k] == 0x2C:  # ","
+            try:
+                return _decode_list(buf[:i + 1], full), k + 1
+            except msgspec.DecodeError:
+                pass
+        end = i
+    return None
+
+
+def _last_events(buf: bytes, full: bool) -> tuple[list, _Meta]:
+    """The events left before the array's ``]`` and the top-level fields after it."""
+    end = len(buf)
+    err = "invalid JSON (truncated)"
+    for _ in range(64):
+        i = buf.rfind(b"]", 0, end)
+        if i < 0:
+            break
+        end = i
+        try:
+            tail = _META_DECODER.decode(b'{"traceEvents": []' + buf[i + 1:])
+        except msgspec.DecodeError:
+            continue
+        body = buf[:i]
+        if not body.strip():
+            return [], tail
+        try:
+            return _decode_list(body, full), tail
+        except msgspec.DecodeError as e:
+            err = f"invalid JSON ({e})"
+    raise TraceError(err)
 
 
 def _decode_bytes(data: bytes, full: bool = False):

@@ -1,0 +1,586 @@
+"""A corpus of hostile inputs to ``fsdp-doctor analyze``, each with the answer it must get.
+
+Every case builds its input under a fresh folder (corrupt, truncated, foreign or hostile JSON, impossible values,
+duplicated ranks, mixed runs and jobs, FIFOs, symlink loops, small gzip bombs, wrong versions, ...) and says:
+
+* ``error``: nothing usable: exit 2, exactly one line on stderr (``fsdp-doctor: ...``) that contains ``needle``
+  (the file or the problem), nothing on stdout;
+* ``partial``: a report of what could be read: exit 3, and one of the report's ``problems`` contains ``needle``;
+* ``ok``: a sane report: exit 0.
+
+``run_case`` runs ``analyze`` in this process (with ``--json`` to read the problems back) under an alarm, so
+that a hang is a failure, not a stuck suite; an exception escaping ``main`` is a traceback. Run as a script,
+it prints one line per case: ``python tests/bad_inputs.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gzip
+import io
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from trace_fixtures import gloo_known_trace, gpu_known_trace  # noqa: E402
+
+SAMPLE = HERE.parent / "traces" / "sample"
+TIMEOUT_S = 20
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable[[Path], object]  # -> the path to analyse, or (path, extra CLI args)
+    expect: str  # "error" | "partial" | "ok"
+    needle: str = ""  # must appear in the error line / one of the problems (case-insensitive)
+    check: Optional[Callable[[dict], None]] = None  # on the JSON report: figures still true
+
+
+@dataclass
+class Outcome:
+    rc: Optional[int]
+    stdout: str
+    stderr: str
+    report: Optional[dict]
+    traceback: str = ""
+    hung: bool = False
+
+
+# ------------------------------------------------------------------------------------------ building blocks
+def gpu_doc(rank=0, **kw) -> dict:
+    return gpu_known_trace(rank=rank, **kw).document()
+
+
+def write_json(path: Path, doc, gz=False) -> Path:
+    data = json.dumps(doc).encode() if not isinstance(doc, (bytes, str)) else (
+        doc.encode() if isinstance(doc, str) else doc)
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def two_ranks(d: Path) -> Path:
+    """A healthy folder of plain traces: two GPU ranks."""
+    for r in (0, 1):
+        write_json(d / f"rank{r}.1.pt.trace.json", gpu_doc(r))
+    return d
+
+
+def one_file(d: Path, content, name="trace.json", gz=False) -> Path:
+    return write_json(d / name, content, gz=gz)
+
+
+def sample_run(d: Path, traces=True) -> Path:
+    """A copy of the recorded sample run (records and, with ``traces``, its two profiler windows)."""
+    run = d / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns("tb", "report.json", *([] if traces else ["profiler"])))
+    return run
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def write_lines(path: Path, recs: list) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in recs))
+
+
+def edit_stream(run: Path, rank: int, fn) -> Path:
+    p = run / f"rank{rank}.records.jsonl"
+    write_lines(p, fn(lines(p)))
+    return run
+
+
+def edit_manifest(run: Path, **kv) -> Path:
+    p = run / "manifest.json"
+    m = json.loads(p.read_text())
+    m.update(kv)
+    p.write_text(json.dumps(m))
+    return run
+
+
+def with_event(doc: dict, **fields) -> dict:
+    doc = copy.deepcopy(doc)
+    ev = {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 100, "tid": 100, "ts": 1_000_000_000_100.0,
+          "dur": 10.0}
+    ev.update(fields)
+    doc["traceEvents"].append(ev)
+    return doc
+
+
+def base_ts(doc: dict) -> float:
+    return min(e["ts"] for e in doc["traceEvents"] if "ts" in e and e.get("cat") != "Trace")
+
+
+def add(d: Path, fn) -> Path:
+    """The healthy two-rank folder plus whatever ``fn(d)`` adds."""
+    two_ranks(d)
+    fn(d)
+    return d
+
+
+def fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def symlink(path: Path, target) -> Path:
+    os.symlink(target, path)
+    return path
+
+
+def steps_of(report: dict, rank="0") -> list:
+    return report["overlap"]["per_rank"][rank]["steps"]
+
+
+def same_overlap_as_two_ranks(report: dict) -> None:
+    """The two healthy ranks' figures, unchanged by what was added (never summed with it)."""
+    ref = _reference()
+    got = report["overlap"]["per_rank"]
+    assert sorted(got) == ["0", "1"], sorted(got)
+    for r in ("0", "1"):
+        for k in ("comm_us", "exposed_us", "overlap_us"):
+            assert abs(got[r][k] - ref[r][k]) < 1e-6, (r, k, got[r][k], ref[r][k])
+
+
+_REF: dict = {}
+
+
+def _reference() -> dict:
+    if not _REF:
+        from fsdp_doctor.trace import analyze_traces
+
+        with tempfile.TemporaryDirectory() as t:
+            res = analyze_traces(two_ranks(Path(t)))
+        _REF.update({r: {"comm_us": v.comm_us, "exposed_us": v.exposed_us, "overlap_us": v.overlap_us}
+                     for r, v in res.per_rank.items()})
+    return _REF
+
+
+def sample_steps(report: dict) -> None:
+    """The sample run's step statistics, unchanged: 30 steps per rank, none counted twice."""
+    ref = _sample_reference()
+    assert report["steps"] is not None
+    got = json.dumps(report["steps"], sort_keys=True)
+    assert got == ref, "step statistics changed"
+
+
+_SAMPLE_REF: list = []
+
+
+def _sample_reference() -> str:
+    if not _SAMPLE_REF:
+        from fsdp_doctor.pipeline import build_report
+        from fsdp_doctor.store import load_run
+
+        rep = build_report(load_run(SAMPLE), traces=False, diagnosis=False)
+        _SAMPLE_REF.append(json.dumps(rep.to_builtins()["steps"], sort_keys=True))
+    return _SAMPLE_REF[0]
+
+
+GOOD = gpu_doc(0)
+
+
+# ------------------------------------------------------------------------------------------ the cases
+def _trace_file_cases() -> list[Case]:
+    """One file given as the path: it is the whole input, so a bad one is an error naming it."""
+    t = []
+
+    def E(name, content, needle="", gz=False, fname="trace.json"):
+        t.append(Case(f"file/{name}", lambda d, c=content, g=gz, f=fname: one_file(d, c, name=f, gz=g), "error",
+                      needle))
+
+    E("empty", b"", "empty file")
+    E("whitespace", b"   \n\t  ", "empty file")
+    E("object-without-events", {}, "no traceEvents")
+    E("foreign-object", {"a": 1, "b": [1, 2]}, "no traceEvents")
+    E("top-level-list", [1, 2, 3], "top level is not an object")
+    E("top-level-null", b"null", "not a Kineto trace")
+    E("top-level-string", b'"hello"', "not a Kineto trace")
+    E("top-level-number", b"42", "not a Kineto trace")
+    E("events-empty", {"traceEvents": []}, '"traceEvents" is empty')
+    E("events-null", {"traceEvents": None}, "no traceEvents")
+    E("events-object", {"traceEvents": {}}, "not a Kineto trace")
+    E("events-numbers", {"traceEvents": [1, 2, 3]}, "not a Kineto trace")
+    E("events-strings", {"traceEvents": ["x", "y"]}, "not a Kineto trace")
+    E("event-ts-string", with_event(GOOD, ts="soon"), "not a Kineto trace")
+    E("event-dur-string", with_event(GOOD, dur="long"), "not a Kineto trace")
+    E("event-name-number", with_event(GOOD, name=12), "not a Kineto trace")
+    E("truncated-half", json.dumps(GOOD)[: len(json.dumps(GOOD)) // 2], "invalid JSON")
+    E("truncated-one-byte", b"{", "invalid JSON")
+    E("invalid-utf8", b'{"traceEvents": [{"name": "\xff\xfe"}]}', "invalid")
+    E("binary-garbage", bytes(range(256)) * 4, "invalid JSON")
+    E("utf16", json.dumps(GOOD).encode("utf-16"), "invalid JSON")
+    E("text", b"hello, world\n", "invalid JSON")
+    E("html", b"<html><body>not a trace</body></html>", "invalid JSON")
+    E("gzip-garbage", b"\x1f\x8b\x08\x00garbage-not-deflate" + bytes(20), "gzip", fname="trace.json.gz")
+    E("gzip-truncated", gzip.compress(json.dumps(GOOD).encode())[:300], "truncated gzip", fname="trace.json.gz")
+    E("gzip-of-nothing", gzip.compress(b""), "empty file", fname="trace.json.gz")
+    E("gzip-of-garbage-json", gzip.compress(b"{{{{"), "invalid JSON", fname="trace.json.gz")
+    E("plain-json-named-gz", json.dumps(GOOD).encode(), "gzip", fname="trace.json.gz")
+    E("negative-duration", with_event(GOOD, dur=-5.0), "negative")
+    E("duration-1e300", with_event(GOOD, dur=1e300), "implausible duration")
+    E("duration-two-days", with_event(GOOD, dur=2 * 86_400e6), "implausible duration")
+    E("duration-infinite", json.dumps(with_event(GOOD, dur=1.0)).replace('"dur": 1.0}', '"dur": 1e999}'),
+      "out of range")
+    E("timestamp-1e300", with_event(GOOD, ts=1e300), "implausible timestamp")
+    E("timestamp-minus-1e300", with_event(GOOD, ts=-1e300), "implausible timestamp")
+    E("rank-negative", {**GOOD, "distributedInfo": {"rank": -1, "world_size": 2}}, "not a rank")
+    E("world-size-zero", {**GOOD, "distributedInfo": {"rank": 0, "world_size": 0}}, "not a rank")
+    E("world-size-negative", {**GOOD, "distributedInfo": {"rank": 0, "world_size": -5}}, "not a rank")
+    E("distributed-info-string", {**GOOD, "distributedInfo": "rank0"}, "not a Kineto trace")
+    E("rank-string", {**GOOD, "distributedInfo": {"rank": "zero"}}, "not a Kineto trace")
+    E("huge-integer-ts", json.dumps(with_event(GOOD, ts=1)).replace('"ts": 1,', '"ts": ' + "9" * 400 + ","),
+      "trace")
+    E("deep-nesting", '{"traceEvents": [{"name": "x", "args": ' + "[" * 100_000 + "]" * 100_000 + "}]}", "")
+    E("no-complete-events", {"traceEvents": [{"ph": "i", "name": "x", "ts": 1, "pid": 1, "tid": 1}]},
+      "nothing to analyse")
+    E("events-without-ts", {"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation",
+                                             "dur": 5, "pid": 1, "tid": 1}]}, "nothing to analyse")
+    t.append(Case("file/fifo", lambda d: fifo(d / "trace.json"), "error", "not a regular file"))
+    t.append(Case("file/dangling-symlink", lambda d: symlink(d / "trace.json", d / "gone.json"), "error",
+                  "no such file"))
+    t.append(Case("file/symlink-loop", lambda d: (symlink(d / "a.json", d / "b.json"), symlink(d / "b.json",
+                                                                                              d / "a.json"))[0],
+                  "error", "a.json"))
+    t.append(Case("path/missing", lambda d: d / "nothing-here", "error", "no such file"))
+    t.append(Case("path/empty-folder", lambda d: (d / "empty").mkdir() or d / "empty", "error",
+                  "no fsdp-doctor records and no Kineto traces"))
+    t.append(Case("path/folder-of-text", lambda d: (d / "notes.txt").write_text("hi") and d, "error",
+                  "no fsdp-doctor records and no Kineto traces"))
+    t.append(Case("path/all-files-unreadable", lambda d: (one_file(d, b"", "a.json"), one_file(d, b"{", "b.json"))
+                  and d, "error", "nothing to analyse"))
+    t.append(Case("path/two-files-without-rank",
+                  lambda d: (one_file(d, gpu_known_trace(rank=None).document(), "a.json"),
+                             one_file(d, gpu_known_trace(rank=None).document(), "b.json")) and d,
+                  "error", "no rank"))
+    return t
+
+
+def _trace_folder_cases() -> list[Case]:
+    """Two healthy ranks plus something bad: the bad file is named, the healthy ranks' figures unchanged."""
+    t = []
+
+    def P(name, fn, needle, check=same_overlap_as_two_ranks):
+        t.append(Case(f"folder/{name}", lambda d, f=fn: add(d, f), "partial", needle, check))
+
+    def shifted(doc, seconds):
+        doc = copy.deepcopy(doc)
+        doc["baseTimeNanoseconds"] += int(seconds * 1e9)
+        return doc
+
+    P("corrupt-third-rank", lambda d: one_file(d, b"{not json", "rank2.1.pt.trace.json"), "rank2.1.pt.trace.json")
+    P("empty-events-third", lambda d: one_file(d, {"traceEvents": []}, "rank2.json"), "rank2.json")
+    P("empty-file-third", lambda d: one_file(d, b"", "rank2.json"), "rank2.json")
+    P("truncated-gzip-third", lambda d: one_file(d, gzip.compress(json.dumps(gpu_doc(2)).encode())[:200],
+                                                 "rank2.json.gz"), "truncated gzip")
+    P("foreign-json", lambda d: one_file(d, {"name": "package", "version": "1.0"}, "package.json"), "package.json")
+    P("dangling-symlink", lambda d: symlink(d / "rank2.json", d / "missing.json"), "dangling symlink")
+    P("symlink-loop-file", lambda d: (symlink(d / "rank2.json", d / "rank3.json"),
+                                      symlink(d / "rank3.json", d / "rank2.json")), "symlink loop")
+    P("symlink-loop-folder", lambda d: (d / "sub").mkdir() or symlink(d / "sub" / "loop", d), "not read again")
+    P("fifo-trace", lambda d: fifo(d / "rank2.json"), "not a regular file (a FIFO)")
+    P("fifo-gz-trace", lambda d: fifo(d / "rank2.pt.trace.json.gz"), "not a regular file (a FIFO)")
+    P("socket-named-trace", lambda d: _socket(d / "rank2.json"), "not a regular file")
+    P("duplicate-rank-copy", lambda d: shutil.copy(d / "rank0.1.pt.trace.json", d / "rank0.copy.json"),
+      "rank 0 again")
+    P("duplicate-rank-other-name", lambda d: one_file(d, gpu_doc(1), "worker-b.json"), "rank 1 again")
+    P("duplicate-rank-gz", lambda d: one_file(d, gpu_doc(0), "rank0.2.pt.trace.json.gz", gz=True), "rank 0 again")
+    P("no-rank-among-several", lambda d: one_file(d, gpu_known_trace(rank=None).document(), "worker.json"),
+      "no rank")
+    P("another-job-world-size", lambda d: one_file(d, gpu_known_trace(rank=2, world_size=8).document(),
+                                                   "job2-rank2.json"), "another job (world size 8")
+    P("another-job-backend", lambda d: one_file(d, {**gpu_doc(2), "distributedInfo": {
+        "rank": 2, "world_size": 2, "backend": "gloo"}}, "rank2.json"), "another job (backend gloo")
+    P("another-job-hours-later", lambda d: one_file(d, shifted(gpu_doc(2, world_size=2), 3 * 3600),
+                                                    "rank2.json"), "another job (its step")
+    P("negative-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=-1.0), "rank2.json"),
+      "negative")
+    P("absurd-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=1e300), "rank2.json"),
+      "implausible duration")
+    P("absurd-ts-third", lambda d: one_file(d, with_event(gpu_doc(2), ts=1e300), "rank2.json"),
+      "implausible timestamp")
+    P("gzip-bomb", lambda d: one_file(d, _bomb(), "rank2.json.gz"), "decompression bomb")
+    P("escape-in-file-name", lambda d: one_file(d, b"{", "rank2\x1b]0;pwned\x07.json"), "pwned")
+    P("subfolder-bad", lambda d: (d / "more").mkdir() or one_file(d / "more", b"[1]", "rank5.json"),
+      "more/rank5.json")
+    t.append(Case("folder/report-and-jsonl-ignored", lambda d: add(d, lambda d: (
+        one_file(d, {"schema": "x"}, "report.json"), (d / "x.jsonl").write_text("{}\n"))), "ok", "",
+        same_overlap_as_two_ranks))
+    t.append(Case("folder/gzip-named-json", lambda d: (one_file(d, gpu_doc(0), "rank0.json", gz=True),
+                                                       one_file(d, gpu_doc(1), "rank1.json")) and d, "ok", "",
+                  same_overlap_as_two_ranks))
+    t.append(Case("folder/ns-timestamps", lambda d: (gpu_known_trace(rank=0).write(d / "rank0.json", ns=True),
+                                                     gpu_known_trace(rank=1).write(d / "rank1.json", ns=True))
+                  and d, "ok", "", same_overlap_as_two_ranks))
+    t.append(Case("folder/rank-from-name-only", lambda d: (
+        one_file(d, gpu_known_trace(rank=None).document(), "rank0.json"),
+        one_file(d, gpu_known_trace(rank=None).document(), "rank1.json")) and d, "ok", ""))
+    t.append(Case("folder/gloo-two-ranks", lambda d: [gloo_known_trace(rank=r).write(d / f"rank{r}.json")
+                                                      for r in (0, 1)] and d, "ok", ""))
+    t.append(Case("folder/escape-in-label", lambda d: one_file(d, _escaped_label(), "rank0.json") and d, "ok", ""))
+    t.append(Case("folder/long-name", lambda d: one_file(d, with_event(gpu_doc(0), name="x" * 1_000_000),
+                                                         "rank0.json") and d, "ok", ""))
+    return t
+
+
+def _socket(path: Path) -> Path:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+    return path
+
+
+def _bomb() -> bytes:
+    """A small gzip (~100 KiB) of 100 MiB of spaces: far past 200x its size."""
+    z = gzip.compress(b"{" + b" " * (100 << 20) + b"}", 1)
+    return z
+
+
+def _escaped_label() -> dict:
+    doc = gpu_doc(0)
+    for e in doc["traceEvents"]:
+        if isinstance(e.get("name"), str) and e["name"].startswith("FSDP::") and "(" in e["name"]:
+            e["name"] = e["name"].replace("(", "(\x1b]0;pwned\x07\x1b[2J", 1)
+    return doc
+
+
+def _record_cases() -> list[Case]:
+    t = []
+
+    def C(name, fn, expect, needle="", check=None, traces=False):
+        t.append(Case(f"run/{name}", lambda d, f=fn, tr=traces: f(sample_run(d, traces=tr)), expect, needle, check))
+
+    def drop_steps(recs, keep):
+        return [r for r in recs if r.get("t") != "step" or keep(r["step"])]
+
+    def set_first(recs, tag, **kv):
+        for r in recs:
+            if r.get("t") == tag:
+                r.update(kv)
+                break
+        return recs
+
+    # the manifest
+    C("manifest-version-99", lambda r: edit_manifest(r, version=99), "error", "format version 99")
+    C("manifest-version-0", lambda r: edit_manifest(r, version=0), "error", "format version 0")
+    C("manifest-foreign-format", lambda r: edit_manifest(r, format="chrome-trace"), "error", "chrome-trace")
+    C("manifest-version-string", lambda r: edit_manifest(r, version="one"), "partial", "not a valid fsdp-doctor manifest",
+      sample_steps)
+    C("manifest-world-size-0", lambda r: edit_manifest(r, world_size=0), "partial", "world size 0", sample_steps)
+    C("manifest-world-size-negative", lambda r: edit_manifest(r, world_size=-5), "partial", "world size -5",
+      sample_steps)
+    C("manifest-world-size-1", lambda r: edit_manifest(r, world_size=1), "partial", "outside this run")
+    C("manifest-truncated", lambda r: (r / "manifest.json").write_text('{"world_size": 2,') and r, "partial",
+      "manifest.json", sample_steps)
+    C("manifest-empty", lambda r: (r / "manifest.json").write_text("") or r, "partial", "manifest.json",
+      sample_steps)
+    C("manifest-list", lambda r: (r / "manifest.json").write_text("[]") and r, "partial", "manifest.json",
+      sample_steps)
+    C("manifest-fifo", lambda r: ((r / "manifest.json").unlink(), fifo(r / "manifest.json")) and r, "partial",
+      "not a regular file (a FIFO)", sample_steps)
+    C("manifest-dangling-symlink", lambda r: ((r / "manifest.json").unlink(),
+                                              symlink(r / "manifest.json", r / "gone")) and r, "partial",
+      "manifest.json", sample_steps)
+    C("manifest-is-folder", lambda r: ((r / "manifest.json").unlink(), (r / "manifest.json").mkdir()) and r,
+      "partial", "manifest.json", sample_steps)
+    # the streams
+    C("stream-fifo", lambda r: ((r / "rank1.records.jsonl").unlink(), fifo(r / "rank1.records.jsonl")) and r,
+      "partial", "not a regular file (a FIFO)")
+    C("stream-dangling-symlink", lambda r: ((r / "rank1.records.jsonl").unlink(),
+                                            symlink(r / "rank1.records.jsonl", r / "gone")) and r, "partial",
+      "rank1.records.jsonl")
+    C("stream-is-folder", lambda r: ((r / "rank1.records.jsonl").unlink(), (r / "rank1.records.jsonl").mkdir())
+      and r, "partial", "rank1.records.jsonl")
+    C("stream-empty", lambda r: (r / "rank1.records.jsonl").write_text("") or r, "partial", "empty")
+    C("stream-garbage-line", lambda r: edit_stream(r, 1, lambda x: x[:5] + ["{not json"] + x[5:]), "partial",
+      "line 6")
+    C("stream-array-line", lambda r: edit_stream(r, 1, lambda x: x[:5] + ["[1, 2]"] + x[5:]), "partial",
+      "not a valid record")
+    C("stream-unknown-tag", lambda r: edit_stream(r, 1, lambda x: x + [{"t": "zzz", "rank": 1}]), "partial",
+      "not a valid record")
+    C("stream-cut-mid-line", lambda r: (r / "rank1.records.jsonl").write_bytes(
+        (r / "rank1.records.jsonl").read_bytes()[:-40]) and r, "partial", "incomplete")
+    C("stream-header-version-99", lambda r: edit_stream(r, 1, lambda x: set_first(x, "header", version=99)),
+      "partial", "version 99")
+    C("stream-header-foreign-format", lambda r: edit_stream(r, 1, lambda x: set_first(x, "header", format="other")),
+      "partial", "'other'")
+    C("steps-duplicated", lambda r: edit_stream(r, 0, lambda x: x + [y for y in x if y.get("t") == "step"]),
+      "partial", "repeated", sample_steps)
+    C("steps-duplicated-both", lambda r: [edit_stream(r, k, lambda x: x + [y for y in x if y.get("t") == "step"])
+                                          for k in (0, 1)] and r, "partial", "never counted twice", sample_steps)
+    C("step-negative-wall", lambda r: edit_stream(r, 0, lambda x: x + [{**[y for y in x if y.get("t") == "step"][-1],
+                                                                         "step": 999, "wall_ms": -50.0}]),
+      "partial", "impossible times", sample_steps)
+    C("step-absurd-wall", lambda r: edit_stream(r, 0, lambda x: x + [{**[y for y in x if y.get("t") == "step"][-1],
+                                                                       "step": 999, "wall_ms": 1e300}]),
+      "partial", "impossible times", sample_steps)
+    C("step-negative-forward", lambda r: edit_stream(r, 1, lambda x: x + [
+        {**[y for y in x if y.get("t") == "step"][-1], "step": 999, "forward_ms": -1.0}]), "partial",
+      "forward_ms -1.0", sample_steps)
+    C("config-world-size-0", lambda r: edit_stream(r, 0, lambda x: set_first(x, "config", world_size=0)), "partial",
+      "world size 0")
+    C("config-world-size-negative", lambda r: [edit_stream(r, k, lambda x: set_first(x, "config", world_size=-3))
+                                               for k in (0, 1)] and r, "partial", "world size -3")
+    C("stream-of-another-run", lambda r: [edit_manifest(r, run_id="aaaa"),
+                                          edit_stream(r, 0, lambda x: set_first(x, "header", run_id="aaaa")),
+                                          edit_stream(r, 1, lambda x: set_first(x, "header", run_id="bbbb"))] and r,
+      "partial", "another run")
+    C("no-manifest-two-runs", lambda r: [(r / "manifest.json").unlink(),
+                                         edit_stream(r, 0, lambda x: set_first(x, "header", run_id="aaaa")),
+                                         edit_stream(r, 1, lambda x: set_first(x, "header", run_id="bbbb"))] and r,
+      "partial", "another run")
+    C("rank-outside-world", lambda r: shutil.copy(r / "rank1.records.jsonl", r / "rank5.records.jsonl") and r,
+      "partial", "outside this run")
+    C("escape-in-unit-name", lambda r: edit_stream(r, 0, lambda x: [_escape_units(y) for y in x]), "ok", "",
+      traces=True)
+    C("no-manifest-is-fine", lambda r: (r / "manifest.json").unlink() or r, "ok", "", sample_steps, traces=True)
+    # the profiler windows
+    C("window-listed-but-missing", lambda r: (r / "profiler" / "rank1.6.pt.trace.json.gz").unlink() or r,
+      "partial", "file is missing", traces=True)
+    C("window-corrupt", lambda r: (r / "profiler" / "rank1.6.pt.trace.json.gz").write_bytes(b"\x1f\x8bxx") and r,
+      "partial", "rank1.6.pt.trace.json.gz", traces=True)
+    C("window-fifo", lambda r: ((r / "profiler" / "rank1.6.pt.trace.json.gz").unlink(),
+                                fifo(r / "profiler" / "rank1.6.pt.trace.json.gz")) and r, "partial",
+      "not a regular file", traces=True)
+    C("window-empty-events", lambda r: write_json(r / "profiler" / "rank1.6.pt.trace.json.gz",
+                                                  {"traceEvents": []}, gz=True) and r, "partial", "is empty",
+      traces=True)
+    C("window-unfinished", lambda r: [edit_stream(r, k, lambda x: [y for y in x if y.get("t") != "end" and not (
+        y.get("t") == "step" and y["step"] >= 7)]) for k in (0, 1)] and r, "partial", "never completed step",
+      traces=True)
+    C("killed-rank-named", lambda r: [edit_stream(r, 0, lambda x: [y for y in x if y.get("t") != "end"]),
+                                      edit_stream(r, 1, lambda x: [y for y in x if y.get("t") not in ("end",) and not (
+                                          y.get("t") == "step" and y["step"] > 20)])] and r, "partial",
+      "rank 1 stopped first")
+    C("profiler-folder-dangling", lambda r: symlink(r / "profiler" / "old", r / "nowhere") and r, "ok", "",
+      traces=True)
+    C("profiler-trace-dangling-symlink", lambda r: symlink(r / "profiler" / "rank0.20.pt.trace.json.gz",
+                                                           r / "nowhere") and r, "partial", "dangling symlink",
+      traces=True)
+    # outputs onto inputs
+    t.append(Case("out/json-onto-trace", lambda d: (two_ranks(d), ["--json", str(d / "rank0.1.pt.trace.json")])[1:]
+                  and (d, ["--json", str(d / "rank0.1.pt.trace.json")]), "error", "is one of the inputs"))
+    t.append(Case("out/html-onto-the-trace-file", lambda d: (one_file(d, GOOD, "t.json"),
+                                                             ["--html", str(d / "t.json")]), "error",
+                  "is one of the inputs"))
+    t.append(Case("out/json-onto-manifest", lambda d: (sample_run(d), ["--json", str(d / "run" / "manifest.json")]),
+                  "error", "is one of the inputs"))
+    t.append(Case("out/json-onto-stream", lambda d: (sample_run(d), ["--json", str(d / "run" / "rank0.records.jsonl")]),
+                  "error", "is one of the inputs"))
+    t.append(Case("out/json-into-missing-dir", lambda d: (two_ranks(d), ["--json", str(d / "no" / "r.json")]),
+                  "error", "does not exist"))
+    t.append(Case("out/json-onto-folder", lambda d: (two_ranks(d), ["--json", str(d)]), "error", "is a directory"))
+    return t
+
+
+def _escape_units(rec: dict) -> dict:
+    if rec.get("t") == "config":
+        for u in rec.get("units", []):
+            u["name"] = u["name"] + "\x1b]0;pwned\x07\x1b[31m" if u["name"] else u["name"]
+    return rec
+
+
+def cases() -> list[Case]:
+    return _trace_file_cases() + _trace_folder_cases() + _record_cases()
+
+
+# ------------------------------------------------------------------------------------------ running one
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang()
+
+
+def run_case(case: Case, where: Path) -> Outcome:
+    """Builds the case under ``where`` and runs ``fsdp-doctor analyze`` on it in this process."""
+    from fsdp_doctor import cli
+
+    where.mkdir(parents=True, exist_ok=True)
+    built = case.build(where)
+    path, extra = built if isinstance(built, tuple) else (built, [])
+    out_json = where.parent / f"{where.name}.report.json"
+    args = ["analyze", str(path), *extra]
+    if "--json" not in extra:
+        args += ["--json", str(out_json)]
+    so, se = io.StringIO(), io.StringIO()
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(TIMEOUT_S)
+    rc, tb, hung = None, "", False
+    try:
+        with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+            rc = cli.main(args)
+    except _Hang:
+        hung = True
+    except BaseException:  # noqa: BLE001  (a traceback is what the corpus looks for)
+        tb = traceback.format_exc()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    report = None
+    if out_json.exists() and "--json" not in extra:
+        report = json.loads(out_json.read_text())
+    return Outcome(rc=rc, stdout=so.getvalue(), stderr=se.getvalue(), report=report, traceback=tb, hung=hung)
+
+
+def verdict(case: Case, o: Outcome) -> str:
+    """'' when the case got its answer, else what went wrong (one line)."""
+    if o.hung:
+        return "hang"
+    if o.traceback:
+        return "traceback: " + o.traceback.strip().splitlines()[-1]
+    if "\x1b" in o.stdout or "\x1b" in o.stderr or "\x07" in o.stdout:
+        return "control characters reached the terminal"
+    want = {"error": 2, "partial": 3, "ok": 0}[case.expect]
+    if o.rc != want:
+        kind = "misleading report" if o.rc == 0 else f"exit {o.rc}"
+        return f"{kind}, expected exit {want}: {(o.stderr.strip().splitlines() or [''])[-1][:200]}"
+    needle = case.needle.lower()
+    if case.expect == "error":
+        errs = [x for x in o.stderr.splitlines() if x.strip()]
+        if len(errs) != 1 or not errs[0].startswith("fsdp-doctor: "):
+            return f"not one error line: {errs[:3]}"
+        if needle not in errs[0].lower():
+            return f"error line lacks {case.needle!r}: {errs[0][:200]}"
+        if o.stdout.strip():
+            return "a report printed with the error"
+    elif case.expect == "partial":
+        problems = (o.report or {}).get("problems", [])
+        if not any(needle in p.lower() for p in problems):
+            return f"no problem names {case.needle!r}: {problems[:4]}"
+    if case.check is not None and o.report is not None:
+        try:
+            case.check(o.report)
+        except AssertionError as e:
+            return f"figures wrong: {e}"
+    return ""
+
+
+def main() -> int:
+    bad = 0
+    with tempfile.TemporaryDirectory() as t:
+        for i, c in enumerate(cases()):
+            o = run_case(c, Path(t) / f"c{i}")
+            v = verdict(c, o)
+            bad += bool(v)
+            print(f"{'FAIL' if v else 'ok  '} {c.name:45s} exit {o.rc}  {v}")
+    print(f"{len(cases())} cases, {bad} wrong")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
