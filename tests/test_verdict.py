@@ -12,7 +12,7 @@ from fsdp_doctor.analyze.verdict import GROUPS, verdict
 from fsdp_doctor.report_sections import Breakdown, OverlapSection
 from fsdp_doctor.trace import analyze_traces, breakdown, build_window, find_trace_files, temporal_breakdown
 
-HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
+from conftest import HTA_TRACES as HTA_DIR  # noqa: E402
 EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
 PARTS = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm", "offload", "other_gpu",
          "host", "input", "idle")
