@@ -22,7 +22,7 @@ EXIT_PARTIAL = 3  # analyzed, but some files were skipped
 
 
 def _console() -> Console:
-    return Console(width=min(shutil.get_terminal_size((100, 40)).columns, 100), highlight=False)
+    return Console(width=shutil.get_terminal_size((100, 40)).columns, highlight=False)  # $COLUMNS, else the tty
 
 
 def _err(msg: str) -> None:
