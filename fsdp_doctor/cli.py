@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import threading
@@ -30,7 +31,7 @@ class _Console(Console):
 
 
 def _console() -> Console:
-    return _Console(width=min(shutil.get_terminal_size((100, 40)).columns, 100), highlight=False)
+    return _Console(width=shutil.get_terminal_size((100, 40)).columns, highlight=False)  # $COLUMNS, else the tty
 
 
 def _err(msg: str) -> None:

@@ -27,7 +27,8 @@ StepWindow = Optional[tuple[int, int]]
 
 # What the headline exposed-communication figure means, shown next to it by every presenter.
 COMM_DEFINITION_TRACE = ("communication time during which no compute ran (union of collectives minus its overlap "
-                         "with compute), per profiled step, median over ranks")
+                         "with compute) inside the complete profiled steps, per step, median over ranks: the "
+                         "verdict's communication share of the step")
 COMM_DEFINITION_RECORDS = ("time compute waited for all-gathers (the recorder's unshard waits, forward and "
                            "backward), per step, median over ranks; reduce-scatters need a profiler trace")
 
@@ -95,11 +96,10 @@ def comm_summary(overlap: Optional[OverlapSection],
     (``ag_waits``: per rank, ms per step, see ``recorded_ag_waits``)."""
     rows: dict[str, CommRank] = {}
     for r, pr in (overlap.per_rank if overlap is not None else {}).items():
-        n = len(pr.steps)
-        if n:
-            rows[str(r)] = CommRank(exposed_ms_per_step=round(pr.exposed_us / 1e3 / n, 3),
-                                    comm_ms_per_step=round(pr.comm_us / 1e3 / n, 3),
-                                    overlap_pct=None if pr.overlap_pct is None else round(pr.overlap_pct, 1),
+        if pr.exposed_ms_per_step is not None:  # per step over the complete steps (trace.analysis._per_step)
+            rows[str(r)] = CommRank(exposed_ms_per_step=round(pr.exposed_ms_per_step, 3),
+                                    comm_ms_per_step=round(pr.comm_ms_per_step, 3),
+                                    overlap_pct=None if pr.step_overlap_pct is None else round(pr.step_overlap_pct, 1),
                                     steps=sorted(pr.steps))
     if rows:
         steps = sorted({s for v in rows.values() for s in v.steps})

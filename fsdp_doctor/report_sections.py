@@ -238,13 +238,23 @@ class ThroughputSection(_Section):
 
 
 class OverlapRank(_Section):
-    """One rank's communication over its profiled windows (µs)."""
+    """One rank's communication over its profiled windows. ``comm_us``, ``overlap_us``, ``exposed_us`` and
+    ``overlap_pct`` are over the whole windows (µs; HTA's ``get_comm_comp_overlap``); the ``*_per_step`` figures
+    and ``step_ms`` are over the complete steps only (the verdict's window, see ``Breakdown``), divided by
+    ``step_count``: the report's per-step figures (``report.comm``, the verdict's step) are these, and they never
+    exceed the step. None where the windows hold no complete ``ProfilerStep``."""
 
     comm_us: float = 0.0  # union of collectives
     overlap_us: float = 0.0  # of that, while compute ran
     exposed_us: float = 0.0  # comm_us - overlap_us
     overlap_pct: Optional[float] = None  # None without communication
     steps: list[int] = []  # profiler steps in the windows
+    step_count: int = 0  # complete steps analysed, over all windows
+    step_ms: Optional[float] = None  # mean wall time of a complete step
+    comm_ms_per_step: Optional[float] = None  # union of collectives inside the complete steps, per step
+    exposed_ms_per_step: Optional[float] = None  # of that, while no compute ran (the verdict's communication)
+    hidden_ms_per_step: Optional[float] = None  # of that, while compute ran
+    step_overlap_pct: Optional[float] = None  # hidden / comm inside the complete steps
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0
@@ -266,6 +276,10 @@ class CommUnitRow(_Section):
     slack_us: Optional[float] = None  # mean time from the collective's end to its first use
     held_us: Optional[float] = None  # the same, negative slack counted as 0
     dtype: Optional[str] = None
+    steps: int = 1  # the complete steps of the rank's windows (at least 1): the per-step figures divide by it
+    count_per_step: float = 0.0
+    comm_ms_per_step: float = 0.0
+    exposed_ms_per_step: float = 0.0
 
 
 class Copies(_Section):
@@ -302,6 +316,7 @@ class Breakdown(_Section):
     input: float = 0.0
     idle: float = 0.0
     window_us: float = 0.0
+    comm_us: float = 0.0  # union of collectives inside the window, hidden or not (not a part)
 
     def parts(self) -> dict[str, float]:
         """part -> µs, in ``PARTS`` order (``window_us`` aside)."""

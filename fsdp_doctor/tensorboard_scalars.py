@@ -5,13 +5,13 @@ scalars become one event. Imports neither torch nor a presenter.
 
 Tags (x axis = training step): ``step/wall_ms`` and its split ``step/forward_ms``, ``step/backward_ms``,
 ``step/optimizer_ms``, ``step/outside_ms``, ``step/gc_ms``; ``step/profiled``; ``memory/peak_mib`` and
-``memory/<category>_mib`` at the step's peak (MiB = 2^20 bytes); ``overlap/overlap_pct``,
-``overlap/exposed_comm_ms``, ``overlap/comm_ms`` on profiled steps.
+``memory/<category>_mib`` at the step's peak (MiB = 2^20 bytes; a category from its first non-zero value on);
+``overlap/overlap_pct``, ``overlap/exposed_comm_ms``, ``overlap/comm_ms`` on the steps of each profiled window (the
+report's per-step figures of that window).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .memory_categories import NAMES
@@ -22,11 +22,18 @@ MIB = float(1 << 20)
 STEP_FIELDS = ("wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms")
 
 
-def step_scalars(rec: StepRecord) -> dict[str, float]:
-    """The scalars written for one step record (tag -> value)."""
+def step_scalars(rec: StepRecord, seen: Optional[set] = None) -> dict[str, float]:
+    """The scalars written for one step record (tag -> value). With ``seen`` (the memory tags that were non-zero
+    at an earlier step of this writer, updated here), a memory category is written only from its first non-zero
+    value on: a category that stays 0 for the whole run (no CPU offload, no temporaries on CPU) draws no flat
+    chart, and one that falls back to 0 still shows it."""
     out = {f"step/{f}": float(getattr(rec, f)) for f in STEP_FIELDS}
     out["step/profiled"] = 1.0 if rec.profiled else 0.0
-    out.update(memory_scalars(rec.memory))
+    mem = memory_scalars(rec.memory)
+    if seen is not None:
+        seen.update(t for t, v in mem.items() if v)
+        mem = {t: v for t, v in mem.items() if t in seen}
+    out.update(mem)
     return out
 
 
@@ -63,34 +70,39 @@ def memory_scalars(mem: Optional[MemoryStep]) -> dict[str, float]:
     return out
 
 
-def overlap_scalars(section: Optional[OverlapSection], rank: int) -> dict[int, dict[str, float]]:
-    """Per analysed step of one trace window (``section``: the trace engine's overlap section of that window): overlap
-    %, exposed and total communication (ms per step). A window holding one rank counts for ``rank``."""
+def overlap_scalars(section: Optional[OverlapSection], rank: int,
+                    window_steps: Iterable[int] = ()) -> dict[int, dict[str, float]]:
+    """The per-step figures of one trace window (``section``: the pipeline's overlap section of that window; the
+    report's ``OverlapRank.*_per_step``: exposed and total communication in ms per complete step, and the share
+    of it overlapped), at each step of the window: its complete steps and ``window_steps`` (the steps the
+    window recorded, its last cut one included), so that even a one-window run draws a line, not a lone point
+    TensorBoard does not show. A window holding one rank counts for ``rank``."""
     per_rank = section.per_rank if section is not None else {}
     pr = per_rank.get(str(rank))
     if pr is None and len(per_rank) == 1:
         pr = next(iter(per_rank.values()))
-    if pr is None or not pr.steps:
+    if pr is None or pr.exposed_ms_per_step is None:
         return {}
-    n = len(pr.steps)
-    vals: dict[str, float] = {"overlap/exposed_comm_ms": pr.exposed_us / 1e3 / n,
-                              "overlap/comm_ms": pr.comm_us / 1e3 / n}
-    if pr.overlap_pct is not None:
-        vals["overlap/overlap_pct"] = float(pr.overlap_pct)
-    return {int(s): dict(vals) for s in pr.steps}
+    vals: dict[str, float] = {"overlap/exposed_comm_ms": float(pr.exposed_ms_per_step),
+                              "overlap/comm_ms": float(pr.comm_ms_per_step)}
+    if pr.step_overlap_pct is not None:
+        vals["overlap/overlap_pct"] = float(pr.step_overlap_pct)
+    return {int(s): dict(vals) for s in sorted({*pr.steps, *window_steps})}
 
 
-def window_overlap_scalars(rank: int, paths: Iterable[Path]) -> dict[int, dict[str, float]]:
-    """Overlap scalars per profiled step of ``rank``, each window analysed by the trace engine on its own (so
-    each window's steps get that window's figures; no report is built)."""
+def window_overlap_scalars(rank: int, windows: Iterable) -> dict[int, dict[str, float]]:
+    """Overlap scalars per profiled step of ``rank``, each window analysed by the trace engine on its own (so each
+    window's steps get that window's figures; no report is built). ``windows``: trace paths, or (path, the
+    window's steps) pairs."""
     from .trace import analyze_windows, load_window
 
     out: dict[int, dict[str, float]] = {}
-    for p in paths:
+    for item in windows:
+        p, steps = item if isinstance(item, tuple) else (item, ())
         w = load_window(str(p))
         if not hasattr(w, "calls"):
             continue  # unreadable: `fsdp-doctor analyze` names it
-        out.update(overlap_scalars(analyze_windows([w]), rank))
+        out.update(overlap_scalars(analyze_windows([w]), rank, steps))
     return out
 
 
@@ -110,6 +122,18 @@ def add_scalars(writer, values: dict[str, float], step: int, walltime: Optional[
     writer.add_event(Event(summary=summary, step=int(step), wall_time=time.time() if walltime is None else walltime))
 
 
-def step_walltime(rec: StepRecord) -> Optional[float]:
-    """The step's wall-clock end (s since the epoch), or None when the record has no start time."""
-    return (rec.start_ns + rec.wall_ms * 1e6) / 1e9 if rec.start_ns else None
+def step_walltime(rec: StepRecord, next_start_ns: Optional[int] = None) -> Optional[float]:
+    """The step's wall-clock end (s since the epoch), or None when the record has no start time; never after the
+    next step's start (``next_start_ns``: records written before the recorder's fix started a step that exported a
+    profiler window after the export, while its ``wall_ms`` counts it, so its end fell after the next step's)."""
+    if not rec.start_ns:
+        return None
+    end = rec.start_ns + rec.wall_ms * 1e6
+    return (min(end, next_start_ns) if next_start_ns else end) / 1e9
+
+
+def step_walltimes(records: Iterable[StepRecord]) -> dict[int, Optional[float]]:
+    """Each step's wall-clock end (see :func:`step_walltime`), in step order: increasing with the step."""
+    recs = sorted(records, key=lambda r: r.step)
+    return {r.step: step_walltime(r, recs[i + 1].start_ns if i + 1 < len(recs) else None)
+            for i, r in enumerate(recs)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+SHARED = Path(os.environ.get("FSDP_DOCTOR_SHARED") or REPO.parent / "shared")  # a git worktree elsewhere: set it
 HTA_TRACES = SHARED / "reference_traces" / "hta"
 SAMPLE_RUN = REPO / "traces" / "sample"
 

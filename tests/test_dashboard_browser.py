@@ -46,6 +46,7 @@ selenium = pytest.importorskip("selenium")
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
@@ -131,7 +132,23 @@ def _severe(driver) -> list[str]:
 
 
 def _wait(driver, cond, timeout=20.0, what="condition"):
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: cond(d), message=what)
+    """Waits until ``cond(driver)`` is truthy; an element re-rendered while the condition read it (stale, as Dash
+    replaces components under load) only makes the condition run again, on freshly found elements."""
+    return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(lambda d: cond(d), message=what)
+
+
+def _act(driver, act, what="action"):
+    """Runs ``act(driver)`` (which finds its elements itself) until it goes through: a click or a key press on an
+    element Dash replaced meanwhile is retried on the new one."""
+    def go(d):
+        try:
+            act(d)
+        except (StopIteration, ElementClickInterceptedException):  # not rendered yet, or covered for a moment
+            return False
+        return True
+
+    return _wait(driver, go, what=what)
 
 
 def _graphs_drawn(driver) -> int:
@@ -377,8 +394,24 @@ def _path(driver) -> str:
 
 
 def _text(driver, eid: str) -> str:
-    els = driver.find_elements(By.ID, eid)
-    return els[0].text if els else ""
+    """The element's text, found afresh ("" while it is absent); retried while Dash re-renders it."""
+    for _ in range(50):
+        try:
+            els = driver.find_elements(By.ID, eid)
+            return els[0].text if els else ""
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    raise AssertionError(f"#{eid} kept being re-rendered")
+
+
+def _option_texts(driver) -> list[str]:
+    return driver.execute_script("return Array.from(document.querySelectorAll('[role=listbox] [role=option]'))"
+                                 ".map(function(o){ return o.textContent.trim(); });")
+
+
+def _click_option(driver, name: str) -> None:
+    opt = next(o for o in driver.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]") if o.text.strip() == name)
+    opt.click()
 
 
 def _fig_title(driver, gid: str) -> str:
@@ -406,10 +439,11 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
         "var g = document.querySelector('#fig-step-time .js-plotly-plot'); return g && g.data && g.data.length == 1 "
         "&& g.data[0].name == 'rank 1';"), what="only rank 1 drawn")
     assert "rank 1" in _text(driver, "flt-rank")
-    assert "tab--selected" in driver.find_element(By.ID, "tab-steps").get_attribute("class")
+    assert _wait(driver, lambda d: "tab--selected" in d.find_element(By.ID, "tab-steps").get_attribute("class"),
+                 what="steps tab selected")
 
     # a page link keeps the filters; the back button returns to the previous page with its filters
-    driver.find_element(By.ID, "tab-units").click()
+    _act(driver, lambda d: d.find_element(By.ID, "tab-units").click(), what="open the units tab")
     _wait(driver, lambda d: _path(d) == "/units" and d.find_elements(By.ID, "fig-unit-timing"), what="units page")
     assert _url_query(driver) == {"rank": "1"}
     _wait(driver, lambda d: "rank 1" in _fig_title(d, "fig-unit-timing"), what="unit chart names rank 1")
@@ -419,9 +453,12 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
     assert _url_query(driver) == {"rank": "1"}
 
     # a step typed into the box applies on Enter (the box keeps the focus: no blur needed)
-    box = driver.find_element(By.ID, "flt-lo")
-    box.send_keys(Keys.CONTROL, "a")
-    box.send_keys("12", Keys.ENTER)
+    def type_12(d):
+        box = d.find_element(By.ID, "flt-lo")
+        box.send_keys(Keys.CONTROL, "a")
+        box.send_keys("12", Keys.ENTER)
+
+    _act(driver, type_12, what="type 12 into the step box")
     _wait(driver, lambda d: _url_query(d).get("steps") == "12-", what="steps=12- in the URL after Enter")
     assert driver.execute_script("return document.activeElement.id") == "flt-lo"
     _wait(driver, lambda d: d.execute_script(
@@ -434,58 +471,57 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
 
     # memory follows the step window and says which step it draws and why
     driver.get(base + "/memory?steps=10-20")
-    note = _wait(driver, lambda d: d.find_elements(By.ID, "mem-step-note"), what="memory step note")[0]
-    assert "steps 10–20" in note.text and "measured in full" in note.text
+    note = _wait(driver, lambda d: _text(d, "mem-step-note"), what="memory step note")
+    assert "steps 10–20" in note and "measured in full" in note
     peak_sub = _text(driver, "kpi-mem-peak")
     assert any(f"step {s}," in peak_sub for s in range(10, 21)), peak_sub
 
     # communication says it falls back to a profiled step outside the window
     driver.get(base + "/communication?steps=10-20")
-    note = _wait(driver, lambda d: d.find_elements(By.ID, "comm-step-note"), what="comm step note")[0]
-    assert "outside the selected steps 10–20" in note.text
-    assert "step 6" in note.text
+    note = _wait(driver, lambda d: _text(d, "comm-step-note"), what="comm step note")
+    assert "outside the selected steps 10–20" in note
+    assert "step 6" in note
 
     # the unit dropdown: every option visible at once, "all units" not under the search box; selecting a unit
     # narrows the communication KPIs to its collectives; the clear button removes the filter
     driver.get(base + "/communication")
     _wait(driver, lambda d: _text(d, "kpi-comm-total"), what="comm KPIs")
     total_all = _text(driver, "kpi-comm-total")
-    driver.find_element(By.ID, "flt-unit").click()
-    opts = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]"), what="options")
-    names = [o.text.strip() for o in opts]
+    _act(driver, lambda d: d.find_element(By.ID, "flt-unit").click(), what="open the unit dropdown")
+    names = _wait(driver, _option_texts, what="options")
     assert names[0] == "all units" and "layers.1" in names and len(names) == 1 + len(report.units)
     visible = driver.execute_script("""
-        return arguments[0].map(function(o){ var r = o.getBoundingClientRect();
+        return Array.from(document.querySelectorAll('[role=listbox] [role=option]')).map(function(o){
+          var r = o.getBoundingClientRect();
           var e = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
-          return !!e && o.contains(e); });""", opts)
+          return !!e && o.contains(e); });""")
     assert all(visible), dict(zip(names, visible))
-    next(o for o in opts if o.text.strip() == "layers.1").click()
+    _act(driver, lambda d: _click_option(d, "layers.1"), what="pick layers.1")
     _wait(driver, lambda d: _url_query(d).get("unit") == "layers.1", what="unit in the URL")
     mine = [r for r in report.overlap.per_unit if r.unit == "layers.1"]
     want = fmt_ms(sum(r.comm_us for r in mine) / 1e3)
     _wait(driver, lambda d: _text(d, "kpi-comm-total").splitlines()[1:2] == [want], what=f"unit KPI {want}")
     assert "unit layers.1" in _text(driver, "kpi-comm-total") and _text(driver, "kpi-comm-total") != total_all
-    driver.find_element(By.CSS_SELECTOR, "#flt-unit .dash-dropdown-clear").click()
+    _act(driver, lambda d: d.find_element(By.CSS_SELECTOR, "#flt-unit .dash-dropdown-clear").click(), what="clear")
     _wait(driver, lambda d: "unit" not in _url_query(d), what="cleared unit filter")
     _wait(driver, lambda d: _text(d, "kpi-comm-total") == total_all, what="KPIs back to every unit")
 
     # clicking a unit's name in the Units table selects it
     driver.get(base + "/units")
-    cell = _wait(driver, lambda d: [c for c in d.find_elements(By.CSS_SELECTOR, "#tbl-units .ag-cell[col-id=unit]")
-                                    if c.text.strip() == "layers.2"], what="units table")[0]
-    cell.click()
+    _act(driver, lambda d: next(c for c in d.find_elements(By.CSS_SELECTOR, "#tbl-units .ag-cell[col-id=unit]")
+                                if c.text.strip() == "layers.2").click(), what="click layers.2 in the units table")
     _wait(driver, lambda d: _url_query(d).get("unit") == "layers.2", what="unit selected from the table")
 
     # the overview: one exposed-communication figure with its source, an honest headline
     driver.get(base + "/overview")
-    head = _wait(driver, lambda d: d.find_elements(By.ID, "headline"), what="headline")[0].text
+    head = _wait(driver, lambda d: _text(d, "headline"), what="headline")
     infos = [f for f in report.findings if f.severity == "info"]
     if not any(f.severity in ("warning", "critical") for f in report.findings):
         assert head.startswith(f"No warnings; {len(infos)} note") and infos[0].title in head
     assert "Healthy" not in head
     kpi_text = _text(driver, "kpi-exposed")
     assert "/ step" in kpi_text and ("records" in kpi_text or "trace" in kpi_text)
-    assert "per window" not in driver.find_element(By.CSS_SELECTOR, ".kpis").text
+    assert "per window" not in _wait(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".kpis").text, what="KPIs")
     _screenshot(driver, "overview-1920x1080", width=1920, height=1080)
     assert not _severe(driver)
 

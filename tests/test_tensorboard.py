@@ -49,15 +49,26 @@ def test_export_scalars_equal_the_records(sample_copy, tmp_path):
             for s in rd.steps:
                 assert got[s.step] == pytest.approx(getattr(s, f), rel=1e-6, abs=1e-6), (rank, f, s.step)
         assert {k for k, v in sc["step/profiled"].items() if v == 1.0} == {s.step for s in rd.steps if s.profiled}
-        # overlap of the one profiled window: equal to the trace engine's result for that file
+        # overlap of the one profiled window: the trace engine's per-step figures for that file, at each of the
+        # window's steps (6 and 7: two points draw a line; one point alone TensorBoard does not show)
         (pw,) = rd.profiles
         res = analyze_traces([sample_copy / pw.path]).per_rank[str(rank)]
-        steps = res.steps
-        assert sorted(sc["overlap/overlap_pct"]) == steps
-        for st in steps:
-            assert sc["overlap/overlap_pct"][st] == pytest.approx(res.overlap_pct, rel=1e-6)
-            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res.exposed_us / 1e3 / len(steps), rel=1e-6)
-            assert sc["overlap/comm_ms"][st] == pytest.approx(res.comm_us / 1e3 / len(steps), rel=1e-6)
+        assert sorted(sc["overlap/overlap_pct"]) == sorted({*res.steps, *pw.steps}) == [6, 7]
+        for st in pw.steps:
+            assert sc["overlap/overlap_pct"][st] == pytest.approx(res.step_overlap_pct, rel=1e-6)
+            assert sc["overlap/exposed_comm_ms"][st] == pytest.approx(res.exposed_ms_per_step, rel=1e-6)
+            assert sc["overlap/comm_ms"][st] == pytest.approx(res.comm_ms_per_step, rel=1e-6)
+            assert sc["overlap/exposed_comm_ms"][st] <= sc["step/wall_ms"][st]
+        # no flat-zero memory chart: every memory tag written was non-zero at some step
+        for tag, pts in sc.items():
+            if tag.startswith("memory/"):
+                assert any(pts.values()), tag
+        assert "memory/activations_mib" in sc and "memory/temporaries_mib" not in sc  # 0 on CPU: no allocator total
+        # wall time grows with the step (step 8 exported the window and used to end after step 9)
+        acc = EventAccumulator(str(out / "tb" / f"rank{rank}"), size_guidance={"scalars": 0})
+        acc.Reload()
+        wall = sorted((e.step, e.wall_time) for e in acc.Scalars("step/wall_ms"))
+        assert all(a[1] <= b[1] for a, b in zip(wall, wall[1:])), wall
 
 
 def test_export_defaults_to_the_run_directory(sample_copy):
@@ -90,6 +101,9 @@ def test_memory_by_category_at_the_peak(tmp_path):
         peak = r.memory.peak
         assert sc["memory/peak_mib"][r.step] == pytest.approx(peak.bytes / MIB, rel=1e-6)
         for cat, v in peak.breakdown.items():
+            if cat == "unsharded_grads":  # 0 at every step: no flat-zero chart
+                assert f"memory/{cat}_mib" not in sc
+                continue
             assert sc[f"memory/{cat}_mib"][r.step] == pytest.approx(v / MIB, rel=1e-6, abs=1e-9), cat
         assert sc["memory/offloaded_host_mib"][r.step] == pytest.approx(4096 / MIB)
         assert sc["memory/cuda_allocated_mib"][r.step] == pytest.approx(r.memory.cuda.allocated / MIB)

@@ -41,8 +41,9 @@ def test_render_tables(tmp_path):
     assert "skipped rank2.json: not a Kineto trace (no traceEvents)" in text
     unit_lines = [line for line in lines if " fwd " in line or " bwd " in line]
     assert len(unit_lines) == 15
-    # worst exposure first: the gloo rank's fully exposed synchronous all-gathers (2 × 1 ms)
-    assert unit_lines[0].split()[:3] == ["1", "0", "AG"] and "2.00 ms" in unit_lines[0]
+    # worst exposure first: the gloo rank's fully exposed synchronous all-gathers (2 × 1 ms over its 2 complete
+    # steps: one call and 1.00 ms per step)
+    assert unit_lines[0].split()[:6] == ["1", "0", "AG", "fwd", "1", "1.00"] and "1.00 ms   1.00 ms" in unit_lines[0]
     assert "0.4 MB/s" in unit_lines[0] and "800 B" in unit_lines[0]
 
 

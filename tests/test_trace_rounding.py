@@ -16,7 +16,7 @@ import pytest
 
 from fsdp_doctor.trace import analyze_traces, build_window, find_trace_files, temporal_breakdown
 
-HTA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "reference_traces" / "hta"
+from conftest import HTA_TRACES as HTA_DIR  # noqa: E402
 EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
 
 pytestmark = pytest.mark.skipif(not EXPECTED.exists(), reason=f"reference traces not found at {HTA_DIR}")

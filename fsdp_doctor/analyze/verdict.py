@@ -46,6 +46,8 @@ PART_LABELS = {
     "input": "input / outside the model",
     "idle": "idle (launched work waiting)",
 }
+GROUP_LABELS = {"communication": "exposed communication", "compute": "compute", "host": "host", "input": "input",
+                "offload": "offload", "idle": "idle"}
 # on a CPU/gloo trace the "device" is the main thread
 CPU_LABELS = {"compute": "compute (operators)", "host": "host (main thread between operators)"}
 
@@ -57,36 +59,50 @@ def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
 
 
 def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], source: str,
-           device: str) -> VerdictEntry:
+           device: str, step_ms: Optional[float] = None) -> VerdictEntry:
     """The verdict of one rank's parts (µs) over ``steps`` steps, or of the job's (``steps`` None)."""
     shares, groups = _shares(parts_us, total_us)
     labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else dict(PART_LABELS)
     if source.startswith("records"):
         labels.update(host="GC pauses", compute="forward, backward and optimizer (less waits)")
-    bound = max(groups, key=lambda g: (groups[g], g == "compute"))
-    mine = sorted((k for k in GROUPS[bound] if shares[k] >= 0.5), key=lambda k: -shares[k])
-    rest = sorted((k for k in BREAKDOWN_PARTS if k not in GROUPS[bound] and shares[k] >= 0.5),
-                  key=lambda k: -shares[k])[:2]
+    ranked = sorted(groups, key=lambda g: (-groups[g], g != "compute"))  # groups as wholes, their parts added
+    bound = ranked[0]
+    rest = [g for g in ranked[1:3] if groups[g] >= 0.5]
+    parts = _parts(bound, shares)
     summary = f"{bound}-bound ({groups[bound]:.0f}% of the step"
-    if len(GROUPS[bound]) > 1 and len(mine) > 1:
-        summary += ": " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in mine)
+    if len(parts) > 1:
+        summary += ": " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in parts)
     summary += ")"
     if rest:
-        summary += "; then " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in rest)
+        summary += "; then " + ", ".join(_runner_up(g, groups, shares, labels) for g in rest)
     return VerdictEntry(bound=bound, shares_pct=shares, groups_pct=groups, summary=summary, source=source,
-                        device=device, steps=steps,
-                        step_ms=None if steps is None else round(total_us / max(1, steps) / 1e3, 3))
+                        device=device, steps=steps, step_ms=None if step_ms is None else round(step_ms, 3))
 
 
-def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, float, int, str]]:
+def _parts(g: str, shares: dict) -> list[str]:
+    """The parts of group ``g`` worth naming (at least 0.5% of the step), largest first."""
+    return sorted((k for k in GROUPS[g] if shares[k] >= 0.5), key=lambda k: -shares[k])
+
+
+def _runner_up(g: str, groups: dict, shares: dict, labels: dict) -> str:
+    """A group after the bound, compared as a whole: "exposed communication 34% (exposed reduce-scatter 15%,
+    ...)" where several of its parts count, else the one part's label: "host (main thread ...) 25%"."""
+    parts = _parts(g, shares)
+    if len(parts) > 1:
+        return f"{GROUP_LABELS[g]} {groups[g]:.0f}% (" + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in parts) + ")"
+    return f"{labels[parts[0]] if parts else GROUP_LABELS[g]} {groups[g]:.0f}%"
+
+
+def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, float, int, str, Optional[float]]]:
     out: dict = {}
     for r, parts in (overlap.breakdown if overlap is not None else {}).items():
         if parts.window_us <= 0:
             continue
         pr = overlap.per_rank.get(r)
-        n = (len(pr.steps) if pr is not None else 0) or 1
+        n = (pr.step_count if pr is not None else 0) or 1
         dev = (pr.device if pr is not None else "") or "gpu"
-        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev)
+        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev,
+                       pr.step_ms if pr is not None else None)
     return out
 
 
@@ -117,14 +133,15 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     the run's records, per rank and for the job (see the module docstring), or None without any data."""
     per_rank: dict[str, VerdictEntry] = {}
     used: dict[str, tuple[dict, float]] = {}
-    for r, (parts, total, n, dev) in _trace_parts(overlap).items():
-        per_rank[r] = _entry(parts, total, n, "trace", dev)
+    for r, (parts, total, n, dev, step_ms) in _trace_parts(overlap).items():
+        per_rank[r] = _entry(parts, total, n, "trace", dev, step_ms)
         used[r] = (parts, total)
     if run is not None and run.has_records:
         for r, (parts, total, n, gpu) in _record_parts(run).items():
             if r in per_rank or total <= 0:
                 continue
-            per_rank[r] = _entry(parts, total, n, "records (host clock)" if gpu else "records", "gpu" if gpu else "cpu")
+            per_rank[r] = _entry(parts, total, n, "records (host clock)" if gpu else "records", "gpu" if gpu else "cpu",
+                                 total / n / 1e3)
             used[r] = (parts, total)
     if not per_rank:
         return None

@@ -196,31 +196,18 @@ def mib(n: Optional[float]) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------------- trace rows
-class TraceRow(CommUnitRow, kw_only=True):
-    """A trace row with its figures per step: counts and µs divided by the ``steps`` that the rank's profiler
-    windows covered."""
-
-    steps: int = 1
-    count_per_step: float = 0.0
-    comm_ms_per_step: float = 0.0
-    exposed_ms_per_step: float = 0.0
+TraceRow = CommUnitRow  # a trace row carries its figures per step (fsdp_doctor.trace.analysis.unit_rows)
 
 
 def steps_in_windows(ctx: Context, rank) -> int:
+    """The complete steps the rank's profiler windows covered (at least 1): what its per-step figures divide by."""
     pr = overlap(ctx).per_rank.get(str(rank))
-    return max(1, len(pr.steps)) if pr is not None else 1
+    return max(1, pr.step_count or len(pr.steps)) if pr is not None else 1
 
 
 def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]:
-    """The trace's per-unit collective rows (of one collective, or all), per step."""
-    out = []
-    for row in overlap(ctx).per_unit:
-        if collective is not None and row.collective != collective:
-            continue
-        n = steps_in_windows(ctx, row.rank)
-        out.append(TraceRow(**msgspec.structs.asdict(row), steps=n, count_per_step=row.count / n,
-                            comm_ms_per_step=row.comm_us / n / 1e3, exposed_ms_per_step=row.exposed_us / n / 1e3))
-    return out
+    """The trace's per-unit collective rows (of one collective, or all), with their figures per step."""
+    return [r for r in overlap(ctx).per_unit if collective is None or r.collective == collective]
 
 
 def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[tuple[str, str], float]:

@@ -33,6 +33,24 @@ def printable_report(report: Report) -> Report:
     return report if cleaned == data else msgspec.convert(cleaned, Report)
 
 
+def short_unit_labels(names) -> dict:
+    """Display names for a set of FSDP unit names: each dotted name shortened to its shortest suffix that no other
+    unit shares, never a bare index ("model.layers.3" -> "layers.3", "model.norm" -> "norm"); grouped units
+    ("a, b") shorten each member; the root is "(root)"."""
+    names = [n for n in dict.fromkeys(names) if n is not None]
+    members = {m for n in names if n for m in (p.strip() for p in str(n).split(","))}
+
+    def short(m: str) -> str:
+        parts = m.split(".")
+        for k in range(2 if parts[-1].isdigit() and len(parts) > 1 else 1, len(parts) + 1):
+            suffix = ".".join(parts[-k:])
+            if sum(1 for o in members if o == suffix or o.endswith("." + suffix)) == 1:
+                return suffix
+        return m
+
+    return {n: unit_label(n) if not n else ", ".join(short(p.strip()) for p in str(n).split(",")) for n in names}
+
+
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)
 
 

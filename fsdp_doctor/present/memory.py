@@ -1,16 +1,15 @@
-"""Terminal view of the memory section: the breakdown at the peak, per rank (fits 100 columns)."""
+"""Terminal view of the memory section: the breakdown at the peak, per rank (fits the console's width)."""
 
 from __future__ import annotations
 
 from msgspec import UNSET
-from rich import box
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from ..memory_categories import DEVICE, label
 from ..report_sections import MemoryPeakAt, MemorySection
-from .fmt import fmt_bytes, unit_label
+from .fit import Col, fitted_table
+from .fmt import fmt_bytes, short_unit_labels, unit_label
 
 _BAR = 20
 
@@ -25,7 +24,7 @@ def _where(at: MemoryPeakAt) -> str:
     return f"step {at.step}, {unit} {at.phase or ''}".strip()
 
 
-def render_memory(section: MemorySection):
+def render_memory(section: MemorySection, width: int = 100):
     """Per rank: peak, where it happened, and each category in MiB/GiB with its share of the peak (``section``:
     ``report.memory``)."""
     sec = section
@@ -36,15 +35,13 @@ def render_memory(section: MemorySection):
     cats = list(sec.categories or DEVICE)
     unknown = {c for r in ranks for c in per_rank[r].unknown_categories or ()}
     shown = [c for c in cats if c in unknown or any(per_rank[r].peak_breakdown.get(c) for r in ranks)]
-    table = Table(title="Memory at the peak, by category (device bytes per rank)", box=box.SIMPLE_HEAD,
-                  title_justify="left", pad_edge=False)
-    table.add_column("category", style="bold", no_wrap=True)
     many = len(ranks) > 2
-    for r in ranks:
-        table.add_column(f"rank {r}", justify="right", no_wrap=True)
-        table.add_column("%", justify="right", no_wrap=True)
+    cols = [Col("category", justify="left", wrap=True)]
+    for i, r in enumerate(ranks):  # at a narrow width the shares go first, then the last ranks
+        cols += [Col(f"rank {r}", drop=0 if i == 0 else 10 + i), Col("%", drop=1)]
     if not many:
-        table.add_column(f"share (rank {ranks[0]})", no_wrap=True)
+        cols.append(Col(f"share (rank {ranks[0]})", justify="left", drop=2))
+    rows, styles = [], []
     for c in shown:
         row = [label(c)]
         for r in ranks:
@@ -59,14 +56,16 @@ def render_memory(section: MemorySection):
             p0 = per_rank[ranks[0]]
             v0 = p0.peak_breakdown.get(c, 0) or 0
             row.append(_bar(v0 / p0.peak_bytes) if p0.peak_bytes else "")
-        style = "bold red" if c == "stale_optimizer_params" else None
-        table.add_row(*row, style=style)
+        rows.append(row)
+        styles.append("bold red" if c == "stale_optimizer_params" else None)
     total = ["peak"]
     for r in ranks:
         total += [fmt_bytes(per_rank[r].peak_bytes), "100"]
     if not many:
         total.append("")
-    table.add_row(*total, style="bold", end_section=True)
+    rows.append(total)
+    styles.append("bold")
+    table = fitted_table("Memory at the peak, by category (device bytes per rank)", cols, rows, width, styles=styles)
     lines = []
     for r in ranks:
         pr = per_rank[r]
@@ -89,13 +88,12 @@ def render_memory(section: MemorySection):
     units = [u for u in top.per_unit if u.activation_bytes is not None or u.sharded_bytes]
     parts = [table, *lines]
     if units:
-        ut = Table(title=f"Per unit (rank {top_rank})", box=box.SIMPLE_HEAD,
-                   title_justify="left", pad_edge=False)
-        for col, j in (("unit", "left"), ("sharded", "right"), ("unsharded", "right"),
-                       ("activations (own)", "right"), ("activations (incl. nested)", "right")):
-            ut.add_column(col, justify=j, no_wrap=(col != "unit"), max_width=36 if col == "unit" else None)
-        for u in units:
-            ut.add_row(unit_label(u.unit or ""), fmt_bytes(u.sharded_bytes), fmt_bytes(u.unsharded_bytes),
-                       fmt_bytes(None if u.activation_self_bytes is UNSET else u.activation_self_bytes), fmt_bytes(u.activation_bytes))
+        labels = short_unit_labels(u.unit or "" for u in units)
+        ut = fitted_table(f"Per unit (rank {top_rank})",
+                          [Col("unit", justify="left", wrap=True), Col("sharded", drop=2), Col("unsharded", drop=1),
+                           Col("activations (own)"), Col("activations (incl. nested)", drop=3)],
+                          [(labels[u.unit or ""], fmt_bytes(u.sharded_bytes), fmt_bytes(u.unsharded_bytes),
+                            fmt_bytes(None if u.activation_self_bytes is UNSET else u.activation_self_bytes),
+                            fmt_bytes(u.activation_bytes)) for u in units], width)
         parts.append(ut)
     return Group(*parts)

@@ -12,7 +12,7 @@ from typing import Iterable
 
 from ..records import ProfileWindow
 from ..store import layout
-from ..tensorboard_scalars import add_scalars, step_scalars, step_walltime, window_overlap_scalars
+from ..tensorboard_scalars import add_scalars, step_scalars, step_walltimes, window_overlap_scalars
 
 
 def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = True) -> list[Path]:
@@ -29,10 +29,10 @@ def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = Tru
         d = layout.tb_dir(out, rank)
         w = EventFileWriter(str(d), max_queue_size=1000)
         try:
-            walltime = {}
-            for rec in rd.steps:
-                walltime[rec.step] = step_walltime(rec)
-                add_scalars(w, step_scalars(rec), rec.step, walltime[rec.step])
+            walltime = step_walltimes(rd.steps)
+            seen: set = set()
+            for rec in sorted(rd.steps, key=lambda r: r.step):
+                add_scalars(w, step_scalars(rec, seen), rec.step, walltime[rec.step])
             if traces:
                 for step, vals in sorted(window_overlap_scalars(rank, _profiles(run, rd.profiles)).items()):
                     add_scalars(w, vals, step, walltime.get(step))
@@ -42,11 +42,12 @@ def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = Tru
     return written
 
 
-def _profiles(run, profiles: Iterable[ProfileWindow]) -> list[Path]:
+def _profiles(run, profiles: Iterable[ProfileWindow]) -> list[tuple[Path, list[int]]]:
+    """(trace path, the window's steps) of each profiled window inside the run directory."""
     root = Path(run.path).resolve()
     out = []
     for pw in profiles:
         p = (Path(run.path) / pw.path).resolve()
         if p.is_relative_to(root) and p.exists():
-            out.append(p)
+            out.append((p, list(pw.steps)))
     return out

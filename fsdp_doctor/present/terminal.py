@@ -7,14 +7,14 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
 from rich.syntax import Syntax
-from rich.table import Table
 from rich.text import Text
 
 from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
                                UnitRow, Verdict)
-from .fmt import (MISSING, printable_report, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
-                  fmt_unit_figures, fmt_value, predicted_text, run_facts, unit_label, verdict_headline, verdict_rows,
-                  verdict_title)
+from .fit import Col, fitted_table
+from .fmt import (MISSING, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms, fmt_unit_figures, fmt_value,
+                  predicted_text, printable_report, run_facts, short_unit_labels, verdict_headline,
+                  verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -34,39 +34,45 @@ def render_header(report: Report):
     return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
 
 
-def render_verdict(section: Verdict):
+def render_verdict(section: Verdict, width: int = 100):
     """The verdict's sentence and table: the text every presenter shows (fsdp_doctor.present.fmt)."""
-    t = Table(title=verdict_title(section), box=box.SIMPLE_HEAD, title_justify="left", padding=(0, 0))
-    for c in VERDICT_HEADER:
-        t.add_column(c, justify="left" if c == "bound" else "right", no_wrap=True)
-    for row in verdict_rows(section):
-        t.add_row(*row, style="bold" if row[0] == "job" else None)
+    cols = [Col(c, justify="left" if c == "bound" else "right", drop=_VERDICT_DROP.get(c, 0))
+            for c in VERDICT_HEADER]
+    rows = verdict_rows(section)
+    t = fitted_table(verdict_title(section), cols, rows, width,
+                     styles=["bold" if r[0] == "job" else None for r in rows], compact=True)
     return Group(Text(verdict_headline(section), style="bold"), t)
 
 
-def render_steps(section: StepsSection):
+# the verdict's columns dropped first at narrow widths: the comm parts (the "comm" column holds their sum), then
+# the rarely non-zero ones
+_VERDICT_DROP = {"AG fwd": 3, "AG bwd": 3, "RS": 3, "offload": 2, "idle": 1, "input": 1}
+
+
+def render_steps(section: StepsSection, width: int = 100):
     """``section``: ``report.steps``."""
     sec = section or StepsSection()
-    t = Table(title="Step time per rank, ms (steady state: first step and profiled steps excluded)",
-              box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC"):
-        t.add_column(col, justify="right", no_wrap=True)
+    cols = [Col("rank"), Col("steps", drop=2), Col("p50"), Col("p90", drop=3), Col("p99"), Col("max", drop=2),
+            Col("cv"), Col("fwd", drop=1), Col("bwd", drop=1), Col("optim", drop=1), Col("outside", drop=1),
+            Col("GC", drop=1)]
+    rows = []
     for r, st in sec.per_rank.items():
         if not st.count:
-            t.add_row(r, f"{st.recorded or 0}", *["—"] * 10)
+            rows.append((r, f"{st.recorded or 0}", *["—"] * 10))
             continue
         ph = st.phases_p50_ms  # phase -> ms
-        t.add_row(r, str(st.count), *(_num(v) for v in (st.p50_ms, st.p90_ms, st.p99_ms, st.max_ms)),
-                  f"{100 * st.cv:.1f}%" if st.cv is not None else "—",
-                  *(_num(ph[k]) for k in ("forward", "backward", "optimizer", "outside", "gc")))
-    items = [t]
+        rows.append((r, str(st.count), *(_num(v) for v in (st.p50_ms, st.p90_ms, st.p99_ms, st.max_ms)),
+                     f"{100 * st.cv:.1f}%" if st.cv is not None else "—",
+                     *(_num(ph[k]) for k in ("forward", "backward", "optimizer", "outside", "gc"))))
+    items = [fitted_table("Step time per rank, ms (steady state: first step and profiled steps excluded)", cols,
+                          rows, width)]
     outs = sec.outliers
     if outs:
-        o = Table(title=f"Outlier steps ({len(outs)}, worst first)", box=box.SIMPLE_HEAD, title_justify="left")
-        for col, j in (("rank", "right"), ("step", "right"), ("time", "right"), ("median", "right"), ("likely cause", "left")):
-            o.add_column(col, justify=j, no_wrap=(j == "right"))
-        for x in outs[:8]:
-            o.add_row(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail)
+        o = fitted_table(f"Outlier steps ({len(outs)}, worst first)",
+                         [Col("rank"), Col("step"), Col("time"), Col("median", drop=1),
+                          Col("likely cause", justify="left", wrap=True)],
+                         [(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail) for x in outs[:8]],
+                         width)
         items.append(o)
     for s in sec.stragglers:
         items.append(Text(f"Straggler: rank {s.rank} spends +{s.excess_ms_per_step:.1f} ms/step in {s.phase} "
@@ -74,18 +80,15 @@ def render_steps(section: StepsSection):
     return Group(*items)
 
 
-def render_throughput(section: ThroughputSection):
+def render_throughput(section: ThroughputSection, width: int = 100):
     """``section``: ``report.throughput``; a figure not known is "—"."""
     sec = section or ThroughputSection()
-    t = Table(title="Throughput", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("rank", "tokens/s", "TFLOP/s", "MFU"):
-        t.add_column(col, justify="right", no_wrap=True)
-    for r, row in sec.per_rank.items():
-        t.add_row(r, *_throughput_cells(row))
+    rows = [(r, *_throughput_cells(row)) for r, row in sec.per_rank.items()]
     job = sec.job
     if any(x is not None for x in (job.tokens_per_s, job.achieved_tflops, job.mfu_pct)):
-        t.add_row("job", *_throughput_cells(job), style="bold")
-    return t
+        rows.append(("job", *_throughput_cells(job)))
+    return fitted_table("Throughput", [Col("rank"), Col("tokens/s"), Col("TFLOP/s"), Col("MFU")], rows, width,
+                        styles=["bold" if r[0] == "job" else None for r in rows])
 
 
 def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]:
@@ -94,20 +97,24 @@ def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]
             MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%")
 
 
-def render_units(units: list[UnitRow]):
+UNIT_ROWS = 24
+
+
+def render_units(units: list[UnitRow], width: int = 100):
     """``units``: ``report.units``; each unit's own times, "—" where not timed."""
-    t = Table(title=f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
-                    "excluded)", box=box.SIMPLE_HEAD, title_justify="left")
-    t.add_column("unit", justify="left", min_width=12, max_width=26, overflow="fold")
-    for col in ("params", "shard", "gathered", "reshard", "AC", "fwd", "AG wait", "bwd", "AG wait"):
-        t.add_column(col, justify="right", no_wrap=True)
-    for u in units[:24]:
+    labels = short_unit_labels(u.name for u in units)
+    cols = [Col("unit", justify="left", wrap=True), Col("params", drop=2), Col("shard", drop=3),
+            Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=3), Col("fwd"), Col("AG wait"),
+            Col("bwd"), Col("AG wait")]
+    rows = []
+    for u in units[:UNIT_ROWS]:
         tm = u.timing_p50
         times = (tm.fwd_self_ms, tm.ag_wait_fwd_ms, tm.bwd_self_ms, tm.ag_wait_bwd_ms) if tm else (None,) * 4
-        t.add_row(("  " * u.depth) + unit_label(u.name), *fmt_unit_figures(u), u.checkpoint, *map(_num, times))
-    if len(units) > 24:
-        t.add_row(f"… {len(units) - 24} more", *[""] * 9)
-    return t
+        rows.append((("  " * u.depth) + labels[u.name], *fmt_unit_figures(u), u.checkpoint, *map(_num, times)))
+    if len(units) > UNIT_ROWS:
+        rows.append((f"… {len(units) - UNIT_ROWS} more", *[""] * 9))
+    return fitted_table(f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
+                        "excluded); AG wait: forward, then backward", cols, rows, width)
 
 
 def _num(x) -> str:
@@ -116,54 +123,87 @@ def _num(x) -> str:
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
 
-def render_findings(findings: list[Finding]):
-    """``findings``: ``report.findings``, each with its evidence, fix and expected gain."""
+def findings_summary(findings: list[Finding]):
+    """The findings' headlines, one line each (severity, code, title, expected change): printed right after the
+    verdict so that they sit on the first screen; the details follow under "Diagnosis"."""
     head = findings_headline(findings)
-    if not findings:
-        return Text(head, style="green")
-    items = []
     worst = {f.severity for f in findings}
-    items.append(Text(head, style="green" if not worst & {"critical", "warning"} else "bold"))
+    lines = [Text(head, style="green" if not worst & {"critical", "warning"} else "bold")]
     for f in findings:
-        ev = "\n".join(f"  {k}: {fmt_value(k, v)}" for k, v in f.evidence.items())
-        rec = f.recommendation
-        body = [Text(rec.text), Text("Evidence:\n" + ev, style="dim")]
+        line = Text("  ")
+        line.append(f.severity.upper(), style=SEVERITY_STYLE.get(f.severity, ""))
+        line.append(f" {f.code}: {f.title}")
         expected = predicted_text(f.predicted)
         if expected:
-            body.append(Text(f"Expected: {expected}", style="green"))
-        if rec.code:
-            body.append(Syntax(rec.code, "python", theme="ansi_dark", word_wrap=True))
-        style = SEVERITY_STYLE.get(f.severity, "")
-        items.append(Panel(Group(*body), title=f"[{style}]{f.severity.upper()}[/] {f.code}: {f.title}",
-                           title_align="left", box=box.ROUNDED, border_style=style))
+            line.append(f" ({expected})", style="green")
+        lines.append(line)
+    return Group(*lines)
+
+
+def finding_details(f: Finding) -> list:
+    """One finding's details: title, advice, evidence with units, expected change, and the fix as plain code (no
+    border: a copy pastes as code)."""
+    style = SEVERITY_STYLE.get(f.severity, "")
+    title = Text()
+    title.append(f.severity.upper(), style=style)
+    title.append(f" {f.code}: {f.title}", style="bold")
+    rec = f.recommendation
+    items = [title, Text(rec.text)]
+    if f.evidence:
+        items.append(Text("Evidence:\n" + "\n".join(f"  {k}: {fmt_value(k, v)}" for k, v in f.evidence.items()),
+                          style="dim"))
+    expected = predicted_text(f.predicted)
+    if expected:
+        items.append(Text(f"Expected: {expected}", style="green"))
+    if rec.code:
+        items.append(Text("Fix (Python):", style="dim"))
+        items.append(Syntax(rec.code, "python", theme="ansi_dark", background_color="default", word_wrap=False))
+    return items
+
+
+def render_findings(findings: list[Finding]):
+    """``findings``: ``report.findings``: the headlines, then each finding with its evidence, fix and expected
+    gain."""
+    items = [findings_summary(findings)]
+    for f in findings:
+        items += [Text(""), *finding_details(f)]
     return Group(*items)
 
 
 def render_report(report: Report | dict, console: Console | None = None) -> None:
-    """Prints the report (a :class:`~fsdp_doctor.report_sections.Report`, or its JSON form) section by section."""
+    """Prints the report (a :class:`~fsdp_doctor.report_sections.Report`, or its JSON form): first what a reader
+    needs on the first screen (run facts, the verdict, exposed communication, the findings' headlines), then the
+    sections, then each finding in full. Tables fit the console's width."""
     report = printable_report(Report.of(report))  # no escape sequence from a module or file name reaches the terminal
     console = console or Console(width=100)
+    w = console.width
     console.print(render_header(report))
     if report.verdict is not None:
-        console.print(render_verdict(report.verdict))
-    if report.steps is not None:
-        console.print(render_steps(report.steps))
-    if report.throughput is not None:
-        console.print(render_throughput(report.throughput))
-    if report.units:
-        console.print(render_units(report.units))
-    if report.memory is not None:
-        from .memory import render_memory
-
-        console.print(render_memory(report.memory))
-    if report.overlap is not None:
-        from .overlap import render_overlap
-
-        console.print(render_overlap(report.overlap, skipped=False))  # listed once below, with the problems
+        console.print(render_verdict(report.verdict, w))
     head = comm_headline(report.comm)
     if head:
         console.print(Text(head, style="bold"))
-    console.rule("Diagnosis")
-    console.print(render_findings(report.findings))
+    console.print(findings_summary(report.findings))
+    if report.steps is not None:
+        console.print(render_steps(report.steps, w))
+    if report.throughput is not None:
+        console.print(render_throughput(report.throughput, w))
+    if report.units:
+        console.print(render_units(report.units, w))
+    if report.memory is not None:
+        from .memory import render_memory
+
+        console.print(render_memory(report.memory, w))
+    if report.overlap is not None:
+        from .overlap import render_overlap
+
+        console.print(render_overlap(report.overlap, skipped=False, width=w))  # skipped: listed with the problems
+    if report.findings:
+        console.rule("Diagnosis")
+    for f in report.findings:
+        for item in finding_details(f):
+            # code lines are never folded: the terminal wraps a long one on screen, a copy stays one line
+            console.print(item, soft_wrap=isinstance(item, Syntax))
+        console.print()
     for p in report.problems:
         console.print(Text(f"skipped: {p}", style="yellow"))

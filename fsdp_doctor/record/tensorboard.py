@@ -59,6 +59,7 @@ class TensorBoardWriter:
         self._jobs: "collections.deque[tuple]" = collections.deque()  # append/popleft are atomic: no lock, no wake-up
         self._worker: Optional[threading.Thread] = None
         self._walltime: dict[int, float] = {}  # step -> wall-clock end (s), to place overlap points in time
+        self._seen: set = set()  # memory tags non-zero so far: a category is written from its first non-zero value
         self._closed = False
         self._stop = threading.Event()
         self.poll_s = 1.0
@@ -123,14 +124,15 @@ class TensorBoardWriter:
             if len(self._walltime) > 4096:
                 for k in sorted(self._walltime)[:2048]:
                     del self._walltime[k]
-        self._add_many(step_scalars(rec), rec.step, wt)
+        self._add_many(step_scalars(rec, self._seen), rec.step, wt)
 
     def _add_many(self, values: dict[str, float], step: int, walltime: Optional[float]) -> None:
         add_scalars(self.writer._get_file_writer(), values, step, walltime)
 
     def _analyze(self, window: Optional[ProfileWindow], path: Path) -> None:
         try:
-            vals_by_step = window_overlap_scalars(self.rank, [path])
+            steps = list(window.steps) if window is not None else []
+            vals_by_step = window_overlap_scalars(self.rank, [(path, steps)])
             for step, vals in sorted(vals_by_step.items()):
                 self._add_many(vals, step, self._walltime.get(step))
             if not vals_by_step:

@@ -251,7 +251,7 @@ class Doctor:
     # ------------------------------------------------------------------ steps
     def _begin_step(self, t: int) -> None:
         self._step_t0 = t
-        self._step_wall_ns = time.time_ns()
+        self._step_wall_ns = time.time_ns() - (_now() - t)  # the wall clock at ``t`` (a profiler export ran since)
         self._timer.begin_step()
 
     def step(self) -> None:

@@ -98,7 +98,7 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
     out = {k: 0.0 for k in BREAKDOWN_PARTS}
     w = window or win.window or (win.span if win.span[1] > win.span[0] else None)
     if w is None or w[1] <= w[0]:
-        out["window_us"] = 0.0
+        out["window_us"] = out["comm_us"] = 0.0
         return out
     w0, w1 = w
     full = (np.array([w0]), np.array([w1]))
@@ -137,6 +137,7 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
         out["input"] = iv.measure(outside)
         out["host"] = iv.measure(free) - out["input"]
     out["window_us"] = w1 - w0
+    out["comm_us"] = iv.measure(_clip(win.comm, w0, w1))
     return out
 
 
@@ -179,7 +180,22 @@ def busbw_factor(collective: str, n: Optional[int]) -> Optional[float]:
     return None
 
 
-def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[CommUnitRow]:
+def _per_step(pr: OverlapRank, bd: Optional[dict]) -> None:
+    """The rank's per-step figures (ms) from its complete steps' breakdown (µs, summed over its windows): the
+    exposed communication is the breakdown's communication parts, so it is the verdict's by construction."""
+    n = pr.step_count
+    if not n or not bd or bd["window_us"] <= 0:
+        return
+    exposed = sum(bd[k] for k in COMM_PARTS)
+    pr.step_ms = bd["window_us"] / n / 1e3
+    pr.comm_ms_per_step = bd["comm_us"] / n / 1e3
+    pr.exposed_ms_per_step = exposed / n / 1e3
+    pr.hidden_ms_per_step = max(0.0, bd["comm_us"] - exposed) / n / 1e3
+    pr.step_overlap_pct = 100.0 * (bd["comm_us"] - exposed) / bd["comm_us"] if bd["comm_us"] > 0 else None
+
+
+def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1) -> list[CommUnitRow]:
+    """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps``."""
     groups: dict = defaultdict(list)
     for c, exp in calls:
         groups[(c.unit, c.collective, c.phase)].append((c, exp))
@@ -195,9 +211,12 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]]) -> list[Comm
         if bytes_per_call is not None and f is not None and comm > 0:
             busbw = bytes_per_call * len(items) * f / comm / 1e3  # bytes/µs → GB/s
         slacks = [c.need - c.end for c, _ in items if c.need is not None]
+        exposed = float(sum(exp for _, exp in items))
         rows.append(CommUnitRow(
             rank=rank, unit=unit, collective=coll, phase=phase, count=len(items), comm_us=comm,
-            exposed_us=float(sum(exp for _, exp in items)), bytes_per_call=bytes_per_call, busbw_gbps=busbw,
+            exposed_us=exposed, bytes_per_call=bytes_per_call, busbw_gbps=busbw, steps=steps,
+            count_per_step=len(items) / steps, comm_ms_per_step=comm / steps / 1e3,
+            exposed_ms_per_step=exposed / steps / 1e3,
             slack_us=float(np.mean(slacks)) if slacks else None,
             held_us=float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
             dtype=items[0][0].dtype))
@@ -239,17 +258,19 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.overlap_us += o["overlap_us"]
         pr.exposed_us += o["exposed_us"]
         pr.steps = sorted(set(pr.steps) | set(w.steps))
+        pr.step_count += len(w.steps)
         if w.device == "gpu":
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
             _sum_into(sums[name], k, fn(w))
         calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
-    for pr in per_rank.values():
+    for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
+        _per_step(pr, sums["breakdown"].get(k))
     rows = []
     for rank in sorted(calls):
-        rows.extend(unit_rows(rank, calls[rank]))
+        rows.extend(unit_rows(rank, calls[rank], steps=max(1, per_rank[str(rank)].step_count)))
     rows.sort(key=lambda r: (-r.exposed_us, r.rank, r.unit, r.collective, str(r.phase)))
 
     def typed(cls, name):

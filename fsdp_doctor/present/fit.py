@@ -1,0 +1,79 @@
+"""Tables that fit the terminal: every presenter table of the terminal report is built here, at the console's
+width. Numbers never wrap or get cut: where the table is wider than the terminal, the least important columns
+are left out (and named in the caption); only the name columns (units, categories) wrap, between words."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from rich import box
+from rich.cells import cell_len
+from rich.table import Table
+from rich.text import Text
+
+
+@dataclass(frozen=True)
+class Col:
+    name: str
+    justify: str = "right"
+    drop: int = 0  # 0: always shown; where the table does not fit, the highest ``drop`` goes first
+    wrap: bool = False  # a name column: may wrap between words (never inside one); numbers never wrap
+
+
+def _len(cell) -> int:
+    if isinstance(cell, Text):
+        return max((cell_len(line) for line in cell.plain.splitlines()), default=0)
+    return max((cell_len(line) for line in str(cell).splitlines()), default=0)
+
+
+def _min_len(cell) -> int:
+    """The narrowest a wrapping cell can get: its longest word."""
+    text = cell.plain if isinstance(cell, Text) else str(cell)
+    return max((cell_len(w) for w in text.split()), default=0)
+
+
+def _widths(cols: Sequence[Col], rows: Sequence[Sequence]) -> tuple[list[int], list[int]]:
+    """Per column: its natural width and the narrowest it may get (a name column: its longest word)."""
+    natural = [max([cell_len(c.name), *(_len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
+    narrow = [max([_min_len(c.name), *(_min_len(r[i]) for r in rows)]) if c.wrap else natural[i]
+              for i, c in enumerate(cols)]
+    return natural, narrow
+
+
+def fit_columns(cols: Sequence[Col], rows: Sequence[Sequence], width: int, gap: int = 3) -> list[int]:
+    """Indices of the columns kept so that the table fits ``width`` cells (the box's edges and ``gap`` cells
+    between columns: padding, separator, padding)."""
+    _, narrow = _widths(cols, rows)
+    keep = list(range(len(cols)))
+
+    def need(ix):
+        return sum(narrow[i] for i in ix) + gap * (len(ix) - 1) + 2
+
+    for i in sorted((i for i, c in enumerate(cols) if c.drop), key=lambda i: (-cols[i].drop, -i)):
+        if need(keep) <= width:
+            break
+        keep.remove(i)
+    return keep
+
+
+def fitted_table(title: str, cols: Sequence[Col], rows: Sequence[Sequence], width: int,
+                 styles: Optional[Sequence[Optional[str]]] = None, caption: Optional[str] = None,
+                 compact: bool = False) -> Table:
+    """A rich table of ``rows`` (cells: str or Text) with the columns that fit ``width``; the columns left out
+    are named in the caption. ``compact``: one cell between columns instead of three."""
+    keep = fit_columns(cols, rows, width, gap=1 if compact else 3)
+    _, narrow = _widths(cols, rows)
+    dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
+    notes = [caption] if caption else []
+    if dropped:
+        notes.append(f"not shown at {width} columns: {', '.join(dropped)} (a wider terminal shows them)")
+    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0 if compact else 1), title_justify="left", pad_edge=False,
+              caption="\n".join(notes) or None, caption_justify="left", caption_style="dim")
+    for i in keep:
+        c = cols[i]
+        t.add_column(c.name, justify=c.justify, no_wrap=not c.wrap, min_width=narrow[i],
+                     overflow="fold" if c.wrap else "ellipsis")
+    for j, r in enumerate(rows):
+        t.add_row(*(r[i] for i in keep), style=styles[j] if styles else None)
+    return t
