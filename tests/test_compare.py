@@ -147,3 +147,27 @@ def test_zero3_against_zero2_checks_the_prediction(recorded_run, tmp_path):
     assert p.peak_held and abs(p.peak_pct_error) < 1.0
     assert "reshard.zero2_affordable" in {x.code for x in cmp.findings.resolved}
     assert cmp.memory["unsharded_params"].delta > 0
+
+
+def test_dashboard_compare_page(prefetch_pair):
+    """The Compare page lists the served run's siblings and draws the same comparison as the CLI."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.dashboards.app import create_app
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages import compare as page
+
+    a, b = prefetch_pair
+    assert set(page.candidates(b)) == {a.resolve(), b.resolve()}
+    app = create_app(b)
+    assert "cmp-body.children" in app.callback_map and PAGES["compare"][1] is page
+    lay = page.layout(SimpleNamespace(path=b), None)
+    pickers = lay[0].children[1].children  # one Div per run: its label and its dropdown
+    dropdowns = {d.id: d.value for div in pickers for d in div.children if getattr(d, "id", None)}
+    assert dropdowns == {"cmp-a": str(a.resolve()), "cmp-b": str(b.resolve())}
+    out = page.body(str(a.resolve()), str(b.resolve()))
+    cmp = compare_runs(load_run(a.resolve()), load_run(b.resolve()))
+    assert out[0].children == cmp.summary
+    titles = [s.children[0].children for s in out[1:] if s.children[0].children]
+    assert "Configuration changed" in titles and any(t.startswith("Exposed communication") for t in titles)
+    assert page.body(str(a), str(a))[0].id == "cmp-same"
