@@ -121,19 +121,28 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
     """Prints the report and writes the files asked for; False after one line on stderr if a write failed."""
     from .present.terminal import render_report
 
+    def html(p):
+        from .present.html import write_html
+
+        write_html(report, p)
+
     render_report(report, console)
+    return _write_outputs(report.to_builtins, html, outputs, console, "report")
+
+
+def _write_outputs(builtins, write_html, outputs: dict, console: Console, what: str) -> bool:
+    """Writes ``--json`` (``builtins()``'s JSON) and ``--html`` (``write_html(path)``); False after one line on
+    stderr if a write failed."""
     for kind, p in outputs.items():
         try:
             if kind == "json":
-                p.write_text(json.dumps(report.to_builtins(), indent=1, default=str))
+                p.write_text(json.dumps(builtins(), indent=1, default=str))
             else:
-                from .present.html import write_html
-
-                write_html(report, p)
+                write_html(p)
         except OSError as e:
             _err(f"--{kind} {p}: cannot write ({e.strerror or e})")
             return False
-        console.print(f"{kind.upper()} report written to {p}", soft_wrap=True)  # a path to copy: never wrapped
+        console.print(f"{kind.upper()} {what} written to {p}", soft_wrap=True)  # a path to copy: never wrapped
     return True
 
 
@@ -163,18 +172,14 @@ def cmd_compare(ns: argparse.Namespace) -> int:
                   path_b=ns.run_b)
     console = _console()
     render_comparison(cmp, console)
-    for kind, p in outputs.items():
-        try:
-            if kind == "json":
-                p.write_text(json.dumps(cmp.to_builtins(), indent=1, default=str))
-            else:
-                from .present.compare_html import write_compare_html
 
-                write_compare_html(cmp, p)
-        except OSError as e:
-            _err(f"--{kind} {p}: cannot write ({e.strerror or e})")
-            return EXIT_BAD_INPUT
-        console.print(f"{kind.upper()} comparison written to {p}", soft_wrap=True)
+    def html(p):
+        from .present.compare_html import write_compare_html
+
+        write_compare_html(cmp, p)
+
+    if not _write_outputs(cmp.to_builtins, html, outputs, console, "comparison"):
+        return EXIT_BAD_INPUT
     return EXIT_PARTIAL if any(s.report.problems for s in sides) else EXIT_OK
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..compare_sections import Comparison
 from .compare import tables
 from .compare_figures import FIGURES
-from .html import _CSS, _esc, _figure, _plotlyjs_script, partial_plotlyjs
+from .html import _esc, _figure, _plotlyjs_script, html_page, partial_plotlyjs
 
 
 def _table(t) -> str:
@@ -36,10 +36,7 @@ def render_compare_html(c: Comparison) -> str:
             first = False
     data = json.dumps(c.to_builtins(), default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='fsdp-doctor-compare'>{data}</script>")
-    return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-            "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>fsdp-doctor compare — {_esc(c.a.path)} vs {_esc(c.b.path)}</title>"
-            f"<style>{_CSS}</style></head><body><main>{''.join(parts)}</main></body></html>")
+    return html_page(f"fsdp-doctor compare — {c.a.path} vs {c.b.path}", "".join(parts))
 
 
 def write_compare_html(c: Comparison, path: Path) -> Path:
