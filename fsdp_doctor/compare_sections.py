@@ -129,7 +129,7 @@ class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True):
     memory_peak: Optional[Delta] = None  # bytes, highest rank
     memory: dict[str, Delta] = {}  # category -> bytes at each run's peak
     comm_exposed: Optional[Delta] = None  # the report's headline (ms per step)
-    comm: list[CommDelta] = []  # largest change first
+    comm: list[CommDelta] = []  # largest change first, then most exposed
     comm_source: str = ""  # "trace" | "records"
     throughput: dict[str, Delta] = {}  # tokens_per_s, achieved_tflops, mfu_pct
     findings: FindingsDiff = msgspec.field(default_factory=FindingsDiff)

@@ -321,7 +321,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     rows = [CommDelta(unit=k[0], collective=k[1], phase=k[2], a_ms=round(ca[k], 3) if k in ca else None,
                       b_ms=round(cb[k], 3) if k in cb else None, delta_ms=round(cb.get(k, 0.0) - ca.get(k, 0.0), 3))
             for k in dict.fromkeys([*ca, *cb])]
-    cmp.comm = sorted(rows, key=lambda r: -abs(r.delta_ms or 0.0))[:TOP_COMM]
+    cmp.comm = sorted(rows, key=lambda r: (-abs(r.delta_ms or 0.0), -max(r.a_ms or 0.0, r.b_ms or 0.0)))[:TOP_COMM]
     cmp.comm_source = source if rows else ""
     ta = ra.throughput.job if ra.throughput else None
     tb = rb.throughput.job if rb.throughput else None
