@@ -155,6 +155,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     outputs = _check_outputs(ns)
     if outputs is None:
         return EXIT_BAD_INPUT
+    if ns.gpu_hour_price is not None and not ns.gpu_hour_price > 0:
+        _err(f"--gpu-hour-price {ns.gpu_hour_price}: must be a positive price per GPU-hour")
+        return EXIT_BAD_INPUT
     sides = []
     for path in (Path(ns.run_a), Path(ns.run_b)):
         run = _load(path)

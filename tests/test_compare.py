@@ -84,6 +84,9 @@ def test_cli_compare_bad_input_is_one_line(prefetch_pair, tmp_path, capsys):
     assert main(["compare", str(a), str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope" in err[0]
+    assert main(["compare", str(a), str(a), "--gpu-hour-price", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-hour-price" in err[0]
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(tmp_path / "empty"), str(a)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -171,3 +174,15 @@ def test_dashboard_compare_page(prefetch_pair):
     titles = [s.children[0].children for s in out[1:] if s.children[0].children]
     assert "Configuration changed" in titles and any(t.startswith("Exposed communication") for t in titles)
     assert page.body(str(a), str(a))[0].id == "cmp-same"
+
+
+def test_plain_trace_times_read_the_same_from_nanosecond_traces(prefetch_pair, tmp_path):
+    """The same traces with integer-nanosecond timestamps give the same step samples and kernel times."""
+    from fsdp_doctor.trace.ops import op_times
+
+    for name, prefetch in (("off", False), ("on", True)):
+        gpu_known_trace(rank=0, steps=(1, 2, 3, 4), prefetch=prefetch).write(tmp_path / name / "rank0.json", ns=True)
+    us, ns = op_times([prefetch_pair[0] / "rank0.json"]), op_times([tmp_path / "off" / "rank0.json"])
+    assert ns.steps_ms == us.steps_ms == {"0": [1.0, 1.0, 1.0, 1.0]}
+    assert ns.us_per_step == pytest.approx(us.us_per_step) and ns.prefetched == us.prefetched == {}
+    assert op_times([tmp_path / "on" / "rank0.json"]).prefetched == {"forward": {"layers.1"}}

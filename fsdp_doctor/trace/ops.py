@@ -53,7 +53,9 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     dist = trace.distributedInfo
     rank = dist.rank if dist is not None and dist.rank is not None else None
     events = [e for e in (trace.traceEvents or []) if e.dur is not None and e.ts is not None]
-    scale = 1e-3 if trace.displayTimeUnit == "ns" else 1.0
+    # integer-nanosecond timestamps (as the trace model reads them): "ns" display unit or too large to be µs
+    scale = 1e-3 if events and all(e.ts.__class__ is int for e in events) and (
+        trace.displayTimeUnit == "ns" or max(e.ts for e in events) > 1e17) else 1.0
     steps: dict[int, tuple[float, float]] = {}
     bounds: list[tuple[float, str]] = []
     optim: list[tuple[float, float]] = []
