@@ -105,7 +105,8 @@ def test_bootstrap_interval_known_answers():
     assert not same.significant and same.delta == 0
     tiny = C._step_delta(base, [[v + 2 for v in s] for s in base], 50, np.random.default_rng(C.SEED))
     assert tiny.ci_low > 0 and not tiny.significant  # outside the interval of zero, inside the noise floor
-    assert "within noise" in C.step_summary(tiny) and "slower" in C.step_summary(d)
+    assert "no significant change" in C.step_summary(tiny) and "noise floor" in C.step_summary(tiny)
+    assert "within noise" in C.step_summary(same) and "slower" in C.step_summary(d)
 
 
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)

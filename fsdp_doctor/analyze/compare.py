@@ -119,7 +119,9 @@ def step_summary(s: Optional[StepDelta]) -> str:
     ci = (f"{100 * s.ci_low / s.a:+.1f}% to {100 * s.ci_high / s.a:+.1f}%" if s.a else f"{s.ci_low} to {s.ci_high} ms")
     interval = f"{round(100 * s.confidence)}% CI {ci}"
     if not s.significant:
-        return f"no significant change in step time: p50 {s.pct:+.1f}% ({interval}: within noise)"
+        why = ("within noise" if s.ci_low is None or s.ci_low <= 0 <= s.ci_high else
+               f"under the {NOISE_FLOOR_PCT:g}% noise floor between runs")
+        return f"no significant change in step time: p50 {s.pct:+.1f}% ({interval}: {why})"
     return f"step time p50 {s.pct:+.1f}% ({interval}): {'faster' if s.pct < 0 else 'slower'}"
 
 
