@@ -1,6 +1,8 @@
 """How well do the doctor's predicted gains hold? For several scenarios: run the reference workload with
 the problem, take the finding's prediction, apply its recommendation to the workload, run again, and compare
-predicted with measured step time (median) and peak memory (the memory probe's peak, largest rank).
+predicted with measured step time (median) and peak memory (the memory probe's peak, largest rank): each
+before/after pair goes through ``fsdp-doctor compare --applied CODE`` (fsdp_doctor.analyze.compare), whose
+prediction check is the table's source.
 
     .venv/bin/python benchmarks/predictions.py                 # every case, 12 steps each
     .venv/bin/python benchmarks/predictions.py --steps 8 --only whole_to_block,sync_to_async
@@ -62,101 +64,100 @@ def _flipped(finding) -> dict:
 
 
 def run_once(out: Path, steps: int, knobs: dict, extra: dict):
-    """The report (a ``Report``) of the workload run with ``knobs`` and the doctor's ``extra`` watch options."""
+    """The run (a ``Run``) of the workload with ``knobs`` and the doctor's ``extra`` watch options."""
     from fsdp_doctor import load_run
-    from fsdp_doctor.analyze import build_report
     from fsdp_doctor.workloads import WorkloadConfig, launch
 
     cfg = WorkloadConfig(steps=steps, **knobs)
     watch = {"out_dir": str(out), "tokens_per_step": cfg.tokens_per_step(2), "profile": False}
     watch.update(extra)
     launch(cfg, nproc=2, watch_kwargs=watch)
-    return build_report(load_run(out), traces=False)
-
-
-def measured(report) -> tuple[float | None, int | None]:
-    from fsdp_doctor.diagnose import Context
-    from fsdp_doctor.diagnose import estimate as E
-    from fsdp_doctor.store import load_run
-
-    ctx = Context(run=load_run(report.run.path), report=report)
-    return E.step_ms(ctx), E.peak_bytes(ctx)
-
-
-def _err(pred, meas):
-    if pred is None or meas is None or not meas:
-        return None
-    return 100.0 * (pred - meas) / meas
+    return load_run(out)
 
 
 def run_case(name: str, steps: int, tmp: Path, reps: int = 2) -> dict:
-    """Runs before/after ``reps`` times, interleaved (B A B A ...), so that both see the same host load;
-    step times are the median over reps of each run's median step, peaks the largest measured."""
+    """Runs before/after ``reps`` times, interleaved (B A B A ...), so that both see the same host load; each
+    pair goes through ``fsdp-doctor compare`` (``pipeline.compare_runs`` with ``--applied CODE``), whose
+    prediction check gives the predicted and measured step and peak. Figures are the medians over the pairs."""
     import statistics
 
-    code, fix, before, after, extra = CASES[name]
-    sb_l, sa_l, pb_l, pa_l, preds, fired, after_codes = [], [], [], [], [], [], set()
-    for i in range(reps):
-        rb = run_once(tmp / f"{name}_before{i}", steps, before, extra)
-        f = next((x for x in rb.findings if x.code == code), None)
-        ra = run_once(tmp / f"{name}_after{i}", steps, after(f) if callable(after) else after, extra)
-        fired.append(f)
-        if f and f.predicted:
-            preds.append(f.predicted)
-        (sb, pb), (sa, pa) = measured(rb), measured(ra)
-        sb_l.append(sb), sa_l.append(sa), pb_l.append(pb), pa_l.append(pa)
-        after_codes |= {x.code for x in ra.findings if x.severity != "info"}
+    from fsdp_doctor.analyze.compare import Side, compare
+    from fsdp_doctor.pipeline import compare_side
 
-    def med(xs):
+    code, fix, before, after, extra = CASES[name]
+    checks, fired, applied, after_codes, changes, meas = [], [], [], set(), set(), []
+    for i in range(reps):
+        a: Side = compare_side(run_once(tmp / f"{name}_before{i}", steps, before, extra))
+        f = next((x for x in a.report.findings if x.code == code), None)
+        knobs = after(f) if callable(after) else after
+        b: Side = compare_side(run_once(tmp / f"{name}_after{i}", steps, knobs, extra))
+        cmp = compare(a, b, applied=[code])
+        fired.append(f)
+        applied.append(sorted(knobs.get("reshard_overrides", {})) if callable(after) else None)
+        checks += [p for p in cmp.predictions if p.code == code]
+        after_codes |= {x.code for x in b.report.findings if x.severity != "info"}
+        changes |= {c.key for c in cmp.config}
+        meas.append((cmp.step_p50.pct if cmp.step_p50 else None, cmp.memory_peak.b if cmp.memory_peak else None,
+                     cmp.step_p50.significant if cmp.step_p50 else None))
+
+    def med(key, i=None):
+        xs = [m[i] for m in meas] if i is not None else [getattr(p, key) for p in checks]
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else None
 
-    sb, sa, pb, pa = med(sb_l), med(sa_l), med(pb_l), med(pa_l)
-    # the prediction is relative to its own "before" run: apply its predicted change to the median before
-    step_pred = peak_pred = None
-    d_step = med([p["step_ms_after"] / p["step_ms_before"] for p in preds
-                  if p.get("step_ms_after") is not None and p.get("step_ms_before")])
-    if d_step is not None and sb is not None:
-        step_pred = sb * d_step
-    d_peak = med([p["peak_bytes_after"] - p["peak_bytes_before"] for p in preds
-                  if p.get("peak_bytes_after") is not None and p.get("peak_bytes_before") is not None])
-    if d_peak is not None and pb is not None:
-        peak_pred = pb + d_peak
+    def held(key):
+        xs = [getattr(p, key) for p in checks if getattr(p, key) is not None]
+        return f"{sum(xs)}/{len(xs)}" if xs else None
+
     f = next((x for x in fired if x), None)
     return {"case": name, "code": code, "fired": sum(1 for x in fired if x), "reps": reps,
-            "severity": f.severity if f else None, "fix": fix,
-            "step_before_ms": sb, "step_pred_ms": step_pred, "step_after_ms": sa,
-            "step_change_pred_pct": None if step_pred is None or not sb else 100 * (step_pred - sb) / sb,
-            "step_change_meas_pct": None if sa is None or not sb else 100 * (sa - sb) / sb,
-            "step_err_pct": _err(step_pred, sa),
-            "step_runs_ms": {"before": sb_l, "after": sa_l},
-            "peak_before": pb, "peak_pred": peak_pred, "peak_after": pa,
-            "peak_err_pct": _err(peak_pred, pa), "after_codes": sorted(after_codes),
-            "applied": [sorted(after(x)["reshard_overrides"]) for x in fired] if callable(after) else None}
+            "severity": f.severity if f else None, "fix": fix, "config_changed": sorted(changes),
+            "step_pred_pct": med("step_pct_predicted"), "step_meas_pct": med("", 0),
+            "step_significant": f"{sum(1 for m in meas if m[2])}/{len(meas)}",
+            "step_pred_ms": med("step_ms_predicted"), "step_meas_ms": med("step_ms_measured"),
+            "step_held": held("step_held"),
+            "peak_pred": med("peak_bytes_predicted"), "peak_meas": med("", 1),
+            "peak_err_pct": med("peak_pct_error"), "peak_held": held("peak_held"),
+            "after_codes": sorted(after_codes), "applied": applied if callable(after) else None}
 
 
 def _f(x, fmt="{:.1f}"):
     return "—" if x is None else fmt.format(x)
 
 
-def print_table(rows: list[dict]) -> None:
-    head = (f"{'case':<16} {'code':<27} {'step ms: before':>15} {'pred':>7} {'after':>7} {'Δpred':>6} "
-            f"{'Δmeas':>6}   {'peak MiB: before':>16} {'pred':>7} {'after':>7} {'err':>5}")
-    print(head)
-    print("-" * len(head))
+COLUMNS = ("case", "code", "step Δ pred", "step Δ meas", "signif.", "held", "peak pred MiB", "peak meas MiB", "peak err", "held")
+
+
+def table_rows(rows: list[dict]) -> list[tuple[str, ...]]:
+    out = []
     for r in rows:
         code = r["code"] + ("" if r["fired"] == r["reps"] else f" ({r['fired']}/{r['reps']})")
-        print(f"{r['case']:<16} {code:<27} {_f(r['step_before_ms']):>15} {_f(r['step_pred_ms']):>7} "
-              f"{_f(r['step_after_ms']):>7} {_f(r['step_change_pred_pct'], '{:+.0f}%'):>6} "
-              f"{_f(r['step_change_meas_pct'], '{:+.0f}%'):>6}   "
-              f"{_f(r['peak_before'] and r['peak_before'] / MiB, '{:.2f}'):>16} "
-              f"{_f(r['peak_pred'] and r['peak_pred'] / MiB, '{:.2f}'):>7} "
-              f"{_f(r['peak_after'] and r['peak_after'] / MiB, '{:.2f}'):>7} {_f(r['peak_err_pct'], '{:+.0f}%'):>5}")
+        out.append((r["case"], code, _f(r["step_pred_pct"], "{:+.0f}%"), _f(r["step_meas_pct"], "{:+.0f}%"),
+                    r["step_significant"], r["step_held"] or "—", _f(r["peak_pred"] and r["peak_pred"] / MiB, "{:.2f}"),
+                    _f(r["peak_meas"] and r["peak_meas"] / MiB, "{:.2f}"), _f(r["peak_err_pct"], "{:+.1f}%"),
+                    r["peak_held"] or "—"))
+    return out
+
+
+def print_table(rows: list[dict], markdown: bool = False) -> None:
+    body = table_rows(rows)
+    if markdown:
+        print("| " + " | ".join(COLUMNS) + " |")
+        print("|" + "---|" * len(COLUMNS))
+        for r in body:
+            print("| " + " | ".join(x.replace("|", "/") for x in r) + " |")
+    else:
+        widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(COLUMNS)]
+        print("  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths)))
+        print("-" * (sum(widths) + 2 * len(widths)))
+        for r in body:
+            print("  ".join(x.ljust(w) for x, w in zip(r, widths)))
     for r in rows:
         if r.get("applied"):
             print(f"{r['case']}: units flipped per rep: " + "; ".join(", ".join(a) or "none" for a in r["applied"]))
-    print("Δpred / Δmeas: predicted / measured change of the median step; err = (predicted - measured) / measured "
-          "peak; (k/n) = the finding fired in k of n 'before' runs")
+    print("From fsdp-doctor compare --applied CODE, per before/after pair, median over pairs: step Δ = change of the "
+          "median step (predicted by A's finding / measured); signif. = pairs where compare called the measured change significant; held = pairs where the prediction held (step: inside the "
+          "bootstrap interval or within 10%; peak: within 5%); (k/n) = the finding fired in k of n 'before' runs")
 
 
 def main(argv=None) -> int:
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated case names: " + ", ".join(CASES))
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--keep", default=None, help="keep the run directories under this folder")
+    p.add_argument("--markdown", action="store_true", help="print the table in Markdown (the README's)")
     ns = p.parse_args(argv)
     names = [n.strip() for n in ns.only.split(",") if n.strip()] or list(CASES)
     unknown = [n for n in names if n not in CASES]
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
     finally:
         if not ns.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-    print_table(rows)
+    print_table(rows, markdown=ns.markdown)
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=1))
     return 0

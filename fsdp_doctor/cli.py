@@ -1,4 +1,4 @@
-"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard | schema``."""
+"""Command: ``fsdp-doctor analyze | compare | demo | dashboard | tensorboard | schema``."""
 
 from __future__ import annotations
 
@@ -151,22 +151,71 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
     """Prints the report and writes the files asked for; False after one line on stderr if a write failed."""
     from .present.terminal import render_report
 
+    def html(p):
+        from .present.html import write_html
+
+        write_html(report, p)
+
     render_report(report, console)
+    return _write_outputs(report, html, outputs, console, "report")
+
+
+def _write_outputs(struct, write_html, outputs: dict, console: Console, what: str) -> bool:
+    """Writes ``--json`` (the msgspec ``struct`` as JSON) and ``--html`` (``write_html(path)``), each atomically;
+    False after one line on stderr if a write failed."""
     for kind, p in outputs.items():
         try:
             if kind == "json":
-                from .present.json import write_json
+                from .present.json import write_struct_json
 
-                write_json(report, p)
+                write_struct_json(struct, p)
             else:
-                from .present.html import write_html
-
-                write_html(report, p)
+                write_html(p)
         except OSError as e:
             _err(f"--{kind} {p}: cannot write ({e.strerror or e})")
             return False
-        console.print(f"{kind.upper()} report written to {p}", soft_wrap=True)  # a path to copy: never wrapped
+        console.print(f"{kind.upper()} {what} written to {p}", soft_wrap=True)  # a path to copy: never wrapped
     return True
+
+
+# ----------------------------------------------------------------------------------------- compare
+def cmd_compare(ns: argparse.Namespace) -> int:
+    """Two runs side by side (B against A): the comparison is ``analyze.compare``'s, presenters format it."""
+    from .pipeline import build_report, compare_side, is_usable
+    from .present.compare import render_comparison
+
+    outputs = _check_outputs(ns)
+    if outputs is None:
+        return EXIT_BAD_INPUT
+    if ns.gpu_hour_price is not None and not ns.gpu_hour_price > 0:
+        _err(f"--gpu-hour-price {ns.gpu_hour_price}: must be a positive price per GPU-hour")
+        return EXIT_BAD_INPUT
+    sides = []
+    for path in (Path(ns.run_a), Path(ns.run_b)):
+        run = _load(path)
+        if run is None:
+            return EXIT_BAD_INPUT
+        report = build_report(run) if run.has_records or run.trace_files else None
+        if report is None or not is_usable(run, report):
+            _err(_nothing_usable(path, report) if report else
+                 f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found")
+            return EXIT_BAD_INPUT
+        sides.append(compare_side(run, report))
+    from .analyze.compare import compare
+
+    cmp = compare(*sides, applied=ns.applied or (), gpu_hour_price=ns.gpu_hour_price, path_a=ns.run_a,
+                  path_b=ns.run_b)
+    console = _console()
+    render_comparison(cmp, console)
+
+    def html(p):
+        from .present.compare_html import write_compare_html
+
+        write_compare_html(cmp, p)
+
+    if not _write_outputs(cmp, html, outputs, console, "comparison"):
+        return EXIT_BAD_INPUT
+    return EXIT_PARTIAL if any(s.report.problems for s in sides) else EXIT_OK
 
 
 # ----------------------------------------------------------------------------------------- demo
@@ -370,6 +419,21 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     a.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report here (its directory must exist)")
     a.set_defaults(fn=cmd_analyze)
+
+    c = sub.add_parser("compare", help="compare two runs: config diff, deltas with noise, predictions checked",
+                       description="Compares run B against run A (run directories or plain-trace folders): the "
+                       "configuration that changed, step time with a bootstrap confidence interval, phases, memory "
+                       "at the peak, exposed communication per unit, throughput, findings resolved / new / "
+                       "persisting, and A's predictions checked against B.", epilog=EPILOG, formatter_class=fmt)
+    c.add_argument("run_a", help="the run before (run directory, folder of Kineto traces, or one trace file)")
+    c.add_argument("run_b", help="the run after")
+    c.add_argument("--json", metavar="FILE", help="also write the comparison as JSON here")
+    c.add_argument("--html", metavar="FILE", help="also write a self-contained HTML comparison here")
+    c.add_argument("--applied", metavar="CODE", action="append",
+                   help="a finding code of A whose fix B applies (repeatable; config changes are recognised anyway)")
+    c.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
+                   help="price of one GPU-hour: adds the cost per billion tokens of each run")
+    c.set_defaults(fn=cmd_compare)
 
     d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it",
                        epilog=EPILOG, formatter_class=fmt)

@@ -189,3 +189,27 @@ def steps_columns(run: Run) -> dict[int, dict[str, list]]:
         cols["steady"] = [st in steady for st in cols["step"]]
         out[r] = cols
     return out
+
+
+def compare_side(run: Run, report: Optional[Report] = None):
+    """One side of ``fsdp-doctor compare``: the run's report (built here unless given), its per-step samples
+    (the records' steady steps, else the traces' complete steps) and, for a plain-trace folder, the kernels' and
+    operators' times per phase and the units FSDP prefetched (an ``analyze.compare.Side``)."""
+    from .analyze.compare import Side, samples_from_ranks, samples_from_records
+
+    report = report if report is not None else build_report(run)
+    if run.has_records:
+        return Side(report=report, samples=samples_from_records(run), source="records")
+    from .trace.ops import op_times
+
+    ops = op_times(run.trace_files)
+    return Side(report=report, samples=samples_from_ranks(ops.steps_ms), source="trace", ops=ops.us_per_step,
+                prefetched=ops.prefetched)
+
+
+def compare_runs(run_a: Run, run_b: Run, **kw):
+    """The :class:`~fsdp_doctor.compare_sections.Comparison` of ``run_b`` against ``run_a`` (keywords: those of
+    ``analyze.compare.compare``)."""
+    from .analyze.compare import compare
+
+    return compare(compare_side(run_a), compare_side(run_b), path_a=str(run_a.path), path_b=str(run_b.path), **kw)

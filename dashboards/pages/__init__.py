@@ -1,7 +1,7 @@
 """The dashboard's pages: each module has ``layout(snapshot, filters)`` (and ``register(app)`` for its own
 callbacks, where it has any)."""
 
-from . import communication, memory, overview, steps, units
+from . import communication, compare, memory, overview, steps, units
 
 PAGES = {
     "overview": ("Overview", overview),
@@ -9,6 +9,7 @@ PAGES = {
     "communication": ("Communication", communication),
     "steps": ("Steps", steps),
     "units": ("Units", units),
+    "compare": ("Compare", compare),
 }
 
 

@@ -256,10 +256,14 @@ def render_html(report: Report | dict) -> str:
         parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in report.problems) + "</ul>")
     data = json.dumps(report.to_builtins(), default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='fsdp-doctor-report'>{data}</script>")
+    return html_page(f"fsdp-doctor — {report.run.path or 'report'}", "".join(parts))
+
+
+def html_page(title: str, body: str) -> str:
+    """One self-contained HTML document: the report's style, ``title`` (escaped here) and ``body`` (HTML)."""
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-            f"<title>fsdp-doctor — {_esc(report.run.path or 'report')}</title>"
-            f"<style>{_CSS}</style></head><body><main>{''.join(parts)}</main></body></html>")
+            f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body><main>{body}</main></body></html>")
 
 
 def write_html(report: Report | dict, path: Path) -> Path:

@@ -12,11 +12,21 @@ from ..report_sections import Report
 
 def render_json(report: Report | dict) -> bytes:
     """The report (a Report, or its JSON form) as indented JSON bytes."""
-    return msgspec.json.format(msgspec.json.encode(Report.of(report)), indent=1)
+    return render_struct(Report.of(report))
+
+
+def render_struct(struct: msgspec.Struct) -> bytes:
+    """Any of the typed contracts (a ``Report``, a compare ``Comparison``) as indented JSON bytes."""
+    return msgspec.json.format(msgspec.json.encode(struct), indent=1)
+
+
+def write_struct_json(struct: msgspec.Struct, path: Path | str) -> Path:
+    """Writes a typed contract as JSON to ``path`` atomically; returns it."""
+    from ..store.layout import write_atomic
+
+    return write_atomic(Path(path), render_struct(struct))
 
 
 def write_json(report: Report | dict, path: Path | str) -> Path:
     """Writes the report as JSON to ``path`` atomically (a reader never sees half a file); returns it."""
-    from ..store.layout import write_atomic
-
-    return write_atomic(Path(path), render_json(report))
+    return write_struct_json(Report.of(report), path)

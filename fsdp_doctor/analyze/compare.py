@@ -1,0 +1,359 @@
+"""Did the fix help? Two runs side by side: a plain function over two :class:`~fsdp_doctor.report_sections.Report`
+and their per-step samples (a :class:`Side` each, built by ``fsdp_doctor.pipeline.compare_side``), returning a
+:class:`~fsdp_doctor.compare_sections.Comparison`.
+
+Noise: the step-time change gets a bootstrap confidence interval (the steps resampled with replacement, each
+step's times on every rank kept together, ``RESAMPLES`` draws, seeded); it is called significant only when the
+interval excludes zero *and* the change is at least ``NOISE_FLOOR_PCT`` of A's step (drift between two runs —
+host load, clocks — is not in either run's own step-to-step spread). Does not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import numpy as np
+from msgspec import UNSET
+
+from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta, FindingRef, FindingsDiff,
+                                OpChange, PredictionCheck, RunSide, StepDelta)
+from ..report_sections import Finding, Report
+
+RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
+CONFIDENCE = 0.95
+SEED = 0  # the same two runs always give the same interval
+# A step-time change below this share of A's step is not called a change even when the interval excludes
+# zero: two runs of one configuration on the same machine differ by a few % (host load, clocks, placement).
+NOISE_FLOOR_PCT = 5.0
+# A step-time prediction holds when the predicted change lies inside the measured change's interval, or lands
+# within this share of the measured step (a step prediction is an estimate from host-side timings).
+STEP_TOLERANCE_PCT = 10.0
+# A peak-memory prediction holds within this share of the measured peak (memory is deterministic per config).
+PEAK_TOLERANCE_PCT = 5.0
+TOP_OPS = 8  # kernels/operators listed per phase
+TOP_COMM = 12  # unit rows listed
+
+# The configuration keys whose change applies a rule's fix (by code prefix), to recognise an applied fix.
+FIX_KEYS: dict[str, tuple[str, ...]] = {
+    "reshard.": ("reshard_after_forward",),
+    "prefetch.sync_unshard": ("unshard_async_op",),
+    "prefetch.": ("forward_prefetch", "backward_prefetch"),
+    "ac.": ("checkpoint",),
+    "wrap.": ("wrapping",),
+    "comm.small_collectives": ("wrapping",),
+    "offload.": ("offload",),
+    "comm.bound": ("param_dtype", "reduce_dtype"),
+    "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
+}
+UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
+             "offload", "param_dtype", "reduce_dtype")
+JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
+            "capacity_bytes")
+
+
+@dataclass
+class Side:
+    """One run to compare: its report, its step-time samples (per step, every rank's ms), where they come
+    from, and for plain traces the kernels' and operators' times and the units FSDP prefetched."""
+
+    report: Report
+    samples: list[list[float]]
+    source: str  # "records" | "trace"
+    ops: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (phase, kind, name) -> µs per step
+    prefetched: Optional[dict[str, set[str]]] = None  # trace: "forward"/"backward" -> units prefetched
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def delta(a: Optional[float], b: Optional[float], nd: int = 3) -> Delta:
+    if a is None or b is None:
+        return Delta(a=a, b=b)
+    d = b - a
+    return Delta(a=round(a, nd), b=round(b, nd), delta=round(d, nd), pct=round(100 * d / a, 1) if a else None)
+
+
+def predicted_of(f: Finding) -> dict[str, Optional[float]]:
+    """A finding's prediction as {step_ms_before, step_ms_after, peak_bytes_before, peak_bytes_after} (None where
+    absent): the one place that reads ``Finding.predicted``."""
+    p = f.predicted
+    if p is UNSET or p is None:
+        p = {}
+    elif not isinstance(p, dict):  # a typed prediction
+        import msgspec
+
+        p = msgspec.to_builtins(p)
+    return {k: p.get(k) for k in ("step_ms_before", "step_ms_after", "peak_bytes_before", "peak_bytes_after")}
+
+
+def _matrix(samples: list[list[float]]) -> np.ndarray:
+    width = max((len(s) for s in samples), default=0)
+    m = np.full((len(samples), width), np.nan)
+    for i, s in enumerate(samples):
+        m[i, :len(s)] = s
+    return m
+
+
+def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.random.Generator) -> Optional[StepDelta]:
+    ma, mb = _matrix(a), _matrix(b)
+    if not ma.size or not mb.size:
+        return None
+    pa, pb = float(np.nanpercentile(ma, q)), float(np.nanpercentile(mb, q))
+    ia = rng.integers(0, ma.shape[0], size=(RESAMPLES, ma.shape[0]))
+    ib = rng.integers(0, mb.shape[0], size=(RESAMPLES, mb.shape[0]))
+    ra = np.nanpercentile(ma[ia].reshape(RESAMPLES, -1), q, axis=1)
+    rb = np.nanpercentile(mb[ib].reshape(RESAMPLES, -1), q, axis=1)
+    alpha = (1 - CONFIDENCE) / 2 * 100
+    lo, hi = np.percentile(rb - ra, [alpha, 100 - alpha])
+    d = delta(pa, pb)
+    big = d.pct is not None and abs(d.pct) >= NOISE_FLOOR_PCT
+    return StepDelta(a=d.a, b=d.b, delta=d.delta, pct=d.pct, ci_low=round(float(lo), 3), ci_high=round(float(hi), 3),
+                     confidence=CONFIDENCE, significant=bool(big and (lo > 0 or hi < 0)),
+                     samples_a=int(np.isfinite(ma).sum()), samples_b=int(np.isfinite(mb).sum()))
+
+
+def step_summary(s: Optional[StepDelta]) -> str:
+    """One line: the step-time verdict."""
+    if s is None or s.pct is None:
+        return "step time not comparable (a run has no steps)"
+    ci = (f"{100 * s.ci_low / s.a:+.1f}% to {100 * s.ci_high / s.a:+.1f}%" if s.a else f"{s.ci_low} to {s.ci_high} ms")
+    interval = f"{round(100 * s.confidence)}% CI {ci}"
+    if not s.significant:
+        why = ("within noise" if s.ci_low is None or s.ci_low <= 0 <= s.ci_high else
+               f"under the {NOISE_FLOOR_PCT:g}% noise floor between runs")
+        return f"no significant change in step time: p50 {s.pct:+.1f}% ({interval}: {why})"
+    return f"step time p50 {s.pct:+.1f}% ({interval}): {'faster' if s.pct < 0 else 'slower'}"
+
+
+# ------------------------------------------------------------------------------------------------ config
+def _units(side: Side) -> dict[str, dict[str, Any]]:
+    """Unit name -> the configuration keys compared (from the unit snapshot, or for a plain trace the units its
+    collectives name and whether FSDP prefetched them)."""
+    rep = side.report
+    if rep.units:
+        return {u.name or "(root)": {k: getattr(u, k) for k in UNIT_KEYS} for u in rep.units}
+    names = {r.unit for r in (rep.overlap.per_unit if rep.overlap else []) if r.unit != "(other)"}
+    pf = side.prefetched or {}
+    return {n: {"forward_prefetch": n in pf.get("forward", set()), "backward_prefetch": n in pf.get("backward", set())}
+            for n in names}
+
+
+def _norm(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def config_diff(a: Side, b: Side) -> list[ConfigChange]:
+    out: list[ConfigChange] = []
+    ra, rb = a.report.run, b.report.run
+    for k in JOB_KEYS:
+        va, vb = getattr(ra, k, None), getattr(rb, k, None)
+        va, vb = (None if v is UNSET else v for v in (va, vb))
+        if va != vb and (va is not None and vb is not None or k == "world_size"):
+            out.append(ConfigChange(key=k, a=va, b=vb))
+    ua, ub = _units(a), _units(b)
+    if ua and ub and set(ua) != set(ub):
+        out.append(ConfigChange(key="wrapping", a=f"{len(ua)} units", b=f"{len(ub)} units",
+                                units=sorted(set(ua) ^ set(ub))))
+    grouped: dict[tuple, list[str]] = {}
+    for name in sorted(set(ua) & set(ub)):
+        for k in UNIT_KEYS:
+            if k in ua[name] and k in ub[name] and _norm(ua[name][k]) != _norm(ub[name][k]):
+                grouped.setdefault((k, _norm(ua[name][k]), _norm(ub[name][k])), []).append(name)
+    for (k, va, vb), names in grouped.items():
+        out.append(ConfigChange(key=k, a=list(va) if isinstance(va, tuple) else va,
+                                b=list(vb) if isinstance(vb, tuple) else vb, units=names))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def _phases(side: Side) -> dict[str, float]:
+    rep = side.report
+    if side.source == "records" and rep.steps and rep.steps.job and rep.steps.job.phases_p50_ms:
+        return dict(rep.steps.job.phases_p50_ms)
+    ov = rep.overlap
+    if ov is None or not ov.breakdown:
+        return {}
+    acc: dict[str, list[float]] = {}
+    for r, bd in ov.breakdown.items():
+        n = len(ov.per_rank[r].steps) if r in ov.per_rank else 0
+        if n:
+            for k, us in bd.parts().items():
+                acc.setdefault(k, []).append(us / 1e3 / n)
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def _memory(rep: Report) -> tuple[Optional[int], dict[str, int]]:
+    m = rep.memory
+    if m is None or not m.per_rank:
+        return None, {}
+    pr = m.per_rank.get(m.peak_rank) or next(iter(m.per_rank.values()))
+    return pr.peak_bytes, dict(pr.peak_breakdown)
+
+
+def _comm(side: Side, source: str) -> dict[tuple[str, str, Optional[str]], float]:
+    """(unit, collective, phase) -> exposed ms per step, mean over ranks."""
+    rep = side.report
+    out: dict[tuple[str, str, Optional[str]], float] = {}
+    if source == "trace":
+        ov = rep.overlap
+        ranks = [r for r, pr in ov.per_rank.items() if pr.steps]
+        for row in ov.per_unit:
+            n = len(ov.per_rank[str(row.rank)].steps) if str(row.rank) in ov.per_rank else 0
+            if n:
+                k = (row.unit, row.collective, row.phase)
+                out[k] = out.get(k, 0.0) + row.exposed_us / 1e3 / n / len(ranks)
+    else:
+        for u in rep.units or []:
+            t = u.timing_p50
+            if t is not UNSET:
+                out[(u.name or "(root)", "all_gather", "forward")] = t.ag_wait_fwd_ms
+                out[(u.name or "(root)", "all_gather", "backward")] = t.ag_wait_bwd_ms
+    return out
+
+
+def _findings(a: Report, b: Report) -> FindingsDiff:
+    def ref(f):
+        return FindingRef(code=f.code, severity=f.severity, title=f.title)
+
+    ca, cb = {f.code: f for f in a.findings}, {f.code: f for f in b.findings}
+    return FindingsDiff(resolved=[ref(f) for c, f in ca.items() if c not in cb],
+                        new=[ref(f) for c, f in cb.items() if c not in ca],
+                        persisting=[ref(cb[c]) for c in ca if c in cb])
+
+
+def _fix_keys(code: str) -> tuple[str, ...]:
+    for prefix, keys in FIX_KEYS.items():  # the most specific prefix first (dict order)
+        if code == prefix or code.startswith(prefix) and prefix.endswith("."):
+            return keys
+    return ()
+
+
+def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterable[str],
+                 p50: Optional[StepDelta], peak_a: Optional[int], peak_b: Optional[int]) -> list[PredictionCheck]:
+    changed = {c.key for c in changes}
+    applied = set(applied)
+    out = []
+    for f in a.report.findings:
+        if f.code in applied:
+            how = "--applied"
+        else:
+            hit = [k for k in _fix_keys(f.code) if k in changed]
+            if not hit:
+                continue
+            how = "config diff: " + ", ".join(hit)
+        p = predicted_of(f)
+        chk = PredictionCheck(code=f.code, recognised_by=how)
+        if p["step_ms_before"] and p["step_ms_after"] is not None and p50 is not None and p50.a and p50.b:
+            ratio = p["step_ms_after"] / p["step_ms_before"]
+            pred = p50.a * ratio
+            chk.step_ms_predicted, chk.step_ms_measured = round(pred, 3), p50.b
+            chk.step_pct_predicted, chk.step_pct_measured = round(100 * (ratio - 1), 1), p50.pct
+            d = pred - p50.a
+            inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high
+            chk.step_held = bool(inside or abs(pred - p50.b) <= STEP_TOLERANCE_PCT / 100 * p50.b)
+        if p["peak_bytes_before"] is not None and p["peak_bytes_after"] is not None and peak_a and peak_b:
+            pred = peak_a + (p["peak_bytes_after"] - p["peak_bytes_before"])
+            chk.peak_bytes_predicted, chk.peak_bytes_measured = float(pred), float(peak_b)
+            chk.peak_pct_error = round(100 * (pred - peak_b) / peak_b, 2)
+            chk.peak_held = abs(chk.peak_pct_error) <= PEAK_TOLERANCE_PCT
+        out.append(chk)
+    return out
+
+
+def _ops(a: Side, b: Side) -> list[OpChange]:
+    if not a.ops and not b.ops:
+        return []
+    rows = [OpChange(phase=k[0], kind=k[1], name=k[2], a_us=round(a.ops.get(k, 0.0), 2), b_us=round(b.ops.get(k, 0.0), 2),
+                     delta_us=round(b.ops.get(k, 0.0) - a.ops.get(k, 0.0), 2)) for k in set(a.ops) | set(b.ops)]
+    out = []
+    for ph in sorted({r.phase for r in rows}):
+        mine = sorted((r for r in rows if r.phase == ph and r.delta_us), key=lambda r: -abs(r.delta_us))
+        out.extend(mine[:TOP_OPS])
+    return out
+
+
+def _world(rep: Report) -> Optional[int]:
+    """Ranks in the job: the records' world size, else the ranks with a trace."""
+    return rep.run.world_size or (len(rep.overlap.per_rank) if rep.overlap else None) or None
+
+
+def _cost(a: Report, b: Report, price: float) -> Cost:
+    def per_billion(rep: Report) -> Optional[float]:
+        tps = rep.throughput.job.tokens_per_s if rep.throughput else None
+        gpus = _world(rep)
+        return price * gpus * (1e9 / tps) / 3600 if tps and gpus else None
+
+    ca, cb = per_billion(a), per_billion(b)
+    d = delta(ca, cb, 2)
+    note = "" if ca and cb else "tokens/s unknown for " + " and ".join(
+        n for n, c in (("A", ca), ("B", cb)) if not c) + " (pass tokens_per_step= to watch())"
+    return Cost(gpu_hour_price=price, a=d.a, b=d.b, delta=d.delta, pct=d.pct, note=note)
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Optional[float] = None,
+            path_a: str = "", path_b: str = "") -> Comparison:
+    """The comparison of run ``b`` against run ``a`` (B − A)."""
+    ra, rb = a.report, b.report
+    rng = np.random.default_rng(SEED)
+    p50 = _step_delta(a.samples, b.samples, 50, rng)
+    p90 = _step_delta(a.samples, b.samples, 90, rng)
+    changes = config_diff(a, b)
+    cmp = Comparison(a=RunSide(path=path_a or ra.run.path, source=a.source, world_size=_world(ra),
+                               steps=len(a.samples)),
+                     b=RunSide(path=path_b or rb.run.path, source=b.source, world_size=_world(rb),
+                               steps=len(b.samples)),
+                     summary=step_summary(p50), config=changes, step_p50=p50, step_p90=p90)
+    if a.source != b.source:
+        cmp.notes.append(f"A's step times come from {a.source}, B's from {b.source}: compare shares, not times")
+    pa, pb = _phases(a), _phases(b)
+    cmp.phases = {k: delta(pa.get(k), pb.get(k)) for k in dict.fromkeys([*pa, *pb])}
+    cmp.phases_source = a.source if a.source == b.source else "mixed"
+    peak_a, cat_a = _memory(ra)
+    peak_b, cat_b = _memory(rb)
+    if peak_a is not None or peak_b is not None:
+        cmp.memory_peak = delta(peak_a, peak_b, 0)
+        cmp.memory = {k: delta(cat_a.get(k), cat_b.get(k), 0) for k in dict.fromkeys([*cat_a, *cat_b])}
+    if ra.comm is not None or rb.comm is not None:
+        cmp.comm_exposed = delta(ra.comm.exposed_ms_per_step if ra.comm else None,
+                                 rb.comm.exposed_ms_per_step if rb.comm else None)
+    source = "trace" if ra.overlap is not None and rb.overlap is not None and ra.overlap.per_unit \
+        and rb.overlap.per_unit else "records"
+    ca, cb = _comm(a, source), _comm(b, source)
+    rows = [CommDelta(unit=k[0], collective=k[1], phase=k[2], a_ms=round(ca[k], 3) if k in ca else None,
+                      b_ms=round(cb[k], 3) if k in cb else None, delta_ms=round(cb.get(k, 0.0) - ca.get(k, 0.0), 3))
+            for k in dict.fromkeys([*ca, *cb])]
+    cmp.comm = sorted(rows, key=lambda r: (-abs(r.delta_ms or 0.0), -max(r.a_ms or 0.0, r.b_ms or 0.0)))[:TOP_COMM]
+    cmp.comm_source = source if rows else ""
+    ta = ra.throughput.job if ra.throughput else None
+    tb = rb.throughput.job if rb.throughput else None
+    if ta is not None or tb is not None:
+        cmp.throughput = {k: delta(getattr(ta, k, None), getattr(tb, k, None), 2)
+                          for k in ("tokens_per_s", "achieved_tflops", "mfu_pct")
+                          if getattr(ta, k, None) is not None or getattr(tb, k, None) is not None}
+    cmp.findings = _findings(ra, rb)
+    cmp.predictions = _predictions(a, b, changes, applied, p50, peak_a, peak_b)
+    cmp.ops = _ops(a, b)
+    if gpu_hour_price is not None:
+        cmp.cost = _cost(ra, rb, gpu_hour_price)
+    for code in applied:
+        if code not in {f.code for f in ra.findings}:
+            cmp.notes.append(f"--applied {code}: A's report has no such finding, so no prediction to check")
+    return cmp
+
+
+def samples_from_records(run) -> list[list[float]]:
+    """Per steady step, every rank's wall time (ms), in step order."""
+    from .steps import usable_steps
+
+    by_step: dict[int, list[float]] = {}
+    for rd in run.ranks.values():
+        for s in usable_steps(rd.steps):
+            by_step.setdefault(s.step, []).append(s.wall_ms)
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def samples_from_ranks(steps_ms: dict[str, list[float]]) -> list[list[float]]:
+    """Per step index, every rank's duration (ms) (trace files: the i-th complete step of each rank)."""
+    n = max((len(v) for v in steps_ms.values()), default=0)
+    return [[v[i] for v in steps_ms.values() if i < len(v) and math.isfinite(v[i])] for i in range(n)]

@@ -1,0 +1,142 @@
+"""The comparison's contract: msgspec structs built by :func:`fsdp_doctor.analyze.compare.compare` from two
+reports (and their per-step samples) and read by every presenter of ``fsdp-doctor compare`` (terminal, JSON,
+HTML, the dashboard's Compare page). ``--json`` writes ``msgspec.to_builtins(comparison)``.
+
+Deltas are B − A; ``pct`` is relative to A. Times in ms, memory in bytes, unless a field's name says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+SCHEMA = "fsdp-doctor-compare/1"
+
+
+class _S(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+class Delta(_S):
+    """One figure in both runs: ``a``, ``b``, ``delta`` (b − a) and ``pct`` (of a); None where a side lacks it."""
+
+    a: Optional[float] = None
+    b: Optional[float] = None
+    delta: Optional[float] = None
+    pct: Optional[float] = None
+
+
+class StepDelta(Delta):
+    """A step-time percentile in both runs, with the bootstrap confidence interval of its change (ms): the
+    per-step samples resampled by step (every rank's time of a step kept together), seeded."""
+
+    ci_low: Optional[float] = None
+    ci_high: Optional[float] = None
+    confidence: float = 0.95
+    significant: bool = False  # the interval excludes zero and the change exceeds the noise floor
+    samples_a: int = 0  # step samples (steps × ranks)
+    samples_b: int = 0
+
+
+class RunSide(_S):
+    path: str
+    source: str  # "records" | "trace" (a plain-trace folder)
+    world_size: Optional[int] = None
+    steps: int = 0  # steps in the samples
+
+
+class ConfigChange(_S):
+    """One configuration difference: ``scope`` "job" or the units it applies to (identical changes grouped)."""
+
+    key: str  # wrapping, reshard_after_forward, forward_prefetch, ..., world_size, torch_version, tokens_per_step
+    a: Any = None
+    b: Any = None
+    units: list[str] = []  # the units it applies to (empty: the job)
+
+
+class CommDelta(_S):
+    """Exposed communication of one unit, collective and phase (ms per step)."""
+
+    unit: str
+    collective: str
+    phase: Optional[str] = None
+    a_ms: Optional[float] = None
+    b_ms: Optional[float] = None
+    delta_ms: Optional[float] = None
+
+
+class FindingRef(_S):
+    code: str
+    severity: str
+    title: str
+
+
+class FindingsDiff(_S):
+    resolved: list[FindingRef] = []  # in A, not in B
+    new: list[FindingRef] = []  # in B, not in A
+    persisting: list[FindingRef] = []  # in both (B's wording)
+
+
+class PredictionCheck(_S):
+    """A fix A's report recommended that B applies: what A's finding predicted against what B measured."""
+
+    code: str
+    recognised_by: str  # "config diff: reshard_after_forward" | "--applied"
+    step_ms_predicted: Optional[float] = None  # A's step with the predicted change applied
+    step_ms_measured: Optional[float] = None  # B's
+    step_pct_predicted: Optional[float] = None
+    step_pct_measured: Optional[float] = None
+    step_held: Optional[bool] = None  # None: no step prediction
+    peak_bytes_predicted: Optional[float] = None
+    peak_bytes_measured: Optional[float] = None
+    peak_pct_error: Optional[float] = None  # (predicted - measured) / measured
+    peak_held: Optional[bool] = None
+
+
+class OpChange(_S):
+    """A kernel's or operator's time in one phase (µs per step and rank; operators: self time)."""
+
+    phase: str
+    kind: str  # "kernel" | "operator"
+    name: str
+    a_us: float = 0.0
+    b_us: float = 0.0
+    delta_us: float = 0.0
+
+
+class Cost(_S):
+    """Cost per billion tokens at ``gpu_hour_price`` per GPU-hour, every rank one GPU."""
+
+    gpu_hour_price: float
+    a: Optional[float] = None
+    b: Optional[float] = None
+    delta: Optional[float] = None
+    pct: Optional[float] = None
+    note: str = ""  # why a side is missing
+
+
+class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True):
+    schema: str = SCHEMA
+    a: RunSide
+    b: RunSide
+    summary: str = ""  # one line: the step-time verdict
+    config: list[ConfigChange] = []
+    step_p50: Optional[StepDelta] = None
+    step_p90: Optional[StepDelta] = None
+    phases: dict[str, Delta] = {}  # phase -> ms per step (records: median; traces: the breakdown's parts)
+    phases_source: str = ""  # "records" | "trace"
+    memory_peak: Optional[Delta] = None  # bytes, highest rank
+    memory: dict[str, Delta] = {}  # category -> bytes at each run's peak
+    comm_exposed: Optional[Delta] = None  # the report's headline (ms per step)
+    comm: list[CommDelta] = []  # largest change first, then most exposed
+    comm_source: str = ""  # "trace" | "records"
+    throughput: dict[str, Delta] = {}  # tokens_per_s, achieved_tflops, mfu_pct
+    findings: FindingsDiff = msgspec.field(default_factory=FindingsDiff)
+    predictions: list[PredictionCheck] = []
+    ops: list[OpChange] = []  # plain traces: the largest changes, per phase
+    cost: Optional[Cost] = None
+    notes: list[str] = []
+
+    def to_builtins(self) -> dict:
+        return msgspec.to_builtins(self)

@@ -1,0 +1,156 @@
+"""Presenting a :class:`~fsdp_doctor.compare_sections.Comparison`: the tables every presenter shows (title,
+header, rows of formatted strings), drawn by the terminal (rich, here), the HTML compare report and the
+dashboard's Compare page. Formats only; the figures come from ``fsdp_doctor.analyze.compare``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from ..compare_sections import Comparison, Delta
+from ..memory_categories import label as category_label
+from .fmt import MISSING, fmt_bytes, fmt_ms, fmt_us, unit_label
+
+PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "outside": "outside model",
+                "gc": "GC"}
+THROUGHPUT_LABELS = {"tokens_per_s": ("tokens/s", "{:,.0f}"), "achieved_tflops": ("TFLOP/s", "{:.3g}"),
+                     "mfu_pct": ("MFU", "{:.1f}%")}
+
+
+@dataclass
+class CompareTable:
+    title: str
+    header: tuple[str, ...]
+    rows: list[tuple[str, ...]] = field(default_factory=list)
+    note: str = ""
+
+
+def _signed_bytes(n) -> str:
+    if n is None:
+        return MISSING
+    return ("+" if n >= 0 else "−") + fmt_bytes(abs(n))
+
+
+def _pct(d: Delta) -> str:
+    return MISSING if d.pct is None else f"{d.pct:+.1f}%"
+
+
+def _row(name: str, d: Delta, fmt: Callable, signed: Callable) -> tuple[str, ...]:
+    return (name, fmt(d.a), fmt(d.b), signed(d.delta), _pct(d))
+
+
+def _ms_signed(x) -> str:
+    return fmt_ms(x, signed=True)
+
+
+def _value(v) -> str:
+    if isinstance(v, list):
+        return ", ".join(map(str, v)) or "none"
+    return MISSING if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _units(names: list[str], n: int = 4) -> str:
+    s = ", ".join(unit_label(x) for x in names[:n])
+    return s + (f" … (+{len(names) - n})" if len(names) > n else "") if names else "job"
+
+
+def tables(c: Comparison) -> list[CompareTable]:
+    """Every section of the comparison as a table (empty sections left out)."""
+    out: list[CompareTable] = []
+    if c.config:
+        out.append(CompareTable("Configuration changed", ("setting", "where", "A", "B"),
+                                [(ch.key, _units(ch.units) if ch.key != "wrapping" else
+                                  f"{len(ch.units)} units differ", _value(ch.a), _value(ch.b)) for ch in c.config]))
+    else:
+        out.append(CompareTable("Configuration changed", ("setting", "where", "A", "B"), [],
+                                note="no difference in the unit snapshots and the job"))
+    rows = []
+    for name, s in (("p50", c.step_p50), ("p90", c.step_p90)):
+        if s is not None:
+            ci = MISSING if s.ci_low is None else f"{fmt_ms(s.ci_low, True)} … {fmt_ms(s.ci_high, True)}"
+            rows.append((f"step {name}", fmt_ms(s.a), fmt_ms(s.b), _ms_signed(s.delta), _pct(s), ci,
+                         "yes" if s.significant else "within noise"))
+    if rows:
+        n = c.step_p50
+        out.append(CompareTable("Step time", ("", "A", "B", "Δ", "Δ%", f"{round(100 * n.confidence)}% CI of Δ",
+                                              "significant"), rows,
+                                note=f"bootstrap over steps: {n.samples_a} samples in A, {n.samples_b} in B"))
+    if c.phases:
+        out.append(CompareTable(f"Phase split (ms per step, from the {c.phases_source})", ("phase", "A", "B", "Δ", "Δ%"),
+                                [_row(PHASE_LABELS.get(k, k), d, fmt_ms, _ms_signed) for k, d in c.phases.items()
+                                 if d.a or d.b]))
+    if c.memory_peak is not None:
+        rows = [_row("peak", c.memory_peak, fmt_bytes, _signed_bytes)]
+        rows += [_row(category_label(k), d, fmt_bytes, _signed_bytes) for k, d in c.memory.items() if d.a or d.b]
+        out.append(CompareTable("Memory at the peak (highest rank)", ("category", "A", "B", "Δ", "Δ%"), rows))
+    if c.comm_exposed is not None or c.comm:
+        rows = [_row("exposed, all", c.comm_exposed, fmt_ms, _ms_signed)] if c.comm_exposed is not None else []
+        rows += [(f"{unit_label(r.unit)} {r.collective} {r.phase or ''}".rstrip(), fmt_ms(r.a_ms), fmt_ms(r.b_ms),
+                  _ms_signed(r.delta_ms), MISSING) for r in c.comm]
+        out.append(CompareTable(f"Exposed communication (ms per step, from the {c.comm_source or 'reports'})",
+                                ("unit, collective, phase", "A", "B", "Δ", "Δ%"), rows))
+    if c.throughput:
+        rows = []
+        for k, d in c.throughput.items():
+            name, f = THROUGHPUT_LABELS.get(k, (k, "{}"))
+            fm = (lambda x, f=f: MISSING if x is None else f.format(x))
+            rows.append((name, fm(d.a), fm(d.b), MISSING if d.delta is None else f"{d.delta:+,.3g}", _pct(d)))
+        out.append(CompareTable("Throughput", ("", "A", "B", "Δ", "Δ%"), rows))
+    if c.cost is not None:
+        k = c.cost
+        fm = (lambda x: MISSING if x is None else f"{x:,.2f}")
+        out.append(CompareTable(f"Cost per billion tokens at {k.gpu_hour_price:g} per GPU-hour",
+                                ("", "A", "B", "Δ", "Δ%"),
+                                [("cost", fm(k.a), fm(k.b), MISSING if k.delta is None else f"{k.delta:+,.2f}",
+                                  _pct(Delta(pct=k.pct)))], note=k.note))
+    f = c.findings
+    rows = [(kind, x.code, x.severity, x.title) for kind, xs in (("resolved", f.resolved), ("new", f.new),
+                                                               ("persisting", f.persisting)) for x in xs]
+    out.append(CompareTable("Findings", ("", "code", "severity", "title"), rows,
+                            note="" if rows else "no finding in either run"))
+    if c.predictions:
+        rows = []
+        for p in c.predictions:
+            held = {True: "held", False: "missed", None: MISSING}
+            step = (f"{fmt_ms(p.step_ms_predicted)} ({p.step_pct_predicted:+.0f}%) vs {fmt_ms(p.step_ms_measured)} "
+                    f"({p.step_pct_measured:+.0f}%)" if p.step_ms_predicted is not None else MISSING)
+            peak = (f"{fmt_bytes(p.peak_bytes_predicted)} vs {fmt_bytes(p.peak_bytes_measured)} "
+                    f"({p.peak_pct_error:+.1f}%)" if p.peak_bytes_predicted is not None else MISSING)
+            rows.append((p.code, p.recognised_by, step, held[p.step_held], peak, held[p.peak_held]))
+        out.append(CompareTable("Predictions of A's findings, checked against B",
+                                ("fix", "recognised by", "step: predicted vs measured", "step", "peak: predicted vs "
+                                 "measured (error)", "peak"), rows))
+    if c.ops:
+        out.append(CompareTable("Kernels and operators whose time changed most (per step and rank)",
+                                ("phase", "kind", "name", "A", "B", "Δ"),
+                                [(o.phase, o.kind, o.name, fmt_us(o.a_us), fmt_us(o.b_us), fmt_us(o.delta_us, True))
+                                 for o in c.ops]))
+    return out
+
+
+def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
+    """Prints the comparison (the terminal presenter)."""
+    console = console or Console()
+    console.print(f"[bold]fsdp-doctor compare[/]\n A: {c.a.path} ({c.a.source}, {c.a.steps} steps)\n"
+                  f" B: {c.b.path} ({c.b.source}, {c.b.steps} steps)", soft_wrap=True)
+    console.print(f"[bold]{c.summary}[/]")
+    for note in c.notes:
+        console.print(f"[yellow]{note}[/]")
+    for t in tables(c):
+        tab = Table(title=t.title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+        for i, h in enumerate(t.header):
+            tab.add_column(h, justify="left" if i == 0 or h in ("name", "title", "where", "kind", "phase", "code")
+                           else "right", overflow="fold", no_wrap=i == 0 or h == "code",
+                           max_width=48 if h in ("name", "title") else None)
+        for r in t.rows:
+            tab.add_row(*r)
+        if t.rows:
+            console.print(tab)
+        else:
+            console.print(f"[bold]{t.title}[/]: ", end="")
+        if t.note:
+            console.print(f"  [dim]{t.note}[/]")

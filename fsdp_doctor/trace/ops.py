@@ -1,0 +1,136 @@
+"""Per-step samples and the time of each kernel and operator, by phase, from Kineto traces: what a comparison of
+two plain-trace runs needs beyond the overlap section (``fsdp_doctor.analyze.compare``).
+
+Per file (one rank's window): the complete steps (``ProfilerStep#N`` markers, the last one dropped as HTA does
+when there are two or more) give the step durations; within them every kernel (a device event, placed in the
+phase its launch was issued in) and every operator (``cpu_op``, self time: its nested operators taken out) is
+summed by (phase, kind, name). Phases follow FSDP2's labels: ``forward`` from ``FSDP::root_pre_forward``,
+``backward`` from ``FSDP::pre_backward``, ``optimizer`` inside ``Optimizer.*`` labels. Does not import torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from .model import OPTIMIZER_PREFIX, STEP_RE
+from .reader import TraceError, decode
+
+PREFETCH_LABELS = ("FSDP::forward_prefetch for ", "FSDP::backward_prefetch for ")
+
+
+@dataclass
+class OpTimes:
+    """Over the files read: per rank, the complete steps' durations (ms, in step order); per (phase, kind, name)
+    the mean µs per step and rank (``kind``: "kernel" | "operator")."""
+
+    steps_ms: dict[str, list[float]] = field(default_factory=dict)
+    us_per_step: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    prefetched: dict[str, set[str]] = field(default_factory=dict)  # "forward"/"backward" -> units prefetched
+
+
+def _self_times(evs: list) -> list[tuple[object, float]]:
+    """(event, self µs) of one thread's nested operators: each one's duration minus its direct children's."""
+    evs = sorted(evs, key=lambda e: (e.ts, -e.dur))
+    out: list[list] = []
+    stack: list[tuple[float, list]] = []  # (end, [event, self])
+    for e in evs:
+        while stack and stack[-1][0] <= e.ts:
+            stack.pop()
+        item = [e, float(e.dur)]
+        if stack:
+            stack[-1][1][1] -= min(e.dur, stack[-1][0] - e.ts)
+        stack.append((e.ts + e.dur, item))
+        out.append(item)
+    return [(e, max(0.0, s)) for e, s in out]
+
+
+def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None, list[float], dict, int]:
+    trace = decode(path)
+    dist = trace.distributedInfo
+    rank = dist.rank if dist is not None and dist.rank is not None else None
+    events = [e for e in (trace.traceEvents or []) if e.dur is not None and e.ts is not None]
+    # integer-nanosecond timestamps (as the trace model reads them): "ns" display unit or too large to be µs
+    scale = 1e-3 if events and all(e.ts.__class__ is int for e in events) and (
+        trace.displayTimeUnit == "ns" or max(e.ts for e in events) > 1e17) else 1.0
+    steps: dict[int, tuple[float, float]] = {}
+    bounds: list[tuple[float, str]] = []
+    optim: list[tuple[float, float]] = []
+    launches: dict[int, float] = {}
+    for e in events:
+        n, a = e.name, e.args
+        if n.startswith("ProfilerStep"):
+            m = STEP_RE.match(n)
+            if m:
+                steps[int(m.group(1))] = (e.ts * scale, (e.ts + e.dur) * scale)
+        elif n == "FSDP::root_pre_forward":
+            bounds.append((e.ts * scale, "forward"))
+        elif n.startswith("FSDP::pre_backward"):
+            bounds.append((e.ts * scale, "backward"))
+        elif n.startswith(OPTIMIZER_PREFIX):
+            optim.append((e.ts * scale, (e.ts + e.dur) * scale))
+        elif n.startswith(PREFETCH_LABELS):  # "FSDP::forward_prefetch for layers.1"
+            kind, _, unit = n[len("FSDP::"):].partition("_prefetch for ")
+            prefetched.setdefault(kind, set()).add(unit)
+        if a is not None and a.correlation is not None and a.stream is None and e.cat == "cuda_runtime":
+            launches[a.correlation] = e.ts * scale
+    kept = sorted(steps)
+    if len(kept) >= 2:
+        kept = kept[:-1]
+    if not kept:
+        return rank, [], {}, 0
+    lo = steps[kept[0]][0]
+    hi = steps[kept[-1]][1] if len(steps) < 2 else steps[max(steps)][0]
+    bounds.sort()
+    optim.sort()
+    bts = [b[0] for b in bounds]
+
+    def phase(t: float) -> str:
+        i = bisect.bisect_right(optim, (t, math.inf)) - 1
+        if i >= 0 and optim[i][0] <= t < optim[i][1]:
+            return "optimizer"
+        j = bisect.bisect_right(bts, t) - 1
+        return bounds[j][1] if j >= 0 else "forward"
+
+    acc: dict[tuple[str, str, str], float] = {}
+    threads: dict[tuple, list] = {}
+    for e in events:
+        a = e.args
+        if a is not None and a.stream is not None and a.correlation is not None and e.cat not in (None, "Trace"):
+            t = launches.get(a.correlation, e.ts * scale)  # the host time it was issued: its phase
+            if lo <= t < hi:
+                key = (phase(t), "kernel", e.name)
+                acc[key] = acc.get(key, 0.0) + e.dur * scale
+        elif e.cat == "cpu_op" and lo <= e.ts * scale < hi:
+            threads.setdefault((e.pid, e.tid), []).append(e)
+    for evs in threads.values():
+        for e, us in _self_times(evs):
+            key = (phase(e.ts * scale), "operator", e.name)
+            acc[key] = acc.get(key, 0.0) + us * scale
+    durs = [(steps[n][1] - steps[n][0]) / 1e3 for n in kept]
+    return rank, durs, acc, len(kept)
+
+
+def op_times(paths: Iterable[Path]) -> OpTimes:
+    """The step durations and per-step kernel/operator times of the trace files ``paths`` (unreadable files are
+    left out: the report already names them)."""
+    out = OpTimes()
+    total: dict[tuple[str, str, str], float] = {}
+    ranks = 0
+    for i, p in enumerate(sorted(Path(x) for x in paths)):
+        try:
+            rank, durs, acc, n = _file_times(p, out.prefetched)
+        except (TraceError, OSError):
+            continue
+        if not n:
+            continue
+        key = str(rank if rank is not None else i)
+        out.steps_ms.setdefault(key, []).extend(durs)
+        ranks += 1
+        for k, v in acc.items():
+            total[k] = total.get(k, 0.0) + v / n
+    out.us_per_step = {k: v / ranks for k, v in total.items()} if ranks else {}
+    return out

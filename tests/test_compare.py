@@ -1,0 +1,205 @@
+"""``fsdp-doctor compare``: two runs side by side (fsdp_doctor.analyze.compare).
+
+Known answers first: the GPU trace pair with and without forward prefetch (tests/trace_fixtures.py), whose
+exposure per unit is known to the µs. Then real 2-rank gloo runs of the reference workload: two runs of one
+configuration say "no significant change"; ZeRO-3 against the ZeRO-2 run that applies the finding's fix shows
+the configuration change, the memory change the finding predicted, and the finding resolved.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+
+from conftest import record
+from fsdp_doctor import load_run
+from fsdp_doctor.analyze import compare as C
+from fsdp_doctor.cli import main
+from fsdp_doctor.compare_sections import Comparison
+from fsdp_doctor.pipeline import build_report, compare_runs, compare_side
+from trace_fixtures import gpu_known_trace
+
+
+@pytest.fixture(scope="module")
+def prefetch_pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prefetch_pair")
+    for name, prefetch in (("off", False), ("on", True)):
+        for rank in (0, 1):
+            gpu_known_trace(rank=rank, steps=(1, 2, 3, 4), prefetch=prefetch).write(d / name / f"rank{rank}.json")
+    return d / "off", d / "on"
+
+
+def _row(cmp, unit, collective, phase):
+    return next(r for r in cmp.comm if (r.unit, r.collective, r.phase) == (unit, collective, phase))
+
+
+def test_plain_trace_pair_shows_the_exposure_removed_per_unit(prefetch_pair):
+    a, b = prefetch_pair
+    cmp = compare_runs(load_run(a), load_run(b))
+    assert (cmp.a.source, cmp.b.source) == ("trace", "trace")
+    # the configuration change read from FSDP2's labels: layers.1 prefetched in forward
+    assert [(c.key, c.a, c.b, c.units) for c in cmp.config] == [("forward_prefetch", False, True, ["layers.1"])]
+    # per unit and phase (ms per step): layers.1's forward all-gather went from 100 µs exposed to hidden;
+    # nothing else moved
+    assert (_row(cmp, "layers.1", "all_gather", "forward").a_ms, _row(cmp, "layers.1", "all_gather", "forward").b_ms) \
+        == (0.1, 0.0)
+    assert all(r.delta_ms == 0.0 for r in cmp.comm if (r.unit, r.phase) != ("layers.1", "forward"))
+    assert (cmp.comm_exposed.a, cmp.comm_exposed.b) == (0.39, 0.29)  # comm 500 − overlap 110 / 210 µs
+    assert cmp.phases["allgather_fwd"].delta == pytest.approx(-0.1)
+    # the fix A's report recommended, recognised from the config diff; the step (1 ms by construction) did
+    # not move, so the predicted −10% lands inside the 10% tolerance
+    (p,) = cmp.predictions
+    assert p.code == "prefetch.exposed_allgather" and p.recognised_by == "config diff: forward_prefetch"
+    assert p.step_ms_measured == 1.0 and p.step_ms_predicted < 1.0
+    # kernels per phase: layers.1's forward compute is 20 µs without prefetch, 100 µs with it
+    (k,) = [o for o in cmp.ops if o.phase == "forward"]
+    assert (k.kind, k.a_us, k.b_us) == ("kernel", 220.0, 300.0)
+    # steps: 1000 µs each on both sides, 4 complete steps × 2 ranks (the 5th, last, is dropped)
+    assert cmp.step_p50.samples_a == cmp.step_p50.samples_b == 8 and not cmp.step_p50.significant
+    assert "no significant change" in cmp.summary
+    assert {f.code for f in cmp.findings.persisting} >= {"prefetch.exposed_allgather"}
+
+
+def test_cli_compare_writes_json_and_html(prefetch_pair, tmp_path, capsys):
+    a, b = prefetch_pair
+    rc = main(["compare", str(a), str(b), "--json", str(tmp_path / "c.json"), "--html", str(tmp_path / "c.html"),
+               "--gpu-hour-price", "2.5", "--applied", "comm.exposed_reducescatter"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Configuration changed" in out and "forward_prefetch" in out and "within noise" in out
+    back = msgspec.convert(json.loads((tmp_path / "c.json").read_text()), Comparison)
+    assert back == C.compare(compare_side(load_run(a)), compare_side(load_run(b)), gpu_hour_price=2.5,
+                             applied=["comm.exposed_reducescatter"], path_a=str(a), path_b=str(b))
+    assert {p.code: p.recognised_by for p in back.predictions}["comm.exposed_reducescatter"] == "--applied"
+    assert back.cost.gpu_hour_price == 2.5 and back.cost.a is None and "tokens/s unknown" in back.cost.note
+    html = (tmp_path / "c.html").read_text()
+    assert "fsdp-doctor-compare" in html and "Exposed communication" in html and "layers.1" in html
+
+
+def test_cli_compare_bad_input_is_one_line(prefetch_pair, tmp_path, capsys):
+    a, _ = prefetch_pair
+    assert main(["compare", str(a), str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0]
+    assert main(["compare", str(a), str(a), "--gpu-hour-price", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-hour-price" in err[0]
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty"), str(a)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "empty" in err[0]
+
+
+def test_bootstrap_interval_known_answers():
+    """A shift of 10 ms on 40 steps with 1 ms jitter is significant and its interval covers 10 ms; the same
+    samples on both sides give an interval of exactly zero; a 2% shift is never a change (noise floor)."""
+    rng = np.random.default_rng(1)
+    base = [[100 + x, 100 + x] for x in rng.normal(0, 1, 40)]
+    slower = [[v + 10 for v in s] for s in base]
+    d = C._step_delta(base, slower, 50, np.random.default_rng(C.SEED))
+    assert d.significant and d.delta == pytest.approx(10, abs=1e-9) and d.ci_low <= 10 <= d.ci_high
+    same = C._step_delta(base, base, 50, np.random.default_rng(C.SEED))
+    assert not same.significant and same.delta == 0
+    tiny = C._step_delta(base, [[v + 2 for v in s] for s in base], 50, np.random.default_rng(C.SEED))
+    assert tiny.ci_low > 0 and not tiny.significant  # outside the interval of zero, inside the noise floor
+    assert "no significant change" in C.step_summary(tiny) and "noise floor" in C.step_summary(tiny)
+    assert "within noise" in C.step_summary(same) and "slower" in C.step_summary(d)
+
+
+# ------------------------------------------------------------------------------ real runs (2 gloo ranks)
+@pytest.mark.slow
+def test_two_runs_of_one_config_say_no_significant_change(recorded_run, tmp_path):
+    run, _, knobs = recorded_run
+    from fsdp_doctor import ProfileSchedule
+
+    _, again = record(tmp_path / "again", watch_extra={"profile": ProfileSchedule(first=6, active=2, warmup=1,
+                                                                                 every=0)}, **knobs)
+    cmp = compare_runs(run, again)
+    assert cmp.config == []  # same snapshot, same job
+    assert not cmp.step_p50.significant, cmp.summary
+    assert cmp.summary.startswith("no significant change")
+    assert cmp.memory_peak.delta == 0  # CPU memory is deterministic per configuration
+    # findings from the configuration and memory do not move; those from timings may cross a threshold
+    timing = ("jitter.", "straggler.", "prefetch.", "comm.", "throughput.")
+    moved = [x.code for x in cmp.findings.new + cmp.findings.resolved if not x.code.startswith(timing)]
+    assert moved == [] and cmp.findings.persisting
+    assert cmp.predictions == []  # nothing applied
+
+
+@pytest.mark.slow
+def test_zero3_against_zero2_checks_the_prediction(recorded_run, tmp_path):
+    run, _, knobs = recorded_run
+    a = load_run(run.path)
+    for rd in a.ranks.values():
+        rd.config.capacity_bytes = 8 << 30  # a declared budget: the rule needs one
+    side_a = compare_side(a)
+    f = next(x for x in side_a.report.findings if x.code == "reshard.zero2_affordable")
+    flipped = f.evidence["units_flipped"]
+    _, b = record(tmp_path / "zero2", watch_extra={"profile": False, "capacity_bytes": 8 << 30}, steps=8,
+                  async_unshard=knobs["async_unshard"], reshard_overrides={n: False for n in flipped})
+    cmp = C.compare(side_a, compare_side(b))
+    ch = next(c for c in cmp.config if c.key == "reshard_after_forward")
+    assert (ch.a, ch.b) == (True, False) and set(ch.units) == set(flipped)
+    (p,) = [p for p in cmp.predictions if p.code == "reshard.zero2_affordable"]
+    assert p.recognised_by == "config diff: reshard_after_forward"
+    pred = C.predicted_of(f)
+    # the memory change equals the prediction (CPU memory is deterministic)
+    assert cmp.memory_peak.delta == pytest.approx(pred["peak_bytes_after"] - pred["peak_bytes_before"], rel=0.01)
+    assert p.peak_held and abs(p.peak_pct_error) < 1.0
+    assert "reshard.zero2_affordable" in {x.code for x in cmp.findings.resolved}
+    assert cmp.memory["unsharded_params"].delta > 0
+
+
+def test_dashboard_compare_page(prefetch_pair):
+    """The Compare page lists the served run's siblings and draws the same comparison as the CLI."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.dashboards.app import create_app
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages import compare as page
+
+    a, b = prefetch_pair
+    assert set(page.candidates(b)) == {a.resolve(), b.resolve()}
+    app = create_app(b)
+    assert "cmp-body.children" in app.callback_map and PAGES["compare"][1] is page
+    lay = page.layout(SimpleNamespace(path=b), None)
+    pickers = lay[0].children[1].children  # one Div per run: its label and its dropdown
+    dropdowns = {d.id: d.value for div in pickers for d in div.children if getattr(d, "id", None)}
+    assert dropdowns == {"cmp-a": str(a.resolve()), "cmp-b": str(b.resolve())}
+    out = page.body(str(a.resolve()), str(b.resolve()))
+    cmp = compare_runs(load_run(a.resolve()), load_run(b.resolve()))
+    assert out[0].children == cmp.summary
+    titles = [s.children[0].children for s in out[1:] if s.children[0].children]
+    assert "Configuration changed" in titles and any(t.startswith("Exposed communication") for t in titles)
+    assert page.body(str(a), str(a))[0].id == "cmp-same"
+    # served: /compare lays out the pickers, and the pickers' callback answers over HTTP
+    c = app.server.test_client()
+    page_body = {"output": "page.children", "outputs": {"id": "page", "property": "children"},
+                 "inputs": [{"id": "url", "property": "pathname", "value": "/compare"},
+                            {"id": "url", "property": "search", "value": ""},
+                            {"id": "version", "property": "data", "value": 1}],
+                 "changedPropIds": ["url.pathname"], "state": []}
+    r = c.post("/_dash-update-component", json=page_body)
+    assert r.status_code == 200 and "cmp-a" in r.get_data(as_text=True) and "cmp-body" in r.get_data(as_text=True)
+    pick = {"output": "cmp-body.children", "outputs": {"id": "cmp-body", "property": "children"},
+            "inputs": [{"id": "cmp-a", "property": "value", "value": str(a.resolve())},
+                       {"id": "cmp-b", "property": "value", "value": str(b.resolve())}],
+            "changedPropIds": ["cmp-a.value"], "state": []}
+    r = c.post("/_dash-update-component", json=pick)
+    text = r.get_data(as_text=True)
+    assert r.status_code == 200 and "cmp-summary" in text and "forward_prefetch" in text
+
+
+def test_plain_trace_times_read_the_same_from_nanosecond_traces(prefetch_pair, tmp_path):
+    """The same traces with integer-nanosecond timestamps give the same step samples and kernel times."""
+    from fsdp_doctor.trace.ops import op_times
+
+    for name, prefetch in (("off", False), ("on", True)):
+        gpu_known_trace(rank=0, steps=(1, 2, 3, 4), prefetch=prefetch).write(tmp_path / name / "rank0.json", ns=True)
+    us, ns = op_times([prefetch_pair[0] / "rank0.json"]), op_times([tmp_path / "off" / "rank0.json"])
+    assert ns.steps_ms == us.steps_ms == {"0": [1.0, 1.0, 1.0, 1.0]}
+    assert ns.us_per_step == pytest.approx(us.us_per_step) and ns.prefetched == us.prefetched == {}
+    assert op_times([tmp_path / "on" / "rank0.json"]).prefetched == {"forward": {"layers.1"}}
