@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from .model import OPTIMIZER_PREFIX, STEP_RE
+from .build import OPTIMIZER_PREFIX, STEP_RE
 from .reader import TraceError, decode
 
 PREFETCH_LABELS = ("FSDP::forward_prefetch for ", "FSDP::backward_prefetch for ")
