@@ -91,14 +91,14 @@ def findings_headline(items: list[Finding]) -> str:
 
 def predicted_text(pred) -> str:
     """A finding's expected change, e.g. "step 110.0 ms → 130.0 ms, peak 24.00 MiB → 10.00 MiB"; "" when it predicts
-    neither (``pred``: ``Finding.predicted``, a free-form mapping, or UNSET)."""
+    neither (``pred``: ``Finding.predicted``, a ``Predicted`` or UNSET)."""
     if not pred:
         return ""
     bits = []
-    if pred.get("step_ms_before") is not None and pred.get("step_ms_after") is not None:
-        bits.append(f"step {fmt_ms(pred['step_ms_before'])} → {fmt_ms(pred['step_ms_after'])}")
-    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
-        bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+    if pred.step_ms_delta is not None:
+        bits.append(f"step {fmt_ms(pred.step_ms_before)} → {fmt_ms(pred.step_ms_after)}")
+    if pred.peak_bytes_delta is not None:
+        bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {fmt_bytes(pred.peak_bytes_after)}")
     return ", ".join(bits)
 
 
