@@ -1,4 +1,4 @@
-"""Command: ``fsdp-doctor analyze | demo | dashboard | tensorboard``."""
+"""Command: ``fsdp-doctor analyze | rules | demo | dashboard | tensorboard``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
+    if ns.explain:
+        from .present.rules import render_rule_statuses
+
+        console.print(render_rule_statuses(report.rules))
     return EXIT_PARTIAL if report.problems else EXIT_OK
 
 
@@ -135,6 +139,19 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
             return False
         console.print(f"{kind.upper()} report written to {p}", soft_wrap=True)  # a path to copy: never wrapped
     return True
+
+
+def cmd_rules(ns: argparse.Namespace) -> int:
+    """The rule catalogue: code, severity, needs, what it checks (``--markdown``: the README's table)."""
+    from .diagnose import NEEDS, catalogue
+    from .present.rules import catalogue_markdown, render_catalogue
+
+    rows, needs = catalogue(), {k: n.text for k, n in NEEDS.items()}
+    if ns.markdown:
+        print(catalogue_markdown(rows, needs))
+    else:
+        _console().print(render_catalogue(rows, needs))
+    return EXIT_OK
 
 
 # ----------------------------------------------------------------------------------------- demo
@@ -319,7 +336,13 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist)")
     a.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report here (its directory must exist)")
+    a.add_argument("--explain", action="store_true",
+                   help="also list every rule checked: fired, quiet, skipped (a need not met) or failed, and why")
     a.set_defaults(fn=cmd_analyze)
+
+    r = sub.add_parser("rules", help="the rule catalogue: code, severity, what it needs and checks")
+    r.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    r.set_defaults(fn=cmd_rules)
 
     d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it",
                        epilog=EPILOG, formatter_class=fmt)

@@ -65,9 +65,9 @@ def _lower(text: str) -> str:
 
 
 def catalogue() -> list[dict]:
-    """Every registered rule: code, severities, needs (their text), name and what it checks; the source of
-    ``fsdp-doctor rules`` and of the README's rule table."""
-    return [{"code": c.code, "severity": "/".join(c.severities), "needs": [NEEDS[n].text for n in c.needs],
+    """Every registered rule: code, severities, needs (keys of ``NEEDS``), name and what it checks; the source
+    of ``fsdp-doctor rules`` and of the README's rule table."""
+    return [{"code": c.code, "severity": "/".join(c.severities), "needs": list(c.needs),
              "name": c.name, "checks": c.description} for c in sorted(RULES, key=lambda c: c.code)]
 
 
