@@ -24,7 +24,8 @@ def diagnose(run, report, skipped: list[str] | None = None,
     ctx = Context(run=run, report=report)
     out: list[Finding] = []
     unknown = _unknown_unit_fields(run)
-    for cls in RULES:
+    for cls in sorted(RULES, key=lambda c: c.last):  # stable: registration order, the last-running ones after
+        ctx.earlier = out
         missing = _missing(cls, ctx)
         if missing:
             statuses.append(cls.status("skipped", "; ".join(missing)))

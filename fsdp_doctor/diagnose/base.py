@@ -6,7 +6,7 @@ gave (``self.quiet(why)``) or, without one, what it checks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar, NamedTuple, Optional
 
 from ..report_sections import Finding, Recommendation, Report, RuleStatus
@@ -23,6 +23,9 @@ class Context:
 
     run: Run
     report: Report
+    # the other rules' findings, for a rule that runs last (``Rule.last``): whether a severe verdict already
+    # has findings that name its levers
+    earlier: list[Finding] = field(default_factory=list)
 
     def __post_init__(self):
         self.report = Report.of(self.report)
@@ -118,6 +121,7 @@ class Rule:
     description: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()
     severities: ClassVar[tuple[str, ...]] = ("info", "warning")
+    last: ClassVar[bool] = False  # runs after every other rule, reading their findings (``ctx.earlier``)
 
     why_quiet: str = ""
 
