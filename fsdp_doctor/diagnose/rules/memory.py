@@ -23,11 +23,13 @@ class GradsKept(Rule):
 
     def match(self, ctx: Context):
         pm = E.peak_memory(ctx)
-        kept = sum(pm.steady_bytes.get(k, 0) for k in _GRADS) if pm is not None else 0
-        if pm is None or not pm.steady_bytes:
-            return self.quiet("no memory sample after the optimizer step")
+        first = pm.timeline[0] if pm is not None and pm.timeline else None
+        if first is None:
+            return self.quiet("no memory timeline of the peak step")
+        # what the step starts with, before its first forward: gradients there survived the last step
+        kept = sum(int(first.get(k) or 0) for k in _GRADS)
         if kept < GRADS_KEPT_MIN_BYTES:
-            return self.quiet(f"{fmt_bytes(kept)} of gradients held between steps")
+            return self.quiet(f"{fmt_bytes(kept)} of gradients allocated when the step starts")
         peak, cap = int(pm.peak_bytes), E.capacity_bytes(ctx)
         after = _peak_without_kept(pm, kept, E.param_units(ctx))
         share = peak / cap if cap else None
@@ -91,8 +93,8 @@ class NearCapacitySpread(Rule):
         # keep the last unit of forward gathered (its backward starts at once; reshard.last_unit's advice)
         last = E.non_root(E.param_units(ctx))[-1]
         flip = [u for u in kept if u.name != last.name] or kept
-        held = pm.peak_breakdown.get("unsharded_params", 0)
-        freed = min(sum(u.unsharded_bytes for u in flip), held) if held else sum(u.unsharded_bytes for u in flip)
+        after = _peak_resharded(pm, flip)
+        freed = peak - after
         waits = [u.timing.ag_wait_fwd_ms for u in flip if u.has_timing]
         step = E.step_ms(ctx)
         # each flipped unit all-gathers once more in backward: about what its forward all-gather waits
@@ -117,9 +119,27 @@ class NearCapacitySpread(Rule):
             f"The peak is {100 * share:.0f}% of capacity and no category holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% "
             f"of it, so no single remedy (checkpointing, offload) is indicated; but {len(kept)} unit(s) keep their "
             "gathered parameters from forward to backward (reshard_after_forward=False, ZeRO-2). Resharding them "
-            f"after forward frees up to {fmt_bytes(freed)} at the peak, at the price of one more all-gather per "
+            f"after forward lowers the peak by {fmt_bytes(freed)}, at the price of one more all-gather per "
             "unit in backward (the last unit of forward aside: its backward starts at once).",
             "\n".join(lines),
             predicted=E.predicted(step, step + slower if (step is not None and slower is not None) else None,
-                                  peak, peak - freed),
+                                  peak, after),
             units=names)]
+
+
+def _peak_resharded(pm, flip) -> int:
+    """The peak with ``flip`` resharded after forward: on the peak step's timeline each unit's gathered bytes
+    leave the marks from its forward's end to its backward all-gather (``estimate.held_window``, the window
+    ZeRO-2 adds them in), and the new peak is the highest mark. Without a timeline: the peak less the
+    gathered parameters it holds."""
+    tl = pm.timeline
+    if not tl:
+        held = pm.peak_breakdown.get("unsharded_params", 0)
+        return int(pm.peak_bytes) - min(held, sum(u.unsharded_bytes for u in flip))
+    totals = [int(r.get("total") or 0) for r in tl]
+    less = [0] * len(tl)
+    for u in flip:
+        w = E.held_window(tl, u.name)
+        for i in range(*(w or (0, 0))):
+            less[i] += u.unsharded_bytes
+    return int(pm.peak_bytes) - max(totals) + max(t - x for t, x in zip(totals, less))

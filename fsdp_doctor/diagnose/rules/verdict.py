@@ -19,6 +19,12 @@ _LEVERS = {
         "    m._set_unshard_async_op(True)  # gloo: all-gathers no longer block the host\n"
         "    if 0 < i < len(units) - 1:\n"
         "        m.set_modules_to_forward_prefetch([units[i + 1]])"),
+    "all_reduce": (
+        "exposed collectives (all-reduce: no FSDP all-gather in the trace)",
+        "overlap the gradient all-reduce with backward (DDP's buckets; sharding with FSDP2's fully_shard "
+        "overlaps reduce-scatters by unit), fewer and larger buckets where calls are small, 16-bit gradients",
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "model = DDP(model, bucket_cap_mb=100, gradient_as_bucket_view=True)  # fewer, larger all-reduces"),
     "host": (
         "the host launching work (Python, operator dispatch)",
         "give the device more work per launch: a larger micro-batch, torch.compile on the blocks (fuses the small "
@@ -66,8 +72,9 @@ class SevereVerdict(Rule):
         if warned:
             return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
                               "already name levers")
-        what, levers, code = _LEVERS[job.bound]
-        step = job.step_ms or E.step_ms(ctx)
+        fsdp = bool(E.trace_rows(ctx, "all_gather") or E.trace_rows(ctx, "reduce_scatter") or E.param_units(ctx))
+        what, levers, code = _LEVERS["all_reduce" if job.bound == "communication" and not fsdp else job.bound]
+        step = job.step_ms or E.trace_step_ms(ctx)
         bound_ms = step * share if step else None
         return [self.finding(
             "warning", f"{job.bound.capitalize()}-bound: {what} take {100 * share:.0f}% of the step",
@@ -75,7 +82,7 @@ class SevereVerdict(Rule):
              "bound_ms_per_step": None if bound_ms is None else round(bound_ms, 3),
              "groups_pct": {k: v for k, v in job.groups_pct.items() if v}, "source": job.source,
              "summary": job.summary},
-            f"{job.summary or job.bound} No other rule pinned it on one cause, so the levers for a "
+            f"{(job.summary or job.bound).rstrip('.')}. No other rule pinned it on one cause, so the levers for a "
             f"{job.bound}-bound step, in the order to try them: {levers}. The prediction is the bound: the step "
             f"if all {100 * share:.0f}% were recovered.",
             code, predicted=E.predicted(step, step - bound_ms if bound_ms is not None else None))]
