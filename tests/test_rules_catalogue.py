@@ -145,3 +145,24 @@ def test_predicted_is_typed_with_deltas_and_reads_back():
     none = Finding(code="x.y", severity="info", title="t", evidence={}, recommendation={"text": "do"},
                    predicted={"step_ms_before": 110.0})
     assert not none.predicted and none.predicted.step_ms_delta is None  # predicts nothing: no delta
+
+
+def test_severe_verdict_yields_to_other_warnings():
+    """verdict.severe runs last: quiet, naming them, where another rule already warned; firing otherwise."""
+    from fsdp_doctor.report_sections import Verdict
+
+    run, report = _cpu_ctx()
+    report.verdict = msgspec.convert({"job": {"bound": "input", "groups_pct": {"input": 70.0, "compute": 30.0},
+                                              "summary": "input-bound (70% of the step)", "source": "records"}},
+                                     Verdict)
+    statuses: list = []
+    found = diagnose(run, report, statuses=statuses)
+    st = next(s for s in statuses if s.code == "verdict.severe")
+    assert st.status == "quiet" and "prefetch.sync_unshard" in st.reason  # that rule warned on this context
+    report.units = None
+    run.config = RunConfig(rank=0, world_size=2, backend="gloo", device="cpu")  # no units: no other warning
+    statuses = []
+    found = diagnose(run, report, statuses=statuses)
+    f = next(f for f in found if f.code == "verdict.severe")
+    assert f.evidence["bound_pct"] == 70.0 and f.predicted.step_ms_after == pytest.approx(30.0)
+    assert "num_workers" in f.recommendation.code
