@@ -308,6 +308,21 @@ class Breakdown(_Section):
         return {k: getattr(self, k) for k in self.PARTS}
 
 
+class KernelStats(_Section):
+    """A GPU rank's compute kernels over its windows, by class (fsdp_doctor.trace.kernels): counts and µs."""
+
+    count: float = 0.0
+    busy_us: float = 0.0
+    small_count: float = 0.0  # shorter than SMALL_KERNEL_US (10 µs): about a launch's cost
+    small_us: float = 0.0
+    softmax_count: float = 0.0  # forward softmax outside the loss: eager attention's
+    softmax_us: float = 0.0
+    fused_attention_count: float = 0.0  # flash / memory-efficient / cuDNN SDPA kernels
+    fused_attention_us: float = 0.0
+    gemm_count: float = 0.0
+    gemm_us: float = 0.0
+
+
 class SkippedFile(_Section):
     file: str
     error: str  # one line
@@ -322,6 +337,7 @@ class OverlapSection(_Section):
     idle: dict[str, DeviceIdle] = {}
     blocking: dict[str, Blocking] = {}
     breakdown: dict[str, Breakdown] = {}
+    kernels: dict[str, KernelStats] = {}  # GPU ranks: compute kernels by class
     files: list[str] = []  # trace files read
     skipped: list[SkippedFile] = []  # trace files that could not be read
 

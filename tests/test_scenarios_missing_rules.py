@@ -102,11 +102,11 @@ def test_near_capacity_with_no_dominant_category(tmp_path):
     assert _status(fixed, "memory.near_capacity_spread").status == "quiet"
 
 
-@pytest.mark.parametrize("name,bound", [("cpu_only_gloo", "communication"), ("a100_ddp_allreduce_rank0", "host"),
-                                        ("a100_sendrecv_16rank_rank0", "idle")])
+@pytest.mark.parametrize("name,bound", [("cpu_only_gloo", "communication"), ("a100_sendrecv_16rank_rank0", "idle")])
 def test_severe_verdict_is_a_finding_on_real_traces(name, bound):
-    """The real traces the issue saw reported "Healthy: no findings." under 85% communication, 73% host and 70%
-    idle: the verdict is now the finding, with the levers for that bound and the bound as its prediction."""
+    """The real traces the issue saw reported "Healthy: no findings." under 85% communication and 70% idle (the
+    73% host-bound one: kernels.launch_bound, test_kernel_rules): the verdict is now the finding, with the
+    levers for that bound and the bound as its prediction."""
     from fsdp_doctor.pipeline import build_report
     from fsdp_doctor.present.fmt import findings_headline
     from fsdp_doctor.store import load_run

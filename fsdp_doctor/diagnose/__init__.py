@@ -50,7 +50,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
         if found:
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
-            statuses.append(cls.status("quiet", rule.why_quiet or f"nothing found: {_lower(cls.description)}"))
+            statuses.append(cls.status("quiet", rule.why_quiet or f"not seen: {_lower(cls.description)}"))
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return out

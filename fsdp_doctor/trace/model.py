@@ -40,6 +40,7 @@ from typing import Optional
 import numpy as np
 
 from . import intervals as iv
+from .kernels import kernel_stats
 from .reader import Args, Event, KinetoTrace, TraceError, decode, rank_from_name
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
@@ -119,6 +120,7 @@ class WindowTrace:
     host_wait: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # GPU idle, next work not yet launched
     outside: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host time outside the model
     model_delimited: bool = False  # FSDP labels marked where the model runs
+    kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)
 
 
 def _snake_collective(name: str) -> Optional[str]:
@@ -536,6 +538,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
 
     comp = kind == 1
     is_comm = kind == 2
+    win.kernels = kernel_stats(names, name_idx[comp], (te - ts)[comp])
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
     win.comm = iv.union(ts[is_comm], te[is_comm])
     win.compute = iv.union(ts[comp], te[comp])
