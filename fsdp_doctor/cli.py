@@ -1,4 +1,4 @@
-"""Command: ``fsdp-doctor analyze | compare | demo | dashboard | tensorboard | schema``."""
+"""Command: ``fsdp-doctor analyze | compare | rules | demo | dashboard | tensorboard | schema``."""
 
 from __future__ import annotations
 
@@ -80,6 +80,10 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
+    if ns.explain:
+        from .present.rules import render_rule_statuses
+
+        console.print(render_rule_statuses(report.rules))
     return EXIT_PARTIAL if report.problems else EXIT_OK
 
 
@@ -216,6 +220,19 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if not _write_outputs(cmp, html, outputs, console, "comparison"):
         return EXIT_BAD_INPUT
     return EXIT_PARTIAL if any(s.report.problems for s in sides) else EXIT_OK
+
+
+def cmd_rules(ns: argparse.Namespace) -> int:
+    """The rule catalogue: code, severity, needs, what it checks (``--markdown``: the README's table)."""
+    from .diagnose import NEEDS, catalogue
+    from .present.rules import catalogue_markdown, render_catalogue
+
+    rows, needs = catalogue(), {k: n.text for k, n in NEEDS.items()}
+    if ns.markdown:
+        print(catalogue_markdown(rows, needs))
+    else:
+        _console().print(render_catalogue(rows, needs))
+    return EXIT_OK
 
 
 # ----------------------------------------------------------------------------------------- demo
@@ -418,6 +435,8 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist)")
     a.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report here (its directory must exist)")
+    a.add_argument("--explain", action="store_true",
+                   help="also list every rule checked: fired, quiet, skipped (a need not met) or failed, and why")
     a.set_defaults(fn=cmd_analyze)
 
     c = sub.add_parser("compare", help="compare two runs: config diff, deltas with noise, predictions checked",
@@ -434,6 +453,10 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     c.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
                    help="price of one GPU-hour: adds the cost per billion tokens of each run")
     c.set_defaults(fn=cmd_compare)
+
+    r = sub.add_parser("rules", help="the rule catalogue: code, severity, what it needs and checks")
+    r.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
+    r.set_defaults(fn=cmd_rules)
 
     d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it",
                        epilog=EPILOG, formatter_class=fmt)

@@ -151,7 +151,9 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     if diagnosis:
         from .diagnose import diagnose
 
-        report.findings = diagnose(run, report, skipped=skipped)
+        statuses: list = []
+        report.findings = diagnose(run, report, skipped=skipped, statuses=statuses)
+        report.rules = statuses
     if run.config is not None:  # what this torch's FSDP2 did not let the recorder read (one line each)
         problems.extend(n for n in run.config.unavailable if n not in problems)
     problems.extend(skipped)

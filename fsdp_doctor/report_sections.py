@@ -323,6 +323,21 @@ class Breakdown(_Section):
         return {k: getattr(self, k) for k in self.PARTS}
 
 
+class KernelStats(_Section):
+    """A GPU rank's compute kernels over its windows, by class (fsdp_doctor.trace.kernels): counts and µs."""
+
+    count: float = 0.0
+    busy_us: float = 0.0
+    small_count: float = 0.0  # shorter than SMALL_KERNEL_US (10 µs): about a launch's cost
+    small_us: float = 0.0
+    softmax_count: float = 0.0  # forward softmax outside the loss: eager attention's
+    softmax_us: float = 0.0
+    fused_attention_count: float = 0.0  # flash / memory-efficient / cuDNN SDPA kernels
+    fused_attention_us: float = 0.0
+    gemm_count: float = 0.0
+    gemm_us: float = 0.0
+
+
 class SkippedFile(_Section):
     file: str
     error: str  # one line
@@ -337,6 +352,7 @@ class OverlapSection(_Section):
     idle: dict[str, DeviceIdle] = {}
     blocking: dict[str, Blocking] = {}
     breakdown: dict[str, Breakdown] = {}
+    kernels: dict[str, KernelStats] = {}  # GPU ranks: compute kernels by class
     files: list[str] = []  # trace files read
     skipped: list[SkippedFile] = []  # trace files that could not be read
 
@@ -373,6 +389,43 @@ class Recommendation(_Section):
     code: str = ""  # a fix the user can paste ("" where the text is the advice)
 
 
+class Predicted(_Section):
+    """What a finding's fix is predicted to change, in the run's units: the median step (ms) and the peak rank's
+    device memory (bytes), before and after; a side the rule cannot tell is None. The deltas (after - before,
+    negative: a gain) are filled in from them."""
+
+    step_ms_before: Optional[float] = None
+    step_ms_after: Optional[float] = None
+    peak_bytes_before: Optional[int] = None
+    peak_bytes_after: Optional[int] = None
+    step_ms_delta: Optional[float] = None
+    peak_bytes_delta: Optional[int] = None
+
+    def __post_init__(self):
+        if self.step_ms_before is not None and self.step_ms_after is not None:
+            self.step_ms_delta = round(self.step_ms_after - self.step_ms_before, 3)
+        if self.peak_bytes_before is not None and self.peak_bytes_after is not None:
+            self.peak_bytes_delta = int(self.peak_bytes_after - self.peak_bytes_before)
+
+    def __getitem__(self, field: str):  # read by field name, as the JSON form is
+        return getattr(self, field)
+
+    def get(self, field: str, default=None):
+        return getattr(self, field, default)
+
+    def __bool__(self) -> bool:  # predicts something
+        return self.step_ms_after is not None or self.peak_bytes_after is not None
+
+
+class RuleStatus(_Section):
+    """``report.rules[i]``: one rule checked on this run and what came of it."""
+
+    code: str
+    status: str  # "fired" | "quiet" (ran, found nothing) | "skipped" (a need not met) | "failed" (raised)
+    reason: str = ""  # quiet/skipped/failed: why; fired: the findings' titles
+    findings: int = 0
+
+
 class Finding(_Section):
     """One finding of a rule: its evidence in numbers (units in the keys: ``_ms``, ``_bytes``, ``_pct``), a fix
     the user can paste and, where the rule can tell, the predicted gain."""
@@ -382,13 +435,15 @@ class Finding(_Section):
     title: str
     evidence: dict[str, Any]
     recommendation: Recommendation
-    predicted: dict[str, Any] | UnsetType = UNSET  # {step_ms_before, step_ms_after, peak_bytes_before, ...}
+    predicted: Predicted | UnsetType = UNSET
     ranks: list[int] = []
     units: list[str] = []
 
     def __post_init__(self):
         if self.predicted is None:
             self.predicted = UNSET
+        elif isinstance(self.predicted, dict):  # the same figures by field name
+            self.predicted = msgspec.convert(self.predicted, Predicted)
 
     def as_dict(self) -> dict:
         return msgspec.to_builtins(self)
@@ -417,6 +472,7 @@ class Report(msgspec.Struct, kw_only=True):
     comm: Optional[CommSummary] = None  # the one exposed-communication figure
     verdict: Optional[Verdict] = None
     findings: list[Finding] = []
+    rules: list[RuleStatus] = []  # every rule checked: fired, quiet, skipped or failed, with the reason
     problems: list[str] = []  # one line each: files skipped, figures this torch could not give, rules not checked
 
     def to_builtins(self) -> dict:

@@ -12,7 +12,7 @@ import pytest
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.records import RunConfig, UnitConfig
-from fsdp_doctor.report_sections import Report, ThroughputSection, Verdict
+from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
 MiB = 1 << 20
 BLOCK = dict(n_params=12, param_count=198_272, sharded_bytes=396_544, unsharded_bytes=793_088, orig_dtypes=["float32"])
@@ -148,7 +148,7 @@ def test_findings_have_evidence_units_and_code():
     assert d["severity"] == "warning"
     assert any(k.endswith(("_bytes", "_ms", "_pct")) for k in d["evidence"])
     assert "fully_shard" in d["recommendation"]["code"]
-    assert set(d["predicted"]) == {"step_ms_before", "step_ms_after", "peak_bytes_before", "peak_bytes_after"}
+    assert set(d["predicted"]) == set(Predicted.__struct_fields__)  # typed: step ms and peak bytes, before, after, delta
 
 
 # ------------------------------------------------------------------------------------------------ wrap

@@ -4,37 +4,72 @@ from __future__ import annotations
 
 import logging
 
-from .base import RULES, SEVERITIES, Context, Finding, Rule, register
+from .base import NEEDS, RULES, SEVERITIES, Context, Finding, Need, Rule, register
 from . import rules as _rules  # noqa: F401  (registers the rules)
+from ..report_sections import RuleStatus
 
 log = logging.getLogger("fsdp_doctor")
 
 
-def diagnose(run, report, skipped: list[str] | None = None) -> list[Finding]:
+def diagnose(run, report, skipped: list[str] | None = None,
+             statuses: list[RuleStatus] | None = None) -> list[Finding]:
     """Runs every registered rule over the run and its ``Report`` (or the report's JSON form), most severe
-    findings first. A rule that fails is logged once and named in ``skipped`` ("not checked"; the pipeline
-    lists them under the report's problems): never a crash and never a silent omission. So is a rule that
-    would read a unit figure this torch did not let the recorder read."""
+    findings first. A rule whose declared needs (``Rule.needs``) this run does not meet is not run. Every rule
+    checked gets a ``RuleStatus`` in ``statuses`` (fired, quiet, skipped or failed, with the reason). A rule
+    that fails is logged once and named in ``skipped`` ("not checked"; the pipeline lists them under the
+    report's problems): never a crash and never a silent omission. So is a rule that would read a unit figure
+    this torch did not let the recorder read."""
     skipped = [] if skipped is None else skipped
+    statuses = [] if statuses is None else statuses
     ctx = Context(run=run, report=report)
     out: list[Finding] = []
     unknown = _unknown_unit_fields(run)
-    for cls in RULES:
+    for cls in sorted(RULES, key=lambda c: c.last):  # stable: registration order, the last-running ones after
+        ctx.earlier = out
+        missing = _missing(cls, ctx)
+        if missing:
+            statuses.append(cls.status("skipped", "; ".join(missing)))
+            continue
         needs = [f for prefix, fields in _NEEDS for f in fields if cls.code.startswith(prefix) and f in unknown]
         if needs:  # the rule would read a figure this torch did not let us record: quiet, with the reason
             skipped.append(
                 f"{cls.code} not checked: unit {', '.join(sorted(set(needs)))} unknown on this torch")
+            statuses.append(cls.status("skipped", skipped[-1].split(": ", 1)[1]))
             continue
+        rule = cls()
         try:
-            out.extend(cls().match(ctx))
+            found = rule.match(ctx)
         except Exception as e:  # noqa: BLE001
             log.warning("fsdp_doctor: rule %s failed (%s: %s)", cls.code, type(e).__name__, e)
             # never a silent "healthy": the report lists the rule that could not run
             skipped.append(
                 f"{cls.code} not checked: the rule failed ({type(e).__name__}: {e})")
+            statuses.append(cls.status("failed", f"{type(e).__name__}: {e}"))
+            continue
+        out.extend(found)
+        if found:
+            statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
+        else:
+            statuses.append(cls.status("quiet", rule.why_quiet or f"not seen: {_lower(cls.description)}"))
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return out
+
+
+def _missing(cls: type[Rule], ctx: Context) -> list[str]:
+    """The reasons ``cls`` cannot run on this run (its unmet needs), [] when it can."""
+    return [NEEDS[n].missing for n in cls.needs if not NEEDS[n].met(ctx)]
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:] if text[1:2].islower() else text
+
+
+def catalogue() -> list[dict]:
+    """Every registered rule: code, severities, needs (keys of ``NEEDS``), name and what it checks; the source
+    of ``fsdp-doctor rules`` and of the README's rule table."""
+    return [{"code": c.code, "severity": "/".join(c.severities), "needs": list(c.needs),
+             "name": c.name, "checks": c.description} for c in sorted(RULES, key=lambda c: c.code)]
 
 
 # unit fields (UnitConfig) each family of rules reads; a None there ("unknown") keeps the rule quiet
@@ -50,4 +85,4 @@ def _unknown_unit_fields(run) -> set[str]:
     return {f for u in (cfg.units if cfg is not None else []) for f in fields if getattr(u, f, 0) is None}
 
 
-__all__ = ["Context", "Finding", "RULES", "Rule", "SEVERITIES", "diagnose", "register"]
+__all__ = ["Context", "Finding", "NEEDS", "Need", "RULES", "Rule", "SEVERITIES", "catalogue", "diagnose", "register"]

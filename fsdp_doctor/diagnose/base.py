@@ -1,12 +1,15 @@
-"""Findings and the rule shape (after torch.profiler's ``_pattern_matcher.Pattern``: name, description,
-match, report). A rule is a small class over plain typed data: the Run and the report's sections."""
+"""Findings and the rule shape (after torch.profiler's ``_pattern_matcher.Pattern``: name, description, what it
+needs (``skip``), match, report). A rule is a small class over plain typed data: the Run and the report's
+sections. It declares ``needs`` (keys of ``NEEDS``): where one is not met the rule is not run and the report
+says so (``skipped`` with the need's reason); a rule that ran and found nothing is ``quiet`` with the reason it
+gave (``self.quiet(why)``) or, without one, what it checks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, NamedTuple, Optional
 
-from ..report_sections import Finding, Recommendation, Report
+from ..report_sections import Finding, Recommendation, Report, RuleStatus
 from ..store import Run
 
 SEVERITIES = ("info", "warning", "critical")
@@ -20,34 +23,132 @@ class Context:
 
     run: Run
     report: Report
+    # the other rules' findings, for a rule that runs last (``Rule.last``): whether a severe verdict already
+    # has findings that name its levers
+    earlier: list[Finding] = field(default_factory=list)
 
     def __post_init__(self):
         self.report = Report.of(self.report)
 
     @property
     def config(self):
-        return self.run.config
+        return getattr(self.run, "config", None)
 
 
+# ------------------------------------------------------------------------------------------------ needs
+class Need(NamedTuple):
+    """What a rule needs: ``text`` for the catalogue, ``met(ctx)`` whether this run has it, ``missing`` the
+    reason the rule was skipped without it."""
+
+    text: str
+    met: Callable[[Context], bool]
+    missing: str
+
+
+def _world_size(ctx: Context) -> int:
+    cfg = ctx.config
+    if cfg is not None and cfg.world_size:
+        return int(cfg.world_size)
+    ws = ctx.report.run.world_size
+    ranks = set(getattr(ctx.run, "ranks", None) or {}) | set((ctx.report.overlap.per_rank
+                                                              if ctx.report.overlap is not None else {}))
+    return max(int(ws or 0), len(ranks))
+
+
+def trace_device(ctx: Context) -> Optional[str]:
+    """"gpu" where any rank's trace ran on a GPU, "cpu" for CPU-only traces, None without a trace."""
+    per_rank = ctx.report.overlap.per_rank if ctx.report.overlap is not None else {}
+    devs = {pr.device for pr in per_rank.values()}
+    return "gpu" if "gpu" in devs else ("cpu" if devs else None)
+
+
+def _on_gpu(ctx: Context) -> bool:
+    cfg = ctx.config
+    dev = (cfg.device if cfg is not None else "") or (ctx.report.run.device or "")
+    return dev.startswith("cuda") or trace_device(ctx) == "gpu"
+
+
+NEEDS: dict[str, Need] = {
+    "records": Need("step records (fsdp_doctor.watch)", lambda ctx: _has_records(ctx),
+                    "needs the doctor's step records (fsdp_doctor.watch); this run has none"),
+    "trace": Need("a profiler trace",
+                  lambda ctx: bool(ctx.report.overlap is not None and ctx.report.overlap.per_rank),
+                  "needs a torch.profiler trace; this run has none"),
+    "records|trace": Need("step records or a profiler trace",
+                          lambda ctx: (_has_records(ctx) or bool(ctx.report.overlap is not None and ctx.report.overlap.per_rank)),
+                          "needs step records or a profiler trace"),
+    "units": Need("the FSDP unit snapshot",
+                  lambda ctx: bool(ctx.report.units or (ctx.config is not None and ctx.config.units)),
+                  "needs the FSDP unit snapshot (fsdp_doctor.watch records it)"),
+    "memory": Need("memory samples", lambda ctx: _has_memory(ctx),
+                   "needs the recorder's memory samples; this run has none"),
+    "gpu": Need("a GPU run or trace", _on_gpu, "needs a GPU run or GPU trace; this one ran on the CPU"),
+    "gpu_trace": Need("a GPU profiler trace", lambda ctx: trace_device(ctx) == "gpu",
+                      "needs a GPU profiler trace (on gloo the collectives share the cores with compute)"),
+    "multi_rank": Need("world size > 1", lambda ctx: _world_size(ctx) > 1,
+                       "needs two or more ranks; this run has one"),
+    "verdict": Need("a verdict (trace or records)", lambda ctx: ctx.report.verdict is not None,
+                    "needs the verdict (what bounds the step), which this run could not give"),
+    "throughput": Need("FLOP counts (MFU)", lambda ctx: bool(
+        ctx.report.throughput is not None and any(r.mfu_pct is not None
+                                                  for r in ctx.report.throughput.per_rank.values())),
+                       "needs an MFU figure (FLOPs per step and the device's peak)"),
+    "optimizer": Need("the optimizer (watch(model, optimizer))",
+                      lambda ctx: bool(ctx.config is not None and ctx.config.optimizer),
+                      "needs the optimizer passed to fsdp_doctor.watch"),
+}
+
+
+def _has_records(ctx: Context) -> bool:
+    return bool(getattr(ctx.run, "has_records", False)) or ctx.config is not None or ctx.report.steps is not None
+
+
+def _has_memory(ctx: Context) -> bool:
+    mem = ctx.report.memory
+    if mem is not None and mem.per_rank:
+        return True
+    return any(s.memory is not None for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in rd.steps)
+
+
+# ------------------------------------------------------------------------------------------------ rules
 class Rule:
-    """One diagnosis rule. Subclasses set ``code``, ``name`` and ``description`` and implement ``match``."""
+    """One diagnosis rule. Subclasses set ``code``, ``name``, ``description`` (what it checks), ``needs`` (keys
+    of ``NEEDS``) and ``severities`` (what its findings may be), and implement ``match``; a rule that finds
+    nothing may say why with ``return self.quiet(why)``."""
 
     code: ClassVar[str] = ""
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    needs: ClassVar[tuple[str, ...]] = ()
+    severities: ClassVar[tuple[str, ...]] = ("info", "warning")
+    last: ClassVar[bool] = False  # runs after every other rule, reading their findings (``ctx.earlier``)
+
+    why_quiet: str = ""
 
     def match(self, ctx: Context) -> list[Finding]:
         raise NotImplementedError
+
+    def quiet(self, why: str) -> list:
+        """No finding, and why (the reason ``analyze --explain`` and the report's ``rules`` show)."""
+        self.why_quiet = why
+        return []
 
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", **kw) -> Finding:
         assert severity in SEVERITIES, severity
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence,
                        recommendation=Recommendation(text=text, code=code), **kw)
 
+    @classmethod
+    def status(cls, status: str, reason: str, findings: int = 0) -> RuleStatus:
+        return RuleStatus(code=cls.code, status=status, reason=reason, findings=findings)
+
 
 RULES: list[type[Rule]] = []
 
 
 def register(cls: type[Rule]) -> type[Rule]:
+    assert cls.code and cls.code not in {r.code for r in RULES}, cls.code
+    assert all(n in NEEDS for n in cls.needs), (cls.code, cls.needs)
+    assert cls.severities and all(s in SEVERITIES for s in cls.severities), (cls.code, cls.severities)
     RULES.append(cls)
     return cls

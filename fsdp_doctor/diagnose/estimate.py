@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import re
 import statistics
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import msgspec
 
 from ..records import UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemoryUnitRow, OverlapSection,
-                               StepsSection, UnitTiming)
-from .base import Context
+                               Predicted, StepsSection, UnitTiming)
+from . import thresholds as T
+from .base import Context, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
 
 # What a unit field reads as where the report (or the snapshot) has None ("unknown") for it: UnitConfig's own
 # defaults (fsdp_doctor.records), the one source.
@@ -30,7 +31,7 @@ _UNIT_DEFAULTS = unit_defaults()
 SAVED_PER_INPUT = 16.0
 # The memory target a recommendation aims for: this share of capacity leaves room for fragmentation and
 # allocator caching (the CUDA caching allocator rarely runs cleanly above ~90%).
-TARGET_CAPACITY_SHARE = 0.85
+TARGET_CAPACITY_SHARE = T.NEAR_CAPACITY_SHARE
 
 
 # ---------------------------------------------------------------------------------------------- sections
@@ -218,14 +219,42 @@ def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[
     return {k: statistics.median(v) for k, v in acc.items()}
 
 
+# ---------------------------------------------------------------------------------------------- trace figures
+GLOO_QUIET = ("needs a GPU trace: on gloo the collectives share the cores with compute (prefetch.* and wrap.* "
+              "cover CPU runs)")
+
+
+def trace_verdicts(ctx: Context) -> dict:
+    """Per rank, the verdict entries decided from a trace."""
+    v = ctx.report.verdict
+    return {r: x for r, x in v.per_rank.items() if x.source == "trace"} if v is not None else {}
+
+
+def trace_step_ms(ctx: Context) -> Optional[float]:
+    """Median over ranks of the trace's step time (complete steps' wall time / steps), else the records'."""
+    ms = [x.step_ms for x in trace_verdicts(ctx).values() if x.step_ms]
+    return float(statistics.median(ms)) if ms else step_ms(ctx)
+
+
+def per_step(ctx: Context, rank, us: float) -> float:
+    """µs over a rank's windows -> ms per step."""
+    return us / steps_in_windows(ctx, str(rank)) / 1e3
+
+
+def breakdown_ms(ctx: Context, part: str) -> dict[str, float]:
+    """Per rank, one part of the step's breakdown in ms per step."""
+    return {r: per_step(ctx, r, b.parts()[part]) for r, b in overlap(ctx).breakdown.items()}
+
+
 # ---------------------------------------------------------------------------------------------- estimates
-def predicted(step_before=None, step_after=None, peak_before=None, peak_after=None) -> dict[str, Any]:
+def predicted(step_before=None, step_after=None, peak_before=None, peak_after=None) -> Predicted:
+    """A finding's prediction: step time (ms) and peak (bytes) before and after its fix; None where unknown."""
     def r(x, nd):
         return None if x is None else round(float(x), nd)
 
-    return {"step_ms_before": r(step_before, 3), "step_ms_after": r(step_after, 3),
-            "peak_bytes_before": None if peak_before is None else int(peak_before),
-            "peak_bytes_after": None if peak_after is None else int(max(0, peak_after))}
+    return Predicted(step_ms_before=r(step_before, 3), step_ms_after=r(step_after, 3),
+                     peak_bytes_before=None if peak_before is None else int(peak_before),
+                     peak_bytes_after=None if peak_after is None else int(max(0, peak_after)))
 
 
 def ag_wait_ms(u: Unit, phase: str) -> float:
@@ -302,6 +331,19 @@ def block_of(name: str) -> Optional[str]:
 def fmt_list(items: list[str], n: int = 6) -> str:
     items = [i if i else "(root)" for i in items]
     return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")
+
+
+def resharded_last_unit(ctx: Context):
+    """The last unit of forward when it is resharded after forward only to be gathered again at once for
+    backward (the root has no parameters to compute in between), else None."""
+    allu = param_units(ctx)
+    us = non_root(allu)
+    if not us or any(u.is_root for u in allu):
+        return None  # a root with parameters computes between the last unit's forward and its backward
+    last = us[-1]  # module order = forward order for sequential models
+    if last.reshard_after_forward is False or last.reshard_after_forward == 0:
+        return None
+    return last
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-2 per unit

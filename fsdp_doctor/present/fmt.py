@@ -132,17 +132,17 @@ def findings_headline(items: list[Finding]) -> str:
 
 
 def predicted_text(pred) -> str:
-    """A finding's expected change, e.g. "step 110.0 ms → 88.0 ms (20% faster), peak 24.00 MiB → 10.00 MiB"; ""
-    when it predicts neither (``pred``: ``Finding.predicted``, a free-form mapping, or UNSET)."""
+    """A finding's expected change, e.g. "step 110.0 ms → 130.0 ms, peak 24.00 MiB → 10.00 MiB"; "" when it predicts
+    neither (``pred``: ``Finding.predicted``, a ``Predicted`` or UNSET)."""
     if not pred:
         return ""
     bits = []
-    b, a = pred.get("step_ms_before"), pred.get("step_ms_after")
-    if b is not None and a is not None:
+    if pred.step_ms_delta is not None:
+        b, a = pred.step_ms_before, pred.step_ms_after
         pct = f" ({abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
         bits.append(f"step {fmt_ms(b)} → {fmt_ms(a)}{pct}")
-    if pred.get("peak_bytes_before") is not None and pred.get("peak_bytes_after") is not None:
-        bits.append(f"peak {fmt_bytes(pred['peak_bytes_before'])} → {fmt_bytes(pred['peak_bytes_after'])}")
+    if pred.peak_bytes_delta is not None:
+        bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {fmt_bytes(pred.peak_bytes_after)}")
     return ", ".join(bits)
 
 

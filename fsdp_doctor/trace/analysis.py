@@ -33,8 +33,8 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceIdle, OverlapRank, OverlapSection,
-                               SkippedFile)
+from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceIdle, KernelStats, OverlapRank,
+                               OverlapSection, SkippedFile)
 from . import intervals as iv
 from .admit import admit
 from .build import _gc_paused
@@ -263,6 +263,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
             _sum_into(sums[name], k, fn(w))
+        if w.kernels:
+            _sum_into(sums.setdefault("kernels", {}), k, w.kernels)
         calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
     for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
@@ -279,7 +281,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     return OverlapSection(
         per_rank=per_rank, per_unit=rows, copies=typed(Copies, "copies"), idle=typed(DeviceIdle, "idle"),
         blocking={k: Blocking(count=int(d["count"]), us=float(d["us"])) for k, d in sums["blocking"].items()},
-        breakdown=typed(Breakdown, "breakdown"), files=[w.file for w in windows])
+        breakdown=typed(Breakdown, "breakdown"), kernels=typed(KernelStats, "kernels") if "kernels" in sums else {},
+        files=[w.file for w in windows])
 
 
 def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,

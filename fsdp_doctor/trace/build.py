@@ -39,6 +39,7 @@ from typing import Optional
 import numpy as np
 
 from . import intervals as iv
+from .kernels import kernel_stats
 from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _gloo_collective,
                           _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
@@ -426,6 +427,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
 
     comp = kind == 1
     is_comm = kind == 2
+    win.kernels = kernel_stats(names, name_idx[comp], (te - ts)[comp])
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
     win.comm = iv.union(ts[is_comm], te[is_comm])
     win.compute = iv.union(ts[comp], te[comp])

@@ -60,3 +60,4 @@ class WindowTrace:
     rank_known: bool = True  # the rank came from distributedInfo or the file name (else read as 0)
     backend: Optional[str] = None  # distributedInfo.backend
     clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)
+    kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)

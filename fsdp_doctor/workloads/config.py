@@ -39,6 +39,10 @@ class WorkloadConfig:
     Fault injection (in the training loop, outside the model): `sleep_rank` sleeps `sleep_ms` before
     the forward of the steps in `sleep_steps` (every step when empty); `loader_ms` is slept by the data
     loader before every batch on every rank; `gc_garbage` reference cycles are allocated each step.
+
+    Training loop habits: `grad_accum` micro-batches per optimizer step (each of `batch_size` sequences),
+    with FSDP's gradient sync off for all but the last (`set_requires_gradient_sync(False)`) only when
+    `accum_no_sync`; `zero_grad_to_none=False` calls `optimizer.zero_grad(set_to_none=False)`.
     """
 
     vocab: int = 512
@@ -74,6 +78,10 @@ class WorkloadConfig:
     loader_ms: float = 0.0
     gc_garbage: int = 0
 
+    grad_accum: int = 1
+    accum_no_sync: bool = False
+    zero_grad_to_none: bool = True
+
     def __post_init__(self) -> None:
         self.reshard_after_forward = parse_reshard_value(self.reshard_after_forward)
         self.reshard_overrides = {
@@ -102,6 +110,7 @@ class WorkloadConfig:
                "forward_prefetch and backward_prefetch must be >= 0")
         _check(self.sleep_ms >= 0 and self.loader_ms >= 0, "sleep_ms and loader_ms must be >= 0")
         _check(self.gc_garbage >= 0, f"gc_garbage must be >= 0, got {self.gc_garbage}")
+        _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1 or None")
         _check(not self.cpu_offload or self.device == "cuda",
                "cpu_offload needs device='cuda': on the CPU the parameters already live in host memory")
@@ -129,7 +138,7 @@ class WorkloadConfig:
 
     def tokens_per_step(self, world_size: int) -> int:
         """Tokens consumed by one optimizer step over all ranks."""
-        return self.batch_size * self.seq_len * world_size
+        return self.batch_size * self.seq_len * world_size * self.grad_accum
 
     def replace(self, **changes) -> "WorkloadConfig":
         """A copy with some fields changed (validated)."""
@@ -260,6 +269,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="data loader sleep per batch, every rank")
     faults.add_argument("--gc-garbage", type=int, default=d.gc_garbage,
                         help="reference cycles allocated per step (drives the cyclic GC)")
+    faults.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    faults.add_argument("--accum-no-sync", action=argparse.BooleanOptionalAction, default=d.accum_no_sync,
+                        help="set_requires_gradient_sync(False) on all but the last micro-batch")
+    faults.add_argument("--zero-grad-to-none", action=argparse.BooleanOptionalAction, default=d.zero_grad_to_none,
+                        help="optimizer.zero_grad(set_to_none=...)")
     return parser
 
 

@@ -97,13 +97,18 @@ def _run_steps(cfg: WorkloadConfig, rank: int, model: nn.Module, optimizer: torc
                doctor_step: Optional[Callable[[], Any]], on_step: Optional[OnStep]) -> list[float]:
     """The user's loop: inject faults, forward, loss, backward, step, zero_grad, doctor.step()."""
     losses = []
-    for step, (tokens, targets) in zip(range(cfg.steps), batches(cfg, rank)):
+    data = batches(cfg, rank)
+    for step in range(cfg.steps):
         inject_step_faults(cfg, rank, step)
-        tokens, targets = tokens.to(cfg.device), targets.to(cfg.device)
-        loss = next_token_loss(model(tokens), targets)
-        loss.backward()
+        for micro in range(cfg.grad_accum):
+            tokens, targets = next(data)
+            tokens, targets = tokens.to(cfg.device), targets.to(cfg.device)
+            if cfg.grad_accum > 1 and cfg.accum_no_sync:  # reduce-scatter on the last micro-batch only
+                model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+            loss = next_token_loss(model(tokens), targets)
+            (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=cfg.zero_grad_to_none)
         if doctor_step is not None:
             doctor_step()
         losses.append(loss.detach())

@@ -4,12 +4,13 @@ memory is ample, and applied at the wrong granularity (a block's children instea
 from __future__ import annotations
 
 from .. import estimate as E
+from .. import thresholds as T
 from ..base import Context, Rule, register
 
 # Checkpointing is worth its recompute when the peak is at least this share of capacity ...
-AC_NEAR_CAPACITY = 0.85
+AC_NEAR_CAPACITY = T.NEAR_CAPACITY_SHARE
 # ... and activations are at least this share of the peak (otherwise it is not what fills memory).
-AC_ACT_SHARE_MIN = 0.40
+AC_ACT_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # Checkpointing is unneeded when the peak is below this share of capacity: even without it the peak
 # stays clear of the capacity (the estimate below checks the un-checkpointed peak too).
 AC_UNNEEDED_MAX_SHARE = 0.50
@@ -46,6 +47,8 @@ class AcRecommended(Rule):
     code = "ac.recommended"
     name = "Activation checkpointing recommended"
     description = "Activations dominate a peak that is near or above capacity."
+    needs = ("memory",)
+    severities = ("warning", "critical")
 
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
@@ -99,6 +102,8 @@ class AcUnneeded(Rule):
     code = "ac.unneeded"
     name = "Activation checkpointing not needed"
     description = "Checkpointing recomputes the forward while the peak is far below capacity."
+    needs = ("units", "memory")
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         ck = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none"]
@@ -147,6 +152,8 @@ class AcWrongGranularity(Rule):
     code = "ac.wrong_granularity"
     name = "Checkpointing the block's children"
     description = "Checkpointing wraps a block's children instead of the block."
+    needs = ("units",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         ch = [u for u in E.units(ctx) if u.checkpoint in ("children", "partial")]

@@ -16,24 +16,24 @@ from typing import NamedTuple, Optional
 from .. import estimate as E
 from ...units import fmt_bytes
 from ..base import Context, Rule, register
+from ..estimate import GLOO_QUIET, breakdown_ms, per_step, trace_device, trace_step_ms, trace_verdicts  # noqa: F401
+from ..thresholds import BOUND_MIN_SHARE, GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES
 
 # Exposed reduce-scatter worth acting on, as a share of the step (GPU: it could hide behind backward compute).
 EXPOSED_RS_WARN_SHARE = 0.10
 EXPOSED_RS_INFO_SHARE = 0.05
 # A step is communication-bound when exposed communication is the largest group of the verdict and at least
 # this share of the step.
-COMM_BOUND_MIN_SHARE = 0.25
+COMM_BOUND_MIN_SHARE = BOUND_MIN_SHARE
 # Message-size buckets (bytes) for the bandwidth table: NCCL's latency regime ends around 1 MiB on NVLink and
 # IB (nccl-tests: bus bandwidth reaches half its peak between 1 and 8 MiB).
 SIZE_BUCKETS = ((1 << 20, "< 1 MiB"), (16 << 20, "1-16 MiB"), (128 << 20, "16-128 MiB"), (float("inf"), ">= 128 MiB"))
 # Too-fine wrapping: at least this many all-gathers per step ...
 SMALL_MIN_CALLS_PER_STEP = 24
 # ... whose median message is below this size (latency-bound on any fabric) ...
-SMALL_MAX_MEDIAN_BYTES = 4 << 20
 # ... with exposed communication at least this share of the step.
 SMALL_MIN_EXPOSED_SHARE = 0.10
 # Grouping this many units into one keeps the per-call latency of one call in k.
-GROUP_FACTOR = 4
 # A collective moving 32-bit floats moves half the bytes in bf16; on the bandwidth-bound (large-message)
 # side its time halves with them. The gain is stated only for exposed time of 32-bit collectives.
 FP32_NAMES = frozenset({"float", "float32", "fp32"})
@@ -53,37 +53,6 @@ STRAGGLER_MIN_FRACTION = 0.15
 STRAGGLER_MIN_MS = 0.5
 
 
-_GLOO_QUIET = ("needs a GPU trace: on gloo the collectives share the cores with compute (prefetch.* and wrap.* "
-               "cover CPU runs)")
-
-
-def trace_verdicts(ctx: Context) -> dict:
-    """Per rank, the verdict entries decided from a trace."""
-    v = ctx.report.verdict
-    return {r: x for r, x in v.per_rank.items() if x.source == "trace"} if v is not None else {}
-
-
-def trace_step_ms(ctx: Context) -> Optional[float]:
-    """Median over ranks of the trace's step time (complete steps' wall time / steps), else the records'."""
-    ms = [x.step_ms for x in trace_verdicts(ctx).values() if x.step_ms]
-    return float(statistics.median(ms)) if ms else E.step_ms(ctx)
-
-
-def trace_device(ctx: Context) -> Optional[str]:
-    devs = {pr.device for pr in E.overlap(ctx).per_rank.values()}
-    return "gpu" if "gpu" in devs else ("cpu" if devs else None)
-
-
-def per_step(ctx: Context, rank, us: float) -> float:
-    """µs over a rank's windows -> ms per step."""
-    return us / E.steps_in_windows(ctx, str(rank)) / 1e3
-
-
-def breakdown_ms(ctx: Context, part: str) -> dict[str, float]:
-    """Per rank, one part of the step's breakdown in ms per step."""
-    return {r: per_step(ctx, r, b.parts()[part]) for r, b in E.overlap(ctx).breakdown.items()}
-
-
 def _bucket(nbytes: float) -> str:
     for lim, name in SIZE_BUCKETS:
         if nbytes < lim:
@@ -92,18 +61,12 @@ def _bucket(nbytes: float) -> str:
 
 
 class TraceRule(Rule):
-    """A rule over the trace section; ``why_quiet`` holds the reason it found nothing (missing evidence)."""
-
-    why_quiet: str = ""
-
-    def quiet(self, why: str) -> list:
-        self.why_quiet = why
-        return []
+    """A rule over a GPU trace's collectives."""
 
     def gpu_calls(self, ctx: Context, collective: str, label: str):
         """(rows, step ms) of ``collective`` in a GPU trace, or None after saying why the rule stays quiet."""
         rows, step = E.trace_rows(ctx, collective), trace_step_ms(ctx)
-        why = (_GLOO_QUIET if trace_device(ctx) != "gpu" else f"no {label} in the trace" if not rows
+        why = (GLOO_QUIET if trace_device(ctx) != "gpu" else f"no {label} in the trace" if not rows
                else "no step time" if not step else "")
         if why:
             self.quiet(why)
@@ -156,6 +119,8 @@ class ExposedReduceScatter(TraceRule):
     code = "comm.exposed_reducescatter"
     name = "Reduce-scatters on the critical path"
     description = "Gradient reduce-scatters that no backward compute hides, mostly those of the last units."
+    needs = ("gpu_trace",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         got = self.gpu_calls(ctx, "reduce_scatter", "reduce-scatter")
@@ -229,13 +194,15 @@ class CommunicationBound(TraceRule):
     code = "comm.bound"
     name = "Communication-bound step"
     description = "Exposed communication is the largest share of the step; bandwidth per collective size says why."
+    needs = ("verdict", "gpu_trace")
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         if ctx.report.verdict is None:
             return self.quiet("no verdict")
         job = ctx.report.verdict.job
         if trace_device(ctx) != "gpu":
-            return self.quiet(_GLOO_QUIET)
+            return self.quiet(GLOO_QUIET)
         share = job.groups_pct["communication"] / 100
         if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
             return []
@@ -276,6 +243,8 @@ class SmallCollectives(TraceRule):
     code = "comm.small_collectives"
     name = "Many small, latency-bound collectives"
     description = "Too-fine wrapping seen in the trace: many all-gathers of small messages per step."
+    needs = ("gpu_trace",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         got = self.gpu_calls(ctx, "all_gather", "all-gather")
@@ -318,6 +287,8 @@ class NcclOnComputeStream(TraceRule):
     code = "comm.on_compute_stream"
     name = "Collectives on the compute stream"
     description = "NCCL kernels queued on the compute stream serialise with compute and can never overlap it."
+    needs = ("gpu_trace",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         per_rank = E.overlap(ctx).per_rank
@@ -351,6 +322,8 @@ class TraceStraggler(TraceRule):
     code = "straggler.trace"
     name = "Straggler rank (from the trace)"
     description = "One rank's own work per step is longer; the others wait for it inside their collectives."
+    needs = ("trace", "multi_rank")
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         if ctx.run is not None and getattr(ctx.run, "has_records", False):

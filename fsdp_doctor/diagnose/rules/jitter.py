@@ -19,6 +19,8 @@ class GcPauses(Rule):
     code = "jitter.gc"
     name = "Garbage-collection pauses"
     description = "Python's cyclic GC runs inside training steps and takes a material share of step time."
+    needs = ("records",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         steps = E.steps(ctx)
@@ -70,6 +72,8 @@ class DataWait(Rule):
     code = "jitter.data_wait"
     name = "Time outside the model"
     description = "Data loading and user code between steps take a material share of the step."
+    needs = ("records",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         steps = E.steps(ctx)
@@ -107,6 +111,8 @@ class Straggler(Rule):
     code = "straggler.rank"
     name = "Straggler rank"
     description = "One rank is consistently slower; the others spend that time waiting in collectives."
+    needs = ("records", "multi_rank")
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         out = []

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from ...report_sections import Copies
 from .. import estimate as E
+from .. import thresholds as T
 from ..base import Context, Rule, register
 
 # Host<->device copies exposed for at least this share of the step make offloading costly ...
 OFFLOAD_COSTLY_SHARE = 0.10
 # ... when, without offloading, the peak would still stay below this share of capacity.
-OFFLOAD_FITS_SHARE = 0.85
+OFFLOAD_FITS_SHARE = T.NEAR_CAPACITY_SHARE
 # Offloading is worth proposing when the peak is at least this share of capacity ...
 OFFLOAD_NEEDED_SHARE = 0.95
 # ... and the sharded parameters, gradients and optimizer state are at least this share of the peak.
-OFFLOAD_STATE_SHARE_MIN = 0.40
+OFFLOAD_STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # Effective host<->device bandwidth for pinned copies (PCIe gen4 x16 reaches ~20-25 GB/s; FSDP's copies
 # of many shards reach less) and for pageable ones (staged through a bounce buffer, ~2.5x slower).
 PINNED_GBPS = 12.0
@@ -44,6 +45,8 @@ class OffloadCostly(Rule):
     code = "offload.costly"
     name = "CPU offload costs more than it saves"
     description = "Offload copies stall the step while the sharded state would fit on the device."
+    needs = ("gpu",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         if not E.param_units(ctx):
@@ -86,18 +89,18 @@ class OffloadCostly(Rule):
         """A plain Kineto GPU trace: H2D/D2H copies alone on the device (the verdict's ``offload`` part) for a
         material share of the step. Without the unit snapshot and memory there is no telling whether the
         state would fit on the device, so the finding says what to check."""
-        from .comm import breakdown_ms, trace_device, trace_step_ms
 
-        step = trace_step_ms(ctx)
-        exposed = breakdown_ms(ctx, "offload")
-        if trace_device(ctx) != "gpu" or not step or not exposed:
+        step = E.trace_step_ms(ctx)
+        exposed = E.breakdown_ms(ctx, "offload")
+        if E.trace_device(ctx) != "gpu" or not step or not exposed:
             return []
         worst = max(exposed, key=exposed.get)
         ms = exposed[worst]
         if ms / step < OFFLOAD_COSTLY_SHARE:
             return []
         cp = E.overlap(ctx).copies.get(worst) or Copies()
-        from .comm import per_step, reshard_snippet
+        from .comm import reshard_snippet
+        per_step = E.per_step
 
         return [self.finding(
             "warning", f"Host-device copies stall the step for {ms:.2f} ms ({100 * ms / step:.0f}%)",
@@ -120,6 +123,8 @@ class OffloadRecommended(Rule):
     code = "offload.recommended"
     name = "CPU offload would make the run fit"
     description = "The sharded state dominates a peak at capacity; offloading it to the host frees it."
+    needs = ("gpu", "memory")
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         if not E.on_gpu(ctx) or _offloaded(ctx):
@@ -162,6 +167,8 @@ class OffloadUnpinned(Rule):
     code = "offload.unpinned"
     name = "CPU offload from pageable memory"
     description = "Offloaded tensors in pageable host memory make every copy synchronous and slower."
+    needs = ("gpu", "units")
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         if not E.on_gpu(ctx):

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .. import estimate as E
+from .. import thresholds as T
 from ..base import Context, Rule, register
 
 # Collectives that no FSDP unit issued are worth a look above this share of the step ...
@@ -20,7 +21,7 @@ OTHER_COMM_HYSTERESIS = 0.25
 # issues one all-reduce per DTensor gradient; foreach=True batches them into a handful).
 PER_TENSOR_CALLS_MIN = 8
 # Optimizer state is "dominant" at this share of the peak ...
-STATE_SHARE_MIN = 0.40
+STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # ... and matters only when the peak is at least this share of capacity.
 STATE_TIGHT_SHARE = 0.80
 # Optimizer state per parameter byte (fp32 state on fp32 params), for predicting the state a fixed optimizer
@@ -36,6 +37,8 @@ class OptimizerBeforeShard(Rule):
     code = "optim.before_shard"
     name = "Optimizer created before fully_shard"
     description = "The optimizer holds tensors that are not the model's parameters: nothing is trained."
+    needs = ("optimizer",)
+    severities = ("critical",)
 
     def match(self, ctx: Context):
         cfg = ctx.config
@@ -93,6 +96,8 @@ class OptimizerStepComm(Rule):
     code = "optim.step_comm"
     name = "Collectives outside FSDP's own"
     description = "Collectives no FSDP unit issued (optimizer step, gradient clipping, metrics) take step time."
+    needs = ("trace",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         step = E.step_ms(ctx)
@@ -141,6 +146,8 @@ class OptimizerStateDominates(Rule):
     code = "optim.state_dominates"
     name = "Optimizer state dominates memory"
     description = "Optimizer state is the largest part of a peak that is close to capacity."
+    needs = ("memory",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)

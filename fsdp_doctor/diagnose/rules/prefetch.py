@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from .. import estimate as E
+from .. import thresholds as T
 from ..base import Context, Rule, register
 
 # Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
@@ -20,10 +21,10 @@ EXPOSED_AG_INFO_SHARE_CPU = 0.15
 # Share of an all-gather that explicit prefetch hides behind the previous unit's compute: all of it on a
 # GPU (own stream); none measurable on gloo (its threads and compute share the cores: benchmarks/
 # predictions.py measured explicit depth-1 prefetch at +13% +- noise on the 2-rank CPU workload).
-PREFETCH_OVERLAP_GPU = 1.0
-PREFETCH_OVERLAP_CPU = 0.0
+PREFETCH_OVERLAP_GPU = T.PREFETCH_OVERLAP_GPU
+PREFETCH_OVERLAP_CPU = T.PREFETCH_OVERLAP_CPU
 # Memory is tight when the peak is at least this share of capacity.
-TIGHT_SHARE = 0.85
+TIGHT_SHARE = T.NEAR_CAPACITY_SHARE
 # Gathered parameters held unused this long before use (and this share of the step) cost memory for nothing.
 HELD_MIN_MS = 1.0
 HELD_MIN_STEP_SHARE = 0.03
@@ -81,6 +82,8 @@ class ExposedAllGather(Rule):
     code = "prefetch.exposed_allgather"
     name = "All-gathers on the critical path"
     description = "Compute waits for parameter all-gathers that prefetching could have started earlier."
+    needs = ("records|trace",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         if not E.param_units(ctx):
@@ -184,15 +187,14 @@ class ExposedAllGather(Rule):
         """A plain Kineto trace (no records, no unit snapshot): units and phases from FSDP2's labels, the
         step from the trace's complete steps, the compute that could hide a forward all-gather from the
         verdict's breakdown."""
-        from .comm import trace_device, trace_step_ms
 
         trace = E.trace_exposed_by_unit(ctx, "all_gather")
-        step = trace_step_ms(ctx)
+        step = E.trace_step_ms(ctx)
         rows = [(u, ph, w) for (u, ph), w in trace.items() if w > 0 and ph in ("forward", "backward")
                 and u not in ("(other)",)]
         if not rows or not step:
             return []
-        cpu = trace_device(ctx) != "gpu"
+        cpu = E.trace_device(ctx) != "gpu"
         total = sum(w for _, _, w in rows)
         share = total / step
         sev = _exposed_severity(share, cpu)
@@ -237,6 +239,8 @@ class PrefetchTooEarly(Rule):
     code = "prefetch.too_early"
     name = "Parameters gathered too early"
     description = "Prefetched parameters sit gathered long before use while memory is tight."
+    needs = ("memory", "trace")
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         share = E.headroom_share(ctx)
@@ -285,6 +289,8 @@ class SyncUnshard(Rule):
     code = "prefetch.sync_unshard"
     name = "Synchronous unshard on gloo"
     description = "On gloo the default synchronous unshard blocks the host inside every all-gather."
+    needs = ("units",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         sync = _sync_gloo_units(ctx)
@@ -321,27 +327,16 @@ class SyncUnshard(Rule):
             units=names)]
 
 
-def resharded_last_unit(ctx: Context):
-    """The last unit of forward when it is resharded after forward only to be gathered again at once for
-    backward (the root has no parameters to compute in between), else None."""
-    allu = E.param_units(ctx)
-    us = E.non_root(allu)
-    if not us or any(u.is_root for u in allu):
-        return None  # a root with parameters computes between the last unit's forward and its backward
-    last = us[-1]  # module order = forward order for sequential models
-    if last.reshard_after_forward is False or last.reshard_after_forward == 0:
-        return None
-    return last
-
-
 @register
 class LastUnitResharded(Rule):
     code = "reshard.last_unit"
     name = "Last unit resharded after forward"
     description = "The last unit of forward is resharded only to be gathered again at once for backward."
+    needs = ("units",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        last = resharded_last_unit(ctx)
+        last = E.resharded_last_unit(ctx)
         if last is None:
             return []
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)

@@ -23,8 +23,10 @@ from .. import estimate as E
 from ..base import Context, register
 from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
-from .comm import GROUP_FACTOR, SMALL_MAX_MEDIAN_BYTES, TraceRule, group_snippet
-from .prefetch import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, _prefetch_code, resharded_last_unit
+from ..base import Rule
+from ..thresholds import GROUP_FACTOR, PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
+from .comm import group_snippet  # snippet writers: to the fixes' one snippet module
+from .prefetch import _prefetch_code
 
 # ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
 # fragmentation and the allocator's cache, below the 0.85 target other rules aim for).
@@ -84,11 +86,13 @@ class _Candidate:
 
 
 @register
-class Zero2PerUnit(TraceRule):
+class Zero2PerUnit(Rule):
     code = "reshard.zero2_affordable"
     name = "ZeRO-2 vs ZeRO-3 per unit"
     description = ("Units whose backward all-gather costs more time than keeping them gathered costs memory, "
                    "flipped best time saved per byte first while the peak fits the budget.")
+    needs = ("units", "memory")
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
@@ -100,7 +104,7 @@ class Zero2PerUnit(TraceRule):
         if peak >= budget:
             return self.quiet(f"the peak is already {100 * peak / cap:.0f}% of capacity "
                               f"(budget {100 * ZERO2_MAX_SHARE:.0f}%)")
-        last = resharded_last_unit(ctx)
+        last = E.resharded_last_unit(ctx)
         cands = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is True
                  and (last is None or u.name != last.name)]  # the last unit is reshard.last_unit's
         rows: list[_Candidate] = []
@@ -268,11 +272,13 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
 
 
 @register
-class LowMfu(TraceRule):
+class LowMfu(Rule):
     code = "throughput.low_mfu"
     name = "Low MFU"
     description = ("Model FLOPs utilisation below what tuned FSDP runs reach, with its levers ordered by the "
                    "step time each could recover.")
+    needs = ("records",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         tp = ctx.report.throughput

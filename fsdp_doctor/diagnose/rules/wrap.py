@@ -40,6 +40,8 @@ class TooCoarse(Rule):
     code = "wrap.too_coarse"
     name = "Unit too coarse"
     description = "One unit holds most parameters: its all-gather dominates unsharded memory and cannot overlap."
+    needs = ("units",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         us = E.param_units(ctx)
@@ -100,6 +102,8 @@ class TooFine(Rule):
     code = "wrap.too_fine"
     name = "Units too fine"
     description = "Many small units: their collectives are too small to reach bandwidth and pay per-call latency."
+    needs = ("units",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         us = E.non_root(E.param_units(ctx))
@@ -182,6 +186,8 @@ class ParamsInRoot(Rule):
     code = "wrap.params_in_root"
     name = "Parameters left in the root"
     description = "A material share of the parameters sits in the root unit, gathered for the whole step."
+    needs = ("units",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         allu = E.units(ctx)
@@ -221,6 +227,8 @@ class RootNotSharded(Rule):
     code = "wrap.root_not_sharded"
     name = "Root never sharded"
     description = "Blocks were wrapped but fully_shard was never applied to the root module."
+    needs = ("units",)
+    severities = ("warning", "critical")
 
     def match(self, ctx: Context):
         allu = E.units(ctx)
@@ -273,6 +281,8 @@ class MixedDtypeUnit(Rule):
     code = "wrap.mixed_dtype_unit"
     name = "Unit mixing parameter dtypes"
     description = "A unit whose parameters have several dtypes is all-gathered byte-wise."
+    needs = ("units",)
+    severities = ("warning",)
 
     def match(self, ctx: Context):
         out = []
@@ -309,6 +319,8 @@ class UnreducedParams(Rule):
     code = "wrap.unreduced_params"
     name = "Trainable parameters outside every unit"
     description = "Trainable parameters no FSDP unit manages (ignored_params): their gradients are never reduced."
+    needs = ("records",)
+    severities = ("critical",)
 
     def match(self, ctx: Context):
         cfg = ctx.config

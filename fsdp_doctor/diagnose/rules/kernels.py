@@ -1,0 +1,116 @@
+"""Low MFU's first levers, read from a GPU trace's compute kernels: attention computed eagerly (softmax kernels
+between matmuls where a fused SDPA/flash kernel would run) and a step bound by launching many small kernels
+(what torch.compile fuses)."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from .. import thresholds as T
+from ...trace.kernels import SMALL_KERNEL_US
+from ..base import Context, Rule, register
+
+# eager attention: at least this many forward softmax kernels per step (one per layer; the loss's is a
+# log-softmax and not counted), and no fused attention kernel at all
+EAGER_SOFTMAX_MIN_PER_STEP = 2
+# a launch-bound step: at least this share of the compute kernels is shorter than SMALL_KERNEL_US
+SMALL_KERNEL_MIN_SHARE = 0.40
+
+
+def _per_step(ctx: Context) -> dict[str, tuple[object, int]]:
+    """Per GPU rank with kernel figures: (its KernelStats, steps in its windows)."""
+    ov = E.overlap(ctx)
+    return {r: (k, E.steps_in_windows(ctx, r)) for r, k in ov.kernels.items() if k.count}
+
+
+@register
+class EagerAttention(Rule):
+    code = "kernels.eager_attention"
+    name = "Attention computed eagerly"
+    description = ("Softmax kernels run between attention matmuls and no fused attention kernel (flash, "
+                   "memory-efficient, cuDNN SDPA) runs: the score matrix is written to and read from memory.")
+    needs = ("gpu_trace",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        rows = _per_step(ctx)
+        if not rows:
+            return self.quiet("no compute kernels in the trace")
+        fused = {r: k.fused_attention_count for r, (k, _) in rows.items()}
+        if any(fused.values()):
+            return self.quiet(f"fused attention kernels run ({int(max(fused.values()))} on one rank)")
+        per_step = {r: k.softmax_count / n for r, (k, n) in rows.items()}
+        if max(per_step.values()) < EAGER_SOFTMAX_MIN_PER_STEP:
+            return self.quiet(f"{max(per_step.values()):.0f} attention softmax kernels per step")
+        rank = max(per_step, key=per_step.get)
+        k, n = rows[rank]
+        softmax_ms, gemm_ms = k.softmax_us / n / 1e3, k.gemm_us / n / 1e3
+        step = E.trace_step_ms(ctx)
+        share = softmax_ms / step if step else None
+        sev = "warning" if share is not None and share >= 0.05 else "info"
+        return [self.finding(
+            sev, f"Eager attention: {per_step[rank]:.0f} softmax kernels per step, no fused attention kernel",
+            {"softmax_kernels_per_step": round(per_step[rank], 1), "softmax_ms_per_step": round(softmax_ms, 3),
+             "matmul_ms_per_step": round(gemm_ms, 3), "fused_attention_kernels": 0,
+             "softmax_share_pct": None if share is None else round(100 * share, 1), "rank": int(rank)},
+            "Attention runs as matmul, softmax, matmul: the full score matrix (sequence x sequence per head) is "
+            "written by the first matmul, read and written by the softmax, and read by the second. "
+            "torch.nn.functional.scaled_dot_product_attention dispatches to a fused kernel (flash or "
+            "memory-efficient) that keeps the scores on chip: the softmax pass goes away and attention's "
+            "activation memory falls from quadratic to linear in the sequence. Hugging Face models take "
+            "attn_implementation='sdpa' (or 'flash_attention_2').",
+            "import torch.nn.functional as F\n"
+            "# in the attention module, instead of softmax(q @ k.transpose(-2, -1) * scale) @ v:\n"
+            "out = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+            "# Hugging Face: AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')",
+            # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor
+            predicted=E.predicted(step, step - softmax_ms if step else None), ranks=[int(rank)])]
+
+
+@register
+class LaunchBound(Rule):
+    code = "kernels.launch_bound"
+    name = "Step bound by launching small kernels"
+    description = ("The device waits for the host to launch work for a quarter of the step or more, and most "
+                   "kernels are shorter than a launch: fusing them (torch.compile) is the lever.")
+    needs = ("gpu_trace", "verdict")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        rows = _per_step(ctx)
+        if not rows:
+            return self.quiet("no compute kernels in the trace")
+        host = {r: x.groups_pct.get("host", 0.0) / 100 for r, x in E.trace_verdicts(ctx).items() if r in rows}
+        if not host:
+            return self.quiet("no trace verdict for the GPU ranks")
+        rank = max(host, key=host.get)
+        if host[rank] < T.BOUND_MIN_SHARE:
+            return self.quiet(f"the device waits for launches {100 * host[rank]:.0f}% of the step "
+                              f"(< {100 * T.BOUND_MIN_SHARE:.0f}%)")
+        k, n = rows[rank]
+        small = k.small_count / k.count
+        if small < SMALL_KERNEL_MIN_SHARE:
+            return self.quiet(f"host-bound, but {100 * small:.0f}% of the kernels are under {SMALL_KERNEL_US:.0f} µs: "
+                              "not a launch-count problem")
+        step = E.trace_step_ms(ctx)
+        host_ms = step * host[rank] if step else None
+        # assumption: fusion removes the launches of the small kernels, and the host wait in proportion
+        saved = host_ms * small if host_ms is not None else None
+        sev = "warning" if host[rank] >= T.SEVERE_BOUND_SHARE else "info"
+        mean_us = k.busy_us / k.count
+        return [self.finding(
+            sev, f"Launch-bound: {k.count / n:.0f} kernels per step, {100 * small:.0f}% shorter than "
+            f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {100 * host[rank]:.0f}% of the step",
+            {"kernels_per_step": round(k.count / n, 1), "small_kernel_share_pct": round(100 * small, 1),
+             "small_kernel_us": SMALL_KERNEL_US, "mean_kernel_us": round(mean_us, 2),
+             "host_bound_pct": round(100 * host[rank], 1), "host_bound_ms_per_step": None if host_ms is None
+             else round(host_ms, 3), "rank": int(rank)},
+            "The device runs each kernel faster than the host can launch the next one, so it idles between "
+            "them. torch.compile fuses chains of small elementwise kernels into a few (and mode='reduce-"
+            "overhead' replays them as CUDA graphs, one launch per graph). Compile each FSDP block in place: "
+            "the FSDP hooks and module names stay. The prediction assumes the small kernels' launches go away "
+            "and the host wait with them.",
+            "from torch.distributed.fsdp import FSDPModule\n"
+            "for m in model.modules():\n"
+            "    if isinstance(m, FSDPModule) and m is not model:\n"
+            "        m.compile()  # in place, after fully_shard",
+            predicted=E.predicted(step, step - saved if saved is not None else None), ranks=[int(rank)])]

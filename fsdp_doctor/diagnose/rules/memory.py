@@ -1,0 +1,145 @@
+"""Memory: gradients kept alive between steps, and a peak near capacity that no one category explains."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from .. import thresholds as T
+from ...units import fmt_bytes
+from ..base import Context, Rule, register
+
+_GRADS = ("sharded_grads", "unsharded_grads")
+# gradients kept between steps count from this many bytes on (allocator rounding aside)
+GRADS_KEPT_MIN_BYTES = 64 << 10
+
+
+@register
+class GradsKept(Rule):
+    code = "memory.grads_kept"
+    name = "Gradients kept between steps"
+    description = ("Gradients stay allocated after the optimizer step (zero_grad(set_to_none=False)), so the "
+                   "next forward runs with every gradient already in memory.")
+    needs = ("memory",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        pm = E.peak_memory(ctx)
+        first = pm.timeline[0] if pm is not None and pm.timeline else None
+        if first is None:
+            return self.quiet("no memory timeline of the peak step")
+        # what the step starts with, before its first forward: gradients there survived the last step
+        kept = sum(int(first.get(k) or 0) for k in _GRADS)
+        if kept < GRADS_KEPT_MIN_BYTES:
+            return self.quiet(f"{fmt_bytes(kept)} of gradients allocated when the step starts")
+        peak, cap = int(pm.peak_bytes), E.capacity_bytes(ctx)
+        after = _peak_without_kept(pm, kept, E.param_units(ctx))
+        share = peak / cap if cap else None
+        sev = "warning" if share is not None and share >= T.NEAR_CAPACITY_SHARE else "info"
+        return [self.finding(
+            sev, f"{fmt_bytes(kept)} of gradients stay allocated between steps",
+            {"grads_kept_bytes": kept, "peak_bytes": peak, "peak_capacity_pct": None if share is None else
+             round(100 * share, 1), "peak_phase": pm.peak_at.phase, "peak_after_bytes": after},
+            "After optimizer.step() the gradients are zeroed in place instead of freed, so the forward of the "
+            "next step (its activations, its all-gathers) runs with every gradient shard already allocated. "
+            "Free them: set_to_none=True is the default since torch 2.0, and FSDP2 allocates each gradient when "
+            "its unit's backward produces it.",
+            "optimizer.zero_grad(set_to_none=True)  # instead of zero_grad(set_to_none=False)",
+            predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
+
+
+def _peak_without_kept(pm, kept: int, units) -> int:
+    """The peak with gradients freed after the step: on the peak step's timeline every mark before backward
+    loses the kept gradients; a backward mark keeps those of the units whose backward has ended (their
+    shards, as FSDP2 reduce-scatters them). Without a timeline: the peak less the kept gradients."""
+    tl = pm.timeline
+    if not tl:
+        return max(0, int(pm.peak_bytes) - kept)
+    shard = {u.name: u.sharded_bytes for u in units}
+    done, best, backward = 0, 0, False
+    for row in tl:
+        phase = row.get("phase") or ""
+        backward = backward or phase.startswith("backward")
+        if phase == "backward_end":
+            done += shard.get(row.get("unit"), 0)
+        total = int(row.get("total") or 0)
+        best = max(best, total - kept + (min(done, kept) if backward else 0))
+    return best + max(0, int(pm.peak_bytes) - max(int(r.get("total") or 0) for r in tl))
+
+
+@register
+class NearCapacitySpread(Rule):
+    code = "memory.near_capacity_spread"
+    name = "Peak near capacity, no dominant category"
+    description = ("The peak is near capacity and no memory category dominates it (so no activation, optimizer "
+                   "or offload rule applies), while units are kept unsharded after forward.")
+    needs = ("memory", "units")
+    severities = ("warning", "critical")
+
+    def match(self, ctx: Context):
+        pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
+        if pm is None or not cap:
+            return self.quiet("memory capacity unknown: pass capacity_bytes= to watch()")
+        peak = int(pm.peak_bytes)
+        share = peak / cap
+        if share < T.NEAR_CAPACITY_SHARE:
+            return self.quiet(f"the peak is {100 * share:.0f}% of capacity "
+                              f"(< {100 * T.NEAR_CAPACITY_SHARE:.0f}%)")
+        bd = {k: v for k, v in pm.peak_breakdown.items() if v}
+        top = max(bd, key=bd.get) if bd else None
+        if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
+            return self.quiet(f"{top} dominates the peak ({100 * bd[top] / peak:.0f}%): its own rule applies")
+        kept = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is False]
+        if not kept:
+            return self.quiet("no unit is kept unsharded after forward: no reshard lever")
+        # keep the last unit of forward gathered (its backward starts at once; reshard.last_unit's advice)
+        last = E.non_root(E.param_units(ctx))[-1]
+        flip = [u for u in kept if u.name != last.name] or kept
+        after = _peak_resharded(pm, flip)
+        freed = peak - after
+        waits = [u.timing.ag_wait_fwd_ms for u in flip if u.has_timing]
+        step = E.step_ms(ctx)
+        # each flipped unit all-gathers once more in backward: about what its forward all-gather waits
+        slower = sum(waits) if len(waits) == len(flip) else None
+        names = [u.name for u in flip]
+        sev = "critical" if share >= 1.0 else "warning"
+        # at run time, on the modules fully_shard was applied to (a grouped unit: any of its modules)
+        lines = [f"{E.module_expr(u.modules[0] if u.modules else u.name)}.set_reshard_after_forward(True, recurse=False)"
+                 for u in flip[:12]]
+        if len(flip) > 12:
+            lines = ["from torch.distributed.fsdp import FSDPModule",
+                     "for m in model.modules():  # every unit but the root",
+                     "    if isinstance(m, FSDPModule) and m is not model:",
+                     "        m.set_reshard_after_forward(True, recurse=False)"]
+        return [self.finding(
+            sev, f"Peak at {100 * share:.0f}% of capacity, spread over categories; "
+            f"{len(flip)} unit(s) kept gathered after forward",
+            {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * share, 1),
+             "largest_category": top, "largest_category_pct": round(100 * bd[top] / peak, 1) if top else None,
+             "breakdown_bytes": dict(sorted(bd.items(), key=lambda kv: -kv[1])),
+             "units_kept_gathered": len(kept), "freed_bytes": freed},
+            f"The peak is {100 * share:.0f}% of capacity and no category holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% "
+            f"of it, so no single remedy (checkpointing, offload) is indicated; but {len(kept)} unit(s) keep their "
+            "gathered parameters from forward to backward (reshard_after_forward=False, ZeRO-2). Resharding them "
+            f"after forward lowers the peak by {fmt_bytes(freed)}, at the price of one more all-gather per "
+            "unit in backward (the last unit of forward aside: its backward starts at once).",
+            "\n".join(lines),
+            predicted=E.predicted(step, step + slower if (step is not None and slower is not None) else None,
+                                  peak, after),
+            units=names)]
+
+
+def _peak_resharded(pm, flip) -> int:
+    """The peak with ``flip`` resharded after forward: on the peak step's timeline each unit's gathered bytes
+    leave the marks from its forward's end to its backward all-gather (``estimate.held_window``, the window
+    ZeRO-2 adds them in), and the new peak is the highest mark. Without a timeline: the peak less the
+    gathered parameters it holds."""
+    tl = pm.timeline
+    if not tl:
+        held = pm.peak_breakdown.get("unsharded_params", 0)
+        return int(pm.peak_bytes) - min(held, sum(u.unsharded_bytes for u in flip))
+    totals = [int(r.get("total") or 0) for r in tl]
+    less = [0] * len(tl)
+    for u in flip:
+        w = E.held_window(tl, u.name)
+        for i in range(*(w or (0, 0))):
+            less[i] += u.unsharded_bytes
+    return int(pm.peak_bytes) - max(totals) + max(t - x for t, x in zip(totals, less))

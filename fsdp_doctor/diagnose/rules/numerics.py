@@ -1,0 +1,69 @@
+"""Numerics: gradients reduced in a narrower dtype than the parameters they update."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from ..base import Context, Rule, register
+
+# bytes per element, the order "narrower than" reads
+_WIDTH = {"float8_e4m3fn": 1, "float8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _reduced_in(u: E.Unit) -> str | None:
+    """The dtype FSDP2 reduce-scatters the unit's gradients in: ``reduce_dtype``, else ``param_dtype`` (the
+    gradients' own dtype), else the parameters'."""
+    return u.reduce_dtype or u.param_dtype or (u.orig_dtypes[0] if len(u.orig_dtypes) == 1 else None)
+
+
+@register
+class NarrowReduceDtype(Rule):
+    code = "numerics.reduce_dtype"
+    name = "Gradients reduced in a narrower dtype"
+    description = ("Gradients are reduce-scattered in a 16-bit dtype while the parameters (and the optimizer's "
+                   "update) are 32-bit: the sum over ranks loses precision.")
+    needs = ("units",)
+    severities = ("warning",)
+
+    def match(self, ctx: Context):
+        narrow = []
+        for u in E.param_units(ctx):
+            red = _reduced_in(u)
+            widest = max((_WIDTH.get(d, 0) for d in u.orig_dtypes), default=0)
+            if red in _WIDTH and widest and _WIDTH[red] < widest:
+                narrow.append((u, red))
+        if not narrow:
+            return self.quiet("every unit reduces gradients in its parameters' dtype (or wider)")
+        us = [u for u, _ in narrow]
+        reds = sorted({r for _, r in narrow})
+        params = sorted({d for u in us for d in u.orig_dtypes})
+        explicit = any(u.reduce_dtype for u in us)
+        grads = sum(u.sharded_bytes for u in us)  # the gradients' shards: their dtype is the parameters'
+        world = ctx.config.world_size if ctx.config is not None else None
+        rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit in {u.name for u in us}]
+        rs_ms = sum(r.comm_ms_per_step for r in rows) / max(1, len({r.rank for r in rows})) if rows else None
+        step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
+        how = ("reduce_dtype=" + "/".join(reds)) if explicit else (f"param_dtype={'/'.join(reds)} and no reduce_dtype "
+                                                                  "(FSDP2 then reduces in param_dtype)")
+        text = (f"{len(us)} unit(s) hold {'/'.join(params)} parameters but reduce their gradients in "
+                f"{'/'.join(reds)} ({how}). Summing {world or 'several'} ranks' gradients in a 16-bit dtype rounds "
+                "each partial sum to 8 (bf16) or 11 (fp16) bits of mantissa: small gradients vanish against large "
+                "ones and the loss can drift from a full-precision run. Keep the 16-bit all-gather and compute, and "
+                "reduce in float32: it doubles the reduce-scatter's bytes, nothing else.")
+        code = ("import torch\nfrom torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy\n"
+                f"mp = MixedPrecisionPolicy(param_dtype={_torch(us[0].param_dtype)}, reduce_dtype=torch.float32)\n"
+                "# pass mp_policy=mp to every fully_shard(...) call, e.g. fully_shard(block, mesh=mesh, mp_policy=mp)")
+        return [self.finding(
+            "warning", f"Gradients reduced in {'/'.join(reds)} for {'/'.join(params)} parameters "
+            f"({len(us)} unit(s))",
+            {"units_narrow": len(us), "reduce_dtype": "/".join(reds), "param_dtypes": params,
+             "reduce_dtype_explicit": explicit, "gradient_shard_bytes": grads,
+             "reducescatter_ms_per_step": None if rs_ms is None else round(rs_ms, 3)},
+            text, code,
+            # float32 reduction doubles the reduce-scatter's bytes: at most its time again (all of it exposed)
+            predicted=E.predicted(step, step + rs_ms if (step is not None and rs_ms is not None) else None,
+                                  peak, peak),
+            units=[u.name for u in us[:20]])]
+
+
+def _torch(dtype: str | None) -> str:
+    return f"torch.{dtype}" if dtype else "None"

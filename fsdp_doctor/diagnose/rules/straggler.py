@@ -1,0 +1,76 @@
+"""A rank late in some steps only: each late step shows as that rank's own time above the other ranks' in the
+same step (they wait for it in their collectives), not often enough to be the consistent straggler that
+``straggler.rank`` reports."""
+
+from __future__ import annotations
+
+import statistics
+
+from .. import estimate as E
+from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION, STRAGGLER_MIN_MS, own_ms,
+                              usable_steps)
+from ..base import Context, Rule, register
+
+# a late step: the rank's own time exceeds the other ranks' median in that step by this share of the median
+# own time (and STRAGGLER_MIN_MS); host noise on a shared machine reaches ~15%, a planted stall is well above
+LATE_MIN_FRACTION = 2 * STRAGGLER_MIN_FRACTION
+# a pattern, not one event
+LATE_MIN_STEPS = 2
+_PHASES = ("outside", "forward", "backward", "optimizer")
+
+
+@register
+class IntermittentStraggler(Rule):
+    code = "straggler.intermittent"
+    name = "Rank late in some steps"
+    description = ("One rank's own work is much longer than the others' in some steps (two or more, fewer than "
+                   "a consistent straggler's): the others wait for it in those steps' collectives.")
+    needs = ("records", "multi_rank")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        by_rank = {r: {s.step: s for s in usable_steps(rd.steps)} for r, rd in (ctx.run.ranks or {}).items()}
+        common = sorted(set.intersection(*(set(d) for d in by_rank.values()))) if len(by_rank) > 1 else []
+        if len(common) < 4:
+            return self.quiet(f"{len(common)} steady steps common to the ranks (needs 4)")
+        base = statistics.median(own_ms(d[st]) for d in by_rank.values() for st in common)
+        late: dict[int, list[tuple[int, float, str]]] = {}
+        for r, d in by_rank.items():
+            for st in common:
+                others = [by_rank[o][st] for o in by_rank if o != r]
+                excess = own_ms(d[st]) - statistics.median(own_ms(s) for s in others)
+                if excess >= max(STRAGGLER_MIN_MS, LATE_MIN_FRACTION * base):
+                    phase = max(_PHASES, key=lambda ph: getattr(d[st], ph + "_ms")
+                                - statistics.median(getattr(s, ph + "_ms") for s in others))
+                    late.setdefault(r, []).append((st, excess, phase))
+        if not late:
+            return self.quiet(f"no rank's own time exceeds the others' by {100 * LATE_MIN_FRACTION:.0f}% in any step")
+        rank, rows = max(late.items(), key=lambda kv: (len(kv[1]), sum(x for _, x, _ in kv[1])))
+        if len(rows) < LATE_MIN_STEPS:
+            return self.quiet(f"rank {rank} late in {len(rows)} step only (step {rows[0][0]}): one event is not a "
+                              "pattern")
+        if len(rows) / len(common) >= STRAGGLER_MIN_CONSISTENCY:
+            return self.quiet(f"rank {rank} late in {len(rows)} of {len(common)} steps: a consistent straggler "
+                              "(straggler.rank)")
+        steps = [st for st, _, _ in rows]
+        phase = statistics.mode(ph for _, _, ph in rows)
+        per_step = sum(x for _, x, _ in rows) / len(common)
+        step = E.step_ms(ctx)
+        sev = "warning" if step and per_step >= 0.05 * step else "info"
+        where = {"outside": "outside the model (data loading, logging, checkpointing, user code)",
+                 "forward": "forward", "backward": "backward", "optimizer": "the optimizer step"}[phase]
+        gap = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else None
+        return [self.finding(
+            sev, f"Rank {rank} is late in {len(rows)} of {len(common)} steps (+{statistics.median(x for _, x, _ in rows):.0f} ms each)",
+            {"rank": int(rank), "late_steps": steps, "steps_checked": len(common),
+             "late_excess_ms": [round(x, 1) for _, x, _ in rows], "phase": phase,
+             "every_n_steps": gap, "own_ms_median": round(base, 3), "cost_ms_per_step": round(per_step, 3)},
+            f"In steps {', '.join(map(str, steps))} rank {rank} spends {statistics.median(x for _, x, _ in rows):.0f} ms "
+            f"more than the other ranks on its own work, mostly {where}; the other ranks wait that long in the "
+            "collectives of the same step, so every rank pays it. Work done now and then on one rank (a "
+            "checkpoint or evaluation on rank 0, a log line with a host sync, an occasional long sequence in its "
+            "data shard) does this: run it on every rank at once, asynchronously, or off the training loop.",
+            f"# what rank {rank} does every {gap or 'few'} steps stalls every rank: e.g. save asynchronously\n"
+            "import torch.distributed.checkpoint as dcp\n"
+            "future = dcp.async_save(state_dict, checkpoint_id=path)  # instead of a blocking save on one rank",
+            predicted=E.predicted(step, step - per_step if step else None), ranks=[int(rank)])]

@@ -1,0 +1,88 @@
+"""A severe verdict is never "healthy": when the step is mostly communication, host, input or idle time and no
+other rule found its cause, the verdict itself is the finding, with the levers for that bound."""
+
+from __future__ import annotations
+
+from .. import estimate as E
+from .. import thresholds as T
+from ..base import Context, Rule, register
+
+_LEVERS = {
+    "communication": (
+        "exposed collectives",
+        "hide them behind compute: asynchronous unshard on gloo, explicit forward/backward prefetch, the last "
+        "unit kept gathered (reshard_after_forward=False), fewer and larger units where calls are small, 16-bit "
+        "all-gathers (MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "units = [m for m in model.modules() if isinstance(m, FSDPModule)]\n"
+        "for i, m in enumerate(units):\n"
+        "    m._set_unshard_async_op(True)  # gloo: all-gathers no longer block the host\n"
+        "    if 0 < i < len(units) - 1:\n"
+        "        m.set_modules_to_forward_prefetch([units[i + 1]])"),
+    "all_reduce": (
+        "exposed collectives (all-reduce: no FSDP all-gather in the trace)",
+        "overlap the gradient all-reduce with backward (DDP's buckets; sharding with FSDP2's fully_shard "
+        "overlaps reduce-scatters by unit), fewer and larger buckets where calls are small, 16-bit gradients",
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "model = DDP(model, bucket_cap_mb=100, gradient_as_bucket_view=True)  # fewer, larger all-reduces"),
+    "host": (
+        "the host launching work (Python, operator dispatch)",
+        "give the device more work per launch: a larger micro-batch, torch.compile on the blocks (fuses the small "
+        "kernels, and CUDA graphs with mode='reduce-overhead'), no .item()/.cpu() syncs inside the step",
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "for block in model.modules():\n"
+        "    if isinstance(block, FSDPModule) and block is not model:\n"
+        "        block.compile()  # compile in place: keeps the FSDP hooks and module names"),
+    "input": (
+        "time outside the model (data loading, the user's code between steps)",
+        "load data in worker processes with pinned memory and prefetching; move logging, metrics and "
+        "checkpointing off the step",
+        "loader = torch.utils.data.DataLoader(dataset, batch_size=bs, num_workers=4, pin_memory=True,\n"
+        "                                     prefetch_factor=4, persistent_workers=True)"),
+    "idle": (
+        "the device idle with work launched (waiting on a synchronisation or another rank)",
+        "find what the step waits on: host syncs (.item(), .cpu(), torch.cuda.synchronize()), collectives "
+        "waiting for a slower rank, blocking copies; profile one step and look at the idle gaps",
+        "# a host sync per step stalls the device, e.g.\n"
+        "loss_value = loss.detach()  # keep on device; call .item() every N steps, not every step"),
+}
+
+
+@register
+class SevereVerdict(Rule):
+    code = "verdict.severe"
+    name = "Step bound by communication, host, input or idle"
+    description = ("The verdict gives half the step or more to exposed communication, host, input or idle time "
+                   "and no other rule warned about it: the verdict is the finding, with its levers.")
+    needs = ("verdict",)
+    severities = ("warning",)
+    last = True
+
+    def match(self, ctx: Context):
+        if ctx.report.verdict is None:
+            return self.quiet("no verdict")
+        job = ctx.report.verdict.job
+        share = (job.groups_pct.get(job.bound) or 0.0) / 100
+        if job.bound not in _LEVERS:
+            return self.quiet(f"the step is {job.bound}-bound")
+        if share < T.SEVERE_BOUND_SHARE:
+            return self.quiet(f"{job.bound} is {100 * share:.0f}% of the step "
+                              f"(< {100 * T.SEVERE_BOUND_SHARE:.0f}%)")
+        warned = [f.code for f in ctx.earlier if f.severity in ("warning", "critical")]
+        if warned:
+            return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
+                              "already name levers")
+        fsdp = bool(E.trace_rows(ctx, "all_gather") or E.trace_rows(ctx, "reduce_scatter") or E.param_units(ctx))
+        what, levers, code = _LEVERS["all_reduce" if job.bound == "communication" and not fsdp else job.bound]
+        step = job.step_ms or E.trace_step_ms(ctx)
+        bound_ms = step * share if step else None
+        return [self.finding(
+            "warning", f"{job.bound.capitalize()}-bound: {what} take {100 * share:.0f}% of the step",
+            {"bound": job.bound, "bound_pct": round(100 * share, 1), "step_ms": step,
+             "bound_ms_per_step": None if bound_ms is None else round(bound_ms, 3),
+             "groups_pct": {k: v for k, v in job.groups_pct.items() if v}, "source": job.source,
+             "summary": job.summary},
+            f"{(job.summary or job.bound).rstrip('.')}. No other rule pinned it on one cause, so the levers for a "
+            f"{job.bound}-bound step, in the order to try them: {levers}. The prediction is the bound: the step "
+            f"if all {100 * share:.0f}% were recovered.",
+            code, predicted=E.predicted(step, step - bound_ms if bound_ms is not None else None))]

@@ -1,0 +1,23 @@
+"""Thresholds and assumptions that more than one rule reads, in one place (a rule's own thresholds stay beside
+it). Shares are fractions; times ms; sizes bytes."""
+
+# Memory: a peak at or above this share of capacity is "near capacity" (the CUDA caching allocator rarely runs
+# cleanly above ~90%; this leaves room for fragmentation); a recommendation aims to bring the peak below it.
+NEAR_CAPACITY_SHARE = 0.85
+# A memory category "dominates" the peak from this share on (activations, optimizer state, sharded state).
+DOMINANT_CATEGORY_SHARE = 0.40
+
+# Collectives: all-gathers whose median message is below this are latency-bound (NCCL reaches its bus
+# bandwidth only from a few MiB on); grouping this many consecutive blocks per unit pays one call's latency.
+SMALL_MAX_MEDIAN_BYTES = 4 << 20
+GROUP_FACTOR = 4
+
+# Share of an exposed all-gather that explicit prefetching hides: on a GPU all of it (a separate stream); on
+# gloo none (the copies share the cores with compute; the host blocks in every all-gather).
+PREFETCH_OVERLAP_GPU = 1.0
+PREFETCH_OVERLAP_CPU = 0.0
+
+# Verdicts: a step whose largest group (communication, host, input, idle) takes at least this share is bound
+# by it, and a "severe" one from SEVERE_BOUND_SHARE on.
+BOUND_MIN_SHARE = 0.25
+SEVERE_BOUND_SHARE = 0.50

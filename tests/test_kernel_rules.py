@@ -1,0 +1,94 @@
+"""Low MFU's kernel levers from GPU traces: eager attention (known-answer traces built here) and a launch-bound
+step (a known-answer FSDP2-shaped trace, and the real host-bound A100 trace under shared/reference_traces)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HTA_TRACES
+from trace_fixtures import TraceBuilder, fsdp_gpu_trace
+
+EAGER = ("ampere_sgemm_128x64_tn", "void (anonymous namespace)::softmax_warp_forward<float, float, float, 7, false, "
+         "false>(float*, float const*, int, int, int, bool const*, int, bool)", "ampere_sgemm_64x64_nn")
+FLASH = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true>(Flash_fwd_params)",)
+LOSS = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, true, false>(float*, float const*)"
+
+
+def attention_trace(kernels, layers=4, steps=2, us=(30.0, 20.0, 30.0)) -> TraceBuilder:
+    """``steps`` complete steps (plus one cut) of ``layers`` attention blocks back to back on stream 7 and one
+    log-softmax (the loss) per step: per step the softmax kernels take layers x ``us[1]`` µs."""
+    b = TraceBuilder(rank=0, world_size=1)
+    t = 0.0
+    for k in range(steps + 1):
+        start = t
+        for _ in range(layers):
+            for name, d in zip(kernels, us):
+                b.kernel(name, t, d, launch_ts=t - 5.0)
+                t += d
+        b.kernel(LOSS, t, 10.0, launch_ts=t - 5.0)
+        t += 10.0
+        b.step(k + 1, start - 5.0, t - start + 5.0)
+    return b
+
+
+def _report(tmp_path, b, name="rank0.json"):
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.store import load_run
+
+    f = b.write(tmp_path / name)
+    return build_report(load_run(f))
+
+
+def _status(report, code):
+    return next(s for s in report.rules if s.code == code)
+
+
+def test_eager_attention_known_answer(tmp_path):
+    report = _report(tmp_path, attention_trace(EAGER))
+    k = report.overlap.kernels["0"]
+    assert k.softmax_count == 8 and k.fused_attention_count == 0 and k.gemm_count == 16  # the loss's not counted
+    f = next(f for f in report.findings if f.code == "kernels.eager_attention")
+    assert f.evidence["softmax_kernels_per_step"] == 4 and f.evidence["softmax_ms_per_step"] == pytest.approx(0.08)
+    assert f.evidence["matmul_ms_per_step"] == pytest.approx(0.24)
+    assert "scaled_dot_product_attention" in f.recommendation.code
+    assert f.predicted.step_ms_delta == pytest.approx(-0.08, abs=1e-3)
+
+
+def test_fused_attention_is_quiet(tmp_path):
+    report = _report(tmp_path, attention_trace(FLASH, us=(40.0,)))
+    assert report.overlap.kernels["0"].fused_attention_count == 8
+    st = _status(report, "kernels.eager_attention")
+    assert st.status == "quiet" and st.reason.startswith("fused attention kernels run")
+
+
+def test_launch_bound_known_answer(tmp_path):
+    """Kernels of 5 µs launched every 20 µs: the device waits for the host most of the step, every kernel is
+    small; with 200 µs kernels launched at once the rule is quiet."""
+    report = _report(tmp_path, fsdp_gpu_trace(units=8, fwd_us=5.0, bwd_us=5.0, ag_us=2.0, launch_gap_us=20.0,
+                                              prefetch=True))
+    f = next(f for f in report.findings if f.code == "kernels.launch_bound")
+    assert f.evidence["small_kernel_share_pct"] == 100.0 and f.evidence["host_bound_pct"] >= 50
+    assert f.predicted.step_ms_after == pytest.approx(
+        f.predicted.step_ms_before - f.evidence["host_bound_ms_per_step"], abs=1e-3)  # all kernels are small
+    assert "m.compile()" in f.recommendation.code
+    busy = _report(tmp_path, fsdp_gpu_trace(units=8, fwd_us=200.0, bwd_us=200.0, ag_us=2.0, prefetch=True),
+                   "busy.json")
+    assert _status(busy, "kernels.launch_bound").status == "quiet"
+
+
+def test_launch_bound_on_the_real_host_bound_trace():
+    """HTA's A100 DDP trace, 73% host-bound, was "Healthy: no findings."; 43% of its kernels are under 10 µs."""
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import findings_headline
+    from fsdp_doctor.store import load_run
+
+    path = HTA_TRACES / "a100_ddp_allreduce_rank0"
+    if not path.exists():
+        pytest.skip(f"{path} is missing")
+    report = build_report(load_run(path))
+    f = next(f for f in report.findings if f.code == "kernels.launch_bound")
+    assert f.severity == "warning" and f.evidence["host_bound_pct"] == pytest.approx(72.8, abs=0.1)
+    assert f.evidence["kernels_per_step"] == pytest.approx(893, abs=1)
+    assert f.evidence["small_kernel_share_pct"] == pytest.approx(43.1, abs=0.1)
+    assert _status(report, "verdict.severe").status == "quiet"  # the specific finding names the lever
+    assert not findings_headline(report.findings).startswith("Healthy")
