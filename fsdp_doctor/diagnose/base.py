@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from ..report_sections import Finding, Recommendation, Report
 from ..store import Run
+from .snippets import complete
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -41,8 +42,9 @@ class Rule:
 
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", **kw) -> Finding:
         assert severity in SEVERITIES, severity
+        # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence,
-                       recommendation=Recommendation(text=text, code=code), **kw)
+                       recommendation=Recommendation(text=text, code=complete(code)), **kw)
 
 
 RULES: list[type[Rule]] = []

@@ -48,8 +48,10 @@ class GcPauses(Rule):
             "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
             "whole run after set-up, and collect at a moment of your choosing (e.g. every N steps on all "
             "ranks at once, so that no rank waits for another's pause).",
-            "import gc\n# after building the model, optimizer and data loader:\ngc.collect(); gc.freeze()\n"
-            "gc.disable()\n...\nif step % 100 == 0:  # same step on every rank\n    gc.collect(generation=1)",
+            "# after building the model, optimizer and data loader: set-up objects leave the collector's view\n"
+            "gc.collect()\ngc.freeze()\ngc.disable()  # no collection inside a step\n\n"
+            "def collect_between_steps(step, every=100):  # call after optimizer.step(), the same step on every rank\n"
+            "    if step % every == 0:\n        gc.collect(generation=1)",
             predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - per_step), 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=[rank],
@@ -94,8 +96,9 @@ class DataWait(Rule):
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
             "workers with pinned memory and prefetching, and move host-side work (logging, metrics, .item() "
             "calls) off the step's critical path.",
-            "loader = torch.utils.data.DataLoader(dataset, batch_size=bs, num_workers=4,\n"
-            "                                     pin_memory=True, prefetch_factor=4, persistent_workers=True)",
+            "def background_loader(dataset, batch_size):  # your dataset and batch size; iterate it as before\n"
+            "    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=4, pin_memory=True,\n"
+            "                                       prefetch_factor=4, persistent_workers=True)",
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - outside, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(ranks),
