@@ -681,3 +681,41 @@ def test_memory_fallback_from_step_records():
     assert E.peak_bytes(ctx) == 50 * MiB
     assert E.capacity_bytes(ctx) == 48 * MiB
     assert E.memory_units(ctx)["layers.0"].activation_bytes == 10 * MiB
+
+
+def test_data_wait_leaves_the_grad_norm_logs_collectives_to_step_comm():
+    """A grad-norm log's full_tensor() per parameter, between backward and optimizer.step(): 14 ms of
+    collectives inside the 34 ms outside the model. optim.step_comm claims the 14 ms; jitter.data_wait the 20 ms
+    left, so the two predicted gains add up to the outside time once."""
+    ph = {"forward": 34.0, "backward": 26.0, "optimizer": 16.0, "outside": 34.0, "gc": 0.0}
+    ov = {"per_rank": {r: {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                           "steps": [6, 7], "device": "cpu"} for r in ("0", "1")},
+          "per_unit": [{"rank": r, "unit": "(other)", "collective": "all_gather", "phase": None, "count": 106,
+                        "comm_us": 30_000.0, "exposed_us": 28_000.0} for r in (0, 1)]}
+    ctx, _ = build(phases=ph, overlap=ov)
+    (comm,) = run_rule("optim.step_comm", ctx)
+    (wait,) = run_rule("jitter.data_wait", ctx)
+    assert wait.evidence["outside_ms_p50"] == pytest.approx(20.0)
+    assert wait.evidence["collectives_outside_fsdp_ms"] == pytest.approx(14.0)
+    gain = lambda f: f.predicted["step_ms_before"] - f.predicted["step_ms_after"]  # noqa: E731
+    assert gain(comm) + gain(wait) == pytest.approx(34.0)
+    # the collectives are all of it: no data-loading finding at all
+    ov["per_unit"] = [{**row, "exposed_us": 60_000.0} for row in ov["per_unit"]]
+    assert run_rule("jitter.data_wait", build(phases=ph, overlap=ov)[0]) == []
+
+
+def test_gc_needs_a_pattern_not_one_collection():
+    """One 200 ms collection in 16 steps of 110 ms is 11% of the time but no pattern: quiet. The same time spread
+    over the steps is one."""
+    def steps_ctx(pauses):
+        ctx, _ = build()
+        st = ctx.report.steps.per_rank["0"]
+        st.gc_ms_total = float(sum(pauses))
+        st.gc_count_total = sum(1 for p in pauses if p)
+        steps = [SimpleNamespace(step=i + 1, profiled=False, gc_ms=p) for i, p in enumerate(pauses)]
+        ctx.run.ranks = {0: SimpleNamespace(steps=steps)}
+        return ctx
+
+    assert run_rule("jitter.gc", steps_ctx([0.0] * 15 + [200.0])) == []
+    (f,) = run_rule("jitter.gc", steps_ctx([12.5] * 16))
+    assert f.evidence["largest_pause_ms"] == 12.5

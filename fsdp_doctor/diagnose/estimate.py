@@ -222,6 +222,16 @@ def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]
     return out
 
 
+# the trace engine's label for collectives no FSDP unit issued (optimizer step, gradient clipping, metrics)
+OTHER_UNIT = "(other)"
+
+
+def other_comm_exposed_ms(ctx: Context, rank) -> float:
+    """Exposed ms per step of the collectives no FSDP unit issued on ``rank`` (optim.step_comm's figure): host
+    time outside the model that is communication, not data loading."""
+    return sum(r.exposed_ms_per_step for r in trace_rows(ctx) if r.unit == OTHER_UNIT and str(r.rank) == str(rank))
+
+
 def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[tuple[str, str], float]:
     """Exposed ms per step per (unit, phase), the median over ranks."""
     acc: dict[tuple[str, str], list[float]] = {}

@@ -74,13 +74,11 @@ def _largest_pause_ms(ctx: Context, rank: int) -> float:
     return max((s.gc_ms for s in usable_steps(rd.steps)), default=0.0) if rd is not None else 0.0
 
 
-def _outside_ms(st: StepStats) -> float:
-    """A rank's median time outside the model (between optimizer.step() and the next forward) without GC."""
-    return st.phases_p50_ms["outside"] - st.phases_p50_ms["gc"]
-
-
-def _outside_share(st: StepStats) -> float:
-    return _outside_ms(st) / st.p50_ms
+def _outside_ms(ctx: Context, rank, st: StepStats) -> float:
+    """A rank's median time outside the model (between optimizer.step() and the next forward) without GC and
+    without the collectives no FSDP unit issued there (a grad-norm log's full_tensor() per parameter, a loss
+    all-reduce): those are optim.step_comm's, from the trace, and their gain is counted there once."""
+    return max(0.0, st.phases_p50_ms["outside"] - st.phases_p50_ms["gc"] - E.other_comm_exposed_ms(ctx, rank))
 
 
 @register
@@ -91,14 +89,16 @@ class DataWait(Rule):
 
     def match(self, ctx: Context):
         steps = E.steps(ctx)
-        shares = {int(r): _outside_share(st) for r, st in steps.per_rank.items() if st.count and st.p50_ms}
+        shares = {int(r): _outside_ms(ctx, r, st) / st.p50_ms for r, st in steps.per_rank.items()
+                  if st.count and st.p50_ms}
         if not shares:
             return []
         rank = max(shares, key=shares.get)  # the first of equal shares
         share, st = shares[rank], steps.per_rank[str(rank)]
         if share < OUTSIDE_SHARE_MIN:
             return []
-        outside = _outside_ms(st)
+        outside = _outside_ms(ctx, rank, st)
+        comm = E.other_comm_exposed_ms(ctx, rank)
         ranks = [r for r, sh in shares.items() if sh >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:
@@ -108,6 +108,7 @@ class DataWait(Rule):
             "warning",
             f"{100 * share:.0f}% of each step is spent outside the model (data loading or user code)",
             {"outside_ms_p50": round(outside, 3), "step_p50_ms": p50, "outside_share_pct": round(100 * share, 1),
+             "collectives_outside_fsdp_ms": round(comm, 3),  # left to optim.step_comm, not counted here
              "forward_ms_p50": st.phases_p50_ms["forward"], "backward_ms_p50": st.phases_p50_ms["backward"]},
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
             "workers with pinned memory and prefetching, and move host-side work (logging, metrics, .item() "
