@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
+from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING
 
 STEPS = 10
 SEQ = 32
@@ -408,7 +409,7 @@ def run_scenario(spec_path: Path) -> dict:
     if len(mesh.shape) > 1:  # HSDP: replicate over the first dimension, shard over the second
         mesh = init_device_mesh("cpu", tuple(spec["mesh"]), mesh_dim_names=("replicate", "shard"))
     model = BUILD[client]()
-    if snippet and "replaces your fully_shard calls" in snippet:
+    if snippet and BEFORE_SHARDING in snippet:
         ns = {"model": model}
         exec(compile(snippet, "<fix>", "exec"), ns)
         model = ns["model"]
@@ -432,8 +433,6 @@ def run_scenario(spec_path: Path) -> dict:
             doctor.step()
             losses.append(loss.item())
     return {"losses": losses}
-# a snippet that shards or checkpoints is pasted where the user builds the model: it gets the model unsharded
-_BEFORE_SHARDING = ("fully_shard(", "apply_activation_checkpointing(", "build_model(")
 
 
 def run_snippets(spec_path: Path) -> dict:
@@ -450,7 +449,7 @@ def run_snippets(spec_path: Path) -> dict:
             continue
         try:
             model = BUILD[client]()
-            if not any(k in snippet for k in _BEFORE_SHARDING):
+            if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD[client](model, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
             # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses

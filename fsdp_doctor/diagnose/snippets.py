@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 ROOT = "model"
+#: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
+#: checkpoint wrappers); every other snippet acts on the sharded model
+BEFORE_SHARDING = "apply to the unsharded model"
 #: display labels of the root unit (trace rows, evidence): the module they name is the model itself
 ROOT_LABELS = ("", "(root)")
 
@@ -188,7 +191,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
     in the root: FSDP refuses a parameter another unit manages), the root last. Each unit keeps the options
     the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all."""
-    lines = [f"# {note}" if note else "# replaces your fully_shard calls (apply to the unsharded model)"]
+    lines = [f"# {note or 'replaces your fully_shard calls'} ({BEFORE_SHARDING})"]
     mp = mp_line or _mp_line(t.units)
     if mp:
         lines.append(mp)

@@ -117,7 +117,7 @@ class TooFine(Rule):
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
         code = S.shard_plan(S.tree(ctx), note=f"whole blocks instead of their leaves ({len(us)} units -> "
-                            f"~{len(groups)}); replaces your fully_shard calls (apply to the unsharded model)")
+                            f"~{len(groups)}); replaces your fully_shard calls")
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
@@ -253,6 +253,7 @@ class MixedDtypeUnit(Rule):
                 f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
                 "weights stay as they are, trainable ones keep their dtype for the optimizer); or give the "
                 "odd-dtype parameters a unit of their own.",
+                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a MixedPrecisionPolicy\n"
                 f"fully_shard({S.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
                 f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
                 f"                                           output_dtype=torch.{wide}))  # what the next units expect",
