@@ -72,6 +72,14 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # there (no graph break), so the unit's timings are not recorded
     compiled_in_place: bool = False
     parent: str | None = None  # name of the enclosing unit
+    # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
+    # (the root's embeddings, final norm and head; a whole-model unit's blocks)
+    own_modules: list[str] = []
+    # of those, modules sharing a parameter with another module (a tied embedding and output head)
+    tied_modules: list[str] = []
+    # ranks each parameter is sharded over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP
+    # mesh); None: not read
+    shard_size: int | None = None
 
     #: what a reader assumes for the fields every snapshot writes, where a report row lacks one or has None
     READER_DEFAULTS: ClassVar[dict[str, Any]] = {

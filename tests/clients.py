@@ -13,8 +13,13 @@ Clients:
                2x2 HSDP mesh (4 ranks), bf16 params / fp32 reduce, frozen bf16 weights beside trainable fp32
                ones, and a trainable parameter passed as ``ignored_params``.
 
+  scenario     one planted problem on one of the models (the reference GPT, an HF Llama built from a tiny
+               ``LlamaConfig``, a torchvision-style ResNet), trained with the doctor; with a fix snippet, the
+               snippet applied where the user would paste it (tests/test_fixes_applied.py).
+
 Usage: python tests/clients.py CLIENT RANK WORLD PORT OUT_DIR
        python tests/clients.py snippets 0 1 PORT SPEC.json   (runs fix snippets: [[client, code, snippet], ...])
+       python tests/clients.py scenario RANK WORLD PORT SPEC.json   ({"model", "shard", "out_dir", "snippet"...})
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
+from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING
 
 STEPS = 10
 SEQ = 32
@@ -290,14 +296,143 @@ def shard_gpt(model, mesh):
     return apply_fsdp(model, WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512), mesh)
 
 
+def hf_llama(checkpointing: bool = False):
+    """A Hugging Face LlamaForCausalLM from a tiny config (no download): model.model.embed_tokens,
+    model.model.layers.N, model.model.norm, lm_head (untied)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    if checkpointing:  # HF's own: each decoder layer checkpointed whole
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + self.down(x))
+
+
+class ResNet(nn.Module):
+    """torchvision's layout, small: stem, layer1..layer3 (two BasicBlocks each), norm, fc."""
+
+    def __init__(self, width: int = 16, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        chans = [width, width, 2 * width, 4 * width]
+        for i in range(1, 4):
+            setattr(self, f"layer{i}", nn.Sequential(BasicBlock(chans[i - 1], chans[i], 1 if i == 1 else 2),
+                                                     BasicBlock(chans[i], chans[i])))
+        self.norm = nn.BatchNorm2d(chans[3])
+        self.fc = nn.Linear(chans[3], classes)
+
+    def forward(self, x):
+        h = self.layer3(self.layer2(self.layer1(self.stem(x))))
+        return self.fc(F.adaptive_avg_pool2d(self.norm(h), 1).flatten(1))
+
+
+def resnet():
+    torch.manual_seed(0)
+    return ResNet()
+
+
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
-         "llama": llama, "gpt": gpt}
+         "llama": llama, "gpt": gpt, "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
+         "resnet": resnet}
+
+
+def _blocks(model):
+    """Every repeated block of the model, as its user wraps them."""
+    if isinstance(model, ResNet):
+        return [b for i in range(1, 4) for b in getattr(model, f"layer{i}")]
+    layers = model.model.layers if hasattr(model, "model") else model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def shard_blocks_only(model, mesh):
+    """The blocks and the root: embeddings, final norm and head stay in the root."""
+    for b in _blocks(model):
+        fully_shard(b, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
-         "gpt": shard_gpt}
-VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512}
-# a snippet that shards or checkpoints is pasted where the user builds the model: it gets the model unsharded
-_BEFORE_SHARDING = ("fully_shard(", "apply_activation_checkpointing(", "build_model(")
+         "gpt": shard_gpt, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
+         "resnet": shard_blocks_only}
+VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "hf_llama": 512, "hf_llama_ckpt": 512}
+
+
+def loss_of(model, client: str, step: int, rank: int):
+    """The user's loss on a deterministic batch of this step and rank."""
+    if client == "resnet":
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+        return F.cross_entropy(model(x), y)
+    tok, tgt = batch(step, VOCAB[client], rank)
+    out = model(tok)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
+
+
+def shard_no_root(model, mesh):
+    """The blocks only: fully_shard never applied to the root."""
+    for b in _blocks(model):
+        fully_shard(b, mesh=mesh)
+    return model
+
+
+# the user's sharding in each scenario (the planted problem)
+SCENARIO_SHARD = {"blocks_only": shard_blocks_only, "whole": lambda m, mesh: fully_shard(m, mesh=mesh),
+                  "no_root": shard_no_root}
+
+
+def run_scenario(spec_path: Path) -> dict:
+    """Trains one scenario with the doctor (spec: model, shard, mesh, steps, out_dir, watch, snippet). A fix
+    snippet is applied where its user pastes it: a sharding plan ("replaces your fully_shard calls") instead of
+    the scenario's sharding; a one-line addition after it; one that rebuilds the optimizer after that."""
+    spec = json.loads(Path(spec_path).read_text())
+    client, snippet = spec["model"], spec.get("snippet") or ""
+    mesh = init_device_mesh("cpu", tuple(spec.get("mesh") or (dist.get_world_size(),)))
+    if len(mesh.shape) > 1:  # HSDP: replicate over the first dimension, shard over the second
+        mesh = init_device_mesh("cpu", tuple(spec["mesh"]), mesh_dim_names=("replicate", "shard"))
+    model = BUILD[client]()
+    if snippet and BEFORE_SHARDING in snippet:
+        ns = {"model": model}
+        exec(compile(snippet, "<fix>", "exec"), ns)
+        model = ns["model"]
+    else:
+        model = SCENARIO_SHARD[spec["shard"]](model, mesh)
+        if snippet and "optimizer = " not in snippet:
+            ns = {"model": model}
+            exec(compile(snippet, "<fix>", "exec"), ns)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if snippet and "optimizer = " in snippet:
+        ns = {"model": model, "optimizer": opt}
+        exec(compile(snippet, "<fix>", "exec"), ns)
+        opt = ns["optimizer"]
+    losses = []
+    with fsdp_doctor.watch(model, opt, out_dir=spec["out_dir"], overwrite=True, **spec.get("watch", {})) as doctor:
+        for step in range(spec.get("steps", 6)):
+            loss = loss_of(model, client, step, dist.get_rank())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+            losses.append(loss.item())
+    return {"losses": losses}
 
 
 def run_snippets(spec_path: Path) -> dict:
@@ -314,23 +449,24 @@ def run_snippets(spec_path: Path) -> dict:
             continue
         try:
             model = BUILD[client]()
-            if not any(k in snippet for k in _BEFORE_SHARDING):
+            if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD[client](model, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-            ns = {"model": model, "mesh": mesh, "torch": torch, "nn": nn, "dist": dist, "fully_shard": fully_shard,
-                  "MixedPrecisionPolicy": MixedPrecisionPolicy, "build_model": BUILD[client], "lr": 1e-3,
-                  "optimizer": opt, "step": 0, "loss_sum": torch.zeros(()),
-                  # the user's own data: jitter.data_wait's fix builds a DataLoader over it
-                  "dataset": torch.utils.data.TensorDataset(torch.zeros(8, 4)), "bs": 4}
+            # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses
+            ns = {"model": model, "optimizer": opt}
             exec(compile(snippet, f"<{finding_code} fix>", "exec"), ns)
             model = ns["model"]
             if not isinstance(model, FSDPModule):
                 fully_shard(model, mesh=mesh)  # a snippet that only prepares the model: the user shards next
-            tok, tgt = batch(0, VOCAB[client], 0)
-            F.cross_entropy(model(tok).float().flatten(0, 1), tgt.flatten()).backward()
+            loss_of(model, client, 0, 0).backward()
             out.append([client, finding_code, "ok"])
         except Exception as e:  # noqa: BLE001 - reported per snippet
             out.append([client, finding_code, f"{type(e).__name__}: {e}".splitlines()[0][:300]])
+        finally:  # jitter.gc's fix freezes and disables the collector: the next snippet starts as the user would
+            import gc
+
+            gc.unfreeze()
+            gc.enable()
     return {"results": out}
 
 
@@ -340,7 +476,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        res = run_snippets(out) if client == "snippets" else CLIENTS[client](out)
+        res = (run_snippets(out) if client == "snippets" else run_scenario(out) if client == "scenario"
+               else CLIENTS[client](out))
     finally:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(res), flush=True)

@@ -11,6 +11,7 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 
 from ..report_sections import Finding, Recommendation, Report, RuleStatus
 from ..store import Run
+from .snippets import complete
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -135,8 +136,9 @@ class Rule:
 
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", **kw) -> Finding:
         assert severity in SEVERITIES, severity
+        # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence,
-                       recommendation=Recommendation(text=text, code=code), **kw)
+                       recommendation=Recommendation(text=text, code=complete(code)), **kw)
 
     @classmethod
     def status(cls, status: str, reason: str, findings: int = 0) -> RuleStatus:

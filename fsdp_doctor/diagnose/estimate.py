@@ -9,7 +9,6 @@ leaves that side of its prediction empty rather than guessing.
 
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Iterable, Optional
 
@@ -211,6 +210,16 @@ def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]
     return [r for r in overlap(ctx).per_unit if collective is None or r.collective == collective]
 
 
+# the trace engine's label for collectives no FSDP unit issued (optimizer step, gradient clipping, metrics)
+OTHER_UNIT = "(other)"
+
+
+def other_comm_exposed_ms(ctx: Context, rank) -> float:
+    """Exposed ms per step of the collectives no FSDP unit issued on ``rank`` (optim.step_comm's figure): host
+    time outside the model that is communication, not data loading."""
+    return sum(r.exposed_ms_per_step for r in trace_rows(ctx) if r.unit == OTHER_UNIT and str(r.rank) == str(rank))
+
+
 def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[tuple[str, str], float]:
     """Exposed ms per step per (unit, phase), the median over ranks."""
     acc: dict[tuple[str, str], list[float]] = {}
@@ -267,65 +276,8 @@ def compute_fwd_ms(u: Unit) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- code names
-_CKPT = "._checkpoint_wrapped_module"
-_IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def strip_ckpt(fqn: str) -> str:
-    return fqn.replace(_CKPT, "").replace("_checkpoint_wrapped_module.", "")
-
-
-def module_expr(fqn: str, root: str = "model") -> str:
-    """Python expression for a module fqn: "layers.0.attn" -> ``model.get_submodule('layers.0.attn')``,
-    "norm" -> ``model.norm``; "" -> ``model``."""
-    if not fqn:
-        return root
-    if all(part.isidentifier() for part in fqn.split(".")):
-        return f"{root}.{fqn}"
-    # a numbered child: get_submodule works for ModuleList and ModuleDict alike (model.layers[0] fails on a
-    # ModuleDict, whose keys are strings, as torchtitan's llama has)
-    return f"{root}.get_submodule({fqn!r})"
-
-
-def root_last(us: list[Unit]) -> list[Unit]:
-    """Units in the order fully_shard must be applied: nested ones first, the root last."""
-    return sorted(us, key=lambda u: u.is_root)
-
-
-def children_expr(fqn: str, root: str = "model") -> str:
-    """Code iterating a block container's modules: ``model.layers.children()`` (iterating a ModuleDict itself
-    would give its keys)."""
-    return f"{module_expr(fqn, root)}.children()"
-
-
-def unit_expr(u: UnitConfig, root: str = "model") -> str:
-    """The unit's module(s) as code: ``model.norm``, or a list for a grouped unit."""
-    exprs = [module_expr(m, root) for m in (u.modules or [u.name])]
-    return exprs[0] if len(exprs) == 1 else "[" + ", ".join(exprs) + "]"
-
-
-def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
-    """Repeated-block containers among module names: {"layers": [0, 1, 2, 3]} for "layers.0.attn.qkv", ..."""
-    out: dict[str, set[int]] = {}
-    for n in names:
-        m = _IDX.match(strip_ckpt(n))
-        if m:
-            out.setdefault(m.group(1), set()).add(int(m.group(2)))
-    return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
-
-
-def blocks_expr(ctx: Context, default: str = "model.layers.children()") -> str:
-    """Iteration over the model's repeated blocks as code (``model.layers.children()``), from the unit names."""
-    blocks = block_containers(m for u in units(ctx) for m in u.modules)
-    if not blocks:
-        return default
-    return children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0])
-
-
-def block_of(name: str) -> Optional[str]:
-    """The repeated block a module belongs to: "layers.2.mlp.fc1" -> "layers.2"."""
-    m = _IDX.match(strip_ckpt(name))
-    return f"{m.group(1)}.{m.group(2)}" if m else None
+# the module tree as code lives in diagnose/snippets.py (the one writer of snippets); re-exported for evidence
+from .snippets import block_containers, block_of, module_expr, strip_ckpt, unit_expr  # noqa: E402,F401
 
 
 def fmt_list(items: list[str], n: int = 6) -> str:

@@ -227,12 +227,17 @@ class StepTimer:
         for idx, ids in sorted(self._child_seen.items()):
             if idx in self._runtime_ckpt:
                 continue
+            unit_mods = {id(m) for v in self._units for m in v.modules}
+            direct = {id(c) for m in self._units[idx].modules for c in m.children() if id(c) not in unit_mods}
+            whole = bool(direct) and direct <= ids  # every child re-ran: the unit's forward is checkpointed
             for i in ids:
                 _, m, parent = self._child_owner[i]
                 if parent not in ids:  # outermost: its parent did not re-run
                     self._handles.append(m.register_forward_pre_hook(self._mk(self._child_pre, idx)))
                     self._handles.append(m.register_forward_hook(self._mk(self._child_post, idx)))
-            self.checkpointed_children.add(idx)
+            # HF's GradientCheckpointingLayer checkpoints the layer's forward with its hooks outside: the whole
+            # unit is recomputed ("unit"), not some of its children (checkpoint(self.mlp, h): "children")
+            (self._runtime_ckpt if whole else self.checkpointed_children).add(idx)
         self._child_owner.clear()
         self._child_seen.clear()
 

@@ -166,8 +166,9 @@ def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
 def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown")."""
     names = {id(u.state): u.name for u in units}
+    owns, tied = _own_modules(units)
     out = []
-    for u in units:
+    for u, own in zip(units, owns):
         pgs = F2.param_groups(u.state)
         known = pgs is not None
         pgs = pgs or []
@@ -208,9 +209,53 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,
+                own_modules=own,
+                tied_modules=[n for n in own if n in tied],
+                shard_size=_shard_size(fps),
             )
         )
     return out
+
+
+def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str]]:
+    """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out), and
+    the fqns of modules sharing a parameter with another module (tied weights). Public module API only."""
+    unit_mods = {id(m) for u in units for m in u.modules}
+    holders: dict[int, list[str]] = {}
+    out = []
+    for u in units:
+        own: list[str] = []
+        for base, top in zip(u.module_names, u.modules):
+            stack = [(base, top)]
+            while stack:
+                fqn, m = stack.pop()
+                if any(True for _ in m.parameters(recurse=False)):
+                    own.append(fqn)
+                    for p in m.parameters(recurse=False):
+                        holders.setdefault(id(p), []).append(fqn)
+                kids = [(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children() if id(c) not in unit_mods]
+                stack.extend(reversed(kids))
+        out.append(own)
+    tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
+    return out, tied
+
+
+def _shard_size(fps) -> int | None:
+    """Ranks a unit's parameters are sharded over, from the sharded DTensor's mesh and placements."""
+    for fp in fps:
+        sp = F2.sharded_param(fp)
+        mesh, places = getattr(sp, "device_mesh", None), getattr(sp, "placements", None)
+        if mesh is None or places is None:
+            continue
+        try:
+            size = 1
+            for dim, pl in enumerate(places):
+                if pl.is_shard():
+                    size *= mesh.size(dim)
+            return size
+        except Exception:  # noqa: BLE001 - a DTensor layout this code does not know: unknown
+            return None
+    return None
 
 
 def managed_param_ids(units: list[Unit]) -> set[int]:

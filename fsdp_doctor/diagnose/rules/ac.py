@@ -4,6 +4,7 @@ memory is ample, and applied at the wrong granularity (a block's children instea
 from __future__ import annotations
 
 from .. import estimate as E
+from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
 
@@ -23,7 +24,7 @@ _APPLY = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper impo
 
 def _ckpt_code(names: list[str]) -> str:
     targets = ", ".join(f'"{n}"' for n in names[:12]) + (", ..." if len(names) > 12 else "")
-    return (_APPLY + "# before fully_shard: checkpoint whole blocks\n"
+    return (_APPLY + f"# before fully_shard ({S.BEFORE_SHARDING}): checkpoint whole blocks\n"
             f"targets = {{model.get_submodule(n) for n in ({targets},)}}\n"
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
             "                               check_fn=lambda m: m in targets)")
@@ -137,7 +138,7 @@ class AcUnneeded(Rule):
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward (~{recompute:.1f} ms per "
             f"step) to save memory this run does not need: the peak is {E.mib(peak)} MiB of {E.mib(cap)} MiB. "
             "Turn it off (or checkpoint only every other block) and spend the headroom on speed.",
-            "# build the model without apply_activation_checkpointing / checkpoint_wrapper on\n"
+            f"# {S.BEFORE_SHARDING}: build the model without apply_activation_checkpointing / checkpoint_wrapper on\n"
             f"#   {E.fmt_list(mods, 8)}\n"
             "# or keep it on every other block only:\n"
             + _APPLY + f"targets = {{model.get_submodule(n) for n in {tuple(mods[::2])!r}}}\n"

@@ -14,6 +14,7 @@ import statistics
 from typing import NamedTuple, Optional
 
 from .. import estimate as E
+from .. import snippets as S
 from ...units import fmt_bytes
 from ..base import Context, Rule, register
 from ..estimate import GLOO_QUIET, breakdown_ms, per_step, trace_device, trace_step_ms, trace_verdicts  # noqa: F401
@@ -74,44 +75,21 @@ class TraceRule(Rule):
         return rows, step
 
 
-def reshard_snippet(ctx: Context, unit_names, kwargs: str = "", prelude: tuple[str, ...] = (),
-                    comment: str = "each an FSDP unit") -> str:
-    """A runnable fix that applies ``fully_shard(..., mesh=mesh{kwargs})`` to the run's units, named from the
-    units the run has (the trace's unit labels and the unit snapshot when there is one): a repeated-block
-    container is looped over (``model.layers.children()``), other units are named one by one, the root last."""
-    names = sorted({n for n in unit_names if n is not None} | {u.name for u in E.param_units(ctx)})
-    mods = [m for n in names for m in n.split(", ") if m]
-    containers = E.block_containers(mods)
-    lines = list(prelude)
-    for c in containers:
-        lines += [f"for block in {E.children_expr(c)}:  # {comment}",
-                  f"    fully_shard(block, mesh=mesh{kwargs})"]
-    in_container = {f"{c}.{i}" for c, idx in containers.items() for i in idx}
-    for n in names:
-        members = [m for m in n.split(", ") if m]
-        if members and not any(m in in_container for m in members):
-            expr = E.module_expr(members[0]) if len(members) == 1 else "[" + ", ".join(map(E.module_expr, members)) + "]"
-            lines.append(f"fully_shard({expr}, mesh=mesh{kwargs})")
-    lines.append(f"fully_shard(model, mesh=mesh{kwargs})  # the root last")
-    return "\n".join(lines)
+def reshard_snippet(ctx: Context, kwargs: str = "", prelude: tuple[str, ...] = (), mp_line=None) -> str:
+    """The run's sharding (diagnose/snippets.py: every block of every container, the other units as the run
+    had them, the root last) with ``kwargs`` added to every fully_shard call."""
+    return "\n".join(list(prelude) + [S.shard_plan(S.tree(ctx), extra_kwargs=kwargs, mp_line=mp_line)])
 
 
-def group_snippet(ctx: Context, unit_names) -> str:
-    """A runnable fix grouping consecutive blocks of the run's largest block container into one unit each."""
-    names = {n for n in unit_names if n is not None} | {u.name for u in E.param_units(ctx)}
-    containers = E.block_containers([m for n in names for m in n.split(", ") if m])
-    cont = max(containers.items(), key=lambda kv: len(kv[1]))[0] if containers else "layers"
-    return (f"blocks = list({E.children_expr(cont)})\n"
-            f"for i in range(0, len(blocks), {GROUP_FACTOR}):  # {GROUP_FACTOR} consecutive blocks per FSDP unit\n"
-            "    fully_shard(blocks[i:i + " + str(GROUP_FACTOR) + "], mesh=mesh)\n"
-            "fully_shard(model, mesh=mesh)  # the root last")
+def group_snippet(ctx: Context) -> str:
+    """The run's sharding with GROUP_FACTOR consecutive blocks of every container in one unit."""
+    return S.shard_plan(S.tree(ctx), group=GROUP_FACTOR)
 
 
-def _mp_snippet(ctx: Context, unit_names) -> str:
+def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
     """16-bit parameters and reductions for every unit."""
-    return reshard_snippet(ctx, unit_names, ", mp_policy=mp", (
-        "from torch.distributed.fsdp import MixedPrecisionPolicy",
-        "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)"))
+    return reshard_snippet(ctx, ", mp_policy=mp", prelude,
+                           "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)")
 
 
 @register
@@ -151,7 +129,7 @@ class ExposedReduceScatter(TraceRule):
             "but the optimizer. Halve their bytes with a 16-bit reduce dtype, and keep the first unit small "
             "(its reduce-scatter is always exposed); with gradient accumulation, skip the reduce-scatter on all "
             "but the last micro-batch.",
-            _mp_snippet(ctx, [r.unit for r in rows])
+            _mp_snippet(ctx)
             + "\n# gradient accumulation: model.set_requires_gradient_sync(is_last_microbatch)",
             predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32_exposed_ms(rows) if fp32_exposed_ms(rows)
                                   else None),
@@ -217,13 +195,13 @@ class CommunicationBound(TraceRule):
             text = ("Most exposed communication is in small messages (< 1 MiB), where NCCL is latency-bound and "
                     "reaches a fraction of the link's bandwidth: fewer, larger collectives (larger FSDP units) "
                     "move the same bytes in less time.")
-            code = group_snippet(ctx, [r.unit for r in rows])
+            code = group_snippet(ctx)
         else:
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
                     "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
                     "reduces across nodes), or give each byte more compute (a larger micro-batch per rank).")
-            code = ("# HSDP: mesh = init_device_mesh('cuda', (nodes, gpus_per_node), "
-                    "mesh_dim_names=('replicate', 'shard'))\n" + _mp_snippet(ctx, [r.unit for r in rows]))
+            code = _mp_snippet(ctx, ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh('cuda', (nodes, "
+                                     "gpus_per_node), mesh_dim_names=('replicate', 'shard'))",))
         sh = job.shares_pct
         fp32 = 0.0 if latency_bound else fp32_exposed_ms(rows)
         return [self.finding(
@@ -278,7 +256,7 @@ class SmallCollectives(TraceRule):
             "each: every call pays NCCL's fixed latency and none reaches the link's bandwidth, and each unit's "
             "compute is too short to hide the next call. Wrap coarser: group consecutive blocks so that each "
             "all-gather moves tens of MiB (this is wrap.too_fine, seen from the trace).",
-            group_snippet(ctx, units),
+            group_snippet(ctx),
             predicted=E.predicted(step, None), units=units[:10])]
 
 
@@ -310,10 +288,9 @@ class NcclOnComputeStream(TraceRule):
             "streams; collectives on the compute stream come from code that calls torch.distributed directly "
             "with the current stream (a loss or metric all-reduce, gradient-norm clipping, a custom sync). Issue "
             "them with async_op=True and wait only where the result is used, or move them out of the step.",
-            "# e.g. a loss or metric all-reduce: issue it without blocking, wait where the value is read\n"
-            "work = dist.all_reduce(loss_sum, async_op=True)\n"
-            "...  # compute that does not need loss_sum\n"
-            "work.wait()",
+            "def reduce_async(metric):  # a loss or metric all-reduce issued without blocking the step\n"
+            "    out = metric.detach().clone()\n"
+            "    return out, dist.all_reduce(out, async_op=True)  # call .wait() on the work where out is read",
             predicted=E.predicted(step, None), ranks=sorted(int(r) for r in bad))]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...report_sections import Copies
 from .. import estimate as E
+from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
 
@@ -78,9 +79,8 @@ class OffloadCostly(Rule):
             f"and {exposed:.1f} ms of those copies are not hidden by compute. Keeping the "
             f"{E.mib(host)} MiB of offloaded state on the device still leaves the peak under "
             f"{100 * OFFLOAD_FITS_SHARE:.0f}% of capacity: drop the offload policy.",
-            "from torch.distributed.fsdp import fully_shard\n"
-            + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh)  # no offload_policy: the state stays on the device"
-                        for u in E.root_last(off)),
+            S.shard_plan(S.tree(ctx), drop=("offload_policy",),
+                         note="no offload_policy: the state stays on the device; replaces your fully_shard calls"),
             predicted=E.predicted(step, step - exposed, peak, peak + host if peak is not None else None),
             units=[u.name for u in off])]
 
@@ -99,7 +99,6 @@ class OffloadCostly(Rule):
         if ms / step < OFFLOAD_COSTLY_SHARE:
             return []
         cp = E.overlap(ctx).copies.get(worst) or Copies()
-        from .comm import reshard_snippet
         per_step = E.per_step
 
         return [self.finding(
@@ -113,8 +112,8 @@ class OffloadCostly(Rule):
             "copied out after each reduce-scatter. If the sharded parameters, gradients and optimizer state fit "
             "on the device (check with `fsdp-doctor` memory records, or torch.cuda.max_memory_allocated), drop "
             "the offload policy; if they do not, pin the host memory (the default) so copies can overlap.",
-            reshard_snippet(ctx, [r.unit for r in E.trace_rows(ctx)],
-                            comment="no offload_policy: the state stays on the device"),
+            S.shard_plan(S.tree(ctx), drop=("offload_policy",),
+                         note="no offload_policy: the state stays on the device; replaces your fully_shard calls"),
             predicted=E.predicted(step, step - ms), ranks=[int(worst)])]
 
 
@@ -140,9 +139,6 @@ class OffloadRecommended(Rule):
         shard = sum(u.sharded_bytes for u in us)
         # per step: params host->device twice (forward and backward unshard), grads device->host once
         copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
-        blocks = E.block_containers(m for u in us for m in u.modules)
-        cont = (E.children_expr(max(blocks.items(), key=lambda kv: len(kv[1]))[0]) if blocks
-                else "model.layers.children()")
         return [self.finding(
             "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
                        f"peak at {100 * peak / cap:.0f}% of capacity",
@@ -154,10 +150,7 @@ class OffloadRecommended(Rule):
             "it on the host: parameters are copied in for each unshard, gradients out after each "
             "reduce-scatter, and the optimizer steps on the CPU (slow for large models: prefer more ranks "
             "or checkpointing first if they are an option).",
-            "from torch.distributed.fsdp import CPUOffloadPolicy\n"
-            f"for block in {cont}:\n"
-            "    fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))\n"
-            "fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True))",
+            S.shard_plan(S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)"),
             predicted=E.predicted(step, step + copy_ms if step is not None else None, peak, peak - state),
             units=[u.name for u in us])]
 
@@ -186,8 +179,6 @@ class OffloadUnpinned(Rule):
             "With CPUOffloadPolicy(pin_memory=False) the host copies of parameters and gradients are pageable: "
             "each transfer is staged through a driver buffer, cannot overlap with compute and runs at a "
             "fraction of the bandwidth. Pin them (the default).",
-            "from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard\n"
-            + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh,\n"
-                        "            offload_policy=CPUOffloadPolicy(pin_memory=True))" for u in E.root_last(bad)),
+            S.shard_plan(S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)"),
             predicted=E.predicted(step, step - saved if (step is not None and saved > 0) else None),
             units=[u.name for u in bad])]

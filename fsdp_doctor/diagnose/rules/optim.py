@@ -28,6 +28,16 @@ STATE_TIGHT_SHARE = 0.80
 # creates: Adam-family keep exp_avg and exp_avg_sq; SGD with momentum one buffer (assumed on).
 STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "sgd": 1, "rmsprop": 1,
                    "adagrad": 1}
+# Metric reductions off the per-step path (a loss all-reduce read with .item(), a grad-norm log): a helper the
+# user calls after optimizer.step() with their step counter and loss.
+METRICS_EVERY_CODE = """\
+LOG_EVERY = 50  # steps between metric reductions
+
+def log_loss(step, loss):  # after optimizer.step(): all-reduces and reads the loss every LOG_EVERY steps only
+    if step % LOG_EVERY == 0:
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)  # a sum (gloo has no AVG)
+        return avg.item() / dist.get_world_size()"""
 # FSDP's own collectives as the trace engine labels them; everything else came from user code.
 _OTHER_UNITS = ("(other)",)
 
@@ -69,9 +79,8 @@ class OptimizerBeforeShard(Rule):
             "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
             f"({E.mib(stale)} MiB per rank). Create the optimizer after sharding.",
-            "model = build_model()\n"
-            f"for block in {E.blocks_expr(ctx)}:\n    fully_shard(block, mesh=mesh)\nfully_shard(model, mesh=mesh)\n"
-            f"optimizer = torch.optim.{cfg.optimizer or 'AdamW'}(model.parameters(), lr=lr)  # after fully_shard",
+            "# after your fully_shard calls (the parameters are DTensors now): the same optimizer, rebuilt\n"
+            f"optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # {opt}, same hyper-parameters",
             predicted=E.predicted(step, None, peak, peak_after))]
 
 
@@ -135,9 +144,7 @@ class OptimizerStepComm(Rule):
                "foreach=True, or a few norm reductions): what remains is their exposure; log metrics every N "
                "steps, and on a GPU clip less often or overlap the metric reduction with the next step."),
             (("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)  # one batched reduction\n"
-              if per_tensor else "") +
-             "if step % 50 == 0:  # metrics off the per-step path\n"
-             "    dist.all_reduce(loss_sum)"),
+              if per_tensor else "") + METRICS_EVERY_CODE),
             predicted=E.predicted(step, step - worst.exposed_ms), ranks=[int(rank)])]
 
 

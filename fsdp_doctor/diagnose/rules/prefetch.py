@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from .. import estimate as E
+from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
 
@@ -38,25 +39,12 @@ LAST_UNIT_WARN_SHARE = 0.02
 
 
 def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) -> str:
-    us = [u for u in E.non_root(E.param_units(ctx))]
-    mods = {m for u in us if len(u.modules) == 1 for m in u.modules}
-    blocks = {c: idx for c, idx in E.block_containers(m for u in us for m in u.modules).items()
-              if all(f"{c}.{i}" in mods for i in idx)}  # containers whose children are units themselves
-    lines = []
-    if blocks:
-        cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-        lines.append(f"blocks = list({E.children_expr(cont)})  # each an FSDP unit")
-    elif len(us) <= 8:
-        lines.append("blocks = [" + ", ".join(E.module_expr(u.modules[0] if u.modules else u.name)
-                                          for u in us) + "]  # the units, in forward order")
-    else:
-        lines.append("from torch.distributed.fsdp import FSDPModule\n"
-                     "blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]")
-    lines.append("for i, block in enumerate(blocks):")
+    """Explicit prefetch, one unit ahead, over every unit of the run (on the sharded model)."""
+    lines = [S.unit_list(S.tree(ctx)), "for i, unit in enumerate(units):"]
     if forward:
-        lines.append("    if i + 1 < len(blocks):\n        block.set_modules_to_forward_prefetch([blocks[i + 1]])")
+        lines.append("    if i + 1 < len(units):\n        unit.set_modules_to_forward_prefetch([units[i + 1]])")
     if backward:
-        lines.append("    if i > 0:\n        block.set_modules_to_backward_prefetch([blocks[i - 1]])")
+        lines.append("    if i > 0:\n        unit.set_modules_to_backward_prefetch([units[i - 1]])")
     return "\n".join(lines)
 
 
@@ -157,18 +145,20 @@ class ExposedAllGather(Rule):
                      "when the unit is reached. Prefetch the next unit explicitly so that its all-gather runs "
                      "during the current unit's compute; if the backward waits dominate and memory allows, "
                      "reshard_after_forward=False on those units removes them.")
-        gains = ([f"~{saved:.1f} ms per step from forward prefetch"] if saved > 0 else []) + (
-            [f"~{saved_bwd:.1f} ms per step from reshard_after_forward=False (+{E.mib(added)} MiB)"] if saved_bwd > 0 else [])
-        if gains:
-            text += " Expected: " + ", ".join(gains) + "."
-            if cpu and saved <= 0:
-                text += " On gloo, forward prefetch alone gains nothing measurable (its threads share the cores)."
+        # the gain quoted is the snippet's (explicit prefetch); reshard_after_forward=False is another fix, with
+        # its own memory cost: named here, predicted by reshard.zero2_affordable
+        if saved > 0:
+            text += f" Expected from the snippet (explicit prefetch): ~{saved:.1f} ms per step."
         elif cpu:
             text += (" On gloo, prefetch gains nothing measurable (gloo's threads share the cores with compute): "
-                     "expect no step-time change from it alone.")
+                     "expect no step-time change from the snippet.")
+        if saved_bwd > 0:
+            text += (f" Separately, reshard_after_forward=False on the resharded units would remove up to "
+                     f"~{saved_bwd:.1f} ms of backward waits for +{E.mib(added)} MiB (reshard.zero2_affordable "
+                     "weighs it per unit against the memory budget).")
         if notes:
             text += " Note: " + "; ".join(notes) + "."
-        gain = saved + saved_bwd
+        gain = saved
         return [self.finding(
             sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
@@ -176,10 +166,11 @@ class ExposedAllGather(Rule):
              "worst_units": [f"{u.name or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": round(sum(trace.values()), 3) if trace else None,
              "measured_by": source,
-             "prefetch_overlap_assumed_pct": round(100 * eff), "expected_gain_ms": round(gain, 3)},
+             "prefetch_overlap_assumed_pct": round(100 * eff), "expected_gain_ms": round(gain, 3),
+             "reshard_after_forward_false_ms": round(saved_bwd, 3), "reshard_after_forward_false_bytes": added},
             text, _prefetch_code(ctx),
             # always a prediction, a zero gain included: "no change expected" is a prediction too
-            predicted=E.predicted(step, step - gain, peak, None if peak is None else peak + added),
+            predicted=E.predicted(step, step - gain, peak, peak),
             units=sorted({u.name for u, _, _ in rows[:6]}))]
 
 
@@ -212,14 +203,7 @@ class ExposedAllGather(Rule):
             v.step_ms * v.groups_pct["compute"] / 100 for v in verdicts.values()) if verdicts else 0.0
         saved = 0.0 if cpu else min(hideable, compute_ms) * PREFETCH_OVERLAP_GPU
         names = sorted({u for u, _, _ in rows})
-        blocks = E.block_containers(names)
-        if blocks:
-            cont, _ = max(blocks.items(), key=lambda kv: len(kv[1]))
-            code = f"blocks = list({E.children_expr(cont)})  # each an FSDP unit\n"
-        else:
-            code = "blocks = [" + ", ".join(E.module_expr(n) for n in names[:8] if n != "(root)") + "]\n"
-        code += ("for i, block in enumerate(blocks):\n    if i + 1 < len(blocks):\n"
-                 "        block.set_modules_to_forward_prefetch([blocks[i + 1]])")
+        code = _prefetch_code(ctx, backward=False)
         return [self.finding(
             sev, f"All-gathers stall compute for {total:.2f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
@@ -345,13 +329,8 @@ class LastUnitResharded(Rule):
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
         extra = last.unsharded_bytes  # FSDP2 keeps the sharded parameters while the unsharded ones live
         name = last.name or "(root)"
-        expr = E.unit_expr(last)
-        if len(last.modules) > 1:
-            code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"
-                    f"# or, after wrapping: {E.module_expr(last.modules[0])}.set_reshard_after_forward(False)")
-        else:
-            code = (f"fully_shard({expr}, mesh=mesh, reshard_after_forward=False)\n"
-                    f"# or, after wrapping: {expr}.set_reshard_after_forward(False)")
+        code = ("# on the sharded model (or pass reshard_after_forward=False to its fully_shard call)\n"
+                + S.set_on_units([last.name], "set_reshard_after_forward(False)"))
         return [self.finding(
             sev, f"Last unit {name!r} is resharded after forward and gathered again at once",
             {"unit": name, "unsharded_bytes": last.unsharded_bytes,

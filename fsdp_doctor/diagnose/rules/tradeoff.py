@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from .. import estimate as E
+from .. import snippets as S
 from ..base import Context, register
 from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
@@ -57,13 +58,10 @@ def _median(xs) -> Optional[float]:
 
 # ------------------------------------------------------------------------------------------------ ZeRO-2 vs 3
 def _unit_fix(us: list[E.Unit]) -> str:
-    names = [(u.modules[0] if u.modules else u.name) for u in us]
     head = ("# keep these units gathered from forward to backward (ZeRO-2 for them), best time saved per byte first;\n"
             "# or pass reshard_after_forward=False to their fully_shard calls\n")
-    if len(us) > ZERO2_LINES:
-        return (head + f"for name in {names!r}:\n"
-                "    model.get_submodule(name).set_reshard_after_forward(False, recurse=False)")
-    return head + "\n".join(f"{E.module_expr(n)}.set_reshard_after_forward(False, recurse=False)" for n in names)
+    return head + S.set_on_units([u.name for u in us], "set_reshard_after_forward(False, recurse=False)",
+                                 loop_over=ZERO2_LINES)
 
 
 @dataclass
@@ -214,7 +212,7 @@ def _comm_lever(ctx: Context, comm: float, groups: dict[str, float], compute_ms:
         # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
         return _Lever("fewer, larger units", comm * (1 - 1 / GROUP_FACTOR),
                       exposed + f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
-                      "group consecutive blocks into one FSDP unit", group_snippet(ctx, ()))
+                      "group consecutive blocks into one FSDP unit", group_snippet(ctx))
     overlapped = _median(pr.overlap_us / E.steps_in_windows(ctx, r) / 1e3 for r, pr in E.overlap(ctx).per_rank.items())
     hideable = max(0.0, compute_ms - (overlapped or 0.0))
     eff = PREFETCH_OVERLAP_GPU if E.on_gpu(ctx) else PREFETCH_OVERLAP_CPU
@@ -256,7 +254,7 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
                           f"({groups['host']:.0f}%)",
                           ("gc.freeze() after setup and scheduled collections (jitter.gc)" if gc else
                            "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')"),
-                          "" if gc else ("for block in " + E.blocks_expr(ctx) + ":\n    block.compile()"
+                          "" if gc else (S.unit_list(S.tree(ctx)) + "\nfor unit in units:\n    unit.compile()"
                                          "  # fused kernels; mode='reduce-overhead' adds CUDA graphs")))
     for group, lever, fix in (
             ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from .. import estimate as E
+from .. import snippets as S
 from ..base import Context, Rule, register
 
 # One unit holding at least this share of all parameters gathers most of the model at once: its
@@ -69,17 +70,8 @@ class TooCoarse(Rule):
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
         name = big.name or "(root)"
         whole = big.is_root and len(us) == 1
-        blocks = E.block_containers(m for u in E.units(ctx) for m in u.modules)
-        if blocks:
-            cont, idx = next(iter(blocks.items()))
-            loop = f"for block in {E.children_expr(cont)}:"
-        else:
-            loop = "for block in model.layers:  # your repeated blocks (transformer layers, ResNet stages, ...)"
-        code = (
-            "from torch.distributed.fsdp import fully_shard\n"
-            f"{loop}\n    fully_shard(block, mesh=mesh)\n"
-            "fully_shard(model, mesh=mesh)  # the root last: it keeps what no block holds"
-        )
+        # every block of every container (from the modules the coarse unit holds), the rest as the run had it
+        code = S.shard_plan(S.tree(ctx), root_leftovers=True)
         text = (f"Unit {name!r} holds {100 * share:.0f}% of the parameters, so FSDP gathers "
                 f"{E.mib(big.unsharded_bytes)} MiB in one all-gather with nothing to overlap it with "
                 + ("(the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
@@ -128,17 +120,8 @@ class TooFine(Rule):
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        blocks = E.block_containers(m for u in us for m in u.modules)
-        if blocks:
-            cont, _idx = next(iter(blocks.items()))
-            code = ("from torch.distributed.fsdp import fully_shard\n"
-                    f"# wrap whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})\n"
-                    f"for block in {E.children_expr(cont)}:\n    fully_shard(block, mesh=mesh)\n"
-                    "fully_shard(model, mesh=mesh)")
-        else:
-            code = ("from torch.distributed.fsdp import fully_shard\n"
-                    "for block in model.layers:  # your repeated blocks, not their Linear/Norm leaves\n"
-                    "    fully_shard(block, mesh=mesh)\nfully_shard(model, mesh=mesh)")
+        code = S.shard_plan(S.tree(ctx), note=f"whole blocks instead of their leaves ({len(us)} units -> "
+                            f"~{len(groups)}); replaces your fully_shard calls")
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
@@ -151,34 +134,6 @@ class TooFine(Rule):
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
             f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones.",
             code, predicted=E.predicted(step, step_after), units=[u.name for u in small[:20]])]
-
-
-# Runs on any model before fully_shard(model) (executed on every client model by tests/test_clients.py):
-# containers without a forward (ModuleList/ModuleDict) have their children wrapped instead; a module sharing a
-# parameter with another one (tied embedding and output head) or with a unit stays in the root, since FSDP
-# refuses a parameter "already managed" by another unit.
-_ROOT_CHILDREN_CODE = """\
-import collections
-import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
-
-def unwrapped_children(module):  # the parameter-holding children of the root that no unit manages yet
-    for child in module.children():
-        if isinstance(child, FSDPModule) or next(child.parameters(), None) is None:
-            continue
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward: wrap their children
-            yield from unwrapped_children(child)
-        else:
-            yield child
-
-todo = list(unwrapped_children(model))
-holders = collections.Counter(id(p) for m in todo for p in m.parameters())
-for child in todo:
-    if any(isinstance(p, DTensor) or holders[id(p)] > 1 for p in child.parameters()):
-        continue  # shares a parameter (tied embedding/output head) with another module: it stays in the root
-    fully_shard(child, mesh=mesh)
-fully_shard(model, mesh=mesh)  # the root last"""
 
 
 @register
@@ -201,12 +156,15 @@ class ParamsInRoot(Rule):
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
             return []
-        step, peak = _job_numbers(ctx)
         held = root.unsharded_bytes - root.sharded_bytes
+        if root.shard_size == 1 or held <= 0:
+            return []  # sharded over one rank (a 2x1 HSDP mesh): no all-gather, nothing held gathered
+        step, peak = _job_numbers(ctx)
         peak_after = peak - held if peak is not None else None
         t = root.timing
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
-        code = _ROOT_CHILDREN_CODE
+        # every module holding the root's parameters a unit of its own (tied ones stay), the run's units as they were
+        code = S.shard_plan(S.tree(ctx), root_leftovers=True)
         return [self.finding(
             "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
             {"root_param_share_pct": round(100 * share, 1), "root_param_count": root.param_count,
@@ -217,8 +175,9 @@ class ParamsInRoot(Rule):
             "units (typically embeddings, the final norm and the output head). The root is not resharded "
             "after forward, so these stay gathered from the first forward to the end of backward, and their "
             "all-gather is the first of the step with nothing to overlap. Wrap them as units of their own "
-            "before wrapping the root (modules tied to another one, such as an output head sharing the "
-            "embedding's weight, must stay together: the snippet leaves them in the root).",
+            f"before wrapping the root ({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}; "
+            "modules tied to another one, such as an output head sharing the embedding's weight, must stay "
+            "together: the snippet leaves them in the root).",
             code, predicted=E.predicted(step, step, peak, peak_after), units=[""])]
 
 
@@ -260,11 +219,9 @@ class RootNotSharded(Rule):
         if unmanaged:
             text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
                      "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
-        text += " Apply fully_shard to the root module after the blocks."
-        code = ("from torch.distributed.fsdp import fully_shard\n"
-                + "\n".join(f"fully_shard({E.unit_expr(u)}, mesh=mesh)" for u in (rts or us)[:3])
-                + ("\n..." if len(rts or us) > 3 else "")
-                + "\nfully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
+        text += " Apply fully_shard to the root module after the blocks: one line after your own calls."
+        code = ("# after your fully_shard calls on the blocks, on the same mesh:\n" + S.root_mesh() + "\n"
+                "fully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
         return [self.finding(
             sev, f"fully_shard was never applied to the root: {len(rts)} independent FSDP roots",
             {"roots": names, "root_count": len(rts), "unmanaged_param_bytes": unmanaged,
@@ -306,8 +263,8 @@ class MixedDtypeUnit(Rule):
                 f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
                 "weights stay as they are, trainable ones keep their dtype for the optimizer); or give the "
                 "odd-dtype parameters a unit of their own.",
-                "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n"
-                f"fully_shard({E.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
+                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a MixedPrecisionPolicy\n"
+                f"fully_shard({S.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
                 f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
                 f"                                           output_dtype=torch.{wide}))  # what the next units expect",
                 units=[u.name]))

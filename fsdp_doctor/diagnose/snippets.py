@@ -1,0 +1,298 @@
+"""Fix snippets, written from the run's own module tree: the one place that turns unit and module names into
+code. Rules ask it; none writes a module expression itself.
+
+The tree comes from the unit snapshot (every unit's modules, its parent, the modules holding its own
+parameters, tied ones) or, for a plain trace, from the FSDP labels' fqns. Every snippet
+
+- names the real modules (``model.model.embed_tokens``, ``model.get_submodule('layer2.0')``, a grouped
+  ``[model.norm, model.output]``), the root as ``model``, never by a display label such as ``(root)``;
+- covers all of them: every block of every block container (``layer1..layer3``), every unit;
+- defines what it uses: ``complete`` adds the imports and the mesh it needs; the only names it takes from the
+  user's code are ``model`` (and ``optimizer``), the objects ``watch(model, optimizer)`` was given;
+- is valid Python for that model (tests/test_fixes_applied.py applies each one and reruns).
+
+Two kinds of fix: a *sharding plan* (``shard_plan``) replaces the user's ``fully_shard`` calls and is applied to
+the unsharded model; a *setting* (``unit_list``, ``set_on_units``) acts on the sharded model.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+ROOT = "model"
+#: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
+#: checkpoint wrappers); every other snippet acts on the sharded model
+BEFORE_SHARDING = "apply to the unsharded model"
+#: display labels of the root unit (trace rows, evidence): the module they name is the model itself
+ROOT_LABELS = ("", "(root)")
+
+_CKPT = "._checkpoint_wrapped_module"
+_IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+# ---------------------------------------------------------------------------------------------- names
+def strip_ckpt(fqn: str) -> str:
+    return fqn.replace(_CKPT, "").replace("_checkpoint_wrapped_module.", "")
+
+
+def module_expr(fqn: Optional[str], root: str = ROOT) -> str:
+    """Python expression for a module fqn: "layers.0.attn" -> ``model.get_submodule('layers.0.attn')``,
+    "norm" -> ``model.norm``; the root ("" or its label "(root)") -> ``model``."""
+    if fqn is None or fqn in ROOT_LABELS:
+        return root
+    if all(part.isidentifier() for part in fqn.split(".")):
+        return f"{root}.{fqn}"
+    # a numbered child: get_submodule works for ModuleList and ModuleDict alike (model.layers[0] fails on a
+    # ModuleDict, whose keys are strings, as torchtitan's llama has)
+    return f"{root}.get_submodule({fqn!r})"
+
+
+def members(name: str) -> list[str]:
+    """The module fqns of a unit label: "norm, output" -> ["norm", "output"]; the root -> [""]."""
+    return [m for m in name.split(", ")] if name not in ROOT_LABELS else [""]
+
+
+def group_expr(mods: list[str]) -> str:
+    """One module, or a grouped unit's list: ``model.norm`` / ``[model.norm, model.output]``."""
+    exprs = [module_expr(m) for m in mods]
+    return exprs[0] if len(exprs) == 1 else "[" + ", ".join(exprs) + "]"
+
+
+def unit_expr(u) -> str:
+    """The unit's module(s) as code (a UnitConfig)."""
+    return group_expr(list(u.modules) or members(u.name))
+
+
+def children_expr(fqn: str) -> str:
+    """Code iterating a block container's modules: ``model.layers.children()`` (iterating a ModuleDict itself
+    would give its keys)."""
+    return f"{module_expr(fqn)}.children()"
+
+
+def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
+    """Repeated-block containers among module names, outermost numbered level: {"layers": [0, 1, 2, 3]} for
+    "layers.0.attn.qkv", ...; {"layer1": [0, 1], "layer2": [0, 1]} for a ResNet's stages."""
+    out: dict[str, set[int]] = {}
+    for n in names:
+        m = _IDX.match(strip_ckpt(n))
+        if m:
+            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
+
+
+def block_of(name: str) -> Optional[str]:
+    """The repeated block a module belongs to: "layers.2.mlp.fc1" -> "layers.2"."""
+    m = _IDX.match(strip_ckpt(name))
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def blocks_expr(containers: Iterable[str]) -> str:
+    """Iteration over every block of every container: ``model.layers.children()``, or
+    ``[*model.layer1.children(), *model.layer2.children()]``."""
+    cs = list(containers)
+    if len(cs) == 1:
+        return children_expr(cs[0])
+    return "[" + ", ".join(f"*{children_expr(c)}" for c in cs) + "]"
+
+
+# ---------------------------------------------------------------------------------------------- the tree
+@dataclass
+class Tree:
+    """The run's module tree as far as the snapshot (or the trace's labels) shows it."""
+
+    units: list = field(default_factory=list)  # UnitConfig-like rows, snapshot (forward) order
+    names: list[str] = field(default_factory=list)  # unit labels where no snapshot exists (plain traces)
+
+    @classmethod
+    def of(cls, units=None, names: Iterable[Optional[str]] = ()) -> "Tree":
+        return cls(units=list(units or []), names=[n for n in names if n is not None])
+
+    def labels(self) -> list[str]:
+        """Every unit's label, the snapshot's first, then the trace's, in order, no duplicates."""
+        seen = dict.fromkeys([u.name for u in self.units] + self.names)
+        return list(seen)
+
+    def non_root(self) -> list:
+        return [u for u in self.units if not u.is_root]
+
+    def root(self):
+        return next((u for u in self.units if u.is_root), None)
+
+    def module_names(self) -> list[str]:
+        """Every module fqn the tree knows: units' modules and the modules holding their own parameters."""
+        out = [m for u in self.units for m in list(u.modules) + list(getattr(u, "own_modules", []) or [])]
+        out += [m for n in self.names if n not in ROOT_LABELS for m in members(n)]
+        return out
+
+    def containers(self) -> dict[str, list[int]]:
+        """Every repeated-block container, outermost first (a container inside a block is not one)."""
+        found = block_containers(self.module_names())
+        return {c: idx for c, idx in found.items() if block_of(c) is None}
+
+    def unit_labels(self) -> list[str]:
+        """The non-root units in forward order (snapshot order; a trace's labels sorted by block)."""
+        if self.units:
+            return [u.name for u in self.non_root() if u.param_count != 0]
+        return [n for n in self.names if n not in ROOT_LABELS]
+
+
+def tree(ctx) -> Tree:
+    """The tree of a diagnosis context: the run's unit snapshot, else the report's unit rows, and the trace's
+    unit labels."""
+    cfg = getattr(ctx.run, "config", None)
+    rows = list(cfg.units) if cfg is not None and cfg.units else list(ctx.report.units or [])
+    ov = ctx.report.overlap
+    labels = [r.unit for r in ov.per_unit if r.unit and not r.unit.startswith("(")] if ov is not None else []
+    return Tree.of(rows, [] if rows else sorted(set(labels), key=_label_order))
+
+
+def _label_order(name: str):
+    m = _IDX.match(name or "")
+    return (m.group(1), int(m.group(2))) if m else (name or "", -1)
+
+
+# ---------------------------------------------------------------------------------------------- sharding plans
+def _unit_kwargs(u) -> str:
+    """The unit's own fully_shard options as the run had them (what a plan must keep)."""
+    kw = ""
+    if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None):
+        kw += ", mp_policy=mp"
+    raf = getattr(u, "reshard_after_forward", True)
+    if not u.is_root and raf is False:
+        kw += ", reshard_after_forward=False"
+    if getattr(u, "offload", None) == "cpu":
+        kw += f", offload_policy=CPUOffloadPolicy(pin_memory={bool(getattr(u, 'offload_pin_memory', False))})"
+    return kw
+
+
+def _mp_line(units) -> Optional[str]:
+    u = next((u for u in units if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None)), None)
+    if u is None:
+        return None
+    args = ", ".join(f"{k}=torch.{getattr(u, k)}" for k in ("param_dtype", "reduce_dtype", "output_dtype")
+                     if getattr(u, k, None))
+    return f"mp = MixedPrecisionPolicy({args})  # as your run had it"
+
+
+def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
+    """``, a=1, b=2`` with ``extra``'s options replacing the same keys, the ``drop`` keys left out."""
+    parts = dict(p.split("=", 1) for p in (kw + extra).split(", ") if "=" in p)
+    return "".join(f", {k}={v}" for k, v in parts.items() if k not in drop)
+
+
+def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
+               extra_kwargs: str = "", note: str = "", mp_line: Optional[str] = None,
+               drop: tuple[str, ...] = ()) -> str:
+    """The whole sharding of the model, to paste in place of your ``fully_shard`` calls (on the unsharded
+    model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
+    units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
+    in the root: FSDP refuses a parameter another unit manages), the root last. Each unit keeps the options
+    the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all."""
+    lines = [f"# {note or 'replaces your fully_shard calls'} ({BEFORE_SHARDING})"]
+    mp = mp_line or _mp_line(t.units)
+    if mp:
+        lines.append(mp)
+    conts = t.containers() if blocks else {}
+    in_block = lambda m: any(m == c or m.startswith(c + ".") for c in conts)  # noqa: E731
+    by_cont = {c: next((u for u in t.non_root() if any(block_of(m) and m.startswith(c + ".") for m in u.modules)),
+                       None) for c in conts}
+    for c in conts:
+        kw = _merge(_unit_kwargs(by_cont[c]) if by_cont[c] is not None else "", extra_kwargs, drop)
+        if group > 1:
+            lines += [f"blocks = list({children_expr(c)})",
+                      f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
+                      f"    fully_shard(blocks[i:i + {group}], mesh=mesh{kw})"]
+        else:
+            lines += [f"for block in {children_expr(c)}:", f"    fully_shard(block, mesh=mesh{kw})"]
+    units = t.non_root() if t.units else [None] * 0
+    labels = [u.name for u in units] if t.units else t.unit_labels()
+    for i, name in enumerate(labels):
+        mods = list(units[i].modules) if t.units else members(name)
+        if not mods or all(in_block(m) for m in mods):
+            continue
+        kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_kwargs, drop)
+        lines.append(f"fully_shard({group_expr(mods)}, mesh=mesh{kw})")
+    root = t.root()
+    if root_leftovers and root is not None:
+        tied = set(root.tied_modules or [])
+        left = [m for m in root.own_modules or [] if m and m not in tied and not in_block(m)]
+        kw = _merge(_unit_kwargs(root), extra_kwargs, drop)
+        for m in left:
+            lines.append(f"fully_shard({module_expr(m)}, mesh=mesh{kw})")
+        if tied:
+            lines.append(f"# {', '.join(sorted(tied))} share a parameter (tied weights): they stay in the root")
+    rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_kwargs, drop)
+    lines.append(f"fully_shard(model, mesh=mesh{rkw})  # the root last: it keeps what no unit holds")
+    return "\n".join(lines)
+
+
+def unit_list(t: Tree, var: str = "units") -> str:
+    """``units = [...]``: every non-root unit of the run (the first module of a grouped unit, which is an
+    FSDPModule too), in forward order, on the sharded model."""
+    labels = t.unit_labels()
+    mods = [members(n)[0] for n in labels]
+    if len(mods) <= 4:
+        return f"{var} = [" + ", ".join(module_expr(m) for m in mods) + "]  # every FSDP unit, in forward order"
+    return (name_list("unit_names", mods) + "\n"
+            f"{var} = [model.get_submodule(name) for name in unit_names]  # every FSDP unit, in forward order")
+
+
+def name_list(var: str, names: list[str], width: int = 96) -> str:
+    """``var = ['a', 'b', ...]`` wrapped to ``width`` columns."""
+    return textwrap.fill(", ".join(repr(n) for n in names), width=width, initial_indent=f"{var} = [",
+                         subsequent_indent=" " * (len(var) + 4), break_long_words=False,
+                         break_on_hyphens=False) + "]"
+
+
+def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
+    """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``)."""
+    mods = [members(n)[0] for n in names]
+    if len(mods) > loop_over:
+        return name_list("names", mods) + f"\nfor name in names:\n    model.get_submodule(name).{call}"
+    return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
+
+
+def root_mesh() -> str:
+    """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters)."""
+    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))  # your units' mesh"
+
+
+# ---------------------------------------------------------------------------------------------- completion
+# name used in a snippet -> the line that defines it (imports first, then the mesh, in this order)
+_DEFINES = (
+    (r"\bgc\.", "import gc"),
+    (r"\btorch\.", "import torch"),
+    (r"\bnn\.", "import torch.nn as nn"),
+    (r"\bdist\.", "import torch.distributed as dist"),
+    (r"\bfully_shard\(|\bFSDPModule\b|\bMixedPrecisionPolicy\(|\bCPUOffloadPolicy\(", None),
+    (r"\bDTensor\b", "from torch.distributed.tensor import DTensor"),
+    (r"\binit_device_mesh\(", "from torch.distributed.device_mesh import init_device_mesh"),
+)
+_FSDP_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard")
+_MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+         "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks, 1-D; HSDP: keep your 2-D mesh")
+
+
+def complete(code: str) -> str:
+    """The snippet with the imports and the ``mesh`` it uses and does not define, so that it runs pasted
+    after the user's ``model`` (and ``optimizer``) exist."""
+    if not code:
+        return code
+    body = code
+    pre: list[str] = []
+    if re.search(r"\bmesh\b", body) and not re.search(r"^\s*mesh\s*=", body, re.M):
+        body = _MESH + "\n" + body
+    used_fsdp = [n for n in _FSDP_NAMES if re.search(rf"\b{n}\b", body)
+                 and not re.search(rf"^\s*from \S+ import [^\n]*\b{n}\b", body, re.M)]
+    for pat, line in _DEFINES:
+        if line is None:
+            if used_fsdp:
+                line = f"from torch.distributed.fsdp import {', '.join(used_fsdp)}"
+            else:
+                continue
+        if re.search(pat, body) and not re.search(rf"^{re.escape(line)}$", body, re.M):
+            pre.append(line)
+    return "\n".join(pre + [body])
