@@ -75,6 +75,10 @@ class FailurePolicy:
             self.failed = True
             self._step_aside()
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log.warning("fsdp_doctor: error in %s on rank %s (%s); the doctor stops recording, training continues",
-                    where, rank, msg)
+        if stop:
+            log.warning("fsdp_doctor: error in %s on rank %s (%s); the doctor stops recording and removes its hooks, "
+                        "training continues", where, rank, msg)
+        else:
+            log.warning("fsdp_doctor: error in %s on rank %s (%s); that part is off, the rest keeps recording",
+                        where, rank, msg)
         self._write(DoctorError(rank=rank if isinstance(rank, int) else 0, where=where, message=msg, step=step))

@@ -39,6 +39,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..fsdp_labels import PREFIX, parse_label
 from . import intervals as iv
 from .reader import Args, Event, KinetoTrace, TraceError, decode, rank_from_name
 
@@ -48,8 +49,6 @@ NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
 DATALOADER_PREFIX = "enumerate(DataLoader)"
 OPTIMIZER_PREFIX = "Optimizer."
 STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
-LABEL_RE = re.compile(r"^FSDP::(?P<kind>[A-Za-z_]+)(?: \((?P<fqn>.*)\))?(?: \[pg=(?P<pg>\d+)\])?$")
-PREFETCH_RE = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<fqn>.*)$")
 COMM_OP_RE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::|record_param_comms|nccl:|gloo:)|wait")
 NCCL_COLL_RE = re.compile(r"(AllGather|ReduceScatter|AllReduce|Broadcast|SendRecv|AllToAll|Reduce|Send|Recv)")
 
@@ -261,19 +260,17 @@ def _attribution(lab: Optional[_Label]):
     """(unit, kind, label suffix) from an FSDP label: kind is 'all_gather' or 'reduce'."""
     if lab is None:
         return None
-    m = PREFETCH_RE.match(lab.name)
-    if m:
-        fqn = m.group("fqn")
-        return _unit_of(fqn), "all_gather", (f" ({fqn})" if fqn else "")
-    m = LABEL_RE.match(lab.name)
-    if not m:
+    p = parse_label(lab.name)
+    if p is None:
         return None
-    kind = m.group("kind")
-    suffix = lab.name[len("FSDP::" + kind):]
-    if kind == "all_gather":
-        return _unit_of(m.group("fqn"), m.group("pg")), "all_gather", suffix
-    if kind == "post_backward_reduce":
-        return _unit_of(m.group("fqn"), m.group("pg")), "reduce", suffix
+    if p.kind.endswith("_prefetch"):
+        return _unit_of(p.fqn), "all_gather", (f" ({p.fqn})" if p.fqn else "")
+    pg = None if p.pg is None else str(p.pg)
+    suffix = lab.name[len(PREFIX + p.kind):]
+    if p.kind == "all_gather":
+        return _unit_of(p.fqn, pg), "all_gather", suffix
+    if p.kind == "post_backward_reduce":
+        return _unit_of(p.fqn, pg), "reduce", suffix
     return None
 
 
