@@ -41,6 +41,8 @@ class Sinks:
             log.warning("fsdp_doctor: could not write a record (%s)", e)
 
     def on_step(self, rec: StepRecord) -> None:
+        if not self.writer.path.exists():  # one stat a step: writing on into an unlinked file would lose it all
+            raise FileNotFoundError(f"the record stream {self.writer.path} was deleted")
         self.writer.write(rec)
         if self.tb is not None:
             self.tb.on_step(rec)  # queues the record; the scalars are written on the writer's thread
