@@ -67,3 +67,30 @@ def test_hf_gradient_checkpointing_raises_hardware_flops_only(aside):
         plain, ckpt = res["hf_checkpointing"]["False"], res["hf_checkpointing"]["True"]
         assert plain[0] == plain[1] == ckpt[0], res["hf_checkpointing"]  # model FLOPs: the same step
         assert ckpt[1] > 1.1 * ckpt[0], res["hf_checkpointing"]  # hardware FLOPs: plus the re-run forwards
+
+
+def test_hf_gradient_checkpointing_mfu_and_hfu_reported(aside):
+    """MFU from model FLOPs, HFU from hardware FLOPs, both in the report's JSON and the terminal table."""
+    import msgspec
+
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+    from fsdp_doctor.present.terminal import render_throughput
+
+    for ck in (False, True):
+        run = load_run(aside[2] / f"hf-ckpt-{ck}")
+        tp = analyze_throughput(run)
+        for r, row in tp.per_rank.items():
+            cfg = run.ranks[int(r)].config
+            assert row.flops_per_step == cfg.flops_per_step and row.hardware_flops_per_step == cfg.hardware_flops_per_step
+            ratio = cfg.hardware_flops_per_step / cfg.flops_per_step
+            assert abs(row.hfu_pct / row.mfu_pct - ratio) < 0.01, (row, ratio)
+            assert (ratio > 1.1) if ck else (ratio == 1.0)
+        assert tp.job.hfu_pct >= tp.job.mfu_pct > 0
+        assert b'"hfu_pct"' in msgspec.json.encode(tp)
+        from rich.console import Console
+
+        con = Console(width=100, record=True)
+        con.print(render_throughput(tp))
+        text = con.export_text()
+        assert "HFU" in text and f"{tp.job.hfu_pct:.1f}%" in text and f"{tp.job.mfu_pct:.1f}%" in text, text

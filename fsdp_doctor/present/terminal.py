@@ -77,7 +77,7 @@ def render_throughput(section: ThroughputSection):
     """``section``: ``report.throughput``; a figure not known is "—"."""
     sec = section or ThroughputSection()
     t = Table(title="Throughput", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("rank", "tokens/s", "TFLOP/s", "MFU"):
+    for col in ("rank", "tokens/s", "TFLOP/s", "MFU", "HFU"):
         t.add_column(col, justify="right", no_wrap=True)
     for r, row in sec.per_rank.items():
         t.add_row(r, *_throughput_cells(row))
@@ -87,10 +87,12 @@ def render_throughput(section: ThroughputSection):
     return t
 
 
-def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]:
+def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, str]:
+    """MFU: model FLOPs; HFU: with activation checkpointing's recompute (the same without checkpointing)."""
     return (MISSING if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
             MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
-            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%")
+            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%",
+            MISSING if x.hfu_pct is None else f"{x.hfu_pct:.1f}%")
 
 
 def render_units(units: list[UnitRow]):
