@@ -118,7 +118,8 @@ class RunConfig(Record, tag="config"):
     capacity_bytes: int | None = None
     tokens_per_step: int | None = None
     peak_tflops: float | None = None
-    flops_per_step: float | None = None
+    flops_per_step: float | None = None  # model FLOPs of one (optimizer) step: forward, backward, optimizer
+    hardware_flops_per_step: float | None = None  # the same plus activation checkpointing's recompute
     profile_schedule: dict[str, int] | None = None
     notes: list[str] = []
     unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
@@ -237,6 +238,9 @@ class StepRecord(Record, tag="step"):
     profiled: bool = False  # inside an active torch.profiler window
     units: list[UnitStep] = []
     memory: MemoryStep | None = None  # memory by category (see fsdp_doctor.record.memory)
+    # doctor.step() calls this record covers: one step is one optimizer step, so with gradient accumulation
+    # (doctor.step() per micro-batch) the micro-batches of one optimizer step make one record
+    micro_batches: int = 1
 
 
 class GpuTimes(Record, tag="gpu"):

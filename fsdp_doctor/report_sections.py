@@ -220,13 +220,16 @@ class ThroughputRank(_Section, omit_defaults=True):  # a figure not known is abs
     flops_source: Optional[str] = None  # "counted" | "analytic" (6 x parameters x tokens)
     achieved_tflops: Optional[float] = None
     peak_tflops: Optional[float] = None
-    mfu_pct: Optional[float] = None
+    mfu_pct: Optional[float] = None  # model FLOPs (no activation-checkpointing recompute) / step / peak
+    hardware_flops_per_step: Optional[float] = None  # model FLOPs + the recompute (counted only)
+    hfu_pct: Optional[float] = None  # hardware FLOPs / step / peak
 
 
 class ThroughputJob(_Section, omit_defaults=True):  # a figure not known is absent from the JSON
     tokens_per_s: Optional[float] = None  # the slowest rank paces the job
-    achieved_tflops: Optional[float] = None
+    achieved_tflops: Optional[float] = None  # model FLOPs
     mfu_pct: Optional[float] = None
+    hfu_pct: Optional[float] = None
 
 
 class ThroughputSection(_Section):

@@ -21,15 +21,17 @@ HERE = Path(__file__).resolve().parent
 STEPPED_ASIDE = "the doctor records no profiler windows in this run"
 
 
-def _launch(client: str, world: int, out: Path, timeout_s: float = 420) -> tuple[list[dict], list[str]]:
-    """Runs ``client`` on ``world`` gloo ranks; returns (each rank's RESULT, each rank's stderr)."""
+def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
+            script: str = "clients.py") -> tuple[list[dict], list[str]]:
+    """Runs ``client`` of ``script`` (tests/clients.py, tests/recorder_cases.py) on ``world`` gloo ranks; returns
+    (each rank's RESULT, each rank's stderr)."""
     from fsdp_doctor.workloads import free_port
 
     if client not in ("snippets", "scenario"):  # these take a spec file
         out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "clients.py"), client, str(r), str(world), port, str(out)],
+    procs = [subprocess.Popen([sys.executable, str(HERE / script), client, str(r), str(world), port, str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
     results, errs = [], []

@@ -1,4 +1,7 @@
-"""Tokens/s, achieved TFLOP/s and MFU from the recorded step times and the counted FLOPs.
+"""Tokens/s, achieved TFLOP/s, MFU and HFU from the recorded step times and the counted FLOPs.
+
+MFU counts model FLOPs (forward, backward, optimizer), HFU hardware FLOPs (model FLOPs plus activation
+checkpointing's recompute, counted only: the analytic estimate has none); the rules judge MFU.
 
 Where FLOPs were not counted (counting failed, or was off) but tokens per step are known, the FLOPs come
 from the analytic estimate 6 x parameters x tokens per rank (Kaplan et al. 2020: forward 2, backward 4 FLOPs
@@ -22,7 +25,7 @@ def analytic_flops_per_step(cfg) -> float | None:
 def analyze_throughput(run: Run) -> ThroughputSection | None:
     """Per rank and for the job, or None where neither tokens per step nor FLOPs are known."""
     per_rank: dict[str, ThroughputRank] = {}
-    job_tflops = 0.0
+    job_tflops = job_hw_tflops = 0.0
     any_data = False
     for r, rd in sorted(run.ranks.items()):
         cfg = rd.config
@@ -44,9 +47,15 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
             row.achieved_tflops = round(tf, 4)
             job_tflops += tf
             any_data = True
+            hw = cfg.hardware_flops_per_step if source == "counted" else None
+            if hw:
+                row.hardware_flops_per_step = hw
+                job_hw_tflops += hw / p50_s / 1e12
             if cfg.peak_tflops:
                 row.peak_tflops = cfg.peak_tflops
                 row.mfu_pct = round(100 * tf / cfg.peak_tflops, 2)
+                if hw:
+                    row.hfu_pct = round(100 * hw / p50_s / 1e12 / cfg.peak_tflops, 2)
         per_rank[str(r)] = row
     if not any_data:
         return None
@@ -60,4 +69,6 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
         peaks = [v.peak_tflops for v in per_rank.values()]
         if all(peaks):
             job.mfu_pct = round(100 * job_tflops / sum(peaks), 2)
+            if all(v.hfu_pct is not None for v in per_rank.values()):
+                job.hfu_pct = round(100 * job_hw_tflops / sum(peaks), 2)
     return ThroughputSection(per_rank=per_rank, job=job)

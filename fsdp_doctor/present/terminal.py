@@ -87,14 +87,17 @@ def render_throughput(section: ThroughputSection, width: int = 100):
     job = sec.job
     if any(x is not None for x in (job.tokens_per_s, job.achieved_tflops, job.mfu_pct)):
         rows.append(("job", *_throughput_cells(job)))
-    return fitted_table("Throughput", [Col("rank"), Col("tokens/s"), Col("TFLOP/s"), Col("MFU")], rows, width,
+    return fitted_table("Throughput", [Col("rank"), Col("tokens/s"), Col("TFLOP/s"), Col("MFU"), Col("HFU", drop=1)],
+                        rows, width,
                         styles=["bold" if r[0] == "job" else None for r in rows])
 
 
-def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]:
+def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, str]:
+    """MFU: model FLOPs; HFU: with activation checkpointing's recompute (the same without checkpointing)."""
     return (MISSING if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
             MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
-            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%")
+            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%",
+            MISSING if x.hfu_pct is None else f"{x.hfu_pct:.1f}%")
 
 
 UNIT_ROWS = 24

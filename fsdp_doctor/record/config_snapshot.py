@@ -22,6 +22,7 @@ log = logging.getLogger("fsdp_doctor")
 def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,
                     device: torch.device, capacity_bytes: int | None, tokens_per_step: int | None,
                     peak_tflops: float | None, flops_per_step: float | None, profile_schedule,
+                    hardware_flops_per_step: float | None = None,
                     runtime_checkpointed: Iterable[int], consistency: str | None,
                     runtime_checkpointed_children: Iterable[int] = ()) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
@@ -70,7 +71,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
         capacity_bytes=capacity, tokens_per_step=tokens_per_step, peak_tflops=peak,
-        flops_per_step=flops_per_step,
+        flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
         unavailable=unavailable,

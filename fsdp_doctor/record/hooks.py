@@ -24,13 +24,16 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.nn as nn
 
+from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
+from .phase import in_backward
 from .units import Unit, checkpointed_modules, compiled_in_place, label_to_index
 
 _FSDP_LOGGER = F2.LOGGER_NAME
@@ -50,6 +53,18 @@ class MarkSink(Protocol):
     def mark(self, unit: Optional[str], phase: str) -> None: ...
 
     def step_end(self, step: int) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    """One step's host-side timings, as the timer measured them (ms)."""
+
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    gc_ms: float
+    gc_count: int
+    units: list[UnitStep]
 
 
 class _UnitAcc:
@@ -95,6 +110,7 @@ class StepTimer:
         self._tap = self._tap_prev = None  # the FSDP logger interception
         self._grad_hooks: dict[int, Any] = {}
         self._log_cache: dict[str, tuple[bool, int] | None] = {}
+        self.optimizer_steps = 0  # optimizer.step() calls seen (micro-batches: several doctor.step() per one)
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -152,7 +168,7 @@ class StepTimer:
         def debug(msg, *args, **kwargs):
             if self.active and not _compiling():
                 label = args[0] if args and msg == "%s" else msg
-                if isinstance(label, str) and label.startswith("FSDP::"):
+                if isinstance(label, str) and label.startswith(_FSDP_PREFIX):
                     try:
                         self._on_fsdp_log(label, now())
                     except Exception as e:  # noqa: BLE001
@@ -206,7 +222,7 @@ class StepTimer:
 
     def _probe_child(self, module, args):
         try:
-            if self.active and self._in_backward():
+            if self.active and in_backward():
                 hit = self._child_owner.get(id(module))
                 if hit is not None:
                     self._child_seen.setdefault(hit[0], set()).add(id(module))
@@ -244,32 +260,28 @@ class StepTimer:
     def _child_pre(self, idx, args):
         """In backward the submodule's recompute; in forward its forward time (the recompute's stand-in when
         a non-reentrant re-run stops early)."""
-        if self._in_backward():
+        if in_backward():
             self._recompute_pre(idx, args)
         else:
             self._acc[idx].t_child = _now()
 
     def _child_post(self, idx, args):
         a = self._acc[idx]
-        if self._in_backward():
+        if in_backward():
             self._recompute_post(idx, args)
         elif a.t_child:
             a.child_fwd += _now() - a.t_child
             a.t_child = 0
 
-    @staticmethod
-    def _in_backward() -> bool:
-        return torch._C._current_graph_task_id() != -1
-
     def _recompute_pre(self, idx, args):
-        if self._in_backward():
+        if in_backward():
             a = self._acc[idx]
             a.t_recompute = _now()
             a.recompute_runs += 1
 
     def _recompute_post(self, idx, args):
         a = self._acc[idx]
-        if self._in_backward() and a.t_recompute:
+        if in_backward() and a.t_recompute:
             a.recompute += _now() - a.t_recompute
             a.t_recompute = 0
 
@@ -284,7 +296,7 @@ class StepTimer:
 
     def _fwd_outer_pre(self, idx, args):
         a = self._acc[idx]
-        if self._in_backward() and a.fwd_depth == 0:
+        if in_backward() and a.fwd_depth == 0:
             # the unit re-runs in backward: torch.utils.checkpoint.checkpoint(unit, ...) around it. The
             # non-reentrant re-run stops early (no post-hook), so nothing here may wait for one.
             a.t_recompute = _now()
@@ -293,7 +305,7 @@ class StepTimer:
             return
         if a.fwd_depth == 0:  # grouped units: only the first module's entry opens the unit
             a.t_outer = _now()
-            if self.gpu is not None and not self._in_backward():
+            if self.gpu is not None and not in_backward():
                 self.gpu.open(idx, 0)
         a.fwd_depth += 1
 
@@ -301,7 +313,7 @@ class StepTimer:
         a = self._acc[idx]
         if a.fwd_depth == 1 and a.t_inner == 0:
             a.t_inner = _now()
-            if not self._in_backward():
+            if not in_backward():
                 a.ag_fwd += a.t_inner - a.t_outer
         if self.marks is not None:
             self.marks.mark(self._units[idx].name, "forward_start")
@@ -312,7 +324,7 @@ class StepTimer:
 
     def _fwd_outer_post(self, idx, args):
         a = self._acc[idx]
-        if self._in_backward() and a.fwd_depth == 0:
+        if in_backward() and a.fwd_depth == 0:
             if a.t_recompute:
                 a.recompute += _now() - a.t_recompute
                 a.t_recompute = 0
@@ -323,7 +335,7 @@ class StepTimer:
         t = _now()
         dt = t - a.t_outer
         a.t_inner = 0
-        if self._in_backward():
+        if in_backward():
             a.recompute += dt
             return
         a.fwd += dt
@@ -393,14 +405,14 @@ class StepTimer:
 
     def _parse_fsdp_log(self, msg: str) -> tuple[bool, int] | None:
         """("FSDP::pre_backward (layers.0)" -> (True, unit index)); None for labels the doctor does not use."""
-        kind, _, rest = msg.partition(" (")
-        if kind not in ("FSDP::pre_backward", "FSDP::post_backward"):
+        lab = parse_label(msg)
+        if lab is None or lab.kind not in ("pre_backward", "post_backward"):
             return None
-        fqn = rest.rsplit(")", 1)[0] if rest else ""
+        fqn = lab.fqn or ""
         if fqn not in self._unit_of_label:
             self._unit_of_label = label_to_index(self._units)
         idx = self._unit_of_label.get(fqn)
-        return None if idx is None else (kind == "FSDP::pre_backward", idx)
+        return None if idx is None else (lab.kind == "pre_backward", idx)
 
     def _on_fsdp_log(self, msg: str, t: int) -> None:
         # The same few label strings recur every step: parse each once.
@@ -431,13 +443,13 @@ class StepTimer:
                 self.marks.mark(self._units[idx].name, "backward_end")
 
     def _model_pre(self, module, args):
-        if self.active and not _compiling() and not self._in_backward():
+        if self.active and not _compiling() and not in_backward():
             self._fwd_start = _now()
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
     def _model_post(self, module, args, output):
-        if self.active and not _compiling() and not self._in_backward() and self._fwd_start:
+        if self.active and not _compiling() and not in_backward() and self._fwd_start:
             self._forward_ns += _now() - self._fwd_start
             self._fwd_start = 0
 
@@ -451,6 +463,7 @@ class StepTimer:
         if self.active and self._opt_start:
             self._optimizer_ns += _now() - self._opt_start
             self._opt_start = 0
+            self.optimizer_steps += 1
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "optimizer_end"), "memory")
 
@@ -475,13 +488,16 @@ class StepTimer:
         if self.gpu is not None:
             self.gpu.begin_step()
 
-    def unit_rows(self) -> list[UnitStep]:
-        """The step's per-unit timings (ms)."""
-        return [
+    def timings(self) -> StepTimings:
+        """The step's timings: the phases' and, per unit, forward, backward, their unshard waits, recompute."""
+        units = [
             UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),
                      ag_wait_bwd_ms=_ms(a.ag_bwd), recompute_ms=_ms(self._recompute_ns(a)), fwd_calls=a.calls)
             for u, a in ((self._units[i], self._acc[i]) for i in range(len(self._units)))
         ]
+        return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
+                           optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
+                           units=units)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

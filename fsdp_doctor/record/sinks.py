@@ -41,6 +41,8 @@ class Sinks:
             log.warning("fsdp_doctor: could not write a record (%s)", e)
 
     def on_step(self, rec: StepRecord) -> None:
+        if not self.writer.path.exists():  # one stat a step: writing on into an unlinked file would lose it all
+            raise FileNotFoundError(f"the record stream {self.writer.path} was deleted")
         self.writer.write(rec)
         if self.tb is not None:
             self.tb.on_step(rec)  # queues the record; the scalars are written on the writer's thread
@@ -75,6 +77,10 @@ class FailurePolicy:
             self.failed = True
             self._step_aside()
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        log.warning("fsdp_doctor: error in %s on rank %s (%s); the doctor stops recording, training continues",
-                    where, rank, msg)
+        if stop:
+            log.warning("fsdp_doctor: error in %s on rank %s (%s); the doctor stops recording and removes its hooks, "
+                        "training continues", where, rank, msg)
+        else:
+            log.warning("fsdp_doctor: error in %s on rank %s (%s); that part is off, the rest keeps recording",
+                        where, rank, msg)
         self._write(DoctorError(rank=rank if isinstance(rank, int) else 0, where=where, message=msg, step=step))

@@ -1,19 +1,32 @@
-"""FLOPs per step (counted once with FlopCounterMode) and the peak-TFLOP/s table for MFU.
+"""FLOPs per step (counted once, by observing step 1's operators) and the peak-TFLOP/s table for MFU.
 
-Counting never breaks training: every exception inside it (a FLOP formula that rejects an operator's
-shapes, entering or leaving the mode) is caught, logged once, and the count is reported as unknown
-(``finish()`` returns None), so the report falls back to the analytic estimate
-(``analyze.throughput``: 6 x parameters x tokens). Attention is counted by our own formulas, which count
-grouped-query attention (fewer key/value heads than query heads) as the same matmuls with the query head
-count, on every torch version, and include the CPU kernels torch's table leaves out.
+The count never changes the user's computation: :class:`FlopCounter` is a dispatch mode that runs every
+operator exactly as called (the same kernel, the same arguments) and only reads its shapes afterwards.
+torch's ``FlopCounterMode`` is not used because it *decomposes* operators missing from its table
+(``silu_backward`` into its math formula, for one), which changes the gradients of every SiLU/SwiGLU model.
+
+Two counts: *model* FLOPs (what the step needs: forward, backward, optimizer) and *hardware* FLOPs (model
+FLOPs plus activation checkpointing's recompute: forward operators that run again inside backward, i.e. with
+grad mode on while autograd's engine runs a backward; the engine itself runs backward kernels with grad mode
+off). MFU divides the first by the step time, HFU the second.
+
+Counting never breaks training: every exception inside it (a formula that rejects an operator's shapes, entering
+or leaving the mode) is caught after the operator has run, logged once, and the count is reported as unknown
+(``finish()`` returns None), so the report falls back to the analytic estimate (``analyze.throughput``: 6 x
+parameters x tokens). Attention is counted by our own formulas, which count grouped-query attention (fewer
+key/value heads than query heads) as the same matmuls with the query head count, on every torch version, and
+include the CPU kernels torch's table leaves out.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .phase import in_recompute
 
 log = logging.getLogger("fsdp_doctor")
 
@@ -76,7 +89,7 @@ _SDPA_BWD = tuple(n + "_backward" for n in _SDPA_FWD)
 
 
 def attention_formulas() -> dict:
-    """``custom_mapping`` for FlopCounterMode: our attention formulas for every SDPA operator this torch has."""
+    """Our attention formulas (taking shapes) for every SDPA operator this torch has."""
     aten = torch.ops.aten
     out = {}
     for names, fn in ((_SDPA_FWD, _fwd_formula), (_SDPA_BWD, _bwd_formula)):
@@ -87,49 +100,68 @@ def attention_formulas() -> dict:
     return out
 
 
-class FlopCounter:
-    """Counts the FLOPs of one step. The mode is entered at one ``doctor.step()`` and left at the next,
-    so it sees exactly one step's forward, backward and optimizer; that step is marked profiled and left
-    out of step-time statistics.
+def flop_formulas() -> dict:
+    """Operator packet -> formula called as ``f(*args, out_val=out, **kwargs)``: torch's table
+    (torch.utils.flop_counter.flop_registry) with our attention formulas over it."""
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-    Never raises: a failure while counting (inside the user's forward or backward, where the mode sees
-    every operator) is caught after the operator has run, so the step's results are untouched; the count is
-    then abandoned (``error`` says why, ``finish()`` returns None) with one warning."""
+    table = dict(flop_registry)
+    table.update({op: shape_wrapper(f) for op, f in attention_formulas().items()})
+    return table
+
+
+class StepFlops(NamedTuple):
+    model: float  # forward + backward + optimizer
+    hardware: float  # model + activation checkpointing's recompute
+
+
+class _Observer(TorchDispatchMode):
+    """Runs each operator unchanged, then hands (op, result, args) to ``count``."""
+
+    def __init__(self, count):
+        super().__init__()
+        self._count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._count(func._overloadpacket, out, args, kwargs)
+        return out
+
+
+class FlopCounter:
+    """Counts the FLOPs of one step. It observes from one ``doctor.step()`` to the next, so it sees exactly one
+    step's forward, backward and optimizer; that step is marked profiled and left out of step-time statistics.
+
+    Never raises: a failure while counting is caught after the operator has run, so the step's results are
+    untouched; the count is then abandoned (``error`` says why, ``finish()`` returns None) with one warning."""
 
     def __init__(self):
         self.error: str | None = None
         self._on = False
+        self.model = self.recompute = 0
         self.mode = None
         try:
-            self.mode = FlopCounterMode(display=False, custom_mapping=attention_formulas())
-            # every formula guarded (a formula rejecting an operator's shapes must not break the step) ...
-            self.mode.flop_registry = {op: self._guard(op, f) for op, f in self.mode.flop_registry.items()}
-            # ... and, where this torch has it, the per-operator bookkeeping that calls them (after the op ran)
-            count = getattr(self.mode, "_count_flops", None)
-            if count is not None:
-                def guarded(func_packet, out, args, kwargs):
-                    if self.error is not None:
-                        return out
-                    try:
-                        return count(func_packet, out, args, kwargs)
-                    except Exception as e:  # noqa: BLE001
-                        self._failed(f"counting {func_packet}", e)
-                        return out
-
-                self.mode._count_flops = guarded
+            self.formulas = flop_formulas()
+            self.mode = _Observer(self._count)
         except Exception as e:  # noqa: BLE001
-            self.mode = None
-            self._failed("creating FlopCounterMode", e)
+            self._failed("creating the FLOP counter", e)
 
-    def _guard(self, op, formula):
-        def guarded(*args, **kwargs):
-            try:
-                return formula(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001
-                self._failed(f"counting {op}", e)
-                return 0
-
-        return guarded
+    def _count(self, packet, out, args, kwargs) -> None:
+        if self.error is not None:
+            return
+        formula = self.formulas.get(packet)
+        if formula is None:
+            return
+        try:
+            n = int(formula(*args, **kwargs, out_val=out))
+        except Exception as e:  # noqa: BLE001
+            self._failed(f"counting {packet}", e)
+            return
+        if in_recompute():
+            self.recompute += n
+        else:
+            self.model += n
 
     def _failed(self, where: str, exc: BaseException) -> None:
         if self.error is not None:
@@ -145,18 +177,14 @@ class FlopCounter:
             self.mode.__enter__()
             self._on = True
         except Exception as e:  # noqa: BLE001
-            self._failed("entering FlopCounterMode", e)
+            self._failed("starting the FLOP counter", e)
 
-    def finish(self) -> float | None:
-        """The step's FLOPs, or None when counting failed."""
+    def finish(self) -> StepFlops | None:
+        """The step's model and hardware FLOPs, or None when counting failed."""
         self.abort()
         if self.error is not None or self.mode is None:
             return None
-        try:
-            return float(self.mode.get_total_flops())
-        except Exception as e:  # noqa: BLE001
-            self._failed("reading the count", e)
-            return None
+        return StepFlops(float(self.model), float(self.model + self.recompute))
 
     def abort(self) -> None:
         if self._on:
@@ -164,4 +192,4 @@ class FlopCounter:
             try:
                 self.mode.__exit__(None, None, None)
             except Exception as e:  # noqa: BLE001
-                self._failed("leaving FlopCounterMode", e)
+                self._failed("stopping the FLOP counter", e)

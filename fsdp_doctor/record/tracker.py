@@ -42,6 +42,7 @@ from ..records import (
     stream_name,
 )
 from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
+from .options import WatchOptions
 from .profiling import ProfilerWindows, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
@@ -63,35 +64,17 @@ class WatchError(RuntimeError):
 class Doctor:
     """Records one rank of an FSDP2 training run. Create it with :func:`fsdp_doctor.watch`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        *,
-        out_dir: str | os.PathLike,
-        capacity_bytes: int | None = None,
-        profile: Any = True,
-        tokens_per_step: int | None = None,
-        peak_tflops: float | None = None,
-        count_flops: bool | None = None,
-        memory: Any = True,
-        tensorboard: bool = False,
-        overwrite: bool = False,
-    ):
+    def __init__(self, model: nn.Module, optimizer=None, options: WatchOptions | None = None, **kwargs):
+        opts = options if options is not None else WatchOptions.from_kwargs(kwargs)
+        self.options = opts
         self.model = model
-        self._overwrite = overwrite
-        self.optimizer = optimizer
-        self.out_dir = Path(out_dir)
-        self.capacity_bytes = capacity_bytes
-        self.tokens_per_step = tokens_per_step
-        self.peak_tflops = peak_tflops
-        self.count_flops = (tokens_per_step is not None or peak_tflops is not None) if count_flops is None else count_flops
-        self._profile_kwargs = resolve_profile(profile)
-        self._memory_opt = memory
-        self._tb_opt = tensorboard
+        self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry
+        self.out_dir = Path(opts.out_dir)
+        self.count_flops = opts.counts_flops
+        self._profile_kwargs = resolve_profile(opts.profile)
         self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
         self.active = False
-        self.steps_done = 0
+        self.steps_done = 0  # step records ended (optimizer steps, with an optimizer)
         self._failures = FailurePolicy(self._step_aside, self._safe_write)
         self._units: list[Unit] = []
         self._consistency: str | None = None  # the first step's consistency check ("" when it passed)
@@ -99,17 +82,34 @@ class Doctor:
         self._profiler: ProfilerWindows | None = None
         self._memory = None
         self._flops: FlopCounter | None = None
-        self.flops_per_step: float | None = None
+        self.flops_per_step: float | None = None  # model FLOPs
+        self.hardware_flops_per_step: float | None = None  # model FLOPs + checkpointing's recompute
         self._config_written = False
-        self._entered = False
         self._gpu = None  # GpuTimeline on CUDA
+        self._micro = 0  # doctor.step() calls since the last step record (micro-batches of one optimizer step)
+        self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
+        self._per_call = False  # the optimizer does not step: every doctor.step() is a step
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
-        self._check_entry()
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.run_id = self._claim_out_dir()
+        """Starts recording. Misuse (no FSDP2 unit, an unwritable or taken out_dir, a second watch of the model,
+        an object that is no optimizer) is refused with one sentence (:class:`WatchError`); any other exception
+        here makes the doctor step aside with one log line while training goes on."""
+        try:
+            self.optimizer = unwrap_optimizer(self.optimizer)
+            self._check_entry()
+            self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            self.run_id = self._claim_out_dir()
+            self._start()
+        except WatchError:
+            self._remove()
+            raise
+        except Exception as e:  # noqa: BLE001  (never a dead run: the doctor steps aside, training goes on)
+            self._fail("start", e)
+        return self
+
+    def _start(self) -> None:
         self.started_ns = time.time_ns()
         self._sinks = Sinks(self.out_dir, self.rank)
         self._sinks.write(
@@ -123,8 +123,9 @@ class Doctor:
                          streams=[stream_name(r) for r in range(self.world_size)], command=list(sys.argv),
                          run_id=self.run_id),
             )
+        _WATCHED.add(self.model)
         self._install()
-        if self._tb_opt:
+        if self.options.tensorboard:
             try:
                 self._sinks.open_tensorboard(self.rank)
             except Exception as e:  # noqa: BLE001  (no tensorboard installed, unwritable dir: record without it)
@@ -134,8 +135,6 @@ class Doctor:
             from .gpu_timing import GpuTimeline
 
             self._gpu = self._timer.gpu = GpuTimeline(self.rank, len(self._units), [u.name for u in self._units])
-        _WATCHED.add(self.model)
-        self._entered = True
         self.active = True
         if self._profile_kwargs is not None:
             try:
@@ -145,40 +144,42 @@ class Doctor:
                 self._profiler = None
                 self._fail("profiler start", e, stop=False)
         self._begin_step(_now())
-        return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        was_active = self.active
         try:
-            if self._profiler is not None:
-                try:
-                    self._profiler.stop()
-                except Exception as e:  # noqa: BLE001
-                    self._fail("profiler stop", e, stop=False)
-            if self._flops is not None:
-                self._flops.abort()
-                self._flops = None
-            self._timer.uninstall()
-            if self._memory is not None:
-                self._memory.detach()
-            if self._sinks is not None:
-                try:
-                    self._sinks.close_tensorboard()
-                except Exception as e:  # noqa: BLE001
-                    self._fail("tensorboard close", e, stop=False)
-            if self._gpu is not None and self.active:
+            self._remove()
+            if self._gpu is not None and was_active:
                 try:
                     self._sinks.write(*self._gpu.flush())
                 except Exception as e:  # noqa: BLE001
                     self._fail("gpu timing", e, stop=False)
             if self._sinks is not None:
-                if exc_type is None:
+                if exc_type is None and was_active:
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns()))
                 self._sinks.close()
-        finally:
-            _WATCHED.discard(self.model)
-            self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
-        self.active = False
+        except Exception as e:  # noqa: BLE001
+            log.warning("fsdp_doctor: closing the record stream failed (%s: %s)", type(e).__name__, e)
         return False  # never swallow the user's exception
+
+    def _remove(self) -> None:
+        """Removes everything of the doctor from the model, the optimizer, torch and the loggers, at once: the
+        profiler window, the FLOP counter, every hook, the FSDP logger tap, the gc callback, the memory probe's
+        saved-tensor hooks, the live TensorBoard writer. Idempotent; each part is guarded so that one failing
+        part leaves none of the others behind."""
+        self.active = False
+        parts = (("profiler stop", lambda: self._profiler and self._profiler.stop()),
+                 ("flop counter", lambda: self._flops and self._flops.abort()),
+                 ("hooks", self._timer.uninstall),
+                 ("memory probe", lambda: self._memory and self._memory.detach()),
+                 ("tensorboard close", lambda: self._sinks and self._sinks.close_tensorboard()))
+        for where, fn in parts:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                log.warning("fsdp_doctor: removing its %s failed (%s: %s)", where, type(e).__name__, e)
+        self._profiler = self._flops = self._memory = self._timer.marks = None
+        _WATCHED.discard(self.model)
 
     def _check_entry(self) -> None:
         if self.model in _WATCHED:
@@ -211,7 +212,7 @@ class Doctor:
                 dist.all_gather_object(got, v)
                 return got
         try:
-            return claim_run_dir(self.out_dir, self.rank, overwrite=self._overwrite, exchange=exchange)
+            return claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite, exchange=exchange)
         except RunDirTaken as e:
             raise WatchError(f"fsdp_doctor.watch: {e}") from None
 
@@ -236,14 +237,14 @@ class Doctor:
         self._timer.marks = self._memory
 
     def _init_memory(self) -> None:
-        if not self._memory_opt:
+        if not self.options.memory:
             return
         try:
             from .memory import MemoryProbe
         except ImportError:
             return
         try:
-            self._memory = MemoryProbe(self, self._memory_opt)
+            self._memory = MemoryProbe(self, self.options.memory)
         except Exception as e:  # noqa: BLE001
             self._memory = None
             self._fail("memory probe", e, stop=False)
@@ -254,36 +255,56 @@ class Doctor:
         self._step_wall_ns = time.time_ns() - (_now() - t)  # the wall clock at ``t`` (a profiler export ran since)
         self._timer.begin_step()
 
+    #: doctor.step() calls without an optimizer step after which each call is taken for a step of its own
+    MICRO_BATCH_LIMIT = 64
+
     def step(self) -> None:
-        """Marks the end of one training step. Call it once per step, after ``optimizer.step()``."""
+        """Marks the end of one training step: call it after ``optimizer.step()``. One step is one optimizer
+        step: calls between two steps of the watched optimizer (``doctor.step()`` per micro-batch under
+        gradient accumulation) are micro-batches of one step, recorded together (``StepRecord.micro_batches``)."""
         t_end = _now()
         if not self.active:
-            self.steps_done += 1
+            return
+        self._micro += 1
+        if self._is_micro_batch():
             return
         try:
             self._end_step(t_end)
         except Exception as e:  # noqa: BLE001
             self._fail("step", e)
         self.steps_done += 1
+        self._micro = 0
+        self._opt_steps_recorded = self._timer.optimizer_steps
         if self.active:
             self._begin_step(t_end)
+
+    def _is_micro_batch(self) -> bool:
+        """Whether this doctor.step() call ends a micro-batch rather than an optimizer step."""
+        if self.optimizer is None or self._per_call or self._timer.optimizer_steps != self._opt_steps_recorded:
+            return False
+        if self._micro < self.MICRO_BATCH_LIMIT:
+            return True
+        self._per_call = True
+        log.warning("fsdp_doctor: %d doctor.step() calls without a step of the optimizer given to watch(); each "
+                    "call is recorded as a step from now on", self._micro)
+        return False
 
     def _end_step(self, t_end: int) -> None:
         step = self.steps_done
         if not self._config_written:
             self._write_config()
-        wall = t_end - self._step_t0
-        tm = self._timer
-        units = tm.unit_rows()
-        fwd, bwd, opt = _ms(tm._forward_ns), _ms(tm._backward_ns), _ms(tm._optimizer_ns)
+        wall = _ms(t_end - self._step_t0)
+        tm = self._timer.timings()
         profiled = self._profiler is not None and self._profiler.is_profiled(step)
         profiled = profiled or self._spill_profiled or self._flops is not None
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         rec = StepRecord(
-            rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=_ms(wall),
-            forward_ms=fwd, backward_ms=bwd, optimizer_ms=opt, outside_ms=max(0.0, round(_ms(wall) - fwd - bwd - opt, 3)),
-            gc_ms=_ms(tm._gc_ns), gc_count=tm._gc_count, profiled=profiled, units=units, memory=mem,
+            rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
+            forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
+            outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms, 3)),
+            gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
+            micro_batches=self._micro,
         )
         self._sinks.on_step(rec)
         if self._gpu is not None:
@@ -302,12 +323,14 @@ class Doctor:
     _spill_profiled = False
 
     def _flops_tick(self, step: int) -> None:
-        """Counts FLOPs over one whole step (step 1, after FSDP's lazy init) with FlopCounterMode."""
+        """Counts FLOPs over one whole step (step 1, after FSDP's lazy init; see record/throughput.py)."""
         if not self.count_flops:
             return
         if self._flops is not None:
-            self.flops_per_step = self._flops.finish()
+            counted = self._flops.finish()
             self._flops = None
+            if counted is not None:
+                self.flops_per_step, self.hardware_flops_per_step = counted
             self._safe_write(self._config())
         elif step == 0 and self.flops_per_step is None:
             self._flops = FlopCounter()
@@ -322,8 +345,9 @@ class Doctor:
     def _config(self) -> RunConfig:
         cfg, self._consistency = config_snapshot(
             self.model, self.optimizer, self._units, rank=self.rank, world_size=self.world_size, device=self.device,
-            capacity_bytes=self.capacity_bytes, tokens_per_step=self.tokens_per_step, peak_tflops=self.peak_tflops,
-            flops_per_step=self.flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
+            capacity_bytes=self.options.capacity_bytes, tokens_per_step=self.options.tokens_per_step,
+            peak_tflops=self.options.peak_tflops, flops_per_step=self.flops_per_step,
+            hardware_flops_per_step=self.hardware_flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency)
         return cfg
@@ -332,19 +356,12 @@ class Doctor:
         self._sinks.on_profile(ProfileWindow(rank=self.rank, steps=steps, path=rel_path))
 
     # ------------------------------------------------------------------ failure handling
-    def _safe(self, fn, where: str) -> None:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            self._fail(where, e)
-
     def _safe_write(self, rec) -> None:
         if self._sinks is not None:
             self._sinks.safe_write(rec)
 
     def _step_aside(self) -> None:
-        self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
-        self.active = False
+        self._remove()
 
     def _fail(self, where: str, exc: BaseException, stop: bool = True) -> None:
         """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run
@@ -352,47 +369,32 @@ class Doctor:
         self._failures.fail(where, exc, rank=getattr(self, "rank", "?"), step=self.steps_done, stop=stop)
 
 
-def watch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    out_dir: str | os.PathLike,
-    capacity_bytes: int | None = None,
-    profile: Any = True,
-    tokens_per_step: int | None = None,
-    peak_tflops: float | None = None,
-    count_flops: bool | None = None,
-    memory: Any = True,
-    tensorboard: bool = False,
-    overwrite: bool = False,
-) -> Doctor:
-    """Watches an FSDP2 training loop; use as ``with fsdp_doctor.watch(model, opt, out_dir=...) as doctor``
-    and call ``doctor.step()`` once per step.
+def unwrap_optimizer(optimizer):
+    """The torch Optimizer inside a wrapper that exposes it as ``.optimizer`` (accelerate's AcceleratedOptimizer,
+    which subclasses Optimizer without its hook state, and the like); None stays None. Anything else is refused
+    with one sentence."""
+    opt, depth = optimizer, 0
+    while opt is not None and not _has_step_hooks(opt) and getattr(opt, "optimizer", None) is not None and depth < 8:
+        opt, depth = opt.optimizer, depth + 1
+    if opt is not None and not _has_step_hooks(opt):
+        raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
+                         "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")
+    return opt
 
-    Args:
-        model: the model with ``fully_shard`` applied (to its blocks and to itself).
-        optimizer: its optimizer (for optimizer-step timing, state memory and the optimizer checks).
-        out_dir: the run directory; each rank writes its own record stream there.
-        capacity_bytes: memory budget per rank the diagnosis compares against (default: the GPU's total
-            memory; none on CPU).
-        profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 200),
-            False, a schedule callable (``torch.profiler.schedule(...)`` or :class:`ProfileSchedule`), or a
-            dict of ``torch.profiler.profile`` arguments.
-        tokens_per_step: tokens the whole job processes per step (enables tokens/s).
-        peak_tflops: the device's peak TFLOP/s for MFU (default: a table of common GPUs).
-        count_flops: count FLOPs of step 1 with FlopCounterMode (default: when tokens_per_step or
-            peak_tflops is given).
-        memory: memory by category: True (default: full sampling on steps 0-2, then adaptively within
-            0.3% of the step time), False (off), or a dict of options, e.g. {"full_every": 1}
-            (see fsdp_doctor.record.memory).
-        tensorboard: also write TensorBoard scalars live to ``out_dir/tb/rank{R}`` (step time and split, memory
-            at the peak, overlap of profiled steps). Off by default: TensorBoard's event writer costs 2-4% of the
-            CPU of a step here (its CRC32C and protobuf work run in Python on a background thread that competes
-            with training). ``fsdp-doctor tensorboard OUT_DIR`` writes the same scalars afterwards, at no
-            cost to training.
-        overwrite: ``out_dir`` already holding another run's records is refused (a run directory holds one
-            run); True removes that run's files first (manifest, record streams, profiler/, tb/, report.json).
+
+def _has_step_hooks(opt) -> bool:
+    return isinstance(opt, torch.optim.Optimizer) and isinstance(opt.__dict__.get("_optimizer_step_pre_hooks"), dict)
+
+
+def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
+    """Watches an FSDP2 training loop; use as ``with fsdp_doctor.watch(model, opt, out_dir=...) as doctor``
+    and call ``doctor.step()`` once per step (after ``optimizer.step()``; with gradient accumulation, per
+    micro-batch or per optimizer step alike: a step is one optimizer step).
+
+    ``model``: the model with ``fully_shard`` applied (to its blocks and to itself); ``optimizer``: its
+    optimizer, or a wrapper exposing it as ``.optimizer`` (accelerate's), for optimizer-step timing, state
+    memory and the optimizer checks; ``options``: :class:`~fsdp_doctor.record.options.WatchOptions`
+    (``out_dir`` required; ``profile``, ``memory``, ``tokens_per_step``, ``peak_tflops``, ``count_flops``,
+    ``capacity_bytes``, ``tensorboard``, ``overwrite``).
     """
-    return Doctor(model, optimizer, out_dir=out_dir, capacity_bytes=capacity_bytes, profile=profile,
-                  tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, count_flops=count_flops, memory=memory,
-                  tensorboard=tensorboard, overwrite=overwrite)
+    return Doctor(model, optimizer, WatchOptions.from_kwargs(options))

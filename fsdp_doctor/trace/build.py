@@ -38,6 +38,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..fsdp_labels import PREFIX, parse_label
 from . import intervals as iv
 from .kernels import kernel_stats
 from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _gloo_collective,
@@ -52,8 +53,6 @@ NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
 DATALOADER_PREFIX = "enumerate(DataLoader)"
 OPTIMIZER_PREFIX = "Optimizer."
 STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
-LABEL_RE = re.compile(r"^FSDP::(?P<kind>[A-Za-z_]+)(?: \((?P<fqn>.*)\))?(?: \[pg=(?P<pg>\d+)\])?$")
-PREFETCH_RE = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<fqn>.*)$")
 COMM_OP_RE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::|record_param_comms|nccl:|gloo:)|wait")
 
 
@@ -118,19 +117,17 @@ def _attribution(lab: Optional[_Label]):
     """(unit, kind, label suffix) from an FSDP label: kind is 'all_gather' or 'reduce'."""
     if lab is None:
         return None
-    m = PREFETCH_RE.match(lab.name)
-    if m:
-        fqn = m.group("fqn")
-        return _unit_of(fqn), "all_gather", (f" ({fqn})" if fqn else "")
-    m = LABEL_RE.match(lab.name)
-    if not m:
+    p = parse_label(lab.name)
+    if p is None:
         return None
-    kind = m.group("kind")
-    suffix = lab.name[len("FSDP::" + kind):]
-    if kind == "all_gather":
-        return _unit_of(m.group("fqn"), m.group("pg")), "all_gather", suffix
-    if kind == "post_backward_reduce":
-        return _unit_of(m.group("fqn"), m.group("pg")), "reduce", suffix
+    if p.kind.endswith("_prefetch"):
+        return _unit_of(p.fqn), "all_gather", (f" ({p.fqn})" if p.fqn else "")
+    pg = None if p.pg is None else str(p.pg)
+    suffix = lab.name[len(PREFIX + p.kind):]
+    if p.kind == "all_gather":
+        return _unit_of(p.fqn, pg), "all_gather", suffix
+    if p.kind == "post_backward_reduce":
+        return _unit_of(p.fqn, pg), "reduce", suffix
     return None
 
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from ..fsdp_labels import parse_label
 from .build import OPTIMIZER_PREFIX, STEP_RE
 from .reader import TraceError, decode
 
-PREFETCH_LABELS = ("FSDP::forward_prefetch for ", "FSDP::backward_prefetch for ")
 
 
 @dataclass
@@ -66,15 +66,15 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
             m = STEP_RE.match(n)
             if m:
                 steps[int(m.group(1))] = (e.ts * scale, (e.ts + e.dur) * scale)
-        elif n == "FSDP::root_pre_forward":
-            bounds.append((e.ts * scale, "forward"))
-        elif n.startswith("FSDP::pre_backward"):
-            bounds.append((e.ts * scale, "backward"))
         elif n.startswith(OPTIMIZER_PREFIX):
             optim.append((e.ts * scale, (e.ts + e.dur) * scale))
-        elif n.startswith(PREFETCH_LABELS):  # "FSDP::forward_prefetch for layers.1"
-            kind, _, unit = n[len("FSDP::"):].partition("_prefetch for ")
-            prefetched.setdefault(kind, set()).add(unit)
+        elif (lab := parse_label(n)) is not None:
+            if lab.kind == "root_pre_forward":
+                bounds.append((e.ts * scale, "forward"))
+            elif lab.kind == "pre_backward":
+                bounds.append((e.ts * scale, "backward"))
+            elif lab.kind.endswith("_prefetch"):  # "FSDP::forward_prefetch for layers.1"
+                prefetched.setdefault(lab.kind[: -len("_prefetch")], set()).add(lab.fqn)
         if a is not None and a.correlation is not None and a.stream is None and e.cat == "cuda_runtime":
             launches[a.correlation] = e.ts * scale
     kept = sorted(steps)

@@ -1,0 +1,63 @@
+"""What ``fsdp_doctor.watch(model, optimizer, **options)`` accepts: one :class:`WatchOptions`, read by the Doctor."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """Options of :func:`fsdp_doctor.watch`.
+
+    Args:
+        out_dir: the run directory; each rank writes its own record stream there.
+        capacity_bytes: memory budget per rank the diagnosis compares against (default: the GPU's total
+            memory; none on CPU).
+        profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 200),
+            False, a schedule callable (``torch.profiler.schedule(...)`` or :class:`ProfileSchedule`), or a
+            dict of ``torch.profiler.profile`` arguments.
+        tokens_per_step: tokens the whole job processes per (optimizer) step (enables tokens/s).
+        peak_tflops: the device's peak TFLOP/s for MFU (default: a table of common GPUs).
+        count_flops: count the FLOPs of step 1 (the operators are observed as they run, never changed) for MFU
+            and HFU (default: when tokens_per_step or peak_tflops is given).
+        memory: memory by category: True (default: full sampling on steps 0-2, then adaptively within
+            0.3% of the step time), False (off), or a dict of options, e.g. {"full_every": 1}
+            (see fsdp_doctor.record.memory).
+        tensorboard: also write TensorBoard scalars live to ``out_dir/tb/rank{R}`` (step time and split, memory
+            at the peak, overlap of profiled steps). Off by default: TensorBoard's event writer costs 2-4% of the
+            CPU of a step here (its CRC32C and protobuf work run in Python on a background thread that competes
+            with training). ``fsdp-doctor tensorboard OUT_DIR`` writes the same scalars afterwards, at no
+            cost to training.
+        overwrite: ``out_dir`` already holding another run's records is refused (a run directory holds one
+            run); True removes that run's files first (manifest, record streams, profiler/, tb/, report.json).
+    """
+
+    out_dir: str | os.PathLike
+    capacity_bytes: int | None = None
+    profile: Any = True
+    tokens_per_step: int | None = None
+    peak_tflops: float | None = None
+    count_flops: bool | None = None
+    memory: Any = True
+    tensorboard: bool = False
+    overwrite: bool = False
+
+    @property
+    def counts_flops(self) -> bool:
+        if self.count_flops is not None:
+            return bool(self.count_flops)
+        return self.tokens_per_step is not None or self.peak_tflops is not None
+
+    @classmethod
+    def from_kwargs(cls, options: dict) -> "WatchOptions":
+        """The options from ``watch()``'s keywords; an unknown or missing one is a ``TypeError`` naming it."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"fsdp_doctor.watch: unknown option(s) {', '.join(unknown)} (options: {', '.join(names)})")
+        if "out_dir" not in options:
+            raise TypeError("fsdp_doctor.watch: out_dir is required (the run directory)")
+        return cls(**options)

@@ -1,0 +1,294 @@
+"""The recorder leaves training alone and leaves nothing behind (tests/test_recorder_cases.py starts the ranks,
+one gloo rank per process; each prints one ``RESULT {json}`` line).
+
+Cases:
+  identity  an HF Llama (SiLU, grouped-query SDPA attention, built from a tiny LlamaConfig) and the reference GPT
+            (GELU), fp32 and bf16 mixed precision: losses and final parameter shards without the doctor against
+            the same run watched with every option (FLOP counting via tokens_per_step / peak_tflops / count_flops,
+            each memory sampling mode, a profiler window over the counted step, no profiler); after each watched
+            run the hook state (every module's hook dictionaries, the parameters', the optimizer's, the global
+            module and optimizer hooks, gc callbacks, the FSDP logger, saved-tensor hooks, dispatch modes) is the
+            one before watch().
+  aside     the doctor stepping aside (an exception in its hook, a full disk, the run directory deleted, an
+            unexpected exception inside __enter__) leaves the hook state as before, at once; accelerate's
+            AcceleratedOptimizer is unwrapped; doctor.step() per micro-batch gives one step per optimizer step;
+            HF gradient checkpointing: model FLOPs as without it, hardware FLOPs higher.
+
+Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import fsdp_doctor
+from fsdp_doctor import ProfileSchedule
+
+STEPS = 5
+SEQ = 16
+BATCH = 2
+VOCAB = 128
+HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+              "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+              "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+OPT_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+             "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+             "_optimizer_load_state_dict_post_hooks")
+
+
+# ------------------------------------------------------------------------------------------------ models
+def llama(param_dtype=None, checkpointing: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model, lambda tok: model(input_ids=tok).logits
+
+
+def gpt(param_dtype=None, checkpointing: bool = False):
+    from fsdp_doctor.workloads import WorkloadConfig, build_model
+    from fsdp_doctor.workloads.sharding import apply_activation_checkpointing, apply_fsdp
+
+    cfg = WorkloadConfig(vocab=VOCAB, d_model=64, n_layers=2, n_heads=4, seq_len=SEQ, batch_size=BATCH,
+                         param_dtype="bf16" if param_dtype is torch.bfloat16 else None,
+                         ac="block" if checkpointing else "none")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    apply_activation_checkpointing(model, cfg)
+    apply_fsdp(model, cfg)
+    return model, model
+
+
+MODELS = {"llama": llama, "gpt": gpt}
+
+
+def batch(step: int, micro: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * dist.get_rank() + micro)
+    tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def train(build, *, out_dir=None, watch_kw=None, steps=STEPS, micro=1, wrap=None, during=None):
+    """The user's loop. ``during(step, doctor, out_dir)`` runs before each step's forward (to break the doctor);
+    returns (losses, final local parameter shards, hook state after the run, doctor, hook state before)."""
+    model, forward = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    user_opt = wrap(opt) if wrap else opt
+    model._get_fsdp_state()._lazy_init()  # FSDP's own lazy init adds state-dict hooks: the state to compare with
+    before = hook_state(model, opt)
+    ctx = fsdp_doctor.watch(model, user_opt, out_dir=str(out_dir), **(watch_kw or {})) if out_dir else None
+    doctor = ctx.__enter__() if ctx else None
+    losses, states = [], []
+    try:
+        for step in range(steps):
+            if during is not None:
+                during(step, doctor, out_dir)
+            total = 0.0
+            for m in range(micro):
+                tok, tgt = batch(step, m)
+                loss = F.cross_entropy(forward(tok).float().flatten(0, 1), tgt.flatten()) / micro
+                loss.backward()
+                total += loss.item()
+                if doctor is not None and micro > 1 and m < micro - 1:
+                    doctor.step()  # the user's doctor.step() per micro-batch
+            user_opt.step()
+            user_opt.zero_grad()
+            if doctor is not None:
+                doctor.step()
+                states.append(hook_state(model, opt))
+            losses.append(total)
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+    params = [p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone()
+              for p in model.parameters()]
+    return losses, params, hook_state(model, opt), doctor, before, states
+
+
+# ------------------------------------------------------------------------------------------------ hook state
+def hook_state(model, opt) -> dict:
+    """Everything a recorder could leave behind, as comparable values (hook ids, callables' ids)."""
+    import torch.nn.modules.module as M
+    import torch.optim.optimizer as O
+
+    from fsdp_doctor.record import fsdp2 as F2
+
+    def keys(d):
+        return sorted(d.keys()) if d else []
+
+    out = {}
+    for name, m in model.named_modules():
+        out["module " + name] = {k: keys(getattr(m, k, None)) for k in HOOK_DICTS}
+    for name, p in model.named_parameters():
+        out["param " + name] = [keys(getattr(p, "_backward_hooks", None)),
+                                keys(getattr(p, "_post_accumulate_grad_hooks", None))]
+    out["optimizer"] = {k: keys(getattr(opt, k, None)) for k in OPT_DICTS}
+    out["global module"] = [keys(getattr(M, k)) for k in
+                            ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                             "_global_backward_pre_hooks", "_global_module_registration_hooks")]
+    out["global optimizer"] = [keys(O._global_optimizer_pre_hooks), keys(O._global_optimizer_post_hooks)]
+    out["gc callbacks"] = [id(c) for c in gc.callbacks]
+    lg = logging.getLogger(F2.LOGGER_NAME)
+    out["fsdp logger"] = [id(lg.__dict__.get("debug")), lg.level, [id(h) for h in lg.handlers]]
+    out["saved tensor hooks"] = F2.saved_hooks_top() is not None
+    out["dispatch modes"] = torch._C._len_torch_dispatch_stack()
+    out["profiler"] = torch.autograd.profiler._is_profiler_enabled
+    return out
+
+
+def diff(a: dict, b: dict) -> list[str]:
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def same_tensors(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------ cases
+def option_sets(world: int) -> dict:
+    tokens = BATCH * SEQ * world
+    return {
+        "tokens+peak, memory auto, profiler over the counted step": dict(
+            tokens_per_step=tokens, peak_tflops=1.0, memory=True,
+            profile=ProfileSchedule(first=1, active=2, warmup=1, every=0)),
+        "count_flops, memory every step, no profiler": dict(count_flops=True, memory={"full_every": 1},
+                                                            profile=False),
+        "tokens, memory off, a profiler window after the counted step": dict(
+            tokens_per_step=tokens, memory=False, profile=ProfileSchedule(first=3, active=1, warmup=0, every=0)),
+    }
+
+
+def run_identity(out: Path) -> dict:
+    res = {"mismatch": [], "left_behind": {}, "flops": {}}
+    for name, build in MODELS.items():
+        for dt_name, dt in (("fp32", None), ("bf16", torch.bfloat16)):
+            base_losses, base_params, *_ = train(lambda: build(dt))
+            for i, (label, kw) in enumerate(option_sets(dist.get_world_size()).items()):
+                run_dir = out / f"{name}-{dt_name}-{i}"
+                losses, params, after, doctor, before, _ = train(lambda: build(dt), out_dir=run_dir, watch_kw=kw)
+                case = f"{name} {dt_name} [{label}]"
+                if losses != base_losses or not same_tensors(params, base_params):
+                    res["mismatch"].append(case)
+                if diff(before, after):
+                    res["left_behind"][case] = diff(before, after)
+                res["flops"][case] = [doctor.flops_per_step, doctor.hardware_flops_per_step]
+    return res
+
+
+def run_aside(out: Path) -> dict:
+    res = {}
+    world = dist.get_world_size()
+    base_losses, base_params, *_ = train(gpt)
+
+    def check(case, during, steps=STEPS, **kw):
+        losses, params, after, doctor, before, states = train(gpt, out_dir=out / case, during=during, steps=steps,
+                                                              watch_kw=dict(profile=False, **kw))
+        res[case] = {"identical": losses == base_losses[:steps] and (steps < STEPS or same_tensors(params, base_params)),
+                     "left_after_exit": diff(before, after),
+                     # the state after each step: the doctor steps aside at step 2, so steps 2-4 must equal before
+                     "left_after_aside": [diff(before, s) for s in states[2:]],
+                     "active": doctor.active}
+
+    def hook_error(step, doctor, out_dir):
+        if step == 2:
+            doctor._acc[1] = None  # the next hook that touches it raises inside the doctor
+
+    def full_disk(step, doctor, out_dir):
+        if step == 2:
+            def write(*recs):
+                raise OSError(28, "No space left on device")
+            doctor._sinks.writer.write = write
+
+    def deleted(step, doctor, out_dir):
+        if step == 2:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(out_dir)
+            dist.barrier()
+
+    check("hook error", hook_error)
+    check("full disk", full_disk)
+    check("deleted out_dir", deleted)
+
+    # an unexpected exception inside __enter__: one line, training goes on, nothing installed
+    import fsdp_doctor.record.tracker as T
+
+    real = T.run_device
+
+    def broken(units):
+        raise RuntimeError("unexpected")
+
+    T.run_device = broken
+    try:
+        check("enter fails", None)
+    finally:
+        T.run_device = real
+
+    # accelerate's AcceleratedOptimizer around the user's optimizer (as accelerator.prepare returns it)
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # accelerate's state (its AcceleratedOptimizer needs one), on our process group
+    losses, params, after, doctor, before, _ = train(gpt, out_dir=out / "accelerate", wrap=AcceleratedOptimizer,
+                                                     watch_kw=dict(profile=False))
+    run = fsdp_doctor.load_run(out / "accelerate")
+    rd = run.ranks[dist.get_rank()]
+    res["accelerate"] = {"identical": losses == base_losses and same_tensors(params, base_params),
+                         "left": diff(before, after), "optimizer": rd.config.optimizer,
+                         "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
+
+    # gradient accumulation with doctor.step() per micro-batch: 12 optimizer steps x 4 micro-batches
+    train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False, memory=False))
+    rd = fsdp_doctor.load_run(out / "micro").ranks[dist.get_rank()]
+    res["micro"] = {"steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
+                    "optimizer_ms": [s.optimizer_ms for s in rd.steps]}
+
+    # HF gradient checkpointing: model FLOPs equal, hardware FLOPs higher by the recompute
+    flops = {}
+    for ck in (False, True):
+        *_, doctor, _, _ = train(lambda: llama(checkpointing=ck), out_dir=out / f"hf-ckpt-{ck}", steps=3,
+                                 watch_kw=dict(profile=False, memory=False, tokens_per_step=BATCH * SEQ * world,
+                                              peak_tflops=1e-3))  # a CPU's order of magnitude
+        flops[str(ck)] = [doctor.flops_per_step, doctor.hardware_flops_per_step]
+    res["hf_checkpointing"] = flops
+    return res
+
+
+CASES = {"identity": run_identity, "aside": run_aside}
+
+
+def main(argv: list[str]) -> int:
+    case, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = CASES[case](out)
+    finally:
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

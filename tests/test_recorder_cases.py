@@ -1,0 +1,96 @@
+"""The recorder never changes training and leaves nothing behind (tests/recorder_cases.py, 2 gloo ranks): FLOP
+counting, memory sampling and profiler windows bit-identical on SiLU (HF Llama) and GELU (reference GPT) models in
+fp32 and bf16 mixed precision; the hook state restored after exit and at once when the doctor steps aside;
+accelerate's optimizer wrapper; micro-batches; model vs hardware FLOPs under HF gradient checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_clients import _launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def aside(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recorder_aside")
+    return (*_launch("aside", 2, out, script="recorder_cases.py"), out)
+
+
+def test_bit_identical_with_every_option_and_nothing_left_behind(tmp_path):
+    results, _ = _launch("identity", 2, tmp_path, timeout_s=560, script="recorder_cases.py")
+    for rank, res in enumerate(results):
+        assert res["mismatch"] == [], (rank, res["mismatch"])
+        assert res["left_behind"] == {}, (rank, res["left_behind"])
+        # 3 option sets x 2 dtypes x 2 models, each counted (the FLOPs of a step do not depend on the dtype)
+        counted = {case.split(" [")[0].split()[0]: f for case, f in res["flops"].items() if "memory off" not in case}
+        assert len(res["flops"]) == 12 and all(f[0] and f[0] == f[1] for f in counted.values()), res["flops"]
+
+
+@pytest.mark.parametrize("case", ["hook error", "full disk", "deleted out_dir", "enter fails"])
+def test_stepping_aside_removes_everything_at_once(aside, case):
+    results, errs, _ = aside
+    for rank, res in enumerate(results):
+        r = res[case]
+        assert r["identical"] and not r["active"], (rank, r)
+        assert r["left_after_exit"] == [] and r["left_after_aside"] == [[], [], []], (rank, r)
+    for err in errs:
+        # one line per stepping aside (4 cases), and no "stops recording" line for a part turned off alone
+        assert err.count("the doctor stops recording and removes its hooks") == 4, err[-3000:]
+
+
+def test_accelerated_optimizer_unwrapped(aside):
+    for res in aside[0]:
+        acc = res["accelerate"]
+        assert acc["identical"] and acc["left"] == [] and acc["errors"] == 0, acc
+        assert acc["optimizer"] == "AdamW" and all(ms > 0 for ms in acc["optimizer_ms"]), acc
+
+
+def test_micro_batches_of_one_optimizer_step_make_one_step(aside):
+    """12 optimizer steps x 4 micro-batches, doctor.step() after each micro-batch: 12 steps of 4 micro-batches,
+    and the step statistics (optimizer p50 included) over optimizer steps."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze.steps import step_stats, usable_steps
+
+    for res in aside[0]:
+        m = res["micro"]
+        assert m["steps"] == list(range(12)) and m["micro_batches"] == [4] * 12, m
+    run = load_run(aside[2] / "micro")
+    for rd in run.ranks.values():
+        stats = step_stats(usable_steps(rd.steps))
+        assert stats.count >= 10 and stats.phases_p50_ms["optimizer"] > 0, stats
+
+
+def test_hf_gradient_checkpointing_raises_hardware_flops_only(aside):
+    for res in aside[0]:
+        plain, ckpt = res["hf_checkpointing"]["False"], res["hf_checkpointing"]["True"]
+        assert plain[0] == plain[1] == ckpt[0], res["hf_checkpointing"]  # model FLOPs: the same step
+        assert ckpt[1] > 1.1 * ckpt[0], res["hf_checkpointing"]  # hardware FLOPs: plus the re-run forwards
+
+
+def test_hf_gradient_checkpointing_mfu_and_hfu_reported(aside):
+    """MFU from model FLOPs, HFU from hardware FLOPs, both in the report's JSON and the terminal table."""
+    import msgspec
+
+    from fsdp_doctor import load_run
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+    from fsdp_doctor.present.terminal import render_throughput
+
+    for ck in (False, True):
+        run = load_run(aside[2] / f"hf-ckpt-{ck}")
+        tp = analyze_throughput(run)
+        for r, row in tp.per_rank.items():
+            cfg = run.ranks[int(r)].config
+            assert row.flops_per_step == cfg.flops_per_step and row.hardware_flops_per_step == cfg.hardware_flops_per_step
+            ratio = cfg.hardware_flops_per_step / cfg.flops_per_step
+            assert abs(row.hfu_pct / row.mfu_pct - ratio) < 0.01, (row, ratio)
+            assert (ratio > 1.1) if ck else (ratio == 1.0)
+        assert tp.job.hfu_pct >= tp.job.mfu_pct > 0
+        assert b'"hfu_pct"' in msgspec.json.encode(tp)
+        from rich.console import Console
+
+        con = Console(width=100, record=True)
+        con.print(render_throughput(tp))
+        text = con.export_text()
+        assert "HFU" in text and f"{tp.job.hfu_pct:.1f}%" in text and f"{tp.job.mfu_pct:.1f}%" in text, text
