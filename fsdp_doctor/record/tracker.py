@@ -243,7 +243,7 @@ class Doctor:
         except ImportError:
             return
         try:
-            self._memory = MemoryProbe(self, self._memory_opt)
+            self._memory = MemoryProbe(self.model, self.optimizer, self._units, self._memory_opt)
         except Exception as e:  # noqa: BLE001
             self._memory = None
             self._fail("memory probe", e, stop=False)

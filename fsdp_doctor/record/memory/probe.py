@@ -69,9 +69,9 @@ the largest free block, default 200; 0 = never), ``nvml`` (default True).
 The step's figures (``StepRecord.memory``) are :class:`fsdp_doctor.records.MemoryStep`.
 
 The probe composes four collaborators behind its two calls (``mark``, ``step_end``): ``FsdpSizes``
-(``memory_sizes.py``: FSDP byte sizes through the adapter), ``SavedTensors`` (``memory_activations.py``: the
-saved-tensor counter), ``Sampler`` (``memory_sampler.py``: full vs replayed steps, the budget) and
-``DeviceStats`` (``memory_device.py``: CUDA/NVML).
+(``sizes.py``: FSDP byte sizes through the adapter), ``SavedTensors`` (``activations.py``: the
+saved-tensor counter), ``Sampler`` (``sampler.py``: full vs replayed steps, the budget) and
+``DeviceStats`` (``device.py``: CUDA/NVML).
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ from typing import Any
 
 import torch
 
-from .. import memory_categories as MC
-from ..records import MemoryPeak, MemoryStep, MemoryTimeline
-from .memory_activations import SavedTensors
-from .memory_device import DeviceStats
-from .memory_sampler import Sampler
-from .memory_sizes import FsdpSizes
-from .run_device import run_device
+from ... import memory_categories as MC
+from ...records import MemoryPeak, MemoryStep, MemoryTimeline
+from .activations import SavedTensors
+from .device import DeviceStats
+from .sampler import Sampler
+from .sizes import FsdpSizes
+from ..run_device import run_device
 
 log = logging.getLogger("fsdp_doctor")
 _now = time.perf_counter_ns
@@ -126,19 +126,19 @@ def _options(option: Any) -> dict:
 
 
 class MemoryProbe:
-    """Samples memory by category at the Doctor's marks; one instance per watched rank. ``doctor`` gives the
-    model, the optimizer and the units (``model``, ``optimizer``, ``_units``)."""
+    """Samples memory by category at the hooks' marks; one instance per watched rank: the model, its optimizer
+    (or None) and its FSDP units (:class:`fsdp_doctor.record.units.Unit`)."""
 
-    def __init__(self, doctor, option):
+    def __init__(self, model, optimizer, units, option):
         self.opts = opts = _options(option)
-        self.model = doctor.model
-        self.units = list(doctor._units)
+        self.model = model
+        self.units = list(units)
         self.unit_names = [u.name for u in self.units]
         self.unit_index = {u.name: i for i, u in enumerate(self.units)}
         self.device = run_device(self.units)  # the process group's device (a GPU under CPUOffloadPolicy)
         self.is_cuda = self.device.type == "cuda"
         host_is_device = self.device.type == "cpu"
-        self.sizes = FsdpSizes(self.model, getattr(doctor, "optimizer", None), self.units, host_is_device)
+        self.sizes = FsdpSizes(model, optimizer, self.units, host_is_device)
         self.acts = SavedTensors(self.sizes.param_keys, host_is_device)
         self.live = self.acts.live  # the running saved-bytes counter
         self.sampler = Sampler(opts["full_every"], opts["budget"], self.is_cuda)
