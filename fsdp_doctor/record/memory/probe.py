@@ -34,9 +34,14 @@ the probe samples these categories (bytes on this rank's device):
 ``buffers``
     the model's registered buffers.
 ``temporaries``
-    on CUDA: ``torch.cuda.memory_allocated()`` minus every category above (autograd's gradient
-    temporaries, op workspaces, tensors held by user code). On CPU there is no allocator total to subtract
-    from, so it is 0.
+    everything else alive (autograd's gradient temporaries, op workspaces, unsaved outputs, tensors held by
+    user code): on CUDA ``torch.cuda.memory_allocated()`` minus every category above; on CPU, on full steps,
+    the high-water counter's (``transients.py``: the step's first mark anchors it), else 0.
+
+Between two marks (a unit's op temporaries, the loss phase from ``loss_start`` to the first backward mark,
+the root's reduce-scatter buffer in its post-backward) the high-water counter of full steps keeps the
+highest bytes; when they rise above both marks they become a sample of their own (phase ``in_forward``,
+``in_loss``, ``in_backward``, ``in_optimizer``, ``after_optimizer``), replayed by light steps.
 
 ``offloaded_host`` (host memory, reported apart): tensors of the categories above that live on the host
 while the model computes on an accelerator (``CPUOffloadPolicy`` params and grads, optimizer state on the
@@ -64,14 +69,15 @@ Options (``watch(memory={...})``): ``full_every`` ("auto", or N: every Nth step;
 and has no optimizer state yet), ``budget``, ``timeline_every`` (store
 every sample of every Nth full step, default 50; full steps 0-2 and every step that raises the running
 peak are stored too), ``refresh_every`` (default 50), ``fragmentation_every`` (CUDA memory snapshot for
-the largest free block, default 200; 0 = never), ``nvml`` (default True).
+the largest free block, default 200; 0 = never), ``nvml`` (default True), ``transients`` (the high-water
+between marks on full steps, default True).
 
 The step's figures (``StepRecord.memory``) are :class:`fsdp_doctor.records.MemoryStep`.
 
-The probe composes four collaborators behind its two calls (``mark``, ``step_end``): ``FsdpSizes``
+The probe composes five collaborators behind its two calls (``mark``, ``step_end``): ``FsdpSizes``
 (``sizes.py``: FSDP byte sizes through the adapter), ``SavedTensors`` (``activations.py``: the
 saved-tensor counter), ``Sampler`` (``sampler.py``: full vs replayed steps, the budget) and
-``DeviceStats`` (``device.py``: CUDA/NVML).
+``DeviceStats`` (``device.py``: CUDA/NVML), and ``HighWater`` (``transients.py``: the high-water between marks).
 """
 
 from __future__ import annotations
