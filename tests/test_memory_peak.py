@@ -150,3 +150,53 @@ def test_peak_reconciles_with_fsdp_mem_tracker(reconciled, name):
         # the logits' loss and its gradients are the peak at a large vocabulary: the loss phase of its own
         assert r["peak_at"] == (None, "in_loss")
         assert r["peak_breakdown"]["temporaries"] >= 3 * 2 * 64 * 8192 * 4 * 0.99  # logits-sized, three of them
+
+
+_ASIDE_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import fsdp_doctor
+from fsdp_doctor.record.memory import probe as P
+from fsdp_doctor.workloads import WorkloadConfig
+from fsdp_doctor.workloads.data import batches
+from fsdp_doctor.workloads.train import build_training, next_token_loss
+
+resize = torch.UntypedStorage.resize_
+calls = [0]
+count = P.MemoryProbe._count
+def failing(self, *a):  # the probe fails in the middle of step 1's forward
+    calls[0] += 1
+    if calls[0] == 20:
+        raise RuntimeError("injected")
+    return count(self, *a)
+P.MemoryProbe._count = failing
+cfg = WorkloadConfig(n_layers=2, steps=3)
+model, opt = build_training(cfg)
+inside = []
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, memory={"full_every": 1}) as doc:
+    for _, (x, y) in zip(range(cfg.steps), batches(cfg, 0)):
+        loss = next_token_loss(model(x), y)
+        inside.append((_len_torch_dispatch_stack(), torch.UntypedStorage.resize_ is resize))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        doc.step()
+print("RESULT", calls[0] >= 20, doc.active, inside)
+"""
+
+
+@pytest.mark.slow
+def test_stepping_aside_mid_step_leaves_no_mode_and_no_wrapper(tmp_path):
+    """The probe fails inside a counted step: the doctor steps aside and its dispatch mode and resize_ wrapper
+    go with it at once, not at a step end that never comes."""
+    import subprocess
+
+    from fsdp_doctor.workloads import free_port
+
+    r = subprocess.run([sys.executable, "-c", _ASIDE_SCRIPT, str(tmp_path), str(free_port())], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")][-1]
+    assert line == "RESULT True False [(1, False), (0, True), (0, True)]", line

@@ -345,6 +345,8 @@ class Doctor:
     def _step_aside(self) -> None:
         self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
         self.active = False
+        if self._memory is not None:  # its dispatch mode, resize_ wrapper and saved-tensor hooks go at once
+            self._memory.detach()
 
     def _fail(self, where: str, exc: BaseException, stop: bool = True) -> None:
         """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run

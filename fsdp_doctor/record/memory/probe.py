@@ -139,6 +139,10 @@ def _options(option: Any) -> dict:
     return opts
 
 
+def _ignore_mark(unit, phase) -> None:
+    """A detached probe's ``mark``."""
+
+
 class MemoryProbe:
     """Samples memory by category at the hooks' marks; one instance per watched rank: the model, its optimizer
     (or None) and its FSDP units (:class:`fsdp_doctor.record.units.Unit`)."""
@@ -164,6 +168,7 @@ class MemoryProbe:
         self._anchor: int | None = None  # this step's total minus the counter, at its first counted mark
         self._open: tuple[int, int, int] | None = None  # (sample index, anchor, total) of the last counted mark
         self._transients: list[tuple] = []  # (after sample index, t, bytes, saved bytes) between two marks
+        self._later = None  # detach() inside backward: the global forward pre-hook that finishes it
         self._full = True  # this step measures everything (else: replays the last full step)
         self.step_idx = 0
         self._samples: list[tuple] = []
@@ -414,7 +419,26 @@ class MemoryProbe:
         return out
 
     def detach(self) -> None:
-        """Removes our saved-tensor hooks if they are still pushed (watch exit)."""
+        """Removes our saved-tensor hooks and the high-water mode and wrapper (watch exit, stepping aside);
+        later marks are ignored (a hook that outlives the doctor pushes nothing again). Inside backward
+        autograd runs on a copy of this thread's hook and mode stacks (what is popped there comes back when
+        backward returns): the counting stops now, and the pops happen at the next module call after it."""
+        self.mark = _ignore_mark
+        if self.hw is not None:
+            self.hw.stop(pop=False)
+        if torch._C._current_graph_task_id() != -1:
+            if self._later is None:
+                self._later = torch.nn.modules.module.register_module_forward_pre_hook(self._detach_later)
+            return
+        self._detach_now()
+
+    def _detach_later(self, module, args) -> None:
+        if torch._C._current_graph_task_id() == -1 and self._later is not None:
+            self._later.remove()
+            self._later = None
+            self._detach_now()
+
+    def _detach_now(self) -> None:
         try:
             self.acts.pop()
         except Exception:  # noqa: BLE001

@@ -129,14 +129,14 @@ class HighWater:
         self.active = True
         return None
 
-    def stop(self) -> bool:
-        """Turns it off: pops the mode (when it is on top), restores ``resize_``, forgets every storage.
-        Returns False when the mode could not be popped (another mode above it; it stays inert)."""
+    def stop(self, pop: bool = True) -> bool:
+        """Turns it off: pops the mode (when it is on top and ``pop``), restores ``resize_``, forgets every
+        storage. Returns False when the mode could not be popped (another mode above it; it stays inert)."""
         if not self.active and self._mode is None:
             return True
         self.active = False
         ok = True
-        if self._mode is not None:
+        if self._mode is not None and pop:
             if _get_current_dispatch_mode() is self._mode:
                 self._mode.__exit__(None, None, None)
                 self._mode = None
