@@ -1,34 +1,44 @@
-"""fsdp_doctor's memory categories against PyTorch's FSDPMemTracker, on the same steps of the same run.
+"""fsdp_doctor's memory categories and peak against PyTorch's FSDPMemTracker, and its activations against an
+independent saved-tensor count, on the same steps of the same deterministic training.
 
-    python benchmarks/memory_vs_memtracker.py [--steps 3] [--layers 4]
+    python benchmarks/memory_vs_memtracker.py [--models gpt,llama512,llama8192] [--steps 3] [--layers 4]
 
-Two gloo ranks train the reference GPT with ``wrap="blocks_only"`` (each block its own unit, the
-embeddings / final norm / head in the root: FSDPMemTracker breaks on grouped units, so the default
-``[norm, lm_head]`` group is avoided) with ``fsdp_doctor.watch(memory=
-{"full_every": 1})`` and ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (a
-TorchDispatchMode that classifies every storage as it is created; ``reset_mod_stats()`` each step), in two
-runs of the same deterministic training (attached together, the tracker's re-registration of FSDP's hooks
-changes what the doctor sees). For the last step, rank 0 prints per category the highest value each tool saw at the same points of the
-step (our mark (unit, forward_start) = the tracker's "After Pre-Forward" snapshot of that module,
-forward_end = "Before Post-Forward", backward_start = "Before Pre-Backward", backward_end = "Before
-Post-Backward") and the breakdown at our peak mark, with the differences.
+Models (2 gloo ranks, fp32, each block its own FSDP unit, the rest in the root):
 
-Where the definitions differ, and why:
+* ``gpt``: the reference GPT (``fsdp_doctor.workloads``, GELU) with ``wrap="blocks_only"`` (FSDPMemTracker
+  breaks on grouped units, so the default ``[norm, lm_head]`` group is avoided);
+* ``llama512`` / ``llama8192``: Hugging Face ``LlamaForCausalLM`` from a tiny ``LlamaConfig`` (SiLU/SwiGLU, GQA,
+  untied head, vocabulary 512 / 8192; built from the config, nothing downloaded), the loss computed by the loop
+  from the logits (cross-entropy), as the reference GPT's is.
 
-* activations: ours are the tensors autograd saved for backward (exact, each storage once, parameters
-  excluded). The tracker's "Activation" is every storage created during the forward that is still alive,
-  saved or not: the block outputs held by the Python frames between modules, the model output (logits)
-  and its loss tensors while they live. At module boundaries the two agree up to those unsaved outputs;
-  the tracker also counts the forward's transient tensors at its op-level peak.
-* temporaries: ours are ``memory_allocated`` minus the named categories, so 0 on CPU; the tracker's
-  "Temp" is every storage created during backward (gradients of activations, op workspaces).
-* comm_buffers: ours = the tracker's "All Gather" + "Reduce Scatter". The tracker tags the all-gather
-  output only in pre-forward / pre-backward, so the copy-out buffer kept until the next unit's unshard is
-  still "All Gather" there, as in ours.
-* "Inputs" (the token batch) has no counterpart: the doctor does not see the user's data.
-* peak: the tracker's true peak is op-level (inside a unit's forward or backward); ours is the highest
-  of the marks, i.e. at unit boundaries. The table compares both at the same points; the op-level peak is
-  printed alongside.
+Three runs of each, one after the other on a fresh model in the same two processes (attached together, the
+tools would see each other's tensors and hooks):
+
+1. ``fsdp_doctor.watch(memory={"full_every": 1})``;
+2. ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` (a TorchDispatchMode that classifies every
+   storage as it is created; ``reset_mod_stats()`` each step);
+3. no tool but an independent ``torch.autograd.graph.saved_tensors_hooks`` pair written here: it counts the
+   unique storages autograd saves for backward (parameters, i.e. leaves that require grad, and their views
+   skipped), removed when autograd drops them, and keeps the step's highest count. Its losses are those of a
+   run without the doctor: run 1's must equal them bit for bit.
+
+For the last step, rank 0 prints per category the highest value each tool saw at the same points of the
+step (our mark (unit, forward_start) = the tracker's "After Pre-Forward" snapshot of that module, forward_end
+= "Before Post-Forward", backward_start = "Before Pre-Backward", backward_end = "Before Post-Backward"), the
+breakdown of both peaks, and the ratios: our peak / the tracker's op-level peak (its "Total" less the token
+batch, "Inputs", which the doctor does not see), and our activations (the highest of the step, marks and
+high-waters between them) / the independent count's highest.
+
+Where the definitions differ:
+
+* activations: ours are the tensors autograd saved for backward. The tracker's "Activation" is every storage
+  created during the forward that is still alive, saved or not (block outputs held by the Python frames, the
+  logits); ours counts those as temporaries.
+* temporaries: what is alive outside the named categories (on CPU: the high-water counter of full steps); the
+  tracker's "Temp" is every storage created during backward. Between marks the high-water row of ours names
+  the categories of the neighbouring mark and puts what rose since into temporaries (the root's reduce-scatter
+  buffer included, the tracker's "Reduce Scatter").
+* comm_buffers: ours = the tracker's "All Gather" + "Reduce Scatter" at the marks.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
 
 OURS_TO_TRACKER = {
     "sharded_params": ("Sharded Param",),
@@ -54,60 +66,227 @@ OURS_TO_TRACKER = {
     "comm_buffers": ("All Gather", "Reduce Scatter"),
     "temporaries": ("Temp",),
 }
+#: the categories both tools define alike: equal at every matched point
+SAME = ("sharded_params", "unsharded_params", "buffers", "sharded_grads", "unsharded_grads", "optimizer_state",
+        "comm_buffers")
 PHASE_TO_STATE = {
     "forward_start": "After Pre-Forward",
     "forward_end": "Before Post-Forward",
     "backward_start": "Before Pre-Backward",
     "backward_end": "Before Post-Backward",
 }
+MODELS = ("gpt", "llama512", "llama8192")
+SEQ, BATCH = 64, 4
 
 
-def _worker(rank: int, port: int, out: str, steps: int, layers: int, mode: str) -> None:
+# ------------------------------------------------------------------------------------------------ the training
+def _llama(vocab: int, layers: int):
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, hidden_act="silu", attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def batches(rank: int):
+        step = 0
+        while True:
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            tok = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+            yield tok[:, :-1], tok[:, 1:]
+            step += 1
+
+    def loss_of(x, y):
+        logits = model(input_ids=x).logits
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    return model, opt, batches, loss_of
+
+
+def build(name: str, layers: int):
+    """(model, optimizer, batches(rank) iterator factory, loss_of(x, y)) of one benchmark model."""
+    if name == "gpt":
+        from fsdp_doctor.workloads import WorkloadConfig
+        from fsdp_doctor.workloads.data import batches as gpt_batches
+        from fsdp_doctor.workloads.train import build_training, next_token_loss
+
+        cfg = WorkloadConfig(wrap="blocks_only", n_layers=layers)
+        model, opt = build_training(cfg)
+        return model, opt, (lambda rank: gpt_batches(cfg, rank)), (lambda x, y: next_token_loss(model(x), y))
+    if name.startswith("llama"):
+        return _llama(int(name[len("llama"):]), layers)
+    raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+class SavedCount:
+    """Independent count of the bytes saved for backward: unique storages, parameters (leaves requiring grad)
+    and their views skipped; a storage leaves the count when its last saved reference is dropped."""
+
+    def __init__(self):
+        self.refs: dict[int, list[int]] = {}  # storage data pointer -> [references, bytes]
+        self.bytes = 0
+        self.high = 0
+
+    def pack(self, t):
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:
+            return t
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        e = self.refs.get(key)
+        if e is None:
+            self.refs[key] = [1, st.nbytes()]
+            self.bytes += st.nbytes()
+            self.high = max(self.high, self.bytes)
+        else:
+            e[0] += 1
+        return _Held(t, key, self)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+
+class _Held:
+    def __init__(self, t, key, count):
+        self.t, self.key, self.count = t, key, count
+
+    def __del__(self):
+        e = self.count.refs.get(self.key)
+        if e is not None:
+            e[0] -= 1
+            if e[0] == 0:
+                del self.count.refs[self.key]
+                self.count.bytes -= e[1]
+
+
+def _worker(rank: int, port: int, root: str, steps: int, layers: int, names: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    for name in names:
+        for mode in ("ours", "tracker", "saved"):
+            _run(rank, os.path.join(root, name), steps, layers, name, mode)
+    dist.destroy_process_group()
+
+
+def _run(rank: int, out: str, steps: int, layers: int, name: str, mode: str) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     import fsdp_doctor
-    from fsdp_doctor.workloads import WorkloadConfig
-    from fsdp_doctor.workloads.data import batches
-    from fsdp_doctor.workloads.train import build_training, next_token_loss
 
-    cfg = WorkloadConfig(wrap="blocks_only", n_layers=layers, steps=steps)
-    model, opt = build_training(cfg)
-    tracker_points = {}
-    op_peak = None
+    model, opt, batches, loss_of = build(name, layers)
+    losses = []
+    result: dict = {}
+
+    def step(x, y):
+        loss = loss_of(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    data = batches(rank)
     if mode == "ours":
         with fsdp_doctor.watch(model, opt, out_dir=out, profile=False, memory={"full_every": 1}) as doc:
-            for step, (x, y) in zip(range(cfg.steps), batches(cfg, rank)):
-                loss = next_token_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+            for _ in range(steps):
+                step(*next(data))
                 doc.step()
-        dist.destroy_process_group()
-        return
-    fmt = FSDPMemTracker(model, opt)
-    if True:
+    elif mode == "saved":
+        highs = []
+        for _ in range(steps):
+            count = SavedCount()
+            with torch.autograd.graph.saved_tensors_hooks(count.pack, count.unpack):
+                step(*next(data))
+            highs.append(count.high)
+        result["saved_high"] = highs
+    else:
+        fmt = FSDPMemTracker(model, opt)
+        points = {}
         with fmt:
-            for step, (x, y) in zip(range(cfg.steps), batches(cfg, rank)):
+            for i in range(steps):
                 fmt.reset_mod_stats()
-                if step == cfg.steps - 1:
+                if i == steps - 1:
                     fmt._peak_mem = {}  # the op-level peak of this step only
-                loss = next_token_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                step(*next(data))
             for mod_stat in fmt.memory_tracking.values():
                 fqn = mod_stat.mod_fqn.split(".", 1)[1] if "." in mod_stat.mod_fqn else ""
                 for state, snaps in mod_stat.snapshots.items():
                     snap = snaps[-1].get(torch.device("cpu")) if snaps else None
                     if snap:
-                        tracker_points[f"{fqn}|{state.value}"] = {k: int(v) for k, v in snap.items()}
-            op_peak = {k: int(v) for k, v in fmt.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).items()}
-    with open(os.path.join(out, f"tracker{rank}.json"), "w") as f:
-        json.dump({"points": tracker_points, "op_peak": op_peak}, f)
-    dist.destroy_process_group()
+                        points[f"{fqn}|{state.value}"] = {k: int(v) for k, v in snap.items()}
+            result["points"] = points
+            result["op_peak"] = {k: int(v) for k, v in
+                                 fmt.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).items()}
+    result["losses"] = losses
+    with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------------ the comparison
+def compare(out: str, rank: int = 0) -> dict:
+    """The figures of the last step of ``rank`` (bytes)."""
+    from fsdp_doctor import load_run
+
+    run = load_run(out)
+    tr = json.loads(open(os.path.join(out, f"tracker{rank}.json")).read())
+    sv = json.loads(open(os.path.join(out, f"saved{rank}.json")).read())
+    ours_losses = [json.loads(open(os.path.join(out, f"ours{r}.json")).read())["losses"] for r in range(2)]
+    plain_losses = [json.loads(open(os.path.join(out, f"saved{r}.json")).read())["losses"] for r in range(2)]
+    mem = run.ranks[rank].steps[-1].memory
+    tl = mem.timeline
+    if tl is None:
+        raise SystemExit("the last step has no timeline; run with more steps")
+    cols = tl.columns
+    rows = [dict(zip(cols, r)) for r in tl.rows]
+    ours_max = {c: 0 for c in OURS_TO_TRACKER}
+    theirs_max = {c: 0 for c in OURS_TO_TRACKER}
+    matched = 0
+    mismatched = []
+    for d in rows:
+        if d["unit"] is None or d["phase"] not in PHASE_TO_STATE:
+            continue
+        snap = tr["points"].get(f"{d['unit']}|{PHASE_TO_STATE[d['phase']]}")
+        if snap is None:
+            continue
+        matched += 1
+        for c, keys in OURS_TO_TRACKER.items():
+            theirs = sum(snap.get(k, 0) for k in keys)
+            ours_max[c] = max(ours_max[c], d[c])
+            theirs_max[c] = max(theirs_max[c], theirs)
+            if c in SAME and d[c] != theirs:
+                mismatched.append((d["unit"], d["phase"], c, d[c], theirs))
+    op_peak = tr["op_peak"]
+    tracker_peak = op_peak.get("Total", 0) - op_peak.get("Inputs", 0)
+    return {
+        "matched": matched, "mismatched": mismatched, "ours_max": ours_max, "tracker_max": theirs_max,
+        "peak": mem.peak.bytes, "peak_at": (mem.peak.unit, mem.peak.phase), "peak_breakdown": mem.peak.breakdown,
+        "tracker_peak": tracker_peak, "tracker_breakdown": op_peak,
+        "activations": max(d["activations"] for d in rows), "saved_high": sv["saved_high"][-1],
+        "losses_identical": ours_losses == plain_losses, "probe_us": mem.probe_us, "transients": mem.transients,
+    }
+
+
+def measure(names, steps: int = 3, layers: int = 4, root: str | None = None) -> dict:
+    """The three runs of each model (two spawned ranks for all), and their comparisons (rank 0, last step)."""
+    from fsdp_doctor.workloads import free_port
+
+    root = root or tempfile.mkdtemp(prefix="mem_vs_tracker_")
+    for name in names:
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+    mp.spawn(_worker, args=(free_port(), root, steps, layers, list(names)), nprocs=2)
+    out = {}
+    for name in names:
+        out[name] = compare(os.path.join(root, name))
+        out[name]["out"] = os.path.join(root, name)
+    return out
 
 
 def _pct(a: int, b: int) -> str:
@@ -118,69 +297,34 @@ def _pct(a: int, b: int) -> str:
     return f"{100.0 * (a - b) / b:+.1f}%"
 
 
-def compare(out: str, rank: int = 0) -> list[tuple]:
-    from fsdp_doctor import load_run
-
-    run = load_run(out)
-    tr = json.loads(open(os.path.join(out, f"tracker{rank}.json")).read())
-    step = run.ranks[rank].steps[-1]
-    tl = step.memory.timeline
-    if tl is None:
-        raise SystemExit("the last step has no timeline; run with more steps")
-    cols = tl.columns
-    ours_max = {c: 0 for c in OURS_TO_TRACKER}
-    theirs_max = {c: 0 for c in OURS_TO_TRACKER}
-    matched = 0
-    best = None
-    for row in tl.rows:
-        d = dict(zip(cols, row))
-        if d["unit"] is None or d["phase"] not in PHASE_TO_STATE:
-            continue
-        snap = tr["points"].get(f"{d['unit']}|{PHASE_TO_STATE[d['phase']]}")
-        if snap is None:
-            continue
-        matched += 1
-        total = sum(d[c] for c in cols[3:])
-        if best is None or total > best[0]:
-            best = (total, d, snap)
-        for c, keys in OURS_TO_TRACKER.items():
-            ours_max[c] = max(ours_max[c], d[c])
-            theirs_max[c] = max(theirs_max[c], sum(snap.get(k, 0) for k in keys))
-    rows = []
-    for c, keys in OURS_TO_TRACKER.items():
-        at_o = best[1][c]
-        at_t = sum(best[2].get(k, 0) for k in keys)
-        rows.append((c, ours_max[c], theirs_max[c], at_o, at_t))
-    return rows, matched, best, tr["op_peak"], step.memory
+def report(name: str, r: dict) -> None:
+    mib = 1 << 20
+    print(f"\n== {name}: last step, rank 0; {r['matched']} matched points; run {r['out']}")
+    print(f"{'category':<18}{'max ours':>11}{'max tracker':>13}{'diff':>8}   {'@peak ours':>11}")
+    for c in OURS_TO_TRACKER:
+        mo, mt = r["ours_max"][c], r["tracker_max"][c]
+        print(f"{c:<18}{mo / mib:>10.3f}M{mt / mib:>12.3f}M{_pct(mo, mt):>8}   "
+              f"{r['peak_breakdown'].get(c, 0) / mib:>10.3f}M")
+    tb = ", ".join(f"{k} {v / mib:.3f}M" for k, v in r["tracker_breakdown"].items() if v and k != "Total")
+    print(f"tracker op-level peak: {tb}")
+    unit, phase = r["peak_at"]
+    print(f"peak: ours {r['peak'] / mib:.3f} MiB ({unit or '(root)' if unit is not None else 'model'} {phase}), "
+          f"tracker {r['tracker_peak'] / mib:.3f} MiB without inputs: ratio {r['peak'] / r['tracker_peak']:.4f}")
+    print(f"activations: ours {r['activations'] / mib:.3f} MiB (the step's highest), independent saved-tensor count "
+          f"{r['saved_high'] / mib:.3f} MiB: ratio {r['activations'] / r['saved_high']:.4f}")
+    print(f"categories measured alike, at every matched point: {'equal' if not r['mismatched'] else r['mismatched']}")
+    print(f"losses with the doctor bit-identical to those without: {r['losses_identical']}; "
+          f"probe cost this step {r['probe_us'] / 1e3:.1f} ms (high-water: {r['transients']})")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    out = args.out or tempfile.mkdtemp(prefix="mem_vs_tracker_")
-    from fsdp_doctor.workloads import free_port
-
-    # two runs of the same deterministic training: the tools are not attached together (the tracker
-    # re-registers FSDP's hooks and wraps its backward methods, which changes what the other one sees)
-    mp.spawn(_worker, args=(free_port(), out, args.steps, args.layers, "ours"), nprocs=2)
-    mp.spawn(_worker, args=(free_port(), out, args.steps, args.layers, "tracker"), nprocs=2)
-    rows, matched, best, op_peak, mem = compare(out)
-    mib = 1 << 20
-    print(f"run: {out}; last step, rank 0; {matched} matched points")
-    print(f"{'category':<18}{'max ours':>11}{'max tracker':>13}{'diff':>8}   "
-          f"{'@peak ours':>11}{'@peak tracker':>14}{'diff':>8}")
-    for c, mo, mt, ao, at in rows:
-        print(f"{c:<18}{mo / mib:>10.3f}M{mt / mib:>12.3f}M{_pct(mo, mt):>8}   {ao / mib:>10.3f}M{at / mib:>13.3f}M"
-              f"{_pct(ao, at):>8}")
-    d = best[1]
-    t_total = sum(v for k, v in best[2].items() if k not in ("Total", "Inputs"))
-    print(f"our peak mark: {d['unit'] or '(root)'} {d['phase']}: ours {best[0] / mib:.3f} MiB, tracker at the same "
-          f"point {t_total / mib:.3f} MiB without inputs ({best[2].get('Inputs', 0) / mib:.3f} MiB inputs)")
-    print("tracker op-level peak of the step: " + ", ".join(f"{k} {v / mib:.3f}M" for k, v in op_peak.items() if v))
-    print(f"probe cost this step: {mem.probe_us} us")
+    for name, res in measure(args.models.split(","), args.steps, args.layers).items():
+        report(name, res)
 
 
 if __name__ == "__main__":

@@ -210,6 +210,8 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     offloaded_host: int = 0  # host bytes of offloaded params/grads/optimizer state
     activations: str = "off"  # "exact" | "replayed" | "off"
     activations_note: str | None = None  # why activations are not counted
+    transients: str = "off"  # the high-water between marks: "exact" | "replayed" | "off" (record/memory/transients.py)
+    transients_note: str | None = None  # why it is off
     comm_note: str | None = None  # why comm_buffers are unknown
     unknown: list[str] = []  # categories not measurable on this torch (their 0 is no figure)
     unit_activations: dict[str, int] | None = None  # exact steps: bytes each unit's forward left saved

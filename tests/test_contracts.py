@@ -52,7 +52,7 @@ def test_every_module_imports_alone():
     import fsdp_doctor
 
     mods = sorted(m.name for m in pkgutil.walk_packages(fsdp_doctor.__path__, "fsdp_doctor."))
-    assert "fsdp_doctor.record.memory_sizes" in mods
+    assert "fsdp_doctor.record.memory.sizes" in mods
     code = ("import importlib, subprocess, sys\n"
             "bad = []\n"
             "for m in sys.argv[1:]:\n"

@@ -333,20 +333,11 @@ def test_stale_optimizer_params_are_visible(noreshard_stale):
 
 
 # ------------------------------------------------------------------------------ in-process: the counter
-class _FakeDoctor:
-    def __init__(self, model):
-        self.model = model
-        self.optimizer = None
-        self._units = []
-        self.rank = 0
-        self.capacity_bytes = None
-
-
 def test_counter_counts_each_storage_once_and_skips_params():
     from fsdp_doctor.record.memory import MemoryProbe
 
     lin = nn.Linear(16, 32)
-    probe = MemoryProbe(_FakeDoctor(lin), True)
+    probe = MemoryProbe(lin, None, [], True)
     x = torch.randn(8, 16, requires_grad=True)
     probe.mark(None, "forward_start")
     h = lin(x)  # saves x (input) and the weight (a parameter: skipped)
@@ -365,7 +356,7 @@ def test_user_saved_tensor_hooks_win():
     from fsdp_doctor.record.memory import MemoryProbe
 
     lin = nn.Linear(4, 4)
-    probe = MemoryProbe(_FakeDoctor(lin), True)
+    probe = MemoryProbe(lin, None, [], True)
     with torch.autograd.graph.save_on_cpu():
         probe.mark(None, "forward_start")
         lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
@@ -379,4 +370,4 @@ def test_unknown_option_is_refused():
     from fsdp_doctor.record.memory import MemoryProbe
 
     with pytest.raises(ValueError, match="unknown option"):
-        MemoryProbe(_FakeDoctor(nn.Linear(2, 2)), {"activation_every": 3})
+        MemoryProbe(nn.Linear(2, 2), None, [], {"activation_every": 3})

@@ -47,8 +47,8 @@ _compiling = torch.compiler.is_compiling
 
 class MarkSink(Protocol):
     """What listens to the hooks' marks: ``mark(unit, phase)`` at FSDP's boundaries (unit None: the whole model;
-    phases ``forward_start``/``forward_end``/``backward_start``/``backward_end``/``optimizer_start``/
-    ``optimizer_end``) and ``step_end(step)`` once per step."""
+    phases ``forward_start``/``forward_end``/``loss_start`` (the model's forward returned)/``backward_start``/
+    ``backward_end``/``optimizer_start``/``optimizer_end``) and ``step_end(step)`` once per step."""
 
     def mark(self, unit: Optional[str], phase: str) -> None: ...
 
@@ -452,6 +452,8 @@ class StepTimer:
         if self.active and not _compiling() and not in_backward() and self._fwd_start:
             self._forward_ns += _now() - self._fwd_start
             self._fwd_start = 0
+            if self.marks is not None:  # the loss phase: from here to the first backward mark
+                self._safe(lambda: self.marks.mark(None, "loss_start"), "memory")
 
     def _opt_pre(self, optimizer, args, kwargs):
         if self.active:

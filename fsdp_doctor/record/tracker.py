@@ -244,7 +244,7 @@ class Doctor:
         except ImportError:
             return
         try:
-            self._memory = MemoryProbe(self, self.options.memory)
+            self._memory = MemoryProbe(self.model, self.optimizer, self._units, self.options.memory)
         except Exception as e:  # noqa: BLE001
             self._memory = None
             self._fail("memory probe", e, stop=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import fsdp2 as F2
+from .. import fsdp2 as F2
 
 # Property reads (``.grad``) on DTensor parameters go through __torch_function__ (~1 us each); inside this
 # context they are plain C reads.

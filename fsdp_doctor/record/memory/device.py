@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ..records import CudaMemory
+from ...records import CudaMemory
 
 
 class DeviceStats:

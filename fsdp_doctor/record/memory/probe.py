@@ -34,9 +34,14 @@ the probe samples these categories (bytes on this rank's device):
 ``buffers``
     the model's registered buffers.
 ``temporaries``
-    on CUDA: ``torch.cuda.memory_allocated()`` minus every category above (autograd's gradient
-    temporaries, op workspaces, tensors held by user code). On CPU there is no allocator total to subtract
-    from, so it is 0.
+    everything else alive (autograd's gradient temporaries, op workspaces, unsaved outputs, tensors held by
+    user code): on CUDA ``torch.cuda.memory_allocated()`` minus every category above; on CPU, on full steps,
+    the high-water counter's (``transients.py``: the step's first mark anchors it), else 0.
+
+Between two marks (a unit's op temporaries, the loss phase from ``loss_start`` to the first backward mark,
+the root's reduce-scatter buffer in its post-backward) the high-water counter of full steps keeps the
+highest bytes; when they rise above both marks they become a sample of their own (phase ``in_forward``,
+``in_loss``, ``in_backward``, ``in_optimizer``, ``after_optimizer``), replayed by light steps.
 
 ``offloaded_host`` (host memory, reported apart): tensors of the categories above that live on the host
 while the model computes on an accelerator (``CPUOffloadPolicy`` params and grads, optimizer state on the
@@ -64,14 +69,15 @@ Options (``watch(memory={...})``): ``full_every`` ("auto", or N: every Nth step;
 and has no optimizer state yet), ``budget``, ``timeline_every`` (store
 every sample of every Nth full step, default 50; full steps 0-2 and every step that raises the running
 peak are stored too), ``refresh_every`` (default 50), ``fragmentation_every`` (CUDA memory snapshot for
-the largest free block, default 200; 0 = never), ``nvml`` (default True).
+the largest free block, default 200; 0 = never), ``nvml`` (default True), ``transients`` (the high-water
+between marks on full steps, default True).
 
 The step's figures (``StepRecord.memory``) are :class:`fsdp_doctor.records.MemoryStep`.
 
-The probe composes four collaborators behind its two calls (``mark``, ``step_end``): ``FsdpSizes``
-(``memory_sizes.py``: FSDP byte sizes through the adapter), ``SavedTensors`` (``memory_activations.py``: the
-saved-tensor counter), ``Sampler`` (``memory_sampler.py``: full vs replayed steps, the budget) and
-``DeviceStats`` (``memory_device.py``: CUDA/NVML).
+The probe composes five collaborators behind its two calls (``mark``, ``step_end``): ``FsdpSizes``
+(``sizes.py``: FSDP byte sizes through the adapter), ``SavedTensors`` (``activations.py``: the
+saved-tensor counter), ``Sampler`` (``sampler.py``: full vs replayed steps, the budget) and
+``DeviceStats`` (``device.py``: CUDA/NVML), and ``HighWater`` (``transients.py``: the high-water between marks).
 """
 
 from __future__ import annotations
@@ -82,13 +88,15 @@ from typing import Any
 
 import torch
 
-from .. import memory_categories as MC
-from ..records import MemoryPeak, MemoryStep, MemoryTimeline
-from .memory_activations import SavedTensors
-from .memory_device import DeviceStats
-from .memory_sampler import Sampler
-from .memory_sizes import FsdpSizes
-from .run_device import run_device
+from ... import memory_categories as MC
+from ...records import MemoryPeak, MemoryStep, MemoryTimeline
+from .activations import SavedTensors
+from .device import DeviceStats
+from .sampler import Sampler
+from .sizes import FsdpSizes
+from .transients import HighWater
+from ..run_device import run_device
+from ..units import compiled_in_place
 
 log = logging.getLogger("fsdp_doctor")
 _now = time.perf_counter_ns
@@ -107,7 +115,13 @@ _DEFAULTS = {
     "fragmentation_every": 200,
     "nvml": True,
     "first_timeline_steps": 3,
+    "transients": True,  # full steps count what lives between two marks (transients.py)
 }
+#: where a peak between two marks lies, by the phase of the mark before it
+_INSIDE = {"forward_start": "in_forward", "forward_end": "in_forward", "recompute_start": "in_forward",
+           "recompute_end": "in_forward", "loss_start": "in_loss", "backward_start": "in_backward",
+           "backward_end": "in_backward", "optimizer_start": "in_optimizer", "optimizer_end": "after_optimizer"}
+_ACT = CATEGORIES.index("activations")
 
 
 def _options(option: Any) -> dict:
@@ -125,24 +139,36 @@ def _options(option: Any) -> dict:
     return opts
 
 
-class MemoryProbe:
-    """Samples memory by category at the Doctor's marks; one instance per watched rank. ``doctor`` gives the
-    model, the optimizer and the units (``model``, ``optimizer``, ``_units``)."""
+def _ignore_mark(unit, phase) -> None:
+    """A detached probe's ``mark``."""
 
-    def __init__(self, doctor, option):
+
+class MemoryProbe:
+    """Samples memory by category at the hooks' marks; one instance per watched rank: the model, its optimizer
+    (or None) and its FSDP units (:class:`fsdp_doctor.record.units.Unit`)."""
+
+    def __init__(self, model, optimizer, units, option):
         self.opts = opts = _options(option)
-        self.model = doctor.model
-        self.units = list(doctor._units)
+        self.model = model
+        self.units = list(units)
         self.unit_names = [u.name for u in self.units]
         self.unit_index = {u.name: i for i, u in enumerate(self.units)}
         self.device = run_device(self.units)  # the process group's device (a GPU under CPUOffloadPolicy)
         self.is_cuda = self.device.type == "cuda"
         host_is_device = self.device.type == "cpu"
-        self.sizes = FsdpSizes(self.model, getattr(doctor, "optimizer", None), self.units, host_is_device)
+        self.sizes = FsdpSizes(model, optimizer, self.units, host_is_device)
         self.acts = SavedTensors(self.sizes.param_keys, host_is_device)
         self.live = self.acts.live  # the running saved-bytes counter
         self.sampler = Sampler(opts["full_every"], opts["budget"], self.is_cuda)
         self.dev = DeviceStats(self.device, opts["fragmentation_every"], opts["nvml"])
+        compiled = any(compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in model.modules())
+        self.hw = HighWater(self.device, self.live) if opts["transients"] and not compiled else None
+        self._hw_note = "compiled modules: not counted" if opts["transients"] and compiled else None
+        self._hw_used = False  # the high-water ran this step
+        self._anchor: int | None = None  # this step's total minus the counter, at its first counted mark
+        self._open: tuple[int, int, int] | None = None  # (sample index, anchor, total) of the last counted mark
+        self._transients: list[tuple] = []  # (after sample index, t, bytes, saved bytes) between two marks
+        self._later = None  # detach() inside backward: the global forward pre-hook that finishes it
         self._full = True  # this step measures everything (else: replays the last full step)
         self.step_idx = 0
         self._samples: list[tuple] = []
@@ -199,6 +225,8 @@ class MemoryProbe:
         elif phase == "optimizer_end":
             sizes.refresh_optimizer(force=self.step_idx < 2)
         self._sample(t, unit, phase)
+        if phase == "optimizer_end" and self.hw is not None and self.hw.active:
+            self._stop_hw()
         self._cost_ns += _now() - t
 
     def _on_step_forward(self) -> None:
@@ -207,6 +235,19 @@ class MemoryProbe:
             self.sizes.quick_grads()
         self._fwd_seen = True
         self.acts.push()
+        hw = self.hw
+        if hw is not None and not hw.active and self._anchor is None:
+            why = hw.start()
+            if why is None:
+                self._hw_used = True
+            else:
+                self._hw_note = why
+
+    def _stop_hw(self) -> None:
+        if not self.hw.stop():
+            log.warning("fsdp_doctor: another TorchDispatchMode sits above the memory high-water mode; it stays "
+                        "inert until that mode exits")
+        self._open = None
 
     def _sample(self, t: int, unit, phase: str) -> None:
         """One sample: the per-mark figures; the static ones (sharded params, buffers) are referenced."""
@@ -216,15 +257,58 @@ class MemoryProbe:
         sg = sz.sg_total + sz.unmanaged_sgrad
         comm = sz.comm_bytes()
         tmp = 0
+        st = sz.static_t
+        known = st[0] + st[1] + usp + sg + sz.ug_total + sz.opt_bytes + sz.stale_bytes + act + comm
         if self.is_cuda:
             try:
-                st = sz.static_t
-                known = st[0] + st[1] + usp + sg + sz.ug_total + sz.opt_bytes + sz.stale_bytes + act + comm
                 tmp = max(0, torch.cuda.memory_allocated(self.device) - known)
             except Exception:  # noqa: BLE001
                 pass
+        hw = self.hw
+        if hw is not None and hw.active:
+            tmp = self._count(known, tmp)
         self._samples.append((t, unit, phase, sz.static_t, usp, sg, sz.ug_total, sz.opt_bytes,
                               sz.stale_bytes, act, comm, tmp))
+
+    def _count(self, known: int, tmp: int) -> int:
+        """A mark on a counted step: closes the interval since the previous mark (its high-water is kept when
+        it rises above both marks) and returns the temporaries at this mark. On CUDA the allocator total
+        anchors every mark; on CPU the first mark of the step does (its temporaries are taken as 0: the
+        user's input batch) and the counter carries it: temporaries = anchor + counter - named categories."""
+        live, high, saved, t_high = self.hw.read()
+        if self._anchor is None:
+            self._anchor = known + tmp - live
+        elif not self.is_cuda:
+            tmp = max(0, self._anchor + live - known)
+        total = known + tmp
+        if self._open is not None:
+            i, anchor, prev_total = self._open
+            peak = anchor + high
+            if peak > max(prev_total, total):
+                self._transients.append((i, t_high, peak, saved))
+        self._open = (len(self._samples), total - live, total)
+        return tmp
+
+    def _transient_rows(self, samples, rows) -> list[tuple]:
+        """(after sample index, t, unit, phase, row) of each high-water between two marks: the named
+        categories of the neighbouring mark with fewer of them, the saved bytes of that moment, and the rest
+        as temporaries (the op temporaries, the loss, the reduce-scatter buffer in the root's post-backward)."""
+        out = []
+        exact = self.acts.mode == "exact"
+        for i, t, peak, saved in self._transients:
+            best = None
+            for j in (i, i + 1):
+                if j >= len(rows):
+                    continue
+                r = list(rows[j])
+                if exact:
+                    r[_ACT] = saved
+                r[-1] = 0
+                r[-1] = max(0, peak - sum(r))
+                if best is None or r[-1] > best[-1]:
+                    best = r
+            out.append((i, t, samples[i][1], _INSIDE.get(samples[i][2], "in_step"), best))
+        return out
 
     @staticmethod
     def _row(s) -> list[int]:
@@ -246,6 +330,9 @@ class MemoryProbe:
         self.sizes.refresh_step = step < 2 or bool(re and step % re == 0)
         self._full = self.sampler.is_full(step)
         self.acts.begin()
+        self._anchor = self._open = None
+        self._transients = []
+        self._hw_used = False
         self._t0 = _now()
 
     def step_end(self, step: int) -> MemoryStep:
@@ -260,6 +347,11 @@ class MemoryProbe:
         acts.pop()
         if acts.error is not None and acts.mode == "exact":
             acts.mode = "off"
+        hw = self.hw
+        if hw is not None and hw.active:
+            self._stop_hw()
+        if hw is not None and hw.error:
+            self._hw_note = hw.error
         samples = self._samples
         opts = self.opts
         mismatched = 0
@@ -268,16 +360,22 @@ class MemoryProbe:
                 self._sample(t_end, None, "step_end")
             rows = [self._row(s) for s in samples]
             act_mode = acts.mode
+            extra = self._transient_rows(samples, rows)
+            tr_mode = "exact" if self._hw_used and hw.error is None else "off"
         else:
-            rows, mismatched = sampler.replay(samples, self._fallback_row)
+            rows, mismatched, extra = sampler.replay(samples, self._fallback_row)
             act_mode = "replayed" if sampler.last_full is not None else "off"
+            tr_mode = "replayed" if extra or sampler.last_transients else "off"
             if not rows:
                 rows = [self._fallback_row(0)]
                 samples = [(t_end, None, "step_end", 0)]
-        totals = [sum(r) for r in rows]
-        pi = max(range(len(rows)), key=totals.__getitem__)
-        pt, punit, pphase = samples[pi][:3]
-        pv = rows[pi]
+        # the marks and, after each, the high-water that rose above it before the next one
+        points = [(s[0], s[1], s[2], r) for s, r in zip(samples, rows)]
+        for k, (i, t, unit, phase, r) in enumerate(extra):
+            points.insert(i + 1 + k, (t, unit, phase, r))
+        totals = [sum(p[3]) for p in points]
+        pi = max(range(len(points)), key=totals.__getitem__)
+        pt, punit, pphase, pv = points[pi]
         t0 = self._t0
         out = MemoryStep(
             v=MEMORY_FORMAT, device=str(self.device), categories=list(CATEGORIES),
@@ -288,11 +386,12 @@ class MemoryProbe:
             stale_optimizer_param_tensors=sizes.stale_params, saved_tensors=self.live.packs,
             replay_mismatches=mismatched,  # marks that did not line up with the last full step
             activations_note=acts.error or acts.note or None, comm_note=sizes.comm_note,
-            unknown=list(sizes.unknown))  # categories not measured on this torch (their 0 is not a figure)
+            unknown=list(sizes.unknown),  # categories not measured on this torch (their 0 is not a figure)
+            transients=tr_mode, transients_note=self._hw_note if tr_mode == "off" else None)
         if full:
             if act_mode == "exact":
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
-            sampler.remember(samples, rows)
+            sampler.remember(samples, rows, extra)
         new_peak = totals[pi] > self._running_peak
         if new_peak:
             self._running_peak = totals[pi]
@@ -300,7 +399,7 @@ class MemoryProbe:
         if full and (step < opts["first_timeline_steps"] or new_peak or (te and step % te == 0)):
             out.timeline = MemoryTimeline(
                 columns=["t_ms", "unit", "phase", *CATEGORIES],
-                rows=[[round((s[0] - t0) * 1e-6, 3), s[1], s[2], *r] for s, r in zip(samples, rows)])
+                rows=[[round((p[0] - t0) * 1e-6, 3), p[1], p[2], *p[3]] for p in points])
         if self.is_cuda:
             out.cuda = self.dev.stats(step)
         if full:
@@ -311,7 +410,7 @@ class MemoryProbe:
             else:
                 sizes.refresh_optimizer()
         # marks, step_end and each pack hook are timed; handle releases (run by autograd) are estimated
-        total = self._cost_ns + _now() - t_end + acts.cost_ns()
+        total = self._cost_ns + _now() - t_end + acts.cost_ns() + (hw.cost_ns if self._hw_used else 0)
         sampler.step_cost(step, full, total, mismatched)
         out.full_every = sampler.every
         out.probe_us = round(total * 1e-3, 1)
@@ -320,11 +419,32 @@ class MemoryProbe:
         return out
 
     def detach(self) -> None:
-        """Removes our saved-tensor hooks if they are still pushed (watch exit)."""
+        """Removes our saved-tensor hooks and the high-water mode and wrapper (watch exit, stepping aside);
+        later marks are ignored (a hook that outlives the doctor pushes nothing again). Inside backward
+        autograd runs on a copy of this thread's hook and mode stacks (what is popped there comes back when
+        backward returns): the counting stops now, and the pops happen at the next module call after it."""
+        self.mark = _ignore_mark
+        if self.hw is not None:
+            self.hw.stop(pop=False)
+        if torch._C._current_graph_task_id() != -1:
+            if self._later is None:
+                self._later = torch.nn.modules.module.register_module_forward_pre_hook(self._detach_later)
+            return
+        self._detach_now()
+
+    def _detach_later(self, module, args) -> None:
+        if torch._C._current_graph_task_id() == -1 and self._later is not None:
+            self._later.remove()
+            self._later = None
+            self._detach_now()
+
+    def _detach_now(self) -> None:
         try:
             self.acts.pop()
         except Exception:  # noqa: BLE001
             pass
+        if self.hw is not None:
+            self._stop_hw()
         if self.acts.pushed:
             log.warning("fsdp_doctor: could not remove the activation-counting hooks (another saved_tensors_hooks "
                         "context is above them); they stay until the thread ends")

@@ -20,6 +20,7 @@ class Sampler:
         self.every = 1  # current period of full steps
         self.next_full = 0
         self.last_full: list | None = None  # [(unit, phase, row)] of the last full step
+        self.last_transients: dict[int, list] = {}  # mark index -> [(unit, phase, row)] high-waters after it
         self._light_ns: list[int] = []
         self._full_ns: list[int] = []
         self._last_step_end = 0
@@ -39,16 +40,22 @@ class Sampler:
                 del self._walls[:32]
         self._last_step_end = t_end
 
-    def remember(self, samples, rows) -> None:
-        """A full step's marks and rows, replayed by the light steps after it."""
+    def remember(self, samples, rows, transients=()) -> None:
+        """A full step's marks and rows, and the high-waters between marks ``(after mark index, t, unit, phase,
+        row)``, replayed by the light steps after it."""
         self.last_full = [(s[1], s[2], r) for s, r in zip(samples, rows)]
+        self.last_transients = {}
+        for i, _t, unit, phase, row in transients:
+            self.last_transients.setdefault(i, []).append((unit, phase, row))
 
-    def replay(self, samples, fallback) -> tuple[list, int]:
+    def replay(self, samples, fallback) -> tuple[list, int, list]:
         """Light step: each mark takes the figures of the same mark of the last full step (same unit and
         phase at the same position); temporaries are this step's own (CUDA). ``fallback(tmp)`` is the row of
-        a mark that does not line up; returns (rows, marks that did not line up)."""
+        a mark that does not line up; returns (rows, marks that did not line up, the full step's high-waters
+        after the marks that lined up, as ``(after mark index, t, unit, phase, row)``)."""
         last = self.last_full or []
         rows = []
+        extra = []
         bad = 0
         for i, (t, unit, phase, tmp) in enumerate(samples):
             if i < len(last) and last[i][0] == unit and last[i][1] == phase:
@@ -57,10 +64,12 @@ class Sampler:
                     known = sum(r) - r[TMP]
                     r[TMP] = max(0, tmp - known)
                 rows.append(r)
+                for unit_, phase_, row in self.last_transients.get(i, ()):
+                    extra.append((i, t, unit_, phase_, list(row)))
             else:
                 bad += 1
                 rows.append(fallback(0))
-        return rows, bad
+        return rows, bad, extra
 
     def step_cost(self, step: int, full: bool, total_ns: int, mismatched: int) -> None:
         """The probe's cost this step; schedules the next full step."""

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn as nn
 
-from . import fsdp2 as F2
+from .. import fsdp2 as F2
 
 log = logging.getLogger("fsdp_doctor")
 _now = time.perf_counter_ns

@@ -1,0 +1,205 @@
+"""The exact high-water mark between two marks, on full steps: what lives only inside a unit's forward or
+backward, the loss and its gradients, the root's reduce-scatter buffer.
+
+The probe's marks sit at FSDP's hook boundaries; what is allocated and freed between two of them (a unit's
+op temporaries, the logits' log-softmax and gradients, the reduce-scatter input FSDP allocates in the root's
+post-backward) is invisible there. On a full step :class:`HighWater` runs a ``TorchDispatchMode`` that keeps a
+running count of the bytes of the storages the step's ops create (each storage once, taken off when it dies:
+a weak reference's callback) and of storage resizes (FSDP's unshard / reshard resize its unsharded parameters'
+storages in place: ``torch.UntypedStorage.resize_`` is wrapped while the mode is on, as FSDPMemTracker does).
+At each mark the probe reads the counter and the highest value it reached since the previous mark (with the
+saved-for-backward bytes at that moment); the mark's own figures anchor it, so the high-water between two
+marks is ``total at the mark - counter at the mark + highest counter``.
+
+Numerics: the mode only observes; every op runs ``func(*args, **kwargs)`` unchanged, below the Python key, on
+the kernel it would have run (nothing is decomposed; DTensor ops are handed back to DTensor first, as
+FSDPMemTracker does, and seen as their local ops). Tested: losses bit-identical with and without it on SiLU
+and GELU models. It steps aside for the step when another dispatch mode is on the stack (the user's own, a
+checkpoint's selective-recompute mode is pushed and popped above it) and never runs on models with compiled
+modules. One collaborator of :class:`fsdp_doctor.record.memory.MemoryProbe`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _len_torch_dispatch_stack
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None
+
+_now = time.perf_counter_ns
+_Tensor = torch.Tensor
+
+
+def _tensors(x, out: list) -> None:
+    """The tensors of an op's arguments or results (tensors, lists of them, lists of lists)."""
+    if isinstance(x, _Tensor):
+        out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            if isinstance(y, _Tensor):
+                out.append(y)
+            elif isinstance(y, (list, tuple)):
+                _tensors(y, out)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, hw: HighWater):
+        super().__init__()
+        self.hw = hw
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor is not None and DTensor in types:
+            return NotImplemented  # DTensor desugars into local ops first; we see those
+        hw = self.hw
+        if not hw.active:
+            return func(*args, **(kwargs or {}))
+        t0 = _now()
+        ins: list = []
+        _tensors(args, ins)
+        if kwargs:
+            _tensors(tuple(kwargs.values()), ins)
+        keys = set()
+        for t in ins:
+            try:
+                keys.add(t.untyped_storage()._cdata)
+            except Exception:  # noqa: BLE001 - tensors without a storage
+                pass
+        t1 = _now()
+        out = func(*args, **(kwargs or {}))
+        t2 = _now()
+        try:
+            hw.created(out, keys)
+        except Exception as exc:  # noqa: BLE001 - never break the user's op
+            hw.fail(exc)
+        hw.cost_ns += t1 - t0 + _now() - t2
+        return out
+
+
+class HighWater:
+    """Running bytes of the storages created (and resized) while on, with the high-water mark since the last
+    ``read()``; ``saved`` is the saved-tensor counter (its ``bytes`` at the high-water moment are kept)."""
+
+    def __init__(self, device: torch.device, saved):
+        self.device = device
+        self.saved = saved
+        self.active = False
+        self.live = 0
+        self.hw = 0
+        self.hw_saved = 0
+        self.hw_t = 0
+        self.cost_ns = 0
+        self.error: str | None = None
+        self._refs: dict[int, list] = {}  # storage key -> [weak reference, bytes]
+        self._mode: _Mode | None = None
+        self._orig_resize = None
+
+    # ------------------------------------------------------------------ on / off
+    def start(self) -> str | None:
+        """Turns the counting on for a step; returns why not (None when on)."""
+        if self.active:
+            return None
+        if self.error is not None:
+            return self.error
+        if _len_torch_dispatch_stack() > 0:
+            return "another TorchDispatchMode is active"
+        self.live = self.hw = self.hw_saved = 0
+        self.hw_t = _now()
+        self.cost_ns = 0
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        @functools.wraps(orig)
+        def resize_(st, size):
+            old = st.nbytes()
+            r = orig(st, size)
+            if self.active:
+                self.resized(st, old)
+            return r
+
+        torch.UntypedStorage.resize_ = resize_
+        self._resize = resize_
+        self.active = True
+        return None
+
+    def stop(self, pop: bool = True) -> bool:
+        """Turns it off: pops the mode (when it is on top and ``pop``), restores ``resize_``, forgets every
+        storage. Returns False when the mode could not be popped (another mode above it; it stays inert)."""
+        if not self.active and self._mode is None:
+            return True
+        self.active = False
+        ok = True
+        if self._mode is not None and pop:
+            if _get_current_dispatch_mode() is self._mode:
+                self._mode.__exit__(None, None, None)
+                self._mode = None
+            else:
+                ok = False
+        if self._orig_resize is not None and torch.UntypedStorage.resize_ is self._resize:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+        self._refs.clear()  # dropped weak references never call back
+        return ok
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = f"transient counting failed ({type(exc).__name__}: {exc})"[:200]
+        self.active = False
+
+    # ------------------------------------------------------------------ counting
+    def _on_device(self, st) -> bool:
+        d = st.device
+        return d.type == self.device.type and (d.index is None or self.device.index in (None, d.index))
+
+    def _bump(self) -> None:
+        if self.live > self.hw:
+            self.hw = self.live
+            self.hw_saved = self.saved.bytes
+            self.hw_t = _now()
+
+    def _freed(self, k: int, _ref) -> None:
+        e = self._refs.pop(k, None)
+        if e is not None:
+            self.live -= e[1]
+
+    def created(self, out, input_keys: set) -> None:
+        """An op's results: storages that are neither its inputs' nor already known are new allocations."""
+        res: list = []
+        _tensors(out, res)
+        refs = self._refs
+        for t in res:
+            if type(t) is not _Tensor and not isinstance(t, torch.nn.Parameter):
+                continue
+            st = t.untyped_storage()
+            k = st._cdata
+            if k in input_keys or k in refs or not self._on_device(st):
+                continue
+            nb = st.nbytes()
+            refs[k] = [weakref.ref(st, functools.partial(self._freed, k)), nb]
+            self.live += nb
+        self._bump()
+
+    def resized(self, st, old: int) -> None:
+        if not self._on_device(st):
+            return
+        new = st.nbytes()
+        e = self._refs.get(st._cdata)
+        if e is not None:
+            e[1] = new
+        self.live += new - old
+        self._bump()
+
+    def read(self) -> tuple[int, int, int, int]:
+        """(counter now, highest since the last read, saved bytes then, when (ns)); restarts the high-water."""
+        out = (self.live, self.hw, self.hw_saved, self.hw_t)
+        self.hw = self.live
+        self.hw_saved = self.saved.bytes
+        self.hw_t = _now()
+        return out
