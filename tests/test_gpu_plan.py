@@ -79,3 +79,67 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     cfg = WorkloadConfig(n_layers=int(o[1]), d_model=int(o[3]), n_heads=int(o[5]), n_kv_heads=int(o[7]),
                          vocab=int(o[9]), seq_len=int(o[11]))
     assert 0.9e9 < total_param_count(cfg) < 1.2e9 and cfg.n_kv_heads < cfg.n_heads
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: `record()` stamps a fake device clock; `query()` says whether the device
+    reached it (the clock the test advances), so the timeline's bookkeeping runs without a GPU."""
+
+    clock = 0.0  # "device time" of the next recorded event (ms)
+    done_until = float("inf")
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.clock
+
+    def query(self) -> bool:
+        return self.t <= FakeEvent.done_until
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return other.t - self.t
+
+
+def test_gpu_timeline_phases_and_units_read_a_step_later(monkeypatch):
+    """Forward, backward and optimizer phases and per-unit times come out of the events' own clock, a step later
+    (never waiting), and no event is reused while a pending step still needs it."""
+    from fsdp_doctor.record import gpu_timing
+
+    monkeypatch.setattr(gpu_timing.torch.cuda, "Event", FakeEvent)
+    tl = gpu_timing.GpuTimeline(rank=0, n_units=2, names=["", "layers.0"])
+
+    def at(t):
+        FakeEvent.clock = t
+
+    def one_step(t0: float, step: int):
+        at(t0); tl.begin_step()
+        at(t0 + 1); tl.open(0, 0)          # root forward
+        at(t0 + 2); tl.open(1, 0)          # block forward
+        at(t0 + 5); tl.close(1, 0)
+        at(t0 + 6); tl.close(0, 0)
+        at(t0 + 7); tl.open(0, 1)          # root backward
+        at(t0 + 8); tl.open(1, 1)
+        at(t0 + 14); tl.close(1, 1)
+        at(t0 + 15); tl.close(0, 1)
+        at(t0 + 16); tl.optimizer_begin()
+        at(t0 + 19); tl.optimizer_end()
+        at(t0 + 20)
+        return tl.end_step(step)
+
+    FakeEvent.done_until = 10.0  # the device is still in step 0's forward when the host ends step 0
+    assert one_step(0.0, 0) == []  # nothing waits: step 0 stays pending
+    FakeEvent.done_until = 110.0  # step 0 done on the device, step 1 not yet
+    out = one_step(100.0, 1)
+    assert [r.step for r in out] == [0]
+    FakeEvent.done_until = float("inf")
+    out += one_step(200.0, 2) + tl.flush()
+    by_step = {r.step: r for r in out}
+    assert sorted(by_step) == [0, 1, 2]
+    for r in by_step.values():
+        assert r.step_ms == 20.0
+        assert (r.forward_ms, r.backward_ms, r.optimizer_ms) == (5.0, 8.0, 3.0)
+        assert r.units == [["", 5.0, 8.0], ["layers.0", 3.0, 6.0]]
