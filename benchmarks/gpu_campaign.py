@@ -92,7 +92,7 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
                                               "--json", str(out / f"allocator_{tag}.json")], 90,
                          [f"allocator_{tag}.json"]))
     demo = [PY, "-m", "fsdp_doctor.cli", "demo", "--device", device, "--nproc", "2", "--steps", str(steps),
-            "--overwrite", *mid]
+            "--overwrite", *mid] + (["--async-unshard"] if dry else [])  # gloo blocks without it; NCCL never does
     plan.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))
     for name, flags, _ in SCENARIOS:
         if dry and "--cpu-offload" in flags:
