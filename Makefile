@@ -12,7 +12,7 @@ TORCH_PIN ?= torch==2.13.0
 COMPAT_DIR   ?= $(HOME)/.cache/fsdp_doctor/compat
 COMPAT_TORCH ?= 2.6.0 2.15.0
 
-.PHONY: setup demo test test-fast test-compat browser-deps clean plotlyjs-basic
+.PHONY: setup demo test test-fast test-compat test-gpu gpu-wheels gpu-campaign browser-deps clean plotlyjs-basic
 
 setup: $(STAMP)
 
@@ -55,6 +55,21 @@ test-compat:
 	  echo "test-compat: torch $$v ($$py), tests marked compat, this checkout ($(CURDIR))"; \
 	  OMP_NUM_THREADS=1 PYTHONPATH="$(CURDIR)" $$py -m pytest -q -p no:cacheprovider -m compat || exit 1; \
 	done; echo "test-compat: torch $(COMPAT_TORCH) passed in $$(( $$(date +%s) - t0 )) s"
+
+# The GPU tier (tests marked `gpu`, skipped without CUDA) and the whole GPU campaign (benchmarks/gpu_campaign.py).
+# On the GPU machine there is no .venv and no registry: `make gpu-wheels` here, carry .whl, and run there
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# then `make test-gpu` or `make gpu-campaign` (GPU_PY defaults to python3 where this checkout has no .venv).
+GPU_PY ?= $(if $(wildcard $(VPY)),$(VPY),python3)
+CAMPAIGN_OUT ?= /tmp/fsdp_doctor_gpu_campaign
+test-gpu:
+	$(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu -rs
+
+gpu-wheels:
+	@bash benchmarks/gpu_wheels.sh
+
+gpu-campaign:
+	$(GPU_PY) benchmarks/gpu_campaign.py --out $(CAMPAIGN_OUT)
 
 test-fast: setup
 	$(VPY) -m pytest -q -m "not browser and not slow"

@@ -8,6 +8,7 @@ against it. Excluded from both kinds of block alike: the first ``--skip`` steps 
 attaching) and the steps the default profiler schedule records (and the one that carries the trace export).
 
     .venv/bin/python benchmarks/overhead.py [--blocks 40] [--block-steps 30]   (about 2 minutes)
+    python benchmarks/overhead.py --device cuda --nproc 1 --n-layers 16 --d-model 2048 ...   (the GPU campaign's runs)
 
 Prints the median step time of each kind and their ratio (the figure the README quotes), the spread of the
 per-block-pair ratios (this shared 2-core VM's noise is about ±5%), and the process CPU time per step
@@ -40,6 +41,15 @@ def excluded(block_steps: int, skip: int) -> set[int]:
     return ex
 
 
+def workload(a: argparse.Namespace):
+    from fsdp_doctor.workloads import WorkloadConfig
+
+    return WorkloadConfig(n_layers=a.n_layers, d_model=a.d_model, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                          vocab=a.vocab, seq_len=a.seq_len, batch_size=a.batch_size, param_dtype=a.param_dtype,
+                          device=a.device, num_threads=1, async_unshard=a.device == "cpu",
+                          steps=a.blocks * a.block_steps)
+
+
 def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str) -> None:
     import torch
     import torch.distributed as dist
@@ -49,13 +59,19 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
     from fsdp_doctor.workloads.data import batches
     from fsdp_doctor.workloads.train import build_training, next_token_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = WorkloadConfig(n_layers=a.n_layers, d_model=a.d_model, async_unshard=True,
-                         steps=a.blocks * a.block_steps)
+    from fsdp_doctor.workloads.launch import _rank_env
+    from fsdp_doctor.workloads.train import backend_for, setup_rank
+
+    cfg = workload(a)
+    os.environ.update(_rank_env(cfg, rank, world, port))
+    device = setup_rank(cfg, int(os.environ.get("FSDP_DOCTOR_CUDA_DEVICE", 0)))
+    dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world,
+                            **({"device_id": device} if device is not None else {}))
     model, opt = build_training(cfg)
-    data = batches(cfg, rank)
+    data = ((tok.to(cfg.device), tgt.to(cfg.device)) for tok, tgt in batches(cfg, rank))
+    # On a GPU the host runs ahead: both kinds of block wait for the device at the end of each step (as a loop
+    # that logs `loss.item()` does), so a step's time is the device's when it is the longer one.
+    sync = torch.cuda.synchronize if device is not None else (lambda: None)
     times: dict[str, list[list[float]]] = {"on": [], "off": []}
     cpu: dict[str, list[list[float]]] = {"on": [], "off": []}  # process CPU ms of each step (all threads)
     for b in range(a.blocks):
@@ -72,6 +88,7 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
             opt.zero_grad()
             if doctor:
                 doctor.step()
+            sync()
             t, c = time.perf_counter(), time.process_time()
             ts.append(1e3 * (t - t_prev))
             cs.append(1e3 * (c - c_prev))
@@ -92,9 +109,17 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=40, help="blocks of steps, alternating off/on (even)")
     ap.add_argument("--block-steps", type=int, default=30)
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out at the start of each block")
-    ap.add_argument("--nproc", type=int, default=2, help="gloo ranks")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (gloo on cpu, NCCL on cuda; more ranks than GPUs share)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--n-layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--n-kv-heads", type=int, default=None, help="fewer than --n-heads: grouped-query attention")
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--param-dtype", choices=("bf16", "fp32", "fp16"), default=None, help="MixedPrecisionPolicy param_dtype")
+    ap.add_argument("--json", default=None, help="also write the figures here (JSON)")
     ap.add_argument("--per-step", action="store_true", help="print rank 0's median time at each step of a block")
     ap.add_argument("--watch", default="{}", help='extra watch() arguments as JSON, e.g. \'{"memory": false}\'')
     a = ap.parse_args()
@@ -139,6 +164,16 @@ def main() -> None:
     print(f"process CPU time per step (all threads, mean over the same steps): off {c_off:.2f} ms, on {c_on:.2f} ms, "
           f"ratio {c_on / c_off:.4f} ({100 * (c_on / c_off - 1):+.2f}%)")
     print(f"\noverhead: doctor-on / doctor-off median step time = {m_on / m_off:.4f}  ({100 * (m_on / m_off - 1):+.2f}%)")
+    if a.json:
+        from fsdp_doctor.workloads import total_param_count
+
+        cfg = workload(a)
+        Path(a.json).write_text(json.dumps({
+            "device": a.device, "nproc": a.nproc, "workload": {k: v for k, v in vars(a).items() if k != "json"},
+            "params": total_param_count(cfg), "median_step_ms": {"off": m_off, "on": m_on}, "ratio": m_on / m_off,
+            "pair_ratio": {"min": min(pair), "median": statistics.median(pair), "max": max(pair)},
+            "cpu_ms_per_step": {"off": c_off, "on": c_on}, "excluded_steps_per_block": len(ex),
+        }, indent=1))
 
 
 if __name__ == "__main__":

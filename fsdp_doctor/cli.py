@@ -241,7 +241,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     from .pipeline import build_report
     from .store import RunFollower, layout, load_run
-    from .workloads import WorkloadError, config_from_args, launch
+    from .workloads import WorkloadError, config_from_args, gpu_plan, launch
 
     console = _console()
     out = Path(ns.out)
@@ -268,8 +268,16 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     watch_kwargs = {"out_dir": str(out), "tokens_per_step": cfg.tokens_per_step(ns.nproc), "overwrite": ns.overwrite}
     if ns.capacity_mib:
         watch_kwargs["capacity_bytes"] = int(ns.capacity_mib * (1 << 20))
-    console.print(f"[bold]fsdp-doctor demo[/]: GPT {cfg.n_layers}×{cfg.d_model} (wrap={cfg.wrap}) on {ns.nproc} "
-                  f"gloo ranks, {cfg.steps} steps → {out}")
+    try:
+        plan = gpu_plan(cfg, ns.nproc)
+    except ValueError as e:
+        _err(str(e))
+        return EXIT_BAD_INPUT
+    ranks = f"{ns.nproc} gloo ranks" if plan is None else f"{ns.nproc} NCCL ranks"
+    console.print(f"[bold]fsdp-doctor demo[/]: GPT {cfg.n_layers}×{cfg.d_model} (wrap={cfg.wrap}) on {ranks}, "
+                  f"{cfg.steps} steps → {out}")
+    if plan is not None and plan.shared:
+        console.print(plan.describe())
     result: dict = {}
 
     def target():
@@ -464,7 +472,7 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     d.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (a run directory holds one run; without this flag "
                    "the demo refuses it)")
-    d.add_argument("--nproc", type=int, default=2, help="gloo ranks (default: 2)")
+    d.add_argument("--nproc", type=int, default=2, help="ranks (default: 2): gloo on --device cpu, NCCL on --device cuda (more ranks than GPUs share them)")
     d.add_argument("--capacity-mib", type=float, default=None, help="memory budget per rank for the diagnosis")
     if with_workload:
         from .workloads import add_cli_args

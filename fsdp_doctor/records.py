@@ -254,6 +254,11 @@ class GpuTimes(Record, tag="gpu"):
     step: int
     step_ms: float
     units: list[list[Union[str, float]]] = []
+    # the step's phases on the device: first unit forward begun .. last ended, the same for backward, and the
+    # optimizer hook pair (0.0 where the phase did not run, and in files written before these fields existed)
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
 
 
 class ProfileWindow(Record, tag="profile"):

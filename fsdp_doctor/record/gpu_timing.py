@@ -29,6 +29,10 @@ class GpuTimeline:
         self._open: dict[tuple[int, int], torch.cuda.Event] = {}
         self._step_start: torch.cuda.Event | None = None
         self._pending: deque = deque()
+        # phases: forward = first unit forward opened .. last closed (kind 0), backward likewise (kind 1),
+        # optimizer = the optimizer hook pair (kind 2)
+        self._first: dict[int, torch.cuda.Event] = {}
+        self._last: dict[int, torch.cuda.Event] = {}
 
     def _event(self) -> torch.cuda.Event:
         ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
@@ -40,20 +44,35 @@ class GpuTimeline:
 
     def open(self, unit: int, kind: int) -> None:
         if (unit, kind) not in self._open:
-            self._open[(unit, kind)] = self._event()
+            self._open[(unit, kind)] = ev = self._event()
+            self._first.setdefault(kind, ev)
 
     def close(self, unit: int, kind: int) -> None:
         start = self._open.pop((unit, kind), None)
         if start is not None:
-            self._spans.append((unit, kind, start, self._event()))
+            end = self._event()
+            self._spans.append((unit, kind, start, end))
+            self._last[kind] = end
+
+    def optimizer_begin(self) -> None:
+        if 2 not in self._first:
+            self._first[2] = self._event()
+
+    def optimizer_end(self) -> None:
+        if 2 in self._first:
+            self._last[2] = self._event()
 
     def end_step(self, step: int) -> list[GpuTimes]:
         """Closes the step (no wait) and returns the records of earlier steps whose events completed."""
         end = self._event()
-        self._pending.append((step, self._step_start, end, self._spans))
+        phases = {k: (self._first[k], self._last[k]) for k in self._first if k in self._last}
+        self._pending.append((step, self._step_start, end, self._spans, phases))
         self._spans = []
+        self._first, self._last = {}, {}
+        held = {id(ev) for pair in phases.values() for ev in pair}
         for ev in self._open.values():  # spans left open (a forward without backward): drop them
-            self._pool.append(ev)
+            if id(ev) not in held:  # ... unless a phase still needs it (then it is not reused before resolved)
+                self._pool.append(ev)
         self._open.clear()
         out = []
         while self._pending and self._pending[0][2].query():
@@ -68,7 +87,8 @@ class GpuTimeline:
             out.append(self._resolve(*item))
         return out
 
-    def _resolve(self, step, start, end, spans) -> GpuTimes:
+    def _resolve(self, step, start, end, spans, phases) -> GpuTimes:
+        phase_ms = {k: round(a.elapsed_time(b), 3) for k, (a, b) in phases.items()}
         fwd = [0.0] * len(self.names)
         bwd = [0.0] * len(self.names)
         for unit, kind, s, e in spans:
@@ -77,6 +97,7 @@ class GpuTimeline:
         rec = GpuTimes(
             rank=self.rank, step=step, step_ms=round(start.elapsed_time(end), 3),
             units=[[n, round(f, 3), round(b, 3)] for n, f, b in zip(self.names, fwd, bwd)],
+            forward_ms=phase_ms.get(0, 0.0), backward_ms=phase_ms.get(1, 0.0), optimizer_ms=phase_ms.get(2, 0.0),
         )
         self._pool += [start, end]
         return rec

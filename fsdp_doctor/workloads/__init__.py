@@ -21,7 +21,7 @@ from .config import (
 )
 from .data import batches, make_batch
 from .gpt import GPT, build_model, total_param_count
-from .launch import WorkloadError, WorkloadTimeout, free_port, launch
+from .launch import GpuPlan, WorkloadError, WorkloadTimeout, free_port, gpu_plan, launch
 from .sharding import (
     UnitSpec,
     analytic_param_counts,
@@ -34,6 +34,7 @@ from .train import make_optimizer, running_under_torchrun, train, train_from_env
 __all__ = [
     "DTYPE_NAMES",
     "GPT",
+    "GpuPlan",
     "UnitSpec",
     "WRAP_POLICIES",
     "WorkloadConfig",
@@ -48,6 +49,7 @@ __all__ = [
     "config_from_args",
     "free_port",
     "fsdp_units",
+    "gpu_plan",
     "launch",
     "make_batch",
     "make_optimizer",

@@ -54,6 +54,55 @@ def free_port(host: str = MASTER_ADDR) -> int:
         return sock.getsockname()[1]
 
 
+class GpuPlan:
+    """Which CUDA device each rank uses, and whether ranks share one (NCCL then needs a host id per rank)."""
+
+    def __init__(self, devices: list[int], visible: int) -> None:
+        self.devices = devices
+        self.visible = visible
+
+    @property
+    def shared(self) -> bool:
+        return len(set(self.devices)) < len(self.devices)
+
+    def describe(self) -> str:
+        """One line for the user: how the ranks map onto the visible GPUs."""
+        n = len(self.devices)
+        if not self.shared:
+            return f"{n} NCCL rank{'s' if n > 1 else ''}, one GPU each (cuda:{', cuda:'.join(map(str, self.devices))})"
+        return (f"{n} NCCL ranks on {self.visible} GPU{'s' if self.visible > 1 else ''}: ranks share a device, "
+                f"each with its own NCCL_HOSTID so NCCL accepts them; they talk over loopback sockets, so "
+                f"communication is slower than NVLink/InfiniBand and compute is shared")
+
+
+def gpu_plan(cfg: WorkloadConfig, nproc: int, visible: Optional[int] = None) -> Optional[GpuPlan]:
+    """The CUDA device of every rank (None on CPU): rank r uses cuda:(r mod visible).
+
+    With fewer GPUs than ranks the ranks share devices; NCCL refuses two ranks of one host on one device
+    ("Duplicate GPU detected"), so each such rank gets its own ``NCCL_HOSTID`` (see `_rank_env`).
+    """
+    if cfg.device != "cuda":
+        return None
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible < 1:
+        raise ValueError("device='cuda' requested but no CUDA device is visible (torch.cuda.device_count() == 0)")
+    return GpuPlan([rank % visible for rank in range(nproc)], visible)
+
+
+def _rank_env(cfg: WorkloadConfig, rank: int, world_size: int, port: int,
+              visible: Optional[int] = None) -> dict[str, str]:
+    """The environment of one spawned rank: the rendezvous and, where ranks share a GPU, its NCCL host id."""
+    env = dict(MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+               LOCAL_RANK=str(rank))
+    plan = gpu_plan(cfg, world_size, visible)
+    if plan is not None:
+        # LOCAL_RANK names the device too: DeviceMesh picks it up when it sets a device itself
+        env["FSDP_DOCTOR_CUDA_DEVICE"] = env["LOCAL_RANK"] = str(plan.devices[rank])
+        if plan.shared:
+            env["NCCL_HOSTID"] = f"fsdp-doctor-rank-{rank}"
+    return env
+
+
 def launch(cfg: WorkloadConfig, nproc: int = 2, watch_kwargs: Optional[dict] = None,
            timeout_s: float = 600, on_step: Optional[OnStep] = None) -> list[list[float]]:
     """Train `cfg` on `nproc` spawned ranks and return the per-step losses of every rank (rank order).
@@ -65,8 +114,7 @@ def launch(cfg: WorkloadConfig, nproc: int = 2, watch_kwargs: Optional[dict] = N
     preflight(cfg)
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    if cfg.device == "cuda" and nproc > torch.cuda.device_count():
-        raise ValueError(f"nproc={nproc} ranks need as many GPUs; {torch.cuda.device_count()} visible")
+    gpu_plan(cfg, nproc)  # raises with one line when CUDA is asked for and none is visible
     for attempt in range(_PORT_ATTEMPTS):
         try:
             return _launch_once(cfg, nproc, watch_kwargs, timeout_s, on_step)
@@ -95,12 +143,12 @@ def _is_port_clash(exc: WorkloadError) -> bool:
 def _rank_main(rank: int, cfg: WorkloadConfig, world_size: int, port: int, outdir: str,
                watch_kwargs: Optional[dict], on_step: Optional[OnStep]) -> None:
     """Entry point of one spawned rank: init the group, train, write the losses or the error."""
-    os.environ.update(MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(_rank_env(cfg, rank, world_size, port))
     out = Path(outdir)
     try:
-        setup_rank(cfg, rank)
-        dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world_size)
+        device = setup_rank(cfg, int(os.environ.get("FSDP_DOCTOR_CUDA_DEVICE", rank)))
+        kwargs = {"device_id": device} if device is not None else {}
+        dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world_size, **kwargs)
         try:
             losses = train(cfg, rank, world_size, watch_kwargs=watch_kwargs, on_step=on_step)
             # every rank done with every collective before any rank tears gloo down: a peer destroying its

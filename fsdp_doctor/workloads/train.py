@@ -42,14 +42,19 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def setup_rank(cfg: WorkloadConfig, local_rank: int) -> None:
-    """Per-process settings before the process group: intra-op threads and the CUDA device."""
+def setup_rank(cfg: WorkloadConfig, cuda_index: int) -> Optional[torch.device]:
+    """Per-process settings before the process group: intra-op threads and the CUDA device (returned; None on CPU).
+
+    `cuda_index` is the rank's device (`launch.gpu_plan`: several ranks may share one).
+    """
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    if cfg.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
-        torch.cuda.set_device(local_rank)
+    if cfg.device != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
+    torch.cuda.set_device(cuda_index)
+    return torch.device("cuda", cuda_index)
 
 
 def build_training(cfg: WorkloadConfig) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1,0 +1,243 @@
+"""The whole GPU campaign of issue #22 in one command, for a one-GPU machine, writing every figure to one folder.
+
+    python benchmarks/gpu_campaign.py --out /tmp/campaign                 # on the GPU machine (~8 min)
+    .venv/bin/python benchmarks/gpu_campaign.py --out /tmp/c --dry-run    # the same steps on CPU, tiny shapes
+
+Steps, in order of value (each a subprocess with its own time limit; a step that would overrun the budget is
+skipped and listed as such, and the summary is rewritten after every step, so a cut-off call still returns what
+ran):
+
+  env          GPU, driver, torch, CUDA and NCCL versions (env.json)
+  tests        `pytest -m gpu`: the GPU tier (tests/test_gpu.py, tests/test_gpu_timing.py) as JUnit XML
+  overhead_1b  benchmarks/overhead.py on a ~1B-parameter Llama-style GPT with grouped-query attention, 1 rank
+  overhead_2r  the same on 2 NCCL ranks sharing the GPU (NCCL_HOSTID per rank)
+  allocator    benchmarks/memory_vs_allocator.py: the doctor's per-step peak against max_memory_allocated(),
+               1 rank, 2 ranks, and 2 ranks with CPU offload
+  fixture      a 2-rank run recorded by watch() with one profiler window (`fsdp-doctor demo`), for traces/
+  scenarios    the GPU scenarios (below): each a recorded 2-rank run and its report; which findings fired
+  predictions  benchmarks/predictions.py --device cuda, if this checkout's predictions.py takes --device
+
+The folder then holds summary.md (the figures, for the README), summary.json, one log per step, and the run
+directories (fixture/, scenarios/NAME/). On the device machine, tar the folder under $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+# ~1.0e9 parameters: 20 blocks of width 2048, 16 query heads over 4 key/value heads, a 32k vocabulary
+ONE_B = ["--n-layers", "20", "--d-model", "2048", "--n-heads", "16", "--n-kv-heads", "4", "--vocab", "32000",
+         "--seq-len", "1024", "--batch-size", "4", "--param-dtype", "bf16"]
+MID = ["--n-layers", "8", "--d-model", "1024", "--n-heads", "16", "--n-kv-heads", "4", "--vocab", "32000",
+       "--seq-len", "512", "--batch-size", "4", "--param-dtype", "bf16"]
+TINY = ["--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--n-kv-heads", "2", "--vocab", "512",
+        "--seq-len", "32", "--batch-size", "2", "--param-dtype", "fp32"]
+
+# The GPU scenarios: (name, extra demo flags, the finding codes of which one must fire; () = the tuned baseline,
+# which must raise nothing at warning level). Each runs as `fsdp-doctor demo --device cuda --nproc 2`.
+SCENARIOS: list[tuple[str, list[str], tuple[str, ...]]] = [
+    ("tuned", ["--forward-prefetch", "1", "--backward-prefetch", "1"], ()),
+    ("no_prefetch", [], ("prefetch.exposed_allgather",)),
+    ("leaf_units", ["--wrap", "leaf"], ("wrap.too_fine",)),
+    ("whole_model", ["--wrap", "whole"], ("wrap.too_coarse",)),
+    ("cpu_offload", ["--cpu-offload"], ("offload.costly",)),
+    ("zero2", ["--reshard-after-forward", "false"], ()),
+    ("zero3_ample", ["--capacity-mib", "60000"], ("reshard.zero2_affordable",)),
+    ("ac_unneeded", ["--ac", "block", "--capacity-mib", "60000"], ("ac.unneeded",)),
+    ("ac_needed", ["--batch-size", "16", "--capacity-mib", "1500"], ("ac.recommended",)),
+    ("optimizer_before_shard", ["--optimizer-before-shard"], ("optim.before_shard",)),
+    ("small_batch", ["--batch-size", "1", "--seq-len", "64"], ("throughput.low_mfu",)),
+    ("straggler", ["--sleep-rank", "1", "--sleep-ms", "30"], ("straggler.rank", "straggler.trace")),
+]
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    timeout_s: int
+    outputs: list[str] = field(default_factory=list)  # files (relative to the folder) the step writes
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def plan(out: Path, dry: bool, steps: int) -> list[Step]:
+    device = "cpu" if dry else "cuda"
+    big, mid = (TINY, TINY) if dry else (ONE_B, MID)
+    bench = lambda name: str(REPO / "benchmarks" / name)  # noqa: E731
+    oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "6" if dry else "12", "--skip", "2"]
+    plan = [
+        Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
+        Step("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
+                       f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240, ["gpu_tests.xml"]),
+        Step("overhead_1b", [PY, bench("overhead.py"), *oh, "--nproc", "1", *big, "--json", str(out / "overhead_1b.json")],
+             150, ["overhead_1b.json"]),
+        Step("overhead_2r", [PY, bench("overhead.py"), *oh, "--nproc", "2", *mid, "--json", str(out / "overhead_2r.json")],
+             120, ["overhead_2r.json"]),
+    ]
+    for tag, extra in (("1r", ["--nproc", "1"]), ("2r", ["--nproc", "2"]),
+                       ("2r_offload", ["--nproc", "2"] + ([] if dry else ["--cpu-offload"]))):
+        plan.append(Step(f"allocator_{tag}", [PY, bench("memory_vs_allocator.py"), "--device", device, *extra,
+                                              "--steps", "6" if dry else "10", *mid,
+                                              "--json", str(out / f"allocator_{tag}.json")], 90,
+                         [f"allocator_{tag}.json"]))
+    demo = [PY, "-m", "fsdp_doctor.cli", "demo", "--device", device, "--nproc", "2", "--steps", str(steps),
+            "--overwrite", *mid] + (["--async-unshard"] if dry else [])  # gloo blocks without it; NCCL never does
+    plan.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))
+    for name, flags, _ in SCENARIOS:
+        if dry and "--cpu-offload" in flags:
+            continue  # CPUOffloadPolicy needs a GPU
+        plan.append(Step(f"scenario_{name}", [*demo, *flags, "--out", str(out / "scenarios" / name)], 120,
+                         [f"scenarios/{name}/report.json"]))
+    plan.append(Step("predictions", [PY, bench("predictions.py"), "--device", device, "--steps", str(steps),
+                                     "--reps", "1", "--json", str(out / "predictions.json")], 300,
+                     ["predictions.json"]))
+    return plan
+
+
+def write_env(path: Path) -> None:
+    import torch
+
+    facts = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+             "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+        facts["capability"] = list(torch.cuda.get_device_capability(0))
+        facts["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        try:
+            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as e:  # noqa: BLE001
+            facts["nccl"] = f"unknown ({e})"
+    try:
+        facts["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                              "--format=csv,noheader"], capture_output=True, text=True,
+                                             timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        facts["nvidia_smi"] = f"unavailable ({e})"
+    path.write_text(json.dumps(facts, indent=1))
+
+
+def scenario_rows(out: Path) -> list[dict]:
+    """Which findings each recorded scenario raised, against the ones it should."""
+    rows = []
+    for name, _, expect in SCENARIOS:
+        path = out / "scenarios" / name / "report.json"
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        found = {f["code"]: f.get("severity") for f in report.get("findings") or []}
+        warnings = sorted(c for c, sev in found.items() if sev in ("warning", "critical"))
+        ok = (not warnings) if not expect else any(code in found for code in expect)
+        rows.append(dict(scenario=name, expect=list(expect), found=found, warnings=warnings, ok=ok))
+    return rows
+
+
+def summarize(out: Path, results: list[dict]) -> None:
+    summary = {"steps": results, "scenarios": scenario_rows(out)}
+    for name in ("env", "overhead_1b", "overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload",
+                 "predictions"):
+        path = out / f"{name}.json"
+        if path.exists():
+            try:
+                summary[name] = json.loads(path.read_text())
+            except ValueError:
+                summary[name] = "unreadable"
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    lines = ["# GPU campaign", ""]
+    env = summary.get("env") or {}
+    lines.append(f"Machine: {env.get('gpu', 'no GPU')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+                 f"NCCL {env.get('nccl')}; {env.get('nvidia_smi', '')}")
+    lines += ["", "| step | status | seconds |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['status']} | {r['seconds']:.0f} |" for r in results]
+    for key in ("overhead_1b", "overhead_2r"):
+        o = summary.get(key)
+        if isinstance(o, dict):
+            lines.append(f"\n{key}: {o['params'] / 1e9:.2f}e9 params, {o['nproc']} rank(s): median step "
+                         f"{o['median_step_ms']['off']:.1f} ms off, {o['median_step_ms']['on']:.1f} ms on, "
+                         f"ratio {o['ratio']:.4f} (block pairs {o['pair_ratio']['min']:.3f}..{o['pair_ratio']['max']:.3f})")
+    for key in ("allocator_1r", "allocator_2r", "allocator_2r_offload"):
+        a = summary.get(key)
+        if isinstance(a, dict) and a.get("summary"):
+            s = a["summary"]
+            r = s.get("ratio") or {}
+            lines.append(f"\n{key}: doctor/allocator peak min {r.get('min', float('nan')):.4f} median "
+                         f"{r.get('median', float('nan')):.4f} max {r.get('max', float('nan')):.4f}; within 1%: "
+                         f"{s['within_1pct']}; breakdown adds up: {s['breakdown_adds_up']}")
+    if summary["scenarios"]:
+        lines += ["", "| scenario | expected | fired (severity) | ok |", "|---|---|---|---|"]
+        for r in summary["scenarios"]:
+            fired = ", ".join(f"{c} ({s})" for c, s in sorted(r["found"].items())) or "none"
+            lines.append(f"| {r['scenario']} | {', '.join(r['expect']) or 'nothing at warning level'} | {fired} | "
+                         f"{'yes' if r['ok'] else 'NO'} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--dry-run", action="store_true", help="run every step on CPU with tiny shapes (plumbing)")
+    ap.add_argument("--budget-s", type=float, default=480, help="skip steps that would end after this (default 8 min)")
+    ap.add_argument("--steps", type=int, default=10, help="training steps of the fixture and scenario runs")
+    ap.add_argument("--only", default="", help="comma-separated step names (prefixes), e.g. env,overhead,scenario_")
+    ap.add_argument("--list", action="store_true", help="print the steps and exit")
+    ap.add_argument("--env", type=Path, help=argparse.SUPPRESS)  # internal: the env step
+    a = ap.parse_args()
+    if a.env:
+        write_env(a.env)
+        return 0
+    if a.out is None:
+        ap.error("--out is required")
+    a.out.mkdir(parents=True, exist_ok=True)
+    steps = plan(a.out, a.dry_run, a.steps)
+    if a.only:
+        keep = [p.strip() for p in a.only.split(",") if p.strip()]
+        steps = [s for s in steps if any(s.name.startswith(k) for k in keep)]
+    if a.list:
+        for s in steps:
+            print(f"{s.name:28} ≤{s.timeout_s:>4} s  {shlex.join(s.argv)}")
+        return 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "KINETO_LOG_LEVEL": "6"}
+    t0 = time.monotonic()
+    results: list[dict] = []
+    for i, s in enumerate(steps, 1):
+        elapsed = time.monotonic() - t0
+        left = a.budget_s - elapsed
+        if left < 15:
+            results.append(dict(name=s.name, status="skipped (budget)", seconds=0.0))
+            print(f"[{elapsed:5.0f} s] {i}/{len(steps)} {s.name}: skipped, the budget is spent", flush=True)
+            continue
+        limit = int(min(s.timeout_s, left))
+        print(f"[{elapsed:5.0f} s] {i}/{len(steps)} {s.name} (≤{limit} s) ...", flush=True)
+        ts = time.monotonic()
+        with open(a.out / f"{s.name}.log", "w") as log:
+            try:
+                rc = subprocess.run(s.argv, stdout=log, stderr=subprocess.STDOUT, timeout=limit, cwd=REPO,
+                                    env={**env, **s.env}).returncode
+                status = "ok" if rc == 0 else f"exit {rc}"
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {limit} s"
+        missing = [o for o in s.outputs if not (a.out / o).exists()]
+        if missing and status == "ok":
+            status = f"ok but missing {', '.join(missing)}"
+        results.append(dict(name=s.name, status=status, seconds=time.monotonic() - ts))
+        print(f"[{time.monotonic() - t0:5.0f} s]   {status}", flush=True)
+        summarize(a.out, results)
+    summarize(a.out, results)
+    print(f"\ncampaign done in {time.monotonic() - t0:.0f} s: {a.out / 'summary.md'}")
+    print((a.out / "summary.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

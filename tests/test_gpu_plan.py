@@ -1,0 +1,145 @@
+"""What of the GPU path runs without a GPU: how ranks map onto GPUs, the demo's refusal without CUDA, and the GPU
+campaign's plan (issue #22). The GPU tier itself is tests/test_gpu.py, marked `gpu`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_doctor.workloads import WorkloadConfig, gpu_plan
+from fsdp_doctor.workloads.launch import _rank_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_ranks_share_one_gpu_each_with_its_own_nccl_host_id():
+    cfg = WorkloadConfig(device="cuda")
+    plan = gpu_plan(cfg, 2, visible=1)
+    assert plan.devices == [0, 0] and plan.shared
+    assert "NCCL_HOSTID" in plan.describe() and "2 NCCL ranks on 1 GPU" in plan.describe()
+    envs = [_rank_env(cfg, r, 2, 29500, visible=1) for r in range(2)]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0"]  # DeviceMesh sets cuda:LOCAL_RANK: both use cuda:0
+    assert [e["FSDP_DOCTOR_CUDA_DEVICE"] for e in envs] == ["0", "0"]
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 2  # NCCL then accepts two ranks on one device
+    assert [e["RANK"] for e in envs] == ["0", "1"] and envs[1]["MASTER_PORT"] == "29500"
+
+
+def test_one_gpu_per_rank_when_there_are_enough():
+    cfg = WorkloadConfig(device="cuda")
+    plan = gpu_plan(cfg, 4, visible=2)
+    assert plan.devices == [0, 1, 0, 1] and plan.shared
+    plan = gpu_plan(cfg, 2, visible=8)
+    assert plan.devices == [0, 1] and not plan.shared
+    assert "NCCL_HOSTID" not in _rank_env(cfg, 1, 2, 1, visible=8)
+    assert _rank_env(cfg, 1, 2, 1, visible=8)["LOCAL_RANK"] == "1"
+
+
+def test_cpu_ranks_get_no_gpu_settings():
+    cfg = WorkloadConfig()
+    assert gpu_plan(cfg, 2) is None
+    env = _rank_env(cfg, 1, 2, 1)
+    assert "NCCL_HOSTID" not in env and "FSDP_DOCTOR_CUDA_DEVICE" not in env and env["LOCAL_RANK"] == "1"
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        gpu_plan(WorkloadConfig(device="cuda"), 2, visible=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_demo_on_cuda_without_a_gpu_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "demo", "--device", "cuda", "--nproc", "2",
+                           "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no CUDA device is visible" in lines[0], proc.stderr
+    assert not (tmp_path / "d").exists()  # nothing was started
+
+
+def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_campaign
+
+    from fsdp_doctor.diagnose import RULES
+
+    steps = gpu_campaign.plan(tmp_path, dry=False, steps=10)
+    names = [s.name for s in steps]
+    assert names[:4] == ["env", "tests", "overhead_1b", "overhead_2r"]
+    assert {"allocator_1r", "allocator_2r", "allocator_2r_offload", "fixture", "predictions"} <= set(names)
+    assert all(f"scenario_{n}" in names for n, _, _ in gpu_campaign.SCENARIOS)
+    assert all("--device" in s.argv and "cuda" in s.argv for s in steps if s.name not in ("env", "tests"))
+    codes = {cls.code for cls in RULES}
+    for name, _, expect in gpu_campaign.SCENARIOS:
+        assert set(expect) <= codes, f"scenario {name} expects a finding no rule raises: {set(expect) - codes}"
+    # the ~1B model of the 1-rank overhead run
+    from fsdp_doctor.workloads import total_param_count
+
+    o = gpu_campaign.ONE_B
+    cfg = WorkloadConfig(n_layers=int(o[1]), d_model=int(o[3]), n_heads=int(o[5]), n_kv_heads=int(o[7]),
+                         vocab=int(o[9]), seq_len=int(o[11]))
+    assert 0.9e9 < total_param_count(cfg) < 1.2e9 and cfg.n_kv_heads < cfg.n_heads
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: `record()` stamps a fake device clock; `query()` says whether the device
+    reached it (the clock the test advances), so the timeline's bookkeeping runs without a GPU."""
+
+    clock = 0.0  # "device time" of the next recorded event (ms)
+    done_until = float("inf")
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = None
+
+    def record(self) -> None:
+        self.t = FakeEvent.clock
+
+    def query(self) -> bool:
+        return self.t <= FakeEvent.done_until
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return other.t - self.t
+
+
+def test_gpu_timeline_phases_and_units_read_a_step_later(monkeypatch):
+    """Forward, backward and optimizer phases and per-unit times come out of the events' own clock, a step later
+    (never waiting), and no event is reused while a pending step still needs it."""
+    from fsdp_doctor.record import gpu_timing
+
+    monkeypatch.setattr(gpu_timing.torch.cuda, "Event", FakeEvent)
+    tl = gpu_timing.GpuTimeline(rank=0, n_units=2, names=["", "layers.0"])
+
+    def at(t):
+        FakeEvent.clock = t
+
+    def one_step(t0: float, step: int):
+        at(t0); tl.begin_step()
+        at(t0 + 1); tl.open(0, 0)          # root forward
+        at(t0 + 2); tl.open(1, 0)          # block forward
+        at(t0 + 5); tl.close(1, 0)
+        at(t0 + 6); tl.close(0, 0)
+        at(t0 + 7); tl.open(0, 1)          # root backward
+        at(t0 + 8); tl.open(1, 1)
+        at(t0 + 14); tl.close(1, 1)
+        at(t0 + 15); tl.close(0, 1)
+        at(t0 + 16); tl.optimizer_begin()
+        at(t0 + 19); tl.optimizer_end()
+        at(t0 + 20)
+        return tl.end_step(step)
+
+    FakeEvent.done_until = 10.0  # the device is still in step 0's forward when the host ends step 0
+    assert one_step(0.0, 0) == []  # nothing waits: step 0 stays pending
+    FakeEvent.done_until = 110.0  # step 0 done on the device, step 1 not yet
+    out = one_step(100.0, 1)
+    assert [r.step for r in out] == [0]
+    FakeEvent.done_until = float("inf")
+    out += one_step(200.0, 2) + tl.flush()
+    by_step = {r.step: r for r in out}
+    assert sorted(by_step) == [0, 1, 2]
+    for r in by_step.values():
+        assert r.step_ms == 20.0
+        assert (r.forward_ms, r.backward_ms, r.optimizer_ms) == (5.0, 8.0, 3.0)
+        assert r.units == [["", 5.0, 8.0], ["layers.0", 3.0, 6.0]]
