@@ -458,6 +458,8 @@ class StepTimer:
     def _opt_pre(self, optimizer, args, kwargs):
         if self.active:
             self._opt_start = _now()
+            if self.gpu is not None:
+                self.gpu.optimizer_begin()
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "optimizer_start"), "memory")
 
@@ -466,6 +468,8 @@ class StepTimer:
             self._optimizer_ns += _now() - self._opt_start
             self._opt_start = 0
             self.optimizer_steps += 1
+            if self.gpu is not None:
+                self.gpu.optimizer_end()
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "optimizer_end"), "memory")
 
