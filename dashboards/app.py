@@ -56,7 +56,7 @@ def _marks(lo: int, hi: int) -> dict:
 
 
 def _status(snap) -> str:
-    return _run_status(snap) + (f" · reloaded: {snap.notice}" if snap.notice else "")
+    return _run_status(snap) + (" · the run changed: read again from scratch" if snap.notice else "")
 
 
 def _run_status(snap) -> str:

@@ -248,3 +248,48 @@ def test_memory_figures_known_answers():
     units = memory_units_figure(mem)
     assert [t.name for t in units.data] == ["sharded", "unsharded", "activations"]
     assert list(units.data[2].y) == [4.0] * 4 and list(units.data[0].x) == [f"layers.{i}" for i in range(4)]
+
+
+def test_html_carries_the_terminals_memory_table_and_lines(sample_run_path):
+    """The terminal's breakdown at the peak (bytes and % per category and rank, the peak row), its per-rank
+    lines (where the peak was, share of the capacity, notes) and its per-unit table are in the HTML report, cell
+    for cell."""
+    def got_units(text):
+        return _html_tables(text)["memory-units-table"]
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.memory import render_memory
+    from fsdp_doctor.report_sections import Report
+    from fsdp_doctor.store import load_run
+
+    for report in (Report.of(_report()), build_report(load_run(sample_run_path))):
+        group = render_memory(report.memory)
+        term = next(x for x in group.renderables if isinstance(x, Table))
+        want = [[c for c in row if "█" not in c and "·" not in c] for row in _rich_rows(term)]  # the bar: a drawing
+        want[0] = [c for c in want[0] if not c.startswith("share")]
+        text = render_html(report)
+        got = _html_tables(text)["memory-table"]
+        assert [[c for c in row if c] for row in got] == [[c for c in row if c] for row in want]
+        units = [x for x in group.renderables if isinstance(x, Table)][1:]
+        if units:
+            assert got_units(text) == _rich_rows(units[0])
+        console = Console(width=200, record=True)
+        for x in group.renderables:
+            if not isinstance(x, Table):
+                console.print(x)
+        for line in console.export_text().splitlines():
+            if line.strip():
+                assert line.strip() in text.replace("&#x27;", "'"), line
+
+
+def test_html_header_warns_as_the_terminal_does():
+    """Ranks that did not finish and where the doctor stepped aside: the terminal's header lines, in the HTML."""
+    rep = _report()
+    rep["run"].update(complete={"0": True, "1": False}, trace_files=2,
+                      doctor_errors=[{"rank": 1, "step": 4, "where": "memory", "message": "probe failed"}])
+    text = render_html(rep)
+    assert "ranks 1 did not finish (run still going, or killed); their completed steps are used" in text
+    assert "doctor stepped aside on rank 1 at step 4 (memory): probe failed" in text and "2 trace files" in text

@@ -8,8 +8,8 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 from __future__ import annotations
 
 
-from ..report_sections import (CommSummary, Finding, Outlier, Report, RunFacts, StepsSection, Straggler,
-                               ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
+from ..report_sections import (CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
+                               Straggler, ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
                      printable, unit_label)
 
@@ -270,4 +270,84 @@ def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
     job = section.job
     if any(x is not None for x in (job.tokens_per_s, job.achieved_tflops, job.mfu_pct)):
         out.append(("job", *throughput_cells(job)))
+    return out
+
+
+# --- the memory section at the peak: the terminal's table cells and per-rank lines, for the HTML report
+def memory_peak_where(at) -> str:
+    """Where a peak happened: "step 3, layers.0 forward_end" ("(model)" outside every unit)."""
+    unit = "(model)" if at.unit is None else unit_label(at.unit)
+    return f"step {at.step}, {unit} {at.phase or ''}".strip()
+
+
+def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """(header, rows) of the breakdown at the peak: per category its bytes and % of the peak on each rank
+    ("unknown" where this torch could not measure it), then the peak itself."""
+    from ..memory_categories import DEVICE, label
+
+    per_rank = section.per_rank
+    ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
+    unknown = {c for r in ranks for c in per_rank[r].unknown_categories or ()}
+    shown = [c for c in list(section.categories or DEVICE)
+             if c in unknown or any(per_rank[r].peak_breakdown.get(c) for r in ranks)]
+    header = ("category", *(x for r in ranks for x in (f"rank {r}", "%")))
+    rows = []
+    for c in shown:
+        row = [label(c)]
+        for r in ranks:
+            pr = per_rank[r]
+            v, peak = pr.peak_breakdown.get(c, 0) or 0, pr.peak_bytes or 0
+            row += (["unknown", MISSING] if c in (pr.unknown_categories or ()) else
+                    [fmt_bytes(v), f"{100 * v / peak:.1f}" if peak else MISSING])
+        rows.append(tuple(row))
+    rows.append(("peak", *(x for r in ranks for x in (fmt_bytes(per_rank[r].peak_bytes), "100"))))
+    return header, rows
+
+
+def memory_lines(section: MemorySection) -> list[tuple[str, str]]:
+    """Per rank: where the peak happened, its share of the capacity, offloaded host bytes, tensors the optimizer
+    holds that the model no longer uses, and the section's notes, as (text, kind: "info" | "error" | "warning")."""
+    out = []
+    for r in sorted(section.per_rank, key=lambda r: int(r) if str(r).isdigit() else 0):
+        pr = section.per_rank[r]
+        parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {memory_peak_where(pr.peak_at)}"]
+        if pr.capacity_bytes:
+            parts.append(f"{100 * pr.peak_bytes / pr.capacity_bytes:.0f}% of {fmt_bytes(pr.capacity_bytes)}")
+        if pr.offloaded_host_bytes:
+            parts.append(f"host (offloaded) {fmt_bytes(pr.offloaded_host_bytes)}")
+        if pr.activations and pr.activations != "exact":
+            parts.append(f"activations {pr.activations}")
+        out.append(("; ".join(parts), "info"))
+        if pr.stale_optimizer_params_bytes:
+            out.append((f"rank {r}: the optimizer holds {fmt_bytes(pr.stale_optimizer_params_bytes)} of tensors the "
+                        "model no longer uses (created before fully_shard)", "error"))
+        out += [(f"rank {r}: {n}", "warning") for n in pr.notes or []]
+    return out
+
+
+MEMORY_UNITS_HEADER = ("unit", "sharded", "unsharded", "activations (own)", "activations (incl. nested)")
+
+
+def memory_unit_rows(section: MemorySection) -> tuple[str, list[tuple[str, ...]]]:
+    """(rank, rows) of the per-unit memory table on the peak rank (MEMORY_UNITS_HEADER's columns)."""
+    from msgspec import UNSET
+
+    ranks = sorted(section.per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
+    top_rank = section.peak_rank or ranks[0]
+    top = section.per_rank.get(top_rank) or section.per_rank[ranks[0]]
+    units = [u for u in top.per_unit if u.activation_bytes is not None or u.sharded_bytes]
+    return top_rank, [(unit_label(u.unit or ""), fmt_bytes(u.sharded_bytes), fmt_bytes(u.unsharded_bytes),
+                       fmt_bytes(None if u.activation_self_bytes is UNSET else u.activation_self_bytes),
+                       fmt_bytes(u.activation_bytes)) for u in units]
+
+
+def run_warnings(run: RunFacts) -> list[str]:
+    """What the header warns of: ranks that did not finish, and where the doctor stepped aside."""
+    out = []
+    incomplete = [k for k, done in run.complete.items() if not done]
+    if incomplete:
+        out.append(f"ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed "
+                   "steps are used")
+    out += [f"doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}"
+            for e in run.doctor_errors or []]
     return out

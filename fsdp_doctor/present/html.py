@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..report_sections import (CommUnitRow, Finding, OverlapSection, Report, StepsSection, ThroughputSection,
-                               UnitRow, Verdict)
+from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
+                               ThroughputSection, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE, THROUGHPUT_HEADER, VERDICT_HEADER,
-                  comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_unit_figures, fmt_us,
-                  fmt_value, outlier_rows, outliers_title, predicted_text, run_facts, steps_rows, straggler_text,
-                  throughput_rows, unit_label, verdict_headline, verdict_rows)
+from .fmt import (MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE,
+                  THROUGHPUT_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
+                  fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
+                  outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
+                  unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
 body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
@@ -42,7 +43,7 @@ pre{background:#1e1e1e;color:#eee;padding:10px;border-radius:4px;overflow-x:auto
 table{border-collapse:collapse;font-size:12px;margin:6px 0} td,th{padding:2px 10px 2px 0;text-align:left;
      vertical-align:top} th{color:#555;font-weight:600}
 .pred{color:#2e7d32;font-weight:600;margin:6px 0} .note{color:#777;font-size:13px}
-.warn{color:#8a6d00;font-weight:600} h3{font-size:14px;margin:14px 0 4px}
+.warn{color:#8a6d00;font-weight:600} .err{color:#C62828;font-weight:600} h3{font-size:14px;margin:14px 0 4px}
 table.num td,table.num th{text-align:right} table.num .l{text-align:left}
 .fig{background:#fff;border-radius:4px;margin:10px 0;padding:4px}
 .verdict{background:#fff;border-left:6px solid #4C78A8;border-radius:4px;margin:14px 0 6px;padding:10px 14px;
@@ -97,9 +98,12 @@ def _header(report: Report) -> str:
     job = report.steps.job if report.steps is not None else None
     if job is not None and job.p50_ms:
         facts.append(f"step p50 {fmt_ms(job.p50_ms)}")
+    if r.trace_files:
+        facts.append(f"{r.trace_files} trace files")
+    warn = "".join(f"<p class='warn'>{_esc(w)}</p>" for w in run_warnings(r))
     return (f"<h1>fsdp-doctor report</h1><div class='facts'>{_esc(r.path)}<br>"
             f"{_esc(' · '.join(facts))}<br>report schema {_esc(report.schema)}, "
-            f"doctor {_esc(report.doctor_version)}</div>")
+            f"doctor {_esc(report.doctor_version)}</div>{warn}")
 
 
 def _finding(f: Finding) -> str:
@@ -182,6 +186,19 @@ def _steps(section: StepsSection) -> str:
     return out
 
 
+def _memory(section: MemorySection) -> str:
+    """The terminal's breakdown at the peak (bytes and % of the peak per category and rank) and its lines."""
+    if not section.per_rank:
+        return ""
+    header, rows = memory_rows(section)
+    lines = "".join(f"<p class='{ {'error': 'err', 'warning': 'warn'}.get(kind, 'note') }'>{_esc(text)}</p>"
+                    for text, kind in memory_lines(section))
+    rank, units = memory_unit_rows(section)
+    per_unit = (f"<h3>Per unit (rank {_esc(rank)})</h3>" + _table(MEMORY_UNITS_HEADER, units, "memory-units-table")
+                if units else "")
+    return _table(header, rows, "memory-table") + lines + per_unit
+
+
 def _throughput(section: ThroughputSection) -> str:
     rows = throughput_rows(section)
     return "<h2>Throughput</h2>" + _table(THROUGHPUT_HEADER, rows, "throughput-table") if rows else ""
@@ -210,13 +227,16 @@ def render_html(report: Report | dict) -> str:
     (plotly.js inlined once, before the first figure)."""
     report = Report.of(report)
     parts = [_header(report)]
+    # (heading, figure builder, its section, what to say without it, the tables that follow the figure)
     sections = [
-        ("Steps", F.step_summary_figure, report.steps, "No step records."),
-        ("Memory", F.memory_peaks_figure, report.memory, "No memory measurements in this report."),
-        (None, F.memory_units_figure, report.memory, None),
+        ("Steps", F.step_summary_figure, report.steps, "No step records.",
+         lambda: _steps(report.steps) + (_throughput(report.throughput) if report.throughput is not None else "")),
+        ("Memory", F.memory_peaks_figure, report.memory, "No memory measurements in this report.",
+         lambda: _memory(report.memory)),
+        (None, F.memory_units_figure, report.memory, None, None),
         ("Collectives per unit", F.unit_exposure_figure, report.overlap and report.overlap.per_unit,
-         "No profiler traces: per-unit overlap needs a profiled window."),
-        (None, F.unit_timing_figure, report.units, None),
+         "No profiler traces: per-unit overlap needs a profiled window.", None),
+        (None, F.unit_timing_figure, report.units, None, None),
     ]
     bundle = partial_plotlyjs()
     if bundle is not None:
@@ -227,7 +247,7 @@ def render_html(report: Report | dict) -> str:
         parts.append(text)
         first = first and not drew
     parts += ["<h2>Diagnosis</h2>", _findings(report.findings)]
-    for title, builder, data, missing in sections:
+    for title, builder, data, missing, tables in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")
         fig = None
@@ -240,10 +260,8 @@ def render_html(report: Report | dict) -> str:
             first = False
         elif missing:
             parts.append(f"<p class='note'>{_esc(missing)}</p>")
-        if builder is F.step_summary_figure and report.steps is not None:
-            parts.append(_steps(report.steps))
-            if report.throughput is not None:
-                parts.append(_throughput(report.throughput))
+        if tables is not None and data:
+            parts.append(tables())
     if report.overlap is not None and report.overlap.per_rank:
         parts.append(_overlap_ranks_table(report.overlap))
         parts.append(_comm_units_table(report.overlap.per_unit))
