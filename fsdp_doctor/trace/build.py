@@ -204,6 +204,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
         launches.threads
     seen_names, comm_events = gpu.seen, gpu.comm
+    last_pid = last_tid = th = None
     special_append = special.append
     first = _SPECIAL_FIRST
     # Events without a category, or of category "Trace" (the profiler's span), take no part; the category is
@@ -252,10 +253,12 @@ def _build_window(path: Path, trace) -> WindowTrace:
                             g_corr(corr)
                             g_stream(st)
                             continue
-                    tk = (e.pid, e.tid)
-                    th = threads.get(tk)
-                    if th is None:
-                        th = threads[tk] = len(threads)
+                    pid, tid = e.pid, e.tid
+                    if tid != last_tid or pid != last_pid:  # launches come in runs from one thread
+                        th = threads.get((pid, tid))
+                        if th is None:
+                            th = threads[(pid, tid)] = len(threads)
+                        last_pid, last_tid = pid, tid
                     l_corr(corr)
                     l_ts(ts)
                     l_thread(th)
