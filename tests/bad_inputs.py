@@ -344,8 +344,9 @@ def _socket(path: Path) -> Path:
 
 
 def _bomb() -> bytes:
-    """A small gzip (~100 KiB) of a trace padded with 100 MiB of spaces: far past 200x its size."""
-    return gzip.compress(b'{"traceEvents": [' + b" " * (100 << 20) + b"]}", 1)
+    """A small gzip (~300 KiB) of 100 MiB of one event repeated: far past 200x its size."""
+    ev = b'{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 1},'
+    return gzip.compress(b'{"traceEvents": [' + ev * ((100 << 20) // len(ev)) + b"{}]}", 9)
 
 
 def _escaped_label() -> dict:

@@ -335,7 +335,7 @@ class StreamedTrace:
             buf = b"".join(parts)
             got = _whole_events(buf, full)
             if got is None:
-                if size > 16 * BATCH_BYTES:
+                if size > 4 * BATCH_BYTES:  # no event is that large: a run of padding, or no JSON array
                     raise TraceError(f"invalid JSON (no complete event in {size:,} bytes)")
                 parts = [buf]
                 continue
