@@ -57,7 +57,7 @@ PREFETCH_RE = re.compile(r"^FSDP::(?P<pass>forward|backward)_prefetch for (?P<fq
 COMM_OP_RE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::|record_param_comms|nccl:|gloo:)|wait")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Label:
     ts: float
     end: float
@@ -320,6 +320,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
+    del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
     if gpu.names:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
