@@ -170,6 +170,69 @@ def build_set(out: Path, ranks: int, mb: float) -> list[Path]:
     return paths
 
 
+def write_large(path: Path, target_mb: float) -> Path:
+    """One rank's trace of about ``target_mb`` MB of JSON, written step by step (never whole in memory): the
+    steps of ``synth_rank`` repeated, shifted in time, with fresh correlation ids. Plain JSON (no gzip)."""
+    if path.exists():
+        return path
+    step = synth_rank(0, 2, 4)  # a few steps, ~4 MB
+    ev = step["traceEvents"]
+    t0 = min(e["ts"] for e in ev)
+    span = max(e["ts"] + e.get("dur", 0) for e in ev) - t0 + 100.0
+    corr = [e.get("args", {}).get("correlation") if "args" in e else None for e in ev]
+    ids = [e.get("id") for e in ev]
+    step_n = [e["name"] for e in ev]
+    head = {k: v for k, v in step.items() if k != "traceEvents"}
+    tmp = path.with_suffix(".tmp")
+    written = 0
+    with open(tmp, "w") as f:
+        f.write('{"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 2}, '
+                '"traceEvents": [\n')
+        rep = 0
+        while written < target_mb * 1e6:
+            shift, cshift = rep * span, rep * 10_000_000
+            for e, c, i, n in zip(ev, corr, ids, step_n):
+                e["ts"] = round(e["ts"] + (shift - (rep - 1) * span if rep else 0), 3)
+                if c is not None:
+                    e["args"]["correlation"] = c + cshift
+                if i is not None:
+                    e["id"] = i + cshift
+                if n.startswith("ProfilerStep#"):
+                    e["name"] = f"ProfilerStep#{100 + rep * 1000 + int(n.split('#')[1])}"
+            chunk = (",\n" if rep else "") + ",\n".join(json.dumps(e) for e in ev)
+            f.write(chunk)
+            written += len(chunk)
+            rep += 1
+        f.write('\n], "displayTimeUnit": "ms", "baseTimeNanoseconds": %d}' % head["baseTimeNanoseconds"])
+    tmp.rename(path)
+    print(f"  built {path.name}: {path.stat().st_size / 1e6:.0f} MB JSON", flush=True)
+    return path
+
+
+CHILD_RSS = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[2])
+from fsdp_doctor.trace import analyze_traces
+t1 = time.perf_counter()
+r = analyze_traces(sys.argv[1], workers=1)
+print(json.dumps({"run_s": time.perf_counter() - t1, "skipped": [s.error for s in r.skipped],
+                  "steps": len(r.per_rank["0"].steps) if "0" in r.per_rank else 0,
+                  "overlap": {k: v.overlap_pct for k, v in r.per_rank.items()}}))
+"""
+
+
+def memory_bound(out: Path, sizes_mb: list[float], trees: list[tuple[str, Path]]) -> None:
+    """Peak RSS of analysing one large trace per size, each tree in a fresh process."""
+    print(f"peak RSS of analyze_traces on one large plain-JSON trace (goal: under 500 MB whatever the size)")
+    for mb in sizes_mb:
+        f = write_large(out / f"large_{mb:g}MB.json", mb)
+        for label, tree in trees:
+            r = run_child(CHILD_RSS, [str(f), str(tree)])
+            print(f"  {f.stat().st_size / 1e6:6.0f} MB  {label:18} peak RSS {r['peak_rss_mb']:6.0f} MB  "
+                  f"{r['run_s']:6.1f} s  ({f.stat().st_size / 1e6 / r['run_s']:.0f} MB/s)  steps {r['steps']}  "
+                  f"skipped {r['skipped'] or 'none'}", flush=True)
+
+
 # ---------------------------------------------------------------------------- the two contenders
 CHILD_HTA = r"""
 import json, sys, time, logging
@@ -254,7 +317,16 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", type=Path, action="append", default=[],
                     help="another fsdp_doctor source tree (a checkout's root) to time the same way; repeatable")
     ap.add_argument("--skip-hta", action="store_true")
+    ap.add_argument("--rss", type=float, nargs="*", metavar="MB",
+                    help="instead: peak RSS on one large trace of each size (e.g. --rss 300 3000); the traces are "
+                    "written under --dir (default: the temp folder) and reused")
     a = ap.parse_args(argv)
+    if a.rss is not None:
+        out = a.dir or Path(tempfile.gettempdir()) / "fsdp_doctor_trace_rss"
+        out.mkdir(parents=True, exist_ok=True)
+        memory_bound(out, a.rss or [300, 3000],
+                     [("this tree", REPO)] + [(f"baseline {b.name}", b.resolve()) for b in a.baseline])
+        return 0
     ranks, mb = SIZES[a.size]
     ranks = a.ranks or ranks
     mb = a.mb_per_rank or mb

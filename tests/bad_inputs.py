@@ -304,7 +304,7 @@ def _trace_folder_cases() -> list[Case]:
         "rank": 2, "world_size": 2, "backend": "gloo"}}, "rank2.json"), "another job (backend gloo")
     P("another-job-hours-later", lambda d: one_file(d, shifted(gpu_doc(2, world_size=2), 3 * 3600),
                                                     "rank2.json"), "another job (its step")
-    P("negative-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=-1.0), "rank2.json"),
+    P("negative-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=-3.0), "rank2.json"),
       "negative")
     P("absurd-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=1e300), "rank2.json"),
       "implausible duration")
@@ -344,9 +344,9 @@ def _socket(path: Path) -> Path:
 
 
 def _bomb() -> bytes:
-    """A small gzip (~100 KiB) of 100 MiB of spaces: far past 200x its size."""
-    z = gzip.compress(b"{" + b" " * (100 << 20) + b"}", 1)
-    return z
+    """A small gzip (~300 KiB) of 100 MiB of one event repeated: far past 200x its size."""
+    ev = b'{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 1},'
+    return gzip.compress(b'{"traceEvents": [' + ev * ((100 << 20) // len(ev)) + b"{}]}", 9)
 
 
 def _escaped_label() -> dict:

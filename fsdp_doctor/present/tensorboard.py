@@ -7,6 +7,9 @@ defined once in ``fsdp_doctor.tensorboard_scalars``, which the live writer (``fs
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -27,17 +30,26 @@ def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = Tru
         if not rd.steps and not rd.profiles:
             continue
         d = layout.tb_dir(out, rank)
-        w = EventFileWriter(str(d), max_queue_size=1000)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        # written whole or not at all: into a temporary folder beside it, the event file then renamed into place
+        tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.", suffix=".tmp"))
         try:
-            walltime = step_walltimes(rd.steps)
-            seen: set = set()
-            for rec in sorted(rd.steps, key=lambda r: r.step):
-                add_scalars(w, step_scalars(rec, seen), rec.step, walltime[rec.step])
-            if traces:
-                for step, vals in sorted(window_overlap_scalars(rank, _profiles(run, rd.profiles)).items()):
-                    add_scalars(w, vals, step, walltime.get(step))
+            w = EventFileWriter(str(tmp), max_queue_size=1000)
+            try:
+                walltime = step_walltimes(rd.steps)
+                seen: set = set()
+                for rec in sorted(rd.steps, key=lambda r: r.step):
+                    add_scalars(w, step_scalars(rec, seen), rec.step, walltime[rec.step])
+                if traces:
+                    for step, vals in sorted(window_overlap_scalars(rank, _profiles(run, rd.profiles)).items()):
+                        add_scalars(w, vals, step, walltime.get(step))
+            finally:
+                w.close()
+            d.mkdir(exist_ok=True)
+            for f in tmp.iterdir():
+                os.replace(f, d / f.name)
         finally:
-            w.close()
+            shutil.rmtree(tmp, ignore_errors=True)
         written.append(d)
     return written
 

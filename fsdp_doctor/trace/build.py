@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+from array import array
 import math
 import re
 from contextlib import contextmanager
@@ -56,7 +57,7 @@ STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 COMM_OP_RE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::|record_param_comms|nccl:|gloo:)|wait")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Label:
     ts: float
     end: float
@@ -194,10 +195,14 @@ def _build_window(path: Path, trace) -> WindowTrace:
     # (One loop that reads each event once beats several comprehensions: the events are spread over memory.)
     all_int = True
     gpu = _DeviceEvents()
-    launches: dict[int, Event] = {}
+    launches = _Launches()
     special: list[Event] = []
-    gpu_append = gpu.events.append
-    g_ts, g_dur, g_corr, g_stream = gpu.ts.append, gpu.dur.append, gpu.corr.append, gpu.stream.append
+    g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
+        gpu.stream.append
+    l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
+        launches.threads
+    seen_names, comm_events = gpu.seen, gpu.comm
+    last_pid = last_tid = th = None
     special_append = special.append
     first = _SPECIAL_FIRST
     # Events without a category, or of category "Trace" (the profiler's span), take no part; the category is
@@ -217,7 +222,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 continue
             if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
                 _implausible(e)
-                dmax = d
+                if d > dmax:
+                    dmax = d
             if all_int and ts.__class__ is not int and (c := e.cat) is not None and c != "Trace":
                 all_int = False
             a = e.args
@@ -232,13 +238,28 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         if st.__class__ is not int:
                             st = _stream_id(a)
                         if st >= 0:
-                            gpu_append(e)
+                            # kept: the name (one string per distinct name) and, for a collective, the event
+                            nm = e.name
+                            ent = seen_names.get(nm)
+                            if ent is None:
+                                ent = seen_names[nm] = (nm, NCCL_KERNEL_RE.match(nm) is not None)
+                            if ent[1]:
+                                comm_events[len(gpu.names)] = e
+                            g_name(ent[0])
                             g_ts(ts)
                             g_dur(d)
                             g_corr(corr)
                             g_stream(st)
                             continue
-                    launches[corr] = e
+                    pid, tid = e.pid, e.tid
+                    if tid != last_tid or pid != last_pid:  # launches come in runs from one thread
+                        th = threads.get((pid, tid))
+                        if th is None:
+                            th = threads[(pid, tid)] = len(threads)
+                        last_pid, last_tid = pid, tid
+                    l_corr(corr)
+                    l_ts(ts)
+                    l_thread(th)
             n = e.name
             if n[:1] in first and (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                     n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
@@ -291,13 +312,14 @@ def _build_window(path: Path, trace) -> WindowTrace:
     index = _LabelIndex(labels)
     phases = _Phases(boundaries)
 
-    win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.events else "cpu", world_size=world,
+    win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.names else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3)
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
-    if gpu.events:
+    del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
+    if gpu.names:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
@@ -315,7 +337,7 @@ def _implausible(e) -> None:
     """Raises TraceError for an event whose time cannot be true (a negative duration, a timestamp beyond any
     clock); returns for a plausible one (the caller's running maximum grew)."""
     what = printable(e.name)[:60]
-    if e.dur < 0:
+    if e.dur < -1:  # -1: a sub-µs event rounded as HTA does (start up, end down); below that, no measurement
         raise TraceError(f"implausible duration: {what!r} lasts {e.dur} (negative); not analysed")
     if not -_ABSURD_TS < e.ts < _ABSURD_TS:
         raise TraceError(f"implausible timestamp: {what!r} at ts {e.ts:.3g}; not analysed")
@@ -385,36 +407,86 @@ def _kernel_kind(name: str) -> int:
 
 
 class _DeviceEvents:
-    """The device events of a window and, side by side, the fields the arrays are built from."""
+    """The device events of a window, compactly (a trace may hold millions): side by side the fields the arrays
+    are built from, each name once (``seen``: name -> (name, is a collective)), and only the collectives'
+    events themselves (``comm``: position -> event)."""
 
     def __init__(self):
-        self.events: list[Event] = []
-        self.ts: list = []
-        self.dur: list = []
-        self.corr: list[int] = []
-        self.stream: list[int] = []
+        self.names: list[str] = []
+        self.ts = array("d")
+        self.dur = array("d")
+        self.corr = array("q")
+        self.stream = array("q")
+        self.seen: dict[str, tuple[str, bool]] = {}
+        self.comm: dict[int, Event] = {}
 
 
-def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
-    gpu = dev.events
+class _Launches:
+    """The host events that launched device work (those with a correlation id), compactly: correlation, time and
+    thread (an index into ``threads``). A correlation id seen twice means its last event, as a dict would."""
+
+    def __init__(self):
+        self.corr = array("q")
+        self.ts = array("d")
+        self.thread = array("i")
+        self.threads: dict[tuple, int] = {}  # (pid, tid) -> index
+        self._sorted = None
+
+    def _index(self):
+        if self._sorted is None:
+            corr = np.frombuffer(self.corr, dtype=np.int64) if len(self.corr) else np.zeros(0, np.int64)
+            order = np.argsort(corr, kind="stable")
+            self._sorted = (corr[order], order)
+        return self._sorted
+
+    def positions(self, corrs) -> np.ndarray:
+        """For each correlation id, the position of its (last) launch, -1 where none."""
+        sc, order = self._index()
+        q = np.asarray(corrs, dtype=np.int64)
+        if not sc.size:
+            return np.full(q.shape, -1, dtype=np.intp)
+        i = np.searchsorted(sc, q, side="right") - 1
+        hit = (i >= 0) & (sc[np.maximum(i, 0)] == q)
+        return np.where(hit, order[np.maximum(i, 0)], -1)
+
+    def ts_of(self, corrs) -> np.ndarray:
+        """Each correlation id's launch time, NaN where none."""
+        pos = self.positions(corrs)
+        ts = np.frombuffer(self.ts, dtype=np.float64) if len(self.ts) else np.zeros(1)
+        return np.where(pos >= 0, ts[np.maximum(pos, 0)], math.nan)
+
+    def get(self, corr):
+        """(time, (pid, tid)) of the launch of ``corr``, or None."""
+        if corr is None:
+            return None
+        pos = int(self.positions([corr])[0])
+        if pos < 0:
+            return None
+        keys = list(self.threads)
+        return self.ts[pos], keys[self.thread[pos]]
+
+
+def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff):
     # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
     # start do not count, and neither do the device events they launched
-    lget = launches.get
-    lts = np.array([ln.ts if (ln := lget(k)) is not None else math.nan for k in dev.corr],
-                   dtype=np.float64) * scale
-    ts = np.array(dev.ts, dtype=np.float64) * scale
-    te = ts + np.array(dev.dur, dtype=np.float64) * scale
-    streams = np.array(dev.stream, dtype=np.int64)
+    corr = np.frombuffer(dev.corr, dtype=np.int64)
+    lts = launches.ts_of(corr) * scale
+    ts = np.frombuffer(dev.ts, dtype=np.float64) * scale
+    te = ts + np.frombuffer(dev.dur, dtype=np.float64) * scale
+    streams = np.frombuffer(dev.stream, dtype=np.int64)
+    orig = None  # the kept events' positions in dev (None: all kept)
     if cutoff != math.inf:
         keep = lts < cutoff  # NaN compares False
         if not keep.all():
-            gpu = [gpu[i] for i in np.flatnonzero(keep).tolist()]
+            orig = np.flatnonzero(keep)
             lts, ts, te, streams = lts[keep], ts[keep], te[keep], streams[keep]
-        # (the launches dict itself is left whole: every device event kept finds its launch in it)
+        # (the launches themselves are left whole: every device event kept finds its launch among them)
 
     # classify each distinct kernel name once
     codes: dict[str, int] = {}
-    name_idx = np.array([codes.setdefault(e.name, len(codes)) for e in gpu], dtype=np.intp)
+    name_idx = np.array([codes.setdefault(nm, len(codes)) for nm in dev.names], dtype=np.intp)
+    if orig is not None:
+        name_idx = name_idx[orig]
     names = list(codes)
     kind_of = [_kernel_kind(nm) for nm in names]
     kind = np.array(kind_of, dtype=np.int8)[name_idx]
@@ -452,13 +524,13 @@ def _build_gpu(win, dev: _DeviceEvents, launches, index, phases, scale, cutoff):
     attributions: dict = {}
     collectives: dict = {}
     for i in np.flatnonzero(is_comm).tolist():
-        e = gpu[i]
+        e = dev.comm[i if orig is None else int(orig[i])]
         a = e.args
         launch = launches.get(a.correlation)
-        issue = launch.ts * scale if launch is not None else ts_l[i]
+        issue = launch[0] * scale if launch is not None else ts_l[i]
         lab = None
         if launch is not None:
-            lab = index.innermost((launch.pid, launch.tid), issue, _is_comm_label)
+            lab = index.innermost(launch[1], issue, _is_comm_label)
         if lab is None:
             att = None
         else:

@@ -15,9 +15,9 @@ OTHER_UNIT = "(other)"
 ROOT_UNIT = "(root)"
 
 
-@dataclass
+@dataclass(slots=True)
 class CollectiveCall:
-    """One collective (one NCCL kernel, or one gloo-thread event)."""
+    """One collective (one NCCL kernel, or one gloo-thread event). Slotted: a window may hold a million."""
 
     unit: str  # FSDP unit fqn, "(root)", or "(other)" when no FSDP label launched it
     collective: str  # all_gather | reduce_scatter | all_reduce | ...

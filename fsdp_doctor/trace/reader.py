@@ -196,7 +196,7 @@ def decode(path: Path, *, full: bool = False):
 STREAM_MIN_BYTES = 64 << 20  # JSON larger than this is decoded in batches
 BATCH_BYTES = 8 << 20  # JSON per batch of events
 READ_BYTES = 4 << 20  # bytes read (or inflated) at a time
-_HEAD_MAX = 64 << 20  # the top-level fields before "traceEvents" (device properties...) fit in this
+_HEAD_MAX = 16 << 20  # the top-level fields before "traceEvents" (device properties...) fit in this
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = b" \t\r\n"
 
@@ -335,7 +335,7 @@ class StreamedTrace:
             buf = b"".join(parts)
             got = _whole_events(buf, full)
             if got is None:
-                if size > 16 * BATCH_BYTES:
+                if size > 4 * BATCH_BYTES:  # no event is that large: a run of padding, or no JSON array
                     raise TraceError(f"invalid JSON (no complete event in {size:,} bytes)")
                 parts = [buf]
                 continue
