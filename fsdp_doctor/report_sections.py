@@ -276,10 +276,12 @@ class CommUnitRow(_Section):
     slack_us: Optional[float] = None  # mean time from the collective's end to its first use
     held_us: Optional[float] = None  # the same, negative slack counted as 0
     dtype: Optional[str] = None
-    steps: int = 1  # the complete steps of the rank's windows (at least 1): the per-step figures divide by it
-    count_per_step: float = 0.0
-    comm_ms_per_step: float = 0.0
-    exposed_ms_per_step: float = 0.0
+    # per complete step of the rank's windows (``steps``, at least 1): fsdp_doctor.trace.analysis.per_step_row;
+    # None in a section written without them (an older report, a hand-built one)
+    steps: Optional[int] = None
+    count_per_step: Optional[float] = None
+    comm_ms_per_step: Optional[float] = None
+    exposed_ms_per_step: Optional[float] = None
 
 
 class Copies(_Section):

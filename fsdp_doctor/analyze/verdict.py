@@ -99,10 +99,10 @@ def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, flo
         if parts.window_us <= 0:
             continue
         pr = overlap.per_rank.get(r)
-        n = (pr.step_count if pr is not None else 0) or 1
+        n = (pr.step_count or len(pr.steps) if pr is not None else 0) or 1
         dev = (pr.device if pr is not None else "") or "gpu"
-        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev,
-                       pr.step_ms if pr is not None else None)
+        step_ms = pr.step_ms if pr is not None and pr.step_ms is not None else parts.window_us / n / 1e3
+        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev, step_ms)
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 from ..report_sections import CommSummary, Finding, RunFacts, UnitRow, Verdict, VerdictEntry
-from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us  # noqa: F401  (re-exported)
+from ..units import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, fmt_value  # noqa: F401  (re-exported)
 
 ROOT_LABEL = "(root)"
 
@@ -48,31 +48,6 @@ def fmt_unit_figures(u: UnitRow) -> tuple[str, str, str, str]:
     return (UNKNOWN if pc is None else f"{pc / 1e6:.2f} M",
             *(UNKNOWN if b is None else fmt_bytes(b) for b in (u.sharded_bytes, u.unsharded_bytes)),
             UNKNOWN if raf is None else str(raf).lower())
-
-
-def fmt_value(key: str, v, max_items: int = 8) -> str:
-    """An evidence value formatted by the unit its key names (``_bytes``, ``_ms``, ``_us``, ``_pct``,
-    ``_gbps``); lists are shortened, dicts formatted item by item. Shared by every presenter."""
-    if isinstance(v, bool) or v is None:
-        return MISSING if v is None else str(v).lower()
-    if isinstance(v, (int, float)):
-        if key.endswith("_bytes") or key == "bytes":
-            return fmt_bytes(v)
-        if key.endswith("_ms") or "_ms_" in key:
-            return fmt_ms(v)
-        if key.endswith("_us"):
-            return fmt_ms(v / 1e3)
-        if key.endswith("_pct"):
-            return f"{v:.1f}%"
-        if key.endswith("_gbps"):
-            return fmt_bw(v)
-        return f"{v:,.4g}" if isinstance(v, float) else f"{v:,}"
-    if isinstance(v, (list, tuple)):
-        s = ", ".join(str(x) for x in v[:max_items])
-        return s + (f" … (+{len(v) - max_items})" if len(v) > max_items else "")
-    if isinstance(v, dict):
-        return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())
-    return str(v)
 
 
 def run_facts(run: RunFacts) -> list[str]:

@@ -218,16 +218,22 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int =
         if bytes_per_call is not None and f is not None and comm > 0:
             busbw = bytes_per_call * len(items) * f / comm / 1e3  # bytes/µs → GB/s
         slacks = [c.need - c.end for c, _ in items if c.need is not None]
-        exposed = float(sum(exp for _, exp in items))
-        rows.append(CommUnitRow(
+        rows.append(per_step_row(CommUnitRow(
             rank=rank, unit=unit, collective=coll, phase=phase, count=len(items), comm_us=comm,
-            exposed_us=exposed, bytes_per_call=bytes_per_call, busbw_gbps=busbw, steps=steps,
-            count_per_step=len(items) / steps, comm_ms_per_step=comm / steps / 1e3,
-            exposed_ms_per_step=exposed / steps / 1e3,
+            exposed_us=float(sum(exp for _, exp in items)), bytes_per_call=bytes_per_call, busbw_gbps=busbw,
             slack_us=float(np.mean(slacks)) if slacks else None,
             held_us=float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
-            dtype=items[0][0].dtype))
+            dtype=items[0][0].dtype), steps))
     return rows
+
+
+def per_step_row(row: CommUnitRow, steps: int) -> CommUnitRow:
+    """``row`` with its figures per complete step: calls, communication and exposed ms divided by ``steps`` (the
+    rank's complete profiled steps, at least 1). The one definition of a unit row's per-step figures."""
+    n = max(1, int(steps))
+    row.steps, row.count_per_step = n, row.count / n
+    row.comm_ms_per_step, row.exposed_ms_per_step = row.comm_us / n / 1e3, row.exposed_us / n / 1e3
+    return row
 
 
 # ---------------------------------------------------------------- loading
