@@ -58,6 +58,9 @@ class RunFacts(_Section):
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
+    nccl_version: str | UnsetType = UNSET  # from the traces' distributedInfo, where torch wrote it
+    trace_ranks: list[int] | UnsetType = UNSET  # the ranks the trace files say they are (distributedInfo)
+    facts_source: str | UnsetType = UNSET  # "trace metadata" where no configuration record gave the facts
     doctor_errors: list[SteppedAside] | UnsetType = UNSET  # the doctor stepped aside
     steps_recorded: dict[str, int] = {}  # per rank
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly

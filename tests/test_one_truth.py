@@ -198,3 +198,39 @@ def test_short_unit_labels():
     assert got == {"": "(root)", "model.embed_tokens": "embed_tokens", "model.layers.0": "model.layers.0",
                    "model.layers.1": "layers.1", "model.norm, lm_head": "norm, lm_head",
                    "vision.layers.0": "vision.layers.0"}
+
+
+def test_run_facts_from_the_traces_own_metadata(tmp_path):
+    """A folder of plain traces: backend, world size, GPU model and the files' ranks from ``distributedInfo`` and
+    ``deviceProperties`` (the file's head only), shown in the header; NCCL's version where torch wrote it."""
+    import gzip
+    import shutil
+
+    from fsdp_doctor.analyze.report import run_facts
+    from fsdp_doctor.trace.meta import read_meta
+
+    run = tmp_path / "plain"
+    shutil.copytree(SAMPLE_RUN / "profiler", run)
+    facts = run_facts(load_run(run))
+    assert (facts.backend, facts.world_size, facts.trace_ranks, facts.facts_source) == ("gloo", 2, [0, 1],
+                                                                                        "trace metadata")
+    # a GPU trace as torch writes it: metadata first, NCCL's version in distributedInfo
+    (tmp_path / "gpu").mkdir()
+    gpu_known_trace(rank=3).write(tmp_path / "gpu" / "rank3.json")
+    body = json.loads((tmp_path / "gpu" / "rank3.json").read_text())
+    meta = {"schemaVersion": 1, "deviceProperties": [{"id": i, "name": "NVIDIA H100 80GB HBM3"} for i in range(8)],
+            "distributedInfo": {"backend": "nccl", "rank": 3, "world_size": 8, "nccl_version": "2.21.5"}}
+    with gzip.open(tmp_path / "gpu" / "rank3.json.gz", "wt") as f:
+        json.dump({**meta, **{k: v for k, v in body.items() if k not in meta}}, f)  # metadata first
+    (tmp_path / "gpu" / "rank3.json").unlink()
+    assert read_meta(tmp_path / "gpu" / "rank3.json.gz").distributedInfo.nccl_version == "2.21.5"
+    rep = build_report(load_run(tmp_path / "gpu"))
+    f = rep.run
+    assert (f.backend, f.world_size, f.device_name, f.nccl_version, f.trace_ranks) == (
+        "nccl", 8, "NVIDIA H100 80GB HBM3", "2.21.5", [3])
+    head = _flat(_terminal(rep, 200))
+    assert "8 ranks · nccl · NVIDIA H100 80GB HBM3 · NCCL 2.21.5 · traces of rank 3 · read from the trace metadata" in head
+    assert Report.of(json.loads(json.dumps(rep.to_builtins()))).run == rep.run
+    if (HTA_TRACES / "a100_rank3_of_8").is_dir():
+        f = run_facts(load_run(HTA_TRACES / "a100_rank3_of_8"))
+        assert (f.backend, f.world_size, f.device_name, f.trace_ranks) == ("nccl", 8, "NVIDIA A100-PG509-200", [3])

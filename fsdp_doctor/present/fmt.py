@@ -66,6 +66,13 @@ def run_facts(run: RunFacts) -> list[str]:
     for v in (r.backend, r.device_name, r.torch_version, r.optimizer):
         if v:
             facts.append(str(v))
+    if r.nccl_version:
+        facts.append(f"NCCL {r.nccl_version}")
+    if r.trace_ranks and len(r.trace_ranks) != (r.world_size or 0):
+        facts.append(f"traces of rank{'s' if len(r.trace_ranks) > 1 else ''} "
+                     f"{', '.join(map(str, r.trace_ranks[:8]))}{' …' if len(r.trace_ranks) > 8 else ''}")
+    if r.facts_source:
+        facts.append(f"read from the {r.facts_source}")
     return facts
 
 
