@@ -258,6 +258,7 @@ class OverlapRank(_Section):
     exposed_ms_per_step: Optional[float] = None  # of that, while no compute ran (the verdict's communication)
     hidden_ms_per_step: Optional[float] = None  # of that, while compute ran
     step_overlap_pct: Optional[float] = None  # hidden / comm inside the complete steps
+    step_times_ms: dict[str, float] = {}  # complete step -> its wall time (ProfilerStep start to the next's)
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0
@@ -413,6 +414,9 @@ class Report(msgspec.Struct, kw_only=True, omit_defaults=True):
     doctor_version: str = ""
     run: RunFacts = msgspec.field(default_factory=RunFacts)
     steps: Optional[StepsSection] = None
+    # a run known only from its traces: step times of the complete ProfilerSteps (no phases, outliers or
+    # stragglers: those need records; the rules read ``steps`` only)
+    trace_steps: Optional[StepsSection] = None
     units: Optional[list[UnitRow]] = None
     throughput: Optional[ThroughputSection] = None
     memory: Optional[MemorySection] = None

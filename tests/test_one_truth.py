@@ -102,6 +102,13 @@ def test_one_definition_per_figure(reports, name):
             assert row.steps == pr.step_count
             assert row.exposed_ms_per_step <= row.comm_ms_per_step + 1e-9
             assert row.comm_ms_per_step == pytest.approx(row.comm_us / 1e3 / pr.step_count)
+    # a run known only from its traces: its step times are the complete ProfilerSteps, which add up to the window
+    if rep.steps is None:
+        for r, pr in ov.per_rank.items():
+            st = rep.trace_steps.per_rank[r]
+            assert st.count == pr.step_count and st.mean_ms == pytest.approx(pr.step_ms, abs=1e-3)
+    else:
+        assert rep.trace_steps is None  # the records' steps are the steps
     assert rep.comm.source == "trace"
     assert rep.comm.exposed_ms_per_step == pytest.approx(statistics.median(exposed.values()), abs=1e-3)
     for entry in (v.job, *v.per_rank.values()):
@@ -128,8 +135,15 @@ def test_every_view_shows_the_same_figures(reports, name, tmp_path):
     # terminal
     term = _flat(_terminal(rep, 100))
     assert _flat(head) in term and _flat(vhead) in term
+    wide = _terminal(rep, 200)
+    if rep.trace_steps is not None:
+        assert "Step time per rank, ms (the traces' complete profiler steps" in _flat(wide)
+        from fsdp_doctor.present.terminal import _num
+
+        for r, st in rep.trace_steps.per_rank.items():
+            assert any(ln.split()[:3] == [r, str(st.count), _num(st.p50_ms)] for ln in wide.splitlines()), r
     for r, pr in rep.overlap.per_rank.items():
-        row = next(ln for ln in _terminal(rep, 200).splitlines() if ln.split()[:2] == [r, pr.device])
+        row = next(ln for ln in wide.splitlines() if ln.split()[:2] == [r, pr.device])
         for x in (pr.step_ms, pr.comm_ms_per_step, pr.exposed_ms_per_step):
             assert fmt_ms(x) in row, (r, row)
     # HTML

@@ -419,7 +419,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
-        pr = per_rank.setdefault(k, OverlapRank(device=w.device))
+        pr = per_rank.setdefault(k, OverlapRank(device=w.device, step_times_ms={}))
         pr.comm_calls += len(w.calls)
         pr.comm_calls_on_compute_stream += sum(1 for c in w.calls if c.on_compute_stream)
         pr.comm_us += o["comm_us"]
@@ -427,6 +427,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.exposed_us += o["exposed_us"]
         pr.steps = sorted(set(pr.steps) | set(w.steps))
         pr.step_count += len(w.steps)
+        pr.step_times_ms.update({str(n): us / 1e3 for n, us in w.step_us.items()})
         if w.device == "gpu":
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):

@@ -105,6 +105,7 @@ class WindowTrace:
     device: str  # "gpu" | "cpu"
     world_size: Optional[int]
     steps: list[int]  # complete steps analysed
+    step_us: dict = field(default_factory=dict)  # complete step -> its wall time (its start to the next step's)
     comm: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of communication
     compute: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of compute
     h2d: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of Memcpy HtoD
@@ -421,6 +422,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.events else "cpu", world_size=world,
                       steps=kept_steps)
+    ends = [steps[n] for n in kept_steps[1:]] + [cutoff if cutoff != math.inf else step_end[n] for n in kept_steps[-1:]]
+    win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
