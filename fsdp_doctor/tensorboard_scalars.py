@@ -12,7 +12,6 @@ report's per-step figures of that window).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .memory_categories import NAMES

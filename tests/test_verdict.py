@@ -2,7 +2,6 @@
 reference traces (checked against HTA 0.5.0's own figures)."""
 
 import json
-from pathlib import Path
 
 import pytest
 from msgspec.structs import asdict
