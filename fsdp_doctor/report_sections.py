@@ -309,7 +309,7 @@ class Breakdown(_Section):
     ``fsdp_doctor.trace.analysis.breakdown``."""
 
     PARTS: ClassVar[tuple[str, ...]] = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm",
-                                        "offload", "other_gpu", "host", "input", "idle")
+                                        "offload", "other_gpu", "host", "sync", "input", "idle")
 
     compute: float = 0.0
     allgather_fwd: float = 0.0
@@ -319,6 +319,7 @@ class Breakdown(_Section):
     offload: float = 0.0
     other_gpu: float = 0.0
     host: float = 0.0
+    sync: float = 0.0  # the device idle while the host waits in a device sync (cudaDeviceSynchronize, .item())
     input: float = 0.0
     idle: float = 0.0
     window_us: float = 0.0

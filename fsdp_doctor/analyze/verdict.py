@@ -28,7 +28,7 @@ from .steps import usable_steps
 GROUPS: dict[str, tuple[str, ...]] = {
     "communication": COMM_PARTS,
     "compute": ("compute", "other_gpu"),
-    "host": ("host",),
+    "host": ("host", "sync"),
     "input": ("input",),
     "offload": ("offload",),
     "idle": ("idle",),
@@ -43,6 +43,7 @@ PART_LABELS = {
     "offload": "offload copies (H2D/D2H)",
     "other_gpu": "other device work (memset, D2D)",
     "host": "host-bound (GPU waits for launches)",
+    "sync": "host in device syncs (cudaDeviceSynchronize, .item())",
     "input": "input / outside the model",
     "idle": "idle (launched work waiting)",
 }

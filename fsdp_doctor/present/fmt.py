@@ -121,7 +121,7 @@ VERDICT_PARTS: dict[str, tuple[str, ...]] = {
     "compute": ("compute", "other_gpu"),
     "comm": ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"),
     "AG fwd": ("allgather_fwd",), "AG bwd": ("allgather_bwd",), "RS": ("reducescatter",),
-    "other comm": ("other_comm",), "offload": ("offload",), "host": ("host",), "input": ("input",), "idle": ("idle",),
+    "other comm": ("other_comm",), "offload": ("offload",), "host": ("host", "sync"), "input": ("input",), "idle": ("idle",),
 }
 VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k != "other comm")  # the table's share columns
 VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's segments (they add up to 100%)

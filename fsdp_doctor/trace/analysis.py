@@ -98,7 +98,9 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
     in this order: ``compute`` (a compute kernel runs / the main thread runs an operator); exposed
     communication (``allgather_fwd``, ``allgather_bwd``, ``reducescatter``, ``other_comm``); ``offload``
     (Memcpy HtoD/DtoH alone on the device); ``other_gpu`` (memsets, device-to-device copies alone). Where
-    the device is idle: ``host`` (the next device work was not launched yet and the host was inside the
+    the device is idle: ``sync`` (the next device work was not launched yet because the host sat in a device sync:
+    ``cudaDeviceSynchronize``, ``cudaStreamSynchronize``, ``aten::item``...), ``host`` (the next device work was
+    not launched yet and the host was inside the
     model: launch/framework overhead; on CPU, main-thread time between operators), ``input`` (the same while
     the host was outside the model: data loading, the user's code), ``idle`` (launched work waiting:
     synchronisation, launch latency). The parts add up to ``window_us``."""
@@ -134,9 +136,12 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
         busy = _clip(win.gpu_busy, w0, w1)
         free = iv.subtract(full, busy)
         waiting = iv.intersect(free, win.host_wait) if win.host_wait[0].size else iv.EMPTY
-        outside = iv.intersect(waiting, win.outside) if win.outside[0].size else iv.EMPTY
+        sync = iv.intersect(waiting, win.sync) if win.sync[0].size and waiting[0].size else iv.EMPTY
+        out["sync"] = iv.measure(sync)
+        rest = iv.subtract(waiting, sync) if sync[0].size else waiting
+        outside = iv.intersect(rest, win.outside) if win.outside[0].size else iv.EMPTY
         out["input"] = iv.measure(outside)
-        out["host"] = iv.measure(waiting) - out["input"]
+        out["host"] = iv.measure(rest) - out["input"]
         out["idle"] = iv.measure(free) - iv.measure(waiting)
     else:
         free = iv.subtract(full, taken)

@@ -119,6 +119,7 @@ class WindowTrace:
     other_dev: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # memset, D2D copies, syncs
     host_wait: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # GPU idle, next work not yet launched
     outside: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host time outside the model
+    sync: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host inside a device sync (SYNC_NAMES)
     model_delimited: bool = False  # FSDP labels marked where the model runs
 
 
@@ -306,7 +307,12 @@ def _stream_id(args) -> int:
         return -1
 
 
-_SPECIAL_FIRST = frozenset("FPeO")  # first letters of the special names: a cheap test before startswith
+_SPECIAL_FIRST = frozenset("FPeOcha")  # first letters of the special names: a cheap test before startswith
+# host calls that wait for the device: time the host spends in them while the device is idle is a device sync,
+# not input or launch overhead (the verdict's ``sync`` part)
+SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+                        "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize",
+                        "aten::item", "aten::_local_scalar_dense"})
 
 
 @contextmanager
@@ -346,6 +352,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     gpu = _DeviceEvents()
     launches: dict[int, Event] = {}
     special: list[Event] = []
+    syncs: list[Event] = []
     gpu_append = gpu.events.append
     g_ts, g_dur, g_corr, g_stream = gpu.ts.append, gpu.dur.append, gpu.corr.append, gpu.stream.append
     special_append = special.append
@@ -381,10 +388,13 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         continue
                 launches[corr] = e
         n = e.name
-        if n[:1] in first and (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
-                n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
-                or n.startswith(OPTIMIZER_PREFIX)):
-            special_append(e)
+        if n[:1] in first:
+            if n in SYNC_NAMES:
+                syncs.append(e)
+            elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
+                    n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
+                    or n.startswith(OPTIMIZER_PREFIX)):
+                special_append(e)
     scale = 1.0
     if all_int and events and (trace.displayTimeUnit == "ns" or max(
             (e.ts for e in events if e.ts is not None), default=0) > 1e17):
@@ -427,6 +437,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
+    win.sync = iv.union([e.ts * scale for e in syncs if e.ts * scale < cutoff],
+                        [(e.ts + e.dur) * scale for e in syncs if e.ts * scale < cutoff])
     if gpu.events:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:
