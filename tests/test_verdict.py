@@ -139,6 +139,17 @@ def test_one_list_of_breakdown_parts():
     assert sorted(k for ks in GROUPS.values() for k in ks) == sorted(PARTS)
 
 
+def test_step_start_times_are_the_steps_own(recorded_run):
+    """Each recorded step starts where it starts: its start plus its wall time never runs past the next step's start,
+    the step that exported the profiler window (step 8) included (its start used to be stamped after the export,
+    which its wall time counts, so TensorBoard drew it after step 9)."""
+    run, _, _ = recorded_run
+    for rd in run.ranks.values():
+        steps = sorted(rd.steps, key=lambda s: s.step)
+        for a, b in zip(steps, steps[1:]):
+            assert a.start_ns + a.wall_ms * 1e6 <= b.start_ns + 2e6, (a.step, a.start_ns, a.wall_ms, b.start_ns)
+
+
 def test_verdict_from_records_of_a_real_run(recorded_run):
     """The recorded 2-rank gloo run has one profiler window (its trace gives ranks a trace verdict); without
     the trace, the step records give one: its parts add up to the step and its input share is the recorded
