@@ -98,10 +98,10 @@ def test_one_definition_per_figure(reports, name):
         assert ve.groups_pct["communication"] / 100 * pr.step_ms == pytest.approx(pr.exposed_ms_per_step,
                                                                                  abs=1e-4 * pr.step_ms + 1e-6)
         exposed[r] = pr.exposed_ms_per_step
-        for row in (u for u in ov.per_unit if str(u.rank) == r):
+        for row in (u for u in ov.per_unit if str(u.rank) == r):  # a row's calls as a union inside the steps
             assert row.steps == pr.step_count
-            assert row.exposed_ms_per_step <= row.comm_ms_per_step + 1e-9
-            assert row.comm_ms_per_step == pytest.approx(row.comm_us / 1e3 / pr.step_count)
+            assert row.exposed_ms_per_step <= row.comm_ms_per_step + 1e-9 <= pr.comm_ms_per_step + 2e-9
+            assert row.exposed_ms_per_step <= pr.exposed_ms_per_step + 1e-9
     # a run known only from its traces: its step times are the complete ProfilerSteps, which add up to the window
     if rep.steps is None:
         for r, pr in ov.per_rank.items():

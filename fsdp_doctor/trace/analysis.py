@@ -206,8 +206,29 @@ def _per_step(pr: OverlapRank, bd: Optional[dict]) -> None:
     pr.step_overlap_pct = 100.0 * (bd["comm_us"] - exposed) / bd["comm_us"] if bd["comm_us"] > 0 else None
 
 
-def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1) -> list[CommUnitRow]:
-    """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps``."""
+def row_time_in_steps(win: WindowTrace) -> dict:
+    """Per (unit, collective, phase) of the window's calls: the union of those calls inside the complete steps
+    (µs) and the part of it during which no compute ran. Unions, not sums: calls of one row that run at once
+    (gloo's threads, several NCCL streams) count once, so a row's time per step never exceeds the step."""
+    if win.window is None or not win.calls:
+        return {}
+    w0, w1 = win.window
+    by: dict = defaultdict(lambda: ([], []))
+    for c in win.calls:
+        s, e = by[(c.unit, c.collective, c.phase)]
+        s.append(c.start)
+        e.append(c.end)
+    out = {}
+    for key, (s, e) in by.items():
+        u = _clip(iv.union(s, e), w0, w1)
+        out[key] = (iv.measure(u), iv.measure(iv.subtract(u, win.compute)) if u[0].size else 0.0)
+    return out
+
+
+def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1,
+              in_steps: Optional[dict] = None) -> list[CommUnitRow]:
+    """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps`` the
+    row's time inside the complete steps (``in_steps``, see :func:`row_time_in_steps`; without it, its sums)."""
     groups: dict = defaultdict(list)
     for c, exp in calls:
         groups[(c.unit, c.collective, c.phase)].append((c, exp))
@@ -228,16 +249,18 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int =
             exposed_us=float(sum(exp for _, exp in items)), bytes_per_call=bytes_per_call, busbw_gbps=busbw,
             slack_us=float(np.mean(slacks)) if slacks else None,
             held_us=float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
-            dtype=items[0][0].dtype), steps))
+            dtype=items[0][0].dtype), steps, (in_steps or {}).get((unit, coll, phase))))
     return rows
 
 
-def per_step_row(row: CommUnitRow, steps: int) -> CommUnitRow:
-    """``row`` with its figures per complete step: calls, communication and exposed ms divided by ``steps`` (the
+def per_step_row(row: CommUnitRow, steps: int, in_steps: Optional[tuple[float, float]] = None) -> CommUnitRow:
+    """``row`` with its figures per complete step: calls, and communication and exposed ms (the row's time inside
+    the complete steps, ``in_steps`` = (comm µs, exposed µs); without it its sums) divided by ``steps`` (the
     rank's complete profiled steps, at least 1). The one definition of a unit row's per-step figures."""
     n = max(1, int(steps))
+    comm, exposed = in_steps if in_steps is not None else (row.comm_us, row.exposed_us)
     row.steps, row.count_per_step = n, row.count / n
-    row.comm_ms_per_step, row.exposed_ms_per_step = row.comm_us / n / 1e3, row.exposed_us / n / 1e3
+    row.comm_ms_per_step, row.exposed_ms_per_step = comm / n / 1e3, exposed / n / 1e3
     return row
 
 
@@ -421,6 +444,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     per_rank: dict[str, OverlapRank] = {}
     sums: dict[str, dict[str, dict]] = {"copies": {}, "idle": {}, "blocking": {}, "breakdown": {}}
     calls: dict = defaultdict(list)
+    in_steps: dict = defaultdict(dict)  # rank -> (unit, collective, phase) -> [comm µs, exposed µs] in the steps
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
@@ -438,13 +462,18 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
             _sum_into(sums[name], k, fn(w))
         calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
+        for key, (comm, exp) in row_time_in_steps(w).items():
+            acc = in_steps[w.rank].setdefault(key, [0.0, 0.0])
+            acc[0] += comm
+            acc[1] += exp
     for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
         _per_step(pr, sums["breakdown"].get(k))
     rows = []
     for rank in sorted(calls):
-        rows.extend(unit_rows(rank, calls[rank], steps=max(1, per_rank[str(rank)].step_count)))
+        rows.extend(unit_rows(rank, calls[rank], steps=max(1, per_rank[str(rank)].step_count),
+                              in_steps=in_steps[rank]))
     rows.sort(key=lambda r: (-r.exposed_us, r.rank, r.unit, r.collective, str(r.phase)))
 
     def typed(cls, name):
