@@ -143,6 +143,10 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         report.overlap = trace_section(run, windows=windows, progress=progress)
         if report.overlap is not None:
             problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
+    if report.steps is None and report.overlap is not None:  # plain traces: the complete ProfilerSteps
+        from .analyze.steps import trace_steps
+
+        report.trace_steps = trace_steps(report.overlap)
     report.comm = comm_summary(report.overlap, recorded_ag_waits(run))
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 

@@ -58,6 +58,9 @@ class RunFacts(_Section):
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
+    nccl_version: str | UnsetType = UNSET  # from the traces' distributedInfo, where torch wrote it
+    trace_ranks: list[int] | UnsetType = UNSET  # the ranks the trace files say they are (distributedInfo)
+    facts_source: str | UnsetType = UNSET  # "trace metadata" where no configuration record gave the facts
     doctor_errors: list[SteppedAside] | UnsetType = UNSET  # the doctor stepped aside
     steps_recorded: dict[str, int] = {}  # per rank
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly
@@ -258,6 +261,7 @@ class OverlapRank(_Section):
     exposed_ms_per_step: Optional[float] = None  # of that, while no compute ran (the verdict's communication)
     hidden_ms_per_step: Optional[float] = None  # of that, while compute ran
     step_overlap_pct: Optional[float] = None  # hidden / comm inside the complete steps
+    step_times_ms: dict[str, float] = {}  # complete step -> its wall time (ProfilerStep start to the next's)
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0
@@ -279,10 +283,12 @@ class CommUnitRow(_Section):
     slack_us: Optional[float] = None  # mean time from the collective's end to its first use
     held_us: Optional[float] = None  # the same, negative slack counted as 0
     dtype: Optional[str] = None
-    steps: int = 1  # the complete steps of the rank's windows (at least 1): the per-step figures divide by it
-    count_per_step: float = 0.0
-    comm_ms_per_step: float = 0.0
-    exposed_ms_per_step: float = 0.0
+    # per complete step of the rank's windows (``steps``, at least 1): fsdp_doctor.trace.analysis.per_step_row;
+    # None in a section written without them (an older report, a hand-built one)
+    steps: Optional[int] = None
+    count_per_step: Optional[float] = None
+    comm_ms_per_step: Optional[float] = None
+    exposed_ms_per_step: Optional[float] = None
 
 
 class Copies(_Section):
@@ -306,7 +312,7 @@ class Breakdown(_Section):
     ``fsdp_doctor.trace.analysis.breakdown``."""
 
     PARTS: ClassVar[tuple[str, ...]] = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm",
-                                        "offload", "other_gpu", "host", "input", "idle")
+                                        "offload", "other_gpu", "host", "sync", "input", "idle")
 
     compute: float = 0.0
     allgather_fwd: float = 0.0
@@ -316,6 +322,7 @@ class Breakdown(_Section):
     offload: float = 0.0
     other_gpu: float = 0.0
     host: float = 0.0
+    sync: float = 0.0  # the device idle while the host waits in a device sync (cudaDeviceSynchronize, .item())
     input: float = 0.0
     idle: float = 0.0
     window_us: float = 0.0
@@ -468,6 +475,9 @@ class Report(msgspec.Struct, kw_only=True):
     doctor_version: str = ""
     run: RunFacts = msgspec.field(default_factory=RunFacts)
     steps: Optional[StepsSection] = None
+    # a run known only from its traces: step times of the complete ProfilerSteps (no phases, outliers or
+    # stragglers: those need records; the rules read ``steps`` only)
+    trace_steps: Optional[StepsSection] = None
     units: Optional[list[UnitRow]] = None
     throughput: Optional[ThroughputSection] = None
     memory: Optional[MemorySection] = None

@@ -70,3 +70,31 @@ def fmt_bw(gbps) -> str:
 
 def fmt_pct(x) -> str:
     return MISSING if x is None else f"{x:.1f}%"
+
+
+# the unit an evidence key names, by one of its "_"-separated words: "rs_bytes_per_call_median" is bytes
+_KEY_UNITS = (("bytes", fmt_bytes), ("ms", fmt_ms), ("us", fmt_us), ("pct", lambda v: f"{v:.1f}%"),
+              ("gbps", fmt_bw))
+
+
+def fmt_value(key: str, v, max_items: int = 8) -> str:
+    """An evidence value formatted by the unit its key names (a word of the key: ``bytes``, ``ms``, ``us``,
+    ``pct``, ``gbps``; e.g. ``exposed_ms_per_step``, ``rs_bytes_per_call_median``); a plain count with thousands
+    separators, never in exponent notation; lists shortened, dicts formatted item by item. Shared by every stage
+    that prints evidence (terminal, HTML, dashboard)."""
+    if isinstance(v, bool) or v is None:
+        return MISSING if v is None else str(v).lower()
+    if isinstance(v, (int, float)):
+        words = key.lower().split("_")
+        for word, fmt in _KEY_UNITS:
+            if word in words:
+                return fmt(v)
+        if isinstance(v, float) and not v.is_integer():
+            return f"{v:,.4f}".rstrip("0").rstrip(".") if abs(v) < 1e4 else f"{v:,.0f}"
+        return f"{int(v):,}"
+    if isinstance(v, (list, tuple)):
+        s = ", ".join(str(x) for x in v[:max_items])
+        return s + (f" … (+{len(v) - max_items})" if len(v) > max_items else "")
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())
+    return str(v)

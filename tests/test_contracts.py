@@ -140,7 +140,9 @@ def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
     assert header_facts(run_facts(run))[:2] == ["2 ranks", f"{facts['units']} FSDP units"]
     traces = load_run(sample_run_path / "profiler")
     bare = msgspec.to_builtins(run_facts(traces))
-    assert "backend" not in bare and "capacity_bytes" not in bare and bare["trace_files"] >= 1
+    # plain traces: the facts their own metadata gives (distributedInfo), none that only a config record has
+    assert bare["backend"] == "gloo" and bare["facts_source"] == "trace metadata"
+    assert "capacity_bytes" not in bare and "optimizer" not in bare and bare["trace_files"] >= 1
     assert header_facts(RunFacts(world_size=2, backend="gloo")) == ["2 ranks", "gloo"]  # facts without a config
 
 

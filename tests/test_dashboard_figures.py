@@ -650,7 +650,8 @@ def test_verdict_bar_known_answers():
     assert rows[1] == ("1", "communication", "4.00 ms", "12.5", "50.0", "50.0", "0.0", "0.0", "0.0", "37.5", "0.0", "0.0")
     assert rows[2] == ("job", "communication", "", "36.1", "41.7", "33.3", "5.6", "2.8", "0.0", "22.2", "0.0", "0.0")
     assert verdict_headline(v) == ("Verdict: communication-bound (42% of the step: exposed all-gather (forward) 33%, "
-                                   "exposed all-gather (backward) 6%, exposed reduce-scatter 3%); then compute 33%, "  # the compute part alone
+                                   "exposed all-gather (backward) 6%, exposed reduce-scatter 3%); then compute 36% "
+                                   "(compute 33%, other device work (memset, D2D) 3%), "  # groups compared as wholes
                                    "host-bound (GPU waits for launches) 22%")
     assert verdict_headline(v, 1) == f"Verdict, rank 1: {v.per_rank['1'].summary}"
     # a rank selected: that rank and the job; more ranks than shown: the title counts them

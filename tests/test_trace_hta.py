@@ -1,7 +1,6 @@
 """Our overlap against Holistic Trace Analysis 0.5.0's figures on real GPU traces (../shared)."""
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 reference traces (checked against HTA 0.5.0's own figures)."""
 
 import json
-from pathlib import Path
 
 import pytest
 from msgspec.structs import asdict
@@ -15,7 +14,7 @@ from fsdp_doctor.trace import analyze_traces, breakdown, build_window, find_trac
 from conftest import HTA_TRACES as HTA_DIR  # noqa: E402
 EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
 PARTS = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm", "offload", "other_gpu",
-         "host", "input", "idle")
+         "host", "sync", "input", "idle")
 
 
 def _analyze(tmp_path, builders):
@@ -140,6 +139,17 @@ def test_one_list_of_breakdown_parts():
     assert sorted(k for ks in GROUPS.values() for k in ks) == sorted(PARTS)
 
 
+def test_step_start_times_are_the_steps_own(recorded_run):
+    """Each recorded step starts where it starts: its start plus its wall time never runs past the next step's start,
+    the step that exported the profiler window (step 8) included (its start used to be stamped after the export,
+    which its wall time counts, so TensorBoard drew it after step 9)."""
+    run, _, _ = recorded_run
+    for rd in run.ranks.values():
+        steps = sorted(rd.steps, key=lambda s: s.step)
+        for a, b in zip(steps, steps[1:]):
+            assert a.start_ns + a.wall_ms * 1e6 <= b.start_ns + 2e6, (a.step, a.start_ns, a.wall_ms, b.start_ns)
+
+
 def test_verdict_from_records_of_a_real_run(recorded_run):
     """The recorded 2-rank gloo run has one profiler window (its trace gives ranks a trace verdict); without
     the trace, the step records give one: its parts add up to the step and its input share is the recorded
@@ -184,7 +194,7 @@ def test_breakdown_over_htas_window_matches_htas_figures(folder, expected):
         d = breakdown(w, window=(float(busy[0][0]), float(busy[1][-1])))
         hta = expected["temporal_breakdown"][str(w.rank)]
         assert d["compute"] == pytest.approx(hta["compute_time(us)"], abs=1e-6)
-        assert d["host"] + d["input"] + d["idle"] == pytest.approx(hta["idle_time(us)"], abs=1e-6)
+        assert d["host"] + d["sync"] + d["input"] + d["idle"] == pytest.approx(hta["idle_time(us)"], abs=1e-6)
         comm = sum(d[k] for k in ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"))
         assert comm + d["offload"] + d["other_gpu"] == pytest.approx(hta["non_compute_time(us)"], abs=1e-6)
         pct = expected["comm_comp_overlap_pct"][str(w.rank)]
@@ -205,3 +215,21 @@ def test_verdict_on_reference_traces_is_sensible(tmp_path):
     for folder in ("a100_sendrecv_2rank", "a100_rank3_of_8", "cpu_only_gloo", "amd_mi250"):
         for rv in verdict(analyze_traces(HTA_DIR / folder)).per_rank.values():
             assert sum(rv.groups_pct.values()) == pytest.approx(100, abs=0.05)
+
+
+def test_host_in_a_device_sync_is_named_as_such(tmp_path):
+    """The GPU idle while the host sits in cudaDeviceSynchronize (after the step's last FSDP label, so outside the
+    model) is ``sync``, not input: in step 1 the host syncs over [985, 999) while the device is idle from 990 (its
+    last kernel ends) to 1000 (the next step's first kernel): 9 µs move from input to sync, the rest unchanged."""
+    plain = gpu_known_trace()
+    synced = gpu_known_trace()
+    synced.x("cudaDeviceSynchronize", 985.0, 14.0, cat="cuda_runtime")
+    plain.write(tmp_path / "plain.json")
+    synced.write(tmp_path / "synced.json")
+    a, b = breakdown(build_window(tmp_path / "plain.json")), breakdown(build_window(tmp_path / "synced.json"))
+    assert a["sync"] == 0.0 and b["sync"] == pytest.approx(9.0)
+    assert b["input"] == pytest.approx(a["input"] - 9.0)
+    assert all(b[k] == pytest.approx(a[k]) for k in PARTS if k not in ("sync", "input"))
+    v = verdict(analyze_traces(tmp_path / "synced.json")).per_rank["0"]
+    assert v.shares_pct["sync"] == pytest.approx(100 * 9.0 / b["window_us"], abs=0.01)
+    assert v.groups_pct["host"] == pytest.approx(v.shares_pct["host"] + v.shares_pct["sync"], abs=0.011)

@@ -27,6 +27,14 @@ def run_facts(run: Run) -> RunFacts:
             tokens_per_step=cfg.tokens_per_step)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
+    elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)
+        from ..trace.meta import meta_facts
+
+        meta = meta_facts(run.trace_files)
+        if meta:
+            facts = msgspec.structs.replace(facts, **meta, facts_source="trace metadata")
+            if "device_name" in meta:
+                facts.device = "cuda"
     errs = [SteppedAside(rank=e.rank, where=e.where, message=e.message, step=e.step)
             for rd in run.ranks.values() for e in rd.errors]
     if errs:

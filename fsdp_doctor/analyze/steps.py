@@ -1,9 +1,11 @@
-"""Step time, jitter, outliers and stragglers: plain functions over the recorded steps of a Run."""
+"""Step time, jitter, outliers and stragglers: plain functions over the recorded steps of a Run (and, for a run
+known only from its traces, over the complete profiler steps)."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Optional
 
 from ..records import StepRecord
 from ..report_sections import Outlier, StepsSection, StepStats, Straggler
@@ -38,30 +40,40 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def step_stats(steps: list[StepRecord]) -> StepStats:
-    """Step-time statistics of ``steps`` (ms); only ``count`` (0) and the percentiles (None) without any."""
-    xs = [s.wall_ms for s in steps]
+def wall_stats(xs: list[float]) -> StepStats:
+    """Statistics of step wall times ``xs`` (ms): count, percentiles, max, mean, cv, total."""
     if not xs:
         return StepStats()
     mean = statistics.fmean(xs)
     sd = statistics.pstdev(xs) if len(xs) > 1 else 0.0
+    return StepStats(count=len(xs), p50_ms=round(percentile(xs, 50), 3), p90_ms=round(percentile(xs, 90), 3),
+                     p99_ms=round(percentile(xs, 99), 3), max_ms=round(max(xs), 3), mean_ms=round(mean, 3),
+                     cv=round(sd / mean, 4) if mean > 0 else None, wall_ms_total=round(sum(xs), 3))
 
-    def med(key):
-        return round(statistics.median([getattr(s, key) for s in steps]), 3)
 
-    return StepStats(
-        count=len(xs),
-        p50_ms=round(percentile(xs, 50), 3),
-        p90_ms=round(percentile(xs, 90), 3),
-        p99_ms=round(percentile(xs, 99), 3),
-        max_ms=round(max(xs), 3),
-        mean_ms=round(mean, 3),
-        cv=round(sd / mean, 4) if mean > 0 else None,
-        phases_p50_ms={k: med(k + "_ms") for k in ("forward", "backward", "optimizer", "outside", "gc")},
-        gc_ms_total=round(sum(s.gc_ms for s in steps), 3),
-        gc_count_total=sum(s.gc_count for s in steps),
-        wall_ms_total=round(sum(xs), 3),
-    )
+def step_stats(steps: list[StepRecord]) -> StepStats:
+    """Step-time statistics of ``steps`` (ms); only ``count`` (0) and the percentiles (None) without any."""
+    out = wall_stats([s.wall_ms for s in steps])
+    if steps:
+        out.phases_p50_ms = {k: round(statistics.median([getattr(s, k + "_ms") for s in steps]), 3)
+                             for k in ("forward", "backward", "optimizer", "outside", "gc")}
+        out.gc_ms_total = round(sum(s.gc_ms for s in steps), 3)
+        out.gc_count_total = sum(s.gc_count for s in steps)
+    return out
+
+
+def trace_steps(overlap) -> Optional[StepsSection]:
+    """The steps section of a run known only from its traces: per rank, the wall times of the complete
+    ``ProfilerStep``s (``OverlapRank.step_times_ms``; no phase split, no outliers: those need records); None
+    without any complete step."""
+    per = {r: list(pr.step_times_ms.values()) for r, pr in (overlap.per_rank if overlap is not None else {}).items()
+           if pr.step_times_ms}
+    if not per:
+        return None
+    per_rank = {r: wall_stats(xs) for r, xs in sorted(per.items(), key=lambda kv: int(kv[0]))}
+    for r, st in per_rank.items():
+        st.recorded, st.excluded = st.count, 0
+    return StepsSection(per_rank=per_rank, job=wall_stats([x for xs in per.values() for x in xs]))
 
 
 def collective_wait_ms(s: StepRecord) -> float:

@@ -28,7 +28,7 @@ from .steps import usable_steps
 GROUPS: dict[str, tuple[str, ...]] = {
     "communication": COMM_PARTS,
     "compute": ("compute", "other_gpu"),
-    "host": ("host",),
+    "host": ("host", "sync"),
     "input": ("input",),
     "offload": ("offload",),
     "idle": ("idle",),
@@ -43,6 +43,7 @@ PART_LABELS = {
     "offload": "offload copies (H2D/D2H)",
     "other_gpu": "other device work (memset, D2D)",
     "host": "host-bound (GPU waits for launches)",
+    "sync": "host in device syncs (cudaDeviceSynchronize, .item())",
     "input": "input / outside the model",
     "idle": "idle (launched work waiting)",
 }
@@ -99,10 +100,10 @@ def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, flo
         if parts.window_us <= 0:
             continue
         pr = overlap.per_rank.get(r)
-        n = (pr.step_count if pr is not None else 0) or 1
+        n = (pr.step_count or len(pr.steps) if pr is not None else 0) or 1
         dev = (pr.device if pr is not None else "") or "gpu"
-        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev,
-                       pr.step_ms if pr is not None else None)
+        step_ms = pr.step_ms if pr is not None and pr.step_ms is not None else parts.window_us / n / 1e3
+        out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev, step_ms)
     return out
 
 

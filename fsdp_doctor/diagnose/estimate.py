@@ -206,8 +206,12 @@ def steps_in_windows(ctx: Context, rank) -> int:
 
 
 def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]:
-    """The trace's per-unit collective rows (of one collective, or all), with their figures per step."""
-    return [r for r in overlap(ctx).per_unit if collective is None or r.collective == collective]
+    """The trace's per-unit collective rows (of one collective, or all), with their figures per step (filled by
+    the trace engine's definition where a section was written without them)."""
+    from ..trace.analysis import per_step_row
+
+    return [r if r.steps is not None else per_step_row(msgspec.structs.replace(r), steps_in_windows(ctx, r.rank))
+            for r in overlap(ctx).per_unit if collective is None or r.collective == collective]
 
 
 # the trace engine's label for collectives no FSDP unit issued (optimizer step, gradient clipping, metrics)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..report_sections import (CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
                                Straggler, ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
-                     printable, unit_label)
+                     fmt_value, printable, unit_label)
 
 
 def printable_report(report: Report) -> Report:
@@ -62,31 +62,6 @@ def fmt_unit_figures(u: UnitRow) -> tuple[str, str, str, str]:
             UNKNOWN if raf is None else str(raf).lower())
 
 
-def fmt_value(key: str, v, max_items: int = 8) -> str:
-    """An evidence value formatted by the unit its key names (``_bytes``, ``_ms``, ``_us``, ``_pct``,
-    ``_gbps``); lists are shortened, dicts formatted item by item. Shared by every presenter."""
-    if isinstance(v, bool) or v is None:
-        return MISSING if v is None else str(v).lower()
-    if isinstance(v, (int, float)):
-        if key.endswith("_bytes") or key == "bytes":
-            return fmt_bytes(v)
-        if key.endswith("_ms") or "_ms_" in key:
-            return fmt_ms(v)
-        if key.endswith("_us"):
-            return fmt_ms(v / 1e3)
-        if key.endswith("_pct"):
-            return f"{v:.1f}%"
-        if key.endswith("_gbps"):
-            return fmt_bw(v)
-        return f"{v:,.4g}" if isinstance(v, float) else f"{v:,}"
-    if isinstance(v, (list, tuple)):
-        s = ", ".join(str(x) for x in v[:max_items])
-        return s + (f" … (+{len(v) - max_items})" if len(v) > max_items else "")
-    if isinstance(v, dict):
-        return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())
-    return str(v)
-
-
 def run_facts(run: RunFacts) -> list[str]:
     """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions
     (``run``: ``report.run``)."""
@@ -103,6 +78,13 @@ def run_facts(run: RunFacts) -> list[str]:
     for v in (r.backend, r.device_name, r.torch_version, r.optimizer):
         if v:
             facts.append(str(v))
+    if r.nccl_version:
+        facts.append(f"NCCL {r.nccl_version}")
+    if r.trace_ranks and len(r.trace_ranks) != (r.world_size or 0):
+        facts.append(f"traces of rank{'s' if len(r.trace_ranks) > 1 else ''} "
+                     f"{', '.join(map(str, r.trace_ranks[:8]))}{' …' if len(r.trace_ranks) > 8 else ''}")
+    if r.facts_source:
+        facts.append(f"read from the {r.facts_source}")
     return facts
 
 
@@ -165,7 +147,7 @@ VERDICT_PARTS: dict[str, tuple[str, ...]] = {
     "compute": ("compute", "other_gpu"),
     "comm": ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"),
     "AG fwd": ("allgather_fwd",), "AG bwd": ("allgather_bwd",), "RS": ("reducescatter",),
-    "other comm": ("other_comm",), "offload": ("offload",), "host": ("host",), "input": ("input",), "idle": ("idle",),
+    "other comm": ("other_comm",), "offload": ("offload",), "host": ("host", "sync"), "input": ("input",), "idle": ("idle",),
 }
 VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k != "other comm")  # the table's share columns
 VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's segments (they add up to 100%)

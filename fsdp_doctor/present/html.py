@@ -128,23 +128,26 @@ def _findings(findings: list[Finding]) -> str:
 
 
 def _overlap_ranks_table(overlap: OverlapSection) -> str:
+    """Per rank, per complete profiled step (the report's ``OverlapRank.*_per_step``, as the terminal)."""
     rows = "".join(
-        f"<tr><td>{_esc(r)}</td><td>{fmt_ms(v.comm_us / 1e3)}</td>"
-        f"<td>{fmt_ms(v.exposed_us / 1e3)}</td><td>{fmt_pct(v.overlap_pct)}</td></tr>"
+        f"<tr><td>{_esc(r)}</td><td>{fmt_ms(v.step_ms)}</td><td>{fmt_ms(v.comm_ms_per_step)}</td>"
+        f"<td>{fmt_ms(v.exposed_ms_per_step)}</td><td>{fmt_pct(v.overlap_pct)}</td></tr>"
         for r, v in sorted(overlap.per_rank.items()))
-    return f"<table><tr><th>rank</th><th>communication</th><th>exposed</th><th>overlap</th></tr>{rows}</table>"
+    return ("<table><tr><th>rank</th><th>step</th><th>communication / step</th><th>exposed / step</th>"
+            f"<th>overlap</th></tr>{rows}</table>")
 
 
 def _comm_units_table(per_unit: list[CommUnitRow], top: int = 15) -> str:
     """The per-unit collectives, worst exposure first: the terminal's table, same formatters."""
     if not per_unit:
         return ""
-    head = ("<tr><th>rank</th><th>unit</th><th>collective</th><th>phase</th><th>calls</th><th>time</th>"
-            "<th>exposed</th><th>bytes / call</th><th>bus BW</th><th>slack</th></tr>")
+    head = ("<tr><th>rank</th><th>unit</th><th>collective</th><th>phase</th><th>calls / step</th><th>time / step</th>"
+            "<th>exposed / step</th><th>bytes / call</th><th>bus BW</th><th>slack</th></tr>")
     rows = "".join(
         "<tr>" + "".join(f"<td>{_esc(x)}</td>" for x in (
-            r.rank, unit_label(r.unit), r.collective, r.phase or "—", r.count,
-            fmt_us(r.comm_us), fmt_us(r.exposed_us), fmt_bytes(r.bytes_per_call),
+            r.rank, unit_label(r.unit), r.collective, r.phase or "—",
+            "—" if r.count_per_step is None else f"{r.count_per_step:.3g}",
+            fmt_ms(r.comm_ms_per_step), fmt_ms(r.exposed_ms_per_step), fmt_bytes(r.bytes_per_call),
             fmt_bw(r.busbw_gbps), fmt_us(r.slack_us, signed=True))) + "</tr>"
         for r in per_unit[:top])
     more = f"<p class='note'>top {top} of {len(per_unit)}</p>" if len(per_unit) > top else ""

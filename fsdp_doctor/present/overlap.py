@@ -7,7 +7,7 @@ from rich.text import Text
 
 from ..report_sections import Blocking, CommUnitRow, OverlapSection
 from .fit import Col, fitted_table
-from .fmt import fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit_labels  # one convention, see fmt.py
+from .fmt import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit_labels  # one convention: fmt.py
 
 TOP_UNITS = 15
 _COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
@@ -53,7 +53,8 @@ def _unit_table(rows: list[CommUnitRow], top: int, width: int):
             op += " " + _PHASE.get(r.phase, r.phase[:3])
         exposed_frac = r.exposed_us / r.comm_us if r.comm_us else 0.0
         out.append((
-            str(r.rank), labels[r.unit], op, f"{r.count_per_step:.3g}", fmt_ms(r.comm_ms_per_step),
+            str(r.rank), labels[r.unit], op, MISSING if r.count_per_step is None else f"{r.count_per_step:.3g}",
+            fmt_ms(r.comm_ms_per_step),
             Text(fmt_ms(r.exposed_ms_per_step), style="red" if exposed_frac > 0.5 else ""),
             fmt_bytes(r.bytes_per_call), fmt_bw(r.busbw_gbps),
             Text(fmt_us(r.slack_us, signed=True), style="red" if r.slack_us is not None and r.slack_us < 0 else ""),

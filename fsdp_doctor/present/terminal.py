@@ -60,12 +60,16 @@ def render_steps(section: StepsSection, width: int = 100):
         if not st.count:
             rows.append((r, f"{st.recorded or 0}", *["—"] * 10))
             continue
-        ph = st.phases_p50_ms  # phase -> ms
+        ph = st.phases_p50_ms or {}  # phase -> ms (none from a trace's ProfilerSteps)
         rows.append((r, str(st.count), *(_num(v) for v in (st.p50_ms, st.p90_ms, st.p99_ms, st.max_ms)),
                      f"{100 * st.cv:.1f}%" if st.cv is not None else "—",
-                     *(_num(ph[k]) for k in ("forward", "backward", "optimizer", "outside", "gc"))))
-    items = [fitted_table("Step time per rank, ms (steady state: first step and profiled steps excluded)", cols,
-                          rows, width)]
+                     *(_num(ph.get(k)) for k in ("forward", "backward", "optimizer", "outside", "gc"))))
+    traced = bool(sec.per_rank) and all(not st.phases_p50_ms for st in sec.per_rank.values())
+    title = ("Step time per rank, ms (the traces' complete profiler steps; the phase split needs records)" if traced
+             else "Step time per rank, ms (steady state: first step and profiled steps excluded)")
+    if traced:  # no phase split from a trace: those columns would only hold dashes
+        cols, rows = cols[:7], [r[:7] for r in rows]
+    items = [fitted_table(title, cols, rows, width)]
     outs = sec.outliers
     if outs:
         o = fitted_table(f"Outlier steps ({len(outs)}, worst first)",
@@ -187,8 +191,8 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
     if head:
         console.print(Text(head, style="bold"))
     console.print(findings_summary(report.findings))
-    if report.steps is not None:
-        console.print(render_steps(report.steps, w))
+    if report.steps is not None or report.trace_steps is not None:
+        console.print(render_steps(report.steps or report.trace_steps, w))
     if report.throughput is not None:
         console.print(render_throughput(report.throughput, w))
     if report.units:

@@ -91,7 +91,9 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
     in this order: ``compute`` (a compute kernel runs / the main thread runs an operator); exposed
     communication (``allgather_fwd``, ``allgather_bwd``, ``reducescatter``, ``other_comm``); ``offload``
     (Memcpy HtoD/DtoH alone on the device); ``other_gpu`` (memsets, device-to-device copies alone). Where
-    the device is idle: ``host`` (the next device work was not launched yet and the host was inside the
+    the device is idle: ``sync`` (the next device work was not launched yet because the host sat in a device sync:
+    ``cudaDeviceSynchronize``, ``cudaStreamSynchronize``, ``aten::item``...), ``host`` (the next device work was
+    not launched yet and the host was inside the
     model: launch/framework overhead; on CPU, main-thread time between operators), ``input`` (the same while
     the host was outside the model: data loading, the user's code), ``idle`` (launched work waiting:
     synchronisation, launch latency). The parts add up to ``window_us``."""
@@ -127,9 +129,12 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
         busy = _clip(win.gpu_busy, w0, w1)
         free = iv.subtract(full, busy)
         waiting = iv.intersect(free, win.host_wait) if win.host_wait[0].size else iv.EMPTY
-        outside = iv.intersect(waiting, win.outside) if win.outside[0].size else iv.EMPTY
+        sync = iv.intersect(waiting, win.sync) if win.sync[0].size and waiting[0].size else iv.EMPTY
+        out["sync"] = iv.measure(sync)
+        rest = iv.subtract(waiting, sync) if sync[0].size else waiting
+        outside = iv.intersect(rest, win.outside) if win.outside[0].size else iv.EMPTY
         out["input"] = iv.measure(outside)
-        out["host"] = iv.measure(waiting) - out["input"]
+        out["host"] = iv.measure(rest) - out["input"]
         out["idle"] = iv.measure(free) - iv.measure(waiting)
     else:
         free = iv.subtract(full, taken)
@@ -194,8 +199,29 @@ def _per_step(pr: OverlapRank, bd: Optional[dict]) -> None:
     pr.step_overlap_pct = 100.0 * (bd["comm_us"] - exposed) / bd["comm_us"] if bd["comm_us"] > 0 else None
 
 
-def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1) -> list[CommUnitRow]:
-    """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps``."""
+def row_time_in_steps(win: WindowTrace) -> dict:
+    """Per (unit, collective, phase) of the window's calls: the union of those calls inside the complete steps
+    (µs) and the part of it during which no compute ran. Unions, not sums: calls of one row that run at once
+    (gloo's threads, several NCCL streams) count once, so a row's time per step never exceeds the step."""
+    if win.window is None or not win.calls:
+        return {}
+    w0, w1 = win.window
+    by: dict = defaultdict(lambda: ([], []))
+    for c in win.calls:
+        s, e = by[(c.unit, c.collective, c.phase)]
+        s.append(c.start)
+        e.append(c.end)
+    out = {}
+    for key, (s, e) in by.items():
+        u = _clip(iv.union(s, e), w0, w1)
+        out[key] = (iv.measure(u), iv.measure(iv.subtract(u, win.compute)) if u[0].size else 0.0)
+    return out
+
+
+def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1,
+              in_steps: Optional[dict] = None) -> list[CommUnitRow]:
+    """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps`` the
+    row's time inside the complete steps (``in_steps``, see :func:`row_time_in_steps`; without it, its sums)."""
     groups: dict = defaultdict(list)
     for c, exp in calls:
         groups[(c.unit, c.collective, c.phase)].append((c, exp))
@@ -211,16 +237,24 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int =
         if bytes_per_call is not None and f is not None and comm > 0:
             busbw = bytes_per_call * len(items) * f / comm / 1e3  # bytes/µs → GB/s
         slacks = [c.need - c.end for c, _ in items if c.need is not None]
-        exposed = float(sum(exp for _, exp in items))
-        rows.append(CommUnitRow(
+        rows.append(per_step_row(CommUnitRow(
             rank=rank, unit=unit, collective=coll, phase=phase, count=len(items), comm_us=comm,
-            exposed_us=exposed, bytes_per_call=bytes_per_call, busbw_gbps=busbw, steps=steps,
-            count_per_step=len(items) / steps, comm_ms_per_step=comm / steps / 1e3,
-            exposed_ms_per_step=exposed / steps / 1e3,
+            exposed_us=float(sum(exp for _, exp in items)), bytes_per_call=bytes_per_call, busbw_gbps=busbw,
             slack_us=float(np.mean(slacks)) if slacks else None,
             held_us=float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
-            dtype=items[0][0].dtype))
+            dtype=items[0][0].dtype), steps, (in_steps or {}).get((unit, coll, phase))))
     return rows
+
+
+def per_step_row(row: CommUnitRow, steps: int, in_steps: Optional[tuple[float, float]] = None) -> CommUnitRow:
+    """``row`` with its figures per complete step: calls, and communication and exposed ms (the row's time inside
+    the complete steps, ``in_steps`` = (comm µs, exposed µs); without it its sums) divided by ``steps`` (the
+    rank's complete profiled steps, at least 1). The one definition of a unit row's per-step figures."""
+    n = max(1, int(steps))
+    comm, exposed = in_steps if in_steps is not None else (row.comm_us, row.exposed_us)
+    row.steps, row.count_per_step = n, row.count / n
+    row.comm_ms_per_step, row.exposed_ms_per_step = comm / n / 1e3, exposed / n / 1e3
+    return row
 
 
 # ---------------------------------------------------------------- top level
@@ -248,10 +282,11 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     per_rank: dict[str, OverlapRank] = {}
     sums: dict[str, dict[str, dict]] = {"copies": {}, "idle": {}, "blocking": {}, "breakdown": {}}
     calls: dict = defaultdict(list)
+    in_steps: dict = defaultdict(dict)  # rank -> (unit, collective, phase) -> [comm µs, exposed µs] in the steps
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
-        pr = per_rank.setdefault(k, OverlapRank(device=w.device))
+        pr = per_rank.setdefault(k, OverlapRank(device=w.device, step_times_ms={}))
         pr.comm_calls += len(w.calls)
         pr.comm_calls_on_compute_stream += sum(1 for c in w.calls if c.on_compute_stream)
         pr.comm_us += o["comm_us"]
@@ -259,6 +294,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.exposed_us += o["exposed_us"]
         pr.steps = sorted(set(pr.steps) | set(w.steps))
         pr.step_count += len(w.steps)
+        pr.step_times_ms.update({str(n): us / 1e3 for n, us in w.step_us.items()})
         if w.device == "gpu":
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
@@ -266,13 +302,18 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         if w.kernels:
             _sum_into(sums.setdefault("kernels", {}), k, w.kernels)
         calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
+        for key, (comm, exp) in row_time_in_steps(w).items():
+            acc = in_steps[w.rank].setdefault(key, [0.0, 0.0])
+            acc[0] += comm
+            acc[1] += exp
     for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
         _per_step(pr, sums["breakdown"].get(k))
     rows = []
     for rank in sorted(calls):
-        rows.extend(unit_rows(rank, calls[rank], steps=max(1, per_rank[str(rank)].step_count)))
+        rows.extend(unit_rows(rank, calls[rank], steps=max(1, per_rank[str(rank)].step_count),
+                              in_steps=in_steps[rank]))
     rows.sort(key=lambda r: (-r.exposed_us, r.rank, r.unit, r.collective, str(r.phase)))
 
     def typed(cls, name):

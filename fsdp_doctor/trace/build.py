@@ -160,7 +160,12 @@ def _stream_id(args) -> int:
         return -1
 
 
-_SPECIAL_FIRST = frozenset("FPeO")  # first letters of the special names: a cheap test before startswith
+_SPECIAL_FIRST = frozenset("FPeOcha")  # first letters of the special names: a cheap test before startswith
+# host calls that wait for the device: time the host spends in them while the device is idle is a device sync,
+# not input or launch overhead (the verdict's ``sync`` part)
+SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+                        "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize",
+                        "aten::item", "aten::_local_scalar_dense"})
 
 
 @contextmanager
@@ -197,6 +202,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     gpu = _DeviceEvents()
     launches = _Launches()
     special: list[Event] = []
+    syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
@@ -261,10 +267,14 @@ def _build_window(path: Path, trace) -> WindowTrace:
                     l_ts(ts)
                     l_thread(th)
             n = e.name
-            if n[:1] in first and (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
-                    n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
-                    or n.startswith(OPTIMIZER_PREFIX)):
-                special_append(e)
+            if n[:1] in first:
+                if n in SYNC_NAMES:
+                    if e.ts is not None and e.dur is not None:
+                        syncs.append((e.ts, e.dur))
+                elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
+                        n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
+                        or n.startswith(OPTIMIZER_PREFIX)):
+                    special_append(e)
     if not n_events:
         raise TraceError('no events ("traceEvents" is empty)')
     # (after the events: a streamed trace knows its top-level fields once read)
@@ -315,9 +325,13 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.names else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3)
+    ends = [steps[n] for n in kept_steps[1:]] + [cutoff if cutoff != math.inf else step_end[n] for n in kept_steps[-1:]]
+    win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
     _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
+    win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
+                        [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
     if gpu.names:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)

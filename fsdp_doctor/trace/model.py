@@ -42,6 +42,7 @@ class WindowTrace:
     device: str  # "gpu" | "cpu"
     world_size: Optional[int]
     steps: list[int]  # complete steps analysed
+    step_us: dict = field(default_factory=dict)  # complete step -> its wall time (its start to the next step's)
     comm: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of communication
     compute: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of compute
     h2d: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of Memcpy HtoD
@@ -55,6 +56,7 @@ class WindowTrace:
     other_dev: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # memset, D2D copies, syncs
     host_wait: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # GPU idle, next work not yet launched
     outside: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host time outside the model
+    sync: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # host inside a device sync (SYNC_NAMES)
     model_delimited: bool = False  # FSDP labels marked where the model runs
     # the file's identity, for telling ranks and jobs apart (trace.admit)
     rank_known: bool = True  # the rank came from distributedInfo or the file name (else read as 0)

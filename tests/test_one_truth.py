@@ -1,0 +1,250 @@
+"""One truth per figure, in every view, on real traces: the recorded gloo sample, real GPU traces (HTA's reference
+set, read from ../shared when present), a gloo reference trace, and an 8-rank known-answer GPU trace set with Hugging
+Face-style unit names. Exposed communication is per step (never a window sum), never longer than the step, equal to
+the verdict's communication share of that step; no share over 100%; the verdict names its runner-up by group; and
+the terminal (80, 100 and 200 columns), the JSON, the HTML, the dashboard's overview and the TensorBoard scalars show
+the same figures. The terminal fits its width: no line wider, no number cut, the findings' headlines on the first
+screen, fixes printed as plain code."""
+
+from __future__ import annotations
+
+import html as htmllib
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from conftest import HTA_TRACES, SAMPLE_RUN
+from fsdp_doctor.pipeline import build_report
+from fsdp_doctor.present.fmt import comm_headline, fmt_ms, short_unit_labels, verdict_headline
+from fsdp_doctor.present.terminal import render_report
+from fsdp_doctor.report_sections import Report
+from fsdp_doctor.store import load_run
+from trace_fixtures import gpu_known_trace
+
+HTA_CASES = ("a100_rank3_of_8", "a100_sendrecv_2rank", "v100_rank1_of_2", "cpu_only_gloo")
+WIDTHS = (80, 100, 200)
+
+
+def _hf_gpu_folder(root: Path, ranks: int = 8) -> Path:
+    """``ranks`` known-answer GPU traces whose units carry Hugging Face names (``model.layers.N``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(ranks):
+        b = gpu_known_trace(rank=k)
+        for e in b.events:
+            if "layers." in e["name"]:
+                e["name"] = e["name"].replace("layers.", "model.layers.")
+        b.write(root / f"rank{k}.json")
+    return root
+
+
+def _cases():
+    out = [pytest.param("sample", id="sample"), pytest.param("hf8", id="known-gpu-8-ranks-hf-names")]
+    for name in HTA_CASES:
+        out.append(pytest.param(name, id=name, marks=pytest.mark.skipif(not (HTA_TRACES / name).is_dir(),
+                                                                         reason="reference traces not found")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            if name == "sample":
+                path = SAMPLE_RUN
+            elif name == "hf8":
+                path = _hf_gpu_folder(tmp_path_factory.mktemp("hf8"))
+            else:
+                path = HTA_TRACES / name
+            cache[name] = (path, build_report(load_run(path)))
+        return cache[name]
+
+    return get
+
+
+def _terminal(report: Report, width: int) -> str:
+    c = Console(width=width, record=True, color_system=None, file=open("/dev/null", "w"))
+    render_report(report, c)
+    return c.export_text()
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", _cases())
+def test_one_definition_per_figure(reports, name):
+    """Per rank: exposed ≤ communication ≤ step, all per complete step; the verdict's step is the trace's step and
+    its communication share of it is the exposed figure; report.comm is the median over ranks of those figures; no
+    share over 100%; the runner-up named is the second group (communication's parts added up)."""
+    _, rep = reports(name)
+    ov, v = rep.overlap, rep.verdict
+    assert ov is not None and v is not None and rep.comm is not None
+    exposed = {}
+    for r, pr in ov.per_rank.items():
+        assert pr.step_count >= 1 and pr.step_ms > 0
+        assert 0 <= pr.exposed_ms_per_step <= pr.comm_ms_per_step + 1e-9 <= pr.step_ms + 1e-9, (r, pr)
+        assert pr.hidden_ms_per_step == pytest.approx(pr.comm_ms_per_step - pr.exposed_ms_per_step, abs=1e-9)
+        for pct in (pr.overlap_pct, pr.step_overlap_pct):
+            assert pct is None or 0 <= pct <= 100
+        ve = v.per_rank[r]
+        assert ve.step_ms == pytest.approx(pr.step_ms, abs=1e-3)
+        # the verdict's shares are rounded to 0.01 point of the step
+        assert ve.groups_pct["communication"] / 100 * pr.step_ms == pytest.approx(pr.exposed_ms_per_step,
+                                                                                 abs=1e-4 * pr.step_ms + 1e-6)
+        exposed[r] = pr.exposed_ms_per_step
+        for row in (u for u in ov.per_unit if str(u.rank) == r):  # a row's calls as a union inside the steps
+            assert row.steps == pr.step_count
+            assert row.exposed_ms_per_step <= row.comm_ms_per_step + 1e-9 <= pr.comm_ms_per_step + 2e-9
+            assert row.exposed_ms_per_step <= pr.exposed_ms_per_step + 1e-9
+    # a run known only from its traces: its step times are the complete ProfilerSteps, which add up to the window
+    if rep.steps is None:
+        for r, pr in ov.per_rank.items():
+            st = rep.trace_steps.per_rank[r]
+            assert st.count == pr.step_count and st.mean_ms == pytest.approx(pr.step_ms, abs=1e-3)
+    else:
+        assert rep.trace_steps is None  # the records' steps are the steps
+    assert rep.comm.source == "trace"
+    assert rep.comm.exposed_ms_per_step == pytest.approx(statistics.median(exposed.values()), abs=1e-3)
+    for entry in (v.job, *v.per_rank.values()):
+        assert all(0 <= x <= 100 for x in (*entry.shares_pct.values(), *entry.groups_pct.values()))
+        assert sum(entry.groups_pct.values()) == pytest.approx(100, abs=0.05)
+        ranked = sorted(entry.groups_pct.values(), reverse=True)
+        if "; then " in entry.summary and ranked[1] >= 0.5:
+            first = re.search(r"(\d+)%", entry.summary.split("; then ", 1)[1]).group(1)
+            assert int(first) == round(ranked[1]), entry.summary
+
+
+@pytest.mark.parametrize("name", _cases())
+def test_every_view_shows_the_same_figures(reports, name, tmp_path):
+    """Terminal, JSON, HTML, the dashboard's overview and the TensorBoard scalars: the same exposed communication,
+    verdict sentence, per-rank step and per-step communication."""
+    from fsdp_doctor.present.html import write_html
+    from fsdp_doctor.tensorboard_scalars import overlap_scalars
+
+    path, rep = reports(name)
+    head, vhead = comm_headline(rep.comm), verdict_headline(rep.verdict)
+    # JSON: the same report back
+    back = Report.of(json.loads(json.dumps(rep.to_builtins())))
+    assert back.comm == rep.comm and back.verdict == rep.verdict and back.overlap.per_rank == rep.overlap.per_rank
+    # terminal
+    term = _flat(_terminal(rep, 100))
+    assert _flat(head) in term and _flat(vhead) in term
+    wide = _terminal(rep, 200)
+    if rep.trace_steps is not None:
+        assert "Step time per rank, ms (the traces' complete profiler steps" in _flat(wide)
+        from fsdp_doctor.present.terminal import _num
+
+        for r, st in rep.trace_steps.per_rank.items():
+            assert any(ln.split()[:3] == [r, str(st.count), _num(st.p50_ms)] for ln in wide.splitlines()), r
+    for r, pr in rep.overlap.per_rank.items():
+        row = next(ln for ln in wide.splitlines() if ln.split()[:2] == [r, pr.device])
+        for x in (pr.step_ms, pr.comm_ms_per_step, pr.exposed_ms_per_step):
+            assert fmt_ms(x) in row, (r, row)
+    # HTML
+    out = write_html(rep, tmp_path / "r.html")
+    text = htmllib.unescape(out.read_text())
+    assert head in text and vhead in text
+    for r, pr in rep.overlap.per_rank.items():
+        assert f"<td>{r}</td><td>{fmt_ms(pr.step_ms)}</td><td>{fmt_ms(pr.comm_ms_per_step)}</td>" \
+               f"<td>{fmt_ms(pr.exposed_ms_per_step)}</td>" in out.read_text()
+    # TensorBoard: a window's per-step scalars are the report's
+    for r, pr in rep.overlap.per_rank.items():
+        if len([f for f in rep.overlap.files]) == len(rep.overlap.per_rank):  # one window per rank
+            vals = overlap_scalars(rep.overlap, int(r))
+            assert vals and all(x["overlap/exposed_comm_ms"] == pr.exposed_ms_per_step for x in vals.values())
+    # dashboard: the overview of the same folder
+    if name in ("sample", "hf8", "cpu_only_gloo"):
+        from fsdp_doctor.dashboards.pages import PAGES
+        from fsdp_doctor.dashboards.pages.common import Filters
+        from fsdp_doctor.dashboards.state import RunState
+
+        st = RunState(path, background_traces=False)
+        st.refresh()
+        snap = st.snapshot()
+        assert Report.of(snap.report).comm == rep.comm
+        page = json.dumps([c.to_plotly_json() for c in PAGES["overview"][1].layout(snap, Filters())],
+                          default=lambda o: o.to_plotly_json() if hasattr(o, "to_plotly_json") else str(o),
+                          ensure_ascii=False)
+        assert vhead in page and f"{fmt_ms(rep.comm.exposed_ms_per_step)} / step" in page
+
+
+@pytest.mark.parametrize("name", ["sample", "hf8", pytest.param("a100_sendrecv_2rank", marks=pytest.mark.skipif(
+    not (HTA_TRACES / "a100_sendrecv_2rank").is_dir(), reason="reference traces not found"))])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_terminal_fits_its_width(reports, name, width):
+    """No line wider than the console; no number cut short ("108…"); unit names whole and short (``layers.1``,
+    not ``model.layer…``); the findings' headlines within the first screen; at 200 columns the width is used;
+    a fix prints as plain code (a copy pastes as Python)."""
+    _, rep = reports(name)
+    text = _terminal(rep, width)
+    lines = text.splitlines()
+    code = {ln for f in rep.findings for ln in f.recommendation.code.splitlines()}
+    # a fix's code line is printed whole (the terminal wraps it on screen; a copy pastes one line)
+    assert max(len(ln) for ln in lines if ln not in code) <= width
+    assert not re.search(r"\d…|…\s*\d|\d\.…", text), [ln for ln in lines if "…" in ln]
+    assert "model.layer…" not in text
+    tables = text.split("─ Diagnosis ─")[0]
+    if name == "hf8":  # the tables name units by their shortest unambiguous suffix (evidence keeps full names)
+        assert "layers.0" in tables and "model.layers" not in tables
+    assert not re.search(r"\d[eE][+-]\d", text), "a number in exponent notation (no unit)"
+    if rep.units:
+        assert any(ln.split()[:1] == ["unit"] for ln in lines), "the unit column is shown"
+    first_screen = "\n".join(lines[:50])
+    for f in rep.findings:
+        assert f"{f.code}: {f.title}"[:30] in _flat(first_screen), f.code
+    if width == 200:
+        assert max(len(ln) for ln in lines) > 100
+    for f in rep.findings:
+        if f.recommendation.code:
+            for code_line in f.recommendation.code.splitlines():
+                assert code_line in lines, code_line  # the line itself, no border or margin around it
+
+
+def test_short_unit_labels():
+    names = ["", "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm, lm_head", "vision.layers.0"]
+    got = short_unit_labels(names)
+    assert got == {"": "(root)", "model.embed_tokens": "embed_tokens", "model.layers.0": "model.layers.0",
+                   "model.layers.1": "layers.1", "model.norm, lm_head": "norm, lm_head",
+                   "vision.layers.0": "vision.layers.0"}
+
+
+def test_run_facts_from_the_traces_own_metadata(tmp_path):
+    """A folder of plain traces: backend, world size, GPU model and the files' ranks from ``distributedInfo`` and
+    ``deviceProperties`` (the file's head only), shown in the header; NCCL's version where torch wrote it."""
+    import gzip
+    import shutil
+
+    from fsdp_doctor.analyze.report import run_facts
+    from fsdp_doctor.trace.meta import read_meta
+
+    run = tmp_path / "plain"
+    shutil.copytree(SAMPLE_RUN / "profiler", run)
+    facts = run_facts(load_run(run))
+    assert (facts.backend, facts.world_size, facts.trace_ranks, facts.facts_source) == ("gloo", 2, [0, 1],
+                                                                                        "trace metadata")
+    # a GPU trace as torch writes it: metadata first, NCCL's version in distributedInfo
+    (tmp_path / "gpu").mkdir()
+    gpu_known_trace(rank=3).write(tmp_path / "gpu" / "rank3.json")
+    body = json.loads((tmp_path / "gpu" / "rank3.json").read_text())
+    meta = {"schemaVersion": 1, "deviceProperties": [{"id": i, "name": "NVIDIA H100 80GB HBM3"} for i in range(8)],
+            "distributedInfo": {"backend": "nccl", "rank": 3, "world_size": 8, "nccl_version": "2.21.5"}}
+    with gzip.open(tmp_path / "gpu" / "rank3.json.gz", "wt") as f:
+        json.dump({**meta, **{k: v for k, v in body.items() if k not in meta}}, f)  # metadata first
+    (tmp_path / "gpu" / "rank3.json").unlink()
+    assert read_meta(tmp_path / "gpu" / "rank3.json.gz").distributedInfo.nccl_version == "2.21.5"
+    rep = build_report(load_run(tmp_path / "gpu"))
+    f = rep.run
+    assert (f.backend, f.world_size, f.device_name, f.nccl_version, f.trace_ranks) == (
+        "nccl", 8, "NVIDIA H100 80GB HBM3", "2.21.5", [3])
+    head = _flat(_terminal(rep, 200))
+    assert "8 ranks · nccl · NVIDIA H100 80GB HBM3 · NCCL 2.21.5 · traces of rank 3 · read from the trace metadata" in head
+    assert Report.of(json.loads(json.dumps(rep.to_builtins()))).run == rep.run
+    if (HTA_TRACES / "a100_rank3_of_8").is_dir():
+        f = run_facts(load_run(HTA_TRACES / "a100_rank3_of_8"))
+        assert (f.backend, f.world_size, f.device_name, f.trace_ranks) == ("nccl", 8, "NVIDIA A100-PG509-200", [3])
