@@ -109,6 +109,17 @@ def test_bootstrap_interval_known_answers():
     assert "within noise" in C.step_summary(same) and "slower" in C.step_summary(d)
 
 
+def test_step_prediction_verdicts():
+    """Against a measured change of −10 ms ± 2 ms on a 100 ms step: −10 held, −30 missed; against a measured
+    interval of −12 … +12 ms, a predicted −10 ms is inconclusive and a predicted −1 ms (no change) held."""
+    from fsdp_doctor.compare_sections import StepDelta
+
+    m = StepDelta(a=100.0, b=90.0, delta=-10.0, pct=-10.0, ci_low=-12.0, ci_high=-8.0)
+    assert C._step_verdict(-10.0, m, 90.0) == "held" and C._step_verdict(-30.0, m, 70.0) == "missed"
+    wide = StepDelta(a=100.0, b=100.0, delta=0.0, pct=0.0, ci_low=-12.0, ci_high=12.0)
+    assert C._step_verdict(-10.0, wide, 90.0) == "inconclusive" and C._step_verdict(-1.0, wide, 99.0) == "held"
+
+
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)
 @pytest.mark.slow
 def test_two_runs_of_one_config_say_no_significant_change(recorded_run, tmp_path):
