@@ -105,9 +105,9 @@ def run_case(name: str, steps: int, tmp: Path, reps: int = 2) -> dict:
         xs = [x for x in xs if x is not None]
         return statistics.median(xs) if xs else None
 
-    def held(key):
+    def held(key, yes=True):
         xs = [getattr(p, key) for p in checks if getattr(p, key) is not None]
-        return f"{sum(xs)}/{len(xs)}" if xs else None
+        return f"{sum(x == yes for x in xs)}/{len(xs)}" if xs else None
 
     f = next((x for x in fired if x), None)
     return {"case": name, "code": code, "fired": sum(1 for x in fired if x), "reps": reps,
@@ -115,7 +115,7 @@ def run_case(name: str, steps: int, tmp: Path, reps: int = 2) -> dict:
             "step_pred_pct": med("step_pct_predicted"), "step_meas_pct": med("", 0),
             "step_significant": f"{sum(1 for m in meas if m[2])}/{len(meas)}",
             "step_pred_ms": med("step_ms_predicted"), "step_meas_ms": med("step_ms_measured"),
-            "step_held": held("step_held"),
+            "step_held": held("step_verdict", "held"), "step_inconclusive": held("step_verdict", "inconclusive"),
             "peak_pred": med("peak_bytes_predicted"), "peak_meas": med("", 1),
             "peak_err_pct": med("peak_pct_error"), "peak_held": held("peak_held"),
             "after_codes": sorted(after_codes), "applied": applied if callable(after) else None}
@@ -125,7 +125,7 @@ def _f(x, fmt="{:.1f}"):
     return "—" if x is None else fmt.format(x)
 
 
-COLUMNS = ("case", "code", "step Δ pred", "step Δ meas", "signif.", "held", "peak pred MiB", "peak meas MiB", "peak err", "held")
+COLUMNS = ("case", "code", "step Δ pred", "step Δ meas", "signif.", "held", "inconcl.", "peak pred MiB", "peak meas MiB", "peak err", "held")
 
 
 def table_rows(rows: list[dict]) -> list[tuple[str, ...]]:
@@ -133,7 +133,8 @@ def table_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     for r in rows:
         code = r["code"] + ("" if r["fired"] == r["reps"] else f" ({r['fired']}/{r['reps']})")
         out.append((r["case"], code, _f(r["step_pred_pct"], "{:+.0f}%"), _f(r["step_meas_pct"], "{:+.0f}%"),
-                    r["step_significant"], r["step_held"] or "—", _f(r["peak_pred"] and r["peak_pred"] / MiB, "{:.2f}"),
+                    r["step_significant"], r["step_held"] or "—",
+                    r["step_inconclusive"] or "—", _f(r["peak_pred"] and r["peak_pred"] / MiB, "{:.2f}"),
                     _f(r["peak_meas"] and r["peak_meas"] / MiB, "{:.2f}"), _f(r["peak_err_pct"], "{:+.1f}%"),
                     r["peak_held"] or "—"))
     return out
@@ -156,8 +157,10 @@ def print_table(rows: list[dict], markdown: bool = False) -> None:
         if r.get("applied"):
             print(f"{r['case']}: units flipped per rep: " + "; ".join(", ".join(a) or "none" for a in r["applied"]))
     print("From fsdp-doctor compare --applied CODE, per before/after pair, median over pairs: step Δ = change of the "
-          "median step (predicted by A's finding / measured); signif. = pairs where compare called the measured change significant; held = pairs where the prediction held (step: inside the "
-          "bootstrap interval or within 10%; peak: within 5%); (k/n) = the finding fired in k of n 'before' runs")
+          "median step (predicted by A's finding / measured); signif. = pairs where compare called the measured "
+          "change significant; held = pairs where the prediction held (step: inside the "
+          "bootstrap interval or within 10%; peak: within 5%); inconcl. = pairs whose interval held both the predicted "
+          "change and none; (k/n) = the finding fired in k of n 'before' runs")
 
 
 def main(argv=None) -> int:

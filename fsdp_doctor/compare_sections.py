@@ -87,7 +87,9 @@ class PredictionCheck(_S):
     step_ms_measured: Optional[float] = None  # B's
     step_pct_predicted: Optional[float] = None
     step_pct_measured: Optional[float] = None
-    step_held: Optional[bool] = None  # None: no step prediction
+    # "held" | "missed" | "inconclusive" (the measured interval holds both the predicted change and none: these
+    # runs cannot tell them apart); None: no step prediction
+    step_verdict: Optional[str] = None
     peak_bytes_predicted: Optional[float] = None
     peak_bytes_measured: Optional[float] = None
     peak_pct_error: Optional[float] = None  # (predicted - measured) / measured

@@ -109,15 +109,33 @@ def test_bootstrap_interval_known_answers():
     assert "within noise" in C.step_summary(same) and "slower" in C.step_summary(d)
 
 
+def test_step_prediction_verdicts():
+    """Against a measured change of −10 ms ± 2 ms on a 100 ms step: −10 held, −30 missed; against a measured
+    interval of −12 … +12 ms, a predicted −10 ms is inconclusive and a predicted −1 ms (no change) held."""
+    from fsdp_doctor.compare_sections import StepDelta
+
+    m = StepDelta(a=100.0, b=90.0, delta=-10.0, pct=-10.0, ci_low=-12.0, ci_high=-8.0)
+    assert C._step_verdict(-10.0, m, 90.0) == "held" and C._step_verdict(-30.0, m, 70.0) == "missed"
+    wide = StepDelta(a=100.0, b=100.0, delta=0.0, pct=0.0, ci_low=-12.0, ci_high=12.0)
+    assert C._step_verdict(-10.0, wide, 90.0) == "inconclusive" and C._step_verdict(-1.0, wide, 99.0) == "held"
+
+
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)
 @pytest.mark.slow
 def test_two_runs_of_one_config_say_no_significant_change(recorded_run, tmp_path):
-    run, _, knobs = recorded_run
+    """Two runs of the demo's configuration, trained at the same time so that both see the same host load (a load
+    that shifts between two runs is the drift no run's own samples contain: see NOISE_FLOOR_PCT)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fsdp_doctor import ProfileSchedule
 
-    _, again = record(tmp_path / "again", watch_extra={"profile": ProfileSchedule(first=6, active=2, warmup=1,
-                                                                                 every=0)}, **knobs)
+    _, _, knobs = recorded_run
+    watch = {"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)}
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(record, tmp_path / name, watch_extra=watch, **knobs) for name in ("one", "two")]
+        (_, run), (_, again) = (j.result() for j in jobs)
     cmp = compare_runs(run, again)
+    print(f"\ntwo runs of one configuration: {cmp.summary}")
     assert cmp.config == []  # same snapshot, same job
     assert not cmp.step_p50.significant, cmp.summary
     assert cmp.summary.startswith("no significant change")

@@ -228,6 +228,16 @@ def _fix_keys(code: str) -> tuple[str, ...]:
     return ()
 
 
+def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
+    """Whether a predicted step change ``d`` (ms; ``pred`` the predicted step) held against the measured change:
+    inconclusive when the measured interval holds both ``d`` and zero while ``d`` is a change (at least the noise
+    floor), held when the interval holds ``d`` or ``pred`` lands within ``STEP_TOLERANCE_PCT`` of B's step."""
+    inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high
+    if inside and p50.ci_low <= 0 <= p50.ci_high and abs(d) >= NOISE_FLOOR_PCT / 100 * p50.a:
+        return "inconclusive"
+    return "held" if inside or abs(pred - p50.b) <= STEP_TOLERANCE_PCT / 100 * p50.b else "missed"
+
+
 def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterable[str],
                  p50: Optional[StepDelta], peak_a: Optional[int], peak_b: Optional[int]) -> list[PredictionCheck]:
     changed = {c.key for c in changes}
@@ -248,9 +258,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             pred = p50.a * ratio
             chk.step_ms_predicted, chk.step_ms_measured = round(pred, 3), p50.b
             chk.step_pct_predicted, chk.step_pct_measured = round(100 * (ratio - 1), 1), p50.pct
-            d = pred - p50.a
-            inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high
-            chk.step_held = bool(inside or abs(pred - p50.b) <= STEP_TOLERANCE_PCT / 100 * p50.b)
+            chk.step_verdict = _step_verdict(pred - p50.a, p50, pred)
         if p["peak_bytes_before"] is not None and p["peak_bytes_after"] is not None and peak_a and peak_b:
             pred = peak_a + (p["peak_bytes_after"] - p["peak_bytes_before"])
             chk.peak_bytes_predicted, chk.peak_bytes_measured = float(pred), float(peak_b)

@@ -120,7 +120,7 @@ def tables(c: Comparison) -> list[CompareTable]:
                     f"({p.step_pct_measured:+.0f}%)" if p.step_ms_predicted is not None else MISSING)
             peak = (f"{fmt_bytes(p.peak_bytes_predicted)} vs {fmt_bytes(p.peak_bytes_measured)} "
                     f"({p.peak_pct_error:+.1f}%)" if p.peak_bytes_predicted is not None else MISSING)
-            rows.append((p.code, p.recognised_by, step, held[p.step_held], peak, held[p.peak_held]))
+            rows.append((p.code, p.recognised_by, step, p.step_verdict or MISSING, peak, held[p.peak_held]))
         out.append(CompareTable("Predictions of A's findings, checked against B",
                                 ("fix", "recognised by", "step: predicted vs measured", "step", "peak: predicted vs "
                                  "measured (error)", "peak"), rows))
