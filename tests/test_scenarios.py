@@ -20,7 +20,7 @@ STEPS = 8
 _ORDER = {"info": 0, "warning": 1, "critical": 2}
 # The step-jitter family reads timing differences between ranks and steps, which a shared host produces by
 # itself now and then; the baseline counts such a warning only if it shows up in a second run too.
-NOISE_CODES = {"straggler.rank", "jitter.gc", "jitter.data_wait", "prefetch.exposed_allgather"}
+NOISE_CODES = {"straggler.rank", "straggler.intermittent", "jitter.gc", "jitter.data_wait", "prefetch.exposed_allgather"}
 
 
 def _profile():

@@ -148,10 +148,12 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     }
     own_compute = (s.forward_ms + s.backward_ms + s.optimizer_ms) - collective_wait_ms(s)
     parts["compute"] = own_compute - (b.fwd + b.bwd + b.opt - b.wait)
-    # Another rank arriving late shows up here as waiting, and there as time outside or computing.
+    # Another rank arriving late shows up here as waiting, and there as time outside or computing: in the same
+    # step, or at the end of the previous one (its optimizer step or code after it ran long after this rank had
+    # moved on, so this rank waits in this step's first collective).
     late_rank, late_ms = None, 0.0
     for (r2, st), s2 in index.items():
-        if st != s.step or r2 == rank or r2 not in base:
+        if st not in (s.step, s.step - 1) or r2 == rank or r2 not in base:
             continue
         b2 = base[r2]
         own_excess = (s2.wall_ms - b2.wall) - (collective_wait_ms(s2) - b2.wait)

@@ -50,7 +50,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
         if found:
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
-            statuses.append(cls.status("quiet", rule.why_quiet or f"not seen: {_lower(cls.description)}"))
+            statuses.append(cls.status("quiet", rule.why_quiet or f"not seen: {cls.description}"))
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return out
@@ -59,10 +59,6 @@ def diagnose(run, report, skipped: list[str] | None = None,
 def _missing(cls: type[Rule], ctx: Context) -> list[str]:
     """The reasons ``cls`` cannot run on this run (its unmet needs), [] when it can."""
     return [NEEDS[n].missing for n in cls.needs if not NEEDS[n].met(ctx)]
-
-
-def _lower(text: str) -> str:
-    return text[:1].lower() + text[1:] if text[1:2].islower() else text
 
 
 def catalogue() -> list[dict]:

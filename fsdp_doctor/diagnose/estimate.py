@@ -303,24 +303,27 @@ def resharded_last_unit(ctx: Context):
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-2 per unit
-def held_window(timeline: list[dict], name: str) -> Optional[tuple[int, int]]:
+def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     """Rows [start, end) of the peak step's memory timeline (rows keyed "unit", "phase", "total", ...) during
     which unit ``name`` would hold its unsharded parameters if it were not resharded after forward, and does
-    not now: from after its (last) forward_end to the point its backward all-gather is issued. FSDP2 issues it
-    one unit early (implicit backward prefetch, at the pre-backward of the unit that runs backward just before
-    it), so the window ends with that unit's backward_start row; a unit with no predecessor in backward ends
-    at its own. None when the timeline does not show the unit's forward and backward."""
-    bs = next((i for i, r in enumerate(timeline) if r.get("unit") == name and r.get("phase") == "backward_start"),
-              None)
-    if bs is None:
-        return None
-    fe = max((i for i in range(bs) if timeline[i].get("unit") == name and timeline[i].get("phase") == "forward_end"),
-             default=None)
-    if fe is None:
-        return None
-    prev = max((i for i in range(fe + 1, bs) if timeline[i].get("phase") == "backward_start"
-                and timeline[i].get("unit") not in (None, "", name)), default=None)
-    return fe + 1, (prev if prev is not None else bs) + 1
+    not now: from after its (last) forward_end to the point its backward all-gather is issued, once per
+    backward of the step (gradient accumulation runs several forward/backward pairs in one step). FSDP2
+    issues that all-gather one unit early (implicit backward prefetch, at the pre-backward of the unit that
+    runs backward just before it), so a window ends with that unit's backward_start row; a unit with no
+    predecessor in backward ends at its own. Empty when the timeline does not show the unit's forward and
+    backward."""
+    out, lo = [], 0
+    for bs, r in enumerate(timeline):
+        if r.get("unit") != name or r.get("phase") != "backward_start":
+            continue
+        fe = max((i for i in range(lo, bs) if timeline[i].get("unit") == name
+                  and timeline[i].get("phase") == "forward_end"), default=None)
+        if fe is not None:
+            prev = max((i for i in range(fe + 1, bs) if timeline[i].get("phase") == "backward_start"
+                        and timeline[i].get("unit") not in (None, "", name)), default=None)
+            out.append((fe + 1, (prev if prev is not None else bs) + 1))
+        lo = bs + 1
+    return out
 
 
 def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
@@ -328,7 +331,7 @@ def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
 
     Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too)
     from its forward to its backward all-gather; they are added at every mark of the peak step's timeline
-    that falls in that window (``held_window``), and the new peak is the highest mark. Without a timeline,
+    that falls in one of its windows (``held_windows``), and the new peak is the highest mark. Without a timeline,
     or for a unit the timeline does not show, its bytes are added at the peak (the start of backward holds
     every such unit)."""
     pm = peak_memory(ctx)
@@ -340,12 +343,13 @@ def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     added = [0] * len(tl)
     flat = 0
     for u in us:
-        w = held_window(tl, u.name) if tl else None
-        if w is None:
+        ws = held_windows(tl, u.name) if tl else []
+        if not ws:
             flat += u.unsharded_bytes
             continue
-        for i in range(*w):
-            added[i] += u.unsharded_bytes
+        for w in ws:
+            for i in range(*w):
+                added[i] += u.unsharded_bytes
     if not totals:
         return peak + flat
     return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)

@@ -30,6 +30,27 @@ def _ckpt_code(names: list[str]) -> str:
             "                               check_fn=lambda m: m in targets)")
 
 
+def _peak_uncheckpointed(pm, per_unit: dict[str, int]) -> int:
+    """The peak without checkpointing: each unit's extra saved activations (``SAVED_PER_INPUT - 1`` times what
+    it keeps now, its input) live from its forward's end to its backward's end, once per forward/backward pair
+    of the peak step's timeline; the new peak is the highest mark. Without a timeline they are all added at
+    the peak (on the reference GPT with every block checkpointed: 17,690,836 B flat against 15,306,452 B from
+    the timeline; measured without checkpointing 15,339,220 B)."""
+    extra = {u: b * (E.SAVED_PER_INPUT - 1) for u, b in per_unit.items()}
+    tl = pm.timeline if pm is not None else []
+    if not tl:
+        return int(pm.peak_bytes) + int(sum(extra.values()))
+    totals = [int(r.get("total") or 0) for r in tl]
+    added = [0.0] * len(tl)
+    for name, b in extra.items():
+        ends = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "forward_end"]
+        backs = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "backward_end"]
+        for fe, be in zip(ends, backs):
+            for i in range(fe, be):
+                added[i] += b
+    return int(pm.peak_bytes) - max(totals) + int(max(t + a for t, a in zip(totals, added)))
+
+
 def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:
     """Activation bytes per unit from the memory section; without per-unit figures, the peak's activations
     spread evenly over the given units."""
@@ -122,7 +143,7 @@ class AcUnneeded(Rule):
         per_unit = _unit_activations(ctx, ck)
         # un-checkpointed, each block keeps ~SAVED_PER_INPUT times its checkpoint input
         added = sum(b * (E.SAVED_PER_INPUT - 1) for b in per_unit.values()) if per_unit else None
-        peak_after = peak + added if added is not None else None
+        peak_after = _peak_uncheckpointed(E.peak_memory(ctx), per_unit) if added is not None else None
         if peak_after is not None and peak_after > E.TARGET_CAPACITY_SHARE * cap:
             return []  # removing it would not fit: checkpointing is earning its keep
         share = recompute / step if step else None

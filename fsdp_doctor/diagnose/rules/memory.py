@@ -129,7 +129,7 @@ class NearCapacitySpread(Rule):
 
 def _peak_resharded(pm, flip) -> int:
     """The peak with ``flip`` resharded after forward: on the peak step's timeline each unit's gathered bytes
-    leave the marks from its forward's end to its backward all-gather (``estimate.held_window``, the window
+    leave the marks from its forward's end to its backward all-gather (``estimate.held_windows``, the windows
     ZeRO-2 adds them in), and the new peak is the highest mark. Without a timeline: the peak less the
     gathered parameters it holds."""
     tl = pm.timeline
@@ -139,7 +139,7 @@ def _peak_resharded(pm, flip) -> int:
     totals = [int(r.get("total") or 0) for r in tl]
     less = [0] * len(tl)
     for u in flip:
-        w = E.held_window(tl, u.name)
-        for i in range(*(w or (0, 0))):
-            less[i] += u.unsharded_bytes
+        for w in E.held_windows(tl, u.name):
+            for i in range(*w):
+                less[i] += u.unsharded_bytes
     return int(pm.peak_bytes) - max(totals) + max(t - x for t, x in zip(totals, less))

@@ -49,7 +49,8 @@ class IntermittentStraggler(Rule):
         if len(rows) < LATE_MIN_STEPS:
             return self.quiet(f"rank {rank} late in {len(rows)} step only (step {rows[0][0]}): one event is not a "
                               "pattern")
-        if len(rows) / len(common) >= STRAGGLER_MIN_CONSISTENCY:
+        if any(x.rank == int(rank) for x in E.steps(ctx).stragglers) or \
+                len(rows) / len(common) >= STRAGGLER_MIN_CONSISTENCY:
             return self.quiet(f"rank {rank} late in {len(rows)} of {len(common)} steps: a consistent straggler "
                               "(straggler.rank)")
         steps = [st for st, _, _ in rows]
