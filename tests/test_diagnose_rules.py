@@ -619,7 +619,7 @@ def test_optimizer_before_shard_is_critical():
     assert f.evidence["foreign_params"] == 53
     shard = sum(u.sharded_bytes for u in E.param_units(ctx))
     assert f.predicted["peak_bytes_after"] == 17_204_224 - 3_730_432 - 1_865_216 + 2 * shard
-    assert "optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)" in f.recommendation.code
+    assert "optimizer = cls(model.parameters(), **{k: v for k, v in optimizer.defaults.items()" in f.recommendation.code
     assert "build_model" not in f.recommendation.code and "lr=lr" not in f.recommendation.code
     assert run_rule("optim.before_shard", build()[0]) == []
 

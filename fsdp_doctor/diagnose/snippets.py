@@ -255,6 +255,13 @@ def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
 
 
+def rebuild_optimizer() -> str:
+    """The user's optimizer built again on the model's current parameters, same class and hyper-parameters."""
+    return ("cls = type(optimizer)  # the same optimizer and hyper-parameters, on the sharded parameters:\n"
+            "optimizer = cls(model.parameters(), **{k: v for k, v in optimizer.defaults.items()\n"
+            "                                        if k in inspect.signature(cls).parameters})")
+
+
 def root_mesh() -> str:
     """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters)."""
     return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))  # your units' mesh"
@@ -264,6 +271,7 @@ def root_mesh() -> str:
 # name used in a snippet -> the line that defines it (imports first, then the mesh, in this order)
 _DEFINES = (
     (r"\bgc\.", "import gc"),
+    (r"\binspect\.", "import inspect"),
     (r"\btorch\.", "import torch"),
     (r"\bnn\.", "import torch.nn as nn"),
     (r"\bdist\.", "import torch.distributed as dist"),

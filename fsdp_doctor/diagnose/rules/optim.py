@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .. import estimate as E
+from .. import snippets as S
 from ..base import Context, Rule, register
 
 # Collectives that no FSDP unit issued are worth a look above this share of the step ...
@@ -77,7 +78,7 @@ class OptimizerBeforeShard(Rule):
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
             f"({E.mib(stale)} MiB per rank). Create the optimizer after sharding.",
             "# after your fully_shard calls (the parameters are DTensors now): the same optimizer, rebuilt\n"
-            f"optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # {opt}, same hyper-parameters",
+            + S.rebuild_optimizer(),
             predicted=E.predicted(step, None, peak, peak_after))]
 
 
@@ -170,9 +171,9 @@ class OptimizerStateDominates(Rule):
             "the peak. Options, least invasive first: keep the state in bf16 (halves it), shard over more "
             "ranks, switch to an optimizer with factored or 8-bit state (Adafactor, 8-bit Adam), or offload "
             "the state to the host (CPUOffloadPolicy, GPU only).",
-            f"# e.g. bf16 optimizer state: build the model in bf16 before fully_shard and keep an fp32 reduce\n"
+            "# e.g. bf16 optimizer state: the model in bf16 before fully_shard, an fp32 reduce\n"
             "model.to(torch.bfloat16)\n"
-            "fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
-            "                                                            reduce_dtype=torch.float32))\n"
-            f"optimizer = torch.optim.{cfg.optimizer if cfg and cfg.optimizer else 'AdamW'}(model.parameters(), lr=lr)",
+            + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
+                           mp_line="mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+            + "\n" + S.rebuild_optimizer(),
             predicted=E.predicted(step, step, peak, peak - saved))]
