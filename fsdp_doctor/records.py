@@ -77,6 +77,8 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     own_modules: list[str] = []
     # of those, modules sharing a parameter with another module (a tied embedding and output head)
     tied_modules: list[str] = []
+    # of those, the ones after the unit's last nested unit in module order (a model's final norm and head)
+    trailing_modules: list[str] = []
     # ranks each parameter is sharded over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP
     # mesh); None: not read
     shard_size: int | None = None

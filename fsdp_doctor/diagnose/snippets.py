@@ -31,6 +31,7 @@ ROOT_LABELS = ("", "(root)")
 
 _CKPT = "._checkpoint_wrapped_module"
 _IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+_DEEP = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -122,8 +123,11 @@ class Tree:
         return next((u for u in self.units if u.is_root), None)
 
     def module_names(self) -> list[str]:
-        """Every module fqn the tree knows: units' modules and the modules holding their own parameters."""
-        out = [m for u in self.units for m in list(u.modules) + list(getattr(u, "own_modules", []) or [])]
+        """Every module fqn the tree knows: units' modules and, inside a numbered child, the modules holding
+        their own parameters (``layer1.0.conv1`` says ``layer1.0`` is a block; ``stem.0``, a Conv2d holding
+        parameters itself, is a leaf of a Sequential, not a block)."""
+        own = [m for u in self.units for m in getattr(u, "own_modules", []) or [] if _DEEP.match(strip_ckpt(m))]
+        out = [m for u in self.units for m in u.modules] + own
         out += [m for n in self.names if n not in ROOT_LABELS for m in members(n)]
         return out
 
@@ -217,16 +221,49 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         lines.append(f"fully_shard({group_expr(mods)}, mesh=mesh{kw})")
     root = t.root()
     if root_leftovers and root is not None:
-        tied = set(root.tied_modules or [])
-        left = [m for m in root.own_modules or [] if m and m not in tied and not in_block(m)]
-        kw = _merge(_unit_kwargs(root), extra_kwargs, drop)
-        for m in left:
-            lines.append(f"fully_shard({module_expr(m)}, mesh=mesh{kw})")
-        if tied:
-            lines.append(f"# {', '.join(sorted(tied))} share a parameter (tied weights): they stay in the root")
+        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_kwargs, drop))
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_kwargs, drop)
     lines.append(f"fully_shard(model, mesh=mesh{rkw})  # the root last: it keeps what no unit holds")
     return "\n".join(lines)
+
+
+def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
+    """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
+    that holds no unit (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a ``model`` that holds
+    the blocks); those after the last block (the final norm and head) grouped and kept gathered after forward
+    as torchtitan does: they run last in forward and first in backward. Tied modules stay in the root."""
+    own = [m for m in root.own_modules or [] if m]
+    tied = set(root.tied_modules or [])
+    trailing = set(root.trailing_modules or [])
+    if not trailing:  # a whole-model unit: its own modules in module order, the blocks' among them
+        last = max((i for i, m in enumerate(own) if in_block(m)), default=None)
+        trailing = set(own[last + 1:]) if last is not None else set()
+    busy = [m for u in t.non_root() for m in u.modules] + [c for c in t.containers()]
+    def top(m: str) -> str:
+        parts = m.split(".")
+        for i in range(1, len(parts) + 1):
+            cand = ".".join(parts[:i])
+            if not any(b == cand or b.startswith(cand + ".") for b in busy):
+                return cand
+        return m
+    heads: dict[str, bool] = {}  # collapsed module -> trailing
+    skip: set[str] = set()
+    for m in own:
+        if in_block(m):
+            continue
+        h = top(m)
+        if m in tied:
+            skip.add(h)
+        heads[h] = heads.get(h, True) and m in trailing
+    heads = {h: tr for h, tr in heads.items() if h not in skip}
+    lines = [f"fully_shard({module_expr(h)}, mesh=mesh{kw})" for h, tr in heads.items() if not tr]
+    tail = [h for h, tr in heads.items() if tr]
+    if tail:
+        lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
+                  f"fully_shard({group_expr(tail)}, mesh=mesh{_merge(kw, ', reshard_after_forward=False')})"]
+    if skip:
+        lines.append(f"# {', '.join(sorted(skip))} share a parameter (tied weights): they stay in the root")
+    return lines
 
 
 def unit_list(t: Tree, var: str = "units") -> str:

@@ -198,8 +198,15 @@ class RootNotSharded(Rule):
         # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
         # block computing (and the one prefetched) would be gathered
         extra = sorted((u.unsharded_bytes - u.sharded_bytes for u in rts), reverse=True)
-        saved = sum(extra[2:]) if len(extra) > 2 else 0
-        peak_after = peak - saved if peak is not None else None
+        # at the peak every root is gathered; with a real root only the block computing is, and the root's
+        # parameters (those no unit managed: replicated until now) are gathered and sharded: +1/ws of them,
+        # while their optimizer state shrinks to 1/ws (its share per parameter byte from the breakdown)
+        ws = max(1, cfg.world_size if cfg is not None else 1)
+        gathered = sum(u.unsharded_bytes for u in rts) - max((u.unsharded_bytes for u in rts), default=0)
+        bd = E.breakdown(ctx)
+        state_per_byte = (bd.get("optimizer_state") or 0) / bd["sharded_params"] if bd.get("sharded_params") else 0
+        own = unmanaged or 0
+        peak_after = (peak - gathered + own / ws - state_per_byte * own * (1 - 1 / ws)) if peak is not None else None
         # and the backward all-gathers come back: roughly the forward waits again
         refetch = sum(E.ag_wait_ms(u, "forward") for u in rts[1:])
         step_after = step + refetch if step is not None else None
