@@ -75,6 +75,7 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
     # (the root's embeddings, final norm and head; a whole-model unit's blocks)
     own_modules: list[str] = []
+    own_bytes: list[int] = []  # bytes of each own module's parameters, unsharded, in their stored dtype
     # of those, modules sharing a parameter with another module (a tied embedding and output head)
     tied_modules: list[str] = []
     # of those, the ones after the unit's last nested unit in module order (a model's final norm and head)

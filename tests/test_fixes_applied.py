@@ -86,8 +86,9 @@ def test_fix_applied_removes_the_finding(applied, name):
 def test_params_in_root_fix_names_the_hf_modules(applied):
     f = applied["hf_params_in_root"][0]
     code = f.recommendation.code
-    for m in ("model.model.embed_tokens", "model.model.norm", "model.lm_head"):
-        assert f"fully_shard({m}, mesh=mesh)" in code, code
+    assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code, code
+    # the final norm and head: one unit kept gathered after forward (last in forward, first in backward)
+    assert "fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)" in code, code
     assert "for block in model.model.layers.children():" in code
 
 

@@ -143,6 +143,17 @@ class Tree:
         return [n for n in self.names if n not in ROOT_LABELS]
 
 
+def block_bytes(u) -> dict[str, int]:
+    """A unit's repeated blocks (``layer1.0``, ...) in module order, with the bytes of their parameters (the
+    snapshot's own modules and their sizes); {} where the snapshot has no sizes."""
+    out: dict[str, int] = {}
+    for m, b in zip(getattr(u, "own_modules", []) or [], getattr(u, "own_bytes", []) or []):
+        blk = block_of(m) if _DEEP.match(strip_ckpt(m)) else None
+        if blk is not None:
+            out[blk] = out.get(blk, 0) + b
+    return out
+
+
 def tree(ctx) -> Tree:
     """The tree of a diagnosis context: the run's unit snapshot, else the report's unit rows, and the trace's
     unit labels."""

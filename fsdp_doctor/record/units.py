@@ -166,7 +166,7 @@ def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
 def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown")."""
     names = {id(u.state): u.name for u in units}
-    owns, tied, trails = _own_modules(units)
+    owns, tied, trails, sizes = _own_modules(units)
     out = []
     for u, own, trailing in zip(units, owns, trails):
         pgs = F2.param_groups(u.state)
@@ -210,6 +210,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 depth=u.depth,
                 parent=u.parent,
                 own_modules=own,
+                own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
                 trailing_modules=trailing,
                 shard_size=_shard_size(fps),
@@ -218,13 +219,13 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     return out
 
 
-def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[list[str]]]:
+def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[list[str]], dict[str, int]]:
     """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
     fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules after
-    its last nested unit in module order. Public module API only."""
+    its last nested unit in module order; each such module's parameter bytes. Public module API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
-    out, trails = [], []
+    out, trails, sizes = [], [], {}
     for u in units:
         own: list[str] = []
         after_nested = 0  # len(own) when the last nested unit was passed
@@ -237,13 +238,15 @@ def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[lis
                     continue
                 if any(True for _ in m.parameters(recurse=False)):
                     own.append(fqn)
+                    # a DTensor's numel is the global one: the unsharded size
+                    sizes[fqn] = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
                     for p in m.parameters(recurse=False):
                         holders.setdefault(id(p), []).append(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)
         trails.append(own[after_nested:] if after_nested else [])
     tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
-    return out, tied, trails
+    return out, tied, trails, sizes
 
 
 def _shard_size(fps) -> int | None:

@@ -66,6 +66,16 @@ class TooCoarse(Rule):
                 step_after = step + t.ag_wait_fwd_ms * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
         gathered_extra = big.unsharded_bytes - big.sharded_bytes
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
+        blocks = list(S.block_bytes(big).values())
+        own = sum(big.own_bytes)
+        if peak is not None and len(blocks) >= 2 and own:
+            # from the unit's own modules: after the split at most two consecutive blocks are gathered (the one
+            # computing, the one FSDP prefetches); what the whole unit had gathered at the peak (its unsharded
+            # parameters and its all-gather buffers) shrinks to that pair's share of the unit
+            pair = max(a + b for a, b in zip(blocks, blocks[1:]))
+            bd = E.breakdown(ctx)
+            at_peak = (bd.get("unsharded_params") or 0) + (bd.get("comm_buffers") or 0)
+            peak_after = peak - at_peak * (1 - min(1.0, pair / own))
         name = big.name or "(root)"
         whole = big.is_root and len(us) == 1
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
@@ -82,7 +92,9 @@ class TooCoarse(Rule):
             {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big.param_count,
              "unsharded_bytes": big.unsharded_bytes, "units_with_params": len(us),
              "ag_wait_fwd_ms": t.ag_wait_fwd_ms, "ag_wait_bwd_ms": t.ag_wait_bwd_ms,
-             "step_p50_ms": step, "estimate_assumes": f"split into {k} similar units, 2 gathered at a time"},
+             "step_p50_ms": step,
+             "estimate_assumes": (f"its {len(blocks)} blocks split off, 2 consecutive ones gathered at a time"
+                                  if len(blocks) >= 2 and own else f"split into {k} similar units, 2 gathered at a time")},
             text, code,
             predicted=E.predicted(step, step_after, peak, peak_after), units=[big.name])]
 
