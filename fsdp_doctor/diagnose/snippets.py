@@ -90,15 +90,6 @@ def block_of(name: str) -> Optional[str]:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
-def blocks_expr(containers: Iterable[str]) -> str:
-    """Iteration over every block of every container: ``model.layers.children()``, or
-    ``[*model.layer1.children(), *model.layer2.children()]``."""
-    cs = list(containers)
-    if len(cs) == 1:
-        return children_expr(cs[0])
-    return "[" + ", ".join(f"*{children_expr(c)}" for c in cs) + "]"
-
-
 # ---------------------------------------------------------------------------------------------- the tree
 @dataclass
 class Tree:
