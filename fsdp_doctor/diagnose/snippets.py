@@ -197,7 +197,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
     in the root: FSDP refuses a parameter another unit manages), the root last. Each unit keeps the options
     the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all."""
-    lines = [f"# {note or 'replaces your fully_shard calls'} ({BEFORE_SHARDING})"]
+    lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     mp = mp_line or _mp_line(t.units)
     if mp:
         lines.append(mp)
@@ -212,7 +212,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                       f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
                       f"    fully_shard(blocks[i:i + {group}], mesh=mesh{kw})"]
         else:
-            lines += [f"for block in {children_expr(c)}:", f"    fully_shard(block, mesh=mesh{kw})"]
+            lines += [f"for block in {children_expr(c)}:", "    " + _call("block", kw, indent=4)]
     units = t.non_root() if t.units else [None] * 0
     labels = [u.name for u in units] if t.units else t.unit_labels()
     for i, name in enumerate(labels):
@@ -220,13 +220,22 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         if not mods or all(in_block(m) for m in mods):
             continue
         kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_kwargs, drop)
-        lines.append(f"fully_shard({group_expr(mods)}, mesh=mesh{kw})")
+        lines.append(_call(group_expr(mods), kw))
     root = t.root()
     if root_leftovers and root is not None:
         lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_kwargs, drop))
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_kwargs, drop)
-    lines.append(f"fully_shard(model, mesh=mesh{rkw})  # the root last: it keeps what no unit holds")
+    lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
     return "\n".join(lines)
+
+
+def _call(expr: str, kw: str, indent: int = 0, width: int = 96) -> str:
+    """``fully_shard(expr, mesh=mesh, ...)``, its options on continuation lines past ``width`` columns."""
+    one = f"fully_shard({expr}, mesh=mesh{kw})"
+    if indent + len(one) <= width:
+        return one
+    pad = " " * (indent + len("fully_shard("))
+    return f"fully_shard({expr}, mesh=mesh" + "".join(f",\n{pad}{p}" for p in kw.split(", ") if p) + ")"
 
 
 def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
@@ -258,11 +267,11 @@ def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
             skip.add(h)
         heads[h] = heads.get(h, True) and m in trailing
     heads = {h: tr for h, tr in heads.items() if h not in skip}
-    lines = [f"fully_shard({module_expr(h)}, mesh=mesh{kw})" for h, tr in heads.items() if not tr]
+    lines = [_call(module_expr(h), kw) for h, tr in heads.items() if not tr]
     tail = [h for h, tr in heads.items() if tr]
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
-                  f"fully_shard({group_expr(tail)}, mesh=mesh{_merge(kw, ', reshard_after_forward=False')})"]
+                  _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
     if skip:
         lines.append(f"# {', '.join(sorted(skip))} share a parameter (tied weights): they stay in the root")
     return lines
@@ -273,10 +282,11 @@ def unit_list(t: Tree, var: str = "units") -> str:
     FSDPModule too), in forward order, on the sharded model."""
     labels = t.unit_labels()
     mods = [members(n)[0] for n in labels]
-    if len(mods) <= 4:
-        return f"{var} = [" + ", ".join(module_expr(m) for m in mods) + "]  # every FSDP unit, in forward order"
-    return (name_list("unit_names", mods) + "\n"
-            f"{var} = [model.get_submodule(name) for name in unit_names]  # every FSDP unit, in forward order")
+    short = f"{var} = [" + ", ".join(module_expr(m) for m in mods) + "]"
+    if len(short) <= 96:
+        return "# every FSDP unit, in forward order\n" + short
+    return ("# every FSDP unit, in forward order\n" + name_list("unit_names", mods) + "\n"
+            f"{var} = [model.get_submodule(name) for name in unit_names]")
 
 
 def name_list(var: str, names: list[str], width: int = 96) -> str:
@@ -303,7 +313,7 @@ def rebuild_optimizer() -> str:
 
 def root_mesh() -> str:
     """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters)."""
-    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))  # your units' mesh"
+    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
 
 
 # ---------------------------------------------------------------------------------------------- completion
@@ -320,7 +330,7 @@ _DEFINES = (
 )
 _FSDP_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard")
 _MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
-         "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks, 1-D; HSDP: keep your 2-D mesh")
+         "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks (HSDP: your 2-D mesh)")
 
 
 def complete(code: str) -> str:

@@ -33,7 +33,8 @@ STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "
 METRICS_EVERY_CODE = """\
 LOG_EVERY = 50  # steps between metric reductions
 
-def log_loss(step, loss):  # after optimizer.step(): all-reduces and reads the loss every LOG_EVERY steps only
+# call after optimizer.step(): all-reduces and reads the loss every LOG_EVERY steps only
+def log_loss(step, loss):
     if step % LOG_EVERY == 0:
         avg = loss.detach().clone()
         dist.all_reduce(avg)  # a sum (gloo has no AVG)
@@ -139,7 +140,8 @@ class OptimizerStepComm(Rule):
                f"{worst.calls:.0f} calls per step are already batched (with clip_grad_norm_ that is "
                "foreach=True, or a few norm reductions): what remains is their exposure; log metrics every N "
                "steps, and on a GPU clip less often or overlap the metric reduction with the next step."),
-            (("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)  # one batched reduction\n"
+            (("# one batched reduction for the total norm\n"
+              "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)\n"
               if per_tensor else "") + METRICS_EVERY_CODE),
             predicted=E.predicted(step, step - worst.exposed_ms), ranks=[int(rank)])]
 

@@ -231,7 +231,7 @@ class RootNotSharded(Rule):
             text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
                      "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
         text += " Apply fully_shard to the root module after the blocks: one line after your own calls."
-        code = ("# after your fully_shard calls on the blocks, on the same mesh:\n" + S.root_mesh() + "\n"
+        code = ("# after your fully_shard calls on the blocks, on their mesh:\n" + S.root_mesh() + "\n"
                 "fully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
         return [self.finding(
             sev, f"fully_shard was never applied to the root: {len(rts)} independent FSDP roots",
@@ -272,10 +272,12 @@ class MixedDtypeUnit(Rule):
                 f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
                 "weights stay as they are, trainable ones keep their dtype for the optimizer); or give the "
                 "odd-dtype parameters a unit of their own.",
-                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a MixedPrecisionPolicy\n"
-                f"fully_shard({S.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
-                f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
-                f"                                           output_dtype=torch.{wide}))  # what the next units expect",
+                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a\n"
+                f"# MixedPrecisionPolicy, every parameter all-gathered in {narrow}, the output in {wide}\n"
+                f"# (what the next units expect)\n"
+                f"mp = MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
+                f"                          output_dtype=torch.{wide})\n"
+                f"fully_shard({S.unit_expr(u)}, mesh=mesh, mp_policy=mp)",
                 units=[u.name]))
         return out
 
