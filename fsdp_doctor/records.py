@@ -75,8 +75,11 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
     # (the root's embeddings, final norm and head; a whole-model unit's blocks)
     own_modules: list[str] = []
+    own_bytes: list[int] = []  # bytes of each own module's parameters, unsharded, in their stored dtype
     # of those, modules sharing a parameter with another module (a tied embedding and output head)
     tied_modules: list[str] = []
+    # of those, the ones after the unit's last nested unit in module order (a model's final norm and head)
+    trailing_modules: list[str] = []
     # ranks each parameter is sharded over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP
     # mesh); None: not read
     shard_size: int | None = None

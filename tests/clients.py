@@ -279,14 +279,14 @@ def run_llama(out: Path) -> dict:
 
 
 CLIENTS = {"transformer": run_transformer, "compiled": run_compiled, "llama": run_llama}
-def gpt():
+def gpt(n_layers: int = 4):
     """The reference GPT (module names tok_emb, pos_emb, layers.N, norm, lm_head: those of the constructed
-    diagnosis contexts in tests/test_diagnose_rules.py)."""
+    diagnosis contexts in tests/test_diagnose_rules.py; 48 layers for the known-answer traces of 48 units)."""
     from fsdp_doctor.workloads import WorkloadConfig
     from fsdp_doctor.workloads.gpt import build_model
 
     torch.manual_seed(0)
-    return build_model(WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512))
+    return build_model(WorkloadConfig(n_layers=n_layers, d_model=64 if n_layers <= 4 else 16, seq_len=SEQ, vocab=512))
 
 
 def shard_gpt(model, mesh):
@@ -350,7 +350,7 @@ def resnet():
 
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
-         "llama": llama, "gpt": gpt, "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
+         "llama": llama, "gpt": gpt, "gpt48": lambda: gpt(48), "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
          "resnet": resnet}
 
 
@@ -370,9 +370,10 @@ def shard_blocks_only(model, mesh):
 
 
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
-         "gpt": shard_gpt, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
+         "gpt": shard_gpt, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
          "resnet": shard_blocks_only}
-VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "hf_llama": 512, "hf_llama_ckpt": 512}
+VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt48": 512, "hf_llama": 512,
+         "hf_llama_ckpt": 512}
 
 
 def loss_of(model, client: str, step: int, rank: int):
@@ -394,6 +395,9 @@ def shard_no_root(model, mesh):
     return model
 
 
+# the sharding a finding is emitted for, where it is not the client's usual one
+SHARD_FOR = {"wrap.root_not_sharded": shard_no_root}
+
 # the user's sharding in each scenario (the planted problem)
 SCENARIO_SHARD = {"blocks_only": shard_blocks_only, "whole": lambda m, mesh: fully_shard(m, mesh=mesh),
                   "no_root": shard_no_root}
@@ -409,20 +413,16 @@ def run_scenario(spec_path: Path) -> dict:
     if len(mesh.shape) > 1:  # HSDP: replicate over the first dimension, shard over the second
         mesh = init_device_mesh("cpu", tuple(spec["mesh"]), mesh_dim_names=("replicate", "shard"))
     model = BUILD[client]()
-    if snippet and BEFORE_SHARDING in snippet:
-        ns = {"model": model}
-        exec(compile(snippet, "<fix>", "exec"), ns)
-        model = ns["model"]
-    else:
+    if BEFORE_SHARDING not in snippet:
         model = SCENARIO_SHARD[spec["shard"]](model, mesh)
-        if snippet and "optimizer = " not in snippet:
-            ns = {"model": model}
-            exec(compile(snippet, "<fix>", "exec"), ns)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if snippet and "optimizer = " in snippet:
+    rebuilds = "optimizer = " in snippet  # a fix that (re)builds the optimizer runs after the user built one
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if rebuilds or not snippet else None
+    if snippet:  # pasted once, where its user would: the unsharded model, after sharding, or after the optimizer
         ns = {"model": model, "optimizer": opt}
         exec(compile(snippet, "<fix>", "exec"), ns)
-        opt = ns["optimizer"]
+        model, opt = ns["model"], ns["optimizer"]
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     with fsdp_doctor.watch(model, opt, out_dir=spec["out_dir"], overwrite=True, **spec.get("watch", {})) as doctor:
         for step in range(spec.get("steps", 6)):
@@ -450,7 +450,7 @@ def run_snippets(spec_path: Path) -> dict:
         try:
             model = BUILD[client]()
             if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
-                model = SHARD[client](model, mesh)
+                model = SHARD_FOR.get(finding_code, SHARD[client])(model, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
             # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses
             ns = {"model": model, "optimizer": opt}

@@ -619,7 +619,7 @@ def test_optimizer_before_shard_is_critical():
     assert f.evidence["foreign_params"] == 53
     shard = sum(u.sharded_bytes for u in E.param_units(ctx))
     assert f.predicted["peak_bytes_after"] == 17_204_224 - 3_730_432 - 1_865_216 + 2 * shard
-    assert "optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)" in f.recommendation.code
+    assert "optimizer = cls(model.parameters(), **{k: v for k, v in optimizer.defaults.items()" in f.recommendation.code
     assert "build_model" not in f.recommendation.code and "lr=lr" not in f.recommendation.code
     assert run_rule("optim.before_shard", build()[0]) == []
 
@@ -719,3 +719,42 @@ def test_gc_needs_a_pattern_not_one_collection():
     assert run_rule("jitter.gc", steps_ctx([0.0] * 15 + [200.0])) == []
     (f,) = run_rule("jitter.gc", steps_ctx([12.5] * 16))
     assert f.evidence["largest_pause_ms"] == 12.5
+
+
+def test_snippets_from_the_module_tree():
+    """The root is ``model`` under either label; every block container is covered; the root's leftovers are
+    wrapped at their outermost unit-free ancestor, the trailing ones grouped and kept gathered, tied ones left in
+    the root; what a snippet uses is defined."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    assert S.module_expr("(root)") == S.module_expr("") == "model"
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=10, n_params=5, sharded_bytes=1,
+                      unsharded_bytes=2, orig_dtypes=["float32"],
+                      own_modules=["stem.0", "stem.1", "layer1.0.conv1", "layer2.0.conv1", "layer2.1.conv1",
+                                   "layer1.1.conv1", "norm", "fc"])
+    t = S.Tree.of([root])
+    assert set(t.containers()) == {"layer1", "layer2"}  # stem.0/stem.1 are leaves of a Sequential, not blocks
+    code = S.shard_plan(t, root_leftovers=True)
+    assert "for block in model.layer1.children():" in code and "for block in model.layer2.children():" in code
+    assert "fully_shard(model.stem, mesh=mesh)" in code
+    assert "fully_shard([model.norm, model.fc], mesh=mesh, reshard_after_forward=False)" in code
+    hf_root = UnitConfig(name="", modules=[""], is_root=True, param_count=10, n_params=3, sharded_bytes=1,
+                         unsharded_bytes=2, orig_dtypes=["float32"],
+                         own_modules=["model.embed_tokens", "model.norm", "lm_head"],
+                         trailing_modules=["model.norm", "lm_head"])
+    blocks = [UnitConfig(name=f"model.layers.{i}", modules=[f"model.layers.{i}"], is_root=False, param_count=4,
+                         n_params=2, sharded_bytes=1, unsharded_bytes=2, orig_dtypes=["float32"]) for i in range(3)]
+    code = S.complete(S.shard_plan(S.Tree.of([*blocks, hf_root]), root_leftovers=True))
+    assert "for block in model.model.layers.children():" in code
+    assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code
+    assert "fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)" in code
+    assert code.startswith("import torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard")
+    compile(code, "<plan>", "exec")  # valid Python
+    tied = UnitConfig(**{**msgspec.structs.asdict(hf_root), "own_modules": ["embed", "norm", "head"],
+                         "tied_modules": ["embed", "head"], "trailing_modules": ["norm", "head"]})
+    code = S.shard_plan(S.Tree.of([*blocks, tied]), root_leftovers=True)
+    calls = [ln for ln in code.splitlines() if ln.startswith("fully_shard(")]
+    assert not any("model.embed" in ln or "model.head" in ln for ln in calls), calls
+    assert "fully_shard([model.norm], mesh=mesh, reshard_after_forward=False)" in code or \
+        "fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)" in code
+    assert "embed, head share a parameter (tied weights): they stay in the root" in code

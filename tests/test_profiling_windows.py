@@ -84,3 +84,30 @@ def test_recorded_windows_carry_message_sizes(recorded_run):
     units = {u.name: u for u in run.config.units}
     ag = next(r for r in rows if r.collective == "all_gather" and r.unit == "layers.1")
     assert ag.bytes_per_call == units["layers.1"].unsharded_bytes  # the gathered block, from the trace
+
+
+@pytest.mark.parametrize("collect", [True, False])
+def test_window_leaves_no_garbage_for_the_users_steps(tmp_path, collect, monkeypatch):
+    """The profiler and its export leave cyclic garbage; the doctor collects it in the step that closes the window
+    (its own, profiled), so none is left for the collector to find in the user's next steps. Without the
+    collection (the "before"), the same window leaves it behind."""
+    import gc
+
+    monkeypatch.setattr(ProfilerWindows, "collect_after_window", collect)
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=1, warmup=1, every=0)),
+                        lambda steps, path: None)
+    gc.collect()
+    gc.disable()  # so that nothing collects between the window and the count below
+    try:
+        w.start()
+        for _ in range(4):  # warm-up 1, record 2, close at the end of step 2
+            _work()
+            w.step()
+        left = gc.collect()  # the unreachable objects the window left for the user's steps
+    finally:
+        gc.enable()
+        w.stop()
+    if collect:
+        assert left == 0 and w.last_collect_ms > 0
+    else:
+        assert left > 100, left

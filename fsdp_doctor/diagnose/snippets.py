@@ -31,6 +31,7 @@ ROOT_LABELS = ("", "(root)")
 
 _CKPT = "._checkpoint_wrapped_module"
 _IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+_DEEP = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -89,15 +90,6 @@ def block_of(name: str) -> Optional[str]:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
-def blocks_expr(containers: Iterable[str]) -> str:
-    """Iteration over every block of every container: ``model.layers.children()``, or
-    ``[*model.layer1.children(), *model.layer2.children()]``."""
-    cs = list(containers)
-    if len(cs) == 1:
-        return children_expr(cs[0])
-    return "[" + ", ".join(f"*{children_expr(c)}" for c in cs) + "]"
-
-
 # ---------------------------------------------------------------------------------------------- the tree
 @dataclass
 class Tree:
@@ -122,8 +114,11 @@ class Tree:
         return next((u for u in self.units if u.is_root), None)
 
     def module_names(self) -> list[str]:
-        """Every module fqn the tree knows: units' modules and the modules holding their own parameters."""
-        out = [m for u in self.units for m in list(u.modules) + list(getattr(u, "own_modules", []) or [])]
+        """Every module fqn the tree knows: units' modules and, inside a numbered child, the modules holding
+        their own parameters (``layer1.0.conv1`` says ``layer1.0`` is a block; ``stem.0``, a Conv2d holding
+        parameters itself, is a leaf of a Sequential, not a block)."""
+        own = [m for u in self.units for m in getattr(u, "own_modules", []) or [] if _DEEP.match(strip_ckpt(m))]
+        out = [m for u in self.units for m in u.modules] + own
         out += [m for n in self.names if n not in ROOT_LABELS for m in members(n)]
         return out
 
@@ -137,6 +132,17 @@ class Tree:
         if self.units:
             return [u.name for u in self.non_root() if u.param_count != 0]
         return [n for n in self.names if n not in ROOT_LABELS]
+
+
+def block_bytes(u) -> dict[str, int]:
+    """A unit's repeated blocks (``layer1.0``, ...) in module order, with the bytes of their parameters (the
+    snapshot's own modules and their sizes); {} where the snapshot has no sizes."""
+    out: dict[str, int] = {}
+    for m, b in zip(getattr(u, "own_modules", []) or [], getattr(u, "own_bytes", []) or []):
+        blk = block_of(m) if _DEEP.match(strip_ckpt(m)) else None
+        if blk is not None:
+            out[blk] = out.get(blk, 0) + b
+    return out
 
 
 def tree(ctx) -> Tree:
@@ -191,7 +197,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
     in the root: FSDP refuses a parameter another unit manages), the root last. Each unit keeps the options
     the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all."""
-    lines = [f"# {note or 'replaces your fully_shard calls'} ({BEFORE_SHARDING})"]
+    lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     mp = mp_line or _mp_line(t.units)
     if mp:
         lines.append(mp)
@@ -206,7 +212,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                       f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
                       f"    fully_shard(blocks[i:i + {group}], mesh=mesh{kw})"]
         else:
-            lines += [f"for block in {children_expr(c)}:", f"    fully_shard(block, mesh=mesh{kw})"]
+            lines += [f"for block in {children_expr(c)}:", "    " + _call("block", kw, indent=4)]
     units = t.non_root() if t.units else [None] * 0
     labels = [u.name for u in units] if t.units else t.unit_labels()
     for i, name in enumerate(labels):
@@ -214,19 +220,61 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         if not mods or all(in_block(m) for m in mods):
             continue
         kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_kwargs, drop)
-        lines.append(f"fully_shard({group_expr(mods)}, mesh=mesh{kw})")
+        lines.append(_call(group_expr(mods), kw))
     root = t.root()
     if root_leftovers and root is not None:
-        tied = set(root.tied_modules or [])
-        left = [m for m in root.own_modules or [] if m and m not in tied and not in_block(m)]
-        kw = _merge(_unit_kwargs(root), extra_kwargs, drop)
-        for m in left:
-            lines.append(f"fully_shard({module_expr(m)}, mesh=mesh{kw})")
-        if tied:
-            lines.append(f"# {', '.join(sorted(tied))} share a parameter (tied weights): they stay in the root")
+        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_kwargs, drop))
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_kwargs, drop)
-    lines.append(f"fully_shard(model, mesh=mesh{rkw})  # the root last: it keeps what no unit holds")
+    lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
     return "\n".join(lines)
+
+
+def _call(expr: str, kw: str, indent: int = 0, width: int = 96) -> str:
+    """``fully_shard(expr, mesh=mesh, ...)``, its options on continuation lines past ``width`` columns."""
+    one = f"fully_shard({expr}, mesh=mesh{kw})"
+    if indent + len(one) <= width:
+        return one
+    pad = " " * (indent + len("fully_shard("))
+    return f"fully_shard({expr}, mesh=mesh" + "".join(f",\n{pad}{p}" for p in kw.split(", ") if p) + ")"
+
+
+def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
+    """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
+    that holds no unit (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a ``model`` that holds
+    the blocks); those after the last block (the final norm and head) grouped and kept gathered after forward
+    as torchtitan does: they run last in forward and first in backward. Tied modules stay in the root."""
+    own = [m for m in root.own_modules or [] if m]
+    tied = set(root.tied_modules or [])
+    trailing = set(root.trailing_modules or [])
+    if not trailing:  # a whole-model unit: its own modules in module order, the blocks' among them
+        last = max((i for i, m in enumerate(own) if in_block(m)), default=None)
+        trailing = set(own[last + 1:]) if last is not None else set()
+    busy = [m for u in t.non_root() for m in u.modules] + [c for c in t.containers()]
+    def top(m: str) -> str:
+        parts = m.split(".")
+        for i in range(1, len(parts) + 1):
+            cand = ".".join(parts[:i])
+            if not any(b == cand or b.startswith(cand + ".") for b in busy):
+                return cand
+        return m
+    heads: dict[str, bool] = {}  # collapsed module -> trailing
+    skip: set[str] = set()
+    for m in own:
+        if in_block(m):
+            continue
+        h = top(m)
+        if m in tied:
+            skip.add(h)
+        heads[h] = heads.get(h, True) and m in trailing
+    heads = {h: tr for h, tr in heads.items() if h not in skip}
+    lines = [_call(module_expr(h), kw) for h, tr in heads.items() if not tr]
+    tail = [h for h, tr in heads.items() if tr]
+    if tail:
+        lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
+                  _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
+    if skip:
+        lines.append(f"# {', '.join(sorted(skip))} share a parameter (tied weights): they stay in the root")
+    return lines
 
 
 def unit_list(t: Tree, var: str = "units") -> str:
@@ -234,10 +282,11 @@ def unit_list(t: Tree, var: str = "units") -> str:
     FSDPModule too), in forward order, on the sharded model."""
     labels = t.unit_labels()
     mods = [members(n)[0] for n in labels]
-    if len(mods) <= 4:
-        return f"{var} = [" + ", ".join(module_expr(m) for m in mods) + "]  # every FSDP unit, in forward order"
-    return (name_list("unit_names", mods) + "\n"
-            f"{var} = [model.get_submodule(name) for name in unit_names]  # every FSDP unit, in forward order")
+    short = f"{var} = [" + ", ".join(module_expr(m) for m in mods) + "]"
+    if len(short) <= 96:
+        return "# every FSDP unit, in forward order\n" + short
+    return ("# every FSDP unit, in forward order\n" + name_list("unit_names", mods) + "\n"
+            f"{var} = [model.get_submodule(name) for name in unit_names]")
 
 
 def name_list(var: str, names: list[str], width: int = 96) -> str:
@@ -255,15 +304,23 @@ def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
 
 
+def rebuild_optimizer() -> str:
+    """The user's optimizer built again on the model's current parameters, same class and hyper-parameters."""
+    return ("cls = type(optimizer)  # the same optimizer and hyper-parameters, on the sharded parameters:\n"
+            "optimizer = cls(model.parameters(), **{k: v for k, v in optimizer.defaults.items()\n"
+            "                                        if k in inspect.signature(cls).parameters})")
+
+
 def root_mesh() -> str:
     """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters)."""
-    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))  # your units' mesh"
+    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
 
 
 # ---------------------------------------------------------------------------------------------- completion
 # name used in a snippet -> the line that defines it (imports first, then the mesh, in this order)
 _DEFINES = (
     (r"\bgc\.", "import gc"),
+    (r"\binspect\.", "import inspect"),
     (r"\btorch\.", "import torch"),
     (r"\bnn\.", "import torch.nn as nn"),
     (r"\bdist\.", "import torch.distributed as dist"),
@@ -273,7 +330,7 @@ _DEFINES = (
 )
 _FSDP_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard")
 _MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
-         "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks, 1-D; HSDP: keep your 2-D mesh")
+         "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks (HSDP: your 2-D mesh)")
 
 
 def complete(code: str) -> str:

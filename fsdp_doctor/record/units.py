@@ -166,9 +166,9 @@ def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
 def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown")."""
     names = {id(u.state): u.name for u in units}
-    owns, tied = _own_modules(units)
+    owns, tied, trails, sizes = _own_modules(units)
     out = []
-    for u, own in zip(units, owns):
+    for u, own, trailing in zip(units, owns, trails):
         pgs = F2.param_groups(u.state)
         known = pgs is not None
         pgs = pgs or []
@@ -210,34 +210,43 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 depth=u.depth,
                 parent=u.parent,
                 own_modules=own,
+                own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
+                trailing_modules=trailing,
                 shard_size=_shard_size(fps),
             )
         )
     return out
 
 
-def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str]]:
-    """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out), and
-    the fqns of modules sharing a parameter with another module (tied weights). Public module API only."""
+def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[list[str]], dict[str, int]]:
+    """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
+    fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules after
+    its last nested unit in module order; each such module's parameter bytes. Public module API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
-    out = []
+    out, trails, sizes = [], [], {}
     for u in units:
         own: list[str] = []
+        after_nested = 0  # len(own) when the last nested unit was passed
         for base, top in zip(u.module_names, u.modules):
             stack = [(base, top)]
             while stack:
                 fqn, m = stack.pop()
+                if m is not top and id(m) in unit_mods:  # a nested unit: not ours, but it marks the order
+                    after_nested = len(own)
+                    continue
                 if any(True for _ in m.parameters(recurse=False)):
                     own.append(fqn)
+                    # a DTensor's numel is the global one: the unsharded size
+                    sizes[fqn] = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
                     for p in m.parameters(recurse=False):
                         holders.setdefault(id(p), []).append(fqn)
-                kids = [(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children() if id(c) not in unit_mods]
-                stack.extend(reversed(kids))
+                stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)
+        trails.append(own[after_nested:] if after_nested else [])
     tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
-    return out, tied
+    return out, tied, trails, sizes
 
 
 def _shard_size(fps) -> int | None:

@@ -159,7 +159,8 @@ class AcUnneeded(Rule):
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward (~{recompute:.1f} ms per "
             f"step) to save memory this run does not need: the peak is {E.mib(peak)} MiB of {E.mib(cap)} MiB. "
             "Turn it off (or checkpoint only every other block) and spend the headroom on speed.",
-            f"# {S.BEFORE_SHARDING}: build the model without apply_activation_checkpointing / checkpoint_wrapper on\n"
+            f"# {S.BEFORE_SHARDING}: build the model without apply_activation_checkpointing /\n"
+            "# checkpoint_wrapper on\n"
             f"#   {E.fmt_list(mods, 8)}\n"
             "# or keep it on every other block only:\n"
             + _APPLY + f"targets = {{model.get_submodule(n) for n in {tuple(mods[::2])!r}}}\n"

@@ -200,8 +200,8 @@ class CommunicationBound(TraceRule):
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
                     "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
                     "reduces across nodes), or give each byte more compute (a larger micro-batch per rank).")
-            code = _mp_snippet(ctx, ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh('cuda', (nodes, "
-                                     "gpus_per_node), mesh_dim_names=('replicate', 'shard'))",))
+            code = _mp_snippet(ctx, ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh(\n"
+                                     "#     'cuda', (nodes, gpus_per_node), mesh_dim_names=('replicate', 'shard'))",))
         sh = job.shares_pct
         fp32 = 0.0 if latency_bound else fp32_exposed_ms(rows)
         return [self.finding(
@@ -290,7 +290,7 @@ class NcclOnComputeStream(TraceRule):
             "them with async_op=True and wait only where the result is used, or move them out of the step.",
             "def reduce_async(metric):  # a loss or metric all-reduce issued without blocking the step\n"
             "    out = metric.detach().clone()\n"
-            "    return out, dist.all_reduce(out, async_op=True)  # call .wait() on the work where out is read",
+            "    return out, dist.all_reduce(out, async_op=True)  # .wait() on the work where out is read",
             predicted=E.predicted(step, None), ranks=sorted(int(r) for r in bad))]
 
 

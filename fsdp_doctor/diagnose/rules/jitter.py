@@ -60,7 +60,8 @@ class GcPauses(Rule):
             "ranks at once, so that no rank waits for another's pause).",
             "# after building the model, optimizer and data loader: set-up objects leave the collector's view\n"
             "gc.collect()\ngc.freeze()\ngc.disable()  # no collection inside a step\n\n"
-            "def collect_between_steps(step, every=100):  # call after optimizer.step(), the same step on every rank\n"
+            "# call after optimizer.step(), at the same step on every rank\n"
+            "def collect_between_steps(step, every=100):\n"
             "    if step % every == 0:\n        gc.collect(generation=1)",
             predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - per_step), 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
@@ -118,8 +119,9 @@ class DataWait(Rule):
             "workers with pinned memory and prefetching, and move host-side work (logging, metrics, .item() "
             "calls) off the step's critical path.",
             "def background_loader(dataset, batch_size):  # your dataset and batch size; iterate it as before\n"
-            "    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=4, pin_memory=True,\n"
-            "                                       prefetch_factor=4, persistent_workers=True)",
+            "    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=4,\n"
+            "                                       pin_memory=True, prefetch_factor=4,\n"
+            "                                       persistent_workers=True)",
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - outside, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(ranks),

@@ -7,6 +7,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from .. import estimate as E
+from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
 
@@ -33,7 +34,8 @@ STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "
 METRICS_EVERY_CODE = """\
 LOG_EVERY = 50  # steps between metric reductions
 
-def log_loss(step, loss):  # after optimizer.step(): all-reduces and reads the loss every LOG_EVERY steps only
+# call after optimizer.step(): all-reduces and reads the loss every LOG_EVERY steps only
+def log_loss(step, loss):
     if step % LOG_EVERY == 0:
         avg = loss.detach().clone()
         dist.all_reduce(avg)  # a sum (gloo has no AVG)
@@ -80,7 +82,7 @@ class OptimizerBeforeShard(Rule):
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
             f"({E.mib(stale)} MiB per rank). Create the optimizer after sharding.",
             "# after your fully_shard calls (the parameters are DTensors now): the same optimizer, rebuilt\n"
-            f"optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)  # {opt}, same hyper-parameters",
+            + S.rebuild_optimizer(),
             predicted=E.predicted(step, None, peak, peak_after))]
 
 
@@ -143,7 +145,8 @@ class OptimizerStepComm(Rule):
                f"{worst.calls:.0f} calls per step are already batched (with clip_grad_norm_ that is "
                "foreach=True, or a few norm reductions): what remains is their exposure; log metrics every N "
                "steps, and on a GPU clip less often or overlap the metric reduction with the next step."),
-            (("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)  # one batched reduction\n"
+            (("# one batched reduction for the total norm\n"
+              "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)\n"
               if per_tensor else "") + METRICS_EVERY_CODE),
             predicted=E.predicted(step, step - worst.exposed_ms), ranks=[int(rank)])]
 
@@ -177,9 +180,9 @@ class OptimizerStateDominates(Rule):
             "the peak. Options, least invasive first: keep the state in bf16 (halves it), shard over more "
             "ranks, switch to an optimizer with factored or 8-bit state (Adafactor, 8-bit Adam), or offload "
             "the state to the host (CPUOffloadPolicy, GPU only).",
-            f"# e.g. bf16 optimizer state: build the model in bf16 before fully_shard and keep an fp32 reduce\n"
+            "# e.g. bf16 optimizer state: the model in bf16 before fully_shard, an fp32 reduce\n"
             "model.to(torch.bfloat16)\n"
-            "fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
-            "                                                            reduce_dtype=torch.float32))\n"
-            f"optimizer = torch.optim.{cfg.optimizer if cfg and cfg.optimizer else 'AdamW'}(model.parameters(), lr=lr)",
+            + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
+                           mp_line="mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+            + "\n" + S.rebuild_optimizer(),
             predicted=E.predicted(step, step, peak, peak - saved))]

@@ -68,6 +68,16 @@ class TooCoarse(Rule):
                 step_after = step + t.ag_wait_fwd_ms * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
         gathered_extra = big.unsharded_bytes - big.sharded_bytes
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
+        blocks = list(S.block_bytes(big).values())
+        own = sum(big.own_bytes)
+        if peak is not None and len(blocks) >= 2 and own:
+            # from the unit's own modules: after the split at most two consecutive blocks are gathered (the one
+            # computing, the one FSDP prefetches); what the whole unit had gathered at the peak (its unsharded
+            # parameters and its all-gather buffers) shrinks to that pair's share of the unit
+            pair = max(a + b for a, b in zip(blocks, blocks[1:]))
+            bd = E.breakdown(ctx)
+            at_peak = (bd.get("unsharded_params") or 0) + (bd.get("comm_buffers") or 0)
+            peak_after = peak - at_peak * (1 - min(1.0, pair / own))
         name = big.name or "(root)"
         whole = big.is_root and len(us) == 1
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
@@ -84,7 +94,9 @@ class TooCoarse(Rule):
             {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big.param_count,
              "unsharded_bytes": big.unsharded_bytes, "units_with_params": len(us),
              "ag_wait_fwd_ms": t.ag_wait_fwd_ms, "ag_wait_bwd_ms": t.ag_wait_bwd_ms,
-             "step_p50_ms": step, "estimate_assumes": f"split into {k} similar units, 2 gathered at a time"},
+             "step_p50_ms": step,
+             "estimate_assumes": (f"its {len(blocks)} blocks split off, 2 consecutive ones gathered at a time"
+                                  if len(blocks) >= 2 and own else f"split into {k} similar units, 2 gathered at a time")},
             text, code,
             predicted=E.predicted(step, step_after, peak, peak_after), units=[big.name])]
 
@@ -206,8 +218,15 @@ class RootNotSharded(Rule):
         # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
         # block computing (and the one prefetched) would be gathered
         extra = sorted((u.unsharded_bytes - u.sharded_bytes for u in rts), reverse=True)
-        saved = sum(extra[2:]) if len(extra) > 2 else 0
-        peak_after = peak - saved if peak is not None else None
+        # at the peak every root is gathered; with a real root only the block computing is, and the root's
+        # parameters (those no unit managed: replicated until now) are gathered and sharded: +1/ws of them,
+        # while their optimizer state shrinks to 1/ws (its share per parameter byte from the breakdown)
+        ws = max(1, cfg.world_size if cfg is not None else 1)
+        gathered = sum(u.unsharded_bytes for u in rts) - max((u.unsharded_bytes for u in rts), default=0)
+        bd = E.breakdown(ctx)
+        state_per_byte = (bd.get("optimizer_state") or 0) / bd["sharded_params"] if bd.get("sharded_params") else 0
+        own = unmanaged or 0
+        peak_after = (peak - gathered + own / ws - state_per_byte * own * (1 - 1 / ws)) if peak is not None else None
         # and the backward all-gathers come back: roughly the forward waits again
         refetch = sum(E.ag_wait_ms(u, "forward") for u in rts[1:])
         step_after = step + refetch if step is not None else None
@@ -220,7 +239,7 @@ class RootNotSharded(Rule):
             text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
                      "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
         text += " Apply fully_shard to the root module after the blocks: one line after your own calls."
-        code = ("# after your fully_shard calls on the blocks, on the same mesh:\n" + S.root_mesh() + "\n"
+        code = ("# after your fully_shard calls on the blocks, on their mesh:\n" + S.root_mesh() + "\n"
                 "fully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
         return [self.finding(
             sev, f"fully_shard was never applied to the root: {len(rts)} independent FSDP roots",
@@ -263,10 +282,12 @@ class MixedDtypeUnit(Rule):
                 f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
                 "weights stay as they are, trainable ones keep their dtype for the optimizer); or give the "
                 "odd-dtype parameters a unit of their own.",
-                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a MixedPrecisionPolicy\n"
-                f"fully_shard({S.unit_expr(u)}, mesh=mesh,  # every parameter all-gathered in {narrow}\n"
-                f"            mp_policy=MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
-                f"                                           output_dtype=torch.{wide}))  # what the next units expect",
+                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a\n"
+                f"# MixedPrecisionPolicy, every parameter all-gathered in {narrow}, the output in {wide}\n"
+                f"# (what the next units expect)\n"
+                f"mp = MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
+                f"                          output_dtype=torch.{wide})\n"
+                f"fully_shard({S.unit_expr(u)}, mesh=mesh, mp_policy=mp)",
                 units=[u.name]))
         return out
 
