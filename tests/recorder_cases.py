@@ -20,9 +20,7 @@ Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -258,10 +256,11 @@ def run_aside(out: Path) -> dict:
                          "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
 
     # gradient accumulation with doctor.step() per micro-batch: 12 optimizer steps x 4 micro-batches
-    train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False, memory=False))
+    train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False))
     rd = fsdp_doctor.load_run(out / "micro").ranks[dist.get_rank()]
     res["micro"] = {"steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
-                    "optimizer_ms": [s.optimizer_ms for s in rd.steps]}
+                    "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": [e.message for e in rd.errors],
+                    "memory": [s.memory is not None for s in rd.steps]}
 
     # HF gradient checkpointing: model FLOPs equal, hardware FLOPs higher by the recompute
     flops = {}
@@ -277,18 +276,7 @@ def run_aside(out: Path) -> dict:
 CASES = {"identity": run_identity, "aside": run_aside}
 
 
-def main(argv: list[str]) -> int:
-    case, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        res = CASES[case](out)
-    finally:
-        dist.destroy_process_group()
-    print("RESULT " + json.dumps(res), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from clients import main
+
+    sys.exit(main(sys.argv[1:], CASES))

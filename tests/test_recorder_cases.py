@@ -56,6 +56,7 @@ def test_micro_batches_of_one_optimizer_step_make_one_step(aside):
     for res in aside[0]:
         m = res["micro"]
         assert m["steps"] == list(range(12)) and m["micro_batches"] == [4] * 12, m
+        assert m["errors"] == [] and all(m["memory"]), m  # the memory probe samples optimizer steps too
     run = load_run(aside[2] / "micro")
     for rd in run.ranks.values():
         stats = step_stats(usable_steps(rd.steps))
