@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -242,18 +243,7 @@ def run_aside(out: Path) -> dict:
     finally:
         T.run_device = real
 
-    # accelerate's AcceleratedOptimizer around the user's optimizer (as accelerator.prepare returns it)
-    from accelerate import Accelerator
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    Accelerator(cpu=True)  # accelerate's state (its AcceleratedOptimizer needs one), on our process group
-    losses, params, after, doctor, before, _ = train(gpt, out_dir=out / "accelerate", wrap=AcceleratedOptimizer,
-                                                     watch_kw=dict(profile=False))
-    run = fsdp_doctor.load_run(out / "accelerate")
-    rd = run.ranks[dist.get_rank()]
-    res["accelerate"] = {"identical": losses == base_losses and same_tensors(params, base_params),
-                         "left": diff(before, after), "optimizer": rd.config.optimizer,
-                         "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
+    res["accelerate"] = run_accelerate(out)
 
     # gradient accumulation with doctor.step() per micro-batch: 12 optimizer steps x 4 micro-batches
     train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False))
@@ -271,6 +261,58 @@ def run_aside(out: Path) -> dict:
         flops[str(ck)] = [doctor.flops_per_step, doctor.hardware_flops_per_step]
     res["hf_checkpointing"] = flops
     return res
+
+
+def run_accelerate(out: Path) -> dict:
+    """accelerate's own FSDP2 path: ``Accelerator`` with its FSDP2 plugin (forced to FSDP: accelerate enables it
+    on GPUs only), ``accelerator.prepare(model, optimizer)`` shards an HF Llama and wraps the optimizer in an
+    AcceleratedOptimizer, ``accelerator.backward``; the same run without and with the doctor."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            reshard_after_forward=True)
+    acc = Accelerator(cpu=True)
+
+
+    def run(out_dir=None):
+        acc.state.distributed_type = DistributedType.FSDP  # (prepare resets it)
+        acc.state.fsdp_plugin = plugin
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=2 * SEQ))
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        inner = opt.optimizer
+        model._get_fsdp_state()._lazy_init()
+        before = hook_state(model, inner)
+        ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), profile=False) if out_dir else None
+        doctor = ctx.__enter__() if ctx else None
+        losses = []
+        for step in range(STEPS):
+            tok, tgt = batch(step)
+            loss = model(input_ids=tok, labels=tok).loss  # HF shifts the labels itself
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if doctor is not None:
+                doctor.step()
+            losses.append(loss.item())
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        return losses, params, diff(before, hook_state(model, inner)), type(opt).__name__
+
+    base, base_params, _, _ = run()
+    losses, params, left, wrapper = run(out / "accelerate")
+    rd = fsdp_doctor.load_run(out / "accelerate").ranks[rank]
+    return {"identical": losses == base and same_tensors(params, base_params), "left": left, "wrapper": wrapper,
+            "optimizer": rd.config.optimizer, "units": len(rd.config.units),
+            "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
 
 
 CASES = {"identity": run_identity, "aside": run_aside}
