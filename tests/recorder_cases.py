@@ -181,10 +181,11 @@ def run_identity(out: Path) -> dict:
     res = {"mismatch": [], "left_behind": {}, "flops": {}}
     for name, build in MODELS.items():
         for dt_name, dt in (("fp32", None), ("bf16", torch.bfloat16)):
-            base_losses, base_params, *_ = train(lambda: build(dt))
+            base_losses, base_params, *_ = train(lambda: build(dt), steps=4)
             for i, (label, kw) in enumerate(option_sets(dist.get_world_size()).items()):
                 run_dir = out / f"{name}-{dt_name}-{i}"
-                losses, params, after, doctor, before, _ = train(lambda: build(dt), out_dir=run_dir, watch_kw=kw)
+                losses, params, after, doctor, before, _ = train(lambda: build(dt), out_dir=run_dir, watch_kw=kw,
+                                                                 steps=4)  # counted at 1, windows at 1-2 and 3
                 case = f"{name} {dt_name} [{label}]"
                 if losses != base_losses or not same_tensors(params, base_params):
                     res["mismatch"].append(case)
