@@ -63,3 +63,54 @@ def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
     with pytest.raises(WatchError) as e:
         unwrap_optimizer(object())
     assert "not a torch.optim.Optimizer" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, caplog):
+    """doctor.step() per micro-batch: one record per optimizer step with its micro-batch count. An optimizer that
+    never steps (the user steps another one) cannot hold the records back forever: after MICRO_BATCH_LIMIT calls
+    each call is a step, said in one line."""
+    import logging
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.record.tracker import Doctor
+    from fsdp_doctor.workloads import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fully_shard(m[0])
+        fully_shard(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "micro", profile=False) as doc:
+            for _ in range(3):
+                for mb in range(2):
+                    m(torch.randn(2, 4)).sum().backward()
+                    if mb == 1:
+                        opt.step()
+                        opt.zero_grad()
+                    doc.step()
+        rd = fsdp_doctor.load_run(tmp_path / "micro").ranks[0]
+        assert [(s.step, s.micro_batches) for s in rd.steps] == [(0, 2), (1, 2), (2, 2)]
+        assert all(s.optimizer_ms > 0 for s in rd.steps)
+
+        monkeypatch.setattr(Doctor, "MICRO_BATCH_LIMIT", 5)
+        other = torch.optim.SGD(m.parameters(), lr=0.1)
+        with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+            with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "never", profile=False) as doc:
+                for _ in range(8):
+                    m(torch.randn(2, 4)).sum().backward()
+                    other.step()
+                    other.zero_grad()
+                    doc.step()
+        rd = fsdp_doctor.load_run(tmp_path / "never").ranks[0]
+        assert [s.micro_batches for s in rd.steps] == [5, 1, 1, 1]
+        assert len([r for r in caplog.records if "without a step of the optimizer" in r.getMessage()]) == 1
+    finally:
+        dist.destroy_process_group()
