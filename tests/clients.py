@@ -470,14 +470,15 @@ def run_snippets(spec_path: Path) -> dict:
     return {"results": out}
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], clients: dict | None = None) -> int:
+    """One rank: ``clients`` (default CLIENTS; tests/recorder_cases.py passes its cases) names what to run."""
     client, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         res = (run_snippets(out) if client == "snippets" else run_scenario(out) if client == "scenario"
-               else CLIENTS[client](out))
+               else (clients or CLIENTS)[client](out))
     finally:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(res), flush=True)

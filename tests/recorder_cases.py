@@ -20,7 +20,6 @@ Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import shutil
@@ -182,10 +181,11 @@ def run_identity(out: Path) -> dict:
     res = {"mismatch": [], "left_behind": {}, "flops": {}}
     for name, build in MODELS.items():
         for dt_name, dt in (("fp32", None), ("bf16", torch.bfloat16)):
-            base_losses, base_params, *_ = train(lambda: build(dt))
+            base_losses, base_params, *_ = train(lambda: build(dt), steps=4)
             for i, (label, kw) in enumerate(option_sets(dist.get_world_size()).items()):
                 run_dir = out / f"{name}-{dt_name}-{i}"
-                losses, params, after, doctor, before, _ = train(lambda: build(dt), out_dir=run_dir, watch_kw=kw)
+                losses, params, after, doctor, before, _ = train(lambda: build(dt), out_dir=run_dir, watch_kw=kw,
+                                                                 steps=4)  # counted at 1, windows at 1-2 and 3
                 case = f"{name} {dt_name} [{label}]"
                 if losses != base_losses or not same_tensors(params, base_params):
                     res["mismatch"].append(case)
@@ -244,24 +244,14 @@ def run_aside(out: Path) -> dict:
     finally:
         T.run_device = real
 
-    # accelerate's AcceleratedOptimizer around the user's optimizer (as accelerator.prepare returns it)
-    from accelerate import Accelerator
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    Accelerator(cpu=True)  # accelerate's state (its AcceleratedOptimizer needs one), on our process group
-    losses, params, after, doctor, before, _ = train(gpt, out_dir=out / "accelerate", wrap=AcceleratedOptimizer,
-                                                     watch_kw=dict(profile=False))
-    run = fsdp_doctor.load_run(out / "accelerate")
-    rd = run.ranks[dist.get_rank()]
-    res["accelerate"] = {"identical": losses == base_losses and same_tensors(params, base_params),
-                         "left": diff(before, after), "optimizer": rd.config.optimizer,
-                         "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
+    res["accelerate"] = run_accelerate(out)
 
     # gradient accumulation with doctor.step() per micro-batch: 12 optimizer steps x 4 micro-batches
-    train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False, memory=False))
+    train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False))
     rd = fsdp_doctor.load_run(out / "micro").ranks[dist.get_rank()]
     res["micro"] = {"steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
-                    "optimizer_ms": [s.optimizer_ms for s in rd.steps]}
+                    "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": [e.message for e in rd.errors],
+                    "memory": [s.memory is not None for s in rd.steps]}
 
     # HF gradient checkpointing: model FLOPs equal, hardware FLOPs higher by the recompute
     flops = {}
@@ -274,21 +264,62 @@ def run_aside(out: Path) -> dict:
     return res
 
 
+def run_accelerate(out: Path) -> dict:
+    """accelerate's own FSDP2 path: ``Accelerator`` with its FSDP2 plugin (forced to FSDP: accelerate enables it
+    on GPUs only), ``accelerator.prepare(model, optimizer)`` shards an HF Llama and wraps the optimizer in an
+    AcceleratedOptimizer, ``accelerator.backward``; the same run without and with the doctor."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            reshard_after_forward=True)
+    acc = Accelerator(cpu=True)
+
+
+    def run(out_dir=None):
+        acc.state.distributed_type = DistributedType.FSDP  # (prepare resets it)
+        acc.state.fsdp_plugin = plugin
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=2 * SEQ))
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        inner = opt.optimizer
+        model._get_fsdp_state()._lazy_init()
+        before = hook_state(model, inner)
+        ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), profile=False) if out_dir else None
+        doctor = ctx.__enter__() if ctx else None
+        losses = []
+        for step in range(STEPS):
+            tok, tgt = batch(step)
+            loss = model(input_ids=tok, labels=tok).loss  # HF shifts the labels itself
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if doctor is not None:
+                doctor.step()
+            losses.append(loss.item())
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        return losses, params, diff(before, hook_state(model, inner)), type(opt).__name__
+
+    base, base_params, _, _ = run()
+    losses, params, left, wrapper = run(out / "accelerate")
+    rd = fsdp_doctor.load_run(out / "accelerate").ranks[rank]
+    return {"identical": losses == base and same_tensors(params, base_params), "left": left, "wrapper": wrapper,
+            "optimizer": rd.config.optimizer, "units": len(rd.config.units),
+            "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
+
+
 CASES = {"identity": run_identity, "aside": run_aside}
 
 
-def main(argv: list[str]) -> int:
-    case, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        res = CASES[case](out)
-    finally:
-        dist.destroy_process_group()
-    print("RESULT " + json.dumps(res), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from clients import main
+
+    sys.exit(main(sys.argv[1:], CASES))

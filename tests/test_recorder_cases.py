@@ -40,9 +40,12 @@ def test_stepping_aside_removes_everything_at_once(aside, case):
         assert err.count("the doctor stops recording and removes its hooks") == 4, err[-3000:]
 
 
-def test_accelerated_optimizer_unwrapped(aside):
+def test_accelerate_fsdp2_plugin_with_its_optimizer_wrapper(aside):
+    """accelerator.prepare's model and AcceleratedOptimizer go straight into watch(): the optimizer unwrapped
+    (timed, named AdamW), training bit-identical, nothing left behind."""
     for res in aside[0]:
         acc = res["accelerate"]
+        assert acc["wrapper"] == "AcceleratedOptimizer" and acc["units"] >= 3, acc  # 2 decoder layers, the root...
         assert acc["identical"] and acc["left"] == [] and acc["errors"] == 0, acc
         assert acc["optimizer"] == "AdamW" and all(ms > 0 for ms in acc["optimizer_ms"]), acc
 
@@ -56,6 +59,7 @@ def test_micro_batches_of_one_optimizer_step_make_one_step(aside):
     for res in aside[0]:
         m = res["micro"]
         assert m["steps"] == list(range(12)) and m["micro_batches"] == [4] * 12, m
+        assert m["errors"] == [] and all(m["memory"]), m  # the memory probe samples optimizer steps too
     run = load_run(aside[2] / "micro")
     for rd in run.ranks.values():
         stats = step_stats(usable_steps(rd.steps))

@@ -13,7 +13,8 @@ the run directory, install and uninstall, ``step()``) and fans the work out to i
 
 None of the hooks changes a tensor: losses are bit-identical with and without the doctor. Every hook
 body is guarded: an exception is caught, reported once (log + an ``error`` record) and the doctor steps
-aside while training continues.
+aside while training continues, removing everything it installed at once (``Doctor._remove``, the same
+removal as at exit).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -1,0 +1,116 @@
+"""The recorder's typed seams: FSDP2's label grammar (one torch-free parser for the hooks and the trace builder),
+WatchOptions (watch()'s options in one place) and the optimizer unwrapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_doctor.fsdp_labels import FsdpLabel, parse_label
+
+
+@pytest.mark.parametrize("name,parsed", [
+    ("FSDP::pre_forward (layers.0)", FsdpLabel("pre_forward", "layers.0")),
+    ("FSDP::pre_backward ()", FsdpLabel("pre_backward", "")),
+    ("FSDP::root_pre_forward", FsdpLabel("root_pre_forward", None)),
+    ("FSDP::all_gather (layers.1) [pg=3]", FsdpLabel("all_gather", "layers.1", 3)),
+    ("FSDP::post_backward_reduce (norm, lm_head)", FsdpLabel("post_backward_reduce", "norm, lm_head")),
+    ("FSDP::backward_prefetch for layers.2", FsdpLabel("backward_prefetch", "layers.2")),
+    ("FSDP::forward_prefetch for ", FsdpLabel("forward_prefetch", "")),
+    ("aten::mm", None),
+    ("FSDP::", None),
+])
+def test_label_grammar(name, parsed):
+    assert parse_label(name) == parsed
+
+
+def test_the_hooks_and_the_trace_builder_share_the_grammar():
+    import fsdp_doctor.fsdp_labels as labels
+    import fsdp_doctor.record.hooks as hooks
+    import fsdp_doctor.trace.model as model
+
+    assert hooks.parse_label is labels.parse_label and model.parse_label is labels.parse_label
+    assert not hasattr(model, "LABEL_RE")  # no second copy of the grammar
+
+
+def test_watch_options_in_one_place():
+    from fsdp_doctor.record.options import WatchOptions
+
+    o = WatchOptions.from_kwargs({"out_dir": "x", "tokens_per_step": 8})
+    assert o.counts_flops and not WatchOptions(out_dir="x").counts_flops
+    assert not WatchOptions(out_dir="x", peak_tflops=1.0, count_flops=False).counts_flops
+    with pytest.raises(TypeError, match="unknown option.*tokens_per_stepp.*options: out_dir"):
+        WatchOptions.from_kwargs({"out_dir": "x", "tokens_per_stepp": 8})
+    with pytest.raises(TypeError, match="out_dir is required"):
+        WatchOptions.from_kwargs({})
+
+
+def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
+    from fsdp_doctor.record.tracker import WatchError, unwrap_optimizer
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    class Wrapper(torch.optim.Optimizer):  # accelerate's shape: an Optimizer subclass without Optimizer.__init__
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    class Plain:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    assert unwrap_optimizer(opt) is opt and unwrap_optimizer(None) is None
+    assert unwrap_optimizer(Wrapper(Plain(opt))) is opt
+    with pytest.raises(WatchError) as e:
+        unwrap_optimizer(object())
+    assert "not a torch.optim.Optimizer" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, caplog):
+    """doctor.step() per micro-batch: one record per optimizer step with its micro-batch count. An optimizer that
+    never steps (the user steps another one) cannot hold the records back forever: after MICRO_BATCH_LIMIT calls
+    each call is a step, said in one line."""
+    import logging
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.record.tracker import Doctor
+    from fsdp_doctor.workloads import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fully_shard(m[0])
+        fully_shard(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "micro", profile=False) as doc:
+            for _ in range(3):
+                for mb in range(2):
+                    m(torch.randn(2, 4)).sum().backward()
+                    if mb == 1:
+                        opt.step()
+                        opt.zero_grad()
+                    doc.step()
+        rd = fsdp_doctor.load_run(tmp_path / "micro").ranks[0]
+        assert [(s.step, s.micro_batches) for s in rd.steps] == [(0, 2), (1, 2), (2, 2)]
+        assert all(s.optimizer_ms > 0 for s in rd.steps)
+
+        monkeypatch.setattr(Doctor, "MICRO_BATCH_LIMIT", 5)
+        other = torch.optim.SGD(m.parameters(), lr=0.1)
+        with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+            with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "never", profile=False) as doc:
+                for _ in range(8):
+                    m(torch.randn(2, 4)).sum().backward()
+                    other.step()
+                    other.zero_grad()
+                    doc.step()
+        rd = fsdp_doctor.load_run(tmp_path / "never").ranks[0]
+        assert [s.micro_batches for s in rd.steps] == [5, 1, 1, 1]
+        assert len([r for r in caplog.records if "without a step of the optimizer" in r.getMessage()]) == 1
+    finally:
+        dist.destroy_process_group()
