@@ -200,3 +200,25 @@ def test_stepping_aside_mid_step_leaves_no_mode_and_no_wrapper(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")][-1]
     assert line == "RESULT True False [(1, False), (0, True), (0, True)]", line
+
+
+def test_auto_period_counts_what_a_full_step_costs_in_wall_time():
+    """Part of a counted step's cost (entering the dispatch mode for every op) cannot be timed from inside the
+    probe: the period of full steps also reads the full steps' wall time against the light ones'."""
+    from fsdp_doctor.record.memory.sampler import MAX_EVERY, Sampler
+
+    def period(full_extra_ms: float) -> int:
+        s = Sampler("auto", 0.003, False)
+        t = 0
+        for step in range(40):
+            full = s.is_full(step)
+            t += int((100 + (full_extra_ms if full else 0)) * 1e6)  # 100 ms steps
+            s.step_wall(t)
+            if full:
+                s.remember([(t, None, "forward_start")], [[0]])
+            s.step_cost(step, full, 1_000_000 if full else 1_000, 0)  # the probe timed 1 ms / 1 us
+        return s.every
+
+    assert period(0) == 4  # 1 ms per full step within 0.3% of 100 ms: every 4th step
+    # full steps 30 ms slower in wall time than the light ones: ~30 ms / (0.3% of ~115 ms) steps apart
+    assert 60 <= period(30) <= MAX_EVERY
