@@ -222,3 +222,19 @@ def test_auto_period_counts_what_a_full_step_costs_in_wall_time():
     assert period(0) == 4  # 1 ms per full step within 0.3% of 100 ms: every 4th step
     # full steps 30 ms slower in wall time than the light ones: ~30 ms / (0.3% of ~115 ms) steps apart
     assert 60 <= period(30) <= MAX_EVERY
+
+
+def test_counted_steps_are_left_out_of_step_statistics():
+    """A step whose memory was counted op by op pays for the dispatch mode: its time is the tool's, like a
+    profiled step's (unless fewer than 3 steps would remain)."""
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.records import MemoryStep, StepRecord
+
+    def step(i, counted):
+        return StepRecord(rank=0, step=i, start_ns=0, wall_ms=100.0,
+                          memory=MemoryStep(transients="exact" if counted else "replayed"))
+
+    steps = [step(i, i in (0, 2, 7)) for i in range(10)]
+    assert [s.step for s in usable_steps(steps)] == [1, 3, 4, 5, 6, 8, 9]
+    every = [step(i, True) for i in range(5)]
+    assert [s.step for s in usable_steps(every)] == [1, 2, 3, 4]  # full_every=1: nothing else to use
