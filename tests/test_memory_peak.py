@@ -238,3 +238,66 @@ def test_counted_steps_are_left_out_of_step_statistics():
     assert [s.step for s in usable_steps(steps)] == [1, 3, 4, 5, 6, 8, 9]
     every = [step(i, True) for i in range(5)]
     assert [s.step for s in usable_steps(every)] == [1, 2, 3, 4]  # full_every=1: nothing else to use
+
+
+_BF16_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import fsdp_doctor
+
+def run(watch):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False, hidden_act="silu")
+    model = LlamaForCausalLM(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    doc = fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, memory={"full_every": 1}) if watch else None
+    if doc is not None:
+        doc.__enter__()
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        tok = torch.randint(0, 512, (2, 33), generator=g)
+        logits = model(input_ids=tok[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if doc is not None:
+            doc.step()
+    if doc is not None:
+        doc.__exit__(None, None, None)
+    return losses, [p.to_local().clone() for p in model.parameters()]
+
+l0, p0 = run(False)
+l1, p1 = run(True)
+print("RESULT", l0 == l1, all(torch.equal(a, b) for a, b in zip(p0, p1)))
+"""
+
+
+@pytest.mark.slow
+def test_bf16_silu_training_bit_identical_with_the_high_water(tmp_path):
+    """Every step counted op by op (full_every=1) on an HF Llama (SiLU) under bf16 mixed precision: losses and
+    final parameter shards equal to a run without the doctor, bit for bit."""
+    import subprocess
+
+    from fsdp_doctor.workloads import free_port
+
+    r = subprocess.run([sys.executable, "-c", _BF16_SCRIPT, str(tmp_path), str(free_port())], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")][-1] == "RESULT True True"
+    from fsdp_doctor import load_run
+
+    steps = load_run(tmp_path).ranks[0].steps
+    assert [s.memory.transients for s in steps] == ["exact"] * 4
