@@ -200,3 +200,104 @@ def test_stepping_aside_mid_step_leaves_no_mode_and_no_wrapper(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")][-1]
     assert line == "RESULT True False [(1, False), (0, True), (0, True)]", line
+
+
+def test_auto_period_counts_what_a_full_step_costs_in_wall_time():
+    """Part of a counted step's cost (entering the dispatch mode for every op) cannot be timed from inside the
+    probe: the period of full steps also reads the full steps' wall time against the light ones'."""
+    from fsdp_doctor.record.memory.sampler import MAX_EVERY, Sampler
+
+    def period(full_extra_ms: float) -> int:
+        s = Sampler("auto", 0.003, False)
+        t = 0
+        for step in range(40):
+            full = s.is_full(step)
+            t += int((100 + (full_extra_ms if full else 0)) * 1e6)  # 100 ms steps
+            s.step_wall(t)
+            if full:
+                s.remember([(t, None, "forward_start")], [[0]])
+            s.step_cost(step, full, 1_000_000 if full else 1_000, 0)  # the probe timed 1 ms / 1 us
+        return s.every
+
+    assert period(0) == 4  # 1 ms per full step within 0.3% of 100 ms: every 4th step
+    # full steps 30 ms slower in wall time than the light ones: ~30 ms / (0.3% of ~115 ms) steps apart
+    assert 60 <= period(30) <= MAX_EVERY
+
+
+def test_counted_steps_are_left_out_of_step_statistics():
+    """A step whose memory was counted op by op pays for the dispatch mode: its time is the tool's, like a
+    profiled step's (unless fewer than 3 steps would remain)."""
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.records import MemoryStep, StepRecord
+
+    def step(i, counted):
+        return StepRecord(rank=0, step=i, start_ns=0, wall_ms=100.0,
+                          memory=MemoryStep(transients="exact" if counted else "replayed"))
+
+    steps = [step(i, i in (0, 2, 7)) for i in range(10)]
+    assert [s.step for s in usable_steps(steps)] == [1, 3, 4, 5, 6, 8, 9]
+    every = [step(i, True) for i in range(5)]
+    assert [s.step for s in usable_steps(every)] == [1, 2, 3, 4]  # full_every=1: nothing else to use
+
+
+_BF16_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import fsdp_doctor
+
+def run(watch):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False, hidden_act="silu")
+    model = LlamaForCausalLM(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    doc = fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, memory={"full_every": 1}) if watch else None
+    if doc is not None:
+        doc.__enter__()
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        tok = torch.randint(0, 512, (2, 33), generator=g)
+        logits = model(input_ids=tok[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tok[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if doc is not None:
+            doc.step()
+    if doc is not None:
+        doc.__exit__(None, None, None)
+    return losses, [p.to_local().clone() for p in model.parameters()]
+
+l0, p0 = run(False)
+l1, p1 = run(True)
+print("RESULT", l0 == l1, all(torch.equal(a, b) for a, b in zip(p0, p1)))
+"""
+
+
+@pytest.mark.slow
+def test_bf16_silu_training_bit_identical_with_the_high_water(tmp_path):
+    """Every step counted op by op (full_every=1) on an HF Llama (SiLU) under bf16 mixed precision: losses and
+    final parameter shards equal to a run without the doctor, bit for bit."""
+    import subprocess
+
+    from fsdp_doctor.workloads import free_port
+
+    r = subprocess.run([sys.executable, "-c", _BF16_SCRIPT, str(tmp_path), str(free_port())], capture_output=True,
+                       text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith("RESULT")][-1] == "RESULT True True"
+    from fsdp_doctor import load_run
+
+    steps = load_run(tmp_path).ranks[0].steps
+    assert [s.memory.transients for s in steps] == ["exact"] * 4

@@ -25,8 +25,11 @@ STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared h
 
 def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
-    profiler window or a FLOP-counting step (their cost is the tool's, not the model's)."""
-    return [s for s in steps if s.step > 0 and not s.profiled]
+    profiler window or a FLOP-counting step, nor a step whose memory was counted op by op (the high-water's
+    dispatch mode; unless that leaves fewer than 3): their cost is the tool's, not the model's."""
+    out = [s for s in steps if s.step > 0 and not s.profiled]
+    quiet = [s for s in out if s.memory is None or s.memory.transients != "exact"]
+    return quiet if len(quiet) >= 3 else out
 
 
 def percentile(xs: list[float], q: float) -> float:

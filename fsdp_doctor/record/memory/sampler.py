@@ -12,6 +12,10 @@ MAX_EVERY = 100
 TMP = -1  # temporaries: the last category of a sample row
 
 
+def _median(xs: list[int]) -> int:
+    return sorted(xs)[len(xs) // 2]
+
+
 class Sampler:
     def __init__(self, full_every, budget: float, is_cuda: bool):
         self.full_every = full_every  # "auto" or N
@@ -25,6 +29,9 @@ class Sampler:
         self._full_ns: list[int] = []
         self._last_step_end = 0
         self._walls: list[int] = []
+        self._full_walls: list[int] = []  # wall times of full steps and of light ones (ns)
+        self._light_walls: list[int] = []
+        self._new_wall = False
 
     def is_full(self, step: int) -> bool:
         every = self.full_every
@@ -36,6 +43,7 @@ class Sampler:
         """The step ends at ``t_end`` (ns): its wall time feeds the budget."""
         if self._last_step_end:
             self._walls.append(t_end - self._last_step_end)
+            self._new_wall = True
             if len(self._walls) > 64:
                 del self._walls[:32]
         self._last_step_end = t_end
@@ -74,7 +82,10 @@ class Sampler:
     def step_cost(self, step: int, full: bool, total_ns: int, mismatched: int) -> None:
         """The probe's cost this step; schedules the next full step."""
         (self._full_ns if full else self._light_ns).append(total_ns)
-        for lst in (self._full_ns, self._light_ns):
+        if self._new_wall:
+            (self._full_walls if full else self._light_walls).append(self._walls[-1])
+            self._new_wall = False
+        for lst in (self._full_ns, self._light_ns, self._full_walls, self._light_walls):
             if len(lst) > 64:
                 del lst[:32]
         if mismatched:
@@ -93,7 +104,11 @@ class Sampler:
         if not walls or not self._full_ns:
             return
         wall = walls[len(walls) // 2]
-        full = sorted(self._full_ns[-5:])[len(self._full_ns[-5:]) // 2]
+        full = _median(self._full_ns[-5:])
+        if len(self._light_walls) >= 3 and len(self._full_walls) >= 3:
+            # what a full step really costs the user: part of it (entering the high-water's dispatch mode for
+            # every op) cannot be timed from inside the probe
+            full = max(full, _median(self._full_walls[-5:]) - _median(self._light_walls[-20:]))
         light = sorted(self._light_ns[-20:])[len(self._light_ns[-20:]) // 2] if self._light_ns else full // 10
         room = self.budget * wall - light
         n = MAX_EVERY if room <= 0 else -(-int(full - light) // max(1, int(room)))
