@@ -253,14 +253,16 @@ def run_aside(out: Path) -> dict:
                     "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": [e.message for e in rd.errors],
                     "memory": [s.memory is not None for s in rd.steps]}
 
-    # HF gradient checkpointing: model FLOPs equal, hardware FLOPs higher by the recompute
-    flops = {}
-    for ck in (False, True):
-        *_, doctor, _, _ = train(lambda: llama(checkpointing=ck), out_dir=out / f"hf-ckpt-{ck}", steps=3,
-                                 watch_kw=dict(profile=False, memory=False, tokens_per_step=BATCH * SEQ * world,
-                                              peak_tflops=1e-3))  # a CPU's order of magnitude
-        flops[str(ck)] = [doctor.flops_per_step, doctor.hardware_flops_per_step]
-    res["hf_checkpointing"] = flops
+    # activation checkpointing (HF gradient_checkpointing_enable, the reference GPT's checkpoint_wrapper per
+    # block): model FLOPs equal, hardware FLOPs higher by the recompute
+    for name in ("llama", "gpt"):
+        flops = {}
+        for ck in (False, True):
+            *_, doctor, _, _ = train(lambda: MODELS[name](checkpointing=ck), out_dir=out / f"{name}-ckpt-{ck}",
+                                     steps=3, watch_kw=dict(profile=False, memory=False, peak_tflops=1e-3,
+                                                            tokens_per_step=BATCH * SEQ * world))
+            flops[str(ck)] = [doctor.flops_per_step, doctor.hardware_flops_per_step]
+        res[f"{name}_checkpointing"] = flops  # (peak: a CPU's order of magnitude)
     return res
 
 

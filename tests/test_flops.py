@@ -217,3 +217,15 @@ def test_recompute_counted_in_hardware_flops_only():
     fwd = [2 * b * t * d * 3 * d, 4 * b * h * t * t * (d // h), 2 * b * t * d * d, 2 * b * t * d * 4 * d,
            2 * b * t * 4 * d * d]
     assert c.hardware - c.model in (L * sum(fwd), L * sum(fwd[:-1])), (c, L * sum(fwd))
+
+
+def test_higher_order_operators_run_under_the_counter():
+    """A higher-order operator (torch.cond here) runs unchanged under the counter (its inner operators are not
+    counted); without ``supports_higher_order_operators`` torch would refuse it inside the user's step."""
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    fc = FlopCounter()
+    fc.start()
+    y = torch.cond(x.sum() > 0, lambda t: t @ t, lambda t: t + 1, (x,))
+    flops = fc.finish()
+    assert fc.error is None and flops is not None
+    assert torch.equal(y, x @ x if x.sum() > 0 else x + 1)

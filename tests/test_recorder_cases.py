@@ -66,14 +66,17 @@ def test_micro_batches_of_one_optimizer_step_make_one_step(aside):
         assert stats.count >= 10 and stats.phases_p50_ms["optimizer"] > 0, stats
 
 
-def test_hf_gradient_checkpointing_raises_hardware_flops_only(aside):
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_checkpointing_raises_hardware_flops_only(aside, model):
     for res in aside[0]:
-        plain, ckpt = res["hf_checkpointing"]["False"], res["hf_checkpointing"]["True"]
-        assert plain[0] == plain[1] == ckpt[0], res["hf_checkpointing"]  # model FLOPs: the same step
-        assert ckpt[1] > 1.1 * ckpt[0], res["hf_checkpointing"]  # hardware FLOPs: plus the re-run forwards
+        got = res[f"{model}_checkpointing"]
+        plain, ckpt = got["False"], got["True"]
+        assert plain[0] == plain[1] == ckpt[0], got  # model FLOPs: the same step
+        assert ckpt[1] > 1.1 * ckpt[0], got  # hardware FLOPs: plus the re-run forwards
 
 
-def test_hf_gradient_checkpointing_mfu_and_hfu_reported(aside):
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_checkpointing_mfu_and_hfu_reported(aside, model):
     """MFU from model FLOPs, HFU from hardware FLOPs, both in the report's JSON and the terminal table."""
     import msgspec
 
@@ -82,7 +85,7 @@ def test_hf_gradient_checkpointing_mfu_and_hfu_reported(aside):
     from fsdp_doctor.present.terminal import render_throughput
 
     for ck in (False, True):
-        run = load_run(aside[2] / f"hf-ckpt-{ck}")
+        run = load_run(aside[2] / f"{model}-ckpt-{ck}")
         tp = analyze_throughput(run)
         for r, row in tp.per_rank.items():
             cfg = run.ranks[int(r)].config

@@ -116,7 +116,10 @@ class StepFlops(NamedTuple):
 
 
 class _Observer(TorchDispatchMode):
-    """Runs each operator unchanged, then hands (op, result, args) to ``count``."""
+    """Runs each operator unchanged, then hands (op, result, args) to ``count`` (which never raises).
+    Higher-order operators (flex_attention, control flow) run unchanged too, their inner operators uncounted."""
+
+    supports_higher_order_operators = True
 
     def __init__(self, count):
         super().__init__()
@@ -125,7 +128,7 @@ class _Observer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._count(func._overloadpacket, out, args, kwargs)
+        self._count(func, out, args, kwargs)
         return out
 
 
@@ -147,16 +150,16 @@ class FlopCounter:
         except Exception as e:  # noqa: BLE001
             self._failed("creating the FLOP counter", e)
 
-    def _count(self, packet, out, args, kwargs) -> None:
+    def _count(self, func, out, args, kwargs) -> None:
         if self.error is not None:
             return
-        formula = self.formulas.get(packet)
+        formula = self.formulas.get(getattr(func, "_overloadpacket", None))
         if formula is None:
             return
         try:
             n = int(formula(*args, **kwargs, out_val=out))
         except Exception as e:  # noqa: BLE001
-            self._failed(f"counting {packet}", e)
+            self._failed(f"counting {func._overloadpacket}", e)
             return
         if in_recompute():
             self.recompute += n
