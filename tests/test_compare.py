@@ -9,6 +9,7 @@ the configuration change, the memory change the finding predicted, and the findi
 from __future__ import annotations
 
 import json
+import os
 
 import msgspec
 import numpy as np
@@ -131,8 +132,15 @@ def test_two_runs_of_one_config_say_no_significant_change(recorded_run, tmp_path
 
     _, _, knobs = recorded_run
     watch = {"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)}
+    cores = sorted(os.sched_getaffinity(0))
+
+    def job(i, name):  # each run on its own core where there are two: the same placement for both
+        if len(cores) >= 2:
+            os.sched_setaffinity(0, {cores[i]})  # this thread; the ranks it spawns inherit it
+        return record(tmp_path / name, watch_extra=watch, **knobs)
+
     with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(record, tmp_path / name, watch_extra=watch, **knobs) for name in ("one", "two")]
+        jobs = [pool.submit(job, i, name) for i, name in enumerate(("one", "two"))]
         (_, run), (_, again) = (j.result() for j in jobs)
     cmp = compare_runs(run, again)
     print(f"\ntwo runs of one configuration: {cmp.summary}")
