@@ -203,20 +203,21 @@ def test_dashboard_compare_page(prefetch_pair):
     assert page.body(str(a), str(a))[0].id == "cmp-same"
     # served: /compare lays out the pickers, and the pickers' callback answers over HTTP
     c = app.server.test_client()
-    page_body = {"output": "page.children", "outputs": {"id": "page", "property": "children"},
-                 "inputs": [{"id": "url", "property": "pathname", "value": "/compare"},
-                            {"id": "url", "property": "search", "value": ""},
-                            {"id": "version", "property": "data", "value": 1}],
-                 "changedPropIds": ["url.pathname"], "state": []}
-    r = c.post("/_dash-update-component", json=page_body)
-    assert r.status_code == 200 and "cmp-a" in r.get_data(as_text=True) and "cmp-body" in r.get_data(as_text=True)
-    pick = {"output": "cmp-body.children", "outputs": {"id": "cmp-body", "property": "children"},
-            "inputs": [{"id": "cmp-a", "property": "value", "value": str(a.resolve())},
-                       {"id": "cmp-b", "property": "value", "value": str(b.resolve())}],
-            "changedPropIds": ["cmp-a.value"], "state": []}
-    r = c.post("/_dash-update-component", json=pick)
-    text = r.get_data(as_text=True)
-    assert r.status_code == 200 and "cmp-summary" in text and "forward_prefetch" in text
+
+    def update(output: str, **inputs) -> str:
+        """What the served app answers to a change of ``inputs`` ({"component.prop": value})."""
+        cid, prop = output.split(".")
+        body = {"output": output, "outputs": {"id": cid, "property": prop}, "state": [],
+                "inputs": [{"id": k.split(".")[0], "property": k.split(".")[1], "value": v} for k, v in inputs.items()],
+                "changedPropIds": [next(iter(inputs))]}
+        r = c.post("/_dash-update-component", json=body)
+        assert r.status_code == 200, r.data[:300]
+        return r.get_data(as_text=True)
+
+    text = update("page.children", **{"url.pathname": "/compare", "url.search": "", "version.data": 1})
+    assert "cmp-a" in text and "cmp-body" in text
+    text = update("cmp-body.children", **{"cmp-a.value": str(a.resolve()), "cmp-b.value": str(b.resolve())})
+    assert "cmp-summary" in text and "forward_prefetch" in text
 
 
 def test_plain_trace_times_read_the_same_from_nanosecond_traces(prefetch_pair, tmp_path):
