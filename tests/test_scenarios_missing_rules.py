@@ -123,15 +123,19 @@ def test_severe_verdict_is_a_finding_on_real_traces(name, bound):
 
 
 def test_intermittent_straggler(tmp_path):
-    """Rank 1 stalls 150 ms before the forward of steps 3, 5 and 7 of 9: late in 3 of the 7 steady steps, not a
-    consistent straggler; the finding names the rank, the steps and the phase (outside the model)."""
-    report = _report(tmp_path, "intermittent", steps=9, sleep_rank=1, sleep_ms=150.0, sleep_steps=[3, 5, 7])
+    """Rank 1 stalls 300 ms before the forward of steps 3, 5 and 7 of 9: late in 3 of the 7 steady steps, not a
+    consistent straggler; the finding names the rank, the steps and the phase (outside the model). (A stall
+    must clear 30% of the median step's own time to count: on this loaded host steps take 400-700 ms, where
+    150 ms stalls were borderline.)"""
+    report = _report(tmp_path, "intermittent", steps=9, sleep_rank=1, sleep_ms=300.0, sleep_steps=[3, 5, 7])
     f = _finding(report, "straggler.intermittent", "info")
     ev = f.evidence
     assert ev["rank"] == 1 and f.ranks == [1]
-    assert set(ev["late_steps"]) <= {3, 5, 7} and len(ev["late_steps"]) >= 2
+    late = dict(zip(ev["late_steps"], ev["late_excess_ms"]))
+    planted = {st: x for st, x in late.items() if st in (3, 5, 7)}
+    assert len(planted) >= 2 and len(late) - len(planted) <= 1, late  # host noise may add one step
     assert ev["phase"] == "outside"
-    assert all(x >= 100 for x in ev["late_excess_ms"])  # each late step carries most of the 150 ms stall
+    assert all(x >= 200 for x in planted.values()), late  # each planted step carries most of the 300 ms stall
     assert f.predicted.step_ms_delta == pytest.approx(-ev["cost_ms_per_step"], abs=1e-3)
     assert "straggler.rank" not in {g.code for g in report.findings}  # 3 of 7 steps: not consistent
 
