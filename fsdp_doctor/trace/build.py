@@ -519,18 +519,18 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     ci = np.flatnonzero(comp)
     launch_ts = np.where(np.isnan(lts[ci]), ts[ci], lts[ci])
     order = np.argsort(launch_ts, kind="stable")
-    launch_sorted = launch_ts[order].tolist()
-    end_prefmax = np.maximum.accumulate(te[ci][order]).tolist() if ci.size else []
+    # (arrays, not lists: a window may hold millions of kernels; only the collectives look them up)
+    launch_sorted = launch_ts[order]
+    end_prefmax = np.maximum.accumulate(te[ci][order]) if ci.size else np.zeros(0)
 
-    ts_l = ts.tolist()
-    te_l = te.tolist()
     attributions: dict = {}
     collectives: dict = {}
     for i in np.flatnonzero(is_comm).tolist():
         k = i if orig is None else int(orig[i])
         a, name = dev.comm[k], dev.names[k]
         launch = launches.get(a.correlation)
-        issue = launch[0] * scale if launch is not None else ts_l[i]
+        t0, t1 = float(ts[i]), float(te[i])
+        issue = launch[0] * scale if launch is not None else t0
         lab = None
         if launch is not None:
             lab = index.innermost(launch[1], issue, _is_comm_label)
@@ -544,7 +544,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
         if coll is collectives:
             coll = collectives[name] = _snake_collective(name)
         coll = coll or (a.collective or "unknown")
-        call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=ts_l[i], end=te_l[i],
+        call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=t0, end=t1,
                               issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size,
                               dtype=a.dtype,
                               on_compute_stream=cs is not None and int(streams[i]) == cs)
@@ -556,8 +556,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
                 call.phase = phases.at(lab.ts)
                 out = index.first_after(issue, "FSDP::all_gather_copy_out" + suffix)
                 if out is not None:
-                    j = bisect.bisect_left(launch_sorted, out.ts)
-                    dev_ready = end_prefmax[j - 1] if j > 0 else -math.inf
+                    j = int(np.searchsorted(launch_sorted, out.ts, side="left"))
+                    dev_ready = float(end_prefmax[j - 1]) if j > 0 else -math.inf
                     call.need = max(out.ts, dev_ready)
             else:
                 call.phase = "backward"
