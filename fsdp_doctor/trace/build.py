@@ -250,7 +250,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                             if ent is None:
                                 ent = seen_names[nm] = (nm, NCCL_KERNEL_RE.match(nm) is not None)
                             if ent[1]:
-                                comm_events[len(gpu.names)] = e
+                                comm_events[len(gpu.names)] = e.args  # (all a collective needs beside its name)
                             g_name(ent[0])
                             g_ts(ts)
                             g_dur(d)
@@ -310,8 +310,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
 
     labels: dict = {}
     boundaries: list[tuple[float, str]] = []
+    label_names: dict[str, str] = {}  # one string per distinct label (a window of many steps repeats them)
     for e in special:
         n = e.name
+        n = label_names.setdefault(n, n)
         t = e.ts * scale
         if n.startswith("FSDP::") and t < cutoff:
             labels.setdefault((e.pid, e.tid), []).append(_Label(t, (e.ts + e.dur) * scale, n))
@@ -423,7 +425,7 @@ def _kernel_kind(name: str) -> int:
 class _DeviceEvents:
     """The device events of a window, compactly (a trace may hold millions): side by side the fields the arrays
     are built from, each name once (``seen``: name -> (name, is a collective)), and only the collectives'
-    events themselves (``comm``: position -> event)."""
+    args (``comm``: position -> args)."""
 
     def __init__(self):
         self.names: list[str] = []
@@ -432,7 +434,7 @@ class _DeviceEvents:
         self.corr = array("q")
         self.stream = array("q")
         self.seen: dict[str, tuple[str, bool]] = {}
-        self.comm: dict[int, Event] = {}
+        self.comm: dict[int, object] = {}  # position -> the collective's args
 
 
 class _Launches:
@@ -530,18 +532,18 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     ci = np.flatnonzero(comp)
     launch_ts = np.where(np.isnan(lts[ci]), ts[ci], lts[ci])
     order = np.argsort(launch_ts, kind="stable")
-    launch_sorted = launch_ts[order].tolist()
-    end_prefmax = np.maximum.accumulate(te[ci][order]).tolist() if ci.size else []
+    # (arrays, not lists: a window may hold millions of kernels; only the collectives look them up)
+    launch_sorted = launch_ts[order]
+    end_prefmax = np.maximum.accumulate(te[ci][order]) if ci.size else np.zeros(0)
 
-    ts_l = ts.tolist()
-    te_l = te.tolist()
     attributions: dict = {}
     collectives: dict = {}
     for i in np.flatnonzero(is_comm).tolist():
-        e = dev.comm[i if orig is None else int(orig[i])]
-        a = e.args
+        k = i if orig is None else int(orig[i])
+        a, name = dev.comm[k], dev.names[k]
         launch = launches.get(a.correlation)
-        issue = launch[0] * scale if launch is not None else ts_l[i]
+        t0, t1 = float(ts[i]), float(te[i])
+        issue = launch[0] * scale if launch is not None else t0
         lab = None
         if launch is not None:
             lab = index.innermost(launch[1], issue, _is_comm_label)
@@ -551,11 +553,11 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
             att = attributions.get(lab.name, attributions)
             if att is attributions:
                 att = attributions[lab.name] = _attribution(lab)
-        coll = collectives.get(e.name, collectives)
+        coll = collectives.get(name, collectives)
         if coll is collectives:
-            coll = collectives[e.name] = _snake_collective(e.name)
+            coll = collectives[name] = _snake_collective(name)
         coll = coll or (a.collective or "unknown")
-        call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=ts_l[i], end=te_l[i],
+        call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=t0, end=t1,
                               issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size,
                               dtype=a.dtype,
                               on_compute_stream=cs is not None and int(streams[i]) == cs)
@@ -567,8 +569,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
                 call.phase = phases.at(lab.ts)
                 out = index.first_after(issue, "FSDP::all_gather_copy_out" + suffix)
                 if out is not None:
-                    j = bisect.bisect_left(launch_sorted, out.ts)
-                    dev_ready = end_prefmax[j - 1] if j > 0 else -math.inf
+                    j = int(np.searchsorted(launch_sorted, out.ts, side="left"))
+                    dev_ready = float(end_prefmax[j - 1]) if j > 0 else -math.inf
                     call.need = max(out.ts, dev_ready)
             else:
                 call.phase = "backward"
