@@ -214,7 +214,7 @@ def test_html_carries_the_terminals_step_throughput_and_outlier_figures(sample_r
     known_text = render_html(known)
     assert "Straggler: rank 1 spends +10.0 ms/step in backward (7 of 8 steps)" in known_text
     assert _html_tables(known_text)["outliers-table"][1] == ["1", "9", "180.0 ms", "110.0 ms", "GC 60 ms"]
-    assert _html_tables(known_text)["throughput-table"][-1] == ["job", "73,800", "0.082", "12.2%"]
+    assert _html_tables(known_text)["throughput-table"][-1] == ["job", "73,800", "0.082", "12.2%", "—"]
 
 
 def test_step_figure_p50_never_written_over_a_bar():

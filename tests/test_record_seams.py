@@ -27,10 +27,12 @@ def test_label_grammar(name, parsed):
 def test_the_hooks_and_the_trace_builder_share_the_grammar():
     import fsdp_doctor.fsdp_labels as labels
     import fsdp_doctor.record.hooks as hooks
-    import fsdp_doctor.trace.model as model
+    import fsdp_doctor.trace.build as build
+    import fsdp_doctor.trace.ops as ops
 
-    assert hooks.parse_label is labels.parse_label and model.parse_label is labels.parse_label
-    assert not hasattr(model, "LABEL_RE")  # no second copy of the grammar
+    assert hooks.parse_label is labels.parse_label
+    assert build.parse_label is labels.parse_label and ops.parse_label is labels.parse_label
+    assert not hasattr(build, "LABEL_RE") and not hasattr(build, "PREFETCH_RE")  # no second copy of the grammar
 
 
 def test_watch_options_in_one_place():

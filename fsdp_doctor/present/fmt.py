@@ -236,13 +236,15 @@ def straggler_text(s: Straggler) -> str:
             f"({s.steps_slower} of {s.steps} steps)")
 
 
-THROUGHPUT_HEADER = ("rank", "tokens/s", "TFLOP/s", "MFU")
+THROUGHPUT_HEADER = ("rank", "tokens/s", "TFLOP/s", "MFU", "HFU")
 
 
-def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str]:
+def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, str]:
+    """MFU: model FLOPs; HFU: with activation checkpointing's recompute (the same without checkpointing)."""
     return (MISSING if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
             MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
-            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%")
+            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%",
+            MISSING if x.hfu_pct is None else f"{x.hfu_pct:.1f}%")
 
 
 def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:

@@ -9,12 +9,11 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
-from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
-                               UnitRow, Verdict)
+from ..report_sections import Finding, Report, StepsSection, ThroughputSection, UnitRow, Verdict
 from .fit import Col, fitted_table
-from .fmt import (MISSING, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms, fmt_unit_figures, fmt_value,
-                  predicted_text, printable_report, run_facts, short_unit_labels, verdict_headline,
-                  verdict_rows, verdict_title)
+from .fmt import (THROUGHPUT_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
+                  fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts, short_unit_labels,
+                  throughput_rows, verdict_headline, verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -85,23 +84,11 @@ def render_steps(section: StepsSection, width: int = 100):
 
 
 def render_throughput(section: ThroughputSection, width: int = 100):
-    """``section``: ``report.throughput``; a figure not known is "—"."""
-    sec = section or ThroughputSection()
-    rows = [(r, *_throughput_cells(row)) for r, row in sec.per_rank.items()]
-    job = sec.job
-    if any(x is not None for x in (job.tokens_per_s, job.achieved_tflops, job.mfu_pct)):
-        rows.append(("job", *_throughput_cells(job)))
-    return fitted_table("Throughput", [Col("rank"), Col("tokens/s"), Col("TFLOP/s"), Col("MFU"), Col("HFU", drop=1)],
-                        rows, width,
-                        styles=["bold" if r[0] == "job" else None for r in rows])
-
-
-def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, str]:
-    """MFU: model FLOPs; HFU: with activation checkpointing's recompute (the same without checkpointing)."""
-    return (MISSING if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
-            MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
-            MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%",
-            MISSING if x.hfu_pct is None else f"{x.hfu_pct:.1f}%")
+    """``section``: ``report.throughput``; a figure not known is "—" (MFU: model FLOPs; HFU: with activation
+    checkpointing's recompute)."""
+    rows = throughput_rows(section or ThroughputSection())
+    cols = [Col(h, drop=1 if h == "HFU" else 0) for h in THROUGHPUT_HEADER]
+    return fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows])
 
 
 UNIT_ROWS = 24

@@ -11,6 +11,8 @@ from typing import Optional
 
 import msgspec
 
+from ..store.layout import open_regular
+
 HEAD_BYTES = 256 << 10  # Kineto writes the metadata first; a GPU list of 8 devices is ~4 KiB
 _EVENTS = re.compile(rb'"traceEvents"\s*:')
 
@@ -33,7 +35,11 @@ class TraceMeta(msgspec.Struct):
 
 
 def _head(path: Path) -> bytes:
-    with open(path, "rb") as f:
+    try:
+        f = open_regular(path)  # a FIFO or a device is never opened for reading (it would block)
+    except OSError:
+        return b""  # the reader names the file and why
+    with f:
         raw = f.read(HEAD_BYTES // 4 if path.name.endswith(".gz") else HEAD_BYTES)
     if path.name.endswith(".gz"):
         try:
