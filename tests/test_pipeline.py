@@ -133,11 +133,16 @@ def test_same_figures_in_terminal_json_html_and_dashboard(cli_report, snap, tmp_
 
 
 def test_prefetch_finding_always_predicts(cli_report):
+    """The quoted gain is the snippet's own (explicit prefetch): on gloo it hides nothing (the collectives share
+    the cores with compute), so the prediction is "no change", said as such; keeping units gathered after forward
+    (reshard_after_forward=False), a different fix, is quoted apart in the evidence with its memory cost."""
     f = next(f for f in cli_report.findings if f.code == "prefetch.exposed_allgather")
     p = f.predicted
-    assert p["step_ms_after"] is not None and p["step_ms_after"] < p["step_ms_before"]
+    assert p["step_ms_after"] is not None and p["step_ms_after"] == p["step_ms_before"]
+    assert f.evidence["prefetch_overlap_assumed_pct"] == 0
     assert f.evidence["expected_gain_ms"] == pytest.approx(p["step_ms_before"] - p["step_ms_after"], abs=2e-3)
-    assert p["peak_bytes_after"] > p["peak_bytes_before"]  # reshard_after_forward=False keeps units gathered
+    assert p["peak_bytes_after"] == p["peak_bytes_before"]  # explicit prefetch gathers no earlier than FSDP does
+    assert f.evidence["reshard_after_forward_false_ms"] > 0 and f.evidence["reshard_after_forward_false_bytes"] > 0
 
 
 def test_no_warning_is_not_called_healthy(cli_report):

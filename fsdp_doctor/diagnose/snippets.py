@@ -289,6 +289,16 @@ def unit_list(t: Tree, var: str = "units") -> str:
             f"{var} = [model.get_submodule(name) for name in unit_names]")
 
 
+def prefetch_code(ctx, forward: bool = True, backward: bool = True) -> str:
+    """Explicit prefetch, one unit ahead, over every unit of the run (on the sharded model)."""
+    lines = [unit_list(tree(ctx)), "for i, unit in enumerate(units):"]
+    if forward:
+        lines.append("    if i + 1 < len(units):\n        unit.set_modules_to_forward_prefetch([units[i + 1]])")
+    if backward:
+        lines.append("    if i > 0:\n        unit.set_modules_to_backward_prefetch([units[i - 1]])")
+    return "\n".join(lines)
+
+
 def name_list(var: str, names: list[str], width: int = 96) -> str:
     """``var = ['a', 'b', ...]`` wrapped to ``width`` columns."""
     return textwrap.fill(", ".join(repr(n) for n in names), width=width, initial_indent=f"{var} = [",

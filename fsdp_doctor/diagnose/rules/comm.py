@@ -81,11 +81,6 @@ def reshard_snippet(ctx: Context, kwargs: str = "", prelude: tuple[str, ...] = (
     return "\n".join(list(prelude) + [S.shard_plan(S.tree(ctx), extra_kwargs=kwargs, mp_line=mp_line)])
 
 
-def group_snippet(ctx: Context) -> str:
-    """The run's sharding with GROUP_FACTOR consecutive blocks of every container in one unit."""
-    return S.shard_plan(S.tree(ctx), group=GROUP_FACTOR)
-
-
 def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
     """16-bit parameters and reductions for every unit."""
     return reshard_snippet(ctx, ", mp_policy=mp", prelude,
@@ -195,7 +190,7 @@ class CommunicationBound(TraceRule):
             text = ("Most exposed communication is in small messages (< 1 MiB), where NCCL is latency-bound and "
                     "reaches a fraction of the link's bandwidth: fewer, larger collectives (larger FSDP units) "
                     "move the same bytes in less time.")
-            code = group_snippet(ctx)
+            code = S.shard_plan(S.tree(ctx), group=GROUP_FACTOR)
         else:
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
                     "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
@@ -256,7 +251,7 @@ class SmallCollectives(TraceRule):
             "each: every call pays NCCL's fixed latency and none reaches the link's bandwidth, and each unit's "
             "compute is too short to hide the next call. Wrap coarser: group consecutive blocks so that each "
             "all-gather moves tens of MiB (this is wrap.too_fine, seen from the trace).",
-            group_snippet(ctx),
+            S.shard_plan(S.tree(ctx), group=GROUP_FACTOR),
             predicted=E.predicted(step, None), units=units[:10])]
 
 

@@ -38,16 +38,6 @@ GLOO_ASYNC_BWD_SAVED = 0.5
 LAST_UNIT_WARN_SHARE = 0.02
 
 
-def _prefetch_code(ctx: Context, forward: bool = True, backward: bool = True) -> str:
-    """Explicit prefetch, one unit ahead, over every unit of the run (on the sharded model)."""
-    lines = [S.unit_list(S.tree(ctx)), "for i, unit in enumerate(units):"]
-    if forward:
-        lines.append("    if i + 1 < len(units):\n        unit.set_modules_to_forward_prefetch([units[i + 1]])")
-    if backward:
-        lines.append("    if i > 0:\n        unit.set_modules_to_backward_prefetch([units[i - 1]])")
-    return "\n".join(lines)
-
-
 def _exposed_severity(share: float, cpu: bool):
     """"warning", "info" or None for exposed all-gather waits taking ``share`` of the step."""
     warn, info = ((EXPOSED_AG_WARN_SHARE_CPU, EXPOSED_AG_INFO_SHARE_CPU) if cpu
@@ -168,7 +158,7 @@ class ExposedAllGather(Rule):
              "measured_by": source,
              "prefetch_overlap_assumed_pct": round(100 * eff), "expected_gain_ms": round(gain, 3),
              "reshard_after_forward_false_ms": round(saved_bwd, 3), "reshard_after_forward_false_bytes": added},
-            text, _prefetch_code(ctx),
+            text, S.prefetch_code(ctx),
             # always a prediction, a zero gain included: "no change expected" is a prediction too
             predicted=E.predicted(step, step - gain, peak, peak),
             units=sorted({u.name for u, _, _ in rows[:6]}))]
@@ -203,7 +193,7 @@ class ExposedAllGather(Rule):
             v.step_ms * v.groups_pct["compute"] / 100 for v in verdicts.values()) if verdicts else 0.0
         saved = 0.0 if cpu else min(hideable, compute_ms) * PREFETCH_OVERLAP_GPU
         names = sorted({u for u, _, _ in rows})
-        code = _prefetch_code(ctx, backward=False)
+        code = S.prefetch_code(ctx, backward=False)
         return [self.finding(
             sev, f"All-gathers stall compute for {total:.2f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
@@ -252,7 +242,7 @@ class PrefetchTooEarly(Rule):
         saved = max(u.unsharded_bytes - u.sharded_bytes for u, _, _ in rows)
         sev = "warning" if max(depth, bdepth) >= EXPLICIT_DEPTH_WARN else "info"
         code = ("# prefetch one unit ahead at most (or clear the explicit lists to fall back to FSDP's default)\n"
-                + _prefetch_code(ctx))
+                + S.prefetch_code(ctx))
         return [self.finding(
             sev, f"Parameters of {len(rows)} unit(s) are gathered up to {rows[0][2]:.1f} ms before use "
                        f"with memory at {100 * share:.0f}% of capacity",

@@ -26,8 +26,6 @@ from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
 from ..base import Rule
 from ..thresholds import GROUP_FACTOR, PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
-from .comm import group_snippet  # snippet writers: to the fixes' one snippet module
-from .prefetch import _prefetch_code
 
 # ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
 # fragmentation and the allocator's cache, below the 0.85 target other rules aim for).
@@ -213,14 +211,14 @@ def _comm_lever(ctx: Context, comm: float, groups: dict[str, float], compute_ms:
         # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
         return _Lever("fewer, larger units", comm * (1 - 1 / GROUP_FACTOR),
                       exposed + f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
-                      "group consecutive blocks into one FSDP unit", group_snippet(ctx))
+                      "group consecutive blocks into one FSDP unit", S.shard_plan(S.tree(ctx), group=GROUP_FACTOR))
     overlapped = _median(pr.overlap_us / E.steps_in_windows(ctx, r) / 1e3 for r, pr in E.overlap(ctx).per_rank.items())
     hideable = max(0.0, compute_ms - (overlapped or 0.0))
     eff = PREFETCH_OVERLAP_GPU if E.on_gpu(ctx) else PREFETCH_OVERLAP_CPU
     return _Lever("overlap", min(comm, hideable) * eff,
                   exposed + f"{size_ev}: bandwidth-bound; compute free to hide it {hideable:.1f} ms",
                   "explicit forward/backward prefetch, reshard_after_forward=False where memory allows "
-                  "(reshard.zero2_affordable), 16-bit collectives", _prefetch_code(ctx))
+                  "(reshard.zero2_affordable), 16-bit collectives", S.prefetch_code(ctx))
 
 
 def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, mfu: float,
