@@ -10,7 +10,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 
 from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
-                               UnitRow, Verdict)
+                               TraceUnitRow, UnitRow, Verdict)
 from .fit import Col, fitted_table
 from .fmt import (MISSING, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms, fmt_unit_figures, fmt_value,
                   predicted_text, printable_report, run_facts, short_unit_labels, verdict_headline,
@@ -107,9 +107,19 @@ def _throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str,
 UNIT_ROWS = 24
 
 
-def render_units(units: list[UnitRow], width: int = 100):
-    """``units``: ``report.units``; each unit's own times, "—" where not timed."""
+def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
+    """``units``: ``report.unit_rows()``; each unit's own times, "—" where not timed. A plain trace's rows
+    (``TraceUnitRow``: no configuration, no waits) give the times and where they come from."""
     labels = short_unit_labels(u.name for u in units)
+    if units and isinstance(units[0], TraceUnitRow):
+        rows = [(("  " * u.depth) + labels[u.name], *map(_num, (u.timing_p50.fwd_self_ms, u.timing_p50.bwd_self_ms)))
+                for u in units[:UNIT_ROWS]]
+        if len(units) > UNIT_ROWS:
+            rows.append((f"… {len(units) - UNIT_ROWS} more", "", ""))
+        head = Text(f"FSDP units ({len(units)}): per-step medians in ms over {units[0].samples} rank-steps, each "
+                    f"unit's own time (nested units excluded); {units[0].source}")
+        return Group(head, fitted_table("", [Col("unit", justify="left", wrap=True), Col("fwd"), Col("bwd")], rows,
+                                        width))
     cols = [Col("unit", justify="left", wrap=True), Col("params", drop=2), Col("shard", drop=3),
             Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=3), Col("fwd"), Col("AG wait"),
             Col("bwd"), Col("AG wait")]
@@ -195,12 +205,12 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
         console.print(render_steps(report.steps or report.trace_steps, w))
     if report.throughput is not None:
         console.print(render_throughput(report.throughput, w))
-    if report.units:
-        console.print(render_units(report.units, w))
-    if report.memory is not None:
+    if report.unit_rows():
+        console.print(render_units(report.unit_rows(), w))
+    if report.memory_section() is not None:
         from .memory import render_memory
 
-        console.print(render_memory(report.memory, w))
+        console.print(render_memory(report.memory_section(), w))
     if report.overlap is not None:
         from .overlap import render_overlap
 

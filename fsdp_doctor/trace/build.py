@@ -46,7 +46,8 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
                           _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
-from .reader import Args, Event, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
+from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
+from .steps_detail import memory_steps, unit_spans, unit_step_times
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -203,6 +204,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special: list[Event] = []
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
+    mem: list[tuple] = []  # the [memory] instants: (ts, total allocated, device type, device id)
+    named = (IEvent, Event)  # the decoded classes of a non-complete event that carry a name
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
@@ -225,6 +228,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 tmax = ts
             d = e.dur
             if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
+                if e.__class__ in named and e.name == MEMORY_EVENT and (a := e.args) is not None \
+                        and a.total_allocated is not None:
+                    mem.append((ts, a.total_allocated, a.device_type, a.device_id))
                 continue
             if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
                 _implausible(e)
@@ -333,6 +339,11 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
+    bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
+    spans = unit_spans([lab for lst in labels.values() for lab in lst], bounds)
+    win.unit_us = unit_step_times(spans)
+    if mem:
+        win.memory = memory_steps([(t * scale, v, dt, did) for t, v, dt, did in mem], bounds, bool(gpu.names), spans)
     if gpu.names:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)

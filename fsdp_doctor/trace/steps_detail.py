@@ -1,0 +1,197 @@
+"""Per complete step of a plain trace: each FSDP unit's forward and backward time, and the allocator's peak.
+
+Built from what torch.profiler writes, no fsdp-doctor records needed:
+
+* **Unit times** from FSDP2's ``record_function`` labels (``fsdp_doctor.fsdp_labels``): a unit's forward runs
+  from its first ``FSDP::pre_forward (fqn)`` (a unit grouping several modules labels each module's pre-forward)
+  to the next ``FSDP::post_forward (fqn)``'s end; its backward from ``FSDP::pre_backward (fqn)`` to the end of
+  its last ``FSDP::post_backward_{accumulate,reshard,reduce} (fqn)`` before its next pre-backward. The root's
+  labels carry no fqn (``FSDP::pre_forward``): the root is ``""``. These are host spans (the time the host spent
+  between the brackets, nested units included: ``fwd_ms``/``bwd_ms``, as the recorder's); a span belongs to the
+  complete step its start lies in. On a GPU trace they time the host, which runs ahead of the device: the source
+  says so.
+* **Memory** from the ``[memory]`` instant events (``profile_memory=True``): their ``Total Allocated`` is the
+  allocator's total on the device after each allocation or free. Per complete step: the highest total, when
+  (ms from the step's start), inside which unit and phase, and the curve (at most ``TIMELINE_POINTS`` points,
+  each the highest total of its slice of the step). A GPU trace's CUDA device (the one with most events) is
+  read; a CPU trace's CPU allocator.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict
+from typing import Optional
+
+from ..fsdp_labels import parse_label
+from ..report_sections import MemoryPeakAt, MemoryRank, MemorySection, TraceUnitRow, UnitTiming
+
+UNIT_SOURCE_HOST = "trace: host spans between FSDP2's labels"
+MEMORY_SOURCE = "trace: the profiler's memory events, allocator total"
+TIMELINE_POINTS = 200
+_BWD_END = ("post_backward_accumulate", "post_backward_reshard", "post_backward_reduce")
+CPU_DEVICE, CUDA_DEVICE = 0, 1
+
+
+def _step_of(starts: list[float], steps: list[int], ends: list[float], t: float) -> Optional[int]:
+    i = bisect.bisect_right(starts, t) - 1
+    return steps[i] if i >= 0 and t < ends[i] else None
+
+
+def unit_spans(labels, step_bounds: dict[int, tuple[float, float]]) -> list[tuple[float, float, str, str, int]]:
+    """(start, end, unit, phase, step) of each unit's forward and backward inside the complete steps
+    (``labels``: ``_Label``-like objects with ``ts``, ``end``, ``name``, any thread; ``step_bounds``: step ->
+    (start, end), µs)."""
+    order = sorted(step_bounds)
+    starts = [step_bounds[n][0] for n in order]
+    ends = [step_bounds[n][1] for n in order]
+    fwd_open: dict[str, float] = {}
+    bwd: dict[str, list] = {}  # unit -> [start, end] of the backward being read
+    out = []
+
+    def close_bwd(unit: str) -> None:
+        s, e = bwd.pop(unit)
+        if e is not None:
+            step = _step_of(starts, order, ends, s)
+            if step is not None:
+                out.append((s, e, unit, "backward", step))
+
+    for lab in sorted(labels, key=lambda x: x.ts):
+        p = parse_label(lab.name)
+        if p is None:
+            continue
+        unit = p.fqn or ""
+        if p.kind == "pre_forward":
+            fwd_open.setdefault(unit, lab.ts)
+        elif p.kind == "post_forward" and unit in fwd_open:
+            s = fwd_open.pop(unit)
+            step = _step_of(starts, order, ends, s)
+            if step is not None:
+                out.append((s, lab.end, unit, "forward", step))
+        elif p.kind == "pre_backward":
+            if unit in bwd:
+                close_bwd(unit)
+            bwd[unit] = [lab.ts, None]
+        elif p.kind in _BWD_END and unit in bwd:
+            bwd[unit][1] = max(bwd[unit][1] or lab.end, lab.end)
+    for unit in list(bwd):
+        close_bwd(unit)
+    return out
+
+
+def unit_step_times(spans) -> dict[int, dict[str, list[float]]]:
+    """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
+    the units in the order they started."""
+    out: dict[int, dict[str, list[float]]] = defaultdict(dict)
+    for s, e, unit, phase, step in sorted(spans):
+        acc = out[step].setdefault(unit, [0.0, 0.0])
+        acc[0 if phase == "forward" else 1] += e - s
+    return dict(out)
+
+
+def memory_steps(samples: list[tuple[float, int, int, int]], step_bounds: dict[int, tuple[float, float]],
+                 gpu: bool, spans) -> dict[int, dict]:
+    """step -> {"peak": bytes, "t_ms", "unit", "phase", "timeline": [(t_ms, bytes)...]} from the ``[memory]``
+    samples (ts µs, total allocated, device type, device id) inside each complete step."""
+    want = CUDA_DEVICE if gpu else CPU_DEVICE
+    counts: dict = defaultdict(int)
+    for _, _, dt, did in samples:
+        if dt == want:
+            counts[did] += 1
+    if not counts:
+        return {}
+    dev = max(counts, key=counts.get)
+    pts = sorted((t, v) for t, v, dt, did in samples if dt == want and did == dev)
+    ts = [p[0] for p in pts]
+    out = {}
+    for step, (s0, s1) in sorted(step_bounds.items()):
+        seg = pts[bisect.bisect_left(ts, s0):bisect.bisect_left(ts, s1)]
+        if not seg or s1 <= s0:
+            continue
+        t_peak, peak = max(seg, key=lambda p: (p[1], -p[0]))
+        span = max((sp for sp in spans if sp[0] <= t_peak <= sp[1]), key=lambda sp: sp[0], default=None)
+        slot = (s1 - s0) / TIMELINE_POINTS
+        buckets: dict[int, tuple[float, int]] = {}
+        for t, v in seg:
+            k = min(TIMELINE_POINTS - 1, int((t - s0) / slot))
+            if k not in buckets or v > buckets[k][1]:
+                buckets[k] = (t, v)
+        out[step] = {"peak": int(peak), "t_ms": (t_peak - s0) / 1e3,
+                     "unit": None if span is None else span[2], "phase": None if span is None else span[3],
+                     "timeline": [((t - s0) / 1e3, int(v)) for t, v in sorted(buckets.values())]}
+    return out
+
+
+# ---------------------------------------------------------------- over windows (the report's figures)
+
+
+def _parent(name: str, names: set[str]) -> Optional[str]:
+    first = name.split(", ")[0]  # a unit grouping modules is named by them all
+    best = None
+    for other in names:
+        if other and other != name and first.startswith(other + ".") and (best is None or len(other) > len(best)):
+            best = other
+    if best is None and name and "" in names:
+        return ""
+    return best
+
+
+def trace_unit_rows(windows) -> list[TraceUnitRow]:
+    """Each unit's median per-step forward and backward over every rank's complete steps (ms), and its own time
+    (direct nested units' taken out), in the order the units first ran forward. Empty without FSDP2 labels."""
+    per: dict[str, dict[str, list[float]]] = {}
+    gpu = False
+    for w in windows:
+        gpu = gpu or w.device == "gpu"
+        for step, units in w.unit_us.items():
+            names = set(units)
+            for unit, (f, b) in units.items():
+                kids = [units[c] for c in names if _parent(c, names) == unit]
+                acc = per.setdefault(unit, defaultdict(list))
+                acc["fwd_ms"].append(f / 1e3)
+                acc["fwd_self_ms"].append(max(0.0, f - sum(k[0] for k in kids)) / 1e3)
+                if b > 0:
+                    acc["bwd_ms"].append(b / 1e3)
+                    acc["bwd_self_ms"].append(max(0.0, b - sum(k[1] for k in kids)) / 1e3)
+    names = set(per)
+    rows = []
+    source = UNIT_SOURCE_HOST + (" (host time; the device runs behind it)" if gpu else "")
+    for unit in sorted(per, key=lambda u: u != ""):  # the root first, then in the order they ran
+        acc = per[unit]
+        med = {k: round(statistics.median(v), 3) for k, v in acc.items() if v}
+        parent = _parent(unit, names)
+        depth, p = 0, parent
+        while p is not None:
+            depth += 1
+            p = _parent(p, names)
+        rows.append(TraceUnitRow(name=unit, parent=parent, depth=depth, samples=len(acc["fwd_ms"]), source=source,
+                                 timing_p50=UnitTiming(fwd_ms=med.get("fwd_ms", 0.0), bwd_ms=med.get("bwd_ms", 0.0),
+                                                       fwd_self_ms=med.get("fwd_self_ms"),
+                                                       bwd_self_ms=med.get("bwd_self_ms"))))
+    return rows
+
+
+def trace_memory(windows) -> Optional[MemorySection]:
+    """Per rank, the highest allocator total over its complete steps (bytes), the step, time, unit and phase
+    where it happened, and that step's curve. None where no window carries ``[memory]`` events."""
+    per_rank: dict[str, MemoryRank] = {}
+    for w in sorted(windows, key=lambda w: (w.rank, w.file)):
+        if not w.memory:
+            continue
+        k = str(w.rank)
+        step, m = max(w.memory.items(), key=lambda kv: (kv[1]["peak"], -kv[0]))
+        prev = per_rank.get(k)
+        steps = len(w.memory) + (prev.steps if prev else 0)
+        if prev is None or m["peak"] > prev.peak_bytes:
+            per_rank[k] = MemoryRank(
+                peak_bytes=m["peak"], peak_breakdown={"allocated": m["peak"]}, peak_share={"allocated": 1.0},
+                peak_at=MemoryPeakAt(step=step, unit=m["unit"], phase=m["phase"],
+                                                           t_ms=round(m["t_ms"], 3)),
+                timeline_step=step, timeline=[{"t_ms": round(t, 3), "allocated": v} for t, v in m["timeline"]])
+        per_rank[k].steps = per_rank[k].full_steps = steps
+    if not per_rank:
+        return None
+    top = max(per_rank, key=lambda r: per_rank[r].peak_bytes)
+    return MemorySection(categories=["allocated"], peak_rank=top, peak_bytes=per_rank[top].peak_bytes,
+                         per_rank=per_rank, source=MEMORY_SOURCE)
