@@ -9,7 +9,7 @@ from rich.text import Text
 from ..memory_categories import DEVICE, label
 from ..report_sections import MemoryPeakAt, MemorySection
 from .fit import Col, fitted_table
-from .fmt import fmt_bytes, fmt_ms, short_unit_labels, unit_label
+from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, short_unit_labels, trace_memory_rows, unit_label
 
 _BAR = 20
 
@@ -24,10 +24,6 @@ def _where(at: MemoryPeakAt) -> str:
     return f"step {at.step}, {unit} {at.phase or ''}".strip()
 
 
-def _or_q(v) -> str:
-    return "?" if v is None else str(v)
-
-
 def render_memory(section: MemorySection, width: int = 100):
     """Per rank: peak, where it happened, and each category in MiB/GiB with its share of the peak (``section``:
     ``report.memory``)."""
@@ -38,10 +34,9 @@ def render_memory(section: MemorySection, width: int = 100):
     ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
     if sec.source != "records":  # a plain trace's allocator totals: no categories
         head = Text(f"Memory: peak allocated per rank over the complete steps ({sec.source})")
-        return Group(head, fitted_table("", [Col("rank"), Col("peak"), Col("step"), Col("into step"), Col("where", justify="left", wrap=True)],
-                            [(r, fmt_bytes(per_rank[r].peak_bytes), _or_q(per_rank[r].peak_at.step),
-                              fmt_ms(per_rank[r].peak_at.t_ms), _where(per_rank[r].peak_at).split(", ", 1)[-1])
-                             for r in ranks], width))
+        return Group(head, fitted_table("", [Col(n, justify="left" if n == "unit, phase" else "right",
+                                                 wrap=n == "unit, phase") for n in TRACE_MEMORY_HEADER],
+                                        trace_memory_rows(sec), width))
     cats = list(sec.categories or DEVICE)
     unknown = {c for r in ranks for c in per_rank[r].unknown_categories or ()}
     shown = [c for c in cats if c in unknown or any(per_rank[r].peak_breakdown.get(c) for r in ranks)]

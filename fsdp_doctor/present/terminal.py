@@ -12,9 +12,9 @@ from rich.text import Text
 from ..report_sections import (Finding, Report, StepsSection, ThroughputJob, ThroughputRank, ThroughputSection,
                                TraceUnitRow, UnitRow, Verdict)
 from .fit import Col, fitted_table
-from .fmt import (MISSING, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms, fmt_unit_figures, fmt_value,
-                  predicted_text, printable_report, run_facts, short_unit_labels, verdict_headline,
-                  verdict_rows, verdict_title)
+from .fmt import (MISSING, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
+                  fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts, short_unit_labels,
+                  trace_units_title, verdict_headline, verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -116,10 +116,9 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
                 for u in units[:UNIT_ROWS]]
         if len(units) > UNIT_ROWS:
             rows.append((f"… {len(units) - UNIT_ROWS} more", "", ""))
-        head = Text(f"FSDP units ({len(units)}): per-step medians in ms over {units[0].samples} rank-steps, each "
-                    f"unit's own time (nested units excluded); {units[0].source}")
-        return Group(head, fitted_table("", [Col("unit", justify="left", wrap=True), Col("fwd"), Col("bwd")], rows,
-                                        width))
+        return Group(Text(trace_units_title(units)),
+                     fitted_table("", [Col(TRACE_UNITS_HEADER[0], justify="left", wrap=True),
+                                       *map(Col, TRACE_UNITS_HEADER[1:])], rows, width))
     cols = [Col("unit", justify="left", wrap=True), Col("params", drop=2), Col("shard", drop=3),
             Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=3), Col("fwd"), Col("AG wait"),
             Col("bwd"), Col("AG wait")]
