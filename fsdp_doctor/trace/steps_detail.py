@@ -32,6 +32,7 @@ MEMORY_SOURCE = "trace: the profiler's memory events, allocator total"
 TIMELINE_POINTS = 200
 _BWD_END = ("post_backward_accumulate", "post_backward_reshard", "post_backward_reduce")
 CPU_DEVICE, CUDA_DEVICE = 0, 1
+_BRACKETS = ("FSDP::pre_forward", "FSDP::post_forward", "FSDP::pre_backward", "FSDP::post_backward_")
 
 
 def _step_of(starts: list[float], steps: list[int], ends: list[float], t: float) -> Optional[int]:
@@ -58,6 +59,8 @@ def unit_spans(labels, step_bounds: dict[int, tuple[float, float]]) -> list[tupl
                 out.append((s, e, unit, "backward", step))
 
     for lab in sorted(labels, key=lambda x: x.ts):
+        if not lab.name.startswith(_BRACKETS):  # (most labels are collectives': skipped before the regex)
+            continue
         p = parse_label(lab.name)
         if p is None:
             continue
@@ -144,13 +147,19 @@ def trace_unit_rows(windows) -> list[TraceUnitRow]:
     gpu = False
     for w in windows:
         gpu = gpu or w.device == "gpu"
+        parents: dict[frozenset, dict] = {}  # the units of a step -> unit -> its direct nested units
         for step, units in w.unit_us.items():
-            names = set(units)
+            names = frozenset(units)
+            if names not in parents:
+                nested = parents[names] = defaultdict(list)
+                for c in names:
+                    nested[_parent(c, names)].append(c)
             for unit, (f, b) in units.items():
-                kids = [units[c] for c in names if _parent(c, names) == unit]
+                kids = [units[c] for c in parents[names].get(unit, ())]
                 acc = per.setdefault(unit, defaultdict(list))
-                acc["fwd_ms"].append(f / 1e3)
-                acc["fwd_self_ms"].append(max(0.0, f - sum(k[0] for k in kids)) / 1e3)
+                if f > 0:  # (0: no forward span of the unit in the step)
+                    acc["fwd_ms"].append(f / 1e3)
+                    acc["fwd_self_ms"].append(max(0.0, f - sum(k[0] for k in kids)) / 1e3)
                 if b > 0:
                     acc["bwd_ms"].append(b / 1e3)
                     acc["bwd_self_ms"].append(max(0.0, b - sum(k[1] for k in kids)) / 1e3)
@@ -165,7 +174,7 @@ def trace_unit_rows(windows) -> list[TraceUnitRow]:
         while p is not None:
             depth += 1
             p = _parent(p, names)
-        rows.append(TraceUnitRow(name=unit, parent=parent, depth=depth, samples=len(acc["fwd_ms"]), source=source,
+        rows.append(TraceUnitRow(name=unit, parent=parent, depth=depth, samples=max(len(acc["fwd_ms"]), len(acc["bwd_ms"])), source=source,
                                  timing_p50=UnitTiming(fwd_ms=med.get("fwd_ms", 0.0), bwd_ms=med.get("bwd_ms", 0.0),
                                                        fwd_self_ms=med.get("fwd_self_ms"),
                                                        bwd_self_ms=med.get("bwd_self_ms"))))
