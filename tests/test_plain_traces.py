@@ -89,16 +89,18 @@ def test_unit_times_and_memory_known_answer(tmp_path):
     assert ov.memory.source.startswith("trace") and (m.peak_bytes, m.peak_at.step, m.steps) == (310, 2, 2)
 
 
-def test_gpu_known_trace_backward_spans_only():
+def test_gpu_known_trace_unit_device_time():
     """The known-answer GPU trace labels pre_backward (layers.1) [T+420 ..] and post_backward_reduce (layers.1)
-    [.. T+595) and no post_forward: a backward of 175 µs per step for layers.1, no forward time, no other unit."""
+    [.. T+595) and no post_forward. Launched inside that host span: an all-gather (NCCL, left out), one compute
+    kernel [T+500, T+600) (launched at T+431) and a reduce-scatter; the compute kernel launched at T+596 is
+    outside it. So layers.1's backward is 100 µs of device time per step, no forward time, no other unit."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         ov = analyze_traces(gpu_known_trace().write(Path(d) / "rank0.json"))
     assert [(u.name, u.timing_p50.bwd_ms, u.timing_p50.bwd_self_ms, u.timing_p50.fwd_self_ms, u.samples)
-            for u in ov.units] == [("layers.1", 0.175, 0.175, None, 2)]
-    assert "device runs behind" in ov.units[0].source
+            for u in ov.units] == [("layers.1", 0.1, 0.1, None, 2)]
+    assert "device time of the compute kernels" in ov.units[0].source
     assert ov.memory is None  # no [memory] events: no memory figure
 
 

@@ -345,7 +345,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     if mem:
         win.memory = memory_steps([(t * scale, v, dt, did) for t, v, dt, did in mem], bounds, bool(gpu.names), spans)
     if gpu.names:
-        _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
+        _build_gpu(win, gpu, launches, index, phases, scale, cutoff, spans)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
@@ -491,7 +491,7 @@ class _Launches:
         return self.ts[pos], keys[self.thread[pos]]
 
 
-def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff):
+def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=()):
     # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
     # start do not count, and neither do the device events they launched
     corr = np.frombuffer(dev.corr, dtype=np.int64)
@@ -525,6 +525,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
     win.comm = iv.union(ts[is_comm], te[is_comm])
     win.compute = iv.union(ts[comp], te[comp])
+    if spans:  # each unit's device time: its compute kernels launched inside its labels
+        win.unit_us = unit_step_times(spans, device=(lts[comp], ts[comp], te[comp]))
     win.h2d = iv.union(ts[h2d], te[h2d])
     win.d2h = iv.union(ts[d2h], te[d2h])
     cs = None

@@ -8,8 +8,9 @@ Built from what torch.profiler writes, no fsdp-doctor records needed:
   its last ``FSDP::post_backward_{accumulate,reshard,reduce} (fqn)`` before its next pre-backward. The root's
   labels carry no fqn (``FSDP::pre_forward``): the root is ``""``. These are host spans (the time the host spent
   between the brackets, nested units included: ``fwd_ms``/``bwd_ms``, as the recorder's); a span belongs to the
-  complete step its start lies in. On a GPU trace they time the host, which runs ahead of the device: the source
-  says so.
+  complete step its start lies in. On a GPU trace the host runs ahead of the device, so a unit's time is the
+  device time of the compute kernels launched inside its span (the union of their intervals; NCCL and copies
+  left out); the rows' ``source`` says which.
 * **Memory** from the ``[memory]`` instant events (``profile_memory=True``): their ``Total Allocated`` is the
   allocator's total on the device after each allocation or free. Per complete step: the highest total, when
   (ms from the step's start), inside which unit and phase, and the curve (at most ``TIMELINE_POINTS`` points,
@@ -24,10 +25,14 @@ import statistics
 from collections import defaultdict
 from typing import Optional
 
+import numpy as np
+
 from ..fsdp_labels import parse_label
 from ..report_sections import MemoryPeakAt, MemoryRank, MemorySection, TraceUnitRow, UnitTiming
+from . import intervals as iv
 
 UNIT_SOURCE_HOST = "trace: host spans between FSDP2's labels"
+UNIT_SOURCE_DEVICE = "trace: device time of the compute kernels launched inside FSDP2's labels"
 MEMORY_SOURCE = "trace: the profiler's memory events, allocator total"
 TIMELINE_POINTS = 200
 _BWD_END = ("post_backward_accumulate", "post_backward_reshard", "post_backward_reduce")
@@ -83,13 +88,22 @@ def unit_spans(labels, step_bounds: dict[int, tuple[float, float]]) -> list[tupl
     return out
 
 
-def unit_step_times(spans) -> dict[int, dict[str, list[float]]]:
+def unit_step_times(spans, device=None) -> dict[int, dict[str, list[float]]]:
     """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
-    the units in the order they started."""
+    the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
+    kernel: numpy arrays), the device time of the kernels launched inside each span (their union)."""
+    if device is not None:
+        order = np.argsort(device[0], kind="stable")
+        launch, start, end = (a[order] for a in device)
     out: dict[int, dict[str, list[float]]] = defaultdict(dict)
     for s, e, unit, phase, step in sorted(spans):
         acc = out[step].setdefault(unit, [0.0, 0.0])
-        acc[0 if phase == "forward" else 1] += e - s
+        if device is None:
+            t = e - s
+        else:
+            i, j = np.searchsorted(launch, [s, e], side="left")
+            t = iv.measure(iv.union(start[i:j], end[i:j])) if j > i else 0.0
+        acc[0 if phase == "forward" else 1] += t
     return dict(out)
 
 
@@ -165,7 +179,7 @@ def trace_unit_rows(windows) -> list[TraceUnitRow]:
                     acc["bwd_self_ms"].append(max(0.0, b - sum(k[1] for k in kids)) / 1e3)
     names = set(per)
     rows = []
-    source = UNIT_SOURCE_HOST + (" (host time; the device runs behind it)" if gpu else "")
+    source = UNIT_SOURCE_DEVICE if gpu else UNIT_SOURCE_HOST
     for unit in sorted(per, key=lambda u: u != ""):  # the root first, then in the order they ran
         acc = per[unit]
         med = {k: round(statistics.median(v), 3) for k, v in acc.items() if v}
