@@ -341,7 +341,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
     bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
     spans = unit_spans([lab for lst in labels.values() for lab in lst], bounds)
-    win.unit_us = unit_step_times(spans)
+    if not gpu.names:  # (a GPU window's units are timed by their kernels, in _build_gpu)
+        win.unit_us = unit_step_times(spans)
     if mem:
         win.memory = memory_steps([(t * scale, v, dt, did) for t, v, dt, did in mem], bounds, bool(gpu.names), spans)
     if gpu.names:

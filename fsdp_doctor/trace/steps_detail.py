@@ -92,16 +92,18 @@ def unit_step_times(spans, device=None) -> dict[int, dict[str, list[float]]]:
     """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
     the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
     kernel: numpy arrays), the device time of the kernels launched inside each span (their union)."""
+    spans = sorted(spans)
     if device is not None:
         order = np.argsort(device[0], kind="stable")
         launch, start, end = (a[order] for a in device)
+        cut = np.searchsorted(launch, [(sp[0], sp[1]) for sp in spans], side="left").tolist() if spans else []
     out: dict[int, dict[str, list[float]]] = defaultdict(dict)
-    for s, e, unit, phase, step in sorted(spans):
+    for k, (s, e, unit, phase, step) in enumerate(spans):
         acc = out[step].setdefault(unit, [0.0, 0.0])
         if device is None:
             t = e - s
         else:
-            i, j = np.searchsorted(launch, [s, e], side="left")
+            i, j = cut[k]
             t = iv.measure(iv.union(start[i:j], end[i:j])) if j > i else 0.0
         acc[0 if phase == "forward" else 1] += t
     return dict(out)
