@@ -200,3 +200,19 @@ def test_real_gloo_trace_in_every_view(gloo_memory_run, tmp_path):
     for r, m in rep.memory_section().per_rank.items():
         assert fmt_bytes(m.peak_bytes) in term and fmt_bytes(m.peak_bytes) in html
         assert fmt_bytes(m.peak_bytes) in pages["memory"]
+
+
+def test_streamed_trace_gives_the_same_units_and_memory(tmp_path, monkeypatch):
+    """A trace decoded in batches (past STREAM_MIN_BYTES) keeps its [memory] instants and FSDP2 labels: the same
+    unit times and memory as decoded whole."""
+    from fsdp_doctor.trace import reader
+
+    path = _cpu_nested_trace().write(tmp_path / "rank0.json.gz")
+    whole = build_window(path)
+    monkeypatch.setattr(reader, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(reader, "BATCH_BYTES", 1500)
+    monkeypatch.setattr(reader, "READ_BYTES", 333)
+    trace = decode(path)
+    assert isinstance(trace, reader.StreamedTrace)
+    streamed = build_window(path, trace)
+    assert streamed.unit_us == whole.unit_us and streamed.memory == whole.memory and whole.memory
