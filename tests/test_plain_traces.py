@@ -216,3 +216,18 @@ def test_streamed_trace_gives_the_same_units_and_memory(tmp_path, monkeypatch):
     assert isinstance(trace, reader.StreamedTrace)
     streamed = build_window(path, trace)
     assert streamed.unit_us == whole.unit_us and streamed.memory == whole.memory and whole.memory
+
+
+def test_odd_memory_events_are_left_out_not_fatal(tmp_path):
+    """[memory] instants with a string, an absurd or another device's total are left out; the file is still read
+    and the peak is the plausible samples' (310 at step 2)."""
+    b = _cpu_nested_trace()
+    for e in b.events:
+        if e.get("name") == "[memory]" and e["args"]["Total Allocated"] == 250:
+            e["args"]["Total Allocated"] = 1.5e300
+    _mem(b, 1300, 0)
+    b.events[-1]["args"]["Total Allocated"] = "lots"
+    _mem(b, 1310, 0)
+    b.events[-1]["args"]["Device Id"] = [1]
+    ov = analyze_traces(b.write(tmp_path / "rank0.json"))
+    assert ov.skipped == [] and ov.memory.per_rank["0"].peak_bytes == 310

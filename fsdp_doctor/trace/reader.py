@@ -17,7 +17,7 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -46,17 +46,18 @@ class Args(LeanArgs, gc=False):
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
     # a "[memory]" instant's (profile_memory=True), as MemArgs
-    total_allocated: Optional[int] = msgspec.field(default=None, name="Total Allocated")
-    device_type: Optional[int] = msgspec.field(default=None, name="Device Type")
-    device_id: Optional[int] = msgspec.field(default=None, name="Device Id")
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    device_type: Any = msgspec.field(default=None, name="Device Type")
+    device_id: Any = msgspec.field(default=None, name="Device Id")
 
 
 class MemArgs(msgspec.Struct, gc=False):
     """The args of a ``[memory]`` instant (torch.profiler ``profile_memory=True``): the allocator's total on
-    the device after the allocation or free; Device Type 0 is the CPU, 1 CUDA."""
-    total_allocated: Optional[int] = msgspec.field(default=None, name="Total Allocated")
-    device_type: Optional[int] = msgspec.field(default=None, name="Device Type")
-    device_id: Optional[int] = msgspec.field(default=None, name="Device Id")
+    the device after the allocation or free; Device Type 0 is the CPU, 1 CUDA. Typed loosely: an odd value in an
+    event the analyses barely read must not make the file unreadable (steps_detail reads numbers only)."""
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    device_type: Any = msgspec.field(default=None, name="Device Type")
+    device_id: Any = msgspec.field(default=None, name="Device Id")
 
 
 class Event(msgspec.Struct, gc=False):

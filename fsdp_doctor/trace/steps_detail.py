@@ -21,6 +21,7 @@ Built from what torch.profiler writes, no fsdp-doctor records needed:
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import defaultdict
 from typing import Optional
@@ -114,6 +115,8 @@ def memory_steps(samples: list[tuple[float, int, int, int]], step_bounds: dict[i
     """step -> {"peak": bytes, "t_ms", "unit", "phase", "timeline": [(t_ms, bytes)...]} from the ``[memory]``
     samples (ts µs, total allocated, device type, device id) inside each complete step."""
     want = CUDA_DEVICE if gpu else CPU_DEVICE
+    samples = [x for x in samples if isinstance(x[1], (int, float)) and math.isfinite(x[1]) and 0 <= x[1] < 2 ** 63
+               and isinstance(x[2], int) and isinstance(x[3], (int, str))]  # (the reader types them loosely)
     counts: dict = defaultdict(int)
     for _, _, dt, did in samples:
         if dt == want:
