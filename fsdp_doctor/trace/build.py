@@ -204,7 +204,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special: list[Event] = []
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
-    mem: list[tuple] = []  # the [memory] instants: (ts, total allocated, device type, device id)
+    mem = (array("d"), array("d"), array("q"), array("q"))  # the [memory] instants: ts, total, device type, id
     named = (IEvent, Event)  # the decoded classes of a non-complete event that carry a name
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
@@ -230,7 +230,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
             if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
                 if e.__class__ in named and e.name == MEMORY_EVENT and (a := e.args) is not None \
                         and a.total_allocated is not None:
-                    mem.append((ts, a.total_allocated, a.device_type, a.device_id))
+                    _memory_sample(mem, ts, a)
                 continue
             if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
                 _implausible(e)
@@ -343,8 +343,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
     spans = unit_spans([lab for lst in labels.values() for lab in lst], bounds)
     if not gpu.names:  # (a GPU window's units are timed by their kernels, in _build_gpu)
         win.unit_us = unit_step_times(spans)
-    if mem:
-        win.memory = memory_steps([(t * scale, v, dt, did) for t, v, dt, did in mem], bounds, bool(gpu.names), spans)
+    if mem[0]:
+        mts, mv, mdt, mdid = (np.frombuffer(a, dtype=np.float64 if a.typecode == "d" else np.int64) for a in mem)
+        win.memory = memory_steps(mts * scale, mv, mdt, mdid, bounds, bool(gpu.names), spans)
     if gpu.names:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff, spans)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
@@ -353,6 +354,16 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
     return win
+
+
+def _memory_sample(mem: tuple, ts, a) -> None:
+    """Appends a [memory] instant's time, total, device type and id (the reader types them loosely: an event
+    with a value that is not a plausible number is left out)."""
+    v, dt, did = a.total_allocated, a.device_type, a.device_id
+    if v.__class__ in (int, float) and 0 <= v < 2 ** 63 and dt.__class__ is int and did.__class__ is int \
+            and -2 ** 63 <= dt < 2 ** 63 and -2 ** 63 <= did < 2 ** 63:
+        for arr, x in zip(mem, (ts, v, dt, did)):
+            arr.append(x)
 
 
 MAX_EVENT_US = 86_400e6  # one event longer than a day is no measurement

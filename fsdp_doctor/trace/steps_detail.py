@@ -21,7 +21,6 @@ Built from what torch.profiler writes, no fsdp-doctor records needed:
 from __future__ import annotations
 
 import bisect
-import math
 import statistics
 from collections import defaultdict
 from typing import Optional
@@ -110,38 +109,34 @@ def unit_step_times(spans, device=None) -> dict[int, dict[str, list[float]]]:
     return dict(out)
 
 
-def memory_steps(samples: list[tuple[float, int, int, int]], step_bounds: dict[int, tuple[float, float]],
-                 gpu: bool, spans) -> dict[int, dict]:
+def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, device_id: np.ndarray,
+                 step_bounds: dict[int, tuple[float, float]], gpu: bool, spans) -> dict[int, dict]:
     """step -> {"peak": bytes, "t_ms", "unit", "phase", "timeline": [(t_ms, bytes)...]} from the ``[memory]``
-    samples (ts µs, total allocated, device type, device id) inside each complete step."""
+    samples (time µs, total allocated, device type, device id: arrays) inside each complete step."""
     want = CUDA_DEVICE if gpu else CPU_DEVICE
-    samples = [x for x in samples if isinstance(x[1], (int, float)) and math.isfinite(x[1]) and 0 <= x[1] < 2 ** 63
-               and isinstance(x[2], int) and isinstance(x[3], (int, str))]  # (the reader types them loosely)
-    counts: dict = defaultdict(int)
-    for _, _, dt, did in samples:
-        if dt == want:
-            counts[did] += 1
-    if not counts:
+    sel = device_type == want
+    if not sel.any():
         return {}
-    dev = max(counts, key=counts.get)
-    pts = sorted((t, v) for t, v, dt, did in samples if dt == want and did == dev)
-    ts = [p[0] for p in pts]
+    ids, counts = np.unique(device_id[sel], return_counts=True)
+    sel &= device_id == ids[np.argmax(counts)]  # the device with most events
+    order = np.argsort(ts[sel], kind="stable")
+    t_all, v_all = ts[sel][order], total[sel][order]
     out = {}
     for step, (s0, s1) in sorted(step_bounds.items()):
-        seg = pts[bisect.bisect_left(ts, s0):bisect.bisect_left(ts, s1)]
-        if not seg or s1 <= s0:
+        i, j = np.searchsorted(t_all, [s0, s1], side="left")
+        if j <= i or s1 <= s0:
             continue
-        t_peak, peak = max(seg, key=lambda p: (p[1], -p[0]))
+        t, v = t_all[i:j], v_all[i:j]
+        k = int(np.argmax(v))  # the first (earliest) highest total
+        t_peak, peak = float(t[k]), int(v[k])
         span = max((sp for sp in spans if sp[0] <= t_peak <= sp[1]), key=lambda sp: sp[0], default=None)
-        slot = (s1 - s0) / TIMELINE_POINTS
-        buckets: dict[int, tuple[float, int]] = {}
-        for t, v in seg:
-            k = min(TIMELINE_POINTS - 1, int((t - s0) / slot))
-            if k not in buckets or v > buckets[k][1]:
-                buckets[k] = (t, v)
-        out[step] = {"peak": int(peak), "t_ms": (t_peak - s0) / 1e3,
-                     "unit": None if span is None else span[2], "phase": None if span is None else span[3],
-                     "timeline": [((t - s0) / 1e3, int(v)) for t, v in sorted(buckets.values())]}
+        slot = np.minimum(TIMELINE_POINTS - 1, ((t - s0) / ((s1 - s0) / TIMELINE_POINTS)).astype(np.int64))
+        pick = np.lexsort((np.arange(len(v)), -v, slot))  # per slice: the highest total, the earliest of equals
+        first = pick[np.r_[True, slot[pick][1:] != slot[pick][:-1]]]
+        first.sort()
+        out[step] = {"peak": peak, "t_ms": (t_peak - s0) / 1e3, "unit": None if span is None else span[2],
+                     "phase": None if span is None else span[3],
+                     "timeline": [((float(t[x]) - s0) / 1e3, int(v[x])) for x in first]}
     return out
 
 
