@@ -205,6 +205,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     special: list[Event] = []
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
     mem = (array("d"), array("d"), array("q"), array("q"))  # the [memory] instants: ts, total, device type, id
+    m_ts, m_v, m_dt, m_did = (a.append for a in mem)
     named = (IEvent, Event)  # the decoded classes of a non-complete event that carry a name
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
@@ -228,9 +229,15 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 tmax = ts
             d = e.dur
             if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
-                if e.__class__ in named and e.name == MEMORY_EVENT and (a := e.args) is not None \
-                        and a.total_allocated is not None:
-                    _memory_sample(mem, ts, a)
+                if e.__class__ in named and e.name == MEMORY_EVENT and (a := e.args) is not None:
+                    # (typed loosely by the reader: a value that is not a plausible number is left out)
+                    v, dt, did = a.total_allocated, a.device_type, a.device_id
+                    if v.__class__ in _NUMBER and dt.__class__ is int and did.__class__ is int \
+                            and 0 <= v < _I64 and -_I64 <= dt < _I64 and -_I64 <= did < _I64:
+                        m_ts(ts)
+                        m_v(v)
+                        m_dt(dt)
+                        m_did(did)
                 continue
             if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
                 _implausible(e)
@@ -356,14 +363,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     return win
 
 
-def _memory_sample(mem: tuple, ts, a) -> None:
-    """Appends a [memory] instant's time, total, device type and id (the reader types them loosely: an event
-    with a value that is not a plausible number is left out)."""
-    v, dt, did = a.total_allocated, a.device_type, a.device_id
-    if v.__class__ in (int, float) and 0 <= v < 2 ** 63 and dt.__class__ is int and did.__class__ is int \
-            and -2 ** 63 <= dt < 2 ** 63 and -2 ** 63 <= did < 2 ** 63:
-        for arr, x in zip(mem, (ts, v, dt, did)):
-            arr.append(x)
+_NUMBER = (int, float)
+_I64 = 2 ** 63
 
 
 MAX_EVENT_US = 86_400e6  # one event longer than a day is no measurement
