@@ -32,7 +32,7 @@ def _rank_options(snap) -> list[dict]:
 
 
 def _unit_options(snap) -> list[dict]:
-    names = [u.name for u in snap.report.units or []]
+    names = [u.name for u in snap.report.unit_rows()]  # the records' units, else the trace's FSDP2 labels
     ov = snap.report.overlap
     if not names and ov is not None:  # plain Kineto traces: the units their collectives were attributed to
         names = list(dict.fromkeys(r.unit for r in ov.per_unit if r.unit is not None))

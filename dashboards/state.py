@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from fsdp_doctor.pipeline import build_report, record_sections, steps_columns, window_run
+from fsdp_doctor.pipeline import build_report, record_sections, steps_columns, trace_steps_columns, window_run
 from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import RunFollower, run_trace_files
 from fsdp_doctor.store.layout import MANIFEST_NAME, manifest_path, streams
@@ -197,7 +197,7 @@ class RunState:
         if skipped:
             report.problems = [*report.problems, *skipped]
         self._report = report
-        self._steps = steps_columns(run)
+        self._steps = steps_columns(run) or trace_steps_columns(report.overlap)  # plain traces: ProfilerSteps
         self._version += 1
         frozen = window_run(run, (-1, 1 << 62))  # the steps of this version
         self._window_cache: dict = {}

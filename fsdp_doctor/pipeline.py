@@ -197,6 +197,24 @@ def steps_columns(run: Run) -> dict[int, dict[str, list]]:
     return out
 
 
+def trace_steps_columns(overlap: Optional[OverlapSection]) -> dict[int, dict[str, list]]:
+    """A plain trace's complete ``ProfilerStep``s as the step figures' columns (``steps_columns``' form): the
+    wall time of each step (``OverlapRank.step_times_ms``, what ``report.trace_steps`` summarises); the phase
+    columns are None (a trace brackets no phases), every step steady and none a doctor's profiled step."""
+    out: dict[int, dict[str, list]] = {}
+    for r, pr in sorted((overlap.per_rank if overlap is not None else {}).items(), key=lambda kv: int(kv[0])):
+        steps = sorted((int(k), v) for k, v in pr.step_times_ms.items())
+        if not steps:
+            continue
+        cols: dict[str, list] = {k: [None] * len(steps) for k in STEP_COLUMNS}
+        cols["step"] = [n for n, _ in steps]
+        cols["wall_ms"] = [v for _, v in steps]
+        cols["profiled"] = cols["profiler_export"] = [False] * len(steps)
+        cols["steady"] = [True] * len(steps)
+        out[int(r)] = cols
+    return out
+
+
 def compare_side(run: Run, report: Optional[Report] = None):
     """One side of ``fsdp-doctor compare``: the run's report (built here unless given), its per-step samples
     (the records' steady steps, else the traces' complete steps) and, for a plain-trace folder, the kernels' and

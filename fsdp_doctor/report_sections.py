@@ -134,6 +134,7 @@ class MemorySection(_Section):
     exist)."""
 
     categories: list[str] = []  # device categories, in order
+    source: str = "records"  # or, from a plain trace's [memory] events, fsdp_doctor.trace.steps_detail.MEMORY_SOURCE
     peak_rank: str = ""  # the rank with the highest peak
     peak_bytes: int = 0
     per_rank: dict[str, MemoryRank] = {}
@@ -211,6 +212,19 @@ class UnitRow(UnitConfig, omit_defaults=False):
     where it has steady steps, its timings."""
 
     timing_p50: UnitTiming | UnsetType = UNSET  # UNSET (absent): no steady step timed the unit
+
+
+class TraceUnitRow(_Section):
+    """``report.overlap.units[i]``: a unit's median per-step times from a plain trace's FSDP2 labels
+    (``fsdp_doctor.trace.steps_detail``), over every rank's complete steps; no configuration (that needs
+    records). ``source`` says what was timed."""
+
+    name: str  # FSDP's fqn ("" the root)
+    parent: Optional[str] = None
+    depth: int = 0
+    samples: int = 0  # (rank, step) pairs the medians are over
+    source: str = ""
+    timing_p50: UnitTiming = msgspec.field(default_factory=UnitTiming)
 
 
 # ---------------------------------------------------------------- throughput (fsdp_doctor.analyze.throughput)
@@ -365,6 +379,8 @@ class OverlapSection(_Section):
     kernels: dict[str, KernelStats] = {}  # GPU ranks: compute kernels by class
     files: list[str] = []  # trace files read
     skipped: list[SkippedFile] = []  # trace files that could not be read
+    units: list[TraceUnitRow] = []  # per-unit times from FSDP2's labels (fsdp_doctor.trace.steps_detail)
+    memory: Optional[MemorySection] = None  # from the [memory] events (profile_memory=True), source "trace: ..."
 
 
 # ---------------------------------------------------------------- verdict (fsdp_doctor.analyze.verdict)
@@ -487,6 +503,15 @@ class Report(msgspec.Struct, kw_only=True):
     findings: list[Finding] = []
     rules: list[RuleStatus] = []  # every rule checked: fired, quiet, skipped or failed, with the reason
     problems: list[str] = []  # one line each: files skipped, figures this torch could not give, rules not checked
+
+    def unit_rows(self) -> list:
+        """The unit table the views show: the records' (``units``, with configuration), else a plain trace's
+        times (``overlap.units``, ``TraceUnitRow``), else empty."""
+        return self.units or (self.overlap.units if self.overlap is not None else []) or []
+
+    def memory_section(self) -> Optional[MemorySection]:
+        """The memory the views show: the records' (``memory``), else a plain trace's (``overlap.memory``)."""
+        return self.memory or (self.overlap.memory if self.overlap is not None else None)
 
     def to_builtins(self) -> dict:
         """The JSON-ready form (what ``--json`` writes)."""

@@ -554,3 +554,11 @@ def test_plain_kineto_folder_overview_shows_the_traces(browser, serve, tmp_path)
     opts = _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "[role=listbox] [role=option]"), what="unit options")
     assert "layers.1" in [o.text.strip() for o in opts]
     assert not _severe(driver)
+    # the Steps and Units pages draw the traces' ProfilerSteps and FSDP2 unit times, not "no records"
+    driver.find_element(By.TAG_NAME, "body").click()
+    for key, eid in (("steps", "trace-steps-note"), ("units", "trace-units-note")):
+        _open_tab(driver, key)
+        _wait(driver, lambda d: d.find_elements(By.ID, eid), what=f"{key}: trace note")
+        assert "No fsdp-doctor records" not in driver.find_element(By.ID, "page").text, key
+    _wait(driver, lambda d: "layers.1" in _text(d, "tbl-units"), what="units table")
+    assert not _severe(driver)

@@ -248,3 +248,60 @@ def test_run_facts_from_the_traces_own_metadata(tmp_path):
     if (HTA_TRACES / "a100_rank3_of_8").is_dir():
         f = run_facts(load_run(HTA_TRACES / "a100_rank3_of_8"))
         assert (f.backend, f.world_size, f.device_name, f.trace_ranks) == ("nccl", 8, "NVIDIA A100-PG509-200", [3])
+
+
+@pytest.mark.parametrize("name", _cases())
+def test_unit_and_memory_figures_agree_in_every_view(reports, name, tmp_path):
+    """Each unit's own forward and backward (``fwd_self_ms``/``bwd_self_ms``: the records', else the trace's FSDP2
+    labels) and each rank's peak memory (the records', else the trace's [memory] events) are the same figures in
+    the terminal, the HTML and the dashboard's Units and Memory pages; a source without them shows none."""
+    from fsdp_doctor.present.fmt import fmt_bytes
+    from fsdp_doctor.present.html import write_html
+    from fsdp_doctor.present.terminal import _num
+
+    path, rep = reports(name)
+    units, mem = rep.unit_rows(), rep.memory_section()
+    if name.startswith(("a100", "v100", "cpu_only")):  # HTA's traces carry no FSDP2 labels
+        assert units == []
+    term = _terminal(rep, 200)
+    html = htmllib.unescape(write_html(rep, tmp_path / "r.html").read_text())
+    labels = short_unit_labels(u.name for u in units)
+    for u in units[:20]:
+        t = u.timing_p50
+        row = next(ln for ln in term.splitlines() if ln.split()[:len(labels[u.name].split())] == labels[u.name].split())
+        assert _num(t.fwd_self_ms) in row.split() and _num(t.bwd_self_ms) in row.split(), (u.name, row)
+        assert all(fmt_ms(x) in html for x in (t.fwd_self_ms, t.bwd_self_ms) if x is not None)
+    for r, m in (mem.per_rank.items() if mem else ()):
+        assert fmt_bytes(m.peak_bytes) in term and fmt_bytes(m.peak_bytes) in html
+    if name not in ("sample", "hf8", "cpu_only_gloo"):
+        return
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.state import RunState
+
+    st = RunState(path, background_traces=False)
+    st.refresh()
+    snap = st.snapshot()
+
+    def grid(key, tid):
+        def walk(c):
+            if getattr(c, "id", None) == tid:
+                return c
+            kids = getattr(c, "children", None)
+            for k in kids if isinstance(kids, (list, tuple)) else [kids] if kids is not None else []:
+                got = walk(k)
+                if got is not None:
+                    return got
+            return None
+        return next((g for g in map(walk, PAGES[key][1].layout(snap, Filters())) if g is not None), None)
+
+    tbl = grid("units", "tbl-units")
+    assert (tbl is None) == (not units)
+    for u, row in zip(units, tbl.rowData if units else (), strict=True):  # the root's forward is its own time, as elsewhere
+        assert (row["fwd"], row["bwd"]) == (fmt_ms(u.timing_p50.fwd_self_ms), fmt_ms(u.timing_p50.bwd_self_ms)), u.name
+    if mem is not None:
+        page = json.dumps([c.to_plotly_json() for c in PAGES["memory"][1].layout(snap, Filters())],
+                          default=lambda o: o.to_plotly_json() if hasattr(o, "to_plotly_json") else str(o),
+                          ensure_ascii=False)
+        assert fmt_bytes(max(m.peak_bytes for m in mem.per_rank.values())) in page
+

@@ -218,10 +218,11 @@ class ProfileWindow:
     """``on_step`` hook for ``fsdp_doctor.workloads.train``: plain torch.profiler with a schedule writing
     ``rank{R}.{step}.pt.trace.json.gz`` into ``out_dir`` (module-level, so it pickles to spawned ranks)."""
 
-    def __init__(self, out_dir, warmup=1, active=3):
+    def __init__(self, out_dir, warmup=1, active=3, profile_memory=False):
         self.out_dir = str(out_dir)
         self.warmup = warmup
         self.active = active
+        self.profile_memory = profile_memory  # [memory] instant events (Total Allocated, Bytes)
         self._prof = None
 
     def __call__(self, step, model=None, optimizer=None, loss=None):
@@ -239,6 +240,7 @@ class ProfileWindow:
                 activities=[torch.profiler.ProfilerActivity.CPU],
                 schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1),
                 on_trace_ready=ready,
+                profile_memory=self.profile_memory,
             )
             self._prof.start()
             self._calls = 0

@@ -35,7 +35,11 @@ def unknown_note(m: MemoryRank, rank: int) -> list:
 def layout(snap, flt: Filters) -> list:
     mem = run_mem = snap.report.memory
     if not snap.has_records:
-        return [note(f"No fsdp-doctor records in {snap.path} yet.", "warning", nid="empty-note")]
+        trace_mem = snap.report.memory_section()
+        if trace_mem is None or not trace_mem.per_rank:
+            return [note(f"No fsdp-doctor records in {snap.path} yet, and its profiler traces carry no memory events "
+                         "(torch.profiler.profile(profile_memory=True) writes them).", "warning", nid="empty-note")]
+        return _trace_layout(trace_mem, flt)
     if mem and mem.per_rank and flt.window is not None:  # the same analysis over the selected steps
         mem = snap.sections(flt.window).memory
         if not mem or not mem.per_rank:
@@ -90,6 +94,34 @@ def layout(snap, flt: Filters) -> list:
                 if rows else note("No per-unit memory in the report.", "info")),
     ))
     return out
+
+
+def _trace_layout(mem: MemorySection, flt: Filters) -> list:
+    """A plain trace's memory: per rank the allocator's peak over the complete steps and that step's curve."""
+    key = _pick_rank(mem.per_rank, flt)
+    if key is None:
+        return [note(f"No memory data for rank {flt.rank}.", "warning", nid="memory-absent")]
+    m, rank = mem.per_rank[key], int(key)
+    at = m.peak_at
+    picked = f"rank {rank}" + ("" if flt.rank is not None else f", the highest peak of {len(mem.per_rank)} ranks")
+    rows = [{"rank": r, "peak": fmt_bytes(x.peak_bytes), "step": _or_q(x.peak_at.step),
+             "at": f"{x.peak_at.t_ms:.1f} ms" if x.peak_at.t_ms is not None else "?",
+             "where": f"{F.unit_label(x.peak_at.unit)} {x.peak_at.phase or ''}".strip(), "steps": x.steps}
+            for r, x in sorted(mem.per_rank.items(), key=lambda kv: int(kv[0]))]
+    return [
+        note(f"From the profiler traces ({mem.source}), over the complete steps: the allocator's total, no "
+             "categories (those need a run recorded with fsdp_doctor.watch(...)).", "info", nid="trace-memory-note"),
+        html.Div([kpi("Peak allocated", fmt_bytes(m.peak_bytes),
+                      f"{picked}: step {_or_q(at.step)}, unit {F.unit_label(at.unit)}, {_or_q(at.phase)}",
+                      kid="kpi-mem-peak")], className="kpis"),
+        section(f"Memory over step {m.timeline_step} ({picked})",
+                graph(F.memory_timeline_figure(m, None, None, rank, categories=mem.categories), "fig-mem-timeline"),
+                sid="sec-mem-timeline"),
+        section("Peak per rank", table("tbl-mem-ranks", rows, [("rank", "rank"), ("peak", "peak allocated"),
+                                                                ("step", "step"), ("at", "into the step"),
+                                                                ("where", "unit, phase"), ("steps", "steps")],
+                                       left=("where",), page_size=16)),
+    ]
 
 
 def _timeline_rank(m: MemoryRank, run_mem: Optional[MemorySection], mem: MemorySection, key: str) -> MemoryRank:

@@ -3,7 +3,6 @@ headline numbers."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Optional
 
 import msgspec
@@ -20,7 +19,7 @@ from .common import Filters, fmt_value, graph, kpi, note, section
 
 def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
     key = str(flt.rank) if flt.rank is not None else None
-    steps, tp_sec = report.steps, report.throughput
+    steps, tp_sec = report.steps or report.trace_steps, report.throughput  # plain traces: their ProfilerSteps
     st = (steps.per_rank.get(key) if key else steps.job) if steps else None
     st = st or StepStats()
     who = (f"rank {flt.rank}" if key else "all ranks") + (f", steps {flt.window[0]}–{flt.window[1]}" if flt.window else "")
@@ -29,7 +28,8 @@ def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
     recorded = report.run.steps_recorded
     n_steps = recorded.get(key, 0) if key else max(recorded.values(), default=0)
     tiles = [
-        kpi("Step time p50", fmt_ms(st.p50_ms), f"{who}, {st.count} steady steps", kid="kpi-p50"),
+        kpi("Step time p50", fmt_ms(st.p50_ms), f"{who}, {st.count} {'steady' if report.steps else 'complete profiled'} steps",
+            kid="kpi-p50"),
         kpi("Step time p99", fmt_ms(st.p99_ms), f"max {fmt_ms(st.max_ms)}", kid="kpi-p99"),
         kpi("Tokens / s", f"{tp.tokens_per_s:,.0f}" if tp and tp.tokens_per_s is not None else "—",
             (f"MFU {tp.mfu_pct:.1f}%" if tp and tp.mfu_pct is not None else
@@ -39,11 +39,11 @@ def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
             source or "no profiled window or all-gather timing yet", kid="kpi-exposed", title=definition or ""),
         kpi("Steps recorded", f"{n_steps:,}", "live" if _live(report) else "run finished", kid="kpi-steps"),
     ]
-    if traces_only:  # step times, throughput and memory come from records
-        tiles = [t for t in tiles if getattr(t, "id", None) == "kpi-exposed"] + [
+    if traces_only:  # throughput and the steps recorded need records; step times come from the ProfilerSteps
+        tiles = [t for t in tiles if getattr(t, "id", None) in ("kpi-p50", "kpi-exposed")] + [
             kpi("Comm overlapped", fmt_value("overlap_pct", _overlap_pct(report, key)), "profiler traces", kid="kpi-overlap")]
-        return html.Div(tiles, className="kpis")
-    mem = report.memory.per_rank if report.memory else {}
+    mem_sec = report.memory_section()
+    mem = mem_sec.per_rank if mem_sec else {}
     peaks = [m.peak_bytes for r, m in mem.items() if (key is None or r == key) and m.peak_bytes]
     if peaks:
         tiles.insert(3, kpi("Peak memory", fmt_bytes(max(peaks)), who, kid="kpi-peak"))
@@ -51,29 +51,16 @@ def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
 
 
 def exposed_comm(report: Report, rank: Optional[str]) -> tuple:
-    """The one exposed-communication figure (ms per step), where it comes from, and what it means.
-
-    The report's ``comm`` section when it has one (the pipeline picks the trace or the records); otherwise the
-    recorder's all-gather waits: the unit table's median waits per step, summed over units."""
+    """The one exposed-communication figure (ms per step), where it comes from, and what it means: the report's
+    ``comm`` section (the pipeline picks the trace's ``OverlapRank.exposed_ms_per_step`` or the records' waits),
+    or nothing."""
     comm = report.comm
-    if comm is not None and comm.exposed_ms_per_step is not None:
-        row = comm.per_rank.get(rank) if rank is not None else None
-        v = row.exposed_ms_per_step if row else (None if rank is not None else comm.exposed_ms_per_step)
-        src = comm.source_text or comm.source
-        return v, (f"rank {rank}, " if rank is not None else "median over ranks, ") + src, comm.definition
-    waits = [u.timing_p50.ag_wait_fwd_ms + u.timing_p50.ag_wait_bwd_ms for u in report.units or [] if u.timing_p50]
-    if not waits:
-        ov = report.overlap.per_rank if report.overlap else {}
-        per = {r: o.exposed_us / 1e3 / len(o.steps) for r, o in ov.items() if o.steps}
-        if rank is not None:
-            per = {r: v for r, v in per.items() if r == rank}
-        if not per:
-            return None, "", ""
-        return (statistics.median(per.values()),
-                "profiler trace: exposed communication per profiled step" + (", median over ranks" if len(per) > 1 else ""),
-                "communication time during which no compute ran, per profiled step")
-    return (sum(waits), "records: all-gather waits, median per unit summed",
-            "time compute waited for all-gathers (the recorder's unshard waits, forward and backward), per step")
+    if comm is None:
+        return None, "", ""
+    row = comm.per_rank.get(rank) if rank is not None else None
+    v = row.exposed_ms_per_step if row else (None if rank is not None else comm.exposed_ms_per_step)
+    src = comm.source_text or comm.source
+    return v, (f"rank {rank}, " if rank is not None else "median over ranks, ") + src, comm.definition
 
 
 def _overlap_pct(report: Report, rank: Optional[str]):
@@ -180,8 +167,9 @@ def layout(snap, flt: Filters) -> list:
     if traces_only:
         n = len(snap.windows) or len(report.overlap.files if report.overlap else [])
         out.append(note(f"Plain profiler traces ({n} Kineto file(s)), no fsdp-doctor records: communication and "
-                        "its findings come from the traces (Communication page); step times, memory and the unit "
-                        "table need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
+                        "its findings, step times (ProfilerStep markers), per-unit times (FSDP2's labels) and memory "
+                        "(where the profiler recorded it) come from the traces; step phases, memory by category and "
+                        "the unit configuration need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
     out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only)))
     run = report.run
     for e in run.doctor_errors or []:

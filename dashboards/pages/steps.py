@@ -13,9 +13,12 @@ from .common import Filters, graph, grid, note, section, table
 
 
 def layout(snap, flt: Filters) -> list:
-    if not snap.has_records:
-        return [note(f"No fsdp-doctor records in {snap.path} yet.", "warning", nid="empty-note")]
     steps = snap.steps
+    if not snap.has_records:
+        if not steps:
+            return [note(f"No fsdp-doctor records in {snap.path} yet, and no complete ProfilerStep in its traces.",
+                         "warning", nid="empty-note")]
+        return _trace_layout(snap, flt)
     sec = snap.report.steps or StepsSection()
     win_sec = snap.sections(flt.window).steps or sec  # stragglers over the selected steps
     ranks = flt.ranks
@@ -43,3 +46,17 @@ def layout(snap, flt: Filters) -> list:
                      f"({s.steps_slower} of {s.steps} steps)") for s in strag]
     out.append(section("Stragglers", html.Ul(items) if items else note("No straggler rank.", "ok"), sid="sec-stragglers"))
     return out
+
+
+def _trace_layout(snap, flt: Filters) -> list:
+    """A plain-trace folder: the complete ``ProfilerStep``s' wall times (``report.trace_steps``' figures); phases,
+    outliers and stragglers need records."""
+    steps, ranks = snap.steps, flt.ranks
+    return [
+        note("From the profiler traces' complete ProfilerStep markers (each step from its start to the next's); "
+             "step phases, outliers and stragglers need a run recorded with fsdp_doctor.watch(...).", "info",
+             nid="trace-steps-note"),
+        section("Step time", graph(F.step_time_figure(steps, ranks, flt.window), "fig-step-time"), sid="sec-step-time"),
+        grid(section("", graph(F.step_heatmap(steps, ranks, flt.window), "fig-step-heatmap")),
+             section("", graph(F.jitter_histogram(steps, ranks, flt.window), "fig-jitter"))),
+    ]

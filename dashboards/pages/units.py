@@ -5,17 +5,18 @@ from __future__ import annotations
 from dash import Input, Output, no_update
 
 from fsdp_doctor.present.fmt import UNKNOWN, fmt_ms, fmt_unit_figures
-from fsdp_doctor.report_sections import UnitRow
+from fsdp_doctor.report_sections import TraceUnitRow, UnitRow
 
 from fsdp_doctor.present import figures as F
 from .common import Filters, graph, note, section, table, unit_value
 
-TIMING_COLUMNS = (("fwd", "fwd_ms"), ("agf", "ag_wait_fwd_ms"), ("bwd", "bwd_ms"), ("agb", "ag_wait_bwd_ms"),
-                  ("rec", "recompute_ms"))  # table column -> UnitTiming field
+# table column -> UnitTiming field: each unit's own time, as the terminal and the HTML show it
+TIMING_COLUMNS = (("fwd", "fwd_self_ms"), ("agf", "ag_wait_fwd_ms"), ("bwd", "bwd_self_ms"), ("agb", "ag_wait_bwd_ms"),
+                  ("rec", "recompute_ms"))
 COLUMNS = [("unit", "unit"), ("params", "params"), ("shard", "shard / rank"), ("gathered", "gathered"),
            ("dtype", "dtype"), ("reshard", "reshard"), ("prefetch", "prefetch"),
-           ("async", "async"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd"), ("agf", "AG wait"),
-           ("bwd", "bwd"), ("agb", "AG wait"), ("rec", "recomp.")]
+           ("async", "async"), ("offload", "offload"), ("ac", "AC"), ("fwd", "fwd (own)"), ("agf", "AG wait"),
+           ("bwd", "bwd (own)"), ("agb", "AG wait"), ("rec", "recomp.")]
 
 
 def unit_rows(units: list[UnitRow]) -> list[dict]:
@@ -40,11 +41,24 @@ def unit_rows(units: list[UnitRow]) -> list[dict]:
     return rows
 
 
+def trace_unit_rows(units: list[TraceUnitRow]) -> list[dict]:
+    """A plain trace's unit rows (times only, no configuration): own and inclusive forward and backward."""
+    return [{"unit": ("\u2003" * u.depth) + F.unit_label(u.name), "rid": unit_value(u.name),
+             **{col: fmt_ms(getattr(u.timing_p50, field)) for col, field in TRACE_COLUMNS_FIELDS}} for u in units]
+
+
+TRACE_COLUMNS_FIELDS = (("fwd", "fwd_self_ms"), ("bwd", "bwd_self_ms"), ("fwd_incl", "fwd_ms"), ("bwd_incl", "bwd_ms"))
+TRACE_COLUMNS = [("unit", "unit"), ("fwd", "fwd (own)"), ("bwd", "bwd (own)"), ("fwd_incl", "fwd (incl. nested)"),
+                 ("bwd_incl", "bwd (incl. nested)")]
+
+
 def layout(snap, flt: Filters) -> list:
-    units = snap.sections(flt.window, flt.rank).units or snap.report.units or []
+    units = snap.sections(flt.window, flt.rank).units or snap.report.unit_rows()
     if not units:
-        return [note("No FSDP unit configuration recorded yet (it is written at the first step).", "warning",
-                     nid="empty-note")]
+        return [note("No FSDP unit configuration recorded yet (it is written at the first step), and no FSDP2 "
+                     "labels in the profiler traces.", "warning", nid="empty-note")]
+    if isinstance(units[0], TraceUnitRow):
+        return _trace_layout(units, flt)
     shown = [u for u in units if flt.unit is None or u.name == flt.unit]
     rows = unit_rows(shown)
     return [
@@ -53,6 +67,20 @@ def layout(snap, flt: Filters) -> list:
                 table("tbl-units", rows, columns(rows), left=("unit", "prefetch"), page_size=50, row_id="rid"),
                 note("Click a unit's name to filter every page by it.", "info"), sid="sec-units"),
         section("", graph(F.unit_timing_figure(units, flt.unit, who=_who(flt)), "fig-unit-timing")),
+    ]
+
+
+def _trace_layout(units: list[TraceUnitRow], flt: Filters) -> list:
+    shown = [u for u in units if flt.unit is None or u.name == flt.unit]
+    rows = trace_unit_rows(shown)
+    return [
+        note(f"From the profiler traces ({units[0].source}): median per step over {units[0].samples} rank-steps, "
+             "all ranks and complete steps; the unit configuration and all-gather waits need a run recorded with "
+             "fsdp_doctor.watch(...).", "info", nid="trace-units-note"),
+        section(f"FSDP units ({len(shown)} of {len(units)})",
+                table("tbl-units", rows, TRACE_COLUMNS, left=("unit",), page_size=50, row_id="rid"), sid="sec-units"),
+        section("", graph(F.unit_timing_figure(units, flt.unit, who="all ranks, complete profiled steps"),
+                          "fig-unit-timing")),
     ]
 
 

@@ -309,6 +309,26 @@ def memory_lines(section: MemorySection) -> list[tuple[str, str]]:
     return out
 
 
+TRACE_MEMORY_HEADER = ("rank", "peak allocated", "step", "into step", "unit, phase")
+
+
+def trace_memory_rows(section: MemorySection) -> list[tuple[str, ...]]:
+    """A plain trace's memory (``section.source`` not "records"): per rank the allocator's peak over the complete
+    steps, its step, its time from the step's start and the unit and phase it fell in (TRACE_MEMORY_HEADER)."""
+    return [(r, fmt_bytes(pr.peak_bytes), MISSING if pr.peak_at.step is None else str(pr.peak_at.step),
+             fmt_ms(pr.peak_at.t_ms), memory_peak_where(pr.peak_at).split(", ", 1)[-1])
+            for r, pr in sorted(section.per_rank.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)]
+
+
+TRACE_UNITS_HEADER = ("unit", "fwd", "bwd")
+
+
+def trace_units_title(units) -> str:
+    """What a plain trace's unit table shows (``units``: ``TraceUnitRow``s), with its source."""
+    return (f"FSDP units ({len(units)}): per-step medians over {units[0].samples} rank-steps, each unit's own time "
+            f"(nested units excluded); {units[0].source}")
+
+
 MEMORY_UNITS_HEADER = ("unit", "sharded", "unsharded", "activations (own)", "activations (incl. nested)")
 
 

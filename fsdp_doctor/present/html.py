@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
-                               ThroughputSection, UnitRow, Verdict)
+                               ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
 from .fmt import (MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE,
-                  THROUGHPUT_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
+                  THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
                   outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
-                  unit_label, verdict_headline, verdict_rows)
+                  trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
 body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
@@ -154,9 +154,13 @@ def _comm_units_table(per_unit: list[CommUnitRow], top: int = 15) -> str:
     return f"<table>{head}{rows}</table>{more}"
 
 
-def _units_table(units: list[UnitRow]) -> str:
+def _units_table(units: list[UnitRow] | list[TraceUnitRow]) -> str:
     if not units:
         return ""
+    if isinstance(units[0], TraceUnitRow):  # a plain trace's: times only (the terminal's table)
+        rows = [(("\u2003" * u.depth) + unit_label(u.name), fmt_ms(u.timing_p50.fwd_self_ms),
+                 fmt_ms(u.timing_p50.bwd_self_ms)) for u in units[:64]]
+        return f"<p class='note'>{_esc(trace_units_title(units))}</p>" + _table(TRACE_UNITS_HEADER, rows, "units-table")
     head = ("<tr><th>unit</th><th>params</th><th>shard</th><th>gathered</th><th>reshard</th><th>AC</th>"
             "<th>fwd</th><th>AG wait</th><th>bwd</th><th>AG wait</th></tr>")
     rows = []
@@ -193,6 +197,9 @@ def _memory(section: MemorySection) -> str:
     """The terminal's breakdown at the peak (bytes and % of the peak per category and rank) and its lines."""
     if not section.per_rank:
         return ""
+    if section.source != "records":  # a plain trace's allocator totals (the terminal's table)
+        return (f"<p class='note'>Peak allocated per rank over the complete steps ({_esc(section.source)})</p>" +
+                _table(TRACE_MEMORY_HEADER, trace_memory_rows(section), "memory-table", left=(4,)))
     header, rows = memory_rows(section)
     lines = "".join(f"<p class='{ {'error': 'err', 'warning': 'warn'}.get(kind, 'note') }'>{_esc(text)}</p>"
                     for text, kind in memory_lines(section))
@@ -234,12 +241,12 @@ def render_html(report: Report | dict) -> str:
     sections = [
         ("Steps", F.step_summary_figure, report.steps, "No step records.",
          lambda: _steps(report.steps) + (_throughput(report.throughput) if report.throughput is not None else "")),
-        ("Memory", F.memory_peaks_figure, report.memory, "No memory measurements in this report.",
-         lambda: _memory(report.memory)),
+        ("Memory", F.memory_peaks_figure, report.memory_section(), "No memory measurements in this report.",
+         lambda: _memory(report.memory_section())),
         (None, F.memory_units_figure, report.memory, None, None),
         ("Collectives per unit", F.unit_exposure_figure, report.overlap and report.overlap.per_unit,
          "No profiler traces: per-unit overlap needs a profiled window.", None),
-        (None, F.unit_timing_figure, report.units, None, None),
+        (None, F.unit_timing_figure, report.unit_rows(), None, None),
     ]
     bundle = partial_plotlyjs()
     if bundle is not None:
@@ -271,8 +278,8 @@ def render_html(report: Report | dict) -> str:
     head = comm_headline(report.comm)
     if head:
         parts.append(f"<p class='pred'>{_esc(head)}</p>")
-    if report.units:
-        parts.append("<h2>FSDP units</h2>" + _units_table(report.units))
+    if report.unit_rows():
+        parts.append("<h2>FSDP units</h2>" + _units_table(report.unit_rows()))
     if report.problems:
         parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in report.problems) + "</ul>")
     data = json.dumps(report.to_builtins(), default=str).replace("</", "<\\/")

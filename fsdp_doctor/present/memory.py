@@ -9,7 +9,7 @@ from rich.text import Text
 from ..memory_categories import DEVICE, label
 from ..report_sections import MemoryPeakAt, MemorySection
 from .fit import Col, fitted_table
-from .fmt import fmt_bytes, short_unit_labels, unit_label
+from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, short_unit_labels, trace_memory_rows, unit_label
 
 _BAR = 20
 
@@ -32,6 +32,11 @@ def render_memory(section: MemorySection, width: int = 100):
     if not per_rank:
         return Text("No memory measurements.")
     ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
+    if sec.source != "records":  # a plain trace's allocator totals: no categories
+        head = Text(f"Memory: peak allocated per rank over the complete steps ({sec.source})")
+        return Group(head, fitted_table("", [Col(n, justify="left" if n == "unit, phase" else "right",
+                                                 wrap=n == "unit, phase") for n in TRACE_MEMORY_HEADER],
+                                        trace_memory_rows(sec), width))
     cats = list(sec.categories or DEVICE)
     unknown = {c for r in ranks for c in per_rank[r].unknown_categories or ()}
     shown = [c for c in cats if c in unknown or any(per_rank[r].peak_breakdown.get(c) for r in ranks)]

@@ -9,11 +9,12 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
-from ..report_sections import Finding, Report, StepsSection, ThroughputSection, UnitRow, Verdict
+from ..report_sections import Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow, Verdict
 from .fit import Col, fitted_table
-from .fmt import (THROUGHPUT_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_ms,
-                  fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts, short_unit_labels,
-                  throughput_rows, verdict_headline, verdict_rows, verdict_title)
+from .fmt import (MISSING, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
+                  fmt_ms, fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts,
+                  short_unit_labels, throughput_rows, trace_units_title, verdict_headline, verdict_rows,
+                  verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -94,9 +95,18 @@ def render_throughput(section: ThroughputSection, width: int = 100):
 UNIT_ROWS = 24
 
 
-def render_units(units: list[UnitRow], width: int = 100):
-    """``units``: ``report.units``; each unit's own times, "—" where not timed."""
+def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
+    """``units``: ``report.unit_rows()``; each unit's own times, "—" where not timed. A plain trace's rows
+    (``TraceUnitRow``: no configuration, no waits) give the times and where they come from."""
     labels = short_unit_labels(u.name for u in units)
+    if units and isinstance(units[0], TraceUnitRow):
+        rows = [(("  " * u.depth) + labels[u.name], *map(_num, (u.timing_p50.fwd_self_ms, u.timing_p50.bwd_self_ms)))
+                for u in units[:UNIT_ROWS]]
+        if len(units) > UNIT_ROWS:
+            rows.append((f"… {len(units) - UNIT_ROWS} more", "", ""))
+        return Group(Text(trace_units_title(units)),
+                     fitted_table("", [Col(TRACE_UNITS_HEADER[0], justify="left", wrap=True),
+                                       *map(Col, TRACE_UNITS_HEADER[1:])], rows, width))
     cols = [Col("unit", justify="left", wrap=True), Col("params", drop=2), Col("shard", drop=3),
             Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=3), Col("fwd"), Col("AG wait"),
             Col("bwd"), Col("AG wait")]
@@ -182,12 +192,12 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
         console.print(render_steps(report.steps or report.trace_steps, w))
     if report.throughput is not None:
         console.print(render_throughput(report.throughput, w))
-    if report.units:
-        console.print(render_units(report.units, w))
-    if report.memory is not None:
+    if report.unit_rows():
+        console.print(render_units(report.unit_rows(), w))
+    if report.memory_section() is not None:
         from .memory import render_memory
 
-        console.print(render_memory(report.memory, w))
+        console.print(render_memory(report.memory_section(), w))
     if report.overlap is not None:
         from .overlap import render_overlap
 

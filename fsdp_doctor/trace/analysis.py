@@ -41,6 +41,7 @@ from .build import _gc_paused
 from .loader import load_windows
 from .model import CollectiveCall, WindowTrace
 from .reader import find_trace_files
+from .steps_detail import trace_memory, trace_unit_rows
 
 PathLike = Union[str, os.PathLike]
 
@@ -323,7 +324,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         per_rank=per_rank, per_unit=rows, copies=typed(Copies, "copies"), idle=typed(DeviceIdle, "idle"),
         blocking={k: Blocking(count=int(d["count"]), us=float(d["us"])) for k, d in sums["blocking"].items()},
         breakdown=typed(Breakdown, "breakdown"), kernels=typed(KernelStats, "kernels") if "kernels" in sums else {},
-        files=[w.file for w in windows])
+        files=[w.file for w in windows], units=trace_unit_rows(windows), memory=trace_memory(windows))
 
 
 def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,

@@ -46,7 +46,8 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
                           _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
-from .reader import Args, Event, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
+from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
+from .steps_detail import memory_steps, unit_spans, unit_step_times
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -203,6 +204,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special: list[Event] = []
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
+    mem = (array("d"), array("d"), array("q"), array("q"))  # the [memory] instants: ts, total, device type, id
+    m_ts, m_v, m_dt, m_did = (a.append for a in mem)
+    named = (IEvent, Event)  # the decoded classes of a non-complete event that carry a name
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
@@ -225,6 +229,15 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 tmax = ts
             d = e.dur
             if d is None:  # flow arrows and other non-complete events (decoded as marks: ts and dur only)
+                if e.__class__ in named and e.name == MEMORY_EVENT and (a := e.args) is not None:
+                    # (typed loosely by the reader: a value that is not a plausible number is left out)
+                    v, dt, did = a.total_allocated, a.device_type, a.device_id
+                    if v.__class__ in _NUMBER and dt.__class__ is int and did.__class__ is int \
+                            and 0 <= v < _I64 and -_I64 <= dt < _I64 and -_I64 <= did < _I64:
+                        m_ts(ts)
+                        m_v(v)
+                        m_dt(dt)
+                        m_did(did)
                 continue
             if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
                 _implausible(e)
@@ -335,14 +348,25 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
+    bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
+    spans = unit_spans([lab for lst in labels.values() for lab in lst], bounds)
+    if not gpu.names:  # (a GPU window's units are timed by their kernels, in _build_gpu)
+        win.unit_us = unit_step_times(spans)
+    if mem[0]:
+        mts, mv, mdt, mdid = (np.frombuffer(a, dtype=np.float64 if a.typecode == "d" else np.int64) for a in mem)
+        win.memory = memory_steps(mts * scale, mv, mdt, mdid, bounds, bool(gpu.names), spans)
     if gpu.names:
-        _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
+        _build_gpu(win, gpu, launches, index, phases, scale, cutoff, spans)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
     return win
+
+
+_NUMBER = (int, float)
+_I64 = 2 ** 63
 
 
 MAX_EVENT_US = 86_400e6  # one event longer than a day is no measurement
@@ -482,7 +506,7 @@ class _Launches:
         return self.ts[pos], keys[self.thread[pos]]
 
 
-def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff):
+def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=()):
     # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
     # start do not count, and neither do the device events they launched
     corr = np.frombuffer(dev.corr, dtype=np.int64)
@@ -516,6 +540,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
     win.comm = iv.union(ts[is_comm], te[is_comm])
     win.compute = iv.union(ts[comp], te[comp])
+    if spans:  # each unit's device time: its compute kernels launched inside its labels
+        win.unit_us = unit_step_times(spans, device=(lts[comp], ts[comp], te[comp]))
     win.h2d = iv.union(ts[h2d], te[h2d])
     win.d2h = iv.union(ts[d2h], te[d2h])
     cs = None

@@ -63,3 +63,7 @@ class WindowTrace:
     backend: Optional[str] = None  # distributedInfo.backend
     clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)
     kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)
+    # per complete step (fsdp_doctor.trace.steps_detail): unit -> [forward µs, backward µs] from FSDP2's labels,
+    # and the allocator's peak and curve from the [memory] events (profile_memory=True)
+    unit_us: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)

@@ -3,8 +3,9 @@
 Only the fields the analyses use are decoded, into typed msgspec Structs; everything else in the
 trace is skipped by the decoder. A ``.gz`` file is decompressed in memory.
 
-Two decoders: the fast one (the default) decodes complete ("X") events as XEvent with LeanArgs and every
-other event (flow arrows, instants, metadata) as a mark holding only ``ts``; whatever it refuses is decoded
+Two decoders: the fast one (the default) decodes complete ("X") events as XEvent with LeanArgs, instants as
+IEvent (name and the ``[memory]`` figures) and every other event (flow arrows, metadata) as a mark holding only
+``ts``; whatever it refuses is decoded
 by the plain one (Event with full Args), which ``decode(path, full=True)`` also gives. The analyses read the
 same fields from both, so results do not depend on which decoded a file (tests/test_trace_fast_path.py).
 """
@@ -16,7 +17,7 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -44,6 +45,19 @@ class Args(LeanArgs, gc=False):
     # and a CPU trace that needs them is decoded again in full (see build._Shapes).
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
+    # a "[memory]" instant's (profile_memory=True), as MemArgs
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    device_type: Any = msgspec.field(default=None, name="Device Type")
+    device_id: Any = msgspec.field(default=None, name="Device Id")
+
+
+class MemArgs(msgspec.Struct, gc=False):
+    """The args of a ``[memory]`` instant (torch.profiler ``profile_memory=True``): the allocator's total on
+    the device after the allocation or free; Device Type 0 is the CPU, 1 CUDA. Typed loosely: an odd value in an
+    event the analyses barely read must not make the file unreadable (steps_detail reads numbers only)."""
+    total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
+    device_type: Any = msgspec.field(default=None, name="Device Type")
+    device_id: Any = msgspec.field(default=None, name="Device Id")
 
 
 class Event(msgspec.Struct, gc=False):
@@ -78,8 +92,19 @@ class _Mark(msgspec.Struct, gc=False, tag_field="ph"):
     dur: None = None  # a duration outside a complete event: validation fails, see above
 
 
-_PHASES = "BEiICbneSTpFstfPONDMVvRc()"  # the Trace Event Format's phases other than X
-_MARKS = tuple(msgspec.defstruct(f"_Mark{ord(ph)}", [], bases=(_Mark,), tag=ph) for ph in _PHASES)
+class IEvent(msgspec.Struct, gc=False, tag_field="ph", tag="i"):
+    """An instant event: its name and, for a ``[memory]`` one, the allocator's figures (the only instants read)."""
+    name: str = ""
+    pid: Union[int, str] = 0
+    tid: Union[int, str] = 0
+    ts: Union[int, float, None] = None
+    dur: None = None
+    args: Optional[MemArgs] = None
+
+
+_PHASES = "BEICbneSTpFstfPONDMVvRc()"  # the Trace Event Format's phases other than X and i
+_MARKS = (IEvent, *(msgspec.defstruct(f"_Mark{ord(ph)}", [], bases=(_Mark,), tag=ph) for ph in _PHASES))
+MEMORY_EVENT = "[memory]"
 
 
 class DistributedInfo(msgspec.Struct, gc=False):

@@ -1,0 +1,233 @@
+"""Plain traces are first-class: per-unit times from FSDP2's labels and peak memory from the profiler's
+``[memory]`` events, per complete step, in every view (terminal, HTML, JSON, the dashboard's Steps, Units and Memory
+pages), on known-answer traces, an HTA reference GPU trace and a real 2-rank gloo run profiled with
+``profile_memory=True``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from conftest import HTA_TRACES
+from fsdp_doctor.pipeline import build_report
+from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.present.terminal import render_report
+from fsdp_doctor.report_sections import Report, TraceUnitRow
+from fsdp_doctor.store import load_run
+from fsdp_doctor.trace import analyze_traces, build_window
+from fsdp_doctor.trace.reader import decode
+from trace_fixtures import BASE_US, ProfileWindow, TraceBuilder, gpu_known_trace
+
+
+def _mem(b: TraceBuilder, ts: float, total: int, device_type: int = 0, device_id: int = -1) -> None:
+    b.events.append({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": b.pid,
+                     "tid": b.main_tid, "ts": BASE_US + ts,
+                     "args": {"Total Reserved": 0, "Total Allocated": total, "Bytes": 1, "Device Id": device_id,
+                              "Device Type": device_type, "Addr": 1, "Ev Idx": len(b.events)}})
+
+
+def _cpu_nested_trace() -> TraceBuilder:
+    """Known answer, CPU, 3 ProfilerSteps (1 and 2 complete, 3 cut). Per step at T = 1000 * i:
+    root ("") forward [T+10, T+400) holding layers.0's [T+20, T+120) (its module's pre_forward labelled twice, as
+    FSDP2 does for a unit of two modules) and layers.1's [T+130, T+330); backward: layers.1 [T+450, T+600),
+    layers.0 [T+610, T+700) (post_backward_reshard then _reduce: the later end counts), root [T+440, T+800).
+    Memory (CPU allocator, device type 0): 100 at T+5, 300 + 10i at T+200 (inside layers.1's forward), 250 at
+    T+650 (layers.0's backward); a CUDA event of 10**9 that a CPU trace ignores."""
+    b = TraceBuilder(rank=0, world_size=1)
+    for i, n in enumerate((1, 2, 3)):
+        T = 1000.0 * i
+        b.step(n, T, 1000.0)
+        b.label("FSDP::root_pre_forward", T + 1, 2)
+        b.label("FSDP::pre_forward", T + 10, 3)
+        b.label("FSDP::pre_forward (layers.0)", T + 20, 5)
+        b.label("FSDP::pre_forward (layers.0)", T + 30, 5)
+        b.op("aten::mm", T + 40, 60)
+        b.label("FSDP::post_forward (layers.0)", T + 110, 10)
+        b.label("FSDP::pre_forward (layers.1)", T + 130, 5)
+        b.op("aten::mm", T + 140, 150)
+        b.label("FSDP::post_forward (layers.1)", T + 320, 10)
+        b.label("FSDP::post_forward", T + 390, 10)
+        b.label("FSDP::pre_backward", T + 440, 5)
+        b.label("FSDP::pre_backward (layers.1)", T + 450, 5)
+        b.label("FSDP::post_backward_reduce (layers.1)", T + 590, 10)
+        b.label("FSDP::pre_backward (layers.0)", T + 610, 5)
+        b.label("FSDP::post_backward_reduce (layers.0)", T + 680, 5)
+        b.label("FSDP::post_backward_reshard (layers.0)", T + 690, 10)
+        b.label("FSDP::post_backward_reshard", T + 790, 10)
+        _mem(b, T + 5, 100)
+        _mem(b, T + 200, 300 + 10 * i)
+        _mem(b, T + 650, 250)
+        _mem(b, T + 660, 10 ** 9, device_type=1, device_id=0)
+    return b
+
+
+def test_unit_times_and_memory_known_answer(tmp_path):
+    b = _cpu_nested_trace()
+    path = b.write(tmp_path / "rank0.json")
+    for full in (False, True):  # the fast decoder keeps the [memory] instants as the full one does
+        w = build_window(path, decode(path, full=full))
+        assert w.steps == [1, 2]
+        assert w.unit_us == {n: {"": [400 - 10, 800 - 440], "layers.0": [120 - 20, 700 - 610],
+                                 "layers.1": [330 - 130, 600 - 450]} for n in (1, 2)}
+        assert {n: (m["peak"], m["t_ms"], m["unit"], m["phase"]) for n, m in w.memory.items()} == {
+            1: (300, 0.2, "layers.1", "forward"), 2: (310, 0.2, "layers.1", "forward")}
+        assert w.memory[1]["timeline"] == [(0.005, 100), (0.2, 300), (0.65, 250)]
+    ov = analyze_traces(path)
+    rows = {u.name: u for u in ov.units}
+    assert list(rows) == ["", "layers.0", "layers.1"]
+    root, l0, l1 = rows[""], rows["layers.0"], rows["layers.1"]
+    assert (root.depth, root.parent, l0.depth, l0.parent) == (0, None, 1, "")
+    assert (l0.timing_p50.fwd_ms, l0.timing_p50.bwd_ms, l1.timing_p50.fwd_self_ms) == (0.1, 0.09, 0.2)
+    assert root.timing_p50.fwd_ms == 0.39 and root.timing_p50.fwd_self_ms == pytest.approx(0.39 - 0.1 - 0.2)
+    assert root.timing_p50.bwd_self_ms == pytest.approx(0.36 - 0.15 - 0.09)
+    assert root.samples == 2 and "host spans" in root.source
+    m = ov.memory.per_rank["0"]
+    assert ov.memory.source.startswith("trace") and (m.peak_bytes, m.peak_at.step, m.steps) == (310, 2, 2)
+
+
+def test_gpu_known_trace_unit_device_time():
+    """The known-answer GPU trace labels pre_backward (layers.1) [T+420 ..] and post_backward_reduce (layers.1)
+    [.. T+595) and no post_forward. Launched inside that host span: an all-gather (NCCL, left out), one compute
+    kernel [T+500, T+600) (launched at T+431) and a reduce-scatter; the compute kernel launched at T+596 is
+    outside it. So layers.1's backward is 100 µs of device time per step, no forward time, no other unit."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        ov = analyze_traces(gpu_known_trace().write(Path(d) / "rank0.json"))
+    assert [(u.name, u.timing_p50.bwd_ms, u.timing_p50.bwd_self_ms, u.timing_p50.fwd_self_ms, u.samples)
+            for u in ov.units] == [("layers.1", 0.1, 0.1, None, 2)]
+    assert "device time of the compute kernels" in ov.units[0].source
+    assert ov.memory is None  # no [memory] events: no memory figure
+
+
+@pytest.mark.skipif(not (HTA_TRACES / "v100_allreduce_rank1").is_dir(), reason="reference traces not found")
+def test_hta_v100_trace_memory_matches_its_memory_events():
+    """The V100 reference trace was recorded with profile_memory: its peak is the highest CUDA "Total Allocated"
+    inside the complete steps (ProfilerStep#2..#5; #6 is cut), read here straight from the JSON."""
+    folder = HTA_TRACES / "v100_allreduce_rank1"
+    events = json.loads(gzip.decompress(next(folder.glob("*.json.gz")).read_bytes()))["traceEvents"]
+    starts = sorted((e["ts"], int(e["name"].split("#")[1])) for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    t0, t1 = starts[0][0], starts[-1][0]
+    mem = [(e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]"
+           and e["args"].get("Device Type") == 1 and t0 <= e["ts"] < t1]
+    ts, peak = max(mem, key=lambda x: (x[1], -x[0]))
+    step = max(n for s, n in starts if s <= ts)
+    rep = build_report(load_run(folder))
+    m = rep.memory_section().per_rank["1"]
+    assert (m.peak_bytes, m.peak_at.step) == (peak, step)
+    assert m.peak_at.t_ms == pytest.approx((ts - dict((n, s) for s, n in starts)[step]) / 1e3, abs=1e-3)
+    assert rep.memory is None and rep.overlap.units == []  # records' memory absent; no FSDP labels: no unit rows
+    assert m.steps == len(starts) - 1
+
+
+# ------------------------------------------------------------------ a real gloo run, profile_memory=True
+
+
+@pytest.fixture(scope="module")
+def gloo_memory_run(tmp_path_factory):
+    workloads = pytest.importorskip("fsdp_doctor.workloads")
+    out = tmp_path_factory.mktemp("plain_mem")
+    hook = ProfileWindow(out, warmup=1, active=3, profile_memory=True)
+    cfg = workloads.WorkloadConfig(steps=hook.steps_needed(), async_unshard=True, d_model=128, n_layers=2,
+                                   seq_len=64)
+    workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=300)
+    return out, build_report(load_run(out))
+
+
+@pytest.mark.slow
+def test_real_gloo_trace_units_and_memory(gloo_memory_run):
+    path, rep = gloo_memory_run
+    assert rep.units is None and rep.memory is None  # no records
+    units = {u.name: u for u in rep.unit_rows()}
+    assert set(units) == {"tok_emb, pos_emb", "layers.0", "layers.1", "norm, lm_head"}
+    for u in units.values():
+        assert isinstance(u, TraceUnitRow) and u.samples == 4  # 2 ranks x 2 complete steps
+        assert u.timing_p50.fwd_self_ms > 0 and u.timing_p50.bwd_self_ms > 0
+    step = rep.trace_steps.job
+    assert sum(u.timing_p50.fwd_self_ms + u.timing_p50.bwd_self_ms for u in units.values()) < step.max_ms
+    # memory: the highest CPU "Total Allocated" inside each rank's complete steps, read straight from the JSON
+    mem = rep.memory_section()
+    for f in sorted(Path(path).glob("*.json.gz")):
+        d = json.loads(gzip.decompress(f.read_bytes()))
+        rank = str(d["distributedInfo"]["rank"])
+        starts = sorted(e["ts"] for e in d["traceEvents"] if e.get("name", "").startswith("ProfilerStep#"))
+        peak = max(e["args"]["Total Allocated"] for e in d["traceEvents"] if e.get("name") == "[memory]"
+                   and e["args"]["Device Type"] == 0 and starts[0] <= e["ts"] < starts[-1])
+        m = mem.per_rank[rank]
+        assert m.peak_bytes == peak and m.steps == 2 and m.peak_at.step in (1, 2)
+        assert max(s["allocated"] for s in m.timeline) == peak
+
+
+@pytest.mark.slow
+def test_real_gloo_trace_in_every_view(gloo_memory_run, tmp_path):
+    """Terminal, HTML, JSON and the dashboard's Steps, Units and Memory pages show the trace's figures."""
+    from fsdp_doctor.dashboards.app import _step_bounds
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.state import RunState
+    from fsdp_doctor.present.html import write_html
+    from fsdp_doctor.present.terminal import _num
+
+    path, rep = gloo_memory_run
+    back = Report.of(json.loads(json.dumps(rep.to_builtins())))
+    assert back.overlap.units == rep.overlap.units and back.overlap.memory == rep.overlap.memory
+    c = Console(width=100, record=True, color_system=None, file=open("/dev/null", "w"))
+    render_report(rep, c)
+    term = c.export_text()
+    html = write_html(rep, tmp_path / "r.html").read_text()
+    st = RunState(path, background_traces=False)
+    st.refresh()
+    snap = st.snapshot()
+    assert _step_bounds(snap) == (1, 2)  # the slider spans the trace's complete steps
+    pages = {}
+    for key in ("steps", "units", "memory"):
+        page = json.dumps([x.to_plotly_json() for x in PAGES[key][1].layout(snap, Filters())],
+                          default=lambda o: o.to_plotly_json() if hasattr(o, "to_plotly_json") else str(o),
+                          ensure_ascii=False)
+        assert "No fsdp-doctor records" not in page, key
+        pages[key] = page
+    assert "fig-step-time" in pages["steps"]
+    for u in rep.unit_rows():
+        t = u.timing_p50
+        assert any(ln.split()[-2:] == [_num(t.fwd_self_ms), _num(t.bwd_self_ms)] for ln in term.splitlines()
+                   if u.name.split(",")[0] in ln), u.name
+        assert f"<td>{fmt_ms(t.fwd_self_ms)}</td><td>{fmt_ms(t.bwd_self_ms)}</td>" in html
+        assert fmt_ms(t.fwd_self_ms) in pages["units"] and fmt_ms(t.bwd_self_ms) in pages["units"]
+    for r, m in rep.memory_section().per_rank.items():
+        assert fmt_bytes(m.peak_bytes) in term and fmt_bytes(m.peak_bytes) in html
+        assert fmt_bytes(m.peak_bytes) in pages["memory"]
+
+
+def test_streamed_trace_gives_the_same_units_and_memory(tmp_path, monkeypatch):
+    """A trace decoded in batches (past STREAM_MIN_BYTES) keeps its [memory] instants and FSDP2 labels: the same
+    unit times and memory as decoded whole."""
+    from fsdp_doctor.trace import reader
+
+    path = _cpu_nested_trace().write(tmp_path / "rank0.json.gz")
+    whole = build_window(path)
+    monkeypatch.setattr(reader, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(reader, "BATCH_BYTES", 1500)
+    monkeypatch.setattr(reader, "READ_BYTES", 333)
+    trace = decode(path)
+    assert isinstance(trace, reader.StreamedTrace)
+    streamed = build_window(path, trace)
+    assert streamed.unit_us == whole.unit_us and streamed.memory == whole.memory and whole.memory
+
+
+def test_odd_memory_events_are_left_out_not_fatal(tmp_path):
+    """[memory] instants with a string, an absurd or another device's total are left out; the file is still read
+    and the peak is the plausible samples' (310 at step 2)."""
+    b = _cpu_nested_trace()
+    for e in b.events:
+        if e.get("name") == "[memory]" and e["args"]["Total Allocated"] == 250:
+            e["args"]["Total Allocated"] = 1.5e300
+    _mem(b, 1300, 0)
+    b.events[-1]["args"]["Total Allocated"] = "lots"
+    _mem(b, 1310, 0)
+    b.events[-1]["args"]["Device Id"] = [1]
+    ov = analyze_traces(b.write(tmp_path / "rank0.json"))
+    assert ov.skipped == [] and ov.memory.per_rank["0"].peak_bytes == 310
