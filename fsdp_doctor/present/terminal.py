@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..report_sections import Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow, Verdict
 from .fit import Col, fitted_table
-from .fmt import (MISSING, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
+from .fmt import (THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
                   fmt_ms, fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts,
                   short_unit_labels, throughput_rows, trace_units_title, verdict_headline, verdict_rows,
                   verdict_title)
