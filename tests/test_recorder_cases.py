@@ -63,7 +63,10 @@ def test_micro_batches_of_one_optimizer_step_make_one_step(aside):
     run = load_run(aside[2] / "micro")
     for rd in run.ranks.values():
         stats = step_stats(usable_steps(rd.steps))
-        assert stats.count >= 10 and stats.phases_p50_ms["optimizer"] > 0, stats
+        # 12 optimizer steps (not 48 micro-batches), less the first and the steps whose memory was counted op by
+        # op (left out of statistics: record/memory/transients.py)
+        exact = sum(1 for s in rd.steps if s.step > 0 and s.memory is not None and s.memory.transients == "exact")
+        assert stats.count == 11 - exact >= 8 and stats.phases_p50_ms["optimizer"] > 0, stats
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt"])

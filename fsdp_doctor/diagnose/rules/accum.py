@@ -9,15 +9,18 @@ from ..base import Context, Rule, register
 
 
 def _micro_batches(ctx: Context) -> dict[str, float]:
-    """Per unit, forward passes per optimizer step (median over steady steps and ranks): the recorder's
-    micro-batch count where it writes one, else the unit's forward calls per module."""
+    """Per unit, forward passes per optimizer step (median over steady steps and ranks): the larger of the
+    recorder's micro-batch count (``doctor.step()`` calls between two optimizer steps, 1 when it is called once
+    per optimizer step) and the unit's forward calls per module (what the model ran, however the loop calls
+    ``doctor.step()``)."""
     per: dict[str, list[float]] = {}
     mods = {u.name: max(1, len(u.modules)) for u in E.units(ctx)}
     for rd in (getattr(ctx.run, "ranks", None) or {}).values():
         for s in rd.steps[1:]:
             mb = getattr(s, "micro_batches", None)
             for us in s.units:
-                n = mb if mb else (us.fwd_calls / mods.get(us.name, 1) if us.fwd_calls else None)
+                calls = us.fwd_calls / mods.get(us.name, 1) if us.fwd_calls else None
+                n = max(mb or 0, calls or 0) or None
                 if n:
                     per.setdefault(us.name, []).append(float(n))
     return {k: statistics.median(v) for k, v in per.items()}
