@@ -63,12 +63,19 @@ def _flipped(finding) -> dict:
     return {n: False for n in (finding.evidence if finding else {}).get("units_flipped", [])}
 
 
+# the device of every run (--device): "cuda" runs the cases on NCCL ranks (several ranks share a GPU when fewer
+# are visible: fsdp_doctor.workloads.gpu_plan)
+DEVICE = {"device": "cpu"}
+# gloo-only cases (synchronous unshard blocks the host on gloo only; NCCL's all-gathers are asynchronous)
+CPU_ONLY = {"sync_to_async"}
+
+
 def run_once(out: Path, steps: int, knobs: dict, extra: dict):
     """The run (a ``Run``) of the workload with ``knobs`` and the doctor's ``extra`` watch options."""
     from fsdp_doctor import load_run
     from fsdp_doctor.workloads import WorkloadConfig, launch
 
-    cfg = WorkloadConfig(steps=steps, **knobs)
+    cfg = WorkloadConfig(steps=steps, **{**knobs, **DEVICE})
     watch = {"out_dir": str(out), "tokens_per_step": cfg.tokens_per_step(2), "profile": False}
     watch.update(extra)
     launch(cfg, nproc=2, watch_kwargs=watch)
@@ -171,8 +178,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--keep", default=None, help="keep the run directories under this folder")
     p.add_argument("--markdown", action="store_true", help="print the table in Markdown (the README's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: NCCL ranks on the GPU(s); the gloo-only cases are left out")
     ns = p.parse_args(argv)
-    names = [n.strip() for n in ns.only.split(",") if n.strip()] or list(CASES)
+    DEVICE["device"] = ns.device
+    names = [n.strip() for n in ns.only.split(",") if n.strip()] or [
+        n for n in CASES if ns.device == "cpu" or n not in CPU_ONLY]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         p.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
