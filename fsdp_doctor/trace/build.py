@@ -64,49 +64,99 @@ class _Label:
     name: str
 
 
-class _LabelIndex:
-    """FSDP record_function labels per (pid, tid), for 'innermost label containing t' queries."""
+class _Special:
+    """The host events the analyses read beside device work (profiler steps, FSDP / optimizer / data-loader
+    labels), compactly: a window of thousands of steps holds hundreds of thousands of them, so each is kept as
+    its start, its end (``ts + dur`` in the trace's unit, summed before conversion as the trace gives them), an
+    index into ``names`` (each distinct name once) and an index into ``threads`` ((pid, tid) -> index)."""
 
-    def __init__(self, labels: dict):
+    def __init__(self):
+        self.ts = array("d")
+        self.end = array("d")
+        self.name = array("i")
+        self.thread = array("i")
+        self.codes: dict[str, int] = {}
+        self.names: list[str] = []
+        self.threads: dict[tuple, int] = {}
+
+    def add(self, e) -> None:
+        nm = e.name
+        i = self.codes.get(nm)
+        if i is None:
+            i = self.codes[nm] = len(self.names)
+            self.names.append(nm)
+        key = (e.pid, e.tid)
+        th = self.threads.get(key)
+        if th is None:
+            th = self.threads[key] = len(self.threads)
+        self.ts.append(e.ts)
+        self.end.append(e.ts + e.dur)
+        self.name.append(i)
+        self.thread.append(th)
+
+    def arrays(self):
+        """(start, end, name index, thread index) as numpy arrays, in the trace's unit."""
+        return (np.frombuffer(self.ts, dtype=np.float64), np.frombuffer(self.end, dtype=np.float64),
+                np.frombuffer(self.name, dtype=np.int32), np.frombuffer(self.thread, dtype=np.int32))
+
+    def names_where(self, pred) -> np.ndarray:
+        """Per name index, whether ``pred(name)`` holds."""
+        return np.array([bool(pred(nm)) for nm in self.names], dtype=bool)
+
+
+class _LabelIndex:
+    """FSDP record_function labels per (pid, tid), for 'innermost label containing t' queries: per thread,
+    arrays of start, end and name index, sorted by start (stably: ties keep the trace's order)."""
+
+    def __init__(self, ts: np.ndarray, end: np.ndarray, name: np.ndarray, thread: np.ndarray,
+                 keys: list, names: list):
+        self._names = names
+        # threads in the order of their first label, each sorted by start
+        uniq, first = np.unique(thread, return_index=True)
         self._by_thread = {}
-        for key, lst in labels.items():
-            lst.sort(key=lambda x: x.ts)
-            self._by_thread[key] = ([x.ts for x in lst], lst)
-        self._by_name: Optional[dict] = None
+        self.counts: dict = {}  # (pid, tid) -> number of labels, in that order
+        parts = []
+        for th in uniq[np.argsort(first, kind="stable")].tolist():
+            sel = np.flatnonzero(thread == th)
+            sel = sel[np.argsort(ts[sel], kind="stable")]
+            self._by_thread[keys[th]] = (ts[sel], end[sel], name[sel])
+            self.counts[keys[th]] = int(sel.size)
+            parts.append(sel)
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
+        self._all = (ts[order], end[order], name[order])  # threads in order, each by start
+        self._code = {nm: i for i, nm in enumerate(names)}
+        self._by_name: dict = {}
 
     def innermost(self, key, t: float, pred) -> Optional[_Label]:
         entry = self._by_thread.get(key)
         if entry is None:
             return None
-        starts, lst = entry
-        i = bisect.bisect_right(starts, t) - 1
-        best = None
+        starts, ends, names = entry
+        i = int(np.searchsorted(starts, t, side="right")) - 1
+        lo = max(i - 64, -1) + 1
         # labels nest, so the innermost container is the latest-starting one that still contains t
-        for j in range(i, max(i - 64, -1), -1):
-            lab = lst[j]
-            if lab.end >= t and pred(lab.name):
-                best = lab
-                break
-        return best
+        e_l, n_l = ends[lo:i + 1].tolist(), names[lo:i + 1].tolist()
+        for j in range(len(e_l) - 1, -1, -1):
+            nm = self._names[n_l[j]]
+            if e_l[j] >= t and pred(nm):
+                return _Label(float(starts[lo + j]), e_l[j], nm)
+        return None
 
     def first_after(self, t: float, name: str) -> Optional[_Label]:
         """The earliest label called ``name`` starting at or after ``t`` on any thread (on a tie, the one
         on the thread seen first)."""
-        if self._by_name is None:
-            by_name: dict = {}
-            for _, lst in self._by_thread.values():  # threads in order, each sorted by start
-                for lab in lst:
-                    by_name.setdefault(lab.name, []).append(lab)
-            for k, lst in by_name.items():
-                lst.sort(key=lambda x: x.ts)  # stable: ties keep thread order
-                by_name[k] = ([x.ts for x in lst], lst)
-            self._by_name = by_name
         entry = self._by_name.get(name)
         if entry is None:
-            return None
-        starts, lst = entry
-        i = bisect.bisect_left(starts, t)
-        return lst[i] if i < len(lst) else None
+            code = self._code.get(name)
+            if code is None:
+                return None
+            ts, end, names = self._all
+            sel = np.flatnonzero(names == code)
+            sel = sel[np.argsort(ts[sel], kind="stable")]  # stable: ties keep thread order
+            entry = self._by_name[name] = (ts[sel], end[sel])
+        starts, ends = entry
+        i = int(np.searchsorted(starts, t, side="left"))
+        return _Label(float(starts[i]), float(ends[i]), name) if i < starts.size else None
 
 
 def _unit_of(fqn: Optional[str], pg: Optional[str] = None) -> str:
@@ -138,10 +188,12 @@ def _is_comm_label(name: str) -> bool:
 
 
 class _Phases:
-    def __init__(self, boundaries: list[tuple[float, str]]):
-        boundaries.sort()
-        self._ts = [b[0] for b in boundaries]
-        self._kind = [b[1] for b in boundaries]
+    """The phase at a time: the last boundary (an FSDP root pre-forward or pre-backward label) before it."""
+
+    def __init__(self, ts: np.ndarray, backward: np.ndarray):
+        order = np.lexsort((~backward, ts))  # by time; on a tie "backward" before "forward", as tuples sort
+        self._ts = ts[order].tolist()
+        self._kind = ["backward" if b else "forward" for b in backward[order].tolist()]
 
     def at(self, t: float) -> str:
         i = bisect.bisect_right(self._ts, t) - 1
@@ -201,7 +253,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     all_int = True
     gpu = _DeviceEvents()
     launches = _Launches()
-    special: list[Event] = []
+    special = _Special()
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
@@ -209,7 +261,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
         launches.threads
     seen_names, comm_events = gpu.seen, gpu.comm
     last_pid = last_tid = th = None
-    special_append = special.append
+    special_add = special.add
     first = _SPECIAL_FIRST
     # Events without a category, or of category "Trace" (the profiler's span), take no part; the category is
     # only read where it matters, not for the bulk of operators.
@@ -274,7 +326,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
-                    special_append(e)
+                    special_add(e)
     if not n_events:
         raise TraceError('no events ("traceEvents" is empty)')
     # (after the events: a streamed trace knows its top-level fields once read)
@@ -293,36 +345,31 @@ def _build_window(path: Path, trace) -> WindowTrace:
                          "not analysed")
 
     # ---- profiler steps and the cut at the last step's start ----
+    sp_ts, sp_end, sp_name, sp_thread = special.arrays()
+    sp_ts, sp_end = sp_ts * scale, sp_end * scale
     steps: dict[int, float] = {}
     step_end: dict[int, float] = {}
-    for e in special:
-        if e.name.startswith("ProfilerStep"):
-            m = STEP_RE.match(e.name)
-            if m:
-                n = int(m.group(1))
-                steps[n] = min(steps.get(n, math.inf), e.ts * scale)
-                step_end[n] = max(step_end.get(n, -math.inf), (e.ts + e.dur) * scale)
+    step_of = {i: int(m.group(1)) for i, nm in enumerate(special.names)
+               if nm.startswith("ProfilerStep") and (m := STEP_RE.match(nm))}
+    if step_of:
+        sel = np.flatnonzero(np.isin(sp_name, list(step_of)))
+        for i, t0, t1 in zip(sp_name[sel].tolist(), sp_ts[sel].tolist(), sp_end[sel].tolist()):
+            n = step_of[i]
+            steps[n] = min(steps.get(n, math.inf), t0)
+            step_end[n] = max(step_end.get(n, -math.inf), t1)
     cutoff = math.inf
     kept_steps = sorted(steps)
     if len(steps) >= 2:
         cutoff = max(steps.values())
         kept_steps = sorted(n for n, s in steps.items() if s < cutoff)
 
-    labels: dict = {}
-    boundaries: list[tuple[float, str]] = []
-    label_names: dict[str, str] = {}  # one string per distinct label (a window of many steps repeats them)
-    for e in special:
-        n = e.name
-        n = label_names.setdefault(n, n)
-        t = e.ts * scale
-        if n.startswith("FSDP::") and t < cutoff:
-            labels.setdefault((e.pid, e.tid), []).append(_Label(t, (e.ts + e.dur) * scale, n))
-            if n == "FSDP::root_pre_forward":
-                boundaries.append((t, "forward"))
-            elif n.startswith("FSDP::pre_backward"):
-                boundaries.append((t, "backward"))
-    index = _LabelIndex(labels)
-    phases = _Phases(boundaries)
+    # the FSDP labels before the cut, and the phase boundaries among them
+    is_fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[sp_name]
+    lab = np.flatnonzero(is_fsdp & (sp_ts < cutoff))
+    index = _LabelIndex(sp_ts[lab], sp_end[lab], sp_name[lab], sp_thread[lab], list(special.threads), special.names)
+    fwd = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name[lab]]
+    bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
+    phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.names else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
@@ -331,17 +378,16 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
-    _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
+    _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
-    del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
     if gpu.names:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
-        _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
+        _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
     return win
 
 
@@ -359,29 +405,27 @@ def _implausible(e) -> None:
         raise TraceError(f"implausible timestamp: {what!r} at ts {e.ts:.3g}; not analysed")
 
 
-def _outside_model(win: WindowTrace, special: list, step_spans: list, scale: float) -> None:
+def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.ndarray,
+                   step_spans: list) -> None:
     """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
-    root pre-forward and after its last FSDP / optimizer label."""
-    starts, ends = [], []
-    fsdp = []
-    for e in special:
-        n = e.name
-        if n.startswith(DATALOADER_PREFIX):
-            starts.append(e.ts * scale)
-            ends.append((e.ts + e.dur) * scale)
-        elif n.startswith("FSDP::") or n.startswith(OPTIMIZER_PREFIX):
-            fsdp.append((e.ts * scale, (e.ts + e.dur) * scale, n == "FSDP::root_pre_forward"))
-    if fsdp and step_spans:
-        fsdp.sort()
-        fs = [f[0] for f in fsdp]
+    root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times)."""
+    name = np.frombuffer(special.name, dtype=np.int32)
+    loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
+    starts, ends = ts[loader].tolist(), end[loader].tolist()
+    model = special.names_where(lambda nm: nm.startswith("FSDP::") or nm.startswith(OPTIMIZER_PREFIX))[name] & ~loader
+    root = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[name][model]
+    fs, fe = ts[model], end[model]
+    if fs.size and step_spans:
+        order = np.argsort(fs, kind="stable")
+        fs, fe, root = fs[order], fe[order], root[order]
         for s0, s1 in step_spans:
-            inside = fsdp[bisect.bisect_left(fs, s0):bisect.bisect_left(fs, s1)]
-            roots = [f[0] for f in inside if f[2]]
-            if not roots:
+            lo, hi = np.searchsorted(fs, [s0, s1], side="left").tolist()
+            roots = fs[lo:hi][root[lo:hi]]
+            if not roots.size:
                 continue
             win.model_delimited = True
-            starts += [s0, max(f[1] for f in inside)]
-            ends += [min(roots), s1]
+            starts += [s0, float(fe[lo:hi].max())]
+            ends += [float(roots.min()), s1]
     win.outside = iv.union(starts, ends)
 
 
@@ -602,9 +646,11 @@ class _Shapes:
         return self._full[i].args if i is not None else None
 
 
-def _main_thread(host, labels) -> Optional[tuple]:
-    if labels:
-        return max(labels, key=lambda k: len(labels[k]))
+def _main_thread(host, counts: dict) -> Optional[tuple]:
+    """The thread carrying the most FSDP labels (``counts``: (pid, tid) -> labels), else the profiler steps'
+    thread, else the one with the most operators outside gloo."""
+    if counts:
+        return max(counts, key=counts.get)
     counts: dict = {}
     for e in host:
         if e.name.startswith("ProfilerStep"):
@@ -653,8 +699,8 @@ def _compute_self_time(evs, scale) -> iv.Intervals:
     return iv.union(starts, ends)
 
 
-def _build_cpu(win, host, labels, index, phases, scale, shapes):
-    main = _main_thread(host, labels)
+def _build_cpu(win, host, index, phases, scale, shapes):
+    main = _main_thread(host, index.counts)
     gloo = sorted((e for e in host if e.name.startswith("gloo:")), key=lambda e: e.ts)
     win.comm = iv.union([e.ts * scale for e in gloo], [(e.ts + e.dur) * scale for e in gloo])
     if main is None:
