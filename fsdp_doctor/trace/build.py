@@ -255,11 +255,11 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special = _Special()
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
-    g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
+    g_name, g_ts, g_dur, g_corr, g_stream = gpu.name.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
         launches.threads
-    seen_names, comm_events = gpu.seen, gpu.comm
+    seen_names, dev_names, add_comm = gpu.seen, gpu.names, gpu.add_comm
     last_pid = last_tid = th = None
     special_add = special.add
     first = _SPECIAL_FIRST
@@ -296,13 +296,14 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         if st.__class__ is not int:
                             st = _stream_id(a)
                         if st >= 0:
-                            # kept: the name (one string per distinct name) and, for a collective, the event
+                            # kept: the name (an index) and, for a collective, what its call reads of the args
                             nm = e.name
                             ent = seen_names.get(nm)
                             if ent is None:
-                                ent = seen_names[nm] = (nm, NCCL_KERNEL_RE.match(nm) is not None)
+                                ent = seen_names[nm] = (len(dev_names), NCCL_KERNEL_RE.match(nm) is not None)
+                                dev_names.append(nm)
                             if ent[1]:
-                                comm_events[len(gpu.names)] = e.args  # (all a collective needs beside its name)
+                                add_comm(a)
                             g_name(ent[0])
                             g_ts(ts)
                             g_dur(d)
@@ -371,7 +372,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
     phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
 
-    win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.names else "cpu", world_size=world,
+    win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3)
     ends = [steps[n] for n in kept_steps[1:]] + [cutoff if cutoff != math.inf else step_end[n] for n in kept_steps[-1:]]
@@ -381,7 +382,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
-    if gpu.names:
+    if len(gpu.ts):
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
@@ -468,17 +469,30 @@ def _kernel_kind(name: str) -> int:
 
 class _DeviceEvents:
     """The device events of a window, compactly (a trace may hold millions): side by side the fields the arrays
-    are built from, each name once (``seen``: name -> (name, is a collective)), and only the collectives'
-    args (``comm``: position -> args)."""
+    are built from, the name as an index into ``names`` (``seen``: name -> (index, is a collective)), and for
+    the collectives only what their calls read from the args: (bytes, group size, dtype, collective name), each
+    distinct tuple once (``comm_info``), by position (``comm_pos`` ascending, ``comm_code``)."""
 
     def __init__(self):
-        self.names: list[str] = []
+        self.name = array("i")
+        self.names: list[str] = []  # the distinct names, in order of first appearance
         self.ts = array("d")
         self.dur = array("d")
         self.corr = array("q")
         self.stream = array("q")
-        self.seen: dict[str, tuple[str, bool]] = {}
-        self.comm: dict[int, object] = {}  # position -> the collective's args
+        self.seen: dict[str, tuple[int, bool]] = {}
+        self.comm_pos = array("q")
+        self.comm_code = array("i")
+        self.comm_info: dict[tuple, int] = {}
+
+    def add_comm(self, a) -> None:
+        """The collective's args, for the event about to be appended."""
+        info = (_bytes_from_msg(a), a.group_size, a.dtype, a.collective)
+        code = self.comm_info.get(info)
+        if code is None:
+            code = self.comm_info[info] = len(self.comm_info)
+        self.comm_pos.append(len(self.ts))
+        self.comm_code.append(code)
 
 
 class _Launches:
@@ -543,11 +557,10 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
         # (the launches themselves are left whole: every device event kept finds its launch among them)
 
     # classify each distinct kernel name once
-    codes: dict[str, int] = {}
-    name_idx = np.array([codes.setdefault(nm, len(codes)) for nm in dev.names], dtype=np.intp)
+    name_idx = np.frombuffer(dev.name, dtype=np.int32).astype(np.intp)
     if orig is not None:
         name_idx = name_idx[orig]
-    names = list(codes)
+    names = dev.names
     kind_of = [_kernel_kind(nm) for nm in names]
     kind = np.array(kind_of, dtype=np.int8)[name_idx]
     h2d = np.array([k == 3 and nm.startswith("Memcpy HtoD") for k, nm in zip(kind_of, names)], dtype=bool)[name_idx]
@@ -582,10 +595,15 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
 
     attributions: dict = {}
     collectives: dict = {}
-    for i in np.flatnonzero(is_comm).tolist():
-        k = i if orig is None else int(orig[i])
-        a, name = dev.comm[k], dev.names[k]
-        launch = launches.get(a.correlation)
+    infos = list(dev.comm_info)
+    comm_i = np.flatnonzero(is_comm)
+    comm_k = comm_i if orig is None else orig[comm_i]  # positions in dev
+    comm_code = np.frombuffer(dev.comm_code, dtype=np.int32)[
+        np.searchsorted(np.frombuffer(dev.comm_pos, dtype=np.int64), comm_k)]
+    for i, k, code in zip(comm_i.tolist(), comm_k.tolist(), comm_code.tolist()):
+        nbytes, group_size, dtype, coll_name = infos[code]
+        name = names[dev.name[k]]
+        launch = launches.get(dev.corr[k])
         t0, t1 = float(ts[i]), float(te[i])
         issue = launch[0] * scale if launch is not None else t0
         lab = None
@@ -600,10 +618,9 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
         coll = collectives.get(name, collectives)
         if coll is collectives:
             coll = collectives[name] = _snake_collective(name)
-        coll = coll or (a.collective or "unknown")
+        coll = coll or (coll_name or "unknown")
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=t0, end=t1,
-                              issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size,
-                              dtype=a.dtype,
+                              issue=issue, bytes=nbytes, group_size=group_size or win.world_size, dtype=dtype,
                               on_compute_stream=cs is not None and int(streams[i]) == cs)
         if att is not None:
             unit, k, suffix = att
