@@ -504,60 +504,76 @@ class _Launches:
         self.ts = array("d")
         self.thread = array("i")
         self.threads: dict[tuple, int] = {}  # (pid, tid) -> index
-        self._sorted = None
-
-    def _index(self):
-        if self._sorted is None:
-            corr = np.frombuffer(self.corr, dtype=np.int64) if len(self.corr) else np.zeros(0, np.int64)
-            order = np.argsort(corr, kind="stable")
-            self._sorted = (corr[order], order)
-        return self._sorted
 
     def positions(self, corrs) -> np.ndarray:
         """For each correlation id, the position of its (last) launch, -1 where none."""
-        sc, order = self._index()
         q = np.asarray(corrs, dtype=np.int64)
-        if not sc.size:
+        if not len(self.corr):
             return np.full(q.shape, -1, dtype=np.intp)
-        i = np.searchsorted(sc, q, side="right") - 1
-        hit = (i >= 0) & (sc[np.maximum(i, 0)] == q)
-        return np.where(hit, order[np.maximum(i, 0)], -1)
+        corr = np.frombuffer(self.corr, dtype=np.int64)
+        order = np.argsort(corr, kind="stable")
+        sc = corr[order]
+        i = np.searchsorted(sc, q, side="right")
+        i -= 1
+        hit = i >= 0
+        np.maximum(i, 0, out=i)
+        hit &= sc[i] == q
+        del sc
+        pos = order[i]
+        pos[~hit] = -1
+        return pos
 
-    def ts_of(self, corrs) -> np.ndarray:
-        """Each correlation id's launch time, NaN where none."""
-        pos = self.positions(corrs)
-        ts = np.frombuffer(self.ts, dtype=np.float64) if len(self.ts) else np.zeros(1)
-        return np.where(pos >= 0, ts[np.maximum(pos, 0)], math.nan)
-
-    def get(self, corr):
-        """(time, (pid, tid)) of the launch of ``corr``, or None."""
-        if corr is None:
-            return None
-        pos = int(self.positions([corr])[0])
-        if pos < 0:
-            return None
-        keys = list(self.threads)
-        return self.ts[pos], keys[self.thread[pos]]
+    def ts_at(self, pos: np.ndarray) -> np.ndarray:
+        """The launch time at each position, NaN where it is -1."""
+        out = np.frombuffer(self.ts, dtype=np.float64)[np.maximum(pos, 0)] if len(self.ts) else \
+            np.zeros(pos.shape)
+        out[pos < 0] = math.nan
+        return out
 
 
 def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff):
+    """The device timeline and the collective calls. It consumes ``dev`` and ``launches``: their largest arrays
+    are released as soon as read, so that a window of millions of events holds few copies at once."""
     # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
     # start do not count, and neither do the device events they launched
-    corr = np.frombuffer(dev.corr, dtype=np.int64)
-    lts = launches.ts_of(corr) * scale
-    ts = np.frombuffer(dev.ts, dtype=np.float64) * scale
-    te = ts + np.frombuffer(dev.dur, dtype=np.float64) * scale
+    lpos = launches.positions(np.frombuffer(dev.corr, dtype=np.int64))
+    dev.corr = None
+    # the collectives' launches (time in the trace's unit, thread) by their position in dev, read before the
+    # launches are released; every collective is among comm_pos, in order
+    comm_pos = np.frombuffer(dev.comm_pos, dtype=np.int64)
+    c_lpos = lpos[comm_pos]
+    c_launch_ts = np.frombuffer(launches.ts, dtype=np.float64)[np.maximum(c_lpos, 0)].tolist() if len(
+        launches.ts) else [0.0] * c_lpos.size
+    thread_keys = list(launches.threads)
+    c_thread = np.frombuffer(launches.thread, dtype=np.int32)[np.maximum(c_lpos, 0)].tolist() if len(
+        launches.thread) else [0] * c_lpos.size
+    c_found = (c_lpos >= 0).tolist()
+    lts = launches.ts_at(lpos)
+    del lpos
+    launches.corr = launches.ts = launches.thread = None
+    if scale != 1.0:  # (x * 1.0 is x: no copy needed)
+        lts *= scale
+    ts = np.frombuffer(dev.ts, dtype=np.float64)
+    if scale != 1.0:
+        ts = ts * scale
+    te = np.frombuffer(dev.dur, dtype=np.float64) * scale
+    te += ts
+    dev.ts = dev.dur = None
     streams = np.frombuffer(dev.stream, dtype=np.int64)
     orig = None  # the kept events' positions in dev (None: all kept)
     if cutoff != math.inf:
         keep = lts < cutoff  # NaN compares False
         if not keep.all():
             orig = np.flatnonzero(keep)
-            lts, ts, te, streams = lts[keep], ts[keep], te[keep], streams[keep]
+            lts = lts[keep]  # (one at a time: each original is freed as its copy is made)
+            ts = ts[keep]
+            te = te[keep]
+            streams = streams[keep]
+        del keep
         # (the launches themselves are left whole: every device event kept finds its launch among them)
 
     # classify each distinct kernel name once
-    name_idx = np.frombuffer(dev.name, dtype=np.int32).astype(np.intp)
+    name_idx = np.frombuffer(dev.name, dtype=np.int32)
     if orig is not None:
         name_idx = name_idx[orig]
     names = dev.names
@@ -569,7 +585,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
 
     comp = kind == 1
     is_comm = kind == 2
-    win.kernels = kernel_stats(names, name_idx[comp], (te - ts)[comp])
+    win.kernels = kernel_stats(names, name_idx[comp], te[comp] - ts[comp])
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
     win.comm = iv.union(ts[is_comm], te[is_comm])
     win.compute = iv.union(ts[comp], te[comp])
@@ -587,28 +603,32 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
 
     # compute kernels ordered by launch time, for "when did the compute stream need the params"
     ci = np.flatnonzero(comp)
-    launch_ts = np.where(np.isnan(lts[ci]), ts[ci], lts[ci])
+    launch_ts = lts[ci]  # (a kernel without a launch: its start)
+    nan = np.flatnonzero(np.isnan(launch_ts))
+    launch_ts[nan] = ts[ci[nan]]
     order = np.argsort(launch_ts, kind="stable")
     # (arrays, not lists: a window may hold millions of kernels; only the collectives look them up)
     launch_sorted = launch_ts[order]
-    end_prefmax = np.maximum.accumulate(te[ci][order]) if ci.size else np.zeros(0)
+    del launch_ts
+    end_prefmax = te[ci[order]]
+    np.maximum.accumulate(end_prefmax, out=end_prefmax)
+    del ci, order, nan
 
     attributions: dict = {}
     collectives: dict = {}
     infos = list(dev.comm_info)
     comm_i = np.flatnonzero(is_comm)
     comm_k = comm_i if orig is None else orig[comm_i]  # positions in dev
-    comm_code = np.frombuffer(dev.comm_code, dtype=np.int32)[
-        np.searchsorted(np.frombuffer(dev.comm_pos, dtype=np.int64), comm_k)]
-    for i, k, code in zip(comm_i.tolist(), comm_k.tolist(), comm_code.tolist()):
-        nbytes, group_size, dtype, coll_name = infos[code]
+    comm_j = np.searchsorted(comm_pos, comm_k)  # the collectives' positions in comm_pos
+    comm_code = dev.comm_code
+    for i, k, j in zip(comm_i.tolist(), comm_k.tolist(), comm_j.tolist()):
+        nbytes, group_size, dtype, coll_name = infos[comm_code[j]]
         name = names[dev.name[k]]
-        launch = launches.get(dev.corr[k])
         t0, t1 = float(ts[i]), float(te[i])
-        issue = launch[0] * scale if launch is not None else t0
+        issue = c_launch_ts[j] * scale if c_found[j] else t0
         lab = None
-        if launch is not None:
-            lab = index.innermost(launch[1], issue, _is_comm_label)
+        if c_found[j]:
+            lab = index.innermost(thread_keys[c_thread[j]], issue, _is_comm_label)
         if lab is None:
             att = None
         else:
