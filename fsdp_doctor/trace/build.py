@@ -113,17 +113,20 @@ class _LabelIndex:
         self._names = names
         # threads in the order of their first label, each sorted by start
         uniq, first = np.unique(thread, return_index=True)
-        self._by_thread = {}
         self.counts: dict = {}  # (pid, tid) -> number of labels, in that order
         parts = []
         for th in uniq[np.argsort(first, kind="stable")].tolist():
             sel = np.flatnonzero(thread == th)
-            sel = sel[np.argsort(ts[sel], kind="stable")]
-            self._by_thread[keys[th]] = (ts[sel], end[sel], name[sel])
+            parts.append(sel[np.argsort(ts[sel], kind="stable")])
             self.counts[keys[th]] = int(sel.size)
-            parts.append(sel)
         order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
         self._all = (ts[order], end[order], name[order])  # threads in order, each by start
+        # each thread's labels: views of its run in _all
+        self._by_thread = {}
+        at = 0
+        for key, n in self.counts.items():
+            self._by_thread[key] = tuple(a[at:at + n] for a in self._all)
+            at += n
         self._code = {nm: i for i, nm in enumerate(names)}
         self._by_name: dict = {}
 
@@ -259,7 +262,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
         gpu.stream.append
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
         launches.threads
-    seen_names, dev_names, add_comm = gpu.seen, gpu.names, gpu.add_comm
+    seen_names, dev_names, add_comm, stream_codes = gpu.seen, gpu.names, gpu.add_comm, gpu.streams
     last_pid = last_tid = th = None
     special_add = special.add
     first = _SPECIAL_FIRST
@@ -308,7 +311,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
                             g_ts(ts)
                             g_dur(d)
                             g_corr(corr)
-                            g_stream(st)
+                            sc = stream_codes.get(st)
+                            if sc is None:
+                                sc = stream_codes[st] = len(stream_codes)
+                            g_stream(sc)
                             continue
                     pid, tid = e.pid, e.tid
                     if tid != last_tid or pid != last_pid:  # launches come in runs from one thread
@@ -328,6 +334,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
                     special_add(e)
+    events = e = None  # (the last batch: freed before the window is built)
     if not n_events:
         raise TraceError('no events ("traceEvents" is empty)')
     # (after the events: a streamed trace knows its top-level fields once read)
@@ -382,6 +389,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
+    del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd  # (read: the window may be long)
     if len(gpu.ts):
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
@@ -469,7 +477,7 @@ def _kernel_kind(name: str) -> int:
 
 class _DeviceEvents:
     """The device events of a window, compactly (a trace may hold millions): side by side the fields the arrays
-    are built from, the name as an index into ``names`` (``seen``: name -> (index, is a collective)), and for
+    are built from, the name and the stream as indices into ``names`` and ``streams`` (``seen``: name -> (index, is a collective)), and for
     the collectives only what their calls read from the args: (bytes, group size, dtype, collective name), each
     distinct tuple once (``comm_info``), by position (``comm_pos`` ascending, ``comm_code``)."""
 
@@ -479,7 +487,8 @@ class _DeviceEvents:
         self.ts = array("d")
         self.dur = array("d")
         self.corr = array("q")
-        self.stream = array("q")
+        self.stream = array("i")  # an index into ``streams``
+        self.streams: dict[int, int] = {}  # stream id -> index
         self.seen: dict[str, tuple[int, bool]] = {}
         self.comm_pos = array("q")
         self.comm_code = array("i")
@@ -559,23 +568,23 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     te = np.frombuffer(dev.dur, dtype=np.float64) * scale
     te += ts
     dev.ts = dev.dur = None
-    streams = np.frombuffer(dev.stream, dtype=np.int64)
-    orig = None  # the kept events' positions in dev (None: all kept)
+    streams = np.frombuffer(dev.stream, dtype=np.int32)  # (stream indices)
+    name_idx = np.frombuffer(dev.name, dtype=np.int32)
+    dev.stream = dev.name = None
+    kept = None  # which events of dev are kept (None: all)
     if cutoff != math.inf:
         keep = lts < cutoff  # NaN compares False
         if not keep.all():
-            orig = np.flatnonzero(keep)
+            kept = keep
             lts = lts[keep]  # (one at a time: each original is freed as its copy is made)
             ts = ts[keep]
             te = te[keep]
             streams = streams[keep]
+            name_idx = name_idx[keep]
         del keep
         # (the launches themselves are left whole: every device event kept finds its launch among them)
 
     # classify each distinct kernel name once
-    name_idx = np.frombuffer(dev.name, dtype=np.int32)
-    if orig is not None:
-        name_idx = name_idx[orig]
     names = dev.names
     kind_of = [_kernel_kind(nm) for nm in names]
     kind = np.array(kind_of, dtype=np.int8)[name_idx]
@@ -585,25 +594,14 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
 
     comp = kind == 1
     is_comm = kind == 2
-    win.kernels = kernel_stats(names, name_idx[comp], te[comp] - ts[comp])
+    dur_comp = te[comp] - ts[comp]
+    win.kernels = kernel_stats(names, name_idx[comp], dur_comp)
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
-    win.comm = iv.union(ts[is_comm], te[is_comm])
-    win.compute = iv.union(ts[comp], te[comp])
-    win.h2d = iv.union(ts[h2d], te[h2d])
-    win.d2h = iv.union(ts[d2h], te[d2h])
-    cs = None
-    if comp.any():
-        # the compute stream: the stream with the most compute-kernel time
-        uniq, inverse = np.unique(streams[comp], return_inverse=True)
-        durs = np.bincount(inverse, weights=(te - ts)[comp])
-        cs = uniq[int(np.argmax(durs))]
-        on = streams == cs
-        win.stream_busy = iv.union(ts[on], te[on])
-        win.span = (float(ts[on].min()), float(te[on].max()))
 
     # compute kernels ordered by launch time, for "when did the compute stream need the params"
     ci = np.flatnonzero(comp)
     launch_ts = lts[ci]  # (a kernel without a launch: its start)
+    del lts
     nan = np.flatnonzero(np.isnan(launch_ts))
     launch_ts[nan] = ts[ci[nan]]
     order = np.argsort(launch_ts, kind="stable")
@@ -614,17 +612,38 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     np.maximum.accumulate(end_prefmax, out=end_prefmax)
     del ci, order, nan
 
+    win.comm = iv.union(ts[is_comm], te[is_comm])
+    win.compute = iv.union(ts[comp], te[comp])
+    win.h2d = iv.union(ts[h2d], te[h2d])
+    win.d2h = iv.union(ts[d2h], te[d2h])
+    cs = None  # the compute stream's index
+    if comp.any():
+        # the compute stream: the stream with the most compute-kernel time (on a tie, the lowest stream id)
+        uniq, inverse = np.unique(streams[comp], return_inverse=True)
+        durs = np.bincount(inverse, weights=dur_comp)
+        ids = np.array(list(dev.streams), dtype=np.int64)[uniq]
+        by_id = np.argsort(ids)
+        cs = int(uniq[by_id[int(np.argmax(durs[by_id]))]])
+        on = streams == cs
+        win.stream_busy = iv.union(ts[on], te[on])
+        win.span = (float(ts[on].min()), float(te[on].max()))
+        del on
+    del dur_comp
+
     attributions: dict = {}
     collectives: dict = {}
     infos = list(dev.comm_info)
     comm_i = np.flatnonzero(is_comm)
-    comm_k = comm_i if orig is None else orig[comm_i]  # positions in dev
+    comm_k = comm_i if kept is None else np.flatnonzero(kept)[comm_i]  # positions in dev
     comm_j = np.searchsorted(comm_pos, comm_k)  # the collectives' positions in comm_pos
     comm_code = dev.comm_code
-    for i, k, j in zip(comm_i.tolist(), comm_k.tolist(), comm_j.tolist()):
+    # the collectives' own fields; the window's per-event arrays are released before their calls are made
+    c_t0, c_t1, c_name = ts[comm_i].tolist(), te[comm_i].tolist(), name_idx[comm_i].tolist()
+    c_on = (streams[comm_i] == cs).tolist() if cs is not None else [False] * comm_i.size
+    del ts, te, streams, name_idx, kind, h2d, d2h, comp, is_comm, kept, comm_k
+    for n_call, (j, t0, t1) in enumerate(zip(comm_j.tolist(), c_t0, c_t1)):
         nbytes, group_size, dtype, coll_name = infos[comm_code[j]]
-        name = names[dev.name[k]]
-        t0, t1 = float(ts[i]), float(te[i])
+        name = names[c_name[n_call]]
         issue = c_launch_ts[j] * scale if c_found[j] else t0
         lab = None
         if c_found[j]:
@@ -641,7 +660,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
         coll = coll or (coll_name or "unknown")
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=t0, end=t1,
                               issue=issue, bytes=nbytes, group_size=group_size or win.world_size, dtype=dtype,
-                              on_compute_stream=cs is not None and int(streams[i]) == cs)
+                              on_compute_stream=c_on[n_call])
         if att is not None:
             unit, k, suffix = att
             call.unit = unit
@@ -650,8 +669,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
                 call.phase = phases.at(lab.ts)
                 out = index.first_after(issue, "FSDP::all_gather_copy_out" + suffix)
                 if out is not None:
-                    j = int(np.searchsorted(launch_sorted, out.ts, side="left"))
-                    dev_ready = float(end_prefmax[j - 1]) if j > 0 else -math.inf
+                    p = int(np.searchsorted(launch_sorted, out.ts, side="left"))
+                    dev_ready = float(end_prefmax[p - 1]) if p > 0 else -math.inf
                     call.need = max(out.ts, dev_ready)
             else:
                 call.phase = "backward"
