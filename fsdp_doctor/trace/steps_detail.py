@@ -45,13 +45,20 @@ def _step_of(starts: list[float], steps: list[int], ends: list[float], t: float)
     return steps[i] if i >= 0 and t < ends[i] else None
 
 
-def unit_spans(labels, step_bounds: dict[int, tuple[float, float]]) -> list[tuple[float, float, str, str, int]]:
-    """(start, end, unit, phase, step) of each unit's forward and backward inside the complete steps
-    (``labels``: ``_Label``-like objects with ``ts``, ``end``, ``name``, any thread; ``step_bounds``: step ->
-    (start, end), µs)."""
+def unit_spans(ts: np.ndarray, end: np.ndarray, name: np.ndarray, names: list[str],
+               step_bounds: dict[int, tuple[float, float]]) -> list[tuple[float, float, str, str, int]]:
+    """(start, end, unit, phase, step) of each unit's forward and backward inside the complete steps. The labels
+    as arrays, any thread: ``ts``, ``end`` (µs) and ``name`` (an index into ``names``), in the order that ties of
+    start keep; ``step_bounds``: step -> (start, end), µs. Only the pre/post forward/backward labels are read."""
     order = sorted(step_bounds)
     starts = [step_bounds[n][0] for n in order]
     ends = [step_bounds[n][1] for n in order]
+    brackets = {}  # name index -> (unit, kind) of the labels read (most labels are collectives': left out)
+    for i, nm in enumerate(names):
+        if nm.startswith(_BRACKETS) and (p := parse_label(nm)) is not None:
+            brackets[i] = (p.fqn or "", p.kind)
+    sel = np.flatnonzero(np.isin(name, list(brackets))) if brackets else np.zeros(0, dtype=np.intp)
+    sel = sel[np.argsort(ts[sel], kind="stable")]
     fwd_open: dict[str, float] = {}
     bwd: dict[str, list] = {}  # unit -> [start, end] of the backward being read
     out = []
@@ -63,26 +70,21 @@ def unit_spans(labels, step_bounds: dict[int, tuple[float, float]]) -> list[tupl
             if step is not None:
                 out.append((s, e, unit, "backward", step))
 
-    for lab in sorted(labels, key=lambda x: x.ts):
-        if not lab.name.startswith(_BRACKETS):  # (most labels are collectives': skipped before the regex)
-            continue
-        p = parse_label(lab.name)
-        if p is None:
-            continue
-        unit = p.fqn or ""
-        if p.kind == "pre_forward":
-            fwd_open.setdefault(unit, lab.ts)
-        elif p.kind == "post_forward" and unit in fwd_open:
+    for t0, t1, code in zip(ts[sel].tolist(), end[sel].tolist(), name[sel].tolist()):
+        unit, kind = brackets[code]
+        if kind == "pre_forward":
+            fwd_open.setdefault(unit, t0)
+        elif kind == "post_forward" and unit in fwd_open:
             s = fwd_open.pop(unit)
             step = _step_of(starts, order, ends, s)
             if step is not None:
-                out.append((s, lab.end, unit, "forward", step))
-        elif p.kind == "pre_backward":
+                out.append((s, t1, unit, "forward", step))
+        elif kind == "pre_backward":
             if unit in bwd:
                 close_bwd(unit)
-            bwd[unit] = [lab.ts, None]
-        elif p.kind in _BWD_END and unit in bwd:
-            bwd[unit][1] = max(bwd[unit][1] or lab.end, lab.end)
+            bwd[unit] = [t0, None]
+        elif kind in _BWD_END and unit in bwd:
+            bwd[unit][1] = max(bwd[unit][1] or t1, t1)
     for unit in list(bwd):
         close_bwd(unit)
     return out
