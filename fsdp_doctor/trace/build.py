@@ -572,7 +572,7 @@ class _Launches:
         return out
 
 
-def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=()):
+def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=None):
     """The device timeline, the collective calls and (with ``spans``: each unit's forward and backward,
     fsdp_doctor.trace.steps_detail) the units' device times. It consumes ``dev`` and ``launches``: their largest
     arrays are released as soon as read, so that a window of millions of events holds few copies at once."""
@@ -631,12 +631,14 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     win.kernels = kernel_stats(names, name_idx[comp], dur_comp)
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
 
+    win.compute = iv.union(ts[comp], te[comp])
+
     # compute kernels ordered by launch time, for "when did the compute stream need the params"
     ci = np.flatnonzero(comp)
     launch_ts = lts[ci]  # (a kernel without a launch: its start)
     del lts
-    if spans:  # each unit's device time: its compute kernels launched inside its labels (launched: not NaN)
-        win.unit_us = unit_step_times(spans, device=(launch_ts, ts[ci], te[ci]))
+    if spans is not None and len(spans):  # each unit's device time: its compute kernels launched inside its labels
+        win.unit_us = unit_step_times(spans, device=(launch_ts, ts[ci], te[ci]), busy=win.compute)
     nan = np.flatnonzero(np.isnan(launch_ts))
     launch_ts[nan] = ts[ci[nan]]
     order = np.argsort(launch_ts, kind="stable")
@@ -648,7 +650,6 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     del ci, order, nan
 
     win.comm = iv.union(ts[is_comm], te[is_comm])
-    win.compute = iv.union(ts[comp], te[comp])
     win.h2d = iv.union(ts[h2d], te[h2d])
     win.d2h = iv.union(ts[d2h], te[d2h])
     cs = None  # the compute stream's index

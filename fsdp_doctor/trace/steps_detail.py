@@ -21,6 +21,7 @@ Built from what torch.profiler writes, no fsdp-doctor records needed:
 from __future__ import annotations
 
 import bisect
+from array import array
 import statistics
 from collections import defaultdict
 from typing import Optional
@@ -45,11 +46,36 @@ def _step_of(starts: list[float], steps: list[int], ends: list[float], t: float)
     return steps[i] if i >= 0 and t < ends[i] else None
 
 
+class UnitSpans:
+    """Each unit's forward and backward inside the complete steps, as arrays (a window of thousands of steps holds
+    one per unit and phase of each): start and end (µs), unit (an index into ``units``), backward (else
+    forward), step. In the order the labels closed them."""
+
+    __slots__ = ("start", "end", "unit", "backward", "step", "units")
+
+    def __init__(self, start, end, unit, backward, step, units: list[str]):
+        self.start = np.frombuffer(start, dtype=np.float64)
+        self.end = np.frombuffer(end, dtype=np.float64)
+        self.unit = np.frombuffer(unit, dtype=np.int32)
+        self.backward = np.frombuffer(backward, dtype=np.int8).astype(bool)
+        self.step = np.frombuffer(step, dtype=np.int64)
+        self.units = units
+
+    def __len__(self) -> int:
+        return int(self.start.size)
+
+    def sorted(self) -> np.ndarray:
+        """The positions by (start, end, unit name, phase name, step), as tuples of these would sort."""
+        rank = np.argsort(np.argsort(np.array(self.units, dtype=object), kind="stable")).astype(np.int64) \
+            if self.units else np.zeros(0, dtype=np.int64)
+        return np.lexsort((self.step, ~self.backward, rank[self.unit], self.end, self.start))
+
+
 def unit_spans(ts: np.ndarray, end: np.ndarray, name: np.ndarray, names: list[str],
-               step_bounds: dict[int, tuple[float, float]]) -> list[tuple[float, float, str, str, int]]:
-    """(start, end, unit, phase, step) of each unit's forward and backward inside the complete steps. The labels
-    as arrays, any thread: ``ts``, ``end`` (µs) and ``name`` (an index into ``names``), in the order that ties of
-    start keep; ``step_bounds``: step -> (start, end), µs. Only the pre/post forward/backward labels are read."""
+               step_bounds: dict[int, tuple[float, float]]) -> UnitSpans:
+    """Each unit's forward and backward inside the complete steps. The labels as arrays, any thread: ``ts``,
+    ``end`` (µs) and ``name`` (an index into ``names``), in the order that ties of start keep; ``step_bounds``:
+    step -> (start, end), µs. Only the pre/post forward/backward labels are read."""
     order = sorted(step_bounds)
     starts = [step_bounds[n][0] for n in order]
     ends = [step_bounds[n][1] for n in order]
@@ -61,52 +87,69 @@ def unit_spans(ts: np.ndarray, end: np.ndarray, name: np.ndarray, names: list[st
     sel = sel[np.argsort(ts[sel], kind="stable")]
     fwd_open: dict[str, float] = {}
     bwd: dict[str, list] = {}  # unit -> [start, end] of the backward being read
-    out = []
+    units: dict[str, int] = {}
+    o_s, o_e, o_u, o_b, o_n = array("d"), array("d"), array("i"), array("b"), array("q")
 
-    def close_bwd(unit: str) -> None:
-        s, e = bwd.pop(unit)
-        if e is not None:
-            step = _step_of(starts, order, ends, s)
-            if step is not None:
-                out.append((s, e, unit, "backward", step))
+    def add(s: float, e: float, unit: str, backward: bool) -> None:
+        step = _step_of(starts, order, ends, s)
+        if step is not None:
+            o_s.append(s)
+            o_e.append(e)
+            o_u.append(units.setdefault(unit, len(units)))
+            o_b.append(backward)
+            o_n.append(step)
 
     for t0, t1, code in zip(ts[sel].tolist(), end[sel].tolist(), name[sel].tolist()):
         unit, kind = brackets[code]
         if kind == "pre_forward":
             fwd_open.setdefault(unit, t0)
         elif kind == "post_forward" and unit in fwd_open:
-            s = fwd_open.pop(unit)
-            step = _step_of(starts, order, ends, s)
-            if step is not None:
-                out.append((s, t1, unit, "forward", step))
+            add(fwd_open.pop(unit), t1, unit, False)
         elif kind == "pre_backward":
             if unit in bwd:
-                close_bwd(unit)
+                s, e = bwd.pop(unit)
+                if e is not None:
+                    add(s, e, unit, True)
             bwd[unit] = [t0, None]
         elif kind in _BWD_END and unit in bwd:
             bwd[unit][1] = max(bwd[unit][1] or t1, t1)
     for unit in list(bwd):
-        close_bwd(unit)
-    return out
+        s, e = bwd.pop(unit)
+        if e is not None:
+            add(s, e, unit, True)
+    return UnitSpans(o_s, o_e, o_u, o_b, o_n, list(units))
 
 
-def unit_step_times(spans, device=None) -> dict[int, dict[str, list[float]]]:
+def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[str, list[float]]]:
     """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
     the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
-    kernel: numpy arrays), the device time of the kernels launched inside each span (their union)."""
-    spans = sorted(spans)
+    kernel: numpy arrays), the device time of the kernels launched inside each span (their union); ``busy``:
+    the union of all these kernels' intervals, where the caller has it (else computed)."""
+    k_order = spans.sorted()
+    s_all, e_all = spans.start[k_order], spans.end[k_order]
     if device is not None:
         order = np.argsort(device[0], kind="stable")
-        launch, start, end = (a[order] for a in device)
-        cut = np.searchsorted(launch, [(sp[0], sp[1]) for sp in spans], side="left").tolist() if spans else []
+        launch = device[0][order]
+        cut = np.searchsorted(launch, np.stack((s_all, e_all), axis=1), side="left").tolist() if len(spans) else []
+        del launch
         # kernels that never overlap one another (one compute stream): a span's union is the sum of its kernels'
-        # durations, read from running sums
-        dur = end - start
+        # durations, read from running sums (few copies of the arrays at once: a window may hold millions)
+        dur = device[2][order]
+        dur -= device[1][order]
         csum = np.concatenate(([0.0], np.cumsum(dur)))
-        disjoint = abs(iv.measure(iv.union(start, end)) - float(csum[-1])) <= 1e-9 * max(1.0, float(csum[-1]))
+        del dur
+        if busy is None:
+            busy = iv.union(device[1], device[2])
+        disjoint = abs(iv.measure(busy) - float(csum[-1])) <= 1e-9 * max(1.0, float(csum[-1]))
+        start = end = None
+        if not disjoint:
+            start, end = device[1][order], device[2][order]
+        del order
     out: dict[int, dict[str, list[float]]] = defaultdict(dict)
-    for k, (s, e, unit, phase, step) in enumerate(spans):
-        acc = out[step].setdefault(unit, [0.0, 0.0])
+    units = spans.units
+    for k, (s, e, u, b, step) in enumerate(zip(s_all.tolist(), e_all.tolist(), spans.unit[k_order].tolist(),
+                                                spans.backward[k_order].tolist(), spans.step[k_order].tolist())):
+        acc = out[step].setdefault(units[u], [0.0, 0.0])
         if device is None:
             t = e - s
         else:
@@ -117,12 +160,12 @@ def unit_step_times(spans, device=None) -> dict[int, dict[str, list[float]]]:
                 t = float(csum[j] - csum[i])
             else:
                 t = iv.measure(iv.union(start[i:j], end[i:j]))
-        acc[0 if phase == "forward" else 1] += t
+        acc[1 if b else 0] += t
     return dict(out)
 
 
 def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, device_id: np.ndarray,
-                 step_bounds: dict[int, tuple[float, float]], gpu: bool, spans) -> dict[int, dict]:
+                 step_bounds: dict[int, tuple[float, float]], gpu: bool, spans: UnitSpans) -> dict[int, dict]:
     """step -> {"peak": bytes, "t_ms", "unit", "phase", "timeline": [(t_ms, bytes)...]} from the ``[memory]``
     samples (time µs, total allocated, device type, device id: arrays) inside each complete step."""
     want = CUDA_DEVICE if gpu else CPU_DEVICE
@@ -141,13 +184,14 @@ def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, dev
         t, v = t_all[i:j], v_all[i:j]
         k = int(np.argmax(v))  # the first (earliest) highest total
         t_peak, peak = float(t[k]), int(v[k])
-        span = max((sp for sp in spans if sp[0] <= t_peak <= sp[1]), key=lambda sp: sp[0], default=None)
+        inside = np.flatnonzero((spans.start <= t_peak) & (t_peak <= spans.end))
+        span = int(inside[np.argmax(spans.start[inside])]) if inside.size else None  # (the latest start, first)
         slot = np.minimum(TIMELINE_POINTS - 1, ((t - s0) / ((s1 - s0) / TIMELINE_POINTS)).astype(np.int64))
         pick = np.lexsort((np.arange(len(v)), -v, slot))  # per slice: the highest total, the earliest of equals
         first = pick[np.r_[True, slot[pick][1:] != slot[pick][:-1]]]
         first.sort()
-        out[step] = {"peak": peak, "t_ms": (t_peak - s0) / 1e3, "unit": None if span is None else span[2],
-                     "phase": None if span is None else span[3],
+        out[step] = {"peak": peak, "t_ms": (t_peak - s0) / 1e3, "unit": None if span is None else spans.units[spans.unit[span]],
+                     "phase": None if span is None else ("backward" if spans.backward[span] else "forward"),
                      "timeline": [((float(t[x]) - s0) / 1e3, int(v[x])) for x in first]}
     return out
 
