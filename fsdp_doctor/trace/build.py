@@ -574,8 +574,8 @@ class _Launches:
 
 def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=None):
     """The device timeline, the collective calls and (with ``spans``: each unit's forward and backward,
-    fsdp_doctor.trace.steps_detail) the units' device times. It consumes ``dev`` and ``launches``: their largest
-    arrays are released as soon as read, so that a window of millions of events holds few copies at once."""
+    fsdp_doctor.trace.steps_detail) the units' device times. It consumes ``dev``, ``launches`` and ``spans``: their
+    largest arrays are released as soon as read, so that a window of millions of events holds few copies at once."""
     # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
     # start do not count, and neither do the device events they launched
     lpos = launches.positions(np.frombuffer(dev.corr, dtype=np.int64))
@@ -584,12 +584,12 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     # launches are released; every collective is among comm_pos, in order
     comm_pos = np.frombuffer(dev.comm_pos, dtype=np.int64)
     c_lpos = lpos[comm_pos]
-    c_launch_ts = np.frombuffer(launches.ts, dtype=np.float64)[np.maximum(c_lpos, 0)].tolist() if len(
-        launches.ts) else [0.0] * c_lpos.size
+    c_launch_ts = np.frombuffer(launches.ts, dtype=np.float64)[np.maximum(c_lpos, 0)] if len(
+        launches.ts) else np.zeros(c_lpos.size)
     thread_keys = list(launches.threads)
     c_thread = np.frombuffer(launches.thread, dtype=np.int32)[np.maximum(c_lpos, 0)].tolist() if len(
         launches.thread) else [0] * c_lpos.size
-    c_found = (c_lpos >= 0).tolist()
+    c_found = c_lpos >= 0
     lts = launches.ts_at(lpos)
     del lpos
     launches.corr = launches.ts = launches.thread = None
@@ -639,6 +639,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     del lts
     if spans is not None and len(spans):  # each unit's device time: its compute kernels launched inside its labels
         win.unit_us = unit_step_times(spans, device=(launch_ts, ts[ci], te[ci]), busy=win.compute)
+        spans.release()
     nan = np.flatnonzero(np.isnan(launch_ts))
     launch_ts[nan] = ts[ci[nan]]
     order = np.argsort(launch_ts, kind="stable")
@@ -676,13 +677,17 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     # the collectives' own fields; the window's per-event arrays are released before their calls are made
     c_t0, c_t1, c_name = ts[comm_i].tolist(), te[comm_i].tolist(), name_idx[comm_i].tolist()
     c_on = (streams[comm_i] == cs).tolist() if cs is not None else [False] * comm_i.size
+    found = c_found[comm_j]
+    c_issue = np.where(found, c_launch_ts[comm_j] * scale, ts[comm_i]).tolist()  # (no launch: its start)
+    c_found = found.tolist()
+    del found, c_launch_ts
     del ts, te, streams, name_idx, kind, h2d, d2h, comp, is_comm, kept, comm_k
     for n_call, (j, t0, t1) in enumerate(zip(comm_j.tolist(), c_t0, c_t1)):
         nbytes, group_size, dtype, coll_name = infos[comm_code[j]]
         name = names[c_name[n_call]]
-        issue = c_launch_ts[j] * scale if c_found[j] else t0
+        issue = c_issue[n_call]
         lab = None
-        if c_found[j]:
+        if c_found[n_call]:
             lab = index.innermost(thread_keys[c_thread[j]], issue, _is_comm_label)
         if lab is None:
             att = None

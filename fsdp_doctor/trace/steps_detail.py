@@ -64,6 +64,11 @@ class UnitSpans:
     def __len__(self) -> int:
         return int(self.start.size)
 
+    def release(self) -> None:
+        """Frees the arrays once read (a window of thousands of steps): the spans are empty after."""
+        self.start = self.end = np.zeros(0)
+        self.unit, self.backward, self.step = np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int64)
+
     def sorted(self) -> np.ndarray:
         """The positions by (start, end, unit name, phase name, step), as tuples of these would sort."""
         rank = np.argsort(np.argsort(np.array(self.units, dtype=object), kind="stable")).astype(np.int64) \
@@ -125,12 +130,16 @@ def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[
     the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
     kernel: numpy arrays), the device time of the kernels launched inside each span (their union); ``busy``:
     the union of all these kernels' intervals, where the caller has it (else computed)."""
+    if not len(spans):
+        return {}
     k_order = spans.sorted()
     s_all, e_all = spans.start[k_order], spans.end[k_order]
-    if device is not None:
+    if device is None:
+        t = e_all - s_all
+    else:
         order = np.argsort(device[0], kind="stable")
         launch = device[0][order]
-        cut = np.searchsorted(launch, np.stack((s_all, e_all), axis=1), side="left").tolist() if len(spans) else []
+        i, j = np.searchsorted(launch, s_all, side="left"), np.searchsorted(launch, e_all, side="left")
         del launch
         # kernels that never overlap one another (one compute stream): a span's union is the sum of its kernels'
         # durations, read from running sums (few copies of the arrays at once: a window may hold millions)
@@ -140,28 +149,25 @@ def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[
         del dur
         if busy is None:
             busy = iv.union(device[1], device[2])
-        disjoint = abs(iv.measure(busy) - float(csum[-1])) <= 1e-9 * max(1.0, float(csum[-1]))
-        start = end = None
-        if not disjoint:
-            start, end = device[1][order], device[2][order]
-        del order
-    out: dict[int, dict[str, list[float]]] = defaultdict(dict)
-    units = spans.units
-    for k, (s, e, u, b, step) in enumerate(zip(s_all.tolist(), e_all.tolist(), spans.unit[k_order].tolist(),
-                                                spans.backward[k_order].tolist(), spans.step[k_order].tolist())):
-        acc = out[step].setdefault(units[u], [0.0, 0.0])
-        if device is None:
-            t = e - s
+        if abs(iv.measure(busy) - float(csum[-1])) <= 1e-9 * max(1.0, float(csum[-1])):
+            t = np.where(j > i, csum[j] - csum[i], 0.0)
         else:
-            i, j = cut[k]
-            if j <= i:
-                t = 0.0
-            elif disjoint:
-                t = float(csum[j] - csum[i])
-            else:
-                t = iv.measure(iv.union(start[i:j], end[i:j]))
-        acc[1 if b else 0] += t
-    return dict(out)
+            start, end = device[1][order], device[2][order]
+            t = np.array([iv.measure(iv.union(start[a:b], end[a:b])) if b > a else 0.0
+                          for a, b in zip(i.tolist(), j.tolist())])
+        del order
+    # summed per (step, unit) and phase in the spans' order (np.add.at adds one at a time, in order)
+    step, unit = spans.step[k_order], spans.unit[k_order]
+    pair = np.unique(step, return_inverse=True)[1].astype(np.int64) * len(spans.units) + unit
+    _, first, inv = np.unique(pair, return_index=True, return_inverse=True)
+    acc = np.zeros((first.size, 2))
+    np.add.at(acc, (inv, spans.backward[k_order].astype(np.intp)), t)
+    out: dict[int, dict[str, list[float]]] = {}
+    units, sums = spans.units, acc.tolist()
+    by_start = np.argsort(first)
+    for p, n, u in zip(by_start.tolist(), step[first[by_start]].tolist(), unit[first[by_start]].tolist()):
+        out.setdefault(n, {})[units[u]] = sums[p]
+    return out
 
 
 def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, device_id: np.ndarray,
