@@ -587,8 +587,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     c_launch_ts = np.frombuffer(launches.ts, dtype=np.float64)[np.maximum(c_lpos, 0)] if len(
         launches.ts) else np.zeros(c_lpos.size)
     thread_keys = list(launches.threads)
-    c_thread = np.frombuffer(launches.thread, dtype=np.int32)[np.maximum(c_lpos, 0)].tolist() if len(
-        launches.thread) else [0] * c_lpos.size
+    c_thread = np.frombuffer(launches.thread, dtype=np.int32)[np.maximum(c_lpos, 0)] if len(
+        launches.thread) else np.zeros(c_lpos.size, dtype=np.int32)
     c_found = c_lpos >= 0
     lts = launches.ts_at(lpos)
     del lpos
@@ -673,22 +673,23 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     comm_i = np.flatnonzero(is_comm)
     comm_k = comm_i if kept is None else np.flatnonzero(kept)[comm_i]  # positions in dev
     comm_j = np.searchsorted(comm_pos, comm_k)  # the collectives' positions in comm_pos
-    comm_code = dev.comm_code
     # the collectives' own fields; the window's per-event arrays are released before their calls are made
     c_t0, c_t1, c_name = ts[comm_i].tolist(), te[comm_i].tolist(), name_idx[comm_i].tolist()
     c_on = (streams[comm_i] == cs).tolist() if cs is not None else [False] * comm_i.size
+    # per call (small ints and the floats the calls keep: no list of positions)
     found = c_found[comm_j]
     c_issue = np.where(found, c_launch_ts[comm_j] * scale, ts[comm_i]).tolist()  # (no launch: its start)
-    c_found = found.tolist()
-    del found, c_launch_ts
+    c_found, c_thread = found.tolist(), c_thread[comm_j].tolist()
+    c_code = np.frombuffer(dev.comm_code, dtype=np.int32)[comm_j].tolist()
+    del found, c_launch_ts, comm_j
     del ts, te, streams, name_idx, kind, h2d, d2h, comp, is_comm, kept, comm_k
-    for n_call, (j, t0, t1) in enumerate(zip(comm_j.tolist(), c_t0, c_t1)):
-        nbytes, group_size, dtype, coll_name = infos[comm_code[j]]
+    for n_call, (t0, t1) in enumerate(zip(c_t0, c_t1)):
+        nbytes, group_size, dtype, coll_name = infos[c_code[n_call]]
         name = names[c_name[n_call]]
         issue = c_issue[n_call]
         lab = None
         if c_found[n_call]:
-            lab = index.innermost(thread_keys[c_thread[j]], issue, _is_comm_label)
+            lab = index.innermost(thread_keys[c_thread[n_call]], issue, _is_comm_label)
         if lab is None:
             att = None
         else:
