@@ -360,7 +360,10 @@ def main(argv=None) -> int:
         print("WARNING: fsdp_doctor.trace imported torch")
     if ours["skipped"]:
         print(f"WARNING: files skipped: {ours['skipped']}")
-    if not hta_runs:
+    if not hta_runs:  # (--skip-hta: the trees side by side)
+        print("load+analysis: medians over the runs (imports excluded); CPU includes worker processes")
+        for label, r in res.items():
+            print(f"  {label[:30]:30}{r['run_s']:>7.2f} s wall{r['cpu_s']:>7.2f} s CPU{r['peak_rss_mb']:>7.0f} MB")
         return 0
     hta = res["HTA 0.5.0"]
 

@@ -231,3 +231,29 @@ def test_odd_memory_events_are_left_out_not_fatal(tmp_path):
     b.events[-1]["args"]["Device Id"] = [1]
     ov = analyze_traces(b.write(tmp_path / "rank0.json"))
     assert ov.skipped == [] and ov.memory.per_rank["0"].peak_bytes == 310
+
+
+def test_unit_spans_and_times_from_label_arrays_known_answer():
+    """The builder's compact path: labels as arrays (name indices), a unit run twice in a step summed, units in
+    the order they started, device times through the running sums (disjoint kernels) and through unions
+    (overlapping kernels, a kernel without a launch)."""
+    import numpy as np
+    from fsdp_doctor.trace.steps_detail import unit_spans, unit_step_times
+    names = ["FSDP::pre_forward (a)", "FSDP::post_forward (a)", "FSDP::pre_backward (a)",
+             "FSDP::post_backward_reduce (a)", "FSDP::all_gather (a)", "FSDP::pre_forward (b)",
+             "FSDP::post_forward (b)"]
+    labels = [(10, 11, 0), (25, 30, 1), (40, 41, 0), (45, 50, 1), (60, 61, 2), (70, 80, 3), (62, 63, 4),
+              (110, 111, 0), (115, 120, 1), (102, 103, 5), (105, 108, 6)]
+    ts, end, name = (np.array(c, dtype=dt) for c, dt in zip(zip(*labels), (float, float, np.int32)))
+    bounds = {1: (0.0, 100.0), 2: (100.0, 200.0)}
+    spans = unit_spans(ts, end, name, names, bounds)
+    assert len(spans) == 5
+    assert unit_step_times(spans) == {1: {"a": [20.0 + 10.0, 20.0]}, 2: {"b": [6.0, 0.0], "a": [10.0, 0.0]}}
+    launch = np.array([12, 42, 65, 112, 500], dtype=float)
+    start, stop = np.array([300, 310, 320, 400, 500], dtype=float), np.array([305, 312, 330, 401, 600], dtype=float)
+    assert unit_step_times(spans, device=(launch, start, stop)) == {1: {"a": [7.0, 10.0]},
+                                                                    2: {"b": [0.0, 0.0], "a": [1.0, 0.0]}}
+    launch, start, stop = (np.append(x, v) for x, v in zip((launch, start, stop), ([66, np.nan], [325, 0],
+                                                                                    [335, 1000])))
+    assert unit_step_times(spans, device=(launch, start, stop)) == {1: {"a": [7.0, 15.0]},
+                                                                    2: {"b": [0.0, 0.0], "a": [1.0, 0.0]}}

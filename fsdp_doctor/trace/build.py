@@ -65,49 +65,107 @@ class _Label:
     name: str
 
 
-class _LabelIndex:
-    """FSDP record_function labels per (pid, tid), for 'innermost label containing t' queries."""
+class _Special:
+    """The host events the analyses read beside device work (profiler steps, FSDP / optimizer / data-loader
+    labels), compactly: a window of thousands of steps holds hundreds of thousands of them, so each is kept as
+    its start, its end (``ts + dur`` in the trace's unit, summed before conversion as the trace gives them), an
+    index into ``names`` (each distinct name once) and an index into ``threads`` ((pid, tid) -> index)."""
 
-    def __init__(self, labels: dict):
+    def __init__(self):
+        self.ts = array("d")
+        self.end = array("d")
+        self.name = array("i")
+        self.thread = array("i")
+        self.codes: dict[str, int] = {}
+        self.names: list[str] = []
+        self.threads: dict[tuple, int] = {}
+
+    def add(self, e) -> None:
+        nm = e.name
+        i = self.codes.get(nm)
+        if i is None:
+            i = self.codes[nm] = len(self.names)
+            self.names.append(nm)
+        key = (e.pid, e.tid)
+        th = self.threads.get(key)
+        if th is None:
+            th = self.threads[key] = len(self.threads)
+        self.ts.append(e.ts)
+        self.end.append(e.ts + e.dur)
+        self.name.append(i)
+        self.thread.append(th)
+
+    def arrays(self):
+        """(start, end, name index, thread index) as numpy arrays, in the trace's unit."""
+        return (np.frombuffer(self.ts, dtype=np.float64), np.frombuffer(self.end, dtype=np.float64),
+                np.frombuffer(self.name, dtype=np.int32), np.frombuffer(self.thread, dtype=np.int32))
+
+    def names_where(self, pred) -> np.ndarray:
+        """Per name index, whether ``pred(name)`` holds."""
+        return np.array([bool(pred(nm)) for nm in self.names], dtype=bool)
+
+
+class _LabelIndex:
+    """FSDP record_function labels per (pid, tid), for 'innermost label containing t' queries: per thread,
+    arrays of start, end and name index, sorted by start (stably: ties keep the trace's order)."""
+
+    def __init__(self, ts: np.ndarray, end: np.ndarray, name: np.ndarray, thread: np.ndarray,
+                 keys: list, names: list):
+        self._names = names
+        # threads in the order of their first label, each sorted by start
+        uniq, first = np.unique(thread, return_index=True)
+        self.counts: dict = {}  # (pid, tid) -> number of labels, in that order
+        parts = []
+        for th in uniq[np.argsort(first, kind="stable")].tolist():
+            sel = np.flatnonzero(thread == th)
+            parts.append(sel[np.argsort(ts[sel], kind="stable")])
+            self.counts[keys[th]] = int(sel.size)
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
+        self._all = (ts[order], end[order], name[order])  # threads in order, each by start
+        # each thread's labels: views of its run in _all
         self._by_thread = {}
-        for key, lst in labels.items():
-            lst.sort(key=lambda x: x.ts)
-            self._by_thread[key] = ([x.ts for x in lst], lst)
-        self._by_name: Optional[dict] = None
+        at = 0
+        for key, n in self.counts.items():
+            self._by_thread[key] = tuple(a[at:at + n] for a in self._all)
+            at += n
+        self._code = {nm: i for i, nm in enumerate(names)}
+        self._by_name: dict = {}
+
+    def labels(self) -> tuple:
+        """(start, end, name index) arrays of every label (threads in the order of their first label, each by
+        start) and the names."""
+        return (*self._all, self._names)
 
     def innermost(self, key, t: float, pred) -> Optional[_Label]:
         entry = self._by_thread.get(key)
         if entry is None:
             return None
-        starts, lst = entry
-        i = bisect.bisect_right(starts, t) - 1
-        best = None
+        starts, ends, names = entry
+        i = int(np.searchsorted(starts, t, side="right")) - 1
+        lo = max(i - 64, -1) + 1
         # labels nest, so the innermost container is the latest-starting one that still contains t
-        for j in range(i, max(i - 64, -1), -1):
-            lab = lst[j]
-            if lab.end >= t and pred(lab.name):
-                best = lab
-                break
-        return best
+        e_l, n_l = ends[lo:i + 1].tolist(), names[lo:i + 1].tolist()
+        for j in range(len(e_l) - 1, -1, -1):
+            nm = self._names[n_l[j]]
+            if e_l[j] >= t and pred(nm):
+                return _Label(float(starts[lo + j]), e_l[j], nm)
+        return None
 
     def first_after(self, t: float, name: str) -> Optional[_Label]:
         """The earliest label called ``name`` starting at or after ``t`` on any thread (on a tie, the one
         on the thread seen first)."""
-        if self._by_name is None:
-            by_name: dict = {}
-            for _, lst in self._by_thread.values():  # threads in order, each sorted by start
-                for lab in lst:
-                    by_name.setdefault(lab.name, []).append(lab)
-            for k, lst in by_name.items():
-                lst.sort(key=lambda x: x.ts)  # stable: ties keep thread order
-                by_name[k] = ([x.ts for x in lst], lst)
-            self._by_name = by_name
         entry = self._by_name.get(name)
         if entry is None:
-            return None
-        starts, lst = entry
-        i = bisect.bisect_left(starts, t)
-        return lst[i] if i < len(lst) else None
+            code = self._code.get(name)
+            if code is None:
+                return None
+            ts, end, names = self._all
+            sel = np.flatnonzero(names == code)
+            sel = sel[np.argsort(ts[sel], kind="stable")]  # stable: ties keep thread order
+            entry = self._by_name[name] = (ts[sel], end[sel])
+        starts, ends = entry
+        i = int(np.searchsorted(starts, t, side="left"))
+        return _Label(float(starts[i]), float(ends[i]), name) if i < starts.size else None
 
 
 def _unit_of(fqn: Optional[str], pg: Optional[str] = None) -> str:
@@ -139,10 +197,12 @@ def _is_comm_label(name: str) -> bool:
 
 
 class _Phases:
-    def __init__(self, boundaries: list[tuple[float, str]]):
-        boundaries.sort()
-        self._ts = [b[0] for b in boundaries]
-        self._kind = [b[1] for b in boundaries]
+    """The phase at a time: the last boundary (an FSDP root pre-forward or pre-backward label) before it."""
+
+    def __init__(self, ts: np.ndarray, backward: np.ndarray):
+        order = np.lexsort((~backward, ts))  # by time; on a tie "backward" before "forward", as tuples sort
+        self._ts = ts[order].tolist()
+        self._kind = ["backward" if b else "forward" for b in backward[order].tolist()]
 
     def at(self, t: float) -> str:
         i = bisect.bisect_right(self._ts, t) - 1
@@ -202,18 +262,18 @@ def _build_window(path: Path, trace) -> WindowTrace:
     all_int = True
     gpu = _DeviceEvents()
     launches = _Launches()
-    special: list[Event] = []
+    special = _Special()
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
     mem = (array("d"), array("d"), array("q"), array("q"))  # the [memory] instants: ts, total, device type, id
     m_ts, m_v, m_dt, m_did = (a.append for a in mem)
     named = (IEvent, Event)  # the decoded classes of a non-complete event that carry a name
-    g_name, g_ts, g_dur, g_corr, g_stream = gpu.names.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
+    g_name, g_ts, g_dur, g_corr, g_stream = gpu.name.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
     l_corr, l_ts, l_thread, threads = launches.corr.append, launches.ts.append, launches.thread.append, \
         launches.threads
-    seen_names, comm_events = gpu.seen, gpu.comm
+    seen_names, dev_names, add_comm, stream_codes = gpu.seen, gpu.names, gpu.add_comm, gpu.streams
     last_pid = last_tid = th = None
-    special_append = special.append
+    special_add = special.add
     first = _SPECIAL_FIRST
     # Events without a category, or of category "Trace" (the profiler's span), take no part; the category is
     # only read where it matters, not for the bulk of operators.
@@ -257,18 +317,22 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         if st.__class__ is not int:
                             st = _stream_id(a)
                         if st >= 0:
-                            # kept: the name (one string per distinct name) and, for a collective, the event
+                            # kept: the name (an index) and, for a collective, what its call reads of the args
                             nm = e.name
                             ent = seen_names.get(nm)
                             if ent is None:
-                                ent = seen_names[nm] = (nm, NCCL_KERNEL_RE.match(nm) is not None)
+                                ent = seen_names[nm] = (len(dev_names), NCCL_KERNEL_RE.match(nm) is not None)
+                                dev_names.append(nm)
                             if ent[1]:
-                                comm_events[len(gpu.names)] = e.args  # (all a collective needs beside its name)
+                                add_comm(a)
                             g_name(ent[0])
                             g_ts(ts)
                             g_dur(d)
                             g_corr(corr)
-                            g_stream(st)
+                            sc = stream_codes.get(st)
+                            if sc is None:
+                                sc = stream_codes[st] = len(stream_codes)
+                            g_stream(sc)
                             continue
                     pid, tid = e.pid, e.tid
                     if tid != last_tid or pid != last_pid:  # launches come in runs from one thread
@@ -287,7 +351,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
-                    special_append(e)
+                    special_add(e)
+    events = e = None  # (the last batch: freed before the window is built)
     if not n_events:
         raise TraceError('no events ("traceEvents" is empty)')
     # (after the events: a streamed trace knows its top-level fields once read)
@@ -306,62 +371,60 @@ def _build_window(path: Path, trace) -> WindowTrace:
                          "not analysed")
 
     # ---- profiler steps and the cut at the last step's start ----
+    sp_ts, sp_end, sp_name, sp_thread = special.arrays()
+    sp_ts, sp_end = sp_ts * scale, sp_end * scale
     steps: dict[int, float] = {}
     step_end: dict[int, float] = {}
-    for e in special:
-        if e.name.startswith("ProfilerStep"):
-            m = STEP_RE.match(e.name)
-            if m:
-                n = int(m.group(1))
-                steps[n] = min(steps.get(n, math.inf), e.ts * scale)
-                step_end[n] = max(step_end.get(n, -math.inf), (e.ts + e.dur) * scale)
+    step_of = {i: int(m.group(1)) for i, nm in enumerate(special.names)
+               if nm.startswith("ProfilerStep") and (m := STEP_RE.match(nm))}
+    if step_of:
+        sel = np.flatnonzero(np.isin(sp_name, list(step_of)))
+        for i, t0, t1 in zip(sp_name[sel].tolist(), sp_ts[sel].tolist(), sp_end[sel].tolist()):
+            n = step_of[i]
+            steps[n] = min(steps.get(n, math.inf), t0)
+            step_end[n] = max(step_end.get(n, -math.inf), t1)
     cutoff = math.inf
     kept_steps = sorted(steps)
     if len(steps) >= 2:
         cutoff = max(steps.values())
         kept_steps = sorted(n for n, s in steps.items() if s < cutoff)
 
-    labels: dict = {}
-    boundaries: list[tuple[float, str]] = []
-    label_names: dict[str, str] = {}  # one string per distinct label (a window of many steps repeats them)
-    for e in special:
-        n = e.name
-        n = label_names.setdefault(n, n)
-        t = e.ts * scale
-        if n.startswith("FSDP::") and t < cutoff:
-            labels.setdefault((e.pid, e.tid), []).append(_Label(t, (e.ts + e.dur) * scale, n))
-            if n == "FSDP::root_pre_forward":
-                boundaries.append((t, "forward"))
-            elif n.startswith("FSDP::pre_backward"):
-                boundaries.append((t, "backward"))
-    index = _LabelIndex(labels)
-    phases = _Phases(boundaries)
+    # the FSDP labels before the cut, and the phase boundaries among them
+    is_fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[sp_name]
+    lab = np.flatnonzero(is_fsdp & (sp_ts < cutoff))
+    index = _LabelIndex(sp_ts[lab], sp_end[lab], sp_name[lab], sp_thread[lab], list(special.threads), special.names)
+    fwd = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name[lab]]
+    bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
+    phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
 
-    win = WindowTrace(file=str(path), rank=rank, device="gpu" if gpu.names else "cpu", world_size=world,
+    win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3)
     ends = [steps[n] for n in kept_steps[1:]] + [cutoff if cutoff != math.inf else step_end[n] for n in kept_steps[-1:]]
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
-    _outside_model(win, special, [(steps[n], step_end[n]) for n in kept_steps], scale)
+    _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
-    del special  # (read into labels, phases and steps: of a streamed trace, nothing else holds these events)
+    del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd  # (read: the window may be long)
     bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
-    spans = unit_spans([lab for lst in labels.values() for lab in lst], bounds)
-    if not gpu.names:  # (a GPU window's units are timed by their kernels, in _build_gpu)
+    spans = unit_spans(*index.labels(), bounds)
+    gpu_window = bool(len(gpu.ts))
+    if not gpu_window:  # (a GPU window's units are timed by their kernels, in _build_gpu)
         win.unit_us = unit_step_times(spans)
     if mem[0]:
         mts, mv, mdt, mdid = (np.frombuffer(a, dtype=np.float64 if a.typecode == "d" else np.int64) for a in mem)
-        win.memory = memory_steps(mts * scale, mv, mdt, mdid, bounds, bool(gpu.names), spans)
-    if gpu.names:
+        win.memory = memory_steps(mts * scale, mv, mdt, mdid, bounds, gpu_window, spans)
+        del mts, mv, mdt, mdid
+    del mem
+    if gpu_window:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff, spans)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
-        _build_cpu(win, host, labels, index, phases, scale, _Shapes(path, events))
+        _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
     return win
 
 
@@ -383,29 +446,27 @@ def _implausible(e) -> None:
         raise TraceError(f"implausible timestamp: {what!r} at ts {e.ts:.3g}; not analysed")
 
 
-def _outside_model(win: WindowTrace, special: list, step_spans: list, scale: float) -> None:
+def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.ndarray,
+                   step_spans: list) -> None:
     """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
-    root pre-forward and after its last FSDP / optimizer label."""
-    starts, ends = [], []
-    fsdp = []
-    for e in special:
-        n = e.name
-        if n.startswith(DATALOADER_PREFIX):
-            starts.append(e.ts * scale)
-            ends.append((e.ts + e.dur) * scale)
-        elif n.startswith("FSDP::") or n.startswith(OPTIMIZER_PREFIX):
-            fsdp.append((e.ts * scale, (e.ts + e.dur) * scale, n == "FSDP::root_pre_forward"))
-    if fsdp and step_spans:
-        fsdp.sort()
-        fs = [f[0] for f in fsdp]
+    root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times)."""
+    name = np.frombuffer(special.name, dtype=np.int32)
+    loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
+    starts, ends = ts[loader].tolist(), end[loader].tolist()
+    model = special.names_where(lambda nm: nm.startswith("FSDP::") or nm.startswith(OPTIMIZER_PREFIX))[name] & ~loader
+    root = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[name][model]
+    fs, fe = ts[model], end[model]
+    if fs.size and step_spans:
+        order = np.argsort(fs, kind="stable")
+        fs, fe, root = fs[order], fe[order], root[order]
         for s0, s1 in step_spans:
-            inside = fsdp[bisect.bisect_left(fs, s0):bisect.bisect_left(fs, s1)]
-            roots = [f[0] for f in inside if f[2]]
-            if not roots:
+            lo, hi = np.searchsorted(fs, [s0, s1], side="left").tolist()
+            roots = fs[lo:hi][root[lo:hi]]
+            if not roots.size:
                 continue
             win.model_delimited = True
-            starts += [s0, max(f[1] for f in inside)]
-            ends += [min(roots), s1]
+            starts += [s0, float(fe[lo:hi].max())]
+            ends += [float(roots.min()), s1]
     win.outside = iv.union(starts, ends)
 
 
@@ -448,17 +509,31 @@ def _kernel_kind(name: str) -> int:
 
 class _DeviceEvents:
     """The device events of a window, compactly (a trace may hold millions): side by side the fields the arrays
-    are built from, each name once (``seen``: name -> (name, is a collective)), and only the collectives'
-    args (``comm``: position -> args)."""
+    are built from, the name and the stream as indices into ``names`` and ``streams`` (``seen``: name -> (index, is a collective)), and for
+    the collectives only what their calls read from the args: (bytes, group size, dtype, collective name), each
+    distinct tuple once (``comm_info``), by position (``comm_pos`` ascending, ``comm_code``)."""
 
     def __init__(self):
-        self.names: list[str] = []
+        self.name = array("i")
+        self.names: list[str] = []  # the distinct names, in order of first appearance
         self.ts = array("d")
         self.dur = array("d")
         self.corr = array("q")
-        self.stream = array("q")
-        self.seen: dict[str, tuple[str, bool]] = {}
-        self.comm: dict[int, object] = {}  # position -> the collective's args
+        self.stream = array("i")  # an index into ``streams``
+        self.streams: dict[int, int] = {}  # stream id -> index
+        self.seen: dict[str, tuple[int, bool]] = {}
+        self.comm_pos = array("q")
+        self.comm_code = array("i")
+        self.comm_info: dict[tuple, int] = {}
+
+    def add_comm(self, a) -> None:
+        """The collective's args, for the event about to be appended."""
+        info = (_bytes_from_msg(a), a.group_size, a.dtype, a.collective)
+        code = self.comm_info.get(info)
+        if code is None:
+            code = self.comm_info[info] = len(self.comm_info)
+        self.comm_pos.append(len(self.ts))
+        self.comm_code.append(code)
 
 
 class _Launches:
@@ -470,64 +545,80 @@ class _Launches:
         self.ts = array("d")
         self.thread = array("i")
         self.threads: dict[tuple, int] = {}  # (pid, tid) -> index
-        self._sorted = None
-
-    def _index(self):
-        if self._sorted is None:
-            corr = np.frombuffer(self.corr, dtype=np.int64) if len(self.corr) else np.zeros(0, np.int64)
-            order = np.argsort(corr, kind="stable")
-            self._sorted = (corr[order], order)
-        return self._sorted
 
     def positions(self, corrs) -> np.ndarray:
         """For each correlation id, the position of its (last) launch, -1 where none."""
-        sc, order = self._index()
         q = np.asarray(corrs, dtype=np.int64)
-        if not sc.size:
+        if not len(self.corr):
             return np.full(q.shape, -1, dtype=np.intp)
-        i = np.searchsorted(sc, q, side="right") - 1
-        hit = (i >= 0) & (sc[np.maximum(i, 0)] == q)
-        return np.where(hit, order[np.maximum(i, 0)], -1)
+        corr = np.frombuffer(self.corr, dtype=np.int64)
+        order = np.argsort(corr, kind="stable")
+        sc = corr[order]
+        i = np.searchsorted(sc, q, side="right")
+        i -= 1
+        hit = i >= 0
+        np.maximum(i, 0, out=i)
+        hit &= sc[i] == q
+        del sc
+        pos = order[i]
+        pos[~hit] = -1
+        return pos
 
-    def ts_of(self, corrs) -> np.ndarray:
-        """Each correlation id's launch time, NaN where none."""
-        pos = self.positions(corrs)
-        ts = np.frombuffer(self.ts, dtype=np.float64) if len(self.ts) else np.zeros(1)
-        return np.where(pos >= 0, ts[np.maximum(pos, 0)], math.nan)
-
-    def get(self, corr):
-        """(time, (pid, tid)) of the launch of ``corr``, or None."""
-        if corr is None:
-            return None
-        pos = int(self.positions([corr])[0])
-        if pos < 0:
-            return None
-        keys = list(self.threads)
-        return self.ts[pos], keys[self.thread[pos]]
+    def ts_at(self, pos: np.ndarray) -> np.ndarray:
+        """The launch time at each position, NaN where it is -1."""
+        out = np.frombuffer(self.ts, dtype=np.float64)[np.maximum(pos, 0)] if len(self.ts) else \
+            np.zeros(pos.shape)
+        out[pos < 0] = math.nan
+        return out
 
 
-def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=()):
+def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=None):
+    """The device timeline, the collective calls and (with ``spans``: each unit's forward and backward,
+    fsdp_doctor.trace.steps_detail) the units' device times. It consumes ``dev``, ``launches`` and ``spans``: their
+    largest arrays are released as soon as read, so that a window of millions of events holds few copies at once."""
     # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
     # start do not count, and neither do the device events they launched
-    corr = np.frombuffer(dev.corr, dtype=np.int64)
-    lts = launches.ts_of(corr) * scale
-    ts = np.frombuffer(dev.ts, dtype=np.float64) * scale
-    te = ts + np.frombuffer(dev.dur, dtype=np.float64) * scale
-    streams = np.frombuffer(dev.stream, dtype=np.int64)
-    orig = None  # the kept events' positions in dev (None: all kept)
+    lpos = launches.positions(np.frombuffer(dev.corr, dtype=np.int64))
+    dev.corr = None
+    # the collectives' launches (time in the trace's unit, thread) by their position in dev, read before the
+    # launches are released; every collective is among comm_pos, in order
+    comm_pos = np.frombuffer(dev.comm_pos, dtype=np.int64)
+    c_lpos = lpos[comm_pos]
+    c_launch_ts = np.frombuffer(launches.ts, dtype=np.float64)[np.maximum(c_lpos, 0)] if len(
+        launches.ts) else np.zeros(c_lpos.size)
+    thread_keys = list(launches.threads)
+    c_thread = np.frombuffer(launches.thread, dtype=np.int32)[np.maximum(c_lpos, 0)] if len(
+        launches.thread) else np.zeros(c_lpos.size, dtype=np.int32)
+    c_found = c_lpos >= 0
+    lts = launches.ts_at(lpos)
+    del lpos
+    launches.corr = launches.ts = launches.thread = None
+    if scale != 1.0:  # (x * 1.0 is x: no copy needed)
+        lts *= scale
+    ts = np.frombuffer(dev.ts, dtype=np.float64)
+    if scale != 1.0:
+        ts = ts * scale
+    te = np.frombuffer(dev.dur, dtype=np.float64) * scale
+    te += ts
+    dev.ts = dev.dur = None
+    streams = np.frombuffer(dev.stream, dtype=np.int32)  # (stream indices)
+    name_idx = np.frombuffer(dev.name, dtype=np.int32)
+    dev.stream = dev.name = None
+    kept = None  # which events of dev are kept (None: all)
     if cutoff != math.inf:
         keep = lts < cutoff  # NaN compares False
         if not keep.all():
-            orig = np.flatnonzero(keep)
-            lts, ts, te, streams = lts[keep], ts[keep], te[keep], streams[keep]
+            kept = keep
+            lts = lts[keep]  # (one at a time: each original is freed as its copy is made)
+            ts = ts[keep]
+            te = te[keep]
+            streams = streams[keep]
+            name_idx = name_idx[keep]
+        del keep
         # (the launches themselves are left whole: every device event kept finds its launch among them)
 
     # classify each distinct kernel name once
-    codes: dict[str, int] = {}
-    name_idx = np.array([codes.setdefault(nm, len(codes)) for nm in dev.names], dtype=np.intp)
-    if orig is not None:
-        name_idx = name_idx[orig]
-    names = list(codes)
+    names = dev.names
     kind_of = [_kernel_kind(nm) for nm in names]
     kind = np.array(kind_of, dtype=np.int8)[name_idx]
     h2d = np.array([k == 3 and nm.startswith("Memcpy HtoD") for k, nm in zip(kind_of, names)], dtype=bool)[name_idx]
@@ -536,43 +627,69 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
 
     comp = kind == 1
     is_comm = kind == 2
-    win.kernels = kernel_stats(names, name_idx[comp], (te - ts)[comp])
+    dur_comp = te[comp] - ts[comp]
+    win.kernels = kernel_stats(names, name_idx[comp], dur_comp)
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
-    win.comm = iv.union(ts[is_comm], te[is_comm])
+
     win.compute = iv.union(ts[comp], te[comp])
-    if spans:  # each unit's device time: its compute kernels launched inside its labels
-        win.unit_us = unit_step_times(spans, device=(lts[comp], ts[comp], te[comp]))
-    win.h2d = iv.union(ts[h2d], te[h2d])
-    win.d2h = iv.union(ts[d2h], te[d2h])
-    cs = None
-    if comp.any():
-        # the compute stream: the stream with the most compute-kernel time
-        uniq, inverse = np.unique(streams[comp], return_inverse=True)
-        durs = np.bincount(inverse, weights=(te - ts)[comp])
-        cs = uniq[int(np.argmax(durs))]
-        on = streams == cs
-        win.stream_busy = iv.union(ts[on], te[on])
-        win.span = (float(ts[on].min()), float(te[on].max()))
 
     # compute kernels ordered by launch time, for "when did the compute stream need the params"
     ci = np.flatnonzero(comp)
-    launch_ts = np.where(np.isnan(lts[ci]), ts[ci], lts[ci])
+    launch_ts = lts[ci]  # (a kernel without a launch: its start)
+    del lts
+    if spans is not None and len(spans):  # each unit's device time: its compute kernels launched inside its labels
+        win.unit_us = unit_step_times(spans, device=(launch_ts, ts[ci], te[ci]), busy=win.compute)
+        spans.release()
+    nan = np.flatnonzero(np.isnan(launch_ts))
+    launch_ts[nan] = ts[ci[nan]]
     order = np.argsort(launch_ts, kind="stable")
     # (arrays, not lists: a window may hold millions of kernels; only the collectives look them up)
     launch_sorted = launch_ts[order]
-    end_prefmax = np.maximum.accumulate(te[ci][order]) if ci.size else np.zeros(0)
+    del launch_ts
+    end_prefmax = te[ci[order]]
+    np.maximum.accumulate(end_prefmax, out=end_prefmax)
+    del ci, order, nan
+
+    win.comm = iv.union(ts[is_comm], te[is_comm])
+    win.h2d = iv.union(ts[h2d], te[h2d])
+    win.d2h = iv.union(ts[d2h], te[d2h])
+    cs = None  # the compute stream's index
+    if comp.any():
+        # the compute stream: the stream with the most compute-kernel time (on a tie, the lowest stream id)
+        uniq, inverse = np.unique(streams[comp], return_inverse=True)
+        durs = np.bincount(inverse, weights=dur_comp)
+        ids = np.array(list(dev.streams), dtype=np.int64)[uniq]
+        by_id = np.argsort(ids)
+        cs = int(uniq[by_id[int(np.argmax(durs[by_id]))]])
+        on = streams == cs
+        win.stream_busy = iv.union(ts[on], te[on])
+        win.span = (float(ts[on].min()), float(te[on].max()))
+        del on
+    del dur_comp
 
     attributions: dict = {}
     collectives: dict = {}
-    for i in np.flatnonzero(is_comm).tolist():
-        k = i if orig is None else int(orig[i])
-        a, name = dev.comm[k], dev.names[k]
-        launch = launches.get(a.correlation)
-        t0, t1 = float(ts[i]), float(te[i])
-        issue = launch[0] * scale if launch is not None else t0
+    infos = list(dev.comm_info)
+    comm_i = np.flatnonzero(is_comm)
+    comm_k = comm_i if kept is None else np.flatnonzero(kept)[comm_i]  # positions in dev
+    comm_j = np.searchsorted(comm_pos, comm_k)  # the collectives' positions in comm_pos
+    # the collectives' own fields; the window's per-event arrays are released before their calls are made
+    c_t0, c_t1, c_name = ts[comm_i].tolist(), te[comm_i].tolist(), name_idx[comm_i].tolist()
+    c_on = (streams[comm_i] == cs).tolist() if cs is not None else [False] * comm_i.size
+    # per call (small ints and the floats the calls keep: no list of positions)
+    found = c_found[comm_j]
+    c_issue = np.where(found, c_launch_ts[comm_j] * scale, ts[comm_i]).tolist()  # (no launch: its start)
+    c_found, c_thread = found.tolist(), c_thread[comm_j].tolist()
+    c_code = np.frombuffer(dev.comm_code, dtype=np.int32)[comm_j].tolist()
+    del found, c_launch_ts, comm_j
+    del ts, te, streams, name_idx, kind, h2d, d2h, comp, is_comm, kept, comm_k
+    for n_call, (t0, t1) in enumerate(zip(c_t0, c_t1)):
+        nbytes, group_size, dtype, coll_name = infos[c_code[n_call]]
+        name = names[c_name[n_call]]
+        issue = c_issue[n_call]
         lab = None
-        if launch is not None:
-            lab = index.innermost(launch[1], issue, _is_comm_label)
+        if c_found[n_call]:
+            lab = index.innermost(thread_keys[c_thread[n_call]], issue, _is_comm_label)
         if lab is None:
             att = None
         else:
@@ -582,11 +699,10 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
         coll = collectives.get(name, collectives)
         if coll is collectives:
             coll = collectives[name] = _snake_collective(name)
-        coll = coll or (a.collective or "unknown")
+        coll = coll or (coll_name or "unknown")
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=t0, end=t1,
-                              issue=issue, bytes=_bytes_from_msg(a), group_size=a.group_size or win.world_size,
-                              dtype=a.dtype,
-                              on_compute_stream=cs is not None and int(streams[i]) == cs)
+                              issue=issue, bytes=nbytes, group_size=group_size or win.world_size, dtype=dtype,
+                              on_compute_stream=c_on[n_call])
         if att is not None:
             unit, k, suffix = att
             call.unit = unit
@@ -595,8 +711,8 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
                 call.phase = phases.at(lab.ts)
                 out = index.first_after(issue, "FSDP::all_gather_copy_out" + suffix)
                 if out is not None:
-                    j = int(np.searchsorted(launch_sorted, out.ts, side="left"))
-                    dev_ready = float(end_prefmax[j - 1]) if j > 0 else -math.inf
+                    p = int(np.searchsorted(launch_sorted, out.ts, side="left"))
+                    dev_ready = float(end_prefmax[p - 1]) if p > 0 else -math.inf
                     call.need = max(out.ts, dev_ready)
             else:
                 call.phase = "backward"
@@ -628,9 +744,11 @@ class _Shapes:
         return self._full[i].args if i is not None else None
 
 
-def _main_thread(host, labels) -> Optional[tuple]:
-    if labels:
-        return max(labels, key=lambda k: len(labels[k]))
+def _main_thread(host, counts: dict) -> Optional[tuple]:
+    """The thread carrying the most FSDP labels (``counts``: (pid, tid) -> labels), else the profiler steps'
+    thread, else the one with the most operators outside gloo."""
+    if counts:
+        return max(counts, key=counts.get)
     counts: dict = {}
     for e in host:
         if e.name.startswith("ProfilerStep"):
@@ -679,8 +797,8 @@ def _compute_self_time(evs, scale) -> iv.Intervals:
     return iv.union(starts, ends)
 
 
-def _build_cpu(win, host, labels, index, phases, scale, shapes):
-    main = _main_thread(host, labels)
+def _build_cpu(win, host, index, phases, scale, shapes):
+    main = _main_thread(host, index.counts)
     gloo = sorted((e for e in host if e.name.startswith("gloo:")), key=lambda e: e.ts)
     win.comm = iv.union([e.ts * scale for e in gloo], [(e.ts + e.dur) * scale for e in gloo])
     if main is None:

@@ -26,12 +26,17 @@ def union(starts, ends) -> Intervals:
     """Merge possibly overlapping intervals into sorted disjoint ones (zero/negative lengths dropped)."""
     s, e = as_intervals(starts, ends)
     keep = e > s
-    s, e = s[keep], e[keep]
+    if not keep.all():
+        s, e = s[keep], e[keep]
+    del keep
     if s.size == 0:
         return EMPTY
+    # (few copies alive at once: a GPU window may hold millions of events)
     order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    e_max = np.maximum.accumulate(e)
+    s = s[order]
+    e_max = e[order]
+    del order
+    np.maximum.accumulate(e_max, out=e_max)
     # a new group starts where an interval begins after everything before it has ended
     brk = s[1:] > e_max[:-1]
     first = np.concatenate(([True], brk))

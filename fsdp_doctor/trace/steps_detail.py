@@ -21,6 +21,7 @@ Built from what torch.profiler writes, no fsdp-doctor records needed:
 from __future__ import annotations
 
 import bisect
+from array import array
 import statistics
 from collections import defaultdict
 from typing import Optional
@@ -45,82 +46,132 @@ def _step_of(starts: list[float], steps: list[int], ends: list[float], t: float)
     return steps[i] if i >= 0 and t < ends[i] else None
 
 
-def unit_spans(labels, step_bounds: dict[int, tuple[float, float]]) -> list[tuple[float, float, str, str, int]]:
-    """(start, end, unit, phase, step) of each unit's forward and backward inside the complete steps
-    (``labels``: ``_Label``-like objects with ``ts``, ``end``, ``name``, any thread; ``step_bounds``: step ->
-    (start, end), µs)."""
+class UnitSpans:
+    """Each unit's forward and backward inside the complete steps, as arrays (a window of thousands of steps holds
+    one per unit and phase of each): start and end (µs), unit (an index into ``units``), backward (else
+    forward), step. In the order the labels closed them."""
+
+    __slots__ = ("start", "end", "unit", "backward", "step", "units")
+
+    def __init__(self, start, end, unit, backward, step, units: list[str]):
+        self.start = np.frombuffer(start, dtype=np.float64)
+        self.end = np.frombuffer(end, dtype=np.float64)
+        self.unit = np.frombuffer(unit, dtype=np.int32)
+        self.backward = np.frombuffer(backward, dtype=np.int8).astype(bool)
+        self.step = np.frombuffer(step, dtype=np.int64)
+        self.units = units
+
+    def __len__(self) -> int:
+        return int(self.start.size)
+
+    def release(self) -> None:
+        """Frees the arrays once read (a window of thousands of steps): the spans are empty after."""
+        self.start = self.end = np.zeros(0)
+        self.unit, self.backward, self.step = np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int64)
+
+    def sorted(self) -> np.ndarray:
+        """The positions by (start, end, unit name, phase name, step), as tuples of these would sort."""
+        rank = np.argsort(np.argsort(np.array(self.units, dtype=object), kind="stable")).astype(np.int64) \
+            if self.units else np.zeros(0, dtype=np.int64)
+        return np.lexsort((self.step, ~self.backward, rank[self.unit], self.end, self.start))
+
+
+def unit_spans(ts: np.ndarray, end: np.ndarray, name: np.ndarray, names: list[str],
+               step_bounds: dict[int, tuple[float, float]]) -> UnitSpans:
+    """Each unit's forward and backward inside the complete steps. The labels as arrays, any thread: ``ts``,
+    ``end`` (µs) and ``name`` (an index into ``names``), in the order that ties of start keep; ``step_bounds``:
+    step -> (start, end), µs. Only the pre/post forward/backward labels are read."""
     order = sorted(step_bounds)
     starts = [step_bounds[n][0] for n in order]
     ends = [step_bounds[n][1] for n in order]
+    brackets = {}  # name index -> (unit, kind) of the labels read (most labels are collectives': left out)
+    for i, nm in enumerate(names):
+        if nm.startswith(_BRACKETS) and (p := parse_label(nm)) is not None:
+            brackets[i] = (p.fqn or "", p.kind)
+    sel = np.flatnonzero(np.isin(name, list(brackets))) if brackets else np.zeros(0, dtype=np.intp)
+    sel = sel[np.argsort(ts[sel], kind="stable")]
     fwd_open: dict[str, float] = {}
     bwd: dict[str, list] = {}  # unit -> [start, end] of the backward being read
-    out = []
+    units: dict[str, int] = {}
+    o_s, o_e, o_u, o_b, o_n = array("d"), array("d"), array("i"), array("b"), array("q")
 
-    def close_bwd(unit: str) -> None:
+    def add(s: float, e: float, unit: str, backward: bool) -> None:
+        step = _step_of(starts, order, ends, s)
+        if step is not None:
+            o_s.append(s)
+            o_e.append(e)
+            o_u.append(units.setdefault(unit, len(units)))
+            o_b.append(backward)
+            o_n.append(step)
+
+    for t0, t1, code in zip(ts[sel].tolist(), end[sel].tolist(), name[sel].tolist()):
+        unit, kind = brackets[code]
+        if kind == "pre_forward":
+            fwd_open.setdefault(unit, t0)
+        elif kind == "post_forward" and unit in fwd_open:
+            add(fwd_open.pop(unit), t1, unit, False)
+        elif kind == "pre_backward":
+            if unit in bwd:
+                s, e = bwd.pop(unit)
+                if e is not None:
+                    add(s, e, unit, True)
+            bwd[unit] = [t0, None]
+        elif kind in _BWD_END and unit in bwd:
+            bwd[unit][1] = max(bwd[unit][1] or t1, t1)
+    for unit in list(bwd):
         s, e = bwd.pop(unit)
         if e is not None:
-            step = _step_of(starts, order, ends, s)
-            if step is not None:
-                out.append((s, e, unit, "backward", step))
+            add(s, e, unit, True)
+    return UnitSpans(o_s, o_e, o_u, o_b, o_n, list(units))
 
-    for lab in sorted(labels, key=lambda x: x.ts):
-        if not lab.name.startswith(_BRACKETS):  # (most labels are collectives': skipped before the regex)
-            continue
-        p = parse_label(lab.name)
-        if p is None:
-            continue
-        unit = p.fqn or ""
-        if p.kind == "pre_forward":
-            fwd_open.setdefault(unit, lab.ts)
-        elif p.kind == "post_forward" and unit in fwd_open:
-            s = fwd_open.pop(unit)
-            step = _step_of(starts, order, ends, s)
-            if step is not None:
-                out.append((s, lab.end, unit, "forward", step))
-        elif p.kind == "pre_backward":
-            if unit in bwd:
-                close_bwd(unit)
-            bwd[unit] = [lab.ts, None]
-        elif p.kind in _BWD_END and unit in bwd:
-            bwd[unit][1] = max(bwd[unit][1] or lab.end, lab.end)
-    for unit in list(bwd):
-        close_bwd(unit)
+
+def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[str, list[float]]]:
+    """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
+    the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
+    kernel: numpy arrays), the device time of the kernels launched inside each span (their union); ``busy``:
+    the union of all these kernels' intervals, where the caller has it (else computed)."""
+    if not len(spans):
+        return {}
+    k_order = spans.sorted()
+    s_all, e_all = spans.start[k_order], spans.end[k_order]
+    if device is None:
+        t = e_all - s_all
+    else:
+        order = np.argsort(device[0], kind="stable")
+        launch = device[0][order]
+        i, j = np.searchsorted(launch, s_all, side="left"), np.searchsorted(launch, e_all, side="left")
+        del launch
+        # kernels that never overlap one another (one compute stream): a span's union is the sum of its kernels'
+        # durations, read from running sums (few copies of the arrays at once: a window may hold millions)
+        dur = device[2][order]
+        dur -= device[1][order]
+        csum = np.concatenate(([0.0], np.cumsum(dur)))
+        del dur
+        if busy is None:
+            busy = iv.union(device[1], device[2])
+        if abs(iv.measure(busy) - float(csum[-1])) <= 1e-9 * max(1.0, float(csum[-1])):
+            t = np.where(j > i, csum[j] - csum[i], 0.0)
+        else:
+            start, end = device[1][order], device[2][order]
+            t = np.array([iv.measure(iv.union(start[a:b], end[a:b])) if b > a else 0.0
+                          for a, b in zip(i.tolist(), j.tolist())])
+        del order
+    # summed per (step, unit) and phase in the spans' order (np.add.at adds one at a time, in order)
+    step, unit = spans.step[k_order], spans.unit[k_order]
+    pair = np.unique(step, return_inverse=True)[1].astype(np.int64) * len(spans.units) + unit
+    _, first, inv = np.unique(pair, return_index=True, return_inverse=True)
+    acc = np.zeros((first.size, 2))
+    np.add.at(acc, (inv, spans.backward[k_order].astype(np.intp)), t)
+    out: dict[int, dict[str, list[float]]] = {}
+    units, sums = spans.units, acc.tolist()
+    by_start = np.argsort(first)
+    for p, n, u in zip(by_start.tolist(), step[first[by_start]].tolist(), unit[first[by_start]].tolist()):
+        out.setdefault(n, {})[units[u]] = sums[p]
     return out
 
 
-def unit_step_times(spans, device=None) -> dict[int, dict[str, list[float]]]:
-    """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
-    the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
-    kernel: numpy arrays), the device time of the kernels launched inside each span (their union)."""
-    spans = sorted(spans)
-    if device is not None:
-        order = np.argsort(device[0], kind="stable")
-        launch, start, end = (a[order] for a in device)
-        cut = np.searchsorted(launch, [(sp[0], sp[1]) for sp in spans], side="left").tolist() if spans else []
-        # kernels that never overlap one another (one compute stream): a span's union is the sum of its kernels'
-        # durations, read from running sums
-        dur = end - start
-        csum = np.concatenate(([0.0], np.cumsum(dur)))
-        disjoint = abs(iv.measure(iv.union(start, end)) - float(csum[-1])) <= 1e-9 * max(1.0, float(csum[-1]))
-    out: dict[int, dict[str, list[float]]] = defaultdict(dict)
-    for k, (s, e, unit, phase, step) in enumerate(spans):
-        acc = out[step].setdefault(unit, [0.0, 0.0])
-        if device is None:
-            t = e - s
-        else:
-            i, j = cut[k]
-            if j <= i:
-                t = 0.0
-            elif disjoint:
-                t = float(csum[j] - csum[i])
-            else:
-                t = iv.measure(iv.union(start[i:j], end[i:j]))
-        acc[0 if phase == "forward" else 1] += t
-    return dict(out)
-
-
 def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, device_id: np.ndarray,
-                 step_bounds: dict[int, tuple[float, float]], gpu: bool, spans) -> dict[int, dict]:
+                 step_bounds: dict[int, tuple[float, float]], gpu: bool, spans: UnitSpans) -> dict[int, dict]:
     """step -> {"peak": bytes, "t_ms", "unit", "phase", "timeline": [(t_ms, bytes)...]} from the ``[memory]``
     samples (time µs, total allocated, device type, device id: arrays) inside each complete step."""
     want = CUDA_DEVICE if gpu else CPU_DEVICE
@@ -139,13 +190,14 @@ def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, dev
         t, v = t_all[i:j], v_all[i:j]
         k = int(np.argmax(v))  # the first (earliest) highest total
         t_peak, peak = float(t[k]), int(v[k])
-        span = max((sp for sp in spans if sp[0] <= t_peak <= sp[1]), key=lambda sp: sp[0], default=None)
+        inside = np.flatnonzero((spans.start <= t_peak) & (t_peak <= spans.end))
+        span = int(inside[np.argmax(spans.start[inside])]) if inside.size else None  # (the latest start, first)
         slot = np.minimum(TIMELINE_POINTS - 1, ((t - s0) / ((s1 - s0) / TIMELINE_POINTS)).astype(np.int64))
         pick = np.lexsort((np.arange(len(v)), -v, slot))  # per slice: the highest total, the earliest of equals
         first = pick[np.r_[True, slot[pick][1:] != slot[pick][:-1]]]
         first.sort()
-        out[step] = {"peak": peak, "t_ms": (t_peak - s0) / 1e3, "unit": None if span is None else span[2],
-                     "phase": None if span is None else span[3],
+        out[step] = {"peak": peak, "t_ms": (t_peak - s0) / 1e3, "unit": None if span is None else spans.units[spans.unit[span]],
+                     "phase": None if span is None else ("backward" if spans.backward[span] else "forward"),
                      "timeline": [((float(t[x]) - s0) / 1e3, int(v[x])) for x in first]}
     return out
 
