@@ -122,28 +122,34 @@ def test_step_prediction_verdicts():
 
 
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)
-@pytest.mark.slow
-def test_two_runs_of_one_config_say_no_significant_change(recorded_run, tmp_path):
-    """Two runs of the demo's configuration, trained at the same time so that both see the same host load (a load
-    that shifts between two runs is the drift no run's own samples contain: see NOISE_FLOOR_PCT)."""
-    from concurrent.futures import ThreadPoolExecutor
+def _half(src, dst, keep) -> None:
+    """A copy of the run directory ``src`` holding only the steps ``keep`` accepts (every other record kept; the
+    profiler windows left out, since their steps would be split between the halves)."""
+    import shutil
 
-    from fsdp_doctor import ProfileSchedule
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("profiler", "tb", "report.json"))
+    for stream in dst.glob("rank*.records.jsonl"):
+        lines = []
+        for line in stream.read_bytes().splitlines(keepends=True):
+            rec = json.loads(line)
+            if rec.get("t") == "profile" or (rec.get("t") in ("step", "gpu") and not keep(rec["step"])):
+                continue
+            lines.append(line)
+        stream.write_bytes(b"".join(lines))
 
-    _, _, knobs = recorded_run
-    watch = {"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)}
-    cores = sorted(os.sched_getaffinity(0))
 
-    def job(i, name):  # each run on its own core where there are two: the same placement for both
-        if len(cores) >= 2:
-            os.sched_setaffinity(0, {cores[i]})  # this thread; the ranks it spawns inherit it
-        return record(tmp_path / name, watch_extra=watch, **knobs)
-
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(job, i, name) for i, name in enumerate(("one", "two"))]
-        (_, run), (_, again) = (j.result() for j in jobs)
-    cmp = compare_runs(run, again)
-    print(f"\ntwo runs of one configuration: {cmp.summary}")
+def test_two_samples_of_one_config_say_no_significant_change(recorded_run, tmp_path):
+    """Two runs of one configuration: the even and the odd steps of one recorded run (step 0, the warm-up, left
+    out of both), so that both saw the same host load. Two runs trained one after the other, or side by side on
+    two cores, differ by whatever else the host ran meanwhile (-24% and +29% were seen here under load): that is
+    a real difference compare rightly calls significant, and a test built on it fails at random."""
+    run, _, _ = recorded_run
+    _half(run.path, tmp_path / "even", lambda n: n > 0 and n % 2 == 0)
+    _half(run.path, tmp_path / "odd", lambda n: n % 2 == 1)
+    a, b = load_run(tmp_path / "even"), load_run(tmp_path / "odd")
+    assert [s.step for s in a.ranks[0].steps] == list(range(2, 16, 2))
+    cmp = compare_runs(a, b)
+    print(f"\ntwo samples of one configuration: {cmp.summary}")
     assert cmp.config == []  # same snapshot, same job
     assert not cmp.step_p50.significant, cmp.summary
     assert cmp.summary.startswith("no significant change")
@@ -172,9 +178,12 @@ def test_zero3_against_zero2_checks_the_prediction(recorded_run, tmp_path):
     (p,) = [p for p in cmp.predictions if p.code == "reshard.zero2_affordable"]
     assert p.recognised_by == "config diff: reshard_after_forward"
     pred = C.predicted_of(f)
-    # the memory change equals the prediction (CPU memory is deterministic)
-    assert cmp.memory_peak.delta == pytest.approx(pred["peak_bytes_after"] - pred["peak_bytes_before"], rel=0.01)
-    assert p.peak_held and abs(p.peak_pct_error) < 1.0
+    # the memory change equals the prediction, to one unit's gathered parameters: the high-water between marks
+    # (record/memory/transients.py) sees gloo's asynchronous all-gather buffers appear by the unshard thread's
+    # timing, so a peak may or may not hold one unit's (seen here: exact on one run, +263,168 B on another)
+    one_unit = max(u.unsharded_bytes or 0 for u in a.ranks[0].config.units)
+    assert abs(cmp.memory_peak.delta - (pred["peak_bytes_after"] - pred["peak_bytes_before"])) <= one_unit
+    assert p.peak_held and abs(p.peak_pct_error) < 2.0
     assert "reshard.zero2_affordable" in {x.code for x in cmp.findings.resolved}
     assert cmp.memory["unsharded_params"].delta > 0
 
