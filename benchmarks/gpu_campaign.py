@@ -76,7 +76,7 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     big, mid = (TINY, TINY) if dry else (ONE_B, MID)
     bench = lambda name: str(REPO / "benchmarks" / name)  # noqa: E731
     oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "6" if dry else "12", "--skip", "2"]
-    plan = [
+    todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
         Step("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
                        f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240, ["gpu_tests.xml"]),
@@ -87,22 +87,22 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     ]
     for tag, extra in (("1r", ["--nproc", "1"]), ("2r", ["--nproc", "2"]),
                        ("2r_offload", ["--nproc", "2"] + ([] if dry else ["--cpu-offload"]))):
-        plan.append(Step(f"allocator_{tag}", [PY, bench("memory_vs_allocator.py"), "--device", device, *extra,
+        todo.append(Step(f"allocator_{tag}", [PY, bench("memory_vs_allocator.py"), "--device", device, *extra,
                                               "--steps", "6" if dry else "10", *mid,
                                               "--json", str(out / f"allocator_{tag}.json")], 90,
                          [f"allocator_{tag}.json"]))
     demo = [PY, "-m", "fsdp_doctor.cli", "demo", "--device", device, "--nproc", "2", "--steps", str(steps),
             "--overwrite", *mid] + (["--async-unshard"] if dry else [])  # gloo blocks without it; NCCL never does
-    plan.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))
+    todo.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))
     for name, flags, _ in SCENARIOS:
         if dry and "--cpu-offload" in flags:
             continue  # CPUOffloadPolicy needs a GPU
-        plan.append(Step(f"scenario_{name}", [*demo, *flags, "--out", str(out / "scenarios" / name)], 120,
+        todo.append(Step(f"scenario_{name}", [*demo, *flags, "--out", str(out / "scenarios" / name)], 120,
                          [f"scenarios/{name}/report.json"]))
-    plan.append(Step("predictions", [PY, bench("predictions.py"), "--device", device, "--steps", str(steps),
+    todo.append(Step("predictions", [PY, bench("predictions.py"), "--device", device, "--steps", str(steps),
                                      "--reps", "1", "--json", str(out / "predictions.json")], 300,
                      ["predictions.json"]))
-    return plan
+    return todo
 
 
 def write_env(path: Path) -> None:

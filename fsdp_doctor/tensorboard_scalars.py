@@ -92,13 +92,12 @@ def overlap_scalars(section: Optional[OverlapSection], rank: int,
 
 def window_overlap_scalars(rank: int, windows: Iterable) -> dict[int, dict[str, float]]:
     """Overlap scalars per profiled step of ``rank``, each window analysed by the trace engine on its own (so each
-    window's steps get that window's figures; no report is built). ``windows``: trace paths, or (path, the
-    window's steps) pairs."""
+    window's steps get that window's figures; no report is built). ``windows``: (trace path, the window's steps)
+    pairs."""
     from .trace import analyze_windows, load_window
 
     out: dict[int, dict[str, float]] = {}
-    for item in windows:
-        p, steps = item if isinstance(item, tuple) else (item, ())
+    for p, steps in windows:
         w = load_window(str(p))
         if not hasattr(w, "calls"):
             continue  # unreadable: `fsdp-doctor analyze` names it

@@ -16,4 +16,4 @@ def in_recompute() -> bool:
     """Whether a forward now running is activation checkpointing's re-run inside backward: the engine is running
     a backward and grad mode is on (the engine runs backward kernels with it off; both checkpoint flavours
     re-run the forward under ``enable_grad``)."""
-    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+    return in_backward() and torch.is_grad_enabled()

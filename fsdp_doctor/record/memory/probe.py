@@ -95,6 +95,7 @@ from .device import DeviceStats
 from .sampler import Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
+from ..phase import in_backward
 from ..run_device import run_device
 from ..units import compiled_in_place
 
@@ -182,7 +183,7 @@ class MemoryProbe:
         t = _now()
         if not self._full:
             # light step: when and where only (+ the allocator total on CUDA); the figures are replayed
-            if phase[0] == "f" and torch._C._current_graph_task_id() != -1:
+            if phase[0] == "f" and in_backward():
                 phase = "recompute_start" if phase == "forward_start" else "recompute_end"
             elif phase == "optimizer_start" and self.acts.pushed:
                 self.acts.pop()
@@ -195,7 +196,7 @@ class MemoryProbe:
         if phase == "forward_start":
             if idx is None:
                 self._on_step_forward()
-            elif torch._C._current_graph_task_id() != -1:
+            elif in_backward():
                 phase = "recompute_start"
             else:
                 if not sizes.static_done:
@@ -204,7 +205,7 @@ class MemoryProbe:
                     sizes.add_unit_param_keys(idx)
                 self.acts.unit_forward_start(idx)
         elif phase == "forward_end":
-            if torch._C._current_graph_task_id() != -1:
+            if in_backward():
                 phase = "recompute_end"
             elif idx is not None:
                 self.acts.unit_forward_end(idx)
@@ -426,14 +427,14 @@ class MemoryProbe:
         self.mark = _ignore_mark
         if self.hw is not None:
             self.hw.stop(pop=False)
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             if self._later is None:
                 self._later = torch.nn.modules.module.register_module_forward_pre_hook(self._detach_later)
             return
         self._detach_now()
 
     def _detach_later(self, module, args) -> None:
-        if torch._C._current_graph_task_id() == -1 and self._later is not None:
+        if not in_backward() and self._later is not None:
             self._later.remove()
             self._later = None
             self._detach_now()
