@@ -410,9 +410,21 @@ class Verdict(_Section):
 # ---------------------------------------------------------------- findings (fsdp_doctor.diagnose)
 
 
+#: where a fix's code goes in the user's script (``Recommendation.where``), as the presenters say it
+FIX_PLACES = {
+    "unsharded": "in place of your fully_shard calls (on the unsharded model)",
+    "sharded": "after your fully_shard calls",
+    "optimizer": "after your optimizer is built",
+    "loop": "in your training loop",
+}
+
+
 class Recommendation(_Section):
     text: str
     code: str = ""  # a fix the user can paste ("" where the text is the advice)
+    where: str = ""  # where the code goes: a FIX_PLACES key ("" without code)
+    # names a loop fix reads from the user's loop, each with what it must hold (e.g. is_last_micro_batch)
+    inputs: dict[str, str] = {}
 
 
 class Predicted(_Section):

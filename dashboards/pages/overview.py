@@ -9,7 +9,7 @@ import msgspec
 from dash import dcc, html
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (SEVERITY_ORDER, VERDICT_HEADER, findings_headline, fmt_bytes, fmt_ms,
+from fsdp_doctor.present.fmt import (fix_heading, SEVERITY_ORDER, VERDICT_HEADER, findings_headline, fmt_bytes, fmt_ms,
                                      predicted_text, severity_counts, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
@@ -115,6 +115,7 @@ def finding_card(i: int, f: Finding) -> html.Div:
         body.append(html.Div("Expected: " + gain, className="finding-gain"))
     if rec.code:
         cid = f"fix-code-{i}"
+        body.append(html.Div(fix_heading(rec), className="fix-where"))
         body.append(html.Div([
             dcc.Clipboard(target_id=cid, title="copy the fix", className="copy-btn"),
             html.Pre(rec.code, id=cid, className="fix-code"),

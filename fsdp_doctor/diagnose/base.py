@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, NamedTuple, Optional
 
-from ..report_sections import Finding, Recommendation, Report, RuleStatus
+from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import complete
+from .snippets import complete, fix_place
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -134,11 +134,16 @@ class Rule:
         self.why_quiet = why
         return []
 
-    def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", **kw) -> Finding:
+    def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", *,
+                where: str = "", inputs: dict[str, str] | None = None, **kw) -> Finding:
+        """``code``: the fix; ``where`` it goes (report_sections.FIX_PLACES; read from the code when not
+        given); a loop fix's ``inputs``, the names it reads from the user's loop."""
         assert severity in SEVERITIES, severity
+        where = where or fix_place(code)
+        assert where in FIX_PLACES or not code, (self.code, where)
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
-        return Finding(code=self.code, severity=severity, title=title, evidence=evidence,
-                       recommendation=Recommendation(text=text, code=complete(code)), **kw)
+        rec = Recommendation(text=text, code=complete(code), where=where if code else "", inputs=inputs or {})
+        return Finding(code=self.code, severity=severity, title=title, evidence=evidence, recommendation=rec, **kw)
 
     @classmethod
     def status(cls, status: str, reason: str, findings: int = 0) -> RuleStatus:

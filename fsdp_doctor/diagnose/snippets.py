@@ -326,6 +326,18 @@ def root_mesh() -> str:
     return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
 
 
+def fix_place(code: str) -> str:
+    """Where a snippet goes (report_sections.FIX_PLACES): a sharding plan on the unsharded model, one that
+    (re)builds or hooks the optimizer after it exists, otherwise a setting on the sharded model."""
+    if not code:
+        return ""
+    if BEFORE_SHARDING in code:
+        return "unsharded"
+    if re.search(r"^\s*optimizer\s*=|\boptimizer\.", code, re.M):
+        return "optimizer"
+    return "sharded"
+
+
 # ---------------------------------------------------------------------------------------------- completion
 # name used in a snippet -> the line that defines it (imports first, then the mesh, in this order)
 _DEFINES = (

@@ -8,7 +8,7 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 from __future__ import annotations
 
 
-from ..report_sections import (CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
+from ..report_sections import (FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
                                Straggler, ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
                      fmt_value, printable, unit_label)
@@ -111,6 +111,16 @@ def findings_headline(items: list[Finding]) -> str:
     if not any(f.severity in ("critical", "warning") for f in items):
         return f"No warnings; {severity_counts(items)} below, each with its measured cost."
     return severity_counts(items) + "."
+
+
+def fix_heading(rec) -> str:
+    """The line above a fix's code: where it goes in the user's script and, for a loop fix, the names it reads
+    from the loop ("Fix (Python, after your fully_shard calls):")."""
+    where = FIX_PLACES.get(rec.where, "")
+    head = f"Fix (Python, {where}):" if where else "Fix (Python):"
+    if rec.inputs:
+        head += " " + "; ".join(f"{k}: {v}" for k, v in rec.inputs.items())
+    return head
 
 
 def predicted_text(pred) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE,
+from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
                   outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
@@ -111,7 +111,8 @@ def _finding(f: Finding) -> str:
     rec = f.recommendation
     ev = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(fmt_value(k, v, max_items=10))}</td></tr>"
                  for k, v in f.evidence.items())
-    code = f"<pre><code>{_esc(rec.code)}</code></pre>" if rec.code else ""
+    code = (f"<div class='fixhead'>{_esc(fix_heading(rec))}</div><pre><code>{_esc(rec.code)}</code></pre>"
+            if rec.code else "")
     expected = predicted_text(f.predicted)
     pred = f"<div class='pred'>Expected: {_esc(expected)}</div>" if expected else ""
     return (f"<div class='finding' style='border-left-color:{color}'>"

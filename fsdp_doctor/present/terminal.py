@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..report_sections import Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow, Verdict
 from .fit import Col, fitted_table
-from .fmt import (THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
+from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
                   fmt_ms, fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts,
                   short_unit_labels, throughput_rows, trace_units_title, verdict_headline, verdict_rows,
                   verdict_title)
@@ -160,7 +160,7 @@ def finding_details(f: Finding) -> list:
     if expected:
         items.append(Text(f"Expected: {expected}", style="green"))
     if rec.code:
-        items.append(Text("Fix (Python):", style="dim"))
+        items.append(Text(fix_heading(rec), style="dim"))
         items.append(Syntax(rec.code, "python", theme="ansi_dark", background_color="default", word_wrap=False))
     return items
 
