@@ -112,24 +112,26 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=128):
+    def __init__(self, vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=128, out_scale=True):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, n_kv_heads, hidden) for i in range(n_layers)})
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
-        self.out_scale = nn.Parameter(torch.ones(()))  # trainable, passed as ignored_params
+        # trainable, passed as ignored_params (a 0-d parameter fully_shard cannot shard)
+        self.out_scale = nn.Parameter(torch.ones(())) if out_scale else None
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h)) * self.out_scale
+        out = self.output(self.norm(h))
+        return out if self.out_scale is None else out * self.out_scale
 
 
-def llama():
+def llama(out_scale: bool = True):
     torch.manual_seed(0)
-    return Llama()
+    return Llama(out_scale=out_scale)
 
 
 # ------------------------------------------------------------------------------------------------ sharding
@@ -166,9 +168,9 @@ def hsdp_mesh():
 
 
 # ------------------------------------------------------------------------------------------------ training
-def batch(step: int, vocab: int, rank: int, micro: int = 0):
+def batch(step: int, vocab: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ)):
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    tok = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    tok = torch.randint(0, vocab, (size[0], size[1] + 1), generator=g)
     return tok[:, :-1], tok[:, 1:]
 
 
@@ -351,7 +353,7 @@ def resnet():
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
          "llama": llama, "gpt": gpt, "gpt48": lambda: gpt(48), "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
-         "resnet": resnet}
+         "resnet": resnet, "titan": lambda: llama(out_scale=False)}
 
 
 def _blocks(model):
@@ -373,16 +375,16 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "gpt": shard_gpt, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
          "resnet": shard_blocks_only}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512}
+         "hf_llama_ckpt": 512, "titan": 256}
 
 
-def loss_of(model, client: str, step: int, rank: int):
-    """The user's loss on a deterministic batch of this step and rank."""
+def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ)):
+    """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch."""
     if client == "resnet":
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+        g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+        x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(x), y)
-    tok, tgt = batch(step, VOCAB[client], rank)
+    tok, tgt = batch(step, VOCAB[client], rank, micro, size)
     out = model(tok)
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
@@ -398,41 +400,238 @@ def shard_no_root(model, mesh):
 # the sharding a finding is emitted for, where it is not the client's usual one
 SHARD_FOR = {"wrap.root_not_sharded": shard_no_root}
 
-# the user's sharding in each scenario (the planted problem)
-SCENARIO_SHARD = {"blocks_only": shard_blocks_only, "whole": lambda m, mesh: fully_shard(m, mesh=mesh),
-                  "no_root": shard_no_root}
+
+# ------------------------------------------------------------------------------------------------ scenarios
+def _ends(model) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The modules before the blocks (embeddings, stem) and after them (final norm, head), as a user groups them."""
+    if isinstance(model, ResNet):
+        return [model.stem], [model.norm, model.fc]
+    if hasattr(model, "lm_head") and hasattr(model, "model"):  # Hugging Face
+        return [model.model.embed_tokens], [model.model.norm, model.lm_head]
+    if isinstance(model, Llama):  # torchtitan's llama
+        return [model.tok_embeddings], [model.norm, model.output]
+    if hasattr(model, "tok_emb"):  # the reference GPT
+        return [model.tok_emb, model.pos_emb], [model.norm, model.lm_head]
+    return [model.tok_embeddings, model.pos_embeddings], [model.norm, model.output]  # torch's Transformer
 
 
-def run_scenario(spec_path: Path) -> dict:
-    """Trains one scenario with the doctor (spec: model, shard, mesh, steps, out_dir, watch, snippet). A fix
-    snippet is applied where its user pastes it: a sharding plan ("replaces your fully_shard calls") instead of
-    the scenario's sharding; a one-line addition after it; one that rebuilds the optimizer after that."""
-    spec = json.loads(Path(spec_path).read_text())
-    client, snippet = spec["model"], spec.get("snippet") or ""
-    mesh = init_device_mesh("cpu", tuple(spec.get("mesh") or (dist.get_world_size(),)))
-    if len(mesh.shape) > 1:  # HSDP: replicate over the first dimension, shard over the second
-        mesh = init_device_mesh("cpu", tuple(spec["mesh"]), mesh_dim_names=("replicate", "shard"))
-    model = BUILD[client]()
-    if BEFORE_SHARDING not in snippet:
-        model = SCENARIO_SHARD[spec["shard"]](model, mesh)
-    rebuilds = "optimizer = " in snippet  # a fix that (re)builds the optimizer runs after the user built one
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if rebuilds or not snippet else None
-    if snippet:  # pasted once, where its user would: the unsharded model, after sharding, or after the optimizer
-        ns = {"model": model, "optimizer": opt}
-        exec(compile(snippet, "<fix>", "exec"), ns)
-        model, opt = ns["model"], ns["optimizer"]
-    if opt is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _tied(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    ids = {id(p) for m in a for p in m.parameters()}
+    return any(id(p) in ids for m in b for p in m.parameters())
+
+
+def checkpoint_blocks(model, how: str):
+    """The user's activation checkpointing: "block" (each block, checkpoint_wrapper; HF's own
+    gradient_checkpointing_enable() on an HF model) or "children" (each child of a block that holds parameters)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if how == "block" and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    for block in _blocks(model):
+        for name, child in list(block.named_children()) if how == "children" else []:
+            if any(True for _ in child.parameters()):
+                setattr(block, name, checkpoint_wrapper(child))
+    if how == "block":  # replace each block in its container
+        for parent in {id(m): m for m in model.modules()}.values():
+            for name, child in list(parent.named_children()):
+                if any(child is b for b in _blocks(model)) and parent is not model:
+                    setattr(parent, name, checkpoint_wrapper(child))
+    return model
+
+
+def shard_tree(model, cfg, mesh):
+    """The user's fully_shard calls on any tree, per the workload knobs (``cfg``: wrap, reshard_after_forward,
+    param/reduce dtype): "block" is the tuned plan (the leading modules one unit, each block, the trailing ones
+    one unit kept gathered after forward, the root), "blocks_only", "no_root", "whole"."""
+    from fsdp_doctor.workloads.sharding import mixed_precision_policy
+
+    kw = {"mesh": mesh}
+    if (mp := mixed_precision_policy(cfg)) is not None:
+        kw["mp_policy"] = mp
+    raf = {} if cfg.reshard_after_forward is None else {"reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.wrap == "whole":
+        return fully_shard(model, **kw)
+    if cfg.wrap == "block":
+        lead, trail = _ends(model)
+        if not _tied(lead, trail):  # tied embedding and head stay together in the root
+            fully_shard(lead if len(lead) > 1 else lead[0], **kw, **raf)
+    for b in _blocks(model):
+        fully_shard(b, **kw, **raf)
+    if cfg.wrap == "block" and not _tied(lead, trail):  # kept gathered after forward unless the knob says
+        fully_shard(trail, **kw, reshard_after_forward=bool(cfg.reshard_after_forward))
+    return model if cfg.wrap == "no_root" else fully_shard(model, **kw)
+
+
+def _shard(model, tree: str, cfg, mesh, fix: dict):
+    """The user's sharding of ``model``, or the fix that replaces it; then the user's settings after it."""
+    from fsdp_doctor.workloads.sharding import apply_activation_checkpointing, apply_fsdp
+
+    if fix.get("where") == "unsharded" and "fully_shard(" not in fix["code"]:
+        # a checkpointing plan on the unsharded model, in place of the user's own; the user's sharding follows
+        model = _exec(fix, model, None)[0]
+        cfg = cfg.replace(ac="none")
+    elif fix.get("where") == "unsharded":  # pasted in place of the user's fully_shard calls
+        if tree == "gpt":
+            apply_activation_checkpointing(model, cfg)
+        elif cfg.ac != "none":
+            checkpoint_blocks(model, cfg.ac)
+        model = _exec(fix, model, None)[0]
+        return _after_sharding(model, cfg)
+    if tree == "gpt":
+        return apply_fsdp(model, cfg, mesh)  # the reference workload's own sharding (ac, prefetch, async)
+    else:
+        if cfg.ac != "none":
+            checkpoint_blocks(model, cfg.ac)
+        model = USER_SHARD[shard](model, mesh) if (shard := fix.get("user_shard")) else shard_tree(model, cfg, mesh)
+    return _after_sharding(model, cfg)
+
+
+def _after_sharding(model, cfg):
+    """The user's lines after the fully_shard calls: async unshard on gloo."""
+    from fsdp_doctor.workloads.sharding import set_unshard_async
+
+    if cfg.async_unshard:
+        set_unshard_async(model)
+    return model
+
+
+# the user's own sharding code where the workload knobs do not say it: torchtitan's plan (with a trainable
+# parameter ignored)
+USER_SHARD = {"titan": apply_fsdp_titan}
+
+
+def _exec(fix: dict, model, opt, **inputs):
+    """The fix's code run where its user pastes it: ``model`` and ``optimizer`` in scope, and in the loop the
+    names the fix reads from it (``Recommendation.inputs``)."""
+    missing = set(fix.get("inputs") or {}) - set(inputs)
+    assert not missing, f"the loop does not provide {sorted(missing)}"
+    ns = {"model": model, "optimizer": opt, **inputs}
+    exec(compile(fix["code"], f"<{fix.get('finding', 'fix')}>", "exec"), ns)
+    return ns["model"], ns["optimizer"], ns
+
+
+class SlowBatches(torch.utils.data.Dataset):
+    """The user's data set whose items take ``ms_per_batch / batch_size`` each to load (a slow disk or decoder)."""
+
+    def __init__(self, n: int, batch_size: int, ms_per_batch: float):
+        self.n, self.s = n, ms_per_batch / 1000 / batch_size
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(self.s)
+        return i
+
+
+def train_scenario(row: dict) -> tuple[list[float], float]:
+    """One scenario: the tree built, the user's code (workload knobs: sharding, checkpointing, mixed precision,
+    optimizer order, accumulation, zero_grad, faults) with the fix pasted where ``fix["where"]`` says, trained
+    under watch(). Returns the losses and the replicas' drift (``replica_drift``)."""
+    import gc
+
+    from fsdp_doctor.workloads import WorkloadConfig
+    from fsdp_doctor.workloads.train import inject_step_faults
+
+    tree, cfg = row["tree"], WorkloadConfig(**row.get("knobs", {}))
+    fix = row.get("fix") or {}
+    rank = dist.get_rank()
+    shape = tuple(row.get("mesh") or (dist.get_world_size(),))  # HSDP: replicate over the first dimension
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    if tree == "gpt":  # the reference workload's model, of the knobs' shape
+        from fsdp_doctor.workloads.gpt import build_model
+
+        model = build_model(cfg)
+    else:
+        model = BUILD[tree]()
+    make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False if cfg.wrap == "no_root" else None)  # noqa: E731
+    early = make_opt(model) if cfg.optimizer_before_shard else None
+    model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
+    ns = {}
+    if fix.get("where") == "sharded":  # after the fully_shard calls, before the optimizer (unless built before)
+        model, early, ns = _exec(fix, model, early)
+    opt = early or make_opt(model)
+    if fix.get("where") == "optimizer":
+        model, opt, ns = _exec(fix, model, opt)
+    data = None
+    if cfg.loader_ms:  # the user's loader; a fix that defines one is called as its comment says
+        ds = SlowBatches(cfg.steps * cfg.grad_accum * cfg.batch_size, cfg.batch_size, cfg.loader_ms)
+        make = ns.get("background_loader") or (lambda d, b: torch.utils.data.DataLoader(d, batch_size=b))
+        data = iter(make(ds, cfg.batch_size))
     losses = []
-    with fsdp_doctor.watch(model, opt, out_dir=spec["out_dir"], overwrite=True, **spec.get("watch", {})) as doctor:
-        for step in range(spec.get("steps", 6)):
-            loss = loss_of(model, client, step, dist.get_rank())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            doctor.step()
-            losses.append(loss.item())
-    return {"losses": losses}
+    watch = dict(row.get("watch", {}))
+    if tree != "resnet":  # tokens per optimizer step, all ranks (throughput, FLOPs)
+        watch.setdefault("tokens_per_step", cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.get_world_size())
+    if isinstance(watch.get("profile"), dict):  # a window (JSON spec): ProfileSchedule's fields
+        watch["profile"] = fsdp_doctor.ProfileSchedule(**watch["profile"])
+    try:
+        with fsdp_doctor.watch(model, opt, out_dir=row["out_dir"], overwrite=True, **watch) as doctor:
+            for step in range(cfg.steps):
+                inject_step_faults(cfg, rank, step)
+                total = 0.0
+                for micro in range(cfg.grad_accum):
+                    last = micro == cfg.grad_accum - 1
+                    if cfg.grad_accum > 1 and cfg.accum_no_sync:
+                        model.set_requires_gradient_sync(last)
+                    if data is not None:
+                        next(data)  # the batch's content is drawn below, the same with any loader
+                    if fix.get("where") == "loop":
+                        _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
+                              micro_batches=cfg.grad_accum, step=step)
+                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, cfg.seq_len)) / cfg.grad_accum
+                    loss.backward()
+                    total += loss.item()
+                opt.step()
+                opt.zero_grad(set_to_none=cfg.zero_grad_to_none)
+                doctor.step()
+                losses.append(total)
+    finally:  # jitter.gc's fix freezes and disables the collector: the next scenario starts as the user would
+        gc.unfreeze()
+        gc.enable()
+    return losses, replica_drift(model)
+
+
+def replica_drift(model) -> float:
+    """How far apart the ranks' copies of the trainable parameters FSDP does not manage are (max - min over
+    ranks of their sum); 0 when there are none."""
+    from torch.distributed.tensor import DTensor
+
+    own = [p.detach().float().sum() for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if not own:
+        return 0.0
+    vals = [torch.zeros(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(vals, torch.stack(own).sum())
+    return float(max(vals) - min(vals))
+
+
+def _probe_peak(row: dict) -> int:
+    """The scenario's peak memory (bytes, the peak rank's), trained once as given."""
+    train_scenario(row)
+    dist.barrier()  # every rank's records written
+    return int(fsdp_doctor.build_report(fsdp_doctor.load_run(row["out_dir"])).memory.peak_bytes)
+
+
+def run_scenarios(spec_path: Path) -> dict:
+    """Trains each scenario of the spec in turn on this process group ([{tree, knobs, watch, out_dir, fix}, ...],
+    tests/scenario_matrix.py); one failing scenario is reported, the others still run."""
+    out = {}
+    for row in json.loads(Path(spec_path).read_text()):
+        try:
+            if share := row.get("capacity_share"):  # a budget just above the peak: measured by a first run
+                peak = _probe_peak({**row, "out_dir": row["out_dir"] + "_probe", "fix": None})
+                row.setdefault("watch", {})["capacity_bytes"] = int(peak / share)
+            losses, drift = train_scenario(row)
+            out[row["name"]] = {"losses": losses, "replica_drift": drift,
+                                "capacity_bytes": row.get("watch", {}).get("capacity_bytes")}
+        except Exception as e:  # noqa: BLE001 - reported per scenario
+            import traceback
+
+            out[row["name"]] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300],
+                                "traceback": traceback.format_exc()[-3000:]}
+    return out
 
 
 def run_snippets(spec_path: Path) -> dict:
@@ -477,7 +676,7 @@ def main(argv: list[str], clients: dict | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        res = (run_snippets(out) if client == "snippets" else run_scenario(out) if client == "scenario"
+        res = (run_snippets(out) if client == "snippets" else run_scenarios(out) if client == "scenarios"
                else (clients or CLIENTS)[client](out))
     finally:
         dist.destroy_process_group()

@@ -46,3 +46,20 @@ def sample_run_path():
     if not (SAMPLE_RUN / "manifest.json").exists():
         pytest.skip("traces/sample is missing")
     return SAMPLE_RUN
+
+
+@pytest.fixture(scope="session")
+def matrix(request, tmp_path_factory):
+    """The scenario matrix (tests/scenario_matrix.py), run once per session: only the rows the selected tests
+    read (a test's ``row`` parameter or its ``@pytest.mark.rows(...)``), before-runs in one launch, fixes in a
+    second. {row name: Outcome}."""
+    import scenario_matrix as M
+
+    wanted: set[str] = set()
+    for item in request.session.items:
+        cs = getattr(item, "callspec", None)
+        if cs is not None and cs.params.get("row") in M.BY_NAME:
+            wanted.add(cs.params["row"])
+        for mark in item.iter_markers("rows"):
+            wanted.update(mark.args)
+    return M.run_matrix(tmp_path_factory.mktemp("matrix"), [r for r in M.ROWS if r.name in wanted])

@@ -27,7 +27,7 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
     (each rank's RESULT, each rank's stderr)."""
     from fsdp_doctor.workloads import free_port
 
-    if client not in ("snippets", "scenario"):  # these take a spec file
+    if client not in ("snippets", "scenarios"):  # these take a spec file
         out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(free_port())

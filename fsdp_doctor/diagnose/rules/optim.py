@@ -184,5 +184,7 @@ class OptimizerStateDominates(Rule):
             "model.to(torch.bfloat16)\n"
             + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
                            mp_line="mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
-            + "\n" + S.rebuild_optimizer(),
+            # a plan goes where the fully_shard calls are, before the optimizer exists: rebuilding the optimizer
+            # there read an `optimizer` not yet built (tested by applying it)
+            + "\n# then build the optimizer as before, after fully_shard: its state takes the parameters' bf16",
             predicted=E.predicted(step, step, peak, peak - saved))]

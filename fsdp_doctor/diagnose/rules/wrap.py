@@ -168,8 +168,10 @@ class ParamsInRoot(Rule):
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
             return []
-        held = root.unsharded_bytes - root.sharded_bytes
-        if root.shard_size == 1 or held <= 0:
+        # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
+        # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step
+        held = max(0, root.unsharded_bytes - root.sharded_bytes)
+        if root.shard_size == 1:
             return []  # sharded over one rank (a 2x1 HSDP mesh): no all-gather, nothing held gathered
         step, peak = _job_numbers(ctx)
         peak_after = peak - held if peak is not None else None
@@ -222,7 +224,9 @@ class RootNotSharded(Rule):
         # parameters (those no unit managed: replicated until now) are gathered and sharded: +1/ws of them,
         # while their optimizer state shrinks to 1/ws (its share per parameter byte from the breakdown)
         ws = max(1, cfg.world_size if cfg is not None else 1)
-        gathered = sum(u.unsharded_bytes for u in rts) - max((u.unsharded_bytes for u in rts), default=0)
+        # (the block computing and the one FSDP prefetches: the two largest, applied to a ResNet's roots; one of
+        # them predicted 10% under the measured peak)
+        gathered = sum(sorted(u.unsharded_bytes for u in rts)[:-2])
         bd = E.breakdown(ctx)
         state_per_byte = (bd.get("optimizer_state") or 0) / bd["sharded_params"] if bd.get("sharded_params") else 0
         own = unmanaged or 0
@@ -282,12 +286,14 @@ class MixedDtypeUnit(Rule):
                 f"param_dtype ({narrow} here) without touching the stored weights (frozen low-precision "
                 "weights stay as they are, trainable ones keep their dtype for the optimizer); or give the "
                 "odd-dtype parameters a unit of their own.",
-                f"# in your fully_shard calls ({S.BEFORE_SHARDING}): this unit with a\n"
-                f"# MixedPrecisionPolicy, every parameter all-gathered in {narrow}, the output in {wide}\n"
-                f"# (what the next units expect)\n"
-                f"mp = MixedPrecisionPolicy(param_dtype=torch.{narrow}, reduce_dtype=torch.float32,\n"
-                f"                          output_dtype=torch.{wide})\n"
-                f"fully_shard({S.unit_expr(u)}, mesh=mesh, mp_policy=mp)",
+                # the run's whole sharding with one policy (torchtitan's way): a plan that names only this unit
+                # would replace the other fully_shard calls by nothing (tested by applying it)
+                S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
+                             note=f"every unit with a MixedPrecisionPolicy: parameters all-gathered in {narrow}, "
+                                  f"outputs in {wide} (what the next units expect)",
+                             mp_line=f"mp = MixedPrecisionPolicy(param_dtype=torch.{narrow}, "
+                                     f"reduce_dtype=torch.float32,\n"
+                                     f"                          output_dtype=torch.{wide})"),
                 units=[u.name]))
         return out
 
@@ -316,12 +322,17 @@ class UnreducedParams(Rule):
             "each rank updates its own copy from its own data and the replicas drift apart, unless your code "
             "all-reduces their gradients itself. Let FSDP manage them, or average their gradients before "
             "optimizer.step(), or freeze them.",
-            "# either drop them from ignored_params (FSDP then shards and reduces them), or after backward,\n"
-            f"# before optimizer.step(), average the gradients of {E.fmt_list(names, 3)}:\n"
+            # a hook on the optimizer, not lines in the loop: pasted once, it runs before every step (a loop
+            # version pasted after the optimizer was built ran once, before any gradient existed)
+            "# either drop them from ignored_params (FSDP then shards and reduces them), or average the\n"
+            f"# gradients of {E.fmt_list(names, 3)} before every optimizer.step():\n"
             "import torch.distributed as dist\n"
             "from torch.distributed.tensor import DTensor\n"
-            "for p in model.parameters():\n"
-            "    if p.grad is not None and not isinstance(p, DTensor):  # the parameters FSDP does not manage\n"
-            "        dist.all_reduce(p.grad)  # a sum (gloo has no AVG)\n"
-            "        p.grad /= dist.get_world_size()",
+            "unmanaged = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]\n"
+            "def average_unmanaged_grads(opt, args, kwargs):\n"
+            "    for p in unmanaged:\n"
+            "        if p.grad is not None:\n"
+            "            dist.all_reduce(p.grad)  # a sum (gloo has no AVG)\n"
+            "            p.grad /= dist.get_world_size()\n"
+            "optimizer.register_step_pre_hook(average_unmanaged_grads)",
             units=[""])]
