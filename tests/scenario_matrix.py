@@ -141,8 +141,9 @@ ROWS: list[Row] = [
        knobs={"batch_size": 1, "seq_len": 8, "d_model": 64, "n_layers": 8}, capacity_share=0.95),
     _r("gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather", "FSDP's implicit prefetch on gloo",
        min_severity="info", gpu_gain=True),
+    # its first lever here is the batch size: advice in words (a larger micro-batch), no code to paste
     _r("gpt_low_mfu", "gpt", "throughput.low_mfu", "MFU against a 1 TFLOP/s peak", watch={"peak_tflops": 1.0},
-       min_severity="info"),
+       min_severity="info", apply=False),
     # the training loop
     _r("gpt_accum", "gpt", "accum.sync_every_micro_batch", "4 micro-batches, gradient sync on each",
        knobs={"grad_accum": 4}, profile=True, min_severity="info"),

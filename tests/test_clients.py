@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -212,29 +213,40 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
     _run_snippets(spec, tmp_path)
 
 
-def _constructed_snippets() -> list[list[str]]:
-    """Every fix snippet the rules emit in tests/test_diagnose_rules.py's constructed contexts and in
-    tests/test_trace_rules.py's known-answer traces (their unit names are the reference GPT's), captured by
-    running those tests with Rule.finding wrapped."""
+# the known-answer tests whose findings are captured: records-based and trace-decided rules, and the kernel rules
+# of GPU traces (their unit names are the reference GPT's)
+_KNOWN_ANSWERS = ("test_diagnose_rules.py", "test_trace_rules.py", "test_kernel_rules.py")
+# real GPU traces the severe-verdict finding is read from (tests/test_scenarios_missing_rules.py)
+_VERDICT_TRACES = ("cpu_only_gloo", "a100_sendrecv_16rank_rank0")
+
+
+def _known_answer_findings(snippets: bool = False) -> list[tuple]:
+    """Every finding the rules emit in the known-answer tests (constructed contexts, known-answer traces, the
+    real GPU traces of the severe verdict): [(test, code)], or with ``snippets`` [(test, code, snippet as
+    printed: completed with its imports and mesh)] for those with a fix. Runs those tests with Rule.finding
+    observed (no training: a few seconds)."""
     import importlib.util
     import inspect
-
-    from fsdp_doctor.diagnose.base import Rule
-
     import tempfile
 
+    from conftest import HTA_TRACES
+    from fsdp_doctor.diagnose.base import Rule
+
     mods = []
-    for fname in ("test_diagnose_rules.py", "test_trace_rules.py"):  # records-based and trace-decided rules
+    for fname in _KNOWN_ANSWERS:
         spec = importlib.util.spec_from_file_location("_rules_" + fname[:-3], HERE / fname)
         mods.append(importlib.util.module_from_spec(spec))
         spec.loader.exec_module(mods[-1])
-    got: dict[tuple[str, str], None] = {}
+    got: dict[tuple, None] = {}
     orig = Rule.finding
+    current = [""]
 
     def capture(self, severity, title, evidence, text, code="", **kw):
         f = orig(self, severity, title, evidence, text, code, **kw)
-        if code:  # the snippet as printed: completed with its imports and mesh
-            got[(self.code, f.recommendation.code)] = None
+        if not snippets:
+            got[(current[0], self.code)] = None
+        elif code:
+            got[(current[0], self.code, f.recommendation.code)] = None
         return f
 
     Rule.finding = capture
@@ -243,31 +255,43 @@ def _constructed_snippets() -> list[list[str]]:
             for name, fn in vars(mod).items():
                 if not (name.startswith("test_") and callable(fn)):
                     continue
+                current[0] = name
                 params = list(inspect.signature(fn).parameters)
                 if not params:
                     fn()
                 elif params == ["tmp_path"]:  # the trace-rule tests write their known-answer traces there
                     with tempfile.TemporaryDirectory() as d:
                         fn(Path(d))
+        for name in _VERDICT_TRACES:
+            if (HTA_TRACES / name).exists():
+                current[0] = name
+                fsdp_doctor.build_report(fsdp_doctor.load_run(HTA_TRACES / name))
     finally:
         Rule.finding = orig
-    # the known-answer traces of 48 units name layers.0..47: their snippets go to a 48-layer GPT
-    return [["gpt48" if "'layers.47'" in s else "gpt", c, s] for c, s in got]
+    return list(got)
+
+
+def _constructed_snippets() -> list[list[str]]:
+    """Every fix snippet of the known-answer findings, each with the model tree it was emitted for: a trace naming
+    layers.0..N-1 past the reference GPT's 4 (48 units, a real trace's) gets a GPT of N layers."""
+    def tree(s: str) -> str:
+        n = 1 + max((int(i) for i in re.findall(r"layers\.(\d+)", s)), default=0)
+        return f"gpt{n}" if n > 4 else "gpt"
+
+    return [[tree(s), c, s] for _, c, s in _known_answer_findings(snippets=True)]
 
 
 def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
+    import scenario_matrix as M
     from fsdp_doctor.diagnose import RULES
 
     spec = _constructed_snippets()
     codes = {c for _, c, _ in spec}
-    # the jitter rules fire on real runs only (tests/test_scenarios.py) and the straggler findings carry no code
-    # (what differs on that rank is for the user to find); every other rule's snippet is here, except the rules
-    # added in the fourth session, planted in real runs (tests/test_scenarios_missing_rules.py) and known-answer
-    # GPU traces (tests/test_kernel_rules.py): their fixes are loop patterns (gradient accumulation's sync, the
-    # optimizer's zero_grad, torch.compile / SDPA, the verdict's levers) or a mixed-precision line, not yet
-    # written from the run's module tree nor applied here (issue #23 stays open for them)
-    not_yet = {"accum.sync_every_micro_batch", "memory.grads_kept", "memory.near_capacity_spread",
-               "kernels.eager_attention", "kernels.launch_bound", "numerics.reduce_dtype", "verdict.severe",
-               "straggler.intermittent"}
-    assert {r.code for r in RULES} - codes <= {"jitter.gc", "jitter.data_wait", "straggler.rank", "straggler.trace"} | not_yet
+    # every rule with a fix either has it applied and rechecked in the scenario matrix (tests/scenario_matrix.py)
+    # or (GPU-only: comm.*, kernels.*, offload.*, the verdict of GPU traces) executed here on a model tree; the
+    # straggler findings carry no code (what differs on that rank is for the user to find)
+    applied = {r.code for r in M.ROWS if r.code and r.apply}
+    no_code = {"straggler.rank", "straggler.trace", "straggler.intermittent"}
+    missing = {r.code for r in RULES} - codes - applied - no_code
+    assert not missing, missing
     assert sum(r[2] == "ok" for r in _run_snippets(spec, tmp_path)) >= 18

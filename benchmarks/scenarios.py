@@ -1,0 +1,125 @@
+"""The finding-by-scenario table: the scenario matrix (tests/scenario_matrix.py, the same table and runner as the
+tests) run whole, then per rule: the scenarios and model trees it was planted on, recall (found at its severity /
+planted), false alarms (a warning of the rule on a row that did not plant it: tuned baselines, other rows), and its
+fix applied and rechecked (gone or improved, no new warning, peak predicted against measured; step time
+predicted against measured, noisy on a shared host). Rules whose problem needs a GPU (comm.*, kernels.*,
+offload.*) are found from the known-answer GPU traces (tests/test_trace_rules.py, tests/test_kernel_rules.py,
+shared/reference_traces/hta) and their snippets executed on a model tree (tests/test_clients.py); their rerun is
+for the GPU machine.
+
+    .venv/bin/python benchmarks/scenarios.py [--markdown] [--out DIR]   (about 4 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import scenario_matrix as M  # noqa: E402
+
+MiB = 1 << 20
+HEADER = ["rule", "planted on", "recall", "false alarms", "fix applied and rechecked", "peak pred / meas",
+          "step ms pred / meas"]
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / MiB:.2f}"
+
+
+def _gpu_found() -> dict[str, set[str]]:
+    """{rule: the known-answer GPU traces (test names) it fires on}: the trace-rule and kernel-rule tests run
+    with Rule.finding observed, as tests/test_clients.py collects their snippets."""
+    from test_clients import _known_answer_findings
+
+    got: dict[str, set[str]] = {}
+    for test, code in _known_answer_findings():
+        got.setdefault(code, set()).add(test)
+    return got
+
+
+def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]]) -> list[list[str]]:
+    from fsdp_doctor.diagnose import RULES
+
+    rows = []
+    for rule in sorted(RULES, key=lambda r: r.code):
+        code = rule.code
+        planted = [o for o in outcomes.values() if o.row.code == code and not o.error]
+        if code.startswith(M.GPU_ONLY) or (not planted and code in gpu):
+            traces = sorted(gpu.get(code, ()))
+            rows.append([code, f"GPU traces ({len(traces)})" if traces else "-",
+                         f"{len(traces)} known answers" if traces else "-", "-",
+                         "rerun: on the GPU machine (snippet executed on a model tree)", "-", "-"])
+            continue
+        others = [o for o in outcomes.values() if o.row.code != code and not o.error]
+        base = sum(1 for o in others if o.row.code is None and code in M.warnings_of(o.findings))
+        other = sum(1 for o in others if o.row.code is not None and code in M.warnings_of(o.findings))
+        if not planted:
+            rows.append([code, "not planted", "-", f"{base} baseline, {other} other", "-", "-", "-"])
+            continue
+        trees = sorted({o.row.tree for o in planted})
+        found = sum(1 for o in planted if o.finding is not None)
+        fixes = [o for o in planted if o.after is not None]
+        checks = [o.recheck() for o in fixes]
+        if fixes:
+            gone = sum(1 for c in checks if c["gone"])
+            improved = sum(1 for c in checks if not c["gone"] and c["improved"])
+            new = sorted({w for c in checks for w in c["new_warnings"]})
+            gpu_gain = [o for o in fixes if o.row.gpu_gain]
+            wrong = [o.row.name for o in fixes if o.row.name in M.KNOWN_WRONG]
+            fix = (f"{len(fixes)} applied: {gone} gone" + (f", {improved} improved" if improved else "")
+                   + (f", new warning {', '.join(new)}" if new else ", no new warning")
+                   + (f"; gain rechecked on a GPU ({len(gpu_gain)})" if gpu_gain else "")
+                   + (f"; advice wrong: {', '.join(wrong)}" if wrong else ""))
+            peaks = [(c["peak_predicted"], c["peak_measured"]) for c in checks if c["peak_predicted"]]
+            peak = "; ".join(f"{_mib(p)}/{_mib(m)} MiB ({100 * (m - p) / p:+.0f}%)" for p, m in peaks) or "-"
+            steps = [(c["step_ms_predicted"], c["step_ms_measured"]) for c in checks if c["step_ms_predicted"]]
+            step = "; ".join(f"{p:.0f}/{m:.0f}" for p, m in steps) or "-"
+        else:
+            errors = [o.after_error.splitlines()[0] for o in planted if o.after_error]
+            fix = ("rerun failed: " + errors[0]) if errors else \
+                "no fix code (what differs on that rank is for the user to find)" if code.startswith("straggler.") \
+                else "no fix code" if found else "-"
+            peak = step = "-"
+        rows.append([code, f"{len(planted)}: {', '.join(trees)}", f"{found}/{len(planted)}",
+                     f"{base} baseline, {other} other", fix, peak, step])
+    return rows
+
+
+def render(rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        out += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
+        return "\n".join(out)
+    out = []
+    for r in rows:  # one rule per paragraph: fits a terminal
+        out.append(f"{r[0]}  planted {r[1]}  recall {r[2]}  false alarms {r[3]}")
+        out.append(f"    fix: {r[4]}")
+        if r[5] != "-" or r[6] != "-":
+            out.append(f"    peak predicted/measured {r[5]}; step ms predicted/measured {r[6]}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
+    ap.add_argument("--out", type=Path, help="keep the runs here (default: a temporary directory)")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as d:
+        outcomes = M.run_matrix(a.out or Path(d))
+        failed = [f"{o.row.name}: {o.error.splitlines()[0]}" for o in outcomes.values() if o.error]
+        print(render(table(outcomes, _gpu_found()), a.markdown))
+        baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
+        print(f"\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
+              f"{len({o.row.tree for o in outcomes.values()})} model trees), 2 gloo ranks"
+              + (f"; failed to run: {'; '.join(failed)}" if failed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
