@@ -63,7 +63,7 @@ def test_eager_attention_known_answer(tmp_path):
 
 def test_eager_attention_of_a_hugging_face_tree_switches_its_implementation(tmp_path):
     """A trace whose units are a Hugging Face causal LM's decoder layers: the fix is the model's own setting
-    (tests/test_fix_recheck.py applies it to an HF Llama built with eager attention: no softmax op is left)."""
+    (tests/test_kernel_fixes.py applies it to an HF Llama built with eager attention: no softmax op is left)."""
     report = _report(tmp_path, attention_trace(EAGER, units="model.layers.{}"))
     f = next(f for f in report.findings if f.code == "kernels.eager_attention")
     assert "model.set_attn_implementation('sdpa')" in f.recommendation.code
