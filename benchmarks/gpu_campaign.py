@@ -13,6 +13,8 @@ ran):
   overhead_2r  the same on 2 NCCL ranks sharing the GPU (NCCL_HOSTID per rank)
   allocator    benchmarks/memory_vs_allocator.py: the doctor's per-step peak against max_memory_allocated(),
                1 rank, 2 ranks, and 2 ranks with CPU offload
+  memtracker   benchmarks/memory_vs_memtracker.py --device cuda: categories at every matched point against
+               torch's FSDPMemTracker (reference GPT, HF Llama), 2 NCCL ranks (memtracker.log)
   fixture      a 2-rank run recorded by watch() with one profiler window (`fsdp-doctor demo`), for traces/
   scenarios    the GPU scenarios (below): each a recorded 2-rank run and its report; which findings fired
   predictions  benchmarks/predictions.py --device cuda, if this checkout's predictions.py takes --device
@@ -91,6 +93,9 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
                                               "--steps", "6" if dry else "10", *mid,
                                               "--json", str(out / f"allocator_{tag}.json")], 90,
                          [f"allocator_{tag}.json"]))
+    # categories at every matched point against torch's FSDPMemTracker (its output is the step's log)
+    todo.append(Step("memtracker", [PY, bench("memory_vs_memtracker.py"), "--device", device, "--models",
+                                    "gpt,llama512", "--steps", "3"], 120))
     demo = [PY, "-m", "fsdp_doctor.cli", "demo", "--device", device, "--nproc", "2", "--steps", str(steps),
             "--overwrite", *mid] + (["--async-unshard"] if dry else [])  # gloo blocks without it; NCCL never does
     todo.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))

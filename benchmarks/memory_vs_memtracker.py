@@ -2,8 +2,9 @@
 independent saved-tensor count, on the same steps of the same deterministic training.
 
     python benchmarks/memory_vs_memtracker.py [--models gpt,llama512,llama8192] [--steps 3] [--layers 4]
+    python benchmarks/memory_vs_memtracker.py --device cuda     # 2 NCCL ranks sharing cuda:0 (NCCL_HOSTID)
 
-Models (2 gloo ranks, fp32, each block its own FSDP unit, the rest in the root):
+Models (2 ranks: gloo on the CPU, NCCL on one GPU; fp32, each block its own FSDP unit, the rest in the root):
 
 * ``gpt``: the reference GPT (``fsdp_doctor.workloads``, GELU) with ``wrap="blocks_only"`` (FSDPMemTracker
   breaks on grouped units, so the default ``[norm, lm_head]`` group is avoided);
@@ -80,7 +81,7 @@ SEQ, BATCH = 64, 4
 
 
 # ------------------------------------------------------------------------------------------------ the training
-def _llama(vocab: int, layers: int):
+def _llama(vocab: int, layers: int, device: str):
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -88,7 +89,7 @@ def _llama(vocab: int, layers: int):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                       tie_word_embeddings=False, hidden_act="silu", attn_implementation="eager")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to(device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -109,18 +110,18 @@ def _llama(vocab: int, layers: int):
     return model, opt, batches, loss_of
 
 
-def build(name: str, layers: int):
+def build(name: str, layers: int, device: str = "cpu"):
     """(model, optimizer, batches(rank) iterator factory, loss_of(x, y)) of one benchmark model."""
     if name == "gpt":
         from fsdp_doctor.workloads import WorkloadConfig
         from fsdp_doctor.workloads.data import batches as gpt_batches
         from fsdp_doctor.workloads.train import build_training, next_token_loss
 
-        cfg = WorkloadConfig(wrap="blocks_only", n_layers=layers)
+        cfg = WorkloadConfig(wrap="blocks_only", n_layers=layers, device=device)
         model, opt = build_training(cfg)
         return model, opt, (lambda rank: gpt_batches(cfg, rank)), (lambda x, y: next_token_loss(model(x), y))
     if name.startswith("llama"):
-        return _llama(int(name[len("llama"):]), layers)
+        return _llama(int(name[len("llama"):]), layers, device)
     raise SystemExit(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
@@ -166,26 +167,33 @@ class _Held:
                 self.count.bytes -= e[1]
 
 
-def _worker(rank: int, port: int, root: str, steps: int, layers: int, names: list) -> None:
+def _worker(rank: int, port: int, root: str, steps: int, layers: int, names: list, device: str = "cpu") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if device == "cuda":  # both ranks on cuda:0: NCCL accepts them as two hosts (../shared/notes/gpu-machine.md)
+        os.environ["NCCL_HOSTID"] = f"mem-vs-tracker-rank-{rank}"
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2)
     for name in names:
         for mode in ("ours", "tracker", "saved"):
-            _run(rank, os.path.join(root, name), steps, layers, name, mode)
+            _run(rank, os.path.join(root, name), steps, layers, name, mode, device)
     dist.destroy_process_group()
 
 
-def _run(rank: int, out: str, steps: int, layers: int, name: str, mode: str) -> None:
+def _run(rank: int, out: str, steps: int, layers: int, name: str, mode: str, device: str = "cpu") -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     import fsdp_doctor
 
-    model, opt, batches, loss_of = build(name, layers)
+    model, opt, batches, loss_of = build(name, layers, device)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     losses = []
     result: dict = {}
 
     def step(x, y):
+        x, y = x.to(dev), y.to(dev)  # the batches are made on the host (a no-op on the CPU)
         loss = loss_of(x, y)
         loss.backward()
         opt.step()
@@ -218,12 +226,12 @@ def _run(rank: int, out: str, steps: int, layers: int, name: str, mode: str) -> 
             for mod_stat in fmt.memory_tracking.values():
                 fqn = mod_stat.mod_fqn.split(".", 1)[1] if "." in mod_stat.mod_fqn else ""
                 for state, snaps in mod_stat.snapshots.items():
-                    snap = snaps[-1].get(torch.device("cpu")) if snaps else None
+                    snap = snaps[-1].get(dev) if snaps else None
                     if snap:
                         points[f"{fqn}|{state.value}"] = {k: int(v) for k, v in snap.items()}
             result["points"] = points
             result["op_peak"] = {k: int(v) for k, v in
-                                 fmt.get_tracker_snapshot("peak").get(torch.device("cpu"), {}).items()}
+                                 fmt.get_tracker_snapshot("peak").get(dev, {}).items()}
     result["losses"] = losses
     with open(os.path.join(out, f"{mode}{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -274,14 +282,14 @@ def compare(out: str, rank: int = 0) -> dict:
     }
 
 
-def measure(names, steps: int = 3, layers: int = 4, root: str | None = None) -> dict:
+def measure(names, steps: int = 3, layers: int = 4, root: str | None = None, device: str = "cpu") -> dict:
     """The three runs of each model (two spawned ranks for all), and their comparisons (rank 0, last step)."""
     from fsdp_doctor.workloads import free_port
 
     root = root or tempfile.mkdtemp(prefix="mem_vs_tracker_")
     for name in names:
         os.makedirs(os.path.join(root, name), exist_ok=True)
-    mp.spawn(_worker, args=(free_port(), root, steps, layers, list(names)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), root, steps, layers, list(names), device), nprocs=2)
     out = {}
     for name in names:
         out[name] = compare(os.path.join(root, name))
@@ -322,8 +330,12 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: 2 NCCL ranks sharing cuda:0 (each its own NCCL_HOSTID)")
     args = ap.parse_args(argv)
-    for name, res in measure(args.models.split(","), args.steps, args.layers).items():
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("memory_vs_memtracker: --device cuda, but torch sees no CUDA device")
+    for name, res in measure(args.models.split(","), args.steps, args.layers, device=args.device).items():
         report(name, res)
 
 

@@ -412,7 +412,7 @@ class Verdict(_Section):
 
 #: where a fix's code goes in the user's script (``Recommendation.where``), as the presenters say it
 FIX_PLACES = {
-    "unsharded": "in place of your fully_shard calls (on the unsharded model)",
+    "unsharded": "in place of your fully_shard calls, on the unsharded model",
     "sharded": "after your fully_shard calls",
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",

@@ -14,14 +14,20 @@ FLASH = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 
 LOSS = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, true, false>(float*, float const*)"
 
 
-def attention_trace(kernels, layers=4, steps=2, us=(30.0, 20.0, 30.0)) -> TraceBuilder:
+def attention_trace(kernels, layers=4, steps=2, us=(30.0, 20.0, 30.0), units: str = "") -> TraceBuilder:
     """``steps`` complete steps (plus one cut) of ``layers`` attention blocks back to back on stream 7 and one
-    log-softmax (the loss) per step: per step the softmax kernels take layers x ``us[1]`` µs."""
+    log-softmax (the loss) per step: per step the softmax kernels take layers x ``us[1]`` µs. ``units``: a
+    format for each block's FSDP unit label (e.g. "model.layers.{}"), none by default."""
     b = TraceBuilder(rank=0, world_size=1)
     t = 0.0
     for k in range(steps + 1):
         start = t
-        for _ in range(layers):
+        if units:
+            b.label("FSDP::root_pre_forward", t - 4.0, 0.5)
+        for i in range(layers):
+            if units:
+                b.label(f"FSDP::pre_forward ({units.format(i)})", t - 3.0, 0.5)
+                b.label(f"FSDP::post_forward ({units.format(i)})", t + sum(us) - 0.5, 0.5)
             for name, d in zip(kernels, us):
                 b.kernel(name, t, d, launch_ts=t - 5.0)
                 t += d
@@ -50,8 +56,18 @@ def test_eager_attention_known_answer(tmp_path):
     f = next(f for f in report.findings if f.code == "kernels.eager_attention")
     assert f.evidence["softmax_kernels_per_step"] == 4 and f.evidence["softmax_ms_per_step"] == pytest.approx(0.08)
     assert f.evidence["matmul_ms_per_step"] == pytest.approx(0.24)
-    assert "scaled_dot_product_attention" in f.recommendation.code
+    # no module tree in this trace: the attention module is the user's code, the lever is said in words
+    assert f.recommendation.code == "" and "scaled_dot_product_attention(q, k, v" in f.recommendation.text
     assert f.predicted.step_ms_delta == pytest.approx(-0.08, abs=1e-3)
+
+
+def test_eager_attention_of_a_hugging_face_tree_switches_its_implementation(tmp_path):
+    """A trace whose units are a Hugging Face causal LM's decoder layers: the fix is the model's own setting
+    (tests/test_kernel_fixes.py applies it to an HF Llama built with eager attention: no softmax op is left)."""
+    report = _report(tmp_path, attention_trace(EAGER, units="model.layers.{}"))
+    f = next(f for f in report.findings if f.code == "kernels.eager_attention")
+    assert "model.set_attn_implementation('sdpa')" in f.recommendation.code
+    assert f.recommendation.where == "sharded"
 
 
 def test_fused_attention_is_quiet(tmp_path):
@@ -70,7 +86,8 @@ def test_launch_bound_known_answer(tmp_path):
     assert f.evidence["small_kernel_share_pct"] == 100.0 and f.evidence["host_bound_pct"] >= 50
     assert f.predicted.step_ms_after == pytest.approx(
         f.predicted.step_ms_before - f.evidence["host_bound_ms_per_step"], abs=1e-3)  # all kernels are small
-    assert "m.compile()" in f.recommendation.code
+    # every block of the trace's layers container, compiled in place after fully_shard
+    assert "for block in model.layers.children():\n    block.compile()" in f.recommendation.code
     busy = _report(tmp_path, fsdp_gpu_trace(units=8, fwd_us=200.0, bwd_us=200.0, ag_us=2.0, prefetch=True),
                    "busy.json")
     assert _status(busy, "kernels.launch_bound").status == "quiet"

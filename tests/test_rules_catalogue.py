@@ -164,7 +164,8 @@ def test_severe_verdict_yields_to_other_warnings():
     found = diagnose(run, report, statuses=statuses)
     f = next(f for f in found if f.code == "verdict.severe")
     assert f.evidence["bound_pct"] == 70.0 and f.predicted.step_ms_after == pytest.approx(30.0)
-    assert "num_workers" in f.recommendation.code
+    # the lever is the data pipeline, which the doctor does not see: in words, no code
+    assert "num_workers" in f.recommendation.text and f.recommendation.code == ""
 
 
 def test_zero2_peak_counts_every_micro_batch():
@@ -186,3 +187,23 @@ def test_zero2_peak_counts_every_micro_batch():
     a = E.Unit(name="a", modules=["a"], is_root=False, param_count=5, n_params=1, sharded_bytes=5,
                unsharded_bytes=10, orig_dtypes=["float32"])
     assert E.zero2_peak(ctx, [a]) == 170
+
+
+@pytest.mark.parametrize("bound", ["communication", "host"])
+def test_severe_verdict_fix_is_written_from_the_run_s_units(bound):
+    """A communication-bound FSDP run gets explicit prefetch over its own units (asynchronous unshard on
+    gloo); a host-bound one, its units compiled in place: both name the run's modules."""
+    from fsdp_doctor.diagnose import Context
+    from fsdp_doctor.diagnose.rules.verdict import SevereVerdict
+    from fsdp_doctor.report_sections import Verdict
+
+    run, report = _cpu_ctx()
+    report.verdict = msgspec.convert({"job": {"bound": bound, "groups_pct": {bound: 70.0, "compute": 30.0},
+                                              "summary": f"{bound}-bound", "source": "records"}}, Verdict)
+    [f] = SevereVerdict().match(Context(run=run, report=report))
+    code = f.recommendation.code
+    if bound == "communication":
+        assert "units = [model.get_submodule('layers.0')]" in code and "_set_unshard_async_op(True)" in code
+    else:
+        assert "units = [model.get_submodule('layers.0')]" in code and "unit.compile()" in code
+    assert f.recommendation.where == "sharded"

@@ -151,7 +151,9 @@ def tree(ctx) -> Tree:
     cfg = getattr(ctx.run, "config", None)
     rows = list(cfg.units) if cfg is not None and cfg.units else list(ctx.report.units or [])
     ov = ctx.report.overlap
-    labels = [r.unit for r in ov.per_unit if r.unit and not r.unit.startswith("(")] if ov is not None else []
+    # a plain trace: the units its collectives and its FSDP labels name (a trace without collectives: labels)
+    named = ([r.unit for r in ov.per_unit] + [r.name for r in ov.units or []]) if ov is not None else []
+    labels = [n for n in named if n and not n.startswith("(")]
     return Tree.of(rows, [] if rows else sorted(set(labels), key=_label_order))
 
 
@@ -297,6 +299,22 @@ def prefetch_code(ctx, forward: bool = True, backward: bool = True) -> str:
     if backward:
         lines.append("    if i > 0:\n        unit.set_modules_to_backward_prefetch([units[i - 1]])")
     return "\n".join(lines)
+
+
+def compile_code(t: Tree) -> str:
+    """torch.compile, in place and after fully_shard (the FSDP hooks and module names stay), on every repeated
+    block of every container (what torchtitan compiles); on every unit where the tree shows no container."""
+    conts = t.containers()
+    if conts:
+        return "\n".join(f"for block in {children_expr(c)}:\n    block.compile()  # in place, after fully_shard"
+                          for c in conts)
+    return unit_list(t) + "\nfor unit in units:\n    unit.compile()  # in place, after fully_shard"
+
+
+def hf_layout(t: Tree) -> bool:
+    """A Hugging Face decoder's tree: its blocks are ``model.layers.N`` (the base model under a task head such
+    as ``lm_head``), the names a plain trace's units carry too."""
+    return any(re.match(r"model\.layers\.\d+$", strip_ckpt(n)) for n in t.module_names() + t.labels())
 
 
 def name_list(var: str, names: list[str], width: int = 96) -> str:

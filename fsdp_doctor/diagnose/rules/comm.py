@@ -82,9 +82,10 @@ def reshard_snippet(ctx: Context, kwargs: str = "", prelude: tuple[str, ...] = (
 
 
 def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
-    """16-bit parameters and reductions for every unit."""
+    """16-bit parameters (all-gathers and compute) for every unit; gradients still reduced in float32, as
+    numerics.reduce_dtype asks: the all-gathers' bytes halve, the reduce-scatters' stay."""
     return reshard_snippet(ctx, ", mp_policy=mp", prelude,
-                           "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)")
+                           "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
 
 
 @register
@@ -121,11 +122,11 @@ class ExposedReduceScatter(TraceRule):
              "rs_dtype": rows[0].dtype, "measured_by": "trace"},
             "These gradient reduce-scatters run while no compute is left to hide them: the units that finish "
             "backward last (the first in forward: embeddings, the first blocks) reduce with nothing after them "
-            "but the optimizer. Halve their bytes with a 16-bit reduce dtype, and keep the first unit small "
-            "(its reduce-scatter is always exposed); with gradient accumulation, skip the reduce-scatter on all "
-            "but the last micro-batch.",
-            _mp_snippet(ctx)
-            + "\n# gradient accumulation: model.set_requires_gradient_sync(is_last_microbatch)",
+            "but the optimizer. Keep the first unit small (its reduce-scatter is always exposed); with gradient "
+            "accumulation, reduce-scatter on the last micro-batch only (accum.sync_every_micro_batch). A 16-bit "
+            "reduce dtype would halve the bytes of the float32 ones (the expected gain below) at the cost of "
+            "precision in the sum over ranks (numerics.reduce_dtype): a trade-off for you to make, so no code "
+            "is offered for it.",
             predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32_exposed_ms(rows) if fp32_exposed_ms(rows)
                                   else None),
             units=[u for u, _ in worst[:6]])]
@@ -193,12 +194,14 @@ class CommunicationBound(TraceRule):
             code = S.shard_plan(S.tree(ctx), group=GROUP_FACTOR)
         else:
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
-                    "send fewer (16-bit parameters and gradients; HSDP, which all-gathers within a node and "
-                    "reduces across nodes), or give each byte more compute (a larger micro-batch per rank).")
+                    "send fewer (16-bit parameters: all-gathers of half the bytes, gradients still reduced in "
+                    "float32; HSDP, which all-gathers within a node and reduces across nodes), or give each byte "
+                    "more compute (a larger micro-batch per rank).")
             code = _mp_snippet(ctx, ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh(\n"
                                      "#     'cuda', (nodes, gpus_per_node), mesh_dim_names=('replicate', 'shard'))",))
         sh = job.shares_pct
-        fp32 = 0.0 if latency_bound else fp32_exposed_ms(rows)
+        # the 16-bit parameters halve the float32 all-gathers; the reduce-scatters stay in float32
+        fp32 = 0.0 if latency_bound else fp32_exposed_ms([r for r in rows if r.collective == "all_gather"])
         return [self.finding(
             "warning", f"Communication-bound: exposed collectives take {100 * share:.0f}% of the step",
             {"exposed_comm_share_pct": round(100 * share, 1), "allgather_fwd_pct": sh["allgather_fwd"],

@@ -109,19 +109,18 @@ class DataWait(Rule):
         if strag and set(ranks) <= strag:
             return []  # one rank's own delay: straggler.rank reports it
         p50 = st.p50_ms
+        phases = st.phases_p50_ms or {}
         return [self.finding(
             "warning",
             f"{100 * share:.0f}% of each step is spent outside the model (data loading or user code)",
             {"outside_ms_p50": round(outside, 3), "step_p50_ms": p50, "outside_share_pct": round(100 * share, 1),
              "collectives_outside_fsdp_ms": round(comm, 3),  # left to optim.step_comm, not counted here
-             "forward_ms_p50": st.phases_p50_ms["forward"], "backward_ms_p50": st.phases_p50_ms["backward"]},
+             "forward_ms_p50": phases.get("forward"), "backward_ms_p50": phases.get("backward")},
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
-            "workers with pinned memory and prefetching, and move host-side work (logging, metrics, .item() "
-            "calls) off the step's critical path.",
-            "def background_loader(dataset, batch_size):  # your dataset and batch size; iterate it as before\n"
-            "    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=4,\n"
-            "                                       pin_memory=True, prefetch_factor=4,\n"
-            "                                       persistent_workers=True)",
+            "workers with pinned memory and prefetching (torch.utils.data.DataLoader(..., num_workers=4, "
+            "pin_memory=True, prefetch_factor=4, persistent_workers=True)), and move host-side work (logging, "
+            "metrics, .item() calls) off the step's critical path. The data pipeline is your code, which the "
+            "doctor does not see: no code is offered.",
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - outside, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(ranks),

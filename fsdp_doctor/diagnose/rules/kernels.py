@@ -7,6 +7,7 @@ from __future__ import annotations
 from .. import estimate as E
 from .. import thresholds as T
 from ...trace.kernels import SMALL_KERNEL_US
+from .. import snippets as S
 from ..base import Context, Rule, register
 
 # eager attention: at least this many forward softmax kernels per step (one per layer; the loss's is a
@@ -47,6 +48,11 @@ class EagerAttention(Rule):
         step = E.trace_step_ms(ctx)
         share = softmax_ms / step if step else None
         sev = "warning" if share is not None and share >= 0.05 else "info"
+        # code only where the tree says how to switch: a Hugging Face model's own setting (the attention
+        # module of any other model is the user's code, which the trace does not show)
+        hf = S.hf_layout(S.tree(ctx))
+        code = "model.set_attn_implementation('sdpa')  # every attention layer: scaled_dot_product_attention" \
+            if hf else ""
         return [self.finding(
             sev, f"Eager attention: {per_step[rank]:.0f} softmax kernels per step, no fused attention kernel",
             {"softmax_kernels_per_step": round(per_step[rank], 1), "softmax_ms_per_step": round(softmax_ms, 3),
@@ -54,14 +60,13 @@ class EagerAttention(Rule):
              "softmax_share_pct": None if share is None else round(100 * share, 1), "rank": int(rank)},
             "Attention runs as matmul, softmax, matmul: the full score matrix (sequence x sequence per head) is "
             "written by the first matmul, read and written by the softmax, and read by the second. "
-            "torch.nn.functional.scaled_dot_product_attention dispatches to a fused kernel (flash or "
-            "memory-efficient) that keeps the scores on chip: the softmax pass goes away and attention's "
-            "activation memory falls from quadratic to linear in the sequence. Hugging Face models take "
-            "attn_implementation='sdpa' (or 'flash_attention_2').",
-            "import torch.nn.functional as F\n"
-            "# in the attention module, instead of softmax(q @ k.transpose(-2, -1) * scale) @ v:\n"
-            "out = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
-            "# Hugging Face: AutoModelForCausalLM.from_config(config, attn_implementation='sdpa')",
+            "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) dispatches to a fused "
+            "kernel (flash or memory-efficient) that keeps the scores on chip: the softmax pass goes away and "
+            "attention's activation memory falls from quadratic to linear in the sequence. "
+            + ("This is a Hugging Face model: switch its attention implementation (older transformers: "
+               "model.config._attn_implementation = 'sdpa')." if hf else
+               "Call it in your attention module's forward in place of the matmul-softmax-matmul."),
+            code,
             # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor
             predicted=E.predicted(step, step - softmax_ms if step else None), ranks=[int(rank)])]
 
@@ -109,8 +114,5 @@ class LaunchBound(Rule):
             "overhead' replays them as CUDA graphs, one launch per graph). Compile each FSDP block in place: "
             "the FSDP hooks and module names stay. The prediction assumes the small kernels' launches go away "
             "and the host wait with them.",
-            "from torch.distributed.fsdp import FSDPModule\n"
-            "for m in model.modules():\n"
-            "    if isinstance(m, FSDPModule) and m is not model:\n"
-            "        m.compile()  # in place, after fully_shard",
+            S.compile_code(S.tree(ctx)),
             predicted=E.predicted(step, step - saved if saved is not None else None), ranks=[int(rank)])]

@@ -42,7 +42,9 @@ class GradsKept(Rule):
             "next step (its activations, its all-gathers) runs with every gradient shard already allocated. "
             "Free them: set_to_none=True is the default since torch 2.0, and FSDP2 allocates each gradient when "
             "its unit's backward produces it.",
-            "optimizer.zero_grad(set_to_none=True)  # instead of zero_grad(set_to_none=False)",
+            "# frees the gradients after every optimizer.step(), whatever your loop's zero_grad does later\n"
+            "# (or call optimizer.zero_grad() instead of zero_grad(set_to_none=False) in your loop)\n"
+            "optimizer.register_step_post_hook(lambda opt, args, kwargs: opt.zero_grad(set_to_none=True))",
             predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import estimate as E
+from .. import snippets as S
 from ..base import Context, Rule, register
 
 # bytes per element, the order "narrower than" reads
@@ -49,9 +50,9 @@ class NarrowReduceDtype(Rule):
                 "each partial sum to 8 (bf16) or 11 (fp16) bits of mantissa: small gradients vanish against large "
                 "ones and the loss can drift from a full-precision run. Keep the 16-bit all-gather and compute, and "
                 "reduce in float32: it doubles the reduce-scatter's bytes, nothing else.")
-        code = ("import torch\nfrom torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy\n"
-                f"mp = MixedPrecisionPolicy(param_dtype={_torch(us[0].param_dtype)}, reduce_dtype=torch.float32)\n"
-                "# pass mp_policy=mp to every fully_shard(...) call, e.g. fully_shard(block, mesh=mesh, mp_policy=mp)")
+        # the run's sharding again, every unit's options kept, with float32 reduction in the policy
+        mp = f"mp = MixedPrecisionPolicy(param_dtype={_torch(us[0].param_dtype)}, reduce_dtype=torch.float32)"
+        code = S.shard_plan(S.tree(ctx), mp_line=mp, note="gradients reduced in float32, compute as before")
         return [self.finding(
             "warning", f"Gradients reduced in {'/'.join(reds)} for {'/'.join(params)} parameters "
             f"({len(us)} unit(s))",

@@ -80,7 +80,7 @@ class OffloadCostly(Rule):
             f"{E.mib(host)} MiB of offloaded state on the device still leaves the peak under "
             f"{100 * OFFLOAD_FITS_SHARE:.0f}% of capacity: drop the offload policy.",
             S.shard_plan(S.tree(ctx), drop=("offload_policy",),
-                         note="no offload_policy: the state stays on the device; replaces your fully_shard calls"),
+                         note="no offload_policy: the state stays on the device"),
             predicted=E.predicted(step, step - exposed, peak, peak + host if peak is not None else None),
             units=[u.name for u in off])]
 
@@ -113,7 +113,7 @@ class OffloadCostly(Rule):
             "on the device (check with `fsdp-doctor` memory records, or torch.cuda.max_memory_allocated), drop "
             "the offload policy; if they do not, pin the host memory (the default) so copies can overlap.",
             S.shard_plan(S.tree(ctx), drop=("offload_policy",),
-                         note="no offload_policy: the state stays on the device; replaces your fully_shard calls"),
+                         note="no offload_policy: the state stays on the device"),
             predicted=E.predicted(step, step - ms), ranks=[int(worst)])]
 
 

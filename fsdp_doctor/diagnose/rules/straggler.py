@@ -73,8 +73,7 @@ class IntermittentStraggler(Rule):
             f"more than the other ranks on its own work, mostly {where}; the other ranks wait that long in the "
             "collectives of the same step, so every rank pays it. Work done now and then on one rank (a "
             "checkpoint or evaluation on rank 0, a log line with a host sync, an occasional long sequence in its "
-            "data shard) does this: run it on every rank at once, asynchronously, or off the training loop.",
-            f"# what rank {rank} does every {gap or 'few'} steps stalls every rank: e.g. save asynchronously\n"
-            "import torch.distributed.checkpoint as dcp\n"
-            "future = dcp.async_save(state_dict, checkpoint_id=path)  # instead of a blocking save on one rank",
+            "data shard) does this: run it on every rank at once, asynchronously (a checkpoint: "
+            "torch.distributed.checkpoint.async_save), or off the training loop. What it is lives in your loop, "
+            "which the doctor does not see: no code is offered.",
             predicted=E.predicted(step, step - per_step if step else None), ranks=[int(rank)])]

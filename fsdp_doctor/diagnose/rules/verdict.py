@@ -5,47 +5,50 @@ from __future__ import annotations
 
 from .. import estimate as E
 from .. import thresholds as T
+from .. import snippets as S
 from ..base import Context, Rule, register
 
+# bound -> (what takes the step, the levers in the order to try them, the fix: a function of the context
+# writing code from the run's module tree, or None where the lever is the user's loop or data pipeline)
 _LEVERS = {
     "communication": (
         "exposed collectives",
         "hide them behind compute: asynchronous unshard on gloo, explicit forward/backward prefetch, the last "
         "unit kept gathered (reshard_after_forward=False), fewer and larger units where calls are small, 16-bit "
         "all-gathers (MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
-        "from torch.distributed.fsdp import FSDPModule\n"
-        "units = [m for m in model.modules() if isinstance(m, FSDPModule)]\n"
-        "for i, m in enumerate(units):\n"
-        "    m._set_unshard_async_op(True)  # gloo: all-gathers no longer block the host\n"
-        "    if 0 < i < len(units) - 1:\n"
-        "        m.set_modules_to_forward_prefetch([units[i + 1]])"),
+        lambda ctx: _prefetch(ctx)),
     "all_reduce": (
         "exposed collectives (all-reduce: no FSDP all-gather in the trace)",
         "overlap the gradient all-reduce with backward (DDP's buckets; sharding with FSDP2's fully_shard "
-        "overlaps reduce-scatters by unit), fewer and larger buckets where calls are small, 16-bit gradients",
-        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-        "model = DDP(model, bucket_cap_mb=100, gradient_as_bucket_view=True)  # fewer, larger all-reduces"),
+        "overlaps reduce-scatters by unit), fewer and larger buckets where calls are small (DDP's "
+        "bucket_cap_mb), 16-bit gradients", None),
     "host": (
         "the host launching work (Python, operator dispatch)",
         "give the device more work per launch: a larger micro-batch, torch.compile on the blocks (fuses the small "
         "kernels, and CUDA graphs with mode='reduce-overhead'), no .item()/.cpu() syncs inside the step",
-        "from torch.distributed.fsdp import FSDPModule\n"
-        "for block in model.modules():\n"
-        "    if isinstance(block, FSDPModule) and block is not model:\n"
-        "        block.compile()  # compile in place: keeps the FSDP hooks and module names"),
+        lambda ctx: S.compile_code(S.tree(ctx))),
     "input": (
         "time outside the model (data loading, the user's code between steps)",
-        "load data in worker processes with pinned memory and prefetching; move logging, metrics and "
-        "checkpointing off the step",
-        "loader = torch.utils.data.DataLoader(dataset, batch_size=bs, num_workers=4, pin_memory=True,\n"
-        "                                     prefetch_factor=4, persistent_workers=True)"),
+        "load data in DataLoader worker processes (num_workers) with pinned memory and prefetching "
+        "(pin_memory=True, prefetch_factor, persistent_workers=True); move logging, metrics and "
+        "checkpointing off the step", None),
     "idle": (
         "the device idle with work launched (waiting on a synchronisation or another rank)",
-        "find what the step waits on: host syncs (.item(), .cpu(), torch.cuda.synchronize()), collectives "
-        "waiting for a slower rank, blocking copies; profile one step and look at the idle gaps",
-        "# a host sync per step stalls the device, e.g.\n"
-        "loss_value = loss.detach()  # keep on device; call .item() every N steps, not every step"),
+        "find what the step waits on: host syncs (.item(), .cpu(), torch.cuda.synchronize(): keep the loss on "
+        "the device and read it every N steps), collectives waiting for a slower rank, blocking copies; profile "
+        "one step and look at the idle gaps", None),
 }
+
+
+def _prefetch(ctx: Context) -> str:
+    """Explicit prefetch over every unit of the run; on gloo, asynchronous unshard first (its all-gathers
+    block the host otherwise)."""
+    gloo = (ctx.config is not None and (ctx.config.backend or "") == "gloo")
+    code = S.prefetch_code(ctx)
+    if gloo:
+        code += ("\nfor unit in units:\n    unit._set_unshard_async_op(True)  # gloo: all-gathers no longer block "
+                 "the host")
+    return code
 
 
 @register
@@ -73,7 +76,10 @@ class SevereVerdict(Rule):
             return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
                               "already name levers")
         fsdp = bool(E.trace_rows(ctx, "all_gather") or E.trace_rows(ctx, "reduce_scatter") or E.param_units(ctx))
-        what, levers, code = _LEVERS["all_reduce" if job.bound == "communication" and not fsdp else job.bound]
+        what, levers, write = _LEVERS["all_reduce" if job.bound == "communication" and not fsdp else job.bound]
+        # code from the run's module tree where the lever is a setting of the model; the others are the user's
+        # loop or data pipeline: the levers in words
+        code = write(ctx) if write is not None and S.tree(ctx).unit_labels() else ""
         step = job.step_ms or E.trace_step_ms(ctx)
         bound_ms = step * share if step else None
         return [self.finding(
@@ -85,4 +91,5 @@ class SevereVerdict(Rule):
             f"{(job.summary or job.bound).rstrip('.')}. No other rule pinned it on one cause, so the levers for a "
             f"{job.bound}-bound step, in the order to try them: {levers}. The prediction is the bound: the step "
             f"if all {100 * share:.0f}% were recovered.",
-            code, predicted=E.predicted(step, step - bound_ms if bound_ms is not None else None))]
+            code,
+            predicted=E.predicted(step, step - bound_ms if bound_ms is not None else None))]

@@ -133,7 +133,7 @@ class TooFine(Rule):
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
         code = S.shard_plan(S.tree(ctx), note=f"whole blocks instead of their leaves ({len(us)} units -> "
-                            f"~{len(groups)}); replaces your fully_shard calls")
+                            f"~{len(groups)})")
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
