@@ -508,23 +508,7 @@ def _exec(fix: dict, model, opt, **inputs):
     assert not missing, f"the loop does not provide {sorted(missing)}"
     ns = {"model": model, "optimizer": opt, **inputs}
     exec(compile(fix["code"], f"<{fix.get('finding', 'fix')}>", "exec"), ns)
-    return ns["model"], ns["optimizer"], ns
-
-
-class SlowBatches(torch.utils.data.Dataset):
-    """The user's data set whose items take ``ms_per_batch / batch_size`` each to load (a slow disk or decoder)."""
-
-    def __init__(self, n: int, batch_size: int, ms_per_batch: float):
-        self.n, self.s = n, ms_per_batch / 1000 / batch_size
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        import time
-
-        time.sleep(self.s)
-        return i
+    return ns["model"], ns["optimizer"]
 
 
 def train_scenario(row: dict) -> tuple[list[float], float]:
@@ -532,6 +516,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     optimizer order, accumulation, zero_grad, faults) with the fix pasted where ``fix["where"]`` says, trained
     under watch(). Returns the losses and the replicas' drift (``replica_drift``)."""
     import gc
+    import time
 
     from fsdp_doctor.workloads import WorkloadConfig
     from fsdp_doctor.workloads.train import inject_step_faults
@@ -550,17 +535,11 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False if cfg.wrap == "no_root" else None)  # noqa: E731
     early = make_opt(model) if cfg.optimizer_before_shard else None
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
-    ns = {}
     if fix.get("where") == "sharded":  # after the fully_shard calls, before the optimizer (unless built before)
-        model, early, ns = _exec(fix, model, early)
+        model, early = _exec(fix, model, early)
     opt = early or make_opt(model)
     if fix.get("where") == "optimizer":
-        model, opt, ns = _exec(fix, model, opt)
-    data = None
-    if cfg.loader_ms:  # the user's loader; a fix that defines one is called as its comment says
-        ds = SlowBatches(cfg.steps * cfg.grad_accum * cfg.batch_size, cfg.batch_size, cfg.loader_ms)
-        make = ns.get("background_loader") or (lambda d, b: torch.utils.data.DataLoader(d, batch_size=b))
-        data = iter(make(ds, cfg.batch_size))
+        model, opt = _exec(fix, model, opt)
     losses = []
     watch = dict(row.get("watch", {}))
     if tree != "resnet":  # tokens per optimizer step, all ranks (throughput, FLOPs)
@@ -571,13 +550,12 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         with fsdp_doctor.watch(model, opt, out_dir=row["out_dir"], overwrite=True, **watch) as doctor:
             for step in range(cfg.steps):
                 inject_step_faults(cfg, rank, step)
+                time.sleep(cfg.loader_ms / 1000)  # the user's slow loader
                 total = 0.0
                 for micro in range(cfg.grad_accum):
                     last = micro == cfg.grad_accum - 1
                     if cfg.grad_accum > 1 and cfg.accum_no_sync:
                         model.set_requires_gradient_sync(last)
-                    if data is not None:
-                        next(data)  # the batch's content is drawn below, the same with any loader
                     if fix.get("where") == "loop":
                         _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
                               micro_batches=cfg.grad_accum, step=step)

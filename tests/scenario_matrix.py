@@ -158,10 +158,11 @@ ROWS: list[Row] = [
     # the host
     _r("gpt_gc_garbage", "gpt", "jitter.gc", "200k reference cycles per step", knobs={"gc_garbage": 200_000,
                                                                                      "steps": 8}),
+    # the lever is the user's own data pipeline, which the doctor does not see: advice in words
     _r("gpt_slow_loader", "gpt", "jitter.data_wait", "the loader sleeps 150 ms per batch",
-       knobs={"loader_ms": 150.0, "steps": 8}),
+       knobs={"loader_ms": 150.0, "steps": 8}, apply=False),
     _r("gpt_straggler", "gpt", "straggler.rank", "rank 1 sleeps 150 ms every step",
-       knobs={"sleep_rank": 1, "sleep_ms": 150.0, "steps": 8}, apply=False),
+       knobs={"sleep_rank": 1, "sleep_ms": 150.0, "steps": 8}, apply=False),  # what differs there: the user's
     _r("gpt_intermittent", "gpt", "straggler.intermittent", "rank 1 stalls 300 ms in steps 3, 5, 7 of 9",
        knobs={"sleep_rank": 1, "sleep_ms": 300.0, "sleep_steps": [3, 5, 7], "steps": 9},
        watch={"memory": {"transients": False}}, min_severity="info", apply=False),

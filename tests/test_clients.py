@@ -213,9 +213,10 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
     _run_snippets(spec, tmp_path)
 
 
-# the known-answer tests whose findings are captured: records-based and trace-decided rules, and the kernel rules
-# of GPU traces (their unit names are the reference GPT's)
-_KNOWN_ANSWERS = ("test_diagnose_rules.py", "test_trace_rules.py", "test_kernel_rules.py")
+# the known-answer tests whose findings are captured (file: the tests' name prefix): records-based and
+# trace-decided rules, the kernel rules of GPU traces, the severe verdict's levers (unit names: the reference GPT's)
+_KNOWN_ANSWERS = {"test_diagnose_rules.py": "test_", "test_trace_rules.py": "test_", "test_kernel_rules.py": "test_",
+                  "test_rules_catalogue.py": "test_severe_verdict"}
 # real GPU traces the severe-verdict finding is read from (tests/test_scenarios_missing_rules.py)
 _VERDICT_TRACES = ("cpu_only_gloo", "a100_sendrecv_16rank_rank0")
 
@@ -233,10 +234,10 @@ def _known_answer_findings(snippets: bool = False) -> list[tuple]:
     from fsdp_doctor.diagnose.base import Rule
 
     mods = []
-    for fname in _KNOWN_ANSWERS:
+    for fname, prefix in _KNOWN_ANSWERS.items():
         spec = importlib.util.spec_from_file_location("_rules_" + fname[:-3], HERE / fname)
-        mods.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(mods[-1])
+        mods.append((importlib.util.module_from_spec(spec), prefix))
+        spec.loader.exec_module(mods[-1][0])
     got: dict[tuple, None] = {}
     orig = Rule.finding
     current = [""]
@@ -251,13 +252,18 @@ def _known_answer_findings(snippets: bool = False) -> list[tuple]:
 
     Rule.finding = capture
     try:
-        for mod in mods:
+        for mod, prefix in mods:
             for name, fn in vars(mod).items():
-                if not (name.startswith("test_") and callable(fn)):
+                if not (name.startswith(prefix) and callable(fn)):
                     continue
                 current[0] = name
                 params = list(inspect.signature(fn).parameters)
-                if not params:
+                cases = [m.args[1] for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"
+                         and len(params) == 1 and m.args[0] == params[0]]
+                if cases:  # one parameter, its cases
+                    for case in cases[0]:
+                        fn(case)
+                elif not params:
                     fn()
                 elif params == ["tmp_path"]:  # the trace-rule tests write their known-answer traces there
                     with tempfile.TemporaryDirectory() as d:
