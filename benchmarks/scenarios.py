@@ -35,10 +35,15 @@ def _mib(b) -> str:
 def _gpu_found() -> dict[str, set[str]]:
     """{rule: the known-answer GPU traces (test names) it fires on}: the trace-rule and kernel-rule tests run
     with Rule.finding observed, as tests/test_clients.py collects their snippets."""
+    import contextlib
+    import io
+
     from test_clients import _known_answer_findings
 
     got: dict[str, set[str]] = {}
-    for test, code in _known_answer_findings():
+    with contextlib.redirect_stdout(io.StringIO()):  # the tests' own prints
+        found = _known_answer_findings()
+    for test, code in found:
         got.setdefault(code, set()).add(test)
     return got
 
@@ -53,7 +58,7 @@ def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]]) -> list[list
         if code.startswith(M.GPU_ONLY) or (not planted and code in gpu):
             traces = sorted(gpu.get(code, ()))
             rows.append([code, f"GPU traces ({len(traces)})" if traces else "-",
-                         f"{len(traces)} known answers" if traces else "-", "-",
+                         f"found in {len(traces)}" if traces else "-", "-",
                          "rerun: on the GPU machine (snippet executed on a model tree)", "-", "-"])
             continue
         others = [o for o in outcomes.values() if o.row.code != code and not o.error]

@@ -43,6 +43,20 @@ def test_readme_rule_table_is_the_catalogue():
     assert {c["code"] for c in catalogue()} == {r.code for r in RULES}  # every registered rule, once
 
 
+def test_readme_findings_by_scenario_lists_every_rule():
+    """The finding-by-scenario table (benchmarks/scenarios.py --markdown, pasted in the README) has a row for
+    every rule of the catalogue, and its header is the script's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import scenarios
+
+    readme = (REPO / "README.md").read_text()
+    assert "## Findings by scenario" in readme, "README.md lost its finding-by-scenario section"
+    section = readme.split("## Findings by scenario", 1)[1].split("\n## ", 1)[0]
+    assert "| " + " | ".join(scenarios.HEADER) + " |" in section
+    listed = re.findall(r"^\| ([a-z0-9_]+\.[a-z0-9_]+) \|", section, re.M)
+    assert sorted(listed) == sorted(c["code"] for c in catalogue())
+
+
 def test_rules_command_fits_a_terminal():
     r = fd("rules")
     assert r.returncode == 0, r.stderr
