@@ -416,6 +416,7 @@ def _ends(model) -> tuple[list[nn.Module], list[nn.Module]]:
 
 
 def _tied(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    """Whether a module of ``a`` shares a parameter with one of ``b``."""
     ids = {id(p) for m in a for p in m.parameters()}
     return any(id(p) in ids for m in b for p in m.parameters())
 
@@ -442,7 +443,7 @@ def checkpoint_blocks(model, how: str):
 
 def shard_tree(model, cfg, mesh):
     """The user's fully_shard calls on any tree, per the workload knobs (``cfg``: wrap, reshard_after_forward,
-    param/reduce dtype): "block" is the tuned plan (the leading modules one unit, each block, the trailing ones
+    param/reduce dtype, explicit prefetch depths): "block" is the tuned plan (the leading modules one unit, each block, the trailing ones
     one unit kept gathered after forward, the root), "blocks_only", "no_root", "whole"."""
     from fsdp_doctor.workloads.sharding import mixed_precision_policy
 
@@ -452,14 +453,21 @@ def shard_tree(model, cfg, mesh):
     raf = {} if cfg.reshard_after_forward is None else {"reshard_after_forward": cfg.reshard_after_forward}
     if cfg.wrap == "whole":
         return fully_shard(model, **kw)
-    if cfg.wrap == "block":
-        lead, trail = _ends(model)
-        if not _tied(lead, trail):  # tied embedding and head stay together in the root
-            fully_shard(lead if len(lead) > 1 else lead[0], **kw, **raf)
+    lead, trail = _ends(model) if cfg.wrap == "block" else ([], [])
+    tied = [m for m in lead + trail if _tied([m], [x for x in lead + trail if x is not m])]
+    lead, trail = [m for m in lead if m not in tied], [m for m in trail if m not in tied]  # tied: stay in the root
+    if lead:
+        fully_shard(lead if len(lead) > 1 else lead[0], **kw, **raf)
     for b in _blocks(model):
         fully_shard(b, **kw, **raf)
-    if cfg.wrap == "block" and not _tied(lead, trail):  # kept gathered after forward unless the knob says
+    if trail:  # kept gathered after forward unless the knob says
         fully_shard(trail, **kw, reshard_after_forward=bool(cfg.reshard_after_forward))
+    blocks = _blocks(model)
+    for i, b in enumerate(blocks):  # explicit prefetch over the blocks, torchtitan's way
+        if cfg.forward_prefetch:
+            b.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.forward_prefetch])
+        if cfg.backward_prefetch:
+            b.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.backward_prefetch):i][::-1])
     return model if cfg.wrap == "no_root" else fully_shard(model, **kw)
 
 

@@ -234,8 +234,10 @@ class PrefetchTooEarly(Rule):
                 rows.append((by_name[unit], ph, ms))
         depth = max((len(u.forward_prefetch) for u in by_name.values()), default=0)
         bdepth = max((len(u.backward_prefetch) for u in by_name.values()), default=0)
-        if not rows or max(depth, bdepth) == 0:
-            return []  # FSDP's implicit prefetch (one unit ahead) holds the next unit by design
+        if not rows or max(depth, bdepth) <= 1:
+            # FSDP's implicit prefetch (one unit ahead) holds the next unit by design, and so does an explicit
+            # list of one: this rule's own fix (it fired again on the rerun of its snippet)
+            return []
         rows.sort(key=lambda x: -x[2])
         peak = E.peak_bytes(ctx)
         # one fewer unit gathered at the peak: the largest of those held early

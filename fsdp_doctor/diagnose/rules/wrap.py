@@ -168,6 +168,10 @@ class ParamsInRoot(Rule):
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
             return []
+        own = [m for m in root.own_modules if m]
+        if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
+            return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(own)}): they stay "
+                              "together in the root")
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
         # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step
         held = max(0, root.unsharded_bytes - root.sharded_bytes)
