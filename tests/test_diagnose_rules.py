@@ -194,6 +194,9 @@ def test_params_in_root():
     assert f.evidence["root_param_share_pct"] == pytest.approx(15.0, abs=0.1)
     assert f.predicted["peak_bytes_after"] == 10 * MiB - (558_080 - 279_040)
     assert run_rule("wrap.params_in_root", build()[0]) == []
+    # a root holding only a tied embedding and output head: nothing its snippet could move
+    us[0][0].update(own_modules=["tok_emb", "lm_head"], tied_modules=["tok_emb", "lm_head"])
+    assert run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0]) == []
 
 
 def test_root_not_sharded_is_critical_with_unmanaged_params():
@@ -314,6 +317,11 @@ def test_prefetch_too_early():
     ctx, _ = build(units=us, memory=memory(100 * MiB, capacity=1 << 30), overlap=_held_overlap(12.0))
     assert run_rule("prefetch.too_early", ctx) == []
     ctx, _ = build(memory=mem, overlap=_held_overlap(12.0))
+    assert run_rule("prefetch.too_early", ctx) == []
+    # its own fix, one unit ahead spelled out, is FSDP's default: quiet on the rerun
+    for i, (u, t) in enumerate(us[2:6]):
+        u["forward_prefetch"] = [f"layers.{i + 1}"] if i < 3 else []
+    ctx, _ = build(units=us, memory=mem, overlap=_held_overlap(12.0), backend="nccl", device="cuda:0")
     assert run_rule("prefetch.too_early", ctx) == []
 
 
