@@ -13,13 +13,15 @@ Clients:
                2x2 HSDP mesh (4 ranks), bf16 params / fp32 reduce, frozen bf16 weights beside trainable fp32
                ones, and a trainable parameter passed as ``ignored_params``.
 
-  scenario     one planted problem on one of the models (the reference GPT, an HF Llama built from a tiny
-               ``LlamaConfig``, a torchvision-style ResNet), trained with the doctor; with a fix snippet, the
-               snippet applied where the user would paste it (tests/test_fixes_applied.py).
+  scenarios    the scenario matrix's rows one after the other (tests/scenario_matrix.py): a model tree (the
+               reference GPT, an HF Llama from a tiny ``LlamaConfig``, a torchtitan-shaped llama, a
+               torchvision-style ResNet, torch's Transformer) and the user's code with one planted problem (the
+               workload knobs), trained with the doctor; with a fix, the fix pasted where its
+               ``Recommendation.where`` says.
 
 Usage: python tests/clients.py CLIENT RANK WORLD PORT OUT_DIR
        python tests/clients.py snippets 0 1 PORT SPEC.json   (runs fix snippets: [[client, code, snippet], ...])
-       python tests/clients.py scenario RANK WORLD PORT SPEC.json   ({"model", "shard", "out_dir", "snippet"...})
+       python tests/clients.py scenarios RANK WORLD PORT SPEC.json   ([{name, tree, knobs, watch, out_dir, fix}...])
 """
 
 from __future__ import annotations
@@ -429,22 +431,19 @@ def checkpoint_blocks(model, how: str):
     if how == "block" and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
-    for block in _blocks(model):
-        for name, child in list(block.named_children()) if how == "children" else []:
-            if any(True for _ in child.parameters()):
-                setattr(block, name, checkpoint_wrapper(child))
-    if how == "block":  # replace each block in its container
-        for parent in {id(m): m for m in model.modules()}.values():
-            for name, child in list(parent.named_children()):
-                if any(child is b for b in _blocks(model)) and parent is not model:
-                    setattr(parent, name, checkpoint_wrapper(child))
+    blocks = {id(b) for b in _blocks(model)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (id(child) in blocks if how == "block" else
+                    id(parent) in blocks and any(True for _ in child.parameters())):
+                setattr(parent, name, checkpoint_wrapper(child))
     return model
 
 
 def shard_tree(model, cfg, mesh):
     """The user's fully_shard calls on any tree, per the workload knobs (``cfg``: wrap, reshard_after_forward,
-    param/reduce dtype, explicit prefetch depths): "block" is the tuned plan (the leading modules one unit, each block, the trailing ones
-    one unit kept gathered after forward, the root), "blocks_only", "no_root", "whole"."""
+    param/reduce dtype, explicit prefetch depths): "block" is the tuned plan (the leading modules one unit, each
+    block, the trailing ones one unit kept gathered after forward, the root), "blocks_only", "no_root", "whole"."""
     from fsdp_doctor.workloads.sharding import mixed_precision_policy
 
     kw = {"mesh": mesh}
@@ -488,10 +487,9 @@ def _shard(model, tree: str, cfg, mesh, fix: dict):
         return _after_sharding(model, cfg)
     if tree == "gpt":
         return apply_fsdp(model, cfg, mesh)  # the reference workload's own sharding (ac, prefetch, async)
-    else:
-        if cfg.ac != "none":
-            checkpoint_blocks(model, cfg.ac)
-        model = USER_SHARD[shard](model, mesh) if (shard := fix.get("user_shard")) else shard_tree(model, cfg, mesh)
+    if cfg.ac != "none":
+        checkpoint_blocks(model, cfg.ac)
+    model = USER_SHARD[shard](model, mesh) if (shard := fix.get("user_shard")) else shard_tree(model, cfg, mesh)
     return _after_sharding(model, cfg)
 
 
