@@ -32,9 +32,9 @@ def _mib(b) -> str:
     return "-" if b is None else f"{b / MiB:.2f}"
 
 
-def _gpu_found() -> dict[str, set[str]]:
-    """{rule: the known-answer GPU traces (test names) it fires on}: the trace-rule and kernel-rule tests run
-    with Rule.finding observed, as tests/test_clients.py collects their snippets."""
+def _gpu_found() -> tuple[dict[str, set[str]], set[str]]:
+    """({rule: the known-answer tests and traces it fires on}, the rules among them that print a fix there): the
+    known-answer tests run with Rule.finding observed, as tests/test_clients.py collects their snippets."""
     import contextlib
     import io
 
@@ -42,13 +42,13 @@ def _gpu_found() -> dict[str, set[str]]:
 
     got: dict[str, set[str]] = {}
     with contextlib.redirect_stdout(io.StringIO()):  # the tests' own prints
-        found = _known_answer_findings()
+        found, coded = _known_answer_findings(), _known_answer_findings(snippets=True)
     for test, code in found:
         got.setdefault(code, set()).add(test)
-    return got
+    return got, {c for _, c, _ in coded}
 
 
-def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]]) -> list[list[str]]:
+def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[str]) -> list[list[str]]:
     from fsdp_doctor.diagnose import RULES
 
     rows = []
@@ -59,7 +59,8 @@ def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]]) -> list[list
             traces = sorted(gpu.get(code, ()))
             rows.append([code, f"GPU traces ({len(traces)})" if traces else "-",
                          f"found in {len(traces)}" if traces else "-", "-",
-                         "rerun: on the GPU machine (snippet executed on a model tree)", "-", "-"])
+                         "rerun: on the GPU machine (snippet executed on a model tree)" if code in coded else
+                         "no fix code (advice in words)", "-", "-"])
             continue
         others = [o for o in outcomes.values() if o.row.code != code and not o.error]
         base = sum(1 for o in others if o.row.code is None and code in M.warnings_of(o.findings))
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         outcomes = M.run_matrix(a.out or Path(d))
         failed = [f"{o.row.name}: {o.error.splitlines()[0]}" for o in outcomes.values() if o.error]
-        print(render(table(outcomes, _gpu_found()), a.markdown))
+        print(render(table(outcomes, *_gpu_found()), a.markdown))
         baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
         print(f"\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
               f"{len({o.row.tree for o in outcomes.values()})} model trees), 2 gloo ranks"
