@@ -354,7 +354,7 @@ def resnet():
 
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
-         "llama": llama, "gpt": gpt, "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
+         "llama": llama, "gpt": gpt, "gpt8": lambda: gpt(8), "gpt48": lambda: gpt(48), "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
          "resnet": resnet, "titan": lambda: llama(out_scale=False)}
 
 
@@ -374,9 +374,9 @@ def shard_blocks_only(model, mesh):
 
 
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
-         "gpt": shard_gpt, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
+         "gpt": shard_gpt, "gpt8": shard_blocks_only, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
          "resnet": shard_blocks_only}
-VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "hf_llama": 512,
+VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
          "hf_llama_ckpt": 512, "titan": 256}
 
 
@@ -618,13 +618,6 @@ def run_scenarios(spec_path: Path) -> dict:
     return out
 
 
-def _deep_gpt(client: str) -> None:
-    """``gptN``: a reference GPT of N layers, for snippets of traces with that many units (blocks-only sharding)."""
-    if client.startswith("gpt") and client[3:].isdigit() and client not in BUILD:
-        n = int(client[3:])
-        BUILD[client], SHARD[client], VOCAB[client] = (lambda: gpt(n)), shard_blocks_only, 512
-
-
 def run_snippets(spec_path: Path) -> dict:
     """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank), then trains one
     step of the result. Returns {"results": [[client, code, "ok" | error line], ...]}."""
@@ -643,7 +636,6 @@ def run_snippets(spec_path: Path) -> dict:
             out.append([client, finding_code, "skipped: pinned host memory needs an accelerator"])
             continue
         try:
-            _deep_gpt(client)
             model = BUILD[client]()
             if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD_FOR.get(finding_code, SHARD[client])(model, mesh)

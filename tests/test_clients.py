@@ -279,13 +279,13 @@ def _known_answer_findings(snippets: bool = False) -> list[tuple]:
 
 def _constructed_snippets() -> list[list[str]]:
     """Every fix snippet of the known-answer findings, each with the model tree it was emitted for: a trace naming
-    layers.0..N-1 past the reference GPT's 4 (48 units, a real trace's) gets a GPT of N layers, one whose units
+    layers past the reference GPT's 4 (8, or 48 units: a real trace's) gets a GPT deep enough, one whose units
     are a Hugging Face decoder's (its snippet switches the attention) the HF Llama."""
     def tree(s: str) -> str:
         if "set_attn_implementation" in s:
             return "hf_llama"
         n = 1 + max((int(i) for i in re.findall(r"layers\.(\d+)", s)), default=0)
-        return f"gpt{n}" if n > 4 else "gpt"
+        return "gpt" if n <= 4 else "gpt8" if n <= 8 else "gpt48"
 
     return [[tree(s), c, s] for _, c, s in _known_answer_findings(snippets=True)]
 
