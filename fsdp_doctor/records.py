@@ -218,6 +218,9 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     comm_note: str | None = None  # why comm_buffers are unknown
     unknown: list[str] = []  # categories not measurable on this torch (their 0 is no figure)
     unit_activations: dict[str, int] | None = None  # exact steps: bytes each unit's forward left saved
+    # activation checkpointing, exact steps with the high-water on: bytes each unit's recomputes saved for backward,
+    # i.e. what its forward would keep saved without checkpointing on top of what it keeps now
+    unit_recompute_saved: dict[str, int] | None = None
     stale_optimizer_param_tensors: int = 0
     saved_tensors: int = 0  # tensors the pack hook saw this step
     replay_mismatches: int = 0  # marks that did not line up with the last full step
