@@ -295,8 +295,8 @@ def checkpoint_modules(names: list[str], note: str) -> str:
 
 def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:
     """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
-    module it wraps; units checkpointed by ``checkpoint(...)`` calls in code (``functional``) are named in a
-    comment, since only their code can change."""
+    module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
+    code (``functional``) are named in a comment, since only their code can change."""
     lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off (or build the model without "
              "apply_activation_checkpointing)"]
     if functional:
@@ -309,9 +309,10 @@ def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:
         lines += [name_list("wrappers", inner), "for name in wrappers:",
                   "    parent, _, child = name.rpartition('.')",
                   "    holder = model.get_submodule(parent)",
-                  "    setattr(holder, child, getattr(holder, child)._checkpoint_wrapped_module)"]
+                  "    wrapper = getattr(holder, child)",
+                  "    setattr(holder, child, getattr(wrapper, '_checkpoint_wrapped_module', wrapper))"]
     if root:
-        lines.append("model = model._checkpoint_wrapped_module  # the model itself was wrapped")
+        lines.append("model = getattr(model, '_checkpoint_wrapped_module', model)  # the model itself was wrapped")
     return "\n".join(lines)
 
 
