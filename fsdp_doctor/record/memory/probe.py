@@ -405,9 +405,9 @@ class MemoryProbe:
         if full:
             if act_mode == "exact":
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
-            if tr_mode == "exact" and hw.recompute_saved:
-                out.unit_recompute_saved = {self.unit_names[i]: int(b) for i, b in sorted(
-                    hw.recompute_saved.items(), key=lambda ib: ib[0]) if i is not None}
+            rec = {i: b for i, b in hw.recompute_saved.items() if i is not None} if tr_mode == "exact" else {}
+            if rec:  # a recompute outside every unit's backward (owner None) belongs to no unit
+                out.unit_recompute_saved = {self.unit_names[i]: int(b) for i, b in sorted(rec.items())}
             sampler.remember(samples, rows, extra)
         new_peak = totals[pi] > self._running_peak
         if new_peak:

@@ -19,11 +19,11 @@ checkpoint's selective-recompute mode is pushed and popped above it) and never r
 modules. One collaborator of :class:`fsdp_doctor.record.memory.MemoryProbe`.
 
 Activation checkpointing's recompute (ops run in backward with grad mode on, ``phase.in_recompute``) is counted
-apart as well: the storages one recompute creates and still holds when it ends (the first backward op after it)
-(the checkpoint's pack hook detaches them with grad mode off: views and labels do not end it) are exactly the
-tensors it saved for backward, i.e. what the un-checkpointed forward would have kept saved on top
-of what is saved now (its inputs existed before it and are not counted). Per unit (``owner``, set by the probe
-from its backward marks), summed over the step: ``recompute_saved``.
+apart as well: the storages one recompute creates and still holds when it ends, at the first backward op after
+it, are exactly the tensors it saved for backward, i.e. what the un-checkpointed forward would have kept saved on
+top of what is saved now (its inputs existed before it and are not counted). Views and record_function labels
+with grad mode off do not end it (the checkpoint's pack hook detaches what it saves). Per unit (``owner``, set by
+the probe from its backward marks), summed over the step: ``recompute_saved``.
 
 Cost: every op of a counted step passes through Python (tens of microseconds per op on a CPU box), so it runs
 on full steps only, and its cost (the handler's time plus an estimated ``DISPATCH_NS`` per op) is part of the
