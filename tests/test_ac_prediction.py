@@ -20,8 +20,6 @@ from fsdp_doctor.diagnose.rules.ac import ESTIMATED, MEASURED
 from clients import AC_STEPS, AC_WATCH
 from test_clients import _launch
 
-pytestmark = pytest.mark.slow
-
 # timing-driven codes a shared 2-core host produces by itself now and then (as in tests/test_fixes_applied.py)
 NOISE = {"straggler.rank", "jitter.gc", "jitter.data_wait", "prefetch.exposed_allgather", "prefetch.sync_unshard"}
 
@@ -52,12 +50,14 @@ def runs(tmp_path_factory):
     return results, got
 
 
+@pytest.mark.slow
 def test_training_is_bit_identical_with_the_recompute_measured(runs):
     for res in runs[0]:
         for client, r in res.items():
             assert r["identical"], (client, r)
 
 
+@pytest.mark.slow
 def test_children_checkpointed_prediction_is_the_uncheckpointed_peak(runs):
     """Checkpointing a conv or a batch norm alone keeps its input, which it saved anyway: it spares almost
     nothing, and the prediction says so (16x the checkpoint inputs predicted 8x the real peak here)."""
@@ -87,6 +87,7 @@ def test_children_checkpointed_prediction_is_the_uncheckpointed_peak(runs):
     assert g.predicted.peak_bytes_after > 3 * measured
 
 
+@pytest.mark.slow
 def test_children_granularity_evidence_shows_what_checkpointing_spares(runs):
     f = next(f for f in runs[1]["resnet_ckpt_children"][2] if f.code == "ac.wrong_granularity")
     assert f.evidence["activation_source"] == MEASURED
@@ -95,6 +96,7 @@ def test_children_granularity_evidence_shows_what_checkpointing_spares(runs):
     assert "'layer1.0.conv1'" in code and "names = ['layer1.0', 'layer1.1', 'layer2.0'," in code
 
 
+@pytest.mark.slow
 def test_unneeded_fix_names_the_resnet_wrappers_and_applied_removes_the_finding(runs):
     f = _unneeded(runs[1]["resnet_ckpt_children"][2])
     code = f.recommendation.code
@@ -112,6 +114,7 @@ def test_unneeded_fix_names_the_resnet_wrappers_and_applied_removes_the_finding(
     assert abs(peak - f.predicted.peak_bytes_after) <= 0.10 * f.predicted.peak_bytes_after
 
 
+@pytest.mark.slow
 def test_blocks_checkpointed_prediction_is_the_uncheckpointed_peak(runs):
     """Whole blocks checkpointed: the recompute saves each block's activations (a few hundred KiB), the prediction
     lands on the peak without checkpointing (a block's output, which its last ReLU saves and the next block's
@@ -127,6 +130,7 @@ def test_blocks_checkpointed_prediction_is_the_uncheckpointed_peak(runs):
         f.recommendation.code
 
 
+@pytest.mark.slow
 def test_gpt_blocks_checkpointed_prediction_is_the_uncheckpointed_peak(tmp_path, recorded_run):
     """The reference GPT, every block checkpointed under an ample budget: the predicted peak without checkpointing,
     placed on the peak step's timeline, against the same workload run without it (the shared recorded run). Adding
@@ -143,3 +147,29 @@ def test_gpt_blocks_checkpointed_prediction_is_the_uncheckpointed_peak(tmp_path,
     measured = build_report(recorded_run[0], traces=False).memory.peak_bytes
     print(f"\n[gpt blocks] predicted {f.predicted.peak_bytes_after:,} B, measured without checkpointing {measured:,} B")
     assert f.predicted.peak_bytes_after == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_saved_known_answer(reentrant):
+    """One process, no FSDP: an MLP (Linear 256->512, GELU, Linear 512->256) checkpointed on a batch of 4. Its
+    recompute saves the first Linear's output (for GELU) and GELU's output (for the second Linear): 2 x 4 x 512 fp32
+    = 16,384 B; its input and weights existed before it. The reentrant checkpoint's recompute also holds its output
+    for the inner backward (4 x 256 fp32)."""
+    import torch
+    import torch.nn as nn
+    from torch.utils.checkpoint import checkpoint
+
+    from fsdp_doctor.record.memory.activations import SavedTensors
+    from fsdp_doctor.record.memory.transients import HighWater
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    x = torch.randn(4, 256, requires_grad=True)
+    hw = HighWater(torch.device("cpu"), SavedTensors(set(), True).live)
+    assert hw.start() is None
+    try:
+        hw.owner = 7  # the unit whose backward runs (the probe sets it from its marks)
+        checkpoint(mlp, x, use_reentrant=reentrant).sum().backward()
+    finally:
+        assert hw.stop()
+    assert hw.recompute_saved == {7: 16_384 + (4 * 256 * 4 if reentrant else 0)}
