@@ -297,12 +297,13 @@ def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:
     """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
     module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
     code (``functional``) are named in a comment, since only their code can change."""
-    lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off (or build the model without "
-             "apply_activation_checkpointing)"]
+    lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off",
+             "# (or build the model without apply_activation_checkpointing)"]
     if functional:
-        lines.append("# checkpointed by checkpoint(...) calls in their forward (Hugging Face: "
-                     "gradient_checkpointing_enable()), remove those in your code: " + ", ".join(
-                         n or "(root)" for n in functional))
+        lines += ["# checkpointed by checkpoint(...) calls in their forward (Hugging Face:",
+                  "# gradient_checkpointing_enable()); remove those in your code:",
+                  textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",
+                                subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False)]
     root = [w for w in wrappers if w == ""]
     inner = [w for w in wrappers if w]
     if inner:

@@ -11,6 +11,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
+from ...units import fmt_bytes
 
 # Checkpointing is worth its recompute when the peak is at least this share of capacity ...
 AC_NEAR_CAPACITY = T.NEAR_CAPACITY_SHARE
@@ -185,8 +186,8 @@ class AcUnneeded(Rule):
              "activation_bytes_added": int(sum(extra.values())) if source is not None else None,
              "activation_source": source, "step_p50_ms": step},
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward (~{recompute:.1f} ms per "
-            f"step) to save memory this run does not need: the peak is {E.mib(peak)} MiB of {E.mib(cap)} MiB"
-            + (f", and about {E.mib(peak_after)} MiB without it" if peak_after is not None else "") + ". "
+            f"step) to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
+            + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed.",
             S.remove_checkpointing(wrappers, functional),
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
@@ -222,7 +223,9 @@ class AcWrongGranularity(Rule):
             "checkpoint(self.mlp, h) calls in the block's forward), not the blocks: every tensor passed between "
             "the children and the residual adds and norms around them stays saved, so a large part of the "
             "activations survives (seen in the wild: 29 of 40.8 GB at peak), while the recompute is paid in "
-            "full. Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
+            "full." + (f" Here their recompute spares {fmt_bytes(sum(spared.values()))} of the "
+                       f"{fmt_bytes(acts)} these units keep saved." if source == MEASURED and acts else "")
+            + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
             (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
             + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
