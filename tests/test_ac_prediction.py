@@ -99,7 +99,9 @@ def test_unneeded_fix_names_the_resnet_wrappers_and_applied_removes_the_finding(
     run, report, after = runs[1]["fixed"]
     assert all(u.checkpoint == "none" and not u.checkpoint_wrappers for u in run.config.units)
     assert "ac.unneeded" not in {x.code for x in after} and "ac.wrong_granularity" not in {x.code for x in after}
-    before = {x.code for x in runs[1]["resnet_ckpt_children"][2] if x.severity != "info"}
+    # a finding already there at info level that a loaded host grades a warning after (a timing-graded rule such
+    # as reshard.zero2_affordable) is not one the fix caused: new means absent before at any severity
+    before = {x.code for x in runs[1]["resnet_ckpt_children"][2]}
     new = {x.code for x in after if x.severity != "info"} - before - NOISE
     assert not new, new
     peak = E.peak_bytes(Context(run=run, report=report))
