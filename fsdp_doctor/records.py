@@ -66,6 +66,7 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     offload: str | None = None  # "cpu" when CPUOffloadPolicy is set
     offload_pin_memory: bool | None = None
     checkpoint: str = "none"  # "none" | "unit" (AC wraps the unit) | "children" | "partial"
+    checkpoint_wrappers: list[str] = []  # fqns of the CheckpointWrappers in the unit (the unit itself, or inside it)
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     # the unit runs inside a frame compiled in place (``module.compile()``): the doctor's hooks return at once
@@ -218,6 +219,9 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     comm_note: str | None = None  # why comm_buffers are unknown
     unknown: list[str] = []  # categories not measurable on this torch (their 0 is no figure)
     unit_activations: dict[str, int] | None = None  # exact steps: bytes each unit's forward left saved
+    # activation checkpointing, exact steps with the high-water on: bytes each unit's recomputes saved for backward,
+    # i.e. what its forward would keep saved without checkpointing on top of what it keeps now
+    unit_recompute_saved: dict[str, int] | None = None
     stale_optimizer_param_tensors: int = 0
     saved_tensors: int = 0  # tensors the pack hook saw this step
     replay_mismatches: int = 0  # marks that did not line up with the last full step

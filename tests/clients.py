@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
 from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING
@@ -282,7 +282,8 @@ def run_llama(out: Path) -> dict:
     return res
 
 
-CLIENTS = {"transformer": run_transformer, "compiled": run_compiled, "llama": run_llama}
+CLIENTS = {"transformer": run_transformer, "compiled": run_compiled, "llama": run_llama,
+           "ac_prediction": lambda out: run_ac_prediction(out)}
 def gpt(n_layers: int = 4):
     """The reference GPT (module names tok_emb, pos_emb, layers.N, norm, lm_head: those of the constructed
     diagnosis contexts in tests/test_diagnose_rules.py; 48 layers for the known-answer traces of 48 units)."""
@@ -352,10 +353,25 @@ def resnet():
     return ResNet()
 
 
+def resnet_checkpointed(what: str):
+    """The ResNet with activation checkpointing applied as users do, before fully_shard (non-reentrant
+    checkpoint_wrapper): on each BasicBlock's conv1, bn1, conv2, bn2 (``children``) or on the blocks (``blocks``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper)
+
+    model = resnet()
+    blocks = [m for m in model.modules() if isinstance(m, BasicBlock)]
+    targets = set(blocks) if what == "blocks" else {getattr(b, n) for b in blocks for n in ("conv1", "bn1", "conv2", "bn2")}
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: m in targets)
+    return model
+
+
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
-         "llama": llama, "gpt": gpt, "gpt8": lambda: gpt(8), "gpt48": lambda: gpt(48), "hf_llama": hf_llama, "hf_llama_ckpt": lambda: hf_llama(True),
-         "resnet": resnet, "titan": lambda: llama(out_scale=False)}
+         "llama": llama, "gpt": gpt, "gpt8": lambda: gpt(8), "gpt48": lambda: gpt(48), "hf_llama": hf_llama,
+         "hf_llama_ckpt": lambda: hf_llama(True), "titan": lambda: llama(out_scale=False),
+         "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
+         "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks")}
 
 
 def _blocks(model):
@@ -374,15 +390,16 @@ def shard_blocks_only(model, mesh):
 
 
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
-         "gpt": shard_gpt, "gpt8": shard_blocks_only, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only, "hf_llama_ckpt": shard_blocks_only,
-         "resnet": shard_blocks_only}
+         "gpt": shard_gpt, "gpt8": shard_blocks_only, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only,
+         "hf_llama_ckpt": shard_blocks_only,
+         "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
          "hf_llama_ckpt": 512, "titan": 256}
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ)):
     """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch."""
-    if client == "resnet":
+    if client.startswith("resnet"):
         g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(x), y)
@@ -548,7 +565,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         model, opt = _exec(fix, model, opt)
     losses = []
     watch = dict(row.get("watch", {}))
-    if tree != "resnet":  # tokens per optimizer step, all ranks (throughput, FLOPs)
+    if not tree.startswith("resnet"):  # tokens per optimizer step, all ranks (throughput, FLOPs)
         watch.setdefault("tokens_per_step", cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.get_world_size())
     if isinstance(watch.get("profile"), dict):  # a window (JSON spec): ProfileSchedule's fields
         watch["profile"] = fsdp_doctor.ProfileSchedule(**watch["profile"])
@@ -616,6 +633,40 @@ def run_scenarios(spec_path: Path) -> dict:
             out[row["name"]] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300],
                                 "traceback": traceback.format_exc()[-3000:]}
     return out
+
+
+AC_WATCH = {"profile": False, "memory": {"full_every": 1}, "capacity_bytes": 8 << 30}  # ample: ac.unneeded's case
+AC_STEPS = 4
+
+
+def run_ac_prediction(out: Path) -> dict:
+    """The ResNet with its blocks' children checkpointed and with its blocks checkpointed (tests/test_ac_prediction.py),
+    each trained with the doctor (every step's memory measured, recompute included) into ``out/<client>`` and
+    without it: {client: {"losses", "identical": losses and final parameter shards bit-identical}}."""
+    from contextlib import nullcontext
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    res = {}
+    for client in ("resnet_ckpt_children", "resnet_ckpt_blocks"):
+        got = []
+        for watched in (True, False):
+            model = shard_blocks_only(BUILD[client](), mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            losses = []
+            with (fsdp_doctor.watch(model, opt, out_dir=str(out / client), **AC_WATCH) if watched
+                  else nullcontext()) as doctor:
+                for step in range(AC_STEPS):
+                    loss = loss_of(model, client, step, dist.get_rank())
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if doctor is not None:
+                        doctor.step()
+                    losses.append(loss.item())
+            got.append((losses, [p.to_local().detach().clone() for p in model.parameters()]))
+        (a, pa), (b, pb) = got
+        res[client] = {"losses": a, "identical": a == b and all(torch.equal(x, y) for x, y in zip(pa, pb))}
+    return res
 
 
 def run_snippets(spec_path: Path) -> dict:

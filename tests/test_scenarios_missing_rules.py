@@ -135,14 +135,3 @@ def test_intermittent_straggler(matrix):
     assert all(x >= 200 for x in planted.values()), late  # each planted step carries most of the 300 ms stall
     assert f.predicted.step_ms_delta == pytest.approx(-ev["cost_ms_per_step"], abs=1e-3)
     assert "straggler.rank" not in {g.code for g in matrix["gpt_intermittent"].findings}  # 3 of 7: not consistent
-
-
-@pytest.mark.rows("gpt_ac_ample", "gpt_zero2_ample")
-def test_ac_unneeded_predicts_the_uncheckpointed_peak(matrix):
-    """Every block checkpointed under an ample budget: ac.unneeded's predicted peak without checkpointing,
-    placed on the peak step's timeline, against the same workload run without it under the same budget (the
-    matrix's gpt_zero2_ample row). Adding every block's activations at the peak over-estimated it by 15% here
-    (issue #23: ~60x on a conv net's checkpointed children)."""
-    o, plain = _outcome(matrix, "gpt_ac_ample"), matrix["gpt_zero2_ample"]
-    assert not plain.error and not plain.row.knobs.get("ac") and plain.row.watch == o.row.watch
-    assert o.finding.predicted.peak_bytes_after == pytest.approx(plain.report.memory.peak_bytes, rel=0.02)

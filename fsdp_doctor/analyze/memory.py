@@ -119,13 +119,18 @@ def _timeline(m: MemoryStep) -> list[dict]:
     return out
 
 
-def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
-    acts: dict[str, int] = {}
+def _latest(steps, field: str) -> dict[str, int]:
+    """A per-unit figure of the latest step that has it (full steps only record them)."""
     for s in reversed(steps):
-        ua = s.memory.unit_activations
-        if ua:
-            acts = {k: int(v) for k, v in ua.items()}
-            break
+        got = getattr(s.memory, field)
+        if got:
+            return {k: int(v) for k, v in got.items()}
+    return {}
+
+
+def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
+    acts = _latest(steps, "unit_activations")
+    recomputed = _latest(steps, "unit_recompute_saved")
     units = list(getattr(cfg, "units", None) or [])
     rows = []
     names = [u.name for u in units] or list(acts)
@@ -144,5 +149,7 @@ def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
             activation_bytes=a)
         if a is not None:
             row.activation_self_bytes = a - sum(acts.get(c, 0) for c in children.get(name, []))
+        if name in recomputed:
+            row.recompute_saved_bytes = recomputed[name]
         rows.append(row)
     return rows

@@ -104,8 +104,17 @@ def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:
             peak_bytes=int(pk.bytes), peak_at=MemoryPeakAt(step=step, unit=pk.unit, phase=pk.phase),
             peak_breakdown=dict(pk.breakdown), activations_peak_bytes=pk.breakdown.get("activations", 0),
             offloaded_host_bytes=m.offloaded_host, capacity_bytes=cap,
-            per_unit=[MemoryUnitRow(unit=u, activation_bytes=int(b)) for u, b in (m.unit_activations or {}).items()])
+            per_unit=_unit_rows(m))
     return out
+
+
+def _unit_rows(m) -> list[MemoryUnitRow]:
+    """Per-unit rows of one step's memory record: what each unit's forward left saved and its recomputes saved."""
+    acts, rec = m.unit_activations or {}, m.unit_recompute_saved or {}
+    rows = {u: MemoryUnitRow(unit=u, activation_bytes=int(b)) for u, b in acts.items()}
+    for u, b in rec.items():
+        rows.setdefault(u, MemoryUnitRow(unit=u)).recompute_saved_bytes = int(b)
+    return list(rows.values())
 
 
 def peak_memory(ctx: Context) -> Optional[MemoryRank]:

@@ -279,6 +279,46 @@ def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------------------------- checkpointing
+_APPLY_CKPT = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+               "    apply_activation_checkpointing, checkpoint_wrapper)\n")
+
+
+def checkpoint_modules(names: list[str], note: str) -> str:
+    """Activation checkpointing on exactly the named modules (fqns, checkpoint wrappers' own names dropped), on
+    the unsharded model."""
+    names = list(dict.fromkeys(strip_ckpt(n) for n in names))
+    return (_APPLY_CKPT + f"# {BEFORE_SHARDING} (before fully_shard): {note}\n"
+            + name_list("names", names) + "\n"
+            "targets = {model.get_submodule(name) for name in names}\n"
+            "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
+            "                               check_fn=lambda m: m in targets)")
+
+
+def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:
+    """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
+    module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
+    code (``functional``) are named in a comment, since only their code can change."""
+    lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off",
+             "# (or build the model without apply_activation_checkpointing)"]
+    if functional:
+        lines += ["# checkpointed by checkpoint(...) calls in their forward (Hugging Face:",
+                  "# gradient_checkpointing_enable()); remove those in your code:",
+                  textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",
+                                subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False)]
+    root = [w for w in wrappers if w == ""]
+    inner = [w for w in wrappers if w]
+    if inner:
+        lines += [name_list("wrappers", inner), "for name in wrappers:",
+                  "    parent, _, child = name.rpartition('.')",
+                  "    holder = model.get_submodule(parent)",
+                  "    wrapper = getattr(holder, child)",
+                  "    setattr(holder, child, getattr(wrapper, '_checkpoint_wrapped_module', wrapper))"]
+    if root:
+        lines.append("model = getattr(model, '_checkpoint_wrapped_module', model)  # the model itself was wrapped")
+    return "\n".join(lines)
+
+
 def unit_list(t: Tree, var: str = "units") -> str:
     """``units = [...]``: every non-root unit of the run (the first module of a grouped unit, which is an
     FSDPModule too), in forward order, on the sharded model."""

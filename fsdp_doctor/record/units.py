@@ -127,20 +127,26 @@ def compiled_in_place(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
-    """The modules activation checkpointing re-runs during backward for this unit: the inner module of
-    every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""
+def checkpoint_wrappers(unit: Unit, all_units: list[Unit]) -> list[tuple[str, nn.Module]]:
+    """(fqn, wrapper) of every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested
+    unit), in module order."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     other = {id(m) for u in all_units if u is not unit for m in u.modules}
-    out, stack = [], list(unit.modules)
+    out, stack = [], list(zip(unit.module_names, unit.modules))[::-1]
     while stack:
-        m = stack.pop()
+        fqn, m = stack.pop()
         if isinstance(m, CheckpointWrapper):
-            out.append(m._checkpoint_wrapped_module)
+            out.append((fqn, m))
             continue
-        stack.extend(c for c in m.children() if id(c) not in other)
+        stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children() if id(c) not in other]))
     return out
+
+
+def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
+    """The modules activation checkpointing re-runs during backward for this unit: the inner module of
+    every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""
+    return [w._checkpoint_wrapped_module for _, w in checkpoint_wrappers(unit, all_units)]
 
 
 def _param_bytes(fp) -> tuple[int | None, int | None, int | None, list[str]]:
@@ -206,6 +212,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 offload="cpu" if is_cpu_offload else None,
                 offload_pin_memory=bool(getattr(offload, "pin_memory", False)) if is_cpu_offload else None,
                 checkpoint=_checkpoint_kind(u, units),
+                checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)],
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,

@@ -3,10 +3,15 @@ memory is ample, and applied at the wrong granularity (a block's children instea
 
 from __future__ import annotations
 
+from typing import Optional
+
+from msgspec import UNSET
+
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
+from ...units import fmt_bytes
 
 # Checkpointing is worth its recompute when the peak is at least this share of capacity ...
 AC_NEAR_CAPACITY = T.NEAR_CAPACITY_SHARE
@@ -18,26 +23,40 @@ AC_UNNEEDED_MAX_SHARE = 0.50
 # Recompute below this share of the step is not worth a warning.
 AC_RECOMPUTE_WARN_SHARE = 0.05
 
-_APPLY = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
-          "    apply_activation_checkpointing, checkpoint_wrapper)\n")
+#: how a rule knows what a checkpointed unit's forward would keep saved without checkpointing
+MEASURED = "measured in the recompute"
+ESTIMATED = f"estimated: {E.SAVED_PER_INPUT:g}x the checkpoint input"
 
 
-def _ckpt_code(names: list[str]) -> str:
-    targets = ", ".join(f'"{n}"' for n in names[:12]) + (", ..." if len(names) > 12 else "")
-    return (_APPLY + f"# before fully_shard ({S.BEFORE_SHARDING}): checkpoint whole blocks\n"
-            f"targets = {{model.get_submodule(n) for n in ({targets},)}}\n"
-            "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
-            "                               check_fn=lambda m: m in targets)")
+def _added_without_checkpointing(ctx: Context, ck: list[E.Unit], pm) -> tuple[dict[str, int], Optional[str]]:
+    """Per checkpointed unit, the bytes its forward would keep saved without checkpointing on top of what it keeps
+    now, per forward/backward pair, and how that is known. Measured: the recompute runs the checkpointed forward
+    again inside backward and saves exactly what the un-checkpointed forward would have kept (the memory probe
+    counts what each recompute creates and still holds when it ends, ``recompute_saved_bytes``; the step's sum,
+    divided by the unit's backwards in the peak step's timeline). Else (plain traces, no counted step) estimated:
+    ``SAVED_PER_INPUT - 1`` times what the unit keeps now, its input: a transformer layer's ratio."""
+    mem = E.memory_units(ctx)
+    rows = [mem[u.name] for u in ck if u.name in mem]
+    if any(r.recompute_saved_bytes is not UNSET for r in rows):
+        tl = pm.timeline if pm is not None else []
+
+        def backwards(name: str) -> int:
+            return max(1, sum(1 for r in tl if r.get("unit") == name and r.get("phase") == "backward_start"))
+
+        return {r.unit: int(r.recompute_saved_bytes or 0) // backwards(r.unit) for r in rows}, MEASURED
+    per_unit = _unit_activations(ctx, ck)
+    if not per_unit:
+        return {}, None
+    return {u: int(b * (E.SAVED_PER_INPUT - 1)) for u, b in per_unit.items()}, ESTIMATED
 
 
-def _peak_uncheckpointed(pm, per_unit: dict[str, int]) -> int:
-    """The peak without checkpointing: each unit's extra saved activations (``SAVED_PER_INPUT - 1`` times what
-    it keeps now, its input) live from its forward's end to its backward's start, once per forward/backward pair
-    of the peak step's timeline (from its backward's start on, the timeline already holds them: checkpointing
-    recomputes them there, which the high-water between marks measures); the new peak is the highest mark. Without a timeline they are all added at
-    the peak (on the reference GPT with every block checkpointed: 17,690,836 B flat against 15,306,452 B from
-    the timeline; measured without checkpointing 15,339,220 B)."""
-    extra = {u: b * (E.SAVED_PER_INPUT - 1) for u, b in per_unit.items()}
+def _peak_uncheckpointed(pm, extra: dict[str, int]) -> int:
+    """The peak without checkpointing: each unit's extra saved activations (``extra``: on top of what it keeps
+    now) live from its forward's end to its backward's start, once per forward/backward pair of the peak step's
+    timeline (from its backward's start on, the timeline already holds them: checkpointing recomputes them there,
+    which the high-water between marks measures); the new peak is the highest mark. Without a timeline they are
+    all added at the peak, an over-estimate (on the reference GPT with every block checkpointed, 2 ranks: 15% over
+    flat; from the timeline with the recompute's measurement 16,916,700 B, as measured without checkpointing)."""
     tl = pm.timeline if pm is not None else []
     if not tl:
         return int(pm.peak_bytes) + int(sum(extra.values()))
@@ -63,6 +82,13 @@ def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:
     if not acts or not us:
         return {}
     return {u.name: int(acts / len(us)) for u in us}
+
+
+def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
+    """(the CheckpointWrappers of the units, fqns; the checkpointed units that have none: checkpoint(...) calls)."""
+    wrappers = [w for u in us for w in u.checkpoint_wrappers]
+    functional = [u.name for u in us if not u.checkpoint_wrappers]
+    return wrappers, functional
 
 
 @register
@@ -110,12 +136,14 @@ class AcRecommended(Rule):
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * share, 1),
              "activation_bytes": acts, "activation_share_pct": round(100 * acts / peak, 1),
              "blocks_to_checkpoint": [u.name for u in chosen], "memory_saved_bytes": int(saved),
+             "activation_source": f"measured saved activations; a checkpointed unit keeps 1/{E.SAVED_PER_INPUT:g} "
+                                  "of them (its input: estimated)",
              "recompute_ms_added": round(recompute, 3), "step_p50_ms": step},
             f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
             f"their forward in backward: about {E.mib(saved)} MiB less at the peak for ~{recompute:.1f} ms more "
             "per step (their forward compute). Apply checkpointing to whole blocks, before fully_shard.",
-            _ckpt_code(mods),
+            S.checkpoint_modules(mods, "checkpoint whole blocks"),
             predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in chosen])]
 
@@ -141,32 +169,27 @@ class AcUnneeded(Rule):
         measured = sum(u.timing.recompute_ms for u in ck)
         estimated = sum(E.compute_fwd_ms(u) for u in ck)
         recompute = measured if measured > 0 else estimated
-        per_unit = _unit_activations(ctx, ck)
-        # un-checkpointed, each block keeps ~SAVED_PER_INPUT times its checkpoint input
-        added = sum(b * (E.SAVED_PER_INPUT - 1) for b in per_unit.values()) if per_unit else None
-        peak_after = _peak_uncheckpointed(E.peak_memory(ctx), per_unit) if added is not None else None
+        pm = E.peak_memory(ctx)
+        extra, source = _added_without_checkpointing(ctx, ck, pm)
+        peak_after = _peak_uncheckpointed(pm, extra) if source is not None else None
         if peak_after is not None and peak_after > E.TARGET_CAPACITY_SHARE * cap:
             return []  # removing it would not fit: checkpointing is earning its keep
         share = recompute / step if step else None
         sev = "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
-        mods = [m for u in ck for m in u.modules]
+        wrappers, functional = _wrappers(ck)
         return [self.finding(
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {100 * peak / cap:.0f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
              "checkpointed_units": [u.name for u in ck],
              "recompute_ms_per_step": round(recompute, 3),
              "recompute_source": "measured" if measured > 0 else "estimated from the units' forward compute",
-             "activation_bytes_added_est": None if added is None else int(added), "step_p50_ms": step},
+             "activation_bytes_added": int(sum(extra.values())) if source is not None else None,
+             "activation_source": source, "step_p50_ms": step},
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward (~{recompute:.1f} ms per "
-            f"step) to save memory this run does not need: the peak is {E.mib(peak)} MiB of {E.mib(cap)} MiB. "
-            "Turn it off (or checkpoint only every other block) and spend the headroom on speed.",
-            f"# {S.BEFORE_SHARDING}: build the model without apply_activation_checkpointing /\n"
-            "# checkpoint_wrapper on\n"
-            f"#   {E.fmt_list(mods, 8)}\n"
-            "# or keep it on every other block only:\n"
-            + _APPLY + f"targets = {{model.get_submodule(n) for n in {tuple(mods[::2])!r}}}\n"
-            "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
-            "                               check_fn=lambda m: m in targets)",
+            f"step) to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
+            + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
+            "Turn it off and spend the headroom on speed.",
+            S.remove_checkpointing(wrappers, functional),
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in ck])]
 
@@ -187,14 +210,22 @@ class AcWrongGranularity(Rule):
         mods = [m for u in ch for m in u.modules if m]
         per_unit = _unit_activations(ctx, ch)
         acts = sum(per_unit.values()) if per_unit else None
+        # what checkpointing the children spares now: measured in their recompute (else unknown)
+        spared, source = _added_without_checkpointing(ctx, ch, E.peak_memory(ctx))
+        wrappers, functional = _wrappers(ch)
         return [self.finding(
             "warning", f"Checkpointing is applied inside {len(ch)} unit(s) instead of to the whole block",
             {"units": [u.name or "(root)" for u in ch], "checkpoint": sorted({u.checkpoint for u in ch}),
-             "activation_bytes": acts, "step_p50_ms": step},
+             "activation_bytes": acts,
+             "activation_bytes_spared": int(sum(spared.values())) if source == MEASURED else None,
+             "activation_source": source if source == MEASURED else None, "step_p50_ms": step},
             "Checkpointing re-runs the blocks' children (attention, MLP: checkpoint wrappers on them, or "
             "checkpoint(self.mlp, h) calls in the block's forward), not the blocks: every tensor passed between "
             "the children and the residual adds and norms around them stays saved, so a large part of the "
             "activations survives (seen in the wild: 29 of 40.8 GB at peak), while the recompute is paid in "
-            "full. Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
-            _ckpt_code(mods or [u.name for u in ch]),
+            "full." + (f" Here their recompute spares {fmt_bytes(sum(spared.values()))} of the "
+                       f"{fmt_bytes(acts)} these units keep saved." if source == MEASURED and acts else "")
+            + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
+            (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
+            + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]

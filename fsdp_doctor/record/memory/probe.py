@@ -212,9 +212,15 @@ class MemoryProbe:
         elif phase == "backward_start":
             if sizes.pending:
                 sizes.flush_pending()
+            if idx is not None:
+                self._in_bwd.append(idx)
+                self._own_recompute()
         elif phase == "backward_end":
             if sizes.pending:
                 sizes.flush_pending()
+            if idx in self._in_bwd:
+                self._in_bwd.remove(idx)
+                self._own_recompute()
             if idx is not None:
                 sizes.before_post_backward(idx)
             elif sizes.unmanaged:
@@ -229,6 +235,12 @@ class MemoryProbe:
         if phase == "optimizer_end" and self.hw is not None and self.hw.active:
             self._stop_hw()
         self._cost_ns += _now() - t
+
+    def _own_recompute(self) -> None:
+        """The unit whose backward runs now owns the recomputes that start in it (children checkpointed inside a
+        unit recompute between its backward marks; a checkpointed unit, after its own backward_start)."""
+        if self.hw is not None:
+            self.hw.owner = self._in_bwd[-1] if self._in_bwd else None
 
     def _on_step_forward(self) -> None:
         """The whole model's forward starts (once per micro-batch)."""
@@ -334,6 +346,7 @@ class MemoryProbe:
         self._anchor = self._open = None
         self._transients = []
         self._hw_used = False
+        self._in_bwd: list[int] = []  # units whose backward has started and not ended, innermost last
         self._t0 = _now()
 
     def step_end(self, step: int) -> MemoryStep:
@@ -392,6 +405,9 @@ class MemoryProbe:
         if full:
             if act_mode == "exact":
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
+            rec = {i: b for i, b in hw.recompute_saved.items() if i is not None} if tr_mode == "exact" else {}
+            if rec:  # a recompute outside every unit's backward (owner None) belongs to no unit
+                out.unit_recompute_saved = {self.unit_names[i]: int(b) for i, b in sorted(rec.items())}
             sampler.remember(samples, rows, extra)
         new_peak = totals[pi] > self._running_peak
         if new_peak:

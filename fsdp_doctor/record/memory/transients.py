@@ -18,6 +18,13 @@ and GELU models. It steps aside for the step when another dispatch mode is on th
 checkpoint's selective-recompute mode is pushed and popped above it) and never runs on models with compiled
 modules. One collaborator of :class:`fsdp_doctor.record.memory.MemoryProbe`.
 
+Activation checkpointing's recompute (ops run in backward with grad mode on, ``phase.in_recompute``) is counted
+apart as well: the storages one recompute creates and still holds when it ends, at the first backward op after
+it, are exactly the tensors it saved for backward, i.e. what the un-checkpointed forward would have kept saved on
+top of what is saved now (its inputs existed before it and are not counted). Views and record_function labels
+with grad mode off do not end it (the checkpoint's pack hook detaches what it saves). Per unit (``owner``, set by
+the probe from its backward marks), summed over the step: ``recompute_saved``.
+
 Cost: every op of a counted step passes through Python (tens of microseconds per op on a CPU box), so it runs
 on full steps only, and its cost (the handler's time plus an estimated ``DISPATCH_NS`` per op) is part of the
 probe's, which sizes the period of full steps (``full_every="auto"``).
@@ -31,6 +38,8 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _len_torch_dispatch_stack
+
+from ..phase import in_recompute
 
 try:
     from torch.distributed.tensor import DTensor
@@ -57,6 +66,13 @@ def _tensors(x, out: list) -> None:
                 _tensors(y, out)
 
 
+@functools.lru_cache(maxsize=None)
+def _passive(func) -> bool:
+    """An op that allocates nothing and may run with grad mode off inside a recompute (the checkpoint's pack hook
+    detaches what it saves; record_function labels): it does not end the recompute."""
+    return bool(getattr(func, "is_view", False)) or getattr(func, "namespace", "") == "profiler"
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, hw: HighWater):
         super().__init__()
@@ -69,6 +85,9 @@ class _Mode(TorchDispatchMode):
         if not hw.active:
             return func(*args, **(kwargs or {}))
         t0 = _now()
+        rc = in_recompute()
+        if rc is not hw.rc_open and (rc or not _passive(func)):
+            hw.recompute_edge()
         ins: list = []
         _tensors(args, ins)
         if kwargs:
@@ -104,7 +123,13 @@ class HighWater:
         self.hw_t = 0
         self.cost_ns = 0  # the handler's own time, plus DISPATCH_NS per op (estimated)
         self.error: str | None = None
-        self._refs: dict[int, list] = {}  # storage key -> [weak reference, bytes]
+        self._refs: dict[int, list] = {}  # storage key -> [weak reference, bytes, recompute number (0: none)]
+        self.owner = None  # the unit whose backward runs now (the probe sets it at its backward marks)
+        self.rc_open = False  # a recompute is running
+        self.rc_n = 0  # recomputes seen this step (the current one's number)
+        self.rc_live = 0  # bytes the current recompute created and still holds
+        self._rc_owner = None
+        self.recompute_saved: dict = {}  # owner -> bytes its recomputes saved for backward (this step)
         self._mode: _Mode | None = None
         self._orig_resize = None
 
@@ -118,6 +143,7 @@ class HighWater:
         if _len_torch_dispatch_stack() > 0:
             return "another TorchDispatchMode is active"
         self.live = self.hw = self.hw_saved = 0
+        self.rc_open, self.rc_live, self.rc_n, self.recompute_saved = False, 0, 0, {}
         self.hw_t = _now()
         self.cost_ns = 0
         self._mode = _Mode(self)
@@ -142,6 +168,8 @@ class HighWater:
         storage. Returns False when the mode could not be popped (another mode above it; it stays inert)."""
         if not self.active and self._mode is None:
             return True
+        if self.rc_open:
+            self.recompute_edge()
         self.active = False
         ok = True
         if self._mode is not None and pop:
@@ -176,12 +204,24 @@ class HighWater:
         e = self._refs.pop(k, None)
         if e is not None:
             self.live -= e[1]
+            if self.rc_open and e[2] == self.rc_n:
+                self.rc_live -= e[1]
+
+    def recompute_edge(self) -> None:
+        """A recompute starts, or ends: what it created and still holds is what it saved, added to its unit's."""
+        if self.rc_open:
+            self.recompute_saved[self._rc_owner] = self.recompute_saved.get(self._rc_owner, 0) + self.rc_live
+            self.rc_open = False
+        else:
+            self.rc_open, self.rc_live, self._rc_owner = True, 0, self.owner
+            self.rc_n += 1
 
     def created(self, out, input_keys: set) -> None:
         """An op's results: storages that are neither its inputs' nor already known are new allocations."""
         res: list = []
         _tensors(out, res)
         refs = self._refs
+        rc = self.rc_n if self.rc_open else 0
         for t in res:
             if type(t) is not _Tensor and not isinstance(t, torch.nn.Parameter):
                 continue
@@ -190,8 +230,10 @@ class HighWater:
             if k in input_keys or k in refs or not self._on_device(st):
                 continue
             nb = st.nbytes()
-            refs[k] = [weakref.ref(st, functools.partial(self._freed, k)), nb]
+            refs[k] = [weakref.ref(st, functools.partial(self._freed, k)), nb, rc]
             self.live += nb
+            if rc:
+                self.rc_live += nb
         self._bump()
 
     def resized(self, st, old: int) -> None:
