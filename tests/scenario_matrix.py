@@ -187,11 +187,6 @@ BY_NAME = {r.name: r for r in ROWS}
 KNOWN_WRONG = {
     "gpt_tight_capacity": "ac.recommended: predicted peak 10.6 MiB with the blocks checkpointed, measured 14.9 MiB "
                           "(diagnose/rules/ac.py, being reworked)",
-    "gpt_ac_ample": "ac.unneeded: the predicted peak is the model's without any checkpointing, the snippet keeps "
-                    "every other block checkpointed (measured 13.8 against 16.9 MiB predicted; diagnose/rules/ac.py, "
-                    "being reworked)",
-    "hf_llama_ac_ample": "ac.unneeded: the snippet keeps 2 of HF's 3 checkpointed layers (layers 0 and 2), the finding "
-                         "stays with its recompute cut by a third, not half (diagnose/rules/ac.py, being reworked)",
 }
 
 
