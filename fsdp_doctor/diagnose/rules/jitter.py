@@ -81,7 +81,8 @@ def _outside_ms(ctx: Context, rank, st: StepStats) -> float:
     """A rank's median time outside the model (between optimizer.step() and the next forward) without GC and
     without the collectives no FSDP unit issued there (a grad-norm log's full_tensor() per parameter, a loss
     all-reduce): those are optim.step_comm's, from the trace, and their gain is counted there once."""
-    return max(0.0, st.phases_p50_ms["outside"] - st.phases_p50_ms["gc"] - E.other_comm_exposed_ms(ctx, rank))
+    phases = st.phases_p50_ms or {}
+    return max(0.0, phases.get("outside", 0.0) - phases.get("gc", 0.0) - E.other_comm_exposed_ms(ctx, rank))
 
 
 @register
@@ -95,9 +96,9 @@ class DataWait(Rule):
     def match(self, ctx: Context):
         steps = E.steps(ctx)
         shares = {int(r): _outside_ms(ctx, r, st) / st.p50_ms for r, st in steps.per_rank.items()
-                  if st.count and st.p50_ms}
+                  if st.count and st.p50_ms and st.phases_p50_ms}
         if not shares:
-            return []
+            return self.quiet("no step phases measured (the time outside the model is unknown)")
         rank = max(shares, key=shares.get)  # the first of equal shares
         share, st = shares[rank], steps.per_rank[str(rank)]
         if share < OUTSIDE_SHARE_MIN:
