@@ -5,14 +5,18 @@ fix applied and rechecked (gone or improved, no new warning, peak predicted agai
 predicted against measured, noisy on a shared host). Rules whose problem needs a GPU (comm.*, kernels.*,
 offload.*) are found from the known-answer GPU traces (tests/test_trace_rules.py, tests/test_kernel_rules.py,
 shared/reference_traces/hta) and their snippets executed on a model tree (tests/test_clients.py); their rerun is
-for the GPU machine.
+for the GPU machine: the matrix's GPU rows (tests/scenario_matrix.py GPU_ROWS), which plant them where a GPU sets
+the step, run there with ``--device cuda`` (2 NCCL ranks on the machine's GPUs, sharing one through NCCL_HOSTID),
+their fixes applied and rechecked as the CPU rows' are, step-time gains included.
 
     .venv/bin/python benchmarks/scenarios.py [--markdown] [--out DIR]   (about 4 minutes on 2 cores)
+    python benchmarks/scenarios.py --device cuda [--rows gpu|all] --markdown --table T.md --json RECHECKS.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -48,14 +52,19 @@ def _gpu_found() -> tuple[dict[str, set[str]], set[str]]:
     return got, {c for _, c, _ in coded}
 
 
-def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[str]) -> list[list[str]]:
+def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[str],
+          planted_only: bool = False, device: str = "cpu") -> list[list[str]]:
+    """One row per rule (``planted_only``: the rules the outcomes' rows planted); on ``device`` "cuda" the GPU
+    rows' step-time gains are measured ones."""
     from fsdp_doctor.diagnose import RULES
 
     rows = []
     for rule in sorted(RULES, key=lambda r: r.code):
         code = rule.code
         planted = [o for o in outcomes.values() if o.row.code == code and not o.error]
-        if code.startswith(M.GPU_ONLY) or (not planted and code in gpu):
+        if planted_only and not any(o.row.code == code for o in outcomes.values()):
+            continue
+        if not planted and (code.startswith(M.GPU_ONLY) or code in gpu):
             traces = sorted(gpu.get(code, ()))
             rows.append([code, f"GPU traces ({len(traces)})" if traces else "-",
                          f"found in {len(traces)}" if traces else "-", "-",
@@ -80,7 +89,9 @@ def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[s
             wrong = [o.row.name for o in fixes if o.row.name in M.KNOWN_WRONG]
             fix = (f"{len(fixes)} applied: {gone} gone" + (f", {improved} improved" if improved else "")
                    + (f", new warning {', '.join(new)}" if new else ", no new warning")
-                   + (f"; gain rechecked on a GPU ({len(gpu_gain)})" if gpu_gain else "")
+                   + (f"; gain rechecked on a GPU ({len(gpu_gain)})" if gpu_gain and device != "cuda" else "")
+                   + "".join(f"; {o.row.name} gain ok: {o.recheck()['gain_ok']}" for o in gpu_gain
+                             if device == "cuda")
                    + (f"; advice wrong: {', '.join(wrong)}" if wrong else ""))
             peaks = [(c["peak_predicted"], c["peak_measured"]) for c in checks if c["peak_predicted"]]
             peak = "; ".join(f"{_mib(p)}/{_mib(m)} MiB ({100 * (m - p) / p:+.0f}%)" for p, m in peaks) or "-"
@@ -111,19 +122,49 @@ def render(rows: list[list[str]], markdown: bool) -> str:
     return "\n".join(out)
 
 
+def rechecks(outcomes: dict[str, M.Outcome], device: str) -> dict:
+    """Per row: what was planted, what was found, the fix and its recheck, and what is wrong (M.problems)."""
+    out = {}
+    for name, o in outcomes.items():
+        out[name] = {"tree": o.row.tree, "planted": o.row.code, "why": o.row.why, "device": device,
+                     "found": None if o.finding is None else o.finding.severity,
+                     "findings": {f.code: f.severity for f in o.findings},
+                     "fix": o.fix, "recheck": o.recheck(), "after_findings": {f.code: f.severity for f in
+                                                                             o.after.findings} if o.after else None,
+                     "rerun_note": o.rerun_note, "problems": M.problems(o), "ok": not M.problems(o)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="a markdown table (the README's)")
     ap.add_argument("--out", type=Path, help="keep the runs here (default: a temporary directory)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: 2 NCCL ranks on the GPU(s); the GPU rows' rules then fire (default cpu: gloo)")
+    ap.add_argument("--rows", choices=("cpu", "gpu", "all"),
+                    help="the matrix's CPU rows, its GPU rows or both (default: cpu on the CPU, gpu with --device "
+                         "cuda); GPU rows on the CPU run shrunk, for their plumbing only")
+    ap.add_argument("--table", type=Path, help="also write the printed table to this file")
+    ap.add_argument("--json", type=Path, help="write every row's finding, fix and recheck here")
     a = ap.parse_args(argv)
+    which = a.rows or ("gpu" if a.device == "cuda" else "cpu")
+    rows = {"cpu": M.ROWS, "gpu": M.GPU_ROWS, "all": M.ROWS + M.GPU_ROWS}[which]
     with tempfile.TemporaryDirectory() as d:
-        outcomes = M.run_matrix(a.out or Path(d))
+        outcomes = M.run_matrix(a.out or Path(d), rows, device=a.device)
         failed = [f"{o.row.name}: {o.error.splitlines()[0]}" for o in outcomes.values() if o.error]
-        print(render(table(outcomes, *_gpu_found()), a.markdown))
+        # the known-answer GPU traces stand in for the GPU rows only where they did not run
+        found = _gpu_found() if which == "cpu" else ({}, set())
+        text = render(table(outcomes, *found, planted_only=which == "gpu", device=a.device), a.markdown)
         baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
-        print(f"\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
-              f"{len({o.row.tree for o in outcomes.values()})} model trees), 2 gloo ranks"
-              + (f"; failed to run: {'; '.join(failed)}" if failed else ""))
+        text += (f"\n\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
+                 f"{len({o.row.tree for o in outcomes.values()})} model trees), 2 "
+                 f"{'NCCL' if a.device == 'cuda' else 'gloo'} ranks"
+                 + (f"; failed to run: {'; '.join(failed)}" if failed else ""))
+        print(text)
+        if a.table:
+            a.table.write_text(text + "\n")
+        if a.json:
+            a.json.write_text(json.dumps(rechecks(outcomes, a.device), indent=1, default=str))
     return 0
 
 

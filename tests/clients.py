@@ -19,6 +19,10 @@ Clients:
                workload knobs), trained with the doctor; with a fix, the fix pasted where its
                ``Recommendation.where`` says.
 
+The scenarios run on the CPU (gloo) unless FSDP_DOCTOR_SCENARIO_DEVICE=cuda (tests/test_clients.py ``_launch``
+sets it with each rank's environment from fsdp_doctor.workloads' rank plan): NCCL, the rank's device
+(FSDP_DOCTOR_CUDA_DEVICE; ranks sharing one GPU each have their own NCCL_HOSTID), the mesh, model and inputs there.
+
 Usage: python tests/clients.py CLIENT RANK WORLD PORT OUT_DIR
        python tests/clients.py snippets 0 1 PORT SPEC.json   (runs fix snippets: [[client, code, snippet], ...])
        python tests/clients.py scenarios RANK WORLD PORT SPEC.json   ([{name, tree, knobs, watch, out_dir, fix}...])
@@ -44,6 +48,15 @@ from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING
 STEPS = 10
 SEQ = 32
 BATCH = 2
+DEVICE_ENV = "FSDP_DOCTOR_SCENARIO_DEVICE"
+
+
+def scenario_device() -> torch.device:
+    """The scenarios' device: the CPU, or with FSDP_DOCTOR_SCENARIO_DEVICE=cuda this rank's GPU (the index its
+    launcher's rank plan gave it: fsdp_doctor.workloads.launch._rank_env)."""
+    if os.environ.get(DEVICE_ENV, "cpu") != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("FSDP_DOCTOR_CUDA_DEVICE", "0")))
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -301,15 +314,22 @@ def shard_gpt(model, mesh):
     return apply_fsdp(model, WorkloadConfig(n_layers=4, d_model=64, seq_len=SEQ, vocab=512), mesh)
 
 
-def hf_llama(checkpointing: bool = False):
+# an HF Llama large enough that a GPU, not the host, sets its step (the GPU rows of the scenario matrix)
+HF_GPU = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+              max_position_embeddings=512)
+
+
+def hf_llama(checkpointing: bool = False, attn: str = "sdpa", **size):
     """A Hugging Face LlamaForCausalLM from a tiny config (no download): model.model.embed_tokens,
-    model.model.layers.N, model.model.norm, lm_head (untied)."""
+    model.model.layers.N, model.model.norm, lm_head (untied). ``size``: LlamaConfig fields replacing the tiny
+    ones; ``attn``: the attention implementation ("eager": matmul, softmax, matmul)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    shape = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    max_position_embeddings=64), **size}
+    cfg = LlamaConfig(vocab_size=512, num_key_value_heads=2, tie_word_embeddings=False, attn_implementation=attn,
+                      **shape)
     model = LlamaForCausalLM(cfg)
     if checkpointing:  # HF's own: each decoder layer checkpointed whole
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -369,7 +389,10 @@ def resnet_checkpointed(what: str):
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
          "llama": llama, "gpt": gpt, "gpt8": lambda: gpt(8), "gpt48": lambda: gpt(48), "hf_llama": hf_llama,
-         "hf_llama_ckpt": lambda: hf_llama(True), "titan": lambda: llama(out_scale=False),
+         "hf_llama_ckpt": lambda: hf_llama(True),
+         # eager attention, GPU-sized on a GPU (tiny on the CPU, where the GPU rows only check their plumbing)
+         "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
+         "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
          "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks")}
 
@@ -394,19 +417,21 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "hf_llama_ckpt": shard_blocks_only,
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "titan": 256}
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256}
 
 
-def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ)):
-    """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch."""
+def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
+            device=None):
+    """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch,
+    drawn on the CPU and moved to ``device`` (None: left there)."""
     if client.startswith("resnet"):
         g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
-        return F.cross_entropy(model(x), y)
+        return F.cross_entropy(model(x.to(device)), y.to(device))
     tok, tgt = batch(step, VOCAB[client], rank, micro, size)
-    out = model(tok)
+    out = model(tok.to(device))
     logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), tgt.to(device).flatten())
 
 
 def shard_no_root(model, mesh):
@@ -544,17 +569,18 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     from fsdp_doctor.workloads import WorkloadConfig
     from fsdp_doctor.workloads.train import inject_step_faults
 
-    tree, cfg = row["tree"], WorkloadConfig(**row.get("knobs", {}))
+    dev = scenario_device()
+    tree, cfg = row["tree"], WorkloadConfig(**row.get("knobs", {}), device=dev.type)
     fix = row.get("fix") or {}
     rank = dist.get_rank()
     shape = tuple(row.get("mesh") or (dist.get_world_size(),))  # HSDP: replicate over the first dimension
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
-    if tree == "gpt":  # the reference workload's model, of the knobs' shape
+    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    if tree == "gpt":  # the reference workload's model, of the knobs' shape, on cfg.device
         from fsdp_doctor.workloads.gpt import build_model
 
         model = build_model(cfg)
     else:
-        model = BUILD[tree]()
+        model = BUILD[tree]().to(dev)
     make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False if cfg.wrap == "no_root" else None)  # noqa: E731
     early = make_opt(model) if cfg.optimizer_before_shard else None
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
@@ -582,7 +608,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     if fix.get("where") == "loop":
                         _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
                               micro_batches=cfg.grad_accum, step=step)
-                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, cfg.seq_len)) / cfg.grad_accum
+                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, cfg.seq_len), dev) / cfg.grad_accum
                     loss.backward()
                     total += loss.item()
                 opt.step()
@@ -603,8 +629,9 @@ def replica_drift(model) -> float:
     own = [p.detach().float().sum() for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
     if not own:
         return 0.0
-    vals = [torch.zeros(()) for _ in range(dist.get_world_size())]
-    dist.all_gather(vals, torch.stack(own).sum())
+    total = torch.stack([x.to(scenario_device()) for x in own]).sum()  # NCCL gathers device tensors
+    vals = [torch.zeros((), device=total.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(vals, total)
     return float(max(vals) - min(vals))
 
 
@@ -714,7 +741,15 @@ def main(argv: list[str], clients: dict | None = None) -> int:
     client, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = scenario_device() if client == "scenarios" else torch.device("cpu")
+    if dev.type == "cuda":  # NCCL on this rank's GPU (set before the group: device_id binds the communicator)
+        from fsdp_doctor.workloads import WorkloadConfig
+        from fsdp_doctor.workloads.train import backend_for, setup_rank
+
+        setup_rank(WorkloadConfig(device="cuda"), dev.index)
+        dist.init_process_group(backend_for("cuda"), rank=rank, world_size=world, device_id=dev)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         res = (run_snippets(out) if client == "snippets" else run_scenarios(out) if client == "scenarios"
                else (clients or CLIENTS)[client](out))

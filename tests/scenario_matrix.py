@@ -9,6 +9,12 @@ ranks; every fix is then pasted where its ``Recommendation.where`` says, in a se
 rechecked: the finding gone (or its figure improved by at least half the prediction), no new warning, the peak
 within 10% of the predicted one. tests/test_scenario_matrix.py asserts it; benchmarks/scenarios.py prints the
 finding-by-scenario table from the same rows and runner.
+
+``GPU_ROWS`` (flagged ``gpu``) plant the problems of the rules that read a GPU trace or need a GPU (offload, eager
+attention, small collectives, exposed all-gathers, launch-bound steps) at sizes where the device sets the step;
+they run with ``run_matrix(..., device="cuda")`` (benchmarks/scenarios.py --device cuda, the GPU campaign's
+``scenarios_gpu`` step, tests/test_gpu.py) on 2 NCCL ranks. On the CPU they run shrunk, on gloo, without what the
+CPU cannot do (CPU offload): their rules then stay quiet, and the run checks only that everything runs.
 """
 
 from __future__ import annotations
@@ -61,9 +67,13 @@ class Row:
     figure: Optional[str] = None
     gpu_gain: bool = False  # the fix's gain is a GPU's (overlap): applied and run here, its gain rechecked there
     why: str = ""  # what is planted, in a few words
+    gpu: bool = False  # a GPU row (GPU_ROWS): its knobs are the GPU's shape, shrunk on the CPU
 
-    def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None) -> dict:
+    def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None,
+             device: str = "cpu") -> dict:
         knobs = {**(GPT if self.tree == "gpt" else SMALL), **self.knobs}
+        if self.gpu and device == "cpu":  # the plumbing only: tiny, asynchronous gloo unshard, no CPU offload
+            knobs = {k: v for k, v in {**knobs, **CPU_SHAPE}.items() if k not in ("cpu_offload", "offload_pin_memory")}
         watch = {**(PROFILE if self.profile else NO_PROFILE), **self.watch}
         if self.profile:
             from fsdp_doctor import ProfileSchedule  # noqa: F401 - the dict form is watch()'s own
@@ -181,7 +191,42 @@ ROWS: list[Row] = [
        knobs={"sleep_rank": 1, "sleep_ms": 300.0, "sleep_steps": [3, 5, 7], "steps": 9},
        watch={"memory": {"transients": False}}, min_severity="info", apply=False),
 ]
-BY_NAME = {r.name: r for r in ROWS}
+
+# ------------------------------------------------------------------------------------------------ GPU rows
+# the GPU's shape (tests/test_gpu.py SMALL): seconds per run on an H100, the device (not the host) sets the step;
+# bf16 compute, fp32 reduction (numerics.reduce_dtype stays quiet); NCCL never blocks the host (no async unshard)
+GPU_SHAPE = {"steps": 6, "async_unshard": False, "n_layers": 4, "d_model": 512, "n_heads": 8, "n_kv_heads": 2,
+             "vocab": 8192, "seq_len": 512, "batch_size": 4, "param_dtype": "bf16", "reduce_dtype": "fp32"}
+HF_GPU_SHAPE = {"steps": 6, "async_unshard": False, "seq_len": 512, "batch_size": 4, **LLAMA_MP}
+TINY_GPU = {"steps": 6, "async_unshard": False, "n_layers": 4, "d_model": 64, "seq_len": 32, "batch_size": 2}
+# what the GPU rows become on the CPU (the campaign's dry run): the other trees' batches, a small GPT
+CPU_SHAPE = {"async_unshard": True, "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "vocab": 512,
+             "seq_len": 32, "batch_size": 2}
+
+
+def _g(name, tree, code, why, **kw) -> Row:
+    return Row(name, tree, code, why=why, gpu=True, profile=True, **kw)
+
+
+GPU_ROWS: list[Row] = [
+    _g("gpu_gpt_tuned", "gpt", None, "expert plan, explicit prefetch 1 ahead, bf16/fp32",
+       knobs={**GPU_SHAPE, "forward_prefetch": 1, "backward_prefetch": 1}),
+    _g("gpu_gpt_offload", "gpt", "offload.costly", "CPUOffloadPolicy on a model that fits the GPU",
+       knobs={**GPU_SHAPE, "cpu_offload": True}),
+    _g("gpu_gpt_offload_unpinned", "gpt", "offload.unpinned", "CPUOffloadPolicy(pin_memory=False)",
+       knobs={**GPU_SHAPE, "cpu_offload": True, "offload_pin_memory": False}),
+    _g("gpu_hf_llama_eager", "hf_llama_eager", "kernels.eager_attention", "HF Llama, attn_implementation='eager'",
+       knobs=HF_GPU_SHAPE, min_severity="info"),
+    _g("gpu_gpt_leaf", "gpt", "comm.small_collectives", "every Linear its own unit: small all-gathers",
+       knobs={**GPU_SHAPE, "wrap": "leaf"}),
+    _g("gpu_gpt_leaf_units", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={**GPU_SHAPE, "wrap": "leaf"}),
+    _g("gpu_gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather", "FSDP's implicit prefetch only",
+       knobs=GPU_SHAPE, min_severity="info", gpu_gain=True),
+    # the fix compiles each block (inductor on the GPU): last, the slowest rerun
+    _g("gpu_gpt_tiny_launch_bound", "gpt", "kernels.launch_bound", "a tiny GPT: the host launches, the GPU waits",
+       knobs=TINY_GPU, min_severity="info"),
+]
+BY_NAME = {r.name: r for r in ROWS + GPU_ROWS}
 # rows whose rerun shows the doctor's advice wrong, left to the rule's owner (tests xfail strictly on them, so a
 # fix of the rule turns them into failures to remove from here)
 KNOWN_WRONG: dict[str, str] = {
@@ -191,14 +236,14 @@ KNOWN_WRONG: dict[str, str] = {
 
 
 # ------------------------------------------------------------------------------------------------ the runner
-def launch(specs: list[dict], tmp: Path, tag: str) -> dict:
-    """Trains the scenarios of ``specs`` one after the other on 2 gloo ranks (one launch); {name: rank 0's
-    result}."""
+def launch(specs: list[dict], tmp: Path, tag: str, device: str = "cpu") -> dict:
+    """Trains the scenarios of ``specs`` one after the other on 2 ranks (one launch: gloo, or NCCL on
+    ``device="cuda"``); {name: rank 0's result}."""
     from test_clients import _launch
 
     path = tmp / f"{tag}.json"
     path.write_text(json.dumps(specs))
-    (res, _), _ = _launch("scenarios", 2, path, timeout_s=900)
+    (res, _), _ = _launch("scenarios", 2, path, timeout_s=900, device=device)
     return res
 
 
@@ -254,13 +299,18 @@ class Outcome:
         if fb is not None and fa is not None and fb > 0:
             improved = improved or fa <= 0.5 * fb
         step_b, step_a = _step_ms(self.report), _step_ms(after)
+        # a step-time gain (the GPU rows' overlap): at least half the predicted one measured
+        step_p = p.get("step_ms_after") if p is not None else None
+        gain_ok = None
+        if self.row.gpu_gain and step_p is not None and step_b and step_a and step_b > step_p:
+            gain_ok = step_b - step_a >= 0.5 * (step_b - step_p)
         # a warning the before-run did not have at any severity (one there as a note that grew is not the fix's)
         new = warnings_of(after.findings) - {x.code for x in self.findings} - NOISE - UNCOVERS.get(f.code, set())
         return {"gone": gone, "improved": improved, "new_warnings": sorted(new),
                 "peak_predicted": want, "peak_measured": peak_after,
                 "peak_ok": None if not want else abs(peak_after - want) <= 0.10 * want,
                 "step_ms_predicted": p.get("step_ms_after") if p is not None else None,
-                "step_ms_before": step_b, "step_ms_measured": step_a, "figure": self.row.figure,
+                "step_ms_before": step_b, "step_ms_measured": step_a, "gain_ok": gain_ok, "figure": self.row.figure,
                 "figure_before": fb, "figure_after": fa}
 
     def figure(self, report, result: dict) -> Optional[float]:
@@ -290,10 +340,10 @@ def fix_of(finding) -> Optional[dict]:
     return {"code": rec.code, "where": rec.where, "inputs": dict(rec.inputs), "finding": finding.code}
 
 
-def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True) -> dict[str, Outcome]:
+def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: str = "cpu") -> dict[str, Outcome]:
     """Every row's before-run in one launch, diagnosed; then each planted finding's fix in a second launch."""
     tmp.mkdir(parents=True, exist_ok=True)
-    got = launch([r.spec(tmp / r.name) for r in rows], tmp, "before")
+    got = launch([r.spec(tmp / r.name, device=device) for r in rows], tmp, "before", device)
     out: dict[str, Outcome] = {}
     for r in rows:
         o = out[r.name] = Outcome(r)
@@ -312,13 +362,53 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True) -> dict[st
             o.rerun_note = "no fix code"
         else:
             o.fix = fix_of(o.finding)
-    fixes = [o for o in out.values() if o.fix]
-    if apply and fixes:
-        got = launch([o.row.spec(tmp / (o.row.name + "_fixed"), o.fix, o.capacity) for o in fixes], tmp, "after")
-        for o in fixes:
+    fixes = [o for o in out.values() if o.fix] if apply else []
+    # on a GPU a fix that compiles (inductor) reruns in a launch of its own: a slow compile costs only its row
+    slow = [o for o in fixes if device != "cpu" and "compile(" in o.fix["code"]]
+    for tag, batch in (("after", [o for o in fixes if all(o is not x for x in slow)]), ("after_compiled", slow)):
+        if not batch:
+            continue
+        try:
+            got = launch([o.row.spec(tmp / (o.row.name + "_fixed"), o.fix, o.capacity, device) for o in batch], tmp,
+                         tag, device)
+        except Exception as e:  # noqa: BLE001 - the launch failed: each of its rows says so
+            got = {o.row.name: {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]} for o in batch}
+        for o in batch:
             res = got.get(o.row.name, {"error": "not run"})
             if "error" in res:
                 o.after_error = res["error"] + "\n" + res.get("traceback", "")
             else:
                 o.after, o.after_result = diagnosis(tmp / (o.row.name + "_fixed"))[1], res
+    return out
+
+
+def problems(o: Outcome) -> list[str]:
+    """What a row's runs show wrong, as tests/test_scenario_matrix.py checks a row (empty: it passes): it ran, its
+    finding found at its severity (a tuned baseline: no warning), its fix rerun without a new warning, the finding
+    gone or its figure improved (a GPU gain: half the predicted step time saved), the peak as predicted."""
+    r = o.row
+    if o.error:
+        return ["did not run: " + o.error.splitlines()[0]]
+    if r.code is None:
+        extra = sorted(warnings_of(o.findings) - NOISE)
+        return [f"warnings on a tuned baseline: {', '.join(extra)}"] if extra else []
+    if o.finding is None:
+        return [f"{r.code} not found at {r.min_severity} or above"]
+    if not r.apply:
+        return []
+    if not o.fix:
+        return [f"{r.code} prints no code"]
+    if o.after_error:
+        return ["the fix's rerun failed: " + o.after_error.splitlines()[0]]
+    rc, out = o.recheck(), []
+    if rc["new_warnings"]:
+        out.append(f"new warnings after the fix: {', '.join(rc['new_warnings'])}")
+    if r.gpu_gain:
+        if rc["gain_ok"] is False:
+            out.append(f"step {rc['step_ms_before']:.1f} -> {rc['step_ms_measured']:.1f} ms, predicted "
+                       f"{rc['step_ms_predicted']:.1f} ms: under half the predicted gain")
+    elif not (rc["gone"] or rc["improved"]):
+        out.append(f"{r.code} neither gone nor improved after the fix")
+    if rc["peak_ok"] is False:
+        out.append(f"peak {rc['peak_measured'] / MiB:.1f} MiB, predicted {rc['peak_predicted'] / MiB:.1f} MiB (> 10% off)")
     return out

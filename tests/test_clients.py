@@ -23,17 +23,22 @@ STEPPED_ASIDE = "the doctor records no profiler windows in this run"
 
 
 def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
-            script: str = "clients.py") -> tuple[list[dict], list[str]]:
-    """Runs ``client`` of ``script`` (tests/clients.py, tests/recorder_cases.py) on ``world`` gloo ranks; returns
+            script: str = "clients.py", device: str = "cpu") -> tuple[list[dict], list[str]]:
+    """Runs ``client`` of ``script`` (tests/clients.py, tests/recorder_cases.py) on ``world`` gloo ranks (the
+    scenarios with ``device="cuda"``: NCCL ranks, each with its rank plan's device and NCCL_HOSTID); returns
     (each rank's RESULT, each rank's stderr)."""
-    from fsdp_doctor.workloads import free_port
+    from fsdp_doctor.workloads import WorkloadConfig, free_port
+    from fsdp_doctor.workloads.launch import _rank_env
 
     if client not in ("snippets", "scenarios"):  # these take a spec file
         out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(free_port())
+    envs = [env if device == "cpu" else
+            {**env, "FSDP_DOCTOR_SCENARIO_DEVICE": device, **_rank_env(WorkloadConfig(device=device), r, world, port)}
+            for r in range(world)]
     procs = [subprocess.Popen([sys.executable, str(HERE / script), client, str(r), str(world), port, str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=envs[r])
              for r in range(world)]
     results, errs = [], []
     try:
