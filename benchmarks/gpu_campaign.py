@@ -8,7 +8,10 @@ skipped and listed as such, and the summary is rewritten after every step, so a 
 ran):
 
   env          GPU, driver, torch, CUDA and NCCL versions (env.json)
-  tests        `pytest -m gpu`: the GPU tier (tests/test_gpu.py, tests/test_gpu_timing.py) as JUnit XML
+  tests        `pytest -m gpu`: the GPU tier (tests/test_gpu.py, tests/test_gpu_timing.py) as JUnit XML, less the
+               GPU rows' test (the next step runs those rows)
+  scenarios_gpu  the scenario matrix's GPU rows (benchmarks/scenarios.py --device cuda): each planted problem of a
+               GPU rule found, its fix applied and rechecked on 2 NCCL ranks (scenarios_gpu.md, scenarios_gpu.json)
   overhead_1b  benchmarks/overhead.py on a ~1B-parameter Llama-style GPT with grouped-query attention, 1 rank
   overhead_2r  the same on 2 NCCL ranks sharing the GPU (NCCL_HOSTID per rank)
   allocator    benchmarks/memory_vs_allocator.py: the doctor's per-step peak against max_memory_allocated(),
@@ -64,6 +67,10 @@ SCENARIOS: list[tuple[str, list[str], tuple[str, ...]]] = [
 ]
 
 
+# tests/test_gpu.py's test of the GPU rows: the scenarios_gpu step runs the same rows, the tests step leaves it out
+GPU_ROWS_TEST = "test_scenario_matrix_gpu_rows"
+
+
 @dataclass
 class Step:
     name: str
@@ -80,8 +87,14 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "6" if dry else "12", "--skip", "2"]
     todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
-        Step("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
-                       f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240, ["gpu_tests.xml"]),
+        Step("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", "-k",
+                       f"not {GPU_ROWS_TEST}", f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240,
+             ["gpu_tests.xml"]),
+        # the GPU rows (on the dry run: shrunk, on gloo, their rules quiet: the plumbing only)
+        Step("scenarios_gpu", [PY, bench("scenarios.py"), "--device", device, "--rows", "gpu", "--markdown",
+                               "--out", str(out / "scenarios_gpu"), "--table", str(out / "scenarios_gpu.md"),
+                               "--json", str(out / "scenarios_gpu.json")], 240,
+             ["scenarios_gpu.md", "scenarios_gpu.json"]),
         Step("overhead_1b", [PY, bench("overhead.py"), *oh, "--nproc", "1", *big, "--json", str(out / "overhead_1b.json")],
              150, ["overhead_1b.json"]),
         Step("overhead_2r", [PY, bench("overhead.py"), *oh, "--nproc", "2", *mid, "--json", str(out / "overhead_2r.json")],
@@ -149,6 +162,11 @@ def scenario_rows(out: Path) -> list[dict]:
 
 def summarize(out: Path, results: list[dict]) -> None:
     summary = {"steps": results, "scenarios": scenario_rows(out)}
+    if (out / "scenarios_gpu.json").exists():
+        try:
+            summary["scenarios_gpu"] = json.loads((out / "scenarios_gpu.json").read_text())
+        except ValueError:
+            summary["scenarios_gpu"] = "unreadable"
     for name in ("env", "overhead_1b", "overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload",
                  "predictions"):
         path = out / f"{name}.json"
@@ -184,6 +202,12 @@ def summarize(out: Path, results: list[dict]) -> None:
             fired = ", ".join(f"{c} ({s})" for c, s in sorted(r["found"].items())) or "none"
             lines.append(f"| {r['scenario']} | {', '.join(r['expect']) or 'nothing at warning level'} | {fired} | "
                          f"{'yes' if r['ok'] else 'NO'} |")
+    if (out / "scenarios_gpu.md").exists():  # the GPU rows' finding-by-scenario table, as benchmarks/scenarios.py printed it
+        lines += ["", "## Scenario matrix, GPU rows (fix applied and rechecked)", "",
+                  (out / "scenarios_gpu.md").read_text().rstrip()]
+        rows = summary.get("scenarios_gpu")
+        if isinstance(rows, dict):
+            lines += [""] + [f"- {n}: {'ok' if r['ok'] else '; '.join(r['problems'])}" for n, r in rows.items()]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 

@@ -184,3 +184,17 @@ def test_pinned_offload_fixes_run_on_the_gpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     assert results and all(r[2] == "ok" for r in results), results
+
+
+def test_scenario_matrix_gpu_rows(tmp_path):
+    """The scenario matrix's GPU rows (tests/scenario_matrix.py GPU_ROWS) on 2 NCCL ranks: each planted problem of
+    a GPU rule found at its severity, the tuned GPU baseline without a warning, every fix pasted where it says and
+    rechecked in fresh processes (gone or improved, no new warning, the peak as predicted; prefetch's step-time
+    gain at least half the predicted one). The GPU campaign's scenarios_gpu step runs the same rows and keeps
+    their table (benchmarks/gpu_campaign.py leaves this test out of its tests step)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import scenario_matrix as M
+
+    outcomes = M.run_matrix(tmp_path, M.GPU_ROWS, device="cuda")
+    bad = {name: M.problems(o) for name, o in outcomes.items() if M.problems(o)}
+    assert not bad, bad

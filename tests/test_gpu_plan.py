@@ -3,6 +3,7 @@ campaign's plan (issue #22). The GPU tier itself is tests/test_gpu.py, marked `g
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
 
     steps = gpu_campaign.plan(tmp_path, dry=False, steps=10)
     names = [s.name for s in steps]
-    assert names[:4] == ["env", "tests", "overhead_1b", "overhead_2r"]
+    assert names[:5] == ["env", "tests", "scenarios_gpu", "overhead_1b", "overhead_2r"]
     assert {"allocator_1r", "allocator_2r", "allocator_2r_offload", "fixture", "predictions"} <= set(names)
     assert all(f"scenario_{n}" in names for n, _, _ in gpu_campaign.SCENARIOS)
     assert all("--device" in s.argv and "cuda" in s.argv for s in steps if s.name not in ("env", "tests"))
@@ -79,6 +80,42 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     cfg = WorkloadConfig(n_layers=int(o[1]), d_model=int(o[3]), n_heads=int(o[5]), n_kv_heads=int(o[7]),
                          vocab=int(o[9]), seq_len=int(o[11]))
     assert 0.9e9 < total_param_count(cfg) < 1.2e9 and cfg.n_kv_heads < cfg.n_heads
+
+
+def test_the_campaign_runs_the_matrix_gpu_rows_and_copies_their_table(tmp_path):
+    """The scenarios_gpu step: the matrix's GPU rows through benchmarks/scenarios.py on cuda (on the dry run the
+    same rows on the CPU), its table and rechecks in the folder, its table copied into summary.md; the tests step
+    leaves out the GPU tier's test of the same rows."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import gpu_campaign
+    import scenario_matrix as M
+
+    for dry, device in ((False, "cuda"), (True, "cpu")):
+        steps = {s.name: s for s in gpu_campaign.plan(tmp_path, dry=dry, steps=10)}
+        s = steps["scenarios_gpu"]
+        assert s.argv[1].endswith("benchmarks/scenarios.py") and s.argv[s.argv.index("--device") + 1] == device
+        assert s.argv[s.argv.index("--rows") + 1] == "gpu"
+        assert s.outputs == ["scenarios_gpu.md", "scenarios_gpu.json"]
+        assert str(tmp_path / "scenarios_gpu.json") in s.argv and 120 <= s.timeout_s <= 300
+        assert f"not {gpu_campaign.GPU_ROWS_TEST}" in steps["tests"].argv
+    # the rows: every GPU-only rule the brief names planted once, a tuned baseline, all flagged and apart
+    assert {r.code for r in M.GPU_ROWS} >= {None, "offload.costly", "offload.unpinned", "kernels.eager_attention",
+                                           "comm.small_collectives", "wrap.too_fine", "prefetch.exposed_allgather",
+                                           "kernels.launch_bound"}
+    assert all(r.gpu and r.profile for r in M.GPU_ROWS) and not any(r.gpu for r in M.ROWS)
+    # shrunk on the CPU, without what the CPU cannot do
+    spec = M.BY_NAME["gpu_gpt_offload_unpinned"].spec(tmp_path / "x", device="cpu")
+    assert "cpu_offload" not in spec["knobs"] and spec["knobs"]["d_model"] == 64
+    assert M.BY_NAME["gpu_gpt_offload_unpinned"].spec(tmp_path / "x", device="cuda")["knobs"]["cpu_offload"]
+    # summary.md carries the step's table and each row's verdict
+    (tmp_path / "scenarios_gpu.md").write_text("| rule | planted on |\n|---|---|\n| offload.costly | 1: gpt |\n")
+    (tmp_path / "scenarios_gpu.json").write_text(json.dumps(
+        {"gpu_gpt_offload": {"ok": False, "problems": ["offload.costly not found at warning or above"]}}))
+    gpu_campaign.summarize(tmp_path, [dict(name="scenarios_gpu", status="ok", seconds=61.0)])
+    md = (tmp_path / "summary.md").read_text()
+    assert "| offload.costly | 1: gpt |" in md and "gpu_gpt_offload: offload.costly not found" in md
+    assert json.loads((tmp_path / "summary.json").read_text())["scenarios_gpu"]["gpu_gpt_offload"]["ok"] is False
 
 
 class FakeEvent:
