@@ -160,6 +160,23 @@ def scenario_rows(out: Path) -> list[dict]:
     return rows
 
 
+def merged(previous: list[dict], results: list[dict]) -> list[dict]:
+    """The steps of earlier calls into the same folder (its summary.json) with this call's: a step run now replaces
+    its earlier result, except a skip (budget) over an earlier run. A GPU session may split the campaign over
+    several device calls with ``--only``; summary.md then shows every step."""
+    now = {r["name"]: r for r in results}
+    keep = [p for p in previous if p["name"] not in now or now[p["name"]]["status"].startswith("skipped")]
+    kept = {p["name"] for p in keep}
+    return keep + [r for r in results if not (r["name"] in kept and r["status"].startswith("skipped"))]
+
+
+def previous_steps(out: Path) -> list[dict]:
+    try:
+        return list(json.loads((out / "summary.json").read_text()).get("steps") or [])
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
 def summarize(out: Path, results: list[dict]) -> None:
     summary = {"steps": results, "scenarios": scenario_rows(out)}
     if (out / "scenarios_gpu.json").exists():
@@ -239,6 +256,7 @@ def main() -> int:
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "KINETO_LOG_LEVEL": "6"}
     t0 = time.monotonic()
     results: list[dict] = []
+    before = previous_steps(a.out)  # an earlier call's steps into this folder stay in the summary
     for i, s in enumerate(steps, 1):
         elapsed = time.monotonic() - t0
         left = a.budget_s - elapsed
@@ -261,8 +279,8 @@ def main() -> int:
             status = f"ok but missing {', '.join(missing)}"
         results.append(dict(name=s.name, status=status, seconds=time.monotonic() - ts))
         print(f"[{time.monotonic() - t0:5.0f} s]   {status}", flush=True)
-        summarize(a.out, results)
-    summarize(a.out, results)
+        summarize(a.out, merged(before, results))
+    summarize(a.out, merged(before, results))
     print(f"\ncampaign done in {time.monotonic() - t0:.0f} s: {a.out / 'summary.md'}")
     print((a.out / "summary.md").read_text())
     return 0

@@ -141,6 +141,23 @@ class FakeEvent:
         return other.t - self.t
 
 
+def test_a_campaign_split_over_device_calls_keeps_every_step_in_the_summary(tmp_path):
+    """A GPU session may run the campaign in several device calls into one folder (``--only``): each call's summary
+    keeps the earlier calls' steps; a step run again replaces its result, a budget skip never hides an earlier run."""
+    import gpu_campaign as G
+
+    first = [dict(name="env", status="ok", seconds=1.0), dict(name="overhead_1b", status="ok", seconds=90.0),
+             dict(name="allocator_1r", status="skipped (budget)", seconds=0.0)]
+    G.summarize(tmp_path, G.merged(G.previous_steps(tmp_path), first))
+    second = [dict(name="overhead_1b", status="skipped (budget)", seconds=0.0),
+              dict(name="allocator_1r", status="ok", seconds=40.0), dict(name="memtracker", status="exit 1", seconds=5.0)]
+    G.summarize(tmp_path, G.merged(G.previous_steps(tmp_path), second))
+    steps = {r["name"]: r["status"] for r in json.loads((tmp_path / "summary.json").read_text())["steps"]}
+    assert steps == {"env": "ok", "overhead_1b": "ok", "allocator_1r": "ok", "memtracker": "exit 1"}
+    md = (tmp_path / "summary.md").read_text()
+    assert "| overhead_1b | ok | 90 |" in md and "| allocator_1r | ok | 40 |" in md
+
+
 def test_gpu_timeline_phases_and_units_read_a_step_later(monkeypatch):
     """Forward, backward and optimizer phases and per-unit times come out of the events' own clock, a step later
     (never waiting), and no event is reused while a pending step still needs it."""
