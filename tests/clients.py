@@ -697,12 +697,14 @@ def run_ac_prediction(out: Path) -> dict:
 
 
 def run_snippets(spec_path: Path) -> dict:
-    """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank), then trains one
-    step of the result. Returns {"results": [[client, code, "ok" | error line], ...]}."""
+    """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank, on the scenarios'
+    device), then trains one step of the result; a snippet that pins host memory must leave the parameters FSDP
+    offloads pinned. Returns {"results": [[client, code, "ok" | error line], ...]}."""
     from torch.distributed.fsdp import FSDPModule
 
     spec = json.loads(Path(spec_path).read_text())
-    mesh = init_device_mesh("cpu", (1,))
+    dev = scenario_device()
+    mesh = init_device_mesh(dev.type, (1,))
     out = []
     # torch.compile in a snippet (kernels.launch_bound, verdict.severe) traces the FSDP blocks with dynamo and
     # AOTAutograd as on a GPU; inductor's C++ code generation for this CPU would take a minute and say nothing
@@ -714,7 +716,7 @@ def run_snippets(spec_path: Path) -> dict:
             out.append([client, finding_code, "skipped: pinned host memory needs an accelerator"])
             continue
         try:
-            model = BUILD[client]()
+            model = BUILD[client]().to(dev)
             if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD_FOR.get(finding_code, SHARD[client])(model, mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -724,7 +726,10 @@ def run_snippets(spec_path: Path) -> dict:
             model = ns["model"]
             if not isinstance(model, FSDPModule):
                 fully_shard(model, mesh=mesh)  # a snippet that only prepares the model: the user shards next
-            loss_of(model, client, 0, 0).backward()
+            if "pin_memory=True" in snippet:
+                host = [p.to_local() for p in model.parameters() if p.to_local().device.type == "cpu"]
+                assert host and all(t.is_pinned() for t in host), "offloaded parameters not in pinned host memory"
+            loss_of(model, client, 0, 0, device=dev).backward()
             out.append([client, finding_code, "ok"])
         except Exception as e:  # noqa: BLE001 - reported per snippet
             out.append([client, finding_code, f"{type(e).__name__}: {e}".splitlines()[0][:300]])
@@ -741,7 +746,7 @@ def main(argv: list[str], clients: dict | None = None) -> int:
     client, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
-    dev = scenario_device() if client == "scenarios" else torch.device("cpu")
+    dev = scenario_device() if client in ("scenarios", "snippets") else torch.device("cpu")
     if dev.type == "cuda":  # NCCL on this rank's GPU (set before the group: device_id binds the communicator)
         from fsdp_doctor.workloads import WorkloadConfig
         from fsdp_doctor.workloads.train import backend_for, setup_rank

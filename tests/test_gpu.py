@@ -129,60 +129,20 @@ def test_cpu_offload_counts_host_memory(tmp_path):
             assert s.memory.peak.breakdown.get("optimizer_state", 0) == 0
 
 
-_PINNED_FIXES = r'''
-import json, os, sys
-import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[2])
-import clients as C
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-out = []
-for client, code, snippet in json.loads(open(sys.argv[1]).read()):
-    try:
-        model = C.BUILD[client]()
-        if BEFORE_SHARDING not in snippet:
-            model = C.SHARD[client](model, init_device_mesh("cuda", (1,)))
-        ns = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3)}
-        exec(compile(snippet, f"<{code} fix>", "exec"), ns)
-        model = ns["model"]
-        assert isinstance(model, FSDPModule), "the fix left the model unsharded"
-        pinned = [p for p in model.parameters() if p.to_local().device.type == "cpu"]
-        assert pinned and all(p.to_local().is_pinned() for p in pinned), "sharded parameters not in pinned host memory"
-        tok, tgt = C.batch(0, C.VOCAB[client], 0)
-        out_ = model(tok.cuda())
-        logits = out_.logits if hasattr(out_, "logits") else out_
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tgt.cuda().flatten()).backward()
-        torch.cuda.synchronize()
-        out.append([client, code, "ok"])
-    except Exception as e:
-        out.append([client, code, f"{type(e).__name__}: {e}".splitlines()[0][:300]])
-dist.destroy_process_group()
-print("RESULT " + json.dumps(out), flush=True)
-'''
-
-
 def test_pinned_offload_fixes_run_on_the_gpu(tmp_path):
     """The fixes a CPU host cannot run (pinned host memory needs CUDA): offload.recommended's and
     offload.unpinned's sharding plans, as the rules print them for the reference GPT (tests/test_clients.py's
-    constructed contexts), pasted on a fresh model on one NCCL rank: the sharded parameters end in pinned host
-    memory and a forward and backward run on the GPU."""
-    from fsdp_doctor.workloads import free_port
-
+    constructed contexts), pasted on a fresh model on one NCCL rank by the snippet runner (tests/clients.py
+    ``snippets``): the offloaded parameters end in pinned host memory and a forward and backward run on the GPU."""
     sys.path.insert(0, str(REPO / "tests"))
-    from test_clients import _constructed_snippets
+    from test_clients import _constructed_snippets, _launch
 
     spec = [s for s in _constructed_snippets() if "pin_memory=True" in s[2]]
     assert {c for _, c, _ in spec} >= {"offload.recommended", "offload.unpinned"}
     path = tmp_path / "pinned.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-c", _PINNED_FIXES, str(path), str(REPO / "tests"), str(free_port())],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    (res,), _ = _launch("snippets", 1, path, device="cuda", timeout_s=300)
+    results = res["results"]
     assert results and all(r[2] == "ok" for r in results), results
 
 

@@ -341,6 +341,15 @@ def prefetch_code(ctx, forward: bool = True, backward: bool = True) -> str:
     return "\n".join(lines)
 
 
+def async_unshard_code() -> str:
+    """Asynchronous unshard on every FSDP unit, the root included (private API, torch >= 2.4): on gloo the
+    all-gathers then run on gloo's threads instead of blocking the host."""
+    return ("from torch.distributed.fsdp import FSDPModule\n"
+            "for m in model.modules():\n"
+            "    if isinstance(m, FSDPModule):\n"
+            "        m._set_unshard_async_op(True)")
+
+
 def compile_code(t: Tree) -> str:
     """torch.compile, in place and after fully_shard (the FSDP hooks and module names stay), on every repeated
     block of every container (what torchtitan compiles); on every unit where the tree shows no container."""

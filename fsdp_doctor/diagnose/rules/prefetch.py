@@ -295,10 +295,7 @@ class SyncUnshard(Rule):
             "including the all-gathers FSDP prefetches in backward. Make the unshard asynchronous on every "
             "unit (private API, torch >= 2.4): the collective then runs on gloo's threads while the host "
             "computes, and FSDP waits for it only when the unit is needed.",
-            "from torch.distributed.fsdp import FSDPModule\n"
-            "for m in model.modules():\n"
-            "    if isinstance(m, FSDPModule):\n"
-            "        m._set_unshard_async_op(True)",
+            S.async_unshard_code(),
             predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None),
             units=names)]
 

@@ -8,6 +8,17 @@ from .. import thresholds as T
 from .. import snippets as S
 from ..base import Context, Rule, register
 
+def _prefetch(ctx: Context) -> str:
+    """Explicit prefetch over every unit of the run; on gloo, asynchronous unshard too (its all-gathers block the
+    host otherwise)."""
+    gloo = ctx.config is not None and (ctx.config.backend or "") == "gloo"
+    return S.prefetch_code(ctx) + ("\n" + S.async_unshard_code() if gloo else "")
+
+
+def _compile(ctx: Context) -> str:
+    return S.compile_code(S.tree(ctx))
+
+
 # bound -> (what takes the step, the levers in the order to try them, the fix: a function of the context
 # writing code from the run's module tree, or None where the lever is the user's loop or data pipeline)
 _LEVERS = {
@@ -16,7 +27,7 @@ _LEVERS = {
         "hide them behind compute: asynchronous unshard on gloo, explicit forward/backward prefetch, the last "
         "unit kept gathered (reshard_after_forward=False), fewer and larger units where calls are small, 16-bit "
         "all-gathers (MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
-        lambda ctx: _prefetch(ctx)),
+        _prefetch),
     "all_reduce": (
         "exposed collectives (all-reduce: no FSDP all-gather in the trace)",
         "overlap the gradient all-reduce with backward (DDP's buckets; sharding with FSDP2's fully_shard "
@@ -26,7 +37,7 @@ _LEVERS = {
         "the host launching work (Python, operator dispatch)",
         "give the device more work per launch: a larger micro-batch, torch.compile on the blocks (fuses the small "
         "kernels, and CUDA graphs with mode='reduce-overhead'), no .item()/.cpu() syncs inside the step",
-        lambda ctx: S.compile_code(S.tree(ctx))),
+        _compile),
     "input": (
         "time outside the model (data loading, the user's code between steps)",
         "load data in DataLoader worker processes (num_workers) with pinned memory and prefetching "
@@ -38,17 +49,6 @@ _LEVERS = {
         "the device and read it every N steps), collectives waiting for a slower rank, blocking copies; profile "
         "one step and look at the idle gaps", None),
 }
-
-
-def _prefetch(ctx: Context) -> str:
-    """Explicit prefetch over every unit of the run; on gloo, asynchronous unshard first (its all-gathers
-    block the host otherwise)."""
-    gloo = (ctx.config is not None and (ctx.config.backend or "") == "gloo")
-    code = S.prefetch_code(ctx)
-    if gloo:
-        code += ("\nfor unit in units:\n    unit._set_unshard_async_op(True)  # gloo: all-gathers no longer block "
-                 "the host")
-    return code
 
 
 @register
