@@ -10,8 +10,12 @@ ran):
   env          GPU, driver, torch, CUDA and NCCL versions (env.json)
   tests        `pytest -m gpu`: the GPU tier (tests/test_gpu.py, tests/test_gpu_timing.py) as JUnit XML, less the
                GPU rows' test (the next step runs those rows)
-  scenarios_gpu  the scenario matrix's GPU rows (benchmarks/scenarios.py --device cuda): each planted problem of a
-               GPU rule found, its fix applied and rechecked on 2 NCCL ranks (scenarios_gpu.md, scenarios_gpu.json)
+  scenarios_gpu  the scenario matrix's GPU rows (benchmarks/scenarios.py --device cuda): the GPU rules' planted
+               problems and the issue's GPU scenarios (no prefetch, every Linear its own unit, one unit, CPU offload,
+               ZeRO-2 and ZeRO-3 with memory to spare, checkpointing needed and unneeded, the optimizer before
+               sharding, a small batch, accumulation syncing every micro-batch, a straggler, a tuned baseline), all
+               recorded in one launch of 2 NCCL ranks, each finding's fix applied and rechecked in a second
+               (scenarios_gpu.md, scenarios_gpu.json; the runs in scenarios_gpu/NAME/ are the GPU fixtures)
   overhead_1b  benchmarks/overhead.py on a ~1B-parameter Llama-style GPT with grouped-query attention, 1 rank
   overhead_2r  the same on 2 NCCL ranks sharing the GPU (NCCL_HOSTID per rank)
   allocator    benchmarks/memory_vs_allocator.py: the doctor's per-step peak against max_memory_allocated(),
@@ -19,11 +23,11 @@ ran):
   memtracker   benchmarks/memory_vs_memtracker.py --device cuda: categories at every matched point against
                torch's FSDPMemTracker (reference GPT, HF Llama), 2 NCCL ranks (memtracker.log)
   fixture      a 2-rank run recorded by watch() with one profiler window (`fsdp-doctor demo`), for traces/
-  scenarios    the GPU scenarios (below): each a recorded 2-rank run and its report; which findings fired
   predictions  benchmarks/predictions.py --device cuda, if this checkout's predictions.py takes --device
 
-The folder then holds summary.md (the figures, for the README), summary.json, one log per step, and the run
-directories (fixture/, scenarios/NAME/). On the device machine, tar the folder under $OUT.
+The folder then holds summary.md (the figures, for the README, and the recorded runs with their sizes: the
+fixtures to commit), summary.json, one log per step, and the run directories (fixture/, scenarios_gpu/NAME/). On
+the device machine, tar the folder under $OUT.
 """
 
 from __future__ import annotations
@@ -48,24 +52,6 @@ MID = ["--n-layers", "8", "--d-model", "1024", "--n-heads", "16", "--n-kv-heads"
        "--seq-len", "512", "--batch-size", "4", "--param-dtype", "bf16"]
 TINY = ["--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--n-kv-heads", "2", "--vocab", "512",
         "--seq-len", "32", "--batch-size", "2", "--param-dtype", "fp32"]
-
-# The GPU scenarios: (name, extra demo flags, the finding codes of which one must fire; () = the tuned baseline,
-# which must raise nothing at warning level). Each runs as `fsdp-doctor demo --device cuda --nproc 2`.
-SCENARIOS: list[tuple[str, list[str], tuple[str, ...]]] = [
-    ("tuned", ["--forward-prefetch", "1", "--backward-prefetch", "1"], ()),
-    ("no_prefetch", [], ("prefetch.exposed_allgather",)),
-    ("leaf_units", ["--wrap", "leaf"], ("wrap.too_fine",)),
-    ("whole_model", ["--wrap", "whole"], ("wrap.too_coarse",)),
-    ("cpu_offload", ["--cpu-offload"], ("offload.costly",)),
-    ("zero2", ["--reshard-after-forward", "false"], ()),
-    ("zero3_ample", ["--capacity-mib", "60000"], ("reshard.zero2_affordable",)),
-    ("ac_unneeded", ["--ac", "block", "--capacity-mib", "60000"], ("ac.unneeded",)),
-    ("ac_needed", ["--batch-size", "16", "--capacity-mib", "1500"], ("ac.recommended",)),
-    ("optimizer_before_shard", ["--optimizer-before-shard"], ("optim.before_shard",)),
-    ("small_batch", ["--batch-size", "1", "--seq-len", "64"], ("throughput.low_mfu",)),
-    ("straggler", ["--sleep-rank", "1", "--sleep-ms", "30"], ("straggler.rank", "straggler.trace")),
-]
-
 
 # tests/test_gpu.py's test of the GPU rows: the scenarios_gpu step runs the same rows, the tests step leaves it out
 GPU_ROWS_TEST = "test_scenario_matrix_gpu_rows"
@@ -93,7 +79,7 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
         # the GPU rows (on the dry run: shrunk, on gloo, their rules quiet: the plumbing only)
         Step("scenarios_gpu", [PY, bench("scenarios.py"), "--device", device, "--rows", "gpu", "--markdown",
                                "--out", str(out / "scenarios_gpu"), "--table", str(out / "scenarios_gpu.md"),
-                               "--json", str(out / "scenarios_gpu.json")], 240,
+                               "--json", str(out / "scenarios_gpu.json")], 420,
              ["scenarios_gpu.md", "scenarios_gpu.json"]),
         Step("overhead_1b", [PY, bench("overhead.py"), *oh, "--nproc", "1", *big, "--json", str(out / "overhead_1b.json")],
              150, ["overhead_1b.json"]),
@@ -112,11 +98,6 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     demo = [PY, "-m", "fsdp_doctor.cli", "demo", "--device", device, "--nproc", "2", "--steps", str(steps),
             "--overwrite", *mid] + (["--async-unshard"] if dry else [])  # gloo blocks without it; NCCL never does
     todo.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))
-    for name, flags, _ in SCENARIOS:
-        if dry and "--cpu-offload" in flags:
-            continue  # CPUOffloadPolicy needs a GPU
-        todo.append(Step(f"scenario_{name}", [*demo, *flags, "--out", str(out / "scenarios" / name)], 120,
-                         [f"scenarios/{name}/report.json"]))
     todo.append(Step("predictions", [PY, bench("predictions.py"), "--device", device, "--steps", str(steps),
                                      "--reps", "1", "--json", str(out / "predictions.json")], 300,
                      ["predictions.json"]))
@@ -145,19 +126,19 @@ def write_env(path: Path) -> None:
     path.write_text(json.dumps(facts, indent=1))
 
 
-def scenario_rows(out: Path) -> list[dict]:
-    """Which findings each recorded scenario raised, against the ones it should."""
-    rows = []
-    for name, _, expect in SCENARIOS:
-        path = out / "scenarios" / name / "report.json"
-        if not path.exists():
+def recorded_runs(out: Path) -> list[dict]:
+    """The runs recorded by watch() in the folder (the fixture and each GPU row's before-run; not the fixes' reruns
+    nor the capacity probes): the candidates for traces/, with their sizes."""
+    runs = []
+    for manifest in sorted(out.glob("*/manifest.json")) + sorted(out.glob("scenarios_gpu/*/manifest.json")):
+        d = manifest.parent
+        if d.name.endswith(("_fixed", "_probe")):
             continue
-        report = json.loads(path.read_text())
-        found = {f["code"]: f.get("severity") for f in report.get("findings") or []}
-        warnings = sorted(c for c, sev in found.items() if sev in ("warning", "critical"))
-        ok = (not warnings) if not expect else any(code in found for code in expect)
-        rows.append(dict(scenario=name, expect=list(expect), found=found, warnings=warnings, ok=ok))
-    return rows
+        files = [f for f in d.rglob("*") if f.is_file()]
+        trace = sum(f.stat().st_size for f in files if "profiler" in f.relative_to(d).parts)
+        runs.append(dict(path=str(d.relative_to(out)), bytes=sum(f.stat().st_size for f in files),
+                         profiler_bytes=trace))
+    return runs
 
 
 def merged(previous: list[dict], results: list[dict]) -> list[dict]:
@@ -178,7 +159,7 @@ def previous_steps(out: Path) -> list[dict]:
 
 
 def summarize(out: Path, results: list[dict]) -> None:
-    summary = {"steps": results, "scenarios": scenario_rows(out)}
+    summary = {"steps": results, "runs": recorded_runs(out)}
     if (out / "scenarios_gpu.json").exists():
         try:
             summary["scenarios_gpu"] = json.loads((out / "scenarios_gpu.json").read_text())
@@ -213,12 +194,10 @@ def summarize(out: Path, results: list[dict]) -> None:
             lines.append(f"\n{key}: doctor/allocator peak min {r.get('min', float('nan')):.4f} median "
                          f"{r.get('median', float('nan')):.4f} max {r.get('max', float('nan')):.4f}; within 1%: "
                          f"{s['within_1pct']}; breakdown adds up: {s['breakdown_adds_up']}")
-    if summary["scenarios"]:
-        lines += ["", "| scenario | expected | fired (severity) | ok |", "|---|---|---|---|"]
-        for r in summary["scenarios"]:
-            fired = ", ".join(f"{c} ({s})" for c, s in sorted(r["found"].items())) or "none"
-            lines.append(f"| {r['scenario']} | {', '.join(r['expect']) or 'nothing at warning level'} | {fired} | "
-                         f"{'yes' if r['ok'] else 'NO'} |")
+    if summary["runs"]:
+        lines += ["", "Recorded runs (fixtures for traces/; profiler traces apart):", ""]
+        lines += [f"- {r['path']}: {r['bytes'] / 2**20:.1f} MiB ({r['profiler_bytes'] / 2**20:.1f} MiB of profiler "
+                  f"trace)" for r in summary["runs"]]
     if (out / "scenarios_gpu.md").exists():  # the GPU rows' finding-by-scenario table, as benchmarks/scenarios.py printed it
         lines += ["", "## Scenario matrix, GPU rows (fix applied and rechecked)", "",
                   (out / "scenarios_gpu.md").read_text().rstrip()]
@@ -233,8 +212,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--dry-run", action="store_true", help="run every step on CPU with tiny shapes (plumbing)")
     ap.add_argument("--budget-s", type=float, default=480, help="skip steps that would end after this (default 8 min)")
-    ap.add_argument("--steps", type=int, default=10, help="training steps of the fixture and scenario runs")
-    ap.add_argument("--only", default="", help="comma-separated step names (prefixes), e.g. env,overhead,scenario_")
+    ap.add_argument("--steps", type=int, default=10, help="training steps of the fixture and prediction runs")
+    ap.add_argument("--only", default="", help="comma-separated step names (prefixes), e.g. env,overhead,allocator")
     ap.add_argument("--list", action="store_true", help="print the steps and exit")
     ap.add_argument("--env", type=Path, help=argparse.SUPPRESS)  # internal: the env step
     a = ap.parse_args()

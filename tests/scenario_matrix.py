@@ -116,6 +116,10 @@ ROWS: list[Row] = [
     _r("hf_llama_whole", "hf_llama", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
     _r("transformer_whole", "transformer", "wrap.too_coarse", "one unit, tied embedding and output",
        knobs={"wrap": "whole"}),
+    # its plan splits the one unit's mixed precision over the new units (the blocks' loop once dropped it: a bf16
+    # input met fp32 weights when pasted)
+    _r("gpt_whole_mp", "gpt", "wrap.too_coarse", "one unit, bf16 compute and fp32 reduction",
+       knobs={"wrap": "whole", **LLAMA_MP}),
     _r("gpt_leaf", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={"wrap": "leaf"}),
     _r("gpt_blocks_only", "gpt", "wrap.params_in_root", "blocks and root only", knobs={"wrap": "blocks_only"}),
     _r("hf_llama_blocks_only", "hf_llama", "wrap.params_in_root", "blocks and root only",
@@ -227,6 +231,25 @@ GPU_ROWS: list[Row] = [
     _g("gpu_gpt_leaf_units", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={**GPU_SHAPE, "wrap": "leaf"}),
     _g("gpu_gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather", "FSDP's implicit prefetch only",
        knobs=GPU_SHAPE, min_severity="info", gpu_gain=True),
+    # the issue's recorded GPU scenarios (#22, item 4), the CPU rows' problems at the GPU's shape: their runs are
+    # the GPU fixtures for traces/ (one launch for all, instead of a demo launch each), their fixes rechecked there
+    _g("gpu_gpt_zero2", "gpt", None, "reshard_after_forward=False on every unit, ample memory",
+       knobs={**GPU_SHAPE, "reshard_after_forward": False}),
+    _g("gpu_gpt_whole", "gpt", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={**GPU_SHAPE, "wrap": "whole"}),
+    _g("gpu_gpt_zero2_ample", "gpt", "reshard.zero2_affordable", "every unit resharded under an 8 GiB budget",
+       knobs=GPU_SHAPE, watch=AMPLE, min_severity="info"),
+    _g("gpu_gpt_ac_ample", "gpt", "ac.unneeded", "every block checkpointed, 8 GiB budget",
+       knobs={**GPU_SHAPE, "ac": "block"}, watch=AMPLE, min_severity="info", figure="checkpointed_units"),
+    _g("gpu_gpt_tight_capacity", "gpt", "ac.recommended", "batch 8, budget 5% above peak",
+       knobs={**GPU_SHAPE, "batch_size": 8}, capacity_share=0.95),
+    _g("gpu_gpt_optimizer_before_shard", "gpt", "optim.before_shard", "AdamW built before fully_shard",
+       knobs={**GPU_SHAPE, "optimizer_before_shard": True}, min_severity="critical"),
+    _g("gpu_gpt_small_batch", "gpt", "throughput.low_mfu", "one sequence of 64 tokens per rank",
+       knobs={**GPU_SHAPE, "batch_size": 1, "seq_len": 64}, min_severity="info", apply=False),
+    _g("gpu_gpt_accum", "gpt", "accum.sync_every_micro_batch", "4 micro-batches, gradient sync on each",
+       knobs={**GPU_SHAPE, "grad_accum": 4}, min_severity="info"),
+    _g("gpu_gpt_straggler", "gpt", "straggler.rank", "rank 1 sleeps 30 ms every step",
+       knobs={**GPU_SHAPE, "sleep_rank": 1, "sleep_ms": 30.0, "steps": 12}, apply=False),  # 7 steady steps
     # the fix compiles each block (inductor on the GPU): last, the slowest rerun
     _g("gpu_gpt_tiny_launch_bound", "gpt", "kernels.launch_bound", "a tiny GPT: the host launches, the GPU waits",
        knobs=TINY_GPU, min_severity="info"),

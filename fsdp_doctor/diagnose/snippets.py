@@ -163,17 +163,26 @@ def _label_order(name: str):
 
 
 # ---------------------------------------------------------------------------------------------- sharding plans
-def _unit_kwargs(u) -> str:
-    """The unit's own fully_shard options as the run had them (what a plan must keep)."""
+def _unit_kwargs(u, inherit: bool = False) -> str:
+    """The unit's own fully_shard options as the run had them (what a plan must keep). ``inherit``: for modules
+    the unit held that become units of their own (the blocks of a whole-model unit): its mixed precision and
+    offload, which they must share (a bf16 input meets fp32 weights otherwise), not its resharding."""
     kw = ""
     if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None):
         kw += ", mp_policy=mp"
     raf = getattr(u, "reshard_after_forward", True)
-    if not u.is_root and raf is False:
+    if not u.is_root and raf is False and not inherit:
         kw += ", reshard_after_forward=False"
     if getattr(u, "offload", None) == "cpu":
         kw += f", offload_policy=CPUOffloadPolicy(pin_memory={bool(getattr(u, 'offload_pin_memory', False))})"
     return kw
+
+
+def _holder(t: Tree, fqn: str):
+    """The unit that held module ``fqn`` in the run: the innermost unit applied to it or to an ancestor, else
+    the root."""
+    held = [u for u in t.non_root() if any(fqn == m or fqn.startswith(m + ".") for m in u.modules)]
+    return max(held, key=lambda u: max(len(m) for m in u.modules), default=None) or t.root()
 
 
 def _mp_line(units) -> Optional[str]:
@@ -208,7 +217,10 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     by_cont = {c: next((u for u in t.non_root() if any(block_of(m) and m.startswith(c + ".") for m in u.modules)),
                        None) for c in conts}
     for c in conts:
-        kw = _merge(_unit_kwargs(by_cont[c]) if by_cont[c] is not None else "", extra_kwargs, drop)
+        # the options of the container's block units, or of the unit that held its blocks (a whole-model unit)
+        held = _holder(t, c) if by_cont[c] is None else None
+        kw = _merge(_unit_kwargs(by_cont[c]) if by_cont[c] is not None else
+                    _unit_kwargs(held, inherit=True) if held is not None else "", extra_kwargs, drop)
         if group > 1:
             lines += [f"blocks = list({children_expr(c)})",
                       f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
