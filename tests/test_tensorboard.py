@@ -110,11 +110,21 @@ def test_memory_by_category_at_the_peak(tmp_path):
         assert sc["step/outside_ms"][r.step] == pytest.approx(r.outside_ms)
 
 
-def test_live_writer_is_cheap_and_analyses_windows_in_background(sample_copy):
+def test_live_writer_is_cheap_and_analyses_windows_in_background(sample_copy, monkeypatch):
+    """The training thread only queues: every event write and the window's trace analysis run on the writer's own
+    thread (checked by the thread each ran on, not by timing the calls, which a loaded host moves; the cost is
+    printed, and benchmarks/overhead.py measures the doctor's cost on the step)."""
+    import threading
+
     run = load_run(sample_copy)
     rd = run.ranks[0]
     w = TensorBoardWriter(sample_copy, 0)
-    w.on_step(rd.steps[0])  # first call pays the lazy set-up
+    w.poll_s = 0.2
+    ran_on: dict[str, set] = {"step": set(), "profile": set()}
+    write_step, analyze = w._write_step, w._analyze
+    monkeypatch.setattr(w, "_write_step", lambda rec: (ran_on["step"].add(threading.get_ident()), write_step(rec)))
+    monkeypatch.setattr(w, "_analyze", lambda win, p: (ran_on["profile"].add(threading.get_ident()), analyze(win, p)))
+    main = threading.get_ident()
     t0 = time.perf_counter()
     n = 0
     for _ in range(10):
@@ -126,13 +136,18 @@ def test_live_writer_is_cheap_and_analyses_windows_in_background(sample_copy):
     t1 = time.perf_counter()
     w.on_profile(pw, sample_copy / pw.path)
     hook_ms = (time.perf_counter() - t1) * 1e3
+    assert main not in ran_on["step"] | ran_on["profile"]  # the hooks queued; nothing was done inline
+    deadline = time.monotonic() + 60
+    while (w._jobs or not ran_on["profile"]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the worker wakes every poll_s and drains the queue
+    worker = w._worker
+    assert worker is not None and worker.name == "fsdp-doctor-tb-rank0"
+    assert ran_on["step"] == ran_on["profile"] == {worker.ident}
     t2 = time.perf_counter()
     w.close()
     close_ms = (time.perf_counter() - t2) * 1e3
     print(f"\nTensorBoardWriter.on_step: {per_step_ms * 1e3:.1f} us/step in the training thread; on_profile returns "
-          f"in {hook_ms:.2f} ms; close() drained {n} steps + 1 window in {close_ms:.0f} ms")
-    assert per_step_ms < 0.2, per_step_ms  # a queue put; generous for a shared CI machine
-    assert hook_ms < 50.0, hook_ms  # the trace analysis runs on the writer's thread, not in the hook
+          f"in {hook_ms:.2f} ms; close() in {close_ms:.0f} ms after the worker drained {n} steps + 1 window")
     sc = _scalars(sample_copy / "tb" / "rank0")
     assert "overlap/overlap_pct" in sc and "step/wall_ms" in sc
 
