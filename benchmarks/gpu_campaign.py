@@ -27,7 +27,8 @@ ran):
 
 The folder then holds summary.md (the figures, for the README, and the recorded runs with their sizes: the
 fixtures to commit), summary.json, one log per step, and the run directories (fixture/, scenarios_gpu/NAME/). On
-the device machine, tar the folder under $OUT.
+the device machine, tar the folder under $OUT; back here, `--adopt --out FOLDER` copies its recorded runs into
+traces/gpu/, which tests/test_gpu_fixtures.py then reads on the CPU.
 """
 
 from __future__ import annotations
@@ -141,6 +142,40 @@ def recorded_runs(out: Path) -> list[dict]:
     return runs
 
 
+# where the campaign's recorded runs go in the repository (tests/test_gpu_fixtures.py reads them on the CPU)
+FIXTURES = REPO / "traces" / "gpu"
+FIXTURE_BUDGET = 24 << 20  # bytes: above this the adoption says so (a clone carries every fixture)
+
+
+def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
+    """Copies a campaign folder's recorded runs into ``dest`` (traces/gpu/): the 2-rank fixture as ``fixture/``
+    (with its report), each GPU row's before-run as ``scenarios/NAME/`` (not the fixes' reruns nor the capacity
+    probes), the rows' rechecks and the machine's facts. Returns what it wrote, a line each, sizes in MiB."""
+    import shutil
+
+    lines = []
+    runs = recorded_runs(out)
+    if not runs:
+        raise SystemExit(f"{out}: no recorded run (fixture/ or scenarios_gpu/NAME/ with a manifest.json)")
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    total = 0
+    for r in runs:
+        src = out / r["path"]
+        to = dest / ("fixture" if r["path"] == "fixture" else Path("scenarios") / src.name)
+        shutil.copytree(src, to)
+        total += r["bytes"]
+        lines.append(f"{to.relative_to(REPO)}: {r['bytes'] / 2**20:.1f} MiB")
+    for name in ("env.json", "scenarios_gpu.json", "scenarios_gpu.md"):
+        if (out / name).exists():
+            shutil.copy2(out / name, dest / name)
+    lines.append(f"{len(runs)} runs, {total / 2**20:.1f} MiB in {dest.relative_to(REPO)}"
+                 + (f" (over {FIXTURE_BUDGET >> 20} MiB: leave out the scenarios whose rule reads no trace, or "
+                    "their profiler/ folders)" if total > FIXTURE_BUDGET else ""))
+    return lines
+
+
 def merged(previous: list[dict], results: list[dict]) -> list[dict]:
     """The steps of earlier calls into the same folder (its summary.json) with this call's: a step run now replaces
     its earlier result, except a skip (budget) over an earlier run. A GPU session may split the campaign over
@@ -215,6 +250,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="training steps of the fixture and prediction runs")
     ap.add_argument("--only", default="", help="comma-separated step names (prefixes), e.g. env,overhead,allocator")
     ap.add_argument("--list", action="store_true", help="print the steps and exit")
+    ap.add_argument("--adopt", action="store_true",
+                    help="copy the recorded runs of the --out folder (a finished campaign) into traces/gpu/")
     ap.add_argument("--env", type=Path, help=argparse.SUPPRESS)  # internal: the env step
     a = ap.parse_args()
     if a.env:
@@ -222,6 +259,9 @@ def main() -> int:
         return 0
     if a.out is None:
         ap.error("--out is required")
+    if a.adopt:
+        print("\n".join(adopt(a.out)))
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     steps = plan(a.out, a.dry_run, a.steps)
     if a.only:

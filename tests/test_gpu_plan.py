@@ -210,3 +210,30 @@ def test_gpu_timeline_phases_and_units_read_a_step_later(monkeypatch):
         assert r.step_ms == 20.0
         assert (r.forward_ms, r.backward_ms, r.optimizer_ms) == (5.0, 8.0, 3.0)
         assert r.units == [["", 5.0, 8.0], ["layers.0", 3.0, 6.0]]
+
+
+def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, monkeypatch):
+    """``gpu_campaign.py --adopt``: the fixture and each GPU row's before-run (not the fixes' reruns nor the
+    capacity probes) land where tests/test_gpu_fixtures.py reads them, with the rows' rechecks and the machine."""
+    import shutil
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_campaign as G
+
+    out = tmp_path / "c"
+    sample = REPO / "traces" / "sample"
+    for d in ("fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_whole_fixed",
+              "scenarios_gpu/gpu_gpt_tight_capacity_probe"):
+        shutil.copytree(sample, out / d)
+    (out / "env.json").write_text('{"gpu": "NVIDIA H100 80GB HBM3"}')
+    (out / "scenarios_gpu.json").write_text("{}")
+    dest = tmp_path / "repo" / "traces" / "gpu"
+    monkeypatch.setattr(G, "REPO", tmp_path / "repo")  # where the lines are relative to
+    lines = G.adopt(out, dest)
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.glob("**/manifest.json")) == \
+        ["fixture/manifest.json", "scenarios/gpu_gpt_whole/manifest.json"]
+    assert (dest / "fixture" / "report.json").exists() and (dest / "env.json").exists()
+    size = sum(f.stat().st_size for f in sample.rglob("*") if f.is_file())
+    assert lines[-1] == f"2 runs, {2 * size / 2**20:.1f} MiB in traces/gpu"
+    with pytest.raises(SystemExit, match="no recorded run"):
+        G.adopt(tmp_path / "empty", tmp_path / "d2")
