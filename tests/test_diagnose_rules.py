@@ -685,16 +685,20 @@ def test_module_expr_and_blocks():
 
 
 def test_memory_fallback_from_step_records():
+    """A report built without its memory section: the rules read the section the memory analysis computes from the
+    step records (one definition of a rank's peak and per-unit rows, not a second one here)."""
     import msgspec
 
+    from fsdp_doctor.analyze.memory import analyze_memory
     from fsdp_doctor.records import MemoryStep, StepRecord
 
     step = StepRecord(rank=0, step=3, start_ns=0, wall_ms=100.0, memory=msgspec.convert({
         "peak": {"bytes": 50 * MiB, "unit": "layers.3", "phase": "forward_end",
-                 "breakdown": {"activations": 40 * MiB, "sharded_params": 2 * MiB}},
+                 "breakdown": {"activations": 40 * MiB, "sharded_params": 2 * MiB, "optimizer_state": 8 * MiB}},
         "unit_activations": {"layers.0": 10 * MiB}}, MemoryStep))
     ctx, _ = build(capacity=48 * MiB)
     ctx.run.ranks = {0: SimpleNamespace(steps=[step])}
+    assert ctx.report.memory is None and E.memory_per_rank(ctx) == analyze_memory(ctx.run).per_rank
     assert E.peak_bytes(ctx) == 50 * MiB
     assert E.capacity_bytes(ctx) == 48 * MiB
     assert E.memory_units(ctx)["layers.0"].activation_bytes == 10 * MiB

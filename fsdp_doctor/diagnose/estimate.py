@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 import msgspec
 
 from ..records import UnitConfig, unit_defaults
-from ..report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemoryUnitRow, OverlapSection,
+from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from . import thresholds as T
 from .base import Context, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
@@ -85,36 +85,15 @@ def on_gpu(ctx: Context) -> bool:
 
 # ---------------------------------------------------------------------------------------------- memory
 def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:
-    """The memory section's ``per_rank``; without one, the same records derived from the step records'
-    memory samples (steady-state steps): the highest peak with its breakdown and the activations each unit
-    left at that step."""
+    """The memory section's ``per_rank``; without one (a report built without it), the same section computed
+    from the run's step records by the one analysis that builds it (fsdp_doctor.analyze.memory)."""
     mem = ctx.report.memory
     if mem is not None and mem.per_rank:
         return mem.per_rank
-    cap = ctx.config.capacity_bytes if ctx.config is not None else None
-    out: dict[str, MemoryRank] = {}
-    for r, rd in (getattr(ctx.run, "ranks", None) or {}).items():
-        sampled = [(s.step, s.memory) for s in rd.steps
-                   if s.step != 0 and s.memory is not None and s.memory.peak is not None]
-        if not sampled:
-            continue
-        step, m = max(sampled, key=lambda sm: sm[1].peak.bytes)  # the first of equal peaks, as recorded
-        pk = m.peak
-        out[str(r)] = MemoryRank(
-            peak_bytes=int(pk.bytes), peak_at=MemoryPeakAt(step=step, unit=pk.unit, phase=pk.phase),
-            peak_breakdown=dict(pk.breakdown), activations_peak_bytes=pk.breakdown.get("activations", 0),
-            offloaded_host_bytes=m.offloaded_host, capacity_bytes=cap,
-            per_unit=_unit_rows(m))
-    return out
+    from ..analyze.memory import analyze_memory
 
-
-def _unit_rows(m) -> list[MemoryUnitRow]:
-    """Per-unit rows of one step's memory record: what each unit's forward left saved and its recomputes saved."""
-    acts, rec = m.unit_activations or {}, m.unit_recompute_saved or {}
-    rows = {u: MemoryUnitRow(unit=u, activation_bytes=int(b)) for u, b in acts.items()}
-    for u, b in rec.items():
-        rows.setdefault(u, MemoryUnitRow(unit=u)).recompute_saved_bytes = int(b)
-    return list(rows.values())
+    derived = analyze_memory(ctx.run) if getattr(ctx.run, "ranks", None) else None
+    return derived.per_rank if derived is not None else {}
 
 
 def peak_memory(ctx: Context) -> Optional[MemoryRank]:

@@ -443,7 +443,8 @@ def complete(code: str) -> str:
     pre: list[str] = []
     if re.search(r"\bmesh\b", body) and not re.search(r"^\s*mesh\s*=", body, re.M):
         body = _MESH + "\n" + body
-    used_fsdp = [n for n in _FSDP_NAMES if re.search(rf"\b{n}\b", body)
+    uses = re.sub(r"^\s*(from|import) .*$", "", body, flags=re.M)  # what the code uses, its own imports aside
+    used_fsdp = [n for n in _FSDP_NAMES if re.search(rf"\b{n}\b", uses)
                  and not re.search(rf"^\s*from \S+ import [^\n]*\b{n}\b", body, re.M)]
     for pat, line in _DEFINES:
         if line is None:
@@ -451,6 +452,6 @@ def complete(code: str) -> str:
                 line = f"from torch.distributed.fsdp import {', '.join(used_fsdp)}"
             else:
                 continue
-        if re.search(pat, body) and not re.search(rf"^{re.escape(line)}$", body, re.M):
+        if re.search(pat, uses) and not re.search(rf"^{re.escape(line)}$", body, re.M):
             pre.append(line)
     return "\n".join(pre + [body])
