@@ -203,11 +203,13 @@ ROWS: list[Row] = [
 
 # ------------------------------------------------------------------------------------------------ GPU rows
 # the GPU's shape (tests/test_gpu.py SMALL): seconds per run on an H100, the device (not the host) sets the step;
-# bf16 compute, fp32 reduction (numerics.reduce_dtype stays quiet); NCCL never blocks the host (no async unshard)
-GPU_SHAPE = {"steps": 6, "async_unshard": False, "n_layers": 4, "d_model": 512, "n_heads": 8, "n_kv_heads": 2,
+# bf16 compute, fp32 reduction (numerics.reduce_dtype stays quiet); NCCL never blocks the host (no async unshard).
+# 10 steps: the profiler window (steps 2-4) and the FLOP-counting step 1 leave 5 steady steps for the rules that
+# read step times (with 6, one: reshard.zero2_affordable then had none at the GPU's shape)
+GPU_SHAPE = {"steps": 10, "async_unshard": False, "n_layers": 4, "d_model": 512, "n_heads": 8, "n_kv_heads": 2,
              "vocab": 8192, "seq_len": 512, "batch_size": 4, "param_dtype": "bf16", "reduce_dtype": "fp32"}
-HF_GPU_SHAPE = {"steps": 6, "async_unshard": False, "seq_len": 512, "batch_size": 4, **LLAMA_MP}
-TINY_GPU = {"steps": 6, "async_unshard": False, "n_layers": 4, "d_model": 64, "seq_len": 32, "batch_size": 2}
+HF_GPU_SHAPE = {"steps": 10, "async_unshard": False, "seq_len": 512, "batch_size": 4, **LLAMA_MP}
+TINY_GPU = {"steps": 10, "async_unshard": False, "n_layers": 4, "d_model": 64, "seq_len": 32, "batch_size": 2}
 # what the GPU rows become on the CPU (the campaign's dry run): the other trees' batches, a small GPT
 CPU_SHAPE = {"async_unshard": True, "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "vocab": 512,
              "seq_len": 32, "batch_size": 2}
