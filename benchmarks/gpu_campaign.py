@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -152,27 +153,82 @@ def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     (with its report), each GPU row's before-run as ``scenarios/NAME/`` (not the fixes' reruns nor the capacity
     probes), the rows' rechecks and the machine's facts. Returns what it wrote, a line each, sizes in MiB."""
     import shutil
+    import tempfile
 
+    o, d = out.resolve(), dest.resolve()
+    if o == d or d in o.parents or o in d.parents:
+        raise SystemExit(f"{out}: the campaign folder and {dest} overlap: untar the campaign elsewhere")
     lines = []
-    runs = recorded_runs(out)
+    runs = [r for r in recorded_runs(out) if r["path"] == "fixture" or r["path"].startswith("scenarios_gpu/")]
     if not runs:
         raise SystemExit(f"{out}: no recorded run (fixture/ or scenarios_gpu/NAME/ with a manifest.json)")
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    total = 0
-    for r in runs:
-        src = out / r["path"]
-        to = dest / ("fixture" if r["path"] == "fixture" else Path("scenarios") / src.name)
-        shutil.copytree(src, to)
-        total += r["bytes"]
-        lines.append(f"{to.relative_to(REPO)}: {r['bytes'] / 2**20:.1f} MiB")
-    for name in ("env.json", "scenarios_gpu.json", "scenarios_gpu.md"):
-        if (out / name).exists():
-            shutil.copy2(out / name, dest / name)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # copied beside dest, then swapped in: a failure half-way leaves the committed fixtures as they were
+    tmp = Path(tempfile.mkdtemp(prefix=".gpu-adopt-", dir=dest.parent))
+    try:
+        total = 0
+        for r in runs:
+            src = out / r["path"]
+            rel = Path("fixture") if r["path"] == "fixture" else Path("scenarios") / src.name
+            shutil.copytree(src, tmp / rel)
+            total += r["bytes"]
+            lines.append(f"{(dest / rel).relative_to(REPO)}: {r['bytes'] / 2**20:.1f} MiB")
+        for name in ("env.json", "scenarios_gpu.json", "scenarios_gpu.md"):
+            if (out / name).exists():
+                shutil.copy2(out / name, tmp / name)
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     lines.append(f"{len(runs)} runs, {total / 2**20:.1f} MiB in {dest.relative_to(REPO)}"
                  + (f" (over {FIXTURE_BUDGET >> 20} MiB: leave out the scenarios whose rule reads no trace, or "
                     "their profiler/ folders)" if total > FIXTURE_BUDGET else ""))
+    return lines
+
+
+PACK_PART = 15 << 20  # bytes per tarball: the device tool returns at most 8 files of 16 MiB from $OUT
+PACK_PARTS = 8
+
+
+def pack(out: Path, dest: Path) -> list[str]:
+    """The campaign folder as tarballs the device tool can return: ``campaign-results.tgz`` (summaries, figures,
+    logs: everything but the run directories) and ``campaign-runs-N.tgz``, the recorded runs that ``--adopt``
+    takes (the fixture, the GPU rows' before-runs; the fixes' reruns and the probes are left: their rechecks are
+    in scenarios_gpu.json), each under 15 MiB, at most 7. Runs that do not fit are listed in
+    ``packed.json``. Untar every part into one folder here. Returns a line per tarball."""
+    import tarfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in recorded_runs(out) if r["path"] == "fixture" or r["path"].startswith("scenarios_gpu/")]
+
+    def in_run(f: Path) -> bool:  # inside a run directory (any: the fixes' reruns and probes too)
+        dirs = [out / q for q in f.relative_to(out).parents if q != Path(".")]
+        return any((d / "manifest.json").exists() or d.name.endswith(("_fixed", "_probe")) for d in dirs)
+
+    small = [f for f in sorted(out.rglob("*")) if f.is_file() and not in_run(f) and f.name != "packed.json"]
+    parts: list[list[dict]] = []
+    left = []
+    for r in sorted(runs, key=lambda r: (r["path"] != "fixture", r["bytes"])):  # the fixture first, then small
+        fit = next((p for p in parts if sum(x["bytes"] for x in p) + r["bytes"] <= PACK_PART), None)
+        if fit is None and len(parts) < PACK_PARTS - 1 and r["bytes"] <= PACK_PART:
+            parts.append(fit := [])
+        (fit.append(r) if fit is not None else left.append(r["path"]))
+    (out / "packed.json").write_text(json.dumps({"parts": [[r["path"] for r in p] for p in parts],
+                                                 "left_out": left}, indent=1))
+    lines = []
+    with tarfile.open(dest / "campaign-results.tgz", "w:gz") as tar:
+        for f in small + [out / "packed.json"]:
+            tar.add(f, arcname=str(f.relative_to(out)))
+    lines.append(f"campaign-results.tgz: {(dest / 'campaign-results.tgz').stat().st_size / 2**20:.1f} MiB")
+    for i, part in enumerate(parts, 1):
+        name = f"campaign-runs-{i}.tgz"
+        with tarfile.open(dest / name, "w:gz") as tar:
+            for r in part:
+                tar.add(out / r["path"], arcname=r["path"])
+        lines.append(f"{name}: {len(part)} runs, {(dest / name).stat().st_size / 2**20:.1f} MiB")
+    if left:
+        lines.append(f"left out (over {PACK_PART >> 20} MiB or no part left): {', '.join(left)}")
     return lines
 
 
@@ -252,6 +308,8 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="print the steps and exit")
     ap.add_argument("--adopt", action="store_true",
                     help="copy the recorded runs of the --out folder (a finished campaign) into traces/gpu/")
+    ap.add_argument("--pack", type=Path, metavar="DIR",
+                    help="write the --out folder as tarballs the device tool returns (under 15 MiB each) into DIR")
     ap.add_argument("--env", type=Path, help=argparse.SUPPRESS)  # internal: the env step
     a = ap.parse_args()
     if a.env:
@@ -261,6 +319,9 @@ def main() -> int:
         ap.error("--out is required")
     if a.adopt:
         print("\n".join(adopt(a.out)))
+        return 0
+    if a.pack:
+        print("\n".join(pack(a.out, a.pack)))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     steps = plan(a.out, a.dry_run, a.steps)
@@ -287,11 +348,16 @@ def main() -> int:
         print(f"[{elapsed:5.0f} s] {i}/{len(steps)} {s.name} (≤{limit} s) ...", flush=True)
         ts = time.monotonic()
         with open(a.out / f"{s.name}.log", "w") as log:
+            # its own process group: a step that overruns is killed with every rank it launched, which would
+            # otherwise keep the GPU busy under the next steps' timings
+            proc = subprocess.Popen(s.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**env, **s.env},
+                                    start_new_session=True)
             try:
-                rc = subprocess.run(s.argv, stdout=log, stderr=subprocess.STDOUT, timeout=limit, cwd=REPO,
-                                    env={**env, **s.env}).returncode
+                rc = proc.wait(timeout=limit)
                 status = "ok" if rc == 0 else f"exit {rc}"
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 status = f"timed out after {limit} s"
         missing = [o for o in s.outputs if not (a.out / o).exists()]
         if missing and status == "ok":

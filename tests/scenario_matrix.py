@@ -204,8 +204,8 @@ ROWS: list[Row] = [
 # ------------------------------------------------------------------------------------------------ GPU rows
 # the GPU's shape (tests/test_gpu.py SMALL): seconds per run on an H100, the device (not the host) sets the step;
 # bf16 compute, fp32 reduction (numerics.reduce_dtype stays quiet); NCCL never blocks the host (no async unshard).
-# 10 steps: the profiler window (steps 2-4) and the FLOP-counting step 1 leave 5 steady steps for the rules that
-# read step times (with 6, one: reshard.zero2_affordable then had none at the GPU's shape)
+# 10 steps: the FLOP-counting step 1, the profiler window (warm-up 2, active 3) and its export in step 4 leave 5
+# steady steps for the rules that read step times (with 6, one: reshard.zero2_affordable then had none)
 GPU_SHAPE = {"steps": 10, "async_unshard": False, "n_layers": 4, "d_model": 512, "n_heads": 8, "n_kv_heads": 2,
              "vocab": 8192, "seq_len": 512, "batch_size": 4, "param_dtype": "bf16", "reduce_dtype": "fp32"}
 HF_GPU_SHAPE = {"steps": 10, "async_unshard": False, "seq_len": 512, "batch_size": 4, **LLAMA_MP}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import msgspec
@@ -779,3 +780,45 @@ def test_snippets_from_the_module_tree():
     assert "fully_shard([model.norm], mesh=mesh, reshard_after_forward=False)" in code or \
         "fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)" in code
     assert "embed, head share a parameter (tied weights): they stay in the root" in code
+
+
+
+def test_blocks_split_off_a_unit_keep_its_mixed_precision_and_offload():
+    """Blocks that had no unit of their own take the options of the unit that held them (its mixed precision and
+    offload: a bf16 input meets fp32 weights otherwise), not its resharding; the innermost holder counts, not the
+    unit with the longest module name."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    mp = dict(orig_dtypes=["float32"], param_dtype="bfloat16", reduce_dtype="float32")
+    whole = UnitConfig(name="", modules=[""], is_root=True, param_count=10, n_params=5, sharded_bytes=1,
+                       unsharded_bytes=2, own_modules=["emb", "layers.0.fc", "layers.1.fc", "head"],
+                       offload="cpu", offload_pin_memory=True, **mp)
+    code = re.sub(r",\n\s+", ", ", S.shard_plan(S.Tree.of([whole]), root_leftovers=True))  # options on one line
+    assert ("    fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))"
+            in code.splitlines()), code
+    # the container is a unit of its own inside a grouped unit, one of whose modules has a long name: the
+    # container's own unit holds the blocks (the longest module name anywhere once picked the outer one)
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=1, n_params=1, sharded_bytes=1,
+                      unsharded_bytes=1, orig_dtypes=["float32"])
+    outer = UnitConfig(name="enc, a_really_long_head_module_name", modules=["enc", "a_really_long_head_module_name"],
+                       is_root=False, param_count=2, n_params=2, sharded_bytes=1, unsharded_bytes=1,
+                       orig_dtypes=["float32"], reshard_after_forward=False)
+    stack = UnitConfig(name="enc.stack", modules=["enc.stack"], is_root=False, param_count=8, n_params=4,
+                       sharded_bytes=1, unsharded_bytes=2, own_modules=["enc.stack.0.fc", "enc.stack.1.fc"],
+                       reshard_after_forward=False, **mp)
+    t = S.Tree.of([outer, stack, root])
+    assert S._holder(t, "enc.stack") is stack
+    code = S.shard_plan(t)
+    assert "    fully_shard(block, mesh=mesh, mp_policy=mp)" in code.splitlines(), code  # not its resharding
+    compile(S.complete(code), "<plan>", "exec")
+
+
+def test_snippets_import_what_their_code_uses_and_nothing_for_their_own_imports():
+    from fsdp_doctor.diagnose import snippets as S
+
+    ac = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+          "    apply_activation_checkpointing, checkpoint_wrapper)\n"
+          "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper)")
+    assert S.complete(ac) == ac  # nothing it uses is undefined: no `import torch` for its from-import
+    code = S.complete("model.to(torch.bfloat16)")
+    assert code.splitlines()[0] == "import torch"

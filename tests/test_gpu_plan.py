@@ -68,7 +68,8 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     assert {"allocator_1r", "allocator_2r", "allocator_2r_offload", "memtracker", "fixture", "predictions"} \
         <= set(names) and len(names) == 11  # the issue's scenarios are matrix GPU rows: no demo launch each
     assert all("--device" in s.argv and "cuda" in s.argv for s in steps if s.name not in ("env", "tests"))
-    # the planned steps' limits fit the session's device time (30 min, less the machine's start)
+    # the planned steps' limits add up to about the session's device time (30 min): three calls of under 10 min
+    # (README), most steps ending well inside their limits
     assert sum(s.timeout_s for s in steps) <= 1850
     # the ~1B model of the 1-rank overhead run
     from fsdp_doctor.workloads import total_param_count
@@ -237,3 +238,51 @@ def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, 
     assert lines[-1] == f"2 runs, {2 * size / 2**20:.1f} MiB in traces/gpu"
     with pytest.raises(SystemExit, match="no recorded run"):
         G.adopt(tmp_path / "empty", tmp_path / "d2")
+    # a campaign untarred inside traces/gpu would be deleted by its own adoption: refused, nothing touched
+    inside = dest / "campaign"
+    shutil.copytree(out, inside)
+    with pytest.raises(SystemExit, match="overlap"):
+        G.adopt(inside, dest)
+    assert (inside / "fixture" / "manifest.json").exists() and (dest / "scenarios" / "gpu_gpt_whole").is_dir()
+    # adopting again replaces the earlier copy, leaving no temporary folder beside it
+    shutil.rmtree(inside)
+    G.adopt(out, dest)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["gpu"]
+
+
+def test_a_campaign_packs_into_tarballs_the_device_tool_returns(tmp_path, monkeypatch):
+    """``--pack DIR``: the results (summaries, figures, logs) in one tarball, the recorded runs ``--adopt`` takes
+    in parts under the size the device tool returns (the fixes' reruns and the probes left out), the rest listed;
+    untarred into one folder they adopt as the campaign folder itself does."""
+    import shutil
+    import tarfile
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_campaign as G
+
+    out = tmp_path / "c"
+    sample = REPO / "traces" / "sample"
+    names = ("fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_accum", "scenarios_gpu/gpu_gpt_whole_fixed",
+             "scenarios_gpu/gpu_gpt_tight_capacity_probe")
+    for d in names:
+        shutil.copytree(sample, out / d)
+    (out / "summary.md").write_text("# GPU campaign\n")
+    (out / "scenarios_gpu.json").write_text("{}")
+    run = sum(f.stat().st_size for f in sample.rglob("*") if f.is_file())
+    monkeypatch.setattr(G, "PACK_PART", int(2.5 * run))  # two runs a part
+    monkeypatch.setattr(G, "PACK_PARTS", 2)  # the results and one part of runs: one run left out
+    lines = G.pack(out, tmp_path / "OUT")
+    got = sorted(p.name for p in (tmp_path / "OUT").iterdir())
+    assert got == ["campaign-results.tgz", "campaign-runs-1.tgz"], lines
+    packed = json.loads((out / "packed.json").read_text())
+    assert packed["parts"] == [["fixture", "scenarios_gpu/gpu_gpt_accum"]]
+    assert packed["left_out"] == ["scenarios_gpu/gpu_gpt_whole"] and "left out" in lines[-1]
+    back = tmp_path / "back"
+    for t in got:
+        with tarfile.open(tmp_path / "OUT" / t) as tar:
+            tar.extractall(back, filter="data")
+    assert (back / "summary.md").exists() and (back / "packed.json").exists()
+    assert not list(back.glob("scenarios_gpu/*_fixed")) and not list(back.glob("scenarios_gpu/*_probe"))
+    monkeypatch.setattr(G, "REPO", tmp_path)
+    G.adopt(back, tmp_path / "traces" / "gpu")
+    assert (tmp_path / "traces" / "gpu" / "scenarios" / "gpu_gpt_accum" / "manifest.json").exists()

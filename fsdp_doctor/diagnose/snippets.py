@@ -181,8 +181,11 @@ def _unit_kwargs(u, inherit: bool = False) -> str:
 def _holder(t: Tree, fqn: str):
     """The unit that held module ``fqn`` in the run: the innermost unit applied to it or to an ancestor, else
     the root."""
-    held = [u for u in t.non_root() if any(fqn == m or fqn.startswith(m + ".") for m in u.modules)]
-    return max(held, key=lambda u: max(len(m) for m in u.modules), default=None) or t.root()
+    def depth(u) -> int:  # how deep the unit's module that contains fqn is
+        return max((len(m) for m in u.modules if fqn == m or fqn.startswith(m + ".")), default=-1)
+
+    held = [u for u in t.non_root() if depth(u) >= 0]
+    return max(held, key=depth, default=None) or t.root()
 
 
 def _mp_line(units) -> Optional[str]:

@@ -89,10 +89,15 @@ class TensorBoardWriter:
             return
         self._closed = True
         self._stop.set()
-        if self._worker is not None and self._worker.is_alive():
-            self._worker.join(timeout)
-        self._drain()  # whatever the worker had not picked up
-        self.writer.close()
+        if self._worker is None:  # nothing queued in the background: what is left is written here
+            self._drain()
+            self.writer.close()
+            return
+        # the worker drains what is queued and closes the event file itself: one thread writes, never two
+        self._worker.join(timeout)
+        if self._worker.is_alive():
+            log.warning("fsdp_doctor: TensorBoard writer: still busy after %.0f s (a trace analysis); it finishes "
+                        "and closes rank %d's event file in the background", timeout, self.rank)
 
     # ------------------------------------------------------------------ internals
     def _submit(self, job) -> None:
@@ -105,10 +110,18 @@ class TensorBoardWriter:
         """Wakes up every ``poll_s`` and writes what queued up meanwhile: the training thread never signals it."""
         while not self._stop.wait(self.poll_s):
             self._drain()
+        self._drain()  # close() was called: the rest of the queue, then the file
+        try:
+            self.writer.close()
+        except Exception as e:  # noqa: BLE001  (TensorBoard output must never disturb training)
+            log.warning("fsdp_doctor: TensorBoard writer: closing: %s: %s", type(e).__name__, e)
 
     def _drain(self) -> None:
-        while self._jobs:
-            job = self._jobs.popleft()
+        while True:
+            try:
+                job = self._jobs.popleft()
+            except IndexError:
+                return
             try:
                 if job[0] == "step":
                     self._write_step(job[1])
