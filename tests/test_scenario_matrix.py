@@ -32,6 +32,15 @@ def test_planted_problem_is_found(matrix, row):
     assert o.finding.evidence and o.finding.recommendation.text
 
 
+@pytest.mark.parametrize("row", [r.name for r in M.ROWS if r.code and not r.apply])
+def test_advice_in_words_prints_no_code(matrix, row):
+    """Where the lever is the user's code the doctor does not see (the data pipeline, what one rank does, the batch
+    size), the finding says what to look for in words: no template with placeholders to paste."""
+    o = _ran(matrix[row])
+    assert o.finding is not None and o.finding.recommendation.text
+    assert o.finding.recommendation.code == "", o.finding.recommendation.code
+
+
 @pytest.mark.parametrize("row", BASELINES)
 def test_tuned_baseline_has_no_warning(matrix, row):
     o = _ran(matrix[row])

@@ -152,9 +152,10 @@ class Straggler(Rule):
                  "steps_slower": f"{s.steps_slower} of {s.steps}"},
                 f"Every other rank waits for rank {s.rank} at the next collective. Look at what differs on "
                 f"that rank in {where}: its host (other processes, thermal throttling, a slower device), its data "
-                "shard (longer sequences, slower storage) or rank-specific code (logging, checkpointing on rank 0).",
-                "# find what the slow rank does differently, e.g.\nif dist.get_rank() == %d:\n"
-                "    ...  # move logging/checkpointing off the step, or balance the data shard" % s.rank,
+                "shard (longer sequences, slower storage) or rank-specific code (logging, checkpointing on rank 0): "
+                "move that work off the step or balance the shards. What differs is in your code and on your host, "
+                "which the doctor does not see: no code is offered.",
+                "",
                 predicted={"step_ms_before": p50, "step_ms_after": round(p50 - s.excess_ms_per_step, 3) if p50 else None,
                            "peak_bytes_before": None, "peak_bytes_after": None},
                 ranks=[s.rank],
