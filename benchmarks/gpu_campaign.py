@@ -132,7 +132,7 @@ def recorded_runs(out: Path) -> list[dict]:
     """The runs recorded by watch() in the folder (the fixture and each GPU row's before-run; not the fixes' reruns
     nor the capacity probes): the candidates for traces/, with their sizes."""
     runs = []
-    for manifest in sorted(out.glob("*/manifest.json")) + sorted(out.glob("scenarios_gpu/*/manifest.json")):
+    for manifest in sorted(out.glob("fixture/manifest.json")) + sorted(out.glob("scenarios_gpu/*/manifest.json")):
         d = manifest.parent
         if d.name.endswith(("_fixed", "_probe")):
             continue
@@ -159,7 +159,7 @@ def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     if o == d or d in o.parents or o in d.parents:
         raise SystemExit(f"{out}: the campaign folder and {dest} overlap: untar the campaign elsewhere")
     lines = []
-    runs = [r for r in recorded_runs(out) if r["path"] == "fixture" or r["path"].startswith("scenarios_gpu/")]
+    runs = recorded_runs(out)
     if not runs:
         raise SystemExit(f"{out}: no recorded run (fixture/ or scenarios_gpu/NAME/ with a manifest.json)")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def pack(out: Path, dest: Path) -> list[str]:
     import tarfile
 
     dest.mkdir(parents=True, exist_ok=True)
-    runs = [r for r in recorded_runs(out) if r["path"] == "fixture" or r["path"].startswith("scenarios_gpu/")]
+    runs = recorded_runs(out)
 
     def in_run(f: Path) -> bool:  # inside a run directory (any: the fixes' reruns and probes too)
         dirs = [out / q for q in f.relative_to(out).parents if q != Path(".")]

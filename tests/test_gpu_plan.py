@@ -213,6 +213,18 @@ def test_gpu_timeline_phases_and_units_read_a_step_later(monkeypatch):
         assert r.units == [["", 5.0, 8.0], ["layers.0", 3.0, 6.0]]
 
 
+def _fake_campaign(out: Path, *runs: str) -> int:
+    """A campaign folder whose recorded runs (and a fix's rerun and a capacity probe beside them, which the campaign
+    never adopts) are copies of traces/sample, with the rows' rechecks; returns one run's bytes."""
+    import shutil
+
+    sample = REPO / "traces" / "sample"
+    for d in (*runs, "scenarios_gpu/gpu_gpt_whole_fixed", "scenarios_gpu/gpu_gpt_tight_capacity_probe"):
+        shutil.copytree(sample, out / d)
+    (out / "scenarios_gpu.json").write_text("{}")
+    return sum(f.stat().st_size for f in sample.rglob("*") if f.is_file())
+
+
 def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, monkeypatch):
     """``gpu_campaign.py --adopt``: the fixture and each GPU row's before-run (not the fixes' reruns nor the
     capacity probes) land where tests/test_gpu_fixtures.py reads them, with the rows' rechecks and the machine."""
@@ -222,19 +234,14 @@ def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, 
     import gpu_campaign as G
 
     out = tmp_path / "c"
-    sample = REPO / "traces" / "sample"
-    for d in ("fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_whole_fixed",
-              "scenarios_gpu/gpu_gpt_tight_capacity_probe"):
-        shutil.copytree(sample, out / d)
+    size = _fake_campaign(out, "fixture", "scenarios_gpu/gpu_gpt_whole")
     (out / "env.json").write_text('{"gpu": "NVIDIA H100 80GB HBM3"}')
-    (out / "scenarios_gpu.json").write_text("{}")
     dest = tmp_path / "repo" / "traces" / "gpu"
     monkeypatch.setattr(G, "REPO", tmp_path / "repo")  # where the lines are relative to
     lines = G.adopt(out, dest)
     assert sorted(p.relative_to(dest).as_posix() for p in dest.glob("**/manifest.json")) == \
         ["fixture/manifest.json", "scenarios/gpu_gpt_whole/manifest.json"]
     assert (dest / "fixture" / "report.json").exists() and (dest / "env.json").exists()
-    size = sum(f.stat().st_size for f in sample.rglob("*") if f.is_file())
     assert lines[-1] == f"2 runs, {2 * size / 2**20:.1f} MiB in traces/gpu"
     with pytest.raises(SystemExit, match="no recorded run"):
         G.adopt(tmp_path / "empty", tmp_path / "d2")
@@ -254,21 +261,14 @@ def test_a_campaign_packs_into_tarballs_the_device_tool_returns(tmp_path, monkey
     """``--pack DIR``: the results (summaries, figures, logs) in one tarball, the recorded runs ``--adopt`` takes
     in parts under the size the device tool returns (the fixes' reruns and the probes left out), the rest listed;
     untarred into one folder they adopt as the campaign folder itself does."""
-    import shutil
     import tarfile
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_campaign as G
 
     out = tmp_path / "c"
-    sample = REPO / "traces" / "sample"
-    names = ("fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_accum", "scenarios_gpu/gpu_gpt_whole_fixed",
-             "scenarios_gpu/gpu_gpt_tight_capacity_probe")
-    for d in names:
-        shutil.copytree(sample, out / d)
+    run = _fake_campaign(out, "fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_accum")
     (out / "summary.md").write_text("# GPU campaign\n")
-    (out / "scenarios_gpu.json").write_text("{}")
-    run = sum(f.stat().st_size for f in sample.rglob("*") if f.is_file())
     monkeypatch.setattr(G, "PACK_PART", int(2.5 * run))  # two runs a part
     monkeypatch.setattr(G, "PACK_PARTS", 2)  # the results and one part of runs: one run left out
     lines = G.pack(out, tmp_path / "OUT")

@@ -92,7 +92,7 @@ def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:
         return mem.per_rank
     from ..analyze.memory import analyze_memory
 
-    derived = analyze_memory(ctx.run) if getattr(ctx.run, "ranks", None) else None
+    derived = analyze_memory(ctx.run)  # None without ranks or memory records
     return derived.per_rank if derived is not None else {}
 
 

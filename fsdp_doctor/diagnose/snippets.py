@@ -220,10 +220,12 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     by_cont = {c: next((u for u in t.non_root() if any(block_of(m) and m.startswith(c + ".") for m in u.modules)),
                        None) for c in conts}
     for c in conts:
-        # the options of the container's block units, or of the unit that held its blocks (a whole-model unit)
-        held = _holder(t, c) if by_cont[c] is None else None
-        kw = _merge(_unit_kwargs(by_cont[c]) if by_cont[c] is not None else
-                    _unit_kwargs(held, inherit=True) if held is not None else "", extra_kwargs, drop)
+        if by_cont[c] is not None:  # the options of the container's block units
+            own = _unit_kwargs(by_cont[c])
+        else:  # blocks without units of their own: those of the unit that held them (a whole-model unit)
+            held = _holder(t, c)
+            own = _unit_kwargs(held, inherit=True) if held is not None else ""
+        kw = _merge(own, extra_kwargs, drop)
         if group > 1:
             lines += [f"blocks = list({children_expr(c)})",
                       f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
