@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import record
+from conftest import async_gather_slack, record
 from fsdp_doctor import load_run
 from fsdp_doctor.analyze import build_report
 from fsdp_doctor.diagnose import RULES, Context
@@ -109,7 +109,9 @@ def test_zero2_prediction_against_the_run_that_applies_it(recorded_run, tmp_path
                       reshard_overrides={n: False for n in ev["units_flipped"]})
     ra = build_report(after)
     assert {u.name for u in ra.units if u.reshard_after_forward is False} >= set(ev["units_flipped"])
-    assert ra.memory.peak_bytes == pytest.approx(p["peak_bytes_after"], rel=0.01)
+    # to one unit's gathered parameters, which gloo's asynchronous all-gather leaves in the peak or not by thread
+    # timing (a fresh-clone run measured +263,168 B, +1.3%: exactly that unit)
+    assert abs(ra.memory.peak_bytes - p["peak_bytes_after"]) <= async_gather_slack(after)
     print(f"\nZeRO-2 on {ev['units_flipped']}: step {p['step_ms_before']:.1f} -> predicted {p['step_ms_after']:.1f}, "
           f"measured {ra.steps.job.p50_ms:.1f} ms; peak predicted {p['peak_bytes_after']}, "
           f"measured {ra.memory.peak_bytes} B")
