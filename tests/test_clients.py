@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import fsdp_doctor
+from conftest import async_gather_slack
 from fsdp_doctor.diagnose import diagnose
 
 pytestmark = pytest.mark.slow
@@ -201,8 +202,14 @@ def test_llama_hsdp_titan(clients):
     trainable = max(sum(p.numel() for p in b.parameters() if p.requires_grad) for b in model.layers.values())
     bound = 2 * 2 * _numel(model.layers["0"]) + 4 * trainable
     assert max(r["comm_buffers"] for r in mem.timeline) <= bound
-    # the peak: at layers.1's backward, at its start or between its marks (the high-water of the step)
-    assert mem.peak_at.unit == "layers.1" and mem.peak_at.phase in ("backward_start", "in_backward"), mem.peak_at
+    # the peak: at layers.1's backward, at its start or between its marks (the high-water of the step), to one
+    # unit's gathered parameters (conftest.async_gather_slack): the loss phase's high-water holds a gathered copy
+    # of [norm, output] or not by gloo's thread timing (a fresh clone: in_loss 1,176,420 B against 1,160,552 B at
+    # layers.1's backward, +32,896 B of temporaries on one rank and step, exactly that unit's)
+    bwd = ("backward_start", "in_backward")
+    at_layers1 = max(r["total"] for r in mem.timeline if r["unit"] == "layers.1" and r["phase"] in bwd)
+    assert (mem.peak_at.unit == "layers.1" and mem.peak_at.phase in bwd) or \
+        mem.peak_bytes - at_layers1 <= async_gather_slack(run), (mem.peak_at, mem.peak_bytes, at_layers1)
 
 
 def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
