@@ -813,6 +813,28 @@ def test_blocks_split_off_a_unit_keep_its_mixed_precision_and_offload():
     compile(S.complete(code), "<plan>", "exec")
 
 
+def test_plans_keep_an_int_reshard_after_forward_and_zero2_counts_its_copy():
+    """An int reshard_after_forward (reshard to that many ranks) is the user's setting: a plan keeps it (it once
+    printed the blocks without it; pasted on 4 ranks, they resharded to all 4, see the matrix row
+    gpt_blocks_only_raf2). Keeping such a unit gathered adds its unsharded bytes less the 1/N copy it keeps
+    already (4 gloo ranks, 2 blocks of 774.5 KiB: predicted +0.38 MiB, measured 9.10 -> 9.35 MiB; the full
+    unsharded bytes predicted +1.14 MiB)."""
+    from fsdp_doctor.diagnose import estimate as E
+    from fsdp_doctor.diagnose import snippets as S
+
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=1, n_params=1, sharded_bytes=1,
+                      unsharded_bytes=4, orig_dtypes=["float32"])
+    blocks = [UnitConfig(name=f"layers.{i}", modules=[f"layers.{i}"], is_root=False, param_count=4, n_params=2,
+                         sharded_bytes=250, unsharded_bytes=1000, orig_dtypes=["float32"], reshard_after_forward=raf)
+              for i, raf in enumerate((2, 2))]
+    code = S.shard_plan(S.Tree.of([*blocks, root]))
+    assert "    fully_shard(block, mesh=mesh, reshard_after_forward=2)" in code.splitlines(), code
+    unit = lambda raf: E.Unit(name="b", modules=["b"], is_root=False, param_count=4, n_params=2,  # noqa: E731
+                              sharded_bytes=250, unsharded_bytes=1000, orig_dtypes=["float32"],
+                              reshard_after_forward=raf)
+    assert [E.gathering_after_forward_bytes(unit(r)) for r in (True, 2, 4)] == [1000, 500, 750]
+
+
 def test_snippets_import_what_their_code_uses_and_nothing_for_their_own_imports():
     from fsdp_doctor.diagnose import snippets as S
 

@@ -314,11 +314,21 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     return out
 
 
+def gathering_after_forward_bytes(u: Unit) -> int:
+    """What keeping ``u`` gathered from its forward to its backward (reshard_after_forward=False) adds: its
+    unsharded bytes, less the copy it keeps now when it reshards to a smaller world (an int N: each rank keeps
+    1/N of the unsharded parameters, ``unsharded_bytes // N``)."""
+    raf = u.reshard_after_forward
+    kept = u.unsharded_bytes // raf if isinstance(raf, int) and not isinstance(raf, bool) and raf > 1 else 0
+    return int(u.unsharded_bytes) - int(kept)
+
+
 def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     """The peak (bytes, peak rank) with reshard_after_forward=False on the units ``us``.
 
-    Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too)
-    from its forward to its backward all-gather; they are added at every mark of the peak step's timeline
+    Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too; less
+    the smaller world's copy of an int reshard_after_forward, ``gathering_after_forward_bytes``) from its forward
+    to its backward all-gather; they are added at every mark of the peak step's timeline
     that falls in one of its windows (``held_windows``), and the new peak is the highest mark. Without a timeline,
     or for a unit the timeline does not show, its bytes are added at the peak (the start of backward holds
     every such unit)."""
@@ -332,12 +342,13 @@ def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     flat = 0
     for u in us:
         ws = held_windows(tl, u.name) if tl else []
+        extra = gathering_after_forward_bytes(u)
         if not ws:
-            flat += u.unsharded_bytes
+            flat += extra
             continue
         for w in ws:
             for i in range(*w):
-                added[i] += u.unsharded_bytes
+                added[i] += extra
     if not totals:
         return peak + flat
     return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)

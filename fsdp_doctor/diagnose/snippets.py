@@ -164,15 +164,16 @@ def _label_order(name: str):
 
 # ---------------------------------------------------------------------------------------------- sharding plans
 def _unit_kwargs(u, inherit: bool = False) -> str:
-    """The unit's own fully_shard options as the run had them (what a plan must keep). ``inherit``: for modules
+    """The unit's own fully_shard options as the run had them (what a plan must keep: mixed precision, a
+    ``reshard_after_forward`` other than the default, False or an int, and offload). ``inherit``: for modules
     the unit held that become units of their own (the blocks of a whole-model unit): its mixed precision and
     offload, which they must share (a bf16 input meets fp32 weights otherwise), not its resharding."""
     kw = ""
     if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None):
         kw += ", mp_policy=mp"
-    raf = getattr(u, "reshard_after_forward", True)
-    if not u.is_root and raf is False and not inherit:
-        kw += ", reshard_after_forward=False"
+    raf = getattr(u, "reshard_after_forward", True)  # True, False or an int (reshard to that many ranks)
+    if not u.is_root and not inherit and raf is not None and raf is not True:
+        kw += f", reshard_after_forward={raf}"
     if getattr(u, "offload", None) == "cpu":
         kw += f", offload_policy=CPUOffloadPolicy(pin_memory={bool(getattr(u, 'offload_pin_memory', False))})"
     return kw

@@ -121,7 +121,8 @@ class ExposedAllGather(Rule):
         # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
         # from its forward to its backward all-gather, added along the peak step's timeline
         z2_peak = E.zero2_peak(ctx, z2) if z2 else None
-        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(u.unsharded_bytes for u in z2)
+        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(
+            E.gathering_after_forward_bytes(u) for u in z2)
         has_fwd_prefetch = any(u.forward_prefetch for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
@@ -316,7 +317,7 @@ class LastUnitResharded(Rule):
         wait = E.ag_wait_ms(last, "backward") if last.has_timing else None
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
-        extra = last.unsharded_bytes  # FSDP2 keeps the sharded parameters while the unsharded ones live
+        extra = E.gathering_after_forward_bytes(last)  # FSDP2 keeps the sharded parameters meanwhile
         name = last.name or "(root)"
         code = ("# on the sharded model (or pass reshard_after_forward=False to its fully_shard call)\n"
                 + S.set_on_units([last.name], "set_reshard_after_forward(False)"))
