@@ -17,6 +17,7 @@ import msgspec
 from ..records import UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
+from ..units import fmt_bytes
 from . import thresholds as T
 from .base import Context, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
 
@@ -181,6 +182,31 @@ def total_params(us: Iterable[Unit]) -> int:
 
 def mib(n: Optional[float]) -> Optional[float]:
     return None if n is None else round(n / (1 << 20), 2)
+
+
+# ---------------------------------------------------------------------------------------------- why a rule is quiet
+# (``Rule.quiet``'s reasons: the figure the rule measured against the threshold it fires at)
+def _bytes_or_ms(n: float, ms: bool) -> str:
+    return f"{n:.1f} ms" if ms else fmt_bytes(n)
+
+
+def below_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
+    """"activations 8.03 MiB: 50% of the peak 16.13 MiB (fires from 60%)"; ``ms``: times, not bytes."""
+    return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
+            f"(fires from {100 * threshold:.0f}%)")
+
+
+def above_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
+    """"peak 16.13 MiB: 60% of capacity 24.00 MiB (fires below 50%)"."""
+    return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
+            f"(fires below {100 * threshold:.0f}%)")
+
+
+NO_CAPACITY = "memory capacity unknown: pass capacity_bytes= to watch()"
+
+
+def no_peak_or_capacity(peak, cap) -> str:
+    return "no memory peak recorded" if not peak else NO_CAPACITY
 
 
 # ---------------------------------------------------------------------------------------------- trace rows
