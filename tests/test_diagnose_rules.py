@@ -835,3 +835,31 @@ def test_snippets_import_what_their_code_uses_and_nothing_for_their_own_imports(
     assert S.complete(ac) == ac  # nothing it uses is undefined: no `import torch` for its from-import
     code = S.complete("model.to(torch.bfloat16)")
     assert code.splitlines()[0] == "import torch"
+
+
+def test_shard_plan_keeps_units_inside_blocks():
+    """A mixture of experts with each layer's experts a unit of their own (Mixtral users: ``fully_shard`` on
+    ``layer.mlp.experts``, then the layer): a plan that replaces the fully_shard calls keeps them, each before its
+    layer (FSDP shards bottom-up). The old plan dropped them: the experts rejoined their layers' all-gathers."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    def unit(name, **kw):
+        return UnitConfig(name=name, modules=[name], is_root=False, param_count=4, n_params=2, sharded_bytes=1,
+                          unsharded_bytes=2, orig_dtypes=["float32"], **kw)
+
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=10, n_params=3, sharded_bytes=1,
+                      unsharded_bytes=2, orig_dtypes=["float32"],
+                      own_modules=["model.embed_tokens", "model.norm", "lm_head"],
+                      trailing_modules=["model.norm", "lm_head"])
+    units = [u for i in range(3) for u in (unit(f"model.layers.{i}"), unit(f"model.layers.{i}.mlp.experts"))]
+    code = S.shard_plan(S.Tree.of([*units, root]), root_leftovers=True)
+    assert ("for block in model.model.layers.children():\n"
+            "    fully_shard(block.mlp.experts, mesh=mesh)  # a unit of its own, as in your run\n"
+            "    fully_shard(block, mesh=mesh)\n") in code
+    assert "layers.0" not in code  # no unit named twice
+    compile(S.complete(code), "<plan>", "exec")
+    # experts a unit in one layer only: that unit by name, before the layers' loop
+    code = S.shard_plan(S.Tree.of([*units[:2], units[2], units[4], root]))
+    assert "fully_shard(model.get_submodule('model.layers.0.mlp.experts'), mesh=mesh)\nfor block in" in code
+    # whole blocks instead of their leaves (wrap.too_fine): the units inside the blocks give way
+    assert "experts" not in S.shard_plan(S.Tree.of([*units, root]), nested=False)

@@ -132,8 +132,8 @@ class TooFine(Rule):
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        code = S.shard_plan(S.tree(ctx), note=f"whole blocks instead of their leaves ({len(us)} units -> "
-                            f"~{len(groups)})")
+        code = S.shard_plan(S.tree(ctx), nested=False,  # the leaves' units give way to their blocks
+                            note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
