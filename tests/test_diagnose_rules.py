@@ -863,3 +863,23 @@ def test_shard_plan_keeps_units_inside_blocks():
     assert "fully_shard(model.get_submodule('model.layers.0.mlp.experts'), mesh=mesh)\nfor block in" in code
     # whole blocks instead of their leaves (wrap.too_fine): the units inside the blocks give way
     assert "experts" not in S.shard_plan(S.Tree.of([*units, root]), nested=False)
+
+
+def test_checkpoint_snippet_runs_on_an_encoder_decoder():
+    """ac.recommended's snippet on a Hugging Face T5 (tiny config): its decoder fills the KV cache in a training
+    forward (use_cache on), so a checkpointed decoder block saved 52 tensors in forward, 48 recomputed, and
+    torch.utils.checkpoint raised. The snippet turns the cache off, as gradient_checkpointing_enable() does."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from fsdp_doctor.diagnose import snippets as S
+
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    code = S.checkpoint_modules(["encoder.block.0", "decoder.block.0"], "checkpoint whole blocks")
+    exec(compile(code, "<ac fix>", "exec"), {"model": model})
+    src, tgt = torch.randint(1, 64, (2, 2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=src, labels=tgt).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -338,7 +338,15 @@ def checkpoint_modules(names: list[str], note: str) -> str:
             + name_list("names", names) + "\n"
             "targets = {model.get_submodule(name) for name in names}\n"
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
-            "                               check_fn=lambda m: m in targets)")
+            "                               check_fn=lambda m: m in targets)\n"
+            + _NO_KV_CACHE)
+
+
+# a Hugging Face model fills its KV cache in a training forward where use_cache is on (T5's decoder): a recomputed
+# block then finds it filled, saves other tensors and checkpoint raises; gradient_checkpointing_enable() turns it off
+_NO_KV_CACHE = ("for m in model.modules():  # Hugging Face configs: no KV cache under checkpointing (as\n"
+                "    if getattr(getattr(m, 'config', None), 'use_cache', False):  # gradient_checkpointing_enable)\n"
+                "        m.config.use_cache = False")
 
 
 def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:
