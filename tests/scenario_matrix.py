@@ -209,7 +209,7 @@ ROWS: list[Row] = [
 ARCH_ROWS: list[Row] = [
     _r("t5_tuned", "t5", None, "each block of both stacks, the tied shared embedding and head in the root"),
     _r("mixtral_tuned", "mixtral", None, "embedding, each layer's experts, each layer, [norm, head], root",
-       user_shard="moe_experts"),
+       user_shard="moe_experts", profile=True),
     _r("mixtral_layers_tuned", "mixtral", None, "expert plan per decoder layer (experts inside their layer)"),
     _r("vit_tuned", "vit", None, "expert plan: embeddings, each layer, [layernorm, classifier], root"),
     _r("t5_whole", "t5", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
