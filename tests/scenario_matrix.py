@@ -206,6 +206,34 @@ ROWS: list[Row] = [
        watch={"memory": {"transients": False}}, min_severity="info", apply=False),
 ]
 
+# ------------------------------------------------------------------------------------------------ architectures
+# (wt-arch) trees we had never tried, sharded as their users do (tests/clients.py "architectures"): T5 (encoder
+# and decoder stacks, one shared embedding tied to both and to the head), Mixtral (mixture of experts; per decoder
+# layer, or with each layer's experts a unit of its own: user_shard "moe_experts"), ViT (patch embeddings, layers,
+# classifier). A tuned baseline per tree, then planted problems.
+ARCH_ROWS: list[Row] = [
+    _r("t5_tuned", "t5", None, "each block of both stacks, the tied shared embedding and head in the root"),
+    _r("mixtral_tuned", "mixtral", None, "embedding, each layer's experts, each layer, [norm, head], root",
+       user_shard="moe_experts", profile=True),
+    _r("mixtral_layers_tuned", "mixtral", None, "expert plan per decoder layer (experts inside their layer)"),
+    _r("vit_tuned", "vit", None, "expert plan: embeddings, each layer, [layernorm, classifier], root"),
+    _r("t5_whole", "t5", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("mixtral_whole", "mixtral", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("vit_whole", "vit", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("mixtral_blocks_only", "mixtral", "wrap.params_in_root", "layers and root only",
+       knobs={"wrap": "blocks_only"}),
+    _r("mixtral_experts_blocks_only", "mixtral", "wrap.params_in_root", "experts and layers as units, embedding "
+       "and head in the root", user_shard="moe_experts_blocks_only"),
+    _r("t5_tight_capacity", "t5", "ac.recommended", "batch 8, budget 5% above peak", knobs={"batch_size": 8},
+       capacity_share=0.95),
+    _r("vit_tight_capacity", "vit", "ac.recommended", "32 images, budget 5% above peak", knobs={"batch_size": 16},
+       capacity_share=0.95),
+    _r("mixtral_tight_capacity", "mixtral", "ac.recommended", "batch 8, budget 5% above peak",
+       knobs={"batch_size": 8}, capacity_share=0.95),
+]
+ROWS += ARCH_ROWS
+# ------------------------------------------------------------------------------------------------ (end architectures)
+
 # ------------------------------------------------------------------------------------------------ GPU rows
 # the GPU's shape (tests/test_gpu.py SMALL): seconds per run on an H100, the device (not the host) sets the step;
 # bf16 compute, fp32 reduction (numerics.reduce_dtype stays quiet); NCCL never blocks the host (no async unshard).

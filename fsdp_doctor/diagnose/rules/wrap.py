@@ -135,8 +135,8 @@ class TooFine(Rule):
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        code = S.shard_plan(S.tree(ctx), note=f"whole blocks instead of their leaves ({len(us)} units -> "
-                            f"~{len(groups)})")
+        code = S.shard_plan(S.tree(ctx), nested=False,  # the leaves' units give way to their blocks
+                            note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
@@ -177,9 +177,15 @@ class ParamsInRoot(Rule):
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
             return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(own)}): they stay "
                               "together in the root")
+        movable = _movable_share(root)
+        if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
+            tied = [m for m in own if m in root.tied_modules]
+            return self.quiet(f"{100 * share:.0f}% of the parameters are in the root, but those of tied modules "
+                              f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%")
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
-        # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step
-        held = max(0, root.unsharded_bytes - root.sharded_bytes)
+        # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
+        # stay in the root gathered: only the rest is freed
+        held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable)
         if root.shard_size == 1:  # (a 2x1 HSDP mesh)
             return self.quiet("the root is sharded over one rank: no all-gather, nothing held gathered")
         step, peak = _job_numbers(ctx)
@@ -202,6 +208,17 @@ class ParamsInRoot(Rule):
             "modules tied to another one, such as an output head sharing the embedding's weight, must stay "
             "together: the snippet leaves them in the root).",
             code, predicted=E.predicted(step, step, peak, peak_after), units=[""])]
+
+
+def _movable_share(root) -> float:
+    """The share of the root's parameters a plan can move to units of their own: all but those of tied modules
+    (which stay together in the root), from the snapshot's own-module sizes; 1 without tied modules or sizes."""
+    tied = set(root.tied_modules or [])
+    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
+    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    if not tied or not sizes or stored <= 0:
+        return 1.0
+    return min(1.0, sum(b for m, b in sizes.items() if m and m not in tied) / stored)
 
 
 @register
