@@ -137,7 +137,11 @@ def test_transformer_with_user_profiler_accumulation_clipping_functional_checkpo
     # every unit's forward is timed per step (the re-run in backward does not leave a unit open)
     assert all(u.fwd_calls == 2 for s in run.ranks[0].steps for u in s.units if u.name.startswith("layers."))
     codes = _codes(findings)
-    assert "ac.unneeded" in codes and "wrap.params_in_root" in codes
+    assert "ac.unneeded" in codes
+    # 19% of the parameters sit in the root, but the tied embedding/output must stay there (FSDP refuses a
+    # parameter two units manage): what could move (pos_embeddings, norm) is 1.2%, under the rule's 5%
+    why = next(s.reason for s in report.rules if s.code == "wrap.params_in_root")
+    assert "wrap.params_in_root" not in codes and "tied modules (tok_embeddings, output)" in why, why
     _, _, wrapper_findings = _diagnosis(out / "transformer_wrapper")
     assert "ac.unneeded" in _codes(wrapper_findings)  # as for checkpoint_wrapper
     unneeded = next(f for f in findings if f.code == "ac.unneeded")
