@@ -55,6 +55,10 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     n_params: int | None  # number of parameter tensors
     sharded_bytes: int | None  # this rank's local shards, padding included
     unsharded_bytes: int | None  # bytes when all-gathered (in param_dtype)
+    # of those, the trainable parameters' (requires_grad): what has gradients, reduce-scatters and optimizer state
+    # (a fine-tuning run's frozen base has none); None: not read (a run recorded before these fields: all of them)
+    trainable_sharded_bytes: int | None = None
+    trainable_unsharded_bytes: int | None = None
     orig_dtypes: list[str]  # distinct dtypes of the unit's parameters
     param_dtype: str | None = None
     reduce_dtype: str | None = None

@@ -641,6 +641,19 @@ def test_optimizer_before_shard_is_critical():
     assert run_rule("optim.before_shard", build()[0]) == []
 
 
+def test_optimizer_before_shard_fine_tuning_counts_trainable_state_only():
+    """A frozen base with trainable adapters: AdamW's state after the fix covers the trainable shards only. Counting
+    every parameter's shard predicted 2.17 MiB after the fix for an HF Llama+LoRA run whose state is 10.5 KiB."""
+    us = healthy_units(trainable_sharded_bytes=2_048, trainable_unsharded_bytes=4_096)
+    us = [(dict(u, trainable_sharded_bytes=0, trainable_unsharded_bytes=0) if u["name"] != "" and
+           not u["name"].startswith("layers.") else u, t) for u, t in us]  # frozen embeddings and head
+    ctx, _ = build(us, optimizer_foreign_params=8, optimizer_foreign_bytes=16_384,
+                   memory=memory(9_000_000, stale_optimizer_params=16_384, activations=6_000_000))
+    (f,) = run_rule("optim.before_shard", ctx)
+    assert f.predicted["peak_bytes_after"] == 9_000_000 - 16_384 + 2 * 4 * 2_048
+    assert f.evidence["optimizer_state_after_fix_bytes_est"] == 2 * 4 * 2_048
+
+
 def test_optimizer_step_comm():
     ov = {"per_rank": {"0": {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
                              "steps": [6, 7], "device": "gpu"}},
