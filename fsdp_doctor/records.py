@@ -123,6 +123,10 @@ class RunConfig(Record, tag="config"):
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0
+    # a frozen base (fine-tuning): the trainable parameters (weight gradients) and those from the first trainable one
+    # on in module order (input gradients flow through them); None: not read (then every parameter, 6 x N x tokens)
+    model_trainable_param_count: int | None = None
+    model_grad_path_param_count: int | None = None
     capacity_bytes: int | None = None
     tokens_per_step: int | None = None
     peak_tflops: float | None = None
