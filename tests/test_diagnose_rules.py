@@ -274,6 +274,21 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     assert codes(healthy) == set()
 
 
+def test_exposed_allgather_keeps_gathered_only_units_with_backward_waits():
+    """Fine-tuning with a frozen prefix (a Qwen2 with its last block trainable): the frozen blocks run no backward,
+    so they are never gathered again; reshard_after_forward=False on them costs memory and removes no wait. The
+    memory quoted for it counts only the units that wait (it counted every resharded unit: 354 KiB for 145 KiB)."""
+    us = healthy_units()
+    for u, t in us[1:]:
+        frozen = u["name"] in ("tok_emb, pos_emb", "layers.0", "layers.1")
+        t.update(ag_wait_fwd_ms=5.0, ag_wait_bwd_ms=0.0 if frozen else 2.0, **({"bwd_ms": 0.0} if frozen else {}))
+    ctx, _ = build(units=us)
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    waiting = [u for u in E.non_root(E.param_units(ctx)) if u.name in ("layers.2", "layers.3")]
+    assert f.evidence["reshard_after_forward_false_ms"] == pytest.approx(4.0)
+    assert f.evidence["reshard_after_forward_false_bytes"] == sum(u.unsharded_bytes for u in waiting)
+
+
 def test_exposed_allgather_defers_to_straggler():
     us = healthy_units()
     for u, t in us[1:]:
