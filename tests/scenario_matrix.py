@@ -205,8 +205,9 @@ ROWS: list[Row] = [
 # (fine-tuning block) a frozen base, the optimizer over the trainable parameters only (tests/clients.py FINETUNE):
 # an HF Llama with LoRA adapters on q_proj/v_proj, an HF Qwen2 with only its last block and head trainable
 FINETUNE_ROWS: list[Row] = [
-    _r("lora_tuned", "hf_llama_lora", None, "LoRA on q/v, expert plan"),
-    _r("qwen2_tail_tuned", "qwen2_tail", None, "last block and head trainable, expert plan"),
+    # profiled: tests/test_scenario_matrix.py checks their reduce-scatter sizes against the trainable parameters
+    _r("lora_tuned", "hf_llama_lora", None, "LoRA on q/v, expert plan", profile=True),
+    _r("qwen2_tail_tuned", "qwen2_tail", None, "last block and head trainable, expert plan", profile=True),
     # how fine-tuners shard: each decoder layer, then the root (the frozen embeddings and head left in it)
     _r("lora_blocks_only", "hf_llama_lora", "wrap.params_in_root", "LoRA, decoder layers and root only",
        knobs={"wrap": "blocks_only"}),
@@ -287,8 +288,9 @@ BY_NAME = {r.name: r for r in ROWS + GPU_ROWS}
 KNOWN_WRONG: dict[str, str] = {
     # (fine-tuning block) only the trainable last block saves activations: ac.recommended checkpoints it and predicts
     # the peak at its old backward high-water (2,545,404 B); measured 2,807,804 B (+10.3%) there: the recompute's
-    # backward holds 262,400 B more than the un-checkpointed backward did, and the loss phase 200,960 B more
-    # temporaries (the peak moved from in_loss 3,527,676 B to layers.2 in_backward)
+    # backward holds 262,400 B more than the un-checkpointed backward did (the same +262,656 B without FSDP, one
+    # process, the block checkpointed or not: checkpoint's own, which the rule's timeline assumes away), and the loss
+    # phase 200,960 B more temporaries (the peak moved from in_loss 3,527,676 B to layers.2 in_backward)
     "qwen2_tail_tight_capacity": "ac.recommended: peak after checkpointing the last block 10.3% above prediction",
     # (gpt_tight_capacity, ac.recommended: predicted 10.6 MiB with the blocks checkpointed, measured 14.9 MiB, until
     # the rule placed its saving on the peak step's timeline instead of at the old peak)
