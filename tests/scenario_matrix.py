@@ -219,6 +219,10 @@ FINETUNE_ROWS: list[Row] = [
     _r("qwen2_tail_optimizer_before_shard", "qwen2_tail", "optim.before_shard",
        "AdamW over the trainable tail built before fully_shard", knobs={"optimizer_before_shard": True},
        min_severity="critical"),
+    # accumulating micro-batches for a larger effective batch: FSDP2 then holds the unsharded gradients of the
+    # trainable parameters only (the adapters': 3.5 KiB per layer), what accum's predicted peak adds
+    _r("lora_accum", "hf_llama_lora", "accum.sync_every_micro_batch", "LoRA, 4 micro-batches, gradient sync on each",
+       knobs={"grad_accum": 4}, profile=True, min_severity="info"),
     _r("lora_tight_capacity", "hf_llama_lora", "ac.recommended", "LoRA, 8 sequences per rank, budget 5% above peak",
        knobs={"batch_size": 8}, capacity_share=0.95),
     _r("qwen2_tail_tight_capacity", "qwen2_tail", "ac.recommended",
