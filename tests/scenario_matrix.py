@@ -225,6 +225,8 @@ FINETUNE_ROWS: list[Row] = [
        knobs={"grad_accum": 4}, profile=True, min_severity="info"),
     _r("lora_tight_capacity", "hf_llama_lora", "ac.recommended", "LoRA, 8 sequences per rank, budget 5% above peak",
        knobs={"batch_size": 8}, capacity_share=0.95),
+    # only the trainable last block saves activations: its recompute holds them through its whole backward (the
+    # un-checkpointed backward frees them as it goes), +262,400 B there; ac.recommended once predicted 10.3% low
     _r("qwen2_tail_tight_capacity", "qwen2_tail", "ac.recommended",
        "trainable tail, 8 sequences per rank, budget 5% above peak", knobs={"batch_size": 8}, capacity_share=0.95),
 ]
@@ -290,12 +292,6 @@ BY_NAME = {r.name: r for r in ROWS + GPU_ROWS}
 # rows whose rerun shows the doctor's advice wrong, left to the rule's owner (tests xfail strictly on them, so a
 # fix of the rule turns them into failures to remove from here)
 KNOWN_WRONG: dict[str, str] = {
-    # (fine-tuning block) only the trainable last block saves activations: ac.recommended checkpoints it and predicts
-    # the peak at its old backward high-water (2,545,404 B); measured 2,807,804 B (+10.3%) there: the recompute's
-    # backward holds 262,400 B more than the un-checkpointed backward did (the same +262,656 B without FSDP, one
-    # process, the block checkpointed or not: checkpoint's own, which the rule's timeline assumes away), and the loss
-    # phase 200,960 B more temporaries (the peak moved from in_loss 3,527,676 B to layers.2 in_backward)
-    "qwen2_tail_tight_capacity": "ac.recommended: peak after checkpointing the last block 10.3% above prediction",
     # (gpt_tight_capacity, ac.recommended: predicted 10.6 MiB with the blocks checkpointed, measured 14.9 MiB, until
     # the rule placed its saving on the peak step's timeline instead of at the old peak)
 }

@@ -566,6 +566,24 @@ def test_ac_recommended_picks_enough_blocks():
     assert run_rule("ac.recommended", build(memory=mem)[0]) == []
 
 
+def test_ac_recommended_recompute_holds_activations_through_the_units_backward():
+    """A frozen prefix (a Qwen2 whose last block alone trains): only layers.2 saves activations. Checkpointed, its
+    recompute holds what it recomputed until its backward ends, where the plain backward frees each saved tensor as
+    it goes (4 MiB freed by the in_backward mark here): that mark rises by what was freed. It was predicted at the
+    old in_backward total (39 MiB): 10.3% under the rerun on the real tree."""
+    per_unit = [{"unit": f"layers.{i}", "activation_bytes": 16 * MiB if i == 2 else 0} for i in range(3)]
+    mem = memory(40 * MiB, capacity=42 * MiB, per_unit=per_unit, activations=17 * MiB)
+    marks = [("layers.2", "forward_start", 20, 0), ("layers.2", "forward_end", 36, 16), (None, "in_loss", 40, 17),
+             ("layers.2", "backward_start", 37, 16), ("layers.2", "in_backward", 39, 12),
+             ("layers.2", "backward_end", 22, 0)]
+    for rank in mem["per_rank"].values():
+        rank["timeline"] = [{"t_ms": float(k), "unit": u, "phase": ph, "total": t * MiB, "activations": a * MiB}
+                            for k, (u, ph, t, a) in enumerate(marks)]
+    (f,) = run_rule("ac.recommended", build(memory=mem, capacity=42 * MiB)[0])
+    assert f.evidence["blocks_to_checkpoint"] == ["layers.2"]
+    assert f.predicted["peak_bytes_after"] == 43 * MiB  # in_backward: 39 + the 4 MiB the recompute still holds
+
+
 def test_ac_unneeded():
     us = healthy_units(checkpoint="unit")
     mem = memory(10 * MiB, capacity=8 << 30, per_unit=_act_units(act=64 * 1024), activations=256 * 1024)
