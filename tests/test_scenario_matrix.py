@@ -99,6 +99,11 @@ def test_fine_tuning_figures_match_the_model(matrix, row):
         bd = pm.peak_breakdown
         assert bd["optimizer_state"] == sum(2 * w[0] + 4 * w[2] for w in want.values()), r
         assert bd["sharded_grads"] <= sum(w[0] for w in want.values()), r
+        # when the optimizer step starts: every trainable gradient shard, nothing for the frozen base
+        opt = next(x for x in pm.timeline if x.get("phase") == "optimizer_start")
+        assert opt["sharded_grads"] == sum(w[0] for w in want.values()), r
+        assert opt["sharded_params"] == sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * 4
+                                            for p in model.parameters()), r
     rs = {(x.unit, x.bytes_per_call) for x in rep.overlap.per_unit if x.collective == "reduce_scatter"}
     label = {u.name: u.name or "(root)" for u in rep.units}
     assert rs == {(label[k], float(v[1])) for k, v in want.items() if v[1]}
