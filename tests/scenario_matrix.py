@@ -223,9 +223,6 @@ FINETUNE_ROWS: list[Row] = [
     # trainable parameters only (the adapters': 3.5 KiB per layer), what accum's predicted peak adds
     _r("lora_accum", "hf_llama_lora", "accum.sync_every_micro_batch", "LoRA, 4 micro-batches, gradient sync on each",
        knobs={"grad_accum": 4}, profile=True, min_severity="info"),
-    # memory to spare: keep the units that wait for a backward all-gather gathered (a frozen prefix never waits)
-    _r("qwen2_tail_zero2_ample", "qwen2_tail", "reshard.zero2_affordable",
-       "every unit resharded under an 8 GiB budget", watch=AMPLE, min_severity="info"),
     _r("lora_raf_everywhere", "hf_llama_lora", "reshard.last_unit", "reshard_after_forward=True on every unit",
        knobs={"reshard_after_forward": True}, min_severity="info"),
     _r("lora_tight_capacity", "hf_llama_lora", "ac.recommended", "LoRA, 8 sequences per rank, budget 5% above peak",
