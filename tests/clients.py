@@ -386,6 +386,103 @@ def resnet_checkpointed(what: str):
     return model
 
 
+# ------------------------------------------------------------------------------------------------ architectures
+# (wt-arch) Hugging Face trees we had never tried, from tiny configs (no download), sharded as their users do:
+# T5 (encoder-decoder: encoder.block.N and decoder.block.N, one ``shared`` embedding tied to both stacks'
+# embed_tokens and to lm_head), Mixtral (mixture of experts: model.layers.N.mlp.experts, fused 3-D expert weights,
+# top-2 of 4 experts per token), ViT (vit.embeddings with the patch convolution, vit.layers.N, classifier).
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                               num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0))
+
+
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                                            tie_word_embeddings=False))
+
+
+def vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    return ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, hidden_size=64, num_hidden_layers=3,
+                                               num_attention_heads=4, intermediate_size=128, num_labels=10,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _arch(model) -> str:
+    return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
+            "ViTForImageClassification": "vit"}.get(type(model).__name__, "")
+
+
+def arch_blocks(model) -> list:
+    """Every repeated block of an architecture tree, both stacks of an encoder-decoder ([] for other trees)."""
+    kind = _arch(model)
+    if kind == "t5":
+        return list(model.encoder.block) + list(model.decoder.block)
+    if kind == "vit":
+        return list(model.vit.layers)
+    return list(model.model.layers) if kind == "mixtral" else []
+
+
+def arch_ends(model):
+    """(leading, trailing) modules of an architecture tree as its users group them; None for other trees. T5's
+    shared embedding and head are one tied parameter: they stay in the root."""
+    kind = _arch(model)
+    if kind == "t5":
+        return [model.shared], [model.lm_head]
+    if kind == "vit":
+        return [model.vit.embeddings], [model.vit.layernorm, model.classifier]
+    return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
+
+
+def shard_moe_experts(model, mesh):
+    """A Mixtral user's plan with the experts as their own units: each layer's ``mlp.experts``, then the layer,
+    the embedding, [norm, lm_head] kept gathered, the root."""
+    fully_shard(model.model.embed_tokens, mesh=mesh)
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh)
+
+
+def shard_moe_experts_blocks_only(model, mesh):
+    """The experts and the layers as units, the embedding and the head left in the root."""
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[int, int], device):
+    """The user's loss on an architecture tree (None for other trees): T5 from source and target tokens (the
+    decoder's inputs are the targets shifted right), ViT from images."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    if client.startswith("vit"):
+        x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
+        return F.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
+    if client.startswith("t5"):
+        src, tgt = torch.randint(1, 512, (2, size[0], size[1]), generator=g)
+        logits = model(input_ids=src.to(device), labels=tgt.to(device)).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), tgt.to(device).flatten())
+    return None
+
+
+ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit}
+ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only}
+# ------------------------------------------------------------------------------------------------ (end architectures)
+
+
 # ------------------------------------------------------------------------------------------------ fine-tuning trees
 # (fine-tuning block: a frozen base with trainable adapters or a trainable tail, the optimizer over the trainable
 # parameters only; its rows are the scenario matrix's fine-tuning block)
@@ -441,11 +538,13 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
          "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
-         "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **FINETUNE}
+         "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD, **FINETUNE}
 
 
 def _blocks(model):
     """Every repeated block of the model, as its user wraps them."""
+    if blocks := arch_blocks(model):
+        return blocks
     if isinstance(model, ResNet):
         return [b for i in range(1, 4) for b in getattr(model, f"layer{i}")]
     layers = model.model.layers if hasattr(model, "model") else model.layers
@@ -465,13 +564,16 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, **{name: 512 for name in FINETUNE}}
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, "mixtral": 512,
+         **{name: 512 for name in FINETUNE}}
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
             device=None):
     """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch,
     drawn on the CPU and moved to ``device`` (None: left there)."""
+    if (loss := arch_loss(model, client, step, rank, micro, size, device)) is not None:
+        return loss
     if client.startswith("resnet"):
         g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
@@ -496,6 +598,8 @@ SHARD_FOR = {"wrap.root_not_sharded": shard_no_root}
 # ------------------------------------------------------------------------------------------------ scenarios
 def _ends(model) -> tuple[list[nn.Module], list[nn.Module]]:
     """The modules before the blocks (embeddings, stem) and after them (final norm, head), as a user groups them."""
+    if (ends := arch_ends(model)) is not None:
+        return ends
     if isinstance(model, ResNet):
         return [model.stem], [model.norm, model.fc]
     if hasattr(model, "lm_head") and hasattr(model, "model"):  # Hugging Face
@@ -594,7 +698,7 @@ def _after_sharding(model, cfg):
 
 # the user's own sharding code where the workload knobs do not say it: torchtitan's plan (with a trainable
 # parameter ignored)
-USER_SHARD = {"titan": apply_fsdp_titan}
+USER_SHARD = {"titan": apply_fsdp_titan, **ARCH_SHARD}
 
 
 def _exec(fix: dict, model, opt, **inputs):
@@ -642,7 +746,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         model, opt = _exec(fix, model, opt)
     losses = []
     watch = dict(row.get("watch", {}))
-    if not tree.startswith("resnet"):  # tokens per optimizer step, all ranks (throughput, FLOPs)
+    if not tree.startswith(("resnet", "vit")):  # tokens per optimizer step, all ranks (throughput, FLOPs)
         watch.setdefault("tokens_per_step", cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.get_world_size())
     if isinstance(watch.get("profile"), dict):  # a window (JSON spec): ProfileSchedule's fields
         watch["profile"] = fsdp_doctor.ProfileSchedule(**watch["profile"])

@@ -66,7 +66,8 @@ class Row:
     user_shard: Optional[str] = None  # tests/clients.py USER_SHARD: the user's own sharding code
     capacity_share: Optional[float] = None  # the budget: the row's own peak / this share
     apply: bool = True  # its fix applied and rechecked (False: the finding carries no code to apply)
-    mesh: Optional[tuple] = None  # a 2-D (HSDP) mesh shape; default 1-D over both ranks
+    mesh: Optional[tuple] = None  # a 2-D (HSDP) mesh shape; default 1-D over all ranks
+    world: int = 2  # ranks (rows of one world size train in one launch)
     # what the fix must improve when the finding stays (it describes the code, not an effect): an evidence key of
     # the finding (a number, or a list: its length) or "replica_drift" (the runner's); improved = halved or better
     figure: Optional[str] = None
@@ -122,6 +123,10 @@ ROWS: list[Row] = [
        knobs={"wrap": "whole", **LLAMA_MP}),
     _r("gpt_leaf", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={"wrap": "leaf"}),
     _r("gpt_blocks_only", "gpt", "wrap.params_in_root", "blocks and root only", knobs={"wrap": "blocks_only"}),
+    # the blocks reshard to 2 of 4 ranks after forward (an int reshard_after_forward): the plan keeps it (it once
+    # printed the blocks' loop without it: pasted, the blocks resharded to all 4 ranks)
+    _r("gpt_blocks_only_raf2", "gpt", "wrap.params_in_root", "blocks (reshard to 2 of 4 ranks) and root only",
+       knobs={"wrap": "blocks_only", "reshard_after_forward": 2}, world=4),
     _r("hf_llama_blocks_only", "hf_llama", "wrap.params_in_root", "blocks and root only",
        knobs={"wrap": "blocks_only"}),
     _r("titan_blocks_only", "titan", "wrap.params_in_root", "blocks and root only",
@@ -200,6 +205,34 @@ ROWS: list[Row] = [
        knobs={"sleep_rank": 1, "sleep_ms": 300.0, "sleep_steps": [3, 5, 7], "steps": 9},
        watch={"memory": {"transients": False}}, min_severity="info", apply=False),
 ]
+
+# ------------------------------------------------------------------------------------------------ architectures
+# (wt-arch) trees we had never tried, sharded as their users do (tests/clients.py "architectures"): T5 (encoder
+# and decoder stacks, one shared embedding tied to both and to the head), Mixtral (mixture of experts; per decoder
+# layer, or with each layer's experts a unit of its own: user_shard "moe_experts"), ViT (patch embeddings, layers,
+# classifier). A tuned baseline per tree, then planted problems.
+ARCH_ROWS: list[Row] = [
+    _r("t5_tuned", "t5", None, "each block of both stacks, the tied shared embedding and head in the root"),
+    _r("mixtral_tuned", "mixtral", None, "embedding, each layer's experts, each layer, [norm, head], root",
+       user_shard="moe_experts", profile=True),
+    _r("mixtral_layers_tuned", "mixtral", None, "expert plan per decoder layer (experts inside their layer)"),
+    _r("vit_tuned", "vit", None, "expert plan: embeddings, each layer, [layernorm, classifier], root"),
+    _r("t5_whole", "t5", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("mixtral_whole", "mixtral", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("vit_whole", "vit", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("mixtral_blocks_only", "mixtral", "wrap.params_in_root", "layers and root only",
+       knobs={"wrap": "blocks_only"}),
+    _r("mixtral_experts_blocks_only", "mixtral", "wrap.params_in_root", "experts and layers as units, embedding "
+       "and head in the root", user_shard="moe_experts_blocks_only"),
+    _r("t5_tight_capacity", "t5", "ac.recommended", "batch 8, budget 5% above peak", knobs={"batch_size": 8},
+       capacity_share=0.95),
+    _r("vit_tight_capacity", "vit", "ac.recommended", "32 images, budget 5% above peak", knobs={"batch_size": 16},
+       capacity_share=0.95),
+    _r("mixtral_tight_capacity", "mixtral", "ac.recommended", "batch 8, budget 5% above peak",
+       knobs={"batch_size": 8}, capacity_share=0.95),
+]
+ROWS += ARCH_ROWS
+# ------------------------------------------------------------------------------------------------ (end architectures)
 
 # ------------------------------------------------------------------------------------------------ fine-tuning rows
 # (fine-tuning block) a frozen base, the optimizer over the trainable parameters only (tests/clients.py FINETUNE):
@@ -300,15 +333,24 @@ KNOWN_WRONG: dict[str, str] = {
 
 
 # ------------------------------------------------------------------------------------------------ the runner
-def launch(specs: list[dict], tmp: Path, tag: str, device: str = "cpu") -> dict:
-    """Trains the scenarios of ``specs`` one after the other on 2 ranks (one launch: gloo, or NCCL on
+def launch(specs: list[dict], tmp: Path, tag: str, device: str = "cpu", world: int = 2) -> dict:
+    """Trains the scenarios of ``specs`` one after the other on ``world`` ranks (one launch: gloo, or NCCL on
     ``device="cuda"``); {name: rank 0's result}."""
     from test_clients import _launch
 
     path = tmp / f"{tag}.json"
     path.write_text(json.dumps(specs))
-    (res, _), _ = _launch("scenarios", 2, path, timeout_s=900, device=device)
-    return res
+    results, _ = _launch("scenarios", world, path, timeout_s=900, device=device)
+    return results[0]
+
+
+def launch_rows(rows: list[Row], spec, tmp: Path, tag: str, device: str = "cpu") -> dict:
+    """``launch`` for rows of any world size: one launch per world size (``spec(row)``: the row's spec)."""
+    got: dict = {}
+    for world in sorted({r.world for r in rows}):
+        part = [r for r in rows if r.world == world]
+        got.update(launch([spec(r) for r in part], tmp, tag if world == 2 else f"{tag}_{world}ranks", device, world))
+    return got
 
 
 def diagnosis(path: Path):
@@ -408,7 +450,7 @@ def fix_of(finding) -> Optional[dict]:
 def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: str = "cpu") -> dict[str, Outcome]:
     """Every row's before-run in one launch, diagnosed; then each planted finding's fix in a second launch."""
     tmp.mkdir(parents=True, exist_ok=True)
-    got = launch([r.spec(tmp / r.name, device=device) for r in rows], tmp, "before", device)
+    got = launch_rows(rows, lambda r: r.spec(tmp / r.name, device=device), tmp, "before", device)
     out: dict[str, Outcome] = {}
     for r in rows:
         o = out[r.name] = Outcome(r)
@@ -434,8 +476,9 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: st
         if not batch:
             continue
         try:
-            got = launch([o.row.spec(tmp / (o.row.name + "_fixed"), o.fix, o.capacity, device) for o in batch], tmp,
-                         tag, device)
+            of = {o.row.name: o for o in batch}
+            got = launch_rows([o.row for o in batch], lambda r: r.spec(tmp / (r.name + "_fixed"), of[r.name].fix,
+                                                                      of[r.name].capacity, device), tmp, tag, device)
         except Exception as e:  # noqa: BLE001 - the launch failed: each of its rows says so
             got = {o.row.name: {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]} for o in batch}
         for o in batch:
@@ -444,6 +487,31 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: st
                 o.after_error = res["error"] + "\n" + res.get("traceback", "")
             else:
                 o.after, o.after_result = diagnosis(tmp / (o.row.name + "_fixed"))[1], res
+    return out
+
+
+# a unit's options that a fix must keep as the user had them, unless its finding is about that option
+KEPT_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype", "offload", "offload_pin_memory")
+# (a code or a code's prefix: the options its fix is about)
+_MP = {"param_dtype", "reduce_dtype"}
+MAY_CHANGE = {"reshard.": {"reshard_after_forward"}, "memory.near_capacity_spread": {"reshard_after_forward"},
+              "offload.": {"offload", "offload_pin_memory"}, "numerics.": {"reduce_dtype"},
+              "wrap.mixed_dtype_unit": _MP, "optim.state_dominates": _MP}
+
+
+def changed_options(o: Outcome) -> list[str]:
+    """The options a fix changed, that its finding is not about, on the units its before-run and rerun share
+    (by name; the root aside): ``unit: option before -> after``."""
+    if o.report is None or o.after is None or o.finding is None:
+        return []
+    allowed = set().union(*(v for k, v in MAY_CHANGE.items() if o.finding.code.startswith(k)))
+    before = {u.name: u for u in o.report.units or [] if not u.is_root}
+    out = []
+    for u in o.after.units or []:
+        b = before.get(u.name)
+        for k in (KEPT_OPTIONS if b is not None else ()):
+            if k not in allowed and getattr(b, k, None) != getattr(u, k, None):
+                out.append(f"{u.name}: {k} {getattr(b, k, None)!r} -> {getattr(u, k, None)!r}")
     return out
 
 
@@ -468,6 +536,9 @@ def problems(o: Outcome) -> list[str]:
     rc, out = o.recheck(), []
     if rc["new_warnings"]:
         out.append(f"new warnings after the fix: {', '.join(rc['new_warnings'])}")
+    changed = changed_options(o)
+    if changed:
+        out.append(f"the fix changed options it is not about: {'; '.join(changed)}")
     if r.gpu_gain:
         if rc["gain_ok"] is False:
             out.append(f"step {rc['step_ms_before']:.1f} -> {rc['step_ms_measured']:.1f} ms, predicted "

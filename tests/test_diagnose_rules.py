@@ -199,6 +199,19 @@ def test_params_in_root():
     us[0][0].update(own_modules=["tok_emb", "lm_head"], tied_modules=["tok_emb", "lm_head"])
     assert run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0]) == []
 
+    # T5: a shared embedding tied to the head (and both stacks' embed_tokens) beside the stacks' two final norms: 15%
+    # of the parameters in the root, 0.01% movable (the rule said 17% and predicted the whole root's gathered copy
+    # freed on the matrix's T5 tuned baseline); the movable share sets the figures
+    own = ["shared", "encoder.final_layer_norm", "decoder.final_layer_norm", "lm_head"]
+    us[0][0].update(own_modules=own, own_bytes=[557_568, 256, 256, 557_568], tied_modules=["shared", "lm_head"],
+                    shard_size=2)
+    quiet = build(units=us, memory=memory(10 * MiB))[0]
+    assert run_rule("wrap.params_in_root", quiet) == []
+    # a learned position embedding beside them (three quarters of the root, not tied): it moves, the tied rest stays
+    us[0][0].update(own_modules=own + ["pos_emb"], own_bytes=[139_008, 256, 256, 139_008, 418_560])
+    (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
+    assert g.predicted["peak_bytes_after"] == 10 * MiB - int((558_080 - 279_040) * (418_560 + 512) / 558_080)
+
 
 def test_root_not_sharded_is_critical_with_unmanaged_params():
     us = [unit(f"layers.{i}", is_root=True, depth=0, parent=None,
@@ -859,6 +872,28 @@ def test_blocks_split_off_a_unit_keep_its_mixed_precision_and_offload():
     compile(S.complete(code), "<plan>", "exec")
 
 
+def test_plans_keep_an_int_reshard_after_forward_and_zero2_counts_its_copy():
+    """An int reshard_after_forward (reshard to that many ranks) is the user's setting: a plan keeps it (it once
+    printed the blocks without it; pasted on 4 ranks, they resharded to all 4, see the matrix row
+    gpt_blocks_only_raf2). Keeping such a unit gathered adds its unsharded bytes less the 1/N copy it keeps
+    already (4 gloo ranks, 2 blocks of 774.5 KiB: predicted +0.38 MiB, measured 9.10 -> 9.35 MiB; the full
+    unsharded bytes predicted +1.14 MiB)."""
+    from fsdp_doctor.diagnose import estimate as E
+    from fsdp_doctor.diagnose import snippets as S
+
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=1, n_params=1, sharded_bytes=1,
+                      unsharded_bytes=4, orig_dtypes=["float32"])
+    blocks = [UnitConfig(name=f"layers.{i}", modules=[f"layers.{i}"], is_root=False, param_count=4, n_params=2,
+                         sharded_bytes=250, unsharded_bytes=1000, orig_dtypes=["float32"], reshard_after_forward=raf)
+              for i, raf in enumerate((2, 2))]
+    code = S.shard_plan(S.Tree.of([*blocks, root]))
+    assert "    fully_shard(block, mesh=mesh, reshard_after_forward=2)" in code.splitlines(), code
+    unit = lambda raf: E.Unit(name="b", modules=["b"], is_root=False, param_count=4, n_params=2,  # noqa: E731
+                              sharded_bytes=250, unsharded_bytes=1000, orig_dtypes=["float32"],
+                              reshard_after_forward=raf)
+    assert [E.gathering_after_forward_bytes(unit(r)) for r in (True, 2, 4)] == [1000, 500, 750]
+
+
 def test_snippets_import_what_their_code_uses_and_nothing_for_their_own_imports():
     from fsdp_doctor.diagnose import snippets as S
 
@@ -868,3 +903,51 @@ def test_snippets_import_what_their_code_uses_and_nothing_for_their_own_imports(
     assert S.complete(ac) == ac  # nothing it uses is undefined: no `import torch` for its from-import
     code = S.complete("model.to(torch.bfloat16)")
     assert code.splitlines()[0] == "import torch"
+
+
+def test_shard_plan_keeps_units_inside_blocks():
+    """A mixture of experts with each layer's experts a unit of their own (Mixtral users: ``fully_shard`` on
+    ``layer.mlp.experts``, then the layer): a plan that replaces the fully_shard calls keeps them, each before its
+    layer (FSDP shards bottom-up). The old plan dropped them: the experts rejoined their layers' all-gathers."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    def unit(name, **kw):
+        return UnitConfig(name=name, modules=[name], is_root=False, param_count=4, n_params=2, sharded_bytes=1,
+                          unsharded_bytes=2, orig_dtypes=["float32"], **kw)
+
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=10, n_params=3, sharded_bytes=1,
+                      unsharded_bytes=2, orig_dtypes=["float32"],
+                      own_modules=["model.embed_tokens", "model.norm", "lm_head"],
+                      trailing_modules=["model.norm", "lm_head"])
+    units = [u for i in range(3) for u in (unit(f"model.layers.{i}"), unit(f"model.layers.{i}.mlp.experts"))]
+    code = S.shard_plan(S.Tree.of([*units, root]), root_leftovers=True)
+    assert ("for block in model.model.layers.children():\n"
+            "    fully_shard(block.mlp.experts, mesh=mesh)  # a unit of its own, as in your run\n"
+            "    fully_shard(block, mesh=mesh)\n") in code
+    assert "layers.0" not in code  # no unit named twice
+    compile(S.complete(code), "<plan>", "exec")
+    # experts a unit in one layer only: that unit by name, before the layers' loop
+    code = S.shard_plan(S.Tree.of([*units[:2], units[2], units[4], root]))
+    assert "fully_shard(model.get_submodule('model.layers.0.mlp.experts'), mesh=mesh)\nfor block in" in code
+    # whole blocks instead of their leaves (wrap.too_fine): the units inside the blocks give way
+    assert "experts" not in S.shard_plan(S.Tree.of([*units, root]), nested=False)
+
+
+def test_checkpoint_snippet_runs_on_an_encoder_decoder():
+    """ac.recommended's snippet on a Hugging Face T5 (tiny config): its decoder fills the KV cache in a training
+    forward (use_cache on), so a checkpointed decoder block saved 52 tensors in forward, 48 recomputed, and
+    torch.utils.checkpoint raised. The snippet turns the cache off, as gradient_checkpointing_enable() does."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from fsdp_doctor.diagnose import snippets as S
+
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    code = S.checkpoint_modules(["encoder.block.0", "decoder.block.0"], "checkpoint whole blocks")
+    exec(compile(code, "<ac fix>", "exec"), {"model": model})
+    src, tgt = torch.randint(1, 64, (2, 2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=src, labels=tgt).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

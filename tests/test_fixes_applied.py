@@ -57,3 +57,25 @@ def test_hf_gradient_checkpointing_is_not_wrong_granularity(matrix):
     layers = [u for u in o.report.units if u.name.startswith("model.layers.")]
     assert len(layers) == 3
     assert "ac.wrong_granularity" not in {f.code for f in o.findings}, [u.checkpoint for u in layers]
+
+
+# ------------------------------------------------------------------------------------------------ architectures
+# (wt-arch) the trees we had never tried (tests/scenario_matrix.py ARCH_ROWS)
+@pytest.mark.rows("t5_whole")
+def test_too_coarse_fix_covers_both_stacks_and_keeps_the_tie(matrix):
+    """T5: every block of the encoder and of the decoder; the shared embedding tied to both stacks and to lm_head
+    stays in the root (FSDP refuses a parameter two units manage)."""
+    code = _code(matrix, "t5_whole")
+    for c in ("encoder.block", "decoder.block"):
+        assert f"for block in model.{c}.children():" in code, code
+    calls = [ln for ln in code.splitlines() if "fully_shard(" in ln and not ln.startswith(("from", "#"))]
+    assert not any(m in ln for ln in calls for m in ("shared", "embed_tokens", "lm_head")), code
+
+
+@pytest.mark.rows("mixtral_experts_blocks_only")
+def test_params_in_root_fix_keeps_the_experts_units(matrix):
+    """Mixtral with each layer's experts a unit: the plan keeps them, sharded before their layer."""
+    code = _code(matrix, "mixtral_experts_blocks_only")
+    assert ("for block in model.model.layers.children():\n"
+            "    fully_shard(block.mlp.experts, mesh=mesh)") in code, code
+    assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code, code

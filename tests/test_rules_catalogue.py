@@ -98,6 +98,27 @@ def test_every_rule_gets_a_status_with_its_reason():
     assert sum(s.findings for s in statuses) == len(found)
 
 
+def test_every_quiet_rule_says_why_on_recorded_runs_and_real_traces():
+    """A rule that ran and found nothing says what it measured against what it fires at (the report's ``rules``
+    and ``analyze --explain``), never a generic line: on the committed sample run and HTA's real GPU traces."""
+    import fsdp_doctor
+    from fsdp_doctor.diagnose import NO_REASON
+
+    from conftest import HTA_TRACES, REPO
+
+    paths = [REPO / "traces" / "sample"] + sorted(p for p in HTA_TRACES.glob("*") if p.is_dir())
+    reasons = []
+    for path in paths:
+        report = fsdp_doctor.build_report(fsdp_doctor.load_run(path))
+        assert not [s.code for s in report.rules if s.status == "quiet" and s.reason == NO_REASON], path
+        reasons.append({s.code: s.reason for s in report.rules if s.status == "quiet"})
+    sample = reasons[0]  # the figure against the threshold
+    assert re.search(r"the largest unit, [\w.]+, holds \d+% of the parameters \(fires from 50%\)",
+                     sample["wrap.too_coarse"]), sample["wrap.too_coarse"]
+    assert re.search(r"time outside the model is at most \d+% of the step \(rank \d; fires from 15%\)",
+                     sample["jitter.data_wait"]), sample["jitter.data_wait"]
+
+
 def test_a_failing_rule_is_listed_failed(monkeypatch):
     run, report = _cpu_ctx()
     cls = next(c for c in RULES if c.code == "wrap.too_coarse")

@@ -56,11 +56,22 @@ def test_fix_applied_and_rechecked(matrix, row):
     assert not o.after_error, (o.after_error, o.fix["code"])
     rc = o.recheck()
     assert not rc["new_warnings"], (rc, o.fix["code"])
+    assert not M.changed_options(o), (M.changed_options(o), o.fix["code"])  # the user's other options kept
     if o.row.gpu_gain:  # its gain is overlap a GPU has (the rule predicts none on gloo): rechecked there
         return
     assert rc["gone"] or rc["improved"], (rc, o.fix["code"])
     if rc["peak_ok"] is not None:
         assert rc["peak_ok"], (rc["peak_measured"], rc["peak_predicted"], o.fix["code"])
+
+
+@pytest.mark.rows(*[r.name for r in M.ROWS])
+def test_every_quiet_rule_says_why_on_every_row(matrix):
+    """Every rule that stayed quiet on a row's run says why (its figure against its threshold), on every tree."""
+    from fsdp_doctor.diagnose import NO_REASON
+
+    bare = {(name, s.code) for name, o in matrix.items() if o.report is not None
+            for s in o.report.rules if s.status == "quiet" and s.reason == NO_REASON}
+    assert not bare, sorted(bare)
 
 
 # ------------------------------------------------------------------------------------------------ fine-tuning block

@@ -17,6 +17,7 @@ import msgspec
 from ..records import UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
+from ..units import fmt_bytes
 from . import thresholds as T
 from .base import Context, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
 
@@ -195,6 +196,31 @@ def mib(n: Optional[float]) -> Optional[float]:
     return None if n is None else round(n / (1 << 20), 2)
 
 
+# ---------------------------------------------------------------------------------------------- why a rule is quiet
+# (``Rule.quiet``'s reasons: the figure the rule measured against the threshold it fires at)
+def _bytes_or_ms(n: float, ms: bool) -> str:
+    return f"{n:.1f} ms" if ms else fmt_bytes(n)
+
+
+def below_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
+    """"activations 8.03 MiB: 50% of the peak 16.13 MiB (fires from 60%)"; ``ms``: times, not bytes."""
+    return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
+            f"(fires from {100 * threshold:.0f}%)")
+
+
+def above_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
+    """"peak 16.13 MiB: 60% of capacity 24.00 MiB (fires below 50%)"."""
+    return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
+            f"(fires below {100 * threshold:.0f}%)")
+
+
+NO_CAPACITY = "memory capacity unknown: pass capacity_bytes= to watch()"
+
+
+def no_peak_or_capacity(peak, cap) -> str:
+    return "no memory peak recorded" if not peak else NO_CAPACITY
+
+
 # ---------------------------------------------------------------------------------------------- trace rows
 TraceRow = CommUnitRow  # a trace row carries its figures per step (fsdp_doctor.trace.analysis.unit_rows)
 
@@ -326,11 +352,21 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     return out
 
 
+def gathering_after_forward_bytes(u: Unit) -> int:
+    """What keeping ``u`` gathered from its forward to its backward (reshard_after_forward=False) adds: its
+    unsharded bytes, less the copy it keeps now when it reshards to a smaller world (an int N: each rank keeps
+    1/N of the unsharded parameters, ``unsharded_bytes // N``)."""
+    raf = u.reshard_after_forward
+    kept = u.unsharded_bytes // raf if isinstance(raf, int) and not isinstance(raf, bool) and raf > 1 else 0
+    return int(u.unsharded_bytes) - int(kept)
+
+
 def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     """The peak (bytes, peak rank) with reshard_after_forward=False on the units ``us``.
 
-    Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too)
-    from its forward to its backward all-gather; they are added at every mark of the peak step's timeline
+    Each such unit keeps its unsharded parameters (``unsharded_bytes``: FSDP2 keeps the sharded ones too; less
+    the smaller world's copy of an int reshard_after_forward, ``gathering_after_forward_bytes``) from its forward
+    to its backward all-gather; they are added at every mark of the peak step's timeline
     that falls in one of its windows (``held_windows``), and the new peak is the highest mark. Without a timeline,
     or for a unit the timeline does not show, its bytes are added at the peak (the start of backward holds
     every such unit)."""
@@ -344,12 +380,13 @@ def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     flat = 0
     for u in us:
         ws = held_windows(tl, u.name) if tl else []
+        extra = gathering_after_forward_bytes(u)
         if not ws:
-            flat += u.unsharded_bytes
+            flat += extra
             continue
         for w in ws:
             for i in range(*w):
-                added[i] += u.unsharded_bytes
+                added[i] += extra
     if not totals:
         return peak + flat
     return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)

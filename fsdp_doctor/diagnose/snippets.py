@@ -164,15 +164,16 @@ def _label_order(name: str):
 
 # ---------------------------------------------------------------------------------------------- sharding plans
 def _unit_kwargs(u, inherit: bool = False) -> str:
-    """The unit's own fully_shard options as the run had them (what a plan must keep). ``inherit``: for modules
+    """The unit's own fully_shard options as the run had them (what a plan must keep: mixed precision, a
+    ``reshard_after_forward`` other than the default, False or an int, and offload). ``inherit``: for modules
     the unit held that become units of their own (the blocks of a whole-model unit): its mixed precision and
     offload, which they must share (a bf16 input meets fp32 weights otherwise), not its resharding."""
     kw = ""
     if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None):
         kw += ", mp_policy=mp"
-    raf = getattr(u, "reshard_after_forward", True)
-    if not u.is_root and raf is False and not inherit:
-        kw += ", reshard_after_forward=False"
+    raf = getattr(u, "reshard_after_forward", True)  # True, False or an int (reshard to that many ranks)
+    if not u.is_root and not inherit and raf is not None and raf is not True:
+        kw += f", reshard_after_forward={raf}"
     if getattr(u, "offload", None) == "cpu":
         kw += f", offload_policy=CPUOffloadPolicy(pin_memory={bool(getattr(u, 'offload_pin_memory', False))})"
     return kw
@@ -205,20 +206,24 @@ def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
 
 def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
                extra_kwargs: str = "", note: str = "", mp_line: Optional[str] = None,
-               drop: tuple[str, ...] = ()) -> str:
+               drop: tuple[str, ...] = (), nested: bool = True) -> str:
     """The whole sharding of the model, to paste in place of your ``fully_shard`` calls (on the unsharded
     model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
     in the root: FSDP refuses a parameter another unit manages), the root last. Each unit keeps the options
-    the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all."""
+    the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all.
+    Units inside a block (a mixture of experts' ``mlp.experts``) stay units, sharded before their block
+    (``nested``; dropped by plans that replace them with whole blocks: leaf wrapping, grouped blocks)."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     mp = mp_line or _mp_line(t.units)
     if mp:
         lines.append(mp)
     conts = t.containers() if blocks else {}
     in_block = lambda m: any(m == c or m.startswith(c + ".") for c in conts)  # noqa: E731
-    by_cont = {c: next((u for u in t.non_root() if any(block_of(m) and m.startswith(c + ".") for m in u.modules)),
-                       None) for c in conts}
+    is_block = lambda m, c: block_of(m) == m and m.startswith(c + ".")  # noqa: E731
+    by_cont = {c: next((u for u in t.non_root() if any(is_block(m, c) for m in u.modules)),
+                       next((u for u in t.non_root() if any(block_of(m) and m.startswith(c + ".")
+                                                             for m in u.modules)), None)) for c in conts}
     for c in conts:
         if by_cont[c] is not None:  # the options of the container's block units
             own = _unit_kwargs(by_cont[c])
@@ -226,12 +231,14 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
             held = _holder(t, c)
             own = _unit_kwargs(held, inherit=True) if held is not None else ""
         kw = _merge(own, extra_kwargs, drop)
+        inner = _nested_lines(t, c, extra_kwargs, drop) if nested and group == 1 else ([], [])
+        lines += inner[0]
         if group > 1:
             lines += [f"blocks = list({children_expr(c)})",
                       f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
                       f"    fully_shard(blocks[i:i + {group}], mesh=mesh{kw})"]
         else:
-            lines += [f"for block in {children_expr(c)}:", "    " + _call("block", kw, indent=4)]
+            lines += [f"for block in {children_expr(c)}:", *inner[1], "    " + _call("block", kw, indent=4)]
     units = t.non_root() if t.units else [None] * 0
     labels = [u.name for u in units] if t.units else t.unit_labels()
     for i, name in enumerate(labels):
@@ -246,6 +253,29 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_kwargs, drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
     return "\n".join(lines)
+
+
+def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The run's units inside container ``c``'s blocks (not blocks themselves), each sharded before its block:
+    (lines before the blocks' loop, lines inside it). The same submodule a unit in every block (each layer's
+    ``mlp.experts``): one line in the loop, ``fully_shard(block.mlp.experts, ...)``; otherwise each by name."""
+    rel: dict[tuple[str, str], list[str]] = {}  # (path inside its block, options) -> blocks
+    for u in t.non_root():
+        if len(u.modules) != 1:
+            continue
+        m = u.modules[0]
+        blk = block_of(m)
+        if blk is None or blk == m or not blk.startswith(c + "."):
+            continue
+        rel.setdefault((m[len(blk) + 1:], _merge(_unit_kwargs(u), extra_kwargs, drop)), []).append(blk)
+    n_blocks = len(t.containers().get(c, []))
+    before, inside = [], []
+    for (path, kw), blks in rel.items():
+        if len(blks) == n_blocks and len(set(blks)) == n_blocks:
+            inside.append("    " + _call(module_expr(path, root="block"), kw, indent=4) + "  # a unit of its own, as in your run")
+        else:
+            before += [_call(module_expr(f"{b}.{path}"), kw) for b in blks]
+    return before, inside
 
 
 def _call(expr: str, kw: str, indent: int = 0, width: int = 96) -> str:
@@ -309,7 +339,15 @@ def checkpoint_modules(names: list[str], note: str) -> str:
             + name_list("names", names) + "\n"
             "targets = {model.get_submodule(name) for name in names}\n"
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
-            "                               check_fn=lambda m: m in targets)")
+            "                               check_fn=lambda m: m in targets)\n"
+            + _NO_KV_CACHE)
+
+
+# a Hugging Face model fills its KV cache in a training forward where use_cache is on (T5's decoder): a recomputed
+# block then finds it filled, saves other tensors and checkpoint raises; gradient_checkpointing_enable() turns it off
+_NO_KV_CACHE = ("for m in model.modules():  # Hugging Face configs: no KV cache under checkpointing (as\n"
+                "    if getattr(getattr(m, 'config', None), 'use_cache', False):  # gradient_checkpointing_enable)\n"
+                "        m.config.use_cache = False")
 
 
 def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:

@@ -100,13 +100,33 @@ def attention_formulas() -> dict:
     return out
 
 
+def grouped_mm_flops(a_shape, b_shape, out_shape) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)``, the mixture-of-experts matmul (Hugging Face's default experts
+    implementation, torchtitan's MoE): every routed token through its own expert only. 2-D x 2-D groups the
+    contracted dimension (a weight gradient: out (groups, m, n), 2·m·k_total·n); the other layouts contract
+    ``a``'s last dimension for every output element, 2·out·k. Missing from torch's table (counted as 0)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    n_out = 1
+    for d in out_shape:
+        n_out *= d
+    return 2 * n_out * a_shape[-1]
+
+
+def _grouped_mm_formula(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return grouped_mm_flops(a_shape, b_shape, out_shape)
+
+
 def flop_formulas() -> dict:
     """Operator packet -> formula called as ``f(*args, out_val=out, **kwargs)``: torch's table
-    (torch.utils.flop_counter.flop_registry) with our attention formulas over it."""
+    (torch.utils.flop_counter.flop_registry) with our attention and grouped-matmul formulas over it."""
     from torch.utils.flop_counter import flop_registry, shape_wrapper
 
     table = dict(flop_registry)
     table.update({op: shape_wrapper(f) for op, f in attention_formulas().items()})
+    for name in ("_grouped_mm", "grouped_mm"):  # the MoE experts' matmul, where this torch has it
+        if (op := getattr(torch.ops.aten, name, None)) is not None and op not in table:
+            table[op] = shape_wrapper(_grouped_mm_formula)
     return table
 
 

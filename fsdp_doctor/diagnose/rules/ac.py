@@ -115,18 +115,20 @@ class AcRecommended(Rule):
 
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
-        if peak is None or not cap:
-            return []
+        if not peak or not cap:
+            return self.quiet(E.no_peak_or_capacity(peak, cap))
         share = peak / cap
         bd = E.breakdown(ctx)
         acts = bd.get("activations") or 0
-        if share < AC_NEAR_CAPACITY or not peak or acts / peak < AC_ACT_SHARE_MIN:
-            return []
+        if share < AC_NEAR_CAPACITY:
+            return self.quiet(E.below_share("peak", peak, cap, "capacity", AC_NEAR_CAPACITY))
+        if acts / peak < AC_ACT_SHARE_MIN:
+            return self.quiet(E.below_share("activations", acts, peak, "the peak", AC_ACT_SHARE_MIN))
         cands = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint == "none"]
         per_unit = _unit_activations(ctx, cands)
         cands = [u for u in cands if per_unit.get(u.name, 0) > 0]
         if not cands:
-            return []
+            return self.quiet("no unit left to checkpoint: every one with activations is checkpointed")
         # checkpoint the largest activation holders first until the peak is under the target
         cands.sort(key=lambda u: -per_unit[u.name])
         # the peak moves: a checkpointed unit keeps only its input until its backward, where its recompute holds
@@ -178,10 +180,12 @@ class AcUnneeded(Rule):
         ck = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none"]
         ck += [u for u in E.roots(E.units(ctx)) if u.checkpoint != "none"]
         if not ck:
-            return []
+            return self.quiet("no unit is checkpointed")
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
-        if peak is None or not cap or peak / cap >= AC_UNNEEDED_MAX_SHARE:
-            return []
+        if not peak or not cap:
+            return self.quiet(E.no_peak_or_capacity(peak, cap))
+        if peak / cap >= AC_UNNEEDED_MAX_SHARE:
+            return self.quiet(E.above_share("peak", peak, cap, "capacity", AC_UNNEEDED_MAX_SHARE))
         step = E.step_ms(ctx)
         # recompute time: measured when the recorder saw it, else the blocks' forward compute
         measured = sum(u.timing.recompute_ms for u in ck)
@@ -190,8 +194,9 @@ class AcUnneeded(Rule):
         pm = E.peak_memory(ctx)
         extra, source = _added_without_checkpointing(ctx, ck, pm)
         peak_after = _peak_with(pm, extra) if source is not None else None
-        if peak_after is not None and peak_after > E.TARGET_CAPACITY_SHARE * cap:
-            return []  # removing it would not fit: checkpointing is earning its keep
+        if peak_after is not None and peak_after > E.TARGET_CAPACITY_SHARE * cap:  # checkpointing earns its keep
+            return self.quiet(f"without checkpointing the peak would be {fmt_bytes(peak_after)}, over "
+                              f"{100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
         share = recompute / step if step else None
         sev = "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
         wrappers, functional = _wrappers(ck)
@@ -223,7 +228,7 @@ class AcWrongGranularity(Rule):
     def match(self, ctx: Context):
         ch = [u for u in E.units(ctx) if u.checkpoint in ("children", "partial")]
         if not ch:
-            return []
+            return self.quiet("no unit checkpoints its children instead of itself")
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         mods = [m for u in ch for m in u.modules if m]
         per_unit = _unit_activations(ctx, ch)

@@ -108,7 +108,8 @@ class ExposedReduceScatter(TraceRule):
         total = sum(exposed.values())
         share = total / step
         if share < EXPOSED_RS_INFO_SHARE:
-            return []
+            return self.quiet(E.below_share("exposed reduce-scatters", total, step, "the step", EXPOSED_RS_INFO_SHARE,
+                                            ms=True))
         worst = sorted(exposed.items(), key=lambda kv: -kv[1])
         bw = [r.busbw_gbps for r in rows if r.busbw_gbps]
         sizes = [r.bytes_per_call for r in rows if r.bytes_per_call]
@@ -179,7 +180,8 @@ class CommunicationBound(TraceRule):
             return self.quiet(GLOO_QUIET)
         share = job.groups_pct["communication"] / 100
         if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
-            return []
+            return self.quiet(f"the step is {job.bound}-bound; communication {100 * share:.0f}% of it (fires "
+                              f"when communication-bound at {100 * COMM_BOUND_MIN_SHARE:.0f}% or more)")
         rows = E.trace_rows(ctx)
         table = _size_table(rows)
         step = trace_step_ms(ctx)
@@ -236,9 +238,11 @@ class SmallCollectives(TraceRule):
         exposed = {k: sum(r.exposed_ms_per_step for r in E.trace_rows(ctx) if r.rank == k) for k in ranks}
         exp = statistics.median(exposed.values())
         if calls < SMALL_MIN_CALLS_PER_STEP or median_bytes >= SMALL_MAX_MEDIAN_BYTES:
-            return []
+            return self.quiet(f"{calls} all-gathers per step of median {fmt_bytes(median_bytes)} (fires from "
+                              f"{SMALL_MIN_CALLS_PER_STEP} calls under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES)})")
         if exp / step < SMALL_MIN_EXPOSED_SHARE:
-            return []
+            return self.quiet(E.below_share("exposed communication", exp, step, "the step", SMALL_MIN_EXPOSED_SHARE,
+                                            ms=True))
         units = sorted({r.unit for r in rows})
         # per-call time of the smallest messages bounds the latency a merged call still pays once
         per_call_ms = statistics.median(r.comm_ms_per_step / r.count_per_step for r in rows if r.count_per_step)
@@ -272,7 +276,7 @@ class NcclOnComputeStream(TraceRule):
             return self.quiet("needs a GPU trace")
         bad = {r: pr.comm_calls_on_compute_stream for r, pr in per_rank.items() if pr.comm_calls_on_compute_stream}
         if not bad:
-            return []
+            return self.quiet("every collective runs on a stream of its own")
         step = trace_step_ms(ctx)
         rows = E.trace_rows(ctx)
         tot = {r: per_rank[r].comm_calls for r in bad}
@@ -314,10 +318,11 @@ class TraceStraggler(TraceRule):
         base = statistics.median(others)
         excess = own[worst] - base
         if excess < STRAGGLER_MIN_MS or excess < STRAGGLER_MIN_FRACTION * base:
-            return []
+            return self.quiet(f"the slowest rank's ({worst}) own work exceeds the others' median by {excess:.2f} ms "
+                              f"(fires from {STRAGGLER_MIN_MS:g} ms and {100 * STRAGGLER_MIN_FRACTION:.0f}%)")
         # the others must be the ones waiting: their exposed communication exceeds the straggler's
         if statistics.median(waits[r] for r in own if r != worst) <= waits[worst]:
-            return []
+            return self.quiet(f"rank {worst} is the slowest, but the others do not wait for it in collectives")
         x = tr[worst]
 
         def group_ms(r, g):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION, STRAGGLER_MIN_MS,
+                               STRAGGLER_MIN_STEPS)
 from ...report_sections import StepStats
 from .. import estimate as E
 from ..base import Context, Rule, register
@@ -39,13 +41,16 @@ class GcPauses(Rule):
             if worst is None or share > worst[1]:
                 worst = (int(r), share, st)
         if worst is None:
-            return []
+            return self.quiet("no steady step recorded")
         rank, share, st = worst
         out_share = len(gc_out) / len(outliers) if outliers else 0.0
         largest = _largest_pause_ms(ctx, rank)
         recurring = (st.gc_ms_total - largest) / st.wall_ms_total if st.wall_ms_total else 0.0
         if recurring < GC_SHARE_MIN and not (len(gc_out) >= GC_MIN_OUTLIERS and out_share >= GC_OUTLIER_SHARE_MIN):
-            return []  # no pattern: a single collection (or none of note)
+            # no pattern: a single collection (or none of note)
+            return self.quiet(f"GC takes {100 * share:.1f}% of rank {rank}'s step time, {100 * recurring:.1f}% "
+                              f"without its largest pause (fires from {100 * GC_SHARE_MIN:.0f}%)"
+                              + (f", and explains {len(gc_out)} of {len(outliers)} outlier steps" if outliers else ""))
         per_step = st.gc_ms_total / st.count
         p50 = st.p50_ms
         return [self.finding(
@@ -102,13 +107,15 @@ class DataWait(Rule):
         rank = max(shares, key=shares.get)  # the first of equal shares
         share, st = shares[rank], steps.per_rank[str(rank)]
         if share < OUTSIDE_SHARE_MIN:
-            return []
+            return self.quiet(f"time outside the model is at most {100 * share:.0f}% of the step (rank {rank}; "
+                              f"fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
         outside = _outside_ms(ctx, rank, st)
         comm = E.other_comm_exposed_ms(ctx, rank)
         ranks = [r for r, sh in shares.items() if sh >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:
-            return []  # one rank's own delay: straggler.rank reports it
+            return self.quiet(f"the time outside the model is rank(s) {', '.join(map(str, ranks))}' own delay: "
+                              "straggler.rank reports it")
         p50 = st.p50_ms
         phases = st.phases_p50_ms or {}
         return [self.finding(
@@ -160,4 +167,8 @@ class Straggler(Rule):
                            "peak_bytes_before": None, "peak_bytes_after": None},
                 ranks=[s.rank],
             ))
+        if not out:
+            return self.quiet(f"no rank's own time in one phase exceeds the others' by "
+                              f"{100 * STRAGGLER_MIN_FRACTION:.0f}% and {STRAGGLER_MIN_MS:g} ms in "
+                              f"{100 * STRAGGLER_MIN_CONSISTENCY:.0f}% of the steps (at least {STRAGGLER_MIN_STEPS})")
         return out

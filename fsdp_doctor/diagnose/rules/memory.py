@@ -79,12 +79,11 @@ class NearCapacitySpread(Rule):
     def match(self, ctx: Context):
         pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
         if pm is None or not cap:
-            return self.quiet("memory capacity unknown: pass capacity_bytes= to watch()")
+            return self.quiet(E.NO_CAPACITY)
         peak = int(pm.peak_bytes)
         share = peak / cap
         if share < T.NEAR_CAPACITY_SHARE:
-            return self.quiet(f"the peak is {100 * share:.0f}% of capacity "
-                              f"(< {100 * T.NEAR_CAPACITY_SHARE:.0f}%)")
+            return self.quiet(E.below_share("peak", peak, cap, "capacity", T.NEAR_CAPACITY_SHARE))
         bd = {k: v for k, v in pm.peak_breakdown.items() if v}
         top = max(bd, key=bd.get) if bd else None
         if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:

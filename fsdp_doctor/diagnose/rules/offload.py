@@ -4,6 +4,7 @@ make a run fit, and offloading from pageable (unpinned) host memory."""
 from __future__ import annotations
 
 from ...report_sections import Copies
+from ...units import fmt_bytes
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
@@ -53,14 +54,17 @@ class OffloadCostly(Rule):
         if not E.param_units(ctx):
             return self._from_plain_trace(ctx)
         if not E.on_gpu(ctx):
-            return []
+            return self.quiet("not a GPU run: offload is judged on a GPU")
         off = _offloaded(ctx)
         if not off:
-            return []
+            return self.quiet("no unit is offloaded")
         step, peak, cap = E.step_ms(ctx), E.peak_bytes(ctx), E.capacity_bytes(ctx)
         tot, exposed = _copies_ms(ctx)
-        if not step or exposed is None or exposed / step < OFFLOAD_COSTLY_SHARE:
-            return []
+        if not step or exposed is None:
+            return self.quiet("no step time measured" if not step else "no profiler trace: copies not measured")
+        if exposed / step < OFFLOAD_COSTLY_SHARE:
+            return self.quiet(E.below_share("exposed host-device copies", exposed, step, "the step",
+                                            OFFLOAD_COSTLY_SHARE, ms=True))
         bd = E.breakdown(ctx)
         host = bd.get("offloaded_host") or 0
         if not host:
@@ -68,8 +72,10 @@ class OffloadCostly(Rule):
             host = pm.offloaded_host_bytes if pm else 0
         if not host:
             host = sum(u.sharded_bytes + 3 * E.grad_shard_bytes(u) for u in off)  # params; grads, 2 Adam states
-        if peak is not None and cap and peak + host > OFFLOAD_FITS_SHARE * cap:
-            return []  # offloading is what makes it fit
+        if peak is not None and cap and peak + host > OFFLOAD_FITS_SHARE * cap:  # offloading makes it fit
+            return self.quiet(f"the offloaded state ({fmt_bytes(host)}) would not fit on the device: peak "
+                              f"{fmt_bytes(peak + host)}, over {100 * OFFLOAD_FITS_SHARE:.0f}% of capacity "
+                              f"{fmt_bytes(cap)}")
         return [self.finding(
             "warning", f"CPU offload copies stall the step for {exposed:.1f} ms ({100 * exposed / step:.0f}%)",
             {"offloaded_units": len(off), "copies_ms_per_step": round(tot or 0, 3),
@@ -93,11 +99,13 @@ class OffloadCostly(Rule):
         step = E.trace_step_ms(ctx)
         exposed = E.breakdown_ms(ctx, "offload")
         if E.trace_device(ctx) != "gpu" or not step or not exposed:
-            return []
+            return self.quiet("not a GPU trace" if E.trace_device(ctx) != "gpu" else
+                              "no host-device copy alone on the device")
         worst = max(exposed, key=exposed.get)
         ms = exposed[worst]
         if ms / step < OFFLOAD_COSTLY_SHARE:
-            return []
+            return self.quiet(E.below_share(f"exposed host-device copies (rank {worst})", ms, step, "the step",
+                                            OFFLOAD_COSTLY_SHARE, ms=True))
         cp = E.overlap(ctx).copies.get(worst) or Copies()
         per_step = E.per_step
 
@@ -127,14 +135,16 @@ class OffloadRecommended(Rule):
 
     def match(self, ctx: Context):
         if not E.on_gpu(ctx) or _offloaded(ctx):
-            return []
+            return self.quiet("offload is on" if E.on_gpu(ctx) else "not a GPU run: offload is judged on a GPU")
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
-        if peak is None or not cap or peak / cap < OFFLOAD_NEEDED_SHARE:
-            return []
+        if not peak or not cap:
+            return self.quiet(E.no_peak_or_capacity(peak, cap))
+        if peak / cap < OFFLOAD_NEEDED_SHARE:
+            return self.quiet(E.below_share("peak", peak, cap, "capacity", OFFLOAD_NEEDED_SHARE))
         bd = E.breakdown(ctx)
         state = sum(bd.get(k) or 0 for k in _STATE_KEYS)
         if state / peak < OFFLOAD_STATE_SHARE_MIN:
-            return []
+            return self.quiet(E.below_share("sharded state", state, peak, "the peak", OFFLOAD_STATE_SHARE_MIN))
         us = E.param_units(ctx)
         shard = sum(u.sharded_bytes for u in us)
         # per step: params host->device twice (forward and backward unshard), grads device->host once
@@ -165,10 +175,10 @@ class OffloadUnpinned(Rule):
 
     def match(self, ctx: Context):
         if not E.on_gpu(ctx):
-            return []
+            return self.quiet("not a GPU run: offload is judged on a GPU")
         bad = [u for u in _offloaded(ctx) if u.offload_pin_memory is False]
         if not bad:
-            return []
+            return self.quiet("no unit offloads to pageable memory" if _offloaded(ctx) else "no unit is offloaded")
         step = E.step_ms(ctx)
         tot, exposed = _copies_ms(ctx)
         saved = (tot or 0) * (1 - 1 / PAGEABLE_SLOWDOWN)

@@ -55,7 +55,7 @@ class OptimizerBeforeShard(Rule):
     def match(self, ctx: Context):
         cfg = ctx.config
         if cfg is None or cfg.optimizer_foreign_params <= 0:
-            return []
+            return self.quiet("the optimizer holds the model's own parameters")
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         stale = cfg.optimizer_foreign_bytes
         bd = E.breakdown(ctx)
@@ -111,10 +111,15 @@ class OptimizerStepComm(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        step = E.step_ms(ctx)
-        rows = [r for r in E.trace_rows(ctx) if r.unit in _OTHER_UNITS]
+        step = E.step_ms(ctx) or E.trace_step_ms(ctx)  # the records' median, else the trace's (a plain trace)
+        every = E.trace_rows(ctx)
+        rows = [r for r in every if r.unit in _OTHER_UNITS]
         if not rows or not step:
-            return []
+            return self.quiet("every collective in the trace belongs to an FSDP unit" if step else
+                              "no step time measured")
+        if len(rows) == len(every) and not E.param_units(ctx) and not E.overlap(ctx).units:
+            # no FSDP unit anywhere (DDP's all-reduces): nothing tells the user's collectives from the framework's
+            return self.quiet("no FSDP unit in the trace (no FSDP2 label, no unit's collective)")
         by_rank: dict[int, _OtherComm] = {}
         for r in rows:
             by_rank.setdefault(r.rank, _OtherComm()).add(r)
@@ -124,7 +129,9 @@ class OptimizerStepComm(Rule):
         # finding come and go between otherwise identical runs
         typical = statistics.median(a.exposed_ms for a in by_rank.values()) / step
         if share < OTHER_COMM_INFO_SHARE or typical < OTHER_COMM_INFO_SHARE * (1 - OTHER_COMM_HYSTERESIS):
-            return []
+            return self.quiet(E.below_share(f"exposed collectives outside FSDP (rank {rank})", worst.exposed_ms,
+                                            step, "the step", OTHER_COMM_INFO_SHARE, ms=True)
+                              + f"; the median rank's {100 * typical:.0f}%")
         sev = "warning" if share >= OTHER_COMM_WARN_SHARE else "info"
         opt_ms = E.phase_ms(ctx, "optimizer")
         kinds = sorted(worst.kinds)
@@ -172,12 +179,14 @@ class OptimizerStateDominates(Rule):
 
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
-        if peak is None or not cap or peak / cap < STATE_TIGHT_SHARE:
-            return []
+        if not peak or not cap:
+            return self.quiet(E.no_peak_or_capacity(peak, cap))
+        if peak / cap < STATE_TIGHT_SHARE:
+            return self.quiet(E.below_share("peak", peak, cap, "capacity", STATE_TIGHT_SHARE))
         bd = E.breakdown(ctx)
         st = bd.get("optimizer_state") or 0
         if not st or st / peak < STATE_SHARE_MIN:
-            return []
+            return self.quiet(E.below_share("optimizer state", st, peak, "the peak", STATE_SHARE_MIN))
         step = E.step_ms(ctx)
         cfg = ctx.config
         opt = (cfg.optimizer if cfg is not None else None) or "the optimizer"

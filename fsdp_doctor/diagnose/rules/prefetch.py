@@ -45,6 +45,12 @@ def _exposed_severity(share: float, cpu: bool):
     return None if share < info else ("warning" if share >= warn else "info")
 
 
+def _below(total: float, step: float, cpu: bool, source: str) -> str:
+    info = EXPOSED_AG_INFO_SHARE_CPU if cpu else EXPOSED_AG_INFO_SHARE_GPU
+    return (E.below_share("exposed all-gather waits", total, step, "the step", info, ms=True)
+            + f", on {'a CPU' if cpu else 'a GPU'} ({'host timing' if source == 'host' else source})")
+
+
 def _is_cpu(ctx: Context) -> bool:
     return not E.on_gpu(ctx)
 
@@ -87,12 +93,13 @@ class ExposedAllGather(Rule):
                     if w > 0:
                         rows.append((u, ph, w))
         if not step or not us or not rows:
-            return []
+            return self.quiet("no step time measured" if not step else "no unit timed" if not us else
+                              "compute never waited for an all-gather")
         total = sum(w for _, _, w in rows)
         share = total / step
         sev = _exposed_severity(share, cpu)
         if sev is None:
-            return []
+            return self.quiet(_below(total, step, cpu, source))
         notes = []
         sync = _sync_gloo_units(ctx)
         if sync:
@@ -123,7 +130,8 @@ class ExposedAllGather(Rule):
         # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
         # from its forward to its backward all-gather, added along the peak step's timeline
         z2_peak = E.zero2_peak(ctx, z2) if z2 else None
-        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(u.unsharded_bytes for u in z2)
+        added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(
+            E.gathering_after_forward_bytes(u) for u in z2)
         has_fwd_prefetch = any(u.forward_prefetch for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
@@ -176,13 +184,13 @@ class ExposedAllGather(Rule):
         rows = [(u, ph, w) for (u, ph), w in trace.items() if w > 0 and ph in ("forward", "backward")
                 and u not in ("(other)",)]
         if not rows or not step:
-            return []
+            return self.quiet("no step in the trace" if not step else "no all-gather exposed in the trace")
         cpu = E.trace_device(ctx) != "gpu"
         total = sum(w for _, _, w in rows)
         share = total / step
         sev = _exposed_severity(share, cpu)
         if sev is None:
-            return []
+            return self.quiet(_below(total, step, cpu, "trace"))
         rows.sort(key=lambda x: -x[2])
         fwd = sum(w for _, ph, w in rows if ph == "forward")
         bwd = total - fwd
@@ -221,8 +229,12 @@ class PrefetchTooEarly(Rule):
     def match(self, ctx: Context):
         share = E.headroom_share(ctx)
         step = E.step_ms(ctx)
-        if share is None or share < TIGHT_SHARE or not step:
-            return []
+        if share is None or not step:
+            return self.quiet(E.no_peak_or_capacity(E.peak_bytes(ctx), E.capacity_bytes(ctx)) if step else
+                              "no step time measured")
+        if share < TIGHT_SHARE:
+            return self.quiet(E.below_share("peak", E.peak_bytes(ctx), E.capacity_bytes(ctx), "capacity",
+                                            TIGHT_SHARE))
         by_name = {u.name: u for u in E.units(ctx)}
         held: dict[tuple[str, str], list[float]] = {}
         for r in E.trace_rows(ctx, "all_gather"):
@@ -239,7 +251,8 @@ class PrefetchTooEarly(Rule):
         if not rows or max(depth, bdepth) <= 1:
             # FSDP's implicit prefetch (one unit ahead) holds the next unit by design, and so does an explicit
             # list of one: this rule's own fix (it fired again on the rerun of its snippet)
-            return []
+            return self.quiet("prefetch is at most one unit ahead (FSDP's own)" if rows else
+                              f"no all-gather is held {HELD_MIN_MS:g} ms or more before use")
         rows.sort(key=lambda x: -x[2])
         peak = E.peak_bytes(ctx)
         # one fewer unit gathered at the peak: the largest of those held early
@@ -273,7 +286,7 @@ class SyncUnshard(Rule):
     def match(self, ctx: Context):
         sync = _sync_gloo_units(ctx)
         if not sync:
-            return []
+            return self.quiet("not gloo" if E.backend(ctx) != "gloo" else "every unit unshards asynchronously")
         step = E.step_ms(ctx)
         blk = E.overlap(ctx).blocking
         blocking_ms = [b.us / E.steps_in_windows(ctx, r) / 1e3 for r, b in blk.items()]
@@ -313,12 +326,12 @@ class LastUnitResharded(Rule):
     def match(self, ctx: Context):
         last = E.resharded_last_unit(ctx)
         if last is None:
-            return []
+            return self.quiet("the last unit of forward is kept gathered, or the root computes after it")
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         wait = E.ag_wait_ms(last, "backward") if last.has_timing else None
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
-        extra = last.unsharded_bytes  # FSDP2 keeps the sharded parameters while the unsharded ones live
+        extra = E.gathering_after_forward_bytes(last)  # FSDP2 keeps the sharded parameters meanwhile
         name = last.name or "(root)"
         code = ("# on the sharded model (or pass reshard_after_forward=False to its fully_shard call)\n"
                 + S.set_on_units([last.name], "set_reshard_after_forward(False)"))

@@ -94,7 +94,7 @@ class Zero2PerUnit(Rule):
     def match(self, ctx: Context):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not cap:
-            return self.quiet("memory capacity unknown: pass capacity_bytes= to watch()")
+            return self.quiet(E.NO_CAPACITY)
         if peak is None or not step:
             return self.quiet("needs the step records' memory and step times")
         budget = ZERO2_MAX_SHARE * cap

@@ -7,6 +7,7 @@ import statistics
 
 from .. import estimate as E
 from .. import snippets as S
+from ...units import fmt_bytes
 from ..base import Context, Rule, register
 
 # One unit holding at least this share of all parameters gathers most of the model at once: its
@@ -48,13 +49,14 @@ class TooCoarse(Rule):
         us = E.param_units(ctx)
         total = E.total_params(us)
         if not us or total <= 0:
-            return []
+            return self.quiet("no unit holds parameters")
         big = max(us, key=lambda u: u.param_count)
         share = big.param_count / total
         if share < COARSE_SHARE_MIN:
-            return []
-        if big.is_root and len(us) > 1:
-            return []  # a root holding most parameters next to wrapped units: wrap.params_in_root says it
+            return self.quiet(f"the largest unit, {big.name or '(root)'}, holds {100 * share:.0f}% of the "
+                              f"parameters (fires from {100 * COARSE_SHARE_MIN:.0f}%)")
+        if big.is_root and len(us) > 1:  # a root holding most parameters next to wrapped units
+            return self.quiet("the root holds most parameters beside other units: wrap.params_in_root says it")
         step, peak = _job_numbers(ctx)
         t = big.timing
         ag = t.ag_wait_fwd_ms + t.ag_wait_bwd_ms
@@ -112,11 +114,12 @@ class TooFine(Rule):
     def match(self, ctx: Context):
         us = E.non_root(E.param_units(ctx))
         if len(us) < FINE_MIN_UNITS:
-            return []
+            return self.quiet(f"{len(us)} units besides the root (fires from {FINE_MIN_UNITS})")
         med_tensors = statistics.median(u.n_params for u in us)
         med_bytes = statistics.median(u.unsharded_bytes for u in us)
         if med_tensors > FINE_LEAF_TENSORS and med_bytes >= FINE_SMALL_BYTES:
-            return []
+            return self.quiet(f"the median unit holds {med_tensors:g} tensors, {fmt_bytes(med_bytes)} gathered (fires "
+                              f"at {FINE_LEAF_TENSORS} tensors or fewer, or under {fmt_bytes(FINE_SMALL_BYTES)})")
         small = [u for u in us if u.unsharded_bytes < FINE_SMALL_BYTES or u.n_params <= FINE_LEAF_TENSORS]
         step, _ = _job_numbers(ctx)
         timed = [u for u in us if u.has_timing]
@@ -132,8 +135,8 @@ class TooFine(Rule):
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        code = S.shard_plan(S.tree(ctx), note=f"whole blocks instead of their leaves ({len(us)} units -> "
-                            f"~{len(groups)})")
+        code = S.shard_plan(S.tree(ctx), nested=False,  # the leaves' units give way to their blocks
+                            note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
@@ -163,20 +166,28 @@ class ParamsInRoot(Rule):
         others = E.non_root(us)
         total = E.total_params(us)
         if len(rts) != 1 or not others or total <= 0:
-            return []  # a root-only model is wrap.too_coarse; several roots are wrap.root_not_sharded
+            return self.quiet("several roots: wrap.root_not_sharded says it" if len(rts) > 1 else
+                              "the root is the only unit: wrap.too_coarse says it" if rts else "no root unit")
         root = rts[0]
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
-            return []
+            return self.quiet(f"the root holds {100 * share:.1f}% of the parameters "
+                              f"(fires from {100 * ROOT_SHARE_MIN:.0f}%)")
         own = [m for m in root.own_modules if m]
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
             return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(own)}): they stay "
                               "together in the root")
+        movable = _movable_share(root)
+        if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
+            tied = [m for m in own if m in root.tied_modules]
+            return self.quiet(f"{100 * share:.0f}% of the parameters are in the root, but those of tied modules "
+                              f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%")
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
-        # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step
-        held = max(0, root.unsharded_bytes - root.sharded_bytes)
-        if root.shard_size == 1:
-            return []  # sharded over one rank (a 2x1 HSDP mesh): no all-gather, nothing held gathered
+        # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
+        # stay in the root gathered: only the rest is freed
+        held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable)
+        if root.shard_size == 1:  # (a 2x1 HSDP mesh)
+            return self.quiet("the root is sharded over one rank: no all-gather, nothing held gathered")
         step, peak = _job_numbers(ctx)
         peak_after = peak - held if peak is not None else None
         t = root.timing
@@ -199,6 +210,17 @@ class ParamsInRoot(Rule):
             code, predicted=E.predicted(step, step, peak, peak_after), units=[""])]
 
 
+def _movable_share(root) -> float:
+    """The share of the root's parameters a plan can move to units of their own: all but those of tied modules
+    (which stay together in the root), from the snapshot's own-module sizes; 1 without tied modules or sizes."""
+    tied = set(root.tied_modules or [])
+    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
+    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    if not tied or not sizes or stored <= 0:
+        return 1.0
+    return min(1.0, sum(b for m, b in sizes.items() if m and m not in tied) / stored)
+
+
 @register
 class RootNotSharded(Rule):
     code = "wrap.root_not_sharded"
@@ -211,13 +233,11 @@ class RootNotSharded(Rule):
         allu = E.units(ctx)
         us = [u for u in allu if u.param_count > 0 or u.is_root]
         if len(us) < 2:
-            return []
+            return self.quiet("one unit: nothing left unsharded beside it")
         rts = E.roots(us)
         nested = [u for u in us if u.parent is not None or u.depth > 0]
-        if len(rts) < 2 and nested:
-            return []
-        if len(rts) < 2 and not nested and any(not u.modules or "" in u.modules for u in us):
-            return []
+        if len(rts) < 2 and (nested or any(not u.modules or "" in u.modules for u in us)):
+            return self.quiet("the root module is an FSDP unit")
         cfg = ctx.config
         unmanaged = cfg.unmanaged_param_bytes if cfg is not None else 0
         step, peak = _job_numbers(ctx)
@@ -299,6 +319,10 @@ class MixedDtypeUnit(Rule):
                                      f"reduce_dtype=torch.float32,\n"
                                      f"                          output_dtype=torch.{wide})"),
                 units=[u.name]))
+        if not out:
+            mixed = [u for u in E.param_units(ctx) if len({d for d in u.orig_dtypes if d}) > 1]
+            return self.quiet("every unit's parameters have one dtype" if not mixed else
+                              f"{len(mixed)} unit(s) mix dtypes under a MixedPrecisionPolicy: one dtype gathered")
         return out
 
 
@@ -313,8 +337,10 @@ class UnreducedParams(Rule):
     def match(self, ctx: Context):
         cfg = ctx.config
         names = list(getattr(cfg, "unmanaged_trainable_names", None) or []) if cfg is not None else []
-        if not names or len(E.roots(E.units(ctx))) > 1:
-            return []  # several roots: wrap.root_not_sharded says it, with the same drift
+        if not names:
+            return self.quiet("every trainable parameter belongs to an FSDP unit")
+        if len(E.roots(E.units(ctx))) > 1:  # with the same drift
+            return self.quiet("several roots: wrap.root_not_sharded says it")
         nbytes = getattr(cfg, "unmanaged_trainable_bytes", None)
         return [self.finding(
             "critical", f"{len(names)} trainable parameter(s) outside every FSDP unit: replicas drift apart",
