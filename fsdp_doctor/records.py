@@ -55,6 +55,10 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     n_params: int | None  # number of parameter tensors
     sharded_bytes: int | None  # this rank's local shards, padding included
     unsharded_bytes: int | None  # bytes when all-gathered (in param_dtype)
+    # of those, the trainable parameters' (requires_grad): what has gradients, reduce-scatters and optimizer state
+    # (a fine-tuning run's frozen base has none); None: not read (a run recorded before these fields: all of them)
+    trainable_sharded_bytes: int | None = None
+    trainable_unsharded_bytes: int | None = None
     orig_dtypes: list[str]  # distinct dtypes of the unit's parameters
     param_dtype: str | None = None
     reduce_dtype: str | None = None
@@ -119,6 +123,10 @@ class RunConfig(Record, tag="config"):
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0
+    # a frozen base (fine-tuning): the trainable parameters (weight gradients) and those from the first trainable one
+    # on in module order (input gradients flow through them); None: not read (then every parameter, 6 x N x tokens)
+    model_trainable_param_count: int | None = None
+    model_grad_path_param_count: int | None = None
     capacity_bytes: int | None = None
     tokens_per_step: int | None = None
     peak_tflops: float | None = None

@@ -483,6 +483,53 @@ ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
 
+# ------------------------------------------------------------------------------------------------ fine-tuning trees
+# (fine-tuning block: a frozen base with trainable adapters or a trainable tail, the optimizer over the trainable
+# parameters only; its rows are the scenario matrix's fine-tuning block)
+class LoRALinear(nn.Module):
+    """A minimal LoRA adapter around a frozen Linear (peft's layout: base_layer, lora_A, lora_B; B zero-initialised,
+    so the adapted model starts as the base): y = base(x) + scale * B(A(x))."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: int = 8):
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=base.weight.device)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=base.weight.device)
+        nn.init.zeros_(self.lora_B.weight)
+        self.scale = alpha / r
+
+    def forward(self, x):
+        return self.base_layer(x) + self.scale * self.lora_B(self.lora_A(x))
+
+
+def hf_llama_lora(r: int = 4):
+    """The HF Llama with its base frozen and LoRA adapters on every layer's q_proj and v_proj (trainable)."""
+    model = hf_llama().requires_grad_(False)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_proj, attn.v_proj = LoRALinear(attn.q_proj, r), LoRALinear(attn.v_proj, r)
+    return model
+
+
+def qwen2_tail():
+    """An HF Qwen2ForCausalLM from a tiny config (q/k/v biases, untied head), all but the last decoder layer and the
+    head frozen."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(cfg).requires_grad_(False)
+    model.model.layers[-1].requires_grad_(True)
+    model.lm_head.requires_grad_(True)
+    return model
+
+
+FINETUNE = {"hf_llama_lora": hf_llama_lora, "qwen2_tail": qwen2_tail}
+# ------------------------------------------------------------------------------------------------ (end fine-tuning)
+
+
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
          "llama": llama, "gpt": gpt, "gpt8": lambda: gpt(8), "gpt48": lambda: gpt(48), "hf_llama": hf_llama,
@@ -491,7 +538,7 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
          "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
-         "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD}
+         "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD, **FINETUNE}
 
 
 def _blocks(model):
@@ -514,9 +561,11 @@ def shard_blocks_only(model, mesh):
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
          "gpt": shard_gpt, "gpt8": shard_blocks_only, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only,
          "hf_llama_ckpt": shard_blocks_only,
-         "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only}
+         "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
+         **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, "mixtral": 512}
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, "mixtral": 512,
+         **{name: 512 for name in FINETUNE}}
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
@@ -684,7 +733,10 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         model = build_model(cfg)
     else:
         model = BUILD[tree]().to(dev)
-    make_opt = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False if cfg.wrap == "no_root" else None)  # noqa: E731
+    # a fine-tuner's optimizer holds the trainable parameters only (FINETUNE trees: a frozen base)
+    make_opt = lambda m: torch.optim.AdamW(  # noqa: E731
+        [p for p in m.parameters() if p.requires_grad] if tree in FINETUNE else m.parameters(), lr=1e-3,
+        foreach=False if cfg.wrap == "no_root" else None)
     early = make_opt(model) if cfg.optimizer_before_shard else None
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
     if fix.get("where") == "sharded":  # after the fully_shard calls, before the optimizer (unless built before)

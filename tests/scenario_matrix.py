@@ -234,6 +234,40 @@ ARCH_ROWS: list[Row] = [
 ROWS += ARCH_ROWS
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
+# ------------------------------------------------------------------------------------------------ fine-tuning rows
+# (fine-tuning block) a frozen base, the optimizer over the trainable parameters only (tests/clients.py FINETUNE):
+# an HF Llama with LoRA adapters on q_proj/v_proj, an HF Qwen2 with only its last block and head trainable
+FINETUNE_ROWS: list[Row] = [
+    # profiled: tests/test_scenario_matrix.py checks their reduce-scatter sizes against the trainable parameters
+    _r("lora_tuned", "hf_llama_lora", None, "LoRA on q/v, expert plan", profile=True),
+    _r("qwen2_tail_tuned", "qwen2_tail", None, "last block and head trainable, expert plan", profile=True),
+    # how fine-tuners shard: each decoder layer, then the root (the frozen embeddings and head left in it)
+    _r("lora_blocks_only", "hf_llama_lora", "wrap.params_in_root", "LoRA, decoder layers and root only",
+       knobs={"wrap": "blocks_only"}),
+    _r("qwen2_tail_blocks_only", "qwen2_tail", "wrap.params_in_root", "trainable tail, decoder layers and root only",
+       knobs={"wrap": "blocks_only"}),
+    _r("lora_optimizer_before_shard", "hf_llama_lora", "optim.before_shard",
+       "AdamW over the adapters built before fully_shard", knobs={"optimizer_before_shard": True},
+       min_severity="critical"),
+    _r("qwen2_tail_optimizer_before_shard", "qwen2_tail", "optim.before_shard",
+       "AdamW over the trainable tail built before fully_shard", knobs={"optimizer_before_shard": True},
+       min_severity="critical"),
+    # accumulating micro-batches for a larger effective batch: FSDP2 then holds the unsharded gradients of the
+    # trainable parameters only (the adapters': 3.5 KiB per layer), what accum's predicted peak adds
+    _r("lora_accum", "hf_llama_lora", "accum.sync_every_micro_batch", "LoRA, 4 micro-batches, gradient sync on each",
+       knobs={"grad_accum": 4}, profile=True, min_severity="info"),
+    _r("lora_raf_everywhere", "hf_llama_lora", "reshard.last_unit", "reshard_after_forward=True on every unit",
+       knobs={"reshard_after_forward": True}, min_severity="info"),
+    _r("lora_tight_capacity", "hf_llama_lora", "ac.recommended", "LoRA, 8 sequences per rank, budget 5% above peak",
+       knobs={"batch_size": 8}, capacity_share=0.95),
+    # only the trainable last block saves activations: its recompute holds them through its whole backward (the
+    # un-checkpointed backward frees them as it goes), +262,400 B there; ac.recommended once predicted 10.3% low
+    _r("qwen2_tail_tight_capacity", "qwen2_tail", "ac.recommended",
+       "trainable tail, 8 sequences per rank, budget 5% above peak", knobs={"batch_size": 8}, capacity_share=0.95),
+]
+ROWS += FINETUNE_ROWS
+# ------------------------------------------------------------------------------------------------ (end fine-tuning)
+
 # ------------------------------------------------------------------------------------------------ GPU rows
 # the GPU's shape (tests/test_gpu.py SMALL): seconds per run on an H100, the device (not the host) sets the step;
 # bf16 compute, fp32 reduction (numerics.reduce_dtype stays quiet); NCCL never blocks the host (no async unshard).

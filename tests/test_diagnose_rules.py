@@ -287,6 +287,21 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     assert codes(healthy) == set()
 
 
+def test_exposed_allgather_keeps_gathered_only_units_with_backward_waits():
+    """Fine-tuning with a frozen prefix (a Qwen2 with its last block trainable): the frozen blocks run no backward,
+    so they are never gathered again; reshard_after_forward=False on them costs memory and removes no wait. The
+    memory quoted for it counts only the units that wait (it counted every resharded unit: 354 KiB for 145 KiB)."""
+    us = healthy_units()
+    for u, t in us[1:]:
+        frozen = u["name"] in ("tok_emb, pos_emb", "layers.0", "layers.1")
+        t.update(ag_wait_fwd_ms=5.0, ag_wait_bwd_ms=0.0 if frozen else 2.0, **({"bwd_ms": 0.0} if frozen else {}))
+    ctx, _ = build(units=us)
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    waiting = [u for u in E.non_root(E.param_units(ctx)) if u.name in ("layers.2", "layers.3")]
+    assert f.evidence["reshard_after_forward_false_ms"] == pytest.approx(4.0)
+    assert f.evidence["reshard_after_forward_false_bytes"] == sum(u.unsharded_bytes for u in waiting)
+
+
 def test_exposed_allgather_defers_to_straggler():
     us = healthy_units()
     for u, t in us[1:]:
@@ -564,6 +579,24 @@ def test_ac_recommended_picks_enough_blocks():
     assert run_rule("ac.recommended", build(memory=mem)[0]) == []
 
 
+def test_ac_recommended_recompute_holds_activations_through_the_units_backward():
+    """A frozen prefix (a Qwen2 whose last block alone trains): only layers.2 saves activations. Checkpointed, its
+    recompute holds what it recomputed until its backward ends, where the plain backward frees each saved tensor as
+    it goes (4 MiB freed by the in_backward mark here): that mark rises by what was freed. It was predicted at the
+    old in_backward total (39 MiB): 10.3% under the rerun on the real tree."""
+    per_unit = [{"unit": f"layers.{i}", "activation_bytes": 16 * MiB if i == 2 else 0} for i in range(3)]
+    mem = memory(40 * MiB, capacity=42 * MiB, per_unit=per_unit, activations=17 * MiB)
+    marks = [("layers.2", "forward_start", 20, 0), ("layers.2", "forward_end", 36, 16), (None, "in_loss", 40, 17),
+             ("layers.2", "backward_start", 37, 16), ("layers.2", "in_backward", 39, 12),
+             ("layers.2", "backward_end", 22, 0)]
+    for rank in mem["per_rank"].values():
+        rank["timeline"] = [{"t_ms": float(k), "unit": u, "phase": ph, "total": t * MiB, "activations": a * MiB}
+                            for k, (u, ph, t, a) in enumerate(marks)]
+    (f,) = run_rule("ac.recommended", build(memory=mem, capacity=42 * MiB)[0])
+    assert f.evidence["blocks_to_checkpoint"] == ["layers.2"]
+    assert f.predicted["peak_bytes_after"] == 43 * MiB  # in_backward: 39 + the 4 MiB the recompute still holds
+
+
 def test_ac_unneeded():
     us = healthy_units(checkpoint="unit")
     mem = memory(10 * MiB, capacity=8 << 30, per_unit=_act_units(act=64 * 1024), activations=256 * 1024)
@@ -652,6 +685,19 @@ def test_optimizer_before_shard_is_critical():
     assert "optimizer = cls(model.parameters(), **{k: v for k, v in optimizer.defaults.items()" in f.recommendation.code
     assert "build_model" not in f.recommendation.code and "lr=lr" not in f.recommendation.code
     assert run_rule("optim.before_shard", build()[0]) == []
+
+
+def test_optimizer_before_shard_fine_tuning_counts_trainable_state_only():
+    """A frozen base with trainable adapters: AdamW's state after the fix covers the trainable shards only. Counting
+    every parameter's shard predicted 2.17 MiB after the fix for an HF Llama+LoRA run whose state is 10.5 KiB."""
+    us = healthy_units(trainable_sharded_bytes=2_048, trainable_unsharded_bytes=4_096)
+    us = [(dict(u, trainable_sharded_bytes=0, trainable_unsharded_bytes=0) if u["name"] != "" and
+           not u["name"].startswith("layers.") else u, t) for u, t in us]  # frozen embeddings and head
+    ctx, _ = build(us, optimizer_foreign_params=8, optimizer_foreign_bytes=16_384,
+                   memory=memory(9_000_000, stale_optimizer_params=16_384, activations=6_000_000))
+    (f,) = run_rule("optim.before_shard", ctx)
+    assert f.predicted["peak_bytes_after"] == 9_000_000 - 16_384 + 2 * 4 * 2_048
+    assert f.evidence["optimizer_state_after_fix_bytes_est"] == 2 * 4 * 2_048
 
 
 def test_optimizer_step_comm():

@@ -72,3 +72,51 @@ def test_every_quiet_rule_says_why_on_every_row(matrix):
     bare = {(name, s.code) for name, o in matrix.items() if o.report is not None
             for s in o.report.rules if s.status == "quiet" and s.reason == NO_REASON}
     assert not bare, sorted(bare)
+
+
+# ------------------------------------------------------------------------------------------------ fine-tuning block
+@pytest.mark.parametrize("row", ["lora_tuned", "qwen2_tail_tuned"])
+def test_fine_tuning_figures_match_the_model(matrix, row):
+    """A frozen base: every figure a fine-tuner checks, against the model built here (tests/clients.py FINETUNE):
+    parameters, each unit's trainable bytes (sharded with FSDP's padding, unsharded), AdamW's state at the peak (two
+    fp32 tensors per trainable shard element and a step per trainable tensor; nothing for frozen ones), no gradient
+    shard beyond the trainable ones, each unit's reduce-scatter message its trainable gradients (none for a frozen
+    unit), and the counted FLOPs."""
+    import math
+
+    from clients import BUILD
+
+    o = _ran(matrix[row])
+    rep, model = o.report, BUILD[M.BY_NAME[row].tree]()
+    world = 2
+    mods = {m: u.name for u in rep.units for m in u.modules if m}
+
+    def unit_of(fqn: str) -> str:
+        own = [m for m in mods if fqn.startswith(m + ".")]
+        return mods[max(own, key=len)] if own else ""
+
+    want: dict[str, list[int]] = {u.name: [0, 0, 0] for u in rep.units}  # trainable: sharded, unsharded; tensors
+    for fqn, p in model.named_parameters():
+        if p.requires_grad:
+            w = want[unit_of(fqn)]
+            w[0] += math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * 4
+            w[1] += p.numel() * 4
+            w[2] += 1
+    assert rep.run.model_param_count == sum(p.numel() for p in model.parameters())
+    assert {u.name: [u.trainable_sharded_bytes, u.trainable_unsharded_bytes] for u in rep.units} == {
+        k: v[:2] for k, v in want.items()}
+    for r, pm in rep.memory.per_rank.items():
+        assert pm.peak_at.step >= 1  # after an optimizer step: its state exists
+        bd = pm.peak_breakdown
+        assert bd["optimizer_state"] == sum(2 * w[0] + 4 * w[2] for w in want.values()), r
+        assert bd["sharded_grads"] <= sum(w[0] for w in want.values()), r
+        # when the optimizer step starts: every trainable gradient shard, nothing for the frozen base
+        opt = next(x for x in pm.timeline if x.get("phase") == "optimizer_start")
+        assert opt["sharded_grads"] == sum(w[0] for w in want.values()), r
+        assert opt["sharded_params"] == sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * 4
+                                            for p in model.parameters()), r
+    rs = {(x.unit, x.bytes_per_call) for x in rep.overlap.per_unit if x.collective == "reduce_scatter"}
+    label = {u.name: u.name or "(root)" for u in rep.units}
+    assert rs == {(label[k], float(v[1])) for k, v in want.items() if v[1]}
+    for r, t in rep.throughput.per_rank.items():
+        assert t.flops_source == "counted" and t.flops_per_step == t.hardware_flops_per_step  # no recompute

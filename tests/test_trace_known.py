@@ -8,7 +8,7 @@ from msgspec.structs import asdict
 
 from fsdp_doctor.trace import analyze_traces, build_window, find_trace_files
 from fsdp_doctor.trace import intervals as iv
-from trace_fixtures import gloo_known_trace, gpu_known_trace
+from trace_fixtures import BASE_US, gloo_known_trace, gpu_known_trace
 
 
 def rows_by(result, rank=0):
@@ -173,6 +173,22 @@ def test_gloo_known_answer(tmp_path):
     assert asdict(r.blocking["0"]) == {"count": 2, "us": pytest.approx(2000)}
     assert asdict(r.idle["0"]) == {"idle_us": pytest.approx(19000 - 4400), "kernel_us": pytest.approx(4400)}
     assert asdict(r.copies["0"]) == {"h2d_us": 0.0, "d2h_us": 0.0, "exposed_us": 0.0}
+
+
+def test_gloo_collective_recorded_twice_counts_once(tmp_path):
+    """Under a TorchDispatchMode (the doctor's memory high-water on a full step inside a profiler window, with
+    memory={"full_every": 1}) every c10d op shows with a child of the same name. Each collective is still one call
+    of its own unit: the inner op once took the next collective's gloo event (a fine-tuning run read 2 reduce-scatters
+    on every other unit, none on the rest, and accum.sync_every_micro_batch fired without accumulation)."""
+    gloo_known_trace().write(tmp_path / "plain" / "rank0.5.pt.trace.json.gz")
+    b = gloo_known_trace()
+    for e in [e for e in b.events if e["name"].startswith("c10d::")]:
+        b.op(e["name"], e["ts"] - BASE_US + 2, e["dur"] - 4)
+    b.write(tmp_path / "twice" / "rank0.5.pt.trace.json.gz")
+    plain, twice = rows_by(analyze_traces(tmp_path / "plain")), rows_by(analyze_traces(tmp_path / "twice"))
+    assert set(twice) == set(plain)
+    for k, r in plain.items():
+        assert (twice[k].count, twice[k].comm_us, twice[k].exposed_us) == (r.count, r.comm_us, r.exposed_us), k
 
 
 def test_gloo_compute_excludes_waits_inside_operators(tmp_path):

@@ -164,6 +164,18 @@ def units(ctx: Context) -> list[Unit]:
     return [Unit.of(r) for r in rows or []]
 
 
+def grad_shard_bytes(u: Unit) -> int:
+    """This rank's gradient shard bytes of the unit (= its optimizer's per-parameter state size): its trainable
+    parameters' local shards; a frozen base has no gradient. A run recorded before the snapshot read which
+    parameters train: every parameter's."""
+    return u.sharded_bytes if u.trainable_sharded_bytes is None else u.trainable_sharded_bytes
+
+
+def grad_unsharded_bytes(u: Unit) -> int:
+    """The unit's unsharded gradients (what FSDP2 accumulates without gradient sync): its trainable parameters'."""
+    return u.unsharded_bytes if u.trainable_unsharded_bytes is None else u.trainable_unsharded_bytes
+
+
 def param_units(ctx: Context) -> list[Unit]:
     return [u for u in units(ctx) if u.param_count > 0]
 

@@ -70,6 +70,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
+        **_backward_param_counts(model),
         capacity_bytes=capacity, tokens_per_step=tokens_per_step, peak_tflops=peak,
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
@@ -77,6 +78,19 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         unavailable=unavailable,
         torch_lacks=F2.features_unavailable(),
     ), consistency
+
+
+def _backward_param_counts(model: nn.Module) -> dict[str, int]:
+    """What the backward works on (the analytic FLOP estimate's): the trainable parameters (weight gradients), and
+    the parameters from the first trainable one on in module order, those input gradients flow back through (a
+    frozen prefix, such as the embeddings and frozen blocks below a trainable tail, gets none)."""
+    trainable = path = 0
+    for p in model.parameters():
+        if p.requires_grad or path:
+            path += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+    return {"model_trainable_param_count": trainable, "model_grad_path_param_count": path}
 
 
 def _compute_dtype(units: list[Unit]) -> str:

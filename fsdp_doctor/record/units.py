@@ -180,11 +180,17 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
         pgs = pgs or []
         numel: int | None = 0 if known else None
         local, unsharded = numel, numel
+        t_local, t_unsharded = numel, numel  # the trainable parameters' (requires_grad)
         dtypes: set[str] = set()
         fps = u.params
         for fp in fps:
             n, lb, ub, dts = _param_bytes(fp)
             numel, local, unsharded = _add(numel, n), _add(local, lb), _add(unsharded, ub)
+            trainable = getattr(F2.sharded_param(fp), "requires_grad", None)
+            if trainable is None:
+                t_local = t_unsharded = None
+            elif trainable:
+                t_local, t_unsharded = _add(t_local, lb), _add(t_unsharded, ub)
             dtypes.update(d for d in dts if d)
         mp = F2.mp_policy(u.state)
         pg0 = pgs[0] if pgs else None
@@ -200,6 +206,8 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 n_params=len(fps) if known else None,
                 sharded_bytes=local,
                 unsharded_bytes=unsharded,
+                trainable_sharded_bytes=t_local,
+                trainable_unsharded_bytes=t_unsharded,
                 orig_dtypes=sorted(dtypes),
                 param_dtype=_dtype_name(getattr(mp, "param_dtype", None)),
                 reduce_dtype=_dtype_name(getattr(mp, "reduce_dtype", None)),

@@ -797,6 +797,20 @@ def _compute_self_time(evs, scale) -> iv.Intervals:
     return iv.union(starts, ends)
 
 
+def _outermost(ops: list) -> list:
+    """The c10d ops (sorted by start, the longer first on a tie) without those nested in an op of the same name: one
+    collective recorded twice, as under a TorchDispatchMode (the doctor's own memory high-water on a full step, a
+    user's mode), whose re-dispatch of the op shows as a child of the same name. Counted twice, the inner one took
+    the next collective's gloo event, and every later call shifted onto the unit before it."""
+    out, open_end = [], {}
+    for e in ops:
+        if e.ts + e.dur <= open_end.get(e.name, float("-inf")):
+            continue
+        open_end[e.name] = e.ts + e.dur
+        out.append(e)
+    return out
+
+
 def _build_cpu(win, host, index, phases, scale, shapes):
     main = _main_thread(host, index.counts)
     gloo = sorted((e for e in host if e.name.startswith("gloo:")), key=lambda e: e.ts)
@@ -812,8 +826,8 @@ def _build_cpu(win, host, index, phases, scale, shapes):
 
     # link main-thread c10d ops to gloo-thread events: FIFO per gloo event name, the gloo event
     # starting no earlier than the c10d op (gloo runs its work queue in issue order)
-    c10d = sorted((e for e in main_evs if e.cat == "cpu_op" and e.name.startswith("c10d::")
-                   and _c10d_collective(e.name) in _GLOO_NAMES_FOR), key=lambda e: e.ts)
+    c10d = _outermost(sorted((e for e in main_evs if e.cat == "cpu_op" and e.name.startswith("c10d::")
+                              and _c10d_collective(e.name) in _GLOO_NAMES_FOR), key=lambda e: (e.ts, -e.dur)))
     pools: dict[str, list] = {}
     for g in gloo:
         pools.setdefault(_gloo_collective(g.name), []).append(g)

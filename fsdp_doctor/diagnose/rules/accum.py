@@ -56,7 +56,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         step, peak = E.trace_step_ms(ctx), E.peak_bytes(ctx)
         by_name = {u.name: u for u in E.param_units(ctx)}
         # FSDP2 then accumulates the unsharded gradients between micro-batches (in the reduce dtype)
-        grow = sum(by_name[u].unsharded_bytes for u in counts if u in by_name) if by_name else None
+        grow = sum(E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name) if by_name else None
         share = saved / step if step else None
         sev = "warning" if share is None or share >= 0.05 else "info"
         text = (f"Each unit reduce-scatters its gradients {n:.0f} times per optimizer step"

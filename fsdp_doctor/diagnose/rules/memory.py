@@ -55,7 +55,7 @@ def _peak_without_kept(pm, kept: int, units) -> int:
     tl = pm.timeline
     if not tl:
         return max(0, int(pm.peak_bytes) - kept)
-    shard = {u.name: u.sharded_bytes for u in units}
+    shard = {u.name: E.grad_shard_bytes(u) for u in units}
     done, best, backward = 0, 0, False
     for row in tl:
         phase = row.get("phase") or ""

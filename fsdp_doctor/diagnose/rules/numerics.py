@@ -38,7 +38,7 @@ class NarrowReduceDtype(Rule):
         reds = sorted({r for _, r in narrow})
         params = sorted({d for u in us for d in u.orig_dtypes})
         explicit = any(u.reduce_dtype for u in us)
-        grads = sum(u.sharded_bytes for u in us)  # the gradients' shards: their dtype is the parameters'
+        grads = sum(E.grad_shard_bytes(u) for u in us)  # the gradients' shards: their dtype is the parameters'
         world = ctx.config.world_size if ctx.config is not None else None
         rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit in {u.name for u in us}]
         rs_ms = sum(r.comm_ms_per_step for r in rows) / max(1, len({r.rank for r in rows})) if rows else None

@@ -71,7 +71,7 @@ class OffloadCostly(Rule):
             pm = E.peak_memory(ctx)
             host = pm.offloaded_host_bytes if pm else 0
         if not host:
-            host = sum(u.sharded_bytes for u in off) * 4  # params, grads, 2 Adam states
+            host = sum(u.sharded_bytes + 3 * E.grad_shard_bytes(u) for u in off)  # params; grads, 2 Adam states
         if peak is not None and cap and peak + host > OFFLOAD_FITS_SHARE * cap:  # offloading makes it fit
             return self.quiet(f"the offloaded state ({fmt_bytes(host)}) would not fit on the device: peak "
                               f"{fmt_bytes(peak + host)}, over {100 * OFFLOAD_FITS_SHARE:.0f}% of capacity "
@@ -148,7 +148,7 @@ class OffloadRecommended(Rule):
         us = E.param_units(ctx)
         shard = sum(u.sharded_bytes for u in us)
         # per step: params host->device twice (forward and backward unshard), grads device->host once
-        copy_ms = 3 * shard / (PINNED_GBPS * 1e9) * 1e3
+        copy_ms = (2 * shard + sum(E.grad_shard_bytes(u) for u in us)) / (PINNED_GBPS * 1e9) * 1e3
         return [self.finding(
             "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
                        f"peak at {100 * peak / cap:.0f}% of capacity",

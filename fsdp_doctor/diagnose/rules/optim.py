@@ -64,7 +64,7 @@ class OptimizerBeforeShard(Rule):
         opt = cfg.optimizer or "the optimizer"
         # after the fix: the stale tensors go, the model's gradients are freed by zero_grad (this optimizer
         # never zeroes them, so they persist), and the optimizer state appears for the first time
-        shard = sum(u.sharded_bytes for u in E.param_units(ctx))
+        shard = sum(E.grad_shard_bytes(u) for u in E.param_units(ctx))  # state only for trainable parameters
         per_param = STATE_PER_PARAM.get((cfg.optimizer or "").lower())
         new_state = 0 if bd.get("optimizer_state") else (per_param or 0) * shard
         peak_after = None

@@ -121,8 +121,10 @@ class ExposedAllGather(Rule):
         for prev, cur in zip(order, order[1:]):
             saved += min(fwd_wait.get(cur.name, 0.0), E.compute_fwd_ms(prev)) * eff
         # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
-        # all-gathers (measured host waits) at the cost of keeping them gathered until backward
-        z2 = [u for u in E.non_root(us) if u.reshard_after_forward not in (False, 0)] if bwd > 0 else []
+        # all-gathers (measured host waits) at the cost of keeping them gathered until backward; only the units that
+        # wait for one (a frozen prefix is never gathered in backward: kept gathered it costs memory for nothing)
+        z2 = [u for u in E.non_root(us) if u.reshard_after_forward not in (False, 0)
+              and E.ag_wait_ms(u, "backward") > 0] if bwd > 0 else []
         saved_bwd = sum(E.ag_wait_ms(u, "backward") for u in z2)
         peak = E.peak_bytes(ctx)
         # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
