@@ -55,6 +55,7 @@ class RunFacts(_Section):
     optimizer: Optional[str] | UnsetType = UNSET
     units: int | UnsetType = UNSET  # FSDP units
     model_param_count: int | UnsetType = UNSET
+    model_trainable_param_count: Optional[int] | UnsetType = UNSET  # requires_grad ones (None: not read)
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have

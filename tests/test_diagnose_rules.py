@@ -207,8 +207,10 @@ def test_params_in_root():
                     shard_size=2)
     quiet = build(units=us, memory=memory(10 * MiB))[0]
     assert run_rule("wrap.params_in_root", quiet) == []
-    # a learned position embedding beside them (three quarters of the root, not tied): it moves, the tied rest stays
-    us[0][0].update(own_modules=own + ["pos_emb"], own_bytes=[139_008, 256, 256, 139_008, 418_560])
+    # a learned position embedding beside a tied embedding/head (three quarters of the root, not tied): it moves,
+    # the tied rest stays (the module names of the reference GPT: tests/test_clients.py runs the snippet on it)
+    us[0][0].update(own_modules=["tok_emb", "pos_emb", "norm", "lm_head"], own_bytes=[139_008, 418_560, 512, 139_008],
+                    tied_modules=["tok_emb", "lm_head"])
     (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
     assert g.predicted["peak_bytes_after"] == 10 * MiB - int((558_080 - 279_040) * (418_560 + 512) / 558_080)
 

@@ -103,6 +103,12 @@ def test_fine_tuning_figures_match_the_model(matrix, row):
             w[1] += p.numel() * 4
             w[2] += 1
     assert rep.run.model_param_count == sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert rep.run.model_trainable_param_count == trainable
+    from fsdp_doctor.present.fmt import run_facts as header_facts
+
+    share = f"{100 * trainable / rep.run.model_param_count:.2g}% trainable"  # the header says how much is trained
+    assert any(share in f for f in header_facts(rep.run)), header_facts(rep.run)
     assert {u.name: [u.trainable_sharded_bytes, u.trainable_unsharded_bytes] for u in rep.units} == {
         k: v[:2] for k, v in want.items()}
     for r, pm in rep.memory.per_rank.items():

@@ -74,7 +74,10 @@ def run_facts(run: RunFacts) -> list[str]:
     if r.units:
         facts.append(f"{r.units} FSDP units")
     if r.model_param_count:
-        facts.append(f"{r.model_param_count / 1e6:.2f} M params")
+        trainable = r.model_trainable_param_count or None  # UNSET, None (not read) or 0: not shown
+        frozen = trainable is not None and trainable < r.model_param_count
+        facts.append(f"{r.model_param_count / 1e6:.2f} M params"
+                     + (f" ({100 * trainable / r.model_param_count:.2g}% trainable)" if frozen else ""))
     for v in (r.backend, r.device_name, r.torch_version, r.optimizer):
         if v:
             facts.append(str(v))
