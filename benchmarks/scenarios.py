@@ -156,9 +156,11 @@ def main(argv=None) -> int:
         found = _gpu_found() if which == "cpu" else ({}, set())
         text = render(table(outcomes, *found, planted_only=which == "gpu", device=a.device), a.markdown)
         baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
+        reruns = sum(1 for o in outcomes.values() if o.after is not None or o.after_error)
+        worlds = sorted({o.row.world for o in outcomes.values()})
         text += (f"\n\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
-                 f"{len({o.row.tree for o in outcomes.values()})} model trees), 2 "
-                 f"{'NCCL' if a.device == 'cuda' else 'gloo'} ranks"
+                 f"{len({o.row.tree for o in outcomes.values()})} model trees) and {reruns} reruns, "
+                 f"{' or '.join(map(str, worlds))} {'NCCL' if a.device == 'cuda' else 'gloo'} ranks"
                  + (f"; failed to run: {'; '.join(failed)}" if failed else ""))
         print(text)
         if a.table:
