@@ -5,9 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-PKGS="msgspec dash dash-ag-grid plotly torch-tb-profiler flask blinker itsdangerous retrying nest-asyncio
-      pydantic pydantic-core annotated-types typing-inspection typing-extensions comm janus importlib-metadata
-      expecttest"
+# What the GPU machine has (its python3's packages, with their own dependencies): never carried. The rehearsal
+# (benchmarks/gpu_rehearsal.sh) builds a Python 3.12 environment of exactly these; tests/test_gpu_wheels.py
+# checks that PKGS holds every dependency of fsdp-doctor (and of expecttest) outside their closure.
+MACHINE="torch==2.11.0 transformers==5.17.0 tensorboard rich numpy pandas nvidia-ml-py pytest"
+# What it lacks: fsdp-doctor's dependencies and theirs (with --no-deps nothing else is installed: a missing one
+# fails only when imported, e.g. dash without narwhals); expecttest for torch's test Transformer (tests/clients.py)
+PKGS="msgspec dash dash-ag-grid plotly narwhals torch-tb-profiler flask blinker itsdangerous retrying nest-asyncio
+      pydantic pydantic-core annotated-types typing-inspection typing-extensions comm janus importlib-metadata zipp
+      lazy-importer requests urllib3 charset-normalizer certifi psutil expecttest"
 mkdir -p .whl
 for p in $PKGS; do
   v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p" 2>/dev/null || true)
