@@ -62,3 +62,33 @@ def test_unmet_names_a_missing_or_too_old_requirement(tmp_path):
     ]
     assert W.closure(["carried-a"], path=[str(tmp_path)]) == {"carried-a", "carried-b", "packaging",
                                                                "also-not-there-xyz"}
+
+
+def test_the_rehearsal_finds_the_readme_device_command():
+    """benchmarks/gpu_rehearsal.sh runs the README's device command itself, with --dry-run after --budget-s 540
+    and its own folders for /tmp/site, /tmp/c and $OUT: the line it looks for is there, once, with those parts."""
+    lines = [ln.strip() for ln in (REPO / "README.md").read_text().splitlines()
+             if re.match(r"^ *python3 -m pip install .*--budget-s 540", ln)]
+    assert len(lines) == 1, lines
+    for part in ("--target /tmp/site .whl/*.whl", "PYTHONPATH=/tmp/site:$PWD", "--out /tmp/c --budget-s 540",
+                 "--out /tmp/c --pack $OUT"):
+        assert part in lines[0], part
+    script = (REPO / "benchmarks" / "gpu_rehearsal.sh").read_text()
+    assert "--budget-s 540 --dry-run" in script and "README.md" in script
+
+
+def test_a_child_keeps_the_callers_pythonpath(tmp_path, monkeypatch):
+    """On the GPU machine the dependencies are on PYTHONPATH (/tmp/site): a test's child process that set
+    PYTHONPATH to the tree alone could not import msgspec (tests/test_bad_inputs.py did, in the rehearsal)."""
+    import os
+    import subprocess
+
+    from conftest import child_pythonpath
+
+    (tmp_path / "carried_sentinel_xyz.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
+    r = subprocess.run([sys.executable, "-c", "import fsdp_doctor, carried_sentinel_xyz"], env=env, cwd=tmp_path.parent,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), str(tmp_path)]
