@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python packages the GPU machine lacks (see ../shared/notes/gpu-machine.md), as cp312 x86-64 wheels in .whl/
 # (git-ignored), for the device tool to carry: `make gpu-wheels` here, then name `.whl` in the run's `carry`.
-# Versions are this checkout's virtual environment's, so both machines run the same code; ~25 MB in all.
+# Versions are this checkout's virtual environment's, so both machines run the same code; ~29 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
