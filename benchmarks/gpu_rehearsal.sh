@@ -30,9 +30,10 @@ if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$py" ]; }; th
   mkdir -p "$(dirname "$REHEARSAL_DIR")"
   exec 9>"$REHEARSAL_DIR.lock"; flock 9
   if ! { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$py" ]; }; then
-    echo "gpu-rehearsal: making $REHEARSAL_DIR: Python 3.12, $MACHINE (~7 GB, a few minutes; pip is quiet) ..."
     # an environment of another Python is made anew; one of 3.12 is completed (pip installs what differs)
     "$py" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" 2>/dev/null || rm -rf "$REHEARSAL_DIR"
+    echo "gpu-rehearsal: $([ -x "$py" ] && echo completing || echo making) $REHEARSAL_DIR: Python 3.12, $MACHINE" \
+         "(~7 GB, a few minutes when new; pip is quiet) ..."
     [ -x "$py" ] || "$PY312" -m venv "$REHEARSAL_DIR"
     "$py" -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version" \
       || { echo "gpu-rehearsal: $PY312 is not Python 3.12 (set PY312)"; exit 1; }
