@@ -18,10 +18,18 @@ mkdir -p .whl
 for p in $PKGS; do
   v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p" 2>/dev/null || true)
   spec=$p${v:+==$v}
-  ls .whl | grep -qi "^$(echo "$p" | tr - _)-${v:-}" && continue
+  n=$(echo "$p" | tr 'A-Z-' 'a-z_')
+  # another version left by an earlier run goes: `pip install .whl/*.whl` refuses two versions of one package
+  for f in .whl/*.whl; do
+    b=$(basename "$f" | tr 'A-Z' 'a-z')
+    case $b in "$n-${v:-}-"*) ;; "$n"-[0-9]*) [ -n "$v" ] && rm -f "$f" ;; esac
+  done
+  ls .whl | grep -qi "^$n-${v:-}" && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "$spec" \
     || { echo "gpu-wheels: could not download $spec"; exit 1; }
 done
+dups=$(ls .whl | sed 's/-[0-9].*//' | tr 'A-Z-' 'a-z_' | sort | uniq -d | tr '\n' ' ')
+[ -z "$dups" ] || { echo "gpu-wheels: several versions of $dups in .whl/ (remove the old ones)"; exit 1; }
 echo "gpu-wheels: $(ls .whl | wc -l) wheels, $(du -sh .whl | cut -f1) in .whl/"
