@@ -12,7 +12,7 @@ TORCH_PIN ?= torch==2.13.0
 COMPAT_DIR   ?= $(HOME)/.cache/fsdp_doctor/compat
 COMPAT_TORCH ?= 2.6.0 2.15.0
 
-.PHONY: setup demo test test-fast test-compat test-gpu gpu-wheels gpu-campaign browser-deps clean plotlyjs-basic
+.PHONY: setup demo test test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
 
 setup: $(STAMP)
 
@@ -70,6 +70,15 @@ gpu-wheels:
 
 gpu-campaign:
 	$(GPU_PY) benchmarks/gpu_campaign.py --out $(CAMPAIGN_OUT)
+
+# The GPU session's device call rehearsed here (not part of `make test`): a Python 3.12 environment of the GPU
+# machine's packages (torch 2.11.0 ...; made once, ~7 GB, under REHEARSAL_DIR), the carried wheels installed as
+# there, the README's device command run with --dry-run. REHEARSAL_ARGS=--tests adds the tests marked compat,
+# REHEARSAL_ARGS=--suite the whole CPU suite (in the copied tree, as on that machine).
+REHEARSAL_DIR ?= $(HOME)/.cache/fsdp_doctor/rehearsal
+REHEARSAL_ARGS ?=
+gpu-rehearsal:
+	@REHEARSAL_DIR="$(REHEARSAL_DIR)" bash benchmarks/gpu_rehearsal.sh $(REHEARSAL_ARGS)
 
 test-fast: setup
 	$(VPY) -m pytest -q -m "not browser and not slow"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import threading
@@ -319,24 +320,30 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
     write_json(report, report_path)
     _emit(report, {}, console)
-    fd, tb = _command("fsdp-doctor"), _command("tensorboard")
+    fd, tb = _command("fsdp-doctor", module="fsdp_doctor.cli"), _command("tensorboard")
     console.print(f"\nJSON report: {report_path}\nAnalyze again: {fd} analyze {out}\n"
                   f"Dashboard:   {fd} dashboard {out}\nTensorBoard: {tb} --logdir {out}", soft_wrap=True)
-    if "/" in fd:
+    if "/" in fd and fd.endswith("fsdp-doctor"):
         console.print(f"(to type them without the path: source {Path(fd).parent}/activate)", soft_wrap=True)
     return EXIT_OK
 
 
-def _command(name: str) -> str:
+def _command(name: str, module: str | None = None) -> str:
     """How to run ``name`` from this shell: the bare name when PATH finds this environment's copy, else its path
-    (relative to the current directory when inside it), so that the printed commands work as printed."""
+    (relative to the current directory when inside it), so that the printed commands work as printed. Where this
+    environment has no such script and PATH none either (the package on PYTHONPATH, not installed: the GPU
+    machine's layout), ``PYTHON -m module`` when ``module`` is given."""
     bindir = Path(sys.executable).parent
     exe = bindir / name
     found = shutil.which(name)
     if found and Path(found).resolve() == exe.resolve():
         return name
     if not exe.exists():
-        return name
+        if found or module is None:
+            return name
+        py = shutil.which(Path(sys.executable).name)  # unresolved: every venv's python links to the same base
+        here = Path(sys.executable).name if py and os.path.abspath(py) == os.path.abspath(sys.executable) else sys.executable
+        return f"{here} -m {module}"
     try:
         return str(exe.relative_to(Path.cwd()))
     except ValueError:

@@ -246,14 +246,17 @@ def run_transformer(out: Path) -> dict:
     res = {}
     vocab = 512
     common = dict(micro_steps=2, clip=True)
-    # 1. scheduled user profiler overlapping the doctor's window: without, then with the doctor
-    for tag, out_dir in (("plain", None), ("doctor", out / "transformer")):
+    # 1. scheduled user profiler overlapping the doctor's window: without, then with the doctor. A first pass is
+    # left out: on torch 2.11 a process's first profiled training holds a few hundred more events than the next
+    # ones (PythonDispatchMode, aten::addcdiv, ...), doctor or not, and "plain" would be that first one
+    for tag, out_dir in (("first", None), ("plain", None), ("doctor", out / "transformer")):
         prof, seen = user_profiler(scheduled=True)
         with prof:
             losses, _ = train(shard_blocks(transformer()), vocab, out_dir=out_dir, user_profiler=prof,
                               watch_kw={"capacity_bytes": 1 << 30}, **common)
-        res[f"losses_{tag}"] = losses
-        res[f"user_events_{tag}"] = seen.events
+        if tag != "first":
+            res[f"losses_{tag}"] = losses
+            res[f"user_events_{tag}"] = seen.events
     # 2. unscheduled user profiler around the whole loop, without and with the doctor
     for tag, out_dir in (("plain", None), ("doctor", out / "transformer_unscheduled")):
         prof, seen = user_profiler(scheduled=False)

@@ -15,6 +15,13 @@ SAMPLE_RUN = REPO / "traces" / "sample"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def child_pythonpath(*first: str | Path) -> str:
+    """PYTHONPATH for a child process of this interpreter: ``first`` (this tree), then the caller's own
+    PYTHONPATH, kept: on the GPU machine the dependencies are there (``--target /tmp/site``, no .venv), and a
+    child given only the tree cannot import msgspec (the Python 3.12 / torch 2.11 rehearsal found it)."""
+    return os.pathsep.join([str(p) for p in first] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
 def record(out_dir: Path, nproc: int = 2, watch_extra: dict | None = None, **knobs):
     """Runs the reference workload with the doctor attached; returns (losses per rank, Run)."""
     from fsdp_doctor import load_run

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import bad_inputs as B
+from conftest import child_pythonpath
 
 CASES = B.cases()
 
@@ -54,7 +55,7 @@ def test_tensorboard_export_does_not_hang_on_fifos(tmp_path):
 
 def test_closed_pipe_exits_0(tmp_path):
     """``fsdp-doctor analyze ... | head``: the reader went away; exit 0, no "Exception ignored" noise."""
-    env = {**os.environ, "PYTHONPATH": str(Path(B.HERE).parent)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(B.HERE).parent)}
     p = subprocess.Popen([sys.executable, "-m", "fsdp_doctor.cli", "analyze", str(B.SAMPLE)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     p.stdout.close()  # before anything is written: every write meets a broken pipe

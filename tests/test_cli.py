@@ -128,12 +128,39 @@ def test_demo_hints_are_commands_that_work_as_printed(monkeypatch, tmp_path):
     from fsdp_doctor import cli
 
     bindir = Path(PY).parent
+    if not (bindir / "fsdp-doctor").exists():
+        pytest.skip("no fsdp-doctor script beside this python (the package on PYTHONPATH, e.g. the GPU machine): "
+                    "test_demo_hints_without_an_installed_script covers that layout")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a fresh shell: the venv is not on PATH
     got = cli._command("fsdp-doctor")
     assert Path(got).is_file() and Path(got).resolve() == (bindir / "fsdp-doctor").resolve()
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
     assert cli._command("fsdp-doctor") == "fsdp-doctor"
+
+
+def test_demo_hints_without_an_installed_script(monkeypatch, tmp_path):
+    """The package on PYTHONPATH, not installed (the GPU machine: --target /tmp/site, no fsdp-doctor script): the
+    demo's hints say ``PYTHON -m fsdp_doctor.cli``, the bare interpreter's name where PATH finds this one, and
+    they run as printed (the bare name ``fsdp-doctor`` would not: the rehearsal's test above failed so)."""
+    from conftest import child_pythonpath
+
+    from fsdp_doctor import cli
+
+    fake = tmp_path / "bin" / "python3"  # an interpreter with no fsdp-doctor script beside it
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nexec "{PY}" "$@"\n')  # (a link would lose the venv: its pyvenv.cfg is not here)
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    got = cli._command("fsdp-doctor", module="fsdp_doctor.cli")
+    assert got == f"{fake} -m fsdp_doctor.cli"
+    assert cli._command("fsdp-doctor") == "fsdp-doctor"  # no module to fall back on: the name, as before
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": child_pythonpath(REPO), "HOME": str(tmp_path)}
+    r = subprocess.run(f"{got} analyze {SAMPLE}", shell=True, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    assert cli._command("fsdp-doctor", module="fsdp_doctor.cli") == "python3 -m fsdp_doctor.cli"
 
 
 def test_json_report_of_the_sample(tmp_path):

@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import torch
 import torch.nn as nn
+from conftest import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
@@ -150,7 +151,7 @@ def base(tmp_path_factory):
     out = tmp_path_factory.mktemp("mem_base")
     script = out / "run_base.py"
     script.write_text(_BASE_SCRIPT)
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**__import__("os").environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(script), str(out), "5"], check=True, env=env, timeout=300)
     graph = {r: json.loads((out / f"graph{r}.json").read_text()) for r in range(NPROC)}
     return load_run(out), graph

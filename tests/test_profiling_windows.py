@@ -109,5 +109,5 @@ def test_window_leaves_no_garbage_for_the_users_steps(tmp_path, collect, monkeyp
         w.stop()
     if collect:
         assert left == 0 and w.last_collect_ms > 0
-    else:
-        assert left > 100, left
+    else:  # measured: a process's first window ~1,600-1,900 objects, a later one 116 (torch 2.13) or 88 (2.11)
+        assert left > 50, left

@@ -43,6 +43,8 @@ def test_stepping_aside_removes_everything_at_once(aside, case):
 def test_accelerate_fsdp2_plugin_with_its_optimizer_wrapper(aside):
     """accelerator.prepare's model and AcceleratedOptimizer go straight into watch(): the optimizer unwrapped
     (timed, named AdamW), training bit-identical, nothing left behind."""
+    if any(res["accelerate"] is None for res in aside[0]):
+        pytest.skip("accelerate is not installed")
     for res in aside[0]:
         acc = res["accelerate"]
         assert acc["wrapper"] == "AcceleratedOptimizer" and acc["units"] >= 3, acc  # 2 decoder layers, the root...
