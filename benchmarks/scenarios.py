@@ -89,7 +89,7 @@ def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[s
             wrong = [o.row.name for o in fixes if o.row.name in M.KNOWN_WRONG]
             fix = (f"{len(fixes)} applied: {gone} gone" + (f", {improved} improved" if improved else "")
                    + (f", new warning {', '.join(new)}" if new else ", no new warning")
-                   + (f"; gain rechecked on a GPU ({len(gpu_gain)})" if gpu_gain and device != "cuda" else "")
+                   + (f"; its gain for a GPU to recheck ({len(gpu_gain)})" if gpu_gain and device != "cuda" else "")
                    + "".join(f"; {o.row.name} gain ok: {o.recheck()['gain_ok']}" for o in gpu_gain
                              if device == "cuda")
                    + (f"; advice wrong: {', '.join(wrong)}" if wrong else ""))
