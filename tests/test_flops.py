@@ -254,7 +254,9 @@ def test_moe_flops_count_only_the_routed_experts():
     linear = 3 * b * s * (2 * per_token + 2 * d * 128)  # x3: forward and backward; 2 layers, then the head
     q, k = (b, 4, s, d // 4), (b, 2, s, d // 4)
     attention = 2 * (sdpa_flops(q, k, k) + sdpa_backward_flops(q, k, k))
-    assert got == linear + attention
+    # exact with transformers 5.23; 5.17 (the GPU machine's) counts 128 FLOPs more of 6.0 M (its router's own
+    # small ops): what this guards against is the experts missing (2.47 of 6.01 MFLOP)
+    assert got == pytest.approx(linear + attention, rel=1e-4)
 
 
 @pytest.mark.parametrize("tree", ["hf_llama_lora", "qwen2_tail"])
