@@ -131,14 +131,6 @@ def memory_units(ctx: Context) -> dict[str, MemoryUnitRow]:
     return {u.unit: u for u in pm.per_unit} if pm else {}
 
 
-def headroom_share(ctx: Context) -> Optional[float]:
-    """peak / capacity, or None when either is unknown."""
-    p, c = peak_bytes(ctx), capacity_bytes(ctx)
-    if p is None or not c:
-        return None
-    return p / c
-
-
 # ---------------------------------------------------------------------------------------------- units
 class Unit(UnitConfig, kw_only=True):
     """A unit as the rules read it: its configuration with every "unknown" (None) figure at UnitConfig's
@@ -202,16 +194,17 @@ def _bytes_or_ms(n: float, ms: bool) -> str:
     return f"{n:.1f} ms" if ms else fmt_bytes(n)
 
 
-def below_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
-    """"activations 8.03 MiB: 50% of the peak 16.13 MiB (fires from 60%)"; ``ms``: times, not bytes."""
+def below_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False,
+                fires: str = "from") -> str:
+    """"activations 8.03 MiB: 50% of the peak 16.13 MiB (fires from 60%)"; ``ms``: times, not bytes; ``fires``:
+    "below" for a rule that fires under its threshold (``above_share``)."""
     return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
-            f"(fires from {100 * threshold:.0f}%)")
+            f"(fires {fires} {100 * threshold:.0f}%)")
 
 
 def above_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
     """"peak 16.13 MiB: 60% of capacity 24.00 MiB (fires below 50%)"."""
-    return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
-            f"(fires below {100 * threshold:.0f}%)")
+    return below_share(what, part, whole, of, threshold, ms, fires="below")
 
 
 NO_CAPACITY = "memory capacity unknown: pass capacity_bytes= to watch()"

@@ -211,7 +211,8 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
     in the root: FSDP refuses a parameter another unit manages), the root last. Each unit keeps the options
-    the run gave it (mixed precision, reshard_after_forward=False, offload); ``extra_kwargs`` adds one to all.
+    the run gave it (``_unit_kwargs``: mixed precision, a reshard_after_forward other than True, offload);
+    ``extra_kwargs`` adds one to all.
     Units inside a block (a mixture of experts' ``mlp.experts``) stay units, sharded before their block
     (``nested``; dropped by plans that replace them with whole blocks: leaf wrapping, grouped blocks)."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
@@ -272,7 +273,8 @@ def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> 
     before, inside = [], []
     for (path, kw), blks in rel.items():
         if len(blks) == n_blocks and len(set(blks)) == n_blocks:
-            inside.append("    " + _call(module_expr(path, root="block"), kw, indent=4) + "  # a unit of its own, as in your run")
+            inside.append("    " + _call(module_expr(path, root="block"), kw, indent=4)
+                          + "  # a unit of its own, as in your run")
         else:
             before += [_call(module_expr(f"{b}.{path}"), kw) for b in blks]
     return before, inside

@@ -23,6 +23,7 @@ OFFLOAD_STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 PINNED_GBPS = 12.0
 PAGEABLE_SLOWDOWN = 2.5
 
+_NOT_GPU = "not a GPU run: offload is judged on a GPU"  # why the offload rules are quiet on a CPU run
 _STATE_KEYS = ("sharded_params", "sharded_grads", "optimizer_state")
 
 
@@ -54,7 +55,7 @@ class OffloadCostly(Rule):
         if not E.param_units(ctx):
             return self._from_plain_trace(ctx)
         if not E.on_gpu(ctx):
-            return self.quiet("not a GPU run: offload is judged on a GPU")
+            return self.quiet(_NOT_GPU)
         off = _offloaded(ctx)
         if not off:
             return self.quiet("no unit is offloaded")
@@ -135,7 +136,7 @@ class OffloadRecommended(Rule):
 
     def match(self, ctx: Context):
         if not E.on_gpu(ctx) or _offloaded(ctx):
-            return self.quiet("offload is on" if E.on_gpu(ctx) else "not a GPU run: offload is judged on a GPU")
+            return self.quiet("offload is on" if E.on_gpu(ctx) else _NOT_GPU)
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not peak or not cap:
             return self.quiet(E.no_peak_or_capacity(peak, cap))
@@ -175,7 +176,7 @@ class OffloadUnpinned(Rule):
 
     def match(self, ctx: Context):
         if not E.on_gpu(ctx):
-            return self.quiet("not a GPU run: offload is judged on a GPU")
+            return self.quiet(_NOT_GPU)
         bad = [u for u in _offloaded(ctx) if u.offload_pin_memory is False]
         if not bad:
             return self.quiet("no unit offloads to pageable memory" if _offloaded(ctx) else "no unit is offloaded")

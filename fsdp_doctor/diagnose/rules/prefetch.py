@@ -227,14 +227,12 @@ class PrefetchTooEarly(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        share = E.headroom_share(ctx)
-        step = E.step_ms(ctx)
-        if share is None or not step:
-            return self.quiet(E.no_peak_or_capacity(E.peak_bytes(ctx), E.capacity_bytes(ctx)) if step else
-                              "no step time measured")
+        peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
+        if not peak or not cap or not step:
+            return self.quiet(E.no_peak_or_capacity(peak, cap) if step else "no step time measured")
+        share = peak / cap
         if share < TIGHT_SHARE:
-            return self.quiet(E.below_share("peak", E.peak_bytes(ctx), E.capacity_bytes(ctx), "capacity",
-                                            TIGHT_SHARE))
+            return self.quiet(E.below_share("peak", peak, cap, "capacity", TIGHT_SHARE))
         by_name = {u.name: u for u in E.units(ctx)}
         held: dict[tuple[str, str], list[float]] = {}
         for r in E.trace_rows(ctx, "all_gather"):

@@ -289,7 +289,7 @@ class MixedDtypeUnit(Rule):
     severities = ("warning",)
 
     def match(self, ctx: Context):
-        out = []
+        out, under_mp = [], 0
         for u in E.param_units(ctx):
             dts = sorted({d for d in u.orig_dtypes if d})
             if len(dts) < 2:
@@ -297,6 +297,7 @@ class MixedDtypeUnit(Rule):
             if u.param_dtype:
                 # a MixedPrecisionPolicy casts every parameter to param_dtype before the all-gather (frozen
                 # bf16 weights beside trainable fp32 ones under a bf16 policy): one dtype on the wire
+                under_mp += 1
                 continue
             name = u.name or "(root)"
             rank = lambda d: _DTYPE_ORDER.index(d) if d in _DTYPE_ORDER else len(_DTYPE_ORDER)  # noqa: E731
@@ -320,9 +321,8 @@ class MixedDtypeUnit(Rule):
                                      f"                          output_dtype=torch.{wide})"),
                 units=[u.name]))
         if not out:
-            mixed = [u for u in E.param_units(ctx) if len({d for d in u.orig_dtypes if d}) > 1]
-            return self.quiet("every unit's parameters have one dtype" if not mixed else
-                              f"{len(mixed)} unit(s) mix dtypes under a MixedPrecisionPolicy: one dtype gathered")
+            return self.quiet("every unit's parameters have one dtype" if not under_mp else
+                              f"{under_mp} unit(s) mix dtypes under a MixedPrecisionPolicy: one dtype gathered")
         return out
 
 
