@@ -108,6 +108,13 @@ def unit_defaults() -> dict[str, Any]:
     return out
 
 
+class OptimizerGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One of the optimizer's parameter groups: how many tensors, and its numeric hyper-parameters."""
+
+    params: int  # parameter tensors in the group
+    options: dict[str, Union[float, list[float]]] = {}  # lr, weight_decay, betas, ...: numbers only
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -120,6 +127,7 @@ class RunConfig(Record, tag="config"):
     optimizer_params: int = 0  # parameter tensors held by the optimizer
     optimizer_foreign_params: int = 0  # of those, tensors that are not the model's parameters
     optimizer_foreign_bytes: int = 0
+    optimizer_groups: list[OptimizerGroup] = []  # its parameter groups, in order ([]: not read)
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0

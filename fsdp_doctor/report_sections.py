@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Optional
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from .records import UnitConfig
+from .records import OptimizerGroup, UnitConfig
 
 
 class _Section(msgspec.Struct, kw_only=True):
@@ -53,6 +53,7 @@ class RunFacts(_Section):
     device_name: str | UnsetType = UNSET
     torch_version: str | UnsetType = UNSET
     optimizer: Optional[str] | UnsetType = UNSET
+    optimizer_groups: list[OptimizerGroup] | UnsetType = UNSET  # its parameter groups (sizes, hyper-parameters)
     units: int | UnsetType = UNSET  # FSDP units
     model_param_count: int | UnsetType = UNSET
     model_trainable_param_count: Optional[int] | UnsetType = UNSET  # requires_grad ones (None: not read)
@@ -418,6 +419,7 @@ class Verdict(_Section):
 FIX_PLACES = {
     "unsharded": "in place of your fully_shard calls, on the unsharded model",
     "sharded": "after your fully_shard calls",
+    "around": "around your fully_shard calls (your calls where the code says)",
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",
 }

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
-from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING
+from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING, SHARDING_GOES_HERE
 
 STEPS = 10
 SEQ = 32
@@ -704,12 +704,23 @@ def _after_sharding(model, cfg):
 USER_SHARD = {"titan": apply_fsdp_titan, **ARCH_SHARD}
 
 
-def _exec(fix: dict, model, opt, **inputs):
+def user_param_groups(model, trainable_only: bool = False) -> list[dict]:
+    """The user's optimizer groups, as Hugging Face's Trainer and nanoGPT make them: weight decay on matrices,
+    none on biases, norms and other 1-D parameters (a fine-tuner's: the trainable parameters only)."""
+    ps = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _exec(fix: dict, model, opt, ns: dict | None = None, **inputs):
     """The fix's code run where its user pastes it: ``model`` and ``optimizer`` in scope, and in the loop the
-    names the fix reads from it (``Recommendation.inputs``)."""
+    names the fix reads from it (``Recommendation.inputs``); ``ns``: the names of the script so far (a two-part
+    fix's second part reads what its first defined)."""
     missing = set(fix.get("inputs") or {}) - set(inputs)
     assert not missing, f"the loop does not provide {sorted(missing)}"
-    ns = {"model": model, "optimizer": opt, **inputs}
+    ns = ns if ns is not None else {}
+    ns.update(model=model, optimizer=opt, **inputs)
     exec(compile(fix["code"], f"<{fix.get('finding', 'fix')}>", "exec"), ns)
     return ns["model"], ns["optimizer"]
 
@@ -736,14 +747,18 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         model = build_model(cfg)
     else:
         model = BUILD[tree]().to(dev)
-    # a fine-tuner's optimizer holds the trainable parameters only (FINETUNE trees: a frozen base)
     make_opt = lambda m: torch.optim.AdamW(  # noqa: E731
-        [p for p in m.parameters() if p.requires_grad] if tree in FINETUNE else m.parameters(), lr=1e-3,
+        user_param_groups(m, trainable_only=tree in FINETUNE), lr=1e-3,
         foreach=False if cfg.wrap == "no_root" else None)
     early = make_opt(model) if cfg.optimizer_before_shard else None
+    ns = {}
+    if fix.get("where") == "around":  # its first part before the user's fully_shard calls, the rest after them
+        before, after = fix["code"].split(SHARDING_GOES_HERE)
+        model, early = _exec({**fix, "code": before}, model, early, ns=ns)
+        fix = {**fix, "code": after, "where": "sharded"}
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
     if fix.get("where") == "sharded":  # after the fully_shard calls, before the optimizer (unless built before)
-        model, early = _exec(fix, model, early)
+        model, early = _exec(fix, model, early, ns=ns)
     opt = early or make_opt(model)
     if fix.get("where") == "optimizer":
         model, opt = _exec(fix, model, opt)
@@ -875,13 +890,22 @@ def run_snippets(spec_path: Path) -> dict:
             continue
         try:
             model = BUILD[client]().to(dev)
+            ns, code = {}, snippet
+            if SHARDING_GOES_HERE in snippet:  # two parts around the user's fully_shard calls: the optimizer built
+                before, code = snippet.split(SHARDING_GOES_HERE)  # before them, as the finding found it
+                ns = {"model": model, "optimizer": torch.optim.AdamW(user_param_groups(model), lr=1e-3)}
+                exec(compile(before, f"<{finding_code} fix, before sharding>", "exec"), ns)
             if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD_FOR.get(finding_code, SHARD[client])(model, mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
             # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses
-            ns = {"model": model, "optimizer": opt}
-            exec(compile(snippet, f"<{finding_code} fix>", "exec"), ns)
-            model = ns["model"]
+            ns.setdefault("optimizer", torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
+            ns["model"] = model
+            exec(compile(code, f"<{finding_code} fix>", "exec"), ns)
+            model, opt = ns["model"], ns["optimizer"]
+            if SHARDING_GOES_HERE in snippet:
+                own = {id(p) for p in model.parameters()}
+                assert all(id(p) in own for g in opt.param_groups for p in g["params"]), \
+                    "the optimizer holds tensors that are not the model's parameters"
             if not isinstance(model, FSDPModule):
                 fully_shard(model, mesh=mesh)  # a snippet that only prepares the model: the user shards next
             if "pin_memory=True" in snippet:

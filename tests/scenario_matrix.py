@@ -501,7 +501,8 @@ MAY_CHANGE = {"reshard.": {"reshard_after_forward"}, "memory.near_capacity_sprea
 
 def changed_options(o: Outcome) -> list[str]:
     """The options a fix changed, that its finding is not about, on the units its before-run and rerun share
-    (by name; the root aside): ``unit: option before -> after``."""
+    (by name; the root aside): ``unit: option before -> after``; and the optimizer's parameter groups (their sizes
+    and hyper-parameters)."""
     if o.report is None or o.after is None or o.finding is None:
         return []
     allowed = set().union(*(v for k, v in MAY_CHANGE.items() if o.finding.code.startswith(k)))
@@ -512,6 +513,9 @@ def changed_options(o: Outcome) -> list[str]:
         for k in (KEPT_OPTIONS if b is not None else ()):
             if k not in allowed and getattr(b, k, None) != getattr(u, k, None):
                 out.append(f"{u.name}: {k} {getattr(b, k, None)!r} -> {getattr(u, k, None)!r}")
+    groups = [[(g.params, g.options) for g in (rep.run.optimizer_groups or [])] for rep in (o.report, o.after)]
+    if groups[0] != groups[1] and "optimizer" not in allowed:  # a fix keeps the user's optimizer groups too
+        out.append(f"optimizer groups {groups[0]} -> {groups[1]}")
     return out
 
 

@@ -26,6 +26,8 @@ def run_facts(run: Run) -> RunFacts:
             model_param_count=cfg.model_param_count, model_trainable_param_count=cfg.model_trainable_param_count,
             capacity_bytes=cfg.capacity_bytes,
             tokens_per_step=cfg.tokens_per_step)
+        if cfg.optimizer_groups:
+            facts.optimizer_groups = list(cfg.optimizer_groups)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)

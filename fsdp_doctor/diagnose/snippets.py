@@ -26,6 +26,8 @@ ROOT = "model"
 #: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
 #: checkpoint wrappers); every other snippet acts on the sharded model
 BEFORE_SHARDING = "apply to the unsharded model"
+#: the line of a two-part snippet (FIX_PLACES "around") where the user's own fully_shard calls go
+SHARDING_GOES_HERE = "# ... your fully_shard calls ..."
 #: display labels of the root unit (trace rows, evidence): the module they name is the model itself
 ROOT_LABELS = ("", "(root)")
 
@@ -438,11 +440,21 @@ def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
 
 
-def rebuild_optimizer() -> str:
-    """The user's optimizer built again on the model's current parameters, same class and hyper-parameters."""
-    return ("cls = type(optimizer)  # the same optimizer and hyper-parameters, on the sharded parameters:\n"
-            "optimizer = cls(model.parameters(), **{k: v for k, v in optimizer.defaults.items()\n"
-            "                                        if k in inspect.signature(cls).parameters})")
+def repoint_optimizer() -> str:
+    """The user's optimizer, built before sharding, pointed at the sharded parameters: each tensor it holds is
+    named before the fully_shard calls (``SHARDING_GOES_HERE`` splits the two parts) and replaced by the
+    parameter of that name after them. Its groups, hyper-parameters and any LR scheduler built on it are kept
+    (rebuilding the optimizer from ``model.parameters()`` dropped the groups, weight-decay exclusions and
+    per-group learning rates among them, and left a scheduler driving the old one)."""
+    return ("# before your fully_shard calls: the name of each parameter the optimizer holds\n"
+            "param_names = {id(p): name for name, p in model.named_parameters()}\n"
+            f"{SHARDING_GOES_HERE}\n"
+            "# after them: the same optimizer (groups, hyper-parameters, LR scheduler) on the sharded parameters\n"
+            "sharded = dict(model.named_parameters())\n"
+            "for group in optimizer.param_groups:\n"
+            "    group['params'] = [sharded[param_names[id(p)]] if id(p) in param_names else p\n"
+            "                       for p in group['params']]\n"
+            "optimizer.state.clear()  # state of the old tensors, if it has stepped")
 
 
 def root_mesh() -> str:
@@ -451,10 +463,13 @@ def root_mesh() -> str:
 
 
 def fix_place(code: str) -> str:
-    """Where a snippet goes (report_sections.FIX_PLACES): a sharding plan on the unsharded model, one that
-    (re)builds or hooks the optimizer after it exists, otherwise a setting on the sharded model."""
+    """Where a snippet goes (report_sections.FIX_PLACES): one in two parts around the user's fully_shard calls, a
+    sharding plan on the unsharded model, one that (re)builds or hooks the optimizer after it exists, otherwise a
+    setting on the sharded model."""
     if not code:
         return ""
+    if SHARDING_GOES_HERE in code:
+        return "around"
     if BEFORE_SHARDING in code:
         return "unsharded"
     if re.search(r"^\s*optimizer\s*=|\boptimizer\.", code, re.M):

@@ -78,7 +78,9 @@ def run_facts(run: RunFacts) -> list[str]:
         frozen = trainable is not None and trainable < r.model_param_count
         facts.append(f"{r.model_param_count / 1e6:.2f} M params"
                      + (f" ({100 * trainable / r.model_param_count:.2g}% trainable)" if frozen else ""))
-    for v in (r.backend, r.device_name, r.torch_version, r.optimizer):
+    groups = len(r.optimizer_groups or [])
+    opt = f"{r.optimizer} ({groups} param groups)" if r.optimizer and groups > 1 else r.optimizer
+    for v in (r.backend, r.device_name, r.torch_version, opt):
         if v:
             facts.append(str(v))
     if r.nccl_version:

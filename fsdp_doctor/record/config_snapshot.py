@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records import RunConfig
+from ..records import OptimizerGroup, RunConfig
 from . import fsdp2 as F2
 from .throughput import device_peak_tflops
 from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
@@ -68,6 +68,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         torch_version=str(torch.__version__),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
+        optimizer_groups=optimizer_groups(optimizer),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
         **_backward_param_counts(model),
@@ -114,6 +115,24 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
                 lt = getattr(p, "_local_tensor", p)
                 nbytes += lt.numel() * lt.element_size()
     return n, foreign, nbytes
+
+
+def optimizer_groups(optimizer) -> list[OptimizerGroup]:
+    """The optimizer's parameter groups: their sizes and numeric hyper-parameters (a tensor learning rate read
+    as its number; flags, None and other values left out)."""
+    out = []
+    for g in getattr(optimizer, "param_groups", None) or []:
+        opts: dict = {}
+        for k, v in g.items():
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                opts[k] = float(v)
+            elif isinstance(v, (tuple, list)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                             for x in v):
+                opts[k] = [float(x) for x in v]
+        out.append(OptimizerGroup(params=len(g["params"]), options=opts))
+    return out
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:

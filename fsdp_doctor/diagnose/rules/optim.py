@@ -80,10 +80,22 @@ class OptimizerBeforeShard(Rule):
             "fully_shard replaces each parameter with a sharded DTensor parameter. An optimizer built before "
             "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
-            f"({E.mib(stale)} MiB per rank). Create the optimizer after sharding.",
-            "# after your fully_shard calls (the parameters are DTensors now): the same optimizer, rebuilt\n"
-            + S.rebuild_optimizer(),
+            f"({E.mib(stale)} MiB per rank). Build the optimizer after your fully_shard calls (move its line, "
+            "parameter groups and all), or paste this around them: it points the optimizer you have at the "
+            f"sharded parameters, keeping its {_groups(cfg.optimizer_groups)}, hyper-parameters and any LR scheduler built on it.",
+            S.repoint_optimizer(),
             predicted=E.predicted(step, None, peak, peak_after))]
+
+
+def _groups(groups) -> str:
+    """The optimizer's parameter groups (RunConfig.optimizer_groups), as the fix's text names them
+    ("2 parameter groups (weight_decay 0.1 and 0)")."""
+    if len(groups) < 2:
+        return "parameter group"
+    varies = [k for k in groups[0].options if len({str(g.options.get(k)) for g in groups}) > 1]
+    shown = "; ".join(f"{k} " + " and ".join(f"{g.options.get(k):g}" if isinstance(g.options.get(k), float)
+                                            else str(g.options.get(k)) for g in groups) for k in varies[:2])
+    return f"{len(groups)} parameter groups" + (f" ({shown})" if shown else "")
 
 
 @dataclass
