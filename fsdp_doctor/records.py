@@ -115,6 +115,23 @@ class OptimizerGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
     options: dict[str, Union[float, list[float]]] = {}  # lr, weight_decay, betas, ...: numbers only
 
 
+class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A mixture of experts' routed experts, read from the module tree at the first step: the parameters under
+    every child module named ``experts`` (Hugging Face's Mixtral, Qwen2-MoE, OLMoE, DeepSeek, ...; torchtitan's
+    MoE), and how many of them each token runs. Shared experts, routers and the rest of the model are dense."""
+
+    param_count: int  # every routed expert's parameters, all layers (DTensor numel: global)
+    trainable_param_count: int = 0  # of those, the requires_grad ones
+    grad_path_param_count: int = 0  # of those, the ones from the model's first trainable parameter on
+    # experts each token is routed to, of num_experts per layer; None: not readable, or not the same in every layer
+    top_k: int | None = None
+    num_experts: int | None = None
+
+    def share(self) -> float:
+        """The share of the expert parameters one token runs: top_k / num_experts (1: unknown, every expert)."""
+        return min(self.top_k, self.num_experts) / self.num_experts if self.top_k and self.num_experts else 1.0
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -135,6 +152,7 @@ class RunConfig(Record, tag="config"):
     # on in module order (input gradients flow through them); None: not read (then every parameter, 6 x N x tokens)
     model_trainable_param_count: int | None = None
     model_grad_path_param_count: int | None = None
+    experts: Experts | None = None  # a mixture of experts' routed experts (None: none found, or not read)
     capacity_bytes: int | None = None
     tokens_per_step: int | None = None
     peak_tflops: float | None = None

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Optional
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from .records import OptimizerGroup, UnitConfig
+from .records import Experts, OptimizerGroup, UnitConfig
 
 
 class _Section(msgspec.Struct, kw_only=True):
@@ -57,6 +57,7 @@ class RunFacts(_Section):
     units: int | UnsetType = UNSET  # FSDP units
     model_param_count: int | UnsetType = UNSET
     model_trainable_param_count: Optional[int] | UnsetType = UNSET  # requires_grad ones (None: not read)
+    experts: Optional[Experts] | UnsetType = UNSET  # a mixture of experts' routed experts (None: none found)
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
@@ -240,6 +241,7 @@ class ThroughputRank(_Section, omit_defaults=True):  # a figure not known is abs
     tokens_per_s: Optional[float] = None
     flops_per_step: Optional[float] = None
     flops_source: Optional[str] = None  # "counted" | "analytic" (6 x parameters x tokens)
+    flops_note: Optional[str] = None  # analytic: which parameters it counts (a mixture of experts' active ones)
     achieved_tflops: Optional[float] = None
     peak_tflops: Optional[float] = None
     mfu_pct: Optional[float] = None  # model FLOPs (no activation-checkpointing recompute) / step / peak

@@ -269,7 +269,7 @@ def test_analytic_flops_of_a_frozen_base_near_the_counted_step(tree):
 
     from clients import BUILD, batch
     from fsdp_doctor.analyze.throughput import analytic_flops_per_step
-    from fsdp_doctor.record.config_snapshot import _backward_param_counts
+    from fsdp_doctor.record.config_snapshot import _param_counts
     from fsdp_doctor.records import RunConfig
 
     model = BUILD[tree]()
@@ -279,8 +279,189 @@ def test_analytic_flops_of_a_frozen_base_near_the_counted_step(tree):
     F.cross_entropy(model(tok).logits.float().flatten(0, 1), tgt.flatten()).backward()
     counted = fc.finish().model
     cfg = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(),
-                    model_param_count=sum(p.numel() for p in model.parameters()), **_backward_param_counts(model))
+                    model_param_count=sum(p.numel() for p in model.parameters()), **_param_counts(model))
     assert analytic_flops_per_step(cfg) == pytest.approx(counted, rel=0.10)
     full = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(),
                      model_param_count=cfg.model_param_count)  # a run recorded before the counts: 6 x N x tokens
     assert analytic_flops_per_step(full) == 6 * cfg.model_param_count * tok.numel()
+
+
+# ------------------------------------------------------------------------------------------ mixtures of experts
+def _mixtral_tail():
+    """The matrix's Mixtral fine-tuned: only its last layer (experts included) and the head trainable."""
+    from clients import BUILD
+
+    model = BUILD["mixtral"]().requires_grad_(False)
+    model.model.layers[-1].requires_grad_(True)
+    model.lm_head.requires_grad_(True)
+    return model
+
+
+def _qwen2_moe():
+    """A tiny HF Qwen2-MoE: 8 routed experts, top-2, and a shared expert every token runs."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False))
+
+
+# tree: (experts' parameters, trainable ones, top_k, num_experts), the analytic estimate / the counted step when
+# every expert is counted (as before) and when a token's top_k of them are
+MOE = {"mixtral": ((3 * 4 * 3 * 64 * 128, 3 * 4 * 3 * 64 * 128, 2, 4), 1.72, 1.08),  # tests/clients.py mixtral()
+       "mixtral_tail": ((3 * 4 * 3 * 64 * 128, 4 * 3 * 64 * 128, 2, 4), 1.60, 1.03),
+       "qwen2_moe": ((3 * 8 * 3 * 64 * 64, 3 * 8 * 3 * 64 * 64, 2, 8), 2.03, 1.08)}
+
+
+@pytest.mark.parametrize("tree", list(MOE))
+def test_analytic_flops_of_a_mixture_of_experts_count_the_active_experts(tree):
+    """The analytic fallback on a mixture of experts: each token runs top_k of num_experts experts (read from the
+    tree: Mixtral's MoE block, Qwen2-MoE's router), so the experts count top_k / num_experts of their parameters;
+    the counted step (torch._grouped_mm per routed token, test_moe_flops_count_only_the_routed_experts) is what
+    it estimates. Counting every expert read 1.72x the counted Mixtral step, 2.03x Qwen2-MoE's (top-2 of 8);
+    the active count reads 1.08x (the embedding's parameters counted, attention scores not)."""
+    import msgspec
+    import torch.nn.functional as F
+
+    from clients import BUILD, batch
+    from fsdp_doctor.analyze.throughput import analytic_flops_per_step
+    from fsdp_doctor.record.config_snapshot import _param_counts
+    from fsdp_doctor.records import RunConfig
+
+    pytest.importorskip("transformers")
+    (experts, trainable, top_k, num_experts), every_expert, active = MOE[tree]
+    model = {"mixtral": BUILD["mixtral"], "mixtral_tail": _mixtral_tail, "qwen2_moe": _qwen2_moe}[tree]()
+    tok, tgt = batch(1, 512, 0, 0, (2, 32))
+    fc = FlopCounter()
+    fc.start()
+    F.cross_entropy(model(tok).logits.float().flatten(0, 1), tgt.flatten()).backward()
+    counted = fc.finish().model
+    counts = _param_counts(model)
+    ex = counts["experts"]
+    assert (ex.param_count, ex.trainable_param_count, ex.top_k, ex.num_experts) == (experts, trainable, top_k,
+                                                                                  num_experts)
+    n = sum(p.numel() for p in model.parameters())
+    cfg = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(),
+                    model_param_count=n, **counts)
+    if tree != "mixtral_tail":  # every parameter trains: 6 x the active parameters x tokens
+        assert analytic_flops_per_step(cfg) == 6 * (n - experts + experts * top_k / num_experts) * tok.numel()
+    assert analytic_flops_per_step(cfg) / counted == pytest.approx(active, abs=0.01)
+    assert analytic_flops_per_step(msgspec.structs.replace(cfg, experts=None)) / counted == pytest.approx(
+        every_expert, abs=0.01)
+
+
+def test_dense_analytic_flops_unchanged():
+    """No experts in a dense tree (the matrix's HF Llama): the estimate is 6 x every parameter x tokens."""
+    from clients import BUILD
+    from fsdp_doctor.analyze.throughput import analytic_flops_per_step
+    from fsdp_doctor.record.config_snapshot import _param_counts
+    from fsdp_doctor.records import RunConfig
+
+    model = BUILD["hf_llama"]()
+    counts = _param_counts(model)
+    assert counts["experts"] is None
+    n = sum(p.numel() for p in model.parameters())
+    cfg = RunConfig(rank=0, world_size=2, backend="gloo", device="cpu", tokens_per_step=128, model_param_count=n,
+                    **counts)
+    assert analytic_flops_per_step(cfg) == 6 * n * 128 / 2
+
+
+class _Router(torch.nn.Module):  # torchtitan's TokenChoiceTopKRouter: gate, num_experts, top_k
+    def __init__(self, num_experts: int, top_k: int):
+        super().__init__()
+        self.gate, self.num_experts, self.top_k = torch.nn.Linear(8, num_experts, bias=False), num_experts, top_k
+
+
+class _GroupedExperts(torch.nn.Module):  # torchtitan's GroupedExperts: 3-D w1, w2, w3 and num_experts
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1, self.w2, self.w3 = (torch.nn.Parameter(torch.zeros(num_experts, 16, 8)) for _ in range(3))
+
+
+class _TitanMoE(torch.nn.Module):  # torchtitan's MoE: experts, router, shared_experts (dense)
+    def __init__(self, num_experts: int = 8, top_k: int = 2):
+        super().__init__()
+        self.experts, self.router = _GroupedExperts(num_experts), _Router(num_experts, top_k)
+        self.shared_experts = torch.nn.Linear(8, 16, bias=False)
+
+
+class _HFv4MoE(torch.nn.Module):  # transformers 4.x Mixtral/Qwen2-MoE block: num_experts, top_k, a ModuleList
+    def __init__(self, top_k: int | None = 2):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 16, bias=False) for _ in range(4))
+        if top_k:
+            self.top_k = top_k
+
+
+@pytest.mark.parametrize("layers, found", [
+    ([_TitanMoE(), _TitanMoE()], (2 * 3 * 8 * 16 * 8, 2, 8)),
+    ([_HFv4MoE(), torch.nn.Linear(8, 8)], (4 * 16 * 8, 2, 4)),  # a dense layer between: not an expert
+    ([_HFv4MoE(top_k=None)], (4 * 16 * 8, None, 4)),  # top_k nowhere: every expert counted, and said
+    ([_TitanMoE(8, 2), _TitanMoE(8, 1)], (2 * 3 * 8 * 16 * 8, None, None)),  # layers differ: not one top_k
+])
+def test_experts_read_from_the_tree(layers, found):
+    """Where each tree keeps its MoE facts (torchtitan's moe.py: the router's top_k, the experts' num_experts;
+    transformers 4.x: the block's top_k and a ModuleList of experts), a router's and a shared expert's parameters
+    dense; the estimate and its sentence say which parameters they count."""
+    from fsdp_doctor.analyze.throughput import _analytic
+    from fsdp_doctor.record.config_snapshot import _param_counts
+    from fsdp_doctor.records import RunConfig
+
+    model = torch.nn.Sequential(*layers)
+    counts = _param_counts(model)
+    ex = counts["experts"]
+    assert (ex.param_count, ex.top_k, ex.num_experts) == found
+    n = sum(p.numel() for p in model.parameters())
+    flops, note = _analytic(RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=10,
+                                      model_param_count=n, **counts))
+    if found[1]:
+        assert flops == 6 * (n - found[0] + found[0] * found[1] / found[2]) * 10
+        assert f"counted at top_k {found[1]} of {found[2]}" in note, note
+    else:
+        assert flops == 6 * n * 10
+        assert "top_k could not be read: every expert's" in note, note
+
+
+def test_mixtral_analytic_flops_under_watch(one_rank_group, tmp_path):
+    """watch() on the matrix's Mixtral with FLOP counting off: the run facts name the experts (top-2 of 4), the
+    throughput row's FLOPs are 6 x the active parameters x tokens and say so in the JSON, the terminal, the HTML
+    report and the low-MFU finding's evidence (6 x every parameter x tokens read 1.59x these: 153.0 of 96.4
+    MFLOP)."""
+    import msgspec
+    from rich.console import Console
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_doctor
+    from clients import BUILD, loss_of, shard_blocks_only
+    from fsdp_doctor.present.html import render_html
+    from fsdp_doctor.present.terminal import render_report
+
+    model = BUILD["mixtral"]()
+    n = sum(p.numel() for p in model.parameters())
+    experts = 3 * 4 * 3 * 64 * 128
+    model = shard_blocks_only(model, init_device_mesh("cpu", (1,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with fsdp_doctor.watch(model, opt, out_dir=tmp_path / "run", tokens_per_step=64, peak_tflops=1.0,
+                           count_flops=False, memory=False, profile=False) as doctor:
+        for step in range(3):
+            loss_of(model, "mixtral", step, 0).backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+    report = fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / "run"))
+    assert msgspec.to_builtins(report.run.experts) == {"param_count": experts, "trainable_param_count": experts,
+                                                       "grad_path_param_count": experts, "top_k": 2, "num_experts": 4}
+    row = report.throughput.per_rank["0"]
+    assert row.flops_source == "analytic" and row.flops_per_step == 6 * (n - experts / 2) * 64
+    assert "counted at top_k 2 of 4 (0.251 M active of 0.399 M)" in row.flops_note, row.flops_note
+    con = Console(width=200, record=True)
+    render_report(report, con)
+    text = con.export_text()
+    assert "MoE: top-2 of 4 experts" in text and "counted at top_k 2 of 4" in text, text
+    assert "counted at top_k 2 of 4" in render_html(report)
+    low = [f for f in report.findings if f.code == "throughput.low_mfu"]  # MFU against 1 TFLOP/s on a CPU: low
+    assert low and low[0].evidence["flops_note"] == row.flops_note, [(f.code, f.evidence) for f in report.findings]

@@ -24,7 +24,7 @@ def run_facts(run: Run) -> RunFacts:
             facts, backend=cfg.backend, device=cfg.device, device_name=cfg.device_name,
             torch_version=cfg.torch_version, optimizer=cfg.optimizer, units=len(cfg.units),
             model_param_count=cfg.model_param_count, model_trainable_param_count=cfg.model_trainable_param_count,
-            capacity_bytes=cfg.capacity_bytes,
+            experts=cfg.experts, capacity_bytes=cfg.capacity_bytes,
             tokens_per_step=cfg.tokens_per_step)
         if cfg.optimizer_groups:
             facts.optimizer_groups = list(cfg.optimizer_groups)

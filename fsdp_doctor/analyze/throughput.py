@@ -5,11 +5,13 @@ checkpointing's recompute, counted only: the analytic estimate has none); the ru
 
 Where FLOPs were not counted (counting failed, or was off) but tokens per step are known, the FLOPs come
 from the analytic estimate 6 x parameters x tokens per rank (Kaplan et al. 2020: forward 2, backward 4 FLOPs
-per parameter per token; attention scores not included, so it reads low for long sequences), and each row
-says which (``flops_source``: ``"counted"`` or ``"analytic"``)."""
+per parameter per token; attention scores not included, so it reads low for long sequences; a mixture of
+experts' routed experts counted top_k of num_experts), and each row says which (``flops_source``: ``"counted"`` or
+``"analytic"``; ``flops_note``: which parameters the estimate counts)."""
 
 from __future__ import annotations
 
+from ..records import Experts
 from ..report_sections import ThroughputJob, ThroughputRank, ThroughputSection
 from ..store import Run
 from .steps import step_stats, usable_steps
@@ -19,13 +21,35 @@ def analytic_flops_per_step(cfg) -> float | None:
     """6 x parameters x this rank's tokens per step, or None without tokens or parameters. With frozen parameters
     (fine-tuning) the backward's 4 are 2 for the input gradients, over the parameters from the first trainable one
     on, and 2 for the weight gradients, over the trainable ones: 6 x N counted 63% over what an HF Llama with LoRA
-    adapters ran (the counted step: its backward is 0.96x its forward, 2x when every parameter trains)."""
+    adapters ran (the counted step: its backward is 0.96x its forward, 2x when every parameter trains). A mixture
+    of experts' routed experts count as a token runs them, top_k of num_experts (``RunConfig.experts``)."""
+    return _analytic(cfg)[0]
+
+
+def _analytic(cfg) -> tuple[float | None, str]:
+    """The analytic FLOPs of one step on this rank, and a sentence saying which parameters they count."""
     if not cfg.tokens_per_step or not cfg.model_param_count:
-        return None
-    n, trainable = cfg.model_param_count, getattr(cfg, "model_trainable_param_count", None)
+        return None, ""
+    ex = getattr(cfg, "experts", None) or Experts(param_count=0)
+    idle = 1.0 - ex.share()  # of each expert parameter, the share a token does not run
+    n = cfg.model_param_count - idle * ex.param_count
+    trainable = getattr(cfg, "model_trainable_param_count", None)
     path = getattr(cfg, "model_grad_path_param_count", None)
-    per_token = 6.0 * n if trainable is None or path is None else 2.0 * n + 2.0 * path + 2.0 * trainable
-    return per_token * cfg.tokens_per_step / max(1, cfg.world_size)
+    per_token, how = 6.0 * n, f"6 x {n / 1e6:.3g} M parameters x tokens"
+    if trainable is not None and path is not None:
+        path, trainable = path - idle * ex.grad_path_param_count, trainable - idle * ex.trainable_param_count
+        per_token = 2.0 * n + 2.0 * path + 2.0 * trainable
+        if not n == path == trainable:
+            how = (f"(2 x {n / 1e6:.3g} M parameters + 2 x {path / 1e6:.3g} M from the first trainable one on "
+                   f"+ 2 x {trainable / 1e6:.3g} M trainable) x tokens")
+    note = f"FLOPs not counted: the analytic estimate, {how} per rank"
+    if ex.param_count and idle:
+        note += (f"; a mixture of experts: its {ex.param_count / 1e6:.3g} M expert parameters counted at top_k "
+                 f"{ex.top_k} of {ex.num_experts} ({n / 1e6:.3g} M active of {cfg.model_param_count / 1e6:.3g} M)")
+    elif ex.param_count:
+        note += (f"; a mixture of experts whose top_k could not be read: every expert's {ex.param_count / 1e6:.3g} M "
+                 "parameters counted, high by up to num_experts / top_k on them")
+    return per_token * cfg.tokens_per_step / max(1, cfg.world_size), note
 
 
 def analyze_throughput(run: Run) -> ThroughputSection | None:
@@ -43,13 +67,14 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
         if cfg.tokens_per_step:
             row.tokens_per_s = round(cfg.tokens_per_step / cfg.world_size / p50_s, 1)
             any_data = True
-        flops, source = cfg.flops_per_step, "counted"
+        flops, source, note = cfg.flops_per_step, "counted", None
         if not flops:
-            flops, source = analytic_flops_per_step(cfg), "analytic"
+            (flops, note), source = _analytic(cfg), "analytic"
         if flops:
             tf = flops / p50_s / 1e12
             row.flops_per_step = flops
             row.flops_source = source
+            row.flops_note = note
             row.achieved_tflops = round(tf, 4)
             job_tflops += tf
             any_data = True

@@ -78,6 +78,8 @@ def run_facts(run: RunFacts) -> list[str]:
         frozen = trainable is not None and trainable < r.model_param_count
         facts.append(f"{r.model_param_count / 1e6:.2f} M params"
                      + (f" ({100 * trainable / r.model_param_count:.2g}% trainable)" if frozen else ""))
+    if r.experts and r.experts.top_k and r.experts.num_experts:
+        facts.append(f"MoE: top-{r.experts.top_k} of {r.experts.num_experts} experts")
     groups = len(r.optimizer_groups or [])
     opt = f"{r.optimizer} ({groups} param groups)" if r.optimizer and groups > 1 else r.optimizer
     for v in (r.backend, r.device_name, r.torch_version, opt):
@@ -260,6 +262,11 @@ def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, 
             MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
             MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%",
             MISSING if x.hfu_pct is None else f"{x.hfu_pct:.1f}%")
+
+
+def throughput_note(section: ThroughputSection) -> str:
+    """Where the FLOPs are the analytic estimate: which parameters it counts (every rank's distinct sentence)."""
+    return "\n".join(dict.fromkeys(r.flops_note for r in section.per_rank.values() if r.flops_note))
 
 
 def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:

@@ -24,7 +24,7 @@ from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_CO
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
                   outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
-                  trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
+                  throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
 body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
@@ -212,7 +212,8 @@ def _memory(section: MemorySection) -> str:
 
 def _throughput(section: ThroughputSection) -> str:
     rows = throughput_rows(section)
-    return "<h2>Throughput</h2>" + _table(THROUGHPUT_HEADER, rows, "throughput-table") if rows else ""
+    note = "".join(f"<p class='note'>{_esc(line)}</p>" for line in throughput_note(section).splitlines())
+    return "<h2>Throughput</h2>" + _table(THROUGHPUT_HEADER, rows, "throughput-table") + note if rows else ""
 
 
 def _verdict_table(section: Verdict) -> str:

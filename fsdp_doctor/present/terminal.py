@@ -13,8 +13,8 @@ from ..report_sections import Finding, Report, StepsSection, ThroughputSection, 
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
                   fmt_ms, fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts,
-                  short_unit_labels, throughput_rows, trace_units_title, verdict_headline, verdict_rows,
-                  verdict_title)
+                  short_unit_labels, throughput_note, throughput_rows, trace_units_title, verdict_headline,
+                  verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -89,7 +89,8 @@ def render_throughput(section: ThroughputSection, width: int = 100):
     checkpointing's recompute)."""
     rows = throughput_rows(section or ThroughputSection())
     cols = [Col(h, drop=1 if h == "HFU" else 0) for h in THROUGHPUT_HEADER]
-    return fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows])
+    return fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows],
+                        caption=throughput_note(section or ThroughputSection()) or None)
 
 
 UNIT_ROWS = 24

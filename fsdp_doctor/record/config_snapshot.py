@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records import OptimizerGroup, RunConfig
+from ..records import Experts, OptimizerGroup, RunConfig
 from . import fsdp2 as F2
 from .throughput import device_peak_tflops
 from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
@@ -71,7 +71,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer_groups=optimizer_groups(optimizer),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
-        **_backward_param_counts(model),
+        **_param_counts(model),
         capacity_bytes=capacity, tokens_per_step=tokens_per_step, peak_tflops=peak,
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
@@ -81,17 +81,59 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     ), consistency
 
 
-def _backward_param_counts(model: nn.Module) -> dict[str, int]:
+def _param_counts(model: nn.Module) -> dict:
     """What the backward works on (the analytic FLOP estimate's): the trainable parameters (weight gradients), and
     the parameters from the first trainable one on in module order, those input gradients flow back through (a
-    frozen prefix, such as the embeddings and frozen blocks below a trainable tail, gets none)."""
+    frozen prefix, such as the embeddings and frozen blocks below a trainable tail, gets none); and of each, a
+    mixture of experts' routed experts (:func:`_experts`), of which a token runs top_k of num_experts."""
+    expert_ids, top_k, num_experts = _experts(model)
     trainable = path = 0
+    ex = [0, 0, 0]  # the experts': every one, trainable, from the first trainable parameter on
     for p in model.parameters():
-        if p.requires_grad or path:
-            path += p.numel()
-        if p.requires_grad:
-            trainable += p.numel()
-    return {"model_trainable_param_count": trainable, "model_grad_path_param_count": path}
+        n, on_path = p.numel(), bool(p.requires_grad or path)
+        path += n * on_path
+        trainable += n * p.requires_grad
+        if id(p) in expert_ids:
+            ex = [ex[0] + n, ex[1] + n * p.requires_grad, ex[2] + n * on_path]
+    experts = Experts(param_count=ex[0], trainable_param_count=ex[1], grad_path_param_count=ex[2], top_k=top_k,
+                      num_experts=num_experts) if expert_ids else None
+    return {"model_trainable_param_count": trainable, "model_grad_path_param_count": path, "experts": experts}
+
+
+def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:
+    """The ids of the parameters under every child module named ``experts`` (a mixture of experts' routed experts;
+    a layer's shared expert, router and attention are dense), and the top_k and num_experts every such layer
+    shares (None where a layer's cannot be read, or layers differ). Each is read where the public source keeps it:
+    the MoE block (HF Mixtral's ``top_k``; HF v4's blocks also ``num_experts``), its router (``gate`` in HF
+    Mixtral, Qwen2-MoE, OLMoE and DeepSeek; ``router`` in torchtitan's MoE and gpt-oss: ``top_k``,
+    ``num_experts``), the experts (``num_experts``, or a ModuleList's length), then HF's ``model.config``
+    (``num_experts_per_tok``; ``num_local_experts``, ``num_experts`` or ``n_routed_experts``)."""
+    ids: set[int] = set()
+    found = set()
+    config = [getattr(model, "config", None)]
+    for m in model.modules():
+        experts = m._modules.get("experts")
+        params = [p for p in experts.parameters() if id(p) not in ids] if experts is not None else []
+        if not params:
+            continue
+        ids.update(id(p) for p in params)
+        where = [m, m._modules.get("gate"), m._modules.get("router"), experts]
+        listed = len(experts) if isinstance(experts, (nn.ModuleList, nn.ModuleDict)) else None
+        found.add((_first_int(where, "top_k") or _first_int(config, "num_experts_per_tok"),
+                   _first_int(where, "num_experts") or listed
+                   or _first_int(config, "num_local_experts", "num_experts", "n_routed_experts")))
+    top_k, num_experts = found.pop() if len(found) == 1 else (None, None)
+    return ids, top_k, num_experts
+
+
+def _first_int(objs: list, *names: str) -> int | None:
+    """The first positive int attribute ``names`` gives on ``objs`` (None where none has one)."""
+    for o in objs:
+        for name in names:
+            v = getattr(o, name, None) if o is not None else None
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
 
 
 def _compute_dtype(units: list[Unit]) -> str:

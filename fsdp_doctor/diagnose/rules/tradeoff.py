@@ -312,12 +312,14 @@ class LowMfu(Rule):
             text += " Doubling the micro-batch doubles the activations (the predicted peak)."
         else:
             pred = E.predicted(step, step - first.recoverable_ms)
+        notes = sorted({r.flops_note for r in rows if r.flops_note})
         return [self.finding(
             sev, f"MFU {mfu:.1f}%: the evidence points to {first.lever} first",
             {"mfu_pct": round(mfu, 2), "threshold_pct": LOW_MFU_PCT, "step_p50_ms": round(step, 3),
              "achieved_tflops_per_rank": _median(r.achieved_tflops for r in rows),
              "peak_tflops": _median(r.peak_tflops for r in rows),
              "flops_source": ", ".join(sorted({r.flops_source for r in rows if r.flops_source})),
+             **({"flops_note": "; ".join(notes)} if notes else {}),  # analytic FLOPs: which parameters counted
              "bound": job.bound,
              "groups_pct": {k: v for k, v in groups.items() if v}, "first_lever": first.lever,
              "levers": [lv.line for lv in levers],
