@@ -747,6 +747,22 @@ def test_optimizer_before_shard_fix_keeps_groups_and_scheduler(tmp_path):
         scheduler.step()
         assert not torch.equal(w.full_tensor(), own["0.weight"].detach().full_tensor())  # the model trains
         assert [g["lr"] for g in optimizer.param_groups] == [5e-4, 5e-4]  # the scheduler drives it
+        # the run records the groups: the header and the dashboard's facts name them
+        import fsdp_doctor
+        from fsdp_doctor.dashboards.pages.overview import run_facts as dash_facts
+        from fsdp_doctor.present.fmt import run_facts
+
+        with fsdp_doctor.watch(model, optimizer, out_dir=tmp_path / "run", profile=False, memory=False) as doctor:
+            for _ in range(2):
+                model(torch.randn(4, 8)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                doctor.step()
+        facts = fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / "run")).run
+        assert [(g.params, g.options["weight_decay"], g.options["lr"]) for g in facts.optimizer_groups] == [
+            (2, 0.1, 5e-4), (4, 0.0, 5e-4)]
+        assert "AdamW (2 param groups)" in run_facts(facts)
+        assert "AdamW (2 param groups)" in str(dash_facts(facts))
     finally:
         dist.destroy_process_group()
 

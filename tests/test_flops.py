@@ -463,5 +463,13 @@ def test_mixtral_analytic_flops_under_watch(one_rank_group, tmp_path):
     text = con.export_text()
     assert "MoE: top-2 of 4 experts" in text and "counted at top_k 2 of 4" in text, text
     assert "counted at top_k 2 of 4" in render_html(report)
+    # the dashboard's overview: the same facts in its table, the same note on the throughput tile
+    from fsdp_doctor.dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.pages.overview import _kpis, run_facts
+
+    facts = {str(tr.children[0].children): str(tr.children[1].children) for tr in run_facts(report.run).children}
+    assert facts["mixture of experts"] == "top-2 of 4 experts" and facts["optimizer"] == "AdamW", facts
+    tile = next(t for t in _kpis(report, Filters()).children if t.id == "kpi-tokens")
+    assert "counted at top_k 2 of 4" in tile.title
     low = [f for f in report.findings if f.code == "throughput.low_mfu"]  # MFU against 1 TFLOP/s on a CPU: low
     assert low and low[0].evidence["flops_note"] == row.flops_note, [(f.code, f.evidence) for f in report.findings]

@@ -9,8 +9,9 @@ import msgspec
 from dash import dcc, html
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (fix_heading, SEVERITY_ORDER, VERDICT_HEADER, findings_headline, fmt_bytes, fmt_ms,
-                                     predicted_text, severity_counts, unit_label, verdict_headline, verdict_rows)
+from fsdp_doctor.present.fmt import (fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
+                                     fmt_bytes, fmt_ms, optimizer_fact, params_fact, predicted_text, severity_counts,
+                                     throughput_note, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
 from fsdp_doctor.present.figures import verdict_figure
@@ -34,7 +35,7 @@ def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
         kpi("Tokens / s", f"{tp.tokens_per_s:,.0f}" if tp and tp.tokens_per_s is not None else "—",
             (f"MFU {tp.mfu_pct:.1f}%" if tp and tp.mfu_pct is not None else
              (f"{tp.achieved_tflops:.3g} TFLOP/s" if tp and tp.achieved_tflops is not None else who)),
-            kid="kpi-tokens"),
+            kid="kpi-tokens", title=throughput_note(tp_sec) if tp_sec else ""),  # analytic FLOPs: what they count
         kpi("Exposed communication", f"{fmt_ms(exposed)} / step" if exposed is not None else "—",
             source or "no profiled window or all-gather timing yet", kid="kpi-exposed", title=definition or ""),
         kpi("Steps recorded", f"{n_steps:,}", "live" if _live(report) else "run finished", kid="kpi-steps"),
@@ -135,8 +136,8 @@ def run_facts(run: RunFacts) -> html.Table:
     facts = [
         ("path", run.path), ("world size", run.world_size), ("backend", run.backend),
         ("device", run.device_name or run.device), ("torch", run.torch_version),
-        ("optimizer", run.optimizer), ("FSDP units", run.units),
-        ("parameters", f"{run.model_param_count / 1e6:.2f} M" if run.model_param_count else None),
+        ("optimizer", optimizer_fact(run)), ("FSDP units", run.units),
+        ("parameters", params_fact(run)), ("mixture of experts", experts_fact(run)),
         ("memory capacity", fmt_bytes(run.capacity_bytes) if run.capacity_bytes else "unknown"),
         ("tokens / step", f"{run.tokens_per_step:,}" if run.tokens_per_step else None),
         ("steps recorded", ", ".join(f"r{k}: {v}" for k, v in run.steps_recorded.items())),

@@ -74,15 +74,10 @@ def run_facts(run: RunFacts) -> list[str]:
     if r.units:
         facts.append(f"{r.units} FSDP units")
     if r.model_param_count:
-        trainable = r.model_trainable_param_count or None  # UNSET, None (not read) or 0: not shown
-        frozen = trainable is not None and trainable < r.model_param_count
-        facts.append(f"{r.model_param_count / 1e6:.2f} M params"
-                     + (f" ({100 * trainable / r.model_param_count:.2g}% trainable)" if frozen else ""))
-    if r.experts and r.experts.top_k and r.experts.num_experts:
-        facts.append(f"MoE: top-{r.experts.top_k} of {r.experts.num_experts} experts")
-    groups = len(r.optimizer_groups or [])
-    opt = f"{r.optimizer} ({groups} param groups)" if r.optimizer and groups > 1 else r.optimizer
-    for v in (r.backend, r.device_name, r.torch_version, opt):
+        facts.append(params_fact(r) + " params")
+    if experts_fact(r):
+        facts.append("MoE: " + experts_fact(r))
+    for v in (r.backend, r.device_name, r.torch_version, optimizer_fact(r)):
         if v:
             facts.append(str(v))
     if r.nccl_version:
@@ -93,6 +88,28 @@ def run_facts(run: RunFacts) -> list[str]:
     if r.facts_source:
         facts.append(f"read from the {r.facts_source}")
     return facts
+
+
+def params_fact(r: RunFacts) -> str:
+    """"0.18 M (1.5% trainable)": the model's parameters, and the trainable share where some are frozen."""
+    if not r.model_param_count:
+        return ""
+    trainable = r.model_trainable_param_count or None  # UNSET, None (not read) or 0: not shown
+    frozen = trainable is not None and trainable < r.model_param_count
+    return (f"{r.model_param_count / 1e6:.2f} M"
+            + (f" ({100 * trainable / r.model_param_count:.2g}% trainable)" if frozen else ""))
+
+
+def experts_fact(r: RunFacts) -> str:
+    """"top-2 of 4 experts" for a mixture of experts whose routing was read ("" otherwise)."""
+    ex = r.experts or None
+    return f"top-{ex.top_k} of {ex.num_experts} experts" if ex and ex.top_k and ex.num_experts else ""
+
+
+def optimizer_fact(r: RunFacts) -> str:
+    """"AdamW (2 param groups)": the optimizer's class, and its groups where there are several."""
+    groups = len(r.optimizer_groups or [])
+    return f"{r.optimizer} ({groups} param groups)" if r.optimizer and groups > 1 else (r.optimizer or "")
 
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}  # worst first
