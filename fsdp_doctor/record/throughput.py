@@ -13,7 +13,8 @@ off). MFU divides the first by the step time, HFU the second.
 Counting never breaks training: every exception inside it (a formula that rejects an operator's shapes, entering
 or leaving the mode) is caught after the operator has run, logged once, and the count is reported as unknown
 (``finish()`` returns None), so the report falls back to the analytic estimate (``analyze.throughput``: 6 x
-parameters x tokens). Attention is counted by our own formulas, which count grouped-query attention (fewer
+parameters x tokens, over the parameters a token runs: a frozen base's backward and a mixture of experts'
+unrouted experts left out). Attention is counted by our own formulas, which count grouped-query attention (fewer
 key/value heads than query heads) as the same matmuls with the query head count, on every torch version, and
 include the CPU kernels torch's table leaves out.
 """
@@ -191,7 +192,7 @@ class FlopCounter:
             return
         self.error = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
         log.warning("fsdp_doctor: FLOP counting failed (%s); training continues, the report uses the analytic "
-                    "6 x parameters x tokens estimate where it can, else MFU is unknown", self.error)
+                    "6 x (active) parameters x tokens estimate where it can, else MFU is unknown", self.error)
 
     def start(self) -> None:
         if self.mode is None or self.error is not None:
