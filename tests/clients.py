@@ -713,6 +713,31 @@ def user_param_groups(model, trainable_only: bool = False) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def module_tree(fqns) -> nn.Module:
+    """A bare module tree holding exactly the modules ``fqns`` (and their parents), children in the order given."""
+    root = nn.Module()
+    for fqn in fqns:
+        m = root
+        for part in fqn.split("."):
+            if part not in m._modules:
+                m.add_module(part, nn.Module())
+            m = m._modules[part]
+    return root
+
+
+def prefetch_chain(code: str, model: nn.Module) -> dict[tuple[str, str], list[str]]:
+    """A prefetch snippet run on an unsharded ``model`` whose modules record what it sets:
+    {("forward" | "backward", module fqn): [the fqns of the modules it prefetches]}."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict[tuple[str, str], list[str]] = {}
+    for n, m in model.named_modules():
+        for kind in ("forward", "backward"):  # an FSDPModule's setters, recorded
+            m.__dict__[f"set_modules_to_{kind}_prefetch"] = (
+                lambda mods, key=(kind, n): out.__setitem__(key, [names[id(x)] for x in mods]))
+    exec(compile(code, "<prefetch>", "exec"), {"model": model})
+    return out
+
+
 def _exec(fix: dict, model, opt, ns: dict | None = None, **inputs):
     """The fix's code run where its user pastes it: ``model`` and ``optimizer`` in scope, and in the loop the
     names the fix reads from it (``Recommendation.inputs``); ``ns``: the names of the script so far (a two-part

@@ -230,6 +230,11 @@ ARCH_ROWS: list[Row] = [
        capacity_share=0.95),
     _r("mixtral_tight_capacity", "mixtral", "ac.recommended", "batch 8, budget 5% above peak",
        knobs={"batch_size": 8}, capacity_share=0.95),
+    # its explicit prefetch follows the order FSDP2 gathers the units: in backward each layer before its experts
+    # (the chain once followed module order backward: experts -> their own layer, a layer -> the previous experts)
+    _r("mixtral_exposed_allgather", "mixtral", "prefetch.exposed_allgather",
+       "each layer's experts a unit, FSDP's implicit prefetch on gloo", user_shard="moe_experts", min_severity="info",
+       gpu_gain=True),
 ]
 ROWS += ARCH_ROWS
 # ------------------------------------------------------------------------------------------------ (end architectures)
@@ -264,6 +269,11 @@ FINETUNE_ROWS: list[Row] = [
     # un-checkpointed backward frees them as it goes), +262,400 B there; ac.recommended once predicted 10.3% low
     _r("qwen2_tail_tight_capacity", "qwen2_tail", "ac.recommended",
        "trainable tail, 8 sequences per rank, budget 5% above peak", knobs={"batch_size": 8}, capacity_share=0.95),
+    # the frozen layers never run backward: its explicit prefetch gathers none of them there, where FSDP's implicit
+    # prefetch gathers the one before the trainable block for nothing (profiled: the traces show it); the chain once
+    # had the trainable block prefetch it too
+    _r("qwen2_tail_exposed_allgather", "qwen2_tail", "prefetch.exposed_allgather",
+       "trainable tail, FSDP's implicit prefetch on gloo", min_severity="info", gpu_gain=True, profile=True),
 ]
 ROWS += FINETUNE_ROWS
 # ------------------------------------------------------------------------------------------------ (end fine-tuning)

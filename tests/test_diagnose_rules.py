@@ -268,6 +268,21 @@ def test_mixed_dtype_unit():
 
 
 # ------------------------------------------------------------------------------------------------ prefetch
+def _chain(code: str, fqns: list[str]) -> dict:
+    """What a prefetch snippet sets, run on a bare module tree of ``fqns``: {(pass, module): [modules]}."""
+    from clients import module_tree, prefetch_chain
+
+    return prefetch_chain(code, module_tree(fqns))
+
+
+def _pairs(forward: list[str], backward: list[str] | None = None) -> dict:
+    """The chain one unit ahead: each unit of ``forward`` prefetches the next, each of ``backward`` (default: the
+    forward reversed) the next."""
+    backward = forward[::-1] if backward is None else backward
+    return {**{("forward", a): [b] for a, b in zip(forward, forward[1:])},
+            **{("backward", a): [b] for a, b in zip(backward, backward[1:])}}
+
+
 def test_exposed_allgather_gpu_warns_cpu_notes():
     us = healthy_units()
     for u, t in us[1:]:
@@ -277,8 +292,10 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     assert f.severity == "warning"
     assert f.evidence["exposed_ag_fwd_ms"] == pytest.approx(30.0)
     assert "set_modules_to_forward_prefetch" in f.recommendation.code
-    # every unit, named from the run's tree (grouped units by their first module), the root never
-    assert all(repr(u.modules[0]) in f.recommendation.code for u in E.non_root(E.param_units(ctx)))
+    # every unit, named from the run's tree (grouped units by their first module), the root never: each prefetches
+    # the next in forward, the previous in backward
+    order = ["tok_emb"] + [f"layers.{i}" for i in range(4)] + ["norm"]
+    assert _chain(f.recommendation.code, ["tok_emb", "pos_emb", *order[1:], "lm_head"]) == _pairs(order)
     assert "(root)" not in f.recommendation.code
     assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
     # the gain quoted is the snippet's (explicit prefetch), not reshard_after_forward=False's
@@ -288,6 +305,53 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     assert [x.severity for x in run_rule("prefetch.exposed_allgather", ctx)] == ["info"]
     healthy = run_rule("prefetch.exposed_allgather", build(backend="nccl", device="cuda:0")[0])
     assert codes(healthy) == set()
+
+
+def test_prefetch_chain_follows_the_order_fsdp_gathers_nested_units():
+    """Each unit prefetches the unit FSDP2 gathers next: in forward the one whose pre-forward runs next, in backward
+    the one whose pre-backward runs next. A Mixtral with each layer's experts a unit inside its layer: FSDP2 runs
+    backward in reverse post-forward order, each layer before its experts. The chain once followed the module order
+    backward: the experts prefetched their own layer (already gathered), a layer the previous layer's experts."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    sizes = dict(param_count=4, n_params=2, sharded_bytes=8, unsharded_bytes=16, orig_dtypes=["float32"])
+
+    def mixtral(n_layers):  # (units, the layers, each layer and its experts in module order)
+        layers = [f"model.layers.{i}" for i in range(n_layers)]
+        nested = [n for x in layers for n in (x, f"{x}.mlp.experts")]
+        return [unit("", reshard_after_forward=False), unit("model.embed_tokens", **sizes),
+                *[unit(n, **sizes, **({"parent": n.rsplit(".", 2)[0], "depth": 2} if "experts" in n else {}))
+                  for n in nested],
+                unit("model.norm, lm_head", reshard_after_forward=False, **sizes)], layers, nested
+
+    us, layers, nested = mixtral(3)
+    fqns = ["model.embed_tokens", *nested, "model.norm", "lm_head"]
+    fwd = ["model.embed_tokens", *nested, "model.norm"]
+    bwd = ["model.norm", *[n for x in layers[::-1] for n in (x, f"{x}.mlp.experts")], "model.embed_tokens"]
+    # no recorded order: the tree's, the backward derived as FSDP2 runs it
+    ctx, _ = build(units=us)
+    assert S.gather_order(S.tree(ctx))[2] is False
+    code = S.prefetch_code(ctx)
+    assert _chain(code, fqns) == _pairs(fwd, bwd), code
+    # short whatever the depth: a loop over the layers (14 lines for 3 layers or 32)
+    assert len(code.splitlines()) == len(S.prefetch_code(build(units=mixtral(32)[0])[0]).splitlines()) == 14, code
+    # the run's recorded order wins: here the embedding never ran backward (its input needs no gradient)
+    labels = {m: m for m in fwd} | {"model.norm": "model.norm, lm_head"}
+    marks = [{"unit": None, "phase": "forward_start"}] + [{"unit": labels[m], "phase": "forward_start"} for m in fwd]
+    marks += [{"unit": labels[m], "phase": "backward_start"} for m in bwd[:-1]]
+    marks += [{"unit": "model.layers.0", "phase": "forward_start"}]  # a recompute in backward: not the forward
+    ctx, _ = build(units=us, memory={"per_rank": {"0": {**memory(1)["per_rank"]["0"], "timeline": marks}}})
+    assert S.gather_order(S.tree(ctx))[2] is True
+    # the last that runs backward prefetches itself (a no-op): FSDP's default would gather the embedding
+    assert _chain(S.prefetch_code(ctx), fqns) == _pairs(fwd, [*bwd[:-1], bwd[-2]])
+    # fine-tuning: the frozen units before the first that trains never run backward, nor are gathered there
+    tail = [dict(u, trainable_unsharded_bytes=0 if i < 6 else 16) if i else u for i, (u, _) in enumerate(us)]
+    ctx, _ = build(units=[(u, None) for u in tail])
+    assert _chain(S.prefetch_code(ctx), fqns) == _pairs(fwd, [*bwd[:3], bwd[2]])  # norm -> layers.2 -> its experts
+    # a frozen layer whose nested experts train runs backward (the experts' gradients flow through it)
+    t = S.Tree.of([UnitConfig(**u) for u in tail[:2]] + [UnitConfig(**dict(u, trainable_unsharded_bytes=16 * (
+        "experts" in u["name"]))) for u in tail[2:8]])
+    assert S.gather_order(t)[1] == bwd[1:-1]
 
 
 def test_exposed_allgather_keeps_gathered_only_units_with_backward_waits():

@@ -238,7 +238,7 @@ def test_severe_verdict_fix_is_written_from_the_run_s_units(bound):
     [f] = SevereVerdict().match(Context(run=run, report=report))
     code = f.recommendation.code
     if bound == "communication":
-        assert "units = [model.get_submodule('layers.0')]" in code and "_set_unshard_async_op(True)" in code
+        assert "forward_order = [model.get_submodule('layers.0')]" in code and "_set_unshard_async_op(True)" in code
     else:
         assert "units = [model.get_submodule('layers.0')]" in code and "unit.compile()" in code
     assert f.recommendation.where == "sharded"

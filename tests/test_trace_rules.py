@@ -42,8 +42,13 @@ def test_allgathers_94pct_exposed(tmp_path):
     # prefetching hides units 1-3's all-gathers only as far as there is compute to hide them: 24 µs per step
     assert ag.predicted["step_ms_before"] == 0.4 and ag.predicted["step_ms_after"] == pytest.approx(0.376)
     assert "set_modules_to_forward_prefetch" in ag.recommendation.code
-    # every unit of the trace named (from FSDP's labels), the root never by its display label
-    assert all(f"'layers.{i}'" in ag.recommendation.code for i in range(4))
+    # every unit of the trace (from FSDP's labels) prefetches the next in the order the trace ran them, the root
+    # never named by its display label
+    from clients import module_tree, prefetch_chain
+
+    layers = [f"layers.{i}" for i in range(4)]
+    chain = prefetch_chain(ag.recommendation.code, module_tree(layers))
+    assert chain == {("forward", a): [b] for a, b in zip(layers, layers[1:])}, ag.recommendation.code
     assert "(root)" not in ag.recommendation.code
     cb = f["comm.bound"]
     assert cb.evidence["exposed_comm_share_pct"] == 94.0 and cb.evidence["latency_bound"] is False

@@ -99,10 +99,16 @@ class Tree:
 
     units: list = field(default_factory=list)  # UnitConfig-like rows, snapshot (forward) order
     names: list[str] = field(default_factory=list)  # unit labels where no snapshot exists (plain traces)
+    # unit labels in the order the run started their forward and their backward (``run_order``); [] and None where
+    # it recorded none (a trace records the forward only)
+    forward: list[str] = field(default_factory=list)
+    backward: Optional[list[str]] = None
 
     @classmethod
-    def of(cls, units=None, names: Iterable[Optional[str]] = ()) -> "Tree":
-        return cls(units=list(units or []), names=[n for n in names if n is not None])
+    def of(cls, units=None, names: Iterable[Optional[str]] = (), forward: Iterable[str] = (),
+           backward: Optional[Iterable[str]] = None) -> "Tree":
+        return cls(units=list(units or []), names=[n for n in names if n is not None], forward=list(forward),
+                   backward=None if backward is None else list(backward))
 
     def labels(self) -> list[str]:
         """Every unit's label, the snapshot's first, then the trace's, in order, no duplicates."""
@@ -156,7 +162,28 @@ def tree(ctx) -> Tree:
     # a plain trace: the units its collectives and its FSDP labels name (a trace without collectives: labels)
     named = ([r.unit for r in ov.per_unit] + [r.name for r in ov.units or []]) if ov is not None else []
     labels = [n for n in named if n and not n.startswith("(")]
-    return Tree.of(rows, [] if rows else sorted(set(labels), key=_label_order))
+    return Tree.of(rows, [] if rows else sorted(set(labels), key=_label_order), *run_order(ctx))
+
+
+def run_order(ctx) -> tuple[list[str], Optional[list[str]]]:
+    """(forward, backward): the unit labels in the order the run started their forward and their backward, as
+    the recorder marked them on a rank's memory timeline (a unit's ``forward_start`` after FSDP's pre-forward,
+    its ``backward_start`` at FSDP's pre-backward; the step's first forward and first backward), else a trace's
+    units in the order they first ran forward (its backward None); ([], None) where the run has neither."""
+    mem = ctx.report.memory
+    for pm in mem.per_rank.values() if mem is not None else ():
+        fwd: dict[str, None] = {}
+        bwd: dict[str, None] = {}
+        for r in pm.timeline:
+            unit, phase = r.get("unit"), r.get("phase")
+            if unit is not None and phase == "backward_start":
+                bwd[unit] = None
+            elif unit is not None and phase == "forward_start" and not bwd:  # not a recompute in backward
+                fwd[unit] = None
+        if fwd and bwd:
+            return list(fwd), list(bwd)
+    ov = ctx.report.overlap
+    return ([r.name for r in ov.units] if ov is not None else []), None
 
 
 def _label_order(name: str):
@@ -390,13 +417,136 @@ def unit_list(t: Tree, var: str = "units") -> str:
             f"{var} = [model.get_submodule(name) for name in unit_names]")
 
 
-def prefetch_code(ctx, forward: bool = True, backward: bool = True) -> str:
-    """Explicit prefetch, one unit ahead, over every unit of the run (on the sharded model)."""
-    lines = [unit_list(tree(ctx)), "for i, unit in enumerate(units):"]
-    if forward:
-        lines.append("    if i + 1 < len(units):\n        unit.set_modules_to_forward_prefetch([units[i + 1]])")
+def _inside(a: str, b: str) -> bool:
+    """Whether unit ``a``'s modules are nested in unit ``b``'s (labels)."""
+    return any(x.startswith(y + ".") for x in members(a) for y in members(b) if y)
+
+
+def _trains(t: Tree, name: str, order: list[str]) -> bool:
+    """Whether a unit, or a unit nested in it, has trainable parameters (unknown: it has)."""
+    by = {u.name: u for u in t.units}
+    return any(getattr(by.get(n), "trainable_unsharded_bytes", 1) != 0 for n in order
+               if n == name or _inside(n, name))
+
+
+def gather_order(t: Tree) -> tuple[list[str], list[str], bool]:
+    """(forward, backward, recorded): the non-root units in the order FSDP2 gathers them, each list in the order
+    the units' pre-forward (pre-backward) hooks run: as the run recorded them (``Tree.forward``/``backward``), else
+    the tree's order (snapshot, a trace's first forward) with the backward derived as FSDP2 runs it, in reverse
+    post-forward order (a block before the units nested in it), less the frozen units before the first that
+    trains (their outputs need no gradient: FSDP2 never gathers them in backward). In such orders the unit after
+    another is never one it is nested in (gathered already)."""
+    labels = t.unit_labels()
+    known = set(labels)
+    recorded = bool(labels) and known <= set(t.forward)
+    fwd = [n for n in t.forward if n in known] if recorded else labels
+    if recorded and t.backward is not None:
+        return fwd, [n for n in t.backward if n in known], True
+    post: list[str] = []
+    stack: list[str] = []
+    for n in fwd:  # pre-order -> post-order: a unit's post-forward after those nested in it
+        while stack and not _inside(n, stack[-1]):
+            post.append(stack.pop())
+        stack.append(n)
+    post += stack[::-1]
+    first = next((i for i, n in enumerate(fwd) if _trains(t, n, fwd)), len(fwd))
+    return fwd, [n for n in post[::-1] if n not in fwd[:first]], recorded
+
+
+def _wrapped(head: str, items: list[str], width: int = 96) -> str:
+    """``head[a, b, ...]`` wrapped to ``width`` columns."""
+    if not items:
+        return head + "[]"
+    return textwrap.fill(", ".join(items), width=width, initial_indent=head + "[",
+                         subsequent_indent=" " * (len(head) + 1), break_long_words=False,
+                         break_on_hyphens=False) + "]"
+
+
+def _block_run(t: Tree, labels: list[str], i: int):
+    """The labels from ``i`` on that run over every block of one container, in order or reversed, each block with
+    the same units inside it: ((container, reversed, paths inside a block), end), else None."""
+    conts = t.containers()
+
+    def split(n: str):  # (container, block index, path inside the block) of the unit's first module
+        fqn = members(n)[0]
+        m = _IDX.match(fqn)
+        return (m.group(1), int(m.group(2)), fqn[m.end(2) + 1:]) if m and strip_ckpt(m.group(1)) in conts else None
+
+    first = split(labels[i])
+    if first is None:
+        return None
+    blocks: list[tuple[int, list[str]]] = []
+    j = i
+    while j < len(labels) and (s := split(labels[j])) is not None and s[0] == first[0]:
+        if not blocks or blocks[-1][0] != s[1]:
+            blocks.append((s[1], []))
+        blocks[-1][1].append(s[2])
+        j += 1
+    idx, want = [b for b, _ in blocks], conts[strip_ckpt(first[0])]
+    if idx not in (want, want[::-1]) or any(p != blocks[0][1] for _, p in blocks):
+        return None
+    return (first[0], idx != want, blocks[0][1]), j
+
+
+def _order_lines(t: Tree, var: str, labels: list[str]) -> list[str]:
+    """``var = [...]``: the units ``labels``, in that order, as modules of the sharded model (a grouped unit by its
+    first module); a run over every block of a container (each with the same units inside it) as a loop."""
+    lines: list[str] = []
+    single: list[str] = []
+
+    def flush():
+        if single:
+            lines.append(_wrapped(f"{var} {'+=' if lines else '='} ", single))
+        single.clear()
+
+    i = 0
+    while i < len(labels):
+        run = _block_run(t, labels, i)
+        if run is None:
+            single.append(module_expr(members(labels[i])[0]))
+            i += 1
+            continue
+        (c, rev, paths), i = run
+        flush()
+        if paths == [""]:  # the blocks themselves
+            lines.append(f"{var} {'+=' if lines else '='} list({children_expr(c)}){'[::-1]' if rev else ''}")
+            continue
+        blocks = f"reversed(list({children_expr(c)}))" if rev else children_expr(c)
+        lines += ([] if lines else [f"{var} = []"]) + [
+            f"for block in {blocks}:",
+            f"    {var} += [" + ", ".join(module_expr(p, root="block") if p else "block" for p in paths) + "]"]
+    flush()
+    return lines or [f"{var} = []"]
+
+
+def prefetch_code(ctx, backward: bool = True) -> str:
+    """Explicit prefetch, one unit ahead, over every unit of the run (on the sharded model), in the order FSDP2
+    gathers them (``gather_order``): in forward each unit prefetches the one whose forward starts next, in
+    backward the one whose backward starts next (a block's nested units after it; frozen units left out: the last
+    unit that runs backward then prefetches itself, a no-op, since an empty list is FSDP's implicit prefetch, which
+    would gather the frozen unit before it)."""
+    t = tree(ctx)
+    fwd, bwd, recorded = gather_order(t)
+    how = "as your run ran them" if recorded else "module order"
+    lines = [f"# FSDP units in the order their forward starts ({how}): each prefetches the next",
+             *_order_lines(t, "forward_order", fwd)]
+    if backward and bwd == fwd[::-1]:
+        lines.append("backward_order = forward_order[::-1]  # backward starts them in reverse")
+    elif backward:
+        why = (["a block before the units nested in it"] if any(_inside(a, b) for a in fwd for b in fwd) else []) + (
+            [f"not the {len(fwd) - len(bwd)} frozen unit(s) that never run it"] if len(bwd) < len(fwd) else [])
+        lines += [*textwrap.wrap(f"and in the order their backward starts ({'; '.join(why) or how})", width=88,
+                                 initial_indent="# ", subsequent_indent="# "),
+                  *_order_lines(t, "backward_order", bwd)]
+        if bwd and len(bwd) < len(fwd):
+            lines += ["# the last prefetches itself, gathered already: with no list FSDP's default would gather the",
+                      "# unit before it in forward, which never runs backward",
+                      "backward_order.append(backward_order[-1])"]
+    lines += ["for unit, nxt in zip(forward_order, forward_order[1:]):",
+              "    unit.set_modules_to_forward_prefetch([nxt])"]
     if backward:
-        lines.append("    if i > 0:\n        unit.set_modules_to_backward_prefetch([units[i - 1]])")
+        lines += ["for unit, nxt in zip(backward_order, backward_order[1:]):",
+                  "    unit.set_modules_to_backward_prefetch([nxt])"]
     return "\n".join(lines)
 
 
@@ -427,9 +577,7 @@ def hf_layout(t: Tree) -> bool:
 
 def name_list(var: str, names: list[str], width: int = 96) -> str:
     """``var = ['a', 'b', ...]`` wrapped to ``width`` columns."""
-    return textwrap.fill(", ".join(repr(n) for n in names), width=width, initial_indent=f"{var} = [",
-                         subsequent_indent=" " * (len(var) + 4), break_long_words=False,
-                         break_on_hyphens=False) + "]"
+    return _wrapped(f"{var} = ", [repr(n) for n in names], width)
 
 
 def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:

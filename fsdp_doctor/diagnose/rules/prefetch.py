@@ -113,8 +113,10 @@ class ExposedAllGather(Rule):
         rows.sort(key=lambda x: -x[2])
         fwd = sum(w for _, ph, w in rows if ph == "forward")
         bwd = total - fwd
-        # explicit forward prefetch: unit i's all-gather overlaps unit i-1's forward compute
-        order = [u for u in E.non_root(us)]
+        # explicit forward prefetch (the snippet's chain, in the order the units' forward starts): unit i's
+        # all-gather overlaps unit i-1's forward compute
+        timed = {u.name: u for u in E.non_root(us)}
+        order = [timed[n] for n in S.gather_order(S.tree(ctx))[0] if n in timed]
         eff = 0.0 if sync else (PREFETCH_OVERLAP_CPU if cpu else PREFETCH_OVERLAP_GPU)
         saved = 0.0
         fwd_wait = {u.name: w for u, ph, w in rows if ph == "forward"}
