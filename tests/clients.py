@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -422,9 +423,35 @@ def vit():
                                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+# (wt-gpt2) GPT-2 (transformer.h.N blocks of Conv1D layers, weight (in, out); learned position embeddings wpe;
+# lm_head tied to transformer.wte; ln_f) and BERT for masked language modelling (bert.encoder.layer.N, embeddings
+# with their LayerNorm, the MLM head's decoder tied to the word embeddings and its bias to cls.predictions.bias;
+# bidirectional attention; its config carries use_cache, which an encoder never reads)
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0))
+
+
+def bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+MASK_ID = 1  # BERT's [MASK] in the tiny vocabulary (ids 2.. are words)
+
+
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
-            "ViTForImageClassification": "vit"}.get(type(model).__name__, "")
+            "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
+            "BertForMaskedLM": "bert"}.get(type(model).__name__, "")
 
 
 def arch_blocks(model) -> list:
@@ -434,6 +461,10 @@ def arch_blocks(model) -> list:
         return list(model.encoder.block) + list(model.decoder.block)
     if kind == "vit":
         return list(model.vit.layers)
+    if kind == "gpt2":
+        return list(model.transformer.h)
+    if kind == "bert":
+        return list(model.bert.encoder.layer)
     return list(model.model.layers) if kind == "mixtral" else []
 
 
@@ -445,6 +476,11 @@ def arch_ends(model):
         return [model.shared], [model.lm_head]
     if kind == "vit":
         return [model.vit.embeddings], [model.vit.layernorm, model.classifier]
+    if kind == "gpt2":
+        return [model.transformer.wte, model.transformer.wpe], [model.transformer.ln_f, model.lm_head]
+    if kind == "bert":  # the word embeddings tied to the MLM decoder (and its bias to cls.predictions.bias) stay
+        emb = model.bert.embeddings
+        return [emb.position_embeddings, emb.token_type_embeddings, emb.LayerNorm], [model.cls.predictions.transform]
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
 
 
@@ -474,6 +510,13 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
     if client.startswith("vit"):
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
+    if client.startswith("bert"):  # masked language modelling: 15% of the tokens masked, the loss on those
+        tok = torch.randint(2, 512, (size[0], size[1]), generator=g)
+        masked = torch.rand(size, generator=g) < 0.15
+        masked[:, 0] = True  # at least one per sequence
+        labels = torch.where(masked, tok, torch.full_like(tok, -100))
+        logits = model(input_ids=torch.where(masked, MASK_ID, tok).to(device)).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.to(device).flatten(), ignore_index=-100)
     if client.startswith("t5"):
         src, tgt = torch.randint(1, 512, (2, size[0], size[1]), generator=g)
         logits = model(input_ids=src.to(device), labels=tgt.to(device)).logits
@@ -481,7 +524,7 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
     return None
 
 
-ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit}
+ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "bert": bert}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only}
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
@@ -567,7 +610,7 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, "mixtral": 512,
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, "mixtral": 512, "gpt2": 512,
          **{name: 512 for name in FINETUNE}}
 
 
@@ -649,6 +692,13 @@ def shard_tree(model, cfg, mesh):
     raf = {} if cfg.reshard_after_forward is None else {"reshard_after_forward": cfg.reshard_after_forward}
     if cfg.wrap == "whole":
         return fully_shard(model, **kw)
+    if cfg.wrap == "leaf":  # every module holding parameters of its own (Linear, Conv1D, norm, embedding) a unit
+        own = {m: [id(p) for p in m.parameters(recurse=False)] for m in model.modules() if m is not model}
+        held = Counter(i for ids in own.values() for i in ids)
+        for m, ids in own.items():
+            if ids and all(held[i] == 1 for i in ids):  # tied ones stay together in the root
+                fully_shard(m, **kw, **raf)
+        return fully_shard(model, **kw)
     lead, trail = _ends(model) if cfg.wrap == "block" else ([], [])
     tied = [m for m in lead + trail if _tied([m], [x for x in lead + trail if x is not m])]
     lead, trail = [m for m in lead if m not in tied], [m for m in trail if m not in tied]  # tied: stay in the root
@@ -671,17 +721,16 @@ def _shard(model, tree: str, cfg, mesh, fix: dict):
     """The user's sharding of ``model``, or the fix that replaces it; then the user's settings after it."""
     from fsdp_doctor.workloads.sharding import apply_activation_checkpointing, apply_fsdp
 
-    if fix.get("where") == "unsharded" and "fully_shard(" not in fix["code"]:
-        # a checkpointing plan on the unsharded model, in place of the user's own; the user's sharding follows
-        model = _exec(fix, model, None)[0]
-        cfg = cfg.replace(ac="none")
-    elif fix.get("where") == "unsharded":  # pasted in place of the user's fully_shard calls
+    if fix.get("where") == "unsharded":  # pasted after the user's own checkpointing, before any fully_shard
         if tree == "gpt":
             apply_activation_checkpointing(model, cfg)
         elif cfg.ac != "none":
             checkpoint_blocks(model, cfg.ac)
         model = _exec(fix, model, None)[0]
-        return _after_sharding(model, cfg)
+        if "fully_shard(" in fix["code"]:  # in place of the user's fully_shard calls
+            return _after_sharding(model, cfg)
+        # a checkpointing fix (it undoes or replaces the user's checkpointing, applied above): the sharding follows
+        cfg = cfg.replace(ac="none")
     if tree == "gpt":
         return apply_fsdp(model, cfg, mesh)  # the reference workload's own sharding (ac, prefetch, async)
     if cfg.ac != "none":

@@ -237,6 +237,47 @@ ARCH_ROWS: list[Row] = [
        gpu_gain=True),
 ]
 ROWS += ARCH_ROWS
+
+# (wt-gpt2) GPT-2 (Conv1D layers, learned position embeddings, lm_head tied to wte) and BERT for masked language
+# modelling (embeddings with a LayerNorm, the MLM decoder tied to the word embeddings), tests/clients.py gpt2/bert.
+# Their reruns found: BERT's plans left the embeddings and the head whole in the root (a tie inside each), HF
+# gradient checkpointing that ac.unneeded's fix did not turn off, root_not_sharded's peak 11% high on BERT.
+GPT2_BERT_ROWS: list[Row] = [
+    # profiled: tests/test_scenario_matrix.py checks their figures against the model (Conv1D's (in, out) weights)
+    _r("gpt2_tuned", "gpt2", None, "wpe, each block, ln_f kept gathered, root (the tied wte/lm_head)", profile=True),
+    _r("bert_tuned", "bert", None, "[position, token-type embeddings, LayerNorm], each encoder layer, the head's "
+       "transform kept gathered, root (the word embeddings tied to the MLM decoder)", profile=True),
+    # a GPT-2 user's plan: the tied embedding and head are most of the root, which nothing can move
+    _r("gpt2_blocks_only", "gpt2", None, "blocks and root: the tied wte/lm_head, wpe and ln_f in the root",
+       knobs={"wrap": "blocks_only"}),
+    _r("bert_blocks_only", "bert", "wrap.params_in_root", "encoder layers and root only",
+       knobs={"wrap": "blocks_only"}),
+    _r("gpt2_whole_mp", "gpt2", "wrap.too_coarse", "one unit, bf16 compute and fp32 reduction",
+       knobs={"wrap": "whole", **LLAMA_MP}),
+    _r("gpt2_bf16_reduce", "gpt2", "numerics.reduce_dtype", "reduce_dtype=bf16 for fp32 parameters",
+       knobs={"reduce_dtype": "bf16"}),
+    _r("bert_sync_unshard", "bert", "prefetch.sync_unshard", "gloo all-gathers block the host",
+       knobs={"async_unshard": False}),
+    _r("bert_accum", "bert", "accum.sync_every_micro_batch", "4 micro-batches, gradient sync on each",
+       knobs={"grad_accum": 4}, profile=True, min_severity="info"),
+    _r("bert_optimizer_before_shard", "bert", "optim.before_shard", "AdamW built before fully_shard",
+       knobs={"optimizer_before_shard": True}, min_severity="critical"),
+]
+# the same problems planted on both trees (GPT-2: Conv1D leaves; BERT: Linear leaves, a tie inside its embeddings)
+GPT2_BERT_ROWS += [row for tree, leaves, children in (
+    ("gpt2", "Conv1D", "ln_1, attn, ln_2, mlp"), ("bert", "Linear", "attention, intermediate, output")) for row in (
+    _r(f"{tree}_whole", tree, "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r(f"{tree}_leaf", tree, "wrap.too_fine", f"every {leaves}, LayerNorm and Embedding its own unit",
+       knobs={"wrap": "leaf"}),
+    _r(f"{tree}_no_root", tree, "wrap.root_not_sharded", "fully_shard never on the root (the tied embedding in no "
+       "unit)", knobs={"wrap": "no_root"}, min_severity="critical"),
+    _r(f"{tree}_tight_capacity", tree, "ac.recommended", "batch 8, budget 5% above peak", knobs={"batch_size": 8},
+       capacity_share=0.95),
+    _r(f"{tree}_ac_ample", tree, "ac.unneeded", "HF gradient_checkpointing_enable(), 8 GiB budget",
+       knobs={"ac": "block"}, watch=AMPLE, min_severity="info", figure="checkpointed_units"),
+    _r(f"{tree}_ac_children", tree, "ac.wrong_granularity", f"each block's {children} checkpointed",
+       knobs={"ac": "children"}, watch=AMPLE))]
+ROWS += GPT2_BERT_ROWS
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
 # ------------------------------------------------------------------------------------------------ fine-tuning rows

@@ -130,3 +130,32 @@ def test_prefetch_fix_follows_the_order_fsdp_gathers(matrix, row):
     want = {u: (nxt(fwd, u), nxt(bwd, u) or ([u] if u in bwd and frozen else [])) for u in fwd}
     got = {u.name: (u.forward_prefetch, u.backward_prefetch) for u in o.after.units if u.name in fwd}
     assert got == want, code
+
+
+# ------------------------------------------------------------------------------------------------ GPT-2 and BERT
+# (wt-gpt2) tests/scenario_matrix.py GPT2_BERT_ROWS
+@pytest.mark.rows("bert_blocks_only")
+def test_params_in_root_fix_moves_what_sits_beside_bert_tied_embeddings(matrix):
+    """BERT: the word embeddings are tied to the MLM decoder (its bias to cls.predictions.bias); the position and
+    token-type embeddings and the LayerNorm beside them, and the head's transform, move (the plan once left
+    bert.embeddings and cls whole in the root: the finding stayed after its fix)."""
+    code = _code(matrix, "bert_blocks_only")
+    assert ("fully_shard([model.bert.embeddings.position_embeddings, model.bert.embeddings.token_type_embeddings, "
+            "model.bert.embeddings.LayerNorm], mesh=mesh)") in code, code
+    assert "fully_shard(model.cls.predictions.transform, mesh=mesh, reshard_after_forward=False)" in code, code
+    calls = [ln for ln in code.splitlines() if "fully_shard(" in ln and not ln.startswith(("from", "#"))]
+    assert not any(m in ln for ln in calls for m in ("word_embeddings", "decoder", "model.cls,", "model.bert.embeddings,")), code
+
+
+@pytest.mark.rows("gpt2_ac_children")
+def test_children_granularity_text_on_a_transformer_block(matrix):
+    """GPT-2 with each block's ln_1, attn, ln_2 and mlp checkpointed: the recompute spares more than the blocks
+    still keep (the text said "spares 1.32 MiB of the 192.00 KiB these units keep saved")."""
+    from fsdp_doctor.units import fmt_bytes
+
+    o = matrix["gpt2_ac_children"]
+    assert not o.error and o.finding is not None, o.error
+    spared, kept = o.finding.evidence["activation_bytes_spared"], o.finding.evidence["activation_bytes"]
+    assert spared > kept > 0
+    assert (f"spares {fmt_bytes(spared)}, while these units still keep {fmt_bytes(kept)} saved"
+            in o.finding.recommendation.text), o.finding.recommendation.text

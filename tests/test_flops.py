@@ -259,6 +259,29 @@ def test_moe_flops_count_only_the_routed_experts():
     assert got == pytest.approx(linear + attention, rel=1e-4)
 
 
+def test_gpt2_conv1d_flops_equal_the_closed_form():
+    """Hugging Face GPT-2's layers are Conv1D, not nn.Linear: weight (in, out), run as addmm(bias, x, weight). Every
+    matmul counted (forward and both backward matmuls), the tied lm_head once per use, attention by our formulas:
+    equal to the closed form (a tiny GPT2LMHeadModel, 2 sequences of 16 tokens)."""
+    transformers = pytest.importorskip("transformers")
+    from fsdp_doctor.record.throughput import sdpa_backward_flops, sdpa_flops
+
+    b, s, d, vocab, heads, layers = 2, 16, 32, 128, 4, 2
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_positions=s, n_embd=d, n_layer=layers, n_head=heads, attn_implementation="sdpa",
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))  # (attention dropout: SDPA's math path, bmm on the CPU)
+    tok = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(0))
+    fc = FlopCounter()
+    fc.start()
+    torch.nn.functional.cross_entropy(model(tok).logits.flatten(0, 1), tok.flatten()).backward()
+    got = fc.finish().model
+    per_token = 2 * (d * 3 * d + d * d + d * 4 * d + 4 * d * d)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    q = (b, heads, s, d // heads)
+    want = 3 * b * s * (layers * per_token + 2 * d * vocab) + layers * (sdpa_flops(q, q, q) + sdpa_backward_flops(q, q, q))
+    assert got == want
+
+
 @pytest.mark.parametrize("tree", ["hf_llama_lora", "qwen2_tail"])
 def test_analytic_flops_of_a_frozen_base_near_the_counted_step(tree):
     """Fine-tuning (tests/clients.py FINETUNE: LoRA adapters on a frozen HF Llama; a Qwen2 with only its last block

@@ -75,9 +75,10 @@ def test_every_quiet_rule_says_why_on_every_row(matrix):
 
 
 # ------------------------------------------------------------------------------------------------ fine-tuning block
-@pytest.mark.parametrize("row", ["lora_tuned", "qwen2_tail_tuned"])
+@pytest.mark.parametrize("row", ["lora_tuned", "qwen2_tail_tuned", "gpt2_tuned", "bert_tuned"])
 def test_fine_tuning_figures_match_the_model(matrix, row):
-    """A frozen base: every figure a fine-tuner checks, against the model built here (tests/clients.py FINETUNE):
+    """A frozen base: every figure a fine-tuner checks, against the model built here (tests/clients.py FINETUNE;
+    GPT-2, whose Conv1D weights are (in, out), and BERT, both with a tied embedding, train every parameter):
     parameters, each unit's trainable bytes (sharded with FSDP's padding, unsharded), AdamW's state at the peak (two
     fp32 tensors per trainable shard element and a step per trainable tensor; nothing for frozen ones), no gradient
     shard beyond the trainable ones, each unit's reduce-scatter message its trainable gradients (none for a frozen
@@ -108,7 +109,8 @@ def test_fine_tuning_figures_match_the_model(matrix, row):
     from fsdp_doctor.present.fmt import run_facts as header_facts
 
     share = f"{100 * trainable / rep.run.model_param_count:.2g}% trainable"  # the header says how much is trained
-    assert any(share in f for f in header_facts(rep.run)), header_facts(rep.run)
+    assert any(share in f for f in header_facts(rep.run)) == (trainable < rep.run.model_param_count), header_facts(
+        rep.run)
     assert {u.name: [u.trainable_sharded_bytes, u.trainable_unsharded_bytes] for u in rep.units} == {
         k: v[:2] for k, v in want.items()}
     for r, pm in rep.memory.per_rank.items():

@@ -320,9 +320,11 @@ def _call(expr: str, kw: str, indent: int = 0, width: int = 96) -> str:
 
 def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
     """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
-    that holds no unit (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a ``model`` that holds
-    the blocks); those after the last block (the final norm and head) grouped and kept gathered after forward
-    as torchtitan does: they run last in forward and first in backward. Tied modules stay in the root."""
+    that holds no unit and no tied module (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a
+    ``model`` that holds the blocks); those after the last block (the final norm and head) grouped and kept
+    gathered after forward as torchtitan does: they run last in forward and first in backward. Tied modules stay
+    in the root, alone: what a tie kept from collapsing into a common ancestor (BERT's position and token-type
+    embeddings and their LayerNorm beside the word embeddings tied to the MLM decoder) is one unit, grouped."""
     own = [m for m in root.own_modules or [] if m]
     tied = set(root.tied_modules or [])
     trailing = set(root.trailing_modules or [])
@@ -330,28 +332,36 @@ def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
         last = max((i for i, m in enumerate(own) if in_block(m)), default=None)
         trailing = set(own[last + 1:]) if last is not None else set()
     busy = [m for u in t.non_root() for m in u.modules] + [c for c in t.containers()]
-    def top(m: str) -> str:
-        parts = m.split(".")
-        for i in range(1, len(parts) + 1):
+    inside = lambda names, cand: any(b == cand or b.startswith(cand + ".") for b in names)  # noqa: E731
+
+    def top(m: str) -> tuple[str, str]:
+        """(the module ``m`` collapses to, the ancestor a tied module kept it out of, else "")."""
+        parts, kept_out = m.split("."), ""
+        for i in range(1, len(parts)):
             cand = ".".join(parts[:i])
-            if not any(b == cand or b.startswith(cand + ".") for b in busy):
-                return cand
-        return m
-    heads: dict[str, bool] = {}  # collapsed module -> trailing
-    skip: set[str] = set()
+            if inside(busy, cand):
+                continue
+            if not inside(tied, cand):
+                return cand, ""
+            kept_out = cand
+        return m, kept_out
+    heads: dict[str, list] = {}  # collapsed module -> [trailing, the group it joins]
     for m in own:
-        if in_block(m):
+        if in_block(m) or m in tied:
             continue
-        h = top(m)
-        if m in tied:
-            skip.add(h)
-        heads[h] = heads.get(h, True) and m in trailing
-    heads = {h: tr for h, tr in heads.items() if h not in skip}
-    lines = [_call(module_expr(h), kw) for h, tr in heads.items() if not tr]
-    tail = [h for h, tr in heads.items() if tr]
+        h, group = top(m)
+        tr = heads.get(h, [True])[0] and m in trailing
+        heads[h] = [tr, group]
+    lead: dict[str, list[str]] = {}  # each leading unit: its modules
+    for h, (tr, group) in heads.items():
+        if not tr:
+            lead.setdefault(group or h, []).append(h)
+    lines = [_call(group_expr(mods), kw) for mods in lead.values()]
+    tail = [h for h, (tr, _) in heads.items() if tr]
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
+    skip = [m for m in own if m in tied and not in_block(m)]
     if skip:
         lines.append(f"# {', '.join(sorted(skip))} share a parameter (tied weights): they stay in the root")
     return lines
@@ -384,14 +394,21 @@ _NO_KV_CACHE = ("for m in model.modules():  # Hugging Face configs: no KV cache 
 def remove_checkpointing(wrappers: list[str], functional: list[str]) -> str:
     """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
     module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
-    code (``functional``) are named in a comment, since only their code can change."""
+    code (``functional``): Hugging Face's ``gradient_checkpointing_enable()`` is undone by its
+    ``gradient_checkpointing_disable()``, other ``checkpoint(...)`` calls are named in a comment, since only their
+    code can change."""
     lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off",
              "# (or build the model without apply_activation_checkpointing)"]
     if functional:
-        lines += ["# checkpointed by checkpoint(...) calls in their forward (Hugging Face:",
-                  "# gradient_checkpointing_enable()); remove those in your code:",
+        lines += ["# checkpointed by checkpoint(...) calls in their forward:",
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",
-                                subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False)]
+                                subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
+                  "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its own method",
+                  "off = (getattr(model, 'activation_checkpointing_disable', None)  # its newer name",
+                  "       or getattr(model, 'gradient_checkpointing_disable', None))",
+                  "if off is not None:",
+                  "    off()",
+                  "# (your own checkpoint(...) calls: remove them in your code)"]
     root = [w for w in wrappers if w == ""]
     inner = [w for w in wrappers if w]
     if inner:

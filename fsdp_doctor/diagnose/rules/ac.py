@@ -246,8 +246,9 @@ class AcWrongGranularity(Rule):
             "checkpoint(self.mlp, h) calls in the block's forward), not the blocks: every tensor passed between "
             "the children and the residual adds and norms around them stays saved, so a large part of the "
             "activations survives (seen in the wild: 29 of 40.8 GB at peak), while the recompute is paid in "
-            "full." + (f" Here their recompute spares {fmt_bytes(sum(spared.values()))} of the "
-                       f"{fmt_bytes(acts)} these units keep saved." if source == MEASURED and acts else "")
+            # (what the recompute spares is no part of what the units keep: more than it on a transformer block)
+            "full." + (f" Here their recompute spares {fmt_bytes(sum(spared.values()))}, while these units still "
+                       f"keep {fmt_bytes(acts)} saved." if source == MEASURED and acts else "")
             + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
             (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
             + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
