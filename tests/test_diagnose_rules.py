@@ -13,7 +13,7 @@ import pytest
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.snippets import SHARDING_GOES_HERE
-from fsdp_doctor.records import RunConfig, UnitConfig
+from fsdp_doctor.records import RunConfig, StepRecord, UnitConfig, UnitStep
 from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
 MiB = 1 << 20
@@ -398,6 +398,31 @@ def test_exposed_allgather_keeps_gathered_only_units_with_backward_waits():
     waiting = [u for u in E.non_root(E.param_units(ctx)) if u.name in ("layers.2", "layers.3")]
     assert f.evidence["reshard_after_forward_false_ms"] == pytest.approx(4.0)
     assert f.evidence["reshard_after_forward_false_bytes"] == sum(u.unsharded_bytes for u in waiting)
+
+
+def test_exposed_allgather_reads_the_median_step():
+    """Which unit waits moves from step to step (on a shared host, the unit where the other rank arrives late):
+    each unit's median wait is then small while every step waits long; and a loaded host stretches some steps,
+    their waits with them. The share is that of the step of median share, its waits against its own wall: 26%
+    here, where the sum of the units' medians over the step p50 read 6 ms of 75 ms (8%, under the 15% it fires
+    from: quiet), and the median waits over the median wall 13 ms of 75 ms (17%)."""
+    blocks = [f"layers.{i}" for i in range(4)]
+    us = healthy_units()
+    for u, t in us:
+        t.update(ag_wait_fwd_ms=1.5 if u["name"] in blocks else 0.0, ag_wait_bwd_ms=0.0)  # each unit's median
+    ctx, _ = build(units=us, step_ms=75.0)
+
+    def step(rank, n):  # in step n, block n % 4 waits 10 ms, the others 1 ms; rank 1's steps twice as long
+        x = 1 + rank
+        return StepRecord(rank=rank, step=n, start_ns=n, wall_ms=50.0 * x, units=[
+            UnitStep(name=b, ag_wait_fwd_ms=(10.0 if i == n % 4 else 1.0) * x) for i, b in enumerate(blocks)])
+
+    ctx.run.ranks = {r: SimpleNamespace(steps=[step(r, n) for n in range(5)]) for r in (0, 1)}  # step 0 left out
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    ev = f.evidence
+    assert ev["exposed_share_pct"] == 26.0 and ev["exposed_ag_bwd_ms"] == 0.0 and ev["step_p50_ms"] == 75.0
+    assert ev["exposed_ag_ms_per_step"] / ev["share_of_step_ms"] == pytest.approx(0.26)  # one step's, 13/50 or 26/100
+    assert f.severity == "info" and "layers.0 forward 1.5 ms" in f.recommendation.text  # where: each unit's median
 
 
 def test_exposed_allgather_defers_to_straggler():

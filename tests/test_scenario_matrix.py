@@ -32,6 +32,18 @@ def test_planted_problem_is_found(matrix, row):
     assert o.finding.evidence and o.finding.recommendation.text
 
 
+@pytest.mark.parametrize("row", [r.name for r in M.ROWS if r.code == "prefetch.exposed_allgather"])
+def test_exposed_allgather_planted_well_above_its_threshold(matrix, row):
+    """The planted all-gathers set the step (M.GATHER_BOUND: micro-batches of 16 tokens), so a loaded host cannot
+    bring the finding down to its threshold: the waits are at least twice the share of the step it fires from. The
+    reference shape measured 14-29% on this host, quiet or loaded, against 15%, and failed its row under load."""
+    from fsdp_doctor.diagnose.rules.prefetch import EXPOSED_AG_INFO_SHARE_CPU
+
+    o = _ran(matrix[row])
+    assert o.finding is not None, next(f"{s.status}: {s.reason}" for s in o.report.rules if s.code == o.row.code)
+    assert o.finding.evidence["exposed_share_pct"] >= 2 * 100 * EXPOSED_AG_INFO_SHARE_CPU, o.finding.evidence
+
+
 @pytest.mark.parametrize("row", [r.name for r in M.ROWS if r.code and not r.apply])
 def test_advice_in_words_prints_no_code(matrix, row):
     """Where the lever is the user's code the doctor does not see (the data pipeline, what one rank does, the batch

@@ -92,14 +92,18 @@ class ExposedAllGather(Rule):
                     w = E.ag_wait_ms(u, ph)
                     if w > 0:
                         rows.append((u, ph, w))
-        if not step or not us or not rows:
+        # on the host, the step of median share and its own wall (the units' rows name where the waits fall); from the
+        # trace, its rows against the step p50
+        fwd, bwd, of = (E.median_step_ag_waits(ctx) if source == "host" else None) or (
+            sum(w for _, ph, w in rows if ph == "forward"), sum(w for _, ph, w in rows if ph == "backward"), step)
+        total = fwd + bwd
+        if not step or not us or not total:
             return self.quiet("no step time measured" if not step else "no unit timed" if not us else
                               "compute never waited for an all-gather")
-        total = sum(w for _, _, w in rows)
-        share = total / step
+        share = total / of
         sev = _exposed_severity(share, cpu)
         if sev is None:
-            return self.quiet(_below(total, step, cpu, source))
+            return self.quiet(_below(total, of, cpu, source))
         notes = []
         sync = _sync_gloo_units(ctx)
         if sync:
@@ -111,8 +115,6 @@ class ExposedAllGather(Rule):
             notes.append("part of the first all-gather's wait is time spent waiting for straggler rank(s) "
                          + ", ".join(str(s.rank) for s in stragglers))
         rows.sort(key=lambda x: -x[2])
-        fwd = sum(w for _, ph, w in rows if ph == "forward")
-        bwd = total - fwd
         # explicit forward prefetch (the snippet's chain, in the order the units' forward starts): unit i's
         # all-gather overlaps unit i-1's forward compute
         timed = {u.name: u for u in E.non_root(us)}
@@ -136,8 +138,9 @@ class ExposedAllGather(Rule):
             E.gathering_after_forward_bytes(u) for u in z2)
         has_fwd_prefetch = any(u.forward_prefetch for u in us)
         text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
-                f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. Largest: "
-                + ", ".join(f"{u.name or '(root)'} {ph} {w:.1f} ms" for u, ph, w in rows[:4]) + ". ")
+                f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. "
+                + ("Largest (median per unit): " + ", ".join(f"{u.name or '(root)'} {ph} {w:.1f} ms"
+                                                             for u, ph, w in rows[:4]) + ". " if rows else ""))
         if has_fwd_prefetch:
             text += ("Explicit prefetch is already set; if the waits remain, the all-gathers are slower than the "
                      "compute they hide behind: larger units (fewer, bigger calls) or reshard_after_forward=False "
@@ -165,6 +168,7 @@ class ExposedAllGather(Rule):
             sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
+             "share_of_step_ms": round(of, 3),
              "worst_units": [f"{u.name or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": round(sum(trace.values()), 3) if trace else None,
              "measured_by": source,
