@@ -637,8 +637,17 @@ def shard_no_root(model, mesh):
     return model
 
 
-# the sharding a finding is emitted for, where it is not the client's usual one
-SHARD_FOR = {"wrap.root_not_sharded": shard_no_root}
+def shard_expert(model, mesh):
+    """The expert plan of the scenario matrix's rows (``shard_tree`` with the workload's defaults): the leading
+    modules one unit, each block, the trailing ones one unit kept gathered after forward, the root."""
+    from fsdp_doctor.workloads import WorkloadConfig
+
+    return shard_tree(model, WorkloadConfig(), mesh)
+
+
+# the sharding a finding is emitted for, where it is not the client's usual one (prefetch.frozen_gathered's known
+# answers are the expert plan's units: the head's own unit among them)
+SHARD_FOR = {"wrap.root_not_sharded": shard_no_root, "prefetch.frozen_gathered": shard_expert}
 
 
 # ------------------------------------------------------------------------------------------------ scenarios

@@ -317,6 +317,12 @@ FINETUNE_ROWS: list[Row] = [
        knobs={"reshard_after_forward": True}, min_severity="info"),
     _r("lora_tight_capacity", "hf_llama_lora", "ac.recommended", "LoRA, 8 sequences per rank, budget 5% above peak",
        knobs={"batch_size": 8}, capacity_share=0.95),
+    # the expert plan as fine-tuners write it: FSDP2's default backward prefetch gathers the frozen layers.1 from
+    # layers.2's pre-backward, though layers.1 never runs backward (148,480 B per step, held to the end of backward and
+    # at its peak); the tuned baselines show it too, as a note (lora_tuned: its frozen embedding, from layers.0)
+    _r("qwen2_tail_frozen_gather", "qwen2_tail", "prefetch.frozen_gathered",
+       "trainable tail, expert plan: the frozen block below it gathered in backward", profile=True,
+       min_severity="info"),
     # only the trainable last block saves activations: its recompute holds them through its whole backward (the
     # un-checkpointed backward frees them as it goes), +262,400 B there; ac.recommended once predicted 10.3% low
     _r("qwen2_tail_tight_capacity", "qwen2_tail", "ac.recommended",

@@ -297,10 +297,13 @@ def _known_answer_findings(snippets: bool = False) -> list[tuple]:
 def _constructed_snippets() -> list[list[str]]:
     """Every fix snippet of the known-answer findings, each with the model tree it was emitted for: a trace naming
     layers past the reference GPT's 4 (8, or 48 units: a real trace's) gets a GPT deep enough, one whose units
-    are a Hugging Face decoder's (its snippet switches the attention) the HF Llama."""
+    are a Hugging Face decoder's the HF Llama (its snippet switches the attention) or the HF Qwen2 with a frozen
+    base (prefetch.frozen_gathered's)."""
     def tree(s: str) -> str:
         if "set_attn_implementation" in s:
             return "hf_llama"
+        if re.search(r"'model\.layers\.\d+'", s):  # a Hugging Face decoder's units: the frozen-base fine-tuning tree
+            return "qwen2_tail"
         n = 1 + max((int(i) for i in re.findall(r"layers\.(\d+)", s)), default=0)
         return "gpt" if n <= 4 else "gpt8" if n <= 8 else "gpt48"
 

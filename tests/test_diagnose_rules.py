@@ -508,6 +508,142 @@ def test_reshard_last_unit():
     assert run_rule("reshard.last_unit", build()[0]) == []
 
 
+# ------------------------------------------------------------------------------------------------ frozen base
+QWEN_BLOCK = dict(n_params=12, param_count=37_120, sharded_bytes=74_240, unsharded_bytes=148_480, orig_dtypes=["float32"],
+                  unshard_async_op=True)
+
+
+def _qwen2_tail_units(**last_kw):
+    """The scenario matrix's qwen2_tail tree (tests/clients.py) under the expert plan, as its run recorded it: the
+    embedding and layers.0-1 frozen, layers.2 and the head trainable; the frozen units' backward never timed."""
+    frozen = dict(trainable_sharded_bytes=0, trainable_unsharded_bytes=0)
+    fwd = dict(fwd_ms=3.2, ag_wait_fwd_ms=2.4)
+    return [unit("", timing=dict(fwd_ms=15.7)),
+            unit("model.embed_tokens", n_params=1, param_count=32_768, sharded_bytes=65_536, unsharded_bytes=131_072,
+                 orig_dtypes=["float32"], unshard_async_op=True, timing=fwd, **frozen),
+            unit("model.layers.0", timing=fwd, **QWEN_BLOCK, **frozen),
+            unit("model.layers.1", timing=fwd, **QWEN_BLOCK, **frozen),
+            unit("model.layers.2", timing=dict(fwd, bwd_ms=2.8, ag_wait_bwd_ms=1.1), **QWEN_BLOCK,
+                 trainable_sharded_bytes=74_240, trainable_unsharded_bytes=148_480, **last_kw),
+            unit("model.norm, lm_head", n_params=2, param_count=32_832, sharded_bytes=65_664, unsharded_bytes=131_328,
+                 orig_dtypes=["float32"], reshard_after_forward=False, unshard_async_op=True,
+                 trainable_sharded_bytes=65_536, trainable_unsharded_bytes=131_072,
+                 timing=dict(fwd_ms=3.1, ag_wait_fwd_ms=2.7, bwd_ms=1.8, ag_wait_bwd_ms=1.7))]
+
+
+# the peak step's timeline of that run from the loss on (rank 0, totals in bytes): layers.2's pre-backward prefetches
+# layers.1, whose all-gathered 148,480 B stay until the final callback's post-backward of layers.1 (its backward_end)
+QWEN_TAIL_TIMELINE = [
+    (None, "forward_end", 1_229_300), (None, "in_loss", 1_458_684),
+    ("model.norm, lm_head", "backward_start", 1_196_540), ("model.norm, lm_head", "in_backward", 1_492_476),
+    ("model.norm, lm_head", "backward_end", 1_328_380), ("model.norm, lm_head", "in_backward", 1_393_660),
+    ("model.layers.2", "backward_start", 1_262_588), ("model.layers.2", "in_backward", 1_509_372),
+    ("model.embed_tokens", "backward_end", 1_275_644), ("model.layers.0", "backward_end", 1_144_572),
+    ("model.layers.1", "backward_end", 1_144_572), ("model.layers.2", "backward_end", 996_092),
+    (None, "backward_end", 773_372), (None, "optimizer_start", 773_368)]
+
+
+def _qwen2_tail_ctx(units=None, *, capacity=None, trace=True, bwd_ag=("model.layers.1",)):
+    mem = memory(1_509_372, capacity=capacity)
+    for r in mem["per_rank"].values():
+        r["timeline"] = [{"t_ms": float(i), "unit": u, "phase": ph, "total": t}
+                         for i, (u, ph, t) in enumerate(QWEN_TAIL_TIMELINE)]
+    # the run's trace (step 3): each unit's forward all-gather, layers.2's backward one (prefetched by the head) and
+    # layers.1's (prefetched by layers.2, never waited for by a pre-backward of its own)
+    ag = [("model.layers.0", "forward", 3604.0, 3604.0), ("model.layers.1", "forward", 4740.0, 4740.0),
+          ("model.layers.2", "backward", 380.0, 41.0)] + [(n, "backward", 1625.0, 549.0) for n in bwd_ag]
+    ov = {"per_rank": {"0": {"comm_us": 12_000.0, "steps": [3], "device": "cpu"}},
+          "per_unit": [{"rank": 0, "unit": n, "collective": "all_gather", "phase": ph, "count": 1, "comm_us": c,
+                        "exposed_us": x, "bytes_per_call": 148_480.0} for n, ph, c, x in ag]}
+    return build(units=units or _qwen2_tail_units(), step_ms=35.118, memory=mem, capacity=capacity,
+                 overlap=ov if trace else None)[0]
+
+
+def test_frozen_unit_gathered_in_backward_known_answer():
+    """FSDP2's default backward prefetch (each unit's pre-backward gathers the previous unit in forward order)
+    gathers layers.1 from layers.2's pre-backward, but layers.1 is frozen below every trainable parameter and never
+    runs backward: 148,480 B all-gathered per step for nothing (1.625 ms, 0.549 ms of it exposed, in the run's trace)
+    and held until the end of backward, at the peak (layers.2's backward, 1,509,372 B). Without it the peak is the
+    head's backward, 1,492,476 B: what the fix's rerun measured (tests/scenario_matrix.py qwen2_tail_frozen_gather)."""
+    rule = next(c for c in RULES if c.code == "prefetch.frozen_gathered")()
+    (f,) = rule.match(_qwen2_tail_ctx())
+    ev = f.evidence
+    assert f.severity == "info" and f.units == ["model.layers.1", "model.layers.2"]
+    assert ev["gathered_for_nothing"] == ["model.layers.1 (145.00 KiB), prefetched by model.layers.2's default "
+                                          "(the previous unit in forward order)"]
+    assert ev["frozen_units_without_backward"] == ["model.embed_tokens", "model.layers.0", "model.layers.1"]
+    assert ev["allgather_bytes_per_step"] == 148_480 and ev["trace_allgather_ms_per_step"] == 1.625
+    assert ev["trace_exposed_ms_per_step"] == 0.549 and ev["exposed_share_pct"] == 1.56
+    assert f.predicted["peak_bytes_after"] == ev["peak_bytes_without"] == 1_492_476
+    assert f.predicted["step_ms_after"] == pytest.approx(35.118 - 0.549)
+    # a non-empty list turns the default off ([] would not); the unit itself is gathered already: nothing to gather
+    assert f.recommendation.where == "sharded"
+    assert f.recommendation.code == ("unit = model.get_submodule('model.layers.2')\n"
+                                     "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
+                                     "nothing to gather")
+    # the rerun's snapshot: layers.2 prefetches itself
+    assert rule.match(_qwen2_tail_ctx(_qwen2_tail_units(backward_prefetch=["model.layers.2"]))) == []
+    assert "model.layers.2's explicit list leaves them out" in rule.why_quiet
+    # a tight budget (the peak at 95% of capacity) holding it at the peak: a warning
+    (f,) = rule.match(_qwen2_tail_ctx(capacity=int(1_509_372 / 0.95)))
+    assert f.severity == "warning"
+    # without a trace: from the records (no step-time gain claimed), the same peak
+    (f,) = rule.match(_qwen2_tail_ctx(trace=False))
+    assert f.evidence["confirmed_by"].startswith("records") and f.predicted["step_ms_after"] is None
+    assert f.predicted["peak_bytes_after"] == 1_492_476
+    # a trace without that backward all-gather refutes it
+    assert rule.match(_qwen2_tail_ctx(bwd_ag=())) == [] and "no backward all-gather of model.layers.1" in rule.why_quiet
+
+
+def test_frozen_unit_gathered_by_an_explicit_list_and_quiet_reasons():
+    rule = next(c for c in RULES if c.code == "prefetch.frozen_gathered")()
+    # torchtitan's explicit lists, two back from the head: the head's list keeps layers.2, layers.2's has nothing left
+    us = _qwen2_tail_units(backward_prefetch=["model.layers.1", "model.layers.0"])
+    us[-1][0]["backward_prefetch"] = ["model.layers.2", "model.layers.1"]
+    (f,) = rule.match(_qwen2_tail_ctx(us, bwd_ag=("model.layers.1", "model.layers.0")))
+    assert f.evidence["allgather_bytes_per_step"] == 3 * 148_480  # layers.1 twice, layers.0 once
+    assert f.evidence["gathered_for_nothing"][0].endswith("prefetched by model.layers.2's explicit list")
+    assert f.recommendation.code == ("unit = model.get_submodule('model.layers.2')\n"
+                                     "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
+                                     "nothing to gather\n"
+                                     "model.model.norm.set_modules_to_backward_prefetch([model.get_submodule('model.layers.2')])")
+    # every unit trains (the reference GPT): every unit runs backward
+    us = healthy_units()
+    for u, _ in us:
+        u.update(trainable_sharded_bytes=u["sharded_bytes"], trainable_unsharded_bytes=u["unsharded_bytes"])
+    assert rule.match(build(us)[0]) == [] and "every unit runs backward" in rule.why_quiet
+    # the records timed a backward of the frozen layers.1 (its input needed a gradient): it runs one, and its own
+    # default prefetch gathers layers.0, which does not
+    us = _qwen2_tail_units()
+    us[3] = (us[3][0], dict(us[3][1], bwd_ms=1.5))
+    (f,) = rule.match(_qwen2_tail_ctx(us, trace=False))
+    assert f.units == ["model.layers.0", "model.layers.1"]
+    us[3][0]["backward_prefetch"] = ["model.layers.1"]
+    assert rule.match(_qwen2_tail_ctx(us, trace=False)) == []
+    assert rule.why_quiet.endswith("model.layers.1, which model.layers.2 prefetches by default, runs backward")
+    # a snapshot older than the trainable bytes
+    us = _qwen2_tail_units()
+    for u, _ in us:
+        u.pop("trainable_sharded_bytes", None)
+    assert rule.match(_qwen2_tail_ctx(us)) == [] and "not recorded" in rule.why_quiet
+
+
+def test_post_forward_order_and_unused_gather_windows():
+    """FSDP2's post-forward order puts a unit after the units nested in it and the root last; the gathered-for-
+    nothing bytes are held from the prefetching unit's backward_start to the frozen unit's backward_end."""
+    us = [E.Unit.of(UnitConfig(**u)) for u, _ in [
+        unit("", param_count=10), unit("emb", param_count=10),
+        unit("layers.0", param_count=10), unit("layers.0.experts", param_count=10, parent="layers.0", depth=2),
+        unit("layers.1", param_count=10), unit("layers.1.experts", param_count=10, parent="layers.1", depth=2),
+        unit("norm", param_count=0)]]
+    assert [u.name for u in E.post_forward_order(us)] == ["emb", "layers.0.experts", "layers.0", "layers.1.experts",
+                                                          "layers.1", ""]
+    tl = [{"unit": u, "phase": ph} for u, ph, _ in QWEN_TAIL_TIMELINE]
+    assert E.unused_gather_windows(tl, "model.layers.2", "model.layers.1") == [(7, 11)]
+    # without the frozen unit's backward_end: to the end of that backward
+    assert E.unused_gather_windows(tl, "model.layers.2", "model.x") == [(7, 12)]
+
+
 def _zero2_units():
     """The reference layout with distinct backward all-gather waits: layers.3 3.0 ms, layers.2 2.0, layers.1 1.0,
     layers.0 0.5, embeddings 0.3 (ms per MiB held: 3.97, 2.64, 1.32, 0.66, 1.07)."""

@@ -140,3 +140,20 @@ def test_fine_tuning_figures_match_the_model(matrix, row):
     assert rs == {(label[k], float(v[1])) for k, v in want.items() if v[1]}
     for r, t in rep.throughput.per_rank.items():
         assert t.flops_source == "counted" and t.flops_per_step == t.hardware_flops_per_step  # no recompute
+
+
+@pytest.mark.rows("qwen2_tail_frozen_gather")
+def test_frozen_unit_gather_gone_with_losses_unchanged(matrix):
+    """prefetch.frozen_gathered's fix on the real run: the trace's backward all-gather of the frozen layers.1 (which
+    layers.2's default prefetch issued, its own backward never running) is gone on every rank, layers.2's own is
+    still prefetched, the losses are bit-identical and the peak is not higher."""
+    o = _ran(matrix["qwen2_tail_frozen_gather"])
+    assert o.after is not None, o.after_error or o.rerun_note
+
+    def backward_gathers(rep) -> set:
+        return {(r.rank, r.unit) for r in rep.overlap.per_unit if r.collective == "all_gather" and r.phase == "backward"}
+
+    assert {(0, "model.layers.1"), (1, "model.layers.1")} <= backward_gathers(o.report)
+    assert backward_gathers(o.after) == {(0, "model.layers.2"), (1, "model.layers.2")}
+    assert o.result["losses"] == o.after_result["losses"]
+    assert o.after.memory.peak_bytes <= o.report.memory.peak_bytes

@@ -196,6 +196,26 @@ def roots(us: Iterable[Unit]) -> list[Unit]:
     return [u for u in us if u.is_root]
 
 
+def post_forward_order(us: list[Unit]) -> list[Unit]:
+    """The units with parameters in FSDP2's post-forward order (``comm_ctx.post_forward_order``, which its implicit
+    backward prefetch walks back along: each unit's pre-backward gathers the one before it): each unit after the
+    units nested in it, siblings in module order (forward order for sequential models), the root last."""
+    names = {u.name for u in us}
+    kids: dict[Optional[str], list[Unit]] = {}
+    for u in us:
+        kids.setdefault(u.parent if u.parent in names else None, []).append(u)
+    out: list[Unit] = []
+
+    def visit(u: Unit) -> None:
+        for c in kids.get(u.name, []):
+            visit(c)
+        out.append(u)
+
+    for u in kids.get(None, []):
+        visit(u)
+    return [u for u in out if u.param_count > 0]
+
+
 def total_params(us: Iterable[Unit]) -> int:
     return sum(u.param_count for u in us)
 
@@ -361,6 +381,25 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     return out
 
 
+def unused_gather_windows(timeline: list[dict], by: str, target: str) -> list[tuple[int, int]]:
+    """Rows [start, end) of the peak step's memory timeline during which unit ``target``'s parameters, all-gathered
+    by unit ``by``'s backward prefetch but never used (``target`` runs no backward), are held: from after ``by``'s
+    backward_start (the prefetch is issued inside its pre-backward, after the mark) through ``target``'s
+    backward_end, which the root's final callback logs just before it waits for that all-gather and frees it (else
+    to the end of that backward); once per backward of the step."""
+    out = []
+    for s, r in enumerate(timeline):
+        if r.get("unit") != by or r.get("phase") != "backward_start":
+            continue
+        end = len(timeline)
+        for i in range(s + 1, len(timeline)):
+            if timeline[i].get("phase") == "backward_end" and timeline[i].get("unit") in (target, None):
+                end = i + 1 if timeline[i].get("unit") == target else i  # the step's own backward_end: freed before
+                break
+        out.append((s + 1, end))
+    return out
+
+
 def gathering_after_forward_bytes(u: Unit) -> int:
     """What keeping ``u`` gathered from its forward to its backward (reshard_after_forward=False) adds: its
     unsharded bytes, less the copy it keeps now when it reshards to a smaller world (an int N: each rank keeps
@@ -368,6 +407,22 @@ def gathering_after_forward_bytes(u: Unit) -> int:
     raf = u.reshard_after_forward
     kept = u.unsharded_bytes // raf if isinstance(raf, int) and not isinstance(raf, bool) and raf > 1 else 0
     return int(u.unsharded_bytes) - int(kept)
+
+
+def timeline_peak(pm: MemoryRank, changes: list[tuple[list[tuple[int, int]], int]], flat: int = 0) -> int:
+    """The peak (bytes) of the peak step ``pm`` with each change's bytes added (removed where negative) at the
+    rows of its timeline inside the change's windows ([start, end) row ranges), and ``flat`` bytes everywhere:
+    the highest mark, moved by as much as the recorded peak sits above the timeline's highest row."""
+    peak = int(pm.peak_bytes)
+    totals = [int(r.get("total") or 0) for r in pm.timeline]
+    if not totals:
+        return peak + flat
+    added = [0] * len(totals)
+    for windows, nbytes in changes:
+        for w in windows:
+            for i in range(*w):
+                added[i] += nbytes
+    return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)
 
 
 def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
@@ -382,23 +437,14 @@ def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     pm = peak_memory(ctx)
     if not pm:
         return None
-    peak = int(pm.peak_bytes)
-    tl = pm.timeline
-    totals = [int(r.get("total") or 0) for r in tl]
-    added = [0] * len(tl)
-    flat = 0
+    changes, flat = [], 0
     for u in us:
-        ws = held_windows(tl, u.name) if tl else []
-        extra = gathering_after_forward_bytes(u)
-        if not ws:
-            flat += extra
-            continue
-        for w in ws:
-            for i in range(*w):
-                added[i] += extra
-    if not totals:
-        return peak + flat
-    return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)
+        ws = held_windows(pm.timeline, u.name) if pm.timeline else []
+        if ws:
+            changes.append((ws, gathering_after_forward_bytes(u)))
+        else:
+            flat += gathering_after_forward_bytes(u)
+    return timeline_peak(pm, changes, flat)
 
 
 def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:

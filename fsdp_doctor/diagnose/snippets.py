@@ -567,6 +567,23 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     return "\n".join(lines)
 
 
+def backward_prefetch_lists(lists: dict[str, list[str]]) -> str:
+    """An explicit backward prefetch list on each named unit of the sharded model ({unit: the units it is to
+    prefetch}). An empty one names the unit itself: any non-empty list turns FSDP2's default backward prefetch off
+    for that unit (``set_modules_to_backward_prefetch([])`` does not: an empty list means the default), and the unit
+    is gathered already when its own pre-backward prefetches, so nothing is all-gathered."""
+    lines = []
+    for name, targets in lists.items():
+        unit = module_expr(members(name)[0])
+        if targets:
+            listed = ", ".join(module_expr(members(t)[0]) for t in targets)
+            lines.append(f"{unit}.set_modules_to_backward_prefetch([{listed}])")
+        else:
+            lines += [f"unit = {unit}",
+                      "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, nothing to gather"]
+    return "\n".join(lines)
+
+
 def async_unshard_code() -> str:
     """Asynchronous unshard on every FSDP unit, the root included (private API, torch >= 2.4): on gloo the
     all-gathers then run on gloo's threads instead of blocking the host."""

@@ -137,10 +137,4 @@ def _peak_resharded(pm, flip) -> int:
     if not tl:
         held = pm.peak_breakdown.get("unsharded_params", 0)
         return int(pm.peak_bytes) - min(held, sum(u.unsharded_bytes for u in flip))
-    totals = [int(r.get("total") or 0) for r in tl]
-    less = [0] * len(tl)
-    for u in flip:
-        for w in E.held_windows(tl, u.name):
-            for i in range(*w):
-                less[i] += u.unsharded_bytes
-    return int(pm.peak_bytes) - max(totals) + max(t - x for t, x in zip(totals, less))
+    return E.timeline_peak(pm, [(E.held_windows(tl, u.name), -u.unsharded_bytes) for u in flip])

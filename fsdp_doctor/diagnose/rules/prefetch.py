@@ -1,5 +1,6 @@
-"""Prefetch and reshard rules: all-gathers on the critical path, parameters gathered too early, the
-synchronous unshard on gloo, the last unit resharded for nothing (ZeRO-2 per unit: rules/tradeoff.py)."""
+"""Prefetch and reshard rules: all-gathers on the critical path, parameters gathered too early, a frozen unit
+gathered in backward for nothing, the synchronous unshard on gloo, the last unit resharded for nothing (ZeRO-2 per
+unit: rules/tradeoff.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import statistics
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
+from ...units import fmt_bytes, unit_label
 from ..base import Context, Rule, register
 
 # Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
@@ -36,6 +38,12 @@ EXPLICIT_DEPTH_WARN = 2
 GLOO_ASYNC_BWD_SAVED = 0.5
 # The last unit's immediate re-gather matters when it costs at least this share of the step.
 LAST_UNIT_WARN_SHARE = 0.02
+# An all-gather of a frozen unit that never runs backward is a warning from this share of the step (its exposed
+# time in the trace; on gloo, where the copies share the cores with compute, the exposure is mostly the host's load:
+# 0.1-3.3% on the fine-tuning rows), or wherever the peak is near capacity (T.NEAR_CAPACITY_SHARE) and holds it;
+# a note otherwise.
+FROZEN_GATHER_WARN_SHARE_GPU = 0.05
+FROZEN_GATHER_WARN_SHARE_CPU = 0.15
 
 
 def _exposed_severity(share: float, cpu: bool):
@@ -277,6 +285,109 @@ class PrefetchTooEarly(Rule):
             "depth to one unit (or drop it), so at most the computing unit and the next one are gathered.",
             code, predicted=E.predicted(step, step, peak, peak - saved if peak is not None else None),
             units=[u.name for u, _, _ in rows[:10]])]
+
+
+@register
+class FrozenGathered(Rule):
+    code = "prefetch.frozen_gathered"
+    name = "Frozen unit gathered in backward for nothing"
+    description = ("A frozen unit before every trainable parameter never runs backward, yet a backward prefetch "
+                   "(FSDP2's default: the previous unit in forward order) all-gathers it in every backward.")
+    needs = ("units",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        us = E.post_forward_order(E.units(ctx))
+        if any(u.trainable_sharded_bytes is None for u in us):
+            return self.quiet("which parameters train was not recorded (a snapshot older than its trainable bytes)")
+        first = next((i for i, u in enumerate(us) if E.grad_shard_bytes(u) > 0), None)
+        if first is None:
+            return self.quiet("no unit holds a trainable parameter")
+        lowest = unit_label(us[first].name)
+        # before the first trainable unit no output needs a gradient: FSDP2 never runs those units' pre-backward
+        # (a unit whose backward the records timed ran one)
+        idle = {u.name: u for u in us[:first] if not u.is_root and not (u.has_timing and u.timing.bwd_ms > 0)}
+        if not idle:
+            return self.quiet(f"every unit runs backward: no frozen unit comes before {lowest}, the first trainable "
+                              "one in forward order")
+        if any((u.param_groups or 1) > 1 for u in us[first:]):
+            return self.quiet("a unit has several parameter groups (torch's backward prefetch per group is not modelled)")
+        wasted = []  # (the unit whose pre-backward prefetches, the idle unit it gathers, from an explicit list)
+        for i in [i for i, u in enumerate(us) if u.name not in idle]:  # the units that run backward
+            explicit = list(us[i].backward_prefetch or [])
+            targets = explicit or ([us[i - 1].name] if i > 0 else [])  # FSDP2's default: the previous unit
+            wasted += [(us[i], idle[t], bool(explicit)) for t in targets if t in idle]
+        if not wasted:
+            why = (f"{lowest}'s explicit list leaves them out" if us[first].backward_prefetch else
+                   f"{unit_label(us[first - 1].name)}, which {lowest} prefetches by default, runs backward")
+            return self.quiet(f"no backward prefetch gathers the frozen unit(s) that never run backward "
+                              f"({E.fmt_list(list(idle))}): {why}")
+        # the trace confirms: a backward all-gather of the unit, and no pre-backward of it
+        ag = E.trace_rows(ctx, "all_gather")
+        seen: dict[str, list] = {}
+        for r in ag:
+            if r.phase == "backward":
+                seen.setdefault(r.unit, []).append(r)
+        ran = {x.name for x in E.overlap(ctx).units or [] if x.timing_p50.bwd_ms > 0}
+        if ag:
+            missing = [t.name for _, t, _ in wasted if t.name not in seen or t.name in ran]
+            wasted = [w for w in wasted if w[1].name not in missing]
+            if not wasted:
+                return self.quiet(f"the trace does not show it: no backward all-gather of {E.fmt_list(missing)} "
+                                  "there, or one with a backward of its own")
+        # each prefetching unit's list without them (empty: the unit itself, written by the snippet)
+        lists = {u.name: [t for t in u.backward_prefetch or [] if t not in idle] for u, _, _ in wasted}
+        step, peak, pm = E.step_ms(ctx), E.peak_bytes(ctx), E.peak_memory(ctx)
+        tl = pm.timeline if pm is not None else []
+        changes, rows = [], []
+        gathered = comm = exposed = 0.0
+        for u, t, explicit in wasted:
+            tr = seen.get(t.name, [])
+            ws = E.unused_gather_windows(tl, u.name, t.name) if tl else []
+            changes.append((ws, -t.unsharded_bytes))
+            gathered += (statistics.median(r.count_per_step for r in tr) if tr else len(ws) or 1) * t.unsharded_bytes
+            comm += statistics.median(r.comm_ms_per_step for r in tr) if tr else 0.0
+            exposed += statistics.median(r.exposed_ms_per_step for r in tr) if tr else 0.0
+            rows.append(f"{t.name} ({fmt_bytes(t.unsharded_bytes)}), prefetched by {unit_label(u.name)}'s "
+                        + ("explicit list" if explicit else "default (the previous unit in forward order)"))
+        peak_after = E.timeline_peak(pm, changes) if pm is not None and all(ws for ws, _ in changes) else None
+        cap = E.capacity_bytes(ctx)
+        tight = bool(cap and peak and peak_after is not None and peak_after < peak
+                     and peak >= T.NEAR_CAPACITY_SHARE * cap)
+        share = exposed / step if (seen and step) else None
+        warn = FROZEN_GATHER_WARN_SHARE_CPU if _is_cpu(ctx) else FROZEN_GATHER_WARN_SHARE_GPU
+        sev = "warning" if tight or (share is not None and share >= warn) else "info"
+        names = E.fmt_list(list(dict.fromkeys(t.name for _, t, _ in wasted)))
+        held = ("" if peak_after is None else "; the peak is elsewhere" if peak_after >= peak else
+                f"; it is held at the peak: without it the peak is {fmt_bytes(peak_after)} "
+                f"({fmt_bytes(peak - peak_after)} lower)")
+        timed = (f" The trace shows it: {comm:.2f} ms of all-gather per step, {exposed:.2f} ms of it exposed "
+                 f"({100 * share:.1f}% of the step), and no pre-backward of it." if share is not None else "")
+        text = (f"{names} holds no trainable parameter and runs before every trainable one: no output of it needs "
+                "a gradient, so FSDP2 never runs its backward. Yet a backward prefetch all-gathers it in every "
+                f"backward: {fmt_bytes(gathered)} per step for nothing, held until the root's final callback frees it "
+                f"when backward ends{held}.{timed} FSDP2's default prefetch gathers the previous unit in forward "
+                "order (torch's own comment: \"may have mistargeted prefetches if not all modules used in forward are "
+                "used in this backward\"). A non-empty explicit backward prefetch list turns that default off for its "
+                "unit (set_modules_to_backward_prefetch([]) does not: an empty list means the default): the snippet "
+                f"gives {E.fmt_list(list(lists))} a list without the frozen unit, the unit itself where nothing else "
+                "is left, which is gathered already when its backward starts, so nothing is all-gathered. Losses are "
+                "unchanged: the frozen unit's parameters are not used in backward.")
+        return [self.finding(
+            sev, f"{names} all-gathered in every backward for nothing ({fmt_bytes(gathered)} per step): "
+                 "frozen, it never runs backward",
+            {"gathered_for_nothing": rows, "first_trainable_unit": lowest,
+             "frozen_units_without_backward": [unit_label(n) for n in idle],
+             "allgather_bytes_per_step": int(gathered),
+             "trace_allgather_ms_per_step": round(comm, 3) if seen else None,
+             "trace_exposed_ms_per_step": round(exposed, 3) if seen else None,
+             "exposed_share_pct": round(100 * share, 2) if share is not None else None, "step_p50_ms": step,
+             "peak_bytes": peak, "peak_bytes_without": peak_after,
+             "confirmed_by": ("trace: its backward all-gather, no pre-backward of it" if seen else
+                              "records: trainable bytes, forward order, no backward timed")},
+            text, S.backward_prefetch_lists(lists),
+            predicted=E.predicted(step, step - exposed if (seen and step) else None, peak, peak_after),
+            units=sorted({t.name for _, t, _ in wasted} | set(lists)))]
 
 
 @register
