@@ -244,8 +244,8 @@ ARCH_ROWS: list[Row] = [
     # its explicit prefetch follows the order FSDP2 gathers the units: in backward each layer before its experts
     # (the chain once followed module order backward: experts -> their own layer, a layer -> the previous experts)
     _r("mixtral_exposed_allgather", "mixtral", "prefetch.exposed_allgather",
-       "each layer's experts a unit, FSDP's implicit prefetch on gloo", user_shard="moe_experts", min_severity="info",
-       gpu_gain=True),
+       "each layer's experts a unit, FSDP's implicit prefetch on gloo, 4 micro-batches of 16 tokens",
+       user_shard="moe_experts", knobs=GATHER_BOUND, min_severity="info", gpu_gain=True),
 ]
 ROWS += ARCH_ROWS
 
@@ -331,7 +331,8 @@ FINETUNE_ROWS: list[Row] = [
     # prefetch gathers the one before the trainable block for nothing (profiled: the traces show it); the chain once
     # had the trainable block prefetch it too
     _r("qwen2_tail_exposed_allgather", "qwen2_tail", "prefetch.exposed_allgather",
-       "trainable tail, FSDP's implicit prefetch on gloo", min_severity="info", gpu_gain=True, profile=True),
+       "trainable tail, FSDP's implicit prefetch on gloo, 4 micro-batches of 16 tokens", knobs=GATHER_BOUND,
+       min_severity="info", gpu_gain=True, profile=True),
 ]
 ROWS += FINETUNE_ROWS
 # ------------------------------------------------------------------------------------------------ (end fine-tuning)

@@ -112,12 +112,13 @@ def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:
     found = set()
     config = [getattr(model, "config", None)]
     for m in model.modules():
-        experts = m._modules.get("experts")
+        children = dict(m.named_children())
+        experts = children.get("experts")
         params = [p for p in experts.parameters() if id(p) not in ids] if experts is not None else []
         if not params:
             continue
         ids.update(id(p) for p in params)
-        where = [m, m._modules.get("gate"), m._modules.get("router"), experts]
+        where = [m, children.get("gate"), children.get("router"), experts]
         listed = len(experts) if isinstance(experts, (nn.ModuleList, nn.ModuleDict)) else None
         found.add((_first_int(where, "top_k") or _first_int(config, "num_experts_per_tok"),
                    _first_int(where, "num_experts") or listed
