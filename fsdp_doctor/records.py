@@ -145,6 +145,9 @@ class RunConfig(Record, tag="config"):
     optimizer_foreign_params: int = 0  # of those, tensors that are not the model's parameters
     optimizer_foreign_bytes: int = 0
     optimizer_groups: list[OptimizerGroup] = []  # its parameter groups, in order ([]: not read)
+    # a Hugging Face model's attention implementation ("eager", "sdpa", ...) where the model can switch it
+    # (``set_attn_implementation``); None for any other model, or an older transformers without that method
+    attn_implementation: str | None = None
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0

@@ -475,7 +475,9 @@ def test_mixtral_analytic_flops_under_watch(one_rank_group, tmp_path):
             opt.step()
             opt.zero_grad()
             doctor.step()
-    report = fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / "run"))
+    run = fsdp_doctor.load_run(tmp_path / "run")
+    assert run.config.attn_implementation == model.config._attn_implementation == "sdpa"  # recorded at watch()
+    report = fsdp_doctor.build_report(run)
     assert msgspec.to_builtins(report.run.experts) == {"param_count": experts, "trainable_param_count": experts,
                                                        "grad_path_param_count": experts, "top_k": 2, "num_experts": 4}
     row = report.throughput.per_rank["0"]

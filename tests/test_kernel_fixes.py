@@ -32,12 +32,69 @@ def test_eager_attention_fix_switches_an_hf_llama_to_sdpa(tmp_path):
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).eval()
-    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    _assert_fix_switches_to_sdpa(LlamaForCausalLM(cfg).eval(), f.recommendation.code, seq=32)
+
+
+def _assert_fix_switches_to_sdpa(model, code: str, seq: int) -> None:
+    """``code`` run on ``model`` (built with eager attention): the profiler sees scaled_dot_product_attention and no
+    softmax afterwards, and the output is the same attention, computed fused."""
+    tokens = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before, ref = _ops(model, tokens)
         assert "aten::softmax" in before and "aten::scaled_dot_product_attention" not in before
-        exec(compile(f.recommendation.code, "<kernels.eager_attention fix>", "exec"), {"model": model})
+        exec(compile(code, "<kernels.eager_attention fix>", "exec"), {"model": model})
         after, out = _ops(model, tokens)
     assert "aten::scaled_dot_product_attention" in after and "aten::softmax" not in after, sorted(after)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # the same attention, computed fused
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _eager_finding(tmp_path, units: str, config):
+    """kernels.eager_attention on a trace of ``units`` blocks, read with the run's configuration record ``config``
+    (watch() records it; None: a plain trace)."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.diagnose import RULES, Context
+
+    report = _report(tmp_path, attention_trace(EAGER, units=units))
+    rule = next(r for r in RULES if r.code == "kernels.eager_attention")()
+    (f,) = rule.match(Context(run=SimpleNamespace(config=config, ranks={}, path=str(tmp_path)), report=report))
+    return f
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_eager_attention_fix_for_any_hugging_face_layout_from_the_records(tmp_path, arch):
+    """GPT-2 (blocks transformer.h.N) and BERT (bert.encoder.layer.N) are Hugging Face models whose units a plain
+    trace cannot tell from anyone's: there the advice was words only. watch() records the model's attention
+    implementation where it can switch it, so the fix is printed, and applied to the model built eager it runs
+    scaled_dot_product_attention with no softmax left and the same output. Where the model already asks for sdpa,
+    or is no Hugging Face model (a model.layers.N tree of the user's own), no code."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    from fsdp_doctor.record.config_snapshot import attn_implementation
+    from fsdp_doctor.records import RunConfig
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg, cls, units = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64), \
+            GPT2LMHeadModel, "transformer.h.{}"
+    else:
+        cfg, cls, units = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64), BertForMaskedLM, \
+            "bert.encoder.layer.{}"
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).eval()
+    record = RunConfig(rank=0, world_size=1, backend="nccl", device="cuda:0", attn_implementation=attn_implementation(model))
+    assert record.attn_implementation == "eager"
+    assert _eager_finding(tmp_path, units, None).recommendation.code == ""  # a plain trace: layout unknown
+    f = _eager_finding(tmp_path, units, record)
+    assert "model.set_attn_implementation('sdpa')" in f.recommendation.code
+    _assert_fix_switches_to_sdpa(model, f.recommendation.code, seq=16)
+    assert attn_implementation(model) == "sdpa"
+    asked = _eager_finding(tmp_path, units, RunConfig(rank=0, world_size=1, backend="nccl", device="cuda:0",
+                                                     attn_implementation="sdpa"))
+    assert asked.recommendation.code == "" and "already asks for 'sdpa'" in asked.recommendation.text
+    # a model of the user's own whose blocks happen to be model.layers.N: no Hugging Face method to call
+    assert attn_implementation(torch.nn.Linear(2, 2)) is None
+    plain = RunConfig(rank=0, world_size=1, backend="nccl", device="cuda:0")
+    assert _eager_finding(tmp_path, "model.layers.{}", plain).recommendation.code == ""

@@ -68,7 +68,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         torch_version=str(torch.__version__),
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
-        optimizer_groups=optimizer_groups(optimizer),
+        optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
         **_param_counts(model),
@@ -176,6 +176,16 @@ def optimizer_groups(optimizer) -> list[OptimizerGroup]:
                 opts[k] = [float(x) for x in v]
         out.append(OptimizerGroup(params=len(g["params"]), options=opts))
     return out
+
+
+def attn_implementation(model: nn.Module) -> str | None:
+    """A Hugging Face model's attention implementation (its config's ``_attn_implementation``: "eager", "sdpa",
+    "flash_attention_2", ...) where the model can switch it with ``set_attn_implementation`` (what
+    kernels.eager_attention's fix calls); None for any other model."""
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        return None
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return impl if isinstance(impl, str) else None
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:

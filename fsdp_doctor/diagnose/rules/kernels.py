@@ -48,11 +48,16 @@ class EagerAttention(Rule):
         step = E.trace_step_ms(ctx)
         share = softmax_ms / step if step else None
         sev = "warning" if share is not None and share >= 0.05 else "info"
-        # code only where the tree says how to switch: a Hugging Face model's own setting (the attention
-        # module of any other model is the user's code, which the trace does not show)
-        hf = S.hf_layout(S.tree(ctx))
+        # code only where the model can switch: a Hugging Face model's own setting (the attention module of any
+        # other model is the user's code, which the trace does not show). With records the run says whether the
+        # model has set_attn_implementation, whatever its layout (GPT-2's transformer.h, BERT's encoder.layer);
+        # a plain trace only has its units' names: a decoder's model.layers.N
+        cfg = ctx.config
+        impl = cfg.attn_implementation if cfg is not None else None
+        hf = impl is not None if cfg is not None else S.hf_layout(S.tree(ctx))
+        asked = impl is not None and impl != "eager"  # sdpa, flash, flex asked for: the fused kernel did not run
         code = "model.set_attn_implementation('sdpa')  # every attention layer: scaled_dot_product_attention" \
-            if hf else ""
+            if hf and not asked else ""
         return [self.finding(
             sev, f"Eager attention: {per_step[rank]:.0f} softmax kernels per step, no fused attention kernel",
             {"softmax_kernels_per_step": round(per_step[rank], 1), "softmax_ms_per_step": round(softmax_ms, 3),
@@ -63,8 +68,11 @@ class EagerAttention(Rule):
             "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) dispatches to a fused "
             "kernel (flash or memory-efficient) that keeps the scores on chip: the softmax pass goes away and "
             "attention's activation memory falls from quadratic to linear in the sequence. "
-            + ("This is a Hugging Face model: switch its attention implementation (older transformers: "
-               "model.config._attn_implementation = 'sdpa')." if hf else
+            + (f"This Hugging Face model already asks for {impl!r}, yet no fused kernel ran: its attention fell "
+               "back to the math path (output_attentions=True, a head mask, or a mask or dtype the fused kernels "
+               "do not take)." if asked else
+               "This is a Hugging Face model: switch its attention implementation (older transformers, without "
+               "set_attn_implementation: from_pretrained(..., attn_implementation='sdpa'))." if hf else
                "Call it in your attention module's forward in place of the matmul-softmax-matmul."),
             code,
             # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor
