@@ -97,6 +97,22 @@ def _run_order(report) -> tuple[list[str], list[str]]:
     return fwd, bwd
 
 
+def _backward_high(report, category: str = "unsharded_params") -> int:
+    """The highest mark of one memory category (bytes) inside a backward (from a unit's backward_start to the
+    model's backward_end) on the peak step's timeline, over the ranks."""
+    high = 0
+    for pm in report.memory.per_rank.values():
+        inside = False
+        for r in pm.timeline:
+            if r.get("phase") == "backward_start":
+                inside = True
+            if inside:
+                high = max(high, int(r.get(category) or 0))
+            if r.get("phase") == "backward_end" and r.get("unit") is None:
+                inside = False
+    return high
+
+
 @pytest.mark.parametrize("row", ["mixtral_exposed_allgather", "qwen2_tail_exposed_allgather"])
 def test_prefetch_fix_follows_the_order_fsdp_gathers(matrix, row):
     """prefetch.exposed_allgather's fix pasted on the sharded model: in the rerun's unit snapshot each unit prefetches
@@ -122,10 +138,13 @@ def test_prefetch_fix_follows_the_order_fsdp_gathers(matrix, row):
 
         assert "model.layers.1" in gathered_in_backward(o.report)
         assert not set(frozen) & gathered_in_backward(o.after), gathered_in_backward(o.after)
-    # nothing gathered in backward earlier than FSDP2's implicit prefetch gathers it: the peak (in backward) does not
-    # grow. Measured: Mixtral 4,895,216 B before and after (the module-order chain gathered each layer's experts a
-    # layer early: 5,288,432 B, +393,216 B, one experts unit); the Qwen2 tail 1,509,372 -> 1,492,476 B
-    assert o.after.memory.peak_bytes <= o.report.memory.peak_bytes
+    # nothing gathered in backward earlier than FSDP2's implicit prefetch gathers it: the unsharded parameters held
+    # inside backward do not grow. (Not the step's peak: with 16-token micro-batches it sits in the last backward,
+    # where the reduce-scatters' buffers free as gloo's threads get to them: one rerun in three read 279,808 B more
+    # there, with the same parameters held.) Measured on the whole step at one 2x64-token batch: Mixtral 4,895,216 B
+    # before and after (the module-order chain gathered each layer's experts a layer early: 5,288,432 B, +393,216 B,
+    # one experts unit); the Qwen2 tail 1,509,372 -> 1,492,476 B
+    assert _backward_high(o.after) <= _backward_high(o.report), (_backward_high(o.after), _backward_high(o.report))
     nxt = lambda order, u: order[order.index(u) + 1:order.index(u) + 2] if u in order else []  # noqa: E731
     want = {u: (nxt(fwd, u), nxt(bwd, u) or ([u] if u in bwd and frozen else [])) for u in fwd}
     got = {u.name: (u.forward_prefetch, u.backward_prefetch) for u in o.after.units if u.name in fwd}
