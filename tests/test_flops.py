@@ -302,7 +302,7 @@ def test_analytic_flops_of_a_frozen_base_near_the_counted_step(tree):
     F.cross_entropy(model(tok).logits.float().flatten(0, 1), tgt.flatten()).backward()
     counted = fc.finish().model
     cfg = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(),
-                    model_param_count=sum(p.numel() for p in model.parameters()), **_param_counts(model))
+                    **_param_counts(model))
     assert analytic_flops_per_step(cfg) == pytest.approx(counted, rel=0.10)
     full = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(),
                      model_param_count=cfg.model_param_count)  # a run recorded before the counts: 6 x N x tokens
@@ -366,8 +366,8 @@ def test_analytic_flops_of_a_mixture_of_experts_count_the_active_experts(tree):
     assert (ex.param_count, ex.trainable_param_count, ex.top_k, ex.num_experts) == (experts, trainable, top_k,
                                                                                   num_experts)
     n = sum(p.numel() for p in model.parameters())
-    cfg = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(),
-                    model_param_count=n, **counts)
+    assert counts["model_param_count"] == n
+    cfg = RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=tok.numel(), **counts)
     if tree != "mixtral_tail":  # every parameter trains: 6 x the active parameters x tokens
         assert analytic_flops_per_step(cfg) == 6 * (n - experts + experts * top_k / num_experts) * tok.numel()
     assert analytic_flops_per_step(cfg) / counted == pytest.approx(active, abs=0.01)
@@ -386,8 +386,8 @@ def test_dense_analytic_flops_unchanged():
     counts = _param_counts(model)
     assert counts["experts"] is None
     n = sum(p.numel() for p in model.parameters())
-    cfg = RunConfig(rank=0, world_size=2, backend="gloo", device="cpu", tokens_per_step=128, model_param_count=n,
-                    **counts)
+    assert counts["model_param_count"] == n
+    cfg = RunConfig(rank=0, world_size=2, backend="gloo", device="cpu", tokens_per_step=128, **counts)
     assert analytic_flops_per_step(cfg) == 6 * n * 128 / 2
 
 
@@ -439,8 +439,9 @@ def test_experts_read_from_the_tree(layers, found):
     ex = counts["experts"]
     assert (ex.param_count, ex.top_k, ex.num_experts) == found
     n = sum(p.numel() for p in model.parameters())
+    assert counts["model_param_count"] == n
     flops, note = _analytic(RunConfig(rank=0, world_size=1, backend="gloo", device="cpu", tokens_per_step=10,
-                                      model_param_count=n, **counts))
+                                      **counts))
     if found[1]:
         assert flops == 6 * (n - found[0] + found[0] * found[1] / found[2]) * 10
         assert f"counted at top_k {found[1]} of {found[2]}" in note, note

@@ -75,8 +75,8 @@ def run_facts(run: RunFacts) -> list[str]:
         facts.append(f"{r.units} FSDP units")
     if r.model_param_count:
         facts.append(params_fact(r) + " params")
-    if experts_fact(r):
-        facts.append("MoE: " + experts_fact(r))
+    if moe := experts_fact(r):
+        facts.append("MoE: " + moe)
     for v in (r.backend, r.device_name, r.torch_version, optimizer_fact(r)):
         if v:
             facts.append(str(v))

@@ -70,7 +70,6 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
-        model_param_count=sum(p.numel() for p in model.parameters()),  # DTensor numel: global
         **_param_counts(model),
         capacity_bytes=capacity, tokens_per_step=tokens_per_step, peak_tflops=peak,
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
@@ -82,22 +81,23 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
 
 def _param_counts(model: nn.Module) -> dict:
-    """What the backward works on (the analytic FLOP estimate's): the trainable parameters (weight gradients), and
+    """The model's parameters (DTensor numel: global), in one walk; what the backward works on (the analytic FLOP estimate's): the trainable parameters (weight gradients), and
     the parameters from the first trainable one on in module order, those input gradients flow back through (a
     frozen prefix, such as the embeddings and frozen blocks below a trainable tail, gets none); and of each, a
     mixture of experts' routed experts (:func:`_experts`), of which a token runs top_k of num_experts."""
     expert_ids, top_k, num_experts = _experts(model)
-    trainable = path = 0
+    total = trainable = path = 0
     ex = [0, 0, 0]  # the experts': every one, trainable, from the first trainable parameter on
     for p in model.parameters():
         n, on_path = p.numel(), bool(p.requires_grad or path)
+        total += n
         path += n * on_path
         trainable += n * p.requires_grad
         if id(p) in expert_ids:
             ex = [ex[0] + n, ex[1] + n * p.requires_grad, ex[2] + n * on_path]
     experts = Experts(param_count=ex[0], trainable_param_count=ex[1], grad_path_param_count=ex[2], top_k=top_k,
                       num_experts=num_experts) if expert_ids else None
-    return {"model_trainable_param_count": trainable, "model_grad_path_param_count": path, "experts": experts}
+    return {"model_param_count": total, "model_trainable_param_count": trainable, "model_grad_path_param_count": path, "experts": experts}
 
 
 def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:
