@@ -5,6 +5,8 @@
             ...
             doctor.step()
 
+or, with a Hugging Face ``Trainer``: ``Trainer(..., callbacks=[fsdp_doctor.DoctorCallback(out_dir="traces/run1")])``.
+
 Data flows one way: record (fsdp_doctor.record) -> store (fsdp_doctor.store) -> analyze
 (fsdp_doctor.analyze, fsdp_doctor.trace) -> diagnose (fsdp_doctor.diagnose) -> present (fsdp_doctor.present).
 
@@ -19,6 +21,7 @@ _LAZY = {
     "Doctor": ("record", "Doctor"),
     "WatchError": ("record", "WatchError"),
     "ProfileSchedule": ("record", "ProfileSchedule"),
+    "DoctorCallback": ("record.hf_trainer", "DoctorCallback"),  # Hugging Face Trainer (imports transformers)
     "load_run": ("store", "load_run"),
     "Run": ("store", "Run"),
     "build_report": ("pipeline", "build_report"),

@@ -278,7 +278,7 @@ class StepRecord(Record, tag="step"):
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
-    outside_ms: float = 0.0  # wall - forward - backward - optimizer: data loading, loss, user code
+    outside_ms: float = 0.0  # wall - forward - backward - optimizer - no_grad: data loading, loss, user code
     gc_ms: float = 0.0
     gc_count: int = 0
     profiled: bool = False  # inside an active torch.profiler window
@@ -287,6 +287,10 @@ class StepRecord(Record, tag="step"):
     # doctor.step() calls this record covers: one step is one optimizer step, so with gradient accumulation
     # (doctor.step() per micro-batch) the micro-batches of one optimizer step make one record
     micro_batches: int = 1
+    # the model's forward passes without gradients in the step (torch.no_grad / inference_mode: evaluation,
+    # generation) and their time; kept out of forward_ms, outside_ms and the units' timings
+    no_grad_ms: float = 0.0
+    no_grad_forwards: int = 0
 
 
 class GpuTimes(Record, tag="gpu"):

@@ -162,7 +162,7 @@ class StepStats(_Section):
     gc_count_total: int | UnsetType = UNSET
     wall_ms_total: float | UnsetType = UNSET
     recorded: int | UnsetType = UNSET  # steps recorded
-    excluded: int | UnsetType = UNSET  # of those, left out (first step, profiled steps)
+    excluded: int | UnsetType = UNSET  # of those, left out (first step, profiled steps, no-grad steps)
 
 
 class Outlier(_Section):
@@ -171,7 +171,7 @@ class Outlier(_Section):
     ms: float
     median_ms: float
     excess_ms: float
-    cause: str  # "late_rank" | "gc" | "outside" | "allgather_wait" | "compute"
+    cause: str  # "late_rank" | "gc" | "outside" | "no_grad" | "allgather_wait" | "compute"
     detail: str
 
 
@@ -186,6 +186,16 @@ class Straggler(_Section):
     phase_excess_ms_per_step: float
 
 
+class NoGradSteps(_Section):
+    """One rank's steps whose time holds forward passes of the model without gradients (``torch.no_grad`` or
+    ``inference_mode``: evaluation, generation), which are not training and are kept out of its phases."""
+
+    steps: list[int]
+    forwards: int  # in those steps, all together
+    ms_p50: float  # their time per such step (median)
+    excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
+
+
 class StepsSection(_Section):
     """``report["steps"]`` (fsdp_doctor.analyze.steps)."""
 
@@ -195,6 +205,7 @@ class StepsSection(_Section):
     stragglers: list[Straggler] = []
     # per rank: {"window": steps inside profiled windows, "export": the steps that exported a window}
     profiler_steps: dict[str, dict[str, list[int]]] = {}
+    no_grad: dict[str, NoGradSteps] = {}  # per rank that ran any
 
 
 # ---------------------------------------------------------------- units (fsdp_doctor.analyze.report.unit_table)

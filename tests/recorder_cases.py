@@ -13,6 +13,7 @@ Cases:
             unexpected exception inside __enter__) leaves the hook state as before, at once; accelerate's
             AcceleratedOptimizer is unwrapped; doctor.step() per micro-batch gives one step per optimizer step;
             HF gradient checkpointing: model FLOPs as without it, hardware FLOPs higher.
+  trainer   a Hugging Face Trainer with fsdp_doctor.DoctorCallback (run_trainer).
 
 Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -320,7 +321,94 @@ def run_accelerate(out: Path) -> dict:
             "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
 
 
-CASES = {"identity": run_identity, "aside": run_aside}
+def run_trainer(out: Path) -> dict:
+    """A Hugging Face ``Trainer`` (accelerate's FSDP2 plugin, forced to FSDP as in run_accelerate) training a
+    Llama for 8 optimizer steps of 2 micro-batches, evaluating after steps 3 and 6: without the doctor, then with
+    ``fsdp_doctor.DoctorCallback``; then a second ``train()`` into the same run directory (refused: one log line,
+    training goes on) and a callback with a misspelt option (refused before training)."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            self.n, self.seed = n, seed
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            t = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(self.seed + i))
+            return {"input_ids": t, "labels": t}
+
+    class Hooks(TrainerCallback):  # the hook state when training starts (the model is sharded by then)
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+            # prepare() reset the forced state: FSDP again, so that the Trainer's no_sync for all but the last
+            # micro-batch calls set_requires_gradient_sync(False), as it does on GPUs
+            AcceleratorState().distributed_type = DistributedType.FSDP
+            self.model, self.opt = model, optimizer.optimizer
+            self.before = hook_state(model, self.opt)
+
+    def trainer(callbacks, out_dir):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=2 * SEQ))
+        args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3,
+                                 logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                                 ddp_backend="gloo", disable_tqdm=True, seed=0)
+        tr = Trainer(model=model, args=args, train_dataset=Tokens(64, 0), eval_dataset=Tokens(8, 10_000),
+                     callbacks=callbacks)
+        st = tr.accelerator.state  # accelerate enables FSDP on GPUs only: forced here, as in run_accelerate
+        st.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True)
+        st.distributed_type = DistributedType.FSDP
+        tr.is_fsdp_enabled = True
+        return tr
+
+    def losses(tr):
+        return [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+    base_hooks = Hooks()
+    base = trainer([base_hooks], out / "base")
+    base.train()
+    def changed(h):  # what changed in the hook state over train(): the Trainer's own changes, by module and kind
+        after = hook_state(h.model, h.opt)
+        return {k: {d: len(v) for d, v in after[k].items()} if isinstance(after[k], dict) else after[k]
+                for k in diff(h.before, after)}
+
+    base_left = changed(base_hooks)
+    hooks, doctor = Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))
+    tr = trainer([hooks, doctor], out / "hf")
+    tr.train()
+    left = changed(hooks)
+    first_losses = losses(tr)
+    def params(model):  # (the Trainer leaves the root's norm and lm_head unsharded after train(), with or without)
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
+
+    identical = losses(tr) == losses(base) and same_tensors(params(hooks.model), params(base_hooks.model))
+    again = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))], out / "hf2")
+    again.train()  # a second run into the same run directory: refused, trained all the same
+    try:
+        fsdp_doctor.DoctorCallback(out_dir=str(out / "x"), memroy=False)
+        misspelt = None
+    except TypeError as e:
+        misspelt = str(e)
+    rd = fsdp_doctor.load_run(out / "trainer").ranks[rank]
+    return {"identical": identical, "left": left, "base_left": base_left, "losses": first_losses,
+            "steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
+            "no_grad": {s.step: [s.no_grad_forwards, s.no_grad_ms] for s in rd.steps if s.no_grad_forwards},
+            "unit_calls": [[u.fwd_calls for u in s.units] for s in rd.steps], "optimizer": rd.config.optimizer,
+            "second_losses": losses(again), "misspelt": misspelt, "errors": len(rd.errors)}
+
+
+CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer}
 
 
 if __name__ == "__main__":

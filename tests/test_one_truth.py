@@ -138,7 +138,7 @@ def test_every_view_shows_the_same_figures(reports, name, tmp_path):
     wide = _terminal(rep, 200)
     if rep.trace_steps is not None:
         assert "Step time per rank, ms (the traces' complete profiler steps" in _flat(wide)
-        from fsdp_doctor.present.terminal import _num
+        from fsdp_doctor.present.fmt import fmt_ms_cell as _num
 
         for r, st in rep.trace_steps.per_rank.items():
             assert any(ln.split()[:3] == [r, str(st.count), _num(st.p50_ms)] for ln in wide.splitlines()), r
@@ -257,7 +257,7 @@ def test_unit_and_memory_figures_agree_in_every_view(reports, name, tmp_path):
     the terminal, the HTML and the dashboard's Units and Memory pages; a source without them shows none."""
     from fsdp_doctor.present.fmt import fmt_bytes
     from fsdp_doctor.present.html import write_html
-    from fsdp_doctor.present.terminal import _num
+    from fsdp_doctor.present.fmt import fmt_ms_cell as _num
 
     path, rep = reports(name)
     units, mem = rep.unit_rows(), rep.memory_section()

@@ -24,3 +24,55 @@ def test_outlier_waiting_for_a_rank_late_in_the_previous_step():
     out = {(o.rank, o.step): o for o in find_outliers(run)}
     assert out[(1, 5)].cause == "compute"  # the late rank's own step
     assert out[(0, 6)].cause == "late_rank" and "rank 1" in out[(0, 6)].detail
+
+
+def _eval_run(eval_steps, *, n=12, eval_ms=300.0):
+    """Two ranks of 100 ms steps; the steps in ``eval_steps`` also ran 8 forward passes without gradients."""
+    from fsdp_doctor.records import StepRecord, UnitStep
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(rank, k):
+        ng = eval_ms if k in eval_steps else 0.0
+        return StepRecord(rank=rank, step=k, start_ns=k, wall_ms=100.0 + ng + 0.1 * (k % 3), forward_ms=30.0,
+                          backward_ms=50.0, optimizer_ms=15.0, outside_ms=5.0, no_grad_ms=ng,
+                          no_grad_forwards=8 if ng else 0,
+                          units=[UnitStep(name="layers.0", fwd_ms=30.0, ag_wait_fwd_ms=2.0)])
+
+    run = Run(path="constructed")
+    for r in (0, 1):
+        run.ranks[r] = RankData(rank=r, steps=[step(r, k) for k in range(n)])
+    return run
+
+
+def test_evaluation_steps_are_left_out_and_named():
+    """Evaluation between steps (forward passes without gradients, recorded apart by the hooks) is neither the
+    step's forward nor time outside the model: those steps leave the statistics, and the report says so."""
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.fmt import no_grad_text
+
+    sec = analyze_steps(_eval_run({4, 8}))
+    for r in ("0", "1"):
+        st, ng = sec.per_rank[r], sec.no_grad[r]
+        assert st.count == 9 and st.excluded == 3 and st.p90_ms < 101, st  # step 0 and the two evaluation steps
+        assert (ng.steps, ng.forwards, ng.ms_p50, ng.excluded) == ([4, 8], 16, 300.0, True), ng
+    assert sec.outliers == []
+    assert no_grad_text(sec) == ("Forward passes without gradients (evaluation, generation): 16 in 2 steps (4, 8), "
+                                 "300.0 ms per step, counted apart from forward and outside; those steps are left "
+                                 "out of the step statistics above")
+
+
+def test_evaluation_in_most_steps_stays_and_is_the_outliers_cause():
+    """With too few steps without evaluation the statistics keep them; a step whose evaluation ran long is an
+    outlier whose cause is that evaluation, not data loading or another rank."""
+    from fsdp_doctor.analyze.steps import analyze_steps
+
+    run = _eval_run(set(range(1, 12)) - {5}, eval_ms=20.0)
+    for rd in run.ranks.values():
+        rd.steps[9].no_grad_ms += 200.0
+        rd.steps[9].wall_ms += 200.0
+    sec = analyze_steps(run)
+    assert sec.no_grad["0"].excluded is False and sec.per_rank["0"].count == 11
+    causes = {(o.rank, o.step): o for o in sec.outliers}
+    assert set(causes) == {(0, 9), (1, 9)}
+    assert causes[(0, 9)].cause == "no_grad" and causes[(0, 9)].detail.startswith("8 forward passes without"), causes

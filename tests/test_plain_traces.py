@@ -170,7 +170,7 @@ def test_real_gloo_trace_in_every_view(gloo_memory_run, tmp_path):
     from fsdp_doctor.dashboards.pages.common import Filters
     from fsdp_doctor.dashboards.state import RunState
     from fsdp_doctor.present.html import write_html
-    from fsdp_doctor.present.terminal import _num
+    from fsdp_doctor.present.fmt import fmt_ms_cell as _num
 
     path, rep = gloo_memory_run
     back = Report.of(json.loads(json.dumps(rep.to_builtins())))

@@ -5,6 +5,8 @@ accelerate's optimizer wrapper; micro-batches; model vs hardware FLOPs under HF 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from test_clients import _launch
@@ -106,3 +108,46 @@ def test_checkpointing_mfu_and_hfu_reported(aside, model):
         con.print(render_throughput(tp))
         text = con.export_text()
         assert "HFU" in text and f"{tp.job.hfu_pct:.1f}%" in text and f"{tp.job.mfu_pct:.1f}%" in text, text
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("transformers and accelerate are not installed")
+    out = tmp_path_factory.mktemp("hf_trainer")
+    results, errs = _launch("trainer", 2, out, script="recorder_cases.py")
+    return results, errs, out
+
+
+def test_hf_trainer_callback_records_without_changing_training(trainer_run):
+    """fsdp_doctor.DoctorCallback on a Hugging Face Trainer (accelerate's FSDP2 plugin, 2 micro-batches per step,
+    evaluation after steps 3 and 6): one record per optimizer step with its 2 micro-batches, the evaluation's
+    forward passes (2 batches per rank) kept apart, losses and parameters bit-identical to the run without it, the
+    hook state changed only as the Trainer changes it, a second run into the same directory refused in one line
+    and trained all the same, a misspelt option refused before training."""
+    results, errs, _ = trainer_run
+    for res, err in zip(results, errs):
+        assert res["identical"] and res["left"] == res["base_left"] and res["errors"] == 0, res
+        assert res["steps"] == list(range(8)) and res["micro_batches"] == [2] * 8, res
+        # Trainer's global steps 3 and 6 evaluate after on_step_end: inside the doctor's steps 3 and 6
+        assert sorted(res["no_grad"]) == ["3", "6"] and all(n == 2 and ms > 0 for n, ms in res["no_grad"].values()), res
+        # 2 forwards per step per unit (the root holds embeddings, norm and lm_head: 2 modules -> 4 calls)
+        assert all(calls == [2, 2, 2, 2, 4] for calls in res["unit_calls"]), res["unit_calls"]
+        assert res["optimizer"] == "AdamW" and res["second_losses"] == res["losses"], res
+        assert "unknown option(s) memroy" in res["misspelt"], res
+        assert err.count("already holds a run's records") == 1 and "training goes on without fsdp_doctor" in err
+
+
+def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
+    """The Trainer's run read back: the evaluation steps are left out of the step statistics and named in the
+    report; no data-wait, straggler or accumulation finding (the Trainer syncs the last micro-batch only) and no
+    outlier blamed on another rank."""
+    from fsdp_doctor import build_report, load_run
+
+    report = build_report(load_run(trainer_run[2] / "trainer"))
+    codes = {f.code for f in report.findings}
+    assert not codes & {"jitter.data_wait", "straggler.rank", "accum.sync_every_micro_batch"}, codes
+    for r, ng in report.steps.no_grad.items():
+        assert ng.steps == [3, 6] and ng.forwards == 4 and ng.excluded, (r, ng)
+    assert all(o.step not in (3, 6) for o in report.steps.outliers), report.steps.outliers
+    assert all(o.cause != "late_rank" for o in report.steps.outliers), report.steps.outliers

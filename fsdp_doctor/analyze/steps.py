@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..records import StepRecord
-from ..report_sections import Outlier, StepsSection, StepStats, Straggler
+from ..report_sections import NoGradSteps, Outlier, StepsSection, StepStats, Straggler
 from ..store import Run
 
 # An outlier step is slower than the rank's median by at least this fraction ...
@@ -25,11 +25,25 @@ STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared h
 
 def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
-    profiler window or a FLOP-counting step, nor a step whose memory was counted op by op (the high-water's
-    dispatch mode; unless that leaves fewer than 3): their cost is the tool's, not the model's."""
+    profiler window or a FLOP-counting step (their cost is the tool's, not the model's), nor, each unless that
+    leaves fewer than 3, a step that also ran the model without gradients (evaluation, generation: not training)
+    or one whose memory was counted op by op (the high-water's dispatch mode)."""
     out = [s for s in steps if s.step > 0 and not s.profiled]
-    quiet = [s for s in out if s.memory is None or s.memory.transients != "exact"]
-    return quiet if len(quiet) >= 3 else out
+    for keep in (lambda s: not s.no_grad_forwards, lambda s: s.memory is None or s.memory.transients != "exact"):
+        kept = [s for s in out if keep(s)]
+        out = kept if len(kept) >= 3 else out
+    return out
+
+
+def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
+    """A rank's steps holding forward passes without gradients, and whether the statistics leave them out."""
+    hit = [s for s in steps if s.no_grad_forwards]
+    if not hit:
+        return None
+    kept = {s.step for s in usable_steps(steps)}
+    return NoGradSteps(steps=[s.step for s in hit], forwards=sum(s.no_grad_forwards for s in hit),
+                       ms_p50=round(statistics.median([s.no_grad_ms for s in hit]), 3),
+                       excluded=not any(s.step in kept for s in hit))
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -95,6 +109,7 @@ class _Base:
     wall: float
     gc: float
     outside: float
+    no_grad: float
     wait: float
     fwd: float
     bwd: float
@@ -105,7 +120,8 @@ def _baseline(steps: list[StepRecord]) -> _Base:
     med = statistics.median
     return _Base(
         wall=med([s.wall_ms for s in steps]), gc=med([s.gc_ms for s in steps]),
-        outside=med([s.outside_ms for s in steps]), wait=med([collective_wait_ms(s) for s in steps]),
+        outside=med([s.outside_ms for s in steps]), no_grad=med([s.no_grad_ms for s in steps]),
+        wait=med([collective_wait_ms(s) for s in steps]),
         fwd=med([s.forward_ms for s in steps]), bwd=med([s.backward_ms for s in steps]),
         opt=med([s.optimizer_ms for s in steps]),
     )
@@ -147,6 +163,7 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     parts = {
         "gc": s.gc_ms - b.gc,
         "outside": s.outside_ms - b.outside - max(0.0, s.gc_ms - b.gc),
+        "no_grad": s.no_grad_ms - b.no_grad,
         "wait": collective_wait_ms(s) - b.wait,
     }
     own_compute = (s.forward_ms + s.backward_ms + s.optimizer_ms) - collective_wait_ms(s)
@@ -167,6 +184,9 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
         return "late_rank", f"waiting for rank {late_rank} (late by {late_ms:.1f} ms)"
     if key == "gc":
         return "gc", f"GC pause {s.gc_ms:.1f} ms ({s.gc_count} collections)"
+    if key == "no_grad":
+        return "no_grad", (f"{s.no_grad_forwards} forward passes without gradients (evaluation or generation) "
+                           f"+{parts['no_grad']:.1f} ms")
     if key == "outside":
         return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
     if key == "wait":
@@ -245,4 +265,5 @@ def analyze_steps(run: Run) -> StepsSection:
         # statistics like every profiled step; a presenter marks them instead of reading them as a stall)
         profiler_steps={str(r): {"window": sorted({s for pw in rd.profiles for s in pw.steps}),
                                  "export": profiler_export_steps(rd)} for r, rd in sorted(run.ranks.items())},
+        no_grad={str(r): ng for r, rd in sorted(run.ranks.items()) if (ng := no_grad_steps(rd.steps)) is not None},
     )

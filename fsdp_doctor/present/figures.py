@@ -24,7 +24,8 @@ from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, 
 # ---------------------------------------------------------------- palette and shared layout
 
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
-                "gc": "#E45756"}
+                "gc": "#E45756", "no_grad": "#BAB0AC"}
+PHASE_NAMES = {"no_grad": "no-grad forwards (evaluation)"}
 COLLECTIVE_COLORS = {"all_gather": "#4C78A8", "reduce_scatter": "#F58518", "all_reduce": "#E45756",
                      "broadcast": "#72B7B2", "compute": "#9D9D9D"}
 MEMORY_CATEGORIES = MC.NAMES
@@ -146,9 +147,10 @@ def _runs(xs: list[int]) -> list[tuple[int, int]]:
 
 
 def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -> go.Figure:
-    """Per step of one rank, the wall time split into forward / backward / optimizer / outside (stacked). Time
-    outside the model in a profiled step (the profiler starting, stopping and writing its trace) is the tool's,
-    not a data-loader stall: it is drawn apart, hatched, under its own legend entry."""
+    """Per step of one rank, the wall time split into forward / backward / optimizer / outside (stacked), and the
+    model's forward passes without gradients (evaluation, generation) where a step ran any. Time outside the
+    model in a profiled step (the profiler starting, stopping and writing its trace) is the tool's, not a
+    data-loader stall: it is drawn apart, hatched, under its own legend entry."""
     cols = steps.get(rank) or steps.get(str(rank))
     if not cols:
         return empty_figure("No steps recorded for this rank yet.", "Step phases", height)
@@ -158,12 +160,14 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
     x = [cols["step"][i] for i in idx]
     prof = [bool(cols["profiled"][i]) for i in idx]
     fig = go.Figure()
-    for ph in ("forward", "backward", "optimizer", "outside"):
+    no_grad = any(cols.get("no_grad_ms", [0])[i] for i in idx)
+    for ph in ("forward", "backward", "optimizer", "outside", *(("no_grad",) if no_grad else ())):
         y = [cols[f"{ph}_ms"][i] for i in idx]
         if ph == "outside":
             y = [None if p else v for v, p in zip(y, prof)]
-        fig.add_trace(go.Bar(x=x, y=y, name=ph, marker_color=PHASE_COLORS[ph],
-                             hovertemplate=f"step %{{x}}<br>{ph} %{{y:.2f}} ms<extra></extra>"))
+        name = PHASE_NAMES.get(ph, ph)
+        fig.add_trace(go.Bar(x=x, y=y, name=name, marker_color=PHASE_COLORS[ph],
+                             hovertemplate=f"step %{{x}}<br>{name} %{{y:.2f}} ms<extra></extra>"))
     if any(prof):
         fig.add_trace(go.Bar(
             x=[s for s, p in zip(x, prof) if p], y=[cols["outside_ms"][i] for i, p in zip(idx, prof) if p],

@@ -7,6 +7,7 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
+import statistics
 
 from ..report_sections import (FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
                                Straggler, ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
@@ -263,6 +264,23 @@ def outliers_title(outliers: list[Outlier]) -> str:
 def outlier_rows(outliers: list[Outlier], top: int = OUTLIERS_SHOWN) -> list[tuple[str, ...]]:
     """The outlier table's rows (OUTLIERS_HEADER's columns): the ``top`` worst steps."""
     return [(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail) for x in outliers[:top]]
+
+
+def no_grad_text(section: StepsSection) -> str | None:
+    """One line on the steps that also ran the model without gradients (evaluation, generation), over the ranks;
+    None when none did."""
+    per = section.no_grad
+    if not per:
+        return None
+    steps = sorted({s for ng in per.values() for s in ng.steps})
+    shown = ", ".join(map(str, steps[:6])) + (f", … {len(steps) - 6} more" if len(steps) > 6 else "")
+    forwards = max(ng.forwards for ng in per.values())
+    ms = statistics.median([ng.ms_p50 for ng in per.values()])
+    kept = ("left out of the step statistics above" if all(ng.excluded for ng in per.values())
+            else "kept in the step statistics above (too few steps without)")
+    return (f"Forward passes without gradients (evaluation, generation): {forwards} in {len(steps)} "
+            f"step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} per step, counted apart from forward "
+            f"and outside; those steps are {kept}")
 
 
 def straggler_text(s: Straggler) -> str:

@@ -23,7 +23,7 @@ from . import figures as F
 from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
-                  outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
+                  no_grad_text, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
@@ -187,6 +187,8 @@ def _table(header, rows, tid: str, left: tuple[int, ...] = (0,), cls: str = "num
 def _steps(section: StepsSection) -> str:
     """The terminal's step table (percentiles and phases per rank), its outliers and stragglers."""
     out = f"<h3>{_esc(STEPS_TITLE)}</h3>" + _table(STEPS_HEADER, steps_rows(section), "steps-table")
+    if (line := no_grad_text(section)) is not None:
+        out += f"<p class='no-grad'>{_esc(line)}</p>"
     if section.outliers:
         out += f"<h3>{_esc(outliers_title(section.outliers))}</h3>" + _table(
             OUTLIERS_HEADER, outlier_rows(section.outliers), "outliers-table", left=(4,))

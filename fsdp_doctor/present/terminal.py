@@ -11,9 +11,10 @@ from rich.text import Text
 
 from ..report_sections import Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow, Verdict
 from .fit import Col, fitted_table
-from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline,
-                  fmt_ms, fmt_unit_figures, fmt_value, predicted_text, printable_report, run_facts,
-                  short_unit_labels, throughput_note, throughput_rows, trace_units_title, verdict_headline,
+from .fmt import (fix_heading, STEPS_TITLE, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
+                  findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, fmt_value, no_grad_text, outlier_rows,
+                  outliers_title, predicted_text, printable_report, run_facts, short_unit_labels, steps_rows,
+                  straggler_text, throughput_note, throughput_rows, trace_units_title, verdict_headline,
                   verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -55,32 +56,22 @@ def render_steps(section: StepsSection, width: int = 100):
     cols = [Col("rank"), Col("steps", drop=2), Col("p50"), Col("p90", drop=3), Col("p99"), Col("max", drop=2),
             Col("cv"), Col("fwd", drop=1), Col("bwd", drop=1), Col("optim", drop=1), Col("outside", drop=1),
             Col("GC", drop=1)]
-    rows = []
-    for r, st in sec.per_rank.items():
-        if not st.count:
-            rows.append((r, f"{st.recorded or 0}", *["—"] * 10))
-            continue
-        ph = st.phases_p50_ms or {}  # phase -> ms (none from a trace's ProfilerSteps)
-        rows.append((r, str(st.count), *(_num(v) for v in (st.p50_ms, st.p90_ms, st.p99_ms, st.max_ms)),
-                     f"{100 * st.cv:.1f}%" if st.cv is not None else "—",
-                     *(_num(ph.get(k)) for k in ("forward", "backward", "optimizer", "outside", "gc"))))
+    rows = steps_rows(sec)
     traced = bool(sec.per_rank) and all(not st.phases_p50_ms for st in sec.per_rank.values())
     title = ("Step time per rank, ms (the traces' complete profiler steps; the phase split needs records)" if traced
-             else "Step time per rank, ms (steady state: first step and profiled steps excluded)")
+             else STEPS_TITLE)
     if traced:  # no phase split from a trace: those columns would only hold dashes
         cols, rows = cols[:7], [r[:7] for r in rows]
     items = [fitted_table(title, cols, rows, width)]
-    outs = sec.outliers
-    if outs:
-        o = fitted_table(f"Outlier steps ({len(outs)}, worst first)",
-                         [Col("rank"), Col("step"), Col("time"), Col("median", drop=1),
-                          Col("likely cause", justify="left", wrap=True)],
-                         [(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail) for x in outs[:8]],
-                         width)
-        items.append(o)
+    if (line := no_grad_text(sec)) is not None:
+        items.append(Text(line))
+    if sec.outliers:
+        items.append(fitted_table(outliers_title(sec.outliers),
+                                  [Col("rank"), Col("step"), Col("time"), Col("median", drop=1),
+                                   Col("likely cause", justify="left", wrap=True)],
+                                  outlier_rows(sec.outliers), width))
     for s in sec.stragglers:
-        items.append(Text(f"Straggler: rank {s.rank} spends +{s.excess_ms_per_step:.1f} ms/step in {s.phase} "
-                          f"({s.steps_slower} of {s.steps} steps)", style="yellow"))
+        items.append(Text(straggler_text(s), style="yellow"))
     return Group(*items)
 
 
@@ -101,7 +92,7 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
     (``TraceUnitRow``: no configuration, no waits) give the times and where they come from."""
     labels = short_unit_labels(u.name for u in units)
     if units and isinstance(units[0], TraceUnitRow):
-        rows = [(("  " * u.depth) + labels[u.name], *map(_num, (u.timing_p50.fwd_self_ms, u.timing_p50.bwd_self_ms)))
+        rows = [(("  " * u.depth) + labels[u.name], *map(fmt_ms_cell, (u.timing_p50.fwd_self_ms, u.timing_p50.bwd_self_ms)))
                 for u in units[:UNIT_ROWS]]
         if len(units) > UNIT_ROWS:
             rows.append((f"… {len(units) - UNIT_ROWS} more", "", ""))
@@ -115,17 +106,11 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
     for u in units[:UNIT_ROWS]:
         tm = u.timing_p50
         times = (tm.fwd_self_ms, tm.ag_wait_fwd_ms, tm.bwd_self_ms, tm.ag_wait_bwd_ms) if tm else (None,) * 4
-        rows.append((("  " * u.depth) + labels[u.name], *fmt_unit_figures(u), u.checkpoint, *map(_num, times)))
+        rows.append((("  " * u.depth) + labels[u.name], *fmt_unit_figures(u), u.checkpoint, *map(fmt_ms_cell, times)))
     if len(units) > UNIT_ROWS:
         rows.append((f"… {len(units) - UNIT_ROWS} more", *[""] * 9))
     return fitted_table(f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
                         "excluded); AG wait: forward, then backward", cols, rows, width)
-
-
-def _num(x) -> str:
-    if x is None:
-        return "—"
-    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
 
 def findings_summary(findings: list[Finding]):

@@ -65,6 +65,8 @@ class StepTimings:
     gc_ms: float
     gc_count: int
     units: list[UnitStep]
+    no_grad_ms: float = 0.0
+    no_grad_forwards: int = 0
 
 
 class _UnitAcc:
@@ -111,6 +113,9 @@ class StepTimer:
         self._grad_hooks: dict[int, Any] = {}
         self._log_cache: dict[str, tuple[bool, int] | None] = {}
         self.optimizer_steps = 0  # optimizer.step() calls seen (micro-batches: several doctor.step() per one)
+        # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
+        # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
+        self._no_grad_t0 = 0
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -182,7 +187,7 @@ class StepTimer:
 
     def _mk(self, fn, idx):
         def hook(module, *args):
-            if self.active and not _compiling():
+            if self.active and not self._no_grad_t0 and not _compiling():
                 try:
                     fn(idx, args)
                 except Exception as e:  # noqa: BLE001
@@ -444,11 +449,21 @@ class StepTimer:
 
     def _model_pre(self, module, args):
         if self.active and not _compiling() and not in_backward():
+            if not torch.is_grad_enabled():  # evaluation or generation, between training steps or inside one
+                self._no_grad_t0 = _now()
+                return
+            self._no_grad_t0 = 0  # (one that raised never reached its post-hook)
             self._fwd_start = _now()
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
     def _model_post(self, module, args, output):
+        if self._no_grad_t0:
+            if self.active:
+                self._no_grad_ns += _now() - self._no_grad_t0
+                self._no_grad_count += 1
+            self._no_grad_t0 = 0
+            return
         if self.active and not _compiling() and not in_backward() and self._fwd_start:
             self._forward_ns += _now() - self._fwd_start
             self._fwd_start = 0
@@ -485,8 +500,8 @@ class StepTimer:
 
 
     def begin_step(self) -> None:
-        self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = 0
-        self._gc_count = 0
+        self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
+        self._gc_count = self._no_grad_count = 0
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._bwd_cb_queued = False
         for a in self._acc.values():
@@ -503,7 +518,7 @@ class StepTimer:
         ]
         return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
-                           units=units)
+                           units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

@@ -302,9 +302,9 @@ class Doctor:
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
-            outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms, 3)),
+            outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
-            micro_batches=self._micro,
+            micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
         )
         self._sinks.on_step(rec)
         if self._gpu is not None:

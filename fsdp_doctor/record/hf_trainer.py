@@ -1,0 +1,60 @@
+"""The Hugging Face ``Trainer`` way in: one callback that runs :func:`fsdp_doctor.watch` around ``trainer.train()``.
+
+    trainer = Trainer(..., callbacks=[fsdp_doctor.DoctorCallback(out_dir="doctor/run1")])
+
+The Trainer owns the loop, so the callback does what a user of ``watch()`` writes by hand: it starts watching at
+``on_train_begin`` (the model is sharded and the optimizer built by then; accelerate's ``AcceleratedOptimizer`` is
+unwrapped by ``watch``), calls ``doctor.step()`` after every micro-batch (``on_substep_end``: one without an
+optimizer step, which the doctor counts into the step's ``micro_batches``) and at ``on_step_end`` (after the
+optimizer, the scheduler and ``zero_grad``), and stops at ``on_train_end``. Evaluation between steps runs the model without
+gradients: the recorder keeps those forward passes apart (``StepRecord.no_grad_ms``), so they are neither the
+step's forward nor time outside the model.
+
+Training never depends on the doctor: a refusal (no FSDP2 unit in the model, ``out_dir`` holding another run)
+is one log line and training goes on unwatched. A ``train()`` that raised leaves no hook behind either: the next
+``on_train_begin`` closes the watch first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from .options import WatchOptions
+from .tracker import Doctor, WatchError
+
+log = logging.getLogger("fsdp_doctor")
+
+
+class DoctorCallback(TrainerCallback):
+    """Records a ``Trainer``'s FSDP2 training with fsdp_doctor; ``options`` are :func:`fsdp_doctor.watch`'s
+    (``out_dir`` required), checked here so that a misspelt one fails before training starts."""
+
+    def __init__(self, out_dir, **options):
+        self.options = WatchOptions.from_kwargs({"out_dir": out_dir, **options})
+        self.doctor: Doctor | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._close()
+        doctor = Doctor(model, optimizer, self.options)
+        try:
+            doctor.__enter__()
+        except WatchError as e:
+            log.warning("%s; training goes on without fsdp_doctor", e)
+            return
+        self.doctor = doctor
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.doctor is not None:
+            self.doctor.step()
+
+    on_step_end = on_substep_end
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._close()
+
+    def _close(self) -> None:
+        doctor, self.doctor = self.doctor, None
+        if doctor is not None:
+            doctor.__exit__(None, None, None)
