@@ -435,6 +435,7 @@ FIX_PLACES = {
     "around": "around your fully_shard calls (your calls where the code says)",
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",
+    "backward": "in your training loop, between the loss and its backward",
 }
 
 

@@ -615,9 +615,10 @@ VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
-            device=None):
+            device=None, keep: dict | None = None):
     """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch,
-    drawn on the CPU and moved to ``device`` (None: left there)."""
+    drawn on the CPU and moved to ``device`` (None: left there); ``keep``: the loop keeps what the model returned
+    there, as ``keep["outputs"]``."""
     if (loss := arch_loss(model, client, step, rank, micro, size, device)) is not None:
         return loss
     if client.startswith("resnet"):
@@ -627,6 +628,8 @@ def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tupl
     tok, tgt = batch(step, VOCAB[client], rank, micro, size)
     out = model(tok.to(device))
     logits = out.logits if hasattr(out, "logits") else out
+    if keep is not None:
+        keep["outputs"] = out
     return F.cross_entropy(logits.float().flatten(0, 1), tgt.to(device).flatten())
 
 
@@ -846,6 +849,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     if fix.get("where") == "optimizer":
         model, opt = _exec(fix, model, opt)
     losses = []
+    held: dict = {}  # what the user's loop keeps between steps (row["loop"])
     watch = dict(row.get("watch", {}))
     if not tree.startswith(("resnet", "vit")):  # tokens per optimizer step, all ranks (throughput, FLOPs)
         watch.setdefault("tokens_per_step", cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.get_world_size())
@@ -864,7 +868,10 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     if fix.get("where") == "loop":
                         _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
                               micro_batches=cfg.grad_accum, step=step)
-                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, cfg.seq_len), dev) / cfg.grad_accum
+                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, cfg.seq_len), dev,
+                                   keep=held if row.get("loop") == "keep_outputs" else None) / cfg.grad_accum
+                    if fix.get("where") == "backward":
+                        _exec(fix, model, opt, ns=held, outputs=held.get("outputs"))
                     loss.backward()
                     total += loss.item()
                 opt.step()

@@ -74,6 +74,9 @@ class Row:
     gpu_gain: bool = False  # the fix's gain is a GPU's (overlap): applied and run here, its gain rechecked there
     why: str = ""  # what is planted, in a few words
     gpu: bool = False  # a GPU row (GPU_ROWS): its knobs are the GPU's shape, shrunk on the CPU
+    # the user's loop beyond the knobs: "keep_outputs" keeps what the model returned (outputs = model(...)) until
+    # the next forward rebinds the name, as Hugging Face's no-trainer examples do
+    loop: Optional[str] = None
 
     def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None,
              device: str = "cpu") -> dict:
@@ -87,7 +90,7 @@ class Row:
         if capacity:
             watch["capacity_bytes"] = capacity
         spec = {"name": self.name, "tree": self.tree, "knobs": knobs, "watch": watch, "out_dir": str(out),
-                "user_shard": self.user_shard, "fix": fix, "mesh": self.mesh}
+                "user_shard": self.user_shard, "fix": fix, "mesh": self.mesh, "loop": self.loop}
         if self.capacity_share and not capacity:
             spec["capacity_share"] = self.capacity_share
         return spec
@@ -198,6 +201,11 @@ ROWS: list[Row] = [
        knobs={"grad_accum": 4}, profile=True, min_severity="info"),
     _r("gpt_zero_grad", "gpt", "memory.grads_kept", "zero_grad(set_to_none=False), 18 MiB budget",
        knobs={"zero_grad_to_none": False}, watch={"capacity_bytes": 18 * MiB}),
+    _r("gpt_outputs_kept", "gpt", "memory.outputs_kept", "the loop keeps the model's logits until the next forward",
+       loop="keep_outputs", min_severity="info"),
+    _r("hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
+       "outputs = model(...) kept until the next forward (logits, past_key_values)", loop="keep_outputs",
+       knobs={"batch_size": 4, "seq_len": 64}, min_severity="info"),
     _r("gpt_bf16_reduce", "gpt", "numerics.reduce_dtype", "reduce_dtype=bf16 for fp32 parameters",
        knobs={"reduce_dtype": "bf16"}),
     _r("gpt_sync_unshard", "gpt", "prefetch.sync_unshard", "gloo all-gathers block the host (no async op)",

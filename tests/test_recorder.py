@@ -194,6 +194,12 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     rec = out["recompute_ms"]
     assert rec["layers.0"] > 0 and rec["layers.1"] > 0, rec
     assert rec[""] == 0 and rec["norm, lm_head"] == 0 and rec["tok_emb, pos_emb"] == 0, rec
+    # the user's 30 ms optimizer pre-hook is optimizer time (the doctor's pre-hook runs first), and the 2 no-grad
+    # forwards after step 1 are in step 2's record apart: not the forward's, not outside, no unit call
+    hooked = out["hooked"]
+    assert [h[2] for h in hooked] == [0, 0, 2, 0] and hooked[2][3] > 0, hooked
+    assert all(opt_ms >= 30 and outside < 30 for opt_ms, outside, *_ in hooked), hooked
+    assert all(calls == hooked[0][4] for *_, calls in hooked), hooked  # (a grouped unit: a call per module)
 
 
 @pytest.mark.slow

@@ -135,3 +135,28 @@ def test_intermittent_straggler(matrix):
     assert all(x >= 200 for x in planted.values()), late  # each planted step carries most of the 300 ms stall
     assert f.predicted.step_ms_delta == pytest.approx(-ev["cost_ms_per_step"], abs=1e-3)
     assert "straggler.rank" not in {g.code for g in matrix["gpt_intermittent"].findings}  # 3 of 7: not consistent
+
+
+@pytest.mark.rows("gpt_outputs_kept", "hf_llama_outputs_kept")
+@pytest.mark.parametrize("row, kept", [
+    ("gpt_outputs_kept", 4 * 64 * 512 * 4),  # the GPT's fp32 logits: batch 4 x 64 tokens x 512 vocabulary
+    # the HF Llama's logits and its past_key_values (3 layers x keys and values x 2 KV heads x 16 dims per token)
+    ("hf_llama_outputs_kept", 4 * 64 * 512 * 4 + 3 * 2 * 4 * 2 * 64 * 16 * 4),
+])
+def test_outputs_kept_past_backward(matrix, row, kept):
+    """The loop keeps what the model returned until the next forward rebinds it: when the optimizer step starts
+    exactly its logits (and the HF model's past_key_values) are still allocated, at most the loss's 4 bytes
+    besides; the fix deletes it before backward (executed in the loop, on the loop's own reference), and the
+    rerun has the rule quiet, the same losses, and the peak within 2% of the prediction."""
+    o = _outcome(matrix, row)
+    ev = o.finding.evidence
+    assert kept <= ev["kept_bytes"] <= kept + 8, (ev["kept_bytes"], kept)
+    rec = o.finding.recommendation
+    assert rec.where == "backward" and list(rec.inputs) == ["outputs"] and "del outputs" in rec.code
+    after = _fixed(o)
+    st = _status(after, "memory.outputs_kept")
+    assert st.status == "quiet", st
+    assert o.after_result["losses"] == o.result["losses"]
+    predicted = o.finding.predicted.peak_bytes_after
+    assert abs(after.memory.peak_bytes - predicted) <= 0.02 * predicted, (after.memory.peak_bytes, predicted)
+    assert after.memory.peak_bytes < o.report.memory.peak_bytes

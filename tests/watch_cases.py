@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,24 @@ def main():
     train_losses(WorkloadConfig(steps=3, n_layers=2, d_model=64, ac="block"), ac_dir)
     last = fsdp_doctor.load_run(ac_dir).ranks[0].steps[-1]
     out["recompute_ms"] = {u.name: u.recompute_ms for u in last.units}
+    # the user's own optimizer pre-hook (registered before watch) sleeping 30 ms, and an evaluation of 2 batches
+    # under torch.no_grad() after step 1: optimizer time and no-grad forwards, not time outside the model
+    torch.manual_seed(0)
+    model, opt = build_training(WorkloadConfig(steps=4, n_layers=2, d_model=64))
+    opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
+    hook_dir = os.path.join(tmp, "hooked")
+    with fsdp_doctor.watch(model, opt, out_dir=hook_dir, profile=False) as doctor:
+        for step, (tok, tgt) in zip(range(4), batches(cfg, 0)):
+            next_token_loss(model(tok), tgt).backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+            if step == 1:
+                with torch.no_grad():
+                    for _ in range(2):
+                        model(tok)
+    out["hooked"] = [[s.optimizer_ms, s.outside_ms, s.no_grad_forwards, s.no_grad_ms, [u.fwd_calls for u in s.units]]
+                     for s in fsdp_doctor.load_run(hook_dir).ranks[0].steps]
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out))
 

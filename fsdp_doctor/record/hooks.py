@@ -137,8 +137,14 @@ class StepTimer:
         h.append(model.register_forward_pre_hook(self._model_pre, prepend=True))
         h.append(model.register_forward_hook(self._model_post))
         if optimizer is not None:
-            h.append(optimizer.register_step_pre_hook(self._opt_pre))
+            pre = optimizer.register_step_pre_hook(self._opt_pre)
+            h.append(pre)
             h.append(optimizer.register_step_post_hook(self._opt_post))
+            # first of the pre-hooks: the user's own (a fix's all-reduce of replicated parameters, a gradient
+            # check) run inside optimizer.step() and are its time, not time outside the model
+            hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            if hasattr(hooks, "move_to_end"):
+                hooks.move_to_end(pre.id, last=False)
         gc.callbacks.append(self._gc_cb)
         self._tap_fsdp_log()
 

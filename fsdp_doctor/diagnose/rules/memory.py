@@ -1,4 +1,5 @@
-"""Memory: gradients kept alive between steps, and a peak near capacity that no one category explains."""
+"""Memory: gradients kept alive between steps, the model's outputs kept past backward, and a peak near capacity
+that no one category explains."""
 
 from __future__ import annotations
 
@@ -65,6 +66,66 @@ def _peak_without_kept(pm, kept: int, units) -> int:
         total = int(row.get("total") or 0)
         best = max(best, total - kept + (min(done, kept) if backward else 0))
     return best + max(0, int(pm.peak_bytes) - max(int(r.get("total") or 0) for r in tl))
+
+
+# the step's own tensors alive when the optimizer step starts count from this many bytes on and this share of the
+# peak (the loss, a grad-norm scalar and allocator rounding stay far below)
+OUTPUTS_KEPT_MIN_BYTES = 256 << 10
+OUTPUTS_KEPT_MIN_SHARE = 0.02
+OUTPUTS_KEPT_WARN_SHARE = 0.10  # of the peak: a warning from here on (or with the peak near capacity)
+
+
+@register
+class OutputsKept(Rule):
+    code = "memory.outputs_kept"
+    name = "Model outputs kept past backward"
+    description = ("Tensors the step made, other than gradients, are still allocated when the optimizer step "
+                   "starts: the loop keeps the model's output (logits, past_key_values) through backward, the "
+                   "optimizer step and the next forward.")
+    needs = ("memory",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        pm = E.peak_memory(ctx)
+        tl = pm.timeline if pm is not None else None
+        if not tl:
+            return self.quiet("no memory timeline of the peak step")
+        root = [(i, r.get("phase")) for i, r in enumerate(tl) if r.get("unit") is None]
+        opt = next((i for i, ph in root if ph == "optimizer_start"), None)
+        if opt is None:
+            return self.quiet("no optimizer step on the peak step's memory timeline")
+        kept, peak = int(tl[opt].get("temporaries") or 0), int(pm.peak_bytes)
+        if kept < max(OUTPUTS_KEPT_MIN_BYTES, OUTPUTS_KEPT_MIN_SHARE * peak):
+            return self.quiet(f"{fmt_bytes(kept)} of the step's tensors besides gradients are alive when the "
+                              "optimizer step starts")
+        # Freed before backward, they leave every mark from the optimizer step on; in backward only the part
+        # that backward does not hold itself (the logits: what is a temporary when the model's forward returns;
+        # past_key_values are saved activations there, freed layer by layer); in the next step's forward, until
+        # the loop rebinds the name, as far as the step's first mark sees them (a GPU's allocator does; the CPU's
+        # per-step count starts at 0)
+        out = next((i for i, ph in root if ph == "loss_start"), opt)
+        in_backward = min(kept, int(tl[out].get("temporaries") or 0))
+        carried = min(kept, int(tl[0].get("temporaries") or 0))
+        after = E.timeline_peak(pm, [([(opt, len(tl))], -kept), ([(out, opt)], -in_backward),
+                                     ([(0, out)], -carried)])
+        cap = E.capacity_bytes(ctx)
+        near = bool(cap) and peak / cap >= T.NEAR_CAPACITY_SHARE
+        sev = "warning" if near or kept >= OUTPUTS_KEPT_WARN_SHARE * peak else "info"
+        code = ("# in your loop, once the loss is computed from the model's output and before loss.backward():\n"
+                f"del outputs  # its {fmt_bytes(kept)} (logits, past_key_values) freed in backward, not after the next forward")
+        return [self.finding(
+            sev, f"{fmt_bytes(kept)} of the model's outputs kept past backward",
+            {"kept_bytes": kept, "kept_peak_pct": round(100 * kept / peak, 1), "peak_bytes": peak,
+             "peak_phase": pm.peak_at.phase, "peak_after_bytes": after, "carried_into_next_forward_bytes": carried},
+            f"When the optimizer step starts, {fmt_bytes(kept)} of tensors made in the step are still allocated "
+            "besides its gradients: the loop keeps what the model returned (outputs = model(...); loss = "
+            "outputs.loss, as Hugging Face's no-trainer examples do), so its logits, and its past_key_values "
+            "unless use_cache=False, live through backward, the optimizer step and the next forward, until the "
+            "name is bound again. Backward needs none of them: the loss keeps what it needs. Keep the loss only, "
+            "or delete the output before backward.",
+            code, where="backward",
+            inputs={"outputs": "what your loop keeps of model(...)'s return (its output object or logits)"},
+            predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
 
 
 @register
