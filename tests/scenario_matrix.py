@@ -396,6 +396,9 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "grad_accum": 4}, min_severity="info"),
     _g("gpu_gpt_straggler", "gpt", "straggler.rank", "rank 1 sleeps 30 ms every step",
        knobs={**GPU_SHAPE, "sleep_rank": 1, "sleep_ms": 30.0, "steps": 12}, apply=False),  # 7 steady steps
+    _g("gpu_hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
+       "outputs = model(...) kept until the next forward (logits, past_key_values)", knobs=HF_GPU_SHAPE,
+       loop="keep_outputs", min_severity="info"),
     # the fix compiles each block (inductor on the GPU): last, the slowest rerun
     _g("gpu_gpt_tiny_launch_bound", "gpt", "kernels.launch_bound", "a tiny GPT: the host launches, the GPU waits",
        knobs=TINY_GPU, min_severity="info"),
