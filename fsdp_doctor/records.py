@@ -148,6 +148,8 @@ class RunConfig(Record, tag="config"):
     # a Hugging Face model's attention implementation ("eager", "sdpa", ...) where the model can switch it
     # (``set_attn_implementation``); None for any other model, or an older transformers without that method
     attn_implementation: str | None = None
+    # what drove the training loop when not the user's own code: "transformers.Trainer" (fsdp_doctor.DoctorCallback)
+    driver: str | None = None
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0

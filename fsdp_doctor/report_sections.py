@@ -436,6 +436,7 @@ FIX_PLACES = {
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",
     "backward": "in your training loop, between the loss and its backward",
+    "trainer": "with your Trainer built, before trainer.train()",
 }
 
 

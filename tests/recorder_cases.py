@@ -393,6 +393,19 @@ def run_trainer(out: Path) -> dict:
         return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
 
     identical = losses(tr) == losses(base) and same_tensors(params(hooks.model), params(base_hooks.model))
+    # the report of that run (every rank's records complete: read after both have trained), its fixes as Trainer
+    # callbacks; prefetch.sync_unshard's (gloo's all-gathers block the host) pasted as printed, with the Trainer
+    dist.barrier()
+    report = fsdp_doctor.build_report(fsdp_doctor.load_run(out / "trainer"))
+    fixes = {f.code: f.recommendation for f in report.findings if f.recommendation.code}
+    fixed = None
+    if "prefetch.sync_unshard" in fixes:
+        tr3 = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "fixed"))], out / "hf3")
+        exec(compile(fixes["prefetch.sync_unshard"].code, "<prefetch.sync_unshard fix>", "exec"), {"trainer": tr3})
+        tr3.train()
+        dist.barrier()
+        after = fsdp_doctor.build_report(fsdp_doctor.load_run(out / "fixed"))
+        fixed = next(s.status for s in after.rules if s.code == "prefetch.sync_unshard")
     again = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))], out / "hf2")
     again.train()  # a second run into the same run directory: refused, trained all the same
     try:
@@ -405,7 +418,9 @@ def run_trainer(out: Path) -> dict:
             "steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
             "no_grad": {s.step: [s.no_grad_forwards, s.no_grad_ms] for s in rd.steps if s.no_grad_forwards},
             "unit_calls": [[u.fwd_calls for u in s.units] for s in rd.steps], "optimizer": rd.config.optimizer,
-            "second_losses": losses(again), "misspelt": misspelt, "errors": len(rd.errors)}
+            "second_losses": losses(again), "fix_places": {c: r.where for c, r in fixes.items()},
+            "sync_unshard_fix": fixes["prefetch.sync_unshard"].code if "prefetch.sync_unshard" in fixes else None,
+            "sync_unshard_after_fix": fixed, "misspelt": misspelt, "errors": len(rd.errors)}
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer}

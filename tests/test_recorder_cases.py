@@ -151,3 +151,15 @@ def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
         assert ng.steps == [3, 6] and ng.forwards == 4 and ng.excluded, (r, ng)
     assert all(o.step not in (3, 6) for o in report.steps.outliers), report.steps.outliers
     assert all(o.cause != "late_rank" for o in report.steps.outliers), report.steps.outliers
+
+
+def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
+    """A fix for the sharded model of a Trainer-driven run is printed as a Trainer callback (the Trainer shards the
+    model inside train()): prefetch.sync_unshard's, executed as printed with a new Trainer, leaves the rule quiet
+    in that run's report."""
+    for res in trainer_run[0]:
+        assert res["fix_places"].get("prefetch.sync_unshard") == "trainer", res["fix_places"]
+        code = res["sync_unshard_fix"]
+        assert "class DoctorFix(TrainerCallback)" in code and code.rstrip().endswith("trainer.add_callback(DoctorFix())")
+        assert "_set_unshard_async_op(True)" in code, code
+        assert res["sync_unshard_after_fix"] == "quiet", res["sync_unshard_after_fix"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from .base import NEEDS, RULES, SEVERITIES, Context, Finding, Need, Rule, register
+from . import snippets as S
 from . import rules as _rules  # noqa: F401  (registers the rules)
 from ..report_sections import RuleStatus
 
@@ -53,6 +54,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
             statuses.append(cls.status("quiet", rule.why_quiet or NO_REASON))
+    if getattr(ctx.config, "driver", None) == S.TRAINER:  # its fixes where a Trainer's user can put them
+        for f in out:
+            S.for_trainer(f.recommendation)
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return out

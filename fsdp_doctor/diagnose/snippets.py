@@ -644,6 +644,37 @@ def root_mesh() -> str:
     return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
 
 
+TRAINER = "transformers.Trainer"  # RunConfig.driver of a run watched through fsdp_doctor.DoctorCallback
+_REBINDS = re.compile(r"^\s*(model|optimizer)\s*=", re.M)
+_LOOP_HELPER = re.compile(r"^def ", re.M)  # a function the user's loop calls (optim.step_comm's logging)
+TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through accelerate's FSDP2 plugin and runs the loop "
+                     "itself, this code is for a loop of your own: with the Trainer, make the same change through "
+                     "its TrainingArguments or fsdp_config where they have the option.")
+
+
+def for_trainer(rec) -> None:
+    """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
+    model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
+    runs from a callback's ``on_train_begin``, as fsdp_doctor.DoctorCallback does (``optimizer`` there is
+    accelerate's wrapper: the torch optimizer is its ``.optimizer``). A fix that rebinds the model or the optimizer,
+    replaces the sharding or edits the loop stays as it is, and its text says why."""
+    if not rec.code:
+        return
+    if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code) or _LOOP_HELPER.search(rec.code):
+        rec.text += TRAINER_ELSEWHERE
+        return
+    body = "\n".join(("        " + ln) if ln else "" for ln in rec.code.splitlines())
+    rec.code = ("from transformers import TrainerCallback\n\n\n"
+                "class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model and built the optimizer\n"
+                "    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):\n"
+                + ("        optimizer = getattr(optimizer, \"optimizer\", optimizer)  # the torch optimizer inside "
+                   "accelerate's\n" if re.search(r"\boptimizer\b", rec.code) else "")
+                + f"{body}\n\n\n"
+                "trainer.add_callback(DoctorFix())")
+    rec.where = "trainer"
+    rec.inputs = {**rec.inputs, "trainer": "your transformers Trainer"}
+
+
 def fix_place(code: str) -> str:
     """Where a snippet goes (report_sections.FIX_PLACES): one in two parts around the user's fully_shard calls, a
     sharding plan on the unsharded model, one that (re)builds or hooks the optimizer after it exists, otherwise a

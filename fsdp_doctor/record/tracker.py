@@ -89,6 +89,7 @@ class Doctor:
         self._micro = 0  # doctor.step() calls since the last step record (micro-batches of one optimizer step)
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
+        self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -350,6 +351,7 @@ class Doctor:
             hardware_flops_per_step=self.hardware_flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency)
+        cfg.driver = self.driver
         return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
