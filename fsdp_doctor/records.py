@@ -132,6 +132,11 @@ class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
         return min(self.top_k, self.num_experts) / self.num_experts if self.top_k and self.num_experts else 1.0
 
 
+# RunConfig.driver of a run a Hugging Face Trainer drove (fsdp_doctor.DoctorCallback): the diagnosis then writes
+# its fixes as Trainer callbacks (diagnose/snippets.for_trainer)
+TRAINER_DRIVER = "transformers.Trainer"
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -148,7 +153,7 @@ class RunConfig(Record, tag="config"):
     # a Hugging Face model's attention implementation ("eager", "sdpa", ...) where the model can switch it
     # (``set_attn_implementation``); None for any other model, or an older transformers without that method
     attn_implementation: str | None = None
-    # what drove the training loop when not the user's own code: "transformers.Trainer" (fsdp_doctor.DoctorCallback)
+    # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback)
     driver: str | None = None
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)

@@ -644,7 +644,6 @@ def root_mesh() -> str:
     return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
 
 
-TRAINER = "transformers.Trainer"  # RunConfig.driver of a run watched through fsdp_doctor.DoctorCallback
 _REBINDS = re.compile(r"^\s*(model|optimizer)\s*=", re.M)
 _LOOP_HELPER = re.compile(r"^def ", re.M)  # a function the user's loop calls (optim.step_comm's logging)
 TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through accelerate's FSDP2 plugin and runs the loop "
@@ -663,7 +662,7 @@ def for_trainer(rec) -> None:
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code) or _LOOP_HELPER.search(rec.code):
         rec.text += TRAINER_ELSEWHERE
         return
-    body = "\n".join(("        " + ln) if ln else "" for ln in rec.code.splitlines())
+    body = textwrap.indent(rec.code, " " * 8)
     rec.code = ("from transformers import TrainerCallback\n\n\n"
                 "class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model and built the optimizer\n"
                 "    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):\n"

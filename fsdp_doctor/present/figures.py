@@ -160,7 +160,7 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
     x = [cols["step"][i] for i in idx]
     prof = [bool(cols["profiled"][i]) for i in idx]
     fig = go.Figure()
-    no_grad = any(cols.get("no_grad_ms", [0])[i] for i in idx)
+    no_grad = "no_grad_ms" in cols and any(cols["no_grad_ms"][i] for i in idx)
     for ph in ("forward", "backward", "optimizer", "outside", *(("no_grad",) if no_grad else ())):
         y = [cols[f"{ph}_ms"][i] for i in idx]
         if ph == "outside":

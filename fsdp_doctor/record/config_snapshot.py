@@ -81,10 +81,11 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
 
 def _param_counts(model: nn.Module) -> dict:
-    """The model's parameters (DTensor numel: global), in one walk; what the backward works on (the analytic FLOP estimate's): the trainable parameters (weight gradients), and
-    the parameters from the first trainable one on in module order, those input gradients flow back through (a
-    frozen prefix, such as the embeddings and frozen blocks below a trainable tail, gets none); and of each, a
-    mixture of experts' routed experts (:func:`_experts`), of which a token runs top_k of num_experts."""
+    """The model's parameters (DTensor numel: global), in one walk; what the backward works on (the analytic FLOP
+    estimate's): the trainable parameters (weight gradients), and the parameters from the first trainable one on in
+    module order, those input gradients flow back through (a frozen prefix, such as the embeddings and frozen
+    blocks below a trainable tail, gets none); and of each, a mixture of experts' routed experts (:func:`_experts`),
+    of which a token runs top_k of num_experts."""
     expert_ids, top_k, num_experts = _experts(model)
     total = trainable = path = 0
     ex = [0, 0, 0]  # the experts': every one, trainable, from the first trainable parameter on
@@ -97,7 +98,8 @@ def _param_counts(model: nn.Module) -> dict:
             ex = [ex[0] + n, ex[1] + n * p.requires_grad, ex[2] + n * on_path]
     experts = Experts(param_count=ex[0], trainable_param_count=ex[1], grad_path_param_count=ex[2], top_k=top_k,
                       num_experts=num_experts) if expert_ids else None
-    return {"model_param_count": total, "model_trainable_param_count": trainable, "model_grad_path_param_count": path, "experts": experts}
+    return {"model_param_count": total, "model_trainable_param_count": trainable,
+            "model_grad_path_param_count": path, "experts": experts}
 
 
 def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:

@@ -21,11 +21,11 @@ import logging
 
 from transformers import TrainerCallback
 
+from ..records import TRAINER_DRIVER
 from .options import WatchOptions
 from .tracker import Doctor, WatchError
 
 log = logging.getLogger("fsdp_doctor")
-TRAINER = "transformers.Trainer"  # RunConfig.driver: the diagnosis then writes its fixes as Trainer callbacks
 
 
 class DoctorCallback(TrainerCallback):
@@ -39,7 +39,7 @@ class DoctorCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._close()
         doctor = Doctor(model, optimizer, self.options)
-        doctor.driver = TRAINER
+        doctor.driver = TRAINER_DRIVER
         try:
             doctor.__enter__()
         except WatchError as e:
