@@ -298,6 +298,9 @@ class StepRecord(Record, tag="step"):
     # generation) and their time; kept out of forward_ms, outside_ms and the units' timings
     no_grad_ms: float = 0.0
     no_grad_forwards: int = 0
+    # of those, forwards in eval mode with autograd on that no backward followed (an evaluation that forgot
+    # torch.no_grad(): it records the autograd graph and holds its activations until its output is freed)
+    autograd_eval_forwards: int = 0
 
 
 class GpuTimes(Record, tag="gpu"):

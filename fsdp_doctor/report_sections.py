@@ -188,12 +188,15 @@ class Straggler(_Section):
 
 class NoGradSteps(_Section):
     """One rank's steps whose time holds forward passes of the model without gradients (``torch.no_grad`` or
-    ``inference_mode``: evaluation, generation), which are not training and are kept out of its phases."""
+    ``inference_mode``: evaluation, generation; or in eval mode with no backward after them), which are not
+    training and are kept out of its phases."""
 
     steps: list[int]
     forwards: int  # in those steps, all together
     ms_p50: float  # their time per such step (median)
     excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
+    # of the forwards, those in eval mode with autograd on (no backward followed: torch.no_grad() forgotten)
+    with_autograd: int = 0
 
 
 class StepsSection(_Section):
@@ -436,6 +439,7 @@ FIX_PLACES = {
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",
     "backward": "in your training loop, between the loss and its backward",
+    "evaluation": "around your evaluation (where the model runs without a backward after it)",
     "trainer": "with your Trainer built, before trainer.train()",
 }
 

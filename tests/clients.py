@@ -34,6 +34,7 @@ import json
 import os
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -878,10 +879,30 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                 opt.zero_grad(set_to_none=cfg.zero_grad_to_none)
                 doctor.step()
                 losses.append(total)
+                if row.get("loop") == "eval_autograd" and step % EVAL_EVERY == EVAL_EVERY - 1:
+                    evaluate = partial(evaluate_in_eval_mode, model, tree, step, rank, (cfg.batch_size, cfg.seq_len), dev)
+                    if fix.get("where") == "evaluation":
+                        _exec(fix, model, opt, evaluate=evaluate)
+                    else:
+                        evaluate()
     finally:  # jitter.gc's fix freezes and disables the collector: the next scenario starts as the user would
         gc.unfreeze()
         gc.enable()
     return losses, replica_drift(model)
+
+
+EVAL_EVERY = 3  # the "eval_autograd" loop evaluates after every third step, on EVAL_BATCHES batches
+EVAL_BATCHES = 2
+
+
+def evaluate_in_eval_mode(model, tree: str, step: int, rank: int, size: tuple[int, int], dev) -> float:
+    """The user's evaluation as written without torch.no_grad(): the model in eval mode, losses read, no backward
+    (tests/scenario_matrix.py, loop "eval_autograd"); under the fix's ``with torch.no_grad():`` the same code."""
+    model.eval()
+    try:
+        return sum(loss_of(model, tree, 10_000 + step, rank, i, size, dev).item() for i in range(EVAL_BATCHES))
+    finally:
+        model.train()
 
 
 def replica_drift(model) -> float:

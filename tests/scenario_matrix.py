@@ -75,7 +75,8 @@ class Row:
     why: str = ""  # what is planted, in a few words
     gpu: bool = False  # a GPU row (GPU_ROWS): its knobs are the GPU's shape, shrunk on the CPU
     # the user's loop beyond the knobs: "keep_outputs" keeps what the model returned (outputs = model(...)) until
-    # the next forward rebinds the name, as Hugging Face's no-trainer examples do
+    # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
+    # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode)
     loop: Optional[str] = None
 
     def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None,
@@ -206,6 +207,11 @@ ROWS: list[Row] = [
     _r("hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
        "outputs = model(...) kept until the next forward (logits, past_key_values)", loop="keep_outputs",
        knobs={"batch_size": 4, "seq_len": 64}, min_severity="info"),
+    _r("gpt_eval_autograd", "gpt", "memory.eval_autograd", "evaluation in eval mode without torch.no_grad()",
+       loop="eval_autograd", min_severity="info"),
+    _r("hf_llama_eval_autograd", "hf_llama", "memory.eval_autograd",
+       "model.eval() and outputs = model(...) in evaluation, without torch.no_grad()", loop="eval_autograd",
+       min_severity="info"),
     _r("gpt_bf16_reduce", "gpt", "numerics.reduce_dtype", "reduce_dtype=bf16 for fp32 parameters",
        knobs={"reduce_dtype": "bf16"}),
     _r("gpt_sync_unshard", "gpt", "prefetch.sync_unshard", "gloo all-gathers block the host (no async op)",

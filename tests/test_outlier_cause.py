@@ -26,8 +26,9 @@ def test_outlier_waiting_for_a_rank_late_in_the_previous_step():
     assert out[(0, 6)].cause == "late_rank" and "rank 1" in out[(0, 6)].detail
 
 
-def _eval_run(eval_steps, *, n=12, eval_ms=300.0):
-    """Two ranks of 100 ms steps; the steps in ``eval_steps`` also ran 8 forward passes without gradients."""
+def _eval_run(eval_steps, *, n=12, eval_ms=300.0, autograd=0):
+    """Two ranks of 100 ms steps; the steps in ``eval_steps`` also ran 8 forward passes without gradients
+    (``autograd`` of them in eval mode with autograd on)."""
     from fsdp_doctor.records import StepRecord, UnitStep
     from fsdp_doctor.store import Run
     from fsdp_doctor.store.reader import RankData
@@ -36,7 +37,7 @@ def _eval_run(eval_steps, *, n=12, eval_ms=300.0):
         ng = eval_ms if k in eval_steps else 0.0
         return StepRecord(rank=rank, step=k, start_ns=k, wall_ms=100.0 + ng + 0.1 * (k % 3), forward_ms=30.0,
                           backward_ms=50.0, optimizer_ms=15.0, outside_ms=5.0, no_grad_ms=ng,
-                          no_grad_forwards=8 if ng else 0,
+                          no_grad_forwards=8 if ng else 0, autograd_eval_forwards=autograd if ng else 0,
                           units=[UnitStep(name="layers.0", fwd_ms=30.0, ag_wait_fwd_ms=2.0)])
 
     run = Run(path="constructed")
@@ -60,6 +61,26 @@ def test_evaluation_steps_are_left_out_and_named():
     assert no_grad_text(sec) == ("Forward passes without gradients (evaluation, generation): 16 in 2 steps (4, 8), "
                                  "300.0 ms per step, counted apart from forward and outside; those steps are left "
                                  "out of the step statistics above")
+
+
+def test_evaluation_with_autograd_on_is_named_and_diagnosed():
+    """Forwards in eval mode with autograd on that no backward reached (torch.no_grad() forgotten) are evaluation
+    like the others, and said to be: the line under the step table counts them, and memory.eval_autograd fires
+    with the counts and the fix that wraps the user's evaluation; without them the rule says why it is quiet."""
+    import fsdp_doctor
+    from fsdp_doctor.present.fmt import no_grad_text
+
+    rep = fsdp_doctor.build_report(_eval_run({4, 8}, autograd=8))
+    assert rep.steps.no_grad["1"].with_autograd == 16 and rep.steps.per_rank["1"].count == 9
+    assert no_grad_text(rep.steps).startswith("Forward passes without gradients (evaluation, generation): 16 (16 in "
+                                              "eval mode with autograd on) in 2 steps (4, 8)"), no_grad_text(rep.steps)
+    f = next(f for f in rep.findings if f.code == "memory.eval_autograd")
+    assert (f.severity, f.evidence["forwards"], f.evidence["steps"], f.ranks) == ("info", 16, [4, 8], [0, 1]), f
+    assert f.recommendation.where == "evaluation" and list(f.recommendation.inputs) == ["evaluate"]
+    assert "with torch.no_grad():" in f.recommendation.code and "evaluate()" in f.recommendation.code
+    quiet = fsdp_doctor.build_report(_eval_run({4, 8}))
+    assert not [f for f in quiet.findings if f.code == "memory.eval_autograd"]
+    assert next(s.reason for s in quiet.rules if s.code == "memory.eval_autograd").startswith("no forward in eval")
 
 
 def test_evaluation_in_most_steps_stays_and_is_the_outliers_cause():

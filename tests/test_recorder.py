@@ -196,10 +196,16 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert rec[""] == 0 and rec["norm, lm_head"] == 0 and rec["tok_emb, pos_emb"] == 0, rec
     # the user's 30 ms optimizer pre-hook is optimizer time (the doctor's pre-hook runs first), and the 2 no-grad
     # forwards after step 1 are in step 2's record apart: not the forward's, not outside, no unit call
+    # The 2 forwards in eval mode with autograd on after step 2 are in step 3's record the same way, counted as
+    # such; step 3's own training forward, in eval mode too, stays the step's forward (its backward reached it),
+    # and its units' backward waits are timed (the evaluation's output hooks, on outputs gone, were cleared)
     hooked = out["hooked"]
-    assert [h[2] for h in hooked] == [0, 0, 2, 0] and hooked[2][3] > 0, hooked
+    assert [h[2] for h in hooked] == [0, 0, 2, 2] and hooked[2][3] > 0 and hooked[3][3] > 0, hooked
+    assert [h[5] for h in hooked] == [0, 0, 0, 2], hooked
     assert all(opt_ms >= 30 and outside < 30 for opt_ms, outside, *_ in hooked), hooked
-    assert all(calls == hooked[0][4] for *_, calls in hooked), hooked  # (a grouped unit: a call per module)
+    assert all(h[4] == hooked[0][4] for h in hooked), hooked  # (a grouped unit: a call per module)
+    assert hooked[3][7] == hooked[1][7] and any(hooked[1][7]), hooked
+    assert hooked[3][6] < 2 * hooked[1][6] + 5, hooked  # the step's forward holds one forward, not three
 
 
 @pytest.mark.slow

@@ -85,7 +85,8 @@ def main():
     last = fsdp_doctor.load_run(ac_dir).ranks[0].steps[-1]
     out["recompute_ms"] = {u.name: u.recompute_ms for u in last.units}
     # the user's own optimizer pre-hook (registered before watch) sleeping 30 ms, and an evaluation of 2 batches
-    # under torch.no_grad() after step 1: optimizer time and no-grad forwards, not time outside the model
+    # under torch.no_grad() after step 1: optimizer time and no-grad forwards, not time outside the model; after
+    # step 2 an evaluation of 2 batches with model.eval() and autograd on, and the last step trained in eval mode
     torch.manual_seed(0)
     model, opt = build_training(WorkloadConfig(steps=4, n_layers=2, d_model=64))
     opt.register_step_pre_hook(lambda *a: time.sleep(0.03))
@@ -100,7 +101,11 @@ def main():
                 with torch.no_grad():
                     for _ in range(2):
                         model(tok)
-    out["hooked"] = [[s.optimizer_ms, s.outside_ms, s.no_grad_forwards, s.no_grad_ms, [u.fwd_calls for u in s.units]]
+            if step == 2:  # (and the model stays in eval mode for the last step's training)
+                model.eval()
+                [next_token_loss(model(tok), tgt).item() for _ in range(2)]
+    out["hooked"] = [[s.optimizer_ms, s.outside_ms, s.no_grad_forwards, s.no_grad_ms, [u.fwd_calls for u in s.units],
+                      s.autograd_eval_forwards, s.forward_ms, [u.ag_wait_bwd_ms > 0 for u in s.units]]
                      for s in fsdp_doctor.load_run(hook_dir).ranks[0].steps]
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out))

@@ -43,7 +43,8 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
     kept = {s.step for s in usable_steps(steps)}
     return NoGradSteps(steps=[s.step for s in hit], forwards=sum(s.no_grad_forwards for s in hit),
                        ms_p50=round(statistics.median([s.no_grad_ms for s in hit]), 3),
-                       excluded=not any(s.step in kept for s in hit))
+                       excluded=not any(s.step in kept for s in hit),
+                       with_autograd=sum(s.autograd_eval_forwards for s in hit))
 
 
 def percentile(xs: list[float], q: float) -> float:

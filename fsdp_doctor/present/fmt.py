@@ -278,7 +278,9 @@ def no_grad_text(section: StepsSection) -> str | None:
     ms = statistics.median([ng.ms_p50 for ng in per.values()])
     kept = ("left out of the step statistics above" if all(ng.excluded for ng in per.values())
             else "kept in the step statistics above (too few steps without)")
-    return (f"Forward passes without gradients (evaluation, generation): {forwards} in {len(steps)} "
+    graph = max(ng.with_autograd for ng in per.values())
+    graph = f" ({graph} in eval mode with autograd on)" if graph else ""
+    return (f"Forward passes without gradients (evaluation, generation): {forwards}{graph} in {len(steps)} "
             f"step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} per step, counted apart from forward "
             f"and outside; those steps are {kept}")
 

@@ -67,6 +67,7 @@ class StepTimings:
     units: list[UnitStep]
     no_grad_ms: float = 0.0
     no_grad_forwards: int = 0
+    autograd_eval_forwards: int = 0  # of no_grad_forwards: in eval mode with autograd on, no backward after
 
 
 class _UnitAcc:
@@ -116,6 +117,13 @@ class StepTimer:
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
+        # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
+        # a backward follows (training with model.eval()). Recorded like a training forward; once the loop moves on
+        # (a training forward, the step's end) without a backward, it is taken out of forward_ms and the units'
+        # figures and counted as a forward without gradients. The units' figures at its start:
+        self._eval_open: Optional[list[tuple]] = None
+        # such forwards no backward has reached yet: (ns, units' deltas, [reached by a backward])
+        self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -407,6 +415,8 @@ class StepTimer:
                 self._backward_ns += t - self._bwd_start
             self._bwd_start = 0
             self._bwd_cb_queued = False
+            # the eval-mode forwards this backward reached were training (with dropout off, say)
+            self._eval_pending = [e for e in self._eval_pending if not e[2][0]]
             for a in self._acc.values():
                 a.bwd_hooked = a.grad_seen = False
             if self.marks is not None:
@@ -459,6 +469,11 @@ class StepTimer:
                 self._no_grad_t0 = _now()
                 return
             self._no_grad_t0 = 0  # (one that raised never reached its post-hook)
+            if module.training:
+                self._eval_open = None
+                self._settle_eval()  # the eval-mode forwards before this one had no backward: evaluation
+            else:
+                self._eval_open = self._unit_figures()
             self._fwd_start = _now()
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
@@ -471,10 +486,65 @@ class StepTimer:
             self._no_grad_t0 = 0
             return
         if self.active and not _compiling() and not in_backward() and self._fwd_start:
-            self._forward_ns += _now() - self._fwd_start
+            dt = _now() - self._fwd_start
+            self._forward_ns += dt
             self._fwd_start = 0
+            if self._eval_open is not None:
+                try:
+                    reached = self._watch_output(output)
+                except Exception as e:  # noqa: BLE001 - then it stays a training forward
+                    reached = [True]
+                    self._fail("eval-mode forward", e)
+                self._eval_pending.append((dt, self._unit_delta(self._eval_open), reached))
+                # the hooks this forward put on its units' outputs wait for a backward that may never come: the
+                # next forward puts its own (one that does come still finds these)
+                for a, was in zip((self._acc[i] for i in range(len(self._units))), self._eval_open):
+                    a.bwd_hooked = was[4]
+                self._eval_open = None
             if self.marks is not None:  # the loss phase: from here to the first backward mark
                 self._safe(lambda: self.marks.mark(None, "loss_start"), "memory")
+
+    def _unit_figures(self) -> list[tuple]:
+        """What a forward adds to each unit's accumulators: forward time, all-gather wait, calls, checkpointed
+        submodules' forward time, and whether its outputs carry the backward-wait hooks."""
+        return [(a.fwd, a.ag_fwd, a.calls, a.child_fwd, a.bwd_hooked)
+                for a in (self._acc[i] for i in range(len(self._units)))]
+
+    def _unit_delta(self, before: list[tuple]) -> list[tuple]:
+        """Per unit, what the forward since ``before`` added to its figures."""
+        return [tuple(x1 - x0 for x0, x1 in zip(b[:4], a[:4])) for b, a in zip(before, self._unit_figures())]
+
+    @staticmethod
+    def _watch_output(output) -> list[bool]:
+        """A flag that turns True when a backward reaches the forward's output (it stays False when nothing in
+        the output can take a gradient)."""
+        reached = [False]
+
+        def hook(grad):
+            reached[0] = True
+
+        tensors: list = []
+        _collect_tensors(output, tensors)
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(hook)
+        return reached
+
+    def _settle_eval(self) -> None:
+        """The eval-mode forwards no backward reached were evaluation: their time leaves the step's forward and
+        the units' figures and counts as forwards without gradients."""
+        for dt, delta, _ in self._eval_pending:
+            self._forward_ns -= dt
+            self._no_grad_ns += dt
+            self._no_grad_count += 1
+            self._autograd_eval_count += 1
+            for i, (f, w, c, k) in enumerate(delta):
+                a = self._acc[i]
+                a.fwd -= f
+                a.ag_fwd -= w
+                a.calls -= c
+                a.child_fwd -= k
+        self._eval_pending.clear()
 
     def _opt_pre(self, optimizer, args, kwargs):
         if self.active:
@@ -507,7 +577,9 @@ class StepTimer:
 
     def begin_step(self) -> None:
         self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
-        self._gc_count = self._no_grad_count = 0
+        self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
+        self._eval_open = None
+        self._eval_pending = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._bwd_cb_queued = False
         for a in self._acc.values():
@@ -517,6 +589,7 @@ class StepTimer:
 
     def timings(self) -> StepTimings:
         """The step's timings: the phases' and, per unit, forward, backward, their unshard waits, recompute."""
+        self._settle_eval()  # the step ends: eval-mode forwards no backward followed were evaluation
         units = [
             UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),
                      ag_wait_bwd_ms=_ms(a.ag_bwd), recompute_ms=_ms(self._recompute_ns(a)), fwd_calls=a.calls)
@@ -524,7 +597,8 @@ class StepTimer:
         ]
         return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
-                           units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count)
+                           units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
+                           autograd_eval_forwards=self._autograd_eval_count)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

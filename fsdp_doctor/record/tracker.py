@@ -306,6 +306,7 @@ class Doctor:
             outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
+            autograd_eval_forwards=tm.autograd_eval_forwards,
         )
         self._sinks.on_step(rec)
         if self._gpu is not None:

@@ -1,5 +1,5 @@
-"""Memory: gradients kept alive between steps, the model's outputs kept past backward, and a peak near capacity
-that no one category explains."""
+"""Memory: gradients kept alive between steps, the model's outputs kept past backward, evaluation with autograd
+on, and a peak near capacity that no one category explains."""
 
 from __future__ import annotations
 
@@ -126,6 +126,46 @@ class OutputsKept(Rule):
             code, where="backward",
             inputs={"outputs": "what your loop keeps of model(...)'s return (its output object or logits)"},
             predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
+
+
+@register
+class EvalAutograd(Rule):
+    code = "memory.eval_autograd"
+    name = "Evaluation with autograd on"
+    description = ("The model ran forward passes in eval mode with autograd on and no backward after them: an "
+                   "evaluation without torch.no_grad(), which records the autograd graph and holds every "
+                   "activation a training forward saves.")
+    needs = ("records",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        per = {r: ng for r, ng in E.steps(ctx).no_grad.items() if ng.with_autograd}
+        if not per:
+            return self.quiet("no forward in eval mode with autograd on was left without a backward")
+        rank, ng = max(per.items(), key=lambda kv: kv[1].with_autograd)
+        steps = sorted({s for n in per.values() for s in n.steps})
+        acts = max((int(u.activation_bytes or 0) for u in E.memory_units(ctx).values()), default=0)
+        peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
+        near = bool(peak and cap) and peak / cap >= T.NEAR_CAPACITY_SHARE
+        held = (f" (the training forward's are {fmt_bytes(acts)} at its batch size)" if acts else "")
+        return [self.finding(
+            "warning" if near else "info",
+            f"{ng.with_autograd} evaluation forward passes ran with autograd on",
+            {"forwards": ng.with_autograd, "rank": int(rank), "steps": steps, "ms_per_step_p50": ng.ms_p50,
+             "training_forward_activation_bytes": acts or None, "peak_bytes": peak,
+             "peak_capacity_pct": round(100 * peak / cap, 1) if peak and cap else None},
+            f"In {len(steps)} step(s) ({E.fmt_list([str(s) for s in steps])}) the model ran {ng.with_autograd} forward "
+            "passes in eval mode with autograd on, and no backward followed them: an evaluation without "
+            "torch.no_grad(). Each records the autograd graph and keeps every activation it saves for a backward "
+            f"that never comes{held} until its output is freed; under torch.no_grad() each layer's are freed as "
+            "the next runs. An evaluation batch larger than the training one runs out of memory here first. The "
+            "training steps' time and peak do not change: the doctor already leaves these forwards out of them.",
+            "with torch.no_grad():  # the model's forward passes that no backward follows\n"
+            "    evaluate()",
+            where="evaluation",
+            inputs={"evaluate": "your evaluation: the code that runs the model in eval mode"},
+            predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, peak),
+            ranks=sorted(int(r) for r in per))]
 
 
 @register
