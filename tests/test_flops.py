@@ -76,11 +76,11 @@ def test_n_kv_heads_validated_and_on_the_command_line():
 
 
 # ---------------------------------------------------------------------------------------------- watch()
-def _train(cfg, out_dir=None):
+def _train(cfg, out_dir=None, evaluate=None):
     from watch_cases import train_losses
 
     kw = dict(memory=False, tokens_per_step=cfg.tokens_per_step(1), peak_tflops=1.0) if out_dir else {}
-    return train_losses(cfg, out_dir, **kw)
+    return train_losses(cfg, out_dir, evaluate=evaluate, **kw)
 
 
 @pytest.fixture
@@ -137,6 +137,20 @@ def test_gqa_flops_counted_under_watch(one_rank_group, tmp_path):
     assert run.ranks[0].config.flops_per_step == gpt.flops_per_step(cfg)
     assert run.ranks[0].config.hardware_flops_per_step == gpt.flops_per_step(cfg)
     assert analyze_throughput(run).per_rank["0"].flops_source == "counted"
+
+
+@pytest.mark.parametrize("how", ["no_grad", "eval_mode"])
+def test_an_evaluation_in_the_counted_step_moves_the_count_on(one_rank_group, tmp_path, how):
+    """An evaluation inside step 1 (after the first doctor.step()) would add its forwards to the training step's
+    FLOPs: the count moves to the next step without one (step 3 here: steps 1 and 2 evaluated)."""
+    from fsdp_doctor import load_run
+
+    cfg = WorkloadConfig(**SMALL, steps=5)
+    _train(cfg, tmp_path / "run", evaluate={0: how, 1: how})
+    rd = load_run(tmp_path / "run").ranks[0]
+    assert [s.no_grad_forwards for s in rd.steps] == [0, 2, 2, 0, 0]
+    assert rd.config.flops_per_step == gpt.flops_per_step(cfg)
+    assert [s.profiled for s in rd.steps] == [False, True, True, True, False]  # the counting steps
 
 
 def test_a_raising_formula_is_caught(monkeypatch, caplog):

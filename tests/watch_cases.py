@@ -1,6 +1,7 @@
 """Run as a script (one gloo rank in a fresh process): exercises watch()'s entry checks and its
 step-aside-on-error path, printing one JSON object with what happened. Used by test_recorder.py."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,7 +21,9 @@ from fsdp_doctor.workloads.train import next_token_loss
 from fsdp_doctor.workloads.data import batches
 
 
-def train_losses(cfg, out_dir=None, sabotage=False, **watch_kwargs):
+def train_losses(cfg, out_dir=None, sabotage=False, evaluate=None, **watch_kwargs):
+    """The reference GPT's losses, under watch() into ``out_dir`` if given; ``evaluate``: {step: "no_grad" |
+    "eval_mode"}, an evaluation of 2 batches after that step, under torch.no_grad() or with model.eval() only."""
     torch.manual_seed(0)
     model, opt = build_training(cfg)
     losses = []
@@ -36,6 +39,12 @@ def train_losses(cfg, out_dir=None, sabotage=False, **watch_kwargs):
         if doctor:
             doctor.step()
         losses.append(loss.item())
+        how = (evaluate or {}).get(step)
+        if how:
+            model.eval()
+            with torch.no_grad() if how == "no_grad" else contextlib.nullcontext():
+                [next_token_loss(model(tok), tgt).item() for _ in range(2)]
+            model.train()
     if ctx:
         ctx.__exit__(None, None, None)
     return losses

@@ -54,6 +54,8 @@ from .units import Unit, find_units
 
 log = logging.getLogger("fsdp_doctor")
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# the FLOP count moves on to the next step at most this many times when the counted step also evaluated
+FLOPS_RECOUNTS = 4
 _now = time.perf_counter_ns
 
 
@@ -313,7 +315,7 @@ class Doctor:
             done = self._gpu.end_step(step)
             if done:
                 self._sinks.write(*done)
-        self._flops_tick(step)
+        self._flops_tick(step, evaluated=bool(tm.no_grad_forwards))
         if self._profiler is not None:
             try:
                 if self._profiler.step():
@@ -323,12 +325,21 @@ class Doctor:
                 self._fail("profiler", e, stop=False)
 
     _spill_profiled = False
+    _flops_recounts = 0
 
-    def _flops_tick(self, step: int) -> None:
-        """Counts FLOPs over one whole step (step 1, after FSDP's lazy init; see record/throughput.py)."""
+    def _flops_tick(self, step: int, evaluated: bool = False) -> None:
+        """Counts FLOPs over one whole step (step 1, after FSDP's lazy init; see record/throughput.py). A counted
+        step that also ran the model without gradients (evaluation, generation) counted those forwards too: the
+        next step is counted instead, up to FLOPS_RECOUNTS times (then the count stands, the evaluation in it)."""
         if not self.count_flops:
             return
         if self._flops is not None:
+            if evaluated and self._flops_recounts < FLOPS_RECOUNTS:
+                self._flops.abort()
+                self._flops_recounts += 1
+                self._flops = FlopCounter()
+                self._flops.start()
+                return
             counted = self._flops.finish()
             self._flops = None
             if counted is not None:
