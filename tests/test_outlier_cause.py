@@ -97,3 +97,18 @@ def test_evaluation_in_most_steps_stays_and_is_the_outliers_cause():
     causes = {(o.rank, o.step): o for o in sec.outliers}
     assert set(causes) == {(0, 9), (1, 9)}
     assert causes[(0, 9)].cause == "no_grad" and causes[(0, 9)].detail.startswith("8 forward passes without"), causes
+
+
+def test_evaluation_fix_of_a_trainer_run_stays_the_users_code():
+    """Under a Trainer (whose own evaluation runs under no_grad) memory.eval_autograd points at the user's own
+    evaluation code, a callback's say: its fix stays as printed, not a TrainerCallback, nor "use fsdp_config"."""
+    import fsdp_doctor
+    from fsdp_doctor.records import TRAINER_DRIVER, RunConfig
+
+    run = _eval_run({4, 8}, autograd=8)
+    for rd in run.ranks.values():
+        rd.config = RunConfig(rank=rd.rank, world_size=2, backend="gloo", device="cpu", driver=TRAINER_DRIVER)
+    plain = next(f for f in fsdp_doctor.build_report(_eval_run({4, 8}, autograd=8)).findings
+                 if f.code == "memory.eval_autograd")
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "memory.eval_autograd")
+    assert f.recommendation == plain.recommendation and f.recommendation.where == "evaluation"

@@ -656,8 +656,9 @@ def for_trainer(rec) -> None:
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
     runs from a callback's ``on_train_begin``, as fsdp_doctor.DoctorCallback does (``optimizer`` there is
     accelerate's wrapper: the torch optimizer is its ``.optimizer``). A fix that rebinds the model or the optimizer,
-    replaces the sharding or edits the loop stays as it is, and its text says why."""
-    if not rec.code:
+    replaces the sharding or edits the loop stays as it is, and its text says why; one for the user's evaluation
+    (which the Trainer's own runs under no_grad: this is code of the user's, a callback's say) stays as it is."""
+    if not rec.code or rec.where == "evaluation":  # the user's own evaluation code, wherever it runs: as it is
         return
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code) or _LOOP_HELPER.search(rec.code):
         rec.text += TRAINER_ELSEWHERE
