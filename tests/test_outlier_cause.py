@@ -61,6 +61,11 @@ def test_evaluation_steps_are_left_out_and_named():
     assert no_grad_text(sec) == ("Forward passes without gradients (evaluation, generation): 16 in 2 steps (4, 8), "
                                  "300.0 ms per step, counted apart from forward and outside; those steps are left "
                                  "out of the step statistics above")
+    # an evaluation inside a profiler window is in its trace, whose figures (verdict, exposed communication) are
+    # the window's: the line says so
+    sec.profiler_steps = {"0": {"window": [7, 8], "export": [8]}, "1": {"window": [7, 8], "export": [8]}}
+    assert no_grad_text(sec).endswith("left out of the step statistics above; step 8 of a profiler window: the "
+                                      "trace's figures include the evaluation"), no_grad_text(sec)
 
 
 def test_evaluation_with_autograd_on_is_named_and_diagnosed():

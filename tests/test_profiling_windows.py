@@ -43,6 +43,30 @@ def test_window_records_memory_and_shapes_and_leaves_no_profiler_behind(tmp_path
     assert other_profiler() is None  # our profile object unregistered itself from Kineto's step tracker
 
 
+def test_a_window_step_that_evaluated_is_taken_again(tmp_path):
+    """A window step that also evaluated would put the evaluation in the trace: the window is dropped unsaved and
+    taken again from the next step (warm-up, then its steps), twice at most; the third time it stays. Every trace
+    written names the steps it holds, and ProfilerStep#N are those steps."""
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=2, warmup=1, every=0)),
+                        lambda steps, path: saved.append((steps, path)))
+    w.start()
+    evaluated = {2, 4, 6}  # the window's first step each time: 2, then 4 (after warm-up 3), then 6 (kept)
+    acts = []
+    for step in range(12):
+        _work()
+        acts.append(w.action(step).name)
+        w.step(evaluated=step in evaluated)
+    w.stop()
+    assert acts == ["NONE", "WARMUP", "RECORD", "WARMUP", "RECORD", "WARMUP", "RECORD", "RECORD_AND_SAVE",
+                    *["NONE"] * 4], acts
+    assert [s for s, _ in saved] == [[6, 7]]
+    assert [p.name for p in tmp_path.glob("profiler/*")] == ["rank0.6.pt.trace.json.gz"]
+    names = {e.get("name") for e in json.loads(gzip.open(tmp_path / saved[0][1]).read())["traceEvents"]}
+    assert {"ProfilerStep#6", "ProfilerStep#7"} <= names and "ProfilerStep#2" not in names
+    assert other_profiler() is None
+
+
 def test_steps_aside_for_a_scheduled_user_profiler(tmp_path, caplog):
     seen = []
     user = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],

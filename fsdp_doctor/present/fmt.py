@@ -280,9 +280,12 @@ def no_grad_text(section: StepsSection) -> str | None:
             else "kept in the step statistics above (too few steps without)")
     graph = max(ng.with_autograd for ng in per.values())
     graph = f" ({graph} in eval mode with autograd on)" if graph else ""
+    traced = sorted(set(steps) & {s for ps in section.profiler_steps.values() for s in ps.get("window", [])})
+    traced = (f"; step{'s' if len(traced) > 1 else ''} {', '.join(map(str, traced))} of a profiler window: the "
+              "trace's figures include the evaluation" if traced else "")
     return (f"Forward passes without gradients (evaluation, generation): {forwards}{graph} in {len(steps)} "
             f"step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} per step, counted apart from forward "
-            f"and outside; those steps are {kept}")
+            f"and outside; those steps are {kept}{traced}")
 
 
 def straggler_text(s: Straggler) -> str:

@@ -112,6 +112,11 @@ class ProfilerWindows:
 
     #: collect the window's garbage when it closes (off only to measure what it saves)
     collect_after_window = True
+    #: a window step that also ran the model without gradients (evaluation, generation) puts that work in the
+    #: trace, where the verdict and the exposed communication would read it as the step's: the window is dropped
+    #: unsaved and taken again from the next step, at most this many times in a run (a loop that evaluates in
+    #: every step keeps its window, and the report says the trace includes the evaluation)
+    retakes = 2
 
     def __init__(self, out_dir: Path, rank: int, kwargs: dict[str, Any], on_saved: Callable[[list[int], str], None]):
         self.dir = Path(out_dir) / PROFILER_DIR
@@ -120,6 +125,9 @@ class ProfilerWindows:
             old.unlink(missing_ok=True)
         self.rank = rank
         self.schedule = kwargs["schedule"]
+        self._offset = 0  # steps the schedule runs late by: the windows taken again (``retake``)
+        self._opened_at = 0  # the step the open profiler started at
+        self._discard = False
         self.on_saved = on_saved
         self._step = 0
         self._window: list[int] = []
@@ -138,6 +146,7 @@ class ProfilerWindows:
         kw.setdefault("record_shapes", True)
         kw.setdefault("profile_memory", True)
         kw.setdefault("with_stack", False)
+        kw["schedule"] = self.action  # torch's profiler steps through the same, shifted, schedule
         self._kw = kw
         self.prof: torch.profiler.profile | None = None
         self.stepped_aside: str | None = None  # why the doctor left profiling to the user's own profiler
@@ -145,7 +154,7 @@ class ProfilerWindows:
         self.last_collect_ms = 0.0
 
     def action(self, step: int) -> ProfilerAction:
-        return self.schedule(step)
+        return self.schedule(step - self._offset)
 
     def is_profiled(self, step: int) -> bool:
         return self.action(step) != ProfilerAction.NONE
@@ -169,10 +178,15 @@ class ProfilerWindows:
         prof.current_action = self.action(step)
         prof.start()
         self.prof = prof
+        self._opened_at = step
 
-    def step(self) -> bool:
-        """Advances past the step just finished; True if a trace was written."""
+    def step(self, evaluated: bool = False) -> bool:
+        """Advances past the step just finished (``evaluated``: it also ran the model without gradients); True if
+        a trace was written."""
         if self.action(self._step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+            if evaluated and self.prof is not None and self.retakes > 0:
+                self._retake()
+                return False
             self._window.append(self._step)
         saved_before = self._saved
         self._step += 1
@@ -184,6 +198,21 @@ class ProfilerWindows:
         self._maybe_open(self._step)
         return self._saved != saved_before
 
+    def _retake(self) -> None:
+        """Drops the open window unsaved and shifts the schedule so that it opens again at the next step as it
+        opened at ``_opened_at``."""
+        self.retakes -= 1
+        self._discard = True
+        try:
+            self._close()
+        finally:
+            self._discard = False
+        self._window = []
+        self._collect()
+        self._step += 1
+        self._offset += self._step - self._opened_at
+        self._maybe_open(self._step)
+
     def _collect(self) -> None:
         """The window's garbage collected now, in the doctor's own (profiled) step, not in the user's."""
         if not self.collect_after_window:
@@ -193,6 +222,8 @@ class ProfilerWindows:
         self.last_collect_ms = (time.perf_counter() - t0) * 1e3
 
     def _ready(self, prof) -> None:
+        if self._discard:
+            return
         steps = self._window or [self._step]
         name = f"rank{self.rank}.{steps[0]}.pt.trace.json.gz"
         prof.export_chrome_trace(str(self.dir / name))

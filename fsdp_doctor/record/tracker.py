@@ -318,7 +318,7 @@ class Doctor:
         self._flops_tick(step, evaluated=bool(tm.no_grad_forwards))
         if self._profiler is not None:
             try:
-                if self._profiler.step():
+                if self._profiler.step(evaluated=bool(tm.no_grad_forwards)):
                     self._spill_profiled = True  # the trace export ran inside the next step's wall time
             except Exception as e:  # noqa: BLE001
                 self._profiler = None
