@@ -206,6 +206,12 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert all(h[4] == hooked[0][4] for h in hooked), hooked  # (a grouped unit: a call per module)
     assert hooked[3][7] == hooked[1][7] and any(hooked[1][7]), hooked
     assert hooked[3][6] < 2 * hooked[1][6] + 5, hooked  # the step's forward holds one forward, not three
+    # the memory high-water (a dispatch mode: every operator through Python) never runs in a profiler window's
+    # step, whose trace would time it instead of the user's step: the full step due after the evaluation's
+    # mismatched marks comes after the window
+    traced = {step: (profiled, transients) for step, profiled, transients in out["traced_memory"]}
+    assert all(traced[s][0] for s in (5, 6, 7)) and not any(traced[s][1] == "exact" for s in (5, 6, 7)), traced
+    assert traced[8][1] == "exact", traced
 
 
 @pytest.mark.slow

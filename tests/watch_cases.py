@@ -27,7 +27,8 @@ def train_losses(cfg, out_dir=None, sabotage=False, evaluate=None, **watch_kwarg
     torch.manual_seed(0)
     model, opt = build_training(cfg)
     losses = []
-    ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, profile=False, **watch_kwargs) if out_dir else None
+    watch_kwargs.setdefault("profile", False)
+    ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, **watch_kwargs) if out_dir else None
     doctor = ctx.__enter__() if ctx else None
     for step, (tok, tgt) in zip(range(cfg.steps), batches(cfg, 0)):
         if sabotage and step == 2:
@@ -116,6 +117,13 @@ def main():
     out["hooked"] = [[s.optimizer_ms, s.outside_ms, s.no_grad_forwards, s.no_grad_ms, [u.fwd_calls for u in s.units],
                       s.autograd_eval_forwards, s.forward_ms, [u.ag_wait_bwd_ms > 0 for u in s.units]]
                      for s in fsdp_doctor.load_run(hook_dir).ranks[0].steps]
+    # an evaluation in eval mode (autograd on) after step 4 adds marks that step 5's replay of the last full memory
+    # step does not line up with, so the next step is measured in full; steps 5-7 are the profiler's window
+    traced_dir = os.path.join(tmp, "traced")
+    train_losses(WorkloadConfig(steps=10, n_layers=2, d_model=64), traced_dir, evaluate={4: "eval_mode"},
+                 profile=fsdp_doctor.ProfileSchedule(first=6, active=2, warmup=1, every=0), memory=True)
+    out["traced_memory"] = [[s.step, s.profiled, s.memory.transients]
+                            for s in fsdp_doctor.load_run(traced_dir).ranks[0].steps]
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out))
 

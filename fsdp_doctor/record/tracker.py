@@ -234,6 +234,10 @@ class Doctor:
         """Per-unit accumulators of the step (the timer's)."""
         return self._timer._acc
 
+    def _traced(self, step: int) -> bool:
+        """Whether ``step`` falls inside a profiler window (its trace is recorded)."""
+        return self._profiler is not None and not self._profiler.stepped_aside and self._profiler.is_profiled(step)
+
     def _install(self) -> None:
         self._timer.install(self._units, self.model, self.optimizer)
         self._init_memory()
@@ -248,6 +252,7 @@ class Doctor:
             return
         try:
             self._memory = MemoryProbe(self.model, self.optimizer, self._units, self.options.memory)
+            self._memory.traced = self._traced
         except Exception as e:  # noqa: BLE001
             self._memory = None
             self._fail("memory probe", e, stop=False)

@@ -140,6 +140,10 @@ def _options(option: Any) -> dict:
     return opts
 
 
+def _never(step: int) -> bool:
+    return False
+
+
 def _ignore_mark(unit, phase) -> None:
     """A detached probe's ``mark``."""
 
@@ -176,6 +180,7 @@ class MemoryProbe:
         self._t0 = _now()
         self._cost_ns = 0
         self._running_peak = -1
+        self.traced = _never  # whether a step is inside a profiler window (the recorder sets it)
         self._begin(0)
 
     # ------------------------------------------------------------------ probe interface
@@ -341,7 +346,7 @@ class MemoryProbe:
         self._fwd_seen = False
         re = self.opts["refresh_every"]
         self.sizes.refresh_step = step < 2 or bool(re and step % re == 0)
-        self._full = self.sampler.is_full(step)
+        self._full = self.sampler.is_full(step, traced=self.traced(step))
         self.acts.begin()
         self._anchor = self._open = None
         self._transients = []

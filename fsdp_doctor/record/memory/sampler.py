@@ -33,7 +33,13 @@ class Sampler:
         self._light_walls: list[int] = []
         self._new_wall = False
 
-    def is_full(self, step: int) -> bool:
+    def is_full(self, step: int, traced: bool = False) -> bool:
+        """Whether ``step`` is measured in full. A step inside a profiler window (``traced``) is not, once a full
+        step exists: the memory high-water's dispatch mode runs every operator through Python, and the trace
+        would time that instead of the user's step (its verdict and overlap with it). A full step due then comes
+        at the first step after the window ("auto")."""
+        if step >= 3 and traced and self.last_full is not None:
+            return False
         every = self.full_every
         if every == "auto":
             return step < 3 or step >= self.next_full or self.last_full is None
