@@ -285,7 +285,7 @@ class StepRecord(Record, tag="step"):
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
-    outside_ms: float = 0.0  # wall - forward - backward - optimizer - no_grad: data loading, loss, user code
+    outside_ms: float = 0.0  # wall - forward - backward - optimizer - no_grad - doctor: data loading, loss, user code
     gc_ms: float = 0.0
     gc_count: int = 0
     profiled: bool = False  # inside an active torch.profiler window
@@ -301,6 +301,9 @@ class StepRecord(Record, tag="step"):
     # of those, forwards in eval mode with autograd on that no backward followed (an evaluation that forgot
     # torch.no_grad(): it records the autograd graph and holds its activations until its output is freed)
     autograd_eval_forwards: int = 0
+    # the doctor's own work at the previous step's end (this step's wall starts there): writing the records, the
+    # memory figures, a profiler trace's export; not in outside_ms
+    doctor_ms: float = 0.0
 
 
 class GpuTimes(Record, tag="gpu"):

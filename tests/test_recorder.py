@@ -57,8 +57,10 @@ def test_phase_times_add_up(recorded_run):
         assert [s.step for s in rd.steps] == list(range(knobs["steps"]))
         assert rd.end is not None and rd.end.steps == knobs["steps"]
         for s in rd.steps:
-            parts = s.forward_ms + s.backward_ms + s.optimizer_ms + s.outside_ms
+            # (the doctor's own work at the step's start, its doctor_ms, is not the user's time outside the model)
+            parts = s.forward_ms + s.backward_ms + s.optimizer_ms + s.outside_ms + s.no_grad_ms + s.doctor_ms
             assert abs(parts - s.wall_ms) < 0.01, s
+            assert (s.doctor_ms > 0) == (s.step > 0), s
             assert min(s.forward_ms, s.backward_ms, s.optimizer_ms) > 0
             assert s.forward_ms + s.backward_ms + s.optimizer_ms <= s.wall_ms + 1e-6
             by = {u.name: u for u in s.units}
@@ -206,6 +208,8 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert all(h[4] == hooked[0][4] for h in hooked), hooked  # (a grouped unit: a call per module)
     assert hooked[3][7] == hooked[1][7] and any(hooked[1][7]), hooked
     assert hooked[3][6] < 2 * hooked[1][6] + 5, hooked  # the step's forward holds one forward, not three
+    slow = out["slow_sink"]
+    assert slow[0][0] == 0 and all(own >= 25 and outside < 25 for own, outside in slow[1:]), slow
     # the memory high-water (a dispatch mode: every operator through Python) never runs in a profiler window's
     # step, whose trace would time it instead of the user's step: the full step due after the evaluation's
     # mismatched marks comes after the window

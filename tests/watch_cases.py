@@ -117,6 +117,18 @@ def main():
     out["hooked"] = [[s.optimizer_ms, s.outside_ms, s.no_grad_forwards, s.no_grad_ms, [u.fwd_calls for u in s.units],
                       s.autograd_eval_forwards, s.forward_ms, [u.ag_wait_bwd_ms > 0 for u in s.units]]
                      for s in fsdp_doctor.load_run(hook_dir).ranks[0].steps]
+    # the doctor's own work at a step's end (its records, here made 25 ms slow) is in the next step's wall as its
+    # doctor_ms, not the user's time outside the model
+    from fsdp_doctor.record.sinks import Sinks
+
+    on_step = Sinks.on_step
+    Sinks.on_step = lambda self, rec: (time.sleep(0.025), on_step(self, rec))[1]
+    slow_dir = os.path.join(tmp, "slow_sink")
+    try:
+        train_losses(WorkloadConfig(steps=4, n_layers=2, d_model=64), slow_dir)
+    finally:
+        Sinks.on_step = on_step
+    out["slow_sink"] = [[s.doctor_ms, s.outside_ms] for s in fsdp_doctor.load_run(slow_dir).ranks[0].steps]
     # an evaluation in eval mode (autograd on) after step 4 adds marks that step 5's replay of the last full memory
     # step does not line up with, so the next step is measured in full; steps 5-7 are the profiler's window
     traced_dir = os.path.join(tmp, "traced")

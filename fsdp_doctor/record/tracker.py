@@ -284,6 +284,9 @@ class Doctor:
         self._micro = 0
         self._opt_steps_recorded = self._timer.optimizer_steps
         if self.active:
+            # the next step starts where this one ended: what the doctor did since (its records, the memory
+            # figures, a trace export) is in the next step's wall as its doctor_ms, not as the user's time outside
+            self._own_ns = _now() - t_end
             self._begin_step(t_end)
 
     def _is_micro_batch(self) -> bool:
@@ -307,13 +310,15 @@ class Doctor:
         profiled = profiled or self._spill_profiled or self._flops is not None
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
+        own_ms = _ms(self._own_ns)
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
-            outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms, 3)),
+            outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms
+                                      - own_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
-            autograd_eval_forwards=tm.autograd_eval_forwards,
+            autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms,
         )
         self._sinks.on_step(rec)
         if self._gpu is not None:
@@ -330,6 +335,7 @@ class Doctor:
                 self._fail("profiler", e, stop=False)
 
     _spill_profiled = False
+    _own_ns = 0  # the doctor's own time at the last step's end (ns), inside the next step's wall
     _flops_recounts = 0
 
     def _flops_tick(self, step: int, evaluated: bool = False) -> None:
