@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -337,13 +338,14 @@ def run_trainer(out: Path) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
     class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n, seed):
-            self.n, self.seed = n, seed
+        def __init__(self, n, seed, slow_ms=0.0):
+            self.n, self.seed, self.slow_ms = n, seed, slow_ms
 
         def __len__(self):
             return self.n
 
         def __getitem__(self, i):
+            time.sleep(self.slow_ms / 1000)  # a slow data pipeline (reading, decoding, tokenising)
             t = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(self.seed + i))
             return {"input_ids": t, "labels": t}
 
@@ -355,7 +357,7 @@ def run_trainer(out: Path) -> dict:
             self.model, self.opt = model, optimizer.optimizer
             self.before = hook_state(model, self.opt)
 
-    def trainer(callbacks, out_dir):
+    def trainer(callbacks, out_dir, slow_ms=0.0):
         torch.manual_seed(0)
         # (wide enough that the model's step outweighs the Trainer's own per-step work outside the model, 10-13 ms
         # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
@@ -366,7 +368,7 @@ def run_trainer(out: Path) -> dict:
                                  gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3,
                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                                  ddp_backend="gloo", disable_tqdm=True, seed=0)
-        tr = Trainer(model=model, args=args, train_dataset=Tokens(64, 0), eval_dataset=Tokens(8, 10_000),
+        tr = Trainer(model=model, args=args, train_dataset=Tokens(64, 0, slow_ms), eval_dataset=Tokens(8, 10_000),
                      callbacks=callbacks)
         st = tr.accelerator.state  # accelerate enables FSDP on GPUs only: forced here, as in run_accelerate
         st.fsdp_plugin = FullyShardedDataParallelPlugin(
@@ -413,6 +415,21 @@ def run_trainer(out: Path) -> dict:
         dist.barrier()
         after = fsdp_doctor.build_report(fsdp_doctor.load_run(out / "fixed"))
         fixed = next(s.status for s in after.rules if s.code == "prefetch.sync_unshard")
+    # a slow data pipeline (25 ms an item, 4 items a step): jitter.data_wait, whose fix under the Trainer sets its
+    # DataLoader arguments on trainer.args; pasted as printed into a new Trainer, the rule is quiet in that run
+    def data_wait(name, fix=None):
+        tr_ = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False)], out / f"hf_{name}",
+                      slow_ms=25.0)
+        if fix is not None:
+            exec(compile(fix, "<jitter.data_wait fix>", "exec"), {"trainer": tr_})
+        tr_.train()
+        dist.barrier()
+        rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
+        return (next((f for f in rep.findings if f.code == "jitter.data_wait"), None),
+                next(s.status for s in rep.rules if s.code == "jitter.data_wait"))
+
+    wait, _ = data_wait("slow")
+    wait_after = data_wait("slow_fixed", wait.recommendation.code)[1] if wait and wait.recommendation.code else None
     again = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))], out / "hf2")
     again.train()  # a second run into the same run directory: refused, trained all the same
     try:
@@ -427,7 +444,11 @@ def run_trainer(out: Path) -> dict:
             "unit_calls": [[u.fwd_calls for u in s.units] for s in rd.steps], "optimizer": rd.config.optimizer,
             "second_losses": losses(again), "fix_places": {c: r.where for c, r in fixes.items()},
             "sync_unshard_fix": fixes["prefetch.sync_unshard"].code if "prefetch.sync_unshard" in fixes else None,
-            "sync_unshard_after_fix": fixed, "misspelt": misspelt, "errors": len(rd.errors)}
+            "sync_unshard_after_fix": fixed, "misspelt": misspelt, "errors": len(rd.errors),
+            "data_wait": None if wait is None else {"share": wait.evidence["outside_share_pct"],
+                                                    "where": wait.recommendation.where,
+                                                    "code": wait.recommendation.code, "text": wait.recommendation.text},
+            "data_wait_after_fix": wait_after}
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer}

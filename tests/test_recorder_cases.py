@@ -153,6 +153,17 @@ def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
     assert all(o.cause != "late_rank" for o in report.steps.outliers), report.steps.outliers
 
 
+def test_hf_trainer_data_wait_fix_sets_the_trainers_dataloader_arguments(trainer_run):
+    """Under the Trainer the data pipeline is the Trainer's DataLoader, built in train() from its arguments: a slow
+    dataset's jitter.data_wait prints them set on trainer.args (not DataLoader(...) keywords the user cannot pass,
+    nor "no code"), and pasted as printed into a new Trainer over the same slow dataset the rule is quiet."""
+    for res in trainer_run[0]:
+        w = res["data_wait"]
+        assert w is not None and w["share"] >= 15 and w["where"] == "trainer", w
+        assert "trainer.args.dataloader_num_workers = 4" in w["code"] and "no code is offered" not in w["text"], w
+        assert res["data_wait_after_fix"] == "quiet", res["data_wait_after_fix"]
+
+
 def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
     """A fix for the sharded model of a Trainer-driven run is printed as a Trainer callback (the Trainer shards the
     model inside train()): prefetch.sync_unshard's, executed as printed with a new Trainer, leaves the rule quiet

@@ -57,7 +57,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("quiet", rule.why_quiet or NO_REASON))
     if getattr(ctx.config, "driver", None) == TRAINER_DRIVER:  # its fixes where a Trainer's user can put them
         for f in out:
-            S.for_trainer(f.recommendation)
+            S.for_trainer(f.recommendation, f.code)
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return out

@@ -651,13 +651,35 @@ TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through acceler
                      "its TrainingArguments or fsdp_config where they have the option.")
 
 
-def for_trainer(rec) -> None:
+#: what a finding says when its lever is the user's data pipeline, which the doctor does not see
+NO_PIPELINE_CODE = "The data pipeline is your code, which the doctor does not see: no code is offered."
+#: findings whose lever is a Trainer argument that train() reads when it builds what the argument sets (its
+#: DataLoader): under a Trainer-driven run the fix sets it on trainer.args. Finding code -> (text, code)
+TRAINER_ARGS_FIXES = {
+    "jitter.data_wait": (
+        "Under the Trainer, which builds its DataLoader in train() from its arguments, set them on trainer.args "
+        "before trainer.train() (or pass them to TrainingArguments); keep the workers within the CPU cores each "
+        "rank has.",
+        "trainer.args.dataloader_num_workers = 4  # batches made in background processes\n"
+        "trainer.args.dataloader_pin_memory = True\n"
+        "trainer.args.dataloader_persistent_workers = True\n"
+        "trainer.args.dataloader_prefetch_factor = 4"),
+}
+
+
+def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
     runs from a callback's ``on_train_begin``, as fsdp_doctor.DoctorCallback does (``optimizer`` there is
     accelerate's wrapper: the torch optimizer is its ``.optimizer``). A fix that rebinds the model or the optimizer,
     replaces the sharding or edits the loop stays as it is, and its text says why; one for the user's evaluation
-    (which the Trainer's own runs under no_grad: this is code of the user's, a callback's say) stays as it is."""
+    (which the Trainer's own runs under no_grad: this is code of the user's, a callback's say) stays as it is. A
+    finding (``finding``: its code) whose lever the Trainer takes as arguments gets them set on trainer.args."""
+    if not rec.code and finding in TRAINER_ARGS_FIXES:  # a lever of the user's code the Trainer has as arguments
+        text, rec.code = TRAINER_ARGS_FIXES[finding]
+        rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
+        rec.where, rec.inputs = "trainer", {"trainer": "your transformers Trainer"}
+        return
     if not rec.code or rec.where == "evaluation":  # the user's own evaluation code, wherever it runs: as it is
         return
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code) or _LOOP_HELPER.search(rec.code):

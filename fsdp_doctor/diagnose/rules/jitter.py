@@ -6,6 +6,7 @@ from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION,
                                STRAGGLER_MIN_STEPS)
 from ...report_sections import StepStats
 from .. import estimate as E
+from .. import snippets as S
 from ..base import Context, Rule, register
 
 # GC pauses that take this share of total step time are worth acting on (gc.freeze / fewer cycles).
@@ -127,8 +128,7 @@ class DataWait(Rule):
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
             "workers with pinned memory and prefetching (torch.utils.data.DataLoader(..., num_workers=4, "
             "pin_memory=True, prefetch_factor=4, persistent_workers=True)), and move host-side work (logging, "
-            "metrics, .item() calls) off the step's critical path. The data pipeline is your code, which the "
-            "doctor does not see: no code is offered.",
+            f"metrics, .item() calls) off the step's critical path. {S.NO_PIPELINE_CODE}",
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - outside, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(ranks),
