@@ -135,6 +135,13 @@ def capacity_bytes(ctx: Context) -> Optional[int]:
     return int(cap) if cap else None
 
 
+def peak_near_capacity(ctx: Context) -> bool:
+    """Whether the peak rank's peak is near its capacity (thresholds.NEAR_CAPACITY_SHARE of it or more); False
+    where either is unknown."""
+    peak, cap = peak_bytes(ctx), capacity_bytes(ctx)
+    return bool(peak and cap) and peak / cap >= T.NEAR_CAPACITY_SHARE
+
+
 def breakdown(ctx: Context) -> dict[str, int]:
     """The peak rank's memory at its peak by category (bytes)."""
     pm = peak_memory(ctx)

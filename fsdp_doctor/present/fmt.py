@@ -278,14 +278,14 @@ def no_grad_text(section: StepsSection) -> str | None:
     ms = statistics.median([ng.ms_p50 for ng in per.values()])
     kept = ("left out of the step statistics above" if all(ng.excluded for ng in per.values())
             else "kept in the step statistics above (too few steps without)")
-    graph = max(ng.with_autograd for ng in per.values())
-    graph = f" ({graph} in eval mode with autograd on)" if graph else ""
+    autograd = max(ng.with_autograd for ng in per.values())
+    autograd_txt = f" ({autograd} in eval mode with autograd on)" if autograd else ""
     traced = sorted(set(steps) & {s for ps in section.profiler_steps.values() for s in ps.get("window", [])})
-    traced = (f"; step{'s' if len(traced) > 1 else ''} {', '.join(map(str, traced))} of a profiler window: the "
-              "trace's figures include the evaluation" if traced else "")
-    return (f"Forward passes without gradients (evaluation, generation): {forwards}{graph} in {len(steps)} "
+    traced_txt = (f"; step{'s' if len(traced) > 1 else ''} {', '.join(map(str, traced))} of a profiler window: "
+                  "the trace's figures include the evaluation" if traced else "")
+    return (f"Forward passes without gradients (evaluation, generation): {forwards}{autograd_txt} in {len(steps)} "
             f"step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} per step, counted apart from forward "
-            f"and outside; those steps are {kept}{traced}")
+            f"and outside; those steps are {kept}{traced_txt}")
 
 
 def straggler_text(s: Straggler) -> str:

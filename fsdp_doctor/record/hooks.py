@@ -371,15 +371,8 @@ class StepTimer:
         hook = self._grad_hooks.get(idx)
         if hook is None:
             hook = self._grad_hooks[idx] = self._make_grad_hook(idx)
-        if isinstance(output, torch.Tensor):
-            tensors = (output,)
-        else:
-            tensors = []
-            _collect_tensors(output, tensors)
-        for t in tensors:
-            if t.requires_grad:
-                t.register_hook(hook)
-                self._acc[idx].bwd_hooked = True
+        if _hook_grads(output, hook):
+            self._acc[idx].bwd_hooked = True
 
     def _make_grad_hook(self, idx: int):
         acc = self._acc[idx]
@@ -498,7 +491,7 @@ class StepTimer:
                 self._eval_pending.append((dt, self._unit_delta(self._eval_open), reached))
                 # the hooks this forward put on its units' outputs wait for a backward that may never come: the
                 # next forward puts its own (one that does come still finds these)
-                for a, was in zip((self._acc[i] for i in range(len(self._units))), self._eval_open):
+                for a, was in zip(self._acc.values(), self._eval_open):
                     a.bwd_hooked = was[4]
                 self._eval_open = None
             if self.marks is not None:  # the loss phase: from here to the first backward mark
@@ -507,8 +500,7 @@ class StepTimer:
     def _unit_figures(self) -> list[tuple]:
         """What a forward adds to each unit's accumulators: forward time, all-gather wait, calls, checkpointed
         submodules' forward time, and whether its outputs carry the backward-wait hooks."""
-        return [(a.fwd, a.ag_fwd, a.calls, a.child_fwd, a.bwd_hooked)
-                for a in (self._acc[i] for i in range(len(self._units)))]
+        return [(a.fwd, a.ag_fwd, a.calls, a.child_fwd, a.bwd_hooked) for a in self._acc.values()]
 
     def _unit_delta(self, before: list[tuple]) -> list[tuple]:
         """Per unit, what the forward since ``before`` added to its figures."""
@@ -523,11 +515,7 @@ class StepTimer:
         def hook(grad):
             reached[0] = True
 
-        tensors: list = []
-        _collect_tensors(output, tensors)
-        for t in tensors:
-            if t.requires_grad:
-                t.register_hook(hook)
+        _hook_grads(output, hook)
         return reached
 
     def _settle_eval(self) -> None:
@@ -613,6 +601,19 @@ def _any_compiled(modules) -> bool:
 def _ms(ns: int) -> float:
     """Nanoseconds to milliseconds, kept to the microsecond."""
     return round(ns * 1e-6, 3)
+
+
+def _hook_grads(output, hook) -> bool:
+    """Registers ``hook`` on every tensor of ``output`` (nested in tuples, lists, dicts, dataclasses) that can take
+    a gradient; whether there was one."""
+    tensors: list = []
+    _collect_tensors(output, tensors)
+    hooked = False
+    for t in tensors:
+        if t.requires_grad:
+            t.register_hook(hook)
+            hooked = True
+    return hooked
 
 
 def _collect_tensors(obj, out: list, depth: int = 0) -> None:

@@ -325,10 +325,11 @@ class Doctor:
             done = self._gpu.end_step(step)
             if done:
                 self._sinks.write(*done)
-        self._flops_tick(step, evaluated=bool(tm.no_grad_forwards))
+        evaluated = bool(tm.no_grad_forwards)  # the step also ran the model without gradients
+        self._flops_tick(step, evaluated)
         if self._profiler is not None:
             try:
-                if self._profiler.step(evaluated=bool(tm.no_grad_forwards)):
+                if self._profiler.step(evaluated):
                     self._spill_profiled = True  # the trace export ran inside the next step's wall time
             except Exception as e:  # noqa: BLE001
                 self._profiler = None
@@ -344,19 +345,17 @@ class Doctor:
         next step is counted instead, up to FLOPS_RECOUNTS times (then the count stands, the evaluation in it)."""
         if not self.count_flops:
             return
-        if self._flops is not None:
-            if evaluated and self._flops_recounts < FLOPS_RECOUNTS:
-                self._flops.abort()
-                self._flops_recounts += 1
-                self._flops = FlopCounter()
-                self._flops.start()
-                return
+        recount = evaluated and self._flops is not None and self._flops_recounts < FLOPS_RECOUNTS
+        if recount:
+            self._flops.abort()
+            self._flops_recounts += 1
+        elif self._flops is not None:
             counted = self._flops.finish()
             self._flops = None
             if counted is not None:
                 self.flops_per_step, self.hardware_flops_per_step = counted
             self._safe_write(self._config())
-        elif step == 0 and self.flops_per_step is None:
+        if recount or (step == 0 and self.flops_per_step is None):
             self._flops = FlopCounter()
             self._flops.start()
 

@@ -34,7 +34,7 @@ class GradsKept(Rule):
         peak, cap = int(pm.peak_bytes), E.capacity_bytes(ctx)
         after = _peak_without_kept(pm, kept, E.param_units(ctx))
         share = peak / cap if cap else None
-        sev = "warning" if share is not None and share >= T.NEAR_CAPACITY_SHARE else "info"
+        sev = "warning" if E.peak_near_capacity(ctx) else "info"
         return [self.finding(
             sev, f"{fmt_bytes(kept)} of gradients stay allocated between steps",
             {"grads_kept_bytes": kept, "peak_bytes": peak, "peak_capacity_pct": None if share is None else
@@ -108,9 +108,7 @@ class OutputsKept(Rule):
         carried = min(kept, int(tl[0].get("temporaries") or 0))
         after = E.timeline_peak(pm, [([(opt, len(tl))], -kept), ([(out, opt)], -in_backward),
                                      ([(0, out)], -carried)])
-        cap = E.capacity_bytes(ctx)
-        near = bool(cap) and peak / cap >= T.NEAR_CAPACITY_SHARE
-        sev = "warning" if near or kept >= OUTPUTS_KEPT_WARN_SHARE * peak else "info"
+        sev = "warning" if E.peak_near_capacity(ctx) or kept >= OUTPUTS_KEPT_WARN_SHARE * peak else "info"
         code = ("# in your loop, once the loss is computed from the model's output and before loss.backward():\n"
                 f"del outputs  # its {fmt_bytes(kept)} (logits, past_key_values) freed in backward, not after the next forward")
         return [self.finding(
@@ -146,10 +144,9 @@ class EvalAutograd(Rule):
         steps = sorted({s for n in per.values() for s in n.steps})
         acts = max((int(u.activation_bytes or 0) for u in E.memory_units(ctx).values()), default=0)
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
-        near = bool(peak and cap) and peak / cap >= T.NEAR_CAPACITY_SHARE
         held = (f" (the training forward's are {fmt_bytes(acts)} at its batch size)" if acts else "")
         return [self.finding(
-            "warning" if near else "info",
+            "warning" if E.peak_near_capacity(ctx) else "info",
             f"{ng.with_autograd} evaluation forward passes ran with autograd on",
             {"forwards": ng.with_autograd, "rank": int(rank), "steps": steps, "ms_per_step_p50": ng.ms_p50,
              "training_forward_activation_bytes": acts or None, "peak_bytes": peak,
