@@ -131,7 +131,7 @@ def rechecks(outcomes: dict[str, M.Outcome], device: str) -> dict:
                      "findings": {f.code: f.severity for f in o.findings},
                      "fix": o.fix, "recheck": o.recheck(), "after_findings": {f.code: f.severity for f in
                                                                              o.after.findings} if o.after else None,
-                     "rerun_note": o.rerun_note, "problems": M.problems(o), "ok": not M.problems(o)}
+                     "rerun_note": o.rerun_note, "retried": o.retried, "problems": M.problems(o), "ok": not M.problems(o)}
     return out
 
 
@@ -157,11 +157,13 @@ def main(argv=None) -> int:
         text = render(table(outcomes, *found, planted_only=which == "gpu", device=a.device), a.markdown)
         baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
         reruns = sum(1 for o in outcomes.values() if o.after is not None or o.after_error)
+        again = [o.row.name for o in outcomes.values() if o.retried]
         worlds = sorted({o.row.world for o in outcomes.values()})
         text += (f"\n\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
                  f"{len({o.row.tree for o in outcomes.values()})} model trees) and {reruns} reruns, "
                  f"{' or '.join(map(str, worlds))} {'NCCL' if a.device == 'cuda' else 'gloo'} ranks"
-                 + (f"; failed to run: {'; '.join(failed)}" if failed else ""))
+                 + (f"; failed to run: {'; '.join(failed)}" if failed else "")
+                 + (f"; ran again, their first rerun's peak off the prediction: {', '.join(again)}" if again else ""))
         print(text)
         if a.table:
             a.table.write_text(text + "\n")

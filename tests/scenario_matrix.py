@@ -78,6 +78,7 @@ class Row:
     # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
     # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode)
     loop: Optional[str] = None
+    peak_within: float = 0.10  # the rerun's peak against the prediction: within this share of it
 
     def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None,
              device: str = "cpu") -> dict:
@@ -203,10 +204,10 @@ ROWS: list[Row] = [
     _r("gpt_zero_grad", "gpt", "memory.grads_kept", "zero_grad(set_to_none=False), 18 MiB budget",
        knobs={"zero_grad_to_none": False}, watch={"capacity_bytes": 18 * MiB}),
     _r("gpt_outputs_kept", "gpt", "memory.outputs_kept", "the loop keeps the model's logits until the next forward",
-       loop="keep_outputs", min_severity="info"),
+       loop="keep_outputs", min_severity="info", peak_within=0.02),
     _r("hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
        "outputs = model(...) kept until the next forward (logits, past_key_values)", loop="keep_outputs",
-       knobs={"batch_size": 4, "seq_len": 64}, min_severity="info"),
+       knobs={"batch_size": 4, "seq_len": 64}, min_severity="info", peak_within=0.02),
     _r("gpt_eval_autograd", "gpt", "memory.eval_autograd", "evaluation in eval mode without torch.no_grad()",
        loop="eval_autograd", min_severity="info"),
     _r("hf_llama_eval_autograd", "hf_llama", "memory.eval_autograd",
@@ -468,6 +469,7 @@ class Outcome:
     after: object = None  # the rerun's Report
     after_error: str = ""
     rerun_note: str = ""  # why no rerun: no code, GPU-only, not planted
+    retried: str = ""  # ran again (before and after) since the first rerun's peak missed: what it measured then
     result: dict = field(default_factory=dict)  # the runner's (rank 0): losses, replica_drift, capacity
     after_result: dict = field(default_factory=dict)
 
@@ -501,7 +503,7 @@ class Outcome:
                - UNCOVERS.get(f.code, set()))
         return {"gone": gone, "improved": improved, "new_warnings": sorted(new),
                 "peak_predicted": want, "peak_measured": peak_after,
-                "peak_ok": None if not want else abs(peak_after - want) <= 0.10 * want,
+                "peak_ok": None if not want else abs(peak_after - want) <= self.row.peak_within * want,
                 "step_ms_predicted": p.get("step_ms_after") if p is not None else None,
                 "step_ms_before": step_b, "step_ms_measured": step_a, "gain_ok": gain_ok, "figure": self.row.figure,
                 "figure_before": fb, "figure_after": fa}
@@ -534,9 +536,32 @@ def fix_of(finding) -> Optional[dict]:
 
 
 def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: str = "cpu") -> dict[str, Outcome]:
-    """Every row's before-run in one launch, diagnosed; then each planted finding's fix in a second launch."""
+    """Every row's before-run in one launch, diagnosed; then each planted finding's fix in a second launch. On the
+    CPU a row whose rerun's peak misses the prediction runs again, before and after, once (``Outcome.retried``):
+    gloo's worker thread frees a finished collective's buffers when the OS schedules it, so on a loaded 2-core host a
+    full memory step can count one unit's all-gather output past FSDP's release of it (on an idle host 45 of 400
+    all-gather outputs were still alive right after ``wait()`` and the last Python reference's ``del``), and the
+    steps replaying that full step repeat it: a peak 145 KiB (one Qwen2 layer) high, a prediction off by 12%. A
+    wrong prediction misses twice."""
     tmp.mkdir(parents=True, exist_ok=True)
-    got = launch_rows(rows, lambda r: r.spec(tmp / r.name, device=device), tmp, "before", device)
+    out = _before(rows, tmp, device)
+    _after([o for o in out.values() if o.fix] if apply else [], tmp, device)
+    again = [o.row for o in out.values() if device == "cpu" and o.after is not None and
+             o.recheck().get("peak_ok") is False]
+    if again:
+        redo = _before(again, tmp, device, "_again")
+        _after([o for o in redo.values() if o.fix], tmp, device, "_again")
+        for o in redo.values():
+            first = out[o.row.name].recheck()
+            o.retried = (f"peak {first['peak_measured']} B measured against {first['peak_predicted']} B predicted "
+                         "the first time")
+            out[o.row.name] = o
+    return out
+
+
+def _before(rows: list[Row], tmp: Path, device: str, again: str = "") -> dict[str, Outcome]:
+    """The rows' before-runs (in ``tmp/NAME{again}``), diagnosed, each planted finding's fix taken."""
+    got = launch_rows(rows, lambda r: r.spec(tmp / (r.name + again), device=device), tmp, "before" + again, device)
     out: dict[str, Outcome] = {}
     for r in rows:
         o = out[r.name] = Outcome(r)
@@ -545,7 +570,7 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: st
             o.error = res["error"] + "\n" + res.get("traceback", "")
             continue
         o.capacity, o.result = res.get("capacity_bytes"), res
-        _, o.report = diagnosis(tmp / r.name)
+        _, o.report = diagnosis(tmp / (r.name + again))
         if r.code is None:
             continue
         o.finding = at_least(o.findings, r.code, r.min_severity)
@@ -555,7 +580,11 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: st
             o.rerun_note = "no fix code"
         else:
             o.fix = fix_of(o.finding)
-    fixes = [o for o in out.values() if o.fix] if apply else []
+    return out
+
+
+def _after(fixes: list[Outcome], tmp: Path, device: str, again: str = "") -> None:
+    """Reruns each outcome's row with its fix applied (in ``tmp/NAME{again}_fixed``): ``Outcome.after``."""
     # on a GPU a fix that compiles (inductor) reruns in a launch of its own: a slow compile costs only its row
     slow = [o for o in fixes if device != "cpu" and "compile(" in o.fix["code"]]
     for tag, batch in (("after", [o for o in fixes if all(o is not x for x in slow)]), ("after_compiled", slow)):
@@ -563,8 +592,9 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: st
             continue
         try:
             of = {o.row.name: o for o in batch}
-            got = launch_rows([o.row for o in batch], lambda r: r.spec(tmp / (r.name + "_fixed"), of[r.name].fix,
-                                                                      of[r.name].capacity, device), tmp, tag, device)
+            got = launch_rows([o.row for o in batch],
+                              lambda r: r.spec(tmp / (r.name + again + "_fixed"), of[r.name].fix,
+                                               of[r.name].capacity, device), tmp, tag + again, device)
         except Exception as e:  # noqa: BLE001 - the launch failed: each of its rows says so
             got = {o.row.name: {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]} for o in batch}
         for o in batch:
@@ -572,8 +602,7 @@ def run_matrix(tmp: Path, rows: list[Row] = ROWS, apply: bool = True, device: st
             if "error" in res:
                 o.after_error = res["error"] + "\n" + res.get("traceback", "")
             else:
-                o.after, o.after_result = diagnosis(tmp / (o.row.name + "_fixed"))[1], res
-    return out
+                o.after, o.after_result = diagnosis(tmp / (o.row.name + again + "_fixed"))[1], res
 
 
 # a unit's options that a fix must keep as the user had them, unless its finding is about that option

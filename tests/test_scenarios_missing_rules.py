@@ -158,5 +158,6 @@ def test_outputs_kept_past_backward(matrix, row, kept):
     assert st.status == "quiet", st
     assert o.after_result["losses"] == o.result["losses"]
     predicted = o.finding.predicted.peak_bytes_after
+    assert o.row.peak_within == 0.02
     assert abs(after.memory.peak_bytes - predicted) <= 0.02 * predicted, (after.memory.peak_bytes, predicted)
     assert after.memory.peak_bytes < o.report.memory.peak_bytes

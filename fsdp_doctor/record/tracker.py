@@ -208,14 +208,14 @@ class Doctor:
     def _claim_out_dir(self) -> str:
         """A run directory holds one run: refuse one holding another run's records (unless ``overwrite``); all
         ranks agree on the verdict and the run id before any writes (one all_gather_object at entry)."""
-        exchange = None
-        if self.world_size > 1:
-            def exchange(v):
-                got = [None] * self.world_size
-                dist.all_gather_object(got, v)
-                return got
+        def exchange(v):
+            got = [None] * self.world_size
+            dist.all_gather_object(got, v)
+            return got
+
         try:
-            return claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite, exchange=exchange)
+            return claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite,
+                                 exchange=exchange if self.world_size > 1 else None)
         except RunDirTaken as e:
             raise WatchError(f"fsdp_doctor.watch: {e}") from None
 
