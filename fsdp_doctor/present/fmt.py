@@ -64,8 +64,8 @@ def fmt_unit_figures(u: UnitRow) -> tuple[str, str, str, str]:
 
 
 def run_facts(run: RunFacts) -> list[str]:
-    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions
-    (``run``: ``report.run``)."""
+    """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions, the trace
+    files read (``run``: ``report.run``)."""
     r = run
     facts = []
     if r is None:
@@ -88,6 +88,8 @@ def run_facts(run: RunFacts) -> list[str]:
                      f"{', '.join(map(str, r.trace_ranks[:8]))}{' …' if len(r.trace_ranks) > 8 else ''}")
     if r.facts_source:
         facts.append(f"read from the {r.facts_source}")
+    if r.trace_files:
+        facts.append(f"{r.trace_files} trace file{'s' if r.trace_files > 1 else ''}")
     return facts
 
 

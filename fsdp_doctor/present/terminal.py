@@ -24,8 +24,6 @@ def render_header(report: Report):
     r = report.run
     parts = [f"[bold]{escape(r.path)}[/]"]
     facts = run_facts(r)
-    if r.trace_files:
-        facts.append(f"{r.trace_files} trace files")
     parts.append(" · ".join(facts))
     incomplete = [k for k, done in r.complete.items() if not done]
     if incomplete:
