@@ -109,3 +109,5 @@ def test_launch_bound_on_the_real_host_bound_trace():
     assert f.evidence["small_kernel_share_pct"] == pytest.approx(43.1, abs=0.1)
     assert _status(report, "verdict.severe").status == "quiet"  # the specific finding names the lever
     assert not findings_headline(report.findings).startswith("Healthy")
+    # a DDP trace names no FSDP unit: the fix compiles the model (it printed an empty list of units to compile)
+    assert f.recommendation.code.splitlines()[-1] == "model.compile()", f.recommendation.code

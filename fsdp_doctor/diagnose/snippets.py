@@ -595,11 +595,16 @@ def async_unshard_code() -> str:
 
 def compile_code(t: Tree) -> str:
     """torch.compile, in place and after fully_shard (the FSDP hooks and module names stay), on every repeated
-    block of every container (what torchtitan compiles); on every unit where the tree shows no container."""
+    block of every container (what torchtitan compiles); on every unit where the tree shows no container; the whole
+    model where the run names no unit (a trace of DDP or of a single device: a list of units would be empty)."""
     conts = t.containers()
     if conts:
         return "\n".join(f"for block in {children_expr(c)}:\n    block.compile()  # in place, after fully_shard"
                           for c in conts)
+    if not t.unit_labels():
+        return ("# the run names no FSDP unit: the whole model, in place (torch >= 2.2); on an FSDP2 model compile\n"
+                "# each repeated block after fully_shard instead, so that the FSDP hooks stay between them\n"
+                "model.compile()")
     return unit_list(t) + "\nfor unit in units:\n    unit.compile()  # in place, after fully_shard"
 
 
