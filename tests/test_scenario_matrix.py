@@ -177,3 +177,47 @@ def _high_from(report, unit: str) -> int:
             if inside and r.get("unit") is None and r.get("phase") == "backward_end":
                 break
     return high
+
+
+def test_a_missed_peak_runs_its_row_again_once(monkeypatch, tmp_path):
+    """The runner's retry, with the launches stood in for: a row whose rerun's peak misses the prediction by more
+    than its bound runs again, before and after; the second pair is the outcome, with the first's figures in
+    ``retried``; a row within its bound runs once; a second miss stays a miss."""
+    from fsdp_doctor.report_sections import Finding, MemorySection, Predicted, Recommendation, Report
+
+    def report(peak, predicted=None):
+        fs = [] if predicted is None else [Finding(
+            code="wrap.params_in_root", severity="warning", title="t", evidence={},
+            recommendation=Recommendation(text="t", code="pass", where="around"),
+            predicted=Predicted(peak_bytes_before=peak, peak_bytes_after=predicted))]
+        return Report(memory=MemorySection(peak_bytes=peak), findings=fs)
+
+    # (row, attempt) -> (before's peak, its prediction, the rerun's peak): "late" is 145 KiB high the first time
+    figures = {("late", 0): (1_854_716, 1_723_516, 1_509_372), ("late", 1): (1_706_236, 1_575_036, 1_509_372),
+               ("held", 0): (1_706_236, 1_575_036, 1_509_372),
+               ("wrong", 0): (1_706_236, 1_000_000, 1_509_372), ("wrong", 1): (1_706_236, 1_000_000, 1_509_372)}
+    launches = []
+
+    def launch_rows(rows, spec, tmp, tag, device="cpu"):
+        launches.append((tag, sorted(r.name for r in rows)))
+        return {r.name: {"capacity_bytes": None} for r in rows}
+
+    def diagnosis(path):
+        name, again = path.name.replace("_fixed", ""), path.name.count("_again")
+        before, predicted, after = figures[(name.replace("_again", ""), again)]
+        return None, report(after) if path.name.endswith("_fixed") else report(before, predicted)
+
+    monkeypatch.setattr(M, "launch_rows", launch_rows)
+    monkeypatch.setattr(M, "diagnosis", diagnosis)
+    rows = [M.Row(n, "gpt", "wrap.params_in_root") for n in ("late", "held", "wrong")]
+    out = M.run_matrix(tmp_path, rows)
+    assert launches == [("before", ["held", "late", "wrong"]), ("after", ["held", "late", "wrong"]),
+                        ("before_again", ["late", "wrong"]), ("after_again", ["late", "wrong"])]
+    assert out["late"].recheck()["peak_ok"] and out["late"].recheck()["peak_predicted"] == 1_575_036
+    assert out["late"].retried == "peak 1509372 B measured against 1723516 B predicted the first time"
+    assert out["held"].recheck()["peak_ok"] and not out["held"].retried
+    assert out["wrong"].recheck()["peak_ok"] is False and out["wrong"].retried
+    # on a GPU (NCCL, live allocator figures) a miss is not run again
+    launches.clear()
+    assert M.run_matrix(tmp_path, rows, device="cuda")["late"].recheck()["peak_ok"] is False
+    assert [t for t, _ in launches] == ["before", "after"]
