@@ -48,12 +48,16 @@ def recorded_run(tmp_path_factory):
 
     Returns ``(run, losses, cfg_knobs)``. Treat it as read-only: many tests share it.
     """
+    knobs = dict(steps=16, async_unshard=True)
+    losses, run = record_again(tmp_path_factory.mktemp("recorded_run"), knobs)
+    return run, losses, knobs
+
+
+def record_again(out: Path, knobs: dict):
+    """(losses, run) of ``recorded_run``'s workload, recorded in ``out``."""
     from fsdp_doctor import ProfileSchedule
 
-    out = tmp_path_factory.mktemp("recorded_run")
-    knobs = dict(steps=16, async_unshard=True)
-    losses, run = record(out, watch_extra={"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)}, **knobs)
-    return run, losses, knobs
+    return record(out, watch_extra={"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)}, **knobs)
 
 
 @pytest.fixture(scope="session")
