@@ -78,7 +78,8 @@ class Row:
     # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
     # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode)
     loop: Optional[str] = None
-    peak_within: float = 0.10  # the rerun's peak against the prediction: within this share of it
+    # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
+    peak_within: float = 0.10
 
     def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None,
              device: str = "cpu") -> dict:
@@ -163,7 +164,7 @@ ROWS: list[Row] = [
     _r("gpt_tight_capacity", "gpt", "ac.recommended", "batch 8 under a 12 MiB budget", knobs={"batch_size": 8},
        watch={"capacity_bytes": 12 * MiB}),
     _r("gpt_ac_ample", "gpt", "ac.unneeded", "every block checkpointed, 8 GiB budget", knobs={"ac": "block"},
-       watch=AMPLE, min_severity="info", figure="checkpointed_units"),
+       watch=AMPLE, min_severity="info", figure="checkpointed_units", peak_within=0.02),
     _r("hf_llama_ac_ample", "hf_llama", "ac.unneeded", "HF gradient_checkpointing_enable(), 8 GiB budget",
        knobs={"ac": "block"}, watch=AMPLE, min_severity="info", figure="checkpointed_units"),
     _r("gpt_ac_children", "gpt", "ac.wrong_granularity", "each block's attn and mlp checkpointed",
@@ -173,7 +174,7 @@ ROWS: list[Row] = [
     _r("resnet_tight_capacity", "resnet", "ac.recommended", "activations of a batch of 32 images, budget 5% above peak",
        knobs={"batch_size": 16}, capacity_share=0.95),
     _r("gpt_raf_tight", "gpt", "memory.near_capacity_spread", "reshard_after_forward=False, budget 5% above peak",
-       knobs={"batch_size": 1, "reshard_after_forward": False, "steps": 4}, capacity_share=0.95),
+       knobs={"batch_size": 1, "reshard_after_forward": False, "steps": 4}, capacity_share=0.95, peak_within=0.02),
     _r("gpt_raf_everywhere", "gpt", "reshard.last_unit", "reshard_after_forward=True on every unit",
        knobs={"reshard_after_forward": True}, min_severity="info"),
     _r("hf_llama_raf_everywhere", "hf_llama", "reshard.last_unit", "reshard_after_forward=True on every unit",
@@ -202,7 +203,7 @@ ROWS: list[Row] = [
     _r("gpt_accum", "gpt", "accum.sync_every_micro_batch", "4 micro-batches, gradient sync on each",
        knobs={"grad_accum": 4}, profile=True, min_severity="info"),
     _r("gpt_zero_grad", "gpt", "memory.grads_kept", "zero_grad(set_to_none=False), 18 MiB budget",
-       knobs={"zero_grad_to_none": False}, watch={"capacity_bytes": 18 * MiB}),
+       knobs={"zero_grad_to_none": False}, watch={"capacity_bytes": 18 * MiB}, peak_within=0.02),
     _r("gpt_outputs_kept", "gpt", "memory.outputs_kept", "the loop keeps the model's logits until the next forward",
        loop="keep_outputs", min_severity="info", peak_within=0.02),
     _r("hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
