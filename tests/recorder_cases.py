@@ -50,14 +50,19 @@ OPT_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimi
 
 
 # ------------------------------------------------------------------------------------------------ models
+def llama_config(width: int = 64, **kw):
+    """The cases' tiny HF Llama: 2 layers, 4 heads over 2 KV heads, ``width`` wide (its MLP twice that)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ, **kw)
+
+
 def llama(param_dtype=None, checkpointing: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                      attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(llama_config(attn_implementation="sdpa"))
     if checkpointing:
         model.gradient_checkpointing_enable()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype) if param_dtype else MixedPrecisionPolicy()
@@ -276,7 +281,7 @@ def run_accelerate(out: Path) -> dict:
     AcceleratedOptimizer, ``accelerator.backward``; the same run without and with the doctor."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -290,11 +295,7 @@ def run_accelerate(out: Path) -> dict:
         acc.state.distributed_type = DistributedType.FSDP  # (prepare resets it)
         acc.state.fsdp_plugin = plugin
         torch.manual_seed(0)
-        # (wide enough that the model's step outweighs the Trainer's own per-step work outside the model, 10-13 ms
-        # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=2 * SEQ))
+        model = LlamaForCausalLM(llama_config())
         model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         inner = opt.optimizer
         model._get_fsdp_state()._lazy_init()
@@ -332,7 +333,7 @@ def run_trainer(out: Path) -> dict:
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -361,9 +362,7 @@ def run_trainer(out: Path) -> dict:
         torch.manual_seed(0)
         # (wide enough that the model's step outweighs the Trainer's own per-step work outside the model, 10-13 ms
         # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=2 * SEQ))
+        model = LlamaForCausalLM(llama_config(512))
         args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
                                  gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3,
                                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,

@@ -117,13 +117,6 @@ class StepTimer:
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
-        # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
-        # a backward follows (training with model.eval()). Recorded like a training forward; once the loop moves on
-        # (a training forward, the step's end) without a backward, it is taken out of forward_ms and the units'
-        # figures and counted as a forward without gradients. The units' figures at its start:
-        self._eval_open: Optional[list[tuple]] = None
-        # such forwards no backward has reached yet: (ns, units' deltas, [reached by a backward])
-        self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -566,8 +559,13 @@ class StepTimer:
     def begin_step(self) -> None:
         self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
         self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
-        self._eval_open = None
-        self._eval_pending = []
+        # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
+        # a backward follows (training with model.eval()). Recorded like a training forward; once the loop moves on
+        # (a training forward, the step's end) without a backward, it is taken out of forward_ms and the units'
+        # figures and counted as a forward without gradients. The units' figures at its start:
+        self._eval_open: Optional[list[tuple]] = None
+        # such forwards no backward has reached yet: (ns, units' deltas, [reached by a backward])
+        self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._bwd_cb_queued = False
         for a in self._acc.values():

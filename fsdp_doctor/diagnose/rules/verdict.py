@@ -89,7 +89,7 @@ class SevereVerdict(Rule):
              "groups_pct": {k: v for k, v in job.groups_pct.items() if v}, "source": job.source,
              "summary": job.summary},
             f"{(job.summary or job.bound).rstrip('.')}. No other rule pinned it on one cause, so the levers for "
-            f"{'an' if job.bound[:1] in 'aeiou' else 'a'} {job.bound}-bound step, in the order to try them: {levers}. The prediction is the bound: the step "
-            f"if all {100 * share:.0f}% were recovered.",
+            f"{'an' if job.bound[:1] in 'aeiou' else 'a'} {job.bound}-bound step, in the order to try them: "
+            f"{levers}. The prediction is the bound: the step if all {100 * share:.0f}% were recovered.",
             code,
             predicted=E.predicted(step, step - bound_ms if bound_ms is not None else None))]
