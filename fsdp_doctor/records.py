@@ -70,7 +70,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     offload: str | None = None  # "cpu" when CPUOffloadPolicy is set
     offload_pin_memory: bool | None = None
     checkpoint: str = "none"  # "none" | "unit" (AC wraps the unit) | "children" | "partial"
-    checkpoint_wrappers: list[str] = []  # fqns of the CheckpointWrappers in the unit (the unit itself, or inside it)
+    # fqns of the CheckpointWrappers in the unit (the unit itself, or inside it), else the one around it (a unit
+    # applied to the wrapper's inner module, as accelerate's FSDP2 plugin does)
+    checkpoint_wrappers: list[str] = []
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     # the unit runs inside a frame compiled in place (``module.compile()``): the doctor's hooks return at once

@@ -14,6 +14,7 @@ Cases:
             AcceleratedOptimizer is unwrapped; doctor.step() per micro-batch gives one step per optimizer step;
             HF gradient checkpointing: model FLOPs as without it, hardware FLOPs higher.
   trainer   a Hugging Face Trainer with fsdp_doctor.DoctorCallback (run_trainer).
+  trainer_ac  a Trainer's activation checkpointing diagnosed and its fixes pasted (run_trainer_ac).
 
 Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import msgspec
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
@@ -54,8 +56,9 @@ def llama_config(width: int = 64, **kw):
     """The cases' tiny HF Llama: 2 layers, 4 heads over 2 KV heads, ``width`` wide (its MLP twice that)."""
     from transformers import LlamaConfig
 
+    kw = {"max_position_embeddings": 2 * SEQ, **kw}
     return LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ, **kw)
+                       num_attention_heads=4, num_key_value_heads=2, **kw)
 
 
 def llama(param_dtype=None, checkpointing: bool = False):
@@ -325,32 +328,29 @@ def run_accelerate(out: Path) -> dict:
             "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
 
 
-def run_trainer(out: Path) -> dict:
-    """A Hugging Face ``Trainer`` (accelerate's FSDP2 plugin, forced to FSDP as in run_accelerate) training a
-    Llama for 8 optimizer steps of 2 micro-batches, evaluating after steps 3 and 6: without the doctor, then with
-    ``fsdp_doctor.DoctorCallback``; then a second ``train()`` into the same run directory (refused: one log line,
-    training goes on) and a callback with a misspelt option (refused before training)."""
-    from accelerate import FullyShardedDataParallelPlugin
+class _Tokens(torch.utils.data.Dataset):
+    """The Trainer cases' data: ``n`` sequences of SEQ random tokens (seeded by index), ``slow_ms`` each to make."""
+
+    def __init__(self, n, seed, slow_ms=0.0, seq=SEQ):
+        self.n, self.seed, self.slow_ms, self.seq = n, seed, slow_ms, seq
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.slow_ms / 1000)  # a slow data pipeline (reading, decoding, tokenising)
+        t = torch.randint(0, VOCAB, (self.seq,), generator=torch.Generator().manual_seed(self.seed + i))
+        return {"input_ids": t, "labels": t}
+
+
+def trainer_hooks():
+    """A Trainer callback (a new instance per Trainer) that keeps the hook state when training starts (the model
+    is sharded by then), and forces accelerate's state back to FSDP there."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self, n, seed, slow_ms=0.0):
-            self.n, self.seed, self.slow_ms = n, seed, slow_ms
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, i):
-            time.sleep(self.slow_ms / 1000)  # a slow data pipeline (reading, decoding, tokenising)
-            t = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(self.seed + i))
-            return {"input_ids": t, "labels": t}
-
-    class Hooks(TrainerCallback):  # the hook state when training starts (the model is sharded by then)
+    class Hooks(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
             # prepare() reset the forced state: FSDP again, so that the Trainer's no_sync for all but the last
             # micro-batch calls set_requires_gradient_sync(False), as it does on GPUs
@@ -358,30 +358,50 @@ def run_trainer(out: Path) -> dict:
             self.model, self.opt = model, optimizer.optimizer
             self.before = hook_state(model, self.opt)
 
-    def trainer(callbacks, out_dir, slow_ms=0.0):
-        torch.manual_seed(0)
-        # (wide enough that the model's step outweighs the Trainer's own per-step work outside the model, 10-13 ms
-        # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
-        model = LlamaForCausalLM(llama_config(512))
-        args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                                 gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3,
-                                 logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                                 ddp_backend="gloo", disable_tqdm=True, seed=0)
-        tr = Trainer(model=model, args=args, train_dataset=Tokens(64, 0, slow_ms), eval_dataset=Tokens(8, 10_000),
-                     callbacks=callbacks)
-        st = tr.accelerator.state  # accelerate enables FSDP on GPUs only: forced here, as in run_accelerate
-        st.fsdp_plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True)
-        st.distributed_type = DistributedType.FSDP
-        tr.is_fsdp_enabled = True
-        return tr
+    return Hooks()
+
+
+def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, **args):
+    """A Hugging Face Trainer of a Llama (``width``) on 2 micro-batches of 2 sequences of ``seq`` tokens per step,
+    8 steps, evaluating every 3, sharded by accelerate's FSDP2 plugin as the Trainer makes it from ``fsdp_config``
+    (``TrainingArguments(fsdp=True, fsdp_config=...)``; accelerate enables FSDP on GPUs only, so the plugin and
+    the state are forced here, as in run_accelerate); ``args``: more TrainingArguments."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    # (wide enough that the model's step outweighs the Trainer's own per-step work outside the model, 10-13 ms
+    # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
+    model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq)))
+    kw = dict(output_dir=str(out_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+              gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3, logging_steps=1,
+              save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0)
+    fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                   "reshard_after_forward": True, **(fsdp_config or {})}
+    targs = TrainingArguments(**{**kw, **args}, fsdp=True, fsdp_config=fsdp_config)
+    tr = Trainer(model=model, args=targs, train_dataset=_Tokens(64, 0, slow_ms, seq),
+                 eval_dataset=_Tokens(8, 10_000, 0.0, seq), callbacks=callbacks)
+    st = tr.accelerator.state  # the plugin the Trainer makes on a GPU (trainer.py: from args.fsdp_plugin_args)
+    st.fsdp_plugin = FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
+    st.distributed_type = DistributedType.FSDP
+    tr.is_fsdp_enabled = True
+    return tr
+
+
+def run_trainer(out: Path) -> dict:
+    """A Hugging Face ``Trainer`` (accelerate's FSDP2 plugin, forced to FSDP as in run_accelerate) training a
+    Llama for 8 optimizer steps of 2 micro-batches, evaluating after steps 3 and 6: without the doctor, then with
+    ``fsdp_doctor.DoctorCallback``; then a second ``train()`` into the same run directory (refused: one log line,
+    training goes on) and a callback with a misspelt option (refused before training)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
     def losses(tr):
         return [h["loss"] for h in tr.state.log_history if "loss" in h]
 
-    base_hooks = Hooks()
-    base = trainer([base_hooks], out / "base")
+    base_hooks = trainer_hooks()
+    base = make_trainer([base_hooks], out / "base")
     base.train()
     def changed(h):  # what changed in the hook state over train(): the Trainer's own changes, by module and kind
         after = hook_state(h.model, h.opt)
@@ -392,8 +412,8 @@ def run_trainer(out: Path) -> dict:
     # (no profiler window: in 8 steps evaluating every 3, the window and its two retakes (each met an evaluation)
     # and the first three steps, measured in full, would leave the statistics only full steps, whose time outside
     # the model holds the memory high-water's cost between micro-batches)
-    hooks, doctor = Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"), profile=False)
-    tr = trainer([hooks, doctor], out / "hf")
+    hooks, doctor = trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"), profile=False)
+    tr = make_trainer([hooks, doctor], out / "hf")
     tr.train()
     left = changed(hooks)
     first_losses = losses(tr)
@@ -408,7 +428,7 @@ def run_trainer(out: Path) -> dict:
     fixes = {f.code: f.recommendation for f in report.findings if f.recommendation.code}
     fixed = None
     if "prefetch.sync_unshard" in fixes:
-        tr3 = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "fixed"))], out / "hf3")
+        tr3 = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "fixed"))], out / "hf3")
         exec(compile(fixes["prefetch.sync_unshard"].code, "<prefetch.sync_unshard fix>", "exec"), {"trainer": tr3})
         tr3.train()
         dist.barrier()
@@ -417,8 +437,8 @@ def run_trainer(out: Path) -> dict:
     # a slow data pipeline (25 ms an item, 4 items a step): jitter.data_wait, whose fix under the Trainer sets its
     # DataLoader arguments on trainer.args; pasted as printed into a new Trainer, the rule is quiet in that run
     def data_wait(name, fix=None):
-        tr_ = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False)], out / f"hf_{name}",
-                      slow_ms=25.0)
+        tr_ = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False)],
+                           out / f"hf_{name}", slow_ms=25.0)
         if fix is not None:
             exec(compile(fix, "<jitter.data_wait fix>", "exec"), {"trainer": tr_})
         tr_.train()
@@ -429,7 +449,7 @@ def run_trainer(out: Path) -> dict:
 
     wait, _ = data_wait("slow")
     wait_after = data_wait("slow_fixed", wait.recommendation.code)[1] if wait and wait.recommendation.code else None
-    again = trainer([Hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))], out / "hf2")
+    again = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))], out / "hf2")
     again.train()  # a second run into the same run directory: refused, trained all the same
     try:
         fsdp_doctor.DoctorCallback(out_dir=str(out / "x"), memroy=False)
@@ -450,7 +470,48 @@ def run_trainer(out: Path) -> dict:
             "data_wait_after_fix": wait_after}
 
 
-CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer}
+def run_trainer_ac(out: Path) -> dict:
+    """A Trainer's activation checkpointing, diagnosed and fixed as its user would (the fix pasted as printed, with
+    the Trainer built, before train()): checkpointing on under an 8 GiB budget, by Hugging Face's training argument
+    and by FSDP's own (fsdp_config), each rerun with its ac.unneeded fix; then a Llama whose activations dominate
+    (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    res = {}
+
+    def run(name, capacity, fix=None, **kw):
+        tr = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False,
+                                                                       capacity_bytes=capacity)],
+                          out / f"hf_{name}", max_steps=6, eval_strategy="no", **kw)
+        if fix:
+            exec(compile(fix, f"<{name} fix>", "exec"), {"trainer": tr})
+        tr.train()
+        dist.barrier()
+        rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
+        res[name] = {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
+                                           "code": f.recommendation.code, "text": f.recommendation.text,
+                                           "predicted": f.predicted and msgspec.to_builtins(f.predicted)}
+                                  for f in rep.findings},
+                     "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
+                     "peak": rep.memory.peak_bytes,
+                     "units": [[u.name, u.checkpoint, u.checkpoint_wrappers]
+                               for u in fsdp_doctor.load_run(out / name).ranks[rank].config.units]}
+        return res[name]["findings"]
+
+    for name, kw in [("hf_ample", {"activation_checkpointing": True}),
+                     ("fsdp_ample", {"fsdp_config": {"activation_checkpointing": True}})]:
+        found = run(name, 8 << 30, **kw)
+        if "ac.unneeded" in found:
+            run(f"{name}_fixed", 8 << 30, found["ac.unneeded"]["code"], **kw)
+    shape = {"width": 128, "seq": 256}
+    run("measure", 8 << 30, **shape)
+    found = run("tight", int(res["measure"]["peak"] / 0.95), **shape)
+    if "ac.recommended" in found:
+        run("tight_fixed", int(res["measure"]["peak"] / 0.95), found["ac.recommended"]["code"], **shape)
+    return res
+
+
+CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_ac": run_trainer_ac}
 
 
 if __name__ == "__main__":

@@ -174,3 +174,59 @@ def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
         assert "class DoctorFix(TrainerCallback)" in code and code.rstrip().endswith("trainer.add_callback(DoctorFix())")
         assert "_set_unshard_async_op(True)" in code, code
         assert res["sync_unshard_after_fix"] == "quiet", res["sync_unshard_after_fix"]
+
+
+@pytest.fixture(scope="module")
+def trainer_ac_run(tmp_path_factory):
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("transformers and accelerate are not installed")
+    out = tmp_path_factory.mktemp("hf_trainer_ac")
+    return _launch("trainer_ac", 2, out, script="recorder_cases.py")[0]
+
+
+def _warnings(run: dict) -> set[str]:
+    return {c for c, f in run["findings"].items() if f["severity"] != "info"}
+
+
+@pytest.mark.parametrize("how", ["hf", "fsdp"])
+def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(trainer_ac_run, how):
+    """A Trainer checkpointing under an ample budget, by Hugging Face's training argument (``hf``) or by FSDP's own
+    (fsdp_config's activation_checkpointing: accelerate wraps each layer and shards the layer inside the wrapper,
+    whose fqn the unit's snapshot now names). ac.unneeded's fix turns off that setting on the built Trainer
+    (code on the unsharded model would be undone by train(), which applies the setting again); pasted as printed,
+    the rerun checkpoints nothing, its peak is the predicted one within 10%, and no new warning appears."""
+    for res in trainer_ac_run:
+        before, after = res[f"{how}_ample"], res[f"{how}_ample_fixed"]
+        f = before["findings"].get("ac.unneeded")
+        assert f is not None and f["where"] == "trainer", before["findings"].keys()
+        plugin = "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"]
+        args = "setattr(trainer.args, name, False)" in f["code"]
+        assert (plugin, args) == ((False, True) if how == "hf" else (True, False)), f["code"]
+        if how == "fsdp":  # the wrapper around each layer's unit, named in the inner unit's snapshot
+            inner = {u[0]: u[2] for u in before["units"] if u[0].endswith("._checkpoint_wrapped_module")}
+            assert inner == {f"model.layers.{i}._checkpoint_wrapped_module": [f"model.layers.{i}"] for i in (0, 1)}
+        assert after["quiet"]["ac.unneeded"] == "no unit is checkpointed", after["quiet"]
+        assert all(u[1] == "none" for u in after["units"]), after["units"]
+        predicted = f["predicted"]["peak_bytes_after"]
+        assert abs(after["peak"] - predicted) <= 0.10 * predicted, (after["peak"], predicted)
+        assert _warnings(after) <= _warnings(before), (_warnings(before), _warnings(after))
+
+
+def test_hf_trainer_checkpointing_recommended_fix_turns_fsdps_own_on(trainer_ac_run):
+    """A Trainer whose activations dominate a peak 5% under its budget: ac.recommended checkpoints every layer
+    accelerate's plugin shards (the Trainer's lever is all of them or none), through FSDP's own setting, which
+    transformers advises under FSDP; pasted as printed, the rerun checkpoints both layers, the finding is gone,
+    the peak is the predicted one within 10% and no new warning appears."""
+    for res in trainer_ac_run:
+        before, after = res["tight"], res["tight_fixed"]
+        f = before["findings"].get("ac.recommended")
+        assert f is not None and f["where"] == "trainer", before["findings"].keys()
+        assert "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
+        assert "all 2 here" in f["text"], f["text"]
+        assert "ac.recommended" not in after["findings"], after["findings"].keys()
+        assert {u[0] for u in after["units"] if u[1] == "unit" and u[0].endswith("_module")} == {
+            "model.layers.0._checkpoint_wrapped_module", "model.layers.1._checkpoint_wrapped_module"}
+        predicted = f["predicted"]["peak_bytes_after"]
+        assert abs(after["peak"] - predicted) <= 0.10 * predicted, (after["peak"], predicted)
+        assert after["peak"] < 0.85 * res["tight"]["peak"], (after["peak"], res["tight"]["peak"])
+        assert _warnings(after) <= _warnings(before), (_warnings(before), _warnings(after))

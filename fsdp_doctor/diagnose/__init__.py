@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from .base import NEEDS, RULES, SEVERITIES, Context, Finding, Need, Rule, register
+from . import estimate as E
 from . import snippets as S
 from . import rules as _rules  # noqa: F401  (registers the rules)
-from ..records import TRAINER_DRIVER
 from ..report_sections import RuleStatus
 
 log = logging.getLogger("fsdp_doctor")
@@ -55,7 +55,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
             statuses.append(cls.status("quiet", rule.why_quiet or NO_REASON))
-    if getattr(ctx.config, "driver", None) == TRAINER_DRIVER:  # its fixes where a Trainer's user can put them
+    if E.trainer_driven(ctx):  # its fixes where a Trainer's user can put them
         for f in out:
             S.for_trainer(f.recommendation, f.code)
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}

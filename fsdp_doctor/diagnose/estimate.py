@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from ..records import UnitConfig, unit_defaults
+from ..records import TRAINER_DRIVER, UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..units import fmt_bytes
@@ -101,6 +101,12 @@ def on_gpu(ctx: Context) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- memory
+def trainer_driven(ctx: Context) -> bool:
+    """A Hugging Face Trainer drove the run (fsdp_doctor.DoctorCallback): its fixes go where a Trainer's user can
+    put them (snippets.for_trainer)."""
+    return getattr(ctx.config, "driver", None) == TRAINER_DRIVER
+
+
 def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:
     """The memory section's ``per_rank``; without one (a report built without it), the same section computed
     from the run's step records by the one analysis that builds it (fsdp_doctor.analyze.memory)."""

@@ -672,6 +672,30 @@ TRAINER_ARGS_FIXES = {
 }
 
 
+#: what a fix set on the user's Trainer reads from their code (``Recommendation.inputs``)
+TRAINER_INPUTS = {"trainer": "your transformers Trainer"}
+
+
+def trainer_checkpointing(on: bool, plugin: bool = True, hf: bool = False) -> str:
+    """A Trainer's activation checkpointing on or off, set on the built Trainer before ``trainer.train()``, which
+    reads both settings when it prepares the model: FSDP's own (``fsdp_config["activation_checkpointing"]``:
+    accelerate's FSDP2 plugin wraps each layer it shards in a CheckpointWrapper; what transformers advises under
+    FSDP) when ``plugin``, and Hugging Face's (the ``activation_checkpointing`` training argument, named
+    ``gradient_checkpointing`` before transformers 5) when ``hf``."""
+    lines = []
+    if plugin:
+        lines += ["# FSDP's own checkpointing, which trainer.train() applies as it shards the model",
+                  f"# (or in your TrainingArguments: fsdp_config={{..., 'activation_checkpointing': {on}}})",
+                  f"trainer.accelerator.state.fsdp_plugin.activation_checkpointing = {on}"]
+    if hf:
+        lines += ["# Hugging Face's, which trainer.train() applies from its arguments (activation_checkpointing;",
+                  "# gradient_checkpointing before transformers 5)",
+                  "for name in ('activation_checkpointing', 'gradient_checkpointing'):",
+                  "    if hasattr(trainer.args, name):",
+                  f"        setattr(trainer.args, name, {on})"]
+    return "\n".join(lines)
+
+
 def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
@@ -683,9 +707,10 @@ def for_trainer(rec, finding: str = "") -> None:
     if not rec.code and finding in TRAINER_ARGS_FIXES:  # a lever of the user's code the Trainer has as arguments
         text, rec.code = TRAINER_ARGS_FIXES[finding]
         rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
-        rec.where, rec.inputs = "trainer", {"trainer": "your transformers Trainer"}
+        rec.where, rec.inputs = "trainer", dict(TRAINER_INPUTS)
         return
-    if not rec.code or rec.where == "evaluation":  # the user's own evaluation code, wherever it runs: as it is
+    # the user's own evaluation code, wherever it runs, and a fix the rule wrote for the Trainer: as they are
+    if not rec.code or rec.where in ("evaluation", "trainer"):
         return
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code) or _LOOP_HELPER.search(rec.code):
         rec.text += TRAINER_ELSEWHERE
@@ -699,7 +724,7 @@ def for_trainer(rec, finding: str = "") -> None:
                 + f"{body}\n\n\n"
                 "trainer.add_callback(DoctorFix())")
     rec.where = "trainer"
-    rec.inputs = {**rec.inputs, "trainer": "your transformers Trainer"}
+    rec.inputs = {**rec.inputs, **TRAINER_INPUTS}
 
 
 def fix_place(code: str) -> str:

@@ -143,6 +143,14 @@ def checkpoint_wrappers(unit: Unit, all_units: list[Unit]) -> list[tuple[str, nn
     return out
 
 
+def enclosing_wrapper(unit: Unit) -> list[str]:
+    """The fqn of the CheckpointWrapper around the unit, when the unit was applied to a wrapper's inner module
+    (``layers.0._checkpoint_wrapped_module``: accelerate's FSDP2 plugin with ``activation_checkpointing`` wraps
+    each layer, then shards the layer inside); [] otherwise."""
+    tail = "." + _CKPT_PREFIX
+    return [n[: -len(tail)] for n in unit.module_names if n.endswith(tail)]
+
+
 def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
     """The modules activation checkpointing re-runs during backward for this unit: the inner module of
     every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""
@@ -220,7 +228,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 offload="cpu" if is_cpu_offload else None,
                 offload_pin_memory=bool(getattr(offload, "pin_memory", False)) if is_cpu_offload else None,
                 checkpoint=_checkpoint_kind(u, units),
-                checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)],
+                checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)] or enclosing_wrapper(u),
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,

@@ -129,19 +129,30 @@ class AcRecommended(Rule):
         cands = [u for u in cands if per_unit.get(u.name, 0) > 0]
         if not cands:
             return self.quiet("no unit left to checkpoint: every one with activations is checkpointed")
-        # checkpoint the largest activation holders first until the peak is under the target
-        cands.sort(key=lambda u: -per_unit[u.name])
-        # the peak moves: a checkpointed unit keeps only its input until its backward, where its recompute holds
-        # its activations again; so each choice is judged on the peak step's timeline (the saving at the old
-        # peak, flat, was 41% under the measured peak on the reference GPT at 8 sequences per rank)
         pm, target = E.peak_memory(ctx), E.TARGET_CAPACITY_SHARE * cap
-        chosen, peak_after = [], peak
-        for u in cands:
-            if chosen and peak_after <= target:
-                break
-            chosen.append(u)
-            peak_after = _peak_with(pm, {c.name: -int(per_unit[c.name] * (1 - 1 / E.SAVED_PER_INPUT))
-                                         for c in chosen}, {c.name: per_unit[c.name] for c in chosen})
+
+        def peak_with(chosen):
+            return _peak_with(pm, {c.name: -int(per_unit[c.name] * (1 - 1 / E.SAVED_PER_INPUT)) for c in chosen},
+                              {c.name: per_unit[c.name] for c in chosen})
+
+        trainer = E.trainer_driven(ctx)
+        if trainer:  # the Trainer's lever checkpoints every layer its FSDP plugin shards, or none
+            chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
+            if not chosen:
+                return self.quiet("no layer of the Trainer's FSDP plugin (a repeated block) is left to checkpoint")
+            peak_after = peak_with(chosen)
+        else:
+            # checkpoint the largest activation holders first until the peak is under the target
+            cands.sort(key=lambda u: -per_unit[u.name])
+            # the peak moves: a checkpointed unit keeps only its input until its backward, where its recompute
+            # holds its activations again; so each choice is judged on the peak step's timeline (the saving at the
+            # old peak, flat, was 41% under the measured peak on the reference GPT at 8 sequences per rank)
+            chosen, peak_after = [], peak
+            for u in cands:
+                if chosen and peak_after <= target:
+                    break
+                chosen.append(u)
+                peak_after = peak_with(chosen)
         saved = peak - peak_after
         recompute = sum(E.compute_fwd_ms(u) for u in chosen)
         step = E.step_ms(ctx)
@@ -162,8 +173,12 @@ class AcRecommended(Rule):
             f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
             f"their forward in backward: about {E.mib(saved)} MiB less at the peak for ~{recompute:.1f} ms more "
-            "per step (their forward compute). Apply checkpointing to whole blocks, before fully_shard.",
-            S.checkpoint_modules(mods, "checkpoint whole blocks"),
+            "per step (their forward compute). "
+            + ("Under the Trainer, FSDP's own checkpointing (fsdp_config's activation_checkpointing, which "
+               "transformers advises under FSDP) checkpoints every layer its FSDP plugin shards: all "
+               f"{len(chosen)} here." if trainer else "Apply checkpointing to whole blocks, before fully_shard."),
+            S.trainer_checkpointing(True) if trainer else S.checkpoint_modules(mods, "checkpoint whole blocks"),
+            where="trainer" if trainer else "", inputs=dict(S.TRAINER_INPUTS) if trainer else None,
             predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in chosen])]
 
@@ -200,6 +215,9 @@ class AcUnneeded(Rule):
         share = recompute / step if step else None
         sev = "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
         wrappers, functional = _wrappers(ck)
+        # under the Trainer, its settings: CheckpointWrappers are FSDP's own (accelerate's plugin wraps the layers
+        # it shards), checkpoint(...) calls Hugging Face's (the training argument)
+        trainer = E.trainer_driven(ctx)
         return [self.finding(
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {100 * peak / cap:.0f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
@@ -211,8 +229,12 @@ class AcUnneeded(Rule):
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward (~{recompute:.1f} ms per "
             f"step) to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
-            "Turn it off and spend the headroom on speed.",
-            S.remove_checkpointing(wrappers, functional),
+            "Turn it off and spend the headroom on speed."
+            + (" Under the Trainer, turn off the setting that applied it before trainer.train() (checkpoint "
+               "wrappers of your own: build the model without them)." if trainer else ""),
+            S.trainer_checkpointing(False, plugin=bool(wrappers), hf=bool(functional)) if trainer
+            else S.remove_checkpointing(wrappers, functional),
+            where="trainer" if trainer else "", inputs=dict(S.TRAINER_INPUTS) if trainer else None,
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in ck])]
 
