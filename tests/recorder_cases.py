@@ -14,7 +14,7 @@ Cases:
             AcceleratedOptimizer is unwrapped; doctor.step() per micro-batch gives one step per optimizer step;
             HF gradient checkpointing: model FLOPs as without it, hardware FLOPs higher.
   trainer   a Hugging Face Trainer with fsdp_doctor.DoctorCallback (run_trainer).
-  trainer_ac  a Trainer's activation checkpointing diagnosed and its fixes pasted (run_trainer_ac).
+  trainer_fixes  fixes whose lever is the Trainer's own setting, diagnosed and pasted (run_trainer_fixes).
 
 Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -384,6 +384,8 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
                  eval_dataset=_Tokens(8, 10_000, 0.0, seq), callbacks=callbacks)
     st = tr.accelerator.state  # the plugin the Trainer makes on a GPU (trainer.py: from args.fsdp_plugin_args)
     st.fsdp_plugin = FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
+    if st.mixed_precision != "no":  # as AcceleratorState does on a GPU (bf16=True: reduce_dtype bfloat16)
+        st.fsdp_plugin.set_mixed_precision(st.mixed_precision)
     st.distributed_type = DistributedType.FSDP
     tr.is_fsdp_enabled = True
     return tr
@@ -470,11 +472,12 @@ def run_trainer(out: Path) -> dict:
             "data_wait_after_fix": wait_after}
 
 
-def run_trainer_ac(out: Path) -> dict:
-    """A Trainer's activation checkpointing, diagnosed and fixed as its user would (the fix pasted as printed, with
-    the Trainer built, before train()): checkpointing on under an 8 GiB budget, by Hugging Face's training argument
-    and by FSDP's own (fsdp_config), each rerun with its ac.unneeded fix; then a Llama whose activations dominate
-    (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix."""
+def run_trainer_fixes(out: Path) -> dict:
+    """Fixes whose lever is the Trainer's own setting, diagnosed and applied as its user would (pasted as printed,
+    with the Trainer built, before train()): checkpointing on under an 8 GiB budget, by Hugging Face's training
+    argument and by FSDP's own (fsdp_config), each rerun with its ac.unneeded fix; bf16=True, whose FSDP2 policy
+    reduces in bfloat16, rerun with numerics.reduce_dtype's fix; a Llama whose activations dominate (width 128,
+    256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
@@ -494,7 +497,7 @@ def run_trainer_ac(out: Path) -> dict:
                                   for f in rep.findings},
                      "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
                      "peak": rep.memory.peak_bytes,
-                     "units": [[u.name, u.checkpoint, u.checkpoint_wrappers]
+                     "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
                                for u in fsdp_doctor.load_run(out / name).ranks[rank].config.units]}
         return res[name]["findings"]
 
@@ -503,6 +506,9 @@ def run_trainer_ac(out: Path) -> dict:
         found = run(name, 8 << 30, **kw)
         if "ac.unneeded" in found:
             run(f"{name}_fixed", 8 << 30, found["ac.unneeded"]["code"], **kw)
+    found = run("bf16", 8 << 30, bf16=True)  # accelerate's policy for bf16=True reduces in bfloat16
+    if "numerics.reduce_dtype" in found:
+        run("bf16_fixed", 8 << 30, found["numerics.reduce_dtype"]["code"], bf16=True)
     shape = {"width": 128, "seq": 256}
     run("measure", 8 << 30, **shape)
     found = run("tight", int(res["measure"]["peak"] / 0.95), **shape)
@@ -511,7 +517,7 @@ def run_trainer_ac(out: Path) -> dict:
     return res
 
 
-CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_ac": run_trainer_ac}
+CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes}
 
 
 if __name__ == "__main__":

@@ -81,6 +81,22 @@ def test_reduce_dtype_narrower_than_params(matrix):
     assert _status(_fixed(o), "numerics.reduce_dtype").status == "quiet"  # fp32 reduction: quiet
 
 
+@pytest.mark.rows("gpt_bf16_reduce_accum")
+def test_reduce_dtype_fix_under_bf16_compute_predicts_float32_accumulation(matrix):
+    """bf16 compute and reduction (accelerate's policy for bf16=True) over 4 micro-batches synced on the last: with
+    the fix's float32 reduction FSDP2 keeps the accumulated unsharded gradients in float32, so the peak rises; the
+    prediction says so (it said +0 before), within 5% of the run with the fix applied."""
+    o = _outcome(matrix, "gpt_bf16_reduce_accum")
+    f = o.finding
+    assert f.evidence["reduce_dtype"] == "bfloat16" and f.evidence["reduce_dtype_explicit"] is True
+    assert "param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in f.recommendation.code
+    assert f.predicted.peak_bytes_after > 1.1 * f.predicted.peak_bytes_before, f.predicted
+    assert "MiB more at the peak" in f.recommendation.text
+    fixed = _fixed(o)
+    assert f.predicted.peak_bytes_after == pytest.approx(fixed.memory.peak_bytes, rel=0.05)
+    assert _status(fixed, "numerics.reduce_dtype").status == "quiet"
+
+
 @pytest.mark.rows("gpt_raf_tight")
 def test_near_capacity_with_no_dominant_category(matrix):
     """reshard_after_forward=False on every unit, one sequence per rank, a budget 5% above the peak: no category

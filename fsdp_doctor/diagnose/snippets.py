@@ -696,6 +696,15 @@ def trainer_checkpointing(on: bool, plugin: bool = True, hf: bool = False) -> st
     return "\n".join(lines)
 
 
+def trainer_mp_policy(mp_line: str) -> str:
+    """The mixed-precision policy the Trainer's FSDP plugin shards with in ``trainer.train()`` (accelerate makes it
+    from the Trainer's bf16/fp16 argument, reducing in that dtype; TrainingArguments have no option for it), set on
+    the built Trainer: ``mp_line`` assigns ``mp``."""
+    return (f"{mp_line}\n"
+            "# the policy trainer.train() shards the model with (accelerate made it from bf16=True/fp16=True)\n"
+            "trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = mp")
+
+
 def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
