@@ -137,6 +137,8 @@ class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
 # RunConfig.driver of a run a Hugging Face Trainer drove (fsdp_doctor.DoctorCallback): the diagnosis then writes
 # its fixes as Trainer callbacks (diagnose/snippets.for_trainer)
 TRAINER_DRIVER = "transformers.Trainer"
+# RunConfig.sharded_by of a model accelerate's prepare() sharded (its FSDP2 plugin; the Trainer's runs too)
+ACCELERATE_SHARDER = "accelerate"
 
 
 class RunConfig(Record, tag="config"):
@@ -157,6 +159,9 @@ class RunConfig(Record, tag="config"):
     attn_implementation: str | None = None
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback)
     driver: str | None = None
+    # what sharded the model when not the user's own fully_shard calls: ACCELERATE_SHARDER (accelerator.prepare,
+    # whose FSDP2 plugin holds the settings a fix changes: checkpointing, the mixed-precision policy)
+    sharded_by: str | None = None
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0

@@ -441,6 +441,7 @@ FIX_PLACES = {
     "backward": "in your training loop, between the loss and its backward",
     "evaluation": "around your evaluation (where the model runs without a backward after it)",
     "trainer": "with your Trainer built, before trainer.train()",
+    "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
 }
 
 

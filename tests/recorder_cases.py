@@ -472,6 +472,21 @@ def run_trainer(out: Path) -> dict:
             "data_wait_after_fix": wait_after}
 
 
+def _outcome(path: Path, rank: int) -> dict:
+    """A fix case's run read back: its findings (severity, where the fix goes, the fix, its text and prediction),
+    the quiet rules' reasons, the peak, and each unit's checkpointing and reduction dtypes."""
+    run = fsdp_doctor.load_run(path)
+    rep = fsdp_doctor.build_report(run)
+    return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
+                                  "code": f.recommendation.code, "text": f.recommendation.text,
+                                  "predicted": f.predicted and msgspec.to_builtins(f.predicted)}
+                         for f in rep.findings},
+            "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
+            "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
+            "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
+                      for u in run.ranks[rank].config.units]}
+
+
 def run_trainer_fixes(out: Path) -> dict:
     """Fixes whose lever is the Trainer's own setting, diagnosed and applied as its user would (pasted as printed,
     with the Trainer built, before train()): checkpointing on under an 8 GiB budget, by Hugging Face's training
@@ -482,7 +497,7 @@ def run_trainer_fixes(out: Path) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
 
-    def run(name, capacity, fix=None, **kw):
+    def run(name, fix=None, capacity=8 << 30, **kw):
         tr = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False,
                                                                        capacity_bytes=capacity)],
                           out / f"hf_{name}", max_steps=6, eval_strategy="no", **kw)
@@ -490,34 +505,79 @@ def run_trainer_fixes(out: Path) -> dict:
             exec(compile(fix, f"<{name} fix>", "exec"), {"trainer": tr})
         tr.train()
         dist.barrier()
-        rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
-        res[name] = {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
-                                           "code": f.recommendation.code, "text": f.recommendation.text,
-                                           "predicted": f.predicted and msgspec.to_builtins(f.predicted)}
-                                  for f in rep.findings},
-                     "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
-                     "peak": rep.memory.peak_bytes,
-                     "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
-                               for u in fsdp_doctor.load_run(out / name).ranks[rank].config.units]}
+        res[name] = _outcome(out / name, rank)
         return res[name]["findings"]
 
-    for name, kw in [("hf_ample", {"activation_checkpointing": True}),
-                     ("fsdp_ample", {"fsdp_config": {"activation_checkpointing": True}})]:
-        found = run(name, 8 << 30, **kw)
-        if "ac.unneeded" in found:
-            run(f"{name}_fixed", 8 << 30, found["ac.unneeded"]["code"], **kw)
-    found = run("bf16", 8 << 30, bf16=True)  # accelerate's policy for bf16=True reduces in bfloat16
-    if "numerics.reduce_dtype" in found:
-        run("bf16_fixed", 8 << 30, found["numerics.reduce_dtype"]["code"], bf16=True)
-    shape = {"width": 128, "seq": 256}
-    run("measure", 8 << 30, **shape)
-    found = run("tight", int(res["measure"]["peak"] / 0.95), **shape)
-    if "ac.recommended" in found:
-        run("tight_fixed", int(res["measure"]["peak"] / 0.95), found["ac.recommended"]["code"], **shape)
+    return _each_fixed(run, res, [("hf_ample", "ac.unneeded", {"activation_checkpointing": True}),
+                                  ("fsdp_ample", "ac.unneeded", {"fsdp_config": {"activation_checkpointing": True}}),
+                                  # accelerate's policy for bf16=True reduces in bfloat16
+                                  ("bf16", "numerics.reduce_dtype", {"bf16": True}),
+                                  ("tight", "ac.recommended", {"width": 128, "seq": 256})])
+
+
+def _each_fixed(run, res: dict, cases: list) -> dict:
+    """Runs each case (its name, the finding it plants, ``run``'s options), then, where the finding came, again
+    with its fix pasted as printed (``NAME_fixed``). "tight" runs under a budget 5% above the peak of the same
+    options' run, "measure"; the others under 8 GiB. ``res``: what ``run`` filled in, by name."""
+    for name, code, kw in cases:
+        if name == "tight":
+            run("measure", **kw)
+            kw = {**kw, "capacity": int(res["measure"]["peak"] / 0.95)}
+        found = run(name, **kw)
+        if code in found:
+            run(f"{name}_fixed", found[code]["code"], **kw)
     return res
 
 
-CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes}
+def run_accelerate_fixes(out: Path) -> dict:
+    """Fixes whose lever is accelerate's FSDP2 plugin, in a loop of the user's own around accelerator.prepare
+    (forced to FSDP as in run_accelerate), applied as its user would: pasted as printed with the Accelerator
+    built, before prepare(). The plugin's checkpointing under an 8 GiB budget, rerun with ac.unneeded's fix;
+    mixed_precision="bf16" (its policy reduces in bfloat16), rerun with numerics.reduce_dtype's fix; a Llama whose
+    activations dominate (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with
+    ac.recommended's fix. Each run: 5 steps of one micro-batch; the report's findings as in run_trainer_fixes."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+    from transformers import LlamaForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    res = {}
+
+    def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ):
+        AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
+        acc = Accelerator(cpu=True, mixed_precision=mixed)
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                                reshard_after_forward=True, activation_checkpointing=ac)
+        if mixed != "no":  # as AcceleratorState does on a GPU (bf16: reduce_dtype bfloat16)
+            plugin.set_mixed_precision(mixed)
+        acc.state.fsdp_plugin, acc.state.distributed_type = plugin, DistributedType.FSDP
+        if fix:
+            exec(compile(fix, f"<{name} fix>", "exec"), {"accelerator": acc})
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq)))
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        data = _Tokens(STEPS * 2, 0, seq=seq)
+        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), profile=False, capacity_bytes=capacity) as doc:
+            for step in range(STEPS):
+                tok = torch.stack([data[2 * step + i]["input_ids"] for i in range(2)])
+                acc.backward(model(input_ids=tok, labels=tok).loss)
+                opt.step()
+                opt.zero_grad()
+                doc.step()
+        dist.barrier()
+        res[name] = _outcome(out / name, rank)
+        return res[name]["findings"]
+
+    return _each_fixed(run, res, [("fsdp_ample", "ac.unneeded", {"ac": True}),
+                                  ("bf16", "numerics.reduce_dtype", {"mixed": "bf16"}),
+                                  ("tight", "ac.recommended", {"width": 128, "seq": 256})])
+
+
+CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes,
+         "accelerate_fixes": run_accelerate_fixes}
 
 
 if __name__ == "__main__":

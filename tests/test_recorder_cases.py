@@ -176,24 +176,30 @@ def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
         assert res["sync_unshard_after_fix"] == "quiet", res["sync_unshard_after_fix"]
 
 
-@pytest.fixture(scope="module")
-def trainer_fixes_run(tmp_path_factory):
+def _fix_case(tmp_path_factory, case: str) -> list[dict]:
+    """Each rank's result of a fix case of recorder_cases (trainer_fixes, accelerate_fixes) on 2 ranks."""
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None:
         pytest.skip("transformers and accelerate are not installed")
-    out = tmp_path_factory.mktemp("hf_trainer_fixes")
-    return _launch("trainer_fixes", 2, out, script="recorder_cases.py")[0]
+    return _launch(case, 2, tmp_path_factory.mktemp(case), script="recorder_cases.py")[0]
+
+
+@pytest.fixture(scope="module")
+def trainer_fixes_run(tmp_path_factory):
+    return _fix_case(tmp_path_factory, "trainer_fixes")
 
 
 def _warnings(run: dict) -> set[str]:
     return {c for c, f in run["findings"].items() if f["severity"] != "info"}
 
 
-def _trainer_fix(res: dict, name: str, code: str) -> tuple[dict, dict, dict]:
-    """(the run ``name``, its rerun with ``code``'s fix pasted, the finding): the fix was printed for the Trainer,
-    the rerun does not raise it again, its peak is the predicted one within 10%, and it has no new warning."""
+def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tuple[dict, dict, dict]:
+    """(the run ``name``, its rerun with ``code``'s fix pasted, the finding): the fix was printed for ``where``
+    (the Trainer, or the user's Accelerator), the rerun does not raise it again, its peak is the predicted one
+    within 10%, and it has no new warning."""
     before, after = res[name], res[f"{name}_fixed"]
     f = before["findings"].get(code)
-    assert f is not None and f["where"] == "trainer", (name, before["findings"].keys())
+    assert f is not None and f["where"] == where, (name, before["findings"].keys())
+    assert before["sharded_by"] == after["sharded_by"] == "accelerate", before["sharded_by"]
     assert code not in after["findings"], after["findings"].keys()
     predicted = f["predicted"]["peak_bytes_after"]
     assert abs(after["peak"] - predicted) <= 0.10 * predicted, (name, after["peak"], predicted)
@@ -209,7 +215,7 @@ def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(tra
     (code on the unsharded model would be undone by train(), which applies the setting again); pasted as printed,
     the rerun checkpoints nothing, its peak is the predicted one within 10%, and no new warning appears."""
     for res in trainer_fixes_run:
-        before, after, f = _trainer_fix(res, f"{how}_ample", "ac.unneeded")
+        before, after, f = _plugin_fix(res, f"{how}_ample", "ac.unneeded")
         plugin = "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"]
         args = "setattr(trainer.args, name, False)" in f["code"]
         assert (plugin, args) == ((False, True) if how == "hf" else (True, False)), f["code"]
@@ -226,7 +232,7 @@ def test_hf_trainer_checkpointing_recommended_fix_turns_fsdps_own_on(trainer_fix
     transformers advises under FSDP; pasted as printed, the rerun checkpoints both layers, the finding is gone,
     the peak falls, to the predicted one within 10%, and no new warning appears."""
     for res in trainer_fixes_run:
-        before, after, f = _trainer_fix(res, "tight", "ac.recommended")
+        before, after, f = _plugin_fix(res, "tight", "ac.recommended")
         assert "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
         assert "all 2 here" in f["text"], f["text"]
         assert {u[0] for u in after["units"] if u[1] == "unit" and u[0].endswith("_module")} == {
@@ -240,9 +246,35 @@ def test_hf_trainer_bf16_reduce_dtype_fix_sets_the_plugins_policy(trainer_fixes_
     fix sets the plugin's policy on the built Trainer; pasted as printed, every unit reduces in float32, the rule is
     quiet, and the peak (the accumulated gradients now float32: about +19%) is the predicted one within 10%."""
     for res in trainer_fixes_run:
-        before, after, f = _trainer_fix(res, "bf16", "numerics.reduce_dtype")
+        before, after, f = _plugin_fix(res, "bf16", "numerics.reduce_dtype")
         assert "trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = mp" in f["code"], f["code"]
         assert "output_dtype=torch.bfloat16" in f["code"], f["code"]
         assert {u[3:] == ["bfloat16", "bfloat16"] for u in before["units"]} == {True}, before["units"]
         assert {u[3:] == ["bfloat16", "float32"] for u in after["units"]} == {True}, after["units"]
         assert f["predicted"]["peak_bytes_after"] > 1.1 * before["peak"], (f["predicted"], before["peak"])
+
+
+@pytest.fixture(scope="module")
+def accelerate_fixes_run(tmp_path_factory):
+    return _fix_case(tmp_path_factory, "accelerate_fixes")
+
+
+def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_run):
+    """A loop of the user's own around accelerator.prepare (accelerate's FSDP2 plugin shards the model; the run
+    records it as sharded_by "accelerate"): the plugin's checkpointing under an ample budget, its bf16 policy
+    reducing in bfloat16, and a Llama whose activations fill a peak 5% under its budget. Each fix sets the plugin
+    on the user's Accelerator before prepare() (code on the model would be undone, or never reached, there);
+    pasted as printed, each rerun drops its finding, has no new warning, and peaks as predicted within 10%
+    (float32 reduction: +9% here, one micro-batch a step; checkpointing: the recompute gathers each layer again,
+    its wrapper being outside the unit)."""
+    for res in accelerate_fixes_run:
+        _, after, f = _plugin_fix(res, "fsdp_ample", "ac.unneeded", "accelerate")
+        assert "accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"], f["code"]
+        assert "trainer" not in f["code"] and all(u[1] == "none" for u in after["units"]), after["units"]
+        before, after, f = _plugin_fix(res, "bf16", "numerics.reduce_dtype", "accelerate")
+        assert "accelerator.state.fsdp_plugin.mixed_precision_policy = mp" in f["code"], f["code"]
+        assert {u[3:] == ["bfloat16", "float32"] for u in after["units"]} == {True}, after["units"]
+        assert f["predicted"]["peak_bytes_after"] > 1.05 * before["peak"], (f["predicted"], before["peak"])
+        before, after, f = _plugin_fix(res, "tight", "ac.recommended", "accelerate")
+        assert "accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
+        assert after["peak"] < 0.85 * before["peak"], (after["peak"], before["peak"])

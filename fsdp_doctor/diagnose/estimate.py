@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from ..records import TRAINER_DRIVER, UnitConfig, unit_defaults
+from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER, UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..units import fmt_bytes
@@ -105,6 +105,15 @@ def trainer_driven(ctx: Context) -> bool:
     """A Hugging Face Trainer drove the run (fsdp_doctor.DoctorCallback): its fixes go where a Trainer's user can
     put them (snippets.for_trainer)."""
     return getattr(ctx.config, "driver", None) == TRAINER_DRIVER
+
+
+def plugin_lever(ctx: Context) -> Optional[str]:
+    """Where a fix of a setting of accelerate's FSDP2 plugin goes (report_sections.FIX_PLACES), when that plugin
+    sharded the model: "trainer" (a Trainer drove the run), "accelerate" (the user's accelerator.prepare); None:
+    the user's own fully_shard calls."""
+    if trainer_driven(ctx):
+        return "trainer"
+    return "accelerate" if getattr(ctx.config, "sharded_by", None) == ACCELERATE_SHARDER else None
 
 
 def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:

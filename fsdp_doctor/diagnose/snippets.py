@@ -672,22 +672,37 @@ TRAINER_ARGS_FIXES = {
 }
 
 
-#: what a fix set on the user's Trainer reads from their code (``Recommendation.inputs``)
-TRAINER_INPUTS = {"trainer": "your transformers Trainer"}
+#: what a fix on accelerate's FSDP2 plugin reads from the user's code (``Recommendation.inputs``), by where it goes:
+#: on the Trainer's plugin ("trainer") or on the user's Accelerator's ("accelerate")
+PLUGIN_INPUTS = {"trainer": {"trainer": "your transformers Trainer"},
+                 "accelerate": {"accelerator": "your accelerate Accelerator"}}
+TRAINER_INPUTS = PLUGIN_INPUTS["trainer"]
+_PLUGIN = {"trainer": ("trainer.accelerator.state.fsdp_plugin", "trainer.train()",
+                       "in your TrainingArguments: fsdp_config={{..., 'activation_checkpointing': {on}}}"),
+           "accelerate": ("accelerator.state.fsdp_plugin", "accelerator.prepare(model)",
+                          "FullyShardedDataParallelPlugin(..., activation_checkpointing={on})")}
 
 
-def trainer_checkpointing(on: bool, plugin: bool = True, hf: bool = False) -> str:
-    """A Trainer's activation checkpointing on or off, set on the built Trainer before ``trainer.train()``, which
-    reads both settings when it prepares the model: FSDP's own (``fsdp_config["activation_checkpointing"]``:
-    accelerate's FSDP2 plugin wraps each layer it shards in a CheckpointWrapper; what transformers advises under
-    FSDP) when ``plugin``, and Hugging Face's (the ``activation_checkpointing`` training argument, named
-    ``gradient_checkpointing`` before transformers 5) when ``hf``."""
+def plugin_says(lever: str) -> tuple[str, str]:
+    """(how a finding's text names the setting's owner, the call that applies it) for a ``lever``."""
+    return ({"trainer": "Under the Trainer", "accelerate": "With accelerate's FSDP2 plugin"}[lever],
+            _PLUGIN[lever][1])
+
+
+def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = False) -> str:
+    """Activation checkpointing on or off where accelerate's FSDP2 plugin sharded the model (``lever``: "trainer",
+    set on the built Trainer before ``trainer.train()``; "accelerate", on the user's Accelerator before
+    ``accelerator.prepare(model)``), which reads the settings as it prepares the model: FSDP's own (the plugin's
+    ``activation_checkpointing``: it wraps each layer it shards in a CheckpointWrapper; what transformers advises
+    under FSDP) when ``plugin``, and under the Trainer Hugging Face's (the ``activation_checkpointing`` training
+    argument, named ``gradient_checkpointing`` before transformers 5) when ``hf``."""
+    holder, prepares, option = _PLUGIN[lever]
     lines = []
     if plugin:
-        lines += ["# FSDP's own checkpointing, which trainer.train() applies as it shards the model",
-                  f"# (or in your TrainingArguments: fsdp_config={{..., 'activation_checkpointing': {on}}})",
-                  f"trainer.accelerator.state.fsdp_plugin.activation_checkpointing = {on}"]
-    if hf:
+        lines += [f"# FSDP's own checkpointing, which {prepares} applies as it shards the model",
+                  f"# (or {option.format(on=on)})",
+                  f"{holder}.activation_checkpointing = {on}"]
+    if hf and lever == "trainer":
         lines += ["# Hugging Face's, which trainer.train() applies from its arguments (activation_checkpointing;",
                   "# gradient_checkpointing before transformers 5)",
                   "for name in ('activation_checkpointing', 'gradient_checkpointing'):",
@@ -696,13 +711,14 @@ def trainer_checkpointing(on: bool, plugin: bool = True, hf: bool = False) -> st
     return "\n".join(lines)
 
 
-def trainer_mp_policy(mp_line: str) -> str:
-    """The mixed-precision policy the Trainer's FSDP plugin shards with in ``trainer.train()`` (accelerate makes it
-    from the Trainer's bf16/fp16 argument, reducing in that dtype; TrainingArguments have no option for it), set on
-    the built Trainer: ``mp_line`` assigns ``mp``."""
+def plugin_mp_policy(mp_line: str, lever: str) -> str:
+    """The mixed-precision policy accelerate's FSDP2 plugin shards with (accelerate makes it from the
+    mixed_precision setting, the Trainer's bf16/fp16, reducing in that dtype; TrainingArguments have no option
+    for it), set where ``lever`` says (plugin_checkpointing): ``mp_line`` assigns ``mp``."""
+    holder, prepares, _ = _PLUGIN[lever]
     return (f"{mp_line}\n"
-            "# the policy trainer.train() shards the model with (accelerate made it from bf16=True/fp16=True)\n"
-            "trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = mp")
+            f"# the policy {prepares} shards the model with (accelerate made it from mixed_precision)\n"
+            f"{holder}.mixed_precision_policy = mp")
 
 
 def for_trainer(rec, finding: str = "") -> None:

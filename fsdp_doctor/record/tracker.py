@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from .. import __version__
 from ..records import (
+    ACCELERATE_SHARDER,
     End,
     Header,
     Manifest,
@@ -374,6 +375,8 @@ class Doctor:
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency)
         cfg.driver = self.driver
+        # accelerate marks what its prepare() returned (the Trainer's model as well)
+        cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None
         return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:

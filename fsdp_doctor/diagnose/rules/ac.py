@@ -50,7 +50,8 @@ def _added_without_checkpointing(ctx: Context, ck: list[E.Unit], pm) -> tuple[di
     return {u: int(b * (E.SAVED_PER_INPUT - 1)) for u, b in per_unit.items()}, ESTIMATED
 
 
-def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None) -> int:
+def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
+               regather: Optional[dict[str, int]] = None) -> int:
     """The peak with each unit's saved activations changed by ``extra`` (bytes, per forward/backward pair):
     without checkpointing (ac.unneeded: what the unit would keep on top of what it keeps now) or with it
     (ac.recommended: negative, what it would no longer keep). The change lives from the unit's forward's end to its
@@ -64,7 +65,13 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None)
     keeps what it recomputed until that backward ends, where the un-checkpointed backward frees each saved tensor
     as soon as its node has run; the activations the timeline shows freed there are added back, up to the unit's.
     (A Qwen2 whose last block alone trains: predicted at the old backward high-water, 2,545,404 B; measured
-    2,807,804 B; the same +262,656 B at that block's backward without FSDP, one process.)"""
+    2,807,804 B; the same +262,656 B at that block's backward without FSDP, one process.)
+
+    ``regather`` (per unit, its unsharded parameter bytes): the checkpoint wraps the unit from outside (the
+    wrapper around the sharded layer, as accelerate's FSDP2 plugin applies it), so the recompute runs the unit's
+    forward hooks and all-gathers its parameters again while its backward holds them (transformers' "redundant
+    AllGather"): that much more inside the unit's backward. (accelerate's Llama, width 128: predicted 10,046,172 B
+    without it, 10,637,020 B with it; measured 11,098,844 B.)"""
     tl = pm.timeline if pm is not None else []
     if not tl:
         return int(pm.peak_bytes) + int(sum(extra.values()))
@@ -81,6 +88,7 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None)
                 while i < len(tl) and tl[i].get("unit") == name and tl[i].get("phase") in ("backward_start",
                                                                                             "in_backward"):
                     added[i] += min(held[name], max(0, act0 - int(tl[i].get("activations") or 0)))
+                    added[i] += (regather or {}).get(name, 0)
                     i += 1
     return int(pm.peak_bytes) - max(totals) + int(max(t + a for t, a in zip(totals, added)))
 
@@ -131,12 +139,14 @@ class AcRecommended(Rule):
             return self.quiet("no unit left to checkpoint: every one with activations is checkpointed")
         pm, target = E.peak_memory(ctx), E.TARGET_CAPACITY_SHARE * cap
 
+        lever = E.plugin_lever(ctx)  # accelerate's FSDP2 plugin checkpoints every layer it shards, or none
+
         def peak_with(chosen):
             return _peak_with(pm, {c.name: -int(per_unit[c.name] * (1 - 1 / E.SAVED_PER_INPUT)) for c in chosen},
-                              {c.name: per_unit[c.name] for c in chosen})
+                              {c.name: per_unit[c.name] for c in chosen},
+                              {c.name: int(c.unsharded_bytes or 0) for c in chosen} if lever else None)
 
-        trainer = E.trainer_driven(ctx)
-        if trainer:  # the Trainer's lever checkpoints every layer its FSDP plugin shards, or none
+        if lever:
             chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
             if not chosen:
                 return self.quiet("no layer of the Trainer's FSDP plugin (a repeated block) is left to checkpoint")
@@ -174,11 +184,11 @@ class AcRecommended(Rule):
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
             f"their forward in backward: about {E.mib(saved)} MiB less at the peak for ~{recompute:.1f} ms more "
             "per step (their forward compute). "
-            + ("Under the Trainer, FSDP's own checkpointing (fsdp_config's activation_checkpointing, which "
-               "transformers advises under FSDP) checkpoints every layer its FSDP plugin shards: all "
-               f"{len(chosen)} here." if trainer else "Apply checkpointing to whole blocks, before fully_shard."),
-            S.trainer_checkpointing(True) if trainer else S.checkpoint_modules(mods, "checkpoint whole blocks"),
-            where="trainer" if trainer else "", inputs=dict(S.TRAINER_INPUTS) if trainer else None,
+            + (f"{S.plugin_says(lever)[0]}, FSDP's own checkpointing (the plugin's activation_checkpointing, which "
+               "transformers advises under FSDP) checkpoints every layer the plugin shards: all "
+               f"{len(chosen)} here." if lever else "Apply checkpointing to whole blocks, before fully_shard."),
+            S.plugin_checkpointing(True, lever) if lever else S.checkpoint_modules(mods, "checkpoint whole blocks"),
+            where=lever or "", inputs=dict(S.PLUGIN_INPUTS[lever]) if lever else None,
             predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in chosen])]
 
@@ -215,9 +225,16 @@ class AcUnneeded(Rule):
         share = recompute / step if step else None
         sev = "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
         wrappers, functional = _wrappers(ck)
-        # under the Trainer, its settings: CheckpointWrappers are FSDP's own (accelerate's plugin wraps the layers
-        # it shards), checkpoint(...) calls Hugging Face's (the training argument)
-        trainer = E.trainer_driven(ctx)
+        # where accelerate's FSDP2 plugin sharded the model, its settings: CheckpointWrappers are FSDP's own (the
+        # plugin wraps the layers it shards); checkpoint(...) calls are Hugging Face's, under the Trainer its
+        # training argument, else the user's own call (the fix on the unsharded model, as without the plugin)
+        lever = E.plugin_lever(ctx) if wrappers or E.trainer_driven(ctx) else None
+        code = S.remove_checkpointing(wrappers, functional)
+        if lever == "trainer":
+            code = S.plugin_checkpointing(False, lever, plugin=bool(wrappers), hf=bool(functional))
+        elif lever:
+            code = S.plugin_checkpointing(False, lever) + (
+                "\n" + S.remove_checkpointing([], functional) if functional else "")
         return [self.finding(
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {100 * peak / cap:.0f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
@@ -230,11 +247,9 @@ class AcUnneeded(Rule):
             f"step) to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed."
-            + (" Under the Trainer, turn off the setting that applied it before trainer.train() (checkpoint "
-               "wrappers of your own: build the model without them)." if trainer else ""),
-            S.trainer_checkpointing(False, plugin=bool(wrappers), hf=bool(functional)) if trainer
-            else S.remove_checkpointing(wrappers, functional),
-            where="trainer" if trainer else "", inputs=dict(S.TRAINER_INPUTS) if trainer else None,
+            + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
+               "(checkpoint wrappers of your own: build the model without them)." if lever else ""),
+            code, where=lever or "", inputs=dict(S.PLUGIN_INPUTS[lever]) if lever else None,
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in ck])]
 

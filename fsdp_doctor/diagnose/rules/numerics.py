@@ -54,13 +54,15 @@ class NarrowReduceDtype(Rule):
         text += (f", and FSDP2 keeps the 16-bit compute's unsharded gradients in float32 while it accumulates and "
                  f"reduces them: about {E.mib(peak_after - peak)} MiB more at the peak ({E.mib(peak_after)} MiB)."
                  if peak and peak_after > peak else ", nothing else.")
-        trainer = E.trainer_driven(ctx)
+        lever = E.plugin_lever(ctx)
         out = f", output_dtype={_torch(us[0].output_dtype)}" if us[0].output_dtype else ""  # kept as it was
         mp = f"mp = MixedPrecisionPolicy(param_dtype={_torch(us[0].param_dtype)}, reduce_dtype=torch.float32{out})"
-        if trainer:  # the Trainer shards the model itself, with the policy its FSDP plugin holds
-            text += (" Under the Trainer, accelerate's FSDP2 plugin made this policy from bf16=True/fp16=True, and "
-                     "TrainingArguments have no option for it: set the plugin's policy before trainer.train().")
-            code = S.trainer_mp_policy(mp)
+        if lever:  # accelerate's FSDP2 plugin shards the model, with the policy it holds
+            who, prepares = S.plugin_says(lever)
+            made = ("bf16=True or fp16=True in TrainingArguments, which have no option for the policy itself"
+                    if lever == "trainer" else "Accelerator(mixed_precision=...)")
+            text += f" {who}, accelerate made this policy from {made}: set the plugin's policy before {prepares}."
+            code = S.plugin_mp_policy(mp, lever)
         else:  # the run's sharding again, every unit's options kept, with float32 reduction in the policy
             code = S.shard_plan(S.tree(ctx), mp_line=mp, note="gradients reduced in float32, compute as before")
         return [self.finding(
@@ -69,7 +71,7 @@ class NarrowReduceDtype(Rule):
             {"units_narrow": len(us), "reduce_dtype": "/".join(reds), "param_dtypes": params,
              "reduce_dtype_explicit": explicit, "gradient_shard_bytes": grads,
              "reducescatter_ms_per_step": None if rs_ms is None else round(rs_ms, 3)},
-            text, code, where="trainer" if trainer else "", inputs=dict(S.TRAINER_INPUTS) if trainer else None,
+            text, code, where=lever or "", inputs=dict(S.PLUGIN_INPUTS[lever]) if lever else None,
             # float32 reduction doubles the reduce-scatter's bytes: at most its time again (all of it exposed)
             predicted=E.predicted(step, step + rs_ms if (step is not None and rs_ms is not None) else None,
                                   peak, peak_after),
