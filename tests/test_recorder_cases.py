@@ -195,7 +195,8 @@ def _warnings(run: dict) -> set[str]:
 def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tuple[dict, dict, dict]:
     """(the run ``name``, its rerun with ``code``'s fix pasted, the finding): the fix was printed for ``where``
     (the Trainer, or the user's Accelerator), the rerun does not raise it again, its peak is the predicted one
-    within 10%, and it has no new warning."""
+    within 10%, and it has no new warning (one the run did not have at any severity, as the scenario matrix
+    counts them)."""
     before, after = res[name], res[f"{name}_fixed"]
     f = before["findings"].get(code)
     assert f is not None and f["where"] == where, (name, before["findings"].keys())
@@ -203,7 +204,9 @@ def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tupl
     assert code not in after["findings"], after["findings"].keys()
     predicted = f["predicted"]["peak_bytes_after"]
     assert abs(after["peak"] - predicted) <= 0.10 * predicted, (name, after["peak"], predicted)
-    assert _warnings(after) <= _warnings(before), (name, _warnings(before), _warnings(after))
+    # (a warning the run had at any severity is not the fix's: without the recompute, the same all-gather waits
+    # are a larger share of a shorter step, and reshard.zero2_affordable's note can grow to a warning)
+    assert _warnings(after) <= set(before["findings"]), (name, set(before["findings"]), _warnings(after))
     return before, after, f
 
 

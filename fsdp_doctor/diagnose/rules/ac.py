@@ -149,7 +149,7 @@ class AcRecommended(Rule):
         if lever:
             chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
             if not chosen:
-                return self.quiet("no layer of the Trainer's FSDP plugin (a repeated block) is left to checkpoint")
+                return self.quiet("no layer of accelerate's FSDP2 plugin (a repeated block) is left to checkpoint")
             peak_after = peak_with(chosen)
         else:
             # checkpoint the largest activation holders first until the peak is under the target
