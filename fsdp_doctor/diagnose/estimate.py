@@ -100,7 +100,6 @@ def on_gpu(ctx: Context) -> bool:
     return device(ctx).startswith("cuda")
 
 
-# ---------------------------------------------------------------------------------------------- memory
 def trainer_driven(ctx: Context) -> bool:
     """A Hugging Face Trainer drove the run (fsdp_doctor.DoctorCallback): its fixes go where a Trainer's user can
     put them (snippets.for_trainer)."""
@@ -116,6 +115,7 @@ def plugin_lever(ctx: Context) -> Optional[str]:
     return "accelerate" if getattr(ctx.config, "sharded_by", None) == ACCELERATE_SHARDER else None
 
 
+# ---------------------------------------------------------------------------------------------- memory
 def memory_per_rank(ctx: Context) -> dict[str, MemoryRank]:
     """The memory section's ``per_rank``; without one (a report built without it), the same section computed
     from the run's step records by the one analysis that builds it (fsdp_doctor.analyze.memory)."""
@@ -435,16 +435,21 @@ def timeline_peak(pm: MemoryRank, changes: list[tuple[list[tuple[int, int]], int
     """The peak (bytes) of the peak step ``pm`` with each change's bytes added (removed where negative) at the
     rows of its timeline inside the change's windows ([start, end) row ranges), and ``flat`` bytes everywhere:
     the highest mark, moved by as much as the recorded peak sits above the timeline's highest row."""
-    peak = int(pm.peak_bytes)
-    totals = [int(r.get("total") or 0) for r in pm.timeline]
-    if not totals:
-        return peak + flat
-    added = [0] * len(totals)
+    if not pm.timeline:
+        return int(pm.peak_bytes) + flat
+    added = [0] * len(pm.timeline)
     for windows, nbytes in changes:
         for w in windows:
             for i in range(*w):
                 added[i] += nbytes
-    return peak + flat + max(t + a for t, a in zip(totals, added)) - max(totals)
+    return peak_with_rows(pm, added) + flat
+
+
+def peak_with_rows(pm: MemoryRank, added: list[float]) -> int:
+    """The peak (bytes) of the peak step ``pm`` (a timeline required) with ``added[i]`` bytes at row i of its
+    timeline: the highest mark, moved by as much as the recorded peak sits above the timeline's highest row."""
+    totals = [int(r.get("total") or 0) for r in pm.timeline]
+    return int(pm.peak_bytes) + int(max(t + a for t, a in zip(totals, added))) - max(totals)
 
 
 def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:

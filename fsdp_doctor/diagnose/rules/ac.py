@@ -75,7 +75,6 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
     tl = pm.timeline if pm is not None else []
     if not tl:
         return int(pm.peak_bytes) + int(sum(extra.values()))
-    totals = [int(r.get("total") or 0) for r in tl]
     added = [0.0] * len(tl)
     for name, b in extra.items():
         ends = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "forward_end"]
@@ -90,7 +89,7 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
                     added[i] += min(held[name], max(0, act0 - int(tl[i].get("activations") or 0)))
                     added[i] += (regather or {}).get(name, 0)
                     i += 1
-    return int(pm.peak_bytes) - max(totals) + int(max(t + a for t, a in zip(totals, added)))
+    return E.peak_with_rows(pm, added)
 
 
 def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:

@@ -88,12 +88,9 @@ def _peak_reducing_in_fp32(pm, grad_width: int):
     if pm is None or not pm.peak_bytes or not 0 < grad_width < 4:
         return None
     grow = 4 / grad_width - 1
-    tl = pm.timeline or []
-    if not tl:
+    if not pm.timeline:
         return int(pm.peak_bytes + grow * (pm.peak_breakdown.get("unsharded_grads") or 0))
-    totals = [int(r.get("total") or 0) for r in tl]
-    after = max(t + grow * int(r.get("unsharded_grads") or 0) for t, r in zip(totals, tl))
-    return int(pm.peak_bytes - max(totals) + after)
+    return E.peak_with_rows(pm, [grow * int(r.get("unsharded_grads") or 0) for r in pm.timeline])
 
 
 def _torch(dtype: str | None) -> str:
