@@ -8,6 +8,7 @@ skipped and listed as such, and the summary is rewritten after every step, so a 
 ran):
 
   env          GPU, driver, torch, CUDA and NCCL versions (env.json)
+  probe_costs  benchmarks/gpu_call_costs.py: microseconds a call of the doctor's per-mark and per-step CUDA calls
   tests        `pytest -m gpu`: the GPU tier (tests/test_gpu.py, tests/test_gpu_timing.py) as JUnit XML, less the
                GPU rows' test (the next step runs those rows)
   scenarios_gpu  the scenario matrix's GPU rows (benchmarks/scenarios.py --device cuda): the GPU rules' planted
@@ -23,7 +24,8 @@ ran):
   memtracker   benchmarks/memory_vs_memtracker.py --device cuda: categories at every matched point against
                torch's FSDPMemTracker (reference GPT, HF Llama), 2 NCCL ranks (memtracker.log)
   fixture      a 2-rank run recorded by watch() with one profiler window (`fsdp-doctor demo`), for traces/
-  predictions  benchmarks/predictions.py --device cuda, if this checkout's predictions.py takes --device
+  predictions  benchmarks/predictions.py --device cuda on the cases no GPU row reruns (a slow loader, ZeRO-2 under a
+               budget): the rows' rechecks are the other fixes' predicted against measured step and peak
 
 The folder then holds summary.md (the figures, for the README, and the recorded runs with their sizes: the
 fixtures to commit), summary.json, one log per step, and the run directories (fixture/, scenarios_gpu/NAME/). On
@@ -72,9 +74,13 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     device = "cpu" if dry else "cuda"
     big, mid = (TINY, TINY) if dry else (ONE_B, MID)
     bench = lambda name: str(REPO / "benchmarks" / name)  # noqa: E731
-    oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "6" if dry else "12", "--skip", "2"]
+    # 3 steps skipped after attaching: the memory probe's full steps 0-2 (its high-water mode runs every operator
+    # through Python; later full steps come every ``full_every`` steps, up to 100 apart), like the profiler window
+    oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "7" if dry else "13", "--skip", "3"]
     todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
+        *([] if dry else [Step("probe_costs", [PY, bench("gpu_call_costs.py"), "--json", str(out / "probe_costs.json")],
+                               60, ["probe_costs.json"])]),
         Step("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", "-k",
                        f"not {GPU_ROWS_TEST}", f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240,
              ["gpu_tests.xml"]),
@@ -100,8 +106,10 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     demo = [PY, "-m", "fsdp_doctor.cli", "demo", "--device", device, "--nproc", "2", "--steps", str(steps),
             "--overwrite", *mid] + (["--async-unshard"] if dry else [])  # gloo blocks without it; NCCL never does
     todo.append(Step("fixture", [*demo, "--out", str(out / "fixture")], 150, ["fixture/report.json"]))
+    # the cases the GPU rows do not rerun (the rows' rechecks are the other fixes' predicted vs measured)
     todo.append(Step("predictions", [PY, bench("predictions.py"), "--device", device, "--steps", str(steps),
-                                     "--reps", "1", "--json", str(out / "predictions.json")], 300,
+                                     "--reps", "1", "--only", "loader,zero2_tight",
+                                     "--json", str(out / "predictions.json")], 150,
                      ["predictions.json"]))
     return todo
 
@@ -256,7 +264,7 @@ def summarize(out: Path, results: list[dict]) -> None:
             summary["scenarios_gpu"] = json.loads((out / "scenarios_gpu.json").read_text())
         except ValueError:
             summary["scenarios_gpu"] = "unreadable"
-    for name in ("env", "overhead_1b", "overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload",
+    for name in ("env", "probe_costs", "overhead_1b", "overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload",
                  "predictions"):
         path = out / f"{name}.json"
         if path.exists():
@@ -271,6 +279,9 @@ def summarize(out: Path, results: list[dict]) -> None:
                  f"NCCL {env.get('nccl')}; {env.get('nvidia_smi', '')}")
     lines += ["", "| step | status | seconds |", "|---|---|---|"]
     lines += [f"| {r['name']} | {r['status']} | {r['seconds']:.0f} |" for r in results]
+    costs = summary.get("probe_costs")
+    if isinstance(costs, dict) and costs.get("us_per_call"):
+        lines.append("\nCUDA calls, us a call: " + "; ".join(f"{k} {v:.1f}" for k, v in costs["us_per_call"].items()))
     for key in ("overhead_1b", "overhead_2r"):
         o = summary.get(key)
         if isinstance(o, dict):

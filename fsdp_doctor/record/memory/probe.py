@@ -91,7 +91,7 @@ import torch
 from ... import memory_categories as MC
 from ...records import MemoryPeak, MemoryStep, MemoryTimeline
 from .activations import SavedTensors
-from .device import DeviceStats
+from .device import DeviceStats, allocated_reader
 from .sampler import Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
@@ -166,6 +166,7 @@ class MemoryProbe:
         self.live = self.acts.live  # the running saved-bytes counter
         self.sampler = Sampler(opts["full_every"], opts["budget"], self.is_cuda)
         self.dev = DeviceStats(self.device, opts["fragmentation_every"], opts["nvml"])
+        self._allocated = allocated_reader(self.device)  # the allocator's total at a mark (CUDA; 0 elsewhere)
         compiled = any(compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in model.modules())
         self.hw = HighWater(self.device, self.live) if opts["transients"] and not compiled else None
         self._hw_note = "compiled modules: not counted" if opts["transients"] and compiled else None
@@ -192,8 +193,7 @@ class MemoryProbe:
                 phase = "recompute_start" if phase == "forward_start" else "recompute_end"
             elif phase == "optimizer_start" and self.acts.pushed:
                 self.acts.pop()
-            tmp = torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
-            self._samples.append((t, unit, phase, tmp))
+            self._samples.append((t, unit, phase, self._allocated()))
             self._cost_ns += _now() - t
             return
         sizes = self.sizes
@@ -279,7 +279,7 @@ class MemoryProbe:
         known = st[0] + st[1] + usp + sg + sz.ug_total + sz.opt_bytes + sz.stale_bytes + act + comm
         if self.is_cuda:
             try:
-                tmp = max(0, torch.cuda.memory_allocated(self.device) - known)
+                tmp = max(0, self._allocated() - known)
             except Exception:  # noqa: BLE001
                 pass
         hw = self.hw
