@@ -133,6 +133,12 @@ class MemoryRank(_Section):
     unknown_categories: list[str] | UnsetType = UNSET  # not measurable on this torch: their 0 is no figure
     notes: list[str] | UnsetType = UNSET
     replay_mismatches: int | UnsetType = UNSET
+    # a trace's (fsdp_doctor.trace.steps_detail.kept_from_forward), median over its complete steps: the bytes its
+    # forward allocated still allocated when optimizer.step() starts, and those allocated before the step that
+    # were freed between its first forward and its first backward; over how many steps
+    forward_kept_bytes: int | UnsetType = UNSET
+    pre_step_freed_bytes: int | UnsetType = UNSET
+    forward_kept_steps: int | UnsetType = UNSET
 
 
 class MemorySection(_Section):

@@ -822,6 +822,11 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     from fsdp_doctor.workloads import WorkloadConfig
     from fsdp_doctor.workloads.train import inject_step_faults
 
+    # the scenario trained before this one in the process left its model and optimizer in reference cycles
+    # (FSDP's hooks): collected now, not counted in this one's memory (the GPU campaign's rows carried the previous
+    # row's parameters and optimizer state, up to 153 MiB, through their steps 0-3, until the collection after the
+    # profiler window: every peak and timeline of those steps holds them)
+    gc.collect()
     dev = scenario_device()
     tree, cfg = row["tree"], WorkloadConfig(**row.get("knobs", {}), device=dev.type)
     fix = row.get("fix") or {}

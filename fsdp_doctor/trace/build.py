@@ -47,13 +47,14 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
 from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
-from .steps_detail import memory_steps, unit_spans, unit_step_times
+from .steps_detail import kept_from_forward, memory_steps, unit_spans, unit_step_times
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
 DATALOADER_PREFIX = "enumerate(DataLoader)"
 OPTIMIZER_PREFIX = "Optimizer."
+OPTIMIZER_STEP_PREFIX = "Optimizer.step"  # torch.optim's label of optimizer.step() (zero_grad has its own)
 STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 COMM_OP_RE = re.compile(r"^(c10d::|c10d_functional::|_c10d_functional::|record_param_comms|nccl:|gloo:)|wait")
 
@@ -264,8 +265,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special = _Special()
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
-    mem = (array("d"), array("d"), array("q"), array("q"))  # the [memory] instants: ts, total, device type, id
-    m_ts, m_v, m_dt, m_did = (a.append for a in mem)
+    # the [memory] instants: ts, total, device type, id, the block's bytes (negative: a free) and address (-1:
+    # not given)
+    mem = (array("d"), array("d"), array("q"), array("q"), array("q"), array("q"))
+    m_ts, m_v, m_dt, m_did, m_nb, m_addr = (a.append for a in mem)
     named = (IEvent, Event)  # the decoded classes of a non-complete event that carry a name
     g_name, g_ts, g_dur, g_corr, g_stream = gpu.name.append, gpu.ts.append, gpu.dur.append, gpu.corr.append, \
         gpu.stream.append
@@ -298,6 +301,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         m_v(v)
                         m_dt(dt)
                         m_did(did)
+                        nb, ad = a.nbytes, a.addr
+                        ok = nb.__class__ is int and ad.__class__ is int and -_I64 < nb < _I64 and 0 <= ad < _I64
+                        m_nb(nb if ok else 0)
+                        m_addr(ad if ok else -1)
                 continue
             if d > dmax or d < 0 or not -_ABSURD_TS < ts < _ABSURD_TS:  # (rarely true: one test per event)
                 _implausible(e)
@@ -396,6 +403,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     fwd = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name[lab]]
     bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
     phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
+    opt = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name] & (sp_ts < cutoff)
+    loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
@@ -407,16 +416,18 @@ def _build_window(path: Path, trace) -> WindowTrace:
     _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
-    del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd  # (read: the window may be long)
+    del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
     bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
     spans = unit_spans(*index.labels(), bounds)
     gpu_window = bool(len(gpu.ts))
     if not gpu_window:  # (a GPU window's units are timed by their kernels, in _build_gpu)
         win.unit_us = unit_step_times(spans)
     if mem[0]:
-        mts, mv, mdt, mdid = (np.frombuffer(a, dtype=np.float64 if a.typecode == "d" else np.int64) for a in mem)
+        mts, mv, mdt, mdid, mnb, maddr = (np.frombuffer(a, dtype=np.float64 if a.typecode == "d" else np.int64)
+                                          for a in mem)
         win.memory = memory_steps(mts * scale, mv, mdt, mdid, bounds, gpu_window, spans)
-        del mts, mv, mdt, mdid
+        kept_from_forward(win.memory, mts * scale, mnb, maddr, mdt, mdid, gpu_window, bounds, *loop_marks)
+        del mts, mv, mdt, mdid, mnb, maddr
     del mem
     if gpu_window:
         _build_gpu(win, gpu, launches, index, phases, scale, cutoff, spans)

@@ -49,15 +49,20 @@ class Args(LeanArgs, gc=False):
     total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
     device_type: Any = msgspec.field(default=None, name="Device Type")
     device_id: Any = msgspec.field(default=None, name="Device Id")
+    nbytes: Any = msgspec.field(default=None, name="Bytes")
+    addr: Any = msgspec.field(default=None, name="Addr")
 
 
 class MemArgs(msgspec.Struct, gc=False):
     """The args of a ``[memory]`` instant (torch.profiler ``profile_memory=True``): the allocator's total on
-    the device after the allocation or free; Device Type 0 is the CPU, 1 CUDA. Typed loosely: an odd value in an
-    event the analyses barely read must not make the file unreadable (steps_detail reads numbers only)."""
+    the device after the allocation or free, the block's size (``Bytes``: negative for a free) and address;
+    Device Type 0 is the CPU, 1 CUDA. Typed loosely: an odd value in an event the analyses barely read must not
+    make the file unreadable (steps_detail reads numbers only)."""
     total_allocated: Any = msgspec.field(default=None, name="Total Allocated")
     device_type: Any = msgspec.field(default=None, name="Device Type")
     device_id: Any = msgspec.field(default=None, name="Device Id")
+    nbytes: Any = msgspec.field(default=None, name="Bytes")
+    addr: Any = msgspec.field(default=None, name="Addr")
 
 
 class Event(msgspec.Struct, gc=False):

@@ -174,12 +174,9 @@ def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, dev
                  step_bounds: dict[int, tuple[float, float]], gpu: bool, spans: UnitSpans) -> dict[int, dict]:
     """step -> {"peak": bytes, "t_ms", "unit", "phase", "timeline": [(t_ms, bytes)...]} from the ``[memory]``
     samples (time µs, total allocated, device type, device id: arrays) inside each complete step."""
-    want = CUDA_DEVICE if gpu else CPU_DEVICE
-    sel = device_type == want
+    sel = _device_events(device_type, device_id, gpu)
     if not sel.any():
         return {}
-    ids, counts = np.unique(device_id[sel], return_counts=True)
-    sel &= device_id == ids[np.argmax(counts)]  # the device with most events
     order = np.argsort(ts[sel], kind="stable")
     t_all, v_all = ts[sel][order], total[sel][order]
     out = {}
@@ -200,6 +197,81 @@ def memory_steps(ts: np.ndarray, total: np.ndarray, device_type: np.ndarray, dev
                      "phase": None if span is None else ("backward" if spans.backward[span] else "forward"),
                      "timeline": [((float(t[x]) - s0) / 1e3, int(v[x])) for x in first]}
     return out
+
+
+KEPT_STEPS = 8  # the complete steps of a window whose blocks are followed (their median is the figure)
+
+
+def _device_events(device_type: np.ndarray, device_id: np.ndarray, gpu: bool) -> np.ndarray:
+    """The mask of the ``[memory]`` events of the device a window's figures come from: a GPU trace's CUDA device
+    (the one with most events), a CPU trace's CPU allocator."""
+    sel = device_type == (CUDA_DEVICE if gpu else CPU_DEVICE)
+    if sel.any():
+        ids, counts = np.unique(device_id[sel], return_counts=True)
+        sel &= device_id == ids[np.argmax(counts)]
+    return sel
+
+
+def kept_from_forward(memory: dict[int, dict], ts: np.ndarray, nbytes: np.ndarray, addr: np.ndarray,
+                      device_type: np.ndarray, device_id: np.ndarray, gpu: bool,
+                      step_bounds: dict[int, tuple[float, float]], forward: np.ndarray, backward: np.ndarray,
+                      optimizer: np.ndarray) -> None:
+    """Adds to each step of ``memory`` (``memory_steps``' dict) what the training loop keeps of the model's
+    forward, from the ``[memory]`` events' blocks (allocation: ``Bytes`` > 0 at ``Addr``, free: < 0), followed
+    from the window's start: ``forward_kept``, the bytes of the blocks allocated inside a forward of the step
+    (from an ``FSDP::root_pre_forward`` to the next ``FSDP::pre_backward``) that are still allocated when its
+    ``optimizer.step()`` starts (the model's output the loop still holds, nothing else a training step makes
+    there outlives its backward); ``pre_step_freed``, the bytes of the blocks allocated before the step (an
+    earlier step's, or before the window) that are freed between its first forward and its first backward
+    (what the loop let go of when it bound the new output). Steps without a root pre-forward, an optimizer step
+    after it or block addresses are left without them; at most ``KEPT_STEPS`` steps. ``forward``, ``backward``,
+    ``optimizer``: the labels' start times (µs, sorted)."""
+    if not forward.size or not optimizer.size:
+        return
+    sel = _device_events(device_type, device_id, gpu)
+    order = np.argsort(ts[sel], kind="stable")
+    t_all, nb_all, ad_all = ts[sel][order], nbytes[sel][order], addr[sel][order]
+    steps = []
+    for step, (s0, s1) in sorted(step_bounds.items()):
+        if step not in memory:
+            continue
+        f = forward[(forward >= s0) & (forward < s1)]
+        o = optimizer[(optimizer >= (f[0] if f.size else s1)) & (optimizer < s1)]
+        if not f.size or not o.size:
+            continue
+        t_opt = float(o[0])
+        f = f[f < t_opt]
+        ends = [min(float(b[0]) if (b := backward[backward > x]).size else t_opt, t_opt) for x in f.tolist()]
+        steps.append((step, float(s0), f.tolist(), ends, t_opt))
+        if len(steps) == KEPT_STEPS:
+            break
+    if not steps:
+        return
+    j = int(np.searchsorted(t_all, steps[-1][4], side="left"))
+    t_l, nb_l, ad_l = t_all[:j].tolist(), nb_all[:j].tolist(), ad_all[:j].tolist()
+    live: dict[int, tuple[int, float]] = {}  # address -> (bytes, when allocated)
+    i = 0
+    for step, s0, starts, ends, t_opt in steps:
+        first_fwd, first_bwd = starts[0], ends[0]
+        freed = 0
+        blind = False  # an event without an address in the step: its blocks cannot be followed
+        while i < j and t_l[i] < t_opt:
+            t, nb, ad = t_l[i], nb_l[i], ad_l[i]
+            i += 1
+            if ad < 0:
+                blind = blind or t >= s0
+                continue
+            if nb > 0:
+                live[ad] = (nb, t)
+            elif nb < 0:
+                had = live.pop(ad, None)
+                if first_fwd <= t < first_bwd and (had is None or had[1] < s0):
+                    freed -= nb
+        if blind:
+            continue
+        kept = sum(b for b, t in live.values() if any(a <= t < e for a, e in zip(starts, ends)))
+        memory[step]["forward_kept"] = int(kept)
+        memory[step]["pre_step_freed"] = int(freed)
 
 
 # ---------------------------------------------------------------- over windows (the report's figures)
@@ -261,10 +333,12 @@ def trace_memory(windows) -> Optional[MemorySection]:
     """Per rank, the highest allocator total over its complete steps (bytes), the step, time, unit and phase
     where it happened, and that step's curve. None where no window carries ``[memory]`` events."""
     per_rank: dict[str, MemoryRank] = {}
+    kept: dict[str, list[tuple[int, int]]] = defaultdict(list)  # rank -> (forward_kept, pre_step_freed) per step
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         if not w.memory:
             continue
         k = str(w.rank)
+        kept[k] += [(m["forward_kept"], m["pre_step_freed"]) for m in w.memory.values() if "forward_kept" in m]
         step, m = max(w.memory.items(), key=lambda kv: (kv[1]["peak"], -kv[0]))
         prev = per_rank.get(k)
         steps = len(w.memory) + (prev.steps if prev else 0)
@@ -275,6 +349,11 @@ def trace_memory(windows) -> Optional[MemorySection]:
                                                            t_ms=round(m["t_ms"], 3)),
                 timeline_step=step, timeline=[{"t_ms": round(t, 3), "allocated": v} for t, v in m["timeline"]])
         per_rank[k].steps = per_rank[k].full_steps = steps
+    for k, rows in kept.items():
+        if rows:
+            per_rank[k].forward_kept_bytes = int(statistics.median_low(r[0] for r in rows))
+            per_rank[k].pre_step_freed_bytes = int(statistics.median_low(r[1] for r in rows))
+            per_rank[k].forward_kept_steps = len(rows)
     if not per_rank:
         return None
     top = max(per_rank, key=lambda r: per_rank[r].peak_bytes)

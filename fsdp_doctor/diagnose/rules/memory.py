@@ -3,6 +3,8 @@ on, and a peak near capacity that no one category explains."""
 
 from __future__ import annotations
 
+import msgspec
+
 from .. import estimate as E
 from .. import thresholds as T
 from ...units import fmt_bytes
@@ -68,11 +70,11 @@ def _peak_without_kept(pm, kept: int, units) -> int:
     return best + max(0, int(pm.peak_bytes) - max(int(r.get("total") or 0) for r in tl))
 
 
-# the step's own tensors alive when the optimizer step starts count from this many bytes on and this share of the
-# peak (the loss, a grad-norm scalar and allocator rounding stay far below)
+# the step's own tensors alive when the optimizer step starts count from this many bytes on and this share of what
+# the step's tensors take at the peak (the loss, a grad-norm scalar and allocator rounding stay far below)
 OUTPUTS_KEPT_MIN_BYTES = 256 << 10
 OUTPUTS_KEPT_MIN_SHARE = 0.02
-OUTPUTS_KEPT_WARN_SHARE = 0.10  # of the peak: a warning from here on (or with the peak near capacity)
+OUTPUTS_KEPT_WARN_SHARE = 0.10  # of the peak, what freeing them lowers it by: a warning from here on (or near capacity)
 
 
 @register
@@ -94,36 +96,84 @@ class OutputsKept(Rule):
         opt = next((i for i, ph in root if ph == "optimizer_start"), None)
         if opt is None:
             return self.quiet("no optimizer step on the peak step's memory timeline")
-        kept, peak = int(tl[opt].get("temporaries") or 0), int(pm.peak_bytes)
-        if kept < max(OUTPUTS_KEPT_MIN_BYTES, OUTPUTS_KEPT_MIN_SHARE * peak):
-            return self.quiet(f"{fmt_bytes(kept)} of the step's tensors besides gradients are alive when the "
-                              "optimizer step starts")
-        # Freed before backward, they leave every mark from the optimizer step on; in backward only the part
-        # that backward does not hold itself (the logits: what is a temporary when the model's forward returns;
-        # past_key_values are saved activations there, freed layer by layer); in the next step's forward, until
-        # the loop rebinds the name, as far as the step's first mark sees them (a GPU's allocator does; the CPU's
-        # per-step count starts at 0)
-        out = next((i for i, ph in root if ph == "loss_start"), opt)
-        in_backward = min(kept, int(tl[out].get("temporaries") or 0))
-        carried = min(kept, int(tl[0].get("temporaries") or 0))
-        after = E.timeline_peak(pm, [([(opt, len(tl))], -kept), ([(out, opt)], -in_backward),
-                                     ([(0, out)], -carried)])
-        sev = "warning" if E.peak_near_capacity(ctx) or kept >= OUTPUTS_KEPT_WARN_SHARE * peak else "info"
+        tmp = [int(r.get("temporaries") or 0) for r in tl]
+        peak = int(pm.peak_bytes)
+        if pm.cuda is msgspec.UNSET and not E.on_gpu(ctx):
+            # the CPU probe counts the step's own tensors from its first mark: those alive at the optimizer step
+            # are what the step made and still holds
+            kept, carried, source = tmp[opt], min(tmp[opt], tmp[0]), "records"
+        else:
+            # on CUDA the temporaries are the allocator's bytes outside every category: its workspaces (cuBLAS),
+            # tensors older than the step, the output the loop kept from the step before. Only the trace's blocks
+            # tell what the step's forward made and the loop still holds when the optimizer step starts
+            tr = _trace_kept(ctx, pm)
+            if tr is None:
+                return self.quiet(f"{fmt_bytes(tmp[opt])} outside every category when the optimizer step starts: "
+                                  "on CUDA that is the allocator's rest (its workspaces, tensors older than the "
+                                  "step), and no profiler window with memory events (profile_memory) tells what "
+                                  "the step's forward made among them")
+            kept = min(tmp[opt], int(tr.forward_kept_bytes))
+            carried, source = min(kept, int(tr.pre_step_freed_bytes)), "trace"
+        # outside every category at the optimizer step but not kept from the forward (CUDA: the allocator's
+        # workspaces, tensors older than the step): the share counts against what the step's own tensors take
+        held = max(0, tmp[opt] - kept)
+        if kept < max(OUTPUTS_KEPT_MIN_BYTES, OUTPUTS_KEPT_MIN_SHARE * (peak - held)):
+            what = "of the step's tensors besides gradients are" if source == "records" else \
+                "of what the step's forward made is"
+            return self.quiet(f"{fmt_bytes(kept)} {what} alive when the optimizer step starts"
+                              + (f" (beside {fmt_bytes(held)} outside every category that it did not keep: the "
+                                 "allocator's workspaces, tensors older than the step)" if held else ""))
+        after = _peak_with_outputs_freed(pm, tmp, root, opt, kept, carried)
+        gain = peak - after
+        sev = "warning" if (gain >= OUTPUTS_KEPT_WARN_SHARE * peak
+                            or (E.peak_near_capacity(ctx) and gain >= OUTPUTS_KEPT_MIN_BYTES)) else "info"
         code = ("# in your loop, once the loss is computed from the model's output and before loss.backward():\n"
                 f"del outputs  # its {fmt_bytes(kept)} (logits, past_key_values) freed in backward, not after the next forward")
+        at_peak = (f"Freeing it lowers the peak ({pm.peak_at.phase}) by {fmt_bytes(gain)}." if gain > 0 else
+                   f"The peak ({pm.peak_at.phase}) does not fall: the output is still needed there.")
         return [self.finding(
             sev, f"{fmt_bytes(kept)} of the model's outputs kept past backward",
             {"kept_bytes": kept, "kept_peak_pct": round(100 * kept / peak, 1), "peak_bytes": peak,
-             "peak_phase": pm.peak_at.phase, "peak_after_bytes": after, "carried_into_next_forward_bytes": carried},
-            f"When the optimizer step starts, {fmt_bytes(kept)} of tensors made in the step are still allocated "
-            "besides its gradients: the loop keeps what the model returned (outputs = model(...); loss = "
+             "peak_phase": pm.peak_at.phase, "peak_after_bytes": after, "peak_gain_bytes": gain,
+             "carried_into_next_forward_bytes": carried, "other_temporaries_bytes": held, "source": source},
+            f"When the optimizer step starts, {fmt_bytes(kept)} of tensors made in the step's forward are still "
+            "allocated besides its gradients: the loop keeps what the model returned (outputs = model(...); loss = "
             "outputs.loss, as Hugging Face's no-trainer examples do), so its logits, and its past_key_values "
             "unless use_cache=False, live through backward, the optimizer step and the next forward, until the "
             "name is bound again. Backward needs none of them: the loss keeps what it needs. Keep the loss only, "
-            "or delete the output before backward.",
+            f"or delete the output before backward. {at_peak}",
             code, where="backward",
             inputs={"outputs": "what your loop keeps of model(...)'s return (its output object or logits)"},
             predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
+
+
+def _trace_kept(ctx: Context, pm):
+    """The trace's memory row (``forward_kept_bytes``, ``pre_step_freed_bytes``) of the peak rank ``pm``, else
+    the rank keeping the most; None where no trace window followed the blocks."""
+    tm = ctx.report.overlap.memory if ctx.report.overlap is not None else None
+    rows = {k: m for k, m in (tm.per_rank.items() if tm is not None else ())
+            if m.forward_kept_bytes is not msgspec.UNSET}
+    if not rows:
+        return None
+    rank = next((k for k, m in E.memory_per_rank(ctx).items() if m is pm), None)
+    return rows.get(rank) or max(rows.values(), key=lambda m: m.forward_kept_bytes)
+
+
+def _peak_with_outputs_freed(pm, tmp: list[int], root, opt: int, kept: int, carried: int) -> int:
+    """The peak step's peak with the output deleted before backward: from the optimizer step on the rows lose what
+    was kept; from the first backward mark, the part of it that backward does not hold itself (what the forward
+    left outside every category when the model returned: the logits; past_key_values are saved activations
+    there, freed layer by layer); the forward up to the model's return loses the output carried from the step
+    before (only a GPU's allocator sees it; the CPU's count starts at the step), the model's return too (the
+    loop binds the new output after it). The loss phase between the return and the first backward mark loses
+    both: its high-water (taken to be the loss's gradient, after the deletion) counts from the return, where the
+    carried output was still allocated (the counter follows the step's own tensors, not their frees)."""
+    tl = pm.timeline
+    out = next((i for i, ph in root if ph == "loss_start"), opt)
+    bwd = next((i for i in range(out + 1, opt) if (tl[i].get("phase") or "").startswith("backward")), opt)
+    unsaved = min(kept, max(0, tmp[out] - tmp[0]))
+    return E.timeline_peak(pm, [([(0, out + 1)], -carried), ([(out + 1, bwd)], -(carried + unsaved)),
+                                ([(bwd, opt)], -unsaved), ([(opt, len(tl))], -kept)])
 
 
 @register
