@@ -190,6 +190,9 @@ class Straggler(_Section):
     others_own_ms_p50: float
     excess_ms_per_step: float
     phase_excess_ms_per_step: float
+    # on CUDA, where the others' hosts do not wait in the collectives (their devices do): the others' device
+    # time waiting in the step's collectives for this rank, per step (median); None where the host times showed it
+    device_wait_ms_per_step: Optional[float] = None
 
 
 class NoGradSteps(_Section):
@@ -387,6 +390,8 @@ class KernelStats(_Section):
     fused_attention_us: float = 0.0
     gemm_count: float = 0.0
     gemm_us: float = 0.0
+    launched_count: float = 0.0  # with their launch call in the trace
+    launch_waited_count: float = 0.0  # of those, started within LAUNCH_WAIT_US (50 µs) of it: the device waited
 
 
 class SkippedFile(_Section):

@@ -84,6 +84,7 @@ def test_launch_bound_known_answer(tmp_path):
                                               prefetch=True))
     f = next(f for f in report.findings if f.code == "kernels.launch_bound")
     assert f.evidence["small_kernel_share_pct"] == 100.0 and f.evidence["host_bound_pct"] >= 50
+    assert f.evidence["launch_waited_pct"] == 100.0  # every kernel starts at its launch: the device waited
     assert f.predicted.step_ms_after == pytest.approx(
         f.predicted.step_ms_before - f.evidence["host_bound_ms_per_step"], abs=1e-3)  # all kernels are small
     # every block of the trace's layers container, compiled in place after fully_shard
@@ -107,6 +108,8 @@ def test_launch_bound_on_the_real_host_bound_trace():
     assert f.severity == "warning" and f.evidence["host_bound_pct"] == pytest.approx(72.8, abs=0.1)
     assert f.evidence["kernels_per_step"] == pytest.approx(893, abs=1)
     assert f.evidence["small_kernel_share_pct"] == pytest.approx(43.1, abs=0.1)
+    # the launch-bound signature: 1,413 of its 1,786 compute kernels started within 50 µs of their launch
+    assert f.evidence["launch_waited_pct"] == pytest.approx(79.1, abs=0.1)
     assert _status(report, "verdict.severe").status == "quiet"  # the specific finding names the lever
     assert not findings_headline(report.findings).startswith("Healthy")
     # a DDP trace names no FSDP unit: the fix compiles the model (it printed an empty list of units to compile)

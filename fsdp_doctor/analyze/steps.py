@@ -196,43 +196,109 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
 
 
+_PHASES = ("outside", "forward", "backward", "optimizer")
+
+
+def device_waits(run: Run, by_rank: dict, common) -> Optional[dict]:
+    """On CUDA, per rank and step, the device time (ms) it waited in the step's collectives for a late rank.
+
+    There the hosts do not wait in FSDP's collectives (they are asynchronous): a rank whose host is late leaves
+    its device idle, and the other ranks' devices wait that long inside the step's first collectives, so the
+    host step times converge and the hosts' own times no longer tell the ranks apart. Read from the device
+    times (``GpuTimes``): a rank's forward and backward spans beyond the shortest rank's (the same model does
+    the same work on every rank: the rest is waiting), but no more than another rank's device sat idle outside
+    those phases (waiting for its host, the doctor's own time and GC aside) beyond its own. None unless every
+    rank has the phases' device times of every step in ``common``."""
+    gpu = {r: run.ranks[r].gpu for r in by_rank}
+    if not all(st in gpu[r] and gpu[r][st].forward_ms > 0 for r in by_rank for st in common):
+        return None
+    out: dict = {r: {} for r in by_rank}
+    for st in common:
+        g = {r: gpu[r][st] for r in by_rank}
+        floor = {ph: min(getattr(x, ph + "_ms") for x in g.values()) for ph in ("forward", "backward")}
+        idle = {r: _device_idle(x, by_rank[r][st]) for r, x in g.items()}
+        for r, x in g.items():
+            spans = sum(getattr(x, ph + "_ms") - floor[ph] for ph in floor)
+            late = max(idle[o] for o in g if o != r) - idle[r]
+            out[r][st] = max(0.0, min(spans, late))
+    return out
+
+
+def _device_idle(g, s: StepRecord) -> float:
+    """The device's time in a step outside the forward, backward and optimizer spans, the doctor's own time and
+    GC aside (ms): where it waited for its host."""
+    return g.step_ms - g.forward_ms - g.backward_ms - g.optimizer_ms - s.doctor_ms - s.gc_ms
+
+
+def _host_phase_ms(s: StepRecord) -> dict[str, float]:
+    return {ph: getattr(s, ph + "_ms") for ph in _PHASES}
+
+
+def _device_phase_ms(g, s: StepRecord) -> dict[str, float]:
+    """The step's phases on the device, ``outside`` being its idle time outside them (``_device_idle``)."""
+    return {"outside": _device_idle(g, s), "forward": g.forward_ms, "backward": g.backward_ms,
+            "optimizer": g.optimizer_ms}
+
+
 def find_stragglers(run: Run) -> list[Straggler]:
-    """Ranks whose own time (step minus collective waits) is consistently above the others'."""
+    """Ranks whose own time (step minus collective waits) is consistently above the others'. The waits are the
+    host's (gloo: the host blocks in every collective), and on CUDA also the device's (``device_waits``): there
+    a straggler's excess must reach STRAGGLER_MIN_FRACTION of the step, since the host's own time holds its
+    syncs on its device."""
     by_rank = {r: {s.step: s for s in usable_steps(rd.steps)} for r, rd in run.ranks.items()}
     if len(by_rank) < 2:
         return []
-    common = set.intersection(*(set(d) for d in by_rank.values()))
+    common = sorted(set.intersection(*(set(d) for d in by_rank.values())))
     if len(common) < STRAGGLER_MIN_STEPS:
         return []
+    host = {r: {st: own_ms(d[st]) for st in common} for r, d in by_rank.items()}
+    waits = device_waits(run, by_rank, common)
+    own = None if waits is None else {o: {st: host[o][st] - waits[o][st] for st in common} for o in by_rank}
     out = []
-    for r, d in by_rank.items():
-        others = [o for o in by_rank if o != r]
-        slower = 0
-        excess_phase = {"outside": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        own_r = []
-        own_o = []
-        for st in common:
-            mine = own_ms(d[st])
-            theirs = statistics.median([own_ms(by_rank[o][st]) for o in others])
-            own_r.append(mine)
-            own_o.append(theirs)
-            if mine > theirs * (1 + STRAGGLER_MIN_FRACTION) and mine - theirs > STRAGGLER_MIN_MS:
-                slower += 1
-            for ph in excess_phase:
-                mine_ph = getattr(d[st], ph + "_ms")
-                theirs_ph = statistics.median([getattr(by_rank[o][st], ph + "_ms") for o in others])
-                excess_phase[ph] += mine_ph - theirs_ph
-        share = slower / len(common)
-        m_r, m_o = statistics.median(own_r), statistics.median(own_o)
-        if share >= STRAGGLER_MIN_CONSISTENCY and m_r > m_o * (1 + STRAGGLER_MIN_FRACTION) and m_r - m_o > STRAGGLER_MIN_MS:
-            phase = max(excess_phase, key=excess_phase.get)
-            out.append(Straggler(
-                rank=r, phase=phase, steps_slower=slower, steps=len(common),
-                own_ms_p50=round(m_r, 3), others_own_ms_p50=round(m_o, 3),
-                excess_ms_per_step=round((m_r - m_o), 3),
-                phase_excess_ms_per_step=round(excess_phase[phase] / len(common), 3),
-            ))
+    for r in by_rank:
+        found = _straggler(r, host, lambda o, st: _host_phase_ms(by_rank[o][st]),
+                           lambda theirs, st: theirs * STRAGGLER_MIN_FRACTION)
+        if found is None and own is not None:
+            walls = {st: statistics.median(by_rank[o][st].wall_ms for o in by_rank if o != r) for st in common}
+            walls[None] = statistics.median(walls.values())
+            found = _straggler(r, own, lambda o, st: _device_phase_ms(run.ranks[o].gpu[st], by_rank[o][st]),
+                               lambda theirs, st: walls[st] * STRAGGLER_MIN_FRACTION)
+            if found is not None:
+                found.device_wait_ms_per_step = round(statistics.median(
+                    statistics.median(waits[o][st] for o in by_rank if o != r) for st in common), 3)
+        if found is not None:
+            out.append(found)
     return out
+
+
+def _straggler(r, own: dict, phase_ms, margin) -> Optional[Straggler]:
+    """Rank ``r`` as a straggler by ``own`` ({rank: {step: own ms}}): its own time above the others' median by
+    ``margin(theirs, step)`` (and STRAGGLER_MIN_MS) in STRAGGLER_MIN_CONSISTENCY of the steps, and in the medians
+    over the steps (``margin(theirs, None)``); its phase is the one (``phase_ms(rank, step)``: {phase: ms}) it
+    exceeds the others' median in most."""
+    common = sorted(own[r])
+    others = [o for o in own if o != r]
+    slower = 0
+    excess_phase = dict.fromkeys(_PHASES, 0.0)
+    own_r, own_o = [], []
+    for st in common:
+        mine = own[r][st]
+        theirs = statistics.median([own[o][st] for o in others])
+        own_r.append(mine)
+        own_o.append(theirs)
+        if mine - theirs > max(margin(theirs, st), STRAGGLER_MIN_MS):
+            slower += 1
+        mine_ph, theirs_ph = phase_ms(r, st), [phase_ms(o, st) for o in others]
+        for ph in excess_phase:
+            excess_phase[ph] += mine_ph[ph] - statistics.median([x[ph] for x in theirs_ph])
+    share = slower / len(common)
+    m_r, m_o = statistics.median(own_r), statistics.median(own_o)
+    if share < STRAGGLER_MIN_CONSISTENCY or m_r - m_o <= max(margin(m_o, None), STRAGGLER_MIN_MS):
+        return None
+    phase = max(excess_phase, key=excess_phase.get)
+    return Straggler(rank=r, phase=phase, steps_slower=slower, steps=len(common), own_ms_p50=round(m_r, 3),
+                     others_own_ms_p50=round(m_o, 3), excess_ms_per_step=round(m_r - m_o, 3),
+                     phase_excess_ms_per_step=round(excess_phase[phase] / len(common), 3))
 
 
 def profiler_export_steps(rd) -> list[int]:

@@ -639,7 +639,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     comp = kind == 1
     is_comm = kind == 2
     dur_comp = te[comp] - ts[comp]
-    win.kernels = kernel_stats(names, name_idx[comp], dur_comp)
+    win.kernels = kernel_stats(names, name_idx[comp], dur_comp, ts[comp] - lts[comp])
     _gpu_timeline(win, ts, te, lts, comp | is_comm | h2d | d2h)
 
     win.compute = iv.union(ts[comp], te[comp])

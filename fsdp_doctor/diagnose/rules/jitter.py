@@ -151,13 +151,19 @@ class Straggler(Rule):
             p50 = st.p50_ms if st is not None else None
             where = {"outside": "outside the model (data loading or user code)", "forward": "forward compute",
                      "backward": "backward compute", "optimizer": "the optimizer step"}[s.phase]
+            dev = s.device_wait_ms_per_step
+            seen = "" if dev is None else (
+                f"On the GPU their hosts do not wait (the collectives are asynchronous): their devices wait "
+                f"{dev:.1f} ms per step in the step's collectives while rank {s.rank}'s device sits idle for its "
+                "host. ")
             out.append(self.finding(
                 "warning",
                 f"Rank {s.rank} is a straggler: +{s.excess_ms_per_step:.1f} ms per step in {where}",
                 {"rank": s.rank, "phase": s.phase, "own_ms_p50": s.own_ms_p50,
                  "others_own_ms_p50": s.others_own_ms_p50, "excess_ms_per_step": s.excess_ms_per_step,
-                 "steps_slower": f"{s.steps_slower} of {s.steps}"},
-                f"Every other rank waits for rank {s.rank} at the next collective. Look at what differs on "
+                 "steps_slower": f"{s.steps_slower} of {s.steps}", "measured_by": "host" if dev is None else "device",
+                 "others_device_wait_ms_per_step": dev},
+                f"Every other rank waits for rank {s.rank} at the next collective. {seen}Look at what differs on "
                 f"that rank in {where}: its host (other processes, thermal throttling, a slower device), its data "
                 "shard (longer sequences, slower storage) or rank-specific code (logging, checkpointing on rank 0): "
                 "move that work off the step or balance the shards. What differs is in your code and on your host, "
