@@ -327,6 +327,15 @@ class GpuTimes(Record, tag="gpu"):
     forward_ms: float = 0.0
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
+    # the device's time outside the model (None in files written before these fields existed, and where a bracket
+    # did not run): from the previous step's end event to this step's start event (None on the first step; the two
+    # are recorded before and after the doctor's own bookkeeping at doctor.step(), which the device idles through
+    # only when it has no work queued), from this step's start to its first forward (the device waiting for the
+    # batch and the loop's code before the model), and from the end of its last phase (the optimizer, else
+    # backward) to its end (zero_grad, the loop's code before doctor.step())
+    idle_before_ms: float | None = None
+    before_forward_ms: float | None = None
+    after_model_ms: float | None = None
 
 
 class ProfileWindow(Record, tag="profile"):

@@ -152,9 +152,42 @@ class MemorySection(_Section):
     per_rank: dict[str, MemoryRank] = {}
 
 
+class DeviceSteps(_Section):
+    """The device's view of the same steady steps on CUDA: medians (ms) of the ``GpuTimes`` the recorder's CUDA
+    events measured (record/gpu_timing.py). On a GPU the host runs ahead and any wait for the device (a
+    ``loss.item()``, a pageable ``.to(device)``) lands in the host's time outside the model; here is what the
+    device did.
+
+    ``step_ms`` is the device's step (its start event to its end event); ``idle_between_ms`` the device's time
+    between one step's end event and the next one's start, with ``idle_source``: ``"events"`` (measured), or
+    ``"host wall - device step"`` for files written before it was (over steady steps the host's and the device's
+    periods are equal; clamped at 0). Those two events bracket the doctor's own bookkeeping at ``doctor.step()``,
+    so this time is the doctor's, as the host's ``doctor_ms`` is. ``period_ms`` is their sum. ``outside_phases_ms``
+    is the device step less its forward, backward and optimizer: the time before the forward, the loss, the wait
+    for the last reduce-scatters after backward and the loop's code between the phases together (None under
+    gradient accumulation, where the phases, first micro-batch to last, span each other). ``outside_ms`` is
+    the device's time between ``optimizer.step()`` and the next forward: ``before_forward_ms`` (the step's start to
+    its first forward: the device waiting for the batch) plus ``after_model_ms`` (the last phase's end to the
+    step's end), per step; None where the recorder did not time those brackets (files written before it did)."""
+
+    count: int = 0  # steady steps with device times
+    step_ms: Optional[float] = None
+    forward_ms: Optional[float] = None
+    backward_ms: Optional[float] = None
+    optimizer_ms: Optional[float] = None
+    outside_phases_ms: Optional[float] = None
+    idle_between_ms: Optional[float] = None
+    idle_source: str = ""  # "events" | "host wall - device step"
+    period_ms: Optional[float] = None
+    before_forward_ms: Optional[float] = None
+    after_model_ms: Optional[float] = None
+    outside_ms: Optional[float] = None
+
+
 class StepStats(_Section):
     """Step-time statistics of one rank or the job over its steady steps (ms); only ``count`` and the percentiles
-    (None) when there is none. ``recorded`` / ``excluded`` per rank only."""
+    (None) when there is none. ``recorded`` / ``excluded`` per rank only. ``device``: the device's view of the same
+    steps, on CUDA where the recorder's events timed them."""
 
     count: int = 0
     p50_ms: Optional[float] = None
@@ -169,6 +202,7 @@ class StepStats(_Section):
     wall_ms_total: float | UnsetType = UNSET
     recorded: int | UnsetType = UNSET  # steps recorded
     excluded: int | UnsetType = UNSET  # of those, left out (first step, profiled steps, no-grad steps)
+    device: DeviceSteps | UnsetType = UNSET
 
 
 class Outlier(_Section):

@@ -7,8 +7,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from ..records import StepRecord
-from ..report_sections import NoGradSteps, Outlier, StepsSection, StepStats, Straggler
+from ..records import GpuTimes, StepRecord
+from ..report_sections import DeviceSteps, NoGradSteps, Outlier, StepsSection, StepStats, Straggler
 from ..store import Run
 
 # An outlier step is slower than the rank's median by at least this fraction ...
@@ -78,6 +78,68 @@ def step_stats(steps: list[StepRecord]) -> StepStats:
         out.gc_ms_total = round(sum(s.gc_ms for s in steps), 3)
         out.gc_count_total = sum(s.gc_count for s in steps)
     return out
+
+
+# How the device's idle between two steps was found (DeviceSteps.idle_source).
+IDLE_MEASURED = "events"  # the recorder's events: the previous step's end to this step's start
+IDLE_FROM_PERIOD = "host wall - device step"  # files written before those events: the periods are equal
+
+
+def _median(xs: list) -> Optional[float]:
+    """The median of the values that are not None, rounded to the microsecond; None without any."""
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def device_outside_ms(g: GpuTimes) -> Optional[float]:
+    """The device's time in one step between ``optimizer.step()`` and the forward: its start to its first forward
+    plus its last phase's end to its end (None where either bracket was not recorded)."""
+    if g.before_forward_ms is None or g.after_model_ms is None:
+        return None
+    return g.before_forward_ms + g.after_model_ms
+
+
+def forward_passes(s: StepRecord, modules: dict[str, int]) -> float:
+    """The model's forward passes in one step: the micro-batches ``doctor.step()`` was told of, or the fewest
+    forward calls of a unit (per module of a grouped unit, ``modules``: unit name -> modules), if more."""
+    calls = [u.fwd_calls / modules.get(u.name, 1) for u in s.units if u.fwd_calls]
+    return max(s.micro_batches, min(calls, default=1))
+
+
+def device_stats(pairs: list[tuple[StepRecord, GpuTimes]], modules: dict[str, int]) -> Optional[DeviceSteps]:
+    """The device's view of steady steps (``pairs``: each step's record and its ``GpuTimes``; ``modules`` as
+    :func:`forward_passes` takes it), medians in ms; None without any. The idle between steps is the events'
+    where the recorder timed it, else the host's median wall less the device's median step (over steady steps
+    both run at the same period; clamped at 0)."""
+    if not pairs:
+        return None
+    gs = [g for _, g in pairs]
+    step = _median([g.step_ms for g in gs])
+    idle = [g.idle_before_ms for g in gs]
+    measured = any(x is not None for x in idle)
+    if measured:
+        idle_ms = _median(idle)
+        period = _median([g.step_ms + g.idle_before_ms for g in gs if g.idle_before_ms is not None])
+    else:
+        wall = statistics.median([s.wall_ms for s, _ in pairs])
+        idle_ms, period = round(max(0.0, wall - step), 3), round(max(wall, step), 3)
+    return DeviceSteps(
+        count=len(gs), step_ms=step, forward_ms=_median([g.forward_ms for g in gs]),
+        backward_ms=_median([g.backward_ms for g in gs]), optimizer_ms=_median([g.optimizer_ms for g in gs]),
+        # micro-batches: forward (first begun .. last ended) spans backward, and the difference means nothing
+        outside_phases_ms=None if any(forward_passes(s, modules) > 1 for s, _ in pairs) else
+        _median([max(0.0, g.step_ms - g.forward_ms - g.backward_ms - g.optimizer_ms) for g in gs]),
+        idle_between_ms=idle_ms, idle_source=IDLE_MEASURED if measured else IDLE_FROM_PERIOD, period_ms=period,
+        before_forward_ms=_median([g.before_forward_ms for g in gs]),
+        after_model_ms=_median([g.after_model_ms for g in gs]),
+        outside_ms=_median([device_outside_ms(g) for g in gs]),
+    )
+
+
+def device_pairs(rd, steps: list[StepRecord]) -> list[tuple[StepRecord, GpuTimes]]:
+    """``steps`` of one rank with the device times the recorder wrote for them (CUDA only; none elsewhere)."""
+    gpu = getattr(rd, "gpu", None) or {}
+    return [(s, gpu[s.step]) for s in steps if s.step in gpu]
 
 
 def trace_steps(overlap) -> Optional[StepsSection]:
@@ -316,16 +378,25 @@ def profiler_export_steps(rd) -> list[int]:
 
 def analyze_steps(run: Run) -> StepsSection:
     per_rank = {}
+    job_device = []
+    modules = {u.name: max(1, len(u.modules)) for u in (run.config.units if run.config is not None else [])}
     for r, rd in sorted(run.ranks.items()):
         st = usable_steps(rd.steps)
         stats = step_stats(st)
         stats.recorded = len(rd.steps)
         stats.excluded = len(rd.steps) - len(st)
+        pairs = device_pairs(rd, st)
+        if pairs:  # on CUDA: the device's view of the same steps
+            stats.device = device_stats(pairs, modules)
+            job_device += pairs
         per_rank[str(r)] = stats
     job = [s for rd in run.ranks.values() for s in usable_steps(rd.steps)]
+    job_stats = step_stats(job) if job else None
+    if job_stats is not None and job_device:
+        job_stats.device = device_stats(job_device, modules)
     return StepsSection(
         per_rank=per_rank,
-        job=step_stats(job) if job else None,
+        job=job_stats,
         outliers=find_outliers(run),
         stragglers=find_stragglers(run),
         # per rank, the profiled windows' steps and the step that exported each window (left out of the

@@ -10,7 +10,10 @@ is the main thread's operators and host the main thread's time between them.
 
 Without a trace for a rank, the rank's step records give a coarser split on the host clock: exposed
 all-gather waits per phase, GC pauses (host), time outside the model (input) and the rest (compute). On a
-GPU the host runs ahead of the device, so that split is marked ``"records (host clock)"``.
+GPU the host runs ahead of the device, so that split is marked ``"records (host clock)"``; there, input is the
+device's idle between ``optimizer.step()`` and the forward where the recorder's CUDA events timed it
+(``analyze.steps.device_outside_ms``), not the host's time outside the model, which holds its waits for the
+device (a ``loss.item()`` per step): those fall to the rest here.
 
 ``bound`` is the group with the largest share: ``communication``, ``compute``, ``host``, ``input``,
 ``offload`` or ``idle``.
@@ -23,7 +26,7 @@ from typing import Optional
 from ..report_sections import OverlapSection, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
-from .steps import usable_steps
+from .steps import device_outside_ms, device_pairs, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "communication": COMM_PARTS,
@@ -115,16 +118,19 @@ def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
             continue
         parts = {k: 0.0 for k in BREAKDOWN_PARTS}
         total = 0.0
+        cfg = rd.config or run.config
+        gpu = bool(cfg is not None and str(cfg.device).startswith("cuda"))
+        device = {s.step: g for s, g in device_pairs(rd, steps)} if gpu else {}
         for s in steps:
             fwd = sum(u.ag_wait_fwd_ms for u in s.units)
             bwd = sum(u.ag_wait_bwd_ms for u in s.units)
-            rest = max(0.0, s.wall_ms - fwd - bwd - s.gc_ms - s.outside_ms)
+            dev = device_outside_ms(device[s.step]) if s.step in device else None
+            outside = s.outside_ms if dev is None else min(dev, s.outside_ms)
+            rest = max(0.0, s.wall_ms - fwd - bwd - s.gc_ms - outside)
             for k, v in (("allgather_fwd", fwd), ("allgather_bwd", bwd), ("host", s.gc_ms),
-                         ("input", s.outside_ms), ("compute", rest)):
+                         ("input", outside), ("compute", rest)):
                 parts[k] += v * 1e3
-            total += max(s.wall_ms, fwd + bwd + s.gc_ms + s.outside_ms) * 1e3
-        cfg = rd.config or run.config
-        gpu = bool(cfg is not None and str(cfg.device).startswith("cuda"))
+            total += max(s.wall_ms, fwd + bwd + s.gc_ms + outside) * 1e3
         out[str(r)] = (parts, total, len(steps), gpu)
     return out
 

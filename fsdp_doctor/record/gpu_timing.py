@@ -7,6 +7,12 @@ Events of step N are resolved at the end of a later step once ``Event.query()`` 
 (normally at step N+1); only ``flush()`` at exit waits for the last ones. Results are written as
 ``GpuTimes`` records, which readers attach to the step they belong to.
 
+Besides the phases, each record times where the device stood outside the model: the idle from the previous
+step's end event to this step's start (the doctor's bookkeeping at ``doctor.step()`` lies between them), from
+the start to the first forward (a device waiting for the batch), and from the last phase's end to the step's end.
+On CUDA the host's own ``outside_ms`` is no such measure: a loop that waits for the device once per step
+(``loss.item()``, a pageable ``.to(device)``) spends the device's backlog there.
+
 This path needs a CUDA device: it is written against ``torch.cuda.Event`` and exercised by
 ``tests/test_gpu_timing.py``, which is skipped on machines without one.
 """
@@ -28,6 +34,7 @@ class GpuTimeline:
         self._spans: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (unit, 0 fwd / 1 bwd, start, end)
         self._open: dict[tuple[int, int], torch.cuda.Event] = {}
         self._step_start: torch.cuda.Event | None = None
+        self._prev_end: torch.cuda.Event | None = None  # the last step's end: the next step's idle is timed from it
         self._pending: deque = deque()
         # phases: forward = first unit forward opened .. last closed (kind 0), backward likewise (kind 1),
         # optimizer = the optimizer hook pair (kind 2)
@@ -66,7 +73,8 @@ class GpuTimeline:
         """Closes the step (no wait) and returns the records of earlier steps whose events completed."""
         end = self._event()
         phases = {k: (self._first[k], self._last[k]) for k in self._first if k in self._last}
-        self._pending.append((step, self._step_start, end, self._spans, phases))
+        self._pending.append((step, self._step_start, end, self._spans, phases, self._prev_end))
+        self._prev_end = end  # back in the pool once the next step, which times its idle from it, is resolved
         self._spans = []
         self._first, self._last = {}, {}
         held = {id(ev) for pair in phases.values() for ev in pair}
@@ -87,8 +95,9 @@ class GpuTimeline:
             out.append(self._resolve(*item))
         return out
 
-    def _resolve(self, step, start, end, spans, phases) -> GpuTimes:
+    def _resolve(self, step, start, end, spans, phases, prev_end) -> GpuTimes:
         phase_ms = {k: round(a.elapsed_time(b), 3) for k, (a, b) in phases.items()}
+        last = next((phases[k][1] for k in (2, 1) if k in phases), None)  # the optimizer's end, else backward's
         fwd = [0.0] * len(self.names)
         bwd = [0.0] * len(self.names)
         for unit, kind, s, e in spans:
@@ -98,6 +107,9 @@ class GpuTimeline:
             rank=self.rank, step=step, step_ms=round(start.elapsed_time(end), 3),
             units=[[n, round(f, 3), round(b, 3)] for n, f, b in zip(self.names, fwd, bwd)],
             forward_ms=phase_ms.get(0, 0.0), backward_ms=phase_ms.get(1, 0.0), optimizer_ms=phase_ms.get(2, 0.0),
+            idle_before_ms=None if prev_end is None else round(prev_end.elapsed_time(start), 3),
+            before_forward_ms=round(start.elapsed_time(phases[0][0]), 3) if 0 in phases else None,
+            after_model_ms=None if last is None else round(last.elapsed_time(end), 3),
         )
-        self._pool += [start, end]
+        self._pool += [start] + ([prev_end] if prev_end is not None else [])
         return rec

@@ -303,6 +303,10 @@ class Doctor:
 
     def _end_step(self, t_end: int) -> None:
         step = self.steps_done
+        # the device's step ends here, where the host's does: what the doctor does from now on (its figures, the
+        # records, a profiler step) lies between this end event and the next step's start event, the device's
+        # idle_before_ms, as the host counts it in doctor_ms and not in its time outside the model
+        done = self._gpu.end_step(step) if self._gpu is not None else []
         if not self._config_written:
             self._write_config()
         wall = _ms(t_end - self._step_t0)
@@ -322,10 +326,8 @@ class Doctor:
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms,
         )
         self._sinks.on_step(rec)
-        if self._gpu is not None:
-            done = self._gpu.end_step(step)
-            if done:
-                self._sinks.write(*done)
+        if done:
+            self._sinks.write(*done)
         evaluated = bool(tm.no_grad_forwards)  # the step also ran the model without gradients
         self._flops_tick(step, evaluated)
         if self._profiler is not None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
+from msgspec import UNSET
+
 from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION, STRAGGLER_MIN_MS,
                                STRAGGLER_MIN_STEPS)
 from ...report_sections import StepStats
@@ -83,12 +87,49 @@ def _largest_pause_ms(ctx: Context, rank: int) -> float:
     return max((s.gc_ms for s in usable_steps(rd.steps)), default=0.0) if rd is not None else 0.0
 
 
-def _outside_ms(ctx: Context, rank, st: StepStats) -> float:
-    """A rank's median time outside the model (between optimizer.step() and the next forward) without GC and
-    without the collectives no FSDP unit issued there (a grad-norm log's full_tensor() per parameter, a loss
-    all-reduce): those are optim.step_comm's, from the trace, and their gain is counted there once."""
+def _outside_ms(ctx: Context, rank, st: StepStats, measured: Optional[float] = None) -> float:
+    """A rank's median time outside the model (between optimizer.step() and the next forward; the host's unless
+    ``measured`` gives another clock's) without GC and without the collectives no FSDP unit issued there (a
+    grad-norm log's full_tensor() per parameter, a loss all-reduce): those are optim.step_comm's, from the trace,
+    and their gain is counted there once."""
     phases = st.phases_p50_ms or {}
-    return max(0.0, phases.get("outside", 0.0) - phases.get("gc", 0.0) - E.other_comm_exposed_ms(ctx, rank))
+    outside = phases.get("outside", 0.0) if measured is None else measured
+    return max(0.0, outside - phases.get("gc", 0.0) - E.other_comm_exposed_ms(ctx, rank))
+
+
+class _Share(NamedTuple):
+    """One rank's time outside the model against its step, on the clock that measured it."""
+
+    share: float
+    outside_ms: float
+    step_ms: float
+    clock: str  # CLOCK_HOST | CLOCK_DEVICE | CLOCK_BOUND
+
+
+CLOCK_HOST = "host"  # the step records' outside_ms: CPU runs, and GPU runs without device times
+CLOCK_DEVICE = "device"  # the CUDA events' time between the optimizer's end and the next forward
+# GPU runs recorded before the events timed that: the device step's time outside its phases, which also holds the
+# loss and the wait for the last reduce-scatters after backward, or the host's if lower (the host's alone under
+# gradient accumulation). A bound, never a finding.
+CLOCK_BOUND = "device, upper bound"
+
+
+def _share(ctx: Context, rank, st: StepStats) -> _Share:
+    """The rank's share of its step outside the model. On CUDA the host's figure holds every wait for the device
+    (a ``loss.item()`` or a pageable ``.to(device)`` once per step spends the device's backlog there: up to 66% of
+    the step on the H100 runs under traces/gpu, none of which has a slow loader), so where the recorder's events
+    timed the device (``StepStats.device``) its view decides: the device idling between ``optimizer.step()`` and
+    the forward, over the device's period."""
+    dev = st.device if st.device is not UNSET else None
+    host = _outside_ms(ctx, rank, st)
+    if dev is None or not dev.count or not dev.period_ms:
+        return _Share(host / st.p50_ms, host, st.p50_ms, CLOCK_HOST)
+    if dev.outside_ms is not None:
+        out = _outside_ms(ctx, rank, st, dev.outside_ms)
+        return _Share(out / dev.period_ms, out, dev.period_ms, CLOCK_DEVICE)
+    if dev.outside_phases_ms is not None:  # (None under gradient accumulation: the phases span each other)
+        host = min(host, _outside_ms(ctx, rank, st, dev.outside_phases_ms))
+    return _Share(host / dev.period_ms, host, dev.period_ms, CLOCK_BOUND)
 
 
 @register
@@ -101,37 +142,56 @@ class DataWait(Rule):
 
     def match(self, ctx: Context):
         steps = E.steps(ctx)
-        shares = {int(r): _outside_ms(ctx, r, st) / st.p50_ms for r, st in steps.per_rank.items()
+        shares = {int(r): _share(ctx, r, st) for r, st in steps.per_rank.items()
                   if st.count and st.p50_ms and st.phases_p50_ms}
         if not shares:
             return self.quiet("no step phases measured (the time outside the model is unknown)")
-        rank = max(shares, key=shares.get)  # the first of equal shares
-        share, st = shares[rank], steps.per_rank[str(rank)]
-        if share < OUTSIDE_SHARE_MIN:
-            return self.quiet(f"time outside the model is at most {100 * share:.0f}% of the step (rank {rank}; "
-                              f"fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
-        outside = _outside_ms(ctx, rank, st)
-        comm = E.other_comm_exposed_ms(ctx, rank)
-        ranks = [r for r, sh in shares.items() if sh >= OUTSIDE_SHARE_MIN]
+        rank = max(shares, key=lambda r: shares[r].share)  # the first of equal shares
+        top = shares[rank]
+        if top.share < OUTSIDE_SHARE_MIN:
+            on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
+            return self.quiet(f"time outside the model is at most {100 * top.share:.0f}% of the step (rank {rank}"
+                              f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
+        ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:
             return self.quiet(f"the time outside the model is rank(s) {', '.join(map(str, ranks))}' own delay: "
                               "straggler.rank reports it")
-        p50 = st.p50_ms
+        decided = [r for r in ranks if shares[r].clock != CLOCK_BOUND]
+        if not decided:
+            return self.quiet(
+                f"on CUDA the host's time outside the model holds its waits for the device; this run's device times "
+                f"were recorded before the recorder timed the device's idle before the forward, and bound it at "
+                f"{100 * top.share:.0f}% of the step (rank {rank}) together with the loss and the wait for the last "
+                f"reduce-scatters after backward: not data loading for certain (fires from "
+                f"{100 * OUTSIDE_SHARE_MIN:.0f}% on the device's own figure; record again to get it)")
+        rank = max(decided, key=lambda r: shares[r].share)
+        sh, st = shares[rank], steps.per_rank[str(rank)]
+        comm = E.other_comm_exposed_ms(ctx, rank)
         phases = st.phases_p50_ms or {}
+        evidence = {"outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
+                    "outside_share_pct": round(100 * sh.share, 1), "clock": sh.clock,
+                    "collectives_outside_fsdp_ms": round(comm, 3),  # left to optim.step_comm, not counted here
+                    "forward_ms_p50": phases.get("forward"), "backward_ms_p50": phases.get("backward")}
+        if sh.clock == CLOCK_DEVICE:
+            dev = st.device
+            evidence.update(forward_ms_p50=dev.forward_ms, backward_ms_p50=dev.backward_ms,
+                            before_forward_ms_p50=dev.before_forward_ms, after_model_ms_p50=dev.after_model_ms,
+                            host_outside_ms_p50=round(_outside_ms(ctx, rank, st), 3))
+        p50 = st.p50_ms
         return [self.finding(
             "warning",
-            f"{100 * share:.0f}% of each step is spent outside the model (data loading or user code)",
-            {"outside_ms_p50": round(outside, 3), "step_p50_ms": p50, "outside_share_pct": round(100 * share, 1),
-             "collectives_outside_fsdp_ms": round(comm, 3),  # left to optim.step_comm, not counted here
-             "forward_ms_p50": phases.get("forward"), "backward_ms_p50": phases.get("backward")},
+            (f"The device idles {100 * sh.share:.0f}% of each step between optimizer.step() and the next forward "
+             "(data loading or user code)" if sh.clock == CLOCK_DEVICE else
+             f"{100 * sh.share:.0f}% of each step is spent outside the model (data loading or user code)"),
+            evidence,
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
             "workers with pinned memory and prefetching (torch.utils.data.DataLoader(..., num_workers=4, "
             "pin_memory=True, prefetch_factor=4, persistent_workers=True)), and move host-side work (logging, "
             f"metrics, .item() calls) off the step's critical path. {S.NO_PIPELINE_CODE}",
-            predicted={"step_ms_before": p50, "step_ms_after": round(p50 - outside, 3),
+            predicted={"step_ms_before": p50, "step_ms_after": round(p50 - sh.outside_ms, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
-            ranks=sorted(ranks),
+            ranks=sorted(decided),
         )]
 
 

@@ -1,0 +1,211 @@
+"""The device's view of the steps on CUDA (issue #22, item 1), read on the CPU: the recorder's idle and
+outside-the-model brackets (record/gpu_timing.py, with events that a fake device clock stamps), the step
+statistics' ``device`` view and ``jitter.data_wait`` on the recorded H100 runs under ``traces/gpu/``, whose loop
+waits for the GPU once per step (``loss.item()``, a pageable ``.to(device)``) and has no slow loader: the host's
+time outside the model there holds the GPU's backlog, up to 66% of the step, which fired the rule on 18 of the 19
+runs; and on the two 2-rank runs under ``traces/gpu_device_time/``, recorded with the device's brackets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+GPU = REPO / "traces" / "gpu"
+RUNS = [GPU / "fixture"] + sorted(p for p in (GPU / "scenarios").glob("*") if (p / "manifest.json").exists())
+recorded = pytest.mark.skipif(not (GPU / "fixture" / "manifest.json").exists(), reason="traces/gpu/ not recorded")
+
+
+class _Clock:
+    now = 0.0  # ms on the fake device's clock at which the next recorded event completes
+
+
+class FakeEvent:
+    """torch.cuda.Event's surface that GpuTimeline uses, stamped by ``_Clock``: recorded, complete, timed."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = _Clock.now
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_the_timeline_times_the_device_outside_the_model(monkeypatch):
+    """Three steps on a fake device clock: the idle from one step's end to the next one's start, the time from the
+    start to the first forward and from the optimizer's end to the step's end, each read from the events of the
+    brackets the host timings use, a step later; the first step has no idle before it."""
+    from fsdp_doctor.record.gpu_timing import GpuTimeline
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    tl = GpuTimeline(rank=0, n_units=2, names=["", "layers.0"])
+    out = []
+
+    def at(t, fn, *args):
+        _Clock.now = t
+        return fn(*args)
+
+    t0 = 0.0
+    for step, (idle, wait) in enumerate([(0.0, 5.0), (2.0, 30.0), (0.5, 1.0)]):
+        t0 += idle
+        at(t0, tl.begin_step)
+        at(t0 + wait, tl.open, 0, 0)      # the batch arrives: the root's forward
+        at(t0 + wait + 1, tl.open, 1, 0)
+        at(t0 + wait + 9, tl.close, 1, 0)
+        at(t0 + wait + 10, tl.close, 0, 0)
+        at(t0 + wait + 12, tl.open, 0, 1)  # loss between: 2 ms
+        at(t0 + wait + 30, tl.close, 0, 1)
+        at(t0 + wait + 34, tl.optimizer_begin)  # 4 ms between backward and the optimizer
+        at(t0 + wait + 38, tl.optimizer_end)
+        t0 += wait + 41  # zero_grad and the loop's code: 3 ms
+        out += at(t0, tl.end_step, step)
+    out += tl.flush()
+    assert [g.step for g in out] == [0, 1, 2]
+    assert [g.idle_before_ms for g in out] == [None, 2.0, 0.5]
+    assert [g.before_forward_ms for g in out] == [5.0, 30.0, 1.0]
+    assert [g.after_model_ms for g in out] == [3.0, 3.0, 3.0]
+    assert [g.step_ms for g in out] == [46.0, 71.0, 42.0]
+    g = out[1]
+    assert (g.forward_ms, g.backward_ms, g.optimizer_ms) == (10.0, 18.0, 4.0)
+    assert g.units == [["", 10.0, 18.0], ["layers.0", 8.0, 0.0]]
+    # without an optimizer hook pair, the step's last phase is its backward
+    at(t0, tl.begin_step)
+    at(t0 + 1, tl.open, 0, 0)
+    at(t0 + 2, tl.close, 0, 0)
+    at(t0 + 3, tl.open, 0, 1)
+    at(t0 + 4, tl.close, 0, 1)
+    (last,) = at(t0 + 10, tl.end_step, 3)
+    assert (last.idle_before_ms, last.before_forward_ms, last.after_model_ms) == (0.0, 1.0, 6.0)
+
+
+def test_old_device_records_read_without_the_new_brackets():
+    """A GpuTimes line written before the brackets existed reads with None for them (the format is unchanged)."""
+    import msgspec
+
+    from fsdp_doctor.records import AnyRecord
+
+    line = b'{"t":"gpu","rank":0,"step":4,"step_ms":269.4,"forward_ms":96.4,"backward_ms":143.4,"optimizer_ms":4.8}'
+    g = msgspec.json.decode(line, type=AnyRecord)
+    assert (g.idle_before_ms, g.before_forward_ms, g.after_model_ms) == (None, None, None)
+
+
+@recorded
+def test_the_device_view_of_a_recorded_h100_run():
+    """gpu_gpt_tuned (2 NCCL ranks on one H100, recorded before the device's brackets existed): the device's
+    medians over the same 5 steady steps as the host's, its idle between steps from the host's period, and no
+    device time outside the model (those files cannot tell it from the reduce-scatters' tail)."""
+    import fsdp_doctor
+    from fsdp_doctor.analyze.steps import IDLE_FROM_PERIOD
+
+    report = fsdp_doctor.build_report(fsdp_doctor.load_run(GPU / "scenarios" / "gpu_gpt_tuned"))
+    st = report.steps.per_rank["0"]
+    dev = st.device
+    assert dev.count == st.count == 5
+    assert (dev.step_ms, dev.forward_ms, dev.backward_ms, dev.optimizer_ms) == (74.652, 21.912, 36.777, 3.37)
+    assert dev.outside_phases_ms == 12.521
+    assert dev.idle_source == IDLE_FROM_PERIOD
+    assert dev.idle_between_ms == round(st.p50_ms - dev.step_ms, 3) == 0.132
+    assert dev.period_ms == st.p50_ms == 74.784
+    assert dev.outside_ms is None and dev.before_forward_ms is None
+    assert st.phases_p50_ms["outside"] == 34.119  # the host's: 46% of its step, the GPU's backlog
+    assert report.steps.job.device.count == 10
+    # gradient accumulation: forward (first micro-batch to last) spans backward, so no time outside the phases
+    acc = fsdp_doctor.build_report(fsdp_doctor.load_run(GPU / "scenarios" / "gpu_gpt_accum")).steps.per_rank["0"]
+    assert acc.device.count == 5 and acc.device.outside_phases_ms is None
+
+
+@recorded
+@pytest.mark.parametrize("path", RUNS, ids=[p.name for p in RUNS])
+def test_data_wait_reads_the_device_on_every_recorded_gpu_run(path):
+    """On every recorded H100 run, the host's clock alone puts 14-66% of the step outside the model (and fired
+    the rule wherever it reached 15%); the device's figure, bounded by its time outside the phases, does not."""
+    import msgspec
+
+    import fsdp_doctor
+    from fsdp_doctor.diagnose.base import Context
+    from fsdp_doctor.diagnose.rules import jitter as J
+    from test_diagnose_rules import run_rule
+
+    run = fsdp_doctor.load_run(path)
+    report = fsdp_doctor.build_report(run)
+    status = next(s for s in report.rules if s.code == "jitter.data_wait")
+    assert status.status == "quiet" and "jitter.data_wait" not in {f.code for f in report.findings}
+    ctx = Context(run=run, report=report)
+    shares = {r: J._share(ctx, r, st) for r, st in report.steps.per_rank.items()}
+    assert all(sh.clock in (J.CLOCK_BOUND,) for sh in shares.values()), shares
+    host = {r: J._outside_ms(ctx, r, st) / st.p50_ms for r, st in report.steps.per_rank.items()}
+    assert all(sh.share <= host[r] + 1e-9 for r, sh in shares.items())
+    # the same report without the device's view: the host's clock, as before
+    for st in report.steps.per_rank.values():
+        st.device = msgspec.UNSET
+    fired = run_rule("jitter.data_wait", Context(run=run, report=report))
+    assert bool(fired) == (max(host.values()) >= J.OUTSIDE_SHARE_MIN), (fired, host)
+    if fired:
+        assert fired[0].evidence["clock"] == J.CLOCK_HOST
+
+
+DEVICE_TIME = REPO / "traces" / "gpu_device_time"  # benchmarks/device_time_runs.py on the H100
+
+
+def _report(name):
+    import fsdp_doctor
+
+    run = fsdp_doctor.load_run(DEVICE_TIME / name)
+    return run, fsdp_doctor.build_report(run)
+
+
+def test_a_recorded_sync_per_step_is_not_data_wait_on_the_device_clock():
+    """2 NCCL ranks on the H100, a loss.item() after every step and no loader: the device's own brackets say it
+    idled 2.0 / 2.2 ms of its 60.2 / 60.4 ms period between optimizer.step() and the forward, while the device
+    step's time outside its phases (the reduce-scatters' tail, the loss) was 11.0 / 10.0 ms: quiet, on the device
+    clock. The records' verdict takes its input share from the same figure."""
+    from fsdp_doctor.analyze.steps import IDLE_MEASURED
+
+    run, report = _report("sync_per_step")
+    status = next(s for s in report.rules if s.code == "jitter.data_wait")
+    assert status.status == "quiet"
+    assert status.reason == "time outside the model is at most 1% of the step (rank 1, device clock; fires from 15%)"
+    dev = {r: st.device for r, st in report.steps.per_rank.items()}
+    assert {r: (d.count, d.idle_source) for r, d in dev.items()} == {"0": (9, IDLE_MEASURED), "1": (9, IDLE_MEASURED)}
+    assert {r: (d.outside_ms, d.period_ms, d.outside_phases_ms) for r, d in dev.items()} == {
+        "0": (1.994, 60.234, 11.043), "1": (2.181, 60.36, 9.961)}
+    assert {r: (d.before_forward_ms, d.after_model_ms, d.idle_between_ms) for r, d in dev.items()} == {
+        "0": (1.992, 0.002, 0.001), "1": (2.178, 0.001, 0.001)}
+    # the verdict from the records (host clock, no trace): input is the device's 3.7-4.6% of the steps, not the
+    # host's time outside the model, 17.4-17.6% of them
+    from fsdp_doctor.analyze.steps import usable_steps
+
+    for r, v in report.verdict.per_rank.items():
+        steps = usable_steps(run.ranks[int(r)].steps)
+        host = 100 * sum(s.outside_ms for s in steps) / sum(s.wall_ms for s in steps)
+        assert v.source == "records (host clock)" and 17 < host < 18, (r, host)
+        assert v.groups_pct["input"] == {"0": 4.56, "1": 3.69}[r], (r, v.groups_pct)
+
+
+def test_a_recorded_slow_loader_is_data_wait_on_the_device_clock():
+    """The same run with a loader sleeping 150 ms before each batch: the device idles 152.7 ms of each step
+    before the forward, 70% of its 214.5 ms period; the rule fires on the device's clock and predicts the step
+    without that wait."""
+    _, report = _report("slow_loader")
+    (wait,) = [f for f in report.findings if f.code == "jitter.data_wait"]
+    ev = wait.evidence
+    assert ev["clock"] == "device" and ev["before_forward_ms_p50"] == 152.685 and ev["after_model_ms_p50"] == 0.002
+    assert ev["outside_ms_p50"] == 150.978  # less the host's GC pauses (1.7 ms), jitter.gc's
+    assert ev["step_p50_ms"] == 214.548 and ev["outside_share_pct"] == 70.4
+    assert ev["host_outside_ms_p50"] == 163.188
+    assert wait.title.startswith("The device idles 70% of each step") and wait.ranks == [0, 1]
+    assert wait.predicted.step_ms_before == 213.558 and wait.predicted.step_ms_after == 62.58
+    assert report.verdict.job.bound == "input"
