@@ -36,11 +36,13 @@ def test_allgathers_94pct_exposed(tmp_path):
     _, rep = _report(tmp_path, dict(units=4, ag_us=94, fwd_us=6))
     f = _by_code(rep)
     ag = f["prefetch.exposed_allgather"]
-    assert ag.severity == "warning" and ag.evidence["measured_by"] == "trace"
+    assert ag.evidence["measured_by"] == "trace"
     assert ag.evidence["exposed_ag_ms_per_step"] == pytest.approx(0.376)
     assert ag.evidence["exposed_share_pct"] == 94.0 and ag.evidence["exposed_ag_bwd_ms"] == 0
     # prefetching hides units 1-3's all-gathers only as far as there is compute to hide them: 24 µs per step
     assert ag.predicted["step_ms_before"] == 0.4 and ag.predicted["step_ms_after"] == pytest.approx(0.376)
+    # 6% of the step: a note, not a warning (the severity follows what the fix can gain, not the exposure)
+    assert ag.severity == "info"
     assert "set_modules_to_forward_prefetch" in ag.recommendation.code
     # every unit of the trace (from FSDP's labels) prefetches the next in the order the trace ran them, the root
     # never named by its display label

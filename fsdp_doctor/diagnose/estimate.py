@@ -9,7 +9,9 @@ leaves that side of its prediction empty rather than guessing.
 
 from __future__ import annotations
 
+import math
 import statistics
+from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import msgspec
@@ -336,6 +338,25 @@ def breakdown_ms(ctx: Context, part: str) -> dict[str, float]:
     return {r: per_step(ctx, r, b.parts()[part]) for r, b in overlap(ctx).breakdown.items()}
 
 
+def device_forward_ms(ctx: Context) -> dict[str, float]:
+    """Per unit, the device time of its own forward compute per step (a GPU trace's kernels launched inside FSDP2's
+    labels, nested units' excluded); {} where the trace timed none on the device."""
+    from ..trace.steps_detail import UNIT_SOURCE_DEVICE
+
+    return {u.name: u.timing_p50.fwd_self_ms if u.timing_p50.fwd_self_ms is not None else u.timing_p50.fwd_ms
+            for u in overlap(ctx).units or [] if u.source == UNIT_SOURCE_DEVICE}
+
+
+def free_compute_ms(ctx: Context) -> Optional[float]:
+    """Device compute per step that no collective overlaps yet (the breakdown's compute less the communication it
+    already hides; median over GPU ranks): what any more overlap can hide behind, at most. None without a GPU
+    breakdown."""
+    ov = overlap(ctx)
+    vals = [max(0.0, per_step(ctx, r, b.compute) - (ov.per_rank[r].hidden_ms_per_step or 0.0))
+            for r, b in ov.breakdown.items() if r in ov.per_rank and ov.per_rank[r].device == "gpu"]
+    return statistics.median(vals) if vals else None
+
+
 # ---------------------------------------------------------------------------------------------- estimates
 def predicted(step_before=None, step_after=None, peak_before=None, peak_after=None) -> Predicted:
     """A finding's prediction: step time (ms) and peak (bytes) before and after its fix; None where unknown."""
@@ -489,3 +510,115 @@ def backward_allgather_comm_ms(ctx: Context, name: str) -> Optional[float]:
     not: what keeping it gathered removes at most (on gloo its copies share the cores with compute)."""
     vals = [r.comm_ms_per_step for r in trace_rows(ctx, "all_gather") if r.unit == name and r.phase == "backward"]
     return statistics.median(vals) if vals else None
+
+
+# ---------------------------------------------------------------------------------------------- fewer, larger units
+class GroupPlan(msgspec.Struct, frozen=True):
+    """A plan of fewer, larger units (comm.small_collectives; comm.bound and throughput.low_mfu where the
+    collectives are latency-bound): ``group`` consecutive blocks of every block container per unit, the units
+    inside a block dropped (leaf wrapping), the run's other units as they were (snippets.shard_plan)."""
+
+    group: int  # consecutive blocks per unit
+    blocks: int  # blocks of the largest container
+    block_bytes: Optional[float]  # one block's all-gather (unsharded, in the gathered dtype), median over blocks
+    block_share: Optional[float]  # the largest block's share of the parameters
+    units_before: int  # units with parameters in the run
+    units_after: int  # ... and in the plan
+    why: str  # what set the group size
+    code: str
+
+
+def plan_words(group: int) -> str:
+    """What a grouped plan does, in words."""
+    return f"{group} consecutive blocks per unit" if group > 1 else "one unit per block"
+
+
+def _sized_units(ctx: Context, t) -> list[tuple[list[str], float, float, list[str], list[int]]]:
+    """(modules, parameters, gathered bytes, own modules, their bytes) of every unit with parameters: the snapshot's,
+    else (a plain trace) the trace's forward all-gathers, whose bytes stand for the parameters too."""
+    us = param_units(ctx)
+    if us:
+        return [(list(u.modules) or S.members(u.name), float(u.param_count), float(u.unsharded_bytes),
+                 list(u.own_modules or []), list(u.own_bytes or [])) for u in us]
+    got: dict[str, list[float]] = {}
+    for r in trace_rows(ctx, "all_gather"):
+        if r.bytes_per_call and r.phase == "forward" and r.unit != OTHER_UNIT:
+            got.setdefault(r.unit, []).append(float(r.bytes_per_call))
+    return [(S.members(n), statistics.median(b), statistics.median(b), [], []) for n, b in got.items()]
+
+
+def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
+    """The plan of fewer, larger units for this run's tree, None where it has no block container. The group is the
+    fewest consecutive blocks whose all-gather leaves the latency regime (T.SMALL_MAX_MEDIAN_BYTES), and never more
+    than T.GROUP_FACTOR, nor so many that a container keeps fewer than T.MIN_BLOCK_UNITS units (all its blocks where
+    it has fewer) or that a group holds T.COARSE_SHARE_MIN of the parameters (wrap.too_coarse's threshold): one
+    unit per block where any of these allows no more. (Four blocks per unit on the 4-block GPT, all its blocks in
+    one unit, traded the finding for wrap.too_coarse on the H100 rerun.)"""
+    t = S.tree(ctx)
+    conts = t.containers()
+    if not conts:
+        return None
+    sized = _sized_units(ctx, t)
+
+    def container(blk: Optional[str]) -> Optional[str]:
+        c = blk.rsplit(".", 1)[0] if blk else None
+        return c if c in conts else None
+
+    per_block: dict[str, list[float]] = {}  # block -> [parameters, gathered bytes]
+
+    def add(blk: str, params: float, nbytes: float) -> None:
+        acc = per_block.setdefault(blk, [0.0, 0.0])
+        acc[0] += params
+        acc[1] += nbytes
+
+    outside = inner = 0  # units with parameters outside every block (embeddings, head; a root holding some); inside one
+    blocks_are_units = False
+    for mods, params, nbytes, own, own_b in sized:
+        blks = {block_of(m) for m in mods}
+        if all(container(b) for b in blks):  # a block, several, or a unit inside one (leaf wrapping, experts)
+            for b in blks:
+                add(b, params / len(blks), nbytes / len(blks))
+            whole = all(block_of(m) == S.strip_ckpt(m) for m in mods)
+            blocks_are_units |= whole
+            inner += not whole
+            continue
+        outside += 1
+        stored = sum(own_b)
+        held = S.block_bytes(SimpleNamespace(own_modules=own, own_bytes=own_b)) if stored else {}
+        for b, n in held.items():  # the blocks a unit holds as its own modules (the whole model, the root)
+            if container(b):
+                add(b, params * n / stored, nbytes * n / stored)
+    total = sum(params for _, params, _, _, _ in sized)
+    c = max(conts, key=lambda k: len(conts[k]))
+    n = len(conts[c])
+    sizes = [v for b, v in per_block.items() if container(b) == c]
+    block_bytes = statistics.median(v[1] for v in sizes) if sizes else None
+    share = max(v[0] for v in sizes) / total if sizes and total > 0 else None
+    limits: dict[str, int] = {}
+    if block_bytes:
+        need = max(1, math.ceil(T.SMALL_MAX_MEDIAN_BYTES / block_bytes))
+        limits[(f"a block's all-gather, {fmt_bytes(block_bytes, 1)}, is out of the latency regime already" if need == 1
+                else f"{need} blocks gather {fmt_bytes(need * block_bytes, 1)}, out of the latency regime")
+               + f" (from {fmt_bytes(T.SMALL_MAX_MEDIAN_BYTES, 1)})"] = need
+    spread = n // T.MIN_BLOCK_UNITS
+    limits[(f"{n} blocks: {spread} per unit keep {T.MIN_BLOCK_UNITS} units or more" if spread > 1 else
+            f"{n} blocks: grouped, fewer than {T.MIN_BLOCK_UNITS} units would be left")
+           + ", each all-gather overlapping the previous unit's compute"] = max(1, spread)
+    if share:
+        most = max(1, math.ceil(T.COARSE_SHARE_MIN / share) - 1)
+        limits[f"a block holds {100 * share:.0f}% of the parameters: {most} keep a unit under "
+               f"{100 * T.COARSE_SHARE_MIN:.0f}% (wrap.too_coarse)"] = most
+    limits[f"at most {T.GROUP_FACTOR} blocks per unit"] = T.GROUP_FACTOR
+    why = min(limits, key=limits.get)
+    g = limits[why]
+    # units inside the blocks stay where the blocks are units already (a mixture of experts' experts, sharded for
+    # memory) and one block per unit; they give way to their blocks otherwise (leaf wrapping, or grouped blocks)
+    nested = g == 1 and blocks_are_units
+    after = outside + sum(math.ceil(len(idx) / g) for idx in conts.values()) + (inner if nested else 0)
+    before = len(sized)
+    code = S.shard_plan(t, group=g, nested=nested, note=f"{plan_words(g)} ({before} units -> {after})")
+    return GroupPlan(group=g, blocks=n, block_bytes=block_bytes, block_share=share, units_before=before,
+                     units_after=after, why=why, code=code)
+
+
+from . import snippets as S  # noqa: E402  (snippets imports nothing of this module)

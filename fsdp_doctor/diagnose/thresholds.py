@@ -8,9 +8,19 @@ NEAR_CAPACITY_SHARE = 0.85
 DOMINANT_CATEGORY_SHARE = 0.40
 
 # Collectives: all-gathers whose median message is below this are latency-bound (NCCL reaches its bus
-# bandwidth only from a few MiB on); grouping this many consecutive blocks per unit pays one call's latency.
+# bandwidth only from a few MiB on); a plan of fewer, larger units groups at most this many consecutive blocks per
+# unit (estimate.grouped_plan: fewer where a group's all-gather reaches SMALL_MAX_MEDIAN_BYTES sooner, or where
+# the limits below bind), paying one call's latency instead of one per block.
 SMALL_MAX_MEDIAN_BYTES = 4 << 20
 GROUP_FACTOR = 4
+# Wrapping: one unit holding at least this share of all parameters gathers most of the model at once
+# (wrap.too_coarse fires from it); a grouped plan keeps every group under it.
+COARSE_SHARE_MIN = 0.5
+# ... and a grouped plan keeps at least this many units per block container (all of its blocks when it has
+# fewer): FSDP overlaps each unit's all-gather with the previous unit's compute only, so with fewer units most
+# of the gathering has nothing before it (on the 2-rank H100 GPT of 4 blocks, all four in one unit made
+# wrap.too_coarse fire on the rerun).
+MIN_BLOCK_UNITS = 4
 
 # Share of an exposed all-gather that explicit prefetching hides: on a GPU all of it (a separate stream); on
 # gloo none (the copies share the cores with compute; the host blocks in every all-gather).

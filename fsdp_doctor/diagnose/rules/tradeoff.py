@@ -25,7 +25,7 @@ from ..base import Context, register
 from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
 from ..base import Rule
-from ..thresholds import GROUP_FACTOR, PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
+from ..thresholds import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
 
 # ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
 # fragmentation and the allocator's cache, below the 0.85 target other rules aim for).
@@ -207,16 +207,20 @@ def _comm_lever(ctx: Context, comm: float, groups: dict[str, float], compute_ms:
     size_ev = (f"{sizes.calls_per_step} all-gathers per step, median {fmt_bytes(sizes.median_bytes, 1)}"
                + (f", busbw {sizes.busbw_gbps:.1f} GB/s" if sizes.busbw_gbps else "")
                + f" ({sizes.source})") if sizes else "no collective sizes"
-    if sizes is not None and sizes.median_bytes < SMALL_MAX_MEDIAN_BYTES:
-        # latency-bound calls: grouping GROUP_FACTOR units into one pays one call's latency instead of k
-        return _Lever("fewer, larger units", comm * (1 - 1 / GROUP_FACTOR),
-                      exposed + f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound",
-                      "group consecutive blocks into one FSDP unit", S.shard_plan(S.tree(ctx), group=GROUP_FACTOR))
+    plan = E.grouped_plan(ctx) if sizes is not None and sizes.median_bytes < SMALL_MAX_MEDIAN_BYTES else None
+    if plan is not None and plan.units_after < plan.units_before:
+        # latency-bound calls: the plan's units pay one call's latency where the run's paid one each (4 blocks per
+        # unit: 3/4 of it)
+        return _Lever("fewer, larger units", comm * (1 - plan.units_after / plan.units_before),
+                      exposed + f"{size_ev}: under {fmt_bytes(SMALL_MAX_MEDIAN_BYTES, 1)}, latency-bound; "
+                      f"{plan.units_before} -> {plan.units_after} units",
+                      f"fewer, larger FSDP units ({E.plan_words(plan.group)})", plan.code)
     overlapped = _median(pr.overlap_us / E.steps_in_windows(ctx, r) / 1e3 for r, pr in E.overlap(ctx).per_rank.items())
     hideable = max(0.0, compute_ms - (overlapped or 0.0))
     eff = PREFETCH_OVERLAP_GPU if E.on_gpu(ctx) else PREFETCH_OVERLAP_CPU
+    regime = (f"latency-bound, and no fewer units to group ({plan.why})" if plan is not None else "bandwidth-bound")
     return _Lever("overlap", min(comm, hideable) * eff,
-                  exposed + f"{size_ev}: bandwidth-bound; compute free to hide it {hideable:.1f} ms",
+                  exposed + f"{size_ev}: {regime}; compute free to hide it {hideable:.1f} ms",
                   "explicit forward/backward prefetch, reshard_after_forward=False where memory allows "
                   "(reshard.zero2_affordable), 16-bit collectives", S.prefetch_code(ctx))
 
