@@ -111,7 +111,9 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
                                      "--reps", "1", "--only", "loader,zero2_tight",
                                      "--json", str(out / "predictions.json")], 150,
                      ["predictions.json"]))
-    return todo
+    # in order of value for a short call: what the fixtures and the README's figures need first
+    first = ("env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "tests")
+    return sorted(todo, key=lambda s: first.index(s.name) if s.name in first else len(first))
 
 
 def write_env(path: Path) -> None:
