@@ -116,7 +116,7 @@ CLOCK_BOUND = "device, upper bound"
 
 def _share(ctx: Context, rank, st: StepStats) -> _Share:
     """The rank's share of its step outside the model. On CUDA the host's figure holds every wait for the device
-    (a ``loss.item()`` or a pageable ``.to(device)`` once per step spends the device's backlog there: up to 66% of
+    (a ``loss.item()`` or a pageable ``.to(device)`` once per step spends the device's backlog there: up to 82% of
     the step on the H100 runs under traces/gpu, none of which has a slow loader), so where the recorder's events
     timed the device (``StepStats.device``) its view decides: the device idling between ``optimizer.step()`` and
     the forward, over the device's period."""
