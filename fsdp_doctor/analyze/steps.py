@@ -99,10 +99,21 @@ def device_outside_ms(g: GpuTimes) -> Optional[float]:
     return g.before_forward_ms + g.after_model_ms
 
 
+def unit_modules(units) -> dict[str, int]:
+    """Unit name -> the modules it groups (at least 1): a grouped unit's modules each count a forward call."""
+    return {u.name: max(1, len(u.modules)) for u in units}
+
+
+def unit_passes(u, modules: dict[str, int]) -> Optional[float]:
+    """A unit's forward passes in one step (``u``: its ``UnitStep``): its forward calls per module (``modules``:
+    :func:`unit_modules`); None where it ran none."""
+    return u.fwd_calls / modules.get(u.name, 1) if u.fwd_calls else None
+
+
 def forward_passes(s: StepRecord, modules: dict[str, int]) -> float:
     """The model's forward passes in one step: the micro-batches ``doctor.step()`` was told of, or the fewest
-    forward calls of a unit (per module of a grouped unit, ``modules``: unit name -> modules), if more."""
-    calls = [u.fwd_calls / modules.get(u.name, 1) for u in s.units if u.fwd_calls]
+    forward passes of a unit (:func:`unit_passes`), if more."""
+    calls = [n for n in (unit_passes(u, modules) for u in s.units) if n is not None]
     return max(s.micro_batches, min(calls, default=1))
 
 
@@ -379,7 +390,7 @@ def profiler_export_steps(rd) -> list[int]:
 def analyze_steps(run: Run) -> StepsSection:
     per_rank = {}
     job_device = []
-    modules = {u.name: max(1, len(u.modules)) for u in (run.config.units if run.config is not None else [])}
+    modules = unit_modules(run.config.units if run.config is not None else [])
     for r, rd in sorted(run.ranks.items()):
         st = usable_steps(rd.steps)
         stats = step_stats(st)

@@ -533,7 +533,7 @@ def plan_words(group: int) -> str:
     return f"{group} consecutive blocks per unit" if group > 1 else "one unit per block"
 
 
-def _sized_units(ctx: Context, t) -> list[tuple[list[str], float, float, list[str], list[int]]]:
+def _sized_units(ctx: Context) -> list[tuple[list[str], float, float, list[str], list[int]]]:
     """(modules, parameters, gathered bytes, own modules, their bytes) of every unit with parameters: the snapshot's,
     else (a plain trace) the trace's forward all-gathers, whose bytes stand for the parameters too."""
     us = param_units(ctx)
@@ -558,7 +558,7 @@ def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
     conts = t.containers()
     if not conts:
         return None
-    sized = _sized_units(ctx, t)
+    sized = _sized_units(ctx)
 
     def container(blk: Optional[str]) -> Optional[str]:
         c = blk.rsplit(".", 1)[0] if blk else None

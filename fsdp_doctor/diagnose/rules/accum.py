@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from ...analyze.steps import unit_modules, unit_passes
 from .. import estimate as E
 from ..base import Context, Rule, register
 
@@ -14,12 +15,12 @@ def _micro_batches(ctx: Context) -> dict[str, float]:
     per optimizer step) and the unit's forward calls per module (what the model ran, however the loop calls
     ``doctor.step()``)."""
     per: dict[str, list[float]] = {}
-    mods = {u.name: max(1, len(u.modules)) for u in E.units(ctx)}
+    mods = unit_modules(E.units(ctx))
     for rd in (getattr(ctx.run, "ranks", None) or {}).values():
         for s in rd.steps[1:]:
             mb = getattr(s, "micro_batches", None)
             for us in s.units:
-                calls = us.fwd_calls / mods.get(us.name, 1) if us.fwd_calls else None
+                calls = unit_passes(us, mods)
                 n = max(mb or 0, calls or 0) or None
                 if n:
                     per.setdefault(us.name, []).append(float(n))

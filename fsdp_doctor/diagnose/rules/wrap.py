@@ -7,13 +7,10 @@ import statistics
 
 from .. import estimate as E
 from .. import snippets as S
-from .. import thresholds as T
 from ...units import fmt_bytes
 from ..base import Context, Rule, register
+from ..thresholds import COARSE_SHARE_MIN  # one unit holding this share of the parameters is too coarse
 
-# One unit holding at least this share of all parameters gathers most of the model at once: its
-# all-gather sets the peak of unsharded memory and has no compute before it to overlap with.
-COARSE_SHARE_MIN = T.COARSE_SHARE_MIN
 # Splitting a coarse unit: the estimate assumes it becomes this many similar units, two of them gathered
 # at a time (the one computing, the one prefetched).
 COARSE_SPLIT_INTO = 4

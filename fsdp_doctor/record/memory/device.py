@@ -57,6 +57,7 @@ class DeviceStats:
         self._nvml = None
         self._nvml_failed = False
         self._read = stats_reader(device) if self.is_cuda else None
+        self.allocated = allocated_reader(device)  # the allocator's total (the probe's marks read it); 0 off CUDA
         self._dev: tuple[int, int, dict] | None = None  # (reserved, step) at the last device read, its figures
 
     def stats(self, step: int) -> CudaMemory:

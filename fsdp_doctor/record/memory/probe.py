@@ -91,7 +91,7 @@ import torch
 from ... import memory_categories as MC
 from ...records import MemoryPeak, MemoryStep, MemoryTimeline
 from .activations import SavedTensors
-from .device import DeviceStats, allocated_reader
+from .device import DeviceStats
 from .sampler import Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
@@ -166,7 +166,7 @@ class MemoryProbe:
         self.live = self.acts.live  # the running saved-bytes counter
         self.sampler = Sampler(opts["full_every"], opts["budget"], self.is_cuda)
         self.dev = DeviceStats(self.device, opts["fragmentation_every"], opts["nvml"])
-        self._allocated = allocated_reader(self.device)  # the allocator's total at a mark (CUDA; 0 elsewhere)
+        self._allocated = self.dev.allocated  # the allocator's total at a mark (CUDA; 0 elsewhere)
         compiled = any(compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in model.modules())
         self.hw = HighWater(self.device, self.live) if opts["transients"] and not compiled else None
         self._hw_note = "compiled modules: not counted" if opts["transients"] and compiled else None
