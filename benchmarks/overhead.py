@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,28 @@ def excluded(block_steps: int, skip: int) -> set[int]:
         if sched(s).name != "NONE":
             ex.update({s, s + 1})  # the window, and the step whose wall time carries the export
     return ex
+
+
+def amortised_ms(arm: dict, off: dict, skip: int, off_median: float, profiled: bool) -> dict:
+    """What the steps left out of the steady figure cost, amortised (rank 0's blocks, ms over the off median): the
+    profiler window's steps and the step carrying its export, every ``ProfileSchedule.every`` steps, and a full
+    memory step (steps 1-2 of each block over the off blocks' same steps; step 0 also attaches the doctor), every
+    ``full_every`` steps as the probe's records said at the block's end (None: memory off). ``profiled``: the
+    arm's watch() takes profiler windows."""
+    from fsdp_doctor.record.profiling import ProfileSchedule
+
+    sched = ProfileSchedule()
+    n = len(arm["wall"][0])
+    med = lambda blocks, s: statistics.median(b[s] for b in blocks)  # noqa: E731
+    window = sorted({s for s in range(n) if sched(s).name != "NONE"} | {s + 1 for s in range(n) if sched(s).name != "NONE"})
+    window = [s for s in window if s < n]
+    window_ms = sum(max(0.0, med(arm["wall"], s) - off_median) for s in window)
+    periods = [p for p in arm.get("full_every", []) if p]
+    full_every = statistics.median(periods) if periods else None
+    full_ms = statistics.median(med(arm["wall"], s) - med(off["wall"], s) for s in (1, 2)) if full_every and skip >= 3 else 0.0
+    per_step = (window_ms / sched.every if profiled else 0.0) + (max(0.0, full_ms) / full_every if full_every else 0.0)
+    return {"window_ms": window_ms if profiled else 0.0, "window_every": sched.every if profiled else None,
+            "full_ms": full_ms, "full_every": full_every, "per_step_ms": per_step}
 
 
 def workload(a: argparse.Namespace):
@@ -72,15 +95,22 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
     # On a GPU the host runs ahead: both kinds of block wait for the device at the end of each step (as a loop
     # that logs `loss.item()` does), so a step's time is the device's when it is the longer one.
     sync = torch.cuda.synchronize if device is not None else (lambda: None)
-    times: dict[str, list[list[float]]] = {"on": [], "off": []}
-    cpu: dict[str, list[list[float]]] = {"on": [], "off": []}  # process CPU ms of each step (all threads)
+    # each step's device time: a CUDA event pair around it, in both kinds of block, read after the block
+    event = (lambda: torch.cuda.Event(enable_timing=True)) if device is not None else None
+    arms = json.loads(a.arms) if a.arms else {"on": json.loads(a.watch)}
+    out: dict[str, dict[str, list[list[float]]]] = {}  # arm -> {"wall", "host", "cpu", "device"} -> per block
     for b in range(a.blocks):
-        on = b % 2 == 1  # off first: the very first block also warms the allocator and caches
-        ctx = fsdp_doctor.watch(model, opt, out_dir=f"{tmp}/block{b}", **json.loads(a.watch)) if on else None
+        arm = "off" if b % 2 == 0 else list(arms)[(b // 2) % len(arms)]  # off first: it also warms the caches
+        run_dir = f"{tmp}/block{b}"
+        ctx = fsdp_doctor.watch(model, opt, out_dir=run_dir, **arms[arm]) if arm != "off" else None
         doctor = ctx.__enter__() if ctx else None
         dist.barrier()
-        t_prev, ts, c_prev, cs = time.perf_counter(), [], time.process_time(), []
+        t_prev, c_prev = time.perf_counter(), time.process_time()
+        ts, hs, cs, evs = [], [], [], []
         for _ in range(a.block_steps):
+            ev = (event(), event()) if event else None
+            if ev:
+                ev[0].record()
             tok, tgt = next(data)
             loss = next_token_loss(model(tok), tgt)
             loss.backward()
@@ -88,19 +118,39 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
             opt.zero_grad()
             if doctor:
                 doctor.step()
+            if ev:
+                ev[1].record()
+                evs.append(ev)
+            h = time.perf_counter()  # the host's part of the step: everything launched, before the wait
             sync()
             t, c = time.perf_counter(), time.process_time()
             ts.append(1e3 * (t - t_prev))
+            hs.append(1e3 * (h - t_prev))
             cs.append(1e3 * (c - c_prev))
             t_prev, c_prev = t, c
-        cpu["on" if on else "off"].append(cs)
         if ctx:
             ctx.__exit__(None, None, None)
-        times["on" if on else "off"].append(ts)
+            periods = [json.loads(line).get("memory", {}).get("full_every") for line in
+                       Path(run_dir, f"rank{rank}.records.jsonl").read_text().splitlines() if '"wall_ms"' in line]
+            out.setdefault(arm, {}).setdefault("full_every", []).append(next((x for x in reversed(periods) if x), None))
+            if a.keep:
+                keep = Path(a.keep) / f"block{b:02d}_{arm}"
+                for f in Path(run_dir).glob("*"):
+                    if f.is_file():
+                        keep.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(f, keep / f.name)
+        sync()
+        kind = out.setdefault(arm, {})
+        for m in ("wall", "host", "cpu", "device"):
+            kind.setdefault(m, [])
+        kind["wall"].append(ts)
+        kind["host"].append(hs)
+        kind["cpu"].append(cs)
+        kind["device"].append([e0.elapsed_time(e1) for e0, e1 in evs])
         if rank == 0:
-            print(f"block {b + 1}/{a.blocks} doctor {'on ' if on else 'off'}: median step "
+            print(f"block {b + 1}/{a.blocks} {'doctor off' if arm == 'off' else arm:>10}: median step "
                   f"{statistics.median(ts):.2f} ms", flush=True)
-    Path(f"{tmp}/times.rank{rank}.json").write_text(json.dumps({**times, "cpu": cpu}))
+    Path(f"{tmp}/times.rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
@@ -122,6 +172,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here (JSON)")
     ap.add_argument("--per-step", action="store_true", help="print rank 0's median time at each step of a block")
     ap.add_argument("--watch", default="{}", help='extra watch() arguments as JSON, e.g. \'{"memory": false}\'')
+    ap.add_argument("--arms", default=None,
+                    help='several doctor-on kinds of block, JSON {name: watch() arguments}, e.g. \'{"on": {}, '
+                         '"no_memory": {"memory": false}}\': blocks alternate off and each in turn (--watch ignored)')
+    ap.add_argument("--keep", default=None, help="copy each doctor-on block's records (not its profiler traces) here")
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -131,50 +185,71 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         mp.start_processes(rank_main, args=(a.nproc, free_port(), a, tmp), nprocs=a.nproc, start_method="spawn")
-        per_kind = {"on": [], "off": []}
-        block_medians = {"on": [], "off": []}
-        cpu_steps = {"on": [], "off": []}
-        for r in range(a.nproc):
-            times = json.loads(Path(f"{tmp}/times.rank{r}.json").read_text())
-            cpu = times.pop("cpu")
-            for kind, blocks in cpu.items():
-                for cs in blocks:
-                    cpu_steps[kind] += [c for s, c in enumerate(cs) if s not in ex]
-            for kind, blocks in times.items():
-                for i, ts in enumerate(blocks):
-                    kept = [t for s, t in enumerate(ts) if s not in ex]
-                    per_kind[kind] += kept
-                    if r == 0:
-                        block_medians[kind].append(statistics.median(kept))
-        if a.per_step:
-            raw = json.loads(Path(f"{tmp}/times.rank0.json").read_text())
-            print("step  " + "  ".join(f"{s:>5}" for s in range(a.block_steps)))
-            for kind in ("off", "on"):
-                med = [statistics.median(b[s] for b in raw[kind]) for s in range(a.block_steps)]
-                print(f"{kind:5} " + "  ".join(f"{m:5.0f}" for m in med))
-    m_on, m_off = statistics.median(per_kind["on"]), statistics.median(per_kind["off"])
-    pair = [on / off for on, off in zip(block_medians["on"], block_medians["off"])]
+        ranks = [json.loads(Path(f"{tmp}/times.rank{r}.json").read_text()) for r in range(a.nproc)]
+    kept = lambda xs: [x for s, x in enumerate(xs) if s not in ex]  # noqa: E731
+    # every rank's kept steps, per arm and measure; rank 0's block medians of the wall for the pair ratios
+    pooled = {arm: {m: [x for r in ranks for blk in r[arm][m] for x in kept(blk)] for m in ("wall", "host", "cpu", "device")}
+              for arm in ranks[0]}
+    block_med = {arm: [statistics.median(kept(blk)) for blk in ranks[0][arm]["wall"]] for arm in ranks[0]}
+    if a.per_step:
+        print("step        " + "  ".join(f"{s:>5}" for s in range(a.block_steps)))
+        for arm, kind in ranks[0].items():
+            for m in ("wall", "host", "device"):
+                if m not in kind:
+                    continue
+                if kind[m] and kind[m][0]:
+                    med = [statistics.median(blk[s] for blk in kind[m]) for s in range(a.block_steps)]
+                    print(f"{arm[:6]:6} {m:6}" + "  ".join(f"{x:5.0f}" for x in med))
+    arms = [arm for arm in ranks[0] if arm != "off"]
     print(f"\n{a.blocks} blocks x {a.block_steps} steps, {a.nproc} ranks, {time.perf_counter() - t0:.0f} s; "
           f"{len(ex)} steps per block excluded (warm-up, profiler window)")
-    print(f"{'':14}{'median step':>14}{'rank-steps':>12}")
-    for name, xs in (("doctor off", per_kind["off"]), ("doctor on", per_kind["on"])):
-        print(f"{name:14}{statistics.median(xs):>11.2f} ms{len(xs):>12}")
-    print(f"per block pair (on/off, rank 0): min {min(pair):.3f}  median {statistics.median(pair):.3f}  max {max(pair):.3f}")
-    c_on, c_off = statistics.mean(cpu_steps["on"]), statistics.mean(cpu_steps["off"])
-    print(f"process CPU time per step (all threads, mean over the same steps): off {c_off:.2f} ms, on {c_on:.2f} ms, "
-          f"ratio {c_on / c_off:.4f} ({100 * (c_on / c_off - 1):+.2f}%)")
-    print(f"\noverhead: doctor-on / doctor-off median step time = {m_on / m_off:.4f}  ({100 * (m_on / m_off - 1):+.2f}%)")
+    has_dev = bool(pooled["off"]["device"])
+    print(f"{'':14}{'median step':>14}{'host part':>12}" + (f"{'device':>12}" if has_dev else "") + f"{'rank-steps':>12}")
+    for arm in ["off", *arms]:
+        p = pooled[arm]
+        print(f"{'doctor off' if arm == 'off' else arm:14}{statistics.median(p['wall']):>11.2f} ms"
+              f"{statistics.median(p['host']):>9.2f} ms" + (f"{statistics.median(p['device']):>9.2f} ms" if has_dev else "")
+              + f"{len(p['wall']):>12}")
+    m_off = statistics.median(pooled["off"]["wall"])
+    c_off = statistics.mean(pooled["off"]["cpu"])
+    figures = {}
+    for arm in arms:
+        m_on = statistics.median(pooled[arm]["wall"])
+        pair = [on / off for on, off in zip(block_med[arm], block_med["off"][arms.index(arm)::len(arms)])]
+        c_on = statistics.mean(pooled[arm]["cpu"])
+        print(f"{arm}: per block pair (on/off, rank 0): min {min(pair):.3f}  median {statistics.median(pair):.3f}  "
+              f"max {max(pair):.3f}; process CPU per step (all threads) off {c_off:.2f} ms, on {c_on:.2f} ms, "
+              f"ratio {c_on / c_off:.4f}")
+        label = "doctor-on" if arm == "on" else f"doctor ({arm})"
+        print(f"overhead: {label} / doctor-off median step time = {m_on / m_off:.4f}  ({100 * (m_on / m_off - 1):+.2f}%)")
+        watch_args = json.loads(a.arms)[arm] if a.arms else json.loads(a.watch)
+        amortised = amortised_ms(ranks[0][arm], ranks[0]["off"], a.skip, m_off,
+                                 profiled=watch_args.get("profile", True) not in (False, None))
+        if amortised["window_every"] or amortised["full_every"]:
+            print(f"{arm}: amortised, besides the steady steps: {amortised['window_ms']:.0f} ms per profiler window "
+                  f"(its steps and export over the off median) every {amortised['window_every']} steps, "
+                  f"{amortised['full_ms']:.0f} ms per full memory step every {amortised['full_every']} steps: "
+                  f"{amortised['per_step_ms']:.2f} ms a step; overhead with them "
+                  f"{(m_on + amortised['per_step_ms']) / m_off:.4f}")
+        figures[arm] = {"median_step_ms": m_on, "ratio": m_on / m_off, "amortised": amortised,
+                        "ratio_amortised": (m_on + amortised["per_step_ms"]) / m_off,
+                        "pair_ratio": {"min": min(pair), "median": statistics.median(pair), "max": max(pair)},
+                        "cpu_ms_per_step": c_on, "host_ms": statistics.median(pooled[arm]["host"]),
+                        "device_ms": statistics.median(pooled[arm]["device"]) if has_dev else None}
     if a.json:
         from fsdp_doctor.workloads import total_param_count
 
         cfg = workload(a)
+        first = figures[arms[0]]
         Path(a.json).write_text(json.dumps({
             "device": a.device, "nproc": a.nproc, "workload": {k: v for k, v in vars(a).items() if k != "json"},
-            "params": total_param_count(cfg), "median_step_ms": {"off": m_off, "on": m_on}, "ratio": m_on / m_off,
-            "pair_ratio": {"min": min(pair), "median": statistics.median(pair), "max": max(pair)},
-            "cpu_ms_per_step": {"off": c_off, "on": c_on}, "excluded_steps_per_block": len(ex),
+            "params": total_param_count(cfg), "median_step_ms": {"off": m_off, "on": first["median_step_ms"]},
+            "ratio": first["ratio"], "pair_ratio": first["pair_ratio"],
+            "cpu_ms_per_step": {"off": c_off, "on": first["cpu_ms_per_step"]}, "excluded_steps_per_block": len(ex),
+            "off": {"host_ms": statistics.median(pooled["off"]["host"]),
+                    "device_ms": statistics.median(pooled["off"]["device"]) if has_dev else None},
+            "arms": figures, "steps_rank0": ranks[0],
         }, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -317,7 +317,8 @@ class GpuTimes(Record, tag="gpu"):
     """Device-side times of one step on CUDA, from events read a step later (see record/gpu_timing.py).
 
     ``units`` rows are ``[name, fwd_ms, bwd_ms]``: the device time between the same brackets the host
-    timings use (inclusive of nested units)."""
+    timings use (inclusive of nested units), on every ``UNIT_EVERY``-th step (record/gpu_timing.py; empty on the
+    others, which time the phases only)."""
 
     step: int
     step_ms: float

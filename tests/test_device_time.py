@@ -26,6 +26,7 @@ recorded = pytest.mark.skipif(not (GPU / "fixture" / "manifest.json").exists(), 
 
 class _Clock:
     now = 0.0  # ms on the fake device's clock at which the next recorded event completes
+    records = 0  # events recorded
 
 
 class FakeEvent:
@@ -36,6 +37,7 @@ class FakeEvent:
 
     def record(self):
         self.t = _Clock.now
+        _Clock.records += 1
 
     def query(self):
         return True
@@ -83,7 +85,8 @@ def test_the_timeline_times_the_device_outside_the_model(monkeypatch):
     assert [g.step_ms for g in out] == [46.0, 71.0, 42.0]
     g = out[1]
     assert (g.forward_ms, g.backward_ms, g.optimizer_ms) == (10.0, 18.0, 4.0)
-    assert g.units == [["", 10.0, 18.0], ["layers.0", 8.0, 0.0]]
+    assert out[0].units == [["", 10.0, 18.0], ["layers.0", 8.0, 0.0]]  # each unit: every UNIT_EVERY-th step
+    assert g.units == []
     # without an optimizer hook pair, the step's last phase is its backward
     at(t0, tl.begin_step)
     at(t0 + 1, tl.open, 0, 0)
@@ -92,6 +95,89 @@ def test_the_timeline_times_the_device_outside_the_model(monkeypatch):
     at(t0 + 4, tl.close, 0, 1)
     (last,) = at(t0 + 10, tl.end_step, 3)
     assert (last.idle_before_ms, last.before_forward_ms, last.after_model_ms) == (0.0, 1.0, 6.0)
+
+@pytest.fixture
+def timeline(monkeypatch):
+    from fsdp_doctor.record.gpu_timing import GpuTimeline
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    _Clock.now, _Clock.records = 0.0, 0
+    return GpuTimeline(0, 3, ["", "layers.0", "layers.1"], unit_every=2)
+
+
+def _step(tl, root=True):
+    """One step: the root (unit 0, if ``root``) around layers 0 and 1, forward 1 ms per layer, backward 2 ms per
+    layer, optimizer 3 ms; 0.5 ms idle at the start."""
+    tick = lambda ms: setattr(_Clock, "now", _Clock.now + ms)  # noqa: E731
+    tl.begin_step()
+    tick(0.5)
+    if root:
+        tl.open(0, 0)
+    for u in (1, 2):
+        tl.open(u, 0)
+        tick(1)
+        tl.close(u, 0)
+    if root:
+        tl.close(0, 0)
+        tl.open(0, 1)
+    for u in (2, 1):
+        tl.open(u, 1)
+        tick(2)
+        tl.close(u, 1)
+    if root:
+        tl.close(0, 1)
+    tl.optimizer_begin()
+    tick(3)
+    tl.optimizer_end()
+
+
+@pytest.mark.parametrize("root", [True, False])
+def test_units_are_timed_every_nth_step_and_the_phases_every_step(timeline, root):
+    """Step 0 (and every unit_every-th) times each unit's spans; step 1 only the outermost ones (the root's, or
+    each top-level unit's without a root), with the same phases, and fewer events recorded."""
+    recs, events = [], []
+    for step in range(4):
+        before = _Clock.records
+        _step(timeline, root)
+        recs += timeline.end_step(step)
+        events.append(_Clock.records - before)
+    assert [r.step for r in recs] == [0, 1, 2, 3]
+    for r in recs:
+        assert (r.forward_ms, r.backward_ms, r.optimizer_ms, r.step_ms, r.before_forward_ms) == (2, 4, 3, 9.5, 0.5)
+    assert [bool(r.units) for r in recs] == [True, False, True, False]
+    by = {row[0]: row[1:] for row in recs[2].units}
+    assert by["layers.0"] == [1, 2] and by["layers.1"] == [1, 2]
+    assert by[""] == ([2, 4] if root else [0, 0])
+    # timed steps: step start/end, optimizer pair, 2 per span; untimed ones: the outermost spans' only
+    spans = 6 if root else 4
+    outer = 2 if root else 4
+    assert events == [4 + 2 * spans, 4 + 2 * outer] * 2
+
+
+def test_events_are_reused_across_untimed_steps(timeline):
+    """Untimed steps return the events nobody reads to the pool: the timeline holds a bounded set of them."""
+    made = []
+    orig = FakeEvent.__init__
+
+    def counting(self, enable_timing=True):
+        made.append(1)
+        orig(self, enable_timing)
+
+    FakeEvent.__init__ = counting
+    try:
+        for step in range(30):
+            _step(timeline, root=step % 3 == 0)
+            timeline.end_step(step)
+        first = len(made)
+        for step in range(30, 60):
+            _step(timeline, root=False)
+            timeline.end_step(step)
+    finally:
+        FakeEvent.__init__ = orig
+    assert len(made) == first  # steady state: no new event after the first steps
+    pool = timeline._pool
+    assert len({id(ev) for ev in pool}) == len(pool)  # none handed out twice
+
 
 
 def test_old_device_records_read_without_the_new_brackets():

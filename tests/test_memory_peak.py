@@ -301,3 +301,38 @@ def test_bf16_silu_training_bit_identical_with_the_high_water(tmp_path):
 
     steps = load_run(tmp_path).ranks[0].steps
     assert [s.memory.transients for s in steps] == ["exact"] * 4
+
+
+def test_light_steps_read_the_allocator_at_few_marks_and_shift_the_rest():
+    """On CUDA a light step reads the allocator at the first and last marks and at those nearest the full step's
+    peak (a high-water between marks counts for the mark before it); every other mark takes the full step's
+    temporaries shifted by what the last read mark found more than the full step (here +5 from a kept tensor)."""
+    from fsdp_doctor.record.memory.sampler import PEAK_READS, UNREAD, Sampler
+
+    def row(named, tmp):
+        return [named, 0, 0, 0, 0, 0, 0, 0, 0, tmp]
+
+    # a full step of 10 marks: named bytes rise to mark 5 and fall; temporaries 10 each; a high-water of 200
+    # between marks 7 and 8 (higher than any mark)
+    named = [100, 110, 120, 130, 140, 150, 140, 130, 120, 110]
+    marks = [(None if i in (0, 9) else f"u{i}", f"p{i}") for i in range(10)]
+    s = Sampler("auto", 0.003, True)
+    s.remember([(i, u, p) for i, (u, p) in enumerate(marks)], [row(n, 10) for n in named],
+               [(7, 7.5, "u7", "in_backward", row(130, 70))])
+    assert PEAK_READS == 4
+    assert s.reads_at == {0, 9, 7, 5, 4, 6}  # first, last, the high-water's mark 7, then marks 5, 4/6 (150, 150)
+    # a light step: the loop keeps 5 bytes more than the full step from the start
+    light = [(i, u, p, named[i] + 10 + 5 if i in s.reads_at else UNREAD) for i, (u, p) in enumerate(marks)]
+    rows, bad, extra = s.replay(light, lambda tmp: row(0, tmp))
+    assert bad == 0
+    assert [r[-1] for r in rows] == [15] * 10  # read marks: their own; the others: the full step's + 5
+    assert [(i, r[-1]) for i, _t, _u, _p, r in extra] == [(7, 75)]  # the high-water shifted alike
+    assert s.last_full[1][2][-1] == 10  # the full step's rows are left as they were
+    # the full step's own totals replay exactly when the allocator reads what it read then
+    same = [(i, u, p, named[i] + 10 if i in s.reads_at else UNREAD) for i, (u, p) in enumerate(marks)]
+    rows, _, extra = s.replay(same, lambda tmp: row(0, tmp))
+    assert [sum(r) for r in rows] == [n + 10 for n in named] and sum(extra[0][-1]) == 200
+    # off CUDA the allocator is never read
+    cpu = Sampler("auto", 0.003, False)
+    cpu.remember([(0, None, "p0")], [row(1, 0)])
+    assert cpu.reads_at == frozenset()

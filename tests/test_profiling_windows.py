@@ -135,3 +135,36 @@ def test_window_leaves_no_garbage_for_the_users_steps(tmp_path, collect, monkeyp
         assert left == 0 and w.last_collect_ms > 0
     else:  # measured: a process's first window ~1,600-1,900 objects, a later one 116 (torch 2.13) or 88 (2.11)
         assert left > 50, left
+
+
+def test_the_trace_is_compressed_off_the_step_and_reported_once_complete(tmp_path, monkeypatch, caplog):
+    """The export writes torch's plain JSON and gzips it on a thread: the window is reported once its .json.gz is
+    complete (stop() waits for it), and nothing half-written stays. If compressing fails, the plain JSON is the
+    trace, reported under its own name, and the reader takes it."""
+    from fsdp_doctor.record import profiling
+    from fsdp_doctor.trace.reader import read_bytes
+
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=1, active=1, warmup=0, every=0)),
+                        lambda steps, path: saved.append((steps, path)))
+    w.start()
+    _drive(w, 3)
+    assert saved == [([1], "profiler/rank0.1.pt.trace.json.gz")]
+    assert sorted(p.name for p in (tmp_path / "profiler").iterdir()) == ["rank0.1.pt.trace.json.gz"]
+    assert any(e.get("name") == "ProfilerStep#1" for e in json.loads(gzip.open(tmp_path / saved[0][1]).read())["traceEvents"])
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(profiling.gzip, "open", broken)
+    saved.clear()
+    w = ProfilerWindows(tmp_path / "b", 0, resolve_profile(ProfileSchedule(first=1, active=1, warmup=0, every=0)),
+                        lambda steps, path: saved.append((steps, path)))
+    w.start()
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        _drive(w, 3)
+    assert saved == [([1], "profiler/rank0.1.pt.trace.json")]
+    assert sorted(p.name for p in (tmp_path / "b" / "profiler").iterdir()) == ["rank0.1.pt.trace.json"]
+    assert "could not compress the profiler trace" in caplog.text and "disk full" in caplog.text
+    assert any(e.get("name") == "ProfilerStep#1"
+               for e in json.loads(read_bytes(tmp_path / "b" / saved[0][1]))["traceEvents"])

@@ -13,8 +13,14 @@ the start to the first forward (a device waiting for the batch), and from the la
 On CUDA the host's own ``outside_ms`` is no such measure: a loop that waits for the device once per step
 (``loss.item()``, a pageable ``.to(device)``) spends the device's backlog there.
 
+Each unit's own spans are timed on every ``UNIT_EVERY``-th step (from step 0); on the others only the outermost
+spans are (the root unit's, or each top-level unit's where the root is none), which is what the phases need: an
+event is a ~7 µs call on the H100, and four per unit each step were a third of the doctor's cost on a host-bound
+1B-parameter model. Those steps' ``GpuTimes.units`` is empty.
+
 This path needs a CUDA device: it is written against ``torch.cuda.Event`` and exercised by
-``tests/test_gpu_timing.py``, which is skipped on machines without one.
+``tests/test_gpu_timing.py``, which is skipped on machines without one (``tests/test_device_time.py`` drives its
+bookkeeping on the CPU with stand-in events).
 """
 
 from __future__ import annotations
@@ -26,10 +32,18 @@ import torch
 from ..records import GpuTimes
 
 
+#: steps between two steps whose units are each timed (the phases are timed on every step)
+UNIT_EVERY = 10
+
+
 class GpuTimeline:
-    def __init__(self, rank: int, n_units: int, names: list[str]):
+    def __init__(self, rank: int, n_units: int, names: list[str], unit_every: int = UNIT_EVERY):
         self.rank = rank
         self.names = names
+        self.unit_every = max(1, unit_every)
+        self._step = 0  # the step now running
+        self._units_now = True  # this step times every unit's spans (else the outermost ones only)
+        self._depth = [0, 0]  # spans open now, forward and backward
         self._pool: list[torch.cuda.Event] = []
         self._spans: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (unit, 0 fwd / 1 bwd, start, end)
         self._open: dict[tuple[int, int], torch.cuda.Event] = {}
@@ -47,19 +61,40 @@ class GpuTimeline:
         return ev
 
     def begin_step(self) -> None:
+        self._units_now = self._step % self.unit_every == 0
+        self._depth = [0, 0]
         self._step_start = self._event()
 
     def open(self, unit: int, kind: int) -> None:
-        if (unit, kind) not in self._open:
-            self._open[(unit, kind)] = ev = self._event()
+        key = (unit, kind)
+        if key in self._open:
+            return
+        # a span nested in an open one is timed only on a step that times every unit
+        ev = self._event() if self._units_now or not self._depth[kind] else None
+        self._open[key] = ev
+        self._depth[kind] += 1
+        if ev is not None:
             self._first.setdefault(kind, ev)
 
     def close(self, unit: int, kind: int) -> None:
-        start = self._open.pop((unit, kind), None)
-        if start is not None:
-            end = self._event()
-            self._spans.append((unit, kind, start, end))
-            self._last[kind] = end
+        key = (unit, kind)
+        if key not in self._open:
+            return
+        start = self._open.pop(key)
+        self._depth[kind] -= 1
+        if start is None and self._depth[kind] > 0:
+            return  # nested and untimed
+        end = self._event()
+        if self._units_now:
+            if start is not None:
+                self._spans.append((unit, kind, start, end))
+        else:
+            # only the phase's first start and last end are read: the others go back to the pool
+            if start is not None and start is not self._first.get(kind):
+                self._pool.append(start)
+            if kind in self._last:
+                self._pool.append(self._last[kind])
+        self._last[kind] = end
 
     def optimizer_begin(self) -> None:
         if 2 not in self._first:
@@ -79,9 +114,10 @@ class GpuTimeline:
         self._first, self._last = {}, {}
         held = {id(ev) for pair in phases.values() for ev in pair}
         for ev in self._open.values():  # spans left open (a forward without backward): drop them
-            if id(ev) not in held:  # ... unless a phase still needs it (then it is not reused before resolved)
+            if ev is not None and id(ev) not in held:  # ... unless a phase still needs it (not reused before read)
                 self._pool.append(ev)
         self._open.clear()
+        self._step = step + 1
         out = []
         while self._pending and self._pending[0][2].query():
             out.append(self._resolve(*self._pending.popleft()))
@@ -103,9 +139,11 @@ class GpuTimeline:
         for unit, kind, s, e in spans:
             (fwd if kind == 0 else bwd)[unit] += s.elapsed_time(e)
             self._pool += [s, e]
+        in_spans = {id(ev) for _u, _k, s, e in spans for ev in (s, e)}
+        self._pool += [ev for pair in phases.values() for ev in pair if id(ev) not in in_spans]  # untimed steps' too
         rec = GpuTimes(
             rank=self.rank, step=step, step_ms=round(start.elapsed_time(end), 3),
-            units=[[n, round(f, 3), round(b, 3)] for n, f, b in zip(self.names, fwd, bwd)],
+            units=[[n, round(f, 3), round(b, 3)] for n, f, b in zip(self.names, fwd, bwd)] if spans else [],
             forward_ms=phase_ms.get(0, 0.0), backward_ms=phase_ms.get(1, 0.0), optimizer_ms=phase_ms.get(2, 0.0),
             idle_before_ms=None if prev_end is None else round(prev_end.elapsed_time(start), 3),
             before_forward_ms=round(start.elapsed_time(phases[0][0]), 3) if 0 in phases else None,

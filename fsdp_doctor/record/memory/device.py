@@ -6,7 +6,8 @@ Cost, measured on the H100 (benchmarks/gpu_campaign.py's ``probe_costs`` step pr
 100-250 us a call inside a training step; the probe reads the allocator at every mark (each FSDP unit's forward
 and backward, twice) and its per-step figures called it four times more, which made the probe 6-16 ms of a 75 ms
 step on the GPU rows and the doctor's overhead 1.26 on a 1B-parameter model. Here the allocator is read once
-per call as the nested dict ``memory_stats`` is built from (``torch.cuda.memory_stats_as_nested_dict``),
+per call as the nested dict ``memory_stats`` is built from (``torch.cuda.memory_stats_as_nested_dict``), at every
+mark of a full step but at a few marks of a light one (``sampler.py``),
 and NVML's process list and ``cudaMemGetInfo`` only when the allocator's reservation changed (the process's device
 memory then changed) or every ``DEVICE_EVERY`` steps (other processes on the device). Every call is guarded."""
 

@@ -56,9 +56,9 @@ could not be exercised on the CPU-only machine this was developed on.
 Cost: Python code run between large tensor ops runs with cold caches (a mark that takes 2 us in a tight
 loop takes 10-30 us inside a training step), and the pack hook adds ~3 us per saved tensor. So the probe
 alternates *full* steps, where every figure is measured at every mark and saved tensors are counted
-exactly, with *light* steps, where a mark only notes when and where it happened (plus
-``torch.cuda.memory_allocated`` on CUDA) and the figures of the same mark of the last full step are replayed:
-FSDP's schedule repeats, so they are the same; a mark that does not line up is reported
+exactly, with *light* steps, where a mark only notes when and where it happened (on CUDA, at a few marks, the
+allocator's total: ``sampler.py`` says which) and the figures of the same mark of the last full step are
+replayed: FSDP's schedule repeats, so they are the same; a mark that does not line up is reported
 (``replay_mismatches``) and forces a full step next. Steps 0-2 are full; then (``full_every="auto"``) the
 period is chosen from the measured costs so that the probe costs at most ``budget`` (0.3%) of the median
 step time. Within a full step, per-unit byte sizes are cached, gradients are re-measured only for the units
@@ -92,7 +92,7 @@ from ... import memory_categories as MC
 from ...records import MemoryPeak, MemoryStep, MemoryTimeline
 from .activations import SavedTensors
 from .device import DeviceStats
-from .sampler import Sampler
+from .sampler import UNREAD, Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
 from ..phase import in_backward
@@ -193,7 +193,8 @@ class MemoryProbe:
                 phase = "recompute_start" if phase == "forward_start" else "recompute_end"
             elif phase == "optimizer_start" and self.acts.pushed:
                 self.acts.pop()
-            self._samples.append((t, unit, phase, self._allocated()))
+            samples = self._samples
+            samples.append((t, unit, phase, self._allocated() if len(samples) in self._reads_at else UNREAD))
             self._cost_ns += _now() - t
             return
         sizes = self.sizes
@@ -347,6 +348,7 @@ class MemoryProbe:
         re = self.opts["refresh_every"]
         self.sizes.refresh_step = step < 2 or bool(re and step % re == 0)
         self._full = self.sampler.is_full(step, traced=self.traced(step))
+        self._reads_at = self.sampler.reads_at  # the marks a light step reads the allocator at (CUDA)
         self.acts.begin()
         self._anchor = self._open = None
         self._transients = []

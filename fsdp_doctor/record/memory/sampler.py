@@ -1,15 +1,24 @@
 """Which steps the memory probe measures in full, and the replay of the others.
 
-Full steps measure every figure at every mark; on light steps a mark only notes when and where it happened (plus
-the allocator total on CUDA) and takes the figures of the same mark of the last full step: FSDP's schedule
-repeats. ``full_every="auto"`` sizes the period from the measured costs so that the probe stays within ``budget``
-of the median step. One collaborator of :class:`fsdp_doctor.record.memory.MemoryProbe`.
+Full steps measure every figure at every mark; on light steps a mark only notes when and where it happened and
+takes the figures of the same mark of the last full step: FSDP's schedule repeats. On CUDA a light step also
+reads the allocator's total, at a few marks only (``reads_at``): the first and the last, and the ``PEAK_READS``
+marks (and high-waters between marks) that came closest to the last full step's peak. A read mark's temporaries
+are its own (allocated - the named categories); every other mark's are the full step's, shifted by what the last
+read mark found more or less than the full step there (a tensor the loop now keeps, say). Reading the allocator
+is a ~40 µs Python call inside a step on the H100 (``torch.cuda.memory_stats_as_nested_dict``): at all ~90 marks
+of a 20-unit model it cost 4-5 ms a step, the doctor's whole overhead on a host-bound step.
+``full_every="auto"`` sizes the period from the measured costs so that the probe stays within ``budget`` of the
+median step. One collaborator of :class:`fsdp_doctor.record.memory.MemoryProbe`.
 """
 
 from __future__ import annotations
 
 MAX_EVERY = 100
 TMP = -1  # temporaries: the last category of a sample row
+#: marks a light step reads the allocator at, besides the first and the last: those nearest the full step's peak
+PEAK_READS = 4
+UNREAD = -1  # a light step's mark that did not read the allocator
 
 
 def _median(xs: list[int]) -> int:
@@ -25,6 +34,7 @@ class Sampler:
         self.next_full = 0
         self.last_full: list | None = None  # [(unit, phase, row)] of the last full step
         self.last_transients: dict[int, list] = {}  # mark index -> [(unit, phase, row)] high-waters after it
+        self.reads_at: frozenset[int] = frozenset()  # light steps' marks that read the allocator (CUDA)
         self._light_ns: list[int] = []
         self._full_ns: list[int] = []
         self._last_step_end = 0
@@ -56,30 +66,51 @@ class Sampler:
 
     def remember(self, samples, rows, transients=()) -> None:
         """A full step's marks and rows, and the high-waters between marks ``(after mark index, t, unit, phase,
-        row)``, replayed by the light steps after it."""
+        row)``, replayed by the light steps after it; on CUDA, which marks those steps read the allocator at."""
         self.last_full = [(s[1], s[2], r) for s, r in zip(samples, rows)]
         self.last_transients = {}
         for i, _t, unit, phase, row in transients:
             self.last_transients.setdefault(i, []).append((unit, phase, row))
+        if not self.is_cuda or not rows:
+            self.reads_at = frozenset()
+            return
+        # a high-water between marks i and i+1 is anchored at mark i: its height is read there
+        height = {i: sum(r) for i, r in enumerate(rows)}
+        for i, _t, _u, _p, row in transients:
+            height[i] = max(height[i], sum(row))
+        top = sorted(height, key=height.__getitem__, reverse=True)[:PEAK_READS]
+        self.reads_at = frozenset({0, len(rows) - 1, *top})
 
     def replay(self, samples, fallback) -> tuple[list, int, list]:
         """Light step: each mark takes the figures of the same mark of the last full step (same unit and
-        phase at the same position); temporaries are this step's own (CUDA). ``fallback(tmp)`` is the row of
-        a mark that does not line up; returns (rows, marks that did not line up, the full step's high-waters
-        after the marks that lined up, as ``(after mark index, t, unit, phase, row)``)."""
+        phase at the same position). On CUDA the temporaries of a mark that read the allocator are this step's
+        own, and every other mark's (and every high-water's) are the full step's shifted by the difference the
+        last read mark found. ``fallback(tmp)`` is the row of a mark that does not line up; returns (rows, marks
+        that did not line up, the full step's high-waters after the marks that lined up, as ``(after mark index,
+        t, unit, phase, row)``)."""
         last = self.last_full or []
         rows = []
         extra = []
         bad = 0
-        for i, (t, unit, phase, tmp) in enumerate(samples):
+        shift = 0  # this step's allocator total less the full step's, at the last mark read
+        cuda = self.is_cuda
+        for i, (t, unit, phase, alloc) in enumerate(samples):
             if i < len(last) and last[i][0] == unit and last[i][1] == phase:
-                r = list(last[i][2])
-                if self.is_cuda:
-                    known = sum(r) - r[TMP]
-                    r[TMP] = max(0, tmp - known)
+                full = last[i][2]
+                if cuda and alloc != UNREAD:
+                    r = list(full)
+                    r[TMP] = max(0, alloc - (sum(r) - r[TMP]))
+                    shift = r[TMP] - full[TMP]
+                elif shift:
+                    r = list(full)
+                    r[TMP] = max(0, r[TMP] + shift)
+                else:
+                    r = full  # shared with the full step's row: nobody writes to it
                 rows.append(r)
                 for unit_, phase_, row in self.last_transients.get(i, ()):
-                    extra.append((i, t, unit_, phase_, list(row)))
+                    row = list(row)
+                    row[TMP] = max(0, row[TMP] + shift)
+                    extra.append((i, t, unit_, phase_, row))
             else:
                 bad += 1
                 rows.append(fallback(0))
