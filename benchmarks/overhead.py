@@ -130,7 +130,7 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
             t_prev, c_prev = t, c
         if ctx:
             ctx.__exit__(None, None, None)
-            periods = [json.loads(line).get("memory", {}).get("full_every") for line in
+            periods = [(json.loads(line).get("memory") or {}).get("full_every") for line in
                        Path(run_dir, f"rank{rank}.records.jsonl").read_text().splitlines() if '"wall_ms"' in line]
             out.setdefault(arm, {}).setdefault("full_every", []).append(next((x for x in reversed(periods) if x), None))
             if a.keep:
