@@ -10,7 +10,7 @@ the step, run there with ``--device cuda`` (2 NCCL ranks on the machine's GPUs, 
 their fixes applied and rechecked as the CPU rows' are, step-time gains included.
 
     .venv/bin/python benchmarks/scenarios.py [--markdown] [--out DIR]   (about 4 minutes on 2 cores)
-    python benchmarks/scenarios.py --device cuda [--rows gpu|all] --markdown --table T.md --json RECHECKS.json
+    python benchmarks/scenarios.py --device cuda [--rows gpu|all] [--only ROW,...] --markdown --table T.md --json RECHECKS.json
 """
 
 from __future__ import annotations
@@ -144,11 +144,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", choices=("cpu", "gpu", "all"),
                     help="the matrix's CPU rows, its GPU rows or both (default: cpu on the CPU, gpu with --device "
                          "cuda); GPU rows on the CPU run shrunk, for their plumbing only")
+    ap.add_argument("--only", default="", help="comma-separated row names: run these rows only")
     ap.add_argument("--table", type=Path, help="also write the printed table to this file")
     ap.add_argument("--json", type=Path, help="write every row's finding, fix and recheck here")
     a = ap.parse_args(argv)
     which = a.rows or ("gpu" if a.device == "cuda" else "cpu")
     rows = {"cpu": M.ROWS, "gpu": M.GPU_ROWS, "all": M.ROWS + M.GPU_ROWS}[which]
+    if a.only:
+        names = [n.strip() for n in a.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in M.BY_NAME]
+        if unknown:
+            ap.error(f"--only: no row named {', '.join(unknown)}")
+        rows = [M.BY_NAME[n] for n in names]
     with tempfile.TemporaryDirectory() as d:
         outcomes = M.run_matrix(a.out or Path(d), rows, device=a.device)
         failed = [f"{o.row.name}: {o.error.splitlines()[0]}" for o in outcomes.values() if o.error]

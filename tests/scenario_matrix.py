@@ -403,6 +403,10 @@ GPU_ROWS: list[Row] = [
     _g("gpu_gpt_leaf", "gpt", "comm.small_collectives", "every Linear its own unit: small all-gathers",
        knobs={**GPU_SHAPE, "wrap": "leaf"}),
     _g("gpu_gpt_leaf_units", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={**GPU_SHAPE, "wrap": "leaf"}),
+    # comm.bound is true of every 2-rank row on the loopback link (LOOPBACK); here its lever is real: float32
+    # parameters all-gathered, whose 16-bit fix halves those bytes (the step's gain checked against the prediction)
+    _g("gpu_gpt_fp32_comm", "gpt", "comm.bound", "float32 parameters all-gathered over the slow link",
+       knobs={**GPU_SHAPE, "param_dtype": "fp32"}, gpu_gain=True),
     # two ranks time-share one GPU here: the device computes ~0.5 ms a step that prefetching could hide behind, so
     # the finding is a note without code (H100: possible gain 0.26-1.94 ms on every row); a gain check needs two GPUs
     _g("gpu_gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather", "FSDP's implicit prefetch only",
@@ -647,7 +651,7 @@ KEPT_OPTIONS = ("reshard_after_forward", "param_dtype", "reduce_dtype", "offload
 _MP = {"param_dtype", "reduce_dtype"}
 MAY_CHANGE = {"reshard.": {"reshard_after_forward"}, "memory.near_capacity_spread": {"reshard_after_forward"},
               "offload.": {"offload", "offload_pin_memory"}, "numerics.": {"reduce_dtype"},
-              "wrap.mixed_dtype_unit": _MP, "optim.state_dominates": _MP}
+              "wrap.mixed_dtype_unit": _MP, "optim.state_dominates": _MP, "comm.bound": _MP}
 
 
 def changed_options(o: Outcome) -> list[str]:

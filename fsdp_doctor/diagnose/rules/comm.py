@@ -190,6 +190,8 @@ class CommunicationBound(TraceRule):
         all_exp = sum(t.exposed_ms_per_step for t in table) or None
         latency_bound = bool(all_exp and small_exp / all_exp >= 0.5)
         plan = E.grouped_plan(ctx) if latency_bound else None
+        # the 16-bit parameters halve the float32 all-gathers; the reduce-scatters stay in float32
+        fp32 = 0.0 if latency_bound else fp32_exposed_ms([r for r in rows if r.collective == "all_gather"])
         if plan is not None and plan.units_after < plan.units_before:
             text = ("Most exposed communication is in small messages (< 1 MiB), where NCCL is latency-bound and "
                     "reaches a fraction of the link's bandwidth: fewer, larger collectives (larger FSDP units) "
@@ -202,16 +204,22 @@ class CommunicationBound(TraceRule):
                        "the model shows no repeated blocks to group into fewer units")
                     + ". Give each call more compute instead: a larger micro-batch per rank.")
             code = ""
-        else:
+        elif fp32 > 0:
             text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes: "
                     "send fewer (16-bit parameters: all-gathers of half the bytes, gradients still reduced in "
                     "float32; HSDP, which all-gathers within a node and reduces across nodes), or give each byte "
                     "more compute (a larger micro-batch per rank).")
             code = _mp_snippet(ctx, ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh(\n"
                                      "#     'cuda', (nodes, gpus_per_node), mesh_dim_names=('replicate', 'shard'))",))
+        else:
+            # no float32 all-gather exposed: the 16-bit lever is spent (the run's own policy would be pasted back,
+            # changing nothing); the levers left need the cluster's shape or the user's batch: words, no code
+            text = ("The collectives move large messages at the bandwidth they reach, so the step waits on bytes. "
+                    "The all-gathers already move 16-bit parameters; what is left is to send fewer bytes across "
+                    "the slow link (HSDP: all-gathers within a node, reductions across nodes) or to give each byte "
+                    "more compute (a larger micro-batch per rank).")
+            code = ""
         sh = job.shares_pct
-        # the 16-bit parameters halve the float32 all-gathers; the reduce-scatters stay in float32
-        fp32 = 0.0 if latency_bound else fp32_exposed_ms([r for r in rows if r.collective == "all_gather"])
         return [self.finding(
             "warning", f"Communication-bound: exposed collectives take {100 * share:.0f}% of the step",
             {"exposed_comm_share_pct": round(100 * share, 1), "allgather_fwd_pct": sh["allgather_fwd"],
