@@ -75,7 +75,7 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
     big, mid = (TINY, TINY) if dry else (ONE_B, MID)
     bench = lambda name: str(REPO / "benchmarks" / name)  # noqa: E731
     # 3 steps skipped after attaching: the memory probe's full steps 0-2 (its high-water mode runs every operator
-    # through Python; later full steps come every ``full_every`` steps, up to 100 apart), like the profiler window
+    # through Python; later full steps come every ``full_every`` steps, up to 500 apart), like the profiler window
     oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "7" if dry else "13", "--skip", "3"]
     todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),

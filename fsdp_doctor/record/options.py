@@ -16,7 +16,7 @@ class WatchOptions:
         out_dir: the run directory; each rank writes its own record stream there.
         capacity_bytes: memory budget per rank the diagnosis compares against (default: the GPU's total
             memory; none on CPU).
-        profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 200),
+        profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 1000),
             False, a schedule callable (``torch.profiler.schedule(...)`` or :class:`ProfileSchedule`), or a
             dict of ``torch.profiler.profile`` arguments.
         tokens_per_step: tokens the whole job processes per (optimizer) step (enables tokens/s).
