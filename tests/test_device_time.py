@@ -3,7 +3,7 @@ outside-the-model brackets (record/gpu_timing.py, with events that a fake device
 statistics' ``device`` view and ``jitter.data_wait`` on the recorded H100 runs under ``traces/gpu/`` (recorded
 with the brackets at 9457136), whose loop waits for the GPU once per step (``loss.item()``, a pageable
 ``.to(device)``) and has no slow loader: the host's time outside the model there holds the GPU's backlog, 3.5% to
-81.5% of the step, which fires the rule on the host's clock alone on 17 of the 19 runs, while the device idles
+81.5% of the step, which fires the rule on the host's clock alone on 18 of the 20 runs, while the device idles
 0.1-6.2% of its period between ``optimizer.step()`` and the forward on every rank but the planted straggler's;
 the fallback for files written before the brackets (a copy of one run with them stripped); and the two 2-rank
 runs under ``traces/gpu_device_time/``, recorded with the device's brackets."""
@@ -289,7 +289,7 @@ def test_runs_recorded_before_the_brackets_fall_back_to_a_bound(tmp_path):
 @pytest.mark.parametrize("path", RUNS, ids=[p.name for p in RUNS])
 def test_data_wait_reads_the_device_on_every_recorded_gpu_run(path):
     """On every recorded H100 run the host's clock alone puts 3.5-81.5% of the step outside the model (the GPU's
-    backlog, waited for once per step) and fires the rule wherever it reaches 15% (17 of the 19 runs); the
+    backlog, waited for once per step) and fires the rule wherever it reaches 15% (18 of the 20 runs); the
     device's brackets time its own idle between ``optimizer.step()`` and the forward, 0.1-6.2% of its period, on
     every rank but one, and the rule is quiet on the device's clock. The one: gpu_gpt_straggler's rank 1, which
     sleeps 30 ms before each forward, a real idle of its device: 33.3 ms of its 105.2 ms period (32.1%) before the
@@ -335,7 +335,7 @@ def test_data_wait_reads_the_device_on_every_recorded_gpu_run(path):
 
 @recorded
 def test_the_host_clock_alone_would_fire_on_most_recorded_gpu_runs():
-    """The host's clock alone fires jitter.data_wait on 17 of the 19 recorded H100 runs (its largest share 81.5%,
+    """The host's clock alone fires jitter.data_wait on 18 of the 20 recorded H100 runs (its largest share 81.5%,
     the fixture's rank 1); the two quiet ones are gpu_gpt_offload_unpinned (3.9%, rank 0) and the one-rank
     gpu_gpt_tiny_launch_bound (6.8%). On the device's clock it fires on none."""
     import msgspec
@@ -357,7 +357,7 @@ def test_the_host_clock_alone_would_fire_on_most_recorded_gpu_runs():
             st.device = msgspec.UNSET
         if run_rule("jitter.data_wait", Context(run=run, report=report)):
             host_fired.append(path.name)
-    assert len(RUNS) == 19 and device_fired == []
+    assert len(RUNS) == 20 and device_fired == []
     assert sorted({p.name for p in RUNS} - set(host_fired)) == ["gpu_gpt_offload_unpinned", "gpu_gpt_tiny_launch_bound"]
     assert round(100 * top, 1) == 81.5
 

@@ -180,7 +180,7 @@ def test_gpu_timeline_phases_and_units_read_a_step_later(monkeypatch):
     from fsdp_doctor.record import gpu_timing
 
     monkeypatch.setattr(gpu_timing.torch.cuda, "Event", FakeEvent)
-    tl = gpu_timing.GpuTimeline(rank=0, n_units=2, names=["", "layers.0"])
+    tl = gpu_timing.GpuTimeline(rank=0, n_units=2, names=["", "layers.0"], unit_every=1)  # each unit every step
 
     def at(t):
         FakeEvent.clock = t
