@@ -42,6 +42,11 @@ def excluded(block_steps: int, skip: int) -> set[int]:
     return ex
 
 
+def arms_of(a: argparse.Namespace) -> dict:
+    """The doctor-on kinds of block: {name: watch() arguments} (--arms, else one "on" block of --watch)."""
+    return json.loads(a.arms) if a.arms else {"on": json.loads(a.watch)}
+
+
 def amortised_ms(arm: dict, off: dict, skip: int, off_median: float, profiled: bool) -> dict:
     """What the steps left out of the steady figure cost, amortised (rank 0's blocks, ms over the off median): the
     profiler window's steps and the step carrying its export, every ``ProfileSchedule.every`` steps, and a full
@@ -53,10 +58,9 @@ def amortised_ms(arm: dict, off: dict, skip: int, off_median: float, profiled: b
     sched = ProfileSchedule()
     n = len(arm["wall"][0])
     med = lambda blocks, s: statistics.median(b[s] for b in blocks)  # noqa: E731
-    window = sorted({s for s in range(n) if sched(s).name != "NONE"} | {s + 1 for s in range(n) if sched(s).name != "NONE"})
-    window = [s for s in window if s < n]
+    window = sorted(s for s in excluded(n, 0) if s < n)
     window_ms = sum(max(0.0, med(arm["wall"], s) - off_median) for s in window)
-    periods = [p for p in arm.get("full_every", []) if p]
+    periods = [p for p in arm["full_every"] if p]
     full_every = statistics.median(periods) if periods else None
     full_ms = statistics.median(med(arm["wall"], s) - med(off["wall"], s) for s in (1, 2)) if full_every and skip >= 3 else 0.0
     per_step = (window_ms / sched.every if profiled else 0.0) + (max(0.0, full_ms) / full_every if full_every else 0.0)
@@ -97,13 +101,15 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
     sync = torch.cuda.synchronize if device is not None else (lambda: None)
     # each step's device time: a CUDA event pair around it, in both kinds of block, read after the block
     event = (lambda: torch.cuda.Event(enable_timing=True)) if device is not None else None
-    arms = json.loads(a.arms) if a.arms else {"on": json.loads(a.watch)}
-    out: dict[str, dict[str, list[list[float]]]] = {}  # arm -> {"wall", "host", "cpu", "device"} -> per block
+    arms = arms_of(a)
+    # arm -> {"wall", "host", "cpu", "device": per block, per step; "full_every": per block, the probe's period}
+    out: dict[str, dict[str, list]] = {}
     for b in range(a.blocks):
         arm = "off" if b % 2 == 0 else list(arms)[(b // 2) % len(arms)]  # off first: it also warms the caches
         run_dir = f"{tmp}/block{b}"
         ctx = fsdp_doctor.watch(model, opt, out_dir=run_dir, **arms[arm]) if arm != "off" else None
         doctor = ctx.__enter__() if ctx else None
+        kind = out.setdefault(arm, {m: [] for m in ("wall", "host", "cpu", "device", "full_every")})
         dist.barrier()
         t_prev, c_prev = time.perf_counter(), time.process_time()
         ts, hs, cs, evs = [], [], [], []
@@ -132,7 +138,7 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
             ctx.__exit__(None, None, None)
             periods = [(json.loads(line).get("memory") or {}).get("full_every") for line in
                        Path(run_dir, f"rank{rank}.records.jsonl").read_text().splitlines() if '"wall_ms"' in line]
-            out.setdefault(arm, {}).setdefault("full_every", []).append(next((x for x in reversed(periods) if x), None))
+            kind["full_every"].append(next((x for x in reversed(periods) if x), None))
             if a.keep:
                 keep = Path(a.keep) / f"block{b:02d}_{arm}"
                 for f in Path(run_dir).glob("*"):
@@ -140,9 +146,6 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
                         keep.mkdir(parents=True, exist_ok=True)
                         shutil.copy2(f, keep / f.name)
         sync()
-        kind = out.setdefault(arm, {})
-        for m in ("wall", "host", "cpu", "device"):
-            kind.setdefault(m, [])
         kind["wall"].append(ts)
         kind["host"].append(hs)
         kind["cpu"].append(cs)
@@ -195,8 +198,6 @@ def main() -> None:
         print("step        " + "  ".join(f"{s:>5}" for s in range(a.block_steps)))
         for arm, kind in ranks[0].items():
             for m in ("wall", "host", "device"):
-                if m not in kind:
-                    continue
                 if kind[m] and kind[m][0]:
                     med = [statistics.median(blk[s] for blk in kind[m]) for s in range(a.block_steps)]
                     print(f"{arm[:6]:6} {m:6}" + "  ".join(f"{x:5.0f}" for x in med))
@@ -222,7 +223,7 @@ def main() -> None:
               f"ratio {c_on / c_off:.4f}")
         label = "doctor-on" if arm == "on" else f"doctor ({arm})"
         print(f"overhead: {label} / doctor-off median step time = {m_on / m_off:.4f}  ({100 * (m_on / m_off - 1):+.2f}%)")
-        watch_args = json.loads(a.arms)[arm] if a.arms else json.loads(a.watch)
+        watch_args = arms_of(a)[arm]
         amortised = amortised_ms(ranks[0][arm], ranks[0]["off"], a.skip, m_off,
                                  profiled=watch_args.get("profile", True) not in (False, None))
         if amortised["window_every"] or amortised["full_every"]:

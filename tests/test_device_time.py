@@ -111,21 +111,15 @@ def _step(tl, root=True):
     tick = lambda ms: setattr(_Clock, "now", _Clock.now + ms)  # noqa: E731
     tl.begin_step()
     tick(0.5)
-    if root:
-        tl.open(0, 0)
-    for u in (1, 2):
-        tl.open(u, 0)
-        tick(1)
-        tl.close(u, 0)
-    if root:
-        tl.close(0, 0)
-        tl.open(0, 1)
-    for u in (2, 1):
-        tl.open(u, 1)
-        tick(2)
-        tl.close(u, 1)
-    if root:
-        tl.close(0, 1)
+    for kind, layers, ms in ((0, (1, 2), 1), (1, (2, 1), 2)):  # forward, then backward in reverse
+        if root:
+            tl.open(0, kind)
+        for u in layers:
+            tl.open(u, kind)
+            tick(ms)
+            tl.close(u, kind)
+        if root:
+            tl.close(0, kind)
     tl.optimizer_begin()
     tick(3)
     tl.optimizer_end()

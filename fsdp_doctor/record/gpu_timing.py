@@ -43,10 +43,10 @@ class GpuTimeline:
         self.unit_every = max(1, unit_every)
         self._step = 0  # the step now running
         self._units_now = True  # this step times every unit's spans (else the outermost ones only)
-        self._depth = [0, 0]  # spans open now, forward and backward
         self._pool: list[torch.cuda.Event] = []
         self._spans: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []  # (unit, 0 fwd / 1 bwd, start, end)
-        self._open: dict[tuple[int, int], torch.cuda.Event] = {}
+        # spans open now: (unit, kind) -> start event (None: nested, untimed on this step)
+        self._open: dict[tuple[int, int], torch.cuda.Event | None] = {}
         self._step_start: torch.cuda.Event | None = None
         self._prev_end: torch.cuda.Event | None = None  # the last step's end: the next step's idle is timed from it
         self._pending: deque = deque()
@@ -62,7 +62,6 @@ class GpuTimeline:
 
     def begin_step(self) -> None:
         self._units_now = self._step % self.unit_every == 0
-        self._depth = [0, 0]
         self._step_start = self._event()
 
     def open(self, unit: int, kind: int) -> None:
@@ -70,9 +69,8 @@ class GpuTimeline:
         if key in self._open:
             return
         # a span nested in an open one is timed only on a step that times every unit
-        ev = self._event() if self._units_now or not self._depth[kind] else None
+        ev = self._event() if self._units_now or not self._nested(kind) else None
         self._open[key] = ev
-        self._depth[kind] += 1
         if ev is not None:
             self._first.setdefault(kind, ev)
 
@@ -81,8 +79,7 @@ class GpuTimeline:
         if key not in self._open:
             return
         start = self._open.pop(key)
-        self._depth[kind] -= 1
-        if start is None and self._depth[kind] > 0:
+        if start is None and self._nested(kind):
             return  # nested and untimed
         end = self._event()
         if self._units_now:
@@ -95,6 +92,10 @@ class GpuTimeline:
             if kind in self._last:
                 self._pool.append(self._last[kind])
         self._last[kind] = end
+
+    def _nested(self, kind: int) -> bool:
+        """Whether a span of ``kind`` is open now (a new one would nest in it)."""
+        return any(k == kind for _u, k in self._open)
 
     def optimizer_begin(self) -> None:
         if 2 not in self._first:

@@ -160,7 +160,7 @@ class ProfilerWindows:
         kw["schedule"] = self.action  # torch's profiler steps through the same, shifted, schedule
         self._kw = kw
         self.prof: torch.profiler.profile | None = None
-        self._gzips: list[tuple[threading.Thread, list[int], str]] = []  # traces being compressed, in order
+        self._gzips: list[tuple[threading.Thread, list[int], list[Path]]] = []  # traces being compressed, in order
         self.stepped_aside: str | None = None  # why the doctor left profiling to the user's own profiler
         self._owns_tracker_key = False
         self.last_collect_ms = 0.0
