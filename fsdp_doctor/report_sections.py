@@ -340,6 +340,11 @@ class OverlapRank(_Section):
     hidden_ms_per_step: Optional[float] = None  # of that, while compute ran
     step_overlap_pct: Optional[float] = None  # hidden / comm inside the complete steps
     step_times_ms: dict[str, float] = {}  # complete step -> its wall time (ProfilerStep start to the next's)
+    # host time per step of the loop's code that issued collectives no FSDP unit issued, outside the model and
+    # optimizer.step(): from the first such call's issue to the last one's end, the code between them included;
+    # of that, the first calls' own time (their wait for the other ranks, which the step keeps without them)
+    loop_comm_ms_per_step: Optional[float] = None
+    loop_comm_wait_ms_per_step: Optional[float] = None
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0
@@ -351,7 +356,8 @@ class CommUnitRow(_Section):
     rank: int
     unit: str
     collective: str  # "all_gather" | "reduce_scatter" | "all_reduce" | ...
-    phase: Optional[str] = None  # "forward" | "backward" | None
+    # "forward" | "backward"; a collective no FSDP unit issued: "optimizer" (inside optimizer.step()) or None
+    phase: Optional[str] = None
     count: int = 0
     comm_us: float = 0.0
     exposed_us: float = 0.0
@@ -484,6 +490,8 @@ FIX_PLACES = {
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",
     "backward": "in your training loop, between the loss and its backward",
+    "after_backward": "in your training loop, after the backward and before optimizer.step(), in place of the code "
+                      "it replaces",
     "evaluation": "around your evaluation (where the model runs without a backward after it)",
     "trainer": "with your Trainer built, before trainer.train()",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",

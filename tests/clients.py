@@ -880,6 +880,11 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                         _exec(fix, model, opt, ns=held, outputs=held.get("outputs"))
                     loss.backward()
                     total += loss.item()
+                if row.get("loop") == "grad_norm_log":  # the user's per-parameter gradient-norm log, every step
+                    if fix.get("where") == "after_backward":
+                        _exec(fix, model, opt, ns=held, step=step)
+                    else:
+                        held["grad_norms"] = grad_norms_per_parameter(model)
                 opt.step()
                 opt.zero_grad(set_to_none=cfg.zero_grad_to_none)
                 doctor.step()
@@ -894,6 +899,15 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         gc.unfreeze()
         gc.enable()
     return losses, replica_drift(model)
+
+
+def grad_norms_per_parameter(model) -> dict[str, float]:
+    """The user's gradient-norm log as often written (tests/scenario_matrix.py, loop "grad_norm_log"): each
+    parameter's whole gradient gathered (``full_tensor()``: one all-gather per sharded parameter) for its norm."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).norm())
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 EVAL_EVERY = 3  # the "eval_autograd" loop evaluates after every third step, on EVAL_BATCHES batches

@@ -230,6 +230,8 @@ ROWS: list[Row] = [
     _r("hf_llama_eval_autograd", "hf_llama", "memory.eval_autograd",
        "model.eval() and outputs = model(...) in evaluation, without torch.no_grad()", loop="eval_autograd",
        min_severity="info"),
+    _r("gpt_grad_norm_log", "gpt", "optim.step_comm", "each parameter's gradient norm logged every step (full_tensor)",
+       loop="grad_norm_log", profile=True, min_severity="info"),
     _r("gpt_bf16_reduce", "gpt", "numerics.reduce_dtype", "reduce_dtype=bf16 for fp32 parameters",
        knobs={"reduce_dtype": "bf16"}),
     # bf16 compute: the fix's float32 reduction keeps the accumulated unsharded gradients in float32 (peak +20%)
@@ -430,6 +432,10 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "grad_accum": 4}, min_severity="info"),
     _g("gpu_gpt_straggler", "gpt", "straggler.rank", "rank 1 sleeps 30 ms every step",
        knobs={**GPU_SHAPE, "sleep_rank": 1, "sleep_ms": 30.0, "steps": 12}, apply=False),  # 7 steady steps
+    # the log's time on the CPU rerun varies with the host's load (predicted -52 to -56 ms, measured -20 to -58): its
+    # gain is checked on the GPU
+    _g("gpu_gpt_grad_norm_log", "gpt", "optim.step_comm", "each parameter's gradient norm logged every step",
+       knobs=GPU_SHAPE, loop="grad_norm_log", min_severity="info", gpu_gain=True),
     _g("gpu_hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
        "outputs = model(...) kept until the next forward (logits, past_key_values)", knobs=HF_GPU_SHAPE,
        loop="keep_outputs", min_severity="info"),

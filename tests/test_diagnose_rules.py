@@ -1014,11 +1014,21 @@ def test_optimizer_step_comm():
     assert f.severity == "warning"  # 14 ms of 110 exposed
     assert f.evidence["calls_per_step"] == 53.0
     assert f.evidence["exposed_ms_per_step"] == pytest.approx(14.0)
-    assert "foreach=True" in f.recommendation.code  # 53 calls per step: one per tensor
+    # 53 calls per step outside optimizer.step(): one per tensor, a per-parameter norm log's; its code computes the
+    # same norms with one all-reduce, where the user's loop computed them (reading the loop's step)
+    rec = f.recommendation
+    assert f.evidence["attribution"] == "outside optimizer.step(): your loop"
+    assert (f.evidence["in_loop_ms"], f.evidence["in_optimizer_step_ms"]) == (14.0, 0.0)
+    assert "dist.all_reduce(total)" in rec.code and rec.where == "after_backward" and set(rec.inputs) == {"step"}
     few = copy.deepcopy(ov)
-    few["per_unit"][0]["count"] = 4  # already batched (foreach=True): do not advise it again
+    few["per_unit"][0]["count"] = 4  # already batched (foreach=True): their exposure is the user's loop's, no code
     (f,) = run_rule("optim.step_comm", build(overlap=few, backend="nccl", device="cuda:0")[0])
-    assert "foreach=True" not in f.recommendation.code
+    assert f.recommendation.code == "" and "already batched" in f.recommendation.text
+    inside = copy.deepcopy(ov)
+    inside["per_unit"][0]["phase"] = "optimizer"  # issued inside optimizer.step(): the optimizer's own, no loop code
+    (f,) = run_rule("optim.step_comm", build(overlap=inside, backend="nccl", device="cuda:0")[0])
+    assert f.evidence["attribution"] == "inside optimizer.step()" and f.recommendation.code == ""
+    assert "The optimizer issues them" in f.recommendation.text
     # decided on the median rank: one rank alone above the threshold does not raise it
     two = copy.deepcopy(ov)
     two["per_unit"].append({**ov["per_unit"][0], "rank": 1, "comm_us": 100.0, "exposed_us": 100.0})

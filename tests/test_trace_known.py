@@ -205,3 +205,36 @@ def test_gloo_compute_excludes_waits_inside_operators(tmp_path):
     extra = iv.measure(w.compute) - iv.measure(base.compute)
     # the outer op's self time only: [5000,5100), [6900,6950) and [6990,7000)
     assert extra == pytest.approx(100 + 50 + 10)
+
+
+def test_gloo_collectives_outside_fsdp_by_where_the_loop_issued_them(tmp_path):
+    """Collectives no FSDP unit issued: a grad-norm log's two all-gathers after backward (4500-5320 µs into each
+    step) have no phase, and their code's host time is 820 µs per step (code between them included), 320 of it the
+    first call's own time (its wait for the other ranks, which stays without the log); an all-reduce
+    issued inside optimizer.step() is the optimizer's ("optimizer"), not the loop's."""
+    b = gloo_known_trace()
+    for T in (0.0, 10000.0):  # steps 5 and 6
+        for t in (4500, 5000):
+            b.op("c10d::_allgather_base_", T + t, 50)
+            b.gloo("all_gather", T + t + 20, 300, tid=202)
+        b.label("Optimizer.step#AdamW.step", T + 6000, 1000)
+        b.op("c10d::allreduce_", T + 6100, 50)
+        b.gloo("all_reduce", T + 6120, 200, tid=202)
+    b.write(tmp_path / "rank0.5.pt.trace.json.gz")
+    r = analyze_traces(tmp_path)
+    rows = rows_by(r)
+    log, opt = rows[("(other)", "all_gather", None)], rows[("(other)", "all_reduce", "optimizer")]
+    assert (log.count, opt.count) == (4, 2)
+    assert log.comm_us == pytest.approx(1200) and opt.comm_us == pytest.approx(400)
+    pr = r.per_rank["0"]
+    assert (pr.loop_comm_ms_per_step, pr.loop_comm_wait_ms_per_step) == pytest.approx((0.82, 0.32))
+    # without the log, no loop time; FSDP's own rows are as they were
+    plain = analyze_traces(_written(gloo_known_trace(), tmp_path / "plain"))
+    assert plain.per_rank["0"].loop_comm_ms_per_step == 0.0
+    assert {k: (v.count, v.exposed_us) for k, v in rows_by(plain).items()} == \
+        {k: (v.count, v.exposed_us) for k, v in rows.items() if k[0] != "(other)"}
+
+
+def _written(builder, folder):
+    builder.write(folder / "rank0.5.pt.trace.json.gz")
+    return folder

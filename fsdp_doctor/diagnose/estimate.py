@@ -297,10 +297,21 @@ def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]
 OTHER_UNIT = "(other)"
 
 
-def other_comm_exposed_ms(ctx: Context, rank) -> float:
-    """Exposed ms per step of the collectives no FSDP unit issued on ``rank`` (optim.step_comm's figure): host
-    time outside the model that is communication, not data loading."""
-    return sum(r.exposed_ms_per_step for r in trace_rows(ctx) if r.unit == OTHER_UNIT and str(r.rank) == str(rank))
+def other_comm_loop_ms(ctx: Context, rank, removable: bool = False) -> float:
+    """Ms per step that the loop's code issuing collectives no FSDP unit issued takes on ``rank``, outside
+    optimizer.step(): the trace's host time from the first such call's issue to the last one's end
+    (``OverlapRank.loop_comm_ms_per_step``: the code between them included, a grad-norm log's norms and reads),
+    at least their exposed time: time outside the model that is the user's code, not data loading.
+    ``removable``: what removing those calls gains (optim.step_comm's figure): less the first calls' wait for the
+    other ranks, which the step keeps at its next collective; where the trace section has no span (an older
+    report), their exposed time."""
+    exposed = sum(r.exposed_ms_per_step for r in trace_rows(ctx)
+                  if r.unit == OTHER_UNIT and r.phase != "optimizer" and str(r.rank) == str(rank))
+    pr = overlap(ctx).per_rank.get(str(rank))
+    span = pr.loop_comm_ms_per_step if pr is not None else None
+    if span is None:
+        return exposed
+    return max(0.0, span - (pr.loop_comm_wait_ms_per_step or 0.0)) if removable else max(span, exposed)
 
 
 def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[tuple[str, str], float]:

@@ -649,8 +649,30 @@ def root_mesh() -> str:
     return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
 
 
+#: optim.step_comm's fix for a per-parameter gradient-norm log (full_tensor() per parameter: a collective each, every
+#: step): the same norms from the local shards, one all-reduce for all of them, every LOG_EVERY steps
+GRAD_NORMS_CODE = """\
+LOG_EVERY = 50  # optimizer steps between gradient-norm logs
+# in place of your per-parameter norms: each gradient's squared norm from this rank's shard, one all-reduce for all
+if step % LOG_EVERY == 0:
+    world = dist.get_world_size()
+    names, squares = [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g, copies = p.grad, world  # a whole gradient: the same on every rank
+        if isinstance(g, DTensor):  # a shard of it, on each replica of the shard (HSDP)
+            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+            g, copies = g.to_local(), world // shards
+        names.append(name)
+        squares.append(g.detach().float().square().sum() / copies)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    total = torch.stack([x.to(device) for x in squares])
+    dist.all_reduce(total)
+    grad_norms = dict(zip(names, total.sqrt().tolist()))  # name -> norm, as p.grad.full_tensor().norm()"""
+
+
 _REBINDS = re.compile(r"^\s*(model|optimizer)\s*=", re.M)
-_LOOP_HELPER = re.compile(r"^def ", re.M)  # a function the user's loop calls (optim.step_comm's logging)
 TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through accelerate's FSDP2 plugin and runs the loop "
                      "itself, this code is for a loop of your own: with the Trainer, make the same change through "
                      "its TrainingArguments or fsdp_config where they have the option.")
@@ -737,7 +759,7 @@ def for_trainer(rec, finding: str = "") -> None:
     # the user's own evaluation code, wherever it runs, and a fix the rule wrote for the Trainer: as they are
     if not rec.code or rec.where in ("evaluation", "trainer"):
         return
-    if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code) or _LOOP_HELPER.search(rec.code):
+    if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
         rec.text += TRAINER_ELSEWHERE
         return
     body = textwrap.indent(rec.code, " " * 8)
@@ -771,6 +793,7 @@ def fix_place(code: str) -> str:
 # name used in a snippet -> the line that defines it (imports first, then the mesh, in this order)
 _DEFINES = (
     (r"\bgc\.", "import gc"),
+    (r"\bmath\.", "import math"),
     (r"\binspect\.", "import inspect"),
     (r"\btorch\.", "import torch"),
     (r"\bnn\.", "import torch.nn as nn"),

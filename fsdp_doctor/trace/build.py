@@ -405,6 +405,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
     opt = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name] & (sp_ts < cutoff)
     loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
+    optimizer_steps = iv.union(sp_ts[opt], sp_end[opt])
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
@@ -413,7 +414,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
-    _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
+    loop = _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
@@ -436,7 +437,42 @@ def _build_window(path: Path, trace) -> WindowTrace:
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
+    _mark_optimizer_calls(win.calls, optimizer_steps)
+    win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     return win
+
+
+def _mark_optimizer_calls(calls: list[CollectiveCall], steps: iv.Intervals) -> None:
+    """Phase "optimizer" for the collectives no FSDP unit issued that the host issued inside optimizer.step()
+    (``steps``: its labels' intervals): the optimizer's own, not the loop's."""
+    starts, ends = steps
+    if not starts.size:
+        return
+    for c in calls:
+        if c.unit == OTHER_UNIT and c.phase is None:
+            i = int(np.searchsorted(starts, c.issue, side="right")) - 1
+            if i >= 0 and c.issue <= ends[i]:
+                c.phase = "optimizer"
+
+
+def _loop_comm_us(calls: list[CollectiveCall], regions: list[tuple[float, float]]) -> tuple[float, float]:
+    """(µs, µs): host time of the user's code that issued collectives no FSDP unit issued, outside
+    optimizer.step() (a gradient-norm log's full_tensor() per parameter, a loss all-reduce): in each region of the
+    loop around the model and the optimizer, from the first such call's issue to the last one's end, Python between
+    them included; and of that, the first calls' own time (issue to end), which holds their wait for the other
+    ranks to reach them: a wait the step keeps without those calls (at its next collective). On a loaded 2-rank
+    host it was up to half of a grad-norm log's span."""
+    own = sorted((c.issue, c.end) for c in calls if c.unit == OTHER_UNIT and c.phase != "optimizer")
+    if not own or not regions:
+        return 0.0, 0.0
+    issues = [i for i, _ in own]
+    total = first = 0.0
+    for r0, r1 in regions:
+        lo, hi = bisect.bisect_left(issues, r0), bisect.bisect_left(issues, r1)
+        if hi > lo:
+            total += max(0.0, min(r1, max(e for _, e in own[lo:hi])) - own[lo][0])
+            first += max(0.0, min(r1, own[lo][1]) - own[lo][0])
+    return total, first
 
 
 _NUMBER = (int, float)
@@ -458,18 +494,22 @@ def _implausible(e) -> None:
 
 
 def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.ndarray,
-                   step_spans: list) -> None:
+                   step_spans: list) -> list[tuple[float, float]]:
     """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
-    root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times)."""
+    root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times).
+    Returns the regions of each step outside the model and outside optimizer.step() (the user's loop)."""
     name = np.frombuffer(special.name, dtype=np.int32)
     loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
     starts, ends = ts[loader].tolist(), end[loader].tolist()
     model = special.names_where(lambda nm: nm.startswith("FSDP::") or nm.startswith(OPTIMIZER_PREFIX))[name] & ~loader
     root = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[name][model]
+    fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[name][model]
+    opt = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[name][model]
     fs, fe = ts[model], end[model]
+    loop: list[tuple[float, float]] = []
     if fs.size and step_spans:
         order = np.argsort(fs, kind="stable")
-        fs, fe, root = fs[order], fe[order], root[order]
+        fs, fe, root, fsdp, opt = fs[order], fe[order], root[order], fsdp[order], opt[order]
         for s0, s1 in step_spans:
             lo, hi = np.searchsorted(fs, [s0, s1], side="left").tolist()
             roots = fs[lo:hi][root[lo:hi]]
@@ -478,7 +518,14 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             win.model_delimited = True
             starts += [s0, float(fe[lo:hi].max())]
             ends += [float(roots.min()), s1]
+            # the loop's own regions: the step less the model (its first root pre-forward to its last FSDP label's
+            # end) and optimizer.step()
+            busy = iv.union([float(roots.min()), *fs[lo:hi][opt[lo:hi]].tolist()],
+                            [float(fe[lo:hi][fsdp[lo:hi]].max()), *fe[lo:hi][opt[lo:hi]].tolist()])
+            free = iv.subtract(iv.union([s0], [s1]), busy)
+            loop += list(zip(free[0].tolist(), free[1].tolist()))
     win.outside = iv.union(starts, ends)
+    return loop
 
 
 def _gpu_timeline(win: WindowTrace, ts, te, lts, classified) -> None:

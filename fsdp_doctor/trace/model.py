@@ -21,7 +21,7 @@ class CollectiveCall:
 
     unit: str  # FSDP unit fqn, "(root)", or "(other)" when no FSDP label launched it
     collective: str  # all_gather | reduce_scatter | all_reduce | ...
-    phase: Optional[str]  # forward | backward | None (not an FSDP collective)
+    phase: Optional[str]  # forward | backward; not FSDP's: optimizer (issued inside optimizer.step()) or None
     start: float
     end: float
     issue: float  # host time the collective was issued (launch / c10d op start)
@@ -67,3 +67,7 @@ class WindowTrace:
     # and the allocator's peak and curve from the [memory] events (profile_memory=True)
     unit_us: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
+    # host µs of the loop's code that issued collectives no FSDP unit issued, outside optimizer.step(), and of that
+    # the first calls' (their wait for the other ranks), over the complete steps (build's _loop_comm_us)
+    loop_comm_us: float = 0.0
+    loop_comm_wait_us: float = 0.0

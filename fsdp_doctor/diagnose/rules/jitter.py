@@ -94,7 +94,7 @@ def _outside_ms(ctx: Context, rank, st: StepStats, measured: Optional[float] = N
     and their gain is counted there once."""
     phases = st.phases_p50_ms or {}
     outside = phases.get("outside", 0.0) if measured is None else measured
-    return max(0.0, outside - phases.get("gc", 0.0) - E.other_comm_exposed_ms(ctx, rank))
+    return max(0.0, outside - phases.get("gc", 0.0) - E.other_comm_loop_ms(ctx, rank))
 
 
 class _Share(NamedTuple):
@@ -167,7 +167,7 @@ class DataWait(Rule):
                 f"{100 * OUTSIDE_SHARE_MIN:.0f}% on the device's own figure; record again to get it)")
         rank = max(decided, key=lambda r: shares[r].share)
         sh, st = shares[rank], steps.per_rank[str(rank)]
-        comm = E.other_comm_exposed_ms(ctx, rank)
+        comm = E.other_comm_loop_ms(ctx, rank)
         phases = st.phases_p50_ms or {}
         evidence = {"outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
                     "outside_share_pct": round(100 * sh.share, 1), "clock": sh.clock,

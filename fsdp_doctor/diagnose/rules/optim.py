@@ -29,17 +29,6 @@ STATE_TIGHT_SHARE = 0.80
 # creates: Adam-family keep exp_avg and exp_avg_sq; SGD with momentum one buffer (assumed on).
 STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "sgd": 1, "rmsprop": 1,
                    "adagrad": 1}
-# Metric reductions off the per-step path (a loss all-reduce read with .item(), a grad-norm log): a helper the
-# user calls after optimizer.step() with their step counter and loss.
-METRICS_EVERY_CODE = """\
-LOG_EVERY = 50  # steps between metric reductions
-
-# call after optimizer.step(): all-reduces and reads the loss every LOG_EVERY steps only
-def log_loss(step, loss):
-    if step % LOG_EVERY == 0:
-        avg = loss.detach().clone()
-        dist.all_reduce(avg)  # a sum (gloo has no AVG)
-        return avg.item() / dist.get_world_size()"""
 # FSDP's own collectives as the trace engine labels them; everything else came from user code.
 _OTHER_UNITS = ("(other)",)
 
@@ -145,29 +134,52 @@ class OptimizerStepComm(Rule):
                                             step, "the step", OTHER_COMM_INFO_SHARE, ms=True)
                               + f"; the median rank's {100 * typical:.0f}%")
         sev = "warning" if share >= OTHER_COMM_WARN_SHARE else "info"
-        opt_ms = E.phase_ms(ctx, "optimizer")
         kinds = sorted(worst.kinds)
-        per_tensor = worst.calls > PER_TENSOR_CALLS_MIN
-        return [self.finding(
-            sev, f"{worst.calls:.0f} collectives per step outside FSDP's own ({worst.exposed_ms:.1f} ms exposed)",
-            {"rank": rank, "calls_per_step": round(worst.calls, 1), "comm_ms_per_step": round(worst.comm_ms, 3),
-             "exposed_ms_per_step": round(worst.exposed_ms, 3), "collectives": kinds,
-             "optimizer_ms_p50": opt_ms, "step_p50_ms": step,
-             "attribution": "not attributed to a phase: the trace has no FSDP label around them"},
-            "The traces show collectives that no FSDP unit issued. The usual sources are "
-            "clip_grad_norm_ over DTensor gradients, an optimizer that calls full_tensor() or redistributes "
-            "DTensors, and metrics such as a loss all-reduce with .item() every step. The trace cannot tell "
-            "which: profile one step with with_stack=True, or check the optimizer step for these calls. "
-            + (f"{worst.calls:.0f} calls per step look like one collective per tensor: batch them "
-               "(clip_grad_norm_(..., foreach=True) reduces the total norm in one call) and log metrics every "
-               "N steps." if per_tensor else
-               f"{worst.calls:.0f} calls per step are already batched (with clip_grad_norm_ that is "
-               "foreach=True, or a few norm reductions): what remains is their exposure; log metrics every N "
-               "steps, and on a GPU clip less often or overlap the metric reduction with the next step."),
-            (("# one batched reduction for the total norm\n"
-              "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0, foreach=True)\n"
-              if per_tensor else "") + METRICS_EVERY_CODE),
-            predicted=E.predicted(step, step - worst.exposed_ms), ranks=[int(rank)])]
+        # where the host issued them (the trace engine's phase): inside optimizer.step() the optimizer's own,
+        # elsewhere the user's loop (a gradient-norm log or clipping between backward and the step, metrics)
+        inside = sum(r.exposed_ms_per_step for r in rows if r.rank == rank and r.phase == "optimizer")
+        loop = worst.exposed_ms - inside
+        code_ms = E.other_comm_loop_ms(ctx, rank, removable=True)  # the loop's code that issues them, less the wait
+        loop_calls = sum(r.count_per_step for r in rows if r.rank == rank and r.phase != "optimizer")
+        per_tensor = loop_calls > PER_TENSOR_CALLS_MIN
+        where = ("inside optimizer.step()" if loop <= 0.5 * worst.exposed_ms else
+                 "outside optimizer.step(): your loop" if inside <= 0.5 * worst.exposed_ms else
+                 "both inside optimizer.step() and outside it")
+        evidence = {"rank": rank, "calls_per_step": round(worst.calls, 1), "comm_ms_per_step": round(worst.comm_ms, 3),
+                    "exposed_ms_per_step": round(worst.exposed_ms, 3), "collectives": kinds,
+                    "optimizer_ms_p50": E.phase_ms(ctx, "optimizer"), "step_p50_ms": step,
+                    "in_optimizer_step_ms": round(inside, 3), "in_loop_ms": round(loop, 3),
+                    "in_loop_calls_per_step": round(loop_calls, 1), "in_loop_code_ms": round(code_ms, 3),
+                    "attribution": where}
+        title = f"{worst.calls:.0f} collectives per step outside FSDP's own ({worst.exposed_ms:.1f} ms exposed)"
+        said = (f"The trace shows collectives that no FSDP unit issued, {where} ({inside:.1f} ms exposed inside "
+                f"optimizer.step(), {loop:.1f} ms outside it). ")
+        if per_tensor and loop > 0.5 * worst.exposed_ms:
+            # the user's loop, one collective per tensor: what a per-parameter norm log does (full_tensor() of each
+            # gradient: an all-gather each), or clip_grad_norm_(..., foreach=False)
+            text = (said + f"{loop_calls:.0f} calls per step outside the optimizer look like one collective per "
+                    "tensor: usually a gradient-norm log that calls full_tensor() (or .norm().full_tensor()) on each "
+                    "parameter's gradient. The code computes the same per-parameter norms from each rank's shard "
+                    "with one all-reduce for all of them, every LOG_EVERY steps: put it where your loop computes "
+                    "them, in place of that code (clipping instead? clip_grad_norm_(model.parameters(), max_norm, "
+                    f"foreach=True) reduces the total norm in one call). The prediction removes the {code_ms:.1f} ms "
+                    "per step from the end of the first of those calls (its wait for the other ranks stays) to the "
+                    "last one's end: the code that issues them, its collectives included.")
+            return [self.finding(sev, title, evidence, text, S.GRAD_NORMS_CODE, where="after_backward",
+                                 inputs={"step": "the index of the optimizer step"},
+                                 predicted=E.predicted(step, step - code_ms), ranks=[int(rank)])]
+        text = said + (
+            "The optimizer issues them: an optimizer that calls full_tensor() or redistributes DTensors (an "
+            "orthogonalising one such as Muon or Shampoo gathers whole matrices). Look for its option to work on "
+            "the local shards, or batch the gathers; no code is offered for an optimizer the doctor does not know."
+            if loop <= 0.5 * worst.exposed_ms else
+            f"{loop_calls:.0f} calls per step are already batched (clip_grad_norm_ with foreach=True, or a few "
+            "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "
+            "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
+            "values on the device until then. They are your loop's code, which the doctor does not see: no code "
+            "is offered.")
+        return [self.finding(sev, title, evidence, text, "", predicted=E.predicted(step, step - worst.exposed_ms),
+                             ranks=[int(rank)])]
 
 
 def _halved_by_bf16(units) -> set[str]:
