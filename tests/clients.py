@@ -1030,6 +1030,9 @@ def run_snippets(spec_path: Path) -> dict:
             # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses
             ns.setdefault("optimizer", torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
             ns["model"] = model
+            if "p.grad" in code:  # a fix for the loop after the backward (optim.step_comm's): gradients exist there
+                loss_of(model, client, 0, 0, device=dev).backward()
+                ns["step"] = 0  # the loop's name it reads (Recommendation.inputs)
             exec(compile(code, f"<{finding_code} fix>", "exec"), ns)
             model, opt = ns["model"], ns["optimizer"]
             if SHARDING_GOES_HERE in snippet:

@@ -64,7 +64,8 @@ def test_fix_applied_and_rechecked(matrix, row):
     o = _ran(matrix[row])
     assert o.finding is not None, row
     assert o.fix, f"{row}: {o.finding.code} prints no code"
-    assert o.fix["where"] in ("unsharded", "sharded", "around", "optimizer", "loop", "backward", "evaluation")
+    assert o.fix["where"] in ("unsharded", "sharded", "around", "optimizer", "loop", "backward", "after_backward",
+                              "evaluation")
     assert not o.after_error, (o.after_error, o.fix["code"])
     rc = o.recheck()
     assert not rc["new_warnings"], (rc, o.fix["code"])
