@@ -414,7 +414,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
-    loop = _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps])
+    loop = _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
@@ -494,22 +494,22 @@ def _implausible(e) -> None:
 
 
 def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.ndarray,
-                   step_spans: list) -> list[tuple[float, float]]:
+                   step_spans: list, optimizer_steps: iv.Intervals) -> list[tuple[float, float]]:
     """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
     root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times).
-    Returns the regions of each step outside the model and outside optimizer.step() (the user's loop)."""
+    Returns the regions of each step outside the model and outside optimizer.step() (``optimizer_steps``: its
+    labels' intervals): the user's loop."""
     name = np.frombuffer(special.name, dtype=np.int32)
     loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
     starts, ends = ts[loader].tolist(), end[loader].tolist()
     model = special.names_where(lambda nm: nm.startswith("FSDP::") or nm.startswith(OPTIMIZER_PREFIX))[name] & ~loader
     root = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[name][model]
     fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[name][model]
-    opt = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[name][model]
     fs, fe = ts[model], end[model]
     loop: list[tuple[float, float]] = []
     if fs.size and step_spans:
         order = np.argsort(fs, kind="stable")
-        fs, fe, root, fsdp, opt = fs[order], fe[order], root[order], fsdp[order], opt[order]
+        fs, fe, root, fsdp = fs[order], fe[order], root[order], fsdp[order]
         for s0, s1 in step_spans:
             lo, hi = np.searchsorted(fs, [s0, s1], side="left").tolist()
             roots = fs[lo:hi][root[lo:hi]]
@@ -520,9 +520,8 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             ends += [float(roots.min()), s1]
             # the loop's own regions: the step less the model (its first root pre-forward to its last FSDP label's
             # end) and optimizer.step()
-            busy = iv.union([float(roots.min()), *fs[lo:hi][opt[lo:hi]].tolist()],
-                            [float(fe[lo:hi][fsdp[lo:hi]].max()), *fe[lo:hi][opt[lo:hi]].tolist()])
-            free = iv.subtract(iv.union([s0], [s1]), busy)
+            model_span = iv.union([float(roots.min())], [float(fe[lo:hi][fsdp[lo:hi]].max())])
+            free = iv.subtract(iv.subtract(iv.union([s0], [s1]), model_span), optimizer_steps)
             loop += list(zip(free[0].tolist(), free[1].tolist()))
     win.outside = iv.union(starts, ends)
     return loop

@@ -89,18 +89,25 @@ def _groups(groups) -> str:
 
 @dataclass
 class _OtherComm:
-    """One rank's collectives outside FSDP's own, per step."""
+    """One rank's collectives outside FSDP's own, per step; of them, those the host issued inside
+    optimizer.step() (the trace engine's phase "optimizer": the optimizer's own) and the loop's calls."""
 
     calls: float = 0.0
     comm_ms: float = 0.0
     exposed_ms: float = 0.0
     kinds: set[str] = field(default_factory=set)
+    in_optimizer_ms: float = 0.0  # exposed
+    loop_calls: float = 0.0
 
     def add(self, r: E.TraceRow) -> None:
         self.calls += r.count_per_step
         self.comm_ms += r.comm_ms_per_step
         self.exposed_ms += r.exposed_ms_per_step
         self.kinds.add(r.collective)
+        if r.phase == "optimizer":
+            self.in_optimizer_ms += r.exposed_ms_per_step
+        else:
+            self.loop_calls += r.count_per_step
 
 
 @register
@@ -137,14 +144,12 @@ class OptimizerStepComm(Rule):
         kinds = sorted(worst.kinds)
         # where the host issued them (the trace engine's phase): inside optimizer.step() the optimizer's own,
         # elsewhere the user's loop (a gradient-norm log or clipping between backward and the step, metrics)
-        inside = sum(r.exposed_ms_per_step for r in rows if r.rank == rank and r.phase == "optimizer")
+        inside, loop_calls = worst.in_optimizer_ms, worst.loop_calls
         loop = worst.exposed_ms - inside
         code_ms = E.other_comm_loop_ms(ctx, rank, removable=True)  # the loop's code that issues them, less the wait
-        loop_calls = sum(r.count_per_step for r in rows if r.rank == rank and r.phase != "optimizer")
-        per_tensor = loop_calls > PER_TENSOR_CALLS_MIN
-        where = ("inside optimizer.step()" if loop <= 0.5 * worst.exposed_ms else
-                 "outside optimizer.step(): your loop" if inside <= 0.5 * worst.exposed_ms else
-                 "both inside optimizer.step() and outside it")
+        mostly_loop = loop > 0.5 * worst.exposed_ms
+        where = ("outside optimizer.step(): your loop" if inside <= 0.5 * worst.exposed_ms else
+                 "both inside optimizer.step() and outside it") if mostly_loop else "inside optimizer.step()"
         evidence = {"rank": rank, "calls_per_step": round(worst.calls, 1), "comm_ms_per_step": round(worst.comm_ms, 3),
                     "exposed_ms_per_step": round(worst.exposed_ms, 3), "collectives": kinds,
                     "optimizer_ms_p50": E.phase_ms(ctx, "optimizer"), "step_p50_ms": step,
@@ -154,7 +159,7 @@ class OptimizerStepComm(Rule):
         title = f"{worst.calls:.0f} collectives per step outside FSDP's own ({worst.exposed_ms:.1f} ms exposed)"
         said = (f"The trace shows collectives that no FSDP unit issued, {where} ({inside:.1f} ms exposed inside "
                 f"optimizer.step(), {loop:.1f} ms outside it). ")
-        if per_tensor and loop > 0.5 * worst.exposed_ms:
+        if mostly_loop and loop_calls > PER_TENSOR_CALLS_MIN:
             # the user's loop, one collective per tensor: what a per-parameter norm log does (full_tensor() of each
             # gradient: an all-gather each), or clip_grad_norm_(..., foreach=False)
             text = (said + f"{loop_calls:.0f} calls per step outside the optimizer look like one collective per "
@@ -172,7 +177,7 @@ class OptimizerStepComm(Rule):
             "The optimizer issues them: an optimizer that calls full_tensor() or redistributes DTensors (an "
             "orthogonalising one such as Muon or Shampoo gathers whole matrices). Look for its option to work on "
             "the local shards, or batch the gathers; no code is offered for an optimizer the doctor does not know."
-            if loop <= 0.5 * worst.exposed_ms else
+            if not mostly_loop else
             f"{loop_calls:.0f} calls per step are already batched (clip_grad_norm_ with foreach=True, or a few "
             "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
