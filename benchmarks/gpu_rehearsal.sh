@@ -15,7 +15,13 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 REHEARSAL_DIR=${REHEARSAL_DIR:-$HOME/.cache/fsdp_doctor/rehearsal}
-PY312=${PY312:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}
+# the first Python 3.12 that runs (pyenv's shim for python3.12 is on PATH but fails unless 3.12 is selected)
+if [ -z "${PY312:-}" ]; then
+  for c in python3.12 /root/.pyenv/versions/3.12.*/bin/python; do
+    if "$c" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" 2>/dev/null; then PY312=$c; break; fi
+  done
+fi
+PY312=${PY312:-python3.12}
 tests=""; keep=0
 for a in "$@"; do
   case $a in --tests) tests=compat ;; --suite) tests="not browser" ;; --keep) keep=1 ;;

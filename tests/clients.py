@@ -297,7 +297,26 @@ def run_llama(out: Path) -> dict:
         dist.all_gather(vals, model.out_scale.detach().clone())
         res[f"ignored_spread_{tag}"] = float(max(vals) - min(vals))
     res["param_count"] = sum(p.numel() for p in llama().parameters())
+    res["grad_norms"] = grad_norms_fix_against_full_tensor(model, 256)
     return res
+
+
+def grad_norms_fix_against_full_tensor(model, vocab: int) -> dict:
+    """optim.step_comm's per-parameter norm fix as printed (its imports completed), run after one more backward
+    on this model (the 2x2 HSDP mesh: each shard on two replicas), against the user's ``full_tensor().norm()``:
+    {"compared": sharded gradients compared, "max_rel": their largest relative difference}."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_doctor.diagnose.snippets import GRAD_NORMS_CODE, complete
+
+    tok, tgt = batch(100, vocab, dist.get_rank())
+    F.cross_entropy(model(tok).float().flatten(0, 1), tgt.flatten()).backward()
+    ns = {"model": model, "step": 0}
+    exec(compile(complete(GRAD_NORMS_CODE), "<optim.step_comm fix>", "exec"), ns)
+    want = {n: float(p.grad.full_tensor().norm()) for n, p in model.named_parameters()
+            if isinstance(p.grad, DTensor)}
+    return {"compared": len(want),
+            "max_rel": max(abs(ns["grad_norms"][n] - v) / max(v, 1e-12) for n, v in want.items())}
 
 
 CLIENTS = {"transformer": run_transformer, "compiled": run_compiled, "llama": run_llama,

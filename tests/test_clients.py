@@ -192,6 +192,11 @@ def test_llama_hsdp_titan(clients):
     # frozen bf16 weights beside trainable fp32 ones under a bf16 policy: one dtype on the wire, no finding
     assert units["layers.0"].orig_dtypes == ["bfloat16", "float32"] and units["layers.0"].param_dtype == "bfloat16"
     assert "wrap.mixed_dtype_unit" not in _codes(findings)
+    # optim.step_comm's norm fix on HSDP (each shard on 2 replicas): every sharded gradient's norm as the user's
+    # full_tensor().norm() gives it, on every rank
+    trainable = sum(p.requires_grad for n, p in model.named_parameters() if n != "out_scale")  # out_scale: ignored
+    for res in results:
+        assert res["grad_norms"]["compared"] == trainable and res["grad_norms"]["max_rel"] < 1e-5, res["grad_norms"]
 
     # HSDP memory: with reduce dtype = param dtype (fp32) the all-reduce works in the sharded gradients' own
     # storage; it must not be added again as comm_buffers. At layers.1's backward start the buffers in flight
