@@ -49,7 +49,7 @@ def _gpu_found() -> tuple[dict[str, set[str]], set[str]]:
         found, coded = _known_answer_findings(), _known_answer_findings(snippets=True)
     for test, code in found:
         got.setdefault(code, set()).add(test)
-    return got, {c for _, c, _ in coded}
+    return got, {t[1] for t in coded}
 
 
 def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[str],

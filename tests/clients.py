@@ -24,7 +24,8 @@ sets it with each rank's environment from fsdp_doctor.workloads' rank plan): NCC
 (FSDP_DOCTOR_CUDA_DEVICE; ranks sharing one GPU each have their own NCCL_HOSTID), the mesh, model and inputs there.
 
 Usage: python tests/clients.py CLIENT RANK WORLD PORT OUT_DIR
-       python tests/clients.py snippets 0 1 PORT SPEC.json   (runs fix snippets: [[client, code, snippet], ...])
+       python tests/clients.py snippets 0 1 PORT SPEC.json   (runs fix snippets: [[client, code, snippet, where,
+                                                              inputs], ...]: a Recommendation's code, place, inputs)
        python tests/clients.py scenarios RANK WORLD PORT SPEC.json   ([{name, tree, knobs, watch, out_dir, fix}...])
 """
 
@@ -1018,10 +1019,16 @@ def run_ac_prediction(out: Path) -> dict:
     return res
 
 
+#: a value for each name a loop fix reads from the user's loop (Recommendation.inputs), as the loop's first step
+LOOP_VALUES = {"step": 0}
+
+
 def run_snippets(spec_path: Path) -> dict:
     """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank, on the scenarios'
-    device), then trains one step of the result; a snippet that pins host memory must leave the parameters FSDP
-    offloads pinned. Returns {"results": [[client, code, "ok" | error line], ...]}."""
+    device), placed as its Recommendation says (``where``: a fix after the backward runs where gradients exist;
+    ``inputs``: the loop's names it reads, from LOOP_VALUES), then trains one step of the result; a snippet that
+    pins host memory must leave the parameters FSDP offloads pinned. Returns {"results": [[client, code, "ok" |
+    error line], ...]}."""
     from torch.distributed.fsdp import FSDPModule
 
     spec = json.loads(Path(spec_path).read_text())
@@ -1033,7 +1040,7 @@ def run_snippets(spec_path: Path) -> dict:
     # about the snippet, so the graphs run through aot_eager here
     compile_ = torch.nn.Module.compile
     torch.nn.Module.compile = lambda self, *a, **kw: compile_(self, *a, **{"backend": "aot_eager", **kw})
-    for client, finding_code, snippet in spec:
+    for client, finding_code, snippet, where, inputs in spec:
         if "pin_memory=True" in snippet and not torch.accelerator.is_available():  # CPUOffloadPolicy runs here
             out.append([client, finding_code, "skipped: pinned host memory needs an accelerator"])
             continue
@@ -1049,9 +1056,9 @@ def run_snippets(spec_path: Path) -> dict:
             # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses
             ns.setdefault("optimizer", torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False))
             ns["model"] = model
-            if "p.grad" in code:  # a fix for the loop after the backward (optim.step_comm's): gradients exist there
+            if where == "after_backward":  # optim.step_comm's: it reads the gradients
                 loss_of(model, client, 0, 0, device=dev).backward()
-                ns["step"] = 0  # the loop's name it reads (Recommendation.inputs)
+            ns.update((name, LOOP_VALUES[name]) for name in inputs)  # a name without a value: a KeyError, reported
             exec(compile(code, f"<{finding_code} fix>", "exec"), ns)
             model, opt = ns["model"], ns["optimizer"]
             if SHARDING_GOES_HERE in snippet:

@@ -72,7 +72,7 @@ def _numel(module) -> int:
 
 
 def _run_snippets(spec: list[list[str]], tmp_path: Path) -> list[list[str]]:
-    """Executes each [client, code, snippet] on a fresh copy of the client's model (tests/clients.py, one
+    """Executes each [client, code, snippet, where, inputs] on a fresh copy of the client's model (tests/clients.py, one
     gloo rank); asserts none failed and only the GPU-only offload fixes were skipped on a CPU host."""
     spec_path = tmp_path / "snippets.json"
     spec_path.write_text(json.dumps(spec))
@@ -228,8 +228,9 @@ def test_every_fix_snippet_runs_on_its_model(clients, tmp_path):
         for path in runs:
             for f in _diagnosis(path)[2]:
                 if f.recommendation.code:
-                    spec.append([name, f.code, f.recommendation.code])
-    emitted = {c for _, c, _ in spec}
+                    rec = f.recommendation
+                    spec.append([name, f.code, rec.code, rec.where, sorted(rec.inputs)])
+    emitted = {s[1] for s in spec}
     # (wrap.params_in_root: quiet on torch's Transformer, whose root is mostly its tied embedding/output)
     assert {"ac.unneeded", "wrap.unreduced_params"} <= emitted
     _run_snippets(spec, tmp_path)
@@ -246,8 +247,8 @@ _VERDICT_TRACES = ("cpu_only_gloo", "a100_sendrecv_16rank_rank0")
 def _known_answer_findings(snippets: bool = False) -> list[tuple]:
     """Every finding the rules emit in the known-answer tests (constructed contexts, known-answer traces, the
     real GPU traces of the severe verdict): [(test, code)], or with ``snippets`` [(test, code, snippet as
-    printed: completed with its imports and mesh)] for those with a fix. Runs those tests with Rule.finding
-    observed (no training: a few seconds)."""
+    printed: completed with its imports and mesh, where it goes, the loop's names it reads)] for those with a
+    fix. Runs those tests with Rule.finding observed (no training: a few seconds)."""
     import importlib.util
     import inspect
     import tempfile
@@ -269,7 +270,8 @@ def _known_answer_findings(snippets: bool = False) -> list[tuple]:
         if not snippets:
             got[(current[0], self.code)] = None
         elif code:
-            got[(current[0], self.code, f.recommendation.code)] = None
+            rec = f.recommendation
+            got[(current[0], self.code, rec.code, rec.where, tuple(sorted(rec.inputs)))] = None
         return f
 
     Rule.finding = capture
@@ -312,7 +314,7 @@ def _constructed_snippets() -> list[list[str]]:
         n = 1 + max((int(i) for i in re.findall(r"layers\.(\d+)", s)), default=0)
         return "gpt" if n <= 4 else "gpt8" if n <= 8 else "gpt48"
 
-    return [[tree(s), c, s] for _, c, s in _known_answer_findings(snippets=True)]
+    return [[tree(s), c, s, where, list(inputs)] for _, c, s, where, inputs in _known_answer_findings(snippets=True)]
 
 
 def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
@@ -320,7 +322,7 @@ def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
     from fsdp_doctor.diagnose import RULES
 
     spec = _constructed_snippets()
-    codes = {c for _, c, _ in spec}
+    codes = {s[1] for s in spec}
     # every rule with a fix either has it applied and rechecked in the scenario matrix (tests/scenario_matrix.py)
     # or (GPU-only: comm.*, kernels.*, offload.*, the verdict of GPU traces) executed here on a model tree
     applied = {r.code for r in M.ROWS if r.code and r.apply}

@@ -143,7 +143,7 @@ def test_pinned_offload_fixes_run_on_the_gpu(tmp_path):
     from test_clients import _constructed_snippets, _launch
 
     spec = [s for s in _constructed_snippets() if "pin_memory=True" in s[2]]
-    assert {c for _, c, _ in spec} >= {"offload.recommended", "offload.unpinned"}
+    assert {s[1] for s in spec} >= {"offload.recommended", "offload.unpinned"}
     path = tmp_path / "pinned.json"
     path.write_text(json.dumps(spec))
     (res,), _ = _launch("snippets", 1, path, device="cuda", timeout_s=300)
