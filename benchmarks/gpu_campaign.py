@@ -18,6 +18,8 @@ ran):
                recorded in one launch of 2 NCCL ranks, each finding's fix applied and rechecked in a second
                (scenarios_gpu.md, scenarios_gpu.json; the runs in scenarios_gpu/NAME/ are the GPU fixtures)
   overhead_1b  benchmarks/overhead.py on a ~1B-parameter Llama-style GPT with grouped-query attention, 1 rank
+  overhead_1b_b16  the same at batch 16 (4x the tokens): a device-bound step, where the host's work runs ahead of
+               the device (at batch 4 the step is host-bound, and every microsecond of the doctor's shows)
   overhead_2r  the same on 2 NCCL ranks sharing the GPU (NCCL_HOSTID per rank)
   allocator    benchmarks/memory_vs_allocator.py: the doctor's per-step peak against max_memory_allocated(),
                1 rank, 2 ranks, and 2 ranks with CPU offload
@@ -57,6 +59,13 @@ MID = ["--n-layers", "8", "--d-model", "1024", "--n-heads", "16", "--n-kv-heads"
 TINY = ["--n-layers", "2", "--d-model", "64", "--n-heads", "4", "--n-kv-heads", "2", "--vocab", "512",
         "--seq-len", "32", "--batch-size", "2", "--param-dtype", "fp32"]
 
+
+def _with(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value replaced."""
+    i = argv.index(flag)
+    return [*argv[:i + 1], value, *argv[i + 2:]]
+
+
 # tests/test_gpu.py's test of the GPU rows: the scenarios_gpu step runs the same rows, the tests step leaves it out
 GPU_ROWS_TEST = "test_scenario_matrix_gpu_rows"
 
@@ -91,6 +100,10 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
              ["scenarios_gpu.md", "scenarios_gpu.json"]),
         Step("overhead_1b", [PY, bench("overhead.py"), *oh, "--nproc", "1", *big, "--json", str(out / "overhead_1b.json")],
              150, ["overhead_1b.json"]),
+        # the same model with a batch 4 times larger (on the dry run: twice the tiny one), fewer blocks: a longer step
+        Step("overhead_1b_b16", [PY, bench("overhead.py"), *_with(oh, "--blocks", "4" if dry else "8"),
+                                 "--nproc", "1", *_with(big, "--batch-size", "4" if dry else "16"),
+                                 "--json", str(out / "overhead_1b_b16.json")], 150, ["overhead_1b_b16.json"]),
         Step("overhead_2r", [PY, bench("overhead.py"), *oh, "--nproc", "2", *mid, "--json", str(out / "overhead_2r.json")],
              120, ["overhead_2r.json"]),
     ]
@@ -112,7 +125,7 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
                                      "--json", str(out / "predictions.json")], 150,
                      ["predictions.json"]))
     # in order of value for a short call: what the fixtures and the README's figures need first
-    first = ("env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "tests")
+    first = ("env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "overhead_1b_b16", "tests")
     return sorted(todo, key=lambda s: first.index(s.name) if s.name in first else len(first))
 
 
@@ -266,7 +279,7 @@ def summarize(out: Path, results: list[dict]) -> None:
             summary["scenarios_gpu"] = json.loads((out / "scenarios_gpu.json").read_text())
         except ValueError:
             summary["scenarios_gpu"] = "unreadable"
-    for name in ("env", "probe_costs", "overhead_1b", "overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload",
+    for name in ("env", "probe_costs", "overhead_1b", "overhead_1b_b16", "overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload",
                  "predictions"):
         path = out / f"{name}.json"
         if path.exists():
@@ -284,7 +297,7 @@ def summarize(out: Path, results: list[dict]) -> None:
     costs = summary.get("probe_costs")
     if isinstance(costs, dict) and costs.get("us_per_call"):
         lines.append("\nCUDA calls, us a call: " + "; ".join(f"{k} {v:.1f}" for k, v in costs["us_per_call"].items()))
-    for key in ("overhead_1b", "overhead_2r"):
+    for key in ("overhead_1b", "overhead_1b_b16", "overhead_2r"):
         o = summary.get(key)
         if isinstance(o, dict):
             lines.append(f"\n{key}: {o['params'] / 1e9:.2f}e9 params, {o['nproc']} rank(s): median step "

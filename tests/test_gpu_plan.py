@@ -65,14 +65,20 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     steps = gpu_campaign.plan(tmp_path, dry=False, steps=10)
     names = [s.name for s in steps]
     # in order of value for a short call: the recorded runs (traces/gpu) and the headline overhead first
-    assert names[:6] == ["env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "tests"]
+    assert names[:7] == ["env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "overhead_1b_b16", "tests"]
     assert {"overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload", "memtracker", "predictions"} \
-        <= set(names) and len(names) == 12  # the issue's scenarios are matrix GPU rows: no demo launch each
+        <= set(names) and len(names) == 13  # the issue's scenarios are matrix GPU rows: no demo launch each
     assert all("--device" in s.argv and "cuda" in s.argv for s in steps
                if s.name not in ("env", "probe_costs", "tests"))
     # the planned steps' limits add up to about the session's device time (30 min): three calls of under 10 min
-    # (README), most steps ending well inside their limits
-    assert sum(s.timeout_s for s in steps) <= 1850
+    # (README), most steps ending well inside their limits (a call's --budget-s skips the steps that would overrun)
+    assert sum(s.timeout_s for s in steps) <= 1900
+    # the overhead at batch 16 beside batch 4: the same 1-rank ~1B model, a device-bound step
+    by = {s.name: s.argv for s in steps}
+    b4, w = by["overhead_1b"], gpu_campaign._with
+    assert b4[b4.index("--batch-size") + 1] == "4" and b4[b4.index("--nproc") + 1] == "1"
+    assert by["overhead_1b_b16"] == w(w(w(b4, "--batch-size", "16"), "--blocks", "8"), "--json",
+                                      str(tmp_path / "overhead_1b_b16.json"))
     # the ~1B model of the 1-rank overhead run
     from fsdp_doctor.workloads import total_param_count
 
