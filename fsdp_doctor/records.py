@@ -141,6 +141,10 @@ TRAINER_DRIVER = "transformers.Trainer"
 ACCELERATE_SHARDER = "accelerate"
 
 
+#: the environment variables the CUDA caching allocator reads its settings from (the second: newer torch's name)
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -171,6 +175,9 @@ class RunConfig(Record, tag="config"):
     model_grad_path_param_count: int | None = None
     experts: Experts | None = None  # a mixture of experts' routed experts (None: none found, or not read)
     capacity_bytes: int | None = None
+    # the CUDA caching allocator's settings as this process's environment gave them: each of its variables that is
+    # set (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_ALLOC_CONF) -> its value, e.g. "expandable_segments:True"; CUDA runs only
+    alloc_conf: dict[str, str] = {}
     tokens_per_step: int | None = None
     peak_tflops: float | None = None
     flops_per_step: float | None = None  # model FLOPs of one (optimizer) step: forward, backward, optimizer

@@ -484,6 +484,8 @@ class Verdict(_Section):
 
 #: where a fix's code goes in the user's script (``Recommendation.where``), as the presenters say it
 FIX_PLACES = {
+    "startup": "at the top of your training script, before anything allocates CUDA memory (or exported in the "
+               "environment that launches it)",
     "unsharded": "in place of your fully_shard calls, on the unsharded model",
     "sharded": "after your fully_shard calls",
     "around": "around your fully_shard calls (your calls where the code says)",

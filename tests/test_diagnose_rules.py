@@ -1322,3 +1322,91 @@ def test_unneeded_checkpointing_fix_turns_hugging_face_checkpointing_off():
     assert on() == [False, False]
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))  # checkpoint(...) in the user's own code: left to them
     exec(compile(code, "<ac.unneeded fix>", "exec"), {"model": plain})
+
+
+def _cuda_steps(retries, *, reserved=30 << 30, allocated=18 << 30, walls=None, ooms=None, peak=20 << 30):
+    """A CUDA rank's step records (steps 0..n-1; step 0 is left out as FSDP's lazy init): the allocator's
+    cumulative ``num_alloc_retries`` as read at each step's end, 80 GiB device."""
+    from fsdp_doctor.records import CudaMemory, MemoryPeak, MemoryStep
+
+    walls = walls or [100.0] * len(retries)
+    return [StepRecord(rank=0, step=i, start_ns=i, wall_ms=walls[i], memory=MemoryStep(
+        device="cuda:0", peak=MemoryPeak(bytes=peak, breakdown={"activations": peak}),
+        cuda=CudaMemory(allocated=allocated, reserved=reserved + (i << 20),
+                        fragmentation=reserved + (i << 20) - allocated, alloc_retries=r, ooms=(ooms or [0] * len(retries))[i], device_total=80 << 30)))
+            for i, r in enumerate(retries)]
+
+
+def _retries_ctx(retries, alloc_conf=None, **kw):
+    ctx, _ = build(device="cuda:0", backend="nccl", alloc_conf=alloc_conf or {})
+    ctx.run.ranks = {0: SimpleNamespace(steps=_cuda_steps(retries, **kw))}
+    return ctx
+
+
+def _quiet(code, ctx) -> str:
+    rule = next(c for c in RULES if c.code == code)()
+    assert rule.match(ctx) == []
+    return rule.why_quiet
+
+
+def test_alloc_retries_known_answer():
+    """Cumulative counts 3 (before the steady steps: model load, lazy init), 3, 5, 5, 8, 8, 8, 8: steps 2 and 4
+    added 2 and 3 retries; those steps took 160 ms against 100 ms; the fix keeps the user's other setting."""
+    walls = [300.0, 100.0, 160.0, 100.0, 160.0, 100.0, 100.0, 100.0]
+    ctx = _retries_ctx([3, 3, 5, 5, 8, 8, 8, 8], walls=walls,
+                       alloc_conf={"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})
+    (f,) = run_rule("memory.alloc_retries", ctx)
+    ev = f.evidence
+    assert f.severity == "warning" and f.ranks == [0]
+    assert (ev["retries"], ev["steps_with_retries"], ev["steady_steps"], ev["retry_steps"]) == (5, 2, 7, [2, 4])
+    assert (ev["step_ms_with_retries"], ev["step_ms_without_retries"]) == (160.0, 100.0)
+    assert ev["reserved_bytes"] == (30 << 30) + (7 << 20) and ev["device_total_bytes"] == 80 << 30
+    rec = f.recommendation
+    assert rec.where == "startup"
+    assert "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'max_split_size_mb:512,expandable_segments:True'" in rec.code
+    assert rec.code.startswith("import os\n")
+    ns: dict = {}
+    import os
+    saved = dict(os.environ)
+    try:
+        exec(rec.code, ns)  # valid Python that sets the variable and nothing else
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # the median step (110 ms constructed) is not moved: 2 of 7 steady steps retried
+    assert f.predicted.step_ms_after == 100.0 and f.predicted.peak_bytes_after == f.predicted.peak_bytes_before
+
+
+def test_alloc_retries_one_step_is_info_and_quiet_reasons():
+    (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 0, 1, 1, 1, 1]))
+    assert f.severity == "info" and f.evidence["retry_steps"] == [2]
+    # retries only before the steady steps (loading, warm-up): quiet
+    assert _quiet("memory.alloc_retries", _retries_ctx([4, 4, 4, 4, 4])) == \
+        "no cudaMalloc retries in 4 steady steps on any rank"
+    # the variable already asks for expandable segments: advice in words (lower the peak), no code
+    (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], alloc_conf={
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True"}))
+    assert not f.recommendation.code and "already on" in f.recommendation.text
+    # the peak allocation fills the device (78 of 80 GiB): no cached memory to reclaim, no code
+    (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], peak=78 << 30, reserved=79 << 30))
+    assert not f.recommendation.code and "fills 98% of the device's 80.00 GiB" in f.recommendation.text
+    # steps without the allocator's figures (a CPU run's): quiet with the reason
+    ctx, _ = build()
+    ctx.run.ranks = {0: SimpleNamespace(steps=[StepRecord(rank=0, step=i, start_ns=i, wall_ms=1.0) for i in range(4)])}
+    assert _quiet("memory.alloc_retries", ctx).startswith("no allocator figures")
+
+
+def test_the_config_records_the_allocator_settings_of_a_cuda_run(monkeypatch):
+    """What memory.alloc_retries' fix keeps: each allocator variable that is set, on a CUDA device only."""
+    import torch
+
+    from fsdp_doctor.record.config_snapshot import alloc_conf
+
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert alloc_conf(torch.device("cuda", 0)) == {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}
+    assert alloc_conf(torch.device("cpu")) == {}
+    (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], alloc_conf=alloc_conf(torch.device("cuda", 0))))
+    assert f.recommendation.code.endswith(
+        "os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64,expandable_segments:True'")

@@ -22,6 +22,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from ..records import ALLOC_CONF_VARS
+
 ROOT = "model"
 #: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
 #: checkpoint wrappers); every other snippet acts on the sharded model
@@ -672,6 +674,19 @@ if step % LOG_EVERY == 0:
     grad_norms = dict(zip(names, total.sqrt().tolist()))  # name -> norm, as p.grad.full_tensor().norm()"""
 
 
+def expandable_segments_code(conf: dict[str, str]) -> str:
+    """The allocator setting for expandable segments, in each variable of ``conf`` (RunConfig.alloc_conf: the
+    user's settings, kept) or in PYTORCH_CUDA_ALLOC_CONF when none is set; torch reads it when CUDA's allocator
+    starts, so it goes before anything allocates CUDA memory."""
+    lines = ["# at the top of your training script, before anything allocates CUDA memory",
+             "# (or export the same in the environment that launches training)"]
+    for name in [v for v in ALLOC_CONF_VARS if v in conf] or [ALLOC_CONF_VARS[0]]:
+        kept = [t.strip() for t in conf.get(name, "").split(",")
+                if t.strip() and not t.strip().lower().startswith("expandable_segments")]
+        lines.append(f"os.environ[{name!r}] = {','.join(kept + ['expandable_segments:True'])!r}")
+    return "\n".join(lines)
+
+
 _REBINDS = re.compile(r"^\s*(model|optimizer)\s*=", re.M)
 TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through accelerate's FSDP2 plugin and runs the loop "
                      "itself, this code is for a loop of your own: with the Trainer, make the same change through "
@@ -794,6 +809,7 @@ def fix_place(code: str) -> str:
 _DEFINES = (
     (r"\bgc\.", "import gc"),
     (r"\bmath\.", "import math"),
+    (r"\bos\.", "import os"),
     (r"\binspect\.", "import inspect"),
     (r"\btorch\.", "import torch"),
     (r"\bnn\.", "import torch.nn as nn"),

@@ -4,13 +4,14 @@ what this torch's FSDP2 could not tell. One collaborator of :class:`fsdp_doctor.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records import Experts, OptimizerGroup, RunConfig
+from ..records import ALLOC_CONF_VARS, Experts, OptimizerGroup, RunConfig
 from . import fsdp2 as F2
 from .throughput import device_peak_tflops
 from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
@@ -71,13 +72,21 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         **_param_counts(model),
-        capacity_bytes=capacity, tokens_per_step=tokens_per_step, peak_tflops=peak,
+        capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
         unavailable=unavailable,
         torch_lacks=F2.features_unavailable(),
     ), consistency
+
+
+def alloc_conf(dev: torch.device) -> dict[str, str]:
+    """The CUDA caching allocator's settings from the environment: each of ``ALLOC_CONF_VARS`` that is set, with
+    its value ({} off CUDA)."""
+    if dev.type != "cuda":
+        return {}
+    return {v: os.environ[v] for v in ALLOC_CONF_VARS if os.environ.get(v)}
 
 
 def _param_counts(model: nn.Module) -> dict:

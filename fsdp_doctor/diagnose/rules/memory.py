@@ -1,12 +1,17 @@
 """Memory: gradients kept alive between steps, the model's outputs kept past backward, evaluation with autograd
-on, and a peak near capacity that no one category explains."""
+on, a peak near capacity that no one category explains, and the CUDA allocator retrying its allocations."""
 
 from __future__ import annotations
+
+import statistics
+from typing import NamedTuple
 
 import msgspec
 
 from .. import estimate as E
+from .. import snippets as S
 from .. import thresholds as T
+from ...records import CudaMemory
 from ...units import fmt_bytes
 from ..base import Context, Rule, register
 
@@ -286,3 +291,126 @@ def _peak_resharded(pm, flip) -> int:
         held = pm.peak_breakdown.get("unsharded_params", 0)
         return int(pm.peak_bytes) - min(held, sum(u.unsharded_bytes for u in flip))
     return E.timeline_peak(pm, [(E.held_windows(tl, u.name), -u.unsharded_bytes) for u in flip])
+
+
+# one step with retries is not a pattern: from this many steady steps with retries the finding is a warning
+RETRY_MIN_STEPS = 2
+# the peak allocation fills this share of the device or more: the retries come from the peak itself, not from
+# memory held in cached blocks too small to reuse
+RETRY_PEAK_FILLS_SHARE = 0.95
+
+
+class _Retries(NamedTuple):
+    """One rank's cudaMalloc retries over its steady steps (step records' allocator figures)."""
+
+    steps: dict[int, int]  # steady step -> the retries it added
+    steady: int  # steady steps with allocator figures
+    with_ms: list[float]  # wall times of the steps with retries
+    without_ms: list[float]  # ... and of the others
+    ooms: int  # out-of-memory errors the allocator raised (and the program caught) in those steps
+    worst: CudaMemory  # the allocator figures of the steady step that reserved the most
+
+
+def _retries(ctx: Context) -> dict[int, _Retries]:
+    """Per rank: the allocator's cumulative counts read at each step's end, differenced step to step (a count
+    first read at a step holds everything since the process started: no step's own)."""
+    from ...analyze.steps import usable_steps
+
+    out = {}
+    for rank, rd in (getattr(ctx.run, "ranks", None) or {}).items():
+        steady = {s.step for s in usable_steps(rd.steps)}
+        read = sorted((s for s in rd.steps if s.memory is not None and s.memory.cuda is not None
+                       and s.memory.cuda.alloc_retries is not None), key=lambda s: s.step)
+        steps, walls, ooms, worst, prev = {}, ([], []), 0, None, None
+        for s in read:
+            c = s.memory.cuda
+            if prev is not None and s.step in steady:
+                added = c.alloc_retries - prev.alloc_retries
+                if added > 0:
+                    steps[s.step] = added
+                walls[added <= 0].append(s.wall_ms)
+                ooms += max(0, (c.ooms or 0) - (prev.ooms or 0))
+                if worst is None or (c.reserved or 0) > (worst.reserved or 0):
+                    worst = c
+            prev = c
+        if worst is not None:
+            out[int(rank)] = _Retries(steps, len(walls[0]) + len(walls[1]), walls[0], walls[1], ooms, worst)
+    return out
+
+
+@register
+class AllocRetries(Rule):
+    code = "memory.alloc_retries"
+    name = "CUDA allocator retries"
+    description = ("cudaMalloc failed inside steps, and PyTorch's caching allocator released its cached blocks "
+                   "(a device synchronization) and tried again: the device is full of reserved memory the next "
+                   "allocation cannot use. Expandable segments remove that fragmentation.")
+    needs = ("memory", "gpu")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        per = _retries(ctx)
+        if not per:
+            return self.quiet("no allocator figures in the steady steps' records (CUDA runs record them)")
+        rank = max(per, key=lambda r: (len(per[r].steps), sum(per[r].steps.values())))
+        rt = per[rank]
+        if not rt.steps:
+            return self.quiet(f"no cudaMalloc retries in {rt.steady} steady steps on any rank")
+        cfg, w = ctx.config, rt.worst
+        conf = dict(cfg.alloc_conf) if cfg is not None else {}
+        settings = ",".join(conf.values()).replace(" ", "").lower()
+        total = w.device_total or E.capacity_bytes(ctx)
+        pm = E.peak_memory(ctx)
+        peak = int(pm.peak_bytes) if pm is not None else None
+        fills = bool(peak and total and peak >= RETRY_PEAK_FILLS_SHARE * total)
+        n, count = len(rt.steps), sum(rt.steps.values())
+        step = E.step_ms(ctx)
+        # the steps with retries at the others' median; the median step moves only if they are half or more
+        after = None
+        if rt.without_ms and step is not None:
+            base = statistics.median(rt.without_ms)
+            after = statistics.median(rt.without_ms + [base] * len(rt.with_ms))
+        evidence = {
+            "rank": rank, "retries": count, "steps_with_retries": n, "steady_steps": rt.steady,
+            "retry_steps": sorted(rt.steps)[:20], "ooms": rt.ooms,
+            "step_ms_with_retries": round(statistics.median(rt.with_ms), 3),
+            "step_ms_without_retries": round(statistics.median(rt.without_ms), 3) if rt.without_ms else None,
+            "reserved_bytes": w.reserved, "allocated_bytes": w.allocated, "fragmentation_bytes": w.fragmentation,
+            "inactive_split_bytes": w.inactive_split_bytes, "largest_free_block_bytes": w.largest_free_block,
+            "device_total_bytes": total, "peak_bytes": peak, "alloc_conf": conf or None}
+        sev = "warning" if n >= RETRY_MIN_STEPS else "info"
+        title = (f"cudaMalloc retried {count} time(s) in {n} of {rt.steady} steady steps on rank {rank}: each "
+                 "retry frees the allocator's cache and synchronizes the device")
+        why = ("When no cached block fits an allocation and the device has no room for a new segment, the caching "
+               "allocator releases every unused cached block, which waits for the device to finish its work, and "
+               f"calls cudaMalloc again. At the step that reserved the most, {fmt_bytes(w.reserved or 0)} were "
+               f"reserved for {fmt_bytes(w.allocated or 0)} allocated at the step's end")
+        if "expandable_segments:true" in settings or "backend:cudamallocasync" in settings:
+            which = ("expandable segments are" if "expandable_segments:true" in settings
+                     else "the cudaMallocAsync backend is")
+            return [self.finding(
+                sev, title, evidence,
+                f"{why}. {which.capitalize()} already on ({', '.join(f'{k}={v}' for k, v in conf.items())}), "
+                "so the allocations themselves meet the device's memory: lower the peak (the memory findings "
+                "above: checkpointing, resharding after forward, offload) or the batch.",
+                predicted=E.predicted(step, after, peak, peak), ranks=[rank])]
+        if fills:
+            return [self.finding(
+                sev, title, evidence,
+                f"{why}; the peak allocation itself ({fmt_bytes(peak)}) fills "
+                f"{100 * peak / total:.0f}% of the device's {fmt_bytes(total)}, so there is little cached memory "
+                "to reclaim: lower the peak (the memory findings above: checkpointing, resharding after forward, "
+                "offload) or the batch.",
+                predicted=E.predicted(step, after, peak, peak), ranks=[rank])]
+        return [self.finding(
+            sev, title, evidence,
+            f"{why}: blocks cached for earlier sizes (sequence lengths that vary, the all-gather and "
+            "reduce-scatter buffers of units of different sizes) that the next allocation cannot reuse. With "
+            "expandable segments the allocator maps more memory into one segment as it grows instead of "
+            "reserving fixed-size segments, so freed memory is reused whatever the sizes and the retries go. The "
+            "setting takes effect when the allocator starts; the allocation itself does not change (the peak "
+            "stays), the step loses the retries' synchronizations"
+            + ("" if not rt.without_ms else f" (the steps with retries take {evidence['step_ms_with_retries']:.1f} "
+               f"ms, the others {evidence['step_ms_without_retries']:.1f} ms)") + ".",
+            S.expandable_segments_code(conf), where="startup",
+            predicted=E.predicted(step, after, peak, peak), ranks=[rank])]
