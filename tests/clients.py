@@ -47,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
 from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING, SHARDING_GOES_HERE
+from fsdp_doctor.records import ALLOC_CONF_VARS
 
 STEPS = 10
 SEQ = 32
@@ -886,6 +887,9 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
             for step in range(cfg.steps):
                 inject_step_faults(cfg, rank, step)
                 time.sleep(cfg.loader_ms / 1000)  # the user's slow loader
+                if step == ALLOC_LIMIT_AFTER and row.get("alloc_limit") and dev.type == "cuda":
+                    limit_allocator(dev, row["alloc_limit"])
+                seq = seq_len_at(cfg.seq_len, step) if row.get("loop") == "varying_lengths" else cfg.seq_len
                 total = 0.0
                 for micro in range(cfg.grad_accum):
                     last = micro == cfg.grad_accum - 1
@@ -894,7 +898,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     if fix.get("where") == "loop":
                         _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
                               micro_batches=cfg.grad_accum, step=step)
-                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, cfg.seq_len), dev,
+                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, seq), dev,
                                    keep=held if row.get("loop") == "keep_outputs" else None) / cfg.grad_accum
                     if fix.get("where") == "backward":
                         _exec(fix, model, opt, ns=held, outputs=held.get("outputs"))
@@ -918,7 +922,27 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     finally:  # jitter.gc's fix freezes and disables the collector: the next scenario starts as the user would
         gc.unfreeze()
         gc.enable()
+        if row.get("alloc_limit") and dev.type == "cuda":  # the next scenario has the whole device
+            torch.cuda.set_per_process_memory_fraction(1.0, dev)
     return losses, replica_drift(model)
+
+
+# the "varying_lengths" loop: each step's sequence length, a fraction of the row's seq_len (the first two steps at the
+# longest: step 1's peak, the first with optimizer state, is the longest step's)
+VARYING_LENGTHS = (1.0, 1.0, 0.5, 1.0, 0.125, 0.75, 1.0, 0.25, 1.0, 0.5, 0.375, 1.0)
+ALLOC_LIMIT_AFTER = 2  # the step from which a row's alloc_limit caps the allocator
+
+
+def seq_len_at(seq_len: int, step: int) -> int:
+    return max(8, int(seq_len * VARYING_LENGTHS[step % len(VARYING_LENGTHS)]))
+
+
+def limit_allocator(dev: torch.device, share: float) -> None:
+    """Caps this process's CUDA caching allocator at ``share`` times the highest allocation so far (the longest
+    step's peak): a device that the run nearly fills, as a larger model would, on the GPU machine's 80 GB
+    (memory.alloc_retries' GPU row)."""
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, share * torch.cuda.max_memory_allocated(dev) / total), dev)
 
 
 def grad_norms_per_parameter(model) -> dict[str, float]:
@@ -976,7 +1000,9 @@ def run_scenarios(spec_path: Path) -> dict:
                 row.setdefault("watch", {})["capacity_bytes"] = int(peak / share)
             losses, drift = train_scenario(row)
             out[row["name"]] = {"losses": losses, "replica_drift": drift,
-                                "capacity_bytes": row.get("watch", {}).get("capacity_bytes")}
+                                "capacity_bytes": row.get("watch", {}).get("capacity_bytes"),
+                                # the allocator's settings the row ran under (a startup fix sets them)
+                                "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ}}
         except Exception as e:  # noqa: BLE001 - reported per scenario
             import traceback
 
@@ -1086,6 +1112,11 @@ def main(argv: list[str], clients: dict | None = None) -> int:
     """One rank: ``clients`` (default CLIENTS; tests/recorder_cases.py passes its cases) names what to run."""
     client, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), argv[3], Path(argv[4])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if client == "scenarios":  # fixes for the top of the user's script, pasted before anything touches the device
+        for row in json.loads(out.read_text()):
+            fix = row.get("fix") or {}
+            if fix.get("where") == "startup":
+                exec(compile(fix["code"], f"<{fix.get('finding')} fix, at startup>", "exec"), {})
     torch.set_num_threads(1)
     dev = scenario_device() if client in ("scenarios", "snippets") else torch.device("cpu")
     if dev.type == "cuda":  # NCCL on this rank's GPU (set before the group: device_id binds the communicator)

@@ -89,6 +89,9 @@ class Row:
     loop: Optional[str] = None
     # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
     peak_within: float = 0.10
+    # a GPU row's device nearly full: from tests/clients.py ALLOC_LIMIT_AFTER on, the caching allocator is capped at
+    # this times the highest allocation so far (torch.cuda.set_per_process_memory_fraction); None: the whole device
+    alloc_limit: Optional[float] = None
 
     def spec(self, out: Path, fix: Optional[dict] = None, capacity: Optional[int] = None,
              device: str = "cpu") -> dict:
@@ -102,7 +105,8 @@ class Row:
         if capacity:
             watch["capacity_bytes"] = capacity
         spec = {"name": self.name, "tree": self.tree, "knobs": knobs, "watch": watch, "out_dir": str(out),
-                "user_shard": self.user_shard, "fix": fix, "mesh": self.mesh, "loop": self.loop}
+                "user_shard": self.user_shard, "fix": fix, "mesh": self.mesh, "loop": self.loop,
+                "alloc_limit": self.alloc_limit}
         if self.capacity_share and not capacity:
             spec["capacity_share"] = self.capacity_share
         return spec
@@ -444,10 +448,23 @@ GPU_ROWS: list[Row] = [
     # ahead of the device, so the tiny GPT's kernels wait in the queue behind the collectives instead of for their
     # launches (its old 2-rank recording: 3% of them started within 50 µs of their launch, the device waited for
     # launches 11% of the step); alone, the device has nothing to wait for but the host (traces/gpu: 100%, 83%)
+    # sequence lengths that vary from step to step (1/8 to all of seq_len) on a device the run nearly fills: the
+    # allocator capped at 1.1x the longest step's peak from step 2 on (a larger model's 80 GB, on the H100). The
+    # fix, expandable segments, reruns in a launch of its own with the variable set before the ranks start CUDA
+    _g("gpu_gpt_alloc_retries", "gpt", "memory.alloc_retries", "sequence lengths that vary per step, a nearly full "
+       "device", knobs=GPU_SHAPE, loop="varying_lengths", alloc_limit=1.1, figure="retries"),
     _g("gpu_gpt_tiny_launch_bound", "gpt", "kernels.launch_bound", "a tiny GPT: the host launches, the GPU waits",
        knobs=TINY_GPU, min_severity="info", world=1),
 ]
 BY_NAME = {r.name: r for r in ROWS + GPU_ROWS}
+# where the GPU session's recorded runs of GPU_ROWS are committed (benchmarks/gpu_campaign.py --adopt)
+RECORDED_GPU = HERE.parent / "traces" / "gpu" / "scenarios"
+
+
+def recorded_gpu_rows() -> list[Row]:
+    """The GPU rows recorded so far: a row added since the last GPU session is not (a test that reads them all
+    must not skip for it; each row's own test skips until it is recorded)."""
+    return [r for r in GPU_ROWS if (RECORDED_GPU / r.name / "manifest.json").exists()]
 # rows whose rerun shows the doctor's advice wrong, left to the rule's owner (tests xfail strictly on them, so a
 # fix of the rule turns them into failures to remove from here)
 KNOWN_WRONG: dict[str, str] = {
@@ -631,9 +648,12 @@ def _before(rows: list[Row], tmp: Path, device: str, again: str = "") -> dict[st
 
 def _after(fixes: list[Outcome], tmp: Path, device: str, again: str = "") -> None:
     """Reruns each outcome's row with its fix applied (in ``tmp/NAME{again}_fixed``): ``Outcome.after``."""
-    # on a GPU a fix that compiles (inductor) reruns in a launch of its own: a slow compile costs only its row
+    # on a GPU a fix that compiles (inductor) reruns in a launch of its own: a slow compile costs only its row; a
+    # fix for the top of the script (the allocator's settings) too, pasted before the ranks touch the device
     slow = [o for o in fixes if device != "cpu" and "compile(" in o.fix["code"]]
-    for tag, batch in (("after", [o for o in fixes if all(o is not x for x in slow)]), ("after_compiled", slow)):
+    startup = [o for o in fixes if o.fix["where"] == "startup"]
+    rest = [o for o in fixes if all(o is not x for x in slow + startup)]
+    for tag, batch in (("after", rest), ("after_compiled", slow), ("after_startup", startup)):
         if not batch:
             continue
         try:

@@ -84,9 +84,7 @@ def test_a_recorded_gpu_scenario_yields_its_finding(row):
         assert M.at_least(report.findings, r.code, r.min_severity), {f.code: f.severity for f in report.findings}
 
 
-# the GPU rows recorded so far: a row added since the last GPU session is not, and a test that reads them all must
-# not skip for it (each row's own test above skips until it is recorded)
-RECORDED = [r.name for r in M.GPU_ROWS if (GPU / "scenarios" / r.name / "manifest.json").exists()]
+RECORDED = [r.name for r in M.recorded_gpu_rows()]
 
 
 @recorded

@@ -294,3 +294,32 @@ def test_a_campaign_packs_into_tarballs_the_device_tool_returns(tmp_path, monkey
     monkeypatch.setattr(G, "REPO", tmp_path)
     G.adopt(back, tmp_path / "traces" / "gpu")
     assert (tmp_path / "traces" / "gpu" / "scenarios" / "gpu_gpt_accum" / "manifest.json").exists()
+
+
+def test_the_alloc_retries_row_runs_its_loop_and_pastes_its_fix_before_the_ranks_start(tmp_path, monkeypatch):
+    """memory.alloc_retries' GPU row, shrunk on gloo (its rule needs CUDA's allocator figures: quiet here): the
+    loop's sequence lengths vary from step to step, and the rerun's fix, the allocator setting printed for the top
+    of the script (``where`` "startup"), is executed in each rank before it starts its device, in a launch of its
+    own; the row then trains under that setting. The allocator cap (alloc_limit) is CUDA's and skipped here."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import clients as C
+    import scenario_matrix as M
+
+    from fsdp_doctor.diagnose.snippets import complete, expandable_segments_code
+
+    for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the ranks inherit this environment
+        monkeypatch.delenv(v, raising=False)
+    row = M.BY_NAME["gpu_gpt_alloc_retries"]
+    assert row.alloc_limit == 1.1 and row.loop == "varying_lengths" and row.figure == "retries"
+    lengths = [C.seq_len_at(512, s) for s in range(12)]
+    assert lengths[:2] == [512, 512] and max(lengths) == 512 and min(lengths) == 64 and len(set(lengths)) == 6
+    fix = {"code": complete(expandable_segments_code({})), "where": "startup", "inputs": {},
+           "finding": "memory.alloc_retries"}
+    got = M.launch([row.spec(tmp_path / "fixed", fix, device="cpu")], tmp_path, "after_startup")
+    res = got[row.name]
+    assert "error" not in res, res
+    assert res["alloc_conf"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    run, report = M.diagnosis(tmp_path / "fixed")
+    assert len(res["losses"]) == len(run.ranks[0].steps) == 10
+    st = next(s for s in report.rules if s.code == "memory.alloc_retries")
+    assert st.status == "skipped"  # on the CPU: no allocator to retry

@@ -111,7 +111,7 @@ def test_the_recorded_gpu_rows_keep_what_their_loop_keeps():
     output too, and it frees the output of the step before while the new one is bound (the probe's temporaries
     there are 65.0-69.0 MiB on every row: cuBLAS's workspaces and tensors older than the step; 65-219 MiB on the
     first recording, f599da8, which also held the previous scenario's model)."""
-    for row in M.GPU_ROWS:
+    for row in M.recorded_gpu_rows():
         per_rank = build_report(load_run(_recorded(row.name)), diagnosis=False).overlap.memory.per_rank
         want = LOGITS + PAST_KEY_VALUES + LOSS_BLOCK if row.name == PLANTED else LOSS_BLOCK
         freed = want if row.name in (PLANTED, "gpu_gpt_tuned") else None
@@ -146,7 +146,7 @@ def test_the_planted_gpu_row_finding_and_its_prediction(planted):
 
 
 def test_no_gpu_row_but_the_planted_one_keeps_outputs():
-    for row in M.GPU_ROWS:
+    for row in M.recorded_gpu_rows():
         if row.name == PLANTED:
             continue
         report = M.diagnosis(_recorded(row.name))[1]
