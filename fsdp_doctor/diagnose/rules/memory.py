@@ -321,20 +321,20 @@ def _retries(ctx: Context) -> dict[int, _Retries]:
         steady = {s.step for s in usable_steps(rd.steps)}
         read = sorted((s for s in rd.steps if s.memory is not None and s.memory.cuda is not None
                        and s.memory.cuda.alloc_retries is not None), key=lambda s: s.step)
-        steps, walls, ooms, worst, prev = {}, ([], []), 0, None, None
+        steps, with_ms, without_ms, ooms, worst, prev = {}, [], [], 0, None, None
         for s in read:
             c = s.memory.cuda
             if prev is not None and s.step in steady:
                 added = c.alloc_retries - prev.alloc_retries
                 if added > 0:
                     steps[s.step] = added
-                walls[added <= 0].append(s.wall_ms)
+                (with_ms if added > 0 else without_ms).append(s.wall_ms)
                 ooms += max(0, (c.ooms or 0) - (prev.ooms or 0))
                 if worst is None or (c.reserved or 0) > (worst.reserved or 0):
                     worst = c
             prev = c
         if worst is not None:
-            out[int(rank)] = _Retries(steps, len(walls[0]) + len(walls[1]), walls[0], walls[1], ooms, worst)
+            out[int(rank)] = _Retries(steps, len(with_ms) + len(without_ms), with_ms, without_ms, ooms, worst)
     return out
 
 
