@@ -38,7 +38,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from fsdp_doctor.record.memory.device import DeviceStats, allocated_reader
+    from fsdp_doctor.record.memory.device import DeviceStats, allocated_reader, allocator_limit
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -53,6 +53,7 @@ def main() -> int:
         "torch.cuda.memory_stats": lambda: torch.cuda.memory_stats(dev),
         "torch.cuda.mem_get_info": lambda: torch.cuda.mem_get_info(dev),
         "NVML process list": lambda: ds._nvml_process_bytes(),
+        "allocator_limit (a memory fraction, per step)": lambda: allocator_limit(dev),
         "DeviceStats.stats (per step, cached device figures)": lambda: ds.stats(1),
         "cuda.Event.record": ev.record,
     }

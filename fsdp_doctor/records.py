@@ -242,6 +242,9 @@ class CudaMemory(msgspec.Struct, kw_only=True, omit_defaults=True):
     inactive_split_bytes: int | None = None  # the allocator's inactive split blocks
     device_free: int | None = None  # torch.cuda.mem_get_info
     device_total: int | None = None
+    # the most this process's caching allocator may reserve where torch.cuda.set_per_process_memory_fraction capped
+    # it below the device (None: the whole device)
+    allocator_limit: int | None = None
     largest_free_block: int | None = None  # largest inactive cached block (memory_snapshot, some steps)
     nvml_process_bytes: int | None = None  # this process's device memory as NVML sees it
     outside_allocator: int | None = None  # nvml_process_bytes - reserved: NCCL, CUDA context, other allocators
@@ -253,7 +256,7 @@ class CudaMemory(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: the fields that are bytes (TensorBoard writes each as ``memory/cuda_<name without _bytes>_mib``)
     BYTE_FIELDS: ClassVar[tuple[str, ...]] = (
         "allocated", "reserved", "fragmentation", "max_allocated", "inactive_split_bytes", "device_free",
-        "device_total", "largest_free_block", "nvml_process_bytes", "outside_allocator")
+        "device_total", "allocator_limit", "largest_free_block", "nvml_process_bytes", "outside_allocator")
 
 
 class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -1390,7 +1390,16 @@ def test_alloc_retries_one_step_is_info_and_quiet_reasons():
     assert not f.recommendation.code and "already on" in f.recommendation.text
     # the peak allocation fills the device (78 of 80 GiB): no cached memory to reclaim, no code
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], peak=78 << 30, reserved=79 << 30))
-    assert not f.recommendation.code and "fills 98% of the device's 80.00 GiB" in f.recommendation.text
+    assert not f.recommendation.code
+    assert "fills 98% of the 80.00 GiB the allocator may reserve," in f.recommendation.text
+    # ... or what a memory fraction leaves this process of the device: 19.5 GiB peak under a 20 GiB cap
+    ctx = _retries_ctx([0, 1, 2, 3], peak=int(19.5 * (1 << 30)))
+    for s in ctx.run.ranks[0].steps:
+        s.memory.cuda.allocator_limit = 20 << 30
+    (f,) = run_rule("memory.alloc_retries", ctx)
+    assert not f.recommendation.code and f.evidence["allocator_limit_bytes"] == 20 << 30
+    assert "fills 98% of the 20.00 GiB the allocator may reserve (this process's memory fraction)" in \
+        f.recommendation.text
     # steps without the allocator's figures (a CPU run's): quiet with the reason
     ctx, _ = build()
     ctx.run.ranks = {0: SimpleNamespace(steps=[StepRecord(rank=0, step=i, start_ns=i, wall_ms=1.0) for i in range(4)])}
@@ -1410,3 +1419,18 @@ def test_the_config_records_the_allocator_settings_of_a_cuda_run(monkeypatch):
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], alloc_conf=alloc_conf(torch.device("cuda", 0))))
     assert f.recommendation.code.endswith(
         "os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64,expandable_segments:True'")
+
+
+def test_a_memory_fraction_is_the_capacity_and_the_allocator_limit(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction(0.25) on an 80 GiB device: the allocator may reserve 20 GiB, the
+    doctor's default capacity and the step records' allocator_limit; at 1.0 (the default) no limit is recorded."""
+    import torch
+
+    from fsdp_doctor.record.memory.device import allocator_limit
+
+    fraction = [0.25]
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: fraction[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: SimpleNamespace(total_memory=80 << 30))
+    assert allocator_limit(torch.device("cuda", 0)) == 20 << 30
+    fraction[0] = 1.0
+    assert allocator_limit(torch.device("cuda", 0)) is None

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..records import ALLOC_CONF_VARS, Experts, OptimizerGroup, RunConfig
 from . import fsdp2 as F2
+from .memory.device import allocator_limit
 from .throughput import device_peak_tflops
 from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
                     unmanaged_summary)
@@ -36,8 +37,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model)
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     capacity = capacity_bytes
-    if capacity is None and dev.type == "cuda":
-        capacity = torch.cuda.get_device_properties(dev).total_memory
+    if capacity is None and dev.type == "cuda":  # the device, or what a memory fraction leaves this process of it
+        capacity = allocator_limit(dev) or torch.cuda.get_device_properties(dev).total_memory
     peak = peak_tflops
     if peak is None and dev.type == "cuda":
         peak = device_peak_tflops(dev_name, _compute_dtype(units))

@@ -15,7 +15,7 @@ class WatchOptions:
     Args:
         out_dir: the run directory; each rank writes its own record stream there.
         capacity_bytes: memory budget per rank the diagnosis compares against (default: the GPU's total
-            memory; none on CPU).
+            memory, or the share ``torch.cuda.set_per_process_memory_fraction`` left this process; none on CPU).
         profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 1000),
             False, a schedule callable (``torch.profiler.schedule(...)`` or :class:`ProfileSchedule`), or a
             dict of ``torch.profiler.profile`` arguments.

@@ -359,7 +359,7 @@ class AllocRetries(Rule):
         cfg, w = ctx.config, rt.worst
         conf = dict(cfg.alloc_conf) if cfg is not None else {}
         settings = ",".join(conf.values()).replace(" ", "").lower()
-        total = w.device_total or E.capacity_bytes(ctx)
+        total = w.allocator_limit or w.device_total or E.capacity_bytes(ctx)  # what the allocator may reserve
         pm = E.peak_memory(ctx)
         peak = int(pm.peak_bytes) if pm is not None else None
         fills = bool(peak and total and peak >= RETRY_PEAK_FILLS_SHARE * total)
@@ -377,7 +377,8 @@ class AllocRetries(Rule):
             "step_ms_without_retries": round(statistics.median(rt.without_ms), 3) if rt.without_ms else None,
             "reserved_bytes": w.reserved, "allocated_bytes": w.allocated, "fragmentation_bytes": w.fragmentation,
             "inactive_split_bytes": w.inactive_split_bytes, "largest_free_block_bytes": w.largest_free_block,
-            "device_total_bytes": total, "peak_bytes": peak, "alloc_conf": conf or None}
+            "device_total_bytes": w.device_total, "allocator_limit_bytes": w.allocator_limit, "peak_bytes": peak,
+            "alloc_conf": conf or None}
         sev = "warning" if n >= RETRY_MIN_STEPS else "info"
         title = (f"cudaMalloc retried {count} time(s) in {n} of {rt.steady} steady steps on rank {rank}: each "
                  "retry frees the allocator's cache and synchronizes the device")
@@ -398,7 +399,9 @@ class AllocRetries(Rule):
             return [self.finding(
                 sev, title, evidence,
                 f"{why}; the peak allocation itself ({fmt_bytes(peak)}) fills "
-                f"{100 * peak / total:.0f}% of the device's {fmt_bytes(total)}, so there is little cached memory "
+                f"{100 * peak / total:.0f}% of the {fmt_bytes(total)} the allocator may reserve"
+                + ("" if not w.allocator_limit else " (this process's memory fraction)")
+                + ", so there is little cached memory "
                 "to reclaim: lower the peak (the memory findings above: checkpointing, resharding after forward, "
                 "offload) or the batch.",
                 predicted=E.predicted(step, after, peak, peak), ranks=[rank])]

@@ -46,6 +46,19 @@ def allocated_reader(device: torch.device) -> Callable[[], int]:
     return allocated
 
 
+def allocator_limit(dev: torch.device) -> int | None:
+    """The bytes this process's CUDA caching allocator may reserve on ``dev`` where
+    ``torch.cuda.set_per_process_memory_fraction`` capped it below the device; None for the whole device (or a torch
+    without ``get_per_process_memory_fraction``)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get is None:
+        return None
+    fraction = float(get(dev))
+    if fraction >= 1.0:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(dev).total_memory)
+
+
 class DeviceStats:
     """Allocator and device figures of one CUDA device (``fragmentation_every``: steps between allocator
     snapshots for the largest free block, 0 = never; ``nvml``: read this process's device memory from NVML)."""
@@ -73,7 +86,8 @@ class DeviceStats:
             out.update(allocated=alloc, reserved=reserved, fragmentation=max(0, reserved - alloc),
                        max_allocated=int(s["allocated_bytes"]["all"]["peak"]),
                        inactive_split_bytes=int(s["inactive_split_bytes"]["all"]["current"]),
-                       alloc_retries=int(s.get("num_alloc_retries", 0)), ooms=int(s.get("num_ooms", 0)))
+                       alloc_retries=int(s.get("num_alloc_retries", 0)), ooms=int(s.get("num_ooms", 0)),
+                       allocator_limit=allocator_limit(dev))
             last = self._dev
             if last is None or last[0] != reserved or step - last[1] >= DEVICE_EVERY:
                 self._dev = (reserved, step, self._device_figures(reserved))
