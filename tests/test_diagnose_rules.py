@@ -1434,3 +1434,9 @@ def test_a_memory_fraction_is_the_capacity_and_the_allocator_limit(monkeypatch):
     assert allocator_limit(torch.device("cuda", 0)) == 20 << 30
     fraction[0] = 1.0
     assert allocator_limit(torch.device("cuda", 0)) is None
+
+    def unsupported(dev=None):
+        raise RuntimeError("cudaMallocAsync does not support memory fractions")
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", unsupported)
+    assert allocator_limit(torch.device("cuda", 0)) is None  # the other figures are still read

@@ -51,9 +51,10 @@ def allocator_limit(dev: torch.device) -> int | None:
     ``torch.cuda.set_per_process_memory_fraction`` capped it below the device; None for the whole device (or a torch
     without ``get_per_process_memory_fraction``)."""
     get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if get is None:
+    try:  # (an allocator backend without fractions, cudaMallocAsync's, may raise: then none is known)
+        fraction = float(get(dev)) if get is not None else 1.0
+    except Exception:  # noqa: BLE001 - the other allocator figures are still read
         return None
-    fraction = float(get(dev))
     if fraction >= 1.0:
         return None
     return int(fraction * torch.cuda.get_device_properties(dev).total_memory)
