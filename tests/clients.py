@@ -47,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
 from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING, SHARDING_GOES_HERE
-from fsdp_doctor.records import ALLOC_CONF_VARS
+from fsdp_doctor.record.config_snapshot import alloc_conf
 
 STEPS = 10
 SEQ = 32
@@ -315,8 +315,8 @@ def grad_norms_fix_against_full_tensor(model, vocab: int) -> dict:
     F.cross_entropy(model(tok).float().flatten(0, 1), tgt.flatten()).backward()
     ns = {"model": model, "step": 0}
     exec(compile(complete(GRAD_NORMS_CODE), "<optim.step_comm fix>", "exec"), ns)
-    want = {n: float(p.grad.full_tensor().norm()) for n, p in model.named_parameters()
-            if isinstance(p.grad, DTensor)}
+    sharded = {n for n, p in model.named_parameters() if isinstance(p.grad, DTensor)}
+    want = {n: v for n, v in grad_norms_per_parameter(model).items() if n in sharded}
     return {"compared": len(want),
             "max_rel": max(abs(ns["grad_norms"][n] - v) / max(v, 1e-12) for n, v in want.items())}
 
@@ -1002,7 +1002,7 @@ def run_scenarios(spec_path: Path) -> dict:
             out[row["name"]] = {"losses": losses, "replica_drift": drift,
                                 "capacity_bytes": row.get("watch", {}).get("capacity_bytes"),
                                 # the allocator's settings the row ran under (a startup fix sets them)
-                                "alloc_conf": {v: os.environ[v] for v in ALLOC_CONF_VARS if v in os.environ}}
+                                "alloc_conf": alloc_conf(torch.device("cuda"))}  # as a CUDA run records them
         except Exception as e:  # noqa: BLE001 - reported per scenario
             import traceback
 

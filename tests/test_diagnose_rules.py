@@ -1388,6 +1388,9 @@ def test_alloc_retries_one_step_is_info_and_quiet_reasons():
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], alloc_conf={
         "PYTORCH_ALLOC_CONF": "expandable_segments:True"}))
     assert not f.recommendation.code and "already on" in f.recommendation.text
+    (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], alloc_conf={
+        "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}))
+    assert not f.recommendation.code and "The cudaMallocAsync backend is already on" in f.recommendation.text
     # the peak allocation fills the device (78 of 80 GiB): no cached memory to reclaim, no code
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], peak=78 << 30, reserved=79 << 30))
     assert not f.recommendation.code

@@ -386,25 +386,20 @@ class AllocRetries(Rule):
                "allocator releases every unused cached block, which waits for the device to finish its work, and "
                f"calls cudaMalloc again. At the step that reserved the most, {fmt_bytes(w.reserved or 0)} were "
                f"reserved for {fmt_bytes(w.allocated or 0)} allocated at the step's end")
-        if "expandable_segments:true" in settings or "backend:cudamallocasync" in settings:
-            which = ("expandable segments are" if "expandable_segments:true" in settings
-                     else "the cudaMallocAsync backend is")
+        already = ("Expandable segments are" if "expandable_segments:true" in settings else
+                   "The cudaMallocAsync backend is" if "backend:cudamallocasync" in settings else None)
+        predicted = E.predicted(step, after, peak, peak)
+        if already or fills:  # the allocator is not the lever: the peak is (advice in words)
+            cause = (f". {already} already on ({', '.join(f'{k}={v}' for k, v in conf.items())}), so the "
+                     "allocations themselves meet the device's memory" if already else
+                     f"; the peak allocation itself ({fmt_bytes(peak)}) fills {100 * peak / total:.0f}% of the "
+                     f"{fmt_bytes(total)} the allocator may reserve"
+                     + ("" if not w.allocator_limit else " (this process's memory fraction)")
+                     + ", so there is little cached memory to reclaim")
             return [self.finding(
                 sev, title, evidence,
-                f"{why}. {which.capitalize()} already on ({', '.join(f'{k}={v}' for k, v in conf.items())}), "
-                "so the allocations themselves meet the device's memory: lower the peak (the memory findings "
-                "above: checkpointing, resharding after forward, offload) or the batch.",
-                predicted=E.predicted(step, after, peak, peak), ranks=[rank])]
-        if fills:
-            return [self.finding(
-                sev, title, evidence,
-                f"{why}; the peak allocation itself ({fmt_bytes(peak)}) fills "
-                f"{100 * peak / total:.0f}% of the {fmt_bytes(total)} the allocator may reserve"
-                + ("" if not w.allocator_limit else " (this process's memory fraction)")
-                + ", so there is little cached memory "
-                "to reclaim: lower the peak (the memory findings above: checkpointing, resharding after forward, "
-                "offload) or the batch.",
-                predicted=E.predicted(step, after, peak, peak), ranks=[rank])]
+                f"{why}{cause}: lower the peak (the memory findings above: checkpointing, resharding after forward, "
+                "offload) or the batch.", predicted=predicted, ranks=[rank])]
         return [self.finding(
             sev, title, evidence,
             f"{why}: blocks cached for earlier sizes (sequence lengths that vary, the all-gather and "
@@ -415,5 +410,4 @@ class AllocRetries(Rule):
             "stays), the step loses the retries' synchronizations"
             + ("" if not rt.without_ms else f" (the steps with retries take {evidence['step_ms_with_retries']:.1f} "
                f"ms, the others {evidence['step_ms_without_retries']:.1f} ms)") + ".",
-            S.expandable_segments_code(conf), where="startup",
-            predicted=E.predicted(step, after, peak, peak), ranks=[rank])]
+            S.expandable_segments_code(conf), where="startup", predicted=predicted, ranks=[rank])]
