@@ -67,6 +67,29 @@ def test_a_window_step_that_evaluated_is_taken_again(tmp_path):
     assert other_profiler() is None
 
 
+@pytest.mark.parametrize("clean", [True, False])
+@pytest.mark.parametrize("steps, evaluated", [(2, set()), (5, {3})])
+def test_a_window_that_completed_no_step_is_not_saved_after_a_clean_end(tmp_path, clean, steps, evaluated):
+    """The last step() opened the window's first recorded step (2 steps; or 5, the window retaken at step 4 after
+    an evaluation in step 3 and recording from step 5): after a clean end the profiler holds only the doctor's
+    exit, so nothing is saved (before, a trace of a step that never ran, which the analysis reported as a rank
+    that never completed it: 'it ended in an error'). After an exception, the unfinished step is kept."""
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=2, warmup=1, every=0)),
+                        lambda s, path: saved.append(s))
+    w.start()
+    for step in range(steps):
+        _work()
+        w.step(evaluated=step in evaluated)
+    if not clean:
+        _work()  # the step that raised
+    w.stop(clean=clean)
+    first = 2 if not evaluated else 5
+    files = [p.name for p in tmp_path.glob("profiler/*")]
+    assert (saved, files) == (([], []) if clean else ([[first]], [f"rank0.{first}.pt.trace.json.gz"])), (saved, files)
+    assert other_profiler() is None
+
+
 def test_steps_aside_for_a_scheduled_user_profiler(tmp_path, caplog):
     seen = []
     user = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],

@@ -216,6 +216,15 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     traced = {step: (profiled, transients) for step, profiled, transients in out["traced_memory"]}
     assert all(traced[s][0] for s in (5, 6, 7)) and not any(traced[s][1] == "exact" for s in (5, 6, 7)), traced
     assert traced[8][1] == "exact", traced
+    # a clean 6-step run under the default schedule: its window would have opened at step 6, after the last step
+    short = out["short"]
+    assert short["default"]["files"] == [] and short["default"]["problems"] == [], short  # no "never completed"
+    assert short["default"]["reason"] == (
+        "needs a torch.profiler trace; this run has none: its 6 steps ended before the doctor's first profiler "
+        "window (steps 6-7); watch(..., profile=fsdp_doctor.ProfileSchedule(first=4)) records one in its last 2 "
+        "steps"), short
+    assert short["advised"]["files"] == ["rank0.4.pt.trace.json.gz"] and short["advised"]["traced"], short
+    assert "this run has none" not in short["advised"]["reason"], short
 
 
 @pytest.mark.slow

@@ -136,6 +136,23 @@ def main():
                  profile=fsdp_doctor.ProfileSchedule(first=6, active=2, warmup=1, every=0), memory=True)
     out["traced_memory"] = [[s.step, s.profiled, s.memory.transients]
                             for s in fsdp_doctor.load_run(traced_dir).ranks[0].steps]
+    # a 6-step run ends where the default schedule's first window opens (step 6): no trace of a step that never
+    # ran, and the rules that need a trace say why there is none and how to take one; the schedule they print
+    # records one
+    short = {}
+    for name, profile in (("default", True), ("advised", None)):
+        d = os.path.join(tmp, f"short_{name}")
+        if profile is None:
+            reason = short["default"]["reason"]
+            profile = eval(reason[reason.index("profile=") + 8:reason.index(")) records") + 1],  # noqa: S307
+                           {"fsdp_doctor": fsdp_doctor})
+        train_losses(WorkloadConfig(steps=6, n_layers=2, d_model=64), d, profile=profile)
+        report = fsdp_doctor.build_report(fsdp_doctor.load_run(d))
+        short[name] = {"files": sorted(os.listdir(os.path.join(d, "profiler"))),
+                       "reason": next(r.reason for r in report.rules if r.code == "accum.sync_every_micro_batch"),
+                       "problems": list(report.problems),
+                       "traced": bool(report.overlap is not None and report.overlap.per_rank)}
+    out["short"] = short
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out))
 

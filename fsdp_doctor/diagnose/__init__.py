@@ -65,7 +65,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
 
 def _missing(cls: type[Rule], ctx: Context) -> list[str]:
     """The reasons ``cls`` cannot run on this run (its unmet needs), [] when it can."""
-    return [NEEDS[n].missing for n in cls.needs if not NEEDS[n].met(ctx)]
+    return [NEEDS[n].reason(ctx) for n in cls.needs if not NEEDS[n].met(ctx)]
 
 
 def catalogue() -> list[dict]:

@@ -39,11 +39,16 @@ class Context:
 # ------------------------------------------------------------------------------------------------ needs
 class Need(NamedTuple):
     """What a rule needs: ``text`` for the catalogue, ``met(ctx)`` whether this run has it, ``missing`` the
-    reason the rule was skipped without it."""
+    reason the rule was skipped without it, and ``why(ctx)`` what this run says of it (appended, when it says)."""
 
     text: str
     met: Callable[[Context], bool]
     missing: str
+    why: Optional[Callable[[Context], Optional[str]]] = None
+
+    def reason(self, ctx: Context) -> str:
+        more = self.why(ctx) if self.why is not None else None
+        return f"{self.missing}: {more}" if more else self.missing
 
 
 def _world_size(ctx: Context) -> int:
@@ -63,6 +68,20 @@ def trace_device(ctx: Context) -> Optional[str]:
     return "gpu" if "gpu" in devs else ("cpu" if devs else None)
 
 
+def _no_window(ctx: Context) -> Optional[str]:
+    """Why a recorded run has no profiler trace, where its steps ended before the doctor's first window."""
+    sched = getattr(ctx.config, "profile_schedule", None)
+    ranks = getattr(ctx.run, "ranks", None) or {}
+    steps = max((len(rd.steps) for rd in ranks.values()), default=0)
+    if not sched or not steps or steps > sched.get("first", 0):
+        return None
+    first, active = int(sched["first"]), int(sched.get("active", 1))
+    earlier = (f"watch(..., profile=fsdp_doctor.ProfileSchedule(first={steps - active})) records one in its last "
+               f"{active} steps" if steps - active >= 1 else f"a run of {active + 1} steps or more records one")
+    window = f"steps {first}-{first + active - 1}" if active > 1 else f"step {first}"
+    return f"its {steps} steps ended before the doctor's first profiler window ({window}); {earlier}"
+
+
 def _on_gpu(ctx: Context) -> bool:
     cfg = ctx.config
     dev = (cfg.device if cfg is not None else "") or (ctx.report.run.device or "")
@@ -74,7 +93,7 @@ NEEDS: dict[str, Need] = {
                     "needs the doctor's step records (fsdp_doctor.watch); this run has none"),
     "trace": Need("a profiler trace",
                   lambda ctx: bool(ctx.report.overlap is not None and ctx.report.overlap.per_rank),
-                  "needs a torch.profiler trace; this run has none"),
+                  "needs a torch.profiler trace; this run has none", _no_window),
     "records|trace": Need("step records or a profiler trace",
                           lambda ctx: (_has_records(ctx) or bool(ctx.report.overlap is not None and ctx.report.overlap.per_rank)),
                           "needs step records or a profiler trace"),

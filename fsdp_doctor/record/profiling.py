@@ -257,12 +257,19 @@ class ProfilerWindows:
             if done:
                 self.on_saved(steps, f"{PROFILER_DIR}/{done[0].name}")
 
-    def stop(self) -> None:
-        # Stopping mid-window saves what was recorded so far (torch calls on_trace_ready).
+    def stop(self, clean: bool = False) -> None:
+        """Closes an open window and waits for the traces being compressed. Stopping mid-window saves what was
+        recorded so far (torch calls on_trace_ready), except after a ``clean`` end (the loop's last ``step()``
+        returned and nothing raised) of a window that completed no step: it would hold only the doctor's exit
+        (a run of 6 steps opens the default window at step 6), which the analysis would read as a step that never
+        finished, so it is dropped unsaved. After an exception, the incomplete step is kept: it shows where the run
+        stopped."""
         try:
             if self.prof is not None:
+                self._discard = clean and not self._window
                 self._close()
         finally:
+            self._discard = False
             self._report_compressed(wait=True)
 
     def _close(self) -> None:

@@ -152,7 +152,7 @@ class Doctor:
     def __exit__(self, exc_type, exc, tb) -> bool:
         was_active = self.active
         try:
-            self._remove()
+            self._remove(clean=exc_type is None)
             if self._gpu is not None and was_active:
                 try:
                     self._sinks.write(*self._gpu.flush())
@@ -166,13 +166,13 @@ class Doctor:
             log.warning("fsdp_doctor: closing the record stream failed (%s: %s)", type(e).__name__, e)
         return False  # never swallow the user's exception
 
-    def _remove(self) -> None:
+    def _remove(self, clean: bool = False) -> None:
         """Removes everything of the doctor from the model, the optimizer, torch and the loggers, at once: the
         profiler window, the FLOP counter, every hook, the FSDP logger tap, the gc callback, the memory probe's
         saved-tensor hooks, the live TensorBoard writer. Idempotent; each part is guarded so that one failing
         part leaves none of the others behind."""
         self.active = False
-        parts = (("profiler stop", lambda: self._profiler and self._profiler.stop()),
+        parts = (("profiler stop", lambda: self._profiler and self._profiler.stop(clean)),
                  ("flop counter", lambda: self._flops and self._flops.abort()),
                  ("hooks", self._timer.uninstall),
                  ("memory probe", lambda: self._memory and self._memory.detach()),
