@@ -211,7 +211,7 @@ class Outlier(_Section):
     ms: float
     median_ms: float
     excess_ms: float
-    cause: str  # "late_rank" | "gc" | "outside" | "no_grad" | "allgather_wait" | "compute"
+    cause: str  # "late_rank" | "gc" | "outside" | "no_grad" | "allgather_wait" | "doctor" | "compute"
     detail: str
 
 

@@ -117,3 +117,32 @@ def test_evaluation_fix_of_a_trainer_run_stays_the_users_code():
                  if f.code == "memory.eval_autograd")
     f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "memory.eval_autograd")
     assert f.recommendation == plain.recommendation and f.recommendation.where == "evaluation"
+
+
+def test_the_doctors_own_counting_step_is_named_as_the_doctors():
+    """A short run keeps the memory probe's op-by-op step (step 2) in the statistics (fewer than 3 steps would be
+    left without it): its excess is the probe's cost inside the forward and backward (probe_us). The table names the
+    doctor, not the user's compute; the same step slow by its own compute stays "compute". The layout of a 6-step
+    run of the 2-rank CPU GPT (step 1 counts FLOPs, step 5 warms the profiler up: both profiled): 137 ms against
+    94 ms, 33.1 ms of probe."""
+    from fsdp_doctor.analyze.steps import find_outliers
+    from fsdp_doctor.records import MemoryStep, StepRecord, UnitStep
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(n, *, probe_ms=0.2, extra=0.0, exact=False):
+        fwd, bwd = 32.0 + 0.4 * probe_ms + extra, 54.0 + 0.6 * probe_ms
+        return StepRecord(rank=0, step=n, start_ns=n, wall_ms=fwd + bwd + 11.0 + 1.5 + 0.4, forward_ms=fwd,
+                          backward_ms=bwd, optimizer_ms=11.0, outside_ms=1.5, doctor_ms=0.4, profiled=n in (1, 5),
+                          memory=MemoryStep(probe_us=probe_ms * 1e3, sampling="full" if exact else "replayed",
+                                            transients="exact" if exact else "replayed"),
+                          units=[UnitStep(name="layers.0", fwd_ms=fwd, ag_wait_fwd_ms=3.0)])
+
+    for slow, cause, detail in ((dict(probe_ms=33.1, exact=True), "doctor",
+                                 "the doctor: +32.9 ms counting this step's memory op by op"),
+                                (dict(extra=40.0), "compute",
+                                 "compute +40.0 ms in forward/backward/optimizer (of +40.0 ms)")):
+        run = Run(path="constructed")
+        run.ranks[0] = RankData(rank=0, steps=[step(n, **(slow if n == 2 else {})) for n in range(1, 6)])
+        out = {o.step: o for o in find_outliers(run)}
+        assert list(out) == [2] and (out[2].cause, out[2].detail) == (cause, detail), out

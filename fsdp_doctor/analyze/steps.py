@@ -188,6 +188,14 @@ class _Base:
     fwd: float
     bwd: float
     opt: float
+    probe: float
+    doctor: float
+
+
+def probe_ms(s: StepRecord) -> float:
+    """The memory probe's own cost in the step (ms): its marks inside the forward and backward, and on a step
+    whose memory was counted op by op (the high-water's dispatch mode: steps 0-2, and every so often), each op's."""
+    return s.memory.probe_us / 1e3 if s.memory is not None else 0.0
 
 
 def _baseline(steps: list[StepRecord]) -> _Base:
@@ -197,7 +205,8 @@ def _baseline(steps: list[StepRecord]) -> _Base:
         outside=med([s.outside_ms for s in steps]), no_grad=med([s.no_grad_ms for s in steps]),
         wait=med([collective_wait_ms(s) for s in steps]),
         fwd=med([s.forward_ms for s in steps]), bwd=med([s.backward_ms for s in steps]),
-        opt=med([s.optimizer_ms for s in steps]),
+        opt=med([s.optimizer_ms for s in steps]), probe=med([probe_ms(s) for s in steps]),
+        doctor=med([s.doctor_ms for s in steps]),
     )
 
 
@@ -240,8 +249,11 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
         "no_grad": s.no_grad_ms - b.no_grad,
         "wait": collective_wait_ms(s) - b.wait,
     }
-    own_compute = (s.forward_ms + s.backward_ms + s.optimizer_ms) - collective_wait_ms(s)
-    parts["compute"] = own_compute - (b.fwd + b.bwd + b.opt - b.wait)
+    # the doctor's own time: its work at the step's start (doctor_ms, outside every phase) and the memory probe's,
+    # inside the forward and backward, which the compute part is counted without
+    parts["doctor"] = s.doctor_ms + probe_ms(s) - b.doctor - b.probe
+    own_compute = (s.forward_ms + s.backward_ms + s.optimizer_ms) - collective_wait_ms(s) - probe_ms(s)
+    parts["compute"] = own_compute - (b.fwd + b.bwd + b.opt - b.wait - b.probe)
     # Another rank arriving late shows up here as waiting, and there as time outside or computing: in the same
     # step, or at the end of the previous one (its optimizer step or code after it ran long after this rank had
     # moved on, so this rank waits in this step's first collective).
@@ -263,6 +275,10 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
                            f"+{parts['no_grad']:.1f} ms")
     if key == "outside":
         return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
+    if key == "doctor":
+        how = ("counting this step's memory op by op" if s.memory is not None and s.memory.transients == "exact"
+               else "on its records and memory figures")
+        return "doctor", f"the doctor: +{parts['doctor']:.1f} ms {how}"
     if key == "wait":
         unit, ms = _largest_unit_wait(s)
         return "allgather_wait", f"all-gather wait +{parts['wait']:.1f} ms (largest in unit {unit!r}: {ms:.1f} ms)"
