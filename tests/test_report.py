@@ -76,3 +76,32 @@ def test_a_rank_where_the_doctor_stepped_aside_is_named_in_the_json_and_the_term
     buf = io.StringIO()
     render_report(rep, Console(file=buf, width=200, color_system=None))
     assert "doctor stepped aside on rank 1 at step 3 (fsdp log tap): KeyError: 7" in buf.getvalue()
+
+
+def test_a_run_too_short_to_time_says_so_instead_of_a_table_of_dashes(sample_run_path):
+    """A 2-step run: step 0 is FSDP's lazy initialisation and step 1 the doctor's FLOP count, so no step is a
+    steady one. The step table used to list each rank's 2 steps with dashes under a title naming the traces
+    (there were none); the terminal and the HTML report now say what was left out and how long a run must be."""
+    import io
+
+    from rich.console import Console
+
+    from fsdp_doctor.present.html import render_html
+    from fsdp_doctor.present.terminal import render_report
+
+    run = load_run(sample_run_path)
+    for rd in run.ranks.values():
+        rd.steps = rd.steps[:2]
+        rd.profiles = []
+    assert [s.profiled for s in run.ranks[0].steps] == [False, True]
+    rep = build_report(run)
+    assert all(st.count == 0 and st.recorded == 2 for st in rep.steps.per_rank.values()), rep.steps.per_rank
+    line = ("Step time: no steady step to time. Each rank recorded 2 steps, all left out of the statistics (step 0 "
+            "is FSDP's lazy initialisation; the doctor's FLOP-counting and profiler steps are its own): a run of 3 "
+            "steps or more gives step times and the verdict.")
+    buf = io.StringIO()
+    render_report(rep, Console(file=buf, width=400, color_system=None))
+    text = buf.getvalue()
+    assert line in text and "the traces' complete profiler steps" not in text and "Step time per rank" not in text
+    html = render_html(rep)
+    assert line.replace("'", "&#x27;") in html and "steps-table" not in html

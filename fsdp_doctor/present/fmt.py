@@ -237,8 +237,34 @@ def fmt_ms_cell(x) -> str:
 
 
 STEPS_TITLE = "Step time per rank, ms (steady state: first step and profiled steps excluded)"
+TRACED_STEPS_TITLE = "Step time per rank, ms (the traces' complete profiler steps; the phase split needs records)"
 STEPS_HEADER = ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC")
 STEP_PHASES = ("forward", "backward", "optimizer", "outside", "gc")
+
+
+def steps_traced(section: StepsSection) -> bool:
+    """The step figures are the traces' (no records: no phase split)."""
+    per = section.per_rank
+    return bool(per) and all(st.count and not st.phases_p50_ms for st in per.values())
+
+
+def steps_title(section: StepsSection) -> str:
+    return TRACED_STEPS_TITLE if steps_traced(section) else STEPS_TITLE
+
+
+def no_steady_text(section: StepsSection) -> str | None:
+    """One line where the records hold steps but none is a steady one (a run of 1 or 2 steps: step 0 is FSDP's
+    lazy initialisation, step 1 the doctor's FLOP count), in place of a table of dashes; None otherwise."""
+    per = section.per_rank
+    recorded = sorted({st.recorded or 0 for st in per.values()})
+    if not per or any(st.count for st in per.values()) or not any(recorded):
+        return None
+    n = str(recorded[0]) if len(recorded) == 1 else f"{recorded[0]}-{recorded[-1]}"
+    short = recorded[-1] <= 2
+    return (f"Step time: no steady step to time. Each rank recorded {n} step{'s' if recorded[-1] > 1 else ''}, "
+            f"{'all ' if recorded[-1] > 1 else ''}left out of the statistics (step 0 is FSDP's lazy initialisation; "
+            "the doctor's FLOP-counting and profiler steps are its own)"
+            + (": a run of 3 steps or more gives step times and the verdict." if short else "."))
 
 
 def steps_rows(section: StepsSection) -> list[tuple[str, ...]]:

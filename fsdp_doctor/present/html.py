@@ -20,10 +20,11 @@ from typing import Any, Optional
 from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER, STEPS_TITLE,
+from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
-                  no_grad_text, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows, straggler_text, throughput_rows,
+                  no_grad_text, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
+                  steps_title, no_steady_text, straggler_text, throughput_rows,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
@@ -184,7 +185,9 @@ def _table(header, rows, tid: str, left: tuple[int, ...] = (0,), cls: str = "num
 
 def _steps(section: StepsSection) -> str:
     """The terminal's step table (percentiles and phases per rank), its outliers and stragglers."""
-    out = f"<h3>{_esc(STEPS_TITLE)}</h3>" + _table(STEPS_HEADER, steps_rows(section), "steps-table")
+    none = no_steady_text(section)
+    out = (f"<p class='note'>{_esc(none)}</p>" if none else
+           f"<h3>{_esc(steps_title(section))}</h3>" + _table(STEPS_HEADER, steps_rows(section), "steps-table"))
     if (line := no_grad_text(section)) is not None:
         out += f"<p class='no-grad'>{_esc(line)}</p>"
     if section.outliers:

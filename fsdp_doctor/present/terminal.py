@@ -11,10 +11,10 @@ from rich.text import Text
 
 from ..report_sections import Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow, Verdict
 from .fit import Col, fitted_table
-from .fmt import (fix_heading, STEPS_TITLE, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
+from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, fmt_value, no_grad_text, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, short_unit_labels, steps_rows,
-                  straggler_text, throughput_note, throughput_rows, trace_units_title, verdict_headline,
+                  steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows, trace_units_title, verdict_headline,
                   verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -55,12 +55,10 @@ def render_steps(section: StepsSection, width: int = 100):
             Col("cv"), Col("fwd", drop=1), Col("bwd", drop=1), Col("optim", drop=1), Col("outside", drop=1),
             Col("GC", drop=1)]
     rows = steps_rows(sec)
-    traced = bool(sec.per_rank) and all(not st.phases_p50_ms for st in sec.per_rank.values())
-    title = ("Step time per rank, ms (the traces' complete profiler steps; the phase split needs records)" if traced
-             else STEPS_TITLE)
-    if traced:  # no phase split from a trace: those columns would only hold dashes
+    if steps_traced(sec):  # no phase split from a trace: those columns would only hold dashes
         cols, rows = cols[:7], [r[:7] for r in rows]
-    items = [fitted_table(title, cols, rows, width)]
+    none = no_steady_text(sec)
+    items = [Text(none) if none else fitted_table(steps_title(sec), cols, rows, width)]
     if (line := no_grad_text(sec)) is not None:
         items.append(Text(line))
     if sec.outliers:
