@@ -47,6 +47,10 @@ def test_no_params_in_root_warning_without_an_all_gather(matrix):
     root = next(u for u in o.report.units if u.is_root)
     assert root.shard_size == 1 and root.param_count > 0
     assert "wrap.params_in_root" not in {f.code for f in o.findings}
+    # declared as the rules' need (a shard group of 2+ ranks), with its reason, as on one rank
+    status = {r.code: r for r in o.report.rules}
+    for code in ("wrap.params_in_root", "prefetch.exposed_allgather"):
+        assert status[code].status == "skipped" and "2x1 HSDP mesh" in status[code].reason, status[code]
 
 
 @pytest.mark.rows("hf_llama_ac_ample")

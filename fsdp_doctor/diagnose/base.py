@@ -82,6 +82,18 @@ def _no_window(ctx: Context) -> Optional[str]:
     return f"its {steps} steps ended before the doctor's first profiler window ({window}); {earlier}"
 
 
+def _sharded(ctx: Context) -> bool:
+    """The parameters are sharded over two or more ranks, or nothing says otherwise (a plain trace without its world
+    size is not taken as one rank). One rank, or the shard dimension of a 2x1 HSDP mesh (every unit's shard group
+    one rank): its all-gathers are local copies."""
+    cfg = ctx.config
+    if cfg is not None and cfg.world_size == 1:
+        return False
+    rows = ctx.report.units or (cfg.units if cfg is not None else [])
+    sizes = [u.shard_size for u in rows if getattr(u, "shard_size", None) is not None and u.param_count]
+    return not sizes or max(sizes) > 1
+
+
 def _on_gpu(ctx: Context) -> bool:
     cfg = ctx.config
     dev = (cfg.device if cfg is not None else "") or (ctx.report.run.device or "")
@@ -107,6 +119,9 @@ NEEDS: dict[str, Need] = {
                       "needs a GPU profiler trace (on gloo the collectives share the cores with compute)"),
     "multi_rank": Need("world size > 1", lambda ctx: _world_size(ctx) > 1,
                        "needs two or more ranks; this run has one"),
+    "sharded": Need("parameters sharded over 2+ ranks", _sharded,
+                    "needs parameters sharded over two or more ranks; each shard group here is one rank (one rank, "
+                    "or a 2x1 HSDP mesh): its all-gathers are local copies, with nothing to wait for or hold"),
     "verdict": Need("a verdict (trace or records)", lambda ctx: ctx.report.verdict is not None,
                     "needs the verdict (what bounds the step), which this run could not give"),
     "throughput": Need("FLOP counts (MFU)", lambda ctx: bool(

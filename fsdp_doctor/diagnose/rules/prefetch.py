@@ -73,16 +73,14 @@ class ExposedAllGather(Rule):
     code = "prefetch.exposed_allgather"
     name = "All-gathers on the critical path"
     description = "Compute waits for parameter all-gathers that prefetching could have started earlier."
-    needs = ("records|trace",)
+    # (one rank gathers from itself: FSDP copies the shards in and out, no collective to wait for; the H100's
+    # one-rank tiny GPT read its host's launch time there as 7 ms of all-gather wait, the trace none)
+    needs = ("records|trace", "sharded")
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
         if not E.param_units(ctx):
             return self._from_plain_trace(ctx)
-        if ctx.config is not None and ctx.config.world_size == 1:
-            # one rank gathers from itself: FSDP copies the shards in and out, no collective to wait for (the H100's
-            # one-rank tiny GPT read its hosts' launch time there as 7 ms of all-gather wait, the trace none)
-            return self.quiet("one rank: its all-gathers are local copies, with nothing to wait for")
         step = E.step_ms(ctx)
         trace = E.trace_exposed_by_unit(ctx, "all_gather")
         cpu = _is_cpu(ctx)

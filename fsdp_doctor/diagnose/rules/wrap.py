@@ -154,7 +154,7 @@ class ParamsInRoot(Rule):
     code = "wrap.params_in_root"
     name = "Parameters left in the root"
     description = "A material share of the parameters sits in the root unit, gathered for the whole step."
-    needs = ("units",)
+    needs = ("units", "sharded")  # (a 2x1 HSDP mesh: no all-gather, nothing held gathered)
     severities = ("warning",)
 
     def match(self, ctx: Context):
@@ -184,8 +184,6 @@ class ParamsInRoot(Rule):
         # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
         # stay in the root gathered: only the rest is freed
         held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable)
-        if root.shard_size == 1:  # (a 2x1 HSDP mesh)
-            return self.quiet("the root is sharded over one rank: no all-gather, nothing held gathered")
         step, peak = _job_numbers(ctx)
         peak_after = peak - held if peak is not None else None
         t = root.timing
