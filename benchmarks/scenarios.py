@@ -3,8 +3,9 @@ tests) run whole, then per rule: the scenarios and model trees it was planted on
 planted), false alarms (a warning of the rule on a row that did not plant it: tuned baselines, other rows), and its
 fix applied and rechecked (gone or improved, no new warning, peak predicted against measured; step time
 predicted against measured, noisy on a shared host). Rules whose problem needs a GPU (comm.*, kernels.*,
-offload.*) are found from the known-answer GPU traces (tests/test_trace_rules.py, tests/test_kernel_rules.py,
-shared/reference_traces/hta) and their snippets executed on a model tree (tests/test_clients.py); their rerun is
+offload.*, memory.alloc_retries) are found from known answers: GPU traces (tests/test_trace_rules.py,
+tests/test_kernel_rules.py, shared/reference_traces/hta) and constructed records (tests/test_diagnose_rules.py), and
+their snippets executed on a model tree (tests/test_clients.py); their rerun is
 for the GPU machine: the matrix's GPU rows (tests/scenario_matrix.py GPU_ROWS), which plant them where a GPU sets
 the step, run there with ``--device cuda`` (2 NCCL ranks on the machine's GPUs, sharing one through NCCL_HOSTID),
 their fixes applied and rechecked as the CPU rows' are, step-time gains included.
@@ -66,7 +67,7 @@ def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[s
             continue
         if not planted and (code.startswith(M.GPU_ONLY) or code in gpu):
             traces = sorted(gpu.get(code, ()))
-            rows.append([code, f"GPU traces ({len(traces)})" if traces else "-",
+            rows.append([code, f"known answers ({len(traces)})" if traces else "-",
                          f"found in {len(traces)}" if traces else "-", "-",
                          "rerun: on the GPU machine (snippet executed on a model tree)" if code in coded else
                          "no fix code (advice in words)", "-", "-"])
