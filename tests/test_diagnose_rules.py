@@ -875,6 +875,27 @@ def test_ac_recommended_picks_enough_blocks():
     assert run_rule("ac.recommended", build(memory=mem)[0]) == []
 
 
+def test_ac_recommended_below_the_dominant_share_fires_only_where_checkpointing_alone_reaches_the_target():
+    """Activations 35% of an 80 MiB peak (under the 40% from which they dominate it), at 89% of a 90 MiB capacity:
+    checkpointing one 7 MiB block keeps 1/16 of it, 73.44 MiB, under 85% of capacity (76.5 MiB): the rule fires and
+    says why. With 2 MiB blocks (10% of the peak) and 84 MiB, checkpointing all four leaves 72.50 MiB, over 71.4 MiB:
+    quiet, saying so (the two branches of the H100 GPT at 8 sequences, whose 39.9% share sat on that line)."""
+    mem = memory(80 * MiB, capacity=90 * MiB, per_unit=_act_units(act=7 * MiB), activations=28 * MiB,
+                 optimizer_state=30 * MiB)
+    (f,) = run_rule("ac.recommended", build(memory=mem, capacity=90 * MiB)[0])
+    ev = f.evidence
+    assert ev["activation_share_pct"] == 35.0
+    assert ev["fires_because"] == "checkpointing brings the peak under 85% of capacity"
+    assert ev["blocks_to_checkpoint"] == ["layers.0"] and f.severity == "warning"
+    assert f.predicted["peak_bytes_after"] == 80 * MiB - 7 * MiB * 15 // 16
+    rule = next(c for c in RULES if c.code == "ac.recommended")()
+    mem = memory(80 * MiB, capacity=84 * MiB, per_unit=_act_units(act=2 * MiB), activations=8 * MiB,
+                 optimizer_state=50 * MiB)
+    assert rule.match(build(memory=mem, capacity=84 * MiB)[0]) == []
+    assert rule.why_quiet == ("activations 8.00 MiB: 10% of the peak 80.00 MiB (fires from 40%); checkpointing 4 "
+                              "unit(s) leaves the peak at 72.50 MiB, over 85% of capacity 84.00 MiB"), rule.why_quiet
+
+
 def test_ac_recommended_recompute_holds_activations_through_the_units_backward():
     """A frozen prefix (a Qwen2 whose last block alone trains): only layers.2 saves activations. Checkpointed, its
     recompute holds what it recomputed until its backward ends, where the plain backward frees each saved tensor as
