@@ -164,8 +164,9 @@ class AcRecommended(Rule):
                 peak_after = peak_with(chosen)
         # activations under the share they dominate from: checkpointing is still the lever where it alone brings the
         # peak under the target (on CUDA the peak also holds the loss's fp32 logits and the allocator's temporaries:
-        # the 2-rank H100 GPT at 8 sequences, 369 of 925 MiB activations at the peak, 39.9%, where checkpointing two
-        # of its four blocks is predicted at 816 MiB against an 828 MiB target)
+        # the 2-rank H100 GPT at 8 sequences first recorded 369 of 925 MiB activations at the peak, 39.9%, with the
+        # previous row's model still allocated, and checkpointing two of its four blocks predicted at 816 MiB against
+        # an 828 MiB target; the fixture recorded since holds 45.5% of 811.5 MiB: tests/test_gpu_fixtures.py)
         if not dominant and peak_after > target:
             return self.quiet(E.below_share("activations", acts, peak, "the peak", AC_ACT_SHARE_MIN)
                               + f"; checkpointing {len(chosen)} unit(s) leaves the peak at {fmt_bytes(peak_after)}, "
