@@ -161,6 +161,10 @@ class RunConfig(Record, tag="config"):
     # a Hugging Face model's attention implementation ("eager", "sdpa", ...) where the model can switch it
     # (``set_attn_implementation``); None for any other model, or an older transformers without that method
     attn_implementation: str | None = None
+    # of "sdpa", "flex_attention", "flash_attention_2", those such a model says it can switch to (its class's
+    # _supports_sdpa / _supports_flex_attn / _supports_flash_attn flags: Gemma2, whose attention soft-caps its
+    # scores, has no sdpa); None: not such a model, or no flag read (a run recorded before this field)
+    attn_implementations: list[str] | None = None
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback)
     driver: str | None = None
     # what sharded the model when not the user's own fully_shard calls: ACCELERATE_SHARDER (accelerator.prepare,

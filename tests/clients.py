@@ -362,6 +362,20 @@ def hf_llama(checkpointing: bool = False, attn: str = "sdpa", **size):
     return model
 
 
+def hf_gemma2(**size):
+    """A Hugging Face Gemma2ForCausalLM from a tiny config (no download): model.model.layers.N, an embedding tied to
+    lm_head, and eager attention, its default: its attention soft-caps the scores, and transformers gives it no SDPA
+    (set_attn_implementation('sdpa') raises), only flex_attention and flash_attention_2. ``size``: Gemma2Config
+    fields replacing the tiny ones (head_dim follows hidden_size / num_attention_heads)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    max_position_embeddings=64), **size}
+    return Gemma2ForCausalLM(Gemma2Config(vocab_size=512, num_key_value_heads=2,
+                                          head_dim=shape["hidden_size"] // shape["num_attention_heads"], **shape))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int = 1):
         super().__init__()
@@ -604,6 +618,7 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          "hf_llama_ckpt": lambda: hf_llama(True),
          # eager attention, GPU-sized on a GPU (tiny on the CPU, where the GPU rows only check their plumbing)
          "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
+         "hf_gemma2": lambda: hf_gemma2(**(HF_GPU if scenario_device().type == "cuda" else {})),
          "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
          "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD, **FINETUNE}
@@ -632,7 +647,7 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "titan": 256, "mixtral": 512, "gpt2": 512,
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "titan": 256, "mixtral": 512, "gpt2": 512,
          **{name: 512 for name in FINETUNE}}
 
 

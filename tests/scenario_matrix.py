@@ -406,6 +406,10 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "cpu_offload": True, "offload_pin_memory": False}),
     _g("gpu_hf_llama_eager", "hf_llama_eager", "kernels.eager_attention", "HF Llama, attn_implementation='eager'",
        knobs=HF_GPU_SHAPE, min_severity="info"),
+    # a model without SDPA (its attention soft-caps the scores): the fix switches it to flex_attention, compiled in
+    # the rerun's first steps (flex has no backward on the CPU: tests/test_kernel_fixes.py checks its forward there)
+    _g("gpu_hf_gemma2_eager", "hf_gemma2", "kernels.eager_attention", "HF Gemma2, eager: no SDPA for it",
+       knobs=HF_GPU_SHAPE, min_severity="info"),
     _g("gpu_gpt_leaf", "gpt", "comm.small_collectives", "every Linear its own unit: small all-gathers",
        knobs={**GPU_SHAPE, "wrap": "leaf"}),
     _g("gpu_gpt_leaf_units", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={**GPU_SHAPE, "wrap": "leaf"}),

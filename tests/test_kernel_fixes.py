@@ -98,3 +98,55 @@ def test_eager_attention_fix_for_any_hugging_face_layout_from_the_records(tmp_pa
     assert attn_implementation(torch.nn.Linear(2, 2)) is None
     plain = RunConfig(rank=0, world_size=1, backend="nccl", device="cuda:0")
     assert _eager_finding(tmp_path, "model.layers.{}", plain).recommendation.code == ""
+
+
+def test_eager_attention_fix_for_a_model_without_sdpa_switches_it_to_flex_attention(tmp_path):
+    """Gemma2 runs eager by default: its attention soft-caps the scores, and transformers marks it without SDPA, so
+    the fix the rule used to print, set_attn_implementation('sdpa'), raised ValueError when pasted. watch() records
+    what the model says it supports (flex_attention, flash_attention_2): the fix switches it to flex_attention,
+    which on this CPU (forward only: flex has no CPU backward; the GPU row reruns training) leaves no attention
+    softmax and gives the same logits, soft-capping included. flash_attention_2 is named in words (it needs the
+    flash-attn package). A model with none of them gets words and no predicted gain."""
+    pytest.importorskip("transformers")
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from fsdp_doctor.record.config_snapshot import attn_implementation, attn_implementations
+    from fsdp_doctor.records import RunConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    model = Gemma2ForCausalLM(cfg).eval()
+    assert cfg.attn_logit_softcapping and attn_implementation(model) == "eager"
+    assert attn_implementations(model) == ["flex_attention", "flash_attention_2"]
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):  # what the old fix did when pasted
+        model.set_attn_implementation("sdpa")
+    record = RunConfig(rank=0, world_size=1, backend="nccl", device="cuda:0", attn_implementation="eager",
+                       attn_implementations=attn_implementations(model))
+    f = _eager_finding(tmp_path, "model.layers.{}", record)
+    code = f.recommendation.code
+    assert code.startswith("model.set_attn_implementation('flex_attention')") and "sdpa" not in code, code
+    assert "or to flash_attention_2, where the flash-attn package is installed" in f.recommendation.text
+    assert "set_attn_implementation('sdpa') would raise" in f.recommendation.text
+    assert f.predicted.step_ms_after < f.predicted.step_ms_before
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, ref = _ops(model, tokens)
+        assert "aten::softmax" in before
+        exec(compile(code, "<kernels.eager_attention fix>", "exec"), {"model": model})
+        after, out = _ops(model, tokens)
+    assert attn_implementation(model) == "flex_attention"
+    assert "aten::softmax" not in after, sorted(after)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # a model that supports no fused implementation: no code, no gain predicted
+    none = _eager_finding(tmp_path, "model.layers.{}", RunConfig(
+        rank=0, world_size=1, backend="nccl", device="cuda:0", attn_implementation="eager", attn_implementations=[]))
+    assert none.recommendation.code == "" and "supports no fused implementation" in none.recommendation.text
+    assert none.predicted.step_ms_after is None
+    # a Llama says it has all three: the fix stays sdpa
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, max_position_embeddings=64))
+    assert attn_implementations(llama) == ["sdpa", "flex_attention", "flash_attention_2"]
+    assert attn_implementations(torch.nn.Linear(2, 2)) is None

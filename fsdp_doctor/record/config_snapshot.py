@@ -71,6 +71,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
+        attn_implementations=attn_implementations(model),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         **_param_counts(model),
         capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
@@ -198,6 +199,31 @@ def attn_implementation(model: nn.Module) -> str | None:
         return None
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return impl if isinstance(impl, str) else None
+
+
+#: the fused attention implementations a Hugging Face model can be switched to, each with the class flags that say
+#: it supports it (transformers 5's names first, then 4.x's)
+_ATTN_FLAGS = (("sdpa", ("_supports_sdpa",)), ("flex_attention", ("_supports_flex_attn",)),
+               ("flash_attention_2", ("_supports_flash_attn", "_supports_flash_attn_2")))
+
+
+def attn_implementations(model: nn.Module) -> list[str] | None:
+    """Of ``_ATTN_FLAGS``' implementations, those the Hugging Face ``model`` says it supports (what
+    kernels.eager_attention's fix may switch it to); None for any other model, or where it has none of the flags."""
+    if attn_implementation(model) is None:
+        return None
+    out, seen = [], False
+    for name, flags in _ATTN_FLAGS:
+        for flag in flags:
+            try:
+                v = getattr(model, flag, None)
+            except Exception:  # noqa: BLE001 - a property of the user's model
+                v = None
+            seen = seen or isinstance(v, bool)
+            if v is True:
+                out.append(name)
+                break
+    return out if seen else None
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:

@@ -61,8 +61,20 @@ class EagerAttention(Rule):
         impl = cfg.attn_implementation if cfg is not None else None
         hf = impl is not None if cfg is not None else S.hf_layout(S.tree(ctx))
         asked = impl is not None and impl != "eager"  # sdpa, flash, flex asked for: the fused kernel did not run
-        code = "model.set_attn_implementation('sdpa')  # every attention layer: scaled_dot_product_attention" \
-            if hf and not asked else ""
+        # what the model says it can switch to (None: not read, as from a plain trace); without sdpa (Gemma2, whose
+        # attention soft-caps its scores) set_attn_implementation('sdpa') raises: flex_attention where it has it
+        can = getattr(cfg, "attn_implementations", None)
+        to = "" if not hf or asked else "sdpa" if can is None or "sdpa" in can else \
+            "flex_attention" if "flex_attention" in can else ""
+        code = {"sdpa": "model.set_attn_implementation('sdpa')  # every attention layer: scaled_dot_product_attention",
+                "flex_attention": "model.set_attn_implementation('flex_attention')  # every attention layer: one "
+                                  "fused kernel (compiled in the first steps)"}.get(to, "")
+        flash = "; or to flash_attention_2, where the flash-attn package is installed" \
+            if can and "flash_attention_2" in can else ""
+        no_sdpa = ("" if not hf or asked or to == "sdpa" else
+                   "This Hugging Face model cannot run scaled_dot_product_attention (transformers marks it "
+                   "unsupported, as where attention soft-caps its scores), so set_attn_implementation('sdpa') would "
+                   f"raise; it supports {E.fmt_list(list(can)) if can else 'no fused implementation'}: ")
         return [self.finding(
             sev, f"Eager attention: {per_step[rank]:.0f} softmax kernels per step, no fused attention kernel",
             {"softmax_kernels_per_step": round(per_step[rank], 1), "softmax_ms_per_step": round(softmax_ms, 3),
@@ -76,12 +88,18 @@ class EagerAttention(Rule):
             + (f"This Hugging Face model already asks for {impl!r}, yet no fused kernel ran: its attention fell "
                "back to the math path (output_attentions=True, a head mask, or a mask or dtype the fused kernels "
                "do not take)." if asked else
+               f"{no_sdpa}switch it to flex_attention, which fuses attention with what the model does to its "
+               f"scores (torch.compile builds the kernel in the first steps){flash}." if to == "flex_attention" else
+               f"{no_sdpa}its attention stays eager"
+               f"{flash and ' unless you install flash-attn and switch it to flash_attention_2'}." if no_sdpa else
                "This is a Hugging Face model: switch its attention implementation (older transformers, without "
                "set_attn_implementation: from_pretrained(..., attn_implementation='sdpa'))." if hf else
                "Call it in your attention module's forward in place of the matmul-softmax-matmul."),
             code,
-            # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor
-            predicted=E.predicted(step, step - softmax_ms if step else None), ranks=[int(rank)])]
+            # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor; none
+            # where the model has no fused implementation to switch to
+            predicted=E.predicted(step, step - softmax_ms if step and (to or flash or not no_sdpa) else None),
+            ranks=[int(rank)])]
 
 
 @register
