@@ -165,6 +165,9 @@ class RunConfig(Record, tag="config"):
     # _supports_sdpa / _supports_flex_attn / _supports_flash_attn flags: Gemma2, whose attention soft-caps its
     # scores, has no sdpa); None: not such a model, or no flag read (a run recorded before this field)
     attn_implementations: list[str] | None = None
+    # a Hugging Face model's _no_split_modules: the class names of its blocks (LlamaDecoderLayer), which
+    # accelerate's transformer-based wrap policy shards one by one (what a plugin wrap fix names); None: none
+    no_split_modules: list[str] | None = None
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback)
     driver: str | None = None
     # what sharded the model when not the user's own fully_shard calls: ACCELERATE_SHARDER (accelerator.prepare,

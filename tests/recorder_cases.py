@@ -492,7 +492,8 @@ def run_trainer_fixes(out: Path) -> dict:
     with the Trainer built, before train()): checkpointing on under an 8 GiB budget, by Hugging Face's training
     argument and by FSDP's own (fsdp_config), each rerun with its ac.unneeded fix; bf16=True, whose FSDP2 policy
     reduces in bfloat16, rerun with numerics.reduce_dtype's fix; a Llama whose activations dominate (width 128,
-    256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix."""
+    256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix; no wrap policy
+    (the decoder layers left in the root), rerun with wrap.params_in_root's fix."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
@@ -512,7 +513,10 @@ def run_trainer_fixes(out: Path) -> dict:
                                   ("fsdp_ample", "ac.unneeded", {"fsdp_config": {"activation_checkpointing": True}}),
                                   # accelerate's policy for bf16=True reduces in bfloat16
                                   ("bf16", "numerics.reduce_dtype", {"bf16": True}),
-                                  ("tight", "ac.recommended", {"width": 128, "seq": 256})])
+                                  ("tight", "ac.recommended", {"width": 128, "seq": 256}),
+                                  # no wrap policy: the decoder layers stay in the root
+                                  ("nowrap", "wrap.params_in_root", {"fsdp_config": {
+                                      "auto_wrap_policy": "NO_WRAP", "transformer_layer_cls_to_wrap": None}})])
 
 
 #: a fix case's rerun peaks at its prediction within this share of it (tests/test_recorder_cases.py)
@@ -553,7 +557,8 @@ def run_accelerate_fixes(out: Path) -> dict:
     built, before prepare(). The plugin's checkpointing under an 8 GiB budget, rerun with ac.unneeded's fix;
     mixed_precision="bf16" (its policy reduces in bfloat16), rerun with numerics.reduce_dtype's fix; a Llama whose
     activations dominate (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with
-    ac.recommended's fix. Each run: 5 steps of one micro-batch; the report's findings as in run_trainer_fixes."""
+    ac.recommended's fix; no wrap policy (the decoder layers left in the root), rerun with wrap.params_in_root's
+    fix. Each run: 5 steps of one micro-batch; the report's findings as in run_trainer_fixes."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
@@ -563,12 +568,13 @@ def run_accelerate_fixes(out: Path) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
 
-    def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ):
+    def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ,
+            wrap="transformer_based_wrap"):
         AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
         acc = Accelerator(cpu=True, mixed_precision=mixed)
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                                reshard_after_forward=True, activation_checkpointing=ac)
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy=wrap, reshard_after_forward=True, activation_checkpointing=ac,
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"] if wrap == "transformer_based_wrap" else None)
         if mixed != "no":  # as AcceleratorState does on a GPU (bf16: reduce_dtype bfloat16)
             plugin.set_mixed_precision(mixed)
         acc.state.fsdp_plugin, acc.state.distributed_type = plugin, DistributedType.FSDP
@@ -591,7 +597,9 @@ def run_accelerate_fixes(out: Path) -> dict:
 
     return _each_fixed(run, res, [("fsdp_ample", "ac.unneeded", {"ac": True}),
                                   ("bf16", "numerics.reduce_dtype", {"mixed": "bf16"}),
-                                  ("tight", "ac.recommended", {"width": 128, "seq": 256})])
+                                  ("tight", "ac.recommended", {"width": 128, "seq": 256}),
+                                  # no wrap policy: the decoder layers stay in the root
+                                  ("nowrap", "wrap.params_in_root", {"wrap": "no_wrap"})])
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes,

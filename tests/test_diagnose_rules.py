@@ -13,7 +13,7 @@ import pytest
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.snippets import SHARDING_GOES_HERE
-from fsdp_doctor.records import RunConfig, StepRecord, UnitConfig, UnitStep
+from fsdp_doctor.records import TRAINER_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
 from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
 MiB = 1 << 20
@@ -167,6 +167,16 @@ def test_too_coarse_whole_model():
     assert g.predicted["step_ms_after"] < g.predicted["step_ms_before"]
     assert f.predicted["peak_bytes_after"] < f.predicted["peak_bytes_before"]
     assert run_rule("wrap.too_coarse", build()[0]) == []
+    # accelerate's FSDP2 plugin with no policy (or a size-based one above the blocks): its transformer-based policy
+    ctx, _ = build(units=[unit("", param_count=932_608, n_params=53, sharded_bytes=1_865_216,
+                               unsharded_bytes=3_730_432, orig_dtypes=["float32"], reshard_after_forward=False,
+                               timing=dict(fwd_ms=52.8, ag_wait_fwd_ms=20.0, bwd_ms=47.4, ag_wait_bwd_ms=0.1))],
+                   memory=memory(20 * MiB, unsharded_params=3_730_432), sharded_by="accelerate",
+                   no_split_modules=["Block"])
+    (h,) = run_rule("wrap.too_coarse", ctx)
+    assert h.recommendation.where == "accelerate" and "fully_shard(" not in h.recommendation.code
+    assert "accelerator.state.fsdp_plugin.auto_wrap_policy = transformer_auto_wrap_policy" in h.recommendation.code
+    assert "left the blocks in one unit" in h.recommendation.text and h.predicted == f.predicted
 
 
 def test_too_fine_leaf_wrapping_names_the_blocks():
@@ -184,6 +194,21 @@ def test_too_fine_leaf_wrapping_names_the_blocks():
     assert "model.layers" in f.recommendation.code
     assert f.predicted["step_ms_after"] < 262.0
     assert run_rule("wrap.too_fine", build()[0]) == []
+    # where accelerate's FSDP2 plugin sharded the model (a size-based policy cut these units), the fix is the plugin's
+    # transformer-based policy over the model's block class, set before it shards; without _no_split_modules (not a
+    # Hugging Face model) the fully_shard plan stays, as it does for a Trainer-driven run of such a model
+    for driver, where, holder in ((None, "accelerate", "accelerator"),
+                                  (TRAINER_DRIVER, "trainer", "trainer.accelerator")):
+        ctx, _ = build(units=us, step_ms=262.0, sharded_by="accelerate", driver=driver,
+                       no_split_modules=["Block"])
+        (g,) = run_rule("wrap.too_fine", ctx)
+        assert g.recommendation.where == where and "fully_shard(" not in g.recommendation.code
+        assert f"{holder}.state.fsdp_plugin.transformer_cls_names_to_wrap = ['Block']" in g.recommendation.code
+        assert "a size-based policy: every module over min_num_params" in g.recommendation.text
+        assert g.predicted == f.predicted
+    ctx, _ = build(units=us, step_ms=262.0, sharded_by="accelerate")
+    (h,) = run_rule("wrap.too_fine", ctx)
+    assert h.recommendation.code == f.recommendation.code and "fsdp_plugin" not in h.recommendation.code
 
 
 def test_params_in_root():

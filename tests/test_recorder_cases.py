@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 
 from recorder_cases import PEAK_WITHIN
+from scenario_matrix import HEADROOM
 from test_clients import _launch
 
 pytestmark = pytest.mark.slow
@@ -206,8 +207,10 @@ def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tupl
     predicted = f["predicted"]["peak_bytes_after"]
     assert abs(after["peak"] - predicted) <= PEAK_WITHIN * predicted, (name, after["peak"], predicted)
     # (a warning the run had at any severity is not the fix's: without the recompute, the same all-gather waits
-    # are a larger share of a shorter step, and reshard.zero2_affordable's note can grow to a warning)
-    assert _warnings(after) <= set(before["findings"]), (name, set(before["findings"]), _warnings(after))
+    # are a larger share of a shorter step, and reshard.zero2_affordable's note can grow to a warning; nor is
+    # memory to spare offered, as the scenario matrix counts it: blocks resharded after the wrap fix leave room
+    # for ZeRO-2)
+    assert _warnings(after) - HEADROOM <= set(before["findings"]), (name, set(before["findings"]), _warnings(after))
     return before, after, f
 
 
@@ -258,6 +261,33 @@ def test_hf_trainer_bf16_reduce_dtype_fix_sets_the_plugins_policy(trainer_fixes_
         assert f["predicted"]["peak_bytes_after"] > 1.1 * before["peak"], (f["predicted"], before["peak"])
 
 
+def _wrap_fix(res: dict, where: str) -> None:
+    """The "nowrap" case (accelerate's FSDP2 plugin with no wrap policy: the decoder layers stay in the root; the
+    plugin carves the embedding and [norm, lm_head] into units of their own): wrap.params_in_root's fix, which was
+    fully_shard code (with a sentence saying to do the same through the Trainer's options, under the Trainer), sets
+    the plugin's transformer-based policy on the model's block class (LlamaDecoderLayer, its _no_split_modules)
+    where ``where`` says. Pasted as printed: one unit per decoder layer, the root holding nothing, the rule quiet,
+    no new warning, and the peak (the layers no longer held gathered through the step) as predicted within 10%."""
+    before, after, f = _plugin_fix(res, "nowrap", "wrap.params_in_root", where)
+    holder = {"trainer": "trainer.accelerator", "accelerate": "accelerator"}[where] + ".state.fsdp_plugin"
+    assert f"{holder}.auto_wrap_policy = transformer_auto_wrap_policy" in f["code"], f["code"]
+    assert f"{holder}.transformer_cls_names_to_wrap = ['LlamaDecoderLayer']" in f["code"], f["code"]
+    assert "fully_shard(" not in f["code"] and "LlamaDecoderLayer" in f["text"], f["code"]
+    assert not any(u[0].startswith("model.layers.") for u in before["units"]), before["units"]
+    assert [u[0] for u in after["units"] if u[0].startswith("model.layers.")] == ["model.layers.0",
+                                                                                   "model.layers.1"], after["units"]
+    assert after["peak"] < before["peak"], (after["peak"], before["peak"])
+
+
+def test_hf_trainer_wrap_fix_sets_the_plugins_policy(trainer_fixes_run):
+    """fsdp_config={'auto_wrap_policy': 'NO_WRAP'} under the Trainer: _wrap_fix's case, the fix on the built
+    Trainer (its TrainingArguments form in a comment)."""
+    for res in trainer_fixes_run:
+        _wrap_fix(res, "trainer")
+        assert "#                'transformer_layer_cls_to_wrap': ['LlamaDecoderLayer']})" in res["nowrap"][
+            "findings"]["wrap.params_in_root"]["code"]
+
+
 @pytest.fixture(scope="module")
 def accelerate_fixes_run(tmp_path_factory):
     return _fix_case(tmp_path_factory, "accelerate_fixes")
@@ -270,7 +300,8 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
     on the user's Accelerator before prepare() (code on the model would be undone, or never reached, there);
     pasted as printed, each rerun drops its finding, has no new warning, and peaks as predicted within 10%
     (float32 reduction: +9% here, one micro-batch a step; checkpointing: the recompute gathers each layer again,
-    its wrapper being outside the unit)."""
+    its wrapper being outside the unit); and no wrap policy, rerun with the plugin's transformer-based one
+    (_wrap_fix)."""
     for res in accelerate_fixes_run:
         _, after, f = _plugin_fix(res, "fsdp_ample", "ac.unneeded", "accelerate")
         assert "accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"], f["code"]
@@ -282,3 +313,4 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         before, after, f = _plugin_fix(res, "tight", "ac.recommended", "accelerate")
         assert "accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
         assert after["peak"] < 0.85 * before["peak"], (after["peak"], before["peak"])
+        _wrap_fix(res, "accelerate")

@@ -748,6 +748,23 @@ def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = F
     return "\n".join(lines)
 
 
+def plugin_wrap(lever: str, classes: list[str]) -> str:
+    """accelerate's FSDP2 plugin wrapping each block whole (its transformer-based policy over the blocks' class
+    names ``classes``: the model's _no_split_modules), in place of the policy that cut the run's units (size-based,
+    or none), set where ``lever`` says (plugin_checkpointing)."""
+    holder, prepares, _ = _PLUGIN[lever]
+    option = ({"trainer": ["in your TrainingArguments, without min_num_params:",
+                           "#   fsdp_config={..., 'auto_wrap_policy': 'TRANSFORMER_BASED_WRAP',",
+                           f"#                'transformer_layer_cls_to_wrap': {classes!r}}})"],
+               "accelerate": ["FullyShardedDataParallelPlugin(..., auto_wrap_policy='transformer_based_wrap',",
+                              f"#   transformer_cls_names_to_wrap={classes!r}))"]}[lever])
+    return "\n".join(["from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy", "",
+                      f"# each block a unit of its own, by class, as {prepares} shards the model",
+                      f"# (or {option[0]}", *option[1:],
+                      f"{holder}.auto_wrap_policy = transformer_auto_wrap_policy",
+                      f"{holder}.transformer_cls_names_to_wrap = {classes!r}"])
+
+
 def plugin_mp_policy(mp_line: str, lever: str) -> str:
     """The mixed-precision policy accelerate's FSDP2 plugin shards with (accelerate makes it from the
     mixed_precision setting, the Trainer's bf16/fp16, reducing in that dtype; TrainingArguments have no option

@@ -71,7 +71,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer=type(optimizer).__name__ if optimizer is not None else None,
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
-        attn_implementations=attn_implementations(model),
+        attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
         units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         **_param_counts(model),
         capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
@@ -224,6 +224,15 @@ def attn_implementations(model: nn.Module) -> list[str] | None:
                 out.append(name)
                 break
     return out if seen else None
+
+
+def no_split_modules(model: nn.Module) -> list[str] | None:
+    """A Hugging Face model's ``_no_split_modules`` (its blocks' class names, which accelerate's transformer-based
+    wrap policy shards by default); None where it has none."""
+    names = getattr(model, "_no_split_modules", None)
+    if not isinstance(names, (list, tuple, set)) or not names or not all(isinstance(n, str) for n in names):
+        return None
+    return sorted(names) if isinstance(names, set) else list(names)
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:

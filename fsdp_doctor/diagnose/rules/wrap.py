@@ -35,6 +35,20 @@ def _job_numbers(ctx: Context):
     return E.step_ms(ctx), E.peak_bytes(ctx)
 
 
+def _plugin_wrap(ctx: Context, did: str) -> dict:
+    """Where accelerate's FSDP2 plugin sharded the model (the Trainer's runs too), its auto-wrap policy cut the units
+    (``did``: what it did, in words): the fix sets its transformer-based policy over the model's block classes (its
+    _no_split_modules), on the plugin before it shards ({} for the user's own fully_shard calls, or a model without
+    _no_split_modules)."""
+    lever = E.plugin_lever(ctx)
+    classes = getattr(ctx.config, "no_split_modules", None) if lever else None
+    if not classes:
+        return {}
+    return {"code": S.plugin_wrap(lever, classes), "where": lever, "inputs": dict(S.PLUGIN_INPUTS[lever]),
+            "text": f"{S.plugin_says(lever)[0]}, the plugin's auto-wrap policy {did}: its transformer-based policy "
+                    f"over the model's block classes ({', '.join(classes)}) makes each block one unit."}
+
+
 @register
 class TooCoarse(Rule):
     code = "wrap.too_coarse"
@@ -89,6 +103,9 @@ class TooCoarse(Rule):
                 "gathered at a time, and on a GPU each block's all-gather overlaps with the previous block's "
                 "compute." + ("" if E.on_gpu(ctx) else " On a CPU/gloo host the gain is memory only: more, "
                               "smaller collectives that cannot overlap make the step longer."))
+        plug = _plugin_wrap(ctx, "left the blocks in one unit (no policy, or a size-based one above them)")
+        if plug:
+            code, text = plug["code"], f"{text} {plug['text']}"
         return [self.finding(
             "warning", f"Unit {name!r} holds {100 * share:.0f}% of all parameters",
             {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big.param_count,
@@ -98,6 +115,7 @@ class TooCoarse(Rule):
              "estimate_assumes": (f"its {len(blocks)} blocks split off, 2 consecutive ones gathered at a time"
                                   if len(blocks) >= 2 and own else f"split into {k} similar units, 2 gathered at a time")},
             text, code,
+            where=plug.get("where", ""), inputs=plug.get("inputs"),
             predicted=E.predicted(step, step_after, peak, peak_after), units=[big.name])]
 
 
@@ -135,6 +153,8 @@ class TooFine(Rule):
             step_after = step - max(0, calls_before - calls_after) * latency
         code = S.shard_plan(S.tree(ctx), nested=False,  # the leaves' units give way to their blocks
                             note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
+        plug = _plugin_wrap(ctx, "cut these units (a size-based policy: every module over min_num_params)")
+        code = plug.get("code", code)
         return [self.finding(
             "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
             {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
@@ -145,8 +165,10 @@ class TooFine(Rule):
             f"{len(us)} units with a median of {E.mib(med_bytes)} MiB each: every unit pays a fixed cost per "
             "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
-            f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones.",
-            code, predicted=E.predicted(step, step_after), units=[u.name for u in small[:20]])]
+            f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones."
+            + (" " + plug["text"] if plug else ""),
+            code, where=plug.get("where", ""), inputs=plug.get("inputs"), predicted=E.predicted(step, step_after),
+            units=[u.name for u in small[:20]])]
 
 
 @register
@@ -190,20 +212,29 @@ class ParamsInRoot(Rule):
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
         # every module holding the root's parameters a unit of its own (tied ones stay), the run's units as they were
         code = S.shard_plan(S.tree(ctx), root_leftovers=True)
+        # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
+        # accelerate gives the embedding and the final norm and head units of their own)
+        blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
+        plug = _plugin_wrap(ctx, "left the blocks in the root (no policy, or none that matched them)") \
+            if blocks else {}
+        held_text = ("The root is not resharded after forward, so these stay gathered from the first forward to the "
+                     "end of backward, and their all-gather is the first of the step with nothing to overlap.")
+        text = (f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped units: "
+                f"the blocks {E.fmt_list(blocks)} among them. {held_text} {plug['text']}" if plug else
+                f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped "
+                f"units (typically embeddings, the final norm and the output head). {held_text} Wrap them as units "
+                "of their own before wrapping the root "
+                f"({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}; "
+                "modules tied to another one, such as an output head sharing the embedding's weight, must stay "
+                "together: the snippet leaves them in the root).")
         return [self.finding(
             "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
             {"root_param_share_pct": round(100 * share, 1), "root_param_count": root.param_count,
              "root_unsharded_bytes": root.unsharded_bytes, "held_gathered_bytes": held,
              "root_ag_wait_fwd_ms": t.ag_wait_fwd_ms, "wrapped_units": len(others),
              "wrapped_examples": sorted(wrapped)[:6]},
-            f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped "
-            "units (typically embeddings, the final norm and the output head). The root is not resharded "
-            "after forward, so these stay gathered from the first forward to the end of backward, and their "
-            "all-gather is the first of the step with nothing to overlap. Wrap them as units of their own "
-            f"before wrapping the root ({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}; "
-            "modules tied to another one, such as an output head sharing the embedding's weight, must stay "
-            "together: the snippet leaves them in the root).",
-            code, predicted=E.predicted(step, step, peak, peak_after), units=[""])]
+            text, plug.get("code", code), where=plug.get("where", ""), inputs=plug.get("inputs"),
+            predicted=E.predicted(step, step, peak, peak_after), units=[""])]
 
 
 def _movable_share(root) -> float:
