@@ -1005,6 +1005,44 @@ def test_offload_recommended():
     assert "CPUOffloadPolicy(pin_memory=True)" in f.recommendation.code
     assert "model.layers" in f.recommendation.code
     assert run_rule("offload.recommended", build(memory=mem)[0]) == []  # CPU run
+
+
+@pytest.mark.parametrize("driver", [None, TRAINER_DRIVER])
+def test_offload_fixes_set_accelerates_plugin_where_it_sharded_the_model(driver):
+    """Where accelerate's FSDP2 plugin sharded the model (a Trainer's run, or the user's accelerator.prepare), the
+    offload rules' fixes set the plugin's cpu_offload before it shards (fully_shard code on the units would never
+    run). Executed as printed against accelerate's real plugin, each leaves the policy accelerate validates: none
+    (OffloadPolicy) for offload.costly, CPUOffloadPolicy with pinned memory for offload.recommended/unpinned."""
+    pytest.importorskip("accelerate")
+    from types import SimpleNamespace
+
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    kw = dict(backend="nccl", device="cuda:0", sharded_by="accelerate", driver=driver)
+    where = "trainer" if driver else "accelerate"
+    us = healthy_units(offload="cpu", offload_pin_memory=True)
+    cases = {"offload.costly": build(units=us, memory=memory(2 << 30, capacity=80 << 30, activations=1 << 30,
+                                                                offloaded_host=4 << 30),
+                                     overlap=_gpu_overlap(20, 10, 25), **kw)[0],
+             "offload.recommended": build(memory=memory(79 << 30, capacity=80 << 30, sharded_params=10 << 30,
+                                                        sharded_grads=10 << 30, optimizer_state=20 << 30,
+                                                        activations=30 << 30), **kw)[0],
+             "offload.unpinned": build(units=healthy_units(offload="cpu", offload_pin_memory=False),
+                                       overlap=_gpu_overlap(20, 10, 25), **kw)[0]}
+    for code, ctx in cases.items():
+        (f,) = run_rule(code, ctx)
+        rec = f.recommendation
+        assert rec.where == where and "fully_shard(" not in rec.code and "fsdp_plugin.cpu_offload = " in rec.code
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=code != "offload.recommended")
+        state = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+        exec(compile(rec.code, f"<{code} fix>", "exec"),
+             {"trainer": SimpleNamespace(accelerator=state)} if driver else {"accelerator": state})
+        plugin.validate_cpu_offload()
+        if code == "offload.costly":
+            assert type(plugin.cpu_offload) is OffloadPolicy, plugin.cpu_offload
+        else:
+            assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory
     mem = memory(40 << 30, capacity=80 << 30, optimizer_state=20 << 30)
     assert run_rule("offload.recommended", build(memory=mem, backend="nccl", device="cuda:0")[0]) == []
 

@@ -765,6 +765,19 @@ def plugin_wrap(lever: str, classes: list[str]) -> str:
                       f"{holder}.transformer_cls_names_to_wrap = {classes!r}"])
 
 
+def plugin_offload(lever: str, on: bool) -> str:
+    """accelerate's FSDP2 plugin sharding with CPU offload (pinned host memory) or without, set where ``lever`` says
+    (plugin_checkpointing): ``prepare()`` passes the plugin's ``cpu_offload`` to fully_shard as its offload_policy."""
+    holder, prepares, _ = _PLUGIN[lever]
+    option = {"trainer": f"in your TrainingArguments: fsdp_config={{..., 'cpu_offload': {on}}}",
+              "accelerate": f"FullyShardedDataParallelPlugin(..., cpu_offload={on})"}[lever]
+    policy = "CPUOffloadPolicy(pin_memory=True)" if on else "OffloadPolicy()  # none: the state stays on the device"
+    return "\n".join([*([] if on else ["from torch.distributed.fsdp import OffloadPolicy", ""]),
+                      f"# the offload policy {prepares} shards the model with",
+                      f"# (or {option})",
+                      f"{holder}.cpu_offload = {policy}"])
+
+
 def plugin_mp_policy(mp_line: str, lever: str) -> str:
     """The mixed-precision policy accelerate's FSDP2 plugin shards with (accelerate makes it from the
     mixed_precision setting, the Trainer's bf16/fp16, reducing in that dtype; TrainingArguments have no option

@@ -40,6 +40,15 @@ def _copies_ms(ctx: Context) -> tuple[float | None, float | None]:
     return best
 
 
+def _plugin_or(ctx: Context, on: bool, code: str) -> dict:
+    """The fix's code and place: where accelerate's FSDP2 plugin sharded the model (the Trainer's runs too), its
+    offload policy set on the plugin before it shards (code on the model's units would never run); else ``code``."""
+    lever = E.plugin_lever(ctx)
+    if lever is None:
+        return {"code": code}
+    return {"code": S.plugin_offload(lever, on), "where": lever, "inputs": dict(S.PLUGIN_INPUTS[lever])}
+
+
 def _offloaded(ctx: Context) -> list[E.Unit]:
     return [u for u in E.param_units(ctx) if u.offload == "cpu"]
 
@@ -103,8 +112,8 @@ class OffloadCostly(Rule):
             f"offloaded state on the device still leaves the peak under {100 * OFFLOAD_FITS_SHARE:.0f}% of "
             "capacity: drop the offload policy. The prediction removes both; the optimizer step on the device "
             "that replaces the CPU's (a few ms for a foreach AdamW) is not measured in this run.",
-            S.shard_plan(S.tree(ctx), drop=("offload_policy",),
-                         note="no offload_policy: the state stays on the device"),
+            **_plugin_or(ctx, False, S.shard_plan(S.tree(ctx), drop=("offload_policy",),
+                                                  note="no offload_policy: the state stays on the device")),
             predicted=E.predicted(step, step - cost, peak, peak + host if peak is not None else None),
             units=[u.name for u in off])]
 
@@ -178,7 +187,8 @@ class OffloadRecommended(Rule):
             "it on the host: parameters are copied in for each unshard, gradients out after each "
             "reduce-scatter, and the optimizer steps on the CPU (slow for large models: prefer more ranks "
             "or checkpointing first if they are an option).",
-            S.shard_plan(S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)"),
+            **_plugin_or(ctx, True, S.shard_plan(
+                S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)")),
             predicted=E.predicted(step, step + copy_ms if step is not None else None, peak, peak - state),
             units=[u.name for u in us])]
 
@@ -207,6 +217,7 @@ class OffloadUnpinned(Rule):
             "With CPUOffloadPolicy(pin_memory=False) the host copies of parameters and gradients are pageable: "
             "each transfer is staged through a driver buffer, cannot overlap with compute and runs at a "
             "fraction of the bandwidth. Pin them (the default).",
-            S.shard_plan(S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)"),
+            **_plugin_or(ctx, True, S.shard_plan(
+                S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)")),
             predicted=E.predicted(step, step - saved if (step is not None and saved > 0) else None),
             units=[u.name for u in bad])]
