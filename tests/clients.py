@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import fsdp_doctor
-from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING, SHARDING_GOES_HERE
+from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING, PLUGIN_INPUTS, SHARDING_GOES_HERE
 from fsdp_doctor.record.config_snapshot import alloc_conf
 
 STEPS = 10
@@ -1064,6 +1064,38 @@ def run_ac_prediction(out: Path) -> dict:
 LOOP_VALUES = {"step": 0}
 
 
+def _plugin_sharded(model, code: str, mesh, finding_code: str):
+    """``code`` run on the Trainer's (``trainer.accelerator``) or the user's Accelerator's FSDP2 plugin, accelerate's
+    own, which then shards ``model`` as accelerate's FSDP2 prepare() does: its auto-wrap policy over the modules
+    bottom up, the root last, with its offload and mixed-precision policies (accelerate checks the policy and finds
+    each class the snippet names in the model)."""
+    from types import SimpleNamespace
+
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import get_module_children_bottom_up
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    holder = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    exec(compile(code, f"<{finding_code} fix>", "exec"), {"accelerator": holder,
+                                                           "trainer": SimpleNamespace(accelerator=holder)})
+    plugin.validate_cpu_offload()
+    plugin.set_auto_wrap_policy(model)
+    kw = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,
+              mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    for m in get_module_children_bottom_up(model)[:-1] if policy is not None else []:
+        if policy(m):
+            fully_shard(m, **kw)
+    return fully_shard(model, **kw)
+
+
+def _one_step(model, client: str, dev) -> str:
+    loss_of(model, client, 0, 0, device=dev).backward()
+    return "ok"
+
+
 def run_snippets(spec_path: Path) -> dict:
     """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank, on the scenarios'
     device), placed as its Recommendation says (``where``: a fix after the backward runs where gradients exist;
@@ -1092,6 +1124,10 @@ def run_snippets(spec_path: Path) -> dict:
                 before, code = snippet.split(SHARDING_GOES_HERE)  # before them, as the finding found it
                 ns = {"model": model, "optimizer": torch.optim.AdamW(user_param_groups(model), lr=1e-3)}
                 exec(compile(before, f"<{finding_code} fix, before sharding>", "exec"), ns)
+            if where in PLUGIN_INPUTS:  # a setting of accelerate's FSDP2 plugin: it shards the model as prepare()
+                model = _plugin_sharded(model, code, mesh, finding_code)
+                out.append([client, finding_code, _one_step(model, client, dev)])
+                continue
             if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD_FOR.get(finding_code, SHARD[client])(model, mesh)
             # only what watch(model, optimizer) was given: a snippet defines (imports) everything else it uses
