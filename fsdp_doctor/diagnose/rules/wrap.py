@@ -104,8 +104,10 @@ class TooCoarse(Rule):
                 "compute." + ("" if E.on_gpu(ctx) else " On a CPU/gloo host the gain is memory only: more, "
                               "smaller collectives that cannot overlap make the step longer."))
         plug = _plugin_wrap(ctx, "left the blocks in one unit (no policy, or a size-based one above them)")
-        if plug:
-            code, text = plug["code"], f"{text} {plug['text']}"
+        if plug:  # the plugin's policy, not fully_shard calls of the user's, is the lever
+            code = plug["code"]
+            text = text.replace("Apply fully_shard to each repeated block first, then to the root:",
+                                "With each repeated block a unit of its own,") + " " + plug["text"]
         return [self.finding(
             "warning", f"Unit {name!r} holds {100 * share:.0f}% of all parameters",
             {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big.param_count,
