@@ -11,7 +11,7 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import complete, fix_place
+from .snippets import PLUGIN_INPUTS, complete, fix_place
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -171,12 +171,14 @@ class Rule:
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", *,
                 where: str = "", inputs: dict[str, str] | None = None, **kw) -> Finding:
         """``code``: the fix; ``where`` it goes (report_sections.FIX_PLACES; read from the code when not
-        given); a loop fix's ``inputs``, the names it reads from the user's loop."""
+        given); a loop fix's ``inputs``, the names it reads from the user's loop (a fix on accelerate's FSDP2 plugin,
+        ``where`` "trainer" or "accelerate", reads the object holding it: snippets.PLUGIN_INPUTS)."""
         assert severity in SEVERITIES, severity
         where = where or fix_place(code)
         assert where in FIX_PLACES or not code, (self.code, where)
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
-        rec = Recommendation(text=text, code=complete(code), where=where if code else "", inputs=inputs or {})
+        inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
+        rec = Recommendation(text=text, code=complete(code), where=where if code else "", inputs=inputs)
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence, recommendation=rec, **kw)
 
     @classmethod

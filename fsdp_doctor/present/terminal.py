@@ -14,8 +14,8 @@ from .fit import Col, fitted_table
 from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, fmt_value, no_grad_text, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, short_unit_labels, steps_rows,
-                  steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows, trace_units_title, verdict_headline,
-                  verdict_rows, verdict_title)
+                  steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
+                  trace_units_title, verdict_headline, verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 

@@ -198,7 +198,7 @@ class AcRecommended(Rule):
                "transformers advises under FSDP) checkpoints every layer the plugin shards: all "
                f"{len(chosen)} here." if lever else "Apply checkpointing to whole blocks, before fully_shard."),
             S.plugin_checkpointing(True, lever) if lever else S.checkpoint_modules(mods, "checkpoint whole blocks"),
-            where=lever or "", inputs=dict(S.PLUGIN_INPUTS[lever]) if lever else None,
+            where=lever or "",
             predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in chosen])]
 
@@ -259,7 +259,7 @@ class AcUnneeded(Rule):
             "Turn it off and spend the headroom on speed."
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
                "(checkpoint wrappers of your own: build the model without them)." if lever else ""),
-            code, where=lever or "", inputs=dict(S.PLUGIN_INPUTS[lever]) if lever else None,
+            code, where=lever or "",
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in ck])]
 

@@ -71,7 +71,7 @@ class NarrowReduceDtype(Rule):
             {"units_narrow": len(us), "reduce_dtype": "/".join(reds), "param_dtypes": params,
              "reduce_dtype_explicit": explicit, "gradient_shard_bytes": grads,
              "reducescatter_ms_per_step": None if rs_ms is None else round(rs_ms, 3)},
-            text, code, where=lever or "", inputs=dict(S.PLUGIN_INPUTS[lever]) if lever else None,
+            text, code, where=lever or "",
             # float32 reduction doubles the reduce-scatter's bytes: at most its time again (all of it exposed)
             predicted=E.predicted(step, step + rs_ms if (step is not None and rs_ms is not None) else None,
                                   peak, peak_after),

@@ -46,7 +46,7 @@ def _plugin_or(ctx: Context, on: bool, code: str) -> dict:
     lever = E.plugin_lever(ctx)
     if lever is None:
         return {"code": code}
-    return {"code": S.plugin_offload(lever, on), "where": lever, "inputs": dict(S.PLUGIN_INPUTS[lever])}
+    return {"code": S.plugin_offload(lever, on), "where": lever}
 
 
 def _offloaded(ctx: Context) -> list[E.Unit]:

@@ -44,7 +44,7 @@ def _plugin_wrap(ctx: Context, did: str) -> dict:
     classes = getattr(ctx.config, "no_split_modules", None) if lever else None
     if not classes:
         return {}
-    return {"code": S.plugin_wrap(lever, classes), "where": lever, "inputs": dict(S.PLUGIN_INPUTS[lever]),
+    return {"code": S.plugin_wrap(lever, classes), "where": lever,
             "text": f"{S.plugin_says(lever)[0]}, the plugin's auto-wrap policy {did}: its transformer-based policy "
                     f"over the model's block classes ({', '.join(classes)}) makes each block one unit."}
 
@@ -117,7 +117,7 @@ class TooCoarse(Rule):
              "estimate_assumes": (f"its {len(blocks)} blocks split off, 2 consecutive ones gathered at a time"
                                   if len(blocks) >= 2 and own else f"split into {k} similar units, 2 gathered at a time")},
             text, code,
-            where=plug.get("where", ""), inputs=plug.get("inputs"),
+            where=plug.get("where", ""),
             predicted=E.predicted(step, step_after, peak, peak_after), units=[big.name])]
 
 
@@ -169,7 +169,7 @@ class TooFine(Rule):
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
             f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones."
             + (" " + plug["text"] if plug else ""),
-            code, where=plug.get("where", ""), inputs=plug.get("inputs"), predicted=E.predicted(step, step_after),
+            code, where=plug.get("where", ""), predicted=E.predicted(step, step_after),
             units=[u.name for u in small[:20]])]
 
 
@@ -235,7 +235,7 @@ class ParamsInRoot(Rule):
              "root_unsharded_bytes": root.unsharded_bytes, "held_gathered_bytes": held,
              "root_ag_wait_fwd_ms": t.ag_wait_fwd_ms, "wrapped_units": len(others),
              "wrapped_examples": sorted(wrapped)[:6]},
-            text, plug.get("code", code), where=plug.get("where", ""), inputs=plug.get("inputs"),
+            text, plug.get("code", code), where=plug.get("where", ""),
             predicted=E.predicted(step, step, peak, peak_after), units=[""])]
 
 
