@@ -1091,11 +1091,6 @@ def _plugin_sharded(model, code: str, mesh, finding_code: str):
     return fully_shard(model, **kw)
 
 
-def _one_step(model, client: str, dev) -> str:
-    loss_of(model, client, 0, 0, device=dev).backward()
-    return "ok"
-
-
 def run_snippets(spec_path: Path) -> dict:
     """Executes every fix snippet on a fresh copy of the model it was emitted for (1 rank, on the scenarios'
     device), placed as its Recommendation says (``where``: a fix after the backward runs where gradients exist;
@@ -1126,7 +1121,8 @@ def run_snippets(spec_path: Path) -> dict:
                 exec(compile(before, f"<{finding_code} fix, before sharding>", "exec"), ns)
             if where in PLUGIN_INPUTS:  # a setting of accelerate's FSDP2 plugin: it shards the model as prepare()
                 model = _plugin_sharded(model, code, mesh, finding_code)
-                out.append([client, finding_code, _one_step(model, client, dev)])
+                loss_of(model, client, 0, 0, device=dev).backward()
+                out.append([client, finding_code, "ok"])
                 continue
             if BEFORE_SHARDING not in snippet:  # a snippet for the sharded model; the others say where they go
                 model = SHARD_FOR.get(finding_code, SHARD[client])(model, mesh)

@@ -75,6 +75,22 @@ class EagerAttention(Rule):
                    "This Hugging Face model cannot run scaled_dot_product_attention (transformers marks it "
                    "unsupported, as where attention soft-caps its scores), so set_attn_implementation('sdpa') would "
                    f"raise; it supports {E.fmt_list(list(can)) if can else 'no fused implementation'}: ")
+        if asked:
+            advice = (f"This Hugging Face model already asks for {impl!r}, yet no fused kernel ran: its attention "
+                      "fell back to the math path (output_attentions=True, a head mask, or a mask or dtype the fused "
+                      "kernels do not take).")
+        elif to == "flex_attention":
+            advice = (f"{no_sdpa}switch it to flex_attention, which fuses attention with what the model does to its "
+                      f"scores (torch.compile builds the kernel in the first steps){flash}.")
+        elif no_sdpa:
+            advice = (f"{no_sdpa}its attention stays eager"
+                      f"{flash and ' unless you install flash-attn and switch it to flash_attention_2'}.")
+        elif hf:
+            advice = ("This is a Hugging Face model: switch its attention implementation (older transformers, "
+                      "without set_attn_implementation: from_pretrained(..., attn_implementation='sdpa')).")
+        else:
+            advice = "Call it in your attention module's forward in place of the matmul-softmax-matmul."
+        lever = bool(to or flash or not no_sdpa)  # a model with no fused implementation to switch to has none
         return [self.finding(
             sev, f"Eager attention: {per_step[rank]:.0f} softmax kernels per step, no fused attention kernel",
             {"softmax_kernels_per_step": round(per_step[rank], 1), "softmax_ms_per_step": round(softmax_ms, 3),
@@ -84,21 +100,10 @@ class EagerAttention(Rule):
             "written by the first matmul, read and written by the softmax, and read by the second. "
             "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) dispatches to a fused "
             "kernel (flash or memory-efficient) that keeps the scores on chip: the softmax pass goes away and "
-            "attention's activation memory falls from quadratic to linear in the sequence. "
-            + (f"This Hugging Face model already asks for {impl!r}, yet no fused kernel ran: its attention fell "
-               "back to the math path (output_attentions=True, a head mask, or a mask or dtype the fused kernels "
-               "do not take)." if asked else
-               f"{no_sdpa}switch it to flex_attention, which fuses attention with what the model does to its "
-               f"scores (torch.compile builds the kernel in the first steps){flash}." if to == "flex_attention" else
-               f"{no_sdpa}its attention stays eager"
-               f"{flash and ' unless you install flash-attn and switch it to flash_attention_2'}." if no_sdpa else
-               "This is a Hugging Face model: switch its attention implementation (older transformers, without "
-               "set_attn_implementation: from_pretrained(..., attn_implementation='sdpa'))." if hf else
-               "Call it in your attention module's forward in place of the matmul-softmax-matmul."),
+            "attention's activation memory falls from quadratic to linear in the sequence. " + advice,
             code,
-            # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor; none
-            # where the model has no fused implementation to switch to
-            predicted=E.predicted(step, step - softmax_ms if step and (to or flash or not no_sdpa) else None),
+            # the prediction counts only the softmax pass removed (the matmuls' own share also falls): a floor
+            predicted=E.predicted(step, step - softmax_ms if step and lever else None),
             ranks=[int(rank)])]
 
 
