@@ -406,6 +406,10 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "cpu_offload": True, "offload_pin_memory": False}),
     _g("gpu_hf_llama_eager", "hf_llama_eager", "kernels.eager_attention", "HF Llama, attn_implementation='eager'",
        knobs=HF_GPU_SHAPE, min_severity="info"),
+    # a model without SDPA (its attention soft-caps the scores): the fix switches it to flex_attention, which compiles
+    # in the rerun's first steps (flex has no backward on the CPU: tests/test_kernel_fixes.py checks its forward there)
+    _g("gpu_hf_gemma2_eager", "hf_gemma2", "kernels.eager_attention", "HF Gemma2, eager: no SDPA for it",
+       knobs=HF_GPU_SHAPE, min_severity="info"),
     _g("gpu_gpt_leaf", "gpt", "comm.small_collectives", "every Linear its own unit: small all-gathers",
        knobs={**GPU_SHAPE, "wrap": "leaf"}),
     _g("gpu_gpt_leaf_units", "gpt", "wrap.too_fine", "every Linear its own unit", knobs={**GPU_SHAPE, "wrap": "leaf"}),
@@ -455,11 +459,6 @@ GPU_ROWS: list[Row] = [
        "device", knobs=GPU_SHAPE, loop="varying_lengths", alloc_limit=1.1, figure="retries"),
     _g("gpu_gpt_tiny_launch_bound", "gpt", "kernels.launch_bound", "a tiny GPT: the host launches, the GPU waits",
        knobs=TINY_GPU, min_severity="info", world=1),
-    # a model without SDPA (its attention soft-caps the scores): the fix switches it to flex_attention, compiled in
-    # the rerun's first steps, last of its launch for that (flex has no backward on the CPU: tests/test_kernel_fixes.py
-    # checks its forward there)
-    _g("gpu_hf_gemma2_eager", "hf_gemma2", "kernels.eager_attention", "HF Gemma2, eager: no SDPA for it",
-       knobs=HF_GPU_SHAPE, min_severity="info"),
 ]
 BY_NAME = {r.name: r for r in ROWS + GPU_ROWS}
 # where the GPU session's recorded runs of GPU_ROWS are committed (benchmarks/gpu_campaign.py --adopt)
@@ -651,11 +650,16 @@ def _before(rows: list[Row], tmp: Path, device: str, again: str = "") -> dict[st
     return out
 
 
+#: what a fix's code says when it compiles kernels on its first steps
+COMPILES = ("compile(", "flex_attention")
+
+
 def _after(fixes: list[Outcome], tmp: Path, device: str, again: str = "") -> None:
     """Reruns each outcome's row with its fix applied (in ``tmp/NAME{again}_fixed``): ``Outcome.after``."""
-    # on a GPU a fix that compiles (inductor) reruns in a launch of its own: a slow compile costs only its row; a
-    # fix for the top of the script (the allocator's settings) too, pasted before the ranks touch the device
-    slow = [o for o in fixes if device != "cpu" and "compile(" in o.fix["code"]]
+    # on a GPU a fix that compiles (inductor: torch.compile, or flex_attention's kernel) reruns in a launch of its
+    # own: a slow compile costs only its row; a fix for the top of the script (the allocator's settings) too, pasted
+    # before the ranks touch the device
+    slow = [o for o in fixes if device != "cpu" and any(k in o.fix["code"] for k in COMPILES)]
     startup = [o for o in fixes if o.fix["where"] == "startup"]
     rest = [o for o in fixes if all(o is not x for x in slow + startup)]
     for tag, batch in (("after", rest), ("after_compiled", slow), ("after_startup", startup)):

@@ -126,6 +126,9 @@ def test_eager_attention_fix_for_a_model_without_sdpa_switches_it_to_flex_attent
     f = _eager_finding(tmp_path, "model.layers.{}", record)
     code = f.recommendation.code
     assert code.startswith("model.set_attn_implementation('flex_attention')") and "sdpa" not in code, code
+    import scenario_matrix as M
+
+    assert any(k in code for k in M.COMPILES)  # its GPU row's rerun compiles: a launch of its own there
     assert "or to flash_attention_2, where the flash-attn package is installed" in f.recommendation.text
     assert "set_attn_implementation('sdpa') would raise" in f.recommendation.text
     assert f.predicted.step_ms_after < f.predicted.step_ms_before
