@@ -12,21 +12,40 @@ TORCH_PIN ?= torch==2.13.0
 COMPAT_DIR   ?= $(HOME)/.cache/fsdp_doctor/compat
 COMPAT_TORCH ?= 2.6.0 2.15.0
 
-.PHONY: setup demo test test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
+.PHONY: setup titan-site demo test test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
-	@echo "setup: 1/3 installing $(TORCH_PIN) into $(VENV) (about a minute on a fresh machine; pip is quiet meanwhile) ..."
+	@echo "setup: 1/4 installing $(TORCH_PIN) into $(VENV) (about a minute on a fresh machine; pip is quiet meanwhile) ..."
 	@$(VPY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)" 2>&1 | grep -v "^WARNING: Location" || true
-	@echo "setup: 2/3 installing fsdp-doctor[test] and its dependencies (dash, plotly, tensorboard, ...) ..."
+	@echo "setup: 2/4 installing fsdp-doctor[test] and its dependencies (dash, plotly, tensorboard, ...) ..."
 	@$(VPY) -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(VPY) -c "import torch, fsdp_doctor, dash, msgspec, rich" || (echo "setup: install failed"; exit 1)
-	@echo "setup: 3/3 plotly.js basic bundle for smaller HTML reports (optional) ..."
+	@echo "setup: 3/4 torchtitan $(TITAN_VERSION) for the tests, in its own folder $(TITAN_SITE) (on the tests' path only) ..."
+	@$(MAKE) -s titan-site
+	@echo "setup: 4/4 plotly.js basic bundle for smaller HTML reports (optional) ..."
 	@$(MAKE) -s plotlyjs-basic
 	@touch $(STAMP)
 	@echo "setup: done. Commands are in $(VENV)/bin: run them as $(VENV)/bin/fsdp-doctor, or 'source $(VENV)/bin/activate' first"
+
+# torchtitan, a real client of the tests (tests/titan_cases.py: its llama3, parallelize_llama and command line),
+# installed without its dependencies into a folder of its own that only those tests put on their path: its
+# pins (huggingface_hub < 2 through datasets) would otherwise move what transformers needs. What it imports to
+# build, shard and parse a llama3 config: triton (importable, no GPU needed), datasets (its config registry's
+# data loaders), tyro (its command line) and their own imports.
+TITAN_VERSION := 0.3.0
+TITAN_SITE    := $(VENV)/torchtitan
+TITAN_PKGS    := torchtitan==$(TITAN_VERSION) triton==3.9.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 \
+                 torchdata==0.11.0 einops==0.8.2 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 \
+                 datasets==4.7.0 pyarrow==26.0.1 dill==0.4.0 multiprocess==0.70.18 xxhash==4.1.0 httpx==0.28.1 \
+                 httpcore==1.0.9
+titan-site:
+	@rm -rf $(TITAN_SITE) && $(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-compile \
+	  --target $(TITAN_SITE) $(TITAN_PKGS) 2>&1 | grep -v "^WARNING: Location" || true
+	@PYTHONPATH=$(TITAN_SITE) $(VPY) -c "import torchtitan.models.llama3.parallelize, torchtitan.config" \
+	  || (echo "setup: torchtitan $(TITAN_VERSION) does not import from $(TITAN_SITE)"; exit 1)
 
 # The HTML report draws only bars and scatter traces: plotly.js's basic bundle (npm plotly.js-basic-dist-min,
 # the version plotly.py bundles) keeps it at ~1.3 MB instead of ~4.9 MB. Optional: without npm the full bundle is used.

@@ -139,6 +139,9 @@ class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
 TRAINER_DRIVER = "transformers.Trainer"
 # RunConfig.sharded_by of a model accelerate's prepare() sharded (its FSDP2 plugin; the Trainer's runs too)
 ACCELERATE_SHARDER = "accelerate"
+# RunConfig.sharded_by of a torchtitan model (its parallelize function sharded it from the job's config, whose
+# settings a fix changes: its command line; RunConfig.sharder_version says which torchtitan)
+TORCHTITAN_SHARDER = "torchtitan"
 
 
 #: the environment variables the CUDA caching allocator reads its settings from (the second: newer torch's name)
@@ -171,8 +174,10 @@ class RunConfig(Record, tag="config"):
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback)
     driver: str | None = None
     # what sharded the model when not the user's own fully_shard calls: ACCELERATE_SHARDER (accelerator.prepare,
-    # whose FSDP2 plugin holds the settings a fix changes: checkpointing, the mixed-precision policy)
+    # whose FSDP2 plugin holds the settings a fix changes: checkpointing, the mixed-precision policy),
+    # TORCHTITAN_SHARDER (a torchtitan model: its job config holds them)
     sharded_by: str | None = None
+    sharder_version: str | None = None  # that sharder's version (torchtitan's, whose command line changes with it)
     units: list[UnitConfig] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0

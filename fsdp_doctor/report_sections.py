@@ -497,7 +497,10 @@ FIX_PLACES = {
     "evaluation": "around your evaluation (where the model runs without a backward after it)",
     "trainer": "with your Trainer built, before trainer.train()",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
+    "torchtitan": "torchtitan's job config",
 }
+#: what a fix's code is, by where it goes, where it is not Python
+FIX_LANGUAGES = {"torchtitan": "command line"}
 
 
 class Recommendation(_Section):

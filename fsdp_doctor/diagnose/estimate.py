@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER, UnitConfig, unit_defaults
+from ..records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..units import fmt_bytes
@@ -115,6 +115,15 @@ def plugin_lever(ctx: Context) -> Optional[str]:
     if trainer_driven(ctx):
         return "trainer"
     return "accelerate" if getattr(ctx.config, "sharded_by", None) == ACCELERATE_SHARDER else None
+
+
+def torchtitan_version(ctx: Context) -> Optional[str]:
+    """The torchtitan version whose parallelize function sharded the model from its job config ("" when torchtitan
+    sharded it but its version is unknown); None: not torchtitan. Its fixes are that config's settings
+    (snippets.titan_settings)."""
+    if getattr(ctx.config, "sharded_by", None) != TORCHTITAN_SHARDER:
+        return None
+    return getattr(ctx.config, "sharder_version", None) or ""
 
 
 # ---------------------------------------------------------------------------------------------- memory

@@ -788,6 +788,52 @@ def plugin_mp_policy(mp_line: str, lever: str) -> str:
             f"{holder}.mixed_precision_policy = mp")
 
 
+#: torchtitan's job-config settings a fix changes, by the torchtitan version (major, minor) whose command line
+#: takes them: setting -> value -> (the argument of its command line, the same set in a config_registry function
+#: on the Trainer.Config it returns). 0.3 parses its command line with tyro: activation checkpointing is a
+#: subcommand (last on the line), a flag is --section.key with dashes. A version not here gets the fix in words.
+TITAN_SETTINGS = {
+    (0, 3): {
+        "activation_checkpoint": {
+            "none": ("activation-checkpoint:none", "config.activation_checkpoint = None"),
+            "full": ("activation-checkpoint:full", "config.activation_checkpoint = FullAC.Config()  # from "
+                     "torchtitan.distributed.activation_checkpoint import FullAC"),
+        },
+        "fsdp_reshard_after_forward": {
+            v: (f"--parallelism.fsdp-reshard-after-forward {v}", f"config.parallelism.fsdp_reshard_after_forward = "
+                                                                 f"{v!r}") for v in ("never", "always", "default")},
+        "enable_cpu_offload": {
+            True: ("--training.enable-cpu-offload", "config.training.enable_cpu_offload = True"),
+            False: ("--training.no-enable-cpu-offload", "config.training.enable_cpu_offload = False"),
+        },
+    },
+}
+
+
+def titan_settings(version: str, **settings) -> Optional[str]:
+    """torchtitan's job-config ``settings`` (TITAN_SETTINGS' names and values) as its ``version``'s command line
+    takes them, with the same in a config_registry function in comments; None where the table does not know
+    that version (or a setting of it)."""
+    try:
+        table = TITAN_SETTINGS[tuple(int(x) for x in version.split(".")[:2])]
+        args = [table[k][v] for k, v in settings.items()]
+    except (KeyError, ValueError):
+        return None
+    flags = [a for a, _ in args if a.startswith("--")] + [a for a, _ in args if not a.startswith("--")]
+    return "\n".join([f"# torchtitan {version}: add to the command line that runs torchtitan.train, after your "
+                      "--module/--config, in place of the same settings there", *(
+                          [] if all(f.startswith("--") for f in flags) else
+                          ["# (activation-checkpoint:... is a subcommand: last on the line, and only one)"]),
+                      " ".join(flags),
+                      "# or set it in your config_registry function, on the Trainer.Config it returns:",
+                      *(f"#   {py}" for _, py in args)])
+
+
+def titan_says(version: str) -> str:
+    """How a finding's text names where torchtitan's setting lives."""
+    return f"torchtitan{' ' + version if version else ''} sharded this model from its job config"
+
+
 def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..report_sections import (FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
+from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
                                Straggler, ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
                      fmt_value, printable, unit_label)
@@ -143,8 +143,8 @@ def findings_headline(items: list[Finding]) -> str:
 def fix_heading(rec) -> str:
     """The line above a fix's code: where it goes in the user's script and, for a loop fix, the names it reads
     from the loop ("Fix (Python, after your fully_shard calls):")."""
-    where = FIX_PLACES.get(rec.where, "")
-    head = f"Fix (Python, {where}):" if where else "Fix (Python):"
+    where, lang = FIX_PLACES.get(rec.where, ""), FIX_LANGUAGES.get(rec.where, "Python")
+    head = f"Fix ({lang}, {where}):" if where else f"Fix ({lang}):"
     if rec.inputs:
         head += " " + "; ".join(f"{k}: {v}" for k, v in rec.inputs.items())
     return head

@@ -25,6 +25,7 @@ import socket
 import sys
 import time
 import weakref
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ import torch.nn as nn
 from .. import __version__
 from ..records import (
     ACCELERATE_SHARDER,
+    TORCHTITAN_SHARDER,
     End,
     Header,
     Manifest,
@@ -379,6 +381,10 @@ class Doctor:
         cfg.driver = self.driver
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None
+        # a torchtitan model (fully_shard subclasses its class: FSDPLlama3Model)
+        if cfg.sharded_by is None and any(c.__module__.split(".")[0] == TORCHTITAN_SHARDER
+                                          for c in type(self.model).__mro__):
+            cfg.sharded_by, cfg.sharder_version = TORCHTITAN_SHARDER, _version(TORCHTITAN_SHARDER)
         return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
@@ -427,3 +433,11 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
     ``capacity_bytes``, ``tensorboard``, ``overwrite``).
     """
     return Doctor(model, optimizer, WatchOptions.from_kwargs(options))
+
+
+def _version(dist_name: str) -> str | None:
+    """An installed distribution's version (None where it is not installed as one: a checkout on the path)."""
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None

@@ -139,16 +139,21 @@ class AcRecommended(Rule):
         pm, target = E.peak_memory(ctx), E.TARGET_CAPACITY_SHARE * cap
 
         lever = E.plugin_lever(ctx)  # accelerate's FSDP2 plugin checkpoints every layer it shards, or none
+        titan = E.torchtitan_version(ctx)  # torchtitan's config checkpoints every block, or none
+        titan_code = S.titan_settings(titan, activation_checkpoint="full") if titan is not None else None
 
         def peak_with(chosen):
             return _peak_with(pm, {c.name: -int(per_unit[c.name] * (1 - 1 / E.SAVED_PER_INPUT)) for c in chosen},
                               {c.name: per_unit[c.name] for c in chosen},
+                              # (accelerate wraps the sharded layer: its recompute gathers again; torchtitan
+                              # shards the wrapper, as a fix of the user's own does)
                               {c.name: int(c.unsharded_bytes or 0) for c in chosen} if lever else None)
 
-        if lever:
+        if lever or titan_code:
             chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
             if not chosen:
-                return self.quiet("no layer of accelerate's FSDP2 plugin (a repeated block) is left to checkpoint")
+                return self.quiet(f"no {'layer of accelerate' if lever else 'block of torchtitan'}'s "
+                                  f"{'FSDP2 plugin' if lever else 'model'} (a repeated block) is left to checkpoint")
             peak_after = peak_with(chosen)
         else:
             # checkpoint the largest activation holders first until the peak is under the target
@@ -196,9 +201,14 @@ class AcRecommended(Rule):
             "per step (their forward compute). "
             + (f"{S.plugin_says(lever)[0]}, FSDP's own checkpointing (the plugin's activation_checkpointing, which "
                "transformers advises under FSDP) checkpoints every layer the plugin shards: all "
-               f"{len(chosen)} here." if lever else "Apply checkpointing to whole blocks, before fully_shard."),
-            S.plugin_checkpointing(True, lever) if lever else S.checkpoint_modules(mods, "checkpoint whole blocks"),
-            where=lever or "",
+               f"{len(chosen)} here." if lever else
+               f"{S.titan_says(titan)}: its activation checkpointing wraps every block, all {len(chosen)} here, "
+               "and full checkpointing keeps only their inputs (selective, its default, keeps some operators' "
+               "outputs and saves less)." if titan_code else
+               "Apply checkpointing to whole blocks, before fully_shard."),
+            S.plugin_checkpointing(True, lever) if lever else titan_code or S.checkpoint_modules(
+                mods, "checkpoint whole blocks"),
+            where=lever or ("torchtitan" if titan_code else ""),
             predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in chosen])]
 
@@ -239,8 +249,13 @@ class AcUnneeded(Rule):
         # plugin wraps the layers it shards); checkpoint(...) calls are Hugging Face's, under the Trainer its
         # training argument, else the user's own call (the fix on the unsharded model, as without the plugin)
         lever = E.plugin_lever(ctx) if wrappers or E.trainer_driven(ctx) else None
+        # torchtitan's config wraps its blocks (selective, its default, or full): the setting turns them off
+        titan = E.torchtitan_version(ctx) if wrappers and not functional else None
+        titan_code = S.titan_settings(titan, activation_checkpoint="none") if titan is not None else None
         code = S.remove_checkpointing(wrappers, functional)
-        if lever == "trainer":
+        if titan_code:
+            code = titan_code
+        elif lever == "trainer":
             code = S.plugin_checkpointing(False, lever, plugin=bool(wrappers), hf=bool(functional))
         elif lever:
             code = S.plugin_checkpointing(False, lever) + (
@@ -258,8 +273,9 @@ class AcUnneeded(Rule):
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed."
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
-               "(checkpoint wrappers of your own: build the model without them)." if lever else ""),
-            code, where=lever or "",
+               "(checkpoint wrappers of your own: build the model without them)." if lever else "")
+            + (f" {S.titan_says(titan)}: turn its activation checkpointing off there." if titan is not None else ""),
+            code, where=lever or ("torchtitan" if titan_code else ""),
             predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
             units=[u.name for u in ck])]
 

@@ -1,0 +1,102 @@
+"""torchtitan 0.3.0, a real client (tests/titan_cases.py, 2 gloo ranks): its llama3 sharded by its own
+parallelize_llama from a job config its ConfigManager parsed. The doctor leaves its training and hooks as they
+were, records its units as torchtitan cut them and knows torchtitan sharded the model; a fix whose lever is a
+setting of torchtitan's job config is that setting on its command line, and run as printed (the flags in place of
+the same settings of the user's command line) it removes the finding, the peak the predicted one within 10%."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_doctor.diagnose import snippets as S
+from recorder_cases import PEAK_WITHIN
+from scenario_matrix import HEADROOM
+from test_clients import _launch
+from titan_cases import TITAN_SITE, with_fix
+
+
+def _case(tmp_path_factory, case: str) -> list[dict]:
+    if not (TITAN_SITE / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan is not installed in {TITAN_SITE} (make setup installs it: make titan-site)")
+    return _launch(case, 2, tmp_path_factory.mktemp(case), script="titan_cases.py")[0]
+
+
+@pytest.fixture(scope="module")
+def titan_run(tmp_path_factory):
+    return _case(tmp_path_factory, "titan")
+
+
+@pytest.fixture(scope="module")
+def titan_fixes(tmp_path_factory):
+    return _case(tmp_path_factory, "titan_fixes")
+
+
+@pytest.mark.slow
+def test_titan_training_unchanged_units_as_torchtitan_cut_them(titan_run):
+    """Watched, torchtitan's run has the same losses and parameter shards as without the doctor, and its hooks
+    are as before watch(); the units are torchtitan's (the embeddings, each block, [norm, lm_head] kept gathered
+    after forward, the root), and the run says torchtitan 0.3.0 sharded the model."""
+    for res in titan_run:
+        assert res["identical"] and res["left"] == [] and res["errors"] == 0 and res["steps"] == 5, res
+        assert (res["sharded_by"], res["version"]) == ("torchtitan", "0.3.0")
+        assert res["units"] == [["", [""], False, "none"], ["tok_embeddings", ["tok_embeddings"], True, "none"],
+                                *[[f"layers.{i}", [f"layers.{i}"], True, "none"] for i in range(4)],
+                                ["norm, lm_head", ["norm", "lm_head"], False, "none"]], res["units"]
+
+
+def _fixed(res: dict, name: str, code: str, flag: str) -> tuple[dict, dict, dict]:
+    """(the run ``name``, its rerun with the fix's command line, the finding): the fix is torchtitan's command
+    line holding ``flag``, the rerun ran it (its arguments are the user's with the fix's in place), the finding is
+    gone, the peak is the predicted one within PEAK_WITHIN, and no new warning appears."""
+    before, after = res[name], res[f"{name}_fixed"]
+    f = before["findings"].get(code)
+    assert f is not None and f["where"] == "torchtitan", (name, before["findings"].keys())
+    assert flag in f["code"].splitlines() and "torchtitan 0.3.0 sharded this model" in f["text"], f
+    assert res[f"{name}_fixed_args"] == with_fix(res[f"{name}_args"], f["code"]) and flag in res[f"{name}_fixed_args"]
+    assert code not in after["findings"], after["findings"].keys()
+    predicted = f["predicted"]["peak_bytes_after"]
+    assert abs(after["peak"] - predicted) <= PEAK_WITHIN * predicted, (name, after["peak"], predicted)
+    new = {c for c, g in after["findings"].items() if g["severity"] != "info"} - set(before["findings"]) - HEADROOM
+    assert not new, new
+    return before, after, f
+
+
+@pytest.mark.slow
+def test_titan_checkpointing_unneeded_fix_is_its_command_line(titan_fixes):
+    """torchtitan's default, selective checkpointing of every block, under an ample budget: ac.unneeded's fix is
+    ``activation-checkpoint:none`` on torchtitan's command line (its config_registry form beside it); run so, no
+    block is checkpointed."""
+    for res in titan_fixes:
+        before, after, f = _fixed(res, "sel_ample", "ac.unneeded", "activation-checkpoint:none")
+        assert "#   config.activation_checkpoint = None" in f["code"], f["code"]
+        assert [u[1] for u in before["units"] if u[0].startswith("layers.")] == ["unit"] * 4, before["units"]
+        assert after["quiet"]["ac.unneeded"] == "no unit is checkpointed", after["quiet"]
+        assert after["peak"] > before["peak"], (after["peak"], before["peak"])
+
+
+@pytest.mark.slow
+def test_titan_checkpointing_recommended_fix_checkpoints_every_block(titan_fixes):
+    """Without checkpointing, activations dominating a peak 5% under the budget: torchtitan checkpoints every block
+    or none, so ac.recommended names all four and its fix is ``activation-checkpoint:full`` in place of the user's
+    ``activation-checkpoint:none``; run so, every block is checkpointed and the peak falls."""
+    for res in titan_fixes:
+        before, after, f = _fixed(res, "tight", "ac.recommended", "activation-checkpoint:full")
+        assert res["tight_fixed_args"].count("activation-checkpoint:none") == 0, res["tight_fixed_args"]
+        assert "all 4 here" in f["text"], f["text"]
+        assert [u[1] for u in after["units"] if u[0].startswith("layers.")] == ["unit"] * 4, after["units"]
+        assert after["peak"] < 0.85 * before["peak"], (after["peak"], before["peak"])
+
+
+def test_titan_settings_by_version():
+    """torchtitan's settings as the command line of the version that takes them; a version the table does not
+    know gets none (the finding then keeps its code of the user's own and says the setting in words)."""
+    code = S.titan_settings("0.3.0", fsdp_reshard_after_forward="never", activation_checkpoint="none")
+    flags = [ln for ln in code.splitlines() if not ln.startswith("#")]
+    assert flags == ["--parallelism.fsdp-reshard-after-forward never activation-checkpoint:none"], code
+    assert "#   config.parallelism.fsdp_reshard_after_forward = 'never'" in code
+    assert with_fix(["--parallelism.fsdp-reshard-after-forward", "always", "--x", "1", "activation-checkpoint:full"],
+                    code) == ["--x", "1", "--parallelism.fsdp-reshard-after-forward", "never",
+                              "activation-checkpoint:none"]
+    assert S.titan_settings("0.2.1", activation_checkpoint="none") is None
+    assert S.titan_settings("", activation_checkpoint="none") is None
+    assert S.titan_settings("0.3.1", activation_checkpoint="selective") is None  # (not a value a fix sets)

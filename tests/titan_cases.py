@@ -1,0 +1,207 @@
+"""torchtitan 0.3.0, a real client (tests/test_titan.py starts the ranks, one gloo rank per process; each prints one
+``RESULT {json}`` line). torchtitan is installed by ``make setup`` in a folder of its own (Makefile: titan-site),
+put on the path here only.
+
+The run is torchtitan's own as its Trainer builds it, on CPU: its llama3 (fused QKV, grouped-query attention, its
+ComplexRoPE buffers, a ModuleDict of blocks, ``lm_head``) built on the meta device from a tiny config, sharded by its
+``parallelize_llama`` (activation checkpointing from its config, then its ``apply_fsdp_to_decoder``: the
+embeddings, each block, ``[norm, lm_head]`` kept gathered, the root) with the job config's training, parallelism and
+checkpointing settings, then ``to_empty`` and ``init_weights``. The job config is parsed from a command line by
+torchtitan's own ConfigManager (``--module llama3 --config llama3_debugmodel`` and the user's flags). What this
+machine needs (Makefile, DEVELOPERS notes): torchtitan's device type set to "cpu", its SDPA attention (its
+language models default to flex attention, which has no CPU backward), plain SUM reduction on gloo (no
+PREMUL_SUM: torchtitan's own disable_fsdp_gradient_division and forced sum), and the partial_dtensor backend.
+
+Cases:
+  titan        the same run without and with the doctor: identical losses and parameter shards, the hook state
+               as before watch(); the units and the sharder as recorded.
+  titan_fixes  ac.unneeded under torchtitan's default selective checkpointing with an ample budget, and
+               ac.recommended without checkpointing under a budget 5% above the peak, each rerun with its fix's
+               command line as its user would run it (the fix's flags in place of the same settings).
+
+Usage: python tests/titan_cases.py CASE RANK WORLD PORT OUT_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: where `make setup` installs torchtitan and what it imports (Makefile: TITAN_SITE)
+TITAN_SITE = Path(os.environ.get("FSDP_DOCTOR_TITAN_SITE", ROOT / ".venv" / "torchtitan"))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fsdp_doctor
+from recorder_cases import _each_fixed, _outcome, diff, hook_state, same_tensors
+
+STEPS = 5
+VOCAB = 256
+#: the command line a user of this test's runs starts from: fp32 parameters (bf16 on CPU is slow), the classic
+#: FSDP2 path (0.3's default spmd_types backend needs DTensor parameters on the whole mesh)
+BASE_ARGS = ["--training.mixed-precision-param", "float32", "--parallelism.spmd-backend", "partial_dtensor"]
+
+
+def _cpu() -> None:
+    """torchtitan on this machine: its device type "cpu" (it reads CUDA's by default)."""
+    import torchtitan.distributed.parallel_dims as PD
+    import torchtitan.distributed.utils as DU
+
+    PD.device_type = DU.device_type = "cpu"
+    DU.device_module = torch.cpu
+
+
+def job_config(args: list[str]):
+    """torchtitan's job config from a command line, parsed by its own ConfigManager."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", *BASE_ARGS, *args])
+
+
+def with_fix(args: list[str], fix: str) -> list[str]:
+    """The user's command line with a fix's flags (its lines that are not comments) in place of the same settings:
+    a flag ``--a.b`` and its value, the activation-checkpoint subcommand."""
+    new = [a for line in fix.splitlines() if not line.lstrip().startswith("#") for a in shlex.split(line)]
+    sub = next((a for a in new if ":" in a and not a.startswith("--")), None)
+    flags = {a for a in new if a.startswith("--")}
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True  # (its value)
+            continue
+        if sub and a.split(":")[0] == sub.split(":")[0]:
+            continue
+        out.append(a)
+    return out + new
+
+
+def llama(width: int, layers: int = 4, seq: int = 64):
+    """torchtitan's llama3 config, tiny: its layers as its registry builds them, SDPA attention."""
+    import torchtitan.models.llama3 as L
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    heads = 4
+    cfg = L.Llama3Model.Config(
+        dim=width, vocab_size=VOCAB,
+        tok_embeddings=L.Embedding.Config(num_embeddings=VOCAB, embedding_dim=width, param_init=L._EMBEDDING_INIT),
+        norm=L.RMSNorm.Config(normalized_shape=width, param_init=L._NORM_INIT),
+        lm_head=L.Linear.Config(in_features=width, out_features=VOCAB, param_init=L._output_linear_init(width)),
+        layers=L._build_llama3_layers(
+            fuse_qkv=True, n_layers=layers, dim=width, n_heads=heads, n_kv_heads=2,
+            hidden_dim=L.compute_ffn_hidden_dim(width, multiple_of=64),
+            rope=L.ComplexRoPE.Config(dim=width // heads, max_seq_len=2 * seq, theta=500000, scaling="llama"),
+            attn_backend="flex"))
+    for block in cfg.layers:  # its SDPA attention (its language models' default, flex, has no CPU backward)
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def build(config, width: int, seq: int):
+    """The model as torchtitan's Trainer builds it from the job ``config``: on the meta device, parallelize_llama
+    with the config's settings, then to_empty and init_weights; gradients summed (gloo has no PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    torch.manual_seed(0)
+    dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+    with torch.device("meta"):
+        model = llama(width, seq=seq).build()
+    model = parallelize_llama(model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+                              compile_config=config.compile, ac_config=config.activation_checkpoint,
+                              dump_folder=str(ROOT))
+    disable_fsdp_gradient_division(model)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    return model
+
+
+def train(model, seq: int, out_dir=None, batch: int = 2, **watch_kw):
+    """torchtitan's train step, one micro-batch: forward, cross-entropy over the logits, backward, AdamW; watched
+    by the doctor into ``out_dir``. Returns the losses, and the hook state before watch() and after it."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rank = dist.get_rank()
+    model._get_fsdp_state()._lazy_init()  # (FSDP's own state-dict hooks, which its first forward registers)
+    before = hook_state(model, opt)
+    ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), profile=False, **watch_kw) if out_dir else None
+    doc = ctx.__enter__() if ctx else None
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        tok = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+        pred = model(tok[:, :-1])
+        loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten())
+        del pred  # (as torchtitan's train step: the logits do not outlive the loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if doc is not None:
+            doc.step()
+        losses.append(loss.item())
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+    return losses, diff(before, hook_state(model, opt))
+
+
+def run_titan(out: Path) -> dict:
+    _cpu()
+    config, seq = job_config(["activation-checkpoint:none"]), 32
+    model = build(config, 64, seq)
+    base, _ = train(model, seq)
+    base_params = [p.to_local().detach().clone() for p in model.parameters()]
+    model = build(config, 64, seq)
+    losses, left = train(model, seq, out / "titan")
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    dist.barrier()
+    rd = fsdp_doctor.load_run(out / "titan").ranks[dist.get_rank()]
+    return {"identical": losses == base and same_tensors(params, base_params), "left": left,
+            "sharded_by": rd.config.sharded_by, "version": rd.config.sharder_version, "errors": len(rd.errors),
+            "units": [[u.name, u.modules, u.reshard_after_forward, u.checkpoint] for u in rd.config.units],
+            "steps": len(rd.steps)}
+
+
+def run_titan_fixes(out: Path) -> dict:
+    _cpu()
+    rank = dist.get_rank()
+    res = {}
+
+    def run(name, fix=None, capacity=8 << 30, args=(), width=64, seq=32):
+        args = list(args)
+        if fix:
+            args = with_fix(args, fix)
+        res[f"{name}_args"] = args
+        model = build(job_config(args), width, seq)
+        train(model, seq, out / name, capacity_bytes=capacity)
+        dist.barrier()
+        res[name] = _outcome(out / name, rank)
+        return res[name]["findings"]
+
+    return _each_fixed(run, res, [
+        # torchtitan's default: selective checkpointing (its llama3_debugmodel config's too)
+        ("sel_ample", "ac.unneeded", {}),
+        # activations dominate (width 128, 256 tokens a sequence) a peak 5% under the budget
+        ("tight", "ac.recommended", {"args": ["activation-checkpoint:none"], "width": 128, "seq": 256})])
+
+
+CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(TITAN_SITE))  # (the rank processes only: the test process never imports torchtitan)
+    from clients import main
+
+    sys.exit(main(sys.argv[1:], CASES))
