@@ -1122,6 +1122,31 @@ def test_optimizer_step_comm():
     assert run_rule("optim.step_comm", build(overlap=ov)[0]) == []
 
 
+def test_optimizer_step_comm_leaves_clippings_norm():
+    """A collective issued inside a norm operator (phase grad_norm: clip_grad_norm_'s total norm, torchtitan's
+    clipping, one all-reduce of the DTensor norm's partials) is what clipping needs: alone and batched, the rule
+    is quiet and says why; beside other loop collectives, the prediction keeps its exposure. Per-tensor norm
+    reductions (foreach=False: one per gradient) are still the finding."""
+    norm = {"rank": 0, "unit": "(other)", "collective": "all_reduce", "phase": "grad_norm", "count": 2,
+            "comm_us": 10_000.0, "exposed_us": 10_000.0}  # 2 windowed steps: 1 call, 5 ms exposed per step
+    ov = {"per_rank": {"0": {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                             "steps": [6, 7], "device": "gpu"}}, "per_unit": [norm]}
+    rule = next(c for c in RULES if c.code == "optim.step_comm")()
+    assert rule.match(build(overlap=ov, backend="nccl", device="cuda:0")[0]) == []
+    assert rule.why_quiet.startswith("the only collectives outside FSDP's own reduce a gradient norm (1 per step"), \
+        rule.why_quiet
+    # and a loss all-reduce beside it: the finding, predicting only the loss's 3 ms
+    ov["per_unit"].append({**norm, "phase": None, "comm_us": 6_000.0, "exposed_us": 6_000.0})
+    (f,) = run_rule("optim.step_comm", build(overlap=ov, backend="nccl", device="cuda:0")[0])
+    assert f.evidence["grad_norm_ms_kept"] == pytest.approx(5.0) and "clipping needs" in f.recommendation.text
+    assert f.predicted["step_ms_before"] - f.predicted["step_ms_after"] == pytest.approx(3.0)
+    # one per gradient (clip_grad_norm_ with foreach=False): per tensor, the finding with its code
+    many = copy.deepcopy(ov)
+    many["per_unit"] = [{**norm, "count": 106, "comm_us": 30_000.0, "exposed_us": 28_000.0}]
+    (f,) = run_rule("optim.step_comm", build(overlap=many, backend="nccl", device="cuda:0")[0])
+    assert "dist.all_reduce(total)" in f.recommendation.code
+
+
 def test_optimizer_state_dominates():
     mem = memory(70 << 30, capacity=80 << 30, optimizer_state=40 << 30, activations=10 << 30)
     (f,) = run_rule("optim.state_dominates", build(memory=mem, backend="nccl", device="cuda:0")[0])

@@ -15,9 +15,10 @@ PREMUL_SUM: torchtitan's own disable_fsdp_gradient_division and forced sum), and
 Cases:
   titan        the same run without and with the doctor: identical losses and parameter shards, the hook state
                as before watch(); the units and the sharder as recorded.
-  titan_fixes  ac.unneeded under torchtitan's default selective checkpointing with an ample budget, and
-               ac.recommended without checkpointing under a budget 5% above the peak, each rerun with its fix's
-               command line as its user would run it (the fix's flags in place of the same settings).
+  titan_fixes  ac.unneeded under torchtitan's default selective checkpointing with an ample budget,
+               ac.recommended without checkpointing under a budget 5% above the peak, and reshard.zero2_affordable
+               under its default resharding with an ample budget, each rerun with its fix's command line as its
+               user would run it (the fix's flags in place of the same settings).
 
 Usage: python tests/titan_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -64,23 +65,22 @@ def job_config(args: list[str]):
 
 
 def with_fix(args: list[str], fix: str) -> list[str]:
-    """The user's command line with a fix's flags (its lines that are not comments) in place of the same settings:
-    a flag ``--a.b`` and its value, the activation-checkpoint subcommand."""
+    """The user's command line with a fix's arguments (its lines that are not comments) in place of the same
+    settings (a flag ``--a.b`` and its value; the activation-checkpoint subcommand), as the fix says: flags before
+    the subcommand, which goes last."""
     new = [a for line in fix.splitlines() if not line.lstrip().startswith("#") for a in shlex.split(line)]
-    sub = next((a for a in new if ":" in a and not a.startswith("--")), None)
+    is_sub = lambda a: ":" in a and not a.startswith("--")  # noqa: E731
     flags = {a for a in new if a.startswith("--")}
-    out, skip = [], False
+    kept, skip = [], False
     for a in args:
         if skip:
             skip = False
-            continue
-        if a in flags:
-            skip = True  # (its value)
-            continue
-        if sub and a.split(":")[0] == sub.split(":")[0]:
-            continue
-        out.append(a)
-    return out + new
+        elif a in flags:
+            skip = True  # (and its value)
+        else:
+            kept.append(a)
+    subs = [a for a in new if is_sub(a)] or [a for a in kept if is_sub(a)]
+    return [a for a in kept if not is_sub(a)] + [a for a in new if not is_sub(a)] + subs
 
 
 def llama(width: int, layers: int = 4, seq: int = 64):
@@ -130,31 +130,57 @@ def build(config, width: int, seq: int):
     return model
 
 
-def train(model, seq: int, out_dir=None, batch: int = 2, **watch_kw):
-    """torchtitan's train step, one micro-batch: forward, cross-entropy over the logits, backward, AdamW; watched
-    by the doctor into ``out_dir``. Returns the losses, and the hook state before watch() and after it."""
+def train(model, seq: int, out_dir=None, batch: int = 2, steps: int = STEPS, gc_freq: int = 50, **watch_kw):
+    """torchtitan's training loop, one micro-batch a step (Trainer.train / train_step): its garbage collection
+    (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), forward,
+    cross-entropy over the logits, backward, its gradient clipping (max_norm 1, the norm all-reduced over the
+    DTensor shards), AdamW; watched by the doctor into ``out_dir``. Returns the losses, and what differs in the
+    hook state after watch() from before it."""
+    import gc
+
+    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.tools.utils import GarbageCollection
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank = dist.get_rank()
     model._get_fsdp_state()._lazy_init()  # (FSDP's own state-dict hooks, which its first forward registers)
     before = hook_state(model, opt)
-    ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), profile=False, **watch_kw) if out_dir else None
+    gc_handler = GarbageCollection(gc_freq=gc_freq)
+    watch_kw = {"profile": False, **watch_kw}
+    ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), **watch_kw) if out_dir else None
     doc = ctx.__enter__() if ctx else None
     losses = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        tok = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
-        pred = model(tok[:, :-1])
-        loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten())
-        del pred  # (as torchtitan's train step: the logits do not outlive the loss)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if doc is not None:
-            doc.step()
-        losses.append(loss.item())
+    try:
+        for step in range(1, steps + 1):  # (torchtitan counts its steps from 1)
+            gc_handler.run(step)
+            g = torch.Generator().manual_seed(100 * step + rank)
+            tok = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+            opt.zero_grad()
+            pred = model(tok[:, :-1])
+            loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten())
+            del pred  # (as torchtitan's train step: the logits do not outlive the loss)
+            loss.backward()
+            clip_grad_norm_([p for p in model.parameters()], 1.0)
+            opt.step()
+            if doc is not None:
+                doc.step()
+            losses.append(loss.item())
+    finally:
+        gc.enable()  # (torchtitan leaves it off)
     if ctx is not None:
         ctx.__exit__(None, None, None)
     return losses, diff(before, hook_state(model, opt))
+
+
+def run_titan_default(out: Path) -> dict:
+    """torchtitan's defaults as its llama3 debug config has them (selective checkpointing, every block resharded
+    but [norm, lm_head]; here fp32 parameters), 30 steps of its loop (a collection every 10 steps) watched with
+    the doctor's defaults: its profiler window included. The report's findings."""
+    _cpu()
+    name = "default"
+    train(build(job_config([]), 64, 32), 32, out / name, steps=30, gc_freq=10, profile=True)
+    dist.barrier()
+    return _outcome(out / name, dist.get_rank())
 
 
 def run_titan(out: Path) -> dict:
@@ -194,10 +220,12 @@ def run_titan_fixes(out: Path) -> dict:
         # torchtitan's default: selective checkpointing (its llama3_debugmodel config's too)
         ("sel_ample", "ac.unneeded", {}),
         # activations dominate (width 128, 256 tokens a sequence) a peak 5% under the budget
-        ("tight", "ac.recommended", {"args": ["activation-checkpoint:none"], "width": 128, "seq": 256})])
+        ("tight", "ac.recommended", {"args": ["activation-checkpoint:none"], "width": 128, "seq": 256}),
+        # torchtitan's default resharding (all but [norm, lm_head]) under an ample budget
+        ("zero2", "reshard.zero2_affordable", {"args": ["activation-checkpoint:none"]})])
 
 
-CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes}
+CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default}
 
 
 if __name__ == "__main__":

@@ -796,8 +796,8 @@ TITAN_SETTINGS = {
     (0, 3): {
         "activation_checkpoint": {
             "none": ("activation-checkpoint:none", "config.activation_checkpoint = None"),
-            "full": ("activation-checkpoint:full", "config.activation_checkpoint = FullAC.Config()  # from "
-                     "torchtitan.distributed.activation_checkpoint import FullAC"),
+            "full": ("activation-checkpoint:full", "from torchtitan.distributed.activation_checkpoint import FullAC\n"
+                                                   "config.activation_checkpoint = FullAC.Config()"),
         },
         "fsdp_reshard_after_forward": {
             v: (f"--parallelism.fsdp-reshard-after-forward {v}", f"config.parallelism.fsdp_reshard_after_forward = "
@@ -820,13 +820,11 @@ def titan_settings(version: str, **settings) -> Optional[str]:
     except (KeyError, ValueError):
         return None
     flags = [a for a, _ in args if a.startswith("--")] + [a for a, _ in args if not a.startswith("--")]
-    return "\n".join([f"# torchtitan {version}: add to the command line that runs torchtitan.train, after your "
-                      "--module/--config, in place of the same settings there", *(
-                          [] if all(f.startswith("--") for f in flags) else
-                          ["# (activation-checkpoint:... is a subcommand: last on the line, and only one)"]),
-                      " ".join(flags),
+    return "\n".join([f"# torchtitan {version}: on the command line that runs torchtitan.train, in place of the "
+                      "same settings", "# (after --module/--config; a subcommand, activation-checkpoint:..., goes "
+                      "last: one only)", " ".join(flags),
                       "# or set it in your config_registry function, on the Trainer.Config it returns:",
-                      *(f"#   {py}" for _, py in args)])
+                      *(f"#   {ln}" for _, py in args for ln in py.splitlines())])
 
 
 def titan_says(version: str) -> str:

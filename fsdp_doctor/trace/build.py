@@ -228,6 +228,11 @@ _SPECIAL_FIRST = frozenset("FPeOcha")  # first letters of the special names: a c
 SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
                         "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize",
                         "aten::item", "aten::_local_scalar_dense"})
+# norm operators: a collective no FSDP unit issued from inside one is a gradient norm's reduction (a DTensor norm
+# all-reduces its shards' partial norms: clip_grad_norm_'s total norm, torchtitan's clipping), which clipping needs
+GRAD_NORM_OPS = frozenset({"aten::linalg_vector_norm", "aten::norm", "aten::_foreach_norm", "aten::frobenius_norm"})
+#: CollectiveCall.phase of such a collective
+GRAD_NORM_PHASE = "grad_norm"
 
 
 @contextmanager
@@ -265,6 +270,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special = _Special()
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
+    norms: list[tuple[float, float]] = []  # (ts, dur) of the host's norm operators (GRAD_NORM_OPS)
     # the [memory] instants: ts, total, device type, id, the block's bytes (negative: a free) and address (-1:
     # not given)
     mem = (array("d"), array("d"), array("q"), array("q"), array("q"), array("q"))
@@ -355,6 +361,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 if n in SYNC_NAMES:
                     if e.ts is not None and e.dur is not None:
                         syncs.append((e.ts, e.dur))
+                elif n in GRAD_NORM_OPS:
+                    if e.ts is not None and e.dur is not None:
+                        norms.append((e.ts, e.dur))
                 elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
@@ -438,6 +447,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
     _mark_optimizer_calls(win.calls, optimizer_steps)
+    _mark_grad_norm_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]))
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     return win
 
@@ -453,6 +463,19 @@ def _mark_optimizer_calls(calls: list[CollectiveCall], steps: iv.Intervals) -> N
             i = int(np.searchsorted(starts, c.issue, side="right")) - 1
             if i >= 0 and c.issue <= ends[i]:
                 c.phase = "optimizer"
+
+
+def _mark_grad_norm_calls(calls: list[CollectiveCall], norms: iv.Intervals) -> None:
+    """Phase GRAD_NORM_PHASE for the collectives no FSDP unit issued, outside optimizer.step(), that the host issued
+    inside a norm operator (``norms``: their intervals): a gradient norm's reduction."""
+    starts, ends = norms
+    if not starts.size:
+        return
+    for c in calls:
+        if c.unit == OTHER_UNIT and c.phase is None:
+            i = int(np.searchsorted(starts, c.issue, side="right")) - 1
+            if i >= 0 and c.issue <= ends[i]:
+                c.phase = GRAD_NORM_PHASE
 
 
 def _loop_comm_us(calls: list[CollectiveCall], regions: list[tuple[float, float]]) -> tuple[float, float]:

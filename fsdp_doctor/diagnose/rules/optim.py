@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from ...trace.build import GRAD_NORM_PHASE
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
@@ -21,6 +22,9 @@ OTHER_COMM_HYSTERESIS = 0.25
 # Per step, more calls than this per rank means per-tensor collectives (clip_grad_norm_ with foreach=False
 # issues one all-reduce per DTensor gradient; foreach=True batches them into a handful).
 PER_TENSOR_CALLS_MIN = 8
+# A gradient norm reduced in at most this many collectives per step is batched (clip_grad_norm_ with foreach, or
+# torchtitan's clipping: one all-reduce of the DTensor norm's partials): what clipping needs, no lever.
+GRAD_NORM_CALLS_MAX = 2
 # Optimizer state is "dominant" at this share of the peak ...
 STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # ... and matters only when the peak is at least this share of capacity.
@@ -98,6 +102,8 @@ class _OtherComm:
     kinds: set[str] = field(default_factory=set)
     in_optimizer_ms: float = 0.0  # exposed
     loop_calls: float = 0.0
+    norm_calls: float = 0.0  # of the loop's, those issued inside a norm operator: a gradient norm's reduction
+    norm_ms: float = 0.0  # their exposed time
 
     def add(self, r: E.TraceRow) -> None:
         self.calls += r.count_per_step
@@ -108,6 +114,14 @@ class _OtherComm:
             self.in_optimizer_ms += r.exposed_ms_per_step
         else:
             self.loop_calls += r.count_per_step
+        if r.phase == GRAD_NORM_PHASE:
+            self.norm_calls += r.count_per_step
+            self.norm_ms += r.exposed_ms_per_step
+
+    @property
+    def batched_norm(self) -> bool:
+        """Its gradient norm's reduction is batched (GRAD_NORM_CALLS_MAX): clipping's, not a lever."""
+        return 0 < self.norm_calls <= GRAD_NORM_CALLS_MAX
 
 
 @register
@@ -131,6 +145,10 @@ class OptimizerStepComm(Rule):
         by_rank: dict[int, _OtherComm] = {}
         for r in rows:
             by_rank.setdefault(r.rank, _OtherComm()).add(r)
+        if all(a.calls == a.norm_calls and a.batched_norm for a in by_rank.values()):
+            n = max(a.norm_calls for a in by_rank.values())
+            return self.quiet(f"the only collectives outside FSDP's own reduce a gradient norm ({n:.0f} per step, "
+                              "issued inside a norm operator: clip_grad_norm_'s total norm), which clipping needs")
         rank, worst = max(by_rank.items(), key=lambda kv: kv[1].exposed_ms)
         share = worst.exposed_ms / step
         # decided on the median rank, not the worst one: a single noisy rank near the threshold made the
@@ -183,8 +201,14 @@ class OptimizerStepComm(Rule):
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
             "values on the device until then. They are your loop's code, which the doctor does not see: no code "
             "is offered.")
-        return [self.finding(sev, title, evidence, text, "", predicted=E.predicted(step, step - worst.exposed_ms),
-                             ranks=[int(rank)])]
+        # a batched gradient norm's reduction stays: clipping needs it
+        kept = worst.norm_ms if worst.batched_norm else 0.0
+        if kept:
+            evidence["grad_norm_ms_kept"] = round(kept, 3)
+            text += (f" Of them, {worst.norm_calls:.0f} per step reduce a gradient norm (clip_grad_norm_'s total "
+                     f"norm, {kept:.1f} ms exposed), which clipping needs: the prediction keeps it.")
+        return [self.finding(sev, title, evidence, text, "",
+                             predicted=E.predicted(step, step - (worst.exposed_ms - kept)), ranks=[int(rank)])]
 
 
 def _halved_by_bf16(units) -> set[str]:

@@ -129,21 +129,32 @@ class Zero2PerUnit(Rule):
         us = [r.u for r in chosen]
         peak_after = E.zero2_peak(ctx, us)
         left = [r.u.name for r in rows if not r.flip]
+        # torchtitan's setting keeps every unit gathered after forward, or none (its default: all but the last):
+        # its lever where all of them fit the budget
+        titan = E.torchtitan_version(ctx)
+        where, code = "", None
+        if titan is not None and not left and last is None and E.zero2_peak(ctx, cands) <= budget:
+            code = S.titan_settings(titan, fsdp_reshard_after_forward="never")
+            if code:
+                where, us, peak_after = "torchtitan", cands, E.zero2_peak(ctx, cands)
         upper = sum(r.comm for r in chosen if r.comm is not None) if any(r.comm for r in chosen) else None
         sev = "warning" if saved >= ZERO2_WARN_GAIN_SHARE * step else "info"
-        names = [u.name for u in us]
+        names, n_of = [u.name for u in us], len(cands) if where else len(rows)
         text = (f"The peak is {100 * peak / cap:.1f}% of capacity ({E.mib(peak)} of {E.mib(cap)} MiB; the budget "
                 f"is {100 * ZERO2_MAX_SHARE:.0f}%). Keeping a unit gathered after forward (ZeRO-2 for that unit) "
                 "holds its unsharded parameters from its forward to its backward and removes its backward "
-                f"all-gather. Flip {len(us)} of {len(rows)} unit(s), best time saved per byte first: "
+                f"all-gather. Flip {len(us)} of {n_of} unit(s), best time saved per byte first: "
                 f"{E.fmt_list(names)}: -{saved:.1f} ms per step (the measured wait), peak "
                 f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({100 * peak_after / cap:.1f}% of capacity).")
         if left:
             text += f" {E.fmt_list(left)} would not fit the budget."
         if last is not None:
             text += f" The last unit {last.name!r} is reshard.last_unit's finding."
+        if where:
+            text += (f" {S.titan_says(titan)}: its fsdp_reshard_after_forward 'never' keeps every unit gathered "
+                     f"after forward, all {len(us)} here (the predicted peak holds them all).")
         return [self.finding(
-            sev, f"ZeRO-2 on {len(us)} of {len(rows)} units: -{saved:.1f} ms/step, "
+            sev, f"ZeRO-2 on {len(us)} of {n_of} units: -{saved:.1f} ms/step, "
                  f"+{E.mib(peak_after - peak)} MiB peak",
             {"peak_bytes": peak, "capacity_bytes": cap, "budget_bytes": int(budget),
              "headroom_bytes": int(budget - peak), "peak_after_bytes": peak_after,
@@ -153,7 +164,8 @@ class Zero2PerUnit(Rule):
              "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left,
              "per_unit": [r.row for r in rows], "measured_by": source,
              "memory_model": "timeline" if E.peak_memory(ctx).timeline else "peak"},
-            text, _unit_fix(us), predicted=E.predicted(step, step - saved, peak, peak_after), units=names)]
+            text, code or _unit_fix(us), where=where, predicted=E.predicted(step, step - saved, peak, peak_after),
+            units=[u.name for u in us])]
 
 
 # ------------------------------------------------------------------------------------------------ low MFU
