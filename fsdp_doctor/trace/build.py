@@ -446,36 +446,25 @@ def _build_window(path: Path, trace) -> WindowTrace:
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
-    _mark_optimizer_calls(win.calls, optimizer_steps)
-    _mark_grad_norm_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]))
+    _mark_calls(win.calls, optimizer_steps, "optimizer")
+    _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
+                GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     return win
 
 
-def _mark_optimizer_calls(calls: list[CollectiveCall], steps: iv.Intervals) -> None:
-    """Phase "optimizer" for the collectives no FSDP unit issued that the host issued inside optimizer.step()
-    (``steps``: its labels' intervals): the optimizer's own, not the loop's."""
-    starts, ends = steps
+def _mark_calls(calls: list[CollectiveCall], spans: iv.Intervals, phase: str) -> None:
+    """``phase`` for the collectives no FSDP unit issued, with no phase yet, that the host issued inside
+    ``spans``: inside optimizer.step() (its labels' intervals) the optimizer's own ("optimizer"); inside a norm
+    operator (GRAD_NORM_OPS) a gradient norm's reduction (GRAD_NORM_PHASE). Neither is the loop's own code."""
+    starts, ends = spans
     if not starts.size:
         return
     for c in calls:
         if c.unit == OTHER_UNIT and c.phase is None:
             i = int(np.searchsorted(starts, c.issue, side="right")) - 1
             if i >= 0 and c.issue <= ends[i]:
-                c.phase = "optimizer"
-
-
-def _mark_grad_norm_calls(calls: list[CollectiveCall], norms: iv.Intervals) -> None:
-    """Phase GRAD_NORM_PHASE for the collectives no FSDP unit issued, outside optimizer.step(), that the host issued
-    inside a norm operator (``norms``: their intervals): a gradient norm's reduction."""
-    starts, ends = norms
-    if not starts.size:
-        return
-    for c in calls:
-        if c.unit == OTHER_UNIT and c.phase is None:
-            i = int(np.searchsorted(starts, c.issue, side="right")) - 1
-            if i >= 0 and c.issue <= ends[i]:
-                c.phase = GRAD_NORM_PHASE
+                c.phase = phase
 
 
 def _loop_comm_us(calls: list[CollectiveCall], regions: list[tuple[float, float]]) -> tuple[float, float]:
