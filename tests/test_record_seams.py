@@ -62,6 +62,21 @@ def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
 
     assert unwrap_optimizer(opt) is opt and unwrap_optimizer(None) is None
     assert unwrap_optimizer(Wrapper(Plain(opt))) is opt
+
+    class Container(torch.optim.Optimizer):  # torchtitan's shape: an Optimizer shell stepping those it holds
+        def __init__(self, optimizers):
+            self.optimizers = optimizers
+            torch.optim.Optimizer.__init__(self, [p for o in optimizers for g in o.param_groups for p in g["params"]],
+                                           {})
+
+        def step(self, closure=None):
+            for o in self.optimizers:
+                o.step()
+
+    assert unwrap_optimizer(Container([opt])) is opt  # the one it holds: its state and groups are the real ones
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    two = Container([opt, other])
+    assert unwrap_optimizer(two) is two  # (several: the container, whose step hooks still time them all)
     with pytest.raises(WatchError) as e:
         unwrap_optimizer(object())
     assert "not a torch.optim.Optimizer" in str(e.value) and "\n" not in str(e.value)

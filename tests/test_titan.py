@@ -37,13 +37,20 @@ def titan_fixes(tmp_path_factory):
 def test_titan_training_unchanged_units_as_torchtitan_cut_them(titan_run):
     """Watched, torchtitan's run has the same losses and parameter shards as without the doctor, and its hooks
     are as before watch(); the units are torchtitan's (the embeddings, each block, [norm, lm_head] kept gathered
-    after forward, the root), and the run says torchtitan 0.3.0 sharded the model."""
+    after forward, the root), the run says torchtitan 0.3.0 sharded the model, and the optimizer read is the AdamW
+    inside torchtitan's OptimizersContainer (before, its empty shell: no optimizer state at the peak)."""
     for res in titan_run:
         assert res["identical"] and res["left"] == [] and res["errors"] == 0 and res["steps"] == 5, res
         assert (res["sharded_by"], res["version"]) == ("torchtitan", "0.3.0")
         assert res["units"] == [["", [""], False, "none"], ["tok_embeddings", ["tok_embeddings"], True, "none"],
                                 *[[f"layers.{i}", [f"layers.{i}"], True, "none"] for i in range(4)],
                                 ["norm, lm_head", ["norm", "lm_head"], False, "none"]], res["units"]
+        # torchtitan's OptimizersContainer, passed to watch(): its AdamW read (its groups' options, its state:
+        # exp_avg and exp_avg_sq as large as the sharded parameters, and a 4-byte step per parameter tensor)
+        assert res["optimizer"] == "AdamW" and res["groups"] == [
+            {"lr": 0.0008, "betas": [0.9, 0.95], "eps": 1e-08, "weight_decay": 0.1}], (res["optimizer"], res["groups"])
+        steady = res["steady"]
+        assert steady["optimizer_state"] == 2 * steady["sharded_params"] + 4 * res["param_tensors"], steady
 
 
 @pytest.fixture(scope="module")

@@ -130,21 +130,26 @@ def build(config, width: int, seq: int):
     return model
 
 
-def train(model, seq: int, out_dir=None, batch: int = 2, steps: int = STEPS, gc_freq: int = 50, **watch_kw):
+def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = STEPS, gc_freq: int = 50,
+          **watch_kw):
     """torchtitan's training loop, one micro-batch a step (Trainer.train / train_step): its garbage collection
     (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), forward,
     cross-entropy over the logits, backward, its gradient clipping (max_norm 1, the norm all-reduced over the
-    DTensor shards), AdamW; watched by the doctor into ``out_dir``. Returns the losses, and what differs in the
-    hook state after watch() from before it."""
+    DTensor shards), and its optimizer as the job ``config`` builds it (its OptimizersContainer around a fused
+    AdamW, what a torchtitan user passes to watch()); watched by the doctor into ``out_dir``. Returns the losses,
+    and what differs in the hook state after watch() from before it."""
     import gc
 
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.tools.utils import GarbageCollection
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = config.optimizer.build(model_parts=[model])
     rank = dist.get_rank()
     model._get_fsdp_state()._lazy_init()  # (FSDP's own state-dict hooks, which its first forward registers)
-    before = hook_state(model, opt)
+    def hooks():  # the container's and the AdamW's inside it
+        return {**hook_state(model, opt), "inner optimizer": hook_state(model, opt.optimizers[0])["optimizer"]}
+
+    before = hooks()
     gc_handler = GarbageCollection(gc_freq=gc_freq)
     watch_kw = {"profile": False, **watch_kw}
     ctx = fsdp_doctor.watch(model, opt, out_dir=str(out_dir), **watch_kw) if out_dir else None
@@ -169,7 +174,7 @@ def train(model, seq: int, out_dir=None, batch: int = 2, steps: int = STEPS, gc_
         gc.enable()  # (torchtitan leaves it off)
     if ctx is not None:
         ctx.__exit__(None, None, None)
-    return losses, diff(before, hook_state(model, opt))
+    return losses, diff(before, hooks())
 
 
 def run_titan_default(out: Path) -> dict:
@@ -178,7 +183,8 @@ def run_titan_default(out: Path) -> dict:
     the doctor's defaults: its profiler window included. The report's findings."""
     _cpu()
     name = "default"
-    train(build(job_config([]), 64, 32), 32, out / name, steps=30, gc_freq=10, profile=True)
+    config = job_config([])
+    train(build(config, 64, 32), config, 32, out / name, steps=30, gc_freq=10, profile=True)
     dist.barrier()
     return _outcome(out / name, dist.get_rank())
 
@@ -187,17 +193,21 @@ def run_titan(out: Path) -> dict:
     _cpu()
     config, seq = job_config(["activation-checkpoint:none"]), 32
     model = build(config, 64, seq)
-    base, _ = train(model, seq)
+    base, _ = train(model, config, seq)
     base_params = [p.to_local().detach().clone() for p in model.parameters()]
     model = build(config, 64, seq)
-    losses, left = train(model, seq, out / "titan")
+    losses, left = train(model, config, seq, out / "titan")
     params = [p.to_local().detach().clone() for p in model.parameters()]
     dist.barrier()
-    rd = fsdp_doctor.load_run(out / "titan").ranks[dist.get_rank()]
+    rank = dist.get_rank()
+    run = fsdp_doctor.load_run(out / "titan")
+    rd, mem = run.ranks[rank], fsdp_doctor.build_report(run).memory.per_rank[str(rank)]
     return {"identical": losses == base and same_tensors(params, base_params), "left": left,
             "sharded_by": rd.config.sharded_by, "version": rd.config.sharder_version, "errors": len(rd.errors),
             "units": [[u.name, u.modules, u.reshard_after_forward, u.checkpoint] for u in rd.config.units],
-            "steps": len(rd.steps)}
+            "steps": len(rd.steps), "optimizer": rd.config.optimizer,
+            "groups": [g.options for g in rd.config.optimizer_groups], "param_tensors": len(list(model.parameters())),
+            "steady": mem.steady_bytes}
 
 
 def run_titan_fixes(out: Path) -> dict:
@@ -210,8 +220,8 @@ def run_titan_fixes(out: Path) -> dict:
         if fix:
             args = with_fix(args, fix)
         res[f"{name}_args"] = args
-        model = build(job_config(args), width, seq)
-        train(model, seq, out / name, capacity_bytes=capacity)
+        config = job_config(args)
+        train(build(config, width, seq), config, seq, out / name, capacity_bytes=capacity)
         dist.barrier()
         res[name] = _outcome(out / name, rank)
         return res[name]["findings"]

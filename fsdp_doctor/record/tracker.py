@@ -406,11 +406,16 @@ class Doctor:
 
 def unwrap_optimizer(optimizer):
     """The torch Optimizer inside a wrapper that exposes it as ``.optimizer`` (accelerate's AcceleratedOptimizer,
-    which subclasses Optimizer without its hook state, and the like); None stays None. Anything else is refused
-    with one sentence."""
+    which subclasses Optimizer without its hook state, and the like), or the one a container holds as
+    ``.optimizers`` (torchtitan's); None stays None. Anything else is refused with one sentence."""
     opt, depth = optimizer, 0
     while opt is not None and not _has_step_hooks(opt) and getattr(opt, "optimizer", None) is not None and depth < 8:
         opt, depth = opt.optimizer, depth + 1
+    # a container stepping the optimizers it holds as .optimizers (torchtitan's OptimizersContainer: an Optimizer
+    # whose own state and groups are empty shells, the real ones its AdamW's): the one it holds, whose step it calls
+    inner = getattr(opt, "optimizers", None)
+    if _has_step_hooks(opt) and isinstance(inner, list) and len(inner) == 1 and _has_step_hooks(inner[0]):
+        opt = inner[0]
     if opt is not None and not _has_step_hooks(opt):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
                          "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")
