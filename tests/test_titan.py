@@ -72,6 +72,20 @@ def test_titan_defaults_and_loop_raise_no_false_alarm(titan_default):
         assert res["sharded_by"] == "torchtitan"
 
 
+@pytest.mark.slow
+def test_titan_mixture_of_experts_recorded(tmp_path_factory):
+    """torchtitan 0.3's Qwen3 mixture of experts keeps its routed experts under ``moe.routed_experts`` (a
+    GroupedExperts inside) and top_k / num_experts on ``moe.router``: the run records them (before, only children
+    named ``experts`` were read: no MoE, every expert counted as run by every token). Known answer: 2 layers of
+    8 experts, each three 64x64 matrices."""
+    for res in _case(tmp_path_factory, "titan_moe"):
+        ex = res["experts"]
+        assert (ex["top_k"], ex["num_experts"]) == (2, 8), ex
+        assert ex["param_count"] == res["routed"] == 2 * 8 * 3 * 64 * 64, (ex, res["routed"])
+        assert ex["trainable_param_count"] == ex["grad_path_param_count"] == ex["param_count"]
+        assert 0 < ex["param_count"] < res["params"]
+
+
 def _fixed(res: dict, name: str, code: str, flag: str) -> tuple[dict, dict, dict]:
     """(the run ``name``, its rerun with the fix's command line, the finding): the fix is torchtitan's command
     line holding ``flag``, the rerun ran it (its arguments are the user's with the fix's in place), the finding is

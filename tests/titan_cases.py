@@ -19,6 +19,8 @@ Cases:
                ac.recommended without checkpointing under a budget 5% above the peak, and reshard.zero2_affordable
                under its default resharding with an ample budget, each rerun with its fix's command line as its
                user would run it (the fix's flags in place of the same settings).
+  titan_default  its defaults and its loop for 30 steps with the doctor's defaults: the report's findings.
+  titan_moe    its Qwen3 mixture of experts: the experts the run records.
 
 Usage: python tests/titan_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -37,6 +39,8 @@ TITAN_SITE = Path(os.environ.get("FSDP_DOCTOR_TITAN_SITE", ROOT / ".venv" / "tor
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import msgspec
 
 import fsdp_doctor
 from recorder_cases import _each_fixed, _outcome, diff, hook_state, same_tensors
@@ -104,19 +108,43 @@ def llama(width: int, layers: int = 4, seq: int = 64):
     return cfg
 
 
-def build(config, width: int, seq: int):
-    """The model as torchtitan's Trainer builds it from the job ``config``: on the meta device, parallelize_llama
-    with the config's settings, then to_empty and init_weights; gradients summed (gloo has no PREMUL_SUM)."""
+def qwen3_moe(width: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2, hidden: int = 64, seq: int = 64):
+    """torchtitan's Qwen3 mixture of experts, tiny: its MoE layers as its registry builds them (each block's
+    ``moe``: a ``router``, ``routed_experts`` holding the GroupedExperts), SDPA attention."""
+    import torchtitan.models.qwen3 as Q
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    head = 16
+    cfg = Q.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=width, norm=Q._qwen3_norm(width),
+        tok_embeddings=Q.Embedding.Config(num_embeddings=VOCAB, embedding_dim=width, param_init=Q._EMBEDDING_INIT),
+        lm_head=Q.Linear.Config(in_features=width, out_features=VOCAB, param_init=Q._LINEAR_INIT),
+        layers=Q._build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=layers, dim=width, n_heads=4, n_kv_heads=2, head_dim=head,
+            moe_hidden_dim=hidden, num_experts=experts, top_k=top_k, attn_backend="flex",
+            moe_comm_backend="standard", rope=Q.CosSinRoPE.Config(dim=head, max_seq_len=2 * seq, theta=1e6)))
+    for block in cfg.layers:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
+    return cfg
+
+
+def build(config, width: int, seq: int, model=None):
+    """The model (``model``: its config; the llama by default) as torchtitan's Trainer builds it from the job
+    ``config``: on the meta device, its parallelize function with the config's settings, then to_empty and
+    init_weights; gradients summed (gloo has no PREMUL_SUM)."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
     from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     torch.manual_seed(0)
     dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
     with torch.device("meta"):
-        model = llama(width, seq=seq).build()
-    model = parallelize_llama(model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+        model = (model or llama(width, seq=seq)).build()
+    parallelize = parallelize_qwen3 if type(model).__module__.startswith("torchtitan.models.qwen3") else \
+        parallelize_llama
+    model = parallelize(model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
                               compile_config=config.compile, ac_config=config.activation_checkpoint,
                               dump_folder=str(ROOT))
     disable_fsdp_gradient_division(model)
@@ -189,6 +217,19 @@ def run_titan_default(out: Path) -> dict:
     return _outcome(out / name, dist.get_rank())
 
 
+def run_titan_moe(out: Path) -> dict:
+    """torchtitan's Qwen3 mixture of experts (2 layers, top-2 of 8 experts), sharded by its parallelize_qwen3,
+    6 steps of its loop with FLOP counting (tokens_per_step): what the run records of its experts."""
+    _cpu()
+    config, seq, cfg = job_config(["activation-checkpoint:none"]), 32, qwen3_moe()
+    model = build(config, 64, seq, cfg)
+    train(model, config, seq, out / "moe", steps=6, tokens_per_step=2 * seq * dist.get_world_size())
+    dist.barrier()
+    c = fsdp_doctor.load_run(out / "moe").ranks[dist.get_rank()].config
+    return {"experts": msgspec.to_builtins(c.experts), "params": c.model_param_count,
+            "routed": sum(p.full_tensor().numel() for n, p in model.named_parameters() if ".routed_experts." in n)}
+
+
 def run_titan(out: Path) -> dict:
     _cpu()
     config, seq = job_config(["activation-checkpoint:none"]), 32
@@ -235,7 +276,8 @@ def run_titan_fixes(out: Path) -> dict:
         ("zero2", "reshard.zero2_affordable", {"args": ["activation-checkpoint:none"]})])
 
 
-CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default}
+CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default,
+         "titan_moe": run_titan_moe}
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def _param_counts(model: nn.Module) -> dict:
 
 def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:
     """The ids of the parameters under every child module named ``experts`` (a mixture of experts' routed experts;
-    a layer's shared expert, router and attention are dense), and the top_k and num_experts every such layer
+    a layer's shared expert, router and attention are dense; torchtitan 0.3 names it ``routed_experts``), and the top_k and num_experts every such layer
     shares (None where a layer's cannot be read, or layers differ). Each is read where the public source keeps it:
     the MoE block (HF Mixtral's ``top_k``; HF v4's blocks also ``num_experts``), its router (``gate`` in HF
     Mixtral, Qwen2-MoE, OLMoE and DeepSeek; ``router`` in torchtitan's MoE and gpt-oss: ``top_k``,
@@ -127,6 +127,8 @@ def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:
     for m in model.modules():
         children = dict(m.named_children())
         experts = children.get("experts")
+        if experts is None:  # torchtitan 0.3's MoE: moe.routed_experts (its GroupedExperts inside), moe.router
+            experts = children.get("routed_experts")
         params = [p for p in experts.parameters() if id(p) not in ids] if experts is not None else []
         if not params:
             continue
