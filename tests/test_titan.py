@@ -38,7 +38,8 @@ def test_titan_training_unchanged_units_as_torchtitan_cut_them(titan_run):
     """Watched, torchtitan's run has the same losses and parameter shards as without the doctor, and its hooks
     are as before watch(); the units are torchtitan's (the embeddings, each block, [norm, lm_head] kept gathered
     after forward, the root), the run says torchtitan 0.3.0 sharded the model, and the optimizer read is the AdamW
-    inside torchtitan's OptimizersContainer (before, its empty shell: no optimizer state at the peak)."""
+    inside torchtitan's OptimizersContainer (before, its empty shell: no optimizer state at the peak), or with two
+    in it (an optimizer name per parameter pattern) both of them."""
     for res in titan_run:
         assert res["identical"] and res["left"] == [] and res["errors"] == 0 and res["steps"] == 5, res
         assert (res["sharded_by"], res["version"]) == ("torchtitan", "0.3.0")
@@ -51,6 +52,12 @@ def test_titan_training_unchanged_units_as_torchtitan_cut_them(titan_run):
             {"lr": 0.0008, "betas": [0.9, 0.95], "eps": 1e-08, "weight_decay": 0.1}], (res["optimizer"], res["groups"])
         steady = res["steady"]
         assert steady["optimizer_state"] == 2 * steady["sharded_params"] + 4 * res["param_tensors"], steady
+        # two optimizers in its container (Adam for the embeddings and lm_head, AdamW for the rest): both read
+        two = res["two"]
+        assert res["two_left"] == [] and two["optimizer"] == "Adam+AdamW", two
+        assert two["params"] == res["param_tensors"] and two["groups"] == [[2, 0.001], [res["param_tensors"] - 2,
+                                                                                        0.0008]], two
+        assert two["steady"]["optimizer_state"] == 2 * two["steady"]["sharded_params"] + 4 * res["param_tensors"]
 
 
 @pytest.fixture(scope="module")

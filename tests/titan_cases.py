@@ -174,8 +174,9 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
     opt = config.optimizer.build(model_parts=[model])
     rank = dist.get_rank()
     model._get_fsdp_state()._lazy_init()  # (FSDP's own state-dict hooks, which its first forward registers)
-    def hooks():  # the container's and the AdamW's inside it
-        return {**hook_state(model, opt), "inner optimizer": hook_state(model, opt.optimizers[0])["optimizer"]}
+    def hooks():  # the container's and those of the optimizers inside it
+        return {**hook_state(model, opt), **{f"inner optimizer {i}": hook_state(model, o)["optimizer"]
+                                            for i, o in enumerate(opt.optimizers)}}
 
     before = hooks()
     gc_handler = GarbageCollection(gc_freq=gc_freq)
@@ -243,12 +244,27 @@ def run_titan(out: Path) -> dict:
     rank = dist.get_rank()
     run = fsdp_doctor.load_run(out / "titan")
     rd, mem = run.ranks[rank], fsdp_doctor.build_report(run).memory.per_rank[str(rank)]
-    return {"identical": losses == base and same_tensors(params, base_params), "left": left,
-            "sharded_by": rd.config.sharded_by, "version": rd.config.sharder_version, "errors": len(rd.errors),
-            "units": [[u.name, u.modules, u.reshard_after_forward, u.checkpoint] for u in rd.config.units],
-            "steps": len(rd.steps), "optimizer": rd.config.optimizer,
-            "groups": [g.options for g in rd.config.optimizer_groups], "param_tensors": len(list(model.parameters())),
-            "steady": mem.steady_bytes}
+    res = {"identical": losses == base and same_tensors(params, base_params), "left": left,
+           "sharded_by": rd.config.sharded_by, "version": rd.config.sharder_version, "errors": len(rd.errors),
+           "units": [[u.name, u.modules, u.reshard_after_forward, u.checkpoint] for u in rd.config.units],
+           "steps": len(rd.steps), "optimizer": rd.config.optimizer,
+           "groups": [g.options for g in rd.config.optimizer_groups], "param_tensors": len(list(model.parameters())),
+           "steady": mem.steady_bytes}
+    # two optimizers in torchtitan's container (an optimizer name per parameter pattern: Adam for the embeddings
+    # and lm_head, AdamW for the rest), watched through the container
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    config.optimizer = OptimizersContainer.Config(implementation="for-loop", param_groups=[
+        ParamGroupConfig(pattern=r"tok_embeddings|lm_head", optimizer_name="Adam", optimizer_kwargs={"lr": 1e-3}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.1})])
+    _, res["two_left"] = train(build(config, 64, seq), config, seq, out / "two")
+    dist.barrier()
+    run = fsdp_doctor.load_run(out / "two")
+    two = run.ranks[rank].config
+    res["two"] = {"optimizer": two.optimizer, "params": two.optimizer_params,
+                  "groups": [[g.params, g.options.get("lr")] for g in two.optimizer_groups],
+                  "steady": fsdp_doctor.build_report(run).memory.per_rank[str(rank)].steady_bytes}
+    return res
 
 
 def run_titan_fixes(out: Path) -> dict:

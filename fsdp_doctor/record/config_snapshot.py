@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..records import ALLOC_CONF_VARS, Experts, OptimizerGroup, RunConfig
 from . import fsdp2 as F2
 from .memory.device import allocator_limit
+from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
 from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
                     unmanaged_summary)
@@ -68,7 +69,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     return RunConfig(
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
         torch_version=str(torch.__version__),
-        optimizer=type(optimizer).__name__ if optimizer is not None else None,
+        optimizer=optimizer_name(optimizer),
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),

@@ -50,6 +50,7 @@ from .profiling import ProfilerWindows, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import config_snapshot
+from .optimizers import has_step_hooks, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
@@ -73,7 +74,8 @@ class Doctor:
         opts = options if options is not None else WatchOptions.from_kwargs(kwargs)
         self.options = opts
         self.model = model
-        self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry
+        self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry (its step hooks time it)
+        self._reads = optimizer  # what its state and groups are read from (optimizer_reads)
         self.out_dir = Path(opts.out_dir)
         self.count_flops = opts.counts_flops
         self._profile_kwargs = resolve_profile(opts.profile)
@@ -103,6 +105,7 @@ class Doctor:
         here makes the doctor step aside with one log line while training goes on."""
         try:
             self.optimizer = unwrap_optimizer(self.optimizer)
+            self._reads = optimizer_reads(self.optimizer)
             self._check_entry()
             self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -254,7 +257,7 @@ class Doctor:
         except ImportError:
             return
         try:
-            self._memory = MemoryProbe(self.model, self.optimizer, self._units, self.options.memory)
+            self._memory = MemoryProbe(self.model, self._reads, self._units, self.options.memory)
             self._memory.traced = self._traced
         except Exception as e:  # noqa: BLE001
             self._memory = None
@@ -372,7 +375,7 @@ class Doctor:
 
     def _config(self) -> RunConfig:
         cfg, self._consistency = config_snapshot(
-            self.model, self.optimizer, self._units, rank=self.rank, world_size=self.world_size, device=self.device,
+            self.model, self._reads, self._units, rank=self.rank, world_size=self.world_size, device=self.device,
             capacity_bytes=self.options.capacity_bytes, tokens_per_step=self.options.tokens_per_step,
             peak_tflops=self.options.peak_tflops, flops_per_step=self.flops_per_step,
             hardware_flops_per_step=self.hardware_flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
@@ -409,21 +412,17 @@ def unwrap_optimizer(optimizer):
     which subclasses Optimizer without its hook state, and the like), or the one a container holds as
     ``.optimizers`` (torchtitan's); None stays None. Anything else is refused with one sentence."""
     opt, depth = optimizer, 0
-    while opt is not None and not _has_step_hooks(opt) and getattr(opt, "optimizer", None) is not None and depth < 8:
+    while opt is not None and not has_step_hooks(opt) and getattr(opt, "optimizer", None) is not None and depth < 8:
         opt, depth = opt.optimizer, depth + 1
     # a container stepping the optimizers it holds as .optimizers (torchtitan's OptimizersContainer: an Optimizer
     # whose own state and groups are empty shells, the real ones its AdamW's): the one it holds, whose step it calls
     inner = getattr(opt, "optimizers", None)
-    if _has_step_hooks(opt) and isinstance(inner, list) and len(inner) == 1 and _has_step_hooks(inner[0]):
+    if has_step_hooks(opt) and isinstance(inner, list) and len(inner) == 1 and has_step_hooks(inner[0]):
         opt = inner[0]
-    if opt is not None and not _has_step_hooks(opt):
+    if opt is not None and not has_step_hooks(opt):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
                          "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")
     return opt
-
-
-def _has_step_hooks(opt) -> bool:
-    return isinstance(opt, torch.optim.Optimizer) and isinstance(opt.__dict__.get("_optimizer_step_pre_hooks"), dict)
 
 
 def watch(model: nn.Module, optimizer=None, **options) -> Doctor:

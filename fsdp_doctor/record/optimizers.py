@@ -1,0 +1,49 @@
+"""The optimizer as the recorder reads it: its state and parameter groups, and its name, where a container of
+several optimizers steps them (torchtitan's OptimizersContainer) and holds only empty shells itself."""
+
+from __future__ import annotations
+
+import torch
+
+
+class OptimizerParts:
+    """Several optimizers read as one: a container that steps them (torchtitan's OptimizersContainer holding one
+    per optimizer name, Muon beside AdamW, or per pipeline stage), whose own state and groups are empty shells.
+    Their state and parameter groups in order, named by theirs ("DistMuon+AdamW"); its step hooks stay the
+    container's."""
+
+    def __init__(self, optimizers: list):
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> dict:
+        return {p: st for o in self.optimizers for p, st in o.state.items()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def name(self) -> str:
+        return "+".join(dict.fromkeys(type(o).__name__ for o in self.optimizers))
+
+
+def optimizer_reads(opt):
+    """What an (unwrapped) optimizer's state and groups are read from: itself, or where it is a container of
+    several (unwrap_optimizer kept it), their OptimizerParts."""
+    inner = getattr(opt, "optimizers", None)
+    if isinstance(inner, list) and len(inner) > 1 and all(has_step_hooks(o) for o in inner):
+        return OptimizerParts(inner)
+    return opt
+
+
+def optimizer_name(opt) -> str | None:
+    """The name a run records for its optimizer (RunConfig.optimizer)."""
+    if opt is None:
+        return None
+    return opt.name if isinstance(opt, OptimizerParts) else type(opt).__name__
+
+
+def has_step_hooks(opt) -> bool:
+    """A torch Optimizer whose step hooks work (its Optimizer.__init__ ran: not accelerate's wrapper)."""
+    return isinstance(opt, torch.optim.Optimizer) and isinstance(opt.__dict__.get("_optimizer_step_pre_hooks"), dict)
