@@ -67,15 +67,16 @@ def titan_default(tmp_path_factory):
 
 @pytest.mark.slow
 def test_titan_defaults_and_loop_raise_no_false_alarm(titan_default):
-    """torchtitan's defaults and its own loop (automatic GC off and a collection every 10 steps, its gradient
-    clipping every step), 30 steps with the doctor's defaults (a profiler window): the clipping's norm all-reduce,
-    one per step inside a norm operator, is not taken for removable loop code (optim.step_comm says why it is
-    quiet), and torchtitan's collections are not the user's GC jitter. gloo's synchronous unshard is the warning."""
+    """torchtitan's defaults and its own loop (automatic GC off and a collection every 10 steps, the job's token
+    count all-reduced and its gradient clipping every step), 30 steps with the doctor's defaults (a profiler
+    window): the clipping's all-reduce, issued inside a norm operator, is the gradient norm's; neither it nor the
+    token count is taken for removable loop code (optim.step_comm is quiet), and torchtitan's collections are not
+    the user's GC jitter. gloo's synchronous unshard is the warning."""
     for res in titan_default:
         assert "prefetch.sync_unshard" in res["findings"], res["findings"].keys()
         assert "optim.step_comm" not in res["findings"] and "jitter.gc" not in res["findings"], res["findings"].keys()
-        assert res["quiet"]["optim.step_comm"].startswith(
-            "the only collectives outside FSDP's own reduce a gradient norm (1 per step"), res["quiet"]
+        # one profiled step: the token count's all-reduce, then the clipping's
+        assert res["other"] == [["all_reduce", "grad_norm", 1], ["all_reduce", None, 1]], res["other"]
         assert res["sharded_by"] == "torchtitan"
 
 

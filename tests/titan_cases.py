@@ -159,20 +159,27 @@ def build(config, width: int, seq: int, model=None):
 
 
 def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = STEPS, gc_freq: int = 50,
-          **watch_kw):
+          token_count: bool = True, **watch_kw):
     """torchtitan's training loop, one micro-batch a step (Trainer.train / train_step): its garbage collection
-    (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), forward,
-    cross-entropy over the logits, backward, its gradient clipping (max_norm 1, the norm all-reduced over the
+    (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), the job's
+    token count summed over the batch mesh, forward, cross-entropy over the logits summed and divided by it
+    (torchtitan's loss normalisation; with 2 ranks' gradients summed: the mean over the job's tokens), backward, its gradient clipping (max_norm 1, the norm all-reduced over the
     DTensor shards), and its optimizer as the job ``config`` builds it (its OptimizersContainer around a fused
     AdamW, what a torchtitan user passes to watch()); watched by the doctor into ``out_dir``. Returns the losses,
-    and what differs in the hook state after watch() from before it."""
+    and what differs in the hook state after watch() from before it.
+
+    ``token_count=False``: the same count, known without the all-reduce (the fix cases: on gloo the all-reduce
+    blocks the host before the forward until the other rank comes, and without a profiler window nothing tells
+    that wait from time outside the model, so a rank falling behind reads as jitter.data_wait now and then)."""
     import gc
 
-    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import clip_grad_norm_, dist_sum_tensor
     from torchtitan.tools.utils import GarbageCollection
 
     opt = config.optimizer.build(model_parts=[model])
     rank = dist.get_rank()
+    batch_mesh = ParallelDims.from_config(config.parallelism, dist.get_world_size()).get_mesh("batch")
     model._get_fsdp_state()._lazy_init()  # (FSDP's own state-dict hooks, which its first forward registers)
     def hooks():  # the container's and those of the optimizers inside it
         return {**hook_state(model, opt), **{f"inner optimizer {i}": hook_state(model, o)["optimizer"]
@@ -190,8 +197,11 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
             g = torch.Generator().manual_seed(100 * step + rank)
             tok = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
             opt.zero_grad()
+            # its loss is normalised by the job's token count, summed over the batch mesh each step
+            tokens = (dist_sum_tensor(torch.tensor(tok[:, 1:].numel()), batch_mesh) if token_count else
+                      torch.tensor(tok[:, 1:].numel() * dist.get_world_size()))
             pred = model(tok[:, :-1])
-            loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten())
+            loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten(), reduction="sum") / tokens
             del pred  # (as torchtitan's train step: the logits do not outlive the loss)
             loss.backward()
             clip_grad_norm_([p for p in model.parameters()], 1.0)
@@ -215,7 +225,11 @@ def run_titan_default(out: Path) -> dict:
     config = job_config([])
     train(build(config, 64, 32), config, 32, out / name, steps=30, gc_freq=10, profile=True)
     dist.barrier()
-    return _outcome(out / name, dist.get_rank())
+    rank = dist.get_rank()
+    rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
+    return {**_outcome(out / name, rank), "other": sorted(  # the collectives no FSDP unit issued, per window
+        ([r.collective, r.phase, r.count] for r in rep.overlap.per_unit if r.unit == "(other)" and r.rank == rank),
+        key=str)}
 
 
 def run_titan_moe(out: Path) -> dict:
@@ -278,7 +292,7 @@ def run_titan_fixes(out: Path) -> dict:
             args = with_fix(args, fix)
         res[f"{name}_args"] = args
         config = job_config(args)
-        train(build(config, width, seq), config, seq, out / name, capacity_bytes=capacity)
+        train(build(config, width, seq), config, seq, out / name, token_count=False, capacity_bytes=capacity)
         dist.barrier()
         res[name] = _outcome(out / name, rank)
         return res[name]["findings"]

@@ -191,6 +191,15 @@ class OptimizerStepComm(Rule):
             return [self.finding(sev, title, evidence, text, S.GRAD_NORMS_CODE, where="after_backward",
                                  inputs={"step": "the index of the optimizer step"},
                                  predicted=E.predicted(step, step - code_ms), ranks=[int(rank)])]
+        # a batched gradient norm's reduction stays: clipping needs it
+        kept = worst.norm_ms if worst.batched_norm else 0.0
+        # a few batched calls of the loop: what removing them gains is their code's time less the first one's wait
+        # for the other ranks (the step keeps that wait at its next collective): E.other_comm_loop_ms's figure
+        gain = max(0.0, code_ms - kept) if mostly_loop else worst.exposed_ms
+        if mostly_loop and gain < OTHER_COMM_INFO_SHARE * step:
+            return self.quiet(f"{worst.calls:.0f} batched collectives per step outside FSDP's own, "
+                              f"{worst.exposed_ms:.1f} ms exposed: a wait for the other ranks that the step keeps at "
+                              f"its next collective without them (removing them gains {gain:.1f} ms)")
         text = said + (
             "The optimizer issues them: an optimizer that calls full_tensor() or redistributes DTensors (an "
             "orthogonalising one such as Muon or Shampoo gathers whole matrices). Look for its option to work on "
@@ -201,14 +210,15 @@ class OptimizerStepComm(Rule):
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
             "values on the device until then. They are your loop's code, which the doctor does not see: no code "
             "is offered.")
-        # a batched gradient norm's reduction stays: clipping needs it
-        kept = worst.norm_ms if worst.batched_norm else 0.0
         if kept:
             evidence["grad_norm_ms_kept"] = round(kept, 3)
             text += (f" Of them, {worst.norm_calls:.0f} per step reduce a gradient norm (clip_grad_norm_'s total "
                      f"norm, {kept:.1f} ms exposed), which clipping needs: the prediction keeps it.")
-        return [self.finding(sev, title, evidence, text, "",
-                             predicted=E.predicted(step, step - (worst.exposed_ms - kept)), ranks=[int(rank)])]
+        if mostly_loop:
+            text += (" The prediction is their code's time less the first call's wait for the other ranks, which "
+                     "the step keeps at its next collective.")
+        return [self.finding(sev, title, evidence, text, "", predicted=E.predicted(step, step - gain),
+                             ranks=[int(rank)])]
 
 
 def _halved_by_bf16(units) -> set[str]:
