@@ -153,6 +153,20 @@ def test_titan_zero2_fix_is_its_resharding_setting(titan_fixes):
         assert after["quiet"]["reshard.zero2_affordable"] == "no resharded unit waits for a backward all-gather"
 
 
+@pytest.mark.slow
+def test_titan_compiled_blocks_checkpointing_unneeded(titan_fixes):
+    """Full checkpointing of blocks torchtitan compiles (each in place: the doctor's hooks inside return at once, so
+    neither the recompute's time nor the blocks' marks in the memory timeline exist). ac.unneeded says the time is
+    not measured and predicts no step time (it predicted 0 ms), and takes the activations it adds at the peak (it
+    added them at no mark: the peak unchanged, 16% under the rerun's); run as its command line, the peak is the
+    predicted one within 10%."""
+    for res in titan_fixes:
+        before, after, f = _fixed(res, "compiled", "ac.unneeded", "activation-checkpoint:none")
+        assert "its time not measured: the units are compiled in place" in f["text"], f["text"]
+        assert f["predicted"]["step_ms_after"] is None and f["predicted"]["peak_bytes_after"] > before["peak"]
+        assert res["compiled_fixed_args"][:3] == ["--compile.enable", "--compile.backend", "aot_eager"]
+
+
 def test_titan_settings_by_version():
     """torchtitan's settings as the command line of the version that takes them; a version the table does not
     know gets none (the finding then keeps its code of the user's own and says the setting in words)."""

@@ -303,7 +303,11 @@ def run_titan_fixes(out: Path) -> dict:
         # activations dominate (width 128, 256 tokens a sequence) a peak 5% under the budget
         ("tight", "ac.recommended", {"args": ["activation-checkpoint:none"], "width": 128, "seq": 256}),
         # torchtitan's default resharding (all but [norm, lm_head]) under an ample budget
-        ("zero2", "reshard.zero2_affordable", {"args": ["activation-checkpoint:none"]})])
+        ("zero2", "reshard.zero2_affordable", {"args": ["activation-checkpoint:none"]}),
+        # full checkpointing of blocks compiled by torchtitan (each in place: the doctor's hooks inside return at
+        # once), an ample budget
+        ("compiled", "ac.unneeded", {"args": ["--compile.enable", "--compile.backend", "aot_eager",
+                                              "activation-checkpoint:full"]})])
 
 
 CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default,
@@ -314,4 +318,10 @@ if __name__ == "__main__":
     sys.path.insert(0, str(TITAN_SITE))  # (the rank processes only: the test process never imports torchtitan)
     from clients import main
 
-    sys.exit(main(sys.argv[1:], CASES))
+    rc = main(sys.argv[1:], CASES)
+    # RESULT is out and the process group destroyed: skip the interpreter's teardown, where a process that ran
+    # torchtitan's mixture of experts on gloo aborts now and then ("terminate called without an active exception":
+    # 5 of 30 runs of titan_moe without the doctor, after their RESULT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

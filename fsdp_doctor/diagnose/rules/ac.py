@@ -76,9 +76,13 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
     if not tl:
         return int(pm.peak_bytes) + int(sum(extra.values()))
     added = [0.0] * len(tl)
+    flat = 0  # units the timeline does not show (compiled in place: the doctor's hooks inside return at once)
     for name, b in extra.items():
         ends = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "forward_end"]
         backs = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "backward_start"]
+        if not ends or not backs:
+            flat += b  # taken at the peak, as without a timeline
+            continue
         for fe, be in zip(ends, backs):
             for i in range(fe, be):
                 added[i] += b
@@ -89,7 +93,7 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
                     added[i] += min(held[name], max(0, act0 - int(tl[i].get("activations") or 0)))
                     added[i] += (regather or {}).get(name, 0)
                     i += 1
-    return E.peak_with_rows(pm, added)
+    return E.peak_with_rows(pm, added) + flat
 
 
 def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:
@@ -235,14 +239,15 @@ class AcUnneeded(Rule):
         # recompute time: measured when the recorder saw it, else the blocks' forward compute
         measured = sum(u.timing.recompute_ms for u in ck)
         estimated = sum(E.compute_fwd_ms(u) for u in ck)
-        recompute = measured if measured > 0 else estimated
+        # neither: the units are not timed (compiled in place: the doctor's hooks inside them return at once)
+        recompute = measured if measured > 0 else estimated if estimated > 0 else None
         pm = E.peak_memory(ctx)
         extra, source = _added_without_checkpointing(ctx, ck, pm)
         peak_after = _peak_with(pm, extra) if source is not None else None
         if peak_after is not None and peak_after > E.TARGET_CAPACITY_SHARE * cap:  # checkpointing earns its keep
             return self.quiet(f"without checkpointing the peak would be {fmt_bytes(peak_after)}, over "
                               f"{100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
-        share = recompute / step if step else None
+        share = recompute / step if step and recompute is not None else None
         sev = "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
         wrappers, functional = _wrappers(ck)
         # where accelerate's FSDP2 plugin sharded the model, its settings: CheckpointWrappers are FSDP's own (the
@@ -264,19 +269,23 @@ class AcUnneeded(Rule):
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {100 * peak / cap:.0f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
              "checkpointed_units": [u.name for u in ck],
-             "recompute_ms_per_step": round(recompute, 3),
-             "recompute_source": "measured" if measured > 0 else "estimated from the units' forward compute",
+             "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
+             "recompute_source": "measured" if measured > 0 else "estimated from the units' forward compute"
+                                 if recompute is not None else "not timed (units compiled in place)",
              "activation_bytes_added": int(sum(extra.values())) if source is not None else None,
              "activation_source": source, "step_p50_ms": step},
-            f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward (~{recompute:.1f} ms per "
-            f"step) to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
+            f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward ("
+            + (f"~{recompute:.1f} ms per step" if recompute is not None else
+               "its time not measured: the units are compiled in place, where the doctor's hooks do not time them")
+            + f") to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed."
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
                "(checkpoint wrappers of your own: build the model without them)." if lever else "")
             + (f" {S.titan_says(titan)}: turn its activation checkpointing off there." if titan is not None else ""),
             code, where=lever or ("torchtitan" if titan_code else ""),
-            predicted=E.predicted(step, step - recompute if step is not None else None, peak, peak_after),
+            predicted=E.predicted(step, step - recompute if step is not None and recompute is not None else None,
+                                  peak, peak_after),
             units=[u.name for u in ck])]
 
 
