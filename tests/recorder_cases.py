@@ -526,16 +526,17 @@ PEAK_WITHIN = 0.10
 def _each_fixed(run, res: dict, cases: list) -> dict:
     """Runs each case (its name, the finding it plants, ``run``'s options), then, where the finding came, again
     with its fix pasted as printed (``NAME_fixed``). "tight" runs under a budget 5% above the peak of the same
-    options' run, "measure"; the others under 8 GiB. ``res``: what ``run`` filled in, by name.
+    options' run, "measure" ("tight_X": "measure_X"); the others under 8 GiB. ``res``: what ``run`` filled in, by name.
 
     A pair whose fixed run's peak misses the prediction by more than PEAK_WITHIN runs again once (``NAME_again``, its
     results then stand for the pair; ``NAME_missed`` keeps the first peak and prediction), as the scenario matrix
     does: gloo frees a finished all-gather's buffers only when its thread is next scheduled, so one such buffer
     can be counted in a peak (tests/scenario_matrix.py). Every rank reads the same report: they agree."""
     for name, code, kw in cases:
-        if name == "tight":
-            run("measure", **kw)
-            kw = {**kw, "capacity": int(res["measure"]["peak"] / 0.95)}
+        if name.startswith("tight"):  # ("tight_X" measures as "measure_X")
+            measure = "measure" + name[len("tight"):]
+            run(measure, **kw)
+            kw = {**kw, "capacity": int(res[measure]["peak"] / 0.95)}
         for attempt in (name, f"{name}_again"):
             found = run(attempt, **kw)
             if code not in found:

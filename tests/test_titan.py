@@ -94,7 +94,7 @@ def test_titan_mixture_of_experts_recorded(tmp_path_factory):
         assert 0 < ex["param_count"] < res["params"]
 
 
-def _fixed(res: dict, name: str, code: str, flag: str) -> tuple[dict, dict, dict]:
+def _fixed(res: dict, name: str, code: str, flag: str, within: float = PEAK_WITHIN) -> tuple[dict, dict, dict]:
     """(the run ``name``, its rerun with the fix's command line, the finding): the fix is torchtitan's command
     line holding ``flag``, the rerun ran it (its arguments are the user's with the fix's in place), the finding is
     gone, the peak is the predicted one within PEAK_WITHIN, and no new warning appears."""
@@ -107,7 +107,7 @@ def _fixed(res: dict, name: str, code: str, flag: str) -> tuple[dict, dict, dict
     assert flag in " ".join(res[f"{name}_fixed_args"]), res[f"{name}_fixed_args"]
     assert code not in after["findings"], after["findings"].keys()
     predicted = f["predicted"]["peak_bytes_after"]
-    assert abs(after["peak"] - predicted) <= PEAK_WITHIN * predicted, (name, after["peak"], predicted)
+    assert abs(after["peak"] - predicted) <= within * predicted, (name, after["peak"], predicted)
     new = {c for c, g in after["findings"].items() if g["severity"] != "info"} - set(before["findings"]) - HEADROOM
     assert not new, new
     return before, after, f
@@ -154,17 +154,28 @@ def test_titan_zero2_fix_is_its_resharding_setting(titan_fixes):
 
 
 @pytest.mark.slow
-def test_titan_compiled_blocks_checkpointing_unneeded(titan_fixes):
-    """Full checkpointing of blocks torchtitan compiles (each in place: the doctor's hooks inside return at once, so
-    neither the recompute's time nor the blocks' marks in the memory timeline exist). ac.unneeded says the time is
-    not measured and predicts no step time (it predicted 0 ms), and takes the activations it adds at the peak (it
-    added them at no mark: the peak unchanged, 16% under the rerun's); run as its command line, the peak is the
-    predicted one within 10%."""
+def test_titan_compiled_blocks_checkpointing(titan_fixes):
+    """Blocks torchtitan compiles (each in place: the doctor's hooks inside return at once, so neither their
+    recompute's time nor their forward marks in the memory timeline exist; their backward marks, FSDP's, do).
+
+    Full checkpointing under an ample budget: ac.unneeded says the time is not measured and predicts no step time
+    (it predicted 0 ms), reads each block's input from what its backward freed, and places what it would add from
+    the next unit's forward to the block's backward (it added it at no mark: the peak unchanged, 16% under the
+    rerun's). What it adds is estimated, 16x the input (a transformer layer's ratio; this tiny block saves 10.5x):
+    the rerun's peak is under the prediction, by less than 20%.
+
+    No checkpointing, activations dominating a peak 5% under the budget: ac.recommended found no block to
+    checkpoint (the blocks have no activation figure of their own); it now reads each block's from what its
+    backward freed, and the rerun with every block checkpointed peaks at the prediction within 10%."""
     for res in titan_fixes:
-        before, after, f = _fixed(res, "compiled", "ac.unneeded", "activation-checkpoint:none")
+        before, after, f = _fixed(res, "compiled", "ac.unneeded", "activation-checkpoint:none", within=0.20)
         assert "its time not measured: the units are compiled in place" in f["text"], f["text"]
-        assert f["predicted"]["step_ms_after"] is None and f["predicted"]["peak_bytes_after"] > before["peak"]
+        assert f["predicted"]["step_ms_after"] is None and after["peak"] < f["predicted"]["peak_bytes_after"]
         assert res["compiled_fixed_args"][:3] == ["--compile.enable", "--compile.backend", "aot_eager"]
+        before, after, f = _fixed(res, "tight_compiled", "ac.recommended", "activation-checkpoint:full")
+        assert "not measured: the blocks are compiled in place" in f["text"], f["text"]
+        assert [u[1] for u in after["units"] if u[0].startswith("layers.")] == ["unit"] * 4, after["units"]
+        assert after["peak"] < 0.5 * before["peak"], (after["peak"], before["peak"])
 
 
 def test_titan_settings_by_version():

@@ -51,7 +51,7 @@ def _added_without_checkpointing(ctx: Context, ck: list[E.Unit], pm) -> tuple[di
 
 
 def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
-               regather: Optional[dict[str, int]] = None) -> int:
+               regather: Optional[dict[str, int]] = None, order: Optional[list[str]] = None) -> int:
     """The peak with each unit's saved activations changed by ``extra`` (bytes, per forward/backward pair):
     without checkpointing (ac.unneeded: what the unit would keep on top of what it keeps now) or with it
     (ac.recommended: negative, what it would no longer keep). The change lives from the unit's forward's end to its
@@ -71,20 +71,32 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
     wrapper around the sharded layer, as accelerate's FSDP2 plugin applies it), so the recompute runs the unit's
     forward hooks and all-gathers its parameters again while its backward holds them (transformers' "redundant
     AllGather"): that much more inside the unit's backward. (accelerate's Llama, width 128: predicted 10,046,172 B
-    without it, 10,637,020 B with it; measured 11,098,844 B.)"""
+    without it, 10,637,020 B with it; measured 11,098,844 B.)
+
+    A unit compiled in place has no forward marks (the doctor's hooks inside it return at once; its backward's,
+    FSDP's, are there): its change starts at the first forward mark of a unit after it in ``order`` (the units in
+    forward order). A unit with no backward mark either is taken at the peak, flat."""
     tl = pm.timeline if pm is not None else []
     if not tl:
         return int(pm.peak_bytes) + int(sum(extra.values()))
     added = [0.0] * len(tl)
-    flat = 0  # units the timeline does not show (compiled in place: the doctor's hooks inside return at once)
+    flat = 0  # units the timeline does not show at all
+    later = {n: set(order[i + 1:]) for i, n in enumerate(order or [])}
     for name, b in extra.items():
         ends = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "forward_end"]
         backs = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "backward_start"]
+        blind = not ends and bool(backs) and name in later
+        if blind:  # compiled in place: from the next unit's forward on
+            nxt = next((i for i, r in enumerate(tl) if r.get("unit") in later[name]
+                        and r.get("phase") in ("forward_start", "forward_end")), None)
+            ends = [nxt] if nxt is not None and nxt < backs[0] else []
         if not ends or not backs:
             flat += b  # taken at the peak, as without a timeline
             continue
         for fe, be in zip(ends, backs):
-            for i in range(fe, be):
+            # (a unit compiled in place has no mark inside its backward: its backward_start, FSDP's pre-backward,
+            # comes before its recompute, so the change holds there too)
+            for i in range(fe, be + 1 if blind else be):
                 added[i] += b
             if held and name in held:  # the unit's own backward marks, from its start
                 act0, i = int(tl[be].get("activations") or 0), be
@@ -98,15 +110,41 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
 
 def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:
     """Activation bytes per unit from the memory section; without per-unit figures, the peak's activations
-    spread evenly over the given units."""
+    spread evenly over the given units. A unit with no figure where others have one (compiled in place: the
+    doctor's hooks inside return at once, and the root's figure holds its) gets what its backward freed in the
+    peak step's timeline; without those marks, such units share evenly what the outermost units with a figure
+    leave of the peak's activations."""
     mem = E.memory_units(ctx)
     got = {u.name: int(mem[u.name].activation_bytes or 0) for u in us if u.name in mem}
+    blind = [u.name for u in us if u.name in mem and mem[u.name].activation_bytes is None]
+    pm = E.peak_memory(ctx)
+    for n in list(blind):  # what its backward freed: its saved activations (its own; FSDP's hooks mark it)
+        freed = _backward_freed(pm.timeline if pm is not None else [], n)
+        if freed is not None:
+            got[n] = freed
+            blind.remove(n)
+    if blind and any(got.values()):
+        named = [n for n in mem if n]  # the non-root units
+        outer = [n for n in named if mem[n].activation_bytes is not None
+                 and not any(n.startswith(o + ".") for o in named if o != n)]
+        rest = (E.breakdown(ctx).get("activations") or 0) - sum(int(mem[n].activation_bytes) for n in outer)
+        got.update({n: max(0, int(rest)) // len(blind) for n in blind})
     if any(got.values()):
         return got
     acts = E.breakdown(ctx).get("activations")
     if not acts or not us:
         return {}
     return {u.name: int(acts / len(us)) for u in us}
+
+
+def _backward_freed(tl: list[dict], name: str) -> Optional[int]:
+    """The activations unit ``name``'s first backward freed in the peak step's timeline (its backward_start
+    mark's less its backward_end's), or None without both marks."""
+    start = next((r for r in tl if r.get("unit") == name and r.get("phase") == "backward_start"), None)
+    end = next((r for r in tl if r.get("unit") == name and r.get("phase") == "backward_end"), None)
+    if start is None or end is None or start.get("activations") is None or end.get("activations") is None:
+        return None
+    return max(0, int(start["activations"]) - int(end["activations"]))
 
 
 def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
@@ -151,7 +189,8 @@ class AcRecommended(Rule):
                               {c.name: per_unit[c.name] for c in chosen},
                               # (accelerate wraps the sharded layer: its recompute gathers again; torchtitan
                               # shards the wrapper, as a fix of the user's own does)
-                              {c.name: int(c.unsharded_bytes or 0) for c in chosen} if lever else None)
+                              {c.name: int(c.unsharded_bytes or 0) for c in chosen} if lever else None,
+                              [u.name for u in E.units(ctx)])
 
         if lever or titan_code:
             chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
@@ -181,7 +220,8 @@ class AcRecommended(Rule):
                               + f"; checkpointing {len(chosen)} unit(s) leaves the peak at {fmt_bytes(peak_after)}, "
                               f"over {100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
         saved = peak - peak_after
-        recompute = sum(E.compute_fwd_ms(u) for u in chosen)
+        # their forward compute; none timed: compiled in place, where the doctor's hooks inside return at once
+        recompute = sum(E.compute_fwd_ms(u) for u in chosen) or None
         step = E.step_ms(ctx)
         sev = "critical" if share >= 1.0 else "warning"
         # checkpoint the blocks themselves, in forward order
@@ -198,11 +238,13 @@ class AcRecommended(Rule):
              "blocks_to_checkpoint": [u.name for u in chosen], "memory_saved_bytes": int(saved),
              "activation_source": f"measured saved activations; a checkpointed unit keeps 1/{E.SAVED_PER_INPUT:g} "
                                   "of them (its input: estimated)",
-             "recompute_ms_added": round(recompute, 3), "step_p50_ms": step},
+             "recompute_ms_added": None if recompute is None else round(recompute, 3), "step_p50_ms": step},
             f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
-            f"their forward in backward: about {E.mib(saved)} MiB less at the peak for ~{recompute:.1f} ms more "
-            "per step (their forward compute). "
+            f"their forward in backward: about {E.mib(saved)} MiB less at the peak for "
+            + (f"~{recompute:.1f} ms more per step (their forward compute). " if recompute is not None else
+               "their forward compute more per step (not measured: the blocks are compiled in place, where the "
+               "doctor's hooks do not time them). ")
             + (f"{S.plugin_says(lever)[0]}, FSDP's own checkpointing (the plugin's activation_checkpointing, which "
                "transformers advises under FSDP) checkpoints every layer the plugin shards: all "
                f"{len(chosen)} here." if lever else
@@ -213,7 +255,8 @@ class AcRecommended(Rule):
             S.plugin_checkpointing(True, lever) if lever else titan_code or S.checkpoint_modules(
                 mods, "checkpoint whole blocks"),
             where=lever or ("torchtitan" if titan_code else ""),
-            predicted=E.predicted(step, step + recompute if step is not None else None, peak, peak_after),
+            predicted=E.predicted(step, step + recompute if step is not None and recompute is not None else None,
+                                  peak, peak_after),
             units=[u.name for u in chosen])]
 
 
@@ -243,7 +286,7 @@ class AcUnneeded(Rule):
         recompute = measured if measured > 0 else estimated if estimated > 0 else None
         pm = E.peak_memory(ctx)
         extra, source = _added_without_checkpointing(ctx, ck, pm)
-        peak_after = _peak_with(pm, extra) if source is not None else None
+        peak_after = _peak_with(pm, extra, order=[u.name for u in E.units(ctx)]) if source is not None else None
         if peak_after is not None and peak_after > E.TARGET_CAPACITY_SHARE * cap:  # checkpointing earns its keep
             return self.quiet(f"without checkpointing the peak would be {fmt_bytes(peak_after)}, over "
                               f"{100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
