@@ -25,7 +25,6 @@ import socket
 import sys
 import time
 import weakref
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -441,6 +440,8 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
 
 def _version(dist_name: str) -> str | None:
     """An installed distribution's version (None where it is not installed as one: a checkout on the path)."""
+    from importlib import metadata  # (only for a torchtitan model)
+
     try:
         return metadata.version(dist_name)
     except metadata.PackageNotFoundError:
