@@ -1552,3 +1552,23 @@ def test_a_memory_fraction_is_the_capacity_and_the_allocator_limit(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", unsupported)
     assert allocator_limit(torch.device("cuda", 0)) is None  # the other figures are still read
+
+
+def test_accumulation_under_torchtitan_offers_no_loop_code():
+    """Reduce-scatters 4 times per unit per optimizer step: the finding with its loop fix; where torchtitan sharded
+    the model, the loop is its Trainer's train_step, which syncs every micro-batch and whose job config has no
+    setting for it: the text says where the change goes and no code is offered for a loop the user does not write."""
+    rows = [{"rank": r, "unit": f"layers.{i}", "collective": "reduce_scatter", "phase": "backward", "count": 8,
+             "comm_us": 8_000.0, "exposed_us": 8_000.0} for r in (0, 1) for i in range(4)]
+    ov = {"per_rank": {str(r): {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                                "steps": [6, 7], "device": "gpu"} for r in (0, 1)}, "per_unit": rows}
+    (f,) = run_rule("accum.sync_every_micro_batch", build(overlap=ov)[0])
+    assert f.evidence["reducescatters_per_unit_per_step"] == 4.0
+    assert "set_requires_gradient_sync(is_last_micro_batch)" in f.recommendation.code
+    assert f.recommendation.where == "loop"
+    (f,) = run_rule("accum.sync_every_micro_batch",
+                    build(overlap=ov, sharded_by="torchtitan", sharder_version="0.3.0")[0])
+    rec = f.recommendation
+    assert rec.code == "" and rec.where == "" and rec.inputs == {}, rec
+    assert "torchtitan 0.3.0 sharded this model" in rec.text and "train_step" in rec.text, rec.text
+    assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]  # (the gain stays: the change is real)

@@ -6,6 +6,7 @@ import statistics
 
 from ...analyze.steps import unit_modules, unit_passes
 from .. import estimate as E
+from .. import snippets as S
 from ..base import Context, Rule, register
 
 
@@ -69,14 +70,23 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         # a loop edit: the doctor cannot see the user's loop, so the fix reads one name from it (its inputs)
         code = (f"# before each micro-batch's backward ({per} per optimizer step in this run):\n"
                 "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
+        where, inputs = "loop", {"is_last_micro_batch": "True for the micro-batch whose backward precedes "
+                                                        "optimizer.step()"}
+        titan = E.torchtitan_version(ctx)
+        if titan is not None:  # the loop is torchtitan's, and its job config has no such setting
+            text += (f" {S.titan_says(titan)}: its Trainer's train_step runs the micro-batches (its global batch "
+                     "over the local batch times the data-parallel degree) with gradient sync on for every one, and "
+                     "its job config has no setting for it. The change goes in train_step, in a Trainer of your "
+                     "own: each model part's set_requires_gradient_sync(False) before every forward_backward_step "
+                     "but the last, True before the last. No code is offered for torchtitan's loop.")
+            code, where, inputs = "", "", {}
         return [self.finding(
             sev, f"{n:.0f} reduce-scatters per unit per optimizer step: gradient accumulation syncs every micro-batch",
             {"reducescatters_per_unit_per_step": round(n, 2), "micro_batches_per_step": mb,
              "units": len(counts), "reducescatter_ms_per_step": round(comm, 3),
              "reducescatter_exposed_ms_per_step": round(exposed, 3), "saved_ms_per_step": round(saved, 3),
              "unsharded_grads_bytes": grow},
-            text, code, where="loop",
-            inputs={"is_last_micro_batch": "True for the micro-batch whose backward precedes optimizer.step()"},
+            text, code, where=where, inputs=inputs,
             predicted=E.predicted(step, step - saved if step else None, peak,
                                   peak + grow if (peak is not None and grow is not None) else None),
             units=sorted(counts)[:20])]
