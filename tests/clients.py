@@ -1061,7 +1061,8 @@ def run_ac_prediction(out: Path) -> dict:
 
 
 #: a value for each name a loop fix reads from the user's loop (Recommendation.inputs), as the loop's first step
-LOOP_VALUES = {"step": 0}
+#: (the runner trains one step of one micro-batch: it is the last)
+LOOP_VALUES = {"step": 0, "is_last_micro_batch": True}
 
 
 def _plugin_sharded(model, code: str, mesh, finding_code: str):
