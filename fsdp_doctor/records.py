@@ -120,7 +120,8 @@ class OptimizerGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
 class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A mixture of experts' routed experts, read from the module tree at the first step: the parameters under
     every child module named ``experts`` (Hugging Face's Mixtral, Qwen2-MoE, OLMoE, DeepSeek, ...; torchtitan's
-    MoE; torchtitan 0.3's ``routed_experts``), and how many of them each token runs. Shared experts, routers and the rest of the model are dense."""
+    MoE; torchtitan 0.3's ``routed_experts``), and how many of them each token runs. Shared experts, routers and
+    the rest of the model are dense."""
 
     param_count: int  # every routed expert's parameters, all layers (DTensor numel: global)
     trainable_param_count: int = 0  # of those, the requires_grad ones

@@ -9,8 +9,7 @@ import importlib.util
 
 import pytest
 
-from recorder_cases import PEAK_WITHIN
-from scenario_matrix import HEADROOM
+from recorder_cases import fixed_pair
 from test_clients import _launch
 
 pytestmark = pytest.mark.slow
@@ -190,28 +189,10 @@ def trainer_fixes_run(tmp_path_factory):
     return _fix_case(tmp_path_factory, "trainer_fixes")
 
 
-def _warnings(run: dict) -> set[str]:
-    return {c for c, f in run["findings"].items() if f["severity"] != "info"}
-
-
 def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tuple[dict, dict, dict]:
     """(the run ``name``, its rerun with ``code``'s fix pasted, the finding): the fix was printed for ``where``
-    (the Trainer, or the user's Accelerator), the rerun does not raise it again, its peak is the predicted one
-    within 10%, and it has no new warning (one the run did not have at any severity, as the scenario matrix
-    counts them)."""
-    before, after = res[name], res[f"{name}_fixed"]
-    f = before["findings"].get(code)
-    assert f is not None and f["where"] == where, (name, before["findings"].keys())
-    assert before["sharded_by"] == after["sharded_by"] == "accelerate", before["sharded_by"]
-    assert code not in after["findings"], after["findings"].keys()
-    predicted = f["predicted"]["peak_bytes_after"]
-    assert abs(after["peak"] - predicted) <= PEAK_WITHIN * predicted, (name, after["peak"], predicted)
-    # (a warning the run had at any severity is not the fix's: without the recompute, the same all-gather waits
-    # are a larger share of a shorter step, and reshard.zero2_affordable's note can grow to a warning; nor is
-    # memory to spare offered, as the scenario matrix counts it: blocks resharded after the wrap fix leave room
-    # for ZeRO-2)
-    assert _warnings(after) - HEADROOM <= set(before["findings"]), (name, set(before["findings"]), _warnings(after))
-    return before, after, f
+    (the Trainer, or the user's Accelerator), whose model accelerate sharded (recorder_cases.fixed_pair)."""
+    return fixed_pair(res, name, code, where, "accelerate")
 
 
 @pytest.mark.parametrize("how", ["hf", "fsdp"])

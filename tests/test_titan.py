@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_doctor.diagnose import snippets as S
-from recorder_cases import PEAK_WITHIN
-from scenario_matrix import HEADROOM
+from recorder_cases import PEAK_WITHIN, fixed_pair
 from test_clients import _launch
 from titan_cases import TITAN_SITE, with_fix
 
@@ -95,21 +94,14 @@ def test_titan_mixture_of_experts_recorded(tmp_path_factory):
 
 
 def _fixed(res: dict, name: str, code: str, flag: str, within: float = PEAK_WITHIN) -> tuple[dict, dict, dict]:
-    """(the run ``name``, its rerun with the fix's command line, the finding): the fix is torchtitan's command
-    line holding ``flag``, the rerun ran it (its arguments are the user's with the fix's in place), the finding is
-    gone, the peak is the predicted one within PEAK_WITHIN, and no new warning appears."""
-    before, after = res[name], res[f"{name}_fixed"]
-    f = before["findings"].get(code)
-    assert f is not None and f["where"] == "torchtitan", (name, before["findings"].keys())
+    """(the run ``name``, its rerun with the fix's command line, the finding): recorder_cases.fixed_pair's checks
+    (the finding gone, the peak the predicted one within ``within``, no new warning) for a fix that is torchtitan's
+    command line holding ``flag``, and the rerun ran it (its arguments are the user's with the fix's in place)."""
+    before, after, f = fixed_pair(res, name, code, "torchtitan", "torchtitan", within)
     assert flag in f["code"].splitlines() and "torchtitan 0.3.0 sharded this model" in f["text"], f
     assert all(len(ln) <= 100 for ln in f["code"].splitlines()), f["code"]
     assert res[f"{name}_fixed_args"] == with_fix(res[f"{name}_args"], f["code"])
     assert flag in " ".join(res[f"{name}_fixed_args"]), res[f"{name}_fixed_args"]
-    assert code not in after["findings"], after["findings"].keys()
-    predicted = f["predicted"]["peak_bytes_after"]
-    assert abs(after["peak"] - predicted) <= within * predicted, (name, after["peak"], predicted)
-    new = {c for c, g in after["findings"].items() if g["severity"] != "info"} - set(before["findings"]) - HEADROOM
-    assert not new, new
     return before, after, f
 
 

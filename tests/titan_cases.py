@@ -163,10 +163,11 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
     """torchtitan's training loop, one micro-batch a step (Trainer.train / train_step): its garbage collection
     (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), the job's
     token count summed over the batch mesh, forward, cross-entropy over the logits summed and divided by it
-    (torchtitan's loss normalisation; with 2 ranks' gradients summed: the mean over the job's tokens), backward, its gradient clipping (max_norm 1, the norm all-reduced over the
-    DTensor shards), and its optimizer as the job ``config`` builds it (its OptimizersContainer around a fused
-    AdamW, what a torchtitan user passes to watch()); watched by the doctor into ``out_dir``. Returns the losses,
-    and what differs in the hook state after watch() from before it.
+    (torchtitan's loss normalisation; with 2 ranks' gradients summed: the mean over the job's tokens), backward,
+    its gradient clipping (max_norm 1, the norm all-reduced over the DTensor shards), and its optimizer as the
+    job ``config`` builds it (its OptimizersContainer around a fused AdamW, what a torchtitan user passes to
+    watch()); watched by the doctor into ``out_dir``. Returns the losses, and what differs in the hook state after
+    watch() from before it.
 
     ``token_count=False``: the same count, known without the all-reduce (the fix cases: on gloo the all-reduce
     blocks the host before the forward until the other rank comes, and without a profiler window nothing tells

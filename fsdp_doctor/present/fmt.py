@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import statistics
 
-from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report, RunFacts, StepsSection,
-                               Straggler, ThroughputJob, ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry)
+from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report,
+                               RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank, ThroughputSection,
+                               UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
                      fmt_value, printable, unit_label)
 

@@ -9,7 +9,8 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
-from ..report_sections import FIX_LANGUAGES, Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow, Verdict
+from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow,
+                               Verdict)
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, fmt_value, no_grad_text, outlier_rows,
@@ -143,7 +144,8 @@ def finding_details(f: Finding) -> list:
         items.append(Text(f"Expected: {expected}", style="green"))
     if rec.code:
         items.append(Text(fix_heading(rec), style="dim"))
-        items.append(Syntax(rec.code, "bash" if rec.where in FIX_LANGUAGES else "python", theme="ansi_dark", background_color="default", word_wrap=False))
+        lexer = "bash" if rec.where in FIX_LANGUAGES else "python"  # (a command line, not Python)
+        items.append(Syntax(rec.code, lexer, theme="ansi_dark", background_color="default", word_wrap=False))
     return items
 
 

@@ -116,8 +116,8 @@ def _param_counts(model: nn.Module) -> dict:
 
 def _experts(model: nn.Module) -> tuple[set[int], int | None, int | None]:
     """The ids of the parameters under every child module named ``experts`` (a mixture of experts' routed experts;
-    a layer's shared expert, router and attention are dense; torchtitan 0.3 names it ``routed_experts``), and the top_k and num_experts every such layer
-    shares (None where a layer's cannot be read, or layers differ). Each is read where the public source keeps it:
+    a layer's shared expert, router and attention are dense; torchtitan 0.3 names it ``routed_experts``), and the
+    top_k and num_experts every such layer shares (None where a layer's cannot be read, or layers differ). Each is read where the public source keeps it:
     the MoE block (HF Mixtral's ``top_k``; HF v4's blocks also ``num_experts``), its router (``gate`` in HF
     Mixtral, Qwen2-MoE, OLMoE and DeepSeek; ``router`` in torchtitan's MoE and gpt-oss: ``top_k``,
     ``num_experts``), the experts (``num_experts``, or a ModuleList's length), then HF's ``model.config``

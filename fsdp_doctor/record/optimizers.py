@@ -28,13 +28,20 @@ class OptimizerParts:
         return "+".join(dict.fromkeys(type(o).__name__ for o in self.optimizers))
 
 
+def held_optimizers(opt) -> list | None:
+    """The optimizers a container steps and holds as ``.optimizers`` (torchtitan's OptimizersContainer, itself an
+    Optimizer whose own state and groups are empty shells), or None where ``opt`` is no such container."""
+    inner = getattr(opt, "optimizers", None)
+    if has_step_hooks(opt) and isinstance(inner, list) and inner and all(has_step_hooks(o) for o in inner):
+        return inner
+    return None
+
+
 def optimizer_reads(opt):
     """What an (unwrapped) optimizer's state and groups are read from: itself, or where it is a container of
     several (unwrap_optimizer kept it), their OptimizerParts."""
-    inner = getattr(opt, "optimizers", None)
-    if isinstance(inner, list) and len(inner) > 1 and all(has_step_hooks(o) for o in inner):
-        return OptimizerParts(inner)
-    return opt
+    inner = held_optimizers(opt)
+    return OptimizerParts(inner) if inner is not None and len(inner) > 1 else opt
 
 
 def optimizer_name(opt) -> str | None:

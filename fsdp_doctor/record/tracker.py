@@ -49,7 +49,7 @@ from .profiling import ProfilerWindows, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import config_snapshot
-from .optimizers import has_step_hooks, optimizer_reads
+from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
@@ -413,10 +413,9 @@ def unwrap_optimizer(optimizer):
     opt, depth = optimizer, 0
     while opt is not None and not has_step_hooks(opt) and getattr(opt, "optimizer", None) is not None and depth < 8:
         opt, depth = opt.optimizer, depth + 1
-    # a container stepping the optimizers it holds as .optimizers (torchtitan's OptimizersContainer: an Optimizer
-    # whose own state and groups are empty shells, the real ones its AdamW's): the one it holds, whose step it calls
-    inner = getattr(opt, "optimizers", None)
-    if has_step_hooks(opt) and isinstance(inner, list) and len(inner) == 1 and has_step_hooks(inner[0]):
+    # a container holding one optimizer (torchtitan's, with one optimizer name): that one, whose step it calls
+    inner = held_optimizers(opt)
+    if inner is not None and len(inner) == 1:
         opt = inner[0]
     if opt is not None and not has_step_hooks(opt):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "

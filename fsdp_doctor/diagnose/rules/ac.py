@@ -81,13 +81,13 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
         return int(pm.peak_bytes) + int(sum(extra.values()))
     added = [0.0] * len(tl)
     flat = 0  # units the timeline does not show at all
-    later = {n: set(order[i + 1:]) for i, n in enumerate(order or [])}
+    pos = {n: i for i, n in enumerate(order or [])}  # forward order
     for name, b in extra.items():
         ends = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "forward_end"]
         backs = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "backward_start"]
-        blind = not ends and bool(backs) and name in later
+        blind = not ends and bool(backs) and name in pos
         if blind:  # compiled in place: from the next unit's forward on
-            nxt = next((i for i, r in enumerate(tl) if r.get("unit") in later[name]
+            nxt = next((i for i, r in enumerate(tl) if pos.get(r.get("unit"), -1) > pos[name]
                         and r.get("phase") in ("forward_start", "forward_end")), None)
             ends = [nxt] if nxt is not None and nxt < backs[0] else []
         if not ends or not backs:
@@ -195,8 +195,8 @@ class AcRecommended(Rule):
         if lever or titan_code:
             chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
             if not chosen:
-                return self.quiet(f"no {'layer of accelerate' if lever else 'block of torchtitan'}'s "
-                                  f"{'FSDP2 plugin' if lever else 'model'} (a repeated block) is left to checkpoint")
+                return self.quiet("no layer of accelerate's FSDP2 plugin (a repeated block) is left to checkpoint"
+                                  if lever else "no block of torchtitan's model is left to checkpoint")
             peak_after = peak_with(chosen)
         else:
             # checkpoint the largest activation holders first until the peak is under the target

@@ -133,10 +133,11 @@ class Zero2PerUnit(Rule):
         # its lever where all of them fit the budget
         titan = E.torchtitan_version(ctx)
         where, code = "", None
-        if titan is not None and not left and last is None and E.zero2_peak(ctx, cands) <= budget:
-            code = S.titan_settings(titan, fsdp_reshard_after_forward="never")
+        if titan is not None and not left and last is None:
+            every = E.zero2_peak(ctx, cands)
+            code = S.titan_settings(titan, fsdp_reshard_after_forward="never") if every <= budget else None
             if code:
-                where, us, peak_after = "torchtitan", cands, E.zero2_peak(ctx, cands)
+                where, us, peak_after = "torchtitan", cands, every
         upper = sum(r.comm for r in chosen if r.comm is not None) if any(r.comm for r in chosen) else None
         sev = "warning" if saved >= ZERO2_WARN_GAIN_SHARE * step else "info"
         names, n_of = [u.name for u in us], len(cands) if where else len(rows)
