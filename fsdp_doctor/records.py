@@ -51,7 +51,8 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     modules: list[str]  # fqns of the modules the unit was applied to
     is_root: bool
     # None wherever this torch's FSDP internals could not be read ("unknown"; RunConfig.notes says why)
-    param_count: int | None  # elements of the unsharded parameters
+    param_count: int | None  # elements of the model's parameters (global: with tensor parallelism more than FSDP
+    # gathers, which unsharded_bytes counts)
     n_params: int | None  # number of parameter tensors
     sharded_bytes: int | None  # this rank's local shards, padding included
     unsharded_bytes: int | None  # bytes when all-gathered (in param_dtype)
@@ -82,13 +83,15 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
     # (the root's embeddings, final norm and head; a whole-model unit's blocks)
     own_modules: list[str] = []
-    own_bytes: list[int] = []  # bytes of each own module's parameters, unsharded, in their stored dtype
+    # bytes of each own module's parameters as FSDP gathers them (with tensor parallelism this rank's tensor-parallel
+    # shard), in their stored dtype
+    own_bytes: list[int] = []
     # of those, modules sharing a parameter with another module (a tied embedding and output head)
     tied_modules: list[str] = []
     # of those, the ones after the unit's last nested unit in module order (a model's final norm and head)
     trailing_modules: list[str] = []
-    # ranks each parameter is sharded over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP
-    # mesh); None: not read
+    # ranks FSDP shards each parameter over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP
+    # mesh; tensor-parallel shards not counted); None: not read
     shard_size: int | None = None
 
     #: what a reader assumes for the fields every snapshot writes, where a report row lacks one or has None
@@ -180,6 +183,11 @@ class RunConfig(Record, tag="config"):
     sharded_by: str | None = None
     sharder_version: str | None = None  # that sharder's version (torchtitan's, whose command line changes with it)
     units: list[UnitConfig] = []
+    # the device mesh of the units' parameters where it has dims beyond FSDP's (tensor, context or expert parallelism
+    # beside FSDP): each dim's name and size in mesh order, FSDP's first (fsdp_dims of them); {}: FSDP's mesh only,
+    # or not read. A dim without a name is "dim<i>"
+    mesh: dict[str, int] = {}
+    fsdp_dims: int = 0
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0
     # a frozen base (fine-tuning): the trainable parameters (weight gradients) and those from the first trainable one

@@ -55,6 +55,8 @@ class RunFacts(_Section):
     optimizer: Optional[str] | UnsetType = UNSET
     optimizer_groups: list[OptimizerGroup] | UnsetType = UNSET  # its parameter groups (sizes, hyper-parameters)
     units: int | UnsetType = UNSET  # FSDP units
+    # the units' parameter mesh where it has dims beyond FSDP's: dim -> size, FSDP's first (RunConfig.mesh)
+    mesh: dict[str, int] | UnsetType = UNSET
     model_param_count: int | UnsetType = UNSET
     model_trainable_param_count: Optional[int] | UnsetType = UNSET  # requires_grad ones (None: not read)
     experts: Optional[Experts] | UnsetType = UNSET  # a mixture of experts' routed experts (None: none found)
@@ -356,7 +358,8 @@ class CommUnitRow(_Section):
     rank: int
     unit: str
     collective: str  # "all_gather" | "reduce_scatter" | "all_reduce" | ...
-    # "forward" | "backward"; a collective no FSDP unit issued: "optimizer" (inside optimizer.step()) or None
+    # "forward" | "backward"; a collective no FSDP unit issued: "optimizer" (inside optimizer.step()), "model" (inside
+    # the model: its own parallelism's, e.g. tensor parallelism's), "grad_norm" (inside a norm operator) or None
     phase: Optional[str] = None
     count: int = 0
     comm_us: float = 0.0
@@ -395,13 +398,20 @@ class Breakdown(_Section):
     """A rank's profiled window split into exclusive parts (µs) that add up to ``window_us``; see
     ``fsdp_doctor.trace.analysis.breakdown``."""
 
-    PARTS: ClassVar[tuple[str, ...]] = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm",
-                                        "offload", "other_gpu", "host", "sync", "input", "idle")
+    PARTS: ClassVar[tuple[str, ...]] = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "model_comm",
+                                        "other_comm", "offload", "other_gpu", "host", "sync", "input", "idle")
+    #: the exposed communication parts, in the order an instant is given to (fsdp_doctor.trace.analysis.breakdown)
+    COMM_PARTS: ClassVar[tuple[str, ...]] = ("allgather_fwd", "allgather_bwd", "reducescatter", "model_comm",
+                                             "other_comm")
+    #: of them, FSDP's own collectives'
+    FSDP_COMM_PARTS: ClassVar[tuple[str, ...]] = ("allgather_fwd", "allgather_bwd", "reducescatter")
 
     compute: float = 0.0
     allgather_fwd: float = 0.0
     allgather_bwd: float = 0.0
     reducescatter: float = 0.0
+    # collectives no FSDP unit issued, issued inside the model (tensor parallelism's, a vocab-parallel loss's, ...)
+    model_comm: float = 0.0
     other_comm: float = 0.0
     offload: float = 0.0
     other_gpu: float = 0.0

@@ -16,10 +16,10 @@ from test_clients import _launch
 from titan_cases import TITAN_SITE, with_fix
 
 
-def _case(tmp_path_factory, case: str) -> list[dict]:
+def _case(tmp_path_factory, case: str, world: int = 2) -> list[dict]:
     if not (TITAN_SITE / "torchtitan").is_dir():
         pytest.skip(f"torchtitan is not installed in {TITAN_SITE} (make setup installs it: make titan-site)")
-    return _launch(case, 2, tmp_path_factory.mktemp(case), script="titan_cases.py")[0]
+    return _launch(case, world, tmp_path_factory.mktemp(case), script="titan_cases.py")[0]
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +187,34 @@ def test_titan_settings_by_version():
     assert S.titan_settings("0.2.1", activation_checkpoint="none") is None
     assert S.titan_settings("", activation_checkpoint="none") is None
     assert S.titan_settings("0.3.1", activation_checkpoint="selective") is None  # (not a value a fix sets)
+
+
+@pytest.mark.slow
+def test_titan_tensor_parallel_beside_fsdp(tmp_path_factory):
+    """torchtitan's tensor parallelism beside FSDP (fsdp 2 x tp 2, 4 ranks; its sequence parallelism and
+    vocab-parallel loss). The run records the mesh; each unit's elements are the model's (they add up to it: before,
+    the consistency check failed, "this torch's FSDP internals may have changed") and its gathered bytes its tensor-
+    parallel shard's, as each DTensor parameter's placements say; FSDP shards over 2 ranks, not 4. The trace puts
+    tensor parallelism's collectives inside the model (before: "51 collectives per step outside FSDP's own", read as a
+    per-parameter gradient-norm log, with a fix for one), in the verdict as model-parallel; clipping's norm stays
+    clipping's. reshard.zero2_affordable's command line, run as printed, removes it at the predicted peak."""
+    res = _case(tmp_path_factory, "titan_tp", world=4)
+    for r in res:
+        m = r["model"]
+        assert (m["mesh"], m["fsdp_dims"], m["unavailable"]) == ({"fsdp": 2, "tp": 2}, 1, []), m
+        assert m["header"][0] == "4 ranks (fsdp 2 × tp 2)", m["header"]
+        assert sum(u[0] for u in m["units"].values()) == m["model_params"] == 229_952
+        for name, (count, gathered, shard, own) in m["units"].items():
+            assert [count, gathered] == m["want"][name], (name, m["units"][name], m["want"][name])
+            assert own == gathered and shard in ((None,) if not count else (2,)), (name, m["units"][name])
+        # a block gathers half its linear layers' 4-byte elements (split over tp 2) and its two norms (64 elements
+        # each, replicated over tp) whole
+        count, gathered = m["units"]["layers.0"][:2]
+        assert gathered == 4 * (count - 128) // 2 + 4 * 128, m["units"]["layers.0"]
+        assert set(m["other"]) == {"model", "grad_norm"} and m["other"]["model"] >= 40, m["other"]
+        assert m["shares"]["model_comm"] > 5 and m["shares"]["other_comm"] < m["shares"]["model_comm"], m["shares"]
+        before, after, f = fixed_pair(r, "zero2", "reshard.zero2_affordable", "torchtitan", "torchtitan")
+        assert "--parallelism.fsdp-reshard-after-forward never" in f["code"], f["code"]
+        assert "optim.step_comm" not in before["findings"] and "comm.bound" not in before["findings"]
+        assert "tensor parallelism" in before["quiet"]["optim.step_comm"], before["quiet"]["optim.step_comm"]
+

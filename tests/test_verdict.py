@@ -13,8 +13,8 @@ from fsdp_doctor.trace import analyze_traces, breakdown, build_window, find_trac
 
 from conftest import HTA_TRACES as HTA_DIR  # noqa: E402
 EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
-PARTS = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "other_comm", "offload", "other_gpu",
-         "host", "sync", "input", "idle")
+PARTS = ("compute", "allgather_fwd", "allgather_bwd", "reducescatter", "model_comm", "other_comm", "offload",
+         "other_gpu", "host", "sync", "input", "idle")
 
 
 def _analyze(tmp_path, builders):
@@ -195,7 +195,7 @@ def test_breakdown_over_htas_window_matches_htas_figures(folder, expected):
         hta = expected["temporal_breakdown"][str(w.rank)]
         assert d["compute"] == pytest.approx(hta["compute_time(us)"], abs=1e-6)
         assert d["host"] + d["sync"] + d["input"] + d["idle"] == pytest.approx(hta["idle_time(us)"], abs=1e-6)
-        comm = sum(d[k] for k in ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"))
+        comm = sum(d[k] for k in ("allgather_fwd", "allgather_bwd", "reducescatter", "model_comm", "other_comm"))
         assert comm + d["offload"] + d["other_gpu"] == pytest.approx(hta["non_compute_time(us)"], abs=1e-6)
         pct = expected["comm_comp_overlap_pct"][str(w.rank)]
         comm_total = sum(e - s for s, e in zip(*w.comm))

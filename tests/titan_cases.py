@@ -38,7 +38,6 @@ TITAN_SITE = Path(os.environ.get("FSDP_DOCTOR_TITAN_SITE", ROOT / ".venv" / "tor
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import msgspec
 
@@ -138,10 +137,18 @@ def build(config, width: int, seq: int, model=None):
     from torchtitan.models.llama3.parallelize import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
+    from torchtitan.distributed.utils import set_spmd_backend
+
     torch.manual_seed(0)
     dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+    # as its Trainer: the SPMD backend set, the model config updated from the job config (its training sequence
+    # length, here the run's; each module's tensor-parallel sharding when the job has tensor parallelism)
+    set_spmd_backend(config.parallelism.spmd_backend)
+    config.training.seq_len = seq
+    model = model or llama(width, seq=seq)
+    model.update_from_config(config=config)
     with torch.device("meta"):
-        model = (model or llama(width, seq=seq)).build()
+        model = model.build()
     parallelize = parallelize_qwen3 if type(model).__module__.startswith("torchtitan.models.qwen3") else \
         parallelize_llama
     model = parallelize(model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
@@ -174,6 +181,7 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
     that wait from time outside the model, so a rank falling behind reads as jitter.data_wait now and then)."""
     import gc
 
+    from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_, dist_sum_tensor
     from torchtitan.tools.utils import GarbageCollection
@@ -202,7 +210,7 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
             tokens = (dist_sum_tensor(torch.tensor(tok[:, 1:].numel()), batch_mesh) if token_count else
                       torch.tensor(tok[:, 1:].numel() * dist.get_world_size()))
             pred = model(tok[:, :-1])
-            loss = F.cross_entropy(pred.flatten(0, 1).float(), tok[:, 1:].flatten(), reduction="sum") / tokens
+            loss = cross_entropy_loss(pred, tok[:, 1:]) / tokens
             del pred  # (as torchtitan's train step: the logits do not outlive the loss)
             loss.backward()
             clip_grad_norm_([p for p in model.parameters()], 1.0)
@@ -314,8 +322,82 @@ def run_titan_fixes(out: Path) -> dict:
                                                        "activation-checkpoint:none"], "width": 128, "seq": 256})])
 
 
+#: tensor parallelism beside FSDP (4 ranks: fsdp 2 x tp 2), torchtitan's defaults for it (sequence parallelism, its
+#: vocab-parallel loss)
+TP_ARGS = ["--parallelism.tensor-parallel-degree", "2"]
+
+
+def run_titan_tp(out: Path) -> dict:
+    """torchtitan's tensor parallelism beside FSDP (fsdp 2 x tp 2 on 4 ranks), 8 steps of its loop with a profiler
+    window (steps 5-6), under its default resharding and an ample budget, rerun with reshard.zero2_affordable's
+    command line: what the run records of the mesh and of each unit (against the DTensor parameters' own
+    placements), where the trace puts tensor parallelism's collectives, and the fix pair."""
+    _cpu()
+    rank = dist.get_rank()
+    res = {}
+    first = fsdp_doctor.ProfileSchedule(first=5)
+
+    def run(name, fix=None, capacity=8 << 30, args=("activation-checkpoint:none",)):
+        args = TP_ARGS + list(args)
+        if fix:
+            args = with_fix(args, fix)
+        res[f"{name}_args"] = args
+        config = job_config(args)
+        model = build(config, 64, 32)
+        train(model, config, 32, out / name, steps=8, token_count=False, capacity_bytes=capacity, profile=first)
+        dist.barrier()
+        res[name] = _outcome(out / name, rank)
+        if name == "zero2":
+            res["model"] = _tp_model(model, out / name, rank)
+        return res[name]["findings"]
+
+    return _each_fixed(run, res, [("zero2", "reshard.zero2_affordable", {})])
+
+
+def _tp_model(model, path: Path, rank: int) -> dict:
+    """What the run recorded of a tensor-parallel model beside what its parameters say: per unit, the elements
+    (global) and the bytes FSDP gathers, from each DTensor's placements (its tensor-parallel shard: the global size
+    over the model-parallel dims it is sharded on); the trace's collectives no FSDP unit issued, by phase; the
+    verdict's parts."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_doctor.present.fmt import run_facts
+
+    run = fsdp_doctor.load_run(path)
+    cfg = run.ranks[rank].config
+    rep = fsdp_doctor.build_report(run)
+    by_module = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        units = {id(x) for _, x in model.named_modules() if isinstance(x, FSDPModule) and x is not m}
+        count = gathered = 0
+        stack = [m]
+        while stack:
+            x = stack.pop()
+            for p in x.parameters(recurse=False):
+                mesh, places = p.device_mesh, p.placements
+                tp = 1
+                for i, pl in enumerate(places):
+                    if i >= cfg.fsdp_dims and pl.is_shard():
+                        tp *= mesh.size(i)
+                count += p.numel()
+                gathered += p.numel() // tp * p.element_size()
+            stack.extend(c for c in x.children() if id(c) not in units)
+        by_module[name] = [count, gathered]
+    want = {u.name: [sum(by_module[m][i] for m in u.modules) for i in (0, 1)] for u in cfg.units}
+    other = {}
+    for r in rep.overlap.per_unit:
+        if r.unit == "(other)" and r.rank == rank:
+            other[r.phase or "loop"] = other.get(r.phase or "loop", 0) + r.count
+    return {"mesh": cfg.mesh, "fsdp_dims": cfg.fsdp_dims, "unavailable": cfg.unavailable,
+            "model_params": cfg.model_param_count,
+            "units": {u.name: [u.param_count, u.unsharded_bytes, u.shard_size, sum(u.own_bytes)] for u in cfg.units},
+            "want": want, "other": other, "shares": dict(rep.verdict.job.shares_pct), "header": run_facts(rep.run)}
+
+
 CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default,
-         "titan_moe": run_titan_moe}
+         "titan_moe": run_titan_moe, "titan_tp": run_titan_tp}
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def run_facts(run: Run) -> RunFacts:
             tokens_per_step=cfg.tokens_per_step)
         if cfg.optimizer_groups:
             facts.optimizer_groups = list(cfg.optimizer_groups)
+        if cfg.mesh:  # tensor (or other model) parallelism beside FSDP
+            facts.mesh = dict(cfg.mesh)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)
@@ -101,17 +103,18 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     units = {u.name: u for u in cfg.units}
     for row in overlap.per_unit:
         u = units.get(row.unit)
-        if u is None or row.bytes_per_call is not None or not u.param_count:
+        if u is None or row.bytes_per_call is not None or not u.param_count or not u.unsharded_bytes:
             continue
         if row.collective == "all_gather":
             nbytes = u.unsharded_bytes
-        elif row.collective == "reduce_scatter":
-            dt = u.reduce_dtype or (u.orig_dtypes[0] if u.orig_dtypes else "float32")
-            nbytes = u.param_count * (dtype_bytes(dt) or 4)
+        elif row.collective == "reduce_scatter":  # the gathered elements (with tensor parallelism its shard's)
+            stored = u.orig_dtypes[0] if u.orig_dtypes else "float32"
+            gathered = u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4)
+            nbytes = gathered * (dtype_bytes(u.reduce_dtype or stored) or 4)
         else:
             continue
         row.bytes_per_call = float(nbytes)
         row.bytes_source = "unit snapshot"
-        f = busbw_factor(row.collective, cfg.world_size)
+        f = busbw_factor(row.collective, u.shard_size or cfg.world_size)  # (FSDP's shard group)
         if f is not None and row.comm_us > 0:
             row.busbw_gbps = nbytes * row.count * f / row.comm_us / 1e3

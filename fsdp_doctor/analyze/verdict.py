@@ -42,6 +42,7 @@ PART_LABELS = {
     "allgather_fwd": "exposed all-gather (forward)",
     "allgather_bwd": "exposed all-gather (backward)",
     "reducescatter": "exposed reduce-scatter",
+    "model_comm": "exposed model-parallel collectives",
     "other_comm": "exposed other collectives",
     "offload": "offload copies (H2D/D2H)",
     "other_gpu": "other device work (memset, D2D)",

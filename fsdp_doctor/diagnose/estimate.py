@@ -19,6 +19,7 @@ import msgspec
 from ..records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, UnitConfig, unit_defaults
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
+from ..trace.build import MODEL_PHASE
 from ..units import fmt_bytes
 from . import thresholds as T
 from .base import Context, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
@@ -315,7 +316,7 @@ def other_comm_loop_ms(ctx: Context, rank, removable: bool = False) -> float:
     other ranks, which the step keeps at its next collective; where the trace section has no span (an older
     report), their exposed time."""
     exposed = sum(r.exposed_ms_per_step for r in trace_rows(ctx)
-                  if r.unit == OTHER_UNIT and r.phase != "optimizer" and str(r.rank) == str(rank))
+                  if r.unit == OTHER_UNIT and r.phase not in ("optimizer", MODEL_PHASE) and str(r.rank) == str(rank))
     pr = overlap(ctx).per_rank.get(str(rank))
     span = pr.loop_comm_ms_per_step if pr is not None else None
     if span is None:

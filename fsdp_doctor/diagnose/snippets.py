@@ -646,9 +646,36 @@ def repoint_optimizer() -> str:
             "optimizer.state.clear()  # state of the old tensors, if it has stepped")
 
 
-def root_mesh() -> str:
-    """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters)."""
-    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))"
+def root_mesh(config=None) -> str:
+    """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters); where their
+    mesh has model-parallel dims beside FSDP's (``config``: RunConfig.mesh), FSDP's dims of it."""
+    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))" + (
+        fsdp_submesh(config) if config is not None and config.mesh else "")
+
+
+def fsdp_submesh(config) -> str:
+    """``["fsdp"]`` (``[("dp_replicate", "fsdp")]`` for HSDP): the FSDP dims of RunConfig.mesh, by name."""
+    dims = list(config.mesh)[: config.fsdp_dims or 1]
+    return f"[{dims[0]!r}]" if len(dims) == 1 else f"[{tuple(dims)!r}]"
+
+
+def mesh_fact(config) -> str:
+    """"fsdp 2 × tp 2": RunConfig.mesh in words."""
+    return " × ".join(f"{k} {v}" for k, v in config.mesh.items())
+
+
+def on_model_parallel_mesh(rec, config) -> None:
+    """A fix of a run whose parameters' mesh has model-parallel dims beside FSDP's (tensor parallelism;
+    ``Recommendation``, changed in place): FSDP's mesh is the user's sub-mesh of it, the one their fully_shard calls
+    pass, which a new mesh cannot be (FSDP needs the tensor-parallel mesh's parent). A fix that would define a
+    1-D mesh over all ranks reads that mesh from the user's code instead (``inputs``)."""
+    if not rec.code or _MESH not in rec.code:
+        return
+    rec.code = rec.code.replace(_MESH + "\n", "").replace(_MESH, "")
+    if "init_device_mesh(" not in rec.code:
+        rec.code = rec.code.replace("from torch.distributed.device_mesh import init_device_mesh\n", "")
+    rec.inputs = {**rec.inputs, "mesh": f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your "
+                                        f"{mesh_fact(config)} mesh"}
 
 
 #: optim.step_comm's fix for a per-parameter gradient-norm log (full_tensor() per parameter: a collective each, every

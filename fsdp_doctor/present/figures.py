@@ -35,8 +35,8 @@ RANK_COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2",
 # the verdict's share kinds (fsdp_doctor.present.fmt.VERDICT_SEGMENTS): communication warm, the device's own work
 # blue, the host and input yellow/teal, idle grey; the HTML report and the dashboard draw the same bar
 VERDICT_COLORS = {"compute": "#4C78A8", "AG fwd": "#F58518", "AG bwd": "#FFBF79", "RS": "#E45756",
-                  "other comm": "#FF9DA6", "offload": "#B279A2", "host": "#EECA3B", "input": "#72B7B2",
-                  "idle": "#BAB0AC"}
+                  "model comm": "#9D755D", "other comm": "#FF9DA6", "offload": "#B279A2", "host": "#EECA3B",
+                  "input": "#72B7B2", "idle": "#BAB0AC"}
 VERDICT_LABEL_MIN_PCT = 3.0  # narrower segments are labelled on hover only (the text would not fit)
 MIB = float(1 << 20)
 PROFILER_OUTSIDE = "outside: profiler window (tool)"

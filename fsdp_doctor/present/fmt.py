@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, CommSummary, Finding, MemorySection, Outlier, Report,
+from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier, Report,
                                RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank, ThroughputSection,
                                UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
@@ -72,7 +72,8 @@ def run_facts(run: RunFacts) -> list[str]:
     if r is None:
         return facts
     if r.world_size:
-        facts.append(f"{r.world_size} ranks")
+        facts.append(f"{r.world_size} ranks" + (" (" + " × ".join(f"{k} {v}" for k, v in r.mesh.items()) + ")"
+                                                if r.mesh else ""))
     if r.units:
         facts.append(f"{r.units} FSDP units")
     if r.model_param_count:
@@ -179,15 +180,16 @@ def comm_headline(comm: CommSummary | None) -> str | None:
 
 
 # --- the verdict (report.verdict, fsdp_doctor.analyze.verdict): one sentence and one table in every presenter
-# Each column is a sum of the verdict's ``shares_pct`` parts (% of the step); "other comm" is drawn in the bar only
+# Each column is a sum of the verdict's ``shares_pct`` parts (% of the step); "model comm" and "other comm" are drawn
+# in the bar only
 # (the table's "comm" holds it), "comm" in the table only (the bar shows its parts).
 VERDICT_PARTS: dict[str, tuple[str, ...]] = {
     "compute": ("compute", "other_gpu"),
-    "comm": ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm"),
+    "comm": Breakdown.COMM_PARTS,
     "AG fwd": ("allgather_fwd",), "AG bwd": ("allgather_bwd",), "RS": ("reducescatter",),
-    "other comm": ("other_comm",), "offload": ("offload",), "host": ("host", "sync"), "input": ("input",), "idle": ("idle",),
+    "model comm": ("model_comm",), "other comm": ("other_comm",), "offload": ("offload",), "host": ("host", "sync"), "input": ("input",), "idle": ("idle",),
 }
-VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k != "other comm")  # the table's share columns
+VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k not in ("model comm", "other comm"))  # the table's columns
 VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's segments (they add up to 100%)
 VERDICT_MAX_RANKS = 8  # ranks listed one by one; the rest are counted
 

@@ -73,7 +73,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
-        units=unit_cfgs, unmanaged_param_bytes=unmanaged_param_bytes(model, units),
+        units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(model, units),
         **_param_counts(model),
         capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
@@ -82,6 +82,22 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         unavailable=unavailable,
         torch_lacks=F2.features_unavailable(),
     ), consistency
+
+
+def parallel_mesh(units: list[Unit]) -> dict:
+    """RunConfig.mesh and fsdp_dims: the mesh of the first unit parameter whose mesh has dims beyond its unit's FSDP
+    mesh (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp"); {} when none has."""
+    for u in units:
+        pgs = F2.param_groups(u.state) or []
+        fsdp = getattr(F2.fsdp_mesh(pgs[0]), "ndim", None) if pgs else None
+        for fp in u.params:
+            mesh = getattr(F2.sharded_param(fp), "device_mesh", None)
+            if fsdp is None or mesh is None or mesh.ndim <= fsdp:
+                continue
+            names = mesh.mesh_dim_names or ()
+            return {"mesh": {(names[i] if i < len(names) else None) or f"dim{i}": int(n)
+                             for i, n in enumerate(mesh.shape)}, "fsdp_dims": int(fsdp)}
+    return {}
 
 
 def alloc_conf(dev: torch.device) -> dict[str, str]:

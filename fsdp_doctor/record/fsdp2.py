@@ -224,6 +224,19 @@ def compute_device(pg) -> torch.device | None:
     return dev if isinstance(dev, torch.device) else None
 
 
+def fsdp_mesh(pg):
+    """The mesh FSDP shards and replicates over (``mesh_info.mesh``: 1-D, or 2-D for HSDP); a parameter's own
+    mesh can be larger (with tensor parallelism: this mesh's dims, then the model-parallel ones). None when
+    unreadable."""
+    return getattr(getattr(pg, "mesh_info", None), "mesh", None)
+
+
+def shard_mesh_size(pg) -> int | None:
+    """Ranks FSDP shards each parameter over (``mesh_info.shard_mesh_size``); None when unreadable."""
+    n = getattr(getattr(pg, "mesh_info", None), "shard_mesh_size", None)
+    return int(n) if isinstance(n, int) else None
+
+
 def is_hsdp(pg) -> bool:
     try:
         return bool(getattr(pg, "_is_hsdp", False)) or getattr(pg, "_partial_reduce_output", None) is not None
@@ -260,8 +273,16 @@ def sharded_param(fp):
     return getattr(fp, "sharded_param", None)
 
 
+def global_numel(fp) -> int | None:
+    """Elements of the model's parameter: the DTensor's global shape (with tensor parallelism larger than what FSDP
+    gathers), else what FSDP gathers."""
+    sp = sharded_param(fp)
+    return sp.numel() if sp is not None else param_numel(fp)  # (a DTensor's numel is the global one)
+
+
 def param_numel(fp) -> int | None:
-    """Elements of the unsharded parameter (``_orig_size``; the DTensor's global shape otherwise)."""
+    """Elements of the parameter as FSDP all-gathers it (``_orig_size``: with tensor parallelism this rank's
+    tensor-parallel shard; the DTensor's global shape otherwise)."""
     size = getattr(fp, "_orig_size", None)
     if size is not None:
         return math.prod(size)

@@ -158,15 +158,16 @@ def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
 
 
 def _param_bytes(fp) -> tuple[int | None, int | None, int | None, list[str]]:
-    """(elements unsharded, local sharded bytes incl. padding, unsharded bytes in param dtype, dtypes);
-    None for what this torch does not let us read."""
-    numel = F2.param_numel(fp)
+    """(the model's elements (global: with tensor parallelism more than FSDP gathers), local sharded bytes incl.
+    padding, bytes FSDP all-gathers (in param dtype), dtypes); None for what this torch does not let us read."""
+    gathered = F2.param_numel(fp)
     orig = F2.orig_dtype(fp)
     pdt = F2.param_dtype(fp)
     data = F2.sharded_data(fp)
     local = data.numel() * data.element_size() if data is not None else None
-    unsharded = numel * torch.empty((), dtype=pdt).element_size() if numel is not None and pdt is not None else None
-    return numel, local, unsharded, [_dtype_name(orig)] if orig is not None else []
+    unsharded = (gathered * torch.empty((), dtype=pdt).element_size() if gathered is not None and pdt is not None
+                 else None)
+    return F2.global_numel(fp), local, unsharded, [_dtype_name(orig)] if orig is not None else []
 
 
 def _add(total: int | None, v: int | None) -> int | None:
@@ -180,7 +181,11 @@ def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
 def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown")."""
     names = {id(u.state): u.name for u in units}
-    owns, tied, trails, sizes = _own_modules(units)
+    # elements FSDP gathers of each parameter (with tensor parallelism its tensor-parallel shard: the bytes a module
+    # adds to its unit's all-gather)
+    gathered = {id(sp): n for u in units for fp in u.params
+                if (sp := F2.sharded_param(fp)) is not None and (n := F2.param_numel(fp)) is not None}
+    owns, tied, trails, sizes = _own_modules(units, gathered)
     out = []
     for u, own, trailing in zip(units, owns, trails):
         pgs = F2.param_groups(u.state)
@@ -236,16 +241,18 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
                 trailing_modules=trailing,
-                shard_size=_shard_size(fps),
+                shard_size=_shard_size(pg0, fps),
             )
         )
     return out
 
 
-def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[list[str]], dict[str, int]]:
+def _own_modules(units: list[Unit], gathered: dict[int, int]
+                 ) -> tuple[list[list[str]], set[str], list[list[str]], dict[str, int]]:
     """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
     fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules after
-    its last nested unit in module order; each such module's parameter bytes. Public module API only."""
+    its last nested unit in module order; each such module's parameter bytes as FSDP gathers them (``gathered``:
+    elements per parameter id; a parameter not there counts its global elements). Public module API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
     out, trails, sizes = [], [], {}
@@ -261,8 +268,8 @@ def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[lis
                     continue
                 if any(True for _ in m.parameters(recurse=False)):
                     own.append(fqn)
-                    # a DTensor's numel is the global one: the unsharded size
-                    sizes[fqn] = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+                    sizes[fqn] = sum(gathered.get(id(p), p.numel()) * p.element_size()
+                                     for p in m.parameters(recurse=False))
                     for p in m.parameters(recurse=False):
                         holders.setdefault(id(p), []).append(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
@@ -272,8 +279,14 @@ def _own_modules(units: list[Unit]) -> tuple[list[list[str]], set[str], list[lis
     return out, tied, trails, sizes
 
 
-def _shard_size(fps) -> int | None:
-    """Ranks a unit's parameters are sharded over, from the sharded DTensor's mesh and placements."""
+def _shard_size(pg, fps) -> int | None:
+    """Ranks FSDP shards a unit's parameters over: its mesh's shard dimension, else from the sharded DTensor's mesh
+    and placements (the FSDP mesh's dims come first; with tensor parallelism the model-parallel ones follow, and
+    their shards are not FSDP's)."""
+    n = F2.shard_mesh_size(pg) if pg is not None else None
+    if n is not None:
+        return n
+    fsdp_dims = getattr(F2.fsdp_mesh(pg), "ndim", None) if pg is not None else None
     for fp in fps:
         sp = F2.sharded_param(fp)
         mesh, places = getattr(sp, "device_mesh", None), getattr(sp, "placements", None)
@@ -281,7 +294,7 @@ def _shard_size(fps) -> int | None:
             continue
         try:
             size = 1
-            for dim, pl in enumerate(places):
+            for dim, pl in enumerate(places[:fsdp_dims]):
                 if pl.is_shard():
                     size *= mesh.size(dim)
             return size

@@ -37,9 +37,9 @@ from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceI
                                OverlapSection, SkippedFile)
 from . import intervals as iv
 from .admit import admit
-from .build import _gc_paused
+from .build import MODEL_PHASE, _gc_paused
 from .loader import load_windows
-from .model import CollectiveCall, WindowTrace
+from .model import OTHER_UNIT, CollectiveCall, WindowTrace
 from .reader import find_trace_files
 from .steps_detail import trace_memory, trace_unit_rows
 
@@ -68,16 +68,17 @@ def idle(win: WindowTrace) -> dict:
 
 # Exposed communication by collective and phase, in the order an instant is given to: when several
 # collectives run exposed at once, compute is waiting for the all-gather (it needs the parameters).
-COMM_PARTS = ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")
+COMM_PARTS = Breakdown.COMM_PARTS
+FSDP_COMM_PARTS = Breakdown.FSDP_COMM_PARTS
 BREAKDOWN_PARTS = Breakdown.PARTS  # one definition, the report's (tests/test_verdict.py checks COMM_PARTS in it)
 
 
 def _comm_part(c: CollectiveCall) -> str:
+    if c.unit == OTHER_UNIT:  # no FSDP unit's: the model's own (tensor parallelism's), or the loop's and optimizer's
+        return "model_comm" if c.phase == MODEL_PHASE else "other_comm"
     if c.collective == "all_gather":
         return "allgather_bwd" if c.phase == "backward" else "allgather_fwd"
-    if c.collective == "reduce_scatter":
-        return "reducescatter"
-    return "other_comm"
+    return "reducescatter" if c.collective == "reduce_scatter" else "other_comm"
 
 
 def _clip(a: iv.Intervals, w0: float, w1: float) -> iv.Intervals:
@@ -90,7 +91,8 @@ def _clip(a: iv.Intervals, w0: float, w1: float) -> iv.Intervals:
 def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) -> dict:
     """The window (default: the complete steps' host span) split into exclusive parts, µs. At each instant,
     in this order: ``compute`` (a compute kernel runs / the main thread runs an operator); exposed
-    communication (``allgather_fwd``, ``allgather_bwd``, ``reducescatter``, ``other_comm``); ``offload``
+    communication (``allgather_fwd``, ``allgather_bwd``, ``reducescatter``, ``model_comm``: the model's own, such as
+    tensor parallelism's, ``other_comm``); ``offload``
     (Memcpy HtoD/DtoH alone on the device); ``other_gpu`` (memsets, device-to-device copies alone). Where
     the device is idle: ``sync`` (the next device work was not launched yet because the host sat in a device sync:
     ``cudaDeviceSynchronize``, ``cudaStreamSynchronize``, ``aten::item``...), ``host`` (the next device work was

@@ -233,6 +233,11 @@ SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaE
 GRAD_NORM_OPS = frozenset({"aten::linalg_vector_norm", "aten::norm", "aten::_foreach_norm", "aten::frobenius_norm"})
 #: CollectiveCall.phase of such a collective
 GRAD_NORM_PHASE = "grad_norm"
+#: CollectiveCall.phase of a collective no FSDP unit issued that the host issued inside the model: from the step's
+#: first root pre-forward to its last FSDP label's end (the loss between them included). The model's own parallelism
+#: issues them (tensor/sequence parallelism's all-gathers, reduce-scatters and all-reduces, a vocab-parallel loss,
+#: context parallelism, experts' all-to-all), not the user's loop
+MODEL_PHASE = "model"
 
 
 @contextmanager
@@ -423,7 +428,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
-    loop = _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
+    loop, in_model = _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps],
+                                    optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
@@ -447,6 +453,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
     _mark_calls(win.calls, optimizer_steps, "optimizer")
+    _mark_calls(win.calls, in_model, MODEL_PHASE)
     _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
                 GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
@@ -455,8 +462,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
 
 def _mark_calls(calls: list[CollectiveCall], spans: iv.Intervals, phase: str) -> None:
     """``phase`` for the collectives no FSDP unit issued, with no phase yet, that the host issued inside
-    ``spans``: inside optimizer.step() (its labels' intervals) the optimizer's own ("optimizer"); inside a norm
-    operator (GRAD_NORM_OPS) a gradient norm's reduction (GRAD_NORM_PHASE). Neither is the loop's own code."""
+    ``spans``: inside optimizer.step() (its labels' intervals) the optimizer's own ("optimizer"); inside the model
+    the model's (MODEL_PHASE); inside a norm operator (GRAD_NORM_OPS) a gradient norm's reduction (GRAD_NORM_PHASE).
+    None is the loop's own code."""
     starts, ends = spans
     if not starts.size:
         return
@@ -474,7 +482,8 @@ def _loop_comm_us(calls: list[CollectiveCall], regions: list[tuple[float, float]
     them included; and of that, the first calls' own time (issue to end), which holds their wait for the other
     ranks to reach them: a wait the step keeps without those calls (at its next collective). On a loaded 2-rank
     host it was up to half of a grad-norm log's span."""
-    own = sorted((c.issue, c.end) for c in calls if c.unit == OTHER_UNIT and c.phase != "optimizer")
+    own = sorted((c.issue, c.end) for c in calls
+                 if c.unit == OTHER_UNIT and c.phase not in ("optimizer", MODEL_PHASE))
     if not own or not regions:
         return 0.0, 0.0
     issues = [i for i, _ in own]
@@ -506,11 +515,12 @@ def _implausible(e) -> None:
 
 
 def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.ndarray,
-                   step_spans: list, optimizer_steps: iv.Intervals) -> list[tuple[float, float]]:
+                   step_spans: list, optimizer_steps: iv.Intervals) -> tuple[list[tuple[float, float]], iv.Intervals]:
     """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
     root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times).
     Returns the regions of each step outside the model and outside optimizer.step() (``optimizer_steps``: its
-    labels' intervals): the user's loop."""
+    labels' intervals): the user's loop; and the model's (each step's first root pre-forward to its last FSDP
+    label's end, optimizer.step() left out)."""
     name = np.frombuffer(special.name, dtype=np.int32)
     loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
     starts, ends = ts[loader].tolist(), end[loader].tolist()
@@ -519,6 +529,7 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
     fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[name][model]
     fs, fe = ts[model], end[model]
     loop: list[tuple[float, float]] = []
+    models: list[iv.Intervals] = []
     if fs.size and step_spans:
         order = np.argsort(fs, kind="stable")
         fs, fe, root, fsdp = fs[order], fe[order], root[order], fsdp[order]
@@ -535,8 +546,9 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             model_span = iv.union([float(roots.min())], [float(fe[lo:hi][fsdp[lo:hi]].max())])
             free = iv.subtract(iv.subtract(iv.union([s0], [s1]), model_span), optimizer_steps)
             loop += list(zip(free[0].tolist(), free[1].tolist()))
+            models.append(iv.subtract(model_span, optimizer_steps))
     win.outside = iv.union(starts, ends)
-    return loop
+    return loop, iv.union_many(*models) if models else iv.union([], [])
 
 
 def _gpu_timeline(win: WindowTrace, ts, te, lts, classified) -> None:

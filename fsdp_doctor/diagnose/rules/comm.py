@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 
 from .. import estimate as E
 from .. import snippets as S
+from ...report_sections import Breakdown
+from ...trace.build import MODEL_PHASE
 from ...units import fmt_bytes
 from ..base import Context, Rule, register
 from ..estimate import GLOO_QUIET, breakdown_ms, per_step, trace_device, trace_step_ms, trace_verdicts  # noqa: F401
@@ -182,7 +184,13 @@ class CommunicationBound(TraceRule):
         if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
             return self.quiet(f"the step is {job.bound}-bound; communication {100 * share:.0f}% of it (fires "
                               f"when communication-bound at {100 * COMM_BOUND_MIN_SHARE:.0f}% or more)")
-        rows = E.trace_rows(ctx)
+        fsdp_pct = sum(job.shares_pct.get(k, 0.0) for k in Breakdown.FSDP_COMM_PARTS)
+        model_pct = job.shares_pct.get("model_comm", 0.0)
+        if model_pct >= fsdp_pct:
+            return self.quiet(f"communication-bound mostly by the model's own collectives (model-parallel "
+                              f"{model_pct:.0f}% of the step, FSDP's {fsdp_pct:.0f}%), which FSDP's levers do not "
+                              "reach (verdict.severe names theirs)")
+        rows = [r for r in E.trace_rows(ctx) if r.phase != MODEL_PHASE]
         table = _size_table(rows)
         step = trace_step_ms(ctx)
         small = [t for t in table if t.size == SIZE_BUCKETS[0][1]]
@@ -362,7 +370,7 @@ class TraceStraggler(TraceRule):
         tr = trace_verdicts(ctx)
         if len(tr) < 2:
             return self.quiet("needs the trace files of two or more ranks of one job")
-        comm = ("allgather_fwd", "allgather_bwd", "reducescatter", "other_comm")
+        comm = Breakdown.COMM_PARTS
         own = {r: x.step_ms * (1 - sum(x.shares_pct[k] for k in comm) / 100) for r, x in tr.items()}
         waits = {r: x.step_ms - own[r] for r, x in tr.items()}
         worst = max(own, key=own.get)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from ...trace.build import GRAD_NORM_PHASE
+from ...trace.build import GRAD_NORM_PHASE, MODEL_PHASE
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
@@ -135,10 +135,17 @@ class OptimizerStepComm(Rule):
     def match(self, ctx: Context):
         step = E.step_ms(ctx) or E.trace_step_ms(ctx)  # the records' median, else the trace's (a plain trace)
         every = E.trace_rows(ctx)
-        rows = [r for r in every if r.unit in _OTHER_UNITS]
+        rows = [r for r in every if r.unit in _OTHER_UNITS and r.phase != MODEL_PHASE]
+        # collectives issued inside the model (its tensor parallelism's): neither the loop's nor the optimizer's
+        model = max((sum(r.count_per_step for r in every if r.unit in _OTHER_UNITS and r.phase == MODEL_PHASE
+                         and r.rank == rank) for rank in {r.rank for r in every}), default=0.0)
+        besides = (f" (besides the model's own: {model:.0f} per step issued inside it, its tensor parallelism's)"
+                   if model else "")
         if not rows or not step:
-            return self.quiet("every collective in the trace belongs to an FSDP unit" if step else
-                              "no step time measured")
+            return self.quiet("no step time measured" if not step else
+                              f"the only collectives outside FSDP's own are the model's ({model:.0f} per step issued "
+                              "inside it: its tensor parallelism's), not the loop's or the optimizer's" if model else
+                              "every collective in the trace belongs to an FSDP unit")
         if len(rows) == len(every) and not E.param_units(ctx) and not E.overlap(ctx).units:
             # no FSDP unit anywhere (DDP's all-reduces): nothing tells the user's collectives from the framework's
             return self.quiet("no FSDP unit in the trace (no FSDP2 label, no unit's collective)")
@@ -147,8 +154,8 @@ class OptimizerStepComm(Rule):
             by_rank.setdefault(r.rank, _OtherComm()).add(r)
         if all(a.calls == a.norm_calls and a.batched_norm for a in by_rank.values()):
             n = max(a.norm_calls for a in by_rank.values())
-            return self.quiet(f"the only collectives outside FSDP's own reduce a gradient norm ({n:.0f} per step, "
-                              "issued inside a norm operator: clip_grad_norm_'s total norm), which clipping needs")
+            return self.quiet(f"the only collectives outside FSDP's own{besides} reduce a gradient norm ({n:.0f} per "
+                              "step, issued inside a norm operator: clip_grad_norm_'s total norm), which clipping needs")
         rank, worst = max(by_rank.items(), key=lambda kv: kv[1].exposed_ms)
         share = worst.exposed_ms / step
         # decided on the median rank, not the worst one: a single noisy rank near the threshold made the
@@ -157,7 +164,7 @@ class OptimizerStepComm(Rule):
         if share < OTHER_COMM_INFO_SHARE or typical < OTHER_COMM_INFO_SHARE * (1 - OTHER_COMM_HYSTERESIS):
             return self.quiet(E.below_share(f"exposed collectives outside FSDP (rank {rank})", worst.exposed_ms,
                                             step, "the step", OTHER_COMM_INFO_SHARE, ms=True)
-                              + f"; the median rank's {100 * typical:.0f}%")
+                              + f"; the median rank's {100 * typical:.0f}%{besides}")
         sev = "warning" if share >= OTHER_COMM_WARN_SHARE else "info"
         kinds = sorted(worst.kinds)
         # where the host issued them (the trace engine's phase): inside optimizer.step() the optimizer's own,
@@ -199,7 +206,7 @@ class OptimizerStepComm(Rule):
         if mostly_loop and gain < OTHER_COMM_INFO_SHARE * step:
             return self.quiet(f"{worst.calls:.0f} batched collectives per step outside FSDP's own, "
                               f"{worst.exposed_ms:.1f} ms exposed: a wait for the other ranks that the step keeps at "
-                              f"its next collective without them (removing them gains {gain:.1f} ms)")
+                              f"its next collective without them (removing them gains {gain:.1f} ms){besides}")
         text = said + (
             "The optimizer issues them: an optimizer that calls full_tensor() or redistributes DTensors (an "
             "orthogonalising one such as Muon or Shampoo gathers whole matrices). Look for its option to work on "

@@ -7,6 +7,7 @@ from .. import estimate as E
 from .. import thresholds as T
 from .. import snippets as S
 from ..base import Context, Rule, register
+from ...report_sections import Breakdown
 
 def _prefetch(ctx: Context) -> str:
     """Explicit prefetch over every unit of the run; on gloo, asynchronous unshard too (its all-gathers block the
@@ -28,6 +29,12 @@ _LEVERS = {
         "unit kept gathered (reshard_after_forward=False), fewer and larger units where calls are small, 16-bit "
         "all-gathers (MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
         _prefetch),
+    "model_parallel": (
+        "exposed model-parallel collectives (tensor parallelism's, issued inside the model)",
+        "these are the model's own collectives, not FSDP's: keep the tensor-parallel group within a node (NVLink), "
+        "a smaller tensor-parallel degree with more FSDP ranks, asynchronous tensor parallelism (torch.compile "
+        "with torch._inductor.config._micro_pipeline_tp = True; torchtitan: --parallelism.enable-async-tensor-parallel "
+        "with --compile.enable), sequence parallelism (torchtitan's default)", None),
     "all_reduce": (
         "exposed collectives (all-reduce: no FSDP all-gather in the trace)",
         "overlap the gradient all-reduce with backward (DDP's buckets; sharding with FSDP2's fully_shard "
@@ -76,7 +83,11 @@ class SevereVerdict(Rule):
             return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
                               "already name levers")
         fsdp = bool(E.trace_rows(ctx, "all_gather") or E.trace_rows(ctx, "reduce_scatter") or E.param_units(ctx))
-        what, levers, write = _LEVERS["all_reduce" if job.bound == "communication" and not fsdp else job.bound]
+        sh = job.shares_pct
+        model = sh.get("model_comm", 0.0) > sum(sh.get(k, 0.0) for k in Breakdown.FSDP_COMM_PARTS)
+        kind = job.bound if job.bound != "communication" else ("model_parallel" if model else
+                                                               "communication" if fsdp else "all_reduce")
+        what, levers, write = _LEVERS[kind]
         # code from the run's module tree where the lever is a setting of the model; the others are the user's
         # loop or data pipeline: the levers in words
         code = write(ctx) if write is not None and S.tree(ctx).unit_labels() else ""

@@ -295,7 +295,7 @@ class RootNotSharded(Rule):
             text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
                      "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
         text += " Apply fully_shard to the root module after the blocks: one line after your own calls."
-        code = ("# after your fully_shard calls on the blocks, on their mesh:\n" + S.root_mesh() + "\n"
+        code = ("# after your fully_shard calls on the blocks, on their mesh:\n" + S.root_mesh(ctx.config) + "\n"
                 "fully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
         return [self.finding(
             sev, f"fully_shard was never applied to the root: {len(rts)} independent FSDP roots",
