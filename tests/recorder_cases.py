@@ -479,6 +479,7 @@ def _outcome(path: Path, rank: int) -> dict:
     rep = fsdp_doctor.build_report(run)
     return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
                                   "code": f.recommendation.code, "text": f.recommendation.text,
+                                  "inputs": f.recommendation.inputs,
                                   "predicted": f.predicted and msgspec.to_builtins(f.predicted)}
                          for f in rep.findings},
             "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
@@ -627,7 +628,69 @@ def run_accelerate_fixes(out: Path) -> dict:
                                   ("nowrap", "wrap.params_in_root", {"wrap": "no_wrap"})])
 
 
+#: torch's tensor parallelism on an HF Llama's decoder layers (its module names): attention heads and the MLP's hidden
+#: units split over the "tp" dim, the outputs all-reduced
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
+
+
+def run_tp_fixes(out: Path) -> dict:
+    """Tensor parallelism beside FSDP in a user's own code (4 ranks: a ("dp", "tp") mesh of 2 x 2): an HF Llama whose
+    decoder layers torch's parallelize_module splits over mesh["tp"], then fully_shard(model, mesh=mesh["dp"]) alone
+    (the whole model one unit), watched; the same run without the doctor (its losses); wrap.too_coarse's fix pasted
+    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "mesh": mesh["dp"])."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import LlamaForCausalLM
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel() for k, v in TP_PLAN.items()}
+    rank, res = dist.get_rank(), {}
+
+    def run(name, fix=None, capacity=8 << 30, watched=True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(width=128, attn_implementation="sdpa"))
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        if fix:  # in place of the user's fully_shard calls, with their FSDP mesh
+            exec(compile(fix, "<wrap.too_coarse fix>", "exec"), {"model": model, "mesh": mesh["dp"]})
+        else:
+            fully_shard(model, mesh=mesh["dp"])
+        for m in model.modules():  # gloo's tuned setting (its all-gathers block the host otherwise), as the scenarios
+            if isinstance(m, FSDPModule):
+                m._set_unshard_async_op(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ctx = fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity,
+                                profile=False) if watched else None
+        doc = ctx.__enter__() if ctx else None
+        losses = []
+        for step in range(6):  # the same batch on the two ranks of a tensor-parallel group
+            g = torch.Generator().manual_seed(1000 * step + mesh["dp"].get_local_rank())
+            tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+            loss = F.cross_entropy(model(input_ids=tok[:, :-1]).logits.float().flatten(0, 1), tok[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if doc is not None:
+                doc.step()
+            losses.append(loss.item())
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+            dist.barrier()
+            res[name] = {**_outcome(out / name, rank), "losses": losses,
+                         "mesh": fsdp_doctor.load_run(out / name).ranks[rank].config.mesh}
+            return res[name]["findings"]
+        res[name] = {"losses": losses}
+        return {}
+
+    run("unwatched", watched=False)
+    return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])
+
+
 CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes,
+         "tp_fixes": run_tp_fixes,
          "accelerate_fixes": run_accelerate_fixes}
 
 

@@ -3,7 +3,9 @@
 put on the path here only.
 
 The run is torchtitan's own as its Trainer builds it, on CPU: its llama3 (fused QKV, grouped-query attention, its
-ComplexRoPE buffers, a ModuleDict of blocks, ``lm_head``) built on the meta device from a tiny config, sharded by its
+ComplexRoPE buffers, a ModuleDict of blocks, ``lm_head``) built on the meta device from a tiny config updated from
+the job config as its Trainer does (``update_from_config``: the training sequence length, tensor-parallel sharding;
+its SPMD backend set), sharded by its
 ``parallelize_llama`` (activation checkpointing from its config, then its ``apply_fsdp_to_decoder``: the
 embeddings, each block, ``[norm, lm_head]`` kept gathered, the root) with the job config's training, parallelism and
 checkpointing settings, then ``to_empty`` and ``init_weights``. The job config is parsed from a command line by
@@ -21,6 +23,8 @@ Cases:
                user would run it (the fix's flags in place of the same settings).
   titan_default  its defaults and its loop for 30 steps with the doctor's defaults: the report's findings.
   titan_moe    its Qwen3 mixture of experts: the experts the run records.
+  titan_tp     its tensor parallelism beside FSDP (4 ranks: fsdp 2 x tp 2): the mesh and units the run records, the
+               trace's phases, reshard.zero2_affordable's command line rerun.
 
 Usage: python tests/titan_cases.py CASE RANK WORLD PORT OUT_DIR
 """

@@ -41,6 +41,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("skipped", skipped[-1].split(": ", 1)[1]))
             continue
         rule = cls()
+        rule.config = ctx.config
         try:
             found = rule.match(ctx)
         except Exception as e:  # noqa: BLE001
@@ -55,9 +56,6 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
             statuses.append(cls.status("quiet", rule.why_quiet or NO_REASON))
-    if ctx.config is not None and ctx.config.mesh:  # model parallelism beside FSDP: the fixes on the user's FSDP mesh
-        for f in out:
-            S.on_model_parallel_mesh(f.recommendation, ctx.config)
     if E.trainer_driven(ctx):  # its fixes where a Trainer's user can put them
         for f in out:
             S.for_trainer(f.recommendation, f.code)

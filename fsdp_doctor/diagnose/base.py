@@ -6,12 +6,13 @@ gave (``self.quiet(why)``) or, without one, what it checks."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, NamedTuple, Optional
 
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import PLUGIN_INPUTS, complete, fix_place
+from .snippets import PLUGIN_INPUTS, complete, fix_place, mesh_input
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -159,6 +160,8 @@ class Rule:
     last: ClassVar[bool] = False  # runs after every other rule, reading their findings (``ctx.earlier``)
 
     why_quiet: str = ""
+    # the run's RunConfig, set before match (diagnose): what a fix's completion reads (its FSDP mesh)
+    config = None
 
     def match(self, ctx: Context) -> list[Finding]:
         raise NotImplementedError
@@ -178,7 +181,13 @@ class Rule:
         assert where in FIX_PLACES or not code, (self.code, where)
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
-        rec = Recommendation(text=text, code=complete(code), where=where if code else "", inputs=inputs)
+        # a run whose parameters' mesh has model-parallel dims beside FSDP's: the mesh a fix uses is the user's FSDP
+        # mesh, which the fix reads (a new mesh cannot be it: FSDP needs the tensor-parallel mesh's parent)
+        mesh = mesh_input(self.config)
+        code = complete(code, define_mesh=not mesh)
+        if mesh and re.search(r"\bmesh\b", code) and not re.search(r"^\s*mesh\s*=", code, re.M):
+            inputs = {**inputs, "mesh": mesh}
+        rec = Recommendation(text=text, code=code, where=where if code else "", inputs=inputs)
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence, recommendation=rec, **kw)
 
     @classmethod

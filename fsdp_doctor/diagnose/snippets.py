@@ -664,18 +664,12 @@ def mesh_fact(config) -> str:
     return " × ".join(f"{k} {v}" for k, v in config.mesh.items())
 
 
-def on_model_parallel_mesh(rec, config) -> None:
-    """A fix of a run whose parameters' mesh has model-parallel dims beside FSDP's (tensor parallelism;
-    ``Recommendation``, changed in place): FSDP's mesh is the user's sub-mesh of it, the one their fully_shard calls
-    pass, which a new mesh cannot be (FSDP needs the tensor-parallel mesh's parent). A fix that would define a
-    1-D mesh over all ranks reads that mesh from the user's code instead (``inputs``)."""
-    if not rec.code or _MESH not in rec.code:
-        return
-    rec.code = rec.code.replace(_MESH + "\n", "").replace(_MESH, "")
-    if "init_device_mesh(" not in rec.code:
-        rec.code = rec.code.replace("from torch.distributed.device_mesh import init_device_mesh\n", "")
-    rec.inputs = {**rec.inputs, "mesh": f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your "
-                                        f"{mesh_fact(config)} mesh"}
+def mesh_input(config) -> str:
+    """Where the run's parameters' mesh has model-parallel dims beside FSDP's (RunConfig.mesh: tensor parallelism),
+    what a fix using ``mesh`` reads from the user's code (``Recommendation.inputs``): their FSDP mesh; "" otherwise."""
+    if config is None or not getattr(config, "mesh", None):
+        return ""
+    return f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your {mesh_fact(config)} mesh"
 
 
 #: optim.step_comm's fix for a per-parameter gradient-norm log (full_tensor() per parameter: a collective each, every
@@ -924,14 +918,15 @@ _MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
          "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks (HSDP: your 2-D mesh)")
 
 
-def complete(code: str) -> str:
-    """The snippet with the imports and the ``mesh`` it uses and does not define, so that it runs pasted
-    after the user's ``model`` (and ``optimizer``) exist."""
+def complete(code: str, define_mesh: bool = True) -> str:
+    """The snippet with the imports and the ``mesh`` it uses and does not define (``define_mesh``: a 1-D mesh over
+    all ranks; False: the user's, which the fix reads), so that it runs pasted after the user's ``model`` (and
+    ``optimizer``) exist."""
     if not code:
         return code
     body = code
     pre: list[str] = []
-    if re.search(r"\bmesh\b", body) and not re.search(r"^\s*mesh\s*=", body, re.M):
+    if define_mesh and re.search(r"\bmesh\b", body) and not re.search(r"^\s*mesh\s*=", body, re.M):
         body = _MESH + "\n" + body
     uses = re.sub(r"^\s*(from|import) .*$", "", body, flags=re.M)  # what the code uses, its own imports aside
     used_fsdp = [n for n in _FSDP_NAMES if re.search(rf"\b{n}\b", uses)

@@ -19,7 +19,8 @@ class WatchOptions:
         profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 1000),
             False, a schedule callable (``torch.profiler.schedule(...)`` or :class:`ProfileSchedule`), or a
             dict of ``torch.profiler.profile`` arguments.
-        tokens_per_step: tokens the whole job processes per (optimizer) step (enables tokens/s).
+        tokens_per_step: tokens the whole job processes per (optimizer) step, each counted once: the ranks of a
+            tensor-parallel group share theirs (enables tokens/s).
         peak_tflops: the device's peak TFLOP/s for MFU (default: a table of common GPUs).
         count_flops: count the FLOPs of step 1 (the operators are observed as they run, never changed) for MFU
             and HFU (default: when tokens_per_step or peak_tflops is given).
