@@ -68,6 +68,11 @@ def fmt_bw(gbps) -> str:
     return f"{gbps:.3g} GB/s" if gbps >= 1 else f"{gbps * 1e3:.3g} MB/s"
 
 
+def fmt_mesh(mesh: dict) -> str:
+    """"fsdp 2 × tp 2": a device mesh's dims (name -> size, RunConfig.mesh) in words."""
+    return " × ".join(f"{k} {v}" for k, v in mesh.items())
+
+
 def fmt_pct(x) -> str:
     return MISSING if x is None else f"{x:.1f}%"
 

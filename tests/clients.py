@@ -1166,7 +1166,7 @@ def main(argv: list[str], clients: dict | None = None) -> int:
             if fix.get("where") == "startup":
                 exec(compile(fix["code"], f"<{fix.get('finding')} fix, at startup>", "exec"), {})
     torch.set_num_threads(1)
-    dev = scenario_device() if client in ("scenarios", "snippets") else torch.device("cpu")
+    dev = scenario_device()  # (the CPU unless the launcher asked for CUDA: _launch(..., device="cuda"))
     if dev.type == "cuda":  # NCCL on this rank's GPU (set before the group: device_id binds the communicator)
         from fsdp_doctor.workloads import WorkloadConfig
         from fsdp_doctor.workloads.train import backend_for, setup_rank

@@ -639,19 +639,24 @@ def run_tp_fixes(out: Path) -> dict:
     """Tensor parallelism beside FSDP in a user's own code (4 ranks: a ("dp", "tp") mesh of 2 x 2): an HF Llama whose
     decoder layers torch's parallelize_module splits over mesh["tp"], then fully_shard(model, mesh=mesh["dp"]) alone
     (the whole model one unit), watched; the same run without the doctor (its losses); wrap.too_coarse's fix pasted
-    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "mesh": mesh["dp"])."""
+    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "mesh": mesh["dp"]). On CUDA
+    (4 NCCL ranks: tests/test_gpu.py) the watched runs take a profiler window (steps 3-4): where the trace puts the
+    collectives no FSDP unit issued, by phase."""
+    from clients import scenario_device
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from transformers import LlamaForCausalLM
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dev = scenario_device()
+    mesh = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("dp", "tp"))
     plan = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel() for k, v in TP_PLAN.items()}
+    profile = ProfileSchedule(first=3, active=2) if dev.type == "cuda" else False
     rank, res = dist.get_rank(), {}
 
     def run(name, fix=None, capacity=8 << 30, watched=True):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(llama_config(width=128, attn_implementation="sdpa"))
+        model = LlamaForCausalLM(llama_config(width=128, attn_implementation="sdpa")).to(dev)
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], plan)
         if fix:  # in place of the user's fully_shard calls, with their FSDP mesh
@@ -663,12 +668,12 @@ def run_tp_fixes(out: Path) -> dict:
                 m._set_unshard_async_op(True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ctx = fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity,
-                                profile=False) if watched else None
+                                profile=profile) if watched else None
         doc = ctx.__enter__() if ctx else None
         losses = []
         for step in range(6):  # the same batch on the two ranks of a tensor-parallel group
             g = torch.Generator().manual_seed(1000 * step + mesh["dp"].get_local_rank())
-            tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+            tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g).to(dev)
             loss = F.cross_entropy(model(input_ids=tok[:, :-1]).logits.float().flatten(0, 1), tok[:, 1:].flatten())
             loss.backward()
             opt.step()
@@ -679,8 +684,10 @@ def run_tp_fixes(out: Path) -> dict:
         if ctx is not None:
             ctx.__exit__(None, None, None)
             dist.barrier()
-            res[name] = {**_outcome(out / name, rank), "losses": losses,
-                         "mesh": fsdp_doctor.load_run(out / name).ranks[rank].config.mesh}
+            run = fsdp_doctor.load_run(out / name)
+            rows = fsdp_doctor.build_report(run).overlap.per_unit if profile else []
+            res[name] = {**_outcome(out / name, rank), "losses": losses, "mesh": run.ranks[rank].config.mesh,
+                         "other": sorted({r.phase or "loop" for r in rows if r.unit == "(other)" and r.rank == rank})}
             return res[name]["findings"]
         res[name] = {"losses": losses}
         return {}

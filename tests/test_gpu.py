@@ -166,3 +166,27 @@ def test_scenario_matrix_gpu_rows(tmp_path):
     known = {name for name in M.KNOWN_WRONG if name in outcomes}
     assert set(bad) - known == set(), bad
     assert known <= set(bad), f"fixed, remove from KNOWN_WRONG: {sorted(known - set(bad))}"
+
+
+def test_tensor_parallel_collectives_on_nccl(tmp_path):
+    """Tensor parallelism beside FSDP on NCCL (4 ranks on the GPUs there are, sharing one through NCCL_HOSTID): an
+    HF Llama split by torch's parallelize_module on a ("dp", "tp") mesh of 2 x 2 and fully sharded as one unit
+    (tests/recorder_cases.py tp_fixes), with a profiler window. The trace puts the collectives no FSDP unit issued
+    inside the model ("model": tensor parallelism's), never reads them as the loop's (optim.step_comm), and the
+    verdict counts them as model-parallel; wrap.too_coarse's fix, pasted with the user's mesh["dp"], removes the
+    finding and stays under its predicted peak."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_clients import _launch
+
+    results, _ = _launch("tp_fixes", 4, tmp_path / "tp", script="recorder_cases.py", device="cuda", timeout_s=400)
+    for res in results:
+        before = res["coarse"]
+        assert before["mesh"] == {"dp": 2, "tp": 2}, before["mesh"]
+        assert "model" in before["other"], before["other"]
+        assert "optim.step_comm" not in before["findings"], before["findings"].keys()
+        f = before["findings"]["wrap.too_coarse"]
+        assert f["inputs"] == {"mesh": "the mesh your fully_shard calls pass: ['dp'] of your dp 2 × tp 2 mesh"}
+        after = res["coarse_fixed"]
+        assert "wrap.too_coarse" not in after["findings"], after["findings"].keys()
+        assert after["peak"] <= f["predicted"]["peak_bytes_after"], (after["peak"], f["predicted"])
+        assert res["unwatched"]["losses"] == pytest.approx(before["losses"], rel=1e-5)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ..records import ALLOC_CONF_VARS
+from ..units import fmt_mesh
 
 ROOT = "model"
 #: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
@@ -659,17 +660,12 @@ def fsdp_submesh(config) -> str:
     return f"[{dims[0]!r}]" if len(dims) == 1 else f"[{tuple(dims)!r}]"
 
 
-def mesh_fact(config) -> str:
-    """"fsdp 2 × tp 2": RunConfig.mesh in words."""
-    return " × ".join(f"{k} {v}" for k, v in config.mesh.items())
-
-
 def mesh_input(config) -> str:
     """Where the run's parameters' mesh has model-parallel dims beside FSDP's (RunConfig.mesh: tensor parallelism),
     what a fix using ``mesh`` reads from the user's code (``Recommendation.inputs``): their FSDP mesh; "" otherwise."""
     if config is None or not getattr(config, "mesh", None):
         return ""
-    return f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your {mesh_fact(config)} mesh"
+    return f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your {fmt_mesh(config.mesh)} mesh"
 
 
 #: optim.step_comm's fix for a per-parameter gradient-norm log (full_tensor() per parameter: a collective each, every

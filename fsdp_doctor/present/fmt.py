@@ -12,8 +12,8 @@ import statistics
 from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier, Report,
                                RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank, ThroughputSection,
                                UnitRow, Verdict, VerdictEntry)
-from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us,  # noqa: F401  (re-exported)
-                     fmt_value, printable, unit_label)
+from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
+                     fmt_us, fmt_value, printable, unit_label)
 
 
 def printable_report(report: Report) -> Report:
@@ -72,10 +72,9 @@ def run_facts(run: RunFacts) -> list[str]:
     if r is None:
         return facts
     if r.world_size:
-        facts.append(f"{r.world_size} ranks" + (" (" + " × ".join(f"{k} {v}" for k, v in r.mesh.items()) + ")"
-                                                if r.mesh else ""))
+        facts.append(f"{r.world_size} ranks" + (f" ({fmt_mesh(r.mesh)})" if r.mesh else ""))
     if r.units:
-        facts.append(f"{r.units} FSDP units")
+        facts.append(f"{r.units} FSDP unit{'s' if r.units != 1 else ''}")
     if r.model_param_count:
         facts.append(params_fact(r) + " params")
     if moe := experts_fact(r):
