@@ -132,6 +132,9 @@ class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
     # experts each token is routed to, of num_experts per layer; None: not readable, or not the same in every layer
     top_k: int | None = None
     num_experts: int | None = None
+    # the experts' parameters' device mesh (dim -> size) where it is not the other parameters' (expert parallelism:
+    # torchtitan's efsdp x ep); {}: the same mesh, or not read
+    mesh: dict[str, int] = {}
 
     def share(self) -> float:
         """The share of the expert parameters one token runs: top_k / num_experts (1: unknown, every expert)."""

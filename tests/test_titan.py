@@ -211,10 +211,33 @@ def test_titan_tensor_parallel_beside_fsdp(tmp_path_factory):
         # each, replicated over tp) whole
         count, gathered = m["units"]["layers.0"][:2]
         assert gathered == 4 * (count - 128) // 2 + 4 * 128, m["units"]["layers.0"]
-        assert set(m["other"]) == {"model", "grad_norm"} and m["other"]["model"] >= 40, m["other"]
+        assert m["experts_mesh"] is None and set(m["other"]) == {"model all_gather", "model reduce_scatter",
+                                                                 "model all_reduce", "grad_norm all_reduce"}, m
+        assert sum(n for k, n in m["other"].items() if k.startswith("model")) >= 40, m["other"]
         assert m["shares"]["model_comm"] > 5 and m["shares"]["other_comm"] < m["shares"]["model_comm"], m["shares"]
         before, after, f = fixed_pair(r, "zero2", "reshard.zero2_affordable", "torchtitan", "torchtitan")
         assert "--parallelism.fsdp-reshard-after-forward never" in f["code"], f["code"]
         assert "optim.step_comm" not in before["findings"] and "comm.bound" not in before["findings"]
         assert "tensor parallelism" in before["quiet"]["optim.step_comm"], before["quiet"]["optim.step_comm"]
+
+
+@pytest.mark.slow
+def test_titan_expert_parallel_beside_fsdp(tmp_path_factory):
+    """torchtitan's expert parallelism beside FSDP (its Qwen3 MoE, 2 ranks: the routed experts split over ep 2 on a
+    mesh of their own, efsdp 1 x ep 2; the rest fully sharded over fsdp 2). The run records the experts' mesh (the
+    header: "MoE: top-2 of 8 experts (efsdp 1 × ep 2)") and no tensor-parallel mesh; each unit's elements are the
+    model's and its gathered bytes what FSDP gathers (the experts' ep shard, not gathered: efsdp is 1), as the
+    DTensor parameters' placements say. The experts' all-to-alls are the model's collectives (before: the loop's,
+    10 per step outside FSDP's own). reshard.zero2_affordable's command line removes it at the predicted peak."""
+    res = _case(tmp_path_factory, "titan_ep")
+    for r in res:
+        m = r["model"]
+        assert (m["mesh"], m["experts_mesh"], m["unavailable"]) == ({}, {"efsdp": 1, "ep": 2}, []), m
+        assert "MoE: top-2 of 8 experts (efsdp 1 × ep 2)" in m["header"], m["header"]
+        assert sum(u[0] for u in m["units"].values()) == m["model_params"], m
+        for name, (count, gathered, shard, own) in m["units"].items():
+            assert [count, gathered] == m["want"][name], (name, m["units"][name], m["want"][name])
+        assert m["other"] == {"model all_to_all": 10, "grad_norm all_reduce": 2}, m["other"]
+        before, _, f = fixed_pair(r, "zero2", "reshard.zero2_affordable", "torchtitan", "torchtitan")
+        assert "optim.step_comm" not in before["findings"]
 

@@ -25,6 +25,7 @@ Cases:
   titan_moe    its Qwen3 mixture of experts: the experts the run records.
   titan_tp     its tensor parallelism beside FSDP (4 ranks: fsdp 2 x tp 2): the mesh and units the run records, the
                trace's phases, reshard.zero2_affordable's command line rerun.
+  titan_ep     the same for its expert parallelism (its Qwen3 MoE's experts over ep 2, 2 ranks).
 
 Usage: python tests/titan_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -192,7 +193,8 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
 
     opt = config.optimizer.build(model_parts=[model])
     rank = dist.get_rank()
-    batch_mesh = ParallelDims.from_config(config.parallelism, dist.get_world_size()).get_mesh("batch")
+    dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
+    batch_mesh = dims.get_mesh("batch")
     model._get_fsdp_state()._lazy_init()  # (FSDP's own state-dict hooks, which its first forward registers)
     def hooks():  # the container's and those of the optimizers inside it
         return {**hook_state(model, opt), **{f"inner optimizer {i}": hook_state(model, o)["optimizer"]
@@ -217,7 +219,9 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
             loss = cross_entropy_loss(pred, tok[:, 1:]) / tokens
             del pred  # (as torchtitan's train step: the logits do not outlive the loss)
             loss.backward()
-            clip_grad_norm_([p for p in model.parameters()], 1.0)
+            # as its Trainer clips: foreach, the experts' norms reduced apart under expert parallelism
+            clip_grad_norm_([p for p in model.parameters()], config.training.max_norm, foreach=True,
+                            ep_enabled=dims.ep_enabled)
             opt.step()
             if doc is not None:
                 doc.step()
@@ -332,37 +336,49 @@ TP_ARGS = ["--parallelism.tensor-parallel-degree", "2"]
 
 
 def run_titan_tp(out: Path) -> dict:
-    """torchtitan's tensor parallelism beside FSDP (fsdp 2 x tp 2 on 4 ranks), 8 steps of its loop with a profiler
-    window (steps 5-6), under its default resharding and an ample budget, rerun with reshard.zero2_affordable's
-    command line: what the run records of the mesh and of each unit (against the DTensor parameters' own
-    placements), where the trace puts tensor parallelism's collectives, and the fix pair."""
+    """torchtitan's tensor parallelism beside FSDP (fsdp 2 x tp 2 on 4 ranks): _model_parallel_pair."""
+    return _model_parallel_pair(out, TP_ARGS)
+
+
+def run_titan_ep(out: Path) -> dict:
+    """torchtitan's expert parallelism beside FSDP (its Qwen3 MoE's experts over ep 2 on 2 ranks, the rest
+    fully sharded over fsdp 2): _model_parallel_pair."""
+    return _model_parallel_pair(out, ["--parallelism.expert-parallel-degree", "2"], qwen3_moe)
+
+
+def _model_parallel_pair(out: Path, parallel_args: list[str], model=None) -> dict:
+    """torchtitan's model parallelism beside FSDP (``parallel_args``; ``model``: its config's builder, the llama by
+    default), 8 steps of its loop with a profiler window (steps 5-6), under its default resharding and an ample
+    budget, rerun with reshard.zero2_affordable's command line: what the run records of the mesh and of each unit
+    (against the DTensor parameters' own placements), where the trace puts the model's collectives, and the fix
+    pair."""
     _cpu()
     rank = dist.get_rank()
     res = {}
     first = fsdp_doctor.ProfileSchedule(first=5)
 
     def run(name, fix=None, capacity=8 << 30, args=("activation-checkpoint:none",)):
-        args = TP_ARGS + list(args)
+        args = parallel_args + list(args)
         if fix:
             args = with_fix(args, fix)
         res[f"{name}_args"] = args
         config = job_config(args)
-        model = build(config, 64, 32)
-        train(model, config, 32, out / name, steps=8, token_count=False, capacity_bytes=capacity, profile=first)
+        built = build(config, 64, 32, model() if model else None)
+        train(built, config, 32, out / name, steps=8, token_count=False, capacity_bytes=capacity, profile=first)
         dist.barrier()
         res[name] = _outcome(out / name, rank)
         if name == "zero2":
-            res["model"] = _tp_model(model, out / name, rank)
+            res["model"] = _parallel_model(built, out / name, rank)
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("zero2", "reshard.zero2_affordable", {})])
 
 
-def _tp_model(model, path: Path, rank: int) -> dict:
-    """What the run recorded of a tensor-parallel model beside what its parameters say: per unit, the elements
-    (global) and the bytes FSDP gathers, from each DTensor's placements (its tensor-parallel shard: the global size
-    over the model-parallel dims it is sharded on); the trace's collectives no FSDP unit issued, by phase; the
-    verdict's parts."""
+def _parallel_model(model, path: Path, rank: int) -> dict:
+    """What the run recorded of a model parallel beside FSDP, beside what its parameters say: per unit, the elements
+    (global) and the bytes FSDP gathers, from each DTensor's placements (its model-parallel shard: the global size
+    over the dims after FSDP's it is sharded on); the experts' mesh; the trace's collectives no FSDP unit issued, by
+    phase; the verdict's parts."""
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_doctor.present.fmt import run_facts
@@ -383,7 +399,7 @@ def _tp_model(model, path: Path, rank: int) -> dict:
                 mesh, places = p.device_mesh, p.placements
                 tp = 1
                 for i, pl in enumerate(places):
-                    if i >= cfg.fsdp_dims and pl.is_shard():
+                    if i >= (cfg.fsdp_dims or 1) and pl.is_shard():
                         tp *= mesh.size(i)
                 count += p.numel()
                 gathered += p.numel() // tp * p.element_size()
@@ -393,15 +409,17 @@ def _tp_model(model, path: Path, rank: int) -> dict:
     other = {}
     for r in rep.overlap.per_unit:
         if r.unit == "(other)" and r.rank == rank:
-            other[r.phase or "loop"] = other.get(r.phase or "loop", 0) + r.count
+            key = f"{r.phase or 'loop'} {r.collective}"
+            other[key] = other.get(key, 0) + r.count
     return {"mesh": cfg.mesh, "fsdp_dims": cfg.fsdp_dims, "unavailable": cfg.unavailable,
+            "experts_mesh": cfg.experts.mesh if cfg.experts else None,
             "model_params": cfg.model_param_count,
             "units": {u.name: [u.param_count, u.unsharded_bytes, u.shard_size, sum(u.own_bytes)] for u in cfg.units},
             "want": want, "other": other, "shares": dict(rep.verdict.job.shares_pct), "header": run_facts(rep.run)}
 
 
 CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default,
-         "titan_moe": run_titan_moe, "titan_tp": run_titan_tp}
+         "titan_moe": run_titan_moe, "titan_tp": run_titan_tp, "titan_ep": run_titan_ep}
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ def params_fact(r: RunFacts) -> str:
 def experts_fact(r: RunFacts) -> str:
     """"top-2 of 4 experts" for a mixture of experts whose routing was read ("" otherwise)."""
     ex = r.experts or None
-    return f"top-{ex.top_k} of {ex.num_experts} experts" if ex and ex.top_k and ex.num_experts else ""
+    return (f"top-{ex.top_k} of {ex.num_experts} experts" + (f" ({fmt_mesh(ex.mesh)})" if ex.mesh else "")
+            if ex and ex.top_k and ex.num_experts else "")
 
 
 def optimizer_fact(r: RunFacts) -> str:

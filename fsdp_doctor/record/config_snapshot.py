@@ -85,19 +85,21 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
 
 def parallel_mesh(units: list[Unit]) -> dict:
-    """RunConfig.mesh and fsdp_dims: the mesh of the first unit parameter whose mesh has dims beyond its unit's FSDP
-    mesh (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp"); {} when none has."""
-    for u in units:
-        pgs = F2.param_groups(u.state) or []
-        fsdp = getattr(F2.fsdp_mesh(pgs[0]), "ndim", None) if pgs else None
-        for fp in u.params:
-            mesh = getattr(F2.sharded_param(fp), "device_mesh", None)
-            if fsdp is None or mesh is None or mesh.ndim <= fsdp:
-                continue
-            names = mesh.mesh_dim_names or ()
-            return {"mesh": {(names[i] if i < len(names) else None) or f"dim{i}": int(n)
-                             for i, n in enumerate(mesh.shape)}, "fsdp_dims": int(fsdp)}
-    return {}
+    """RunConfig.mesh and fsdp_dims: the mesh of the dense parameters (those of the param groups with the largest
+    FSDP mesh: a mixture of experts' experts under expert parallelism have their own, smaller one; Experts.mesh)
+    where it has dims beyond FSDP's (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp");
+    {} when it has none."""
+    groups = [(fps, fsdp) for u in units for pg in F2.param_groups(u.state) or []
+              if (fsdp := F2.fsdp_mesh(pg)) is not None and (fps := F2.group_params(pg))]
+    if not groups:
+        return {}
+    fps, fsdp = max(groups, key=lambda g: g[1].size())  # (the first of the largest)
+    mesh = getattr(F2.sharded_param(fps[0]), "device_mesh", None)
+    if mesh is None or mesh.ndim <= fsdp.ndim:
+        return {}
+    names = mesh.mesh_dim_names or ()
+    return {"mesh": {(names[i] if i < len(names) else None) or f"dim{i}": int(n) for i, n in enumerate(mesh.shape)},
+            "fsdp_dims": int(fsdp.ndim)}
 
 
 def alloc_conf(dev: torch.device) -> dict[str, str]:
@@ -117,15 +119,22 @@ def _param_counts(model: nn.Module) -> dict:
     expert_ids, top_k, num_experts = _experts(model)
     total = trainable = path = 0
     ex = [0, 0, 0]  # the experts': every one, trainable, from the first trainable parameter on
+    meshes = {}  # the experts' and the others' parameter meshes (dim -> size), the first of each seen
     for p in model.parameters():
         n, on_path = p.numel(), bool(p.requires_grad or path)
         total += n
         path += n * on_path
         trainable += n * p.requires_grad
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            meshes.setdefault(id(p) in expert_ids, dict(zip(mesh.mesh_dim_names or (), map(int, mesh.shape))))
         if id(p) in expert_ids:
             ex = [ex[0] + n, ex[1] + n * p.requires_grad, ex[2] + n * on_path]
+    # expert parallelism: the experts on a mesh of their own (torchtitan's efsdp x ep)
+    own = meshes.get(True) or {}
     experts = Experts(param_count=ex[0], trainable_param_count=ex[1], grad_path_param_count=ex[2], top_k=top_k,
-                      num_experts=num_experts) if expert_ids else None
+                      num_experts=num_experts,
+                      mesh=own if own and own != meshes.get(False) else {}) if expert_ids else None
     return {"model_param_count": total, "model_trainable_param_count": trainable,
             "model_grad_path_param_count": path, "experts": experts}
 
