@@ -241,3 +241,25 @@ def test_titan_expert_parallel_beside_fsdp(tmp_path_factory):
         before, _, f = fixed_pair(r, "zero2", "reshard.zero2_affordable", "torchtitan", "torchtitan")
         assert "optim.step_comm" not in before["findings"]
 
+
+@pytest.mark.slow
+def test_titan_hsdp_beside_tensor_parallel(tmp_path_factory):
+    """HSDP beside tensor parallelism (torchtitan's dp_replicate 2 x fsdp 1 x tp 2, 4 ranks): the run records the
+    3-D mesh, FSDP's two dims of it (a fix's mesh is mesh[("dp_replicate", "fsdp")] of it), each unit as its
+    parameters' placements say and sharded over one rank (its all-gathers local copies: reshard.zero2_affordable
+    and prefetch.sync_unshard are skipped, saying why; before, the second warned that the host blocks in every
+    all-gather). The replicas' gradient all-reduce is FSDP's (the verdict's reduce-scatter part), tensor
+    parallelism's collectives the model's."""
+    res = _case(tmp_path_factory, "titan_hsdp_tp", world=4)
+    for r in res:
+        m = r["model"]
+        assert (m["mesh"], m["fsdp_dims"]) == ({"dp_replicate": 2, "fsdp": 1, "tp": 2}, 2), m
+        assert m["mesh_input"] == ("the mesh your fully_shard calls pass: [('dp_replicate', 'fsdp')] of your "
+                                   "dp_replicate 2 × fsdp 1 × tp 2 mesh"), m["mesh_input"]
+        for name, (count, gathered, shard, own) in m["units"].items():
+            assert [count, gathered] == m["want"][name] and shard in (None, 1), (name, m["units"][name])
+        assert "zero2_fixed" not in r and not {"reshard.zero2_affordable", "prefetch.sync_unshard"} & set(
+            r["zero2"]["findings"]), r["zero2"]["findings"].keys()
+        assert m["shares"]["reducescatter"] > 0 and m["shares"]["other_comm"] < 3, m["shares"]
+        assert {k.split()[0] for k in m["other"]} == {"model", "grad_norm"}, m["other"]
+

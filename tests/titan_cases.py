@@ -26,6 +26,7 @@ Cases:
   titan_tp     its tensor parallelism beside FSDP (4 ranks: fsdp 2 x tp 2): the mesh and units the run records, the
                trace's phases, reshard.zero2_affordable's command line rerun.
   titan_ep     the same for its expert parallelism (its Qwen3 MoE's experts over ep 2, 2 ranks).
+  titan_hsdp_tp  the same for HSDP beside tensor parallelism (dp_replicate 2 x fsdp 1 x tp 2, 4 ranks).
 
 Usage: python tests/titan_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import msgspec
 
 import fsdp_doctor
+from fsdp_doctor.diagnose import snippets as S
 from recorder_cases import _each_fixed, _outcome, diff, hook_state, same_tensors
 
 STEPS = 5
@@ -340,6 +342,13 @@ def run_titan_tp(out: Path) -> dict:
     return _model_parallel_pair(out, TP_ARGS)
 
 
+def run_titan_hsdp_tp(out: Path) -> dict:
+    """HSDP and tensor parallelism (dp_replicate 2 x fsdp 1 x tp 2 on 4 ranks: each shard group one rank):
+    _model_parallel_pair, whose fix does not come (no all-gather to keep)."""
+    return _model_parallel_pair(out, ["--parallelism.data-parallel-replicate-degree", "2",
+                                      "--parallelism.data-parallel-shard-degree", "1", *TP_ARGS])
+
+
 def run_titan_ep(out: Path) -> dict:
     """torchtitan's expert parallelism beside FSDP (its Qwen3 MoE's experts over ep 2 on 2 ranks, the rest
     fully sharded over fsdp 2): _model_parallel_pair."""
@@ -413,13 +422,15 @@ def _parallel_model(model, path: Path, rank: int) -> dict:
             other[key] = other.get(key, 0) + r.count
     return {"mesh": cfg.mesh, "fsdp_dims": cfg.fsdp_dims, "unavailable": cfg.unavailable,
             "experts_mesh": cfg.experts.mesh if cfg.experts else None,
+            "mesh_input": S.mesh_input(cfg),
             "model_params": cfg.model_param_count,
             "units": {u.name: [u.param_count, u.unsharded_bytes, u.shard_size, sum(u.own_bytes)] for u in cfg.units},
             "want": want, "other": other, "shares": dict(rep.verdict.job.shares_pct), "header": run_facts(rep.run)}
 
 
 CASES = {"titan": run_titan, "titan_fixes": run_titan_fixes, "titan_default": run_titan_default,
-         "titan_moe": run_titan_moe, "titan_tp": run_titan_tp, "titan_ep": run_titan_ep}
+         "titan_moe": run_titan_moe, "titan_tp": run_titan_tp, "titan_ep": run_titan_ep,
+         "titan_hsdp_tp": run_titan_hsdp_tp}
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def _comm_part(c: CollectiveCall) -> str:
         return "model_comm" if c.phase == MODEL_PHASE else "other_comm"
     if c.collective == "all_gather":
         return "allgather_bwd" if c.phase == "backward" else "allgather_fwd"
-    return "reducescatter" if c.collective == "reduce_scatter" else "other_comm"
+    return "reducescatter"  # a unit's gradient reduction: its reduce-scatter, HSDP's all-reduce across replicas
 
 
 def _clip(a: iv.Intervals, w0: float, w1: float) -> iv.Intervals:

@@ -426,7 +426,7 @@ class SyncUnshard(Rule):
     code = "prefetch.sync_unshard"
     name = "Synchronous unshard on gloo"
     description = "On gloo the default synchronous unshard blocks the host inside every all-gather."
-    needs = ("units",)
+    needs = ("units", "sharded")  # (one rank per shard group: its all-gathers are local copies)
     severities = ("warning",)
 
     def match(self, ctx: Context):
@@ -466,7 +466,7 @@ class LastUnitResharded(Rule):
     code = "reshard.last_unit"
     name = "Last unit resharded after forward"
     description = "The last unit of forward is resharded only to be gathered again at once for backward."
-    needs = ("units",)
+    needs = ("units", "sharded")
     severities = ("info", "warning")
 
     def match(self, ctx: Context):

@@ -88,7 +88,7 @@ class Zero2PerUnit(Rule):
     name = "ZeRO-2 vs ZeRO-3 per unit"
     description = ("Units whose backward all-gather costs more time than keeping them gathered costs memory, "
                    "flipped best time saved per byte first while the peak fits the budget.")
-    needs = ("units", "memory")
+    needs = ("units", "memory", "sharded")  # (one rank per shard group: nothing re-gathered in backward)
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
