@@ -146,6 +146,9 @@ class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
 TRAINER_DRIVER = "transformers.Trainer"
 # RunConfig.sharded_by of a model accelerate's prepare() sharded (its FSDP2 plugin; the Trainer's runs too)
 ACCELERATE_SHARDER = "accelerate"
+# RunConfig.sharded_by of a model Hugging Face transformers sharded itself (from_pretrained(...,
+# distributed_config=DistributedConfig(fsdp_size=...)): its fsdp_plan cut the units, by module-name pattern)
+TRANSFORMERS_SHARDER = "transformers"
 # RunConfig.sharded_by of a torchtitan model (its parallelize function sharded it from the job's config, whose
 # settings a fix changes: its command line; RunConfig.sharder_version says which torchtitan)
 TORCHTITAN_SHARDER = "torchtitan"
@@ -315,6 +318,9 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     full_every: int = 1  # current period of full steps
     probe_us: float = 0.0  # the probe's own cost this step (µs)
     probe_pack_us: float = 0.0  # of which in the pack hook (µs)
+    # of which at the step's end, after doctor.step() was called: in the next step's wall (its doctor_ms), not this
+    # one's (µs; 0 in runs recorded before this field)
+    probe_end_us: float = 0.0
 
 
 class StepRecord(Record, tag="step"):

@@ -508,6 +508,7 @@ FIX_PLACES = {
     "trainer": "with your Trainer built, before trainer.train()",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
     "torchtitan": "torchtitan's job config",
+    "transformers": "after from_pretrained(..., distributed_config=...) returns the sharded model",
 }
 #: what a fix's code is, by where it goes, where it is not Python
 FIX_LANGUAGES = {"torchtitan": "command line"}

@@ -696,8 +696,47 @@ def run_tp_fixes(out: Path) -> dict:
     return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])
 
 
+def run_hf_native_fixes(out: Path) -> dict:
+    """transformers' own FSDP2 and tensor parallelism (4 ranks): an HF Llama saved here, loaded with
+    from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)), which shards it by its
+    fsdp_plan (each layer a unit, the embeddings, [norm, lm_head] kept gathered, the root) on its own mesh;
+    watched under an 8 GiB budget (gloo's synchronous unshard: the backward's all-gathers are waits a ZeRO-2 unit
+    saves), then rerun with reshard.zero2_affordable's fix run after from_pretrained, as printed."""
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    path = out / "llama"
+    if rank == 0:
+        torch.manual_seed(0)
+        LlamaForCausalLM(llama_config(width=128)).save_pretrained(path)
+    dist.barrier()
+    res = {}
+
+    def run(name, fix=None, capacity=8 << 30):
+        model = LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))
+        if fix:  # after from_pretrained returns the sharded model
+            exec(compile(fix, "<reshard.zero2_affordable fix>", "exec"), {"model": model})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity, profile=False) as doc:
+            for step in range(6):  # the same batch on the two ranks of a tensor-parallel group
+                g = torch.Generator().manual_seed(1000 * step + rank // 2)
+                tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+                model(input_ids=tok, labels=tok).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                doc.step()
+        dist.barrier()
+        cfg = fsdp_doctor.load_run(out / name).ranks[rank].config
+        res[name] = {**_outcome(out / name, rank), "version": cfg.sharder_version, "mesh": cfg.mesh}
+        return res[name]["findings"]
+
+    return _each_fixed(run, res, [("zero2", "reshard.zero2_affordable", {})])
+
+
 CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes,
-         "tp_fixes": run_tp_fixes,
+         "tp_fixes": run_tp_fixes, "hf_native_fixes": run_hf_native_fixes,
          "accelerate_fixes": run_accelerate_fixes}
 
 

@@ -146,3 +146,28 @@ def test_the_doctors_own_counting_step_is_named_as_the_doctors():
         run.ranks[0] = RankData(rank=0, steps=[step(n, **(slow if n == 2 else {})) for n in range(1, 6)])
         out = {o.step: o for o in find_outliers(run)}
         assert list(out) == [2] and (out[2].cause, out[2].detail) == (cause, detail), out
+
+
+def test_the_probes_step_end_work_counts_once_in_the_next_step():
+    """The probe's work at a step's end (a full step's refresh: probe_end_us) runs after doctor.step() was called:
+    it is in the next step's wall, as that step's doctor_ms, not in this step's. A step slow by its own compute,
+    whose probe spent 10 ms at its end, is "compute +40.0 ms" (before, the 10 ms were taken out of its compute as
+    the doctor's: "+30.0 ms"); the next step holds them as its doctor_ms."""
+    from fsdp_doctor.analyze.steps import find_outliers
+    from fsdp_doctor.records import MemoryStep, StepRecord
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(n, *, extra=0.0, end_ms=0.0, doctor=0.4):
+        fwd, bwd = 32.0 + extra, 54.0
+        return StepRecord(rank=0, step=n, start_ns=n, wall_ms=fwd + bwd + 11.0 + 1.5 + doctor, forward_ms=fwd,
+                          backward_ms=bwd, optimizer_ms=11.0, outside_ms=1.5, doctor_ms=doctor,
+                          memory=MemoryStep(probe_us=(0.2 + end_ms) * 1e3, probe_end_us=end_ms * 1e3))
+
+    steps = [step(n) for n in range(1, 9)]
+    steps[3] = step(4, extra=40.0, end_ms=10.0)  # slow compute; its probe's step-end work: 10 ms
+    steps[4] = step(5, doctor=10.4)  # which the next step's wall holds, as its doctor_ms
+    run = Run(path="constructed")
+    run.ranks[0] = RankData(rank=0, steps=steps)
+    out = {o.step: o for o in find_outliers(run)}
+    assert (out[4].cause, out[4].detail) == ("compute", "compute +40.0 ms in forward/backward/optimizer (of +40.0 ms)")

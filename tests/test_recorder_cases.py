@@ -5,6 +5,7 @@ accelerate's optimizer wrapper; micro-batches; model vs hardware FLOPs under HF 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import re
 
@@ -143,7 +144,8 @@ def test_hf_trainer_callback_records_without_changing_training(trainer_run):
 def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
     """The Trainer's run read back: the evaluation steps are left out of the step statistics and named in the
     report; no data-wait, straggler or accumulation finding (the Trainer syncs the last micro-batch only) and no
-    outlier blamed on another rank."""
+    outlier blamed on another rank, but for the step after an evaluation, where rank 0 alone logs its metrics
+    (under full-suite load it once made rank 1 wait 32.8 ms at step 7: a true late rank)."""
     from fsdp_doctor import build_report, load_run
 
     report = build_report(load_run(trainer_run[2] / "trainer"))
@@ -152,7 +154,8 @@ def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
     for r, ng in report.steps.no_grad.items():
         assert ng.steps == [3, 6] and ng.forwards == 4 and ng.excluded, (r, ng)
     assert all(o.step not in (3, 6) for o in report.steps.outliers), report.steps.outliers
-    assert all(o.cause != "late_rank" for o in report.steps.outliers), report.steps.outliers
+    assert all(o.cause != "late_rank" or (o.step in (4, 7) and "waiting for rank 0 " in o.detail)
+               for o in report.steps.outliers), report.steps.outliers
 
 
 def test_hf_trainer_data_wait_fix_sets_the_trainers_dataloader_arguments(trainer_run):
@@ -318,3 +321,18 @@ def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):
                                                                               f["code"], re.M), f["code"]
         assert after["peak"] <= f["predicted"]["peak_bytes_after"], (after["peak"], f["predicted"])
 
+
+
+@pytest.mark.slow
+def test_transformers_own_sharding_fix_runs_after_from_pretrained(tmp_path_factory):
+    """A model transformers sharded itself (from_pretrained with DistributedConfig(tp_size=2, fsdp_size=2), 4 ranks;
+    its fsdp_plan cut the units): the run says so (sharded_by "transformers", its version) and records its
+    fsdp x tp mesh. reshard.zero2_affordable's fix goes after from_pretrained returns the sharded model (not
+    "after your fully_shard calls", which such a user has none of), says what its fsdp_plan can do instead (every
+    layer or none), and run there as printed removes the finding at the predicted peak."""
+    for res in _fix_case(tmp_path_factory, "hf_native_fixes", world=4):
+        before, after, f = fixed_pair(res, "zero2", "reshard.zero2_affordable", "transformers", "transformers")
+        assert before["version"] == importlib.metadata.version("transformers"), before["version"]
+        assert before["mesh"] == after["mesh"] == {"fsdp": 2, "tp": 2}, before["mesh"]
+        assert "fully_shard call" not in f["code"] and "fsdp_plan" in f["code"], f["code"]
+        assert all(g["where"] != "sharded" for g in before["findings"].values()), before["findings"]

@@ -193,9 +193,11 @@ class _Base:
 
 
 def probe_ms(s: StepRecord) -> float:
-    """The memory probe's own cost in the step (ms): its marks inside the forward and backward, and on a step
-    whose memory was counted op by op (the high-water's dispatch mode: steps 0-2, and every so often), each op's."""
-    return s.memory.probe_us / 1e3 if s.memory is not None else 0.0
+    """The memory probe's own cost in the step's wall (ms): its marks inside the forward and backward, and on a step
+    whose memory was counted op by op (the high-water's dispatch mode: steps 0-2, and every so often), each op's;
+    not its work at the step's end, which the next step's doctor_ms holds."""
+    m = s.memory
+    return max(0.0, m.probe_us - m.probe_end_us) / 1e3 if m is not None else 0.0
 
 
 def _baseline(steps: list[StepRecord]) -> _Base:

@@ -56,6 +56,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
             statuses.append(cls.status("quiet", rule.why_quiet or NO_REASON))
+    if E.transformers_sharded(ctx):  # its fixes where a user of transformers' own sharding can put them
+        for f in out:
+            S.for_transformers(f.recommendation)
     if E.trainer_driven(ctx):  # its fixes where a Trainer's user can put them
         for f in out:
             S.for_trainer(f.recommendation, f.code)

@@ -16,7 +16,8 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from ..records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, UnitConfig, unit_defaults
+from ..records import (ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER, UnitConfig,
+                       unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
@@ -116,6 +117,11 @@ def plugin_lever(ctx: Context) -> Optional[str]:
     if trainer_driven(ctx):
         return "trainer"
     return "accelerate" if getattr(ctx.config, "sharded_by", None) == ACCELERATE_SHARDER else None
+
+
+def transformers_sharded(ctx: Context) -> bool:
+    """transformers sharded the model itself (from_pretrained with a DistributedConfig): snippets.for_transformers."""
+    return getattr(ctx.config, "sharded_by", None) == TRANSFORMERS_SHARDER
 
 
 def torchtitan_version(ctx: Context) -> Optional[str]:

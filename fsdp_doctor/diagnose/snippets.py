@@ -849,6 +849,33 @@ def titan_says(version: str) -> str:
     return f"torchtitan{' ' + version if version else ''} sharded this model from its job config"
 
 
+#: where a fix of a model transformers sharded itself names the user's fully_shard calls, what it says instead
+_HF_CALLS = (("# or pass reshard_after_forward=False to their fully_shard calls",
+              "# (its DistributedConfig's fsdp_plan keeps every layer gathered or none: 'keep_full_weight')"),
+             ("(or pass reshard_after_forward=False to its fully_shard call)",
+              "(or 'keep_full_weight' for it in its DistributedConfig's fsdp_plan)"))
+#: what a fix that replaces fully_shard calls adds under transformers' own sharding
+HF_SHARDING = (" transformers sharded this model itself, from its DistributedConfig: its fsdp_plan cuts the units, "
+               "by module-name pattern ('free_full_weight': resharded after forward, 'keep_full_weight': kept "
+               "gathered). The code replaces fully_shard calls you do not have: load the model with fsdp_size=1 and "
+               "shard it with this code, or write the plan as fsdp_plan where its patterns can say it.")
+
+
+def for_transformers(rec) -> None:
+    """A fix of a model transformers sharded itself (from_pretrained(..., distributed_config=DistributedConfig(...));
+    ``Recommendation``, changed in place): a fix for the sharded model goes after from_pretrained returns it (its
+    words for fully_shard calls become the plan's); one that replaces fully_shard calls says that transformers'
+    fsdp_plan made them."""
+    if not rec.code:
+        return
+    if rec.where == "sharded":
+        rec.where = "transformers"
+        for mine, theirs in _HF_CALLS:
+            rec.code = rec.code.replace(mine, theirs)
+    elif rec.where in ("unsharded", "around"):
+        rec.text += HF_SHARDING
+
+
 def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer

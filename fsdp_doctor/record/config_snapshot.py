@@ -85,21 +85,23 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
 
 def parallel_mesh(units: list[Unit]) -> dict:
-    """RunConfig.mesh and fsdp_dims: the mesh of the dense parameters (those of the param groups with the largest
+    """RunConfig.mesh and fsdp_dims: the mesh of the first dense parameter (of the param groups with the largest
     FSDP mesh: a mixture of experts' experts under expert parallelism have their own, smaller one; Experts.mesh)
-    where it has dims beyond FSDP's (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp");
-    {} when it has none."""
+    that has dims beyond FSDP's (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp"; a
+    tensor-parallel model's embeddings can have none); {} when none has."""
     groups = [(fps, fsdp) for u in units for pg in F2.param_groups(u.state) or []
               if (fsdp := F2.fsdp_mesh(pg)) is not None and (fps := F2.group_params(pg))]
-    if not groups:
-        return {}
-    fps, fsdp = max(groups, key=lambda g: g[1].size())  # (the first of the largest)
-    mesh = getattr(F2.sharded_param(fps[0]), "device_mesh", None)
-    if mesh is None or mesh.ndim <= fsdp.ndim:
-        return {}
-    names = mesh.mesh_dim_names or ()
-    return {"mesh": {(names[i] if i < len(names) else None) or f"dim{i}": int(n) for i, n in enumerate(mesh.shape)},
-            "fsdp_dims": int(fsdp.ndim)}
+    largest = max((fsdp.size() for _, fsdp in groups), default=0)
+    for fps, fsdp in groups:
+        if fsdp.size() != largest:
+            continue
+        for fp in fps:
+            mesh = getattr(F2.sharded_param(fp), "device_mesh", None)
+            if mesh is not None and mesh.ndim > fsdp.ndim:
+                names = mesh.mesh_dim_names or ()
+                return {"mesh": {(names[i] if i < len(names) else None) or f"dim{i}": int(n)
+                                 for i, n in enumerate(mesh.shape)}, "fsdp_dims": int(fsdp.ndim)}
+    return {}
 
 
 def alloc_conf(dev: torch.device) -> dict[str, str]:

@@ -35,6 +35,7 @@ from .. import __version__
 from ..records import (
     ACCELERATE_SHARDER,
     TORCHTITAN_SHARDER,
+    TRANSFORMERS_SHARDER,
     End,
     Header,
     Manifest,
@@ -387,6 +388,10 @@ class Doctor:
         if cfg.sharded_by is None and any(c.__module__.split(".")[0] == TORCHTITAN_SHARDER
                                           for c in type(self.model).__mro__):
             cfg.sharded_by, cfg.sharder_version = TORCHTITAN_SHARDER, _version(TORCHTITAN_SHARDER)
+        # transformers' own FSDP2 (from_pretrained with a DistributedConfig) marks the model it sharded
+        if cfg.sharded_by is None and getattr(self.model, "_is_fsdp_managed_module", False) and getattr(
+                getattr(self.model, "config", None), "distributed_config", None) is not None:
+            cfg.sharded_by, cfg.sharder_version = TRANSFORMERS_SHARDER, _version(TRANSFORMERS_SHARDER)
         return cfg
 
     def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
@@ -439,7 +444,7 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
 
 def _version(dist_name: str) -> str | None:
     """An installed distribution's version (None where it is not installed as one: a checkout on the path)."""
-    from importlib import metadata  # (only for a torchtitan model)
+    from importlib import metadata  # (only for a model torchtitan or transformers sharded)
 
     try:
         return metadata.version(dist_name)

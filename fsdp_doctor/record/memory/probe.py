@@ -434,11 +434,13 @@ class MemoryProbe:
             else:
                 sizes.refresh_optimizer()
         # marks, step_end and each pack hook are timed; handle releases (run by autograd) are estimated
-        total = self._cost_ns + _now() - t_end + acts.cost_ns() + (hw.cost_ns if self._hw_used else 0)
+        at_end = _now() - t_end
+        total = self._cost_ns + at_end + acts.cost_ns() + (hw.cost_ns if self._hw_used else 0)
         sampler.step_cost(step, full, total, mismatched)
         out.full_every = sampler.every
         out.probe_us = round(total * 1e-3, 1)
         out.probe_pack_us = round(acts.pack_ns * 1e-3, 1)
+        out.probe_end_us = round(at_end * 1e-3, 1)
         self._begin(step + 1)
         return out
 
