@@ -639,7 +639,8 @@ def run_tp_fixes(out: Path) -> dict:
     """Tensor parallelism beside FSDP in a user's own code (4 ranks: a ("dp", "tp") mesh of 2 x 2): an HF Llama whose
     decoder layers torch's parallelize_module splits over mesh["tp"], then fully_shard(model, mesh=mesh["dp"]) alone
     (the whole model one unit), watched; the same run without the doctor (its losses); wrap.too_coarse's fix pasted
-    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "mesh": mesh["dp"]). On CUDA
+    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "mesh": mesh["dp"]); each layer
+    sharded on mesh["dp"] and the root forgotten, wrap.root_not_sharded's fix run after those calls. On CUDA
     (4 NCCL ranks: tests/test_gpu.py) the watched runs take a profiler window (steps 3-4): where the trace puts the
     collectives no FSDP unit issued, by phase."""
     from clients import scenario_device
@@ -654,12 +655,17 @@ def run_tp_fixes(out: Path) -> dict:
     profile = ProfileSchedule(first=3, active=2) if dev.type == "cuda" else False
     rank, res = dist.get_rank(), {}
 
-    def run(name, fix=None, capacity=8 << 30, watched=True):
+    def run(name, fix=None, capacity=8 << 30, watched=True, blocks=False):
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config(width=128, attn_implementation="sdpa")).to(dev)
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], plan)
-        if fix:  # in place of the user's fully_shard calls, with their FSDP mesh
+        if blocks:  # each layer on mesh["dp"], the root forgotten; a fix goes after these calls
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            if fix:
+                exec(compile(fix, "<wrap.root_not_sharded fix>", "exec"), {"model": model})
+        elif fix:  # in place of the user's fully_shard calls, with their FSDP mesh
             exec(compile(fix, "<wrap.too_coarse fix>", "exec"), {"model": model, "mesh": mesh["dp"]})
         else:
             fully_shard(model, mesh=mesh["dp"])
@@ -684,16 +690,17 @@ def run_tp_fixes(out: Path) -> dict:
         if ctx is not None:
             ctx.__exit__(None, None, None)
             dist.barrier()
-            run = fsdp_doctor.load_run(out / name)
-            rows = fsdp_doctor.build_report(run).overlap.per_unit if profile else []
-            res[name] = {**_outcome(out / name, rank), "losses": losses, "mesh": run.ranks[rank].config.mesh,
+            rec = fsdp_doctor.load_run(out / name)
+            rows = fsdp_doctor.build_report(rec).overlap.per_unit if profile else []
+            res[name] = {**_outcome(out / name, rank), "losses": losses, "mesh": rec.ranks[rank].config.mesh,
                          "other": sorted({r.phase or "loop" for r in rows if r.unit == "(other)" and r.rank == rank})}
             return res[name]["findings"]
         res[name] = {"losses": losses}
         return {}
 
     run("unwatched", watched=False)
-    return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])
+    return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {}),
+                                  ("no_root", "wrap.root_not_sharded", {"blocks": True})])
 
 
 def run_hf_native_fixes(out: Path) -> dict:
