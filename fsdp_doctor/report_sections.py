@@ -198,7 +198,9 @@ class StepStats(_Section):
     max_ms: Optional[float] = None
     mean_ms: float | UnsetType = UNSET
     cv: Optional[float] = None  # coefficient of variation (fraction)
-    phases_p50_ms: dict[str, float] | UnsetType = UNSET  # forward, backward, optimizer, outside, gc
+    # forward, backward, optimizer, outside, gc; "between": of outside, the time between optimizer.step() and the
+    # next forward (StepRecord.between_ms), where every step timed it
+    phases_p50_ms: dict[str, float] | UnsetType = UNSET
     gc_ms_total: float | UnsetType = UNSET
     gc_count_total: int | UnsetType = UNSET
     wall_ms_total: float | UnsetType = UNSET

@@ -1208,6 +1208,27 @@ def test_data_wait_leaves_the_grad_norm_logs_collectives_to_step_comm():
     assert run_rule("jitter.data_wait", build(phases=ph, overlap=ov)[0]) == []
 
 
+def test_data_wait_is_the_time_between_the_optimizer_and_the_next_forward():
+    """Time outside the model holds the loss between forward and backward: torchtitan's chunked loss runs the output
+    head and the cross-entropy per chunk there, 16 ms of an 80 ms step, read as "19% of each step is spent outside
+    the model (data loading ...)". Where the records timed the window between optimizer.step() and the next forward
+    (StepRecord.between_ms: 1 ms), that window decides: quiet, saying so; a slow loader there (30 ms) still fires,
+    named for that window."""
+    ph = {"forward": 24.0, "backward": 40.0, "optimizer": 1.0, "outside": 16.0, "gc": 0.0}
+    (f,) = run_rule("jitter.data_wait", build(phases=ph, step_ms=81.0)[0])  # (a run recorded before between_ms)
+    assert "outside the model" in f.title
+    rule_ctx = build(phases={**ph, "between": 1.0}, step_ms=81.0)[0]
+    assert run_rule("jitter.data_wait", rule_ctx) == []
+    from fsdp_doctor.diagnose.rules.jitter import DataWait
+
+    rule = DataWait()
+    rule.match(rule_ctx)
+    assert rule.why_quiet.startswith("time between optimizer.step() and the next forward is at most 1%"), rule.why_quiet
+    (f,) = run_rule("jitter.data_wait", build(phases={**ph, "outside": 46.0, "between": 30.0}, step_ms=111.0)[0])
+    assert f.title.endswith("between optimizer.step() and the next forward (data loading or user code)"), f.title
+    assert f.evidence["outside_ms_p50"] == pytest.approx(30.0) and f.evidence["host_outside_model_ms_p50"] == 46.0
+
+
 def test_gc_needs_a_pattern_not_one_collection():
     """One 200 ms collection in 16 steps of 110 ms is 11% of the time but no pattern: quiet. The same time spread
     over the steps is one."""

@@ -74,6 +74,17 @@ def job_config(args: list[str]):
     return ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", *BASE_ARGS, *args])
 
 
+def plain_loss(config):
+    """The job config with torchtitan's plain cross-entropy loss (its CrossEntropyLoss) in place of the chunked one
+    (llama3_debugmodel's ChunkedLossWrapper): the output head stays in the model's forward. The fix cases run so:
+    the chunked loss runs the head from the loss and sets its reshard_after_forward back to True after its chunks,
+    so a fix that keeps it gathered is undone there every step."""
+    from torchtitan.components.loss import CrossEntropyLoss
+
+    config.loss = CrossEntropyLoss.Config()
+    return config
+
+
 def with_fix(args: list[str], fix: str) -> list[str]:
     """The user's command line with a fix's arguments (its lines that are not comments) in place of the same
     settings (a flag ``--a.b`` and its value; the activation-checkpoint subcommand), as the fix says: flags before
@@ -176,8 +187,9 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
           token_count: bool = True, **watch_kw):
     """torchtitan's training loop, one micro-batch a step (Trainer.train / train_step): its garbage collection
     (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), the job's
-    token count summed over the batch mesh, forward, cross-entropy over the logits summed and divided by it
-    (torchtitan's loss normalisation; with 2 ranks' gradients summed: the mean over the job's tokens), backward,
+    token count summed over the batch mesh, forward, its loss from the job config (llama3_debugmodel's chunked
+    loss: lm_head and the cross-entropy per chunk of the sequence, each chunk's backward through lm_head there;
+    summed and divided by the token count: with 2 ranks' gradients summed, the mean over the job's tokens), backward,
     its gradient clipping (max_norm 1, the norm all-reduced over the DTensor shards), and its optimizer as the
     job ``config`` builds it (its OptimizersContainer around a fused AdamW, what a torchtitan user passes to
     watch()); watched by the doctor into ``out_dir``. Returns the losses, and what differs in the hook state after
@@ -188,12 +200,18 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
     that wait from time outside the model, so a rank falling behind reads as jitter.data_wait now and then)."""
     import gc
 
-    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.components.loss import ChunkedLossWrapper
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_, dist_sum_tensor
     from torchtitan.tools.utils import GarbageCollection
 
     opt = config.optimizer.build(model_parts=[model])
+    # its loss as its Trainer builds it from the job config: llama3_debugmodel's is the chunked loss, which runs
+    # lm_head and the cross-entropy once per chunk of the sequence from the loss, the model skipping its lm_head
+    loss_fn = config.loss.build(compile_config=config.compile)
+    if isinstance(loss_fn, ChunkedLossWrapper):
+        loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = True
     rank = dist.get_rank()
     dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
     batch_mesh = dims.get_mesh("batch")
@@ -218,7 +236,7 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
             tokens = (dist_sum_tensor(torch.tensor(tok[:, 1:].numel()), batch_mesh) if token_count else
                       torch.tensor(tok[:, 1:].numel() * dist.get_world_size()))
             pred = model(tok[:, :-1])
-            loss = cross_entropy_loss(pred, tok[:, 1:]) / tokens
+            loss, _ = loss_fn(pred, tok[:, 1:], tokens)
             del pred  # (as torchtitan's train step: the logits do not outlive the loss)
             loss.backward()
             # as its Trainer clips: foreach, the experts' norms reduced apart under expert parallelism
@@ -237,8 +255,9 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
 
 def run_titan_default(out: Path) -> dict:
     """torchtitan's defaults as its llama3 debug config has them (selective checkpointing, every block resharded
-    but [norm, lm_head]; here fp32 parameters), 30 steps of its loop (a collection every 10 steps) watched with
-    the doctor's defaults: its profiler window included. The report's findings."""
+    but [norm, lm_head], its chunked loss; here fp32 parameters), 30 steps of its loop (a collection every 10 steps)
+    watched with the doctor's defaults: its profiler window included. The report's findings, and the steps' time
+    outside the model and between optimizer.step() and the next forward (medians, ms)."""
     _cpu()
     name = "default"
     config = job_config([])
@@ -246,9 +265,10 @@ def run_titan_default(out: Path) -> dict:
     dist.barrier()
     rank = dist.get_rank()
     rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
+    phases = rep.steps.per_rank[str(rank)].phases_p50_ms
     return {**_outcome(out / name, rank), "other": sorted(  # the collectives no FSDP unit issued, per window
         ([r.collective, r.phase, r.count] for r in rep.overlap.per_unit if r.unit == "(other)" and r.rank == rank),
-        key=str)}
+        key=str), "outside_ms": phases["outside"], "between_ms": phases.get("between")}
 
 
 def run_titan_moe(out: Path) -> dict:
@@ -310,7 +330,7 @@ def run_titan_fixes(out: Path) -> dict:
         if fix:
             args = with_fix(args, fix)
         res[f"{name}_args"] = args
-        config = job_config(args)
+        config = plain_loss(job_config(args))
         train(build(config, width, seq), config, seq, out / name, token_count=False, capacity_bytes=capacity)
         dist.barrier()
         res[name] = _outcome(out / name, rank)
@@ -371,7 +391,7 @@ def _model_parallel_pair(out: Path, parallel_args: list[str], model=None) -> dic
         if fix:
             args = with_fix(args, fix)
         res[f"{name}_args"] = args
-        config = job_config(args)
+        config = plain_loss(job_config(args))
         built = build(config, 64, 32, model() if model else None)
         train(built, config, 32, out / name, steps=8, token_count=False, capacity_bytes=capacity, profile=first)
         dist.barrier()

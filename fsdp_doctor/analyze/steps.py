@@ -75,6 +75,9 @@ def step_stats(steps: list[StepRecord]) -> StepStats:
     if steps:
         out.phases_p50_ms = {k: round(statistics.median([getattr(s, k + "_ms") for s in steps]), 3)
                              for k in ("forward", "backward", "optimizer", "outside", "gc")}
+        between = [s.between_ms for s in steps]
+        if None not in between:  # (of outside: between optimizer.step() and the next forward)
+            out.phases_p50_ms["between"] = round(statistics.median(between), 3)
         out.gc_ms_total = round(sum(s.gc_ms for s in steps), 3)
         out.gc_count_total = sum(s.gc_count for s in steps)
     return out

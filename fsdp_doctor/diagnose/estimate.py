@@ -75,6 +75,21 @@ def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
     return steps[(len(steps) - 1) // 2] if steps else None
 
 
+def calls_beyond_model(ctx: Context, name: str) -> float:
+    """The median forward calls per step of a unit's modules (``name``) beyond those the model's forward passes make
+    (one per module per pass: analyze.steps.forward_passes), over every rank's usable steps: code outside the
+    model's forward called them (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper); 0
+    without step records."""
+    from ..analyze.steps import forward_passes, unit_modules, usable_steps
+
+    cfg = ctx.config
+    modules = unit_modules(cfg.units if cfg is not None else [])
+    extra = [u.fwd_calls - modules.get(name, 1) * forward_passes(s, modules)
+             for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in usable_steps(rd.steps)
+             for u in s.units if u.name == name]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
 def phase_ms(ctx: Context, phase: str) -> Optional[float]:
     """The job's median time in one phase of the step (forward, backward, optimizer, outside, gc), or the
     median over the ranks."""

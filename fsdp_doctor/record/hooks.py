@@ -68,6 +68,9 @@ class StepTimings:
     no_grad_ms: float = 0.0
     no_grad_forwards: int = 0
     autograd_eval_forwards: int = 0  # of no_grad_forwards: in eval mode with autograd on, no backward after
+    # host clock (ns) at the step's first training forward's start and at its last optimizer.step()'s end; 0: none
+    first_forward_ns: int = 0
+    last_optimizer_end_ns: int = 0
 
 
 class _UnitAcc:
@@ -352,6 +355,10 @@ class StepTimer:
             return
         a.fwd += dt
         a.calls += 1
+        if not self._fwd_start and self._units[idx].depth and torch.is_grad_enabled():
+            # a unit the training step ran outside the model's forward: the model's forward all the same
+            # (torchtitan's chunked loss runs lm_head from the loss), not time outside the model
+            self._forward_ns += dt
         if self.gpu is not None:
             self.gpu.close(idx, 0)
         output = args[1] if len(args) > 1 else None
@@ -461,6 +468,8 @@ class StepTimer:
             else:
                 self._eval_open = self._unit_figures()
             self._fwd_start = _now()
+            if not self._first_fwd:
+                self._first_fwd = self._fwd_start
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
@@ -537,7 +546,8 @@ class StepTimer:
 
     def _opt_post(self, optimizer, args, kwargs):
         if self.active and self._opt_start:
-            self._optimizer_ns += _now() - self._opt_start
+            self._opt_end = _now()
+            self._optimizer_ns += self._opt_end - self._opt_start
             self._opt_start = 0
             self.optimizer_steps += 1
             if self.gpu is not None:
@@ -567,6 +577,7 @@ class StepTimer:
         # such forwards no backward has reached yet: (ns, units' deltas, [reached by a backward])
         self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
+        self._first_fwd = self._opt_end = 0
         self._bwd_cb_queued = False
         for a in self._acc.values():
             a.reset()
@@ -584,7 +595,8 @@ class StepTimer:
         return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
-                           autograd_eval_forwards=self._autograd_eval_count)
+                           autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
+                           last_optimizer_end_ns=self._opt_end)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

@@ -321,6 +321,10 @@ class Doctor:
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         own_ms = _ms(self._own_ns)
+        between = None
+        if tm.first_forward_ns and tm.last_optimizer_end_ns and tm.last_optimizer_end_ns <= t_end:
+            between = max(0.0, round(_ms(tm.first_forward_ns - self._step_t0) - own_ms
+                                     + _ms(t_end - tm.last_optimizer_end_ns), 3))
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
@@ -328,7 +332,7 @@ class Doctor:
                                       - own_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
-            autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms,
+            autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
         )
         self._sinks.on_step(rec)
         if done:

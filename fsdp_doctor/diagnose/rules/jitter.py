@@ -88,12 +88,13 @@ def _largest_pause_ms(ctx: Context, rank: int) -> float:
 
 
 def _outside_ms(ctx: Context, rank, st: StepStats, measured: Optional[float] = None) -> float:
-    """A rank's median time outside the model (between optimizer.step() and the next forward; the host's unless
-    ``measured`` gives another clock's) without GC and without the collectives no FSDP unit issued there (a
-    grad-norm log's full_tensor() per parameter, a loss all-reduce): those are optim.step_comm's, from the trace,
-    and their gain is counted there once."""
+    """A rank's median time between optimizer.step() and the next forward (the host's unless ``measured`` gives
+    another clock's; on the host, where the records timed it, else all its time outside the model, which also holds
+    the loss between forward and backward and the code between backward and the optimizer) without GC and without
+    the collectives no FSDP unit issued there (a grad-norm log's full_tensor() per parameter, a loss all-reduce):
+    those are optim.step_comm's, from the trace, and their gain is counted there once."""
     phases = st.phases_p50_ms or {}
-    outside = phases.get("outside", 0.0) if measured is None else measured
+    outside = phases.get("between", phases.get("outside", 0.0)) if measured is None else measured
     return max(0.0, outside - phases.get("gc", 0.0) - E.other_comm_loop_ms(ctx, rank))
 
 
@@ -150,7 +151,9 @@ class DataWait(Rule):
         top = shares[rank]
         if top.share < OUTSIDE_SHARE_MIN:
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
-            return self.quiet(f"time outside the model is at most {100 * top.share:.0f}% of the step (rank {rank}"
+            between = top.clock != CLOCK_HOST or "between" in (steps.per_rank[str(rank)].phases_p50_ms or {})
+            what = "time between optimizer.step() and the next forward" if between else "time outside the model"
+            return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
         ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
@@ -170,6 +173,7 @@ class DataWait(Rule):
         comm = E.other_comm_loop_ms(ctx, rank)
         phases = st.phases_p50_ms or {}
         evidence = {"outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
+                    "host_outside_model_ms_p50": phases.get("outside"),
                     "outside_share_pct": round(100 * sh.share, 1), "clock": sh.clock,
                     "collectives_outside_fsdp_ms": round(comm, 3),  # left to optim.step_comm, not counted here
                     "forward_ms_p50": phases.get("forward"), "backward_ms_p50": phases.get("backward")}
@@ -183,6 +187,8 @@ class DataWait(Rule):
             "warning",
             (f"The device idles {100 * sh.share:.0f}% of each step between optimizer.step() and the next forward "
              "(data loading or user code)" if sh.clock == CLOCK_DEVICE else
+             f"{100 * sh.share:.0f}% of each step is spent between optimizer.step() and the next forward (data "
+             "loading or user code)" if "between" in phases else
              f"{100 * sh.share:.0f}% of each step is spent outside the model (data loading or user code)"),
             evidence,
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "

@@ -473,12 +473,18 @@ class LastUnitResharded(Rule):
         last = E.resharded_last_unit(ctx)
         if last is None:
             return self.quiet("the last unit of forward is kept gathered, or the root computes after it")
+        name = last.name or "(root)"
+        extra = E.calls_beyond_model(ctx, last.name)
+        if extra >= 1:  # its resharding is that code's to set
+            return self.quiet(
+                f"{name!r} is called {extra:.0f} more times per step than the model's forward calls it: code outside "
+                "the model's forward runs it and sets its resharding around those calls (torchtitan's chunked loss "
+                "runs the output head once per chunk, then reshards it and sets reshard_after_forward back to True)")
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         wait = E.ag_wait_ms(last, "backward") if last.has_timing else None
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
         extra = E.gathering_after_forward_bytes(last)  # FSDP2 keeps the sharded parameters meanwhile
-        name = last.name or "(root)"
         code = ("# on the sharded model (or pass reshard_after_forward=False to its fully_shard call)\n"
                 + S.set_on_units([last.name], "set_reshard_after_forward(False)"))
         return [self.finding(
