@@ -91,7 +91,7 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
         *([] if dry else [Step("probe_costs", [PY, bench("gpu_call_costs.py"), "--json", str(out / "probe_costs.json")],
                                60, ["probe_costs.json"])]),
         Step("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs", "-k",
-                       f"not {GPU_ROWS_TEST}", f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 300,
+                       f"not {GPU_ROWS_TEST}", f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240,
              ["gpu_tests.xml"]),
         # the GPU rows (on the dry run: shrunk, on gloo, their rules quiet: the plumbing only)
         Step("scenarios_gpu", [PY, bench("scenarios.py"), "--device", device, "--rows", "gpu", "--markdown",

@@ -349,6 +349,8 @@ class OverlapRank(_Section):
     # of that, the first calls' own time (their wait for the other ranks, which the step keeps without them)
     loop_comm_ms_per_step: Optional[float] = None
     loop_comm_wait_ms_per_step: Optional[float] = None
+    # of loop_comm_ms_per_step, that between optimizer.step() and the next forward (where data loading is)
+    between_comm_ms_per_step: Optional[float] = None
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

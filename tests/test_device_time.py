@@ -275,8 +275,8 @@ def test_runs_recorded_before_the_brackets_fall_back_to_a_bound(tmp_path):
     assert status.status == "quiet" and "jitter.data_wait" not in {f.code for f in report.findings}
     assert "bound it at 21% of the step (rank 0)" in status.reason and "record again" in status.reason
     exact_status = next(s for s in exact.rules if s.code == "jitter.data_wait")
-    assert exact_status.reason == ("time outside the model is at most 4% of the step (rank 0, device clock; "
-                                   "fires from 15%)")
+    assert exact_status.reason == ("time between optimizer.step() and the next forward is at most 4% of the step "
+                                   "(rank 0, device clock; fires from 15%)")
 
 
 @recorded
@@ -376,7 +376,8 @@ def test_a_recorded_sync_per_step_is_not_data_wait_on_the_device_clock():
     run, report = _report("sync_per_step")
     status = next(s for s in report.rules if s.code == "jitter.data_wait")
     assert status.status == "quiet"
-    assert status.reason == "time outside the model is at most 1% of the step (rank 1, device clock; fires from 15%)"
+    assert status.reason == ("time between optimizer.step() and the next forward is at most 1% of the step (rank 1, "
+                             "device clock; fires from 15%)")
     dev = {r: st.device for r, st in report.steps.per_rank.items()}
     assert {r: (d.count, d.idle_source) for r, d in dev.items()} == {"0": (9, IDLE_MEASURED), "1": (9, IDLE_MEASURED)}
     assert {r: (d.outside_ms, d.period_ms, d.outside_phases_ms) for r, d in dev.items()} == {

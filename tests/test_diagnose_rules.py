@@ -1213,7 +1213,7 @@ def test_data_wait_is_the_time_between_the_optimizer_and_the_next_forward():
     head and the cross-entropy per chunk there, 16 ms of an 80 ms step, read as "19% of each step is spent outside
     the model (data loading ...)". Where the records timed the window between optimizer.step() and the next forward
     (StepRecord.between_ms: 1 ms), that window decides: quiet, saying so; a slow loader there (30 ms) still fires,
-    named for that window."""
+    named for that window, less only the loop's collectives inside it."""
     ph = {"forward": 24.0, "backward": 40.0, "optimizer": 1.0, "outside": 16.0, "gc": 0.0}
     (f,) = run_rule("jitter.data_wait", build(phases=ph, step_ms=81.0)[0])  # (a run recorded before between_ms)
     assert "outside the model" in f.title
@@ -1227,6 +1227,15 @@ def test_data_wait_is_the_time_between_the_optimizer_and_the_next_forward():
     (f,) = run_rule("jitter.data_wait", build(phases={**ph, "outside": 46.0, "between": 30.0}, step_ms=111.0)[0])
     assert f.title.endswith("between optimizer.step() and the next forward (data loading or user code)"), f.title
     assert f.evidence["outside_ms_p50"] == pytest.approx(30.0) and f.evidence["host_outside_model_ms_p50"] == 46.0
+    # the loop's collectives (the trace's) leave that window only where they are in it: a grad-norm log between
+    # backward and the optimizer (14 ms) is not; a token count's all-reduce before the forward (5 ms of it) is
+    for between_comm, want in ((0.0, 30.0), (5.0, 25.0)):
+        ov = {"per_rank": {r: {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                               "steps": [6, 7], "device": "cpu", "loop_comm_ms_per_step": 14.0,
+                               "between_comm_ms_per_step": between_comm} for r in ("0", "1")}}
+        (f,) = run_rule("jitter.data_wait", build(phases={**ph, "outside": 46.0, "between": 30.0}, step_ms=111.0,
+                                                  overlap=ov)[0])
+        assert f.evidence["outside_ms_p50"] == pytest.approx(want), (between_comm, f.evidence)
 
 
 def test_gc_needs_a_pattern_not_one_collection():

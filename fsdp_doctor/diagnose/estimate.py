@@ -328,6 +328,15 @@ def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]
 OTHER_UNIT = "(other)"
 
 
+def other_comm_between_ms(ctx: Context, rank) -> float:
+    """Of other_comm_loop_ms, the ms per step between optimizer.step() and the next forward (a token count's
+    all-reduce before the forward; not a grad-norm log between backward and the optimizer), where the trace split
+    it; all of it where the trace section has no split (an older report)."""
+    pr = overlap(ctx).per_rank.get(str(rank))
+    split = pr.between_comm_ms_per_step if pr is not None else None
+    return other_comm_loop_ms(ctx, rank) if split is None else split
+
+
 def other_comm_loop_ms(ctx: Context, rank, removable: bool = False) -> float:
     """Ms per step that the loop's code issuing collectives no FSDP unit issued takes on ``rank``, outside
     optimizer.step(): the trace's host time from the first such call's issue to the last one's end

@@ -78,7 +78,7 @@ class _UnitAcc:
 
     __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
                  "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen",
-                 "t_child", "child_fwd")
+                 "t_child", "child_fwd", "loose")
 
     def __init__(self):
         self.reset()
@@ -93,6 +93,7 @@ class _UnitAcc:
         self.recompute_runs = 0
         self.grad_seen = False
         self.t_child = self.child_fwd = 0  # forward time of the unit's functionally checkpointed submodules
+        self.loose = False  # its forward runs outside the model's (StepTimer._loose_open)
 
 
 class StepTimer:
@@ -322,6 +323,14 @@ class StepTimer:
             a.t_outer = _now()
             if self.gpu is not None and not in_backward():
                 self.gpu.open(idx, 0)
+            if not self._fwd_start and self._units[idx].depth and torch.is_grad_enabled():
+                # a unit the training step runs outside the model's forward (torchtitan's chunked loss runs lm_head
+                # from the loss): the model's forward all the same, not time outside the model; the outermost
+                # such unit's time counts (the units it calls are inside it)
+                if not self._loose_open:
+                    self._loose_t0 = a.t_outer
+                self._loose_open += 1
+                a.loose = True
         a.fwd_depth += 1
 
     def _fwd_inner_pre(self, idx, args):
@@ -355,10 +364,11 @@ class StepTimer:
             return
         a.fwd += dt
         a.calls += 1
-        if not self._fwd_start and self._units[idx].depth and torch.is_grad_enabled():
-            # a unit the training step ran outside the model's forward: the model's forward all the same
-            # (torchtitan's chunked loss runs lm_head from the loss), not time outside the model
-            self._forward_ns += dt
+        if a.loose:
+            a.loose = False
+            self._loose_open -= 1
+            if not self._loose_open:
+                self._forward_ns += t - self._loose_t0
         if self.gpu is not None:
             self.gpu.close(idx, 0)
         output = args[1] if len(args) > 1 else None
@@ -578,6 +588,7 @@ class StepTimer:
         self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = 0
+        self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._bwd_cb_queued = False
         for a in self._acc.values():
             a.reset()

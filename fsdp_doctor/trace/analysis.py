@@ -300,6 +300,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.step_times_ms.update({str(n): us / 1e3 for n, us in w.step_us.items()})
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
+        pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
         if w.device == "gpu":
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
@@ -314,7 +315,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
-        for f in ("loop_comm_ms_per_step", "loop_comm_wait_ms_per_step"):
+        for f in ("loop_comm_ms_per_step", "loop_comm_wait_ms_per_step", "between_comm_ms_per_step"):
             setattr(pr, f, getattr(pr, f) / pr.step_count if pr.step_count else None)
         _per_step(pr, sums["breakdown"].get(k))
     rows = []

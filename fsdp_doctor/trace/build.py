@@ -428,8 +428,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
         win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
-    loop, in_model = _outside_model(win, special, sp_ts, sp_end, [(steps[n], step_end[n]) for n in kept_steps],
-                                    optimizer_steps)
+    loop, in_model, between = _outside_model(win, special, sp_ts, sp_end,
+                                             [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
@@ -457,6 +457,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
                 GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
+    win.between_comm_us = _loop_comm_us(win.calls, between)[0]
     return win
 
 
@@ -515,12 +516,14 @@ def _implausible(e) -> None:
 
 
 def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.ndarray,
-                   step_spans: list, optimizer_steps: iv.Intervals) -> tuple[list[tuple[float, float]], iv.Intervals]:
+                   step_spans: list, optimizer_steps: iv.Intervals
+                   ) -> tuple[list[tuple[float, float]], iv.Intervals, list[tuple[float, float]]]:
     """Host time outside the model: data-loader labels, and with FSDP labels, each step's time before its
     root pre-forward and after its last FSDP / optimizer label (``ts``, ``end``: the special events' times).
     Returns the regions of each step outside the model and outside optimizer.step() (``optimizer_steps``: its
-    labels' intervals): the user's loop; and the model's (each step's first root pre-forward to its last FSDP
-    label's end, optimizer.step() left out)."""
+    labels' intervals): the user's loop; the model's (each step's first root pre-forward to its last FSDP
+    label's end, optimizer.step() left out); and of the loop's, those between optimizer.step() and the next forward
+    (the step's start to its first root pre-forward, its last optimizer.step()'s end to its end)."""
     name = np.frombuffer(special.name, dtype=np.int32)
     loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
     starts, ends = ts[loader].tolist(), end[loader].tolist()
@@ -529,6 +532,7 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
     fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[name][model]
     fs, fe = ts[model], end[model]
     loop: list[tuple[float, float]] = []
+    between: list[tuple[float, float]] = []
     models: list[iv.Intervals] = []
     if fs.size and step_spans:
         order = np.argsort(fs, kind="stable")
@@ -547,8 +551,10 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             free = iv.subtract(iv.subtract(iv.union([s0], [s1]), model_span), optimizer_steps)
             loop += list(zip(free[0].tolist(), free[1].tolist()))
             models.append(iv.subtract(model_span, optimizer_steps))
+            opt_ends = optimizer_steps[1][(optimizer_steps[1] > s0) & (optimizer_steps[1] <= s1)]
+            between += [(s0, float(roots.min())), (float(opt_ends.max()) if opt_ends.size else s1, s1)]
     win.outside = iv.union(starts, ends)
-    return loop, iv.union_many(*models) if models else iv.union([], [])
+    return loop, iv.union_many(*models) if models else iv.union([], []), between
 
 
 def _gpu_timeline(win: WindowTrace, ts, te, lts, classified) -> None:

@@ -71,3 +71,6 @@ class WindowTrace:
     # the first calls' (their wait for the other ranks), over the complete steps (build's _loop_comm_us)
     loop_comm_us: float = 0.0
     loop_comm_wait_us: float = 0.0
+    # of loop_comm_us, that between optimizer.step() and the next forward (a step's start to its first root
+    # pre-forward, its last optimizer.step()'s end to its end): where data loading is
+    between_comm_us: float = 0.0

@@ -94,8 +94,10 @@ def _outside_ms(ctx: Context, rank, st: StepStats, measured: Optional[float] = N
     the collectives no FSDP unit issued there (a grad-norm log's full_tensor() per parameter, a loss all-reduce):
     those are optim.step_comm's, from the trace, and their gain is counted there once."""
     phases = st.phases_p50_ms or {}
+    between = measured is not None or "between" in phases  # (the device's figure is that window too)
     outside = phases.get("between", phases.get("outside", 0.0)) if measured is None else measured
-    return max(0.0, outside - phases.get("gc", 0.0) - E.other_comm_loop_ms(ctx, rank))
+    comm = E.other_comm_between_ms(ctx, rank) if between else E.other_comm_loop_ms(ctx, rank)
+    return max(0.0, outside - phases.get("gc", 0.0) - comm)
 
 
 class _Share(NamedTuple):
@@ -170,8 +172,9 @@ class DataWait(Rule):
                 f"{100 * OUTSIDE_SHARE_MIN:.0f}% on the device's own figure; record again to get it)")
         rank = max(decided, key=lambda r: shares[r].share)
         sh, st = shares[rank], steps.per_rank[str(rank)]
-        comm = E.other_comm_loop_ms(ctx, rank)
         phases = st.phases_p50_ms or {}
+        comm = (E.other_comm_between_ms(ctx, rank) if sh.clock == CLOCK_DEVICE or "between" in phases
+                else E.other_comm_loop_ms(ctx, rank))
         evidence = {"outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
                     "host_outside_model_ms_p50": phases.get("outside"),
                     "outside_share_pct": round(100 * sh.share, 1), "clock": sh.clock,
