@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import statistics
 
-from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier, Report,
-                               RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank, ThroughputSection,
-                               UnitRow, Verdict, VerdictEntry)
+from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier,
+                               Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
+                               ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
                      fmt_us, fmt_value, printable, unit_label)
 
@@ -187,7 +187,8 @@ VERDICT_PARTS: dict[str, tuple[str, ...]] = {
     "compute": ("compute", "other_gpu"),
     "comm": Breakdown.COMM_PARTS,
     "AG fwd": ("allgather_fwd",), "AG bwd": ("allgather_bwd",), "RS": ("reducescatter",),
-    "model comm": ("model_comm",), "other comm": ("other_comm",), "offload": ("offload",), "host": ("host", "sync"), "input": ("input",), "idle": ("idle",),
+    "model comm": ("model_comm",), "other comm": ("other_comm",), "offload": ("offload",), "host": ("host", "sync"),
+    "input": ("input",), "idle": ("idle",),
 }
 VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k not in ("model comm", "other comm"))  # the table's columns
 VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's segments (they add up to 100%)

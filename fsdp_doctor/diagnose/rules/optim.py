@@ -155,7 +155,8 @@ class OptimizerStepComm(Rule):
         if all(a.calls == a.norm_calls and a.batched_norm for a in by_rank.values()):
             n = max(a.norm_calls for a in by_rank.values())
             return self.quiet(f"the only collectives outside FSDP's own{besides} reduce a gradient norm ({n:.0f} per "
-                              "step, issued inside a norm operator: clip_grad_norm_'s total norm), which clipping needs")
+                              "step, issued inside a norm operator: clip_grad_norm_'s total norm), which clipping "
+                              "needs")
         rank, worst = max(by_rank.items(), key=lambda kv: kv[1].exposed_ms)
         share = worst.exposed_ms / step
         # decided on the median rank, not the worst one: a single noisy rank near the threshold made the
