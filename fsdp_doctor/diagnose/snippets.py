@@ -849,11 +849,14 @@ def titan_says(version: str) -> str:
     return f"torchtitan{' ' + version if version else ''} sharded this model from its job config"
 
 
-#: where a fix of a model transformers sharded itself names the user's fully_shard calls, what it says instead
-_HF_CALLS = (("# or pass reshard_after_forward=False to their fully_shard calls",
+#: the words of a fix for the sharded model that name the user's fully_shard calls (reshard.zero2_affordable's,
+#: reshard.last_unit's)
+RESHARD_IN_CALLS = "# or pass reshard_after_forward=False to their fully_shard calls"
+RESHARD_IN_CALL = "(or pass reshard_after_forward=False to its fully_shard call)"
+#: what they say instead for a model transformers sharded itself
+_HF_CALLS = ((RESHARD_IN_CALLS,
               "# (its DistributedConfig's fsdp_plan keeps every layer gathered or none: 'keep_full_weight')"),
-             ("(or pass reshard_after_forward=False to its fully_shard call)",
-              "(or 'keep_full_weight' for it in its DistributedConfig's fsdp_plan)"))
+             (RESHARD_IN_CALL, "(or 'keep_full_weight' for it in its DistributedConfig's fsdp_plan)"))
 #: what a fix that replaces fully_shard calls adds under transformers' own sharding
 HF_SHARDING = (" transformers sharded this model itself, from its DistributedConfig: its fsdp_plan cuts the units, "
                "by module-name pattern ('free_full_weight': resharded after forward, 'keep_full_weight': kept "

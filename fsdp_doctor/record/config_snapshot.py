@@ -98,10 +98,15 @@ def parallel_mesh(units: list[Unit]) -> dict:
         for fp in fps:
             mesh = getattr(F2.sharded_param(fp), "device_mesh", None)
             if mesh is not None and mesh.ndim > fsdp.ndim:
-                names = mesh.mesh_dim_names or ()
-                return {"mesh": {(names[i] if i < len(names) else None) or f"dim{i}": int(n)
-                                 for i, n in enumerate(mesh.shape)}, "fsdp_dims": int(fsdp.ndim)}
+                return {"mesh": mesh_dims(mesh), "fsdp_dims": int(fsdp.ndim)}
     return {}
+
+
+def mesh_dims(mesh) -> dict[str, int]:
+    """A device mesh's dims, name -> size in mesh order ("dim<i>" for a dim without a name): RunConfig.mesh,
+    Experts.mesh."""
+    names = mesh.mesh_dim_names or ()
+    return {(names[i] if i < len(names) else None) or f"dim{i}": int(n) for i, n in enumerate(mesh.shape)}
 
 
 def alloc_conf(dev: torch.device) -> dict[str, str]:
@@ -128,8 +133,8 @@ def _param_counts(model: nn.Module) -> dict:
         path += n * on_path
         trainable += n * p.requires_grad
         mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            meshes.setdefault(id(p) in expert_ids, dict(zip(mesh.mesh_dim_names or (), map(int, mesh.shape))))
+        if mesh is not None and (id(p) in expert_ids) not in meshes:
+            meshes[id(p) in expert_ids] = mesh_dims(mesh)
         if id(p) in expert_ids:
             ex = [ex[0] + n, ex[1] + n * p.requires_grad, ex[2] + n * on_path]
     # expert parallelism: the experts on a mesh of their own (torchtitan's efsdp x ep)

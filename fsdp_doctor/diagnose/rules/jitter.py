@@ -87,15 +87,17 @@ def _largest_pause_ms(ctx: Context, rank: int) -> float:
     return max((s.gc_ms for s in usable_steps(rd.steps)), default=0.0) if rd is not None else 0.0
 
 
-def _outside_ms(ctx: Context, rank, st: StepStats, measured: Optional[float] = None) -> float:
-    """A rank's median time between optimizer.step() and the next forward (the host's unless ``measured`` gives
-    another clock's; on the host, where the records timed it, else all its time outside the model, which also holds
-    the loss between forward and backward and the code between backward and the optimizer) without GC and without
-    the collectives no FSDP unit issued there (a grad-norm log's full_tensor() per parameter, a loss all-reduce):
-    those are optim.step_comm's, from the trace, and their gain is counted there once."""
+def _outside_ms(ctx: Context, rank, st: StepStats, measured: Optional[float] = None,
+                between: Optional[bool] = None) -> float:
+    """A rank's median time between optimizer.step() and the next forward: the host's where its records timed that
+    window (``between`` None: where the phases have it), ``measured``, another clock's figure of it (``between``
+    True), else all the host's time outside the model, which also holds the loss between forward and backward and
+    the code between backward and the optimizer; without GC and without the collectives no FSDP unit issued there
+    (a grad-norm log's full_tensor() per parameter, a loss all-reduce): those are optim.step_comm's, from the
+    trace, and their gain is counted there once."""
     phases = st.phases_p50_ms or {}
-    between = measured is not None or "between" in phases  # (the device's figure is that window too)
-    outside = phases.get("between", phases.get("outside", 0.0)) if measured is None else measured
+    between = "between" in phases if between is None else between
+    outside = measured if measured is not None else phases.get("between" if between else "outside", 0.0)
     comm = E.other_comm_between_ms(ctx, rank) if between else E.other_comm_loop_ms(ctx, rank)
     return max(0.0, outside - phases.get("gc", 0.0) - comm)
 
@@ -107,6 +109,9 @@ class _Share(NamedTuple):
     outside_ms: float
     step_ms: float
     clock: str  # CLOCK_HOST | CLOCK_DEVICE | CLOCK_BOUND
+    # the figure is (at most) the time between optimizer.step() and the next forward: the device's, or the host's
+    # where its records timed that window; else the host's time outside the model
+    between: bool
 
 
 CLOCK_HOST = "host"  # the step records' outside_ms: CPU runs, and GPU runs without device times
@@ -124,15 +129,16 @@ def _share(ctx: Context, rank, st: StepStats) -> _Share:
     timed the device (``StepStats.device``) its view decides: the device idling between ``optimizer.step()`` and
     the forward, over the device's period."""
     dev = st.device if st.device is not UNSET else None
+    timed = "between" in (st.phases_p50_ms or {})
     host = _outside_ms(ctx, rank, st)
     if dev is None or not dev.count or not dev.period_ms:
-        return _Share(host / st.p50_ms, host, st.p50_ms, CLOCK_HOST)
+        return _Share(host / st.p50_ms, host, st.p50_ms, CLOCK_HOST, timed)
     if dev.outside_ms is not None:
-        out = _outside_ms(ctx, rank, st, dev.outside_ms)
-        return _Share(out / dev.period_ms, out, dev.period_ms, CLOCK_DEVICE)
+        out = _outside_ms(ctx, rank, st, dev.outside_ms, between=True)
+        return _Share(out / dev.period_ms, out, dev.period_ms, CLOCK_DEVICE, True)
     if dev.outside_phases_ms is not None:  # (None under gradient accumulation: the phases span each other)
-        host = min(host, _outside_ms(ctx, rank, st, dev.outside_phases_ms))
-    return _Share(host / dev.period_ms, host, dev.period_ms, CLOCK_BOUND)
+        host = min(host, _outside_ms(ctx, rank, st, dev.outside_phases_ms, between=True))
+    return _Share(host / dev.period_ms, host, dev.period_ms, CLOCK_BOUND, True)  # (an upper bound on that window)
 
 
 @register
@@ -153,8 +159,7 @@ class DataWait(Rule):
         top = shares[rank]
         if top.share < OUTSIDE_SHARE_MIN:
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
-            between = top.clock != CLOCK_HOST or "between" in (steps.per_rank[str(rank)].phases_p50_ms or {})
-            what = "time between optimizer.step() and the next forward" if between else "time outside the model"
+            what = "time between optimizer.step() and the next forward" if top.between else "time outside the model"
             return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
         ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
@@ -173,8 +178,7 @@ class DataWait(Rule):
         rank = max(decided, key=lambda r: shares[r].share)
         sh, st = shares[rank], steps.per_rank[str(rank)]
         phases = st.phases_p50_ms or {}
-        comm = (E.other_comm_between_ms(ctx, rank) if sh.clock == CLOCK_DEVICE or "between" in phases
-                else E.other_comm_loop_ms(ctx, rank))
+        comm = E.other_comm_between_ms(ctx, rank) if sh.between else E.other_comm_loop_ms(ctx, rank)
         evidence = {"outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
                     "host_outside_model_ms_p50": phases.get("outside"),
                     "outside_share_pct": round(100 * sh.share, 1), "clock": sh.clock,
@@ -191,7 +195,7 @@ class DataWait(Rule):
             (f"The device idles {100 * sh.share:.0f}% of each step between optimizer.step() and the next forward "
              "(data loading or user code)" if sh.clock == CLOCK_DEVICE else
              f"{100 * sh.share:.0f}% of each step is spent between optimizer.step() and the next forward (data "
-             "loading or user code)" if "between" in phases else
+             "loading or user code)" if sh.between else
              f"{100 * sh.share:.0f}% of each step is spent outside the model (data loading or user code)"),
             evidence,
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "

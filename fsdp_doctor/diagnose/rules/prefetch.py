@@ -485,7 +485,7 @@ class LastUnitResharded(Rule):
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
         extra = E.gathering_after_forward_bytes(last)  # FSDP2 keeps the sharded parameters meanwhile
-        code = ("# on the sharded model (or pass reshard_after_forward=False to its fully_shard call)\n"
+        code = (f"# on the sharded model {S.RESHARD_IN_CALL}\n"
                 + S.set_on_units([last.name], "set_reshard_after_forward(False)"))
         return [self.finding(
             sev, f"Last unit {name!r} is resharded after forward and gathered again at once",

@@ -58,7 +58,7 @@ def _median(xs) -> Optional[float]:
 def _unit_fix(us: list[E.Unit]) -> str:
     head = ("# keep these units gathered from forward to backward (ZeRO-2 for them),\n"
             "# best time saved per byte first;\n"
-            "# or pass reshard_after_forward=False to their fully_shard calls\n")
+            f"{S.RESHARD_IN_CALLS}\n")
     return head + S.set_on_units([u.name for u in us], "set_reshard_after_forward(False, recurse=False)",
                                  loop_over=ZERO2_LINES)
 
