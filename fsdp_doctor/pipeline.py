@@ -174,7 +174,7 @@ def is_usable(run: Run, report: Report) -> bool:
 
 # The step records as columns, for the dashboard's step figures (which draw them and compute nothing).
 STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled",
-                "no_grad_ms")
+                "no_grad_ms", "checkpoint_ms")
 
 
 def steps_columns(run: Run) -> dict[int, dict[str, list]]:

@@ -144,6 +144,9 @@ class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):
 # RunConfig.driver of a run a Hugging Face Trainer drove (fsdp_doctor.DoctorCallback): the diagnosis then writes
 # its fixes as Trainer callbacks (diagnose/snippets.for_trainer)
 TRAINER_DRIVER = "transformers.Trainer"
+# RunConfig.driver of a run torchtitan's own Trainer drove (python -m fsdp_doctor.titan): its loop is torchtitan's,
+# so a fix goes on its command line (or a Trainer subclass of the user's), never into a loop the user does not write
+TITAN_DRIVER = "torchtitan.Trainer"
 # RunConfig.sharded_by of a model accelerate's prepare() sharded (its FSDP2 plugin; the Trainer's runs too)
 ACCELERATE_SHARDER = "accelerate"
 # RunConfig.sharded_by of a model Hugging Face transformers sharded itself (from_pretrained(...,
@@ -356,6 +359,10 @@ class StepRecord(Record, tag="step"):
     # loading lies there; the loss between forward and backward, and clipping or logging between backward and the
     # optimizer, do not. None: not timed (no forward or no optimizer step seen; records before this field)
     between_ms: float | None = None
+    # checkpoint saves in the step (``with doctor.checkpointing():`` around them; torchtitan's Trainer's under
+    # python -m fsdp_doctor.titan) and their time, kept out of outside_ms and between_ms
+    checkpoint_ms: float = 0.0
+    checkpoints: int = 0
 
 
 class GpuTimes(Record, tag="gpu"):

@@ -215,7 +215,7 @@ class Outlier(_Section):
     ms: float
     median_ms: float
     excess_ms: float
-    cause: str  # "late_rank" | "gc" | "outside" | "no_grad" | "allgather_wait" | "doctor" | "compute"
+    cause: str  # "late_rank" | "gc" | "outside" | "no_grad" | "checkpoint" | "allgather_wait" | "doctor" | "compute"
     detail: str
 
 
@@ -246,6 +246,18 @@ class NoGradSteps(_Section):
     with_autograd: int = 0
 
 
+class CheckpointSteps(_Section):
+    """One rank's steps that saved a checkpoint (``doctor.checkpointing()``; torchtitan's Trainer's saves under
+    ``python -m fsdp_doctor.titan``), whose save time is kept out of the time outside the model."""
+
+    steps: list[int]
+    saves: int  # in those steps, all together
+    ms_p50: float  # a save step's save time (median)
+    ms_total: float  # every save's time, all together
+    wall_ms_total: float  # the recorded steps' wall time, all together (the saves' share of the run)
+    excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
+
+
 class StepsSection(_Section):
     """``report["steps"]`` (fsdp_doctor.analyze.steps)."""
 
@@ -256,6 +268,7 @@ class StepsSection(_Section):
     # per rank: {"window": steps inside profiled windows, "export": the steps that exported a window}
     profiler_steps: dict[str, dict[str, list[int]]] = {}
     no_grad: dict[str, NoGradSteps] = {}  # per rank that ran any
+    checkpoints: dict[str, CheckpointSteps] = {}  # per rank that saved any
 
 
 # ---------------------------------------------------------------- units (fsdp_doctor.analyze.report.unit_table)
@@ -512,6 +525,7 @@ FIX_PLACES = {
     "trainer": "with your Trainer built, before trainer.train()",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
     "torchtitan": "torchtitan's job config",
+    "titan_registry": "in your torchtitan config_registry function, on the Trainer.Config it returns",
     "transformers": "after from_pretrained(..., distributed_config=...) returns the sharded model",
 }
 #: what a fix's code is, by where it goes, where it is not Python

@@ -4,7 +4,8 @@ tensorboard``). Which tags exist, how a step record or a profiled window becomes
 scalars become one event. Imports neither torch nor a presenter.
 
 Tags (x axis = training step): ``step/wall_ms`` and its split ``step/forward_ms``, ``step/backward_ms``,
-``step/optimizer_ms``, ``step/outside_ms``, ``step/gc_ms``; ``step/no_grad_ms`` (steps that evaluated); ``step/profiled``; ``memory/peak_mib`` and
+``step/optimizer_ms``, ``step/outside_ms``, ``step/gc_ms``; ``step/no_grad_ms`` (steps that evaluated);
+``step/checkpoint_ms`` (steps that saved a checkpoint); ``step/profiled``; ``memory/peak_mib`` and
 ``memory/<category>_mib`` at the step's peak (MiB = 2^20 bytes; a category from its first non-zero value on);
 ``overlap/overlap_pct``, ``overlap/exposed_comm_ms``, ``overlap/comm_ms`` on the steps of each profiled window (the
 report's per-step figures of that window).
@@ -31,6 +32,8 @@ def step_scalars(rec: StepRecord, seen: Optional[set] = None) -> dict[str, float
     out["step/profiled"] = 1.0 if rec.profiled else 0.0
     if rec.no_grad_ms:  # the model's forward passes without gradients (evaluation) in this step
         out["step/no_grad_ms"] = float(rec.no_grad_ms)
+    if rec.checkpoint_ms:  # checkpoint saves in this step
+        out["step/checkpoint_ms"] = float(rec.checkpoint_ms)
     mem = memory_scalars(rec.memory)
     if seen is not None:
         seen.update(t for t, v in mem.items() if v)

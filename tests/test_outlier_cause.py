@@ -171,3 +171,54 @@ def test_the_probes_step_end_work_counts_once_in_the_next_step():
     run.ranks[0] = RankData(rank=0, steps=steps)
     out = {o.step: o for o in find_outliers(run)}
     assert (out[4].cause, out[4].detail) == ("compute", "compute +40.0 ms in forward/backward/optimizer (of +40.0 ms)")
+
+
+def _save_run(save_steps, *, n=12, save_ms=250.0):
+    """Two ranks of 100 ms steps; the steps in ``save_steps`` also saved a checkpoint (``doctor.checkpointing()``)
+    taking ``save_ms``, kept out of their time outside the model by the recorder."""
+    from fsdp_doctor.records import StepRecord
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(rank, k):
+        ck = save_ms if k in save_steps else 0.0
+        return StepRecord(rank=rank, step=k, start_ns=k, wall_ms=100.0 + ck + 0.1 * (k % 3), forward_ms=30.0,
+                          backward_ms=50.0, optimizer_ms=15.0, outside_ms=5.0, between_ms=4.0, checkpoint_ms=ck,
+                          checkpoints=1 if ck else 0)
+
+    run = Run(path="constructed")
+    for r in (0, 1):
+        run.ranks[r] = RankData(rank=r, steps=[step(r, k) for k in range(n)])
+    return run
+
+
+def test_checkpoint_steps_are_left_out_and_named():
+    """Checkpoint saves (torchtitan's Trainer's under python -m fsdp_doctor.titan) are neither time outside the
+    model nor a wait for data: those steps leave the statistics, the line under the step table gives their count,
+    time and share of the run (3 x 250 ms of 1,951.2 ms recorded: 38.4%), and with too few steps without a save a
+    long save is the outlier's cause."""
+    import fsdp_doctor
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.fmt import apart_texts
+
+    sec = analyze_steps(_save_run({3, 6, 9}))
+    for r in ("0", "1"):
+        st, ck = sec.per_rank[r], sec.checkpoints[r]
+        assert st.count == 8 and st.p90_ms < 101, st  # step 0 and the three save steps out
+        assert (ck.steps, ck.saves, ck.ms_p50, ck.ms_total, ck.excluded) == ([3, 6, 9], 3, 250.0, 750.0, True), ck
+    assert sec.outliers == []
+    assert apart_texts(sec) == [("checkpoint", "Checkpoint saves: 3 in steps (3, 6, 9), 250.0 ms each, 38.4% of "
+                                               "the recorded time; counted apart from outside; those steps are left "
+                                               "out of the step statistics above")]
+    rep = fsdp_doctor.build_report(_save_run({3, 6, 9}))
+    assert not [f for f in rep.findings if f.code == "jitter.data_wait"]
+    # saves in most steps: kept, and one that ran long is its step's cause
+    run = _save_run(set(range(1, 12)) - {5}, save_ms=20.0)
+    for rd in run.ranks.values():
+        rd.steps[9].checkpoint_ms += 200.0
+        rd.steps[9].wall_ms += 200.0
+    sec = analyze_steps(run)
+    assert sec.checkpoints["0"].excluded is False
+    causes = {(o.rank, o.step): o for o in sec.outliers}
+    assert set(causes) == {(0, 9), (1, 9)} and causes[(0, 9)].cause == "checkpoint", causes
+    assert causes[(0, 9)].detail == "checkpoint save +200.0 ms"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dash import html
 
-from fsdp_doctor.present.fmt import fmt_ms, no_grad_text
+from fsdp_doctor.present.fmt import apart_texts, fmt_ms
 from fsdp_doctor.report_sections import StepsSection
 
 from fsdp_doctor.present import figures as F
@@ -30,8 +30,7 @@ def layout(snap, flt: Filters) -> list:
              section("", graph(F.jitter_histogram(steps, ranks, flt.window), "fig-jitter"))),
         section("", graph(F.phase_split_figure(steps, phase_rank, flt.window), "fig-phases")),
     ]
-    if (line := no_grad_text(sec)) is not None:
-        out.append(note(line, "info", nid="no-grad-note"))
+    out += [note(line, "info", nid=f"{key}-note") for key, line in apart_texts(sec)]
     outs = [o for o in sec.outliers
             if (flt.rank is None or o.rank == flt.rank)
             and (flt.window is None or flt.window[0] <= o.step <= flt.window[1])]

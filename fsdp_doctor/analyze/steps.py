@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..records import GpuTimes, StepRecord
-from ..report_sections import DeviceSteps, NoGradSteps, Outlier, StepsSection, StepStats, Straggler
+from ..report_sections import CheckpointSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection, StepStats, Straggler
 from ..store import Run
 
 # An outlier step is slower than the rank's median by at least this fraction ...
@@ -27,9 +27,10 @@ def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
     profiler window or a FLOP-counting step (their cost is the tool's, not the model's), nor, each unless that
     leaves fewer than 3, a step that also ran the model without gradients (evaluation, generation: not training)
-    or one whose memory was counted op by op (the high-water's dispatch mode)."""
+    or one whose memory was counted op by op (the high-water's dispatch mode), or one that saved a checkpoint."""
     out = [s for s in steps if s.step > 0 and not s.profiled]
-    for keep in (lambda s: not s.no_grad_forwards, lambda s: s.memory is None or s.memory.transients != "exact"):
+    for keep in (lambda s: not s.no_grad_forwards, lambda s: s.memory is None or s.memory.transients != "exact",
+                 lambda s: not s.checkpoints):
         kept = [s for s in out if keep(s)]
         out = kept if len(kept) >= 3 else out
     return out
@@ -45,6 +46,20 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
                        ms_p50=round(statistics.median([s.no_grad_ms for s in hit]), 3),
                        excluded=not any(s.step in kept for s in hit),
                        with_autograd=sum(s.autograd_eval_forwards for s in hit))
+
+
+def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
+    """A rank's steps that saved a checkpoint (``doctor.checkpointing()``), and whether the statistics leave them
+    out."""
+    hit = [s for s in steps if s.checkpoints]
+    if not hit:
+        return None
+    kept = {s.step for s in usable_steps(steps)}
+    ms = [s.checkpoint_ms for s in hit]
+    return CheckpointSteps(steps=[s.step for s in hit], saves=sum(s.checkpoints for s in hit),
+                           ms_p50=round(statistics.median(ms), 3), ms_total=round(sum(ms), 3),
+                           wall_ms_total=round(sum(s.wall_ms for s in steps), 3),
+                           excluded=not any(s.step in kept for s in hit))
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -187,6 +202,7 @@ class _Base:
     gc: float
     outside: float
     no_grad: float
+    checkpoint: float
     wait: float
     fwd: float
     bwd: float
@@ -208,6 +224,7 @@ def _baseline(steps: list[StepRecord]) -> _Base:
     return _Base(
         wall=med([s.wall_ms for s in steps]), gc=med([s.gc_ms for s in steps]),
         outside=med([s.outside_ms for s in steps]), no_grad=med([s.no_grad_ms for s in steps]),
+        checkpoint=med([s.checkpoint_ms for s in steps]),
         wait=med([collective_wait_ms(s) for s in steps]),
         fwd=med([s.forward_ms for s in steps]), bwd=med([s.backward_ms for s in steps]),
         opt=med([s.optimizer_ms for s in steps]), probe=med([probe_ms(s) for s in steps]),
@@ -252,6 +269,7 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
         "gc": s.gc_ms - b.gc,
         "outside": s.outside_ms - b.outside - max(0.0, s.gc_ms - b.gc),
         "no_grad": s.no_grad_ms - b.no_grad,
+        "checkpoint": s.checkpoint_ms - b.checkpoint,
         "wait": collective_wait_ms(s) - b.wait,
     }
     # the doctor's own time: its work at the step's start (doctor_ms, outside every phase) and the memory probe's,
@@ -278,6 +296,8 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     if key == "no_grad":
         return "no_grad", (f"{s.no_grad_forwards} forward passes without gradients (evaluation or generation) "
                            f"+{parts['no_grad']:.1f} ms")
+    if key == "checkpoint":
+        return "checkpoint", f"checkpoint save +{parts['checkpoint']:.1f} ms"
     if key == "outside":
         return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
     if key == "doctor":
@@ -436,4 +456,6 @@ def analyze_steps(run: Run) -> StepsSection:
         profiler_steps={str(r): {"window": sorted({s for pw in rd.profiles for s in pw.steps}),
                                  "export": profiler_export_steps(rd)} for r, rd in sorted(run.ranks.items())},
         no_grad={str(r): ng for r, rd in sorted(run.ranks.items()) if (ng := no_grad_steps(rd.steps)) is not None},
+        checkpoints={str(r): c for r, rd in sorted(run.ranks.items())
+                     if (c := checkpoint_steps(rd.steps)) is not None},
     )

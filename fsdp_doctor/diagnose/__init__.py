@@ -62,6 +62,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
     if E.trainer_driven(ctx):  # its fixes where a Trainer's user can put them
         for f in out:
             S.for_trainer(f.recommendation, f.code)
+    if E.titan_trainer_driven(ctx):  # ... and where a user of torchtitan's own Trainer can
+        for f in out:
+            S.for_titan_trainer(f.recommendation, f.code, E.torchtitan_version(ctx) or "")
     order = {s: i for i, s in enumerate(reversed(SEVERITIES))}
     out.sort(key=lambda f: (order[f.severity], f.code))
     return out

@@ -16,8 +16,8 @@ from typing import Iterable, Optional
 
 import msgspec
 
-from ..records import (ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER, UnitConfig,
-                       unit_defaults)
+from ..records import (ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
+                       UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
@@ -123,6 +123,12 @@ def trainer_driven(ctx: Context) -> bool:
     """A Hugging Face Trainer drove the run (fsdp_doctor.DoctorCallback): its fixes go where a Trainer's user can
     put them (snippets.for_trainer)."""
     return getattr(ctx.config, "driver", None) == TRAINER_DRIVER
+
+
+def titan_trainer_driven(ctx: Context) -> bool:
+    """torchtitan's own Trainer drove the run (python -m fsdp_doctor.titan): its fixes go on its command line or
+    in the user's config_registry function (snippets.for_titan_trainer)."""
+    return getattr(ctx.config, "driver", None) == TITAN_DRIVER
 
 
 def plugin_lever(ctx: Context) -> Optional[str]:

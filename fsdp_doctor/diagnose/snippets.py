@@ -849,6 +849,71 @@ def titan_says(version: str) -> str:
     return f"torchtitan{' ' + version if version else ''} sharded this model from its job config"
 
 
+#: what torchtitan's own Trainer (python -m fsdp_doctor.titan) takes where a fix acts on its built model or
+#: optimizers, by torchtitan version (major, minor): the ModelSpec field of a function it calls once the model is
+#: sharded and the optimizers built (its args), and the command-line levers of findings whose lever is the loop the
+#: Trainer runs (finding code -> (text, command line)). A version not here gets the fix in words.
+TITAN_TRAINER = {
+    (0, 3): {
+        "hook": "post_optimizer_build_fn",
+        "levers": {
+            "memory.grads_kept": (
+                "torchtitan's train step zeroes the gradients in place (set_to_none=False) while its CUDA graphs are "
+                "on, which replay into gradients at fixed addresses; this run captured none (the doctor watches "
+                "torchtitan only without them), so turning them off frees the gradients between steps and costs "
+                "nothing here.",
+                "--training.disable-cuda-graphs"),
+            "jitter.data_wait": (
+                "torchtitan's Trainer builds its DataLoader from the job config: load the batches in background "
+                "processes with its dataloader settings (keep the workers within the CPU cores each rank has).",
+                "--dataloader.num-workers 4 --dataloader.persistent-workers --dataloader.pin-memory "
+                "--dataloader.prefetch-factor 4"),
+        },
+    },
+}
+#: what a fix that torchtitan's Trainer gives no place for adds
+TITAN_TRAINER_ELSEWHERE = (" torchtitan's Trainer runs the loop and its parallelize function shards the model, so "
+                           "this code has no place in your command line: make the change in a parallelize function "
+                           "of your own (ModelSpec.parallelize_fn) or a Trainer subclass (its train_step).")
+
+
+def for_titan_trainer(rec, finding: str, version: str) -> None:
+    """A fix of a run torchtitan's own Trainer drove (``Recommendation``, changed in place). A finding whose lever
+    the job config has (TITAN_TRAINER's levers) gets its command line; a fix for the sharded model or its optimizers
+    becomes a function torchtitan calls once it built them, set in the user's config_registry function (the model's
+    own such function, a mixture of experts' load balancing, still runs first); a command line stays as it is; any
+    other fix (one that rebinds the model or the optimizer, replaces the sharding or edits the loop) says where such
+    a change goes."""
+    try:
+        table = TITAN_TRAINER[tuple(int(x) for x in version.split(".")[:2])]
+    except (KeyError, ValueError):
+        table = None
+    said = f"torchtitan {version}" if version else "torchtitan"
+    if table is not None and finding in table["levers"]:
+        text, flags = table["levers"][finding]
+        rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
+        rec.code = (f"# {said}: on the command line that runs fsdp_doctor.titan (or torchtitan.train), after "
+                    f"--module/--config\n{flags}")
+        rec.where, rec.inputs = "torchtitan", {}
+        return
+    if not rec.code or rec.where in ("torchtitan", "evaluation"):
+        return
+    if table is None or rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
+        rec.text += TITAN_TRAINER_ELSEWHERE
+        return
+    hook = table["hook"]
+    body = textwrap.indent(rec.code, " " * 4)
+    rec.code = (f"# {said} calls this once it has sharded the model and built its optimizers\n"
+                f"def doctor_fix(optimizers, model_parts, parallel_dims, previous=config.model_spec.{hook}):\n"
+                "    if previous is not None:  # the model's own (a mixture of experts' load balancing)\n"
+                "        previous(optimizers, model_parts, parallel_dims)\n"
+                "    model, optimizer = model_parts[0], optimizers\n"
+                f"{body}\n\n\n"
+                f"config.model_spec.{hook} = doctor_fix")
+    rec.where = "titan_registry"
+    rec.inputs = {"config": "the Trainer.Config your config_registry function returns (the --module/--config you run)"}
+
+
 #: the words of a fix for the sharded model that name the user's fully_shard calls (reshard.zero2_affordable's,
 #: reshard.last_unit's)
 RESHARD_IN_CALLS = "# or pass reshard_after_forward=False to their fully_shard calls"

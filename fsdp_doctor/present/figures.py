@@ -24,8 +24,8 @@ from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, 
 # ---------------------------------------------------------------- palette and shared layout
 
 PHASE_COLORS = {"forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "outside": "#B279A2",
-                "gc": "#E45756", "no_grad": "#BAB0AC"}
-PHASE_NAMES = {"no_grad": "no-grad forwards (evaluation)"}
+                "gc": "#E45756", "no_grad": "#BAB0AC", "checkpoint": "#9D755D"}
+PHASE_NAMES = {"no_grad": "no-grad forwards (evaluation)", "checkpoint": "checkpoint saves"}
 COLLECTIVE_COLORS = {"all_gather": "#4C78A8", "reduce_scatter": "#F58518", "all_reduce": "#E45756",
                      "broadcast": "#72B7B2", "compute": "#9D9D9D"}
 MEMORY_CATEGORIES = MC.NAMES
@@ -160,8 +160,9 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
     x = [cols["step"][i] for i in idx]
     prof = [bool(cols["profiled"][i]) for i in idx]
     fig = go.Figure()
-    no_grad = "no_grad_ms" in cols and any(cols["no_grad_ms"][i] for i in idx)
-    for ph in ("forward", "backward", "optimizer", "outside", *(("no_grad",) if no_grad else ())):
+    # the steps' work kept apart from the phases, drawn where any step of the window did it
+    apart = [ph for ph in ("no_grad", "checkpoint") if f"{ph}_ms" in cols and any(cols[f"{ph}_ms"][i] for i in idx)]
+    for ph in ("forward", "backward", "optimizer", "outside", *apart):
         y = [cols[f"{ph}_ms"][i] for i in idx]
         if ph == "outside":
             y = [None if p else v for v, p in zip(y, prof)]

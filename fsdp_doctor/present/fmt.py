@@ -298,18 +298,24 @@ def outlier_rows(outliers: list[Outlier], top: int = OUTLIERS_SHOWN) -> list[tup
     return [(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail) for x in outliers[:top]]
 
 
+def _kept_apart(per: dict) -> tuple[list[int], str, float, str]:
+    """Over the ranks' NoGradSteps or CheckpointSteps: their steps, those steps as shown (six at most), the median
+    of the ranks' time per such step (ms), and whether the statistics leave them out, in words."""
+    steps = sorted({s for x in per.values() for s in x.steps})
+    shown = ", ".join(map(str, steps[:6])) + (f", … {len(steps) - 6} more" if len(steps) > 6 else "")
+    kept = ("left out of the step statistics above" if all(x.excluded for x in per.values())
+            else "kept in the step statistics above (too few steps without)")
+    return steps, shown, statistics.median([x.ms_p50 for x in per.values()]), kept
+
+
 def no_grad_text(section: StepsSection) -> str | None:
     """One line on the steps that also ran the model without gradients (evaluation, generation), over the ranks;
     None when none did."""
     per = section.no_grad
     if not per:
         return None
-    steps = sorted({s for ng in per.values() for s in ng.steps})
-    shown = ", ".join(map(str, steps[:6])) + (f", … {len(steps) - 6} more" if len(steps) > 6 else "")
+    steps, shown, ms, kept = _kept_apart(per)
     forwards = max(ng.forwards for ng in per.values())
-    ms = statistics.median([ng.ms_p50 for ng in per.values()])
-    kept = ("left out of the step statistics above" if all(ng.excluded for ng in per.values())
-            else "kept in the step statistics above (too few steps without)")
     autograd = max(ng.with_autograd for ng in per.values())
     autograd_txt = f" ({autograd} in eval mode with autograd on)" if autograd else ""
     traced = sorted(set(steps) & {s for ps in section.profiler_steps.values() for s in ps.get("window", [])})
@@ -318,6 +324,26 @@ def no_grad_text(section: StepsSection) -> str | None:
     return (f"Forward passes without gradients (evaluation, generation): {forwards}{autograd_txt} in {len(steps)} "
             f"step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} per step, counted apart from forward "
             f"and outside; those steps are {kept}{traced_txt}")
+
+
+def checkpoint_text(section: StepsSection) -> str | None:
+    """One line on the steps that saved a checkpoint, over the ranks (the saves' share: the largest rank's of its
+    recorded time); None when none did."""
+    per = section.checkpoints
+    if not per:
+        return None
+    steps, shown, ms, kept = _kept_apart(per)
+    saves = max(c.saves for c in per.values())
+    share = max((100.0 * c.ms_total / c.wall_ms_total for c in per.values() if c.wall_ms_total > 0), default=0.0)
+    return (f"Checkpoint saves: {saves} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
+            f"{share:.1f}% of the recorded time; counted apart from outside; those steps are {kept}")
+
+
+def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
+    """The lines on steps whose extra work the statistics keep apart, each with its key ("no-grad": evaluation,
+    "checkpoint": checkpoint saves): what every presenter shows under the step table."""
+    return [(key, line) for key, line in (("no-grad", no_grad_text(section)), ("checkpoint", checkpoint_text(section)))
+            if line is not None]
 
 
 def straggler_text(s: Straggler) -> str:

@@ -23,7 +23,7 @@ from . import figures as F
 from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_pct, fmt_unit_figures, fmt_us, fmt_value, memory_lines, memory_rows, memory_unit_rows,
-                  no_grad_text, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
+                  apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
                   steps_title, no_steady_text, straggler_text, throughput_rows,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
 
@@ -188,8 +188,7 @@ def _steps(section: StepsSection) -> str:
     none = no_steady_text(section)
     out = (f"<p class='note'>{_esc(none)}</p>" if none else
            f"<h3>{_esc(steps_title(section))}</h3>" + _table(STEPS_HEADER, steps_rows(section), "steps-table"))
-    if (line := no_grad_text(section)) is not None:
-        out += f"<p class='no-grad'>{_esc(line)}</p>"
+    out += "".join(f"<p class='{key}'>{_esc(line)}</p>" for key, line in apart_texts(section))
     if section.outliers:
         out += f"<h3>{_esc(outliers_title(section.outliers))}</h3>" + _table(
             OUTLIERS_HEADER, outlier_rows(section.outliers), "outliers-table", left=(4,))

@@ -13,7 +13,7 @@ from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, Thr
                                Verdict)
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
-                  findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, fmt_value, no_grad_text, outlier_rows,
+                  findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, verdict_headline, verdict_rows, verdict_title)
@@ -60,8 +60,7 @@ def render_steps(section: StepsSection, width: int = 100):
         cols, rows = cols[:7], [r[:7] for r in rows]
     none = no_steady_text(sec)
     items = [Text(none) if none else fitted_table(steps_title(sec), cols, rows, width)]
-    if (line := no_grad_text(sec)) is not None:
-        items.append(Text(line))
+    items += [Text(line) for _, line in apart_texts(sec)]
     if sec.outliers:
         items.append(fitted_table(outliers_title(sec.outliers),
                                   [Col("rank"), Col("step"), Col("time"), Col("median", drop=1),

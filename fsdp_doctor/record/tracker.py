@@ -19,6 +19,7 @@ removal as at exit).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -63,6 +64,12 @@ FLOPS_RECOUNTS = 4
 _now = time.perf_counter_ns
 
 
+class SaveMark:
+    """What ``Doctor.checkpointing()`` yields: ``saved`` False drops the call (it saved nothing)."""
+
+    saved = True
+
+
 class WatchError(RuntimeError):
     """``watch`` refused to start; the message is one sentence for the user."""
 
@@ -97,6 +104,7 @@ class Doctor:
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
+        self._saves: list[tuple[int, int]] = []  # the step's checkpoint saves (start, end ns): checkpointing()
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -295,6 +303,22 @@ class Doctor:
             self._own_ns = _now() - t_end
             self._begin_step(t_end)
 
+    @contextlib.contextmanager
+    def checkpointing(self):
+        """Marks a checkpoint save: ``with doctor.checkpointing(): dcp.save(...)``. Its time is recorded as the
+        step's ``checkpoint_ms``, apart from the time outside the model, so that a save every N steps reads as
+        a save, not as the loop waiting for data; the analyses leave such steps out of the step statistics as
+        they do evaluation steps. The save itself runs as it would without the doctor. It yields a mark whose
+        ``saved`` the caller may set to False when the call turned out to save nothing (a checkpointer called
+        every step that saves every N): that call is then not counted."""
+        mark = SaveMark()
+        t0 = _now()
+        try:
+            yield mark
+        finally:
+            if self.active and mark.saved:
+                self._saves.append((t0, _now()))
+
     def _is_micro_batch(self) -> bool:
         """Whether this doctor.step() call ends a micro-batch rather than an optimizer step."""
         if self.optimizer is None or self._per_call or self._timer.optimizer_steps != self._opt_steps_recorded:
@@ -321,18 +345,23 @@ class Doctor:
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         own_ms = _ms(self._own_ns)
+        saves, self._saves = self._saves, []
+        save_ms = _ms(sum(b - a for a, b in saves))
         between = None
         if tm.first_forward_ns and tm.last_optimizer_end_ns and tm.last_optimizer_end_ns <= t_end:
+            # (less the saves there: before the first forward or after the last optimizer step)
+            in_window = _ms(sum(b - a for a, b in saves if b <= tm.first_forward_ns or a >= tm.last_optimizer_end_ns))
             between = max(0.0, round(_ms(tm.first_forward_ns - self._step_t0) - own_ms
-                                     + _ms(t_end - tm.last_optimizer_end_ns), 3))
+                                     + _ms(t_end - tm.last_optimizer_end_ns) - in_window, 3))
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
             outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms
-                                      - own_ms, 3)),
+                                      - own_ms - save_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
+            checkpoint_ms=round(save_ms, 3), checkpoints=len(saves),
         )
         self._sinks.on_step(rec)
         if done:

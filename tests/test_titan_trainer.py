@@ -1,0 +1,167 @@
+"""torchtitan 0.3.0's own Trainer, watched as its users would run it: ``torchrun ... -m fsdp_doctor.titan`` in
+place of ``-m torchtitan.train`` (what ``TRAIN_FILE=fsdp_doctor.titan ./run_train.sh`` runs), 2 gloo ranks, on a
+``--module`` of the tests' own (tests/titan_registry.py: llama3_debugmodel's job on a tiny llama3, with this CPU's
+shims). The run with the doctor trains as the one without it (the same losses and gradient norms, step by step);
+the records hold every step, the Trainer as the driver, the job's tokens per step and its checkpoint saves apart
+from the time outside the model; the fixes are printed where a user of that Trainer puts them and, pasted there
+as printed (a flag on its command line, a function in the config_registry function), remove their findings."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import fsdp_doctor
+from fsdp_doctor.diagnose import diagnose
+from fsdp_doctor.record import titan_trainer as TT
+from recorder_cases import PEAK_WITHIN
+from scenario_matrix import HEADROOM
+from titan_cases import TITAN_SITE
+from titan_registry import ASSETS_ENV, FIX_ENV, write_assets
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: the job every run starts from: the tests' registry, seeded, a checkpoint every 5 steps, 16 steps
+BASE = ["--module", "titan_registry", "--config", "tiny", "--debug.seed", "0", "--checkpoint.enable",
+        "--checkpoint.interval", "5", "--training.steps", "16"]
+_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.]+)\s+grad_norm:\s*([-0-9.]+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _torchrun(tmp: Path, name: str, module: str, args: list[str], env: dict | None = None) -> tuple[Path, list]:
+    """Runs ``module`` under torchrun on 2 ranks with ``args`` (dump folder ``tmp/name``); returns the dump folder
+    and rank 0's (step, loss, grad norm) lines as torchtitan logged them."""
+    dump = tmp / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--local-ranks-filter", "0", "-m", module, *args, "--dump-folder", str(dump)]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", ASSETS_ENV: str(tmp / "assets"), **(env or {}),
+            "PYTHONPATH": os.pathsep.join([str(TITAN_SITE), str(HERE), str(ROOT)])}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=420, cwd=tmp)
+    log = _ANSI.sub("", p.stdout + p.stderr)
+    assert p.returncode == 0, f"{name}: exit {p.returncode}\n{log[-4000:]}"
+    return dump, [(int(s), float(loss), float(g)) for s, loss, g in _LOSS.findall(log)]
+
+
+def _diagnosis(path: Path):
+    run = fsdp_doctor.load_run(path)
+    report = fsdp_doctor.build_report(run)
+    return run, report, {f.code: f for f in diagnose(run, report)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not (TITAN_SITE / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan is not installed in {TITAN_SITE} (make setup installs it: make titan-site)")
+    tmp = tmp_path_factory.mktemp("titan_trainer")
+    write_assets(tmp / "assets")
+    _, plain = _torchrun(tmp, "plain", "torchtitan.train", BASE)
+    dump, watched = _torchrun(tmp, "watched", "fsdp_doctor.titan", BASE)
+    return tmp, plain, watched, dump / TT.DEFAULT_SUBDIR
+
+
+@pytest.mark.slow
+def test_titan_trainer_watched_from_its_command_line(runs):
+    """``-m fsdp_doctor.titan`` trains as ``-m torchtitan.train`` does (every step's loss and gradient norm the
+    same), and records the Trainer's run in ``<dump_folder>/fsdp_doctor``: 16 steps per rank, the Trainer as the
+    driver and torchtitan as the sharder, the job's tokens per step (2 ranks x 2 sequences x 64 tokens); the
+    checkpoint saves after steps 5, 10 and 15 (torchtitan counts from 1; each lands in the next recorded step,
+    before its forward) are checkpoint time, not time outside the model or waiting for data: those steps are left
+    out of the step statistics, no outlier blames the loop, and jitter.data_wait stays quiet."""
+    _, plain, watched, out = runs
+    assert len(plain) == 16 and watched == plain, (plain, watched)
+    run, report, found = _diagnosis(out)
+    assert sorted(run.ranks) == [0, 1]
+    for rd in run.ranks.values():
+        assert len(rd.steps) == 16 and rd.end is not None
+        assert (rd.config.driver, rd.config.sharded_by) == ("torchtitan.Trainer", "torchtitan")
+        assert rd.config.tokens_per_step == 2 * 2 * 64
+        saved = {s.step: s for s in rd.steps if s.checkpoints}
+        assert sorted(saved) == [5, 10, 15], sorted(saved)
+        for s in saved.values():
+            assert s.checkpoints == 1 and s.checkpoint_ms > 0
+            # the save is neither outside the model nor in the window before the forward
+            assert s.between_ms is not None and s.between_ms < s.checkpoint_ms, (s.between_ms, s.checkpoint_ms)
+    for r, c in report.steps.checkpoints.items():
+        assert c.steps == [5, 10, 15] and c.saves == 3 and c.excluded, c
+    assert not any(o.step in (5, 10, 15) for o in report.steps.outliers), report.steps.outliers
+    assert "jitter.data_wait" not in found
+
+
+@pytest.mark.slow
+def test_titan_trainer_fixes_pasted_where_printed(runs):
+    """Under torchtitan's Trainer a fix is where its user can put it, and pasted there as printed it removes its
+    finding with no new warning: ``memory.grads_kept`` (its train step zeroes gradients in place while its CUDA
+    graphs are on; this CPU captures none) is ``--training.disable-cuda-graphs`` on the command line, the peak the
+    predicted one within 10%; ``prefetch.sync_unshard``'s code for the sharded model is a function torchtitan calls
+    once it has built the model and the optimizers, set in the config_registry function (the tests' ``tiny_fixed``
+    runs the printed text)."""
+    tmp, _, _, out = runs
+    _, _, found = _diagnosis(out)
+    kept, sync = found["memory.grads_kept"], found["prefetch.sync_unshard"]
+    assert kept.recommendation.where == "torchtitan", kept.recommendation
+    flags = [a for ln in kept.recommendation.code.splitlines() if not ln.startswith("#") for a in shlex.split(ln)]
+    assert flags == ["--training.disable-cuda-graphs"], flags
+    rec = sync.recommendation
+    assert rec.where == "titan_registry" and "config.model_spec.post_optimizer_build_fn = doctor_fix" in rec.code
+
+    dump, _ = _torchrun(tmp, "grads_fixed", "fsdp_doctor.titan", [*BASE, *flags])
+    run, report, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
+    assert "memory.grads_kept" not in after, after.keys()
+    predicted = kept.predicted.peak_bytes_after
+    peak = max(m.peak_bytes for m in report.memory.per_rank.values())
+    assert abs(peak - predicted) <= PEAK_WITHIN * predicted, (peak, predicted)
+    assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
+
+    (tmp / "fix.py").write_text(rec.code)
+    args = [a if a != "tiny" else "tiny_fixed" for a in BASE]
+    dump, _ = _torchrun(tmp, "sync_fixed", "fsdp_doctor.titan", args, env={FIX_ENV: str(tmp / "fix.py")})
+    _, _, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
+    assert "prefetch.sync_unshard" not in after, after.keys()
+    assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
+
+
+def test_doctor_arguments_split_from_torchtitans():
+    """``--doctor.NAME VALUE`` / ``--doctor.NAME=VALUE`` are the doctor's, typed as watch() takes them (dashes or
+    underscores); the rest is torchtitan's, in order; a misspelt option or a bad value is one line naming it."""
+    options, rest = TT.split_args(["--module", "llama3", "--doctor.out-dir", "runs/a", "--config", "x",
+                                   "--doctor.profile=false", "--doctor.capacity_bytes", "1024",
+                                   "--doctor.peak-tflops", "989.5", "--training.steps", "3"])
+    assert options == {"out_dir": "runs/a", "profile": False, "capacity_bytes": 1024, "peak_tflops": 989.5}
+    assert rest == ["--module", "llama3", "--config", "x", "--training.steps", "3"]
+    with pytest.raises(TT.TitanArgError, match=r"unknown option --doctor\.profil \(options: --doctor\.out-dir"):
+        TT.split_args(["--doctor.profil", "false"])
+    with pytest.raises(TT.TitanArgError, match=r"--doctor\.tensorboard takes true or false, not 'maybe'"):
+        TT.split_args(["--doctor.tensorboard", "maybe"])
+    with pytest.raises(TT.TitanArgError, match=r"--doctor\.out-dir needs a value"):
+        TT.split_args(["--doctor.out-dir"])
+
+
+def _trainer(**kw):
+    class Trainer:
+        def _forward_backward_body(self):
+            return None
+
+    t = Trainer()
+    t.model_parts = [object()]
+    t.parallel_dims = types.SimpleNamespace(pp_enabled=False)
+    t.fwd_bwd_fn = t._forward_backward_body
+    for k, v in kw.items():
+        setattr(t, k, v)
+    return t
+
+
+def test_doctor_stays_out_of_pipeline_and_cuda_graphs():
+    """The doctor stays out, with its reason, of a Trainer with pipeline parallelism (its model parts) and of one
+    whose forward and backward torchtitan captured in a CUDA graph (its step function wrapped: a replay runs no
+    hook); a Trainer that runs them eagerly it watches."""
+    assert TT.stays_out(_trainer()) is None
+    assert "pipeline parallelism (2 model part(s)" in TT.stays_out(_trainer(model_parts=[object(), object()]))
+    assert "pipeline" in TT.stays_out(_trainer(parallel_dims=types.SimpleNamespace(pp_enabled=True)))
+    assert "--training.disable-cuda-graphs" in TT.stays_out(_trainer(fwd_bwd_fn=lambda *a: None))
