@@ -31,6 +31,8 @@ ROOT = HERE.parent
 #: the job every run starts from: the tests' registry, seeded, a checkpoint every 5 steps, 16 steps
 BASE = ["--module", "titan_registry", "--config", "tiny", "--debug.seed", "0", "--checkpoint.enable",
         "--checkpoint.interval", "5", "--training.steps", "16"]
+#: torchtitan's own profiler, one window at step 10 (its traces in DUMP/profiling/traces/iteration_10)
+PROFILED = ["--profiler.enable-profiling", "--profiler.profile-freq", "10"]
 _LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.]+)\s+grad_norm:\s*([-0-9.]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -101,7 +103,9 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     graphs are on; this CPU captures none) is ``--training.disable-cuda-graphs`` on the command line, the peak the
     predicted one within 10%; ``prefetch.sync_unshard``'s code for the sharded model is a function torchtitan calls
     once it has built the model and the optimizers, set in the config_registry function (the tests' ``tiny_fixed``
-    runs the printed text)."""
+    runs the printed text). That rerun has torchtitan's own profiler on: the steps it records and the one its
+    trace export runs in are the profiler's (marked profiled: before, the export read "time outside the model
+    +667 ms (data loading or user code)" and the verdict "input-bound"), and its traces are read as they are."""
     tmp, _, _, out = runs
     _, _, found = _diagnosis(out)
     kept, sync = found["memory.grads_kept"], found["prefetch.sync_unshard"]
@@ -119,12 +123,27 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     assert abs(peak - predicted) <= PEAK_WITHIN * predicted, (peak, predicted)
     assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
 
+    # (this rerun with torchtitan's own profiler on too: see the test below)
     (tmp / "fix.py").write_text(rec.code)
-    args = [a if a != "tiny" else "tiny_fixed" for a in BASE]
+    args = [a if a != "tiny" else "tiny_fixed" for a in BASE] + PROFILED
     dump, _ = _torchrun(tmp, "sync_fixed", "fsdp_doctor.titan", args, env={FIX_ENV: str(tmp / "fix.py")})
-    _, _, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
+    run, report, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
     assert "prefetch.sync_unshard" not in after, after.keys()
     assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
+
+    # torchtitan's profiler: its window at step 10 (the doctor's own windows stay out of its way), and the trace
+    # export in profiler.step() after it, before the next forward. Those steps (9 and 10 as the doctor counts
+    # them) are the profiler's: marked profiled, out of the statistics, no outlier blames the loop for the export
+    for rd in run.ranks.values():
+        assert {9, 10} <= {s.step for s in rd.steps if s.profiled}, [s.step for s in rd.steps if s.profiled]
+        assert rd.profiles == []
+    assert not [o for o in report.steps.outliers if o.cause == "outside"], report.steps.outliers
+    assert "jitter.data_wait" not in after
+    # ... and its traces read as they are: fsdp-doctor analyze DUMP/profiling/traces
+    traces = fsdp_doctor.load_run(dump / "profiling" / "traces")
+    trace_report = fsdp_doctor.build_report(traces)
+    assert sorted(trace_report.overlap.per_rank) == ["0", "1"], trace_report.overlap.per_rank.keys()
+    assert all(pr.comm_us > 0 for pr in trace_report.overlap.per_rank.values())
 
 
 def test_doctor_arguments_split_from_torchtitans():

@@ -31,14 +31,20 @@ def _step_tracker() -> dict | None:
         return None
 
 
+def profiler_recording() -> bool:
+    """Whether a torch.profiler session records now (the doctor's own window, or a profiler of the user's or of
+    their trainer: torchtitan's --profiler.enable-profiling); one attribute read where torch has it."""
+    enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+    probe = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled or (probe is not None and probe()))
+
+
 def other_profiler() -> str | None:
     """Why another torch.profiler is in play in this process (None if none is): a profiling session running
     now, or a ``torch.profiler.profile`` object alive (entered with a schedule that has not started yet).
     Two Kineto sessions in one process do not nest: the second one's stop ends the first one's session and
     the first one's stop then crashes the process (SIGSEGV in torch 2.13) or leaves its trace empty."""
-    enabled = getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
-    probe = getattr(torch._C._autograd, "_profiler_enabled", None)
-    if enabled or (probe is not None and probe()):
+    if profiler_recording():
         return "a torch.profiler session is running"
     tracker = _step_tracker()
     if tracker is not None and _PROFILER_STEP_NAME in tracker:

@@ -47,7 +47,7 @@ from ..records import (
 )
 from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .options import WatchOptions
-from .profiling import ProfilerWindows, resolve_profile
+from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import config_snapshot
@@ -274,6 +274,10 @@ class Doctor:
     # ------------------------------------------------------------------ steps
     def _begin_step(self, t: int) -> None:
         self._step_t0 = t
+        # a profiler recording as the step starts or ends (the user's, or their trainer's: the doctor's own windows
+        # are marked anyway): its cost, and the trace export of a session that stops within the step, are that
+        # profiler's, not the loop's, so the step is marked profiled and left out of the statistics
+        self._recorded_at_start = profiler_recording()
         self._step_wall_ns = time.time_ns() - (_now() - t)  # the wall clock at ``t`` (a profiler export ran since)
         self._timer.begin_step()
 
@@ -342,6 +346,7 @@ class Doctor:
         tm = self._timer.timings()
         profiled = self._profiler is not None and self._profiler.is_profiled(step)
         profiled = profiled or self._spill_profiled or self._flops is not None
+        profiled = profiled or self._recorded_at_start or profiler_recording()
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         own_ms = _ms(self._own_ns)
