@@ -1246,7 +1246,8 @@ def test_gc_needs_a_pattern_not_one_collection():
         st = ctx.report.steps.per_rank["0"]
         st.gc_ms_total = float(sum(pauses))
         st.gc_count_total = sum(1 for p in pauses if p)
-        steps = [SimpleNamespace(step=i + 1, profiled=False, gc_ms=p, memory=None, no_grad_forwards=0) for i, p in enumerate(pauses)]
+        steps = [SimpleNamespace(step=i + 1, profiled=False, gc_ms=p, memory=None, no_grad_forwards=0,
+                                 checkpoints=0) for i, p in enumerate(pauses)]
         ctx.run.ranks = {0: SimpleNamespace(steps=steps)}
         return ctx
 

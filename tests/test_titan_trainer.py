@@ -101,7 +101,8 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     """Under torchtitan's Trainer a fix is where its user can put it, and pasted there as printed it removes its
     finding with no new warning: ``memory.grads_kept`` (its train step zeroes gradients in place while its CUDA
     graphs are on; this CPU captures none) is ``--training.disable-cuda-graphs`` on the command line, the peak the
-    predicted one within 10%; ``prefetch.sync_unshard``'s code for the sharded model is a function torchtitan calls
+    predicted one within 10%; ``checkpoint.blocking`` (its saves 13% of the time here) is ``--checkpoint.async-mode
+    async``, after which they take at most 60% of that share; ``prefetch.sync_unshard``'s code for the sharded model is a function torchtitan calls
     once it has built the model and the optimizers, set in the config_registry function (the tests' ``tiny_fixed``
     runs the printed text). That rerun has torchtitan's own profiler on: the steps it records and the one its
     trace export runs in are the profiler's (marked profiled: before, the export read "time outside the model
@@ -121,6 +122,18 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     predicted = kept.predicted.peak_bytes_after
     peak = max(m.peak_bytes for m in report.memory.per_rank.values())
     assert abs(peak - predicted) <= PEAK_WITHIN * predicted, (peak, predicted)
+    assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
+
+    # checkpoint.blocking (the saves every 5 steps, 13% of the recorded time here) is torchtitan's async mode: its
+    # saves then stop training only while the state is copied, its share of the run at most 60% of what it was
+    ck = found["checkpoint.blocking"]
+    assert ck.recommendation.where == "torchtitan" and ck.evidence["saves"] == 3, ck
+    flags = [a for ln in ck.recommendation.code.splitlines() if not ln.startswith("#") for a in shlex.split(ln)]
+    assert flags == ["--checkpoint.async-mode", "async"], flags
+    dump, _ = _torchrun(tmp, "async_saves", "fsdp_doctor.titan", [*BASE, *flags])
+    _, report, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
+    share = {r: c.ms_total / c.wall_ms_total for r, c in report.steps.checkpoints.items()}
+    assert max(share.values()) <= 0.6 * ck.evidence["share_pct"] / 100, (share, ck.evidence)
     assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
 
     # (this rerun with torchtitan's own profiler on too: see the test below)

@@ -712,6 +712,8 @@ TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through acceler
 
 #: what a finding says when its lever is the user's data pipeline, which the doctor does not see
 NO_PIPELINE_CODE = "The data pipeline is your code, which the doctor does not see: no code is offered."
+#: ... and when its lever is the user's checkpoint save
+NO_SAVE_CODE = "The save is your code, which the doctor does not see: no code is offered."
 #: findings whose lever is a Trainer argument that train() reads when it builds what the argument sets (its
 #: DataLoader): under a Trainer-driven run the fix sets it on trainer.args. Finding code -> (text, code)
 TRAINER_ARGS_FIXES = {
@@ -868,6 +870,11 @@ TITAN_TRAINER = {
                 "processes with its dataloader settings (keep the workers within the CPU cores each rank has).",
                 "--dataloader.num-workers 4 --dataloader.persistent-workers --dataloader.pin-memory "
                 "--dataloader.prefetch-factor 4"),
+            "checkpoint.blocking": (
+                "torchtitan saves with torch.distributed.checkpoint: its async mode copies the state to host memory "
+                "and writes it from a background thread (async_with_pinned_mem copies a GPU's state into pinned "
+                "memory, faster).",
+                "--checkpoint.async-mode async"),
         },
     },
 }
@@ -891,7 +898,7 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     said = f"torchtitan {version}" if version else "torchtitan"
     if table is not None and finding in table["levers"]:
         text, flags = table["levers"][finding]
-        rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
+        rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').replace(NO_SAVE_CODE, '').rstrip()} {text}"
         rec.code = (f"# {said}: on the command line that runs fsdp_doctor.titan (or torchtitan.train), after "
                     f"--module/--config\n{flags}")
         rec.where, rec.inputs = "torchtitan", {}
