@@ -681,3 +681,19 @@ def test_html_report_draws_the_same_verdict_bar_first():
     assert i < doc.index('class="plotly-graph-div"') < doc.index("<table class='num verdict-table'") < doc.index("<h2>Diagnosis")
     assert all(F.VERDICT_COLORS[k] in doc for k in ("compute", "AG fwd", "AG bwd", "RS", "host"))
     assert json.dumps("rank 0 · 5.00 ms") in doc
+
+
+def test_checkpoint_saves_drawn_as_their_own_bars():
+    """A step that saved a checkpoint draws the save as its own bar ("checkpoint saves"), not as time outside the
+    model; a window without a save draws none (the dashboard and the HTML report share this figure)."""
+    from fsdp_doctor.pipeline import steps_columns
+    from test_outlier_cause import _save_run
+
+    cols = steps_columns(_save_run({3, 6, 9}))
+    ph = F.phase_split_figure(cols, 0)
+    assert [t.name for t in ph.data] == ["forward", "backward", "optimizer", "outside", "checkpoint saves"]
+    saves = dict(zip(ph.data[4].x, ph.data[4].y))
+    assert {s: v for s, v in saves.items() if v} == {3: 250.0, 6: 250.0, 9: 250.0}
+    assert all(v == 5.0 for v in ph.data[3].y)  # the outside bars hold no save
+    assert [t.name for t in F.phase_split_figure(cols, 0, window=(10, 11)).data] == [
+        "forward", "backward", "optimizer", "outside"]

@@ -212,6 +212,14 @@ def test_checkpoint_steps_are_left_out_and_named():
                                                "out of the step statistics above")]
     rep = fsdp_doctor.build_report(_save_run({3, 6, 9}))
     assert not [f for f in rep.findings if f.code == "jitter.data_wait"]
+    # checkpoint.blocking: 38.4% of the recorded time (a warning from 15%), 750 ms over 12 steps at most to gain
+    f = next(f for f in rep.findings if f.code == "checkpoint.blocking")
+    assert (f.severity, f.evidence["share_pct"], f.evidence["steps_between_saves"],
+            f.evidence["gain_ms_per_step_at_most"]) == ("warning", 38.4, 3, 62.5), f.evidence
+    assert not f.recommendation.code and "async_save" in f.recommendation.text
+    quiet = fsdp_doctor.build_report(_save_run({6}, save_ms=30.0))  # 30 ms of 1,231.2 ms: 2.4%
+    assert next(s.reason for s in quiet.rules if s.code == "checkpoint.blocking") == (
+        "checkpoint saves take 2.4% of the recorded time (rank 0; fires from 5%)")
     # saves in most steps: kept, and one that ran long is its step's cause
     run = _save_run(set(range(1, 12)) - {5}, save_ms=20.0)
     for rd in run.ranks.values():

@@ -153,3 +153,26 @@ def tiny_fixed():
     config = tiny()
     exec(Path(os.environ[FIX_ENV]).read_text(), {"config": config})
     return config
+
+
+#: a pause per document of the slow loader's text processing (s): a data pipeline that makes the step wait
+SLOW_DOC_S = 0.08
+
+
+def tiny_slow_data():
+    """``tiny()`` reading its text through a slow processing step (SLOW_DOC_S per document, in the dataset's
+    own sample processor: what torchtitan's loader runs per document, in the training process unless its
+    DataLoader has workers): the loop waits for data."""
+    import time
+
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    def slow(sample):
+        time.sleep(SLOW_DOC_S)
+        return sample["text"]
+
+    DATASETS["c4_slow"] = DatasetConfig(path="", loader=DATASETS["c4_test"].loader, sample_processor=slow)
+    config = tiny()
+    config.dataloader.dataset = "c4_slow"
+    return config

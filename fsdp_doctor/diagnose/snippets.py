@@ -712,6 +712,8 @@ TRAINER_ELSEWHERE = (" Under the Trainer, which shards the model through acceler
 
 #: what a finding says when its lever is the user's data pipeline, which the doctor does not see
 NO_PIPELINE_CODE = "The data pipeline is your code, which the doctor does not see: no code is offered."
+#: ... when its lever is code of the user's loop (their metric reductions)
+NO_LOOP_CODE = "They are your loop's code, which the doctor does not see: no code is offered."
 #: ... and when its lever is the user's checkpoint save
 NO_SAVE_CODE = "The save is your code, which the doctor does not see: no code is offered."
 #: findings whose lever is a Trainer argument that train() reads when it builds what the argument sets (its
@@ -854,7 +856,8 @@ def titan_says(version: str) -> str:
 #: what torchtitan's own Trainer (python -m fsdp_doctor.titan) takes where a fix acts on its built model or
 #: optimizers, by torchtitan version (major, minor): the ModelSpec field of a function it calls once the model is
 #: sharded and the optimizers built (its args), and the command-line levers of findings whose lever is the loop the
-#: Trainer runs (finding code -> (text, command line)). A version not here gets the fix in words.
+#: Trainer runs (finding code -> (text, command line, words the finding's text must hold for it: one branch of the
+#: rule)). A version not here gets the fix in words.
 TITAN_TRAINER = {
     (0, 3): {
         "hook": "post_optimizer_build_fn",
@@ -870,6 +873,11 @@ TITAN_TRAINER = {
                 "processes with its dataloader settings (keep the workers within the CPU cores each rank has).",
                 "--dataloader.num-workers 4 --dataloader.persistent-workers --dataloader.pin-memory "
                 "--dataloader.prefetch-factor 4"),
+            # (the loop's metric reductions: its --metrics.log-freq; the optimizer's own collectives have none)
+            "optim.step_comm": (
+                "torchtitan's Trainer reduces its logged metrics (the loss's sum and maximum, the tokens seen) over "
+                "the ranks on every step it logs: log every 10 steps.",
+                "--metrics.log-freq 10", NO_LOOP_CODE),
             "checkpoint.blocking": (
                 "torchtitan saves with torch.distributed.checkpoint: its async mode copies the state to host memory "
                 "and writes it from a background thread (async_with_pinned_mem copies a GPU's state into pinned "
@@ -896,9 +904,12 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     except (KeyError, ValueError):
         table = None
     said = f"torchtitan {version}" if version else "torchtitan"
-    if table is not None and finding in table["levers"]:
-        text, flags = table["levers"][finding]
-        rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').replace(NO_SAVE_CODE, '').rstrip()} {text}"
+    lever = table["levers"].get(finding) if table is not None else None
+    if lever is not None and all(said_ in rec.text for said_ in lever[2:]):  # (a lever for one branch: its words)
+        text, flags = lever[:2]
+        for words in (NO_PIPELINE_CODE, NO_SAVE_CODE, NO_LOOP_CODE):
+            rec.text = rec.text.replace(words, "")
+        rec.text = re.sub(r" {2,}", " ", f"{rec.text.rstrip()} {text}")
         rec.code = (f"# {said}: on the command line that runs fsdp_doctor.titan (or torchtitan.train), after "
                     f"--module/--config\n{flags}")
         rec.where, rec.inputs = "torchtitan", {}

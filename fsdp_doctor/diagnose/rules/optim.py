@@ -216,8 +216,7 @@ class OptimizerStepComm(Rule):
             f"{loop_calls:.0f} calls per step are already batched (clip_grad_norm_ with foreach=True, or a few "
             "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
-            "values on the device until then. They are your loop's code, which the doctor does not see: no code "
-            "is offered.")
+            f"values on the device until then. {S.NO_LOOP_CODE}")
         if kept:
             evidence["grad_norm_ms_kept"] = round(kept, 3)
             text += (f" Of them, {worst.norm_calls:.0f} per step reduce a gradient norm (clip_grad_norm_'s total "
