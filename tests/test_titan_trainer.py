@@ -237,3 +237,48 @@ def test_titan_trainer_slow_loader_fix_is_its_dataloader_flags(runs):
 
     assert set(loop_calls(fixed).values()) == {4.0} and set(loop_calls(metrics_fixed).values()) == {1.0}
     assert "optim.step_comm" not in again and "jitter.data_wait" not in again, again.keys()
+
+
+def test_entry_point_leaves_the_trainer_as_it_was(monkeypatch, caplog):
+    """``fsdp_doctor.titan.main`` runs torchtitan's ``main`` (here a stand-in with the 0.3 layout: a Trainer class
+    in torchtitan.trainer, a main() that builds and trains it) with the doctor's arguments taken off the command
+    line it reads; a model the doctor cannot watch (no FSDP2 unit) is one log line and training goes on; after it,
+    neither the class nor the trainer holds anything of the doctor."""
+    import logging
+
+    import torch.nn as nn
+
+    seen = {}
+
+    class Trainer:
+        def __init__(self):
+            self.model_parts, self.optimizers, self.steps = [nn.Linear(2, 2)], None, 0
+            self.parallel_dims = types.SimpleNamespace(pp_enabled=False)
+            self.config = types.SimpleNamespace(dump_folder="unused", training=None)
+
+        def train_step(self, batch):
+            self.steps += 1
+
+        def train(self):
+            for b in range(3):
+                self.train_step(b)
+
+    def main():
+        seen["argv"] = sys.argv[1:]
+        seen["trainer"] = t = Trainer()
+        t.train()
+
+    train = Trainer.__dict__["train"]
+    pkg = types.ModuleType("torchtitan")
+    monkeypatch.setitem(sys.modules, "torchtitan", pkg)
+    monkeypatch.setitem(sys.modules, "torchtitan.trainer", types.SimpleNamespace(Trainer=Trainer))
+    monkeypatch.setitem(sys.modules, "torchtitan.train", types.SimpleNamespace(main=main))
+    monkeypatch.setattr(sys, "argv", ["fsdp_doctor.titan"])
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        TT.main(["--module", "m", "--doctor.profile", "false", "--config", "c"])
+    assert seen["argv"] == ["--module", "m", "--config", "c"]
+    t = seen["trainer"]
+    assert t.steps == 3 and "train_step" not in vars(t) and Trainer.__dict__["train"] is train
+    assert [r.getMessage() for r in caplog.records] == [
+        "fsdp_doctor.watch: Linear has no FSDP2 unit; apply torch.distributed.fsdp.fully_shard to its blocks and to "
+        "the model before watching it; torchtitan trains without fsdp_doctor"]

@@ -18,7 +18,8 @@ it, before that step's forward; validation runs the model without gradients, whi
 (the doctor wraps the trainer's own ``save`` for it), neither counted as time the step waited for data.
 
 Training never depends on the doctor: a refusal (the out_dir holding another run, pipeline parallelism with its
-several model parts) is one log line and torchtitan trains unwatched. Nothing of the doctor stays on the Trainer
+several model parts, forward and backward captured in a CUDA graph) is one log line and torchtitan trains
+unwatched. Nothing of the doctor stays on the Trainer
 after ``train()`` (its ``train_step`` and ``checkpointer.save`` are the class's again), nor on the class.
 """
 
@@ -138,12 +139,13 @@ def attach(trainer, **options):
     tokens = tokens_per_step(trainer)
     if tokens:
         defaults["tokens_per_step"] = tokens
-    doctor = Doctor(parts[0], trainer.optimizers, WatchOptions.from_kwargs({**defaults, **options}))
-    doctor.driver = TITAN_DRIVER
     try:
+        doctor = Doctor(parts[0], trainer.optimizers, WatchOptions.from_kwargs({**defaults, **options}))
+        doctor.driver = TITAN_DRIVER
         doctor.__enter__()
-    except WatchError as e:
-        log.warning("%s; torchtitan trains without fsdp_doctor", e)
+    except Exception as e:  # noqa: BLE001  (WatchError: its sentence; anything else: the doctor's own failure)
+        log.warning("%s; torchtitan trains without fsdp_doctor",
+                    e if isinstance(e, WatchError) else f"fsdp_doctor: {type(e).__name__}: {e}")
         yield None
         return
     inner_step = trainer.train_step
