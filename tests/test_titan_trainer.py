@@ -103,9 +103,10 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     finding with no new warning: ``memory.grads_kept`` (its train step zeroes gradients in place while its CUDA
     graphs are on; this CPU captures none) is ``--training.disable-cuda-graphs`` on the command line, the peak the
     predicted one within 10%; ``checkpoint.blocking`` (its saves 13% of the time here) is ``--checkpoint.async-mode
-    async``, after which they take at most 60% of that share (rerun with the next fix); ``prefetch.sync_unshard``'s code for the sharded model is a function torchtitan calls
-    once it has built the model and the optimizers, set in the config_registry function (the tests' ``tiny_fixed``
-    runs the printed text). That rerun has torchtitan's own profiler on: the steps it records and the one its
+    async``, after which they take at most 60% of that share; ``prefetch.sync_unshard``'s code for the sharded
+    model is a function torchtitan calls once it has built the model and the optimizers, set in the config_registry
+    function (the tests' ``tiny_fixed`` runs the printed text). One rerun applies the three (independent levers),
+    with torchtitan's own profiler on: the steps it records and the one its
     trace export runs in are the profiler's (marked profiled: before, the export read "time outside the model
     +667 ms (data loading or user code)" and the verdict "input-bound"), and its traces are read as they are."""
     tmp, _, _, out = runs
@@ -117,28 +118,23 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     rec = sync.recommendation
     assert rec.where == "titan_registry" and "config.model_spec.post_optimizer_build_fn = doctor_fix" in rec.code
 
-    dump, _ = _torchrun(tmp, "grads_fixed", "fsdp_doctor.titan", [*BASE, *flags])
-    run, report, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
-    assert "memory.grads_kept" not in after, after.keys()
-    predicted = kept.predicted.peak_bytes_after
-    peak = max(m.peak_bytes for m in report.memory.per_rank.values())
-    assert abs(peak - predicted) <= PEAK_WITHIN * predicted, (peak, predicted)
-    assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
-
     # checkpoint.blocking (the saves every 5 steps, 13% of the recorded time here) is torchtitan's async mode
     ck = found["checkpoint.blocking"]
     assert ck.recommendation.where == "torchtitan" and ck.evidence["saves"] == 3, ck
     async_flags = [a for ln in ck.recommendation.code.splitlines() if not ln.startswith("#") for a in shlex.split(ln)]
     assert async_flags == ["--checkpoint.async-mode", "async"], async_flags
 
-    # one rerun with both (independent levers: the sharded model's unshard, the saves) and torchtitan's own
-    # profiler on too (see below)
+    # one rerun with the three (independent levers: the gradients' zeroing, the saves, the sharded model's
+    # unshard) and torchtitan's own profiler on too (see below)
     (tmp / "fix.py").write_text(rec.code)
-    args = [a if a != "tiny" else "tiny_fixed" for a in BASE] + async_flags + PROFILED
-    dump, _ = _torchrun(tmp, "sync_fixed", "fsdp_doctor.titan", args, env={FIX_ENV: str(tmp / "fix.py")})
+    args = [a if a != "tiny" else "tiny_fixed" for a in BASE] + flags + async_flags + PROFILED
+    dump, _ = _torchrun(tmp, "fixed", "fsdp_doctor.titan", args, env={FIX_ENV: str(tmp / "fix.py")})
     run, report, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
-    assert "prefetch.sync_unshard" not in after, after.keys()
+    assert "prefetch.sync_unshard" not in after and "memory.grads_kept" not in after, after.keys()
     assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
+    predicted = kept.predicted.peak_bytes_after
+    peak = max(m.peak_bytes for m in report.memory.per_rank.values())
+    assert abs(peak - predicted) <= PEAK_WITHIN * predicted, (peak, predicted)
     # the saves stop training only while the state is copied: their share of the run at most 60% of what it was
     share = {r: c.ms_total / c.wall_ms_total for r, c in report.steps.checkpoints.items()}
     assert max(share.values()) <= 0.6 * ck.evidence["share_pct"] / 100, (share, ck.evidence)
@@ -203,8 +199,8 @@ def test_titan_trainer_slow_loader_fix_is_its_dataloader_flags(runs):
     """A slow data pipeline under torchtitan's Trainer (tests/titan_registry.tiny_slow_data: 80 ms per document in
     its loader's text processing) raises jitter.data_wait with its job config's dataloader flags as the fix; run
     with them as printed, the batches come from background workers, the rule is quiet, and the step is faster by
-    at least half the predicted gain. (What that reveals, the Trainer's per-step metric reductions, has its own
-    flag, run too.)"""
+    at least half the predicted gain. (The Trainer's per-step metric reductions, which the wait can hide, have their
+    own flag: the rerun applies it too.)"""
     tmp = runs[0]
     args = [a if a != "tiny" else "tiny_slow_data" for a in BASE]
     dump, _ = _torchrun(tmp, "slow_data", "fsdp_doctor.titan", args)
@@ -213,30 +209,26 @@ def test_titan_trainer_slow_loader_fix_is_its_dataloader_flags(runs):
     assert wait.recommendation.where == "torchtitan", wait.recommendation
     flags = [a for ln in wait.recommendation.code.splitlines() if not ln.startswith("#") for a in shlex.split(ln)]
     assert flags[:2] == ["--dataloader.num-workers", "4"], flags
-    dump, _ = _torchrun(tmp, "slow_data_fixed", "fsdp_doctor.titan", [*args, *flags])
+    # the Trainer's metric reductions (4 all-reduces a step besides clipping's norm: its token count, and the loss's
+    # sum and maximum and the tokens seen, logged every step) come out of hiding once the batches wait no more,
+    # as optim.step_comm with its --metrics.log-freq (their exposure is mostly the ranks' skew: not in every run).
+    # The rerun applies it too: only the token count's all-reduce stays on a step that does not log
+    comm = found.get("optim.step_comm")
+    lever = S.TITAN_TRAINER[(0, 3)]["levers"]["optim.step_comm"][1]  # what it prints where it fires
+    if comm is not None and comm.recommendation.where == "torchtitan":
+        assert comm.recommendation.code.splitlines()[-1] == lever, comm.recommendation
+    dump, _ = _torchrun(tmp, "slow_data_fixed", "fsdp_doctor.titan", [*args, *flags, *shlex.split(lever)])
     _, fixed, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
-    assert "jitter.data_wait" not in after, after.keys()
+    assert "jitter.data_wait" not in after and "optim.step_comm" not in after, after.keys()
     pred = wait.predicted
     gained = pred.step_ms_before - fixed.steps.job.p50_ms
     assert gained >= 0.5 * (pred.step_ms_before - pred.step_ms_after), (gained, pred)
-    # the loader's wait hid the Trainer's metric reductions (4 all-reduces a step besides clipping's norm: its
-    # token count, and the loss's sum and maximum and the tokens seen, logged every step); once the batches wait
-    # no more they can show (their exposure is mostly the ranks' skew, so not every run), as optim.step_comm with
-    # its --metrics.log-freq. Run as printed, only the token count stays on a step that does not log
-    revealed = {c for c, f in after.items() if f.severity != "info"} - HEADROOM - set(found)
-    assert revealed <= {"optim.step_comm"}, revealed
-    comm = after.get("optim.step_comm") or found.get("optim.step_comm")
-    lever = S.TITAN_TRAINER[(0, 3)]["levers"]["optim.step_comm"][1]  # what it prints where it fires
-    if comm is not None:
-        assert comm.recommendation.code.splitlines()[-1] == lever, comm.recommendation
-    dump, _ = _torchrun(tmp, "metrics_fixed", "fsdp_doctor.titan", [*args, *flags, *shlex.split(lever)])
-    _, metrics_fixed, again = _diagnosis(dump / TT.DEFAULT_SUBDIR)
+    assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM <= set(found), after.keys()
 
     def loop_calls(rep):  # the loop's all-reduces per profiled step (no FSDP unit's, not a norm's)
         return {r.rank: r.count_per_step for r in rep.overlap.per_unit if r.unit == "(other)" and r.phase is None}
 
-    assert set(loop_calls(fixed).values()) == {4.0} and set(loop_calls(metrics_fixed).values()) == {1.0}
-    assert "optim.step_comm" not in again and "jitter.data_wait" not in again, again.keys()
+    assert set(loop_calls(report).values()) == {4.0} and set(loop_calls(fixed).values()) == {1.0}
 
 
 def test_entry_point_leaves_the_trainer_as_it_was(monkeypatch, caplog):
