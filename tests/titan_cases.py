@@ -59,12 +59,10 @@ BASE_ARGS = ["--training.mixed-precision-param", "float32", "--parallelism.spmd-
 
 
 def _cpu() -> None:
-    """torchtitan on this machine: its device type "cpu" (it reads CUDA's by default)."""
-    import torchtitan.distributed.parallel_dims as PD
-    import torchtitan.distributed.utils as DU
+    """torchtitan on this machine: the shims its Trainer runs with too (titan_registry.cpu_shims)."""
+    from titan_registry import cpu_shims
 
-    PD.device_type = DU.device_type = "cpu"
-    DU.device_module = torch.cpu
+    cpu_shims()
 
 
 def job_config(args: list[str]):

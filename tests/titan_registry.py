@@ -82,9 +82,15 @@ class _CpuModule:
         pass
 
 
-def _cpu() -> None:
-    """torchtitan on this machine: its device type "cpu" wherever a module holds it, and SUM reduction."""
+def cpu_shims() -> None:
+    """torchtitan on this machine: its device type "cpu" wherever a module holds it, SUM reduction, no timeout
+    change torch 2.13 cannot make. Once per process (tests/titan_cases.py calls it too)."""
     import importlib
+
+    import torchtitan.distributed.fsdp as TF
+
+    if getattr(TF.disable_fsdp_gradient_division, "_cpu_shim", False):
+        return
 
     for name in ("torchtitan.tools.utils", "torchtitan.components.metrics", "torchtitan.distributed.parallel_dims",
                  "torchtitan.distributed.utils", "torchtitan.models.common.token_dispatcher",
@@ -94,7 +100,6 @@ def _cpu() -> None:
             mod.device_type = "cpu"
         if hasattr(mod, "device_module"):
             mod.device_module = _CpuModule()
-    import torchtitan.distributed.fsdp as TF
     from torch.distributed.fsdp import FSDPModule
 
     divide = TF.disable_fsdp_gradient_division
@@ -105,6 +110,7 @@ def _cpu() -> None:
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
 
+    disable_fsdp_gradient_division._cpu_shim = True
     TF.disable_fsdp_gradient_division = disable_fsdp_gradient_division
     import torch.distributed as dist
     import torchtitan.distributed.utils as DU
@@ -114,7 +120,7 @@ def _cpu() -> None:
 
 
 if "torchtitan" in sys.modules:  # (imported by torchtitan's ConfigManager; the test process imports write_assets)
-    _cpu()
+    cpu_shims()
 
 
 def tiny():

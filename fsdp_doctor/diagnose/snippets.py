@@ -831,14 +831,23 @@ TITAN_SETTINGS = {
 }
 
 
+def titan_table(tables: dict, version: str) -> Optional[dict]:
+    """The entry of a table by torchtitan version (major, minor) for ``version`` ("0.3.0"); None where the table
+    does not know it (or the version does not parse)."""
+    try:
+        return tables.get(tuple(int(x) for x in version.split(".")[:2]))
+    except ValueError:
+        return None
+
+
 def titan_settings(version: str, **settings) -> Optional[str]:
     """torchtitan's job-config ``settings`` (TITAN_SETTINGS' names and values) as its ``version``'s command line
     takes them, with the same in a config_registry function in comments; None where the table does not know
     that version (or a setting of it)."""
+    table = titan_table(TITAN_SETTINGS, version)
     try:
-        table = TITAN_SETTINGS[tuple(int(x) for x in version.split(".")[:2])]
         args = [table[k][v] for k, v in settings.items()]
-    except (KeyError, ValueError):
+    except (KeyError, TypeError):  # (a setting the table lacks; no table for that version)
         return None
     flags = [a for a, _ in args if a.startswith("--")] + [a for a, _ in args if not a.startswith("--")]
     return "\n".join([f"# torchtitan {version}: on the command line that runs torchtitan.train, in place of the "
@@ -899,10 +908,7 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     own such function, a mixture of experts' load balancing, still runs first); a command line stays as it is; any
     other fix (one that rebinds the model or the optimizer, replaces the sharding or edits the loop) says where such
     a change goes."""
-    try:
-        table = TITAN_TRAINER[tuple(int(x) for x in version.split(".")[:2])]
-    except (KeyError, ValueError):
-        table = None
+    table = titan_table(TITAN_TRAINER, version)
     said = f"torchtitan {version}" if version else "torchtitan"
     lever = table["levers"].get(finding) if table is not None else None
     if lever is not None and all(said_ in rec.text for said_ in lever[2:]):  # (a lever for one branch: its words)
