@@ -360,7 +360,8 @@ class StepRecord(Record, tag="step"):
     # optimizer, do not. None: not timed (no forward or no optimizer step seen; records before this field)
     between_ms: float | None = None
     # checkpoint saves in the step (``with doctor.checkpointing():`` around them; torchtitan's Trainer's under
-    # python -m fsdp_doctor.titan) and their time, kept out of outside_ms and between_ms
+    # python -m fsdp_doctor.titan; a Hugging Face Trainer's under DoctorCallback) and their time, kept out of
+    # outside_ms and between_ms
     checkpoint_ms: float = 0.0
     checkpoints: int = 0
 

@@ -248,7 +248,8 @@ class NoGradSteps(_Section):
 
 class CheckpointSteps(_Section):
     """One rank's steps that saved a checkpoint (``doctor.checkpointing()``; torchtitan's Trainer's saves under
-    ``python -m fsdp_doctor.titan``), whose save time is kept out of the time outside the model."""
+    ``python -m fsdp_doctor.titan``, a Hugging Face Trainer's under ``DoctorCallback``), whose save time is kept
+    out of the time outside the model."""
 
     steps: list[int]
     saves: int  # in those steps, all together

@@ -26,6 +26,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -395,7 +396,7 @@ def run_trainer(out: Path) -> dict:
     """A Hugging Face ``Trainer`` (accelerate's FSDP2 plugin, forced to FSDP as in run_accelerate) training a
     Llama for 8 optimizer steps of 2 micro-batches, evaluating after steps 3 and 6: without the doctor, then with
     ``fsdp_doctor.DoctorCallback``; then a second ``train()`` into the same run directory (refused: one log line,
-    training goes on) and a callback with a misspelt option (refused before training)."""
+    training goes on) and a callback with a misspelt option (refused before training); then trainer_saves."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
@@ -469,7 +470,40 @@ def run_trainer(out: Path) -> dict:
             "data_wait": None if wait is None else {"share": wait.evidence["outside_share_pct"],
                                                     "where": wait.recommendation.where,
                                                     "code": wait.recommendation.code, "text": wait.recommendation.text},
-            "data_wait_after_fix": wait_after}
+            "data_wait_after_fix": wait_after, "outside_ms_p50": statistics.median(s.outside_ms for s in rd.steps),
+            **trainer_saves(out, rank)}
+
+
+def trainer_saves(out: Path, rank: int) -> dict:
+    """A Trainer saving a checkpoint every 2 of its 8 steps (save_strategy "steps", accelerate's plugin's default
+    FULL_STATE_DICT: the model and optimizer gathered and written whole), watched: each save timed apart from the
+    time outside the model; checkpoint.blocking's fix (how often it saves, on trainer.args) pasted as printed into
+    a new Trainer, which then saves less often and leaves the rule quiet."""
+    def saving(name, fix=None):
+        tr_ = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False)],
+                           out / f"hf_{name}", save_strategy="steps", save_steps=2)
+        if fix is not None:
+            exec(compile(fix, "<checkpoint.blocking fix>", "exec"), {"trainer": tr_})
+        tr_.train()
+        dist.barrier()
+        run = fsdp_doctor.load_run(out / name)
+        rep = fsdp_doctor.build_report(run)
+        f = next((f for f in rep.findings if f.code == "checkpoint.blocking"), None)
+        return {"saves": {s.step: [s.checkpoints, s.checkpoint_ms, s.outside_ms] for s in run.ranks[rank].steps
+                          if s.checkpoints},
+                "status": next(s.status for s in rep.rules if s.code == "checkpoint.blocking"),
+                "checkpoints": {r: msgspec.to_builtins(c) for r, c in rep.steps.checkpoints.items()},
+                "outliers": [[o.rank, o.step, o.cause] for o in rep.steps.outliers],
+                "findings": sorted(f.code for f in rep.findings if f.severity != "info"),
+                "save_dirs": sorted(p.name for p in (out / f"hf_{name}").glob("checkpoint-*")),
+                "wall_ms": round(sum(s.wall_ms for s in run.ranks[rank].steps), 1),
+                "finding": None if f is None else {"severity": f.severity, "evidence": f.evidence,
+                                                   "where": f.recommendation.where, "code": f.recommendation.code,
+                                                   "text": f.recommendation.text}}
+
+    before = saving("saves")
+    fix = before["finding"] and before["finding"]["code"]
+    return {"saves": before, "saves_fixed": saving("saves_fixed", fix) if fix else None}
 
 
 def _outcome(path: Path, rank: int) -> dict:

@@ -169,6 +169,27 @@ def test_hf_trainer_data_wait_fix_sets_the_trainers_dataloader_arguments(trainer
         assert res["data_wait_after_fix"] == "quiet", res["data_wait_after_fix"]
 
 
+def test_hf_trainer_saves_timed_and_their_fix_is_how_often(trainer_run):
+    """A Trainer saving every 2 of its 8 steps (accelerate's default FULL_STATE_DICT): each save is timed apart,
+    from the Trainer's last event before it to its on_save (180-280 ms each here, 20% of the recorded time), so
+    that neither the time outside the model nor an outlier holds it; checkpoint.blocking warns, and its fix sets
+    how often the Trainer saves on trainer.args (it has no asynchronous save). Pasted as printed into a new
+    Trainer: no save before the end of its 8 steps, and the rule quiet."""
+    for res in trainer_run[0]:
+        before, after = res["saves"], res["saves_fixed"]
+        assert sorted(before["saves"]) == ["2", "4", "6"], before["saves"]
+        normal = res["outside_ms_p50"]
+        for n, ms, outside in before["saves"].values():
+            # (the save is out of the time outside the model: that stays near an ordinary step's)
+            assert n == 1 and ms > 20 and outside < normal + 0.5 * ms, (before["saves"], normal)
+        assert not [o for o in before["outliers"] if o[1] in (2, 4, 6) and o[2] != "checkpoint"], before["outliers"]
+        f = before["finding"]
+        assert f["severity"] == "warning" and f["where"] == "trainer" and f["evidence"]["save_steps_after"] > 8, f
+        assert f["code"].splitlines()[1].startswith(f"trainer.args.save_steps = {f['evidence']['save_steps_after']}")
+        assert after["status"] == "quiet" and after["saves"] == {} and after["save_dirs"] == ["checkpoint-8"], after
+        assert "checkpoint.blocking" not in after["findings"] and set(after["findings"]) <= set(before["findings"])
+
+
 def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
     """A fix for the sharded model of a Trainer-driven run is printed as a Trainer callback (the Trainer shards the
     model inside train()): prefetch.sync_unshard's, executed as printed with a new Trainer, leaves the rule quiet

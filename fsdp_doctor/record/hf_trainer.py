@@ -8,7 +8,10 @@ unwrapped by ``watch``), calls ``doctor.step()`` after every micro-batch (``on_s
 optimizer step, which the doctor counts into the step's ``micro_batches``) and at ``on_step_end`` (after the
 optimizer, the scheduler and ``zero_grad``), and stops at ``on_train_end``. Evaluation between steps runs the model without
 gradients: the recorder keeps those forward passes apart (``StepRecord.no_grad_ms``), so they are neither the
-step's forward nor time outside the model.
+step's forward nor time outside the model. A checkpoint save (``save_strategy``) is timed as
+``doctor.checkpointing()`` times one (``StepRecord.checkpoint_ms``): the Trainer calls no callback before a save,
+so it is taken to start at the Trainer's last event before its ``on_save`` (the step's end, its log, its
+evaluation: ``Trainer._maybe_log_save_evaluate`` runs them in that order, then the save).
 
 Training never depends on the doctor: a refusal (no FSDP2 unit in the model, ``out_dir`` holding another run)
 is one log line and training goes on unwatched. A ``train()`` that raised leaves no hook behind either: the next
@@ -23,7 +26,7 @@ from transformers import TrainerCallback
 
 from ..records import TRAINER_DRIVER
 from .options import WatchOptions
-from .tracker import Doctor, WatchError
+from .tracker import Doctor, WatchError, _now
 
 log = logging.getLogger("fsdp_doctor")
 
@@ -35,6 +38,7 @@ class DoctorCallback(TrainerCallback):
     def __init__(self, out_dir, **options):
         self.options = WatchOptions.from_kwargs({"out_dir": out_dir, **options})
         self.doctor: Doctor | None = None
+        self._last_event = 0  # perf_counter_ns of the Trainer's last event that can come before a save
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._close()
@@ -51,7 +55,18 @@ class DoctorCallback(TrainerCallback):
         if self.doctor is not None:
             self.doctor.step()
 
-    on_step_end = on_substep_end
+    def on_step_end(self, args, state, control, **kwargs):
+        self.on_substep_end(args, state, control)
+        self._last_event = _now()
+
+    def _event(self, args, state, control, **kwargs):
+        self._last_event = _now()
+
+    on_log = on_evaluate = on_epoch_end = _event
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.doctor is not None and self._last_event:
+            self.doctor.saved_since(self._last_event)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._close()

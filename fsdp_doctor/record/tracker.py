@@ -320,8 +320,15 @@ class Doctor:
         try:
             yield mark
         finally:
-            if self.active and mark.saved:
-                self._saves.append((t0, _now()))
+            if mark.saved:
+                self.saved_since(t0)
+
+    def saved_since(self, t0: int) -> None:
+        """A checkpoint save that began at ``t0`` (a ``time.perf_counter_ns()`` reading) has just ended: recorded as
+        ``checkpointing()`` records one, for a driver that sees the end of a save but not its start (the Hugging
+        Face Trainer's ``on_save``, after its last event before the save)."""
+        if self.active:
+            self._saves.append((t0, _now()))
 
     def _is_micro_batch(self) -> bool:
         """Whether this doctor.step() call ends a micro-batch rather than an optimizer step."""

@@ -1,8 +1,9 @@
 """Checkpoint saves that training waits for (the records' saves: ``doctor.checkpointing()``, torchtitan's Trainer's
-under ``python -m fsdp_doctor.titan``)."""
+under ``python -m fsdp_doctor.titan``, a Hugging Face Trainer's under ``DoctorCallback``)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from .. import estimate as E
@@ -11,6 +12,14 @@ from ..base import Context, Rule, register
 
 #: saves taking at least this share of the recorded time are a finding, a warning from the second
 SHARE_NOTE, SHARE_WARN = 0.05, 0.15
+#: the share a save-less-often fix aims at: under SHARE_NOTE, with room for the saves' own spread
+SHARE_AIM = 0.04
+
+
+def save_every(save_ms: float, step_ms: float, aim: float = SHARE_AIM) -> int:
+    """Steps between saves for saves of ``save_ms`` each to take ``aim`` of the time, steps of ``step_ms``
+    between them: a save every n steps takes save / (n x step + save)."""
+    return max(1, math.ceil(save_ms * (1 - aim) / (aim * step_ms)))
 
 
 @register
@@ -24,8 +33,9 @@ class CheckpointBlocking(Rule):
     def match(self, ctx: Context):
         per = {int(r): c for r, c in E.steps(ctx).checkpoints.items() if c.wall_ms_total > 0}
         if not per:
-            return self.quiet("no checkpoint save recorded (with doctor.checkpointing() around it, or torchtitan's "
-                              "Trainer's under python -m fsdp_doctor.titan)")
+            return self.quiet("no checkpoint save recorded (with doctor.checkpointing() around it, torchtitan's "
+                              "Trainer's under python -m fsdp_doctor.titan, a Hugging Face Trainer's under "
+                              "DoctorCallback)")
         rank = max(per, key=lambda r: per[r].ms_total / per[r].wall_ms_total)
         c = per[rank]
         share = c.ms_total / c.wall_ms_total
@@ -41,13 +51,32 @@ class CheckpointBlocking(Rule):
                     # the most an asynchronous save gains: all of the save but its copy to host memory
                     "gain_ms_per_step_at_most": round(per_step, 3)}
         often = f", one every {every:g} steps" if every else ""
+        said = (f"Each of the {c.saves} saves stops training for {c.ms_p50:.1f} ms{often}: {per_step:.1f} ms per "
+                f"step over the run (rank {rank}).")
+        code = where = ""
+        if E.trainer_driven(ctx):
+            # the Hugging Face Trainer saves synchronously (no asynchronous option): its lever is how often
+            step_ms = (c.wall_ms_total - c.ms_total) / steps
+            n = save_every(c.ms_p50, step_ms)
+            gain = per_step - c.ms_p50 / n
+            evidence |= {"save_steps_after": n, "share_pct_after": round(100 * c.ms_p50 / (n * step_ms + c.ms_p50), 1),
+                         "gain_ms_per_step": round(gain, 3)}
+            text = (f"{said} The Trainer saves synchronously: save every {n} optimizer steps instead, and the saves "
+                    f"take {evidence['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step gained), at the "
+                    f"cost of more steps to redo after a failure. With load_best_model_at_end, keep save_steps a "
+                    "multiple of eval_steps.")
+            code = (f"trainer.args.save_strategy = \"steps\"  # saves by step count (read by trainer.train())\n"
+                    f"trainer.args.save_steps = {n}  # optimizer steps between saves: {c.ms_p50:.0f} ms each, "
+                    f"{evidence['share_pct_after']:.1f}% of the time")
+            where = "trainer"
+        else:
+            text = (f"{said} Save asynchronously (torch.distributed.checkpoint.async_save): the step then waits "
+                    "only while the state is copied to host memory, and the write goes on in the background "
+                    f"(at most {per_step:.1f} ms per step to gain, less that copy); or save less often. "
+                    f"{S.NO_SAVE_CODE}")
         return [self.finding(
             "warning" if share >= SHARE_WARN else "info",
             f"Training waits for checkpoint saves {100 * share:.0f}% of the recorded time",
-            evidence,
-            f"Each of the {c.saves} saves stops training for {c.ms_p50:.1f} ms{often}: {per_step:.1f} ms per step "
-            f"over the run (rank {rank}). Save asynchronously (torch.distributed.checkpoint.async_save): the step "
-            "then waits only while the state is copied to host memory, and the write goes on in the background "
-            f"(at most {per_step:.1f} ms per step to gain, less that copy); or save less often. {S.NO_SAVE_CODE}",
+            evidence, text, code, where=where,
             ranks=sorted(r for r in per if per[r].ms_total >= SHARE_NOTE * per[r].wall_ms_total),
         )]
