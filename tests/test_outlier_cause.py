@@ -246,7 +246,7 @@ def test_trainer_saves_fix_is_how_often_it_saves():
     e, rec = f.evidence, f.recommendation
     assert (e["save_steps_after"], e["share_pct_after"], e["gain_ms_per_step"]) == (60, 4.0, 58.333), e
     assert rec.where == "trainer" and rec.inputs == {"trainer": "your transformers Trainer"}, rec
-    assert rec.code.splitlines() == ['trainer.args.save_strategy = "steps"  # saves by step count (read by trainer.train())',
-                                     "trainer.args.save_steps = 60  # optimizer steps between saves: 250 ms each, "
-                                     "4.0% of the time"], rec.code
+    assert rec.code.splitlines() == [
+        'trainer.args.save_strategy = "steps"  # saves by step count (read by trainer.train())',
+        "trainer.args.save_steps = 60  # optimizer steps between saves: 250 ms each, 4.0% of the time"], rec.code
     assert "async_save" not in rec.text and "no code is offered" not in rec.text, rec.text
