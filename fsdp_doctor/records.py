@@ -191,6 +191,9 @@ class RunConfig(Record, tag="config"):
     # TORCHTITAN_SHARDER (a torchtitan model: its job config holds them)
     sharded_by: str | None = None
     sharder_version: str | None = None  # that sharder's version (torchtitan's, whose command line changes with it)
+    # accelerate's FSDP2 plugin's state_dict_type where it sharded the model: how its save_state and a Trainer's
+    # checkpoints save it ("FULL_STATE_DICT": gathered and written whole; "SHARDED_STATE_DICT"); None: not read
+    plugin_state_dict_type: str | None = None
     units: list[UnitConfig] = []
     # the device mesh of the units' parameters where it has dims beyond FSDP's (tensor, context or expert parallelism
     # beside FSDP): each dim's name and size in mesh order, FSDP's first (fsdp_dims of them); {}: FSDP's mesh only,

@@ -497,6 +497,7 @@ def trainer_saves(out: Path, rank: int) -> dict:
                 "findings": sorted(f.code for f in rep.findings if f.severity != "info"),
                 "save_dirs": sorted(p.name for p in (out / f"hf_{name}").glob("checkpoint-*")),
                 "wall_ms": round(sum(s.wall_ms for s in run.ranks[rank].steps), 1),
+                "state_dict_type": run.ranks[rank].config.plugin_state_dict_type,
                 "finding": None if f is None else {"severity": f.severity, "evidence": f.evidence,
                                                    "where": f.recommendation.where, "code": f.recommendation.code,
                                                    "text": f.recommendation.text}}

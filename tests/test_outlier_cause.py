@@ -250,3 +250,10 @@ def test_trainer_saves_fix_is_how_often_it_saves():
         'trainer.args.save_strategy = "steps"  # saves by step count (read by trainer.train())',
         "trainer.args.save_steps = 60  # optimizer steps between saves: 250 ms each, 4.0% of the time"], rec.code
     assert "async_save" not in rec.text and "no code is offered" not in rec.text, rec.text
+    assert "SHARDED_STATE_DICT" not in rec.text  # (the plugin's state_dict_type not recorded)
+    for rd in run.ranks.values():
+        rd.config.plugin_state_dict_type = "FULL_STATE_DICT"
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking")
+    assert f.recommendation.text.endswith("with fsdp_config={..., 'state_dict_type': 'SHARDED_STATE_DICT'} every "
+                                          "rank writes its own shards, and the checkpoints hold no model.safetensors "
+                                          "(accelerate merge-weights makes one)."), f.recommendation.text

@@ -186,6 +186,8 @@ def test_hf_trainer_saves_timed_and_their_fix_is_how_often(trainer_run):
         f = before["finding"]
         assert f["severity"] == "warning" and f["where"] == "trainer" and f["evidence"]["save_steps_after"] > 8, f
         assert f["code"].splitlines()[1].startswith(f"trainer.args.save_steps = {f['evidence']['save_steps_after']}")
+        # (accelerate's default, recorded: each save could be cheaper, which the text says)
+        assert before["state_dict_type"] == "FULL_STATE_DICT" and "'SHARDED_STATE_DICT'" in f["text"], f["text"]
         assert after["status"] == "quiet" and after["saves"] == {} and after["save_dirs"] == ["checkpoint-8"], after
         assert "checkpoint.blocking" not in after["findings"] and set(after["findings"]) <= set(before["findings"])
 

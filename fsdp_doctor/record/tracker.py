@@ -64,6 +64,15 @@ FLOPS_RECOUNTS = 4
 _now = time.perf_counter_ns
 
 
+def _plugin_state_dict_type() -> str | None:
+    """The state_dict_type of accelerate's FSDP2 plugin (how its save_state and a Trainer's checkpoints save the
+    model: "FULL_STATE_DICT", "SHARDED_STATE_DICT"), read from its shared state without creating one; None: none."""
+    state = getattr(sys.modules.get("accelerate.state"), "AcceleratorState", None)
+    plugin = (getattr(state, "_shared_state", None) or {}).get("fsdp_plugin")
+    kind = getattr(plugin, "state_dict_type", None)
+    return None if kind is None else str(getattr(kind, "name", kind))
+
+
 class SaveMark:
     """What ``Doctor.checkpointing()`` yields: ``saved`` False drops the call (it saved nothing)."""
 
@@ -429,6 +438,8 @@ class Doctor:
         cfg.driver = self.driver
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None
+        if cfg.sharded_by is not None:
+            cfg.plugin_state_dict_type = _plugin_state_dict_type()
         # a torchtitan model (fully_shard subclasses its class: FSDPLlama3Model)
         if cfg.sharded_by is None and any(c.__module__.split(".")[0] == TORCHTITAN_SHARDER
                                           for c in type(self.model).__mro__):

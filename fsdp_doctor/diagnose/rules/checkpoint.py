@@ -65,6 +65,11 @@ class CheckpointBlocking(Rule):
                     f"take {evidence['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step gained), at the "
                     f"cost of more steps to redo after a failure. With load_best_model_at_end, keep save_steps a "
                     "multiple of eval_steps.")
+            if getattr(ctx.config, "plugin_state_dict_type", None) == "FULL_STATE_DICT":
+                text += (" Or make each save cheaper: accelerate's plugin saves FULL_STATE_DICT here, gathering the "
+                         "model and the optimizer state whole for rank 0 to write; with fsdp_config={..., "
+                         "'state_dict_type': 'SHARDED_STATE_DICT'} every rank writes its own shards, and the "
+                         "checkpoints hold no model.safetensors (accelerate merge-weights makes one).")
             code = (f"trainer.args.save_strategy = \"steps\"  # saves by step count (read by trainer.train())\n"
                     f"trainer.args.save_steps = {n}  # optimizer steps between saves: {c.ms_p50:.0f} ms each, "
                     f"{evidence['share_pct_after']:.1f}% of the time")
