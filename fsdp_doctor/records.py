@@ -358,9 +358,10 @@ class StepRecord(Record, tag="step"):
     # memory figures, a profiler trace's export; not in outside_ms
     doctor_ms: float = 0.0
     # of outside_ms, the time between optimizer.step() and the next forward, on the host: this step's start to its
-    # first training forward (the doctor's own work left out) plus its last optimizer.step()'s end to its end. Data
-    # loading lies there; the loss between forward and backward, and clipping or logging between backward and the
-    # optimizer, do not. None: not timed (no forward or no optimizer step seen; records before this field)
+    # first training forward (the doctor's own work left out) plus its last optimizer.step()'s end to its end, less
+    # the checkpoint saves and forwards without gradients (evaluation) there. Data loading lies there; the loss
+    # between forward and backward, and clipping or logging between backward and the optimizer, do not. None: not
+    # timed (no forward or no optimizer step seen; records before this field)
     between_ms: float | None = None
     # checkpoint saves in the step (``with doctor.checkpointing():`` around them; torchtitan's Trainer's under
     # python -m fsdp_doctor.titan; a Hugging Face Trainer's under DoctorCallback) and their time, kept out of

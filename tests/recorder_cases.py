@@ -463,6 +463,7 @@ def run_trainer(out: Path) -> dict:
     return {"identical": identical, "left": left, "base_left": base_left, "losses": first_losses,
             "steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
             "no_grad": {s.step: [s.no_grad_forwards, s.no_grad_ms] for s in rd.steps if s.no_grad_forwards},
+            "between": {s.step: [s.between_ms, s.outside_ms, s.wall_ms] for s in rd.steps},
             "unit_calls": [[u.fwd_calls for u in s.units] for s in rd.steps], "optimizer": rd.config.optimizer,
             "second_losses": losses(again), "fix_places": {c: r.where for c, r in fixes.items()},
             "sync_unshard_fix": fixes["prefetch.sync_unshard"].code if "prefetch.sync_unshard" in fixes else None,

@@ -71,6 +71,9 @@ class StepTimings:
     # host clock (ns) at the step's first training forward's start and at its last optimizer.step()'s end; 0: none
     first_forward_ns: int = 0
     last_optimizer_end_ns: int = 0
+    # of no_grad_ms, forwards without gradients before the first training forward or after the last optimizer.step()
+    # (evaluation between steps): the part lying in the time between steps
+    no_grad_between_ms: float = 0.0
 
 
 class _UnitAcc:
@@ -486,8 +489,13 @@ class StepTimer:
     def _model_post(self, module, args, output):
         if self._no_grad_t0:
             if self.active:
-                self._no_grad_ns += _now() - self._no_grad_t0
+                dt = _now() - self._no_grad_t0
+                self._no_grad_ns += dt
                 self._no_grad_count += 1
+                if not self._first_fwd:  # before the step's first training forward
+                    self._ng_pre_ns += dt
+                elif self._opt_end:  # after an optimizer.step() (until the next one)
+                    self._ng_post_ns += dt
             self._no_grad_t0 = 0
             return
         if self.active and not _compiling() and not in_backward() and self._fwd_start:
@@ -557,6 +565,7 @@ class StepTimer:
     def _opt_post(self, optimizer, args, kwargs):
         if self.active and self._opt_start:
             self._opt_end = _now()
+            self._ng_post_ns = 0
             self._optimizer_ns += self._opt_end - self._opt_start
             self._opt_start = 0
             self.optimizer_steps += 1
@@ -588,6 +597,7 @@ class StepTimer:
         self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = 0
+        self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._bwd_cb_queued = False
         for a in self._acc.values():
@@ -607,7 +617,8 @@ class StepTimer:
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
-                           last_optimizer_end_ns=self._opt_end)
+                           last_optimizer_end_ns=self._opt_end,
+                           no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)))
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

@@ -370,10 +370,11 @@ class Doctor:
         save_ms = _ms(sum(b - a for a, b in saves))
         between = None
         if tm.first_forward_ns and tm.last_optimizer_end_ns and tm.last_optimizer_end_ns <= t_end:
-            # (less the saves there: before the first forward or after the last optimizer step)
+            # (less the saves and the forwards without gradients there: before the first forward or after the last
+            # optimizer step)
             in_window = _ms(sum(b - a for a, b in saves if b <= tm.first_forward_ns or a >= tm.last_optimizer_end_ns))
             between = max(0.0, round(_ms(tm.first_forward_ns - self._step_t0) - own_ms
-                                     + _ms(t_end - tm.last_optimizer_end_ns) - in_window, 3))
+                                     + _ms(t_end - tm.last_optimizer_end_ns) - in_window - tm.no_grad_between_ms, 3))
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
