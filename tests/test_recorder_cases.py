@@ -332,17 +332,20 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
 def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):
     """Tensor parallelism beside FSDP in a user's own code (a ("dp", "tp") mesh of 2 x 2; torch's parallelize_module
     on an HF Llama's layers, then fully_shard(model, mesh=mesh["dp"]) alone). Watched, its losses are those of the
-    same run without the doctor; the run records the mesh. wrap.too_coarse's fix uses the user's FSDP mesh, which
-    it reads (its input "mesh": mesh["dp"]) instead of defining a mesh over all 4 ranks (fully_shard on that would
+    same run without the doctor; the run records the mesh. wrap.too_coarse's fix uses the user's FSDP mesh, which it
+    reads (its input "mesh": mesh["dp"]) instead of defining a mesh over all 4 ranks (fully_shard on that would
     shard each layer's tensor-parallel halves over 4 ranks, against the mesh they live on); pasted in place of the
-    fully_shard call, it runs, the finding is gone, the losses are unchanged and the peak is under the prediction.
-    The prediction is 12% high here (as without tensor parallelism, 15% on the 2-rank model): it keeps the peak at
-    the end of forward, where after the split it moves into backward. With each layer sharded on mesh["dp"] and the
-    root forgotten, wrap.root_not_sharded's fix reads FSDP's dim of the parameters' mesh (['dp']) and, run after
-    those calls, removes the finding at the predicted peak within 10%; what the root then holds (the embeddings and
-    head) is wrap.params_in_root's, which the run without a root could not say."""
+    fully_shard call, it runs, the finding is gone, the losses are unchanged and the peak is under the prediction
+    and within 10% of it: 2,441,308 B predicted, 2,371,420 B measured (+3%; +3% on the 2-rank model without tensor
+    parallelism). The prediction keeps the whole unit's gradients of its backward peak (714,488 B), where the
+    split's peak, in the last layer's backward, holds one layer's (352,504 B with temporaries) and, not counted,
+    more saved activations (+193,024 B), the head's reduce-scatter buffer (66,048 B) and its reduced gradients
+    (33,024 B); the two gathered layers are the pair it counts. With each layer sharded on mesh["dp"] and the root
+    forgotten, wrap.root_not_sharded's fix reads FSDP's dim of the parameters' mesh (['dp']) and, run after those
+    calls, removes the finding at the predicted peak within 10%; what the root then holds (the embeddings and head)
+    is wrap.params_in_root's, which the run without a root could not say."""
     for res in _fix_case(tmp_path_factory, "tp_fixes", world=4):
-        before, after, f = fixed_pair(res, "coarse", "wrap.too_coarse", "unsharded", None, within=0.15)
+        before, after, f = fixed_pair(res, "coarse", "wrap.too_coarse", "unsharded", None)
         assert res["unwatched"]["losses"] == before["losses"] == after["losses"], res["unwatched"]["losses"]
         assert before["mesh"] == after["mesh"] == {"dp": 2, "tp": 2}, before["mesh"]
         assert f["inputs"] == {"mesh": "the mesh your fully_shard calls pass: ['dp'] of your dp 2 × tp 2 mesh"}
