@@ -237,6 +237,7 @@ def test_trainer_saves_fix_is_how_often_it_saves():
     saves' fix is how often it saves, set on trainer.args: 250 ms saves between 100.1 ms steps take 4% of the time
     once every 60 steps (250 x 0.96 / (0.04 x 100.1) = 59.9), 58.3 ms per step gained (62.5 - 250 / 60)."""
     import fsdp_doctor
+    from fsdp_doctor.diagnose import snippets as S
     from fsdp_doctor.records import TRAINER_DRIVER, RunConfig
 
     run = _save_run({3, 6, 9})
@@ -257,3 +258,10 @@ def test_trainer_saves_fix_is_how_often_it_saves():
     assert f.recommendation.text.endswith("with fsdp_config={..., 'state_dict_type': 'SHARDED_STATE_DICT'} every "
                                           "rank writes its own shards, and the checkpoints hold no model.safetensors "
                                           "(accelerate merge-weights makes one)."), f.recommendation.text
+    # (a loop of the user's own around accelerator.save_state: the plugin's own argument, and still no code)
+    for rd in run.ranks.values():
+        rd.config.driver = None
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking")
+    assert ("with FullyShardedDataParallelPlugin(..., state_dict_type='SHARDED_STATE_DICT') every rank writes"
+            in f.recommendation.text and f.recommendation.text.endswith(S.NO_SAVE_CODE)), f.recommendation.text
+    assert not f.recommendation.code

@@ -22,6 +22,16 @@ def save_every(save_ms: float, step_ms: float, aim: float = SHARE_AIM) -> int:
     return max(1, math.ceil(save_ms * (1 - aim) / (aim * step_ms)))
 
 
+def _sharded_saves(ctx: Context, setting: str) -> str:
+    """The cheaper-save lever where accelerate's FSDP2 plugin saves whole state dicts (its save_state, a Trainer's
+    checkpoints), ``setting`` naming where its user sets the sharded kind; "" otherwise."""
+    if getattr(ctx.config, "plugin_state_dict_type", None) != "FULL_STATE_DICT":
+        return ""
+    return (" Or make each save cheaper: accelerate's plugin saves FULL_STATE_DICT here, gathering the model and the "
+            f"optimizer state whole for rank 0 to write; with {setting} every rank writes its own shards, and the "
+            "checkpoints hold no model.safetensors (accelerate merge-weights makes one).")
+
+
 @register
 class CheckpointBlocking(Rule):
     code = "checkpoint.blocking"
@@ -65,11 +75,7 @@ class CheckpointBlocking(Rule):
                     f"take {evidence['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step gained), at the "
                     f"cost of more steps to redo after a failure. With load_best_model_at_end, keep save_steps a "
                     "multiple of eval_steps.")
-            if getattr(ctx.config, "plugin_state_dict_type", None) == "FULL_STATE_DICT":
-                text += (" Or make each save cheaper: accelerate's plugin saves FULL_STATE_DICT here, gathering the "
-                         "model and the optimizer state whole for rank 0 to write; with fsdp_config={..., "
-                         "'state_dict_type': 'SHARDED_STATE_DICT'} every rank writes its own shards, and the "
-                         "checkpoints hold no model.safetensors (accelerate merge-weights makes one).")
+            text += _sharded_saves(ctx, "fsdp_config={..., 'state_dict_type': 'SHARDED_STATE_DICT'}")
             code = (f"trainer.args.save_strategy = \"steps\"  # saves by step count (read by trainer.train())\n"
                     f"trainer.args.save_steps = {n}  # optimizer steps between saves: {c.ms_p50:.0f} ms each, "
                     f"{evidence['share_pct_after']:.1f}% of the time")
@@ -77,8 +83,9 @@ class CheckpointBlocking(Rule):
         else:
             text = (f"{said} Save asynchronously (torch.distributed.checkpoint.async_save): the step then waits "
                     "only while the state is copied to host memory, and the write goes on in the background "
-                    f"(at most {per_step:.1f} ms per step to gain, less that copy); or save less often. "
-                    f"{S.NO_SAVE_CODE}")
+                    f"(at most {per_step:.1f} ms per step to gain, less that copy); or save less often."
+                    + _sharded_saves(ctx, "FullyShardedDataParallelPlugin(..., state_dict_type='SHARDED_STATE_DICT')")
+                    + f" {S.NO_SAVE_CODE}")
         return [self.finding(
             "warning" if share >= SHARE_WARN else "info",
             f"Training waits for checkpoint saves {100 * share:.0f}% of the recorded time",
