@@ -226,9 +226,12 @@ ROWS: list[Row] = [
        knobs={"zero_grad_to_none": False}, watch={"capacity_bytes": 18 * MiB}, peak_within=0.02),
     _r("gpt_outputs_kept", "gpt", "memory.outputs_kept", "the loop keeps the model's logits until the next forward",
        loop="keep_outputs", min_severity="info", peak_within=0.02),
+    # (5%: its rerun's peak lies in the loss phase with the root gathered, 131,328 B, and gloo's worker thread can
+    # still hold the root's finished asynchronous all-gather output there: +2.04% on both attempts of one
+    # loaded `make test`, the extra all in temporaries; -0.03% otherwise)
     _r("hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
        "outputs = model(...) kept until the next forward (logits, past_key_values)", loop="keep_outputs",
-       knobs={"batch_size": 4, "seq_len": 64}, min_severity="info", peak_within=0.02),
+       knobs={"batch_size": 4, "seq_len": 64}, min_severity="info", peak_within=0.05),
     _r("gpt_eval_autograd", "gpt", "memory.eval_autograd", "evaluation in eval mode without torch.no_grad()",
        loop="eval_autograd", min_severity="info"),
     _r("hf_llama_eval_autograd", "hf_llama", "memory.eval_autograd",

@@ -163,7 +163,8 @@ def test_outputs_kept_past_backward(matrix, row, kept):
     """The loop keeps what the model returned until the next forward rebinds it: when the optimizer step starts
     exactly its logits (and the HF model's past_key_values) are still allocated, at most the loss's 4 bytes
     besides; the fix deletes it before backward (executed in the loop, on the loop's own reference), and the
-    rerun has the rule quiet, the same losses, and the peak within 2% of the prediction."""
+    rerun has the rule quiet, the same losses, and the peak within 2% of the prediction (5% for the HF Llama, whose
+    loss phase can hold gloo's last all-gather output: tests/scenario_matrix.py)."""
     o = _outcome(matrix, row)
     ev = o.finding.evidence
     assert kept <= ev["kept_bytes"] <= kept + 8, (ev["kept_bytes"], kept)
@@ -174,6 +175,7 @@ def test_outputs_kept_past_backward(matrix, row, kept):
     assert st.status == "quiet", st
     assert o.after_result["losses"] == o.result["losses"]
     predicted = o.finding.predicted.peak_bytes_after
-    assert o.row.peak_within == 0.02
-    assert abs(after.memory.peak_bytes - predicted) <= 0.02 * predicted, (after.memory.peak_bytes, predicted)
+    assert o.row.peak_within == {"gpt_outputs_kept": 0.02, "hf_llama_outputs_kept": 0.05}[row]  # (scenario_matrix)
+    assert abs(after.memory.peak_bytes - predicted) <= o.row.peak_within * predicted, (after.memory.peak_bytes,
+                                                                                       predicted)
     assert after.memory.peak_bytes < o.report.memory.peak_bytes
