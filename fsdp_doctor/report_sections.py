@@ -368,6 +368,10 @@ class OverlapRank(_Section):
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0
+    # GPU: the time per complete step that collectives' kernels hold the compute stream (union inside the complete
+    # steps): compute queued behind them waits for them, the other ranks' arrival included. Since torch 2.8 a
+    # synchronous collective (async_op=False) is launched on the current stream by design; None: no complete step
+    comm_ms_on_compute_stream_per_step: Optional[float] = None
 
 
 class CommUnitRow(_Section):

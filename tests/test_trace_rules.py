@@ -99,11 +99,33 @@ def test_compute_dominated_run_is_quiet(tmp_path):
 
 
 def test_nccl_on_the_compute_stream(tmp_path):
+    # 4 units x (all-gather 40 µs, then compute 100 µs), all on the compute stream: 160 of 560 µs held there
     _, rep = _report(tmp_path, dict(units=4, ag_us=40, fwd_us=100, nccl_stream=7))
     f = _by_code(rep)["comm.on_compute_stream"]
     assert f.evidence["calls_on_compute_stream"] == {"0": "8 of 8"} and f.ranks == [0]
+    assert f.evidence["on_compute_stream_ms_per_step"] == {"0": pytest.approx(0.16)}
+    assert f.severity == "warning" and f.evidence["share_of_step_pct"] == pytest.approx(28.6, abs=0.1)
+    assert f.recommendation.code == ""  # the calls are the user's: advice in words
     _, rep = _report(tmp_path / "ok", dict(units=4, ag_us=40, fwd_us=100))
     assert "comm.on_compute_stream" not in _by_code(rep)
+
+
+@pytest.mark.parametrize("us, severity", [(5.0, None), (20.0, "info"), (80.0, "warning")])
+def test_synchronous_loop_allreduce_on_the_compute_stream(tmp_path, us, severity):
+    """torch 2.8+ launches a synchronous collective (async_op=False: a loss all-reduced for logging) on the current
+    stream: 5 µs of a 565 µs step is no finding (it fired on any such call); 20 of 580 µs (3.4%) a note, 80 of 640
+    µs (12.5%) a warning. The step: 4 units x (all-gather 40 µs exposed, compute 100 µs), the all-reduce after."""
+    _, rep = _report(tmp_path, dict(units=4, ag_us=40, fwd_us=100, sync_allreduce_us=us))
+    pr = rep.overlap.per_rank["0"]
+    assert pr.comm_calls_on_compute_stream == 2 and pr.comm_ms_on_compute_stream_per_step == pytest.approx(us / 1e3)
+    f = _by_code(rep).get("comm.on_compute_stream")
+    status = next(s for s in rep.rules if s.code == "comm.on_compute_stream")
+    if severity is None:
+        assert f is None and status.status == "quiet", status
+        assert "0.005 ms of the 0.56 ms step (0.9%, rank 0)" in status.reason and "async_op=False" in status.reason
+    else:
+        assert f.severity == severity and f.evidence["on_compute_stream_ms_per_step"] == {"0": pytest.approx(us / 1e3)}
+        assert f.recommendation.code == "" and "async_op=True" in f.recommendation.text
 
 
 def test_straggler_across_the_ranks_files(tmp_path):

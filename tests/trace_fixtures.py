@@ -260,7 +260,8 @@ EPS = 0.01  # µs: the width of a host label around one launch
 
 def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs_us=0.0, opt_us=0.0,
                    prefetch=False, h2d_us=0.0, loader_us=0.0, launch_gap_us=0.0, nelems=1_000_000,
-                   nccl_stream=20, rank=0, world_size=8, step_skew_us=0.0, first_ag_wait_us=0.0) -> TraceBuilder:
+                   nccl_stream=20, rank=0, world_size=8, step_skew_us=0.0, first_ag_wait_us=0.0,
+                   sync_allreduce_us=0.0) -> TraceBuilder:
     """An FSDP2-shaped GPU trace simulated on two streams (compute 7, NCCL ``nccl_stream``), ``steps``
     complete steps plus one that the analysis cuts. Per step: an optional data-loader label of ``loader_us``
     (nothing launched meanwhile), then forward over ``units`` units (optionally an H2D copy of ``h2d_us`` on
@@ -271,7 +272,9 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
     is launched and runs under it. The host launches one kernel every ``launch_gap_us`` (0: at once), and a
     kernel never starts before its launch. ``step_skew_us`` adds that much host time (a slow rank) before
     each step's forward, inside the model (after the root pre-forward); ``first_ag_wait_us`` lengthens each
-    step's first all-gather by that much (this rank waits inside it for a late rank)."""
+    step's first all-gather by that much (this rank waits inside it for a late rank); ``sync_allreduce_us`` adds,
+    after the optimizer, the loop's synchronous all-reduce of one float (a loss for logging) taking that long on the
+    compute stream, as torch 2.8+ launches an ``async_op=False`` collective on the current stream."""
     b = TraceBuilder(rank=rank, world_size=world_size)
     bwd_tid = b.bwd_tid
     T = 0.0
@@ -372,6 +375,11 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
         if opt_us:
             b.label("Optimizer.step#AdamW.step", host, EPS)
             compute(opt_us, after=max(comp_free, comm_free))
+        if sync_allreduce_us:
+            t = launch()
+            s = max(comp_free, t)
+            b.nccl("all_reduce", s, sync_allreduce_us, launch_ts=t, nelems=1, stream=7)
+            comp_free = s + sync_allreduce_us
         end = max(comp_free, comm_free, host)
         b.step(k + 1, T, end - T)
         T = end

@@ -221,6 +221,15 @@ def row_time_in_steps(win: WindowTrace) -> dict:
     return out
 
 
+def on_compute_stream_us(win: WindowTrace) -> float:
+    """µs inside the complete steps during which collectives' kernels ran on the compute stream (their union)."""
+    mine = [(c.start, c.end) for c in win.calls if c.on_compute_stream]
+    if win.window is None or not mine:
+        return 0.0
+    s, e = zip(*mine)
+    return iv.measure(_clip(iv.union(list(s), list(e)), *win.window))
+
+
 def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1,
               in_steps: Optional[dict] = None) -> list[CommUnitRow]:
     """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps`` the
@@ -301,6 +310,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
+        pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
+                                                 + on_compute_stream_us(w) / 1e3)
         if w.device == "gpu":
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):
@@ -315,7 +326,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
-        for f in ("loop_comm_ms_per_step", "loop_comm_wait_ms_per_step", "between_comm_ms_per_step"):
+        for f in ("loop_comm_ms_per_step", "loop_comm_wait_ms_per_step", "between_comm_ms_per_step",
+                  "comm_ms_on_compute_stream_per_step"):
             setattr(pr, f, getattr(pr, f) / pr.step_count if pr.step_count else None)
         _per_step(pr, sums["breakdown"].get(k))
     rows = []

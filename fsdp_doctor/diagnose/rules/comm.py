@@ -50,6 +50,10 @@ def fp32_exposed_ms(rows: list[E.TraceRow]) -> float:
         if (r.dtype or "").lower() in FP32_NAMES:
             by_rank[r.rank] = by_rank.get(r.rank, 0.0) + r.exposed_ms_per_step
     return statistics.median(by_rank.values()) if by_rank else 0.0
+# Collectives holding the compute stream: a note from this share of the step, a warning from the second (a scalar
+# all-reduce of the loss takes microseconds: not a finding).
+ON_COMPUTE_STREAM_INFO_SHARE = 0.02
+ON_COMPUTE_STREAM_WARN_SHARE = 0.10
 # A rank whose own time (step minus exposed communication) exceeds the median of the others' by this share
 # and at least this long is a straggler: the other ranks wait for it inside their collectives.
 STRAGGLER_MIN_FRACTION = 0.15
@@ -326,34 +330,47 @@ def latency_saved_ms(ctx: Context, keep: float) -> float:
 class NcclOnComputeStream(TraceRule):
     code = "comm.on_compute_stream"
     name = "Collectives on the compute stream"
-    description = "NCCL kernels queued on the compute stream serialise with compute and can never overlap it."
+    description = ("Collective kernels queued on the compute stream hold it for a material share of the step: compute "
+                   "behind them waits, the other ranks' arrival included.")
     needs = ("gpu_trace",)
-    severities = ("warning",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         per_rank = E.overlap(ctx).per_rank
         if trace_device(ctx) != "gpu":
             return self.quiet("needs a GPU trace")
-        bad = {r: pr.comm_calls_on_compute_stream for r, pr in per_rank.items() if pr.comm_calls_on_compute_stream}
+        bad = {r: pr for r, pr in per_rank.items() if pr.comm_calls_on_compute_stream}
         if not bad:
             return self.quiet("every collective runs on a stream of its own")
-        step = trace_step_ms(ctx)
-        rows = E.trace_rows(ctx)
-        tot = {r: per_rank[r].comm_calls for r in bad}
+        # the time they hold the compute stream, per step (a report without the figure: every call counts)
+        ms = {r: pr.comm_ms_on_compute_stream_per_step for r, pr in bad.items()}
+        steps = {r: pr.step_ms or trace_step_ms(ctx) for r, pr in bad.items()}
+        share = {r: (ms[r] / steps[r] if ms[r] is not None and steps[r] else 1.0) for r in bad}
+        worst = max(share, key=share.get)
+        calls = {r: f"{pr.comm_calls_on_compute_stream} of {pr.comm_calls}" for r, pr in sorted(bad.items())}
+        held = (f"{ms[worst]:.3f} ms of the {steps[worst]:.2f} ms step ({100 * share[worst]:.1f}%, rank {worst})"
+                if ms[worst] is not None and steps[worst] else f"rank {worst}")
+        if share[worst] < ON_COMPUTE_STREAM_INFO_SHARE:
+            return self.quiet(f"{calls[worst]} collectives on rank {worst} run on the compute stream, holding it "
+                              f"{held} (fires from {100 * ON_COMPUTE_STREAM_INFO_SHARE:.0f}%): since torch 2.8 a "
+                              "synchronous torch.distributed call (async_op=False) is launched on the current stream "
+                              "by design")
+        sev = "warning" if share[worst] >= ON_COMPUTE_STREAM_WARN_SHARE else "info"
         return [self.finding(
-            "warning", f"NCCL kernels run on the compute stream on {len(bad)} rank(s)",
-            {"ranks": sorted(int(r) for r in bad),
-             "calls_on_compute_stream": {r: f"{n} of {tot[r]}" for r, n in sorted(bad.items())},
-             "collectives": sorted({r.collective for r in rows}), "step_ms": step},
-            "These collectives were queued on the stream that runs the model's kernels, so compute waits for "
-            "each of them and they never overlap it. FSDP2 issues its all-gathers and reduce-scatters on its own "
-            "streams; collectives on the compute stream come from code that calls torch.distributed directly "
-            "with the current stream (a loss or metric all-reduce, gradient-norm clipping, a custom sync). Issue "
-            "them with async_op=True and wait only where the result is used, or move them out of the step.",
-            "def reduce_async(metric):  # a loss or metric all-reduce issued without blocking the step\n"
-            "    out = metric.detach().clone()\n"
-            "    return out, dist.all_reduce(out, async_op=True)  # .wait() on the work where out is read",
-            predicted=E.predicted(step, None), ranks=sorted(int(r) for r in bad))]
+            sev, f"Collectives hold the compute stream {100 * share[worst]:.0f}% of the step",
+            {"ranks": sorted(int(r) for r in bad), "calls_on_compute_stream": calls,
+             "on_compute_stream_ms_per_step": {r: None if v is None else round(v, 3) for r, v in sorted(ms.items())},
+             "share_of_step_pct": round(100 * share[worst], 1),
+             "collectives": sorted({r.collective for r in E.trace_rows(ctx)}), "step_ms": steps[worst]},
+            f"Collective kernels ran on the stream that runs the model's kernels, {held}: compute queued behind "
+            "them waits for them, and for the other ranks to reach them. FSDP2 issues its all-gathers and "
+            "reduce-scatters on streams of its own; on the compute stream are collectives your code issues "
+            "synchronously (a loss or metric all-reduce, a token count, a custom sync: since torch 2.8, "
+            "async_op=False launches them on the current stream, as code that waits for them at once would have "
+            "waited anyway). Issue them with async_op=True and call .wait() on the work only where the result is "
+            f"read (the next logging point), or reduce less often: at most {ms[worst] or 0:.2f} ms per step to "
+            f"gain, less what the read still waits for. {S.NO_LOOP_CODE}",
+            "", predicted=E.predicted(steps[worst], None), ranks=sorted(int(r) for r in bad))]
 
 
 @register
