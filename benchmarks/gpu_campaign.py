@@ -79,13 +79,25 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def plan(out: Path, dry: bool, steps: int) -> list[Step]:
+def new_gpu_rows() -> list[str]:
+    """The matrix's GPU rows that traces/gpu/scenarios/ has no recording of yet (added since the last GPU session)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import scenario_matrix as M
+
+    recorded = {r.name for r in M.recorded_gpu_rows()}
+    return [r.name for r in M.GPU_ROWS if r.name not in recorded]
+
+
+def plan(out: Path, dry: bool, steps: int, rows: str = "all") -> list[Step]:
+    """The campaign's steps; ``rows`` "new": its scenarios step runs only the GPU rows not recorded yet (none: no
+    such step), for a short device call that adds them to traces/gpu/ (``--adopt`` keeps the others)."""
     device = "cpu" if dry else "cuda"
     big, mid = (TINY, TINY) if dry else (ONE_B, MID)
     bench = lambda name: str(REPO / "benchmarks" / name)  # noqa: E731
     # 3 steps skipped after attaching: the memory probe's full steps 0-2 (its high-water mode runs every operator
     # through Python; later full steps come every ``full_every`` steps, up to 500 apart), like the profiler window
     oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "7" if dry else "13", "--skip", "3"]
+    only = new_gpu_rows() if rows == "new" else None  # None: every GPU row
     todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
         *([] if dry else [Step("probe_costs", [PY, bench("gpu_call_costs.py"), "--json", str(out / "probe_costs.json")],
@@ -94,10 +106,12 @@ def plan(out: Path, dry: bool, steps: int) -> list[Step]:
                        f"not {GPU_ROWS_TEST}", f"--junitxml={out / 'gpu_tests.xml'}", str(REPO / "tests")], 240,
              ["gpu_tests.xml"]),
         # the GPU rows (on the dry run: shrunk, on gloo, their rules quiet: the plumbing only)
-        Step("scenarios_gpu", [PY, bench("scenarios.py"), "--device", device, "--rows", "gpu", "--markdown",
-                               "--out", str(out / "scenarios_gpu"), "--table", str(out / "scenarios_gpu.md"),
-                               "--json", str(out / "scenarios_gpu.json")], 420,
-             ["scenarios_gpu.md", "scenarios_gpu.json"]),
+        *([] if only == [] else [
+            Step("scenarios_gpu", [PY, bench("scenarios.py"), "--device", device, "--rows", "gpu", "--markdown",
+                                   *(["--only", ",".join(only)] if only else []),
+                                   "--out", str(out / "scenarios_gpu"), "--table", str(out / "scenarios_gpu.md"),
+                                   "--json", str(out / "scenarios_gpu.json")], 420,
+                 ["scenarios_gpu.md", "scenarios_gpu.json"])]),
         Step("overhead_1b", [PY, bench("overhead.py"), *oh, "--nproc", "1", *big, "--json", str(out / "overhead_1b.json")],
              150, ["overhead_1b.json"]),
         # the same model with a batch 4 times larger (on the dry run: twice the tiny one), fewer blocks: a longer step
@@ -174,7 +188,9 @@ FIXTURE_BUDGET = 24 << 20  # bytes: above this the adoption says so (a clone car
 def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     """Copies a campaign folder's recorded runs into ``dest`` (traces/gpu/): the 2-rank fixture as ``fixture/``
     (with its report), each GPU row's before-run as ``scenarios/NAME/`` (not the fixes' reruns nor the capacity
-    probes), the rows' rechecks and the machine's facts. Returns what it wrote, a line each, sizes in MiB."""
+    probes), the rows' rechecks and the machine's facts. What the campaign did not record stays as it was: a
+    campaign of some rows (``--rows new``) adds them beside the rows recorded earlier, its rechecks merged into
+    scenarios_gpu.json and its table added to scenarios_gpu.md. Returns what it wrote, a line each, sizes in MiB."""
     import shutil
     import tempfile
 
@@ -186,28 +202,56 @@ def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     if not runs:
         raise SystemExit(f"{out}: no recorded run (fixture/ or scenarios_gpu/NAME/ with a manifest.json)")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    # copied beside dest, then swapped in: a failure half-way leaves the committed fixtures as they were
+    # copied beside dest (the earlier recordings first), then swapped in: a failure half-way leaves the committed
+    # fixtures as they were
     tmp = Path(tempfile.mkdtemp(prefix=".gpu-adopt-", dir=dest.parent))
     try:
+        if dest.exists():
+            shutil.copytree(dest, tmp, dirs_exist_ok=True)
         total = 0
         for r in runs:
             src = out / r["path"]
             rel = Path("fixture") if r["path"] == "fixture" else Path("scenarios") / src.name
+            shutil.rmtree(tmp / rel, ignore_errors=True)
             shutil.copytree(src, tmp / rel)
             total += r["bytes"]
             lines.append(f"{(dest / rel).relative_to(REPO)}: {r['bytes'] / 2**20:.1f} MiB")
-        for name in ("env.json", "scenarios_gpu.json", "scenarios_gpu.md"):
-            if (out / name).exists():
-                shutil.copy2(out / name, tmp / name)
+        if (out / "env.json").exists():
+            shutil.copy2(out / "env.json", tmp / "env.json")
+        _merge_rechecks(out, tmp)
         if dest.exists():
             shutil.rmtree(dest)
         tmp.rename(dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    lines.append(f"{len(runs)} runs, {total / 2**20:.1f} MiB in {dest.relative_to(REPO)}"
+    kept = sum(1 for _ in dest.glob("scenarios/*/manifest.json")) + (dest / "fixture" / "manifest.json").exists()
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    lines.append(f"{len(runs)} runs adopted, {total / 2**20:.1f} MiB; {kept} in {dest.relative_to(REPO)}, "
+                 f"{size / 2**20:.1f} MiB in all"
                  + (f" (over {FIXTURE_BUDGET >> 20} MiB: leave out the scenarios whose rule reads no trace, or "
-                    "their profiler/ folders)" if total > FIXTURE_BUDGET else ""))
+                    "their profiler/ folders)" if size > FIXTURE_BUDGET else ""))
     return lines
+
+
+def _merge_rechecks(out: Path, into: Path) -> None:
+    """The campaign's rows' rechecks into ``into``'s scenarios_gpu.json (a row's replaces its earlier one), and its
+    table into scenarios_gpu.md: in place of the earlier table where the campaign ran every row that table had,
+    else after it, under a line naming the rows."""
+    new = out / "scenarios_gpu.json"
+    if not new.exists():
+        return
+    rows = json.loads(new.read_text() or "{}")
+    try:
+        before = json.loads((into / "scenarios_gpu.json").read_text())
+    except (OSError, ValueError):
+        before = {}
+    (into / "scenarios_gpu.json").write_text(json.dumps({**before, **rows}, indent=1))
+    table = (out / "scenarios_gpu.md").read_text().rstrip() if (out / "scenarios_gpu.md").exists() else ""
+    old = (into / "scenarios_gpu.md").read_text().rstrip() if (into / "scenarios_gpu.md").exists() else ""
+    if table and (not old or set(before) <= set(rows)):
+        (into / "scenarios_gpu.md").write_text(table + "\n")
+    elif table:
+        (into / "scenarios_gpu.md").write_text(f"{old}\n\nRecorded later ({', '.join(sorted(rows))}):\n\n{table}\n")
 
 
 PACK_PART = 15 << 20  # bytes per tarball: the device tool returns at most 8 files of 16 MiB from $OUT
@@ -331,6 +375,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=480, help="skip steps that would end after this (default 8 min)")
     ap.add_argument("--steps", type=int, default=10, help="training steps of the fixture and prediction runs")
     ap.add_argument("--only", default="", help="comma-separated step names (prefixes), e.g. env,overhead,allocator")
+    ap.add_argument("--rows", choices=("all", "new"), default="all",
+                    help="the scenarios step's GPU rows: all of them, or only those traces/gpu/ has not recorded yet")
     ap.add_argument("--list", action="store_true", help="print the steps and exit")
     ap.add_argument("--adopt", action="store_true",
                     help="copy the recorded runs of the --out folder (a finished campaign) into traces/gpu/")
@@ -350,7 +396,7 @@ def main() -> int:
         print("\n".join(pack(a.out, a.pack)))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
-    steps = plan(a.out, a.dry_run, a.steps)
+    steps = plan(a.out, a.dry_run, a.steps, a.rows)
     if a.only:
         keep = [p.strip() for p in a.only.split(",") if p.strip()]
         steps = [s for s in steps if any(s.name.startswith(k) for k in keep)]

@@ -6,7 +6,7 @@
 #   2. `make gpu-wheels`, and a copy of what the device tool carries (the files git tracks or does not ignore,
 #      and .whl/) in a temporary folder, without this checkout's .venv and without shared/;
 #   3. the README's device command itself (read from the README), `python3` being that environment's, with
-#      `--dry-run` after `--budget-s 540` and $OUT a temporary folder; then whether the carried wheels have every
+#      `--dry-run` after its `--budget-s N` and $OUT a temporary folder; then whether the carried wheels have every
 #      requirement (benchmarks/wheel_closure.py); with --tests, the tests marked compat in that environment, in the
 #      copied tree; with --suite, the whole CPU suite there (-m "not browser" -x: 15-25 minutes on 2 shared cores).
 # It prints a few lines (the steps' statuses, the wall time, the tarballs) and exits 1 when anything failed.
@@ -62,9 +62,9 @@ git ls-files -z -co --exclude-standard | tar --null --ignore-failed-read -T - -c
 cp -r .whl "$tmp/tree/.whl"
 
 # the README's device command, as the GPU session sends it; only --dry-run and the folders differ
-cmd=$(grep -E '^ *python3 -m pip install .*--budget-s 540' README.md | head -n 1 | sed 's/^ *//')
-[ -n "$cmd" ] || { echo "gpu-rehearsal: no device command (python3 -m pip install ... --budget-s 540) in README.md"; exit 1; }
-dry=$(printf '%s' "$cmd" | sed -e "s|--budget-s 540|--budget-s 540 --dry-run|" -e "s|/tmp/site|$tmp/site|g" \
+cmd=$(grep -E '^ *python3 -m pip install .*--budget-s [0-9]+' README.md | head -n 1 | sed 's/^ *//')
+[ -n "$cmd" ] || { echo "gpu-rehearsal: no device command (python3 -m pip install ... --budget-s N) in README.md"; exit 1; }
+dry=$(printf '%s' "$cmd" | sed -E -e "s#--budget-s ([0-9]+)#--budget-s \\1 --dry-run#" -e "s#/tmp/site#$tmp/site#g" \
       -e "s|/tmp/c |$tmp/c |g")
 for part in "--dry-run" "$tmp/site" "$tmp/c " '--pack $OUT'; do
   case $dry in *"$part"*) ;; *) echo "gpu-rehearsal: cannot adapt the command ($part): $cmd"; exit 1 ;; esac

@@ -926,6 +926,10 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                         held["grad_norms"] = grad_norms_per_parameter(model)
                 opt.step()
                 opt.zero_grad(set_to_none=cfg.zero_grad_to_none)
+                if row.get("loop") == "loss_allreduce":  # the loss averaged over the ranks for a log line, every step
+                    logged = torch.tensor([total], device=dev)
+                    dist.all_reduce(logged)  # synchronous: since torch 2.8 on the current (compute) stream
+                    total = logged.item() / dist.get_world_size()
                 doctor.step()
                 losses.append(total)
                 if row.get("loop") == "eval_autograd" and step % EVAL_EVERY == EVAL_EVERY - 1:

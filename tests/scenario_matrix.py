@@ -83,7 +83,8 @@ class Row:
     gpu_gain: bool = False  # the fix's gain is a GPU's (overlap): applied and run here, its gain rechecked there
     why: str = ""  # what is planted, in a few words
     gpu: bool = False  # a GPU row (GPU_ROWS): its knobs are the GPU's shape, shrunk on the CPU
-    # the user's loop beyond the knobs: "keep_outputs" keeps what the model returned (outputs = model(...)) until
+    # the user's loop beyond the knobs: "loss_allreduce" all-reduces the loss synchronously after each step (a log
+    # line's average); "keep_outputs" keeps what the model returned (outputs = model(...)) until
     # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
     # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode)
     loop: Optional[str] = None
@@ -403,6 +404,11 @@ def _g(name, tree, code, why, **kw) -> Row:
 GPU_ROWS: list[Row] = [
     _g("gpu_gpt_tuned", "gpt", None, "expert plan, explicit prefetch 1 ahead, bf16/fp32",
        knobs={**GPU_SHAPE, "forward_prefetch": 1, "backward_prefetch": 1}),
+    # the loss all-reduced synchronously for a log line every step (as a Hugging Face Trainer gathers its token count):
+    # since torch 2.8 its NCCL kernel runs on the compute stream, for microseconds: no finding (comm.on_compute_stream
+    # warned on any such call)
+    _g("gpu_gpt_loss_allreduce", "gpt", None, "the tuned plan, its loss all-reduced synchronously every step",
+       knobs={**GPU_SHAPE, "forward_prefetch": 1, "backward_prefetch": 1}, loop="loss_allreduce"),
     _g("gpu_gpt_offload", "gpt", "offload.costly", "CPUOffloadPolicy on a model that fits the GPU",
        knobs={**GPU_SHAPE, "cpu_offload": True}),
     _g("gpu_gpt_offload_unpinned", "gpt", "offload.unpinned", "CPUOffloadPolicy(pin_memory=False)",

@@ -87,6 +87,17 @@ def test_a_recorded_gpu_scenario_yields_its_finding(row):
 RECORDED = [r.name for r in M.recorded_gpu_rows()]
 
 
+def test_a_synchronous_loss_allreduce_on_the_compute_stream_is_no_finding():
+    """The tuned GPT whose loop all-reduces its loss synchronously every step (gpu_gpt_loss_allreduce): torch 2.8+
+    launches that NCCL kernel on the compute stream, where it holds the stream for microseconds; the rule says so,
+    quiet (it warned on any collective there)."""
+    _, report = _diagnosis("gpu_gpt_loss_allreduce")
+    on = {r: pr.comm_calls_on_compute_stream for r, pr in report.overlap.per_rank.items()}
+    assert all(n >= 1 for n in on.values()), on  # the step's all-reduce, on the stream of the model's kernels
+    st = _status(report, "comm.on_compute_stream")
+    assert st.status == "quiet" and "async_op=False" in st.reason, st.reason
+
+
 @recorded
 def test_the_recorded_straggler_is_found_on_the_devices():
     """Rank 1 sleeps 30 ms before each forward. On the GPU the hosts' step times converge (105 ms on both ranks)

@@ -250,7 +250,8 @@ def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, 
     assert sorted(p.relative_to(dest).as_posix() for p in dest.glob("**/manifest.json")) == \
         ["fixture/manifest.json", "scenarios/gpu_gpt_whole/manifest.json"]
     assert (dest / "fixture" / "report.json").exists() and (dest / "env.json").exists()
-    assert lines[-1] == f"2 runs, {2 * size / 2**20:.1f} MiB in traces/gpu"
+    assert lines[-1] == (f"2 runs adopted, {2 * size / 2**20:.1f} MiB; 2 in traces/gpu, "
+                         f"{sum(f.stat().st_size for f in dest.rglob('*') if f.is_file()) / 2**20:.1f} MiB in all")
     with pytest.raises(SystemExit, match="no recorded run"):
         G.adopt(tmp_path / "empty", tmp_path / "d2")
     # a campaign untarred inside traces/gpu would be deleted by its own adoption: refused, nothing touched
@@ -262,6 +263,49 @@ def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, 
     # adopting again replaces the earlier copy, leaving no temporary folder beside it
     shutil.rmtree(inside)
     G.adopt(out, dest)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["gpu"]
+
+
+def test_a_campaign_of_the_new_rows_adds_them_beside_those_recorded_earlier(tmp_path, monkeypatch):
+    """``--rows new``: the scenarios step runs only the GPU rows traces/gpu/ has not recorded (a short device call);
+    adopted, they join the earlier recordings, which stay (the fixture too), their rechecks merged and their table
+    added after the earlier one."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import gpu_campaign as G
+    import scenario_matrix as M
+
+    new = G.new_gpu_rows()
+    assert new == [r.name for r in M.GPU_ROWS if r not in M.recorded_gpu_rows()] and "gpu_gpt_loss_allreduce" in new
+    steps = {s.name: s for s in G.plan(tmp_path, dry=False, steps=10, rows="new")}
+    argv = steps["scenarios_gpu"].argv
+    assert argv[argv.index("--only") + 1] == ",".join(new)
+    assert "--only" not in {s.name: s for s in G.plan(tmp_path, dry=False, steps=10)}["scenarios_gpu"].argv
+    monkeypatch.setattr(G, "new_gpu_rows", lambda: [])  # every row recorded: no scenarios step at all
+    assert "scenarios_gpu" not in {s.name for s in G.plan(tmp_path, dry=False, steps=10, rows="new")}
+
+    first, later = tmp_path / "c1", tmp_path / "c2"
+    _fake_campaign(first, "fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_accum")
+    (first / "scenarios_gpu.json").write_text(json.dumps({"gpu_gpt_whole": {"ok": True}, "gpu_gpt_accum": {"ok": True}}))
+    (first / "scenarios_gpu.md").write_text("| rule | planted on |\n|---|---|\n| wrap.too_coarse | 1: gpt |\n")
+    _fake_campaign(later, "scenarios_gpu/gpu_gpt_accum", "scenarios_gpu/gpu_gpt_loss_allreduce")
+    (later / "scenarios_gpu.json").write_text(json.dumps({"gpu_gpt_accum": {"ok": False},
+                                                          "gpu_gpt_loss_allreduce": {"ok": True}}))
+    (later / "scenarios_gpu.md").write_text("| rule | planted on |\n|---|---|\n| accum.sync_every_micro_batch | 1: gpt |\n")
+    dest = tmp_path / "repo" / "traces" / "gpu"
+    monkeypatch.setattr(G, "REPO", tmp_path / "repo")
+    G.adopt(first, dest)
+    (dest / "scenarios" / "gpu_gpt_accum" / "old").write_text("the earlier recording's")
+    lines = G.adopt(later, dest)
+    assert sorted(p.parent.relative_to(dest).as_posix() for p in dest.glob("**/manifest.json")) == [
+        "fixture", "scenarios/gpu_gpt_accum", "scenarios/gpu_gpt_loss_allreduce", "scenarios/gpu_gpt_whole"]
+    assert not (dest / "scenarios" / "gpu_gpt_accum" / "old").exists()  # a row recorded again replaces its folder
+    assert lines[-1].startswith("2 runs adopted") and "; 4 in traces/gpu" in lines[-1]
+    assert json.loads((dest / "scenarios_gpu.json").read_text()) == {
+        "gpu_gpt_whole": {"ok": True}, "gpu_gpt_accum": {"ok": False}, "gpu_gpt_loss_allreduce": {"ok": True}}
+    md = (dest / "scenarios_gpu.md").read_text()
+    assert md.index("| wrap.too_coarse |") < md.index("Recorded later (gpu_gpt_accum, gpu_gpt_loss_allreduce)") \
+        < md.index("| accum.sync_every_micro_batch |")
     assert sorted(p.name for p in dest.parent.iterdir()) == ["gpu"]
 
 

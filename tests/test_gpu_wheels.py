@@ -65,16 +65,18 @@ def test_unmet_names_a_missing_or_too_old_requirement(tmp_path):
 
 
 def test_the_rehearsal_finds_the_readme_device_command():
-    """benchmarks/gpu_rehearsal.sh runs the README's device command itself, with --dry-run after --budget-s 540
-    and its own folders for /tmp/site, /tmp/c and $OUT: the line it looks for is there, once, with those parts."""
+    """benchmarks/gpu_rehearsal.sh runs the README's device command itself, with --dry-run after its --budget-s N
+    and its own folders for /tmp/site, /tmp/c and $OUT: the line it looks for is there, once, with those parts, its
+    budget inside the device tool's 10 minutes a command with room for the install and the packing."""
     lines = [ln.strip() for ln in (REPO / "README.md").read_text().splitlines()
-             if re.match(r"^ *python3 -m pip install .*--budget-s 540", ln)]
+             if re.match(r"^ *python3 -m pip install .*--budget-s [0-9]+", ln)]
     assert len(lines) == 1, lines
-    for part in ("--target /tmp/site .whl/*.whl", "PYTHONPATH=/tmp/site:$PWD", "--out /tmp/c --budget-s 540",
+    for part in ("--target /tmp/site .whl/*.whl", "PYTHONPATH=/tmp/site:$PWD", "--out /tmp/c --budget-s ",
                  "--out /tmp/c --pack $OUT"):
         assert part in lines[0], part
+    assert int(re.search(r"--budget-s ([0-9]+)", lines[0])[1]) <= 540
     script = (REPO / "benchmarks" / "gpu_rehearsal.sh").read_text()
-    assert "--budget-s 540 --dry-run" in script and "README.md" in script
+    assert r"--budget-s \\1 --dry-run" in script and "README.md" in script
 
 
 def test_a_child_keeps_the_callers_pythonpath(tmp_path, monkeypatch):
