@@ -22,6 +22,7 @@ from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
 from .report_sections import CommRank, CommSummary, OverlapSection, Report
 from .store import Run
+from .units import fmt_ms
 
 StepWindow = Optional[tuple[int, int]]
 
@@ -29,6 +30,8 @@ StepWindow = Optional[tuple[int, int]]
 COMM_DEFINITION_TRACE = ("communication time during which no compute ran (union of collectives minus its overlap "
                          "with compute) inside the complete profiled steps, per step, median over ranks: the "
                          "verdict's communication share of the step")
+# a device this far behind the host at the window's start is said beside the figure's source (the window follows it)
+LAG_SAID_MS = 1.0
 COMM_DEFINITION_RECORDS = ("time compute waited for all-gathers (the recorder's unshard waits, forward and "
                            "backward), per step, median over ranks; reduce-scatters need a profiler trace")
 
@@ -105,6 +108,9 @@ def comm_summary(overlap: Optional[OverlapSection],
         steps = sorted({s for v in rows.values() for s in v.steps})
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
         pcts = [v.overlap_pct for v in rows.values() if v.overlap_pct is not None]
+        lags = [pr.device_lag_ms for pr in overlap.per_rank.values() if pr.device_lag_ms]
+        if lags and max(lags) >= LAG_SAID_MS:  # the host ran ahead: the window followed the device
+            span += f", the device {fmt_ms(statistics.median(lags))} behind the host"
         return CommSummary(
             source="trace", source_text=f"profiler trace, {span}", definition=COMM_DEFINITION_TRACE, per_rank=rows,
             exposed_ms_per_step=round(statistics.median(v.exposed_ms_per_step for v in rows.values()), 3),

@@ -372,6 +372,10 @@ class OverlapRank(_Section):
     # steps): compute queued behind them waits for them, the other ranks' arrival included. Since torch 2.8 a
     # synchronous collective (async_op=False) is launched on the current stream by design; None: no complete step
     comm_ms_on_compute_stream_per_step: Optional[float] = None
+    # GPU: how far the device ran behind the host when the window's first step started (the host runs ahead where
+    # the loop does not sync): the window's figures follow the device by that much (trace.build._follow_the_device);
+    # None: no lag (the largest of the rank's windows)
+    device_lag_ms: Optional[float] = None
 
 
 class CommUnitRow(_Section):

@@ -49,6 +49,22 @@ def test_the_gpu_fixture_is_two_nccl_ranks_on_cuda_with_device_times(fixture_run
 
 
 @recorded
+def test_the_gpu_fixtures_window_follows_the_device_that_runs_behind_its_host(fixture_run):
+    """The demo's loop reads no loss per step, so its host runs ahead: when the profiler's active step 6 starts on
+    the host, each device still has 184 ms (rank 0) and 204 ms (rank 1) of the warm-up step's NCCL work to run, and
+    step 6's own work ends that much after the host's step. Read over the host's span, the step was 'idle-bound
+    71%' with its backward collectives at 0 ms; over the device's, it is what every 2-rank run on the loopback rig
+    is: communication-bound (94%), its reduce-scatters exposed, idle 1%."""
+    _, report = fixture_run
+    lags = {r: pr.device_lag_ms for r, pr in report.overlap.per_rank.items()}
+    assert lags == {"0": pytest.approx(184.39, abs=0.01), "1": pytest.approx(203.97, abs=0.01)}
+    job = report.verdict.job
+    assert job.bound == "communication" and job.groups_pct["communication"] > 90 and job.groups_pct["idle"] < 2
+    assert all(pr.shares_pct["reducescatter"] > 25 for pr in report.verdict.per_rank.values())
+    assert "the device 194.2 ms behind the host" in report.comm.source_text
+
+
+@recorded
 def test_the_gpu_fixture_reads_in_every_dashboard_page(fixture_run):
     from fsdp_doctor.dashboards.pages import PAGES
     from fsdp_doctor.dashboards.pages.common import Filters

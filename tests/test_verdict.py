@@ -106,6 +106,28 @@ def test_simulated_fsdp_traces(tmp_path, kw, parts, bound):
     assert sum(r0.groups_pct.values()) == pytest.approx(100, abs=0.05)
 
 
+@pytest.mark.parametrize("kw,parts", [
+    (dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True, opt_us=30),
+     dict(compute=2460, allgather_fwd=80, allgather_bwd=80, reducescatter=100)),
+    (dict(units=4, ag_us=10, fwd_us=90, prefetch=True), dict(compute=720, allgather_fwd=20)),
+    (dict(units=4, ag_us=94, fwd_us=6), dict(compute=48, allgather_fwd=752)),
+], ids=["full_step", "compute_dominates", "ag_94pct_exposed"])
+def test_a_host_running_ahead_of_the_device(tmp_path, kw, parts):
+    """A loop without a sync: the host runs 300 µs ahead of a device-bound step, so when the profiler's first active
+    step starts the device is still running the warm-up step's work (no launch of it in the trace). The window
+    follows the device (it moves by the lag): the same parts as the same steps without the lag, where the earlier
+    work's time read as the device idle and the end of the window's own work was cut off (the H100 fixture: 'idle-
+    bound 71%', its reduce-scatters 0 ms, where the device ran NCCL kernels 97% of the window)."""
+    result = _analyze(tmp_path, [fsdp_gpu_trace(host_ahead_us=300.0, **kw)])
+    _check(_bd(result), **parts)
+    assert result.per_rank["0"].device_lag_ms == pytest.approx(0.3)
+    same = _analyze(tmp_path / "synced", [fsdp_gpu_trace(**kw)])
+    assert same.per_rank["0"].device_lag_ms is None and _bd(same) == _bd(result)
+    from fsdp_doctor.pipeline import comm_summary
+
+    assert comm_summary(result).source_text == "profiler trace, steps 1–2"  # under LAG_SAID_MS: not said
+
+
 def test_ag_94pct_exposed_verdict_text(tmp_path):
     v = verdict(_analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)]))
     r0 = v.per_rank["0"]

@@ -53,6 +53,13 @@ class TraceBuilder:
         a.update(args)
         return self.x(name, ts, dur, cat=cat, pid=0, tid=stream, **a)
 
+    def backlog(self, name, ts, dur, stream=7):
+        """A device event whose launch the trace does not hold: launched before the profiler's active steps (during
+        its warm-up) and run in them, where the host runs ahead of the device."""
+        self._corr += 1
+        return self.x(name, ts, dur, cat="kernel", pid=0, tid=stream, device=0, stream=stream,
+                      correlation=self._corr)
+
     def compute(self, ts, dur, launch_ts=None, tid=None, stream=7):
         return self.kernel("void at::native::elementwise_kernel<128, 4>(int)", ts, dur, stream=stream,
                            launch_ts=launch_ts, tid=tid)
@@ -261,7 +268,7 @@ EPS = 0.01  # µs: the width of a host label around one launch
 def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs_us=0.0, opt_us=0.0,
                    prefetch=False, h2d_us=0.0, loader_us=0.0, launch_gap_us=0.0, nelems=1_000_000,
                    nccl_stream=20, rank=0, world_size=8, step_skew_us=0.0, first_ag_wait_us=0.0,
-                   sync_allreduce_us=0.0) -> TraceBuilder:
+                   sync_allreduce_us=0.0, host_ahead_us=0.0) -> TraceBuilder:
     """An FSDP2-shaped GPU trace simulated on two streams (compute 7, NCCL ``nccl_stream``), ``steps``
     complete steps plus one that the analysis cuts. Per step: an optional data-loader label of ``loader_us``
     (nothing launched meanwhile), then forward over ``units`` units (optionally an H2D copy of ``h2d_us`` on
@@ -274,14 +281,21 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
     each step's forward, inside the model (after the root pre-forward); ``first_ag_wait_us`` lengthens each
     step's first all-gather by that much (this rank waits inside it for a late rank); ``sync_allreduce_us`` adds,
     after the optimizer, the loop's synchronous all-reduce of one float (a loss for logging) taking that long on the
-    compute stream, as torch 2.8+ launches an ``async_op=False`` collective on the current stream."""
+    compute stream, as torch 2.8+ launches an ``async_op=False`` collective on the current stream;
+    ``host_ahead_us``: the host runs that far ahead of the device (no sync in the loop): the device starts the first
+    step busy with earlier work whose launch the trace does not hold (the profiler's warm-up step's), and each
+    step's host span ends that long before its device work does."""
     b = TraceBuilder(rank=rank, world_size=world_size)
     bwd_tid = b.bwd_tid
     T = 0.0
     names = [f"layers.{i}" for i in range(units)]
+    dev_free = 0.0  # when the device is done with the previous step's work
+    if host_ahead_us:
+        b.backlog("void at::native::elementwise_kernel<128, 4>(int)", 0.0, host_ahead_us)
+        dev_free = host_ahead_us
     for k in range(steps + 1):
         host = T
-        comp_free = comm_free = T
+        comp_free = comm_free = max(T, dev_free)
 
         def launch():
             nonlocal host
@@ -292,11 +306,11 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
         if loader_us:
             b.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", host, loader_us)
             host += loader_us
-            comp_free = comm_free = host
+            comp_free = comm_free = max(host, comp_free)
         b.label("FSDP::root_pre_forward", host, EPS)  # the first launch is at its start
         if step_skew_us:
             host += step_skew_us
-            comp_free = comm_free = host
+            comp_free = comm_free = max(host, comp_free)
 
         first = [first_ag_wait_us]
 
@@ -380,7 +394,8 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
             s = max(comp_free, t)
             b.nccl("all_reduce", s, sync_allreduce_us, launch_ts=t, nelems=1, stream=7)
             comp_free = s + sync_allreduce_us
-        end = max(comp_free, comm_free, host)
+        dev_free = max(comp_free, comm_free)
+        end = max(host, dev_free - host_ahead_us)
         b.step(k + 1, T, end - T)
         T = end
     return b

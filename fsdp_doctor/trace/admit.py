@@ -87,7 +87,8 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
 
 
 def _start_s(w: WindowTrace):
-    t = w.window[0] if w.window is not None else (w.span[0] if w.span[1] > w.span[0] else None)
+    # (the host's start: a window that follows a device running behind it starts later)
+    t = w.window[0] - w.device_lag_us if w.window is not None else (w.span[0] if w.span[1] > w.span[0] else None)
     return None if t is None else (t + w.clock_us) / 1e6
 
 

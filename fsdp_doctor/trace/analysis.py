@@ -312,6 +312,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
         pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
                                                  + on_compute_stream_us(w) / 1e3)
+        if w.device_lag_us > 0:
+            pr.device_lag_ms = max(pr.device_lag_ms or 0.0, round(w.device_lag_us / 1e3, 3))
         if w.device == "gpu":
             pr.device = "gpu"
         for name, fn in (("copies", copies), ("idle", idle), ("blocking", blocking), ("breakdown", breakdown)):

@@ -557,6 +557,32 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
     return loop, iv.union_many(*models) if models else iv.union([], []), between
 
 
+def _follow_the_device(win: WindowTrace, ts, te, lts, cutoff: float) -> None:
+    """Where the host runs ahead of the device (no sync in the loop), the device is still busy with earlier steps'
+    work when the window's first step starts on the host: work launched before the window, whose launches a
+    profiler's warm-up step does not record. The window, the complete steps' host span, would then read that time as
+    the device idle (the earlier work is not the window's) and cut off the end of the window's own work. It moves
+    by that lag (``device_lag_us``): from when the device is done with the earlier work, or starts the window's own
+    if sooner, to as late as the window's own work runs, but no later than the host span moved by the lag (after
+    it the device runs the next step's work, which is not the window's)."""
+    if win.window is None or not ts.size:
+        return
+    w0, w1 = win.window
+    before = ~(lts >= w0)  # launched before the window, or no launch recorded (NaN)
+    own = (lts >= w0) & (lts < cutoff)
+    if not own.any() or not before.any():
+        return
+    first_own = float(ts[own].min())
+    earlier = before & (ts < first_own)  # (a device event without a launch in the middle of the window is not it)
+    if not earlier.any():
+        return
+    lag = min(float(te[earlier].max()), first_own) - w0
+    if lag <= 0:
+        return
+    win.device_lag_us = lag
+    win.window = (w0 + lag, min(w1 + lag, max(w1, float(te[own].max()))))
+
+
 def _gpu_timeline(win: WindowTrace, ts, te, lts, classified) -> None:
     """``gpu_busy``, ``other_dev`` and ``host_wait`` from the kept device events (start, end, launch)."""
     win.gpu_busy = busy = iv.union(ts, te)
@@ -691,6 +717,7 @@ def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scal
     streams = np.frombuffer(dev.stream, dtype=np.int32)  # (stream indices)
     name_idx = np.frombuffer(dev.name, dtype=np.int32)
     dev.stream = dev.name = None
+    _follow_the_device(win, ts, te, lts, cutoff)
     kept = None  # which events of dev are kept (None: all)
     if cutoff != math.inf:
         keep = lts < cutoff  # NaN compares False

@@ -51,7 +51,10 @@ class WindowTrace:
     span: tuple[float, float] = (0.0, 0.0)  # first start, last end of the compute stream / main thread
     calls: list[CollectiveCall] = field(default_factory=list)
     # the verdict's timeline (see the module docstring)
-    window: Optional[tuple[float, float]] = None  # the complete steps' host span
+    # the complete steps' host span; on GPU moved by device_lag_us where the host ran that far ahead of the device
+    # (build._follow_the_device)
+    window: Optional[tuple[float, float]] = None
+    device_lag_us: float = 0.0
     gpu_busy: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of every device event
     other_dev: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # memset, D2D copies, syncs
     host_wait: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # GPU idle, next work not yet launched
