@@ -58,12 +58,40 @@ _LEVERS = {
 }
 
 
+# bound -> the findings (code prefixes) whose levers address it: another rule's warning keeps the verdict from being a
+# finding of its own only where it names a lever for that bound (a precision warning does not explain an idle step)
+_COMM = ("comm.", "prefetch.", "reshard.", "wrap.too_fine", "wrap.too_coarse", "accum.", "optim.step_comm",
+         "straggler.")
+_ADDRESSED_BY = {
+    "communication": _COMM, "model_parallel": _COMM,
+    "all_reduce": ("comm.", "accum.", "optim.step_comm", "straggler."),
+    "host": ("kernels.", "jitter.gc", "prefetch.sync_unshard", "offload.", "optim.step_comm"),
+    "input": ("jitter.data_wait", "checkpoint.blocking", "memory.eval_autograd", "optim.step_comm", "straggler."),
+    "idle": ("straggler.", "jitter.data_wait", "memory.alloc_retries", "offload.", "comm.on_compute_stream"),
+}
+# throughput.low_mfu names one lever first (its evidence's first_lever): the bound that lever addresses
+_MFU_LEVER_BOUND = {"overlap": "communication", "fewer, larger units": "communication", "GC pauses": "host",
+                    "host overhead": "host", "input pipeline": "input", "offload copies": "host"}
+
+
+def _addresses(f, kind: str) -> bool:
+    """Whether finding ``f`` names a lever for a ``kind``-bound step."""
+    if f.code == "throughput.low_mfu":
+        lever = _MFU_LEVER_BOUND.get(str(f.evidence.get("first_lever")))
+        return lever is not None and (lever == kind or (lever == "communication" and kind in _COMM_KINDS))
+    return f.code.startswith(_ADDRESSED_BY.get(kind, ()))
+
+
+_COMM_KINDS = ("communication", "model_parallel", "all_reduce")
+
+
 @register
 class SevereVerdict(Rule):
     code = "verdict.severe"
     name = "Step bound by communication, host, input or idle"
     description = ("The verdict gives half the step or more to exposed communication, host, input or idle time "
-                   "and no other rule warned about it: the verdict is the finding, with its levers.")
+                   "and no other rule warned with a lever for that bound: the verdict is the finding, with its "
+                   "levers.")
     needs = ("verdict",)
     severities = ("warning",)
     last = True
@@ -78,15 +106,15 @@ class SevereVerdict(Rule):
         if share < T.SEVERE_BOUND_SHARE:
             return self.quiet(f"{job.bound} is {100 * share:.0f}% of the step "
                               f"(< {100 * T.SEVERE_BOUND_SHARE:.0f}%)")
-        warned = [f.code for f in ctx.earlier if f.severity in ("warning", "critical")]
-        if warned:
-            return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
-                              "already name levers")
         fsdp = bool(E.trace_rows(ctx, "all_gather") or E.trace_rows(ctx, "reduce_scatter") or E.param_units(ctx))
         sh = job.shares_pct
         model = sh.get("model_comm", 0.0) > sum(sh.get(k, 0.0) for k in Breakdown.FSDP_COMM_PARTS)
         kind = job.bound if job.bound != "communication" else ("model_parallel" if model else
                                                                "communication" if fsdp else "all_reduce")
+        warned = [f.code for f in ctx.earlier if f.severity in ("warning", "critical") and _addresses(f, kind)]
+        if warned:
+            return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
+                              "already name levers")
         what, levers, write = _LEVERS[kind]
         # code from the run's module tree where the lever is a setting of the model; the others are the user's
         # loop or data pipeline: the levers in words
