@@ -860,6 +860,18 @@ def test_low_mfu_gpu_trace_levers(case):
         assert "set_modules_to_forward_prefetch" in f.recommendation.code
 
 
+def test_low_mfu_says_an_idle_bound_step_first():
+    """71% of the step the device idles with work launched (as the H100 fixture read before its window followed the
+    device): MFU's levers recover 1% of the step (the input pipeline). The finding says the idle bound first, which
+    none of them addresses, instead of 'the evidence points to input pipeline first'."""
+    ctx, _ = _mfu_ctx({"idle": 71.0, "communication": 27.0, "compute": 1.0, "input": 1.0}, compute_eff=0.5,
+                      source="trace", device="gpu")
+    (f,) = run_rule("throughput.low_mfu", ctx)
+    assert f.title.endswith("the step is idle-bound (71%), no MFU lever for that"), f.title
+    assert "First, the step is idle-bound (71%)" in f.recommendation.text
+    assert "verdict.severe" in f.recommendation.text and f.evidence["bound"] == "idle"
+
+
 def test_low_mfu_quiet_with_a_reason():
     rule = next(c for c in RULES if c.code == "throughput.low_mfu")()
     ctx, _ = build()

@@ -25,7 +25,7 @@ from ..base import Context, register
 from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
 from ..base import Rule
-from ..thresholds import PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
+from ..thresholds import BOUND_MIN_SHARE, PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
 
 # ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
 # fragmentation and the allocator's cache, below the 0.85 target other rules aim for).
@@ -316,11 +316,17 @@ class LowMfu(Rule):
             return self.quiet("no lever recovers 1% of the step")
         first = levers[0]
         sev = "warning" if mfu < LOW_MFU_WARN_PCT else "info"
+        # the device idle with work launched (a sync, another rank) has no lever of MFU's: said first, not hidden
+        # behind a lever that recovers a sliver of the step
+        idle = job.bound == "idle" and groups.get("idle", 0.0) >= 100 * BOUND_MIN_SHARE
         text = (f"MFU is {mfu:.1f}% (below the {LOW_MFU_PCT:.0f}% tuned FSDP runs reach; the step is "
                 f"{job.summary or job.bound}). Levers by the step time each could recover: "
                 + "; ".join(f"{i + 1}. {lv.lever} ~{lv.recoverable_ms:.1f} ms -> MFU {lv.mfu_after_pct:.1f}%"
                             for i, lv in enumerate(levers[:4]))
-                + f". The evidence points to {first.lever} first: {first.evidence}. Fix: {first.fix}.")
+                + (f". First, the step is idle-bound ({groups['idle']:.0f}%): the device waits with work launched "
+                   "(a synchronisation, another rank), which none of these levers addresses (verdict.severe says "
+                   f"where to look); then {first.lever}: {first.evidence}. Fix: {first.fix}." if idle else
+                   f". The evidence points to {first.lever} first: {first.evidence}. Fix: {first.fix}."))
         if first.lever == "batch size":
             # a larger micro-batch: the same step time per token falls; the activations grow with the batch
             acts = E.breakdown(ctx).get("activations")
@@ -331,7 +337,8 @@ class LowMfu(Rule):
             pred = E.predicted(step, step - first.recoverable_ms)
         notes = sorted({r.flops_note for r in rows if r.flops_note})
         return [self.finding(
-            sev, f"MFU {mfu:.1f}%: the evidence points to {first.lever} first",
+            sev, (f"MFU {mfu:.1f}%: the step is idle-bound ({groups['idle']:.0f}%), no MFU lever for that" if idle
+                  else f"MFU {mfu:.1f}%: the evidence points to {first.lever} first"),
             {"mfu_pct": round(mfu, 2), "threshold_pct": LOW_MFU_PCT, "step_p50_ms": round(step, 3),
              "achieved_tflops_per_rank": _median(r.achieved_tflops for r in rows),
              "peak_tflops": _median(r.peak_tflops for r in rows),
