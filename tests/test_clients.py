@@ -328,9 +328,10 @@ def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
     applied = {r.code for r in M.ROWS if r.code and r.apply}
     # fixes in words only, by design: the lever is the user's data pipeline or loop, or a trade-off (a 16-bit
     # reduction) for the user to make; no code is offered (the checkpoint save is the user's code too: under
-    # torchtitan's Trainer its fix is that Trainer's command line, rerun in tests/test_titan_trainer.py)
+    # torchtitan's Trainer its fix is that Trainer's command line, rerun in tests/test_titan_trainer.py; so are the
+    # synchronous collectives comm.on_compute_stream finds on the compute stream)
     words = {"jitter.data_wait", "straggler.rank", "straggler.trace", "straggler.intermittent",
-             "comm.exposed_reducescatter", "checkpoint.blocking"}
+             "comm.exposed_reducescatter", "checkpoint.blocking", "comm.on_compute_stream"}
     missing = {r.code for r in RULES} - codes - applied - words
     assert not missing, missing
     assert not codes & words

@@ -69,9 +69,10 @@ _ADDRESSED_BY = {
     "input": ("jitter.data_wait", "checkpoint.blocking", "memory.eval_autograd", "optim.step_comm", "straggler."),
     "idle": ("straggler.", "jitter.data_wait", "memory.alloc_retries", "offload.", "comm.on_compute_stream"),
 }
+_COMM_KINDS = ("communication", "model_parallel", "all_reduce")
 # throughput.low_mfu names one lever first (its evidence's first_lever): the bound that lever addresses
 _MFU_LEVER_BOUND = {"overlap": "communication", "fewer, larger units": "communication", "GC pauses": "host",
-                    "host overhead": "host", "input pipeline": "input", "offload copies": "host"}
+                    "host overhead": "host", "input pipeline": "input"}
 
 
 def _addresses(f, kind: str) -> bool:
@@ -80,9 +81,6 @@ def _addresses(f, kind: str) -> bool:
         lever = _MFU_LEVER_BOUND.get(str(f.evidence.get("first_lever")))
         return lever is not None and (lever == kind or (lever == "communication" and kind in _COMM_KINDS))
     return f.code.startswith(_ADDRESSED_BY.get(kind, ()))
-
-
-_COMM_KINDS = ("communication", "model_parallel", "all_reduce")
 
 
 @register
