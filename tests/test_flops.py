@@ -8,6 +8,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 
 from fsdp_doctor.record.throughput import FlopCounter
 from fsdp_doctor.workloads import WorkloadConfig, build_model
@@ -513,3 +516,60 @@ def test_mixtral_analytic_flops_under_watch(one_rank_group, tmp_path):
     assert "counted at top_k 2 of 4" in tile.title
     low = [f for f in report.findings if f.code == "throughput.low_mfu"]  # MFU against 1 TFLOP/s on a CPU: low
     assert low and low[0].evidence["flops_note"] == row.flops_note, [(f.code, f.evidence) for f in report.findings]
+
+
+class _CompiledGelu(nn.Module):
+    """A block whose forward calls a function compiled with fullgraph=True, held on its class (as torchtitan's
+    FlexAttention holds torch.compile(flex_attention))."""
+
+    act = torch.compile(F.gelu, fullgraph=True, backend="eager")
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return _CompiledGelu.act(self.lin(x))
+
+
+def test_compiled_code_in_the_forward_trains_unchanged_under_watch(one_rank_group, tmp_path):
+    """torch.compile does not trace under a dispatch mode: a fullgraph compile raises "found no compiled frames"
+    (flex_attention's own, on the H200, killed a Hugging Face model's run switched to it). Under watch() with its
+    defaults (the memory high-water on full steps, FLOPs counted at step 1) such a model trained 0 steps; now both
+    modes step aside: the same losses bit for bit, every step recorded, MFU from the analytic estimate and the
+    memory records saying why their transients were not counted."""
+    import fsdp_doctor
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def train(out_dir=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(_CompiledGelu(), _CompiledGelu(), nn.Linear(16, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0,
+                                profile=False) if out_dir else None
+        doctor = ctx.__enter__() if ctx else None
+        losses = []
+        for step in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if doctor is not None:
+                doctor.step()
+            losses.append(loss.item())
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        return losses
+
+    base = train()
+    assert train(tmp_path / "run") == base
+    run = fsdp_doctor.load_run(tmp_path / "run")
+    rd = run.ranks[0]
+    assert [s.step for s in rd.steps] == [0, 1, 2, 3] and rd.errors == [] and rd.end is not None
+    assert rd.config.flops_per_step is None
+    assert analyze_throughput(run).per_rank["0"].flops_source == "analytic"
+    notes = {s.memory.transients_note for s in rd.steps if s.memory is not None and s.memory.transients == "off"}
+    assert notes == {"compiled functions in the model: not counted"}, notes

@@ -102,6 +102,63 @@ def test_steps_aside_under_another_dispatch_mode():
     _nothing_left(probe)
 
 
+def test_steps_aside_for_what_torch_compile_runs_in_the_forward():
+    """torch.compile does not trace under the high-water's dispatch mode: it runs the frame eagerly, and a compile
+    with fullgraph=True raises ("found no compiled frames"), as flex_attention's own does; the GPU row of a Hugging
+    Face model switched to flex_attention died so on the H200. The probe reads the model at each full step and
+    stays off, saying why: a compiled function on a module (as torchtitan keeps torch.compile(flex_attention)), a
+    model switched to flex_attention after the probe attached; the function runs compiled, its result unchanged."""
+    class Sin(nn.Module):
+        fn = torch.compile(torch.sin, fullgraph=True, backend="eager")
+
+        def forward(self, x):
+            return Sin.fn(x)  # as torchtitan calls FlexAttention.flex_attn
+
+    model = nn.Sequential(nn.Linear(8, 8), Sin())
+    x = torch.randn(4, 8)
+    want = model(x)
+    probe = _probe(model)
+    probe.mark(None, "forward_start")
+    got = model(x)  # raised RuntimeError with the mode on the stack
+    probe.mark(None, "loss_start")
+    out = probe.step_end(0)
+    assert torch.equal(got, want)
+    assert out.transients == "off" and out.transients_note == "compiled functions in the model: not counted"
+    _nothing_left(probe)
+
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))
+    probe = _probe(llama)
+    probe.mark(None, "forward_start")
+    probe.mark(None, "loss_start")
+    assert probe.step_end(0).transients == "exact"
+    llama.set_attn_implementation("flex_attention")  # after the probe attached: read at the next full step
+    probe.mark(None, "forward_start")
+    probe.mark(None, "loss_start")
+    out = probe.step_end(1)
+    assert out.transients == "off" and out.transients_note == "flex_attention (compiled by torch): not counted"
+    _nothing_left(probe)
+
+
+def test_higher_order_operators_run_through_the_mode():
+    """A higher-order operator (torch.cond here; flex_attention under torch.compile) meets the mode's
+    __torch_dispatch__ and runs unchanged, its output counted: without supports_higher_order_operators torch
+    raised NotImplementedError for each of them under the mode."""
+    probe = _probe()
+    x = torch.ones(1000)
+    probe.mark(None, "forward_start")
+    y = torch.cond(x.sum() > 0, lambda v: v * 2, lambda v: v - 1, (x,))
+    probe.mark(None, "loss_start")
+    out = probe.step_end(0)
+    assert torch.equal(y, x * 2)
+    assert out.transients == "exact" and out.peak.breakdown["temporaries"] >= 4000
+    del y
+    _nothing_left(probe)
+
+
 def test_option_off():
     probe = _probe(transients=False)
     probe.mark(None, "forward_start")

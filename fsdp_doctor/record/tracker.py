@@ -55,7 +55,7 @@ from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
-from .units import Unit, find_units
+from .units import Unit, compile_blocker, find_units
 
 log = logging.getLogger("fsdp_doctor")
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -419,6 +419,11 @@ class Doctor:
                 self.flops_per_step, self.hardware_flops_per_step = counted
             self._safe_write(self._config())
         if recount or (step == 0 and self.flops_per_step is None):
+            # compiled code does not run under a dispatch mode (a fullgraph compile raises, flex_attention's
+            # included): the report then uses the analytic estimate, and says so
+            if (why := compile_blocker(self.model)) is not None:
+                log.info("fsdp_doctor: FLOPs not counted (%s)", why.split(":")[0])
+                return
             self._flops = FlopCounter()
             self._flops.start()
 

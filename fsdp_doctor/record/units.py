@@ -6,6 +6,8 @@ that torch version does not have becomes ``None`` in the snapshot ("unknown"), w
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +127,25 @@ def _checkpoint_kind(unit: Unit, all_units: list[Unit]) -> str:
 def compiled_in_place(module: nn.Module) -> bool:
     """``module.compile()`` was called: its calls, hooks included, run in a compiled frame."""
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compile_blocker(model: nn.Module) -> str | None:
+    """Why the doctor's dispatch modes (the memory high-water, the FLOP count) must not run under this model's
+    forward (None: they may). torch.compile does not trace with a dispatch mode of ours on the stack: it runs the
+    frame eagerly, and a compile with fullgraph=True raises instead ("found no compiled frames"), as
+    flex_attention's own does. So: compiled modules (OptimizedModule, ``module.compile()``), compiled functions
+    held by a module (torchtitan's FlexAttention keeps ``torch.compile(flex_attention)`` on its class), and a
+    Hugging Face model set to flex_attention. Read each time a mode would start: a model switched or compiled
+    after watch() attached is seen."""
+    for m in model.modules():
+        if compiled_in_place(m) or type(m).__name__ == "OptimizedModule":
+            return "compiled modules: not counted"
+        if getattr(getattr(m, "config", None), "_attn_implementation", None) == "flex_attention":
+            return "flex_attention (compiled by torch): not counted"
+        for v in itertools.chain(vars(type(m)).values(), vars(m).values()):
+            if callable(v) and hasattr(v, "_torchdynamo_orig_callable"):
+                return "compiled functions in the model: not counted"
+    return None
 
 
 def checkpoint_wrappers(unit: Unit, all_units: list[Unit]) -> list[tuple[str, nn.Module]]:

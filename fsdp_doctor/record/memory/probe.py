@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -95,9 +96,9 @@ from .device import DeviceStats
 from .sampler import UNREAD, Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
+from ..units import compile_blocker
 from ..phase import in_backward
 from ..run_device import run_device
-from ..units import compiled_in_place
 
 log = logging.getLogger("fsdp_doctor")
 _now = time.perf_counter_ns
@@ -167,9 +168,9 @@ class MemoryProbe:
         self.sampler = Sampler(opts["full_every"], opts["budget"], self.is_cuda)
         self.dev = DeviceStats(self.device, opts["fragmentation_every"], opts["nvml"])
         self._allocated = self.dev.allocated  # the allocator's total at a mark (CUDA; 0 elsewhere)
-        compiled = any(compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in model.modules())
-        self.hw = HighWater(self.device, self.live) if opts["transients"] and not compiled else None
-        self._hw_note = "compiled modules: not counted" if opts["transients"] and compiled else None
+        self._model = weakref.ref(model)  # read at each full step: compile_blocker
+        self.hw = HighWater(self.device, self.live) if opts["transients"] else None
+        self._hw_note = None
         self._hw_used = False  # the high-water ran this step
         self._anchor: int | None = None  # this step's total minus the counter, at its first counted mark
         self._open: tuple[int, int, int] | None = None  # (sample index, anchor, total) of the last counted mark
@@ -256,7 +257,8 @@ class MemoryProbe:
         self.acts.push()
         hw = self.hw
         if hw is not None and not hw.active and self._anchor is None:
-            why = hw.start()
+            model = self._model()
+            why = (compile_blocker(model) if model is not None else None) or hw.start()
             if why is None:
                 self._hw_used = True
             else:

@@ -74,6 +74,11 @@ def _passive(func) -> bool:
 
 
 class _Mode(TorchDispatchMode):
+    # higher-order operators (flex_attention, torch.cond, ...) pass through __torch_dispatch__ and run unchanged,
+    # their outputs counted and their inner operators not; without this torch raises NotImplementedError for any
+    # of them under the mode, which broke a full step of a model switched to flex_attention (the H200's GPU row)
+    supports_higher_order_operators = True
+
     def __init__(self, hw: HighWater):
         super().__init__()
         self.hw = hw
