@@ -4,6 +4,7 @@ make a run fit, and offloading from pageable (unpinned) host memory."""
 from __future__ import annotations
 
 from ...report_sections import Copies
+from ...trace.collectives import dtype_bytes
 from ...units import fmt_bytes
 from .. import estimate as E
 from .. import snippets as S
@@ -23,6 +24,11 @@ OFFLOAD_STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # of many shards reach less) and for pageable ones (staged through a bounce buffer, ~2.5x slower).
 PINNED_GBPS = 12.0
 PAGEABLE_SLOWDOWN = 2.5
+# The optimizer step on the host once the state is offloaded, per parameter element of this rank: torch's default
+# implementation on FSDP2's sharded DTensors, one thread (torchrun sets OMP_NUM_THREADS=1), measured on this
+# project's CPU VM (benchmarks/cpu_optimizer_cost.py: AdamW 8.05, SGD with momentum 2.44). The GPU machine's host
+# ran the offloaded GPT's AdamW at 8.4 (82 ms for 9.73 M elements); an optimizer not listed counts as AdamW.
+CPU_OPTIMIZER_NS_PER_ELEMENT = {"AdamW": 8.0, "Adam": 8.0, "SGD": 2.4}
 
 _NOT_GPU = "not a GPU run: offload is judged on a GPU"  # why the offload rules are quiet on a CPU run
 _STATE_KEYS = ("sharded_params", "sharded_grads", "optimizer_state")
@@ -176,20 +182,32 @@ class OffloadRecommended(Rule):
         shard = sum(u.sharded_bytes for u in us)
         # per step: params host->device twice (forward and backward unshard), grads device->host once
         copy_ms = (2 * shard + sum(E.grad_shard_bytes(u) for u in us)) / (PINNED_GBPS * 1e9) * 1e3
+        # and the optimizer steps on the host instead of the device (the H200's offloaded GPT: 74.5 -> 173 ms a
+        # step, predicted 84 ms from the copies alone)
+        optim = ctx.config.optimizer if ctx.config is not None and ctx.config.optimizer else "AdamW"
+        ns = CPU_OPTIMIZER_NS_PER_ELEMENT.get(optim, CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"])
+        elements = sum(E.grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0]) or 4 if u.orig_dtypes else 4)
+                       for u in us)
+        cpu_opt_ms = elements * ns / 1e6
+        gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0
+        after = step + copy_ms + cpu_opt_ms - gpu_opt_ms if step is not None else None
         return [self.finding(
             "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
                        f"peak at {100 * peak / cap:.0f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "sharded_state_bytes": state,
              "sharded_params_bytes": bd.get("sharded_params"), "sharded_grads_bytes": bd.get("sharded_grads"),
              "optimizer_state_bytes": bd.get("optimizer_state"), "copy_ms_per_step_est": round(copy_ms, 3),
+             "cpu_optimizer_ms_per_step_est": round(cpu_opt_ms, 3), "optimizer_ms_per_step": round(gpu_opt_ms, 3),
              "step_p50_ms": step},
             f"The persistent sharded state ({E.mib(state)} MiB) is what fills the device. CPUOffloadPolicy keeps "
             "it on the host: parameters are copied in for each unshard, gradients out after each "
-            "reduce-scatter, and the optimizer steps on the CPU (slow for large models: prefer more ranks "
-            "or checkpointing first if they are an option).",
+            f"reduce-scatter (about {copy_ms:.1f} ms per step), and {optim} steps on the CPU, about "
+            f"{cpu_opt_ms:.0f} ms for this rank's {elements / 1e6:.2f} M elements on one thread against "
+            f"{gpu_opt_ms:.1f} ms on the device now: the step slows by about {copy_ms + cpu_opt_ms - gpu_opt_ms:.0f} "
+            "ms. Prefer more ranks or checkpointing first if they are an option.",
             **_plugin_or(ctx, True, S.shard_plan(
                 S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)")),
-            predicted=E.predicted(step, step + copy_ms if step is not None else None, peak, peak - state),
+            predicted=E.predicted(step, after, peak, peak - state),
             units=[u.name for u in us])]
 
 
