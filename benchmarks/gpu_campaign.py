@@ -79,6 +79,21 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def _rows_arg(value: str) -> str:
+    """--rows: "all", or "new" and GPU row names, comma-separated; an unknown name is an error naming it."""
+    if value == "all":
+        return value
+    sys.path.insert(0, str(REPO / "tests"))
+    import scenario_matrix as M
+
+    names = {r.name for r in M.GPU_ROWS} | {"new"}
+    bad = [p.strip() for p in value.split(",") if p.strip() and p.strip() not in names]
+    if bad or not value.strip():
+        raise argparse.ArgumentTypeError(f"not a GPU row: {', '.join(bad) or repr(value)} (the rows: "
+                                         "tests/scenario_matrix.py GPU_ROWS; or all, new)")
+    return value
+
+
 def new_gpu_rows() -> list[str]:
     """The matrix's GPU rows that traces/gpu/scenarios/ has no recording of yet (added since the last GPU session)."""
     sys.path.insert(0, str(REPO / "tests"))
@@ -97,7 +112,10 @@ def plan(out: Path, dry: bool, steps: int, rows: str = "all") -> list[Step]:
     # 3 steps skipped after attaching: the memory probe's full steps 0-2 (its high-water mode runs every operator
     # through Python; later full steps come every ``full_every`` steps, up to 500 apart), like the profiler window
     oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "7" if dry else "13", "--skip", "3"]
-    only = new_gpu_rows() if rows == "new" else None  # None: every GPU row
+    # None: every GPU row; "new": those not recorded; else row names, "new" among them or not
+    only = None if rows == "all" else list(dict.fromkeys(
+        n for part in rows.split(",") if part.strip() for n in (new_gpu_rows() if part.strip() == "new"
+                                                                 else [part.strip()])))
     todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
         *([] if dry else [Step("probe_costs", [PY, bench("gpu_call_costs.py"), "--json", str(out / "probe_costs.json")],
@@ -127,6 +145,12 @@ def plan(out: Path, dry: bool, steps: int, rows: str = "all") -> list[Step]:
                                               "--steps", "6" if dry else "10", *mid,
                                               "--json", str(out / f"allocator_{tag}.json")], 90,
                          [f"allocator_{tag}.json"]))
+    # what removes memory.alloc_retries' retries: its GPU row under caps of 1.1-1.6 times its peak, with the
+    # allocator's defaults and with expandable segments (the fix left 4 of 6 retries on the H200)
+    todo.append(Step("alloc_retries_probe", [PY, bench("alloc_retries_probe.py"), "--device", device,
+                                             *(["--caps", "1.1"] if dry else []),
+                                             "--json", str(out / "alloc_retries_probe.json")], 150,
+                     ["alloc_retries_probe.json"]))
     # categories at every matched point against torch's FSDPMemTracker (its output is the step's log)
     todo.append(Step("memtracker", [PY, bench("memory_vs_memtracker.py"), "--device", device, "--models",
                                     "gpt,llama512", "--steps", "3"], 120))
@@ -375,8 +399,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=480, help="skip steps that would end after this (default 8 min)")
     ap.add_argument("--steps", type=int, default=10, help="training steps of the fixture and prediction runs")
     ap.add_argument("--only", default="", help="comma-separated step names (prefixes), e.g. env,overhead,allocator")
-    ap.add_argument("--rows", choices=("all", "new"), default="all",
-                    help="the scenarios step's GPU rows: all of them, or only those traces/gpu/ has not recorded yet")
+    ap.add_argument("--rows", default="all", type=_rows_arg,
+                    help="the scenarios step's GPU rows: all, new (those traces/gpu/ has not recorded yet), or row "
+                         "names, comma-separated (new among them: those too)")
     ap.add_argument("--list", action="store_true", help="print the steps and exit")
     ap.add_argument("--adopt", action="store_true",
                     help="copy the recorded runs of the --out folder (a finished campaign) into traces/gpu/")

@@ -376,6 +376,21 @@ def hf_gemma2(**size):
                                           head_dim=shape["hidden_size"] // shape["num_attention_heads"], **shape))
 
 
+def hf_granite_swa(**size):
+    """A Hugging Face GraniteSWAForCausalLM from a tiny config (no download): model.model.layers.N (sliding-window
+    attention, every fourth layer full), a learnable attention sink per head, and eager attention, its default:
+    transformers gives it no SDPA (the sinks) in every version seen (5.17, 5.24; Gemma2 gained SDPA in between),
+    only flex_attention (on CUDA alone: "Attention sinks cannot be run on CPU with flex attention") and
+    flash_attention_2. ``size``: GraniteSWAConfig fields replacing the tiny ones."""
+    from transformers import GraniteSWAConfig, GraniteSWAForCausalLM
+
+    torch.manual_seed(0)
+    shape = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    max_position_embeddings=64), **size}
+    return GraniteSWAForCausalLM(GraniteSWAConfig(vocab_size=512, num_key_value_heads=2, bos_token_id=None,
+                                                  eos_token_id=None, pad_token_id=None, **shape))
+
+
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int = 1):
         super().__init__()
@@ -619,6 +634,7 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          # eager attention, GPU-sized on a GPU (tiny on the CPU, where the GPU rows only check their plumbing)
          "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
          "hf_gemma2": lambda: hf_gemma2(**(HF_GPU if scenario_device().type == "cuda" else {})),
+         "hf_granite_swa": lambda: hf_granite_swa(**(HF_GPU if scenario_device().type == "cuda" else {})),
          "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
          "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD, **FINETUNE}
@@ -647,7 +663,7 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "titan": 256, "mixtral": 512, "gpt2": 512,
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512,
          **{name: 512 for name in FINETUNE}}
 
 

@@ -735,8 +735,11 @@ def run_tp_fixes(out: Path) -> dict:
         return {}
 
     run("unwatched", watched=False)
-    return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {}),
-                                  ("no_root", "wrap.root_not_sharded", {"blocks": True})])
+    # the root forgotten leaves the embeddings and lm_head plain tensors beside the layers' DTensors: on CUDA the
+    # user's own AdamW (foreach there by default) raises at its first step ("got mixed torch.Tensor and DTensor"),
+    # so that run exists on the CPU alone, where AdamW steps one tensor at a time
+    return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})]
+                       + ([("no_root", "wrap.root_not_sharded", {"blocks": True})] if dev.type == "cpu" else []))
 
 
 def run_hf_native_fixes(out: Path) -> dict:

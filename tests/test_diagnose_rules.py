@@ -1546,7 +1546,8 @@ def test_alloc_retries_one_step_is_info_and_quiet_reasons():
     # the peak allocation fills the device (78 of 80 GiB): no cached memory to reclaim, no code
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], peak=78 << 30, reserved=79 << 30))
     assert not f.recommendation.code
-    assert "fills 98% of the 80.00 GiB the allocator may reserve," in f.recommendation.text
+    assert "fills 98% of the 80.00 GiB the allocator may reserve. Each CUDA stream keeps its own" in \
+        f.recommendation.text
     # ... or what a memory fraction leaves this process of the device: 19.5 GiB peak under a 20 GiB cap
     ctx = _retries_ctx([0, 1, 2, 3], peak=int(19.5 * (1 << 30)))
     for s in ctx.run.ranks[0].steps:

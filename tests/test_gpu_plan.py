@@ -3,6 +3,8 @@ campaign's plan (issue #22). The GPU tier itself is tests/test_gpu.py, marked `g
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import subprocess
 import sys
@@ -66,13 +68,13 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     names = [s.name for s in steps]
     # in order of value for a short call: the recorded runs (traces/gpu) and the headline overhead first
     assert names[:7] == ["env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "overhead_1b_b16", "tests"]
-    assert {"overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload", "memtracker", "predictions"} \
-        <= set(names) and len(names) == 13  # the issue's scenarios are matrix GPU rows: no demo launch each
+    assert {"overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload", "memtracker", "predictions",
+            "alloc_retries_probe"} <= set(names) and len(names) == 14  # the scenarios are matrix GPU rows
     assert all("--device" in s.argv and "cuda" in s.argv for s in steps
                if s.name not in ("env", "probe_costs", "tests"))
-    # the planned steps' limits add up to about the session's device time (30 min): three calls of under 10 min
-    # (README), most steps ending well inside their limits (a call's --budget-s skips the steps that would overrun)
-    assert sum(s.timeout_s for s in steps) <= 1900
+    # the planned steps' limits add up to about 34 minutes: a whole campaign spans GPU sessions (15 minutes of device
+    # time each now), each call's --budget-s skipping the steps that would overrun and --only / --rows new choosing
+    assert sum(s.timeout_s for s in steps) <= 2050
     # the overhead at batch 16 beside batch 4: the same 1-rank ~1B model, a device-bound step
     by = {s.name: s.argv for s in steps}
     b4, w = by["overhead_1b"], gpu_campaign._with
@@ -275,12 +277,21 @@ def test_a_campaign_of_the_new_rows_adds_them_beside_those_recorded_earlier(tmp_
     import gpu_campaign as G
     import scenario_matrix as M
 
+    # (which rows traces/gpu/ holds changes with each GPU session: two taken out of those recorded here)
+    unrecorded = [M.GPU_ROWS[1].name, M.GPU_ROWS[-1].name]
+    monkeypatch.setattr(M, "recorded_gpu_rows", lambda: [r for r in M.GPU_ROWS if r.name not in unrecorded])
     new = G.new_gpu_rows()
-    assert new == [r.name for r in M.GPU_ROWS if r not in M.recorded_gpu_rows()] and "gpu_gpt_loss_allreduce" in new
+    assert new == unrecorded
     steps = {s.name: s for s in G.plan(tmp_path, dry=False, steps=10, rows="new")}
     argv = steps["scenarios_gpu"].argv
     assert argv[argv.index("--only") + 1] == ",".join(new)
     assert "--only" not in {s.name: s for s in G.plan(tmp_path, dry=False, steps=10)}["scenarios_gpu"].argv
+    # rows by name beside the new ones (a recorded row whose rerun a later session repeats), each once
+    named = {s.name: s for s in G.plan(tmp_path, dry=False, steps=10, rows=f"new,gpu_gpt_whole,{unrecorded[0]}")}
+    argv = named["scenarios_gpu"].argv
+    assert argv[argv.index("--only") + 1] == ",".join(unrecorded + ["gpu_gpt_whole"])
+    with pytest.raises(argparse.ArgumentTypeError, match="not a GPU row: gpu_gpt_nope"):
+        G._rows_arg("new,gpu_gpt_nope")
     monkeypatch.setattr(G, "new_gpu_rows", lambda: [])  # every row recorded: no scenarios step at all
     assert "scenarios_gpu" not in {s.name for s in G.plan(tmp_path, dry=False, steps=10, rows="new")}
 
