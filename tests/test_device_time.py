@@ -21,6 +21,12 @@ sys.path.insert(0, str(REPO / "tests"))
 
 GPU = REPO / "traces" / "gpu"
 RUNS = [GPU / "fixture"] + sorted(p for p in (GPU / "scenarios").glob("*") if (p / "manifest.json").exists())
+# the runs recorded on the H100 (2026-11-23/24), whose hosts waited for the GPU's backlog outside the model (3.5-81.5%
+# of the step). The H200's rows (2026-11-28, the same loop, this tree's recorder) put 0.3-2.5% of the step outside
+# the model on the host's clock, under the device's own idle before the forward (1.1-3.9%): no backlog to wait for
+# there, so the host-against-device comparisons below hold for the H100's runs alone
+H100_RUNS = [p for p in RUNS if (p / "rank0.records.jsonl").exists()
+             and '"device_name":"NVIDIA H100' in (p / "rank0.records.jsonl").read_text()[:20000]]
 recorded = pytest.mark.skipif(not (GPU / "fixture" / "manifest.json").exists(), reason="traces/gpu/ not recorded")
 
 
@@ -305,7 +311,8 @@ def test_data_wait_reads_the_device_on_every_recorded_gpu_run(path):
     assert all(sh.clock == J.CLOCK_DEVICE for sh in shares.values()), shares
     assert all(st.device.idle_source == IDLE_MEASURED for st in report.steps.per_rank.values())
     host = {r: J._outside_ms(ctx, r, st) / st.p50_ms for r, st in report.steps.per_rank.items()}
-    assert all(sh.share <= host[r] for r, sh in shares.items()), (shares, host)
+    if path in H100_RUNS:  # the host waited for the device's backlog there: its clock read more outside
+        assert all(sh.share <= host[r] for r, sh in shares.items()), (shares, host)
     over = {r for r, sh in shares.items() if sh.share >= J.OUTSIDE_SHARE_MIN}
     if path.name == "gpu_gpt_straggler":
         # rank 1's 30 ms sleep before the forward: its device idles 33.3 ms of its 105.2 ms period there
@@ -340,7 +347,7 @@ def test_the_host_clock_alone_would_fire_on_most_recorded_gpu_runs():
     from test_diagnose_rules import run_rule
 
     host_fired, device_fired, top = [], [], 0.0
-    for path in RUNS:
+    for path in H100_RUNS:
         run = fsdp_doctor.load_run(path)
         report = fsdp_doctor.build_report(run)
         if any(f.code == "jitter.data_wait" for f in report.findings):
@@ -351,8 +358,9 @@ def test_the_host_clock_alone_would_fire_on_most_recorded_gpu_runs():
             st.device = msgspec.UNSET
         if run_rule("jitter.data_wait", Context(run=run, report=report)):
             host_fired.append(path.name)
-    assert len(RUNS) == 20 and device_fired == []
-    assert sorted({p.name for p in RUNS} - set(host_fired)) == ["gpu_gpt_offload_unpinned", "gpu_gpt_tiny_launch_bound"]
+    assert len(H100_RUNS) == 20 and device_fired == []
+    assert sorted({p.name for p in H100_RUNS} - set(host_fired)) == \
+        ["gpu_gpt_offload_unpinned", "gpu_gpt_tiny_launch_bound"]
     assert round(100 * top, 1) == 81.5
 
 

@@ -143,8 +143,11 @@ def compile_blocker(model: nn.Module) -> str | None:
         if getattr(getattr(m, "config", None), "_attn_implementation", None) == "flex_attention":
             return "flex_attention (compiled by torch): not counted"
         for v in itertools.chain(vars(type(m)).values(), vars(m).values()):
-            if callable(v) and hasattr(v, "_torchdynamo_orig_callable"):
-                return "compiled functions in the model: not counted"
+            try:
+                if callable(v) and hasattr(v, "_torchdynamo_orig_callable"):
+                    return "compiled functions in the model: not counted"
+            except Exception:  # noqa: BLE001 - a user's attribute whose lookup raises is not compiled code
+                continue
     return None
 
 
