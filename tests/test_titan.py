@@ -275,3 +275,23 @@ def test_titan_hsdp_beside_tensor_parallel(tmp_path_factory):
         assert m["shares"]["reducescatter"] > 0 and m["shares"]["other_comm"] < 3, m["shares"]
         assert {k.split()[0] for k in m["other"]} == {"model", "grad_norm"}, m["other"]
 
+
+
+def test_titans_flex_attention_keeps_the_doctors_modes_aside(monkeypatch):
+    """torchtitan 0.3.0's FlexAttention holds torch.compile(flex_attention) on its class (``_compiled_flex_attn``,
+    called as ``FlexAttention._compiled_flex_attn``): under the doctor's dispatch modes that compile would raise
+    (fullgraph), so a model holding one keeps the memory high-water and the FLOP count off, saying why; its SDPA
+    attention holds none."""
+    import torch.nn as nn
+
+    from fsdp_doctor.record.units import compile_blocker
+
+    if not (TITAN_SITE / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan is not installed in {TITAN_SITE} (make setup installs it: make titan-site)")
+    monkeypatch.syspath_prepend(str(TITAN_SITE))
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    flex = nn.Sequential(nn.Linear(4, 4), FlexAttention(FlexAttention.Config()))
+    assert compile_blocker(flex) == "compiled functions in the model: not counted"
+    assert compile_blocker(nn.Sequential(nn.Linear(4, 4), ScaledDotProductAttention(
+        ScaledDotProductAttention.Config()))) is None
