@@ -113,9 +113,9 @@ def plan(out: Path, dry: bool, steps: int, rows: str = "all") -> list[Step]:
     # through Python; later full steps come every ``full_every`` steps, up to 500 apart), like the profiler window
     oh = ["--device", device, "--blocks", "4" if dry else "10", "--block-steps", "7" if dry else "13", "--skip", "3"]
     # None: every GPU row; "new": those not recorded; else row names, "new" among them or not
+    asked = [p.strip() for p in rows.split(",") if p.strip()]
     only = None if rows == "all" else list(dict.fromkeys(
-        n for part in rows.split(",") if part.strip() for n in (new_gpu_rows() if part.strip() == "new"
-                                                                 else [part.strip()])))
+        n for p in asked for n in (new_gpu_rows() if p == "new" else [p])))
     todo = [
         Step("env", [PY, str(Path(__file__)), "--env", str(out / "env.json")], 60, ["env.json"]),
         *([] if dry else [Step("probe_costs", [PY, bench("gpu_call_costs.py"), "--json", str(out / "probe_costs.json")],

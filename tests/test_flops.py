@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -547,21 +548,18 @@ def test_compiled_code_in_the_forward_trains_unchanged_under_watch(one_rank_grou
         model = nn.Sequential(_CompiledGelu(), _CompiledGelu(), nn.Linear(16, 1))
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ctx = fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0,
-                                profile=False) if out_dir else None
-        doctor = ctx.__enter__() if ctx else None
         losses = []
-        for step in range(4):
-            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if doctor is not None:
-                doctor.step()
-            losses.append(loss.item())
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        with (fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0, profile=False)
+              if out_dir else nullcontext()) as doctor:
+            for step in range(4):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if doctor is not None:
+                    doctor.step()
+                losses.append(loss.item())
         return losses
 
     base = train()

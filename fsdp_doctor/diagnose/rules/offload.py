@@ -186,7 +186,7 @@ class OffloadRecommended(Rule):
         # step, predicted 84 ms from the copies alone)
         optim = ctx.config.optimizer if ctx.config is not None and ctx.config.optimizer else "AdamW"
         ns = CPU_OPTIMIZER_NS_PER_ELEMENT.get(optim, CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"])
-        elements = sum(E.grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0]) or 4 if u.orig_dtypes else 4)
+        elements = sum(E.grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0] if u.orig_dtypes else "float32") or 4)
                        for u in us)
         cpu_opt_ms = elements * ns / 1e6
         gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0
