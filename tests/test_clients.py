@@ -23,13 +23,21 @@ HERE = Path(__file__).resolve().parent
 STEPPED_ASIDE = "the doctor records no profiler windows in this run"
 
 
+#: what the fork server of the CPU ranks imports once (fsdp_doctor.workloads.launch): the rank scripts' own imports
+#: (titan_cases imports recorder_cases and clients; torchtitan only in its ranks), the Hugging Face models', and
+#: this module (``_run_script``)
+FORKSERVER_PRELOAD = ("titan_cases", "transformers.models.llama.modeling_llama", "accelerate", "test_clients")
+
+
 def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
             script: str = "clients.py", device: str = "cpu") -> tuple[list[dict], list[str]]:
     """Runs ``client`` of ``script`` (tests/clients.py, tests/recorder_cases.py) on ``world`` gloo ranks (the
     scenarios with ``device="cuda"``: NCCL ranks, each with its rank plan's device and NCCL_HOSTID); returns
-    (each rank's RESULT, each rank's stderr)."""
+    (each rank's RESULT, each rank's stderr). Each rank runs the script as ``python tests/SCRIPT CLIENT RANK WORLD
+    PORT OUT`` would: on the CPU forked from the fork server, where torch, transformers and the scripts' imports
+    are already imported (3-4 s a rank otherwise, about 40 launches a suite); on a GPU a process of its own."""
     from fsdp_doctor.workloads import WorkloadConfig, free_port
-    from fsdp_doctor.workloads.launch import _rank_env
+    from fsdp_doctor.workloads.launch import _rank_env, forkserver_preload, start_method
 
     if client not in ("snippets", "scenarios"):  # these take a spec file
         out.mkdir(parents=True, exist_ok=True)
@@ -38,9 +46,13 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
     envs = [env if device == "cpu" else
             {**env, "FSDP_DOCTOR_SCENARIO_DEVICE": device, **_rank_env(WorkloadConfig(device=device), r, world, port)}
             for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(HERE / script), client, str(r), str(world), port, str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=envs[r])
-             for r in range(world)]
+    argv = [[client, str(r), str(world), port, str(out)] for r in range(world)]
+    if start_method(device) == "forkserver":
+        forkserver_preload(("__main__", "fsdp_doctor.workloads.launch", *FORKSERVER_PRELOAD))
+        procs = [_Forked(HERE / script, argv[r], envs[r]) for r in range(world)]
+    else:
+        procs = [subprocess.Popen([sys.executable, str(HERE / script), *argv[r]], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=envs[r]) for r in range(world)]
     results, errs = [], []
     try:
         for r, p in enumerate(procs):
@@ -55,6 +67,63 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
             if p.poll() is None:
                 p.kill()
     return results, errs
+
+
+class _Forked:
+    """One rank script forked from multiprocessing's fork server, as ``subprocess.Popen`` would run it (``python
+    SCRIPT *ARGV`` with ``env``, its output read when it ends): ``communicate``, ``returncode``, ``poll``, ``kill``."""
+
+    def __init__(self, script: Path, argv: list[str], env: dict[str, str]) -> None:
+        import multiprocessing
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="fsdp_doctor_rank_")
+        self._out, self._err = (Path(self._dir.name) / n for n in ("stdout", "stderr"))
+        self._proc = multiprocessing.get_context("forkserver").Process(
+            target=_run_script, args=(str(script), argv, env, str(self._out), str(self._err)))
+        self._proc.start()
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode
+
+    def poll(self):
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+        self._proc.join(5)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self._proc.name, timeout)
+        try:
+            return tuple(p.read_text(errors="replace") if p.exists() else "" for p in (self._out, self._err))
+        finally:
+            self._dir.cleanup()
+
+
+def _run_script(script: str, argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    """A forked rank: the caller's environment, the platform's way to start processes, file descriptors 1 and 2 into
+    files, and ``script`` run as ``__main__`` with ``argv`` and its folder first on the path, as ``python SCRIPT
+    *ARGV`` runs it."""
+    import multiprocessing
+    import runpy
+
+    # a forked process starts its own children as its parent's did (forkserver): the script's (a DataLoader's
+    # workers) then import everything again, 24 s of the HF Trainer case; python SCRIPT starts them as the platform
+    # does (fork on Linux before Python 3.14)
+    multiprocessing.set_start_method(None, force=True)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
 
 
 def _diagnosis(path: Path):
