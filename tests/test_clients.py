@@ -14,19 +14,13 @@ from pathlib import Path
 import pytest
 
 import fsdp_doctor
-from conftest import async_gather_slack
+from conftest import FORKSERVER_PRELOAD, async_gather_slack
 from fsdp_doctor.diagnose import diagnose
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 STEPPED_ASIDE = "the doctor records no profiler windows in this run"
-
-
-#: what the fork server of the CPU ranks imports once (fsdp_doctor.workloads.launch): the rank scripts' own imports
-#: (titan_cases imports recorder_cases and clients; torchtitan only in its ranks), the Hugging Face models', and
-#: this module (``_run_script``)
-FORKSERVER_PRELOAD = ("titan_cases", "transformers.models.llama.modeling_llama", "accelerate", "test_clients")
 
 
 def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
@@ -48,7 +42,7 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
             for r in range(world)]
     argv = [[client, str(r), str(world), port, str(out)] for r in range(world)]
     if start_method(device) == "forkserver":
-        forkserver_preload(("__main__", "fsdp_doctor.workloads.launch", *FORKSERVER_PRELOAD))
+        forkserver_preload(FORKSERVER_PRELOAD)
         procs = [_Forked(HERE / script, argv[r], envs[r]) for r in range(world)]
     else:
         procs = [subprocess.Popen([sys.executable, str(HERE / script), *argv[r]], stdout=subprocess.PIPE,
