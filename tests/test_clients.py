@@ -99,18 +99,14 @@ class _Forked:
 
 
 def _run_script(script: str, argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    """A forked rank: the caller's environment, the platform's way to start processes, file descriptors 1 and 2 into
-    files, and ``script`` run as ``__main__`` with ``argv`` and its folder first on the path, as ``python SCRIPT
-    *ARGV`` runs it."""
-    import multiprocessing
+    """A forked rank: the caller's process state as the workload's ranks take it (``take_callers_state``), file
+    descriptors 1 and 2 into files, and ``script`` run as ``__main__`` with ``argv`` and its folder first on the
+    path, as ``python SCRIPT *ARGV`` runs it."""
     import runpy
 
-    # a forked process starts its own children as its parent's did (forkserver): the script's (a DataLoader's
-    # workers) then import everything again, 24 s of the HF Trainer case; python SCRIPT starts them as the platform
-    # does (fork on Linux before Python 3.14)
-    multiprocessing.set_start_method(None, force=True)
-    os.environ.clear()
-    os.environ.update(env)
+    from fsdp_doctor.workloads.launch import take_callers_state
+
+    take_callers_state(env)
     for fd, path in ((1, stdout), (2, stderr)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)

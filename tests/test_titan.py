@@ -276,7 +276,6 @@ def test_titan_hsdp_beside_tensor_parallel(tmp_path_factory):
         assert {k.split()[0] for k in m["other"]} == {"model", "grad_norm"}, m["other"]
 
 
-
 def test_titans_flex_attention_keeps_the_doctors_modes_aside(monkeypatch):
     """torchtitan 0.3.0's FlexAttention holds torch.compile(flex_attention) on its class (``_compiled_flex_attn``,
     called as ``FlexAttention._compiled_flex_attn``): under the doctor's dispatch modes that compile would raise

@@ -162,6 +162,20 @@ def forkserver_preload(modules) -> None:
         mp.set_forkserver_preload(list(dict.fromkeys([*getattr(server, "_preload_modules", []), *modules])))
 
 
+def take_callers_state(environ: dict[str, str]) -> None:
+    """In a rank forked from the fork server: what a process the caller started would have. The caller's
+    environment at the launch (not the server's), its OMP_NUM_THREADS (read by torch at import: in the server),
+    and the platform's way to start processes (a forked rank would start its own, a DataLoader's workers, from a
+    fork server of its own, each importing everything again: 24 s of a Hugging Face Trainer test)."""
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
+    os.environ.clear()
+    os.environ.update(environ)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def _is_port_clash(exc: WorkloadError) -> bool:
     text = str(exc).lower()
     return "address already in use" in text or "eaddrinuse" in text
@@ -170,16 +184,8 @@ def _is_port_clash(exc: WorkloadError) -> bool:
 def _rank_main(rank: int, cfg: WorkloadConfig, world_size: int, port: int, outdir: str,
                watch_kwargs: Optional[dict], on_step: Optional[OnStep], environ: dict[str, str]) -> None:
     """Entry point of one rank: the caller's environment, init the group, train, write the losses or the error."""
-    # a forked rank would start its own processes (a DataLoader's workers) from a fork server of its own, each
-    # importing everything again: the platform's way instead, as in any process the user starts
-    import multiprocessing
-
-    multiprocessing.set_start_method(None, force=True)
-    os.environ.clear()
-    os.environ.update(environ)
+    take_callers_state(environ)
     os.environ.update(_rank_env(cfg, rank, world_size, port))
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # (read by torch at import: in the server's, not this one's)
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     out = Path(outdir)
     try:
         device = setup_rank(cfg, int(os.environ.get("FSDP_DOCTOR_CUDA_DEVICE", rank)))
