@@ -189,19 +189,37 @@ def write_env(path: Path) -> None:
     path.write_text(json.dumps(facts, indent=1))
 
 
+def _run(out: Path, d: Path) -> dict:
+    """A recorded run's folder (relative to ``out``) with its sizes."""
+    files = [f for f in d.rglob("*") if f.is_file()]
+    trace = sum(f.stat().st_size for f in files if "profiler" in f.relative_to(d).parts)
+    return dict(path=str(d.relative_to(out)), bytes=sum(f.stat().st_size for f in files), profiler_bytes=trace)
+
+
 def recorded_runs(out: Path) -> list[dict]:
     """The runs recorded by watch() in the folder (the fixture and each GPU row's before-run; not the fixes' reruns
     nor the capacity probes): the candidates for traces/, with their sizes."""
-    runs = []
-    for manifest in sorted(out.glob("fixture/manifest.json")) + sorted(out.glob("scenarios_gpu/*/manifest.json")):
-        d = manifest.parent
-        if d.name.endswith(("_fixed", "_probe")):
-            continue
-        files = [f for f in d.rglob("*") if f.is_file()]
-        trace = sum(f.stat().st_size for f in files if "profiler" in f.relative_to(d).parts)
-        runs.append(dict(path=str(d.relative_to(out)), bytes=sum(f.stat().st_size for f in files),
-                         profiler_bytes=trace))
-    return runs
+    manifests = sorted(out.glob("fixture/manifest.json")) + sorted(out.glob("scenarios_gpu/*/manifest.json"))
+    return [_run(out, m.parent) for m in manifests if not m.parent.name.endswith(("_fixed", "_probe"))]
+
+
+def _rechecks(out: Path) -> dict:
+    """The campaign's GPU rows' rechecks (scenarios_gpu.json), {} where it has none or cannot be read."""
+    try:
+        rows = json.loads((out / "scenarios_gpu.json").read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return rows if isinstance(rows, dict) else {}
+
+
+def wrong_reruns(out: Path) -> list[dict]:
+    """The fixes' reruns of the GPU rows whose recheck shows the advice wrong (``ok`` false in scenarios_gpu.json)
+    that recorded a run: what a CPU session reads afterwards to see why (kernels.launch_bound's compiled blocks
+    measured no faster, and their trace was left on the GPU machine). ``--adopt`` keeps them in
+    traces/gpu/rechecks/, apart from the fixtures the tests read."""
+    return [_run(out, d) for name, r in sorted(_rechecks(out).items())
+            if isinstance(r, dict) and r.get("ok") is False
+            and ((d := out / "scenarios_gpu" / f"{name}_fixed") / "manifest.json").exists()]
 
 
 # where the campaign's recorded runs go in the repository (tests/test_gpu_fixtures.py reads them on the CPU)
@@ -211,8 +229,8 @@ FIXTURE_BUDGET = 24 << 20  # bytes: above this the adoption says so (a clone car
 
 def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     """Copies a campaign folder's recorded runs into ``dest`` (traces/gpu/): the 2-rank fixture as ``fixture/``
-    (with its report), each GPU row's before-run as ``scenarios/NAME/`` (not the fixes' reruns nor the capacity
-    probes), the rows' rechecks and the machine's facts. What the campaign did not record stays as it was: a
+    (with its report), each GPU row's before-run as ``scenarios/NAME/`` (not the capacity probes, nor the fixes'
+    reruns but those whose advice was wrong: ``rechecks/NAME_fixed/``), the rows' rechecks and the machine's facts. What the campaign did not record stays as it was: a
     campaign of some rows (``--rows new``) adds them beside the rows recorded earlier, its rechecks merged into
     scenarios_gpu.json and its table added to scenarios_gpu.md. Returns what it wrote, a line each, sizes in MiB."""
     import shutil
@@ -240,6 +258,17 @@ def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
             shutil.copytree(src, tmp / rel)
             total += r["bytes"]
             lines.append(f"{(dest / rel).relative_to(REPO)}: {r['bytes'] / 2**20:.1f} MiB")
+        # the reruns whose advice this campaign found wrong, as evidence; a row's earlier one goes once its advice
+        # holds (or is wrong again: replaced)
+        for name in _rechecks(out):
+            shutil.rmtree(tmp / "rechecks" / f"{name}_fixed", ignore_errors=True)
+        for r in wrong_reruns(out):
+            src = out / r["path"]
+            shutil.copytree(src, tmp / "rechecks" / src.name)
+            lines.append(f"{(dest / 'rechecks' / src.name).relative_to(REPO)}: {r['bytes'] / 2**20:.1f} MiB "
+                         "(the fix's rerun: advice wrong)")
+        if (tmp / "rechecks").is_dir() and not any((tmp / "rechecks").iterdir()):
+            (tmp / "rechecks").rmdir()
         if (out / "env.json").exists():
             shutil.copy2(out / "env.json", tmp / "env.json")
         _merge_rechecks(out, tmp)
@@ -285,13 +314,16 @@ PACK_PARTS = 8
 def pack(out: Path, dest: Path) -> list[str]:
     """The campaign folder as tarballs the device tool can return: ``campaign-results.tgz`` (summaries, figures,
     logs: everything but the run directories) and ``campaign-runs-N.tgz``, the recorded runs that ``--adopt``
-    takes (the fixture, the GPU rows' before-runs; the fixes' reruns and the probes are left: their rechecks are
-    in scenarios_gpu.json), each under 15 MiB, at most 7. Runs that do not fit are listed in
+    takes (the fixture, the GPU rows' before-runs, then the reruns of the fixes whose advice was wrong; the other
+    reruns and the probes are left: their rechecks are in scenarios_gpu.json), each under 15 MiB, at most 7. Runs that do not fit are listed in
     ``packed.json``. Untar every part into one folder here. Returns a line per tarball."""
     import tarfile
 
     dest.mkdir(parents=True, exist_ok=True)
     runs = recorded_runs(out)
+    extra = wrong_reruns(out)
+    wrong = {r["path"] for r in extra}
+    runs += extra
 
     def in_run(f: Path) -> bool:  # inside a run directory (any: the fixes' reruns and probes too)
         dirs = [out / q for q in f.relative_to(out).parents if q != Path(".")]
@@ -300,7 +332,8 @@ def pack(out: Path, dest: Path) -> list[str]:
     small = [f for f in sorted(out.rglob("*")) if f.is_file() and not in_run(f) and f.name != "packed.json"]
     parts: list[list[dict]] = []
     left = []
-    for r in sorted(runs, key=lambda r: (r["path"] != "fixture", r["bytes"])):  # the fixture first, then small
+    # the fixture first, then the before-runs, then the wrong advice's reruns; small first within each
+    for r in sorted(runs, key=lambda r: (r["path"] != "fixture", r["path"] in wrong, r["bytes"])):
         fit = next((p for p in parts if sum(x["bytes"] for x in p) + r["bytes"] <= PACK_PART), None)
         if fit is None and len(parts) < PACK_PARTS - 1 and r["bytes"] <= PACK_PART:
             parts.append(fit := [])

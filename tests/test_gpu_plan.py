@@ -351,6 +351,45 @@ def test_a_campaign_packs_into_tarballs_the_device_tool_returns(tmp_path, monkey
     assert (tmp_path / "traces" / "gpu" / "scenarios" / "gpu_gpt_accum" / "manifest.json").exists()
 
 
+def test_the_rerun_of_a_fix_whose_advice_was_wrong_comes_back_as_evidence(tmp_path, monkeypatch):
+    """A GPU row whose fix's rerun showed the advice wrong (kernels.launch_bound's compiled blocks measured no
+    faster): its rerun is packed after the fixtures and adopted into traces/gpu/rechecks/, where a CPU session reads
+    why; the reruns of the rows whose advice held stay on the machine. Its advice holding in a later campaign takes
+    the evidence away."""
+    import shutil
+    import tarfile
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_campaign as G
+
+    out = tmp_path / "c"
+    run = _fake_campaign(out, "fixture", "scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_accum")
+    shutil.copytree(REPO / "traces" / "sample", out / "scenarios_gpu" / "gpu_gpt_accum_fixed")
+    (out / "scenarios_gpu.json").write_text(json.dumps({"gpu_gpt_whole": {"ok": False, "problems": ["x"]},
+                                                        "gpu_gpt_accum": {"ok": True}}))
+    assert [r["path"] for r in G.wrong_reruns(out)] == ["scenarios_gpu/gpu_gpt_whole_fixed"]
+    monkeypatch.setattr(G, "PACK_PART", int(2.5 * run))  # two runs a part
+    G.pack(out, tmp_path / "OUT")
+    packed = json.loads((out / "packed.json").read_text())
+    assert packed["parts"] == [["fixture", "scenarios_gpu/gpu_gpt_accum"],
+                               ["scenarios_gpu/gpu_gpt_whole", "scenarios_gpu/gpu_gpt_whole_fixed"]]
+    back = tmp_path / "back"
+    for t in (tmp_path / "OUT").iterdir():
+        with tarfile.open(t) as tar:
+            tar.extractall(back, filter="data")
+    assert not (back / "scenarios_gpu" / "gpu_gpt_accum_fixed").exists()
+    dest = tmp_path / "repo" / "traces" / "gpu"
+    monkeypatch.setattr(G, "REPO", tmp_path / "repo")
+    lines = G.adopt(back, dest)
+    assert sorted(p.parent.relative_to(dest).as_posix() for p in dest.glob("**/manifest.json")) == [
+        "fixture", "rechecks/gpu_gpt_whole_fixed", "scenarios/gpu_gpt_accum", "scenarios/gpu_gpt_whole"]
+    assert "traces/gpu/rechecks/gpu_gpt_whole_fixed" in "\n".join(lines) and lines[-1].startswith("3 runs adopted")
+    # a later campaign: the advice holds now
+    (back / "scenarios_gpu.json").write_text(json.dumps({"gpu_gpt_whole": {"ok": True}}))
+    G.adopt(back, dest)
+    assert not (dest / "rechecks").exists() and (dest / "scenarios" / "gpu_gpt_whole" / "manifest.json").exists()
+
+
 def test_the_alloc_retries_row_runs_its_loop_and_pastes_its_fix_before_the_ranks_start(tmp_path, monkeypatch):
     """memory.alloc_retries' GPU row, shrunk on gloo (its rule needs CUDA's allocator figures: quiet here): the
     loop's sequence lengths vary from step to step, and the rerun's fix, the allocator setting printed for the top
