@@ -79,6 +79,10 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # the unit runs inside a frame compiled in place (``module.compile()``): the doctor's hooks return at once
     # there (no graph break), so the unit's timings are not recorded
     compiled_in_place: bool = False
+    # the unit is compiled in place itself (``module.compile()``) and timed around its compiled call: its forward,
+    # backward and backward all-gather wait are recorded; its forward's all-gather wait is inside the compiled frame,
+    # within its forward (not known apart)
+    compiled_call_timed: bool = False
     parent: str | None = None  # name of the enclosing unit
     # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
     # (the root's embeddings, final norm and head; a whole-model unit's blocks)

@@ -277,10 +277,11 @@ class StepsSection(_Section):
 
 class UnitTiming(_Section):
     """A unit's median per-step timings across ranks (ms). ``fwd_ms``/``bwd_ms`` include nested units (as
-    recorded); ``fwd_self_ms``/``bwd_self_ms`` are the unit's own time (None: FSDP never brackets its backward)."""
+    recorded); ``fwd_self_ms``/``bwd_self_ms`` are the unit's own time (None: FSDP never brackets its backward);
+    ``ag_wait_fwd_ms`` None: a unit compiled in place, whose forward's all-gather wait is inside its forward."""
 
     fwd_ms: float = 0.0
-    ag_wait_fwd_ms: float = 0.0
+    ag_wait_fwd_ms: Optional[float] = 0.0
     bwd_ms: float = 0.0
     ag_wait_bwd_ms: float = 0.0
     recompute_ms: float = 0.0

@@ -56,6 +56,7 @@ def run(mode: str, watched: bool) -> dict:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled_calls = [layer.__dict__.get("_compiled_call_impl") for layer in model.layers]
     out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
     ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
     doctor = ctx.__enter__() if ctx else None
@@ -79,9 +80,13 @@ def run(mode: str, watched: bool) -> dict:
     res = {"losses": losses, "graph_breaks": sum(counters["graph_break"].values())}
     if ctx:
         ctx.__exit__(None, None, None)
+        # each block's compiled call as it was before watch(), the doctor's timing of it gone
+        res["compiled_calls_restored"] = all(layer.__dict__.get("_compiled_call_impl") is c
+                                             for layer, c in zip(model.layers, compiled_calls))
         run_ = fsdp_doctor.load_run(out)
         res["checkpoint"] = {u.name: u.checkpoint for u in run_.config.units}
         res["compiled_in_place"] = [u.name for u in run_.config.units if u.compiled_in_place]
+        res["compiled_call_timed"] = [u.name for u in run_.config.units if u.compiled_call_timed]
         steps = run_.ranks[0].steps[1:]  # the first step watched; the others are timed
         res["recompute_ms"] = {u.name: [next(x for x in s.units if x.name == u.name).recompute_ms for s in steps]
                                for u in run_.config.units}

@@ -6,7 +6,7 @@ Clients:
                ``torch.utils.checkpoint.checkpoint(layer, h)``), 2 ranks, gradient accumulation with
                ``set_requires_gradient_sync(False)``, ``clip_grad_norm_``, the user's own profiler (scheduled,
                overlapping the doctor's window; then unscheduled).
-  compiled     the same Transformer with each block ``torch.compile``d (torchtitan's order: compile, then
+  compiled     the same Transformer with each block ``torch.compile``d as a wrapper (older torchtitan: compile, then
                fully_shard); backend "aot_eager": inductor needs a C++ toolchain and minutes per block on this
                CPU, and what the doctor meets (an OptimizedModule per block, hooks outside the graph) is the same.
   llama        a torchtitan-style llama3 (RMSNorm, GQA attention, SwiGLU) sharded the torchtitan way on a

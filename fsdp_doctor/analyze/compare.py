@@ -206,7 +206,8 @@ def _comm(side: Side, source: str) -> dict[tuple[str, str, Optional[str]], float
         for u in rep.units or []:
             t = u.timing_p50
             if t is not UNSET:
-                out[(u.name or "(root)", "all_gather", "forward")] = t.ag_wait_fwd_ms
+                if t.ag_wait_fwd_ms is not None:  # (None: not known apart, a unit compiled in place)
+                    out[(u.name or "(root)", "all_gather", "forward")] = t.ag_wait_fwd_ms
                 out[(u.name or "(root)", "all_gather", "backward")] = t.ag_wait_bwd_ms
     return out
 

@@ -86,6 +86,8 @@ def unit_table(run: Run) -> list[UnitRow]:
             row.timing_p50 = UnitTiming(**{k: round(statistics.median(v), 3) for k, v in t.items() if v})
             if blind & set(children.get(u.name, ())):  # a nested unit's time unknown: so is this one's own
                 row.timing_p50.fwd_self_ms = row.timing_p50.bwd_self_ms = None
+            if u.compiled_call_timed:  # FSDP's pre-forward, inside the compiled call: its wait is in fwd_ms
+                row.timing_p50.ag_wait_fwd_ms = None
         out.append(row)
     return out
 

@@ -426,12 +426,15 @@ def predicted(step_before=None, step_after=None, peak_before=None, peak_after=No
 
 
 def ag_wait_ms(u: Unit, phase: str) -> float:
-    return u.timing.ag_wait_fwd_ms if phase == "forward" else u.timing.ag_wait_bwd_ms
+    """A unit's all-gather wait in ``phase`` (ms); 0 where not known apart (a unit compiled in place: its forward's
+    wait is inside its forward)."""
+    return (u.timing.ag_wait_fwd_ms or 0.0) if phase == "forward" else u.timing.ag_wait_bwd_ms
 
 
 def compute_fwd_ms(u: Unit) -> float:
-    """A unit's forward time minus its own all-gather wait (still inclusive of nested units)."""
-    return max(0.0, u.timing.fwd_ms - u.timing.ag_wait_fwd_ms)
+    """A unit's forward time minus its own all-gather wait (still inclusive of nested units; the wait included
+    where it is not known apart)."""
+    return max(0.0, u.timing.fwd_ms - ag_wait_ms(u, "forward"))
 
 
 # ---------------------------------------------------------------------------------------------- code names

@@ -72,7 +72,8 @@ def run_facts(run: RunFacts) -> list[str]:
     if r is None:
         return facts
     if r.world_size:
-        facts.append(f"{r.world_size} ranks" + (f" ({fmt_mesh(r.mesh)})" if r.mesh else ""))
+        mesh = f" ({fmt_mesh(r.mesh)})" if r.mesh else ""
+        facts.append(f"{r.world_size} rank{'s' if r.world_size != 1 else ''}{mesh}")
     if r.units:
         facts.append(f"{r.units} FSDP unit{'s' if r.units != 1 else ''}")
     if r.model_param_count:

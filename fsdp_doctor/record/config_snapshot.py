@@ -27,12 +27,14 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
                     peak_tflops: float | None, flops_per_step: float | None, profile_schedule,
                     hardware_flops_per_step: float | None = None,
                     runtime_checkpointed: Iterable[int], consistency: str | None,
-                    runtime_checkpointed_children: Iterable[int] = ()) -> tuple[RunConfig, str]:
+                    runtime_checkpointed_children: Iterable[int] = (),
+                    timed_compiled: Iterable[int] = ()) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
     (``checkpoint(self.mlp, h)`` inside the unit's forward); ``consistency``: the first snapshot's check ("" when
-    it passed; None: not run yet, run and logged now)."""
+    it passed; None: not run yet, run and logged now); ``timed_compiled``: units compiled in place that the timer
+    times around their compiled call (StepTimer.timed_compiled)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model)
@@ -51,21 +53,32 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     for idx in runtime_checkpointed_children:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "children"
-    in_place = _compiled_in_place(model, units)
+    compiled, timed_compiled = _compiled_in_place(model, units), set(timed_compiled)
+    timed = [i for i in compiled if i in timed_compiled]
+    in_place = [i for i in compiled if i not in timed_compiled]
     for idx in in_place:
         unit_cfgs[idx].compiled_in_place = True
+    for idx in timed:
+        unit_cfgs[idx].compiled_call_timed = True
     _, ign_names, ign_bytes = unmanaged_summary(model, units)
     if consistency is None:
         consistency = consistency_problem(model, units, unit_cfgs) or ""
         if consistency:
             log.warning("fsdp_doctor: %s", consistency)
     unavailable = F2.problems() + ([consistency] if consistency else [])
-    if in_place:
-        names = ", ".join(unit_cfgs[i].name or "(root)" for i in in_place[:4]) + (" ..." if len(in_place) > 4 else "")
+
+    def names(ids: list[int]) -> str:
+        return ", ".join(unit_cfgs[i].name or "(root)" for i in ids[:4]) + (" ..." if len(ids) > 4 else "")
+
+    if timed:
         unavailable.append(
-            f"{len(in_place)} unit(s) compiled in place with module.compile() ({names}): the doctor's hooks stay out "
-            "of the compiled frame, so these units' timings are not recorded; torch.compile(module) as a wrapper "
-            "(torchtitan's way) keeps them")
+            f"{len(timed)} unit(s) compiled in place with module.compile() ({names(timed)}): timed around their "
+            "compiled call, so their forward's all-gather wait is inside their forward time, not apart")
+    if in_place:
+        unavailable.append(
+            f"{len(in_place)} unit(s) run in a frame compiled in place with module.compile() ({names(in_place)}): "
+            "the doctor's hooks run in the compiled frame, where they do nothing, so these units' timings are not "
+            "recorded")
     return RunConfig(
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
         torch_version=str(torch.__version__),

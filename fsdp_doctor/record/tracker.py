@@ -440,7 +440,8 @@ class Doctor:
             peak_tflops=self.options.peak_tflops, flops_per_step=self.flops_per_step,
             hardware_flops_per_step=self.hardware_flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
             runtime_checkpointed=self._timer._runtime_ckpt,
-            runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency)
+            runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
+            timed_compiled=self._timer.timed_compiled)
         cfg.driver = self.driver
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None

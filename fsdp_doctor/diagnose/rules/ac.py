@@ -220,7 +220,7 @@ class AcRecommended(Rule):
                               + f"; checkpointing {len(chosen)} unit(s) leaves the peak at {fmt_bytes(peak_after)}, "
                               f"over {100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
         saved = peak - peak_after
-        # their forward compute; none timed: compiled in place, where the doctor's hooks inside return at once
+        # their forward compute; none timed: inside a module compiled in place, where the doctor's hooks return at once
         recompute = sum(E.compute_fwd_ms(u) for u in chosen) or None
         step = E.step_ms(ctx)
         sev = "critical" if share >= 1.0 else "warning"
@@ -243,7 +243,7 @@ class AcRecommended(Rule):
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
             f"their forward in backward: about {E.mib(saved)} MiB less at the peak for "
             + (f"~{recompute:.1f} ms more per step (their forward compute). " if recompute is not None else
-               "their forward compute more per step (not measured: the blocks are compiled in place, where the "
+               "their forward compute more per step (not measured: the blocks run in a compiled frame, where the "
                "doctor's hooks do not time them). ")
             + (f"{S.plugin_says(lever)[0]}, FSDP's own checkpointing (the plugin's activation_checkpointing, which "
                "transformers advises under FSDP) checkpoints every layer the plugin shards: all "
@@ -282,7 +282,7 @@ class AcUnneeded(Rule):
         # recompute time: measured when the recorder saw it, else the blocks' forward compute
         measured = sum(u.timing.recompute_ms for u in ck)
         estimated = sum(E.compute_fwd_ms(u) for u in ck)
-        # neither: the units are not timed (compiled in place: the doctor's hooks inside them return at once)
+        # neither: the units are not timed (inside a module compiled in place: the doctor's hooks return at once)
         recompute = measured if measured > 0 else estimated if estimated > 0 else None
         pm = E.peak_memory(ctx)
         extra, source = _added_without_checkpointing(ctx, ck, pm)
@@ -314,12 +314,12 @@ class AcUnneeded(Rule):
              "checkpointed_units": [u.name for u in ck],
              "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
              "recompute_source": "measured" if measured > 0 else "estimated from the units' forward compute"
-                                 if recompute is not None else "not timed (units compiled in place)",
+                                 if recompute is not None else "not timed (units in a compiled frame)",
              "activation_bytes_added": int(sum(extra.values())) if source is not None else None,
              "activation_source": source, "step_p50_ms": step},
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) during backward ("
             + (f"~{recompute:.1f} ms per step" if recompute is not None else
-               "its time not measured: the units are compiled in place, where the doctor's hooks do not time them")
+               "its time not measured: the units run in a compiled frame, where the doctor's hooks do not time them")
             + f") to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed."

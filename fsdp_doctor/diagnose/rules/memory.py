@@ -249,7 +249,7 @@ class NearCapacitySpread(Rule):
         flip = [u for u in kept if u.name != last.name] or kept
         after = _peak_resharded(pm, flip)
         freed = peak - after
-        waits = [u.timing.ag_wait_fwd_ms for u in flip if u.has_timing]
+        waits = [u.timing.ag_wait_fwd_ms for u in flip if u.has_timing and u.timing.ag_wait_fwd_ms is not None]
         step = E.step_ms(ctx)
         # each flipped unit all-gathers once more in backward: about what its forward all-gather waits
         slower = sum(waits) if len(waits) == len(flip) else None

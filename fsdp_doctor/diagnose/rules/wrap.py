@@ -71,7 +71,7 @@ class TooCoarse(Rule):
             return self.quiet("the root holds most parameters beside other units: wrap.params_in_root says it")
         step, peak = _job_numbers(ctx)
         t = big.timing
-        ag = t.ag_wait_fwd_ms + t.ag_wait_bwd_ms
+        ag = E.ag_wait_ms(big, "forward") + E.ag_wait_ms(big, "backward")
         k = COARSE_SPLIT_INTO
         # after the split only the first of k units waits in each phase; the rest overlap with compute
         step_after = None
@@ -79,7 +79,7 @@ class TooCoarse(Rule):
             if E.on_gpu(ctx):
                 step_after = step - ag * (k - 1) / k
             else:  # backward re-gathers the resharded parts, and 3(k-1) more collectives pay their fixed cost
-                step_after = step + t.ag_wait_fwd_ms * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
+                step_after = step + E.ag_wait_ms(big, "forward") * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
         gathered_extra = big.unsharded_bytes - big.sharded_bytes
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
         blocks = list(S.block_bytes(big).values())
