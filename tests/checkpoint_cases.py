@@ -22,7 +22,9 @@ DIM, HIDDEN, LAYERS, STEPS = 64, 256, 3, 5
 class Block(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
-        self.mode = mode  # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo)
+        # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo) | "compiled_model" (none,
+        # the whole model compiled in place after sharding)
+        self.mode = mode
         self.norm = nn.LayerNorm(DIM)
         self.attn = nn.Linear(DIM, DIM)
         self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
@@ -55,8 +57,10 @@ def run(mode: str, watched: bool) -> dict:
             layer.compile(backend="eager")  # Dynamo without a C++ toolchain
         fully_shard(layer)
     fully_shard(model)
+    if mode == "compiled_model":
+        model.compile(backend="eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled_calls = [layer.__dict__.get("_compiled_call_impl") for layer in model.layers]
+    compiled_calls = [m.__dict__.get("_compiled_call_impl") for m in (model, *model.layers)]
     out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
     ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
     doctor = ctx.__enter__() if ctx else None
@@ -81,8 +85,8 @@ def run(mode: str, watched: bool) -> dict:
     if ctx:
         ctx.__exit__(None, None, None)
         # each block's compiled call as it was before watch(), the doctor's timing of it gone
-        res["compiled_calls_restored"] = all(layer.__dict__.get("_compiled_call_impl") is c
-                                             for layer, c in zip(model.layers, compiled_calls))
+        res["compiled_calls_restored"] = all(m.__dict__.get("_compiled_call_impl") is c
+                                             for m, c in zip((model, *model.layers), compiled_calls))
         run_ = fsdp_doctor.load_run(out)
         res["checkpoint"] = {u.name: u.checkpoint for u in run_.config.units}
         res["compiled_in_place"] = [u.name for u in run_.config.units if u.compiled_in_place]
@@ -92,6 +96,7 @@ def run(mode: str, watched: bool) -> dict:
                                for u in run_.config.units}
         res["fwd_ms"] = {u.name: [next(x for x in s.units if x.name == u.name).fwd_ms for s in steps]
                          for u in run_.config.units}
+        res["forward_ms"] = [s.forward_ms for s in steps]  # the model's forward, each step
         res["errors"] = [e.message for e in run_.ranks[0].errors]
         res["global_hooks_after_first_step"] = hooks_left
         res["out_dir"] = out
@@ -104,7 +109,7 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     out = {}
-    for mode in sys.argv[1:] or ["children", "block", "none", "compiled"]:
+    for mode in sys.argv[1:] or ["children", "block", "none", "compiled", "compiled_model"]:
         out[mode] = run(mode, watched=True)
         plain = run(mode, watched=False)
         out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]

@@ -4,6 +4,7 @@ unchanged. Real FSDP2 runs on one gloo rank (tests/checkpoint_cases.py)."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,32 @@ def test_blocks_compiled_in_place_are_timed_around_their_compiled_call_without_a
     assert root.fwd_ms > sum(units[f"layers.{i}"].timing_p50.fwd_ms for i in range(3)) and root.fwd_self_ms > 0
     assert any("compiled in place with module.compile() (layers.0, layers.1, layers.2): timed around their "
                "compiled call" in p for p in rep.problems)
+
+
+def test_a_model_compiled_whole_has_its_forward_timed_and_no_false_data_wait(cases):
+    """``model.compile()`` on the whole sharded model: every hook of the doctor's, the model's own included, runs
+    in the compiled frame. The model's forward read 0 ms then, its time fell outside the model, and
+    jitter.data_wait blamed data loading for it. The model's compiled call is now bracketed by its hooks from
+    outside (the step's forward, and the root unit's), the units inside stay untimed, saying so, and the saved
+    activations are not counted there (autograd's pack hook would run inside the frame, where Dynamo recompiles
+    it for each dtype until its limit)."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.pipeline import build_report
+
+    c = cases["compiled_model"]
+    assert c["errors"] == [] and c["losses"] == c["plain_losses"] and c["compiled_calls_restored"]
+    assert c["graph_breaks"] == c["plain_graph_breaks"]
+    assert c["compiled_call_timed"] == [""] and c["compiled_in_place"] == ["layers.0", "layers.1", "layers.2"]
+    assert all(ms > 0 for ms in c["forward_ms"]) and all(ms > 0 for ms in c["fwd_ms"][""]), c
+    run = load_run(c["out_dir"])
+    rep = build_report(run)
+    assert "jitter.data_wait" not in {f.code for f in rep.findings}
+    steps = run.ranks[0].steps[1:]
+    assert statistics.median(s.outside_ms for s in steps) < 0.25 * statistics.median(s.forward_ms for s in steps)
+    assert "the model's forward is compiled as a whole; saved activations not counted" in {  # (full steps)
+        s.memory.activations_note for s in run.ranks[0].steps if s.memory}
+    assert any("run in a frame compiled in place with module.compile() (layers.0, layers.1, layers.2)" in p
+               for p in rep.problems)
 
 
 @pytest.mark.parametrize("mode", ["children", "block", "none"])

@@ -172,7 +172,8 @@ class StepTimer:
         apart. No forward marks go to the memory timeline from outside the call: the memory rules read such a
         unit from what its backward frees, as before (torchtitan's compiled blocks checkpointed peaked within 10%
         of that prediction; from marks around the call it came out 29% over the rerun's peak). Units inside
-        another module compiled in place stay untimed (that module's frame calls them)."""
+        another module compiled in place stay untimed (that module's frame calls them). The model compiled whole
+        has its own hooks brought out of the frame the same way (``_wrap_call``)."""
         inside = {id(x) for m in model.modules() if compiled_in_place(m) for x in m.modules() if x is not m}
         for idx, u in enumerate(self._units):
             calls = [(m, m.__dict__.get("_compiled_call_impl")) for m in u.modules]
@@ -180,25 +181,38 @@ class StepTimer:
                 continue
             for m, call in calls:
                 if call is not None:
-                    timed = self._timed_call(call, idx)
-                    m._compiled_call_impl = timed
-                    self._compiled_calls.append((m, call, timed))
+                    self._wrap_call(m, call, idx, model)
             self.timed_compiled.add(idx)
+        call = model.__dict__.get("_compiled_call_impl")
+        if call is not None and not any(m is model for m, _, _ in self._compiled_calls):  # not a unit's module
+            self._wrap_call(model, call, None, model)
 
-    def _timed_call(self, call, idx: int):
-        """``call`` (a unit's compiled call) bracketed by the doctor's forward hooks of unit ``idx``, from outside
-        the compiled frame (each guarded as a hook is; inside a frame Dynamo traces, the call alone)."""
-        pre, post = self._mk(self._fwd_outer_pre, idx), self._mk(self._fwd_outer_post, idx)
+    def _wrap_call(self, module: nn.Module, call, idx: Optional[int], model: nn.Module) -> None:
+        """Puts the timed ``call`` in place of ``module``'s compiled call: bracketed by the doctor's outer forward
+        hooks of unit ``idx`` (None: no unit) and, on the model itself (``model.compile()``), by its model hooks
+        (the step's forward: without them it read 0 ms, and the forward's time fell outside the model, where
+        jitter.data_wait blamed data loading for it), in the order the hooks run: the model's pre-hook first and
+        its post-hook last. Each is guarded as a hook is; inside a frame Dynamo traces, the call alone."""
+        pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
+        post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
+        whole = module is model
 
         def timed_call(*args, **kwargs):
             if _compiling():
                 return call(*args, **kwargs)
-            pre(None, args)
+            if whole:
+                self._model_pre(module, args)
+            if pre is not None:
+                pre(module, args)
             out = call(*args, **kwargs)
-            post(None, args, out)
+            if post is not None:
+                post(module, args, out)
+            if whole:
+                self._model_post(module, args, out)
             return out
 
-        return timed_call
+        module._compiled_call_impl = timed_call
+        self._compiled_calls.append((module, call, timed_call))
 
     def uninstall(self) -> None:
         for m, call, timed in self._compiled_calls:

@@ -129,6 +129,11 @@ def compiled_in_place(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
+def compiled_whole(model: nn.Module) -> bool:
+    """The model's forward is one compiled frame (``model.compile()``, or ``torch.compile(model)``'s wrapper)."""
+    return compiled_in_place(model) or type(model).__name__ == "OptimizedModule"
+
+
 def compile_blocker(model: nn.Module) -> str | None:
     """Why the doctor's dispatch modes (the memory high-water, the FLOP count) must not run under this model's
     forward (None: they may). torch.compile does not trace with a dispatch mode of ours on the stack: it runs the

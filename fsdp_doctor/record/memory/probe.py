@@ -96,7 +96,7 @@ from .device import DeviceStats
 from .sampler import UNREAD, Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
-from ..units import compile_blocker
+from ..units import compile_blocker, compiled_whole
 from ..phase import in_backward
 from ..run_device import run_device
 
@@ -254,10 +254,15 @@ class MemoryProbe:
         if self.sizes.static_done and not self._fwd_seen:
             self.sizes.quick_grads()
         self._fwd_seen = True
-        self.acts.push()
+        model = self._model()
+        if model is not None and compiled_whole(model):
+            # autograd would call the pack hook inside the compiled frame, where Dynamo traces it and compiles it
+            # again for each dtype it meets, until its recompile limit (a warning in the user's log)
+            self.acts.note = "the model's forward is compiled as a whole; saved activations not counted"
+        else:
+            self.acts.push()
         hw = self.hw
         if hw is not None and not hw.active and self._anchor is None:
-            model = self._model()
             why = (compile_blocker(model) if model is not None else None) or hw.start()
             if why is None:
                 self._hw_used = True
