@@ -76,8 +76,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     checkpoint_wrappers: list[str] = []
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
-    # the unit runs inside a frame compiled in place (``module.compile()``): the doctor's hooks return at once
-    # there (no graph break), so the unit's timings are not recorded
+    # the unit runs inside a compiled frame (a module compiled in place, ``module.compile()``, or the module of
+    # ``torch.compile(module)``'s wrapper) that the doctor does not time around: its hooks return at once there (no
+    # graph break), so the unit's timings are not recorded
     compiled_in_place: bool = False
     # the unit is compiled in place itself (``module.compile()``) and timed around its compiled call: its forward,
     # backward and backward all-gather wait are recorded; its forward's all-gather wait is inside the compiled frame,

@@ -23,7 +23,8 @@ class Block(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
         # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo) | "compiled_model" (none,
-        # the whole model compiled in place after sharding)
+        # the whole model compiled in place after sharding) | "compiled_wrapper" (none, model = torch.compile(model)
+        # after sharding)
         self.mode = mode
         self.norm = nn.LayerNorm(DIM)
         self.attn = nn.Linear(DIM, DIM)
@@ -60,7 +61,13 @@ def run(mode: str, watched: bool) -> dict:
     if mode == "compiled_model":
         model.compile(backend="eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    compiled_calls = [m.__dict__.get("_compiled_call_impl") for m in (model, *model.layers)]
+    if mode == "compiled_wrapper":
+        model = torch.compile(model, backend="eager")
+    # the calls that enter compiled frames, as the user left them
+    def calls():
+        return [vars(m).get(a) for m in (model, *model.layers) for a in ("_compiled_call_impl", "forward")]
+
+    compiled_calls = calls()
     out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
     ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
     doctor = ctx.__enter__() if ctx else None
@@ -85,8 +92,7 @@ def run(mode: str, watched: bool) -> dict:
     if ctx:
         ctx.__exit__(None, None, None)
         # each block's compiled call as it was before watch(), the doctor's timing of it gone
-        res["compiled_calls_restored"] = all(m.__dict__.get("_compiled_call_impl") is c
-                                             for m, c in zip((model, *model.layers), compiled_calls))
+        res["compiled_calls_restored"] = all(a is b for a, b in zip(calls(), compiled_calls))
         run_ = fsdp_doctor.load_run(out)
         res["checkpoint"] = {u.name: u.checkpoint for u in run_.config.units}
         res["compiled_in_place"] = [u.name for u in run_.config.units if u.compiled_in_place]
@@ -109,7 +115,7 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     out = {}
-    for mode in sys.argv[1:] or ["children", "block", "none", "compiled", "compiled_model"]:
+    for mode in sys.argv[1:] or ["children", "block", "none", "compiled", "compiled_model", "compiled_wrapper"]:
         out[mode] = run(mode, watched=True)
         plain = run(mode, watched=False)
         out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]

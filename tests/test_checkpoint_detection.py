@@ -61,34 +61,40 @@ def test_blocks_compiled_in_place_are_timed_around_their_compiled_call_without_a
         assert t.fwd_ms > 0 and t.bwd_ms > 0 and t.ag_wait_bwd_ms > 0 and t.ag_wait_fwd_ms is None, t
     root = units[""].timing_p50
     assert root.fwd_ms > sum(units[f"layers.{i}"].timing_p50.fwd_ms for i in range(3)) and root.fwd_self_ms > 0
-    assert any("compiled in place with module.compile() (layers.0, layers.1, layers.2): timed around their "
-               "compiled call" in p for p in rep.problems)
+    assert any("3 unit(s) compiled by torch.compile (layers.0, layers.1, layers.2): timed around their compiled "
+               "call" in p for p in rep.problems)
 
 
-def test_a_model_compiled_whole_has_its_forward_timed_and_no_false_data_wait(cases):
-    """``model.compile()`` on the whole sharded model: every hook of the doctor's, the model's own included, runs
-    in the compiled frame. The model's forward read 0 ms then, its time fell outside the model, and
-    jitter.data_wait blamed data loading for it. The model's compiled call is now bracketed by its hooks from
-    outside (the step's forward, and the root unit's), the units inside stay untimed, saying so, and the saved
-    activations are not counted there (autograd's pack hook would run inside the frame, where Dynamo recompiles
-    it for each dtype until its limit)."""
+@pytest.mark.parametrize("mode", ["compiled_model", "compiled_wrapper"])
+def test_a_model_compiled_whole_has_its_step_timed_and_no_false_data_wait(cases, mode):
+    """The whole sharded model compiled: in place (``model.compile()``: every hook of the doctor's, the model's
+    own included, runs in the compiled frame; the model's forward read 0 ms, its time fell outside the model, and
+    jitter.data_wait blamed data loading for it), or by ``model = torch.compile(model)`` (the wrapper's hooks run
+    outside, its module's inside: every unit read 0 ms, as if measured, and the step's backward 0 ms). The call that
+    enters the frame is now bracketed from outside by the hooks that would have run there (the step's forward, the
+    root unit's: its outputs' gradient hook times the backward); the units inside read unknown, saying so; the saved
+    activations are not counted (autograd's pack hook would run inside the frame, where Dynamo compiles it again for
+    each dtype until its recompile limit); the user's calls are theirs again when the doctor steps aside."""
     from fsdp_doctor import load_run
     from fsdp_doctor.pipeline import build_report
 
-    c = cases["compiled_model"]
+    c = cases[mode]
+    root = "" if mode == "compiled_model" else "_orig_mod"
+    inner = [f"{root}.layers.{i}".lstrip(".") for i in range(3)]
     assert c["errors"] == [] and c["losses"] == c["plain_losses"] and c["compiled_calls_restored"]
     assert c["graph_breaks"] == c["plain_graph_breaks"]
-    assert c["compiled_call_timed"] == [""] and c["compiled_in_place"] == ["layers.0", "layers.1", "layers.2"]
-    assert all(ms > 0 for ms in c["forward_ms"]) and all(ms > 0 for ms in c["fwd_ms"][""]), c
+    assert c["compiled_call_timed"] == [root] and c["compiled_in_place"] == inner
+    assert all(ms > 0 for ms in c["forward_ms"]) and all(ms > 0 for ms in c["fwd_ms"][root]), c
     run = load_run(c["out_dir"])
     rep = build_report(run)
     assert "jitter.data_wait" not in {f.code for f in rep.findings}
     steps = run.ranks[0].steps[1:]
+    assert all(s.backward_ms > 0 for s in steps)
     assert statistics.median(s.outside_ms for s in steps) < 0.25 * statistics.median(s.forward_ms for s in steps)
+    assert all(not u.timing_p50 for u in rep.units if u.name in inner)  # unknown, not a measured zero
     assert "the model's forward is compiled as a whole; saved activations not counted" in {  # (full steps)
         s.memory.activations_note for s in run.ranks[0].steps if s.memory}
-    assert any("run in a frame compiled in place with module.compile() (layers.0, layers.1, layers.2)" in p
-               for p in rep.problems)
+    assert any(f"3 unit(s) run inside a compiled frame ({', '.join(inner)})" in p for p in rep.problems)
 
 
 @pytest.mark.parametrize("mode", ["children", "block", "none"])

@@ -16,7 +16,7 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_in_place, consistency_problem, snapshot_units, unmanaged_param_bytes,
+from .units import (Unit, compiled_frames, consistency_problem, snapshot_units, unmanaged_param_bytes,
                     unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
@@ -72,13 +72,12 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
     if timed:
         unavailable.append(
-            f"{len(timed)} unit(s) compiled in place with module.compile() ({names(timed)}): timed around their "
-            "compiled call, so their forward's all-gather wait is inside their forward time, not apart")
+            f"{len(timed)} unit(s) compiled by torch.compile ({names(timed)}): timed around their compiled call, so "
+            "their forward's all-gather wait is inside their forward time, not apart")
     if in_place:
         unavailable.append(
-            f"{len(in_place)} unit(s) run in a frame compiled in place with module.compile() ({names(in_place)}): "
-            "the doctor's hooks run in the compiled frame, where they do nothing, so these units' timings are not "
-            "recorded")
+            f"{len(in_place)} unit(s) run inside a compiled frame ({names(in_place)}): the doctor's hooks do nothing "
+            "there, so these units' timings are not recorded")
     return RunConfig(
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
         torch_version=str(torch.__version__),
@@ -284,6 +283,7 @@ def no_split_modules(model: nn.Module) -> list[str] | None:
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:
-    """Units whose modules run inside a frame compiled in place (``m.compile()`` on them or on an ancestor)."""
-    inside = {id(x) for m in model.modules() if compiled_in_place(m) for x in m.modules()}
+    """Units whose modules' hooks run inside a compiled frame (``m.compile()`` on them or on an ancestor; the
+    module of ``torch.compile(m)``'s wrapper, or below it)."""
+    _, inside = compiled_frames(model)
     return [i for i, u in enumerate(units) if any(id(m) in inside for m in u.modules)]

@@ -34,7 +34,7 @@ from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
 from .phase import in_backward
-from .units import Unit, checkpointed_modules, compiled_in_place, label_to_index
+from .units import CompiledFrame, Unit, checkpointed_modules, compiled_frames, compiled_in_place, label_to_index
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -125,7 +125,8 @@ class StepTimer:
         # units compiled in place (``module.compile()``) timed around their compiled call, and each such module's
         # own compiled call, put back when the doctor steps aside
         self.timed_compiled: set[int] = set()
-        self._compiled_calls: list[tuple[nn.Module, Any, Any]] = []  # (module, its compiled call, the doctor's)
+        # (module, the attribute, its compiled call, the doctor's)
+        self._compiled_calls: list[tuple[nn.Module, str, Any, Any]] = []
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
@@ -164,38 +165,38 @@ class StepTimer:
 
     def _time_compiled_calls(self, model: nn.Module) -> None:
         """A unit compiled in place (``module.compile()``: torchtitan 0.3's blocks, kernels.launch_bound's fix) runs
-        its hooks, the doctor's among them, in the compiled frame, where they return at once. Its compiled call, the
-        module's ``_compiled_call_impl`` that ``Module.__call__`` calls, is wrapped instead until the doctor steps
-        aside, and bracketed there by the outer hooks of an eager unit: its forward (and its CUDA events), its
-        outputs' gradient hook (the backward's all-gather wait); its backward comes from FSDP's logs as for any
-        unit. FSDP's pre-forward runs inside the frame, so the forward's all-gather wait is inside its forward, not
-        apart. No forward marks go to the memory timeline from outside the call: the memory rules read such a
-        unit from what its backward frees, as before (torchtitan's compiled blocks checkpointed peaked within 10%
-        of that prediction; from marks around the call it came out 29% over the rerun's peak). Units inside
-        another module compiled in place stay untimed (that module's frame calls them). The model compiled whole
-        has its own hooks brought out of the frame the same way (``_wrap_call``)."""
-        inside = {id(x) for m in model.modules() if compiled_in_place(m) for x in m.modules() if x is not m}
-        for idx, u in enumerate(self._units):
-            calls = [(m, m.__dict__.get("_compiled_call_impl")) for m in u.modules]
-            if not any(c is not None for _, c in calls) or any(id(m) in inside for m in u.modules):
-                continue
-            for m, call in calls:
-                if call is not None:
-                    self._wrap_call(m, call, idx, model)
-            self.timed_compiled.add(idx)
-        call = model.__dict__.get("_compiled_call_impl")
-        if call is not None and not any(m is model for m, _, _ in self._compiled_calls):  # not a unit's module
-            self._wrap_call(model, call, None, model)
+        its hooks, the doctor's among them, in the compiled frame, where they return at once; so does the module
+        of ``torch.compile(module)``'s wrapper (an OptimizedModule; ``model = torch.compile(model)`` after sharding:
+        the units read 0 ms, the step's backward 0 ms). The call that enters the frame (the module's
+        ``_compiled_call_impl`` that ``Module.__call__`` calls; the wrapper's ``forward``) is wrapped instead until
+        the doctor steps aside, and bracketed there by the outer hooks of an eager unit: its forward (and its CUDA
+        events), its outputs' gradient hook (the backward's all-gather wait); its backward comes from FSDP's logs
+        as for any unit. FSDP's pre-forward runs inside the frame, so the forward's all-gather wait is inside its
+        forward, not apart. No forward marks go to the memory timeline from outside the call: the memory rules
+        read such a unit from what its backward frees, as before (torchtitan's compiled blocks checkpointed peaked
+        within 10% of that prediction; from marks around the call it came out 29% over the rerun's peak). Units
+        inside another unit's frame stay untimed (that frame calls them). The model compiled whole has its own
+        hooks brought out of the frame the same way (``_wrap_call``)."""
+        frames, _ = compiled_frames(model)
+        for f in frames:
+            # the unit whose module opens the frame (of a grouped unit: each of its modules its own frame)
+            idx = next((i for i, u in enumerate(self._units) if any(m is f.top for m in u.modules)), None)
+            if idx is None and f.top is not model:  # (a wrapper's module inside a unit, torch.compile then fully_shard:
+                continue                            # the unit's hooks, on the wrapper, run outside)
+            self._wrap_call(f, idx, model)
+            if idx is not None:
+                self.timed_compiled.add(idx)
 
-    def _wrap_call(self, module: nn.Module, call, idx: Optional[int], model: nn.Module) -> None:
-        """Puts the timed ``call`` in place of ``module``'s compiled call: bracketed by the doctor's outer forward
-        hooks of unit ``idx`` (None: no unit) and, on the model itself (``model.compile()``), by its model hooks
-        (the step's forward: without them it read 0 ms, and the forward's time fell outside the model, where
-        jitter.data_wait blamed data loading for it), in the order the hooks run: the model's pre-hook first and
-        its post-hook last. Each is guarded as a hook is; inside a frame Dynamo traces, the call alone."""
+    def _wrap_call(self, frame: CompiledFrame, idx: Optional[int], model: nn.Module) -> None:
+        """Puts a timed call in place of the call that enters ``frame``: bracketed by the doctor's outer forward
+        hooks of unit ``idx`` (None: no unit) and, where the model itself is compiled in place (``model.compile()``),
+        by its model hooks (the step's forward: without them it read 0 ms, and the forward's time fell outside the
+        model, where jitter.data_wait blamed data loading for it), in the order the hooks run: the model's pre-hook
+        first and its post-hook last. Each is guarded as a hook is; inside a frame Dynamo traces, the call alone."""
+        module, call = frame.owner, getattr(frame.owner, frame.attr)
         pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
         post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
-        whole = module is model
+        whole = frame.top is model  # (the model's hooks run outside a wrapper's frame, as a wrapper's own do)
 
         def timed_call(*args, **kwargs):
             if _compiling():
@@ -211,13 +212,13 @@ class StepTimer:
                 self._model_post(module, args, out)
             return out
 
-        module._compiled_call_impl = timed_call
-        self._compiled_calls.append((module, call, timed_call))
+        setattr(module, frame.attr, timed_call)
+        self._compiled_calls.append((module, frame.attr, call, timed_call))
 
     def uninstall(self) -> None:
-        for m, call, timed in self._compiled_calls:
-            if m.__dict__.get("_compiled_call_impl") is timed:  # (compiled again since: the user's stays)
-                m._compiled_call_impl = call
+        for m, attr, call, timed in self._compiled_calls:
+            if vars(m).get(attr) is timed:  # (compiled again since: the user's stays)
+                setattr(m, attr, call)
         self._compiled_calls.clear()
         self._stop_child_probe()
         for hd in self._handles:

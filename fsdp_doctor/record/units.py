@@ -129,6 +129,32 @@ def compiled_in_place(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
+@dataclass(frozen=True)
+class CompiledFrame:
+    """A compiled frame the model's forward runs: ``top``, the outermost module whose forward hooks run inside it
+    (where the doctor's return at once), and the call that enters it, ``owner.<attr>``: ``_compiled_call_impl`` of a
+    module compiled in place (``module.compile()``: its own hooks inside), or the ``forward`` of
+    ``torch.compile(module)``'s wrapper, an OptimizedModule (its module's hooks inside, the wrapper's outside)."""
+
+    top: nn.Module
+    owner: nn.Module
+    attr: str
+
+
+def compiled_frames(model: nn.Module) -> tuple[list[CompiledFrame], set[int]]:
+    """(the outermost compiled frames of ``model``'s forward, the ids of every module whose hooks run inside one:
+    each frame's top and all below it)."""
+    frames = []
+    for m in model.modules():
+        if compiled_in_place(m):
+            frames.append(CompiledFrame(m, m, "_compiled_call_impl"))
+        elif type(m).__name__ == "OptimizedModule" and isinstance(getattr(m, "_orig_mod", None), nn.Module) \
+                and "forward" in vars(m):
+            frames.append(CompiledFrame(m._orig_mod, m, "forward"))
+    below = {id(x) for f in frames for x in f.top.modules() if x is not f.top}
+    return [f for f in frames if id(f.top) not in below], below | {id(f.top) for f in frames}
+
+
 def compiled_whole(model: nn.Module) -> bool:
     """The model's forward is one compiled frame (``model.compile()``, or ``torch.compile(model)``'s wrapper)."""
     return compiled_in_place(model) or type(model).__name__ == "OptimizedModule"
