@@ -24,7 +24,7 @@ class Block(nn.Module):
         super().__init__()
         # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo) | "compiled_model" (none,
         # the whole model compiled in place after sharding) | "compiled_wrapper" (none, model = torch.compile(model)
-        # after sharding)
+        # after sharding) | "compiled_hidden" (none, the plain model given to watch(), its compiled wrapper trained)
         self.mode = mode
         self.norm = nn.LayerNorm(DIM)
         self.attn = nn.Linear(DIM, DIM)
@@ -63,6 +63,7 @@ def run(mode: str, watched: bool) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if mode == "compiled_wrapper":
         model = torch.compile(model, backend="eager")
+    forward = torch.compile(model, backend="eager") if mode == "compiled_hidden" else model
     # the calls that enter compiled frames, as the user left them
     def calls():
         return [vars(m).get(a) for m in (model, *model.layers) for a in ("_compiled_call_impl", "forward")]
@@ -79,7 +80,7 @@ def run(mode: str, watched: bool) -> dict:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(16, 32, DIM, generator=g)
-        loss = model(x).pow(2).mean()
+        loss = forward(x).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -115,7 +116,8 @@ def main():
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     out = {}
-    for mode in sys.argv[1:] or ["children", "block", "none", "compiled", "compiled_model", "compiled_wrapper"]:
+    for mode in sys.argv[1:] or ["children", "block", "none", "compiled", "compiled_model", "compiled_wrapper",
+                                 "compiled_hidden"]:
         out[mode] = run(mode, watched=True)
         plain = run(mode, watched=False)
         out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]

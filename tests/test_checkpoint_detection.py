@@ -97,6 +97,26 @@ def test_a_model_compiled_whole_has_its_step_timed_and_no_false_data_wait(cases,
     assert any(f"3 unit(s) run inside a compiled frame ({', '.join(inner)})" in p for p in rep.problems)
 
 
+def test_a_compiled_wrapper_the_doctor_was_not_given_is_said_not_measured_as_time_outside(cases):
+    """watch(model) while training ``torch.compile(model)``: the doctor's hooks run inside the wrapper's frame, where
+    they do nothing, and it cannot wrap a call it does not know. Every step read forward and backward 0 ms, the
+    step's time outside the model, and jitter.data_wait warned (53% outside the model, no loader). Now the first
+    step whose backward FSDP logged with no forward seen says so, once, with the fix (pass the compiled model to
+    watch()); the units and the step's phases read unknown, and jitter.data_wait stays quiet."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.record.config_snapshot import FRAME_UNSEEN
+
+    c = cases["compiled_hidden"]
+    assert c["errors"] == [] and c["losses"] == c["plain_losses"]
+    assert c["compiled_in_place"] == ["", "layers.0", "layers.1", "layers.2"] and c["compiled_call_timed"] == []
+    rep = build_report(load_run(c["out_dir"]))
+    assert FRAME_UNSEEN in rep.problems and all(not u.timing_p50 for u in rep.units)
+    assert all(not st.phases_p50_ms for st in rep.steps.per_rank.values())
+    quiet = {r.code: r.reason for r in rep.rules if r.status == "quiet"}
+    assert "time outside the model is unknown" in quiet["jitter.data_wait"], quiet["jitter.data_wait"]
+
+
 @pytest.mark.parametrize("mode", ["children", "block", "none"])
 def test_losses_bit_identical_with_and_without_the_doctor(cases, mode):
     assert cases[mode]["losses"] == cases[mode]["plain_losses"]

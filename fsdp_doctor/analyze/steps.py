@@ -87,12 +87,15 @@ def wall_stats(xs: list[float]) -> StepStats:
 def step_stats(steps: list[StepRecord]) -> StepStats:
     """Step-time statistics of ``steps`` (ms); only ``count`` (0) and the percentiles (None) without any."""
     out = wall_stats([s.wall_ms for s in steps])
-    if steps:
+    # (no forward and no backward in any step: the doctor's hooks did not see the model run, inside a compiled frame
+    # it was not given; its phases are unknown, not a step spent outside the model)
+    if steps and any(s.forward_ms or s.backward_ms for s in steps):
         out.phases_p50_ms = {k: round(statistics.median([getattr(s, k + "_ms") for s in steps]), 3)
                              for k in ("forward", "backward", "optimizer", "outside", "gc")}
         between = [s.between_ms for s in steps]
         if None not in between:  # (of outside: between optimizer.step() and the next forward)
             out.phases_p50_ms["between"] = round(statistics.median(between), 3)
+    if steps:
         out.gc_ms_total = round(sum(s.gc_ms for s in steps), 3)
         out.gc_count_total = sum(s.gc_count for s in steps)
     return out

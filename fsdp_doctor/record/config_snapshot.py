@@ -20,6 +20,11 @@ from .units import (Unit, compiled_frames, consistency_problem, snapshot_units, 
                     unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
+# what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
+FRAME_UNSEEN = ("the model's forward runs in a compiled frame the doctor was not given (torch.compile(model) on the "
+                "model passed to watch(), the compiled wrapper trained): its hooks do nothing there, so the step's "
+                "forward, backward and every unit's time are not recorded; pass the compiled model to watch(), or "
+                "compile in place with model.compile()")
 
 
 def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,
@@ -28,13 +33,14 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
                     hardware_flops_per_step: float | None = None,
                     runtime_checkpointed: Iterable[int], consistency: str | None,
                     runtime_checkpointed_children: Iterable[int] = (),
-                    timed_compiled: Iterable[int] = ()) -> tuple[RunConfig, str]:
+                    timed_compiled: Iterable[int] = (), frame_unseen: bool = False) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
     (``checkpoint(self.mlp, h)`` inside the unit's forward); ``consistency``: the first snapshot's check ("" when
     it passed; None: not run yet, run and logged now); ``timed_compiled``: units compiled in place that the timer
-    times around their compiled call (StepTimer.timed_compiled)."""
+    times around their compiled call (StepTimer.timed_compiled); ``frame_unseen``: the forward ran in a compiled
+    frame the doctor was not given (every unit untimed: FRAME_UNSEEN)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model)
@@ -54,6 +60,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "children"
     compiled, timed_compiled = _compiled_in_place(model, units), set(timed_compiled)
+    if frame_unseen:
+        compiled, timed_compiled = list(range(len(units))), set()
     timed = [i for i in compiled if i in timed_compiled]
     in_place = [i for i in compiled if i not in timed_compiled]
     for idx in in_place:
@@ -74,7 +82,9 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         unavailable.append(
             f"{len(timed)} unit(s) compiled by torch.compile ({names(timed)}): timed around their compiled call, so "
             "their forward's all-gather wait is inside their forward time, not apart")
-    if in_place:
+    if frame_unseen:
+        unavailable.append(FRAME_UNSEEN)
+    elif in_place:
         unavailable.append(
             f"{len(in_place)} unit(s) run inside a compiled frame ({names(in_place)}): the doctor's hooks do nothing "
             "there, so these units' timings are not recorded")

@@ -50,7 +50,7 @@ from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
-from .config_snapshot import config_snapshot
+from .config_snapshot import FRAME_UNSEEN, config_snapshot
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
@@ -360,6 +360,10 @@ class Doctor:
             self._write_config()
         wall = _ms(t_end - self._step_t0)
         tm = self._timer.timings()
+        if not self._frame_unseen and _forward_unseen(tm):
+            self._frame_unseen = True
+            log.warning("fsdp_doctor: %s", FRAME_UNSEEN)
+            self._safe_write(self._config())  # (the units read unknown from here on)
         profiled = self._profiler is not None and self._profiler.is_profiled(step)
         profiled = profiled or self._spill_profiled or self._flops is not None
         profiled = profiled or self._recorded_at_start or profiler_recording()
@@ -399,6 +403,7 @@ class Doctor:
                 self._fail("profiler", e, stop=False)
 
     _spill_profiled = False
+    _frame_unseen = False  # the model's forward runs in a compiled frame the doctor was not given (FRAME_UNSEEN)
     _own_ns = 0  # the doctor's own time at the last step's end (ns), inside the next step's wall
     _flops_recounts = 0
 
@@ -441,7 +446,7 @@ class Doctor:
             hardware_flops_per_step=self.hardware_flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
-            timed_compiled=self._timer.timed_compiled)
+            timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen)
         cfg.driver = self.driver
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None
@@ -513,3 +518,11 @@ def _version(dist_name: str) -> str | None:
         return metadata.version(dist_name)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _forward_unseen(tm) -> bool:
+    """A training step whose backward FSDP logged (its units' backward times) while neither the model's forward
+    nor any unit's was seen: the forward ran in a compiled frame the doctor's hooks sit inside of, doing nothing
+    (``torch.compile(model)`` called on the model given to watch(), the wrapper trained instead)."""
+    return not tm.forward_ms and not any(u.fwd_calls for u in tm.units) and any(u.bwd_ms > 0 for u in tm.units)
+
