@@ -72,7 +72,13 @@ def run(mode: str, watched: bool) -> dict:
     out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
     ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
     doctor = ctx.__enter__() if ctx else None
-    global_hooks = len(torch.nn.modules.module._global_forward_pre_hooks)  # the doctor's checkpoint watch
+    global_hooks = len(torch.nn.modules.module._global_forward_pre_hooks)  # none of the doctor's
+
+    def watch_hooks():  # the doctor's checkpoint watch: a forward pre-hook on each watched submodule
+        return sum(getattr(h, "__name__", "") == "_probe_child" for m in model.modules()
+                   for h in m._forward_pre_hooks.values())
+
+    watching = watch_hooks()
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -87,7 +93,7 @@ def run(mode: str, watched: bool) -> dict:
         if doctor:
             doctor.step()
             if step == 0:  # the watch for functional checkpointing ends with the first step
-                hooks_left = len(torch.nn.modules.module._global_forward_pre_hooks)
+                hooks_left = watch_hooks()
         losses.append(loss.item())
     res = {"losses": losses, "graph_breaks": sum(counters["graph_break"].values())}
     if ctx:
@@ -105,7 +111,8 @@ def run(mode: str, watched: bool) -> dict:
                          for u in run_.config.units}
         res["forward_ms"] = [s.forward_ms for s in steps]  # the model's forward, each step
         res["errors"] = [e.message for e in run_.ranks[0].errors]
-        res["global_hooks_after_first_step"] = hooks_left
+        res["watch_hooks_after_first_step"] = hooks_left
+        res["watch_hooks_at_entry"] = watching
         res["out_dir"] = out
         res["global_hooks_at_entry"] = global_hooks
     return res

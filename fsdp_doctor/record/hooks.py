@@ -115,7 +115,11 @@ class StepTimer:
         # functional checkpointing of a unit's submodules, watched for during the first step (see _watch_children)
         self._child_owner: dict[int, tuple[int, nn.Module, Optional[int]]] = {}  # id -> (unit, module, parent id)
         self._child_seen: dict[int, set[int]] = {}  # unit -> ids of its submodules seen running in backward
-        self._child_probe = None  # the global forward pre-hook's handle while it watches
+        # the watch's forward pre-hooks, one on each watched submodule, while it watches (None: not watching). Not
+        # one global hook: inside a compiled frame the doctor was not given (watch(model), torch.compile(model)
+        # trained) Dynamo traced it as a graph break for the whole run (7 in a 3-block model), and
+        # torch.compile(module) warns about global hooks
+        self._child_probe: Optional[list] = None
         self.checkpointed_children: set[int] = set()  # units whose submodules re-run in backward
         self._unit_of_label: dict[str, int] = {}
         self._tap = self._tap_prev = None  # the FSDP logger interception
@@ -279,16 +283,15 @@ class StepTimer:
 
     # ------------------------------------------------------------------ functional checkpointing of submodules
     # ``h = h + checkpoint(self.mlp, h)`` inside a block's forward leaves no wrapper to see in the module tree.
-    # During the first step a global forward pre-hook (torch.nn.modules.module.register_module_forward_pre_hook)
-    # watches for a unit's submodule running its forward during backward, which is checkpointing's recompute.
-    # It does nothing in forward but one C call per module, and it is removed when the first step ends
+    # During the first step a forward pre-hook on each submodule of a unit (not in a unit of its own) watches for
+    # one running its forward during backward, which is checkpointing's recompute. It does nothing in forward but
+    # one C call, returns at once in a compiled frame, and it is removed when the first step ends
     # (``end_child_watch``, at the configuration snapshot); the outermost submodules seen then get recompute
     # hooks like a CheckpointWrapper's inner module, and the unit's ``checkpoint`` reads "children".
 
     def _watch_children(self, model: nn.Module) -> None:
         if _any_compiled(model.modules()):
-            # Dynamo traces a global hook into the compiled graph as a graph break, kept after the hook is gone:
-            # the watch would slow a compiled model for the whole run. Its recompute is inside the graph anyway.
+            # the recompute of a compiled module's submodules is inside its graph (and a hook there does nothing)
             return
         for idx, u in enumerate(self._units):
             if checkpointed_modules(u, self._units):  # a CheckpointWrapper inside: already timed
@@ -300,9 +303,12 @@ class StepTimer:
                 self._child_owner[id(m)] = (idx, m, parent)
                 stack.extend((c, id(m)) for c in m.children() if id(c) not in other)
         if self._child_owner:
-            self._child_probe = torch.nn.modules.module.register_module_forward_pre_hook(self._probe_child)
+            self._child_probe = [m.register_forward_pre_hook(self._probe_child)
+                                 for _, m, _ in self._child_owner.values()]
 
     def _probe_child(self, module, args):
+        if _compiling():  # (folded to a constant by Dynamo: no graph break)
+            return
         try:
             if self.active and in_backward():
                 hit = self._child_owner.get(id(module))
@@ -313,7 +319,8 @@ class StepTimer:
 
     def _stop_child_probe(self) -> None:
         if self._child_probe is not None:
-            self._child_probe.remove()
+            for h in self._child_probe:
+                h.remove()
             self._child_probe = None
 
     def end_child_watch(self) -> None:
