@@ -135,3 +135,22 @@ def test_the_diagnosis_sees_the_children_granularity(cases):
     codes = {m: {f.code for f in build_report(load_run(cases[m]["out_dir"])).findings} for m in cases}
     assert "ac.wrong_granularity" in codes["children"]
     assert "ac.wrong_granularity" not in codes["block"] and "ac.wrong_granularity" not in codes["none"]
+
+
+def test_a_sharded_compiled_wrapper_is_a_compiled_frame():
+    """fully_shard applied to ``torch.compile(module)``'s wrapper makes FSDP2's subclass of it, an
+    FSDPOptimizedModule (Hugging Face's Trainer with torch_compile=True and FSDP2 trains one): a test of the class
+    name alone missed it, and every unit inside read 0 ms as if measured. It is a compiled frame: its module's
+    hooks, and everything below, run inside."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_doctor.record.units import compiled_frames, compiled_whole, compiled_wrapper
+
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    wrapper = torch.compile(inner, backend="eager")
+    wrapper.__class__ = type(f"FSDP{type(wrapper).__name__}", (FSDPModule, type(wrapper)), {})  # as fully_shard does
+    assert type(wrapper).__name__ == "FSDPOptimizedModule" and compiled_wrapper(wrapper) and compiled_whole(wrapper)
+    frames, inside = compiled_frames(wrapper)
+    assert [(f.top, f.owner, f.attr) for f in frames] == [(inner, wrapper, "forward")]
+    assert inside == {id(m) for m in inner.modules()} and not compiled_wrapper(inner)

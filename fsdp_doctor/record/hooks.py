@@ -34,7 +34,8 @@ from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
 from .phase import in_backward
-from .units import CompiledFrame, Unit, checkpointed_modules, compiled_frames, compiled_in_place, label_to_index
+from .units import (CompiledFrame, Unit, checkpointed_modules, compiled_frames, compiled_in_place, compiled_wrapper,
+                    label_to_index)
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -697,7 +698,7 @@ class StepTimer:
 
 def _any_compiled(modules) -> bool:
     """Whether a module was compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
-    return any(compiled_in_place(m) or type(m).__name__ == "OptimizedModule" for m in modules)
+    return any(compiled_in_place(m) or compiled_wrapper(m) for m in modules)
 
 
 def _ms(ns: int) -> float:
