@@ -248,10 +248,9 @@ STEP_PHASES = ("forward", "backward", "optimizer", "outside", "gc")
 
 
 def steps_traced(section: StepsSection) -> bool:
-    """The step figures are the traces' (no records: no phase split; records whose phases are unknown, the model's
-    forward unseen in a compiled frame, keep the records' title and their columns of dashes)."""
+    """The step figures are the traces' (no records: no phase split)."""
     per = section.per_rank
-    return bool(per) and all(st.count and not st.phases_p50_ms and not st.recorded for st in per.values())
+    return bool(per) and all(st.count and not st.phases_p50_ms for st in per.values())
 
 
 def steps_title(section: StepsSection) -> str:
