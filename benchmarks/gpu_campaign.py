@@ -230,9 +230,9 @@ FIXTURE_BUDGET = 24 << 20  # bytes: above this the adoption says so (a clone car
 def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     """Copies a campaign folder's recorded runs into ``dest`` (traces/gpu/): the 2-rank fixture as ``fixture/``
     (with its report), each GPU row's before-run as ``scenarios/NAME/`` (not the capacity probes, nor the fixes'
-    reruns but those whose advice was wrong: ``rechecks/NAME_fixed/``), the rows' rechecks and the machine's facts. What the campaign did not record stays as it was: a
-    campaign of some rows (``--rows new``) adds them beside the rows recorded earlier, its rechecks merged into
-    scenarios_gpu.json and its table added to scenarios_gpu.md. Returns what it wrote, a line each, sizes in MiB."""
+    reruns but those whose advice was wrong: ``rechecks/NAME_fixed/``), the rows' rechecks and the machine's facts.
+    What the campaign did not record stays as it was: a campaign of some rows (``--rows new``) adds them beside the
+    rows recorded earlier, its rechecks merged into scenarios_gpu.json and its table added to scenarios_gpu.md. Returns what it wrote, a line each, sizes in MiB."""
     import shutil
     import tempfile
 
@@ -315,8 +315,8 @@ def pack(out: Path, dest: Path) -> list[str]:
     """The campaign folder as tarballs the device tool can return: ``campaign-results.tgz`` (summaries, figures,
     logs: everything but the run directories) and ``campaign-runs-N.tgz``, the recorded runs that ``--adopt``
     takes (the fixture, the GPU rows' before-runs, then the reruns of the fixes whose advice was wrong; the other
-    reruns and the probes are left: their rechecks are in scenarios_gpu.json), each under 15 MiB, at most 7. Runs that do not fit are listed in
-    ``packed.json``. Untar every part into one folder here. Returns a line per tarball."""
+    reruns and the probes are left: their rechecks are in scenarios_gpu.json), each under 15 MiB, at most 7. Runs
+    that do not fit are listed in ``packed.json``. Untar every part into one folder here. Returns a line per tarball."""
     import tarfile
 
     dest.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,10 @@ DIM, HIDDEN, LAYERS, STEPS = 64, 256, 3, 5
 class Block(nn.Module):
     def __init__(self, mode: str):
         super().__init__()
-        # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo) | "compiled_model" (none,
-        # the whole model compiled in place after sharding) | "compiled_wrapper" (none, model = torch.compile(model)
-        # after sharding) | "compiled_hidden" (none, the plain model given to watch(), its compiled wrapper trained)
+        # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo) | "compiled_model"
+        # (none, the whole model compiled in place after sharding) | "compiled_wrapper" (none, model =
+        # torch.compile(model) after sharding) | "compiled_hidden" (none, the plain model given to watch(), its
+        # compiled wrapper trained)
         self.mode = mode
         self.norm = nn.LayerNorm(DIM)
         self.attn = nn.Linear(DIM, DIM)

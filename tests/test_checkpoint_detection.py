@@ -145,12 +145,12 @@ def test_a_sharded_compiled_wrapper_is_a_compiled_frame():
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_doctor.record.units import compiled_frames, compiled_whole, compiled_wrapper
+    from fsdp_doctor.record.units import compiled_frames, compiled_module, compiled_wrapper
 
     inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     wrapper = torch.compile(inner, backend="eager")
     wrapper.__class__ = type(f"FSDP{type(wrapper).__name__}", (FSDPModule, type(wrapper)), {})  # as fully_shard does
-    assert type(wrapper).__name__ == "FSDPOptimizedModule" and compiled_wrapper(wrapper) and compiled_whole(wrapper)
+    assert type(wrapper).__name__ == "FSDPOptimizedModule" and compiled_wrapper(wrapper) and compiled_module(wrapper)
     frames, inside = compiled_frames(wrapper)
     assert [(f.top, f.owner, f.attr) for f in frames] == [(inner, wrapper, "forward")]
     assert inside == {id(m) for m in inner.modules()} and not compiled_wrapper(inner)

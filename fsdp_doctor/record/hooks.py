@@ -34,8 +34,7 @@ from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
 from .phase import in_backward
-from .units import (CompiledFrame, Unit, checkpointed_modules, compiled_frames, compiled_in_place, compiled_wrapper,
-                    label_to_index)
+from .units import CompiledFrame, Unit, checkpointed_modules, compiled_frames, compiled_module, label_to_index
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -127,8 +126,8 @@ class StepTimer:
         self._grad_hooks: dict[int, Any] = {}
         self._log_cache: dict[str, tuple[bool, int] | None] = {}
         self.optimizer_steps = 0  # optimizer.step() calls seen (micro-batches: several doctor.step() per one)
-        # units compiled in place (``module.compile()``) timed around their compiled call, and each such module's
-        # own compiled call, put back when the doctor steps aside
+        # units compiled (``module.compile()``, or the module of ``torch.compile(module)``'s wrapper) timed around
+        # the call that enters their compiled frame, and each such call, put back when the doctor steps aside
         self.timed_compiled: set[int] = set()
         # (module, the attribute, its compiled call, the doctor's)
         self._compiled_calls: list[tuple[nn.Module, str, Any, Any]] = []
@@ -291,7 +290,7 @@ class StepTimer:
     # hooks like a CheckpointWrapper's inner module, and the unit's ``checkpoint`` reads "children".
 
     def _watch_children(self, model: nn.Module) -> None:
-        if _any_compiled(model.modules()):
+        if any(compiled_module(m) for m in model.modules()):
             # the recompute of a compiled module's submodules is inside its graph (and a hook there does nothing)
             return
         for idx, u in enumerate(self._units):
@@ -694,11 +693,6 @@ class StepTimer:
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""
         self._unit_of_label = label_to_index(self._units)
-
-
-def _any_compiled(modules) -> bool:
-    """Whether a module was compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
-    return any(compiled_in_place(m) or compiled_wrapper(m) for m in modules)
 
 
 def _ms(ns: int) -> float:

@@ -165,9 +165,9 @@ def compiled_frames(model: nn.Module) -> tuple[list[CompiledFrame], set[int]]:
     return [f for f in frames if id(f.top) not in below], below | {id(f.top) for f in frames}
 
 
-def compiled_whole(model: nn.Module) -> bool:
-    """The model's forward is one compiled frame (``model.compile()``, or ``torch.compile(model)``'s wrapper)."""
-    return compiled_in_place(model) or compiled_wrapper(model)
+def compiled_module(module: nn.Module) -> bool:
+    """The module's forward is one compiled frame (``module.compile()``, or ``torch.compile(module)``'s wrapper)."""
+    return compiled_in_place(module) or compiled_wrapper(module)
 
 
 def compile_blocker(model: nn.Module) -> str | None:
@@ -179,7 +179,7 @@ def compile_blocker(model: nn.Module) -> str | None:
     Hugging Face model set to flex_attention. Read each time a mode would start: a model switched or compiled
     after watch() attached is seen."""
     for m in model.modules():
-        if compiled_in_place(m) or compiled_wrapper(m):
+        if compiled_module(m):
             return "compiled modules: not counted"
         if getattr(getattr(m, "config", None), "_attn_implementation", None) == "flex_attention":
             return "flex_attention (compiled by torch): not counted"

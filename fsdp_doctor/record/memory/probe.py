@@ -96,7 +96,7 @@ from .device import DeviceStats
 from .sampler import UNREAD, Sampler
 from .sizes import FsdpSizes
 from .transients import HighWater
-from ..units import compile_blocker, compiled_whole
+from ..units import compile_blocker, compiled_module
 from ..phase import in_backward
 from ..run_device import run_device
 
@@ -255,7 +255,7 @@ class MemoryProbe:
             self.sizes.quick_grads()
         self._fwd_seen = True
         model = self._model()
-        if model is not None and compiled_whole(model):
+        if model is not None and compiled_module(model):
             # autograd would call the pack hook inside the compiled frame, where Dynamo traces it and compiles it
             # again for each dtype it meets, until its recompile limit (a warning in the user's log)
             self.acts.note = "the model's forward is compiled as a whole; saved activations not counted"
