@@ -368,11 +368,14 @@ class StepRecord(Record, tag="step"):
     # between forward and backward, and clipping or logging between backward and the optimizer, do not. None: not
     # timed (no forward or no optimizer step seen; records before this field)
     between_ms: float | None = None
-    # checkpoint saves in the step (``with doctor.checkpointing():`` around them; torchtitan's Trainer's under
-    # python -m fsdp_doctor.titan; a Hugging Face Trainer's under DoctorCallback) and their time, kept out of
-    # outside_ms and between_ms
+    # checkpoint saves in the step (torch.distributed.checkpoint's save and async_save, from its log; others with
+    # ``with doctor.checkpointing():`` around them; torchtitan's Trainer's under python -m fsdp_doctor.titan; a
+    # Hugging Face Trainer's under DoctorCallback) and their time, kept out of outside_ms and between_ms
     checkpoint_ms: float = 0.0
     checkpoints: int = 0
+    # of those, torch.distributed.checkpoint.async_save calls: their time is the staging the step waits for (the
+    # state copied to host memory), the write goes on in the background
+    async_saves: int = 0
 
 
 class GpuTimes(Record, tag="gpu"):

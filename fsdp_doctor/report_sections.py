@@ -247,9 +247,9 @@ class NoGradSteps(_Section):
 
 
 class CheckpointSteps(_Section):
-    """One rank's steps that saved a checkpoint (``doctor.checkpointing()``; torchtitan's Trainer's saves under
-    ``python -m fsdp_doctor.titan``, a Hugging Face Trainer's under ``DoctorCallback``), whose save time is kept
-    out of the time outside the model."""
+    """One rank's steps that saved a checkpoint (torch.distributed.checkpoint's ``save`` and ``async_save``;
+    ``doctor.checkpointing()``; torchtitan's Trainer's saves under ``python -m fsdp_doctor.titan``, a Hugging Face
+    Trainer's under ``DoctorCallback``), whose save time is kept out of the time outside the model."""
 
     steps: list[int]
     saves: int  # in those steps, all together
@@ -257,6 +257,7 @@ class CheckpointSteps(_Section):
     ms_total: float  # every save's time, all together
     wall_ms_total: float  # the recorded steps' wall time, all together (the saves' share of the run)
     excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
+    async_saves: int = 0  # of the saves, torch.distributed.checkpoint.async_save calls (their time: the staging)
 
 
 class StepsSection(_Section):

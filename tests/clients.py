@@ -7,8 +7,8 @@ Clients:
                ``set_requires_gradient_sync(False)``, ``clip_grad_norm_``, the user's own profiler (scheduled,
                overlapping the doctor's window; then unscheduled).
   compiled     the same Transformer with each block ``torch.compile``d as a wrapper (older torchtitan: compile, then
-               fully_shard); backend "aot_eager": inductor needs a C++ toolchain and minutes per block on this
-               CPU, and what the doctor meets (an OptimizedModule per block, hooks outside the graph) is the same.
+               fully_shard); backend "aot_eager": what the doctor meets (an OptimizedModule per block, hooks
+               outside the graph) is the same as with inductor, without inductor's C++ build of each block.
   llama        a torchtitan-style llama3 (RMSNorm, GQA attention, SwiGLU) sharded the torchtitan way on a
                2x2 HSDP mesh (4 ranks), bf16 params / fp32 reduce, frozen bf16 weights beside trainable fp32
                ones, and a trainable parameter passed as ``ignored_params``.

@@ -161,6 +161,8 @@ def hook_state(model, opt) -> dict:
     out["gc callbacks"] = [id(c) for c in gc.callbacks]
     lg = logging.getLogger(F2.LOGGER_NAME)
     out["fsdp logger"] = [id(lg.__dict__.get("debug")), lg.level, [id(h) for h in lg.handlers]]
+    lg = F2.dcp_logger()
+    out["checkpoint logger"] = [lg.level, [id(h) for h in lg.handlers]]
     out["saved tensor hooks"] = F2.saved_hooks_top() is not None
     out["dispatch modes"] = torch._C._len_torch_dispatch_stack()
     out["profiler"] = torch.autograd.profiler._is_profiler_enabled
@@ -259,6 +261,8 @@ def run_aside(out: Path) -> dict:
     # None without accelerate (the GPU machine has none): its test skips, the other cases still run
     res["accelerate"] = run_accelerate(out) if importlib.util.find_spec("accelerate") is not None else None
 
+    res["dcp"] = run_dcp_saves(out, base_losses)
+
     # gradient accumulation with doctor.step() per micro-batch: 12 optimizer steps x 4 micro-batches
     train(gpt, out_dir=out / "micro", steps=12, micro=4, watch_kw=dict(profile=False))
     rd = fsdp_doctor.load_run(out / "micro").ranks[dist.get_rank()]
@@ -276,6 +280,44 @@ def run_aside(out: Path) -> dict:
                                                             tokens_per_step=BATCH * SEQ * world))
             flops[str(ck)] = [doctor.flops_per_step, doctor.hardware_flops_per_step]
         res[f"{name}_checkpointing"] = flops  # (peak: a CPU's order of magnitude)
+    return res
+
+
+def run_dcp_saves(out: Path, base_losses: list[float]) -> dict:
+    """torch.distributed.checkpoint's saves before the forward of steps 1 and 3, as users write them: dcp.save
+    unmarked, dcp.save inside doctor.checkpointing(), dcp.async_save (its background collectives on a gloo group of
+    their own, as gloo needs). Each step's record: its saves, asynchronous ones, save time, time outside."""
+    import torch.distributed.checkpoint as dcp
+
+    group = dist.new_group(backend="gloo")
+    res = {}
+    for how in ("save", "marked", "async_save"):
+        futures = []
+
+        def save(step, doctor, out_dir, how=how, futures=futures):
+            if step not in (1, 3):
+                return
+            sd, where = {"model": doctor.model.state_dict()}, str(out / f"ckpt-{how}-{step}")
+            if how == "save":
+                dcp.save(sd, checkpoint_id=where)
+            elif how == "marked":
+                with doctor.checkpointing():
+                    dcp.save(sd, checkpoint_id=where)
+            else:
+                futures.append(dcp.async_save(sd, checkpoint_id=where, process_group=group))
+
+        losses, _, after, doctor, before, _ = train(gpt, out_dir=out / f"dcp-{how}", during=save,
+                                                    watch_kw=dict(profile=False))
+        for f in futures:
+            f.result()
+        rd = fsdp_doctor.load_run(out / f"dcp-{how}").ranks[dist.get_rank()]
+        res[how] = {"identical": losses == base_losses, "left_after_exit": diff(before, after),
+                    "checkpoints": [s.checkpoints for s in rd.steps], "async_saves": [s.async_saves for s in rd.steps],
+                    "checkpoint_ms": [s.checkpoint_ms for s in rd.steps],
+                    # the step's wall less what is not its time outside the model
+                    "rest_ms": [s.wall_ms - s.forward_ms - s.backward_ms - s.optimizer_ms - s.no_grad_ms - s.doctor_ms
+                                for s in rd.steps], "outside_ms": [s.outside_ms for s in rd.steps],
+                    "errors": [e.message for e in rd.errors]}
     return res
 
 

@@ -157,6 +157,33 @@ def test_this_torch_is_supported_and_has_what_we_read():
     assert F2.FSDPModule is not None and hasattr(F2.FSDPModule, "_set_unshard_async_op")
 
 
+@pytest.mark.compat
+def test_checkpoint_logger_is_the_one_dcp_logs_its_saves_to():
+    """The recorder finds torch.distributed.checkpoint's saves on its logger, by name before DCP is imported (the
+    import then configures that same logger) and by object after; its save and async_save log through it."""
+    import logging
+
+    from fsdp_doctor.record import fsdp2 as F2
+
+    by_name = F2.dcp_logger()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import logger as dcp_log
+
+    assert by_name is dcp_log._dcp_logger is F2.dcp_logger() is logging.getLogger(F2.DCP_LOGGER_NAME)
+    for fn in (dcp.save, dcp.async_save):
+        assert fn.__code__.co_name == "wrapper" and "msg_dict" in fn.__code__.co_varnames, fn  # _dcp_method_logger
+
+
+def test_merged_saves_count_a_save_inside_another_once():
+    """A DCP save inside doctor.checkpointing() (or a driver's save) is one save, asynchronous where DCP says so."""
+    from fsdp_doctor.record.tracker import merged_saves
+
+    assert merged_saves([(0, 100, None), (10, 90, True)]) == [(0, 100, True)]
+    assert merged_saves([(10, 90, False), (0, 100, None)]) == [(0, 100, False)]
+    assert merged_saves([(0, 50, True), (40, 120, False)]) == [(0, 120, False)]  # one sync inside: not asynchronous
+    assert merged_saves([(0, 50, None), (60, 70, True)]) == [(0, 50, None), (60, 70, True)]
+
+
 def test_labels_this_torch_lacks_are_listed():
     lacking = F2.labels_unavailable()
     assert set(lacking) <= set(F2.LABELS_MISSING_IN)

@@ -57,6 +57,24 @@ def test_accelerate_fsdp2_plugin_with_its_optimizer_wrapper(aside):
         assert acc["optimizer"] == "AdamW" and all(ms > 0 for ms in acc["optimizer_ms"]), acc
 
 
+def test_checkpoint_saves_of_torch_distributed_checkpoint_are_found_unmarked(aside):
+    """dcp.save and dcp.async_save, called where users call them (here before the forward of steps 1 and 3), are
+    recorded as the step's checkpoint saves from DCP's own log, without doctor.checkpointing(): their time is not
+    time outside the model. One inside doctor.checkpointing() is one save, not two; async_save's are counted
+    asynchronous (its background write, logged from another thread, is not a save of the step). Training is
+    unchanged and the handler on DCP's logger is gone after the run (hook_state compares it)."""
+    for rank, res in enumerate(aside[0]):
+        for how, got in res["dcp"].items():
+            assert got["identical"] and got["left_after_exit"] == [] and got["errors"] == [], (rank, how, got)
+            assert got["checkpoints"] == [0, 1, 0, 1, 0], (rank, how, got)
+            assert got["async_saves"] == ([0, 1, 0, 1, 0] if how == "async_save" else [0] * 5), (rank, how, got)
+            ms, outside, rest = got["checkpoint_ms"], got["outside_ms"], got["rest_ms"]
+            assert all(ms[s] > 0 for s in (1, 3)) and ms[0] == ms[2] == ms[4] == 0, (rank, how, got)
+            # the save's time is not time outside the model: the step's wall less its phases and the doctor's own
+            # time is the save and the time outside (to the records' rounding)
+            assert all(abs(rest[s] - ms[s] - outside[s]) < 0.01 for s in range(5)), (rank, how, got)
+
+
 def test_micro_batches_of_one_optimizer_step_make_one_step(aside):
     """12 optimizer steps x 4 micro-batches, doctor.step() after each micro-batch: 12 steps of 4 micro-batches,
     and the step statistics (optimizer p50 included) over optimizer steps."""

@@ -57,6 +57,7 @@ def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
     kept = {s.step for s in usable_steps(steps)}
     ms = [s.checkpoint_ms for s in hit]
     return CheckpointSteps(steps=[s.step for s in hit], saves=sum(s.checkpoints for s in hit),
+                           async_saves=sum(s.async_saves for s in hit),
                            ms_p50=round(statistics.median(ms), 3), ms_total=round(sum(ms), 3),
                            wall_ms_total=round(sum(s.wall_ms for s in steps), 3),
                            excluded=not any(s.step in kept for s in hit))

@@ -336,7 +336,9 @@ def checkpoint_text(section: StepsSection) -> str | None:
     steps, shown, ms, kept = _kept_apart(per)
     saves = max(c.saves for c in per.values())
     share = max((100.0 * c.ms_total / c.wall_ms_total for c in per.values() if c.wall_ms_total > 0), default=0.0)
-    return (f"Checkpoint saves: {saves} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
+    kind = " (asynchronous: the staging the step waits for)" if all(c.async_saves == c.saves for c in per.values()) \
+        else ""
+    return (f"Checkpoint saves: {saves}{kind} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
             f"{share:.1f}% of the recorded time; counted apart from outside; those steps are {kept}")
 
 

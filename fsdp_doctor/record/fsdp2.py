@@ -53,7 +53,8 @@ Unchanged across 2.6 - 2.15 (still read defensively): ``FSDPState._modules``, ``
 ``_partial_reduce_output``; ``FSDPParam._orig_size``, ``sharded_param``, ``_sharded_param_data``,
 ``_unsharded_param``, ``all_gather_outputs``, ``_unsharded_inner_tensors``,
 ``_sharded_post_forward_param_data``, ``orig_dtype``, ``param_dtype``; ``ShardedState`` in
-``_fsdp_param``; ``FSDPModule._set_unshard_async_op``; the logger ``torch.distributed.fsdp.fully_shard``.
+``_fsdp_param``; ``FSDPModule._set_unshard_async_op``; the logger ``torch.distributed.fsdp.fully_shard``;
+torch.distributed.checkpoint's logger and the messages of its ``save`` and ``async_save`` (:data:`DCP_LOGGER_NAME`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 from typing import Iterable
 
 import torch
@@ -74,6 +76,11 @@ MIN_TORCH = (2, 6)
 TESTED_TORCH = ("2.6.0", "2.9.1", "2.13.0", "2.15.0")
 #: The logger FSDP2 writes its per-unit hook logs to (``FSDP::pre_backward (fqn)``), every tested release.
 LOGGER_NAME = "torch.distributed.fsdp.fully_shard"
+#: The logger torch.distributed.checkpoint logs each call of ``save`` and ``async_save`` to (start and end, a dict
+#: message: ``torch.distributed.checkpoint.logger._dcp_method_logger``), every tested release: ``c10d_logger``'s
+#: ``"c10d-" + handler class + "-" + destination``, its handler a NullHandler. By name, so that watching does not
+#: import torch.distributed.checkpoint (:func:`dcp_logger`).
+DCP_LOGGER_NAME = "c10d-NullHandler-dcp_logger"
 
 _MISSING = object()
 
@@ -102,6 +109,14 @@ def unsupported_reason() -> str | None:
 
 # ------------------------------------------------------------------------------------------- problems
 _problems: dict[str, str] = {}
+
+
+def dcp_logger() -> logging.Logger:
+    """torch.distributed.checkpoint's logger (:data:`DCP_LOGGER_NAME`): its own object where the user's code has
+    imported it, else the logger of that name, which the import then configures and logs to."""
+    mod = sys.modules.get("torch.distributed.checkpoint.logger")
+    lg = getattr(mod, "_dcp_logger", None) if mod is not None else None
+    return lg if isinstance(lg, logging.Logger) else logging.getLogger(DCP_LOGGER_NAME)
 
 
 def problem(what: str, consequence: str) -> None:

@@ -113,7 +113,10 @@ class Doctor:
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
-        self._saves: list[tuple[int, int]] = []  # the step's checkpoint saves (start, end ns): checkpointing()
+        # the step's checkpoint saves (start, end ns, asynchronous: None where not known): checkpointing(), the
+        # drivers' saves and torch.distributed.checkpoint's own (its save and async_save: DcpSaveTap)
+        self._saves: list[tuple[int, int, bool | None]] = []
+        self._dcp_tap = None
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -190,13 +193,14 @@ class Doctor:
 
     def _remove(self, clean: bool = False) -> None:
         """Removes everything of the doctor from the model, the optimizer, torch and the loggers, at once: the
-        profiler window, the FLOP counter, every hook, the FSDP logger tap, the gc callback, the memory probe's
-        saved-tensor hooks, the live TensorBoard writer. Idempotent; each part is guarded so that one failing
-        part leaves none of the others behind."""
+        profiler window, the FLOP counter, every hook, the FSDP logger tap, the gc callback, the handler on
+        torch.distributed.checkpoint's logger, the memory probe's saved-tensor hooks, the live TensorBoard writer.
+        Idempotent; each part is guarded so that one failing part leaves none of the others behind."""
         self.active = False
         parts = (("profiler stop", lambda: self._profiler and self._profiler.stop(clean)),
                  ("flop counter", lambda: self._flops and self._flops.abort()),
                  ("hooks", self._timer.uninstall),
+                 ("checkpoint save tap", lambda: self._dcp_tap and self._dcp_tap.uninstall()),
                  ("memory probe", lambda: self._memory and self._memory.detach()),
                  ("tensorboard close", lambda: self._sinks and self._sinks.close_tensorboard()))
         for where, fn in parts:
@@ -265,6 +269,14 @@ class Doctor:
         self._timer.install(self._units, self.model, self.optimizer)
         self._init_memory()
         self._timer.marks = self._memory
+        from .dcp_saves import DcpSaveTap
+
+        self._dcp_tap = DcpSaveTap(self._dcp_saved, lambda where, e: self._fail(where, e, stop=False))
+        self._dcp_tap.install()
+
+    def _dcp_saved(self, t0: int, t1: int, is_async: bool) -> None:
+        if self.active:
+            self._saves.append((t0, t1, is_async))
 
     def _init_memory(self) -> None:
         if not self.options.memory:
@@ -318,10 +330,12 @@ class Doctor:
 
     @contextlib.contextmanager
     def checkpointing(self):
-        """Marks a checkpoint save: ``with doctor.checkpointing(): dcp.save(...)``. Its time is recorded as the
-        step's ``checkpoint_ms``, apart from the time outside the model, so that a save every N steps reads as
-        a save, not as the loop waiting for data; the analyses leave such steps out of the step statistics as
-        they do evaluation steps. The save itself runs as it would without the doctor. It yields a mark whose
+        """Marks a checkpoint save: ``with doctor.checkpointing(): torch.save(full_state, path)``. Its time is recorded
+        as the step's ``checkpoint_ms``, apart from the time outside the model, so that a save every N steps reads
+        as a save, not as the loop waiting for data; the analyses leave such steps out of the step statistics as
+        they do evaluation steps. The save itself runs as it would without the doctor. torch.distributed.checkpoint's
+        ``save`` and ``async_save`` need no mark: the doctor reads them from DCP's log (one inside a mark counts
+        once). It yields a mark whose
         ``saved`` the caller may set to False when the call turned out to save nothing (a checkpointer called
         every step that saves every N): that call is then not counted."""
         mark = SaveMark()
@@ -337,7 +351,7 @@ class Doctor:
         ``checkpointing()`` records one, for a driver that sees the end of a save but not its start (the Hugging
         Face Trainer's ``on_save``, after its last event before the save)."""
         if self.active:
-            self._saves.append((t0, _now()))
+            self._saves.append((t0, _now(), None))
 
     def _is_micro_batch(self) -> bool:
         """Whether this doctor.step() call ends a micro-batch rather than an optimizer step."""
@@ -370,13 +384,14 @@ class Doctor:
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         own_ms = _ms(self._own_ns)
-        saves, self._saves = self._saves, []
-        save_ms = _ms(sum(b - a for a, b in saves))
+        saves, self._saves = merged_saves(self._saves), []
+        save_ms = _ms(sum(b - a for a, b, _ in saves))
         between = None
         if tm.first_forward_ns and tm.last_optimizer_end_ns and tm.last_optimizer_end_ns <= t_end:
             # (less the saves and the forwards without gradients there: before the first forward or after the last
             # optimizer step)
-            in_window = _ms(sum(b - a for a, b in saves if b <= tm.first_forward_ns or a >= tm.last_optimizer_end_ns))
+            in_window = _ms(sum(b - a for a, b, _ in saves
+                                if b <= tm.first_forward_ns or a >= tm.last_optimizer_end_ns))
             between = max(0.0, round(_ms(tm.first_forward_ns - self._step_t0) - own_ms
                                      + _ms(t_end - tm.last_optimizer_end_ns) - in_window - tm.no_grad_between_ms, 3))
         rec = StepRecord(
@@ -387,7 +402,7 @@ class Doctor:
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
-            checkpoint_ms=round(save_ms, 3), checkpoints=len(saves),
+            checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
         )
         self._sinks.on_step(rec)
         if done:
@@ -477,6 +492,20 @@ class Doctor:
         """Reports a failure inside the doctor once and, if ``stop``, steps aside for the rest of the run
         (the one failure policy: fsdp_doctor.record.sinks.FailurePolicy)."""
         self._failures.fail(where, exc, rank=getattr(self, "rank", "?"), step=self.steps_done, stop=stop)
+
+
+def merged_saves(saves: list[tuple[int, int, bool | None]]) -> list[tuple[int, int, bool | None]]:
+    """A step's saves (start, end, asynchronous) with those that overlap made one: torch.distributed.checkpoint's
+    save inside ``doctor.checkpointing()``, or inside a driver's save, is one save, timed once. Asynchronous where
+    every save known inside is (None: none known)."""
+    out: list[tuple[int, int, bool | None]] = []
+    for a, b, k in sorted(saves, key=lambda x: x[0]):
+        if out and a < out[-1][1]:
+            a0, b0, k0 = out[-1]
+            out[-1] = (a0, max(b0, b), k if k0 is None else k0 if k is None else (k0 and k))
+        else:
+            out.append((a, b, k))
+    return out
 
 
 def unwrap_optimizer(optimizer):

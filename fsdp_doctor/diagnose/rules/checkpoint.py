@@ -1,5 +1,6 @@
-"""Checkpoint saves that training waits for (the records' saves: ``doctor.checkpointing()``, torchtitan's Trainer's
-under ``python -m fsdp_doctor.titan``, a Hugging Face Trainer's under ``DoctorCallback``)."""
+"""Checkpoint saves that training waits for (the records' saves: torch.distributed.checkpoint's save and async_save,
+others under ``doctor.checkpointing()``, torchtitan's Trainer's under ``python -m fsdp_doctor.titan``, a Hugging
+Face Trainer's under ``DoctorCallback``)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ class CheckpointBlocking(Rule):
     def match(self, ctx: Context):
         per = {int(r): c for r, c in E.steps(ctx).checkpoints.items() if c.wall_ms_total > 0}
         if not per:
-            return self.quiet("no checkpoint save recorded (with doctor.checkpointing() around it, torchtitan's "
-                              "Trainer's under python -m fsdp_doctor.titan, a Hugging Face Trainer's under "
-                              "DoctorCallback)")
+            return self.quiet("no checkpoint save recorded (torch.distributed.checkpoint's save and async_save; "
+                              "others with doctor.checkpointing() around them; torchtitan's Trainer's under python "
+                              "-m fsdp_doctor.titan, a Hugging Face Trainer's under DoctorCallback)")
         rank = max(per, key=lambda r: per[r].ms_total / per[r].wall_ms_total)
         c = per[rank]
         share = c.ms_total / c.wall_ms_total
@@ -61,16 +62,18 @@ class CheckpointBlocking(Rule):
                     # the most an asynchronous save gains: all of the save but its copy to host memory
                     "gain_ms_per_step_at_most": round(per_step, 3)}
         often = f", one every {every:g} steps" if every else ""
-        said = (f"Each of the {c.saves} saves stops training for {c.ms_p50:.1f} ms{often}: {per_step:.1f} ms per "
-                f"step over the run (rank {rank}).")
+        said = (f"{f'Each of the {c.saves} saves stops' if c.saves > 1 else 'The save stops'} training for "
+                f"{c.ms_p50:.1f} ms{often}: {per_step:.1f} ms per step over the run (rank {rank}).")
         code = where = ""
+        # how often: the lever where the saves cannot be made asynchronous, or already are
+        step_ms = (c.wall_ms_total - c.ms_total) / steps
+        n = save_every(c.ms_p50, step_ms)
+        gain = per_step - c.ms_p50 / n
+        less_often = {"save_steps_after": n, "share_pct_after": round(100 * c.ms_p50 / (n * step_ms + c.ms_p50), 1),
+                      "gain_ms_per_step": round(gain, 3)}
         if E.trainer_driven(ctx):
             # the Hugging Face Trainer saves synchronously (no asynchronous option): its lever is how often
-            step_ms = (c.wall_ms_total - c.ms_total) / steps
-            n = save_every(c.ms_p50, step_ms)
-            gain = per_step - c.ms_p50 / n
-            evidence |= {"save_steps_after": n, "share_pct_after": round(100 * c.ms_p50 / (n * step_ms + c.ms_p50), 1),
-                         "gain_ms_per_step": round(gain, 3)}
+            evidence |= less_often
             text = (f"{said} The Trainer saves synchronously: save every {n} optimizer steps instead, and the saves "
                     f"take {evidence['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step gained), at the "
                     f"cost of more steps to redo after a failure. With load_best_model_at_end, keep save_steps a "
@@ -80,6 +83,14 @@ class CheckpointBlocking(Rule):
                     f"trainer.args.save_steps = {n}  # optimizer steps between saves: {c.ms_p50:.0f} ms each, "
                     f"{evidence['share_pct_after']:.1f}% of the time")
             where = "trainer"
+        elif c.async_saves == c.saves:
+            evidence.pop("gain_ms_per_step_at_most")  # (asynchronous already)
+            evidence |= less_often | {"async_saves": c.async_saves}
+            text = (f"{said} The saves are asynchronous already (torch.distributed.checkpoint.async_save): the step "
+                    "waits while each one copies the state to host memory. Save every "
+                    f"{n} steps instead, and the saves take {less_often['share_pct_after']:.1f}% of the time "
+                    f"({gain:.1f} ms per step gained), at the cost of more steps to redo after a failure. "
+                    f"{S.NO_SAVE_CODE}")
         else:
             text = (f"{said} Save asynchronously (torch.distributed.checkpoint.async_save): the step then waits "
                     "only while the state is copied to host memory, and the write goes on in the background "
