@@ -261,6 +261,9 @@ ROWS: list[Row] = [
     _r("gpt_intermittent", "gpt", "straggler.intermittent", "rank 1 stalls 300 ms in steps 3, 5, 7 of 9",
        knobs={"sleep_rank": 1, "sleep_ms": 300.0, "sleep_steps": [3, 5, 7], "steps": 9},
        watch={"memory": {"transients": False}}, min_severity="info", apply=False),
+    _r("gpt_periodic_pause", "gpt", "jitter.recurring_outside", "every rank stops 200 ms every 3rd step of 10",
+       knobs={"pause_ms": 200.0, "pause_every": 3, "steps": 10}, watch={"memory": {"transients": False}},
+       apply=False),  # the lever is the user's loop: advice in words
 ]
 
 # ------------------------------------------------------------------------------------------------ architectures

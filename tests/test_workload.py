@@ -154,7 +154,7 @@ def test_cli_round_trip():
         "--reshard-unit", "=false", "--async-unshard", "--ac", "every:2", "--param-dtype", "bf16",
         "--reduce-dtype", "fp32", "--optimizer-before-shard", "--d-model", "64", "--n-layers", "5",
         "--sleep-rank", "1", "--sleep-ms", "50", "--sleep-steps", "1,3", "--loader-ms", "5",
-        "--gc-garbage", "100", "--steps", "7",
+        "--gc-garbage", "100", "--steps", "7", "--pause-ms", "30", "--pause-every", "3",
     ])
     cfg = config_from_args(ns)
     assert (cfg.wrap, cfg.reshard_after_forward, cfg.async_unshard) == ("leaf", False, True)
@@ -162,8 +162,9 @@ def test_cli_round_trip():
     assert cfg.reshard_overrides == {"layers.3": True, "": False}
     assert (cfg.param_dtype, cfg.reduce_dtype, cfg.optimizer_before_shard) == ("bf16", "fp32", True)
     assert (cfg.d_model, cfg.n_layers, cfg.steps) == (64, 5, 7)
-    faults = (cfg.sleep_rank, cfg.sleep_ms, cfg.sleep_steps, cfg.loader_ms, cfg.gc_garbage)
-    assert faults == (1, 50.0, [1, 3], 5.0, 100)
+    faults = (cfg.sleep_rank, cfg.sleep_ms, cfg.sleep_steps, cfg.loader_ms, cfg.gc_garbage, cfg.pause_ms,
+              cfg.pause_every)
+    assert faults == (1, 50.0, [1, 3], 5.0, 100, 30.0, 3)
     assert config_from_args(parser.parse_args([])) == WorkloadConfig()
     with pytest.raises(SystemExit):
         parser.parse_args(["--reshard-unit", "layers.3"])  # argparse prints the NAME=VALUE hint
@@ -172,6 +173,7 @@ def test_cli_round_trip():
 @pytest.mark.parametrize("bad", [
     dict(wrap="zero3"), dict(ac="every:0"), dict(ac="selective"), dict(param_dtype="fp8"),
     dict(d_model=30, n_heads=4), dict(cpu_offload=True), dict(reshard_after_forward="sometimes"),
+    dict(pause_every=-1),
 ])
 def test_bad_config_refused(bad):
     with pytest.raises(ValueError):

@@ -37,8 +37,10 @@ class WorkloadConfig:
     `num_threads` (intra-op threads per rank; None leaves torch's default).
 
     Fault injection (in the training loop, outside the model): `sleep_rank` sleeps `sleep_ms` before
-    the forward of the steps in `sleep_steps` (every step when empty); `loader_ms` is slept by the data
-    loader before every batch on every rank; `gc_garbage` reference cycles are allocated each step.
+    the forward of the steps in `sleep_steps` (every step when empty); every rank pauses `pause_ms` before
+    the forward of every `pause_every`-th step (work done every N steps on every rank: an upload, a save the
+    doctor is not told of); `loader_ms` is slept by the data loader before every batch on every rank;
+    `gc_garbage` reference cycles are allocated each step.
 
     Training loop habits: `grad_accum` micro-batches per optimizer step (each of `batch_size` sequences),
     with FSDP's gradient sync off for all but the last (`set_requires_gradient_sync(False)`) only when
@@ -76,6 +78,8 @@ class WorkloadConfig:
     sleep_ms: float = 0.0
     sleep_steps: list[int] = field(default_factory=list)
     loader_ms: float = 0.0
+    pause_ms: float = 0.0
+    pause_every: int = 0
     gc_garbage: int = 0
 
     grad_accum: int = 1
@@ -108,7 +112,9 @@ class WorkloadConfig:
         _check(self.steps >= 0, f"steps must be >= 0, got {self.steps}")
         _check(self.forward_prefetch >= 0 and self.backward_prefetch >= 0,
                "forward_prefetch and backward_prefetch must be >= 0")
-        _check(self.sleep_ms >= 0 and self.loader_ms >= 0, "sleep_ms and loader_ms must be >= 0")
+        _check(self.sleep_ms >= 0 and self.loader_ms >= 0 and self.pause_ms >= 0,
+               "sleep_ms, loader_ms and pause_ms must be >= 0")
+        _check(self.pause_every >= 0, f"pause_every must be >= 0, got {self.pause_every}")
         _check(self.gc_garbage >= 0, f"gc_garbage must be >= 0, got {self.gc_garbage}")
         _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1 or None")
@@ -265,6 +271,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     faults.add_argument("--sleep-ms", type=float, default=d.sleep_ms, help="how long --sleep-rank sleeps")
     faults.add_argument("--sleep-steps", type=_cli_type(_int_list), default=[], metavar="I,J,...",
                         help="steps on which --sleep-rank sleeps (default: every step)")
+    faults.add_argument("--pause-ms", type=float, default=d.pause_ms,
+                        help="every rank pauses this long before the forward of every --pause-every-th step")
+    faults.add_argument("--pause-every", type=int, default=d.pause_every, help="steps between pauses (0: none)")
     faults.add_argument("--loader-ms", type=float, default=d.loader_ms,
                         help="data loader sleep per batch, every rank")
     faults.add_argument("--gc-garbage", type=int, default=d.gc_garbage,

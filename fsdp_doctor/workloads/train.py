@@ -128,9 +128,12 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def inject_step_faults(cfg: WorkloadConfig, rank: int, step: int) -> None:
-    """Before the forward: the straggler sleep on `cfg.sleep_rank`, then `cfg.gc_garbage` cycles."""
+    """Before the forward: the straggler sleep on `cfg.sleep_rank`, every rank's pause on every `cfg.pause_every`-th
+    step, then `cfg.gc_garbage` cycles."""
     if should_sleep(cfg, rank, step):
         time.sleep(cfg.sleep_ms / 1000.0)
+    if cfg.pause_every and step % cfg.pause_every == cfg.pause_every - 1:
+        time.sleep(cfg.pause_ms / 1000.0)
     if cfg.gc_garbage:
         make_garbage(cfg.gc_garbage)
 

@@ -1,13 +1,16 @@
-"""Step-jitter rules: GC pauses, time outside the model, straggler ranks."""
+"""Step-jitter rules: GC pauses, time outside the model (in every step, or in some steps on every rank), straggler
+ranks."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import NamedTuple, Optional
 
 from msgspec import UNSET
 
 from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION, STRAGGLER_MIN_MS,
-                               STRAGGLER_MIN_STEPS)
+                               STRAGGLER_MIN_STEPS, device_outside_ms, usable_steps)
 from ...report_sections import StepStats
 from .. import estimate as E
 from .. import snippets as S
@@ -24,6 +27,15 @@ GC_OUTLIER_SHARE_MIN = 0.5
 GC_MIN_OUTLIERS = 2
 # Time outside the model (data loading, loss, user code) above this share of the median step starves the GPU.
 OUTSIDE_SHARE_MIN = 0.15
+# Work outside the model in some steps only, on every rank at once (a save the doctor was not told of, an upload,
+# a loader whose workers fall behind now and then): a step counts when its time outside the model exceeds the
+# rank's median by this share of the median step (host noise on a shared machine reaches ~15%) ...
+RECUR_MIN_FRACTION = 0.30
+RECUR_MIN_STEPS = 2  # ... in at least this many steps (one event is not a pattern)
+RECUR_STEADY_STEPS = 5  # ... of at least this many steady steps
+# ... and it is a finding from this share of the steady steps' time, a warning from OUTSIDE_SHARE_MIN and 3 steps
+RECUR_SHARE_NOTE = 0.05
+RECUR_WARN_MIN_STEPS = 3
 
 
 @register
@@ -206,6 +218,98 @@ class DataWait(Rule):
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(decided),
         )]
+
+
+def _outside_by_step(ctx: Context, rd) -> Optional[dict[int, tuple[float, float]]]:
+    """A rank's steady steps: step -> (time outside the model, the step's time), ms. On the CPU the host's (its GC
+    pauses left to jitter.gc); on CUDA the device's between optimizer.step() and the forward, over the step and the
+    idle before it (the host's time outside there holds its waits for the device: a loss.item() every N steps
+    spends the device's backlog in that step), None where the recorder did not time it."""
+    steps = usable_steps(rd.steps)
+    if not E.on_gpu(ctx):
+        return {s.step: (max(0.0, s.outside_ms - s.gc_ms), s.wall_ms) for s in steps}
+    gpu = getattr(rd, "gpu", None) or {}
+    out = {}
+    for s in steps:
+        g = gpu.get(s.step)
+        x = device_outside_ms(g) if g is not None else None
+        if x is not None:
+            out[s.step] = (x, g.step_ms + (g.idle_before_ms or 0.0))
+    return out or None
+
+
+def _every(steps: list[int], checked: list[int]) -> Optional[int]:
+    """The steps' period: the largest n (over 1) they are all a multiple of n apart by, where every checked step at
+    that spacing is among them (a step between two of them left out of the statistics, a profiled one, does not
+    break the period); else None."""
+    n = math.gcd(*(b - a for a, b in zip(steps, steps[1:])))
+    return n if n > 1 and all(st in steps for st in checked if st % n == steps[0] % n) else None
+
+
+@register
+class RecurringOutside(Rule):
+    code = "jitter.recurring_outside"
+    name = "Work outside the model in some steps"
+    description = ("Every rank spends much longer outside the model in some steps than in the others (work done "
+                   "every N steps that the doctor was not told of), a material share of the run's time.")
+    needs = ("records",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        per = {}
+        for r, rd in (ctx.run.ranks or {}).items():
+            got = _outside_by_step(ctx, rd)
+            if got is None:
+                return self.quiet("on CUDA the time outside the model is the device's, which this run's records do "
+                                  "not time per step (the host's holds its waits for the device)")
+            per[int(r)] = got
+        common = sorted(set.intersection(*(set(d) for d in per.values()))) if per else []
+        if len(common) < RECUR_STEADY_STEPS:
+            return self.quiet(f"{len(common)} steady steps common to the ranks (needs {RECUR_STEADY_STEPS})")
+        excess: dict[int, dict[int, float]] = {}
+        for r, d in per.items():
+            base = statistics.median(d[st][0] for st in common)
+            floor = max(STRAGGLER_MIN_MS, RECUR_MIN_FRACTION * statistics.median(d[st][1] for st in common))
+            excess[r] = {st: d[st][0] - base for st in common if d[st][0] - base >= floor}
+        hit = sorted(set.intersection(*(set(e) for e in excess.values())))
+        some = sorted(r for r, e in excess.items() if len(e) >= RECUR_MIN_STEPS)
+        if len(hit) < RECUR_MIN_STEPS:
+            if some and len(per) > 1:
+                return self.quiet(f"rank(s) {', '.join(map(str, some))} only spend much longer outside the model in "
+                                  "some steps, not every rank at once (straggler.intermittent weighs one rank's "
+                                  "late steps)")
+            return self.quiet(f"no {RECUR_MIN_STEPS} steps in which every rank spends {100 * RECUR_MIN_FRACTION:.0f}% "
+                              "of a step longer outside the model than in its other steps"
+                              + (f" (step {hit[0]} only: one event is not a pattern)" if hit else ""))
+        # every rank pays it; the figures of the rank it costs the largest share
+        shares = {r: sum(excess[r][st] for st in hit) / sum(per[r][st][1] for st in common) for r in per}
+        rank = max(shares, key=shares.get)
+        share, ex = shares[rank], [excess[rank][st] for st in hit]
+        every = _every(hit, common)
+        said = f"{len(hit)} of {len(common)} steady steps" + (f", every {every} steps" if every else "")
+        if share < RECUR_SHARE_NOTE:
+            return self.quiet(f"every rank spends {statistics.median(ex):.0f} ms longer outside the model in {said}: "
+                              f"{100 * share:.1f}% of the time (rank {rank}; fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
+        per_step = sum(ex) / len(common)
+        clock = "the device idles" if E.on_gpu(ctx) else "every rank spends"
+        return [self.finding(
+            "warning" if share >= OUTSIDE_SHARE_MIN and len(hit) >= RECUR_WARN_MIN_STEPS else "info",
+            f"Every rank stops {statistics.median(ex):.0f} ms outside the model in {said} ({100 * share:.0f}% of the "
+            "time)",
+            {"steps": hit, "steps_checked": len(common), "every_n_steps": every,
+             "excess_ms": [round(x, 1) for x in ex], "outside_ms_median": round(statistics.median(
+                 per[rank][st][0] for st in common), 3), "share_pct": round(100 * share, 1),
+             "cost_ms_per_step": round(per_step, 3), "rank": rank,
+             "measured_by": "device" if E.on_gpu(ctx) else "host"},
+            f"In steps {', '.join(map(str, hit))} {clock} {statistics.median(ex):.0f} ms more outside the model "
+            f"than in the other steps, on every rank at once: {per_step:.1f} ms per step over the run, "
+            f"{100 * share:.0f}% of the time (rank {rank}). The median step does not show it. Work done every few "
+            "steps does this: a checkpoint save the doctor was not told of (torch.distributed.checkpoint's saves it "
+            "finds by itself; time another, a torch.save of a gathered state dict, with doctor.checkpointing(), and "
+            "checkpoint.blocking weighs it), an upload or a log line that waits on the network, a data loader "
+            "whose workers fall behind now and then. Do it less often, in the background, or off the training "
+            "loop. What it is lives in your loop, which the doctor does not see: no code is offered.",
+            ranks=sorted(per))]
 
 
 @register

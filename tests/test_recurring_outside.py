@@ -1,0 +1,107 @@
+"""jitter.recurring_outside: work outside the model in some steps only, on every rank at once (a save the doctor
+was not told of, an upload, a loader falling behind now and then), which the median step hides and the outlier
+table's threshold lets pass on a noisy host. Known answers on constructed runs; the planted run is the scenario
+matrix's gpt_periodic_pause row (tests/test_scenario_matrix.py)."""
+
+from __future__ import annotations
+
+import fsdp_doctor
+from fsdp_doctor.records import GpuTimes, RunConfig, StepRecord
+from fsdp_doctor.store import Run
+from fsdp_doctor.store.reader import RankData
+
+CODE = "jitter.recurring_outside"
+
+
+def _run(extra: dict[int, dict[int, float]], *, n: int = 16, device: str = "cpu",
+         device_extra: dict[int, dict[int, float]] | None = None) -> Run:
+    """Ranks of 100 ms steps with 2 ms outside the model; ``extra``: rank -> {step: ms more outside}. On
+    ``device`` "cuda" each step also has device times, the device's time outside the model 2 ms plus
+    ``device_extra``'s."""
+    run = Run(path="constructed")
+    for r in (0, 1):
+        steps, gpu = [], {}
+        for k in range(n):
+            x = extra.get(r, {}).get(k, 0.0)
+            steps.append(StepRecord(rank=r, step=k, start_ns=k, wall_ms=100.0 + x + 0.1 * (k % 3), forward_ms=33.0,
+                                    backward_ms=50.0, optimizer_ms=15.0, outside_ms=2.0 + x, between_ms=1.5 + x))
+            if device == "cuda":
+                dx = (device_extra or {}).get(r, {}).get(k, 0.0)
+                gpu[k] = GpuTimes(rank=r, step=k, step_ms=100.0 + dx, forward_ms=33.0, backward_ms=50.0,
+                                  optimizer_ms=15.0, idle_before_ms=0.1, before_forward_ms=1.0 + dx, after_model_ms=1.0)
+        run.ranks[r] = RankData(rank=r, steps=steps, gpu=gpu,
+                                config=RunConfig(rank=r, world_size=2, backend="gloo" if device == "cpu" else "nccl",
+                                                 device=device if device == "cpu" else "cuda:0"))
+    return run
+
+
+def _rule(run: Run):
+    rep = fsdp_doctor.build_report(run)
+    status = next(s for s in rep.rules if s.code == CODE)
+    return [f for f in rep.findings if f.code == CODE], status, rep
+
+
+def test_every_rank_stopping_every_four_steps_is_a_warning_with_its_share():
+    """+150 ms outside the model in steps 3, 7, 11, 15 on both ranks: 600 ms of the 15 steady steps' 2,100 ms
+    (28.6%), 40 ms per step; the median step (100 ms) and jitter.data_wait do not show it."""
+    found, _, rep = _rule(_run({r: {3: 150.0, 7: 150.0, 11: 150.0, 15: 150.0} for r in (0, 1)}))
+    assert len(found) == 1, found
+    f = found[0]
+    assert f.severity == "warning" and f.ranks == [0, 1], f
+    assert f.title == "Every rank stops 150 ms outside the model in 4 of 15 steady steps, every 4 steps (29% of the time)"
+    e = f.evidence
+    assert (e["steps"], e["every_n_steps"], e["excess_ms"], e["share_pct"], e["cost_ms_per_step"]) == (
+        [3, 7, 11, 15], 4, [150.0] * 4, 28.6, 40.0), e
+    assert f.recommendation.text.startswith("In steps 3, 7, 11, 15 every rank spends 150 ms more outside the model "
+                                            "than in the other steps, on every rank at once: 40.0 ms per step over "
+                                            "the run, 29% of the time (rank 0)."), f.recommendation.text
+    assert "doctor.checkpointing()" in f.recommendation.text and not f.recommendation.code
+    assert not [x for x in rep.findings if x.code == "jitter.data_wait"]
+
+
+def test_a_period_survives_a_step_left_out():
+    """A step of the period left out of the statistics (a profiled one) keeps the period: 3, 11, 15 every 4."""
+    run = _run({r: {3: 150.0, 7: 150.0, 11: 150.0, 15: 150.0} for r in (0, 1)})
+    for rd in run.ranks.values():
+        rd.steps[7].profiled = True
+    f = _rule(run)[0][0]
+    assert f.evidence["steps"] == [3, 11, 15] and f.evidence["every_n_steps"] == 4, f.evidence
+    # irregular steps: no period claimed
+    f = _rule(_run({r: {2: 150.0, 7: 150.0, 9: 150.0} for r in (0, 1)}))[0][0]
+    assert f.evidence["every_n_steps"] is None and "every" not in f.title.split("(")[0].split("steps,")[-1], f.title
+
+
+def test_quiet_where_it_is_not_every_rank_or_not_a_pattern_or_small():
+    # one rank only: straggler.intermittent's (the other ranks wait for it in their collectives)
+    found, st, rep = _rule(_run({1: {3: 150.0, 7: 150.0, 11: 150.0}}))
+    assert not found and st.reason == ("rank(s) 1 only spend much longer outside the model in some steps, not every "
+                                       "rank at once (straggler.intermittent weighs one rank's late steps)"), st
+    # one event
+    found, st, _ = _rule(_run({r: {7: 400.0} for r in (0, 1)}))
+    assert not found and st.reason.endswith("(step 7 only: one event is not a pattern)"), st
+    # spikes under 30% of a step: host noise
+    found, st, _ = _rule(_run({r: {3: 25.0, 7: 25.0, 11: 25.0} for r in (0, 1)}))
+    assert not found and st.reason.startswith("no 2 steps in which every rank spends 30% of a step longer"), st
+    # two stops of 35 ms in 15 steps: 70 of 1,570 ms, 4.5% (steps 5 and 10, but not 15: no period)
+    found, st, _ = _rule(_run({r: {5: 35.0, 10: 35.0} for r in (0, 1)}))
+    assert not found and st.reason == ("every rank spends 35 ms longer outside the model in 2 of 15 steady steps: "
+                                       "4.5% of the time (rank 0; fires from 5%)"), st
+    # two stops of 100 ms: 200 of 1,700 ms (11.8%), a note (a warning from 15% and 3 stops)
+    found, _, _ = _rule(_run({r: {5: 100.0, 10: 100.0} for r in (0, 1)}))
+    assert [(f.severity, f.evidence["share_pct"]) for f in found] == [("info", 11.8)], found
+
+
+def test_on_cuda_the_device_decides():
+    """On CUDA a loss.item() every 4 steps spends the device's backlog on the host in that step: the host's time
+    outside spikes while the device never idles. Only the device's idle before the forward counts."""
+    host_only = {r: {3: 150.0, 7: 150.0, 11: 150.0, 15: 150.0} for r in (0, 1)}
+    found, st, _ = _rule(_run(host_only, device="cuda"))
+    assert not found and st.reason.startswith("no 2 steps in which every rank"), st
+    found, _, _ = _rule(_run(host_only, device="cuda", device_extra=host_only))
+    assert len(found) == 1 and found[0].evidence["measured_by"] == "device", found
+    run = _run(host_only, device="cuda")
+    for rd in run.ranks.values():
+        for g in rd.gpu.values():
+            g.before_forward_ms = None  # recorded before the device timed that window
+    found, st, _ = _rule(run)
+    assert not found and st.reason.startswith("on CUDA the time outside the model is the device's"), st
