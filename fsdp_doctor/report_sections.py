@@ -253,11 +253,15 @@ class CheckpointSteps(_Section):
 
     steps: list[int]
     saves: int  # in those steps, all together
+    # the save time and the wall time below are the steps' outside profiler windows (``counted_steps``; all steps
+    # where every save fell in one): a window slows a save as it slows the step
     ms_p50: float  # a save step's save time (median)
     ms_total: float  # every save's time, all together
     wall_ms_total: float  # the recorded steps' wall time, all together (the saves' share of the run)
     excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
     async_saves: int = 0  # of the saves, torch.distributed.checkpoint.async_save calls (their time: the staging)
+    counted_steps: int = 0  # the steps the figures above count (0: a report written before this field: all)
+    profiled: list[int] = []  # save steps left out of the figures above (in a profiler window)
 
 
 class StepsSection(_Section):

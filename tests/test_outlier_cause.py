@@ -239,6 +239,7 @@ def test_asynchronous_saves_fix_is_how_often_they_save():
     stagings between 100.1 ms steps: every 60 steps for 4%, 58.3 ms per step gained). The line under the step table
     says they are asynchronous; one save reads as one."""
     import fsdp_doctor
+    from fsdp_doctor.diagnose import snippets as S
     from fsdp_doctor.present.fmt import checkpoint_text
 
     rep = fsdp_doctor.build_report(_save_run({3, 6, 9}, asynchronous=True))
@@ -252,12 +253,47 @@ def test_asynchronous_saves_fix_is_how_often_they_save():
                            "state to host memory. Save every 60 steps instead, and the saves take 4.0% of the time "
                            "(58.3 ms per step gained)"), text
     assert "Save asynchronously" not in text and not f.recommendation.code
+    # under torchtitan's Trainer (python -m fsdp_doctor.titan, its async mode on) how often it saves is its command
+    # line's --checkpoint.interval, not --checkpoint.async-mode async again
+    from fsdp_doctor.records import TITAN_DRIVER, TORCHTITAN_SHARDER, RunConfig
+
+    for titan_async in (True, False):
+        run = _save_run({3, 6, 9}, asynchronous=titan_async)
+        for rd in run.ranks.values():
+            rd.config = RunConfig(rank=rd.rank, world_size=2, backend="gloo", device="cpu", driver=TITAN_DRIVER,
+                                  sharded_by=TORCHTITAN_SHARDER, sharder_version="0.3.0")
+        rec = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking").recommendation
+        assert rec.where == "torchtitan" and rec.code.splitlines()[1] == (
+            "--checkpoint.interval 60" if titan_async else "--checkpoint.async-mode async"), rec
+        assert S.NO_SAVE_CODE not in rec.text, rec.text
     assert checkpoint_text(rep.steps).startswith("Checkpoint saves: 3 (asynchronous: the staging the step waits "
                                                  "for) in steps (3, 6, 9), 250.0 ms each, 38.4% of"), rep.steps
     # one synchronous save of 250 ms in 12 steps: 20.8 ms per step, 17.2% of the time; said of one save
     f = next(f for f in fsdp_doctor.build_report(_save_run({6})).findings if f.code == "checkpoint.blocking")
     assert f.recommendation.text.startswith("The save stops training for 250.0 ms: 20.8 ms per step over the run "
                                             "(rank 0). Save asynchronously"), f.recommendation.text
+
+
+def test_saves_in_profiled_steps_are_left_out_of_their_time():
+    """A save in a profiler window's step ran under the profiler (the doctor's own window slowed an async staging
+    from 31 to 188 ms under torchtitan): the saves' time and share count the other steps, and the line says which
+    step was left aside; where every save was profiled, they count as they are."""
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.fmt import checkpoint_text
+
+    run = _save_run({3, 6, 9})
+    for rd in run.ranks.values():
+        rd.steps[6].profiled, rd.steps[6].checkpoint_ms, rd.steps[6].wall_ms = True, 900.0, 1000.0  # 500 ms of 1,501.1
+        rd.steps[7].profiled = True
+    c = analyze_steps(run).checkpoints["0"]
+    assert (c.saves, c.ms_total, c.counted_steps, c.profiled) == (3, 500.0, 10, [6]), c
+    assert abs(c.wall_ms_total - (10 * 100.0 + 500.0 + sum(0.1 * (k % 3) for k in range(12) if k not in (6, 7)))) < 1e-6
+    assert "33.3% of the recorded time (step 6 profiled: aside)" in checkpoint_text(analyze_steps(run)), c
+    for rd in run.ranks.values():
+        for k in (3, 9):
+            rd.steps[k].profiled = True
+    c = analyze_steps(run).checkpoints["0"]
+    assert (c.ms_total, c.counted_steps, c.profiled) == (1400.0, 12, []), c
 
 
 def test_trainer_saves_fix_is_how_often_it_saves():

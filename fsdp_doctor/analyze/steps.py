@@ -49,18 +49,23 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
 
 
 def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
-    """A rank's steps that saved a checkpoint (``doctor.checkpointing()``), and whether the statistics leave them
-    out."""
+    """A rank's steps that saved a checkpoint (torch.distributed.checkpoint's saves, ``doctor.checkpointing()``), and
+    whether the statistics leave them out. The saves' time and its share are those of the steps outside profiler
+    windows, where there are saves: a window slows a save as it slows the step (the doctor's own window: its cost)."""
     hit = [s for s in steps if s.checkpoints]
     if not hit:
         return None
     kept = {s.step for s in usable_steps(steps)}
-    ms = [s.checkpoint_ms for s in hit]
+    counted = [s for s in steps if not s.profiled]
+    if not any(s.checkpoints for s in counted):
+        counted = steps
+    ms = [s.checkpoint_ms for s in counted if s.checkpoints]
     return CheckpointSteps(steps=[s.step for s in hit], saves=sum(s.checkpoints for s in hit),
                            async_saves=sum(s.async_saves for s in hit),
                            ms_p50=round(statistics.median(ms), 3), ms_total=round(sum(ms), 3),
-                           wall_ms_total=round(sum(s.wall_ms for s in steps), 3),
-                           excluded=not any(s.step in kept for s in hit))
+                           wall_ms_total=round(sum(s.wall_ms for s in counted), 3),
+                           excluded=not any(s.step in kept for s in hit), counted_steps=len(counted),
+                           profiled=sorted(s.step for s in hit if s.profiled and counted is not steps))
 
 
 def percentile(xs: list[float], q: float) -> float:

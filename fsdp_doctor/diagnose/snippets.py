@@ -887,11 +887,12 @@ TITAN_TRAINER = {
                 "torchtitan's Trainer reduces its logged metrics (the loss's sum and maximum, the tokens seen) over "
                 "the ranks on every step it logs: log every 10 steps.",
                 "--metrics.log-freq 10", NO_LOOP_CODE),
+            # (saves made synchronously: the rule's words for them; asynchronous ones already: how often, its own)
             "checkpoint.blocking": (
                 "torchtitan saves with torch.distributed.checkpoint: its async mode copies the state to host memory "
                 "and writes it from a background thread (async_with_pinned_mem copies a GPU's state into pinned "
                 "memory, faster).",
-                "--checkpoint.async-mode async"),
+                "--checkpoint.async-mode async", "Save asynchronously"),
         },
     },
 }
@@ -899,6 +900,13 @@ TITAN_TRAINER = {
 TITAN_TRAINER_ELSEWHERE = (" torchtitan's Trainer runs the loop and its parallelize function shards the model, so "
                            "this code has no place in your command line: make the change in a parallelize function "
                            "of your own (ModelSpec.parallelize_fn) or a Trainer subclass (its train_step).")
+
+
+def titan_command_line(version: str, flags: str) -> str:
+    """A fix that is flags of torchtitan's command line (``Recommendation.where`` "torchtitan")."""
+    said = f"torchtitan {version}" if version else "torchtitan"
+    return (f"# {said}: on the command line that runs fsdp_doctor.titan (or torchtitan.train), after "
+            f"--module/--config\n{flags}")
 
 
 def for_titan_trainer(rec, finding: str, version: str) -> None:
@@ -916,9 +924,7 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
         for words in (NO_PIPELINE_CODE, NO_SAVE_CODE, NO_LOOP_CODE):
             rec.text = rec.text.replace(words, "")
         rec.text = re.sub(r" {2,}", " ", f"{rec.text.rstrip()} {text}")
-        rec.code = (f"# {said}: on the command line that runs fsdp_doctor.titan (or torchtitan.train), after "
-                    f"--module/--config\n{flags}")
-        rec.where, rec.inputs = "torchtitan", {}
+        rec.code, rec.where, rec.inputs = titan_command_line(version, flags), "torchtitan", {}
         return
     if not rec.code or rec.where in ("torchtitan", "evaluation"):
         return

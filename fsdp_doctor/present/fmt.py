@@ -338,8 +338,10 @@ def checkpoint_text(section: StepsSection) -> str | None:
     share = max((100.0 * c.ms_total / c.wall_ms_total for c in per.values() if c.wall_ms_total > 0), default=0.0)
     kind = " (asynchronous: the staging the step waits for)" if all(c.async_saves == c.saves for c in per.values()) \
         else ""
+    aside = sorted({st for c in per.values() for st in c.profiled})
+    aside_text = f" (step{'s' if len(aside) > 1 else ''} {', '.join(map(str, aside))} profiled: aside)" if aside else ""
     return (f"Checkpoint saves: {saves}{kind} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
-            f"{share:.1f}% of the recorded time; counted apart from outside; those steps are {kept}")
+            f"{share:.1f}% of the recorded time{aside_text}; counted apart from outside; those steps are {kept}")
 
 
 def apart_texts(section: StepsSection) -> list[tuple[str, str]]:

@@ -53,12 +53,13 @@ class CheckpointBlocking(Rule):
         if share < SHARE_NOTE:
             return self.quiet(f"checkpoint saves take {100 * share:.1f}% of the recorded time (rank {rank}; fires "
                               f"from {100 * SHARE_NOTE:.0f}%)")
-        steps = len(ctx.run.ranks[rank].steps)
+        steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
         every = statistics.median(b - a for a, b in zip(c.steps, c.steps[1:])) if len(c.steps) > 1 else None
         per_step = c.ms_total / steps
         evidence = {"saves": c.saves, "save_ms_p50": c.ms_p50, "saves_ms_total": c.ms_total,
-                    "recorded_ms_total": c.wall_ms_total, "share_pct": round(100 * share, 1),
-                    "steps_between_saves": every, "recorded_steps": steps,
+                    # (the steps outside profiler windows: a window slows a save as it slows the step)
+                    "counted_ms_total": c.wall_ms_total, "share_pct": round(100 * share, 1),
+                    "steps_between_saves": every, "steps_counted": steps, "profiled_save_steps": c.profiled,
                     # the most an asynchronous save gains: all of the save but its copy to host memory
                     "gain_ms_per_step_at_most": round(per_step, 3)}
         often = f", one every {every:g} steps" if every else ""
@@ -89,8 +90,12 @@ class CheckpointBlocking(Rule):
             text = (f"{said} The saves are asynchronous already (torch.distributed.checkpoint.async_save): the step "
                     "waits while each one copies the state to host memory. Save every "
                     f"{n} steps instead, and the saves take {less_often['share_pct_after']:.1f}% of the time "
-                    f"({gain:.1f} ms per step gained), at the cost of more steps to redo after a failure. "
-                    f"{S.NO_SAVE_CODE}")
+                    f"({gain:.1f} ms per step gained), at the cost of more steps to redo after a failure.")
+            if E.titan_trainer_driven(ctx):  # torchtitan's Trainer: how often it saves is its command line's
+                code = S.titan_command_line(E.torchtitan_version(ctx) or "", f"--checkpoint.interval {n}")
+                where = "torchtitan"
+            else:
+                text += f" {S.NO_SAVE_CODE}"
         else:
             text = (f"{said} Save asynchronously (torch.distributed.checkpoint.async_save): the step then waits "
                     "only while the state is copied to host memory, and the write goes on in the background "
