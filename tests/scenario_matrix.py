@@ -36,7 +36,7 @@ ORDER = {"info": 0, "warning": 1, "critical": 2}
 # timing-driven codes a shared 2-core host produces by itself now and then: never counted as a new warning of a
 # fix, nor as a false alarm of the tuned baselines unless the row planted them
 NOISE = frozenset({"straggler.rank", "straggler.intermittent", "straggler.trace", "jitter.gc", "jitter.data_wait",
-                   "prefetch.exposed_allgather", "throughput.low_mfu", "verdict.severe"})
+                   "jitter.recurring_outside", "prefetch.exposed_allgather", "throughput.low_mfu", "verdict.severe"})
 # findings a fix uncovers, which its finding kept quiet: with several roots wrap.params_in_root stays quiet
 # (root_not_sharded says it); the one-line root fix then shows the embeddings and head in the new root
 UNCOVERS = {"wrap.root_not_sharded": {"wrap.params_in_root"}}
