@@ -459,6 +459,10 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "grad_accum": 4}, min_severity="info"),
     _g("gpu_gpt_straggler", "gpt", "straggler.rank", "rank 1 sleeps 30 ms every step",
        knobs={**GPU_SHAPE, "sleep_rank": 1, "sleep_ms": 30.0, "steps": 12}, apply=False),  # 7 steady steps
+    # every rank stops 60 ms before every third step's forward (a save the doctor is not told of): on the GPU the
+    # device's idle before those forwards decides (the loop's loss.item() leaves the host no backlog to hide it)
+    _g("gpu_gpt_periodic_pause", "gpt", "jitter.recurring_outside", "every rank stops 60 ms every 3rd step",
+       knobs={**GPU_SHAPE, "pause_ms": 60.0, "pause_every": 3, "steps": 12}, min_severity="info", apply=False),
     # the log's time on the CPU rerun varies with the host's load (predicted -52 to -56 ms, measured -20 to -58): its
     # gain is checked on the GPU
     _g("gpu_gpt_grad_norm_log", "gpt", "optim.step_comm", "each parameter's gradient norm logged every step",
