@@ -22,10 +22,11 @@ SAVE_CALLS = {"save": False, "async_save": True}
 
 
 class DcpSaveTap(logging.Handler):
-    """Calls ``on_save(t0_ns, t1_ns, is_async)`` (``time.perf_counter_ns`` readings) when a DCP save called from the
-    thread that built the tap has ended, by return or exception; ``fail(where, exc)`` on an error of its own."""
+    """Calls ``on_save(t0_ns, is_async)`` (``t0_ns``: the save's start, a ``time.perf_counter_ns`` reading) when a DCP
+    save called from the thread that built the tap has just ended, by return or exception; ``fail(where, exc)`` on an
+    error of its own."""
 
-    def __init__(self, on_save: Callable[[int, int, bool], None], fail: Callable[[str, BaseException], None]):
+    def __init__(self, on_save: Callable[[int, bool], None], fail: Callable[[str, BaseException], None]):
         super().__init__(logging.DEBUG)
         self._on_save, self._fail = on_save, fail
         self._thread = threading.get_ident()
@@ -43,7 +44,6 @@ class DcpSaveTap(logging.Handler):
         self._open.clear()
 
     def handle(self, record: logging.LogRecord) -> bool:  # (no handler lock: one thread's calls are counted)
-        t = _now()
         try:
             msg = record.msg
             if not isinstance(msg, dict) or (record.thread is not None and record.thread != self._thread):
@@ -53,10 +53,9 @@ class DcpSaveTap(logging.Handler):
                 return False
             key, event = str(msg.get("uuid")), msg.get("event")
             if event == "start":
-                self._open[key] = (t, is_async)
+                self._open[key] = (_now(), is_async)
             elif event in ("end", "exception") and key in self._open:
-                t0, is_async = self._open.pop(key)
-                self._on_save(t0, t, is_async)
+                self._on_save(*self._open.pop(key))
         except Exception as e:  # noqa: BLE001  (never into the user's save)
             self._fail("checkpoint save tap", e)
         return False

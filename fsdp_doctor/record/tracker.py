@@ -51,6 +51,7 @@ from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import FRAME_UNSEEN, config_snapshot
+from .dcp_saves import DcpSaveTap
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
@@ -269,14 +270,8 @@ class Doctor:
         self._timer.install(self._units, self.model, self.optimizer)
         self._init_memory()
         self._timer.marks = self._memory
-        from .dcp_saves import DcpSaveTap
-
-        self._dcp_tap = DcpSaveTap(self._dcp_saved, lambda where, e: self._fail(where, e, stop=False))
+        self._dcp_tap = DcpSaveTap(self.saved_since, lambda where, e: self._fail(where, e, stop=False))
         self._dcp_tap.install()
-
-    def _dcp_saved(self, t0: int, t1: int, is_async: bool) -> None:
-        if self.active:
-            self._saves.append((t0, t1, is_async))
 
     def _init_memory(self) -> None:
         if not self.options.memory:
@@ -335,9 +330,8 @@ class Doctor:
         as a save, not as the loop waiting for data; the analyses leave such steps out of the step statistics as
         they do evaluation steps. The save itself runs as it would without the doctor. torch.distributed.checkpoint's
         ``save`` and ``async_save`` need no mark: the doctor reads them from DCP's log (one inside a mark counts
-        once). It yields a mark whose
-        ``saved`` the caller may set to False when the call turned out to save nothing (a checkpointer called
-        every step that saves every N): that call is then not counted."""
+        once). It yields a mark whose ``saved`` the caller may set to False when the call turned out to save nothing
+        (a checkpointer called every step that saves every N): that call is then not counted."""
         mark = SaveMark()
         t0 = _now()
         try:
@@ -346,12 +340,13 @@ class Doctor:
             if mark.saved:
                 self.saved_since(t0)
 
-    def saved_since(self, t0: int) -> None:
+    def saved_since(self, t0: int, is_async: bool | None = None) -> None:
         """A checkpoint save that began at ``t0`` (a ``time.perf_counter_ns()`` reading) has just ended: recorded as
         ``checkpointing()`` records one, for a driver that sees the end of a save but not its start (the Hugging
-        Face Trainer's ``on_save``, after its last event before the save)."""
+        Face Trainer's ``on_save``, after its last event before the save), and for torch.distributed.checkpoint's
+        saves (DcpSaveTap: ``is_async``, whether it was an ``async_save``; None: not known)."""
         if self.active:
-            self._saves.append((t0, _now(), None))
+            self._saves.append((t0, _now(), is_async))
 
     def _is_micro_batch(self) -> bool:
         """Whether this doctor.step() call ends a micro-batch rather than an optimizer step."""

@@ -285,23 +285,24 @@ class RecurringOutside(Rule):
         shares = {r: sum(excess[r][st] for st in hit) / sum(per[r][st][1] for st in common) for r in per}
         rank = max(shares, key=shares.get)
         share, ex = shares[rank], [excess[rank][st] for st in hit]
+        typical = statistics.median(ex)
         every = _every(hit, common)
         said = f"{len(hit)} of {len(common)} steady steps" + (f", every {every} steps" if every else "")
         if share < RECUR_SHARE_NOTE:
-            return self.quiet(f"every rank spends {statistics.median(ex):.0f} ms longer outside the model in {said}: "
+            return self.quiet(f"every rank spends {typical:.0f} ms longer outside the model in {said}: "
                               f"{100 * share:.1f}% of the time (rank {rank}; fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
         per_step = sum(ex) / len(common)
         clock = "the device idles" if E.on_gpu(ctx) else "every rank spends"
         return [self.finding(
             "warning" if share >= OUTSIDE_SHARE_MIN and len(hit) >= RECUR_WARN_MIN_STEPS else "info",
-            f"Every rank stops {statistics.median(ex):.0f} ms outside the model in {said} ({100 * share:.0f}% of the "
+            f"Every rank stops {typical:.0f} ms outside the model in {said} ({100 * share:.0f}% of the "
             "time)",
             {"steps": hit, "steps_checked": len(common), "every_n_steps": every,
              "excess_ms": [round(x, 1) for x in ex], "outside_ms_median": round(statistics.median(
                  per[rank][st][0] for st in common), 3), "share_pct": round(100 * share, 1),
              "cost_ms_per_step": round(per_step, 3), "rank": rank,
              "measured_by": "device" if E.on_gpu(ctx) else "host"},
-            f"In steps {', '.join(map(str, hit))} {clock} {statistics.median(ex):.0f} ms more outside the model "
+            f"In steps {', '.join(map(str, hit))} {clock} {typical:.0f} ms more outside the model "
             f"than in the other steps, on every rank at once: {per_step:.1f} ms per step over the run, "
             f"{100 * share:.0f}% of the time (rank {rank}). The median step does not show it. Work done every few "
             "steps does this: a checkpoint save the doctor was not told of (torch.distributed.checkpoint's saves it "
