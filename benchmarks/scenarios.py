@@ -98,8 +98,10 @@ def table(outcomes: dict[str, M.Outcome], gpu: dict[str, set[str]], coded: set[s
                    + "".join(f"; {o.row.name} gain ok: {o.recheck()['gain_ok']}" for o in gpu_gain
                              if device == "cuda")
                    + (f"; advice wrong: {', '.join(wrong)}" if wrong else ""))
-            peaks = [(c["peak_predicted"], c["peak_measured"]) for c in checks if c["peak_predicted"]]
-            peak = "; ".join(f"{_mib(p)}/{_mib(m)} MiB ({100 * (m - p) / p:+.0f}%)" for p, m in peaks) or "-"
+            peaks = [(c["peak_predicted"], c["peak_measured"], c.get("peak_at_most")) for c in checks
+                     if c["peak_predicted"]]
+            peak = "; ".join(f"{'≤' if most else ''}{_mib(p)}/{_mib(m)} MiB ({100 * (m - p) / p:+.0f}%)"
+                             for p, m, most in peaks) or "-"
             steps = [(c["step_ms_predicted"], c["step_ms_measured"]) for c in checks if c["step_ms_predicted"]]
             step = "; ".join(f"{p:.0f}/{m:.0f}" for p, m in steps) or "-"
         else:

@@ -297,6 +297,18 @@ class CudaMemory(msgspec.Struct, kw_only=True, omit_defaults=True):
         "device_total", "allocator_limit", "largest_free_block", "nvml_process_bytes", "outside_allocator")
 
 
+class CastCopies(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Copies that torch.autocast made of FSDP's unsharded parameters and autograd saved for backward (a full
+    step's; part of its ``activations``): the cast of a 32-bit parameter for a 16-bit matmul, held from the
+    forward of its unit to that unit's backward, where FSDP resharding frees only the 32-bit original."""
+
+    dtype: str = ""  # the copies' dtype (autocast's: "bfloat16", "float16")
+    peak: int = 0  # bytes alive at the step's peak mark
+    most: int = 0  # the most alive at any mark of the step
+    rows: list[int] = []  # bytes alive at each row of the step's timeline (when the step has one)
+    units: dict[str, int] = {}  # unit -> bytes its forward left saved (nested units' included)
+
+
 class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Memory by category of one step of one rank (``StepRecord.memory``; see fsdp_doctor.record.memory).
 
@@ -332,6 +344,10 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     # of which at the step's end, after doctor.step() was called: in the next step's wall (its doctor_ms), not this
     # one's (µs; 0 in runs recorded before this field)
     probe_end_us: float = 0.0
+    # torch.autocast's dtype where the model's forward started inside an autocast region for the run's device type
+    # (full steps; None: no autocast, or not read)
+    autocast: str | None = None
+    cast_copies: CastCopies | None = None  # exact activation steps where autocast copied FSDP's parameters
 
 
 class StepRecord(Record, tag="step"):

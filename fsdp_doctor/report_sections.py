@@ -141,6 +141,11 @@ class MemoryRank(_Section):
     forward_kept_bytes: int | UnsetType = UNSET
     pre_step_freed_bytes: int | UnsetType = UNSET
     forward_kept_steps: int | UnsetType = UNSET
+    # torch.autocast's dtype where the model's forward ran inside an autocast region (records: any full step)
+    autocast: str | UnsetType = UNSET
+    # autocast's copies of FSDP's unsharded parameters saved for backward (part of activations), of the timeline's step
+    # (else the latest step that has them): fsdp_doctor.records.CastCopies as a dict ("rows" along ``timeline``)
+    cast_copies: dict[str, Any] | UnsetType = UNSET
 
 
 class MemorySection(_Section):
@@ -558,7 +563,8 @@ class Recommendation(_Section):
 class Predicted(_Section):
     """What a finding's fix is predicted to change, in the run's units: the median step (ms) and the peak rank's
     device memory (bytes), before and after; a side the rule cannot tell is None. The deltas (after - before,
-    negative: a gain) are filled in from them."""
+    negative: a gain) are filled in from them. ``at_most``: the after-figures are ceilings, the part of the gain the
+    rule can count (the fix gains at least the deltas; what it leaves uncounted it says in its text)."""
 
     step_ms_before: Optional[float] = None
     step_ms_after: Optional[float] = None
@@ -566,6 +572,7 @@ class Predicted(_Section):
     peak_bytes_after: Optional[int] = None
     step_ms_delta: Optional[float] = None
     peak_bytes_delta: Optional[int] = None
+    at_most: bool = False
 
     def __post_init__(self):
         if self.step_ms_before is not None and self.step_ms_after is not None:

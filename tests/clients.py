@@ -873,7 +873,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     import time
 
     from fsdp_doctor.workloads import WorkloadConfig
-    from fsdp_doctor.workloads.train import inject_step_faults
+    from fsdp_doctor.workloads.train import autocast, inject_step_faults
 
     # the scenario trained before this one in the process left its model and optimizer in reference cycles
     # (FSDP's hooks): collected now, not counted in this one's memory (the GPU campaign's rows carried the previous
@@ -937,8 +937,9 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     if fix.get("where") == "loop":
                         _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
                               micro_batches=cfg.grad_accum, step=step)
-                    loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, seq), dev,
-                                   keep=held if row.get("loop") == "keep_outputs" else None) / cfg.grad_accum
+                    with autocast(cfg):
+                        loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, seq), dev,
+                                       keep=held if row.get("loop") == "keep_outputs" else None) / cfg.grad_accum
                     if fix.get("where") == "backward":
                         _exec(fix, model, opt, ns=held, outputs=held.get("outputs"))
                     loss.backward()

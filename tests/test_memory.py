@@ -176,6 +176,14 @@ def noreshard_stale(tmp_path_factory):
     return _record(tmp_path_factory.mktemp("mem_stale"), reshard_after_forward=False, optimizer_before_shard=True)
 
 
+@pytest.fixture(scope="module")
+def autocast(tmp_path_factory):
+    """torch.autocast(bf16) over float32 parameters, and over a bf16/fp32 MixedPrecisionPolicy."""
+    return (_record(tmp_path_factory.mktemp("mem_autocast"), autocast="bf16"),
+            _record(tmp_path_factory.mktemp("mem_autocast_mp"), autocast="bf16", param_dtype="bf16",
+                    reduce_dtype="fp32"))
+
+
 # ----------------------------------------------------------------------------------------- base run
 def test_no_errors_and_every_step_has_memory(base):
     run, _ = base
@@ -311,6 +319,44 @@ def test_activation_checkpointing_and_bf16(ac_bf16, base):
             s = _sample(s1, name, "forward_start")
             assert s["unsharded_params"] == u.unsharded_bytes == u.sharded_bytes  # bf16: half of 2 fp32 shards
         assert s1.memory.end["sharded_params"] == _local_padded_bytes(cfg, NPROC)  # shards stay fp32
+
+
+def test_autocast_copies_of_parameters_counted_exactly(autocast, base):
+    """Autocast's bf16 copy of every Linear's weight (the reference GPT's only matmuls; a bias's copy is not needed by
+    the backward, so not saved), saved for backward: counted
+    once each, all alive at the forward's end, each block's own under its unit; none where the policy gathers bf16
+    (autocast then has nothing to cast) and none without autocast. The rule reads them: the copies and a ceiling."""
+    from fsdp_doctor import build_report
+    from fsdp_doctor.workloads import build_model
+
+    (run, cfg), (run_mp, _) = autocast
+    model = build_model(cfg)
+    lin = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for r in range(NPROC):
+        rd = run.ranks[r]
+        assert not rd.errors, rd.errors
+        m = rd.steps[1].memory
+        assert m.autocast == "bfloat16" and m.activations == "exact"
+        cc = m.cast_copies
+        assert cc.dtype == "bfloat16" and cc.most == 2 * sum(lin.values())
+        for i in range(cfg.n_layers):
+            assert cc.units[f"layers.{i}"] == 2 * sum(v for n, v in lin.items() if n.startswith(f"layers.{i}."))
+        assert len(cc.rows) == len(m.timeline.rows) and max(cc.rows) == cc.most >= cc.peak > 0
+        end = _sample(rd.steps[1], "", "forward_end")
+        assert cc.rows[m.timeline.rows.index(next(row for row in m.timeline.rows if row[1] == "" and
+                                                  row[2] == "forward_end"))] == cc.most <= end["activations"]
+        mp = run_mp.ranks[r].steps[1].memory
+        assert mp.autocast == "bfloat16" and mp.cast_copies is None
+        assert base[0].ranks[r].steps[1].memory.autocast is None
+    rep = build_report(run)
+    (f,) = [f for f in rep.findings if f.code == "precision.autocast_fp32_params"]
+    assert f.evidence["cast_copies_most_bytes"] == 2 * sum(lin.values())
+    assert f.predicted.at_most and f.predicted.peak_bytes_after < f.predicted.peak_bytes_before - \
+        f.evidence["cast_copies_at_peak_bytes"] + 1
+    assert "mp_policy=mp" in f.recommendation.code and "reduce_dtype=torch.float32" in f.recommendation.code
+    quiet = {s.code: s.reason for s in build_report(run_mp).rules if s.status == "quiet"}
+    assert "every unit gathers its parameters in its MixedPrecisionPolicy's param_dtype" in \
+        quiet["precision.autocast_fp32_params"]
 
 
 def test_reshard_after_forward_false_keeps_units_gathered(noreshard_stale):

@@ -45,6 +45,7 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "comm.small_collectives": ("wrapping",),
     "offload.": ("offload",),
     "comm.bound": ("param_dtype", "reduce_dtype"),
+    "precision.": ("param_dtype",),
     "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
 }
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
@@ -83,7 +84,9 @@ def predicted_of(f: Finding) -> dict[str, Optional[float]]:
         import msgspec
 
         p = msgspec.to_builtins(p)
-    return {k: p.get(k) for k in ("step_ms_before", "step_ms_after", "peak_bytes_before", "peak_bytes_after")}
+    out = {k: p.get(k) for k in ("step_ms_before", "step_ms_after", "peak_bytes_before", "peak_bytes_after")}
+    out["at_most"] = bool(p.get("at_most"))
+    return out
 
 
 def _matrix(samples: list[list[float]]) -> np.ndarray:
@@ -259,12 +262,15 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             pred = p50.a * ratio
             chk.step_ms_predicted, chk.step_ms_measured = round(pred, 3), p50.b
             chk.step_pct_predicted, chk.step_pct_measured = round(100 * (ratio - 1), 1), p50.pct
-            chk.step_verdict = _step_verdict(pred - p50.a, p50, pred)
+            chk.step_verdict = ("held" if p["at_most"] and p50.b <= pred  # a ceiling: at or under it
+                                else _step_verdict(pred - p50.a, p50, pred))
         if p["peak_bytes_before"] is not None and p["peak_bytes_after"] is not None and peak_a and peak_b:
             pred = peak_a + (p["peak_bytes_after"] - p["peak_bytes_before"])
             chk.peak_bytes_predicted, chk.peak_bytes_measured = float(pred), float(peak_b)
             chk.peak_pct_error = round(100 * (pred - peak_b) / peak_b, 2)
-            chk.peak_held = abs(chk.peak_pct_error) <= PEAK_TOLERANCE_PCT
+            # a ceiling holds when the peak came out at or under it
+            chk.peak_held = (chk.peak_pct_error >= -PEAK_TOLERANCE_PCT if p["at_most"]
+                             else abs(chk.peak_pct_error) <= PEAK_TOLERANCE_PCT)
         out.append(chk)
     return out
 

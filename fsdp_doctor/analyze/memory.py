@@ -73,6 +73,15 @@ def _rank_section(rd) -> MemoryRank | None:
     notes = sorted({n for s in steps for n in (s.memory.activations_note, s.memory.comm_note) if n})
     if notes:
         out.notes = notes
+    casts = [s for s in steps if s.memory.autocast]
+    if casts:
+        out.autocast = casts[-1].memory.autocast
+    copied = [s for s in steps if s.memory.cast_copies is not None]
+    if copied:
+        cc = tl_step if tl_step is not None and tl_step.memory.cast_copies is not None else copied[-1]
+        out.cast_copies = msgspec.to_builtins(cc.memory.cast_copies)
+        if cc is not tl_step:
+            out.cast_copies.pop("rows", None)  # they run along another step's timeline
     mism = sum(int(s.memory.replay_mismatches or 0) for s in steps)
     if mism:
         out.replay_mismatches = mism

@@ -238,7 +238,7 @@ def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
 
 def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
                extra_kwargs: str = "", note: str = "", mp_line: Optional[str] = None,
-               drop: tuple[str, ...] = (), nested: bool = True) -> str:
+               drop: tuple[str, ...] = (), nested: bool = True, only: Optional[set[str]] = None) -> str:
     """The whole sharding of the model, to paste in place of your ``fully_shard`` calls (on the unsharded
     model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
@@ -246,8 +246,11 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     the run gave it (``_unit_kwargs``: mixed precision, a reshard_after_forward other than True, offload);
     ``extra_kwargs`` adds one to all.
     Units inside a block (a mixture of experts' ``mlp.experts``) stay units, sharded before their block
-    (``nested``; dropped by plans that replace them with whole blocks: leaf wrapping, grouped blocks)."""
+    (``nested``; dropped by plans that replace them with whole blocks: leaf wrapping, grouped blocks).
+    ``only``: the names of the run's units that take ``extra_kwargs`` (the modules they held, when they become
+    several units); the others keep their options as they were."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
+    extra_of = lambda u: extra_kwargs if only is None or (u is not None and u.name in only) else ""  # noqa: E731
     mp = mp_line or _mp_line(t.units)
     if mp:
         lines.append(mp)
@@ -259,12 +262,12 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                                                              for m in u.modules)), None)) for c in conts}
     for c in conts:
         if by_cont[c] is not None:  # the options of the container's block units
-            own = _unit_kwargs(by_cont[c])
+            own, ex = _unit_kwargs(by_cont[c]), extra_of(by_cont[c])
         else:  # blocks without units of their own: those of the unit that held them (a whole-model unit)
             held = _holder(t, c)
-            own = _unit_kwargs(held, inherit=True) if held is not None else ""
-        kw = _merge(own, extra_kwargs, drop)
-        inner = _nested_lines(t, c, extra_kwargs, drop) if nested and group == 1 else ([], [])
+            own, ex = (_unit_kwargs(held, inherit=True) if held is not None else ""), extra_of(held)
+        kw = _merge(own, ex, drop)
+        inner = _nested_lines(t, c, ex, drop) if nested and group == 1 else ([], [])
         lines += inner[0]
         if group > 1:
             lines += [f"blocks = list({children_expr(c)})",
@@ -278,12 +281,13 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         mods = list(units[i].modules) if t.units else members(name)
         if not mods or all(in_block(m) for m in mods):
             continue
-        kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_kwargs, drop)
+        kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_of(units[i]) if t.units else extra_kwargs,
+                    drop)
         lines.append(_call(group_expr(mods), kw))
     root = t.root()
     if root_leftovers and root is not None:
-        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_kwargs, drop))
-    rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_kwargs, drop)
+        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop))
+    rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
     return "\n".join(lines)
 

@@ -159,12 +159,13 @@ def predicted_text(pred) -> str:
     if not pred:
         return ""
     bits = []
+    most = "≤ " if getattr(pred, "at_most", False) else ""  # ceilings: the fix gains at least this much
     if pred.step_ms_delta is not None:
         b, a = pred.step_ms_before, pred.step_ms_after
-        pct = f" ({abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
-        bits.append(f"step {fmt_ms(b)} → {fmt_ms(a)}{pct}")
+        pct = f" ({'≥ ' if most else ''}{abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
+        bits.append(f"step {fmt_ms(b)} → {most}{fmt_ms(a)}{pct}")
     if pred.peak_bytes_delta is not None:
-        bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {fmt_bytes(pred.peak_bytes_after)}")
+        bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {most}{fmt_bytes(pred.peak_bytes_after)}")
     return ", ".join(bits)
 
 

@@ -511,6 +511,18 @@ def _identity(t):
     return t
 
 
+def autocast_dtype(device_type: str) -> str | None:
+    """torch.autocast's dtype where an autocast region is active for ``device_type`` here ("bfloat16"), else None
+    (``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype``: torch 2.4+; None where they
+    fail)."""
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
+    except Exception:  # noqa: BLE001 - an older torch, an unknown device type: not read
+        return None
+
+
 # ------------------------------------------------------------------------------------------- labels
 #: record_function labels of FSDP2 the analyses use, with the releases that lack them.
 LABELS_MISSING_IN = {

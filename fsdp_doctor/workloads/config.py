@@ -33,7 +33,8 @@ class WorkloadConfig:
     over everything; "" is the root), `async_unshard`, `forward_prefetch` / `backward_prefetch` (explicit
     prefetch depth over the block units, 0 = FSDP's implicit prefetch), `ac` ("none", "block",
     "every:K", "children"), `param_dtype` / `reduce_dtype` (None or one of `DTYPE_NAMES`),
-    `cpu_offload` (+ `offload_pin_memory`), `optimizer_before_shard` (deliberate bug), `device`,
+    `cpu_offload` (+ `offload_pin_memory`), `optimizer_before_shard` (deliberate bug), `autocast` (None or
+    one of `DTYPE_NAMES`: the loop runs forward and loss under `torch.autocast(device, dtype)`), `device`,
     `num_threads` (intra-op threads per rank; None leaves torch's default).
 
     Fault injection (in the training loop, outside the model): `sleep_rank` sleeps `sleep_ms` before
@@ -71,6 +72,7 @@ class WorkloadConfig:
     cpu_offload: bool = False
     offload_pin_memory: bool = True
     optimizer_before_shard: bool = False
+    autocast: Optional[str] = None
     device: str = "cpu"
     num_threads: Optional[int] = 1
 
@@ -98,7 +100,7 @@ class WorkloadConfig:
         """Raise ValueError with a one-line message for any knob out of range."""
         _check(self.wrap in WRAP_POLICIES, f"wrap must be one of {WRAP_POLICIES}, got {self.wrap!r}")
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "autocast"):
             value = getattr(self, name)
             _check(value is None or value in DTYPE_NAMES,
                    f"{name} must be None or one of {DTYPE_NAMES}, got {value!r}")
@@ -259,6 +261,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       metavar="{bf16,fp32,fp16}", help="MixedPrecisionPolicy param_dtype")
     fsdp.add_argument("--reduce-dtype", type=_cli_type(_dtype_arg), default=d.reduce_dtype,
                       metavar="{bf16,fp32,fp16}", help="MixedPrecisionPolicy reduce_dtype")
+    fsdp.add_argument("--autocast", type=_cli_type(_dtype_arg), default=d.autocast, metavar="{bf16,fp16}",
+                      help="run forward and loss under torch.autocast in this dtype")
     fsdp.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, default=d.cpu_offload,
                       help="CPUOffloadPolicy (needs --device cuda)")
     fsdp.add_argument("--optimizer-before-shard", action=argparse.BooleanOptionalAction,

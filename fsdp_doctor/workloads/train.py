@@ -8,6 +8,7 @@ as a user would. `train_from_env` does the same under torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Callable, Optional
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from .config import WorkloadConfig
 from .data import batches
 from .gpt import build_model
-from .sharding import apply_fsdp
+from .sharding import DTYPES, apply_fsdp
 
 # on_step(step, model, optimizer, loss) runs at the end of every step; `loss` is a detached scalar.
 OnStep = Callable[[int, nn.Module, torch.optim.Optimizer, torch.Tensor], Any]
@@ -110,7 +111,8 @@ def _run_steps(cfg: WorkloadConfig, rank: int, model: nn.Module, optimizer: torc
             tokens, targets = tokens.to(cfg.device), targets.to(cfg.device)
             if cfg.grad_accum > 1 and cfg.accum_no_sync:  # reduce-scatter on the last micro-batch only
                 model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
-            loss = next_token_loss(model(tokens), targets)
+            with autocast(cfg):
+                loss = next_token_loss(model(tokens), targets)
             (loss / cfg.grad_accum if cfg.grad_accum > 1 else loss).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=cfg.zero_grad_to_none)
@@ -120,6 +122,13 @@ def _run_steps(cfg: WorkloadConfig, rank: int, model: nn.Module, optimizer: torc
         if on_step is not None:
             on_step(step, model, optimizer, losses[-1])
     return [float(x) for x in losses]  # one host sync at the end, not one per step
+
+
+def autocast(cfg: WorkloadConfig):
+    """``torch.autocast`` on the run's device in ``cfg.autocast``'s dtype, or a context that does nothing."""
+    if cfg.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(cfg.device, dtype=DTYPES[cfg.autocast])
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

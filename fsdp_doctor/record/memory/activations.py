@@ -20,6 +20,9 @@ _now = time.perf_counter_ns
 RELEASE_NS = 600  # one _Saved.__del__ + the unpack call (measured ~0.5 us on a 2-core CPU box)
 
 
+_LOW = (torch.bfloat16, torch.float16)
+
+
 class _Saved:
     """What the pack hook leaves in the autograd graph: the detached tensor and its storage key.
 
@@ -44,24 +47,30 @@ class _Saved:
         if e[0] <= 0:
             del live.entries[self.k]
             live.bytes -= e[1]
+            if e[2]:
+                live.cast -= e[1]
 
 
 class _Live:
     """Running count of saved-for-backward storages (shared with the _Saved handles)."""
 
-    __slots__ = ("entries", "bytes", "packs")
+    __slots__ = ("entries", "bytes", "packs", "cast", "cast_dtype")
 
     def __init__(self):
-        self.entries: dict[int, list[int]] = {}  # storage key -> [saved references alive, bytes]
+        self.entries: dict[int, list[int]] = {}  # storage key -> [saved references alive, bytes, autocast's copy]
         self.bytes = 0
         self.packs = 0
+        self.cast = 0  # of ``bytes``, autocast's copies of FSDP's unsharded parameters
+        self.cast_dtype: str | None = None
 
 
 class SavedTensors:
     """The running count of saved-for-backward bytes, and what each unit's forward left saved."""
 
-    def __init__(self, param_keys: set, host_is_device: bool):
+    def __init__(self, param_keys: set, host_is_device: bool, unsharded_keys: set = frozenset()):
         self.param_keys = param_keys  # storages of parameters: never activations (the sizes keep it current)
+        self.unsharded_keys = unsharded_keys  # of those, FSDP's unsharded parameters' (autocast's copies are of them)
+        self.autocast = False  # the forward runs under torch.autocast: tell its copies of parameters apart
         self.host_is_device = host_is_device
         self.live = _Live()
         self.pushed = False
@@ -71,6 +80,8 @@ class SavedTensors:
         self.pack_ns = 0
         self.unit_act_start: dict[int, int] = {}
         self.unit_act: dict[int, int] = {}  # unit -> bytes its forward left saved (this step)
+        self.unit_cast_start: dict[int, int] = {}
+        self.unit_cast: dict[int, int] = {}  # unit -> of those, autocast's copies of parameters (this step)
 
     def begin(self) -> None:
         self.mode = "off"
@@ -79,14 +90,20 @@ class SavedTensors:
         self.pack_ns = 0
         self.unit_act = {}
         self.unit_act_start = {}
+        self.unit_cast = {}
+        self.unit_cast_start = {}
 
     def unit_forward_start(self, idx: int) -> None:
         self.unit_act_start[idx] = self.live.bytes
+        self.unit_cast_start[idx] = self.live.cast
 
     def unit_forward_end(self, idx: int) -> None:
         s = self.unit_act_start.pop(idx, None)
         if s is not None:
             self.unit_act[idx] = self.unit_act.get(idx, 0) + self.live.bytes - s
+        c = self.unit_cast_start.pop(idx, None)
+        if c is not None and self.live.cast != c:
+            self.unit_cast[idx] = self.unit_cast.get(idx, 0) + self.live.cast - c
 
     def cost_ns(self) -> int:
         """The pack hook's measured time plus the handle releases (run by autograd: estimated)."""
@@ -125,8 +142,12 @@ class SavedTensors:
                 nb = st.nbytes()
                 if nb == 0:  # a freed (resharded) storage holds nothing
                     return d
-                live.entries[k] = [1, nb]
+                cast = self.autocast and t.dtype in _LOW and self._param_cast(t if b is None else b)
+                live.entries[k] = [1, nb, cast]
                 live.bytes += nb
+                if cast:
+                    live.cast += nb
+                    live.cast_dtype = str(t.dtype).replace("torch.", "")
             else:
                 e[0] += 1
             return _Saved(d, k, live)
@@ -138,6 +159,19 @@ class SavedTensors:
                 return t.detach()
             except Exception:  # noqa: BLE001
                 return t
+
+    def _param_cast(self, t) -> bool:
+        """Whether ``t`` (a saved tensor's base) is autocast's copy of one of FSDP's unsharded parameters: a
+        ``_to_copy`` whose only input is a parameter's gradient accumulator (a matmul under autocast saves the
+        16-bit cast of its 32-bit weight, or a view of it, for backward)."""
+        g = t.grad_fn
+        if g is None or type(g).__name__ != "ToCopyBackward0":
+            return False
+        nf = g.next_functions
+        acc = nf[0][0] if nf else None
+        if acc is None or type(acc).__name__ != "AccumulateGrad":
+            return False
+        return acc.variable.untyped_storage()._cdata in self.unsharded_keys
 
     @staticmethod
     def _unpack(x):

@@ -90,7 +90,8 @@ from typing import Any
 import torch
 
 from ... import memory_categories as MC
-from ...records import MemoryPeak, MemoryStep, MemoryTimeline
+from ...records import CastCopies, MemoryPeak, MemoryStep, MemoryTimeline
+from .. import fsdp2 as F2
 from .activations import SavedTensors
 from .device import DeviceStats
 from .sampler import UNREAD, Sampler
@@ -163,7 +164,7 @@ class MemoryProbe:
         self.is_cuda = self.device.type == "cuda"
         host_is_device = self.device.type == "cpu"
         self.sizes = FsdpSizes(model, optimizer, self.units, host_is_device)
-        self.acts = SavedTensors(self.sizes.param_keys, host_is_device)
+        self.acts = SavedTensors(self.sizes.param_keys, host_is_device, self.sizes.unsharded_keys)
         self.live = self.acts.live  # the running saved-bytes counter
         self.sampler = Sampler(opts["full_every"], opts["budget"], self.is_cuda)
         self.dev = DeviceStats(self.device, opts["fragmentation_every"], opts["nvml"])
@@ -261,6 +262,9 @@ class MemoryProbe:
             self.acts.note = "the model's forward is compiled as a whole; saved activations not counted"
         else:
             self.acts.push()
+        if self._autocast is None:
+            self._autocast = F2.autocast_dtype(self.device.type)
+        self.acts.autocast = self._autocast is not None  # (only then the pack hook looks for its copies)
         hw = self.hw
         if hw is not None and not hw.active and self._anchor is None:
             why = (compile_blocker(model) if model is not None else None) or hw.start()
@@ -294,7 +298,7 @@ class MemoryProbe:
         if hw is not None and hw.active:
             tmp = self._count(known, tmp)
         self._samples.append((t, unit, phase, sz.static_t, usp, sg, sz.ug_total, sz.opt_bytes,
-                              sz.stale_bytes, act, comm, tmp))
+                              sz.stale_bytes, act, comm, tmp, self.live.cast if act else 0))
 
     def _count(self, known: int, tmp: int) -> int:
         """A mark on a counted step: closes the interval since the previous mark (its high-water is kept when
@@ -360,6 +364,7 @@ class MemoryProbe:
         self._anchor = self._open = None
         self._transients = []
         self._hw_used = False
+        self._autocast: str | None = None  # autocast's dtype at the model's forward (full steps)
         self._in_bwd: list[int] = []  # units whose backward has started and not ended, innermost last
         self._t0 = _now()
 
@@ -399,8 +404,10 @@ class MemoryProbe:
                 samples = [(t_end, None, "step_end", 0)]
         # the marks and, after each, the high-water that rose above it before the next one
         points = [(s[0], s[1], s[2], r) for s, r in zip(samples, rows)]
+        casts = [s[12] if full else 0 for s in samples]  # autocast's copies alive at each point (in activations)
         for k, (i, t, unit, phase, r) in enumerate(extra):
             points.insert(i + 1 + k, (t, unit, phase, r))
+            casts.insert(i + 1 + k, min(casts[i + k], r[_ACT]))
         totals = [sum(p[3]) for p in points]
         pi = max(range(len(points)), key=totals.__getitem__)
         pt, punit, pphase, pv = points[pi]
@@ -417,8 +424,13 @@ class MemoryProbe:
             unknown=list(sizes.unknown),  # categories not measured on this torch (their 0 is not a figure)
             transients=tr_mode, transients_note=self._hw_note if tr_mode == "off" else None)
         if full:
+            out.autocast = self._autocast
             if act_mode == "exact":
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
+                if any(casts):
+                    out.cast_copies = CastCopies(
+                        dtype=self.live.cast_dtype or "", peak=int(casts[pi]), most=int(max(casts)),
+                        units={self.unit_names[i]: int(b) for i, b in sorted(acts.unit_cast.items())})
             rec = {i: b for i, b in hw.recompute_saved.items() if i is not None} if tr_mode == "exact" else {}
             if rec:  # a recompute outside every unit's backward (owner None) belongs to no unit
                 out.unit_recompute_saved = {self.unit_names[i]: int(b) for i, b in sorted(rec.items())}
@@ -431,6 +443,8 @@ class MemoryProbe:
             out.timeline = MemoryTimeline(
                 columns=["t_ms", "unit", "phase", *CATEGORIES],
                 rows=[[round((p[0] - t0) * 1e-6, 3), p[1], p[2], *p[3]] for p in points])
+            if out.cast_copies is not None:
+                out.cast_copies.rows = [int(c) for c in casts]
         if self.is_cuda:
             out.cuda = self.dev.stats(step)
         if full:

@@ -95,6 +95,7 @@ class FsdpSizes:
         self.stale_params = 0
         self.unmanaged: list[nn.Parameter] = []
         self.param_keys: set[int] = set()  # storages of parameters (shared with the activation counter)
+        self.unsharded_keys: set[int] = set()  # of those, FSDP's unsharded parameters' (shared with it too)
         self.keys_built: set[int] = set()
         self._comm: F2.CommReader | None = None
         self.comm_note: str | None = None
@@ -167,6 +168,7 @@ class FsdpSizes:
         self.host_static = host
         self.param_keys.clear()
         self.param_keys.update(keys)
+        self.unsharded_keys.clear()
         self.keys_built = set()
         # the comm fields read at every mark (private FSDP API): checked once by the adapter
         self._comm = F2.CommReader(g.pg for g in self.groups)
@@ -186,6 +188,7 @@ class FsdpSizes:
                     k, _ = _storage(up)
                     if k is not None:
                         self.param_keys.add(k)
+                        self.unsharded_keys.add(k)
                         added = True
                 for t in F2.unsharded_tensors(fp):
                     k, _ = _storage(t)
