@@ -52,8 +52,9 @@ class AutocastFp32Params(Rule):
                      "although FSDP reshards the float32 original after the forward, so sharding does not shrink "
                      "them. ")
         else:
-            text += ("The memory probe saw none of these copies kept for the backward (activation checkpointing "
-                     "recomputes them there). ")
+            text += ("Activation checkpointing keeps none of these copies for the backward (it recomputes them "
+                     "there), but autocast's cache holds each one until the autocast region exits, at the end of "
+                     "the forward: they show among the temporaries, not counted here. ")
         text += (f"A MixedPrecisionPolicy with param_dtype={dtype} gathers the weights already in {dtype}: autocast "
                  f"has nothing left to cast, the gathered parameters and their buffers halve, and the matmuls see the "
                  f"same {dtype} weights; reduce_dtype=float32 keeps the gradients' reduction and the optimizer's "
