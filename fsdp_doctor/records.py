@@ -166,6 +166,23 @@ TORCHTITAN_SHARDER = "torchtitan"
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+class Untrained(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Trainable parameters (``requires_grad``) that the optimizer given to ``watch()`` does not hold (read at the
+    first step's end): their gradients are computed, reduce-scattered and kept for nothing, unless something else
+    updates them (``changed``)."""
+
+    tensors: int  # parameter tensors
+    param_count: int  # their elements (DTensor numel: global)
+    with_grad: int = 0  # of the tensors, those holding a gradient at the first step's end (after the loop's zero_grad)
+    grad_bytes: int = 0  # this rank's bytes of those gradients (shards): the optimizer's zero_grad never frees them
+    names: list[str] = []  # their names in the model (the first 20)
+    # FSDP unit -> [elements outside the optimizer, elements it holds], over the unit's trainable parameters
+    units: dict[str, list[int]] = {}
+    # whether their values changed between the first step's end and the third's (another optimizer, or the loop,
+    # updates them); None: not checked (the run ended sooner)
+    changed: bool | None = None
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -224,6 +241,7 @@ class RunConfig(Record, tag="config"):
     notes: list[str] = []
     unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
     unmanaged_trainable_bytes: int | None = None
+    untrained: Untrained | None = None  # trainable parameters the optimizer does not hold (None: none, or no optimizer)
     # one line each: what this torch's FSDP2 could not tell the doctor (private state it could not read, a
     # failed consistency check, a label or API this release lacks); the report lists them under problems
     unavailable: list[str] = []

@@ -819,10 +819,15 @@ def _after_sharding(model, cfg):
 USER_SHARD = {"titan": apply_fsdp_titan, **ARCH_SHARD}
 
 
-def user_param_groups(model, trainable_only: bool = False) -> list[dict]:
+def user_param_groups(model, trainable_only: bool = False, top_only: bool = False) -> list[dict]:
     """The user's optimizer groups, as Hugging Face's Trainer and nanoGPT make them: weight decay on matrices,
-    none on biases, norms and other 1-D parameters (a fine-tuner's: the trainable parameters only)."""
+    none on biases, norms and other 1-D parameters (a fine-tuner's: the trainable parameters only; ``top_only``: the
+    last block's and those after it, the rest left with requires_grad=True, as a loop that fine-tunes the top by
+    building its optimizer over it does)."""
     ps = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    if top_only:
+        last = {id(p) for p in _blocks(model)[-1].parameters()}
+        ps = ps[next(i for i, p in enumerate(ps) if id(p) in last):]
     groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
@@ -900,8 +905,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     # of the reference GPT against 7 ms), unless plain tensors sit beside DTensors (the root left unsharded, an
     # ignored parameter), which for-each refuses
     make_opt = lambda m: torch.optim.AdamW(  # noqa: E731
-        user_param_groups(m, trainable_only=tree in FINETUNE), lr=1e-3,
-        foreach=len({isinstance(p, DTensor) for p in m.parameters()}) == 1)
+        user_param_groups(m, trainable_only=tree in FINETUNE, top_only=row.get("loop") == "top_optimizer"),
+        lr=1e-3, foreach=len({isinstance(p, DTensor) for p in m.parameters()}) == 1)
     early = make_opt(model) if cfg.optimizer_before_shard else None
     ns = {}
     if fix.get("where") == "around":  # its first part before the user's fully_shard calls, the rest after them

@@ -86,7 +86,9 @@ class Row:
     # the user's loop beyond the knobs: "loss_allreduce" all-reduces the loss synchronously after each step (a log
     # line's average); "keep_outputs" keeps what the model returned (outputs = model(...)) until
     # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
-    # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode)
+    # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode);
+    # "top_optimizer" builds the optimizer over the last block and what follows it only (tests/clients.py
+    # user_param_groups)
     loop: Optional[str] = None
     # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
     peak_within: float = 0.10
@@ -246,6 +248,12 @@ ROWS: list[Row] = [
     _r("gpt_bf16_reduce_accum", "gpt", "numerics.reduce_dtype",
        "bf16 compute and reduction, 4 micro-batches synced on the last", knobs={**GATHER_BOUND, **BF16_REDUCE},
        peak_within=0.05),
+    # the optimizer built over the top of the model (the last block and the head) to fine-tune it, the rest left with
+    # requires_grad=True: its gradients computed, reduce-scattered and kept for nothing, its activations saved
+    _r("gpt_top_optimizer", "gpt", "optim.untrained_params", "the optimizer holds the last block and the head only",
+       loop="top_optimizer"),
+    _r("hf_llama_top_optimizer", "hf_llama", "optim.untrained_params",
+       "the optimizer holds the last block and the head only", loop="top_optimizer"),
     # torch.autocast kept from a DDP loop over float32 FSDP2 parameters: autocast's bf16 copy of every matmul weight
     # held from its unit's forward to its backward, every all-gather in float32
     _r("gpt_autocast", "gpt", "precision.autocast_fp32_params", "torch.autocast(bf16) over float32 parameters",

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records import ALLOC_CONF_VARS, Experts, OptimizerGroup, RunConfig
+from ..records import ALLOC_CONF_VARS, Experts, OptimizerGroup, RunConfig, Untrained
 from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
@@ -101,7 +101,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
-        unavailable=unavailable,
+        untrained=untrained_params(model, optimizer, units), unavailable=unavailable,
         torch_lacks=F2.features_unavailable(),
     ), consistency
 
@@ -228,6 +228,34 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
                 lt = getattr(p, "_local_tensor", p)
                 nbytes += lt.numel() * lt.element_size()
     return n, foreign, nbytes
+
+
+def untrained_rows(model: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of each trainable parameter of the model that the optimizer does not hold ([]: none, or no
+    optimizer)."""
+    if optimizer is None:
+        return []
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+
+
+def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untrained | None:
+    """The model's trainable parameters the optimizer does not hold, and what they hold now (RunConfig.untrained;
+    ``changed`` is the doctor's later check); None without an optimizer or where it holds them all."""
+    rows = untrained_rows(model, optimizer)
+    if not rows:
+        return None
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for _, p in rows if p.grad is not None]
+    out = Untrained(tensors=len(rows), param_count=sum(p.numel() for _, p in rows), with_grad=len(grads),
+                    grad_bytes=sum(g.numel() * g.element_size() for g in grads), names=[n for n, _ in rows[:20]])
+    for u in units:
+        ps = [p for pg in u.param_groups for fp in F2.group_params(pg)
+              if (p := F2.sharded_param(fp)) is not None and p.requires_grad]
+        counts = [sum(p.numel() for p in ps if id(p) not in held), sum(p.numel() for p in ps if id(p) in held)]
+        if counts[0]:
+            out.units[u.name] = counts
+    return out
 
 
 def optimizer_groups(optimizer) -> list[OptimizerGroup]:

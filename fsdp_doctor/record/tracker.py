@@ -50,7 +50,7 @@ from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
-from .config_snapshot import FRAME_UNSEEN, config_snapshot
+from .config_snapshot import FRAME_UNSEEN, config_snapshot, untrained_rows
 from .dcp_saves import DcpSaveTap
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
@@ -62,6 +62,9 @@ log = logging.getLogger("fsdp_doctor")
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 # the FLOP count moves on to the next step at most this many times when the counted step also evaluated
 FLOPS_RECOUNTS = 4
+# trainable parameters outside the optimizer: how many are sampled, how many values each, and the step (0-based)
+# whose end compares them with the first step's
+UNTRAINED_SAMPLES, UNTRAINED_VALUES, UNTRAINED_CHECK_STEP = 8, 16, 2
 _now = time.perf_counter_ns
 
 
@@ -198,6 +201,7 @@ class Doctor:
         torch.distributed.checkpoint's logger, the memory probe's saved-tensor hooks, the live TensorBoard writer.
         Idempotent; each part is guarded so that one failing part leaves none of the others behind."""
         self.active = False
+        self._untrained = None  # (references to parameters, held until the third step's check)
         parts = (("profiler stop", lambda: self._profiler and self._profiler.stop(clean)),
                  ("flop counter", lambda: self._flops and self._flops.abort()),
                  ("hooks", self._timer.uninstall),
@@ -402,6 +406,8 @@ class Doctor:
         self._sinks.on_step(rec)
         if done:
             self._sinks.write(*done)
+        if self._untrained is not None and step >= UNTRAINED_CHECK_STEP:
+            self._check_untrained()
         evaluated = bool(tm.no_grad_forwards)  # the step also ran the model without gradients
         self._flops_tick(step, evaluated)
         if self._profiler is not None:
@@ -413,6 +419,7 @@ class Doctor:
                 self._fail("profiler", e, stop=False)
 
     _spill_profiled = False
+    _untrained = None  # [(parameter, its first values)] of trainable parameters outside the optimizer, until checked
     _frame_unseen = False  # the model's forward runs in a compiled frame the doctor was not given (FRAME_UNSEEN)
     _own_ns = 0  # the doctor's own time at the last step's end (ns), inside the next step's wall
     _flops_recounts = 0
@@ -446,7 +453,19 @@ class Doctor:
         self._config_written = True
         self._timer.index_labels()
         self._timer.end_child_watch()  # the first step has shown which submodules checkpointing re-runs
-        self._sinks.write(self._config())
+        cfg = self._config()
+        self._sinks.write(cfg)
+        if cfg.untrained is not None:  # a few values of theirs, to tell whether anything updates them
+            self._untrained = [(p, _head(p)) for _, p in untrained_rows(self.model, self._reads)[:UNTRAINED_SAMPLES]]
+
+    def _check_untrained(self) -> None:
+        """At the third step's end: whether any trainable parameter outside the optimizer changed since the first
+        (another optimizer, or the loop, updates it); the config again, with the answer."""
+        samples, self._untrained = self._untrained, None
+        cfg = self._config()
+        if cfg.untrained is not None:
+            cfg.untrained.changed = any(not torch.equal(_head(p), v) for p, v in samples)
+            self._sinks.write(cfg)
 
     def _config(self) -> RunConfig:
         cfg, self._consistency = config_snapshot(
@@ -550,3 +569,7 @@ def _forward_unseen(tm) -> bool:
     (``torch.compile(model)`` called on the model given to watch(), the wrapper trained instead)."""
     return not tm.forward_ms and not any(u.fwd_calls for u in tm.units) and any(u.bwd_ms > 0 for u in tm.units)
 
+
+def _head(p) -> torch.Tensor:
+    """A copy of a parameter's first local values (its shard's, for a DTensor)."""
+    return getattr(p, "_local_tensor", p).detach().reshape(-1)[:UNTRAINED_VALUES].clone()

@@ -34,10 +34,16 @@ class GradsKept(Rule):
         first = pm.timeline[0] if pm is not None and pm.timeline else None
         if first is None:
             return self.quiet("no memory timeline of the peak step")
-        # what the step starts with, before its first forward: gradients there survived the last step
+        # what the step starts with, before its first forward: gradients there survived the last step; those of
+        # trainable parameters outside the optimizer, which its zero_grad never frees, are optim.untrained_params'
         kept = sum(int(first.get(k) or 0) for k in _GRADS)
+        ut = getattr(ctx.config, "untrained", None)
+        outside = int(ut.grad_bytes) if ut is not None and ut.changed is False else 0
+        kept = max(0, kept - outside)
         if kept < GRADS_KEPT_MIN_BYTES:
-            return self.quiet(f"{fmt_bytes(kept)} of gradients allocated when the step starts")
+            return self.quiet(f"{fmt_bytes(kept)} of gradients allocated when the step starts" + (
+                f" (besides {fmt_bytes(outside)} of parameters outside the optimizer: optim.untrained_params)"
+                if outside else ""))
         peak, cap = int(pm.peak_bytes), E.capacity_bytes(ctx)
         after = _peak_without_kept(pm, kept, E.param_units(ctx))
         share = peak / cap if cap else None

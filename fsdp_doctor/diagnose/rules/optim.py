@@ -280,3 +280,113 @@ class OptimizerStateDominates(Rule):
             # there read an `optimizer` not yet built (tested by applying it)
             + "\n# then build the optimizer as before, after fully_shard: its state takes the parameters' bf16",
             predicted=E.predicted(step, step, peak, peak - saved))]
+
+
+# Trainable parameters outside the optimizer: a warning from this share of the trainable elements on (a note below).
+UNTRAINED_WARN_SHARE = 0.10
+
+
+@register
+class UntrainedParams(Rule):
+    code = "optim.untrained_params"
+    name = "Trainable parameters the optimizer never steps"
+    description = ("Parameters with requires_grad=True that the optimizer does not hold and nothing updates: every "
+                   "step computes, reduce-scatters and keeps their gradients, and saves the activations their "
+                   "backward needs, for nothing.")
+    needs = ("optimizer", "units")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        cfg = ctx.config
+        ut = getattr(cfg, "untrained", None)
+        if ut is None:
+            return self.quiet("the optimizer holds every trainable parameter")
+        if cfg.optimizer_foreign_params:  # built before fully_shard: it holds the replaced tensors instead
+            return self.quiet(f"the optimizer holds {cfg.optimizer_foreign_params} tensor(s) that are not the model's "
+                              "parameters (optim.before_shard): the parameters it lacks are that rule's")
+        if ut.changed is None:
+            return self.quiet(f"{ut.tensors} trainable parameter(s) outside the optimizer, not checked: the run ended "
+                              "before its third step, when the doctor checks whether anything updates them")
+        if ut.changed:
+            return self.quiet(f"{ut.tensors} trainable parameter(s) outside the optimizer change between steps: "
+                              "another optimizer, or the loop, updates them")
+        trainable = int(cfg.model_trainable_param_count or 0) or ut.param_count
+        share = ut.param_count / trainable
+        prefix = _frozen_prefix(ctx, ut)
+        pm = E.peak_memory(ctx)
+        acts = {r.unit: int(r.activation_bytes or 0) for r in (pm.per_unit if pm is not None else [])}
+        prefix_acts = sum(acts.get(u.name, 0) for u in prefix)
+        step = E.step_ms(ctx)
+        # their backward's compute goes, and the backward all-gathers of all but the last of them (the trained
+        # units' backward still prefetches that one: prefetch.frozen_gathered)
+        bwd = sum(max(0.0, (u.timing.bwd_self_ms if u.timing.bwd_self_ms is not None else u.timing.bwd_ms)
+                      - u.timing.ag_wait_bwd_ms) for u in prefix) + sum(u.timing.ag_wait_bwd_ms for u in prefix[:-1])
+        text = (f"{ut.tensors} parameter tensor(s) ({ut.param_count / 1e6:.2f} M elements, {100 * share:.0f}% of "
+                f"the trainable ones) have requires_grad=True but are not in the optimizer given to watch(), and "
+                f"their values did not change from the first step to the third: nothing updates them. Yet every backward computes their gradients, FSDP2 reduce-scatters them, "
+                f"and their gradient shards ({E.mib(ut.grad_bytes)} MiB on this rank) stay and accumulate, since "
+                f"optimizer.zero_grad() frees only the optimizer's own.")
+        if prefix:
+            names = [f"[{u.name}]" if ", " in u.name else u.name for u in prefix]  # (a grouped unit's names)
+            text += (f" The first {len(prefix)} unit(s) in forward order ({E.fmt_list(names, 4)}) hold nothing the "
+                     f"optimizer trains: their backward ({bwd:.1f} ms per step, with its all-gathers) runs only for "
+                     f"these gradients, and their forward saves {E.mib(prefix_acts)} MiB of activations for it.")
+        text += (" If they are meant to be frozen, say so with requires_grad_(False) before the first forward: FSDP2 "
+                 "then neither computes nor reduces their gradients, and autograd saves nothing for a frozen prefix. "
+                 "If they are meant to train, add them to the optimizer (its state then grows by theirs).")
+        code = ("# after building the optimizer, before the first forward: the trainable parameters it does not hold\n"
+                "# (nothing updates them), frozen\n"
+                "stepped = {id(p) for group in optimizer.param_groups for p in group[\"params\"]}\n"
+                "for p in model.parameters():\n"
+                "    if p.requires_grad and id(p) not in stepped:\n"
+                "        p.requires_grad_(False)  # no gradient computed, reduce-scattered or kept for it")
+        peak = int(pm.peak_bytes) if pm is not None else None
+        return [self.finding(
+            "warning" if share >= UNTRAINED_WARN_SHARE else "info",
+            f"{100 * share:.0f}% of the trainable parameters ({ut.tensors} tensors) are never stepped: their "
+            f"gradients computed and kept for nothing",
+            {"tensors": ut.tensors, "param_count": ut.param_count, "share_of_trainable": round(share, 4),
+             "grad_bytes_kept": ut.grad_bytes, "names": ut.names[:8],
+             "frozen_prefix_units": [u.name for u in prefix], "frozen_prefix_activation_bytes": prefix_acts,
+             "frozen_prefix_backward_ms": round(bwd, 3)},
+            text, code, where="optimizer",
+            predicted=E.predicted(step, step - bwd if step is not None else None, peak,
+                                  _peak_untrained_frozen(pm, ut, prefix, acts) if peak else None, at_most=True),
+            units=sorted(ut.units)[:20])]
+
+
+def _frozen_prefix(ctx: Context, ut) -> list:
+    """The units, in forward order, before the first one holding a parameter the optimizer trains: frozen, autograd
+    runs none of their backward. None where the root holds trained parameters of its own (its embeddings may be
+    among them)."""
+    us = E.param_units(ctx)
+    root = next((u for u in us if u.is_root), None)
+    if root is not None and ut.units.get(root.name, [0, 1])[1] > 0:
+        return []
+    out = []
+    for u in E.non_root(us):
+        untrained, trained = ut.units.get(u.name, [0, 0])
+        if trained or (not untrained and u.trainable_unsharded_bytes):
+            break
+        out.append(u)
+    return out
+
+
+def _peak_untrained_frozen(pm, ut, prefix: list, acts: dict[str, int]) -> int:
+    """The peak (bytes), at most, with the parameters outside the optimizer frozen: their gradient shards go from every
+    mark, and each frozen-prefix unit's saved activations from its forward's end to its backward's end. Without a
+    timeline: both at the peak."""
+    tl = pm.timeline
+    if not tl:
+        return int(pm.peak_bytes) - ut.grad_bytes - sum(acts.get(u.name, 0) for u in prefix)
+    added = [-float(ut.grad_bytes)] * len(tl)
+    for u in prefix:
+        start = None
+        for i, r in enumerate(tl):
+            if r.get("unit") == u.name and r.get("phase") == "forward_end":
+                start = i
+            elif r.get("unit") == u.name and r.get("phase") == "backward_end" and start is not None:
+                for k in range(start, i):
+                    added[k] -= acts.get(u.name, 0)
+                start = None
+    return E.peak_with_rows(pm, added)

@@ -1,0 +1,132 @@
+"""Trainable parameters the optimizer does not hold (RunConfig.untrained, optim.untrained_params): three real 2-rank
+runs of the reference GPT (gloo, CPU), the optimizer built over the last block and the head only:
+
+* ``top``: the rest keeps requires_grad=True and nothing updates it: counted exactly, its gradient shards kept,
+  unchanged by the third step; the rule fires, its frozen prefix the units before the last block;
+* ``two``: a second optimizer (not given to watch()) steps the rest: its values change, and the rule stays quiet
+  saying why (a finding there would be a false alarm);
+* ``fixed``: the rule's own code pasted after the optimizer: nothing outside it is trainable any more.
+
+The matrix rows gpt_top_optimizer and hf_llama_top_optimizer recheck the fix's peak and step (tests/scenario_matrix.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import child_pythonpath
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, socket, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp, torch.nn.functional as F
+
+    def main(rank, port, variant, out, fix):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        import fsdp_doctor
+        from fsdp_doctor.workloads import WorkloadConfig, build_model
+        from fsdp_doctor.workloads.data import batches
+        from fsdp_doctor.workloads.sharding import apply_fsdp
+
+        cfg = WorkloadConfig(steps=5, async_unshard=True)
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        apply_fsdp(model, cfg)
+        top = [p for n, p in model.named_parameters() if n.startswith(("layers.3.", "norm.", "lm_head."))]
+        optimizer = torch.optim.AdamW(top, lr=1e-3, foreach=True)
+        rest = torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in top)], lr=1e-2)
+        if variant == "fixed":
+            exec(fix, {"model": model, "optimizer": optimizer})
+        data = batches(cfg, rank)
+        with fsdp_doctor.watch(model, optimizer, out_dir=out, profile=False) as doctor:
+            for step in range(cfg.steps):
+                tok, tgt = next(data)
+                F.cross_entropy(model(tok).float().flatten(0, 1), tgt.flatten()).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if variant == "two":
+                    rest.step()
+                    rest.zero_grad()
+                doctor.step()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
+        mp.spawn(main, args=(port, sys.argv[1], sys.argv[2], fix), nprocs=2)
+    """
+)
+
+
+def _run(tmp: Path, variant: str, fix: str = ""):
+    from fsdp_doctor import build_report, load_run
+
+    script, out = tmp / "run.py", tmp / variant
+    script.write_text(_SCRIPT)
+    args = [sys.executable, str(script), variant, str(out)]
+    if fix:
+        (tmp / "fix.py").write_text(fix)
+        args.append(str(tmp / "fix.py"))
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(args, check=True, env=env, timeout=300)
+    run = load_run(out)
+    return run, build_report(run)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("untrained")
+    top = _run(tmp, "top")
+    (f,) = [f for f in top[1].findings if f.code == "optim.untrained_params"]
+    return {"top": top, "two": _run(tmp, "two"), "fixed": _run(tmp, "fixed", f.recommendation.code), "finding": f}
+
+
+def test_parameters_outside_the_optimizer_counted_exactly(runs):
+    from fsdp_doctor.workloads import WorkloadConfig, build_model
+
+    model = build_model(WorkloadConfig())
+    rest = {n: p for n, p in model.named_parameters() if not n.startswith(("layers.3.", "norm.", "lm_head."))}
+    for rank, rd in runs["top"][0].ranks.items():
+        ut = rd.config.untrained
+        assert ut.tensors == ut.with_grad == len(rest) and ut.param_count == sum(p.numel() for p in rest.values())
+        assert ut.names[:3] == list(rest)[:3] and ut.changed is False
+        # the gradient shards kept: a rank's shards of every such parameter, fp32 (dim-0 shards of 2 ranks)
+        local = sum(4 * (p.shape[0] // 2 if rank == 0 else p.shape[0] - p.shape[0] // 2) * p[0].numel()
+                    for p in rest.values())
+        assert abs(ut.grad_bytes - local) <= 4 * 2 * len(rest) * 512  # (uneven rows: a row each at most)
+        assert set(ut.units) == {"tok_emb, pos_emb", "layers.0", "layers.1", "layers.2"}
+        assert all(trained == 0 for _, trained in ut.units.values())
+
+
+def test_the_rule_fires_with_its_frozen_prefix_and_a_ceiling(runs):
+    f = runs["finding"]
+    assert f.severity == "warning" and f.recommendation.where == "optimizer"
+    assert f.evidence["frozen_prefix_units"] == ["tok_emb, pos_emb", "layers.0", "layers.1", "layers.2"]
+    assert f.evidence["frozen_prefix_activation_bytes"] > 0 and f.predicted.at_most
+    assert f.predicted.peak_bytes_after < f.predicted.peak_bytes_before - f.evidence["grad_bytes_kept"]
+    # memory.grads_kept leaves these gradients to this rule (its zero_grad fix would not free them)
+    assert "memory.grads_kept" not in {x.code for x in runs["top"][1].findings}
+
+
+def test_parameters_another_optimizer_steps_are_no_finding(runs):
+    run, rep = runs["two"]
+    assert all(rd.config.untrained.changed is True for rd in run.ranks.values())
+    why = next(s.reason for s in rep.rules if s.code == "optim.untrained_params")
+    assert "change between steps" in why and "optim.untrained_params" not in {x.code for x in rep.findings}
+
+
+def test_the_fix_leaves_nothing_outside_the_optimizer(runs):
+    run, rep = runs["fixed"]
+    assert all(rd.config.untrained is None for rd in run.ranks.values())
+    assert "optim.untrained_params" not in {x.code for x in rep.findings}
+    assert rep.memory.peak_bytes <= 1.10 * runs["finding"].predicted.peak_bytes_after
