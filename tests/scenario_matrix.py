@@ -481,6 +481,9 @@ GPU_ROWS: list[Row] = [
     # float32 all-gathers, on the device (the caching allocator's figures)
     _g("gpu_gpt_autocast", "gpt", "precision.autocast_fp32_params", "torch.autocast(bf16) over float32 parameters",
        knobs={**GPU_SHAPE, "param_dtype": None, "reduce_dtype": None, "autocast": "bf16"}),
+    # the optimizer over the last block and the head, the rest trainable: its prediction's ceiling on the device
+    _g("gpu_gpt_top_optimizer", "gpt", "optim.untrained_params", "the optimizer holds the last block and the head only",
+       knobs=GPU_SHAPE, loop="top_optimizer"),
     _g("gpu_gpt_periodic_pause", "gpt", "jitter.recurring_outside", "every rank stops 60 ms every 3rd step",
        knobs={**GPU_SHAPE, "pause_ms": 60.0, "pause_every": 3, "steps": 12}, min_severity="info", apply=False),
     # the log's time on the CPU rerun varies with the host's load (predicted -52 to -56 ms, measured -20 to -58): its
