@@ -268,3 +268,31 @@ def test_unsupported_torch_is_one_sentence_from_watch(monkeypatch, tmp_path):
             pass
     msg = str(e.value)
     assert "torch 2.5.1 is not supported" in msg and "2.6" in msg and "\n" not in msg
+
+
+@pytest.mark.compat
+def test_autocast_copies_of_parameters_are_told_apart_on_this_torch():
+    """What the memory probe reads of torch.autocast: its dtype at the forward, and its cast of a parameter saved
+    for backward (a _to_copy node whose input is the parameter's gradient accumulator), counted once; none for the
+    activations, and none for a parameter that is not one of FSDP's unsharded ones."""
+    import torch
+    import torch.nn as nn
+
+    from fsdp_doctor.record.memory.activations import SavedTensors
+
+    # (the first layer's input needs no gradient: autograd saves its input, not its weight's copy)
+    first, lin, other = nn.Linear(16, 32), nn.Linear(32, 48), nn.Linear(48, 8)
+    assert F2.autocast_dtype("cpu") is None
+    acts = SavedTensors(set(), True, {lin.weight.untyped_storage()._cdata})  # `other` stands for an unmanaged one
+    acts.autocast = True
+    acts.push()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert F2.autocast_dtype("cpu") == "bfloat16"
+            y = other(lin(first(torch.randn(4, 16)).relu()).relu())
+    finally:
+        acts.pop()
+    assert acts.live.cast == 2 * lin.weight.numel() and acts.live.cast_dtype == "bfloat16"
+    assert acts.live.bytes > acts.live.cast  # the activations besides
+    y.float().sum().backward()
+    assert acts.live.cast == 0 and acts.live.bytes == 0  # released by the backward
