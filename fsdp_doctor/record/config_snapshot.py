@@ -233,19 +233,22 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
 def untrained_rows(model: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of each trainable parameter of the model that the optimizer does not hold ([]: none, or no
     optimizer)."""
-    if optimizer is None:
-        return []
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    held = _held(optimizer)
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+
+
+def _held(optimizer) -> set[int]:
+    """The ids of the tensors the optimizer holds (none without one)."""
+    return {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
 
 
 def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untrained | None:
     """The model's trainable parameters the optimizer does not hold, and what they hold now (RunConfig.untrained;
     ``changed`` is the doctor's later check); None without an optimizer or where it holds them all."""
-    rows = untrained_rows(model, optimizer)
+    rows = untrained_rows(model, optimizer) if optimizer is not None else []
     if not rows:
         return None
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    held = _held(optimizer)
     grads = [getattr(p.grad, "_local_tensor", p.grad) for _, p in rows if p.grad is not None]
     out = Untrained(tensors=len(rows), param_count=sum(p.numel() for _, p in rows), with_grad=len(grads),
                     grad_bytes=sum(g.numel() * g.element_size() for g in grads), names=[n for n, _ in rows[:20]])

@@ -78,9 +78,8 @@ class SavedTensors:
         self.mode = "off"  # this step: "exact" | "off"
         self.note: str | None = None  # why they are not counted this step
         self.pack_ns = 0
-        self.unit_act_start: dict[int, int] = {}
+        self.unit_act_start: dict[int, tuple[int, int]] = {}  # unit -> (saved bytes, of which copies) at its start
         self.unit_act: dict[int, int] = {}  # unit -> bytes its forward left saved (this step)
-        self.unit_cast_start: dict[int, int] = {}
         self.unit_cast: dict[int, int] = {}  # unit -> of those, autocast's copies of parameters (this step)
 
     def begin(self) -> None:
@@ -91,19 +90,16 @@ class SavedTensors:
         self.unit_act = {}
         self.unit_act_start = {}
         self.unit_cast = {}
-        self.unit_cast_start = {}
 
     def unit_forward_start(self, idx: int) -> None:
-        self.unit_act_start[idx] = self.live.bytes
-        self.unit_cast_start[idx] = self.live.cast
+        self.unit_act_start[idx] = (self.live.bytes, self.live.cast)
 
     def unit_forward_end(self, idx: int) -> None:
-        s = self.unit_act_start.pop(idx, None)
-        if s is not None:
-            self.unit_act[idx] = self.unit_act.get(idx, 0) + self.live.bytes - s
-        c = self.unit_cast_start.pop(idx, None)
-        if c is not None and self.live.cast != c:
-            self.unit_cast[idx] = self.unit_cast.get(idx, 0) + self.live.cast - c
+        start = self.unit_act_start.pop(idx, None)
+        if start is not None:
+            self.unit_act[idx] = self.unit_act.get(idx, 0) + self.live.bytes - start[0]
+            if self.live.cast != start[1]:
+                self.unit_cast[idx] = self.unit_cast.get(idx, 0) + self.live.cast - start[1]
 
     def cost_ns(self) -> int:
         """The pack hook's measured time plus the handle releases (run by autograd: estimated)."""
