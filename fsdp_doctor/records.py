@@ -241,7 +241,8 @@ class RunConfig(Record, tag="config"):
     notes: list[str] = []
     unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
     unmanaged_trainable_bytes: int | None = None
-    untrained: Untrained | None = None  # trainable parameters the optimizer does not hold (None: none, or no optimizer)
+    # trainable parameters the optimizer does not hold (tensors 0: none; None: no optimizer, or not recorded)
+    untrained: Untrained | None = None
     # one line each: what this torch's FSDP2 could not tell the doctor (private state it could not read, a
     # failed consistency check, a label or API this release lacks); the report lists them under problems
     unavailable: list[str] = []
@@ -332,7 +333,7 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     Files written before this struct existed hold the same fields as a JSON object: they decode into it."""
 
-    v: int = 1  # the memory step's own format
+    v: int = 1  # the memory step's own format (2: ``autocast`` and ``cast_copies`` read)
     device: str = ""  # "cpu" | "cuda:0"
     categories: list[str] = []  # device categories, in the order of the timeline's columns
     sampling: str = "full"  # "full": every figure measured at every mark; "replayed": the last full

@@ -141,7 +141,8 @@ class MemoryRank(_Section):
     forward_kept_bytes: int | UnsetType = UNSET
     pre_step_freed_bytes: int | UnsetType = UNSET
     forward_kept_steps: int | UnsetType = UNSET
-    # torch.autocast's dtype where the model's forward ran inside an autocast region (records: any full step)
+    # torch.autocast's dtype where the model's forward ran inside an autocast region (records: any full step); "":
+    # none did; unset: not recorded (runs recorded before the doctor read it)
     autocast: str | UnsetType = UNSET
     # autocast's copies of FSDP's unsharded parameters saved for backward (part of activations), of the timeline's step
     # (else the latest step that has them): fsdp_doctor.records.CastCopies as a dict ("rows" along ``timeline``)

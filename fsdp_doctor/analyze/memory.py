@@ -74,8 +74,8 @@ def _rank_section(rd) -> MemoryRank | None:
     if notes:
         out.notes = notes
     casts = [s for s in steps if s.memory.autocast]
-    if casts:
-        out.autocast = casts[-1].memory.autocast
+    if casts or any(s.memory.v >= 2 for s in steps):  # ("": read, and no autocast; unset: not read)
+        out.autocast = casts[-1].memory.autocast if casts else ""
     copied = [s for s in steps if s.memory.cast_copies is not None]
     if copied:
         cc = tl_step if tl_step is not None and tl_step.memory.cast_copies is not None else copied[-1]

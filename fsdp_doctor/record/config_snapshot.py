@@ -244,10 +244,13 @@ def _held(optimizer) -> set[int]:
 
 def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untrained | None:
     """The model's trainable parameters the optimizer does not hold, and what they hold now (RunConfig.untrained;
-    ``changed`` is the doctor's later check); None without an optimizer or where it holds them all."""
-    rows = untrained_rows(model, optimizer) if optimizer is not None else []
-    if not rows:
+    ``changed`` is the doctor's later check); none (``tensors`` 0) where it holds them all; None without an
+    optimizer."""
+    if optimizer is None:
         return None
+    rows = untrained_rows(model, optimizer)
+    if not rows:
+        return Untrained(tensors=0, param_count=0)
     held = _held(optimizer)
     grads = [getattr(p.grad, "_local_tensor", p.grad) for _, p in rows if p.grad is not None]
     out = Untrained(tensors=len(rows), param_count=sum(p.numel() for _, p in rows), with_grad=len(grads),

@@ -455,7 +455,7 @@ class Doctor:
         self._timer.end_child_watch()  # the first step has shown which submodules checkpointing re-runs
         cfg = self._config()
         self._sinks.write(cfg)
-        if cfg.untrained is not None:  # a few values of theirs, to tell whether anything updates them
+        if cfg.untrained is not None and cfg.untrained.tensors:  # a few values, to tell whether anything updates them
             self._untrained = [(p, _head(p)) for _, p in untrained_rows(self.model, self._reads)[:UNTRAINED_SAMPLES]]
 
     def _check_untrained(self) -> None:
@@ -463,7 +463,7 @@ class Doctor:
         (another optimizer, or the loop, updates it); the config again, with the answer."""
         samples, self._untrained = self._untrained, None
         cfg = self._config()
-        if cfg.untrained is not None:
+        if cfg.untrained is not None and cfg.untrained.tensors:
             cfg.untrained.changed = any(not torch.equal(_head(p), v) for p, v in samples)
             self._sinks.write(cfg)
 

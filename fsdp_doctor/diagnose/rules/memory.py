@@ -38,7 +38,7 @@ class GradsKept(Rule):
         # trainable parameters outside the optimizer, which its zero_grad never frees, are optim.untrained_params'
         kept = sum(int(first.get(k) or 0) for k in _GRADS)
         ut = getattr(ctx.config, "untrained", None)
-        outside = int(ut.grad_bytes) if ut is not None and ut.changed is False else 0
+        outside = int(ut.grad_bytes) if ut is not None and ut.tensors and ut.changed is False else 0
         kept = max(0, kept - outside)
         if kept < GRADS_KEPT_MIN_BYTES:
             return self.quiet(f"{fmt_bytes(kept)} of gradients allocated when the step starts" + (

@@ -300,6 +300,8 @@ class UntrainedParams(Rule):
         cfg = ctx.config
         ut = getattr(cfg, "untrained", None)
         if ut is None:
+            return self.quiet("which parameters the optimizer holds was not recorded (a snapshot older than this check)")
+        if not ut.tensors:
             return self.quiet("the optimizer holds every trainable parameter")
         if cfg.optimizer_foreign_params:  # built before fully_shard: it holds the replaced tensors instead
             return self.quiet(f"the optimizer holds {cfg.optimizer_foreign_params} tensor(s) that are not the model's "

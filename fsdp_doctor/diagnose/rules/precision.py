@@ -23,10 +23,13 @@ class AutocastFp32Params(Rule):
 
     def match(self, ctx: Context):
         mem = E.peak_memory(ctx)
-        per_rank = ctx.report.memory.per_rank.values() if ctx.report.memory is not None else ()
-        dtype = next((m.autocast for m in per_rank if m.autocast), None)
+        read = [m.autocast for m in (ctx.report.memory.per_rank.values() if ctx.report.memory is not None else ())
+                if isinstance(m.autocast, str)]
+        if not read:
+            return self.quiet("autocast was not recorded (a run recorded before the doctor read it)")
+        dtype = next((d for d in read if d), None)
         if not dtype:
-            return self.quiet("no forward ran under torch.autocast (or the memory probe's full steps saw none)")
+            return self.quiet("no forward ran under torch.autocast")
         units32 = [u for u in E.param_units(ctx) if not u.param_dtype and "float32" in u.orig_dtypes]
         if not units32:
             return self.quiet(f"the forward runs under torch.autocast({dtype}), and every unit gathers its "

@@ -104,7 +104,7 @@ from ..run_device import run_device
 log = logging.getLogger("fsdp_doctor")
 _now = time.perf_counter_ns
 
-MEMORY_FORMAT = 1
+MEMORY_FORMAT = 2  # 2: MemoryStep.autocast and cast_copies are read (their absence then means none)
 
 #: device categories, in the order of every sample row (defined in fsdp_doctor.memory_categories)
 CATEGORIES = MC.DEVICE
