@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import child_pythonpath
+from conftest import async_gather_slack, child_pythonpath
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -133,4 +133,5 @@ def test_the_fix_leaves_nothing_outside_the_optimizer(runs):
     run, rep = runs["fixed"]
     assert all(rd.config.untrained.tensors == 0 for rd in run.ranks.values())
     assert "optim.untrained_params" not in {x.code for x in rep.findings}
-    assert rep.memory.peak_bytes <= 1.10 * runs["finding"].predicted.peak_bytes_after
+    # at or under the ceiling, to one unit's gathered parameters (gloo's asynchronous all-gather buffers)
+    assert rep.memory.peak_bytes <= runs["finding"].predicted.peak_bytes_after + async_gather_slack(run)
