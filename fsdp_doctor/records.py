@@ -243,6 +243,11 @@ class RunConfig(Record, tag="config"):
     unmanaged_trainable_bytes: int | None = None
     # trainable parameters the optimizer does not hold (tensors 0: none; None: no optimizer, or not recorded)
     untrained: Untrained | None = None
+    # written again at the third step's end where it has more to say (fsdp_doctor.record.tracker Doctor._late_check):
+    # the tensors of state the optimizer holds then (0: no gradient ever reached it; None: not read), and the units
+    # whose FSDP gradient sync is off then (set_requires_gradient_sync(False))
+    optimizer_state_tensors: int | None = None
+    gradient_sync_off: list[str] = []
     # one line each: what this torch's FSDP2 could not tell the doctor (private state it could not read, a
     # failed consistency check, a label or API this release lacks); the report lists them under problems
     unavailable: list[str] = []

@@ -939,6 +939,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     last = micro == cfg.grad_accum - 1
                     if cfg.grad_accum > 1 and cfg.accum_no_sync:
                         model.set_requires_gradient_sync(last)
+                    elif row.get("loop") == "sync_off":  # accumulation's switch, never turned back on
+                        model.set_requires_gradient_sync(False)
                     if fix.get("where") == "loop":
                         _exec(fix, model, opt, is_last_micro_batch=last, micro_batch=micro,
                               micro_batches=cfg.grad_accum, step=step)

@@ -88,7 +88,7 @@ class Row:
     # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
     # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode);
     # "top_optimizer" builds the optimizer over the last block and what follows it only (tests/clients.py
-    # user_param_groups)
+    # user_param_groups); "sync_off" calls set_requires_gradient_sync(False) before every backward
     loop: Optional[str] = None
     # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
     peak_within: float = 0.10
@@ -254,6 +254,9 @@ ROWS: list[Row] = [
        loop="top_optimizer"),
     _r("hf_llama_top_optimizer", "hf_llama", "optim.untrained_params",
        "the optimizer holds the last block and the head only", loop="top_optimizer"),
+    # gradient accumulation's set_requires_gradient_sync(False), never set back: no gradient reaches the optimizer
+    _r("gpt_sync_off", "gpt", "optim.no_gradients", "set_requires_gradient_sync(False) before every backward",
+       loop="sync_off", knobs={"grad_accum": 2}, min_severity="critical"),
     # torch.autocast kept from a DDP loop over float32 FSDP2 parameters: autocast's bf16 copy of every matmul weight
     # held from its unit's forward to its backward, every all-gather in float32
     _r("gpt_autocast", "gpt", "precision.autocast_fp32_params", "torch.autocast(bf16) over float32 parameters",

@@ -5,7 +5,9 @@ runs of the reference GPT (gloo, CPU), the optimizer built over the last block a
   unchanged by the third step; the rule fires, its frozen prefix the units before the last block;
 * ``two``: a second optimizer (not given to watch()) steps the rest: its values change, and the rule stays quiet
   saying why (a finding there would be a false alarm);
-* ``fixed``: the rule's own code pasted after the optimizer: nothing outside it is trainable any more.
+* ``fixed``: the rule's own code pasted after the optimizer: nothing outside it is trainable any more;
+* ``sync_off``: the optimizer over every parameter, FSDP2's gradient sync switched off and never back on: no gradient
+  reaches the optimizer (optim.no_gradients, critical; quiet on the others, whose optimizer holds state).
 
 The matrix rows gpt_top_optimizer and hf_llama_top_optimizer recheck the fix's peak and step (tests/scenario_matrix.py).
 """
@@ -42,11 +44,15 @@ _SCRIPT = textwrap.dedent(
         torch.manual_seed(0)
         model = build_model(cfg)
         apply_fsdp(model, cfg)
-        top = [p for n, p in model.named_parameters() if n.startswith(("layers.3.", "norm.", "lm_head."))]
+        top = [p for n, p in model.named_parameters()
+               if variant == "sync_off" or n.startswith(("layers.3.", "norm.", "lm_head."))]
         optimizer = torch.optim.AdamW(top, lr=1e-3, foreach=True)
-        rest = torch.optim.SGD([p for p in model.parameters() if all(p is not q for q in top)], lr=1e-2)
+        others = [p for p in model.parameters() if all(p is not q for q in top)]
+        rest = torch.optim.SGD(others, lr=1e-2) if others else None
         if variant == "fixed":
             exec(fix, {"model": model, "optimizer": optimizer})
+        if variant == "sync_off":
+            model.set_requires_gradient_sync(False)
         data = batches(cfg, rank)
         with fsdp_doctor.watch(model, optimizer, out_dir=out, profile=False) as doctor:
             for step in range(cfg.steps):
@@ -92,7 +98,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("untrained")
     top = _run(tmp, "top")
     (f,) = [f for f in top[1].findings if f.code == "optim.untrained_params"]
-    return {"top": top, "two": _run(tmp, "two"), "fixed": _run(tmp, "fixed", f.recommendation.code), "finding": f}
+    return {"top": top, "two": _run(tmp, "two"), "fixed": _run(tmp, "fixed", f.recommendation.code), "finding": f,
+            "sync_off": _run(tmp, "sync_off")}
 
 
 def test_parameters_outside_the_optimizer_counted_exactly(runs):
@@ -135,3 +142,16 @@ def test_the_fix_leaves_nothing_outside_the_optimizer(runs):
     assert "optim.untrained_params" not in {x.code for x in rep.findings}
     # at or under the ceiling, to one unit's gathered parameters (gloo's asynchronous all-gather buffers)
     assert rep.memory.peak_bytes <= runs["finding"].predicted.peak_bytes_after + async_gather_slack(run)
+
+
+def test_no_gradient_reaching_the_optimizer_is_critical(runs):
+    run, rep = runs["sync_off"]
+    for rd in run.ranks.values():
+        assert rd.config.optimizer_state_tensors == 0 and len(rd.config.gradient_sync_off) == len(rd.config.units) - 1
+    (f,) = [f for f in rep.findings if f.code == "optim.no_gradients"]
+    assert f.severity == "critical" and f.recommendation.where == "loop"
+    assert "model.set_requires_gradient_sync(is_last_micro_batch)" in f.recommendation.code
+    assert f.evidence["unsharded_grads_held_bytes"] > 0
+    assert "memory.grads_kept" not in {x.code for x in rep.findings}  # those gradients are this finding's
+    for name in ("top", "two", "fixed"):  # their optimizer holds state: quiet
+        assert "optim.no_gradients" not in {x.code for x in runs[name][1].findings}

@@ -64,7 +64,7 @@ _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 FLOPS_RECOUNTS = 4
 # trainable parameters outside the optimizer: how many are sampled, how many values each, and the step (0-based)
 # whose end compares them with the first step's
-UNTRAINED_SAMPLES, UNTRAINED_VALUES, UNTRAINED_CHECK_STEP = 8, 16, 2
+UNTRAINED_SAMPLES, UNTRAINED_VALUES, LATE_CHECK_STEP = 8, 16, 2
 _now = time.perf_counter_ns
 
 
@@ -406,8 +406,8 @@ class Doctor:
         self._sinks.on_step(rec)
         if done:
             self._sinks.write(*done)
-        if self._untrained is not None and step >= UNTRAINED_CHECK_STEP:
-            self._check_untrained()
+        if step == LATE_CHECK_STEP and self._config_written:
+            self._late_check()
         evaluated = bool(tm.no_grad_forwards)  # the step also ran the model without gradients
         self._flops_tick(step, evaluated)
         if self._profiler is not None:
@@ -458,14 +458,23 @@ class Doctor:
         if cfg.untrained is not None and cfg.untrained.tensors:  # a few values, to tell whether anything updates them
             self._untrained = [(p, _head(p)) for _, p in untrained_rows(self.model, self._reads)[:UNTRAINED_SAMPLES]]
 
-    def _check_untrained(self) -> None:
-        """At the third step's end: whether any trainable parameter outside the optimizer changed since the first
-        (another optimizer, or the loop, updates it); the config again, with the answer."""
+    def _late_check(self) -> None:
+        """At the third step's end, the config again where it has more to say: whether any trainable parameter
+        outside the optimizer changed since the first step (another optimizer, or the loop, updates it); the
+        tensors of state the optimizer holds after its steps (none: no gradient ever reached it), and the units
+        whose gradient sync is off then."""
         samples, self._untrained = self._untrained, None
+        # (after three steps the hooks saw: a step a GradScaler skipped, or an optimizer whose hooks never run, is none)
+        stepped = self._reads is not None and self._timer.optimizer_steps >= LATE_CHECK_STEP + 1
+        state = len(getattr(self._reads, "state", None) or {}) if stepped else None
+        sync_off = [u.name for u in self._units if any(not F2.reduce_grads(pg) for pg in u.param_groups)]
+        if not samples and state != 0 and not sync_off:
+            return
         cfg = self._config()
-        if cfg.untrained is not None and cfg.untrained.tensors:
+        if samples and cfg.untrained is not None and cfg.untrained.tensors:
             cfg.untrained.changed = any(not torch.equal(_head(p), v) for p, v in samples)
-            self._sinks.write(cfg)
+        cfg.optimizer_state_tensors, cfg.gradient_sync_off = state, sync_off
+        self._sinks.write(cfg)
 
     def _config(self) -> RunConfig:
         cfg, self._consistency = config_snapshot(

@@ -36,7 +36,9 @@ class GradsKept(Rule):
             return self.quiet("no memory timeline of the peak step")
         # what the step starts with, before its first forward: gradients there survived the last step; those of
         # trainable parameters outside the optimizer, which its zero_grad never frees, are optim.untrained_params'
-        kept = sum(int(first.get(k) or 0) for k in _GRADS)
+        # (and unsharded ones where FSDP's gradient sync is off: never reduced, optim.no_gradients')
+        off = bool(getattr(ctx.config, "gradient_sync_off", None))
+        kept = sum(int(first.get(k) or 0) for k in _GRADS if not (off and k == "unsharded_grads"))
         ut = getattr(ctx.config, "untrained", None)
         outside = int(ut.grad_bytes) if ut is not None and ut.tensors and ut.changed is False else 0
         kept = max(0, kept - outside)

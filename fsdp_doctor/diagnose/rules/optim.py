@@ -329,9 +329,8 @@ class UntrainedParams(Rule):
                 f"and their gradient shards ({E.mib(ut.grad_bytes)} MiB on this rank) stay and accumulate, since "
                 f"optimizer.zero_grad() frees only the optimizer's own.")
         if prefix:
-            names = [f"[{u.name}]" if ", " in u.name else u.name for u in prefix]  # (a grouped unit's names)
-            text += (f" The first {len(prefix)} unit(s) in forward order ({E.fmt_list(names, 4)}) hold nothing the "
-                     f"optimizer trains: their backward ({bwd:.1f} ms per step, with its all-gathers) runs only for "
+            text += (f" The first {len(prefix)} unit(s) in forward order ({_units_text([u.name for u in prefix])}) "
+                     f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its all-gathers) runs only for "
                      f"these gradients, and their forward saves {E.mib(prefix_acts)} MiB of activations for it.")
         text += (" If they are meant to be frozen, say so with requires_grad_(False) before the first forward: FSDP2 "
                  "then neither computes nor reduces their gradients, and autograd saves nothing for a frozen prefix. "
@@ -392,3 +391,62 @@ def _peak_untrained_frozen(pm, ut, prefix: list, acts: dict[str, int]) -> int:
                     added[k] -= acts.get(u.name, 0)
                 start = None
     return E.peak_with_rows(pm, added)
+
+
+@register
+class NoGradients(Rule):
+    code = "optim.no_gradients"
+    name = "No gradient reaches the optimizer"
+    description = ("The optimizer has stepped three times and holds no state: none of its parameters had a gradient "
+                   "when it stepped, so nothing trains (FSDP2's gradient sync left off, most often).")
+    needs = ("optimizer", "records")
+    severities = ("critical",)
+
+    def match(self, ctx: Context):
+        cfg = ctx.config
+        state = getattr(cfg, "optimizer_state_tensors", None)
+        name = (cfg.optimizer or "") if cfg is not None else ""
+        if state is None:
+            return self.quiet("the optimizer held state at the third step (or the run ended sooner, or was recorded "
+                              "before this check)")
+        if state:
+            return self.quiet(f"the optimizer held {state} state tensor(s) at the third step")
+        if cfg.optimizer_foreign_params:  # built before fully_shard: optim.before_shard's
+            return self.quiet("the optimizer holds tensors that are not the model's parameters (optim.before_shard)")
+        momentum = any(float(g.options.get("momentum", 0) or 0) > 0 for g in cfg.optimizer_groups or [])
+        if name.lower() not in STATE_PER_PARAM or (name.lower() == "sgd" and not momentum):
+            return self.quiet(f"{name or 'the optimizer'} keeps no state to tell whether gradients reached it")
+        off = list(cfg.gradient_sync_off or [])
+        pm = E.peak_memory(ctx)
+        first = pm.timeline[0] if pm is not None and pm.timeline else {}
+        held = int(first.get("unsharded_grads") or 0)  # what the step starts with: never reduced
+        text = (f"After three optimizer steps {name} holds no state: it creates its state for a parameter at the "
+                "first step that parameter has a gradient, so none of its parameters had one. Nothing trains: the "
+                "loss moves only with the batches.")
+        if off:
+            text += (f" FSDP2's gradient sync is off on {len(off)} unit(s) ({_units_text(off)}): "
+                     "set_requires_gradient_sync(False), meant for the micro-batches of gradient accumulation, was never "
+                     "set back to True before the last backward, so each backward leaves its gradients on the unsharded "
+                     f"parameters ({E.mib(held)} MiB held when a step starts), never reduce-scattered into the sharded "
+                     "ones the optimizer steps. Turn the sync on for the backward of the last micro-batch of every "
+                     "optimizer step (every backward, without accumulation).")
+            code = ("# in your loop, before each micro-batch's backward (without gradient accumulation, every backward\n"
+                    "# is the last): reduce-scatter the gradients into the sharded parameters on the last one\n"
+                    "model.set_requires_gradient_sync(is_last_micro_batch)")
+            where, inputs = "loop", {"is_last_micro_batch": "True on the last micro-batch of an optimizer step"}
+        else:
+            text += (" Look for what clears or detaches the gradients between the backward and optimizer.step() "
+                     "(a zero_grad there, a no_grad or detached forward, parameters replaced after the optimizer was "
+                     "built).")
+            code, where, inputs = "", "", {}
+        return [self.finding(
+            "critical", f"No gradient reached {name} in three steps: nothing trains"
+            + (f" (gradient sync off on {len(off)} unit(s))" if off else ""),
+            {"optimizer": name, "optimizer_state_tensors": 0, "gradient_sync_off_units": off[:20],
+             "unsharded_grads_held_bytes": held},
+            text, code, where=where, inputs=inputs, units=off[:20])]
+
+
+def _units_text(names: list[str]) -> str:
+    """Units named in a sentence, a grouped unit's modules in brackets ("[norm, lm_head]")."""
+    return E.fmt_list([f"[{n}]" if ", " in n else n for n in names], 4)
