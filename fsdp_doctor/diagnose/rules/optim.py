@@ -414,8 +414,11 @@ class NoGradients(Rule):
         if cfg.optimizer_foreign_params:  # built before fully_shard: optim.before_shard's
             return self.quiet("the optimizer holds tensors that are not the model's parameters (optim.before_shard)")
         momentum = any(float(g.options.get("momentum", 0) or 0) > 0 for g in cfg.optimizer_groups or [])
-        if name.lower() not in STATE_PER_PARAM or (name.lower() == "sgd" and not momentum):
-            return self.quiet(f"{name or 'the optimizer'} keeps no state to tell whether gradients reached it")
+        if name.lower() not in STATE_PER_PARAM:
+            return self.quiet(f"{name or 'the optimizer'} is not one whose state the doctor knows: no state tells "
+                              "nothing there")
+        if name.lower() == "sgd" and not momentum:
+            return self.quiet("SGD without momentum keeps no state to tell whether gradients reached it")
         off = list(cfg.gradient_sync_off or [])
         pm = E.peak_memory(ctx)
         first = pm.timeline[0] if pm is not None and pm.timeline else {}
