@@ -230,10 +230,10 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
     return n, foreign, nbytes
 
 
-def untrained_rows(model: nn.Module, optimizer) -> list[tuple[str, nn.Parameter]]:
+def untrained_rows(model: nn.Module, optimizer, held: set[int] | None = None) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of each trainable parameter of the model that the optimizer does not hold ([]: none, or no
-    optimizer)."""
-    held = _held(optimizer)
+    optimizer); ``held``: the ids it holds, where the caller has them (``_held``)."""
+    held = _held(optimizer) if held is None else held
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
 
 
@@ -248,10 +248,10 @@ def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untraine
     optimizer."""
     if optimizer is None:
         return None
-    rows = untrained_rows(model, optimizer)
+    held = _held(optimizer)
+    rows = untrained_rows(model, optimizer, held)
     if not rows:
         return Untrained(tensors=0, param_count=0)
-    held = _held(optimizer)
     grads = [getattr(p.grad, "_local_tensor", p.grad) for _, p in rows if p.grad is not None]
     out = Untrained(tensors=len(rows), param_count=sum(p.numel() for _, p in rows), with_grad=len(grads),
                     grad_bytes=sum(g.numel() * g.element_size() for g in grads), names=[n for n, _ in rows[:20]])

@@ -300,7 +300,8 @@ class UntrainedParams(Rule):
         cfg = ctx.config
         ut = getattr(cfg, "untrained", None)
         if ut is None:
-            return self.quiet("which parameters the optimizer holds was not recorded (a snapshot older than this check)")
+            return self.quiet("which parameters the optimizer holds was not recorded (a snapshot older than this "
+                              "check)")
         if not ut.tensors:
             return self.quiet("the optimizer holds every trainable parameter")
         if cfg.optimizer_foreign_params:  # built before fully_shard: it holds the replaced tensors instead
@@ -316,7 +317,7 @@ class UntrainedParams(Rule):
         share = ut.param_count / trainable
         prefix = _frozen_prefix(ctx, ut)
         pm = E.peak_memory(ctx)
-        acts = {r.unit: int(r.activation_bytes or 0) for r in (pm.per_unit if pm is not None else [])}
+        acts = {n: int(r.activation_bytes or 0) for n, r in E.memory_units(ctx).items()}
         prefix_acts = sum(acts.get(u.name, 0) for u in prefix)
         step = E.step_ms(ctx)
         # their backward's compute goes, and the backward all-gathers of all but the last of them (the trained
@@ -325,13 +326,15 @@ class UntrainedParams(Rule):
                       - u.timing.ag_wait_bwd_ms) for u in prefix) + sum(u.timing.ag_wait_bwd_ms for u in prefix[:-1])
         text = (f"{ut.tensors} parameter tensor(s) ({ut.param_count / 1e6:.2f} M elements, {100 * share:.0f}% of "
                 f"the trainable ones) have requires_grad=True but are not in the optimizer given to watch(), and "
-                f"their values did not change from the first step to the third: nothing updates them. Yet every backward computes their gradients, FSDP2 reduce-scatters them, "
-                f"and their gradient shards ({E.mib(ut.grad_bytes)} MiB on this rank) stay and accumulate, since "
-                f"optimizer.zero_grad() frees only the optimizer's own.")
+                f"their values did not change from the first step to the third: nothing updates them. Yet every "
+                f"backward computes their gradients, FSDP2 reduce-scatters them, and their gradient shards "
+                f"({E.mib(ut.grad_bytes)} MiB on this rank) stay and accumulate, since optimizer.zero_grad() frees "
+                f"only the optimizer's own.")
         if prefix:
             text += (f" The first {len(prefix)} unit(s) in forward order ({_units_text([u.name for u in prefix])}) "
-                     f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its all-gathers) runs only for "
-                     f"these gradients, and their forward saves {E.mib(prefix_acts)} MiB of activations for it.")
+                     f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its "
+                     f"all-gathers) runs only for these gradients, and their forward saves {E.mib(prefix_acts)} MiB "
+                     f"of activations for it.")
         text += (" If they are meant to be frozen, say so with requires_grad_(False) before the first forward: FSDP2 "
                  "then neither computes nor reduces their gradients, and autograd saves nothing for a frozen prefix. "
                  "If they are meant to train, add them to the optimizer (its state then grows by theirs).")
@@ -428,13 +431,13 @@ class NoGradients(Rule):
                 "loss moves only with the batches.")
         if off:
             text += (f" FSDP2's gradient sync is off on {len(off)} unit(s) ({_units_text(off)}): "
-                     "set_requires_gradient_sync(False), meant for the micro-batches of gradient accumulation, was never "
-                     "set back to True before the last backward, so each backward leaves its gradients on the unsharded "
-                     f"parameters ({E.mib(held)} MiB held when a step starts), never reduce-scattered into the sharded "
-                     "ones the optimizer steps. Turn the sync on for the backward of the last micro-batch of every "
-                     "optimizer step (every backward, without accumulation).")
-            code = ("# in your loop, before each micro-batch's backward (without gradient accumulation, every backward\n"
-                    "# is the last): reduce-scatter the gradients into the sharded parameters on the last one\n"
+                     "set_requires_gradient_sync(False), meant for the micro-batches of gradient accumulation, was "
+                     "never set back to True before the last backward, so each backward leaves its gradients on the "
+                     f"unsharded parameters ({E.mib(held)} MiB held when a step starts), never reduce-scattered "
+                     "into the sharded ones the optimizer steps. Turn the sync on for the backward of the last "
+                     "micro-batch of every optimizer step (every backward, without accumulation).")
+            code = ("# in your loop, before each micro-batch's backward (without gradient accumulation, every backward"
+                    "\n# is the last): reduce-scatter the gradients into the sharded parameters on the last one\n"
                     "model.set_requires_gradient_sync(is_last_micro_batch)")
             where, inputs = "loop", {"is_last_micro_batch": "True on the last micro-batch of an optimizer step"}
         else:

@@ -30,7 +30,8 @@ class AutocastFp32Params(Rule):
         dtype = next((d for d in read if d), None)
         if not dtype:
             return self.quiet("no forward ran under torch.autocast")
-        units32 = [u for u in E.param_units(ctx) if not u.param_dtype and "float32" in u.orig_dtypes]
+        units = E.param_units(ctx)
+        units32 = [u for u in units if not u.param_dtype and "float32" in u.orig_dtypes]
         if not units32:
             return self.quiet(f"the forward runs under torch.autocast({dtype}), and every unit gathers its "
                               "parameters in its MixedPrecisionPolicy's param_dtype")
@@ -43,7 +44,7 @@ class AutocastFp32Params(Rule):
         sev = "warning" if share >= WARN_SHARE else "info"
         names = [u.name for u in units32]
         # the run's own policy, where some units have one, keeps its name (``mp``, as the plan writes it)
-        var = "autocast_mp" if any(u.param_dtype or u.reduce_dtype for u in E.param_units(ctx)) else "mp"
+        var = "autocast_mp" if any(u.param_dtype or u.reduce_dtype for u in units) else "mp"
         mp = f"{var} = MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32)"
         text = (f"The forward runs under torch.autocast({dtype}) while FSDP2 gathers {len(units32)} unit(s)' "
                 f"parameters in float32 ({E.mib(gathered)} MiB when all are gathered): every all-gather moves "
