@@ -74,6 +74,10 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # fqns of the CheckpointWrappers in the unit (the unit itself, or inside it), else the one around it (a unit
     # applied to the wrapper's inner module, as accelerate's FSDP2 plugin does)
     checkpoint_wrappers: list[str] = []
+    # the unit's module carries its own checkpointing switch, ``gradient_checkpointing`` on (transformers' decoder
+    # layers, GradientCheckpointingLayer, checkpoint themselves while it is set): turned off there, that unit alone
+    # stops checkpointing
+    checkpoint_flag: bool = False
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     # the unit runs inside a compiled frame (a module compiled in place, ``module.compile()``, or the module of

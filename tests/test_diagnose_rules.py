@@ -13,7 +13,7 @@ import pytest
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.snippets import SHARDING_GOES_HERE
-from fsdp_doctor.records import TRAINER_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
+from fsdp_doctor.records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
 from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
 MiB = 1 << 20
@@ -970,6 +970,57 @@ def test_ac_unneeded():
     mem = memory(int(0.6 * (8 << 30)), capacity=8 << 30, per_unit=_act_units(act=64 * 1024))
     assert run_rule("ac.unneeded", build(units=us, memory=mem)[0]) == []
     assert run_rule("ac.unneeded", build(memory=memory(10 * MiB, capacity=8 << 30))[0]) == []
+
+
+def _fewer_ctx(peak_mib, *, saved=8 * MiB, hf=False, **cfg_kw):
+    """Four checkpointed blocks (their own CheckpointWrappers, or transformers' flag where ``hf``), each keeping
+    ``saved`` more without checkpointing as their recompute measured it, under a 100 MiB budget (no timeline: the
+    change is taken at the peak, flat)."""
+    us = healthy_units(checkpoint="unit")
+    for i, (u, t) in enumerate(us[2:6]):
+        if hf:
+            u["checkpoint_flag"] = True
+        else:
+            u["checkpoint_wrappers"] = [u["name"]]
+        t["recompute_ms"] = 5.0
+    per_unit = [dict(row, **({} if saved is None else {"recompute_saved_bytes": saved}))
+                for row in _act_units(act=MiB)[:4]]
+    mem = memory(peak_mib * MiB, capacity=100 * MiB, per_unit=per_unit, activations=4 * MiB)
+    return build(units=us, memory=mem, **cfg_kw)[0]
+
+
+def test_ac_fewer_units():
+    """ac.fewer_units (known answer): 60 MiB of 100 with four blocks checkpointed, each 8 MiB more kept without:
+    all four would reach 92 MiB, over the 80% it aims at; two 76. The later blocks are chosen (held the
+    shortest), each sparing its 5 ms recompute; the fix unwraps their CheckpointWrappers, or turns transformers' own
+    flag off on those layers."""
+    rule = next(c for c in RULES if c.code == "ac.fewer_units")()
+    (f,) = rule.match(_fewer_ctx(60))
+    assert f.evidence["units_to_uncheckpoint"] == ["layers.2", "layers.3"]
+    assert f.evidence["peak_after_bytes"] == 76 * MiB and f.predicted["peak_bytes_after"] == 76 * MiB
+    assert f.evidence["recompute_ms_spared"] == 10.0 and f.predicted["step_ms_after"] == pytest.approx(100.0)
+    assert f.severity == "warning"  # 10 ms of a 110 ms step
+    assert "wrappers = ['layers.2', 'layers.3']" in f.recommendation.code \
+        and "gradient_checkpointing" not in f.recommendation.code
+    (f,) = rule.match(_fewer_ctx(60, hf=True))
+    assert "layers = ['layers.2', 'layers.3']" in f.recommendation.code \
+        and ".gradient_checkpointing = False" in f.recommendation.code
+    # all of them, where the peak is at half of capacity (ac.unneeded's bound): 50 + 4 x 7 = 78 MiB
+    (f,) = rule.match(_fewer_ctx(50, saved=7 * MiB))
+    assert f.title.startswith("All 4 checkpointed") and len(f.evidence["units_to_uncheckpoint"]) == 4
+    assert "off on all 4 checkpointed units" in f.recommendation.code
+    # quiet, and why: memory needs every one; none needs any (ac.unneeded's); at the aim already; not measured
+    assert rule.match(_fewer_ctx(75)) == [] and rule.why_quiet.startswith("without checkpointing on even one unit")
+    assert rule.match(_fewer_ctx(30)) == [] and "ac.unneeded's case" in rule.why_quiet
+    assert rule.match(_fewer_ctx(81)) == [] and "fires below 80%" in rule.why_quiet
+    assert rule.match(_fewer_ctx(60, saved=None)) == [] and "not measured" in rule.why_quiet
+    # levers the doctor cannot turn for some units only: torchtitan's job config, accelerate's plugin, code
+    assert rule.match(_fewer_ctx(60, sharded_by=TORCHTITAN_SHARDER)) == [] and "torchtitan" in rule.why_quiet
+    assert rule.match(_fewer_ctx(60, sharded_by=ACCELERATE_SHARDER)) == [] and "every layer" in rule.why_quiet
+    ctx = _fewer_ctx(60)
+    for u in ctx.report.units:
+        u.checkpoint_wrappers = []
+    assert rule.match(ctx) == [] and "checkpoint(...) calls in code" in rule.why_quiet
 
 
 def test_ac_wrong_granularity():

@@ -299,6 +299,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 offload_pin_memory=bool(getattr(offload, "pin_memory", False)) if is_cpu_offload else None,
                 checkpoint=_checkpoint_kind(u, units),
                 checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)] or enclosing_wrapper(u),
+                checkpoint_flag=any(getattr(m, "gradient_checkpointing", None) is True for m in u.modules),
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,

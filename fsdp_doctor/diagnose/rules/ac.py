@@ -1,5 +1,6 @@
 """Activation-checkpointing rules: recommended when activations push the peak to capacity, unneeded when
-memory is ample, and applied at the wrong granularity (a block's children instead of the block)."""
+memory is ample, on fewer units where memory has room for some, and applied at the wrong granularity (a block's
+children instead of the block)."""
 
 from __future__ import annotations
 
@@ -147,6 +148,28 @@ def _backward_freed(tl: list[dict], name: str) -> Optional[int]:
     return max(0, int(start["activations"]) - int(end["activations"]))
 
 
+def _checkpointed(ctx: Context) -> list[E.Unit]:
+    """The checkpointed units: those with parameters, then the root(s)."""
+    return ([u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none"]
+            + [u for u in E.roots(E.units(ctx)) if u.checkpoint != "none"])
+
+
+def _checkpointed_under_budget(rule: Rule, ctx: Context) -> Optional[tuple[list[E.Unit], int, int]]:
+    """(the checkpointed units, the peak, capacity); None, the rule's reason why quiet said, without either."""
+    ck = _checkpointed(ctx)
+    if not ck:
+        return rule.quiet("no unit is checkpointed") or None
+    peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
+    if not peak or not cap:
+        return rule.quiet(E.no_peak_or_capacity(peak, cap)) or None
+    return ck, peak, cap
+
+
+def _recompute_ms(u: E.Unit) -> float:
+    """A checkpointed unit's recompute per step: measured, else its forward compute (0: not timed)."""
+    return u.timing.recompute_ms if u.timing.recompute_ms > 0 else E.compute_fwd_ms(u)
+
+
 def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
     """(the CheckpointWrappers of the units, fqns; the checkpointed units that have none: checkpoint(...) calls)."""
     wrappers = [w for u in us for w in u.checkpoint_wrappers]
@@ -269,13 +292,10 @@ class AcUnneeded(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        ck = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none"]
-        ck += [u for u in E.roots(E.units(ctx)) if u.checkpoint != "none"]
-        if not ck:
-            return self.quiet("no unit is checkpointed")
-        peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
-        if not peak or not cap:
-            return self.quiet(E.no_peak_or_capacity(peak, cap))
+        got = _checkpointed_under_budget(self, ctx)
+        if got is None:
+            return []
+        ck, peak, cap = got
         if peak / cap >= AC_UNNEEDED_MAX_SHARE:
             return self.quiet(E.above_share("peak", peak, cap, "capacity", AC_UNNEEDED_MAX_SHARE))
         step = E.step_ms(ctx)
@@ -368,3 +388,94 @@ class AcWrongGranularity(Rule):
             (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
             + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
+
+
+# ac.fewer_units aims the peak under this share of capacity: below ac.recommended's (NEAR_CAPACITY_SHARE), so that a
+# run it leaves at its aim is no case for checkpointing more, nor one of ac.recommended's fixes a case for less
+AC_FEWER_TARGET_SHARE = T.NEAR_CAPACITY_SHARE - 0.05
+
+
+@register
+class AcFewerUnits(Rule):
+    code = "ac.fewer_units"
+    name = "Checkpointing more units than memory needs"
+    description = ("Some checkpointed units would fit in memory with their activations kept: their recompute is "
+                   "paid for memory the run does not need.")
+    needs = ("units", "memory")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        got = _checkpointed_under_budget(self, ctx)
+        if got is None:
+            return []
+        ck, peak, cap = got
+        target = AC_FEWER_TARGET_SHARE * cap
+        if peak >= target:
+            return self.quiet(E.above_share("peak", peak, cap, "capacity", AC_FEWER_TARGET_SHARE))
+        pm, order = E.peak_memory(ctx), [u.name for u in E.units(ctx)]
+        extra, source = _added_without_checkpointing(ctx, ck, pm)
+        if source != MEASURED:  # (the estimate, a transformer layer's ratio, is too coarse to spend headroom on)
+            return self.quiet("what the checkpointed units would keep without checkpointing was not measured in "
+                              "their recompute (the memory probe's counted steps)")
+        if peak / cap < AC_UNNEEDED_MAX_SHARE and _peak_with(pm, extra, order=order) <= E.TARGET_CAPACITY_SHARE * cap:
+            return self.quiet("checkpointing is not needed on any unit: ac.unneeded's case")
+        if E.torchtitan_version(ctx) is not None:
+            return self.quiet("torchtitan's job config checkpoints every block or none (its selective and "
+                              "memory-budget modes choose operators, not blocks)")
+        lever = E.plugin_lever(ctx) if any(u.checkpoint_wrappers for u in ck) else None
+        if lever:
+            return self.quiet(f"{S.plugin_says(lever)[0]}, its activation_checkpointing checkpoints every layer it "
+                              "shards or none")
+        # units whose checkpointing a fix can turn off alone: a CheckpointWrapper of their own, or transformers' flag
+        cands = [u for u in ck if u.checkpoint == "unit" and (u.checkpoint_wrappers or u.checkpoint_flag)
+                 and extra.get(u.name) is not None]
+        if not cands:
+            return self.quiet("the checkpointed units re-run through checkpoint(...) calls in code, which only that "
+                              "code can change for some of them")
+        # the fewest bytes kept first (the most units, each sparing its forward), among equals the later units: held
+        # from their forward's end to their backward's start, the shortest (on an HF Llama of 3 layers, 2.14 MiB
+        # with the last two un-checkpointed, 2.21 with the first and last); bytes measured exactly, not timings,
+        # so that the same run gets the same fix
+        pos = {n: i for i, n in enumerate(order)}
+        cands.sort(key=lambda u: (extra[u.name], -pos.get(u.name, 0)))
+
+        def peak_without(k: int) -> int:
+            return _peak_with(pm, {u.name: extra[u.name] for u in cands[:k]}, order=order)
+
+        lo, hi = 0, len(cands)  # the most units the target holds (the peak grows with each one)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if peak_without(mid) <= target else (lo, mid - 1)
+        if lo == 0:
+            return self.quiet(f"without checkpointing on even one unit ({cands[0].name}) the peak would be "
+                              f"{fmt_bytes(peak_without(1))}, over {100 * AC_FEWER_TARGET_SHARE:.0f}% of capacity "
+                              f"{fmt_bytes(cap)}")
+        chosen = sorted(cands[:lo], key=lambda u: pos.get(u.name, 0))
+        peak_after = peak_without(lo)
+        spared = sum(_recompute_ms(u) for u in chosen)
+        step = E.step_ms(ctx)
+        sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
+        names = [u.name for u in chosen]
+        some = f"all {len(ck)}" if len(chosen) == len(ck) else f"{len(chosen)} of the {len(ck)}"
+        return [self.finding(
+            sev, f"{some[0].upper()}{some[1:]} checkpointed unit(s) fit in memory without checkpointing",
+            {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
+             "checkpointed_units": [u.name for u in ck], "units_to_uncheckpoint": names,
+             "peak_after_bytes": int(peak_after),
+             "peak_after_share_of_capacity_pct": round(100 * peak_after / cap, 1),
+             "target_share_of_capacity_pct": round(100 * AC_FEWER_TARGET_SHARE),
+             "activation_bytes_added": int(sum(extra[n] for n in names)), "activation_source": source,
+             "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step},
+            f"Checkpointing re-runs the forward of {len(ck)} unit(s) in backward to keep the peak at {fmt_bytes(peak)} "
+            f"of {fmt_bytes(cap)} ({100 * peak / cap:.0f}%). {some[0].upper()}{some[1:].replace(' the ', ' ')} "
+            "can keep their activations "
+            f"(measured in their recompute): the peak would be about {fmt_bytes(peak_after)} "
+            f"({100 * peak_after / cap:.0f}%, under {100 * AC_FEWER_TARGET_SHARE:.0f}%), and the step "
+            + (f"~{spared:.1f} ms shorter" if spared else "shorter by their recompute (not timed here)")
+            + (". Turn checkpointing off (ac.unneeded stays quiet: the peak is at half of capacity or more)."
+               if len(chosen) == len(ck) else ". Turn checkpointing off on those and keep it on the others."),
+            S.remove_checkpointing([w for u in chosen for w in u.checkpoint_wrappers], [],
+                                   flagged=[u.modules[0] for u in chosen if not u.checkpoint_wrappers and u.modules],
+                                   note=f"on {some} checkpointed units"),
+            predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
+            units=names)]
