@@ -589,6 +589,10 @@ def run_trainer_fixes(out: Path) -> dict:
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("hf_ample", "ac.unneeded", {"activation_checkpointing": True}),
+                                  # activations that matter (as "tight"), the checkpointed peak at 70% of the
+                                  # budget: one of the two layers fits without
+                                  ("hf_some", "ac.fewer_units", {"activation_checkpointing": True, "width": 128,
+                                                                 "seq": 256, "capacity_share": 0.70}),
                                   ("fsdp_ample", "ac.unneeded", {"fsdp_config": {"activation_checkpointing": True}}),
                                   # accelerate's policy for bf16=True reduces in bfloat16
                                   ("bf16", "numerics.reduce_dtype", {"bf16": True}),
@@ -629,17 +633,19 @@ def fixed_pair(res: dict, name: str, code: str, where: str, sharded_by: str,
 def _each_fixed(run, res: dict, cases: list) -> dict:
     """Runs each case (its name, the finding it plants, ``run``'s options), then, where the finding came, again
     with its fix pasted as printed (``NAME_fixed``). "tight" runs under a budget 5% above the peak of the same
-    options' run, "measure" ("tight_X": "measure_X"); the others under 8 GiB. ``res``: what ``run`` filled in, by name.
+    options' run, "measure" ("tight_X": "measure_X"), a case with ``capacity_share`` in its options under the peak of
+    such a run ("measure_NAME") over that share; the others under 8 GiB. ``res``: what ``run`` filled in, by name.
 
     A pair whose fixed run's peak misses the prediction by more than PEAK_WITHIN runs again once (``NAME_again``, its
     results then stand for the pair; ``NAME_missed`` keeps the first peak and prediction), as the scenario matrix
     does: gloo frees a finished all-gather's buffers only when its thread is next scheduled, so one such buffer
     can be counted in a peak (tests/scenario_matrix.py). Every rank reads the same report: they agree."""
     for name, code, kw in cases:
-        if name.startswith("tight"):  # ("tight_X" measures as "measure_X")
-            measure = "measure" + name[len("tight"):]
+        share = kw.pop("capacity_share", 0.95 if name.startswith("tight") else None)
+        if share:  # ("tight_X" measures as "measure_X", another case NAME as "measure_NAME")
+            measure = "measure" + name[len("tight"):] if name.startswith("tight") else f"measure_{name}"
             run(measure, **kw)
-            kw = {**kw, "capacity": int(res[measure]["peak"] / 0.95)}
+            kw = {**kw, "capacity": int(res[measure]["peak"] / share)}
         for attempt in (name, f"{name}_again"):
             found = run(attempt, **kw)
             if code not in found:

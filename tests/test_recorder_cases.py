@@ -263,6 +263,21 @@ def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(tra
         assert all(u[1] == "none" for u in after["units"]), after["units"]
 
 
+def test_hf_trainer_checkpointing_fewer_layers_fix_is_a_callback_that_turns_their_flags_off(trainer_fixes_run):
+    """A Trainer checkpointing both layers by Hugging Face's training argument, its activations a large part of the
+    peak (width 128, 256 tokens a sequence), under a budget that puts the peak at 70%: ac.fewer_units turns the layers' own flags off where the Trainer cannot undo them, in a callback's
+    on_train_begin (train() enables checkpointing on every layer before it); pasted as printed, the rerun checkpoints
+    only the layers it kept, the finding is gone, the peak is the predicted one within 10%, and no new warning."""
+    for res in trainer_fixes_run:
+        before, after, f = _plugin_fix(res, "hf_some", "ac.fewer_units")
+        assert "class DoctorFix(TrainerCallback)" in f["code"] and ".gradient_checkpointing = False" in f["code"]
+        kept = {u[0] for u in after["units"] if u[1] != "none"}
+        was = {u[0] for u in before["units"] if u[1] != "none"}
+        # the later layer (held the shortest from its forward to its backward) keeps its activations
+        assert was == {"model.layers.0", "model.layers.1"} and kept == {"model.layers.0"}, (was, kept)
+        assert "1 of the 2 checkpointed units" in f["code"], f["code"]
+
+
 def test_hf_trainer_checkpointing_recommended_fix_turns_fsdps_own_on(trainer_fixes_run):
     """A Trainer whose activations dominate a peak 5% under its budget: ac.recommended checkpoints every layer
     accelerate's plugin shards (the Trainer's lever is all of them or none), through FSDP's own setting, which

@@ -398,24 +398,24 @@ _NO_KV_CACHE = ("for m in model.modules():  # Hugging Face configs: no KV cache 
                 "        m.config.use_cache = False")
 
 
-def remove_checkpointing(wrappers: list[str], functional: list[str], flagged: Iterable[str] = (),
-                         note: str = "") -> str:
+def checkpoint_flags_off(layers: list[str], note: str) -> str:
+    """Activation checkpointing off on the named modules (fqns) by their own ``gradient_checkpointing`` flag
+    (transformers' layers, UnitConfig.checkpoint_flag), the model's other layers left checkpointing; on the model
+    sharded or not (the flag is the module's own attribute)."""
+    return "\n".join([f"# activation checkpointing off {note}", "# (transformers' layers checkpoint themselves "
+                      "while their own flag, gradient_checkpointing, is on)", name_list("layers", layers),
+                      "for name in layers:", "    model.get_submodule(name).gradient_checkpointing = False"])
+
+
+def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "") -> str:
     """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
     module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
     code (``functional``): Hugging Face's ``gradient_checkpointing_enable()`` is undone by its
     ``gradient_checkpointing_disable()``, other ``checkpoint(...)`` calls are named in a comment, since only their
-    code can change; ``flagged``: modules whose own ``gradient_checkpointing`` flag is turned off (transformers'
-    layers, UnitConfig.checkpoint_flag), the model's other layers left checkpointing. ``note``: the header's words
-    where checkpointing stays on elsewhere."""
-    lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off" + (f" {note}" if note else "")]
-    if not note:
-        lines.append("# (or build the model without apply_activation_checkpointing)")
-    elif wrappers:
-        lines.append("# (or leave these out of your apply_activation_checkpointing)")
-    if flagged:
-        lines += ["# transformers' layers checkpoint themselves while their own flag is on (gradient_checkpointing):",
-                  name_list("layers", list(flagged)), "for name in layers:",
-                  "    model.get_submodule(name).gradient_checkpointing = False"]
+    code can change. ``note``: the header's words where checkpointing stays on elsewhere."""
+    lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
+             "# (or build the model without apply_activation_checkpointing)" if not note else
+             "# (or leave these out of your apply_activation_checkpointing)"]
     if functional:
         lines += ["# checkpointed by checkpoint(...) calls in their forward:",
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",

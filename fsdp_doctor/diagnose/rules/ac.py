@@ -424,8 +424,8 @@ class AcFewerUnits(Rule):
                               "memory-budget modes choose operators, not blocks)")
         lever = E.plugin_lever(ctx) if any(u.checkpoint_wrappers for u in ck) else None
         if lever:
-            return self.quiet(f"{S.plugin_says(lever)[0]}, its activation_checkpointing checkpoints every layer it "
-                              "shards or none")
+            return self.quiet(f"{S.plugin_says(lever)[0]}, the plugin's activation_checkpointing checkpoints every "
+                              "layer it shards or none")
         # units whose checkpointing a fix can turn off alone: a CheckpointWrapper of their own, or transformers' flag
         cands = [u for u in ck if u.checkpoint == "unit" and (u.checkpoint_wrappers or u.checkpoint_flag)
                  and extra.get(u.name) is not None]
@@ -474,8 +474,15 @@ class AcFewerUnits(Rule):
             + (f"~{spared:.1f} ms shorter" if spared else "shorter by their recompute (not timed here)")
             + (". Turn checkpointing off (ac.unneeded stays quiet: the peak is at half of capacity or more)."
                if len(chosen) == len(ck) else ". Turn checkpointing off on those and keep it on the others."),
-            S.remove_checkpointing([w for u in chosen for w in u.checkpoint_wrappers], [],
-                                   flagged=[u.modules[0] for u in chosen if not u.checkpoint_wrappers and u.modules],
-                                   note=f"on {some} checkpointed units"),
+            _fewer_code(chosen, f"on {some} checkpointed units"),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
             units=names)]
+
+
+def _fewer_code(chosen: list[E.Unit], note: str) -> str:
+    """ac.fewer_units' fix: the chosen units' CheckpointWrappers unwrapped (on the unsharded model), then
+    transformers' layers' own flags off (anywhere: alone, after fully_shard, where a Trainer's callback can run it)."""
+    wrappers = [w for u in chosen for w in u.checkpoint_wrappers]
+    flagged = [u.modules[0] for u in chosen if not u.checkpoint_wrappers and u.modules]
+    return "\n".join(([S.remove_checkpointing(wrappers, [], note=note)] if wrappers else [])
+                     + ([S.checkpoint_flags_off(flagged, note)] if flagged else []))
