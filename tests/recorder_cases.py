@@ -585,7 +585,7 @@ def run_trainer_fixes(out: Path) -> dict:
             exec(compile(fix, f"<{name} fix>", "exec"), {"trainer": tr})
         tr.train()
         dist.barrier()
-        res[name] = _outcome(out / name, rank)
+        res[name] = {**_outcome(out / name, rank), "losses": [h["loss"] for h in tr.state.log_history if "loss" in h]}
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("hf_ample", "ac.unneeded", {"activation_checkpointing": True}),
@@ -594,6 +594,8 @@ def run_trainer_fixes(out: Path) -> dict:
                                   ("hf_some", "ac.fewer_units", {"activation_checkpointing": True, "width": 128,
                                                                  "seq": 256, "capacity_share": 0.70}),
                                   ("fsdp_ample", "ac.unneeded", {"fsdp_config": {"activation_checkpointing": True}}),
+                                  # its 2 micro-batches a step, each unit gathered again in the second
+                                  ("regather", "accum.regather", {}),
                                   # accelerate's policy for bf16=True reduces in bfloat16
                                   ("bf16", "numerics.reduce_dtype", {"bf16": True}),
                                   ("tight", "ac.recommended", {"width": 128, "seq": 256}),

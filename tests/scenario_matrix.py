@@ -215,6 +215,11 @@ ROWS: list[Row] = [
     _r("gpt_zero2_ample", "gpt", "reshard.zero2_affordable",
        "every unit resharded under an 8 GiB budget, 4 micro-batches of 16 tokens", knobs=GATHER_BOUND, watch=AMPLE,
        min_severity="info"),
+    # the same loop: each unit resharded after every micro-batch's backward and gathered again in the next forward
+    _r("gpt_regather", "gpt", "accum.regather", "4 micro-batches of 16 tokens, resharded after each backward",
+       knobs=GATHER_BOUND, watch=AMPLE, min_severity="info"),
+    _r("hf_llama_regather", "hf_llama", "accum.regather", "4 micro-batches of 16 tokens, resharded after each "
+       "backward", knobs=GATHER_BOUND, watch=AMPLE, min_severity="info"),
     _r("gpt_prefetch_deep", "gpt", "prefetch.too_early", "explicit prefetch 3 units ahead, budget 5% above peak",
        knobs={"forward_prefetch": 3, "backward_prefetch": 3}, capacity_share=0.95, profile=True,
        min_severity="info"),

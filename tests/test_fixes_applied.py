@@ -182,3 +182,20 @@ def test_children_granularity_text_on_a_transformer_block(matrix):
     assert spared > kept > 0
     assert (f"spares {fmt_bytes(spared)}, while these units still keep {fmt_bytes(kept)} saved"
             in o.finding.recommendation.text), o.finding.recommendation.text
+
+
+@pytest.mark.rows("gpt_regather", "hf_llama_regather")
+@pytest.mark.parametrize("row", ["gpt_regather", "hf_llama_regather"])
+def test_regather_fix_keeps_every_unit_gathered_between_micro_batches(matrix, row):
+    """accum.regather on 4 micro-batches, every unit within the budget: the fix is FSDP2's own switch on the root
+    (every unit), keyed to the loop's last micro-batch; the rerun holds the units' parameters where the next
+    micro-batch starts, and says so where it stays quiet."""
+    o = matrix[row]
+    code = _code(matrix, row)
+    assert code.splitlines()[-1] == "model.set_reshard_after_backward(is_last_micro_batch)", code
+    assert o.finding.recommendation.inputs == {
+        "is_last_micro_batch": "True for the micro-batch whose backward precedes optimizer.step()"}
+    assert not o.after_error and o.after is not None, o.after_error
+    quiet = {r.code: r.reason for r in o.after.rules}
+    assert quiet["accum.regather"].startswith("the units are kept gathered between micro-batches already"), quiet
+    assert sorted(o.finding.evidence["units_kept_gathered"]) == sorted(u.name for u in o.report.units if u.param_count)

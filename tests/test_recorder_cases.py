@@ -278,6 +278,20 @@ def test_hf_trainer_checkpointing_fewer_layers_fix_is_a_callback_that_turns_thei
         assert "1 of the 2 checkpointed units" in f["code"], f["code"]
 
 
+def test_hf_trainer_regather_fix_is_a_callback_keyed_to_the_last_micro_batch(trainer_fixes_run):
+    """The Trainer's 2 micro-batches a step gather every unit again in the second: accum.regather's fix is a
+    callback switching set_reshard_after_backward before each micro-batch (the Trainer runs the loop); pasted as
+    printed, the rerun starts its second micro-batch with the units gathered (the rule says so, quiet), the peak
+    is the predicted one within 10%, no new warning, and the losses are the same as without it."""
+    for res in trainer_fixes_run:
+        before, after, f = _plugin_fix(res, "regather", "accum.regather")
+        assert "class DoctorFix(TrainerCallback)" in f["code"] and "def on_substep_end" in f["code"], f["code"]
+        assert "model.set_reshard_after_backward(is_last_micro_batch)" in f["code"], f["code"]
+        assert after["quiet"]["accum.regather"].startswith("the units are kept gathered"), after["quiet"]
+        assert len(before["losses"]) == 6 and after["losses"] == pytest.approx(before["losses"], rel=1e-5), (
+            before["losses"], after["losses"])
+
+
 def test_hf_trainer_checkpointing_recommended_fix_turns_fsdps_own_on(trainer_fixes_run):
     """A Trainer whose activations dominate a peak 5% under its budget: ac.recommended checkpoints every layer
     accelerate's plugin shards (the Trainer's lever is all of them or none), through FSDP's own setting, which

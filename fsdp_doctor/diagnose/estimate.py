@@ -485,6 +485,43 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     return out
 
 
+def regather_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
+    """Rows [start, end) of the peak step's memory timeline during which unit ``name`` would hold its unsharded
+    parameters if it were kept gathered after its backward until its next forward in the same step (gradient
+    accumulation with ``set_reshard_after_backward(False)`` on all but the last micro-batch), and does not now:
+    from after its backward_end to its next forward_start (whose mark already holds them: FSDP2's pre-forward
+    all-gather runs before it), once per micro-batch but the last. Empty without a later forward."""
+    out = []
+    for be, r in enumerate(timeline):
+        if r.get("unit") != name or r.get("phase") != "backward_end":
+            continue
+        fs = next((i for i in range(be + 1, len(timeline)) if timeline[i].get("unit") == name
+                   and timeline[i].get("phase") == "forward_start"), None)
+        if fs is not None:
+            out.append((be + 1, fs))
+    return out
+
+
+def gather_transient(timeline: list[dict], fs: int, unsharded: int) -> int:
+    """The all-gather buffers of the unit whose forward_start is row ``fs`` of the peak step's timeline, in the
+    high-water row before that mark (an "in_..." row: FSDP2's pre-forward all-gather runs before the mark): what the
+    temporaries there exceed those at the mark by, up to twice the unit's ``unsharded`` bytes (the gathered output
+    and its copy; gloo, a Llama layer of 9,441,280 B: 18,620,416 B). A unit kept gathered into that forward has no
+    such buffers. 0 without such a row."""
+    if fs < 1 or not str(timeline[fs - 1].get("phase") or "").startswith("in_"):
+        return 0
+    extra = int(timeline[fs - 1].get("temporaries") or 0) - int(timeline[fs].get("temporaries") or 0)
+    return max(0, min(extra, 2 * unsharded))
+
+
+def kept_between_micro_batches(timeline: list[dict]) -> Optional[int]:
+    """The unsharded parameters held where a micro-batch after the first starts its forward (the step's
+    forward_start marks but the first; the most of them): kept gathered since the previous micro-batch's backward.
+    None without a second micro-batch in the timeline."""
+    starts = [r for r in timeline if r.get("unit") is None and r.get("phase") == "forward_start"][1:]
+    return max((int(r.get("unsharded_params") or 0) for r in starts), default=None)
+
+
 def unused_gather_windows(timeline: list[dict], by: str, target: str) -> list[tuple[int, int]]:
     """Rows [start, end) of the peak step's memory timeline during which unit ``target``'s parameters, all-gathered
     by unit ``by``'s backward prefetch but never used (``target`` runs no backward), are held: from after ``by``'s

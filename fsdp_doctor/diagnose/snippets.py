@@ -988,6 +988,31 @@ def for_transformers(rec) -> None:
         rec.text += HF_SHARDING
 
 
+def trainer_micro_batch_switch(calls: str) -> str:
+    """A Hugging Face Trainer's loop keyed to the last micro-batch of each optimizer step: a callback running
+    ``calls`` (lines on ``model``, reading ``is_last_micro_batch``) before each micro-batch (``on_step_begin`` before
+    the first, ``on_substep_end`` after each but the last), every unit resharded before the optimizer step (a step
+    the epoch's end cuts short has its last backward early)."""
+    body = textwrap.indent(calls, " " * 8)
+    return ("from torch.distributed.fsdp import FSDPModule\n"
+            "from transformers import TrainerCallback\n\n\n"
+            "class DoctorFix(TrainerCallback):  # before each micro-batch: whether it is the step's last\n"
+            "    def on_step_begin(self, args, state, control, model=None, **kwargs):\n"
+            "        self.micro = 0\n"
+            "        self.switch(model, args.gradient_accumulation_steps == 1)\n\n"
+            "    def on_substep_end(self, args, state, control, model=None, **kwargs):\n"
+            "        self.micro += 1\n"
+            "        self.switch(model, self.micro >= args.gradient_accumulation_steps - 1)\n\n"
+            "    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):\n"
+            "        for m in model.modules():\n"
+            "            if isinstance(m, FSDPModule):\n"
+            "                m.reshard()\n\n"
+            "    @staticmethod\n"
+            "    def switch(model, is_last_micro_batch):\n"
+            f"{body}\n\n\n"
+            "trainer.add_callback(DoctorFix())")
+
+
 def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer

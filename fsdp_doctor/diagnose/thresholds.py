@@ -4,6 +4,14 @@ it). Shares are fractions; times ms; sizes bytes."""
 # Memory: a peak at or above this share of capacity is "near capacity" (the CUDA caching allocator rarely runs
 # cleanly above ~90%; this leaves room for fragmentation); a recommendation aims to bring the peak below it.
 NEAR_CAPACITY_SHARE = 0.85
+# A recommendation that spends memory for time (ZeRO-2 on a unit, checkpointing fewer units, parameters kept
+# gathered between micro-batches) keeps the predicted peak below this share of capacity: room for fragmentation
+# and the allocator's cache, under where activation checkpointing is recommended (so that no such fix makes a
+# case for it) ...
+HEADROOM_MAX_SHARE = 0.80
+# ... and is worth a finding when it saves at least this share of the step, a warning from this share on.
+HEADROOM_MIN_GAIN_SHARE = 0.02
+HEADROOM_WARN_GAIN_SHARE = 0.10
 # A memory category "dominates" the peak from this share on (activations, optimizer state, sharded state).
 DOMINANT_CATEGORY_SHARE = 0.40
 

@@ -392,7 +392,7 @@ class AcWrongGranularity(Rule):
 
 # ac.fewer_units aims the peak under this share of capacity: below ac.recommended's (NEAR_CAPACITY_SHARE), so that a
 # run it leaves at its aim is no case for checkpointing more, nor one of ac.recommended's fixes a case for less
-AC_FEWER_TARGET_SHARE = T.NEAR_CAPACITY_SHARE - 0.05
+AC_FEWER_TARGET_SHARE = T.HEADROOM_MAX_SHARE
 
 
 @register

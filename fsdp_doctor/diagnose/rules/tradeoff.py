@@ -25,15 +25,15 @@ from ..base import Context, register
 from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
 from ..base import Rule
-from ..thresholds import BOUND_MIN_SHARE, PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES
+from ..thresholds import (BOUND_MIN_SHARE, HEADROOM_MAX_SHARE, HEADROOM_MIN_GAIN_SHARE, HEADROOM_WARN_GAIN_SHARE,
+                          PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES)
 
-# ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity (room for
-# fragmentation and the allocator's cache, below the 0.85 target other rules aim for).
-ZERO2_MAX_SHARE = 0.80
-# ... and worth a finding when the flipped units save at least this share of the step ...
-ZERO2_MIN_GAIN_SHARE = 0.02
-# ... and a warning when they save this much (a tenth of the step for memory that is there anyway).
-ZERO2_WARN_GAIN_SHARE = 0.10
+# ZeRO-2 on a unit is affordable while the predicted peak stays below this share of capacity; worth a finding
+# when the flipped units save at least the next share of the step, a warning from the last (a tenth of the step for
+# memory that is there anyway): thresholds.py's, for every fix that spends headroom
+ZERO2_MAX_SHARE = HEADROOM_MAX_SHARE
+ZERO2_MIN_GAIN_SHARE = HEADROOM_MIN_GAIN_SHARE
+ZERO2_WARN_GAIN_SHARE = HEADROOM_WARN_GAIN_SHARE
 # The code lists at most this many units one per line; more go in a loop over their names.
 ZERO2_LINES = 8
 
