@@ -10,6 +10,7 @@ else is a field.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar, Optional
 
 import msgspec
@@ -668,8 +669,9 @@ class Report(msgspec.Struct, kw_only=True):
     @classmethod
     def json_schema(cls) -> dict:
         """The JSON schema of the ``--json`` form (``msgspec.json.schema``), as published in
-        ``fsdp_doctor/report.schema.json``."""
-        return msgspec.json.schema(cls)
+        ``fsdp_doctor/report.schema.json``: descriptions cleaned as ``inspect.cleandoc`` cleans a docstring, which
+        msgspec 0.23 does itself and 0.22 did not (the same schema from either)."""
+        return _cleaned(msgspec.json.schema(cls))
 
     @classmethod
     def of(cls, report) -> "Report":
@@ -693,3 +695,13 @@ class Report(msgspec.Struct, kw_only=True):
         out = msgspec.convert(ok, cls)
         out.problems = list(out.problems) + bad
         return out
+
+
+def _cleaned(node):
+    """A JSON schema with every ``description`` cleaned (``inspect.cleandoc``)."""
+    if isinstance(node, dict):
+        return {k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _cleaned(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_cleaned(x) for x in node]
+    return node
