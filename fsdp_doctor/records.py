@@ -164,6 +164,8 @@ TRANSFORMERS_SHARDER = "transformers"
 # RunConfig.sharded_by of a torchtitan model (its parallelize function sharded it from the job's config, whose
 # settings a fix changes: its command line; RunConfig.sharder_version says which torchtitan)
 TORCHTITAN_SHARDER = "torchtitan"
+#: RunConfig.torch_lacks' entry for a release whose FSDPModule has no public set_reshard_after_forward (torch 2.6)
+SET_RESHARD_AFTER_FORWARD = "FSDPModule.set_reshard_after_forward"
 
 
 #: the environment variables the CUDA caching allocator reads its settings from (the second: newer torch's name)
@@ -400,6 +402,9 @@ class StepRecord(Record, tag="step"):
     # generation) and their time; kept out of forward_ms, outside_ms and the units' timings
     no_grad_ms: float = 0.0
     no_grad_forwards: int = 0
+    # of no_grad_ms, the units' all-gathers there (FSDP's pre-forward hooks, issued and waited for: little where the
+    # units are kept gathered); None: no such forward, or not recorded (records before this field)
+    no_grad_gather_ms: float | None = None
     # of those, forwards in eval mode with autograd on that no backward followed (an evaluation that forgot
     # torch.no_grad(): it records the autograd graph and holds its activations until its output is freed)
     autograd_eval_forwards: int = 0

@@ -964,6 +964,12 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     total = logged.item() / dist.get_world_size()
                 doctor.step()
                 losses.append(total)
+                if row.get("loop") == "generate" and step % EVAL_EVERY == EVAL_EVERY - 1:
+                    generate = partial(generate_passes, model, tree, step, rank, (1, cfg.seq_len), dev)
+                    if fix.get("where") == "evaluation":
+                        _exec(fix, model, opt, evaluate=generate)
+                    else:
+                        generate()
                 if row.get("loop") == "eval_autograd" and step % EVAL_EVERY == EVAL_EVERY - 1:
                     evaluate = partial(evaluate_in_eval_mode, model, tree, step, rank, (cfg.batch_size, cfg.seq_len), dev)
                     if fix.get("where") == "evaluation":
@@ -1018,6 +1024,18 @@ def evaluate_in_eval_mode(model, tree: str, step: int, rank: int, size: tuple[in
         return sum(loss_of(model, tree, 10_000 + step, rank, i, size, dev).item() for i in range(EVAL_BATCHES))
     finally:
         model.train()
+
+
+GEN_PASSES = 8  # the "generate" loop's forward passes per generation
+
+
+def generate_passes(model, tree: str, step: int, rank: int, size: tuple[int, int], dev) -> None:
+    """The user's generation after every third step (tests/scenario_matrix.py, loop "generate"): one forward pass
+    without gradients per new token, GEN_PASSES of them on one sequence (no KV cache: each pass the whole
+    sequence), every unit gathered for each."""
+    with torch.no_grad():
+        for i in range(GEN_PASSES):
+            loss_of(model, tree, 20_000 + step, rank, i, size, dev)
 
 
 def replica_drift(model) -> float:
@@ -1169,7 +1187,9 @@ def run_snippets(spec_path: Path) -> dict:
             ns["model"] = model
             if where == "after_backward":  # optim.step_comm's: it reads the gradients
                 loss_of(model, client, 0, 0, device=dev).backward()
-            ns.update((name, LOOP_VALUES[name]) for name in inputs)  # a name without a value: a KeyError, reported
+            if "evaluate" in inputs:  # the user's evaluation: a forward pass without a backward after it
+                ns["evaluate"] = partial(loss_of, model, client, 0, 0, device=dev)
+            ns.update((name, LOOP_VALUES[name]) for name in inputs if name != "evaluate")  # (none: a KeyError)
             exec(compile(code, f"<{finding_code} fix>", "exec"), ns)
             model, opt = ns["model"], ns["optimizer"]
             if SHARDING_GOES_HERE in snippet:

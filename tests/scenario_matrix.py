@@ -88,7 +88,8 @@ class Row:
     # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
     # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode);
     # "top_optimizer" builds the optimizer over the last block and what follows it only (tests/clients.py
-    # user_param_groups); "sync_off" calls set_requires_gradient_sync(False) before every backward
+    # user_param_groups); "sync_off" calls set_requires_gradient_sync(False) before every backward; "generate" runs
+    # 8 forward passes without gradients after every third step (tests/clients.py generate_passes)
     loop: Optional[str] = None
     # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
     peak_within: float = 0.10
@@ -220,6 +221,9 @@ ROWS: list[Row] = [
        knobs=GATHER_BOUND, watch=AMPLE, min_severity="info"),
     _r("hf_llama_regather", "hf_llama", "accum.regather", "4 micro-batches of 16 tokens, resharded after each "
        "backward", knobs=GATHER_BOUND, watch=AMPLE, min_severity="info"),
+    # a generation after every third step: 8 forward passes without gradients, every unit gathered in each
+    _r("gpt_generate", "gpt", "eval.regather", "8 forward passes without gradients after every third step",
+       loop="generate", watch=AMPLE, min_severity="info"),
     _r("gpt_prefetch_deep", "gpt", "prefetch.too_early", "explicit prefetch 3 units ahead, budget 5% above peak",
        knobs={"forward_prefetch": 3, "backward_prefetch": 3}, capacity_share=0.95, profile=True,
        min_severity="info"),

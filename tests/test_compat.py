@@ -62,12 +62,16 @@ def _fixture() -> dict:
 def test_no_unreadable_internals(recorded_run):
     """Every private field the doctor reads exists on this torch: nothing is reported unknown."""
     from fsdp_doctor.record import fsdp2 as F2
+    from fsdp_doctor.records import SET_RESHARD_AFTER_FORWARD
 
     run, _, _ = recorded_run
     cfg = run.ranks[0].config
     assert cfg.unavailable == []
     assert set(cfg.torch_lacks) <= {f"label {lab}" for lab in F2.LABELS_MISSING_IN} | {
-        "torch._C._autograd._top_saved_tensors_default_hooks (saved-tensor hooks found by a probe op)"}
+        "torch._C._autograd._top_saved_tensors_default_hooks (saved-tensor hooks found by a probe op)",
+        SET_RESHARD_AFTER_FORWARD}
+    # torch 2.6's FSDPModule has no public set_reshard_after_forward (eval.regather's switch): listed where missing
+    assert (SET_RESHARD_AFTER_FORWARD in cfg.torch_lacks) == (not hasattr(F2.FSDPModule, "set_reshard_after_forward"))
     for rd in run.ranks.values():
         assert all(not (s.memory and s.memory.unknown) for s in rd.steps)
 

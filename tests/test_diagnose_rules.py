@@ -1667,3 +1667,35 @@ def test_accumulation_under_torchtitan_offers_no_loop_code():
     assert rec.code == "" and rec.where == "" and rec.inputs == {}, rec
     assert "torchtitan 0.3.0 sharded this model" in rec.text and "train_step" in rec.text, rec.text
     assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]  # (the gain stays: the change is real)
+
+
+def _eval_ctx(gather_ms=80.0, *, capacity=8 << 30, lacks=(), raf=True):
+    """The reference GPT's layout (one training forward's all-gather waits: 1.0 + 4 x 1.0 + 1.0 ms), 6 steps of
+    which two ran 8 forward passes without gradients taking ``gather_ms`` of all-gathers each."""
+    us = healthy_units(reshard_after_forward=raf)
+    ctx = build(units=us, memory=memory(40 * MiB, capacity=capacity), capacity=capacity, torch_lacks=list(lacks))[0]
+    ctx.run.ranks = {0: SimpleNamespace(steps=[
+        StepRecord(rank=0, step=i, start_ns=i, wall_ms=110.0, no_grad_forwards=8 if i in (2, 5) else 0,
+                   no_grad_ms=100.0 if i in (2, 5) else 0.0, no_grad_gather_ms=gather_ms if i in (2, 5) else None)
+        for i in range(6)])}
+    return ctx
+
+
+def test_eval_regather():
+    """eval.regather (known answer): 80 ms of all-gathers in each of 2 evaluations of 8 forwards, a training
+    forward's 6 ms: 74 ms saved per evaluation, 24.7 ms a step over 6 steps (22% of 110 ms: a warning); every
+    unit's own setting put back after (the blocks', the embeddings' and the head's: True; the root's False)."""
+    rule = next(c for c in RULES if c.code == "eval.regather")()
+    (f,) = rule.match(_eval_ctx())
+    assert f.severity == "warning" and f.evidence["training_forward_allgather_ms"] == 6.0
+    assert f.evidence["saved_ms_per_evaluation"] == 74.0 and f.evidence["saved_ms_per_step"] == pytest.approx(24.667)
+    code = f.recommendation.code
+    assert code.startswith("import torch\nfrom torch.distributed.fsdp import FSDPModule\n"), code
+    assert "model.set_reshard_after_forward(False)" in code and "model.set_reshard_after_forward(True" not in code
+    assert "model.get_submodule('layers.3').set_reshard_after_forward(True, recurse=False)" in code, code
+    # quiet, and why: gathered about once already; no capacity; this torch has no switch (words, no code)
+    assert rule.match(_eval_ctx(10.0)) == [] and rule.why_quiet.startswith("the units stay gathered")
+    assert rule.match(_eval_ctx(capacity=None)) == [] and "capacity" in rule.why_quiet
+    (f,) = rule.match(_eval_ctx(lacks=["FSDPModule.set_reshard_after_forward"]))
+    assert f.recommendation.code == "" and "no set_reshard_after_forward" in f.recommendation.text
+    assert rule.match(_eval_ctx(raf=2)) == [] and "int reshard_after_forward" in rule.why_quiet

@@ -199,3 +199,19 @@ def test_regather_fix_keeps_every_unit_gathered_between_micro_batches(matrix, ro
     quiet = {r.code: r.reason for r in o.after.rules}
     assert quiet["accum.regather"].startswith("the units are kept gathered between micro-batches already"), quiet
     assert sorted(o.finding.evidence["units_kept_gathered"]) == sorted(u.name for u in o.report.units if u.param_count)
+
+
+@pytest.mark.rows("gpt_generate")
+def test_generation_fix_gathers_once_and_leaves_training_unchanged(matrix):
+    """eval.regather on 8 forward passes without gradients after every third step: the fix keeps every unit gathered
+    around the user's generation (FSDP2's set_reshard_after_forward), puts each unit's own setting back and
+    reshards them before training resumes. The rerun's generation gathers about once (the rule says so, quiet),
+    and the losses are bit-identical: the fix changes no training step."""
+    o = matrix["gpt_generate"]
+    code = _code(matrix, "gpt_generate")
+    assert o.finding.recommendation.where == "evaluation" and "evaluate()" in code, code
+    assert "model.get_submodule('layers.3').set_reshard_after_forward(True, recurse=False)" in code, code
+    assert not o.after_error and o.after is not None, o.after_error
+    quiet = {r.code: r.reason for r in o.after.rules}
+    assert quiet["eval.regather"].startswith("the units stay gathered across those forwards"), quiet
+    assert o.result["losses"] and o.after_result["losses"] == o.result["losses"]

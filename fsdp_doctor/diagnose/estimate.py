@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 import msgspec
 
+from ..analyze.steps import unit_modules, unit_passes
 from ..records import (ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
@@ -483,6 +484,24 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
             out.append((fe + 1, (prev if prev is not None else bs) + 1))
         lo = bs + 1
     return out
+
+
+def micro_batches(ctx: Context) -> dict[str, float]:
+    """Per unit, forward passes per optimizer step (median over steady steps and ranks): the larger of the
+    recorder's micro-batch count (``doctor.step()`` calls between two optimizer steps, 1 when it is called once
+    per optimizer step) and the unit's forward calls per module (what the model ran, however the loop calls
+    ``doctor.step()``)."""
+    per: dict[str, list[float]] = {}
+    mods = unit_modules(units(ctx))
+    for rd in (getattr(ctx.run, "ranks", None) or {}).values():
+        for s in rd.steps[1:]:
+            mb = getattr(s, "micro_batches", None)
+            for us in s.units:
+                calls = unit_passes(us, mods)
+                n = max(mb or 0, calls or 0) or None
+                if n:
+                    per.setdefault(us.name, []).append(float(n))
+    return {k: statistics.median(v) for k, v in per.items()}
 
 
 def regather_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:

@@ -68,6 +68,8 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from ..records import SET_RESHARD_AFTER_FORWARD
+
 log = logging.getLogger("fsdp_doctor")
 
 #: The oldest torch whose FSDP2 (``torch.distributed.fsdp.fully_shard``) the doctor reads.
@@ -551,6 +553,8 @@ def features_unavailable() -> list[str]:
         out.append("torch._C._autograd._top_saved_tensors_default_hooks (saved-tensor hooks found by a probe op)")
     if FSDPModule is not None and not hasattr(FSDPModule, "_set_unshard_async_op"):
         out.append("FSDPModule._set_unshard_async_op")
+    if FSDPModule is not None and not hasattr(FSDPModule, "set_reshard_after_forward"):  # 2.6
+        out.append(SET_RESHARD_AFTER_FORWARD)
     return out
 
 

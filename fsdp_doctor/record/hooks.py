@@ -75,6 +75,8 @@ class StepTimings:
     # of no_grad_ms, forwards without gradients before the first training forward or after the last optimizer.step()
     # (evaluation between steps): the part lying in the time between steps
     no_grad_between_ms: float = 0.0
+    # of no_grad_ms, the units' all-gathers (FSDP's pre-forward hooks, issued and waited for)
+    no_grad_gather_ms: float = 0.0
 
 
 class _UnitAcc:
@@ -134,6 +136,7 @@ class StepTimer:
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
+        self._ng_gather_t0: dict[int, int] = {}
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -267,13 +270,30 @@ class StepTimer:
 
 
     def _mk(self, fn, idx):
+        # inside a forward without gradients only FSDP's pre-forward is timed, around its all-gather
+        quiet = {"_fwd_outer_pre": self._ng_outer_pre, "_fwd_inner_pre": self._ng_inner_pre}.get(fn.__name__)
+
         def hook(module, *args):
-            if self.active and not self._no_grad_t0 and not _compiling():
+            if self.active and not _compiling():
+                if self._no_grad_t0:
+                    if quiet is not None:
+                        quiet(idx)
+                    return
                 try:
                     fn(idx, args)
                 except Exception as e:  # noqa: BLE001
                     self._fail(fn.__name__, e)
         return hook
+
+    def _ng_outer_pre(self, idx) -> None:
+        """A unit entered inside a forward without gradients: before FSDP's pre-forward (the all-gather)."""
+        self._ng_gather_t0[idx] = _now()
+
+    def _ng_inner_pre(self, idx) -> None:
+        """... and after it: its time is the unit's all-gather, issued and waited for (nothing when kept gathered)."""
+        t0 = self._ng_gather_t0.pop(idx, 0)
+        if t0:
+            self._ng_gather_ns += _now() - t0
 
     def _safe(self, fn, where: str) -> None:
         try:
@@ -658,6 +678,7 @@ class StepTimer:
     def begin_step(self) -> None:
         self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
         self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
+        self._ng_gather_ns = 0  # FSDP's pre-forward all-gathers inside forwards without gradients
         # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
         # a backward follows (training with model.eval()). Recorded like a training forward; once the loop moves on
         # (a training forward, the step's end) without a backward, it is taken out of forward_ms and the units'
@@ -686,6 +707,7 @@ class StepTimer:
         return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
+                           no_grad_gather_ms=_ms(self._ng_gather_ns),
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
                            last_optimizer_end_ns=self._opt_end,
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)))

@@ -400,6 +400,7 @@ class Doctor:
                                       - own_ms - save_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
+            no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
         )

@@ -5,30 +5,11 @@ from __future__ import annotations
 
 import statistics
 
-from ...analyze.steps import unit_modules, unit_passes
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
 from ...units import fmt_bytes
-
-
-def _micro_batches(ctx: Context) -> dict[str, float]:
-    """Per unit, forward passes per optimizer step (median over steady steps and ranks): the larger of the
-    recorder's micro-batch count (``doctor.step()`` calls between two optimizer steps, 1 when it is called once
-    per optimizer step) and the unit's forward calls per module (what the model ran, however the loop calls
-    ``doctor.step()``)."""
-    per: dict[str, list[float]] = {}
-    mods = unit_modules(E.units(ctx))
-    for rd in (getattr(ctx.run, "ranks", None) or {}).values():
-        for s in rd.steps[1:]:
-            mb = getattr(s, "micro_batches", None)
-            for us in s.units:
-                calls = unit_passes(us, mods)
-                n = max(mb or 0, calls or 0) or None
-                if n:
-                    per.setdefault(us.name, []).append(float(n))
-    return {k: statistics.median(v) for k, v in per.items()}
 
 
 def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "") -> tuple[str, str, str, dict]:
@@ -64,7 +45,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
             per_unit.setdefault(r.unit, []).append(r)
         counts = {u: statistics.median(r.count_per_step for r in rs) for u, rs in per_unit.items()}
         n = statistics.median(counts.values())
-        micro = _micro_batches(ctx)
+        micro = E.micro_batches(ctx)
         mb = statistics.median(micro.values()) if micro else None
         if n < 1.5:
             return self.quiet(f"{n:.0f} reduce-scatter per unit per step" +
@@ -111,7 +92,7 @@ class AccumulationRegathers(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        micro = _micro_batches(ctx)
+        micro = E.micro_batches(ctx)
         n = statistics.median(micro.values()) if micro else 1.0
         if n < 2:
             return self.quiet(f"{n:.0f} forward pass per unit per optimizer step: no micro-batches to gather between")

@@ -1,0 +1,117 @@
+"""Forward passes without gradients (evaluation, generation) that all-gather every unit again in each pass."""
+
+from __future__ import annotations
+
+import statistics
+
+from .. import estimate as E
+from .. import snippets as S
+from .. import thresholds as T
+from ..base import Context, Rule, register
+from ...records import SET_RESHARD_AFTER_FORWARD
+from ...units import fmt_bytes
+
+# forwards without gradients whose all-gathers take at most this many training forwards' worth keep the units
+# gathered already (the first pass gathers them; a unit kept gathered returns from FSDP's pre-forward at once)
+KEPT_PASSES = 2.0
+
+
+def _evaluations(ctx: Context) -> list[tuple[int, float, float]]:
+    """(forwards without gradients and autograd, their time ms, their all-gathers ms) of each step that ran two or
+    more, every rank's (records before ``no_grad_gather_ms`` have none)."""
+    out = []
+    for rd in (getattr(ctx.run, "ranks", None) or {}).values():
+        for s in rd.steps:
+            n = s.no_grad_forwards - s.autograd_eval_forwards
+            if n >= 2 and s.no_grad_gather_ms is not None:
+                out.append((n, s.no_grad_ms, s.no_grad_gather_ms))
+    return out
+
+
+def _training_gather_ms(ctx: Context) -> float:
+    """One training forward's all-gather waits (ms): each unit's per step over its forward passes, summed."""
+    passes = E.micro_batches(ctx)
+    return sum(u.timing.ag_wait_fwd_ms / max(1.0, passes.get(u.name, 1.0)) for u in E.param_units(ctx))
+
+
+@register
+class EvalRegather(Rule):
+    code = "eval.regather"
+    name = "Evaluation gathering every unit in every forward"
+    description = ("Forward passes without gradients (evaluation, generation) all-gather every unit again in each "
+                   "pass; kept gathered for the whole evaluation, they are gathered once.")
+    needs = ("records", "sharded")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        evals = _evaluations(ctx)
+        if not evals:
+            return self.quiet("no step ran two or more forward passes without gradients (their all-gathers timed)")
+        passes = statistics.median(n for n, _, _ in evals)
+        ms, gathered = statistics.median(m for _, m, _ in evals), statistics.median(g for _, _, g in evals)
+        once = _training_gather_ms(ctx)
+        if once <= 0:
+            return self.quiet("no training forward's all-gather was timed")
+        if gathered <= KEPT_PASSES * once:
+            return self.quiet(f"the units stay gathered across those forwards: {gathered:.1f} ms of all-gathers for "
+                              f"{passes:.0f} forwards, a training forward's {once:.1f} ms")
+        cap, peak, step = E.capacity_bytes(ctx), E.peak_bytes(ctx), E.step_ms(ctx)
+        if not cap:
+            return self.quiet(E.NO_CAPACITY)
+        if peak is None or not step:
+            return self.quiet("needs the step records' memory and step times")
+        us = E.param_units(ctx)
+        if any(isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool)
+               for u in us):
+            return self.quiet("a unit reshards to a smaller group after forward (an int reshard_after_forward), which "
+                              "the switch the fix uses does not restore")
+        held = sum(u.unsharded_bytes for u in us if u.reshard_after_forward is not False)
+        pm = E.peak_memory(ctx)
+        base = int(pm.timeline[0].get("total") or 0) if pm is not None and pm.timeline else peak
+        # every unit gathered at once, over what the step starts with, and the last one's all-gather buffers
+        during = base + held + max((u.unsharded_bytes for u in us), default=0)
+        if during > T.HEADROOM_MAX_SHARE * cap:
+            return self.quiet(f"every unit gathered at once would hold about {fmt_bytes(during)} during the "
+                              f"evaluation, over {100 * T.HEADROOM_MAX_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
+        saved = gathered - once  # per step that evaluates: one forward's gathering is left
+        runs = max(1, sum(len(rd.steps) for rd in ctx.run.ranks.values()))
+        hits = len(evals)
+        per_step = saved * hits / runs  # spread over every step of the run
+        if per_step < T.HEADROOM_MIN_GAIN_SHARE * step:
+            return self.quiet(f"{saved:.1f} ms saved in each of {hits} of {runs} steps, under "
+                              f"{100 * T.HEADROOM_MIN_GAIN_SHARE:.0f}% of the {step:.1f} ms step spread over the run")
+        sev = "warning" if per_step >= T.HEADROOM_WARN_GAIN_SHARE * step else "info"
+        restore = [u.name for u in us if u.reshard_after_forward is True]
+        text = (f"{hits} of {runs} steps (every rank's) ran {passes:.0f} forward passes without gradients "
+                f"(evaluation, generation): {ms:.1f} ms each, {gathered:.1f} ms of it all-gathering, since every unit "
+                "is resharded after each pass and gathered again for the next. Kept gathered for the whole "
+                f"evaluation, the units are gathered once: about -{saved:.1f} ms per evaluation ({per_step:.1f} ms a "
+                f"step over the run), holding {fmt_bytes(held)} of unsharded parameters meanwhile (about "
+                f"{fmt_bytes(during)} then, {100 * during / cap:.1f}% of capacity). The training steps do not change.")
+        code, where, inputs = "", "", {}
+        if SET_RESHARD_AFTER_FORWARD in (getattr(ctx.config, "torch_lacks", None) or []):
+            text += (" This torch's FSDPModule has no set_reshard_after_forward, the switch the fix turns (a newer "
+                     "torch has it).")
+        else:
+            code = ("# every unit gathered once for the whole evaluation, not once per forward pass\n"
+                    "model.set_reshard_after_forward(False)\n"
+                    "with torch.no_grad():\n"
+                    "    evaluate()\n"
+                    "# the training steps' setting back, and the gathered parameters released\n"
+                    + (S.set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n"
+                       if restore else "")
+                    + "for m in model.modules():\n"
+                      "    if isinstance(m, FSDPModule):\n"
+                      "        m.reshard()")
+            where, inputs = "evaluation", {"evaluate": "your evaluation or generation: the model's forward passes "
+                                                        "without a backward after them"}
+        return [self.finding(
+            sev, f"{passes:.0f} forward passes without gradients gather every unit each: -{saved:.1f} ms kept gathered",
+            {"forwards_per_evaluation": passes, "evaluation_steps": hits, "steps": runs,
+             "evaluation_ms_p50": ms, "evaluation_allgather_ms_p50": gathered,
+             "training_forward_allgather_ms": round(once, 3), "saved_ms_per_evaluation": round(saved, 3),
+             "saved_ms_per_step": round(per_step, 3), "unsharded_held_bytes": held,
+             "evaluation_peak_bytes": int(during), "capacity_bytes": cap},
+            text, code, where=where, inputs=inputs,
+            # (the training steps' time is not what changes: the evaluation's is, in the evidence)
+            predicted=E.predicted(None, None, peak, max(peak, during)))]
