@@ -496,6 +496,14 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "batch_size": 1, "seq_len": 64}, min_severity="info", apply=False),
     _g("gpu_gpt_accum", "gpt", "accum.sync_every_micro_batch", "4 micro-batches, gradient sync on each",
        knobs={**GPU_SHAPE, "grad_accum": 4}, min_severity="info"),
+    # each unit gathered again in every micro-batch's forward (NCCL prefetches forward all-gathers less than gloo
+    # blocks on them: whether the waits left are worth keeping the units gathered is what this row measures)
+    _g("gpu_gpt_regather", "gpt", "accum.regather", "4 micro-batches of 128 tokens, gradient sync on the last",
+       knobs={**GPU_SHAPE, "seq_len": 128, "batch_size": 1, "grad_accum": 4, "accum_no_sync": True}, watch=AMPLE,
+       min_severity="info"),
+    # a generation after every third step: 8 forward passes without gradients, each gathering every unit
+    _g("gpu_gpt_generate", "gpt", "eval.regather", "8 forward passes without gradients after every third step",
+       knobs=GPU_SHAPE, loop="generate", watch=AMPLE, min_severity="info"),
     _g("gpu_gpt_straggler", "gpt", "straggler.rank", "rank 1 sleeps 30 ms every step",
        knobs={**GPU_SHAPE, "sleep_rank": 1, "sleep_ms": 30.0, "steps": 12}, apply=False),  # 7 steady steps
     # every rank stops 60 ms before every third step's forward (a save the doctor is not told of): on the GPU the

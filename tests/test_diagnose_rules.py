@@ -1682,19 +1682,21 @@ def _eval_ctx(gather_ms=80.0, *, capacity=8 << 30, lacks=(), raf=True):
 
 
 def test_eval_regather():
-    """eval.regather (known answer): 80 ms of all-gathers in each of 2 evaluations of 8 forwards, a training
-    forward's 6 ms: 74 ms saved per evaluation, 24.7 ms a step over 6 steps (22% of 110 ms: a warning); every
-    unit's own setting put back after (the blocks', the embeddings' and the head's: True; the root's False)."""
+    """eval.regather (known answer): 80 ms of all-gathers in each of 2 evaluations of 8 forwards (8 training
+    forwards' waits: 48 ms): 70 ms saved per evaluation (one pass's gathering left), 23.3 ms a step over 6 steps
+    (21% of 110 ms: a warning); every unit's own setting put back after (the blocks' and the embeddings': True;
+    the root's and the head's False). Under half of 8 training forwards' waits (24 ms): kept gathered already."""
     rule = next(c for c in RULES if c.code == "eval.regather")()
     (f,) = rule.match(_eval_ctx())
     assert f.severity == "warning" and f.evidence["training_forward_allgather_ms"] == 6.0
-    assert f.evidence["saved_ms_per_evaluation"] == 74.0 and f.evidence["saved_ms_per_step"] == pytest.approx(24.667)
+    assert f.evidence["saved_ms_per_evaluation"] == 70.0 and f.evidence["saved_ms_per_step"] == pytest.approx(23.333)
     code = f.recommendation.code
     assert code.startswith("import torch\nfrom torch.distributed.fsdp import FSDPModule\n"), code
     assert "model.set_reshard_after_forward(False)" in code and "model.set_reshard_after_forward(True" not in code
     assert "model.get_submodule('layers.3').set_reshard_after_forward(True, recurse=False)" in code, code
     # quiet, and why: gathered about once already; no capacity; this torch has no switch (words, no code)
-    assert rule.match(_eval_ctx(10.0)) == [] and rule.why_quiet.startswith("the units stay gathered")
+    assert rule.match(_eval_ctx(23.0)) == [] and rule.why_quiet.startswith("the units stay gathered")
+    assert rule.match(_eval_ctx(25.0))  # (over half: fires)
     assert rule.match(_eval_ctx(capacity=None)) == [] and "capacity" in rule.why_quiet
     (f,) = rule.match(_eval_ctx(lacks=["FSDPModule.set_reshard_after_forward"]))
     assert f.recommendation.code == "" and "no set_reshard_after_forward" in f.recommendation.text

@@ -456,9 +456,10 @@ class AcFewerUnits(Rule):
         step = E.step_ms(ctx)
         sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
         names = [u.name for u in chosen]
-        some = f"all {len(ck)}" if len(chosen) == len(ck) else f"{len(chosen)} of the {len(ck)}"
+        every = len(chosen) == len(ck)
+        some = f"all {len(ck)}" if every else f"{len(chosen)} of the {len(ck)}"
         return [self.finding(
-            sev, f"{some[0].upper()}{some[1:]} checkpointed unit(s) fit in memory without checkpointing",
+            sev, f"{some.capitalize()} checkpointed unit(s) fit in memory without checkpointing",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
              "checkpointed_units": [u.name for u in ck], "units_to_uncheckpoint": names,
              "peak_after_bytes": int(peak_after),
@@ -467,13 +468,12 @@ class AcFewerUnits(Rule):
              "activation_bytes_added": int(sum(extra[n] for n in names)), "activation_source": source,
              "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step},
             f"Checkpointing re-runs the forward of {len(ck)} unit(s) in backward to keep the peak at {fmt_bytes(peak)} "
-            f"of {fmt_bytes(cap)} ({100 * peak / cap:.0f}%). {some[0].upper()}{some[1:].replace(' the ', ' ')} "
-            "can keep their activations "
-            f"(measured in their recompute): the peak would be about {fmt_bytes(peak_after)} "
+            f"of {fmt_bytes(cap)} ({100 * peak / cap:.0f}%). {some.replace(' the ', ' ').capitalize()} can keep their "
+            f"activations (measured in their recompute): the peak would be about {fmt_bytes(peak_after)} "
             f"({100 * peak_after / cap:.0f}%, under {100 * AC_FEWER_TARGET_SHARE:.0f}%), and the step "
             + (f"~{spared:.1f} ms shorter" if spared else "shorter by their recompute (not timed here)")
             + (". Turn checkpointing off (ac.unneeded stays quiet: the peak is at half of capacity or more)."
-               if len(chosen) == len(ck) else ". Turn checkpointing off on those and keep it on the others."),
+               if every else ". Turn checkpointing off on those and keep it on the others."),
             _fewer_code(chosen, f"on {some} checkpointed units"),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
             units=names)]
