@@ -565,8 +565,15 @@ def gathering_after_forward_bytes(u: Unit) -> int:
     unsharded bytes, less the copy it keeps now when it reshards to a smaller world (an int N: each rank keeps
     1/N of the unsharded parameters, ``unsharded_bytes // N``)."""
     raf = u.reshard_after_forward
-    kept = u.unsharded_bytes // raf if isinstance(raf, int) and not isinstance(raf, bool) and raf > 1 else 0
+    kept = u.unsharded_bytes // raf if reshards_to_group(u) and raf > 1 else 0
     return int(u.unsharded_bytes) - int(kept)
+
+
+def reshards_to_group(u: Unit) -> bool:
+    """The unit's reshard_after_forward is an int (after forward it reshards to a group of that many ranks), not a
+    bool."""
+    raf = u.reshard_after_forward
+    return isinstance(raf, int) and not isinstance(raf, bool)
 
 
 def timeline_peak(pm: MemoryRank, changes: list[tuple[list[tuple[int, int]], int]], flat: int = 0) -> int:

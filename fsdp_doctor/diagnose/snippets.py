@@ -988,6 +988,25 @@ def for_transformers(rec) -> None:
         rec.text += HF_SHARDING
 
 
+#: every FSDP unit of the model resharded (FSDPModule.reshard() is not recursive): its gathered parameters released
+RESHARD_EVERY_UNIT = ("for m in model.modules():\n"
+                      "    if isinstance(m, FSDPModule):\n"
+                      "        m.reshard()")
+
+
+def gathered_around_evaluation(restore: list[str]) -> str:
+    """Every unit kept gathered around the user's evaluation (``evaluate()``): gathered once for all its forward
+    passes, then each unit in ``restore`` (those resharded after forward in training) set back, and every unit
+    resharded before training resumes."""
+    return ("# every unit gathered once for the whole evaluation, not once per forward pass\n"
+            "model.set_reshard_after_forward(False)\n"
+            "with torch.no_grad():\n"
+            "    evaluate()\n"
+            "# the training steps' setting back, and the gathered parameters released\n"
+            + (set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n" if restore else "")
+            + RESHARD_EVERY_UNIT)
+
+
 def trainer_micro_batch_switch(calls: str) -> str:
     """A Hugging Face Trainer's loop keyed to the last micro-batch of each optimizer step: a callback running
     ``calls`` (lines on ``model``, reading ``is_last_micro_batch``) before each micro-batch (``on_step_begin`` before
@@ -1004,9 +1023,7 @@ def trainer_micro_batch_switch(calls: str) -> str:
             "        self.micro += 1\n"
             "        self.switch(model, self.micro >= args.gradient_accumulation_steps - 1)\n\n"
             "    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):\n"
-            "        for m in model.modules():\n"
-            "            if isinstance(m, FSDPModule):\n"
-            "                m.reshard()\n\n"
+            f"{textwrap.indent(RESHARD_EVERY_UNIT, ' ' * 8)}\n\n"
             "    @staticmethod\n"
             "    def switch(model, is_last_micro_batch):\n"
             f"{body}\n\n\n"

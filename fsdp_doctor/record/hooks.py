@@ -145,8 +145,9 @@ class StepTimer:
         for idx, u in enumerate(self._units):
             self._acc[idx] = _UnitAcc()
             for m in u.modules:
-                h.append(m.register_forward_pre_hook(self._mk(self._fwd_outer_pre, idx), prepend=True))
-                h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx)))
+                h.append(m.register_forward_pre_hook(self._mk(self._fwd_outer_pre, idx, self._ng_outer_pre),
+                                                     prepend=True))
+                h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx, self._ng_inner_pre)))
                 h.append(m.register_forward_hook(self._mk(self._fwd_inner_post, idx), prepend=True))
                 h.append(m.register_forward_hook(self._mk(self._fwd_outer_post, idx)))
             # Activation checkpointing re-runs the wrapped inner module in backward, not the unit's own
@@ -269,15 +270,14 @@ class StepTimer:
         lg.debug = debug
 
 
-    def _mk(self, fn, idx):
-        # inside a forward without gradients only FSDP's pre-forward is timed, around its all-gather
-        quiet = {"_fwd_outer_pre": self._ng_outer_pre, "_fwd_inner_pre": self._ng_inner_pre}.get(fn.__name__)
-
+    def _mk(self, fn, idx, no_grad=None):
+        """A guarded hook running ``fn``; inside a forward without gradients ``no_grad`` instead (the pre-forward
+        hooks': FSDP's all-gather timed between them), else nothing."""
         def hook(module, *args):
             if self.active and not _compiling():
                 if self._no_grad_t0:
-                    if quiet is not None:
-                        quiet(idx)
+                    if no_grad is not None:
+                        no_grad(idx)
                     return
                 try:
                     fn(idx, args)

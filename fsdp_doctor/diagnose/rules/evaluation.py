@@ -33,7 +33,7 @@ def _evaluations(ctx: Context) -> list[tuple[int, float, float]]:
 def _training_gather_ms(ctx: Context) -> float:
     """One training forward's all-gather waits (ms): each unit's per step over its forward passes, summed."""
     passes = E.micro_batches(ctx)
-    return sum(u.timing.ag_wait_fwd_ms / max(1.0, passes.get(u.name, 1.0)) for u in E.param_units(ctx))
+    return sum(E.ag_wait_ms(u, "forward") / max(1.0, passes.get(u.name, 1.0)) for u in E.param_units(ctx))
 
 
 @register
@@ -64,8 +64,7 @@ class EvalRegather(Rule):
         if peak is None or not step:
             return self.quiet("needs the step records' memory and step times")
         us = E.param_units(ctx)
-        if any(isinstance(u.reshard_after_forward, int) and not isinstance(u.reshard_after_forward, bool)
-               for u in us):
+        if any(E.reshards_to_group(u) for u in us):
             return self.quiet("a unit reshards to a smaller group after forward (an int reshard_after_forward), which "
                               "the switch the fix uses does not restore")
         held = sum(u.unsharded_bytes for u in us if u.reshard_after_forward is not False)
@@ -96,16 +95,7 @@ class EvalRegather(Rule):
             text += (" This torch's FSDPModule has no set_reshard_after_forward, the switch the fix turns (a newer "
                      "torch has it).")
         else:
-            code = ("# every unit gathered once for the whole evaluation, not once per forward pass\n"
-                    "model.set_reshard_after_forward(False)\n"
-                    "with torch.no_grad():\n"
-                    "    evaluate()\n"
-                    "# the training steps' setting back, and the gathered parameters released\n"
-                    + (S.set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n"
-                       if restore else "")
-                    + "for m in model.modules():\n"
-                      "    if isinstance(m, FSDPModule):\n"
-                      "        m.reshard()")
+            code = S.gathered_around_evaluation(restore)
             where, inputs = "evaluation", {"evaluate": "your evaluation or generation: the model's forward passes "
                                                         "without a backward after them"}
         return [self.finding(
