@@ -27,8 +27,8 @@ For the last step, rank 0 prints per category the highest value each tool saw at
 step (our mark (unit, forward_start) = the tracker's "After Pre-Forward" snapshot of that module, forward_end
 = "Before Post-Forward", backward_start = "Before Pre-Backward", backward_end = "Before Post-Backward"), the
 breakdown of both peaks, and the ratios: our peak / the tracker's op-level peak (its "Total" less the token
-batch, "Inputs", which the doctor does not see), and our activations (the highest of the step, marks and
-high-waters between them) / the independent count's highest.
+batch, "Inputs", which the doctor does not see), and our activations (the step's highest, counted at every
+save: ``MemoryStep.activations_high``) / the independent count's highest.
 
 Where the definitions differ:
 
@@ -277,7 +277,8 @@ def compare(out: str, rank: int = 0) -> dict:
         "matched": matched, "mismatched": mismatched, "ours_max": ours_max, "tracker_max": theirs_max,
         "peak": mem.peak.bytes, "peak_at": (mem.peak.unit, mem.peak.phase), "peak_breakdown": mem.peak.breakdown,
         "tracker_peak": tracker_peak, "tracker_breakdown": op_peak,
-        "activations": max(d["activations"] for d in rows), "saved_high": sv["saved_high"][-1],
+        "activations": mem.activations_high, "activations_sampled": max(d["activations"] for d in rows),
+        "saved_high": sv["saved_high"][-1],
         "losses_identical": ours_losses == plain_losses, "probe_us": mem.probe_us, "transients": mem.transients,
     }
 
@@ -318,7 +319,8 @@ def report(name: str, r: dict) -> None:
     unit, phase = r["peak_at"]
     print(f"peak: ours {r['peak'] / mib:.3f} MiB ({unit or '(root)' if unit is not None else 'model'} {phase}), "
           f"tracker {r['tracker_peak'] / mib:.3f} MiB without inputs: ratio {r['peak'] / r['tracker_peak']:.4f}")
-    print(f"activations: ours {r['activations'] / mib:.3f} MiB (the step's highest), independent saved-tensor count "
+    print(f"activations: ours {r['activations'] / mib:.3f} MiB (the step's highest, counted at every save; "
+          f"{r['activations_sampled'] / mib:.3f} MiB at the marks and high-waters), independent saved-tensor count "
           f"{r['saved_high'] / mib:.3f} MiB: ratio {r['activations'] / r['saved_high']:.4f}")
     print(f"categories measured alike, at every matched point: {'equal' if not r['mismatched'] else r['mismatched']}")
     print(f"losses with the doctor bit-identical to those without: {r['losses_identical']}; "

@@ -360,6 +360,9 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     comm_note: str | None = None  # why comm_buffers are unknown
     unknown: list[str] = []  # categories not measurable on this torch (their 0 is no figure)
     unit_activations: dict[str, int] | None = None  # exact steps: bytes each unit's forward left saved
+    # exact steps: the step's highest saved-for-backward bytes, counted at every save (the marks and the
+    # high-water rows only see the moments they sample; 0 in runs recorded before this field)
+    activations_high: int = 0
     # activation checkpointing, exact steps with the high-water on: bytes each unit's recomputes saved for backward,
     # i.e. what its forward would keep saved without checkpointing on top of what it keeps now
     unit_recompute_saved: dict[str, int] | None = None

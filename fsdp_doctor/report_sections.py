@@ -120,7 +120,9 @@ class MemoryRank(_Section):
     peak_breakdown: dict[str, int] = {}  # category -> bytes; adds up to peak_bytes (device categories)
     peak_share: dict[str, float] = {}  # category -> fraction of the peak
     offloaded_host_bytes: int = 0  # host memory of CPU-offloaded state, apart from the peak
-    activations_peak_bytes: int = 0  # highest activation figure sampled on any step
+    # the highest saved-for-backward bytes of any step: counted at every save (MemoryStep.activations_high), else
+    # the highest sampled at the marks and high-water rows (runs recorded before that field, replayed steps)
+    activations_peak_bytes: int = 0
     capacity_bytes: Optional[int] = None
     capacity_fraction: Optional[float] = None
     steady_bytes: dict[str, int] = {}  # after the last optimizer step (what stays between steps)

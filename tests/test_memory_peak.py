@@ -75,6 +75,27 @@ def test_alive_at_a_mark_is_temporaries_there_and_saved_is_activations():
     _nothing_left(probe)
 
 
+def test_the_steps_highest_saved_bytes_are_counted_between_marks():
+    """What the loss saves lives between two marks (loss_start and backward_end here): the marks never see it;
+    ``activations_high`` counts it at the save."""
+    lin = nn.Linear(256, 256)
+    probe = _probe(lin, transients=False)
+    probe.mark(None, "forward_start")
+    x = torch.randn(64, 256)
+    h = torch.relu(lin(x))  # x and relu's output saved: 2 x 64 KiB
+    probe.mark(None, "loss_start")
+    loss = torch.log_softmax(h, -1).sum()  # log_softmax saves its output: 64 KiB more, until backward
+    loss.backward()
+    probe.mark(None, "backward_end")
+    out = probe.step_end(0)
+    cols = out.timeline.columns
+    sampled = [r[cols.index("activations")] for r in out.timeline.rows]
+    assert max(sampled) == 2 * 64 * 256 * 4
+    assert out.activations_high == 3 * 64 * 256 * 4
+    del x, h
+    _nothing_left(probe)
+
+
 def test_storage_resizes_are_counted():
     probe = _probe()
     st = torch.empty(0).untyped_storage()  # made before the step: only its resizes count
@@ -201,7 +222,12 @@ def test_peak_reconciles_with_fsdp_mem_tracker(reconciled, name):
     assert r["transients"] == "exact"
     assert r["matched"] >= 10 and r["mismatched"] == []  # the categories both tools measure: equal at every point
     assert abs(r["peak"] / r["tracker_peak"] - 1) <= 0.02, (r["peak"] / MiB, r["tracker_peak"] / MiB)
-    assert abs(r["activations"] / r["saved_high"] - 1) <= 0.05, (r["activations"] / MiB, r["saved_high"] / MiB)
+    # the step's highest, counted at every save: 1.0000 on all three
+    assert abs(r["activations"] / r["saved_high"] - 1) <= 0.002, (r["activations"] / MiB, r["saved_high"] / MiB)
+    # the marks and high-water rows sample moments: never above the step's highest. The loss's saved log-softmax
+    # lives between two marks and is seen only where the loss's high-water row falls; CI once read the sampled
+    # highest 10% under (4.27 of 4.77 MiB on the GPT, not reproduced here in 20 runs), which this test compared
+    assert 0.85 * r["activations"] <= r["activations_sampled"] <= r["activations"]
     assert r["losses_identical"]  # the dispatch mode and the saved-tensor hooks change nothing (SiLU and GELU)
     if name == "llama8192":
         # the logits' loss and its gradients are the peak at a large vocabulary: the loss phase of its own

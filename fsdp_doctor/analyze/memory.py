@@ -100,7 +100,8 @@ def _activation_peak(steps) -> int:
     best = 0
     for s in steps:
         m = s.memory
-        best = max(best, int((m.peak.breakdown.get("activations", 0) if m.peak is not None else 0) or 0))
+        best = max(best, int((m.peak.breakdown.get("activations", 0) if m.peak is not None else 0) or 0),
+                   m.activations_high)
         tl = m.timeline
         if tl is not None and "activations" in tl.columns:
             i = tl.columns.index("activations")

@@ -54,11 +54,12 @@ class _Saved:
 class _Live:
     """Running count of saved-for-backward storages (shared with the _Saved handles)."""
 
-    __slots__ = ("entries", "bytes", "packs", "cast", "cast_dtype")
+    __slots__ = ("entries", "bytes", "high", "packs", "cast", "cast_dtype")
 
     def __init__(self):
         self.entries: dict[int, list[int]] = {}  # storage key -> [saved references alive, bytes, autocast's copy]
         self.bytes = 0
+        self.high = 0  # the highest ``bytes`` since the step began, between marks too
         self.packs = 0
         self.cast = 0  # of ``bytes``, autocast's copies of FSDP's unsharded parameters
         self.cast_dtype: str | None = None
@@ -86,6 +87,7 @@ class SavedTensors:
         self.mode = "off"
         self.note = None
         self.live.packs = 0
+        self.live.high = self.live.bytes
         self.pack_ns = 0
         self.unit_act = {}
         self.unit_act_start = {}
@@ -141,6 +143,8 @@ class SavedTensors:
                 cast = self.autocast and t.dtype in _LOW and self._param_cast(t if b is None else b)
                 live.entries[k] = [1, nb, cast]
                 live.bytes += nb
+                if live.bytes > live.high:
+                    live.high = live.bytes
                 if cast:
                     live.cast += nb
                     live.cast_dtype = str(t.dtype).replace("torch.", "")

@@ -426,6 +426,7 @@ class MemoryProbe:
         if full:
             out.autocast = self._autocast
             if act_mode == "exact":
+                out.activations_high = int(self.live.high)
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
                 if any(casts):
                     out.cast_copies = CastCopies(
