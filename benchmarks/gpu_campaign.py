@@ -15,8 +15,9 @@ ran):
                problems and the issue's GPU scenarios (no prefetch, every Linear its own unit, one unit, CPU offload,
                ZeRO-2 and ZeRO-3 with memory to spare, checkpointing needed and unneeded, the optimizer before
                sharding, a small batch, accumulation syncing every micro-batch, a straggler, a tuned baseline), all
-               recorded in one launch of 2 NCCL ranks, each finding's fix applied and rechecked in a second
-               (scenarios_gpu.md, scenarios_gpu.json; the runs in scenarios_gpu/NAME/ are the GPU fixtures)
+               recorded in a launch of 2 NCCL ranks per 5 rows, each finding's fix applied and rechecked in a
+               second (scenarios_gpu.md, scenarios_gpu.json, rewritten after every 5 rows, so a step cut off keeps
+               the rows it finished; the runs in scenarios_gpu/NAME/ are the GPU fixtures)
   overhead_1b  benchmarks/overhead.py on a ~1B-parameter Llama-style GPT with grouped-query attention, 1 rank
   overhead_1b_b16  the same at batch 16 (4x the tokens): a device-bound step, where the host's work runs ahead of
                the device (at batch 4 the step is host-bound, and every microsecond of the doctor's shows)
@@ -65,6 +66,10 @@ def _with(argv: list[str], flag: str, value: str) -> list[str]:
     i = argv.index(flag)
     return [*argv[:i + 1], value, *argv[i + 2:]]
 
+
+# the GPU rows run this many at a time, their table and rechecks written after each: a step cut off at its time limit
+# keeps the rows it finished (the fourth GPU round took most of a 307 s call for 5 rows; a launch costs ~10 s more)
+SCENARIO_CHUNK = 5
 
 # tests/test_gpu.py's test of the GPU rows: the scenarios_gpu step runs the same rows, the tests step leaves it out
 GPU_ROWS_TEST = "test_scenario_matrix_gpu_rows"
@@ -126,7 +131,7 @@ def plan(out: Path, dry: bool, steps: int, rows: str = "all") -> list[Step]:
         # the GPU rows (on the dry run: shrunk, on gloo, their rules quiet: the plumbing only)
         *([] if only == [] else [
             Step("scenarios_gpu", [PY, bench("scenarios.py"), "--device", device, "--rows", "gpu", "--markdown",
-                                   *(["--only", ",".join(only)] if only else []),
+                                   *(["--only", ",".join(only)] if only else []), "--chunk", str(SCENARIO_CHUNK),
                                    "--out", str(out / "scenarios_gpu"), "--table", str(out / "scenarios_gpu.md"),
                                    "--json", str(out / "scenarios_gpu.json")], 420,
                  ["scenarios_gpu.md", "scenarios_gpu.json"])]),
@@ -243,6 +248,15 @@ def adopt(out: Path, dest: Path = FIXTURES) -> list[str]:
     runs = recorded_runs(out)
     if not runs:
         raise SystemExit(f"{out}: no recorded run (fixture/ or scenarios_gpu/NAME/ with a manifest.json)")
+    # a GPU row is adopted once it finished, its recheck written (the scenarios step writes them every few rows: a
+    # step cut off at its limit leaves the rows of its last few recorded, maybe half-way, and unchecked)
+    done = _rechecks(out)
+    unfinished = [r["path"] for r in runs if r["path"] != "fixture" and Path(r["path"]).name not in done]
+    runs = [r for r in runs if r["path"] not in unfinished]
+    if unfinished:
+        lines.append(f"not adopted, their rows unfinished (no recheck in scenarios_gpu.json): {', '.join(unfinished)}")
+    if not runs:
+        raise SystemExit(f"{out}: no finished recorded run ({', '.join(unfinished)} have no recheck)")
     dest.parent.mkdir(parents=True, exist_ok=True)
     # copied beside dest (the earlier recordings first), then swapped in: a failure half-way leaves the committed
     # fixtures as they were

@@ -11,7 +11,7 @@ the step, run there with ``--device cuda`` (2 NCCL ranks on the machine's GPUs, 
 their fixes applied and rechecked as the CPU rows' are, step-time gains included.
 
     .venv/bin/python benchmarks/scenarios.py [--markdown] [--out DIR]   (about 4 minutes on 2 cores)
-    python benchmarks/scenarios.py --device cuda [--rows gpu|all] [--only ROW,...] --markdown --table T.md --json RECHECKS.json
+    python benchmarks/scenarios.py --device cuda [--rows gpu|all] [--only ROW,...] [--chunk N] --markdown --table T.md --json RECHECKS.json
 """
 
 from __future__ import annotations
@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated row names: run these rows only")
     ap.add_argument("--table", type=Path, help="also write the printed table to this file")
     ap.add_argument("--json", type=Path, help="write every row's finding, fix and recheck here")
+    ap.add_argument("--chunk", type=int, default=0, metavar="N",
+                    help="run the rows N at a time (their runs, then their fixes' reruns), writing the table and the "
+                         "rechecks after each N: a run cut off keeps the rows it finished (default: all at once)")
     a = ap.parse_args(argv)
     which = a.rows or ("gpu" if a.device == "cuda" else "cpu")
     rows = {"cpu": M.ROWS, "gpu": M.GPU_ROWS, "all": M.ROWS + M.GPU_ROWS}[which]
@@ -163,27 +166,38 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"--only: no row named {', '.join(unknown)}")
         rows = [M.BY_NAME[n] for n in names]
+    if not rows or a.chunk < 0:
+        ap.error(f"--chunk: {a.chunk} rows at a time" if rows else "--only: no row named")
+    n = a.chunk or len(rows)
+    outcomes: dict[str, M.Outcome] = {}
     with tempfile.TemporaryDirectory() as d:
-        outcomes = M.run_matrix(a.out or Path(d), rows, device=a.device)
-        failed = [f"{o.row.name}: {o.error.splitlines()[0]}" for o in outcomes.values() if o.error]
-        # the known-answer GPU traces stand in for the GPU rows only where they did not run
-        found = _gpu_found() if which == "cpu" else ({}, set())
-        text = render(table(outcomes, *found, planted_only=which == "gpu", device=a.device), a.markdown)
-        baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
-        reruns = sum(1 for o in outcomes.values() if o.after is not None or o.after_error)
-        again = [o.row.name for o in outcomes.values() if o.retried]
-        worlds = sorted({o.row.world for o in outcomes.values()})
-        text += (f"\n\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
-                 f"{len({o.row.tree for o in outcomes.values()})} model trees) and {reruns} reruns, "
-                 f"{' or '.join(map(str, worlds))} {'NCCL' if a.device == 'cuda' else 'gloo'} ranks"
-                 + (f"; failed to run: {'; '.join(failed)}" if failed else "")
-                 + (f"; ran again, their first rerun's peak off the prediction: {', '.join(again)}" if again else ""))
+        for i in range(0, len(rows), n):
+            outcomes.update(M.run_matrix(a.out or Path(d), rows[i:i + n], device=a.device))
+            text = summary(outcomes, which, a.device, a.markdown, [r.name for r in rows[i + n:]])
+            if a.table:
+                a.table.write_text(text + "\n")
+            if a.json:
+                a.json.write_text(json.dumps(rechecks(outcomes, a.device), indent=1, default=str))
         print(text)
-        if a.table:
-            a.table.write_text(text + "\n")
-        if a.json:
-            a.json.write_text(json.dumps(rechecks(outcomes, a.device), indent=1, default=str))
     return 0
+
+
+def summary(outcomes: dict[str, M.Outcome], which: str, device: str, markdown: bool, left: list[str]) -> str:
+    """The table of the rows run so far, and a line saying what ran (and which rows are still to run)."""
+    failed = [f"{o.row.name}: {o.error.splitlines()[0]}" for o in outcomes.values() if o.error]
+    # the known-answer GPU traces stand in for the GPU rows only where they did not run
+    found = _gpu_found() if which == "cpu" else ({}, set())
+    text = render(table(outcomes, *found, planted_only=which == "gpu", device=device), markdown)
+    baselines = [o for o in outcomes.values() if o.row.code is None and not o.error]
+    reruns = sum(1 for o in outcomes.values() if o.after is not None or o.after_error)
+    again = [o.row.name for o in outcomes.values() if o.retried]
+    worlds = sorted({o.row.world for o in outcomes.values()})
+    return (text + f"\n\n{len(outcomes)} scenarios ({len(baselines)} tuned baselines, "
+            f"{len({o.row.tree for o in outcomes.values()})} model trees) and {reruns} reruns, "
+            f"{' or '.join(map(str, worlds))} {'NCCL' if device == 'cuda' else 'gloo'} ranks"
+            + (f"; failed to run: {'; '.join(failed)}" if failed else "")
+            + (f"; ran again, their first rerun's peak off the prediction: {', '.join(again)}" if again else "")
+            + (f"; not run yet: {', '.join(left)}" if left else ""))
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ def _fake_campaign(out: Path, *runs: str) -> int:
     sample = REPO / "traces" / "sample"
     for d in (*runs, "scenarios_gpu/gpu_gpt_whole_fixed", "scenarios_gpu/gpu_gpt_tight_capacity_probe"):
         shutil.copytree(sample, out / d)
-    (out / "scenarios_gpu.json").write_text("{}")
+    (out / "scenarios_gpu.json").write_text(json.dumps({Path(d).name: {"ok": True} for d in runs if d != "fixture"}))
     return sum(f.stat().st_size for f in sample.rglob("*") if f.is_file())
 
 
@@ -266,6 +266,50 @@ def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, 
     shutil.rmtree(inside)
     G.adopt(out, dest)
     assert sorted(p.name for p in dest.parent.iterdir()) == ["gpu"]
+
+
+def test_a_scenarios_step_cut_off_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """benchmarks/scenarios.py --chunk N writes its table and rechecks after every N rows: the campaign's GPU step,
+    killed at its time limit in its second chunk, keeps the first chunk's rows (a real tuned row on gloo here; the
+    second chunk is cut off in its launch). Adopted, only rows with a recheck join traces/gpu: a row recorded when
+    the step was cut may be half-written."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "tests"))
+    import gpu_campaign as G
+    import scenario_matrix as M
+    import scenarios
+
+    steps = {s.name: s for s in G.plan(tmp_path, dry=False, steps=10, rows="new,gpu_gpt_whole")}
+    argv = steps["scenarios_gpu"].argv
+    assert argv[argv.index("--chunk") + 1] == str(G.SCENARIO_CHUNK)
+    real, calls = M.run_matrix, []
+
+    def run_matrix(tmp, rows, device="cpu"):
+        calls.append([r.name for r in rows])
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the campaign's time limit")  # (SIGKILL leaves what was written, as this does)
+        return real(tmp, rows, device=device)
+
+    monkeypatch.setattr(M, "run_matrix", run_matrix)
+    out = tmp_path / "c"
+    (out / "scenarios_gpu").mkdir(parents=True)
+    table, rechecks = out / "scenarios_gpu.md", out / "scenarios_gpu.json"
+    with pytest.raises(KeyboardInterrupt):
+        scenarios.main(["--only", "gpt_tuned,hf_llama_tuned", "--chunk", "1", "--markdown", "--out",
+                        str(out / "scenarios_gpu"), "--table", str(table), "--json", str(rechecks)])
+    assert calls == [["gpt_tuned"], ["hf_llama_tuned"]]
+    assert list(json.loads(rechecks.read_text())) == ["gpt_tuned"]
+    assert json.loads(rechecks.read_text())["gpt_tuned"]["ok"] is True
+    assert table.read_text().rstrip().endswith("; not run yet: hf_llama_tuned")
+    # the cut-off row's folder, as a killed launch leaves it
+    (out / "scenarios_gpu" / "hf_llama_tuned").mkdir()
+    (out / "scenarios_gpu" / "hf_llama_tuned" / "manifest.json").write_text("{}")
+    dest = tmp_path / "repo" / "traces" / "gpu"
+    monkeypatch.setattr(G, "REPO", tmp_path / "repo")
+    lines = G.adopt(out, dest)
+    assert [p.parent.name for p in dest.glob("scenarios/*/manifest.json")] == ["gpt_tuned"]
+    assert lines[0] == ("not adopted, their rows unfinished (no recheck in scenarios_gpu.json): "
+                        "scenarios_gpu/hf_llama_tuned")
 
 
 def test_a_campaign_of_the_new_rows_adds_them_beside_those_recorded_earlier(tmp_path, monkeypatch):
