@@ -395,6 +395,9 @@ class StepRecord(Record, tag="step"):
     outside_ms: float = 0.0  # wall - forward - backward - optimizer - no_grad - doctor: data loading, loss, user code
     gc_ms: float = 0.0
     gc_count: int = 0
+    gc_full_ms: float = 0.0  # of gc_ms, the full (generation 2) collections', which traverse every tracked object
+    # objects the step's collections freed: reference cycles only the collector frees (None: runs before this field)
+    gc_collected: int | None = None
     profiled: bool = False  # inside an active torch.profiler window
     units: list[UnitStep] = []
     memory: MemoryStep | None = None  # memory by category (see fsdp_doctor.record.memory)

@@ -212,6 +212,10 @@ class StepStats(_Section):
     phases_p50_ms: dict[str, float] | UnsetType = UNSET
     gc_ms_total: float | UnsetType = UNSET
     gc_count_total: int | UnsetType = UNSET
+    # of gc_ms_total, the full collections' (generation 2), and the objects the collections freed (the loop's
+    # reference cycles); where every step recorded them
+    gc_full_ms_total: float | UnsetType = UNSET
+    gc_collected_total: int | UnsetType = UNSET
     wall_ms_total: float | UnsetType = UNSET
     recorded: int | UnsetType = UNSET  # steps recorded
     excluded: int | UnsetType = UNSET  # of those, left out (first step, profiled steps, no-grad steps)

@@ -878,7 +878,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     import time
 
     from fsdp_doctor.workloads import WorkloadConfig
-    from fsdp_doctor.workloads.train import autocast, inject_step_faults
+    from fsdp_doctor.workloads.train import autocast, inject_step_faults, release_objects
 
     # the scenario trained before this one in the process left its model and optimizer in reference cycles
     # (FSDP's hooks): collected now, not counted in this one's memory (the GPU campaign's rows carried the previous
@@ -980,6 +980,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         if "gc.freeze" in (row.get("fix") or {}).get("code", ""):  # this scenario's model among the frozen
             gc.unfreeze()
         gc.enable()
+        release_objects()  # (the gc_heap knob's)
         if row.get("alloc_limit") and dev.type == "cuda":  # the next scenario has the whole device
             torch.cuda.set_per_process_memory_fraction(1.0, dev)
     return losses, replica_drift(model)

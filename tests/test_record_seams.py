@@ -131,3 +131,31 @@ def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, 
         assert len([r for r in caplog.records if "without a step of the optimizer" in r.getMessage()]) == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_the_step_timer_counts_what_the_collector_frees_and_its_full_collections():
+    """The gc callback's record of a step: every collection's time (gc_ms), of it the full ones' (gc_full_ms), and
+    the objects they freed (gc_collected): 1,000 two-dict cycles made and dropped, then one full collection and one
+    young one (automatic young collections may free some first: the count is the same)."""
+    import gc
+
+    from fsdp_doctor.record.hooks import StepTimer
+
+    timer = StepTimer(lambda *a: None)
+    timer.active = True
+    timer.begin_step()
+    gc.collect()  # what was garbage before the step is not the step's
+    gc.callbacks.append(timer._gc_cb)
+    try:
+        for _ in range(1000):
+            a: dict = {}
+            b = {"peer": a}
+            a["peer"] = b
+        del a, b
+        gc.collect()
+        gc.collect(0)
+    finally:
+        gc.callbacks.remove(timer._gc_cb)
+    tm = timer.timings()
+    assert tm.gc_collected == 2000 and tm.gc_count >= 2
+    assert 0 < tm.gc_full_ms <= tm.gc_ms

@@ -104,6 +104,9 @@ def step_stats(steps: list[StepRecord]) -> StepStats:
     if steps:
         out.gc_ms_total = round(sum(s.gc_ms for s in steps), 3)
         out.gc_count_total = sum(s.gc_count for s in steps)
+        if all(s.gc_collected is not None for s in steps):
+            out.gc_full_ms_total = round(sum(s.gc_full_ms for s in steps), 3)
+            out.gc_collected_total = sum(s.gc_collected for s in steps)
     return out
 
 

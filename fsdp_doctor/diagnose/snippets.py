@@ -1007,6 +1007,21 @@ def gathered_around_evaluation(restore: list[str]) -> str:
             + RESHARD_EVERY_UNIT)
 
 
+#: the objects set-up made (the model, the optimizer, the data loader's) frozen out of the collector's view: the full
+#: collections, which traverse every object the collector tracks, then traverse only what the steps made
+GC_FROZEN = ("# after building the model, optimizer and data loader: set-up objects leave the collector's view\n"
+             "gc.collect()\ngc.freeze()")
+
+
+def gc_between_steps(every: int) -> str:
+    """No collection inside a step: set-up frozen, the collector off, a full collection every ``every`` steps
+    between two steps, at the same step on every rank (no rank waits for another's pause)."""
+    return (GC_FROZEN + "\ngc.disable()  # no collection inside a step\n\n"
+            "# call after optimizer.step(), at the same step on every rank\n"
+            f"def collect_between_steps(step, every={every}):\n"
+            "    if step % every == 0:\n        gc.collect()")
+
+
 def trainer_micro_batch_switch(calls: str) -> str:
     """A Hugging Face Trainer's loop keyed to the last micro-batch of each optimizer step: a callback running
     ``calls`` (lines on ``model``, reading ``is_last_micro_batch``) before each micro-batch (``on_step_begin`` before

@@ -66,6 +66,8 @@ class StepTimings:
     gc_ms: float
     gc_count: int
     units: list[UnitStep]
+    gc_full_ms: float = 0.0  # of gc_ms, the full (generation 2) collections'
+    gc_collected: int = 0  # objects the collections freed
     no_grad_ms: float = 0.0
     no_grad_forwards: int = 0
     autograd_eval_forwards: int = 0  # of no_grad_forwards: in eval mode with autograd on, no backward after
@@ -670,14 +672,19 @@ class StepTimer:
         if phase == "start":
             self._gc_start = _now()
         elif self._gc_start:
-            self._gc_ns += _now() - self._gc_start
+            dt = _now() - self._gc_start
+            self._gc_ns += dt
             self._gc_count += 1
             self._gc_start = 0
+            if info.get("generation") == 2:
+                self._gc_full_ns += dt
+            self._gc_collected += info.get("collected", 0)
 
 
     def begin_step(self) -> None:
         self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
         self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
+        self._gc_full_ns = self._gc_collected = 0
         self._ng_gather_ns = 0  # FSDP's pre-forward all-gathers inside forwards without gradients
         # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
         # a backward follows (training with model.eval()). Recorded like a training forward; once the loop moves on
@@ -706,6 +713,7 @@ class StepTimer:
         ]
         return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
+                           gc_full_ms=_ms(self._gc_full_ns), gc_collected=self._gc_collected,
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
                            no_grad_gather_ms=_ms(self._ng_gather_ns),
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,

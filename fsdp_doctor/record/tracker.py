@@ -398,7 +398,8 @@ class Doctor:
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,
             outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms
                                       - own_ms - save_ms, 3)),
-            gc_ms=tm.gc_ms, gc_count=tm.gc_count, profiled=profiled, units=tm.units, memory=mem,
+            gc_ms=tm.gc_ms, gc_count=tm.gc_count, gc_full_ms=tm.gc_full_ms, gc_collected=tm.gc_collected,
+            profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,

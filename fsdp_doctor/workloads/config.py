@@ -41,7 +41,8 @@ class WorkloadConfig:
     the forward of the steps in `sleep_steps` (every step when empty); every rank pauses `pause_ms` before
     the forward of every `pause_every`-th step (work done every N steps on every rank: an upload, a save the
     doctor is not told of); `loader_ms` is slept by the data loader before every batch on every rank;
-    `gc_garbage` reference cycles are allocated each step.
+    `gc_garbage` reference cycles are allocated each step; `gc_heap` small objects live for the whole run and a
+    twentieth of that is made each step and kept for 3 (no cycles: full collections traverse them all).
 
     Training loop habits: `grad_accum` micro-batches per optimizer step (each of `batch_size` sequences),
     with FSDP's gradient sync off for all but the last (`set_requires_gradient_sync(False)`) only when
@@ -83,6 +84,7 @@ class WorkloadConfig:
     pause_ms: float = 0.0
     pause_every: int = 0
     gc_garbage: int = 0
+    gc_heap: int = 0
 
     grad_accum: int = 1
     accum_no_sync: bool = False
@@ -118,6 +120,7 @@ class WorkloadConfig:
                "sleep_ms, loader_ms and pause_ms must be >= 0")
         _check(self.pause_every >= 0, f"pause_every must be >= 0, got {self.pause_every}")
         _check(self.gc_garbage >= 0, f"gc_garbage must be >= 0, got {self.gc_garbage}")
+        _check(self.gc_heap >= 0, f"gc_heap must be >= 0, got {self.gc_heap}")
         _check(self.grad_accum >= 1, f"grad_accum must be >= 1, got {self.grad_accum}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1 or None")
         _check(not self.cpu_offload or self.device == "cuda",
@@ -282,6 +285,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="data loader sleep per batch, every rank")
     faults.add_argument("--gc-garbage", type=int, default=d.gc_garbage,
                         help="reference cycles allocated per step (drives the cyclic GC)")
+    faults.add_argument("--gc-heap", type=int, default=d.gc_heap,
+                        help="small objects kept for the whole run, a tenth of that made each step and kept for 3 "
+                             "(drives the GC's full collections)")
     faults.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
     faults.add_argument("--accum-no-sync", action=argparse.BooleanOptionalAction, default=d.accum_no_sync,
                         help="set_requires_gradient_sync(False) on all but the last micro-batch")

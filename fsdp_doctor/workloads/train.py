@@ -138,13 +138,15 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def inject_step_faults(cfg: WorkloadConfig, rank: int, step: int) -> None:
     """Before the forward: the straggler sleep on `cfg.sleep_rank`, every rank's pause on every `cfg.pause_every`-th
-    step, then `cfg.gc_garbage` cycles."""
+    step, then `cfg.gc_garbage` cycles and `cfg.gc_heap`'s objects."""
     if should_sleep(cfg, rank, step):
         time.sleep(cfg.sleep_ms / 1000.0)
     if cfg.pause_every and step % cfg.pause_every == cfg.pause_every - 1:
         time.sleep(cfg.pause_ms / 1000.0)
     if cfg.gc_garbage:
         make_garbage(cfg.gc_garbage)
+    if cfg.gc_heap:
+        hold_objects(cfg.gc_heap)
 
 
 def should_sleep(cfg: WorkloadConfig, rank: int, step: int) -> bool:
@@ -152,6 +154,26 @@ def should_sleep(cfg: WorkloadConfig, rank: int, step: int) -> bool:
     if cfg.sleep_rank is None or cfg.sleep_rank != rank or cfg.sleep_ms <= 0:
         return False
     return not cfg.sleep_steps or step in cfg.sleep_steps
+
+
+#: gc_heap's objects: "heap", kept for the whole run, and "steps", the last steps' records (release_objects drops them)
+_HELD: dict = {}
+
+
+def hold_objects(n: int) -> None:
+    """`n` small objects that live for the whole run (made at the first call: a dataset's index, a tokenizer's
+    cache), and `n // 10` made each step and kept for 3 steps (the step's records). No cycle among them: the
+    collector frees nothing, but the survivors set off full collections, which traverse them all."""
+    if _HELD.get("n") != n:
+        _HELD.update(n=n, heap=[[i] for i in range(n)], steps=[])  # (lists: the collector tracks them)
+    kept = _HELD["steps"]
+    kept.append([[j] for j in range(n // 10)])
+    del kept[:-3]
+
+
+def release_objects() -> None:
+    """Drops what `hold_objects` keeps."""
+    _HELD.clear()
 
 
 def make_garbage(n_cycles: int) -> None:

@@ -20,6 +20,18 @@ from ..base import Context, Rule, register
 GC_SHARE_MIN = 0.03
 # ... or that explain at least this share of the outlier steps.
 GC_OUTLIER_SHARE_MIN = 0.5
+# The collector off inside steps, a collection every N steps between them (N at most GC_DEFER_MAX_STEPS): the
+# reference cycles the loop makes wait for it, N steps' worth, at most GC_PILE_MAX objects (~0.1-0.3 GB). Where
+# fewer than GC_DEFER_MIN_STEPS steps' cycles fit, the collector's work would only move between the steps (and a
+# loop making 400k objects of cycles a step, its collector off, ran 60% slower on 2 gloo ranks: fresh memory for
+# each step's cycles, where the collector had given the last step's back): the lever is the cycles' source, and
+# freezing the set-up objects out of the full collections.
+GC_PILE_MAX = 1_000_000
+GC_DEFER_MAX_STEPS = 100
+GC_DEFER_MIN_STEPS = 10
+# A young collection's time per object it frees (400k objects of two-dict cycles a step: 40 ms of young collections
+# on a 2-core CPU box): what the deferred collection costs a step
+GC_NS_PER_OBJECT = 100
 # One collection is not a pattern: the share is judged without the rank's largest single pause, and the
 # outlier route needs at least this many GC outliers. (The doctor's own profiler window used to leave a
 # 67-215 ms collection for a user step 3-6 steps later; it now collects in its own step, which like every
@@ -70,23 +82,47 @@ class GcPauses(Rule):
                               + (f", and explains {len(gc_out)} of {len(outliers)} outlier steps" if outliers else ""))
         per_step = st.gc_ms_total / st.count
         p50 = st.p50_ms
+        full = (st.gc_full_ms_total or 0.0) / st.count if st.gc_full_ms_total is not UNSET else None
+        made = st.gc_collected_total / st.count if st.gc_collected_total is not UNSET else None
+        evidence = {"gc_ms_per_step": round(per_step, 3), "gc_collections": st.gc_count_total,
+                    "gc_share_pct": round(100 * share, 2), "outlier_steps_from_gc": len(gc_out),
+                    "outlier_steps": len(outliers), "largest_pause_ms": round(largest, 3), "step_p50_ms": p50,
+                    "excluded": "steps of the doctor's profiler windows and their export (its own collection)"}
+        if made is not None:
+            evidence.update(gc_full_ms_per_step=round(full, 3), gc_collected_per_step=round(made))
+        title = f"GC pauses take {100 * share:.1f}% of step time on rank {rank}"
+        if made is None or made * GC_DEFER_MIN_STEPS <= GC_PILE_MAX:
+            every = GC_DEFER_MAX_STEPS if not made else min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made))
+            cost = (made or 0.0) * GC_NS_PER_OBJECT * 1e-6  # the deferred collection, a step's share
+            # the median step's pauses leave it (a full collection every few steps shows in the mean and the tail)
+            typical = (st.phases_p50_ms or {}).get("gc", per_step) if st.phases_p50_ms is not UNSET else per_step
+            return [self.finding(
+                "warning", title, {**evidence, "collect_every_steps": every},
+                "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
+                "whole run after set-up, and collect at a moment of your choosing: every "
+                f"{every} steps on all ranks at once, so that no rank waits for another's pause"
+                + (f" ({made:,.0f} objects of reference cycles a step wait for it: "
+                   f"{made * every:,.0f} at most)." if made and made >= 1000 else "."),
+                S.gc_between_steps(every), where="optimizer",
+                predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - typical + cost), 3),
+                           "peak_bytes_before": None, "peak_bytes_after": None},
+                ranks=[rank],
+            )]
+        # the loop makes reference cycles every step: the collector must free them, off or on
+        young = per_step - full
+        freeze = full / p50 >= GC_SHARE_MIN if p50 else False
         return [self.finding(
-            "warning",
-            f"GC pauses take {100 * share:.1f}% of step time on rank {rank}",
-            {"gc_ms_per_step": round(per_step, 3), "gc_collections": st.gc_count_total,
-             "gc_share_pct": round(100 * share, 2), "outlier_steps_from_gc": len(gc_out),
-             "outlier_steps": len(outliers), "largest_pause_ms": round(largest, 3), "step_p50_ms": p50,
-             "excluded": "steps of the doctor's profiler windows and their export (its own collection)"},
-            "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
-            "whole run after set-up, and collect at a moment of your choosing (e.g. every N steps on all "
-            "ranks at once, so that no rank waits for another's pause).",
-            "# after building the model, optimizer and data loader: set-up objects leave the collector's view\n"
-            "gc.collect()\ngc.freeze()\ngc.disable()  # no collection inside a step\n\n"
-            "# call after optimizer.step(), at the same step on every rank\n"
-            "def collect_between_steps(step, every=100):\n"
-            "    if step % every == 0:\n        gc.collect(generation=1)",
-            predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - per_step), 3),
-                       "peak_bytes_before": None, "peak_bytes_after": None},
+            "warning", title, evidence,
+            f"The loop makes reference cycles that only Python's cyclic garbage collector frees, {made:,.0f} objects "
+            f"a step, and collecting them takes {young:.1f} ms a step. Turning the collector off would not remove "
+            f"that work, only move it and let the cycles pile up ({made * GC_DEFER_MIN_STEPS:,.0f} objects in "
+            f"{GC_DEFER_MIN_STEPS} steps). The lever is the code that makes them: for one step, "
+            "gc.set_debug(gc.DEBUG_SAVEALL) keeps what the collector frees in gc.garbage, by type."
+            + (f" The full collections, {full:.1f} ms a step, traverse every object set-up made as well: freezing "
+               "those takes them out." if freeze else ""),
+            S.GC_FROZEN if freeze else "", where="optimizer" if freeze else "",
+            predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - full), 3),
+                       "peak_bytes_before": None, "peak_bytes_after": None} if freeze else None,
             ranks=[rank],
         )]
 
