@@ -291,8 +291,8 @@ ROWS: list[Row] = [
     _r("gpt_gc_garbage", "gpt", "jitter.gc", "200k reference cycles per step", knobs={"gc_garbage": 200_000,
                                                                                      "steps": 8}, apply=False),
     # no cycle, but a heap the full collections traverse: frozen out of their view and collected between steps
-    _r("gpt_gc_heap", "gpt", "jitter.gc", "1M objects kept for the run, 100k a step kept 3 steps",
-       knobs={"gc_heap": 1_000_000, "steps": 8}),
+    _r("gpt_gc_heap", "gpt", "jitter.gc", "500k objects kept for the run, 125k a step kept 3 steps",
+       knobs={"gc_heap": 500_000, "steps": 10}),
     # the lever is the user's own data pipeline, which the doctor does not see: advice in words
     _r("gpt_slow_loader", "gpt", "jitter.data_wait", "the loader sleeps 150 ms per batch",
        knobs={"loader_ms": 150.0, "steps": 8}, apply=False),

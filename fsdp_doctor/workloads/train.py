@@ -162,12 +162,12 @@ _HELD: dict = {}
 
 def hold_objects(n: int) -> None:
     """`n` small objects that live for the whole run (made at the first call: a dataset's index, a tokenizer's
-    cache), and `n // 10` made each step and kept for 3 steps (the step's records). No cycle among them: the
+    cache), and `n // 4` made each step and kept for 3 steps (the step's records). No cycle among them: the
     collector frees nothing, but the survivors set off full collections, which traverse them all."""
     if _HELD.get("n") != n:
         _HELD.update(n=n, heap=[[i] for i in range(n)], steps=[])  # (lists: the collector tracks them)
     kept = _HELD["steps"]
-    kept.append([[j] for j in range(n // 10)])
+    kept.append([[j] for j in range(n // 4)])
     del kept[:-3]
 
 

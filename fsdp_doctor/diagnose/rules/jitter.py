@@ -95,7 +95,7 @@ class GcPauses(Rule):
             every = GC_DEFER_MAX_STEPS if not made else min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made))
             cost = (made or 0.0) * GC_NS_PER_OBJECT * 1e-6  # the deferred collection, a step's share
             # the median step's pauses leave it (a full collection every few steps shows in the mean and the tail)
-            typical = (st.phases_p50_ms or {}).get("gc", per_step) if st.phases_p50_ms is not UNSET else per_step
+            typical = (st.phases_p50_ms or {}).get("gc", per_step)  # (UNSET is falsy)
             return [self.finding(
                 "warning", title, {**evidence, "collect_every_steps": every},
                 "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
