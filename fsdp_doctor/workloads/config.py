@@ -286,7 +286,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     faults.add_argument("--gc-garbage", type=int, default=d.gc_garbage,
                         help="reference cycles allocated per step (drives the cyclic GC)")
     faults.add_argument("--gc-heap", type=int, default=d.gc_heap,
-                        help="small objects kept for the whole run, a tenth of that made each step and kept for 3 "
+                        help="small objects kept for the whole run, a quarter of that made each step and kept for 3 "
                              "(drives the GC's full collections)")
     faults.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
     faults.add_argument("--accum-no-sync", action=argparse.BooleanOptionalAction, default=d.accum_no_sync,
