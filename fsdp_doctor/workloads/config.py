@@ -42,7 +42,7 @@ class WorkloadConfig:
     the forward of every `pause_every`-th step (work done every N steps on every rank: an upload, a save the
     doctor is not told of); `loader_ms` is slept by the data loader before every batch on every rank;
     `gc_garbage` reference cycles are allocated each step; `gc_heap` small objects live for the whole run and a
-    twentieth of that is made each step and kept for 3 (no cycles: full collections traverse them all).
+    quarter of that is made each step and kept for 3 (no cycles: full collections traverse them all).
 
     Training loop habits: `grad_accum` micro-batches per optimizer step (each of `batch_size` sequences),
     with FSDP's gradient sync off for all but the last (`set_requires_gradient_sync(False)`) only when
