@@ -964,14 +964,13 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     total = logged.item() / dist.get_world_size()
                 doctor.step()
                 losses.append(total)
-                if row.get("loop") == "generate" and step % EVAL_EVERY == EVAL_EVERY - 1:
-                    generate = partial(generate_passes, model, tree, step, rank, (1, cfg.seq_len), dev)
-                    if fix.get("where") == "evaluation":
-                        _exec(fix, model, opt, evaluate=generate)
-                    else:
-                        generate()
-                if row.get("loop") == "eval_autograd" and step % EVAL_EVERY == EVAL_EVERY - 1:
-                    evaluate = partial(evaluate_in_eval_mode, model, tree, step, rank, (cfg.batch_size, cfg.seq_len), dev)
+                # the user's evaluation after every EVAL_EVERY-th step: generation (one sequence, a pass per token)
+                # or evaluation in eval mode that forgot torch.no_grad(); a fix for it runs around it
+                evaluation = {"generate": (generate_passes, (1, cfg.seq_len)),
+                              "eval_autograd": (evaluate_in_eval_mode, (cfg.batch_size, cfg.seq_len)),
+                              }.get(row.get("loop"))
+                if evaluation and step % EVAL_EVERY == EVAL_EVERY - 1:
+                    evaluate = partial(evaluation[0], model, tree, step, rank, evaluation[1], dev)
                     if fix.get("where") == "evaluation":
                         _exec(fix, model, opt, evaluate=evaluate)
                     else:

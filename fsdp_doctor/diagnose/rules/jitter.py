@@ -82,7 +82,7 @@ class GcPauses(Rule):
                               + (f", and explains {len(gc_out)} of {len(outliers)} outlier steps" if outliers else ""))
         per_step = st.gc_ms_total / st.count
         p50 = st.p50_ms
-        full = (st.gc_full_ms_total or 0.0) / st.count if st.gc_full_ms_total is not UNSET else None
+        full = st.gc_full_ms_total / st.count if st.gc_full_ms_total is not UNSET else None
         made = st.gc_collected_total / st.count if st.gc_collected_total is not UNSET else None
         evidence = {"gc_ms_per_step": round(per_step, 3), "gc_collections": st.gc_count_total,
                     "gc_share_pct": round(100 * share, 2), "outlier_steps_from_gc": len(gc_out),
@@ -104,8 +104,7 @@ class GcPauses(Rule):
                 + (f" ({made:,.0f} objects of reference cycles a step wait for it: "
                    f"{made * every:,.0f} at most)." if made and made >= 1000 else "."),
                 S.gc_between_steps(every), where="optimizer",
-                predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - typical + cost), 3),
-                           "peak_bytes_before": None, "peak_bytes_after": None},
+                predicted=E.predicted(p50, max(0.0, p50 - typical + cost)),
                 ranks=[rank],
             )]
         # the loop makes reference cycles every step: the collector must free them, off or on
@@ -121,8 +120,7 @@ class GcPauses(Rule):
             + (f" The full collections, {full:.1f} ms a step, traverse every object set-up made as well: freezing "
                "those takes them out." if freeze else ""),
             S.GC_FROZEN if freeze else "", where="optimizer" if freeze else "",
-            predicted={"step_ms_before": p50, "step_ms_after": round(max(0.0, p50 - full), 3),
-                       "peak_bytes_before": None, "peak_bytes_after": None} if freeze else None,
+            predicted=E.predicted(p50, max(0.0, p50 - full)) if freeze else None,
             ranks=[rank],
         )]
 
