@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rich import box
 from rich.console import Group
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -30,16 +31,16 @@ def render_rule_statuses(statuses: list[RuleStatus]) -> Table:
 
 
 def render_catalogue(rows: list[dict], needs: dict[str, str]) -> Group:
-    """``rows``: ``fsdp_doctor.diagnose.catalogue()``; ``needs``: what each need names."""
-    t = Table(title=f"{len(rows)} rules", box=box.SIMPLE_HEAD, title_justify="left")
-    t.add_column("code", no_wrap=True)
-    t.add_column("severity", no_wrap=True)
-    t.add_column("needs", max_width=20)
-    t.add_column("checks", ratio=1)
+    """``rows``: ``fsdp_doctor.diagnose.catalogue()``; ``needs``: what each need names. One rule per entry: its
+    code, severities and needs on one line, what it checks indented below, so that the text reads at any width (a
+    table's text column was 12 characters wide at 80 columns)."""
+    parts: list = [Text(f"{len(rows)} rules", style="italic")]
     for r in rows:
-        t.add_row(r["code"], r["severity"], ", ".join(r["needs"]) or "—", r["checks"])
-    legend = Text("needs: " + "; ".join(f"{k}: {v}" for k, v in needs.items()), style="dim")
-    return Group(t, legend)
+        head = Text.assemble((r["code"], "bold"), "  ", r["severity"], "  ",
+                             ("needs: " + (", ".join(r["needs"]) or "—"), "dim"))
+        parts += [head, Padding(Text(r["checks"]), (0, 0, 0, 4))]
+    parts.append(Text("\nneeds: " + "; ".join(f"{k}: {v}" for k, v in needs.items()), style="dim"))
+    return Group(*parts)
 
 
 def catalogue_markdown(rows: list[dict], needs: dict[str, str]) -> str:
