@@ -7,7 +7,7 @@ processes, the same memory layout and the same background load. Step times come 
 against it. Excluded from both kinds of block alike: the first ``--skip`` steps of each block (warm-up after
 attaching) and the steps the default profiler schedule records (and the one that carries the trace export).
 
-    .venv/bin/python benchmarks/overhead.py [--blocks 40] [--block-steps 30]   (about 2 minutes)
+    .venv/bin/python benchmarks/overhead.py [--blocks 40] [--block-steps 30] [--compile inductor]   (about 2 minutes)
     python benchmarks/overhead.py --device cuda --nproc 1 --n-layers 16 --d-model 2048 ...   (the GPU campaign's runs)
 
 Prints the median step time of each kind and their ratio (the figure the README quotes), the spread of the
@@ -95,6 +95,9 @@ def rank_main(rank: int, world: int, port: int, a: argparse.Namespace, tmp: str)
     dist.init_process_group(backend_for(cfg.device), rank=rank, world_size=world,
                             **({"device_id": device} if device is not None else {}))
     model, opt = build_training(cfg)
+    if a.compile:  # each block compiled in place after fully_shard, as torchtitan and kernels.launch_bound's fix do
+        for block in model.layers:
+            block.compile(backend=a.compile)
     data = ((tok.to(cfg.device), tgt.to(cfg.device)) for tok, tgt in batches(cfg, rank))
     # On a GPU the host runs ahead: both kinds of block wait for the device at the end of each step (as a loop
     # that logs `loss.item()` does), so a step's time is the device's when it is the longer one.
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--param-dtype", choices=("bf16", "fp32", "fp16"), default=None, help="MixedPrecisionPolicy param_dtype")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="torch.compile each block in place after sharding (inductor, aot_eager, ...)")
     ap.add_argument("--json", default=None, help="also write the figures here (JSON)")
     ap.add_argument("--per-step", action="store_true", help="print rank 0's median time at each step of a block")
     ap.add_argument("--watch", default="{}", help='extra watch() arguments as JSON, e.g. \'{"memory": false}\'')
