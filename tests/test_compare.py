@@ -239,3 +239,33 @@ def test_plain_trace_times_read_the_same_from_nanosecond_traces(prefetch_pair, t
     assert ns.steps_ms == us.steps_ms == {"0": [1.0, 1.0, 1.0, 1.0]}
     assert ns.us_per_step == pytest.approx(us.us_per_step) and ns.prefetched == us.prefetched == {}
     assert op_times([tmp_path / "on" / "rank0.json"]).prefetched == {"forward": {"layers.1"}}
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_comparison_fits_the_terminal_and_no_figure_wraps(width):
+    """Two recorded GPU runs (the whole model one unit, then 7 units): at 80 and 120 columns no line is wider
+    than the terminal, and every figure (a time, a size, a change) stands whole on one line; the names and
+    sentences wrap between words instead (before, "32.7 ms" broke into "32.7" and "ms", and the predictions
+    table's last column was cropped to one character)."""
+    import io
+    from pathlib import Path
+
+    from rich.cells import cell_len
+    from rich.console import Console
+
+    from fsdp_doctor.present.compare import _columns, render_comparison, tables
+
+    gpu = Path(__file__).resolve().parents[1] / "traces" / "gpu" / "scenarios"
+    cmp = compare_runs(load_run(gpu / "gpu_gpt_whole"), load_run(gpu / "gpu_gpt_tuned"))
+    buf = io.StringIO()
+    render_comparison(cmp, Console(file=buf, width=width, force_terminal=False, color_system=None))
+    lines = buf.getvalue().splitlines()
+    assert all(cell_len(line) <= width for line in lines), max(lines, key=cell_len)
+    shown = [t for t in tables(cmp) if t.rows]
+    assert {"Step time", "Memory at the peak (highest rank)", "Predictions of A's findings, checked against B"} <= {
+        t.title for t in shown}
+    figures = [cell for t in shown for row in t.rows for col, cell in zip(_columns(t.header), row)
+               if not col.wrap and not col.drop and cell != "—"]
+    assert len(figures) > 40
+    for cell in figures:
+        assert any(cell in line for line in lines), (width, cell)

@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from ..compare_sections import Comparison, Delta
 from ..memory_categories import label as category_label
+from .fit import Col, fitted_table
 from .fmt import MISSING, fmt_bytes, fmt_ms, fmt_us, unit_label
 
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "outside": "outside model",
@@ -141,16 +140,21 @@ def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
     for note in c.notes:
         console.print(f"[yellow]{note}[/]")
     for t in tables(c):
-        tab = Table(title=t.title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
-        for i, h in enumerate(t.header):
-            tab.add_column(h, justify="left" if i == 0 or h in ("name", "title", "where", "kind", "phase", "code")
-                           else "right", overflow="fold", no_wrap=i == 0 or h == "code",
-                           max_width=48 if h in ("name", "title") else None)
-        for r in t.rows:
-            tab.add_row(*r)
         if t.rows:
-            console.print(tab)
+            console.print(fitted_table(t.title, _columns(t.header), t.rows, console.width, caption=t.note or None))
         else:
-            console.print(f"[bold]{t.title}[/]: ", end="")
-        if t.note:
-            console.print(f"  [dim]{t.note}[/]")
+            console.print(f"[bold]{t.title}[/]: [dim]{t.note}[/]")
+
+
+#: the columns that hold names or sentences (left-aligned, wrapping between words); the others hold figures,
+#: which never wrap
+TEXT_COLUMNS = {"setting", "where", "phase", "kind", "name", "title", "code", "severity", "unit, collective, phase",
+                "fix", "recognised by", "step: predicted vs measured", "peak: predicted vs measured (error)",
+                "category"}
+
+
+def _columns(header: tuple[str, ...]) -> list[Col]:
+    """The table's columns; where it is wider than the terminal, the step's confidence interval is left out first,
+    then the changes in percent (the caption names them)."""
+    return [Col(h, justify="left", wrap=True, fold=40) if i == 0 or h in TEXT_COLUMNS
+            else Col(h, drop=2 if h.endswith("CI of Δ") else 1 if h == "Δ%" else 0) for i, h in enumerate(header)]

@@ -19,6 +19,7 @@ class Col:
     justify: str = "right"
     drop: int = 0  # 0: always shown; where the table does not fit, the highest ``drop`` goes first
     wrap: bool = False  # a name column: may wrap between words (never inside one); numbers never wrap
+    fold: int = 0  # a name column of long identifiers (kernel names): folded inside a word past this width
 
 
 def _len(cell) -> int:
@@ -38,6 +39,7 @@ def _widths(cols: Sequence[Col], rows: Sequence[Sequence]) -> tuple[list[int], l
     natural = [max([cell_len(c.name), *(_len(r[i]) for r in rows)]) for i, c in enumerate(cols)]
     narrow = [max([_min_len(c.name), *(_min_len(r[i]) for r in rows)]) if c.wrap else natural[i]
               for i, c in enumerate(cols)]
+    narrow = [min(n, c.fold) if c.wrap and c.fold else n for n, c in zip(narrow, cols)]
     return natural, narrow
 
 
@@ -62,18 +64,38 @@ def fitted_table(title: str, cols: Sequence[Col], rows: Sequence[Sequence], widt
                  compact: bool = False) -> Table:
     """A rich table of ``rows`` (cells: str or Text) with the columns that fit ``width``; the columns left out
     are named in the caption. ``compact``: one cell between columns instead of three."""
-    keep = fit_columns(cols, rows, width, gap=1 if compact else 3)
-    _, narrow = _widths(cols, rows)
+    gap = 1 if compact else 3
+    keep = fit_columns(cols, rows, width, gap=gap)
+    natural, narrow = _widths(cols, rows)
+    fixed = _shared_widths([cols[i] for i in keep], [natural[i] for i in keep], [narrow[i] for i in keep],
+                           width - gap * (len(keep) - 1) - 2)
     dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
     notes = [caption] if caption else []
     if dropped:
         notes.append(f"not shown at {width} columns: {', '.join(dropped)} (a wider terminal shows them)")
     t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0 if compact else 1), title_justify="left", pad_edge=False,
               caption="\n".join(notes) or None, caption_justify="left", caption_style="dim")
-    for i in keep:
+    for k, i in enumerate(keep):
         c = cols[i]
-        t.add_column(c.name, justify=c.justify, no_wrap=not c.wrap, min_width=narrow[i],
+        t.add_column(c.name, justify=c.justify, no_wrap=not c.wrap, min_width=narrow[i], width=fixed[k],
                      overflow="fold" if c.wrap else "ellipsis")
     for j, r in enumerate(rows):
         t.add_row(*(r[i] for i in keep), style=styles[j] if styles else None)
     return t
+
+
+def _shared_widths(cols: Sequence[Col], natural: Sequence[int], narrow: Sequence[int], room: int) -> list:
+    """Where the columns' natural widths exceed ``room`` (the cells left for content), the name columns' widths:
+    each its narrowest, and what is left shared in proportion to what each would still take, the figures' columns
+    whole (None: a column rich sizes itself). Rich's own collapse can leave such a table a few cells too wide and
+    crop its last column."""
+    if sum(natural) <= room:
+        return [None] * len(cols)
+    wrap = [k for k, c in enumerate(cols) if c.wrap]
+    left = room - sum(natural[k] for k in range(len(cols)) if not cols[k].wrap) - sum(narrow[k] for k in wrap)
+    want = {k: natural[k] - narrow[k] for k in wrap}
+    total = sum(want.values())
+    out: list = [None] * len(cols)
+    for k in wrap:
+        out[k] = narrow[k] + (min(want[k], left * want[k] // total) if total and left > 0 else 0)
+    return out
