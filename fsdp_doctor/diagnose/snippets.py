@@ -619,8 +619,9 @@ def compile_code(t: Tree) -> str:
         return "\n".join(f"for block in {children_expr(c)}:\n    block.compile()  # in place, after fully_shard"
                           for c in conts)
     if not t.unit_labels():
-        return ("# the run names no FSDP unit: the whole model, in place (torch >= 2.2); on an FSDP2 model compile\n"
-                "# each repeated block after fully_shard instead, so that the FSDP hooks stay between them\n"
+        return ("# the run names no FSDP unit: the whole model, in place (torch >= 2.2);\n"
+                "# on an FSDP2 model compile each repeated block after fully_shard instead,\n"
+                "# so that the FSDP hooks stay between them\n"
                 "model.compile()")
     return unit_list(t) + "\nfor unit in units:\n    unit.compile()  # in place, after fully_shard"
 
