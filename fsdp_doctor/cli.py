@@ -71,7 +71,7 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
             _err(f"--{kind} {p}: is one of the inputs being analysed; give another file name")
             return EXIT_BAD_INPUT
     if not run.has_records and not run.trace_files:
-        _err(f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found")
+        _err(_no_input(path, run))
         for p in run.problems:
             _err(p)
         return EXIT_BAD_INPUT
@@ -86,6 +86,16 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
 
         console.print(render_rule_statuses(report.rules))
     return EXIT_PARTIAL if report.problems else EXIT_OK
+
+
+def _no_input(path: Path, run) -> str:
+    """One line: nothing at ``path`` to read; where record streams began (a header) but hold no step, the run
+    stopped before its first doctor.step() (an error in step 0, a kill during FSDP's lazy init)."""
+    begun = sorted(r for r, rd in run.ranks.items() if rd.header is not None)
+    if begun:
+        return (f"{path}: the records of rank {', '.join(map(str, begun))} hold a header and no step: the run stopped "
+                "before its first doctor.step(), and left no profiler trace")
+    return f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"
 
 
 def _nothing_usable(path: Path, report: Report) -> str:
@@ -202,8 +212,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
         report = build_report(run) if run.has_records or run.trace_files else None
         if report is None or not is_usable(run, report):
-            _err(_nothing_usable(path, report) if report else
-                 f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found")
+            _err(_nothing_usable(path, report) if report else _no_input(path, run))
             return EXIT_BAD_INPUT
         sides.append(compare_side(run, report))
     from .analyze.compare import compare

@@ -542,6 +542,7 @@ FIX_PLACES = {
     "startup": "at the top of your training script, before anything allocates CUDA memory (or exported in the "
                "environment that launches it)",
     "unsharded": "in place of your fully_shard calls, on the unsharded model",
+    "before_shard": "before your fully_shard calls, on the unsharded model",
     "sharded": "after your fully_shard calls",
     "around": "around your fully_shard calls (your calls where the code says)",
     "optimizer": "after your optimizer is built",

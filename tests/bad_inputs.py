@@ -258,6 +258,12 @@ def _trace_file_cases() -> list[Case]:
                   "no fsdp-doctor records and no Kineto traces"))
     t.append(Case("path/folder-of-text", lambda d: (d / "notes.txt").write_text("hi") and d, "error",
                   "no fsdp-doctor records and no Kineto traces"))
+    # a run that stopped in step 0 (an error in its first forward): each rank's stream began, nothing after it
+    header = ('{"t":"header","world_size":2,"pid":1,"host":"vm","started_ns":1,"doctor_version":"0.1.0",'
+              '"run_id":"9c96528e1799","rank":%d}\n')
+    t.append(Case("path/records-header-only",
+                  lambda d: [one_file(d, (header % r).encode(), f"rank{r}.records.jsonl") for r in (0, 1)] and d,
+                  "error", "hold a header and no step: the run stopped before its first doctor.step()"))
     t.append(Case("path/all-files-unreadable", lambda d: (one_file(d, b"", "a.json"), one_file(d, b"{", "b.json"))
                   and d, "error", "nothing to analyse"))
     t.append(Case("path/two-files-without-rank",

@@ -787,7 +787,8 @@ def _shard(model, tree: str, cfg, mesh, fix: dict):
     """The user's sharding of ``model``, or the fix that replaces it; then the user's settings after it."""
     from fsdp_doctor.workloads.sharding import apply_activation_checkpointing, apply_fsdp
 
-    if fix.get("where") == "unsharded":  # pasted after the user's own checkpointing, before any fully_shard
+    if fix.get("where") in ("unsharded", "before_shard"):  # pasted after the user's own checkpointing, before any
+        # fully_shard
         if tree == "gpt":
             apply_activation_checkpointing(model, cfg)
         elif cfg.ac != "none":

@@ -164,10 +164,12 @@ ROWS: list[Row] = [
        knobs={"wrap": "blocks_only"}),
     _r("titan_blocks_only", "titan", "wrap.params_in_root", "blocks and root only",
        knobs={"wrap": "blocks_only", **LLAMA_MP}),
+    # (a profiler window: FSDP's labels name no root, so the trace counts every root's collectives as one "(root)"
+    # unit's, several a step; tests/test_scenario_matrix.py holds the trace rules to that)
     _r("gpt_no_root", "gpt", "wrap.root_not_sharded", "fully_shard never on the root", knobs={"wrap": "no_root"},
-       min_severity="warning"),
+       min_severity="warning", profile=True),
     _r("hf_llama_no_root", "hf_llama", "wrap.root_not_sharded", "fully_shard never on the root",
-       knobs={"wrap": "no_root"}),
+       knobs={"wrap": "no_root"}, profile=True),
     _r("resnet_no_root", "resnet", "wrap.root_not_sharded", "fully_shard never on the root",
        knobs={"wrap": "no_root"}),
     _r("titan_mixed_dtype", "titan", "wrap.mixed_dtype_unit", "frozen bf16 weights beside fp32, no policy"),

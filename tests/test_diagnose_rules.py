@@ -361,6 +361,13 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     assert [x.severity for x in run_rule("prefetch.exposed_allgather", ctx)] == ["info"]
     healthy = run_rule("prefetch.exposed_allgather", build(backend="nccl", device="cuda:0")[0])
     assert codes(healthy) == set()
+    # the snippet applied (every unit prefetches the next) and the waits still there: the text says prefetch is set
+    # already, and no code is printed again (it printed the same snippet as the fix)
+    names = [u["name"] for u, _ in us[1:]]
+    for (u, _), nxt in zip(us[1:], names[1:]):
+        u["forward_prefetch"] = [nxt]
+    (f,) = run_rule("prefetch.exposed_allgather", build(units=us, backend="nccl", device="cuda:0")[0])
+    assert "already set" in f.recommendation.text and f.recommendation.code == "", f.recommendation.code
 
 
 def test_prefetch_chain_follows_the_order_fsdp_gathers_nested_units():
@@ -719,7 +726,8 @@ def test_zero2_per_unit_known_answer():
     assert f.predicted["step_ms_after"] == pytest.approx(110.0 - 5.3)
     assert f.severity == "info"  # 5.3 ms of 110: above 2%, under 10%
     # alone, layers.3 adds only 0.26 MiB at the peak (rows 'norm forward_start' .. 'norm backward_start')
-    assert ev["per_unit"][0] == "layers.3: -3.00 ms for 0.76 MiB held (+0.26 at the peak) = 3.97 ms/MiB: flip"
+    assert ev["per_unit"][0] == ("layers.3: -3.00 ms for 774.50 KiB held (+262.50 KiB at the peak alone) = 3.97 "
+                                 "ms/MiB: flip")
     assert ev["per_unit"][2].startswith("layers.1: -1.00 ms") and ev["per_unit"][2].endswith("does not fit")
     code = f.recommendation.code
     assert code.index("get_submodule('layers.3')") < code.index("get_submodule('layers.2')")
@@ -963,6 +971,12 @@ def test_ac_unneeded():
     assert f.evidence["activation_bytes_added"] == 4 * 15 * 64 * 1024
     assert f.evidence["recompute_ms_per_step"] == pytest.approx(20.0)
     assert f.predicted["step_ms_after"] == pytest.approx(90.0)
+    # checkpointing turned off before the user's fully_shard calls, which stay: not "in place of" them (the fix
+    # has no fully_shard call, so read as a replacement it left the model unsharded)
+    assert "fully_shard(" not in f.recommendation.code and f.recommendation.where == "before_shard"
+    from fsdp_doctor.present.fmt import FIX_PLACES
+
+    assert FIX_PLACES["before_shard"] == "before your fully_shard calls, on the unsharded model"
     us[2][1]["recompute_ms"] = 4.0
     ctx, _ = build(units=us, memory=mem)
     assert run_rule("ac.unneeded", ctx)[0].evidence["recompute_source"] == "measured"

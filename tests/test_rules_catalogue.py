@@ -127,6 +127,27 @@ def test_every_quiet_rule_says_why_on_recorded_runs_and_real_traces():
                      sample["jitter.data_wait"]), sample["jitter.data_wait"]
 
 
+def test_a_rule_missing_the_memory_capacity_is_skipped_not_quiet():
+    """The sample run (CPU, no capacity_bytes given): each rule whose check weighs the peak against the capacity is
+    listed skipped with that reason, as a rule whose declared needs are missing is; listed quiet it read as checked
+    and fine. Given a capacity, the same rules are checked: quiet or fired, with their figure."""
+    import fsdp_doctor
+    from fsdp_doctor.diagnose.estimate import NO_CAPACITY
+
+    from conftest import REPO
+
+    run = fsdp_doctor.load_run(REPO / "traces" / "sample")
+    report = fsdp_doctor.build_report(run)
+    no_cap = {s.code: s.status for s in report.rules if s.reason == NO_CAPACITY}
+    assert {"ac.recommended", "reshard.zero2_affordable", "optim.state_dominates"} <= set(no_cap), no_cap
+    assert set(no_cap.values()) == {"skipped"}, no_cap
+    run.config.capacity_bytes = 64 << 20
+    statuses: list = []
+    diagnose(run, fsdp_doctor.build_report(run), statuses=statuses)
+    checked = {s.code: s for s in statuses if s.code in no_cap}
+    assert all(s.status in ("quiet", "fired") and s.reason != NO_CAPACITY for s in checked.values()), checked
+
+
 def test_a_failing_rule_is_listed_failed(monkeypatch):
     run, report = _cpu_ctx()
     cls = next(c for c in RULES if c.code == "wrap.too_coarse")
@@ -255,7 +276,14 @@ def test_severe_verdict_fix_is_written_from_the_run_s_units(bound):
     [f] = SevereVerdict().match(Context(run=run, report=report))
     code = f.recommendation.code
     if bound == "communication":
-        assert "forward_order = [model.get_submodule('layers.0')]" in code and "_set_unshard_async_op(True)" in code
+        # one unit besides the root: nothing to prefetch ahead of it (a loop over one unit is a no-op), so only the
+        # asynchronous unshard; with a second unit, prefetch over both
+        assert "forward_order" not in code and code.endswith("m._set_unshard_async_op(True)"), code
+        layer = run.config.units[1]
+        run.config.units.append(msgspec.structs.replace(layer, name="layers.1", modules=["layers.1"]))
+        [f] = SevereVerdict().match(Context(run=run, report=report))
+        code = f.recommendation.code
+        assert "forward_order = list(model.layers.children())" in code and "_set_unshard_async_op(True)" in code, code
     else:
         assert "units = [model.get_submodule('layers.0')]" in code and "unit.compile()" in code
     assert f.recommendation.where == "sharded"

@@ -55,7 +55,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
         if found:
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
-            statuses.append(cls.status("quiet", rule.why_quiet or NO_REASON))
+            statuses.append(cls.status("skipped" if rule.unchecked else "quiet", rule.why_quiet or NO_REASON))
     if E.transformers_sharded(ctx):  # its fixes where a user of transformers' own sharding can put them
         for f in out:
             S.for_transformers(f.recommendation)

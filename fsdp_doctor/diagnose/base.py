@@ -160,6 +160,7 @@ class Rule:
     last: ClassVar[bool] = False  # runs after every other rule, reading their findings (``ctx.earlier``)
 
     why_quiet: str = ""
+    unchecked: bool = False  # quiet because an input it needs is missing (:meth:`skip`): listed "skipped"
     # the run's RunConfig, set before match (diagnose): what a fix's completion reads (its FSDP mesh)
     config = None
 
@@ -170,6 +171,12 @@ class Rule:
         """No finding, and why (the reason ``analyze --explain`` and the report's ``rules`` show)."""
         self.why_quiet = why
         return []
+
+    def skip(self, why: str) -> list:
+        """No finding because an input the check needs is missing (the memory capacity, a peak): the rule is listed
+        "skipped" with ``why``, not "quiet" as if it had looked and found nothing."""
+        self.unchecked = True
+        return self.quiet(why)
 
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", *,
                 where: str = "", inputs: dict[str, str] | None = None, **kw) -> Finding:

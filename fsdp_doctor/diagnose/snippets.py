@@ -558,9 +558,12 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     gathers them (``gather_order``): in forward each unit prefetches the one whose forward starts next, in
     backward the one whose backward starts next (a block's nested units after it; frozen units left out: the last
     unit that runs backward then prefetches itself, a no-op, since an empty list is FSDP's implicit prefetch, which
-    would gather the frozen unit before it)."""
+    would gather the frozen unit before it). "" where fewer than two units are not the root (every unit its own
+    root: wrap.root_not_sharded's fix comes first)."""
     t = tree(ctx)
     fwd, bwd, recorded = gather_order(t)
+    if len(fwd) < 2:  # no unit besides the root (or one): nothing to prefetch ahead of another; no code
+        return ""
     how = "as your run ran them" if recorded else "module order"
     lines = [f"# FSDP units in the order their forward starts ({how}): each prefetches the next",
              *_order_lines(t, "forward_order", fwd)]
@@ -985,7 +988,7 @@ def for_transformers(rec) -> None:
         rec.where = "transformers"
         for mine, theirs in _HF_CALLS:
             rec.code = rec.code.replace(mine, theirs)
-    elif rec.where in ("unsharded", "around"):
+    elif rec.where in ("unsharded", "before_shard", "around"):
         rec.text += HF_SHARDING
 
 
@@ -1079,14 +1082,14 @@ def for_trainer(rec, finding: str = "") -> None:
 
 def fix_place(code: str) -> str:
     """Where a snippet goes (report_sections.FIX_PLACES): one in two parts around the user's fully_shard calls, a
-    sharding plan on the unsharded model, one that (re)builds or hooks the optimizer after it exists, otherwise a
-    setting on the sharded model."""
+    sharding plan on the unsharded model (a checkpointing change before the user's calls), one that (re)builds or
+    hooks the optimizer after it exists, otherwise a setting on the sharded model."""
     if not code:
         return ""
     if SHARDING_GOES_HERE in code:
         return "around"
-    if BEFORE_SHARDING in code:
-        return "unsharded"
+    if BEFORE_SHARDING in code:  # a sharding plan replaces the user's calls; a checkpointing change goes before them
+        return "unsharded" if "fully_shard(" in code else "before_shard"
     if re.search(r"^\s*optimizer\s*=|\boptimizer\.", code, re.M):
         return "optimizer"
     return "sharded"

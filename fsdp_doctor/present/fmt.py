@@ -177,7 +177,7 @@ def comm_headline(comm: CommSummary | None) -> str | None:
         return None
     txt = f"Exposed communication: {fmt_ms(c.exposed_ms_per_step)} per step"
     if c.comm_ms_per_step is not None:
-        txt += f" of {fmt_ms(c.comm_ms_per_step)} ({fmt_pct(c.overlap_pct)} overlapped)"
+        txt += f" of {fmt_ms(c.comm_ms_per_step)} in collectives ({fmt_pct(c.overlap_pct)} overlapped)"
     return txt + f"; source: {c.source_text or c.source}, median over ranks"
 
 
@@ -242,7 +242,8 @@ def fmt_ms_cell(x) -> str:
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
 
 
-STEPS_TITLE = "Step time per rank, ms (steady state: first step and profiled steps excluded)"
+STEPS_TITLE = ("Step time per rank, ms (steady state: the first step and the doctor's own steps, its profiler "
+               "windows and full memory counts, left out)")
 TRACED_STEPS_TITLE = "Step time per rank, ms (the traces' complete profiler steps; the phase split needs records)"
 STEPS_HEADER = ("rank", "steps", "p50", "p90", "p99", "max", "cv", "fwd", "bwd", "optim", "outside", "GC")
 STEP_PHASES = ("forward", "backward", "optimizer", "outside", "gc")

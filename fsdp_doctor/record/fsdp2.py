@@ -365,20 +365,25 @@ class CommReader:
     pending all-gather results. ``ok`` False (and :meth:`bytes` returns None) when this torch's comm state
     is not recognised."""
 
-    def __init__(self, groups: Iterable):
+    def __init__(self, groups: Iterable, final: bool = True):
+        """``final``: a step has ended, so every root that runs has run FSDP's lazy init. Before that (the first
+        unit's forward), a root not reached yet still holds the comm context of its own that lazy init replaces
+        (2.13+ sets its fields there): pending, not a torch this adapter does not know; where no context is
+        ready at all, ``ok`` is False without saying so until ``final``."""
         self.groups = list(groups)
         ctxs = {}
         for pg in self.groups:
             c = getattr(pg, "comm_ctx", None)
             if c is not None:
                 ctxs[id(c)] = c
-        self.ctxs = list(ctxs.values())
+        # a context is ready once lazy init set its fields; several FSDP roots (fully_shard never applied to the
+        # model) each run their own lazy init at their first forward
+        self.ctxs = [c for c in ctxs.values() if hasattr(c, "all_gather_state")]
         self.rs_list = all(hasattr(c, "reduce_scatter_states") for c in self.ctxs)  # 2.13+
         rs_one = all(hasattr(c, "reduce_scatter_state") for c in self.ctxs)  # 2.6-2.9
         self.ok = (bool(self.ctxs) or not self.groups) and (self.rs_list or rs_one)
-        self.ok = self.ok and all(hasattr(c, "all_gather_state") for c in self.ctxs)
         self.ok = self.ok and all(hasattr(pg, "_all_gather_result") for pg in self.groups)
-        if not self.ok:
+        if not self.ok and final:
             problem("FSDPCommContext.all_gather_state / reduce_scatter_states (2.6-2.9: reduce_scatter_state) / "
                     "FSDPParamGroup._all_gather_result", "comm_buffers unknown")
         self.hsdp = [pg for pg in self.groups if is_hsdp(pg)]

@@ -9,7 +9,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import fmt_bytes
+from ...units import ROOT_LABEL, fmt_bytes
 
 
 def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "") -> tuple[str, str, str, dict]:
@@ -50,6 +50,14 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         if n < 1.5:
             return self.quiet(f"{n:.0f} reduce-scatter per unit per step" +
                               (f" over {mb:.0f} micro-batches" if mb and mb > 1 else ""))
+        # FSDP names a root in no label: several roots (fully_shard never applied to the model) are one "(root)"
+        # in the trace, their reduce-scatters counted together, as one root's over several micro-batches would be
+        if mb is not None and mb < 1.5:
+            return self.quiet(f"{n:.0f} reduce-scatters per unit per step, but 1 forward pass per unit per step: no "
+                              "micro-batches (several FSDP roots, which FSDP's labels do not name, count as one)")
+        if mb is None and set(counts) == {ROOT_LABEL}:
+            return self.quiet(f"only the root's reduce-scatters are labelled ({n:.0f} per step): several FSDP roots, "
+                              "which FSDP's labels do not name, would count the same as micro-batches")
         ranks = {r.rank for r in rows}
         comm = sum(r.comm_ms_per_step for r in rows) / len(ranks)
         exposed = sum(r.exposed_ms_per_step for r in rows) / len(ranks)
@@ -98,7 +106,7 @@ class AccumulationRegathers(Rule):
             return self.quiet(f"{n:.0f} forward pass per unit per optimizer step: no micro-batches to gather between")
         pm, peak, cap, step = E.peak_memory(ctx), E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not cap:
-            return self.quiet(E.NO_CAPACITY)
+            return self.skip(E.NO_CAPACITY)
         tl = pm.timeline if pm is not None else []
         if not tl or peak is None or not step:
             return self.quiet("needs the peak step's memory timeline and the step times")

@@ -211,7 +211,7 @@ class ExposedAllGather(Rule):
              "compute_measured_by": "trace (device)" if device else "host",
              "free_compute_ms_per_step": None if free is None else round(free, 3),
              "reshard_after_forward_false_ms": round(saved_bwd, 3), "reshard_after_forward_false_bytes": added},
-            text, "" if no_room else S.prefetch_code(ctx),
+            text, "" if no_room or has_fwd_prefetch else S.prefetch_code(ctx),  # (set already: nothing to paste)
             # always a prediction, a zero gain included: "no change expected" is a prediction too
             predicted=E.predicted(step, step - gain, peak, peak),
             units=sorted({u.name for u, _, _ in rows[:6]}))]
@@ -274,7 +274,7 @@ class PrefetchTooEarly(Rule):
     def match(self, ctx: Context):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not peak or not cap or not step:
-            return self.quiet(E.no_peak_or_capacity(peak, cap) if step else "no step time measured")
+            return self.skip(E.no_peak_or_capacity(peak, cap) if step else "no step time measured")
         share = peak / cap
         if share < TIGHT_SHARE:
             return self.quiet(E.below_share("peak", peak, cap, "capacity", TIGHT_SHARE))
@@ -301,8 +301,9 @@ class PrefetchTooEarly(Rule):
         # one fewer unit gathered at the peak: the largest of those held early
         saved = max(u.unsharded_bytes - u.sharded_bytes for u, _, _ in rows)
         sev = "warning" if max(depth, bdepth) >= EXPLICIT_DEPTH_WARN else "info"
+        one_ahead = S.prefetch_code(ctx)
         code = ("# prefetch one unit ahead at most (or clear the explicit lists to fall back to FSDP's default)\n"
-                + S.prefetch_code(ctx))
+                + one_ahead) if one_ahead else ""
         return [self.finding(
             sev, f"Parameters of {len(rows)} unit(s) are gathered up to {rows[0][2]:.1f} ms before use "
                        f"with memory at {100 * share:.0f}% of capacity",

@@ -76,9 +76,10 @@ class _Candidate:
 
     @property
     def row(self) -> str:
-        """The evidence line: saved (of its whole all-gather), MiB held (added at the peak), ms per MiB."""
+        """The evidence line: saved (of its whole all-gather), bytes held (what it alone adds at the peak: units
+        that add nothing alone can add together, where their holding overlaps), ms per MiB."""
         return (f"{self.u.name}: -{self.saved:.2f} ms" + (f" (of {self.comm:.2f})" if self.comm is not None else "")
-                + f" for {E.mib(self.held)} MiB held (+{E.mib(self.at_peak)} at the peak) = "
+                + f" for {fmt_bytes(self.held)} held (+{fmt_bytes(self.at_peak)} at the peak alone) = "
                 f"{self.saved / (self.held / (1 << 20)):.2f} ms/MiB: " + ("flip" if self.flip else "does not fit"))
 
 
@@ -94,7 +95,7 @@ class Zero2PerUnit(Rule):
     def match(self, ctx: Context):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not cap:
-            return self.quiet(E.NO_CAPACITY)
+            return self.skip(E.NO_CAPACITY)
         if peak is None or not step:
             return self.quiet("needs the step records' memory and step times")
         budget = ZERO2_MAX_SHARE * cap

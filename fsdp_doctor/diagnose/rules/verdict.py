@@ -13,7 +13,7 @@ def _prefetch(ctx: Context) -> str:
     """Explicit prefetch over every unit of the run; on gloo, asynchronous unshard too (its all-gathers block the
     host otherwise)."""
     gloo = ctx.config is not None and (ctx.config.backend or "") == "gloo"
-    return S.prefetch_code(ctx) + ("\n" + S.async_unshard_code() if gloo else "")
+    return "\n".join(c for c in (S.prefetch_code(ctx), S.async_unshard_code() if gloo else "") if c)
 
 
 def _compile(ctx: Context) -> str:

@@ -208,7 +208,7 @@ class MemoryProbe:
                 phase = "recompute_start"
             else:
                 if not sizes.static_done:
-                    sizes.refresh_static()
+                    sizes.refresh_static(final=False)
                 if idx not in sizes.keys_built:
                     sizes.add_unit_param_keys(idx)
                 self.acts.unit_forward_start(idx)

@@ -127,8 +127,9 @@ class FsdpSizes:
                     managed.add(id(sp))
         self.unmanaged = [p for p in self.model.parameters() if id(p) not in managed]
 
-    def refresh_static(self) -> None:
-        """Sharded params, unmanaged params, buffers, parameter storage keys (after FSDP's lazy init)."""
+    def refresh_static(self, final: bool = True) -> None:
+        """Sharded params, unmanaged params, buffers, parameter storage keys (after FSDP's lazy init). ``final``
+        False: at the first unit's forward, where roots not reached yet have not run their lazy init."""
         dev = host = 0
         seen: set[int] = set()
         keys: set[int] = set()
@@ -171,11 +172,14 @@ class FsdpSizes:
         self.unsharded_keys.clear()
         self.keys_built = set()
         # the comm fields read at every mark (private FSDP API): checked once by the adapter
-        self._comm = F2.CommReader(g.pg for g in self.groups)
-        if not self._comm.ok:
+        self._comm = F2.CommReader((g.pg for g in self.groups), final=final)
+        if not self._comm.ok and final:
             self.comm_note = (f"torch {F2.TORCH_STR}: FSDP's comm state is not recognised: comm_buffers unknown")
             if "comm_buffers" not in self.unknown:
                 self.unknown.append("comm_buffers")
+        elif self._comm.ok and self.comm_note is not None:  # the roots' lazy init has run since
+            self.comm_note = None
+            self.unknown = [u for u in self.unknown if u != "comm_buffers"]
         self.static_done = True
 
     def add_unit_param_keys(self, idx: int) -> None:
