@@ -196,13 +196,19 @@ def test_hf_trainer_saves_timed_and_their_fix_is_how_often(trainer_run):
     that neither the time outside the model nor an outlier holds it; checkpoint.blocking warns, and its fix sets
     how often the Trainer saves on trainer.args (it has no asynchronous save). Pasted as printed into a new
     Trainer: no save before the end of its 8 steps, and the rule quiet."""
+    # the longest save of each step over the ranks: a rank done sooner waits for it at the next step's first
+    # collective, the Trainer's all-reduce of the batch's token count, outside the model (rank 1 here: saves 41-50 ms
+    # shorter than rank 0's, 35-48 ms more outside after each; on a loaded CI host 175 ms after a 344 ms save)
+    longest = {k: max(r["saves"]["saves"][k][1] for r in trainer_run[0]) for k in trainer_run[0][0]["saves"]["saves"]}
     for res in trainer_run[0]:
         before, after = res["saves"], res["saves_fixed"]
         assert sorted(before["saves"]) == ["2", "4", "6"], before["saves"]
         normal = res["outside_ms_p50"]
-        for n, ms, outside in before["saves"].values():
-            # (the save is out of the time outside the model: that stays near an ordinary step's)
-            assert n == 1 and ms > 20 and outside < normal + 0.5 * ms, (before["saves"], normal)
+        for k, (n, ms, outside) in before["saves"].items():
+            # (the save is out of the time outside the model: that stays near an ordinary step's, with the wait for
+            # a slower rank's save)
+            assert n == 1 and ms > 20 and outside < normal + (longest[k] - ms) + 0.5 * ms, (
+                [r["saves"]["saves"] for r in trainer_run[0]], normal)
         assert not [o for o in before["outliers"] if o[1] in (2, 4, 6) and o[2] != "checkpoint"], before["outliers"]
         f = before["finding"]
         assert f["severity"] == "warning" and f["where"] == "trainer" and f["evidence"]["save_steps_after"] > 8, f
