@@ -105,3 +105,17 @@ def test_on_cuda_the_device_decides():
             g.before_forward_ms = None  # recorded before the device timed that window
     found, st, _ = _rule(run)
     assert not found and st.reason.startswith("on CUDA the time outside the model is the device's"), st
+
+
+def test_one_ranks_late_steps_claim_a_period_from_three_on():
+    """straggler.intermittent, the one-rank case (same constructed runs): rank 1 late by 150 ms outside the model in
+    steps 3, 7, 11, 15 is late every 4 steps; in steps 4 and 11 only, two events are one interval, not a period (a
+    trial on a shared host read "every 7 steps" from two noise spikes)."""
+    def late(extra):
+        rep = fsdp_doctor.build_report(_run({1: extra}))
+        return next(f for f in rep.findings if f.code == "straggler.intermittent").evidence
+
+    ev = late({3: 150.0, 7: 150.0, 11: 150.0, 15: 150.0})
+    assert (ev["rank"], ev["late_steps"], ev["every_n_steps"]) == (1, [3, 7, 11, 15], 4), ev
+    ev = late({4: 150.0, 11: 150.0})
+    assert (ev["late_steps"], ev["every_n_steps"]) == ([4, 11], None), ev

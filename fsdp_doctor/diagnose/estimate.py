@@ -305,6 +305,16 @@ def above_share(what: str, part: float, whole: float, of: str, threshold: float,
     return below_share(what, part, whole, of, threshold, ms, fires="below")
 
 
+def period(steps: list[int], checked: list[int], least: int = 2) -> Optional[int]:
+    """The steps' period: the largest n (over 1) they are all a multiple of n apart by, where every checked step at
+    that spacing is among them (a step between two of them left out of the statistics, a profiled one, does not
+    break the period); None where there are fewer than ``least`` steps, or no such n."""
+    if len(steps) < max(2, least):
+        return None
+    n = math.gcd(*(b - a for a, b in zip(steps, steps[1:])))
+    return n if n > 1 and all(st in steps for st in checked if st % n == steps[0] % n) else None
+
+
 NO_CAPACITY = "memory capacity unknown: pass capacity_bytes= to watch()"
 
 

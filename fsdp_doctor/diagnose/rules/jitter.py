@@ -3,7 +3,6 @@ ranks."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import NamedTuple, Optional
 
@@ -272,14 +271,6 @@ def _outside_by_step(ctx: Context, rd) -> Optional[dict[int, tuple[float, float]
     return out or None
 
 
-def _every(steps: list[int], checked: list[int]) -> Optional[int]:
-    """The steps' period: the largest n (over 1) they are all a multiple of n apart by, where every checked step at
-    that spacing is among them (a step between two of them left out of the statistics, a profiled one, does not
-    break the period); else None."""
-    n = math.gcd(*(b - a for a, b in zip(steps, steps[1:])))
-    return n if n > 1 and all(st in steps for st in checked if st % n == steps[0] % n) else None
-
-
 @register
 class RecurringOutside(Rule):
     code = "jitter.recurring_outside"
@@ -320,7 +311,7 @@ class RecurringOutside(Rule):
         rank = max(shares, key=shares.get)
         share, ex = shares[rank], [excess[rank][st] for st in hit]
         typical = statistics.median(ex)
-        every = _every(hit, common)
+        every = E.period(hit, common)
         said = f"{len(hit)} of {len(common)} steady steps" + (f", every {every} steps" if every else "")
         if share < RECUR_SHARE_NOTE:
             return self.quiet(f"every rank spends {typical:.0f} ms longer outside the model in {said}: "

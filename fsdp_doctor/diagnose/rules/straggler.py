@@ -63,7 +63,8 @@ class IntermittentStraggler(Rule):
         sev = "warning" if step and per_step >= 0.05 * step and len(rows) >= LATE_WARN_MIN_STEPS else "info"
         where = {"outside": "outside the model (data loading, logging, checkpointing, user code)",
                  "forward": "forward", "backward": "backward", "optimizer": "the optimizer step"}[phase]
-        gap = statistics.median(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else None
+        # a period from 3 late steps on, each at that spacing (two are one interval: not yet a period)
+        gap = E.period(steps, common, least=3)
         return [self.finding(
             sev, f"Rank {rank} is late in {len(rows)} of {len(common)} steps (+{statistics.median(x for _, x, _ in rows):.0f} ms each)",
             {"rank": int(rank), "late_steps": steps, "steps_checked": len(common),
