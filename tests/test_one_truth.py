@@ -195,6 +195,11 @@ def test_terminal_fits_its_width(reports, name, width):
     assert not re.search(r"\d[eE][+-]\d", text), "a number in exponent notation (no unit)"
     if rep.units:
         assert any(ln.split()[:1] == ["unit"] for ln in lines), "the unit column is shown"
+        # every unit's name whole, nested ones with their indent counted (at 80 columns "  embed_tokens" was folded
+        # into "  embed_toke" / "ns")
+        for label in short_unit_labels([u.name for u in rep.units]).values():
+            for part in label.split(", "):
+                assert re.search(rf"(^|\s){re.escape(part)}(,|\s|$)", tables, re.M), (width, part)
     first_screen = "\n".join(lines[:50])
     for f in rep.findings:
         assert f"{f.code}: {f.title}"[:30] in _flat(first_screen), f.code
@@ -305,3 +310,24 @@ def test_unit_and_memory_figures_agree_in_every_view(reports, name, tmp_path):
                           ensure_ascii=False)
         assert fmt_bytes(max(m.peak_bytes for m in mem.per_rank.values())) in page
 
+
+
+def test_a_nested_name_keeps_its_indent_and_its_word_whole():
+    """The units table of a Hugging Face run at 80 columns, a nested unit's name indented by two: the narrowest its
+    column may get counts the indent before the first word, so a column is left out instead ("  embed_tokens" was
+    folded into "  embed_toke" / "ns")."""
+    import io
+
+    from fsdp_doctor.present.fit import Col, fitted_table
+
+    cols = [Col("unit", justify="left", wrap=True), Col("params", drop=2), Col("shard", drop=3),
+            Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=3), Col("fwd"), Col("AG wait"),
+            Col("bwd"), Col("AG wait")]
+    rows = [["(root)", "0.00 M", "0 B", "0 B", "false", "none", "1.72", "0.14", "—", "0.00"],
+            ["  embed_tokens", "0.03 M", "64.00 KiB", "128.00 KiB", "true", "none", "6.24", "6.03", "0.45", "0.29"],
+            ["  layers.0", "0.04 M", "72.25 KiB", "144.50 KiB", "false", "none", "5.45", "3.85", "3.77", "2.29"]]
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(fitted_table("FSDP units", cols, rows, 80))
+    text = out.getvalue()
+    assert "  embed_tokens " in text and "embed_toke\n" not in text, text
+    assert max(len(ln) for ln in text.splitlines()) <= 80 and "not shown at 80 columns" in text, text

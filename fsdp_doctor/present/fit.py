@@ -29,9 +29,12 @@ def _len(cell) -> int:
 
 
 def _min_len(cell) -> int:
-    """The narrowest a wrapping cell can get: its longest word."""
+    """The narrowest a wrapping cell can get: its longest word, the first with the indent before it (a nested
+    unit's name, "  embed_tokens", folded to "  embed_toke" / "ns" where only the word was counted)."""
     text = cell.plain if isinstance(cell, Text) else str(cell)
-    return max((cell_len(w) for w in text.split()), default=0)
+    lead = [cell_len(line) - cell_len(line.lstrip()) + cell_len(line.split()[0])
+            for line in text.splitlines() if line.strip()]
+    return max([*(cell_len(w) for w in text.split()), *lead], default=0)
 
 
 def _widths(cols: Sequence[Col], rows: Sequence[Sequence]) -> tuple[list[int], list[int]]:
