@@ -221,6 +221,20 @@ def test_params_in_root():
     assert f.evidence["root_param_share_pct"] == pytest.approx(15.0, abs=0.1)
     assert f.predicted["peak_bytes_after"] == 10 * MiB - (558_080 - 279_040)
     assert run_rule("wrap.params_in_root", build()[0]) == []
+    # every block kept gathered after forward (reshard_after_forward=False): the new unit before the blocks takes
+    # FSDP's default, and the snippet says so where it makes it (the prediction is that unit's)
+    zero2 = [us[0]] + [unit(f"layers.{i}", reshard_after_forward=False, **BLOCK) for i in range(4)]
+    zero2[0][0].update(own_modules=["tok_emb", "norm"], trailing_modules=["norm"])
+    (g,) = run_rule("wrap.params_in_root", build(units=zero2, memory=memory(10 * MiB))[0])
+    code = g.recommendation.code
+    assert ("# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
+            "# reshard_after_forward=False); the predicted peak assumes it\nfully_shard(model.tok_emb, mesh=mesh)\n"
+            in code), code
+    assert "fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)" in code, code
+    default = [zero2[0]] + [unit(f"layers.{i}", **BLOCK) for i in range(4)]  # blocks resharded: nothing to say
+    (g,) = run_rule("wrap.params_in_root", build(units=default, memory=memory(10 * MiB))[0])
+    assert "fully_shard(model.tok_emb, mesh=mesh)" in g.recommendation.code
+    assert "FSDP's default" not in g.recommendation.code, g.recommendation.code
     # a root holding only a tied embedding and output head: nothing its snippet could move
     us[0][0].update(own_modules=["tok_emb", "lm_head"], tied_modules=["tok_emb", "lm_head"])
     assert run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0]) == []

@@ -286,7 +286,13 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         lines.append(_call(group_expr(mods), kw))
     root = t.root()
     if root_leftovers and root is not None:
-        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop))
+        left = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop))
+        rafs = {getattr(u, "reshard_after_forward", True) for u in t.non_root()} if t.units else set()
+        if left and not left[0].startswith("#") and len(rafs) == 1 and (raf := rafs.pop()) not in (True, None):
+            # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
+            left.insert(0, f"# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
+                           f"# reshard_after_forward={raf}); the predicted peak assumes it")
+        lines += left
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
     return "\n".join(lines)
