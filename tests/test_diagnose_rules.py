@@ -1731,6 +1731,19 @@ def test_accumulation_under_torchtitan_offers_no_loop_code():
     assert f.evidence["reducescatters_per_unit_per_step"] == 4.0
     assert "set_requires_gradient_sync(is_last_micro_batch)" in f.recommendation.code
     assert f.recommendation.where == "loop"
+    # the profiled step (the trace's) ran 150 ms, the steady step 110 ms (the records' median, every other
+    # finding's baseline): the share of the profiled step saved, applied to the steady step
+    from fsdp_doctor.report_sections import Verdict
+
+    ctx, rep = build(overlap=ov)
+    rep.verdict = msgspec.convert({"job": {"bound": "communication"}, "per_rank": {
+        str(r): {"bound": "communication", "source": "trace", "step_ms": 150.0} for r in (0, 1)}}, Verdict)
+    (g,) = run_rule("accum.sync_every_micro_batch", ctx)
+    saved = g.evidence["saved_ms_per_step"]
+    # 4 units x 8 ms exposed over the window's 2 steps, 3 of each 4 reduce-scatters saved: 12 ms of 150 (8%)
+    assert saved == pytest.approx(4 * 4.0 * 0.75) and g.evidence["saved_share_pct"] == pytest.approx(8.0)
+    assert g.predicted["step_ms_before"] == 110.0
+    assert g.predicted["step_ms_after"] == pytest.approx(110.0 - 0.08 * 110.0, abs=1e-3)
     (f,) = run_rule("accum.sync_every_micro_batch",
                     build(overlap=ov, sharded_by="torchtitan", sharder_version="0.3.0")[0])
     rec = f.recommendation
