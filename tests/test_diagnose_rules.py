@@ -782,6 +782,12 @@ def test_zero2_per_unit_gpu_reads_the_trace():
     assert f.evidence["units_flipped"][:4] == ["layers.3", "layers.2", "layers.1", "layers.0"]
     assert f.evidence["saved_ms_per_step"] == pytest.approx(1 + 2 + 3 + 4)  # per step: 2 steps in the window
     assert f.evidence["saved_upper_ms_per_step"] == pytest.approx(16.0)
+    # the same rows in a gloo trace time the host's side of each call (an asynchronous one: its launch), no bound on
+    # the host's measured wait: no upper bound claimed
+    ov["per_rank"]["0"]["device"] = "cpu"
+    (g,) = run_rule("reshard.zero2_affordable", build(memory=memory(100 * MiB, capacity=1 << 30), overlap=ov)[0])
+    assert g.evidence["measured_by"] == "host" and g.evidence["saved_upper_ms_per_step"] is None, g.evidence
+    assert not any("(of " in row for row in g.evidence["per_unit"]), g.evidence["per_unit"]
 
 
 # ------------------------------------------------------------------------------------------------ low MFU

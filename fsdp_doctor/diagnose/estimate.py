@@ -640,8 +640,11 @@ def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
 
 
 def backward_allgather_comm_ms(ctx: Context, name: str) -> Optional[float]:
-    """The trace's whole backward all-gather time for a unit (ms per step, median over ranks), exposed or
-    not: what keeping it gathered removes at most (on gloo its copies share the cores with compute)."""
+    """The GPU trace's whole backward all-gather time for a unit (ms per step, median over ranks), exposed or
+    not: what keeping it gathered removes at most. None on a CPU: a gloo trace times the host's side of each call
+    (an asynchronous one, its launch), under the host's measured wait (a trial: -5.58 ms saved "of 2.29")."""
+    if not on_gpu(ctx):
+        return None
     vals = [r.comm_ms_per_step for r in trace_rows(ctx, "all_gather") if r.unit == name and r.phase == "backward"]
     return statistics.median(vals) if vals else None
 
