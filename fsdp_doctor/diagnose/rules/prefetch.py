@@ -446,7 +446,8 @@ class SyncUnshard(Rule):
         saved = bwd_waits * GLOO_ASYNC_BWD_SAVED
         names = [u.name for u in sync]
         return [self.finding(
-            "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} units)",
+            "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} units "
+                       "besides the root)",
             {"backend": "gloo", "units_sync": len(sync), "ag_wait_fwd_ms": round(fwd_waits, 3),
              "ag_wait_bwd_ms": round(bwd_waits, 3), "step_p50_ms": step,
              "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,
@@ -456,7 +457,8 @@ class SyncUnshard(Rule):
             "all-gather runs to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, "
             "including the all-gathers FSDP prefetches in backward. Make the unshard asynchronous on every "
             "unit (private API, torch >= 2.4): the collective then runs on gloo's threads while the host "
-            "computes, and FSDP waits for it only when the unit is needed.",
+            "computes, and FSDP waits for it only when the unit is needed. (The root's own all-gather opens the "
+            "step, with nothing before it to overlap: it is not counted; the snippet sets every unit alike.)",
             S.async_unshard_code(),
             predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None),
             units=names)]
