@@ -163,7 +163,9 @@ class ExposedAllGather(Rule):
         added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(
             E.gathering_after_forward_bytes(u) for u in z2)
         has_fwd_prefetch = any(u.forward_prefetch for u in us)
-        text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% of the step) for all-gathers: "
+        of_step = ("of the step" if of == step else f"of its step, {of:.1f} ms: of the steps, the one whose waits "
+                   "take the median share")
+        text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% {of_step}) for all-gathers: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. "
                 + ("Largest (median per unit): " + ", ".join(f"{u.name or '(root)'} {ph} {w:.1f} ms"
                                                              for u, ph, w in rows[:4]) + ". " if rows else ""))
