@@ -73,7 +73,10 @@ class OptimizerBeforeShard(Rule):
             "fully_shard replaces each parameter with a sharded DTensor parameter. An optimizer built before "
             "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
-            f"({E.mib(stale)} MiB per rank). Build the optimizer after your fully_shard calls (move its line, "
+            f"({E.mib(stale)} MiB per rank). Nor does optimizer.zero_grad() reach the model's parameters: their "
+            "gradients accumulate from step to step"
+            + (f" ({E.mib(bd['sharded_grads'])} MiB of them at the peak, which the predicted peak frees)"
+               if bd.get("sharded_grads") else "") + ". Build the optimizer after your fully_shard calls (move its line, "
             "parameter groups and all), or paste this around them: it points the optimizer you have at the "
             f"sharded parameters, keeping its {_groups(cfg.optimizer_groups)}, hyper-parameters and any LR scheduler built on it.",
             S.repoint_optimizer(),
