@@ -286,13 +286,12 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         lines.append(_call(group_expr(mods), kw))
     root = t.root()
     if root_leftovers and root is not None:
-        left = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop))
         rafs = {getattr(u, "reshard_after_forward", True) for u in t.non_root()} if t.units else set()
-        if left and not left[0].startswith("#") and len(rafs) == 1 and (raf := rafs.pop()) not in (True, None):
-            # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
-            left.insert(0, f"# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
-                           f"# reshard_after_forward={raf}); the predicted peak assumes it")
-        lines += left
+        # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
+        note = (f"# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
+                f"# reshard_after_forward={raf}); the predicted peak assumes it"
+                if len(rafs) == 1 and (raf := rafs.pop()) not in (True, None) else "")
+        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop), note)
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
     return "\n".join(lines)
@@ -331,13 +330,14 @@ def _call(expr: str, kw: str, indent: int = 0, width: int = 96) -> str:
     return f"fully_shard({expr}, mesh=mesh" + "".join(f",\n{pad}{p}" for p in kw.split(", ") if p) + ")"
 
 
-def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
+def _leftover_lines(t: Tree, root, in_block, kw: str, lead_note: str = "") -> list[str]:
     """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
     that holds no unit and no tied module (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a
     ``model`` that holds the blocks); those after the last block (the final norm and head) grouped and kept
     gathered after forward as torchtitan does: they run last in forward and first in backward. Tied modules stay
     in the root, alone: what a tie kept from collapsing into a common ancestor (BERT's position and token-type
-    embeddings and their LayerNorm beside the word embeddings tied to the MLM decoder) is one unit, grouped."""
+    embeddings and their LayerNorm beside the word embeddings tied to the MLM decoder) is one unit, grouped.
+    ``lead_note``: a comment line above the leading units, where there are any."""
     own = [m for m in root.own_modules or [] if m]
     tied = set(root.tied_modules or [])
     trailing = set(root.trailing_modules or [])
@@ -369,7 +369,7 @@ def _leftover_lines(t: Tree, root, in_block, kw: str) -> list[str]:
     for h, (tr, group) in heads.items():
         if not tr:
             lead.setdefault(group or h, []).append(h)
-    lines = [_call(group_expr(mods), kw) for mods in lead.values()]
+    lines = ([lead_note] if lead and lead_note else []) + [_call(group_expr(mods), kw) for mods in lead.values()]
     tail = [h for h, (tr, _) in heads.items() if tr]
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",

@@ -46,10 +46,9 @@ def _widths(cols: Sequence[Col], rows: Sequence[Sequence]) -> tuple[list[int], l
     return natural, narrow
 
 
-def fit_columns(cols: Sequence[Col], rows: Sequence[Sequence], width: int, gap: int = 3) -> list[int]:
+def fit_columns(cols: Sequence[Col], narrow: Sequence[int], width: int, gap: int = 3) -> list[int]:
     """Indices of the columns kept so that the table fits ``width`` cells (the box's edges and ``gap`` cells
-    between columns: padding, separator, padding)."""
-    _, narrow = _widths(cols, rows)
+    between columns: padding, separator, padding), each column at its narrowest (``_widths``)."""
     keep = list(range(len(cols)))
 
     def need(ix):
@@ -68,8 +67,8 @@ def fitted_table(title: str, cols: Sequence[Col], rows: Sequence[Sequence], widt
     """A rich table of ``rows`` (cells: str or Text) with the columns that fit ``width``; the columns left out
     are named in the caption. ``compact``: one cell between columns instead of three."""
     gap = 1 if compact else 3
-    keep = fit_columns(cols, rows, width, gap=gap)
     natural, narrow = _widths(cols, rows)
+    keep = fit_columns(cols, narrow, width, gap=gap)
     fixed = _shared_widths([cols[i] for i in keep], [natural[i] for i in keep], [narrow[i] for i in keep],
                            width - gap * (len(keep) - 1) - 2)
     dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
