@@ -171,8 +171,20 @@ def _emit(report: Report, outputs: dict, console: Console) -> bool:
 
         write_html(report, p)
 
-    render_report(report, console)
-    return _write_outputs(report, html, outputs, console, "report")
+    return _print_and_write(render_report, report, html, outputs, console, "report")
+
+
+def _print_and_write(render, struct, write_html, outputs: dict, console: Console, what: str) -> bool:
+    """``render(struct, console)``, then the files asked for (``_write_outputs``). A reader that closes the pipe
+    (``analyze ... --json r.json | head``) stops the printing, never the files: they are written, then the
+    BrokenPipeError goes on to ``main`` (exit 0), unless a write failed (False, its line on stderr)."""
+    try:
+        render(struct, console)
+    except BrokenPipeError:
+        if not _write_outputs(struct, write_html, outputs, console, what):
+            return False
+        raise
+    return _write_outputs(struct, write_html, outputs, console, what)
 
 
 def _write_outputs(struct, write_html, outputs: dict, console: Console, what: str) -> bool:
@@ -219,15 +231,12 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
     cmp = compare(*sides, applied=ns.applied or (), gpu_hour_price=ns.gpu_hour_price, path_a=ns.run_a,
                   path_b=ns.run_b)
-    console = _console()
-    render_comparison(cmp, console)
-
     def html(p):
         from .present.compare_html import write_compare_html
 
         write_compare_html(cmp, p)
 
-    if not _write_outputs(cmp, html, outputs, console, "comparison"):
+    if not _print_and_write(render_comparison, cmp, html, outputs, _console(), "comparison"):
         return EXIT_BAD_INPUT
     return EXIT_PARTIAL if any(s.report.problems for s in sides) else EXIT_OK
 

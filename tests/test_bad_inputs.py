@@ -1,6 +1,7 @@
 """The bad-input corpus (tests/bad_inputs.py): every hostile input gets its answer: no misleading report, no
 traceback, no hang; and the outputs' own guarantees (atomic writes, a closed pipe, a FIFO in a run directory)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -53,15 +54,24 @@ def test_tensorboard_export_does_not_hang_on_fifos(tmp_path):
     assert [p.name for p in (tmp_path / "tb" / "tb").iterdir()] == ["rank0"]
 
 
-def test_closed_pipe_exits_0(tmp_path):
-    """``fsdp-doctor analyze ... | head``: the reader went away; exit 0, no "Exception ignored" noise."""
+@pytest.mark.parametrize("command", ["analyze", "compare"])
+def test_closed_pipe_exits_0_and_still_writes_the_files(tmp_path, command):
+    """``fsdp-doctor analyze ... --json r.json --html r.html | head``: the reader went away; exit 0, no "Exception
+    ignored" noise, and the report files asked for are written all the same (they were lost before), with the
+    permissions a plain ``open`` gives (``mkstemp``'s 0600 hid them from the user's group)."""
     env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(B.HERE).parent)}
-    p = subprocess.Popen([sys.executable, "-m", "fsdp_doctor.cli", "analyze", str(B.SAMPLE)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    inputs = [str(B.SAMPLE)] * (2 if command == "compare" else 1)
+    files = [tmp_path / "r.json", tmp_path / "r.html"]
+    p = subprocess.Popen([sys.executable, "-m", "fsdp_doctor.cli", command, *inputs, "--json", str(files[0]),
+                          "--html", str(files[1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         preexec_fn=lambda: os.umask(0o022))
     p.stdout.close()  # before anything is written: every write meets a broken pipe
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0, err
     assert "BrokenPipe" not in err and "Traceback" not in err
+    assert json.loads(files[0].read_text()) and "</html>" in files[1].read_text()[-200:].lower()
+    assert [oct(f.stat().st_mode & 0o777) for f in files] == [oct(0o644)] * 2
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):

@@ -40,6 +40,6 @@ def render_compare_html(c: Comparison) -> str:
 
 
 def write_compare_html(c: Comparison, path: Path) -> Path:
-    path = Path(path)
-    path.write_text(render_compare_html(c), encoding="utf-8")
-    return path
+    from ..store.layout import write_atomic
+
+    return write_atomic(path, render_compare_html(c))

@@ -221,12 +221,15 @@ def clear_run(run_dir: Path | str) -> list[Path]:
 def write_atomic(path: Path | str, data: bytes | str) -> Path:
     """Writes ``data`` to ``path`` whole or not at all: into a temporary file in the same folder, then renamed
     over ``path`` (``os.replace``), so that a failed or interrupted write never leaves a truncated file and a
-    reader never sees half of one. Text is written as UTF-8."""
+    reader never sees half of one. Text is written as UTF-8. The file gets the permissions a plain ``open`` gives
+    (0666 less the umask: ``mkstemp``'s own 0600 would hide a report from the user's group)."""
     import tempfile
 
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
@@ -237,6 +240,19 @@ def write_atomic(path: Path | str, data: bytes | str) -> Path:
             pass
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it, for a moment, for every thread: the
+    recorder writes from a thread of its own): from /proc on Linux, else 022."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def new_run_id() -> str:
