@@ -269,3 +269,16 @@ def test_comparison_fits_the_terminal_and_no_figure_wraps(width):
     assert len(figures) > 40
     for cell in figures:
         assert any(cell in line for line in lines), (width, cell)
+
+
+def test_plain_trace_pair_without_a_difference_says_what_a_trace_cannot_show(prefetch_pair):
+    """Two plain-trace folders with the same units and prefetching: the configuration table says the traces show
+    no difference in what they hold, and that they hold no settings (it claimed "no difference in the unit
+    snapshots", which a plain trace has none of, on a pair whose reshard_after_forward differed)."""
+    from fsdp_doctor.present.compare import tables
+
+    a = prefetch_pair[0]
+    (config,) = [t for t in tables(compare_runs(load_run(a), load_run(a))) if t.title == "Configuration changed"]
+    assert not config.rows and "snapshots" not in config.note
+    assert config.note.startswith("no difference in the units and the prefetching the traces show")
+    assert "reshard_after_forward" in config.note

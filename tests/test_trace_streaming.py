@@ -108,3 +108,20 @@ def test_streamed_gzip_members_truncation_and_bomb(tmp_path, tiny_batches, monke
     monkeypatch.setattr(reader, "BATCH_BYTES", 1 << 20)
     with pytest.raises(TraceError, match="decompression bomb"):
         build_window(bomb)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compare_reads_streamed_traces_as_whole_ones(name, tmp_path, tiny_batches):
+    """``fsdp-doctor compare``'s step samples and per-phase kernel and operator times (trace/ops.py) are the same
+    from a streamed file: they read no step at all before (a with_stack trace past 64 MiB compared as
+    "0 steps", while analyze read its 4)."""
+    from fsdp_doctor.trace.ops import op_times
+
+    f = CASES[name](tmp_path)
+    whole = op_times([f])
+    tiny_batches()
+    assert isinstance(reader.decode(f), StreamedTrace)
+    streamed = op_times([f])
+    assert whole.steps_ms and all(whole.steps_ms.values()), whole
+    assert streamed.steps_ms == whole.steps_ms and streamed.prefetched == whole.prefetched
+    assert streamed.us_per_step == pytest.approx(whole.us_per_step) and whole.us_per_step

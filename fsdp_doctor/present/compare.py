@@ -65,8 +65,11 @@ def tables(c: Comparison) -> list[CompareTable]:
                                 [(ch.key, _units(ch.units) if ch.key != "wrapping" else
                                   f"{len(ch.units)} units differ", _value(ch.a), _value(ch.b)) for ch in c.config]))
     else:
+        traces = "trace" in (c.a.source, c.b.source)
         out.append(CompareTable("Configuration changed", ("setting", "where", "A", "B"), [],
-                                note="no difference in the unit snapshots and the job"))
+                                note="no difference in the units and the prefetching the traces show (a plain trace "
+                                     "holds no settings: reshard_after_forward, dtypes and offload are not read)"
+                                if traces else "no difference in the unit snapshots and the job"))
     rows = []
     for name, s in (("p50", c.step_p50), ("p90", c.step_p90)):
         if s is not None:

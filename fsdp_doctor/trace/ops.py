@@ -48,35 +48,54 @@ def _self_times(evs: list) -> list[tuple[object, float]]:
     return [(e, max(0.0, s)) for e, s in out]
 
 
+def _events(trace):
+    """The trace's complete events (a duration and a start), decoded whole or, for a large file
+    (``reader.StreamedTrace``), a batch at a time as the file is read again: each call is a new pass."""
+    batches = trace.batches() if trace.traceEvents is None else (trace.traceEvents,)
+    for batch in batches:
+        for e in batch:
+            if e.dur is not None and e.ts is not None:
+                yield e
+
+
 def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None, list[float], dict, int]:
+    """Two passes over the events (a large file is read twice, a batch at a time): the steps, phase bounds,
+    optimizer spans and kernel launches; then each kernel's and operator's time in its phase."""
     trace = decode(path)
-    dist = trace.distributedInfo
-    rank = dist.rank if dist is not None and dist.rank is not None else None
-    events = [e for e in (trace.traceEvents or []) if e.dur is not None and e.ts is not None]
-    # integer-nanosecond timestamps (as the trace model reads them): "ns" display unit or too large to be µs
-    scale = 1e-3 if events and all(e.ts.__class__ is int for e in events) and (
-        trace.displayTimeUnit == "ns" or max(e.ts for e in events) > 1e17) else 1.0
     steps: dict[int, tuple[float, float]] = {}
     bounds: list[tuple[float, str]] = []
     optim: list[tuple[float, float]] = []
     launches: dict[int, float] = {}
-    for e in events:
+    ints, top, any_event = True, 0, False
+    for e in _events(trace):
         n, a = e.name, e.args
+        any_event = True
+        ints = ints and e.ts.__class__ is int
+        top = max(top, e.ts)
         if n.startswith("ProfilerStep"):
             m = STEP_RE.match(n)
             if m:
-                steps[int(m.group(1))] = (e.ts * scale, (e.ts + e.dur) * scale)
+                steps[int(m.group(1))] = (e.ts, e.ts + e.dur)
         elif n.startswith(OPTIMIZER_PREFIX):
-            optim.append((e.ts * scale, (e.ts + e.dur) * scale))
+            optim.append((e.ts, e.ts + e.dur))
         elif (lab := parse_label(n)) is not None:
             if lab.kind == "root_pre_forward":
-                bounds.append((e.ts * scale, "forward"))
+                bounds.append((e.ts, "forward"))
             elif lab.kind == "pre_backward":
-                bounds.append((e.ts * scale, "backward"))
+                bounds.append((e.ts, "backward"))
             elif lab.kind.endswith("_prefetch"):  # "FSDP::forward_prefetch for layers.1"
                 prefetched.setdefault(lab.kind[: -len("_prefetch")], set()).add(lab.fqn)
         if a is not None and a.correlation is not None and a.stream is None and e.cat == "cuda_runtime":
-            launches[a.correlation] = e.ts * scale
+            launches[a.correlation] = e.ts
+    dist = trace.distributedInfo  # (a streamed trace's, if written after the events, is known once a pass ended)
+    rank = dist.rank if dist is not None and dist.rank is not None else None
+    # integer-nanosecond timestamps (as the trace model reads them): "ns" display unit (a streamed trace knows it
+    # once a pass has ended) or too large to be µs
+    scale = 1e-3 if any_event and ints and (trace.displayTimeUnit == "ns" or top > 1e17) else 1.0
+    steps = {k: (a * scale, b * scale) for k, (a, b) in steps.items()}
+    bounds = [(t * scale, ph) for t, ph in bounds]
+    optim = [(a * scale, b * scale) for a, b in optim]
+    launches = {k: t * scale for k, t in launches.items()}
     kept = sorted(steps)
     if len(kept) >= 2:
         kept = kept[:-1]
@@ -97,7 +116,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
 
     acc: dict[tuple[str, str, str], float] = {}
     threads: dict[tuple, list] = {}
-    for e in events:
+    for e in _events(trace):
         a = e.args
         if a is not None and a.stream is not None and a.correlation is not None and e.cat not in (None, "Trace"):
             t = launches.get(a.correlation, e.ts * scale)  # the host time it was issued: its phase
