@@ -257,3 +257,32 @@ def test_unit_spans_and_times_from_label_arrays_known_answer():
                                                                                     [335, 1000])))
     assert unit_step_times(spans, device=(launch, start, stop)) == {1: {"a": [7.0, 15.0]},
                                                                     2: {"b": [0.0, 0.0], "a": [1.0, 0.0]}}
+
+
+def test_no_findings_from_a_plain_trace_is_not_called_healthy(sample_run_path):
+    """The recorded run's own profiler traces read as plain traces: most rules need the doctor's records, so "no
+    findings" says how few rules could check (it said "Healthy: no findings." on a one-unit model with 0%
+    overlap, a new-user trial), in the terminal, the HTML and the dashboard alike; the same run with its records
+    is checked by most rules, and there "Healthy" keeps its meaning."""
+    from fsdp_doctor.dashboards.pages import PAGES
+    from fsdp_doctor.dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.state import RunState
+    from fsdp_doctor.present.fmt import findings_headline
+    from fsdp_doctor.present.html import render_html
+
+    report = build_report(load_run(sample_run_path / "profiler"))
+    checked = [r for r in report.rules if r.status != "skipped"]
+    assert not report.findings and 0 < len(checked) < len(report.rules) / 2
+    head = findings_headline(report.findings, report.rules)
+    assert head == (f"No findings, but only {len(checked)} of {len(report.rules)} rules could check this run: the "
+                    "others need what it lacks (fsdp-doctor analyze --explain lists them).")
+    console = Console(width=200, record=True)
+    render_report(report, console)
+    assert head in console.export_text() and "Healthy" not in console.export_text()
+    assert "Healthy" not in render_html(report) and "No findings, but only" in render_html(report)
+    st = RunState(sample_run_path / "profiler", background_traces=False)
+    st.refresh()
+    assert head in repr(PAGES["overview"][1].layout(st.snapshot(), Filters()))
+    full = build_report(load_run(sample_run_path))
+    assert 2 * sum(r.status != "skipped" for r in full.rules) >= len(full.rules)
+    assert findings_headline([], full.rules) == "Healthy: no findings."

@@ -188,8 +188,8 @@ def layout(snap, flt: Filters) -> list:
     if findings:
         cards = [finding_card(i, f) for i, f in enumerate(findings)]
     else:
-        cards = [note("No findings: nothing the rules flag in this run" +
-                      (" for this selection." if flt.rank is not None or flt.unit is not None else "."), "ok")]
+        cards = [note(findings_headline([], report.rules) if flt.rank is None and flt.unit is None
+                      else "No findings: nothing the rules flag in this run for this selection.", "ok")]
     out.append(html.Div([
         section(f"Findings ({summary})", *cards, cls="findings", sid="findings"),
         html.Div([section("Run", run_facts(run), sid="run-facts")] +

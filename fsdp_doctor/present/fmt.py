@@ -134,9 +134,15 @@ def severity_counts(items: list[Finding]) -> str:
     return ", ".join(severity_count(k, s) for s, k in n.items() if k) or "none"
 
 
-def findings_headline(items: list[Finding]) -> str:
-    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found."""
+def findings_headline(items: list[Finding], rules: list | None = None) -> str:
+    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found and at
+    least half the rules (``report.rules``, where given) could check the run; a plain trace lets few of them
+    check (most need the doctor's records), and "Healthy" then claimed what was never looked at."""
     if not items:
+        checked = sum(r.status != "skipped" for r in rules or [])
+        if rules and 2 * checked < len(rules):
+            return (f"No findings, but only {checked} of {len(rules)} rules could check this run: the others need "
+                    "what it lacks (fsdp-doctor analyze --explain lists them).")
         return "Healthy: no findings."
     if not any(f.severity in ("critical", "warning") for f in items):
         return f"No warnings; {severity_counts(items)} below, each with its measured cost."

@@ -121,10 +121,10 @@ def _finding(f: Finding) -> str:
             f"<table>{ev}</table>{code}</div>")
 
 
-def _findings(findings: list[Finding]) -> str:
+def _findings(findings: list[Finding], rules: list | None = None) -> str:
     sevs = {f.severity for f in findings}
     cls = "healthy" if not sevs & {"warning", "critical"} else "facts"
-    return f"<div class='{cls}'>{_esc(findings_headline(findings))}</div>" + "".join(_finding(f) for f in findings)
+    return f"<div class='{cls}'>{_esc(findings_headline(findings, rules))}</div>" + "".join(_finding(f) for f in findings)
 
 
 def _overlap_ranks_table(overlap: OverlapSection) -> str:
@@ -260,7 +260,7 @@ def render_html(report: Report | dict) -> str:
         text, drew = _verdict(report.verdict, first)
         parts.append(text)
         first = first and not drew
-    parts += ["<h2>Diagnosis</h2>", _findings(report.findings)]
+    parts += ["<h2>Diagnosis</h2>", _findings(report.findings, report.rules)]
     for title, builder, data, missing, tables in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")

@@ -109,10 +109,10 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
                         "excluded); AG wait: forward, then backward", cols, rows, width)
 
 
-def findings_summary(findings: list[Finding]):
+def findings_summary(findings: list[Finding], rules: list | None = None):
     """The findings' headlines, one line each (severity, code, title, expected change): printed right after the
     verdict so that they sit on the first screen; the details follow under "Diagnosis"."""
-    head = findings_headline(findings)
+    head = findings_headline(findings, rules)
     worst = {f.severity for f in findings}
     lines = [Text(head, style="green" if not worst & {"critical", "warning"} else "bold")]
     for f in findings:
@@ -170,7 +170,7 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
     head = comm_headline(report.comm)
     if head:
         console.print(Text(head, style="bold"))
-    console.print(findings_summary(report.findings))
+    console.print(findings_summary(report.findings, report.rules))
     if report.steps is not None or report.trace_steps is not None:
         console.print(render_steps(report.steps or report.trace_steps, w))
     if report.throughput is not None:
