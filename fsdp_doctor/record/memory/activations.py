@@ -80,8 +80,12 @@ class SavedTensors:
         self.note: str | None = None  # why they are not counted this step
         self.pack_ns = 0
         self.unit_act_start: dict[int, tuple[int, int]] = {}  # unit -> (saved bytes, of which copies) at its start
-        self.unit_act: dict[int, int] = {}  # unit -> bytes its forward left saved (this step)
-        self.unit_cast: dict[int, int] = {}  # unit -> of those, autocast's copies of parameters (this step)
+        # unit -> bytes its forward left saved: summed over the unit's forwards in one pass (a module called twice
+        # keeps both calls' tensors), the largest pass of the step (the micro-batches of gradient accumulation
+        # each free theirs in their backward: summed, 4 micro-batches read 4x the activations the peak held)
+        self.unit_act: dict[int, int] = {}
+        self.unit_cast: dict[int, int] = {}  # unit -> of those, autocast's copies of parameters (as unit_act)
+        self._pass: dict[int, tuple[int, int]] = {}  # unit -> (saved, copies) in this pass so far
 
     def begin(self) -> None:
         self.mode = "off"
@@ -92,6 +96,11 @@ class SavedTensors:
         self.unit_act = {}
         self.unit_act_start = {}
         self.unit_cast = {}
+        self._pass = {}
+
+    def backward_start(self) -> None:
+        """A unit's backward began: the forward pass before it has ended (the next forward is another pass)."""
+        self._pass = {}
 
     def unit_forward_start(self, idx: int) -> None:
         self.unit_act_start[idx] = (self.live.bytes, self.live.cast)
@@ -99,9 +108,13 @@ class SavedTensors:
     def unit_forward_end(self, idx: int) -> None:
         start = self.unit_act_start.pop(idx, None)
         if start is not None:
-            self.unit_act[idx] = self.unit_act.get(idx, 0) + self.live.bytes - start[0]
-            if self.live.cast != start[1]:
-                self.unit_cast[idx] = self.unit_cast.get(idx, 0) + self.live.cast - start[1]
+            saved, cast = self._pass.get(idx, (0, 0))
+            saved, cast = saved + self.live.bytes - start[0], cast + self.live.cast - start[1]
+            self._pass[idx] = (saved, cast)
+            if saved >= self.unit_act.get(idx, saved):
+                self.unit_act[idx] = saved
+                if cast or idx in self.unit_cast:
+                    self.unit_cast[idx] = cast
 
     def cost_ns(self) -> int:
         """The pack hook's measured time plus the handle releases (run by autograd: estimated)."""

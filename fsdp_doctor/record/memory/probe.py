@@ -218,6 +218,7 @@ class MemoryProbe:
             elif idx is not None:
                 self.acts.unit_forward_end(idx)
         elif phase == "backward_start":
+            self.acts.backward_start()
             if sizes.pending:
                 sizes.flush_pending()
             if idx is not None:
