@@ -419,9 +419,10 @@ class StepRecord(Record, tag="step"):
     doctor_ms: float = 0.0
     # of outside_ms, the time between optimizer.step() and the next forward, on the host: this step's start to its
     # first training forward (the doctor's own work left out) plus its last optimizer.step()'s end to its end, less
-    # the checkpoint saves and forwards without gradients (evaluation) there. Data loading lies there; the loss
-    # between forward and backward, and clipping or logging between backward and the optimizer, do not. None: not
-    # timed (no forward or no optimizer step seen; records before this field)
+    # the checkpoint saves and forwards without gradients (evaluation) there; under gradient accumulation, plus
+    # each backward's end to the next micro-batch's forward. Data loading lies there; the loss between forward and
+    # backward, and clipping or logging between backward and the optimizer, do not. None: not timed (no forward
+    # or no optimizer step seen; records before this field)
     between_ms: float | None = None
     # checkpoint saves in the step (torch.distributed.checkpoint's save and async_save, from its log; others with
     # ``with doctor.checkpointing():`` around them; torchtitan's Trainer's under python -m fsdp_doctor.titan; a

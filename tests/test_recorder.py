@@ -249,3 +249,20 @@ def test_multi_rank_rerun_is_refused_and_overwrite_gives_one_run(sample_run_path
     assert len(ids) == 1 and len(ids.pop()) == 12
     assert not (d / "rank2.records.jsonl").exists() and not (d / "report.json").exists()
     assert [s.step for s in run.ranks[1].steps] == [0, 1, 2]
+
+
+def test_slow_loader_under_gradient_accumulation_is_data_wait(tmp_path):
+    """Under gradient accumulation each micro-batch's batch is loaded between the previous backward and the next
+    forward: the time between steps holds all 4 loads, not only the one after optimizer.step(). A 40 ms loader
+    with 4 micro-batches read "at most 14% of the step" and stayed quiet under an input-bound verdict (a new-user
+    trial with accelerate); it is now jitter.data_wait, naming the micro-batches."""
+    import fsdp_doctor
+
+    _, run = record(tmp_path, grad_accum=4, loader_ms=40.0, steps=6, watch_extra={"profile": False})
+    for rd in run.ranks.values():
+        for s in rd.steps[1:]:
+            assert 4 * 40.0 <= s.between_ms <= s.outside_ms, s
+    report = fsdp_doctor.build_report(run)
+    (wait,) = [f for f in report.findings if f.code == "jitter.data_wait"]
+    assert "between optimizer.step() and the next forward and between micro-batches" in wait.title
+    assert wait.evidence["outside_ms_p50"] >= 4 * 40.0

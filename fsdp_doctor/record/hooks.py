@@ -77,6 +77,9 @@ class StepTimings:
     # of no_grad_ms, forwards without gradients before the first training forward or after the last optimizer.step()
     # (evaluation between steps): the part lying in the time between steps
     no_grad_between_ms: float = 0.0
+    # under gradient accumulation: from each backward's end to the next micro-batch's forward, before the step's
+    # optimizer.step() (where each micro-batch's data loading lies)
+    micro_gap_ms: float = 0.0
     # of no_grad_ms, the units' all-gathers (FSDP's pre-forward hooks, issued and waited for)
     no_grad_gather_ms: float = 0.0
 
@@ -512,6 +515,7 @@ class StepTimer:
             if self._bwd_start:
                 self._backward_ns += t - self._bwd_start
             self._bwd_start = 0
+            self._bwd_end = t
             self._bwd_cb_queued = False
             # the eval-mode forwards this backward reached were training (with dropout off, say)
             self._eval_pending = [e for e in self._eval_pending if not e[2][0]]
@@ -575,6 +579,9 @@ class StepTimer:
             self._fwd_start = _now()
             if not self._first_fwd:
                 self._first_fwd = self._fwd_start
+            elif self._bwd_end and not self._opt_end:  # the next micro-batch: the gap since the last backward
+                self._micro_gap_ns += self._fwd_start - self._bwd_end
+            self._bwd_end = 0
             if self.marks is not None:
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
@@ -694,7 +701,7 @@ class StepTimer:
         # such forwards no backward has reached yet: (ns, units' deltas, [reached by a backward])
         self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
-        self._first_fwd = self._opt_end = 0
+        self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._bwd_cb_queued = False
@@ -717,7 +724,7 @@ class StepTimer:
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
                            no_grad_gather_ms=_ms(self._ng_gather_ns),
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
-                           last_optimizer_end_ns=self._opt_end,
+                           last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)))
 
     def index_labels(self) -> None:

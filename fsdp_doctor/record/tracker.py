@@ -392,7 +392,8 @@ class Doctor:
             in_window = _ms(sum(b - a for a, b, _ in saves
                                 if b <= tm.first_forward_ns or a >= tm.last_optimizer_end_ns))
             between = max(0.0, round(_ms(tm.first_forward_ns - self._step_t0) - own_ms
-                                     + _ms(t_end - tm.last_optimizer_end_ns) - in_window - tm.no_grad_between_ms, 3))
+                                     + _ms(t_end - tm.last_optimizer_end_ns) - in_window - tm.no_grad_between_ms
+                                     + tm.micro_gap_ms, 3))
         rec = StepRecord(
             rank=self.rank, step=step, start_ns=self._step_wall_ns, wall_ms=wall,
             forward_ms=tm.forward_ms, backward_ms=tm.backward_ms, optimizer_ms=tm.optimizer_ms,

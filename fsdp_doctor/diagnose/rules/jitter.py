@@ -202,9 +202,12 @@ class DataWait(Rule):
             return self.quiet("no step phases measured (the time outside the model is unknown)")
         rank = max(shares, key=lambda r: shares[r].share)  # the first of equal shares
         top = shares[rank]
+        # under gradient accumulation the host's window also holds the gaps between micro-batches (their loading)
+        accum = " and between micro-batches" if max(E.micro_batches(ctx).values(), default=1) > 1 else ""
         if top.share < OUTSIDE_SHARE_MIN:
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
-            what = "time between optimizer.step() and the next forward" if top.between else "time outside the model"
+            what = (f"time between optimizer.step() and the next forward{accum if top.clock == CLOCK_HOST else ''}"
+                    if top.between else "time outside the model")
             return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
         ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
@@ -239,8 +242,8 @@ class DataWait(Rule):
             "warning",
             (f"The device idles {100 * sh.share:.0f}% of each step between optimizer.step() and the next forward "
              "(data loading or user code)" if sh.clock == CLOCK_DEVICE else
-             f"{100 * sh.share:.0f}% of each step is spent between optimizer.step() and the next forward (data "
-             "loading or user code)" if sh.between else
+             f"{100 * sh.share:.0f}% of each step is spent between optimizer.step() and the next forward"
+             f"{accum} (data loading or user code)" if sh.between else
              f"{100 * sh.share:.0f}% of each step is spent outside the model (data loading or user code)"),
             evidence,
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
