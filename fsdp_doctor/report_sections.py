@@ -544,6 +544,7 @@ FIX_PLACES = {
     "unsharded": "in place of your fully_shard calls, on the unsharded model",
     "before_shard": "before your fully_shard calls, on the unsharded model",
     "sharded": "after your fully_shard calls",
+    "prepared": "after accelerator.prepare(...) returns the sharded model",  # "sharded", where accelerate sharded it
     "around": "around your fully_shard calls (your calls where the code says)",
     "optimizer": "after your optimizer is built",
     "loop": "in your training loop",

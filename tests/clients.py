@@ -915,7 +915,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         model, early = _exec({**fix, "code": before}, model, early, ns=ns)
         fix = {**fix, "code": after, "where": "sharded"}
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
-    if fix.get("where") == "sharded":  # after the fully_shard calls, before the optimizer (unless built before)
+    # after the fully_shard calls (or accelerator.prepare, which made them), before the optimizer (unless built before)
+    if fix.get("where") in ("sharded", "prepared"):
         model, early = _exec(fix, model, early, ns=ns)
     opt = early or make_opt(model)
     if fix.get("where") == "optimizer":

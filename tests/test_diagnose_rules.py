@@ -607,6 +607,28 @@ def _qwen2_tail_ctx(units=None, *, capacity=None, trace=True, bwd_ag=("model.lay
                  **({"backend": "nccl", "device": "cuda:0"} if gpu else {}))[0]
 
 
+def test_a_fix_for_the_sharded_model_goes_after_accelerate_prepare():
+    """Where accelerate's FSDP2 plugin sharded the model in the user's accelerator.prepare, a fix for the sharded
+    model goes after that call: the user has no fully_shard calls to put it after (a new-user trial pasted every
+    "after your fully_shard calls" fix after prepare(), where they worked). Under a Trainer (which prepares the
+    model itself) it stays the Trainer's place; with the user's own fully_shard calls, after them."""
+    import msgspec
+
+    from fsdp_doctor.diagnose import diagnose
+    from fsdp_doctor.records import ACCELERATE_SHARDER, TRAINER_DRIVER
+    from fsdp_doctor.report_sections import FIX_PLACES
+
+    rule = next(c for c in RULES if c.code == "prefetch.frozen_gathered")()
+    ctx = _qwen2_tail_ctx()
+    assert rule.match(ctx)[0].recommendation.where == "sharded"
+    for driver, where in ((None, "prepared"), (TRAINER_DRIVER, "trainer")):
+        cfg = msgspec.structs.replace(ctx.config, sharded_by=ACCELERATE_SHARDER, driver=driver)
+        run = SimpleNamespace(**{**vars(ctx.run), "config": cfg})
+        (f,) = [f for f in diagnose(run, ctx.report) if f.code == "prefetch.frozen_gathered"]
+        assert f.recommendation.where == where, (driver, f.recommendation)
+    assert FIX_PLACES["prepared"] == "after accelerator.prepare(...) returns the sharded model"
+
+
 def test_frozen_unit_gathered_in_backward_known_answer():
     """FSDP2's default backward prefetch (each unit's pre-backward gathers the previous unit in forward order)
     gathers layers.1 from layers.2's pre-backward, but layers.1 is frozen below every trainable parameter and never

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, NamedTuple, Optional
 
+from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
 from .snippets import PLUGIN_INPUTS, complete, fix_place, mesh_input
@@ -185,6 +186,8 @@ class Rule:
         ``where`` "trainer" or "accelerate", reads the object holding it: snippets.PLUGIN_INPUTS)."""
         assert severity in SEVERITIES, severity
         where = where or fix_place(code)
+        if where == "sharded" and prepared_by_user(self.config):  # no fully_shard calls of the user's own
+            where = "prepared"
         assert where in FIX_PLACES or not code, (self.code, where)
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
@@ -200,6 +203,13 @@ class Rule:
     @classmethod
     def status(cls, status: str, reason: str, findings: int = 0) -> RuleStatus:
         return RuleStatus(code=cls.code, status=status, reason=reason, findings=findings)
+
+
+def prepared_by_user(config) -> bool:
+    """accelerate's FSDP2 plugin sharded the model in the user's own ``accelerator.prepare`` (not a Trainer's): a
+    fix for the sharded model goes after that call, where the user has no fully_shard calls."""
+    return (getattr(config, "sharded_by", None) == ACCELERATE_SHARDER
+            and getattr(config, "driver", None) != TRAINER_DRIVER)
 
 
 RULES: list[type[Rule]] = []
