@@ -149,6 +149,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         report.overlap = trace_section(run, windows=windows, progress=progress)
         if report.overlap is not None:
             problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
+            _count_unread(report.run, report.overlap)
     if report.steps is None and report.overlap is not None:  # plain traces: the complete ProfilerSteps
         from .analyze.steps import trace_steps
 
@@ -220,6 +221,19 @@ def trace_steps_columns(overlap: Optional[OverlapSection]) -> dict[int, dict[str
         cols["steady"] = [True] * len(steps)
         out[int(r)] = cols
     return out
+
+
+def _count_unread(facts, overlap) -> None:
+    """The run facts count the trace files read, not those found: an unreadable one (truncated, not a trace) is
+    counted apart, and the ranks the traces speak for are those read (a truncated rank's file still names its
+    rank in its first bytes: the header said "2 ranks ... 2 trace files" over one rank's figures)."""
+    unread = len(overlap.skipped)
+    if not unread:
+        return
+    facts.trace_files_unread = unread
+    facts.trace_files = max(0, facts.trace_files - unread)
+    if facts.trace_ranks:
+        facts.trace_ranks = [r for r in facts.trace_ranks if str(r) in overlap.per_rank]
 
 
 def compare_side(run: Run, report: Optional[Report] = None):

@@ -73,3 +73,27 @@ def test_missing_path(tmp_path, good):
     assert list(r.per_rank) == ["0"]
     with pytest.raises(FileNotFoundError):
         find_trace_files(missing)
+
+
+def test_a_truncated_ranks_file_is_counted_apart_in_the_run_facts(good):
+    """One rank's trace cut mid-events (its head still names rank 1 and a world of 2): the run facts count the
+    file read and the unreadable one apart, and speak for rank 0 only; the header said "2 trace files" and its
+    JSON "trace_ranks": [0, 1] over rank 0's figures alone (a new-user trial)."""
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import run_facts
+    from fsdp_doctor.store import load_run
+
+    def torch_layout(rank):  # torch writes distributedInfo before the events
+        d = gpu_known_trace(rank=rank).document()
+        return json.dumps({"distributedInfo": d.pop("distributedInfo"), **d})
+
+    (good / "rank0.1.pt.trace.json.gz").unlink()
+    (good / "rank0.1.pt.trace.json").write_text(torch_layout(0))
+    text = torch_layout(1)
+    (good / "rank1.1.pt.trace.json").write_text(text[: int(len(text) * 0.8)])
+    report = build_report(load_run(good))
+    f = report.run
+    assert (f.trace_files, f.trace_files_unread, f.trace_ranks) == (1, 1, [0])
+    assert [p.split(":")[0] for p in report.problems] == ["rank1.1.pt.trace.json"]
+    facts = run_facts(f)
+    assert "1 trace file" in facts and "1 unreadable (listed at the end)" in facts and "traces of rank 0" in facts

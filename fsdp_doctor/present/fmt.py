@@ -92,6 +92,8 @@ def run_facts(run: RunFacts) -> list[str]:
         facts.append(f"read from the {r.facts_source}")
     if r.trace_files:
         facts.append(f"{r.trace_files} trace file{'s' if r.trace_files > 1 else ''}")
+    if r.trace_files_unread:
+        facts.append(f"{r.trace_files_unread} unreadable (listed at the end)")
     return facts
 
 
