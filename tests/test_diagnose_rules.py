@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from types import SimpleNamespace
 
@@ -614,17 +615,17 @@ def test_a_fix_for_the_sharded_model_goes_after_accelerate_prepare():
     model itself) it stays the Trainer's place; with the user's own fully_shard calls, after them."""
     import msgspec
 
-    from fsdp_doctor.diagnose import diagnose
     from fsdp_doctor.records import ACCELERATE_SHARDER, TRAINER_DRIVER
     from fsdp_doctor.report_sections import FIX_PLACES
 
     rule = next(c for c in RULES if c.code == "prefetch.frozen_gathered")()
     ctx = _qwen2_tail_ctx()
     assert rule.match(ctx)[0].recommendation.where == "sharded"
-    for driver, where in ((None, "prepared"), (TRAINER_DRIVER, "trainer")):
+    # (under a Trainer the rule's place stays "sharded": snippets.for_trainer then makes it the Trainer's callback)
+    for driver, where in ((None, "prepared"), (TRAINER_DRIVER, "sharded")):
         cfg = msgspec.structs.replace(ctx.config, sharded_by=ACCELERATE_SHARDER, driver=driver)
-        run = SimpleNamespace(**{**vars(ctx.run), "config": cfg})
-        (f,) = [f for f in diagnose(run, ctx.report) if f.code == "prefetch.frozen_gathered"]
+        rule.config = cfg  # (as diagnose() sets it)
+        (f,) = rule.match(dataclasses.replace(ctx, run=SimpleNamespace(**{**vars(ctx.run), "config": cfg})))
         assert f.recommendation.where == where, (driver, f.recommendation)
     assert FIX_PLACES["prepared"] == "after accelerator.prepare(...) returns the sharded model"
 
