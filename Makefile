@@ -66,9 +66,11 @@ browser-deps:
 	@bash .ci/browser-deps.sh
 
 # The suite starts many Python processes (rank scripts, command lines, torchrun): with PYTHONDONTWRITEBYTECODE set
-# (as on this machine) each would compile this tree's modules again (up to 0.7 s a process); compiled once here.
+# (as on this machine) each would compile this tree's modules again (up to 0.7 s a process); compiled once first.
+COMPILE_TREE := $(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchmarks > /dev/null
+
 test: setup browser-deps
-	@$(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchmarks > /dev/null
+	@$(COMPILE_TREE)
 	$(VPY) -m pytest -q
 
 test-compat:
@@ -103,7 +105,7 @@ gpu-rehearsal:
 	@REHEARSAL_DIR="$(REHEARSAL_DIR)" bash benchmarks/gpu_rehearsal.sh $(REHEARSAL_ARGS)
 
 test-fast: setup
-	@$(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchmarks > /dev/null
+	@$(COMPILE_TREE)
 	$(VPY) -m pytest -q -m "not browser and not slow"
 
 clean:

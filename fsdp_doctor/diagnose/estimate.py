@@ -17,14 +17,14 @@ from typing import Iterable, Optional
 import msgspec
 
 from ..analyze.steps import unit_modules, unit_passes
-from ..records import (ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
+from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
 from ..units import fmt_bytes
 from . import thresholds as T
-from .base import Context, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
+from .base import Context, prepared_by_user, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
 
 # What a unit field reads as where the report (or the snapshot) has None ("unknown") for it: UnitConfig's own
 # defaults (fsdp_doctor.records), the one source.
@@ -138,7 +138,7 @@ def plugin_lever(ctx: Context) -> Optional[str]:
     the user's own fully_shard calls."""
     if trainer_driven(ctx):
         return "trainer"
-    return "accelerate" if getattr(ctx.config, "sharded_by", None) == ACCELERATE_SHARDER else None
+    return "accelerate" if prepared_by_user(ctx.config) else None
 
 
 def transformers_sharded(ctx: Context) -> bool:
