@@ -107,15 +107,17 @@ def comm_summary(overlap: Optional[OverlapSection],
     if rows:
         steps = sorted({s for v in rows.values() for s in v.steps})
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
-        pcts = [v.overlap_pct for v in rows.values() if v.overlap_pct is not None]
         lags = [pr.device_lag_ms for pr in overlap.per_rank.values() if pr.device_lag_ms]
         if lags and max(lags) >= LAG_SAID_MS:  # the host ran ahead: the window followed the device
             span += f", the device {fmt_ms(statistics.median(lags))} behind the host"
+        # the share overlapped is that of the two medians shown beside it (a median of the ranks' own shares
+        # would not be 1 - exposed/collectives of the figures the headline prints)
+        exposed = round(statistics.median(v.exposed_ms_per_step for v in rows.values()), 3)
+        comm = round(statistics.median(v.comm_ms_per_step for v in rows.values()), 3)
         return CommSummary(
             source="trace", source_text=f"profiler trace, {span}", definition=COMM_DEFINITION_TRACE, per_rank=rows,
-            exposed_ms_per_step=round(statistics.median(v.exposed_ms_per_step for v in rows.values()), 3),
-            comm_ms_per_step=round(statistics.median(v.comm_ms_per_step for v in rows.values()), 3),
-            overlap_pct=round(statistics.median(pcts), 1) if pcts else None)
+            exposed_ms_per_step=exposed, comm_ms_per_step=comm,
+            overlap_pct=round(100.0 * (comm - exposed) / comm, 1) if comm > 0 else None)
     waits = ag_waits or {}
     if waits:
         return CommSummary(source="records", source_text="recorded all-gather waits",

@@ -91,7 +91,7 @@ class CommSummary(_Section):
     definition: str
     exposed_ms_per_step: float  # median over ranks (ms per step)
     comm_ms_per_step: Optional[float] = None  # all communication, median over ranks (trace only)
-    overlap_pct: Optional[float] = None  # share of communication overlapped by compute (trace only)
+    overlap_pct: Optional[float] = None  # 1 - exposed/comm of the two medians above, in % (trace only)
     per_rank: dict[str, CommRank] = {}
 
 

@@ -212,3 +212,21 @@ def test_steps_section_schema_is_the_struct(sample_run_path):
         st.wall_ms += 60
     strag = analyze_steps(run)
     assert strag.stragglers[0].rank == 1 and StepsSection.of(msgspec.to_builtins(strag)) == strag
+
+
+def test_comm_headline_share_is_that_of_its_two_figures():
+    """The headline's three figures agree: its % overlapped is 1 - exposed/collectives of the two medians it prints,
+    not the median of the ranks' own shares (here 3 ranks: shares 50%, 10%, 80%, median 50%; medians 4 of 10 ms)."""
+    from fsdp_doctor.pipeline import comm_summary
+    from fsdp_doctor.present.fmt import comm_headline
+    from fsdp_doctor.report_sections import OverlapRank, OverlapSection
+
+    def rank(comm, exposed):
+        return OverlapRank(comm_ms_per_step=comm, exposed_ms_per_step=exposed, steps=[1, 2],
+                           step_overlap_pct=100.0 * (comm - exposed) / comm)
+
+    ov = OverlapSection(per_rank={"0": rank(8.0, 4.0), "1": rank(10.0, 9.0), "2": rank(20.0, 4.0)})
+    c = comm_summary(ov)
+    assert (c.exposed_ms_per_step, c.comm_ms_per_step, c.overlap_pct) == (4.0, 10.0, 60.0)
+    assert [c.per_rank[r].overlap_pct for r in "012"] == [50.0, 10.0, 80.0]  # each rank's own share kept
+    assert "4.00 ms per step of 10.0 ms in collectives (60.0% overlapped)" in comm_headline(c)

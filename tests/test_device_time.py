@@ -415,5 +415,6 @@ def test_a_recorded_slow_loader_is_data_wait_on_the_device_clock():
     assert ev["step_p50_ms"] == 214.548 and ev["outside_share_pct"] == 70.4
     assert ev["host_outside_ms_p50"] == 163.188
     assert wait.title.startswith("The device idles 70% of each step") and wait.ranks == [0, 1]
+    assert "num_workers=4, pin_memory=True, prefetch_factor=4" in wait.recommendation.text  # a GPU run: pinned
     assert wait.predicted.step_ms_before == 213.558 and wait.predicted.step_ms_after == 62.58
     assert report.verdict.job.bound == "input"

@@ -1347,6 +1347,8 @@ def test_data_wait_is_the_time_between_the_optimizer_and_the_next_forward():
     (f,) = run_rule("jitter.data_wait", build(phases={**ph, "outside": 46.0, "between": 30.0}, step_ms=111.0)[0])
     assert f.title.endswith("between optimizer.step() and the next forward (data loading or user code)"), f.title
     assert f.evidence["outside_ms_p50"] == pytest.approx(30.0) and f.evidence["host_outside_model_ms_p50"] == 46.0
+    # the loader's fix for this run: on a CPU-only run no pinned memory (torch warns it has no device for it)
+    assert "num_workers=4, prefetch_factor=4" in f.recommendation.text and "pin" not in f.recommendation.text
     # the loop's collectives (the trace's) leave that window only where they are in it: a grad-norm log between
     # backward and the optimizer (14 ms) is not; a token count's all-reduce before the forward (5 ms of it) is
     for between_comm, want in ((0.0, 30.0), (5.0, 25.0)):
@@ -1779,6 +1781,16 @@ def test_accumulation_under_torchtitan_offers_no_loop_code():
     assert rec.code == "" and rec.where == "" and rec.inputs == {}, rec
     assert "torchtitan 0.3.0 sharded this model" in rec.text and "train_step" in rec.text, rec.text
     assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]  # (the gain stays: the change is real)
+    # in a loop of the user's own around accelerate's prepare(), the loop's name is accelerate's own flag
+    from fsdp_doctor.records import ACCELERATE_SHARDER
+
+    ctx = build(overlap=ov, sharded_by=ACCELERATE_SHARDER)[0]
+    rule = next(c for c in RULES if c.code == "accum.sync_every_micro_batch")()
+    rule.config = ctx.config  # (as diagnose() sets it)
+    (f,) = rule.match(ctx)
+    assert f.recommendation.where == "loop" and "set_requires_gradient_sync(is_last_micro_batch)" in f.recommendation.code
+    assert f.recommendation.inputs["is_last_micro_batch"].startswith(
+        "accelerator.sync_gradients inside `with accelerator.accumulate(model):`")
 
 
 def _eval_ctx(gather_ms=80.0, *, capacity=8 << 30, lacks=(), raf=True, compiled=False):

@@ -329,3 +329,32 @@ def test_trainer_saves_fix_is_how_often_it_saves():
     assert ("with FullyShardedDataParallelPlugin(..., state_dict_type='SHARDED_STATE_DICT') every rank writes"
             in f.recommendation.text and f.recommendation.text.endswith(S.NO_SAVE_CODE)), f.recommendation.text
     assert not f.recommendation.code
+
+
+def test_two_ranks_slow_together_do_not_each_wait_for_the_other():
+    """Both ranks' step 6 ran 60 ms of their own longer (a host hiccup on both) and each waited longer in its
+    all-gathers: neither is late for the other, so neither outlier names the other as the one it waited for (the
+    table named each rank as waiting for the other). Where rank 1's own delay is the larger, rank 0 waits for it."""
+    from fsdp_doctor.analyze.steps import find_outliers
+    from fsdp_doctor.records import StepRecord, UnitStep
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(rank, n, *, own=0.0, wait=5.0):
+        fwd = 40.0 + wait + own
+        return StepRecord(rank=rank, step=n, start_ns=n, wall_ms=fwd + 40.0 + 20.0 + 5.0, forward_ms=fwd,
+                          backward_ms=40.0, optimizer_ms=20.0, outside_ms=5.0,
+                          units=[UnitStep(name="layers.0", fwd_ms=fwd, ag_wait_fwd_ms=wait)])
+
+    def run_of(own0, own1):
+        run = Run(path="constructed")
+        for r, own in ((0, own0), (1, own1)):
+            run.ranks[r] = RankData(rank=r, steps=[step(r, n, own=own if n == 6 else 0.0,
+                                                        wait=105.0 if n == 6 else 5.0) for n in range(1, 10)])
+        return {(o.rank, o.step): o for o in find_outliers(run)}
+
+    out = run_of(60.0, 60.0)
+    assert {out[(r, 6)].cause for r in (0, 1)} == {"allgather_wait"}, [out[(r, 6)].detail for r in (0, 1)]
+    out = run_of(10.0, 60.0)
+    assert out[(0, 6)].cause == "late_rank" and out[(0, 6)].detail == "waiting for rank 1 (late by 60.0 ms)"
+    assert out[(1, 6)].cause == "allgather_wait", out[(1, 6)].detail

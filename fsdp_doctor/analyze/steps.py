@@ -291,15 +291,19 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     parts["compute"] = own_compute - (b.fwd + b.bwd + b.opt - b.wait - b.probe)
     # Another rank arriving late shows up here as waiting, and there as time outside or computing: in the same
     # step, or at the end of the previous one (its optimizer step or code after it ran long after this rank had
-    # moved on, so this rank waits in this step's first collective).
+    # moved on, so this rank waits in this step's first collective). The late rank is the one whose own time (not
+    # its waits) ran longer than this rank's in that step: two ranks slow together never each wait for the other.
+    def own_excess(r: int, s2: StepRecord) -> float:
+        return (s2.wall_ms - base[r].wall) - (collective_wait_ms(s2) - base[r].wait)
+
     late_rank, late_ms = None, 0.0
     for (r2, st), s2 in index.items():
         if st not in (s.step, s.step - 1) or r2 == rank or r2 not in base:
             continue
-        b2 = base[r2]
-        own_excess = (s2.wall_ms - b2.wall) - (collective_wait_ms(s2) - b2.wait)
-        if own_excess > late_ms:
-            late_rank, late_ms = r2, own_excess
+        mine = index.get((rank, st))
+        x = own_excess(r2, s2)
+        if x > late_ms and (mine is None or x > own_excess(rank, mine)):
+            late_rank, late_ms = r2, x
     key = max(parts, key=parts.get)
     if key == "wait" and late_rank is not None and late_ms > 0.5 * parts["wait"]:
         return "late_rank", f"waiting for rank {late_rank} (late by {late_ms:.1f} ms)"

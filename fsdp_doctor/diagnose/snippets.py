@@ -759,6 +759,9 @@ TRAINER_ARGS_FIXES = {
 PLUGIN_INPUTS = {"trainer": {"trainer": "your transformers Trainer"},
                  "accelerate": {"accelerator": "your accelerate Accelerator"}}
 TRAINER_INPUTS = PLUGIN_INPUTS["trainer"]
+#: a loop fix's inputs in a loop of the user's own around accelerate's ``prepare``: what its names are there
+PREPARED_INPUTS = {"is_last_micro_batch": "accelerator.sync_gradients inside `with accelerator.accumulate(model):` "
+                                          "(True on the micro-batch whose backward precedes optimizer.step())"}
 _PLUGIN = {"trainer": ("trainer.accelerator.state.fsdp_plugin", "trainer.train()",
                        "in your TrainingArguments: fsdp_config={{..., 'activation_checkpointing': {on}}}"),
            "accelerate": ("accelerator.state.fsdp_plugin", "accelerator.prepare(model)",

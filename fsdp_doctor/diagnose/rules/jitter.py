@@ -238,6 +238,8 @@ class DataWait(Rule):
                             before_forward_ms_p50=dev.before_forward_ms, after_model_ms_p50=dev.after_model_ms,
                             host_outside_ms_p50=round(_outside_ms(ctx, rank, st), 3))
         p50 = st.p50_ms
+        # pinned host memory speeds copies to a GPU; on a CPU-only run torch warns that there is no device for it
+        pinned, pin = (" with pinned memory", "pin_memory=True, ") if E.on_gpu(ctx) else ("", "")
         return [self.finding(
             "warning",
             (f"The device idles {100 * sh.share:.0f}% of each step between optimizer.step() and the next forward "
@@ -247,9 +249,10 @@ class DataWait(Rule):
              f"{100 * sh.share:.0f}% of each step is spent outside the model (data loading or user code)"),
             evidence,
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
-            "workers with pinned memory and prefetching (torch.utils.data.DataLoader(..., num_workers=4, "
-            "pin_memory=True, prefetch_factor=4, persistent_workers=True)), and move host-side work (logging, "
-            f"metrics, .item() calls) off the step's critical path. {S.NO_PIPELINE_CODE}",
+            f"workers{pinned} and prefetching (torch.utils.data.DataLoader(..., num_workers=4, {pin}"
+            "prefetch_factor=4, persistent_workers=True), the workers within the CPU cores each rank has), and "
+            f"move host-side work (logging, metrics, .item() calls) off the step's critical path. "
+            f"{S.NO_PIPELINE_CODE}",
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - sh.outside_ms, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(decided),
