@@ -34,8 +34,12 @@ class StepDelta(Delta):
     ci_low: Optional[float] = None
     ci_high: Optional[float] = None
     confidence: float = 0.95
-    significant: bool = False  # the interval excludes zero and the change exceeds the noise floor
-    samples_a: int = 0  # step samples (steps × ranks)
+    # the interval excludes zero, the change exceeds the noise floor, and the runs differ in configuration (or
+    # --applied names a fix B applies): the interval covers each run's step-to-step noise, not the variation between
+    # two runs (host load, clocks), so without a change a difference is the host's, not an effect
+    significant: bool = False
+    reason: str = ""  # why not significant: "within noise" | "under noise floor" | "no config change"
+    samples_a: int = 0  # rank-steps sampled (steps × ranks)
     samples_b: int = 0
 
 

@@ -3,9 +3,11 @@ and their per-step samples (a :class:`Side` each, built by ``fsdp_doctor.pipelin
 :class:`~fsdp_doctor.compare_sections.Comparison`.
 
 Noise: the step-time change gets a bootstrap confidence interval (the steps resampled with replacement, each
-step's times on every rank kept together, ``RESAMPLES`` draws, seeded); it is called significant only when the
-interval excludes zero *and* the change is at least ``NOISE_FLOOR_PCT`` of A's step (drift between two runs —
-host load, clocks — is not in either run's own step-to-step spread). Does not import torch.
+step's times on every rank kept together, ``RESAMPLES`` draws, seeded). The interval covers each run's own
+step-to-step noise, not the drift between two runs (host load, clocks), which one run per side cannot measure: the
+change is called significant only when the interval excludes zero, the change is at least ``NOISE_FLOOR_PCT`` of
+A's step, *and* A and B differ in configuration (or ``--applied`` names a fix B applies); without a change, the
+difference is said to be run-to-run variation. Does not import torch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SEED = 0  # the same two runs always give the same interval
 # A step-time change below this share of A's step is not called a change even when the interval excludes
 # zero: two runs of one configuration on the same machine differ by a few % (host load, clocks, placement).
 NOISE_FLOOR_PCT = 5.0
+# StepDelta.reason when the interval excludes zero but A and B differ in no configuration: run-to-run variation
+NO_CHANGE = "no config change"
 # A step-time prediction holds when the predicted change lies inside the measured change's interval, or lands
 # within this share of the measured step (a step prediction is an estimate from host-side timings).
 STEP_TOLERANCE_PCT = 10.0
@@ -97,7 +101,10 @@ def _matrix(samples: list[list[float]]) -> np.ndarray:
     return m
 
 
-def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.random.Generator) -> Optional[StepDelta]:
+def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.random.Generator,
+                changed: bool = True) -> Optional[StepDelta]:
+    """The change of the ``q``-th percentile step (B − A) and its bootstrap interval; ``changed``: whether A and B
+    differ in configuration (without a change, a difference is not significant: reason ``NO_CHANGE``)."""
     ma, mb = _matrix(a), _matrix(b)
     if not ma.size or not mb.size:
         return None
@@ -110,21 +117,28 @@ def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.ra
     lo, hi = np.percentile(rb - ra, [alpha, 100 - alpha])
     d = delta(pa, pb)
     big = d.pct is not None and abs(d.pct) >= NOISE_FLOOR_PCT
+    reason = "within noise" if lo <= 0 <= hi else "under noise floor" if not big else "" if changed else NO_CHANGE
     return StepDelta(a=d.a, b=d.b, delta=d.delta, pct=d.pct, ci_low=round(float(lo), 3), ci_high=round(float(hi), 3),
-                     confidence=CONFIDENCE, significant=bool(big and (lo > 0 or hi < 0)),
+                     confidence=CONFIDENCE, significant=not reason, reason=reason,
                      samples_a=int(np.isfinite(ma).sum()), samples_b=int(np.isfinite(mb).sum()))
 
 
-def step_summary(s: Optional[StepDelta]) -> str:
-    """One line: the step-time verdict."""
+def step_summary(s: Optional[StepDelta], changed: bool = True) -> str:
+    """One line: the step-time verdict (``changed``: whether A and B differ in configuration)."""
     if s is None or s.pct is None:
         return "step time not comparable (a run has no steps)"
     ci = (f"{100 * s.ci_low / s.a:+.1f}% to {100 * s.ci_high / s.a:+.1f}%" if s.a else f"{s.ci_low} to {s.ci_high} ms")
     interval = f"{round(100 * s.confidence)}% CI {ci}"
+    if s.reason == NO_CHANGE:
+        return (f"no configuration change found: step time p50 {s.pct:+.1f}% ({interval}) is run-to-run variation of "
+                "the host (load, clocks), not the effect of a change, unless something compare does not read changed "
+                "(code, data loading, a setting the runs do not record); the interval covers each run's step-to-step "
+                "noise only: to tell, rerun each side a few times and compare the medians")
     if not s.significant:
-        why = ("within noise" if s.ci_low is None or s.ci_low <= 0 <= s.ci_high else
-               f"under the {NOISE_FLOOR_PCT:g}% noise floor between runs")
-        return f"no significant change in step time: p50 {s.pct:+.1f}% ({interval}: {why})"
+        why = (f"under the {NOISE_FLOOR_PCT:g}% noise floor between runs" if s.reason == "under noise floor"
+               else "within noise")
+        head = "no" if changed else "no configuration change found, and no"
+        return f"{head} significant change in step time: p50 {s.pct:+.1f}% ({interval}: {why})"
     return f"step time p50 {s.pct:+.1f}% ({interval}): {'faster' if s.pct < 0 else 'slower'}"
 
 
@@ -310,15 +324,17 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
             path_a: str = "", path_b: str = "") -> Comparison:
     """The comparison of run ``b`` against run ``a`` (B − A)."""
     ra, rb = a.report, b.report
-    rng = np.random.default_rng(SEED)
-    p50 = _step_delta(a.samples, b.samples, 50, rng)
-    p90 = _step_delta(a.samples, b.samples, 90, rng)
+    applied = tuple(applied)
     changes = config_diff(a, b)
+    changed = bool(changes or applied)  # (--applied: a change the user declares, e.g. one a plain trace cannot show)
+    rng = np.random.default_rng(SEED)
+    p50 = _step_delta(a.samples, b.samples, 50, rng, changed)
+    p90 = _step_delta(a.samples, b.samples, 90, rng, changed)
     cmp = Comparison(a=RunSide(path=path_a or ra.run.path, source=a.source, world_size=_world(ra),
                                steps=len(a.samples)),
                      b=RunSide(path=path_b or rb.run.path, source=b.source, world_size=_world(rb),
                                steps=len(b.samples)),
-                     summary=step_summary(p50), config=changes, step_p50=p50, step_p90=p90)
+                     summary=step_summary(p50, changed), config=changes, step_p50=p50, step_p90=p90)
     if a.source != b.source:
         cmp.notes.append(f"A's step times come from {a.source}, B's from {b.source}: compare shares, not times")
     pa, pb = _phases(a), _phases(b)

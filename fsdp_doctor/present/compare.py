@@ -75,12 +75,15 @@ def tables(c: Comparison) -> list[CompareTable]:
         if s is not None:
             ci = MISSING if s.ci_low is None else f"{fmt_ms(s.ci_low, True)} … {fmt_ms(s.ci_high, True)}"
             rows.append((f"step {name}", fmt_ms(s.a), fmt_ms(s.b), _ms_signed(s.delta), _pct(s), ci,
-                         "yes" if s.significant else "within noise"))
+                         "yes" if s.significant else s.reason or "within noise"))
     if rows:
         n = c.step_p50
         out.append(CompareTable("Step time", ("", "A", "B", "Δ", "Δ%", f"{round(100 * n.confidence)}% CI of Δ",
                                               "significant"), rows,
-                                note=f"bootstrap over steps: {n.samples_a} samples in A, {n.samples_b} in B"))
+                                note=f"bootstrap over steps, each step's times on every rank kept together "
+                                     f"({n.samples_a} rank-steps in A, {n.samples_b} in B): it covers the "
+                                     "step-to-step noise within each run, not the variation between two runs (host "
+                                     "load, clocks)"))
     if c.phases:
         out.append(CompareTable(f"Phase split (ms per step, from the {c.phases_source})", ("phase", "A", "B", "Δ", "Δ%"),
                                 [_row(PHASE_LABELS.get(k, k), d, fmt_ms, _ms_signed) for k, d in c.phases.items()

@@ -5,7 +5,10 @@ Per file (one rank's window): the complete steps (``ProfilerStep#N`` markers, th
 when there are two or more) give the step durations; within them every kernel (a device event, placed in the
 phase its launch was issued in) and every operator (``cpu_op``, self time: its nested operators taken out) is
 summed by (phase, kind, name). Phases follow FSDP2's labels: ``forward`` from ``FSDP::root_pre_forward``,
-``backward`` from ``FSDP::pre_backward``, ``optimizer`` inside ``Optimizer.*`` labels. Does not import torch.
+``backward`` from ``FSDP::pre_backward`` or, when earlier, from the first function autograd's engine runs after the
+forward (``autograd::engine::evaluate_function: ...``: the loss's backward, ``NllLossBackward0`` and the like, runs
+before the first FSDP unit's pre-backward hook fires), ``optimizer`` inside ``Optimizer.*`` labels. Does not import
+torch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from ..fsdp_labels import parse_label
 from .build import OPTIMIZER_PREFIX, STEP_RE
 from .reader import TraceError, decode
 
+#: the operator autograd's engine wraps each backward function in ("autograd::engine::evaluate_function: MmBackward0")
+AUTOGRAD_PREFIX = "autograd::engine::evaluate_function"
 
 
 @dataclass
@@ -66,6 +71,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     bounds: list[tuple[float, str]] = []
     optim: list[tuple[float, float]] = []
     launches: dict[int, float] = {}
+    autograd: list[float] = []  # the starts of autograd's backward functions
     ints, top, any_event = True, 0, False
     for e in _events(trace):
         n, a = e.name, e.args
@@ -78,6 +84,8 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
                 steps[int(m.group(1))] = (e.ts, e.ts + e.dur)
         elif n.startswith(OPTIMIZER_PREFIX):
             optim.append((e.ts, e.ts + e.dur))
+        elif n.startswith(AUTOGRAD_PREFIX):
+            autograd.append(e.ts)
         elif (lab := parse_label(n)) is not None:
             if lab.kind == "root_pre_forward":
                 bounds.append((e.ts, "forward"))
@@ -103,6 +111,11 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
         return rank, [], {}, 0
     lo = steps[kept[0]][0]
     hi = steps[kept[-1]][1] if len(steps) < 2 else steps[max(steps)][0]
+    autograd = sorted(t * scale for t in autograd)
+    for t in [t for t, ph in bounds if ph == "forward"]:  # backward from autograd's first function after a forward
+        j = bisect.bisect_left(autograd, t)
+        if j < len(autograd):
+            bounds.append((autograd[j], "backward"))
     bounds.sort()
     optim.sort()
     bts = [b[0] for b in bounds]
