@@ -49,7 +49,7 @@ class RunFacts(_Section):
     world_size: Optional[int] = None
     run_id: Optional[str] = None
     trace_files: int = 0  # Kineto trace files read
-    trace_files_unread: int = 0  # trace files found that could not be read (each named in the report's problems)
+    trace_files_unread: int = 0  # trace files found and left out: unreadable, or another job's (each in problems)
     backend: str | UnsetType = UNSET
     device: str | UnsetType = UNSET  # the run's device ("cpu", "cuda:0")
     device_name: str | UnsetType = UNSET

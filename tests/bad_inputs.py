@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from trace_fixtures import gloo_known_trace, gpu_known_trace  # noqa: E402
+from trace_fixtures import fsdp_gpu_trace, gloo_known_trace, gpu_known_trace  # noqa: E402
 
 SAMPLE = HERE.parent / "traces" / "sample"
 TIMEOUT_S = 20
@@ -308,6 +308,10 @@ def _trace_folder_cases() -> list[Case]:
                                                    "job2-rank2.json"), "another job (world size 8")
     P("another-job-backend", lambda d: one_file(d, {**gpu_doc(2), "distributedInfo": {
         "rank": 2, "world_size": 2, "backend": "gloo"}}, "rank2.json"), "another job (backend gloo")
+    P("another-job-other-units", lambda d: one_file(d, fsdp_gpu_trace(units=1, rank=2, world_size=2).document(),
+                                                    "rank2.json"),
+      "rank2.json: another job (its step 1's FSDP units: 1, named layers.0; the other files': 2, named layers.0, "
+      "layers.1); skipped")
     P("another-job-hours-later", lambda d: one_file(d, shifted(gpu_doc(2, world_size=2), 3 * 3600),
                                                     "rank2.json"), "another job (its step")
     P("negative-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=-3.0), "rank2.json"),

@@ -259,6 +259,28 @@ def test_unit_spans_and_times_from_label_arrays_known_answer():
                                                                     2: {"b": [0.0, 0.0], "a": [1.0, 0.0]}}
 
 
+def test_step_units_from_label_arrays_known_answer():
+    """Each complete step's FSDP units, in the order first named, from every label of a unit's own work (a
+    prefetch names its target, ``[pg=N]`` is not part of the name, the root's labels name none: ""); labels that
+    name no unit, outside the steps or of no FSDP kind are left out; steps with the same units share one tuple."""
+    import numpy as np
+    from fsdp_doctor.trace.steps_detail import step_units
+    names = ["FSDP::root_pre_forward", "FSDP::pre_forward", "FSDP::forward_prefetch for b",
+             "FSDP::all_gather (a) [pg=1]", "FSDP::post_backward_rs_wait ()", "FSDP::post_backward_reduce (c)",
+             "FSDP::pre_forward (a)", "ProfilerStep#1", "FSDP::root_post_backward_callback"]
+    labels = [(1, 0), (2, 1), (3, 2), (4, 3), (5, 8), (6, 7), (50, 5),  # step 1: "", b, a, c
+              (101, 6), (102, 2), (150, 4),  # step 2: a, b, "" (rs_wait of the root)
+              (201, 6), (202, 2), (203, 1),  # step 3: a, b, ""
+              (310, 5)]  # past the last step: left out
+    ts, name = np.array([t for t, _ in labels], dtype=float), np.array([n for _, n in labels], dtype=np.int32)
+    bounds = {1: (0.0, 100.0), 2: (100.0, 200.0), 3: (200.0, 300.0), 4: (300.0, 300.0)}
+    got = step_units(ts, name, names, bounds)
+    assert got == {1: ("", "b", "a", "c"), 2: ("a", "b", ""), 3: ("a", "b", "")}
+    assert got[2] is got[3]
+    assert step_units(ts[:1], name[:1], names, bounds) == {}  # the root's pre-forward names no unit
+    assert step_units(ts, name, names, {}) == {}
+
+
 def test_no_findings_from_a_plain_trace_is_not_called_healthy(sample_run_path):
     """The recorded run's own profiler traces read as plain traces: most rules need the doctor's records, so "no
     findings" says how few rules could check (it said "Healthy: no findings." on a one-unit model with 0%

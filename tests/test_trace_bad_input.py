@@ -7,7 +7,7 @@ import pytest
 
 from fsdp_doctor.report_sections import SkippedFile
 from fsdp_doctor.trace import analyze_traces, find_trace_files
-from trace_fixtures import gpu_known_trace
+from trace_fixtures import TraceBuilder, fsdp_gpu_trace, gpu_known_trace
 
 
 @pytest.fixture
@@ -96,4 +96,136 @@ def test_a_truncated_ranks_file_is_counted_apart_in_the_run_facts(good):
     assert (f.trace_files, f.trace_files_unread, f.trace_ranks) == (1, 1, [0])
     assert [p.split(":")[0] for p in report.problems] == ["rank1.1.pt.trace.json"]
     facts = run_facts(f)
-    assert "1 trace file" in facts and "1 unreadable (listed at the end)" in facts and "traces of rank 0" in facts
+    assert "1 trace file" in facts and "1 left out (listed at the end)" in facts and "traces of rank 0" in facts
+
+
+# ---------------------------------------------------------------- another job: other FSDP units
+def _units_trace(rank, units_by_step: dict, world_size=4) -> TraceBuilder:
+    """A CPU trace whose ProfilerSteps (1000 µs each, plus one the analysis cuts) run the FSDP units named for
+    them: each unit's forward is its pre_forward and post_forward labels around an aten::mm ("" is the root)."""
+    b = TraceBuilder(rank=rank, world_size=world_size)
+    steps = list(units_by_step) + [max(units_by_step) + 1]
+    for i, n in enumerate(steps):
+        T = 1000.0 * i
+        b.step(n, T, 1000.0)
+        for j, u in enumerate(units_by_step.get(n, [])):
+            t, fqn = T + 10 + 100 * j, f" ({u})" if u else ""
+            b.label(f"FSDP::pre_forward{fqn}", t, 5)
+            b.op("aten::mm", t + 10, 50)
+            b.label(f"FSDP::post_forward{fqn}", t + 70, 5)
+    return b
+
+
+def _mixed_runs(d, first_units=4, second_units=1, world_size=2):
+    """rank0.json from a run whose model has ``first_units`` FSDP units, rank1.json from one with
+    ``second_units``: the same world size, the same steps at the same time."""
+    for rank, units in ((0, first_units), (1, second_units)):
+        fsdp_gpu_trace(units=units, rank=rank, world_size=world_size, bwd_us=50, rs_us=20, prefetch=True).write(
+            d / f"rank{rank}.json")
+    return d
+
+
+def test_a_rank_of_another_job_with_other_fsdp_units_is_skipped(tmp_path):
+    """Two runs of other models (4 units, 1 unit), each rank's trace taken from one: the second file (a tie: the
+    first file's units win) is named with its units and the others', and rank 0 is analysed alone, its figures those
+    of its file read by itself."""
+    r = analyze_traces(_mixed_runs(tmp_path))
+    assert r.skipped == [SkippedFile(
+        file="rank1.json", error="another job (its step 1's FSDP units: 1, named layers.0; the other files': 4, "
+                                 "named layers.0, layers.1, layers.2, layers.3); skipped")]
+    _one_line(r.skipped)
+    alone = analyze_traces(tmp_path / "rank0.json")
+    assert list(r.per_rank) == ["0"] and r.files == [str(tmp_path / "rank0.json")]
+    assert r.per_rank["0"].comm_us == 2 * 4 * (50 + 50 + 20)  # 2 steps of 4 units: all-gathers 50 + 50, RS 20
+    for k in ("comm_us", "exposed_us", "overlap_us"):
+        assert getattr(r.per_rank["0"], k) == getattr(alone.per_rank["0"], k) > 0, k
+    # the unit rows are rank 0's: its 4 units, 2 complete steps each, nothing of the other model's
+    assert [(u.name, u.samples) for u in r.units] == [(f"layers.{i}", 2) for i in range(4)]
+
+
+def test_the_units_most_files_ran_win_over_the_first_files(tmp_path):
+    fsdp_gpu_trace(units=1, rank=0, world_size=4, bwd_us=50).write(tmp_path / "rank0.json")
+    for rank in (1, 2):
+        fsdp_gpu_trace(units=5, rank=rank, world_size=4, bwd_us=50).write(tmp_path / f"rank{rank}.json")
+    r = analyze_traces(tmp_path)
+    assert r.skipped == [SkippedFile(
+        file="rank0.json", error="another job (its step 1's FSDP units: 1, named layers.0; the other files': 5, "
+                                 "named layers.0, layers.1 … layers.4); skipped")]
+    assert sorted(r.per_rank) == ["1", "2"]
+
+
+def test_units_are_compared_only_in_steps_both_files_hold_whole(tmp_path):
+    """One job, nothing skipped: rank 0's window holds a third step that ran one more unit (an evaluation head),
+    rank 1's file holds only steps 1 and 2; rank 2's window has no profiler step (it may hold part of one: its units
+    are not known); rank 3's steps carry no FSDP2 label. Then a unit set of the same size but other names is told
+    apart by the names only each has."""
+    _units_trace(0, {1: ["", "a", "b"], 2: ["", "a", "b"], 3: ["", "a", "b", "head"]}).write(tmp_path / "rank0.json")
+    _units_trace(1, {1: ["", "a", "b"], 2: ["", "a", "b"]}).write(tmp_path / "rank1.json")
+    part = _units_trace(2, {1: ["b"]})
+    part.events = [e for e in part.events if not e["name"].startswith("ProfilerStep")]
+    part.write(tmp_path / "rank2.json")
+    unlabelled = _units_trace(3, {1: [], 2: []})
+    unlabelled.op("aten::mm", 10, 50)
+    unlabelled.write(tmp_path / "rank3.json")
+    r = analyze_traces(tmp_path)
+    assert r.skipped == [] and sorted(r.per_rank) == ["0", "1", "2", "3"]
+    # rank 0's step 3: one unit more; in a folder with a file of that step ran without it, it is another job's
+    _units_trace(1, {1: ["", "a", "b"], 2: ["", "a", "b"], 3: ["", "a", "b"]}).write(tmp_path / "rank1.json")
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [("rank1.json", "another job (its step 3's FSDP units: 3, "
+                                                       "named (root), a, b; the other files': 4, named (root), a, b, "
+                                                       "head); skipped")]
+    # as many units, named otherwise, with short forms that read the same
+    for rank, mid in ((0, "x"), (1, "y")):
+        _units_trace(rank, {1: ["", "a", mid, "b", "c"]}).write(tmp_path / f"rank{rank}.json")
+    (tmp_path / "rank2.json").unlink()
+    (tmp_path / "rank3.json").unlink()
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [("rank1.json", "another job (its step 1's FSDP units: 5, "
+                                                       "among them y; the other files': 5, among them x); skipped")]
+
+
+def test_the_cli_names_another_jobs_file_in_one_line_and_exits_3(tmp_path, capsys, monkeypatch):
+    from fsdp_doctor import cli
+
+    monkeypatch.setenv("COLUMNS", "80")  # narrower than the line: it is never folded
+    rc = cli.main(["analyze", str(_mixed_runs(tmp_path))])
+    out = capsys.readouterr().out
+    assert rc == cli.EXIT_PARTIAL == 3
+    assert [ln for ln in out.splitlines() if "rank1" in ln] == [
+        "skipped: rank1.json: another job (its step 1's FSDP units: 1, named layers.0; the other files': 4, named "
+        "layers.0, layers.1, layers.2, layers.3); skipped"]
+    # the header counts it left out
+    assert "1 trace file · 1 left out (listed at the end)" in out, out
+
+
+def test_pipeline_stages_of_one_job_are_not_another_job(tmp_path):
+    """Pipeline stages hold different units: ranks whose FSDP collectives run on a group smaller than the world
+    (PP 2 x FSDP 2: all-gathers over 2 of 4 ranks), or that send and receive point-to-point, are not compared; the
+    same CPU traces without their sends are another job's."""
+    import re
+
+    for rank in range(4):
+        stage = rank // 2
+        doc = fsdp_gpu_trace(units=2, rank=rank, world_size=2, bwd_us=50, prefetch=True).document()
+        doc["distributedInfo"]["world_size"] = 4  # the NCCL args say "Group size": 2
+        text = re.sub(r"layers\.(\d)", lambda m: f"layers.{2 * stage + int(m.group(1))}", json.dumps(doc))
+        (tmp_path / "gpu" / f"rank{rank}.json").parent.mkdir(exist_ok=True)
+        (tmp_path / "gpu" / f"rank{rank}.json").write_text(text)
+    r = analyze_traces(tmp_path / "gpu")
+    assert r.skipped == [] and sorted(r.per_rank) == ["0", "1", "2", "3"]
+    assert {u.name for u in r.units} == {"layers.0", "layers.1", "layers.2", "layers.3"}
+
+    def stage(rank, p2p):
+        b = _units_trace(rank, {1: ["", f"layers.{2 * rank}", f"layers.{2 * rank + 1}"], 2: []}, world_size=2)
+        if p2p:  # stage 0 sends its activations to stage 1
+            b.gloo("send" if rank == 0 else "recv", 500, 20)
+        b.write(tmp_path / f"cpu{int(p2p)}" / f"rank{rank}.json")
+
+    for p2p in (True, False):
+        for rank in (0, 1):
+            stage(rank, p2p)
+    assert analyze_traces(tmp_path / "cpu1").skipped == []
+    assert [s.error for s in analyze_traces(tmp_path / "cpu0").skipped] == [
+        "another job (its step 1's FSDP units: 3, named (root), layers.2, layers.3; the other files': 3, named (root), "
+        "layers.0, layers.1); skipped"]

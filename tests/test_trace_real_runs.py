@@ -48,3 +48,34 @@ def test_gloo_all_gather_overlap(tmp_path, async_unshard):
         else:
             assert pct < 5.0, pct
             assert blocking.count >= n_ag - 1  # the host sat in (nearly) every all-gather
+
+
+def _run(out, wrap):
+    """A tiny 2-rank gloo run wrapped by ``wrap``, profiled for 2 steps (1 complete): ``out`` holds its traces."""
+    out.mkdir()
+    hook = ProfileWindow(out, warmup=1, active=2)
+    cfg = workloads.WorkloadConfig(steps=hook.steps_needed(), wrap=wrap, d_model=32, n_layers=2, n_heads=2,
+                                   seq_len=16, vocab=64, batch_size=2)
+    workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=120)
+    return out
+
+
+def test_traces_of_two_runs_with_other_wrapping_are_not_read_as_one_job(tmp_path):
+    """Rank 0's trace from a run of 4 FSDP units, rank 1's from a run wrapping the whole model as one (the same
+    world size, seconds apart): rank 1's file is skipped, named with both unit sets; rank 0 is analysed alone."""
+    from fsdp_doctor.report_sections import SkippedFile
+
+    block, whole = _run(tmp_path / "block", "block"), _run(tmp_path / "whole", "whole")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "rank0.3.pt.trace.json.gz").write_bytes((block / "rank0.3.pt.trace.json.gz").read_bytes())
+    (mixed / "rank1.3.pt.trace.json.gz").write_bytes((whole / "rank1.3.pt.trace.json.gz").read_bytes())
+    for run in (block, whole):  # each run alone is one job
+        assert analyze_traces(run).skipped == []
+    r = analyze_traces(mixed)
+    assert r.skipped == [SkippedFile(
+        file="rank1.3.pt.trace.json.gz",
+        error="another job (its step 1's FSDP units: 1, named (root); the other files': 4, named [tok_emb, pos_emb], "
+              "layers.0, layers.1, [norm, lm_head]); skipped")]
+    assert list(r.per_rank) == ["0"] and r.per_rank["0"].steps == [1]
+    assert [u.name for u in r.units] == ["tok_emb, pos_emb", "layers.0", "layers.1", "norm, lm_head"]

@@ -93,7 +93,7 @@ def run_facts(run: RunFacts) -> list[str]:
     if r.trace_files:
         facts.append(f"{r.trace_files} trace file{'s' if r.trace_files > 1 else ''}")
     if r.trace_files_unread:
-        facts.append(f"{r.trace_files_unread} unreadable (listed at the end)")
+        facts.append(f"{r.trace_files_unread} left out (listed at the end)")  # unreadable, or another job's
     return facts
 
 

@@ -192,5 +192,5 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
             # code lines are never folded: the terminal wraps a long one on screen, a copy stays one line
             console.print(item, soft_wrap=isinstance(item, Syntax))
         console.print()
-    for p in report.problems:
-        console.print(Text(f"skipped: {p}", style="yellow"))
+    for p in report.problems:  # one line each, never folded (as code lines): a copy or a grep gets it whole
+        console.print(Text(f"skipped: {p}", style="yellow"), soft_wrap=True)

@@ -6,7 +6,11 @@ with the reason, never summed with another or dropped without a word:
 * a file with no rank (no ``distributedInfo.rank``, none in its name) among several: it cannot be told apart
   from the other ranks' files (one file alone is read as rank 0);
 * another job: a world size or backend other than the other files' (the most files' wins; on a tie the first
-  file's), or the same step run more than ``JOB_SKEW_S`` apart from the other ranks' same step;
+  file's); other FSDP units in a complete step than the other files' same step (the ranks of one job shard one
+  model: each step runs the same units on every rank; the most files' wins, on a tie the first file's; a step
+  without FSDP2's labels, or not held whole, is not compared, nor a rank that may hold part of the model: one
+  that sends point-to-point, or whose FSDP collectives run on a group smaller than the world, as pipeline
+  stages do); or the same step run more than ``JOB_SKEW_S`` apart from the other ranks' same step;
 * a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap; the first
   file (by name) is kept.
 """
@@ -18,9 +22,14 @@ from collections import Counter
 from pathlib import Path
 
 from ..report_sections import SkippedFile
-from .model import WindowTrace
+from ..units import printable, unit_label
+from .model import OTHER_UNIT, WindowTrace
 
-JOB_SKEW_S = 600.0  # the ranks of one job run a step within this of each other (clocks of one cluster)
+# the ranks of one job start a step within this of each other (clocks of one cluster). Not less: a rank that saves
+# a checkpoint, stalls in its data loader or compiles its first step starts the step later, and the others wait for
+# it in their first collective up to the collective's timeout (NCCL's default: 10 min) before the job fails; two
+# runs of different models minutes apart are told apart by their FSDP units instead
+JOB_SKEW_S = 600.0
 
 
 def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFile]]:
@@ -38,19 +47,35 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
     for attr, what in (("world_size", "world size"), ("backend", "backend")):
         vals = {i: getattr(windows[i], attr) for i in order if i not in skipped and getattr(windows[i], attr)}
         if len(set(vals.values())) > 1:
-            counts = Counter(vals.values())
-            top = max(counts.values())
-            main = next(v for v in vals.values() if counts[v] == top)  # first file's among the most common
+            main = _majority(vals)
             for i, v in vals.items():
                 if v != main:
                     skipped[i] = f"another job ({what} {v}; the other files' is {main}); skipped"
 
-    # the same step on different ranks runs at the same time: far apart, it is another job's
-    by_step: dict[int, list[int]] = {}
+    by_step: dict[int, list[int]] = {}  # step -> the windows holding it whole, in the files' order
     for i in order:
         if i not in skipped:
             for n in windows[i].steps:
                 by_step.setdefault(n, []).append(i)
+
+    # the ranks of one job shard one model: the same step runs the same FSDP units on every rank (but where a rank
+    # may hold part of the model: pipeline stages hold different units)
+    split: dict[int, bool] = {}
+    for n, idx in sorted(by_step.items()):
+        units = {i: frozenset(windows[i].step_units[n]) for i in idx
+                 if i not in skipped and n in windows[i].step_units}
+        if len(set(units.values())) < 2:
+            continue
+        units = {i: u for i, u in units.items() if not split.setdefault(i, _part_of_the_model(windows[i]))}
+        if len(set(units.values())) < 2:
+            continue
+        main = _majority(units)
+        ran = next(windows[i].step_units[n] for i, u in units.items() if u == main)  # (in the order named)
+        for i, u in units.items():
+            if u != main:
+                skipped[i] = f"another job (its step {n}'s {_units_differ(windows[i].step_units[n], ran)}); skipped"
+
+    # the same step on different ranks runs at the same time: far apart, it is another job's
     for n, idx in sorted(by_step.items()):
         idx = [i for i in idx if i not in skipped]
         if len(idx) < 2:
@@ -84,6 +109,57 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
 
     kept = [w for i, w in enumerate(windows) if i not in skipped]
     return kept, [SkippedFile(file=names[i], error=skipped[i]) for i in order if i in skipped]
+
+
+def _part_of_the_model(w: WindowTrace) -> bool:
+    """Whether the window's rank may hold only part of the model, its FSDP units not the other ranks': it sends or
+    receives point-to-point (a pipeline's stages), or FSDP's collectives run on a group smaller than the world
+    (another dimension of parallelism beside FSDP: pipeline stages among them)."""
+    world = w.world_size
+    for c in w.calls:
+        if "send" in c.collective or "recv" in c.collective:
+            return True
+        if c.unit != OTHER_UNIT and world and c.group_size and c.group_size < world:
+            return True
+    return False
+
+
+def _majority(vals: dict):
+    """The value most files have (``vals``: window -> value, in the files' order); on a tie the first file's."""
+    counts = Counter(vals.values())
+    top = max(counts.values())
+    return next(v for v in vals.values() if counts[v] == top)
+
+
+_SHOWN_UNITS = 4  # a step's units named in full up to this many; more: the first two and the last
+_NAME_CHARS = 32  # a unit's name shortened to this (the line stays one short line)
+
+
+def _units_differ(mine, theirs) -> str:
+    """Two steps' FSDP units (names in the order first named; "" the root) set against each other in a few words:
+    each side's count and names; as many on both sides whose short forms read the same: the names only each has."""
+    mine, theirs = list(mine), list(theirs)
+    a, b, named = _short(mine), _short(theirs), "named"
+    if a == b and len(mine) == len(theirs):
+        only_mine, only_theirs = set(mine) - set(theirs), set(theirs) - set(mine)
+        a, b = _short([u for u in mine if u in only_mine]), _short([u for u in theirs if u in only_theirs])
+        named = "among them"
+    return f"FSDP units: {len(mine)}, {named} {a}; the other files': {len(theirs)}, {named} {b}"
+
+
+def _short(units: list) -> str:
+    shown = [_unit_name(u) for u in units]
+    if len(shown) > _SHOWN_UNITS:
+        return f"{shown[0]}, {shown[1]} … {shown[-1]}"
+    return ", ".join(shown)
+
+
+def _unit_name(unit: str) -> str:
+    """A unit's name for one line: the root "(root)", a grouped unit's modules in brackets, shortened."""
+    name = printable(unit_label(unit))
+    if len(name) > _NAME_CHARS:
+        name = name[:_NAME_CHARS - 1] + "…"
+    return f"[{name}]" if ", " in name else name
 
 
 def _start_s(w: WindowTrace):

@@ -47,7 +47,7 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
 from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
-from .steps_detail import kept_from_forward, memory_steps, unit_spans, unit_step_times
+from .steps_detail import kept_from_forward, memory_steps, step_units, unit_spans, unit_step_times
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -434,7 +434,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
     bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
-    spans = unit_spans(*index.labels(), bounds)
+    labels = index.labels()
+    spans = unit_spans(*labels, bounds)
+    win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
+    del labels
     gpu_window = bool(len(gpu.ts))
     if not gpu_window:  # (a GPU window's units are timed by their kernels, in _build_gpu)
         win.unit_us = unit_step_times(spans)

@@ -70,6 +70,9 @@ class WindowTrace:
     # and the allocator's peak and curve from the [memory] events (profile_memory=True)
     unit_us: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
+    # per complete step: the FSDP units its FSDP2 labels name ("" the root), in the order first named (the ranks of
+    # one job shard one model: they name the same units in a step; trace.admit); a step without such labels: absent
+    step_units: dict = field(default_factory=dict)
     # host µs of the loop's code that issued collectives no FSDP unit issued, outside optimizer.step(), and of that
     # the first calls' (their wait for the other ranks), over the complete steps (build's _loop_comm_us)
     loop_comm_us: float = 0.0

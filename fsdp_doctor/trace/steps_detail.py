@@ -11,6 +11,8 @@ Built from what torch.profiler writes, no fsdp-doctor records needed:
   complete step its start lies in. On a GPU trace the host runs ahead of the device, so a unit's time is the
   device time of the compute kernels launched inside its span (the union of their intervals; NCCL and copies
   left out); the rows' ``source`` says which.
+* **Units per step**: the FSDP units each complete step's labels name (the ranks of one job name the same ones:
+  ``trace.admit`` tells another job's file by them).
 * **Memory** from the ``[memory]`` instant events (``profile_memory=True``): their ``Total Allocated`` is the
   allocator's total on the device after each allocation or free. Per complete step: the highest total, when
   (ms from the step's start), inside which unit and phase, and the curve (at most ``TIMELINE_POINTS`` points,
@@ -123,6 +125,46 @@ def unit_spans(ts: np.ndarray, end: np.ndarray, name: np.ndarray, names: list[st
         if e is not None:
             add(s, e, unit, True)
     return UnitSpans(o_s, o_e, o_u, o_b, o_n, list(units))
+
+
+# the labels FSDP2 gives a unit's own work, each naming the unit (fsdp_labels; the root's carry no name)
+_UNIT_KINDS = frozenset({"pre_forward", "post_forward", "pre_backward", "all_gather", "all_gather_copy_out",
+                         "post_backward_accumulate", "post_backward_reshard", "post_backward_reduce",
+                         "post_backward_rs_wait", "forward_prefetch", "backward_prefetch"})
+
+
+def step_units(ts: np.ndarray, name: np.ndarray, names: list[str],
+               step_bounds: dict[int, tuple[float, float]]) -> dict[int, tuple[str, ...]]:
+    """Per complete step, the FSDP units its labels name ("" the root), in the order first named: the labels of a
+    unit's own work (``_UNIT_KINDS``), in the step their start lies in. The labels as arrays, any thread: ``ts`` (µs)
+    and ``name`` (an index into ``names``); ``step_bounds``: step -> (start, end), µs. Steps naming none are left
+    out; steps naming the same units share one tuple."""
+    code = np.full(len(names), -1, dtype=np.int64)
+    units: dict[str, int] = {}
+    for i, nm in enumerate(names):
+        p = parse_label(nm)
+        if p is not None and p.kind in _UNIT_KINDS:
+            code[i] = units.setdefault(p.fqn or "", len(units))
+    if not units or not step_bounds or not name.size:
+        return {}
+    order = sorted(step_bounds)
+    starts = np.array([step_bounds[n][0] for n in order])
+    ends = np.array([step_bounds[n][1] for n in order])
+    u = code[name]
+    t, u = ts[u >= 0], u[u >= 0]
+    k = np.searchsorted(starts, t, side="right") - 1
+    inside = (k >= 0) & (t < ends[np.maximum(k, 0)])
+    t, u, k = t[inside], u[inside], k[inside]
+    by_time = np.lexsort((t, k))  # by step, then by start
+    k, u = k[by_time], u[by_time]
+    first = np.unique(k * len(units) + u, return_index=True)[1]  # each (step, unit) where first named
+    first.sort()
+    unit_names = list(units)
+    per: dict[int, list[str]] = {}
+    for step, unit in zip(k[first].tolist(), u[first].tolist()):
+        per.setdefault(order[step], []).append(unit_names[unit])
+    shared: dict[tuple, tuple] = {}
+    return {n: shared.setdefault(tuple(v), tuple(v)) for n, v in per.items()}
 
 
 def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[str, list[float]]]:
