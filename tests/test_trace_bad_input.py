@@ -229,3 +229,21 @@ def test_pipeline_stages_of_one_job_are_not_another_job(tmp_path):
     assert [s.error for s in analyze_traces(tmp_path / "cpu0").skipped] == [
         "another job (its step 1's FSDP units: 3, named (root), layers.2, layers.3; the other files': 3, named (root), "
         "layers.0, layers.1); skipped"]
+
+
+def test_another_job_by_its_steps_time_says_how_far_apart_in_its_unit(tmp_path):
+    """The same model's traces from two runs 11 minutes apart (the same units, the same steps): rank 1's step 1 ran
+    11 min after rank 0's, past JOB_SKEW_S (600 s), so it is another job's, said in minutes (it read "0.2 h")."""
+    import json
+
+    from fsdp_doctor.trace.admit import JOB_SKEW_S
+
+    for rank, shift_s in ((0, 0.0), (1, 660.0)):
+        doc = _units_trace(rank, {1: ["", "layers.0"], 2: ["", "layers.0"]}, world_size=2).document()
+        doc["baseTimeNanoseconds"] += int(shift_s * 1e9)
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(doc))
+    assert 660.0 > JOB_SKEW_S
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [
+        ("rank1.json", "another job (its step 1 ran 11 min from the other files' step 1); skipped")], r.skipped
+    assert sorted(r.per_rank) == ["0"]

@@ -88,7 +88,7 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
         mid = ts[(len(ts) - 1) // 2]
         for i, t in known.items():
             if abs(t - mid) > JOB_SKEW_S:
-                skipped[i] = (f"another job (its step {n} ran {abs(t - mid) / 3600:.1f} h from the other files' "
+                skipped[i] = (f"another job (its step {n} ran {_apart(abs(t - mid))} from the other files' "
                               f"step {n}); skipped")
 
     # one file per rank and window
@@ -160,6 +160,11 @@ def _unit_name(unit: str) -> str:
     if len(name) > _NAME_CHARS:
         name = name[:_NAME_CHARS - 1] + "…"
     return f"[{name}]" if ", " in name else name
+
+
+def _apart(s: float) -> str:
+    """A time apart (> JOB_SKEW_S) in its unit: "11 min", "2.5 h", "3.0 days"."""
+    return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
 
 
 def _start_s(w: WindowTrace):
