@@ -222,6 +222,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         run = _load(path)
         if run is None:
             return EXIT_BAD_INPUT
+        for kind, p in outputs.items():
+            if _is_input(p, path, run):
+                _err(f"--{kind} {p}: is one of the inputs being compared; give another file name")
+                return EXIT_BAD_INPUT
         report = build_report(run) if run.has_records or run.trace_files else None
         if report is None or not is_usable(run, report):
             _err(_nothing_usable(path, report) if report else _no_input(path, run))

@@ -92,6 +92,16 @@ def test_cli_compare_bad_input_is_one_line(prefetch_pair, tmp_path, capsys):
     assert main(["compare", str(tmp_path / "empty"), str(a)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "empty" in err[0]
+    # a report file onto a file of either run is refused before anything is written (a new-user trial's --html
+    # onto B's record stream replaced it)
+    _, b = prefetch_pair
+    for side in (a, b):
+        target = side / "rank0.json"
+        before = target.read_bytes()
+        assert main(["compare", str(a), str(b), "--html", str(target)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"fsdp-doctor: --html {target}: is one of the inputs being compared; give another file name"], err
+        assert target.read_bytes() == before
 
 
 def test_bootstrap_interval_known_answers():
