@@ -197,11 +197,31 @@ def test_one_config_on_a_drifting_host_is_not_called_a_change(sample_run_path, t
     (step,) = [t for t in tables(cmp) if t.title == "Step time"]
     assert step.rows[0][-1] == C.NO_CHANGE and "8 rank-steps in A, 40 in B" in step.note
     assert "not the variation between two runs" in step.note
+    # declaring a change (--applied one of A's findings): the optimizer step, which that change does not touch,
+    # moved -55% (26.8 -> 12.1 ms) beside it: the host's speed changed, so the step's change is not the fix's alone
+    # and its prediction is inconclusive (a new-user trial's rewrap read "+308%: slower", its prediction "missed",
+    # while its optimizer step went 29.4 -> 79.8 ms)
     code = a.report.findings[0].code
     declared = C.compare(a, b, applied=[code])
-    assert declared.step_p50.significant and declared.step_p50.reason == ""
-    assert declared.summary.startswith("step time p50 -27.6% (95% CI ") and declared.summary.endswith("faster")
-    assert [p.recognised_by for p in declared.predictions] == ["--applied"]
+    assert not declared.step_p50.significant and declared.step_p50.reason == C.HOST_CHANGED
+    assert declared.summary.startswith("step time p50 -27.6% (95% CI ") and "not the change's alone: the optimizer " \
+        "step, which this change does not touch, moved -55% too (26.8 -> 12.1 ms)" in declared.summary
+    assert [(p.recognised_by, p.step_verdict) for p in declared.predictions] == [("--applied", "inconclusive")]
+    # a fix in the user's loop leaves no configuration change to read (a new-user trial's accumulation fix read "no
+    # configuration change found" beside the finding resolved): the summary names the warning gone and the flag
+    import msgspec
+
+    f0 = a.report.findings[0]
+    a.report.findings.append(msgspec.structs.replace(f0, code="accum.sync_every_micro_batch", severity="warning"))
+    hinted = C.compare(a, b)
+    assert hinted.summary.startswith(cmp.summary) and hinted.summary.endswith(
+        "; A's accum.sync_every_micro_batch is gone in B: for a fix applied in your loop (which compare cannot "
+        "read), pass --applied accum.sync_every_micro_batch to check its prediction"), hinted.summary
+    a.report.findings.pop()
+    # an --applied code A's report does not hold is no change: the verdict stays run-to-run variation
+    bogus = C.compare(a, b, applied=["not.a.rule"])
+    assert bogus.step_p50.reason == C.NO_CHANGE and bogus.summary == cmp.summary
+    assert bogus.notes == ["--applied not.a.rule: A's report has no such finding, so no prediction to check"]
 
 
 @pytest.mark.slow
@@ -358,3 +378,40 @@ def test_plain_trace_pair_without_a_difference_says_what_a_trace_cannot_show(pre
     assert not config.rows and "snapshots" not in config.note
     assert config.note.startswith("no difference in the units and the prefetching the traces show")
     assert "reshard_after_forward" in config.note
+
+
+def test_records_against_their_own_trace_are_not_timed_against_each_other(sample_run_path):
+    """A run's records against its own profiler traces (a new-user trial: "-40.1% ... faster", significant): the
+    profiled steps run slower with the profiler on, so the two sides' step times are not set against each other;
+    the phase table says where each side's split comes from; a setting one side cannot read (a trace holds no
+    reshard_after_forward) is no change."""
+    from fsdp_doctor.present.compare import tables
+
+    cmp = compare_runs(load_run(sample_run_path), load_run(sample_run_path / "profiler"))
+    assert (cmp.a.source, cmp.b.source) == ("records", "trace")
+    assert not cmp.step_p50.significant and cmp.step_p50.reason == C.OTHER_SOURCES
+    assert cmp.summary.startswith("step times not set against each other: one run's come from its records")
+    assert [c.key for c in cmp.config] == [], cmp.config  # (unknown on one side is not a change)
+    titles = [t.title for t in tables(cmp)]
+    assert "Phase split (ms per step, from A's records, B's trace)" in titles, titles
+
+
+def test_a_unit_without_parameters_has_no_settings_to_change():
+    """The root left without parameters by a rewrap (every module in a unit of its own) records its unshard setting
+    as False whatever the script set: compare listed "unshard_async_op (root) true false", as if the fix had turned
+    async unshard off. A unit without parameters gathers nothing: its settings are not compared."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.records import UnitConfig
+
+    def side(root_params, root_async, layer_async=True):
+        units = [UnitConfig(name="", modules=[""], is_root=True, param_count=root_params, n_params=1,
+                            sharded_bytes=0, unsharded_bytes=0, orig_dtypes=["float32"], unshard_async_op=root_async),
+                 UnitConfig(name="layers.0", modules=["layers.0"], is_root=False, param_count=10, n_params=1,
+                            sharded_bytes=0, unsharded_bytes=0, orig_dtypes=["float32"], unshard_async_op=layer_async)]
+        return C.Side(report=SimpleNamespace(units=units, run=SimpleNamespace()), samples=[], source="records")
+
+    assert C.config_diff(side(100, True), side(0, False)) == []
+    (ch,) = C.config_diff(side(100, True), side(100, False))
+    assert (ch.key, ch.a, ch.b, ch.units) == ("unshard_async_op", True, False, ["(root)"])
+    assert C.config_diff(side(100, True), side(100, True, layer_async=None)) == []  # unknown on one side

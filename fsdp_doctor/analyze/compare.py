@@ -31,6 +31,17 @@ SEED = 0  # the same two runs always give the same interval
 NOISE_FLOOR_PCT = 5.0
 # StepDelta.reason when the interval excludes zero but A and B differ in no configuration: run-to-run variation
 NO_CHANGE = "no config change"
+# ... when one run's step times come from its records and the other's from a profiler trace (profiled steps)
+OTHER_SOURCES = "records vs trace"
+# ... when a phase the change does not touch moved as much: the host ran at another speed in the two runs
+HOST_CHANGED = "host changed"
+# the control phase: the optimizer step, untouched by a change of wrapping, resharding, prefetching, checkpointing,
+# dtypes or batch; it tells the host's speed apart where it moved by this share (and at least HOST_MIN_MS)
+HOST_SHIFT_PCT = 25.0
+HOST_MIN_MS = 1.0
+# what changes the optimizer step itself: then it is no control (job keys, and --applied codes by prefix)
+OPTIMIZER_KEYS = ("optimizer", "offload", "world_size", "backend", "device_name", "torch_version")
+OPTIMIZER_FIXES = ("optim.", "offload.", "memory.grads_kept")
 # A step-time prediction holds when the predicted change lies inside the measured change's interval, or lands
 # within this share of the measured step (a step prediction is an estimate from host-side timings).
 STEP_TOLERANCE_PCT = 10.0
@@ -102,9 +113,10 @@ def _matrix(samples: list[list[float]]) -> np.ndarray:
 
 
 def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.random.Generator,
-                changed: bool = True) -> Optional[StepDelta]:
+                changed: bool = True, apart: str = "") -> Optional[StepDelta]:
     """The change of the ``q``-th percentile step (B − A) and its bootstrap interval; ``changed``: whether A and B
-    differ in configuration (without a change, a difference is not significant: reason ``NO_CHANGE``)."""
+    differ in configuration (without a change, a difference is not significant: reason ``NO_CHANGE``); ``apart``:
+    a reason the two runs' step times cannot be set against each other (``OTHER_SOURCES``, ``HOST_CHANGED``)."""
     ma, mb = _matrix(a), _matrix(b)
     if not ma.size or not mb.size:
         return None
@@ -117,18 +129,27 @@ def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.ra
     lo, hi = np.percentile(rb - ra, [alpha, 100 - alpha])
     d = delta(pa, pb)
     big = d.pct is not None and abs(d.pct) >= NOISE_FLOOR_PCT
-    reason = "within noise" if lo <= 0 <= hi else "under noise floor" if not big else "" if changed else NO_CHANGE
+    reason = (apart or "within noise" if lo <= 0 <= hi else apart or "under noise floor" if not big else
+              apart or ("" if changed else NO_CHANGE))
     return StepDelta(a=d.a, b=d.b, delta=d.delta, pct=d.pct, ci_low=round(float(lo), 3), ci_high=round(float(hi), 3),
                      confidence=CONFIDENCE, significant=not reason, reason=reason,
                      samples_a=int(np.isfinite(ma).sum()), samples_b=int(np.isfinite(mb).sum()))
 
 
-def step_summary(s: Optional[StepDelta], changed: bool = True) -> str:
-    """One line: the step-time verdict (``changed``: whether A and B differ in configuration)."""
+def step_summary(s: Optional[StepDelta], changed: bool = True, host: str = "") -> str:
+    """One line: the step-time verdict (``changed``: whether A and B differ in configuration; ``host``: what showed
+    the host's speed changed, where it did)."""
     if s is None or s.pct is None:
         return "step time not comparable (a run has no steps)"
     ci = (f"{100 * s.ci_low / s.a:+.1f}% to {100 * s.ci_high / s.a:+.1f}%" if s.a else f"{s.ci_low} to {s.ci_high} ms")
     interval = f"{round(100 * s.confidence)}% CI {ci}"
+    if s.reason == OTHER_SOURCES:
+        return ("step times not set against each other: one run's come from its records (every steady step), the "
+                "other's from a profiler trace (its profiled steps, slower with the profiler on): compare the phase "
+                "shares, not the times")
+    if s.reason == HOST_CHANGED:
+        return (f"step time p50 {s.pct:+.1f}% ({interval}), not the change's alone: {host}; rerun both on a quiet "
+                "host to tell the change's part")
     if s.reason == NO_CHANGE:
         return (f"no configuration change found: step time p50 {s.pct:+.1f}% ({interval}) is run-to-run variation of "
                 "the host (load, clocks), not the effect of a change, unless something compare does not read changed "
@@ -147,8 +168,9 @@ def _units(side: Side) -> dict[str, dict[str, Any]]:
     """Unit name -> the configuration keys compared (from the unit snapshot, or for a plain trace the units its
     collectives name and whether FSDP prefetched them)."""
     rep = side.report
-    if rep.units:
-        return {u.name or "(root)": {k: getattr(u, k) for k in UNIT_KEYS} for u in rep.units}
+    if rep.units:  # (a unit without parameters, a root left empty, gathers nothing: its settings do nothing)
+        return {u.name or "(root)": {k: getattr(u, k) for k in UNIT_KEYS} if u.param_count != 0 else {}
+                for u in rep.units}
     names = {r.unit for r in (rep.overlap.per_unit if rep.overlap else []) if r.unit != "(other)"}
     pf = side.prefetched or {}
     return {n: {"forward_prefetch": n in pf.get("forward", set()), "backward_prefetch": n in pf.get("backward", set())}
@@ -168,13 +190,17 @@ def config_diff(a: Side, b: Side) -> list[ConfigChange]:
         if va != vb and (va is not None and vb is not None or k == "world_size"):
             out.append(ConfigChange(key=k, a=va, b=vb))
     ua, ub = _units(a), _units(b)
+    if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
+        # records' unit's prefetch targets and a trace's "was prefetched" are not one setting
+        ua, ub = ({n: {} for n, v in u.items() if v or side.source == "trace"} for u, side in ((ua, a), (ub, b)))
     if ua and ub and set(ua) != set(ub):
         out.append(ConfigChange(key="wrapping", a=f"{len(ua)} units", b=f"{len(ub)} units",
                                 units=sorted(set(ua) ^ set(ub))))
     grouped: dict[tuple, list[str]] = {}
     for name in sorted(set(ua) & set(ub)):
         for k in UNIT_KEYS:
-            if k in ua[name] and k in ub[name] and _norm(ua[name][k]) != _norm(ub[name][k]):
+            va, vb = ua[name].get(k), ub[name].get(k)
+            if va is not None and vb is not None and _norm(va) != _norm(vb):  # (None: unknown, not a change)
                 grouped.setdefault((k, _norm(ua[name][k]), _norm(ub[name][k])), []).append(name)
     for (k, va, vb), names in grouped.items():
         out.append(ConfigChange(key=k, a=list(va) if isinstance(va, tuple) else va,
@@ -276,7 +302,8 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             pred = p50.a * ratio
             chk.step_ms_predicted, chk.step_ms_measured = round(pred, 3), p50.b
             chk.step_pct_predicted, chk.step_pct_measured = round(100 * (ratio - 1), 1), p50.pct
-            chk.step_verdict = ("held" if p["at_most"] and p50.b <= pred  # a ceiling: at or under it
+            chk.step_verdict = ("inconclusive" if p50.reason in (HOST_CHANGED, OTHER_SOURCES)
+                                else "held" if p["at_most"] and p50.b <= pred  # a ceiling: at or under it
                                 else _step_verdict(pred - p50.a, p50, pred))
         if p["peak_bytes_before"] is not None and p["peak_bytes_after"] is not None and peak_a and peak_b:
             pred = peak_a + (p["peak_bytes_after"] - p["peak_bytes_before"])
@@ -319,25 +346,49 @@ def _cost(a: Report, b: Report, price: float) -> Cost:
     return Cost(gpu_hour_price=price, a=d.a, b=d.b, delta=d.delta, pct=d.pct, note=note)
 
 
+def _host_shift(a: Side, b: Side, pa: dict[str, float], pb: dict[str, float], changes: list[ConfigChange],
+                applied: Iterable[str]) -> str:
+    """Where the runs' records time the optimizer step and nothing changed touches it (its job keys, an optimizer
+    or offload fix), how far it moved, in words, when at least ``HOST_SHIFT_PCT`` (and ``HOST_MIN_MS``): the host
+    ran at another speed (a new-user trial on a loaded host: the optimizer step 29.4 -> 79.8 ms beside a rewrap);
+    "" otherwise."""
+    if a.source != "records" or b.source != "records" or any(c.key in OPTIMIZER_KEYS for c in changes) or \
+            any(c.startswith(OPTIMIZER_FIXES) for c in applied):
+        return ""
+    oa, ob = pa.get("optimizer"), pb.get("optimizer")
+    if not oa or ob is None or abs(ob - oa) < HOST_MIN_MS or 100 * abs(ob - oa) / oa < HOST_SHIFT_PCT:
+        return ""
+    return (f"the optimizer step, which this change does not touch, moved {100 * (ob - oa) / oa:+.0f}% too "
+            f"({oa:.1f} -> {ob:.1f} ms): the host ran at another speed in the two runs")
+
+
 # ------------------------------------------------------------------------------------------------ compare
 def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Optional[float] = None,
             path_a: str = "", path_b: str = "") -> Comparison:
     """The comparison of run ``b`` against run ``a`` (B − A)."""
     ra, rb = a.report, b.report
     applied = tuple(applied)
+    known = [c for c in applied if c in {f.code for f in ra.findings}]  # (an unknown code changes nothing)
     changes = config_diff(a, b)
-    changed = bool(changes or applied)  # (--applied: a change the user declares, e.g. one a plain trace cannot show)
+    changed = bool(changes or known)  # (--applied: a change the user declares, e.g. one a plain trace cannot show)
+    pa, pb = _phases(a), _phases(b)
+    host = _host_shift(a, b, pa, pb, changes, known) if changed else ""
+    apart = OTHER_SOURCES if a.source != b.source else HOST_CHANGED if host else ""
     rng = np.random.default_rng(SEED)
-    p50 = _step_delta(a.samples, b.samples, 50, rng, changed)
-    p90 = _step_delta(a.samples, b.samples, 90, rng, changed)
+    p50 = _step_delta(a.samples, b.samples, 50, rng, changed, apart)
+    p90 = _step_delta(a.samples, b.samples, 90, rng, changed, apart)
+    summary = step_summary(p50, changed, host)
+    gone = [f.code for f in ra.findings if f.severity != "info" and f.code not in {g.code for g in rb.findings}]
+    if not changed and gone and p50 is not None and p50.pct is not None:
+        summary += (f"; A's {', '.join(gone[:3])} {'is' if len(gone) == 1 else 'are'} gone in B: for a fix applied in "
+                    f"your loop (which compare cannot read), pass --applied {gone[0]} to check its prediction")
     cmp = Comparison(a=RunSide(path=path_a or ra.run.path, source=a.source, world_size=_world(ra),
                                steps=len(a.samples)),
                      b=RunSide(path=path_b or rb.run.path, source=b.source, world_size=_world(rb),
                                steps=len(b.samples)),
-                     summary=step_summary(p50, changed), config=changes, step_p50=p50, step_p90=p90)
+                     summary=summary, config=changes, step_p50=p50, step_p90=p90)
     if a.source != b.source:
         cmp.notes.append(f"A's step times come from {a.source}, B's from {b.source}: compare shares, not times")
-    pa, pb = _phases(a), _phases(b)
     cmp.phases = {k: delta(pa.get(k), pb.get(k)) for k in dict.fromkeys([*pa, *pb])}
     cmp.phases_source = a.source if a.source == b.source else "mixed"
     peak_a, cat_a = _memory(ra)
@@ -363,7 +414,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
                           for k in ("tokens_per_s", "achieved_tflops", "mfu_pct")
                           if getattr(ta, k, None) is not None or getattr(tb, k, None) is not None}
     cmp.findings = _findings(ra, rb)
-    cmp.predictions = _predictions(a, b, changes, applied, p50, peak_a, peak_b)
+    cmp.predictions = _predictions(a, b, changes, known, p50, peak_a, peak_b)
     cmp.ops = _ops(a, b)
     if gpu_hour_price is not None:
         cmp.cost = _cost(ra, rb, gpu_hour_price)

@@ -85,7 +85,8 @@ def tables(c: Comparison) -> list[CompareTable]:
                                      "step-to-step noise within each run, not the variation between two runs (host "
                                      "load, clocks)"))
     if c.phases:
-        out.append(CompareTable(f"Phase split (ms per step, from the {c.phases_source})", ("phase", "A", "B", "Δ", "Δ%"),
+        src = f"the {c.phases_source}" if c.phases_source != "mixed" else f"A's {c.a.source}, B's {c.b.source}"
+        out.append(CompareTable(f"Phase split (ms per step, from {src})", ("phase", "A", "B", "Δ", "Δ%"),
                                 [_row(PHASE_LABELS.get(k, k), d, fmt_ms, _ms_signed) for k, d in c.phases.items()
                                  if d.a or d.b]))
     if c.memory_peak is not None:
@@ -124,7 +125,7 @@ def tables(c: Comparison) -> list[CompareTable]:
             step = (f"{fmt_ms(p.step_ms_predicted)} ({p.step_pct_predicted:+.0f}%) vs {fmt_ms(p.step_ms_measured)} "
                     f"({p.step_pct_measured:+.0f}%)" if p.step_ms_predicted is not None else MISSING)
             peak = (f"{fmt_bytes(p.peak_bytes_predicted)} vs {fmt_bytes(p.peak_bytes_measured)} "
-                    f"({p.peak_pct_error:+.1f}%)" if p.peak_bytes_predicted is not None else MISSING)
+                    f"({p.peak_pct_error:+.2f}%)" if p.peak_bytes_predicted is not None else MISSING)  # (5.04: missed)
             rows.append((p.code, p.recognised_by, step, p.step_verdict or MISSING, peak, held[p.peak_held]))
         out.append(CompareTable("Predictions of A's findings, checked against B",
                                 ("fix", "recognised by", "step: predicted vs measured", "step", "peak: predicted vs "
