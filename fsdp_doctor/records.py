@@ -224,8 +224,8 @@ class RunConfig(Record, tag="config"):
     plugin_state_dict_type: str | None = None
     units: list[UnitConfig] = []
     # the device mesh of the units' parameters where it has dims beyond FSDP's (tensor, context or expert parallelism
-    # beside FSDP): each dim's name and size in mesh order, FSDP's first (fsdp_dims of them); {}: FSDP's mesh only,
-    # or not read. A dim without a name is "dim<i>"
+    # beside FSDP) or FSDP's is 2-D (HSDP): each dim's name and size in mesh order, FSDP's first (fsdp_dims of them);
+    # {}: a 1-D FSDP mesh only, or not read. A dim without a name is "dim<i>"
     mesh: dict[str, int] = {}
     fsdp_dims: int = 0
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)

@@ -831,8 +831,54 @@ def run_hf_native_fixes(out: Path) -> dict:
     return _each_fixed(run, res, [("zero2", "reshard.zero2_affordable", {})])
 
 
+def run_hsdp_fixes(out: Path) -> dict:
+    """HSDP in a user's own code (4 ranks: a ("replicate", "shard") mesh of 2 x 2): an HF Llama sharded whole on it
+    (fully_shard(model, mesh=mesh): one unit), watched; wrap.too_coarse's fix pasted in place of that call with the
+    user's mesh (the fix's input "mesh"), where a 1-D mesh over all 4 ranks (the fix once defined one) would have
+    turned HSDP into FSDP over the world: each rank's shard half the size, the replicas' all-reduce gone."""
+    from clients import scenario_device
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaForCausalLM
+
+    dev = scenario_device()
+    mesh = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    rank, res = dist.get_rank(), {}
+
+    def run(name, fix=None, capacity=8 << 30):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(width=128, attn_implementation="sdpa")).to(dev)
+        if fix:  # in place of the user's fully_shard calls, with their mesh
+            exec(compile(fix, "<wrap.too_coarse fix>", "exec"), {"model": model, "mesh": mesh})
+        else:
+            fully_shard(model, mesh=mesh)
+        for m in model.modules():  # gloo's tuned setting (its all-gathers block the host otherwise)
+            if isinstance(m, FSDPModule):
+                m._set_unshard_async_op(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity, profile=False) as doc:
+            losses = []
+            for step in range(6):  # each replica its own batch
+                g = torch.Generator().manual_seed(1000 * step + rank)
+                tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g).to(dev)
+                loss = F.cross_entropy(model(input_ids=tok[:, :-1]).logits.float().flatten(0, 1),
+                                       tok[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                doc.step()
+                losses.append(loss.item())
+        dist.barrier()
+        cfg = fsdp_doctor.load_run(out / name).ranks[rank].config
+        res[name] = {**_outcome(out / name, rank), "losses": losses, "mesh": cfg.mesh, "fsdp_dims": cfg.fsdp_dims,
+                     "shard_sizes": sorted({u.shard_size for u in cfg.units if u.param_count})}
+        return res[name]["findings"]
+
+    return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])
+
+
 CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes,
-         "tp_fixes": run_tp_fixes, "hf_native_fixes": run_hf_native_fixes,
+         "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
          "accelerate_fixes": run_accelerate_fixes}
 
 

@@ -382,6 +382,21 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
 
 
 @pytest.mark.slow
+def test_hsdp_fix_keeps_the_users_2d_mesh(tmp_path_factory):
+    """HSDP in a user's own code (a 2 x 2 ("replicate", "shard") mesh, the whole model one unit): the run records the
+    2-D mesh, and wrap.too_coarse's fix reads it (its input "mesh") instead of defining a 1-D mesh over all 4 ranks,
+    which a new-user trial pasted as printed: the finding went, but each shard halved and the replicas' all-reduce
+    was gone, HSDP turned into FSDP over the world with nothing saying so. Pasted with the user's mesh, the units
+    shard over 2 ranks as before, the finding is gone and the peak is within 10% of the prediction."""
+    for res in _fix_case(tmp_path_factory, "hsdp_fixes", world=4):
+        before, after, f = fixed_pair(res, "coarse", "wrap.too_coarse", "unsharded", None)
+        assert before["mesh"] == after["mesh"] == {"replicate": 2, "shard": 2} and before["fsdp_dims"] == 2
+        assert f["inputs"] == {"mesh": "the mesh your fully_shard calls pass: your replicate 2 × shard 2 mesh (HSDP)"}
+        assert "fully_shard(block, mesh=mesh)" in f["code"] and not re.search(r"^\s*mesh\s*=|init_device_mesh",
+                                                                              f["code"], re.M), f["code"]
+        assert before["shard_sizes"] == after["shard_sizes"] == [2], (before["shard_sizes"], after["shard_sizes"])
+
+
 def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):
     """Tensor parallelism beside FSDP in a user's own code (a ("dp", "tp") mesh of 2 x 2; torch's parallelize_module
     on an HF Llama's layers, then fully_shard(model, mesh=mesh["dp"]) alone). Watched, its losses are those of the

@@ -28,7 +28,7 @@ def run_facts(run: Run) -> RunFacts:
             tokens_per_step=cfg.tokens_per_step)
         if cfg.optimizer_groups:
             facts.optimizer_groups = list(cfg.optimizer_groups)
-        if cfg.mesh:  # tensor (or other model) parallelism beside FSDP
+        if cfg.mesh:  # tensor (or other model) parallelism beside FSDP, or HSDP's 2-D mesh
             facts.mesh = dict(cfg.mesh)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)

@@ -675,7 +675,13 @@ def root_mesh(config=None) -> str:
     """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters); where their
     mesh has model-parallel dims beside FSDP's (``config``: RunConfig.mesh), FSDP's dims of it."""
     return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))" + (
-        fsdp_submesh(config) if config is not None and config.mesh else "")
+        fsdp_submesh(config) if model_parallel(config) else "")
+
+
+def model_parallel(config) -> bool:
+    """Whether the run's parameters' mesh has dims beyond FSDP's (RunConfig.mesh: tensor parallelism), not only
+    FSDP's own (a 2-D one: HSDP)."""
+    return config is not None and len(getattr(config, "mesh", None) or {}) > (getattr(config, "fsdp_dims", 0) or 1)
 
 
 def fsdp_submesh(config) -> str:
@@ -685,10 +691,13 @@ def fsdp_submesh(config) -> str:
 
 
 def mesh_input(config) -> str:
-    """Where the run's parameters' mesh has model-parallel dims beside FSDP's (RunConfig.mesh: tensor parallelism),
-    what a fix using ``mesh`` reads from the user's code (``Recommendation.inputs``): their FSDP mesh; "" otherwise."""
+    """Where the run's parameters' mesh has model-parallel dims beside FSDP's (RunConfig.mesh: tensor parallelism)
+    or FSDP's mesh is 2-D (HSDP), what a fix using ``mesh`` reads from the user's code (``Recommendation.inputs``):
+    their FSDP mesh (a 1-D one over all ranks would turn HSDP into FSDP over the world); "" otherwise."""
     if config is None or not getattr(config, "mesh", None):
         return ""
+    if not model_parallel(config):
+        return f"the mesh your fully_shard calls pass: your {fmt_mesh(config.mesh)} mesh (HSDP)"
     return f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your {fmt_mesh(config.mesh)} mesh"
 
 

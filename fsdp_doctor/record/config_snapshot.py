@@ -110,7 +110,8 @@ def parallel_mesh(units: list[Unit]) -> dict:
     """RunConfig.mesh and fsdp_dims: the mesh of the first dense parameter (of the param groups with the largest
     FSDP mesh: a mixture of experts' experts under expert parallelism have their own, smaller one; Experts.mesh)
     that has dims beyond FSDP's (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp"; a
-    tensor-parallel model's embeddings can have none); {} when none has."""
+    tensor-parallel model's embeddings can have none), or FSDP's own mesh where it is 2-D (HSDP: replicate,
+    shard); {} when none has (a 1-D FSDP mesh)."""
     groups = [(fps, fsdp) for u in units for pg in F2.param_groups(u.state) or []
               if (fsdp := F2.fsdp_mesh(pg)) is not None and (fps := F2.group_params(pg))]
     largest = max((fsdp.size() for _, fsdp in groups), default=0)
@@ -119,7 +120,7 @@ def parallel_mesh(units: list[Unit]) -> dict:
             continue
         for fp in fps:
             mesh = getattr(F2.sharded_param(fp), "device_mesh", None)
-            if mesh is not None and mesh.ndim > fsdp.ndim:
+            if mesh is not None and (mesh.ndim > fsdp.ndim or fsdp.ndim > 1):
                 return {"mesh": mesh_dims(mesh), "fsdp_dims": int(fsdp.ndim)}
     return {}
 

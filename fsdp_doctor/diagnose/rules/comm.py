@@ -221,8 +221,10 @@ class CommunicationBound(TraceRule):
                     "send fewer (16-bit parameters: all-gathers of half the bytes, gradients still reduced in "
                     "float32; HSDP, which all-gathers within a node and reduces across nodes), or give each byte "
                     "more compute (a larger micro-batch per rank).")
-            code = _mp_snippet(ctx, ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh(\n"
-                                     "#     'cuda', (nodes, gpus_per_node), mesh_dim_names=('replicate', 'shard'))",))
+            hsdp = (getattr(ctx.config, "fsdp_dims", 0) or 0) >= 2  # (the run's FSDP mesh is HSDP's already)
+            code = _mp_snippet(ctx, () if hsdp else ("# HSDP instead of the 1-D mesh: mesh = init_device_mesh(\n"
+                                                     "#     'cuda', (nodes, gpus_per_node), mesh_dim_names="
+                                                     "('replicate', 'shard'))",))
         else:
             # no float32 all-gather exposed: the 16-bit lever is spent (the run's own policy would be pasted back,
             # changing nothing); the levers left need the cluster's shape or the user's batch: words, no code
