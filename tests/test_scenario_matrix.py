@@ -253,3 +253,17 @@ def test_a_missed_peak_runs_its_row_again_once(monkeypatch, tmp_path):
     launches.clear()
     assert M.run_matrix(tmp_path, rows, device="cuda")["late"].recheck()["peak_ok"] is False
     assert [t for t, _ in launches] == ["before", "after"]
+
+
+@pytest.mark.parametrize("row", [r.name for r in M.ROWS if r.code == "accum.sync_every_micro_batch" and not r.gpu])
+def test_accumulation_without_sync_peak_frees_the_sharded_gradients(matrix, row):
+    """Without gradient sync until the last micro-batch, FSDP2 holds every unit's unsharded gradients and no sharded
+    ones: the prediction adds the first and takes the second off (those A's peak held). Without that, it read 9.8%
+    over the measured peak on gpt_accum and a new-user trial's Llama missed by 7.8%; now within 3% (gpt_accum +0.6%,
+    bert_accum -2.2%, lora_accum exact, measured)."""
+    o = _ran(matrix[row])
+    freed = o.finding.evidence["sharded_grads_freed_bytes"]
+    held = o.report.memory.per_rank[str(o.report.memory.peak_rank)].peak_breakdown.get("sharded_grads", 0)
+    assert 0 < freed <= held, (freed, held)
+    rc = o.recheck()
+    assert abs(rc["peak_measured"] - rc["peak_predicted"]) <= 0.03 * rc["peak_measured"], rc
