@@ -271,6 +271,18 @@ def test_root_not_sharded_is_critical_with_unmanaged_params():
     ctx, _ = build(units=us)
     assert run_rule("wrap.root_not_sharded", ctx)[0].severity == "warning"
     assert run_rule("wrap.root_not_sharded", build()[0]) == []
+    # roots given reshard_after_forward=True reshard (torch honours it; a new-user trial read "FSDP never reshards a
+    # root ... all blocks are unsharded at once" over its 4 backward all-gathers a step): none is held gathered
+    kept = [unit(f"layers.{i}", is_root=True, depth=0, parent=None, timing=dict(fwd_ms=12, ag_wait_fwd_ms=9),
+                 **{**BLOCK, "reshard_after_forward": i >= 2}) for i in range(4)]
+    (f,) = run_rule("wrap.root_not_sharded", build(units=kept)[0])
+    assert "2 of them keep their parameters gathered after forward (FSDP's default for a root" in f.recommendation.text
+    assert f.evidence["held_gathered_bytes"] == 2 * (BLOCK["unsharded_bytes"] - BLOCK["sharded_bytes"])
+    for u, _ in kept:
+        u["reshard_after_forward"] = True
+    (f,) = run_rule("wrap.root_not_sharded", build(units=kept)[0])
+    assert "Each was given reshard_after_forward=True, so none stays gathered" in f.recommendation.text
+    assert f.evidence["held_gathered_bytes"] == 0
 
 
 # BERT (tests/clients.py bert) with fully_shard on its 3 encoder layers only (matrix row bert_no_root), rank 0's peak
@@ -553,6 +565,19 @@ def test_reshard_last_unit():
     assert "reshard_after_forward=False" in f.recommendation.code
     assert f.predicted["step_ms_after"] == pytest.approx(106.0)
     assert run_rule("reshard.last_unit", build()[0]) == []
+    # a root holding parameters (the tied embeddings and head, as HF's layout keeps them) computes last in forward
+    # and first in backward; FSDP keeps a root gathered by default, but a root given reshard_after_forward=True
+    # reshards (torch honours it: a new-user trial's root waited 8.94 ms for its backward all-gather, 0.88 ms by
+    # default): that root is the unit, its fix set on the root alone (recurse=True would reset every unit's)
+    us = healthy_units()
+    us[0] = unit("", reshard_after_forward=True, n_params=2, param_count=65_792, sharded_bytes=131_584,
+                 unsharded_bytes=263_168, orig_dtypes=["float32"],
+                 timing=dict(fwd_ms=34.0, ag_wait_fwd_ms=0.2, bwd_ms=3.0, ag_wait_bwd_ms=8.94))
+    (f,) = run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0])
+    assert f.units == [""] and f.evidence["unit"] == "(root)" and f.evidence["ag_wait_bwd_ms"] == 8.94
+    assert f.recommendation.code.splitlines()[-1] == "model.set_reshard_after_forward(False, recurse=False)"
+    us[0][0]["reshard_after_forward"] = False  # FSDP's default for a root: nothing to say
+    assert run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0]) == []
 
 
 # ------------------------------------------------------------------------------------------------ frozen base

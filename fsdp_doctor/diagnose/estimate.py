@@ -461,10 +461,15 @@ def fmt_list(items: list[str], n: int = 6) -> str:
 
 def resharded_last_unit(ctx: Context):
     """The last unit of forward when it is resharded after forward only to be gathered again at once for
-    backward (the root has no parameters to compute in between), else None."""
+    backward (the root has no parameters to compute in between), else None. A root with parameters computes last
+    in forward and first in backward: it is that unit where it was given reshard_after_forward=True (FSDP's default
+    keeps a root gathered; torch honours the explicit setting, and the records say which)."""
     allu = param_units(ctx)
     us = non_root(allu)
-    if not us or any(u.is_root for u in allu):
+    rts = roots(allu)
+    if len(rts) == 1 and rts[0].reshard_after_forward not in (False, 0, None):
+        return rts[0]
+    if not us or rts:
         return None  # a root with parameters computes between the last unit's forward and its backward
     last = us[-1]  # module order = forward order for sequential models
     if last.reshard_after_forward is False or last.reshard_after_forward == 0:

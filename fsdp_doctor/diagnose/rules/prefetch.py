@@ -477,7 +477,8 @@ class LastUnitResharded(Rule):
     def match(self, ctx: Context):
         last = E.resharded_last_unit(ctx)
         if last is None:
-            return self.quiet("the last unit of forward is kept gathered, or the root computes after it")
+            return self.quiet("the last unit of forward is kept gathered, or the root (kept gathered) computes after "
+                              "it")
         name = last.name or "(root)"
         extra = E.calls_beyond_model(ctx, last.name)
         if extra >= 1:  # its resharding is that code's to set
@@ -490,8 +491,9 @@ class LastUnitResharded(Rule):
         share = (wait / step) if (wait is not None and step) else None
         sev = "warning" if share is None or share >= LAST_UNIT_WARN_SHARE else "info"
         extra = E.gathering_after_forward_bytes(last)  # FSDP2 keeps the sharded parameters meanwhile
-        code = (f"# on the sharded model {S.RESHARD_IN_CALL}\n"
-                + S.set_on_units([last.name], "set_reshard_after_forward(False)"))
+        code = (f"# on the sharded model {S.RESHARD_IN_CALL}\n"  # (the root's alone: its units keep theirs)
+                + S.set_on_units([last.name], "set_reshard_after_forward(False"
+                                 + (", recurse=False)" if last.is_root else ")")))
         return [self.finding(
             sev, f"Last unit {name!r} is resharded after forward and gathered again at once",
             {"unit": name, "unsharded_bytes": last.unsharded_bytes,

@@ -272,7 +272,9 @@ class RootNotSharded(Rule):
         step, peak = _job_numbers(ctx)
         # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
         # block computing (and the one prefetched) would be gathered
-        extra = sorted((u.unsharded_bytes - u.sharded_bytes for u in rts), reverse=True)
+        # (a root given reshard_after_forward=True explicitly reshards: torch honours it, and the records say so)
+        kept = [u for u in rts if u.reshard_after_forward is False or u.reshard_after_forward == 0]
+        extra = sorted((u.unsharded_bytes - u.sharded_bytes for u in kept), reverse=True)
         # every root is gathered from its forward on; with a real root only the block computing is (and the one
         # prefetched), and the root's parameters (those no unit managed: replicated until now) are gathered and
         # sharded: +1/ws of them, while their optimizer state shrinks to 1/ws (its share per parameter byte from
@@ -292,8 +294,14 @@ class RootNotSharded(Rule):
         names = [u.name for u in rts] or [u.name for u in us]
         sev = "critical" if unmanaged > 0 else "warning"
         text = (f"{len(rts)} units are each their own FSDP root ({E.fmt_list(names)}): fully_shard was applied "
-                "to the blocks but not to the model. Every root keeps its parameters gathered after forward "
-                "(FSDP never reshards a root), so all blocks are unsharded at once at the start of backward.")
+                "to the blocks but not to the model. "
+                + ("Every root keeps its parameters gathered after forward (FSDP's default for a root), so all "
+                   "blocks are unsharded at once at the start of backward." if len(kept) == len(rts) else
+                   f"{len(kept)} of them keep their parameters gathered after forward (FSDP's default for a root; "
+                   "the others were given reshard_after_forward=True), so those blocks are unsharded at once at the "
+                   "start of backward." if kept else
+                   "Each was given reshard_after_forward=True, so none stays gathered; but each root all-gathers on "
+                   "its own, with no prefetch from one root to the next, and its own lazy initialization."))
         if unmanaged:
             text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
                      "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
