@@ -10,10 +10,8 @@ from ..base import Context, Rule, register
 from ...report_sections import Breakdown
 
 def _prefetch(ctx: Context) -> str:
-    """Explicit prefetch over every unit of the run; on gloo, asynchronous unshard too (its all-gathers block the
-    host otherwise)."""
-    gloo = ctx.config is not None and (ctx.config.backend or "") == "gloo"
-    return "\n".join(c for c in (S.prefetch_code(ctx), S.async_unshard_code() if gloo else "") if c)
+    """Explicit prefetch over every unit of the run (never on gloo: the rule is quiet there)."""
+    return S.prefetch_code(ctx)
 
 
 def _compile(ctx: Context) -> str:
@@ -25,7 +23,7 @@ def _compile(ctx: Context) -> str:
 _LEVERS = {
     "communication": (
         "exposed collectives",
-        "hide them behind compute: asynchronous unshard on gloo, explicit forward/backward prefetch, the last "
+        "hide them behind compute: explicit forward/backward prefetch, the last "
         "unit kept gathered (reshard_after_forward=False), fewer and larger units where calls are small, 16-bit "
         "all-gathers (MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
         _prefetch),
@@ -109,6 +107,11 @@ class SevereVerdict(Rule):
         model = sh.get("model_comm", 0.0) > sum(sh.get(k, 0.0) for k in Breakdown.FSDP_COMM_PARTS)
         kind = job.bound if job.bound != "communication" else ("model_parallel" if model else
                                                                "communication" if fsdp else "all_reduce")
+        if kind == "communication" and E.backend(ctx) == "gloo":  # (comm.*'s GPU rules stay out of gloo runs too)
+            return self.quiet(f"communication-bound ({100 * share:.0f}%) on gloo, whose collectives share the CPU "
+                              "cores with compute: FSDP's overlap levers (prefetch, kept-gathered units) gain nothing "
+                              "measurable there, so no gain is promised (prefetch.exposed_allgather and "
+                              "prefetch.sync_unshard judge what gloo allows)")
         warned = [f.code for f in ctx.earlier if f.severity in ("warning", "critical") and _addresses(f, kind)]
         if warned:
             return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
