@@ -143,6 +143,18 @@ def test_straggler_across_the_ranks_files(tmp_path):
     kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True) for _ in range(4)]
     run, rep = _report(tmp_path / "even", *kws)
     assert "straggler.trace" not in _by_code(rep)
+    # one complete profiled step is no pattern (a new-user trial's single-step window fired; its rerun was quiet)
+    kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True, steps=1,
+                step_skew_us=1000 if r == 1 else 0, first_ag_wait_us=0 if r == 1 else 1000) for r in range(4)]
+    run, rep = _report(tmp_path / "one", *kws)
+    st = next(s for s in rep.rules if s.code == "straggler.trace")
+    assert st.status == "quiet" and st.reason.endswith("in 1 complete profiled step: one step is not a pattern"), st
+    # a rank slower on its own whom the others do not wait for as long (the trial: +88 ms, waits 3.5 ms longer)
+    kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True,
+                step_skew_us=1000 if r == 1 else 0, first_ag_wait_us=0 if r == 1 else 200) for r in range(4)]
+    run, rep = _report(tmp_path / "nowait", *kws)
+    st = next(s for s in rep.rules if s.code == "straggler.trace")
+    assert st.status == "quiet" and "but the others wait" in st.reason, st
 
 
 def test_rules_quiet_with_a_reason_when_evidence_is_missing(tmp_path):
