@@ -118,7 +118,7 @@ NEEDS: dict[str, Need] = {
                    "needs the recorder's memory samples; this run has none"),
     "gpu": Need("a GPU run or trace", _on_gpu, "needs a GPU run or GPU trace; this one ran on the CPU"),
     "gpu_trace": Need("a GPU profiler trace", lambda ctx: trace_device(ctx) == "gpu",
-                      "needs a GPU profiler trace (on gloo the collectives share the cores with compute)"),
+                      "needs a GPU profiler trace (kernels on their streams); this run has none, or a CPU one"),
     "multi_rank": Need("world size > 1", lambda ctx: _world_size(ctx) > 1,
                        "needs two or more ranks; this run has one"),
     "sharded": Need("parameters sharded over 2+ ranks", _sharded,

@@ -273,16 +273,16 @@ class NearCapacitySpread(Rule):
                      "        m.set_reshard_after_forward(True, recurse=False)"]
         return [self.finding(
             sev, f"Peak at {100 * share:.0f}% of capacity, spread over categories; "
-            f"{len(flip)} unit(s) kept gathered after forward",
+            f"{len(kept)} unit(s) kept gathered after forward",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * share, 1),
              "largest_category": top, "largest_category_pct": round(100 * bd[top] / peak, 1) if top else None,
              "breakdown_bytes": dict(sorted(bd.items(), key=lambda kv: -kv[1])),
              "units_kept_gathered": len(kept), "freed_bytes": freed},
             f"The peak is {100 * share:.0f}% of capacity and no category holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% "
-            f"of it, so no single remedy (checkpointing, offload) is indicated; but {len(kept)} unit(s) keep their "
-            "gathered parameters from forward to backward (reshard_after_forward=False, ZeRO-2). Resharding them "
-            f"after forward lowers the peak by {fmt_bytes(freed)}, at the price of one more all-gather per "
-            "unit in backward (the last unit of forward aside: its backward starts at once).",
+            f"of it; {len(kept)} unit(s) keep their gathered parameters from forward to backward "
+            f"(reshard_after_forward=False, ZeRO-2). Resharding {len(flip)} of them after forward lowers the peak by "
+            f"{fmt_bytes(freed)}, at the price of one more all-gather per unit in backward (the last unit of forward "
+            "aside: its backward starts at once).",
             "\n".join(lines),
             predicted=E.predicted(step, step + slower if (step is not None and slower is not None) else None,
                                   peak, after),
