@@ -815,7 +815,8 @@ def run_hf_native_fixes(out: Path) -> dict:
         if fix:  # after from_pretrained returns the sharded model
             exec(compile(fix, "<reshard.zero2_affordable fix>", "exec"), {"model": model})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity, profile=False) as doc:
+        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity,
+                               profile=ProfileSchedule(first=3, active=2)) as doc:
             for step in range(6):  # the same batch on the two ranks of a tensor-parallel group
                 g = torch.Generator().manual_seed(1000 * step + rank // 2)
                 tok = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -856,7 +857,8 @@ def run_hsdp_fixes(out: Path) -> dict:
             if isinstance(m, FSDPModule):
                 m._set_unshard_async_op(True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity, profile=False) as doc:
+        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=capacity,
+                               profile=ProfileSchedule(first=3, active=2)) as doc:
             losses = []
             for step in range(6):  # each replica its own batch
                 g = torch.Generator().manual_seed(1000 * step + rank)
@@ -870,8 +872,10 @@ def run_hsdp_fixes(out: Path) -> dict:
                 losses.append(loss.item())
         dist.barrier()
         cfg = fsdp_doctor.load_run(out / name).ranks[rank].config
+        rows = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name)).overlap.per_unit
         res[name] = {**_outcome(out / name, rank), "losses": losses, "mesh": cfg.mesh, "fsdp_dims": cfg.fsdp_dims,
-                     "shard_sizes": sorted({u.shard_size for u in cfg.units if u.param_count})}
+                     "shard_sizes": sorted({u.shard_size for u in cfg.units if u.param_count}),
+                     "sizes": sorted({(r.unit, r.collective, r.bytes_per_call) for r in rows if r.unit != "(other)"})}
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])

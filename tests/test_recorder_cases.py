@@ -395,6 +395,12 @@ def test_hsdp_fix_keeps_the_users_2d_mesh(tmp_path_factory):
         assert "fully_shard(block, mesh=mesh)" in f["code"] and not re.search(r"^\s*mesh\s*=|init_device_mesh",
                                                                               f["code"], re.M), f["code"]
         assert before["shard_sizes"] == after["shard_sizes"] == [2], (before["shard_sizes"], after["shard_sizes"])
+        # the profiled window's collectives: each unit's all-reduce across the 2 replicas moves its reduce-scatter's
+        # output, half the gradients it reduce-scatters (gloo's traces carry no sizes: from the unit snapshot)
+        for run in (before, after):
+            size = {(u, c): b for u, c, b in run["sizes"]}
+            units = {u for u, c in size if c == "all_reduce"}
+            assert units and all(size[(u, "all_reduce")] == size[(u, "reduce_scatter")] / 2 for u in units), size
 
 
 def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):

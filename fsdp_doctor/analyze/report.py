@@ -9,6 +9,7 @@ import msgspec
 
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
+from ..units import ROOT_LABEL
 from .steps import usable_steps
 
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
@@ -95,28 +96,34 @@ def unit_table(run: Run) -> list[UnitRow]:
 def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes
     (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
-    reduce-scatter its unsharded gradients in reduce dtype."""
+    reduce-scatter its unsharded gradients in reduce dtype, HSDP's all-reduce across replicas the reduce-scatter's
+    output (one shard of them) over the replicas."""
     from ..trace.analysis import busbw_factor
     from ..trace.collectives import dtype_bytes
 
     cfg = run.config
     if cfg is None:
         return
-    units = {u.name: u for u in cfg.units}
+    units = {u.name or ROOT_LABEL: u for u in cfg.units}  # (the trace names the root "(root)")
     for row in overlap.per_unit:
         u = units.get(row.unit)
         if u is None or row.bytes_per_call is not None or not u.param_count or not u.unsharded_bytes:
             continue
+        stored = u.orig_dtypes[0] if u.orig_dtypes else "float32"
+        # the gathered elements (with tensor parallelism its shard's), reduced in the reduce dtype
+        reduced = u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4) * (
+            dtype_bytes(u.reduce_dtype or stored) or 4)
+        group = u.shard_size or cfg.world_size  # (FSDP's shard group)
         if row.collective == "all_gather":
             nbytes = u.unsharded_bytes
-        elif row.collective == "reduce_scatter":  # the gathered elements (with tensor parallelism its shard's)
-            stored = u.orig_dtypes[0] if u.orig_dtypes else "float32"
-            gathered = u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4)
-            nbytes = gathered * (dtype_bytes(u.reduce_dtype or stored) or 4)
+        elif row.collective == "reduce_scatter":
+            nbytes = reduced
+        elif row.collective == "all_reduce" and cfg.fsdp_dims == 2 and cfg.mesh and u.shard_size:  # HSDP's
+            nbytes, group = reduced / u.shard_size, next(iter(cfg.mesh.values()))  # (the replicate dim: first)
         else:
             continue
         row.bytes_per_call = float(nbytes)
         row.bytes_source = "unit snapshot"
-        f = busbw_factor(row.collective, u.shard_size or cfg.world_size)  # (FSDP's shard group)
+        f = busbw_factor(row.collective, group)
         if f is not None and row.comm_us > 0:
             row.busbw_gbps = nbytes * row.count * f / row.comm_us / 1e3

@@ -26,6 +26,7 @@ from typing import Optional
 from ..report_sections import OverlapSection, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
+from ..trace.model import OTHER_UNIT
 from .steps import device_outside_ms, device_pairs, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -63,11 +64,18 @@ def _shares(parts_us: dict[str, float], total_us: float) -> tuple[dict, dict]:
     return shares, groups
 
 
+#: the gradient reduction's label where FSDP's units also all-reduce across replicas (HSDP): the part holds both
+HSDP_REDUCE_LABEL = "exposed gradient reduction (reduce-scatter + HSDP all-reduce)"
+
+
 def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], source: str,
-           device: str, step_ms: Optional[float] = None) -> VerdictEntry:
-    """The verdict of one rank's parts (µs) over ``steps`` steps, or of the job's (``steps`` None)."""
+           device: str, step_ms: Optional[float] = None, hsdp: bool = False) -> VerdictEntry:
+    """The verdict of one rank's parts (µs) over ``steps`` steps, or of the job's (``steps`` None); ``hsdp``: the
+    units' gradient reduction holds an all-reduce across replicas."""
     shares, groups = _shares(parts_us, total_us)
     labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else dict(PART_LABELS)
+    if hsdp:
+        labels["reducescatter"] = HSDP_REDUCE_LABEL
     if source.startswith("records"):
         labels.update(host="GC pauses", compute="forward, backward and optimizer (less waits)")
     ranked = sorted(groups, key=lambda g: (-groups[g], g != "compute"))  # groups as wholes, their parts added
@@ -141,8 +149,10 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     the run's records, per rank and for the job (see the module docstring), or None without any data."""
     per_rank: dict[str, VerdictEntry] = {}
     used: dict[str, tuple[dict, float]] = {}
+    # an FSDP unit's all-reduce (HSDP's across replicas) is counted in its gradient reduction: named so
+    hsdp = any(u.collective == "all_reduce" and u.unit != OTHER_UNIT for u in (overlap.per_unit if overlap else []))
     for r, (parts, total, n, dev, step_ms) in _trace_parts(overlap).items():
-        per_rank[r] = _entry(parts, total, n, "trace", dev, step_ms)
+        per_rank[r] = _entry(parts, total, n, "trace", dev, step_ms, hsdp)
         used[r] = (parts, total)
     if run is not None and run.has_records:
         for r, (parts, total, n, gpu) in _record_parts(run).items():
@@ -157,7 +167,7 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     job_total = sum(t for _, t in used.values())
     devices = {v.device for v in per_rank.values()}
     job = _entry(job_parts, job_total, None, ", ".join(sorted({v.source for v in per_rank.values()})),
-                 "gpu" if "gpu" in devices else "cpu")
+                 "gpu" if "gpu" in devices else "cpu", hsdp=hsdp)
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
         by_bound.setdefault(v.bound, []).append(int(r))
