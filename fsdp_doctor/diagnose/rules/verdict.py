@@ -9,11 +9,6 @@ from .. import snippets as S
 from ..base import Context, Rule, register
 from ...report_sections import Breakdown
 
-def _prefetch(ctx: Context) -> str:
-    """Explicit prefetch over every unit of the run (never on gloo: the rule is quiet there)."""
-    return S.prefetch_code(ctx)
-
-
 def _compile(ctx: Context) -> str:
     return S.compile_code(S.tree(ctx))
 
@@ -26,7 +21,7 @@ _LEVERS = {
         "hide them behind compute: explicit forward/backward prefetch, the last "
         "unit kept gathered (reshard_after_forward=False), fewer and larger units where calls are small, 16-bit "
         "all-gathers (MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
-        _prefetch),
+        S.prefetch_code),  # (explicit prefetch over the run's units; never on gloo: the rule is quiet there)
     "model_parallel": (
         "exposed model-parallel collectives (tensor parallelism's, issued inside the model)",
         "these are the model's own collectives, not FSDP's: keep the tensor-parallel group within a node (NVLink), "
