@@ -66,10 +66,8 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     run = _load(path)
     if run is None:
         return EXIT_BAD_INPUT
-    for kind, p in outputs.items():
-        if _is_input(p, path, run):
-            _err(f"--{kind} {p}: is one of the inputs being analysed; give another file name")
-            return EXIT_BAD_INPUT
+    if _onto_input(outputs, path, run, "analysed"):
+        return EXIT_BAD_INPUT
     if not run.has_records and not run.trace_files:
         _err(_no_input(path, run))
         for p in run.problems:
@@ -133,6 +131,16 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
             return None
         out[kind] = p
     return out
+
+
+def _onto_input(outputs: dict, path: Path, run, verb: str) -> bool:
+    """Whether a report file asked for (``outputs``) would overwrite one of ``path``'s inputs: then one line on
+    stderr ("... is one of the inputs being {verb}")."""
+    for kind, p in outputs.items():
+        if _is_input(p, path, run):
+            _err(f"--{kind} {p}: is one of the inputs being {verb}; give another file name")
+            return True
+    return False
 
 
 def _is_input(out: Path, path: Path, run) -> bool:
@@ -222,10 +230,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         run = _load(path)
         if run is None:
             return EXIT_BAD_INPUT
-        for kind, p in outputs.items():
-            if _is_input(p, path, run):
-                _err(f"--{kind} {p}: is one of the inputs being compared; give another file name")
-                return EXIT_BAD_INPUT
+        if _onto_input(outputs, path, run, "compared"):
+            return EXIT_BAD_INPUT
         report = build_report(run) if run.has_records or run.trace_files else None
         if report is None or not is_usable(run, report):
             _err(_nothing_usable(path, report) if report else _no_input(path, run))

@@ -459,6 +459,12 @@ def fmt_list(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")
 
 
+def kept_gathered(u: Unit) -> bool:
+    """Whether the unit keeps its parameters gathered from forward to backward (reshard_after_forward False; an int
+    reshards to that many ranks, still resharded). Unknown reads as FSDP's default (Unit: resharded)."""
+    return u.reshard_after_forward in (False, 0)
+
+
 def resharded_last_unit(ctx: Context):
     """The last unit of forward when it is resharded after forward only to be gathered again at once for
     backward (the root has no parameters to compute in between), else None. A root with parameters computes last
@@ -467,12 +473,12 @@ def resharded_last_unit(ctx: Context):
     allu = param_units(ctx)
     us = non_root(allu)
     rts = roots(allu)
-    if len(rts) == 1 and rts[0].reshard_after_forward not in (False, 0, None):
+    if len(rts) == 1 and not kept_gathered(rts[0]):
         return rts[0]
     if not us or rts:
         return None  # a root with parameters computes between the last unit's forward and its backward
     last = us[-1]  # module order = forward order for sequential models
-    if last.reshard_after_forward is False or last.reshard_after_forward == 0:
+    if kept_gathered(last):
         return None
     return last
 

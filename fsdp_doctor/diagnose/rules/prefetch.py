@@ -153,7 +153,7 @@ class ExposedAllGather(Rule):
         # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
         # all-gathers (measured host waits) at the cost of keeping them gathered until backward; only the units that
         # wait for one (a frozen prefix is never gathered in backward: kept gathered it costs memory for nothing)
-        z2 = [u for u in E.non_root(us) if u.reshard_after_forward not in (False, 0)
+        z2 = [u for u in E.non_root(us) if not E.kept_gathered(u)
               and E.ag_wait_ms(u, "backward") > 0] if bwd > 0 else []
         saved_bwd = sum(E.ag_wait_ms(u, "backward") for u in z2)
         peak = E.peak_bytes(ctx)

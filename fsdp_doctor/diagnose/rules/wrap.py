@@ -273,7 +273,7 @@ class RootNotSharded(Rule):
         # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
         # block computing (and the one prefetched) would be gathered
         # (a root given reshard_after_forward=True explicitly reshards: torch honours it, and the records say so)
-        kept = [u for u in rts if u.reshard_after_forward is False or u.reshard_after_forward == 0]
+        kept = [u for u in rts if E.kept_gathered(u)]
         extra = sorted((u.unsharded_bytes - u.sharded_bytes for u in kept), reverse=True)
         # every root is gathered from its forward on; with a real root only the block computing is (and the one
         # prefetched), and the root's parameters (those no unit managed: replicated until now) are gathered and
