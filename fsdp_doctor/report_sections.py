@@ -385,6 +385,10 @@ class OverlapRank(_Section):
     loop_comm_wait_ms_per_step: Optional[float] = None
     # of loop_comm_ms_per_step, that between optimizer.step() and the next forward (where data loading is)
     between_comm_ms_per_step: Optional[float] = None
+    # host time per step inside FSDP2's labels (record_function ``FSDP::...``: its hooks, the all-gather copy-in and
+    # copy-out, the reduce-scatter's copies, resharding; nested labels once): FSDP's own host work, which grows with
+    # the number of units and parameters, not with the batch. None: no complete step, or a report written before it
+    fsdp_host_ms_per_step: Optional[float] = None
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

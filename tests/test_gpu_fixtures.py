@@ -152,14 +152,15 @@ def test_no_other_recorded_gpu_row_is_launch_bound():
     queue behind the collectives (or, offloaded, behind the CPU's optimizer step): at most 20% of them start within
     50 µs of their launch (gpu_gpt_ac_ample's rank 1: 50 of 251), where HTA's host-bound A100 trace has 79% and the
     one-rank tiny GPT 100%. The offloaded GPT's device waits for its host 61% of the step, in the optimizer step on
-    the CPU: offload.costly's, not a launch count's."""
+    the CPU: offload.costly's, not a launch count's. A kernel may lack its launch: gpu_gpt_ac_some's rank 0 starts
+    its window with 3 of the previous step's optimizer kernels, launched before the trace began."""
     for row in RECORDED:
         if M.BY_NAME[row].code == "kernels.launch_bound":  # the one-rank tiny GPT: the test below
             continue
         report = _diagnosis(row)[1]
         assert _status(report, "kernels.launch_bound").status == "quiet", row
         for k in report.overlap.kernels.values():
-            assert k.launched_count == k.count and k.launch_waited_count / k.count <= 0.25, row
+            assert k.count - 3 <= k.launched_count <= k.count and k.launch_waited_count / k.count <= 0.25, row
     st = _status(_diagnosis("gpu_gpt_offload")[1], "kernels.launch_bound")
     assert st.reason.startswith("the device waits for the host 61% of the step (rank 0), but only 4% of its "
                                 "compute kernels started within 50 µs"), st.reason
@@ -167,29 +168,50 @@ def test_no_other_recorded_gpu_row_is_launch_bound():
 
 @recorded
 def test_the_one_rank_tiny_gpt_recording_is_launch_bound():
-    """The tiny GPT (4 blocks of d_model 64, 2 x 32 tokens) alone on the H100: nothing to wait for but its host.
-    225 compute kernels per step, 215 of them (96%) under 10 µs (3.2 µs on average: 0.73 ms busy of a 32.3 ms
-    profiled step), and every one of them started within 50 µs of its launch (the 2-rank rows: at most 20%); the
-    device waits for launches 83% of the step, communication 0%. The prediction assumes the small kernels' launches
-    all go away (32.3 -> 6.8 ms); compiling the blocks measured 32.5 ms (M.KNOWN_WRONG)."""
+    """The tiny GPT (4 blocks of d_model 64, 2 x 32 tokens) alone on the GPU (recorded on the H200, 2026-11-30):
+    nothing to wait for but its host. 225 compute kernels per step, 215 of them (96%) under 10 µs (3.0 µs on
+    average: 0.68 ms busy of a 40.5 ms profiled step), and 223 of them started within 50 µs of their launch (the
+    2-rank rows: at most 20%); the device waits for launches 84% of the step, communication 0%. 13.55 ms of the
+    step is the host inside FSDP2's labels over its 6 units, so the fix is one unit for the whole model: predicted
+    30.26 -> 21.82 ms on the records' steady step, measured 19.30 ms on its rerun there (each block compiled,
+    printed before, measured 18.9 -> 31.3 ms in an earlier call)."""
     run, report = _diagnosis("gpu_gpt_tiny_launch_bound")
     assert sorted(run.ranks) == [0] and run.ranks[0].config.device.startswith("cuda")
     (k,) = report.overlap.kernels.values()
-    assert (k.count, k.small_count, k.launched_count, k.launch_waited_count) == (225, 215, 225, 225)
+    assert (k.count, k.small_count, k.launched_count, k.launch_waited_count) == (225, 215, 225, 223)
     groups = report.verdict.per_rank["0"].groups_pct
     assert report.verdict.per_rank["0"].bound == "host"
-    assert (groups["host"], groups["communication"]) == pytest.approx((82.75, 0.0), abs=0.005)
+    assert (groups["host"], groups["communication"]) == pytest.approx((83.97, 0.0), abs=0.005)
     f = next(f for f in report.findings if f.code == "kernels.launch_bound")
     ev = f.evidence
     assert f.severity == "warning" and ev["rank"] == 0
-    assert (ev["kernels_per_step"], ev["small_kernel_share_pct"], ev["launch_waited_pct"]) == (225.0, 95.6, 100.0)
-    assert ev["host_bound_pct"] == 82.8 and ev["mean_kernel_us"] == pytest.approx(3.22)
-    assert ev["host_bound_ms_per_step"] == pytest.approx(26.745, abs=1e-3)
-    # the fix's prediction, M.KNOWN_WRONG's: the host wait times the small kernels' share, 25.6 of 32.3 ms
-    assert "gpu_gpt_tiny_launch_bound" in M.KNOWN_WRONG
-    assert f.predicted.step_ms_before == pytest.approx(32.32, abs=1e-3)
-    assert f.predicted.step_ms_after == pytest.approx(32.32 - 26.745 * 215 / 225, abs=1e-3)
-    assert "block.compile()" in f.recommendation.code
+    assert (ev["kernels_per_step"], ev["small_kernel_share_pct"], ev["launch_waited_pct"]) == (225.0, 95.6, 99.1)
+    assert ev["host_bound_pct"] == 84.0 and ev["mean_kernel_us"] == pytest.approx(3.01)
+    assert ev["host_bound_ms_per_step"] == pytest.approx(34.009, abs=1e-3)
+    assert (ev["units"], ev["fsdp_host_ms_per_step"]) == (6, pytest.approx(13.552, abs=1e-3))
+    assert f.predicted.step_ms_before == pytest.approx(30.26)
+    assert f.predicted.step_ms_after == pytest.approx(21.822, abs=1e-3)
+    measured = 19.301  # traces/gpu/scenarios_gpu.json, its recheck (step_ms_measured): more than the gain predicted
+    assert measured <= f.predicted.step_ms_after
+    assert f.recommendation.code.endswith("fully_shard(model, mesh=mesh)")
+
+
+@recorded
+def test_one_unit_for_a_launch_bound_step_is_not_too_coarse():
+    """The one-unit fix's rerun on the H200 (traces/gpu/rechecks/gpu_gpt_tiny_launch_bound_fixed): 30.26 -> 19.30
+    ms, and wrap.too_coarse warned there, its fix the 7 units back (predicted 19.3 -> 17.9 ms from the host's
+    all-gather wait). The device still waits for its host 82% of the step: more units add FSDP2's per-unit host
+    work, and the peak is 0.05% of the device. The rule is now quiet on it, saying why; on the loopback rig's
+    2-rank whole-model row, communication-bound, it still fires."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.pipeline import build_report
+
+    report = build_report(load_run(GPU / "rechecks" / "gpu_gpt_tiny_launch_bound_fixed"))
+    assert [f.code for f in report.findings if f.severity == "warning"] == ["kernels.launch_bound", "throughput.low_mfu"]
+    reason = _status(report, "wrap.too_coarse").reason
+    assert reason.startswith("(root) holds 100% of the parameters, but the device waits for its host 82% of the "
+                             "profiled step (rank 0)"), reason
+    assert "wrap.too_coarse" in {f.code for f in _diagnosis("gpu_gpt_whole")[1].findings}
 
 
 @recorded
@@ -372,17 +394,43 @@ def test_the_recorded_allocator_retries_point_to_the_peak():
 
 @recorded
 def test_offloading_is_predicted_with_the_optimizer_on_the_host():
-    """offload.recommended on its H200 row (one 64-token sequence per rank, a budget 3% above the peak): pasted, its
-    fix freed the state (peak 262.7 -> 111.1 MB measured, 107.0 predicted) and slowed the step 74.5 -> 173.4 ms. It
-    predicted 84.2 ms, the host-device copies alone; AdamW on the host, 9.73 M elements per rank on one thread at
-    8 ns each (benchmarks/cpu_optimizer_cost.py; the H100 row's offloaded optimizer phase ran at 8.4), replacing
-    its 5.6 ms on the device, brings the prediction to 156.5 ms: within 10% of the measured step."""
+    """offload.recommended on its H200 row (one 64-token sequence per rank, a budget 3% above the peak). First
+    recorded on 2026-11-28, its fix pasted slowed the step 74.5 -> 173.4 ms against a prediction of 84.2 ms, the
+    host-device copies alone. AdamW on the host, 9.73 M elements per rank on one thread at 8 ns each
+    (benchmarks/cpu_optimizer_cost.py; the H100 row's offloaded optimizer phase ran at 8.4), replacing its time on
+    the device, was added to the prediction; recorded again on 2026-11-30 with it: 71.9 -> 155.8 ms predicted,
+    146.1 ms measured (-6%), the peak 107.0 MB predicted, 111.1 MB measured, the finding gone."""
     _, report = _diagnosis("gpu_gpt_offload_needed")
     (f,) = [x for x in report.findings if x.code == "offload.recommended"]
     ev = f.evidence
     assert (ev["copy_ms_per_step_est"], ev["cpu_optimizer_ms_per_step_est"], ev["optimizer_ms_per_step"]) == \
-        (9.728, 77.824, 5.617)
-    measured = 173.385  # traces/gpu/scenarios_gpu.json, gpu_gpt_offload_needed's recheck (step_ms_measured)
-    assert f.predicted.step_ms_after == pytest.approx(74.517 + 9.728 + 77.824 - 5.617, abs=1e-3)
+        (9.728, 77.824, 3.721)
+    measured = 146.109  # traces/gpu/scenarios_gpu.json, gpu_gpt_offload_needed's recheck (step_ms_measured)
+    assert f.predicted.step_ms_after == pytest.approx(71.943 + 9.728 + 77.824 - 3.721, abs=1e-3)
     assert abs(f.predicted.step_ms_after - measured) <= 0.10 * measured
     assert "AdamW steps on the CPU, about 78 ms for this rank's 9.73 M elements" in f.recommendation.text
+
+
+@recorded
+def test_untrained_parameters_frozen_with_their_reduce_scatters_and_prefetch():
+    """optim.untrained_params on its H200 row (the optimizer over layers.3 and the head; 2 NCCL ranks over loopback,
+    every collective exposed). Its fix then, freezing what the optimizer does not hold, measured 73.0 -> 40.6 ms
+    against a prediction of 67.1: it counted the frozen prefix's backward compute and host-side all-gather waits,
+    not the reduce-scatters of its gradients (19.4 / 17.1 ms exposed per step on the two ranks) nor the trace's
+    backward all-gathers. And the rerun warned prefetch.frozen_gathered: layers.3's default backward prefetch still
+    gathered layers.2, frozen, 2.41 ms exposed per step. The fix now gives layers.3 a prefetch list without it, and
+    the prediction counts the trace's exposed backward all-gathers and reduce-scatters of the prefix. Recorded again
+    with both (a second call that day): 77.26 -> 38.31 ms predicted, 40.79 ms measured (+6%), the finding gone,
+    no new warning, the peak under its ceiling (363.20 MiB against 365.17)."""
+    _, report = _diagnosis("gpu_gpt_top_optimizer")
+    (f,) = [x for x in report.findings if x.code == "optim.untrained_params"]
+    ev = f.evidence
+    assert ev["frozen_prefix_units"] == ["tok_emb, pos_emb", "layers.0", "layers.1", "layers.2"]
+    assert ev["frozen_prefix_reduce_scatter_ms"] == pytest.approx(22.613, abs=1e-3)
+    assert f.predicted.step_ms_before == pytest.approx(77.261)
+    assert f.predicted.step_ms_after == pytest.approx(38.309, abs=1e-3)
+    measured = 40.791  # traces/gpu/scenarios_gpu.json, gpu_gpt_top_optimizer's recheck (step_ms_measured)
+    assert abs(f.predicted.step_ms_after - measured) <= 0.10 * measured
+    assert f.recommendation.code.endswith("unit = model.get_submodule('layers.3')\n"
+                                          "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
+                                          "nothing to gather")

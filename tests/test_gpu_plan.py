@@ -69,12 +69,12 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     # in order of value for a short call: the recorded runs (traces/gpu) and the headline overhead first
     assert names[:7] == ["env", "probe_costs", "scenarios_gpu", "fixture", "overhead_1b", "overhead_1b_b16", "tests"]
     assert {"overhead_2r", "allocator_1r", "allocator_2r", "allocator_2r_offload", "memtracker", "predictions",
-            "alloc_retries_probe"} <= set(names) and len(names) == 14  # the scenarios are matrix GPU rows
+            "alloc_retries_probe", "overhead_tiny"} <= set(names) and len(names) == 15  # (scenarios: GPU rows)
     assert all("--device" in s.argv and "cuda" in s.argv for s in steps
                if s.name not in ("env", "probe_costs", "tests"))
-    # the planned steps' limits add up to about 34 minutes: a whole campaign spans GPU sessions (15 minutes of device
+    # the planned steps' limits add up to about 36 minutes: a whole campaign spans GPU sessions (15 minutes of device
     # time each now), each call's --budget-s skipping the steps that would overrun and --only / --rows new choosing
-    assert sum(s.timeout_s for s in steps) <= 2050
+    assert sum(s.timeout_s for s in steps) <= 2140
     # the overhead at batch 16 beside batch 4: the same 1-rank ~1B model, a device-bound step
     by = {s.name: s.argv for s in steps}
     b4, w = by["overhead_1b"], gpu_campaign._with
@@ -88,6 +88,10 @@ def test_the_gpu_campaign_plans_every_step_and_expects_real_findings(tmp_path):
     cfg = WorkloadConfig(n_layers=int(o[1]), d_model=int(o[3]), n_heads=int(o[5]), n_kv_heads=int(o[7]),
                          vocab=int(o[9]), seq_len=int(o[11]))
     assert 0.9e9 < total_param_count(cfg) < 1.2e9 and cfg.n_kv_heads < cfg.n_heads
+    # --only: a step's own name selects it alone, any other name the steps it begins
+    picked = gpu_campaign.only_steps(steps, "env,scenarios,overhead_1b,allocator,tests")
+    assert [s.name for s in picked] == ["env", "scenarios_gpu", "overhead_1b", "tests", "allocator_1r",
+                                        "allocator_2r", "allocator_2r_offload"]
 
 
 def test_the_campaign_runs_the_matrix_gpu_rows_and_copies_their_table(tmp_path):

@@ -278,6 +278,38 @@ def post_forward_order(us: list[Unit]) -> list[Unit]:
     return [u for u in out if u.param_count > 0]
 
 
+def frozen_prefetches(us: list[Unit], idle: set[str]) -> Optional[list[tuple[Unit, str, bool]]]:
+    """The backward prefetches that gather a unit of ``idle`` (frozen, before every trainable one: it never runs
+    backward): (the unit whose pre-backward prefetches, the idle unit's name, from its explicit list or FSDP2's
+    default, the previous unit in post-forward order), for ``us`` in that order. None where a unit that runs
+    backward has several parameter groups (torch's backward prefetch per group is not modelled)."""
+    wasted = []
+    for i, u in enumerate(us):
+        if u.name in idle:
+            continue
+        if (u.param_groups or 1) > 1:
+            return None
+        explicit = list(u.backward_prefetch or [])
+        targets = explicit or ([us[i - 1].name] if i > 0 else [])
+        wasted += [(u, t, bool(explicit)) for t in targets if t in idle]
+    return wasted
+
+
+def prefetch_lists_without(wasted: list[tuple[Unit, str, bool]], idle: set[str]) -> dict[str, list[str]]:
+    """Each prefetching unit's backward prefetch list without the idle units (empty: the unit itself, written by
+    snippets.backward_prefetch_lists)."""
+    return {u.name: [t for t in u.backward_prefetch or [] if t not in idle] for u, _, _ in wasted}
+
+
+def trace_reduce_scatter_ms(ctx: Context, name: str) -> Optional[float]:
+    """The GPU trace's exposed reduce-scatter time of a unit (ms per step, median over ranks; 0.0 where the trace
+    shows none of it); None without a GPU trace (a gloo trace times the host's side of each call)."""
+    if not on_gpu(ctx):
+        return None
+    tr = trace_exposed_by_unit(ctx, "reduce_scatter")
+    return tr.get((name, "backward"), 0.0) if tr else None
+
+
 def total_params(us: Iterable[Unit]) -> int:
     return sum(u.param_count for u in us)
 
@@ -388,6 +420,18 @@ def trace_verdicts(ctx: Context) -> dict:
     """Per rank, the verdict entries decided from a trace."""
     v = ctx.report.verdict
     return {r: x for r, x in v.per_rank.items() if x.source == "trace"} if v is not None else {}
+
+
+def host_bound(ctx: Context) -> Optional[tuple[str, float]]:
+    """(rank, share of its step) of the GPU trace's rank whose device waits longest for its host to launch work (the
+    trace verdict's "host" group); None without a GPU trace."""
+    if not on_gpu(ctx):
+        return None
+    shares = {r: x.groups_pct.get("host", 0.0) / 100 for r, x in trace_verdicts(ctx).items()}
+    if not shares:
+        return None
+    rank = max(shares, key=shares.get)
+    return rank, shares[rank]
 
 
 def trace_step_ms(ctx: Context) -> Optional[float]:

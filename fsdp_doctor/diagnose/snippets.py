@@ -297,6 +297,21 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     return "\n".join(lines)
 
 
+def one_unit_plan(t: Tree, note: str = "") -> str:
+    """The whole model as one FSDP unit, to paste in place of your ``fully_shard`` calls (on the unsharded model):
+    the root alone, with the mixed precision and offload the run's units had (they must agree: a bf16 input meets
+    fp32 weights otherwise)."""
+    lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
+    mp = _mp_line(t.units)
+    if mp:
+        lines.append(mp)
+    root = t.root()
+    held = next((u for u in t.non_root() if _unit_kwargs(u, inherit=True)), None)
+    kw = _merge(_unit_kwargs(root) if root is not None else "", _unit_kwargs(held, inherit=True) if held else "")
+    lines.append(_call("model", kw))
+    return "\n".join(lines)
+
+
 def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """The run's units inside container ``c``'s blocks (not blocks themselves), each sharded before its block:
     (lines before the blocks' loop, lines inside it). The same submodule a unit in every block (each layer's

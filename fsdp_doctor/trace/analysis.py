@@ -310,6 +310,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
+        pr.fsdp_host_ms_per_step = (pr.fsdp_host_ms_per_step or 0.0) + w.fsdp_host_us / 1e3
         pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
                                                  + on_compute_stream_us(w) / 1e3)
         if w.device_lag_us > 0:
@@ -329,7 +330,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
         for f in ("loop_comm_ms_per_step", "loop_comm_wait_ms_per_step", "between_comm_ms_per_step",
-                  "comm_ms_on_compute_stream_per_step"):
+                  "comm_ms_on_compute_stream_per_step", "fsdp_host_ms_per_step"):
             setattr(pr, f, getattr(pr, f) / pr.step_count if pr.step_count else None)
         _per_step(pr, sums["breakdown"].get(k))
     rows = []

@@ -554,6 +554,10 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             free = iv.subtract(iv.subtract(iv.union([s0], [s1]), model_span), optimizer_steps)
             loop += list(zip(free[0].tolist(), free[1].tolist()))
             models.append(iv.subtract(model_span, optimizer_steps))
+            # the host inside FSDP2's own labels (its hooks: all-gather copy-in and out, reduce-scatter copies,
+            # resharding), nested labels once
+            win.fsdp_host_us += iv.intersection_measure(iv.union(fs[lo:hi][fsdp[lo:hi]], fe[lo:hi][fsdp[lo:hi]]),
+                                                        iv.union([s0], [s1]))
             opt_ends = optimizer_steps[1][(optimizer_steps[1] > s0) & (optimizer_steps[1] <= s1)]
             between += [(s0, float(roots.min())), (float(opt_ends.max()) if opt_ends.size else s1, s1)]
     win.outside = iv.union(starts, ends)

@@ -80,3 +80,5 @@ class WindowTrace:
     # of loop_comm_us, that between optimizer.step() and the next forward (a step's start to its first root
     # pre-forward, its last optimizer.step()'s end to its end): where data loading is
     between_comm_us: float = 0.0
+    # host µs inside FSDP2's labels (its hooks, nested labels once) over the complete steps (build's _outside_model)
+    fsdp_host_us: float = 0.0

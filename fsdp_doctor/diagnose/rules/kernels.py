@@ -5,6 +5,7 @@ between matmuls where a fused SDPA/flash kernel would run) and a step bound by l
 from __future__ import annotations
 
 from .. import estimate as E
+from ...units import fmt_bytes
 from .. import thresholds as T
 from ...trace.kernels import LAUNCH_WAIT_US, SMALL_KERNEL_US
 from .. import snippets as S
@@ -20,6 +21,11 @@ SMALL_KERNEL_MIN_SHARE = 0.40
 # user's code), and fusing kernels does not shorten it. HTA's host-bound A100 trace: 79%; the H100 FSDP rows
 # of traces/gpu/, their kernels queued behind loopback collectives or CPU-offload's optimizer step: 0-24%
 LAUNCH_WAITED_MIN_SHARE = 0.50
+# fewer units as the lever: FSDP2's own host work (its labels' time: hooks, all-gather copy-in and copy-out,
+# reduce-scatter copies) takes at least this share of the profiled step. On the H200 the tiny GPT's (6 units)
+# took 8.4 of its 26.3 ms (32%); one unit for the whole model measured 23.3 -> 13.8 ms, each block compiled
+# 23.3 -> 29.6 ms (benchmarks/launch_levers.py)
+FSDP_HOST_MIN_SHARE = 0.20
 
 
 def _per_step(ctx: Context) -> dict[str, tuple[object, int]]:
@@ -142,24 +148,79 @@ class LaunchBound(Rule):
                               "of their launch: the host runs ahead and they wait in the queue, so the host's time "
                               "is spent elsewhere (an optimizer step on the CPU, a sync, code between steps), not "
                               "in launching them")
-        step = E.trace_step_ms(ctx)
-        host_ms = step * host[rank] if step else None
-        # assumption: fusion removes the launches of the small kernels, and the host wait in proportion
-        saved = host_ms * small if host_ms is not None else None
+        trace_step = E.trace_step_ms(ctx)
+        step = E.step_ms(ctx) or trace_step  # the records' steady step where recorded (the trace's is profiled)
+        scale = step / trace_step if step and trace_step else 1.0
+        host_ms = trace_step * host[rank] if trace_step else None
+        pr = E.overlap(ctx).per_rank.get(rank)
+        fsdp_ms = pr.fsdp_host_ms_per_step if pr is not None else None
         sev = "warning" if host[rank] >= T.SEVERE_BOUND_SHARE else "info"
         mean_us = k.busy_us / k.count
+        evidence = {"kernels_per_step": round(k.count / n, 1), "small_kernel_share_pct": round(100 * small, 1),
+                    "small_kernel_us": SMALL_KERNEL_US, "mean_kernel_us": round(mean_us, 2),
+                    "host_bound_pct": round(100 * host[rank], 1), "host_bound_ms_per_step": None if host_ms is None
+                    else round(host_ms, 3), "rank": int(rank),
+                    "launch_waited_pct": None if waited is None else round(100 * waited, 1),
+                    "fsdp_host_ms_per_step": None if fsdp_ms is None else round(fsdp_ms, 3)}
+        title = (f"Launch-bound: {k.count / n:.0f} kernels per step, {100 * small:.0f}% shorter than "
+                 f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {100 * host[rank]:.0f}% of the step")
+        lead = ("The device runs each kernel faster than the host can launch the next one, so it idles between "
+                "them. A larger batch per step amortises the launches: the same kernels, each doing more work, "
+                "so tokens per second grow while the device has time to spare.")
+        one = self._one_unit(ctx, rank, trace_step, fsdp_ms, scale)
+        if one is not None:
+            saved, units, peak, peak_after, hidden, code = one
+            evidence.update(units=units, fsdp_host_share_pct=round(100 * fsdp_ms / trace_step, 1))
+            hid = (f" and the collectives' overlap with compute ({hidden:.1f} ms per step hidden today, counted "
+                   "against the gain)" if hidden else "")
+            return [self.finding(
+                sev, title, evidence,
+                f"{lead} Here FSDP2's own host work, its hooks around each of the {units} units' forward and "
+                f"backward with their all-gather copies and reduce-scatter copies, takes {fsdp_ms:.1f} ms of the "
+                f"{trace_step:.1f} ms profiled step ({100 * fsdp_ms / trace_step:.0f}%), whatever the batch. One "
+                f"unit for the whole model runs those hooks once: the prediction removes {units - 1} of the "
+                f"{units} units' share of that time. It costs the whole model gathered from forward to backward "
+                f"({fmt_bytes(peak_after - peak) if peak is not None else 'the unsharded parameters'} more at the "
+                f"peak){hid}, which a model this small can spare. Compiling each block instead keeps every unit's "
+                "hooks and per-parameter work: on the H200 it measured slower on a 6-unit GPT of this kind (23.3 "
+                "-> 29.6 ms), one unit faster (13.8 ms).",
+                code, predicted=E.predicted(step, step - saved, peak, peak_after), ranks=[int(rank)])]
+        # fusion removes launches of the model's own small kernels: the host's wait outside FSDP2's labels, in
+        # proportion (FSDP's hooks and their per-parameter work stay around the compiled blocks)
+        wait = max(0.0, host_ms - (fsdp_ms or 0.0)) if host_ms is not None else None
+        saved = wait * small * scale if wait is not None else None
         return [self.finding(
-            sev, f"Launch-bound: {k.count / n:.0f} kernels per step, {100 * small:.0f}% shorter than "
-            f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {100 * host[rank]:.0f}% of the step",
-            {"kernels_per_step": round(k.count / n, 1), "small_kernel_share_pct": round(100 * small, 1),
-             "small_kernel_us": SMALL_KERNEL_US, "mean_kernel_us": round(mean_us, 2),
-             "host_bound_pct": round(100 * host[rank], 1), "host_bound_ms_per_step": None if host_ms is None
-             else round(host_ms, 3), "rank": int(rank),
-             "launch_waited_pct": None if waited is None else round(100 * waited, 1)},
-            "The device runs each kernel faster than the host can launch the next one, so it idles between "
-            "them. torch.compile fuses chains of small elementwise kernels into a few (and mode='reduce-"
-            "overhead' replays them as CUDA graphs, one launch per graph). Compile each FSDP block in place: "
-            "the FSDP hooks and module names stay. The prediction assumes the small kernels' launches go away "
-            "and the host wait with them.",
+            sev, title, evidence,
+            f"{lead} torch.compile fuses chains of small elementwise kernels into a few (and "
+            "mode='reduce-overhead' replays them as CUDA graphs, one launch per graph). Compile each FSDP block in "
+            "place: the FSDP hooks and module names stay. The prediction assumes the launches of the small kernels "
+            "outside FSDP2's own hooks go away" + (f" ({fsdp_ms:.1f} ms of the step's host time is in those hooks, "
+                                                   "which compiling leaves)" if fsdp_ms else "")
+            + " and the host wait with them: a best case.",
             S.compile_code(S.tree(ctx)),
             predicted=E.predicted(step, step - saved if saved is not None else None), ranks=[int(rank)])]
+
+    @staticmethod
+    def _one_unit(ctx: Context, rank, trace_step, fsdp_ms, scale):
+        """(ms saved per step, units, peak, peak after, collectives hidden today in ms, code) of one unit for the
+        whole model, where FSDP2's host work is FSDP_HOST_MIN_SHARE of the step or more over 3 units or more and the
+        whole model gathered fits under T.NEAR_CAPACITY_SHARE of the device; None otherwise (a plain trace: no
+        snapshot of the units' options to keep)."""
+        us = E.param_units(ctx)
+        if not us or len(us) < 3 or not trace_step or fsdp_ms is None or fsdp_ms < FSDP_HOST_MIN_SHARE * trace_step:
+            return None
+        if any(u.unsharded_bytes is None for u in us):
+            return None
+        peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
+        # every unit gathered from forward to backward, where one (the largest) at least was at the peak already
+        peak_after = peak + sum(u.unsharded_bytes for u in us) - max(u.unsharded_bytes for u in us) \
+            if peak is not None else None
+        if peak_after is not None and cap and peak_after > T.NEAR_CAPACITY_SHARE * cap:
+            return None
+        pr = E.overlap(ctx).per_rank.get(rank)
+        hidden = (pr.hidden_ms_per_step or 0.0) if pr is not None else 0.0  # one unit's collectives overlap nothing
+        saved = (fsdp_ms * (1 - 1 / len(us)) - hidden) * scale
+        if saved <= 0:
+            return None
+        code = S.one_unit_plan(S.tree(ctx), note=f"one FSDP unit for the whole model ({len(us)} units -> 1)")
+        return saved, len(us), peak, peak_after, hidden * scale, code

@@ -323,10 +323,20 @@ class UntrainedParams(Rule):
         acts = {n: int(r.activation_bytes or 0) for n, r in E.memory_units(ctx).items()}
         prefix_acts = sum(acts.get(u.name, 0) for u in prefix)
         step = E.step_ms(ctx)
-        # their backward's compute goes, and the backward all-gathers of all but the last of them (the trained
-        # units' backward still prefetches that one: prefetch.frozen_gathered)
-        bwd = sum(max(0.0, (u.timing.bwd_self_ms if u.timing.bwd_self_ms is not None else u.timing.bwd_ms)
-                      - u.timing.ag_wait_bwd_ms) for u in prefix) + sum(u.timing.ag_wait_bwd_ms for u in prefix[:-1])
+        # frozen, the prefix never runs backward, but the first trained unit's backward would still prefetch the
+        # last of it (FSDP2's default, the previous unit: prefetch.frozen_gathered): the fix gives that unit a
+        # list without it (None: a unit with several parameter groups, not modelled, so that gather stays)
+        idle = {u.name for u in prefix}
+        found = E.frozen_prefetches(E.post_forward_order(E.units(ctx)), idle) if prefix else []
+        lists = E.prefetch_lists_without(found, idle) if found else {}
+        gathered = [u for u in prefix if found is not None or u is not prefix[-1]]
+        # their backward's compute goes, their backward all-gathers (on a GPU the trace's exposed time: the host
+        # runs ahead there) and their reduce-scatters (exposed, from a GPU trace; a gloo trace times the host's side)
+        compute = sum(max(0.0, (u.timing.bwd_self_ms if u.timing.bwd_self_ms is not None else u.timing.bwd_ms)
+                          - u.timing.ag_wait_bwd_ms) for u in prefix if u.has_timing)
+        ag = sum(E.backward_allgather_ms(ctx, u)[0] or 0.0 for u in gathered)
+        rs = sum(E.trace_reduce_scatter_ms(ctx, u.name) or 0.0 for u in prefix)
+        bwd = compute + ag + rs
         text = (f"{ut.tensors} parameter tensor(s) ({ut.param_count / 1e6:.2f} M elements, {100 * share:.0f}% of "
                 f"the trainable ones) have requires_grad=True but are not in the optimizer given to watch(), and "
                 f"their values did not change from the first step to the third: nothing updates them. Yet every "
@@ -336,8 +346,13 @@ class UntrainedParams(Rule):
         if prefix:
             text += (f" The first {len(prefix)} unit(s) in forward order ({_units_text([u.name for u in prefix])}) "
                      f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its "
-                     f"all-gathers) runs only for these gradients, and their forward saves {E.mib(prefix_acts)} MiB "
-                     f"of activations for it.")
+                     f"all-gathers{' and reduce-scatters' if rs else ''}) runs only for these gradients, and their "
+                     f"forward saves {E.mib(prefix_acts)} MiB of activations for it.")
+            if lists:
+                text += (f" Frozen, they run no backward, but FSDP2's default backward prefetch would still gather "
+                         f"{E.fmt_list(sorted({t for _, t, _ in found}))} in every backward, for nothing "
+                         f"(prefetch.frozen_gathered): the fix also gives {E.fmt_list(list(lists))} a backward "
+                         f"prefetch list without it.")
         text += (" If they are meant to be frozen, say so with requires_grad_(False) before the first forward: FSDP2 "
                  "then neither computes nor reduces their gradients, and autograd saves nothing for a frozen prefix. "
                  "If they are meant to train, add them to the optimizer (its state then grows by theirs).")
@@ -347,6 +362,9 @@ class UntrainedParams(Rule):
                 "for p in model.parameters():\n"
                 "    if p.requires_grad and id(p) not in stepped:\n"
                 "        p.requires_grad_(False)  # no gradient computed, reduce-scattered or kept for it")
+        if lists:
+            code += ("\n# the frozen units run no backward: the first trained unit's backward prefetch leaves them out\n"
+                     + S.backward_prefetch_lists(lists))
         peak = int(pm.peak_bytes) if pm is not None else None
         return [self.finding(
             "warning" if share >= UNTRAINED_WARN_SHARE else "info",
@@ -355,7 +373,8 @@ class UntrainedParams(Rule):
             {"tensors": ut.tensors, "param_count": ut.param_count, "share_of_trainable": round(share, 4),
              "grad_bytes_kept": ut.grad_bytes, "names": ut.names[:8],
              "frozen_prefix_units": [u.name for u in prefix], "frozen_prefix_activation_bytes": prefix_acts,
-             "frozen_prefix_backward_ms": round(bwd, 3)},
+             "frozen_prefix_backward_ms": round(bwd, 3),
+             "frozen_prefix_reduce_scatter_ms": round(rs, 3) if E.on_gpu(ctx) else None},
             text, code, where="optimizer",
             predicted=E.predicted(step, step - bwd if step is not None else None, peak,
                                   _peak_untrained_frozen(pm, ut, prefix, acts) if peak else None, at_most=True),

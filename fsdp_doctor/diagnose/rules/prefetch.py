@@ -350,13 +350,11 @@ class FrozenGathered(Rule):
         if not idle:
             return self.quiet(f"every unit runs backward: no frozen unit comes before {lowest}, the first trainable "
                               "one in forward order")
-        if any((u.param_groups or 1) > 1 for u in us[first:]):
+        found = E.frozen_prefetches(us, set(idle))
+        if found is None:
             return self.quiet("a unit has several parameter groups (torch's backward prefetch per group is not modelled)")
-        wasted = []  # (the unit whose pre-backward prefetches, the idle unit it gathers, from an explicit list)
-        for i in [i for i, u in enumerate(us) if u.name not in idle]:  # the units that run backward
-            explicit = list(us[i].backward_prefetch or [])
-            targets = explicit or ([us[i - 1].name] if i > 0 else [])  # FSDP2's default: the previous unit
-            wasted += [(us[i], idle[t], bool(explicit)) for t in targets if t in idle]
+        # (the unit whose pre-backward prefetches, the idle unit it gathers, from an explicit list)
+        wasted = [(u, idle[t], explicit) for u, t, explicit in found]
         if not wasted:
             why = (f"{lowest}'s explicit list leaves them out" if us[first].backward_prefetch else
                    f"{unit_label(us[first - 1].name)}, which {lowest} prefetches by default, runs backward")
@@ -376,7 +374,7 @@ class FrozenGathered(Rule):
                 return self.quiet(f"the trace does not show it: no backward all-gather of {E.fmt_list(missing)} "
                                   "there, or one with a backward of its own")
         # each prefetching unit's list without them (empty: the unit itself, written by the snippet)
-        lists = {u.name: [t for t in u.backward_prefetch or [] if t not in idle] for u, _, _ in wasted}
+        lists = E.prefetch_lists_without(wasted, set(idle))
         step, peak, pm = E.step_ms(ctx), E.peak_bytes(ctx), E.peak_memory(ctx)
         tl = pm.timeline if pm is not None else []
         changes, rows = [], []
