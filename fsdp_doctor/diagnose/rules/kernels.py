@@ -173,17 +173,19 @@ class LaunchBound(Rule):
             evidence.update(units=units, fsdp_host_share_pct=round(100 * fsdp_ms / trace_step, 1))
             hid = (f" and the collectives' overlap with compute ({hidden:.1f} ms per step hidden today, counted "
                    "against the gain)" if hidden else "")
+            cap = E.capacity_bytes(ctx)
+            room = f", {fmt_bytes(peak_after)} of the device's {fmt_bytes(cap)}" if cap and peak_after else ""
             return [self.finding(
                 sev, title, evidence,
                 f"{lead} Here FSDP2's own host work, its hooks around each of the {units} units' forward and "
                 f"backward with their all-gather copies and reduce-scatter copies, takes {fsdp_ms:.1f} ms of the "
                 f"{trace_step:.1f} ms profiled step ({100 * fsdp_ms / trace_step:.0f}%), whatever the batch. One "
-                f"unit for the whole model runs those hooks once: the prediction removes {units - 1} of the "
-                f"{units} units' share of that time. It costs the whole model gathered from forward to backward "
+                f"unit for the whole model runs those hooks once: the prediction removes {units - 1}/{units} of "
+                f"that time. It costs the whole model gathered from forward to backward "
                 f"({fmt_bytes(peak_after - peak) if peak is not None else 'the unsharded parameters'} more at the "
-                f"peak){hid}, which a model this small can spare. Compiling each block instead keeps every unit's "
-                "hooks and per-parameter work: on the H200 it measured slower on a 6-unit GPT of this kind (23.3 "
-                "-> 29.6 ms), one unit faster (13.8 ms).",
+                f"peak{room}){hid}. Compiling each block instead keeps every unit's hooks and per-parameter work: "
+                "on the H200 it measured slower on a 6-unit GPT of this kind (23.3 -> 29.6 ms), one unit faster "
+                "(13.8 ms).",
                 code, predicted=E.predicted(step, step - saved, peak, peak_after), ranks=[int(rank)])]
         # fusion removes launches of the model's own small kernels: the host's wait outside FSDP2's labels, in
         # proportion (FSDP's hooks and their per-parameter work stay around the compiled blocks)

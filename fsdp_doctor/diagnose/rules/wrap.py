@@ -74,8 +74,8 @@ class TooCoarse(Rule):
         if hb is not None and hb[1] >= T.BOUND_MIN_SHARE and not E.peak_near_capacity(ctx):
             # each unit adds FSDP2's hooks, copies and collectives to the host's work, which the device waits for
             # already (the H200's tiny GPT: 6 units 30.3 ms, one unit 19.3 ms), and the memory is not needed
-            return self.quiet(f"{big.name or '(root)'} holds {100 * share:.0f}% of the parameters, but the device waits for "
-                              f"its host {100 * hb[1]:.0f}% of the profiled step (rank {hb[0]}): more units would "
+            return self.quiet(f"{big.name or '(root)'} holds {100 * share:.0f}% of the parameters, but the device "
+                              f"waits for its host {100 * hb[1]:.0f}% of the profiled step (rank {hb[0]}): more units would "
                               "add FSDP2's per-unit host work to that wait (kernels.launch_bound), for memory the "
                               "run does not need (its peak is not near capacity)")
         step, peak = _job_numbers(ctx)
