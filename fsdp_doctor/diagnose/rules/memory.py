@@ -249,7 +249,7 @@ class NearCapacitySpread(Rule):
         top = max(bd, key=bd.get) if bd else None
         if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
             return self.quiet(f"{top} dominates the peak ({100 * bd[top] / peak:.0f}%): its own rule applies")
-        kept = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is False]
+        kept = [u for u in E.non_root(E.param_units(ctx)) if E.kept_gathered(u)]
         if not kept:
             return self.quiet("no unit is kept unsharded after forward: no reshard lever")
         # keep the last unit of forward gathered (its backward starts at once; reshard.last_unit's advice)
