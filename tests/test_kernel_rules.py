@@ -89,12 +89,11 @@ def test_launch_bound_known_answer(tmp_path):
     f = next(f for f in report.findings if f.code == "kernels.launch_bound")
     assert f.evidence["small_kernel_share_pct"] == 100.0 and f.evidence["host_bound_pct"] >= 50
     assert f.evidence["launch_waited_pct"] == 100.0  # every kernel starts at its launch: the device waited
-    # all kernels are small: the host's wait outside FSDP2's labels goes (FSDP's hooks stay around compiled blocks;
-    # here their labels are a few ns each, under the 20% of the step from which fewer units would be the lever)
+    # FSDP2's labels here are a few ns each, under the 20% of the step from which fewer units would be the lever:
+    # the fix compiles, and quotes no gain (on the H200 compiling measured from -12% to +27% on a tiny GPT)
     ev = f.evidence
     assert 0 < ev["fsdp_host_ms_per_step"] < 0.2 * f.predicted.step_ms_before
-    assert f.predicted.step_ms_after == pytest.approx(
-        f.predicted.step_ms_before - (ev["host_bound_ms_per_step"] - ev["fsdp_host_ms_per_step"]), abs=2e-3)
+    assert f.predicted.step_ms_after is None and "No gain is quoted" in f.recommendation.text
     # every block of the trace's layers container, compiled in place after fully_shard
     assert "for block in model.layers.children():\n    block.compile()" in f.recommendation.code
     busy = _report(tmp_path, fsdp_gpu_trace(units=8, fwd_us=200.0, bwd_us=200.0, ag_us=2.0, prefetch=True),
