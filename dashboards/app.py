@@ -20,7 +20,7 @@ from dash import Dash, Input, Output, State, ctx, dcc, html, no_update
 
 from . import guard
 from .pages import PAGES, page_key
-from .pages.common import ALL, Query, unit_label, unit_value
+from .pages.common import ALL, Query, run_state, unit_label, unit_value
 from .state import RunState
 
 POLL_MS = 1000  # new steps appear within two seconds
@@ -65,10 +65,12 @@ def _run_status(snap) -> str:
         if snap.windows:
             return f"{len(snap.windows)} profiler trace(s), no fsdp-doctor records"
         return f"waiting for records in {snap.path} …"
-    done = run.complete
-    n = max(run.steps_recorded.values(), default=0)
-    state = "finished" if done and all(done.values()) else "live"
-    return f"{state} · {n} steps × {len(run.ranks)} ranks · updated {time.strftime('%H:%M:%S')}"
+    counts = run.steps_recorded.values()
+    lo, hi = min(counts, default=0), max(counts, default=0)
+    n = f"{hi} steps" if lo == hi else f"{lo}-{hi} steps"
+    # when the records last grew, not now: a run whose ranks died stays at its last record
+    return (f"{run_state(snap.report, snap.updated)} · {n} × {len(run.ranks)} ranks · last record "
+            f"{time.strftime('%H:%M:%S', time.localtime(snap.updated))}")
 
 
 def _nav(app: Dash, pathname: Optional[str], search: Optional[str]) -> list:
@@ -133,8 +135,8 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
     def _poll(_n, version):
         state.refresh()
         snap = state.snapshot()
-        if snap.version == version:
-            return no_update, no_update
+        if snap.version == version:  # (the status still moves: a run that stopped writing says so)
+            return no_update, _status(snap)
         return snap.version, _status(snap)
 
     @app.callback(Output("flt-rank", "options"), Output("flt-unit", "options"), Output("flt-steps", "min"),
@@ -212,16 +214,19 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
 def serve(path: Path | str, host: str = "127.0.0.1", port: int = 8050) -> int:
     """Serves the dashboard until interrupted; prints the URL. Returns the exit code."""
     path = Path(path)
-    if not path.exists():
-        print(f"fsdp-doctor: {path}: no such run directory", file=sys.stderr)
+    if not path.exists() and not path.parent.is_dir():
+        print(f"fsdp-doctor: {path}: no such run directory (nor its parent, {path.parent})", file=sys.stderr)
         return 2
-    if not path.is_dir():
+    if path.exists() and not path.is_dir():
         print(f"fsdp-doctor: {path}: not a directory (the dashboard serves a run directory written by "
               "fsdp_doctor.watch; for a single trace file use `fsdp-doctor analyze`)", file=sys.stderr)
         return 2
     state = RunState(path)
     state.refresh()
-    if not state.snapshot().has_records:
+    if not path.exists():  # started before the run: watch(out_dir=...) creates it
+        print(f"fsdp-doctor: {path} does not exist yet; the dashboard shows the run as soon as its records appear "
+              "there", file=sys.stderr)
+    elif not state.snapshot().has_records:
         print(f"fsdp-doctor: {path}: no fsdp-doctor records (rank*.records.jsonl) yet; the dashboard shows the "
               "run as soon as they appear", file=sys.stderr)
     app = create_app(path, state=state, host=host)

@@ -381,8 +381,8 @@ def _command(name: str, module: str | None = None) -> str:
 # ----------------------------------------------------------------------------------------- dashboard
 def cmd_dashboard(ns: argparse.Namespace) -> int:
     path = Path(ns.path)
-    if not path.exists():
-        _err(f"{path}: no such run directory")
+    if not path.exists() and not path.parent.is_dir():  # (one that does not exist yet is waited for: serve)
+        _err(f"{path}: no such run directory (nor its parent, {path.parent})")
         return EXIT_BAD_INPUT
     busy = _port_in_use(ns.host, ns.port)
     if busy:

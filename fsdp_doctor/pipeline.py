@@ -259,4 +259,11 @@ def compare_runs(run_a: Run, run_b: Run, **kw):
     ``analyze.compare.compare``)."""
     from .analyze.compare import compare
 
-    return compare(compare_side(run_a), compare_side(run_b), path_a=str(run_a.path), path_b=str(run_b.path), **kw)
+    sides = []
+    for run in (run_a, run_b):
+        report = build_report(run) if run.has_records or run.trace_files else None
+        if report is None or not is_usable(run, report):  # (the CLI says the same before it compares)
+            raise ValueError(f"{run.path}: nothing to compare: no fsdp-doctor records with a step, and no Kineto "
+                             "trace with a profiler step or a collective")
+        sides.append(compare_side(run, report))
+    return compare(*sides, path_a=str(run_a.path), path_b=str(run_b.path), **kw)

@@ -383,6 +383,14 @@ def _record_cases() -> list[Case]:
                 break
         return recs
 
+    def rank0_only(report: dict) -> None:
+        assert report["run"]["ranks"] == [0] and list(report["steps"]["per_rank"]) == ["0"]
+        assert report["steps"]["per_rank"]["0"]["count"] > 0
+
+    # a rank's stream the manifest lists, deleted: named, the other rank analysed (its header said 2 ranks before,
+    # and its profiler window was called another run's)
+    C("stream-missing", lambda r: (r / "rank1.records.jsonl").unlink() or r, "partial",
+      "rank1.records.jsonl: listed in manifest.json but missing: rank 1 is not analysed", rank0_only, traces=True)
     # the manifest
     C("manifest-version-99", lambda r: edit_manifest(r, version=99), "error", "format version 99")
     C("manifest-version-0", lambda r: edit_manifest(r, version=0), "error", "format version 0")

@@ -154,6 +154,9 @@ def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
     assert facts["capacity_bytes"] is None and facts["device"] == "cpu" and facts["ranks"] == [0, 1]
     assert RunFacts.of(facts) == run_facts(run)  # the JSON form reads back to the same facts
     assert header_facts(run_facts(run))[:2] == ["2 ranks", f"{facts['units']} FSDP units"]
+    # one rank's records missing: the header says whose it read
+    one = msgspec.structs.replace(run_facts(run), ranks=[0])
+    assert header_facts(one)[0] == "2 ranks (records of rank 0)"
     traces = load_run(sample_run_path / "profiler")
     bare = msgspec.to_builtins(run_facts(traces))
     # plain traces: the facts their own metadata gives (distributedInfo), none that only a config record has
@@ -230,3 +233,15 @@ def test_comm_headline_share_is_that_of_its_two_figures():
     assert (c.exposed_ms_per_step, c.comm_ms_per_step, c.overlap_pct) == (4.0, 10.0, 60.0)
     assert [c.per_rank[r].overlap_pct for r in "012"] == [50.0, 10.0, 80.0]  # each rank's own share kept
     assert "4.00 ms per step of 10.0 ms in collectives (60.0% overlapped)" in comm_headline(c)
+
+
+def test_a_prediction_of_no_change_says_unchanged():
+    """A new-user trial: a memory warning read "step 760.2 ms → 760.2 ms (0% faster)". Under 0.5% the step is
+    "unchanged" (and a peak that does not move too); a change keeps its arrow and percentage."""
+    from fsdp_doctor.diagnose.estimate import predicted
+    from fsdp_doctor.present.fmt import predicted_text
+
+    assert predicted_text(predicted(760.2, 760.2, 14.05 * 2**20, 13.8 * 2**20)) == \
+        "step 760.2 ms unchanged, peak 14.05 MiB → 13.80 MiB"
+    assert predicted_text(predicted(100.0, 80.0, 1 << 20, 1 << 20)) == "step 100.0 ms → 80.0 ms (20% faster), peak 1.00 MiB unchanged"
+    assert predicted_text(predicted(100.0, 101.0)) == "step 100.0 ms → 101.0 ms (1% slower)"

@@ -11,6 +11,8 @@ import msgspec
 import plotly.graph_objects as go
 import pytest
 
+from fsdp_doctor import memory_categories as MC
+
 from fsdp_doctor.present import figures as F
 from fsdp_doctor.dashboards.pages import PAGES
 from fsdp_doctor.dashboards.pages.common import ALL, ROOT, Filters, fmt_value
@@ -107,7 +109,8 @@ def test_heatmap_jitter_and_phases(steps):
 def test_memory_timeline_stacks_categories_with_unit_and_phase():
     m = memory_section().per_rank["0"]
     fig = F.memory_timeline_figure(m, rank=0)
-    assert [t.name for t in fig.data] == list(CATS)
+    # named by the categories' labels, as the terminal and the HTML tables name them
+    assert [t.name for t in fig.data] == [MC.label(c) for c in CATS] and fig.data[0].name == "sharded params"
     assert all(t.stackgroup == "mem" for t in fig.data)
     assert len(fig.data[0].x) == len(m.timeline)
     act = fig.data[CATS.index("activations")]
@@ -126,7 +129,7 @@ def test_memory_timeline_accepts_a_columns_rows_table_and_nested_categories():
     m = MemoryRank(timeline={"columns": ["t_ms", "unit", "phase", "activations", "sharded_params"],
                              "rows": [[0.1, "a", "forward", 1 << 20, 2 << 20], [0.2, "b", "backward", 3 << 20, 2 << 20]]})
     fig = F.memory_timeline_figure(m)
-    assert [t.name for t in fig.data] == ["sharded_params", "activations"]
+    assert [t.name for t in fig.data] == ["sharded params", "activations"]
     nested = MemoryRank(timeline=[{"unit": "a", "phase": "forward", "bytes": {"activations": 5 << 20}}])
     assert list(F.memory_timeline_figure(nested).data[0].y) == [5.0]
 
@@ -135,8 +138,8 @@ def test_memory_breakdown_and_absent_section():
     m = memory_section().per_rank["1"]
     fig = F.memory_breakdown_figure(m, rank=1)
     bars = dict(zip(fig.data[0].y, fig.data[0].x))
-    assert set(bars) == set(CATS)
-    assert bars["optimizer_state"] == pytest.approx(m.peak_breakdown["optimizer_state"] / F.MIB)
+    assert set(bars) == {MC.label(c) for c in CATS}
+    assert bars["optimizer state"] == pytest.approx(m.peak_breakdown["optimizer_state"] / F.MIB)
     assert "step 4" in fig.layout.xaxis.title.text or "step 3" in fig.layout.xaxis.title.text
     assert _is_note(F.memory_breakdown_figure(None))
     assert _is_note(F.memory_timeline_figure(MemoryRank()))
@@ -158,17 +161,18 @@ def test_memory_category_not_measured_is_unknown_not_a_measured_zero(snap):
     bd = F.memory_breakdown_figure(m, rank=0)
     text = dict(zip(bd.data[0].y, bd.data[0].text))
     hover = dict(zip(bd.data[0].y, bd.data[0].hovertemplate))
-    assert text["comm_buffers"] == "unknown" and "unknown (not measurable" in hover["comm_buffers"]
-    assert text["offloaded_host"] == "" and "%{x:.1f} MiB" in hover["offloaded_host"]  # a measured 0 is not unknown
-    assert text["optimizer_state"] == "5.00 MiB"
+    comm, host = MC.label("comm_buffers"), MC.label("offloaded_host")
+    assert text[comm] == "unknown" and "unknown (not measurable" in hover[comm]
+    assert text[host] == "" and "%{x:.1f} MiB" in hover[host]  # a measured 0 is not unknown
+    assert text["optimizer state"] == "5.00 MiB"
     m.peak_breakdown["comm_buffers"] = 1 << 20  # whatever the record holds, an unknown category claims no bytes
-    assert dict(zip(*(F.memory_breakdown_figure(m).data[0][k] for k in ("y", "x"))))["comm_buffers"] == 0
+    assert dict(zip(*(F.memory_breakdown_figure(m).data[0][k] for k in ("y", "x"))))[comm] == 0
     tl = F.memory_timeline_figure(m, categories=CATS)
-    assert "comm_buffers" not in [t.name for t in tl.data] and "activations" in [t.name for t in tl.data]
+    assert comm not in [t.name for t in tl.data] and "activations" in [t.name for t in tl.data]
     # even where every category reads 0 (the figure then stacks them all), the unknown one is not stacked
     zeros = MemoryRank(timeline=[{"step": 3, "unit": "", "phase": "forward", **{c: 0 for c in CATS}}],
                        unknown_categories=["comm_buffers"])
-    assert [t.name for t in F.memory_timeline_figure(zeros).data] == [c for c in CATS if c != "comm_buffers"]
+    assert [t.name for t in F.memory_timeline_figure(zeros).data] == [MC.label(c) for c in CATS if c != "comm_buffers"]
     # the page names it once, above the figures
     s2 = dataclasses.replace(snap, report=msgspec.structs.replace(snap.report, memory=mem))
     page = PAGES["memory"][1].layout(s2, Filters())
@@ -416,8 +420,8 @@ def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
 
     from fsdp_doctor.dashboards.app import serve
 
-    assert serve(tmp_path / "missing") == 2
-    assert "no such run directory" in capsys.readouterr().err
+    assert serve(tmp_path / "missing" / "run") == 2
+    assert "no such run directory (nor its parent" in capsys.readouterr().err
     f = tmp_path / "file.json"
     f.write_text("{}")
     assert serve(f) == 2
@@ -429,6 +433,9 @@ def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
     assert serve(empty) == 0
     out = capsys.readouterr()
     assert "no fsdp-doctor records" in out.err
+    # started before the run creates its directory (a new-user trial: it refused): it waits for it
+    assert serve(tmp_path / "not_yet") == 0
+    assert "does not exist yet" in capsys.readouterr().err
     assert "http://127.0.0.1:8050/" in out.out
     assert seen["host"] == "127.0.0.1" and seen["debug"] is False
     assert serve(SAMPLE, host="0.0.0.0", port=9999) == 0
@@ -445,7 +452,7 @@ def test_cli_dashboard_command_uses_serve(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(appmod, "serve", lambda path, host, port: seen.update(path=path, host=host, port=port) or 0)
     assert main(["dashboard", str(SAMPLE)]) == 0
     assert seen == {"path": SAMPLE, "host": "127.0.0.1", "port": 8050}
-    assert main(["dashboard", str(tmp_path / "nope")]) == 2
+    assert main(["dashboard", str(tmp_path / "nope" / "run")]) == 2  # (a missing folder whose parent exists is waited for)
 
 
 def test_step_window_recomputes_sections_with_the_same_analyses(snap):
@@ -697,3 +704,19 @@ def test_checkpoint_saves_drawn_as_their_own_bars():
     assert all(v == 5.0 for v in ph.data[3].y)  # the outside bars hold no save
     assert [t.name for t in F.phase_split_figure(cols, 0, window=(10, 11)).data] == [
         "forward", "backward", "optimizer", "outside"]
+
+
+def test_the_jitter_histogram_counts_the_steps_the_report_counts(sample_run_path):
+    """A new-user trial: the histogram held 144 steps per rank where the report counted 143 (a full memory count,
+    step 2, left out of the statistics, drawn in the histogram). It reads the analysis's own steady column now."""
+    from fsdp_doctor import build_report, load_run
+    from fsdp_doctor.pipeline import steps_columns
+
+    run = load_run(sample_run_path)
+    cols, report = steps_columns(run), build_report(run)
+    for r in (0, 1):
+        jit = F.jitter_histogram(cols, ranks=[r])
+        assert len(jit.data[0].x) == report.steps.per_rank[str(r)].count == sum(cols[r]["steady"])
+    # a step left out for its full memory count, not profiled: out of the histogram too
+    cols[0]["steady"][cols[0]["steady"].index(True)] = False
+    assert len(F.jitter_histogram(cols, ranks=[0]).data[0].x) == report.steps.per_rank["0"].count - 1

@@ -191,3 +191,46 @@ def test_communication_page_names_a_failed_trace_beside_good_ones(tmp_path):
     assert [w.rank for w in snap.windows] == [0]
     text = json.dumps([c.to_plotly_json() for c in communication.layout(snap, Filters())], default=str)
     assert "comm-trace-errors" in text and "rank1.6.pt.trace.json.gz" in text and "fig-comm-timeline" in text
+
+
+def test_a_run_that_stopped_writing_is_not_live(tmp_path):
+    """A run whose ranks died writes no end record: its status said "live" for good, stamped with the time of the
+    page (a new-user trial: a SIGKILLed rank, minutes later). It now gives the time of its last record and, after
+    STALE_S without one, says so; a finished run says finished."""
+    from fsdp_doctor.dashboards.app import _run_status
+    from fsdp_doctor.dashboards.pages.common import STALE_S, run_state
+
+    run = write_run(tmp_path / "run", "eeeeeeeeeeee", 10, 1)
+    for f in run.glob("rank*.records.jsonl"):  # killed: no end record
+        f.write_bytes(b"".join(ln + b"\n" for ln in f.read_bytes().splitlines() if not ln.startswith(b'{"t":"end"')))
+    state = RunState(run, background_traces=False)
+    snap = state.snapshot()
+    assert not all(snap.report.run.complete.values())  # no end record: the records stop at step 9
+    assert run_state(snap.report, snap.updated, now=snap.updated + 5) == "live"
+    assert run_state(snap.report, snap.updated, now=snap.updated + STALE_S + 60) == "no new record for 3 min"
+    status = _run_status(snap)
+    assert status.startswith("live · 10 steps × 2 ranks · last record ")
+    done = RunState(SAMPLE, background_traces=False).snapshot()
+    assert run_state(done.report, done.updated, now=done.updated + 1e6) == "finished"
+
+
+def test_compare_reads_only_the_runs_it_offers_and_says_why_a_folder_cannot_be_compared(tmp_path):
+    """A new-user trial posted the Compare page's callback with /etc, an empty folder and a folder of saved JSON
+    answers: each drew a plausible comparison ("world_size | job | 0 | 2"). A path the lists do not offer reads
+    nothing now, and a folder offered (it holds *.json) with nothing to compare gets the CLI's one line."""
+    run = write_run(tmp_path / "runs" / "a", "dddddddddddd", 10, 1)
+    junk = tmp_path / "runs" / "saved_answers"
+    junk.mkdir()
+    (junk / "page.json").write_text('{"response": {"page": {"children": []}}}')
+    app = create_app(run, state=RunState(run, background_traces=False))
+    c = app.server.test_client()
+
+    def cmp(a, b):
+        r = _post(c, "cmp-body.children", [{"id": "cmp-a", "property": "value", "value": a},
+                                           {"id": "cmp-b", "property": "value", "value": b}])
+        assert r.status_code == 200
+        return json.dumps(r.get_json())
+
+    assert "Choose two runs from the lists" in cmp("/etc", str(run.resolve()))
+    out = cmp(str(junk.resolve()), str(run.resolve()))
+    assert "cannot compare" in out and "nothing to compare" in out and "world_size" not in out

@@ -253,7 +253,7 @@ def test_memory_figures_known_answers():
     mem = Report.of(_report()).memory
     fig = memory_peaks_figure(mem)
     bars = {t.name: t for t in fig.data}
-    assert set(bars) == {"sharded_params", "unsharded_params", "optimizer_state", "activations"}  # zeros left out
+    assert set(bars) == {"sharded params", "unsharded params", "optimizer state", "activations"}  # zeros left out
     assert list(bars["activations"].y) == [16.0, 16.0] and bars["activations"].marker.color == MEMORY_COLORS["activations"]
     assert [sum(t.y[i] for t in fig.data) for i in (0, 1)] == [22.25, 22.25]  # 2 + 0.25 + 4 + 16 MiB
     assert list(bars["activations"].x) == [f"rank {r}<br>step 3 · unit norm, lm_head · forward_end" for r in (0, 1)]

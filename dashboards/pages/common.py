@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -10,6 +11,24 @@ from dash import dcc, html
 
 from fsdp_doctor.present.fmt import ROOT_LABEL, unit_label
 from fsdp_doctor.present.fmt import fmt_value as _fmt_value
+
+# a run that has not finished and wrote no record for this long (or 10 of its slowest steps, if longer) is said to
+# have stopped writing: a rank killed, or the job, leaves no end record, and "live" would stay on the screen
+STALE_S = 120.0
+
+
+def run_state(report, updated: float, now: Optional[float] = None) -> str:
+    """"finished", "live", or "no new record for N min" (``updated``: when the records last grew, time.time())."""
+    done = report.run.complete
+    if done and all(done.values()):
+        return "finished"
+    steps = report.steps.per_rank.values() if report.steps is not None else []
+    slowest = max((st.max_ms or 0.0 for st in steps), default=0.0) / 1e3
+    idle = (time.time() if now is None else now) - updated
+    if idle < max(STALE_S, 10 * slowest):
+        return "live"
+    return f"no new record for {idle / 60:.0f} min" if idle < 7200 else f"no new record for {idle / 3600:.1f} h"
+
 
 ALL = "__all__"
 ROOT = ROOT_LABEL  # the root unit's name is "", which a dropdown cannot hold (no module path has parentheses)

@@ -73,7 +73,11 @@ def layout(snap, flt: Filters) -> list:
                      f"{Path(snap.path).resolve().parent} and open any of them.", "warning", nid="cmp-empty")]
     opts = [{"label": p.name, "value": str(p)} for p in runs]
     here = str(Path(snap.path).resolve())
-    first = next((o["value"] for o in opts if o["value"] != here), opts[0]["value"])
+    # Run A by default: a sibling holding records before a folder that only has *.json files (which may be traces)
+    from fsdp_doctor.store import layout as store_layout
+
+    others = [o["value"] for o in opts if o["value"] != here]
+    first = next((v for v in others if store_layout.has_run(Path(v))), others[0] if others else opts[0]["value"])
     pick = [html.Div([html.Label(f"Run {k}", htmlFor=f"cmp-{k.lower()}"),
                       dcc.Dropdown(id=f"cmp-{k.lower()}", options=opts, value=v, clearable=False, persistence=True)],
                      className="flt") for k, v in (("A", first), ("B", here if here in {o["value"] for o in opts}
@@ -91,6 +95,8 @@ def body(a: str, b: str) -> list:
         return [note("A and B are the same run: choose another.", "warning", nid="cmp-same")]
     try:
         c = comparison(Path(a), Path(b))
+    except ValueError as e:  # nothing to compare in a folder: its one line
+        return [note(f"cannot compare: {e}", "error", nid="cmp-error")]
     except Exception as e:  # noqa: BLE001  (a run that cannot be read: one line, not a blank page)
         return [note(f"cannot compare: {type(e).__name__}: {e}", "error", nid="cmp-error")]
     out = [html.Div(c.summary, id="cmp-summary", className="verdict")]
@@ -111,4 +117,14 @@ def body(a: str, b: str) -> list:
 
 
 def register(app) -> None:
-    app.callback(Output("cmp-body", "children"), Input("cmp-a", "value"), Input("cmp-b", "value"))(body)
+    state = getattr(app, "_fsdp_state", None)
+
+    def offered(a: str, b: str) -> list:
+        # only the runs the dropdowns offer (the served run's siblings): a request naming another path reads nothing
+        if state is not None and a and b:
+            runs = {str(p) for p in candidates(state.path)}
+            if a not in runs or b not in runs:
+                return [note("Choose two runs from the lists.", "warning", nid="cmp-unknown")]
+        return body(a, b)
+
+    app.callback(Output("cmp-body", "children"), Input("cmp-a", "value"), Input("cmp-b", "value"))(offered)

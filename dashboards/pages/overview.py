@@ -16,9 +16,9 @@ from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Ve
 
 from fsdp_doctor.present.figures import verdict_figure
 from ..state import RECORD_SECTIONS
-from .common import Filters, fmt_value, graph, kpi, note, section
+from .common import Filters, fmt_value, graph, kpi, note, run_state, section
 
-def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
+def _kpis(report: Report, flt: Filters, traces_only: bool = False, state: str = "") -> html.Div:
     key = str(flt.rank) if flt.rank is not None else None
     steps, tp_sec = report.steps or report.trace_steps, report.throughput  # plain traces: their ProfilerSteps
     st = (steps.per_rank.get(key) if key else steps.job) if steps else None
@@ -38,7 +38,7 @@ def _kpis(report: Report, flt: Filters, traces_only: bool = False) -> html.Div:
             kid="kpi-tokens", title=throughput_note(tp_sec) if tp_sec else ""),  # analytic FLOPs: what they count
         kpi("Exposed communication", f"{fmt_ms(exposed)} / step" if exposed is not None else "—",
             source or "no profiled window or all-gather timing yet", kid="kpi-exposed", title=definition or ""),
-        kpi("Steps recorded", f"{n_steps:,}", "live" if _live(report) else "run finished", kid="kpi-steps"),
+        kpi("Steps recorded", f"{n_steps:,}", "run finished" if state == "finished" else state, kid="kpi-steps"),
     ]
     if traces_only:  # throughput and the steps recorded need records; step times come from the ProfilerSteps
         tiles = [t for t in tiles if getattr(t, "id", None) in ("kpi-p50", "kpi-exposed")] + [
@@ -97,10 +97,6 @@ def verdict_panel(section: Verdict, flt: Filters) -> html.Section:
         html.Details([html.Summary("Shares as a table (% of the step)", style={"cursor": "pointer"}), tbl],
                      className="verdict-shares", style={"color": "#1f2933"}),
     ], className="panel verdict", id="verdict", style={"borderLeft": "5px solid #4C78A8"})
-
-
-def _live(report: Report) -> bool:
-    return not all(report.run.complete.values() or [False])
 
 
 def finding_card(i: int, f: Finding) -> html.Div:
@@ -172,7 +168,8 @@ def layout(snap, flt: Filters) -> list:
                         "its findings, step times (ProfilerStep markers), per-unit times (FSDP2's labels) and memory "
                         "(where the profiler recorded it) come from the traces; step phases, memory by category and "
                         "the unit configuration need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
-    out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only)))
+    out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only),
+                     state=run_state(report, snap.updated)))
     run = report.run
     for e in run.doctor_errors or []:
         out.append(note(f"The doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error"))

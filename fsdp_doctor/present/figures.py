@@ -39,7 +39,9 @@ VERDICT_COLORS = {"compute": "#4C78A8", "AG fwd": "#F58518", "AG bwd": "#FFBF79"
                   "input": "#72B7B2", "idle": "#BAB0AC"}
 VERDICT_LABEL_MIN_PCT = 3.0  # narrower segments are labelled on hover only (the text would not fit)
 MIB = float(1 << 20)
-PROFILER_OUTSIDE = "outside: profiler window (tool)"
+# a profiled step: the doctor's profiler window or its trace export, its FLOP count (the first steps), or a
+# torch.profiler of the user's recording; its time outside the model is that tool's, not a stall
+PROFILER_OUTSIDE = "outside: profiling (tool)"
 NOT_MEASURED = "not measurable on this torch"  # a memory category's 0 that is no figure (MemoryRank.unknown_categories)
 MIB_HOVER = "%{y}: %{x:.1f} MiB<extra></extra>"
 
@@ -173,22 +175,30 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
         fig.add_trace(go.Bar(
             x=[s for s, p in zip(x, prof) if p], y=[cols["outside_ms"][i] for i, p in zip(idx, prof) if p],
             name=PROFILER_OUTSIDE, marker={"color": "#D9D9D9", "pattern": {"shape": "/", "fgcolor": "#7F7F7F"}},
-            hovertemplate="step %{x} (profiled)<br>outside %{y:.2f} ms: the profiler (start, stop, trace export), "
-                          "not a stall<extra></extra>"))
+            hovertemplate="step %{x} (profiled)<br>outside %{y:.2f} ms: profiling (a profiler window and its trace "
+                          "export, or the doctor's FLOP count), not a stall<extra></extra>"))
     fig.update_layout(barmode="stack", bargap=0.1)
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="ms")
     return _layout(fig, f"Where the time goes, rank {rank}", height)
 
 
+def _steady(cols: dict, i: int) -> bool:
+    """Whether row ``i`` is a step the step statistics use (the ``steady`` column, the analysis's own rule: the
+    first step, profiled ones and full memory counts left out); columns without it: not the first, not profiled."""
+    if "steady" in cols:
+        return bool(cols["steady"][i])
+    return cols["step"][i] > 0 and not cols["profiled"][i]
+
+
 def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) -> go.Figure:
-    """Distribution of each steady-state step's deviation from its rank's median (first and profiled steps
-    left out, as in the step analysis)."""
+    """Distribution of each steady-state step's deviation from its rank's median (the steps the step statistics
+    use: the first, profiled ones and full memory counts left out)."""
     sel = _select_ranks(steps, ranks)
     fig = go.Figure()
     for r in sel:
         cols = steps.get(r) or steps.get(str(r))
-        idx = [i for i in _rows(cols, window) if cols["step"][i] > 0 and not cols["profiled"][i]]
+        idx = [i for i in _rows(cols, window) if _steady(cols, i)]
         if len(idx) < 2:
             continue
         w = [cols["wall_ms"][i] for i in idx]
@@ -222,7 +232,7 @@ def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.
             row[pos[cols["step"][i]]] = cols["wall_ms"][i]
         z.append(row)
     steady = [cols["wall_ms"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
-              for i in _rows(cols, window) if cols["step"][i] > 0 and not cols["profiled"][i]]
+              for i in _rows(cols, window) if _steady(cols, i)]
     zmax = max(steady) if steady else None  # first and profiled steps (tool cost) would wash the scale out
     fig = go.Figure(go.Heatmap(
         z=z, x=xs, y=[f"rank {r}" for r in sel], colorscale="Viridis", zmax=zmax,
@@ -296,9 +306,9 @@ def memory_timeline_figure(mem_rank: Optional[MemoryRank], window=None, capacity
     fig = go.Figure()
     for c in cats:
         fig.add_trace(go.Scatter(
-            x=x, y=[(cp.get(c) or 0) / MIB for cp in cats_per], name=c, stackgroup="mem", mode="lines",
+            x=x, y=[(cp.get(c) or 0) / MIB for cp in cats_per], name=MC.label(c), stackgroup="mem", mode="lines",
             line={"width": 0.5, "color": MEMORY_COLORS.get(c)}, customdata=hover,
-            hovertemplate=f"{c}: %{{y:.2f}} MiB<br>step %{{customdata[0]}} · unit %{{customdata[1]}} · %{{customdata[2]}}<extra></extra>",
+            hovertemplate=f"{MC.label(c)}: %{{y:.2f}} MiB<br>step %{{customdata[0]}} · unit %{{customdata[1]}} · %{{customdata[2]}}<extra></extra>",
         ))
     cap = capacity_bytes if capacity_bytes is not None else mem_rank.capacity_bytes
     if cap:
@@ -339,7 +349,7 @@ def memory_breakdown_figure(mem_rank: Optional[MemoryRank], rank: Optional[int] 
     unknown = set(unknown_categories(mem_rank))
     cats = _ordered_categories(bd)[::-1]
     fig = go.Figure(go.Bar(
-        x=[0 if c in unknown else bd[c] / MIB for c in cats], y=cats, orientation="h",
+        x=[0 if c in unknown else bd[c] / MIB for c in cats], y=[MC.label(c) for c in cats], orientation="h",
         marker_color=[MEMORY_COLORS.get(c, "#888") for c in cats],
         text=[UNKNOWN if c in unknown else fmt_bytes(bd[c]) if bd[c] else "" for c in cats], textposition="outside",
         cliponaxis=False, hovertemplate=[f"%{{y}}: {UNKNOWN} ({NOT_MEASURED})<extra></extra>" if c in unknown else
@@ -608,9 +618,9 @@ def memory_peaks_figure(memory: Optional[MemorySection], height: int = 340) -> g
     fig = go.Figure()
     present = {c for r in ranks for c, v in per_rank[r].peak_breakdown.items() if v}
     for c in _ordered_categories(present):
-        fig.add_trace(go.Bar(name=c, x=xs, marker_color=MEMORY_COLORS.get(c, "#888"),
+        fig.add_trace(go.Bar(name=MC.label(c), x=xs, marker_color=MEMORY_COLORS.get(c, "#888"),
                              y=[(per_rank[r].peak_breakdown.get(c) or 0) / MIB for r in ranks],
-                             hovertemplate=f"{c}: %{{y:.1f}} MiB<extra></extra>"))
+                             hovertemplate=f"{MC.label(c)}: %{{y:.1f}} MiB<extra></extra>"))
     caps = [per_rank[r].capacity_bytes for r in ranks if per_rank[r].capacity_bytes]
     if caps:
         fig.add_hline(y=max(caps) / MIB, line={"color": "#D62728", "dash": "dash", "width": 2},

@@ -74,6 +74,8 @@ def run_facts(run: RunFacts) -> list[str]:
     if r.world_size:
         mesh = f" ({fmt_mesh(r.mesh)})" if r.mesh else ""
         facts.append(f"{r.world_size} rank{'s' if r.world_size != 1 else ''}{mesh}")
+        if r.ranks and len(r.ranks) < r.world_size:  # a rank's records missing: say whose are read
+            facts[-1] += f" (records of rank{'s' if len(r.ranks) > 1 else ''} {', '.join(map(str, r.ranks[:8]))})"
     if r.units:
         facts.append(f"{r.units} FSDP unit{'s' if r.units != 1 else ''}")
     if r.model_param_count:
@@ -170,10 +172,16 @@ def predicted_text(pred) -> str:
     most = "≤ " if getattr(pred, "at_most", False) else ""  # ceilings: the fix gains at least this much
     if pred.step_ms_delta is not None:
         b, a = pred.step_ms_before, pred.step_ms_after
-        pct = f" ({'≥ ' if most else ''}{abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
-        bits.append(f"step {fmt_ms(b)} → {most}{fmt_ms(a)}{pct}")
+        if b and abs(b - a) < 0.005 * b:  # under 0.5%: "0% faster" read as a gain of nothing, a warning's included
+            bits.append(f"step {fmt_ms(b)} unchanged")
+        else:
+            pct = f" ({'≥ ' if most else ''}{abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
+            bits.append(f"step {fmt_ms(b)} → {most}{fmt_ms(a)}{pct}")
     if pred.peak_bytes_delta is not None:
-        bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {most}{fmt_bytes(pred.peak_bytes_after)}")
+        if pred.peak_bytes_delta == 0:
+            bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} unchanged")
+        else:
+            bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {most}{fmt_bytes(pred.peak_bytes_after)}")
     return ", ".join(bits)
 
 

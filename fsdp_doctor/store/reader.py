@@ -345,6 +345,9 @@ def load_run(path: Path | str) -> Run:
                 f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
                 "cut off mid-write); every complete step before it is used"
             )
+    for rank in missing_stream_ranks(run):
+        run.problems.append(f"{layout.stream_name(rank)}: listed in {layout.MANIFEST_NAME} but missing: rank {rank} "
+                            "is not analysed (its records were deleted or never copied)")
     run.trace_files = run_trace_files(run, run.problems)
     _leave_out_unfinished_windows(run)
     _name_first_stopped(run)
@@ -398,6 +401,15 @@ def _name_first_stopped(run: Run) -> None:
                         "follow from it")
 
 
+def missing_stream_ranks(run: Run) -> list[int]:
+    """The ranks whose record stream the manifest lists but the directory lacks."""
+    m = run.manifest
+    if m is None or not run.path:
+        return []
+    listed = [r for r in (layout.stream_rank(n) for n in m.streams) if r is not None]
+    return sorted(r for r in listed if r not in run.ranks and not (Path(run.path) / layout.stream_name(r)).exists())
+
+
 def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
     """The Kineto traces that belong to ``run``: every trace file under its directory, except profiler
     windows of another run (a trace in ``profiler/`` of a run with a run id that no accepted rank recorded
@@ -426,6 +438,9 @@ def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
             fresh = False
         if rank in run.ranks and fresh:
             out.append(f)  # written by this run, its record not (yet) there: a window being saved, or cut off
+        elif problems is not None and fresh and rank in missing_stream_ranks(run):
+            problems.append(f"{layout.PROFILER_DIR}/{f.name}: a profiler window of rank {rank}, whose records "
+                            f"({layout.stream_name(rank)}) are missing")
         elif problems is not None:
             problems.append(f"{layout.PROFILER_DIR}/{f.name}: a profiler window of another run (not recorded by "
                             f"run {m.run_id}); skipped")
