@@ -95,3 +95,23 @@ def matrix(request, tmp_path_factory):
         for mark in item.iter_markers("rows"):
             wanted.update(mark.args)
     return M.run_matrix(tmp_path_factory.mktemp("matrix"), [r for r in M.ROWS if r.name in wanted])
+
+
+@pytest.fixture
+def gloo_one_rank():
+    """A one-rank gloo process group in this process (FSDP2 on one CPU rank), destroyed after the test; skipped
+    where one is initialised already."""
+    import os
+
+    import torch.distributed as dist
+
+    from fsdp_doctor.workloads import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -291,7 +291,7 @@ def run_dcp_saves(out: Path, base_losses: list[float]) -> dict:
 
     group = dist.new_group(backend="gloo")
     res = {}
-    for how in ("save", "marked", "async_save"):
+    for how in ("save", "marked", "async_save", "model_and_optimizer"):
         futures = []
 
         def save(step, doctor, out_dir, how=how, futures=futures):
@@ -303,6 +303,9 @@ def run_dcp_saves(out: Path, base_losses: list[float]) -> dict:
             elif how == "marked":
                 with doctor.checkpointing():
                     dcp.save(sd, checkpoint_id=where)
+            elif how == "model_and_optimizer":  # accelerate's save_state: a dcp.save each, one after the other
+                dcp.save(sd, checkpoint_id=where)
+                dcp.save({"second": doctor.model.state_dict()}, checkpoint_id=where + "-second")
             else:
                 futures.append(dcp.async_save(sd, checkpoint_id=where, process_group=group))
 

@@ -1854,3 +1854,14 @@ def test_eval_regather():
     assert rule.match(_eval_ctx(raf=2)) == [] and "int reshard_after_forward" in rule.why_quiet
     # a unit compiled in place has no forward wait apart: counted as none (5 ms for the others)
     assert rule.match(_eval_ctx(compiled=True))[0].evidence["training_forward_allgather_ms"] == 5.0
+    # two ranks, the evaluation of step 5 inside a profiler window: its timing is left out, not its evaluation, and
+    # the steps are one rank's (a new-user trial read "20 of 60 steps (every rank's)" for 14 of 30)
+    two = _eval_ctx()
+    r0 = two.run.ranks[0].steps
+    for s in r0:
+        s.profiled = s.step == 5
+    two.run.ranks[1] = SimpleNamespace(steps=[msgspec.structs.replace(s, rank=1) for s in r0])
+    (f,) = rule.match(two)
+    assert (f.evidence["evaluation_steps"], f.evidence["steps"]) == (2, 6)
+    assert f.evidence["saved_ms_per_step"] == pytest.approx(23.333)
+    assert "2 of 6 steps ran 8 forward passes" in f.recommendation.text

@@ -182,6 +182,13 @@ def test_merged_saves_count_a_save_inside_another_once():
     assert merged_saves([(10, 90, False), (0, 100, None)]) == [(0, 100, False)]
     assert merged_saves([(0, 50, True), (40, 120, False)]) == [(0, 120, False)]  # one sync inside: not asynchronous
     assert merged_saves([(0, 50, None), (60, 70, True)]) == [(0, 50, None), (60, 70, True)]
+    # one after another with none of the model's work between them (accelerate's save_state: the model's and the
+    # optimizer's torch.distributed.checkpoint saves, counted as 2 saves each time by a new-user trial): one save;
+    # after the last optimizer step (100) or before the first forward (1000)
+    assert merged_saves([(200, 300, None), (310, 400, None)], 1000, 100) == [(200, 400, None)]
+    assert merged_saves([(10, 20, None), (30, 40, None)], 1000, 500) == [(10, 40, None)]
+    # the model ran between them (a save before the forward, another after the optimizer step): two saves
+    assert merged_saves([(10, 20, None), (600, 700, None)], 100, 500) == [(10, 20, None), (600, 700, None)]
 
 
 def test_labels_this_torch_lacks_are_listed():

@@ -274,6 +274,27 @@ def test_asynchronous_saves_fix_is_how_often_they_save():
                                             "(rank 0). Save asynchronously"), f.recommendation.text
 
 
+def test_accelerate_saves_fix_is_how_often_save_state_runs():
+    """accelerate's save_state saves synchronously and has no asynchronous option: a new-user trial's accelerate
+    loop was told to save asynchronously with torch.distributed.checkpoint, which means replacing save_state. The
+    lever said is how often (every 60 steps for 4%; 250 ms saves between 100.1 ms steps), with the sharded state
+    dict where the plugin saves whole ones."""
+    import fsdp_doctor
+    from fsdp_doctor.records import ACCELERATE_SHARDER, RunConfig
+
+    run = _save_run({3, 6, 9})
+    for rd in run.ranks.values():
+        rd.config = RunConfig(rank=rd.rank, world_size=2, backend="gloo", device="cpu", sharded_by=ACCELERATE_SHARDER,
+                              plugin_state_dict_type="FULL_STATE_DICT")
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking")
+    e, text = f.evidence, f.recommendation.text
+    assert text.startswith("Each of the 3 saves stops training for 250.0 ms, one every 3 steps: 62.5 ms per step over "
+                           f"the run (rank 0). accelerate's save_state saves synchronously: call it every "
+                           f"{e['save_steps_after']} optimizer steps instead"), text
+    assert "SHARDED_STATE_DICT" in text and "Save asynchronously" not in text and not f.recommendation.code
+    assert (e["save_steps_after"], e["share_pct_after"], e["gain_ms_per_step"]) == (60, 4.0, 58.333)
+
+
 def test_saves_in_profiled_steps_are_left_out_of_their_time():
     """A save in a profiler window's step ran under the profiler (the doctor's own window slowed an async staging
     from 31 to 188 ms under torchtitan): the saves' time and share count the other steps, and the line says which

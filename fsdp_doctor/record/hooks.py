@@ -470,7 +470,10 @@ class StepTimer:
         if self.gpu is not None:
             self.gpu.close(idx, 0)
         output = args[1] if len(args) > 1 else None
-        if not a.bwd_hooked and output is not None:
+        # every forward call's outputs (each module of a grouped unit, each call of a unit run twice): FSDP2 hooks
+        # its pre-backward on each of them, and the first gradient reaches the last one; hooking the first call's
+        # only (norm of [norm, lm_head]) timed lm_head's backward as the unit's all-gather wait
+        if output is not None and not a.grad_seen:
             self._hook_outputs(idx, output)
 
     def _hook_outputs(self, idx: int, output) -> None:

@@ -383,7 +383,7 @@ class Doctor:
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         own_ms = _ms(self._own_ns)
-        saves, self._saves = merged_saves(self._saves), []
+        saves, self._saves = merged_saves(self._saves, tm.first_forward_ns or 0, tm.last_optimizer_end_ns or 0), []
         save_ms = _ms(sum(b - a for a, b, _ in saves))
         between = None
         if tm.first_forward_ns and tm.last_optimizer_end_ns and tm.last_optimizer_end_ns <= t_end:
@@ -520,13 +520,21 @@ class Doctor:
         self._failures.fail(where, exc, rank=getattr(self, "rank", "?"), step=self.steps_done, stop=stop)
 
 
-def merged_saves(saves: list[tuple[int, int, bool | None]]) -> list[tuple[int, int, bool | None]]:
+def merged_saves(saves: list[tuple[int, int, bool | None]], model_start: int = 0,
+                 model_end: int = 0) -> list[tuple[int, int, bool | None]]:
     """A step's saves (start, end, asynchronous) with those that overlap made one: torch.distributed.checkpoint's
-    save inside ``doctor.checkpointing()``, or inside a driver's save, is one save, timed once. Asynchronous where
-    every save known inside is (None: none known)."""
+    save inside ``doctor.checkpointing()``, or inside a driver's save, is one save, timed once; so are saves one
+    after another with none of the model's work between them (``model_start``, ``model_end``: the step's first
+    forward and its last optimizer step's end, ns; 0: unknown): accelerate's ``save_state`` saves the model and
+    the optimizer with a torch.distributed.checkpoint call each, one checkpoint. Asynchronous where every save known
+    inside is (None: none known)."""
+    def apart(prev_end: int, start: int) -> bool:  # the model ran between the two
+        return not (model_start and prev_end <= start <= model_start) and \
+            not (model_end and model_end <= prev_end <= start)
+
     out: list[tuple[int, int, bool | None]] = []
     for a, b, k in sorted(saves, key=lambda x: x[0]):
-        if out and a < out[-1][1]:
+        if out and (a < out[-1][1] or not apart(out[-1][1], a)):
             a0, b0, k0 = out[-1]
             out[-1] = (a0, max(b0, b), k if k0 is None else k0 if k is None else (k0 and k))
         else:

@@ -96,10 +96,21 @@ class CheckpointBlocking(Rule):
                 where = "torchtitan"
             else:
                 text += f" {S.NO_SAVE_CODE}"
+        elif E.plugin_lever(ctx) == "accelerate":
+            # accelerate's save_state saves synchronously (no asynchronous option): how often, and how much
+            evidence |= less_often
+            text = (f"{said} accelerate's save_state saves synchronously: call it every {n} optimizer steps instead, "
+                    f"and the saves take {less_often['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step "
+                    "gained), at the cost of more steps to redo after a failure. (torch.distributed.checkpoint's "
+                    "async_save would take the model's and optimizer's state dicts from you, in place of save_state.)"
+                    + _sharded_saves(ctx, "FullyShardedDataParallelPlugin(..., state_dict_type='SHARDED_STATE_DICT')")
+                    + f" {S.NO_SAVE_CODE}")
         else:
+            evidence |= less_often
             text = (f"{said} Save asynchronously (torch.distributed.checkpoint.async_save): the step then waits "
                     "only while the state is copied to host memory, and the write goes on in the background "
-                    f"(at most {per_step:.1f} ms per step to gain, less that copy); or save less often."
+                    f"(at most {per_step:.1f} ms per step to gain, less that copy); or save every {n} steps, and "
+                    f"the saves take {less_often['share_pct_after']:.1f}% of the time."
                     + _sharded_saves(ctx, "FullyShardedDataParallelPlugin(..., state_dict_type='SHARDED_STATE_DICT')")
                     + f" {S.NO_SAVE_CODE}")
         return [self.finding(
