@@ -21,11 +21,17 @@ from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HE
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
-def render_header(report: Report):
+def render_header(report: Report, width: int = 100):
     r = report.run
     parts = [f"[bold]{escape(r.path)}[/]"]
-    facts = run_facts(r)
-    parts.append(" · ".join(facts))
+    # the facts packed into lines of the panel's width, each fact whole ("1 trace file" never split over two lines)
+    lines: list[str] = []
+    for fact in run_facts(r):
+        if lines and len(lines[-1]) + 3 + len(fact) <= width - 4:
+            lines[-1] += " · " + fact
+        else:
+            lines.append(fact)
+    parts.append(escape("\n".join(lines)))
     incomplete = [k for k, done in r.complete.items() if not done]
     if incomplete:
         parts.append(f"[yellow]ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed steps are used[/]")
@@ -164,7 +170,7 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
     report = printable_report(Report.of(report))  # no escape sequence from a module or file name reaches the terminal
     console = console or Console(width=100)
     w = console.width
-    console.print(render_header(report))
+    console.print(render_header(report, w))
     if report.verdict is not None:
         console.print(render_verdict(report.verdict, w))
     head = comm_headline(report.comm)
