@@ -301,15 +301,6 @@ def prefetch_lists_without(wasted: list[tuple[Unit, str, bool]], idle: set[str])
     return {u.name: [t for t in u.backward_prefetch or [] if t not in idle] for u, _, _ in wasted}
 
 
-def trace_reduce_scatter_ms(ctx: Context, name: str) -> Optional[float]:
-    """The GPU trace's exposed reduce-scatter time of a unit (ms per step, median over ranks; 0.0 where the trace
-    shows none of it); None without a GPU trace (a gloo trace times the host's side of each call)."""
-    if not on_gpu(ctx):
-        return None
-    tr = trace_exposed_by_unit(ctx, "reduce_scatter")
-    return tr.get((name, "backward"), 0.0) if tr else None
-
-
 def total_params(us: Iterable[Unit]) -> int:
     return sum(u.param_count for u in us)
 

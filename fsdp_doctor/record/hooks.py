@@ -88,7 +88,7 @@ class _UnitAcc:
     """Per-step accumulators of one unit (ns)."""
 
     __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
-                 "t_pre_bwd", "bwd_hooked", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen",
+                 "t_pre_bwd", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen",
                  "t_child", "child_fwd", "loose")
 
     def __init__(self):
@@ -98,7 +98,6 @@ class _UnitAcc:
         self.fwd = self.ag_fwd = self.bwd = self.ag_bwd = self.recompute = 0
         self.calls = 0
         self.t_outer = self.t_inner = self.t_pre_bwd = 0
-        self.bwd_hooked = False
         self.fwd_depth = 0
         self.t_recompute = 0
         self.recompute_runs = 0
@@ -482,8 +481,7 @@ class StepTimer:
         hook = self._grad_hooks.get(idx)
         if hook is None:
             hook = self._grad_hooks[idx] = self._make_grad_hook(idx)
-        if _hook_grads(output, hook):
-            self._acc[idx].bwd_hooked = True
+        _hook_grads(output, hook)
 
     def _make_grad_hook(self, idx: int):
         acc = self._acc[idx]
@@ -523,7 +521,7 @@ class StepTimer:
             # the eval-mode forwards this backward reached were training (with dropout off, say)
             self._eval_pending = [e for e in self._eval_pending if not e[2][0]]
             for a in self._acc.values():
-                a.bwd_hooked = a.grad_seen = False
+                a.grad_seen = False
             if self.marks is not None:
                 self.marks.mark(None, "backward_end")
         except Exception as e:  # noqa: BLE001
@@ -611,22 +609,18 @@ class StepTimer:
                     reached = [True]
                     self._fail("eval-mode forward", e)
                 self._eval_pending.append((dt, self._unit_delta(self._eval_open), reached))
-                # the hooks this forward put on its units' outputs wait for a backward that may never come: the
-                # next forward puts its own (one that does come still finds these)
-                for a, was in zip(self._acc.values(), self._eval_open):
-                    a.bwd_hooked = was[4]
                 self._eval_open = None
             if self.marks is not None:  # the loss phase: from here to the first backward mark
                 self._safe(lambda: self.marks.mark(None, "loss_start"), "memory")
 
     def _unit_figures(self) -> list[tuple]:
         """What a forward adds to each unit's accumulators: forward time, all-gather wait, calls, checkpointed
-        submodules' forward time, and whether its outputs carry the backward-wait hooks."""
-        return [(a.fwd, a.ag_fwd, a.calls, a.child_fwd, a.bwd_hooked) for a in self._acc.values()]
+        submodules' forward time."""
+        return [(a.fwd, a.ag_fwd, a.calls, a.child_fwd) for a in self._acc.values()]
 
     def _unit_delta(self, before: list[tuple]) -> list[tuple]:
         """Per unit, what the forward since ``before`` added to its figures."""
-        return [tuple(x1 - x0 for x0, x1 in zip(b[:4], a[:4])) for b, a in zip(before, self._unit_figures())]
+        return [tuple(x1 - x0 for x0, x1 in zip(b, a)) for b, a in zip(before, self._unit_figures())]
 
     @staticmethod
     def _watch_output(output) -> list[bool]:
@@ -740,17 +734,14 @@ def _ms(ns: int) -> float:
     return round(ns * 1e-6, 3)
 
 
-def _hook_grads(output, hook) -> bool:
+def _hook_grads(output, hook) -> None:
     """Registers ``hook`` on every tensor of ``output`` (nested in tuples, lists, dicts, dataclasses) that can take
-    a gradient; whether there was one."""
+    a gradient."""
     tensors: list = []
     _collect_tensors(output, tensors)
-    hooked = False
     for t in tensors:
         if t.requires_grad:
             t.register_hook(hook)
-            hooked = True
-    return hooked
 
 
 def _collect_tensors(obj, out: list, depth: int = 0) -> None:

@@ -425,6 +425,7 @@ def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
         return found
     pdir = layout.profiler_dir(p).resolve()
     recorded = {(p / pw.path).resolve() for rd in run.ranks.values() for pw in rd.profiles}
+    missing: list[int] | None = None  # read at the first trace not the run's, once (the dashboard polls this)
     out = []
     for f in found:
         rf = f.resolve()
@@ -438,7 +439,10 @@ def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
             fresh = False
         if rank in run.ranks and fresh:
             out.append(f)  # written by this run, its record not (yet) there: a window being saved, or cut off
-        elif problems is not None and fresh and rank in missing_stream_ranks(run):
+            continue
+        if missing is None:
+            missing = missing_stream_ranks(run)
+        if problems is not None and fresh and rank in missing:
             problems.append(f"{layout.PROFILER_DIR}/{f.name}: a profiler window of rank {rank}, whose records "
                             f"({layout.stream_name(rank)}) are missing")
         elif problems is not None:

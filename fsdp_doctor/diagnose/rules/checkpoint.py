@@ -72,9 +72,9 @@ class CheckpointBlocking(Rule):
         gain = per_step - c.ms_p50 / n
         less_often = {"save_steps_after": n, "share_pct_after": round(100 * c.ms_p50 / (n * step_ms + c.ms_p50), 1),
                       "gain_ms_per_step": round(gain, 3)}
+        evidence |= less_often  # every branch says how often
         if E.trainer_driven(ctx):
             # the Hugging Face Trainer saves synchronously (no asynchronous option): its lever is how often
-            evidence |= less_often
             text = (f"{said} The Trainer saves synchronously: save every {n} optimizer steps instead, and the saves "
                     f"take {evidence['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step gained), at the "
                     f"cost of more steps to redo after a failure. With load_best_model_at_end, keep save_steps a "
@@ -86,7 +86,7 @@ class CheckpointBlocking(Rule):
             where = "trainer"
         elif c.async_saves == c.saves:
             evidence.pop("gain_ms_per_step_at_most")  # (asynchronous already)
-            evidence |= less_often | {"async_saves": c.async_saves}
+            evidence["async_saves"] = c.async_saves
             text = (f"{said} The saves are asynchronous already (torch.distributed.checkpoint.async_save): the step "
                     "waits while each one copies the state to host memory. Save every "
                     f"{n} steps instead, and the saves take {less_often['share_pct_after']:.1f}% of the time "
@@ -98,7 +98,6 @@ class CheckpointBlocking(Rule):
                 text += f" {S.NO_SAVE_CODE}"
         elif E.plugin_lever(ctx) == "accelerate":
             # accelerate's save_state saves synchronously (no asynchronous option): how often, and how much
-            evidence |= less_often
             text = (f"{said} accelerate's save_state saves synchronously: call it every {n} optimizer steps instead, "
                     f"and the saves take {less_often['share_pct_after']:.1f}% of the time ({gain:.1f} ms per step "
                     "gained), at the cost of more steps to redo after a failure. (torch.distributed.checkpoint's "
@@ -106,7 +105,6 @@ class CheckpointBlocking(Rule):
                     + _sharded_saves(ctx, "FullyShardedDataParallelPlugin(..., state_dict_type='SHARDED_STATE_DICT')")
                     + f" {S.NO_SAVE_CODE}")
         else:
-            evidence |= less_often
             text = (f"{said} Save asynchronously (torch.distributed.checkpoint.async_save): the step then waits "
                     "only while the state is copied to host memory, and the write goes on in the background "
                     f"(at most {per_step:.1f} ms per step to gain, less that copy); or save every {n} steps, and "

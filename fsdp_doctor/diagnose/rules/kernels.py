@@ -167,7 +167,7 @@ class LaunchBound(Rule):
         lead = ("The device runs each kernel faster than the host can launch the next one, so it idles between "
                 "them. A larger batch per step amortises the launches: the same kernels, each doing more work, "
                 "so tokens per second grow while the device has time to spare.")
-        one = self._one_unit(ctx, rank, trace_step, fsdp_ms, scale)
+        one = self._one_unit(ctx, pr, trace_step, fsdp_ms, scale)
         if one is not None:
             saved, units, peak, peak_after, hidden, code = one
             evidence.update(units=units, fsdp_host_share_pct=round(100 * fsdp_ms / trace_step, 1))
@@ -204,7 +204,7 @@ class LaunchBound(Rule):
             S.compile_code(S.tree(ctx)), predicted=E.predicted(step, None), ranks=[int(rank)])]
 
     @staticmethod
-    def _one_unit(ctx: Context, rank, trace_step, fsdp_ms, scale):
+    def _one_unit(ctx: Context, pr, trace_step, fsdp_ms, scale):
         """(ms saved per step, units, peak, peak after, collectives hidden today in ms, code) of one unit for the
         whole model, where FSDP2's host work is FSDP_HOST_MIN_SHARE of the step or more over 3 units or more and the
         whole model gathered fits under T.NEAR_CAPACITY_SHARE of the device; None otherwise (a plain trace: no
@@ -220,7 +220,6 @@ class LaunchBound(Rule):
             if peak is not None else None
         if peak_after is not None and cap and peak_after > T.NEAR_CAPACITY_SHARE * cap:
             return None
-        pr = E.overlap(ctx).per_rank.get(rank)
         hidden = (pr.hidden_ms_per_step or 0.0) if pr is not None else 0.0  # one unit's collectives overlap nothing
         saved = (fsdp_ms * (1 - 1 / len(us)) - hidden) * scale
         if saved <= 0:

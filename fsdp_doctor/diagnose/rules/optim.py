@@ -335,7 +335,8 @@ class UntrainedParams(Rule):
         compute = sum(max(0.0, (u.timing.bwd_self_ms if u.timing.bwd_self_ms is not None else u.timing.bwd_ms)
                           - u.timing.ag_wait_bwd_ms) for u in prefix if u.has_timing)
         ag = sum(E.backward_allgather_ms(ctx, u)[0] or 0.0 for u in gathered)
-        rs = sum(E.trace_reduce_scatter_ms(ctx, u.name) or 0.0 for u in prefix)
+        rs_exposed = E.trace_exposed_by_unit(ctx, "reduce_scatter") if E.on_gpu(ctx) else {}
+        rs = sum(rs_exposed.get((u.name, "backward"), 0.0) for u in prefix)
         bwd = compute + ag + rs
         text = (f"{ut.tensors} parameter tensor(s) ({ut.param_count / 1e6:.2f} M elements, {100 * share:.0f}% of "
                 f"the trainable ones) have requires_grad=True but are not in the optimizer given to watch(), and "
