@@ -56,7 +56,7 @@ def _load(path: Path):
 
 # ----------------------------------------------------------------------------------------- analyze
 def cmd_analyze(ns: argparse.Namespace) -> int:
-    from .pipeline import build_report, is_usable
+    from .pipeline import build_report, has_input, unusable_reason
 
     console = _console()
     path = Path(ns.path)
@@ -68,14 +68,14 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if _onto_input(outputs, path, run, "analysed"):
         return EXIT_BAD_INPUT
-    if not run.has_records and not run.trace_files:
-        _err(_no_input(path, run))
+    if not has_input(run):
+        _err(unusable_reason(path, run, None))
         for p in run.problems:
             _err(p)
         return EXIT_BAD_INPUT
     report = _build_with_progress(run, console, build_report)
-    if not is_usable(run, report):
-        _err(_nothing_usable(path, report))
+    if (why := unusable_reason(path, run, report)) is not None:
+        _err(why)
         return EXIT_BAD_INPUT
     if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
@@ -84,28 +84,6 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
 
         console.print(render_rule_statuses(report.rules))
     return EXIT_PARTIAL if report.problems else EXIT_OK
-
-
-def _no_input(path: Path, run) -> str:
-    """One line: nothing at ``path`` to read; where record streams began (a header) but hold no step, the run
-    stopped before its first doctor.step() (an error in step 0, a kill during FSDP's lazy init)."""
-    begun = sorted(r for r, rd in run.ranks.items() if rd.header is not None)
-    if begun:
-        return (f"{path}: the records of rank {', '.join(map(str, begun))} hold a header and no step: the run stopped "
-                "before its first doctor.step(), and left no profiler trace")
-    return f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"
-
-
-def _nothing_usable(path: Path, report: Report) -> str:
-    """One line: why nothing at ``path`` could be analysed."""
-    skipped = report.overlap.skipped if report.overlap is not None else []
-    if path.is_file() and len(skipped) == 1:
-        return f"{path}: {skipped[0].error}"
-    why = [f"{s.file}: {s.error}" for s in skipped]
-    if not why:
-        why = list(report.problems) or ["no profiler step and no communication in the trace(s)"]
-    more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
-    return f"{path}: nothing to analyse: {why[0]}{more}"
 
 
 def _check_outputs(ns: argparse.Namespace) -> dict | None:
@@ -216,7 +194,7 @@ def _write_outputs(struct, write_html, outputs: dict, console: Console, what: st
 # ----------------------------------------------------------------------------------------- compare
 def cmd_compare(ns: argparse.Namespace) -> int:
     """Two runs side by side (B against A): the comparison is ``analyze.compare``'s, presenters format it."""
-    from .pipeline import build_report, compare_side, is_usable
+    from .pipeline import build_report, compare_side, has_input, unusable_reason
     from .present.compare import render_comparison
 
     outputs = _check_outputs(ns)
@@ -232,9 +210,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
         if _onto_input(outputs, path, run, "compared"):
             return EXIT_BAD_INPUT
-        report = build_report(run) if run.has_records or run.trace_files else None
-        if report is None or not is_usable(run, report):
-            _err(_nothing_usable(path, report) if report else _no_input(path, run))
+        report = build_report(run) if has_input(run) else None
+        if (why := unusable_reason(path, run, report)) is not None:
+            _err(why)
             return EXIT_BAD_INPUT
         sides.append(compare_side(run, report))
     from .analyze.compare import compare

@@ -14,6 +14,7 @@ diagnosis. Does not import torch.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from . import __version__
@@ -181,6 +182,33 @@ def is_usable(run: Run, report: Report) -> bool:
     return run.has_records or any(pr.steps or pr.comm_us for pr in per_rank.values())
 
 
+def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
+    """None when ``report`` analysed something; else one line naming ``path`` and why nothing could be (``report``
+    None: there was nothing to read, no records and no traces). The CLI's ``analyze`` and ``compare`` and
+    ``compare_runs`` (the dashboard's Compare page) all say this."""
+    if report is None:
+        begun = sorted(r for r, rd in run.ranks.items() if rd.header is not None)
+        if begun:  # streams began (a header) but hold no step: an error in step 0, a kill during FSDP's lazy init
+            return (f"{path}: the records of rank {', '.join(map(str, begun))} hold a header and no step: the run "
+                    "stopped before its first doctor.step(), and left no profiler trace")
+        return f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"
+    if is_usable(run, report):
+        return None
+    skipped = report.overlap.skipped if report.overlap is not None else []
+    if Path(path).is_file() and len(skipped) == 1:
+        return f"{path}: {skipped[0].error}"
+    why = [f"{s.file}: {s.error}" for s in skipped]
+    if not why:
+        why = list(report.problems) or ["no profiler step and no communication in the trace(s)"]
+    more = f" (and {len(why) - 1} more)" if len(why) > 1 else ""
+    return f"{path}: nothing to analyse: {why[0]}{more}"
+
+
+def has_input(run: Run) -> bool:
+    """Whether the run holds anything to build a report from: records, or Kineto trace files."""
+    return bool(run.has_records or run.trace_files)
+
+
 # The step records as columns, for the dashboard's step figures (which draw them and compute nothing).
 STEP_COLUMNS = ("step", "wall_ms", "forward_ms", "backward_ms", "optimizer_ms", "outside_ms", "gc_ms", "profiled",
                 "no_grad_ms", "checkpoint_ms")
@@ -261,9 +289,9 @@ def compare_runs(run_a: Run, run_b: Run, **kw):
 
     sides = []
     for run in (run_a, run_b):
-        report = build_report(run) if run.has_records or run.trace_files else None
-        if report is None or not is_usable(run, report):  # (the CLI says the same before it compares)
-            raise ValueError(f"{run.path}: nothing to compare: no fsdp-doctor records with a step, and no Kineto "
-                             "trace with a profiler step or a collective")
+        report = build_report(run) if has_input(run) else None
+        why = unusable_reason(run.path, run, report)
+        if why is not None:  # (the CLI's compare says the same line)
+            raise ValueError(why)
         sides.append(compare_side(run, report))
     return compare(*sides, path_a=str(run_a.path), path_b=str(run_b.path), **kw)

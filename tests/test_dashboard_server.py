@@ -233,4 +233,4 @@ def test_compare_reads_only_the_runs_it_offers_and_says_why_a_folder_cannot_be_c
 
     assert "Choose two runs from the lists" in cmp("/etc", str(run.resolve()))
     out = cmp(str(junk.resolve()), str(run.resolve()))
-    assert "cannot compare" in out and "nothing to compare" in out and "world_size" not in out
+    assert "cannot compare" in out and "nothing to analyse" in out and "world_size" not in out

@@ -413,12 +413,12 @@ def trace_verdicts(ctx: Context) -> dict:
     return {r: x for r, x in v.per_rank.items() if x.source == "trace"} if v is not None else {}
 
 
-def host_bound(ctx: Context) -> Optional[tuple[str, float]]:
+def host_bound(ctx: Context, ranks=None) -> Optional[tuple[str, float]]:
     """(rank, share of its step) of the GPU trace's rank whose device waits longest for its host to launch work (the
-    trace verdict's "host" group); None without a GPU trace."""
-    if not on_gpu(ctx):
-        return None
-    shares = {r: x.groups_pct.get("host", 0.0) / 100 for r, x in trace_verdicts(ctx).items()}
+    trace verdict's "host" group), among ``ranks`` when given; None without a GPU trace or a verdict for them."""
+    per_rank = overlap(ctx).per_rank
+    shares = {r: x.groups_pct.get("host", 0.0) / 100 for r, x in trace_verdicts(ctx).items()
+              if (ranks is None or r in ranks) and getattr(per_rank.get(r), "device", None) == "gpu"}
     if not shares:
         return None
     rank = max(shares, key=shares.get)

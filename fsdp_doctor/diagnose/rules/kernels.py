@@ -126,24 +126,24 @@ class LaunchBound(Rule):
         rows = _per_step(ctx)
         if not rows:
             return self.quiet("no compute kernels in the trace")
-        host = {r: x.groups_pct.get("host", 0.0) / 100 for r, x in E.trace_verdicts(ctx).items() if r in rows}
-        if not host:
+        hb = E.host_bound(ctx, ranks=rows)
+        if hb is None:
             return self.quiet("no trace verdict for the GPU ranks")
-        rank = max(host, key=host.get)
+        rank, share = hb
         k, n = rows[rank]
         # (a report of an older trace analysis has no launch delays: the shares decide alone)
         waited = k.launch_waited_count / k.launched_count if k.launched_count else None
         queued = "" if waited is None else (f"; {100 * waited:.0f}% of its compute kernels started within "
                                             f"{LAUNCH_WAIT_US:.0f} µs of their launch")
-        if host[rank] < T.BOUND_MIN_SHARE:
-            return self.quiet(f"the device waits for launches {100 * host[rank]:.0f}% of the step "
+        if share < T.BOUND_MIN_SHARE:
+            return self.quiet(f"the device waits for launches {100 * share:.0f}% of the step "
                               f"(< {100 * T.BOUND_MIN_SHARE:.0f}%; rank {rank}){queued}")
         small = k.small_count / k.count
         if small < SMALL_KERNEL_MIN_SHARE:
             return self.quiet(f"host-bound, but {100 * small:.0f}% of the kernels are under {SMALL_KERNEL_US:.0f} µs: "
                               "not a launch-count problem")
         if waited is not None and waited < LAUNCH_WAITED_MIN_SHARE:
-            return self.quiet(f"the device waits for the host {100 * host[rank]:.0f}% of the step (rank {rank}), but "
+            return self.quiet(f"the device waits for the host {100 * share:.0f}% of the step (rank {rank}), but "
                               f"only {100 * waited:.0f}% of its compute kernels started within {LAUNCH_WAIT_US:.0f} µs "
                               "of their launch: the host runs ahead and they wait in the queue, so the host's time "
                               "is spent elsewhere (an optimizer step on the CPU, a sync, code between steps), not "
@@ -151,19 +151,19 @@ class LaunchBound(Rule):
         trace_step = E.trace_step_ms(ctx)
         step = E.step_ms(ctx) or trace_step  # the records' steady step where recorded (the trace's is profiled)
         scale = step / trace_step if step and trace_step else 1.0
-        host_ms = trace_step * host[rank] if trace_step else None
+        host_ms = trace_step * share if trace_step else None
         pr = E.overlap(ctx).per_rank.get(rank)
         fsdp_ms = pr.fsdp_host_ms_per_step if pr is not None else None
-        sev = "warning" if host[rank] >= T.SEVERE_BOUND_SHARE else "info"
+        sev = "warning" if share >= T.SEVERE_BOUND_SHARE else "info"
         mean_us = k.busy_us / k.count
         evidence = {"kernels_per_step": round(k.count / n, 1), "small_kernel_share_pct": round(100 * small, 1),
                     "small_kernel_us": SMALL_KERNEL_US, "mean_kernel_us": round(mean_us, 2),
-                    "host_bound_pct": round(100 * host[rank], 1), "host_bound_ms_per_step": None if host_ms is None
+                    "host_bound_pct": round(100 * share, 1), "host_bound_ms_per_step": None if host_ms is None
                     else round(host_ms, 3), "rank": int(rank),
                     "launch_waited_pct": None if waited is None else round(100 * waited, 1),
                     "fsdp_host_ms_per_step": None if fsdp_ms is None else round(fsdp_ms, 3)}
         title = (f"Launch-bound: {k.count / n:.0f} kernels per step, {100 * small:.0f}% shorter than "
-                 f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {100 * host[rank]:.0f}% of the step")
+                 f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {100 * share:.0f}% of the step")
         lead = ("The device runs each kernel faster than the host can launch the next one, so it idles between "
                 "them. A larger batch per step amortises the launches: the same kernels, each doing more work, "
                 "so tokens per second grow while the device has time to spare.")
