@@ -10,6 +10,7 @@ directory, and runs without debug mode.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -26,9 +27,12 @@ from .state import RunState
 POLL_MS = 1000  # new steps appear within two seconds
 
 
+def _ranks(snap) -> list[int]:
+    return sorted(snap.steps) or sorted({w.rank for w in snap.windows})  # plain Kineto traces: their ranks
+
+
 def _rank_options(snap) -> list[dict]:
-    ranks = sorted(snap.steps) or sorted({w.rank for w in snap.windows})  # plain Kineto traces: their ranks
-    return [{"label": "all ranks", "value": ALL}] + [{"label": f"rank {r}", "value": str(r)} for r in ranks]
+    return [{"label": "all ranks", "value": ALL}] + [{"label": f"rank {r}", "value": str(r)} for r in _ranks(snap)]
 
 
 def _unit_options(snap) -> list[dict]:
@@ -194,11 +198,19 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
         snap = state.snapshot()
         lo, hi = _step_bounds(snap)
         flt = Query.parse(search).filters(lo, hi)
+        ranks = _ranks(snap)
+        unknown = flt.rank is not None and ranks and flt.rank not in ranks
+        if unknown:  # (a link from another run, a typo): every rank, and say so, not "no steps recorded yet"
+            flt = dataclasses.replace(flt, rank=None)
         _, mod = PAGES[page_key(app.strip_relative_path(pathname or "/"))]
         try:
             out = list(mod.layout(snap, flt))
         except Exception as e:  # noqa: BLE001  (a presenter bug must not blank the whole app)
             out = [html.Div(f"This page could not be drawn ({type(e).__name__}: {e}).", className="note note-error")]
+        if unknown:
+            out.insert(0, html.Div(f"This run has no rank {Query.parse(search).rank} (its ranks: "
+                                   f"{', '.join(map(str, ranks))}): showing all ranks.", className="note note-warning",
+                                   id="rank-note"))
         if snap.notice:  # the run was replaced: say so on every page
             out.insert(0, html.Div(f"Reloaded: {snap.notice}.", className="note note-warning", id="reload-note"))
         return out

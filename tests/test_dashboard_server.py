@@ -234,3 +234,16 @@ def test_compare_reads_only_the_runs_it_offers_and_says_why_a_folder_cannot_be_c
     assert "Choose two runs from the lists" in cmp("/etc", str(run.resolve()))
     out = cmp(str(junk.resolve()), str(run.resolve()))
     assert "cannot compare" in out and "nothing to analyse" in out and "world_size" not in out
+
+
+def test_a_rank_the_run_does_not_have_shows_every_rank_and_says_so(tmp_path):
+    """?rank=7 on a 2-rank run (a link from a bigger run, a typo) read "no steps recorded yet" on every page, as if
+    the run were empty. It shows every rank now, under one line naming the run's ranks; a rank it has is applied."""
+    run = write_run(tmp_path / "run", "eeeeeeeeeeee", 12, 1)
+    app = create_app(run, state=RunState(run, background_traces=False))
+    c = app.server.test_client()
+    for path in ("/overview", "/steps"):
+        out = json.dumps(_page_post(c, path, "?rank=7").get_json())
+        assert "This run has no rank 7 (its ranks: 0, 1): showing all ranks." in out, out[:2000]
+        assert "no steps recorded yet" not in out.lower()
+    assert "has no rank" not in json.dumps(_page_post(c, "/steps", "?rank=1").get_json())
