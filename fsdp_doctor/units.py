@@ -82,6 +82,19 @@ _KEY_UNITS = (("bytes", fmt_bytes), ("ms", fmt_ms), ("us", fmt_us), ("pct", lamb
               ("gbps", fmt_bw))
 
 
+def evidence_label(key: str, v) -> str:
+    """An evidence key as its row's label: words, without the unit word that :func:`fmt_value` writes into the value
+    ("step_p50_ms" -> "step p50", shown "754.6 ms"; "rs_bytes_per_call_median" -> "rs per call median"). The JSON
+    keeps the key. Shared by every stage that prints evidence."""
+    words = key.split("_")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        low = [w.lower() for w in words]
+        unit = next((u for u, _ in _KEY_UNITS if u in low), None)
+        if unit is not None and len(words) > 1:
+            del words[low.index(unit)]
+    return " ".join(words)
+
+
 def fmt_value(key: str, v, max_items: int = 8) -> str:
     """An evidence value formatted by the unit its key names (a word of the key: ``bytes``, ``ms``, ``us``,
     ``pct``, ``gbps``; e.g. ``exposed_ms_per_step``, ``rs_bytes_per_call_median``); a plain count with thousands

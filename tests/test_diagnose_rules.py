@@ -480,7 +480,7 @@ def test_exposed_allgather_reads_the_median_step():
     (f,) = run_rule("prefetch.exposed_allgather", ctx)
     ev = f.evidence
     assert ev["exposed_share_pct"] == 26.0 and ev["exposed_ag_bwd_ms"] == 0.0 and ev["step_p50_ms"] == 75.0
-    assert ev["exposed_ag_ms_per_step"] / ev["share_of_step_ms"] == pytest.approx(0.26)  # one step's, 13/50 or 26/100
+    assert ev["exposed_ag_ms_per_step"] / ev["share_taken_of_step_wall_ms"] == pytest.approx(0.26)  # one step's, 13/50 or 26/100
     assert f.severity == "info" and "layers.0 forward 1.5 ms" in f.recommendation.text  # where: each unit's median
 
 

@@ -314,3 +314,17 @@ def test_severe_verdict_promises_no_overlap_gain_on_gloo():
     diagnose(run, report, statuses=statuses)  # (on NCCL the rules with the overlap levers speak: it yields to them)
     st = next(s for s in statuses if s.code == "verdict.severe")
     assert st.reason.startswith("communication-bound (62%), and ") and "already name levers" in st.reason, st.reason
+
+
+def test_evidence_labels_leave_the_unit_to_the_value():
+    """Evidence rows read "step p50 ms | 754.6 ms" on the dashboard and "step_p50_ms: 754.6 ms" in the terminal: the
+    unit twice, and two labels for one figure. One label now, in every view, the unit word left to the value; the
+    JSON keeps the key; a key that is only a unit, or names no unit, stays as it is."""
+    from fsdp_doctor.units import evidence_label, fmt_value
+
+    assert (evidence_label("step_p50_ms", 754.6), fmt_value("step_p50_ms", 754.6)) == ("step p50", "754.6 ms")
+    assert evidence_label("rs_bytes_per_call_median", 4096) == "rs per call median"
+    assert evidence_label("exposed_share_pct", 30.4) == "exposed share"
+    assert evidence_label("worst_units", ["a", "b"]) == "worst units"
+    assert evidence_label("ms", 2.0) == "ms" and evidence_label("saves", 3) == "saves"
+    assert evidence_label("measured_by", "host") == "measured by"

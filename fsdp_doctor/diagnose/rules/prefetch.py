@@ -210,7 +210,7 @@ class ExposedAllGather(Rule):
             sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
-             "share_of_step_ms": round(of, 3),
+             "share_taken_of_step_wall_ms": round(of, 3),  # (the wall of the step the share is of)
              "worst_units": [f"{u.name or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": None if traced is None else round(traced, 3),
              "measured_by": source,
