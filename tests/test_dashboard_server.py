@@ -247,3 +247,19 @@ def test_a_rank_the_run_does_not_have_shows_every_rank_and_says_so(tmp_path):
         assert "This run has no rank 7 (its ranks: 0, 1): showing all ranks." in out, out[:2000]
         assert "no steps recorded yet" not in out.lower()
     assert "has no rank" not in json.dumps(_page_post(c, "/steps", "?rank=1").get_json())
+
+
+def test_memory_page_unit_table_has_the_terminals_columns_and_rows(tmp_path):
+    """The Memory page's per-unit table showed one activations column (nested units' included) where the terminal
+    shows two (the unit's own, and with its nested units'): one row builder now feeds both, on the peak rank."""
+    from fsdp_doctor import build_report, load_run
+    from fsdp_doctor.present.fmt import memory_unit_rows
+
+    run = write_run(tmp_path / "run", "ffffffffffff", 12, 1)
+    rank, rows = memory_unit_rows(build_report(load_run(run)).memory)
+    app = create_app(run, state=RunState(run, background_traces=False))
+    out = json.dumps(_page_post(app.server.test_client(), "/memory", f"?rank={rank}").get_json())
+    assert "activations saved (own)" in out and "activations saved (incl. nested)" in out
+    for row in rows:
+        own, nested = (json.dumps(c)[1:-1] for c in row[3:])
+        assert f'"act_own": "{own}", "activations": "{nested}"' in out, (row, out[:3000])

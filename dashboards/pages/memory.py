@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fsdp_doctor.memory_categories import label
-from fsdp_doctor.present.fmt import fmt_bytes
+from fsdp_doctor.present.fmt import fmt_bytes, memory_unit_cells
 from fsdp_doctor.report_sections import MemoryRank, MemorySection
 
 from fsdp_doctor.present import figures as F
@@ -83,14 +83,15 @@ def layout(snap, flt: Filters) -> list:
                    graph(F.memory_timeline_figure(tl_m, None, cap, rank, categories=mem.categories),
                          "fig-mem-timeline"), sid="sec-mem-timeline")]
     pu = [u for u in tl_m.per_unit if flt.unit is None or u.unit == flt.unit]
-    rows = [{"unit": F.unit_label(u.unit), "sharded": fmt_bytes(u.sharded_bytes),
-             "unsharded": fmt_bytes(u.unsharded_bytes), "activations": fmt_bytes(u.activation_bytes)}
-            for u in pu]
+    keys = ("unit", "sharded", "unsharded", "act_own", "activations")  # MEMORY_UNITS_HEADER's columns, as the terminal
+    rows = [dict(zip(keys, memory_unit_cells(u))) for u in pu]
     out.append(grid(
         section("", graph(F.memory_breakdown_figure(m, rank), "fig-mem-breakdown")),
         section(f"Per unit (rank {rank})",
                 table("tbl-mem-units", rows, [("unit", "unit"), ("sharded", "sharded params"), ("unsharded", "gathered params"),
-                                              ("activations", "activations saved")], left=("unit",), page_size=15)
+                                              ("act_own", "activations saved (own)"),
+                                              ("activations", "activations saved (incl. nested)")],
+                      left=("unit",), page_size=15)
                 if rows else note("No per-unit memory in the report.", "info")),
     ))
     return out

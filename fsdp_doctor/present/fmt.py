@@ -477,15 +477,20 @@ MEMORY_UNITS_HEADER = ("unit", "sharded", "unsharded", "activations (own)", "act
 
 def memory_unit_rows(section: MemorySection) -> tuple[str, list[tuple[str, ...]]]:
     """(rank, rows) of the per-unit memory table on the peak rank (MEMORY_UNITS_HEADER's columns)."""
-    from msgspec import UNSET
-
     ranks = sorted(section.per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
     top_rank = section.peak_rank or ranks[0]
     top = section.per_rank.get(top_rank) or section.per_rank[ranks[0]]
     units = [u for u in top.per_unit if u.activation_bytes is not None or u.sharded_bytes]
-    return top_rank, [(unit_label(u.unit or ""), fmt_bytes(u.sharded_bytes), fmt_bytes(u.unsharded_bytes),
-                       fmt_bytes(None if u.activation_self_bytes is UNSET else u.activation_self_bytes),
-                       fmt_bytes(u.activation_bytes)) for u in units]
+    return top_rank, [memory_unit_cells(u) for u in units]
+
+
+def memory_unit_cells(u) -> tuple[str, ...]:
+    """One unit's row of the per-unit memory table (MEMORY_UNITS_HEADER's columns), in every view."""
+    from msgspec import UNSET
+
+    return (unit_label(u.unit or ""), fmt_bytes(u.sharded_bytes), fmt_bytes(u.unsharded_bytes),
+            fmt_bytes(None if u.activation_self_bytes is UNSET else u.activation_self_bytes),
+            fmt_bytes(u.activation_bytes))
 
 
 def run_warnings(run: RunFacts) -> list[str]:
