@@ -79,3 +79,31 @@ def test_traces_of_two_runs_with_other_wrapping_are_not_read_as_one_job(tmp_path
               "layers.0, layers.1, [norm, lm_head]); skipped")]
     assert list(r.per_rank) == ["0"] and r.per_rank["0"].steps == [1]
     assert [u.name for u in r.units] == ["tok_emb, pos_emb", "layers.0", "layers.1", "norm, lm_head"]
+
+
+@pytest.mark.parametrize("accum_no_sync", [None, True, False], ids=["no_accum", "accum_no_sync", "accum_syncs"])
+def test_whole_run_profile_steps_are_its_optimizer_steps(tmp_path, accum_no_sync):
+    """A profile without a schedule (``export_chrome_trace`` of the whole loop) has no ProfilerStep markers: it was
+    read as one step, and a new-user trial's 5 plain steps read as "5 reduce-scatters per unit per optimizer step:
+    gradient accumulation syncs every micro-batch" (a warning on the gzipped copy), and a run that accumulated with
+    sync off as 2 per step. Its steps are now its optimizer.step() calls', from one call's end to the next (the step
+    the profile started in left out): 3 complete steps of 4 recorded here, 1 reduce-scatter per unit per step
+    without accumulation or with sync off, 2 with accumulation over 2 micro-batches syncing each."""
+    from fsdp_doctor import build_report, load_run
+    from trace_fixtures import WholeRunProfile
+
+    hook = WholeRunProfile(tmp_path, steps=4)
+    knobs = {} if accum_no_sync is None else {"grad_accum": 2, "accum_no_sync": accum_no_sync}
+    cfg = workloads.WorkloadConfig(steps=hook.steps_needed(), d_model=32, n_layers=2, n_heads=2, seq_len=16, vocab=64,
+                                   batch_size=2, async_unshard=True, **knobs)
+    workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=120)
+    report = build_report(load_run(tmp_path))
+    ov = report.overlap
+    assert ov.skipped == [] and sorted(ov.per_rank) == ["0", "1"]
+    for pr in ov.per_rank.values():
+        assert pr.step_count == 3 and len(pr.steps) == 3, (pr.step_count, pr.steps)
+    want = 2.0 if accum_no_sync is False else 1.0
+    rs = [r for r in ov.per_unit if r.collective == "reduce_scatter" and r.unit not in ("(other)", None)]
+    assert rs and {r.count_per_step for r in rs} == {want}, [(r.rank, r.unit, r.count_per_step) for r in rs]
+    codes = {f.code for f in report.findings}
+    assert ("accum.sync_every_micro_batch" in codes) == (accum_no_sync is False), codes

@@ -261,6 +261,31 @@ class ProfileWindow:
         return 1 + self.warmup + self.active
 
 
+class WholeRunProfile:
+    """``on_step`` hook: plain torch.profiler without a schedule, started after the first step and stopped after
+    ``steps`` more, one ``export_chrome_trace`` per rank (``rank{R}.json``): no ``ProfilerStep`` markers, and the
+    profile starts mid-loop (at the hook, after optimizer.step())."""
+
+    def __init__(self, out_dir, steps=4):
+        self.out_dir, self.steps, self._prof, self._calls = str(out_dir), steps, None, 0
+
+    def __call__(self, step, model=None, optimizer=None, loss=None):
+        import torch
+        import torch.distributed as dist
+
+        if self._prof is None:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._prof.start()
+            return
+        self._calls += 1
+        if self._calls == self.steps:
+            self._prof.stop()
+            self._prof.export_chrome_trace(f"{self.out_dir}/rank{dist.get_rank() if dist.is_initialized() else 0}.json")
+
+    def steps_needed(self) -> int:
+        return 1 + self.steps
+
+
 # ====================================================================== FSDP2-shaped GPU traces
 EPS = 0.01  # µs: the width of a host label around one launch
 

@@ -404,6 +404,13 @@ def _build_window(path: Path, trace) -> WindowTrace:
             n = step_of[i]
             steps[n] = min(steps.get(n, math.inf), t0)
             step_end[n] = max(step_end.get(n, -math.inf), t1)
+    from_optimizer = not steps
+    if from_optimizer:  # no ProfilerStep markers (a whole-run profile): optimizer.step() delimits the steps
+        fw_at = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name]
+        opt_at = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name]
+        for n, (a, b) in steps_from_optimizer(list(zip(sp_ts[opt_at].tolist(), sp_end[opt_at].tolist())),
+                                              sp_ts[fw_at].tolist(), float(sp_end.max(initial=0.0))).items():
+            steps[n], step_end[n] = a, b
     cutoff = math.inf
     kept_steps = sorted(steps)
     if len(steps) >= 2:
@@ -455,6 +462,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
                 and e.cat != "Trace" and e.ts * scale < cutoff]
         _build_cpu(win, host, index, phases, scale, _Shapes(path, events))
+    if from_optimizer and win.window is not None:  # (the calls of the step the profiler started in are no step's)
+        win.calls = [c for c in win.calls if c.start >= win.window[0]]
     _mark_calls(win.calls, optimizer_steps, "optimizer")
     _mark_calls(win.calls, in_model, MODEL_PHASE)
     _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
@@ -462,6 +471,28 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     win.between_comm_us = _loop_comm_us(win.calls, between)[0]
     return win
+
+
+def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],
+                         end: float) -> dict[int, tuple[float, float]]:
+    """The steps of a window without ``ProfilerStep`` markers (``export_chrome_trace`` of a profile without a
+    schedule; the profiler around the whole loop), from its optimizer.step() calls: ``opt`` their labels' (start,
+    end), ``forwards`` the starts of ``FSDP::root_pre_forward``. Step i runs from the i-th optimizer step's end to
+    the next one's (several optimizers' steps with no forward between them end one step); the last runs to ``end``
+    and is dropped as the last ``ProfilerStep`` is, and what came before the first end (the profiler started
+    mid-step) is no step. {i: (start, end)}; {} for fewer than 2 ends (no complete step). Read as one step, a
+    window of 5 steps had 5 reduce-scatters per unit "per step": gradient accumulation found where there was
+    none."""
+    fw = sorted(forwards)
+    ends: list[float] = []
+    for a, b in sorted(opt):
+        if ends and bisect.bisect_left(fw, a) == bisect.bisect_left(fw, ends[-1]):  # no forward since the last end
+            ends[-1] = max(ends[-1], b)
+        else:
+            ends.append(b)
+    if len(ends) < 2:
+        return {}
+    return {i: (t, ends[i + 1] if i + 1 < len(ends) else max(end, t)) for i, t in enumerate(ends)}
 
 
 def _mark_calls(calls: list[CollectiveCall], spans: iv.Intervals, phase: str) -> None:

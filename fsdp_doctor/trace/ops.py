@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..fsdp_labels import parse_label
-from .build import OPTIMIZER_PREFIX, STEP_RE
+from .build import OPTIMIZER_PREFIX, OPTIMIZER_STEP_PREFIX, STEP_RE, steps_from_optimizer
 from .reader import TraceError, decode
 
 #: the operator autograd's engine wraps each backward function in ("autograd::engine::evaluate_function: MmBackward0")
@@ -70,6 +70,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     steps: dict[int, tuple[float, float]] = {}
     bounds: list[tuple[float, str]] = []
     optim: list[tuple[float, float]] = []
+    optim_names: list[str] = []
     launches: dict[int, float] = {}
     autograd: list[float] = []  # the starts of autograd's backward functions
     ints, top, any_event = True, 0, False
@@ -84,6 +85,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
                 steps[int(m.group(1))] = (e.ts, e.ts + e.dur)
         elif n.startswith(OPTIMIZER_PREFIX):
             optim.append((e.ts, e.ts + e.dur))
+            optim_names.append(n)
         elif n.startswith(AUTOGRAD_PREFIX):
             autograd.append(e.ts)
         elif (lab := parse_label(n)) is not None:
@@ -104,6 +106,9 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     bounds = [(t * scale, ph) for t, ph in bounds]
     optim = [(a * scale, b * scale) for a, b in optim]
     launches = {k: t * scale for k, t in launches.items()}
+    if not steps:  # no ProfilerStep markers (a whole-run profile): optimizer.step() delimits the steps
+        steps = steps_from_optimizer([o for o, nm in zip(optim, optim_names) if nm.startswith(OPTIMIZER_STEP_PREFIX)],
+                                     [t for t, ph in bounds if ph == "forward"], top * scale)
     kept = sorted(steps)
     if len(kept) >= 2:
         kept = kept[:-1]
