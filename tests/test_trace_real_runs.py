@@ -1,5 +1,7 @@
 """Real CPU/gloo FSDP2 runs of the reference workload, profiled with plain torch.profiler."""
 
+from pathlib import Path
+
 import pytest
 
 from fsdp_doctor.trace import analyze_traces
@@ -107,3 +109,28 @@ def test_whole_run_profile_steps_are_its_optimizer_steps(tmp_path, accum_no_sync
     assert rs and {r.count_per_step for r in rs} == {want}, [(r.rank, r.unit, r.count_per_step) for r in rs]
     codes = {f.code for f in report.findings}
     assert ("accum.sync_every_micro_batch" in codes) == (accum_no_sync is False), codes
+
+
+def test_the_window_tensorboard_handler_writes_at_exit_is_named_not_read_as_a_step(tmp_path):
+    """torch.profiler as its tutorial has it (schedule(wait=1, warmup=1, active=2), tensorboard_trace_handler) over 6
+    steps: at the stop the second cycle had begun, and the handler wrote one more file per rank with one ProfilerStep
+    marker (#6, 50 µs) and nothing else. A new-user trial's report read it as a step (2 steps a rank, p50 halved, the
+    units' calls 0.5 a step), and alone it read "host-bound 100% of the step". Each such file is named and left out
+    now; alone, it is one line and no report."""
+    from fsdp_doctor import build_report, load_run
+    from fsdp_doctor.pipeline import unusable_reason
+    from trace_fixtures import TensorBoardProfile
+
+    hook = TensorBoardProfile(tmp_path, steps=6)
+    cfg = workloads.WorkloadConfig(steps=hook.steps_needed(), d_model=32, n_layers=2, n_heads=2, seq_len=16, vocab=64,
+                                   batch_size=2, async_unshard=True)
+    workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=120)
+    report = build_report(load_run(tmp_path))
+    ov = report.overlap
+    assert len(ov.skipped) == 2 and all("nothing ran in its profiler step (#6)" in s.error for s in ov.skipped)
+    assert {r: pr.steps for r, pr in ov.per_rank.items()} == {"0": [2], "1": [2]}
+    assert {r.count_per_step for r in ov.per_unit if r.collective == "all_gather" and r.unit != "(other)"} == {1.0}
+    tail = tmp_path / Path(ov.skipped[0].file).name
+    alone = load_run(tail)
+    why = unusable_reason(tail, alone, build_report(alone))
+    assert why is not None and "nothing ran in its profiler step (#6)" in why, why

@@ -286,6 +286,34 @@ class WholeRunProfile:
         return 1 + self.steps
 
 
+class TensorBoardProfile:
+    """``on_step`` hook: plain torch.profiler as its tutorial has it, ``schedule(wait=1, warmup=1, active=2)`` (repeating)
+    with ``tensorboard_trace_handler(out_dir)``, stepped after every step and stopped after ``steps``: at the stop the
+    schedule's second cycle has begun recording, and the handler writes one more file per rank holding only that
+    cycle's ``ProfilerStep`` marker."""
+
+    def __init__(self, out_dir, steps=6):
+        self.out_dir, self.steps, self._prof, self._calls = str(out_dir), steps, None, 0
+
+    def __call__(self, step, model=None, optimizer=None, loss=None):
+        import torch
+
+        if self._prof is None:
+            self._prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU],
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=2),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(self.out_dir))
+            self._prof.start()
+            return
+        self._prof.step()
+        self._calls += 1
+        if self._calls == self.steps:
+            self._prof.stop()
+
+    def steps_needed(self) -> int:
+        return 1 + self.steps
+
+
 # ====================================================================== FSDP2-shaped GPU traces
 EPS = 0.01  # µs: the width of a host label around one launch
 

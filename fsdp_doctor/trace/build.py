@@ -470,6 +470,14 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     win.between_comm_us = _loop_comm_us(win.calls, between)[0]
+    if kept_steps and not win.calls and not iv.measure(win.compute) and not iv.measure(win.comm) \
+            and not any(win.step_units.values()):
+        # (torch.profiler's tensorboard_trace_handler writes one at exit where the schedule had begun a window: a
+        # ProfilerStep of 50 µs and nothing else, read as a step it halved the step statistics, and alone it read
+        # "host-bound 100% of the step")
+        raise TraceError(f"nothing ran in its profiler step{'s' if len(kept_steps) > 1 else ''} "
+                         f"({', '.join(f'#{n}' for n in kept_steps)}): no operator, kernel or collective, a window "
+                         "the profiler closed as the loop ended; not analysed")
     return win
 
 
