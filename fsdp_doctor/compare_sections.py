@@ -38,9 +38,12 @@ class StepDelta(Delta):
     # --applied names a fix B applies): the interval covers each run's step-to-step noise, not the variation between
     # two runs (host load, clocks), so without a change a difference is the host's, not an effect
     significant: bool = False
-    reason: str = ""  # why not significant: "within noise" | "under noise floor" | "no config change"
+    # why not significant: "within noise" | "under noise floor" | "no config change" | "too few steps" | ...
+    reason: str = ""
     samples_a: int = 0  # rank-steps sampled (steps × ranks)
     samples_b: int = 0
+    steps_a: int = 0  # steps resampled (each with every rank's time)
+    steps_b: int = 0
 
 
 class RunSide(_S):

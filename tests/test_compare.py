@@ -120,6 +120,21 @@ def test_bootstrap_interval_known_answers():
     assert "within noise" in C.step_summary(same) and "slower" in C.step_summary(d)
 
 
+def test_one_step_a_side_is_too_few_to_call_a_change():
+    """A new-user trial compared two plain-trace runs of one profiled step each: "+84.4% (95% CI +84.4% to +84.4%):
+    slower ... significant: yes" and a predicted gain "missed", from a zero-width interval. Under MIN_STEPS steps a
+    side the change is said, never called significant, and a prediction against it is inconclusive; from 3 steps a
+    side the interval decides again."""
+    one_a, one_b = [[400.0, 401.0]], [[738.0, 739.0]]
+    d = C._step_delta(one_a, one_b, 50, np.random.default_rng(C.SEED))
+    assert (d.ci_low, d.ci_high) == (d.delta, d.delta) and not d.significant and d.reason == C.FEW_STEPS
+    assert (d.steps_a, d.steps_b) == (1, 1)
+    assert "too few steps to tell (A 1 step, B 1 step" in C.step_summary(d) and "slower" not in C.step_summary(d)
+    assert C._step_verdict(-24.0, d, 376.0) == "inconclusive"
+    three = C._step_delta(one_a * 3, one_b * 3, 50, np.random.default_rng(C.SEED))
+    assert three.significant and three.steps_a == 3
+
+
 def test_step_prediction_verdicts():
     """Against a measured change of −10 ms ± 2 ms on a 100 ms step: −10 held, −30 missed; against a measured
     interval of −12 … +12 ms, a predicted −10 ms is inconclusive and a predicted −1 ms (no change) held."""

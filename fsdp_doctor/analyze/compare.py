@@ -35,6 +35,10 @@ NO_CHANGE = "no config change"
 OTHER_SOURCES = "records vs trace"
 # ... when a phase the change does not touch moved as much: the host ran at another speed in the two runs
 HOST_CHANGED = "host changed"
+# fewer steps than this on a side: resampled, one step gives a zero-width interval ("+84.4% (95% CI +84.4% to
+# +84.4%) ... significant: yes" from one profiled step a side, in a new-user trial): not significant, said so
+MIN_STEPS = 3
+FEW_STEPS = "too few steps"
 # the control phase: the optimizer step, untouched by a change of wrapping, resharding, prefetching, checkpointing,
 # dtypes or batch; it tells the host's speed apart where it moved by this share (and at least HOST_MIN_MS)
 HOST_SHIFT_PCT = 25.0
@@ -131,9 +135,16 @@ def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.ra
     big = d.pct is not None and abs(d.pct) >= NOISE_FLOOR_PCT
     reason = (apart or "within noise" if lo <= 0 <= hi else apart or "under noise floor" if not big else
               apart or ("" if changed else NO_CHANGE))
+    if not apart and min(ma.shape[0], mb.shape[0]) < MIN_STEPS:
+        reason = FEW_STEPS
     return StepDelta(a=d.a, b=d.b, delta=d.delta, pct=d.pct, ci_low=round(float(lo), 3), ci_high=round(float(hi), 3),
                      confidence=CONFIDENCE, significant=not reason, reason=reason,
-                     samples_a=int(np.isfinite(ma).sum()), samples_b=int(np.isfinite(mb).sum()))
+                     samples_a=int(np.isfinite(ma).sum()), samples_b=int(np.isfinite(mb).sum()),
+                     steps_a=int(ma.shape[0]), steps_b=int(mb.shape[0]))
+
+
+def _steps_of(s: StepDelta) -> str:
+    return f"A {s.steps_a} step{'s' * (s.steps_a != 1)}, B {s.steps_b} step{'s' * (s.steps_b != 1)}"
 
 
 def step_summary(s: Optional[StepDelta], changed: bool = True, host: str = "") -> str:
@@ -155,6 +166,9 @@ def step_summary(s: Optional[StepDelta], changed: bool = True, host: str = "") -
                 "the host (load, clocks), not the effect of a change, unless something compare does not read changed "
                 "(code, data loading, a setting the runs do not record); the interval covers each run's step-to-step "
                 "noise only: to tell, rerun each side a few times and compare the medians")
+    if s.reason == FEW_STEPS:
+        return (f"step time p50 {s.pct:+.1f}%, from too few steps to tell ({_steps_of(s)}; {MIN_STEPS} or more a side "
+                "give an interval): not called a change")
     if not s.significant:
         why = (f"under the {NOISE_FLOOR_PCT:g}% noise floor between runs" if s.reason == "under noise floor"
                else "within noise")
@@ -274,8 +288,10 @@ def _fix_keys(code: str) -> tuple[str, ...]:
 
 def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     """Whether a predicted step change ``d`` (ms; ``pred`` the predicted step) held against the measured change:
-    inconclusive when the measured interval holds both ``d`` and zero while ``d`` is a change (at least the noise
-    floor), held when the interval holds ``d`` or ``pred`` lands within ``STEP_TOLERANCE_PCT`` of B's step."""
+    inconclusive from too few steps (``MIN_STEPS``), or when the measured interval holds both ``d`` and zero while
+    ``d`` is a change (at least the noise floor), held when the interval holds ``d`` or ``pred`` lands within ``STEP_TOLERANCE_PCT`` of B's step."""
+    if p50.reason == FEW_STEPS:  # (one step a side: a zero-width interval, no measure of its noise)
+        return "inconclusive"
     inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high
     if inside and p50.ci_low <= 0 <= p50.ci_high and abs(d) >= NOISE_FLOOR_PCT / 100 * p50.a:
         return "inconclusive"
