@@ -82,6 +82,16 @@ _KEY_UNITS = (("bytes", fmt_bytes), ("ms", fmt_ms), ("us", fmt_us), ("pct", lamb
               ("gbps", fmt_bw))
 
 
+def evidence_labels(evidence: dict) -> dict[str, str]:
+    """Each evidence key's label (:func:`evidence_label`), the unit word kept where two keys would read alike
+    ("reshard_after_forward_false_ms" and "..._bytes": both "reshard after forward false" without it)."""
+    out = {k: evidence_label(k, v) for k, v in evidence.items()}
+    seen: dict[str, int] = {}
+    for lab in out.values():
+        seen[lab] = seen.get(lab, 0) + 1
+    return {k: (lab if seen[lab] == 1 else k.replace("_", " ")) for k, lab in out.items()}
+
+
 def evidence_label(key: str, v) -> str:
     """An evidence key as its row's label: words, without the unit word that :func:`fmt_value` writes into the value
     ("step_p50_ms" -> "step p50", shown "754.6 ms"; "rs_bytes_per_call_median" -> "rs per call median"). The JSON

@@ -328,3 +328,10 @@ def test_evidence_labels_leave_the_unit_to_the_value():
     assert evidence_label("worst_units", ["a", "b"]) == "worst units"
     assert evidence_label("ms", 2.0) == "ms" and evidence_label("saves", 3) == "saves"
     assert evidence_label("measured_by", "host") == "measured by"
+    # two keys that would read alike keep their unit word (a new-user trial: "reshard after forward false: 12.2 ms"
+    # and "reshard after forward false: 580.00 KiB")
+    from fsdp_doctor.units import evidence_labels
+
+    assert list(evidence_labels({"reshard_after_forward_false_ms": 12.2, "reshard_after_forward_false_bytes": 593920,
+                                 "step_p50_ms": 1.0}).values()) == [
+        "reshard after forward false ms", "reshard after forward false bytes", "step p50"]

@@ -9,7 +9,7 @@ import msgspec
 from dash import dcc, html
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (evidence_label, fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
+from fsdp_doctor.present.fmt import (evidence_labels, fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
                                      fmt_bytes, fmt_ms, optimizer_fact, params_fact, predicted_text, severity_counts,
                                      throughput_note, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
@@ -101,7 +101,8 @@ def verdict_panel(section: Verdict, flt: Filters) -> html.Section:
 
 def finding_card(i: int, f: Finding) -> html.Div:
     sev = f.severity
-    rows = [html.Tr([html.Th(evidence_label(k, v)), html.Td(fmt_value(k, v))]) for k, v in f.evidence.items()]
+    labels = evidence_labels(f.evidence)
+    rows = [html.Tr([html.Th(labels[k]), html.Td(fmt_value(k, v))]) for k, v in f.evidence.items()]
     rec = f.recommendation
     body = [html.P(rec.text, className="finding-text")]
     if rows:

@@ -13,7 +13,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary
                                Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
                                ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
-                     evidence_label, fmt_us, fmt_value, printable, unit_label)
+                     evidence_label, evidence_labels, fmt_us, fmt_value, printable, unit_label)
 
 
 def printable_report(report: Report) -> Report:

@@ -13,7 +13,7 @@ from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, Thr
                                Verdict)
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
-                  findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_label, fmt_value, apart_texts, outlier_rows,
+                  findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, verdict_headline, verdict_rows, verdict_title)
@@ -142,7 +142,7 @@ def finding_details(f: Finding) -> list:
     rec = f.recommendation
     items = [title, Text(rec.text)]
     if f.evidence:
-        items.append(Text("Evidence:\n" + "\n".join(f"  {evidence_label(k, v)}: {fmt_value(k, v)}" for k, v in f.evidence.items()),
+        items.append(Text("Evidence:\n" + "\n".join(f"  {label}: {fmt_value(k, v)}" for (k, v), label in zip(f.evidence.items(), evidence_labels(f.evidence).values())),
                           style="dim"))
     expected = predicted_text(f.predicted)
     if expected:
