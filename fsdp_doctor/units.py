@@ -121,6 +121,8 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
             return f"{v:,.4f}".rstrip("0").rstrip(".") if abs(v) < 1e4 else f"{v:,.0f}"
         return f"{int(v):,}"
     if isinstance(v, (list, tuple)):
+        if not v:
+            return "none"
         s = ", ".join(str(x) for x in v[:max_items])
         return s + (f" … (+{len(v) - max_items})" if len(v) > max_items else "")
     if isinstance(v, dict):

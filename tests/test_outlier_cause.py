@@ -379,3 +379,23 @@ def test_two_ranks_slow_together_do_not_each_wait_for_the_other():
     out = run_of(10.0, 60.0)
     assert out[(0, 6)].cause == "late_rank" and out[(0, 6)].detail == "waiting for rank 1 (late by 60.0 ms)"
     assert out[(1, 6)].cause == "allgather_wait", out[(1, 6)].detail
+
+
+def test_saves_are_never_told_to_come_more_often():
+    """A new-user trial's loop saved every 10 steps, its first save slower than the others (91 ms median, 146 ms mean):
+    sized from the median, the interval for 4% of the time came out at 8 steps, "save every 8 steps" to a loop saving
+    every 10. Sized from the mean save (what the measured share holds), and never under the run's own interval."""
+    import msgspec
+    import pytest
+
+    import fsdp_doctor
+
+    run = _save_run({1, 6, 11}, save_ms=20.0)
+    for rd in run.ranks.values():  # the first save slow: 600 ms (median 20 ms, mean 213.3 ms)
+        s = rd.steps[1]
+        rd.steps[1] = msgspec.structs.replace(s, checkpoint_ms=600.0, wall_ms=s.wall_ms + 580.0)
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking")
+    e = f.evidence
+    assert e["steps_between_saves"] == 5 and e["save_ms_p50"] == 20.0
+    assert e["save_steps_after"] == 52 and e["share_pct_after"] == pytest.approx(3.9, abs=0.1), e
+    assert f"or save every {e['save_steps_after']} steps" in f.recommendation.text
