@@ -189,3 +189,45 @@ def test_a_grouped_unit_kept_gathered_waits_for_no_all_gather_in_backward(tmp_pa
     assert all(u.bwd_ms > 1.0 for u in head)  # lm_head's backward: a 256 x 64 x 16384 matmul pair
     assert sum(u.ag_wait_bwd_ms for u in head) < 0.3 * sum(u.bwd_ms for u in head), \
         [(u.ag_wait_bwd_ms, u.bwd_ms) for u in head]
+
+
+@pytest.mark.parametrize("where", ["per_micro_batch", "per_step"])
+def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_steps(tmp_path, gloo_one_rank, where):
+    """The README says doctor.step() may be called per micro-batch or per optimizer step. A new-user trial called it
+    after each micro-batch's backward, the last one's before optimizer.step(): each recorded step then ran from the
+    first micro-batch's call to the next step's first one, and the next step's first micro-batch (forward and
+    backward, ~90 ms of ~390) read as time outside the model: jitter.data_wait warned of "23% of each step between
+    optimizer.step() and the next forward", and memory.grads_kept of gradients the loop freed. The step now ends where
+    the next one's first forward starts: both ways record as many steps, 4 micro-batches each, every forward inside
+    its step, and the time outside the model is the loop's own (zero_grad and the batch), not a micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+    for layer in m:
+        fully_shard(layer)
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(512, 256)
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path / where, profile=False) as doc:
+        for _ in range(8):
+            for _mb in range(4):
+                m(x).square().mean().backward()
+                if where == "per_micro_batch":
+                    doc.step()
+            opt.step()
+            opt.zero_grad()
+            if where == "per_step":
+                doc.step()
+    run = fsdp_doctor.load_run(tmp_path / where)
+    steps = run.ranks[0].steps
+    assert len(steps) == (7 if where == "per_micro_batch" else 8)  # (the last: no forward after it to end it)
+    for s in steps:
+        assert all(u.fwd_calls == 4 for u in s.units), [u.fwd_calls for u in s.units]
+        assert s.micro_batches == (4 if where == "per_micro_batch" else 1)  # (doctor.step() calls)
+        assert s.outside_ms < 0.2 * s.wall_ms and s.forward_ms + s.backward_ms > 0.6 * s.wall_ms, s
+    codes = {f.code for f in build_report(run).findings}
+    assert not codes & {"jitter.data_wait", "memory.grads_kept"}, codes

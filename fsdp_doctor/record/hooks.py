@@ -141,6 +141,9 @@ class StepTimer:
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
         self._ng_gather_t0: dict[int, int] = {}
+        # the Doctor's: a training forward starts after an optimizer.step() (its ns); it ends the step there when
+        # doctor.step() is called per micro-batch, before optimizer.step() (see Doctor._forward_after_optimizer)
+        self.step_boundary: Optional[Callable[[int], None]] = None
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -572,6 +575,8 @@ class StepTimer:
                 self._no_grad_t0 = _now()
                 return
             self._no_grad_t0 = 0  # (one that raised never reached its post-hook)
+            if self._opt_end and self.step_boundary is not None:  # a new step's first forward, maybe
+                self._safe(lambda: self.step_boundary(_now()), "step")
             if module.training:
                 self._eval_open = None
                 self._settle_eval()  # the eval-mode forwards before this one had no backward: evaluation
