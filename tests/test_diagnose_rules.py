@@ -395,6 +395,8 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
         u["forward_prefetch"] = [nxt]
     (f,) = run_rule("prefetch.exposed_allgather", build(units=us, backend="nccl", device="cuda:0")[0])
     assert "already set" in f.recommendation.text and f.recommendation.code == "", f.recommendation.code
+    # and no gain "from the snippet" (a new-user trial read it with no snippet printed): no change predicted
+    assert "snippet" not in f.recommendation.text and f.predicted["step_ms_after"] == f.predicted["step_ms_before"]
 
 
 def test_prefetch_chain_follows_the_order_fsdp_gathers_nested_units():

@@ -194,7 +194,9 @@ class ExposedAllGather(Rule):
                      "reshard_after_forward=False on those units removes them.")
         # the gain quoted is the snippet's (explicit prefetch); reshard_after_forward=False is another fix, with
         # its own memory cost: named here, predicted by reshard.zero2_affordable
-        if saved > 0 and not no_room:
+        if has_fwd_prefetch:  # (no snippet: the run has it; a new-user trial read "from the snippet" with none)
+            pass
+        elif saved > 0 and not no_room:
             text += f" Expected from the snippet (explicit prefetch): ~{saved:.1f} ms per step."
         elif cpu:
             text += (" On gloo, prefetch gains nothing measurable (gloo's threads share the cores with compute): "
@@ -205,7 +207,7 @@ class ExposedAllGather(Rule):
                      "weighs it per unit against the memory budget).")
         if notes:
             text += " Note: " + "; ".join(notes) + "."
-        gain = saved
+        gain = 0.0 if has_fwd_prefetch else saved  # (nothing to paste: no gain of its own)
         return [self.finding(
             sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
