@@ -86,6 +86,9 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     return EXIT_PARTIAL if report.problems else EXIT_OK
 
 
+STDOUT = "-"  # ``--json -``: the JSON on standard output
+
+
 def _check_outputs(ns: argparse.Namespace) -> dict | None:
     """The report files asked for (``--json``, ``--html``), checked before any work: each one's directory must
     exist and be writable. None after one line on stderr when one cannot be written."""
@@ -95,6 +98,9 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
     for kind in ("json", "html"):
         f = getattr(ns, kind, None)
         if not f:
+            continue
+        if f == STDOUT and kind == "json":  # the JSON on standard output, alone (no terminal report)
+            out[kind] = STDOUT
             continue
         p = Path(f)
         parent = p.parent if str(p.parent) else Path(".")
@@ -115,7 +121,7 @@ def _onto_input(outputs: dict, path: Path, run, verb: str) -> bool:
     """Whether a report file asked for (``outputs``) would overwrite one of ``path``'s inputs: then one line on
     stderr ("... is one of the inputs being {verb}")."""
     for kind, p in outputs.items():
-        if _is_input(p, path, run):
+        if p != STDOUT and _is_input(p, path, run):
             _err(f"--{kind} {p}: is one of the inputs being {verb}; give another file name")
             return True
     return False
@@ -164,6 +170,13 @@ def _print_and_write(render, struct, write_html, outputs: dict, console: Console
     """``render(struct, console)``, then the files asked for (``_write_outputs``). A reader that closes the pipe
     (``analyze ... --json r.json | head``) stops the printing, never the files: they are written, then the
     BrokenPipeError goes on to ``main`` (exit 0), unless a write failed (False, its line on stderr)."""
+    if outputs.get("json") == STDOUT:  # the JSON is the output: nothing else on standard output
+        from .present.json import render_struct
+
+        sys.stdout.buffer.write(render_struct(struct))
+        sys.stdout.flush()
+        return _write_outputs(struct, write_html, {k: p for k, p in outputs.items() if p != STDOUT},
+                              Console(stderr=True), what)
     try:
         render(struct, console)
     except BrokenPipeError:
@@ -453,7 +466,8 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        "traces), a directory of plain torch.profiler traces (one file per rank), or one trace "
                        "file, and prints the diagnosis.", epilog=EPILOG, formatter_class=fmt)
     a.add_argument("path", help="run directory, directory of Kineto traces, or one trace file")
-    a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist)")
+    a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist); "
+                                                  "'-': the JSON alone on standard output")
     a.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report here (its directory must exist)")
     a.add_argument("--explain", action="store_true",
@@ -467,7 +481,8 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        "persisting, and A's predictions checked against B.", epilog=EPILOG, formatter_class=fmt)
     c.add_argument("run_a", help="the run before (run directory, folder of Kineto traces, or one trace file)")
     c.add_argument("run_b", help="the run after")
-    c.add_argument("--json", metavar="FILE", help="also write the comparison as JSON here")
+    c.add_argument("--json", metavar="FILE", help="also write the comparison as JSON here; '-': the JSON alone on "
+                                                  "standard output")
     c.add_argument("--html", metavar="FILE", help="also write a self-contained HTML comparison here")
     c.add_argument("--applied", metavar="CODE", action="append",
                    help="a finding code of A whose fix B applies (repeatable; config changes are recognised anyway)")

@@ -198,3 +198,19 @@ def test_saved_json_report_renders_as_the_report(tmp_path):
     assert "Step time per rank" in text and "prefetch.exposed_allgather" in text
     assert terminal(saved) == text
     assert html(saved) == html(report)
+
+
+def test_json_dash_is_the_json_alone_on_standard_output(tmp_path):
+    """`--json -` wrote a file named '-' in the working directory and printed the terminal report (a new-user trial).
+    It is the JSON alone on standard output now, for `analyze` and `compare`; no file is written."""
+    import json
+    import subprocess
+    import sys
+
+    for args in (["analyze", str(SAMPLE)], ["compare", str(SAMPLE), str(SAMPLE)]):
+        p = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", *args, "--json", "-"], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120)
+        assert p.returncode in (0, 3), p.stderr
+        out = json.loads(p.stdout)  # (nothing else there)
+        assert ("findings" in out) if args[0] == "analyze" else ("step" in json.dumps(out))
+        assert not (tmp_path / "-").exists()
