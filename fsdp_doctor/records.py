@@ -476,10 +476,12 @@ class DoctorError(Record, tag="error"):
 
 
 class End(Record, tag="end"):
-    """Written when ``watch`` exits normally."""
+    """Written when ``watch`` exits: normally, or on an exception the training loop raised through it
+    (``exception``: its type and first line; the run stopped there, Ctrl-C's KeyboardInterrupt included)."""
 
     steps: int
     ended_ns: int
+    exception: str = ""
 
 
 AnyRecord = Union[Header, RunConfig, StepRecord, GpuTimes, ProfileWindow, DoctorError, End]

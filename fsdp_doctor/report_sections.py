@@ -71,6 +71,8 @@ class RunFacts(_Section):
     doctor_errors: list[SteppedAside] | UnsetType = UNSET  # the doctor stepped aside
     steps_recorded: dict[str, int] = {}  # per rank
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly
+    # per rank: the exception the training loop raised through watch() (the run stopped there; not complete)
+    stopped_on: dict[str, str] | UnsetType = UNSET
 
 
 class CommRank(_Section, omit_defaults=True):

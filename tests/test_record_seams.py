@@ -231,3 +231,34 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
         assert s.outside_ms < 0.2 * s.wall_ms and s.forward_ms + s.backward_ms > 0.6 * s.wall_ms, s
     codes = {f.code for f in build_report(run).findings}
     assert not codes & {"jitter.data_wait", "memory.grads_kept"}, codes
+
+
+def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp_path, gloo_one_rank):
+    """A Ctrl-C (KeyboardInterrupt) or an error raised through the with-block left no end record: the report said
+    "did not finish (run still going, or killed)" (a new-user trial). The end record now says the exception; the
+    header says the rank stopped on it, and its completed steps are used. The exception reaches the caller."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import run_warnings
+
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    fully_shard(m[0])
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        with fsdp_doctor.watch(m, opt, out_dir=tmp_path, profile=False) as doc:
+            for i in range(5):
+                m(torch.randn(4, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                doc.step()
+                if i == 3:
+                    raise KeyboardInterrupt
+    run = fsdp_doctor.load_run(tmp_path)
+    assert run.ranks[0].end.exception == "KeyboardInterrupt" and run.ranks[0].end.steps == 4
+    facts = build_report(run).run
+    assert facts.complete == {"0": False} and facts.stopped_on == {"0": "KeyboardInterrupt"}
+    assert run_warnings(facts) == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); their "
+                                   "completed steps are used"]

@@ -495,8 +495,15 @@ def memory_unit_cells(u) -> tuple[str, ...]:
 
 def run_warnings(run: RunFacts) -> list[str]:
     """What the header warns of: ranks that did not finish, and where the doctor stepped aside."""
+    from msgspec import UNSET
+
     out = []
-    incomplete = [k for k, done in run.complete.items() if not done]
+    stopped = run.stopped_on if run.stopped_on is not UNSET else {}
+    incomplete = [k for k, done in run.complete.items() if not done and k not in stopped]
+    if stopped:
+        kinds = sorted({v.split(":")[0] for v in stopped.values()})
+        out.append(f"rank{'s' * (len(stopped) > 1)} {', '.join(stopped)} stopped on an exception in the training loop "
+                   f"({', '.join(kinds)}); their completed steps are used")
     if incomplete:
         out.append(f"ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed "
                    "steps are used")

@@ -14,7 +14,7 @@ from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, Thr
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
-                  outliers_title, predicted_text, printable_report, run_facts, short_unit_labels, steps_rows,
+                  outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, verdict_headline, verdict_rows, verdict_title)
 
@@ -32,11 +32,8 @@ def render_header(report: Report, width: int = 100):
         else:
             lines.append(fact)
     parts.append(escape("\n".join(lines)))
-    incomplete = [k for k, done in r.complete.items() if not done]
-    if incomplete:
-        parts.append(f"[yellow]ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed steps are used[/]")
-    for e in r.doctor_errors or []:
-        parts.append(f"[red]doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}[/]")
+    for w in run_warnings(r):  # (the HTML's lines too)
+        parts.append(f"[{'red' if w.startswith('doctor stepped aside') else 'yellow'}]{escape(w)}[/]")
     return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
 
 

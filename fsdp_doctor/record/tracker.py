@@ -188,8 +188,10 @@ class Doctor:
                 except Exception as e:  # noqa: BLE001
                     self._fail("gpu timing", e, stop=False)
             if self._sinks is not None:
-                if exc_type is None and was_active:
-                    self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns()))
+                if was_active:  # (on the loop's exception too: the run stopped there, not "still going")
+                    why = "" if exc_type is None else f"{exc_type.__name__}: {exc}".splitlines()[0][:200].rstrip(": ")
+                    self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns(),
+                                         exception=why))
                 self._sinks.close()
         except Exception as e:  # noqa: BLE001
             log.warning("fsdp_doctor: closing the record stream failed (%s: %s)", type(e).__name__, e)
