@@ -308,3 +308,18 @@ def test_no_findings_from_a_plain_trace_is_not_called_healthy(sample_run_path):
     full = build_report(load_run(sample_run_path))
     assert 2 * sum(r.status != "skipped" for r in full.rules) >= len(full.rules)
     assert findings_headline([], full.rules) == "Healthy: no findings."
+
+
+@pytest.mark.slow
+def test_html_steps_of_plain_traces_are_the_terminals(gloo_memory_run):
+    """The HTML report of plain traces said "Steps: No step records." while the terminal printed their complete
+    ProfilerSteps (a new-user trial): the HTML's Steps section now has the same rows."""
+    from fsdp_doctor.present.fmt import steps_rows
+    from fsdp_doctor.present.html import render_html
+
+    _, rep = gloo_memory_run
+    page = render_html(rep)
+    steps = page[page.index("<h2>Steps</h2>"):page.index("<h2>Memory</h2>")]
+    assert "No step records." not in steps
+    for row in steps_rows(rep.trace_steps):
+        assert all(cell in steps for cell in row[:3]), row

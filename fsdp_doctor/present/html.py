@@ -244,8 +244,10 @@ def render_html(report: Report | dict) -> str:
     parts = [_header(report)]
     # (heading, figure builder, its section, what to say without it, the tables that follow the figure)
     sections = [
-        ("Steps", F.step_summary_figure, report.steps, "No step records.",
-         lambda: _steps(report.steps) + (_throughput(report.throughput) if report.throughput is not None else "")),
+        # (plain traces: their complete ProfilerSteps, as the terminal shows them; "No step records." read as none)
+        ("Steps", F.step_summary_figure, report.steps or report.trace_steps, "No step records.",
+         lambda: _steps(report.steps or report.trace_steps)
+         + (_throughput(report.throughput) if report.throughput is not None else "")),
         ("Memory", F.memory_peaks_figure, report.memory_section(), "No memory measurements in this report.",
          lambda: _memory(report.memory_section())),
         (None, F.memory_units_figure, report.memory, None, None),
