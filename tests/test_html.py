@@ -306,3 +306,16 @@ def test_html_header_warns_as_the_terminal_does():
     text = render_html(rep)
     assert "ranks 1 did not finish (run still going, or killed); their completed steps are used" in text
     assert "doctor stepped aside on rank 1 at step 4 (memory): probe failed" in text and "2 trace files" in text
+
+
+def test_traces_of_some_ranks_of_a_job_are_said_in_the_header():
+    """A folder holding rank 0's trace of a 2-rank job read as a whole job with no word (a new-user trial): the
+    header says which ranks have no trace, in the terminal and the HTML alike."""
+    from fsdp_doctor.present.fmt import run_warnings
+    from fsdp_doctor.report_sections import RunFacts
+
+    said = run_warnings(RunFacts(world_size=2, trace_ranks=[0]))
+    assert said == ["the traces hold 1 of the job's 2 ranks (no trace of rank 1 here): the figures are rank 0's, and "
+                    "a straggler among the others cannot be seen"]
+    assert run_warnings(RunFacts(world_size=2, trace_ranks=[0, 1])) == []
+    assert run_warnings(RunFacts(world_size=4, trace_ranks=[0, 1], steps_recorded={"0": 3}))  == []  # (records)

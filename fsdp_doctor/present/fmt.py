@@ -507,6 +507,13 @@ def run_warnings(run: RunFacts) -> list[str]:
     if incomplete:
         out.append(f"ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed "
                    "steps are used")
+    traced = run.trace_ranks if run.trace_ranks is not UNSET else None
+    if traced and run.world_size and len(traced) < run.world_size and not run.steps_recorded:
+        gone = [r for r in range(run.world_size) if r not in traced]
+        whose = f"rank {traced[0]}'s" if len(traced) == 1 else "those ranks'"
+        out.append(f"the traces hold {len(traced)} of the job's {run.world_size} ranks (no trace of rank"
+                   f"{'s' * (len(gone) > 1)} {', '.join(map(str, gone[:8]))}{' …' if len(gone) > 8 else ''} here): "
+                   f"the figures are {whose}, and a straggler among the others cannot be seen")
     out += [f"doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}"
             for e in run.doctor_errors or []]
     return out
