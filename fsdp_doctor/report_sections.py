@@ -391,6 +391,9 @@ class OverlapRank(_Section):
     # copy-out, the reduce-scatter's copies, resharding; nested labels once): FSDP's own host work, which grows with
     # the number of units and parameters, not with the batch. None: no complete step, or a report written before it
     fsdp_host_ms_per_step: Optional[float] = None
+    # FSDP roots per forward (trace.model.WindowTrace.roots_per_forward; the rank's windows' largest): more than one
+    # where fully_shard was applied to blocks and not to the model. None: not seen, or a report written before it
+    roots_per_forward: Optional[float] = None
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

@@ -134,3 +134,23 @@ def test_the_window_tensorboard_handler_writes_at_exit_is_named_not_read_as_a_st
     alone = load_run(tail)
     why = unusable_reason(tail, alone, build_report(alone))
     assert why is not None and "nothing ran in its profiler step (#6)" in why, why
+
+
+def test_roots_without_the_model_sharded_are_found_in_a_plain_trace(tmp_path):
+    """fully_shard on the blocks and not the model (the workload's "no_root"), profiled with plain torch.profiler: a
+    new-user trial's report read one "(root)" unit called once per block and "No findings". Each root runs
+    FSDP::root_pre_forward once a forward: 2 of them here (the 2 blocks; the embeddings and head stay replicated),
+    and wrap.root_not_sharded says so with the records' fix (the one line the scenario matrix pastes
+    and reruns on five model trees). With the model sharded: one root, quiet."""
+    from fsdp_doctor import build_report, load_run
+    from fsdp_doctor.diagnose import snippets as S
+
+    none = build_report(load_run(_run(tmp_path / "no_root", "no_root")))
+    assert {pr.roots_per_forward for pr in none.overlap.per_rank.values()} == {2.0}
+    (f,) = [f for f in none.findings if f.code == "wrap.root_not_sharded"]
+    assert f.severity == "warning" and f.evidence["roots_per_forward"] == 2.0
+    assert f.recommendation.code.splitlines()[-2:] == [S.root_mesh(None), "fully_shard(model, mesh=mesh)  # the root: "
+                                                      "manages the rest and drives lazy init"]
+    one = build_report(load_run(_run(tmp_path / "block", "block")))
+    assert {pr.roots_per_forward for pr in one.overlap.per_rank.values()} == {1.0}
+    assert "wrap.root_not_sharded" not in {f.code for f in one.findings}

@@ -311,6 +311,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
         pr.fsdp_host_ms_per_step = (pr.fsdp_host_ms_per_step or 0.0) + w.fsdp_host_us / 1e3
+        if w.roots_per_forward is not None:
+            pr.roots_per_forward = max(pr.roots_per_forward or 0.0, w.roots_per_forward)
         pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
                                                  + on_compute_stream_us(w) / 1e3)
         if w.device_lag_us > 0:

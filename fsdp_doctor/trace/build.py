@@ -32,6 +32,7 @@ import gc
 from array import array
 import math
 import re
+import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,13 +425,15 @@ def _build_window(path: Path, trace) -> WindowTrace:
     fwd = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name[lab]]
     bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
     phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
+    roots_per_forward = _roots_per_forward(sp_ts[lab][fwd | bwd].tolist(), bwd[fwd | bwd].tolist(),
+                                           min(steps.values(), default=-math.inf))
     opt = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name] & (sp_ts < cutoff)
     loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
     optimizer_steps = iv.union(sp_ts[opt], sp_end[opt])
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
-                      clock_us=(trace.baseTimeNanoseconds or 0) / 1e3)
+                      clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward)
     ends = [steps[n] for n in kept_steps[1:]] + [cutoff if cutoff != math.inf else step_end[n] for n in kept_steps[-1:]]
     win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
     if kept_steps:
@@ -479,6 +482,23 @@ def _build_window(path: Path, trace) -> WindowTrace:
                          f"({', '.join(f'#{n}' for n in kept_steps)}): no operator, kernel or collective, a window "
                          "the profiler closed as the loop ended; not analysed")
     return win
+
+
+def _roots_per_forward(ts: list[float], is_bwd: list[bool], t0: float) -> Optional[float]:
+    """The median count of ``FSDP::root_pre_forward`` labels in a row with no ``FSDP::pre_backward`` between them,
+    from ``t0`` on (``ts``/``is_bwd``: both kinds of label, before the cut): FSDP's roots in one forward (micro-batches
+    and evaluation forwards each start a run of their own after a backward). None: no run closed by a backward."""
+    runs, n = [], 0
+    for t, b in sorted(zip(ts, is_bwd)):
+        if t < t0:
+            continue
+        if b:
+            if n:
+                runs.append(n)
+            n = 0
+        else:
+            n += 1
+    return float(statistics.median(runs)) if runs else None
 
 
 def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],

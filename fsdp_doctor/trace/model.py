@@ -82,3 +82,7 @@ class WindowTrace:
     between_comm_us: float = 0.0
     # host µs inside FSDP2's labels (its hooks, nested labels once) over the complete steps (build's _outside_model)
     fsdp_host_us: float = 0.0
+    # FSDP roots per forward: FSDP::root_pre_forward labels with no backward between them (their median run in the
+    # complete steps; None: none seen). One root runs that label once a forward; fully_shard applied to the blocks
+    # and not the model makes each block a root of its own, each labelled (FSDP's labels name no root)
+    roots_per_forward: Optional[float] = None

@@ -9,7 +9,7 @@ from .. import estimate as E
 from .. import thresholds as T
 from .. import snippets as S
 from ...units import fmt_bytes
-from ..base import Context, Rule, register
+from ..base import NEEDS, Context, Rule, register
 from ..thresholds import COARSE_SHARE_MIN  # one unit holding this share of the parameters is too coarse
 
 # Splitting a coarse unit: the estimate assumes it becomes this many similar units, two of them gathered
@@ -264,10 +264,14 @@ class RootNotSharded(Rule):
     code = "wrap.root_not_sharded"
     name = "Root never sharded"
     description = "Blocks were wrapped but fully_shard was never applied to the root module."
-    needs = ("units",)
+    needs = ("records|trace",)
     severities = ("warning", "critical")
 
     def match(self, ctx: Context):
+        if not E.units(ctx):
+            if ctx.report.overlap is None or not ctx.report.overlap.per_rank:
+                return self.skip(NEEDS["units"].missing)
+            return self._from_plain_trace(ctx)
         allu = E.units(ctx)
         us = [u for u in allu if u.param_count > 0 or u.is_root]
         if len(us) < 2:
@@ -323,6 +327,31 @@ class RootNotSharded(Rule):
              "held_gathered_bytes": sum(extra), "step_p50_ms": step},
             text, code, predicted=E.predicted(step, step_after, peak, peak_after), units=names)]
 
+
+    def _from_plain_trace(self, ctx: Context):
+        """A plain trace (no unit snapshot): FSDP's labels name no root, but each root runs ``FSDP::root_pre_forward``
+        once a forward; several in one forward (no backward between) are several roots. A new-user trial's Llama
+        with fully_shard on its 4 layers and not the model read as one "(root)" unit called 4 times a step, and "No
+        findings"; its embeddings and head replicated on every rank."""
+        per = {r: pr.roots_per_forward for r, pr in ctx.report.overlap.per_rank.items() if pr.roots_per_forward}
+        if not per:
+            return self.quiet("the trace shows no FSDP root's forward (no FSDP::root_pre_forward label)")
+        n = statistics.median(per.values())
+        if n < 2:
+            return self.quiet(f"{n:.0f} FSDP root per forward in the trace (FSDP::root_pre_forward once a forward)")
+        text = (f"The trace shows {n:.0f} FSDP roots in each forward (FSDP::root_pre_forward {n:.0f} times with no "
+                "backward between): fully_shard was applied to blocks but not to the model that holds them. Each "
+                "root keeps its parameters gathered from its forward to its backward (FSDP's default for a root), "
+                "all-gathers with no prefetch from one root to the next, and what no block holds (embeddings, the "
+                "output head, final norms) is a plain replicated tensor whose gradients are never reduced across "
+                "ranks. Apply fully_shard to the model after your own calls: one line. (From a trace alone the "
+                "memory it frees cannot be told: record the run with fsdp_doctor.watch for the figures.)")
+        code = ("# after your fully_shard calls on the blocks, on their mesh:\n" + S.root_mesh(None) + "\n"
+                "fully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init")
+        return [self.finding(
+            "warning", f"fully_shard was never applied to the root: {n:.0f} FSDP roots per forward",
+            {"roots_per_forward": n, "ranks": sorted(per, key=int), "measured_by": "trace (FSDP::root_pre_forward)"},
+            text, code)]
 
 def _peak_under_a_root(pm, roots) -> int:
     """The peak with the roots' blocks resharded after forward by a real root over them: at each mark of the peak
