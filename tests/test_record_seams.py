@@ -262,3 +262,24 @@ def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp
     assert facts.complete == {"0": False} and facts.stopped_on == {"0": "KeyboardInterrupt"}
     assert run_warnings(facts) == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); their "
                                    "completed steps are used"]
+
+
+def test_a_trainer_that_did_not_shard_is_told_so_in_its_own_terms():
+    """Under the Hugging Face Trainer a model with no FSDP2 unit is one the Trainer did not shard: a new-user trial
+    asked for FSDP2 on CPU, accelerate ran DDP, and the doctor's line said to apply fully_shard, which a Trainer's
+    user does not call. The line names what the Trainer was asked and what it did."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.record.hf_trainer import _trainer_refusal
+    from fsdp_doctor.record.tracker import WatchError
+
+    e = WatchError("fsdp_doctor.watch: Qwen2ForCausalLM has no FSDP2 unit; apply torch.distributed.fsdp.fully_shard "
+                   "to its blocks and to the model before watching it")
+    model = torch.nn.Linear(2, 2)
+    asked = _trainer_refusal(e, SimpleNamespace(fsdp=[], fsdp_config={"fsdp_version": 2}), model)
+    assert "the Trainer did not shard Linear with FSDP2" in asked and "TrainingArguments.fsdp asks for it" in asked
+    assert "fully_shard" not in asked
+    plain = _trainer_refusal(e, SimpleNamespace(fsdp=[], fsdp_config={}), model)
+    assert "set TrainingArguments(fsdp=" in plain and "fully_shard" not in plain
+    other = WatchError("fsdp_doctor.watch: cannot write to out_dir x (Permission denied)")
+    assert _trainer_refusal(other, SimpleNamespace(fsdp=[]), model) == str(other)

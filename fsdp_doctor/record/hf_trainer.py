@@ -47,7 +47,7 @@ class DoctorCallback(TrainerCallback):
         try:
             doctor.__enter__()
         except WatchError as e:
-            log.warning("%s; training goes on without fsdp_doctor", e)
+            log.warning("%s; training goes on without fsdp_doctor", _trainer_refusal(e, args, model))
             return
         self.doctor = doctor
 
@@ -75,3 +75,26 @@ class DoctorCallback(TrainerCallback):
         doctor, self.doctor = self.doctor, None
         if doctor is not None:
             doctor.__exit__(None, None, None)
+
+
+def _trainer_refusal(e: WatchError, args, model) -> str:
+    """The refusal as a Trainer's user can act on it: a model with no FSDP2 unit under the Trainer is one the Trainer
+    did not shard (the one thing its user sets is TrainingArguments.fsdp), not one to call fully_shard on. A
+    new-user trial asked for FSDP2 on CPU: accelerate ran DDP instead and the line said to apply fully_shard."""
+    if "has no FSDP2 unit" not in str(e):
+        return str(e)
+    asked = bool(getattr(args, "fsdp", None)) or bool((getattr(args, "fsdp_config", None) or {}).get("fsdp_version"))
+    try:
+        from accelerate.state import PartialState
+
+        kind = str(PartialState().distributed_type).split(".")[-1]
+    except Exception:  # noqa: BLE001 - no state yet, or no accelerate: the kind is not said
+        kind = ""
+    ran = f" (accelerate's distributed type: {kind})" if kind else ""
+    if asked:
+        return (f"fsdp_doctor.watch: the Trainer did not shard {type(model).__name__} with FSDP2{ran}, though "
+                "TrainingArguments.fsdp asks for it: accelerate applies FSDP only where its distributed type is FSDP "
+                "(on a CPU host it runs DDP); fsdp_doctor reads the FSDP2 units it would make")
+    return (f"fsdp_doctor.watch: the Trainer did not shard {type(model).__name__} with FSDP2{ran}: set "
+            "TrainingArguments(fsdp=..., fsdp_config={'fsdp_version': 2, ...}) for fsdp_doctor to have FSDP2 units to "
+            "read")
