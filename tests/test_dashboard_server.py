@@ -212,6 +212,12 @@ def test_a_run_that_stopped_writing_is_not_live(tmp_path):
     assert status.startswith("live · 10 steps × 2 ranks · last record ")
     done = RunState(SAMPLE, background_traces=False).snapshot()
     assert run_state(done.report, done.updated, now=done.updated + 1e6) == "finished"
+    # a loop that raised through watch() (Ctrl-C) ended: its end record names the exception, and so does the status
+    for f in run.glob("rank*.records.jsonl"):
+        f.write_bytes(f.read_bytes() + b'{"t":"end","rank":%d,"steps":10,"ended_ns":1,"exception":"KeyboardInterrupt"}\n'
+                      % int(f.name[4]))
+    snap = RunState(run, background_traces=False).snapshot()
+    assert run_state(snap.report, snap.updated, now=snap.updated + 1e6) == "stopped on KeyboardInterrupt"
 
 
 def test_compare_reads_only_the_runs_it_offers_and_says_why_a_folder_cannot_be_compared(tmp_path):

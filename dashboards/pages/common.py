@@ -18,10 +18,13 @@ STALE_S = 120.0
 
 
 def run_state(report, updated: float, now: Optional[float] = None) -> str:
-    """"finished", "live", or "no new record for N min" (``updated``: when the records last grew, time.time())."""
+    """"finished", "stopped on KeyboardInterrupt" (the loop raised through watch()), "live", or "no new record for N
+    min" (``updated``: when the records last grew, time.time())."""
     done = report.run.complete
-    if done and all(done.values()):
-        return "finished"
+    stopped = report.run.stopped_on or {}  # (UNSET: none)
+    if done and all(ok or r in stopped for r, ok in done.items()):
+        return (f"stopped on {', '.join(sorted({v.split(':')[0] for v in stopped.values()}))}" if stopped
+                else "finished")
     steps = report.steps.per_rank.values() if report.steps is not None else []
     slowest = max((st.max_ms or 0.0 for st in steps), default=0.0) / 1e3
     idle = (time.time() if now is None else now) - updated
