@@ -102,7 +102,12 @@ def evidence_label(key: str, v) -> str:
         unit = next((u for u, _ in _KEY_UNITS if u in low), None)
         if unit is not None and len(words) > 1:
             del words[low.index(unit)]
-    return " ".join(words)
+    return " ".join(_LABEL_WORDS.get(w, w) for w in words)
+
+
+# words of evidence keys as a label writes them ("reducescatters_per_unit_per_step": "reduce-scatters per unit ...")
+_LABEL_WORDS = {"ag": "AG", "rs": "RS", "allgather": "all-gather", "allgathers": "all-gathers",
+                "reducescatter": "reduce-scatter", "reducescatters": "reduce-scatters", "mfu": "MFU"}
 
 
 def fmt_value(key: str, v, max_items: int = 8) -> str:

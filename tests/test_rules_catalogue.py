@@ -323,7 +323,8 @@ def test_evidence_labels_leave_the_unit_to_the_value():
     from fsdp_doctor.units import evidence_label, fmt_value
 
     assert (evidence_label("step_p50_ms", 754.6), fmt_value("step_p50_ms", 754.6)) == ("step p50", "754.6 ms")
-    assert evidence_label("rs_bytes_per_call_median", 4096) == "rs per call median"
+    assert evidence_label("rs_bytes_per_call_median", 4096) == "RS per call median"
+    assert evidence_label("reducescatters_per_unit_per_step", 4.0) == "reduce-scatters per unit per step"
     assert evidence_label("exposed_share_pct", 30.4) == "exposed share"
     assert evidence_label("worst_units", ["a", "b"]) == "worst units"
     assert evidence_label("ms", 2.0) == "ms" and evidence_label("saves", 3) == "saves"
