@@ -262,7 +262,7 @@ def test_finding_card_shows_evidence_and_fix(browser, serve, tmp_path):
                  what="finding card")[0]
     text = card.text
     assert "GC pauses" in text
-    assert "Evidence" in text and "gc ms per step" in text
+    assert "Evidence" in text and "gc per step" in text and "gc ms per step" not in text  # (the unit in the value)
     assert "12.0" in text or "12.00" in text  # the evidence value, formatted
     assert card.find_elements(By.CSS_SELECTOR, ".fix-code") and "gc.freeze()" in card.find_element(By.CSS_SELECTOR, ".fix-code").text
     assert card.find_elements(By.CSS_SELECTOR, ".copy-btn")
