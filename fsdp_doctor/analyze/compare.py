@@ -289,7 +289,8 @@ def _fix_keys(code: str) -> tuple[str, ...]:
 def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     """Whether a predicted step change ``d`` (ms; ``pred`` the predicted step) held against the measured change:
     inconclusive from too few steps (``MIN_STEPS``), or when the measured interval holds both ``d`` and zero while
-    ``d`` is a change (at least the noise floor), held when the interval holds ``d`` or ``pred`` lands within ``STEP_TOLERANCE_PCT`` of B's step."""
+    ``d`` is a change (at least the noise floor), held when the interval holds ``d`` or ``pred`` lands within
+    ``STEP_TOLERANCE_PCT`` of B's step."""
     if p50.reason == FEW_STEPS:  # (one step a side: a zero-width interval, no measure of its noise)
         return "inconclusive"
     inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high

@@ -5,8 +5,8 @@ Face Trainer's under ``DoctorCallback``)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
 import statistics
+from typing import Optional
 
 from .. import estimate as E
 from .. import snippets as S
