@@ -47,7 +47,8 @@ def run_facts(run: Run) -> RunFacts:
         facts.doctor_errors = errs
     facts.steps_recorded = {str(r): len(rd.steps) for r, rd in sorted(run.ranks.items())}
     facts.complete = {str(r): rd.end is not None and not rd.end.exception for r, rd in sorted(run.ranks.items())}
-    stopped = {str(r): rd.end.exception for r, rd in sorted(run.ranks.items()) if rd.end is not None and rd.end.exception}
+    stopped = {str(r): rd.end.exception for r, rd in sorted(run.ranks.items())
+               if rd.end is not None and rd.end.exception}
     if stopped:
         facts.stopped_on = stopped
     return facts

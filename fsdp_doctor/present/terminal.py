@@ -139,7 +139,8 @@ def finding_details(f: Finding) -> list:
     rec = f.recommendation
     items = [title, Text(rec.text)]
     if f.evidence:
-        items.append(Text("Evidence:\n" + "\n".join(f"  {label}: {fmt_value(k, v)}" for (k, v), label in zip(f.evidence.items(), evidence_labels(f.evidence).values())),
+        labels = evidence_labels(f.evidence)
+        items.append(Text("Evidence:\n" + "\n".join(f"  {labels[k]}: {fmt_value(k, v)}" for k, v in f.evidence.items()),
                           style="dim"))
     expected = predicted_text(f.predicted)
     if expected:
