@@ -260,10 +260,14 @@ def test_accumulation_without_sync_peak_frees_the_sharded_gradients(matrix, row)
     """Without gradient sync until the last micro-batch, FSDP2 holds every unit's unsharded gradients and no sharded
     ones: the prediction adds the first and takes the second off (those A's peak held). Without that, it read 9.8%
     over the measured peak on gpt_accum and a new-user trial's Llama missed by 7.8%; now within 3% (gpt_accum +0.6%,
-    bert_accum -2.2%, lora_accum exact, measured)."""
+    bert_accum -2.2%, lora_accum exact, measured). A rerun's peak may also hold one unit's gathered parameters past
+    FSDP's release of them, by gloo's thread timing (conftest.async_gather_slack): bert_accum measured 131,840 B over
+    its prediction once (-4.8%), one BERT layer's gathered parameters."""
     o = _ran(matrix[row])
     freed = o.finding.evidence["sharded_grads_freed_bytes"]
     held = o.report.memory.per_rank[str(o.report.memory.peak_rank)].peak_breakdown.get("sharded_grads", 0)
     assert 0 < freed <= held, (freed, held)
     rc = o.recheck()
-    assert abs(rc["peak_measured"] - rc["peak_predicted"]) <= 0.03 * rc["peak_measured"], rc
+    slack = max(u.unsharded_bytes or 0 for u in o.after.units)  # (async_gather_slack of the rerun)
+    off = rc["peak_measured"] - rc["peak_predicted"]
+    assert -0.03 * rc["peak_measured"] <= off <= 0.03 * rc["peak_measured"] + slack, (rc, slack)
