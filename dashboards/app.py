@@ -199,16 +199,16 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
         lo, hi = _step_bounds(snap)
         flt = Query.parse(search).filters(lo, hi)
         ranks = _ranks(snap)
-        unknown = flt.rank is not None and ranks and flt.rank not in ranks
-        if unknown:  # (a link from another run, a typo): every rank, and say so, not "no steps recorded yet"
+        unknown = flt.rank if flt.rank is not None and ranks and flt.rank not in ranks else None
+        if unknown is not None:  # (a link from another run, a typo): every rank, and say so, not "no steps recorded"
             flt = dataclasses.replace(flt, rank=None)
         _, mod = PAGES[page_key(app.strip_relative_path(pathname or "/"))]
         try:
             out = list(mod.layout(snap, flt))
         except Exception as e:  # noqa: BLE001  (a presenter bug must not blank the whole app)
             out = [html.Div(f"This page could not be drawn ({type(e).__name__}: {e}).", className="note note-error")]
-        if unknown:
-            out.insert(0, html.Div(f"This run has no rank {Query.parse(search).rank} (its ranks: "
+        if unknown is not None:
+            out.insert(0, html.Div(f"This run has no rank {unknown} (its ranks: "
                                    f"{', '.join(map(str, ranks))}): showing all ranks.", className="note note-warning",
                                    id="rank-note"))
         if snap.notice:  # the run was replaced: say so on every page

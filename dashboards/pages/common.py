@@ -9,7 +9,7 @@ from typing import Any, Optional
 import dash_ag_grid as dag  # imported with the app: Dash refuses a component library first imported in a callback
 from dash import dcc, html
 
-from fsdp_doctor.present.fmt import ROOT_LABEL, unit_label
+from fsdp_doctor.present.fmt import ROOT_LABEL, exception_kinds, unit_label
 from fsdp_doctor.present.fmt import fmt_value as _fmt_value
 
 # a run that has not finished and wrote no record for this long (or 10 of its slowest steps, if longer) is said to
@@ -23,8 +23,7 @@ def run_state(report, updated: float, now: Optional[float] = None) -> str:
     done = report.run.complete
     stopped = report.run.stopped_on or {}  # (UNSET: none)
     if done and all(ok or r in stopped for r, ok in done.items()):
-        return (f"stopped on {', '.join(sorted({v.split(':')[0] for v in stopped.values()}))}" if stopped
-                else "finished")
+        return f"stopped on {', '.join(exception_kinds(report.run))}" if stopped else "finished"
     steps = report.steps.per_rank.values() if report.steps is not None else []
     slowest = max((st.max_ms or 0.0 for st in steps), default=0.0) / 1e3
     idle = (time.time() if now is None else now) - updated

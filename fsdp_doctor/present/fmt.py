@@ -493,6 +493,11 @@ def memory_unit_cells(u) -> tuple[str, ...]:
             fmt_bytes(u.activation_bytes))
 
 
+def exception_kinds(run: RunFacts) -> list[str]:
+    """The kinds of exception the ranks' loops raised through watch() ("KeyboardInterrupt"), sorted; [] for none."""
+    return sorted({v.split(":")[0] for v in (run.stopped_on or {}).values()})
+
+
 def run_warnings(run: RunFacts) -> list[str]:
     """What the header warns of: ranks that did not finish, and where the doctor stepped aside."""
     from msgspec import UNSET
@@ -501,9 +506,8 @@ def run_warnings(run: RunFacts) -> list[str]:
     stopped = run.stopped_on if run.stopped_on is not UNSET else {}
     incomplete = [k for k, done in run.complete.items() if not done and k not in stopped]
     if stopped:
-        kinds = sorted({v.split(":")[0] for v in stopped.values()})
         out.append(f"rank{'s' * (len(stopped) > 1)} {', '.join(stopped)} stopped on an exception in the training loop "
-                   f"({', '.join(kinds)}); their completed steps are used")
+                   f"({', '.join(exception_kinds(run))}); their completed steps are used")
     if incomplete:
         out.append(f"ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed "
                    "steps are used")

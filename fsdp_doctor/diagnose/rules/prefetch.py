@@ -194,11 +194,10 @@ class ExposedAllGather(Rule):
                      "reshard_after_forward=False on those units removes them.")
         # the gain quoted is the snippet's (explicit prefetch); reshard_after_forward=False is another fix, with
         # its own memory cost: named here, predicted by reshard.zero2_affordable
-        if has_fwd_prefetch:  # (no snippet: the run has it; a new-user trial read "from the snippet" with none)
-            pass
-        elif saved > 0 and not no_room:
+        # (set already: no snippet, and no gain "from the snippet": a new-user trial read one with none printed)
+        if saved > 0 and not no_room and not has_fwd_prefetch:
             text += f" Expected from the snippet (explicit prefetch): ~{saved:.1f} ms per step."
-        elif cpu:
+        elif cpu and not has_fwd_prefetch:
             text += (" On gloo, prefetch gains nothing measurable (gloo's threads share the cores with compute): "
                      "expect no step-time change from the snippet.")
         if saved_bwd > 0:
