@@ -139,10 +139,30 @@ def test_straggler_across_the_ranks_files(tmp_path):
     assert s.ranks == [1] and ev["rank"] == 1 and ev["rank_largest_part"] == "host"
     assert ev["own_ms_per_step"] - ev["others_own_ms_median"] == pytest.approx(1.0, abs=0.01)
     assert ev["others_wait_ms_median"] == pytest.approx(1.07, abs=0.01)
-    # the same job without the late rank: no straggler
+    # what the others wait for rank 1 is its lateness, not their all-gathers' cost: prefetch.exposed_allgather reads
+    # the straggler's own waits (0.08 ms a step, as in the job without it: of the longer 2.3 ms step, under the 5%
+    # it notes from), where the median of the ranks read 1.02 ms, 45% of the step
+    ag = next(s for s in rep.rules if s.code == "prefetch.exposed_allgather")
+    assert ag.status == "quiet" and "0.1 ms: 4% of the step 2.3 ms" in ag.reason, ag
+    assert ag.reason.endswith("(fires from 5%), on a GPU (trace); read on rank 1, the straggler (the other ranks' "
+                              "waits for it, +1.00 ms a step, are straggler.trace's)"), ag.reason
+    # 5 ms late: the others wait in their collectives 61% of their step, the job's verdict communication-bound; the
+    # straggler's own step is host-bound (its collectives 2% of it): no comm.bound (its levers send fewer bytes,
+    # which would not make rank 1 arrive sooner), straggler.trace says it
+    kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True,
+                step_skew_us=5000 if r == 1 else 0, first_ag_wait_us=0 if r == 1 else 5000) for r in range(4)]
+    run, rep = _report(tmp_path / "late5", *kws)
+    assert rep.verdict.job.bound == "communication" and rep.verdict.job.groups_pct["communication"] > 60
+    assert set(_by_code(rep)) == {"straggler.trace"}, _by_code(rep).keys()
+    cb = next(s for s in rep.rules if s.code == "comm.bound")
+    assert cb.reason.startswith("the step is host-bound, read on rank 1, the straggler (the other ranks' waits for "
+                                "it, +5.00 ms a step, are straggler.trace's); communication 2% of it"), cb.reason
+    # the same job without the late rank: no straggler, every rank's all-gathers read
     kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True) for _ in range(4)]
     run, rep = _report(tmp_path / "even", *kws)
     assert "straggler.trace" not in _by_code(rep)
+    ag = _by_code(rep)["prefetch.exposed_allgather"]
+    assert ag.evidence["exposed_ag_ms_per_step"] == pytest.approx(0.08) and ag.evidence["ranks_read"] == [0, 1, 2, 3]
     # one complete profiled step is no pattern (a new-user trial's single-step window fired; its rerun was quiet)
     kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True, steps=1,
                 step_skew_us=1000 if r == 1 else 0, first_ag_wait_us=0 if r == 1 else 1000) for r in range(4)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from types import SimpleNamespace
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import msgspec
 
@@ -394,11 +394,14 @@ def other_comm_loop_ms(ctx: Context, rank, removable: bool = False) -> float:
     return max(0.0, span - (pr.loop_comm_wait_ms_per_step or 0.0)) if removable else max(span, exposed)
 
 
-def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather") -> dict[tuple[str, str], float]:
-    """Exposed ms per step per (unit, phase), the median over ranks."""
+def trace_exposed_by_unit(ctx: Context, collective: str = "all_gather",
+                          ranks: Optional[Iterable[str]] = None) -> dict[tuple[str, str], float]:
+    """Exposed ms per step per (unit, phase), the median over ranks (over ``ranks`` where given)."""
+    keep = None if ranks is None else {str(r) for r in ranks}
     acc: dict[tuple[str, str], list[float]] = {}
     for r in trace_rows(ctx, collective):
-        acc.setdefault((r.unit, r.phase or ""), []).append(r.exposed_ms_per_step)
+        if keep is None or str(r.rank) in keep:
+            acc.setdefault((r.unit, r.phase or ""), []).append(r.exposed_ms_per_step)
     return {k: statistics.median(v) for k, v in acc.items()}
 
 
@@ -423,6 +426,59 @@ def host_bound(ctx: Context, ranks=None) -> Optional[tuple[str, float]]:
         return None
     rank = max(shares, key=shares.get)
     return rank, shares[rank]
+
+
+class Straggler(NamedTuple):
+    """A rank of a traced job whose own work (its step less its exposed communication) is longer, and whom the
+    other ranks wait for inside their collectives (``trace_straggler``)."""
+    rank: str
+    excess_ms: float  # its own work per step beyond the other ranks' median
+    own_ms: dict  # rank -> own work per step (ms)
+    waits_ms: dict  # rank -> exposed communication per step (ms)
+    others_own_ms: float  # the other ranks' median own work
+    others_wait_ms: float  # the other ranks' median exposed communication
+
+
+def trace_straggler(ctx: Context) -> tuple[Optional[Straggler], str]:
+    """The straggler of the traced job, or None and why not: the slowest rank's own work exceeds the others'
+    median by ``T.TRACE_STRAGGLER_MIN_MS`` and ``T.TRACE_STRAGGLER_MIN_FRACTION``, the others wait for it in their
+    collectives (half its excess at least, beyond what it waits itself), over two or more complete profiled steps,
+    in a job without step records (their straggler.rank decides there). What the other ranks wait for it is its
+    lateness, not their collectives' cost: straggler.trace reports it, and the rules that read the trace's exposed
+    collectives read the straggler's own (it waits for no one's lateness)."""
+    from ..report_sections import Breakdown
+
+    if ctx.run is not None and getattr(ctx.run, "has_records", False):
+        return None, "the job has step records: straggler.rank decides from them"
+    tr = trace_verdicts(ctx)
+    if len(tr) < 2:
+        return None, "needs the trace files of two or more ranks of one job"
+    own = {r: x.step_ms * (1 - sum(x.shares_pct[k] for k in Breakdown.COMM_PARTS) / 100) for r, x in tr.items()}
+    waits = {r: x.step_ms - own[r] for r, x in tr.items()}
+    worst = max(own, key=own.get)
+    base = statistics.median(own[r] for r in own if r != worst)
+    excess = own[worst] - base
+    if excess < T.TRACE_STRAGGLER_MIN_MS or excess < T.TRACE_STRAGGLER_MIN_FRACTION * base:
+        return None, (f"the slowest rank's ({worst}) own work exceeds the others' median by {excess:.2f} ms "
+                      f"(fires from {T.TRACE_STRAGGLER_MIN_MS:g} ms and {100 * T.TRACE_STRAGGLER_MIN_FRACTION:.0f}%)")
+    # the others must be the ones waiting, about as long as it is late: their exposed communication exceeds the
+    # straggler's by half its excess at least (a new-user trial: +88 ms "late", the others waiting 3.5 ms more)
+    others_wait = statistics.median(waits[r] for r in own if r != worst)
+    if others_wait - waits[worst] < 0.5 * excess:
+        return None, (f"rank {worst} is the slowest (+{excess:.2f} ms of its own work), but the others wait "
+                      f"{others_wait - waits[worst]:.2f} ms more than it in collectives, not that long")
+    ov = overlap(ctx)
+    n = min((ov.per_rank[r].step_count for r in tr if r in ov.per_rank), default=0)
+    if n < 2:  # one step is not a pattern (the identical rerun was quiet)
+        return None, (f"rank {worst} is the slowest (+{excess:.2f} ms), in {n} complete profiled step: "
+                      "one step is not a pattern")
+    return Straggler(worst, excess, own, waits, base, others_wait), ""
+
+
+def read_on_straggler(late: Straggler) -> str:
+    """What a rule that read the straggler's own collectives says of it."""
+    return (f"read on rank {late.rank}, the straggler (the other ranks' waits for it, +{late.excess_ms:.2f} ms a step, "
+            "are straggler.trace's)")
 
 
 def trace_step_ms(ctx: Context) -> Optional[float]:

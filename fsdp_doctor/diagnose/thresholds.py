@@ -39,3 +39,9 @@ PREFETCH_OVERLAP_CPU = 0.0
 # by it, and a "severe" one from SEVERE_BOUND_SHARE on.
 BOUND_MIN_SHARE = 0.25
 SEVERE_BOUND_SHARE = 0.50
+
+# A rank whose own time (step minus exposed communication) exceeds the median of the others' by this share and at
+# least this long is a straggler: the other ranks wait for it inside their collectives (estimate.trace_straggler:
+# straggler.trace, and the trace's exposed collectives read from the straggler's own)
+TRACE_STRAGGLER_MIN_FRACTION = 0.15
+TRACE_STRAGGLER_MIN_MS = 0.5

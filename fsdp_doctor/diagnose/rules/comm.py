@@ -54,10 +54,6 @@ def fp32_exposed_ms(rows: list[E.TraceRow]) -> float:
 # all-reduce of the loss takes microseconds: not a finding).
 ON_COMPUTE_STREAM_INFO_SHARE = 0.02
 ON_COMPUTE_STREAM_WARN_SHARE = 0.10
-# A rank whose own time (step minus exposed communication) exceeds the median of the others' by this share
-# and at least this long is a straggler: the other ranks wait for it inside their collectives.
-STRAGGLER_MIN_FRACTION = 0.15
-STRAGGLER_MIN_MS = 0.5
 
 
 def _bucket(nbytes: float) -> str:
@@ -184,9 +180,17 @@ class CommunicationBound(TraceRule):
         job = ctx.report.verdict.job
         if trace_device(ctx) != "gpu":
             return self.quiet(GLOO_QUIET)
+        # with a straggler the other ranks' collectives wait for it to arrive: its lateness (straggler.trace's), which
+        # fewer bytes would not shorten; the straggler's own step says what its collectives cost (one rank 5 ms late
+        # of 4 read "communication-bound, 61% of the step" and advised 16-bit all-gathers)
+        late, _ = E.trace_straggler(ctx)
+        on_late = ""
+        if late is not None and late.rank in ctx.report.verdict.per_rank:
+            job = ctx.report.verdict.per_rank[late.rank]
+            on_late = ", " + E.read_on_straggler(late)
         share = job.groups_pct["communication"] / 100
         if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
-            return self.quiet(f"the step is {job.bound}-bound; communication {100 * share:.0f}% of it (fires "
+            return self.quiet(f"the step is {job.bound}-bound{on_late}; communication {100 * share:.0f}% of it (fires "
                               f"when communication-bound at {100 * COMM_BOUND_MIN_SHARE:.0f}% or more)")
         fsdp_pct = sum(job.shares_pct.get(k, 0.0) for k in Breakdown.FSDP_COMM_PARTS)
         model_pct = job.shares_pct.get("model_comm", 0.0)
@@ -194,7 +198,7 @@ class CommunicationBound(TraceRule):
             return self.quiet(f"communication-bound mostly by the model's own collectives (model-parallel "
                               f"{model_pct:.0f}% of the step, FSDP's {fsdp_pct:.0f}%), which FSDP's levers do not "
                               "reach (verdict.severe names theirs)")
-        rows = [r for r in E.trace_rows(ctx) if r.phase != MODEL_PHASE]
+        rows = [r for r in E.trace_rows(ctx) if r.phase != MODEL_PHASE and (on_late == "" or str(r.rank) == late.rank)]
         table = _size_table(rows)
         step = trace_step_ms(ctx)
         small = [t for t in table if t.size == SIZE_BUCKETS[0][1]]
@@ -384,32 +388,11 @@ class TraceStraggler(TraceRule):
     severities = ("warning",)
 
     def match(self, ctx: Context):
-        if ctx.run is not None and getattr(ctx.run, "has_records", False):
-            return self.quiet("the job has step records: straggler.rank decides from them")
+        found, why = E.trace_straggler(ctx)
+        if found is None:
+            return self.quiet(why)
         tr = trace_verdicts(ctx)
-        if len(tr) < 2:
-            return self.quiet("needs the trace files of two or more ranks of one job")
-        comm = Breakdown.COMM_PARTS
-        own = {r: x.step_ms * (1 - sum(x.shares_pct[k] for k in comm) / 100) for r, x in tr.items()}
-        waits = {r: x.step_ms - own[r] for r, x in tr.items()}
-        worst = max(own, key=own.get)
-        others = [own[r] for r in own if r != worst]
-        base = statistics.median(others)
-        excess = own[worst] - base
-        if excess < STRAGGLER_MIN_MS or excess < STRAGGLER_MIN_FRACTION * base:
-            return self.quiet(f"the slowest rank's ({worst}) own work exceeds the others' median by {excess:.2f} ms "
-                              f"(fires from {STRAGGLER_MIN_MS:g} ms and {100 * STRAGGLER_MIN_FRACTION:.0f}%)")
-        # the others must be the ones waiting, about as long as it is late: their exposed communication exceeds the
-        # straggler's by half its excess at least (a new-user trial: +88 ms "late", the others waiting 3.5 ms more)
-        others_wait = statistics.median(waits[r] for r in own if r != worst)
-        if others_wait - waits[worst] < 0.5 * excess:
-            return self.quiet(f"rank {worst} is the slowest (+{excess:.2f} ms of its own work), but the others wait "
-                              f"{others_wait - waits[worst]:.2f} ms more than it in collectives, not that long")
-        ov = ctx.report.overlap
-        steps = min((ov.per_rank[r].step_count for r in tr if r in ov.per_rank), default=0) if ov else 0
-        if steps < 2:  # one step is not a pattern (the identical rerun was quiet)
-            return self.quiet(f"rank {worst} is the slowest (+{excess:.2f} ms), in {steps} complete profiled step: "
-                              "one step is not a pattern")
+        worst, excess, own, waits = found.rank, found.excess_ms, found.own_ms, found.waits_ms
         x = tr[worst]
 
         def group_ms(r, g):
@@ -420,8 +403,9 @@ class TraceStraggler(TraceRule):
                   key=lambda g: group_ms(worst, g) - statistics.median(group_ms(r, g) for r in tr if r != worst))
         return [self.finding(
             "warning", f"Rank {worst} is a straggler: +{excess:.2f} ms of its own work per step",
-            {"rank": int(worst), "own_ms_per_step": round(own[worst], 3), "others_own_ms_median": round(base, 3),
-             "others_wait_ms_median": round(statistics.median(waits[r] for r in own if r != worst), 3),
+            {"rank": int(worst), "own_ms_per_step": round(own[worst], 3),
+             "others_own_ms_median": round(found.others_own_ms, 3),
+             "others_wait_ms_median": round(found.others_wait_ms, 3),
              "rank_wait_ms": round(waits[worst], 3), "rank_bound": x.bound, "rank_largest_part": top,
              "own_ms_by_rank": {r: round(ms, 3) for r, ms in sorted(own.items(), key=lambda kv: int(kv[0]))}},
             f"Rank {worst} spends {excess:.2f} ms more per step on its own work (mostly {top}) than the median "
