@@ -202,6 +202,26 @@ def test_real_gloo_trace_in_every_view(gloo_memory_run, tmp_path):
         assert fmt_bytes(m.peak_bytes) in pages["memory"]
 
 
+@pytest.mark.slow
+def test_compare_reads_the_steps_the_report_reads(gloo_memory_run):
+    """compare's step samples of plain traces (trace.ops) are the report's trace steps, step for step: a kept step
+    ends where the next one starts (trace.build's steps, HTA's), not where its ``ProfilerStep`` marker ends (what
+    trace.ops read before: every step shorter by the gap between the markers)."""
+    from fsdp_doctor.trace.ops import op_times
+
+    path, rep = gloo_memory_run
+    ops = op_times(load_run(path).trace_files)
+    assert set(ops.steps_ms) == set(rep.overlap.per_rank) == {"0", "1"}
+    for r, pr in rep.overlap.per_rank.items():
+        assert ops.steps_ms[r] == pytest.approx(list(pr.step_times_ms.values()), abs=1e-6), r
+    # and the markers' own durations are shorter: what the two views used to disagree by
+    for f in sorted(Path(path).glob("*.json.gz")):
+        d = json.loads(gzip.decompress(f.read_bytes()))
+        marks = sorted((e["ts"], e["dur"]) for e in d["traceEvents"] if e.get("name", "").startswith("ProfilerStep#"))
+        rank = str(d["distributedInfo"]["rank"])
+        assert [dur / 1e3 for _, dur in marks[:-1]] != pytest.approx(ops.steps_ms[rank], abs=1e-6)
+
+
 def test_streamed_trace_gives_the_same_units_and_memory(tmp_path, monkeypatch):
     """A trace decoded in batches (past STREAM_MIN_BYTES) keeps its [memory] instants and FSDP2 labels: the same
     unit times and memory as decoded whole."""

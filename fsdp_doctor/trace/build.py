@@ -36,7 +36,7 @@ import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
@@ -395,28 +395,16 @@ def _build_window(path: Path, trace) -> WindowTrace:
     # ---- profiler steps and the cut at the last step's start ----
     sp_ts, sp_end, sp_name, sp_thread = special.arrays()
     sp_ts, sp_end = sp_ts * scale, sp_end * scale
-    steps: dict[int, float] = {}
-    step_end: dict[int, float] = {}
     step_of = {i: int(m.group(1)) for i, nm in enumerate(special.names)
                if nm.startswith("ProfilerStep") and (m := STEP_RE.match(nm))}
-    if step_of:
-        sel = np.flatnonzero(np.isin(sp_name, list(step_of)))
-        for i, t0, t1 in zip(sp_name[sel].tolist(), sp_ts[sel].tolist(), sp_end[sel].tolist()):
-            n = step_of[i]
-            steps[n] = min(steps.get(n, math.inf), t0)
-            step_end[n] = max(step_end.get(n, -math.inf), t1)
-    from_optimizer = not steps
-    if from_optimizer:  # no ProfilerStep markers (a whole-run profile): optimizer.step() delimits the steps
-        fw_at = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name]
-        opt_at = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name]
-        for n, (a, b) in steps_from_optimizer(list(zip(sp_ts[opt_at].tolist(), sp_end[opt_at].tolist())),
-                                              sp_ts[fw_at].tolist(), float(sp_end.max(initial=0.0))).items():
-            steps[n], step_end[n] = a, b
-    cutoff = math.inf
-    kept_steps = sorted(steps)
-    if len(steps) >= 2:
-        cutoff = max(steps.values())
-        kept_steps = sorted(n for n, s in steps.items() if s < cutoff)
+    sel = np.flatnonzero(np.isin(sp_name, list(step_of))) if step_of else np.array([], dtype=np.int64)
+    fw_at = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name]
+    opt_at = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name]
+    ws = window_steps(((step_of[i], a, b) for i, a, b in zip(sp_name[sel].tolist(), sp_ts[sel].tolist(),
+                                                             sp_end[sel].tolist())),
+                      list(zip(sp_ts[opt_at].tolist(), sp_end[opt_at].tolist())), sp_ts[fw_at].tolist(),
+                      float(sp_end.max(initial=0.0)))
+    steps, step_end, cutoff, kept_steps, from_optimizer = ws.starts, ws.ends, ws.cutoff, ws.kept, ws.from_optimizer
 
     # the FSDP labels before the cut, and the phase boundaries among them
     is_fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[sp_name]
@@ -434,16 +422,15 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward)
-    ends = [steps[n] for n in kept_steps[1:]] + [cutoff if cutoff != math.inf else step_end[n] for n in kept_steps[-1:]]
-    win.step_us = {n: e - steps[n] for n, e in zip(kept_steps, ends)}  # a kept step ends where the next starts
+    bounds = ws.bounds
+    win.step_us = {n: e - a for n, (a, e) in bounds.items()}  # a kept step ends where the next starts
     if kept_steps:
-        win.window = (steps[kept_steps[0]], cutoff if cutoff != math.inf else step_end[kept_steps[-1]])
+        win.window = (bounds[kept_steps[0]][0], bounds[kept_steps[-1]][1])
     loop, in_model, between = _outside_model(win, special, sp_ts, sp_end,
                                              [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
-    bounds = {n: (steps[n], e) for n, e in zip(kept_steps, ends)}
     labels = index.labels()
     spans = unit_spans(*labels, bounds)
     win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
@@ -499,6 +486,41 @@ def _roots_per_forward(ts: list[float], is_bwd: list[bool], t0: float) -> Option
         else:
             n += 1
     return float(statistics.median(runs)) if runs else None
+
+
+class WindowSteps(NamedTuple):
+    """A window's steps (``window_steps``): every step's start and end as marked, the cut at the last step's start
+    (inf: one step, kept whole), the complete steps kept, and each kept step's (start, end) where a kept step ends
+    where the next one starts (the last kept at the cut)."""
+    starts: dict
+    ends: dict
+    cutoff: float
+    kept: list
+    bounds: dict
+    from_optimizer: bool
+
+
+def window_steps(markers: Iterable[tuple[int, float, float]], opt: list[tuple[float, float]],
+                 forwards: list[float], end: float) -> WindowSteps:
+    """The steps of one window, as the report (trace.build) and compare's per-op times (trace.ops) both read them:
+    ``markers`` the ``ProfilerStep#N`` events' (N, start, end) (a marker on several threads: its earliest start and
+    latest end); without any, the optimizer.step() calls' (``steps_from_optimizer`` of ``opt``, ``forwards``,
+    ``end``). Two or more steps: the last one is dropped as HTA does (it ends where the profiler stopped)."""
+    starts: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    for n, a, b in markers:
+        starts[n] = min(starts.get(n, math.inf), a)
+        ends[n] = max(ends.get(n, -math.inf), b)
+    from_optimizer = not starts
+    if from_optimizer:  # no ProfilerStep markers (a whole-run profile): optimizer.step() delimits the steps
+        for n, (a, b) in steps_from_optimizer(opt, forwards, end).items():
+            starts[n], ends[n] = a, b
+    cutoff, kept = math.inf, sorted(starts)
+    if len(starts) >= 2:
+        cutoff = max(starts.values())
+        kept = [n for n in kept if starts[n] < cutoff]
+    nxt = [starts[n] for n in kept[1:]] + [cutoff if cutoff != math.inf else ends[n] for n in kept[-1:]]
+    return WindowSteps(starts, ends, cutoff, kept, {n: (starts[n], e) for n, e in zip(kept, nxt)}, from_optimizer)
 
 
 def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],

@@ -1,8 +1,9 @@
 """Per-step samples and the time of each kernel and operator, by phase, from Kineto traces: what a comparison of
 two plain-trace runs needs beyond the overlap section (``fsdp_doctor.analyze.compare``).
 
-Per file (one rank's window): the complete steps (``ProfilerStep#N`` markers, the last one dropped as HTA does
-when there are two or more) give the step durations; within them every kernel (a device event, placed in the
+Per file (one rank's window): the complete steps, as the report reads them (``trace.build.window_steps``:
+``ProfilerStep#N`` markers, the last one dropped as HTA does when there are two or more, a step ending where the next
+starts; without markers the optimizer.step() calls) give the step durations; within them every kernel (a device event, placed in the
 phase its launch was issued in) and every operator (``cpu_op``, self time: its nested operators taken out) is
 summed by (phase, kind, name). Phases follow FSDP2's labels: ``forward`` from ``FSDP::root_pre_forward``,
 ``backward`` from ``FSDP::pre_backward`` or, when earlier, from the first function autograd's engine runs after the
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..fsdp_labels import parse_label
-from .build import OPTIMIZER_PREFIX, OPTIMIZER_STEP_PREFIX, STEP_RE, steps_from_optimizer
+from .build import OPTIMIZER_PREFIX, OPTIMIZER_STEP_PREFIX, STEP_RE, window_steps
 from .reader import TraceError, decode
 
 #: the operator autograd's engine wraps each backward function in ("autograd::engine::evaluate_function: MmBackward0")
@@ -67,7 +68,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     """Two passes over the events (a large file is read twice, a batch at a time): the steps, phase bounds,
     optimizer spans and kernel launches; then each kernel's and operator's time in its phase."""
     trace = decode(path)
-    steps: dict[int, tuple[float, float]] = {}
+    markers: list[tuple[int, float, float]] = []
     bounds: list[tuple[float, str]] = []
     optim: list[tuple[float, float]] = []
     optim_names: list[str] = []
@@ -82,7 +83,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
         if n.startswith("ProfilerStep"):
             m = STEP_RE.match(n)
             if m:
-                steps[int(m.group(1))] = (e.ts, e.ts + e.dur)
+                markers.append((int(m.group(1)), e.ts, e.ts + e.dur))
         elif n.startswith(OPTIMIZER_PREFIX):
             optim.append((e.ts, e.ts + e.dur))
             optim_names.append(n)
@@ -102,20 +103,17 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     # integer-nanosecond timestamps (as the trace model reads them): "ns" display unit (a streamed trace knows it
     # once a pass has ended) or too large to be µs
     scale = 1e-3 if any_event and ints and (trace.displayTimeUnit == "ns" or top > 1e17) else 1.0
-    steps = {k: (a * scale, b * scale) for k, (a, b) in steps.items()}
     bounds = [(t * scale, ph) for t, ph in bounds]
     optim = [(a * scale, b * scale) for a, b in optim]
     launches = {k: t * scale for k, t in launches.items()}
-    if not steps:  # no ProfilerStep markers (a whole-run profile): optimizer.step() delimits the steps
-        steps = steps_from_optimizer([o for o, nm in zip(optim, optim_names) if nm.startswith(OPTIMIZER_STEP_PREFIX)],
-                                     [t for t, ph in bounds if ph == "forward"], top * scale)
-    kept = sorted(steps)
-    if len(kept) >= 2:
-        kept = kept[:-1]
+    # the report's steps (trace.build reads them so): a kept step ends where the next starts
+    ws = window_steps(((n, a * scale, b * scale) for n, a, b in markers),
+                      [o for o, nm in zip(optim, optim_names) if nm.startswith(OPTIMIZER_STEP_PREFIX)],
+                      [t for t, ph in bounds if ph == "forward"], top * scale)
+    kept = ws.kept
     if not kept:
         return rank, [], {}, 0
-    lo = steps[kept[0]][0]
-    hi = steps[kept[-1]][1] if len(steps) < 2 else steps[max(steps)][0]
+    lo, hi = ws.bounds[kept[0]][0], ws.bounds[kept[-1]][1]
     autograd = sorted(t * scale for t in autograd)
     for t in [t for t, ph in bounds if ph == "forward"]:  # backward from autograd's first function after a forward
         j = bisect.bisect_left(autograd, t)
@@ -147,7 +145,7 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
         for e, us in _self_times(evs):
             key = (phase(e.ts * scale), "operator", e.name)
             acc[key] = acc.get(key, 0.0) + us * scale
-    durs = [(steps[n][1] - steps[n][0]) / 1e3 for n in kept]
+    durs = [(b - a) / 1e3 for a, b in ws.bounds.values()]
     return rank, durs, acc, len(kept)
 
 
