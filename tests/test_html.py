@@ -304,8 +304,11 @@ def test_html_header_warns_as_the_terminal_does():
     rep["run"].update(complete={"0": True, "1": False}, trace_files=2,
                       doctor_errors=[{"rank": 1, "step": 4, "where": "memory", "message": "probe failed"}])
     text = render_html(rep)
-    assert "ranks 1 did not finish (run still going, or killed); their completed steps are used" in text
-    assert "doctor stepped aside on rank 1 at step 4 (memory): probe failed" in text and "2 trace files" in text
+    assert ("<p class='warn'>ranks 1 did not finish (run still going, or killed); their completed steps are "
+            "used</p>") in text
+    # the doctor stepping aside is an error line, red as in the terminal (it was the warning's yellow here)
+    assert "<p class='err'>doctor stepped aside on rank 1 at step 4 (memory): probe failed</p>" in text
+    assert "2 trace files" in text
 
 
 def test_traces_of_some_ranks_of_a_job_are_said_in_the_header():
@@ -314,7 +317,7 @@ def test_traces_of_some_ranks_of_a_job_are_said_in_the_header():
     from fsdp_doctor.present.fmt import run_warnings
     from fsdp_doctor.report_sections import RunFacts
 
-    said = run_warnings(RunFacts(world_size=2, trace_ranks=[0]))
+    said = [w.text for w in run_warnings(RunFacts(world_size=2, trace_ranks=[0]))]
     assert said == ["the traces hold 1 of the job's 2 ranks (no trace of rank 1 here): the figures are rank 0's, and "
                     "a straggler among the others cannot be seen"]
     assert run_warnings(RunFacts(world_size=2, trace_ranks=[0, 1])) == []

@@ -260,7 +260,7 @@ def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp
     assert run.ranks[0].end.exception == "KeyboardInterrupt" and run.ranks[0].end.steps == 4
     facts = build_report(run).run
     assert facts.complete == {"0": False} and facts.stopped_on == {"0": "KeyboardInterrupt"}
-    assert run_warnings(facts) == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); their "
+    assert [w.text for w in run_warnings(facts)] == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); their "
                                    "completed steps are used"]
 
 

@@ -8,6 +8,7 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 from __future__ import annotations
 
 import statistics
+from typing import NamedTuple
 
 from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier,
                                Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
@@ -498,7 +499,14 @@ def exception_kinds(run: RunFacts) -> list[str]:
     return sorted({v.split(":")[0] for v in (run.stopped_on or {}).values()})
 
 
-def run_warnings(run: RunFacts) -> list[str]:
+class RunWarning(NamedTuple):
+    """A line of the header's warnings: ``level`` "error" where the doctor stepped aside (what it recorded stops
+    there), "warning" otherwise; the terminal and the HTML colour it by its level."""
+    text: str
+    level: str = "warning"
+
+
+def run_warnings(run: RunFacts) -> list[RunWarning]:
     """What the header warns of: ranks that did not finish, and where the doctor stepped aside."""
     from msgspec import UNSET
 
@@ -518,6 +526,7 @@ def run_warnings(run: RunFacts) -> list[str]:
         out.append(f"the traces hold {len(traced)} of the job's {run.world_size} ranks (no trace of rank"
                    f"{'s' * (len(gone) > 1)} {', '.join(map(str, gone[:8]))}{' …' if len(gone) > 8 else ''} here): "
                    f"the figures are {whose}, and a straggler among the others cannot be seen")
-    out += [f"doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}"
+    out = [RunWarning(w) for w in out]
+    out += [RunWarning(f"doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error")
             for e in run.doctor_errors or []]
     return out

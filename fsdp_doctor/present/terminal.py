@@ -33,7 +33,7 @@ def render_header(report: Report, width: int = 100):
             lines.append(fact)
     parts.append(escape("\n".join(lines)))
     for w in run_warnings(r):  # (the HTML's lines too)
-        parts.append(f"[{'red' if w.startswith('doctor stepped aside') else 'yellow'}]{escape(w)}[/]")
+        parts.append(f"[{'red' if w.level == 'error' else 'yellow'}]{escape(w.text)}[/]")
     return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
 
 
