@@ -3,13 +3,13 @@ two plain-trace runs needs beyond the overlap section (``fsdp_doctor.analyze.com
 
 Per file (one rank's window): the complete steps, as the report reads them (``trace.build.window_steps``:
 ``ProfilerStep#N`` markers, the last one dropped as HTA does when there are two or more, a step ending where the
-next starts; without markers the optimizer.step() calls) give the step durations; within them every kernel (a device event, placed in the
-phase its launch was issued in) and every operator (``cpu_op``, self time: its nested operators taken out) is
-summed by (phase, kind, name). Phases follow FSDP2's labels: ``forward`` from ``FSDP::root_pre_forward``,
-``backward`` from ``FSDP::pre_backward`` or, when earlier, from the first function autograd's engine runs after the
-forward (``autograd::engine::evaluate_function: ...``: the loss's backward, ``NllLossBackward0`` and the like, runs
-before the first FSDP unit's pre-backward hook fires), ``optimizer`` inside ``Optimizer.*`` labels. Does not import
-torch.
+next starts; without markers the optimizer.step() calls) give the step durations; within them every kernel (a device
+event, placed in the phase its launch was issued in) and every operator (``cpu_op``, self time: its nested operators
+taken out) is summed by (phase, kind, name). Phases follow FSDP2's labels: ``forward`` from
+``FSDP::root_pre_forward``, ``backward`` from ``FSDP::pre_backward`` or, when earlier, from the first function
+autograd's engine runs after the forward (``autograd::engine::evaluate_function: ...``: the loss's backward,
+``NllLossBackward0`` and the like, runs before the first FSDP unit's pre-backward hook fires), ``optimizer`` inside
+``Optimizer.*`` labels. Does not import torch.
 """
 
 from __future__ import annotations
