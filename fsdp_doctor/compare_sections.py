@@ -51,6 +51,7 @@ class RunSide(_S):
     source: str  # "records" | "trace" (a plain-trace folder)
     world_size: Optional[int] = None
     steps: int = 0  # steps in the samples
+    unfinished: list[str] = []  # ranks whose run did not finish (killed, still going, or stopped on an exception)
 
 
 class ConfigChange(_S):
@@ -77,10 +78,12 @@ class FindingRef(_S):
     code: str
     severity: str
     title: str
+    why: str = ""  # unchecked: why B's report could not check it (its rule's reason)
 
 
 class FindingsDiff(_S):
-    resolved: list[FindingRef] = []  # in A, not in B
+    resolved: list[FindingRef] = []  # in A, not in B, whose rule B's report checked
+    unchecked: list[FindingRef] = []  # in A; B's report could not check its rule (skipped: an input it needs)
     new: list[FindingRef] = []  # in B, not in A
     persisting: list[FindingRef] = []  # in both (B's wording)
 
@@ -138,7 +141,8 @@ class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True):
     memory_peak: Optional[Delta] = None  # bytes, highest rank
     memory: dict[str, Delta] = {}  # category -> bytes at each run's peak
     comm_exposed: Optional[Delta] = None  # the report's headline (ms per step)
-    comm: list[CommDelta] = []  # largest change first, then most exposed
+    comm: list[CommDelta] = []  # largest change first, then most exposed (the first TOP_COMM)
+    comm_rows: int = 0  # the rows there were (comm holds the first TOP_COMM of them)
     comm_source: str = ""  # "trace" | "records"
     throughput: dict[str, Delta] = {}  # tokens_per_s, achieved_tflops, mfu_pct
     findings: FindingsDiff = msgspec.field(default_factory=FindingsDiff)

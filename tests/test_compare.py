@@ -227,11 +227,17 @@ def test_one_config_on_a_drifting_host_is_not_called_a_change(sample_run_path, t
     import msgspec
 
     f0 = a.report.findings[0]
-    a.report.findings.append(msgspec.structs.replace(f0, code="accum.sync_every_micro_batch", severity="warning"))
+    a.report.findings.append(msgspec.structs.replace(f0, code="jitter.data_wait", severity="warning"))
     hinted = C.compare(a, b)
     assert hinted.summary.startswith(cmp.summary) and hinted.summary.endswith(
-        "; A's accum.sync_every_micro_batch is gone in B: for a fix applied in your loop (which compare cannot "
-        "read), pass --applied accum.sync_every_micro_batch to check its prediction"), hinted.summary
+        "; A's jitter.data_wait is gone in B: for a fix applied in your loop (which compare cannot "
+        "read), pass --applied jitter.data_wait to check its prediction"), hinted.summary
+    a.report.findings.pop()
+    # one B could not look for (accum.sync_every_micro_batch reads a trace, and B has none) is not "gone"
+    a.report.findings.append(msgspec.structs.replace(f0, code="accum.sync_every_micro_batch", severity="warning"))
+    unchecked = C.compare(a, b)
+    assert unchecked.summary == cmp.summary and [f.code for f in unchecked.findings.unchecked] == [
+        "accum.sync_every_micro_batch"]
     a.report.findings.pop()
     # an --applied code A's report does not hold is no change: the verdict stays run-to-run variation
     bogus = C.compare(a, b, applied=["not.a.rule"])
@@ -430,3 +436,69 @@ def test_a_unit_without_parameters_has_no_settings_to_change():
     (ch,) = C.config_diff(side(100, True), side(100, False))
     assert (ch.key, ch.a, ch.b, ch.units) == ("unshard_async_op", True, False, ["(root)"])
     assert C.config_diff(side(100, True), side(100, True, layer_async=None)) == []  # unknown on one side
+
+
+def test_a_finding_the_other_side_cannot_check_is_not_called_resolved(sample_run_path):
+    """A run against a plain trace (here its own profiler window): a finding of A whose rule needs what a trace lacks
+    (wrap.params_in_root: the unit snapshot) was "resolved", and the summary asked for --applied for a fix never
+    made (a new-user trial). It is "not checked in B", with B's reason, and never offered for --applied."""
+    from fsdp_doctor.analyze.compare import compare
+    from fsdp_doctor.present.compare import tables
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    a = compare_side(load_run(sample_run_path))
+    b = compare_side(load_run(sample_run_path / "profiler"))
+    a.report.findings.append(Finding(code="wrap.params_in_root", severity="warning", title="31% in the root",
+                                     evidence={}, recommendation=Recommendation(text="")))
+    cmp = compare(a, b)
+    (u,) = cmp.findings.unchecked
+    assert u.code == "wrap.params_in_root" and u.why == "needs the FSDP unit snapshot (fsdp_doctor.watch records it)"
+    assert "wrap.params_in_root" not in {f.code for f in cmp.findings.resolved}
+    assert "--applied wrap.params_in_root" not in cmp.summary
+    (t,) = [t for t in tables(cmp) if t.title == "Findings"]
+    assert ("not checked in B", "wrap.params_in_root", "warning",
+            "31% in the root (B: needs the FSDP unit snapshot (fsdp_doctor.watch records it))") in t.rows
+
+
+def test_an_unfinished_side_and_another_world_size_are_said(sample_run_path, tmp_path):
+    """compare said nothing of a run killed mid-way (analyze warns of it) nor of a world size that changed between
+    the sides (a new-user trial: 1 rank against 2 read "+79.6% slower"); both are notes now. The exposed-communication
+    table says how many of its rows it shows."""
+    import shutil
+
+    from fsdp_doctor.present.compare import tables
+
+    shutil.copytree(sample_run_path, tmp_path / "killed", ignore=shutil.ignore_patterns("report.json"))
+    s = tmp_path / "killed" / "rank1.records.jsonl"
+    s.write_bytes(b"".join(ln for ln in s.read_bytes().splitlines(keepends=True) if not ln.startswith(b'{"t":"end"')))
+    cmp = compare_runs(load_run(sample_run_path), load_run(tmp_path / "killed"))
+    assert cmp.a.unfinished == [] and cmp.b.unfinished == ["1"]
+    assert ("B: rank 1 did not finish (killed, still going, or stopped on an exception): its figures are those of "
+            "the steps completed") in cmp.notes
+    (t,) = [t for t in tables(cmp) if t.title.startswith("Exposed communication")]
+    assert cmp.comm_rows == 17 and len(cmp.comm) == 12 and t.note == "the 12 of 17 units' rows that changed most"
+    a, b = compare_side(load_run(sample_run_path)), compare_side(load_run(sample_run_path))
+    b.report.run.world_size = 4
+    cmp = C.compare(a, b)
+    assert any(n.startswith("world size 2 in A, 4 in B: a step does not do the same work") for n in cmp.notes)
+
+
+@pytest.mark.parametrize("after, measured, held", [(0.966, 1.0, False), (0.966, 0.968, True), (1.0, 1.0, True),
+                                                   (0.966, 0.99, False), (0.966, 1.02, False)])
+def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path, after, measured, held):
+    """A run compared with itself and a fix --applied whose finding predicted the peak 3.4% lower "held" (inside the
+    5% tolerance, no change at all passes: a new-user trial). A predicted change holds where the error is within the
+    tolerance and at least half of it happened, in its direction; a predicted "unchanged" within the tolerance."""
+    from fsdp_doctor.analyze.compare import compare
+    from fsdp_doctor.report_sections import Finding, Predicted, Recommendation
+
+    a = compare_side(load_run(sample_run_path))
+    b = compare_side(load_run(sample_run_path))
+    peak = a.report.memory.per_rank[a.report.memory.peak_rank].peak_bytes
+    a.report.findings.append(Finding(
+        code="wrap.params_in_root", severity="warning", title="t", evidence={}, recommendation=Recommendation(text=""),
+        predicted=Predicted(peak_bytes_before=peak, peak_bytes_after=round(peak * after))))
+    m = b.report.memory.per_rank[b.report.memory.peak_rank]
+    m.peak_bytes = round(peak * measured)
+    (p,) = compare(a, b, applied=["wrap.params_in_root"]).predictions
+    assert p.peak_bytes_measured == round(peak * measured) and p.peak_held is held, p

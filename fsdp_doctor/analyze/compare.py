@@ -49,7 +49,8 @@ OPTIMIZER_FIXES = ("optim.", "offload.", "memory.grads_kept")
 # A step-time prediction holds when the predicted change lies inside the measured change's interval, or lands
 # within this share of the measured step (a step prediction is an estimate from host-side timings).
 STEP_TOLERANCE_PCT = 10.0
-# A peak-memory prediction holds within this share of the measured peak (memory is deterministic per config).
+# A peak-memory prediction holds within this share of the measured peak (memory is deterministic per config), with
+# at least half the predicted change measured.
 PEAK_TOLERANCE_PCT = 5.0
 TOP_OPS = 8  # kernels/operators listed per phase
 TOP_COMM = 12  # unit rows listed
@@ -274,9 +275,20 @@ def _findings(a: Report, b: Report) -> FindingsDiff:
         return FindingRef(code=f.code, severity=f.severity, title=f.title)
 
     ca, cb = {f.code: f for f in a.findings}, {f.code: f for f in b.findings}
-    return FindingsDiff(resolved=[ref(f) for c, f in ca.items() if c not in cb],
+    # a finding B's report could not look for (its rule skipped there: a plain trace has no unit snapshot) is not
+    # resolved: a run against its own trace read "resolved wrap.params_in_root ... pass --applied" (a new-user trial)
+    skipped = {s.code: s.reason for s in b.rules if s.status == "skipped"}
+    gone = [f for c, f in ca.items() if c not in cb]
+    return FindingsDiff(resolved=[ref(f) for f in gone if f.code not in skipped],
+                        unchecked=[FindingRef(code=f.code, severity=f.severity, title=f.title, why=skipped[f.code])
+                                   for f in gone if f.code in skipped],
                         new=[ref(f) for c, f in cb.items() if c not in ca],
                         persisting=[ref(cb[c]) for c in ca if c in cb])
+
+
+def _unfinished(rep: Report) -> list[str]:
+    """The ranks whose run did not finish: killed, still going, or stopped on an exception in the loop."""
+    return sorted((r for r, done in (rep.run.complete or {}).items() if not done), key=int)
 
 
 def _fix_keys(code: str) -> tuple[str, ...]:
@@ -326,9 +338,13 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             pred = peak_a + (p["peak_bytes_after"] - p["peak_bytes_before"])
             chk.peak_bytes_predicted, chk.peak_bytes_measured = float(pred), float(peak_b)
             chk.peak_pct_error = round(100 * (pred - peak_b) / peak_b, 2)
-            # a ceiling holds when the peak came out at or under it
+            # a ceiling holds when the peak came out at or under it; a change, when the error is within the
+            # tolerance and at least half the predicted change happened, in its direction (a run against itself
+            # "held" a predicted -3.4%: inside the 5% tolerance, no change passes; a new-user trial)
+            moved, change = peak_b - peak_a, pred - peak_a
             chk.peak_held = (chk.peak_pct_error >= -PEAK_TOLERANCE_PCT if p["at_most"]
-                             else abs(chk.peak_pct_error) <= PEAK_TOLERANCE_PCT)
+                             else abs(chk.peak_pct_error) <= PEAK_TOLERANCE_PCT
+                             and (change == 0 or (moved * change > 0 and abs(moved) >= 0.5 * abs(change))))
         out.append(chk)
     return out
 
@@ -395,17 +411,27 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     p50 = _step_delta(a.samples, b.samples, 50, rng, changed, apart)
     p90 = _step_delta(a.samples, b.samples, 90, rng, changed, apart)
     summary = step_summary(p50, changed, host)
-    gone = [f.code for f in ra.findings if f.severity != "info" and f.code not in {g.code for g in rb.findings}]
+    diff = _findings(ra, rb)
+    gone = [f.code for f in diff.resolved if f.severity != "info"]
     if not changed and gone and p50 is not None and p50.pct is not None:
         summary += (f"; A's {', '.join(gone[:3])} {'is' if len(gone) == 1 else 'are'} gone in B: for a fix applied in "
                     f"your loop (which compare cannot read), pass --applied {gone[0]} to check its prediction")
     cmp = Comparison(a=RunSide(path=path_a or ra.run.path, source=a.source, world_size=_world(ra),
-                               steps=len(a.samples)),
+                               steps=len(a.samples), unfinished=_unfinished(ra)),
                      b=RunSide(path=path_b or rb.run.path, source=b.source, world_size=_world(rb),
-                               steps=len(b.samples)),
+                               steps=len(b.samples), unfinished=_unfinished(rb)),
                      summary=summary, config=changes, step_p50=p50, step_p90=p90)
     if a.source != b.source:
         cmp.notes.append(f"A's step times come from {a.source}, B's from {b.source}: compare shares, not times")
+    for name, side in (("A", cmp.a), ("B", cmp.b)):
+        if side.unfinished:  # (a killed run's last steps, or what it was doing when killed, may be in its times)
+            cmp.notes.append(f"{name}: rank{'s' * (len(side.unfinished) > 1)} {', '.join(side.unfinished)} did not "
+                             "finish (killed, still going, or stopped on an exception): its figures are those of the "
+                             "steps completed")
+    if cmp.a.world_size and cmp.b.world_size and cmp.a.world_size != cmp.b.world_size:
+        cmp.notes.append(f"world size {cmp.a.world_size} in A, {cmp.b.world_size} in B: a step does not do the same "
+                         "work on both sides (the job's tokens per step, its collectives' sizes); compare throughput, "
+                         "not step times")
     cmp.phases = {k: delta(pa.get(k), pb.get(k)) for k in dict.fromkeys([*pa, *pb])}
     cmp.phases_source = a.source if a.source == b.source else "mixed"
     peak_a, cat_a = _memory(ra)
@@ -423,6 +449,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
                       b_ms=round(cb[k], 3) if k in cb else None, delta_ms=round(cb.get(k, 0.0) - ca.get(k, 0.0), 3))
             for k in dict.fromkeys([*ca, *cb])]
     cmp.comm = sorted(rows, key=lambda r: (-abs(r.delta_ms or 0.0), -max(r.a_ms or 0.0, r.b_ms or 0.0)))[:TOP_COMM]
+    cmp.comm_rows = len(rows)
     cmp.comm_source = source if rows else ""
     ta = ra.throughput.job if ra.throughput else None
     tb = rb.throughput.job if rb.throughput else None
@@ -430,7 +457,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         cmp.throughput = {k: delta(getattr(ta, k, None), getattr(tb, k, None), 2)
                           for k in ("tokens_per_s", "achieved_tflops", "mfu_pct")
                           if getattr(ta, k, None) is not None or getattr(tb, k, None) is not None}
-    cmp.findings = _findings(ra, rb)
+    cmp.findings = diff
     cmp.predictions = _predictions(a, b, changes, known, p50, peak_a, peak_b)
     cmp.ops = _ops(a, b)
     if gpu_hour_price is not None:

@@ -97,8 +97,10 @@ def tables(c: Comparison) -> list[CompareTable]:
         rows = [_row("exposed, all", c.comm_exposed, fmt_ms, _ms_signed)] if c.comm_exposed is not None else []
         rows += [(f"{unit_label(r.unit)} {r.collective} {r.phase or ''}".rstrip(), fmt_ms(r.a_ms), fmt_ms(r.b_ms),
                   _ms_signed(r.delta_ms), MISSING) for r in c.comm]
+        shown = (f"the {len(c.comm)} of {c.comm_rows} units' rows that changed most" if c.comm_rows > len(c.comm)
+                 else "")
         out.append(CompareTable(f"Exposed communication (ms per step, from the {c.comm_source or 'reports'})",
-                                ("unit, collective, phase", "A", "B", "Δ", "Δ%"), rows))
+                                ("unit, collective, phase", "A", "B", "Δ", "Δ%"), rows, note=shown))
     if c.throughput:
         rows = []
         for k, d in c.throughput.items():
@@ -114,8 +116,9 @@ def tables(c: Comparison) -> list[CompareTable]:
                                 [("cost", fm(k.a), fm(k.b), MISSING if k.delta is None else f"{k.delta:+,.2f}",
                                   _pct(Delta(pct=k.pct)))], note=k.note))
     f = c.findings
-    rows = [(kind, x.code, x.severity, x.title) for kind, xs in (("resolved", f.resolved), ("new", f.new),
-                                                               ("persisting", f.persisting)) for x in xs]
+    rows = [(kind, x.code, x.severity, x.title + (f" (B: {x.why})" if x.why else ""))
+            for kind, xs in (("resolved", f.resolved), ("not checked in B", f.unchecked), ("new", f.new),
+                             ("persisting", f.persisting)) for x in xs]
     out.append(CompareTable("Findings", ("", "code", "severity", "title"), rows,
                             note="" if rows else "no finding in either run"))
     if c.predictions:
