@@ -147,7 +147,7 @@ class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True):
     throughput: dict[str, Delta] = {}  # tokens_per_s, achieved_tflops, mfu_pct
     findings: FindingsDiff = msgspec.field(default_factory=FindingsDiff)
     predictions: list[PredictionCheck] = []
-    ops: list[OpChange] = []  # plain traces: the largest changes, per phase
+    ops: list[OpChange] = []  # from both sides' traces: the largest changes, per phase
     cost: Optional[Cost] = None
     notes: list[str] = []
 

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from conftest import async_gather_slack, record
+from conftest import HTA_TRACES, async_gather_slack, record
 from fsdp_doctor import load_run
 from fsdp_doctor.analyze import compare as C
 from fsdp_doctor.cli import main
@@ -502,3 +502,23 @@ def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path,
     m.peak_bytes = round(peak * measured)
     (p,) = compare(a, b, applied=["wrap.params_in_root"]).predictions
     assert p.peak_bytes_measured == round(peak * measured) and p.peak_held is held, p
+
+
+@pytest.mark.skipif(not (HTA_TRACES / "v100_allreduce_rank1").is_dir(), reason="reference traces not found")
+def test_a_run_against_a_plain_trace_reads_both_traces_and_both_peaks(sample_run_path, prefetch_pair):
+    """A recorded run (with its profiler window) against a plain trace: the kernels' and operators' times of A came
+    from nowhere and read "0 µs" on every row, and B's peak (its memory events, which analyze prints) read "—" (a
+    new-user trial). A's times are its window's, B's peak its trace's; only the categories both split into are rows."""
+    from fsdp_doctor.trace.ops import op_times
+
+    run_a = load_run(sample_run_path)
+    cmp = compare_runs(run_a, load_run(prefetch_pair[0]))
+    ops_a = op_times(run_a.trace_files).us_per_step
+    assert cmp.ops and all(o.a_us == round(ops_a.get((o.phase, o.kind, o.name), 0.0), 2) for o in cmp.ops)
+    assert any(o.a_us > 0 for o in cmp.ops)
+    assert compare_runs(run_a, load_run(sample_run_path / "profiler")).ops == []  # its own window: no change
+    run_b = load_run(HTA_TRACES / "v100_allreduce_rank1")  # (recorded with profile_memory)
+    cmp = compare_runs(run_a, run_b)
+    peak_b = build_report(run_b).memory_section()
+    assert cmp.memory_peak.b == max(m.peak_bytes for m in peak_b.per_rank.values()) > 0
+    assert cmp.memory == {}  # the trace's peak has no categories: no category row of one side only

@@ -77,12 +77,13 @@ JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device
 @dataclass
 class Side:
     """One run to compare: its report, its step-time samples (per step, every rank's ms), where they come
-    from, and for plain traces the kernels' and operators' times and the units FSDP prefetched."""
+    from, the kernels' and operators' times of its traces, and for plain traces the units FSDP prefetched."""
 
     report: Report
     samples: list[list[float]]
     source: str  # "records" | "trace"
     ops: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (phase, kind, name) -> µs per step
+    # (from its traces: a plain-trace folder's, or a recorded run's profiler windows; {} without any)
     prefetched: Optional[dict[str, set[str]]] = None  # trace: "forward"/"backward" -> units prefetched
 
 
@@ -241,7 +242,9 @@ def _phases(side: Side) -> dict[str, float]:
 
 
 def _memory(rep: Report) -> tuple[Optional[int], dict[str, int]]:
-    m = rep.memory
+    """(peak bytes, bytes by category at it) of the highest rank, as the report's views show them: the records', else
+    a plain trace's memory events (no categories; a new-user trial read analyze's peak and compare's "—")."""
+    m = rep.memory_section()
     if m is None or not m.per_rank:
         return None, {}
     pr = m.per_rank.get(m.peak_rank) or next(iter(m.per_rank.values()))
@@ -350,7 +353,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
 
 
 def _ops(a: Side, b: Side) -> list[OpChange]:
-    if not a.ops and not b.ops:
+    if not a.ops or not b.ops:  # (a side without a trace has no figure here: not 0 µs; a new-user trial read "0 µs")
         return []
     rows = [OpChange(phase=k[0], kind=k[1], name=k[2], a_us=round(a.ops.get(k, 0.0), 2), b_us=round(b.ops.get(k, 0.0), 2),
                      delta_us=round(b.ops.get(k, 0.0) - a.ops.get(k, 0.0), 2)) for k in set(a.ops) | set(b.ops)]
@@ -438,7 +441,8 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     peak_b, cat_b = _memory(rb)
     if peak_a is not None or peak_b is not None:
         cmp.memory_peak = delta(peak_a, peak_b, 0)
-        cmp.memory = {k: delta(cat_a.get(k), cat_b.get(k), 0) for k in dict.fromkeys([*cat_a, *cat_b])}
+        # the categories both sides split their peak into (a plain trace's is one figure, "allocated")
+        cmp.memory = {k: delta(cat_a[k], cat_b[k], 0) for k in cat_a if k in cat_b}
     if ra.comm is not None or rb.comm is not None:
         cmp.comm_exposed = delta(ra.comm.exposed_ms_per_step if ra.comm else None,
                                  rb.comm.exposed_ms_per_step if rb.comm else None)
