@@ -13,7 +13,7 @@ import pytest
 
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
-from fsdp_doctor.diagnose.snippets import SHARDING_GOES_HERE
+from fsdp_doctor.diagnose.snippets import IMPORTS_NOTE, SHARDING_GOES_HERE
 from fsdp_doctor.records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
 from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
@@ -1474,7 +1474,7 @@ def test_snippets_from_the_module_tree():
     assert "for block in model.model.layers.children():" in code
     assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code
     assert "fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)" in code
-    assert code.startswith("import torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard")
+    assert code.startswith(S.IMPORTS_NOTE + "\nimport torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard")
     compile(code, "<plan>", "exec")  # valid Python
     tied = UnitConfig(**{**msgspec.structs.asdict(hf_root), "own_modules": ["embed", "norm", "head"],
                          "tied_modules": ["embed", "head"], "trailing_modules": ["norm", "head"]})
@@ -1545,9 +1545,14 @@ def test_snippets_import_what_their_code_uses_and_nothing_for_their_own_imports(
     ac = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
           "    apply_activation_checkpointing, checkpoint_wrapper)\n"
           "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper)")
-    assert S.complete(ac) == ac  # nothing it uses is undefined: no `import torch` for its from-import
+    # nothing it uses is undefined: no `import torch` for its from-import; its own import under the note at its top
+    assert S.complete(ac) == S.IMPORTS_NOTE + "\n" + ac.replace("\napply_", "\n\napply_")
     code = S.complete("model.to(torch.bfloat16)")
-    assert code.splitlines()[0] == "import torch"
+    assert code.splitlines()[:2] == [S.IMPORTS_NOTE, "import torch"]
+    # a snippet's own imports, anywhere in it, gathered at its top with the added ones (one line of FSDP's names)
+    code = S.complete("fully_shard(model)\nfrom torch.distributed.fsdp import FSDPModule\nprint(FSDPModule)")
+    assert code == (S.IMPORTS_NOTE + "\nfrom torch.distributed.fsdp import fully_shard, FSDPModule\n\n"
+                    "fully_shard(model)\nprint(FSDPModule)")
 
 
 def test_shard_plan_keeps_units_inside_blocks():
@@ -1695,7 +1700,7 @@ def test_alloc_retries_known_answer():
     rec = f.recommendation
     assert rec.where == "startup"
     assert "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'max_split_size_mb:512,expandable_segments:True'" in rec.code
-    assert rec.code.startswith("import os\n")
+    assert rec.code.startswith(IMPORTS_NOTE + "\nimport os\n\n")
     ns: dict = {}
     import os
     saved = dict(os.environ)
@@ -1844,7 +1849,7 @@ def test_eval_regather():
     assert f.severity == "warning" and f.evidence["training_forward_allgather_ms"] == 6.0
     assert f.evidence["saved_ms_per_evaluation"] == 70.0 and f.evidence["saved_ms_per_step"] == pytest.approx(23.333)
     code = f.recommendation.code
-    assert code.startswith("import torch\nfrom torch.distributed.fsdp import FSDPModule\n"), code
+    assert code.startswith(IMPORTS_NOTE + "\nimport torch\nfrom torch.distributed.fsdp import FSDPModule\n\n"), code
     assert "model.set_reshard_after_forward(False)" in code and "model.set_reshard_after_forward(True" not in code
     assert "model.get_submodule('layers.3').set_reshard_after_forward(True, recurse=False)" in code, code
     # quiet, and why: gathered about once already; no capacity; this torch has no switch (words, no code)

@@ -215,3 +215,60 @@ def test_generation_fix_gathers_once_and_leaves_training_unchanged(matrix):
     quiet = {r.code: r.reason for r in o.after.rules}
     assert quiet["eval.regather"].startswith("the units stay gathered across those forwards"), quiet
     assert o.result["losses"] and o.after_result["losses"] == o.result["losses"]
+
+
+@pytest.mark.rows("hf_llama_blocks_only")
+def test_plan_pasted_into_the_users_main_keeps_async_unshard(matrix, tmp_path):
+    """A new-user trial pasted wrap.params_in_root's plan into its main(), which had called dist.init_process_group()
+    and torch.manual_seed(): the plan's `import torch.distributed as dist` made `dist` local to the whole function,
+    UnboundLocalError; and the plan, in place of the user's fully_shard calls, dropped the async unshard the user had
+    set after them (its gloo all-gathers blocked the host again). The plan's imports are gathered at its top under
+    a note saying where they go; pasted so (imports at the top of the file, the rest into main() in place of the
+    fully_shard calls) it runs, and every unit unshards asynchronously, as the run's did."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    import fsdp_doctor
+    from fsdp_doctor.diagnose.snippets import IMPORTS_NOTE
+    from fsdp_doctor.workloads import free_port
+
+    assert all(u.unshard_async_op for u in matrix["hf_llama_blocks_only"].report.units)  # the user's run had it
+    code = _code(matrix, "hf_llama_blocks_only")
+    head, _, body = code.partition("\n\n")
+    lines = head.splitlines()
+    assert lines[0] == IMPORTS_NOTE and all(ln.startswith(("import ", "from ")) for ln in lines[1:]), head
+    assert not any(ln.startswith(("import ", "from ")) for ln in body.splitlines()), body  # (all at the top)
+    assert "m._set_unshard_async_op(True)" in body
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "train.py"
+    script.write_text("\n".join([
+        *lines[1:],
+        "import sys", "import torch", "import torch.distributed as dist", f"sys.path.insert(0, {str(tests)!r})",
+        "from clients import hf_llama", "import fsdp_doctor", "",
+        "def main(out):",
+        f"    dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)",
+        "    torch.manual_seed(0)",
+        "    model = hf_llama()",
+        textwrap.indent(body, "    "),
+        "    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)",
+        "    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doctor:",
+        "        for step in range(2):",
+        "            x = torch.randint(0, 512, (2, 16))",
+        "            model(input_ids=x, labels=x).loss.backward()",
+        "            opt.step()",
+        "            opt.zero_grad()",
+        "            doctor.step()",
+        "    dist.destroy_process_group()", "",
+        "main(sys.argv[1])", ""]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tests.parent),
+                                                                             os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    units = fsdp_doctor.load_run(tmp_path / "run").config.units
+    # (the root holds no parameter now: no all-gather of its own to make asynchronous)
+    held = [u for u in units if u.param_count]
+    assert len(held) == 5 and all(u.unshard_async_op for u in held), [(u.name, u.unshard_async_op) for u in units]

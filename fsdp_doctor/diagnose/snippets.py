@@ -293,8 +293,18 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                 if len(rafs) == 1 and (raf := rafs.pop()) not in (True, None) else "")
         lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop), note)
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_of(root), drop)
-    lines += ["# the root last: it keeps what no unit holds", _call("model", rkw)]
+    lines += ["# the root last: it keeps what no unit holds", _call("model", rkw), *_async_unshard_lines(t)]
     return "\n".join(lines)
+
+
+def _async_unshard_lines(t: Tree) -> list[str]:
+    """A plan in place of the user's fully_shard calls keeps the run's asynchronous unshard, which fully_shard does
+    not take (``FSDPModule._set_unshard_async_op``, set on the units after it): on every unit, where any of the run's
+    had it (a new-user trial's gloo run lost it with the plan, and its all-gathers blocked the host again)."""
+    if not any(getattr(u, "unshard_async_op", False) for u in t.units):
+        return []
+    return ["# asynchronous unshard, as your run had it (fully_shard does not take it: set on the units after it)",
+            *async_unshard_code().splitlines()]
 
 
 def one_unit_plan(t: Tree, note: str = "") -> str:
@@ -308,7 +318,7 @@ def one_unit_plan(t: Tree, note: str = "") -> str:
     root = t.root()
     held = next((u for u in t.non_root() if _unit_kwargs(u, inherit=True)), None)
     kw = _merge(_unit_kwargs(root) if root is not None else "", _unit_kwargs(held, inherit=True) if held else "")
-    lines.append(_call("model", kw))
+    lines += [_call("model", kw), *_async_unshard_lines(t)]
     return "\n".join(lines)
 
 
@@ -1147,10 +1157,36 @@ _MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
          "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks (HSDP: your 2-D mesh)")
 
 
+# heads a snippet's imports, which it gathers at its top: pasted into a function that used one of their names
+# before (``dist.init_process_group()`` in the user's main()), an import there makes the name local to the whole
+# function, and the earlier use raises UnboundLocalError (a new-user trial pasted a wrap fix into main())
+IMPORTS_NOTE = "# imports: at the top of your file, not inside a function that already uses these names"
+
+
+def _hoist_imports(body: str) -> tuple[list[str], str]:
+    """(the top-level import statements of ``body``, a parenthesised one whole; the rest of it)."""
+    imports: list[str] = []
+    rest: list[str] = []
+    lines = body.split("\n")
+    i = 0
+    while i < len(lines):
+        ln = lines[i]
+        if re.match(r"(import |from \S+ import )", ln):
+            stmt = [ln]
+            while stmt[-1].rstrip().endswith("(") or (stmt[0].count("(") > sum(x.count(")") for x in stmt)):
+                i += 1
+                stmt.append(lines[i])
+            imports.append("\n".join(stmt))
+        else:
+            rest.append(ln)
+        i += 1
+    return imports, "\n".join(rest).strip("\n")
+
+
 def complete(code: str, define_mesh: bool = True) -> str:
     """The snippet with the imports and the ``mesh`` it uses and does not define (``define_mesh``: a 1-D mesh over
     all ranks; False: the user's, which the fix reads), so that it runs pasted after the user's ``model`` (and
-    ``optimizer``) exist."""
+    ``optimizer``) exist. Its imports, its own and those added, come first under ``IMPORTS_NOTE``."""
     if not code:
         return code
     body = code
@@ -1168,4 +1204,16 @@ def complete(code: str, define_mesh: bool = True) -> str:
                 continue
         if re.search(pat, uses) and not re.search(rf"^{re.escape(line)}$", body, re.M):
             pre.append(line)
-    return "\n".join(pre + [body])
+    own, body = _hoist_imports(body)
+    imports: list[str] = []
+    fsdp: list[str] = []  # the names from torch.distributed.fsdp, one line for all
+    for ln in dict.fromkeys(pre + own):
+        m = re.fullmatch(r"from torch\.distributed\.fsdp import ([\w, ]+)", ln)
+        if m is None:
+            imports.append(ln)
+            continue
+        if not fsdp:
+            imports.append("<fsdp>")
+        fsdp += [n.strip() for n in m.group(1).split(",") if n.strip() not in fsdp]
+    imports = [f"from torch.distributed.fsdp import {', '.join(fsdp)}" if ln == "<fsdp>" else ln for ln in imports]
+    return "\n".join([IMPORTS_NOTE, *imports, "", body]) if imports else body
