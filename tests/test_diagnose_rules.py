@@ -221,6 +221,12 @@ def test_params_in_root():
     (f,) = run_rule("wrap.params_in_root", ctx)
     assert f.evidence["root_param_share_pct"] == pytest.approx(15.0, abs=0.1)
     assert f.predicted["peak_bytes_after"] == 10 * MiB - (558_080 - 279_040)
+    # the step: on gloo the new units' collectives cost the host per call (a new-user trial measured +63% and +85%
+    # where "unchanged" was predicted): not predicted, and said; on a GPU they overlap as the blocks' do: unchanged
+    assert f.predicted["step_ms_after"] is None and "the step time is not predicted" in f.recommendation.text
+    (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB), backend="nccl", device="cuda")[0])
+    assert g.predicted["step_ms_after"] == g.predicted["step_ms_before"] == 110.0
+    assert "not predicted" not in g.recommendation.text
     assert run_rule("wrap.params_in_root", build()[0]) == []
     # every block kept gathered after forward (reshard_after_forward=False): the new unit before the blocks takes
     # FSDP's default, and the snippet says so where it makes it (the prediction is that unit's)
