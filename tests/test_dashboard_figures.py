@@ -720,3 +720,20 @@ def test_the_jitter_histogram_counts_the_steps_the_report_counts(sample_run_path
     # a step left out for its full memory count, not profiled: out of the histogram too
     cols[0]["steady"][cols[0]["steady"].index(True)] = False
     assert len(F.jitter_histogram(cols, ranks=[0]).data[0].x) == report.steps.per_rank["0"].count - 1
+
+
+def test_overview_step_count_says_rank_steps_for_the_job(snap):
+    """The Overview's p50 tile counted the job's rank-steps as "steady steps" (66 where the CLI shows 33 per rank, a
+    new-user trial); for all ranks it says rank-steps, for one rank its steps."""
+    import json as _json
+
+    job = snap.report.steps.job
+    per = snap.report.steps.per_rank["0"]
+
+    def tile(flt):
+        page = _json.dumps([x.to_plotly_json() for x in PAGES["overview"][1].layout(snap, flt)],
+                           default=lambda o: o.to_plotly_json() if hasattr(o, "to_plotly_json") else str(o))
+        return page
+
+    assert f"all ranks, {job.count} steady rank-steps" in tile(Filters())
+    assert f"rank 0, {per.count} steady steps" in tile(Filters(rank=0))

@@ -29,8 +29,9 @@ def _kpis(report: Report, flt: Filters, traces_only: bool = False, state: str = 
     recorded = report.run.steps_recorded
     n_steps = recorded.get(key, 0) if key else max(recorded.values(), default=0)
     tiles = [
-        kpi("Step time p50", fmt_ms(st.p50_ms), f"{who}, {st.count} {'steady' if report.steps else 'complete profiled'} steps",
-            kid="kpi-p50"),
+        # (all ranks: the job's statistics count every rank's steps, "66 steady steps" for the CLI's 33 per rank)
+        kpi("Step time p50", fmt_ms(st.p50_ms), f"{who}, {st.count} {'steady' if report.steps else 'complete profiled'} "
+            f"{'rank-steps' if not key and steps and len(steps.per_rank) > 1 else 'steps'}", kid="kpi-p50"),
         kpi("Step time p99", fmt_ms(st.p99_ms), f"max {fmt_ms(st.max_ms)}", kid="kpi-p99"),
         kpi("Tokens / s", f"{tp.tokens_per_s:,.0f}" if tp and tp.tokens_per_s is not None else "—",
             (f"MFU {tp.mfu_pct:.1f}%" if tp and tp.mfu_pct is not None else

@@ -137,9 +137,11 @@ def _step_delta(a: list[list[float]], b: list[list[float]], q: float, rng: np.ra
     big = d.pct is not None and abs(d.pct) >= NOISE_FLOOR_PCT
     reason = (apart or "within noise" if lo <= 0 <= hi else apart or "under noise floor" if not big else
               apart or ("" if changed else NO_CHANGE))
-    if not apart and min(ma.shape[0], mb.shape[0]) < MIN_STEPS:
-        reason = FEW_STEPS
-    return StepDelta(a=d.a, b=d.b, delta=d.delta, pct=d.pct, ci_low=round(float(lo), 3), ci_high=round(float(hi), 3),
+    few = not apart and min(ma.shape[0], mb.shape[0]) < MIN_STEPS
+    if few:  # (no interval either: the summary says 3 or more a side give one, and the table printed one anyway)
+        reason, lo, hi = FEW_STEPS, None, None
+    return StepDelta(a=d.a, b=d.b, delta=d.delta, pct=d.pct, ci_low=None if few else round(float(lo), 3),
+                     ci_high=None if few else round(float(hi), 3),
                      confidence=CONFIDENCE, significant=not reason, reason=reason,
                      samples_a=int(np.isfinite(ma).sum()), samples_b=int(np.isfinite(mb).sum()),
                      steps_a=int(ma.shape[0]), steps_b=int(mb.shape[0]))
@@ -154,7 +156,8 @@ def step_summary(s: Optional[StepDelta], changed: bool = True, host: str = "") -
     the host's speed changed, where it did)."""
     if s is None or s.pct is None:
         return "step time not comparable (a run has no steps)"
-    ci = (f"{100 * s.ci_low / s.a:+.1f}% to {100 * s.ci_high / s.a:+.1f}%" if s.a else f"{s.ci_low} to {s.ci_high} ms")
+    ci = ("" if s.ci_low is None else  # (too few steps: none)
+          f"{100 * s.ci_low / s.a:+.1f}% to {100 * s.ci_high / s.a:+.1f}%" if s.a else f"{s.ci_low} to {s.ci_high} ms")
     interval = f"{round(100 * s.confidence)}% CI {ci}"
     if s.reason == OTHER_SOURCES:
         return ("step times not set against each other: one run's come from its records (every steady step), the "

@@ -14,8 +14,10 @@ from ..memory_categories import label as category_label
 from .fit import Col, fitted_table
 from .fmt import MISSING, fmt_bytes, fmt_ms, fmt_us, unit_label
 
+# ("between": the part of the time outside the model between optimizer.step() and the next forward, not a phase
+# beside it: read as one, the phases added up to more than the step)
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "outside": "outside model",
-                "gc": "GC"}
+                "between": "  of which between steps", "gc": "GC"}
 THROUGHPUT_LABELS = {"tokens_per_s": ("tokens/s", "{:,.0f}"), "achieved_tflops": ("TFLOP/s", "{:.3g}"),
                      "mfu_pct": ("MFU", "{:.1f}%")}
 
