@@ -322,3 +322,20 @@ def test_traces_of_some_ranks_of_a_job_are_said_in_the_header():
                     "a straggler among the others cannot be seen"]
     assert run_warnings(RunFacts(world_size=2, trace_ranks=[0, 1])) == []
     assert run_warnings(RunFacts(world_size=4, trace_ranks=[0, 1], steps_recorded={"0": 3}))  == []  # (records)
+
+
+def test_steps_table_has_the_jobs_row_the_findings_quote(sample_run_path):
+    """The findings and compare quote the job's step p50 (every rank's steps together), which no row of the step
+    table showed (a new-user trial read 58.6 ms in every finding and 55.8 / 62.0 in the table); with two ranks or
+    more the table ends with the job's row, in the terminal and the HTML alike (both draw steps_rows)."""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import fmt_ms_cell, steps_rows
+
+    steps = build_report(load_run(sample_run_path)).steps
+    rows = steps_rows(steps)
+    assert [r[0] for r in rows] == ["0", "1", "job"]
+    assert rows[-1][:3] == ("job", str(steps.job.count), fmt_ms_cell(steps.job.p50_ms))
+    assert steps.job.count == sum(st.count for st in steps.per_rank.values())
+    one = steps.__class__(per_rank={"0": steps.per_rank["0"]}, job=steps.job)
+    assert [r[0] for r in steps_rows(one)] == ["0"]  # one rank: its row is the job's

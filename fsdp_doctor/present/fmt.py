@@ -292,9 +292,14 @@ def no_steady_text(section: StepsSection) -> str | None:
 
 
 def steps_rows(section: StepsSection) -> list[tuple[str, ...]]:
-    """The step table's rows (STEPS_HEADER's columns, as text), one per rank (``section``: ``report.steps``)."""
+    """The step table's rows (STEPS_HEADER's columns, as text), one per rank (``section``: ``report.steps``), and
+    with two ranks or more the job's (every rank's steps together: the step p50 the findings and compare quote, which
+    no row showed)."""
     out = []
-    for r, st in section.per_rank.items():
+    rows = list(section.per_rank.items())
+    if len([st for st in section.per_rank.values() if st.count]) > 1 and section.job is not None and section.job.count:
+        rows.append(("job", section.job))
+    for r, st in rows:
         if not st.count:
             out.append((r, f"{st.recorded or 0}", *[MISSING] * (len(STEPS_HEADER) - 2)))
             continue
