@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from rich.console import Console
+from rich.markup import escape
 
 from ..compare_sections import Comparison, Delta
 from ..memory_categories import label as category_label
@@ -143,11 +144,16 @@ def tables(c: Comparison) -> list[CompareTable]:
     return out
 
 
+def side_text(side) -> str:
+    """A side's line in the header: its path, source and steps (terminal and HTML)."""
+    return f"{side.path} ({side.source}, {side.steps} step{'s' * (side.steps != 1)})"
+
+
 def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
     """Prints the comparison (the terminal presenter)."""
     console = console or Console()
-    console.print(f"[bold]fsdp-doctor compare[/]\n A: {c.a.path} ({c.a.source}, {c.a.steps} steps)\n"
-                  f" B: {c.b.path} ({c.b.source}, {c.b.steps} steps)", soft_wrap=True)
+    console.print(f"[bold]fsdp-doctor compare[/]\n A: {escape(side_text(c.a))}\n B: {escape(side_text(c.b))}",
+                  soft_wrap=True)
     console.print(f"[bold]{c.summary}[/]")
     for note in c.notes:
         console.print(f"[yellow]{note}[/]")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..compare_sections import Comparison
-from .compare import tables
+from .compare import side_text, tables
 from .compare_figures import FIGURES
 from .html import _esc, _figure, _plotlyjs_script, html_page, partial_plotlyjs
 
@@ -20,8 +20,8 @@ def _table(t) -> str:
 
 
 def render_compare_html(c: Comparison) -> str:
-    parts = [f"<h1>fsdp-doctor compare</h1><p class='facts'>A: {_esc(c.a.path)} ({_esc(c.a.source)}, {c.a.steps} "
-             f"steps)<br>B: {_esc(c.b.path)} ({_esc(c.b.source)}, {c.b.steps} steps)</p>",
+    parts = [f"<h1>fsdp-doctor compare</h1><p class='facts'>A: {_esc(side_text(c.a))}<br>B: "
+             f"{_esc(side_text(c.b))}</p>",
              f"<div class='verdict'>{_esc(c.summary)}</div>"]
     parts += [f"<p class='note'>{_esc(n)}</p>" for n in c.notes]
     bundle = partial_plotlyjs()
