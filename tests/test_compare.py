@@ -526,3 +526,18 @@ def test_a_run_against_a_plain_trace_reads_both_traces_and_both_peaks(sample_run
     peak_b = build_report(run_b).memory_section()
     assert cmp.memory_peak.b == max(m.peak_bytes for m in peak_b.per_rank.values()) > 0
     assert cmp.memory == {}  # the trace's peak has no categories: no category row of one side only
+
+
+def test_exposed_total_only_where_it_has_the_rows_source(sample_run_path, tmp_path):
+    """The exposed-communication table's total came from each report's headline whatever its source, beside rows of
+    another (recorded all-gather waits against a trace's exposure, under "from the records": a new-user trial). A
+    recorded run without a profiler window against a plain trace: rows from the records, no total; two runs whose
+    headlines are the trace's: the total, from the trace, as the rows."""
+    _half(sample_run_path, tmp_path / "no_window", lambda n: n > 0)
+    a, b = load_run(tmp_path / "no_window"), load_run(sample_run_path / "profiler")
+    cmp = compare_runs(a, b)
+    assert (cmp.comm_source, build_report(a).comm.source, build_report(b).comm.source) == ("records", "records",
+                                                                                          "trace")
+    assert cmp.comm_exposed is None and cmp.comm
+    cmp = compare_runs(load_run(sample_run_path), b)
+    assert cmp.comm_source == "trace" and cmp.comm_exposed is not None
