@@ -184,9 +184,9 @@ class CommunicationBound(TraceRule):
         # fewer bytes would not shorten; the straggler's own step says what its collectives cost (one rank 5 ms late
         # of 4 read "communication-bound, 61% of the step" and advised 16-bit all-gathers)
         late, _ = E.trace_straggler(ctx)
-        on_late = ""
+        only, on_late = None, ""  # (the rank whose collectives are read, where one is)
         if late is not None and late.rank in ctx.report.verdict.per_rank:
-            job = ctx.report.verdict.per_rank[late.rank]
+            only, job = late.rank, ctx.report.verdict.per_rank[late.rank]
             on_late = ", " + E.read_on_straggler(late)
         share = job.groups_pct["communication"] / 100
         if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
@@ -198,7 +198,7 @@ class CommunicationBound(TraceRule):
             return self.quiet(f"communication-bound mostly by the model's own collectives (model-parallel "
                               f"{model_pct:.0f}% of the step, FSDP's {fsdp_pct:.0f}%), which FSDP's levers do not "
                               "reach (verdict.severe names theirs)")
-        rows = [r for r in E.trace_rows(ctx) if r.phase != MODEL_PHASE and (on_late == "" or str(r.rank) == late.rank)]
+        rows = [r for r in E.trace_rows(ctx) if r.phase != MODEL_PHASE and only in (None, str(r.rank))]
         table = _size_table(rows)
         step = trace_step_ms(ctx)
         small = [t for t in table if t.size == SIZE_BUCKETS[0][1]]
