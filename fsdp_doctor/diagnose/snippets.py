@@ -1173,7 +1173,7 @@ def _hoist_imports(body: str) -> tuple[list[str], str]:
         ln = lines[i]
         if re.match(r"(import |from \S+ import )", ln):
             stmt = [ln]
-            while stmt[-1].rstrip().endswith("(") or (stmt[0].count("(") > sum(x.count(")") for x in stmt)):
+            while sum(x.count("(") - x.count(")") for x in stmt) > 0 and i + 1 < len(lines):  # (to its ")")
                 i += 1
                 stmt.append(lines[i])
             imports.append("\n".join(stmt))
