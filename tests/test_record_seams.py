@@ -283,3 +283,26 @@ def test_a_trainer_that_did_not_shard_is_told_so_in_its_own_terms():
     assert "set TrainingArguments(fsdp=" in plain and "fully_shard" not in plain
     other = WatchError("fsdp_doctor.watch: cannot write to out_dir x (Permission denied)")
     assert _trainer_refusal(other, SimpleNamespace(fsdp=[]), model) == str(other)
+
+
+def test_watch_takes_a_budget_as_a_whole_number_of_bytes_or_refuses_it_in_one_line():
+    """capacity_bytes="8GB" or 0.9 * total_memory (a float) went into the config record as given; analysis then
+    refused the record whole ("Expected 'int | null', got 'float'") and the run lost its units and most rules (a
+    new-user trial). A number is taken as whole bytes; anything else is refused at watch(), in one line."""
+    import numpy as np
+
+    from fsdp_doctor.record.options import WatchOptions
+
+    def opts(**kw):
+        return WatchOptions.from_kwargs({"out_dir": "unused", **kw})
+
+    assert opts(capacity_bytes=0.9 * 32e6).capacity_bytes == 28_800_000
+    assert opts(capacity_bytes=np.int64(1 << 30), tokens_per_step=4096.0).tokens_per_step == 4096
+    assert opts().capacity_bytes is None
+    with pytest.raises(TypeError, match=r"^fsdp_doctor.watch: capacity_bytes must be a number of bytes \(e.g. "
+                                        r"80 \* 2\*\*30\), got '8GB' \(str\)$"):
+        opts(capacity_bytes="8GB")
+    with pytest.raises(TypeError, match="got True"):
+        opts(capacity_bytes=True)
+    with pytest.raises(ValueError, match="tokens_per_step must be a positive number, got 0"):
+        opts(tokens_per_step=0)

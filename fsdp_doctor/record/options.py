@@ -46,6 +46,13 @@ class WatchOptions:
     tensorboard: bool = False
     overwrite: bool = False
 
+    def __post_init__(self):
+        # a budget or a token count of the wrong type was written into the config record as it came ("8GB", a float
+        # from 0.9 * total), which analysis then refused whole: the run lost its units and most of its rules (a
+        # new-user trial); a number is taken as a whole count, anything else refused here, in one line
+        for name in ("capacity_bytes", "tokens_per_step"):
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+
     @property
     def counts_flops(self) -> bool:
         if self.count_flops is not None:
@@ -62,3 +69,20 @@ class WatchOptions:
         if "out_dir" not in options:
             raise TypeError("fsdp_doctor.watch: out_dir is required (the run directory)")
         return cls(**options)
+
+
+def _count(name: str, v):
+    """``v`` as a positive whole count (a float rounded down: ``0.9 * total_memory``), None as None; anything else a
+    ``TypeError`` or ``ValueError`` naming the option."""
+    import math
+    import numbers
+
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"fsdp_doctor.watch: {name} must be a number"
+                        f"{' of bytes (e.g. 80 * 2**30)' if name == 'capacity_bytes' else ''}, got {v!r} "
+                        f"({type(v).__name__})")
+    if not math.isfinite(v) or v < 1:
+        raise ValueError(f"fsdp_doctor.watch: {name} must be a positive number, got {v!r}")
+    return int(v)
