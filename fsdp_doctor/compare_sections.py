@@ -100,8 +100,8 @@ class PredictionCheck(_S):
     # "held" | "missed" | "inconclusive" (the measured interval holds both the predicted change and none: these
     # runs cannot tell them apart); None: no step prediction
     step_verdict: Optional[str] = None
-    peak_bytes_predicted: Optional[float] = None
-    peak_bytes_measured: Optional[float] = None
+    peak_bytes_predicted: Optional[int] = None
+    peak_bytes_measured: Optional[int] = None
     peak_pct_error: Optional[float] = None  # (predicted - measured) / measured
     peak_held: Optional[bool] = None
 
@@ -128,8 +128,9 @@ class Cost(_S):
     note: str = ""  # why a side is missing
 
 
-class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True):
-    schema: str = SCHEMA
+class Comparison(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="schema", tag=SCHEMA):
+    # (its schema, SCHEMA, is its tag: written first, always; as a field equal to its default it was omitted, and a
+    # compare --json had no schema at all)
     a: RunSide
     b: RunSide
     summary: str = ""  # one line: the step-time verdict

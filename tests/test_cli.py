@@ -214,3 +214,18 @@ def test_json_dash_is_the_json_alone_on_standard_output(tmp_path):
         out = json.loads(p.stdout)  # (nothing else there)
         assert ("findings" in out) if args[0] == "analyze" else ("step" in json.dumps(out))
         assert not (tmp_path / "-").exists()
+
+
+def test_the_doctors_own_json_saved_in_the_run_folder_is_not_read_as_a_trace(tmp_path):
+    """`analyze RUN --json RUN/analysis.json`, then `analyze RUN`: the saved report was read as a trace ("skipped:
+    analysis.json: not a Kineto trace") and the second analyze exited 3, failing a CI script (a new-user trial). The
+    doctor's own JSON outputs, under any name, are left out as report.json is; a foreign JSON still is not."""
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns("report.json"))
+    assert fd("analyze", run, "--json", run / "analysis.json").returncode == 0
+    assert fd("compare", run, run, "--json", run / "compare.json").returncode == 0
+    r = fd("analyze", run)
+    assert r.returncode == 0 and "skipped" not in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr
+    (run / "notes.json").write_text('{"schema": "mine", "x": 1}')
+    r = fd("analyze", run)
+    assert r.returncode == 3 and "notes.json: not a Kineto trace" in r.stdout + r.stderr

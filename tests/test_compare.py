@@ -146,6 +146,11 @@ def test_step_prediction_verdicts():
     assert C._step_verdict(-10.0, m, 90.0) == "held" and C._step_verdict(-30.0, m, 70.0) == "missed"
     wide = StepDelta(a=100.0, b=100.0, delta=0.0, pct=0.0, ci_low=-12.0, ci_high=12.0)
     assert C._step_verdict(-10.0, wide, 90.0) == "inconclusive" and C._step_verdict(-1.0, wide, 99.0) == "held"
+    # a predicted -7.2% against a measured +1.9% (interval -2.0% … +8.5%): within 10% of B's step, but the other way
+    # and outside the interval: missed (it read "held": a new-user trial); a predicted -2% (under the 5% noise floor)
+    # within the tolerance still holds
+    up = StepDelta(a=100.0, b=101.9, delta=1.9, pct=1.9, ci_low=-2.0, ci_high=8.5)
+    assert C._step_verdict(-7.2, up, 92.8) == "missed" and C._step_verdict(-2.0, up, 98.0) == "held"
 
 
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)

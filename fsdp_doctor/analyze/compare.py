@@ -314,7 +314,10 @@ def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high
     if inside and p50.ci_low <= 0 <= p50.ci_high and abs(d) >= NOISE_FLOOR_PCT / 100 * p50.a:
         return "inconclusive"
-    return "held" if inside or abs(pred - p50.b) <= STEP_TOLERANCE_PCT / 100 * p50.b else "missed"
+    # within the tolerance of B's step, unless a predicted change (at least the noise floor) went the other way: a
+    # predicted -7.2% against a measured +1.9% outside its interval "held" (a new-user trial)
+    against = abs(d) >= NOISE_FLOOR_PCT / 100 * p50.a and (p50.delta or 0.0) * d < 0
+    return "held" if inside or (abs(pred - p50.b) <= STEP_TOLERANCE_PCT / 100 * p50.b and not against) else "missed"
 
 
 def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterable[str],
@@ -342,7 +345,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
                                 else _step_verdict(pred - p50.a, p50, pred))
         if p["peak_bytes_before"] is not None and p["peak_bytes_after"] is not None and peak_a and peak_b:
             pred = peak_a + (p["peak_bytes_after"] - p["peak_bytes_before"])
-            chk.peak_bytes_predicted, chk.peak_bytes_measured = float(pred), float(peak_b)
+            chk.peak_bytes_predicted, chk.peak_bytes_measured = int(round(pred)), int(peak_b)
             chk.peak_pct_error = round(100 * (pred - peak_b) / peak_b, 2)
             # a ceiling holds when the peak came out at or under it; a change, when the error is within the
             # tolerance and at least half the predicted change happened, in its direction (a run against itself

@@ -132,7 +132,8 @@ def read_regular(path: Path | str) -> bytes:
 def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]] = None) -> list[Path]:
     """Kineto trace files at ``path``: the file itself, or ``*.json`` / ``*.json.gz`` found recursively under a
     directory (symlinked folders followed once; TensorBoard plugin layout and the ``profiler/`` folder
-    included), sorted. Known non-trace JSON (``manifest.json``, ``report.json``, ``*.jsonl``) is left out.
+    included), sorted. Known non-trace JSON (``manifest.json``, ``report.json``, ``*.jsonl``, the doctor's own
+    ``--json`` outputs under any name) is left out.
     What cannot be read (an unreadable folder, a dangling or looping symlink, a FIFO or other non-regular
     file with a trace's name) is added to ``problems`` as (path, why) and left out, never silently.
     Raises FileNotFoundError for a missing path."""
@@ -172,11 +173,27 @@ def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]
                 why = _not_readable(q)
                 if why:
                     problems.append((q, why))
-                else:
+                elif not is_doctor_json(q):
                     found.append(q)
 
     walk(p)
     return sorted(found)
+
+
+# what the doctor's own JSON outputs (analyze --json, compare --json) begin with: their schema
+_DOCTOR_JSON = re.compile(rb'\A\s*\{\s*"schema"\s*:\s*"fsdp-doctor-')
+
+
+def is_doctor_json(p: Path) -> bool:
+    """A ``*.json`` the doctor wrote (``analyze --json`` or ``compare --json``, under any name: a report saved into
+    the run folder as analysis.json was read as a trace, "not a Kineto trace", and the next analyze exited 3)."""
+    if not p.name.endswith(".json"):
+        return False
+    try:
+        with open_regular(p) as f:
+            return bool(_DOCTOR_JSON.match(f.read(256)))
+    except OSError:
+        return False
 
 
 def _not_readable(p: Path) -> str:
