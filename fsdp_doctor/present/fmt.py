@@ -408,8 +408,9 @@ def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
 
 # --- the memory section at the peak: the terminal's table cells and per-rank lines, for the HTML report
 def memory_peak_where(at) -> str:
-    """Where a peak happened: "step 3, layers.0 forward_end" ("(model)" outside every unit)."""
-    unit = "(model)" if at.unit is None else unit_label(at.unit)
+    """Where a peak happened: "step 3, layers.0 forward_end" ("outside the units": in no unit's forward or
+    backward, the loss's phase; "(model)" there read as a unit the tables name "(root)": a new-user trial)."""
+    unit = "outside the units," if at.unit is None else unit_label(at.unit)
     return f"step {at.step}, {unit} {at.phase or ''}".strip()
 
 

@@ -7,9 +7,9 @@ from rich.console import Group
 from rich.text import Text
 
 from ..memory_categories import DEVICE, label
-from ..report_sections import MemoryPeakAt, MemorySection
+from ..report_sections import MemorySection
 from .fit import Col, fitted_table
-from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, short_unit_labels, trace_memory_rows, unit_label
+from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, memory_peak_where, short_unit_labels, trace_memory_rows
 
 _BAR = 20
 
@@ -19,9 +19,6 @@ def _bar(frac: float) -> str:
     return "█" * n + "·" * (_BAR - n)
 
 
-def _where(at: MemoryPeakAt) -> str:
-    unit = "(model)" if at.unit is None else unit_label(at.unit)
-    return f"step {at.step}, {unit} {at.phase or ''}".strip()
 
 
 def render_memory(section: MemorySection, width: int = 100):
@@ -74,7 +71,7 @@ def render_memory(section: MemorySection, width: int = 100):
     lines = []
     for r in ranks:
         pr = per_rank[r]
-        parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {_where(pr.peak_at)}"]
+        parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {memory_peak_where(pr.peak_at)}"]
         cap = pr.capacity_bytes
         if cap:
             parts.append(f"{100 * pr.peak_bytes / cap:.0f}% of {fmt_bytes(cap)}")
