@@ -14,6 +14,7 @@ import pytest
 from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.snippets import IMPORTS_NOTE, SHARDING_GOES_HERE
+from fsdp_doctor.units import fmt_bytes
 from fsdp_doctor.records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
 from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
@@ -988,6 +989,17 @@ def test_ac_recommended_picks_enough_blocks():
     assert f.predicted["peak_bytes_after"] < 0.85 * 72 * MiB
     assert "apply_activation_checkpointing" in f.recommendation.code
     assert "names = ['layers.0', 'layers.1']" in f.recommendation.code
+    assert "Even so" not in f.recommendation.text  # (under the capacity after it)
+    # a budget under the model's own state (capacity_bytes=1_000_000 for a 26 MiB peak, a new-user trial): every
+    # block checkpointed still leaves the peak many times the capacity, and the text says so, and asks about units
+    mem = memory(80 * MiB, capacity=MiB, per_unit=_act_units(), activations=64 * MiB, optimizer_state=8 * MiB)
+    (f,) = run_rule("ac.recommended", build(memory=mem, capacity=MiB)[0])
+    assert f.evidence["blocks_to_checkpoint"] == [f"layers.{i}" for i in range(4)]
+    after = f.predicted["peak_bytes_after"]
+    assert after > MiB and f.recommendation.text.endswith(
+        f"Even so the peak stays {fmt_bytes(after)}, {100 * after / MiB:.0f}% of the capacity: checkpointing alone "
+        f"does not fit this budget; the sharded parameters and optimizer state alone take {fmt_bytes(8 * MiB)}, "
+        f"8.0x the capacity given (1,048,576 B): is capacity_bytes in bytes?"), f.recommendation.text
     # activations a small part of the peak: not the lever
     mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(act=2 * MiB), activations=8 * MiB,
                  optimizer_state=60 * MiB)

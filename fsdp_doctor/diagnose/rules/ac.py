@@ -274,13 +274,31 @@ class AcRecommended(Rule):
                f"{S.titan_says(titan)}: its activation checkpointing wraps every block, all {len(chosen)} here, "
                "and full checkpointing keeps only their inputs (selective, its default, keeps some operators' "
                "outputs and saves less)." if titan_code else
-               "Apply checkpointing to whole blocks, before fully_shard."),
+               "Apply checkpointing to whole blocks, before fully_shard.")
+            + _over_budget(peak_after, cap, bd),
             S.plugin_checkpointing(True, lever) if lever else titan_code or S.checkpoint_modules(
                 mods, "checkpoint whole blocks"),
             where=lever or ("torchtitan" if titan_code else ""),
             predicted=E.predicted(step, step + recompute if step is not None and recompute is not None else None,
                                   peak, peak_after),
             units=[u.name for u in chosen])]
+
+
+def _over_budget(peak_after: int, cap: int, bd: dict) -> str:
+    """What the text adds where checkpointing leaves the peak over the capacity: that it does not fit alone, and
+    where the model's own sharded parameters and optimizer state exceed the budget, that the budget may not be in
+    bytes (a new-user trial's capacity_bytes=1_000_000 read "checkpoint 4 blocks: 26.03 -> 13.54 MiB", 14x the
+    budget after the fix, with no word of it)."""
+    if peak_after <= cap:
+        return ""
+    state = int((bd.get("sharded_params") or 0) + (bd.get("optimizer_state") or 0))
+    text = (f" Even so the peak stays {fmt_bytes(peak_after)}, {100 * peak_after / cap:.0f}% of the capacity: "
+            "checkpointing alone does not fit this budget")
+    if state >= cap:
+        return text + (f"; the sharded parameters and optimizer state alone take {fmt_bytes(state)}, "
+                       f"{state / cap:.1f}x the capacity given ({cap:,} B): is capacity_bytes in bytes?")
+    return text + ("; the other levers are more ranks to shard over, CPU offload (offload.*) or a smaller "
+                   "micro-batch.")
 
 
 @register
