@@ -331,6 +331,22 @@ def test_activation_checkpointing_and_bf16(ac_bf16, base):
             s = _sample(s1, name, "forward_start")
             assert s["unsharded_params"] == u.unsharded_bytes == u.sharded_bytes  # bf16: half of 2 fp32 shards
         assert s1.memory.end["sharded_params"] == _local_padded_bytes(cfg, NPROC)  # shards stay fp32
+    # the peak falls in a checkpointed block's backward, whose recomputed activations the breakdown counts as
+    # temporaries: a note says up to how much of them (a new-user trial went hunting for operator temporaries)
+    from fsdp_doctor import build_report
+    from fsdp_doctor.units import fmt_bytes
+
+    for r, pr in build_report(run).memory.per_rank.items():
+        at = pr.peak_at
+        assert at.unit.startswith("layers.") and "backward" in at.phase, (r, at)
+        saved = next(u.recompute_saved_bytes for u in pr.per_unit if u.unit == at.unit)
+        temps = pr.peak_breakdown["temporaries"]
+        assert 0 < saved and 0 < temps
+        assert (f"the peak is in {at.unit}'s backward, which recomputes its forward (activation checkpointing): up "
+                f"to {fmt_bytes(min(saved, temps))} of the {fmt_bytes(temps)} of temporaries at the peak are its "
+                "recomputed activations") in pr.notes, pr.notes
+    # without checkpointing, no such note
+    assert not any("recomputes" in n for pr in build_report(base_run).memory.per_rank.values() for n in pr.notes or [])
 
 
 def test_autocast_copies_of_parameters_counted_exactly(autocast, base):
