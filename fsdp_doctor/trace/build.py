@@ -410,12 +410,12 @@ def _build_window(path: Path, trace) -> WindowTrace:
     is_fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[sp_name]
     lab = np.flatnonzero(is_fsdp & (sp_ts < cutoff))
     index = _LabelIndex(sp_ts[lab], sp_end[lab], sp_name[lab], sp_thread[lab], list(special.threads), special.names)
-    fwd = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[sp_name[lab]]
+    fwd = fw_at[lab]
     bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
     phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
     roots_per_forward = _roots_per_forward(sp_ts[lab][fwd | bwd].tolist(), bwd[fwd | bwd].tolist(),
                                            min(steps.values(), default=-math.inf))
-    opt = special.names_where(lambda nm: nm.startswith(OPTIMIZER_STEP_PREFIX))[sp_name] & (sp_ts < cutoff)
+    opt = opt_at & (sp_ts < cutoff)
     loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
     optimizer_steps = iv.union(sp_ts[opt], sp_end[opt])
 
@@ -430,7 +430,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
                                              [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
                         [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
-    del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt  # (read: the window may be long)
+    # (read: the window may be long)
+    del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt, fw_at, opt_at
     labels = index.labels()
     spans = unit_spans(*labels, bounds)
     win.step_units = step_units(labels[0], labels[2], labels[3], bounds)

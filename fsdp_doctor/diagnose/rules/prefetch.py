@@ -239,7 +239,8 @@ class ExposedAllGather(Rule):
         step = E.trace_step_ms(ctx)
         rows = [(u, ph, w) for (u, ph), w in trace.items() if w > 0 and ph in ("forward", "backward")
                 and u not in ("(other)",)]
-        on_late = "" if late is None else ", " + E.read_on_straggler(late)
+        read = "" if late is None else E.read_on_straggler(late)
+        on_late = read and ", " + read
         if not rows or not step:
             return self.quiet("no step in the trace" if not step else f"no all-gather exposed in the trace{on_late}")
         cpu = E.trace_device(ctx) != "gpu"
@@ -247,7 +248,7 @@ class ExposedAllGather(Rule):
         share = total / step
         sev = _exposed_severity(share, cpu)
         if sev is None:
-            return self.quiet(_below(total, step, cpu, "trace") + on_late.replace(", ", "; ", 1))
+            return self.quiet(_below(total, step, cpu, "trace") + (read and "; " + read))
         rows.sort(key=lambda x: -x[2])
         fwd = sum(w for _, ph, w in rows if ph == "forward")
         bwd = total - fwd
