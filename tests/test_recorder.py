@@ -113,8 +113,11 @@ launch(WorkloadConfig(steps=400), nproc=2, watch_kwargs={"out_dir": sys.argv[1],
 
 def test_run_killed_with_sigkill_is_still_analyzable(tmp_path):
     out = tmp_path / "killed"
+    # its temporary folders (the launcher's) in tmp_path: a killed process removes none of them
+    (tmp_path / "tmp").mkdir()
     proc = subprocess.Popen([PY, "-c", _KILL_SCRIPT, str(out)], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     deadline = time.time() + 240
     try:
         while time.time() < deadline:
