@@ -188,8 +188,13 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
     ``compare_runs`` (the dashboard's Compare page) all say this."""
     if report is None:
         begun = sorted(r for r, rd in run.ranks.items() if rd.header is not None)
+        ended = [r for r in begun if run.ranks[r].end is not None and not run.ranks[r].end.exception]
+        who = f"rank{'s' * (len(begun) > 1)} {', '.join(map(str, begun))}"
+        if begun and ended == begun:  # watch() exited normally, and no doctor.step() was called in it
+            return (f"{path}: watch() ended normally on {who} without a doctor.step() "
+                    "call, so no step was recorded: call doctor.step() once per optimizer step inside the with block")
         if begun:  # streams began (a header) but hold no step: an error in step 0, a kill during FSDP's lazy init
-            return (f"{path}: the records of rank {', '.join(map(str, begun))} hold a header and no step: the run "
+            return (f"{path}: the records of {who} hold a header and no step: the run "
                     "stopped before its first doctor.step(), and left no profiler trace")
         return f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"
     if is_usable(run, report):

@@ -264,6 +264,13 @@ def _trace_file_cases() -> list[Case]:
     t.append(Case("path/records-header-only",
                   lambda d: [one_file(d, (header % r).encode(), f"rank{r}.records.jsonl") for r in (0, 1)] and d,
                   "error", "hold a header and no step: the run stopped before its first doctor.step()"))
+    # a run whose loop never called doctor.step(): watch() exited normally with 0 steps (a new-user trial read
+    # "the run stopped before its first doctor.step()" of a run that had trained 10 optimizer steps)
+    end = '{"t":"end","steps":0,"ended_ns":2,"rank":%d}\n'
+    t.append(Case("path/records-never-stepped",
+                  lambda d: [one_file(d, (header % r + end % r).encode(), f"rank{r}.records.jsonl")
+                             for r in (0, 1)] and d,
+                  "error", "watch() ended normally on ranks 0, 1 without a doctor.step() call"))
     t.append(Case("path/all-files-unreadable", lambda d: (one_file(d, b"", "a.json"), one_file(d, b"{", "b.json"))
                   and d, "error", "nothing to analyse"))
     t.append(Case("path/two-files-without-rank",

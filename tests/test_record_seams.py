@@ -306,3 +306,83 @@ def test_watch_takes_a_budget_as_a_whole_number_of_bytes_or_refuses_it_in_one_li
         opts(capacity_bytes=True)
     with pytest.raises(ValueError, match="tokens_per_step must be a positive number, got 0"):
         opts(tokens_per_step=0)
+
+
+def test_a_root_unsharded_at_the_first_forward_holds_no_unmanaged_parameters(gloo_one_rank):
+    """A new-user trial (accelerate's FSDP2 plugin with no_wrap and bf16: a Qwen2's decoder layers in the root unit)
+    read 1.13 MiB of "sharded grads" alive when every step started, and memory.grads_kept told them to free gradients
+    their zero_grad() had freed. The memory probe looks for parameters no unit manages at the first unit's forward,
+    while the root's forward runs: the root's unsharded parameters were on its modules then and read as unmanaged,
+    their bf16 gradients (alive when that run's backward ended) were measured once, and never again. They are FSDP's
+    unsharded parameters: managed, and the unmanaged gradients are measured again whenever that list is."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_doctor.record.memory.sizes import FsdpSizes
+    from fsdp_doctor.record.units import find_units
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    fully_shard(m[0])
+    fully_shard(m)  # the root: m[1] and m[2]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(4, 64)).sum().backward()  # FSDP's lazy init; gradients on the sharded parameters
+    opt.step()
+    opt.zero_grad()
+    sizes = FsdpSizes(m, opt, find_units(m), host_is_device=True)
+    m.unshard()  # as during the root's forward: its unsharded parameters are the modules' now
+    assert not isinstance(m[1].weight, torch.distributed.tensor.DTensor)
+    for p in m[1:].parameters():
+        p.grad = torch.zeros_like(p)  # unreduced gradients, as before the root's post-backward
+    sizes.refresh_static(final=False)
+    assert sizes.unmanaged == [] and sizes.unmanaged_sgrad == 0, [tuple(p.shape) for p in sizes.unmanaged]
+    for p in m[1:].parameters():
+        p.grad = None
+    m.reshard()
+
+
+def test_a_loop_that_never_calls_step_is_told_at_exit(tmp_path, gloo_one_rank, caplog):
+    """A new-user trial forgot doctor.step(): training ran 10 optimizer steps without a word, and analyze said the
+    run "stopped before its first doctor.step()". watch() now says at its exit that no step was recorded, with the
+    optimizer steps that ran, and analyze that watch() ended normally without a doctor.step() call."""
+    import logging
+
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import unusable_reason
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    fully_shard(m[0])
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "never", profile=False):
+            for _ in range(3):
+                m(torch.randn(2, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "without a doctor.step() call" in r.getMessage()]
+    assert said == ["fsdp_doctor: watch() ended without a doctor.step() call (3 optimizer steps ran): nothing was "
+                    "recorded; call doctor.step() once per optimizer step inside the with block"], caplog.text
+    run = fsdp_doctor.load_run(tmp_path / "never")
+    assert "watch() ended normally on rank 0 without a doctor.step() call" in unusable_reason(tmp_path, run, None)
+
+
+def test_watch_before_accelerate_prepares_the_model_says_to_watch_after_prepare(tmp_path, monkeypatch):
+    """A new-user trial called watch() before accelerator.prepare() (accelerate set to FSDP): the refusal told them
+    to apply fully_shard, which their accelerate loop never calls. Where accelerate's state is set to FSDP the line
+    says to watch after prepare; accelerate's state is read, never initialised."""
+    accelerate_state = pytest.importorskip("accelerate.state")
+    from accelerate.utils import DistributedType
+
+    import fsdp_doctor
+    from fsdp_doctor.record.tracker import WatchError
+
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(accelerate_state.AcceleratorState, "_shared_state", {})  # accelerate not set up
+    with pytest.raises(WatchError, match="has no FSDP2 unit; apply torch.distributed.fsdp.fully_shard"):
+        fsdp_doctor.watch(model, None, out_dir=tmp_path / "a").__enter__()
+    assert accelerate_state.AcceleratorState._shared_state == {}  # not initialised by the doctor
+    accelerate_state.AcceleratorState._shared_state.update(distributed_type=DistributedType.FSDP)
+    with pytest.raises(WatchError, match=r"accelerate shards it with FSDP: call watch\(\) after "
+                                         r"accelerator.prepare\(...\), on the model and optimizer it returns"):
+        fsdp_doctor.watch(model, None, out_dir=tmp_path / "b").__enter__()

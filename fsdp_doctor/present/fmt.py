@@ -410,8 +410,9 @@ def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
 def memory_peak_where(at) -> str:
     """Where a peak happened: "step 3, layers.0 forward_end" ("outside the units": in no unit's forward or
     backward, the loss's phase; "(model)" there read as a unit the tables name "(root)": a new-user trial)."""
-    unit = "outside the units," if at.unit is None else unit_label(at.unit)
-    return f"step {at.step}, {unit} {at.phase or ''}".strip()
+    if at.unit is None:
+        return ", ".join([f"step {at.step}", "outside the units", *([at.phase] if at.phase else [])])
+    return f"step {at.step}, {unit_label(at.unit)} {at.phase or ''}".strip()
 
 
 def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
@@ -512,6 +513,12 @@ class RunWarning(NamedTuple):
     level: str = "warning"
 
 
+def ranks_phrase(ranks) -> str:
+    """"rank 1", "ranks 0, 1": ranks named with the noun's number."""
+    ranks = [str(r) for r in ranks]
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
+
+
 def run_warnings(run: RunFacts) -> list[RunWarning]:
     """What the header warns of: ranks that did not finish, and where the doctor stepped aside."""
     from msgspec import UNSET
@@ -520,10 +527,10 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
     stopped = run.stopped_on if run.stopped_on is not UNSET else {}
     incomplete = [k for k, done in run.complete.items() if not done and k not in stopped]
     if stopped:
-        out.append(f"rank{'s' * (len(stopped) > 1)} {', '.join(stopped)} stopped on an exception in the training loop "
+        out.append(f"{ranks_phrase(stopped)} stopped on an exception in the training loop "
                    f"({', '.join(exception_kinds(run))}); their completed steps are used")
     if incomplete:
-        out.append(f"ranks {', '.join(incomplete)} did not finish (run still going, or killed); their completed "
+        out.append(f"{ranks_phrase(incomplete)} did not finish (run still going, or killed); their completed "
                    "steps are used")
     traced = run.trace_ranks if run.trace_ranks is not UNSET else None
     if traced and run.world_size and len(traced) < run.world_size and not run.steps_recorded:

@@ -192,6 +192,11 @@ class Doctor:
                     why = "" if exc_type is None else f"{exc_type.__name__}: {exc}".splitlines()[0][:200].rstrip(": ")
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns(),
                                          exception=why))
+                    if not self.steps_done and exc_type is None and self.rank == 0:
+                        ran = self._timer.optimizer_steps
+                        log.warning("fsdp_doctor: watch() ended without a doctor.step() call%s: nothing was "
+                                    "recorded; call doctor.step() once per optimizer step inside the with block",
+                                    f" ({ran} optimizer steps ran)" if ran else "")
                 self._sinks.close()
         except Exception as e:  # noqa: BLE001
             log.warning("fsdp_doctor: closing the record stream failed (%s: %s)", type(e).__name__, e)
@@ -226,10 +231,10 @@ class Doctor:
             raise WatchError(f"fsdp_doctor.watch: {reason}")
         units = find_units(self.model)
         if not units:
-            raise WatchError(
-                f"fsdp_doctor.watch: {type(self.model).__name__} has no FSDP2 unit; apply "
-                "torch.distributed.fsdp.fully_shard to its blocks and to the model before watching it"
-            )
+            raise WatchError(f"fsdp_doctor.watch: {type(self.model).__name__} has no FSDP2 unit; " + (
+                "accelerate shards it with FSDP: call watch() after accelerator.prepare(...), on the model and "
+                "optimizer it returns" if _accelerate_fsdp() else
+                "apply torch.distributed.fsdp.fully_shard to its blocks and to the model before watching it"))
         self._units = units
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -573,6 +578,18 @@ def unwrap_optimizer(optimizer):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
                          "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")
     return opt
+
+
+def _accelerate_fsdp() -> bool:
+    """Whether accelerate is set to shard with FSDP in this process (its Accelerator was built with an FSDP plugin):
+    a model with no FSDP2 unit then is one accelerator.prepare() has not sharded yet (a new-user trial watched
+    before prepare and was told to call fully_shard)."""
+    mod = sys.modules.get("accelerate.state")
+    # its shared dict, read: constructing AcceleratorState() would initialise accelerate's state where there is none
+    state = getattr(getattr(mod, "AcceleratorState", None), "_shared_state", None)
+    if not isinstance(state, dict):
+        return False
+    return str(state.get("distributed_type", "")).endswith("FSDP") or state.get("fsdp_plugin") is not None
 
 
 def watch(model: nn.Module, optimizer=None, **options) -> Doctor:

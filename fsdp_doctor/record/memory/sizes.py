@@ -119,13 +119,17 @@ class FsdpSizes:
 
     # ------------------------------------------------------------------ static sizes
     def unmanaged_static(self) -> None:
+        """The model's parameters no FSDP unit manages, and their gradients. A unit unsharded now (the root, whose
+        forward is running when the first unit's forward starts) has its unsharded parameters on the modules: they
+        are FSDP's too (counted as unmanaged, a root holding parameters read its gradients as kept between steps)."""
         managed = set()
         for g in self.groups:
             for fp in g.fps:
-                sp = F2.sharded_param(fp)
-                if sp is not None:
-                    managed.add(id(sp))
+                for p in (F2.sharded_param(fp), F2.unsharded_param(fp)):
+                    if p is not None:
+                        managed.add(id(p))
         self.unmanaged = [p for p in self.model.parameters() if id(p) not in managed]
+        self.measure_unmanaged_grads()
 
     def refresh_static(self, final: bool = True) -> None:
         """Sharded params, unmanaged params, buffers, parameter storage keys (after FSDP's lazy init). ``final``
