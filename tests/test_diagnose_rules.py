@@ -1890,3 +1890,38 @@ def test_eval_regather():
     assert (f.evidence["evaluation_steps"], f.evidence["steps"]) == (2, 6)
     assert f.evidence["saved_ms_per_step"] == pytest.approx(23.333)
     assert "2 of 6 steps ran 8 forward passes" in f.recommendation.text
+
+
+def test_grads_kept_fix_in_a_loop_around_accelerate_hooks_the_torch_optimizer_inside_its_wrapper():
+    """A new-user trial pasted memory.grads_kept's fix after accelerator.prepare(): optimizer.register_step_post_hook
+    raised AttributeError ('AcceleratedOptimizer' object has no attribute '_optimizer_step_post_hooks'). Where the
+    user's own prepare() sharded the model, the hook goes on the torch optimizer inside accelerate's wrapper; run on
+    a real AcceleratedOptimizer, it frees the gradients after its step. Elsewhere the fix stays as it was."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("accelerate")
+
+    mem = memory(20 * MiB, sharded_grads=MiB)
+    mem["per_rank"]["0"]["timeline"] = [{"t_ms": 0.0, "unit": None, "phase": "forward_start", "total": 4 * MiB,
+                                         "sharded_grads": MiB}]
+    mem["per_rank"]["1"]["timeline"] = mem["per_rank"]["0"]["timeline"]
+    (plain,) = run_rule("memory.grads_kept", build(memory=mem)[0])
+    assert "optimizer.register_step_post_hook(" in plain.recommendation.code
+    ctx = build(memory=mem, sharded_by="accelerate")[0]
+    rule = next(c for c in RULES if c.code == "memory.grads_kept")()
+    rule.config = ctx.config  # as diagnose() sets it
+    (f,) = rule.match(ctx)
+    code = f.recommendation.code
+    assert "optimizer.optimizer.register_step_post_hook(" in code and f.recommendation.where == "optimizer", code
+    # pasted after prepare() in a process of its own (accelerate's state is global): the step frees the gradients
+    script = ("import torch\nfrom accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n"
+              "model = accelerator.prepare(torch.nn.Linear(4, 4))\n"
+              "optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+              f"{code}\n"
+              "accelerator.backward(model(torch.randn(2, 4)).sum())\noptimizer.step()\n"
+              "print(type(optimizer).__name__, model.weight.grad is None)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+    assert res.stdout.split() == ["AcceleratedOptimizer", "True"], res.stdout + res.stderr[-2000:]

@@ -13,7 +13,7 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import PLUGIN_INPUTS, PREPARED_INPUTS, complete, fix_place, mesh_input
+from .snippets import PLUGIN_INPUTS, PREPARED_INPUTS, complete, fix_place, for_prepared_optimizer, mesh_input
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -193,6 +193,7 @@ class Rule:
         inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
         if prepared_by_user(self.config):  # the loop's names as accelerate's accumulate() holds them
             inputs = {k: PREPARED_INPUTS.get(k, v) for k, v in inputs.items()}
+            code = for_prepared_optimizer(code)
         # a run whose parameters' mesh has model-parallel dims beside FSDP's: the mesh a fix uses is the user's FSDP
         # mesh, which the fix reads (a new mesh cannot be it: FSDP needs the tensor-parallel mesh's parent)
         mesh = mesh_input(self.config)

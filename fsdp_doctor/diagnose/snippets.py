@@ -1092,6 +1092,20 @@ def trainer_micro_batch_switch(calls: str) -> str:
             "trainer.add_callback(DoctorFix())")
 
 
+_OPT_HOOK = re.compile(r"\boptimizer\.register_step_(pre|post)_hook\(")
+
+
+def for_prepared_optimizer(code: str) -> str:
+    """A fix hooking the optimizer in a loop around accelerate's ``prepare()``: the optimizer there is accelerate's
+    AcceleratedOptimizer, which subclasses Optimizer without its hook state (a new-user trial pasted
+    ``optimizer.register_step_post_hook(...)`` and got AttributeError: '_optimizer_step_post_hooks'). The hook goes
+    on the torch optimizer inside it, its ``.optimizer``, whose step the wrapper calls."""
+    if not _OPT_HOOK.search(code):
+        return code
+    return ("# accelerate's prepare() returned its optimizer wrapper: the hook goes on the torch optimizer inside it\n"
+            + _OPT_HOOK.sub(lambda m: f"optimizer.optimizer.register_step_{m.group(1)}_hook(", code))
+
+
 def for_trainer(rec, finding: str = "") -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
