@@ -1283,6 +1283,13 @@ def test_optimizer_step_comm():
     two["per_unit"].append({**ov["per_unit"][0], "rank": 1, "comm_us": 100.0, "exposed_us": 100.0})
     two["per_unit"].append({**ov["per_unit"][0], "rank": 2, "comm_us": 100.0, "exposed_us": 100.0})
     assert run_rule("optim.step_comm", build(overlap=two, backend="nccl", device="cuda:0")[0]) == []
+    # the window's step saved a checkpoint (torchtitan's, in a new-user trial): DCP's planning collectives are the
+    # save's, checkpoint.blocking's to read; the same collectives read as a per-parameter norm log predicted -785 ms
+    ctx, _ = build(overlap=ov, backend="nccl", device="cuda:0")
+    ctx.run.ranks[0] = SimpleNamespace(steps=[SimpleNamespace(step=6, profiled=True, checkpoints=1),
+                                              SimpleNamespace(step=7, profiled=True, checkpoints=0)])
+    rule = next(c for c in RULES if c.code == "optim.step_comm")()
+    assert rule.match(ctx) == [] and "profiler window's step 6 saved a checkpoint (rank 0)" in rule.why_quiet
     ov["per_unit"][0].update(comm_us=1000.0, exposed_us=1000.0)
     assert run_rule("optim.step_comm", build(overlap=ov)[0]) == []
 

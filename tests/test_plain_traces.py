@@ -9,6 +9,7 @@ import gzip
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from rich.console import Console
 
@@ -328,6 +329,15 @@ def test_no_findings_from_a_plain_trace_is_not_called_healthy(sample_run_path):
     full = build_report(load_run(sample_run_path))
     assert 2 * sum(r.status != "skipped" for r in full.rules) >= len(full.rules)
     assert findings_headline([], full.rules) == "Healthy: no findings."
+    # with notes or warnings from a plain trace too (a new-user trial read "No warnings; 1 note below" of traces where
+    # 43 of 49 rules never looked, two of them warnings of the same loop under watch())
+    note, warn = (msgspec.structs.replace(f, severity=s) for f, s in ((full.findings[0], "info"),
+                                                                         (full.findings[0], "warning")))
+    few = f"only {len(checked)} of {len(report.rules)} rules could check this run"
+    assert findings_headline([note], report.rules).startswith(f"No warnings, but {few}") and \
+        findings_headline([note], report.rules).endswith("; 1 note below.")
+    assert findings_headline([warn], report.rules).startswith(f"1 warning. Only {len(checked)} of")
+    assert findings_headline([note], full.rules) == "No warnings; 1 note below, each with its measured cost."
 
 
 @pytest.mark.slow
@@ -343,3 +353,31 @@ def test_html_steps_of_plain_traces_are_the_terminals(gloo_memory_run):
     assert "No step records." not in steps
     for row in steps_rows(rep.trace_steps):
         assert all(cell in steps for cell in row[:3]), row
+
+
+def test_a_unit_run_after_the_roots_forward_is_not_a_second_root():
+    """A new-user trial analysed torchtitan's own traces: "fully_shard was never applied to the root: 2 FSDP roots
+    per forward", and the printed fully_shard(model) raised (applied twice). torchtitan's chunked loss calls its
+    [norm, output] unit per chunk after the model's forward returned, and each call claims FSDP's root (a second
+    FSDP::root_pre_forward). A root whose forward reaches several units is a root over the model; blocks sharded
+    with no root over them each reach only their own unit. Known answers on label times and names."""
+    from fsdp_doctor.trace.build import _roots_per_forward
+
+    def pattern(groups):  # [[units whose pre_forward follows one root_pre_forward], ...] per forward, then backward
+        ts, bwd, pre, t = [], [], [], 0.0
+        for fwd in groups:
+            for units in fwd:
+                ts.append(t), bwd.append(False)
+                for u in units:
+                    t += 1.0
+                    pre.append((t, f"FSDP::pre_forward ({u})"))
+                t += 1.0
+            ts.append(t), bwd.append(True)
+            t += 10.0
+        return ts, bwd, pre
+
+    titan = [[["", "layers.0", "layers.1"], ["norm, output"], ["norm, output"]]] * 3  # two loss chunks
+    assert _roots_per_forward(*pattern(titan)[:2], 0.0, pattern(titan)[2]) == 1.0
+    assert _roots_per_forward(*pattern(titan)[:2], 0.0) == 3.0  # without the units: three roots, as before
+    blocks = [[["layers.0"], ["layers.1"], ["layers.2"]]] * 3  # fully_shard on the blocks only
+    assert _roots_per_forward(*pattern(blocks)[:2], 0.0, pattern(blocks)[2]) == 3.0

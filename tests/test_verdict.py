@@ -271,3 +271,57 @@ def test_hsdp_gradient_reduction_is_named_with_its_all_reduce(tmp_path):
     v = verdict(result)
     assert HSDP_REDUCE_LABEL in v.job.summary and "exposed reduce-scatter" not in v.job.summary, v.job.summary
     assert HSDP_REDUCE_LABEL in v.per_rank["0"].summary
+
+
+def _sample_copy(sample_run_path, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(sample_run_path, dst, ignore=shutil.ignore_patterns("report.json", "tb"))
+    return dst
+
+
+def test_a_rank_whose_trace_is_unreadable_does_not_dilute_the_jobs_verdict(sample_run_path, tmp_path):
+    """A new-user trial truncated one rank's trace in a watch() folder: that rank's verdict row came from its records
+    (which cannot tell communication from compute) and the job's exposed reduce-scatter fell from 6% to 0.3%. The
+    job's verdict is the traced ranks' now, and says so."""
+    import fsdp_doctor
+
+    run = _sample_copy(sample_run_path, tmp_path)
+    whole = fsdp_doctor.build_report(fsdp_doctor.load_run(run)).verdict
+    g = run / "profiler" / "rank0.6.pt.trace.json.gz"
+    g.write_bytes(g.read_bytes()[: g.stat().st_size // 2])
+    v = fsdp_doctor.build_report(fsdp_doctor.load_run(run)).verdict
+    assert v.per_rank["0"].source == "records" and v.per_rank["1"].source == "trace"
+    assert v.job.source == "trace" and v.job.shares_pct == v.per_rank["1"].shares_pct
+    assert v.job.summary.endswith("(from the traces of rank 1; the others' from their records)"), v.job.summary
+    assert whole.job.source == "trace" and "from the traces of" not in whole.job.summary
+
+
+def test_a_checkpoint_save_in_the_profiler_window_is_said_and_its_collectives_are_not_the_loops(sample_run_path,
+                                                                                                 tmp_path):
+    """A new-user trial's torchtitan run saved a checkpoint inside the doctor's profiler window: the verdict read
+    "input-bound (35%)" without a word of the save, and optim.step_comm called the save's collectives a
+    gradient-norm log, predicting a step of -785 ms. The verdict says the window's save is in its shares
+    (optim.step_comm's side: tests/test_diagnose_rules.py), and no prediction is of a step below zero."""
+    import json
+
+    import fsdp_doctor
+    from fsdp_doctor.diagnose import estimate as E
+
+    run = _sample_copy(sample_run_path, tmp_path)
+    for r in (0, 1):
+        p = run / f"rank{r}.records.jsonl"
+        lines = []
+        for ln in p.read_text().splitlines():
+            d = json.loads(ln)
+            if d.get("t") == "step" and d.get("profiled"):
+                d.update(checkpoints=1, checkpoint_ms=50.0)
+            lines.append(json.dumps(d))
+        p.write_text("\n".join(lines) + "\n")
+    loaded = fsdp_doctor.load_run(run)
+    saved = sorted({s.step for s in loaded.ranks[0].steps if s.profiled and s.checkpoints})
+    assert saved
+    report = fsdp_doctor.build_report(loaded)
+    assert "saved a checkpoint: the save is in these shares" in report.verdict.job.summary
+    assert E.predicted(491.7, -785.3).step_ms_after is None and E.predicted(491.7, 117.6).step_ms_after == 117.6

@@ -163,14 +163,32 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
             used[r] = (parts, total)
     if not per_rank:
         return None
-    job_parts = {k: sum(p[k] for p, _ in used.values()) for k in BREAKDOWN_PARTS}
-    job_total = sum(t for _, t in used.values())
-    devices = {v.device for v in per_rank.values()}
-    job = _entry(job_parts, job_total, None, ", ".join(sorted({v.source for v in per_rank.values()})),
+    # the job from the traces where some ranks have one: a rank whose trace could not be read has only its records'
+    # split, which cannot tell communication from compute, and read beside the others' it hid the job's exposed
+    # reduce-scatter (a new-user trial truncated one rank's trace: the job's 6% became 0.3%)
+    traced = {r for r, v in per_rank.items() if v.source == "trace"}
+    joined = {r: u for r, u in used.items() if not traced or r in traced}
+    job_parts = {k: sum(p[k] for p, _ in joined.values()) for k in BREAKDOWN_PARTS}
+    job_total = sum(t for _, t in joined.values())
+    devices = {per_rank[r].device for r in joined}
+    job = _entry(job_parts, job_total, None, ", ".join(sorted({per_rank[r].source for r in joined})),
                  "gpu" if "gpu" in devices else "cpu", hsdp=hsdp)
+    if traced and len(traced) < len(per_rank):
+        job.summary += (f" (from the traces of rank{'s' * (len(traced) > 1)} {', '.join(sorted(traced, key=int))}; "
+                        "the others' from their records)")
+    saves = sorted({st for r in traced for st in _window_saves(run, int(r))}) if run is not None else []
+    if saves:  # the trace's steps hold a checkpoint save, which the step statistics leave out
+        job.summary += (f" (the profiler window's step{'s' * (len(saves) > 1)} {', '.join(map(str, saves))} saved a "
+                        "checkpoint: the save is in these shares, as time outside the model)")
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
         by_bound.setdefault(v.bound, []).append(int(r))
     job.ranks_by_bound = {b: sorted(rs) for b, rs in sorted(by_bound.items())}
     job.ranks = len(per_rank)
     return Verdict(job=job, per_rank=dict(sorted(per_rank.items(), key=lambda kv: int(kv[0]))))
+
+
+def _window_saves(run: Run, rank: int) -> list[int]:
+    """The steps of the rank's profiler windows that saved a checkpoint (its records'; none without them)."""
+    rd = run.ranks.get(rank)
+    return [st.step for st in rd.steps if st.profiled and st.checkpoints] if rd is not None else []

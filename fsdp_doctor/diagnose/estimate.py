@@ -60,6 +60,19 @@ def step_ms(ctx: Context) -> Optional[float]:
     return float(statistics.median(vals)) if vals else None
 
 
+def window_saves(ctx: Context) -> dict[int, list[int]]:
+    """Per rank, the steps of its profiler windows that saved a checkpoint (the records': ``StepRecord.checkpoints``
+    of a profiled step). The trace's figures hold those saves (their time outside the model, the planning collectives
+    of torch.distributed.checkpoint), which the step statistics leave out: a new-user trial's torchtitan run saved at
+    step 6 of a window and read "input-bound" and 18 collectives per step outside FSDP's as a gradient-norm log."""
+    out: dict[int, list[int]] = {}
+    for r, rd in getattr(ctx.run, "ranks", {}).items():
+        hit = [s.step for s in rd.steps if s.profiled and s.checkpoints]
+        if hit:
+            out[r] = hit
+    return out
+
+
 def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
     """(forward waits, backward waits, wall; ms) of the step whose recorded all-gather waits take the median share
     of it (the lower of two), among every rank's usable steps (those of the step statistics); None without step
@@ -523,6 +536,8 @@ def predicted(step_before=None, step_after=None, peak_before=None, peak_after=No
     def r(x, nd):
         return None if x is None else round(float(x), nd)
 
+    if step_after is not None and step_after <= 0:  # figures of different steps (a trace window's against the
+        step_after = None  # records' median): no step can take no time, and none is predicted
     return Predicted(step_ms_before=r(step_before, 3), step_ms_after=r(step_after, 3),
                      peak_bytes_before=None if peak_before is None else int(peak_before),
                      peak_bytes_after=None if peak_after is None else int(max(0, peak_after)), at_most=at_most)

@@ -143,15 +143,16 @@ def findings_headline(items: list[Finding], rules: list | None = None) -> str:
     """The line above the findings, the same in every presenter: "Healthy" only when nothing was found and at
     least half the rules (``report.rules``, where given) could check the run; a plain trace lets few of them
     check (most need the doctor's records), and "Healthy" then claimed what was never looked at."""
+    checked = sum(r.status != "skipped" for r in rules or [])
+    few = (f"only {checked} of {len(rules)} rules could check this run: the others need what it lacks (fsdp-doctor "
+           "analyze --explain lists them)") if rules and 2 * checked < len(rules) else ""
     if not items:
-        checked = sum(r.status != "skipped" for r in rules or [])
-        if rules and 2 * checked < len(rules):
-            return (f"No findings, but only {checked} of {len(rules)} rules could check this run: the others need "
-                    "what it lacks (fsdp-doctor analyze --explain lists them).")
-        return "Healthy: no findings."
+        return f"No findings, but {few}." if few else "Healthy: no findings."
     if not any(f.severity in ("critical", "warning") for f in items):
-        return f"No warnings; {severity_counts(items)} below, each with its measured cost."
-    return severity_counts(items) + "."
+        # (a plain trace's "No warnings" read as a clean bill where most rules never looked: a new-user trial)
+        return f"No warnings, but {few}; {severity_counts(items)} below." if few else \
+            f"No warnings; {severity_counts(items)} below, each with its measured cost."
+    return severity_counts(items) + "." + (f" Only {few.removeprefix('only ')}." if few else "")
 
 
 def fix_heading(rec) -> str:

@@ -36,7 +36,7 @@ import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -413,8 +413,11 @@ def _build_window(path: Path, trace) -> WindowTrace:
     fwd = fw_at[lab]
     bwd = special.names_where(lambda nm: nm.startswith("FSDP::pre_backward"))[sp_name[lab]]
     phases = _Phases(sp_ts[lab][fwd | bwd], bwd[fwd | bwd])
+    pre = special.names_where(lambda nm: nm.startswith("FSDP::pre_forward"))[sp_name[lab]]
     roots_per_forward = _roots_per_forward(sp_ts[lab][fwd | bwd].tolist(), bwd[fwd | bwd].tolist(),
-                                           min(steps.values(), default=-math.inf))
+                                           min(steps.values(), default=-math.inf),
+                                           list(zip(sp_ts[lab][pre].tolist(),
+                                                    [special.names[i] for i in sp_name[lab][pre].tolist()])))
     opt = opt_at & (sp_ts < cutoff)
     loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
     optimizer_steps = iv.union(sp_ts[opt], sp_end[opt])
@@ -472,18 +475,29 @@ def _build_window(path: Path, trace) -> WindowTrace:
     return win
 
 
-def _roots_per_forward(ts: list[float], is_bwd: list[bool], t0: float) -> Optional[float]:
+def _roots_per_forward(ts: list[float], is_bwd: list[bool], t0: float,
+                       pre: Sequence[tuple[float, str]] = ()) -> Optional[float]:
     """The median count of ``FSDP::root_pre_forward`` labels in a row with no ``FSDP::pre_backward`` between them,
     from ``t0`` on (``ts``/``is_bwd``: both kinds of label, before the cut): FSDP's roots in one forward (micro-batches
-    and evaluation forwards each start a run of their own after a backward). None: no run closed by a backward."""
-    runs, n = [], 0
-    for t, b in sorted(zip(ts, is_bwd)):
+    and evaluation forwards each start a run of their own after a backward). None: no run closed by a backward.
+    A run where one root's forward reaches several units (``pre``: the ``FSDP::pre_forward (unit)`` labels' times and
+    names; their units, before the next root's label) has a root over the model, and its other roots are units run
+    after that forward returned: one root (torchtitan's chunked loss calls its [norm, output] unit per chunk after
+    the model's forward, and each call claims the root: a new-user trial read "2 FSDP roots per forward")."""
+    events = sorted([(t, 1 if b else 0, "") for t, b in zip(ts, is_bwd)] + [(t, 2, nm) for t, nm in pre])
+    runs, n, units, over = [], 0, set(), False
+    for t, kind, nm in events:
         if t < t0:
             continue
-        if b:
+        if kind == 2:
+            units.add(nm)
+            continue
+        over = over or len(units) > 1  # the root before this label reached several units
+        units = set()
+        if kind == 1:
             if n:
-                runs.append(n)
-            n = 0
+                runs.append(1 if over else n)
+            n, over = 0, False
         else:
             n += 1
     return float(statistics.median(runs)) if runs else None

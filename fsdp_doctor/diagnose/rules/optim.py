@@ -152,6 +152,13 @@ class OptimizerStepComm(Rule):
         if len(rows) == len(every) and not E.param_units(ctx) and not E.overlap(ctx).units:
             # no FSDP unit anywhere (DDP's all-reduces): nothing tells the user's collectives from the framework's
             return self.quiet("no FSDP unit in the trace (no FSDP2 label, no unit's collective)")
+        saves = E.window_saves(ctx)
+        if saves:  # torch.distributed.checkpoint plans a save with collectives of its own (gather, scatter, broadcast)
+            r, hit = min(saves.items())
+            return self.quiet(f"the profiler window's step{'s' * (len(hit) > 1)} {', '.join(map(str, hit))} saved a "
+                              f"checkpoint (rank {r}): "
+                              "its collectives outside FSDP's are the save's too (checkpoint.blocking reads the "
+                              "saves); a window without a save tells the loop's own")
         by_rank: dict[int, _OtherComm] = {}
         for r in rows:
             by_rank.setdefault(r.rank, _OtherComm()).add(r)
