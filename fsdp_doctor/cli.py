@@ -41,12 +41,24 @@ def _err(msg: str) -> None:
     print(f"fsdp-doctor: {printable(msg)}", file=sys.stderr)
 
 
+def _records_path(path: Path) -> Path:
+    """``path``, or the folder right below it holding the doctor's records, said in one line on stderr."""
+    from .store.layout import records_below
+
+    below = records_below(path)
+    if below is not None:
+        _err(f"{path} holds no fsdp-doctor records; reading the ones in {below}")
+        return below
+    return path
+
+
 def _load(path: Path):
-    """The run at ``path``, or None after one line on stderr saying why not."""
+    """The run at ``path`` (or the folder right below it that holds the doctor's records), or None after one line on
+    stderr saying why not."""
     from .store import RunRefused, load_run
 
     try:
-        return load_run(path)
+        return load_run(_records_path(path))
     except (FileNotFoundError, RunRefused) as e:
         _err(str(e))
     except (NotADirectoryError, PermissionError) as e:
@@ -371,7 +383,7 @@ def _command(name: str, module: str | None = None) -> str:
 
 # ----------------------------------------------------------------------------------------- dashboard
 def cmd_dashboard(ns: argparse.Namespace) -> int:
-    path = Path(ns.path)
+    path = _records_path(Path(ns.path))
     if not path.exists() and not path.parent.is_dir():  # (one that does not exist yet is waited for: serve)
         _err(f"{path}: no such run directory (nor its parent, {path.parent})")
         return EXIT_BAD_INPUT

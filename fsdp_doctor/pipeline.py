@@ -194,8 +194,9 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
             return (f"{path}: watch() ended normally on {who} without a doctor.step() "
                     "call, so no step was recorded: call doctor.step() once per optimizer step inside the with block")
         if begun:  # streams began (a header) but hold no step: an error in step 0, a kill during FSDP's lazy init
-            return (f"{path}: the records of {who} hold a header and no step: the run "
-                    "stopped before its first doctor.step(), and left no profiler trace")
+            return (f"{path}: the records of {who} hold a header and no step yet: the run is still in its first "
+                    "step (analyze it again later), or stopped before its first doctor.step() and left no profiler "
+                    "trace")
         return f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"
     if is_usable(run, report):
         return None

@@ -263,7 +263,8 @@ def _trace_file_cases() -> list[Case]:
               '"run_id":"9c96528e1799","rank":%d}\n')
     t.append(Case("path/records-header-only",
                   lambda d: [one_file(d, (header % r).encode(), f"rank{r}.records.jsonl") for r in (0, 1)] and d,
-                  "error", "hold a header and no step: the run stopped before its first doctor.step()"))
+                  "error", "hold a header and no step yet: the run is still in its first step (analyze it again "
+                  "later), or stopped before its first doctor.step()"))
     # a run whose loop never called doctor.step(): watch() exited normally with 0 steps (a new-user trial read
     # "the run stopped before its first doctor.step()" of a run that had trained 10 optimizer steps)
     end = '{"t":"end","steps":0,"ended_ns":2,"rank":%d}\n'

@@ -229,3 +229,24 @@ def test_the_doctors_own_json_saved_in_the_run_folder_is_not_read_as_a_trace(tmp
     (run / "notes.json").write_text('{"schema": "mine", "x": 1}')
     r = fd("analyze", run)
     assert r.returncode == 3 and "notes.json: not a Kineto trace" in r.stdout + r.stderr
+
+
+def test_a_folder_holding_the_records_in_a_folder_of_their_own_is_read_from_there(sample_run_path, tmp_path, capsys):
+    """A new-user trial passed torchtitan's dump folder (its profiler traces, and the doctor's records in
+    fsdp_doctor/) to analyze: the report was of the traces alone, and the dashboard said "no records yet". The one
+    folder right below that holds record streams is read, and one line says so; a folder holding streams is read
+    as it is."""
+    import shutil
+
+    from fsdp_doctor.cli import main
+
+    dump = tmp_path / "dump"
+    shutil.copytree(sample_run_path, dump / "fsdp_doctor", ignore=shutil.ignore_patterns("report.json", "tb"))
+    shutil.copytree(sample_run_path / "profiler", dump / "profiling" / "traces")  # torchtitan's own traces
+    assert main(["analyze", str(dump), "--json", str(tmp_path / "r.json")]) == 0
+    err = capsys.readouterr().err
+    assert err == f"fsdp-doctor: {dump} holds no fsdp-doctor records; reading the ones in {dump / 'fsdp_doctor'}\n"
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["run"]["steps_recorded"] and report["memory"]["per_rank"]
+    assert main(["analyze", str(dump / "fsdp_doctor"), "--json", str(tmp_path / "s.json")]) == 0
+    assert "holds no fsdp-doctor records" not in capsys.readouterr().err

@@ -37,6 +37,10 @@ class RecordWriter:
             os.close(self._fd)
             self._fd = -1
 
+#: what to do about an out_dir holding a run, in watch()'s words (a command line that takes its options as flags says
+#: it in its own: fsdp_doctor.record.titan_trainer)
+TAKEN_ADVICE = "pass overwrite=True (fsdp-doctor demo --overwrite) to replace them, or choose a new out_dir"
+
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
     """Writes ``manifest.json`` atomically (temp file then rename)."""
@@ -64,8 +68,7 @@ def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, ex
         else:
             taken = (out / layout.stream_name(rank)).exists()
         if taken and not overwrite:
-            verdict["error"] = (f"{out} already holds a run's records; pass overwrite=True "
-                                "(fsdp-doctor demo --overwrite) to replace them, or choose a new out_dir")
+            verdict["error"] = f"{out} already holds a run's records; {TAKEN_ADVICE}"
         elif taken:
             if rank == 0:
                 layout.clear_run(out)
