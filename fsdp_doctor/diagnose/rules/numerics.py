@@ -7,7 +7,7 @@ from .. import snippets as S
 from ..base import Context, Rule, register
 
 # bytes per element, the order "narrower than" reads
-_WIDTH = {"float8_e4m3fn": 1, "float8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+_WIDTH = E.DTYPE_WIDTH
 
 
 def _reduced_in(u: E.Unit) -> str | None:
