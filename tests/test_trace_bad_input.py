@@ -247,3 +247,18 @@ def test_another_job_by_its_steps_time_says_how_far_apart_in_its_unit(tmp_path):
     assert [(s.file, s.error) for s in r.skipped] == [
         ("rank1.json", "another job (its step 1 ran 11 min from the other files' step 1); skipped")], r.skipped
     assert sorted(r.per_rank) == ["0"]
+
+
+def test_a_rank_of_another_run_issuing_other_collectives_is_skipped(tmp_path):
+    """A new-user trial reran their loop with a fix (reduce-scatter once per optimizer step) into the same
+    tensorboard_trace_handler folder two minutes later: rank 0's file of the first run and rank 1's of the second
+    were read as one job, 2 reduce-scatters per unit on one rank and 1 on the other. The ranks of one job issue the
+    same collectives in the same steps: a file whose steps issue other counts of one kind is another run's."""
+    fsdp_gpu_trace(units=4, rank=0, world_size=2, bwd_us=50, rs_us=20).write(tmp_path / "rank0.json")
+    fsdp_gpu_trace(units=4, rank=1, world_size=2, bwd_us=50, rs_us=0).write(tmp_path / "rank1.json")
+    r = analyze_traces(tmp_path)
+    assert r.skipped == [SkippedFile(file="rank1.json", error="another job (its steps 1–2 issue 0 reduce-scatter per "
+                                                              "step where the other files' issue 4); skipped")]
+    _one_line(r.skipped)
+    fsdp_gpu_trace(units=4, rank=1, world_size=2, bwd_us=50, rs_us=20).write(tmp_path / "rank1.json")
+    assert analyze_traces(tmp_path).skipped == []

@@ -75,6 +75,24 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
             if u != main:
                 skipped[i] = f"another job (its step {n}'s {_units_differ(windows[i].step_units[n], ran)}); skipped"
 
+    # the ranks of one job issue the same FSDP collectives in the same steps (each one is matched on every rank): a
+    # rank's file whose steps hold other counts is another run's (a new-user trial reran a loop with a fix into the
+    # same folder minutes later: one rank's file of each run read as one job, 2 reduce-scatters per unit on one rank
+    # and 1 on the other)
+    same_steps: dict[tuple, list[int]] = {}
+    for i in order:
+        if i not in skipped and windows[i].steps and not split.setdefault(i, _part_of_the_model(windows[i])):
+            same_steps.setdefault(tuple(windows[i].steps), []).append(i)
+    for steps, idx in same_steps.items():
+        counts = {i: _fsdp_collectives(windows[i]) for i in idx}
+        if len(idx) < 2 or len(set(counts.values())) < 2:
+            continue
+        main = _majority(counts)
+        for i, c in counts.items():
+            why = _counts_differ(c, main, len(steps))
+            if why:
+                skipped[i] = f"another job (its step{'s' * (len(steps) > 1)} {_steps(list(steps))} {why}); skipped"
+
     # the same step on different ranks runs at the same time: far apart, it is another job's
     for n, idx in sorted(by_step.items()):
         idx = [i for i in idx if i not in skipped]
@@ -109,6 +127,25 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
 
     kept = [w for i, w in enumerate(windows) if i not in skipped]
     return kept, [SkippedFile(file=names[i], error=skipped[i]) for i in order if i in skipped]
+
+
+def _fsdp_collectives(w: WindowTrace) -> frozenset:
+    """The FSDP collectives the window's complete steps issue, by kind: ``(kind, count)`` pairs."""
+    lo, hi = w.window if w.window is not None else (-float("inf"), float("inf"))
+    c = Counter(x.collective for x in w.calls if x.unit != OTHER_UNIT and lo <= x.issue < hi)
+    return frozenset(c.items())
+
+
+def _counts_differ(mine: frozenset, theirs: frozenset, steps: int) -> str:
+    """Where two windows' FSDP collectives differ by half or more of one kind (a call the profiler dropped is not
+    another job): that kind per step, on each side; "" where they do not."""
+    a, b = dict(mine), dict(theirs)
+    for kind in sorted(set(a) | set(b)):
+        x, y = a.get(kind, 0), b.get(kind, 0)
+        if abs(x - y) >= 0.5 * max(x, y, 1):
+            return (f"{'issue' if steps > 1 else 'issues'} {x / steps:g} {kind.replace('_', '-')} per step where "
+                    f"the other files' issue {y / steps:g}")
+    return ""
 
 
 def _part_of_the_model(w: WindowTrace) -> bool:
