@@ -48,6 +48,14 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
                        with_autograd=sum(s.autograd_eval_forwards for s in hit))
 
 
+def profiled_saves(steps: list[StepRecord]) -> list[int]:
+    """The steps of a rank's profiler windows that saved a checkpoint: the trace's figures hold those saves (their
+    time outside the model, torch.distributed.checkpoint's planning collectives), which the step statistics leave
+    out (a new-user trial's torchtitan run saved inside the window and read "input-bound", and the save's
+    collectives as a gradient-norm log's)."""
+    return [s.step for s in steps if s.profiled and s.checkpoints]
+
+
 def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
     """A rank's steps that saved a checkpoint (torch.distributed.checkpoint's saves, ``doctor.checkpointing()``), and
     whether the statistics leave them out. The saves' time and its share are those of the steps outside profiler

@@ -27,7 +27,7 @@ from ..report_sections import OverlapSection, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from ..trace.model import OTHER_UNIT
-from .steps import device_outside_ms, device_pairs, usable_steps
+from .steps import device_outside_ms, device_pairs, profiled_saves, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "communication": COMM_PARTS,
@@ -176,7 +176,8 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     if traced and len(traced) < len(per_rank):
         job.summary += (f" (from the traces of rank{'s' * (len(traced) > 1)} {', '.join(sorted(traced, key=int))}; "
                         "the others' from their records)")
-    saves = sorted({st for r in traced for st in _window_saves(run, int(r))}) if run is not None else []
+    saves = sorted({st for r in traced for st in profiled_saves(run.ranks[int(r)].steps)
+                    if int(r) in run.ranks}) if run is not None else []
     if saves:  # the trace's steps hold a checkpoint save, which the step statistics leave out
         job.summary += (f" (the profiler window's step{'s' * (len(saves) > 1)} {', '.join(map(str, saves))} saved a "
                         "checkpoint: the save is in these shares, as time outside the model)")
@@ -187,8 +188,3 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     job.ranks = len(per_rank)
     return Verdict(job=job, per_rank=dict(sorted(per_rank.items(), key=lambda kv: int(kv[0]))))
 
-
-def _window_saves(run: Run, rank: int) -> list[int]:
-    """The steps of the rank's profiler windows that saved a checkpoint (its records'; none without them)."""
-    rd = run.ranks.get(rank)
-    return [st.step for st in rd.steps if st.profiled and st.checkpoints] if rd is not None else []

@@ -16,7 +16,7 @@ from typing import Iterable, NamedTuple, Optional
 
 import msgspec
 
-from ..analyze.steps import unit_modules, unit_passes
+from ..analyze.steps import profiled_saves, unit_modules, unit_passes
 from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
@@ -61,16 +61,8 @@ def step_ms(ctx: Context) -> Optional[float]:
 
 
 def window_saves(ctx: Context) -> dict[int, list[int]]:
-    """Per rank, the steps of its profiler windows that saved a checkpoint (the records': ``StepRecord.checkpoints``
-    of a profiled step). The trace's figures hold those saves (their time outside the model, the planning collectives
-    of torch.distributed.checkpoint), which the step statistics leave out: a new-user trial's torchtitan run saved at
-    step 6 of a window and read "input-bound" and 18 collectives per step outside FSDP's as a gradient-norm log."""
-    out: dict[int, list[int]] = {}
-    for r, rd in getattr(ctx.run, "ranks", {}).items():
-        hit = [s.step for s in rd.steps if s.profiled and s.checkpoints]
-        if hit:
-            out[r] = hit
-    return out
+    """Per rank, the steps of its profiler windows that saved a checkpoint (analyze.steps.profiled_saves)."""
+    return {r: hit for r, rd in getattr(ctx.run, "ranks", {}).items() if (hit := profiled_saves(rd.steps))}
 
 
 def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
