@@ -381,6 +381,9 @@ def test_comparison_fits_the_terminal_and_no_figure_wraps(width):
 
     gpu = Path(__file__).resolve().parents[1] / "traces" / "gpu" / "scenarios"
     cmp = compare_runs(load_run(gpu / "gpu_gpt_whole"), load_run(gpu / "gpu_gpt_tuned"))
+    # recognised as a new-user trial's was, its step check inconclusive: the widest cells the table holds
+    cmp.predictions = [msgspec.structs.replace(p, recognised_by="config diff: reshard_after_forward",
+                                               step_verdict="inconclusive") for p in cmp.predictions]
     buf = io.StringIO()
     render_comparison(cmp, Console(file=buf, width=width, force_terminal=False, color_system=None))
     lines = buf.getvalue().splitlines()
@@ -395,6 +398,19 @@ def test_comparison_fits_the_terminal_and_no_figure_wraps(width):
     assert len(figures) > 40
     for cell in figures:
         assert any(cell in line for line in lines), (width, cell)
+    # the predictions' figures, in sentences, stand whole too (six columns at 80 split "predict" / "ed vs" and
+    # "315.5" / "ms": a new-user trial)
+    from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+
+    assert cmp.predictions
+    for p in cmp.predictions:
+        figs = [fmt_ms(p.step_ms_predicted), fmt_ms(p.step_ms_measured)] if p.step_ms_predicted is not None else []
+        if p.peak_bytes_predicted is not None:
+            figs += [fmt_bytes(p.peak_bytes_predicted), fmt_bytes(p.peak_bytes_measured), f"({p.peak_pct_error:+.2f}%)"]
+        assert figs
+        for fig in figs:
+            assert any(fig in line for line in lines), (width, fig)
+    assert not any(ln.rstrip().endswith(("predict", "measure")) for ln in lines)
 
 
 def test_plain_trace_pair_without_a_difference_says_what_a_trace_cannot_show(prefetch_pair):

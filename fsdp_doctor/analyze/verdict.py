@@ -176,8 +176,8 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     if traced and len(traced) < len(per_rank):
         job.summary += (f" (from the traces of rank{'s' * (len(traced) > 1)} {', '.join(sorted(traced, key=int))}; "
                         "the others' from their records)")
-    saves = sorted({st for r in traced for st in profiled_saves(run.ranks[int(r)].steps)
-                    if int(r) in run.ranks}) if run is not None else []
+    ranks = run.ranks if run is not None else {}
+    saves = sorted({st for r in traced if int(r) in ranks for st in profiled_saves(ranks[int(r)].steps)})
     if saves:  # the trace's steps hold a checkpoint save, which the step statistics leave out
         job.summary += (f" (the profiler window's step{'s' * (len(saves) > 1)} {', '.join(map(str, saves))} saved a "
                         "checkpoint: the save is in these shares, as time outside the model)")
