@@ -1102,8 +1102,9 @@ def for_prepared_optimizer(code: str) -> str:
     on the torch optimizer inside it, its ``.optimizer``, whose step the wrapper calls."""
     if not _OPT_HOOK.search(code):
         return code
-    return ("# accelerate's prepare() returned its optimizer wrapper: the hook goes on the torch optimizer inside it\n"
-            + _OPT_HOOK.sub(lambda m: f"optimizer.optimizer.register_step_{m.group(1)}_hook(", code))
+    return ("# accelerate's prepare() returns its optimizer wrapper: the hook goes on the torch optimizer inside it\n"
+            + _OPT_HOOK.sub(lambda m: f'getattr(optimizer, "optimizer", optimizer).register_step_{m.group(1)}_hook(',
+                            code))
 
 
 def for_trainer(rec, finding: str = "") -> None:
