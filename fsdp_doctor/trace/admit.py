@@ -61,12 +61,17 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
     # the ranks of one job shard one model: the same step runs the same FSDP units on every rank (but where a rank
     # may hold part of the model: pipeline stages hold different units)
     split: dict[int, bool] = {}
+
+    def part(i: int) -> bool:  # _part_of_the_model reads every call of the window: once each
+        if i not in split:
+            split[i] = _part_of_the_model(windows[i])
+        return split[i]
     for n, idx in sorted(by_step.items()):
         units = {i: frozenset(windows[i].step_units[n]) for i in idx
                  if i not in skipped and n in windows[i].step_units}
         if len(set(units.values())) < 2:
             continue
-        units = {i: u for i, u in units.items() if not split.setdefault(i, _part_of_the_model(windows[i]))}
+        units = {i: u for i, u in units.items() if not part(i)}
         if len(set(units.values())) < 2:
             continue
         main = _majority(units)
@@ -81,7 +86,7 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
     # and 1 on the other)
     same_steps: dict[tuple, list[int]] = {}
     for i in order:
-        if i not in skipped and windows[i].steps and not split.setdefault(i, _part_of_the_model(windows[i])):
+        if i not in skipped and windows[i].steps and not part(i):
             same_steps.setdefault(tuple(windows[i].steps), []).append(i)
     for steps, idx in same_steps.items():
         counts = {i: _fsdp_collectives(windows[i]) for i in idx}
