@@ -23,7 +23,7 @@ from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
 from .report_sections import CommRank, CommSummary, OverlapSection, Report
 from .store import Run
-from .units import fmt_ms
+from .units import fmt_ms, ranks_phrase
 
 StepWindow = Optional[tuple[int, int]]
 
@@ -189,7 +189,7 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
     if report is None:
         begun = sorted(r for r, rd in run.ranks.items() if rd.header is not None)
         ended = [r for r in begun if run.ranks[r].end is not None and not run.ranks[r].end.exception]
-        who = f"rank{'s' * (len(begun) > 1)} {', '.join(map(str, begun))}"
+        who = ranks_phrase(begun)
         if begun and ended == begun:  # watch() exited normally, and no doctor.step() was called in it
             return (f"{path}: watch() ended normally on {who} without a doctor.step() "
                     "call, so no step was recorded: call doctor.step() once per optimizer step inside the with block")

@@ -27,6 +27,12 @@ def printable(text: str) -> str:
     return text.translate(_CONTROL) if not text.isprintable() else text
 
 
+def ranks_phrase(ranks) -> str:
+    """"rank 1", "ranks 0, 1": ranks named with the noun's number."""
+    ranks = [str(r) for r in ranks]
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
+
+
 def fmt_bytes(n, prec: int = 2) -> str:
     """Bytes in binary units: "774.50 KiB", "1.25 GiB" (``prec`` decimals; 1 where a table is tight)."""
     if n is None:

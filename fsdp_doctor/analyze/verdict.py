@@ -27,6 +27,7 @@ from ..report_sections import OverlapSection, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from ..trace.model import OTHER_UNIT
+from ..units import ranks_phrase
 from .steps import device_outside_ms, device_pairs, profiled_saves, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -174,7 +175,7 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     job = _entry(job_parts, job_total, None, ", ".join(sorted({per_rank[r].source for r in joined})),
                  "gpu" if "gpu" in devices else "cpu", hsdp=hsdp)
     if traced and len(traced) < len(per_rank):
-        job.summary += (f" (from the traces of rank{'s' * (len(traced) > 1)} {', '.join(sorted(traced, key=int))}; "
+        job.summary += (f" (from the traces of {ranks_phrase(sorted(traced, key=int))}; "
                         "the others' from their records)")
     ranks = run.ranks if run is not None else {}
     saves = sorted({st for r in traced if int(r) in ranks for st in profiled_saves(ranks[int(r)].steps)})

@@ -14,7 +14,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary
                                Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
                                ThroughputSection, UnitRow, Verdict, VerdictEntry)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
-                     evidence_label, evidence_labels, fmt_us, fmt_value, printable, unit_label)
+                     evidence_label, evidence_labels, fmt_us, fmt_value, printable, ranks_phrase, unit_label)
 
 
 def printable_report(report: Report) -> Report:
@@ -512,12 +512,6 @@ class RunWarning(NamedTuple):
     there), "warning" otherwise; the terminal and the HTML colour it by its level."""
     text: str
     level: str = "warning"
-
-
-def ranks_phrase(ranks) -> str:
-    """"rank 1", "ranks 0, 1": ranks named with the noun's number."""
-    ranks = [str(r) for r in ranks]
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
 
 
 def run_warnings(run: RunFacts) -> list[RunWarning]:
