@@ -257,6 +257,10 @@ class RunConfig(Record, tag="config"):
     # one line each: what this torch's FSDP2 could not tell the doctor (private state it could not read, a
     # failed consistency check, a label or API this release lacks); the report lists them under problems
     unavailable: list[str] = []
+    # one line each: how some figures were measured where the doctor's hooks cannot run (units compiled by
+    # torch.compile: timed around their compiled call, or inside a compiled frame and not timed): facts of the
+    # run, shown as notes, not problems (a compiled run that recorded everything it could exits 0)
+    measured_notes: list[str] = []
     # features of FSDP2 this torch release does not have (a record_function label, a private API), e.g.
     # "label FSDP::post_backward_rs_wait": facts about the release, not problems of the run
     torch_lacks: list[str] = []

@@ -65,6 +65,8 @@ class RunFacts(_Section):
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
+    # how some figures were measured (units compiled by torch.compile): notes, not problems (RunConfig.measured_notes)
+    notes: list[str] | UnsetType = UNSET
     nccl_version: str | UnsetType = UNSET  # from the traces' distributedInfo, where torch wrote it
     trace_ranks: list[int] | UnsetType = UNSET  # the ranks the trace files say they are (distributedInfo)
     facts_source: str | UnsetType = UNSET  # "trace metadata" where no configuration record gave the facts

@@ -64,8 +64,14 @@ def test_blocks_compiled_in_place_are_timed_around_their_compiled_call_without_a
         assert t.fwd_ms > 0 and t.bwd_ms > 0 and t.ag_wait_bwd_ms > 0 and t.ag_wait_fwd_ms is None, t
     root = units[""].timing_p50
     assert root.fwd_ms > sum(units[f"layers.{i}"].timing_p50.fwd_ms for i in range(3)) and root.fwd_self_ms > 0
+    # how the compiled blocks were timed is a note of the header, not a problem: analyze exits 0 (it exited 3, "some
+    # files or lines were skipped", on every compiled run)
     assert any("3 unit(s) compiled by torch.compile (layers.0, layers.1, layers.2): timed around their compiled "
-               "call" in p for p in rep.problems)
+               "call" in n for n in rep.run.notes)
+    assert not any("compiled" in p for p in rep.problems), rep.problems
+    from fsdp_doctor.cli import EXIT_OK, main
+
+    assert main(["analyze", c["out_dir"]]) == EXIT_OK
 
 
 @pytest.mark.parametrize("mode", ["compiled_model", "compiled_wrapper"])
@@ -97,7 +103,8 @@ def test_a_model_compiled_whole_has_its_step_timed_and_no_false_data_wait(cases,
     assert all(not u.timing_p50 for u in rep.units if u.name in inner)  # unknown, not a measured zero
     assert "the model's forward is compiled as a whole; saved activations not counted" in {  # (full steps)
         s.memory.activations_note for s in run.ranks[0].steps if s.memory}
-    assert any(f"3 unit(s) run inside a compiled frame ({', '.join(inner)})" in p for p in rep.problems)
+    assert any(f"3 unit(s) run inside a compiled frame ({', '.join(inner)})" in n for n in rep.run.notes)
+    assert not any("compiled" in p for p in rep.problems), rep.problems
 
 
 def test_a_compiled_wrapper_the_doctor_was_not_given_is_said_not_measured_as_time_outside(cases):

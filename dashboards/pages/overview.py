@@ -175,6 +175,8 @@ def layout(snap, flt: Filters) -> list:
     run = report.run
     for e in run.doctor_errors or []:
         out.append(note(f"The doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error"))
+    for n in run.notes or []:  # how compiled units were measured: the header's notes
+        out.append(note(n, "info"))
     findings = [f for f in report.findings
                 if (flt.rank is None or not f.ranks or flt.rank in f.ranks)
                 and (flt.unit is None or not f.units or flt.unit in f.units)]

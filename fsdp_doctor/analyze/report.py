@@ -33,6 +33,8 @@ def run_facts(run: Run) -> RunFacts:
             facts.mesh = dict(cfg.mesh)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
+        if cfg.measured_notes:  # units compiled by torch.compile: how they were timed, or that they were not
+            facts.notes = list(cfg.measured_notes)
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)
         from ..trace.meta import meta_facts
 

@@ -509,7 +509,8 @@ def exception_kinds(run: RunFacts) -> list[str]:
 
 class RunWarning(NamedTuple):
     """A line of the header's warnings: ``level`` "error" where the doctor stepped aside (what it recorded stops
-    there), "warning" otherwise; the terminal and the HTML colour it by its level."""
+    there), "note" for how some figures were measured (compiled units), "warning" otherwise; the terminal and the
+    HTML colour it by its level."""
     text: str
     level: str = "warning"
 
@@ -535,6 +536,7 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
                    f"{'s' * (len(gone) > 1)} {', '.join(map(str, gone[:8]))}{' …' if len(gone) > 8 else ''} here): "
                    f"the figures are {whose}, and a straggler among the others cannot be seen")
     out = [RunWarning(w) for w in out]
+    out += [RunWarning(n, "note") for n in (run.notes or [])]
     out += [RunWarning(f"doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error")
             for e in run.doctor_errors or []]
     return out

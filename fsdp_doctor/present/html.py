@@ -99,7 +99,8 @@ def _header(report: Report) -> str:
     job = report.steps.job if report.steps is not None else None
     if job is not None and job.p50_ms:
         facts.append(f"step p50 {fmt_ms(job.p50_ms)}")
-    warn = "".join(f"<p class='{'err' if w.level == 'error' else 'warn'}'>{_esc(w.text)}</p>" for w in run_warnings(r))
+    cls = {"error": "err", "note": "note"}
+    warn = "".join(f"<p class='{cls.get(w.level, 'warn')}'>{_esc(w.text)}</p>" for w in run_warnings(r))
     return (f"<h1>fsdp-doctor report</h1><div class='facts'>{_esc(r.path)}<br>"
             f"{_esc(' · '.join(facts))}<br>report schema {_esc(report.schema)}, "
             f"doctor {_esc(report.doctor_version)}</div>{warn}")

@@ -21,6 +21,9 @@ from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HE
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
+STYLE = {"error": "red", "note": "dim"}  # a header line's style by its level (warning: yellow)
+
+
 def render_header(report: Report, width: int = 100):
     r = report.run
     parts = [f"[bold]{escape(r.path)}[/]"]
@@ -33,7 +36,7 @@ def render_header(report: Report, width: int = 100):
             lines.append(fact)
     parts.append(escape("\n".join(lines)))
     for w in run_warnings(r):  # (the HTML's lines too)
-        parts.append(f"[{'red' if w.level == 'error' else 'yellow'}]{escape(w.text)}[/]")
+        parts.append(f"[{STYLE.get(w.level, 'yellow')}]{escape(w.text)}[/]")
     return Panel("\n".join(parts), title="fsdp-doctor", box=box.ROUNDED, expand=False)
 
 

@@ -78,14 +78,15 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     def names(ids: list[int]) -> str:
         return ", ".join(unit_cfgs[i].name or "(root)" for i in ids[:4]) + (" ..." if len(ids) > 4 else "")
 
+    notes: list[str] = []
     if timed:
-        unavailable.append(
+        notes.append(
             f"{len(timed)} unit(s) compiled by torch.compile ({names(timed)}): timed around their compiled call, so "
             "their forward's all-gather wait is inside their forward time, not apart")
     if frame_unseen:
         unavailable.append(FRAME_UNSEEN)
     elif in_place:
-        unavailable.append(
+        notes.append(
             f"{len(in_place)} unit(s) run inside a compiled frame ({names(in_place)}): the doctor's hooks do nothing "
             "there, so these units' timings are not recorded")
     return RunConfig(
@@ -102,6 +103,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
         untrained=untrained_params(model, optimizer, units), unavailable=unavailable,
+        measured_notes=notes,
         torch_lacks=F2.features_unavailable(),
     ), consistency
 
