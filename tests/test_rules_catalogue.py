@@ -130,17 +130,28 @@ def test_every_quiet_rule_says_why_on_recorded_runs_and_real_traces():
 def test_a_rule_missing_the_memory_capacity_is_skipped_not_quiet():
     """The sample run (CPU, no capacity_bytes given): each rule whose check weighs the peak against the capacity is
     listed skipped with that reason, as a rule whose declared needs are missing is; listed quiet it read as checked
-    and fine. Given a capacity, the same rules are checked: quiet or fired, with their figure."""
+    and fine. Given a capacity, the same rules are checked: quiet or fired, with their figure. The reason says how
+    this run's user gives the budget: under torchtitan's Trainer a flag of its command line (a new-user trial there
+    was told to pass capacity_bytes= to watch(), which their command line does not call)."""
     import fsdp_doctor
-    from fsdp_doctor.diagnose.estimate import NO_CAPACITY
+    from fsdp_doctor.records import TITAN_DRIVER, TRAINER_DRIVER
 
     from conftest import REPO
+
+    NO_CAPACITY = "memory capacity unknown: pass capacity_bytes= to watch()"
 
     run = fsdp_doctor.load_run(REPO / "traces" / "sample")
     report = fsdp_doctor.build_report(run)
     no_cap = {s.code: s.status for s in report.rules if s.reason == NO_CAPACITY}
     assert {"ac.recommended", "reshard.zero2_affordable", "optim.state_dominates"} <= set(no_cap), no_cap
     assert set(no_cap.values()) == {"skipped"}, no_cap
+    for driver, how in ((TITAN_DRIVER, "pass --doctor.capacity-bytes SIZE (80GiB) on the command line"),
+                        (TRAINER_DRIVER, "pass capacity_bytes= to fsdp_doctor.DoctorCallback(...)")):
+        run.config.driver = driver
+        statuses = []
+        diagnose(run, report, statuses=statuses)
+        assert {s.code for s in statuses if s.reason == "memory capacity unknown: " + how} == set(no_cap), statuses
+    run.config.driver = None
     run.config.capacity_bytes = 64 << 20
     statuses: list = []
     diagnose(run, fsdp_doctor.build_report(run), statuses=statuses)

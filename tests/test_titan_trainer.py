@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import dataclasses
 import types
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import fsdp_doctor
 from fsdp_doctor.diagnose import diagnose
 from fsdp_doctor.diagnose import snippets as S
 from fsdp_doctor.record import titan_trainer as TT
+from fsdp_doctor.record.options import WatchOptions
 from recorder_cases import PEAK_WITHIN
 from scenario_matrix import HEADROOM, NOISE
 from titan_cases import TITAN_SITE
@@ -172,6 +174,21 @@ def test_doctor_arguments_split_from_torchtitans():
         TT.split_args(["--doctor.tensorboard", "maybe"])
     with pytest.raises(TT.TitanArgError, match=r"--doctor\.out-dir needs a value"):
         TT.split_args(["--doctor.out-dir"])
+    # a budget with its unit, and the profiler's windows as a schedule (a new-user trial could say only true/false
+    # and bytes); --help lists every option before torchtitan's own
+    from fsdp_doctor.record.profiling import ProfileSchedule
+
+    options, _ = TT.split_args(["--doctor.capacity-bytes", "80GiB", "--doctor.profile", "first=3,active=1"])
+    assert options == {"capacity_bytes": 80 << 30, "profile": ProfileSchedule(first=3, active=1)}
+    assert TT.split_args(["--doctor.capacity-bytes=1.5GB"])[0] == {"capacity_bytes": 1_500_000_000}
+    with pytest.raises(TT.TitanArgError, match=r"--doctor\.capacity-bytes takes a size in bytes .*, not 'lots'"):
+        TT.split_args(["--doctor.capacity-bytes", "lots"])
+    with pytest.raises(TT.TitanArgError, match=r"--doctor\.profile takes true, false or a schedule \(first=N,"):
+        TT.split_args(["--doctor.profile", "start=3"])
+    help_text = TT.help_text()
+    for name in (f.name for f in dataclasses.fields(WatchOptions)):
+        assert f"--doctor.{name.replace('_', '-')} " in help_text, name
+    assert max(map(len, help_text.splitlines())) <= 100
 
 
 def _trainer(**kw):

@@ -355,11 +355,23 @@ def period(steps: list[int], checked: list[int], least: int = 2) -> Optional[int
     return n if n > 1 and all(st in steps for st in checked if st % n == steps[0] % n) else None
 
 
-NO_CAPACITY = "memory capacity unknown: pass capacity_bytes= to watch()"
+def no_capacity(ctx: Context) -> str:
+    """Why a rule that weighs memory against the budget cannot: the budget is unknown (a CPU run, or plain traces
+    without the device's memory), and how this run's user gives it: on torchtitan's command line, to the Hugging
+    Face Trainer's callback, or to watch() (a new-user trial under torchtitan was told to pass it to watch())."""
+    if titan_trainer_driven(ctx):
+        how = "pass --doctor.capacity-bytes SIZE (80GiB) on the command line"
+    elif trainer_driven(ctx):
+        how = "pass capacity_bytes= to fsdp_doctor.DoctorCallback(...)"
+    elif ctx.config is None:
+        how = "the traces do not say the device's memory; record the run with watch(..., capacity_bytes=...)"
+    else:
+        how = "pass capacity_bytes= to watch()"
+    return f"memory capacity unknown: {how}"
 
 
-def no_peak_or_capacity(peak, cap) -> str:
-    return "no memory peak recorded" if not peak else NO_CAPACITY
+def no_peak_or_capacity(ctx: Context, peak, cap) -> str:
+    return "no memory peak recorded" if not peak else no_capacity(ctx)
 
 
 # ---------------------------------------------------------------------------------------------- trace rows

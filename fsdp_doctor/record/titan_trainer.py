@@ -9,7 +9,7 @@ torchtitan's Trainer owns the loop, so ``python -m fsdp_doctor.titan`` is torcht
 calls ``doctor.step()`` after each of its train steps (an optimizer step: its micro-batches of gradient
 accumulation are inside it). Arguments ``--doctor.OPTION VALUE`` (``--doctor.out-dir``, ``--doctor.profile
 false``, any :func:`fsdp_doctor.watch` option, hyphens or underscores) are the doctor's; torchtitan never sees
-them. By default the records go to ``<dump_folder>/fsdp_doctor`` beside torchtitan's own outputs, and the job's
+them; ``--help`` lists them before torchtitan's own. By default the records go to ``<dump_folder>/fsdp_doctor`` beside torchtitan's own outputs, and the job's
 tokens per step (its global batch times its sequence length) are passed, for tokens/s and MFU.
 
 What the Trainer does between two train steps (its checkpoint saves, its validation) lies in the step after
@@ -81,11 +81,31 @@ def split_args(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+#: byte units a ``--doctor.capacity-bytes`` value may carry ("80GiB", "80GB", "85899345920")
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: each option as a flag (``--help``): what its value looks like, and what it does (watch()'s options, said for
+#: this command line; tests/test_titan_trainer.py keeps one entry per option)
+_FLAG_HELP = {
+    "out_dir": ("DIR", f"where the records go (default: <dump_folder>/{DEFAULT_SUBDIR})"),
+    "capacity_bytes": ("SIZE", "memory budget per rank for the memory rules (80GiB, 80GB or bytes; default: the "
+                               "GPU's memory)"),
+    "profile": ("true|false|first=6,active=2,warmup=1,every=1000",
+                "torch.profiler windows: on (the default schedule shown), off, or a schedule"),
+    "tokens_per_step": ("N", "tokens per optimizer step for tokens/s and MFU (default: global batch x seq_len)"),
+    "peak_tflops": ("TFLOPS", "the device's peak TFLOP/s for MFU (default: a table of common GPUs)"),
+    "count_flops": ("true|false", "count step 1's FLOPs for MFU (default: on, as tokens per step is known)"),
+    "memory": ("true|false", "memory by category (default: true)"),
+    "tensorboard": ("true|false", "also write TensorBoard scalars live under the records' tb/ (default: false)"),
+    "overwrite": ("true|false", "replace a run already recorded in the records' folder (default: false)"),
+}
 
 
 def _typed(name: str, value: str, annotation) -> object:
     """A ``--doctor.NAME`` value as its option takes it: booleans (``profile`` and ``memory`` too, their
-    command-line forms), integers, floats, a path."""
+    command-line forms), integers, floats, a path; a byte size with its unit for ``capacity-bytes`` (80GiB), and
+    a profiler schedule for ``profile`` (first=6,active=2: :class:`~fsdp_doctor.record.profiling.ProfileSchedule`'s
+    fields, the others at their defaults)."""
     kind = str(annotation)
     low = value.lower()
     flag = "bool" in kind or name in ("profile", "memory")
@@ -93,6 +113,18 @@ def _typed(name: str, value: str, annotation) -> object:
         return low in _TRUE
     if low == "none" and "None" in kind:
         return None
+    if name == "profile" and "=" in value:
+        return _schedule(value)
+    if name == "capacity_bytes":
+        number = low.rstrip("bikmgt ")
+        unit = low[len(number):].strip()
+        try:
+            if unit in _BYTE_UNITS and float(number) > 0:
+                return int(float(number) * _BYTE_UNITS[unit])
+        except ValueError:
+            pass
+        raise TitanArgError(f"fsdp_doctor.titan: {DOCTOR_FLAG}capacity-bytes takes a size in bytes (85899345920, "
+                            f"80GiB, 80GB), not {value!r}")
     try:
         if "int" in kind:
             return int(value)
@@ -106,6 +138,33 @@ def _typed(name: str, value: str, annotation) -> object:
     raise TitanArgError(f"fsdp_doctor.titan: {DOCTOR_FLAG}{name.replace('_', '-')} takes "
                         f"{'true or false' if flag else 'a number' if 'int' in kind or 'float' in kind else 'a path'}"
                         f", not {value!r}")
+
+
+def _schedule(value: str):
+    """``--doctor.profile first=6,active=2,...``: the profiler's windows as a ProfileSchedule."""
+    from .profiling import ProfileSchedule
+
+    fields = [f.name for f in dataclasses.fields(ProfileSchedule)]
+    kw = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        key, _, number = part.partition("=")
+        if key.strip() not in fields or not number.strip().isdigit():
+            raise TitanArgError(f"fsdp_doctor.titan: {DOCTOR_FLAG}profile takes true, false or a schedule "
+                                f"({'=N,'.join(fields)}=N), not {value!r}")
+        kw[key.strip()] = int(number)
+    if kw.get("active", 1) < 1:
+        raise TitanArgError(f"fsdp_doctor.titan: {DOCTOR_FLAG}profile's active must be at least 1, not {value!r}")
+    return ProfileSchedule(**kw)
+
+
+def help_text() -> str:
+    """The doctor's own options, printed before torchtitan's ``--help``."""
+    lines = ["fsdp_doctor.titan: torchtitan's training with fsdp_doctor watching its Trainer.",
+             "The doctor's options (torchtitan's follow):"]
+    for f in dataclasses.fields(WatchOptions):
+        metavar, text = _FLAG_HELP[f.name]
+        lines.append(f"  {DOCTOR_FLAG}{f.name.replace('_', '-')} {metavar}\n      {text}")
+    return "\n".join(lines) + "\n"
 
 
 def tokens_per_step(trainer) -> int | None:
@@ -225,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         WatchOptions.from_kwargs({"out_dir": ".", **options})  # (an option it refuses: before torchtitan starts)
     except (TitanArgError, TypeError) as e:
         sys.exit(str(e))
+    if "-h" in rest or "--help" in rest:  # the doctor's options first; torchtitan's help follows
+        print(help_text(), flush=True)
     try:
         entry = importlib.import_module(ENTRY_MODULE).main
     except ImportError as e:

@@ -161,7 +161,7 @@ def _checkpointed_under_budget(rule: Rule, ctx: Context) -> Optional[tuple[list[
         return rule.quiet("no unit is checkpointed") or None
     peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
     if not peak or not cap:
-        return rule.skip(E.no_peak_or_capacity(peak, cap)) or None
+        return rule.skip(E.no_peak_or_capacity(ctx, peak, cap)) or None
     return ck, peak, cap
 
 
@@ -188,7 +188,7 @@ class AcRecommended(Rule):
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
         if not peak or not cap:
-            return self.skip(E.no_peak_or_capacity(peak, cap))
+            return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
         share = peak / cap
         bd = E.breakdown(ctx)
         acts = bd.get("activations") or 0

@@ -116,7 +116,7 @@ class AccumulationRegathers(Rule):
             return self.quiet(f"{n:.0f} forward pass per unit per optimizer step: no micro-batches to gather between")
         pm, peak, cap, step = E.peak_memory(ctx), E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not cap:
-            return self.skip(E.NO_CAPACITY)
+            return self.skip(E.no_capacity(ctx))
         tl = pm.timeline if pm is not None else []
         if not tl or peak is None or not step:
             return self.quiet("needs the peak step's memory timeline and the step times")

@@ -60,7 +60,7 @@ class EvalRegather(Rule):
                               f"({passes * once:.1f} ms)")
         cap, peak, step = E.capacity_bytes(ctx), E.peak_bytes(ctx), E.step_ms(ctx)
         if not cap:
-            return self.skip(E.NO_CAPACITY)
+            return self.skip(E.no_capacity(ctx))
         if peak is None or not step:
             return self.quiet("needs the step records' memory and step times")
         us = E.param_units(ctx)

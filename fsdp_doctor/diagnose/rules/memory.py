@@ -240,7 +240,7 @@ class NearCapacitySpread(Rule):
     def match(self, ctx: Context):
         pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
         if pm is None or not cap:
-            return self.skip(E.NO_CAPACITY)
+            return self.skip(E.no_peak_or_capacity(ctx, pm, cap))
         peak = int(pm.peak_bytes)
         share = peak / cap
         if share < T.NEAR_CAPACITY_SHARE:

@@ -171,7 +171,7 @@ class OffloadRecommended(Rule):
             return self.quiet("offload is on" if E.on_gpu(ctx) else _NOT_GPU)
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not peak or not cap:
-            return self.skip(E.no_peak_or_capacity(peak, cap))
+            return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
         if peak / cap < OFFLOAD_NEEDED_SHARE:
             return self.quiet(E.below_share("peak", peak, cap, "capacity", OFFLOAD_NEEDED_SHARE))
         bd = E.breakdown(ctx)

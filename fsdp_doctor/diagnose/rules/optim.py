@@ -260,7 +260,7 @@ class OptimizerStateDominates(Rule):
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
         if not peak or not cap:
-            return self.skip(E.no_peak_or_capacity(peak, cap))
+            return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
         if peak / cap < STATE_TIGHT_SHARE:
             return self.quiet(E.below_share("peak", peak, cap, "capacity", STATE_TIGHT_SHARE))
         bd = E.breakdown(ctx)

@@ -291,7 +291,7 @@ class PrefetchTooEarly(Rule):
     def match(self, ctx: Context):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not peak or not cap or not step:
-            return self.skip(E.no_peak_or_capacity(peak, cap) if step else "no step time measured")
+            return self.skip(E.no_peak_or_capacity(ctx, peak, cap) if step else "no step time measured")
         share = peak / cap
         if share < TIGHT_SHARE:
             return self.quiet(E.below_share("peak", peak, cap, "capacity", TIGHT_SHARE))

@@ -95,7 +95,7 @@ class Zero2PerUnit(Rule):
     def match(self, ctx: Context):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not cap:
-            return self.skip(E.NO_CAPACITY)
+            return self.skip(E.no_capacity(ctx))
         if peak is None or not step:
             return self.quiet("needs the step records' memory and step times")
         budget = ZERO2_MAX_SHARE * cap
