@@ -364,6 +364,9 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     comm_note: str | None = None  # why comm_buffers are unknown
     unknown: list[str] = []  # categories not measurable on this torch (their 0 is no figure)
     unit_activations: dict[str, int] | None = None  # exact steps: bytes each unit's forward left saved
+    # exact steps: of those, what the units nested in its forward did not save (a nested unit called after the
+    # forward returned, as torchtitan's chunked loss calls its last unit, is not nested); None in older runs
+    unit_activations_own: dict[str, int] | None = None
     # exact steps: the step's highest saved-for-backward bytes, counted at every save (the marks and the
     # high-water rows only see the moments they sample; 0 in runs recorded before this field)
     activations_high: int = 0

@@ -289,6 +289,45 @@ def test_unit_activations_are_one_micro_batchs_under_gradient_accumulation(tmp_p
     assert all(v > 0 for k, v in b.items() if k.startswith("layers."))
 
 
+def test_own_activations_subtract_only_the_units_that_ran_inside():
+    """A unit's own activations are what it saved outside the forwards of the units nested in it. torchtitan's
+    chunked loss calls its [norm, output] unit after the model's forward has returned: subtracting every child's
+    figure from the root's read the root's own as -32 KiB in every torchtitan run of a new-user trial. A unit
+    called twice in one pass sums its calls, and the largest pass is kept (as its figure incl. nested)."""
+    from fsdp_doctor.record.memory.activations import SavedTensors
+
+    acts = SavedTensors(set(), True)
+    acts.begin()
+
+    def save(n):
+        acts.live.bytes += n
+
+    root, layer, out = 0, 1, 2
+    acts.unit_forward_start(root)
+    save(10)                       # the root's embeddings
+    for _ in range(2):             # one layer called twice
+        acts.unit_forward_start(layer)
+        save(100)
+        acts.unit_forward_end(layer)
+    save(5)
+    acts.unit_forward_end(root)
+    for _ in range(3):             # the loss's chunks: the last unit called after the root returned
+        acts.unit_forward_start(out)
+        save(32)
+        acts.unit_forward_end(out)
+    assert acts.unit_act == {root: 215, layer: 200, out: 96}
+    assert acts.unit_own == {root: 15, layer: 200, out: 96}
+    # a second, smaller pass (a micro-batch of gradient accumulation) keeps the first's figures
+    acts.backward_start()
+    acts.live.bytes = 0
+    acts.unit_forward_start(root)
+    acts.unit_forward_start(layer)
+    save(50)
+    acts.unit_forward_end(layer)
+    acts.unit_forward_end(root)
+    assert acts.unit_act == {root: 215, layer: 200, out: 96} and acts.unit_own == {root: 15, layer: 200, out: 96}
+
+
 def test_analyze_and_render(base):
     from rich.console import Console
 
@@ -307,6 +346,8 @@ def test_analyze_and_render(base):
         assert pr.activations_peak_bytes >= pr.peak_breakdown["activations"]
         units = {u.unit: u for u in pr.per_unit}
         assert units["layers.0"].activation_bytes == units["layers.0"].activation_self_bytes > 0
+        nested = sum(u.activation_bytes for name, u in units.items() if name)  # (every unit runs in the root's)
+        assert units[""].activation_self_bytes == units[""].activation_bytes - nested >= 0
     console = Console(width=100, record=True)
     console.print(render_memory(sec))
     text = console.export_text()

@@ -97,6 +97,14 @@ def test_titan_trainer_watched_from_its_command_line(runs):
         assert c.steps == [5, 10, 15] and c.saves == 3 and c.excluded, c
     assert not any(o.step in (5, 10, 15) for o in report.steps.outliers), report.steps.outliers
     assert "jitter.data_wait" not in found
+    # the chunked loss calls the [norm, output] unit's output after the model's forward returned, outside the
+    # root's: the root's own activations read -32 KiB when every child's figure was subtracted from the root's.
+    # Every module the root's forward runs is in a unit here (tok_embeddings, the layers, norm): its own are 0
+    for pr in report.memory.per_rank.values():
+        units = {u.unit: u for u in pr.per_unit}
+        assert all(u.activation_self_bytes >= 0 for u in units.values()), units
+        assert units[""].activation_self_bytes == 0 < units[""].activation_bytes, units
+        assert units[""].activation_bytes < sum(u.activation_bytes for n, u in units.items() if n), units
 
 
 @pytest.mark.slow

@@ -163,6 +163,7 @@ def _recomputed_at_peak(rank: MemoryRank) -> str:
 
 def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
     acts = _latest(steps, "unit_activations")
+    own = _latest(steps, "unit_activations_own") if acts else {}
     recomputed = _latest(steps, "unit_recompute_saved")
     units = list(getattr(cfg, "units", None) or [])
     rows = []
@@ -180,8 +181,12 @@ def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
             sharded_bytes=int(u.sharded_bytes) if u is not None and u.sharded_bytes is not None else None,
             unsharded_bytes=int(u.unsharded_bytes) if u is not None and u.unsharded_bytes is not None else None,
             activation_bytes=a)
-        if a is not None:
-            row.activation_self_bytes = a - sum(acts.get(c, 0) for c in children.get(name, []))
+        if name in own:  # measured: the saves no unit nested in its forward made
+            row.activation_self_bytes = own[name]
+        elif a is not None:  # (older runs) its figure less its children's, unknown where they ran outside it
+            rest = a - sum(acts.get(c, 0) for c in children.get(name, []))
+            if rest >= 0:
+                row.activation_self_bytes = rest
         if name in recomputed:
             row.recompute_saved_bytes = recomputed[name]
         rows.append(row)

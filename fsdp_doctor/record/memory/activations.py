@@ -86,6 +86,14 @@ class SavedTensors:
         self.unit_act: dict[int, int] = {}
         self.unit_cast: dict[int, int] = {}  # unit -> of those, autocast's copies of parameters (as unit_act)
         self._pass: dict[int, tuple[int, int]] = {}  # unit -> (saved, copies) in this pass so far
+        # unit -> of unit_act, what no unit nested in its forward saved (its own): the nested units' saves are
+        # subtracted where they ran inside this unit's forward, not where they ran after it returned (torchtitan's
+        # chunked loss calls its [norm, output] unit after the model's forward: the root's own read -32 KiB when
+        # the analysis subtracted every child's figure from the root's)
+        self.unit_own: dict[int, int] = {}
+        self._own_pass: dict[int, int] = {}
+        self._open: list[int] = []  # the units whose forward is running, outermost first
+        self._nested: dict[int, int] = {}  # unit -> bytes its nested units' forwards saved inside its own, so far
 
     def begin(self) -> None:
         self.mode = "off"
@@ -97,22 +105,39 @@ class SavedTensors:
         self.unit_act_start = {}
         self.unit_cast = {}
         self._pass = {}
+        self.unit_own = {}
+        self._own_pass = {}
+        self._open = []
+        self._nested = {}
 
     def backward_start(self) -> None:
         """A unit's backward began: the forward pass before it has ended (the next forward is another pass)."""
         self._pass = {}
+        self._own_pass = {}
+        self._open = []
+        self._nested = {}
 
     def unit_forward_start(self, idx: int) -> None:
         self.unit_act_start[idx] = (self.live.bytes, self.live.cast)
+        self._open.append(idx)
+        self._nested[idx] = 0
 
     def unit_forward_end(self, idx: int) -> None:
         start = self.unit_act_start.pop(idx, None)
         if start is not None:
+            delta = self.live.bytes - start[0]
+            if idx in self._open:  # (the innermost running unit: it is the last one opened)
+                del self._open[len(self._open) - 1 - self._open[::-1].index(idx)]
+            if self._open:  # the unit it ran in: its saves are that unit's nested ones
+                self._nested[self._open[-1]] = self._nested.get(self._open[-1], 0) + delta
+            own = self._own_pass.get(idx, 0) + delta - self._nested.pop(idx, 0)
+            self._own_pass[idx] = own
             saved, cast = self._pass.get(idx, (0, 0))
-            saved, cast = saved + self.live.bytes - start[0], cast + self.live.cast - start[1]
+            saved, cast = saved + delta, cast + self.live.cast - start[1]
             self._pass[idx] = (saved, cast)
             if saved >= self.unit_act.get(idx, saved):
                 self.unit_act[idx] = saved
+                self.unit_own[idx] = own
                 if cast or idx in self.unit_cast:
                     self.unit_cast[idx] = cast
 

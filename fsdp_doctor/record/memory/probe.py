@@ -429,6 +429,7 @@ class MemoryProbe:
             if act_mode == "exact":
                 out.activations_high = int(self.live.high)
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
+                out.unit_activations_own = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_own.items())}
                 if any(casts):
                     out.cast_copies = CastCopies(
                         dtype=self.live.cast_dtype or "", peak=int(casts[pi]), most=int(max(casts)),
