@@ -218,6 +218,22 @@ def test_checkpoint_steps_are_left_out_and_named():
     assert (f.severity, f.evidence["share_pct"], f.evidence["steps_between_saves"],
             f.evidence["gain_ms_per_step_at_most"]) == ("warning", 38.4, 3, 62.5), f.evidence
     assert not f.recommendation.code and "async_save" in f.recommendation.text
+    # ranks whose saves differ: the line gives the time and share of the rank the finding quotes, and names it (it
+    # gave the ranks' median time beside the largest share: 93.2 ms there, 97.5 ms in the finding, on torchtitan)
+    from fsdp_doctor.present.fmt import checkpoint_text
+
+    run = _save_run({3, 6, 9})
+    for s in run.ranks[1].steps:
+        if s.checkpoint_ms:
+            s.checkpoint_ms += 30.0
+            s.wall_ms += 30.0
+    rep = fsdp_doctor.build_report(run)
+    f = next(f for f in rep.findings if f.code == "checkpoint.blocking")
+    assert f.recommendation.text.startswith("Each of the 3 saves stops training for 280.0 ms, one every 3 steps: "
+                                            "70.0 ms per step over the run (rank 1)."), f.recommendation.text
+    assert checkpoint_text(rep.steps).startswith(
+        f"Checkpoint saves: 3 in steps (3, 6, 9), 280.0 ms each, {f.evidence['share_pct']}% of the recorded time "
+        "(rank 1); "), checkpoint_text(rep.steps)
     quiet = fsdp_doctor.build_report(_save_run({6}, save_ms=30.0))  # 30 ms of 1,231.2 ms: 2.4%
     assert next(s.reason for s in quiet.rules if s.code == "checkpoint.blocking") == (
         "checkpoint saves take 2.4% of the recorded time (rank 0; fires from 5%)")

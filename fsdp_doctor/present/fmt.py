@@ -360,13 +360,20 @@ def checkpoint_text(section: StepsSection) -> str | None:
         return None
     steps, shown, ms, kept = _kept_apart(per)
     saves = max(c.saves for c in per.values())
-    share = max((100.0 * c.ms_total / c.wall_ms_total for c in per.values() if c.wall_ms_total > 0), default=0.0)
+    # the rank whose saves take the largest share, as checkpoint.blocking quotes it: its share and its save time
+    # (the median rank's time beside the largest share read 93.2 ms here and 97.5 ms in the finding)
+    top = max((c for c in per.values() if c.wall_ms_total > 0), key=lambda c: c.ms_total / c.wall_ms_total,
+              default=None)
+    share = 100.0 * top.ms_total / top.wall_ms_total if top is not None else 0.0
+    ms = top.ms_p50 if top is not None else ms
+    which = (f" (rank {next(r for r, c in per.items() if c is top)})"
+             if top is not None and len(per) > 1 and len({c.ms_p50 for c in per.values()}) > 1 else "")
     kind = " (asynchronous: the staging the step waits for)" if all(c.async_saves == c.saves for c in per.values()) \
         else ""
     aside = sorted({st for c in per.values() for st in c.profiled})
     aside_text = f" (step{'s' if len(aside) > 1 else ''} {', '.join(map(str, aside))} profiled: aside)" if aside else ""
     return (f"Checkpoint saves: {saves}{kind} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
-            f"{share:.1f}% of the recorded time{aside_text}; counted apart from outside; those steps are {kept}")
+            f"{share:.1f}% of the recorded time{which}{aside_text}; counted apart from outside; those steps are {kept}")
 
 
 def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
