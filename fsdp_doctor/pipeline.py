@@ -193,7 +193,13 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
         if begun and ended == begun:  # watch() exited normally, and no doctor.step() was called in it
             return (f"{path}: watch() ended normally on {who} without a doctor.step() "
                     "call, so no step was recorded: call doctor.step() once per optimizer step inside the with block")
-        if begun:  # streams began (a header) but hold no step: an error in step 0, a kill during FSDP's lazy init
+        failed = {r: run.ranks[r].end.exception for r in begun
+                  if run.ranks[r].end is not None and run.ranks[r].end.exception}
+        if failed:  # the loop raised through watch() before its first doctor.step(): say so, with the exception
+            first = failed[min(failed)]
+            return (f"{path}: the training loop raised an exception on {ranks_phrase(sorted(failed))} before its "
+                    f"first doctor.step(), so no step was recorded: {first}"[:600])
+        if begun:  # streams began (a header) but hold no step: still in step 0, or killed during FSDP's lazy init
             return (f"{path}: the records of {who} hold a header and no step yet: the run is still in its first "
                     "step (analyze it again later), or stopped before its first doctor.step() and left no profiler "
                     "trace")

@@ -293,6 +293,8 @@ class StepsSection(_Section):
     profiler_steps: dict[str, dict[str, list[int]]] = {}
     no_grad: dict[str, NoGradSteps] = {}  # per rank that ran any
     checkpoints: dict[str, CheckpointSteps] = {}  # per rank that saved any
+    # per rank: the steps whose memory the doctor counted op by op that the statistics keep (too few without)
+    counted_kept: dict[str, list[int]] = {}
 
 
 # ---------------------------------------------------------------- units (fsdp_doctor.analyze.report.unit_table)

@@ -272,6 +272,14 @@ def _trace_file_cases() -> list[Case]:
                   lambda d: [one_file(d, (header % r + end % r).encode(), f"rank{r}.records.jsonl")
                              for r in (0, 1)] and d,
                   "error", "watch() ended normally on ranks 0, 1 without a doctor.step() call"))
+    # a loop that raised in step 0 (a dtype error in its first forward): the end record holds the exception; the run
+    # read "still in its first step (analyze it again later)" (a new-user trial)
+    failed = '{"t":"end","steps":0,"ended_ns":2,"exception":"RuntimeError: expected scalar type BFloat16","rank":%d}\n'
+    t.append(Case("path/records-failed-in-step-0",
+                  lambda d: [one_file(d, (header % r + failed % r).encode(), f"rank{r}.records.jsonl")
+                             for r in (0, 1)] and d,
+                  "error", "the training loop raised an exception on ranks 0, 1 before its first doctor.step(), so "
+                  "no step was recorded: RuntimeError: expected scalar type BFloat16"))
     t.append(Case("path/all-files-unreadable", lambda d: (one_file(d, b"", "a.json"), one_file(d, b"{", "b.json"))
                   and d, "error", "nothing to analyse"))
     t.append(Case("path/two-files-without-rank",

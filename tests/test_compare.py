@@ -118,6 +118,14 @@ def test_bootstrap_interval_known_answers():
     assert tiny.ci_low > 0 and not tiny.significant  # outside the interval of zero, inside the noise floor
     assert "no significant change" in C.step_summary(tiny) and "noise floor" in C.step_summary(tiny)
     assert "within noise" in C.step_summary(same) and "slower" in C.step_summary(d)
+    # A with slow outlier steps, B 72% faster: the interval is of B's step over A's, never below -100% (the
+    # difference's interval set against A's p50 read "-72.3% (95% CI -103.4% to -41.2%)", a new-user trial's)
+    a = [[500.0 + 10 * i] for i in range(5)] + [[1500.0 + 50 * i] for i in range(4)]
+    b = [[222.0 + i] for i in range(9)]
+    fast = C._step_delta(a, b, 50, np.random.default_rng(C.SEED))
+    assert fast.a == 540.0 and fast.significant
+    assert -fast.a < fast.ci_low < fast.delta < fast.ci_high < 0, fast
+    assert " to -" in C.step_summary(fast) and "-10" not in C.step_summary(fast).split("CI")[1][:9]
 
 
 def test_one_step_a_side_is_too_few_to_call_a_change():

@@ -316,13 +316,29 @@ def test_counted_steps_are_left_out_of_step_statistics():
     from fsdp_doctor.records import MemoryStep, StepRecord
 
     def step(i, counted):
-        return StepRecord(rank=0, step=i, start_ns=0, wall_ms=100.0,
+        return StepRecord(rank=0, step=i, start_ns=0, wall_ms=100.0, forward_ms=30.0, backward_ms=50.0,
                           memory=MemoryStep(transients="exact" if counted else "replayed"))
 
     steps = [step(i, i in (0, 2, 7)) for i in range(10)]
     assert [s.step for s in usable_steps(steps)] == [1, 3, 4, 5, 6, 8, 9]
     every = [step(i, True) for i in range(5)]
     assert [s.step for s in usable_steps(every)] == [1, 2, 3, 4]  # full_every=1: nothing else to use
+    # the step table's title says which it kept (it said "full memory counts, left out" over a short run's, whose
+    # slower steps made its p50: a new-user trial); left out, the usual title
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.fmt import STEPS_TITLE, steps_title
+    from fsdp_doctor.store.reader import RankData, Run
+
+    short = Run(path="constructed")
+    short.ranks[0] = RankData(rank=0, steps=[step(i, i in (0, 1, 2)) for i in range(5)])
+    sec = analyze_steps(short)
+    assert sec.counted_kept == {"0": [1, 2]} and sec.per_rank["0"].count == 4
+    assert steps_title(sec) == ("Step time per rank, ms (the first step and the doctor's profiler windows left out; "
+                                "its full memory counts in steps 1, 2 kept, as fewer than 3 steps would remain: they "
+                                "run slower)")
+    short.ranks[0] = RankData(rank=0, steps=steps)
+    sec = analyze_steps(short)
+    assert sec.counted_kept == {} and steps_title(sec) == STEPS_TITLE
 
 
 _BF16_SCRIPT = """

@@ -482,4 +482,11 @@ def analyze_steps(run: Run) -> StepsSection:
         no_grad={str(r): ng for r, rd in sorted(run.ranks.items()) if (ng := no_grad_steps(rd.steps)) is not None},
         checkpoints={str(r): c for r, rd in sorted(run.ranks.items())
                      if (c := checkpoint_steps(rd.steps)) is not None},
+        counted_kept={str(r): kept for r, rd in sorted(run.ranks.items()) if (kept := counted_kept(rd.steps))},
     )
+
+
+def counted_kept(steps: list[StepRecord]) -> list[int]:
+    """The steps whose memory the doctor counted op by op (slower than the others: its own cost) that the statistics
+    keep, since fewer than 3 steps would remain without them (a short run: the title said they were left out)."""
+    return [s.step for s in usable_steps(steps) if s.memory is not None and s.memory.transients == "exact"]

@@ -274,7 +274,14 @@ def steps_traced(section: StepsSection) -> bool:
 
 
 def steps_title(section: StepsSection) -> str:
-    return TRACED_STEPS_TITLE if steps_traced(section) else STEPS_TITLE
+    if steps_traced(section):
+        return TRACED_STEPS_TITLE
+    kept = sorted({s for steps in section.counted_kept.values() for s in steps})
+    if kept:  # a short run: the doctor's slower memory-counting steps are in the figures
+        return ("Step time per rank, ms (the first step and the doctor's profiler windows left out; its full memory "
+                f"counts in step{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))} kept, as fewer than 3 "
+                "steps would remain: they run slower)")
+    return STEPS_TITLE
 
 
 def no_steady_text(section: StepsSection) -> str | None:
