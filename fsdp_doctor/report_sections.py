@@ -65,6 +65,10 @@ class RunFacts(_Section):
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
+    # the units' MixedPrecisionPolicy ("params bfloat16, reduce float32"; "mixed" where units differ) and CPU
+    # offload ("CPU offload" or "CPU offload, 3 of 9 units"), where any unit has one
+    mixed_precision: str | UnsetType = UNSET
+    offload: str | UnsetType = UNSET
     # how some figures were measured (units compiled by torch.compile): notes, not problems (RunConfig.measured_notes)
     notes: list[str] | UnsetType = UNSET
     nccl_version: str | UnsetType = UNSET  # from the traces' distributedInfo, where torch wrote it

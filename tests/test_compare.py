@@ -471,6 +471,31 @@ def test_a_unit_without_parameters_has_no_settings_to_change():
     assert C.config_diff(side(100, True), side(100, True, layer_async=None)) == []  # unknown on one side
 
 
+def test_mixed_precision_and_offload_turned_on_are_configuration_changes():
+    """No MixedPrecisionPolicy records its dtypes as None and no offload policy as None, which compare took for
+    unknown: turning bf16 or CPU offload on read "no configuration change found: step time p50 +243.7% ... is
+    run-to-run variation of the host" (a new-user trial). Unset, they are the parameters' dtype and "none"."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.records import UnitConfig
+
+    def side(**kw):
+        units = [UnitConfig(name=n, modules=[n], is_root=not n, param_count=10, n_params=1, sharded_bytes=40,
+                            unsharded_bytes=80, orig_dtypes=["float32"], **kw) for n in ("", "blocks.0")]
+        return C.Side(report=SimpleNamespace(units=units, run=SimpleNamespace()), samples=[], source="records")
+
+    plain = side()
+    got = {c.key: (c.a, c.b, c.units) for c in C.config_diff(plain, side(param_dtype="bfloat16",
+                                                                          reduce_dtype="float32"))}
+    assert got == {"param_dtype": ("float32", "bfloat16", ["(root)", "blocks.0"])}, got  # (reduce: fp32 both)
+    got = {c.key: (c.a, c.b) for c in C.config_diff(plain, side(param_dtype="bfloat16"))}
+    assert got == {"param_dtype": ("float32", "bfloat16"), "reduce_dtype": ("float32", "bfloat16")}, got
+    got = {c.key: (c.a, c.b) for c in C.config_diff(plain, side(offload="cpu", offload_pin_memory=False))}
+    assert got == {"offload": ("none", "cpu")}, got
+    unread = side(reshard_after_forward=None)  # groups this torch did not let the snapshot read: unknown
+    assert C.config_diff(unread, side(param_dtype="bfloat16", offload="cpu")) == []
+
+
 def test_a_finding_the_other_side_cannot_check_is_not_called_resolved(sample_run_path):
     """A run against a plain trace (here its own profiler window): a finding of A whose rule needs what a trace lacks
     (wrap.params_in_root: the unit snapshot) was "resolved", and the summary asked for --applied for a fix never

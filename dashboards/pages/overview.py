@@ -135,6 +135,7 @@ def run_facts(run: RunFacts) -> html.Table:
         ("path", run.path), ("world size", run.world_size), ("backend", run.backend),
         ("device", run.device_name or run.device), ("torch", run.torch_version),
         ("optimizer", optimizer_fact(run)), ("FSDP units", run.units),
+        ("mixed precision", run.mixed_precision), ("offload", run.offload),
         ("parameters", params_fact(run)), ("mixture of experts", experts_fact(run)),
         ("memory capacity", fmt_bytes(run.capacity_bytes) if run.capacity_bytes else "unknown"),
         ("tokens / step", f"{run.tokens_per_step:,}" if run.tokens_per_step else None),

@@ -197,12 +197,27 @@ def _units(side: Side) -> dict[str, dict[str, Any]]:
     collectives name and whether FSDP prefetched them)."""
     rep = side.report
     if rep.units:  # (a unit without parameters, a root left empty, gathers nothing: its settings do nothing)
-        return {u.name or "(root)": {k: getattr(u, k) for k in UNIT_KEYS} if u.param_count != 0 else {}
+        return {u.name or "(root)": {k: _setting(u, k) for k in UNIT_KEYS} if u.param_count != 0 else {}
                 for u in rep.units}
     names = {r.unit for r in (rep.overlap.per_unit if rep.overlap else []) if r.unit != "(other)"}
     pf = side.prefetched or {}
     return {n: {"forward_prefetch": n in pf.get("forward", set()), "backward_prefetch": n in pf.get("backward", set())}
             for n in names}
+
+
+def _setting(u, key: str):
+    """A unit's setting as it acts: no MixedPrecisionPolicy dtype is the parameters' own dtype (reduce: the
+    gathered one), no offload policy is "none", where the snapshot read the unit's groups (its resharding known);
+    None stays unknown. Turning bf16 or CPU offload on read as no configuration change, the slowdown as the host's
+    (a new-user trial): the snapshot's None was taken as unknown."""
+    v = getattr(u, key)
+    if v is not None or getattr(u, "reshard_after_forward", None) is None:
+        return v
+    if key == "offload":
+        return "none"
+    own = list(getattr(u, "orig_dtypes", None) or [])
+    param = getattr(u, "param_dtype", None) or (own[0] if len(own) == 1 else None)
+    return param if key in ("param_dtype", "reduce_dtype") else v
 
 
 def _norm(v):

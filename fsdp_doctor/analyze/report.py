@@ -15,6 +15,24 @@ from .steps import usable_steps
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
 
 
+def precision_facts(units) -> tuple[str, str]:
+    """The units' mixed precision and CPU offload in words, for the header ("" where no unit with parameters has
+    them): a new-user trial found neither anywhere in the report of a bf16 or an offloaded run."""
+    us = [u for u in units if u.param_count]
+    pol = {(u.param_dtype, u.reduce_dtype) for u in us if u.param_dtype or u.reduce_dtype}
+    mp = ""
+    if len(pol) == 1:
+        p, r = pol.pop()
+        mp = ", ".join(x for x in (f"params {p}" if p else "", f"reduce {r}" if r else "") if x)
+        if len([u for u in us if u.param_dtype or u.reduce_dtype]) < len(us):
+            mp += f" ({sum(1 for u in us if u.param_dtype or u.reduce_dtype)} of {len(us)} units)"
+    elif pol:
+        mp = f"mixed: {len(pol)} policies over the units"
+    off = [u for u in us if u.offload]
+    offload = "" if not off else "CPU offload" + (f" ({len(off)} of {len(us)} units)" if len(off) < len(us) else "")
+    return mp, offload
+
+
 def run_facts(run: Run) -> RunFacts:
     cfg = run.config
     single = not run.ranks and len(run.trace_files) == 1  # one trace file given: name it, not its folder
@@ -33,6 +51,11 @@ def run_facts(run: Run) -> RunFacts:
             facts.mesh = dict(cfg.mesh)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
+        mp, off = precision_facts(cfg.units)
+        if mp:
+            facts.mixed_precision = mp
+        if off:
+            facts.offload = off
         if cfg.measured_notes:  # units compiled by torch.compile: how they were timed, or that they were not
             facts.notes = list(cfg.measured_notes)
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)

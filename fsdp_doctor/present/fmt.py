@@ -86,6 +86,10 @@ def run_facts(run: RunFacts) -> list[str]:
     for v in (r.backend, r.device_name, r.torch_version, optimizer_fact(r)):
         if v:
             facts.append(str(v))
+    if r.mixed_precision:
+        facts.append(f"mixed precision: {r.mixed_precision}")
+    if r.offload:
+        facts.append(str(r.offload))
     if r.nccl_version:
         facts.append(f"NCCL {r.nccl_version}")
     if r.trace_ranks and len(r.trace_ranks) != (r.world_size or 0):
