@@ -466,6 +466,17 @@ def mixtral():
                                             tie_word_embeddings=False))
 
 
+def neox():
+    """An HF GPT-NeoX (parallel attention and MLP residual, untied embed_in and lm_head; its layer's last child, a
+    dropout, saves nothing: a non-reentrant recompute stops before it)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                            num_attention_heads=4, max_position_embeddings=64,
+                                            tie_word_embeddings=False))
+
+
 def vit():
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -503,7 +514,7 @@ MASK_ID = 1  # BERT's [MASK] in the tiny vocabulary (ids 2.. are words)
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
-            "BertForMaskedLM": "bert"}.get(type(model).__name__, "")
+            "BertForMaskedLM": "bert", "GPTNeoXForCausalLM": "neox"}.get(type(model).__name__, "")
 
 
 def arch_blocks(model) -> list:
@@ -517,6 +528,8 @@ def arch_blocks(model) -> list:
         return list(model.transformer.h)
     if kind == "bert":
         return list(model.bert.encoder.layer)
+    if kind == "neox":
+        return list(model.gpt_neox.layers)
     return list(model.model.layers) if kind == "mixtral" else []
 
 
@@ -533,6 +546,8 @@ def arch_ends(model):
     if kind == "bert":  # the word embeddings tied to the MLM decoder (and its bias to cls.predictions.bias) stay
         emb = model.bert.embeddings
         return [emb.position_embeddings, emb.token_type_embeddings, emb.LayerNorm], [model.cls.predictions.transform]
+    if kind == "neox":
+        return [model.gpt_neox.embed_in], [model.gpt_neox.final_layer_norm, model.lm_head]
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
 
 
@@ -576,7 +591,7 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
     return None
 
 
-ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "bert": bert}
+ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "bert": bert, "neox": neox}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only}
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
@@ -664,7 +679,7 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512,
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "neox": 512,
          **{name: 512 for name in FINETUNE}}
 
 

@@ -380,6 +380,11 @@ GPT2_BERT_ROWS += [row for tree, leaves, children in (
     _r(f"{tree}_ac_children", tree, "ac.wrong_granularity", f"each block's {children} checkpointed",
        knobs={"ac": "children"}, watch=AMPLE))]
 ROWS += GPT2_BERT_ROWS
+# GPT-NeoX under HF's gradient_checkpointing_enable(): its layers' last child (post_mlp_dropout) saves nothing, so
+# the non-reentrant recompute stops before it; the layers read "children" and ac.wrong_granularity warned (a
+# new-user trial), its fix changing nothing. Checkpointed whole: ac.unneeded, its fix checkpointing off
+ROWS.append(_r("neox_ac_ample", "neox", "ac.unneeded", "HF gradient_checkpointing_enable(), 8 GiB budget",
+               knobs={"ac": "block"}, watch=AMPLE, min_severity="info", figure="checkpointed_units"))
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
 # ------------------------------------------------------------------------------------------------ fine-tuning rows

@@ -63,6 +63,18 @@ def test_hf_gradient_checkpointing_is_not_wrong_granularity(matrix):
     assert "ac.wrong_granularity" not in {f.code for f in o.findings}, [u.checkpoint for u in layers]
 
 
+@pytest.mark.rows("neox_ac_ample")
+def test_hf_checkpointing_whose_recompute_stops_early_is_the_whole_layer(matrix):
+    """GPT-NeoX's layer ends with a dropout that saves nothing: the non-reentrant recompute stops before it, so not
+    every child re-runs. The layer checkpoints its own forward (gradient_checkpointing on): the unit, not children
+    (a new-user trial: "children", a false ac.wrong_granularity whose checkpoint_wrapper fix changed nothing)."""
+    o = matrix["neox_ac_ample"]
+    assert not o.error, o.error
+    layers = [u for u in o.report.units if u.name.startswith("gpt_neox.layers.")]
+    assert len(layers) == 3 and all(u.checkpoint == "unit" for u in layers), [u.checkpoint for u in layers]
+    assert "ac.wrong_granularity" not in {f.code for f in o.findings}
+
+
 # ------------------------------------------------------------------------------------------------ architectures
 # (wt-arch) the trees we had never tried (tests/scenario_matrix.py ARCH_ROWS)
 @pytest.mark.rows("t5_whole")

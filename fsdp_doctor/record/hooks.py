@@ -362,6 +362,11 @@ class StepTimer:
             unit_mods = {id(m) for v in self._units for m in v.modules}
             direct = {id(c) for m in self._units[idx].modules for c in m.children() if id(c) not in unit_mods}
             whole = bool(direct) and direct <= ids  # every child re-ran: the unit's forward is checkpointed
+            # or the unit is a layer that checkpoints its own forward (transformers' GradientCheckpointingLayer with
+            # gradient_checkpointing on): a non-reentrant recompute stops once it has what backward needs, so a
+            # last child that saves nothing never re-runs (GPT-NeoX's post_mlp_dropout: read "children", and a
+            # false ac.wrong_granularity whose fix changed nothing)
+            whole = whole or any(getattr(m, "gradient_checkpointing", None) is True for m in self._units[idx].modules)
             for i in ids:
                 _, m, parent = self._child_owner[i]
                 if parent not in ids:  # outermost: its parent did not re-run
