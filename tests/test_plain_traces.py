@@ -16,6 +16,7 @@ from rich.console import Console
 from conftest import HTA_TRACES
 from fsdp_doctor.pipeline import build_report
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.trace import steps_detail as STEPS_DETAIL
 from fsdp_doctor.present.terminal import render_report
 from fsdp_doctor.report_sections import Report, TraceUnitRow
 from fsdp_doctor.store import load_run
@@ -88,6 +89,9 @@ def test_unit_times_and_memory_known_answer(tmp_path):
     assert root.samples == 2 and "host spans" in root.source
     m = ov.memory.per_rank["0"]
     assert ov.memory.source.startswith("trace") and (m.peak_bytes, m.peak_at.step, m.steps) == (310, 2, 2)
+    # a CPU trace's totals count from the profiler's start: the figure says what it leaves out (it read as the
+    # run's peak: 8.27 MiB for 11.56 MiB, a new-user trial)
+    assert ov.memory.source == STEPS_DETAIL.MEMORY_SOURCE_CPU and "not in them" in ov.memory.source
 
 
 def test_gpu_known_trace_unit_device_time():
@@ -120,6 +124,7 @@ def test_hta_v100_trace_memory_matches_its_memory_events():
     rep = build_report(load_run(folder))
     m = rep.memory_section().per_rank["1"]
     assert (m.peak_bytes, m.peak_at.step) == (peak, step)
+    assert rep.memory_section().source == STEPS_DETAIL.MEMORY_SOURCE  # a GPU's allocator total: the whole of it
     assert m.peak_at.t_ms == pytest.approx((ts - dict((n, s) for s, n in starts)[step]) / 1e3, abs=1e-3)
     assert rep.memory is None and rep.overlap.units == []  # records' memory absent; no FSDP labels: no unit rows
     assert m.steps == len(starts) - 1
