@@ -1372,6 +1372,7 @@ def test_data_wait_leaves_the_grad_norm_logs_collectives_to_step_comm():
     (comm,) = run_rule("optim.step_comm", ctx)
     (wait,) = run_rule("jitter.data_wait", ctx)
     assert wait.evidence["outside_ms_p50"] == pytest.approx(20.0)
+    assert next(iter(wait.evidence)) == "rank" and wait.evidence["rank"] in wait.ranks  # whose figures these are
     assert wait.evidence["collectives_outside_fsdp_ms"] == pytest.approx(14.0)
     gain = lambda f: f.predicted["step_ms_before"] - f.predicted["step_ms_after"]  # noqa: E731
     assert gain(comm) + gain(wait) == pytest.approx(34.0)

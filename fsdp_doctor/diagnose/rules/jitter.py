@@ -227,7 +227,8 @@ class DataWait(Rule):
         sh, st = shares[rank], steps.per_rank[str(rank)]
         phases = st.phases_p50_ms or {}
         comm = E.other_comm_between_ms(ctx, rank) if sh.between else E.other_comm_loop_ms(ctx, rank)
-        evidence = {"outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
+        # the figures are this rank's (its step p50 is not the job's of the step table): said first
+        evidence = {"rank": rank, "outside_ms_p50": round(sh.outside_ms, 3), "step_p50_ms": round(sh.step_ms, 3),
                     "host_outside_model_ms_p50": phases.get("outside"),
                     "outside_share_pct": round(100 * sh.share, 1), "clock": sh.clock,
                     "collectives_outside_fsdp_ms": round(comm, 3),  # left to optim.step_comm, not counted here
