@@ -367,6 +367,9 @@ class MemoryStep(msgspec.Struct, kw_only=True, omit_defaults=True):
     # exact steps: of those, what the units nested in its forward did not save (a nested unit called after the
     # forward returned, as torchtitan's chunked loss calls its last unit, is not nested); None in older runs
     unit_activations_own: dict[str, int] | None = None
+    # exact steps: bytes of each unit's forward inputs (their tensors' storages, once each), in the same pass: what
+    # checkpointing the unit keeps of its forward; None in older runs
+    unit_inputs: dict[str, int] | None = None
     # exact steps: the step's highest saved-for-backward bytes, counted at every save (the marks and the
     # high-water rows only see the moments they sample; 0 in runs recorded before this field)
     activations_high: int = 0

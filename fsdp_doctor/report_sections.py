@@ -116,6 +116,8 @@ class MemoryUnitRow(_Section):
     unsharded_bytes: Optional[int] = None
     activation_bytes: Optional[int] = None  # what the unit's forward left saved (nested units included)
     activation_self_bytes: int | UnsetType = UNSET  # without the nested units' (where activation_bytes is known)
+    # its forward's inputs (the bytes checkpointing it keeps), where a full memory step counted them
+    input_bytes: int | UnsetType = UNSET
     # activation checkpointing: what the unit's recomputes saved for backward in one step (its own, nested units'
     # apart), i.e. what its forward would keep saved on top of what it keeps now (where a recompute was measured)
     recompute_saved_bytes: int | UnsetType = UNSET

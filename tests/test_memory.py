@@ -275,6 +275,14 @@ def test_unit_activations(base):
     blocks = [ua[f"layers.{i}"] for i in range(4)]
     assert len(set(blocks)) == 1 and blocks[0] > 0
     assert ua[""] == _sample(run.ranks[0].steps[1], "", "forward_end")["activations"]
+    # each block's input, what checkpointing it keeps: the hidden state, batch x seq x d_model float32 (the root's:
+    # the token ids, int64)
+    from fsdp_doctor.workloads import WorkloadConfig
+
+    c = WorkloadConfig()
+    ui = run.ranks[0].steps[1].memory.unit_inputs
+    assert all(ui[f"layers.{i}"] == c.batch_size * c.seq_len * c.d_model * 4 for i in range(4)), ui
+    assert ui[""] == c.batch_size * c.seq_len * 8, ui
 
 
 def test_unit_activations_are_one_micro_batchs_under_gradient_accumulation(tmp_path):

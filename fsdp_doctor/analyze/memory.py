@@ -164,6 +164,7 @@ def _recomputed_at_peak(rank: MemoryRank) -> str:
 def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
     acts = _latest(steps, "unit_activations")
     own = _latest(steps, "unit_activations_own") if acts else {}
+    inputs = _latest(steps, "unit_inputs") if acts else {}
     recomputed = _latest(steps, "unit_recompute_saved")
     units = list(getattr(cfg, "units", None) or [])
     rows = []
@@ -187,6 +188,8 @@ def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
             rest = a - sum(acts.get(c, 0) for c in children.get(name, []))
             if rest >= 0:
                 row.activation_self_bytes = rest
+        if name in inputs:
+            row.input_bytes = inputs[name]
         if name in recomputed:
             row.recompute_saved_bytes = recomputed[name]
         rows.append(row)

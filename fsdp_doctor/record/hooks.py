@@ -53,6 +53,8 @@ class MarkSink(Protocol):
 
     def mark(self, unit: Optional[str], phase: str) -> None: ...
 
+    def unit_input(self, unit: str, args: tuple) -> None: ...  # a unit's forward inputs (what a checkpoint keeps)
+
     def step_end(self, step: int) -> Any: ...
 
 
@@ -446,6 +448,7 @@ class StepTimer:
                 a.ag_fwd += a.t_inner - a.t_outer
         if self.marks is not None:
             self.marks.mark(self._units[idx].name, "forward_start")
+            self.marks.unit_input(self._units[idx].name, args[0] if args else ())  # (the module's positional inputs)
 
     def _fwd_inner_post(self, idx, args):
         if self.marks is not None:

@@ -207,8 +207,18 @@ class AcRecommended(Rule):
         titan = E.torchtitan_version(ctx)  # torchtitan's config checkpoints every block, or none
         titan_code = S.titan_settings(titan, activation_checkpoint="full") if titan is not None else None
 
+        # what a checkpointed unit keeps of its forward: its inputs, where a full memory step counted them (a conv
+        # block keeps about a quarter of its activations; a transformer layer's 1/16, assumed, predicted 12.80 MiB
+        # where checkpointing a ResNet-like net measured 13.55: a new-user trial), else the 1/16
+        mem = E.memory_units(ctx)
+        inputs = {c.name: int(mem[c.name].input_bytes) for c in cands
+                  if c.name in mem and mem[c.name].input_bytes is not UNSET}
+
+        def kept(name: str) -> int:
+            return min(per_unit[name], inputs[name]) if name in inputs else int(per_unit[name] / E.SAVED_PER_INPUT)
+
         def peak_with(chosen):
-            return _peak_with(pm, {c.name: -int(per_unit[c.name] * (1 - 1 / E.SAVED_PER_INPUT)) for c in chosen},
+            return _peak_with(pm, {c.name: -(per_unit[c.name] - kept(c.name)) for c in chosen},
                               {c.name: per_unit[c.name] for c in chosen},
                               # (accelerate wraps the sharded layer: its recompute gathers again; torchtitan
                               # shards the wrapper, as a fix of the user's own does)
@@ -259,8 +269,10 @@ class AcRecommended(Rule):
              "fires_because": (f"activations are {100 * AC_ACT_SHARE_MIN:.0f}% of the peak or more" if dominant else
                                f"checkpointing brings the peak under {100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity"),
              "blocks_to_checkpoint": [u.name for u in chosen], "memory_saved_bytes": int(saved),
-             "activation_source": f"measured saved activations; a checkpointed unit keeps 1/{E.SAVED_PER_INPUT:g} "
-                                  "of them (its input: estimated)",
+             "activation_source": ("measured saved activations; a checkpointed unit keeps its inputs (measured)"
+                                   if all(u.name in inputs for u in chosen) else
+                                   f"measured saved activations; a checkpointed unit keeps 1/{E.SAVED_PER_INPUT:g} "
+                                   "of them (its input: estimated)"),
              "recompute_ms_added": None if recompute is None else round(recompute, 3), "step_p50_ms": step},
             f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "

@@ -94,6 +94,9 @@ class SavedTensors:
         self._own_pass: dict[int, int] = {}
         self._open: list[int] = []  # the units whose forward is running, outermost first
         self._nested: dict[int, int] = {}  # unit -> bytes its nested units' forwards saved inside its own, so far
+        # unit -> its forward inputs' bytes in the pass unit_act was taken from (what checkpointing it keeps)
+        self.unit_in: dict[int, int] = {}
+        self._in_pass: dict[int, int] = {}
 
     def begin(self) -> None:
         self.mode = "off"
@@ -109,6 +112,8 @@ class SavedTensors:
         self._own_pass = {}
         self._open = []
         self._nested = {}
+        self.unit_in = {}
+        self._in_pass = {}
 
     def backward_start(self) -> None:
         """A unit's backward began: the forward pass before it has ended (the next forward is another pass)."""
@@ -116,6 +121,11 @@ class SavedTensors:
         self._own_pass = {}
         self._open = []
         self._nested = {}
+        self._in_pass = {}
+
+    def unit_input(self, idx: int, nbytes: int) -> None:
+        """A call of the unit's forward took ``nbytes`` of input tensors (summed over its calls in the pass)."""
+        self._in_pass[idx] = self._in_pass.get(idx, 0) + nbytes
 
     def unit_forward_start(self, idx: int) -> None:
         self.unit_act_start[idx] = (self.live.bytes, self.live.cast)
@@ -138,6 +148,8 @@ class SavedTensors:
             if saved >= self.unit_act.get(idx, saved):
                 self.unit_act[idx] = saved
                 self.unit_own[idx] = own
+                if idx in self._in_pass:
+                    self.unit_in[idx] = self._in_pass[idx]
                 if cast or idx in self.unit_cast:
                     self.unit_cast[idx] = cast
 

@@ -187,6 +187,29 @@ class MemoryProbe:
         self._begin(0)
 
     # ------------------------------------------------------------------ probe interface
+    def unit_input(self, unit: str, args: tuple) -> None:
+        """A unit's forward inputs on a full step (not a recompute): the bytes of their tensors' storages, each once,
+        parameters aside: what checkpointing the unit would keep of its forward (ac.recommended's prediction; a
+        conv block keeps a quarter of its activations as input where a transformer layer's 1/16 was assumed)."""
+        if not self._full or in_backward():
+            return
+        t = _now()
+        try:
+            idx = self.unit_index.get(unit)
+            if idx is not None:
+                seen, n = set(), 0
+                for a in args:
+                    if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter):
+                        st = a.untyped_storage()
+                        k = st._cdata
+                        if k not in seen:
+                            seen.add(k)
+                            n += st.nbytes()
+                self.acts.unit_input(idx, n)
+        except Exception:  # noqa: BLE001 - a DTensor or subclass input: that unit's figure is left out
+            pass
+        self._cost_ns += _now() - t
+
     def mark(self, unit: str | None, phase: str) -> None:
         t = _now()
         if not self._full:
@@ -430,6 +453,8 @@ class MemoryProbe:
                 out.activations_high = int(self.live.high)
                 out.unit_activations = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_act.items())}
                 out.unit_activations_own = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_own.items())}
+                if acts.unit_in:
+                    out.unit_inputs = {self.unit_names[i]: int(b) for i, b in sorted(acts.unit_in.items())}
                 if any(casts):
                     out.cast_copies = CastCopies(
                         dtype=self.live.cast_dtype or "", peak=int(casts[pi]), most=int(max(casts)),
