@@ -9,8 +9,9 @@ torchtitan's Trainer owns the loop, so ``python -m fsdp_doctor.titan`` is torcht
 calls ``doctor.step()`` after each of its train steps (an optimizer step: its micro-batches of gradient
 accumulation are inside it). Arguments ``--doctor.OPTION VALUE`` (``--doctor.out-dir``, ``--doctor.profile
 false``, any :func:`fsdp_doctor.watch` option, hyphens or underscores) are the doctor's; torchtitan never sees
-them; ``--help`` lists them before torchtitan's own. By default the records go to ``<dump_folder>/fsdp_doctor`` beside torchtitan's own outputs, and the job's
-tokens per step (its global batch times its sequence length) are passed, for tokens/s and MFU.
+them; ``--help`` lists them before torchtitan's own. By default the records go to ``<dump_folder>/fsdp_doctor``
+beside torchtitan's own outputs, and the job's tokens per step (its global batch times its sequence length) are
+passed, for tokens/s and MFU.
 
 What the Trainer does between two train steps (its checkpoint saves, its validation) lies in the step after
 it, before that step's forward; validation runs the model without gradients, which the recorder keeps apart
