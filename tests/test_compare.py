@@ -562,8 +562,16 @@ def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path,
         predicted=Predicted(peak_bytes_before=peak, peak_bytes_after=round(peak * after))))
     m = b.report.memory.per_rank[b.report.memory.peak_rank]
     m.peak_bytes = round(peak * measured)
-    (p,) = compare(a, b, applied=["wrap.params_in_root"]).predictions
+    cmp = compare(a, b, applied=["wrap.params_in_root"])
+    (p,) = cmp.predictions
     assert p.peak_bytes_measured == round(peak * measured) and p.peak_held is held, p
+    # the table says which side of the prediction a miss landed on (a larger saving than predicted read "missed")
+    from fsdp_doctor.present.compare import tables
+
+    (t,) = [t for t in tables(cmp) if t.title.startswith("Predictions")]
+    said = t.rows[0][2].rsplit("\n", 1)[1]
+    assert said == ("held" if held else "missed: lower than predicted" if measured < after
+                    else "missed: higher than predicted"), said
 
 
 @pytest.mark.skipif(not (HTA_TRACES / "v100_allreduce_rank1").is_dir(), reason="reference traces not found")

@@ -133,8 +133,12 @@ def tables(c: Comparison) -> list[CompareTable]:
             step = (f"{fmt_ms(p.step_ms_predicted)} ({p.step_pct_predicted:+.0f}%)\n→ {fmt_ms(p.step_ms_measured)} "
                     f"({p.step_pct_measured:+.0f}%):\n{p.step_verdict or MISSING}"
                     if p.step_ms_predicted is not None else MISSING)
+            # a miss says which side of the prediction the peak landed (a saving larger than predicted read "missed"
+            # as if the fix had failed: a new-user trial)
+            verdict = (held[p.peak_held] if p.peak_held is not False else
+                       f"missed: {'lower' if (p.peak_pct_error or 0) > 0 else 'higher'} than predicted")
             peak = (f"{fmt_bytes(p.peak_bytes_predicted)}\n→ {fmt_bytes(p.peak_bytes_measured)} "
-                    f"({p.peak_pct_error:+.2f}%):\n{held[p.peak_held]}"
+                    f"({p.peak_pct_error:+.2f}%):\n{verdict}"
                     if p.peak_bytes_predicted is not None else MISSING)  # (5.04: missed)
             rows.append((f"{p.code} ({p.recognised_by})", step, peak))
         out.append(CompareTable("Predictions of A's findings, checked against B",
