@@ -8,12 +8,13 @@ as printed (a flag on its command line, a function in the config_registry functi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-import dataclasses
 import types
 from pathlib import Path
 
@@ -40,17 +41,53 @@ _LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.]+)\s+grad_norm:\s*([-0-9.]+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _torchrun(tmp: Path, name: str, module: str, args: list[str], env: dict | None = None) -> tuple[Path, list]:
-    """Runs ``module`` under torchrun on 2 ranks with ``args`` (dump folder ``tmp/name``); returns the dump folder
-    and rank 0's (step, loss, grad norm) lines as torchtitan logged them."""
+_ZYGOTE: list = []  # the fork server of the forked runs (tests/titan_zygote.py), started on the first one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zygote_stops():
+    yield
+    while _ZYGOTE:
+        z = _ZYGOTE.pop()
+        z.stdin.close()
+        z.wait(timeout=30)
+
+
+def _torchrun(tmp: Path, name: str, module: str, args: list[str], env: dict | None = None,
+              torchrun: bool = False) -> tuple[Path, list]:
+    """Runs ``module`` on 2 ranks with ``args`` (dump folder ``tmp/name``); returns the dump folder and rank 0's
+    (step, loss, grad norm) lines as torchtitan logged them. Under torchrun itself with ``torchrun`` (as its users
+    start it: the first watched run), else forked as torchrun starts them from a server that imported torchtitan
+    once (tests/titan_zygote.py: 12.6 s a rank otherwise)."""
     dump = tmp / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--local-ranks-filter", "0", "-m", module, *args, "--dump-folder", str(dump)]
     full = {**os.environ, "OMP_NUM_THREADS": "1", ASSETS_ENV: str(tmp / "assets"), **(env or {}),
             "PYTHONPATH": os.pathsep.join([str(TITAN_SITE), str(HERE), str(ROOT)])}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=420, cwd=tmp)
-    log = _ANSI.sub("", p.stdout + p.stderr)
-    assert p.returncode == 0, f"{name}: exit {p.returncode}\n{log[-4000:]}"
+    argv = [*args, "--dump-folder", str(dump)]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "--local-ranks-filter", "0", "-m", module, *argv]
+        p = subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=420, cwd=tmp)
+        code, log = p.returncode, _ANSI.sub("", p.stdout + p.stderr)
+    else:
+        from fsdp_doctor.workloads import free_port
+
+        if not _ZYGOTE:
+            z = subprocess.Popen([sys.executable, str(HERE / "titan_zygote.py")], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=full, cwd=tmp)
+            ready = z.stdout.readline()
+            assert ready.strip() == '{"ready": true}', f"titan_zygote did not start: {ready!r}"
+            _ZYGOTE.append(z)
+        z = _ZYGOTE[0]
+        logs = [str(tmp / f"{name}.rank{r}.log") for r in range(2)]
+        z.stdin.write(json.dumps({"module": module, "args": argv, "cwd": str(tmp), "env": full, "world": 2,
+                                  "port": free_port(), "logs": logs, "timeout_s": 420}) + "\n")
+        z.stdin.flush()
+        codes = json.loads(z.stdout.readline())["codes"]
+        code = next((c for c in codes if c), 0)
+        log = _ANSI.sub("", Path(logs[0]).read_text(errors="replace"))
+        if code:
+            log += "\n--- rank 1 ---\n" + _ANSI.sub("", Path(logs[1]).read_text(errors="replace"))[-2000:]
+    assert code == 0, f"{name}: exit {code}\n{log[-4000:]}"
     return dump, [(int(s), float(loss), float(g)) for s, loss, g in _LOSS.findall(log)]
 
 
@@ -67,7 +104,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("titan_trainer")
     write_assets(tmp / "assets")
     _, plain = _torchrun(tmp, "plain", "torchtitan.train", BASE)
-    dump, watched = _torchrun(tmp, "watched", "fsdp_doctor.titan", BASE)
+    dump, watched = _torchrun(tmp, "watched", "fsdp_doctor.titan", BASE, torchrun=True)
     return tmp, plain, watched, dump / TT.DEFAULT_SUBDIR
 
 
