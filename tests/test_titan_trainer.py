@@ -82,7 +82,9 @@ def _torchrun(tmp: Path, name: str, module: str, args: list[str], env: dict | No
         z.stdin.write(json.dumps({"module": module, "args": argv, "cwd": str(tmp), "env": full, "world": 2,
                                   "port": free_port(), "logs": logs, "timeout_s": 420}) + "\n")
         z.stdin.flush()
-        codes = json.loads(z.stdout.readline())["codes"]
+        answer = z.stdout.readline()
+        assert answer, f"{name}: titan_zygote exited ({z.poll()}) without an answer"
+        codes = json.loads(answer)["codes"]
         code = next((c for c in codes if c), 0)
         log = _ANSI.sub("", Path(logs[0]).read_text(errors="replace"))
         if code:
