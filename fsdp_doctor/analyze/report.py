@@ -19,13 +19,14 @@ def precision_facts(units) -> tuple[str, str]:
     """The units' mixed precision and CPU offload in words, for the header ("" where no unit with parameters has
     them): a new-user trial found neither anywhere in the report of a bf16 or an offloaded run."""
     us = [u for u in units if u.param_count]
-    pol = {(u.param_dtype, u.reduce_dtype) for u in us if u.param_dtype or u.reduce_dtype}
+    with_mp = [u for u in us if u.param_dtype or u.reduce_dtype]
+    pol = {(u.param_dtype, u.reduce_dtype) for u in with_mp}
     mp = ""
     if len(pol) == 1:
         p, r = pol.pop()
         mp = ", ".join(x for x in (f"params {p}" if p else "", f"reduce {r}" if r else "") if x)
-        if len([u for u in us if u.param_dtype or u.reduce_dtype]) < len(us):
-            mp += f" ({sum(1 for u in us if u.param_dtype or u.reduce_dtype)} of {len(us)} units)"
+        if len(with_mp) < len(us):
+            mp += f" ({len(with_mp)} of {len(us)} units)"
     elif pol:
         mp = f"mixed: {len(pol)} policies over the units"
     off = [u for u in us if u.offload]

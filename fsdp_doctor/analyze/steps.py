@@ -456,8 +456,9 @@ def analyze_steps(run: Run) -> StepsSection:
     per_rank = {}
     job_device = []
     modules = unit_modules(run.config.units if run.config is not None else [])
+    usable = {r: usable_steps(rd.steps) for r, rd in sorted(run.ranks.items())}
     for r, rd in sorted(run.ranks.items()):
-        st = usable_steps(rd.steps)
+        st = usable[r]
         stats = step_stats(st)
         stats.recorded = len(rd.steps)
         stats.excluded = len(rd.steps) - len(st)
@@ -466,7 +467,7 @@ def analyze_steps(run: Run) -> StepsSection:
             stats.device = device_stats(pairs, modules)
             job_device += pairs
         per_rank[str(r)] = stats
-    job = [s for rd in run.ranks.values() for s in usable_steps(rd.steps)]
+    job = [s for st in usable.values() for s in st]
     job_stats = step_stats(job) if job else None
     if job_stats is not None and job_device:
         job_stats.device = device_stats(job_device, modules)
@@ -482,11 +483,11 @@ def analyze_steps(run: Run) -> StepsSection:
         no_grad={str(r): ng for r, rd in sorted(run.ranks.items()) if (ng := no_grad_steps(rd.steps)) is not None},
         checkpoints={str(r): c for r, rd in sorted(run.ranks.items())
                      if (c := checkpoint_steps(rd.steps)) is not None},
-        counted_kept={str(r): kept for r, rd in sorted(run.ranks.items()) if (kept := counted_kept(rd.steps))},
+        counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},
     )
 
 
-def counted_kept(steps: list[StepRecord]) -> list[int]:
-    """The steps whose memory the doctor counted op by op (slower than the others: its own cost) that the statistics
-    keep, since fewer than 3 steps would remain without them (a short run: the title said they were left out)."""
-    return [s.step for s in usable_steps(steps) if s.memory is not None and s.memory.transients == "exact"]
+def counted_kept(usable: list[StepRecord]) -> list[int]:
+    """Of a rank's ``usable_steps``, those whose memory the doctor counted op by op (slower than the others: its own
+    cost), kept since fewer than 3 steps would remain without them (a short run: the title said they were left out)."""
+    return [s.step for s in usable if s.memory is not None and s.memory.transients == "exact"]

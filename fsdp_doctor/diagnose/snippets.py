@@ -389,10 +389,12 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_note: str = "") -> li
             kept_out = cand
         return m, kept_out
     heads: dict[str, list] = {}  # collapsed module -> [trailing, the group it joins]
+    head_of: dict[str, str] = {}  # each module the plan moves -> the module it collapses to
     for m in own:
         if in_block(m) or m in tied:
             continue
         h, group = top(m)
+        head_of[m] = h
         tr = heads.get(h, [True])[0] and m in trailing
         heads[h] = [tr, group]
     lead: dict[str, list[str]] = {}  # each leading unit: its modules
@@ -403,7 +405,7 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_note: str = "") -> li
     tail = [h for h, (tr, _) in heads.items() if tr]
     skip = [m for m in own if m in tied and not in_block(m)]
     sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    tail_bytes = sum(b for m, b in sizes.items() if m and not in_block(m) and m not in tied and top(m)[0] in tail)
+    tail_bytes = sum(sizes.get(m, 0) for m, h in head_of.items() if h in tail)
     tied_bytes = sum(sizes.get(m, 0) for m in skip)
     if tail and skip and sizes and tail_bytes < SMALL_BESIDE_TIED * tied_bytes:
         # the root stays gathered for the tied modules anyway: a final norm of a few hundred bytes as a unit of its

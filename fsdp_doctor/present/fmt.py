@@ -373,12 +373,12 @@ def checkpoint_text(section: StepsSection) -> str | None:
     saves = max(c.saves for c in per.values())
     # the rank whose saves take the largest share, as checkpoint.blocking quotes it: its share and its save time
     # (the median rank's time beside the largest share read 93.2 ms here and 97.5 ms in the finding)
-    top = max((c for c in per.values() if c.wall_ms_total > 0), key=lambda c: c.ms_total / c.wall_ms_total,
-              default=None)
-    share = 100.0 * top.ms_total / top.wall_ms_total if top is not None else 0.0
-    ms = top.ms_p50 if top is not None else ms
-    which = (f" (rank {next(r for r, c in per.items() if c is top)})"
-             if top is not None and len(per) > 1 and len({c.ms_p50 for c in per.values()}) > 1 else "")
+    timed = [(r, c) for r, c in per.items() if c.wall_ms_total > 0]
+    share, which = 0.0, ""
+    if timed:
+        rank, top = max(timed, key=lambda rc: rc[1].ms_total / rc[1].wall_ms_total)
+        share, ms = 100.0 * top.ms_total / top.wall_ms_total, top.ms_p50
+        which = f" (rank {rank})" if len({c.ms_p50 for c in per.values()}) > 1 else ""
     kind = " (asynchronous: the staging the step waits for)" if all(c.async_saves == c.saves for c in per.values()) \
         else ""
     aside = sorted({st for c in per.values() for st in c.profiled})

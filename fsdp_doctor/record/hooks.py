@@ -34,7 +34,8 @@ from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
 from .phase import in_backward
-from .units import CompiledFrame, Unit, checkpointed_modules, compiled_frames, compiled_module, label_to_index
+from .units import (CompiledFrame, Unit, checkpointed_modules, checkpoints_itself, compiled_frames, compiled_module,
+                    label_to_index)
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -368,7 +369,7 @@ class StepTimer:
             # gradient_checkpointing on): a non-reentrant recompute stops once it has what backward needs, so a
             # last child that saves nothing never re-runs (GPT-NeoX's post_mlp_dropout: read "children", and a
             # false ac.wrong_granularity whose fix changed nothing)
-            whole = whole or any(getattr(m, "gradient_checkpointing", None) is True for m in self._units[idx].modules)
+            whole = whole or checkpoints_itself(self._units[idx])
             for i in ids:
                 _, m, parent = self._child_owner[i]
                 if parent not in ids:  # outermost: its parent did not re-run

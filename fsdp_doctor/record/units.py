@@ -216,6 +216,12 @@ def enclosing_wrapper(unit: Unit) -> list[str]:
     return [n[: -len(tail)] for n in unit.module_names if n.endswith(tail)]
 
 
+def checkpoints_itself(u: Unit) -> bool:
+    """The unit's module checkpoints its own forward: transformers' GradientCheckpointingLayer with its
+    ``gradient_checkpointing`` on (UnitConfig.checkpoint_flag)."""
+    return any(getattr(m, "gradient_checkpointing", None) is True for m in u.modules)
+
+
 def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
     """The modules activation checkpointing re-runs during backward for this unit: the inner module of
     every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""
@@ -299,7 +305,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 offload_pin_memory=bool(getattr(offload, "pin_memory", False)) if is_cpu_offload else None,
                 checkpoint=_checkpoint_kind(u, units),
                 checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)] or enclosing_wrapper(u),
-                checkpoint_flag=any(getattr(m, "gradient_checkpointing", None) is True for m in u.modules),
+                checkpoint_flag=checkpoints_itself(u),
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,
