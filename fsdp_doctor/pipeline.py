@@ -182,6 +182,14 @@ def is_usable(run: Run, report: Report) -> bool:
     return run.has_records or any(pr.steps or pr.comm_us for pr in per_rank.values())
 
 
+#: exceptions a torch release's own FSDP2 raises before the first step, and what gets such a run going (a new-user
+#: trial on torch 2.6 read only the AttributeError)
+TORCH_BUGS = (("'Stream' object has no attribute 'record_event'",
+               "torch 2.6's FSDP2 cannot train on the CPU (torch.cpu.Stream has no record_event; torch 2.7 added it): "
+               "call fsdp_doctor.record.fsdp2.enable_cpu_fsdp() before training, which adds torch 2.7's and 2.9's "
+               "CPU fixes, or use torch >= 2.7"),)
+
+
 def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
     """None when ``report`` analysed something; else one line naming ``path`` and why nothing could be (``report``
     None: there was nothing to read, no records and no traces). The CLI's ``analyze`` and ``compare`` and
@@ -197,8 +205,9 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
                   if run.ranks[r].end is not None and run.ranks[r].end.exception}
         if failed:  # the loop raised through watch() before its first doctor.step(): say so, with the exception
             first = failed[min(failed)]
+            hint = next((f" ({fix})" for known, fix in TORCH_BUGS if known in first), "")
             return (f"{path}: the training loop raised an exception on {ranks_phrase(sorted(failed))} before its "
-                    f"first doctor.step(), so no step was recorded: {first}"[:600])
+                    f"first doctor.step(), so no step was recorded: {first}"[:600] + hint)
         if begun:  # streams began (a header) but hold no step: still in step 0, or killed during FSDP's lazy init
             return (f"{path}: the records of {who} hold a header and no step yet: the run is still in its first "
                     "step (analyze it again later), or stopped before its first doctor.step() and left no profiler "

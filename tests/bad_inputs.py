@@ -280,6 +280,16 @@ def _trace_file_cases() -> list[Case]:
                              for r in (0, 1)] and d,
                   "error", "the training loop raised an exception on ranks 0, 1 before its first doctor.step(), so "
                   "no step was recorded: RuntimeError: expected scalar type BFloat16"))
+    # torch 2.6's FSDP2 on the CPU without the back-ports: the line says how to get it going (a new-user trial read
+    # only the AttributeError)
+    stream = ('{"t":"end","steps":0,"ended_ns":2,"exception":"AttributeError: \'Stream\' object has no attribute '
+              '\'record_event\'","rank":%d}\n')
+    t.append(Case("path/records-torch-2.6-cpu-stream",
+                  lambda d: [one_file(d, (header % r + stream % r).encode(), f"rank{r}.records.jsonl")
+                             for r in (0, 1)] and d,
+                  "error", "no attribute 'record_event' (torch 2.6's FSDP2 cannot train on the CPU (torch.cpu.Stream "
+                  "has no record_event; torch 2.7 added it): call fsdp_doctor.record.fsdp2.enable_cpu_fsdp() before "
+                  "training"))
     t.append(Case("path/all-files-unreadable", lambda d: (one_file(d, b"", "a.json"), one_file(d, b"{", "b.json"))
                   and d, "error", "nothing to analyse"))
     t.append(Case("path/two-files-without-rank",

@@ -428,8 +428,9 @@ def test_plain_trace_pair_without_a_difference_says_what_a_trace_cannot_show(pre
     from fsdp_doctor.present.compare import tables
 
     a = prefetch_pair[0]
-    (config,) = [t for t in tables(compare_runs(load_run(a), load_run(a))) if t.title == "Configuration changed"]
-    assert not config.rows and "snapshots" not in config.note
+    # (the title says "changed" only above changes: a new-user trial read "Configuration changed: no difference")
+    (config,) = [t for t in tables(compare_runs(load_run(a), load_run(a))) if t.title.startswith("Configuration")]
+    assert config.title == "Configuration" and not config.rows and "snapshots" not in config.note
     assert config.note.startswith("no difference in the units and the prefetching the traces show")
     assert "reshard_after_forward" in config.note
 
@@ -607,3 +608,18 @@ def test_exposed_total_only_where_it_has_the_rows_source(sample_run_path, tmp_pa
     assert cmp.comm_exposed is None and cmp.comm
     cmp = compare_runs(load_run(sample_run_path), b)
     assert cmp.comm_source == "trace" and cmp.comm_exposed is not None
+
+
+def test_throughput_of_a_cpu_run_reads_in_gflops(sample_run_path):
+    """A CPU run's achieved FLOP/s is a few hundredths of a TFLOP/s: the compare table gives it in GFLOP/s, from the
+    report's four decimals (a new-user trial's read "TFLOP/s  0  0  -0  -10.0%")."""
+    from fsdp_doctor.present.compare import tables
+
+    run = load_run(sample_run_path)
+    tf = build_report(run).throughput.job.achieved_tflops
+    assert 0 < tf < 1
+    cmp = compare_runs(run, run)
+    assert cmp.throughput["achieved_tflops"].a == round(tf, 4)
+    (tp,) = [t for t in tables(cmp) if t.title == "Throughput"]
+    row = next(r for r in tp.rows if r[0].endswith("FLOP/s"))
+    assert row[:3] == ("GFLOP/s", f"{tf * 1e3:.3g}", f"{tf * 1e3:.3g}") and float(row[1]) > 0

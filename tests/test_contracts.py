@@ -163,6 +163,9 @@ def test_run_facts_typed_and_json_unchanged(sample_run_path, tmp_path):
     assert bare["backend"] == "gloo" and bare["facts_source"] == "trace metadata"
     assert "capacity_bytes" not in bare and "optimizer" not in bare and bare["trace_files"] >= 1
     assert header_facts(RunFacts(world_size=2, backend="gloo")) == ["2 ranks", "gloo"]  # facts without a config
+    # what the run's torch lacks, beside its version (torch 2.6: a new-user trial found it in the JSON only)
+    old = RunFacts(torch_version="2.6.0+cu124", torch_lacks=["FSDPModule.set_reshard_after_forward"])
+    assert header_facts(old) == ["2.6.0+cu124 (lacks FSDPModule.set_reshard_after_forward)"]
 
 
 def test_memory_section_schema_is_the_struct(sample_run_path):

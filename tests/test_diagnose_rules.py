@@ -404,6 +404,11 @@ def test_exposed_allgather_gpu_warns_cpu_notes():
     assert "already set" in f.recommendation.text and f.recommendation.code == "", f.recommendation.code
     # and no gain "from the snippet" (a new-user trial read it with no snippet printed): no change predicted
     assert "snippet" not in f.recommendation.text and f.predicted["step_ms_after"] == f.predicted["step_ms_before"]
+    # on gloo the snippet pasted leaves the finding quiet, saying why (a new-user trial's rerun kept it at info,
+    # with nothing left to paste and nothing a prefetch can hide there)
+    rule = next(c for c in RULES if c.code == "prefetch.exposed_allgather")()
+    assert rule.match(build(units=us)[0]) == []
+    assert rule.why_quiet.startswith("explicit prefetch is set and compute still waits") and "gloo" in rule.why_quiet
 
 
 def test_prefetch_chain_follows_the_order_fsdp_gathers_nested_units():
@@ -585,6 +590,13 @@ def test_reshard_last_unit():
     (f,) = run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0])
     assert f.units == [""] and f.evidence["unit"] == "(root)" and f.evidence["ag_wait_bwd_ms"] == 8.94
     assert f.recommendation.code.splitlines()[-1] == "model.set_reshard_after_forward(False, recurse=False)"
+    # torch 2.6 (no set_reshard_after_forward): the same advice in words, no code that raises when pasted
+    from fsdp_doctor.records import SET_RESHARD_AFTER_FORWARD
+
+    (g,) = run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB),
+                                               torch_lacks=[SET_RESHARD_AFTER_FORWARD])[0])
+    assert g.recommendation.code == "" and "pass reshard_after_forward=False to the fully_shard calls of (root) " \
+        "instead" in g.recommendation.text, g.recommendation.text
     us[0][0]["reshard_after_forward"] = False  # FSDP's default for a root: nothing to say
     assert run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0]) == []
 
@@ -804,6 +816,15 @@ def test_zero2_per_unit_known_answer():
     assert code.index("get_submodule('layers.3')") < code.index("get_submodule('layers.2')")
     assert "model.tok_emb.set_reshard_after_forward(False, recurse=False)" in code
     assert "layers.1" not in code
+    # torch 2.6's FSDPModule has no set_reshard_after_forward: the code pasted raised AttributeError (a new-user
+    # trial); the fix is said in words, the same units in the same order, the prediction unchanged
+    from fsdp_doctor.records import SET_RESHARD_AFTER_FORWARD
+
+    ctx, _ = build(units=_zero2_units(), memory=mem, capacity=cap, torch_lacks=[SET_RESHARD_AFTER_FORWARD])
+    (g,) = run_rule("reshard.zero2_affordable", ctx)
+    assert g.recommendation.code == "" and g.predicted == f.predicted
+    assert ("no set_reshard_after_forward (torch 2.7 added it): pass reshard_after_forward=False to the fully_shard "
+            "calls of layers.3, layers.2, tok_emb, pos_emb instead") in g.recommendation.text, g.recommendation.text
 
 
 def test_zero2_per_unit_without_timeline_and_quiet_reasons():
@@ -1965,3 +1986,37 @@ def test_accumulated_gradients_are_held_in_the_reduce_dtype():
     assert found[None] == gathered
     assert found[("bfloat16", "bfloat16")] == found[("bfloat16", "float32")] // 2 == gathered
     assert found[(None, "bfloat16")] == gathered // 2  # float32 gradients accumulated in bf16, the reduce dtype
+
+
+def test_near_capacity_spread_on_a_torch_without_the_reshard_switch():
+    """memory.near_capacity_spread (no category above half of a peak at 95% of capacity, every block kept gathered):
+    its fix reshards the blocks on the sharded model; on torch 2.6, whose FSDPModule has no
+    set_reshard_after_forward (the pasted code raised AttributeError: a new-user trial), the same blocks in words."""
+    from fsdp_doctor.records import SET_RESHARD_AFTER_FORWARD
+
+    us = healthy_units(reshard_after_forward=False)
+    cap = 100 * MiB
+    mem = memory(95 * MiB, capacity=cap, sharded_params=30 * MiB, unsharded_params=25 * MiB,
+                 optimizer_state=20 * MiB, activations=20 * MiB)
+    (f,) = run_rule("memory.near_capacity_spread", build(units=us, memory=mem, capacity=cap)[0])
+    flipped = f.units
+    assert flipped and all("set_reshard_after_forward(True, recurse=False)" in line
+                           for line in f.recommendation.code.splitlines())
+    (g,) = run_rule("memory.near_capacity_spread", build(units=us, memory=mem, capacity=cap,
+                                                         torch_lacks=[SET_RESHARD_AFTER_FORWARD])[0])
+    assert g.recommendation.code == "" and g.units == flipped and g.predicted == f.predicted
+    assert (f"pass reshard_after_forward=True to the fully_shard calls of {', '.join(flipped[:8])}"
+            in g.recommendation.text), g.recommendation.text
+
+
+def test_reduce_dtype_unset_reads_unset_or_the_same():
+    """numerics.reduce_dtype on blocks with param_dtype bfloat16 and no reduce_dtype recorded: torch 2.6's
+    MixedPrecisionPolicy stores a reduce_dtype equal to param_dtype as None, so the text does not claim the user
+    passed none (a new-user trial's reduce_dtype=torch.bfloat16 read "no reduce_dtype"); one given reads as given."""
+    us = healthy_units(param_dtype="bfloat16")
+    (f,) = run_rule("numerics.reduce_dtype", build(units=us)[0])
+    assert "(param_dtype=bfloat16 and reduce_dtype unset or the same: FSDP2 then reduces in param_dtype)" in \
+        f.recommendation.text and f.evidence["reduce_dtype_explicit"] is False, f.recommendation.text
+    (g,) = run_rule("numerics.reduce_dtype", build(units=healthy_units(param_dtype="bfloat16",
+                                                                       reduce_dtype="bfloat16"))[0])
+    assert "(reduce_dtype=bfloat16)" in g.recommendation.text

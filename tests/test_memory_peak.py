@@ -437,3 +437,27 @@ def test_light_steps_read_the_allocator_at_few_marks_and_shift_the_rest():
     cpu = Sampler("auto", 0.003, False)
     cpu.remember([(0, None, "p0")], [row(1, 0)])
     assert cpu.reads_at == frozenset()
+
+
+def test_all_gather_waits_of_a_short_run_leave_the_counted_steps_out():
+    """prefetch.exposed_allgather's figure is the step of median share among the usable steps; a short run keeps
+    the steps whose memory was counted op by op in its statistics, but their counting stretches the step and its
+    waits: the waits come from the others wherever one remains (a new-user trial's 8-step run read "152.5 ms per
+    step" from a 548 ms counted step of a 233 ms run)."""
+    from fsdp_doctor.diagnose import estimate as E
+    from fsdp_doctor.diagnose.base import Context
+    from fsdp_doctor.records import MemoryStep, StepRecord, UnitStep
+    from fsdp_doctor.store.reader import RankData, Run
+
+    def step(i, counted):
+        wall, wait = (548.0, 152.5) if counted else (233.0 + i, 70.0 + i)  # 28% and 31%
+        return StepRecord(rank=0, step=i, start_ns=0, wall_ms=wall, forward_ms=80.0, backward_ms=120.0,
+                          units=[UnitStep(name="layers.0", fwd_ms=wait, ag_wait_fwd_ms=wait)],
+                          memory=MemoryStep(transients="exact" if counted else "replayed"))
+
+    run = Run(path="constructed")
+    run.ranks[0] = RankData(rank=0, steps=[step(i, i in (0, 1, 2)) for i in range(5)])
+    ctx = Context(run=run, report={})
+    assert E.median_step_ag_waits(ctx) == (73.0, 0.0, 236.0)  # steps 3 and 4: the lower of the two
+    run.ranks[0] = RankData(rank=0, steps=[step(i, True) for i in range(4)])  # every step counted: those
+    assert E.median_step_ag_waits(ctx) == (152.5, 0.0, 548.0)

@@ -495,8 +495,9 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     ta = ra.throughput.job if ra.throughput else None
     tb = rb.throughput.job if rb.throughput else None
     if ta is not None or tb is not None:
-        cmp.throughput = {k: delta(getattr(ta, k, None), getattr(tb, k, None), 2)
-                          for k in ("tokens_per_s", "achieved_tflops", "mfu_pct")
+        # (TFLOP/s to the report's 4 decimals: a CPU run's 0.004 read 0 at 2)
+        cmp.throughput = {k: delta(getattr(ta, k, None), getattr(tb, k, None), nd)
+                          for k, nd in (("tokens_per_s", 2), ("achieved_tflops", 4), ("mfu_pct", 2))
                           if getattr(ta, k, None) is not None or getattr(tb, k, None) is not None}
     cmp.findings = diff
     cmp.predictions = _predictions(a, b, changes, known, p50, peak_a, peak_b)

@@ -29,11 +29,15 @@ def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     leaves fewer than 3, a step that also ran the model without gradients (evaluation, generation: not training)
     or one whose memory was counted op by op (the high-water's dispatch mode), or one that saved a checkpoint."""
     out = [s for s in steps if s.step > 0 and not s.profiled]
-    for keep in (lambda s: not s.no_grad_forwards, lambda s: s.memory is None or s.memory.transients != "exact",
-                 lambda s: not s.checkpoints):
+    for keep in (lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s), lambda s: not s.checkpoints):
         kept = [s for s in out if keep(s)]
         out = kept if len(kept) >= 3 else out
     return out
+
+
+def counted_op_by_op(s: StepRecord) -> bool:
+    """The step's memory was counted op by op (the high-water's dispatch mode): its time holds the doctor's cost."""
+    return s.memory is not None and s.memory.transients == "exact"
 
 
 def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
@@ -325,7 +329,7 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     if key == "outside":
         return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
     if key == "doctor":
-        how = ("counting this step's memory op by op" if s.memory is not None and s.memory.transients == "exact"
+        how = ("counting this step's memory op by op" if counted_op_by_op(s)
                else "on its records and memory figures")
         return "doctor", f"the doctor: +{parts['doctor']:.1f} ms {how}"
     if key == "wait":
@@ -490,4 +494,4 @@ def analyze_steps(run: Run) -> StepsSection:
 def counted_kept(usable: list[StepRecord]) -> list[int]:
     """Of a rank's ``usable_steps``, those whose memory the doctor counted op by op (slower than the others: its own
     cost), kept since fewer than 3 steps would remain without them (a short run: the title said they were left out)."""
-    return [s.step for s in usable if s.memory is not None and s.memory.transients == "exact"]
+    return [s.step for s in usable if counted_op_by_op(s)]

@@ -72,12 +72,17 @@ def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
     median waits over the median wall pair steps of different lengths (40% on a loaded run whose steps waited
     42-67% of themselves). Nor the sum of the units' medians over the step p50: which unit waits moves from step to
     step (on a shared host, the unit where the other rank arrives late), so that sum leaves most steps' largest
-    waits out (22% on a run of the reference GPT whose median step waited 27%; 14.6% where it waited 17.2%)."""
-    from ..analyze.steps import usable_steps
+    waits out (22% on a run of the reference GPT whose median step waited 27%; 14.6% where it waited 17.2%).
+    A short run's statistics keep the steps whose memory the doctor counted op by op (fewer than 3 would remain):
+    here they are left out wherever another usable step remains, since the counting stretches the step and its
+    waits (a new-user trial's 8-step run read "152.5 ms per step" from a 548 ms step of a 233 ms run)."""
+    from ..analyze.steps import counted_op_by_op, usable_steps
 
+    usable = [s for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in usable_steps(rd.steps)
+              if s.wall_ms > 0]
+    usable = [s for s in usable if not counted_op_by_op(s)] or usable
     steps = sorted(((sum(u.ag_wait_fwd_ms for u in s.units), sum(u.ag_wait_bwd_ms for u in s.units), s.wall_ms)
-                    for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in usable_steps(rd.steps)
-                    if s.wall_ms > 0), key=lambda w: (w[0] + w[1]) / w[2])
+                    for s in usable), key=lambda w: (w[0] + w[1]) / w[2])
     return steps[(len(steps) - 1) // 2] if steps else None
 
 

@@ -22,8 +22,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..records import ALLOC_CONF_VARS
-from ..units import fmt_mesh
+from ..records import ALLOC_CONF_VARS, SET_RESHARD_AFTER_FORWARD
+from ..units import fmt_mesh, unit_label
 
 ROOT = "model"
 #: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
@@ -1024,6 +1024,22 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
 
 #: the words of a fix for the sharded model that name the user's fully_shard calls (reshard.zero2_affordable's,
 #: reshard.last_unit's)
+def lacks_reshard_switch(config) -> bool:
+    """This run's torch has no ``FSDPModule.set_reshard_after_forward`` (torch 2.6): a fix that calls it on the
+    sharded model raises AttributeError when pasted (a new-user trial on torch 2.6); its lever is the
+    ``reshard_after_forward`` argument of the units' fully_shard calls, said in words."""
+    return SET_RESHARD_AFTER_FORWARD in (getattr(config, "torch_lacks", None) or [])
+
+
+def reshard_in_calls_words(names: Iterable[str], value: bool) -> str:
+    """What a fix switching ``reshard_after_forward`` says instead of its code on a torch without the switch."""
+    mods = [unit_label(n) for n in names]
+    shown = ", ".join(mods[:8]) + (f" and {len(mods) - 8} more" if len(mods) > 8 else "")
+    return (f" This torch's FSDPModule has no set_reshard_after_forward (torch 2.7 added it): pass "
+            f"reshard_after_forward={value} to the fully_shard calls of {shown} instead (a newer torch can switch it "
+            "on the sharded model).")
+
+
 RESHARD_IN_CALLS = "# or pass reshard_after_forward=False to their fully_shard calls"
 RESHARD_IN_CALL = "(or pass reshard_after_forward=False to its fully_shard call)"
 #: what they say instead for a model transformers sharded itself

@@ -69,7 +69,7 @@ def tables(c: Comparison) -> list[CompareTable]:
                                   f"{len(ch.units)} units differ", _value(ch.a), _value(ch.b)) for ch in c.config]))
     else:
         traces = "trace" in (c.a.source, c.b.source)
-        out.append(CompareTable("Configuration changed", ("setting", "where", "A", "B"), [],
+        out.append(CompareTable("Configuration", ("setting", "where", "A", "B"), [],
                                 note="no difference in the units and the prefetching the traces show (a plain trace "
                                      "holds no settings: reshard_after_forward, dtypes and offload are not read)"
                                 if traces else "no difference in the unit snapshots and the job"))
@@ -108,8 +108,12 @@ def tables(c: Comparison) -> list[CompareTable]:
         rows = []
         for k, d in c.throughput.items():
             name, f = THROUGHPUT_LABELS.get(k, (k, "{}"))
-            fm = (lambda x, f=f: MISSING if x is None else f.format(x))
-            rows.append((name, fm(d.a), fm(d.b), MISSING if d.delta is None else f"{d.delta:+,.3g}", _pct(d)))
+            scale = 1.0
+            if k == "achieved_tflops" and max(abs(x or 0) for x in (d.a, d.b)) < 1:  # (a CPU run's read "0  0  -0")
+                name, scale = "GFLOP/s", 1e3
+            fm = (lambda x, f=f, scale=scale: MISSING if x is None else f.format(x * scale))
+            rows.append((name, fm(d.a), fm(d.b), MISSING if d.delta is None else f"{d.delta * scale:+,.3g}",
+                         _pct(d)))
         out.append(CompareTable("Throughput", ("", "A", "B", "Δ", "Δ%"), rows))
     if c.cost is not None:
         k = c.cost

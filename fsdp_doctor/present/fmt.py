@@ -86,6 +86,8 @@ def run_facts(run: RunFacts) -> list[str]:
     for v in (r.backend, r.device_name, r.torch_version, optimizer_fact(r)):
         if v:
             facts.append(str(v))
+            if v is r.torch_version and r.torch_lacks:  # what fixes cannot use on it (a new-user trial on 2.6)
+                facts[-1] += f" (lacks {', '.join(r.torch_lacks[:3])}{' …' if len(r.torch_lacks) > 3 else ''})"
     if r.mixed_precision:
         facts.append(f"mixed precision: {r.mixed_precision}")
     if r.offload:

@@ -9,7 +9,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import ROOT_LABEL, fmt_bytes
+from ...units import ROOT_LABEL, fmt_bytes, unit_label
 
 
 def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "") -> tuple[str, str, str, dict]:
@@ -180,7 +180,7 @@ class AccumulationRegathers(Rule):
             text, code, where, inputs = _in_the_loop(ctx, text, code, "set_reshard_after_backward")
         return [self.finding(
             sev, f"Gathered again in each of {n:.0f} micro-batches: -{saved:.1f} ms/step kept gathered",
-            {"micro_batches_per_step": n, "units_kept_gathered": names, "units": len(us),
+            {"micro_batches_per_step": n, "units_kept_gathered": [unit_label(x) for x in names], "units": len(us),
              "forward_allgather_wait_saved_ms": round(saved, 3), "peak_bytes": peak, "capacity_bytes": cap,
              "peak_after_bytes": int(peak_after), "budget_bytes": int(budget), "step_p50_ms": step},
             text, code, where=where, inputs=inputs,

@@ -8,7 +8,6 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...records import SET_RESHARD_AFTER_FORWARD
 from ...units import fmt_bytes
 
 # forwards without gradients whose all-gathers take under this share of as many training forwards' keep the units
@@ -95,7 +94,7 @@ class EvalRegather(Rule):
                 f"step over the run), holding {fmt_bytes(held)} of unsharded parameters meanwhile (about "
                 f"{fmt_bytes(during)} then, {100 * during / cap:.1f}% of capacity). The training steps do not change.")
         code, where, inputs = "", "", {}
-        if SET_RESHARD_AFTER_FORWARD in (getattr(ctx.config, "torch_lacks", None) or []):
+        if S.lacks_reshard_switch(ctx.config):
             text += (" This torch's FSDPModule has no set_reshard_after_forward, the switch the fix turns (a newer "
                      "torch has it).")
         else:

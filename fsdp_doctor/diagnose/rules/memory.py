@@ -271,6 +271,9 @@ class NearCapacitySpread(Rule):
                      "for m in model.modules():  # every unit but the root",
                      "    if isinstance(m, FSDPModule) and m is not model:",
                      "        m.set_reshard_after_forward(True, recurse=False)"]
+        lacks = S.lacks_reshard_switch(ctx.config)
+        if lacks:
+            lines = []
         return [self.finding(
             sev, f"Peak at {100 * share:.0f}% of capacity, spread over categories; "
             f"{len(kept)} unit(s) kept gathered after forward",
@@ -282,7 +285,7 @@ class NearCapacitySpread(Rule):
             f"of it; {len(kept)} unit(s) keep their gathered parameters from forward to backward "
             f"(reshard_after_forward=False, ZeRO-2). Resharding {len(flip)} of them after forward lowers the peak by "
             f"{fmt_bytes(freed)}, at the price of one more all-gather per unit in backward (the last unit of forward "
-            "aside: its backward starts at once).",
+            "aside: its backward starts at once)." + (S.reshard_in_calls_words(names, True) if lacks else ""),
             "\n".join(lines),
             predicted=E.predicted(step, step + slower if (step is not None and slower is not None) else None,
                                   peak, after),

@@ -43,8 +43,10 @@ class NarrowReduceDtype(Rule):
         rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit in {u.name for u in us}]
         rs_ms = sum(r.comm_ms_per_step for r in rows) / max(1, len({r.rank for r in rows})) if rows else None
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
-        how = ("reduce_dtype=" + "/".join(reds)) if explicit else (f"param_dtype={'/'.join(reds)} and no reduce_dtype "
-                                                                  "(FSDP2 then reduces in param_dtype)")
+        # (torch 2.6's MixedPrecisionPolicy stores a reduce_dtype equal to param_dtype as None: a new-user trial's
+        # reduce_dtype=torch.bfloat16 read "no reduce_dtype")
+        how = ("reduce_dtype=" + "/".join(reds)) if explicit else (f"param_dtype={'/'.join(reds)} and reduce_dtype "
+                                                                  "unset or the same: FSDP2 then reduces in param_dtype")
         text = (f"{len(us)} unit(s) hold {'/'.join(params)} parameters but reduce their gradients in "
                 f"{'/'.join(reds)} ({how}). Summing {world or 'several'} ranks' gradients in a 16-bit dtype rounds "
                 "each partial sum to 8 (bf16) or 11 (fp16) bits of mantissa: small gradients vanish against large "

@@ -155,6 +155,9 @@ class Zero2PerUnit(Rule):
         if where:
             text += (f" {S.titan_says(titan)}: its fsdp_reshard_after_forward 'never' keeps every unit gathered "
                      f"after forward, all {len(us)} here (the predicted peak holds them all).")
+        elif S.lacks_reshard_switch(ctx.config):
+            text += S.reshard_in_calls_words(names, False)
+            code = ""
         return [self.finding(
             sev, f"ZeRO-2 on {len(us)} of {n_of} units: -{saved:.1f} ms/step, "
                  f"+{E.mib(peak_after - peak)} MiB peak",
@@ -166,7 +169,7 @@ class Zero2PerUnit(Rule):
              "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left,
              "per_unit": [r.row for r in rows], "measured_by": source,
              "memory_model": "timeline" if E.peak_memory(ctx).timeline else "peak"},
-            text, code or _unit_fix(us), where=where, predicted=E.predicted(step, step - saved, peak, peak_after),
+            text, _unit_fix(us) if code is None else code, where=where, predicted=E.predicted(step, step - saved, peak, peak_after),
             units=[u.name for u in us])]
 
 
