@@ -15,10 +15,10 @@ SAMPLE_RUN = REPO / "traces" / "sample"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: what the fork server of the CPU ranks imports once (fsdp_doctor.workloads.launch.forkserver_preload): the main
-#: module and the workload's ranks', the rank scripts' own imports (titan_cases imports recorder_cases and clients;
-#: torchtitan only in its ranks), the Hugging Face models', and test_clients (``_run_script``). Set before the first
-#: launch of the session starts the server, whichever launcher that is
-FORKSERVER_PRELOAD = ("__main__", "fsdp_doctor.workloads.launch", "titan_cases",
+#: module and the workload's ranks', the rank scripts' own imports (recorder_cases imports clients; torchtitan's
+#: ranks fork from a server of their own, tests/titan_zygote.py), the Hugging Face models', and test_clients
+#: (``_run_script``). Set before the first launch of the session starts the server, whichever launcher that is
+FORKSERVER_PRELOAD = ("__main__", "fsdp_doctor.workloads.launch", "recorder_cases",
                       "transformers.models.llama.modeling_llama", "accelerate", "test_clients")
 
 

@@ -41,6 +41,8 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
             {**env, "FSDP_DOCTOR_SCENARIO_DEVICE": device, **_rank_env(WorkloadConfig(device=device), r, world, port)}
             for r in range(world)]
     argv = [[client, str(r), str(world), port, str(out)] for r in range(world)]
+    if script == "titan_cases.py" and device == "cpu":  # forked from the server that imported torchtitan once
+        return _titan_forked(argv, env, world, timeout_s)
     if start_method(device) == "forkserver":
         forkserver_preload(FORKSERVER_PRELOAD)
         procs = [_Forked(HERE / script, argv[r], envs[r]) for r in range(world)]
@@ -61,6 +63,24 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
             if p.poll() is None:
                 p.kill()
     return results, errs
+
+
+def _titan_forked(argv: list[list[str]], env: dict, world: int, timeout_s: float) -> tuple[list[dict], list[str]]:
+    """``_launch`` of tests/titan_cases.py: its ranks forked from tests/titan_zygote.py's server, which imported
+    torchtitan's models and parallelization once (4.6 s a rank otherwise, on every launch)."""
+    import tempfile
+
+    from titan_zygote import forked
+
+    with tempfile.TemporaryDirectory(prefix="fsdp_doctor_titan_") as d:
+        outs, errs = ([str(Path(d) / f"{k}{r}") for r in range(world)] for k in ("out", "err"))
+        codes = forked("titan_cases", argv, cwd=Path(d), env=env, world=world, port=int(argv[0][3]), logs=outs,
+                       errs=errs, timeout_s=timeout_s)
+        so, se = ([Path(f).read_text(errors="replace") if Path(f).exists() else "" for f in fs] for fs in (outs, errs))
+    for r, code in enumerate(codes):
+        assert code == 0, f"titan_cases rank {r} exited with {code}:\n{se[r][-3000:]}"
+    return [json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+            for o in so], se
 
 
 class _Forked:

@@ -9,7 +9,6 @@ as printed (a flag on its command line, a function in the config_registry functi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import shlex
@@ -29,6 +28,7 @@ from recorder_cases import PEAK_WITHIN
 from scenario_matrix import HEADROOM, NOISE
 from titan_cases import TITAN_SITE
 from titan_registry import ASSETS_ENV, FIX_ENV, write_assets
+from titan_zygote import forked
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -39,18 +39,6 @@ BASE = ["--module", "titan_registry", "--config", "tiny", "--debug.seed", "0", "
 PROFILED = ["--profiler.enable-profiling", "--profiler.profile-freq", "10"]
 _LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.]+)\s+grad_norm:\s*([-0-9.]+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-_ZYGOTE: list = []  # the fork server of the forked runs (tests/titan_zygote.py), started on the first one
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _zygote_stops():
-    yield
-    while _ZYGOTE:
-        z = _ZYGOTE.pop()
-        z.stdin.close()
-        z.wait(timeout=30)
 
 
 def _torchrun(tmp: Path, name: str, module: str, args: list[str], env: dict | None = None,
@@ -71,20 +59,8 @@ def _torchrun(tmp: Path, name: str, module: str, args: list[str], env: dict | No
     else:
         from fsdp_doctor.workloads import free_port
 
-        if not _ZYGOTE:
-            z = subprocess.Popen([sys.executable, str(HERE / "titan_zygote.py")], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env=full, cwd=tmp)
-            ready = z.stdout.readline()
-            assert ready.strip() == '{"ready": true}', f"titan_zygote did not start: {ready!r}"
-            _ZYGOTE.append(z)
-        z = _ZYGOTE[0]
         logs = [str(tmp / f"{name}.rank{r}.log") for r in range(2)]
-        z.stdin.write(json.dumps({"module": module, "args": argv, "cwd": str(tmp), "env": full, "world": 2,
-                                  "port": free_port(), "logs": logs, "timeout_s": 420}) + "\n")
-        z.stdin.flush()
-        answer = z.stdout.readline()
-        assert answer, f"{name}: titan_zygote exited ({z.poll()}) without an answer"
-        codes = json.loads(answer)["codes"]
+        codes = forked(module, argv, cwd=tmp, env=full, world=2, port=free_port(), logs=logs)
         code = next((c for c in codes if c), 0)
         log = _ANSI.sub("", Path(logs[0]).read_text(errors="replace"))
         if code:
