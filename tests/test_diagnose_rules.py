@@ -599,6 +599,15 @@ def test_reshard_last_unit():
         "instead" in g.recommendation.text, g.recommendation.text
     us[0][0]["reshard_after_forward"] = False  # FSDP's default for a root: nothing to say
     assert run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0]) == []
+    # that root kept gathered, the last block unit resharded: quiet, saying what the records cannot tell (a new-user
+    # trial's root held an embedding and a norm that ran before its head unit: "the root computes after it")
+    us[0][0]["own_modules"] = ["emb", "norm"]
+    us[-1][0]["reshard_after_forward"] = True
+    rule = next(c for c in RULES if c.code == "reshard.last_unit")()
+    assert rule.match(build(units=us, memory=memory(50 * MiB))[0]) == []
+    assert rule.why_quiet == ("the root holds parameters of its own (emb, norm), which may compute after the last "
+                              "unit (norm, lm_head) in forward, before its backward (an output head left in the root "
+                              "does): the records do not say whether they do"), rule.why_quiet
 
 
 # ------------------------------------------------------------------------------------------------ frozen base

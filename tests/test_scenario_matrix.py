@@ -196,6 +196,20 @@ def test_frozen_unit_gather_gone_with_losses_unchanged(matrix):
     assert after < before, (after, before)
 
 
+@pytest.mark.rows("lora_blocks_only")
+def test_plan_for_a_frozen_root_gathers_its_new_leading_unit_for_nothing_never(matrix):
+    """wrap.params_in_root on a LoRA model (its frozen embeddings, final norm and head left in the root): the plan makes
+    the frozen embeddings a unit before the decoder layers, and the first layer, which trains, keeps FSDP2's default
+    backward prefetch off with a list of its own; the rerun raises no prefetch.frozen_gathered at any severity (a
+    new-user trial's peft Mixtral did, as a new note after the fix)."""
+    o = _ran(matrix["lora_blocks_only"])
+    assert o.after is not None, o.after_error or o.rerun_note
+    assert "set_modules_to_backward_prefetch([unit])" in o.fix["code"], o.fix["code"]
+    assert "prefetch.frozen_gathered" not in {f.code for f in o.after.findings}
+    frozen = [u.name for u in o.after.units if not u.is_root and u.trainable_sharded_bytes == 0]
+    assert any(n.endswith("embed_tokens") for n in frozen), frozen
+
+
 def _high_from(report, unit: str) -> int:
     """The highest total (bytes) on the peak step's timeline from ``unit``'s backward_start to the end of that
     backward, over the ranks."""

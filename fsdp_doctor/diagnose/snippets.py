@@ -291,10 +291,32 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         note = (f"# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
                 f"# reshard_after_forward={raf}); the predicted peak assumes it"
                 if len(rafs) == 1 and (raf := rafs.pop()) not in (True, None) else "")
-        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop), note)
+        lead = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop), note)
+        lines += lead
     rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw), *_async_unshard_lines(t)]
+    if root_leftovers and root is not None:
+        lines += _frozen_lead_prefetch(t, root, lead)
     return "\n".join(lines)
+
+
+def _frozen_lead_prefetch(t: Tree, root, lead: list[str]) -> list[str]:
+    """A plan that makes units of a frozen root's modules before the blocks (a LoRA model's embedding): FSDP2's
+    default backward prefetch would gather that new unit in every backward of the first unit after it, which trains,
+    though the frozen unit never runs backward (prefetch.frozen_gathered's case: a new-user trial's plan for a peft
+    Mixtral raised it). That unit's own explicit list, itself, turns the default off (an empty list does not)."""
+    tail_at = next((i for i, x in enumerate(lead) if x.startswith("# last in forward")), len(lead))
+    if getattr(root, "trainable_sharded_bytes", None) != 0 or not any(x.startswith("fully_shard(")
+                                                                       for x in lead[:tail_at]):
+        return []
+    fwd = gather_order(t)[0]
+    by = {u.name: u for u in t.units}
+    first = by.get(fwd[0]) if fwd else None
+    if first is None or not _trains(t, first.name, fwd) or getattr(first, "backward_prefetch", None):
+        return []
+    return ["# the new leading unit(s) hold no trainable parameter and never run backward: without a list of its own",
+            f"# {unit_label(first.name)} would all-gather them in every backward for nothing (FSDP2's default prefetch)",
+            backward_prefetch_lists({first.name: []})]
 
 
 def _async_unshard_lines(t: Tree) -> list[str]:

@@ -497,8 +497,16 @@ class LastUnitResharded(Rule):
     def match(self, ctx: Context):
         last = E.resharded_last_unit(ctx)
         if last is None:
-            return self.quiet("the last unit of forward is kept gathered, or the root (kept gathered) computes after "
-                              "it")
+            # (which: a new-user trial's root held only the embedding and a norm that ran before its head unit, and
+            # read "the root computes after it")
+            rts, us = E.roots(E.param_units(ctx)), E.non_root(E.param_units(ctx))
+            if rts and us and not E.kept_gathered(us[-1]):
+                own = [m for m in (rts[0].own_modules or []) if m]
+                return self.quiet(f"the root holds parameters of its own ({E.fmt_list(own) if own else 'its modules'}),"
+                                  f" which may compute after the last unit ({us[-1].name}) in forward, before its "
+                                  "backward (an output head left in the root does): the records do not say whether "
+                                  "they do")
+            return self.quiet("the last unit of forward is kept gathered" if us else "no unit beside the root")
         name = last.name or "(root)"
         extra = E.calls_beyond_model(ctx, last.name)
         if extra >= 1:  # its resharding is that code's to set
