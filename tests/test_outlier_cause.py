@@ -26,6 +26,32 @@ def test_outlier_waiting_for_a_rank_late_in_the_previous_step():
     assert out[(0, 6)].cause == "late_rank" and "rank 1" in out[(0, 6)].detail
 
 
+def test_an_outlier_with_two_causes_names_both():
+    """A step 300 ms longer in compute that also waited 200 ms more outside the model: the table names both; +20 ms
+    beside it is not named (a new-user trial's short-run step that counted its memory op by op and evaluated read
+    "the doctor" on one rank and "compute" on the other, never the evaluation)."""
+    from fsdp_doctor.analyze.steps import find_outliers
+    from fsdp_doctor.records import StepRecord
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(n, *, extra=0.0, out=0.0):
+        return StepRecord(rank=0, step=n, start_ns=n, wall_ms=105.0 + extra + out + 0.1 * (n % 3),
+                          forward_ms=40.0 + extra, backward_ms=40.0, optimizer_ms=20.0, outside_ms=5.0 + out)
+
+    def outlier(out):
+        run = Run(path="constructed")
+        run.ranks[0] = RankData(rank=0, steps=[step(n, extra=300.0 if n == 6 else 0.0, out=out if n == 6 else 0.0)
+                                               for n in range(1, 12)])
+        (o,) = [o for o in find_outliers(run) if o.step == 6]
+        return o
+
+    o = outlier(200.0)
+    assert o.cause == "compute" and o.detail == ("compute +300.0 ms in forward/backward/optimizer (of +499.9 ms); also "
+                                                 "time outside the model +200.0 ms (data loading or user code)")
+    assert outlier(20.0).detail == "compute +300.0 ms in forward/backward/optimizer (of +319.9 ms)"
+
+
 def _eval_run(eval_steps, *, n=12, eval_ms=300.0, autograd=0):
     """Two ranks of 100 ms steps; the steps in ``eval_steps`` also ran 8 forward passes without gradients
     (``autograd`` of them in eval mode with autograd on)."""

@@ -316,26 +316,34 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
         x = own_excess(r2, s2)
         if x > late_ms and (mine is None or x > own_excess(rank, mine)):
             late_rank, late_ms = r2, x
-    key = max(parts, key=parts.get)
-    if key == "wait" and late_rank is not None and late_ms > 0.5 * parts["wait"]:
-        return "late_rank", f"waiting for rank {late_rank} (late by {late_ms:.1f} ms)"
-    if key == "gc":
-        return "gc", f"GC pause {s.gc_ms:.1f} ms ({s.gc_count} collections)"
-    if key == "no_grad":
-        return "no_grad", (f"{s.no_grad_forwards} forward passes without gradients (evaluation or generation) "
-                           f"+{parts['no_grad']:.1f} ms")
-    if key == "checkpoint":
-        return "checkpoint", f"checkpoint save +{parts['checkpoint']:.1f} ms"
-    if key == "outside":
-        return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
-    if key == "doctor":
-        how = ("counting this step's memory op by op" if counted_op_by_op(s)
-               else "on its records and memory figures")
-        return "doctor", f"the doctor: +{parts['doctor']:.1f} ms {how}"
-    if key == "wait":
-        unit, ms = _largest_unit_wait(s)
-        return "allgather_wait", f"all-gather wait +{parts['wait']:.1f} ms (largest in unit {unit!r}: {ms:.1f} ms)"
-    return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
+    def said(key: str) -> tuple[str, str]:
+        if key == "wait" and late_rank is not None and late_ms > 0.5 * parts["wait"]:
+            return "late_rank", f"waiting for rank {late_rank} (late by {late_ms:.1f} ms)"
+        if key == "gc":
+            return "gc", f"GC pause {s.gc_ms:.1f} ms ({s.gc_count} collections)"
+        if key == "no_grad":
+            return "no_grad", (f"{s.no_grad_forwards} forward passes without gradients (evaluation or generation) "
+                               f"+{parts['no_grad']:.1f} ms")
+        if key == "checkpoint":
+            return "checkpoint", f"checkpoint save +{parts['checkpoint']:.1f} ms"
+        if key == "outside":
+            return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
+        if key == "doctor":
+            how = ("counting this step's memory op by op" if counted_op_by_op(s)
+                   else "on its records and memory figures")
+            return "doctor", f"the doctor: +{parts['doctor']:.1f} ms {how}"
+        if key == "wait":
+            unit, ms = _largest_unit_wait(s)
+            return "allgather_wait", f"all-gather wait +{parts['wait']:.1f} ms (largest in unit {unit!r}: {ms:.1f} ms)"
+        return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
+
+    first, second = sorted(parts, key=parts.get, reverse=True)[:2]
+    kind, text = said(first)
+    # a second cause of a third of the excess or more is named too: a step that both counted its memory op by op
+    # and evaluated read "the doctor" on one rank and "compute" on the other, never the evaluation (a new-user trial)
+    if excess > 0 and parts[second] >= excess / 3:
+        text += "; also " + said(second)[1]
+    return kind, text
 
 
 _PHASES = ("outside", "forward", "backward", "optimizer")
