@@ -386,3 +386,39 @@ def test_watch_before_accelerate_prepares_the_model_says_to_watch_after_prepare(
     with pytest.raises(WatchError, match=r"accelerate shards it with FSDP: call watch\(\) after "
                                          r"accelerator.prepare\(...\), on the model and optimizer it returns"):
         fsdp_doctor.watch(model, None, out_dir=tmp_path / "b").__enter__()
+
+
+def test_an_evaluation_before_doctor_step_leaves_the_root_gathered_and_its_parameters_fsdps(tmp_path, gloo_one_rank):
+    """A loop that evaluates at the end of a step, before doctor.step() (``if step % N == 0: evaluate()``): FSDP keeps
+    the root gathered after a forward without gradients, its unsharded parameters on the modules in place of the
+    sharded ones, when the first step's snapshot is taken. They are FSDP's: no "unit parameter counts do not add up"
+    line, no unmanaged parameters, the optimizer's state counted as state and none of its parameters stale (a
+    new-user trial read 275 KiB of "stale optimizer params", 390 KiB of state for 528, and exit code 3)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 64))
+    fully_shard(m[1])
+    fully_shard(m)  # m[0] and m[2] the root's own
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "run", profile=False) as doc:
+        for _ in range(5):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                m(x)
+            doc.step()
+    run = fsdp_doctor.load_run(tmp_path / "run")
+    cfg = run.ranks[0].config
+    assert cfg.unmanaged_param_bytes == 0 and sum(u.param_count for u in cfg.units) == cfg.model_param_count
+    report = build_report(run)
+    assert not [p for p in report.problems if "do not add up" in p], report.problems
+    bd = report.memory.per_rank["0"].peak_breakdown
+    n = sum(p.numel() for p in m.parameters())
+    # AdamW's two moments of every fp32 element, and each parameter's step count (a 4-byte scalar)
+    assert bd.get("stale_optimizer_params", 0) == 0 and bd["optimizer_state"] == 2 * 4 * n + 4 * 6, bd

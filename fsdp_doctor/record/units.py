@@ -376,7 +376,12 @@ def _shard_size(pg, fps) -> int | None:
 
 
 def managed_param_ids(units: list[Unit]) -> set[int]:
-    return {id(sp) for u in units for fp in u.params if (sp := F2.sharded_param(fp)) is not None}
+    """The parameters FSDP manages: each one's sharded DTensor and, where its unit is unsharded now, the unsharded
+    parameter FSDP registered on the module in its place (a root kept gathered after a forward without gradients
+    run before the first doctor.step(): its parameters read as unmanaged, "counts do not add up" and the
+    optimizer's as stale, a new-user trial's evaluation at the end of a step)."""
+    return {id(p) for u in units for fp in u.params
+            for p in (F2.sharded_param(fp), F2.unsharded_param(fp)) if p is not None}
 
 
 def unmanaged_params(model: nn.Module, units: list[Unit]) -> list[nn.Parameter]:

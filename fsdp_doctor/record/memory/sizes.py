@@ -281,7 +281,10 @@ class FsdpSizes:
         if not force and n == self.opt_len:
             return
         self.opt_len = n
+        # the model's parameters, and FSDP's sharded ones where a unit is unsharded now (its unsharded parameters
+        # on the modules in their place: the optimizer's read as stale after a forward without gradients)
         model_ids = {id(p) for p in self.model.parameters()}
+        model_ids |= {id(p) for g in self.groups for fp in g.fps if (p := F2.sharded_param(fp)) is not None}
         seen: set[int] = set()
         dev = host = 0
         stale = 0
