@@ -442,6 +442,10 @@ class StepRecord(Record, tag="step"):
     # of those, torch.distributed.checkpoint.async_save calls: their time is the staging the step waits for (the
     # state copied to host memory), the write goes on in the background
     async_saves: int = 0
+    # a backward through the model began after an optimizer.step() that followed a backward, within the step: a second
+    # loss through the model after its update (a GAN's generator update through the watched discriminator), not
+    # gradient accumulation, whose micro-batches all run backward before the step's optimizer.step()
+    backward_after_optimizer: bool = False
 
 
 class GpuTimes(Record, tag="gpu"):

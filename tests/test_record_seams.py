@@ -422,3 +422,43 @@ def test_an_evaluation_before_doctor_step_leaves_the_root_gathered_and_its_param
     n = sum(p.numel() for p in m.parameters())
     # AdamW's two moments of every fp32 element, and each parameter's step count (a 4-byte scalar)
     assert bd.get("stale_optimizer_params", 0) == 0 and bd["optimizer_state"] == 2 * 4 * n + 4 * 6, bd
+
+
+@pytest.mark.parametrize("loop", ["gan", "accumulation"])
+def test_a_backward_after_the_update_is_not_a_micro_batch(tmp_path, gloo_one_rank, loop):
+    """A GAN's discriminator watched: its loss backward, its optimizer.step(), then the generator's loss backward
+    through it, each step. Its backward passes are not micro-batches of one update: the records say a backward ran
+    after the update, and the accumulation rules stay quiet saying so (a new-user trial's accum.sync_every_micro_batch
+    warned, and its fix, pasted, changed the losses and the finding stayed). Real accumulation (two micro-batches,
+    then the update) records none, and accum.regather looks at it."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    D = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 1))
+    for m in (G, D):
+        fully_shard(m[0])
+        fully_shard(m)
+    oG, oD = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+    with fsdp_doctor.watch(D, oD, out_dir=tmp_path / loop, profile=False, capacity_bytes=1 << 30) as doc:
+        for _ in range(5):
+            fake = G(torch.randn(8, 16))
+            (D(torch.randn(8, 16)).mean() - D(fake.detach()).mean()).backward()
+            if loop == "gan":
+                oD.step()
+                oD.zero_grad()
+            D(fake).mean().backward()  # the generator's loss (a second micro-batch where loop is "accumulation")
+            oG.step()
+            oG.zero_grad()
+            if loop == "accumulation":
+                oD.step()
+            oD.zero_grad()
+            doc.step()
+    run = fsdp_doctor.load_run(tmp_path / loop)
+    assert [s.backward_after_optimizer for s in run.ranks[0].steps] == [loop == "gan"] * 5
+    (st,) = [s for s in build_report(run).rules if s.code == "accum.regather"]
+    said = "a backward through the model runs after its optimizer.step() within a step on rank(s) 0"
+    assert (st.status == "quiet" and st.reason.startswith(said)) == (loop == "gan"), st

@@ -85,6 +85,9 @@ class StepTimings:
     micro_gap_ms: float = 0.0
     # of no_grad_ms, the units' all-gathers (FSDP's pre-forward hooks, issued and waited for)
     no_grad_gather_ms: float = 0.0
+    # a backward through the model began after an optimizer.step() that itself followed a backward, in one step: a
+    # second loss through the model after its update (a GAN's generator update through its discriminator)
+    backward_after_optimizer: bool = False
 
 
 class _UnitAcc:
@@ -515,10 +518,15 @@ class StepTimer:
         if a.t_pre_bwd:
             a.ag_bwd += t - a.t_pre_bwd
         if self._bwd_start == 0:
-            self._bwd_start = t
+            self._backward_begins(t)
         if not self._bwd_cb_queued:
             self._bwd_cb_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _backward_begins(self, t: int) -> None:
+        self._bwd_start = t
+        if self._opt_end and self._opt_after_bwd:  # after an update that followed a backward: not a micro-batch
+            self._bwd_after_opt = True
 
     def _on_backward_end(self) -> None:
         if not self.active:
@@ -562,7 +570,7 @@ class StepTimer:
         a = self._acc[idx]
         if is_pre:
             if self._bwd_start == 0:
-                self._bwd_start = t
+                self._backward_begins(t)
             if not a.t_pre_bwd:
                 a.t_pre_bwd = t
                 if self.gpu is not None:
@@ -678,6 +686,7 @@ class StepTimer:
             self._ng_post_ns = 0
             self._optimizer_ns += self._opt_end - self._opt_start
             self._opt_start = 0
+            self._opt_after_bwd = self._opt_after_bwd or self._backward_ns > 0
             self.optimizer_steps += 1
             if self.gpu is not None:
                 self.gpu.optimizer_end()
@@ -713,6 +722,7 @@ class StepTimer:
         self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
+        self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._bwd_cb_queued = False
@@ -736,7 +746,8 @@ class StepTimer:
                            no_grad_gather_ms=_ms(self._ng_gather_ns),
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
-                           no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)))
+                           no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
+                           backward_after_optimizer=self._bwd_after_opt)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""
