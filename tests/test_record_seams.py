@@ -3,6 +3,8 @@ WatchOptions (watch()'s options in one place) and the optimizer unwrapping."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -462,3 +464,39 @@ def test_a_backward_after_the_update_is_not_a_micro_batch(tmp_path, gloo_one_ran
     (st,) = [s for s in build_report(run).rules if s.code == "accum.regather"]
     said = "a backward through the model runs after its optimizer.step() within a step on rank(s) 0"
     assert (st.status == "quiet" and st.reason.startswith(said)) == (loop == "gan"), st
+
+
+def test_arguments_a_hurried_user_gets_wrong_get_one_sentence():
+    """watch() with a list of models (a GAN's), with its arguments swapped, and with out_dir passed second: one
+    sentence each, before anything is touched (a new-user trial read a traceback about weak references of a list,
+    "not a torch.optim.Optimizer" of swapped arguments, and "out_dir is required" of an out_dir given)."""
+    import fsdp_doctor
+    from fsdp_doctor.record.tracker import WatchError
+
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    cases = [(([m, m], [opt, opt]), "the model argument (list) is not a torch.nn.Module: watch() takes one model"),
+             ((opt, m), "the model and the optimizer are swapped: watch(model, optimizer, out_dir=...)"),
+             ((m, "runs/x"), "'runs/x' came second, where the optimizer goes")]
+    for args, said in cases:
+        with pytest.raises(WatchError) as e:
+            fsdp_doctor.watch(*args, out_dir="unused") if args[1] != "runs/x" else fsdp_doctor.watch(*args)
+        assert str(e.value).startswith("fsdp_doctor.watch: " + said), str(e.value)
+
+
+def test_doctor_step_on_a_watch_never_entered_says_so_once(caplog):
+    """``doctor = fsdp_doctor.watch(...)`` without ``with``: nothing is recorded, and the first doctor.step() says so
+    in one line (a new-user trial's run exited 0 with no run directory and no word)."""
+    import logging
+
+    import fsdp_doctor
+
+    m = torch.nn.Linear(4, 4)
+    doctor = fsdp_doctor.watch(m, torch.optim.SGD(m.parameters(), lr=0.1), out_dir="never-written")
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        for _ in range(3):
+            doctor.step()
+    said = [r.getMessage() for r in caplog.records if "never entered" in r.getMessage()]
+    assert said == ["fsdp_doctor: doctor.step() on a watch() that was never entered records nothing: use `with "
+                    "fsdp_doctor.watch(model, optimizer, out_dir=...) as doctor:` around the loop"], said
+    assert not Path("never-written").exists()

@@ -94,6 +94,7 @@ class Doctor:
         opts = options if options is not None else WatchOptions.from_kwargs(kwargs)
         self.options = opts
         self.model = model
+        self._entered = False  # (doctor.step() on a doctor never entered says so once: it records nothing)
         self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry (its step hooks time it)
         self._reads = optimizer  # what its state and groups are read from (optimizer_reads)
         self.out_dir = Path(opts.out_dir)
@@ -127,6 +128,7 @@ class Doctor:
         """Starts recording. Misuse (no FSDP2 unit, an unwritable or taken out_dir, a second watch of the model,
         an object that is no optimizer) is refused with one sentence (:class:`WatchError`); any other exception
         here makes the doctor step aside with one log line while training goes on."""
+        self._entered = True
         try:
             self.optimizer = unwrap_optimizer(self.optimizer)
             self._reads = optimizer_reads(self.optimizer)
@@ -221,7 +223,8 @@ class Doctor:
             except Exception as e:  # noqa: BLE001
                 log.warning("fsdp_doctor: removing its %s failed (%s: %s)", where, type(e).__name__, e)
         self._profiler = self._flops = self._memory = self._timer.marks = self._timer.step_boundary = None
-        _WATCHED.discard(self.model)
+        with contextlib.suppress(TypeError):  # (a model that takes no weak reference was refused at entry)
+            _WATCHED.discard(self.model)
 
     def _check_entry(self) -> None:
         if self.model in _WATCHED:
@@ -318,6 +321,10 @@ class Doctor:
         gradient accumulation) are micro-batches of one step, recorded together (``StepRecord.micro_batches``)."""
         t_end = _now()
         if not self.active:
+            if not self._entered:  # watch() called without `with` (a new-user trial got no records and no word)
+                self._entered = True
+                log.warning("fsdp_doctor: doctor.step() on a watch() that was never entered records nothing: use "
+                            "`with fsdp_doctor.watch(model, optimizer, out_dir=...) as doctor:` around the loop")
             return
         self._micro += 1
         if self._is_micro_batch():
@@ -604,7 +611,24 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
     (``out_dir`` required; ``profile``, ``memory``, ``tokens_per_step``, ``peak_tflops``, ``count_flops``,
     ``capacity_bytes``, ``tensorboard``, ``overwrite``).
     """
+    _check_arguments(model, optimizer)
     return Doctor(model, optimizer, WatchOptions.from_kwargs(options))
+
+
+def _check_arguments(model, optimizer) -> None:
+    """One sentence for the arguments a hurried user gets wrong (a new-user trial: a list of models read as a
+    traceback about weak references; the arguments swapped as "not a torch.optim.Optimizer"; ``out_dir`` given
+    second as "out_dir is required")."""
+    if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module):
+        raise WatchError("fsdp_doctor.watch: the model and the optimizer are swapped: "
+                         "watch(model, optimizer, out_dir=...)")
+    if isinstance(optimizer, (str, os.PathLike)):
+        raise WatchError(f"fsdp_doctor.watch: {str(optimizer)!r} came second, where the optimizer goes: "
+                         "watch(model, optimizer, out_dir=...) takes out_dir by name")
+    if not isinstance(model, nn.Module):
+        raise WatchError(f"fsdp_doctor.watch: the model argument ({type(model).__name__}) is not a torch.nn.Module: "
+                         "watch() takes one model and its optimizer; of several models (a GAN's, a teacher and its "
+                         "student), watch the one whose training you want diagnosed")
 
 
 def _version(dist_name: str) -> str | None:
