@@ -441,3 +441,23 @@ def test_saves_are_never_told_to_come_more_often():
     assert e["steps_between_saves"] == 5 and e["save_ms_p50"] == 20.0
     assert e["save_steps_after"] == 52 and e["share_pct_after"] == pytest.approx(3.9, abs=0.1), e
     assert f"or save every {e['save_steps_after']} steps" in f.recommendation.text
+
+
+def test_an_all_gather_outlier_names_the_root_by_its_label():
+    """A step whose excess is the root's all-gather wait names the unit "(root)", as every table does (a new-user
+    trial's outlier table read "largest in unit ''")."""
+    from fsdp_doctor.analyze.steps import find_outliers
+    from fsdp_doctor.records import StepRecord, UnitStep
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    def step(n, wait):
+        return StepRecord(rank=0, step=n, start_ns=n, wall_ms=105.0 + wait + 0.1 * (n % 3), forward_ms=40.0 + wait,
+                          backward_ms=40.0, optimizer_ms=20.0, outside_ms=5.0,
+                          units=[UnitStep(name="", fwd_ms=40.0 + wait, ag_wait_fwd_ms=1.0 + wait),
+                                 UnitStep(name="layers.0", fwd_ms=10.0, ag_wait_fwd_ms=1.0)])
+
+    run = Run(path="constructed")
+    run.ranks[0] = RankData(rank=0, steps=[step(n, 400.0 if n == 6 else 0.0) for n in range(1, 12)])
+    (o,) = [o for o in find_outliers(run) if o.step == 6]
+    assert o.cause == "allgather_wait" and "(largest in unit (root): 401.0 ms)" in o.detail, o.detail

@@ -5,6 +5,8 @@ matrix's gpt_periodic_pause row (tests/test_scenario_matrix.py)."""
 
 from __future__ import annotations
 
+import random
+
 import fsdp_doctor
 from fsdp_doctor.records import GpuTimes, RunConfig, StepRecord
 from fsdp_doctor.store import Run
@@ -119,3 +121,12 @@ def test_one_ranks_late_steps_claim_a_period_from_three_on():
     assert (ev["rank"], ev["late_steps"], ev["every_n_steps"]) == (1, [3, 7, 11, 15], 4), ev
     ev = late({4: 150.0, 11: 150.0})
     assert (ev["late_steps"], ev["every_n_steps"]) == ([4, 11], None), ev
+    # a long run late now and then: the prose lists 12 steps and the evidence 50, the count beside (a 20,000-step
+    # run printed all 1,230 late steps: 74 lines of one finding)
+    rng = random.Random(0)
+    hit = sorted(rng.sample(range(1, 2000), 120))
+    rep = fsdp_doctor.build_report(_run({1: {k: 150.0 for k in hit}}, n=2000))
+    f = next(f for f in rep.findings if f.code == "straggler.intermittent")
+    assert f.evidence["late_steps"] == hit[:50] and f.evidence["late_step_count"] == 120
+    assert len(f.evidence["late_excess_ms"]) == 50
+    assert f.recommendation.text.startswith("In steps " + ", ".join(map(str, hit[:12])) + " … (+108) rank 1 spends")

@@ -10,6 +10,7 @@ from typing import Optional
 from ..records import GpuTimes, StepRecord
 from ..report_sections import CheckpointSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection, StepStats, Straggler
 from ..store import Run
+from ..units import unit_label
 
 # An outlier step is slower than the rank's median by at least this fraction ...
 OUTLIER_MIN_FRACTION = 0.25  # below a quarter of a step, a slow step is noise on a busy host
@@ -334,7 +335,9 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
             return "doctor", f"the doctor: +{parts['doctor']:.1f} ms {how}"
         if key == "wait":
             unit, ms = _largest_unit_wait(s)
-            return "allgather_wait", f"all-gather wait +{parts['wait']:.1f} ms (largest in unit {unit!r}: {ms:.1f} ms)"
+            # (the unit by its label: the root read '' in a new-user trial's table)
+            return "allgather_wait", (f"all-gather wait +{parts['wait']:.1f} ms (largest in unit "
+                                      f"{unit_label(unit) if unit is not None else 'none'}: {ms:.1f} ms)")
         return "compute", f"compute +{parts['compute']:.1f} ms in forward/backward/optimizer (of +{excess:.1f} ms)"
 
     first, second = sorted(parts, key=parts.get, reverse=True)[:2]
