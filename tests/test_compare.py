@@ -623,3 +623,26 @@ def test_throughput_of_a_cpu_run_reads_in_gflops(sample_run_path):
     (tp,) = [t for t in tables(cmp) if t.title == "Throughput"]
     row = next(r for r in tp.rows if r[0].endswith("FLOP/s"))
     assert row[:3] == ("GFLOP/s", f"{tf * 1e3:.3g}", f"{tf * 1e3:.3g}") and float(row[1]) > 0
+
+
+def test_activations_moving_with_no_setting_changed_say_the_batch_did(sample_run_path):
+    """Two runs alike in every setting compare reads, B's activations at the peak twice A's: the summary says the
+    batch or the sequence length differs (a new-user trial's batch of 4 against 2 read "no configuration change
+    found" beside +99.7% of activations); 10% more is not said to be one."""
+    import copy
+
+    run = load_run(sample_run_path)
+    a = compare_side(run)
+    summaries = {}
+    for factor in (2.0, 1.1):
+        rep = copy.deepcopy(a.report)
+        m = rep.memory_section()
+        pr = m.per_rank.get(m.peak_rank) or next(iter(m.per_rank.values()))
+        pr.peak_breakdown["activations"] = int(pr.peak_breakdown["activations"] * factor)
+        b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
+        summaries[factor] = C.compare(a, b).summary
+    assert summaries[2.0].startswith("no configuration change found")
+    assert summaries[2.0].endswith("; but the peak's activations moved +100% with no setting changed: the batch or "
+                                   "the sequence length differs, which compare reads only as watch()'s "
+                                   "tokens_per_step"), summaries[2.0]
+    assert "activations moved" not in summaries[1.1]

@@ -72,6 +72,8 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
 }
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
              "offload", "param_dtype", "reduce_dtype")
+# activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did
+BATCH_SHIFT_PCT = 20.0
 JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
             "capacity_bytes")
 
@@ -478,6 +480,12 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         cmp.memory_peak = delta(peak_a, peak_b, 0)
         # the categories both sides split their peak into (a plain trace's is one figure, "allocated")
         cmp.memory = {k: delta(cat_a[k], cat_b[k], 0) for k in cat_a if k in cat_b}
+        act = cmp.memory.get("activations")
+        if not changed and act is not None and act.pct is not None and abs(act.pct) >= BATCH_SHIFT_PCT:
+            # (a batch of 4 against 2 read "no configuration change found" beside +99.7% of activations: a new-user
+            # trial; the batch is the loop's, which the records hold only as tokens_per_step)
+            cmp.summary += (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or "
+                            "the sequence length differs, which compare reads only as watch()'s tokens_per_step")
     source = "trace" if ra.overlap is not None and rb.overlap is not None and ra.overlap.per_unit \
         and rb.overlap.per_unit else "records"
     # the headline total beside the rows, where both reports took it from the rows' source (a 1-rank run's records
