@@ -304,7 +304,7 @@ def test_html_header_warns_as_the_terminal_does():
     rep["run"].update(complete={"0": True, "1": False}, trace_files=2,
                       doctor_errors=[{"rank": 1, "step": 4, "where": "memory", "message": "probe failed"}])
     text = render_html(rep)
-    assert ("<p class='warn'>rank 1 did not finish (run still going, or killed); their completed steps are "
+    assert ("<p class='warn'>rank 1 did not finish (run still going, or killed); its completed steps are "
             "used</p>") in text
     # the doctor stepping aside is an error line, red as in the terminal (it was the warning's yellow here)
     assert "<p class='err'>doctor stepped aside on rank 1 at step 4 (memory): probe failed</p>" in text

@@ -262,8 +262,19 @@ def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp
     assert run.ranks[0].end.exception == "KeyboardInterrupt" and run.ranks[0].end.steps == 4
     facts = build_report(run).run
     assert facts.complete == {"0": False} and facts.stopped_on == {"0": "KeyboardInterrupt"}
-    assert [w.text for w in run_warnings(facts)] == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); their "
+    assert [w.text for w in run_warnings(facts)] == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); its "
                                    "completed steps are used"]
+    # a rank killed (no end record) beside one that raised after it: the killed one first, the other's message said
+    # (a new-user trial's header named rank 1's RuntimeError first and dropped its message)
+    from fsdp_doctor.report_sections import RunFacts
+
+    both = RunFacts(complete={"0": False, "1": False},
+                    stopped_on={"1": "RuntimeError: pair.cc:537] Read error: Connection reset by peer"})
+    assert [w.text for w in run_warnings(both)] == [
+        "rank 0 did not finish (run still going, or killed); its completed steps are used",
+        "rank 1 stopped on an exception in the training loop (RuntimeError): RuntimeError: pair.cc:537] Read error: "
+        "Connection reset by peer, likely after rank 0 stopped (a rank killed writes no end record); its completed "
+        "steps are used"]
 
 
 def test_a_trainer_that_did_not_shard_is_told_so_in_its_own_terms():

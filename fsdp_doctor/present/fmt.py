@@ -542,12 +542,25 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
     out = []
     stopped = run.stopped_on if run.stopped_on is not UNSET else {}
     incomplete = [k for k, done in run.complete.items() if not done and k not in stopped]
-    if stopped:
-        out.append(f"{ranks_phrase(stopped)} stopped on an exception in the training loop "
-                   f"({', '.join(exception_kinds(run))}); their completed steps are used")
+    def whose(ranks) -> str:
+        return "their" if len(ranks) > 1 else "its"
+
+    # a rank killed leaves no end record, one that raised does: with both, the killed one likely went first and the
+    # others' errors (a peer's connection reset) follow from it (a new-user trial's rank 0 killed itself: the header
+    # named rank 1's RuntimeError first and dropped its message)
     if incomplete:
-        out.append(f"{ranks_phrase(incomplete)} did not finish (run still going, or killed); their completed "
-                   "steps are used")
+        out.append(f"{ranks_phrase(incomplete)} did not finish (run still going, or killed); {whose(incomplete)} "
+                   "completed steps are used")
+    if stopped:
+        msgs = sorted(set(stopped.values()))
+        # the message where one is shared and holds more than its kind (a rank's "RuntimeError: ... Connection reset
+        # by peer"), cut to a line
+        said = (f": {msgs[0] if len(msgs[0]) <= 160 else msgs[0][:159] + '…'}"
+                if len(msgs) == 1 and ":" in msgs[0] else "")
+        after = (f", likely after {ranks_phrase(incomplete)} stopped (a rank killed writes no end record)"
+                 if incomplete else "")
+        out.append(f"{ranks_phrase(stopped)} stopped on an exception in the training loop "
+                   f"({', '.join(exception_kinds(run))}){said}{after}; {whose(stopped)} completed steps are used")
     traced = run.trace_ranks if run.trace_ranks is not UNSET else None
     if traced and run.world_size and len(traced) < run.world_size and not run.steps_recorded:
         gone = [r for r in range(run.world_size) if r not in traced]
