@@ -496,6 +496,9 @@ class End(Record, tag="end"):
     steps: int
     ended_ns: int
     exception: str = ""
+    # FSDP2 units of other models alive in the process at the exit (a frozen teacher, a GAN's other network): their
+    # collectives share the trace's labels with the watched model's, their work lies in its time outside the model
+    other_fsdp_units: int = 0
 
 
 AnyRecord = Union[Header, RunConfig, StepRecord, GpuTimes, ProfileWindow, DoctorError, End]

@@ -511,3 +511,43 @@ def test_doctor_step_on_a_watch_never_entered_says_so_once(caplog):
     assert said == ["fsdp_doctor: doctor.step() on a watch() that was never entered records nothing: use `with "
                     "fsdp_doctor.watch(model, optimizer, out_dir=...) as doctor:` around the loop"], said
     assert not Path("never-written").exists()
+
+
+def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo_one_rank):
+    """A frozen, sharded teacher beside the watched student (distillation): the header notes that FSDP2 units of
+    another model live in this process, whose collectives the trace's labels cannot tell from the student's (a
+    new-user trial's student report counted the teacher's all-gathers in its units and its verdict). A model of an
+    earlier, destroyed process group that the collector has not freed yet is not one; the student alone has none."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+
+    def sharded():
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+        fully_shard(m[0])
+        fully_shard(m)
+        return m
+
+    def notes(teacher):
+        student = sharded()
+        opt = torch.optim.Adam(student.parameters())
+        out = tmp_path / ("with" if teacher is not None else "alone")
+        with fsdp_doctor.watch(student, opt, out_dir=out, profile=False) as doc:
+            for _ in range(3):
+                x = torch.randn(8, 16)
+                with torch.no_grad():
+                    t = teacher(x) if teacher is not None else x
+                (student(x) - t).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                doc.step()
+        run = fsdp_doctor.load_run(out)
+        assert run.ranks[0].end.other_fsdp_units == (0 if teacher is None else 2)
+        return build_report(run).run.notes or []
+
+    from fsdp_doctor.pipeline import build_report
+
+    assert not [n for n in notes(None) if "another model" in n]
+    teacher = sharded().requires_grad_(False)
+    (said,) = [n for n in notes(teacher) if "another model" in n]
+    assert said.startswith("2 FSDP2 unit(s) of another model live in this process (a teacher's"), said

@@ -59,6 +59,13 @@ def run_facts(run: Run) -> RunFacts:
             facts.offload = off
         if cfg.measured_notes:  # units compiled by torch.compile: how they were timed, or that they were not
             facts.notes = list(cfg.measured_notes)
+        others = max((rd.end.other_fsdp_units for rd in run.ranks.values() if rd.end is not None), default=0)
+        if others:  # (a new-user trial's distillation: the teacher's all-gathers in the student's same-named units)
+            facts.notes = [*(facts.notes or []), (
+                f"{others} FSDP2 unit(s) of another model live in this process (a teacher's, a GAN's other "
+                "network's): FSDP's trace labels do not name the model, so the trace's per-unit figures of same-named "
+                "units count theirs too, and their work between the watched model's steps reads as time outside the "
+                "model")]
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)
         from ..trace.meta import meta_facts
 

@@ -86,6 +86,13 @@ def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
     return steps[(len(steps) - 1) // 2] if steps else None
 
 
+def other_fsdp_units(ctx: Context) -> int:
+    """FSDP2 units of another model alive in the run's processes at its exit (a frozen teacher, a GAN's other
+    network: ``End.other_fsdp_units``), the most over the ranks; 0 where none, or not recorded."""
+    return max((rd.end.other_fsdp_units for rd in (getattr(ctx.run, "ranks", None) or {}).values()
+                if getattr(rd, "end", None) is not None), default=0)
+
+
 def calls_beyond_model(ctx: Context, name: str) -> float:
     """The median forward calls per step of a unit's modules (``name``) beyond those the model's forward passes make
     (one per module per pass: analyze.steps.forward_passes), over every rank's usable steps: code outside the

@@ -148,6 +148,34 @@ def is_fsdp_module(m: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(m, FSDPModule)
 
 
+def other_fsdp_modules(model: nn.Module) -> list[nn.Module] | None:
+    """The FSDP2 modules alive in this process outside ``model`` (a frozen teacher, a GAN's other network), from
+    torch's registry of composable states (``torch.distributed._composable_state._module_state_mapping``, private);
+    None where that registry cannot be read. Where some are found, the cyclic garbage is collected once and they are
+    read again: a model of an earlier run in the process, its process group destroyed, lingers in reference cycles
+    (FSDP's hooks) until the collector frees it (the caller does this once, at the first step)."""
+    try:
+        from torch.distributed import _composable_state as cs
+    except Exception:  # noqa: BLE001 - a release without it: not known
+        return None
+    mine = {id(m) for m in model.modules()}
+
+    def read() -> list[nn.Module]:
+        return [m for m in list(cs._module_state_mapping.keys()) if is_fsdp_module(m) and id(m) not in mine]
+
+    try:
+        others = read()
+        if others:
+            import gc
+
+            del others
+            gc.collect()
+            others = read()
+        return others
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def state_of(module: nn.Module):
     """The module's ``FSDPState`` (grouped units share one)."""
     get = getattr(module, "_get_fsdp_state", None)

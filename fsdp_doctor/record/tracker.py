@@ -192,8 +192,12 @@ class Doctor:
             if self._sinks is not None:
                 if was_active:  # (on the loop's exception too: the run stopped there, not "still going")
                     why = "" if exc_type is None else f"{exc_type.__name__}: {exc}".splitlines()[0][:200].rstrip(": ")
+                    try:  # (read at the exit, not in a step: a run's lingering garbage is collected to tell)
+                        others = len(F2.other_fsdp_modules(self.model) or [])
+                    except Exception:  # noqa: BLE001
+                        others = 0
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns(),
-                                         exception=why))
+                                         exception=why, other_fsdp_units=others))
                     if not self.steps_done and exc_type is None and self.rank == 0:
                         ran = self._timer.optimizer_steps
                         log.warning("fsdp_doctor: watch() ended without a doctor.step() call%s: nothing was "

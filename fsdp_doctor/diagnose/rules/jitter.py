@@ -210,6 +210,12 @@ class DataWait(Rule):
                     if top.between else "time outside the model")
             return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
+        if others := E.other_fsdp_units(ctx):
+            # (a new-user trial's distillation: the frozen teacher's forward read as 41% of data loading, its lever
+            # DataLoader workers)
+            return self.quiet(f"{100 * top.share:.0f}% of the step lies outside the watched model (rank {rank}), but "
+                              f"{others} FSDP2 unit(s) of another model live in this process: their work there (a "
+                              "teacher's forward, a GAN's other network) cannot be told from data loading")
         ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:
