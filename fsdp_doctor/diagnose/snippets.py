@@ -284,7 +284,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_of(units[i]) if t.units else extra_kwargs,
                     drop)
         lines.append(_call(group_expr(mods), kw))
-    root = t.root()
+    root, lead = t.root(), []
     if root_leftovers and root is not None:
         rafs = {getattr(u, "reshard_after_forward", True) for u in t.non_root()} if t.units else set()
         # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
@@ -1044,8 +1044,6 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     rec.inputs = {"config": "the Trainer.Config your config_registry function returns (the --module/--config you run)"}
 
 
-#: the words of a fix for the sharded model that name the user's fully_shard calls (reshard.zero2_affordable's,
-#: reshard.last_unit's)
 def lacks_reshard_switch(config) -> bool:
     """This run's torch has no ``FSDPModule.set_reshard_after_forward`` (torch 2.6): a fix that calls it on the
     sharded model raises AttributeError when pasted (a new-user trial on torch 2.6); its lever is the
@@ -1062,6 +1060,8 @@ def reshard_in_calls_words(names: Iterable[str], value: bool) -> str:
             "on the sharded model).")
 
 
+#: the words of a fix for the sharded model that name the user's fully_shard calls (reshard.zero2_affordable's,
+#: reshard.last_unit's)
 RESHARD_IN_CALLS = "# or pass reshard_after_forward=False to their fully_shard calls"
 RESHARD_IN_CALL = "(or pass reshard_after_forward=False to its fully_shard call)"
 #: what they say instead for a model transformers sharded itself

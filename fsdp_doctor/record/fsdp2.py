@@ -153,7 +153,7 @@ def other_fsdp_modules(model: nn.Module) -> list[nn.Module] | None:
     torch's registry of composable states (``torch.distributed._composable_state._module_state_mapping``, private);
     None where that registry cannot be read. Where some are found, the cyclic garbage is collected once and they are
     read again: a model of an earlier run in the process, its process group destroyed, lingers in reference cycles
-    (FSDP's hooks) until the collector frees it (the caller does this once, at the first step)."""
+    (FSDP's hooks) until the collector frees it (the caller reads it once, at watch()'s exit, outside every step)."""
     try:
         from torch.distributed import _composable_state as cs
     except Exception:  # noqa: BLE001 - a release without it: not known
