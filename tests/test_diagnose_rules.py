@@ -2034,10 +2034,14 @@ def test_reduce_dtype_unset_reads_unset_or_the_same():
     """numerics.reduce_dtype on blocks with param_dtype bfloat16 and no reduce_dtype recorded: torch 2.6's
     MixedPrecisionPolicy stores a reduce_dtype equal to param_dtype as None, so the text does not claim the user
     passed none (a new-user trial's reduce_dtype=torch.bfloat16 read "no reduce_dtype"); one given reads as given."""
-    us = healthy_units(param_dtype="bfloat16")
-    (f,) = run_rule("numerics.reduce_dtype", build(units=us)[0])
+    def everywhere(**mp):  # (every unit under the policy: its snippet runs on the reference GPT, tests/test_clients.py)
+        us = healthy_units()
+        for u, _ in us:
+            u.update(mp)
+        return us
+
+    (f,) = run_rule("numerics.reduce_dtype", build(units=everywhere(param_dtype="bfloat16"))[0])
     assert "(param_dtype=bfloat16 and reduce_dtype unset or the same: FSDP2 then reduces in param_dtype)" in \
         f.recommendation.text and f.evidence["reduce_dtype_explicit"] is False, f.recommendation.text
-    (g,) = run_rule("numerics.reduce_dtype", build(units=healthy_units(param_dtype="bfloat16",
-                                                                       reduce_dtype="bfloat16"))[0])
+    (g,) = run_rule("numerics.reduce_dtype", build(units=everywhere(param_dtype="bfloat16", reduce_dtype="bfloat16"))[0])
     assert "(reduce_dtype=bfloat16)" in g.recommendation.text
