@@ -515,7 +515,7 @@ def test_doctor_step_on_a_watch_never_entered_says_so_once(caplog):
 
 def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo_one_rank):
     """A frozen, sharded teacher beside the watched student (distillation): the header notes that FSDP2 units of
-    another model live in this process, whose collectives the trace's labels cannot tell from the student's (a
+    another model are alive in this process, whose collectives the trace's labels cannot tell from the student's (a
     new-user trial's student report counted the teacher's all-gathers in its units and its verdict). A model of an
     earlier, destroyed process group that the collector has not freed yet is not one; the student alone has none."""
     from torch.distributed.fsdp import fully_shard
@@ -550,4 +550,4 @@ def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo
     assert not [n for n in notes(None) if "another model" in n]
     teacher = sharded().requires_grad_(False)
     (said,) = [n for n in notes(teacher) if "another model" in n]
-    assert said.startswith("2 FSDP2 unit(s) of another model live in this process (a teacher's"), said
+    assert said.startswith("2 FSDP2 unit(s) of another model are alive in this process (a teacher, "), said

@@ -62,10 +62,10 @@ def run_facts(run: Run) -> RunFacts:
         others = max((rd.end.other_fsdp_units for rd in run.ranks.values() if rd.end is not None), default=0)
         if others:  # (a new-user trial's distillation: the teacher's all-gathers in the student's same-named units)
             facts.notes = [*(facts.notes or []), (
-                f"{others} FSDP2 unit(s) of another model live in this process (a teacher's, a GAN's other "
-                "network's): FSDP's trace labels do not name the model, so the trace's per-unit figures of same-named "
-                "units count theirs too, and their work between the watched model's steps reads as time outside the "
-                "model")]
+                f"{others} FSDP2 unit(s) of another model are alive in this process (a teacher, a GAN's other network, "
+                "an earlier model still referenced): where it runs during the watched steps, FSDP's trace labels do "
+                "not name the model, so the trace's per-unit figures of same-named units count its collectives too, "
+                "and its work between the steps reads as time outside the model")]
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)
         from ..trace.meta import meta_facts
 

@@ -186,6 +186,16 @@ def _share(ctx: Context, rank, st: StepStats) -> _Share:
     return _Share(host / dev.period_ms, host, dev.period_ms, CLOCK_BOUND, True)  # (an upper bound on that window)
 
 
+def _other_models(ctx: Context) -> str:
+    """What the time outside the model may hold besides data loading where another model's FSDP2 units are alive in
+    the process ("" where none): a new-user trial's distillation read its frozen teacher's forward as a 41% data
+    wait. Alive is not running (a Trainer's earlier model, still referenced), so it is said, not assumed."""
+    others = E.other_fsdp_units(ctx)
+    return (f" {others} FSDP2 unit(s) of another model are alive in this process: where that model runs between the "
+            "steps (a teacher's forward, a GAN's other network), this time is its work, not the data's, and the "
+            "levers above do not shorten it." if others else "")
+
+
 @register
 class DataWait(Rule):
     code = "jitter.data_wait"
@@ -210,12 +220,6 @@ class DataWait(Rule):
                     if top.between else "time outside the model")
             return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
-        if others := E.other_fsdp_units(ctx):
-            # (a new-user trial's distillation: the frozen teacher's forward read as 41% of data loading, its lever
-            # DataLoader workers)
-            return self.quiet(f"{100 * top.share:.0f}% of the step lies outside the watched model (rank {rank}), but "
-                              f"{others} FSDP2 unit(s) of another model live in this process: their work there (a "
-                              "teacher's forward, a GAN's other network) cannot be told from data loading")
         ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:
@@ -259,7 +263,7 @@ class DataWait(Rule):
             f"workers{pinned} and prefetching (torch.utils.data.DataLoader(..., num_workers=4, {pin}"
             "prefetch_factor=4, persistent_workers=True), the workers within the CPU cores each rank has), and "
             f"move host-side work (logging, metrics, .item() calls) off the step's critical path. "
-            f"{S.NO_PIPELINE_CODE}",
+            f"{S.NO_PIPELINE_CODE}" + _other_models(ctx),
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - sh.outside_ms, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(decided),
