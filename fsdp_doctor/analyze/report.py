@@ -59,7 +59,7 @@ def run_facts(run: Run) -> RunFacts:
             facts.offload = off
         if cfg.measured_notes:  # units compiled by torch.compile: how they were timed, or that they were not
             facts.notes = list(cfg.measured_notes)
-        others = max((rd.end.other_fsdp_units for rd in run.ranks.values() if rd.end is not None), default=0)
+        others = other_fsdp_units(run)
         if others:  # (a new-user trial's distillation: the teacher's all-gathers in the student's same-named units)
             facts.notes = [*(facts.notes or []), (
                 f"{others} FSDP2 unit(s) of another model are alive in this process (a teacher, a GAN's other network, "
@@ -164,3 +164,10 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
         f = busbw_factor(row.collective, group)
         if f is not None and row.comm_us > 0:
             row.busbw_gbps = nbytes * row.count * f / row.comm_us / 1e3
+
+
+def other_fsdp_units(run) -> int:
+    """FSDP2 units of another model alive in the run's processes at its exit (a frozen teacher, a GAN's other network:
+    ``End.other_fsdp_units``), the most over the ranks; 0 where none, or not recorded."""
+    return max((rd.end.other_fsdp_units for rd in (getattr(run, "ranks", None) or {}).values()
+                if getattr(rd, "end", None) is not None), default=0)

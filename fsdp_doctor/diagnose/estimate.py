@@ -87,10 +87,10 @@ def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
 
 
 def other_fsdp_units(ctx: Context) -> int:
-    """FSDP2 units of another model alive in the run's processes at its exit (a frozen teacher, a GAN's other
-    network: ``End.other_fsdp_units``), the most over the ranks; 0 where none, or not recorded."""
-    return max((rd.end.other_fsdp_units for rd in (getattr(ctx.run, "ranks", None) or {}).values()
-                if getattr(rd, "end", None) is not None), default=0)
+    """FSDP2 units of another model alive in the run's processes at its exit (analyze.report.other_fsdp_units)."""
+    from ..analyze.report import other_fsdp_units as of_run
+
+    return of_run(ctx.run)
 
 
 def calls_beyond_model(ctx: Context, name: str) -> float:

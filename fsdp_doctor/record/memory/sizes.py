@@ -122,14 +122,14 @@ class FsdpSizes:
         """The model's parameters no FSDP unit manages, and their gradients. A unit unsharded now (the root, whose
         forward is running when the first unit's forward starts) has its unsharded parameters on the modules: they
         are FSDP's too (counted as unmanaged, a root holding parameters read its gradients as kept between steps)."""
-        managed = set()
-        for g in self.groups:
-            for fp in g.fps:
-                for p in (F2.sharded_param(fp), F2.unsharded_param(fp)):
-                    if p is not None:
-                        managed.add(id(p))
+        managed = self._managed_ids()
         self.unmanaged = [p for p in self.model.parameters() if id(p) not in managed]
         self.measure_unmanaged_grads()
+
+    def _managed_ids(self) -> set[int]:
+        """The parameters FSDP manages: each one's sharded DTensor and its unsharded parameter where FSDP made one."""
+        return {id(p) for g in self.groups for fp in g.fps
+                for p in (F2.sharded_param(fp), F2.unsharded_param(fp)) if p is not None}
 
     def refresh_static(self, final: bool = True) -> None:
         """Sharded params, unmanaged params, buffers, parameter storage keys (after FSDP's lazy init). ``final``
@@ -283,8 +283,7 @@ class FsdpSizes:
         self.opt_len = n
         # the model's parameters, and FSDP's sharded ones where a unit is unsharded now (its unsharded parameters
         # on the modules in their place: the optimizer's read as stale after a forward without gradients)
-        model_ids = {id(p) for p in self.model.parameters()}
-        model_ids |= {id(p) for g in self.groups for fp in g.fps if (p := F2.sharded_param(fp)) is not None}
+        model_ids = {id(p) for p in self.model.parameters()} | self._managed_ids()
         seen: set[int] = set()
         dev = host = 0
         stale = 0
