@@ -286,6 +286,9 @@ class CheckpointSteps(_Section):
     async_saves: int = 0  # of the saves, torch.distributed.checkpoint.async_save calls (their time: the staging)
     counted_steps: int = 0  # the steps the figures above count (0: a report written before this field: all)
     profiled: list[int] = []  # save steps left out of the figures above (in a profiler window)
+    # the first counted save step's save time: a process's first save also sets up (an async_save its staging
+    # buffers: 45-68 ms against 31 ms for the next ones in torchtitan's), once however often it saves
+    first_ms: float = 0.0
 
 
 class StepsSection(_Section):

@@ -426,21 +426,39 @@ def test_two_ranks_slow_together_do_not_each_wait_for_the_other():
 def test_saves_are_never_told_to_come_more_often():
     """A new-user trial's loop saved every 10 steps, its first save slower than the others (91 ms median, 146 ms mean):
     sized from the median, the interval for 4% of the time came out at 8 steps, "save every 8 steps" to a loop saving
-    every 10. Sized from the mean save (what the measured share holds), and never under the run's own interval."""
+    every 10. The first save's excess over the median is set-up, paid once a process (torchtitan's first async save:
+    45-68 ms against 31 ms): the interval comes from the other saves, never under the run's own, and the share
+    predicted for a run as long keeps the set-up (a 16-step torchtitan rerun measured 6.7% where 3.8% was predicted
+    from the mean of all saves). A finding that is all set-up stays quiet, saying so."""
     import msgspec
     import pytest
 
     import fsdp_doctor
 
-    run = _save_run({1, 6, 11}, save_ms=20.0)
-    for rd in run.ranks.values():  # the first save slow: 600 ms (median 20 ms, mean 213.3 ms)
-        s = rd.steps[1]
-        rd.steps[1] = msgspec.structs.replace(s, checkpoint_ms=600.0, wall_ms=s.wall_ms + 580.0)
-    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking")
+    def report(first_ms, save_ms, saves, n):
+        run = _save_run(saves, n=n, save_ms=save_ms)
+        first = min(saves)
+        for rd in run.ranks.values():
+            s = rd.steps[first]
+            rd.steps[first] = msgspec.structs.replace(s, checkpoint_ms=first_ms, wall_ms=s.wall_ms + first_ms - save_ms)
+        rep = fsdp_doctor.build_report(run)
+        return next((f for f in rep.findings if f.code == "checkpoint.blocking"), None), rep
+
+    # 600 ms then 20 ms saves every 5 steps of 100 ms: 34.8% of the recorded time, 580 ms of it the first save's set-up
+    f, rep = report(600.0, 20.0, {1, 6, 11}, 12)
+    assert f is None
+    why = next(s.reason for s in rep.rules if s.code == "checkpoint.blocking")
+    assert "580 ms of it the first save's excess" in why and "the others 4.8% (fires from 5%)" in why, why
+    # 300 ms then 60 ms saves every 10 steps of 100 ms: the others 7% of the time
+    f, _ = report(300.0, 60.0, {1, 11, 21}, 24)
     e = f.evidence
-    assert e["steps_between_saves"] == 5 and e["save_ms_p50"] == 20.0
-    assert e["save_steps_after"] == 52 and e["share_pct_after"] == pytest.approx(3.9, abs=0.1), e
-    assert f"or save every {e['save_steps_after']} steps" in f.recommendation.text
+    assert e["steps_between_saves"] == 10 and e["save_ms_p50"] == 60.0 and e["first_save_setup_ms"] == 240.0
+    # 60 ms every n steps of 100 ms: 4% from n = 15; over 24 steps 240 + 24 / 15 x 60 ms of saves
+    assert e["save_steps_after"] == 15 and e["share_pct_after_long_run"] == pytest.approx(3.8, abs=0.1), e
+    assert e["share_pct_after"] == pytest.approx(100 * 336 / (2400 + 336), abs=0.2), e
+    assert "or save every 15 steps" in f.recommendation.text
+    assert "3.8% of the time (12.3% in a run as long as this one, whose first save's 240 ms of set-up stays)" in \
+        f.recommendation.text, f.recommendation.text
 
 
 def test_an_all_gather_outlier_names_the_root_by_its_label():

@@ -78,7 +78,8 @@ def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
                            ms_p50=round(statistics.median(ms), 3), ms_total=round(sum(ms), 3),
                            wall_ms_total=round(sum(s.wall_ms for s in counted), 3),
                            excluded=not any(s.step in kept for s in hit), counted_steps=len(counted),
-                           profiled=sorted(s.step for s in hit if s.profiled and counted is not steps))
+                           profiled=sorted(s.step for s in hit if s.profiled and counted is not steps),
+                           first_ms=round(ms[0], 3))
 
 
 def percentile(xs: list[float], q: float) -> float:

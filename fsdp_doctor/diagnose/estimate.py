@@ -60,6 +60,16 @@ def step_ms(ctx: Context) -> Optional[float]:
     return float(statistics.median(vals)) if vals else None
 
 
+def step_mean_ms(ctx: Context) -> Optional[float]:
+    """The job's mean step time (ms), or the median of the ranks' means: what a run costs per step, its occasional
+    long steps included (the median leaves them out: a cost paid in a few steps only is a share of the mean)."""
+    st = steps(ctx)
+    if st.job is not None and st.job.mean_ms:
+        return float(st.job.mean_ms)
+    vals = [r.mean_ms for r in st.per_rank.values() if r.mean_ms]
+    return float(statistics.median(vals)) if vals else None
+
+
 def window_saves(ctx: Context) -> dict[int, list[int]]:
     """Per rank, the steps of its profiler windows that saved a checkpoint (analyze.steps.profiled_saves)."""
     return {r: hit for r, rd in getattr(ctx.run, "ranks", {}).items() if (hit := profiled_saves(rd.steps))}
