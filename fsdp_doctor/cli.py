@@ -41,6 +41,30 @@ def _err(msg: str) -> None:
     print(f"fsdp-doctor: {printable(msg)}", file=sys.stderr)
 
 
+def _busy(text: str):
+    """A spinner with the time elapsed while ``text``'s work runs (reading and analysing a 20,000-step run's records
+    takes seconds), on standard error and only where it is a terminal; gone when the work ends."""
+    from contextlib import nullcontext
+
+    err = _Console(stderr=True, highlight=False)
+    if not err.is_terminal:
+        return nullcontext()
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    prog = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                    transient=True)
+    prog.add_task(_markup_safe(text), total=None)
+    return prog
+
+
+def _markup_safe(text: str) -> str:
+    from rich.markup import escape
+
+    from .units import printable
+
+    return escape(printable(text))
+
+
 def _records_path(path: Path) -> Path:
     """``path``, or the folder right below it holding the doctor's records, said in one line on stderr."""
     from .store.layout import records_below
@@ -58,7 +82,9 @@ def _load(path: Path):
     from .store import RunRefused, load_run
 
     try:
-        return load_run(_records_path(path))
+        where = _records_path(path)
+        with _busy(f"reading {where}"):
+            return load_run(where)
     except (FileNotFoundError, RunRefused) as e:
         _err(str(e))
     except (NotADirectoryError, PermissionError) as e:
@@ -157,13 +183,23 @@ def _is_input(out: Path, path: Path, run) -> bool:
 def _build_with_progress(run, console: Console, build_report):
     n = len(run.trace_files)
     if n < 2 or not console.is_terminal:
-        return build_report(run)
+        with _busy(_analysing(run)):
+            return build_report(run)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("reading traces"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as prog:
         task = prog.add_task("traces", total=n)
         return build_report(run, progress=lambda done, total: prog.update(task, completed=done, total=total))
+
+
+def _analysing(run) -> str:
+    """What the spinner says while a run is analysed: its step records and traces."""
+    steps = sum(len(rd.steps) for rd in run.ranks.values())
+    traces = len(run.trace_files)
+    bits = [f"{steps:,} step records of {len(run.ranks)} rank{'s' * (len(run.ranks) != 1)}"] if steps else []
+    bits += [f"{traces} trace{'s' * (traces != 1)}"] if traces else []
+    return "analysing " + (" and ".join(bits) or str(run.path))
 
 
 def _emit(report: Report, outputs: dict, console: Console) -> bool:
@@ -235,7 +271,8 @@ def cmd_compare(ns: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
         if _onto_input(outputs, path, run, "compared"):
             return EXIT_BAD_INPUT
-        report = build_report(run) if has_input(run) else None
+        with _busy(_analysing(run)):
+            report = build_report(run) if has_input(run) else None
         if (why := unusable_reason(path, run, report)) is not None:
             _err(why)
             return EXIT_BAD_INPUT
@@ -447,7 +484,8 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
         _err(f"{path}: no fsdp-doctor records ({STREAM_GLOB}) to convert")
         return EXIT_BAD_INPUT
     out = Path(ns.out) if ns.out else path
-    dirs = export_tensorboard(run, out, traces=not ns.no_traces)
+    with _busy(f"writing TensorBoard events of {_analysing(run).removeprefix('analysing ')}"):
+        dirs = export_tensorboard(run, out, traces=not ns.no_traces)
     for d in dirs:
         print(f"wrote {d}")
     print(f"open with: {_command('tensorboard')} --logdir {out}")

@@ -250,3 +250,50 @@ def test_a_folder_holding_the_records_in_a_folder_of_their_own_is_read_from_ther
     assert report["run"]["steps_recorded"] and report["memory"]["per_rank"]
     assert main(["analyze", str(dump / "fsdp_doctor"), "--json", str(tmp_path / "s.json")]) == 0
     assert "holds no fsdp-doctor records" not in capsys.readouterr().err
+
+
+def _stderr_on_a_terminal(*args) -> tuple[int, str, str]:
+    """(exit code, stdout, what a terminal on standard error showed) of ``fsdp-doctor ARGS``."""
+    import os
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    shown = bytearray()
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the terminal closed
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    th = threading.Thread(target=drain, daemon=True)
+    th.start()
+    try:
+        p = subprocess.run([PY, "-m", "fsdp_doctor.cli", *map(str, args)], stdout=subprocess.PIPE, stderr=slave,
+                           timeout=120, cwd=REPO, text=True)
+    finally:
+        os.close(slave)
+        th.join(5)
+        os.close(master)
+    return p.returncode, p.stdout, shown.decode(errors="replace")
+
+
+def test_reading_and_analysing_show_progress_on_a_terminal_and_nothing_in_a_pipe(tmp_path):
+    """A 20,000-step run's records take seconds to read and analyse (3 s and 5-8 s here): a spinner on standard
+    error says what is read and analysed while it runs, on a terminal; in a pipe (CI, ``2> file``) nothing; the
+    report on standard output is the same."""
+    code, out, shown = _stderr_on_a_terminal("analyze", SAMPLE)
+    assert code == 0 and "Diagnosis" in out
+    assert f"reading {SAMPLE}" in shown, shown
+    steps = sum(1 for f in ("rank0", "rank1") for ln in (SAMPLE / f"{f}.records.jsonl").read_text().splitlines()
+                if ln.startswith('{"t":"step"'))
+    assert f"analysing {steps:,} step records of 2 ranks and 2 traces" in shown, shown
+    piped = fd("analyze", SAMPLE)
+    assert piped.returncode == 0 and "reading" not in piped.stderr and "analysing" not in piped.stderr
+    code, _, shown = _stderr_on_a_terminal("tensorboard", SAMPLE, "--out", tmp_path / "tb", "--no-traces")
+    assert code == 0 and f"writing TensorBoard events of {steps:,} step records of 2 ranks" in shown, shown

@@ -29,6 +29,9 @@ class Context:
     # the other rules' findings, for a rule that runs last (``Rule.last``): whether a severe verdict already
     # has findings that name its levers
     earlier: list[Finding] = field(default_factory=list)
+    # figures several rules read, computed once per diagnosis (estimate.py's ``_once``): over every step record, a
+    # second a read on a 20,000-step run
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.report = Report.of(self.report)

@@ -651,6 +651,21 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     return out
 
 
+def _once(fn):
+    """``fn(ctx)`` computed once per diagnosis (``Context.memo``); its callers get the same object: read only."""
+    def once(ctx: Context):
+        memo = getattr(ctx, "memo", None)
+        if memo is None:
+            return fn(ctx)
+        if fn.__name__ not in memo:
+            memo[fn.__name__] = fn(ctx)
+        return memo[fn.__name__]
+
+    once.__name__, once.__doc__, once.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return once
+
+
+@_once
 def micro_batches(ctx: Context) -> dict[str, float]:
     """Per unit, forward passes per optimizer step (median over steady steps and ranks): the larger of the
     recorder's micro-batch count (``doctor.step()`` calls between two optimizer steps, 1 when it is called once
