@@ -646,3 +646,24 @@ def test_activations_moving_with_no_setting_changed_say_the_batch_did(sample_run
                                    "the sequence length differs, which compare reads only as watch()'s "
                                    "tokens_per_step"), summaries[2.0]
     assert "activations moved" not in summaries[1.1]
+
+
+def test_a_mesh_changed_is_a_configuration_change(sample_run_path):
+    """4 ranks sharding 1-D against HSDP on a 2 x 2 mesh (or FSDP beside tensor parallelism) read "no configuration
+    change found", the step time's change as the host's and the activations' as the batch's (a new-user trial):
+    the mesh is a job setting compare reads, from the records' facts; a trace-only side has none to read."""
+    import copy
+
+    run = load_run(sample_run_path)
+    a = compare_side(run)
+    rep = copy.deepcopy(a.report)
+    rep.run.mesh = {"replicate": 1, "shard": 2}
+    b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
+    got = {c.key: (c.a, c.b, c.units) for c in C.config_diff(a, b)}
+    assert got == {"mesh": ("1-D", "replicate 1 × shard 2", [])}, got
+    assert not C.compare(a, b).summary.startswith("no configuration change")
+    assert C.config_diff(a, C.Side(report=copy.deepcopy(a.report), samples=a.samples, source=a.source)) == []
+    rep = copy.deepcopy(a.report)
+    rep.run.units = msgspec.UNSET  # (no snapshot: a plain trace's facts) unknown, not a change
+    rep.run.mesh = {"replicate": 1, "shard": 2}
+    assert C.config_diff(a, C.Side(report=rep, samples=a.samples, source=a.source)) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import json
 import subprocess
 import sys
@@ -105,3 +106,32 @@ def test_a_run_too_short_to_time_says_so_instead_of_a_table_of_dashes(sample_run
     assert line in text and "the traces' complete profiler steps" not in text and "Step time per rank" not in text
     html = render_html(rep)
     assert line.replace("'", "&#x27;") in html and "steps-table" not in html
+
+
+def test_message_sizes_from_the_snapshot_are_fsdp2s_padded_shards():
+    """Where a trace carries no message sizes (gloo), the unit snapshot gives them as FSDP2 sends them: each
+    parameter's dim 0 padded to a multiple of the shard group. A new-user trial's HSDP 2 x 2 root of 22,800 fp32
+    elements (91,200 B; 46,000 B a shard, padded) read 45,600 B for the replicas' all-reduce of the reduce-scatter's
+    46,000 B output; its all-gather and reduce-scatter move 92,000 B."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.analyze.report import fill_sizes_from_units
+    from fsdp_doctor.records import UnitConfig
+    from fsdp_doctor.report_sections import CommUnitRow, OverlapSection
+
+    unit = UnitConfig(name="", modules=[""], is_root=True, param_count=22800, n_params=2, sharded_bytes=46000,
+                      unsharded_bytes=91200, orig_dtypes=["float32"], shard_size=2)
+    cfg = SimpleNamespace(units=[unit], world_size=4, fsdp_dims=2, mesh={"replicate": 2, "shard": 2})
+    rows = [CommUnitRow(rank=0, unit="(root)", collective=c, phase=p, count=1, comm_us=100.0)
+            for c, p in (("all_gather", "forward"), ("reduce_scatter", "backward"), ("all_reduce", "backward"))]
+    ov = OverlapSection(per_unit=rows)
+    fill_sizes_from_units(ov, SimpleNamespace(config=cfg))
+    assert {r.collective: r.bytes_per_call for r in ov.per_unit} == {
+        "all_gather": 92000.0, "reduce_scatter": 92000.0, "all_reduce": 46000.0}
+    assert all(r.bytes_source == "unit snapshot" for r in ov.per_unit)
+    # bf16 parameters and reduction of fp32 ones (the snapshot's unsharded bytes in the param dtype): half of each
+    unit.param_dtype, unit.reduce_dtype, unit.unsharded_bytes = "bfloat16", "bfloat16", 45600
+    ov = OverlapSection(per_unit=[CommUnitRow(**{**msgspec.structs.asdict(r), "bytes_per_call": None}) for r in rows])
+    fill_sizes_from_units(ov, SimpleNamespace(config=cfg))
+    assert {r.collective: r.bytes_per_call for r in ov.per_unit} == {
+        "all_gather": 46000.0, "reduce_scatter": 46000.0, "all_reduce": 23000.0}

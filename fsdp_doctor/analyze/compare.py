@@ -22,6 +22,7 @@ from msgspec import UNSET
 from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta, FindingRef, FindingsDiff,
                                 OpChange, PredictionCheck, RunSide, StepDelta)
 from ..report_sections import Finding, Report
+from ..units import fmt_mesh
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -224,6 +225,15 @@ def _setting(u, key: str):
     return param if key in ("param_dtype", "reduce_dtype") else v
 
 
+def _mesh(run) -> Optional[str]:
+    """The parameters' device mesh in words ("replicate 2 × shard 2", "dp 2 × tp 2"), "1-D" where FSDP shards over
+    every rank alone; None where not known (no records: a plain trace's run)."""
+    if getattr(run, "units", UNSET) in (UNSET, None):  # (the snapshot's facts: only a run with records has them)
+        return None
+    mesh = getattr(run, "mesh", UNSET)
+    return fmt_mesh(mesh) if mesh not in (UNSET, None) and mesh else "1-D"
+
+
 def _norm(v):
     return tuple(v) if isinstance(v, list) else v
 
@@ -236,6 +246,9 @@ def config_diff(a: Side, b: Side) -> list[ConfigChange]:
         va, vb = (None if v is UNSET else v for v in (va, vb))
         if va != vb and (va is not None and vb is not None or k == "world_size"):
             out.append(ConfigChange(key=k, a=va, b=vb))
+    ma, mb = _mesh(ra), _mesh(rb)
+    if ma is not None and mb is not None and ma != mb:  # (4 ranks 1-D against HSDP 2 x 2 read "no configuration
+        out.append(ConfigChange(key="mesh", a=ma, b=mb))  # change" and its step time as the host's: a new-user trial)
     ua, ub = _units(a), _units(b)
     if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting

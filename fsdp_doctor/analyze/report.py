@@ -153,12 +153,15 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
         if u is None or row.bytes_per_call is not None or not u.param_count or not u.unsharded_bytes:
             continue
         stored = u.orig_dtypes[0] if u.orig_dtypes else "float32"
-        # the gathered elements (with tensor parallelism its shard's), reduced in the reduce dtype
-        reduced = u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4) * (
-            dtype_bytes(u.reduce_dtype or stored) or 4)
         group = u.shard_size or cfg.world_size  # (FSDP's shard group)
+        # the elements FSDP2 moves (with tensor parallelism its shard's): each parameter's shard padded to dim 0's
+        # ceil(rows / group) (sharded_bytes, stored dtype) on every rank of the group; the unpadded figure where the
+        # snapshot has no shard (an HSDP all-reduce of 45,600 B for the 46,000 B that FSDP2 sends on 2 x 2)
+        padded = (u.sharded_bytes or 0) / (dtype_bytes(stored) or 4) * group
+        elems = max(u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4), padded)
+        reduced = elems * (dtype_bytes(u.reduce_dtype or stored) or 4)  # gradients, in the reduce dtype
         if row.collective == "all_gather":
-            nbytes = u.unsharded_bytes
+            nbytes = elems * (dtype_bytes(u.param_dtype or stored) or 4)
         elif row.collective == "reduce_scatter":
             nbytes = reduced
         elif row.collective == "all_reduce" and cfg.fsdp_dims == 2 and cfg.mesh and u.shard_size:  # HSDP's
