@@ -571,3 +571,50 @@ def test_compiled_code_in_the_forward_trains_unchanged_under_watch(one_rank_grou
     assert analyze_throughput(run).per_rank["0"].flops_source == "analytic"
     notes = {s.memory.transients_note for s in rd.steps if s.memory is not None and s.memory.transients == "off"}
     assert notes == {"compiled functions in the model: not counted"}, notes
+
+
+def test_a_function_the_user_compiles_outside_the_model_is_compiled_under_watch(one_rank_group, tmp_path):
+    """A loss function the user compiles (``torch.compile(loss_fn)``), first called on the doctor's full memory step:
+    Dynamo skipped every frame it met under the doctor's dispatch modes for good, and the function ran eagerly the
+    whole run ("calls_captured" 3 without the doctor, none with it: a new-user trial). The modes say they step aside
+    while torch compiles (``ignore_compile_internals``): the same graphs are compiled, the losses the same."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_doctor
+
+    if not hasattr(torch.utils._python_dispatch.TorchDispatchMode, "ignore_compile_internals"):
+        pytest.skip("this torch's Dynamo reads no ignore_compile_internals (torch < 2.9): it skips such frames")
+
+    def train(out_dir=None):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss_fn = torch.compile(lambda out, y: (out - y).pow(2).mean() + out.abs().mean(), backend="eager")
+        losses = []
+        with (fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0, profile=False)
+              if out_dir else nullcontext()) as doctor:
+            for step in range(4):
+                g = torch.Generator().manual_seed(step)
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if doctor is not None:
+                    doctor.step()
+                losses.append(loss.item())
+        return losses, dict(counters["stats"])
+
+    base, compiled = train()
+    assert compiled.get("unique_graphs", 0) >= 1, compiled
+    watched, compiled_watched = train(tmp_path / "run")
+    assert watched == base and compiled_watched == compiled, (compiled, compiled_watched)
+    rd = fsdp_doctor.load_run(tmp_path / "run").ranks[0]
+    assert [s.step for s in rd.steps] == [0, 1, 2, 3] and rd.errors == []
+    assert any(s.memory is not None and s.memory.transients not in (None, "off") for s in rd.steps), \
+        [s.memory.transients for s in rd.steps if s.memory is not None]

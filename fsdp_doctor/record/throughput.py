@@ -142,6 +142,11 @@ class _Observer(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """(as the memory high-water mode's, record/memory/transients.py: a frame the user compiles is compiled)"""
+        return True
+
     def __init__(self, count):
         super().__init__()
         self._count = count

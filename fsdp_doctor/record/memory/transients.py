@@ -79,6 +79,14 @@ class _Mode(TorchDispatchMode):
     # of them under the mode, which broke a full step of a model switched to flex_attention (the H200's GPU row)
     supports_higher_order_operators = True
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles what the user compiles with the mode on, which it steps aside for while it compiles:
+        a mode that does not say so makes Dynamo skip every frame it meets under the mode, for good (a user's
+        ``torch.compile(loss_fn)`` first called on the doctor's full memory step was never compiled in the run:
+        a new-user trial). Read by torch >= 2.9; an earlier torch skips those frames as before."""
+        return True
+
     def __init__(self, hw: HighWater):
         super().__init__()
         self.hw = hw
