@@ -47,9 +47,21 @@ class Unit:
         return [fp for pg in self.param_groups for fp in F2.group_params(pg)]
 
 
+def naming_root(model: nn.Module) -> nn.Module:
+    """The module whose tree names the units and parameters: the model, or where watch() was given
+    ``torch.compile(model)``'s wrapper of a sharded model (``model = torch.compile(model)`` after the fully_shard
+    calls), the model inside it: the user's fixes go in place of their fully_shard calls, on that model (named
+    through the wrapper, every name began "_orig_mod.", and a printed fix raised AttributeError: a new-user trial)."""
+    inner = getattr(model, "_orig_mod", None)
+    if compiled_wrapper(model) and isinstance(inner, nn.Module) and not F2.is_fsdp_module(model):
+        return inner
+    return model
+
+
 def find_units(model: nn.Module) -> list[Unit]:
-    """All FSDP units under ``model`` (itself included), in module order; grouped units appear once."""
-    names = {id(m): n for n, m in model.named_modules()}
+    """All FSDP units under ``model`` (itself included), in module order; grouped units appear once; named from
+    ``naming_root(model)``."""
+    names = {id(m): n for n, m in naming_root(model).named_modules()}
     by_state: dict[int, Unit] = {}
     order: list[int] = []
     for mod_name, m in model.named_modules():
