@@ -2050,3 +2050,25 @@ def test_reduce_dtype_unset_reads_unset_or_the_same():
         f.recommendation.text and f.evidence["reduce_dtype_explicit"] is False, f.recommendation.text
     (g,) = run_rule("numerics.reduce_dtype", build(units=everywhere(param_dtype="bfloat16", reduce_dtype="bfloat16"))[0])
     assert "(reduce_dtype=bfloat16)" in g.recommendation.text
+
+
+def test_grads_kept_reads_only_a_timeline_that_begins_before_the_forward():
+    """A loop compiling a function around the model (``torch.compile(lambda x, y: loss_fn(model(x), y))``) runs the
+    forward where the doctor's marks do not reach: the peak step's timeline began at the root's backward_start,
+    whose gradient shards are that backward's, and memory.grads_kept said 903.50 KiB "stay allocated between steps"
+    of a loop freeing them, its fix pasted changing nothing (a new-user trial). It reads only a timeline that begins
+    before the forward, and says why it stayed quiet."""
+    mem = memory(20 * MiB, sharded_grads=MiB)
+    for phase, fires in (("forward_start", True), ("backward_start", False)):
+        mem["per_rank"]["0"]["timeline"] = [{"t_ms": 0.0, "unit": "", "phase": phase, "total": 4 * MiB,
+                                             "sharded_grads": MiB}]
+        mem["per_rank"]["1"]["timeline"] = mem["per_rank"]["0"]["timeline"]
+        got = run_rule("memory.grads_kept", build(memory=mem)[0])
+        assert bool(got) is fires, got
+    from fsdp_doctor.diagnose import diagnose
+
+    ctx = build(memory=mem)[0]
+    statuses = []
+    diagnose(ctx.run, ctx.report, statuses=statuses)
+    st = next(s for s in statuses if s.code == "memory.grads_kept")
+    assert st.status == "quiet" and "begins at a backward_start mark, not before its forward" in st.reason, st

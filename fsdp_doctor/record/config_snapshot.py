@@ -21,10 +21,12 @@ from .units import (Unit, compiled_frames, consistency_problem, naming_root, sna
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
-FRAME_UNSEEN = ("the model's forward runs in a compiled frame the doctor was not given (torch.compile(model) on the "
-                "model passed to watch(), the compiled wrapper trained): its hooks do nothing there, so the step's "
-                "forward, backward and every unit's time are not recorded; pass the compiled model to watch(), or "
-                "compile in place with model.compile()")
+FRAME_UNSEEN = ("the model's forward runs in a compiled frame the doctor was not given: the compiled wrapper of "
+                "torch.compile(model) trained instead of the model passed to watch(), or a function compiled around "
+                "the model's call (torch.compile of a step or loss function that calls it); its hooks do nothing "
+                "there, so the step's forward, backward and every unit's time are not recorded. Pass the compiled "
+                "model to watch(), or compile the model in place (model.compile()) and call it from an uncompiled "
+                "step function")
 
 
 def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,

@@ -34,6 +34,10 @@ class GradsKept(Rule):
         first = pm.timeline[0] if pm is not None and pm.timeline else None
         if first is None:
             return self.quiet("no memory timeline of the peak step")
+        if not str(first.get("phase") or "").startswith("forward"):  # (gradients there are this step's own)
+            return self.quiet(f"the peak step's memory timeline begins at a {first.get('phase')} mark, not before "
+                              "its forward (the forward ran where the doctor's marks do not reach: inside a function "
+                              "compiled around the model): what the step starts with is not known")
         # what the step starts with, before its first forward: gradients there survived the last step; those of
         # trainable parameters outside the optimizer, which its zero_grad never frees, are optim.untrained_params'
         # (and unsharded ones where FSDP's gradient sync is off: never reduced, optim.no_gradients')
