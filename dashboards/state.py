@@ -202,10 +202,23 @@ class RunState:
         frozen = window_run(run, (-1, 1 << 62))  # the steps of this version
         self._window_cache: dict = {}
         self._snapshot = Snapshot(version=self._version, path=self.path, report=report, steps=self._steps,
+                                  updated=self._last_written(),
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
                                   notice=self._notice, trace_errors=failed,
                                   window_fn=lambda w, r=None, _f=frozen, _rep=report: self._window_sections(_f, _rep, w, r))
+
+    def _last_written(self) -> float:
+        """When the run's records last grew (their files' newest modification time), not when they were read: a run
+        that crashed minutes before the dashboard opened read "live", its last record the moment of loading (a
+        new-user trial); now where there are none."""
+        times = []
+        for p in streams(self.path).values():
+            try:
+                times.append(p.stat().st_mtime)
+            except OSError:
+                pass
+        return max(times, default=time.time())
 
     def _window_sections(self, frozen, report: Report, window: Optional[tuple[int, int]],
                          rank: Optional[int] = None) -> Report:

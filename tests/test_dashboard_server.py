@@ -220,6 +220,42 @@ def test_a_run_that_stopped_writing_is_not_live(tmp_path):
     assert run_state(snap.report, snap.updated, now=snap.updated + 1e6) == "stopped on KeyboardInterrupt"
 
 
+def test_a_run_that_crashed_before_the_dashboard_opened_reads_as_stopped_with_the_headers_warnings(tmp_path):
+    """A run whose rank was killed ten minutes before the dashboard opened read "live", its last record the time of
+    loading, and the Overview said only "finished: no" where the terminal and HTML headers say which rank did not
+    finish; the Communication page still awaited traces (a new-user trial on 3 ranks). The last record's time is
+    the records' files', the Overview gives the header's warnings once the run is not live, and the Communication
+    page says no trace will come."""
+    import os
+    import time as _time
+
+    from fsdp_doctor.dashboards.app import _run_status
+    from fsdp_doctor.dashboards.pages import communication, overview
+    from fsdp_doctor.dashboards.pages.common import Filters
+
+    run = write_run(tmp_path / "run", "ffffffffffff", 10, 1)
+    then = _time.time() - 600
+    for f in run.glob("rank*.records.jsonl"):  # killed: no end record, ten minutes ago
+        f.write_bytes(b"".join(ln + b"\n" for ln in f.read_bytes().splitlines() if not ln.startswith(b'{"t":"end"')))
+        os.utime(f, (then, then))
+    for f in run.glob("profiler/*"):
+        f.unlink()
+    snap = RunState(run, background_traces=False).snapshot()
+    assert abs(snap.updated - then) < 1, (snap.updated, then)
+    assert _run_status(snap).startswith("no new record for 10 min · 10 steps × 2 ranks · last record "
+                                        + _time.strftime("%H:%M", _time.localtime(then)))
+    text = json.dumps([c.to_plotly_json() for c in overview.layout(snap, Filters())], default=str)
+    assert "ranks 0, 1 did not finish (run still going, or killed); their completed steps are used" in text, text
+    comm = json.dumps([c.to_plotly_json() for c in communication.layout(snap, Filters())], default=str)
+    assert "No Kineto traces in this run (no new record for 10 min)" in comm, comm
+    # the same run while it writes: live, and no warning that its ranks have not finished
+    for f in run.glob("rank*.records.jsonl"):
+        os.utime(f)
+    snap = RunState(run, background_traces=False).snapshot()
+    text = json.dumps([c.to_plotly_json() for c in overview.layout(snap, Filters())], default=str)
+    assert _run_status(snap).startswith("live · ") and "did not finish" not in text
+
+
 def test_compare_reads_only_the_runs_it_offers_and_says_why_a_folder_cannot_be_compared(tmp_path):
     """A new-user trial posted the Compare page's callback with /etc, an empty folder and a folder of saved JSON
     answers: each drew a plausible comparison ("world_size | job | 0 | 2"). A path the lists do not offer reads

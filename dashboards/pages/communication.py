@@ -9,7 +9,7 @@ from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
 from fsdp_doctor.report_sections import CommUnitRow, OverlapSection
 
 from fsdp_doctor.present import figures as F
-from .common import Filters, fmt_value, graph, grid, kpi, note, section, table
+from .common import Filters, fmt_value, graph, grid, kpi, note, run_state, section, table
 
 
 _TIMELINES: dict[int, tuple] = {}
@@ -72,6 +72,11 @@ def layout(snap, flt: Filters) -> list:
         elif snap.trace_errors:  # the traces are there: say why none could be used
             return [note(f"{len(snap.trace_errors)} Kineto trace file(s) found, none could be analysed:", "error",
                          nid="comm-absent"), html.Ul([html.Li(e) for e in snap.trace_errors], id="comm-trace-errors")]
+        elif (state := run_state(snap.report, snap.updated)) != "live":  # none will come: say so, and why
+            msg = (f"No Kineto traces in this run ({state}): communication is measured from the profiler windows "
+                   f"({snap.path}/profiler/rank*.pt.trace.json.gz), which this run did not write: "
+                   + ("watch(profile=False), or it ended before its first window."
+                      if snap.has_records else "nothing recorded."))
         else:
             msg = ("No Kineto traces in this run yet: communication is measured from the profiler windows "
                    f"({snap.path}/profiler/rank*.pt.trace.json.gz), written after the first profiled steps.")

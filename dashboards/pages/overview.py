@@ -11,7 +11,7 @@ from msgspec import UNSET
 
 from fsdp_doctor.present.fmt import (evidence_labels, fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
                                      fmt_bytes, fmt_ms, optimizer_fact, params_fact, predicted_text, severity_counts,
-                                     throughput_note, unit_label, verdict_headline, verdict_rows)
+                                     run_warnings, throughput_note, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
 from fsdp_doctor.present.figures import verdict_figure
@@ -171,13 +171,15 @@ def layout(snap, flt: Filters) -> list:
                         "its findings, step times (ProfilerStep markers), per-unit times (FSDP2's labels) and memory "
                         "(where the profiler recorded it) come from the traces; step phases, memory by category and "
                         "the unit configuration need a run recorded with fsdp_doctor.watch(...).", "info", nid="traces-only-note"))
-    out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only),
-                     state=run_state(report, snap.updated)))
+    state = run_state(report, snap.updated)
+    out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only), state=state))
     run = report.run
-    for e in run.doctor_errors or []:
-        out.append(note(f"The doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error"))
-    for n in run.notes or []:  # how compiled units were measured: the header's notes
-        out.append(note(n, "info"))
+    # the header's warnings, as the terminal and the HTML report give them (a crashed rank's run read only "finished:
+    # no" here: a new-user trial); while the run is live its ranks have not finished, which is no warning
+    for w in run_warnings(run):
+        if w.level == "warning" and state == "live":
+            continue
+        out.append(note(w.text, {"error": "error", "note": "info"}.get(w.level, "warning")))
     findings = [f for f in report.findings
                 if (flt.rank is None or not f.ranks or flt.rank in f.ranks)
                 and (flt.unit is None or not f.units or flt.unit in f.units)]
