@@ -60,7 +60,7 @@ def test_a_rank_where_the_doctor_stepped_aside_is_named_in_the_json_and_the_term
     """The store keeps the error record; the report carries it typed and the terminal says it in one line."""
     import io
 
-    from rich.console import Console
+    from rich.console import Console, Group
 
     from fsdp_doctor.present.terminal import render_report
     from fsdp_doctor.records import DoctorError
@@ -85,7 +85,7 @@ def test_a_run_too_short_to_time_says_so_instead_of_a_table_of_dashes(sample_run
     (there were none); the terminal and the HTML report now say what was left out and how long a run must be."""
     import io
 
-    from rich.console import Console
+    from rich.console import Console, Group
 
     from fsdp_doctor.present.html import render_html
     from fsdp_doctor.present.terminal import render_report
@@ -135,3 +135,30 @@ def test_message_sizes_from_the_snapshot_are_fsdp2s_padded_shards():
     fill_sizes_from_units(ov, SimpleNamespace(config=cfg))
     assert {r.collective: r.bytes_per_call for r in ov.per_unit} == {
         "all_gather": 46000.0, "reduce_scatter": 46000.0, "all_reduce": 23000.0}
+
+
+def test_the_line_right_above_a_fix_in_the_terminal_is_its_heading_alone():
+    """A fix that reads names of the user's code (an HSDP user's mesh) had them after its heading: wrapped at 100
+    columns, the continuation ("fully_shard calls pass: your replicate 2 × shard 2 mesh (HSDP)") sat right above
+    the code, unindented, and copied with it raised SyntaxError on every rank (a new-user trial). They come on a line
+    of their own before the heading; the heading, right above the code, fits 80 columns."""
+    import io
+
+    from rich.console import Console, Group
+
+    from fsdp_doctor.present.terminal import finding_details
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    f = Finding(code="wrap.too_coarse", severity="warning", title="One unit holds the whole model", evidence={},
+                recommendation=Recommendation(
+                    text="Shard each block.", code="for block in model.layers:\n    fully_shard(block, mesh=mesh)",
+                    where="unsharded",
+                    inputs={"mesh": "the mesh your fully_shard calls pass: your replicate 2 × shard 2 mesh (HSDP)"}))
+    for width in (80, 100, 160):
+        buf = io.StringIO()
+        Console(file=buf, width=width, color_system=None).print(Group(*finding_details(f)))
+        lines = buf.getvalue().splitlines()
+        i = next(k for k, ln in enumerate(lines) if ln.startswith("for block in model.layers"))
+        assert lines[i - 1] == "Fix (Python, in place of your fully_shard calls, on the unsharded model):", lines
+        assert lines[i - 2].endswith("mesh (HSDP)") or lines[i - 3].startswith("The fix uses from your code: mesh: ")
+        assert any(ln.startswith("The fix uses from your code: mesh: the mesh your") for ln in lines), lines

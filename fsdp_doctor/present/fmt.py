@@ -161,14 +161,20 @@ def findings_headline(items: list[Finding], rules: list | None = None) -> str:
     return severity_counts(items) + "." + (f" Only {few.removeprefix('only ')}." if few else "")
 
 
-def fix_heading(rec) -> str:
-    """The line above a fix's code: where it goes in the user's script and, for a loop fix, the names it reads
-    from the loop ("Fix (Python, after your fully_shard calls):")."""
+def fix_heading(rec, inputs: bool = True) -> str:
+    """The line above a fix's code: where it goes in the user's script and (``inputs``), for a fix that reads names
+    of the user's code, what they are ("Fix (Python, after your fully_shard calls):")."""
     where, lang = FIX_PLACES.get(rec.where, ""), FIX_LANGUAGES.get(rec.where, "Python")
     head = f"Fix ({lang}, {where}):" if where else f"Fix ({lang}):"
-    if rec.inputs:
-        head += " " + "; ".join(f"{k}: {v}" for k, v in rec.inputs.items())
+    if rec.inputs and inputs:
+        head += " " + fix_inputs(rec)
     return head
+
+
+def fix_inputs(rec) -> str:
+    """The names of the user's code a fix reads, and what they are ("mesh: the mesh your fully_shard calls pass");
+    "" for none."""
+    return "; ".join(f"{k}: {v}" for k, v in (rec.inputs or {}).items())
 
 
 def predicted_text(pred) -> str:

@@ -12,7 +12,7 @@ from rich.text import Text
 from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow,
                                Verdict)
 from .fit import Col, fitted_table
-from .fmt import (fix_heading, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
+from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
@@ -149,7 +149,12 @@ def finding_details(f: Finding) -> list:
     if expected:
         items.append(Text(f"Expected: {expected}", style="green"))
     if rec.code:
-        items.append(Text(fix_heading(rec), style="dim"))
+        # the names it reads from the user's code on a line of their own before the heading: wrapped after it, a
+        # terminal's continuation line sat right above the code and was copied with it (a SyntaxError: a new-user
+        # trial); the line right above the code is the heading alone
+        if rec.inputs:
+            items.append(Text(f"The fix uses from your code: {fix_inputs(rec)}", style="dim"))
+        items.append(Text(fix_heading(rec, inputs=False), style="dim"))
         lexer = "bash" if rec.where in FIX_LANGUAGES else "python"  # (a command line, not Python)
         items.append(Syntax(rec.code, lexer, theme="ansi_dark", background_color="default", word_wrap=False))
     return items
