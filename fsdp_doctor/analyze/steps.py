@@ -73,13 +73,16 @@ def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
     if not any(s.checkpoints for s in counted):
         counted = steps
     ms = [s.checkpoint_ms for s in counted if s.checkpoints]
+    others = [s.outside_ms for s in counted if not s.checkpoints and s.step > 0]
+    base = statistics.median(others) if others else None
+    unmarked = sum(max(0.0, s.outside_ms - base) for s in counted if s.checkpoints) if base is not None else 0.0
     return CheckpointSteps(steps=[s.step for s in hit], saves=sum(s.checkpoints for s in hit),
                            async_saves=sum(s.async_saves for s in hit),
                            ms_p50=round(statistics.median(ms), 3), ms_total=round(sum(ms), 3),
                            wall_ms_total=round(sum(s.wall_ms for s in counted), 3),
                            excluded=not any(s.step in kept for s in hit), counted_steps=len(counted),
                            profiled=sorted(s.step for s in hit if s.profiled and counted is not steps),
-                           first_ms=round(ms[0], 3))
+                           first_ms=round(ms[0], 3), unmarked_ms=round(unmarked, 3))
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -361,7 +361,17 @@ class Doctor:
 
     @contextlib.contextmanager
     def checkpointing(self):
-        """Marks a checkpoint save: ``with doctor.checkpointing(): torch.save(full_state, path)``. Its time is recorded
+        """Marks a checkpoint save, the whole of it and on every rank (a full state dict is gathered by every rank,
+        and the others wait for the one that writes)::
+
+            with doctor.checkpointing():
+                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                if rank == 0:
+                    torch.save(full, path)
+                dist.barrier()
+
+        Time around a mark in the save step's time outside the model, at least as long as the mark's, is counted as the
+        save's too (checkpoint.blocking says so). Its time is recorded
         as the step's ``checkpoint_ms``, apart from the time outside the model, so that a save every N steps reads
         as a save, not as the loop waiting for data; the analyses leave such steps out of the step statistics as
         they do evaluation steps. The save itself runs as it would without the doctor. torch.distributed.checkpoint's
