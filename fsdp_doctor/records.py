@@ -446,6 +446,9 @@ class StepRecord(Record, tag="step"):
     # loss through the model after its update (a GAN's generator update through the watched discriminator), not
     # gradient accumulation, whose micro-batches all run backward before the step's optimizer.step()
     backward_after_optimizer: bool = False
+    # set by the reader, never written: another rank saved a checkpoint in this step (rank 0's torch.save, which the
+    # others wait for at their next collective): a save step of the job, left out of the statistics as its own are
+    others_saved: bool = False
 
 
 class GpuTimes(Record, tag="gpu"):

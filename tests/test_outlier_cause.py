@@ -512,3 +512,34 @@ def test_work_around_a_marked_save_outside_the_mark_counts_as_the_saves():
     rep = report(4.0)  # noise: 12 ms around 60 ms of saves
     st = next(s for s in rep.rules if s.code == "checkpoint.blocking")
     assert st.status == "quiet" and "4.7% of the recorded time" in st.reason, st
+
+
+def test_a_save_on_rank_0_only_is_a_save_step_of_every_rank(tmp_path, sample_run_path):
+    """Rank 0 alone saved (torch.save of a gathered state dict in doctor.checkpointing()) and the other ranks waited
+    for it at their next collective: only rank 0's save steps left the statistics, rank 1 kept its waits (p50 371.7
+    ms against rank 0's 228.3 ms: a new-user trial). The reader marks a step in which any rank saved on every rank
+    (``StepRecord.others_saved``), and every rank's statistics leave it out."""
+    import json
+    import shutil
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.steps import usable_steps
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(sample_run_path, run_dir, ignore=shutil.ignore_patterns("profiler", "tb", "report.json"))
+    lines = []
+    for ln in (run_dir / "rank0.records.jsonl").read_text().splitlines():
+        d = json.loads(ln)
+        if d.get("t") == "step" and d["step"] in (5, 10, 15):
+            d.update(checkpoints=1, checkpoint_ms=250.0, wall_ms=d["wall_ms"] + 250.0)
+        lines.append(json.dumps(d))
+    (run_dir / "rank0.records.jsonl").write_text("\n".join(lines) + "\n")
+    run = fsdp_doctor.load_run(run_dir)
+    r1 = run.ranks[1].steps
+    assert [s.step for s in r1 if s.others_saved] == [5, 10, 15]
+    assert not any(s.others_saved for s in run.ranks[0].steps)
+    for r in (0, 1):
+        kept = {s.step for s in usable_steps(run.ranks[r].steps)}
+        assert kept and not kept & {5, 10, 15}, (r, kept)
+    rep = fsdp_doctor.build_report(run)
+    assert rep.steps.per_rank["0"].count == rep.steps.per_rank["1"].count

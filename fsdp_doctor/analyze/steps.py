@@ -28,9 +28,11 @@ def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
     profiler window or a FLOP-counting step (their cost is the tool's, not the model's), nor, each unless that
     leaves fewer than 3, a step that also ran the model without gradients (evaluation, generation: not training)
-    or one whose memory was counted op by op (the high-water's dispatch mode), or one that saved a checkpoint."""
+    or one whose memory was counted op by op (the high-water's dispatch mode), or one in which a rank saved a
+    checkpoint (this one or another: ``StepRecord.others_saved``)."""
     out = [s for s in steps if s.step > 0 and not s.profiled]
-    for keep in (lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s), lambda s: not s.checkpoints):
+    for keep in (lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s),
+                 lambda s: not s.checkpoints and not s.others_saved):
         kept = [s for s in out if keep(s)]
         out = kept if len(kept) >= 3 else out
     return out
