@@ -104,6 +104,12 @@ class PredictionCheck(_S):
     peak_bytes_measured: Optional[int] = None
     peak_pct_error: Optional[float] = None  # (predicted - measured) / measured
     peak_held: Optional[bool] = None
+    # a fix whose gain lies in steps the step statistics leave out (checkpoint.blocking: the saves' share of the
+    # recorded time, %): A's prediction against B's share, held when B's fell by at least half the predicted drop
+    share_pct_before: Optional[float] = None
+    share_pct_predicted: Optional[float] = None
+    share_pct_measured: Optional[float] = None
+    share_held: Optional[bool] = None
 
 
 class OpChange(_S):

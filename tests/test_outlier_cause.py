@@ -270,6 +270,11 @@ def test_checkpoint_steps_are_left_out_and_named():
         rd.steps[9].wall_ms += 200.0
     sec = analyze_steps(run)
     assert sec.checkpoints["0"].excluded is False
+    # kept, they count without their saves (a 10-step resumed run's p50 held its saves, compared with a run whose
+    # statistics left them out: a new-user trial), and the line says so
+    assert sec.per_rank["0"].p50_ms < 101 and sec.per_rank["0"].max_ms < 101, sec.per_rank["0"]
+    assert apart_texts(sec)[0][1].endswith("kept in the step statistics above (too few steps without), their saves' "
+                                           "time taken out"), apart_texts(sec)
     causes = {(o.rank, o.step): o for o in sec.outliers}
     assert set(causes) == {(0, 9), (1, 9)} and causes[(0, 9)].cause == "checkpoint", causes
     assert causes[(0, 9)].detail == "checkpoint save +200.0 ms"
@@ -543,3 +548,32 @@ def test_a_save_on_rank_0_only_is_a_save_step_of_every_rank(tmp_path, sample_run
         assert kept and not kept & {5, 10, 15}, (r, kept)
     rep = fsdp_doctor.build_report(run)
     assert rep.steps.per_rank["0"].count == rep.steps.per_rank["1"].count
+
+
+def test_compare_checks_a_save_interval_fix_by_the_saves_share_not_the_step_p50():
+    """``compare --applied checkpoint.blocking``: the fix's gain lies in the save steps, which the step statistics
+    leave out, so the p50 cannot show it; the predictions row read "— —" and the applied fix made host noise
+    "significant: faster" (a new-user trial). The check is the saves' share: A's predicted against B's measured,
+    held when it fell by at least half the predicted drop; the step-time change stays the host's."""
+    import fsdp_doctor
+    from fsdp_doctor.analyze import compare as C
+    from fsdp_doctor.pipeline import compare_side
+    from fsdp_doctor.present.compare import tables
+
+    a_run, b_run = _save_run({3, 6, 9}, n=24), _save_run({11}, n=24)
+    a, b = compare_side(a_run), compare_side(b_run)
+    f = next(f for f in a.report.findings if f.code == "checkpoint.blocking")
+    cmp = C.compare(a, b, applied=["checkpoint.blocking"])
+    (chk,) = cmp.predictions
+    assert chk.share_pct_before == f.evidence["share_pct"] and chk.share_pct_predicted == f.evidence["share_pct_after"]
+    assert chk.share_pct_measured == round(100 * 250 / b_run_total(b_run), 1) and chk.share_held is True, chk
+    assert chk.step_verdict is None and not cmp.step_p50.significant, cmp.step_p50
+    text = "\n".join(str(r) for t in tables(cmp) for r in t.rows)
+    assert f"share {chk.share_pct_before:.1f}% → {chk.share_pct_predicted:.1f}%" in text, text
+    # B saving as often as A: missed
+    (chk,) = C.compare(a, compare_side(_save_run({3, 6, 9}, n=24)), applied=["checkpoint.blocking"]).predictions
+    assert chk.share_held is False, chk
+
+
+def b_run_total(run) -> float:
+    return sum(s.wall_ms for s in run.ranks[0].steps)

@@ -361,6 +361,21 @@ def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     return "held" if inside or (abs(pred - p50.b) <= STEP_TOLERANCE_PCT / 100 * p50.b and not against) else "missed"
 
 
+#: fixes whose gain lies in steps the step statistics leave out: the figure A predicted (evidence keys: before,
+#: after), which B measures (``_share``); their --applied does not make a step-time change significant
+SHARE_FIXES = {"checkpoint.blocking": ("share_pct", "share_pct_after")}
+
+
+def _share(code: str, rep: Report) -> Optional[float]:
+    """B's figure of a SHARE_FIXES fix: checkpoint.blocking's, the saves' largest share of a rank's recorded time
+    (%; 0 without a save); None without step records."""
+    st = rep.steps
+    if st is None or not st.per_rank:
+        return None
+    per = [c.ms_total / c.wall_ms_total for c in (st.checkpoints or {}).values() if c.wall_ms_total > 0]
+    return round(100 * max(per, default=0.0), 1)
+
+
 def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterable[str],
                  p50: Optional[StepDelta], peak_a: Optional[int], peak_b: Optional[int]) -> list[PredictionCheck]:
     changed = {c.key for c in changes}
@@ -376,6 +391,14 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             how = "config diff: " + ", ".join(hit)
         p = predicted_of(f)
         chk = PredictionCheck(code=f.code, recognised_by=how)
+        if f.code in SHARE_FIXES:  # its gain is not in the step p50 (the saves' steps are out of it): its share
+            k_before, k_after = SHARE_FIXES[f.code]
+            before, pred, got = f.evidence.get(k_before), f.evidence.get(k_after), _share(f.code, b.report)
+            if before is not None and pred is not None and got is not None:
+                chk.share_pct_before, chk.share_pct_predicted, chk.share_pct_measured = before, pred, got
+                chk.share_held = got <= before - 0.5 * (before - pred)
+            out.append(chk)
+            continue
         if p["step_ms_before"] and p["step_ms_after"] is not None and p50 is not None and p50.a and p50.b:
             ratio = p["step_ms_after"] / p["step_ms_before"]
             pred = p50.a * ratio
@@ -456,7 +479,9 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     applied = tuple(applied)
     known = [c for c in applied if c in {f.code for f in ra.findings}]  # (an unknown code changes nothing)
     changes = config_diff(a, b)
-    changed = bool(changes or known)  # (--applied: a change the user declares, e.g. one a plain trace cannot show)
+    # (--applied: a change the user declares, e.g. one a plain trace cannot show; not one whose gain the step
+    # statistics leave out: --applied checkpoint.blocking made host noise "significant: faster", a new-user trial)
+    changed = bool(changes or [c for c in known if c not in SHARE_FIXES])
     pa, pb = _phases(a), _phases(b)
     host = _host_shift(a, b, pa, pb, changes, known) if changed else ""
     apart = OTHER_SOURCES if a.source != b.source else HOST_CHANGED if host else ""

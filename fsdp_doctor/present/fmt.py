@@ -343,13 +343,14 @@ def outlier_rows(outliers: list[Outlier], top: int = OUTLIERS_SHOWN) -> list[tup
     return [(str(x.rank), str(x.step), fmt_ms(x.ms), fmt_ms(x.median_ms), x.detail) for x in outliers[:top]]
 
 
-def _kept_apart(per: dict) -> tuple[list[int], str, float, str]:
-    """Over the ranks' NoGradSteps or CheckpointSteps: their steps, those steps as shown (six at most), the median
-    of the ranks' time per such step (ms), and whether the statistics leave them out, in words."""
+def _kept_apart(per: dict, saves: bool = False) -> tuple[list[int], str, float, str]:
+    """Over the ranks' NoGradSteps or CheckpointSteps (``saves``): their steps, those steps as shown (six at most),
+    the median of the ranks' time per such step (ms), and whether the statistics leave them out, in words."""
     steps = sorted({s for x in per.values() for s in x.steps})
     shown = ", ".join(map(str, steps[:6])) + (f", … {len(steps) - 6} more" if len(steps) > 6 else "")
     kept = ("left out of the step statistics above" if all(x.excluded for x in per.values())
-            else "kept in the step statistics above (too few steps without)")
+            else "kept in the step statistics above (too few steps without)"
+            + (", their saves' time taken out" if saves else ""))
     return steps, shown, statistics.median([x.ms_p50 for x in per.values()]), kept
 
 
@@ -377,7 +378,7 @@ def checkpoint_text(section: StepsSection) -> str | None:
     per = section.checkpoints
     if not per:
         return None
-    steps, shown, ms, kept = _kept_apart(per)
+    steps, shown, ms, kept = _kept_apart(per, saves=True)
     saves = max(c.saves for c in per.values())
     # the rank whose saves take the largest share, as checkpoint.blocking quotes it: its share and its save time
     # (the median rank's time beside the largest share read 93.2 ms here and 97.5 ms in the finding)
