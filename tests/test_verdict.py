@@ -325,3 +325,23 @@ def test_a_checkpoint_save_in_the_profiler_window_is_said_and_its_collectives_ar
     report = fsdp_doctor.build_report(loaded)
     assert "saved a checkpoint: the save is in these shares" in report.verdict.job.summary
     assert E.predicted(491.7, -785.3).step_ms_after is None and E.predicted(491.7, 117.6).step_ms_after == 117.6
+
+
+def test_a_window_on_the_first_step_says_so(sample_run_path):
+    """A profiler window from step 0 (ProfileSchedule(first=0)) on a model compiled in place read "compute-bound (97%
+    of the step)" from its compilation, which no later step does, unsaid (a new-user trial): the verdict says its
+    window holds the first step. The sample run's window (step 6) says nothing of it."""
+    import copy
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.verdict import verdict
+
+    run = fsdp_doctor.load_run(sample_run_path)
+    rep = fsdp_doctor.build_report(run)
+    assert "holds step 0" not in rep.verdict.job.summary
+    ov = copy.deepcopy(rep.overlap)
+    for pr in ov.per_rank.values():
+        pr.steps = [0]
+    assert verdict(ov, run).job.summary.endswith(
+        " (the profiler window holds step 0, the first: FSDP's lazy initialization and any torch.compile compilation "
+        "run in it, as in no later step)")

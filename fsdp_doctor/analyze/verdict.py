@@ -182,6 +182,12 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     if saves:  # the trace's steps hold a checkpoint save, which the step statistics leave out
         job.summary += (f" (the profiler window's step{'s' * (len(saves) > 1)} {', '.join(map(str, saves))} saved a "
                         "checkpoint: the save is in these shares, as time outside the model)")
+    if run is not None and run.has_records and overlap is not None and \
+            any(0 in (overlap.per_rank[r].steps or []) for r in traced if r in overlap.per_rank):
+        # (a window from step 0 on a compiled model read "compute-bound (97% of the step)": its compilation, the
+        # only step that does it, unsaid: a new-user trial)
+        job.summary += (" (the profiler window holds step 0, the first: FSDP's lazy initialization and any "
+                        "torch.compile compilation run in it, as in no later step)")
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
         by_bound.setdefault(v.bound, []).append(int(r))
