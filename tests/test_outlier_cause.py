@@ -577,3 +577,20 @@ def test_compare_checks_a_save_interval_fix_by_the_saves_share_not_the_step_p50(
 
 def b_run_total(run) -> float:
     return sum(s.wall_ms for s in run.ranks[0].steps)
+
+
+def test_a_long_first_step_is_not_in_the_saves_share():
+    """A checkpoint loaded inside watch() before the first step (or FSDP's lazy initialization, a compilation) made
+    the first step long, and the saves' share of the recorded time counted it: 13.7% (a note) of a run whose saves
+    took 18.9% (a warning) of its steps (a new-user trial). A first step over twice the others' median is left out of
+    that share; a first step like the others stays (3 x 250 ms of 1,951.2 ms: 38.4%)."""
+    import msgspec
+
+    from fsdp_doctor.analyze.steps import analyze_steps
+
+    run = _save_run({3, 6, 9})
+    assert analyze_steps(run).checkpoints["0"].counted_steps == 12
+    for rd in run.ranks.values():
+        rd.steps[0] = msgspec.structs.replace(rd.steps[0], wall_ms=2000.0, outside_ms=1905.0)
+    ck = analyze_steps(run).checkpoints["0"]
+    assert ck.counted_steps == 11 and round(100 * ck.ms_total / ck.wall_ms_total, 1) == 40.5, ck

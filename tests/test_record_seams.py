@@ -551,3 +551,22 @@ def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo
     teacher = sharded().requires_grad_(False)
     (said,) = [n for n in notes(teacher) if "another model" in n]
     assert said.startswith("2 FSDP2 unit(s) of another model are alive in this process (a teacher, "), said
+
+
+def test_an_exception_before_the_first_step_is_recorded_whole(tmp_path, gloo_one_rank):
+    """torch's error for a tied weight split across units (336 characters: "Parameter 'tok_emb.weight' is shared ...
+    to place them in the same FSDP ...") raised at the first forward was recorded cut at 200 characters, and
+    analyze's line ended "in the same FSD" (a new-user trial): the end record keeps the first line whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+
+    m = torch.nn.Linear(4, 4)
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    msg = "Parameter 'tok_emb.weight' is shared " + "x" * 250 + " to place them in the same FSDP unit"
+    with pytest.raises(ValueError):
+        with fsdp_doctor.watch(m, opt, out_dir=tmp_path, profile=False):
+            raise ValueError(msg)
+    run = fsdp_doctor.load_run(tmp_path)
+    assert run.ranks[0].end.exception == f"ValueError: {msg}"

@@ -162,3 +162,38 @@ def test_the_line_right_above_a_fix_in_the_terminal_is_its_heading_alone():
         assert lines[i - 1] == "Fix (Python, in place of your fully_shard calls, on the unsharded model):", lines
         assert lines[i - 2].endswith("mesh (HSDP)") or lines[i - 3].startswith("The fix uses from your code: mesh: ")
         assert any(ln.startswith("The fix uses from your code: mesh: the mesh your") for ln in lines), lines
+
+
+def test_a_grouped_units_backward_own_time_leaves_out_what_runs_inside_it():
+    """A tied [embedding, head] unit (``fully_shard([model.tok_emb, model.lm_head])``): FSDP brackets its backward from
+    the head's to the embedding's, around the root's and every block's, so its own time held theirs (25.2 ms of an
+    85.5 ms backward counted twice) and the root's own read 0.00 ms (a new-user trial). Own backward time leaves out
+    the units whose backward marks lie inside the unit's, by the memory timeline's order."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.analyze.report import unit_table
+    from fsdp_doctor.records import MemoryTimeline, UnitConfig, UnitStep
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    names = ["", "tok_emb, lm_head", "blocks.0", "blocks.1"]
+    cfg_units = [UnitConfig(name=n, modules=n.split(", ") if n else [""], is_root=not n, param_count=1, n_params=1,
+                            sharded_bytes=4, unsharded_bytes=8, orig_dtypes=["float32"], parent=None if not n else "")
+                 for n in names]
+    order = [("tok_emb, lm_head", "backward_start"), ("", "backward_start"), ("blocks.1", "backward_start"),
+             ("blocks.1", "backward_end"), ("blocks.0", "backward_start"), ("blocks.0", "backward_end"),
+             ("", "backward_end"), ("tok_emb, lm_head", "backward_end")]
+    tl = MemoryTimeline(columns=["t_ms", "unit", "phase"], rows=[[float(i), u, p] for i, (u, p) in enumerate(order)])
+    bwd = {"": 40.0, "tok_emb, lm_head": 50.0, "blocks.0": 10.0, "blocks.1": 12.0}
+
+    def step(k):
+        return SimpleNamespace(step=k, profiled=False, no_grad_forwards=0, checkpoints=0, memory=SimpleNamespace(
+            timeline=tl, transients=None), units=[UnitStep(name=n, fwd_ms=1.0, bwd_ms=bwd[n]) for n in names])
+
+    run = Run(path="constructed")
+    run.ranks[0] = RankData(rank=0, steps=[step(k) for k in range(5)])
+    run.ranks[0].config = SimpleNamespace(units=cfg_units)
+    rows = {r.name: r.timing_p50 for r in unit_table(run)}
+    assert rows["tok_emb, lm_head"].bwd_self_ms == 10.0  # 50 - the root's 40
+    assert rows[""].bwd_self_ms == 18.0  # 40 - 10 - 12
+    assert rows["blocks.0"].bwd_self_ms == 10.0

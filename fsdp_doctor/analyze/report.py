@@ -4,6 +4,7 @@ is assembled by :mod:`fsdp_doctor.pipeline`."""
 from __future__ import annotations
 
 import statistics
+from typing import Optional
 
 import msgspec
 
@@ -103,6 +104,10 @@ def unit_table(run: Run) -> list[UnitRow]:
     for u in cfg.units:
         if u.parent is not None:
             children.setdefault(u.parent, []).append(u.name)
+    # a backward nests by time, not by the module tree: FSDP brackets a grouped unit's backward from its first
+    # module's to its last's, so a tied [embedding, head] unit's holds the blocks' and the root's backward (the
+    # blocks counted twice, the root's own read 0.00 ms: a new-user trial); where a memory timeline has the marks
+    bwd_children = _backward_nesting(run) or children
     timings: dict[str, dict[str, list[float]]] = {}
     # (one pass over every unit of every step: a 20,000-step run's 240,000, attributes read directly)
     for rd in run.ranks.values():
@@ -119,6 +124,8 @@ def unit_table(run: Run) -> list[UnitRow]:
                 t["recompute_ms"].append(u.recompute_ms)
                 kids = [by_name[c] for c in children[u.name] if c in by_name] if u.name in children else ()
                 t["fwd_self_ms"].append(max(0.0, u.fwd_ms - sum(c.fwd_ms for c in kids) if kids else u.fwd_ms))
+                if bwd_children is not children:
+                    kids = [by_name[c] for c in bwd_children.get(u.name, ()) if c in by_name]
                 if u.bwd_ms > 0 or not kids:
                     t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids) if kids else u.bwd_ms))
     blind = {u.name for u in cfg.units if u.compiled_in_place}  # the doctor's hooks stay out of a compiled frame
@@ -134,6 +141,35 @@ def unit_table(run: Run) -> list[UnitRow]:
                 row.timing_p50.ag_wait_fwd_ms = None
         out.append(row)
     return out
+
+
+def _backward_nesting(run: Run) -> Optional[dict[str, list[str]]]:
+    """Per unit, the units whose backward runs directly inside its own (its first backward_start mark before theirs,
+    its last backward_end after), from the latest memory timeline of the lowest rank that has backward marks; None
+    without one."""
+    for rd in sorted(run.ranks.values(), key=lambda rd: rd.rank):
+        for s in reversed(rd.steps):
+            tl = s.memory.timeline if s.memory is not None else None
+            if tl is None or not tl.rows or "unit" not in tl.columns or "phase" not in tl.columns:
+                continue
+            ui, pi = tl.columns.index("unit"), tl.columns.index("phase")
+            span: dict[str, list[int]] = {}
+            for i, row in enumerate(tl.rows):
+                unit, phase = row[ui], row[pi]
+                if unit is None or phase not in ("backward_start", "backward_end"):
+                    continue
+                sp = span.setdefault(unit, [i, i])
+                if phase == "backward_start":
+                    sp[0] = min(sp[0], i)
+                else:
+                    sp[1] = max(sp[1], i)
+            if len(span) < 2:
+                continue
+            inside = {y: {x for x in span if x != y and span[y][0] < span[x][0] and span[x][1] < span[y][1]}
+                      for y in span}
+            return {y: sorted(x for x in xs if not any(x in inside[z] for z in xs if z != x))
+                    for y, xs in inside.items() if xs}
+    return None
 
 
 def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:

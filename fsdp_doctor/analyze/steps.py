@@ -63,17 +63,30 @@ def profiled_saves(steps: list[StepRecord]) -> list[int]:
     return [s.step for s in steps if s.profiled and s.checkpoints]
 
 
+#: a first step this many times the others' median is its own (initialization, a load, compilation): out of the saves'
+#: share of the recorded time
+FIRST_STEP_LONG = 2.0
+
+
 def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
     """A rank's steps that saved a checkpoint (torch.distributed.checkpoint's saves, ``doctor.checkpointing()``), and
     whether the statistics leave them out. The saves' time and its share are those of the steps outside profiler
-    windows, where there are saves: a window slows a save as it slows the step (the doctor's own window: its cost)."""
+    windows and the first step, where there are saves: a window slows a save as it slows the step (the doctor's own
+    window: its cost)."""
     hit = [s for s in steps if s.checkpoints]
     if not hit:
         return None
     kept = {s.step for s in usable_steps(steps)}
     counted = [s for s in steps if not s.profiled]
-    if not any(s.checkpoints for s in counted):
+    windows_out = any(s.checkpoints for s in counted)  # (else every save fell in a window: all steps counted)
+    if not windows_out:
         counted = steps
+    # nor a first step that ran long without saving (FSDP's lazy initialization, a checkpoint loaded before it,
+    # compilation: paid once; a load inside watch() made a 13.7% share of one that was 18.9%, a new-user trial)
+    plain = [s.wall_ms for s in counted if s.step > 0 and not s.checkpoints]
+    if plain and any(s.checkpoints for s in counted if s.step > 0):
+        long_first = FIRST_STEP_LONG * statistics.median(plain)
+        counted = [s for s in counted if s.step > 0 or s.checkpoints or s.wall_ms <= long_first]
     ms = [s.checkpoint_ms for s in counted if s.checkpoints]
     others = [s.outside_ms for s in counted if not s.checkpoints and s.step > 0]
     base = statistics.median(others) if others else None
@@ -83,7 +96,7 @@ def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
                            ms_p50=round(statistics.median(ms), 3), ms_total=round(sum(ms), 3),
                            wall_ms_total=round(sum(s.wall_ms for s in counted), 3),
                            excluded=not any(s.step in kept for s in hit), counted_steps=len(counted),
-                           profiled=sorted(s.step for s in hit if s.profiled and counted is not steps),
+                           profiled=sorted(s.step for s in hit if s.profiled and windows_out),
                            first_ms=round(ms[0], 3), unmarked_ms=round(unmarked, 3))
 
 

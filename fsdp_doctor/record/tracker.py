@@ -191,7 +191,9 @@ class Doctor:
                     self._fail("gpu timing", e, stop=False)
             if self._sinks is not None:
                 if was_active:  # (on the loop's exception too: the run stopped there, not "still going")
-                    why = "" if exc_type is None else f"{exc_type.__name__}: {exc}".splitlines()[0][:200].rstrip(": ")
+                    # (its first line whole, up to 1,000 characters: cut at 200, torch's "Parameter ... is shared
+                    # ... to place them in the same FSDP" read "in the same FSD", a new-user trial)
+                    why = "" if exc_type is None else f"{exc_type.__name__}: {exc}".splitlines()[0][:1000].rstrip(": ")
                     try:  # (read at the exit, not in a step: a run's lingering garbage is collected to tell)
                         others = len(F2.other_fsdp_modules(self.model) or [])
                     except Exception:  # noqa: BLE001
