@@ -667,3 +667,22 @@ def test_a_mesh_changed_is_a_configuration_change(sample_run_path):
     rep.run.units = msgspec.UNSET  # (no snapshot: a plain trace's facts) unknown, not a change
     rep.run.mesh = {"replicate": 1, "shard": 2}
     assert C.config_diff(a, C.Side(report=rep, samples=a.samples, source=a.source)) == []
+
+
+def test_units_compiled_are_a_configuration_change():
+    """A U-Net's blocks compiled (``block.compile()``) against the same run eager read "no configuration change found"
+    though B's header said 7 units compiled (a new-user trial): a unit compiled in place, or timed around its
+    compiled call, is a setting compare reads."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.records import UnitConfig
+
+    def side(**kw):
+        units = [UnitConfig(name=n, modules=[n], is_root=not n, param_count=10, n_params=1, sharded_bytes=40,
+                            unsharded_bytes=80, orig_dtypes=["float32"], **(kw if n else {})) for n in ("", "downs.0")]
+        return C.Side(report=SimpleNamespace(units=units, run=SimpleNamespace()), samples=[], source="records")
+
+    for flag in ("compiled_in_place", "compiled_call_timed"):
+        got = {c.key: (c.a, c.b, c.units) for c in C.config_diff(side(), side(**{flag: True}))}
+        assert got == {"compiled": (False, True, ["downs.0"])}, got
+    assert C.config_diff(side(), side()) == []

@@ -72,7 +72,7 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
 }
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
-             "offload", "param_dtype", "reduce_dtype")
+             "offload", "param_dtype", "reduce_dtype", "compiled")
 # activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did
 BATCH_SHIFT_PCT = 20.0
 JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
@@ -214,7 +214,10 @@ def _setting(u, key: str):
     """A unit's setting as it acts: no MixedPrecisionPolicy dtype is the parameters' own dtype (reduce: the
     gathered one), no offload policy is "none", where the snapshot read the unit's groups (its resharding known);
     None stays unknown. Turning bf16 or CPU offload on read as no configuration change, the slowdown as the host's
-    (a new-user trial): the snapshot's None was taken as unknown."""
+    (a new-user trial): the snapshot's None was taken as unknown. "compiled": the unit runs in a frame torch.compile
+    compiled (in place, or timed around its compiled call): U-Net blocks compiled read "no configuration change"."""
+    if key == "compiled":
+        return bool(getattr(u, "compiled_in_place", False) or getattr(u, "compiled_call_timed", False))
     v = getattr(u, key)
     if v is not None or getattr(u, "reshard_after_forward", None) is None:
         return v
