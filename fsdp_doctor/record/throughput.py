@@ -22,6 +22,7 @@ include the CPU kernels torch's table leaves out.
 from __future__ import annotations
 
 import logging
+import math
 from typing import NamedTuple
 
 import torch
@@ -118,6 +119,35 @@ def _grouped_mm_formula(a_shape, b_shape, *args, out_shape=None, **kwargs) -> in
     return grouped_mm_flops(a_shape, b_shape, out_shape)
 
 
+def _rnn_tokens(input_shape) -> int:
+    """Time steps x sequences of an RNN's input (``(T, B, in)``, ``(B, T, in)`` or packed ``(sum of lengths, in)``)."""
+    return math.prod(input_shape[:-1])
+
+
+def _rnn_layer_formula(input_shape, w_ih_shape, w_hh_shape, *args, out_shape=None, **kwargs) -> int:
+    """One LSTM layer and direction on the CPU (``aten.mkldnn_rnn_layer``, as nn.LSTM runs there): each time step
+    multiplies its input by w_ih (gates x in) and its hidden state by w_hh (gates x hidden); the gates' elementwise
+    work aside, as for every layer here. nn.LSTM's FLOPs read 0 without it (a new-user trial's LSTM model: MFU from
+    its output Linear alone, about 4x too low)."""
+    return 2 * _rnn_tokens(input_shape) * (math.prod(w_ih_shape) + math.prod(w_hh_shape))
+
+
+def _rnn_layer_backward_formula(input_shape, w_ih_shape, w_hh_shape, *args, out_shape=None, **kwargs) -> int:
+    """``aten.mkldnn_rnn_layer_backward``: the input's and the weights' gradients, twice the forward's matmuls."""
+    return 2 * _rnn_layer_formula(input_shape, w_ih_shape, w_hh_shape)
+
+
+def _cudnn_rnn_formula(input_shape, weight_shapes, *args, out_shape=None, **kwargs) -> int:
+    """Every layer and direction of an RNN on cuDNN (``aten._cudnn_rnn``: its weight matrices in one list, biases
+    aside): each time step multiplies by each matrix once. A layer past the first reads the previous one's output of
+    as many time steps, so one count of the input's time steps serves them all."""
+    return 2 * _rnn_tokens(input_shape) * sum(math.prod(w) for w in weight_shapes if len(w) == 2)
+
+
+def _cudnn_rnn_backward_formula(input_shape, weight_shapes, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _cudnn_rnn_formula(input_shape, weight_shapes)
+
+
 def flop_formulas() -> dict:
     """Operator packet -> formula called as ``f(*args, out_val=out, **kwargs)``: torch's table
     (torch.utils.flop_counter.flop_registry) with our attention and grouped-matmul formulas over it."""
@@ -128,6 +158,10 @@ def flop_formulas() -> dict:
     for name in ("_grouped_mm", "grouped_mm"):  # the MoE experts' matmul, where this torch has it
         if (op := getattr(torch.ops.aten, name, None)) is not None and op not in table:
             table[op] = shape_wrapper(_grouped_mm_formula)
+    for name, f in (("mkldnn_rnn_layer", _rnn_layer_formula), ("mkldnn_rnn_layer_backward", _rnn_layer_backward_formula),
+                    ("_cudnn_rnn", _cudnn_rnn_formula), ("_cudnn_rnn_backward", _cudnn_rnn_backward_formula)):
+        if (op := getattr(torch.ops.aten, name, None)) is not None and op not in table:  # RNNs run as one operator
+            table[op] = shape_wrapper(f)
     return table
 
 
