@@ -972,6 +972,15 @@ def test_low_mfu_gpu_trace_levers(case):
     if case == "host":
         assert ev["first_lever"] == "host overhead" and ".compile()" in f.recommendation.code
         assert f.predicted["step_ms_after"] == pytest.approx(55.0)
+        assert "device waiting for launches" in ev["levers"][0] and "CUDA graphs" in f.recommendation.code
+        # the same shares from a CPU trace: the main thread between operators, and no CUDA graphs (a new-user
+        # trial's U-Net on gloo was told of launches and CUDA graphs)
+        ov_cpu = {**ov, "per_rank": {"0": {**ov["per_rank"]["0"], "device": "cpu"}}}
+        ctx, _ = _mfu_ctx(groups, compute_eff=0.7, source="trace", device="cpu", overlap=ov_cpu)
+        (f,) = run_rule("throughput.low_mfu", ctx)
+        assert "the main thread between operators" in f.evidence["levers"][0], f.evidence["levers"]
+        assert "CUDA graphs" not in f.recommendation.text + f.recommendation.code and "unit.compile()" in \
+            f.recommendation.code
     else:
         # 49.5 ms exposed, 49.5 ms of compute of which 10 ms already hides a collective: 39.5 ms recoverable
         assert ev["first_lever"] == "overlap" and "busbw 90.0 GB/s" in ev["levers"][0]
@@ -2072,3 +2081,18 @@ def test_grads_kept_reads_only_a_timeline_that_begins_before_the_forward():
     diagnose(ctx.run, ctx.report, statuses=statuses)
     st = next(s for s in statuses if s.code == "memory.grads_kept")
     assert st.status == "quiet" and "begins at a backward_start mark, not before its forward" in st.reason, st
+
+
+def test_low_mfu_says_why_a_compiled_run_has_no_throughput():
+    """A U-Net with its blocks compiled and peak_tflops given read "no throughput: pass tokens_per_step= to watch()"
+    (a new-user trial): its FLOPs were not counted because the counter steps aside for compiled code, which the
+    quiet reason now says, beside what the analytic estimate would need."""
+    from fsdp_doctor.diagnose import diagnose
+
+    for compiled, said in ((True, "FLOPs are not counted where units are compiled"),
+                           (False, "no throughput: pass tokens_per_step= to watch()")):
+        ctx, _ = build(healthy_units(compiled_in_place=compiled), peak_tflops=0.05)
+        statuses = []
+        diagnose(ctx.run, ctx.report, statuses=statuses)
+        st = next(s for s in statuses if s.code == "throughput.low_mfu")
+        assert st.status == "quiet" and said in st.reason, st

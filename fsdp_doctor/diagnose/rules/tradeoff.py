@@ -269,13 +269,17 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
     host = ms("host")
     if host > 0:
         gc = records  # from step records the host part is GC pauses
-        out.append(_Lever("GC pauses" if gc else "host overhead", host,
-                          f"{'GC pauses' if gc else 'device waiting for launches'} {host:.1f} ms "
-                          f"({groups['host']:.0f}%)",
+        # (on the CPU the trace's host time is the main thread between operators: no launches, no CUDA graphs, which
+        # a new-user trial's U-Net on gloo was told of)
+        gpu = E.trace_device(ctx) != "cpu"
+        what = "GC pauses" if gc else "device waiting for launches" if gpu else "the main thread between operators"
+        out.append(_Lever("GC pauses" if gc else "host overhead", host, f"{what} {host:.1f} ms ({groups['host']:.0f}%)",
                           ("gc.freeze() after setup and scheduled collections (jitter.gc)" if gc else
-                           "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')"),
+                           "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')" if gpu
+                           else "fewer, fused operators: torch.compile on the blocks"),
                           "" if gc else (S.unit_list(S.tree(ctx)) + "\nfor unit in units:\n    unit.compile()"
-                                         "  # fused kernels; mode='reduce-overhead' adds CUDA graphs")))
+                                         + ("  # fused kernels; mode='reduce-overhead' adds CUDA graphs" if gpu
+                                            else "  # fused operators"))))
     for group, lever, fix in (
             ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
             ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
@@ -302,6 +306,14 @@ class LowMfu(Rule):
         tp = ctx.report.throughput
         rows = list(tp.per_rank.values()) if tp is not None else []
         if not rows:
+            cfg = ctx.config
+            compiled = [u.name for u in (getattr(cfg, "units", None) or [])
+                        if getattr(u, "compiled_in_place", False) or getattr(u, "compiled_call_timed", False)]
+            if compiled and not getattr(cfg, "flops_per_step", None):  # (a U-Net's blocks compiled: "pass
+                # tokens_per_step" to a model without tokens, a new-user trial)
+                return self.quiet("no throughput: FLOPs are not counted where units are compiled (the counter steps "
+                                  "aside for compiled code), and the analytic estimate needs tokens_per_step= in "
+                                  "watch(), a transformer's tokens per optimizer step")
             return self.quiet("no throughput: pass tokens_per_step= to watch() (FLOPs are counted from it)")
         mfu = _mfu(tp)
         if mfu is None:
