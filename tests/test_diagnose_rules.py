@@ -956,6 +956,16 @@ def test_low_mfu_points_to_batch_size():
     assert "1024 tokens per rank" in ev["levers"][0]
     # a larger micro-batch: the activations double at the peak
     assert f.predicted["peak_bytes_after"] == 80 * MiB and f.predicted["step_ms_after"] is None
+    # a peak in a checkpointed unit's backward: its recomputed activations (temporaries) double too (a checkpointed
+    # ViT's doubled batch peaked 45% over the prediction from the saved activations alone: a new-user trial); and a
+    # budget that peak exceeds is said
+    mem = memory(50 * MiB, activations=30 * MiB, temporaries=8 * MiB, capacity=85 * MiB,
+                 per_unit=[{"unit": "layers.3", "activation_bytes": 2 * MiB, "recompute_saved_bytes": 6 * MiB}])
+    ctx, _ = _mfu_ctx({"communication": 10.0, "compute": 85.0, "input": 5.0}, compute_eff=0.1, mem=mem, n_layers=16)
+    (f,) = run_rule("throughput.low_mfu", ctx)
+    assert f.predicted["peak_bytes_after"] == 86 * MiB, f.predicted
+    assert ("the 6.00 MiB recomputed at the peak by activation checkpointing with them). That peak, 86.00 MiB, is "
+            "over the 85.00 MiB memory budget") in f.recommendation.text, f.recommendation.text
 
 
 @pytest.mark.parametrize("case", ["host", "overlap"])

@@ -230,6 +230,18 @@ def breakdown(ctx: Context) -> dict[str, int]:
     return dict(pm.peak_breakdown) if pm else {}
 
 
+def recomputed_at_peak(ctx: Context) -> int:
+    """Bytes of the peak rank's temporaries at its peak that are the recomputed activations of a checkpointed unit
+    (a peak in its backward: up to its recompute's saved bytes, at most the temporaries); 0 otherwise. They grow
+    with the batch as the saved activations do."""
+    pm = peak_memory(ctx)
+    if pm is None or pm.peak_at.unit is None or "backward" not in (pm.peak_at.phase or ""):
+        return 0
+    row = next((u for u in pm.per_unit if u.unit == pm.peak_at.unit), None)
+    saved = row.recompute_saved_bytes if row is not None and row.recompute_saved_bytes is not msgspec.UNSET else 0
+    return int(min(saved or 0, pm.peak_breakdown.get("temporaries", 0)))
+
+
 def memory_units(ctx: Context) -> dict[str, MemoryUnitRow]:
     """Per-unit memory rows of the peak rank, by unit name."""
     pm = peak_memory(ctx)

@@ -345,10 +345,18 @@ class LowMfu(Rule):
                    f". The evidence points to {first.lever} first: {first.evidence}. Fix: {first.fix}."))
         if first.lever == "batch size":
             # a larger micro-batch: the same step time per token falls; the activations grow with the batch
-            acts = E.breakdown(ctx).get("activations")
-            peak = E.peak_bytes(ctx)
-            pred = E.predicted(step, None, peak, peak + acts if (peak is not None and acts) else None)
-            text += " Doubling the micro-batch doubles the activations (the predicted peak)."
+            # (and under activation checkpointing the recomputed ones at a peak in a backward, in the temporaries:
+            # a checkpointed ViT's doubled batch peaked 45% over the activations alone, a new-user trial)
+            rec = E.recomputed_at_peak(ctx)
+            acts = (E.breakdown(ctx).get("activations") or 0) + rec
+            peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
+            after = peak + acts if (peak is not None and acts) else None
+            pred = E.predicted(step, None, peak, after)
+            text += (" Doubling the micro-batch doubles the activations (the predicted peak" +
+                     (f", the {fmt_bytes(rec)} recomputed at the peak by activation checkpointing with them" if rec
+                      else "") + ")." +
+                     (f" That peak, {fmt_bytes(after)}, is over the {fmt_bytes(cap)} memory budget: a smaller step "
+                      "up in batch, or more memory freed first." if after and cap and after > cap else ""))
         else:
             pred = E.predicted(step, step - first.recoverable_ms)
         notes = sorted({r.flops_note for r in rows if r.flops_note})
