@@ -612,6 +612,31 @@ def test_reshard_last_unit():
     assert rule.why_quiet == ("the root holds parameters of its own (emb, norm), which may compute after the last "
                               "unit (norm, lm_head) in forward, before its backward (an output head left in the root "
                               "does): the records do not say whether they do"), rule.why_quiet
+    # a tied [embedding, head] unit beside a root holding the final norm: the peak step's marks show it ending
+    # forward last and starting backward first (the root's marks aside): gathered again at once, whatever the root
+    # holds (it stayed quiet beside the run's largest backward wait, 10.1 ms: a new-user trial)
+    tied = healthy_units()
+    tied[0] = unit("", reshard_after_forward=False, n_params=1, param_count=64, sharded_bytes=128, unsharded_bytes=256,
+                   orig_dtypes=["float32"], own_modules=["norm"], timing=dict(fwd_ms=34.0, ag_wait_fwd_ms=0.2))
+    tied[1] = unit("tok_emb, lm_head", n_params=1, param_count=8192, sharded_bytes=16_384, unsharded_bytes=32_768,
+                   orig_dtypes=["float32"], reshard_after_forward=True, unshard_async_op=True,
+                   timing=dict(fwd_ms=3.1, ag_wait_fwd_ms=1.0, bwd_ms=5.0, ag_wait_bwd_ms=10.1))
+    tied.pop()  # (no [norm, lm_head] unit)
+    marks = [("tok_emb, lm_head", "forward_end"), ("layers.3", "forward_end"), ("tok_emb, lm_head", "forward_end"),
+             ("", "forward_end"), ("", "backward_start"), ("tok_emb, lm_head", "backward_start"),
+             ("layers.3", "backward_start")]
+    mem = memory(50 * MiB)
+    for r in mem["per_rank"].values():
+        r["timeline"] = [{"t_ms": float(i), "unit": u, "phase": p, "total": MiB} for i, (u, p) in enumerate(marks)]
+    (f,) = run_rule("reshard.last_unit", build(units=tied, memory=mem)[0])
+    assert f.units == ["tok_emb, lm_head"] and f.evidence["ag_wait_bwd_ms"] == 10.1, f.evidence
+    assert f.recommendation.code.splitlines()[-1] == "model.tok_emb.set_reshard_after_forward(False)", \
+        f.recommendation.code
+    # the same marks with a block, not the tied unit, first in backward: as before, quiet on the root's parameters
+    for r in mem["per_rank"].values():
+        r["timeline"] = [{**x, "unit": "layers.3"} if x["phase"] == "backward_start" and x["unit"] else x
+                         for x in r["timeline"]]
+    assert run_rule("reshard.last_unit", build(units=tied, memory=mem)[0]) == []
 
 
 # ------------------------------------------------------------------------------------------------ frozen base
