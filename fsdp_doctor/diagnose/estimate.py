@@ -631,16 +631,18 @@ def resharded_last_unit(ctx: Context):
     rts = roots(allu)
     if len(rts) == 1 and not kept_gathered(rts[0]):
         return rts[0]
-    # the peak step's marks: the unit whose forward ends last and whose backward starts first (the root's aside) is
-    # gathered again at once, whatever the root holds (a tied [embedding, head] unit ends after the root's final norm: the rule stayed
-    # quiet on "the root holds parameters", beside the run's largest backward wait, 10.1 ms: a new-user trial)
+    # a grouped unit whose modules run first and last in forward (a tied [embedding, head] unit): the peak step's
+    # marks end its forward twice, the last after every other unit's, and start its backward first (the root's
+    # aside): it is gathered again at once, whatever the root holds, since its last module computes after the root's
+    # own (it stayed quiet on "the root holds parameters", beside the run's largest backward wait, 10.1 ms: a
+    # new-user trial). A last block ends its forward once, before the root's final norm and head: as below
     pm = peak_memory(ctx)
     tl = list(pm.timeline or []) if pm is not None else []
     ends = [r.get("unit") for r in tl if r.get("phase") == "forward_end" and r.get("unit") not in (None, "")]
     starts = [r.get("unit") for r in tl if r.get("phase") == "backward_start" and r.get("unit") not in (None, "")]
-    if ends and starts and ends[-1] == starts[0]:
+    if ends and starts and ends[-1] == starts[0] and ends.count(ends[-1]) > 1:
         last = next((u for u in us if u.name == ends[-1]), None)
-        if last is not None and not kept_gathered(last):
+        if last is not None and len(last.modules) > 1 and not kept_gathered(last):
             return last
     if not us or rts:
         return None  # a root with parameters computes between the last unit's forward and its backward
