@@ -138,7 +138,8 @@ def tables(c: Comparison) -> list[CompareTable]:
                     f"({p.step_pct_measured:+.0f}%):\n{p.step_verdict or MISSING}"
                     if p.step_ms_predicted is not None else
                     # (a fix whose gain the step statistics leave out: its share of the time, e.g. the saves')
-                    f"share {p.share_pct_before:.1f}% → {p.share_pct_predicted:.1f}%\n→ {p.share_pct_measured:.1f}%:"
+                    f"share {p.share_pct_before:.1f}% → {p.share_pct_predicted:.1f}%\n"
+                    f"→ {p.share_pct_measured:.1f}%:"
                     f"\n{held[p.share_held]}" if p.share_pct_measured is not None else MISSING)
             # a miss says which side of the prediction the peak landed (a saving larger than predicted read "missed"
             # as if the fix had failed: a new-user trial)

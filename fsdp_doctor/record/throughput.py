@@ -158,7 +158,8 @@ def flop_formulas() -> dict:
     for name in ("_grouped_mm", "grouped_mm"):  # the MoE experts' matmul, where this torch has it
         if (op := getattr(torch.ops.aten, name, None)) is not None and op not in table:
             table[op] = shape_wrapper(_grouped_mm_formula)
-    for name, f in (("mkldnn_rnn_layer", _rnn_layer_formula), ("mkldnn_rnn_layer_backward", _rnn_layer_backward_formula),
+    for name, f in (("mkldnn_rnn_layer", _rnn_layer_formula),
+                    ("mkldnn_rnn_layer_backward", _rnn_layer_backward_formula),
                     ("_cudnn_rnn", _cudnn_rnn_formula), ("_cudnn_rnn_backward", _cudnn_rnn_backward_formula)):
         if (op := getattr(torch.ops.aten, name, None)) is not None and op not in table:  # RNNs run as one operator
             table[op] = shape_wrapper(f)

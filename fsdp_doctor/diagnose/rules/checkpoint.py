@@ -49,13 +49,13 @@ def first_save_setup(c) -> float:
 
 
 def less_often_plan(c, step_ms: float, every: Optional[float], steps: int) -> tuple[int, float, float, float]:
-    """(steps between saves, the saves' share of the time then, ms per step gained, the share in a long run) for the saves of ``c`` (a rank's
-    CheckpointSteps) between steps of ``step_ms``, over a run of ``steps`` steps as recorded, to take ``SHARE_AIM``
-    of the time; never as often as now (``every`` steps apart, where known: a new-user trial's loop saving every 10
-    steps was told "save every 8 steps"). The interval comes from the saves' mean without the first save's set-up
-    (``first_save_setup``), which the share then keeps: paid once in a run as long (a 16-step torchtitan run saving
-    every 2 steps, asynchronously, was predicted 3.8% at a save every 8 steps from the mean of all saves, and
-    measured 6.7%: its two saves' first took 60 ms)."""
+    """(steps between saves, the saves' share of the time then, ms per step gained, the share in a long run) for
+    the saves of ``c`` (a rank's CheckpointSteps) between steps of ``step_ms``, over a run of ``steps`` steps as
+    recorded, to take ``SHARE_AIM`` of the time; never as often as now (``every`` steps apart, where known: a
+    new-user trial's loop saving every 10 steps was told "save every 8 steps"). The interval comes from the saves'
+    mean without the first save's set-up (``first_save_setup``), which the share then keeps: paid once in a run as
+    long (a 16-step torchtitan run saving every 2 steps, asynchronously, was predicted 3.8% at a save every 8 steps
+    from the mean of all saves, and measured 6.7%: its two saves' first took 60 ms)."""
     setup = first_save_setup(c)
     save_ms = (c.ms_total - setup) / max(1, c.saves)
     n = save_every(save_ms, step_ms)
