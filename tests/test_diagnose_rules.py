@@ -1131,6 +1131,8 @@ def test_ac_unneeded():
     ctx, _ = build(units=us, memory=mem)
     (f,) = run_rule("ac.unneeded", ctx)
     assert f.severity == "warning"
+    # a peak under 1% of capacity with one decimal: "0%" beside 0.5% in the evidence read as nothing (a new-user trial)
+    assert f.title.endswith("while the peak is 0.1% of capacity"), f.title
     assert f.evidence["recompute_source"].startswith("estimated")
     # no recompute measured (a constructed report, as from plain traces): the transformer layer's 16x
     assert f.evidence["activation_source"] == "estimated: 16x the checkpoint input"

@@ -39,7 +39,9 @@ class RecordWriter:
 
 #: what to do about an out_dir holding a run, in watch()'s words (a command line that takes its options as flags says
 #: it in its own: fsdp_doctor.record.titan_trainer)
-TAKEN_ADVICE = "pass overwrite=True (fsdp-doctor demo --overwrite) to replace them, or choose a new out_dir"
+# (to a user of watch(): a new-user trial resuming a run was told of the demo's flag alone)
+TAKEN_ADVICE = ("pass overwrite=True to watch() to replace them (the demo: fsdp-doctor demo --overwrite), or choose a "
+                "new out_dir")
 
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:

@@ -359,7 +359,9 @@ class AcUnneeded(Rule):
             code = S.plugin_checkpointing(False, lever) + (
                 "\n" + S.remove_checkpointing([], functional) if functional else "")
         return [self.finding(
-            sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {100 * peak / cap:.0f}% of capacity",
+            # (under 1%: one decimal; "the peak is 0% of capacity" beside 0.5% in its evidence, a new-user trial)
+            sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is "
+                 f"{100 * peak / cap:.{0 if peak >= cap / 100 else 1}f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
              "checkpointed_units": [u.name for u in ck],
              "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
