@@ -80,7 +80,14 @@ def _load(path: Path):
     """The run at ``path`` (or the folder right below it that holds the doctor's records), or None after one line on
     stderr saying why not."""
     from .store import RunRefused, load_run
+    from .store.layout import runs_below
 
+    if len(below := runs_below(path)) > 1:  # (read as one folder of traces, one job's were picked and the others'
+        # skipped as "rank 0 again", exit 3: a new-user trial passed the folder of its runs)
+        names = ", ".join(d.name for d in below[:6]) + (f", … {len(below) - 6} more" if len(below) > 6 else "")
+        _err(f"{path} holds {len(below)} runs' records, each in a folder of its own ({names}): give one of them "
+             "(fsdp-doctor compare A B sets two side by side)")
+        return None
     try:
         where = _records_path(path)
         with _busy(f"reading {where}"):

@@ -297,3 +297,21 @@ def test_reading_and_analysing_show_progress_on_a_terminal_and_nothing_in_a_pipe
     assert piped.returncode == 0 and "reading" not in piped.stderr and "analysing" not in piped.stderr
     code, _, shown = _stderr_on_a_terminal("tensorboard", SAMPLE, "--out", tmp_path / "tb", "--no-traces")
     assert code == 0 and f"writing TensorBoard events of {steps:,} step records of 2 ranks" in shown, shown
+
+
+def test_a_folder_of_runs_is_one_line_naming_them(tmp_path):
+    """A folder holding several runs' folders (a new-user trial's traces/): read as one folder of traces, one job's
+    were picked, the others' skipped as "rank 0 again", exit 3, and nothing said it held runs. One line names them,
+    for analyze, compare and tensorboard alike; a folder with one run below it still reads that run."""
+    import shutil
+
+    for name in ("run_a", "run_b"):
+        shutil.copytree(SAMPLE, tmp_path / "runs" / name, ignore=shutil.ignore_patterns("report.json"))
+    for args in (("analyze", tmp_path / "runs"), ("compare", tmp_path / "runs", SAMPLE),
+                 ("tensorboard", tmp_path / "runs")):
+        err = one_line_error(fd(*args))
+        assert err == (f"fsdp-doctor: {tmp_path / 'runs'} holds 2 runs' records, each in a folder of its own (run_a, "
+                       "run_b): give one of them (fsdp-doctor compare A B sets two side by side)"), err
+    shutil.rmtree(tmp_path / "runs" / "run_b")
+    r = fd("analyze", tmp_path / "runs")
+    assert r.returncode == 0 and "reading the ones in" in r.stderr

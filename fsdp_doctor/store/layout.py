@@ -37,17 +37,23 @@ def stream_name(rank: int) -> str:
     return f"rank{rank}.records.jsonl"
 
 
+def runs_below(path: Path) -> list[Path]:
+    """The folders right below ``path`` that hold record streams, where ``path`` itself holds none (sorted); []
+    where ``path`` holds streams or is not a folder."""
+    try:
+        if not path.is_dir() or any(path.glob(STREAM_GLOB)):
+            return []
+        return sorted(d for d in path.iterdir() if d.is_dir() and any(d.glob(STREAM_GLOB)))
+    except OSError:
+        return []
+
+
 def records_below(path: Path) -> Optional[Path]:
     """The one folder right below ``path`` that holds record streams, where ``path`` itself holds none: a
     framework's output folder with the doctor's records in a folder of their own (torchtitan's dump folder and its
     ``fsdp_doctor``; a new-user trial passed the dump folder and got a report of its profiler traces alone). None
     where ``path`` holds streams, is not a folder, or holds none or several such folders."""
-    try:
-        if not path.is_dir() or any(path.glob(STREAM_GLOB)):
-            return None
-        below = [d for d in path.iterdir() if d.is_dir() and any(d.glob(STREAM_GLOB))]
-    except OSError:
-        return None
+    below = runs_below(path)
     return below[0] if len(below) == 1 else None
 
 
