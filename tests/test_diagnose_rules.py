@@ -243,6 +243,10 @@ def test_params_in_root():
     (g,) = run_rule("wrap.params_in_root", build(units=default, memory=memory(10 * MiB))[0])
     assert "fully_shard(model.tok_emb, mesh=mesh)" in g.recommendation.code
     assert "FSDP's default" not in g.recommendation.code, g.recommendation.code
+    # the text names the root's own modules, not "typically embeddings, the final norm and the output head" (said of
+    # a U-Net's mid block: a new-user trial), and speaks of tied modules only where the root holds some
+    assert "Wrap them as units of their own before wrapping the root (tok_emb, norm)." in g.recommendation.text
+    assert "typically" not in g.recommendation.text and "tied" not in g.recommendation.text
     # a root holding only a tied embedding and output head: nothing its snippet could move
     us[0][0].update(own_modules=["tok_emb", "lm_head"], tied_modules=["tok_emb", "lm_head"])
     assert run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0]) == []

@@ -233,11 +233,11 @@ class ParamsInRoot(Rule):
         text = (f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped units: "
                 f"the blocks {E.fmt_list(blocks)} among them. {held_text} {plug['text']}" if plug else
                 f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped "
-                f"units (typically embeddings, the final norm and the output head). {held_text} Wrap them as units "
-                "of their own before wrapping the root "
-                f"({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}; "
-                "modules tied to another one, such as an output head sharing the embedding's weight, must stay "
-                "together: the snippet leaves them in the root).")
+                f"units. {held_text} Wrap them as units of their own before wrapping the root "
+                f"({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}"
+                # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
+                + ("; modules tied to another one, such as an output head sharing the embedding's weight, must "
+                   "stay together: the snippet leaves them in the root" if root.tied_modules else "") + ").")
         # the step: on a GPU the new units' all-gathers overlap the compute as the blocks' do (unchanged); on gloo each
         # new unit adds collectives of its own that the host's cores run beside the compute, at a fixed cost per call
         # (a new-user trial's 2-rank Qwen2 measured +63% and +85% where "unchanged" was predicted): not predicted
