@@ -122,6 +122,12 @@ def unit_defaults() -> dict[str, Any]:
     return out
 
 
+def runs_compiled(u) -> bool:
+    """Whether a unit (its snapshot, UnitConfig, or a report's UnitRow made from it) runs in a frame torch.compile
+    compiled: compiled in place (its hooks inside the frame, untimed) or timed around its compiled call."""
+    return bool(getattr(u, "compiled_in_place", False) or getattr(u, "compiled_call_timed", False))
+
+
 class OptimizerGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One of the optimizer's parameter groups: how many tensors, and its numeric hyper-parameters."""
 

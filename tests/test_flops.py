@@ -533,6 +533,26 @@ class _CompiledGelu(nn.Module):
         return _CompiledGelu.act(self.lin(x))
 
 
+def _train_4_steps(model, loss_of, out_dir=None) -> list[float]:
+    """Four AdamW steps of ``model`` on ``loss_of(step)``, under watch() into ``out_dir`` (no profiler window) where
+    given: the losses."""
+    import fsdp_doctor
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    with (fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0, profile=False)
+          if out_dir else nullcontext()) as doctor:
+        for step in range(4):
+            loss = loss_of(step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if doctor is not None:
+                doctor.step()
+            losses.append(loss.item())
+    return losses
+
+
 def test_compiled_code_in_the_forward_trains_unchanged_under_watch(one_rank_group, tmp_path):
     """torch.compile does not trace under a dispatch mode: a fullgraph compile raises "found no compiled frames"
     (flex_attention's own, on the H200, killed a Hugging Face model's run switched to it). Under watch() with its
@@ -547,20 +567,8 @@ def test_compiled_code_in_the_forward_trains_unchanged_under_watch(one_rank_grou
         torch.manual_seed(0)
         model = nn.Sequential(_CompiledGelu(), _CompiledGelu(), nn.Linear(16, 1))
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        with (fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0, profile=False)
-              if out_dir else nullcontext()) as doctor:
-            for step in range(4):
-                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-                loss = model(x).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if doctor is not None:
-                    doctor.step()
-                losses.append(loss.item())
-        return losses
+        return _train_4_steps(model, lambda step: model(
+            torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).pow(2).mean(), out_dir)
 
     base = train()
     assert train(tmp_path / "run") == base
@@ -593,22 +601,14 @@ def test_a_function_the_user_compiles_outside_the_model_is_compiled_under_watch(
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loss_fn = torch.compile(lambda out, y: (out - y).pow(2).mean() + out.abs().mean(), backend="eager")
-        losses = []
-        with (fsdp_doctor.watch(model, opt, out_dir=out_dir, tokens_per_step=8, peak_tflops=1.0, profile=False)
-              if out_dir else nullcontext()) as doctor:
-            for step in range(4):
-                g = torch.Generator().manual_seed(step)
-                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if doctor is not None:
-                    doctor.step()
-                losses.append(loss.item())
-        return losses, dict(counters["stats"])
+
+        def loss_of(step):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            return loss_fn(model(x), y)
+
+        return _train_4_steps(model, loss_of, out_dir), dict(counters["stats"])
 
     base, compiled = train()
     assert compiled.get("unique_graphs", 0) >= 1, compiled

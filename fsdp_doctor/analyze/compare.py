@@ -21,6 +21,7 @@ from msgspec import UNSET
 
 from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta, FindingRef, FindingsDiff,
                                 OpChange, PredictionCheck, RunSide, StepDelta)
+from ..records import runs_compiled
 from ..report_sections import Finding, Report
 from ..units import fmt_mesh
 
@@ -217,7 +218,7 @@ def _setting(u, key: str):
     (a new-user trial): the snapshot's None was taken as unknown. "compiled": the unit runs in a frame torch.compile
     compiled (in place, or timed around its compiled call): U-Net blocks compiled read "no configuration change"."""
     if key == "compiled":
-        return bool(getattr(u, "compiled_in_place", False) or getattr(u, "compiled_call_timed", False))
+        return runs_compiled(u)
     v = getattr(u, key)
     if v is not None or getattr(u, "reshard_after_forward", None) is None:
         return v
@@ -369,7 +370,7 @@ def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
 SHARE_FIXES = {"checkpoint.blocking": ("share_pct", "share_pct_after")}
 
 
-def _share(code: str, rep: Report) -> Optional[float]:
+def _share(rep: Report) -> Optional[float]:
     """B's figure of a SHARE_FIXES fix: checkpoint.blocking's, the saves' largest share of a rank's recorded time
     (%; 0 without a save); None without step records."""
     st = rep.steps
@@ -396,7 +397,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
         chk = PredictionCheck(code=f.code, recognised_by=how)
         if f.code in SHARE_FIXES:  # its gain is not in the step p50 (the saves' steps are out of it): its share
             k_before, k_after = SHARE_FIXES[f.code]
-            before, pred, got = f.evidence.get(k_before), f.evidence.get(k_after), _share(f.code, b.report)
+            before, pred, got = f.evidence.get(k_before), f.evidence.get(k_after), _share(b.report)
             if before is not None and pred is not None and got is not None:
                 chk.share_pct_before, chk.share_pct_predicted, chk.share_pct_measured = before, pred, got
                 chk.share_held = got <= before - 0.5 * (before - pred)

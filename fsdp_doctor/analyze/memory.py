@@ -63,7 +63,7 @@ def _rank_section(rd) -> MemoryRank | None:
         activations=m.activations,
         probe_us_median=median(float(s.memory.probe_us) for s in steps),
         timeline_step=tl_step.step if tl_step is not None else None,
-        timeline=_timeline(tl_step.memory) if tl_step is not None else [],
+        timeline=timeline_rows(tl_step.memory) if tl_step is not None else [],
         per_unit=_per_unit(cfg, steps),
     )
     if m.cuda is not None:
@@ -123,7 +123,9 @@ def _timeline_step(steps, best):
     return later[0] if later else None
 
 
-def _timeline(m: MemoryStep) -> list[dict]:
+def timeline_rows(m: MemoryStep) -> list[dict]:
+    """A step's memory timeline as rows keyed by its columns ("t_ms", "unit", "phase", the categories), each with
+    its ``total``; [] without one."""
     cols = m.timeline.columns if m.timeline is not None else []
     out = []
     for row in m.timeline.rows if m.timeline is not None else ():

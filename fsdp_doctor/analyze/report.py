@@ -112,7 +112,7 @@ def unit_table(run: Run) -> list[UnitRow]:
     # (one pass over every unit of every step: a 20,000-step run's 240,000, attributes read directly)
     for rd in run.ranks.values():
         for s in usable_steps(rd.steps):
-            by_name = {u.name: u for u in s.units} if children else {}
+            by_name = {u.name: u for u in s.units} if (children or bwd_children) else {}
             for u in s.units:
                 t = timings.get(u.name)
                 if t is None:
@@ -122,12 +122,12 @@ def unit_table(run: Run) -> list[UnitRow]:
                 t["bwd_ms"].append(u.bwd_ms)
                 t["ag_wait_bwd_ms"].append(u.ag_wait_bwd_ms)
                 t["recompute_ms"].append(u.recompute_ms)
-                kids = [by_name[c] for c in children[u.name] if c in by_name] if u.name in children else ()
-                t["fwd_self_ms"].append(max(0.0, u.fwd_ms - sum(c.fwd_ms for c in kids) if kids else u.fwd_ms))
+                kids = [by_name[c] for c in children.get(u.name, ()) if c in by_name]
+                t["fwd_self_ms"].append(max(0.0, u.fwd_ms - sum(c.fwd_ms for c in kids)))
                 if bwd_children is not children:
                     kids = [by_name[c] for c in bwd_children.get(u.name, ()) if c in by_name]
                 if u.bwd_ms > 0 or not kids:
-                    t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids) if kids else u.bwd_ms))
+                    t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids)))
     blind = {u.name for u in cfg.units if u.compiled_in_place}  # the doctor's hooks stay out of a compiled frame
     out = []
     for u in cfg.units:
@@ -147,15 +147,15 @@ def _backward_nesting(run: Run) -> Optional[dict[str, list[str]]]:
     """Per unit, the units whose backward runs directly inside its own (its first backward_start mark before theirs,
     its last backward_end after), from the latest memory timeline of the lowest rank that has backward marks; None
     without one."""
+    from .memory import timeline_rows
+
     for rd in sorted(run.ranks.values(), key=lambda rd: rd.rank):
         for s in reversed(rd.steps):
-            tl = s.memory.timeline if s.memory is not None else None
-            if tl is None or not tl.rows or "unit" not in tl.columns or "phase" not in tl.columns:
+            if s.memory is None or s.memory.timeline is None:
                 continue
-            ui, pi = tl.columns.index("unit"), tl.columns.index("phase")
             span: dict[str, list[int]] = {}
-            for i, row in enumerate(tl.rows):
-                unit, phase = row[ui], row[pi]
+            for i, row in enumerate(timeline_rows(s.memory)):
+                unit, phase = row.get("unit"), row.get("phase")
                 if unit is None or phase not in ("backward_start", "backward_end"):
                     continue
                 sp = span.setdefault(unit, [i, i])

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, register
+from ...records import runs_compiled
 from ...report_sections import ThroughputRank, ThroughputSection
 from ...units import fmt_bytes
 from ..base import Rule
@@ -307,8 +308,7 @@ class LowMfu(Rule):
         rows = list(tp.per_rank.values()) if tp is not None else []
         if not rows:
             cfg = ctx.config
-            compiled = [u.name for u in (getattr(cfg, "units", None) or [])
-                        if getattr(u, "compiled_in_place", False) or getattr(u, "compiled_call_timed", False)]
+            compiled = any(runs_compiled(u) for u in (getattr(cfg, "units", None) or []))
             if compiled and not getattr(cfg, "flops_per_step", None):  # (a U-Net's blocks compiled: "pass
                 # tokens_per_step" to a model without tokens, a new-user trial)
                 return self.quiet("no throughput: FLOPs are not counted where units are compiled (the counter steps "
