@@ -70,7 +70,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         unit_cfgs[idx].compiled_in_place = True
     for idx in timed:
         unit_cfgs[idx].compiled_call_timed = True
-    _, ign_names, ign_bytes = unmanaged_summary(naming_root(model), units)
+    named = naming_root(model)  # (the model inside a compiled wrapper: the names of the user's fully_shard calls)
+    _, ign_names, ign_bytes = unmanaged_summary(named, units)
     if consistency is None:
         consistency = consistency_problem(model, units, unit_cfgs) or ""
         if consistency:
@@ -98,13 +99,13 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
-        units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(naming_root(model), units),
+        units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(named, units),
         **_param_counts(model),
         capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
         flops_per_step=flops_per_step, hardware_flops_per_step=hardware_flops_per_step,
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
-        untrained=untrained_params(naming_root(model), optimizer, units), unavailable=unavailable,
+        untrained=untrained_params(named, optimizer, units), unavailable=unavailable,
         measured_notes=notes,
         torch_lacks=F2.features_unavailable(),
     ), consistency
