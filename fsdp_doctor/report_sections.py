@@ -289,8 +289,9 @@ class CheckpointSteps(_Section):
     # the first counted save step's save time: a process's first save also sets up (an async_save its staging
     # buffers: 45-68 ms against 31 ms for the next ones in torchtitan's), once however often it saves
     first_ms: float = 0.0
-    # the save steps' time outside the model beyond the other counted steps' median, all together: work around the
-    # saves outside their marks (a state dict gathered on every rank before rank 0's torch.save in the mark)
+    # of the save times above, the save steps' time outside the model beyond the other counted steps' median, all
+    # together: work around the saves outside their marks (a state dict gathered on every rank before rank 0's
+    # torch.save in the mark), counted where at least the marked time (0 otherwise)
     unmarked_ms: float = 0.0
 
 

@@ -514,6 +514,13 @@ def test_work_around_a_marked_save_outside_the_mark_counts_as_the_saves():
     assert f.severity == "warning" and f.evidence["unmarked_ms_total"] == pytest.approx(1200.0)
     assert f.evidence["saves_ms_total"] == pytest.approx(1260.0) and f.evidence["share_pct"] > 45, f.evidence
     assert "Of it, 1200 ms in all ran outside the marks around the saves" in f.recommendation.text
+    # counted once (analyze.steps): the report's line quotes the finding's share, and compare checks a fix against it
+    from fsdp_doctor.analyze.compare import _share
+    from fsdp_doctor.present.fmt import checkpoint_text
+    line = checkpoint_text(rep.steps)
+    assert f"{f.evidence['share_pct']:.1f}% of the recorded time" in line and "1.20 s of it outside the saves' marks" \
+        in line, line
+    assert _share(rep) == f.evidence["share_pct"]
     rep = report(4.0)  # noise: 12 ms around 60 ms of saves
     st = next(s for s in rep.rules if s.code == "checkpoint.blocking")
     assert st.status == "quiet" and "4.7% of the recorded time" in st.reason, st

@@ -383,17 +383,19 @@ def checkpoint_text(section: StepsSection) -> str | None:
     # the rank whose saves take the largest share, as checkpoint.blocking quotes it: its share and its save time
     # (the median rank's time beside the largest share read 93.2 ms here and 97.5 ms in the finding)
     timed = [(r, c) for r, c in per.items() if c.wall_ms_total > 0]
-    share, which = 0.0, ""
+    share, which, around = 0.0, "", ""
     if timed:
         rank, top = max(timed, key=lambda rc: rc[1].ms_total / rc[1].wall_ms_total)
         share, ms = 100.0 * top.ms_total / top.wall_ms_total, top.ms_p50
         which = f" (rank {rank})" if len({c.ms_p50 for c in per.values()}) > 1 else ""
+        if top.unmarked_ms:  # work around the marked saves, counted as theirs (analyze.steps.checkpoint_steps)
+            around = f", {fmt_ms(top.unmarked_ms)} of it outside the saves' marks"
     kind = " (asynchronous: the staging the step waits for)" if all(c.async_saves == c.saves for c in per.values()) \
         else ""
     aside = sorted({st for c in per.values() for st in c.profiled})
     aside_text = f" (step{'s' if len(aside) > 1 else ''} {', '.join(map(str, aside))} profiled: aside)" if aside else ""
     return (f"Checkpoint saves: {saves}{kind} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
-            f"{share:.1f}% of the recorded time{which}{aside_text}; counted apart from outside; those steps are {kept}")
+            f"{share:.1f}% of the recorded time{which}{around}{aside_text}; counted apart from outside; those steps are {kept}")
 
 
 def apart_texts(section: StepsSection) -> list[tuple[str, str]]:

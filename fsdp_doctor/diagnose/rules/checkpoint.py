@@ -8,8 +8,6 @@ import math
 import statistics
 from typing import Optional
 
-import msgspec
-
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
@@ -24,21 +22,6 @@ def save_every(save_ms: float, step_ms: float, aim: float = SHARE_AIM) -> int:
     """Steps between saves for saves of ``save_ms`` each to take ``aim`` of the time, steps of ``step_ms``
     between them: a save every n steps takes save / (n x step + save)."""
     return max(1, math.ceil(save_ms * (1 - aim) / (aim * step_ms)))
-
-
-#: unmarked time around the saves counts as theirs from this much (ms, and the marked saves' own time)
-UNMARKED_MIN_MS = 10.0
-
-
-def _with_unmarked(c):
-    """``c`` (a rank's CheckpointSteps) with the unmarked time around its saves counted as theirs where it is at
-    least the marked time (``CheckpointSteps.unmarked_ms``), spread over its save steps; ``c`` as it is otherwise."""
-    extra = c.unmarked_ms or 0.0
-    if extra < max(UNMARKED_MIN_MS, c.ms_total):
-        return c
-    n = max(1, sum(1 for st in c.steps if st not in set(c.profiled)))
-    return msgspec.structs.replace(c, ms_total=c.ms_total + extra, ms_p50=c.ms_p50 + extra / n,
-                                   first_ms=(c.first_ms or 0.0) + extra / n)
 
 
 def first_save_setup(c) -> float:
@@ -89,10 +72,6 @@ class CheckpointBlocking(Rule):
             return self.quiet("no checkpoint save recorded (torch.distributed.checkpoint's save and async_save; "
                               "others with doctor.checkpointing() around them; torchtitan's Trainer's under python "
                               "-m fsdp_doctor.titan, a Hugging Face Trainer's under DoctorCallback)")
-        # work around the saves outside their marks, at least as long as the marked saves (a full state dict
-        # gathered on every rank before rank 0's torch.save in the mark: 20 ms marked, ~400 ms around it read 2.1%,
-        # and no rule spoke, the save steps being out of the statistics: a new-user trial) counts as the saves'
-        raw, per = per, {r: _with_unmarked(c) for r, c in per.items()}
         rank = max(per, key=lambda r: per[r].ms_total / per[r].wall_ms_total)
         c = per[rank]
         share = c.ms_total / c.wall_ms_total
@@ -116,9 +95,9 @@ class CheckpointBlocking(Rule):
         often = f", one every {every:g} steps" if every else ""
         said = (f"{f'Each of the {c.saves} saves stops' if c.saves > 1 else 'The save stops'} training for "
                 f"{c.ms_p50:.1f} ms{often}: {per_step:.1f} ms per step over the run (rank {rank}).")
-        if c is not raw[rank]:  # the unmarked time around the saves counted
-            evidence["unmarked_ms_total"] = round(raw[rank].unmarked_ms, 3)
-            said += (f" Of it, {raw[rank].unmarked_ms:.0f} ms in all ran outside the marks around the saves, in the "
+        if c.unmarked_ms:  # the unmarked time around the saves counted (analyze.steps.checkpoint_steps)
+            evidence["unmarked_ms_total"] = round(c.unmarked_ms, 3)
+            said += (f" Of it, {c.unmarked_ms:.0f} ms in all ran outside the marks around the saves, in the "
                      "save steps' time outside the model beyond the other steps' (a state dict gathered before a "
                      "torch.save in doctor.checkpointing()?): put the whole save in the mark, on every rank, and "
                      "the report counts it as the save's.")
