@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # nothing could be analyzed
 EXIT_PARTIAL = 3  # analyzed, but some files were skipped
+EXIT_FINDINGS = 4  # analyzed, and a finding at --fail-on's severity or above
 
 
 class _Console(Console):
@@ -127,8 +128,23 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     if ns.explain:
         from .present.rules import render_rule_statuses
 
-        console.print(render_rule_statuses(report.rules))
+        # (with the JSON on standard output, on standard error: the JSON's own ``rules`` holds the same list, and a
+        # table after it made the output invalid JSON, a new-user trial's CI script)
+        (_Console(stderr=True, highlight=False) if outputs.get("json") == STDOUT else console).print(
+            render_rule_statuses(report.rules))
+    if ns.fail_on and (hit := failing(report.findings, ns.fail_on)):
+        _err(f"{len(hit)} finding{'s' * (len(hit) != 1)} at {ns.fail_on} or above ({', '.join(hit)}): exit "
+             f"{EXIT_FINDINGS} (--fail-on {ns.fail_on})")
+        return EXIT_FINDINGS
     return EXIT_PARTIAL if report.problems else EXIT_OK
+
+
+def failing(findings, level: str) -> list[str]:
+    """The codes of ``findings`` at severity ``level`` or above (``--fail-on``), in the report's order."""
+    from .diagnose.base import SEVERITIES
+
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
+    return list(dict.fromkeys(f.code for f in findings if rank.get(f.severity, -1) >= rank[level]))
 
 
 STDOUT = "-"  # ``--json -``: the JSON on standard output
@@ -188,14 +204,18 @@ def _is_input(out: Path, path: Path, run) -> bool:
 
 
 def _build_with_progress(run, console: Console, build_report):
+    """The report of ``run``, a bar of the traces read (two or more) or a spinner meanwhile, on standard error and
+    only where it is a terminal (on standard output, ``FORCE_COLOR=1`` put the bar into ``--json -``'s JSON: a
+    new-user trial's CI job)."""
     n = len(run.trace_files)
-    if n < 2 or not console.is_terminal:
+    err = _Console(stderr=True, highlight=False)
+    if n < 2 or not err.is_terminal:
         with _busy(_analysing(run)):
             return build_report(run)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("reading traces"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as prog:
+    with Progress(TextColumn(_markup_safe(_analysing(run))), BarColumn(), MofNCompleteColumn(), TextColumn("traces"),
+                  TimeElapsedColumn(), console=err, transient=True) as prog:
         task = prog.add_task("traces", total=n)
         return build_report(run, progress=lambda done, total: prog.update(task, completed=done, total=total))
 
@@ -479,7 +499,7 @@ def cmd_schema(ns: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------- tensorboard
 def cmd_tensorboard(ns: argparse.Namespace) -> int:
-    from .present.tensorboard import export_tensorboard
+    from .present.tensorboard import EventsExist, export_tensorboard
 
     path = Path(ns.path)
     run = _load(path)
@@ -491,8 +511,12 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
         _err(f"{path}: no fsdp-doctor records ({STREAM_GLOB}) to convert")
         return EXIT_BAD_INPUT
     out = Path(ns.out) if ns.out else path
-    with _busy(f"writing TensorBoard events of {_analysing(run).removeprefix('analysing ')}"):
-        dirs = export_tensorboard(run, out, traces=not ns.no_traces)
+    try:
+        with _busy(f"writing TensorBoard events of {_analysing(run).removeprefix('analysing ')}"):
+            dirs = export_tensorboard(run, out, traces=not ns.no_traces, overwrite=ns.overwrite)
+    except EventsExist as e:
+        _err(f"{e}: --overwrite replaces them")
+        return EXIT_BAD_INPUT
     for d in dirs:
         print(f"wrote {d}")
     print(f"open with: {_command('tensorboard')} --logdir {out}")
@@ -505,6 +529,7 @@ EPILOG = """exit codes:
   2  nothing usable (no such path, no records or traces, an output file that cannot be written, port in use,
      a run directory that already holds another run)
   3  analysed, but some files or lines were skipped (each named in the report)
+  4  analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)
   130 interrupted"""
 
 
@@ -528,7 +553,12 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     a.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report here (its directory must exist)")
     a.add_argument("--explain", action="store_true",
-                   help="also list every rule checked: fired, quiet, skipped (a need not met) or failed, and why")
+                   help="also list every rule checked: fired, quiet, skipped (a need not met) or failed, and why "
+                   "(on standard error with --json -)")
+    from .diagnose.base import SEVERITIES
+
+    a.add_argument("--fail-on", choices=SEVERITIES, default=None, metavar="LEVEL",
+                   help="exit 4 when a finding is at LEVEL or above: info, warning or critical (for CI jobs)")
     a.set_defaults(fn=cmd_analyze)
 
     c = sub.add_parser("compare", help="compare two runs: config diff, deltas with noise, predictions checked",
@@ -582,6 +612,9 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     t.add_argument("path", help="run directory written by fsdp_doctor.watch()")
     t.add_argument("--out", default=None, help="log directory (default: the run directory)")
     t.add_argument("--no-traces", action="store_true", help="skip the overlap scalars from the profiler traces")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the TensorBoard event files already in tb/rank{R} (written live by "
+                   "watch(tensorboard=True), or by an earlier export)")
     t.set_defaults(fn=cmd_tensorboard)
     return p
 

@@ -171,6 +171,9 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     if run.config is not None:  # what this torch's FSDP2 did not let the recorder read (one line each)
         problems.extend(n for n in run.config.unavailable if n not in problems)
     problems.extend(skipped)
+    if not has_input(run):  # (the CLI says this line and stops; a script calling this got a healthy-looking report
+        # of nothing, no finding and no problem: a new-user trial)
+        problems.insert(0, unusable_reason(run.path, run, None))
     report.problems = problems
     return report
 

@@ -122,6 +122,17 @@ def unit_defaults() -> dict[str, Any]:
     return out
 
 
+def counted_op_by_op(s: StepRecord) -> bool:
+    """The step's memory was counted op by op (the high-water's dispatch mode): its time holds the doctor's cost."""
+    return s.memory is not None and s.memory.transients == "exact"
+
+
+def doctor_step(s: StepRecord) -> bool:
+    """The step holds the doctor's own work, which the step statistics leave out: a profiler window (or a FLOP
+    count) or a memory count op by op."""
+    return bool(s.profiled) or counted_op_by_op(s)
+
+
 def runs_compiled(u) -> bool:
     """Whether a unit (its snapshot, UnitConfig, or a report's UnitRow made from it) runs in a frame torch.compile
     compiled: compiled in place (its hooks inside the frame, untimed) or timed around its compiled call."""

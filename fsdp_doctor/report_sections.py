@@ -11,7 +11,7 @@ else is a field.
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -325,6 +325,10 @@ class UnitTiming(_Section):
     recompute_ms: float = 0.0
     fwd_self_ms: Optional[float] = None
     bwd_self_ms: Optional[float] = None
+    # of the steady (rank, step)s, those in which the unit did not run (an MoE expert no token reached, a dropped
+    # layer), left out of the medians above, and those they are over (the records' unit rows; 0: not counted)
+    not_run: int = 0
+    samples: int = 0
 
 
 class UnitRow(UnitConfig, omit_defaults=False):
@@ -631,7 +635,7 @@ class RuleStatus(_Section):
     """``report.rules[i]``: one rule checked on this run and what came of it."""
 
     code: str
-    status: str  # "fired" | "quiet" (ran, found nothing) | "skipped" (a need not met) | "failed" (raised)
+    status: Literal["fired", "quiet", "skipped", "failed"]  # quiet: ran, found nothing; skipped: a need not met
     reason: str = ""  # quiet/skipped/failed: why; fired: the findings' titles
     findings: int = 0
 
@@ -641,7 +645,7 @@ class Finding(_Section):
     the user can paste and, where the rule can tell, the predicted gain."""
 
     code: str
-    severity: str  # "info" | "warning" | "critical"
+    severity: Literal["info", "warning", "critical"]  # diagnose.base.SEVERITIES, least first
     title: str
     evidence: dict[str, Any]
     recommendation: Recommendation
@@ -705,8 +709,13 @@ class Report(msgspec.Struct, kw_only=True):
     def json_schema(cls) -> dict:
         """The JSON schema of the ``--json`` form (``msgspec.json.schema``), as published in
         ``fsdp_doctor/report.schema.json``: descriptions cleaned as ``inspect.cleandoc`` cleans a docstring, which
-        msgspec 0.23 does itself and 0.22 did not (the same schema from either)."""
-        return _cleaned(msgspec.json.schema(cls))
+        msgspec 0.23 does itself and 0.22 did not (the same schema from either). Every key of the report is
+        required, as every one is always written (``{}`` validated against a schema that required none: a new-user
+        trial's CI check)."""
+        out = _cleaned(msgspec.json.schema(cls))
+        mine = out["$defs"][cls.__name__]
+        mine["required"] = sorted(mine["properties"])
+        return out
 
     @classmethod
     def of(cls, report) -> "Report":

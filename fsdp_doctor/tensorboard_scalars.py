@@ -5,7 +5,8 @@ scalars become one event. Imports neither torch nor a presenter.
 
 Tags (x axis = training step): ``step/wall_ms`` and its split ``step/forward_ms``, ``step/backward_ms``,
 ``step/optimizer_ms``, ``step/outside_ms``, ``step/gc_ms``; ``step/no_grad_ms`` (steps that evaluated);
-``step/checkpoint_ms`` (steps that saved a checkpoint); ``step/profiled``; ``memory/peak_mib`` and
+``step/checkpoint_ms`` (steps that saved a checkpoint); ``step/profiled``; ``step/doctor_step`` (1 on the doctor's own
+steps: a profiler window, a memory count op by op); ``memory/peak_mib`` and
 ``memory/<category>_mib`` at the step's peak (MiB = 2^20 bytes; a category from its first non-zero value on);
 ``overlap/overlap_pct``, ``overlap/exposed_comm_ms``, ``overlap/comm_ms`` on the steps of each profiled window (the
 report's per-step figures of that window).
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from .memory_categories import NAMES
-from .records import CudaMemory, MemoryStep, StepRecord
+from .records import CudaMemory, MemoryStep, StepRecord, doctor_step
 from .report_sections import OverlapSection
 
 MIB = float(1 << 20)
@@ -30,6 +31,9 @@ def step_scalars(rec: StepRecord, seen: Optional[set] = None) -> dict[str, float
     chart, and one that falls back to 0 still shows it."""
     out = {f"step/{f}": float(getattr(rec, f)) for f in STEP_FIELDS}
     out["step/profiled"] = 1.0 if rec.profiled else 0.0
+    # the doctor's own steps, which the report's step statistics leave out with the first step (a step whose memory
+    # was counted op by op read 0 in step/profiled: a new-user trial's median of the others was not the report's)
+    out["step/doctor_step"] = 1.0 if doctor_step(rec) else 0.0
     if rec.no_grad_ms:  # the model's forward passes without gradients (evaluation) in this step
         out["step/no_grad_ms"] = float(rec.no_grad_ms)
     if rec.checkpoint_ms:  # checkpoint saves in this step

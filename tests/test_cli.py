@@ -87,10 +87,11 @@ def test_help_names_every_argument_and_the_exit_codes_without_torch():
             "print('TORCH', 'torch' in sys.modules)")
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert "TORCH False" in r.stdout, r.stdout[-500:] + r.stderr
-    out = r.stdout
+    out = " ".join(r.stdout.split())  # (argparse wraps the help at its own column)
     assert "run directory, directory of Kineto traces, or one trace file" in out
     assert "address to bind" in out and "port to bind" in out
-    for line in ("0  everything read and analysed", "2  nothing usable", "3  analysed, but some files"):
+    for line in ("0 everything read and analysed", "2 nothing usable", "3 analysed, but some files",
+                 "4 analyze --fail-on LEVEL"):
         assert line in out
 
 
@@ -214,6 +215,30 @@ def test_json_dash_is_the_json_alone_on_standard_output(tmp_path):
         out = json.loads(p.stdout)  # (nothing else there)
         assert ("findings" in out) if args[0] == "analyze" else ("step" in json.dumps(out))
         assert not (tmp_path / "-").exists()
+
+
+def test_a_ci_job_reads_the_json_alone_and_fails_on_findings(tmp_path):
+    """A new-user trial's CI job: ``--explain --json -`` put the rules table after the JSON on standard output, and
+    with ``FORCE_COLOR=1`` (set by many CI systems) the traces' progress bar went into it: invalid JSON both times.
+    The table goes to standard error there, the bar always does; ``--fail-on LEVEL`` exits 4 on a finding at LEVEL
+    or above, naming it in one line, and the codes of the JSON's findings are what it counts."""
+    import os
+
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "40"}
+    p = subprocess.run([PY, "-m", "fsdp_doctor.cli", "analyze", SAMPLE, "--explain", "--json", "-"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)  # (nothing else there)
+    assert "Rules checked" in p.stderr and len(report["rules"]) > 30
+    fired = sorted({f["code"] for f in report["findings"]})
+    levels = sorted({f["severity"] for f in report["findings"]})
+    assert fired == ["prefetch.exposed_allgather"] and levels == ["info"], (fired, levels)
+    r = fd("analyze", SAMPLE, "--fail-on", "info")
+    assert r.returncode == 4 and "Diagnosis" in r.stdout, r.stderr
+    assert r.stderr.strip() == ("fsdp-doctor: 1 finding at info or above (prefetch.exposed_allgather): exit 4 "
+                                 "(--fail-on info)")
+    assert fd("analyze", SAMPLE, "--fail-on", "warning").returncode == 0
+    assert fd("analyze", SAMPLE, "--fail-on", "severe").returncode == 2  # not a level: argparse's usage line
 
 
 def test_the_doctors_own_json_saved_in_the_run_folder_is_not_read_as_a_trace(tmp_path):

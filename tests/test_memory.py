@@ -521,3 +521,65 @@ def test_a_units_own_activations_are_unknown_where_a_nested_units_are():
     measured = step({"": 2_244_000, "layers.0": 1_057_000, "layers.1": 1_057_000}, {"": 130_000})
     rows = {r.unit: r for r in _per_unit(cfg, [measured])}
     assert rows[""].activation_self_bytes == 130_000
+
+
+_SKIP_SCRIPT = textwrap.dedent('''
+    import os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    import fsdp_doctor
+    from fsdp_doctor.workloads import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+
+    class Net(nn.Module):  # two "experts", each its own unit; expert 1 is skipped in step 1 (no token reached it)
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(32, 32)
+            self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+            self.out = nn.Linear(32, 8)
+            self.skip = False
+
+        def forward(self, x):
+            h = self.inp(x)
+            for i, e in enumerate(self.experts):
+                if not (self.skip and i == 1):
+                    h = h + e(h)
+            return self.out(h)
+
+    model = Net()
+    for e in model.experts:
+        fully_shard(e)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())
+    with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doctor:
+        for step in range(6):
+            model.skip = step == 1
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()  # (the step's end: before zero_grad, its gradients all there)
+            opt.zero_grad()
+            doctor.step()
+    dist.destroy_process_group()
+''')
+
+
+def test_a_unit_that_did_not_run_in_a_step_has_its_gradients_counted_after(tmp_path):
+    """A unit that did not run in a step (an MoE expert no token reached, a dropped layer) still has FSDP's
+    post-backward run, on no gradient: its 0 was cached and every later step read that unit's gradients as
+    temporaries (a new-user trial's MoE: 194 KiB of six experts' gradients, and memory.outputs_kept fired with a fix
+    that could not clear it). The cached size holds only for the same parameters with gradients."""
+    from fsdp_doctor import build_report, load_run
+
+    script = tmp_path / "skip.py"
+    script.write_text(_SKIP_SCRIPT)
+    env = {**__import__("os").environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run = load_run(tmp_path / "run")
+    full = 4 * (3 * (32 * 32 + 32) + 8 * 32 + 8)  # every parameter's fp32 gradient, one rank
+    ends = {s.step: s.memory.end for s in run.ranks[0].steps}
+    assert ends[1]["sharded_grads"] == full - 4 * (32 * 32 + 32), ends[1]  # expert 1 had none
+    for step in (0, 2, 3, 4, 5):
+        assert ends[step]["sharded_grads"] == full and ends[step]["temporaries"] < 1024, (step, ends[step])
+    assert "memory.outputs_kept" not in {f.code for f in build_report(run).findings}

@@ -259,3 +259,13 @@ def test_a_failing_rule_is_a_problem_not_a_silent_healthy(sample_run_path, monke
     assert "prefetch.exposed_allgather" not in {f.code for f in report.findings}
     assert any(p.startswith("prefetch.exposed_allgather not checked: the rule failed (ZeroDivisionError: injected)")
                for p in report.problems)
+
+
+def test_a_report_of_nothing_says_so_from_python(tmp_path):
+    """``build_report(load_run(empty))`` was a report of no finding and no problem, where the CLI says "no
+    fsdp-doctor records..." and exits 2 (a new-user trial's script): the report's first problem is the CLI's line."""
+    from fsdp_doctor import build_report, load_run
+
+    rep = build_report(load_run(tmp_path))
+    assert rep.findings == [] and rep.problems == [
+        f"{tmp_path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"], rep.problems

@@ -9,6 +9,7 @@ import sys
 
 from fsdp_doctor import build_report, load_run
 from fsdp_doctor.analyze.steps import percentile, usable_steps
+from fsdp_doctor.records import UnitStep
 
 
 def test_report_shape_and_step_stats(sample_run_path):
@@ -197,3 +198,36 @@ def test_a_grouped_units_backward_own_time_leaves_out_what_runs_inside_it():
     assert rows["tok_emb, lm_head"].bwd_self_ms == 10.0  # 50 - the root's 40
     assert rows[""].bwd_self_ms == 18.0  # 40 - 10 - 12
     assert rows["blocks.0"].bwd_self_ms == 10.0
+
+
+def test_a_unit_that_did_not_run_in_some_steps_is_timed_over_the_steps_it_ran(sample_run_path):
+    """An MoE expert masked in 2 of 4 steady steps read 0.67 ms forward, its zeros counted, against 4.44 ms where it
+    ran (a new-user trial). A unit's step row with no call and no time is left out of its medians, counted apart,
+    and the terminal's unit table says which units and how often they ran."""
+    import statistics
+
+    import msgspec
+
+    from fsdp_doctor.analyze.report import unit_table
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.present.fmt import units_not_run_note
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    name = "layers.1"
+    steady = {r: [s.step for s in usable_steps(rd.steps)] for r, rd in run.ranks.items()}
+    off = {r: set(st[::2]) for r, st in steady.items()}  # every other steady step: not run
+    for r, rd in run.ranks.items():
+        rd.steps = [msgspec.structs.replace(s, units=[UnitStep(name=u.name) if u.name == name else u for u in s.units])
+                    if s.step in off[r] else s for s in rd.steps]
+    ran = [u.fwd_ms - sum(c.fwd_ms for c in s.units if c.name.startswith(name + ".")) for rd in run.ranks.values()
+           for s in usable_steps(rd.steps) for u in s.units if u.name == name and u.fwd_ms]
+    row = next(u for u in unit_table(run) if u.name == name)
+    t = row.timing_p50
+    assert t.not_run == sum(map(len, off.values())) and t.samples == len(ran), t
+    assert t.fwd_self_ms == round(statistics.median(ran), 3) > 0, (t, ran)
+    others = [u for u in unit_table(run) if u.name != name and u.timing_p50]
+    assert all(u.timing_p50.not_run == 0 for u in others)
+    note = units_not_run_note(unit_table(run))
+    assert note.startswith("1 unit did not run in every step") and f"layers.1 ({t.samples} of " \
+        f"{t.samples + t.not_run})" in note, note

@@ -51,3 +51,26 @@ def test_every_key_present_on_a_recorded_run(tmp_path):
     assert isinstance(r["findings"], list) and isinstance(r["problems"], list)
     assert r["steps"] is not None and r["units"]
     assert msgspec.json.decode(out.read_bytes(), type=Report) == Report.of(r)  # the form reads back, typed
+
+
+def test_the_schema_requires_every_key_and_names_the_severities():
+    """A CI check validated ``{}`` and ``{"severity": "bogus"}`` findings against the published schema (a new-user
+    trial): every report key is required (all are always written, the tests above check it), and a finding's
+    severity and a rule's status are the doctor's own words, listed."""
+    from fsdp_doctor.diagnose.base import SEVERITIES
+
+    schema = json.loads(cli.SCHEMA_FILE.read_text())
+    top = schema["$defs"]["Report"]
+    assert set(top["required"]) == _keys() == set(top["properties"])
+    assert sorted(schema["$defs"]["Finding"]["properties"]["severity"]["enum"]) == sorted(SEVERITIES)
+    assert sorted(schema["$defs"]["RuleStatus"]["properties"]["status"]["enum"]) == [
+        "failed", "fired", "quiet", "skipped"]
+    # a report that says another severity does not read back typed
+    r = json.loads((SAMPLE / "report.json").read_text())
+    r["findings"][0]["severity"] = "bogus"
+    try:
+        msgspec.convert(r, Report)
+    except msgspec.ValidationError as e:
+        assert "severity" in str(e)
+    else:
+        raise AssertionError("a bogus severity read back")

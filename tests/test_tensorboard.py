@@ -71,6 +71,40 @@ def test_export_scalars_equal_the_records(sample_copy, tmp_path):
         assert all(a[1] <= b[1] for a, b in zip(wall, wall[1:])), wall
 
 
+def test_a_second_export_is_refused_or_replaces_the_first(sample_copy):
+    """TensorBoard reads every event file of a folder: a second export beside the first drew each step twice (a
+    new-user trial read step/wall_ms at 24 points of 12 steps). It is refused, or with ``overwrite`` replaces the
+    event files there, whoever wrote them; ``step/doctor_step`` marks the steps the report's statistics leave out
+    as the doctor's own (a step whose memory was counted op by op read 0 in step/profiled)."""
+    import subprocess
+    import sys
+
+    from fsdp_doctor.present.tensorboard import EventsExist
+    from fsdp_doctor.records import doctor_step
+
+    run = load_run(sample_copy)
+    rd = run.ranks[0]
+    s2 = rd.steps[2]  # as a run recorded now counts its memory op by op at step 2 (the sample's predates it)
+    assert not s2.profiled and s2.memory is not None
+    rd.steps[2] = msgspec.structs.replace(s2, memory=msgspec.structs.replace(s2.memory, transients="exact"))
+    export_tensorboard(run, traces=False)
+    with pytest.raises(EventsExist, match="already holds TensorBoard events"):
+        export_tensorboard(run, traces=False)
+    cli = [sys.executable, "-m", "fsdp_doctor.cli", "tensorboard", str(sample_copy), "--no-traces"]
+    r = subprocess.run(cli, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--overwrite replaces them" in r.stderr, r.stderr
+    (old,) = (sample_copy / "tb" / "rank0").glob("events.out.tfevents.*")
+    export_tensorboard(run, traces=False, overwrite=True)
+    (f,) = (sample_copy / "tb" / "rank0").glob("events.out.tfevents.*")
+    assert f != old
+    sc = _scalars(f.parent)
+    assert sorted(sc["step/wall_ms"]) == [s.step for s in rd.steps]  # once each
+    mine = {k for k, v in sc["step/doctor_step"].items() if v == 1.0}
+    assert mine == {s.step for s in rd.steps if doctor_step(s)} == {s.step for s in rd.steps if s.profiled} | {2}
+    r = subprocess.run(cli + ["--overwrite"], capture_output=True, text=True)
+    assert r.returncode == 0 and len(list(f.parent.glob("events.out.tfevents.*"))) == 1, r.stderr
+
+
 def test_export_defaults_to_the_run_directory(sample_copy):
     run = load_run(sample_copy)
     export_tensorboard(run, traces=False)

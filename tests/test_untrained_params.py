@@ -163,3 +163,51 @@ def test_no_gradient_reaching_the_optimizer_is_critical(runs):
     assert "memory.grads_kept" not in {x.code for x in rep.findings}  # those gradients are this finding's
     for name in ("top", "two", "fixed"):  # their optimizer holds state: quiet
         assert "optim.no_gradients" not in {x.code for x in runs[name][1].findings}
+
+
+_UNSHARDED_SCRIPT = textwrap.dedent('''
+    import os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    import fsdp_doctor
+    from fsdp_doctor.workloads import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    for m in model[:2]:
+        fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())  # after fully_shard: it holds the sharded parameters
+    model.set_reshard_after_backward(False)  # every unit stays gathered after its backward ...
+    units = [m for m in model.modules() if hasattr(m, "reshard")]
+    with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doctor:
+        for step in range(5):
+            for u in units:  # ... until the loop reshards it before the next forward
+                u.reshard()
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+    dist.destroy_process_group()
+''')
+
+
+def test_an_optimizer_over_sharded_parameters_read_while_units_are_gathered(tmp_path):
+    """With set_reshard_after_backward(False) the units are gathered when the doctor reads the configuration, the
+    model's parameters the unsharded ones: an optimizer made after fully_shard read as holding none of them, a
+    CRITICAL optim.before_shard ("53 of its 53 parameters are not the model's", "nothing is trained") on a run
+    that trained right (a new-user trial). FSDP's unsharded parameters stand for their sharded ones."""
+    from fsdp_doctor import build_report, load_run
+
+    script = tmp_path / "gathered.py"
+    script.write_text(_UNSHARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run = load_run(tmp_path / "run")
+    cfg = run.config
+    assert cfg.optimizer_params == 6 and cfg.optimizer_foreign_params == 0, cfg
+    assert cfg.untrained is not None and cfg.untrained.tensors == 0, cfg.untrained
+    codes = {f.code for f in build_report(run).findings}
+    assert not codes & {"optim.before_shard", "optim.untrained_params"}, codes

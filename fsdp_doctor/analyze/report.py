@@ -109,11 +109,17 @@ def unit_table(run: Run) -> list[UnitRow]:
     # blocks counted twice, the root's own read 0.00 ms: a new-user trial); where a memory timeline has the marks
     bwd_children = _backward_nesting(run) or children
     timings: dict[str, dict[str, list[float]]] = {}
+    not_run: dict[str, int] = {}
     # (one pass over every unit of every step: a 20,000-step run's 240,000, attributes read directly)
     for rd in run.ranks.values():
         for s in usable_steps(rd.steps):
             by_name = {u.name: u for u in s.units} if (children or bwd_children) else {}
             for u in s.units:
+                if not (u.fwd_calls or u.fwd_ms or u.bwd_ms):  # did not run in this step: its zeros are no time
+                    # (an MoE expert masked in 2 of 4 steps read 0.67 ms against 4.44 ms where it ran: a new-user
+                    # trial)
+                    not_run[u.name] = not_run.get(u.name, 0) + 1
+                    continue
                 t = timings.get(u.name)
                 if t is None:
                     t = timings[u.name] = {k: [] for k in (*_TIMING_KEYS, "fwd_self_ms", "bwd_self_ms")}
@@ -134,7 +140,8 @@ def unit_table(run: Run) -> list[UnitRow]:
         row = UnitRow(**msgspec.structs.asdict(u))
         t = timings.get(u.name) if u.name not in blind else None
         if t:
-            row.timing_p50 = UnitTiming(**{k: round(statistics.median(v), 3) for k, v in t.items() if v})
+            row.timing_p50 = UnitTiming(**{k: round(statistics.median(v), 3) for k, v in t.items() if v},
+                                        not_run=not_run.get(u.name, 0), samples=len(t["fwd_ms"]))
             if blind & set(children.get(u.name, ())):  # a nested unit's time unknown: so is this one's own
                 row.timing_p50.fwd_self_ms = row.timing_p50.bwd_self_ms = None
             if u.compiled_call_timed:  # FSDP's pre-forward, inside the compiled call: its wait is in fwd_ms

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from ..records import GpuTimes, StepRecord
+from ..records import GpuTimes, StepRecord, counted_op_by_op
 from ..report_sections import CheckpointSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection, StepStats, Straggler
 from ..store import Run
 from ..units import unit_label
@@ -36,11 +36,6 @@ def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
         kept = [s for s in out if keep(s)]
         out = kept if len(kept) >= 3 else out
     return out
-
-
-def counted_op_by_op(s: StepRecord) -> bool:
-    """The step's memory was counted op by op (the high-water's dispatch mode): its time holds the doctor's cost."""
-    return s.memory is not None and s.memory.transients == "exact"
 
 
 def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:

@@ -17,6 +17,11 @@ from ..store import Run
 from .steps import step_stats, usable_steps
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant figures: TFLOP/s of a GPU (hundreds) and of a CPU run (thousandths) alike."""
+    return float(f"{x:.{digits}g}")
+
+
 def analytic_flops_per_step(cfg) -> float | None:
     """6 x parameters x this rank's tokens per step, or None without tokens or parameters. With frozen parameters
     (fine-tuning) the backward's 4 are 2 for the input gradients, over the parameters from the first trainable one
@@ -75,7 +80,7 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
             row.flops_per_step = flops
             row.flops_source = source
             row.flops_note = note
-            row.achieved_tflops = round(tf, 4)
+            row.achieved_tflops = _sig(tf)
             job_tflops += tf
             any_data = True
             hw = cfg.hardware_flops_per_step if source == "counted" else None
@@ -96,7 +101,7 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
     if cfg and cfg.tokens_per_step and p50s:
         job.tokens_per_s = round(cfg.tokens_per_step / (max(p50s) / 1e3), 1)  # the slowest rank paces the job
     if job_tflops:
-        job.achieved_tflops = round(job_tflops, 4)
+        job.achieved_tflops = _sig(job_tflops)
         peaks = [v.peak_tflops for v in per_rank.values()]
         if all(peaks):
             job.mfu_pct = round(100 * job_tflops / sum(peaks), 2)

@@ -112,7 +112,9 @@ def tables(c: Comparison) -> list[CompareTable]:
             if k == "achieved_tflops" and max(abs(x or 0) for x in (d.a, d.b)) < 1:  # (a CPU run's read "0  0  -0")
                 name, scale = "GFLOP/s", 1e3
             fm = (lambda x, f=f, scale=scale: MISSING if x is None else f.format(x * scale))
-            rows.append((name, fm(d.a), fm(d.b), MISSING if d.delta is None else f"{d.delta * scale:+,.3g}",
+            # (Δ in the figures' own format, signed: "+1.01e+03" tokens/s, a new-user trial)
+            rows.append((name, fm(d.a), fm(d.b), MISSING if d.delta is None else f.replace("{:", "{:+").format(
+                d.delta * scale),
                          _pct(d)))
         out.append(CompareTable("Throughput", ("", "A", "B", "Δ", "Δ%"), rows))
     if c.cost is not None:

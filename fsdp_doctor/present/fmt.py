@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier,
                                Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
-                               ThroughputSection, UnitRow, Verdict, VerdictEntry)
+                               ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
                      evidence_label, evidence_labels, fmt_us, fmt_value, printable, ranks_phrase, unit_label)
 
@@ -502,6 +502,20 @@ def trace_memory_rows(section: MemorySection) -> list[tuple[str, ...]]:
 
 
 TRACE_UNITS_HEADER = ("unit", "fwd", "bwd")
+
+
+def units_not_run_note(units) -> str | None:
+    """A line under the unit table naming the units that did not run in every steady step, whose medians are over
+    the steps they ran; None where every unit ran in each."""
+    part = [(u.name, u.timing_p50) for u in units
+            if isinstance(getattr(u, "timing_p50", None), UnitTiming) and u.timing_p50.not_run]
+    if not part:
+        return None
+    labels = short_unit_labels(u.name for u in units)
+    shown = ", ".join(f"{labels[n]} ({t.samples} of {t.samples + t.not_run})" for n, t in part[:4])
+    more = f", … {len(part) - 4} more" if len(part) > 4 else ""
+    return (f"{len(part)} unit{'s' * (len(part) != 1)} did not run in every step (an expert no token reached, a "
+            f"skipped layer): timed over the rank-steps they ran: {shown}{more}")
 
 
 def trace_units_title(units) -> str:

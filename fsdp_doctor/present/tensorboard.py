@@ -18,13 +18,34 @@ from ..store import layout
 from ..tensorboard_scalars import add_scalars, step_scalars, step_walltimes, window_overlap_scalars
 
 
-def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = True) -> list[Path]:
+EVENTS_GLOB = "events.out.tfevents.*"
+
+
+class EventsExist(FileExistsError):
+    """The TensorBoard folders already hold event files (a live writer's, an earlier export's)."""
+
+
+def existing_events(run, out: Path | str | None = None) -> list[Path]:
+    """The event files already in the ``tb/rank{R}`` folders an export of ``run`` to ``out`` would write: TensorBoard
+    reads every file of a folder, so a second export beside them drew each step twice (a new-user trial)."""
+    out = Path(out) if out is not None else Path(run.path)
+    return sorted(f for rank in run.ranks for f in layout.tb_dir(out, rank).glob(EVENTS_GLOB))
+
+
+def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = True,
+                       overwrite: bool = False) -> list[Path]:
     """Writes the scalars of a recorded :class:`~fsdp_doctor.store.Run` to ``<out>/tb/rank{R}`` (``out`` defaults
     to the run directory); the overlap of each profiled window comes from the pipeline (one window at a time, so
-    each window's steps get that window's figures). Returns the directories written."""
+    each window's steps get that window's figures). Returns the directories written. Event files already there
+    (``watch(tensorboard=True)``'s, an earlier export's) raise :class:`EventsExist`, or with ``overwrite`` are
+    replaced, each folder's once its new file is written."""
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     out = Path(out) if out is not None else Path(run.path)
+    if not overwrite and (old := existing_events(run, out)):
+        raise EventsExist(f"{old[0].parent.parent} already holds TensorBoard events ({len(old)} file"
+                          f"{'s' * (len(old) != 1)}: written live by watch(tensorboard=True) or by an earlier "
+                          "export); TensorBoard would draw every step twice")
     written = []
     for rank, rd in sorted(run.ranks.items()):
         if not rd.steps and not rd.profiles:
@@ -46,6 +67,8 @@ def export_tensorboard(run, out: Path | str | None = None, *, traces: bool = Tru
             finally:
                 w.close()
             d.mkdir(exist_ok=True)
+            for f in d.glob(EVENTS_GLOB):  # (only with overwrite: checked above)
+                f.unlink()
             for f in tmp.iterdir():
                 os.replace(f, d / f.name)
         finally:

@@ -16,7 +16,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
-                  trace_units_title, verdict_headline, verdict_rows, verdict_title)
+                  trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -112,7 +112,8 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
     if len(units) > UNIT_ROWS:
         rows.append((f"… {len(units) - UNIT_ROWS} more", *[""] * 9))
     return fitted_table(f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
-                        "excluded); AG wait: forward, then backward", cols, rows, width)
+                        "excluded); AG wait: forward, then backward", cols, rows, width,
+                        caption=units_not_run_note(units))
 
 
 def findings_summary(findings: list[Finding], rules: list | None = None):

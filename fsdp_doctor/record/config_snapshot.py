@@ -16,7 +16,7 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_frames, consistency_problem, naming_root, snapshot_units,
+from .units import (Unit, sharded_of, compiled_frames, consistency_problem, naming_root, snapshot_units,
                     unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
@@ -45,7 +45,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     frame the doctor was not given (every unit untimed: FRAME_UNSEEN)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-    opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model)
+    opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model, units)
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     capacity = capacity_bytes
     if capacity is None and dev.type == "cuda":  # the device, or what a memory fraction leaves this process of it
@@ -221,10 +221,10 @@ def _compute_dtype(units: list[Unit]) -> str:
     return "float32"
 
 
-def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
+def _optimizer_params(optimizer, model: nn.Module, units: list[Unit] = ()) -> tuple[int, int, int]:
     if optimizer is None:
         return 0, 0, 0
-    model_ids = {id(p) for p in model.parameters()}
+    model_ids = {id(p) for p in model.parameters()} | set(sharded_of(units))
     n = foreign = nbytes = 0
     for g in optimizer.param_groups:
         for p in g["params"]:
@@ -236,11 +236,15 @@ def _optimizer_params(optimizer, model: nn.Module) -> tuple[int, int, int]:
     return n, foreign, nbytes
 
 
-def untrained_rows(model: nn.Module, optimizer, held: set[int] | None = None) -> list[tuple[str, nn.Parameter]]:
+def untrained_rows(model: nn.Module, optimizer, held: set[int] | None = None,
+                   units: list[Unit] = ()) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of each trainable parameter of the model that the optimizer does not hold ([]: none, or no
-    optimizer); ``held``: the ids it holds, where the caller has them (``_held``)."""
+    optimizer); ``held``: the ids it holds, where the caller has them (``_held``); ``units``: the FSDP units, whose
+    unsharded parameters, registered while a unit is unsharded, stand for their sharded ones (``sharded_of``)."""
     held = _held(optimizer) if held is None else held
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    sharded = sharded_of(units)
+    rows = [(n, sharded.get(id(p), p)) for n, p in model.named_parameters()]
+    return [(n, p) for n, p in rows if p.requires_grad and id(p) not in held]
 
 
 def _held(optimizer) -> set[int]:
@@ -255,7 +259,7 @@ def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untraine
     if optimizer is None:
         return None
     held = _held(optimizer)
-    rows = untrained_rows(model, optimizer, held)
+    rows = untrained_rows(model, optimizer, held, units)
     if not rows:
         return Untrained(tensors=0, param_count=0)
     grads = [getattr(p.grad, "_local_tensor", p.grad) for _, p in rows if p.grad is not None]

@@ -13,6 +13,8 @@ defines.
   ``step/wall_ms``                step wall time; ``step/forward_ms``, ``step/backward_ms``,
                                   ``step/optimizer_ms``, ``step/outside_ms``, ``step/gc_ms``: its split
   ``step/profiled``               1 on steps inside a profiler window (their times include the tool's cost)
+  ``step/doctor_step``            1 on the doctor's own steps (a profiler window, a memory count op by op),
+                                  which the report's step statistics leave out with the first step
   ``memory/peak_mib``             the step's memory peak (``StepRecord.memory``), and at that peak
                                   ``memory/<category>_mib`` for each category (sharded_params, activations, …);
                                   ``memory/offloaded_host_mib``; on CUDA ``memory/cuda_<field>_mib``

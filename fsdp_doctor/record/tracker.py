@@ -504,7 +504,7 @@ class Doctor:
         cfg = self._config()
         self._sinks.write(cfg)
         if cfg.untrained is not None and cfg.untrained.tensors:  # a few values, to tell whether anything updates them
-            self._untrained = [(p, _head(p)) for _, p in untrained_rows(self.model, self._reads)[:UNTRAINED_SAMPLES]]
+            self._untrained = [(p, _head(p)) for _, p in untrained_rows(self.model, self._reads, units=self._units)[:UNTRAINED_SAMPLES]]
 
     def _late_check(self) -> None:
         """At the third step's end, the config again where it has more to say: whether any trainable parameter

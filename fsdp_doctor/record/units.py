@@ -396,6 +396,25 @@ def managed_param_ids(units: list[Unit]) -> set[int]:
             for p in (F2.sharded_param(fp), F2.unsharded_param(fp)) if p is not None}
 
 
+def sharded_of(units: list[Unit]) -> dict[int, nn.Parameter]:
+    """id of each FSDP-managed parameter as the model may register it now (sharded, or unsharded while its unit is)
+    -> the sharded parameter an optimizer holds: while a unit is unsharded (after a backward with
+    ``set_reshard_after_backward(False)``, between a manual ``unshard()`` and ``reshard()``) the model's parameters
+    are the unsharded ones, and an optimizer made after fully_shard held none of them (a new-user trial: a CRITICAL
+    optim.before_shard, "53 of its 53 parameters are not the model's", on a run that trained right)."""
+    out: dict[int, nn.Parameter] = {}
+    for u in units:
+        for fp in u.params:
+            sp = F2.sharded_param(fp)
+            if sp is None:
+                continue
+            out[id(sp)] = sp
+            up = F2.unsharded_param(fp)
+            if up is not None:
+                out[id(up)] = sp
+    return out
+
+
 def unmanaged_params(model: nn.Module, units: list[Unit]) -> list[nn.Parameter]:
     """Model parameters no unit manages (the DTensor parameters FSDP put on the modules are managed)."""
     managed = managed_param_ids(units)

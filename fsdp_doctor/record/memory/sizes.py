@@ -101,8 +101,10 @@ class FsdpSizes:
         self.comm_note: str | None = None
         self.sg_total = 0
         self.ug_total = 0
-        self._ugrad_cache: dict[int, int] = {}  # unit -> unsharded grad bytes before its post-backward
-        self._sgrad_cache: dict[int, tuple[int, int]] = {}  # unit -> (sharded, host) grad bytes after it
+        # unit -> (which of its params hold a gradient, unsharded grad bytes) before its post-backward
+        self._ugrad_cache: dict[int, tuple[tuple, int]] = {}
+        # unit -> (which of its params hold a gradient, sharded grad bytes, host grad bytes) after it
+        self._sgrad_cache: dict[int, tuple[tuple, int, int]] = {}
         self._probe_fps: list[list] = []
         for gs in self.unit_groups:
             fps = []
@@ -227,6 +229,21 @@ class FsdpSizes:
             if F2.accumulated_grad(fp) is not None:
                 return True
         return False
+
+    def _with_grads(self, idx: int, sharded: bool) -> tuple:
+        """Which of the unit's parameters hold a gradient now (their sharded one, or else an unsharded or accumulated
+        one), what a cached gradient size holds for: a unit that did not run in a step (an MoE expert no token
+        reached, a dropped layer) has FSDP's post-backward run on no gradient, and its 0 cached then read every later
+        step's gradients as temporaries (a new-user trial: 194 KiB of six experts' gradients, as memory.outputs_kept).
+        Attribute reads, no storage access."""
+        if sharded:
+            return tuple(F2.sharded_param(fp).grad is not None for g in self.unit_groups[idx] for fp in g.fps)
+        out = []
+        for g in self.unit_groups[idx]:
+            for fp in g.fps:
+                up = F2.unsharded_param(fp)
+                out.append((up is not None and up.grad is not None) or F2.accumulated_grad(fp) is not None)
+        return tuple(out)
 
     def measure_unit_grads(self, idx: int) -> None:
         """Sharded / unsharded gradient bytes of one unit, from every param's gradient storages."""
@@ -375,11 +392,12 @@ class FsdpSizes:
         """FSDP's post-backward of the unit starts: its unsharded gradients are all there, unreduced.
         Their size repeats every step: measured on refresh steps and first sightings, cached otherwise."""
         hit = self._ugrad_cache.get(idx)
-        if hit is None or self.refresh_step:
+        which = self._with_grads(idx, sharded=False)
+        if hit is None or self.refresh_step or hit[0] != which:
             self.measure_unit_grads(idx)
-            self._ugrad_cache[idx] = self.unit_ugrad[idx]
+            self._ugrad_cache[idx] = (which, self.unit_ugrad[idx])
         else:
-            self._set_grads(idx, self.unit_sgrad[idx], hit, self.unit_host_grad[idx])
+            self._set_grads(idx, self.unit_sgrad[idx], hit[1], self.unit_host_grad[idx])
         self.pending.append(idx)
 
     def flush_pending(self) -> None:
@@ -392,12 +410,13 @@ class FsdpSizes:
                 if not F2.reduce_grads(g.pg):
                     reduce = False
             hit = self._sgrad_cache.get(i)
-            if not reduce or hit is None or self.refresh_step:
+            which = self._with_grads(i, sharded=True) if reduce else ()
+            if not reduce or hit is None or self.refresh_step or hit[0] != which:
                 self.measure_unit_grads(i)
                 if reduce:
-                    self._sgrad_cache[i] = (self.unit_sgrad[i], self.unit_host_grad[i])
+                    self._sgrad_cache[i] = (which, self.unit_sgrad[i], self.unit_host_grad[i])
             else:
-                self._set_grads(i, hit[0], 0, hit[1])
+                self._set_grads(i, hit[1], 0, hit[2])
         self.pending.clear()
 
     def host_bytes(self) -> int:
