@@ -279,10 +279,16 @@ class OptimizerStateDominates(Rule):
             {"optimizer": opt, "optimizer_state_bytes": st, "peak_bytes": peak, "capacity_bytes": cap,
              "state_share_pct": round(100 * st / peak, 1), "world_size": cfg.world_size if cfg else None},
             f"{opt}'s per-parameter state ({E.mib(st)} MiB per rank, already sharded) is the largest part of "
-            "the peak. Options, least invasive first: keep the state in bf16 (halves it), shard over more "
-            "ranks, switch to an optimizer with factored or 8-bit state (Adafactor, 8-bit Adam), or offload "
-            "the state to the host (CPUOffloadPolicy, GPU only).",
-            "# e.g. bf16 optimizer state: the model in bf16 before fully_shard, an fp32 reduce\n"
+            "the peak. Options: shard over more ranks; offload the parameters and their state to the host "
+            "(CPUOffloadPolicy, GPU only: the optimizer then steps on the CPU); an optimizer with smaller state "
+            "that takes FSDP2's DTensor parameters (8-bit Adam; torch 2.13's own Adafactor raises on them); or "
+            "parameters, and so the state, in bf16, below, which halves them but is a numerics trade-off: bf16 "
+            "keeps 8 bits of mantissa, so an update smaller than about |w|/256 is rounded away (norm weights near "
+            "1.0 stop moving at lr 1e-3; FSDP2 wants one dtype per unit, so they cannot stay fp32 alone) unless "
+            "the optimizer rounds stochastically (torchao's AdamW with bf16_stochastic_round=True). Compare the "
+            "loss curve against this run's before keeping it.",
+            "# bf16 parameters and optimizer state, fp32 reduce: halves them, and rounds away updates smaller than\n"
+            "# about |w|/256 (norm weights near 1.0 stop moving at lr 1e-3): compare the loss against this run's\n"
             "model.to(torch.bfloat16)\n"
             + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
                            mp_line="mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
