@@ -2110,6 +2110,29 @@ def test_accumulated_gradients_are_held_in_the_reduce_dtype():
     assert found[(None, "bfloat16")] == gathered // 2  # float32 gradients accumulated in bf16, the reduce dtype
 
 
+def test_reduce_dtype_names_its_units_and_bounds_its_slowdown():
+    """Per-unit policies, one block reducing in bf16: the text said "1 unit(s) hold float32 parameters ..." without
+    naming it; and float32 reduction's step was predicted +38% (the traced reduce-scatter time doubled), where a
+    gloo rerun measured +0.1% of backward (that time is mostly the wait for the other rank: a new-user trial). The
+    units are named, and the slowdown is a ceiling, said as one."""
+    from fsdp_doctor.present.fmt import predicted_text
+
+    us = healthy_units()
+    named = [u["name"] for u, _ in us if u["param_count"] and u["name"]]
+    units = [(dict(u, param_dtype="bfloat16", reduce_dtype="bfloat16") if u["name"] == named[1] else u, t)
+             for u, t in us]
+    rows = [{"rank": r, "unit": named[1], "collective": "reduce_scatter", "phase": "backward", "count": 1,
+             "comm_us": 40_000.0, "exposed_us": 0.0} for r in (0, 1)]
+    ov = {"per_rank": {str(r): {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                                "steps": [6, 7], "device": "cpu"} for r in (0, 1)}, "per_unit": rows}
+    (f,) = run_rule("numerics.reduce_dtype", build(units=units, overlap=ov)[0])
+    assert f"1 unit(s) ({named[1]}) hold float32 parameters" in f.recommendation.text, f.recommendation.text
+    # (40 ms over the window's 2 steps: 20 ms a step)
+    assert f.predicted.at_most and f.predicted.step_ms_after == pytest.approx(110.0 + 20.0), f.predicted
+    assert "step 110.0 ms → ≤ 130.0 ms (≤ 18% slower)" in predicted_text(f.predicted), predicted_text(f.predicted)
+    assert "at most its time again, 20.0 ms" in f.recommendation.text
+
+
 def test_near_capacity_spread_on_a_torch_without_the_reshard_switch():
     """memory.near_capacity_spread (no category above half of a peak at 95% of capacity, every block kept gathered):
     its fix reshards the blocks on the sharded model; on torch 2.6, whose FSDPModule has no

@@ -428,6 +428,10 @@ def test_autocast_copies_of_parameters_counted_exactly(autocast, base):
     rep = build_report(run)
     (f,) = [f for f in rep.findings if f.code == "precision.autocast_fp32_params"]
     assert f.evidence["cast_copies_most_bytes"] == 2 * sum(lin.values())
+    # each unit's own copies, the root by its label: they add up to all of them (the root's read "": and held its
+    # blocks' too, the list adding up to more than was alive: a new-user trial)
+    own, saved = f.evidence["cast_copies_by_unit"], rep.memory.per_rank[rep.memory.peak_rank].cast_copies["units"]
+    assert "" not in own and "(root)" in own and sum(own.values()) == saved[""] < sum(saved.values()), (own, saved)
     assert f.predicted.at_most and f.predicted.peak_bytes_after < f.predicted.peak_bytes_before - \
         f.evidence["cast_copies_at_peak_bytes"] + 1
     assert "mp_policy=mp" in f.recommendation.code and "reduce_dtype=torch.float32" in f.recommendation.code
