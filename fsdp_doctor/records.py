@@ -264,6 +264,10 @@ class RunConfig(Record, tag="config"):
     notes: list[str] = []
     unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
     unmanaged_trainable_bytes: int | None = None
+    # the sum of those parameters' values (float64), read at the third step's end (written with the config again
+    # then): the same on every rank where the loop averages their gradients itself, different where each rank
+    # updates its own copy (wrap.unreduced_params compares the ranks'); None: not read
+    unmanaged_digest: float | None = None
     # trainable parameters the optimizer does not hold (tensors 0: none; None: no optimizer, or not recorded)
     untrained: Untrained | None = None
     # written again at the third step's end where it has more to say (fsdp_doctor.record.tracker Doctor._late_check):

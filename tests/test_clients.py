@@ -268,6 +268,7 @@ def test_llama_hsdp_titan(clients):
     assert results[0]["ignored_spread_doctor"] > 0  # the replicas really drifted apart
     f = next(f for f in findings if f.code == "wrap.unreduced_params")
     assert f.severity == "critical" and f.evidence["params"] == ["out_scale"]
+    assert f.evidence["values_differ_across_ranks"] is True  # each rank's own values, read at the third step
     # frozen bf16 weights beside trainable fp32 ones under a bf16 policy: one dtype on the wire, no finding
     assert units["layers.0"].orig_dtypes == ["bfloat16", "float32"] and units["layers.0"].param_dtype == "bfloat16"
     assert "wrap.mixed_dtype_unit" not in _codes(findings)

@@ -335,7 +335,18 @@ def test_unreduced_params():
     (f,) = run_rule("wrap.unreduced_params", ctx)
     assert f.severity == "critical"
     assert f.evidence["params"] == names and f.evidence["trainable_unmanaged_bytes"] == 4096
-    assert "dist.all_reduce(p.grad)" in f.recommendation.code
+    assert "dist.all_reduce(p.grad)" in f.recommendation.code and f.evidence["values_differ_across_ranks"] is None
+    # the ranks' values at the third step (RunConfig.unmanaged_digest): the same where the loop averages their
+    # gradients itself (a new-user trial's did: CRITICAL "replicas drift apart"), quiet; apart, said with the finding
+    for digests, fires in (((1.25, 1.25), False), ((1.25, 1.5), True)):
+        ctx, _ = build(units=us, unmanaged_trainable_names=names, unmanaged_trainable_bytes=4096)
+        ctx.run.ranks = {r: SimpleNamespace(config=msgspec.structs.replace(ctx.config, rank=r, unmanaged_digest=d))
+                         for r, d in enumerate(digests)}
+        got = run_rule("wrap.unreduced_params", ctx)
+        assert bool(got) is fires, got
+        if fires:
+            assert got[0].evidence["values_differ_across_ranks"] is True and \
+                "their values already differed across the 2 ranks" in got[0].recommendation.text
     assert run_rule("wrap.unreduced_params", build()[0]) == []
     # several roots: wrap.root_not_sharded reports the same drift
     roots = [unit(f"layers.{i}", is_root=True, depth=0, parent=None, **BLOCK) for i in range(2)]

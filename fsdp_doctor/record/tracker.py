@@ -56,7 +56,7 @@ from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
-from .units import Unit, compile_blocker, find_units
+from .units import Unit, compile_blocker, find_units, unmanaged_params
 
 log = logging.getLogger("fsdp_doctor")
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -516,12 +516,16 @@ class Doctor:
         stepped = self._reads is not None and self._timer.optimizer_steps >= LATE_CHECK_STEP + 1
         state = len(getattr(self._reads, "state", None) or {}) if stepped else None
         sync_off = [u.name for u in self._units if any(not F2.reduce_grads(pg) for pg in u.param_groups)]
-        if not samples and state != 0 and not sync_off:
+        unmanaged = [p for p in unmanaged_params(self.model, self._units) if p.requires_grad]
+        if not samples and state != 0 and not sync_off and not unmanaged:
             return
         cfg = self._config()
         if samples and cfg.untrained is not None and cfg.untrained.tensors:
             cfg.untrained.changed = any(not torch.equal(_head(p), v) for p, v in samples)
         cfg.optimizer_state_tensors, cfg.gradient_sync_off = state, sync_off
+        if unmanaged:  # (a few small tensors, once: a bias or a positional table passed as ignored_params)
+            with torch.no_grad():
+                cfg.unmanaged_digest = float(sum(p.detach().double().sum().item() for p in unmanaged))
         self._sinks.write(cfg)
 
     def _config(self) -> RunConfig:

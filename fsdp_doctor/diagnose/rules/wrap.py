@@ -443,17 +443,27 @@ class UnreducedParams(Rule):
             return self.quiet("every trainable parameter belongs to an FSDP unit")
         if len(E.roots(E.units(ctx))) > 1:  # with the same drift
             return self.quiet("several roots: wrap.root_not_sharded says it")
+        # their values on every rank at the third step (RunConfig.unmanaged_digest): the same where the loop averages
+        # their gradients itself (a new-user trial's did, and read CRITICAL "replicas drift apart")
+        digests = {r: rd.config.unmanaged_digest for r, rd in ctx.run.ranks.items()
+                   if rd.config is not None and getattr(rd.config, "unmanaged_digest", None) is not None}
+        if len(digests) > 1 and len(set(digests.values())) == 1:
+            return self.quiet(f"{len(names)} trainable parameter(s) outside every FSDP unit hold the same values on "
+                              f"all {len(digests)} ranks at the third step: your code averages their gradients")
+        apart = len(set(digests.values())) > 1
         nbytes = getattr(cfg, "unmanaged_trainable_bytes", None)
         return [self.finding(
-            "critical", f"{len(names)} trainable parameter(s) outside every FSDP unit: replicas drift apart",
+            "critical", f"{len(names)} trainable parameter(s) outside every FSDP unit: replicas drift apart"
+            + (" (their values differ across ranks)" if apart else ""),
             {"params": names[:12], "param_tensors": len(names), "trainable_unmanaged_bytes": nbytes,
-             "world_size": cfg.world_size},
+             "world_size": cfg.world_size, "values_differ_across_ranks": apart if digests else None},
             f"{E.fmt_list(names, 4)} require{'s' if len(names) == 1 else ''} gradients but no FSDP unit manages "
             f"{'it' if len(names) == 1 else 'them'} (passed as ignored_params, "
             "or set on a module after fully_shard). FSDP neither shards them nor reduces their gradients, so "
-            "each rank updates its own copy from its own data and the replicas drift apart, unless your code "
-            "all-reduces their gradients itself. Let FSDP manage them, or average their gradients before "
-            "optimizer.step(), or freeze them.",
+            "each rank updates its own copy from its own data and the replicas drift apart"
+            + (f": at the third step their values already differed across the {len(digests)} ranks. "
+               if apart else ", unless your code all-reduces their gradients itself. ")
+            + "Let FSDP manage them, or average their gradients before optimizer.step(), or freeze them.",
             # a hook on the optimizer, not lines in the loop: pasted once, it runs before every step (a loop
             # version pasted after the optimizer was built ran once, before any gradient existed)
             "# either drop them from ignored_params (FSDP then shards and reduces them), or average the\n"
