@@ -132,7 +132,12 @@ class RunState:
             if why:
                 self._restart(why)
             self._identity = ident
-            run, new = self._follower.poll()
+            try:
+                run, new = self._follower.poll()
+            except OSError as e:  # (the folder made unreadable while served: named, what was read is kept)
+                self._follower.note_problem(f"{self.path}: cannot read folder ({e.strerror or e}); the records read "
+                                            "before are shown")
+                run, new = self._follower.run, 0
             scanned = self._scan_traces()
             problems = len(run.problems) != self._problems_seen  # shown as they appear, even without a record
             self._problems_seen = len(run.problems)
@@ -172,7 +177,11 @@ class RunState:
                     out[MANIFEST_NAME] = f.read(HEAD_BYTES)
         except OSError:
             pass
-        for p in streams(self.path).values():
+        try:
+            found = streams(self.path)
+        except OSError:  # the folder cannot be listed now (its permissions changed): nothing seen to have changed
+            return dict(self._identity)
+        for p in found.values():
             ident = _stream_identity(p)
             if ident is not None:
                 out[p.name] = ident
@@ -213,7 +222,11 @@ class RunState:
         that crashed minutes before the dashboard opened read "live", its last record the moment of loading (a
         new-user trial); now where there are none."""
         times = []
-        for p in streams(self.path).values():
+        try:
+            found = streams(self.path)
+        except OSError:
+            found = {}
+        for p in found.values():
             try:
                 times.append(p.stat().st_mtime)
             except OSError:

@@ -308,14 +308,30 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
     cmp = compare(*sides, applied=ns.applied or (), gpu_hour_price=ns.gpu_hour_price, path_a=ns.run_a,
                   path_b=ns.run_b)
+    # what each side skipped, named (exit 3 said something was, and nothing said what: a new-user trial)
+    skipped = [f"skipped ({name}, {side.path}): {p}" for name, side in (("A", cmp.a), ("B", cmp.b))
+               for p in side.problems]
+
     def html(p):
         from .present.compare_html import write_compare_html
 
         write_compare_html(cmp, p)
 
-    if not _print_and_write(render_comparison, cmp, html, outputs, _console(), "comparison"):
+    def render(c, console):
+        from rich.text import Text
+
+        from .units import printable
+
+        render_comparison(c, console)
+        for line in skipped:  # one line each, never folded: a copy or a grep gets it whole (as analyze's)
+            console.print(Text(printable(line), style="yellow"), soft_wrap=True)
+
+    if not _print_and_write(render, cmp, html, outputs, _console(), "comparison"):
         return EXIT_BAD_INPUT
-    return EXIT_PARTIAL if any(s.report.problems for s in sides) else EXIT_OK
+    if outputs.get("json") == STDOUT:  # (standard output holds the JSON alone: the lines go to standard error)
+        for line in skipped:
+            _err(line)
+    return EXIT_PARTIAL if skipped else EXIT_OK
 
 
 def cmd_rules(ns: argparse.Namespace) -> int:
@@ -451,6 +467,11 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
     if not path.exists() and not path.parent.is_dir():  # (one that does not exist yet is waited for: serve)
         _err(f"{path}: no such run directory (nor its parent, {path.parent})")
         return EXIT_BAD_INPUT
+    from .store.layout import unreadable_folder
+
+    if why := unreadable_folder(path):  # (a traceback from the first refresh, before anything was served)
+        _err(f"{path}: {why}")
+        return EXIT_BAD_INPUT
     busy = _port_in_use(ns.host, ns.port)
     if busy:
         _err(f"cannot serve on {ns.host}:{ns.port} ({busy}); choose another --port")
@@ -511,16 +532,25 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
         _err(f"{path}: no fsdp-doctor records ({STREAM_GLOB}) to convert")
         return EXIT_BAD_INPUT
     out = Path(ns.out) if ns.out else path
+    problems = list(run.problems)  # (what load_run skipped: a rank's records, a trace; named as analyze names them)
     try:
         with _busy(f"writing TensorBoard events of {_analysing(run).removeprefix('analysing ')}"):
-            dirs = export_tensorboard(run, out, traces=not ns.no_traces, overwrite=ns.overwrite)
+            dirs = export_tensorboard(run, out, traces=not ns.no_traces, overwrite=ns.overwrite, problems=problems)
     except EventsExist as e:
         _err(f"{e}: --overwrite replaces them")
         return EXIT_BAD_INPUT
+    except OSError as e:  # (a read-only run folder, or its tb/: a traceback from mkdir / mkdtemp)
+        _err(f"{e.filename or out}: cannot write the TensorBoard events there ({e.strerror or e}); --out DIR writes "
+             "them elsewhere")
+        return EXIT_BAD_INPUT
+    from .units import printable
+
     for d in dirs:
         print(f"wrote {d}")
+    for p in problems:  # one line each, as analyze's "skipped:" lines
+        print(printable(f"skipped: {p}"))
     print(f"open with: {_command('tensorboard')} --logdir {out}")
-    return EXIT_OK
+    return EXIT_PARTIAL if problems else EXIT_OK
 
 
 EPILOG = """exit codes:

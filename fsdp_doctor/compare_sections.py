@@ -52,6 +52,7 @@ class RunSide(_S):
     world_size: Optional[int] = None
     steps: int = 0  # steps in the samples
     unfinished: list[str] = []  # ranks whose run did not finish (killed, still going, or stopped on an exception)
+    problems: list[str] = []  # what this side's report skipped, one line each ("file: why"), as analyze names it
 
 
 class ConfigChange(_S):

@@ -99,17 +99,19 @@ def overlap_scalars(section: Optional[OverlapSection], rank: int,
     return {int(s): dict(vals) for s in sorted({*pr.steps, *window_steps})}
 
 
-def window_overlap_scalars(rank: int, windows: Iterable) -> dict[int, dict[str, float]]:
+def window_overlap_scalars(rank: int, windows: Iterable, failed: Optional[list] = None) -> dict[int, dict[str, float]]:
     """Overlap scalars per profiled step of ``rank``, each window analysed by the trace engine on its own (so each
     window's steps get that window's figures; no report is built). ``windows``: (trace path, the window's steps)
-    pairs."""
+    pairs; a window that cannot be decoded is left out, and added to ``failed`` as (its path, why)."""
     from .trace import analyze_windows, load_window
 
     out: dict[int, dict[str, float]] = {}
     for p, steps in windows:
         w = load_window(str(p))
         if not hasattr(w, "calls"):
-            continue  # unreadable: `fsdp-doctor analyze` names it
+            if failed is not None:
+                failed.append((p, w))
+            continue
         out.update(overlap_scalars(analyze_windows([w]), rank, steps))
     return out
 

@@ -455,6 +455,14 @@ def _record_cases() -> list[Case]:
       "not a valid record")
     C("stream-unknown-tag", lambda r: edit_stream(r, 1, lambda x: x + [{"t": "zzz", "rank": 1}]), "partial",
       "not a valid record")
+    # a stream of random bytes: one line for the file (not one per line of it), and the rank not analysed, never "did
+    # not finish (run still going, or killed)"
+    C("stream-random-bytes", lambda r: random_bytes(r / "rank1.records.jsonl") and r, "partial",
+      "rank1.records.jsonl: unreadable: no valid record in it", lambda rep: (
+          rank0_only(rep), _one_line_for(rep, "rank1.records.jsonl")))
+    C("stream-garbage-lines", lambda r: edit_stream(r, 1, lambda x: x[:5] + ["{not json"] * 3 + x[5:]), "partial",
+      "rank1.records.jsonl: 3 lines are not valid records (lines 6, 7, 8;", lambda rep: _one_line_for(
+          rep, "rank1.records.jsonl"))
     C("stream-cut-mid-line", lambda r: (r / "rank1.records.jsonl").write_bytes(
         (r / "rank1.records.jsonl").read_bytes()[:-40]) and r, "partial", "incomplete")
     C("stream-header-version-99", lambda r: edit_stream(r, 1, lambda x: set_first(x, "header", version=99)),
@@ -530,11 +538,55 @@ def _record_cases() -> list[Case]:
     return t
 
 
+def random_bytes(path: Path, n: int = 20_000, seed: int = 7) -> Path:
+    """``n`` random bytes (a file overwritten by a disk error, or not records at all), the same ones every run."""
+    import random
+
+    path.write_bytes(random.Random(seed).randbytes(n))
+    return path
+
+
 def _escape_units(rec: dict) -> dict:
     if rec.get("t") == "config":
         for u in rec.get("units", []):
             u["name"] = u["name"] + "\x1b]0;pwned\x07\x1b[31m" if u["name"] else u["name"]
     return rec
+
+
+def _one_line_for(report: dict, name: str) -> None:
+    said = [p for p in report["problems"] if p.startswith(f"{name}:")]
+    assert len(said) == 1, said
+
+
+# ------------------------------------------------------------------------------------------ permissions
+# root reads every file whatever its mode: its commands run without those capabilities (util-linux's setpriv)
+_SETPRIV = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
+_UNPRIVILEGED: list = []
+
+
+def unprivileged() -> Optional[list[str]]:
+    """The prefix of a command that file permissions bind: [] for a user they bind already, setpriv's for root;
+    None where neither works (root without setpriv, or in a container that refuses it): permission tests skip."""
+    if not _UNPRIVILEGED:
+        _UNPRIVILEGED.append(_probe_unprivileged())
+    return _UNPRIVILEGED[0]
+
+
+def _probe_unprivileged() -> Optional[list[str]]:
+    import subprocess
+
+    prefix = [] if os.geteuid() != 0 else _SETPRIV
+    if prefix and not shutil.which(prefix[0]):
+        return None
+    with tempfile.TemporaryDirectory() as t:
+        f = Path(t) / "locked"
+        f.write_text("x")
+        f.chmod(0)
+        try:
+            r = subprocess.run([*prefix, "cat", str(f)], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return prefix if r.returncode != 0 else None
 
 
 def cases() -> list[Case]:

@@ -28,7 +28,7 @@ def test_bad_input(case, tmp_path):
     assert B.verdict(case, outcome) == ""
 
 
-def test_tensorboard_export_does_not_hang_on_fifos(tmp_path):
+def test_tensorboard_export_does_not_hang_on_fifos(tmp_path, capsys):
     from fsdp_doctor import cli
 
     run = B.sample_run(tmp_path, traces=True)
@@ -50,8 +50,12 @@ def test_tensorboard_export_does_not_hang_on_fifos(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    assert rc == 0
+    assert rc == 3  # (rank 1's records, a profiler window and the manifest skipped, each named)
     assert [p.name for p in (tmp_path / "tb" / "tb").iterdir()] == ["rank0"]
+    assert [x for x in capsys.readouterr().out.splitlines() if x.startswith("skipped: ")] == [
+        "skipped: manifest.json: cannot read (not a regular file (a FIFO)); the streams are read without it",
+        "skipped: rank1.records.jsonl: cannot read (not a regular file (a FIFO)); skipped",
+        "skipped: profiler/rank0.6.pt.trace.json.gz: not a regular file (a FIFO); skipped"]
 
 
 @pytest.mark.parametrize("command", ["analyze", "compare"])
@@ -105,3 +109,228 @@ def test_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]  # no temporary file left behind
     layout.write_atomic(target, "new")
     assert target.read_text() == "new"
+
+
+# ------------------------------------------------------------------------------------------ a new-user trial's finds
+def _cli(*args: str, prefix=(), timeout=120) -> subprocess.CompletedProcess:
+    """``fsdp-doctor ARGS`` in a child process (``prefix``: ``B.unprivileged()``'s, for the permission cases)."""
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(B.HERE).parent), "COLUMNS": "200"}
+    return subprocess.run([*prefix, sys.executable, "-m", "fsdp_doctor.cli", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def _in_process(*args: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from fsdp_doctor import cli
+
+    so, se = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+        rc = cli.main([str(a) for a in args])
+    return rc, so.getvalue(), se.getvalue()
+
+
+@pytest.fixture
+def unprivileged():
+    prefix = B.unprivileged()
+    if prefix is None:
+        pytest.skip("file permissions cannot bind this user (root without a working setpriv)")
+    return prefix
+
+
+@pytest.fixture
+def locked():
+    """``locked(path, mode)``: chmods ``path``; every mode is given back at the end (the folder can be removed)."""
+    done = []
+
+    def lock(path: Path, mode: int) -> Path:
+        done.append((path, path.stat().st_mode & 0o7777))
+        path.chmod(mode)
+        return path
+
+    yield lock
+    for path, mode in reversed(done):
+        path.chmod(mode)
+
+
+def test_an_unreadable_profiler_folder_loses_no_record(tmp_path, unprivileged, locked):
+    """One ``profiler/`` a user cannot read (chmod 000) lost the whole run: "cannot be read as a run directory or
+    trace file (Permission denied)", exit 2, from analyze, compare and tensorboard alike (``Path.exists`` raised on
+    a window listed in the records). The records are read, the folder named, exit 3."""
+    run = B.sample_run(tmp_path, traces=True)
+    locked(run / "profiler", 0)
+    r = _cli("analyze", run, "--json", tmp_path / "r.json", prefix=unprivileged)
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr == ""
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["problems"] == ["profiler: cannot read folder (Permission denied); skipped"]
+    assert "skipped: profiler: cannot read folder (Permission denied); skipped" in r.stdout
+    B.sample_steps(rep)  # every step record of both ranks
+    assert rep["run"]["ranks"] == [0, 1]
+
+    c = _cli("compare", B.SAMPLE, run, "--json", tmp_path / "c.json", prefix=unprivileged)
+    assert c.returncode == 3, c.stderr
+    assert f"skipped (B, {run}): profiler: cannot read folder (Permission denied); skipped" in c.stdout
+    cmp = json.loads((tmp_path / "c.json").read_text())
+    assert cmp["b"]["problems"] == ["profiler: cannot read folder (Permission denied); skipped"]
+    assert "problems" not in cmp["a"]
+
+    t = _cli("tensorboard", run, "--out", tmp_path / "tb", prefix=unprivileged)
+    assert t.returncode == 3, t.stderr
+    assert sorted(p.name for p in (tmp_path / "tb" / "tb").iterdir()) == ["rank0", "rank1"]
+    assert "skipped: profiler: cannot read folder (Permission denied); skipped" in t.stdout.splitlines()
+
+
+@pytest.mark.parametrize("mode,why", [(0o000, "cannot read folder (Permission denied)"),
+                                      (0o644, "cannot open the files in the folder (Permission denied")])
+def test_dashboard_on_an_unreadable_folder_says_so_in_one_line(tmp_path, unprivileged, locked, mode, why):
+    """``fsdp-doctor dashboard`` on a folder the user cannot list (000) or cannot open the files of (644, no x):
+    a traceback (PermissionError from listing it, or from manifest.json). One line naming it, exit 2, nothing
+    served."""
+    run = B.sample_run(tmp_path, traces=False)
+    locked(run, mode)
+    r = _cli("dashboard", run, "--port", "1", prefix=unprivileged, timeout=60)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.splitlines() == [f"fsdp-doctor: {run}: {why}" + ("" if mode == 0 else
+                                                                    ": it lacks search (x) permission)")]
+
+
+@pytest.mark.parametrize("where", ["run", "tb"])
+def test_tensorboard_into_a_read_only_folder_says_so_in_one_line(tmp_path, unprivileged, locked, where):
+    """``fsdp-doctor tensorboard RUN`` where the run folder is read-only (PermissionError from mkdir of tb/), or only
+    its tb/ is (from tempfile.mkdtemp, naming a temporary folder): a traceback. One line naming the folder, exit 2."""
+    run = B.sample_run(tmp_path, traces=False)
+    folder = run if where == "run" else run / "tb"
+    folder.mkdir(exist_ok=True)
+    locked(folder, 0o555)
+    r = _cli("tensorboard", run, prefix=unprivileged)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.splitlines() == [f"fsdp-doctor: {folder}: cannot write the TensorBoard events there (Permission "
+                                     "denied); --out DIR writes them elsewhere"]
+    assert [p.name for p in folder.iterdir()] == ([] if where == "tb" else sorted(p.name for p in folder.iterdir()))
+
+
+def _foreign_rank1(run: Path) -> Path:
+    B.edit_manifest(run, run_id="aaaa")
+    B.edit_stream(run, 0, lambda x: [{**y, "run_id": "aaaa"} if y.get("t") == "header" else y for y in x])
+    return B.edit_stream(run, 1, lambda x: [{**y, "run_id": "bbbb"} if y.get("t") == "header" else y for y in x])
+
+
+FOREIGN = ("rank1.records.jsonl: records of another run (run id bbbb, manifest.json says aaaa); skipped (a run "
+           "directory holds one run)")
+GARBAGE = ("rank1.records.jsonl: unreadable: no valid record in it (", "; it is not fsdp-doctor records, or is "
+           "damaged: rank 1 is not analysed")
+
+
+@pytest.mark.parametrize("damage", ["another-run", "garbage"])
+def test_compare_names_what_it_skipped(tmp_path, damage):
+    """``fsdp-doctor compare A B`` exited 3 when files of B were skipped, and no line said which. Each side's
+    problems are named as analyze names them, on the terminal and in --json (``RunSide.problems``)."""
+    run = B.sample_run(tmp_path, traces=True)
+    if damage == "another-run":
+        _foreign_rank1(run)
+    else:
+        B.random_bytes(run / "rank1.records.jsonl")
+    rc, out, err = _in_process("compare", B.SAMPLE, run, "--json", tmp_path / "c.json")
+    assert (rc, err) == (3, "")
+    rc_a, _, _ = _in_process("analyze", run, "--json", tmp_path / "r.json")
+    problems = json.loads((tmp_path / "r.json").read_text())["problems"]
+    assert rc_a == 3
+    if damage == "another-run":  # (and its profiler window, another run's too)
+        assert problems == [FOREIGN, "profiler/rank1.6.pt.trace.json.gz: a profiler window of another run (not "
+                                     "recorded by run aaaa); skipped"]
+    else:
+        assert len(problems) == 1 and problems[0].startswith(GARBAGE[0]) and problems[0].endswith(GARBAGE[1])
+    assert [x for x in out.splitlines() if x.startswith("skipped")] == [f"skipped (B, {run}): {p}" for p in problems]
+    cmp = json.loads((tmp_path / "c.json").read_text())
+    assert cmp["b"]["problems"] == problems and "problems" not in cmp["a"]
+    # --json -: the JSON alone on standard output, the lines on standard error
+    r = _cli("compare", B.SAMPLE, run, "--json", "-")
+    assert r.returncode == 3 and json.loads(r.stdout)["b"]["problems"] == problems
+    assert r.stderr.splitlines() == [f"fsdp-doctor: skipped (B, {run}): {p}" for p in problems]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "another-run"])
+def test_tensorboard_names_what_it_skipped(tmp_path, damage):
+    """``fsdp-doctor tensorboard RUN`` where a rank's records were skipped printed only ``wrote .../tb/rank0`` and
+    exited 0. The problems are named, one line each (as analyze's), exit 3."""
+    run = B.sample_run(tmp_path, traces=True)
+    if damage == "garbage":
+        B.random_bytes(run / "rank1.records.jsonl")
+    elif damage == "empty":
+        (run / "rank1.records.jsonl").write_text("")
+    else:
+        _foreign_rank1(run)
+    rc, out, err = _in_process("tensorboard", run, "--out", tmp_path / "tb")
+    assert (rc, err) == (3, "")
+    lines = out.splitlines()
+    assert lines[0] == f"wrote {tmp_path / 'tb' / 'tb' / 'rank0'}"
+    skipped = [x for x in lines if x.startswith("skipped: ")]
+    want = {"empty": ["skipped: rank1.records.jsonl: empty (no records); skipped"],
+            "another-run": [f"skipped: {FOREIGN}", "skipped: profiler/rank1.6.pt.trace.json.gz: a profiler window of "
+                            "another run (not recorded by run aaaa); skipped"]}
+    if damage == "garbage":
+        assert len(skipped) == 1
+        assert skipped[0].startswith("skipped: " + GARBAGE[0]) and skipped[0].endswith(GARBAGE[1])
+    else:
+        assert skipped == want[damage]
+    assert [p.name for p in (tmp_path / "tb" / "tb").iterdir()] == ["rank0"]
+
+
+def test_tensorboard_names_a_profiler_window_it_cannot_decode(tmp_path):
+    """A corrupt profiler window: its overlap scalars are left out, and said so (analyze names it the same way)."""
+    run = B.sample_run(tmp_path, traces=True)
+    (run / "profiler" / "rank1.6.pt.trace.json.gz").write_bytes(b"\x1f\x8bxx")
+    rc, out, err = _in_process("tensorboard", run, "--out", tmp_path / "tb")
+    assert (rc, err) == (3, "")
+    skipped = [x for x in out.splitlines() if x.startswith("skipped: ")]
+    assert len(skipped) == 1 and skipped[0].startswith("skipped: profiler/rank1.6.pt.trace.json.gz: ")
+    assert skipped[0].endswith("; its overlap scalars are not written")
+
+
+def test_a_record_file_of_random_bytes_is_one_line_and_not_a_killed_rank(tmp_path):
+    """20 KB of random bytes as rank 1's records gave 147 lines "line N is not a valid record", and the header said
+    "rank 1 did not finish (run still going, or killed)": the wrong cause. One line for the file; rank 1 is not
+    analysed (its records are unreadable), rank 0's are, unchanged."""
+    run = B.sample_run(tmp_path, traces=True)
+    B.random_bytes(run / "rank1.records.jsonl")
+    rc, out, err = _in_process("analyze", run, "--json", tmp_path / "r.json")
+    assert (rc, err) == (3, "")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert len(rep["problems"]) == 1, rep["problems"]
+    p = rep["problems"][0]
+    assert p.startswith(GARBAGE[0]) and p.endswith(GARBAGE[1])
+    assert "lines that are not records, the first line 1: " in p
+    assert rep["run"]["ranks"] == [0] and rep["run"]["complete"] == {"0": True}
+    assert "did not finish" not in out and sum(x.startswith("skipped: ") for x in out.splitlines()) == 1
+    from fsdp_doctor.store import load_run
+
+    ref, got = load_run(B.SAMPLE), load_run(run)
+    assert [s.step for s in got.ranks[0].steps] == [s.step for s in ref.ranks[0].steps]
+    assert got.unread == {1} and list(got.ranks) == [0]
+
+
+def test_a_served_folder_that_becomes_unreadable_keeps_what_was_read(tmp_path, monkeypatch):
+    """The dashboard's refresh, once the folder cannot be listed (its permissions changed while served): a
+    PermissionError from listing it went up through every poll. What was read is kept, and the folder named."""
+    pytest.importorskip("dash")
+    from fsdp_doctor.dashboards import state as S
+    from fsdp_doctor.store import layout
+
+    run = B.sample_run(tmp_path, traces=False)
+    st = S.RunState(run, background_traces=False)
+    st.refresh()
+    steps = {r: list(c["step"]) for r, c in st.snapshot().steps.items()}
+    assert sorted(steps) == [0, 1] and all(steps.values())
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(S, "streams", denied)
+    monkeypatch.setattr(layout, "streams", denied)
+    assert st.refresh() is True  # (the problem is news)
+    snap = st.snapshot()
+    assert {r: list(c["step"]) for r, c in snap.steps.items()} == steps
+    assert f"{run}: cannot read folder (Permission denied); the records read before are shown" in snap.report.problems
+    assert not snap.notice  # nothing was "replaced": the run is not read again from scratch

@@ -587,3 +587,4 @@ def test_a_unit_that_did_not_run_in_a_step_has_its_gradients_counted_after(tmp_p
     for step in (0, 2, 3, 4, 5):
         assert ends[step]["sharded_grads"] == full and ends[step]["temporaries"] < 1024, (step, ends[step])
     assert "memory.outputs_kept" not in {f.code for f in build_report(run).findings}
+

@@ -217,6 +217,11 @@ def test_short_unit_labels():
     assert got == {"": "(root)", "model.embed_tokens": "embed_tokens", "model.layers.0": "model.layers.0",
                    "model.layers.1": "layers.1", "model.norm, lm_head": "norm, lm_head",
                    "vision.layers.0": "vision.layers.0"}
+    # a grouped unit of more than two modules (fully_shard(list(experts))): its first and last, and how many (the
+    # whole list wrapped to column 0 at 80 columns, out of the tree: a new-user trial)
+    experts = ", ".join(f"layers.0.moe.experts.{i}" for i in range(4))
+    assert short_unit_labels(["", experts, "layers.1.moe.experts.0"])[experts] == \
+        "0.moe.experts.0, … experts.3 (4 modules)"
 
 
 def test_run_facts_from_the_traces_own_metadata(tmp_path):

@@ -505,9 +505,9 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         summary += (f"; A's {', '.join(gone[:3])} {'is' if len(gone) == 1 else 'are'} gone in B: for a fix applied in "
                     f"your loop (which compare cannot read), pass --applied {gone[0]} to check its prediction")
     cmp = Comparison(a=RunSide(path=path_a or ra.run.path, source=a.source, world_size=_world(ra),
-                               steps=len(a.samples), unfinished=_unfinished(ra)),
+                               steps=len(a.samples), unfinished=_unfinished(ra), problems=list(ra.problems)),
                      b=RunSide(path=path_b or rb.run.path, source=b.source, world_size=_world(rb),
-                               steps=len(b.samples), unfinished=_unfinished(rb)),
+                               steps=len(b.samples), unfinished=_unfinished(rb), problems=list(rb.problems)),
                      summary=summary, config=changes, step_p50=p50, step_p90=p90)
     if a.source != b.source:
         cmp.notes.append(f"A's step times come from {a.source}, B's from {b.source}: compare shares, not times")

@@ -39,7 +39,8 @@ def printable_report(report: Report) -> Report:
 def short_unit_labels(names) -> dict:
     """Display names for a set of FSDP unit names: each dotted name shortened to its shortest suffix that no other
     unit shares, never a bare index ("model.layers.3" -> "layers.3", "model.norm" -> "norm"); grouped units
-    ("a, b") shorten each member; the root is "(root)"."""
+    ("a, b") shorten each member, and of more than two the first and the last are shown ("experts.0, … experts.3
+    (4 modules)": at 80 columns the whole list wrapped to column 0, out of the tree); the root is "(root)"."""
     names = [n for n in dict.fromkeys(names) if n is not None]
     members = {m for n in names if n for m in (p.strip() for p in str(n).split(","))}
 
@@ -51,7 +52,11 @@ def short_unit_labels(names) -> dict:
                 return suffix
         return m
 
-    return {n: unit_label(n) if not n else ", ".join(short(p.strip()) for p in str(n).split(",")) for n in names}
+    def group(n: str) -> str:
+        parts = [short(p.strip()) for p in str(n).split(",")]
+        return ", ".join(parts) if len(parts) <= 2 else f"{parts[0]}, … {parts[-1]} ({len(parts)} modules)"
+
+    return {n: unit_label(n) if not n else group(n) for n in names}
 
 
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)

@@ -233,6 +233,29 @@ def _not_readable(p: Path) -> str:
     return ""
 
 
+def unreadable_folder(path: Path | str) -> str:
+    """Why the folder ``path`` cannot be read ("" when it can, or when it is no folder): its list of files
+    (no read permission), or the files themselves (no search permission: the list reads, every file in it fails)."""
+    p = str(path)
+    try:
+        if not stat.S_ISDIR(os.stat(p).st_mode):
+            return ""
+        with os.scandir(p) as it:
+            first = next(it, None)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        return f"cannot read folder ({e.strerror or e})"
+    try:
+        if first is not None:
+            os.lstat(first.path)
+        elif not os.access(p, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        return f"cannot open the files in the folder ({e.strerror or e}: it lacks search (x) permission)"
+    return ""
+
+
 def has_run(run_dir: Path | str) -> bool:
     """True when ``run_dir`` already holds a run's records (a manifest or a record stream)."""
     p = Path(run_dir)

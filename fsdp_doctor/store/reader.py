@@ -68,6 +68,9 @@ class Run:
     trace_files: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # one line each: the file and what is wrong
     refused: str = ""  # one line: why nothing here can be read (a manifest of another format or a newer version)
+    # ranks whose record stream is there but holds no record that could be read (unreadable, or not records): not
+    # analysed, never "did not finish"; their profiler windows of this run are analysed all the same
+    unread: set[int] = field(default_factory=set)
 
     @property
     def config(self) -> RunConfig | None:
@@ -104,8 +107,8 @@ class StreamReader:
     """Reads one rank's record stream incrementally, from a remembered byte offset.
 
     A final line without its newline is left for the next poll (the writer may be mid-write, or was
-    killed mid-write); a line that does not decode is reported once, by file and line number, and
-    skipped.
+    killed mid-write); the lines of a poll that do not decode are skipped and reported in one line, by file,
+    count and the first one's line number (a file of random bytes gave one line per line of it, 147 of them).
     """
 
     def __init__(self, path: Path):
@@ -113,6 +116,11 @@ class StreamReader:
         self.offset = 0
         self.line_no = 0
         self.problems: list[str] = []
+        self.decoded = 0  # records decoded (before any check)
+        self.bad_lines = 0  # lines that did not decode
+        self.bad_problems: list[str] = []  # the lines of ``problems`` that report them
+        self.first_bad = ""  # "line N (why)" of the first
+        self.unreadable = False  # the file could not be opened or read (named in ``problems``)
 
     def poll(self) -> list:
         if self.offset >= 1 << 62:  # stopped (a newer version, or not a regular file)
@@ -124,6 +132,7 @@ class StreamReader:
         except OSError as e:
             self.problems.append(f"{self.path.name}: cannot read ({e.strerror or e}); skipped")
             self.offset = 1 << 62
+            self.unreadable = True
             return []
         end = data.rfind(b"\n")
         if end < 0:
@@ -131,22 +140,43 @@ class StreamReader:
         chunk = data[: end + 1]
         self.offset += len(chunk)
         out = []
-        for line in chunk.splitlines():
-            self.line_no += 1
-            if not line.strip():
-                continue
-            try:
-                rec = record_decoder.decode(line)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self.problems.append(f"{self.path.name}: line {self.line_no} is not a valid record ({_short(e)}); skipped")
-                continue
-            why = _header_refusal(rec) if isinstance(rec, Header) else ""
-            if why:
-                self.problems.append(f"{self.path.name}: {why}; skipped")
-                self.offset = 1 << 62  # stop reading this stream
-                return out
-            out.append(rec)
-        return out
+        bad: list[tuple[int, str]] = []
+        try:
+            for line in chunk.splitlines():
+                self.line_no += 1
+                if not line.strip():
+                    continue
+                try:
+                    rec = record_decoder.decode(line)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    bad.append((self.line_no, _short(e)))
+                    continue
+                self.decoded += 1
+                why = _header_refusal(rec) if isinstance(rec, Header) else ""
+                if why:
+                    self.problems.append(f"{self.path.name}: {why}; skipped")
+                    self.offset = 1 << 62  # stop reading this stream
+                    return out
+                out.append(rec)
+            return out
+        finally:
+            self._note_bad(bad)
+
+    def _note_bad(self, bad: list[tuple[int, str]]) -> None:
+        """One line for the lines of a poll that did not decode."""
+        if not bad:
+            return
+        self.bad_lines += len(bad)
+        if not self.first_bad:
+            self.first_bad = f"line {bad[0][0]}: {bad[0][1]}"
+        if len(bad) == 1:
+            msg = f"{self.path.name}: line {bad[0][0]} is not a valid record ({bad[0][1]}); skipped"
+        else:
+            nums = ", ".join(str(n) for n, _ in bad[:5]) + (", …" if len(bad) > 5 else "")
+            msg = (f"{self.path.name}: {len(bad)} lines are not valid records (lines {nums}; first: line {bad[0][0]}, "
+                   f"{bad[0][1]}); skipped")
+        self.problems.append(msg)
+        self.bad_problems.append(msg)
 
     def trailing_bytes(self) -> int:
         """Bytes after the last complete line (a record cut short by a kill)."""
@@ -352,6 +382,16 @@ def load_run(path: Path | str) -> Run:
         if rd is not None and sr.offset == 0 and not sr.trailing_bytes():
             run.problems.append(f"{sr.path.name}: empty (no records); skipped")
             del run.ranks[rank]
+            run.unread.add(rank)
+        elif rd is not None and not sr.decoded and (sr.unreadable or sr.offset < 1 << 62):
+            # not one record read: unreadable, never "did not finish (run still going, or killed)" (a file of random
+            # bytes was said to be a rank that was killed); one line for the file, its lines' own folded into it
+            if not sr.unreadable:  # (one that cannot be opened is named already)
+                run.problems[:] = [p for p in run.problems if p not in sr.bad_problems]
+                run.problems.append(_unreadable_stream(sr, rank))
+            del run.ranks[rank]
+            run.unread.add(rank)
+            continue
         if sr.trailing_bytes():
             run.problems.append(
                 f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
@@ -366,6 +406,21 @@ def load_run(path: Path | str) -> Run:
     return run
 
 
+def _unreadable_stream(sr: StreamReader, rank: int) -> str:
+    """The one line for a record stream of which no line is a record."""
+    tail = sr.trailing_bytes()
+    if sr.bad_lines:
+        lines = f"{sr.bad_lines} line{'s' * (sr.bad_lines != 1)}"
+        what = (f"no valid record in it ({lines} that are not records, the first {sr.first_bad})"
+                + (f", and {tail:,} bytes after its last line end" if tail else ""))
+    elif not tail:
+        return f"{sr.path.name}: empty (no records, blank lines only); skipped"
+    else:
+        what = f"no complete record ({tail:,} bytes without a line end: cut off in its first record, or not records)"
+    return (f"{sr.path.name}: unreadable: {what}; it is not fsdp-doctor records, or is damaged: rank {rank} is not "
+            "analysed")
+
+
 def _leave_out_unfinished_windows(run: Run) -> None:
     """A profiler window saved while its rank was failing (the doctor saves what was recorded when training
     raises, e.g. on a collective error after another rank died) holds a step the rank never completed: it is
@@ -376,7 +431,10 @@ def _leave_out_unfinished_windows(run: Run) -> None:
         done = {s.step for s in rd.steps}
         for pw in rd.profiles:
             f = (run.path / pw.path)
-            if not (f.exists() or f.is_symlink()):
+            gone = _missing(f)
+            if gone is None:  # cannot tell (its folder cannot be read): named by ``run_trace_files``, not analysed
+                continue
+            if gone:
                 run.problems.append(f"{pw.path}: the profiler window of rank {r}, steps {_span(pw.steps)}, is listed "
                                     "in its records but the file is missing; not analysed")
                 continue
@@ -388,6 +446,19 @@ def _leave_out_unfinished_windows(run: Run) -> None:
                                     "not analysed")
     if drop:
         run.trace_files = [f for f in run.trace_files if f.resolve() not in drop]
+
+
+def _missing(f: Path) -> bool | None:
+    """Whether ``f`` is gone (no file, no link); None when that cannot be told (a folder on its way that cannot be
+    searched: ``Path.exists`` raised PermissionError there, and one unreadable ``profiler/`` lost the whole run)."""
+    import errno
+    import os
+
+    try:
+        os.lstat(f)
+    except OSError as e:
+        return True if e.errno in (errno.ENOENT, errno.ENOTDIR) else None
+    return False
 
 
 def _span(steps: list[int]) -> str:
@@ -449,7 +520,7 @@ def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
             fresh = f.stat().st_mtime_ns >= m.started_ns
         except OSError:
             fresh = False
-        if rank in run.ranks and fresh:
+        if (rank in run.ranks or rank in run.unread) and fresh:
             out.append(f)  # written by this run, its record not (yet) there: a window being saved, or cut off
             continue
         if missing is None:
