@@ -417,6 +417,12 @@ def _record_cases() -> list[Case]:
     # and its profiler window was called another run's)
     C("stream-missing", lambda r: (r / "rank1.records.jsonl").unlink() or r, "partial",
       "rank1.records.jsonl: listed in manifest.json but missing: rank 1 is not analysed", rank0_only, traces=True)
+    # one of the run's own files given instead of its folder: read as a trace, it was "invalid JSON (... trailing
+    # characters)" and "not a Kineto trace" (a new-user trial)
+    C("given-a-records-file", lambda r: r / "rank0.records.jsonl", "error",
+      "rank0.records.jsonl: one rank's fsdp-doctor records, not a trace: give the run directory")
+    C("given-the-manifest", lambda r: r / "manifest.json", "error",
+      "manifest.json: a run's manifest, not a trace: give the run directory")
     # the manifest
     C("manifest-version-99", lambda r: edit_manifest(r, version=99), "error", "format version 99")
     C("manifest-version-0", lambda r: edit_manifest(r, version=0), "error", "format version 0")

@@ -176,6 +176,18 @@ def other_fsdp_modules(model: nn.Module) -> list[nn.Module] | None:
         return None
 
 
+def calling_param_group(depth: int):
+    """The FSDPParamGroup whose method is ``depth`` frames above the caller (the one that called FSDP2's logger:
+    ``logger.debug("%s", self._with_fqn("FSDP::pre_backward"))``), None where that frame is no param group's. Its
+    label names the unit by its name in its own model alone: two models with a ``blocks.0`` each (a GAN, a teacher
+    and its student) log the same string. About 0.3 µs."""
+    try:
+        obj = sys._getframe(depth + 1).f_locals.get("self")
+    except (ValueError, AttributeError):
+        return None
+    return obj if type(obj).__name__ == "FSDPParamGroup" else None
+
+
 def state_of(module: nn.Module):
     """The module's ``FSDPState`` (grouped units share one)."""
     get = getattr(module, "_get_fsdp_state", None)

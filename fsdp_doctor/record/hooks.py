@@ -134,6 +134,7 @@ class StepTimer:
         self._child_probe: Optional[list] = None
         self.checkpointed_children: set[int] = set()  # units whose submodules re-run in backward
         self._unit_of_label: dict[str, int] = {}
+        self._unit_of_group: dict[int, int] | None = None  # id(FSDPParamGroup) -> unit index
         self._tap = self._tap_prev = None  # the FSDP logger interception
         self._grad_hooks: dict[int, Any] = {}
         self._log_cache: dict[str, tuple[bool, int] | None] = {}
@@ -273,7 +274,7 @@ class StepTimer:
                 label = args[0] if args and msg == "%s" else msg
                 if isinstance(label, str) and label.startswith(_FSDP_PREFIX):
                     try:
-                        self._on_fsdp_log(label, now())
+                        self._on_fsdp_log(label, now(), F2.calling_param_group(1))
                     except Exception as e:  # noqa: BLE001
                         self._fail("fsdp log tap", e)
             if prev is not None or enabled(logging.DEBUG):
@@ -558,7 +559,7 @@ class StepTimer:
         idx = self._unit_of_label.get(fqn)
         return None if idx is None else (lab.kind == "pre_backward", idx)
 
-    def _on_fsdp_log(self, msg: str, t: int) -> None:
+    def _on_fsdp_log(self, msg: str, t: int, group=None) -> None:
         # The same few label strings recur every step: parse each once.
         try:
             parsed = self._log_cache[msg]
@@ -567,6 +568,14 @@ class StepTimer:
         if parsed is None:
             return
         is_pre, idx = parsed
+        if group is not None:  # the param group that logged it: one of the watched model's units, or another model's
+            # (a GAN's discriminator's blocks.0 logs the label of the generator's blocks.0: its backward was booked to
+            # the generator's units, a new-user trial)
+            if self._unit_of_group is None:
+                self._unit_of_group = {id(pg): i for i, u in enumerate(self._units) for pg in u.param_groups}
+            idx = self._unit_of_group.get(id(group))
+            if idx is None:
+                return
         a = self._acc[idx]
         if is_pre:
             if self._bwd_start == 0:
@@ -752,6 +761,7 @@ class StepTimer:
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""
         self._unit_of_label = label_to_index(self._units)
+        self._unit_of_group = None
 
 
 def _ms(ns: int) -> float:

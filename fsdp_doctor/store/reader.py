@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -372,6 +374,10 @@ def load_run(path: Path | str) -> Run:
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or directory")
     if not p.is_dir():
+        if fnmatch.fnmatch(p.name, layout.STREAM_GLOB) or p.name == layout.MANIFEST_NAME:
+            # (read as a trace: "invalid JSON (... trailing characters)" and "not a Kineto trace", a new-user trial)
+            what = "one rank's fsdp-doctor records" if p.name != layout.MANIFEST_NAME else "a run's manifest"
+            raise RunRefused(f"{p}: {what}, not a trace: give the run directory, {p.parent}")
         return Run(path=p.parent, trace_files=[p])
     follower = RunFollower(p)
     run, _ = follower.poll()
