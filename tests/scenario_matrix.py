@@ -229,6 +229,10 @@ ROWS: list[Row] = [
     _r("gpt_prefetch_deep", "gpt", "prefetch.too_early", "explicit prefetch 3 units ahead, budget 5% above peak",
        knobs={"forward_prefetch": 3, "backward_prefetch": 3}, capacity_share=0.95, profile=True,
        min_severity="info"),
+    # explicit prefetch lists in the wrong order: each block gathers the one before it again in forward, the one after
+    # it in backward (12 all-gathers a step for 9 on a new-user trial's 4-block model)
+    _r("gpt_prefetch_wrong_order", "gpt", "prefetch.wrong_order", "explicit prefetch lists in the wrong order",
+       knobs={"prefetch_reversed": True}, profile=True),
     _r("gpt_state_tight", "gpt", "optim.state_dominates", "one short sequence per rank, budget 5% above peak",
        knobs={"batch_size": 1, "seq_len": 8, "d_model": 64, "n_layers": 8}, capacity_share=0.95),
     _r("gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather",

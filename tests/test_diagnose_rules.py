@@ -92,6 +92,15 @@ def run_rule(code, ctx):
     return cls().match(ctx)
 
 
+def run_status(code, ctx):
+    """The rule's status on ``ctx`` as the diagnosis lists it (fired, quiet or skipped, with its reason)."""
+    from fsdp_doctor.diagnose import diagnose
+
+    statuses: list = []
+    diagnose(ctx.run, ctx.report, statuses=statuses)
+    return next(s for s in statuses if s.code == code)
+
+
 def codes(findings, min_sev="warning"):
     order = {"info": 0, "warning": 1, "critical": 2}
     out = set()
@@ -179,6 +188,27 @@ def test_too_coarse_whole_model():
     assert h.recommendation.where == "accelerate" and "fully_shard(" not in h.recommendation.code
     assert "accelerator.state.fsdp_plugin.auto_wrap_policy = transformer_auto_wrap_policy" in h.recommendation.code
     assert "left the blocks in one unit" in h.recommendation.text and h.predicted == f.predicted
+
+
+def test_too_coarse_stays_quiet_where_there_is_nothing_to_split_or_gain():
+    """Two Linear units, each half of a tiny model: "split into 4 similar units" of a module that has none, its plan
+    the run's own sharding again, predicted 156% slower and no memory saved (a new-user trial's warning). Quiet
+    where neither the unit nor the model holds repeated blocks, and off a GPU where the split saves under 1% of the
+    peak; a whole model of blocks in one unit still fires (above)."""
+    leaf = dict(n_params=2, param_count=272, sharded_bytes=1088, unsharded_bytes=1088, orig_dtypes=["float32"],
+                own_modules=["0"], own_bytes=[1088], timing=dict(fwd_ms=0.5, ag_wait_fwd_ms=0.2, bwd_ms=0.4,
+                                                                   ag_wait_bwd_ms=0.1))
+    us = [unit("", reshard_after_forward=False), unit("0", **leaf), unit("1", **{**leaf, "own_modules": ["1"]})]
+    ctx, _ = build(units=us, memory=memory(20 * 1024, unsharded_params=1088))
+    st = run_status("wrap.too_coarse", ctx)
+    assert st.status == "quiet" and "holds repeated blocks to make units of" in st.reason, st
+    # blocks to split, but a split saving under 1% of a large peak on gloo: quiet, saying why
+    whole = unit("", param_count=932_608, n_params=53, sharded_bytes=1_865_216, unsharded_bytes=3_730_432,
+                 orig_dtypes=["float32"], reshard_after_forward=False,
+                 timing=dict(fwd_ms=52.8, ag_wait_fwd_ms=20.0, bwd_ms=47.4, ag_wait_bwd_ms=0.1))
+    ctx, _ = build(units=[whole], memory=memory(20 * 1024 * MiB, unsharded_params=3_730_432))
+    st = run_status("wrap.too_coarse", ctx)
+    assert st.status == "quiet" and "of a 20.00 GiB peak here" in st.reason, st
 
 
 def test_too_fine_leaf_wrapping_names_the_blocks():
@@ -351,6 +381,19 @@ def test_unreduced_params():
     # several roots: wrap.root_not_sharded reports the same drift
     roots = [unit(f"layers.{i}", is_root=True, depth=0, parent=None, **BLOCK) for i in range(2)]
     assert run_rule("wrap.unreduced_params", build(units=roots, unmanaged_trainable_names=names)[0]) == []
+
+
+def test_no_prefetch_chain_across_two_roots():
+    """A wrapper holding a teacher and its student, each its own FSDP root, watched as one module: the prefetch chain
+    ran over both models' units, prefetched the student's first block from the teacher's last before the student's
+    lazy initialization, and the pasted code crashed training (AttributeError in FSDPCommContext: a new-user trial).
+    No chain crosses roots (wrap.root_not_sharded's fix first); one root still gets its chain."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    two = [unit(name, is_root=True, depth=0, parent=None, **BLOCK) for name in ("teacher", "student")]
+    two += [unit(f"{m}.blocks.{i}", parent=m, **BLOCK) for m in ("teacher", "student") for i in range(2)]
+    assert S.prefetch_code(build(units=two)[0]) == ""
+    assert "set_modules_to_forward_prefetch" in S.prefetch_code(build()[0])
 
 
 def test_mixed_dtype_unit():
@@ -1482,6 +1525,22 @@ def test_data_wait_leaves_the_grad_norm_logs_collectives_to_step_comm():
     # the collectives are all of it: no data-loading finding at all
     ov["per_unit"] = [{**row, "exposed_us": 60_000.0} for row in ov["per_unit"]]
     assert run_rule("jitter.data_wait", build(phases=ph, overlap=ov)[0]) == []
+
+
+def test_data_wait_stays_quiet_where_the_model_runs_again_after_its_update():
+    """A GAN with its discriminator watched: the generator's update runs a second forward and backward through it
+    after its optimizer.step(), and the time "between steps" held that work: jitter.data_wait read 49% of each step as
+    data loading (a new-user trial; StepRecord.backward_after_optimizer marks such steps). Quiet, saying why."""
+    from fsdp_doctor.records import StepRecord
+
+    ph = {"forward": 24.0, "backward": 40.0, "optimizer": 1.0, "outside": 40.0, "gc": 0.0, "between": 40.0}
+    ctx = build(phases=ph, step_ms=105.0)[0]
+    assert run_rule("jitter.data_wait", ctx)  # fires without the mark
+    ctx.run.ranks = {r: SimpleNamespace(steps=[StepRecord(rank=r, step=n, start_ns=n, wall_ms=105.0,
+                                                          backward_after_optimizer=n > 0) for n in range(4)])
+                     for r in (0, 1)}
+    st = run_status("jitter.data_wait", ctx)
+    assert st.status == "quiet" and "not data loading" in st.reason and "after its optimizer.step()" in st.reason, st
 
 
 def test_data_wait_is_the_time_between_the_optimizer_and_the_next_forward():

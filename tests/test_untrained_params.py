@@ -211,3 +211,50 @@ def test_an_optimizer_over_sharded_parameters_read_while_units_are_gathered(tmp_
     assert cfg.untrained is not None and cfg.untrained.tensors == 0, cfg.untrained
     codes = {f.code for f in build_report(run).findings}
     assert not codes & {"optim.before_shard", "optim.untrained_params"}, codes
+
+
+_JOINT_SCRIPT = textwrap.dedent('''
+    import os, sys
+    import torch, torch.distributed as dist, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    import fsdp_doctor
+    from fsdp_doctor.workloads import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    a, b = (nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)) for _ in range(2))
+    for net in (a, b):
+        for m in net:
+            fully_shard(m)
+        fully_shard(net)
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters()])  # one optimizer over both, built after fully_shard
+    with fsdp_doctor.watch(a, opt, out_dir=sys.argv[1], profile=False) as doctor:
+        for step in range(4):
+            (a(torch.randn(4, 16)).sum() + b(torch.randn(4, 16)).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+    dist.destroy_process_group()
+''')
+
+
+def test_an_optimizer_over_two_sharded_models_holds_no_stale_tensor(tmp_path):
+    """One optimizer over two sharded models (a shared-embedding pair, a GAN stepped together), the first watched:
+    the other model's sharded parameters read as tensors left from before fully_shard, a CRITICAL
+    optim.before_shard ("15 of its 29 parameters are not the model's") and 777 KiB of "stale optimizer params", with a
+    fix that changed nothing (a new-user trial). Another FSDP model's DTensors are not stale: their state is the
+    optimizer's."""
+    from fsdp_doctor import build_report, load_run
+
+    script = tmp_path / "joint.py"
+    script.write_text(_JOINT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run = load_run(tmp_path / "run")
+    assert run.config.optimizer_params == 8 and run.config.optimizer_foreign_params == 0, run.config
+    state = 4 * 2 * 2 * 2 * (16 * 16 + 16) + 8 * 4  # AdamW's 2 moments, fp32, of 2 models' 2 Linears; 8 steps
+    for s in run.ranks[0].steps[1:]:
+        assert s.memory.end["stale_optimizer_params"] == 0, s.memory.end
+        assert s.memory.end["optimizer_state"] == state, (s.memory.end, state)
+    assert "optim.before_shard" not in {f.code for f in build_report(run).findings}

@@ -65,8 +65,9 @@ def run_facts(run: Run) -> RunFacts:
             facts.notes = [*(facts.notes or []), (
                 f"{others} FSDP2 unit(s) of another model are alive in this process (a teacher, a GAN's other network, "
                 "an earlier model still referenced): where it runs during the watched steps, FSDP's trace labels do "
-                "not name the model, so the trace's per-unit figures of same-named units count its collectives too, "
-                "and its work between the steps reads as time outside the model")]
+                "not name the model, so the trace's per-unit figures of same-named units count its collectives too; "
+                "its work between the steps reads as time outside the model, and its memory (its parameters, "
+                "gradients and activations) is not in the categories: on CUDA it falls into temporaries")]
     elif run.trace_files:  # plain traces: their own metadata (distributedInfo, deviceProperties)
         from ..trace.meta import meta_facts
 

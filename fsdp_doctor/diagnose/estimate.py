@@ -954,3 +954,18 @@ def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
 
 
 from . import snippets as S  # noqa: E402  (snippets imports nothing of this module)
+
+
+def updated_between(ctx: Context) -> str:
+    """Why the rules of gradient accumulation and of the time between steps stay quiet on a run whose steps run a
+    backward through the model after its optimizer.step() ("" when none does): its several backward passes are not
+    micro-batches of one update (a new-user trial's GAN, the discriminator watched: accum.sync_every_micro_batch's
+    fix, pasted, changed the losses and the finding stayed), and its time after optimizer.step() holds the model's own
+    second pass (jitter.data_wait read 49% of the step as data loading)."""
+    hit = sorted({r for r, rd in (getattr(ctx.run, "ranks", None) or {}).items()
+                  if any(s.backward_after_optimizer for s in rd.steps)})
+    if not hit:
+        return ""
+    return (f"a backward through the model runs after its optimizer.step() within a step on rank(s) "
+            f"{', '.join(map(str, hit))} (a second loss through the model after its update, as a GAN's generator "
+            "update through its discriminator): its backward passes are not micro-batches of one update")

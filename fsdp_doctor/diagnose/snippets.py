@@ -655,9 +655,17 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     gathers them (``gather_order``): in forward each unit prefetches the one whose forward starts next, in
     backward the one whose backward starts next (a block's nested units after it; frozen units left out: the last
     unit that runs backward then prefetches itself, a no-op, since an empty list is FSDP's implicit prefetch, which
-    would gather the frozen unit before it). "" where fewer than two units are not the root (every unit its own
-    root: wrap.root_not_sharded's fix comes first)."""
+    would gather the frozen unit before it). The lists the run had set that the chain does not overwrite (the last
+    unit's in forward, the last's in backward, the root's) are cleared (``_prefetch_resets``): pasted on top of
+    lists set in the wrong order, the chain alone left them, and the all-gathers they add (a new-user trial: 10 per
+    step where 9 are one per unit). "" where fewer than two units are not the root (every unit its own root:
+    wrap.root_not_sharded's fix comes first)."""
     t = tree(ctx)
+    if sum(1 for u in t.units if getattr(u, "is_root", False)) > 1:
+        # several FSDP roots in the watched module (a wrapper holding a teacher and its student): one chain over all
+        # their units prefetched the student's first block from the teacher's last, before the student's lazy
+        # initialization, and the pasted code crashed training (a new-user trial); wrap.root_not_sharded first
+        return ""
     fwd, bwd, recorded = gather_order(t)
     if len(fwd) < 2:  # no unit besides the root (or one): nothing to prefetch ahead of another; no code
         return ""
@@ -681,7 +689,63 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     if backward:
         lines += ["for unit, nxt in zip(backward_order, backward_order[1:]):",
                   "    unit.set_modules_to_backward_prefetch([nxt])"]
+    # (with the frozen units' self-append every unit that runs backward is given a list by the chain)
+    lines += _prefetch_resets(t, fwd, bwd if backward else None, appended=bool(bwd) and len(bwd) < len(fwd))
     return "\n".join(lines)
+
+
+def prefetch_resets(t: Tree) -> dict[tuple[str, str], list[str]]:
+    """The explicit prefetch lists the run had set that ``prefetch_code``'s chain does not overwrite:
+    {("forward" | "backward", unit label): the list}. The chain sets every unit's forward list but the last's in
+    forward order, and every backward list but the last's in backward order (none left where frozen units are
+    left out: the last then prefetches itself); the root's it never sets. A backward list on a unit that never runs
+    backward (a frozen unit before every trainable one) is never read: not listed."""
+    fwd, bwd, _ = gather_order(t)
+    if len(fwd) < 2:
+        return {}
+    return _unreached(t, fwd, bwd, appended=bool(bwd) and len(bwd) < len(fwd))
+
+
+def _unreached(t: Tree, fwd: list[str], bwd: Optional[list[str]], appended: bool) -> dict[tuple[str, str], list[str]]:
+    by = {u.name: u for u in t.units}
+    out: dict[tuple[str, str], list[str]] = {}
+    root = t.root()
+    f_left = [fwd[-1]] + ([root.name] if root is not None else [])
+    for name in f_left:
+        got = list(getattr(by.get(name), "forward_prefetch", None) or [])
+        if got:
+            out[("forward", name)] = got
+    if bwd is not None:
+        b_left = ([bwd[-1]] if bwd and not appended else []) + ([root.name] if root is not None else [])
+        for name in b_left:
+            got = list(getattr(by.get(name), "backward_prefetch", None) or [])
+            if got:
+                out[("backward", name)] = got
+    return out
+
+
+def _prefetch_resets(t: Tree, fwd: list[str], bwd: Optional[list[str]], appended: bool) -> list[str]:
+    """Lines clearing the lists ``_unreached`` finds (none where the run set none: a default run's chain is
+    unchanged). In forward an empty list prefetches nothing (FSDP2 has no implicit forward prefetch); in backward
+    an empty list is FSDP2's default (``FSDPState._pre_backward``: ``default_prefetch = len(...) == 0``), the unit
+    before it in post-forward order: none for the last unit of backward, the first of forward, and for the root the
+    last unit of forward, the first of backward: what the chain wants."""
+    left = _unreached(t, fwd, bwd, appended)
+    if not left:
+        return []
+    root = t.root()
+    lines = ["# lists your run set that the chain does not reach, cleared: in forward an empty list prefetches",
+             "# nothing; in backward it is FSDP's default (the unit before it in forward, none for the last)"]
+    for (kind, name), got in left.items():
+        if root is not None and name == root.name:
+            who = ROOT
+        elif kind == "forward":
+            who = "forward_order[-1]"
+        else:
+            who = "backward_order[-1]"
+        was = ", ".join(unit_label(n) for n in got)
+        lines.append(f"{who}.set_modules_to_{kind}_prefetch([])  # was [{was}]")
+    return lines
 
 
 def backward_prefetch_lists(lists: dict[str, list[str]]) -> str:

@@ -229,7 +229,7 @@ def _optimizer_params(optimizer, model: nn.Module, units: list[Unit] = ()) -> tu
     for g in optimizer.param_groups:
         for p in g["params"]:
             n += 1
-            if id(p) not in model_ids:
+            if id(p) not in model_ids and not hasattr(p, "_local_tensor"):  # (a DTensor: another FSDP model's)
                 foreign += 1
                 lt = getattr(p, "_local_tensor", p)
                 nbytes += lt.numel() * lt.element_size()

@@ -31,7 +31,9 @@ class WorkloadConfig:
     every non-root unit resharded, the grouped `[norm, lm_head]` unit kept unsharded, the root left to
     FSDP; a bool/int applies to every non-root unit), `reshard_overrides` (unit name -> bool/int, wins
     over everything; "" is the root), `async_unshard`, `forward_prefetch` / `backward_prefetch` (explicit
-    prefetch depth over the block units, 0 = FSDP's implicit prefetch), `ac` ("none", "block",
+    prefetch depth over the block units, 0 = FSDP's implicit prefetch), `prefetch_reversed` (deliberate bug:
+    explicit lists in the wrong order, each block forward-prefetching the block before it and backward-prefetching
+    the one after), `ac` ("none", "block",
     "every:K", "children"), `param_dtype` / `reduce_dtype` (None or one of `DTYPE_NAMES`),
     `cpu_offload` (+ `offload_pin_memory`), `optimizer_before_shard` (deliberate bug), `autocast` (None or
     one of `DTYPE_NAMES`: the loop runs forward and loss under `torch.autocast(device, dtype)`), `device`,
@@ -67,6 +69,7 @@ class WorkloadConfig:
     async_unshard: bool = False
     forward_prefetch: int = 0
     backward_prefetch: int = 0
+    prefetch_reversed: bool = False
     ac: str = "none"
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
@@ -258,6 +261,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="explicit forward prefetch depth over blocks (0 = FSDP default)")
     fsdp.add_argument("--backward-prefetch", type=int, default=d.backward_prefetch, metavar="N",
                       help="explicit backward prefetch depth over blocks (0 = FSDP default)")
+    fsdp.add_argument("--prefetch-reversed", action=argparse.BooleanOptionalAction, default=d.prefetch_reversed,
+                      help="explicit prefetch lists in the wrong order: each block prefetches the block before it "
+                      "in forward, the one after it in backward (a deliberate bug)")
     fsdp.add_argument("--ac", default=d.ac, metavar="{none,block,every:K,children}",
                       help="activation checkpointing policy")
     fsdp.add_argument("--param-dtype", type=_cli_type(_dtype_arg), default=d.param_dtype,

@@ -278,7 +278,7 @@ def preflight(cfg: WorkloadConfig) -> None:
 
 def _check_prefetch_supported(cfg: WorkloadConfig) -> None:
     has_blocks = cfg.wrap in ("block", "blocks_only", "no_root")
-    if (cfg.forward_prefetch or cfg.backward_prefetch) and not has_blocks:
+    if (cfg.forward_prefetch or cfg.backward_prefetch or cfg.prefetch_reversed) and not has_blocks:
         raise ValueError(f"explicit prefetch works over block units; wrap={cfg.wrap!r} has none "
                          "(use wrap=block, blocks_only or no_root, or prefetch depth 0)")
 
@@ -286,6 +286,13 @@ def _check_prefetch_supported(cfg: WorkloadConfig) -> None:
 def _set_explicit_prefetch(model: nn.Module, units: list[UnitSpec], cfg: WorkloadConfig) -> None:
     """torchtitan-style: block i prefetches i+1..i+depth in forward and i-1..i-depth in backward."""
     blocks = [model.get_submodule(u.paths[0]) for u in units if u.block is not None]
+    if cfg.prefetch_reversed:  # the wrong order (prefetch.wrong_order's scenario)
+        for i, block in enumerate(blocks):
+            if i > 0:
+                block.set_modules_to_forward_prefetch([blocks[i - 1]])
+            if i + 1 < len(blocks):
+                block.set_modules_to_backward_prefetch([blocks[i + 1]])
+        return
     for i, block in enumerate(blocks):
         if cfg.forward_prefetch:
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.forward_prefetch])

@@ -27,20 +27,6 @@ def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "")
             "offered for torchtitan's loop."), "", "", {}
 
 
-def _updated_between(ctx: Context) -> str:
-    """Why the rules of gradient accumulation stay quiet on a run whose steps run a backward through the model after
-    its optimizer.step() ("" when none does): its several backward passes are not micro-batches of one update (a
-    new-user trial's GAN, the discriminator watched: accum.sync_every_micro_batch's fix, pasted, changed the losses
-    and the finding stayed)."""
-    hit = sorted({r for r, rd in (getattr(ctx.run, "ranks", None) or {}).items()
-                  if any(s.backward_after_optimizer for s in rd.steps)})
-    if not hit:
-        return ""
-    return (f"a backward through the model runs after its optimizer.step() within a step on rank(s) "
-            f"{', '.join(map(str, hit))} (a second loss through the model after its update, as a GAN's generator "
-            "update through its discriminator): its backward passes are not micro-batches of one update")
-
-
 @register
 class AccumulationSyncsEveryMicroBatch(Rule):
     code = "accum.sync_every_micro_batch"
@@ -51,7 +37,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        if why := _updated_between(ctx):
+        if why := E.updated_between(ctx):
             return self.quiet(why)
         rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit not in ("", "(other)", None)]
         if not rows:
@@ -127,7 +113,7 @@ class AccumulationRegathers(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        if why := _updated_between(ctx):
+        if why := E.updated_between(ctx):
             return self.quiet(why)
         micro = E.micro_batches(ctx)
         n = statistics.median(micro.values()) if micro else 1.0

@@ -220,6 +220,8 @@ class DataWait(Rule):
                     if top.between else "time outside the model")
             return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
+        if why := E.updated_between(ctx):  # (the time after optimizer.step() holds the model's own second pass)
+            return self.quiet(f"{why}; the time outside the model holds that work, not data loading")
         ranks = [r for r, sh in shares.items() if sh.share >= OUTSIDE_SHARE_MIN]
         strag = {s.rank for s in steps.stragglers if s.phase == "outside"}
         if strag and set(ranks) <= strag:

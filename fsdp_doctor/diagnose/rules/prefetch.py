@@ -5,6 +5,7 @@ unit: rules/tradeoff.py)."""
 from __future__ import annotations
 
 import statistics
+from typing import Optional
 
 from .. import estimate as E
 from .. import snippets as S
@@ -170,13 +171,17 @@ class ExposedAllGather(Rule):
         added = (z2_peak - peak) if (z2_peak is not None and peak is not None) else sum(
             E.gathering_after_forward_bytes(u) for u in z2)
         has_fwd_prefetch = any(u.forward_prefetch for u in us)
+        # lists naming units that ran before their own add all-gathers rather than hide them (prefetch.wrong_order)
+        wrong = (_wrong_lists(ctx) or ([],))[0] if has_fwd_prefetch else []
         if cpu and has_fwd_prefetch:
             # the snippet pasted on gloo, the waits still there (a new-user trial's rerun kept the finding, as its
             # text had said it would): gloo's threads share the host's cores with the compute, no prefetch hides
             # them; on a GPU the finding stays and says what is left
             return self.quiet(f"explicit prefetch is set and compute still waits {total:.1f} ms per step "
                               f"({100 * share:.0f}%) for all-gathers: on gloo they share the host's cores with the "
-                              "compute, and no prefetch hides them (comm.bound and the verdict weigh them)")
+                              "compute, and no prefetch hides them (comm.bound and the verdict weigh them)"
+                              + (f"; {len(wrong)} of its lists name units that ran before their own, which adds "
+                                 "all-gathers (prefetch.wrong_order)" if wrong else ""))
         of_step = ("of the step" if taken == step else f"of the step p50: the median of the steps' shares, the one "
                    f"holding it {taken:.1f} ms long")
         traced = sum(trace.values()) if trace else None
@@ -197,6 +202,10 @@ class ExposedAllGather(Rule):
                      "prefetch. The step waits on the collectives themselves: fewer bytes or fewer calls (16-bit "
                      "all-gathers, larger units where they are small) or more compute per byte (a larger micro-batch "
                      "per rank) shorten it; comm.bound says which.")
+        elif has_fwd_prefetch and wrong:
+            text += (f"Explicit prefetch is set, but {len(wrong)} of its lists name units that ran before their own: "
+                     "they gather those units again rather than ahead (prefetch.wrong_order's fix sets them in the "
+                     "run's order).")
         elif has_fwd_prefetch:
             text += ("Explicit prefetch is already set; if the waits remain, the all-gathers are slower than the "
                      "compute they hide behind: larger units (fewer, bigger calls) or reshard_after_forward=False "
@@ -449,6 +458,125 @@ class FrozenGathered(Rule):
             text, S.backward_prefetch_lists(lists),
             predicted=E.predicted(step, step - exposed if (seen and step) else None, peak, peak_after),
             units=sorted({t.name for _, t, _ in wasted} | set(lists)))]
+
+
+def _run_orders(ctx: Context) -> tuple[list[str], list[str], bool]:
+    """(forward, backward, recorded): every unit with parameters, the root first, in the order the run started its
+    forward and its backward (``snippets.gather_order``: recorded, else the tree's order with the backward FSDP2
+    derives; the root's hooks open both passes). Units that never run backward (frozen before every trainable one)
+    are not in the backward order."""
+    fwd, bwd, recorded = S.gather_order(S.tree(ctx))
+    rts = [u.name for u in E.roots(E.param_units(ctx))]
+    return rts + fwd, rts + bwd, recorded
+
+
+def _allgathers_per_step(ctx: Context) -> tuple[Optional[float], dict[tuple[str, str], float]]:
+    """From the trace: all-gathers per step (the median over ranks of each rank's sum) and, per (unit label, phase),
+    the median calls per step; (None, {}) without a trace."""
+    per_rank: dict[str, float] = {}
+    per_unit: dict[tuple[str, str], list[float]] = {}
+    for r in E.trace_rows(ctx, "all_gather"):
+        if r.unit == E.OTHER_UNIT or r.count_per_step is None:
+            continue
+        per_rank[str(r.rank)] = per_rank.get(str(r.rank), 0.0) + r.count_per_step
+        per_unit.setdefault((r.unit, r.phase or ""), []).append(r.count_per_step)
+    if not per_rank:
+        return None, {}
+    return statistics.median(per_rank.values()), {k: statistics.median(v) for k, v in per_unit.items()}
+
+
+def _one_per_unit(ctx: Context, bwd: list[str]) -> float:
+    """All-gathers per step with each unit gathered once per pass: once in each forward, and once in each backward
+    where it runs backward resharded (reshard_after_forward not False), times its forward passes per step."""
+    mb = E.micro_batches(ctx)
+    runs_bwd = set(bwd)
+    n = 0.0
+    for u in E.param_units(ctx):
+        passes = mb.get(u.name, 1.0)
+        n += passes * (1 + (u.name in runs_bwd and not E.kept_gathered(u)))
+    return n
+
+
+def _wrong_lists(ctx: Context):
+    """The explicit prefetch lists naming a unit that ran before their own in that pass: ([(unit, "forward" |
+    "backward", the targets that ran before it)], forward order, backward order, recorded), forward lists first;
+    None where no unit has a list."""
+    us = {u.name: u for u in E.param_units(ctx)}
+    lists = [(u, kind, list(getattr(u, f"{kind}_prefetch") or [])) for kind in ("forward", "backward")
+             for u in us.values()]
+    lists = [x for x in lists if x[2]]
+    if not lists:
+        return None
+    fwd, bwd, recorded = _run_orders(ctx)
+    pos = {"forward": {n: i for i, n in enumerate(fwd)}, "backward": {n: i for i, n in enumerate(bwd)}}
+    # a target run more often per step than the unit naming it (a module called twice in one forward) may run again
+    # after it: its prefetch can be ahead of that later call, not counted
+    passes = E.micro_batches(ctx)
+    wrong = []
+    for u, kind, got in lists:
+        at = pos[kind]
+        if u.name not in at:  # (a frozen unit's backward list: never read, its pre-backward never runs)
+            continue
+        before = [t for t in got if t in at and at[t] < at[u.name]
+                  and passes.get(t, 1.0) <= passes.get(u.name, 1.0)]
+        if before:
+            wrong.append((u, kind, before))
+    return wrong, fwd, bwd, recorded
+
+
+@register
+class PrefetchWrongOrder(Rule):
+    code = "prefetch.wrong_order"
+    name = "Explicit prefetch against the run order"
+    description = ("An explicit prefetch list names a unit that ran before its own unit (in forward, or in backward): "
+                   "it all-gathers that unit again after its reshard and keeps it gathered, for nothing.")
+    needs = ("units",)
+    severities = ("warning",)
+
+    def match(self, ctx: Context):
+        found = _wrong_lists(ctx)
+        if found is None:
+            return self.quiet("no unit has an explicit prefetch list")
+        wrong, fwd, bwd, recorded = found
+        how = "as the run recorded it" if recorded else "module order, the run recorded none"
+        if not wrong:
+            return self.quiet(f"every explicit prefetch list names units that run after their own unit ({how})")
+        observed, by_unit = _allgathers_per_step(ctx)
+        expected = _one_per_unit(ctx, bwd)
+        extra = (observed - expected) if observed is not None and observed > expected else None
+        passes = E.micro_batches(ctx)
+        again = [f"{unit_label(n)} {ph}: {c:g} per step" for (n, ph), c in sorted(by_unit.items())
+                 if c > passes.get("" if n == "(root)" else n, 1.0)]
+        step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
+        rows = [f"{unit_label(u.name)} {kind} prefetches [{', '.join(map(unit_label, getattr(u, kind + '_prefetch')))}]"
+                f": {E.fmt_list([unit_label(t) for t in before])} ran {'its' if len(before) == 1 else 'their'} {kind} "
+                "before it" for u, kind, before in wrong]
+        kinds = list(dict.fromkeys(k for _, k, _ in wrong))
+        code = S.prefetch_code(ctx)
+        if not code:  # (no chain: one unit besides the root) the lists cleared
+            code = "\n".join(f"{S.module_expr(S.members(u.name)[0])}.set_modules_to_{kind}_prefetch([])"
+                             for u, kind, _ in wrong)
+        counted = (f" The trace counts {observed:g} all-gathers per step where one per unit and pass is {expected:g}"
+                   + (f" ({E.fmt_list(again)})" if again else "") + "." if observed is not None else "")
+        text = (f"{len(wrong)} explicit prefetch list(s) name a unit that ran before their own ({how}): "
+                + "; ".join(rows[:4]) + ("; ..." if len(rows) > 4 else "") + ". A prefetch issued after its target "
+                "has run all-gathers it again, for nothing: in forward the target was resharded after its own forward "
+                "and is gathered again, then held until its backward; in backward it has finished its backward and "
+                f"is gathered again until the step ends.{counted} Each list should name the unit that runs next in its "
+                "pass: in forward the next unit of forward, in backward the next of backward (forward's reverse). "
+                "The snippet sets both chains in the order the run ran its units and clears the lists "
+                "the chain does not reach (an empty forward list prefetches nothing; an empty backward list is FSDP2's "
+                "default); or drop your set_modules_to_*_prefetch calls: FSDP2's default prefetches in backward.")
+        return [self.finding(
+            "warning", f"Explicit {' and '.join(kinds)} prefetch names units that already ran: "
+                       f"{len(wrong)} list(s) in the wrong order"
+                       + (f", {extra:g} extra all-gather{'s' if extra != 1 else ''} per step" if extra else ""),
+            {"wrong_lists": rows, "run_order_forward": [unit_label(n) for n in fwd],
+             "run_order_backward": [unit_label(n) for n in bwd], "run_order_from": "records" if recorded else
+             "module order", "allgathers_per_step": observed, "allgathers_one_per_unit": expected,
+             "extra_allgathers_per_step": extra, "gathered_again": again, "step_p50_ms": step, "peak_bytes": peak},
+            text, code, predicted=E.predicted(step, None, peak, None),
+            units=sorted({u.name for u, _, _ in wrong} | {t for _, _, b in wrong for t in b}))]
 
 
 @register

@@ -15,6 +15,8 @@ from ..thresholds import COARSE_SHARE_MIN  # one unit holding this share of the 
 # Splitting a coarse unit: the estimate assumes it becomes this many similar units, two of them gathered
 # at a time (the one computing, the one prefetched).
 COARSE_SPLIT_INTO = 4
+#: off a GPU the split's gain is memory only: under this share of the peak it is no finding
+COARSE_PEAK_GAIN_MIN = 0.01
 # On a GPU the split units' all-gathers overlap with compute (own stream). On gloo they do not (the
 # collectives share the host's cores with compute), and splitting adds calls and a backward re-gather:
 # benchmarks/predictions.py measured whole -> block at +74% step time on the 2-rank CPU workload.
@@ -102,6 +104,16 @@ class TooCoarse(Rule):
             at_peak = (bd.get("unsharded_params") or 0) + (bd.get("comm_buffers") or 0)
             peak_after = peak - at_peak * (1 - min(1.0, pair / own))
         name = big.name or "(root)"
+        if own and len(blocks) < 2 and not S.tree(ctx).containers():
+            # (a unit of one Linear in a 2-unit model: "split into 4 similar units" of a module that has none, its
+            # plan the run's own sharding again, predicted 156% slower and no memory saved: a new-user trial)
+            return self.quiet(f"{name} holds {100 * share:.0f}% of the parameters, but neither it nor the model "
+                              "holds repeated blocks to make units of")
+        if not E.on_gpu(ctx) and peak is not None and peak_after is not None and \
+                peak - peak_after < COARSE_PEAK_GAIN_MIN * peak:
+            return self.quiet(f"{name} holds {100 * share:.0f}% of the parameters, but splitting it saves "
+                              f"{fmt_bytes(max(0, peak - peak_after))} of a {fmt_bytes(peak)} peak here, and on "
+                              "gloo its smaller collectives only lengthen the step")
         whole = big.is_root and len(us) == 1
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
         code = S.shard_plan(S.tree(ctx), root_leftovers=True)
