@@ -716,3 +716,26 @@ def test_a_change_that_resolved_one_finding_is_not_checked_as_another_still_rais
     b.report.findings = a.report.findings[:]  # nothing resolved: the change may have been either's fix
     assert [p.code for p in C._predictions(a, b, rewrap, [], None, 1000, 950)] == [
         "wrap.too_fine", "wrap.params_in_root"]
+
+
+def test_the_configuration_table_keeps_both_sides_at_80_columns(sample_run_path):
+    """A per-expert prefetch change at 80 columns: the "Configuration changed" table showed only setting and where,
+    A and B left out and the unit names cut (a new-user trial). The values are text columns: wrapped, never dropped."""
+    from rich.console import Console
+
+    from fsdp_doctor.compare_sections import ConfigChange
+    from fsdp_doctor.present.compare import render_comparison
+
+    cmp = compare_runs(load_run(sample_run_path), load_run(sample_run_path))
+    cmp.config = [ConfigChange(key="forward_prefetch", a="none", b="model.layers.0.mlp.experts.experts.1",
+                               units=["model.layers.0.mlp.experts.experts.0"])]
+    con = Console(width=80, record=True, force_terminal=False)
+    render_comparison(cmp, con)
+    out = con.export_text()
+    table = out[out.index("Configuration changed"):out.index("Step time")]
+    flat = "".join(table.split())
+    assert "inA" in flat and "inB" in flat and "none" in table, table
+    lines = [ln for ln in table.splitlines() if "model.layers" in ln or "ts.experts" in ln]
+    assert lines[0].rstrip().endswith("model.layers.0.mlp.exper") and lines[1].rstrip().endswith("ts.experts.1"), \
+        table  # B's value whole, folded in its own column
+    assert "not shown at 80 columns" not in table, table

@@ -322,6 +322,7 @@ def test_data_wait_reads_the_device_on_every_recorded_gpu_run(path):
         assert status.reason == "the time outside the model is rank(s) 1' own delay: straggler.rank reports it"
         (strag,) = [f for f in report.findings if f.code == "straggler.rank"]
         assert strag.evidence["rank"] == 1 and strag.evidence["phase"] == "outside"
+        assert " ms per step outside the model (data loading" in strag.title, strag.title  # (read "in outside")
     else:
         assert not over and max(sh.share for sh in shares.values()) < 0.065, shares
         assert status.reason.endswith(", device clock; fires from 15%)"), status.reason

@@ -336,3 +336,26 @@ def test_a_nested_name_keeps_its_indent_and_its_word_whole():
     text = out.getvalue()
     assert "  embed_tokens " in text and "embed_toke\n" not in text, text
     assert max(len(ln) for ln in text.splitlines()) <= 80 and "not shown at 80 columns" in text, text
+
+
+def test_the_exposure_table_labels_units_among_all_the_runs_units():
+    """An MoE's exposure table showed "experts.2" where both layers have an experts.2, the other layer's not among the
+    table's rows (a new-user trial): the labels are unambiguous among every unit of the run."""
+    from rich.console import Console
+
+    from fsdp_doctor.present.overlap import render_overlap
+    import msgspec
+
+    from fsdp_doctor.report_sections import OverlapSection
+
+    row = {"rank": 0, "unit": "model.layers.0.mlp.experts.2", "collective": "all_gather", "phase": "forward",
+           "count": 1, "comm_us": 1000.0, "exposed_us": 500.0}
+    sec = msgspec.convert({"per_rank": {"0": {"comm_us": 1000.0, "exposed_us": 500.0, "overlap_pct": 50.0,
+                                              "steps": [1], "device": "cpu"}}, "per_unit": [row]}, OverlapSection)
+    def shown(names):
+        con = Console(width=120, record=True)
+        con.print(render_overlap(sec, names=names))
+        return con.export_text()
+    assert " experts.2 " in shown([])
+    both = shown(["model.layers.0.mlp.experts.2", "model.layers.1.mlp.experts.2"])
+    assert "0.mlp.experts.2" in both, both

@@ -19,6 +19,9 @@ from .fmt import MISSING, fmt_bytes, fmt_ms, fmt_us, unit_label
 # beside it: read as one, the phases added up to more than the step)
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer": "optimizer", "outside": "outside model",
                 "between": "  of which between steps", "gc": "GC"}
+# the settings' values are text (unit names, lists of them): wrapped, never dropped (at 80 columns A and B were left
+# out and the units cut: a new-user trial)
+CONFIG_HEADER = ("setting", "where", "in A", "in B")
 THROUGHPUT_LABELS = {"tokens_per_s": ("tokens/s", "{:,.0f}"), "achieved_tflops": ("TFLOP/s", "{:.3g}"),
                      "mfu_pct": ("MFU", "{:.1f}%")}
 
@@ -64,12 +67,12 @@ def tables(c: Comparison) -> list[CompareTable]:
     """Every section of the comparison as a table (empty sections left out)."""
     out: list[CompareTable] = []
     if c.config:
-        out.append(CompareTable("Configuration changed", ("setting", "where", "A", "B"),
+        out.append(CompareTable("Configuration changed", CONFIG_HEADER,
                                 [(ch.key, _units(ch.units) if ch.key != "wrapping" else
                                   f"{len(ch.units)} units differ", _value(ch.a), _value(ch.b)) for ch in c.config]))
     else:
         traces = "trace" in (c.a.source, c.b.source)
-        out.append(CompareTable("Configuration", ("setting", "where", "A", "B"), [],
+        out.append(CompareTable("Configuration", CONFIG_HEADER, [],
                                 note="no difference in the units and the prefetching the traces show (a plain trace "
                                      "holds no settings: reshard_after_forward, dtypes and offload are not read)"
                                 if traces else "no difference in the unit snapshots and the job"))
@@ -183,7 +186,7 @@ def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
 
 #: the columns that hold names or sentences (left-aligned, wrapping between words); the others hold figures,
 #: which never wrap
-TEXT_COLUMNS = {"setting", "where", "phase", "phase, kind: name", "title", "code", "severity",
+TEXT_COLUMNS = {"setting", "where", "in A", "in B", "phase", "phase, kind: name", "title", "code", "severity",
                 "unit, collective, phase", "fix", "step: predicted → measured", "peak: predicted → measured",
                 "category"}
 
@@ -191,5 +194,6 @@ TEXT_COLUMNS = {"setting", "where", "phase", "phase, kind: name", "title", "code
 def _columns(header: tuple[str, ...]) -> list[Col]:
     """The table's columns; where it is wider than the terminal, the step's confidence interval is left out first,
     then the changes in percent (the caption names them)."""
-    return [Col(h, justify="left", wrap=True, fold=40) if i == 0 or h in TEXT_COLUMNS
+    return [Col(h, justify="left", wrap=True, fold=20 if h in CONFIG_HEADER[1:] else 40)
+            if i == 0 or h in TEXT_COLUMNS
             else Col(h, drop=2 if h.endswith("CI of Δ") else 1 if h == "Δ%" else 0) for i, h in enumerate(header)]

@@ -420,10 +420,15 @@ def straggler_text(s: Straggler) -> str:
 THROUGHPUT_HEADER = ("rank", "tokens/s", "TFLOP/s", "MFU", "HFU")
 
 
+def fmt_tflops(x: float) -> str:
+    """TFLOP/s to three significant figures from the thousandths down (a tiny CPU run's 0.00041 read "0.000")."""
+    return f"{x:.3f}" if abs(x) >= 0.1 or x == 0 else f"{x:.3g}"
+
+
 def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, str]:
     """MFU: model FLOPs; HFU: with activation checkpointing's recompute (the same without checkpointing)."""
     return (MISSING if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
-            MISSING if x.achieved_tflops is None else f"{x.achieved_tflops:.3f}",
+            MISSING if x.achieved_tflops is None else fmt_tflops(x.achieved_tflops),
             MISSING if x.mfu_pct is None else f"{x.mfu_pct:.1f}%",
             MISSING if x.hfu_pct is None else f"{x.hfu_pct:.1f}%")
 
@@ -585,8 +590,8 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
         msgs = sorted(set(stopped.values()))
         # the message where one is shared and holds more than its kind (a rank's "RuntimeError: ... Connection reset
         # by peer"), cut to a line
-        said = (f": {msgs[0] if len(msgs[0]) <= 160 else msgs[0][:159] + '…'}"
-                if len(msgs) == 1 and ":" in msgs[0] else "")
+        one = msgs[0].rstrip(". ")  # (its own full stop before "; their completed steps" read ".;")
+        said = (f": {one if len(one) <= 160 else one[:159] + '…'}" if len(msgs) == 1 and ":" in msgs[0] else "")
         after = (f", likely after {ranks_phrase(incomplete)} stopped (a rank killed writes no end record)"
                  if incomplete else "")
         out.append(f"{ranks_phrase(stopped)} stopped on an exception in the training loop "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from rich.console import Group
 from rich.text import Text
 
@@ -37,12 +39,15 @@ def _rank_table(sec: OverlapSection, width: int):
                         cols, rows, width)
 
 
-def _unit_table(rows: list[CommUnitRow], top: int, width: int):
+def _unit_table(rows: list[CommUnitRow], top: int, width: int, names: Iterable[str] = ()):
+    """``names``: every unit's name the run knows (the trace's unit rows), so a label is unambiguous among all the
+    units, not only among those with collectives in this table (an MoE's ``experts.2`` of one layer read as if the
+    only one: a new-user trial)."""
     shown = rows[:top]
     title = "FSDP units, worst exposure first, per profiled step"
     if len(rows) > top:
         title += f" (top {top} of {len(rows)})"
-    labels = short_unit_labels(r.unit for r in rows)
+    labels = short_unit_labels([*(r.unit for r in rows), *names])
     cols = [Col("rank"), Col("unit", justify="left", wrap=True), Col("op", justify="left"), Col("calls", drop=2),
             Col("comm"), Col("exposed"), Col("size", drop=1), Col("bus BW", drop=1), Col("slack", drop=3),
             Col("held", drop=3)]
@@ -62,10 +67,12 @@ def _unit_table(rows: list[CommUnitRow], top: int, width: int):
     return fitted_table(title, cols, out, width)
 
 
-def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped: bool = True, width: int = 100):
+def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped: bool = True, width: int = 100,
+                   names: Iterable[str] = ()):
     """A rich renderable of ``report.overlap`` or ``analyze_traces``' result (or its JSON form): per-rank
     overlap table, per-unit table (worst exposure first), skipped files (unless ``skipped=False``: the full report
-    lists them once among its problems)."""
+    lists them once among its problems). ``names``: every unit of the run (the records' units), for labels
+    unambiguous among them all."""
     sec = OverlapSection.of(section) or OverlapSection()
     parts = []
     if sec.per_rank:
@@ -73,7 +80,7 @@ def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped
     else:
         parts.append(Text("No traces could be analysed.", style="bold red"))
     if sec.per_unit:
-        parts.append(_unit_table(sec.per_unit, top, width))
+        parts.append(_unit_table(sec.per_unit, top, width, [*names, *(u.name for u in sec.units or ())]))
         parts.append(Text("Slack: need − finish of the all-gather (negative: compute waited). "
                           "Held: gathered params unused before need.", style="dim"))
     for s in sec.skipped if skipped else []:

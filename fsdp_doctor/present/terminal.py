@@ -197,7 +197,8 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
     if report.overlap is not None:
         from .overlap import render_overlap
 
-        console.print(render_overlap(report.overlap, skipped=False, width=w))  # skipped: listed with the problems
+        console.print(render_overlap(report.overlap, skipped=False, width=w,  # skipped: listed with the problems
+                                     names=[u.name for u in report.units or []]))
     if report.findings:
         console.rule("Diagnosis")
     for f in report.findings:

@@ -380,7 +380,8 @@ class Straggler(Rule):
                 "host. ")
             out.append(self.finding(
                 "warning",
-                f"Rank {s.rank} is a straggler: +{s.excess_ms_per_step:.1f} ms per step in {where}",
+                f"Rank {s.rank} is a straggler: +{s.excess_ms_per_step:.1f} ms per step "
+                + ("" if s.phase == "outside" else "in ") + where,
                 {"rank": s.rank, "phase": s.phase, "own_ms_p50": s.own_ms_p50,
                  "others_own_ms_p50": s.others_own_ms_p50, "excess_ms_per_step": s.excess_ms_per_step,
                  "steps_slower": f"{s.steps_slower} of {s.steps}", "measured_by": "host" if dev is None else "device",

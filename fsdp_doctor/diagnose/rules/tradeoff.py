@@ -274,13 +274,23 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
         # a new-user trial's U-Net on gloo was told of)
         gpu = E.trace_device(ctx) != "cpu"
         what = "GC pauses" if gc else "device waiting for launches" if gpu else "the main thread between operators"
+        # units compiled already: compiling them again changes nothing (a new-user trial's Qwen2-MoE was given the same
+        # unit.compile() lines after pasting them)
+        compiled = [u.name for u in (getattr(cfg, "units", None) or []) if runs_compiled(u)]
+        if gc:
+            fix, code = "gc.freeze() after setup and scheduled collections (jitter.gc)", ""
+        elif compiled:
+            fix, code = (f"torch.compile is on already ({len(compiled)} unit(s)): the host time left is what it does "
+                         "not fuse (FSDP2's hooks and the Python between units)"
+                         + ("; CUDA graphs (mode='reduce-overhead') cut the launches left" if gpu else ""), "")
+        else:
+            fix = ("fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')" if gpu
+                   else "fewer, fused operators: torch.compile on the blocks (on a CPU host what it recovers is not "
+                   "predicted: a new-user trial's tiny MoE gained nothing)")
+            code = (S.unit_list(S.tree(ctx)) + "\nfor unit in units:\n    unit.compile()"
+                    + ("  # fused kernels; mode='reduce-overhead' adds CUDA graphs" if gpu else "  # fused operators"))
         out.append(_Lever("GC pauses" if gc else "host overhead", host, f"{what} {host:.1f} ms ({groups['host']:.0f}%)",
-                          ("gc.freeze() after setup and scheduled collections (jitter.gc)" if gc else
-                           "fewer launches: torch.compile on the blocks, CUDA graphs (mode='reduce-overhead')" if gpu
-                           else "fewer, fused operators: torch.compile on the blocks"),
-                          "" if gc else (S.unit_list(S.tree(ctx)) + "\nfor unit in units:\n    unit.compile()"
-                                         + ("  # fused kernels; mode='reduce-overhead' adds CUDA graphs" if gpu
-                                            else "  # fused operators"))))
+                          fix, code))
     for group, lever, fix in (
             ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
             ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
@@ -357,6 +367,8 @@ class LowMfu(Rule):
                       else "") + ")." +
                      (f" That peak, {fmt_bytes(after)}, is over the {fmt_bytes(cap)} memory budget: a smaller step "
                       "up in batch, or more memory freed first." if after and cap and after > cap else ""))
+        elif first.lever == "host overhead" and (not first.code or E.trace_device(ctx) == "cpu"):
+            pred = None  # (no code, or torch.compile on a CPU host: a gain this rule cannot size)
         else:
             pred = E.predicted(step, step - first.recoverable_ms)
         notes = sorted({r.flops_note for r in rows if r.flops_note})
