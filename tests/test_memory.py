@@ -512,7 +512,8 @@ def test_a_units_own_activations_are_unknown_where_a_nested_units_are():
     from fsdp_doctor.analyze.memory import _per_unit
 
     units = [SimpleNamespace(name="", parent=None, sharded_bytes=100, unsharded_bytes=200),
-             *(SimpleNamespace(name=f"layers.{i}", parent="", sharded_bytes=300, unsharded_bytes=600) for i in (0, 1))]
+             *(SimpleNamespace(name=f"layers.{i}", parent="", sharded_bytes=300, unsharded_bytes=600,
+                               compiled_in_place=True) for i in (0, 1))]
     cfg = SimpleNamespace(units=units)
 
     def step(acts, own):
@@ -525,6 +526,12 @@ def test_a_units_own_activations_are_unknown_where_a_nested_units_are():
     measured = step({"": 2_244_000, "layers.0": 1_057_000, "layers.1": 1_057_000}, {"": 130_000})
     rows = {r.unit: r for r in _per_unit(cfg, [measured])}
     assert rows[""].activation_self_bytes == 130_000
+    # a nested unit that did not run in that step (an MoE expert no token reached: not compiled) saved nothing: the
+    # parent's own is the measured one (it read "—", a new-user trial)
+    for u in units[1:]:
+        u.compiled_in_place = False
+    rows = {r.unit: r for r in _per_unit(cfg, [step({"": 1_187_000, "layers.0": 1_057_000}, {"": 130_000})])}
+    assert rows[""].activation_self_bytes == 130_000 and rows["layers.1"].activation_bytes is None
 
 
 _SKIP_SCRIPT = textwrap.dedent('''

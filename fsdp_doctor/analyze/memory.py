@@ -184,10 +184,12 @@ def _per_unit(cfg, steps) -> list[MemoryUnitRow]:
             sharded_bytes=int(u.sharded_bytes) if u is not None and u.sharded_bytes is not None else None,
             unsharded_bytes=int(u.unsharded_bytes) if u is not None and u.unsharded_bytes is not None else None,
             activation_bytes=a)
-        if any(c not in acts for c in children.get(name, [])):
+        if any(c not in acts and getattr(by_name.get(c), "compiled_in_place", False) for c in children.get(name, [])):
             pass  # a nested unit's saves unknown (compiled in place: its hooks do nothing in the frame), which the
             # parent's "own" then held: unknown too (blocks compiled in place read the root's own 2.14 MiB of 2.14 MiB,
-            # against 130 KiB where the blocks were compiled before sharding: a new-user trial)
+            # against 130 KiB where the blocks were compiled before sharding: a new-user trial). A nested unit that
+            # did not run in that step (an MoE expert no token reached) saved nothing: the parent's own is measured
+            # (it read "—", a new-user trial)
         elif name in own:  # measured: the saves no unit nested in its forward made
             row.activation_self_bytes = own[name]
         elif a is not None:  # (older runs) its figure less its children's, unknown where they ran outside it
