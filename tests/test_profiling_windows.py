@@ -191,3 +191,21 @@ def test_the_trace_is_compressed_off_the_step_and_reported_once_complete(tmp_pat
     assert "could not compress the profiler trace" in caplog.text and "disk full" in caplog.text
     assert any(e.get("name") == "ProfilerStep#1"
                for e in json.loads(read_bytes(tmp_path / "b" / saved[0][1]))["traceEvents"])
+
+
+def test_a_trace_the_profiler_never_wrote_is_said_lost_not_kept_plain(tmp_path, caplog):
+    """A full disk: the profiler wrote no trace, and the compression step said "it stays as plain JSON" of a file that
+    did not exist (a new-user trial). One line says the window is lost; nothing is listed as saved."""
+    import logging
+
+    from fsdp_doctor.record.profiling import _gzip_file
+
+    done: list = []
+    src = tmp_path / "rank0.3.pt.trace.json"  # never written
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        _gzip_file(src, tmp_path / "rank0.3.pt.trace.json.gz", done)
+    assert done == [] and "was not written" in caplog.text and "that window is lost" in caplog.text, caplog.text
+    assert "plain JSON" not in caplog.text and list(tmp_path.iterdir()) == []
+    src.write_text('{"traceEvents": []}')  # written, and compressed
+    _gzip_file(src, tmp_path / "rank0.3.pt.trace.json.gz", done)
+    assert [p.name for p in done] == ["rank0.3.pt.trace.json.gz"] and not src.exists()

@@ -308,7 +308,13 @@ def _gzip_file(src: Path, dst: Path, done: list[Path]) -> None:
         src.unlink()
         done.append(dst)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if not src.exists():  # (a full disk: the profiler wrote nothing; "it stays as plain JSON" said of nothing)
+            log.warning("fsdp_doctor: the profiler trace %s was not written (%s): that window is lost", src.name, e)
+            return
         plain = dst.with_suffix("")
         try:
             os.replace(src, plain)
