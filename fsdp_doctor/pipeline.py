@@ -13,6 +13,7 @@ diagnosis. Does not import torch.
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -152,7 +153,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         report.overlap = trace_section(run, windows=windows, progress=progress)
         if report.overlap is not None:
             problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
-            _count_unread(report.run, report.overlap)
+            _count_unread(report.run, report.overlap, run)
     if report.steps is None and report.overlap is not None:  # plain traces: the complete ProfilerSteps
         from .analyze.steps import trace_steps
 
@@ -277,15 +278,28 @@ def trace_steps_columns(overlap: Optional[OverlapSection]) -> dict[int, dict[str
     return out
 
 
-def _count_unread(facts, overlap) -> None:
+def _count_unread(facts, overlap, run: Optional[Run] = None) -> None:
     """The run facts count the trace files read, not those found: an unreadable one (truncated, not a trace) is
     counted apart, and the ranks the traces speak for are those read (a truncated rank's file still names its
-    rank in its first bytes: the header said "2 ranks ... 2 trace files" over one rank's figures)."""
+    rank in its first bytes: the header said "2 ranks ... 2 trace files" over one rank's figures). Facts from the
+    traces' metadata are those of the files read (another job's skipped files made the header of HTA's reference
+    folder "300 ranks" and list five GPU models: a new-user trial)."""
     unread = len(overlap.skipped)
     if not unread:
         return
     facts.trace_files_unread = unread
     facts.trace_files = max(0, facts.trace_files - unread)
+    if run is not None and facts.facts_source == "trace metadata":
+        import msgspec
+
+        from .trace.meta import meta_facts
+
+        gone = {s.file for s in overlap.skipped}
+        kept = [p for p in run.trace_files if not any(str(p) == g or str(p).endswith(os.sep + g) for g in gone)]
+        meta = meta_facts(kept)
+        defaults = {f.name: f.default for f in msgspec.structs.fields(facts)}
+        for key in ("backend", "world_size", "nccl_version", "device_name", "trace_ranks"):
+            setattr(facts, key, meta.get(key, defaults[key]))
     if facts.trace_ranks:
         facts.trace_ranks = [r for r in facts.trace_ranks if str(r) in overlap.per_rank]
 

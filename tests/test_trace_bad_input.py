@@ -262,3 +262,37 @@ def test_a_rank_of_another_run_issuing_other_collectives_is_skipped(tmp_path):
     _one_line(r.skipped)
     fsdp_gpu_trace(units=4, rank=1, world_size=2, bwd_us=50, rs_us=20).write(tmp_path / "rank1.json")
     assert analyze_traces(tmp_path).skipped == []
+
+
+def test_a_trace_without_fsdp_collectives_beside_fsdp_ones_is_another_job(good):
+    """A folder holding an FSDP run's trace of rank 0 and a DDP run's trace of rank 1 (whole-loop exports, no
+    ProfilerStep markers to compare): read as one job, rank 1's all-reduce became the FSDP job's "3 collectives per
+    step outside FSDP's own" (a new-user trial). A file issuing no FSDP2 collective among files that do is another
+    job's, named."""
+    ddp = TraceBuilder(rank=1)
+    for i in range(3):
+        T = 1000.0 * i
+        ddp.compute(T + 10, 300, launch_ts=T + 5)
+        ddp.nccl("all_reduce", T + 400, 100, launch_ts=T + 390, nelems=1_000_000)
+    ddp.write(good / "rank1.trace.json")
+    r = analyze_traces(good)
+    assert list(r.per_rank) == ["0"], r.per_rank
+    assert [s.file for s in r.skipped] == ["rank1.trace.json"] and "no FSDP2 collective in it" in r.skipped[0].error
+    _one_line(r.skipped)
+
+
+@pytest.mark.skipif(not (__import__("conftest").HTA_TRACES / "v100_rank1_of_2").is_dir(),
+                    reason="reference traces not found")
+def test_one_rank_on_two_gpu_models_is_two_jobs():
+    """HTA's reference folder holds rank 1 of two V100 runs recorded months apart (32 GB and 16 GB): they were read
+    as one rank's two windows, and the header, from every file's metadata, read "300 ranks" and five GPU models (a
+    new-user trial). The second is another job; the header's facts are the files read."""
+    from conftest import HTA_TRACES
+
+    from fsdp_doctor import build_report, load_run
+
+    rep = build_report(load_run(HTA_TRACES))
+    assert any(s.file.startswith("v100_rank1_of_2/") and "rank 1 ran on a Tesla V100-SXM2-16GB here" in s.error
+               for s in rep.overlap.skipped), rep.overlap.skipped
+    assert list(rep.overlap.per_rank) == ["1"]
+    assert rep.run.device_name == "Tesla V100-SXM2-32GB" and rep.run.world_size == 2, rep.run

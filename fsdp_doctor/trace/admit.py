@@ -11,6 +11,7 @@ with the reason, never summed with another or dropped without a word:
   without FSDP2's labels, or not held whole, is not compared, nor a rank that may hold part of the model: one
   that sends point-to-point, or whose FSDP collectives run on a group smaller than the world, as pipeline
   stages do); or the same step run more than ``JOB_SKEW_S`` apart from the other ranks' same step;
+* a file without any FSDP2 collective among files that issue them (a DDP or single-process run's trace);
 * a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap; the first
   file (by name) is kept.
 """
@@ -98,6 +99,17 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
             if why:
                 skipped[i] = f"another job (its step{'s' * (len(steps) > 1)} {_steps(list(steps))} {why}); skipped"
 
+    # every rank of an FSDP job issues FSDP2's collectives (but a rank that may hold part of the model): a file with
+    # none where the others have them is another run's, a plain DDP or single-process one (a new-user trial's FSDP
+    # trace of rank 0 and DDP trace of rank 1, whole-loop exports without ProfilerStep markers, read as one job whose
+    # rank 1 all-reduced outside FSDP: optim.step_comm warned of it)
+    fsdp = {i: bool(_fsdp_collectives(windows[i])) for i in order if i not in skipped and not part(i)}
+    if any(fsdp.values()):
+        for i, has in fsdp.items():
+            if not has and (windows[i].calls or windows[i].steps):
+                skipped[i] = ("another job (no FSDP2 collective in it, where the other files' issue them: a run "
+                              "without fully_shard?); skipped")
+
     # the same step on different ranks runs at the same time: far apart, it is another job's
     for n, idx in sorted(by_step.items()):
         idx = [i for i in idx if i not in skipped]
@@ -127,11 +139,28 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
                 skipped[i] = (f"rank {w.rank} again ({what} also in {names[j]}): two files of one rank are never "
                               "summed; skipped")
                 break
+            gpus = (_gpu(windows[j]), _gpu(w))
+            if all(gpus) and gpus[0] != gpus[1]:  # one rank on two GPU models: two jobs (HTA's reference folder
+                # holds rank 1 of two V100 runs months apart, 32 GB and 16 GB: read as one rank's two windows)
+                skipped[i] = (f"another job (rank {w.rank} ran on a {gpus[1]} here, on a {gpus[0]} in {names[j]}); "
+                              "skipped")
+                break
         else:
             kept_by_rank.setdefault(w.rank, []).append(i)
 
     kept = [w for i, w in enumerate(windows) if i not in skipped]
     return kept, [SkippedFile(file=names[i], error=skipped[i]) for i in order if i in skipped]
+
+
+def _gpu(w: WindowTrace) -> str:
+    """The GPU model the window's trace names (its first ``deviceProperties``), "" where it names none."""
+    from .meta import read_meta
+
+    try:
+        meta = read_meta(w.file)
+    except Exception:  # noqa: BLE001 - a file the window was decoded from but whose head cannot be read again
+        return ""
+    return next((dp.name for dp in (meta.deviceProperties if meta is not None else ()) if dp.name), "")
 
 
 def _fsdp_collectives(w: WindowTrace) -> frozenset:
