@@ -31,6 +31,7 @@ import msgspec
 from fsdp_doctor.pipeline import build_report, record_sections, steps_columns, trace_steps_columns, window_run
 from fsdp_doctor.report_sections import Report
 from fsdp_doctor.store import RunFollower, run_trace_files
+from fsdp_doctor.store.reader import closing_problems
 from fsdp_doctor.store.layout import MANIFEST_NAME, manifest_path, streams
 
 # A trace file that fails to decode and was modified this recently may still be being written: retry it.
@@ -55,6 +56,17 @@ class Snapshot:
     window_fn: Optional[Callable[..., Report]] = field(default=None, repr=False, compare=False)
     notice: str = ""  # the run was replaced or truncated and read again from scratch: what and when
     trace_errors: list[str] = field(default_factory=list)  # "file: why" for each trace that did not decode
+    # what the record streams say once the run stopped writing (store.closing_problems): the lines, and those they
+    # replace; the pages show them where the run is no longer live
+    closing: tuple[list[str], set[str]] = field(default_factory=lambda: ([], set()))
+
+    def problems(self, live: bool) -> list[str]:
+        """The report's problems and, where the run is no longer ``live``, the streams' closing lines."""
+        if live:
+            return list(self.report.problems)
+        lines, replaced = self.closing
+        got = [p for p in self.report.problems if p not in replaced]
+        return got + [p for p in lines if p not in got]
 
     def sections(self, window: Optional[tuple[int, int]], rank: Optional[int] = None) -> Report:
         """The report with its record sections (``RECORD_SECTIONS``) recomputed by the same analyses over the
@@ -215,6 +227,7 @@ class RunState:
                                   windows=sorted(windows, key=lambda w: (w.rank, w.steps[:1], w.file)),
                                   has_records=run.has_records, traces_pending=len(self._pending),
                                   notice=self._notice, trace_errors=failed,
+                                  closing=closing_problems(self._follower, run)[:2],
                                   window_fn=lambda w, r=None, _f=frozen, _rep=report: self._window_sections(_f, _rep, w, r))
 
     def _last_written(self) -> float:

@@ -305,3 +305,29 @@ def test_memory_page_unit_table_has_the_terminals_columns_and_rows(tmp_path):
     for row in rows:
         own, nested = (json.dumps(c)[1:-1] for c in row[3:])
         assert f'"act_own": "{own}", "activations": "{nested}"' in out, (row, out[:3000])
+
+
+def test_the_overview_names_what_analyze_names_once_the_run_stopped(tmp_path):
+    """A run with rank 1's records file emptied, and another with its last record cut mid-line: analyze names both,
+    the dashboard's Overview named neither (a new-user trial). Once the run is not live, the Problems section has
+    the same lines as analyze's; while it is live (a stream being written), not."""
+    import os
+    import time as _time
+
+    from fsdp_doctor import load_run
+    from fsdp_doctor.dashboards.pages import overview
+    from fsdp_doctor.dashboards.pages.common import Filters
+
+    then = _time.time() - 600
+    cases = {"empty": lambda f: f.write_bytes(b""), "cut": lambda f: f.write_bytes(f.read_bytes()[:-40])}
+    for name, damage in cases.items():
+        run = write_run(tmp_path / name, "ffffffffffff", 10, 1)
+        damage(run / "rank1.records.jsonl")
+        for f in run.glob("rank*.records.jsonl"):
+            os.utime(f, (then, then))
+        said = [p for p in load_run(run).problems if p.startswith("rank1.records.jsonl")]
+        assert said, name
+        snap = RunState(run, background_traces=False).snapshot()
+        text = json.dumps([c.to_plotly_json() for c in overview.layout(snap, Filters())], default=str)
+        assert all(p in text for p in said), (name, said, text[-2000:])
+        assert snap.problems(live=True) == list(snap.report.problems)

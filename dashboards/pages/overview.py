@@ -197,7 +197,7 @@ def layout(snap, flt: Filters) -> list:
     out.append(html.Div([
         section(f"Findings ({summary})", *cards, cls="findings", sid="findings"),
         html.Div([section("Run", run_facts(run), sid="run-facts")] +
-                 ([section("Problems", html.Ul([html.Li(p) for p in report.problems]), cls="problems")]
-                  if report.problems else []), className="side"),
+                 ([section("Problems", html.Ul([html.Li(p) for p in problems]), cls="problems")]
+                  if (problems := snap.problems(live=state == "live")) else []), className="side"),
     ], className="overview-cols"))
     return out

@@ -383,33 +383,45 @@ def load_run(path: Path | str) -> Run:
     run, _ = follower.poll()
     if run.refused:
         raise RunRefused(run.refused)
-    for rank, sr in follower._streams.items():
-        rd = run.ranks.get(rank)
-        if rd is not None and sr.offset == 0 and not sr.trailing_bytes():
-            run.problems.append(f"{sr.path.name}: empty (no records); skipped")
-            del run.ranks[rank]
-            run.unread.add(rank)
-        elif rd is not None and not sr.decoded and (sr.unreadable or sr.offset < 1 << 62):
-            # not one record read: unreadable, never "did not finish (run still going, or killed)" (a file of random
-            # bytes was said to be a rank that was killed); one line for the file, its lines' own folded into it
-            if not sr.unreadable:  # (one that cannot be opened is named already)
-                run.problems[:] = [p for p in run.problems if p not in sr.bad_problems]
-                run.problems.append(_unreadable_stream(sr, rank))
-            del run.ranks[rank]
-            run.unread.add(rank)
-            continue
-        if sr.trailing_bytes():
-            run.problems.append(
-                f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
-                "cut off mid-write); every complete step before it is used"
-            )
-    for rank in missing_stream_ranks(run):
-        run.problems.append(f"{layout.stream_name(rank)}: listed in {layout.MANIFEST_NAME} but missing: rank {rank} "
-                            "is not analysed (its records were deleted or never copied)")
+    lines, replaced, unread = closing_problems(follower, run)
+    run.problems[:] = [q for q in run.problems if q not in replaced] + lines
+    for rank in unread:
+        run.ranks.pop(rank, None)
+        run.unread.add(rank)
     run.trace_files = run_trace_files(run, run.problems)
     _leave_out_unfinished_windows(run)
     _name_first_stopped(run)
     return run
+
+
+def closing_problems(follower: "RunFollower", run: Run) -> tuple[list[str], set[str], set[int]]:
+    """What the record streams of a run that stopped writing say beyond their records: (one line each, the lines
+    those replace, the ranks not analysed). An empty or unreadable stream (its rank not analysed, never "did not
+    finish": a file of random bytes was said to be a rank that was killed), a last record cut off mid-write, a rank
+    the manifest lists without a stream. ``load_run`` applies them; the dashboard shows them once the run is no
+    longer live (it showed none of them: a new-user trial). Reads only."""
+    lines: list[str] = []
+    replaced: set[str] = set()
+    unread: set[int] = set()
+    for rank, sr in follower._streams.items():
+        rd = run.ranks.get(rank)
+        if rd is not None and sr.offset == 0 and not sr.trailing_bytes():
+            lines.append(f"{sr.path.name}: empty (no records); skipped")
+            unread.add(rank)
+        elif rd is not None and not sr.decoded and (sr.unreadable or sr.offset < 1 << 62):
+            # one line for the file, its lines' own folded into it (one that cannot be opened is named already)
+            if not sr.unreadable:
+                replaced |= set(sr.bad_problems)
+                lines.append(_unreadable_stream(sr, rank))
+            unread.add(rank)
+            continue
+        if sr.trailing_bytes():
+            lines.append(f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
+                         "cut off mid-write); every complete step before it is used")
+    for rank in missing_stream_ranks(run):
+        lines.append(f"{layout.stream_name(rank)}: listed in {layout.MANIFEST_NAME} but missing: rank {rank} is not "
+                     "analysed (its records were deleted or never copied)")
+    return lines, replaced, unread
 
 
 def _unreadable_stream(sr: StreamReader, rank: int) -> str:
