@@ -88,6 +88,10 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # backward and backward all-gather wait are recorded; its forward's all-gather wait is inside the compiled frame,
     # within its forward (not known apart)
     compiled_call_timed: bool = False
+    # methods of the unit's module that register_fsdp_forward_method made forward methods (a score() calling
+    # self.forward): timed as its forward by the doctor, whose hooks inside FSDP's pre-forward they do not run: the
+    # forward's all-gather wait is within its forward (not known apart)
+    forward_methods: list[str] = []
     parent: str | None = None  # name of the enclosing unit
     # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
     # (the root's embeddings, final norm and head; a whole-model unit's blocks)

@@ -145,7 +145,9 @@ def unit_table(run: Run) -> list[UnitRow]:
                                         not_run=not_run.get(u.name, 0), samples=len(t["fwd_ms"]))
             if blind & set(children.get(u.name, ())):  # a nested unit's time unknown: so is this one's own
                 row.timing_p50.fwd_self_ms = row.timing_p50.bwd_self_ms = None
-            if u.compiled_call_timed:  # FSDP's pre-forward, inside the compiled call: its wait is in fwd_ms
+            if u.compiled_call_timed or getattr(u, "forward_methods", None):
+                # FSDP's pre-forward inside the compiled call, or inside a registered forward method: its wait is in
+                # fwd_ms (a score() method's root read 0.00 ms of all-gather wait, as if measured: a new-user trial)
                 row.timing_p50.ag_wait_fwd_ms = None
         out.append(row)
     return out

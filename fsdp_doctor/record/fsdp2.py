@@ -176,6 +176,19 @@ def other_fsdp_modules(model: nn.Module) -> list[nn.Module] | None:
         return None
 
 
+def registered_forward_methods(module: nn.Module) -> list[str]:
+    """The names of ``module``'s methods that ``register_fsdp_forward_method`` made forward methods (its instance
+    attributes that wrap FSDP2's pre- and post-forward around the method: ``wrapped_method`` in ``_fully_shard.py``),
+    [] for none."""
+    out = []
+    for name, v in vars(module).items():
+        v = getattr(v, "__wrapped__", v) if callable(v) and not hasattr(v, "__func__") else v  # (the doctor's timing)
+        code = getattr(getattr(v, "__func__", None), "__code__", None)
+        if code is not None and code.co_name == "wrapped_method" and code.co_filename.endswith("_fully_shard.py"):
+            out.append(name)
+    return out
+
+
 def calling_param_group(depth: int):
     """The FSDPParamGroup whose method is ``depth`` frames above the caller (the one that called FSDP2's logger:
     ``logger.debug("%s", self._with_fqn("FSDP::pre_backward"))``), None where that frame is no param group's. Its

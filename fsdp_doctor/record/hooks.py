@@ -142,7 +142,7 @@ class StepTimer:
         # units compiled (``module.compile()``, or the module of ``torch.compile(module)``'s wrapper) timed around
         # the call that enters their compiled frame, and each such call, put back when the doctor steps aside
         self.timed_compiled: set[int] = set()
-        # (module, the attribute, its compiled call, the doctor's)
+        # (module, the attribute, its compiled call or registered forward method, the doctor's)
         self._compiled_calls: list[tuple[nn.Module, str, Any, Any]] = []
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
@@ -170,6 +170,7 @@ class StepTimer:
                 h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
                 h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
         self._time_compiled_calls(model)
+        self._time_forward_methods(model)
         self._watch_children(model)
         h.append(model.register_forward_pre_hook(self._model_pre, prepend=True))
         h.append(model.register_forward_hook(self._model_post))
@@ -208,6 +209,41 @@ class StepTimer:
             self._wrap_call(f, idx, model)
             if idx is not None:
                 self.timed_compiled.add(idx)
+
+    def _time_forward_methods(self, model: nn.Module) -> None:
+        """A method ``register_fsdp_forward_method`` made a forward method (a ``score()`` or ``generate()`` that calls
+        ``self.forward`` directly) runs FSDP2's pre- and post-forward but no module hook, the doctor's none: the step
+        read no forward (its time outside the model), no activations, and memory.grads_kept fired on a loop freeing
+        its gradients (a new-user trial). Such a method of the model or of a unit's module is wrapped, until the
+        doctor steps aside, in the hooks its ``forward`` would run: the model's and the unit's outer ones."""
+        targets = [(model, next((i for i, u in enumerate(self._units) if any(m is model for m in u.modules)), None))]
+        targets += [(m, i) for i, u in enumerate(self._units) for m in u.modules if m is not model]
+        for module, idx in targets:
+            for name in F2.registered_forward_methods(module):
+                self._wrap_method(module, name, idx, whole=module is model)
+
+    def _wrap_method(self, module: nn.Module, name: str, idx: Optional[int], whole: bool) -> None:
+        call = vars(module)[name]
+        pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
+        post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
+
+        def timed_method(*args, **kwargs):
+            if _compiling():
+                return call(*args, **kwargs)
+            if whole:
+                self._model_pre(module, args)
+            if pre is not None:
+                pre(module, args)
+            out = call(*args, **kwargs)
+            if post is not None:
+                post(module, args, out)
+            if whole:
+                self._model_post(module, args, out)
+            return out
+
+        timed_method.__wrapped__ = call  # (still FSDP's registered forward method to fsdp2.registered_forward_methods)
+        setattr(module, name, timed_method)
+        self._compiled_calls.append((module, name, call, timed_method))
 
     def _wrap_call(self, frame: CompiledFrame, idx: Optional[int], model: nn.Module) -> None:
         """Puts a timed call in place of the call that enters ``frame``: bracketed by the doctor's outer forward

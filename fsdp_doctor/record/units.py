@@ -318,6 +318,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 checkpoint=_checkpoint_kind(u, units),
                 checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)] or enclosing_wrapper(u),
                 checkpoint_flag=checkpoints_itself(u),
+                forward_methods=sorted({n for m in u.modules for n in F2.registered_forward_methods(m)}),
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,
