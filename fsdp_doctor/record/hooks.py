@@ -224,10 +224,19 @@ class StepTimer:
 
     def _wrap_method(self, module: nn.Module, name: str, idx: Optional[int], whole: bool) -> None:
         call = vars(module)[name]
+        timed_method = self._bracketed(call, module, idx, whole)
+        timed_method.__wrapped__ = call  # (still FSDP's registered forward method to fsdp2.registered_forward_methods)
+        setattr(module, name, timed_method)
+        self._compiled_calls.append((module, name, call, timed_method))
+
+    def _bracketed(self, call, module: nn.Module, idx: Optional[int], whole: bool):
+        """``call`` bracketed by the doctor's outer forward hooks of unit ``idx`` (None: no unit) and, ``whole``, by
+        its model hooks, in the order the hooks run: the model's pre-hook first and its post-hook last. Each is
+        guarded as a hook is; inside a frame Dynamo traces, the call alone."""
         pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
         post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
 
-        def timed_method(*args, **kwargs):
+        def timed(*args, **kwargs):
             if _compiling():
                 return call(*args, **kwargs)
             if whole:
@@ -241,9 +250,7 @@ class StepTimer:
                 self._model_post(module, args, out)
             return out
 
-        timed_method.__wrapped__ = call  # (still FSDP's registered forward method to fsdp2.registered_forward_methods)
-        setattr(module, name, timed_method)
-        self._compiled_calls.append((module, name, call, timed_method))
+        return timed
 
     def _wrap_call(self, frame: CompiledFrame, idx: Optional[int], model: nn.Module) -> None:
         """Puts a timed call in place of the call that enters ``frame``: bracketed by the doctor's outer forward
@@ -252,24 +259,8 @@ class StepTimer:
         model, where jitter.data_wait blamed data loading for it), in the order the hooks run: the model's pre-hook
         first and its post-hook last. Each is guarded as a hook is; inside a frame Dynamo traces, the call alone."""
         module, call = frame.owner, getattr(frame.owner, frame.attr)
-        pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
-        post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
-        whole = frame.top is model  # (the model's hooks run outside a wrapper's frame, as a wrapper's own do)
-
-        def timed_call(*args, **kwargs):
-            if _compiling():
-                return call(*args, **kwargs)
-            if whole:
-                self._model_pre(module, args)
-            if pre is not None:
-                pre(module, args)
-            out = call(*args, **kwargs)
-            if post is not None:
-                post(module, args, out)
-            if whole:
-                self._model_post(module, args, out)
-            return out
-
+        # (the model's hooks run outside a wrapper's frame, as a wrapper's own do)
+        timed_call = self._bracketed(call, module, idx, whole=frame.top is model)
         setattr(module, frame.attr, timed_call)
         self._compiled_calls.append((module, frame.attr, call, timed_call))
 
