@@ -92,6 +92,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # self.forward): timed as its forward by the doctor, whose hooks inside FSDP's pre-forward they do not run: the
     # forward's all-gather wait is within its forward (not known apart)
     forward_methods: list[str] = []
+    # the dims other than 0 its parameters are sharded on (a shard_placement_fn returning Shard(1)): a plan of
+    # fully_shard calls passes the user's function again
+    shard_dims: list[int] = []
     parent: str | None = None  # name of the enclosing unit
     # the modules holding this unit's own parameters (nested units' excluded), fqns: what fix snippets name
     # (the root's embeddings, final norm and head; a whole-model unit's blocks)

@@ -2304,3 +2304,23 @@ def test_the_prefetch_chain_leaves_out_units_that_did_not_run_every_step():
     assert "list(model.layers.children())" in full and "'layers.1'" in code and "'layers.0'" not in code, code
     assert "(not 1 unit(s) that did not run in every step: gathered when they run)" in code
     compile(code, "<prefetch>", "exec")
+
+
+def test_a_plan_passes_the_users_shard_placement_fn_again():
+    """A run sharding its 2-D parameters on dim 1 (shard_placement_fn=lambda p: Shard(1) ...): the unit table showed
+    nothing of it, and a plan of fully_shard calls pasted brought back plain Shard(0) without a word (a new-user
+    trial). The snapshot names the dims (UnitConfig.shard_dims); a plan passes the user's function again, and the fix
+    says it reads it."""
+    units = [(dict(u, shard_dims=[1]) if u["param_count"] else u, t)
+             for u, t in healthy_units(param_dtype="bfloat16", reduce_dtype="bfloat16")]
+    ctx = build(units=units)[0]
+    rule = next(c for c in RULES if c.code == "numerics.reduce_dtype")()
+    rule.config = ctx.config  # (as the diagnosis sets it: the fix's inputs read the run's configuration)
+    (f,) = rule.match(ctx)
+    # (the blocks' loop, the embeddings' unit and [norm, lm_head]: the units with parameters; the root holds none)
+    assert f.recommendation.code.count("shard_placement_fn=shard_placement_fn") == 3, f.recommendation.code
+    assert f.recommendation.inputs["shard_placement_fn"] == ("the shard_placement_fn your fully_shard calls pass "
+                                                             "(your run shards parameters on dim 1)")
+    (g,) = run_rule("numerics.reduce_dtype", build(units=healthy_units(param_dtype="bfloat16",
+                                                                       reduce_dtype="bfloat16"))[0])
+    assert "shard_placement_fn" not in g.recommendation.code + str(g.recommendation.inputs)

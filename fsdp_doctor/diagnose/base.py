@@ -13,7 +13,8 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import PLUGIN_INPUTS, PREPARED_INPUTS, complete, fix_place, for_prepared_optimizer, mesh_input
+from .snippets import (PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, complete, fix_place,
+                       for_prepared_optimizer, mesh_input, placement_input)
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -203,6 +204,8 @@ class Rule:
         code = complete(code, define_mesh=not mesh)
         if mesh and re.search(r"\bmesh\b", code) and not re.search(r"^\s*mesh\s*=", code, re.M):
             inputs = {**inputs, "mesh": mesh}
+        if f"shard_placement_fn={SHARD_PLACEMENT_FN}" in code:  # the user's own, passed again by a plan
+            inputs = {**inputs, SHARD_PLACEMENT_FN: placement_input(self.config)}
         rec = Recommendation(text=text, code=code, where=where if code else "", inputs=inputs)
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence, recommendation=rec, **kw)
 

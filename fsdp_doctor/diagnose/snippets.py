@@ -208,6 +208,8 @@ def _unit_kwargs(u, inherit: bool = False) -> str:
         kw += f", reshard_after_forward={raf}"
     if getattr(u, "offload", None) == "cpu":
         kw += f", offload_policy=CPUOffloadPolicy(pin_memory={bool(getattr(u, 'offload_pin_memory', False))})"
+    if getattr(u, "shard_dims", None):  # (a plan dropped the user's shard_placement_fn: a new-user trial)
+        kw += f", shard_placement_fn={SHARD_PLACEMENT_FN}"
     return kw
 
 
@@ -852,6 +854,20 @@ def fsdp_submesh(config) -> str:
     """``["fsdp"]`` (``[("dp_replicate", "fsdp")]`` for HSDP): the FSDP dims of RunConfig.mesh, by name."""
     dims = list(config.mesh)[: config.fsdp_dims or 1]
     return f"[{dims[0]!r}]" if len(dims) == 1 else f"[{tuple(dims)!r}]"
+
+
+#: the name a plan passes for the user's shard_placement_fn (Recommendation.inputs says what it is)
+SHARD_PLACEMENT_FN = "shard_placement_fn"
+
+
+def placement_input(config) -> str:
+    """Where some unit's parameters are sharded on a dim other than 0 (a ``shard_placement_fn``), what a plan passing
+    ``shard_placement_fn`` reads from the user's code; "" otherwise."""
+    dims = sorted({d for u in (getattr(config, "units", None) or []) for d in (getattr(u, "shard_dims", None) or [])})
+    if not dims:
+        return ""
+    return (f"the shard_placement_fn your fully_shard calls pass (your run shards parameters on dim "
+            f"{', '.join(map(str, dims))})")
 
 
 def mesh_input(config) -> str:

@@ -383,6 +383,14 @@ def param_dtype(fp) -> torch.dtype | None:
     return getattr(fp, "param_dtype", None) or orig_dtype(fp)
 
 
+def shard_dim(fp) -> int | None:
+    """The dim FSDP shards the parameter on (``shard_placement_fn``'s ``Shard(dim)``; 0 by default), None unknown."""
+    pl = getattr(fp, "fsdp_placement", None)
+    if pl is None:
+        return 0 if hasattr(fp, "fsdp_placement") else None
+    return getattr(pl, "dim", None)
+
+
 def unsharded_param(fp):
     return getattr(fp, "_unsharded_param", None)
 

@@ -319,6 +319,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)] or enclosing_wrapper(u),
                 checkpoint_flag=checkpoints_itself(u),
                 forward_methods=sorted({n for m in u.modules for n in F2.registered_forward_methods(m)}),
+                shard_dims=sorted({d for fp in fps if (d := F2.shard_dim(fp))}),
                 param_groups=len(pgs) if known else None,
                 depth=u.depth,
                 parent=u.parent,
