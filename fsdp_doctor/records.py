@@ -275,6 +275,9 @@ class RunConfig(Record, tag="config"):
     # then): the same on every rank where the loop averages their gradients itself, different where each rank
     # updates its own copy (wrap.unreduced_params compares the ranks'); None: not read
     unmanaged_digest: float | None = None
+    # whether the watched module defines a forward() of its own (False: a container of models called one by one, a
+    # teacher and its student each its own FSDP root, as they should be); None: not recorded
+    model_has_forward: bool | None = None
     # trainable parameters the optimizer does not hold (tensors 0: none; None: no optimizer, or not recorded)
     untrained: Untrained | None = None
     # written again at the third step's end where it has more to say (fsdp_doctor.record.tracker Doctor._late_check):

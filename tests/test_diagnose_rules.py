@@ -309,6 +309,10 @@ def test_root_not_sharded_is_critical_with_unmanaged_params():
     assert "fully_shard(model.get_submodule" not in f.recommendation.code
     assert [ln for ln in f.recommendation.code.splitlines() if ln.startswith("fully_shard(")] == [
         "fully_shard(model, mesh=mesh)  # the root: manages the rest and drives lazy init"]
+    # a watched container with no forward() of its own (a teacher and its student, called one by one): each its own
+    # root as it should be; the fix, a unit of the container, changed nothing (a new-user trial)
+    st = run_status("wrap.root_not_sharded", build(units=us, unmanaged_param_bytes=558_080, model_has_forward=False)[0])
+    assert st.status == "quiet" and "has no forward() of its own" in st.reason, st
     ctx, _ = build(units=us)
     assert run_rule("wrap.root_not_sharded", ctx)[0].severity == "warning"
     assert run_rule("wrap.root_not_sharded", build()[0]) == []

@@ -246,3 +246,16 @@ def test_small_figures_and_messages_read_right():
                                  "1": "RuntimeError: DataLoader worker (pid 7) exited in worker process 1."})
     (w,) = [w for w in run_warnings(facts) if "stopped on an exception" in w.text]
     assert "worker process 1; their completed steps are used" in w.text, w.text
+
+
+def test_a_watched_container_without_forward_is_said_in_the_header(sample_run_path):
+    """A teacher and its student in a plain nn.Module, given to watch(): each model its own root, called one by one,
+    their steps and units mixed in one report without a word (a new-user trial). The header says so, and what to
+    watch instead."""
+    from fsdp_doctor.analyze.report import run_facts
+
+    run = load_run(sample_run_path)
+    assert not any("no forward() of its own" in n for n in (run_facts(run).notes or []))
+    run.config.model_has_forward = False
+    assert any(n.startswith("watch() was given a module with no forward() of its own") and
+               "give watch() the model you train" in n for n in run_facts(run).notes), run_facts(run).notes

@@ -60,6 +60,11 @@ def run_facts(run: Run) -> RunFacts:
             facts.offload = off
         if cfg.measured_notes:  # units compiled by torch.compile: how they were timed, or that they were not
             facts.notes = list(cfg.measured_notes)
+        if getattr(cfg, "model_has_forward", None) is False:  # (a new-user trial's teacher-and-student wrapper)
+            facts.notes = [*(facts.notes or []), (
+                "watch() was given a module with no forward() of its own (a container of models called one by one): "
+                "its models' steps, units and findings are mixed here; give watch() the model you train and its "
+                "optimizer (README: loops with more than one model)")]
         others = other_fsdp_units(run)
         if others:  # (a new-user trial's distillation: the teacher's all-gathers in the student's same-named units)
             facts.notes = [*(facts.notes or []), (

@@ -106,6 +106,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
         untrained=untrained_params(named, optimizer, units), unavailable=unavailable,
+        model_has_forward=type(named).forward is not nn.Module.forward,
         measured_notes=notes,
         torch_lacks=F2.features_unavailable(),
     ), consistency

@@ -300,6 +300,11 @@ class RootNotSharded(Rule):
         if len(rts) < 2 and (nested or any(not u.modules or "" in u.modules for u in us)):
             return self.quiet("the root module is an FSDP unit")
         cfg = ctx.config
+        if len(rts) > 1 and getattr(cfg, "model_has_forward", None) is False:
+            # (a wrapper holding a teacher and its student: its fix, a unit of the wrapper, changed nothing, the
+            # wrapper never being called: a new-user trial)
+            return self.quiet(f"the watched module has no forward() of its own: its {len(rts)} models are called one "
+                              "by one, each its own FSDP root, as they should be (give watch() the model you train)")
         unmanaged = cfg.unmanaged_param_bytes if cfg is not None else 0
         step, peak = _job_numbers(ctx)
         # each root stays gathered from its forward to its backward (ZeRO-2-like); with a real root only the
