@@ -2133,8 +2133,11 @@ def test_eval_regather():
     assert f.evidence["saved_ms_per_step"] == pytest.approx(23.333)
     assert "2 of 6 steps ran 8 forward passes" in f.recommendation.text
     # a gain in words, not a negative "about -70.6 ms per evaluation" (a new-user trial)
-    assert f.title.endswith("70.0 ms less per evaluation kept gathered") and "about 70.0 ms less per evaluation" \
-        in f.recommendation.text and "-70" not in f.title + f.recommendation.text, (f.title, f.recommendation.text)
+    # (a ceiling: a trial's predicted 70.6 ms came out 39 ms on gloo, part of each all-gather the wait for the other
+    # rank)
+    assert f.title.endswith("up to 70.0 ms less per evaluation kept gathered") and "up to 70.0 ms less per " \
+        "evaluation" in f.recommendation.text and "-70" not in f.title + f.recommendation.text, (f.title,
+                                                                                                 f.recommendation.text)
 
 
 def test_grads_kept_fix_in_a_loop_around_accelerate_hooks_the_torch_optimizer_inside_its_wrapper():

@@ -90,8 +90,9 @@ class EvalRegather(Rule):
         text = (f"{hits} of {runs} steps ran {passes:.0f} forward passes without gradients "
                 f"(evaluation, generation): {ms:.1f} ms each, {gathered:.1f} ms of it all-gathering, since every unit "
                 "is resharded after each pass and gathered again for the next. Kept gathered for the whole "
-                f"evaluation, the units are gathered once: about {saved:.1f} ms less per evaluation ({per_step:.1f} ms a "
-                f"step over the run), holding {fmt_bytes(held)} of unsharded parameters meanwhile (about "
+                f"evaluation, the units are gathered once: up to {saved:.1f} ms less per evaluation ({per_step:.1f} ms a "
+                f"step over the run; on gloo part of an all-gather's time is the wait for the other ranks, which "
+                f"stays: a trial's predicted 70.6 ms came out 39 ms), holding {fmt_bytes(held)} of unsharded parameters meanwhile (about "
                 f"{fmt_bytes(during)} then, {100 * during / cap:.1f}% of capacity). The training steps do not change.")
         code, where, inputs = "", "", {}
         if S.lacks_reshard_switch(ctx.config):
@@ -102,8 +103,8 @@ class EvalRegather(Rule):
             where, inputs = "evaluation", {"evaluate": "your evaluation or generation: the model's forward passes "
                                                         "without a backward after them"}
         return [self.finding(
-            sev, f"{passes:.0f} forward passes without gradients gather every unit each: {saved:.1f} ms less per "
-            "evaluation kept gathered",
+            sev, f"{passes:.0f} forward passes without gradients gather every unit each: up to {saved:.1f} ms less "
+            "per evaluation kept gathered",
             {"forwards_per_evaluation": passes, "evaluation_steps": hits, "steps": runs,
              "evaluation_ms_p50": ms, "evaluation_allgather_ms_p50": gathered,
              "training_forward_allgather_ms": round(once, 3), "saved_ms_per_evaluation": round(saved, 3),
