@@ -477,6 +477,9 @@ class StepRecord(Record, tag="step"):
     # loss through the model after its update (a GAN's generator update through the watched discriminator), not
     # gradient accumulation, whose micro-batches all run backward before the step's optimizer.step()
     backward_after_optimizer: bool = False
+    # another FSDP model's forward and backward inside this step, outside the watched model (a teacher's forward, a
+    # GAN's other network; FSDP2's labels of param groups not the watched model's): part of outside_ms, not the data
+    other_models_ms: float = 0.0
     # set by the reader, never written: another rank saved a checkpoint in this step (rank 0's torch.save, which the
     # others wait for at their next collective): a save step of the job, left out of the statistics as its own are
     others_saved: bool = False

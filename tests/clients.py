@@ -1134,7 +1134,15 @@ def run_ac_prediction(out: Path) -> dict:
 
 #: a value for each name a loop fix reads from the user's loop (Recommendation.inputs), as the loop's first step
 #: (the runner trains one step of one micro-batch: it is the last)
-LOOP_VALUES = {"step": 0, "is_last_micro_batch": True}
+def _shard_dim1(p):
+    """A user's shard_placement_fn (Recommendation.inputs: a plan passes the run's own again): 2-D parameters on
+    dim 1."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if p.ndim == 2 else Shard(0)
+
+
+LOOP_VALUES = {"step": 0, "is_last_micro_batch": True, "shard_placement_fn": _shard_dim1}
 
 
 def _plugin_sharded(model, code: str, mesh, finding_code: str):

@@ -168,3 +168,82 @@ def test_recompute_saved_known_answer(reentrant):
     finally:
         assert hw.stop()
     assert hw.recompute_saved == {7: 16_384 + (4 * 256 * 4 if reentrant else 0)}
+
+
+_WRAPPED_AFTER_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import fully_shard
+import fsdp_doctor
+from fsdp_doctor.workloads import free_port
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+model = Net()
+for b in model.layers:
+    fully_shard(b)
+fully_shard(model)
+for i, b in enumerate(model.layers):  # checkpoint_wrapper AFTER fully_shard: around each unit
+    model.layers[i] = checkpoint_wrapper(b)
+opt = torch.optim.AdamW(model.parameters())
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, capacity_bytes=1 << 30) as doctor:
+    for step in range(4):
+        model(torch.randn(32, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        doctor.step()
+dist.destroy_process_group()
+"""
+
+
+def test_wrappers_applied_after_fully_shard_checkpoint_the_units_not_the_roots_children(tmp_path):
+    """checkpoint_wrapper applied to each block after fully_shard (around the units): the root read "children"
+    checkpointed, ac.wrong_granularity fired with a fix checkpointing the root, and ac.unneeded's fix, printed for
+    before fully_shard where the wrappers do not exist yet, did nothing (pasted after, the root's fix removed every
+    block's checkpointing: +79% peak; a new-user trial). The blocks are the checkpointed units, the root none, and
+    the fix that unwraps them goes after the user's fully_shard calls."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import child_pythonpath
+
+    from fsdp_doctor import build_report, load_run
+
+    script = tmp_path / "wrapped_after.py"
+    script.write_text(_WRAPPED_AFTER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run = load_run(tmp_path / "run")
+    kinds = {u.name: u.checkpoint for u in run.config.units}
+    assert kinds == {"": "none", **{f"layers.{i}._checkpoint_wrapped_module": "unit" for i in range(3)}}, kinds
+    rep = build_report(run)
+    codes = {f.code for f in rep.findings}
+    assert "ac.wrong_granularity" not in codes, codes
+    f = next(f for f in rep.findings if f.code == "ac.unneeded")
+    assert f.recommendation.where == "sharded" and "after your fully_shard and checkpoint_wrapper calls" in \
+        f.recommendation.code, f.recommendation
+    assert "wrappers = ['layers.0', 'layers.1', 'layers.2']" in f.recommendation.code

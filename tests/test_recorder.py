@@ -335,6 +335,7 @@ def test_another_models_same_named_units_are_not_booked_to_the_watched_ones(tmp_
         bwd = {u.name: u.bwd_ms for u in s.units}
         assert bwd[""] < 30.0 and s.backward_ms < 30.0, (s.step, bwd, s.backward_ms)  # not the other's 60 ms
         assert s.outside_ms >= 55.0, s  # the other model's work: outside the watched model
+        assert 55.0 <= s.other_models_ms <= s.outside_ms, s  # and timed as the other model's (StepRecord.other_models_ms)
 
 
 _FORWARD_METHOD_SCRIPT = textwrap.dedent('''

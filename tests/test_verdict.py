@@ -345,3 +345,21 @@ def test_a_window_on_the_first_step_says_so(sample_run_path):
     assert verdict(ov, run).job.summary.endswith(
         " (the profiler window holds step 0, the first: FSDP's lazy initialization and any torch.compile compilation "
         "run in it, as in no later step)")
+
+
+def test_the_records_verdict_counts_another_models_work_as_compute(sample_run_path):
+    """A nested watch() of a distillation's teacher: the student's step, between the teacher's, read as 72% input
+    (a new-user trial). Another FSDP model's forward and backward in the step (StepRecord.other_models_ms) is model
+    work: compute, not input."""
+    import msgspec
+
+    from fsdp_doctor.analyze.verdict import verdict
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    before = verdict(None, run).job.groups_pct
+    for rd in run.ranks.values():
+        rd.steps = [msgspec.structs.replace(s, outside_ms=s.outside_ms + 300.0, wall_ms=s.wall_ms + 300.0,
+                                            other_models_ms=300.0) for s in rd.steps]
+    after = verdict(None, run).job
+    assert after.bound == "compute" and after.groups_pct["input"] <= before["input"] + 0.1, (before, after.groups_pct)

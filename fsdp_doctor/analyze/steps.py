@@ -144,6 +144,9 @@ def step_stats(steps: list[StepRecord]) -> StepStats:
         between = [s.between_ms for s in steps]
         if None not in between:  # (of outside: between optimizer.step() and the next forward)
             out.phases_p50_ms["between"] = round(statistics.median(between), 3)
+        others = [getattr(s, "other_models_ms", 0.0) for s in steps]
+        if any(others):  # (of outside: another FSDP model's forward and backward, a teacher's, a GAN's other network)
+            out.phases_p50_ms["other_models"] = round(statistics.median(others), 3)
     if steps:
         out.gc_ms_total = round(sum(s.gc_ms for s in steps), 3)
         out.gc_count_total = sum(s.gc_count for s in steps)

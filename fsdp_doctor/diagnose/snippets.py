@@ -506,15 +506,23 @@ def checkpoint_flags_off(layers: list[str], note: str) -> str:
                       "for name in layers:", "    model.get_submodule(name).gradient_checkpointing = False"])
 
 
-def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "") -> str:
+def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "",
+                         after_sharding: bool = False) -> str:
     """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
     module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
     code (``functional``): Hugging Face's ``gradient_checkpointing_enable()`` is undone by its
     ``gradient_checkpointing_disable()``, other ``checkpoint(...)`` calls are named in a comment, since only their
-    code can change. ``note``: the header's words where checkpointing stays on elsewhere."""
-    lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
-             "# (or build the model without apply_activation_checkpointing)" if not note else
-             "# (or leave these out of your apply_activation_checkpointing)"]
+    code can change. ``note``: the header's words where checkpointing stays on elsewhere. ``after_sharding``: the
+    wrappers went around the units after fully_shard: the same lines after the user's fully_shard calls (pasted
+    before them, where the wrappers do not exist yet, they did nothing: a new-user trial)."""
+    if after_sharding:
+        lines = ["# on the sharded model, after your fully_shard and checkpoint_wrapper calls (the wrappers went "
+                 "around", "# the units after fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
+                 "# (or leave out your checkpoint_wrapper calls)"]
+    else:
+        lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
+                 "# (or build the model without apply_activation_checkpointing)" if not note else
+                 "# (or leave these out of your apply_activation_checkpointing)"]
     if functional:
         lines += ["# checkpointed by checkpoint(...) calls in their forward:",
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",

@@ -88,6 +88,9 @@ class StepTimings:
     # a backward through the model began after an optimizer.step() that itself followed a backward, in one step: a
     # second loss through the model after its update (a GAN's generator update through its discriminator)
     backward_after_optimizer: bool = False
+    # another FSDP model's forward or backward inside this step (its param groups' pre/post labels, the outermost
+    # span of them): a teacher's forward, a GAN's other network, time outside the watched model that is not the data
+    other_models_ms: float = 0.0
 
 
 class _UnitAcc:
@@ -135,6 +138,9 @@ class StepTimer:
         self.checkpointed_children: set[int] = set()  # units whose submodules re-run in backward
         self._unit_of_label: dict[str, int] = {}
         self._unit_of_group: dict[int, int] | None = None  # id(FSDPParamGroup) -> unit index
+        self._kinds: dict[str, str] = {}  # another model's FSDP label -> its kind ("pre_forward", ...)
+        self._other_open: set[int] = set()  # another model's param groups inside their forward or backward now
+        self._other_t0 = 0
         self._tap = self._tap_prev = None  # the FSDP logger interception
         self._grad_hooks: dict[int, Any] = {}
         self._log_cache: dict[str, tuple[bool, int] | None] = {}
@@ -586,7 +592,33 @@ class StepTimer:
         idx = self._unit_of_label.get(fqn)
         return None if idx is None else (lab.kind == "pre_backward", idx)
 
+    def _other_model_log(self, msg: str, t: int, group: int) -> None:
+        """Another FSDP model's label: its forward and backward spans (the outermost of its open units) add up as
+        ``other_models_ms``, its work inside the watched model's step."""
+        kind = self._kinds.get(msg)
+        if kind is None:
+            lab = parse_label(msg)
+            kind = self._kinds[msg] = lab.kind if lab is not None else ""
+        if kind in ("pre_forward", "pre_backward"):
+            if not self._other_open:
+                self._other_t0 = t
+            self._other_open.add(group)
+        elif kind in ("post_forward", "post_backward") and group in self._other_open:
+            self._other_open.discard(group)
+            if not self._other_open:
+                self._other_ns += t - self._other_t0
+
     def _on_fsdp_log(self, msg: str, t: int, group=None) -> None:
+        mine = None
+        if group is not None:  # the param group that logged it: one of the watched model's units, or another model's
+            # (a GAN's discriminator's blocks.0 logs the label of the generator's blocks.0: its backward was booked to
+            # the generator's units, a new-user trial)
+            if self._unit_of_group is None:
+                self._unit_of_group = {id(pg): i for i, u in enumerate(self._units) for pg in u.param_groups}
+            mine = self._unit_of_group.get(id(group))
+            if mine is None:
+                self._other_model_log(msg, t, id(group))
+                return
         # The same few label strings recur every step: parse each once.
         try:
             parsed = self._log_cache[msg]
@@ -595,14 +627,8 @@ class StepTimer:
         if parsed is None:
             return
         is_pre, idx = parsed
-        if group is not None:  # the param group that logged it: one of the watched model's units, or another model's
-            # (a GAN's discriminator's blocks.0 logs the label of the generator's blocks.0: its backward was booked to
-            # the generator's units, a new-user trial)
-            if self._unit_of_group is None:
-                self._unit_of_group = {id(pg): i for i, u in enumerate(self._units) for pg in u.param_groups}
-            idx = self._unit_of_group.get(id(group))
-            if idx is None:
-                return
+        if mine is not None:
+            idx = mine
         a = self._acc[idx]
         if is_pre:
             if self._bwd_start == 0:
@@ -762,6 +788,7 @@ class StepTimer:
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._bwd_cb_queued = False
+        self._other_ns = 0  # another FSDP model's forward and backward in this step (its spans that ended in it)
         for a in self._acc.values():
             a.reset()
         if self.gpu is not None:
@@ -783,7 +810,7 @@ class StepTimer:
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
-                           backward_after_optimizer=self._bwd_after_opt)
+                           backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns))
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

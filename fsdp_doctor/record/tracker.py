@@ -449,7 +449,7 @@ class Doctor:
             no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
-            backward_after_optimizer=tm.backward_after_optimizer,
+            backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,
         )
         self._sinks.on_step(rec)
         if done:

@@ -170,6 +170,12 @@ def _recompute_ms(u: E.Unit) -> float:
     return u.timing.recompute_ms if u.timing.recompute_ms > 0 else E.compute_fwd_ms(u)
 
 
+def _wrapped_after(us: list[E.Unit]) -> bool:
+    """The units' CheckpointWrappers went around the units themselves (a unit applied to a wrapper's inner module:
+    checkpoint_wrapper after fully_shard): a fix unwrapping them goes after the user's fully_shard calls."""
+    return any(u.name.endswith("._checkpoint_wrapped_module") for u in us if u.checkpoint_wrappers)
+
+
 def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
     """(the CheckpointWrappers of the units, fqns; the checkpointed units that have none: checkpoint(...) calls)."""
     wrappers = [w for u in us for w in u.checkpoint_wrappers]
@@ -350,7 +356,7 @@ class AcUnneeded(Rule):
         # torchtitan's config wraps its blocks (selective, its default, or full): the setting turns them off
         titan = E.torchtitan_version(ctx) if wrappers and not functional else None
         titan_code = S.titan_settings(titan, activation_checkpoint="none") if titan is not None else None
-        code = S.remove_checkpointing(wrappers, functional)
+        code = S.remove_checkpointing(wrappers, functional, after_sharding=_wrapped_after(ck))
         if titan_code:
             code = titan_code
         elif lever == "trainer":
@@ -516,5 +522,6 @@ def _fewer_code(chosen: list[E.Unit], note: str) -> str:
     transformers' layers' own flags off (anywhere: alone, after fully_shard, where a Trainer's callback can run it)."""
     wrappers = [w for u in chosen for w in u.checkpoint_wrappers]
     flagged = [u.modules[0] for u in chosen if not u.checkpoint_wrappers and u.modules]
-    return "\n".join(([S.remove_checkpointing(wrappers, [], note=note)] if wrappers else [])
+    return "\n".join(([S.remove_checkpointing(wrappers, [], note=note, after_sharding=_wrapped_after(chosen))]
+                      if wrappers else [])
                      + ([S.checkpoint_flags_off(flagged, note)] if flagged else []))
