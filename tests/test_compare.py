@@ -408,13 +408,14 @@ def test_comparison_fits_the_terminal_and_no_figure_wraps(width):
         assert any(cell in line for line in lines), (width, cell)
     # the predictions' figures, in sentences, stand whole too (six columns at 80 split "predict" / "ed vs" and
     # "315.5" / "ms": a new-user trial)
+    from fsdp_doctor.present.compare import peak_error
     from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
 
     assert cmp.predictions
     for p in cmp.predictions:
         figs = [fmt_ms(p.step_ms_predicted), fmt_ms(p.step_ms_measured)] if p.step_ms_predicted is not None else []
         if p.peak_bytes_predicted is not None:
-            figs += [fmt_bytes(p.peak_bytes_predicted), fmt_bytes(p.peak_bytes_measured), f"({p.peak_pct_error:+.2f}%)"]
+            figs += [fmt_bytes(p.peak_bytes_predicted), fmt_bytes(p.peak_bytes_measured), f"({peak_error(p.peak_pct_error)})"]
         assert figs
         for fig in figs:
             assert any(fig in line for line in lines), (width, fig)
@@ -570,6 +571,8 @@ def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path,
     from fsdp_doctor.present.compare import tables
 
     (t,) = [t for t in tables(cmp) if t.title.startswith("Predictions")]
+    # the figure in parentheses is the prediction's error, said under the table (read as a change: a new-user trial)
+    assert "peak: the prediction's error against the measured peak (+: predicted above it)" in t.note
     said = t.rows[0][2].rsplit("\n", 1)[1]
     assert said == ("held" if held else "missed: lower than predicted" if measured < after
                     else "missed: higher than predicted"), said

@@ -209,3 +209,25 @@ def test_a_trace_the_profiler_never_wrote_is_said_lost_not_kept_plain(tmp_path, 
     src.write_text('{"traceEvents": []}')  # written, and compressed
     _gzip_file(src, tmp_path / "rank0.3.pt.trace.json.gz", done)
     assert [p.name for p in done] == ["rank0.3.pt.trace.json.gz"] and not src.exists()
+
+
+def test_a_second_doctor_in_the_process_names_the_first_not_the_user(tmp_path, caplog):
+    """A nested watch() (the README's two-model recipe): the second doctor stepped aside saying "a
+    torch.profiler.profile object is alive", blaming a profiler of the user's (a new-user trial). It names the other
+    doctor; once that one stops, a doctor profiles again."""
+    sched = resolve_profile(ProfileSchedule(first=2, active=2, warmup=1, every=0))
+    outer = ProfilerWindows(tmp_path / "outer", 0, sched, lambda s, p: None)
+    inner = ProfilerWindows(tmp_path / "inner", 0, sched, lambda s, p: None)
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        outer.start()
+        inner.start()
+        for _ in range(4):
+            _work()
+            outer.step()
+            inner.step()
+    inner.stop()
+    outer.stop()
+    assert inner.stepped_aside and not outer.stepped_aside
+    (line,) = [r.getMessage() for r in caplog.records if STEPPED_ASIDE in r.getMessage()]
+    assert "another fsdp_doctor.watch() in this process records profiler windows" in line, line
+    assert other_profiler() is None

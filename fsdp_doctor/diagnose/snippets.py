@@ -520,9 +520,13 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                  "around", "# the units after fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
                  "# (or leave out your checkpoint_wrapper calls)"]
     else:
-        lines = [f"# {BEFORE_SHARDING} (before fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
-                 "# (or build the model without apply_activation_checkpointing)" if not note else
-                 "# (or leave these out of your apply_activation_checkpointing)"]
+        # (a header over 96 columns wrapped: ac.fewer_units' read 111; "apply_activation_checkpointing" named to a run
+        # with checkpoint(...) calls only, which never called it: new-user trials)
+        lines = textwrap.wrap(f"{BEFORE_SHARDING} (before fully_shard): activation checkpointing off"
+                              + (f" {note}" if note else ""), width=94, initial_indent="# ", subsequent_indent="# ")
+        lines.append("# (or leave out your checkpoint(...) calls, or gradient_checkpointing_enable())" if not wrappers
+                     else "# (or build the model without apply_activation_checkpointing)" if not note else
+                     "# (or leave these out of your apply_activation_checkpointing)")
     if functional:
         lines += ["# checkpointed by checkpoint(...) calls in their forward:",
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",

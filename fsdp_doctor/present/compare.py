@@ -150,12 +150,18 @@ def tables(c: Comparison) -> list[CompareTable]:
             # as if the fix had failed: a new-user trial)
             verdict = (held[p.peak_held] if p.peak_held is not False else
                        f"missed: {'lower' if (p.peak_pct_error or 0) > 0 else 'higher'} than predicted")
+            # (the prediction's error, said as one: "(+1.31%)" beside a measured peak 4% under A's read as its change,
+            # a new-user trial)
             peak = (f"{fmt_bytes(p.peak_bytes_predicted)}\n→ {fmt_bytes(p.peak_bytes_measured)} "
-                    f"({p.peak_pct_error:+.2f}%):\n{verdict}"
+                    f"({peak_error(p.peak_pct_error)}):\n{verdict}"
                     if p.peak_bytes_predicted is not None else MISSING)  # (5.04: missed)
             rows.append((f"{p.code} ({p.recognised_by})", step, peak))
+        # (the peak's figure in parentheses is the prediction's error, not a change: "(+1.31%)" beside a measured peak
+        # 4% under A's read as its change, a new-user trial)
         out.append(CompareTable("Predictions of A's findings, checked against B",
-                                ("fix", "step: predicted → measured", "peak: predicted → measured"), rows))
+                                ("fix", "step: predicted → measured", "peak: predicted → measured"), rows,
+                                note="step: each figure's change from A's step in parentheses; peak: the prediction's "
+                                     "error against the measured peak (+: predicted above it)"))
     if c.ops:
         out.append(CompareTable("Kernels and operators whose time changed most (per step and rank)",
                                 ("phase, kind: name", "A", "B", "Δ"),  # (one name column: it fits 80 columns)
@@ -189,6 +195,14 @@ def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
 TEXT_COLUMNS = {"setting", "where", "in A", "in B", "phase", "phase, kind: name", "title", "code", "severity",
                 "unit, collective, phase", "fix", "step: predicted → measured", "peak: predicted → measured",
                 "category"}
+
+
+def peak_error(pct) -> str:
+    """How far a predicted peak was from the measured one ("+1.31%": the prediction over it), one figure; the
+    table's note says what it is."""
+    if pct is None:
+        return MISSING
+    return f"{pct:+.2f}%"
 
 
 def _columns(header: tuple[str, ...]) -> list[Col]:

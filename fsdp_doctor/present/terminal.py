@@ -102,7 +102,7 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
                      fitted_table("", [Col(TRACE_UNITS_HEADER[0], justify="left", wrap=True),
                                        *map(Col, TRACE_UNITS_HEADER[1:])], rows, width))
     cols = [Col("unit", justify="left", wrap=True), Col("params", drop=2), Col("shard", drop=3),
-            Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=3), Col("fwd"), Col("AG wait"),
+            Col("gathered", drop=1), Col("reshard", drop=2), Col("AC", drop=1), Col("fwd"), Col("AG wait"),
             Col("bwd"), Col("AG wait")]
     rows = []
     for u in units[:UNIT_ROWS]:

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -102,6 +103,10 @@ def resolve_profile(profile: Any) -> dict[str, Any] | None:
     raise TypeError(f"profile= must be True, False, a schedule callable or a dict of torch.profiler.profile arguments, not {type(profile).__name__}")
 
 
+#: the doctors' profilers of this process, until each stops
+_LIVE: "weakref.WeakSet[ProfilerWindows]" = weakref.WeakSet()
+
+
 class ProfilerWindows:
     """Drives ``torch.profiler.profile`` from ``step()``; writes each finished window to
     ``<out_dir>/profiler/rank{R}.{first_step}.pt.trace.json.gz`` and reports it to ``on_saved``.
@@ -168,6 +173,7 @@ class ProfilerWindows:
         self.prof: torch.profiler.profile | None = None
         self._gzips: list[tuple[threading.Thread, list[int], list[Path]]] = []  # traces being compressed, in order
         self.stepped_aside: str | None = None  # why the doctor left profiling to the user's own profiler
+        _LIVE.add(self)  # (until stop(): a second watch() in the process, nested, names this one, not "yours")
         self._owns_tracker_key = False
         self.last_collect_ms = 0.0
 
@@ -183,7 +189,9 @@ class ProfilerWindows:
     def _maybe_open(self, step: int) -> None:
         if self.prof is not None or self.stepped_aside or self.action(step) == ProfilerAction.NONE:
             return
-        other = other_profiler()
+        other = ("another fsdp_doctor.watch() in this process records profiler windows (a nested watch(): one "
+                 "profiler per process)" if any(w is not self and w.prof is not None for w in list(_LIVE))
+                 else other_profiler())
         if other is not None:  # the user profiles this run: leave it to them for the rest of the run
             self.stepped_aside = other
             log.warning("fsdp_doctor: %s on rank %s; the doctor records no profiler windows in this run so as "
@@ -275,6 +283,7 @@ class ProfilerWindows:
                 self._discard = clean and not self._window
                 self._close()
         finally:
+            _LIVE.discard(self)
             self._discard = False
             self._report_compressed(wait=True)
 

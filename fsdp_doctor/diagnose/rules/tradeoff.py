@@ -321,10 +321,11 @@ class LowMfu(Rule):
             compiled = any(runs_compiled(u) for u in (getattr(cfg, "units", None) or []))
             if compiled and not getattr(cfg, "flops_per_step", None):  # (a U-Net's blocks compiled: "pass
                 # tokens_per_step" to a model without tokens, a new-user trial)
-                return self.quiet("no throughput: FLOPs are not counted where units are compiled (the counter steps "
+                return self.skip("no throughput: FLOPs are not counted where units are compiled (the counter steps "
                                   "aside for compiled code), and the analytic estimate needs tokens_per_step= in "
                                   "watch(), a transformer's tokens per optimizer step")
-            return self.quiet("no throughput: pass tokens_per_step= to watch() (FLOPs are counted from it)")
+            # (skipped, not quiet: it could not look, a figure missing; a new-user trial read "quiet" as checked)
+            return self.skip("no throughput: pass tokens_per_step= to watch() (FLOPs are counted from it)")
         mfu = _mfu(tp)
         if mfu is None:
             why = ("no FLOP count" if not any(r.flops_per_step for r in rows) else
