@@ -2298,6 +2298,12 @@ def test_grads_kept_reads_only_a_timeline_that_begins_before_the_forward():
     diagnose(ctx.run, ctx.report, statuses=statuses)
     st = next(s for s in statuses if s.code == "memory.grads_kept")
     assert st.status == "quiet" and "begins at a backward_start mark, not before its forward" in st.reason, st
+    # a loop of forward passes only (watch() without an optimizer, generation): no backward in any step, said so
+    # (it read "inside a function compiled around the model", where nothing was: a new-user trial)
+    ctx.run.ranks = {0: SimpleNamespace(steps=[StepRecord(rank=0, step=n, start_ns=n, wall_ms=10.0, forward_ms=8.0)
+                                               for n in range(4)])}
+    st = run_status("memory.grads_kept", ctx)
+    assert st.status == "quiet" and st.reason.startswith("no step ran a backward"), st
 
 
 def test_low_mfu_says_why_a_compiled_run_has_no_throughput():

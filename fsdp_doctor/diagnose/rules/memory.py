@@ -35,6 +35,11 @@ class GradsKept(Rule):
         if first is None:
             return self.quiet("no memory timeline of the peak step")
         if not str(first.get("phase") or "").startswith("forward"):  # (gradients there are this step's own)
+            steps = [s for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in rd.steps]
+            if steps and not any(s.backward_ms for s in steps):
+                # (a loop of forward passes without gradients, evaluation or generation: it read "inside a function
+                # compiled around the model" where nothing was compiled, a new-user trial)
+                return self.quiet("no step ran a backward (evaluation or generation only): no gradient to keep")
             return self.quiet(f"the peak step's memory timeline begins at a {first.get('phase')} mark, not before "
                               "its forward (the forward ran where the doctor's marks do not reach: inside a function "
                               "compiled around the model): what the step starts with is not known")
