@@ -247,3 +247,38 @@ def test_wrappers_applied_after_fully_shard_checkpoint_the_units_not_the_roots_c
     assert f.recommendation.where == "sharded" and "after your fully_shard and checkpoint_wrapper calls" in \
         f.recommendation.code, f.recommendation
     assert "wrappers = ['layers.0', 'layers.1', 'layers.2']" in f.recommendation.code
+
+
+def test_a_reentrant_checkpoint_called_from_the_root_books_the_recompute_on_its_block(tmp_path):
+    """checkpoint(block, x, use_reentrant=True) called from the root's forward: the reentrant checkpoint recomputes
+    the block before the block's own backward starts, and every block's recompute was booked on the root, so
+    ac.unneeded estimated the peak without checkpointing at 3x the measured one (a new-user trial). The recompute
+    belongs to the unit whose forward re-runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import child_pythonpath
+
+    from fsdp_doctor import load_run
+
+    body = _WRAPPED_AFTER_SCRIPT.replace(
+        "for i, b in enumerate(model.layers):  # checkpoint_wrapper AFTER fully_shard: around each unit\n"
+        "    model.layers[i] = checkpoint_wrapper(b)\n", "")
+    body = body.replace("        for b in self.layers:\n            x = b(x)\n",
+                        "        for b in self.layers:  # checkpointed by the root's forward, reentrant\n"
+                        "            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True)\n")
+    # (a reentrant checkpoint needs an input that requires grad: the model's first one here)
+    body = body.replace("model(torch.randn(32, 64))", "model(torch.randn(32, 64, requires_grad=True))")
+    assert "use_reentrant=True" in body and "checkpoint_wrapper(b)" not in body and "requires_grad=True" in body
+    script = tmp_path / "reentrant.py"
+    script.write_text(body)
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run = load_run(tmp_path / "run")
+    saved = [s.memory.unit_recompute_saved for s in run.ranks[0].steps if s.memory and s.memory.unit_recompute_saved]
+    assert saved, "no recompute counted"
+    last = saved[-1]
+    blocks = {k: v for k, v in last.items() if k.startswith("layers.")}
+    assert len(blocks) == 3 and all(v > 0 for v in blocks.values()) and not last.get(""), last

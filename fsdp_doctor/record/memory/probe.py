@@ -229,6 +229,12 @@ class MemoryProbe:
                 self._on_step_forward()
             elif in_backward():
                 phase = "recompute_start"
+                # the unit re-running its forward owns what the recompute saves: a reentrant checkpoint(block, x)
+                # called from the root's forward recomputes the block before the block's own backward starts, and
+                # every block's recompute was booked on the root (ac.unneeded then estimated 3x the peak without
+                # checkpointing: a new-user trial)
+                if self.hw is not None:
+                    self.hw.recompute_of(idx)
             else:
                 if not sizes.static_done:
                     sizes.refresh_static(final=False)

@@ -229,6 +229,12 @@ class HighWater:
             self.rc_open, self.rc_live, self._rc_owner = True, 0, self.owner
             self.rc_n += 1
 
+    def recompute_of(self, unit) -> None:
+        """The recompute under way re-runs ``unit``'s forward (its forward_start mark in backward, after the ops
+        FSDP's pre-forward ran for it): it is that unit's, not the one whose backward was running when it began."""
+        if self.rc_open:
+            self._rc_owner = unit
+
     def created(self, out, input_keys: set) -> None:
         """An op's results: storages that are neither its inputs' nor already known are new allocations."""
         res: list = []
