@@ -1283,6 +1283,15 @@ def test_ac_wrong_granularity():
     (f,) = run_rule("ac.wrong_granularity", ctx)
     assert len(f.units) == 4 and "apply_activation_checkpointing" in f.recommendation.code
     assert run_rule("ac.wrong_granularity", build()[0]) == []
+    # a peak far below capacity: the text says turning checkpointing off gains more (ac.unneeded fires beside it;
+    # both fired on a new-user trial's MLP-only checkpointing, each fix read as undoing the other)
+    ctx, _ = build(units=healthy_units(checkpoint="children"), memory=memory(6 * MiB, capacity=100 * MiB))
+    (f,) = run_rule("ac.wrong_granularity", ctx)
+    assert "here the peak is 6% of capacity, and turning checkpointing off (ac.unneeded) gains more" in \
+        f.recommendation.text, f.recommendation.text
+    ctx, _ = build(units=healthy_units(checkpoint="children"), memory=memory(90 * MiB, capacity=100 * MiB))
+    (f,) = run_rule("ac.wrong_granularity", ctx)
+    assert "ac.unneeded" not in f.recommendation.text
 
 
 # ------------------------------------------------------------------------------------------------ offload

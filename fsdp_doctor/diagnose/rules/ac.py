@@ -403,6 +403,11 @@ class AcWrongGranularity(Rule):
         if not ch:
             return self.quiet("no unit checkpoints its children instead of itself")
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
+        cap = E.capacity_bytes(ctx)
+        # a peak far below capacity: whole blocks checkpointed spare memory the run does not need, and ac.unneeded
+        # weighs checkpointing off; said here, so that the two findings read as one choice (both fired on a new-user
+        # trial's MLP-only checkpointing, each fix read as undoing the other)
+        ample = bool(peak and cap and peak / cap < AC_UNNEEDED_MAX_SHARE)
         mods = [m for u in ch for m in u.modules if m]
         per_unit = _unit_activations(ctx, ch)
         acts = sum(per_unit.values()) if per_unit else None
@@ -422,7 +427,9 @@ class AcWrongGranularity(Rule):
             # (what the recompute spares is no part of what the units keep: more than it on a transformer block)
             "full." + (f" Here their recompute spares {fmt_bytes(sum(spared.values()))}, while these units still "
                        f"keep {fmt_bytes(acts)} saved." if source == MEASURED and acts else "")
-            + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls.",
+            + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls."
+            + (f" That is where memory is needed: here the peak is {100 * peak / cap:.0f}% of capacity, and "
+               "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else ""),
             (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
             + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
