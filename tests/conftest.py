@@ -35,6 +35,36 @@ def child_pythonpath(*first: str | Path) -> str:
     return os.pathsep.join([str(p) for p in first] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
+#: the head of a one-rank script (gloo, CPU): the imports most cases use, the process group, a seed; the case's own
+#: code follows it (``run_one_rank``), its run directory ``sys.argv[1]``
+ONE_RANK = """\
+import json, os, sys, time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+import fsdp_doctor
+from fsdp_doctor.workloads import free_port
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.manual_seed(0)
+"""
+
+
+def run_one_rank(tmp_path: Path, body: str) -> tuple[Path, str]:
+    """Runs ``ONE_RANK`` + ``body`` (dedented) in a fresh process, its run directory ``tmp_path / "run"``; returns
+    (that directory, what it printed)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "case.py"
+    script.write_text(ONE_RANK + textwrap.dedent(body) + "\ndist.destroy_process_group()\n")
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300,
+                         capture_output=True, text=True).stdout
+    return tmp_path / "run", out
+
+
 def record(out_dir: Path, nproc: int = 2, watch_extra: dict | None = None, **knobs):
     """Runs the reference workload with the doctor attached; returns (losses per rank, Run)."""
     from fsdp_doctor import load_run

@@ -171,16 +171,7 @@ def test_recompute_saved_known_answer(reentrant):
 
 
 _WRAPPED_AFTER_SCRIPT = """
-import os, sys
-import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import fully_shard
-import fsdp_doctor
-from fsdp_doctor.workloads import free_port
-
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-dist.init_process_group("gloo", rank=0, world_size=1)
-torch.manual_seed(0)
 
 class Block(nn.Module):
     def __init__(self):
@@ -214,7 +205,6 @@ with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, capacity_
         opt.step()
         opt.zero_grad()
         doctor.step()
-dist.destroy_process_group()
 """
 
 
@@ -224,20 +214,11 @@ def test_wrappers_applied_after_fully_shard_checkpoint_the_units_not_the_roots_c
     before fully_shard where the wrappers do not exist yet, did nothing (pasted after, the root's fix removed every
     block's checkpointing: +79% peak; a new-user trial). The blocks are the checkpointed units, the root none, and
     the fix that unwraps them goes after the user's fully_shard calls."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from conftest import child_pythonpath
+    from conftest import run_one_rank
 
     from fsdp_doctor import build_report, load_run
 
-    script = tmp_path / "wrapped_after.py"
-    script.write_text(_WRAPPED_AFTER_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
-    run = load_run(tmp_path / "run")
+    run = load_run(run_one_rank(tmp_path, _WRAPPED_AFTER_SCRIPT)[0])
     kinds = {u.name: u.checkpoint for u in run.config.units}
     assert kinds == {"": "none", **{f"layers.{i}._checkpoint_wrapped_module": "unit" for i in range(3)}}, kinds
     rep = build_report(run)
@@ -254,12 +235,7 @@ def test_a_reentrant_checkpoint_called_from_the_root_books_the_recompute_on_its_
     the block before the block's own backward starts, and every block's recompute was booked on the root, so
     ac.unneeded estimated the peak without checkpointing at 3x the measured one (a new-user trial). The recompute
     belongs to the unit whose forward re-runs."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from conftest import child_pythonpath
+    from conftest import run_one_rank
 
     from fsdp_doctor import load_run
 
@@ -272,11 +248,7 @@ def test_a_reentrant_checkpoint_called_from_the_root_books_the_recompute_on_its_
     # (a reentrant checkpoint needs an input that requires grad: the model's first one here)
     body = body.replace("model(torch.randn(32, 64))", "model(torch.randn(32, 64, requires_grad=True))")
     assert "use_reentrant=True" in body and "checkpoint_wrapper(b)" not in body and "requires_grad=True" in body
-    script = tmp_path / "reentrant.py"
-    script.write_text(body)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
-    run = load_run(tmp_path / "run")
+    run = load_run(run_one_rank(tmp_path, body)[0])
     saved = [s.memory.unit_recompute_saved for s in run.ranks[0].steps if s.memory and s.memory.unit_recompute_saved]
     assert saved, "no recompute counted"
     last = saved[-1]

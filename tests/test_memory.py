@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import torch
 import torch.nn as nn
-from conftest import child_pythonpath
+from conftest import child_pythonpath, run_one_rank
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 2
@@ -535,16 +535,6 @@ def test_a_units_own_activations_are_unknown_where_a_nested_units_are():
 
 
 _SKIP_SCRIPT = textwrap.dedent('''
-    import os, sys
-    import torch, torch.distributed as dist, torch.nn as nn
-    from torch.distributed.fsdp import fully_shard
-    import fsdp_doctor
-    from fsdp_doctor.workloads import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-
     class Net(nn.Module):  # two "experts", each its own unit; expert 1 is skipped in step 1 (no token reached it)
         def __init__(self):
             super().__init__()
@@ -572,7 +562,6 @@ _SKIP_SCRIPT = textwrap.dedent('''
             opt.step()  # (the step's end: before zero_grad, its gradients all there)
             opt.zero_grad()
             doctor.step()
-    dist.destroy_process_group()
 ''')
 
 
@@ -583,10 +572,7 @@ def test_a_unit_that_did_not_run_in_a_step_has_its_gradients_counted_after(tmp_p
     that could not clear it). The cached size holds only for the same parameters with gradients."""
     from fsdp_doctor import build_report, load_run
 
-    script = tmp_path / "skip.py"
-    script.write_text(_SKIP_SCRIPT)
-    env = {**__import__("os").environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run_one_rank(tmp_path, _SKIP_SCRIPT)
     run = load_run(tmp_path / "run")
     full = 4 * (3 * (32 * 32 + 32) + 8 * 32 + 8)  # every parameter's fp32 gradient, one rank
     ends = {s.step: s.memory.end for s in run.ranks[0].steps}

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO, child_pythonpath, record
+from conftest import REPO, child_pythonpath, record, run_one_rank
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -273,16 +273,6 @@ def test_slow_loader_under_gradient_accumulation_is_data_wait(tmp_path):
 
 
 _TWO_MODELS_SCRIPT = textwrap.dedent('''
-    import os, sys, time
-    import torch, torch.distributed as dist, torch.nn as nn
-    from torch.distributed.fsdp import fully_shard
-    import fsdp_doctor
-    from fsdp_doctor.workloads import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-
     class Net(nn.Module):  # the same unit names in both models: blocks.0, blocks.1 and the root
         def __init__(self):
             super().__init__()
@@ -313,7 +303,6 @@ _TWO_MODELS_SCRIPT = textwrap.dedent('''
             d_opt.step()
             d_opt.zero_grad()
             doctor.step()
-    dist.destroy_process_group()
 ''')
 
 
@@ -325,10 +314,7 @@ def test_another_models_same_named_units_are_not_booked_to_the_watched_ones(tmp_
     only where its own param group logged them."""
     from fsdp_doctor import load_run
 
-    script = tmp_path / "two_models.py"
-    script.write_text(_TWO_MODELS_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run_one_rank(tmp_path, _TWO_MODELS_SCRIPT)
     steps = load_run(tmp_path / "run").ranks[0].steps
     assert len(steps) == 6
     for s in steps[1:]:
@@ -339,15 +325,7 @@ def test_another_models_same_named_units_are_not_booked_to_the_watched_ones(tmp_
 
 
 _FORWARD_METHOD_SCRIPT = textwrap.dedent('''
-    import json, os, sys
-    import torch, torch.distributed as dist, torch.nn as nn
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-    import fsdp_doctor
-    from fsdp_doctor.workloads import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
     class Net(nn.Module):
         def __init__(self):
@@ -375,7 +353,6 @@ _FORWARD_METHOD_SCRIPT = textwrap.dedent('''
             opt.zero_grad()
             doctor.step()
     print(json.dumps({"restored": model.score == registered}))
-    dist.destroy_process_group()
 ''')
 
 
@@ -386,11 +363,7 @@ def test_a_registered_forward_method_is_timed_as_the_forward(tmp_path):
     changing nothing (a new-user trial). Such a method is timed as the forward, until the doctor steps aside."""
     from fsdp_doctor import build_report, load_run
 
-    script = tmp_path / "score.py"
-    script.write_text(_FORWARD_METHOD_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300,
-                         capture_output=True, text=True).stdout
+    _, out = run_one_rank(tmp_path, _FORWARD_METHOD_SCRIPT)
     assert json.loads(out.strip().splitlines()[-1]) == {"restored": True}
     run = load_run(tmp_path / "run")
     for s in run.ranks[0].steps[1:]:

@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import async_gather_slack, child_pythonpath
+from conftest import async_gather_slack, child_pythonpath, run_one_rank
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -166,15 +166,6 @@ def test_no_gradient_reaching_the_optimizer_is_critical(runs):
 
 
 _UNSHARDED_SCRIPT = textwrap.dedent('''
-    import os, sys
-    import torch, torch.distributed as dist, torch.nn as nn
-    from torch.distributed.fsdp import fully_shard
-    import fsdp_doctor
-    from fsdp_doctor.workloads import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8))
     for m in model[:2]:
         fully_shard(m)
@@ -190,7 +181,6 @@ _UNSHARDED_SCRIPT = textwrap.dedent('''
             opt.step()
             opt.zero_grad()
             doctor.step()
-    dist.destroy_process_group()
 ''')
 
 
@@ -201,10 +191,7 @@ def test_an_optimizer_over_sharded_parameters_read_while_units_are_gathered(tmp_
     that trained right (a new-user trial). FSDP's unsharded parameters stand for their sharded ones."""
     from fsdp_doctor import build_report, load_run
 
-    script = tmp_path / "gathered.py"
-    script.write_text(_UNSHARDED_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run_one_rank(tmp_path, _UNSHARDED_SCRIPT)
     run = load_run(tmp_path / "run")
     cfg = run.config
     assert cfg.optimizer_params == 6 and cfg.optimizer_foreign_params == 0, cfg
@@ -214,15 +201,6 @@ def test_an_optimizer_over_sharded_parameters_read_while_units_are_gathered(tmp_
 
 
 _JOINT_SCRIPT = textwrap.dedent('''
-    import os, sys
-    import torch, torch.distributed as dist, torch.nn as nn
-    from torch.distributed.fsdp import fully_shard
-    import fsdp_doctor
-    from fsdp_doctor.workloads import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
     a, b = (nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)) for _ in range(2))
     for net in (a, b):
         for m in net:
@@ -235,7 +213,6 @@ _JOINT_SCRIPT = textwrap.dedent('''
             opt.step()
             opt.zero_grad()
             doctor.step()
-    dist.destroy_process_group()
 ''')
 
 
@@ -247,10 +224,7 @@ def test_an_optimizer_over_two_sharded_models_holds_no_stale_tensor(tmp_path):
     optimizer's."""
     from fsdp_doctor import build_report, load_run
 
-    script = tmp_path / "joint.py"
-    script.write_text(_JOINT_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "run")], check=True, env=env, timeout=300)
+    run_one_rank(tmp_path, _JOINT_SCRIPT)
     run = load_run(tmp_path / "run")
     assert run.config.optimizer_params == 8 and run.config.optimizer_foreign_params == 0, run.config
     state = 4 * 2 * 2 * 2 * (16 * 16 + 16) + 8 * 4  # AdamW's 2 moments, fp32, of 2 models' 2 Linears; 8 steps
