@@ -174,7 +174,10 @@ def test_titan_trainer_fixes_pasted_where_printed(runs):
     for rd in run.ranks.values():
         assert {9, 10} <= {s.step for s in rd.steps if s.profiled}, [s.step for s in rd.steps if s.profiled]
         assert rd.profiles == []
-    assert not [o for o in report.steps.outliers if o.cause == "outside"], report.steps.outliers
+    # (at those steps and the one after: an outlier elsewhere is the shared host's, as a quiet suite's step 4 of
+    # rank 1 was, +27 ms outside the model)
+    assert not [o for o in report.steps.outliers if o.cause == "outside" and o.step in (9, 10, 11)], \
+        report.steps.outliers
     assert "jitter.data_wait" not in after
     # ... and its traces read as they are: fsdp-doctor analyze DUMP/profiling/traces
     traces = fsdp_doctor.load_run(dump / "profiling" / "traces")
