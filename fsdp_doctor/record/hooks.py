@@ -789,6 +789,7 @@ class StepTimer:
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._bwd_cb_queued = False
         self._other_ns = 0  # another FSDP model's forward and backward in this step (its spans that ended in it)
+        self._other_open.clear()  # (a span left open, its post label never logged, never spans the steps after)
         for a in self._acc.values():
             a.reset()
         if self.gpu is not None:
