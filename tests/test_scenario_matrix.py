@@ -276,7 +276,9 @@ def test_accumulation_without_sync_peak_frees_the_sharded_gradients(matrix, row)
     over the measured peak on gpt_accum and a new-user trial's Llama missed by 7.8%; now within 3% (gpt_accum +0.6%,
     bert_accum -2.2%, lora_accum exact, measured). A rerun's peak may also hold one unit's gathered parameters past
     FSDP's release of them, by gloo's thread timing (conftest.async_gather_slack): bert_accum measured 131,840 B over
-    its prediction once (-4.8%), one BERT layer's gathered parameters."""
+    its prediction once (-4.8%), one BERT layer's gathered parameters; so may the first run's, whose peak the
+    prediction starts from: lora_accum measured 131,328 B under it once (-8%, one unit's gathered parameters, on a
+    fresh clone's quiet suite), exact in the two runs around it."""
     o = _ran(matrix[row])
     freed = o.finding.evidence["sharded_grads_freed_bytes"]
     held = o.report.memory.per_rank[str(o.report.memory.peak_rank)].peak_breakdown.get("sharded_grads", 0)
@@ -284,4 +286,4 @@ def test_accumulation_without_sync_peak_frees_the_sharded_gradients(matrix, row)
     rc = o.recheck()
     slack = max(u.unsharded_bytes or 0 for u in o.after.units)  # (async_gather_slack of the rerun)
     off = rc["peak_measured"] - rc["peak_predicted"]
-    assert -0.03 * rc["peak_measured"] <= off <= 0.03 * rc["peak_measured"] + slack, (rc, slack)
+    assert -0.03 * rc["peak_measured"] - slack <= off <= 0.03 * rc["peak_measured"] + slack, (rc, slack)
