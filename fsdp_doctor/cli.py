@@ -141,10 +141,10 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
 
 def failing(findings, level: str) -> list[str]:
     """The codes of ``findings`` at severity ``level`` or above (``--fail-on``), in the report's order."""
-    from .diagnose.base import SEVERITIES
+    from .present.fmt import SEVERITY_ORDER  # (worst first)
 
-    rank = {s: i for i, s in enumerate(SEVERITIES)}
-    return list(dict.fromkeys(f.code for f in findings if rank.get(f.severity, -1) >= rank[level]))
+    worst = SEVERITY_ORDER[level]
+    return list(dict.fromkeys(f.code for f in findings if SEVERITY_ORDER.get(f.severity, worst + 1) <= worst))
 
 
 STDOUT = "-"  # ``--json -``: the JSON on standard output

@@ -232,10 +232,14 @@ def _mp_line(units) -> Optional[str]:
     return f"mp = MixedPrecisionPolicy({args})  # as your run had it"
 
 
+def _options(kw: str) -> dict[str, str]:
+    """``, a=1, b=2`` (a call's options as the snippets write them) as {"a": "1", "b": "2"}."""
+    return dict(p.split("=", 1) for p in kw.split(", ") if "=" in p)
+
+
 def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
     """``, a=1, b=2`` with ``extra``'s options replacing the same keys, the ``drop`` keys left out."""
-    parts = dict(p.split("=", 1) for p in (kw + extra).split(", ") if "=" in p)
-    return "".join(f", {k}={v}" for k, v in parts.items() if k not in drop)
+    return "".join(f", {k}={v}" for k, v in _options(kw + extra).items() if k not in drop)
 
 
 def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
@@ -319,8 +323,7 @@ def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop) -> Optional[tup
     for u in t.non_root():
         blocks = [m for m in u.modules if is_block(m, c)]
         if len(blocks) == 1 and len(u.modules) == 1:
-            kw = _merge(_unit_kwargs(u), extra_of(u), drop)
-            kws[blocks[0][len(c) + 1:]] = dict(p.split("=", 1) for p in kw.split(", ") if "=" in p)
+            kws[blocks[0][len(c) + 1:]] = _options(_merge(_unit_kwargs(u), extra_of(u), drop))
     if len({tuple(sorted(d.items())) for d in kws.values()}) < 2:
         return None
     first = next(iter(kws.values()))

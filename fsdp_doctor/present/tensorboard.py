@@ -96,17 +96,10 @@ def _overlap_scalars(run, rank: int, profiles: Iterable[ProfileWindow],
     failed: list = []
     out = window_overlap_scalars(rank, _profiles(run, profiles), failed)
     for p, why in failed:
-        name = _relative(p, run)
+        name = layout.relative_name(p, Path(run.path).resolve())
         if problems is not None and not any(q.startswith(f"{name}:") for q in [*run.problems, *problems]):
             problems.append(f"{name}: {why}; its overlap scalars are not written")
     return out
-
-
-def _relative(p: Path, run) -> str:
-    try:
-        return str(p.relative_to(Path(run.path).resolve()))
-    except ValueError:
-        return str(p)
 
 
 def _profiles(run, profiles: Iterable[ProfileWindow]) -> list[tuple[Path, list[int]]]:

@@ -16,8 +16,8 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, sharded_of, compiled_frames, consistency_problem, naming_root, snapshot_units,
-                    unmanaged_param_bytes, unmanaged_summary)
+from .units import (Unit, compiled_frames, consistency_problem, managed_param_ids, naming_root, sharded_of,
+                    snapshot_units, unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
@@ -225,12 +225,12 @@ def _compute_dtype(units: list[Unit]) -> str:
 def _optimizer_params(optimizer, model: nn.Module, units: list[Unit] = ()) -> tuple[int, int, int]:
     if optimizer is None:
         return 0, 0, 0
-    model_ids = {id(p) for p in model.parameters()} | set(sharded_of(units))
+    model_ids = {id(p) for p in model.parameters()} | managed_param_ids(units)
     n = foreign = nbytes = 0
     for g in optimizer.param_groups:
         for p in g["params"]:
             n += 1
-            if id(p) not in model_ids and not hasattr(p, "_local_tensor"):  # (a DTensor: another FSDP model's)
+            if id(p) not in model_ids and not F2.is_sharded(p):  # (another FSDP model's)
                 foreign += 1
                 lt = getattr(p, "_local_tensor", p)
                 nbytes += lt.numel() * lt.element_size()

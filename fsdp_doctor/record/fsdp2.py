@@ -353,6 +353,12 @@ def sharded_param(fp):
     return getattr(fp, "sharded_param", None)
 
 
+def is_sharded(p) -> bool:
+    """A DTensor parameter (its local shard in ``_local_tensor``): held by an optimizer and not the watched model's, it
+    is another FSDP model's (one optimizer over a GAN's two networks), not a tensor left from before fully_shard."""
+    return hasattr(p, "_local_tensor")
+
+
 def global_numel(fp) -> int | None:
     """Elements of the model's parameter: the DTensor's global shape (with tensor parallelism larger than what FSDP
     gathers), else what FSDP gathers."""

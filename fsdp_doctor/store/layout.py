@@ -233,6 +233,14 @@ def _not_readable(p: Path) -> str:
     return ""
 
 
+def relative_name(q: Path, root: Path) -> str:
+    """``q`` as named under ``root`` (the run directory): relative where it lies inside it, else as it is."""
+    try:
+        return str(Path(q).relative_to(root))
+    except ValueError:
+        return str(q)
+
+
 def unreadable_folder(path: Path | str) -> str:
     """Why the folder ``path`` cannot be read ("" when it can, or when it is no folder): its list of files
     (no read permission), or the files themselves (no search permission: the list reads, every file in it fails)."""

@@ -222,13 +222,6 @@ def _implausible_step(rec: StepRecord) -> str:
     return ""
 
 
-def _relative(q: Path, root: Path) -> str:
-    try:
-        return str(q.relative_to(root))
-    except ValueError:
-        return str(q)
-
-
 def _short(e: Exception) -> str:
     s = str(e).splitlines()[0] if str(e) else type(e).__name__
     return s[:120]
@@ -520,7 +513,7 @@ def run_trace_files(run: Run, problems: list[str] | None = None) -> list[Path]:
     found = layout.find_trace_files(p, unreadable)
     if problems is not None:
         for q, why in unreadable:
-            problems.append(f"{_relative(q, p)}: {why}; skipped")
+            problems.append(f"{layout.relative_name(q, p)}: {why}; skipped")
     m = run.manifest
     if m is None or not m.run_id or not run.ranks:
         return found

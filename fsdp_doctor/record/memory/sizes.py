@@ -15,14 +15,6 @@ from .. import fsdp2 as F2
 _NoTF = getattr(torch._C, "DisableTorchFunctionSubclass", None)
 
 
-def _other_models(p) -> bool:
-    """A parameter the optimizer holds that is another FSDP model's (a DTensor outside the watched model: one
-    optimizer over a GAN's two networks, or a student and a shared embedding root), not a tensor left from before
-    fully_shard: its state is optimizer state, never stale (a new-user trial read 777 KiB of "stale optimizer
-    params", and a CRITICAL optim.before_shard, for an optimizer built after sharding both)."""
-    return hasattr(p, "_local_tensor")
-
-
 def _storage(t: torch.Tensor):
     """(storage key, storage bytes) of a plain tensor or a DTensor's local tensor; (None, 0) if it has none."""
     lt = t if type(t) is torch.Tensor or isinstance(t, nn.Parameter) else getattr(t, "_local_tensor", t)
@@ -315,7 +307,7 @@ class FsdpSizes:
         stale_n = 0
         for group in opt.param_groups:
             for p in group.get("params", ()):
-                if id(p) in model_ids or _other_models(p):
+                if id(p) in model_ids or F2.is_sharded(p):  # (another FSDP model's: its state is optimizer state)
                     continue
                 stale_n += 1
                 for t in (p, p.grad):
@@ -326,7 +318,7 @@ class FsdpSizes:
                         seen.add(k)
                         stale += nb
         for p, st in (state or {}).items():
-            is_stale = id(p) not in model_ids and not _other_models(p)
+            is_stale = id(p) not in model_ids and not F2.is_sharded(p)
             for v in st.values() if isinstance(st, dict) else ():
                 if not isinstance(v, torch.Tensor):
                     continue
