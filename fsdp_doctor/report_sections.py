@@ -293,6 +293,8 @@ class CheckpointSteps(_Section):
     # together: work around the saves outside their marks (a state dict gathered on every rank before rank 0's
     # torch.save in the mark), counted where at least the marked time (0 otherwise)
     unmarked_ms: float = 0.0
+    # of the saves, those in the steps counted (the others in profiler windows); 0: a report written before it
+    counted_saves: int = 0
 
 
 class StepsSection(_Section):

@@ -287,7 +287,8 @@ def test_titan_trainer_async_saves_fix_is_how_often_it_saves(runs):
     (--checkpoint.interval N on the command line), not the async mode it has; run with it as printed, the saves'
     share of the time is gone below the rule's threshold or down by at least half the predicted drop (the first
     async save of a process also sets up its staging: 45-68 ms here against 31 ms for the next ones, which a short
-    run with few saves does not amortise), and no new warning appears."""
+    run with few saves does not amortise, so the rerun is 40 steps long and held to the long run's prediction), and no
+    new warning appears."""
     tmp = runs[0]
     often = [*BASE[:BASE.index("--checkpoint.interval")], "--checkpoint.interval", "2", "--checkpoint.async-mode",
              "async", "--training.steps", "16"]
@@ -299,10 +300,12 @@ def test_titan_trainer_async_saves_fix_is_how_often_it_saves(runs):
     assert ck.recommendation.where == "torchtitan" and ck.evidence["async_saves"] == ck.evidence["saves"], ck
     flags = [a for ln in ck.recommendation.code.splitlines() if not ln.startswith("#") for a in shlex.split(ln)]
     assert flags[0] == "--checkpoint.interval" and int(flags[1]) > 2 and len(flags) == 2, flags
-    dump, _ = _torchrun(tmp, "async_fixed", "fsdp_doctor.titan", [*often, *flags])  # (the last flag wins)
+    # (the last flag wins; at 16 steps the rerun's share came from one or two saves, the host's load in each: 15.0%
+    # measured once where 4.9% was predicted)
+    dump, _ = _torchrun(tmp, "async_fixed", "fsdp_doctor.titan", [*often, *flags, "--training.steps", "40"])
     _, _, after = _diagnosis(dump / TT.DEFAULT_SUBDIR)
     if "checkpoint.blocking" in after:
-        before, predicted = ck.evidence["share_pct"], ck.evidence["share_pct_after"]
+        before, predicted = ck.evidence["share_pct"], ck.evidence["share_pct_after_long_run"]
         measured = after["checkpoint.blocking"].evidence["share_pct"]
         assert before - measured >= 0.5 * (before - predicted), (before, predicted, measured)
     assert {c for c, f in after.items() if f.severity != "info"} - HEADROOM - NOISE <= set(found), after.keys()
