@@ -452,6 +452,11 @@ class StepRecord(Record, tag="step"):
     # of no_grad_ms, the units' all-gathers there (FSDP's pre-forward hooks, issued and waited for: little where the
     # units are kept gathered); None: no such forward, or not recorded (records before this field)
     no_grad_gather_ms: float | None = None
+    # in those forwards, the units entered not gathered (each all-gathers then), and the units entered: as many
+    # where the units stay gathered across the forwards, once per forward where each reshards after it; None: no
+    # such forward, or records before these fields
+    no_grad_gathers: int | None = None
+    no_grad_units: int | None = None
     # of those, forwards in eval mode with autograd on that no backward followed (an evaluation that forgot
     # torch.no_grad(): it records the autograd graph and holds its activations until its output is freed)
     autograd_eval_forwards: int = 0

@@ -2111,16 +2111,19 @@ def test_accumulation_under_torchtitan_offers_no_loop_code():
         "accelerator.sync_gradients inside `with accelerator.accumulate(model):`")
 
 
-def _eval_ctx(gather_ms=80.0, *, capacity=8 << 30, lacks=(), raf=True, compiled=False):
+def _eval_ctx(gather_ms=80.0, *, capacity=8 << 30, lacks=(), raf=True, compiled=False, gathers=None):
     """The reference GPT's layout (one training forward's all-gather waits: 1.0 + 4 x 1.0 + 1.0 ms), 6 steps of
-    which two ran 8 forward passes without gradients taking ``gather_ms`` of all-gathers each."""
+    which two ran 8 forward passes without gradients taking ``gather_ms`` of all-gathers each; with ``gathers``, the
+    units entered not gathered in them, of 6 units entered (else records without the count)."""
     us = healthy_units(reshard_after_forward=raf)
     ctx = build(units=us, memory=memory(40 * MiB, capacity=capacity), capacity=capacity, torch_lacks=list(lacks))[0]
     if compiled:  # layers.0 compiled in place: its forward's all-gather wait not known apart
         next(u for u in ctx.report.units if u.name == "layers.0").timing_p50.ag_wait_fwd_ms = None
     ctx.run.ranks = {0: SimpleNamespace(steps=[
         StepRecord(rank=0, step=i, start_ns=i, wall_ms=110.0, no_grad_forwards=8 if i in (2, 5) else 0,
-                   no_grad_ms=100.0 if i in (2, 5) else 0.0, no_grad_gather_ms=gather_ms if i in (2, 5) else None)
+                   no_grad_ms=100.0 if i in (2, 5) else 0.0, no_grad_gather_ms=gather_ms if i in (2, 5) else None,
+                   no_grad_gathers=gathers if i in (2, 5) else None,
+                   no_grad_units=6 if i in (2, 5) and gathers is not None else None)
         for i in range(6)])}
     return ctx
 
@@ -2141,6 +2144,13 @@ def test_eval_regather():
     # quiet, and why: gathered about once already; no capacity; this torch has no switch (words, no code)
     assert rule.match(_eval_ctx(23.0)) == [] and rule.why_quiet.startswith("the units stay gathered")
     assert rule.match(_eval_ctx(25.0))  # (over half: fires)
+    # counted (the recorder's units entered not gathered): the count decides, not the time, which the host's load
+    # moves (and which on a GPU is the all-gathers' issue): 6 units gathered once for 8 forwards, quiet however
+    # long their time; the root kept gathered and the 5 others gathered in each forward (41 of 6 x 8), fires
+    assert rule.match(_eval_ctx(80.0, gathers=6)) == [] and "6 all-gathers for the 6 units entered in 8 forwards" in \
+        rule.why_quiet
+    (f,) = rule.match(_eval_ctx(23.0, gathers=41))
+    assert f.evidence["allgathers_per_unit"] == pytest.approx(6.83)
     assert rule.match(_eval_ctx(capacity=None)) == [] and "capacity" in rule.why_quiet
     (f,) = rule.match(_eval_ctx(lacks=["FSDPModule.set_reshard_after_forward"]))
     assert f.recommendation.code == "" and "no set_reshard_after_forward" in f.recommendation.text

@@ -243,6 +243,13 @@ def test_generation_fix_gathers_once_and_leaves_training_unchanged(matrix):
     assert not o.after_error and o.after is not None, o.after_error
     quiet = {r.code: r.reason for r in o.after.rules}
     assert quiet["eval.regather"].startswith("the units stay gathered across those forwards"), quiet
+    # counted: each unit resharded after forward gathered in each of the 8 forwards, the others once (norm and
+    # lm_head: 41 for the 7 units entered, the root holding no parameter); about once each after the fix
+    us = o.report.units
+    gathers = sum(8 if u.reshard_after_forward is not False else 1 for u in us if u.param_count)
+    assert o.finding.evidence["allgathers_per_unit"] == pytest.approx(gathers / len(us), abs=0.01), gathers
+    once = sum(1 for u in us if u.param_count)  # (each unit holding parameters, once)
+    assert f"{once} all-gathers for the {len(us)} units entered in 8 forwards" in quiet["eval.regather"], quiet
     assert o.result["losses"] and o.after_result["losses"] == o.result["losses"]
 
 

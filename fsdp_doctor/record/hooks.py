@@ -85,6 +85,10 @@ class StepTimings:
     micro_gap_ms: float = 0.0
     # of no_grad_ms, the units' all-gathers (FSDP's pre-forward hooks, issued and waited for)
     no_grad_gather_ms: float = 0.0
+    # in those forwards, the units entered not gathered (each all-gathers then, or was prefetched), and how many
+    # units were entered: each unit once where they are kept gathered, once per forward where they are not
+    no_grad_gathers: int = 0
+    no_grad_units: int = 0
     # a backward through the model began after an optimizer.step() that itself followed a backward, in one step: a
     # second loss through the model after its update (a GAN's generator update through its discriminator)
     backward_after_optimizer: bool = False
@@ -154,6 +158,7 @@ class StepTimer:
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
         self._ng_gather_t0: dict[int, int] = {}
+        self._sharded_states = F2.ShardedStates()
         # the Doctor's: a training forward starts after an optimizer.step() (its ns); it ends the step there when
         # doctor.step() is called per micro-batch, before optimizer.step() (see Doctor._forward_after_optimizer)
         self.step_boundary: Optional[Callable[[int], None]] = None
@@ -333,7 +338,12 @@ class StepTimer:
         return hook
 
     def _ng_outer_pre(self, idx) -> None:
-        """A unit entered inside a forward without gradients: before FSDP's pre-forward (the all-gather)."""
+        """A unit entered inside a forward without gradients: before FSDP's pre-forward (the all-gather), which
+        gathers it unless it is gathered already (a unit of several modules: at its first)."""
+        self._ng_units.add(idx)
+        of = self._sharded_states.of
+        if any(of(pg) != "unsharded" for pg in self._units[idx].param_groups):
+            self._ng_gathers += 1
         self._ng_gather_t0[idx] = _now()
 
     def _ng_inner_pre(self, idx) -> None:
@@ -775,6 +785,7 @@ class StepTimer:
         self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
         self._gc_full_ns = self._gc_collected = 0
         self._ng_gather_ns = 0  # FSDP's pre-forward all-gathers inside forwards without gradients
+        self._ng_gathers, self._ng_units = 0, set()  # ... the units entered not gathered, and those entered
         # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
         # a backward follows (training with model.eval()). Recorded like a training forward; once the loop moves on
         # (a training forward, the step's end) without a backward, it is taken out of forward_ms and the units'
@@ -807,7 +818,8 @@ class StepTimer:
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
                            gc_full_ms=_ms(self._gc_full_ns), gc_collected=self._gc_collected,
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
-                           no_grad_gather_ms=_ms(self._ng_gather_ns),
+                           no_grad_gather_ms=_ms(self._ng_gather_ns), no_grad_gathers=self._ng_gathers,
+                           no_grad_units=len(self._ng_units),
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),

@@ -447,6 +447,8 @@ class Doctor:
             profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
+            no_grad_gathers=tm.no_grad_gathers if tm.no_grad_forwards else None,
+            no_grad_units=tm.no_grad_units if tm.no_grad_forwards else None,
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
             backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from typing import Optional
 
 from .. import estimate as E
 from .. import snippets as S
@@ -16,16 +17,18 @@ from ...units import fmt_bytes
 KEPT_SHARE = 0.5
 
 
-def _evaluations(ctx: Context) -> list[tuple[int, float, float]]:
-    """(forwards without gradients and autograd, their time ms, their all-gathers ms) of each step that ran two or
-    more, every rank's (records before ``no_grad_gather_ms`` have none); those outside profiler windows where there
-    are any (a window slows them as it slows the step)."""
+def _evaluations(ctx: Context) -> list[tuple[int, float, float, Optional[tuple[int, int]]]]:
+    """(forwards without gradients and autograd, their time ms, their all-gathers ms, (the units entered not
+    gathered, the units entered)) of each step that ran two or more, every rank's (records before ``no_grad_gather_ms`` have none,
+    before ``no_grad_gathers`` no count: None); those outside profiler windows where there are any (a window slows
+    them as it slows the step)."""
     rows = []
     for rd in (getattr(ctx.run, "ranks", None) or {}).values():
         for s in rd.steps:
             n = s.no_grad_forwards - s.autograd_eval_forwards
             if n >= 2 and s.no_grad_gather_ms is not None:
-                rows.append((s.profiled, (n, s.no_grad_ms, s.no_grad_gather_ms)))
+                counted = (s.no_grad_gathers, s.no_grad_units) if s.no_grad_units else None
+                rows.append((s.profiled, (n, s.no_grad_ms, s.no_grad_gather_ms, counted)))
     return [r for p, r in rows if not p] or [r for _, r in rows]
 
 
@@ -48,12 +51,22 @@ class EvalRegather(Rule):
         evals = _evaluations(ctx)
         if not evals:
             return self.quiet("no step ran two or more forward passes without gradients (their all-gathers timed)")
-        passes = statistics.median(n for n, _, _ in evals)
-        ms, gathered = statistics.median(m for _, m, _ in evals), statistics.median(g for _, _, g in evals)
+        passes = statistics.median(r[0] for r in evals)
+        ms, gathered = statistics.median(r[1] for r in evals), statistics.median(r[2] for r in evals)
         once = _training_gather_ms(ctx)
         if once <= 0:
             return self.quiet("no training forward's all-gather was timed")
-        if gathered < KEPT_SHARE * passes * once:
+        counted = [r[3] for r in evals]
+        per_unit = None if None in counted else statistics.median(g / u for g, u in counted)
+        if per_unit is not None:
+            # counted: gathered at most once for the whole evaluation where kept (the time read it borderline under
+            # the host's load: a 2-rank generation's 8 forwards went quiet once; and on a GPU the host's time of an
+            # all-gather is its issue, not its wait)
+            if per_unit <= 1.0:
+                g, u = min(counted, key=lambda c: abs(c[0] / c[1] - per_unit))
+                return self.quiet(f"the units stay gathered across those forwards: {g} all-gathers for the {u} "
+                                  f"units entered in {passes:.0f} forwards")
+        elif gathered < KEPT_SHARE * passes * once:
             return self.quiet(f"the units stay gathered across those forwards: {gathered:.1f} ms of all-gathers for "
                               f"{passes:.0f} forwards, under {100 * KEPT_SHARE:.0f}% of as many training forwards' "
                               f"({passes * once:.1f} ms)")
@@ -109,7 +122,8 @@ class EvalRegather(Rule):
              "evaluation_ms_p50": ms, "evaluation_allgather_ms_p50": gathered,
              "training_forward_allgather_ms": round(once, 3), "saved_ms_per_evaluation": round(saved, 3),
              "saved_ms_per_step": round(per_step, 3), "unsharded_held_bytes": held,
-             "evaluation_peak_bytes": int(during), "capacity_bytes": cap},
+             "evaluation_peak_bytes": int(during), "capacity_bytes": cap,
+             "allgathers_per_unit": None if per_unit is None else round(per_unit, 2)},
             text, code, where=where, inputs=inputs,
             # (the training steps' time is not what changes: the evaluation's is, in the evidence)
             predicted=E.predicted(None, None, peak, max(peak, during)))]
