@@ -728,7 +728,7 @@ def run_tp_fixes(out: Path) -> dict:
     """Tensor parallelism beside FSDP in a user's own code (4 ranks: a ("dp", "tp") mesh of 2 x 2): an HF Llama whose
     decoder layers torch's parallelize_module splits over mesh["tp"], then fully_shard(model, mesh=mesh["dp"]) alone
     (the whole model one unit), watched; the same run without the doctor (its losses); wrap.too_coarse's fix pasted
-    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "mesh": mesh["dp"]); each layer
+    in place of that fully_shard call, reading the user's FSDP mesh (the fix's input "dp_mesh": mesh["dp"]); each layer
     sharded on mesh["dp"] and the root forgotten, wrap.root_not_sharded's fix run after those calls. On CUDA
     (4 NCCL ranks: tests/test_gpu.py) the watched runs take a profiler window (steps 3-4): where the trace puts the
     collectives no FSDP unit issued, by phase."""
@@ -755,7 +755,8 @@ def run_tp_fixes(out: Path) -> dict:
             if fix:
                 exec(compile(fix, "<wrap.root_not_sharded fix>", "exec"), {"model": model})
         elif fix:  # in place of the user's fully_shard calls, with their FSDP mesh
-            exec(compile(fix, "<wrap.too_coarse fix>", "exec"), {"model": model, "mesh": mesh["dp"]})
+            # (the user's own names: `mesh` the whole 2-D mesh, as in torch's examples, and dp_mesh its FSDP part)
+            exec(compile(fix, "<wrap.too_coarse fix>", "exec"), {"model": model, "mesh": mesh, "dp_mesh": mesh["dp"]})
         else:
             fully_shard(model, mesh=mesh["dp"])
         for m in model.modules():  # gloo's tuned setting (its all-gathers block the host otherwise), as the scenarios
@@ -835,6 +836,16 @@ def run_hf_native_fixes(out: Path) -> dict:
     return _each_fixed(run, res, [("zero2", "reshard.zero2_affordable", {})])
 
 
+def _implied_group(row) -> Optional[int]:
+    """The group size a per-unit row's bus bandwidth was computed for: (n - 1) / n of an all-gather's or a
+    reduce-scatter's bytes, 2 (n - 1) / n of an all-reduce's, per call time."""
+    if row.busbw_gbps is None or not row.bytes_per_call or not row.comm_us:
+        return None
+    f = row.busbw_gbps * row.comm_us * 1e3 / (row.bytes_per_call * row.count)
+    f = f / 2 if row.collective == "all_reduce" else f
+    return round(1 / (1 - f)) if f < 1 else None
+
+
 def run_hsdp_fixes(out: Path) -> dict:
     """HSDP in a user's own code (4 ranks: a ("replicate", "shard") mesh of 2 x 2): an HF Llama sharded whole on it
     (fully_shard(model, mesh=mesh): one unit), watched; wrap.too_coarse's fix pasted in place of that call with the
@@ -878,7 +889,9 @@ def run_hsdp_fixes(out: Path) -> dict:
         rows = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name)).overlap.per_unit
         res[name] = {**_outcome(out / name, rank), "losses": losses, "mesh": cfg.mesh, "fsdp_dims": cfg.fsdp_dims,
                      "shard_sizes": sorted({u.shard_size for u in cfg.units if u.param_count}),
-                     "sizes": sorted({(r.unit, r.collective, r.bytes_per_call) for r in rows if r.unit != "(other)"})}
+                     "sizes": sorted({(r.unit, r.collective, r.bytes_per_call) for r in rows if r.unit != "(other)"}),
+                     # each row's group as its bus bandwidth implies it (busbw_factor's inverse)
+                     "groups": sorted({(r.collective, _implied_group(r)) for r in rows if r.unit != "(other)"})}
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])

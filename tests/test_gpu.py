@@ -185,7 +185,7 @@ def test_tensor_parallel_collectives_on_nccl(tmp_path):
         assert "model" in before["other"], before["other"]
         assert "optim.step_comm" not in before["findings"], before["findings"].keys()
         f = before["findings"]["wrap.too_coarse"]
-        assert f["inputs"] == {"mesh": "the mesh your fully_shard calls pass: ['dp'] of your dp 2 × tp 2 mesh"}
+        assert f["inputs"] == {"dp_mesh": "the mesh your fully_shard calls pass: ['dp'] of your dp 2 × tp 2 mesh"}
         after = res["coarse_fixed"]
         assert "wrap.too_coarse" not in after["findings"], after["findings"].keys()
         # within 2% of the predicted peak: the prediction moves it by 0.2% (70.05 -> 69.92 MB), and on the H200 the

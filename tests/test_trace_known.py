@@ -175,6 +175,39 @@ def test_gloo_known_answer(tmp_path):
     assert asdict(r.copies["0"]) == {"h2d_us": 0.0, "d2h_us": 0.0, "exposed_us": 0.0}
 
 
+def test_gloo_groups_on_a_2d_mesh(tmp_path):
+    """gloo's ops name no process group: on 4 ranks of a 2 x 2 mesh (HSDP, tensor parallelism beside FSDP) FSDP's
+    all-gathers and reduce-scatters run on 2, and their bus bandwidth read 1.5x (a new-user trial). An all-gather's
+    group is its gathered tensor's elements over its shard's (200 / 100: 2); a collective whose trace says neither
+    (an all-reduce) is over the world where every process group spans it, and not known where the trace's
+    pg_config lists smaller ones. A tensor-parallel allreduce_ takes a TensorList, whose dtype its args do not
+    give: its size is its gloo event's (2 x 16 x 32 floats)."""
+    def trace(groups):
+        b = gloo_known_trace()
+        b.world_size = 4
+        for i in range(3):
+            T = 10000.0 * i
+            b.op("c10d::allreduce_", T + 5000, 200, **{"Input Dims": [[[2, 16, 32]], [], []],
+                                                       "Input type": ["TensorList", "", ""]})
+            b.x("gloo:all_reduce", T + 5010, 100, cat="user_annotation", tid=200,
+                **{"Input Dims": [[2, 16, 32]], "Input type": ["float"]})
+        doc = b.document()
+        doc["distributedInfo"] = {"backend": "gloo", "rank": 0, "world_size": 4,
+                                  **({"pg_config": [{"pg_size": n} for n in groups]} if groups else {})}
+        path = tmp_path / ("mesh" if groups else "flat") / "rank0.5.pt.trace.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(doc))
+        return rows_by(analyze_traces(path.parent))
+
+    mesh = trace([4, 2, 2])
+    ag = mesh[("0", "all_gather", "forward")]
+    assert ag.bytes_per_call == 800 and ag.busbw_gbps == pytest.approx(800 * (1 / 2) / 1000e-6 / 1e9)  # (not 3/4)
+    (tp,) = [r for k, r in mesh.items() if k[0] == "(other)" and k[1] == "all_reduce"]
+    assert tp.bytes_per_call == 2 * 16 * 32 * 4 and tp.busbw_gbps is None
+    (tp,) = [r for k, r in trace(None).items() if k[0] == "(other)" and k[1] == "all_reduce"]
+    assert tp.busbw_gbps == pytest.approx(4096 * (2 * 3 / 4) / 100e-6 / 1e9)
+
+
 def test_gloo_collective_recorded_twice_counts_once(tmp_path):
     """Under a TorchDispatchMode (the doctor's memory high-water on a full step inside a profiler window, with
     memory={"full_every": 1}) every c10d op shows with a child of the same name. Each collective is still one call

@@ -188,8 +188,8 @@ def _backward_nesting(run: Run) -> Optional[dict[str, list[str]]]:
 
 
 def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
-    """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes
-    (gloo traces carry none): an all-gather moves the unit's unsharded parameters in param dtype, a
+    """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes, or no group
+    (gloo's all-reduces on a 2-D mesh: HSDP's): an all-gather moves the unit's unsharded parameters in param dtype, a
     reduce-scatter its unsharded gradients in reduce dtype, HSDP's all-reduce across replicas the reduce-scatter's
     output (one shard of them) over the replicas."""
     from ..trace.analysis import busbw_factor
@@ -201,7 +201,8 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     units = {u.name or ROOT_LABEL: u for u in cfg.units}  # (the trace names the root "(root)")
     for row in overlap.per_unit:
         u = units.get(row.unit)
-        if u is None or row.bytes_per_call is not None or not u.param_count or not u.unsharded_bytes:
+        if u is None or (row.bytes_per_call is not None and row.busbw_gbps is not None) or not u.param_count \
+                or not u.unsharded_bytes:
             continue
         stored = u.orig_dtypes[0] if u.orig_dtypes else "float32"
         group = u.shard_size or cfg.world_size  # (FSDP's shard group)
@@ -219,8 +220,10 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
             nbytes, group = reduced / u.shard_size, next(iter(cfg.mesh.values()))  # (the replicate dim: first)
         else:
             continue
-        row.bytes_per_call = float(nbytes)
-        row.bytes_source = "unit snapshot"
+        if row.bytes_per_call is None:
+            row.bytes_per_call = float(nbytes)
+            row.bytes_source = "unit snapshot"
+        nbytes = row.bytes_per_call  # (the trace's where it has them; the group the snapshot's: gloo's has none)
         f = busbw_factor(row.collective, group)
         if f is not None and row.comm_us > 0:
             row.busbw_gbps = nbytes * row.count * f / row.comm_us / 1e3

@@ -13,8 +13,8 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import (PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, complete, fix_place,
-                       for_prepared_optimizer, mesh_input, placement_input)
+from .snippets import (FSDP_MESH_USE, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, complete, fix_place,
+                       for_prepared_optimizer, mesh_input, model_parallel, placement_input)
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -203,7 +203,14 @@ class Rule:
         mesh = mesh_input(self.config)
         code = complete(code, define_mesh=not mesh)
         if mesh and re.search(r"\bmesh\b", code) and not re.search(r"^\s*mesh\s*=", code, re.M):
-            inputs = {**inputs, "mesh": mesh}
+            name = "mesh"
+            if model_parallel(self.config):
+                # beside tensor parallelism the user's `mesh` is likely the whole mesh (torch's examples name it so):
+                # pasted with `mesh=mesh`, a new-user trial's plan raised "Cannot concatenate overlapping meshes".
+                # FSDP's part of it goes by dp_mesh (torch's tensor-parallel tutorial's and torchtitan's name)
+                name = "dp_mesh"
+                code = FSDP_MESH_USE.sub(name, code)
+            inputs = {**inputs, name: mesh}
         if f"shard_placement_fn={SHARD_PLACEMENT_FN}" in code:  # the user's own, passed again by a plan
             inputs = {**inputs, SHARD_PLACEMENT_FN: placement_input(self.config)}
         rec = Recommendation(text=text, code=code, where=where if code else "", inputs=inputs)

@@ -885,6 +885,10 @@ def placement_input(config) -> str:
             f"{', '.join(map(str, dims))})")
 
 
+#: where a fix passes the user's FSDP mesh (``fully_shard(..., mesh=mesh)``): the name it passes
+FSDP_MESH_USE = re.compile(r"(?<=\bmesh=)mesh\b")
+
+
 def mesh_input(config) -> str:
     """Where the run's parameters' mesh has model-parallel dims beside FSDP's (RunConfig.mesh: tensor parallelism)
     or FSDP's mesh is 2-D (HSDP), what a fix using ``mesh`` reads from the user's code (``Recommendation.inputs``):

@@ -44,7 +44,7 @@ from ..fsdp_labels import PREFIX, parse_label
 from . import intervals as iv
 from .kernels import kernel_stats
 from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _gloo_collective,
-                          _snake_collective)
+                          _group_from_shapes, _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
 from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
@@ -424,7 +424,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
-                      clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward)
+                      clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward,
+                      world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True)
     bounds = ws.bounds
     win.step_us = {n: e - a for n, (a, e) in bounds.items()}  # a kept step ends where the next starts
     if kept_steps:
@@ -1028,6 +1029,11 @@ def _outermost(ops: list) -> list:
     return out
 
 
+def _world_group(win) -> Optional[int]:
+    """The group of a gloo collective whose trace does not say it: the world, where every process group spans it."""
+    return win.world_size if win.world_groups else None
+
+
 def _build_cpu(win, host, index, phases, scale, shapes):
     main = _main_thread(host, index.counts)
     gloo = sorted((e for e in host if e.name.startswith("gloo:")), key=lambda e: e.ts)
@@ -1070,8 +1076,11 @@ def _build_cpu(win, host, index, phases, scale, shapes):
         o0, o1 = op.ts * scale, (op.ts + op.dur) * scale
         lab = index.innermost(main, o0, _is_comm_label)
         att = _attribution(lab)
+        # (a tensor list's dtype is not in the c10d op's args, tensor parallelism's allreduce_: the gloo event's)
+        args = shapes.args(op)
+        nbytes = _bytes_from_shapes(args) or _bytes_from_shapes(shapes.args(best))
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=g0, end=g1, issue=o0,
-                              bytes=_bytes_from_shapes(shapes.args(op)), group_size=win.world_size)
+                              bytes=nbytes, group_size=_group_from_shapes(args, coll) or _world_group(win))
         if att is not None:
             unit, k, suffix = att
             call.unit = unit
@@ -1094,4 +1103,4 @@ def _build_cpu(win, host, index, phases, scale, shapes):
         if id(g) not in matched:
             win.calls.append(CollectiveCall(unit=OTHER_UNIT, collective=_gloo_collective(g.name), phase=None,
                                             start=g.ts * scale, end=(g.ts + g.dur) * scale, issue=g.ts * scale,
-                                            group_size=win.world_size))
+                                            group_size=_world_group(win)))

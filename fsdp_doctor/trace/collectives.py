@@ -93,14 +93,36 @@ def _bytes_from_shapes(args) -> Optional[int]:
         return None
     best = None
     for d, t in list(zip(dims, types))[:2]:
-        n = _numel(d)
-        if n is None and isinstance(d, list):  # a tensor list: sum its tensors
-            ns = [_numel(x) for x in d]
-            n = sum(ns) if ns and all(x is not None for x in ns) else None
+        n = _numel_nested(d)  # (a tensor list: its tensors' sum)
         b = dtype_bytes(t if isinstance(t, str) else None)
         if n is not None and b is not None:
             best = max(best or 0, n * b)
     return best
+
+
+def _group_from_shapes(args, collective: str) -> Optional[int]:
+    """The group size of an all-gather or reduce-scatter from record_shapes args of its c10d op: the gathered
+    tensor's elements over the shard's (gloo's ops carry no group: HSDP's and tensor parallelism's meshes made 4
+    ranks' all-gathers read as over 4 where FSDP's group is 2, their bus bandwidth 1.5x); None otherwise."""
+    if collective not in ("all_gather", "reduce_scatter") or args is None or not args.input_dims:
+        return None
+    try:
+        dims = json.loads(bytes(args.input_dims))[:2]
+    except ValueError:
+        return None
+    ns = [_numel_nested(d) for d in dims]  # (allgather_'s: lists of tensors, their elements summed)
+    if len(ns) != 2 or None in ns or min(ns) <= 0 or max(ns) % min(ns):
+        return None
+    return max(ns) // min(ns) if max(ns) > min(ns) else None
+
+
+def _numel_nested(d) -> Optional[int]:
+    """The elements of a tensor's dims, or of a (nested) list of tensors' (None where one is not a tensor's)."""
+    n = _numel(d)
+    if n is not None or not isinstance(d, list):
+        return n
+    ns = [_numel_nested(x) for x in d]
+    return sum(ns) if ns and None not in ns else None
 
 
 def _bytes_from_msg(args) -> Optional[int]:

@@ -64,6 +64,9 @@ class WindowTrace:
     # the file's identity, for telling ranks and jobs apart (trace.admit)
     rank_known: bool = True  # the rank came from distributedInfo or the file name (else read as 0)
     backend: Optional[str] = None  # distributedInfo.backend
+    # every process group spans the world (distributedInfo.pg_config; True where not known): a collective whose
+    # trace names no group is then over the world (gloo's; on a 2-D mesh its group is not known)
+    world_groups: bool = True
     clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)
     kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)
     # per complete step (fsdp_doctor.trace.steps_detail): unit -> [forward µs, backward µs] from FSDP2's labels,

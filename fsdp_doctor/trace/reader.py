@@ -112,10 +112,15 @@ _MARKS = (IEvent, *(msgspec.defstruct(f"_Mark{ord(ph)}", [], bases=(_Mark,), tag
 MEMORY_EVENT = "[memory]"
 
 
+class ProcessGroupInfo(msgspec.Struct, gc=False):
+    pg_size: Optional[int] = None
+
+
 class DistributedInfo(msgspec.Struct, gc=False):
     rank: Optional[int] = None
     world_size: Optional[int] = None
     backend: Optional[str] = None
+    pg_config: Optional[list[ProcessGroupInfo]] = None  # the process groups (a 2-D mesh's each of its dims)
 
 
 class KinetoTrace(msgspec.Struct):
