@@ -25,7 +25,7 @@ class Block(nn.Module):
         # "children" | "block" | "none" | "compiled" (children, in blocks compiled with Dynamo) | "compiled_model"
         # (none, the whole model compiled in place after sharding) | "compiled_wrapper" (none, model =
         # torch.compile(model) after sharding) | "compiled_hidden" (none, the plain model given to watch(), its
-        # compiled wrapper trained)
+        # compiled wrapper trained) | "compiled_step" (none, torch.compile(optimizer.step))
         self.mode = mode
         self.norm = nn.LayerNorm(DIM)
         self.attn = nn.Linear(DIM, DIM)
@@ -52,6 +52,7 @@ class Model(nn.Module):
 
 
 def run(mode: str, watched: bool) -> dict:
+    torch._dynamo.reset()  # (each run compiles as a process of its own would: the counters its own)
     torch.manual_seed(0)
     model = Model(mode)
     for layer in model.layers:
@@ -65,13 +66,14 @@ def run(mode: str, watched: bool) -> dict:
     if mode == "compiled_wrapper":
         model = torch.compile(model, backend="eager")
     forward = torch.compile(model, backend="eager") if mode == "compiled_hidden" else model
+    step_fn = torch.compile(opt.step, backend="eager") if mode == "compiled_step" else opt.step
     # the calls that enter compiled frames, as the user left them
     def calls():
         return [vars(m).get(a) for m in (model, *model.layers) for a in ("_compiled_call_impl", "forward")]
 
     compiled_calls = calls()
     out = tempfile.mkdtemp(dir=os.environ.get("CHECKPOINT_CASES_DIR"))  # the test gives its tmp dir
-    ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False) if watched else None
+    ctx = fsdp_doctor.watch(model, opt, out_dir=out, profile=False, **json.loads(os.environ.get("CC_WOPTS", "{}"))) if watched else None
     doctor = ctx.__enter__() if ctx else None
     global_hooks = len(torch.nn.modules.module._global_forward_pre_hooks)  # none of the doctor's
 
@@ -79,7 +81,6 @@ def run(mode: str, watched: bool) -> dict:
         return sum(getattr(h, "__name__", "") == "_probe_child" for m in model.modules()
                    for h in m._forward_pre_hooks.values())
 
-    watching = watch_hooks()
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -88,15 +89,18 @@ def run(mode: str, watched: bool) -> dict:
         g = torch.Generator().manual_seed(step)
         x = torch.randn(16, 32, DIM, generator=g)
         loss = forward(x).pow(2).mean()
+        if step == 0:  # the watch is on from the model's first training forward outside a compiled frame
+            watching = watch_hooks()
         loss.backward()
-        opt.step()
+        step_fn()
         opt.zero_grad()
         if doctor:
             doctor.step()
             if step == 0:  # the watch for functional checkpointing ends with the first step
                 hooks_left = watch_hooks()
         losses.append(loss.item())
-    res = {"losses": losses, "graph_breaks": sum(counters["graph_break"].values())}
+    res = {"losses": losses, "graph_breaks": sum(counters["graph_break"].values()),
+           "unique_graphs": counters["stats"]["unique_graphs"]}
     if ctx:
         ctx.__exit__(None, None, None)
         # each block's compiled call as it was before watch(), the doctor's timing of it gone
@@ -113,7 +117,7 @@ def run(mode: str, watched: bool) -> dict:
         res["forward_ms"] = [s.forward_ms for s in steps]  # the model's forward, each step
         res["errors"] = [e.message for e in run_.ranks[0].errors]
         res["watch_hooks_after_first_step"] = hooks_left
-        res["watch_hooks_at_entry"] = watching
+        res["watch_hooks_first_step"] = watching
         res["out_dir"] = out
         res["global_hooks_at_entry"] = global_hooks
     return res
@@ -129,6 +133,7 @@ def main():
         out[mode] = run(mode, watched=True)
         plain = run(mode, watched=False)
         out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]
+        out[mode]["plain_unique_graphs"] = plain["unique_graphs"]
     dist.destroy_process_group()
     print(json.dumps(out))
 

@@ -637,3 +637,66 @@ def test_lstm_flops_are_counted():
     tokens, gates = 10 * 3, 4 * 32
     fwd = 2 * tokens * (gates * 16 + gates * 32) + 2 * tokens * (gates * 32 + gates * 32)
     assert got.model == 3 * fwd, (got.model, 3 * fwd)
+
+
+_TP_SCRIPT = r'''
+import json, sys, torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from fsdp_doctor.record.throughput import FlopCounter
+dist.init_process_group("gloo")
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+
+def step(m, count):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    fc = FlopCounter()
+    if count:
+        fc.start()
+    y = m(x)
+    y.sum().backward()
+    flops = fc.finish()
+    return (flops.model if count else None), y.full_tensor() if hasattr(y, "full_tensor") else y, x.grad
+
+_, y_plain, g_plain = step(mlp(), False)
+whole, _, _ = step(mlp(), True)
+m = mlp()
+parallelize_module(m, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+_, y_tp0, g_tp0 = step(m, False)
+m = mlp()
+parallelize_module(m, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+tp, y_tp, g_tp = step(m, True)
+if dist.get_rank() == 0:
+    json.dump({"whole": whole, "tp": tp, "same": bool(torch.equal(y_tp, y_tp0) and torch.equal(g_tp, g_tp0)),
+               "close": bool(torch.allclose(y_tp, y_plain, atol=1e-5))}, open(sys.argv[1], "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_tensor_parallel_flops_are_the_ranks_own(tmp_path):
+    """Under tensor parallelism the counter sees DTensor operators, whose shapes are the global tensors': a new-user
+    trial's column- and row-wise linears on a tp 2 mesh counted 1.7x each rank's FLOPs (TFLOP/s and MFU with them).
+    Counted on their local tensors, a column- then row-wise MLP's step (forward, the input's and the weights'
+    gradients) is half the whole MLP's on each of the 2 ranks; the outputs and gradients with the counter on are
+    those without it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import child_pythonpath
+    from fsdp_doctor.workloads import free_port
+
+    script, out = tmp_path / "tp.py", tmp_path / "tp.json"
+    script.write_text(_TP_SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), str(script), str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1",
+                            "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[1])})
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(out.read_text())
+    # the whole MLP: forward 2 x 4 x 32 x 64 twice; backward the same twice over (input and weight gradients)
+    assert got["whole"] == 3 * 2 * (2 * 4 * 32 * 64) and got["tp"] == got["whole"] / 2, got
+    assert got["same"] and got["close"], got

@@ -47,6 +47,11 @@ _now = time.perf_counter_ns
 _compiling = torch.compiler.is_compiling
 
 
+def _eager(fn):
+    """``fn`` run as it is where Dynamo traces a frame calling it (not traced into)."""
+    return torch.compiler.disable(fn)
+
+
 class MarkSink(Protocol):
     """What listens to the hooks' marks: ``mark(unit, phase)`` at FSDP's boundaries (unit None: the whole model;
     phases ``forward_start``/``forward_end``/``loss_start`` (the model's forward returned)/``backward_start``/
@@ -139,6 +144,7 @@ class StepTimer:
         # trained) Dynamo traced it as a graph break for the whole run (7 in a 3-block model), and
         # torch.compile(module) warns about global hooks
         self._child_probe: Optional[list] = None
+        self._child_pending = False  # probes to put on at the first training forward outside a compiled frame
         self.checkpointed_children: set[int] = set()  # units whose submodules re-run in backward
         self._unit_of_label: dict[str, int] = {}
         self._unit_of_group: dict[int, int] | None = None  # id(FSDPParamGroup) -> unit index
@@ -186,9 +192,12 @@ class StepTimer:
         h.append(model.register_forward_pre_hook(self._model_pre, prepend=True))
         h.append(model.register_forward_hook(self._model_post))
         if optimizer is not None:
-            pre = optimizer.register_step_pre_hook(self._opt_pre)
+            # run as they are where the user compiles optimizer.step (torch.compile(optimizer.step)): traced, the
+            # memory marks' calls broke the graph inside them (a new-user trial: 3 graph breaks, 11 frames became
+            # 31); disabled, Dynamo steps round each at the start and the end of the step
+            pre = optimizer.register_step_pre_hook(_eager(self._opt_pre))
             h.append(pre)
-            h.append(optimizer.register_step_post_hook(self._opt_post))
+            h.append(optimizer.register_step_post_hook(_eager(self._opt_post)))
             # first of the pre-hooks: the user's own (a fix's all-reduce of replicated parameters, a gradient
             # check) run inside optimizer.step() and are its time, not time outside the model
             hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
@@ -379,9 +388,17 @@ class StepTimer:
                 m, parent = stack.pop()
                 self._child_owner[id(m)] = (idx, m, parent)
                 stack.extend((c, id(m)) for c in m.children() if id(c) not in other)
-        if self._child_owner:
-            self._child_probe = [m.register_forward_pre_hook(self._probe_child)
-                                 for _, m, _ in self._child_owner.values()]
+        # the probes go on at the model's first training forward that runs outside a compiled frame
+        # (_model_pre): a model trained through torch.compile(model) or a compiled step function, watched
+        # itself, runs its submodules in compiled frames, where a probe does nothing but make Dynamo compile each
+        # hooked submodule's forward as a frame of its own (other kernels: a new-user trial's losses moved by an
+        # ulp, 1 graph became 5) and, removed after the first step, recompile
+        self._child_pending = bool(self._child_owner)
+
+    def _probe_children(self) -> None:
+        """Puts the first step's probes on (see _watch_children)."""
+        self._child_pending = False
+        self._child_probe = [m.register_forward_pre_hook(self._probe_child) for _, m, _ in self._child_owner.values()]
 
     def _probe_child(self, module, args):
         if _compiling():  # (folded to a constant by Dynamo: no graph break)
@@ -403,6 +420,7 @@ class StepTimer:
     def end_child_watch(self) -> None:
         """Ends the first step's watch: hooks the outermost submodules seen re-running in backward (of units
         that did not re-run as a whole, whose submodules re-run with them) and records their units."""
+        self._child_pending = False  # (never put on: the model ran in compiled frames)
         if self._child_probe is None:
             return
         self._stop_child_probe()
@@ -664,6 +682,8 @@ class StepTimer:
                 self._no_grad_t0 = _now()
                 return
             self._no_grad_t0 = 0  # (one that raised never reached its post-hook)
+            if self._child_pending:
+                self._safe(self._probe_children, "checkpoint watch")
             if self._opt_end and self.step_boundary is not None:  # a new step's first forward, maybe
                 self._safe(lambda: self.step_boundary(_now()), "step")
             if module.training:
