@@ -417,6 +417,10 @@ class OverlapRank(_Section):
     # FSDP roots per forward (trace.model.WindowTrace.roots_per_forward; the rank's windows' largest): more than one
     # where fully_shard was applied to blocks and not to the model. None: not seen, or a report written before it
     roots_per_forward: Optional[float] = None
+    # the units FSDP2 all-gathered ahead in forward (trace.model.WindowTrace.forward_prefetched: its
+    # FSDP::forward_prefetch labels, which only set_modules_to_forward_prefetch's lists issue); empty: none, or a report
+    # written before it
+    forward_prefetched: list[str] = []
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

@@ -22,7 +22,7 @@ from fsdp_doctor.report_sections import Report, TraceUnitRow
 from fsdp_doctor.store import load_run
 from fsdp_doctor.trace import analyze_traces, build_window
 from fsdp_doctor.trace.reader import decode
-from trace_fixtures import BASE_US, ProfileWindow, TraceBuilder, gpu_known_trace
+from trace_fixtures import BASE_US, ProfileWindow, TraceBuilder, gloo_gather_trace, gpu_known_trace
 
 
 def _mem(b: TraceBuilder, ts: float, total: int, device_type: int = 0, device_id: int = -1) -> None:
@@ -92,6 +92,71 @@ def test_unit_times_and_memory_known_answer(tmp_path):
     # a CPU trace's totals count from the profiler's start: the figure says what it leaves out (it read as the
     # run's peak: 8.27 MiB for 11.56 MiB, a new-user trial)
     assert ov.memory.source == STEPS_DETAIL.MEMORY_SOURCE_CPU and "not in them" in ov.memory.source
+
+
+def _prefetch_rules(tmp_path, trace):
+    """The report of one trace file, and prefetch.exposed_allgather's and prefetch.sync_unshard's finding (None where
+    quiet) and status."""
+    trace.write(tmp_path / "rank0.5.pt.trace.json.gz")
+    rep = build_report(load_run(tmp_path))
+    found = {f.code: f for f in rep.findings}
+    status = {r.code: r for r in rep.rules}
+    return rep, {c: (found.get(c), status[c]) for c in ("prefetch.exposed_allgather", "prefetch.sync_unshard")}
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["implicit", "explicit"])
+def test_plain_gloo_trace_prefetch_advice_follows_blocked_allgathers(tmp_path, sync, prefetch):
+    """A new-user trial's plain traces of a 2-rank gloo GPT (synchronous unshard; 18 of 18 all-gathers a rank blocked
+    the host): prefetch.exposed_allgather offered explicit forward prefetch, and after the paste (9
+    FSDP::forward_prefetch labels a trace) the same finding and fix again; prefetch.sync_unshard was skipped for want
+    of the unit snapshot. Known answer (gloo_gather_trace): 2 all-gathers a step, 1 ms exposed each (20% of a 10 ms
+    step), 2 steps. Where the host sat in them, sync_unshard fires from the trace with the async fix and the prefetch
+    rule offers no prefetch; where the trace shows explicit prefetch, no prefetch fix again (quiet on gloo, as in
+    record mode); async and implicit, the prefetch snippet with record mode's 'no measurable gain on gloo'."""
+    rep, got = _prefetch_rules(tmp_path, gloo_gather_trace(sync=sync, prefetch=prefetch))
+    assert rep.overlap.blocking["0"].count == (4 if sync else 0)
+    assert rep.overlap.per_rank["0"].forward_prefetched == (["1"] if prefetch else [])
+    (ag, ag_status), (su, su_status) = got["prefetch.exposed_allgather"], got["prefetch.sync_unshard"]
+    if sync:
+        assert su is not None and su.severity == "warning"
+        assert su.title == "Synchronous unshard on gloo: the host blocked in 4 of 4 all-gathers (trace)"
+        assert su.evidence["allgathers_blocking_host"] == 4 and su.evidence["allgathers"] == 4
+        assert su.evidence["blocking_ms_per_step"] == 2.0 and su.evidence["ag_overlap_pct"] == 0.0
+        assert su.recommendation.code.endswith("for m in model.modules():\n    if isinstance(m, FSDPModule):\n"
+                                               "        m._set_unshard_async_op(True)")
+    else:
+        assert su is None and su_status.status == "quiet"
+        assert su_status.reason.startswith("the host sat in 0 of 4 all-gathers for their whole length")
+    if prefetch:  # the prefetch fix pasted: quiet on gloo, saying why
+        assert ag is None and ag_status.status == "quiet"
+        assert ag_status.reason.startswith("explicit prefetch is set (the trace's FSDP::forward_prefetch labels name "
+                                           "1) and compute still waits 2.00 ms per step (20%)")
+        assert ("prefetch.sync_unshard" in ag_status.reason) == sync
+        return
+    assert ag is not None and ag.severity == "info" and ag.evidence["exposed_ag_ms_per_step"] == 2.0
+    if sync:  # no prefetch snippet: it cannot help while each all-gather blocks the host
+        assert ag.recommendation.code == ""
+        assert "The unshard is synchronous on gloo: the host sat in 4 of 4 all-gathers" in ag.recommendation.text
+        assert "(prefetch.sync_unshard's fix)" in ag.recommendation.text
+    else:
+        assert "set_modules_to_forward_prefetch" in ag.recommendation.code
+        assert "On gloo, prefetch gains nothing measurable" in ag.recommendation.text
+
+
+def test_plain_gpu_trace_with_explicit_prefetch_offers_no_prefetch_again(tmp_path):
+    """gpu_known_trace with layers.1 prefetched under FSDP::forward_prefetch: the exposure left (0.15 ms of a 1 ms
+    step) is named, with no prefetch snippet (it is set) and no gain predicted; without the label the snippet."""
+    rep, got = _prefetch_rules(tmp_path / "explicit", gpu_known_trace(prefetch=True))
+    assert rep.overlap.per_rank["0"].forward_prefetched == ["layers.1"]
+    ag, _ = got["prefetch.exposed_allgather"]
+    assert ag.evidence["exposed_ag_ms_per_step"] == 0.15 and ag.recommendation.code == ""
+    assert "Explicit prefetch is already set (the trace's FSDP::forward_prefetch labels name layers.1)" in \
+        ag.recommendation.text
+    assert ag.predicted.step_ms_after is None
+    assert got["prefetch.sync_unshard"][1].reason == "a GPU trace: its all-gathers run on their own stream"
+    _, got = _prefetch_rules(tmp_path / "implicit", gpu_known_trace(prefetch=False))
+    assert "set_modules_to_forward_prefetch" in got["prefetch.exposed_allgather"][0].recommendation.code
 
 
 def test_gpu_known_trace_unit_device_time():

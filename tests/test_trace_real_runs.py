@@ -154,3 +154,30 @@ def test_roots_without_the_model_sharded_are_found_in_a_plain_trace(tmp_path):
     one = build_report(load_run(_run(tmp_path / "block", "block")))
     assert {pr.roots_per_forward for pr in one.overlap.per_rank.values()} == {1.0}
     assert "wrap.root_not_sharded" not in {f.code for f in one.findings}
+
+
+def test_plain_gloo_trace_of_pasted_prefetch_points_at_the_synchronous_unshard(tmp_path):
+    """A new-user trial pasted prefetch.exposed_allgather's fix (explicit forward prefetch) into its gloo run with the
+    default synchronous unshard and profiled it with plain torch.profiler: the report printed the same finding and fix
+    again. A real 2-rank run so: the trace holds the FSDP::forward_prefetch labels and the host sat in (nearly) every
+    all-gather; prefetch.sync_unshard fires from the trace with the async fix, and prefetch.exposed_allgather offers
+    no prefetch fix (quiet)."""
+    from fsdp_doctor import build_report, load_run
+
+    hook = ProfileWindow(tmp_path, warmup=1, active=3)
+    cfg = workloads.WorkloadConfig(steps=hook.steps_needed(), async_unshard=False, forward_prefetch=1, d_model=64,
+                                   n_layers=3, n_heads=2, seq_len=32, vocab=64, batch_size=2)
+    workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=120)
+    rep = build_report(load_run(tmp_path))
+    ov = rep.overlap
+    assert ov.skipped == [] and sorted(ov.per_rank) == ["0", "1"]
+    for pr in ov.per_rank.values():  # each block prefetches the next
+        assert pr.forward_prefetched == ["layers.1", "layers.2"]
+    n_ag = sum(r.count for r in ov.per_unit if r.collective == "all_gather")
+    blocked = sum(b.count for b in ov.blocking.values())
+    assert n_ag > 0 and blocked >= n_ag - 2, (blocked, n_ag)
+    found = {f.code: f for f in rep.findings}
+    assert "_set_unshard_async_op(True)" in found["prefetch.sync_unshard"].recommendation.code
+    assert "prefetch.exposed_allgather" not in found
+    status = {r.code: r for r in rep.rules}["prefetch.exposed_allgather"]
+    assert status.status == "quiet"

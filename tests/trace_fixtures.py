@@ -220,6 +220,32 @@ def gloo_known_trace(rank=0, steps=(5, 6)) -> TraceBuilder:
     return b
 
 
+def gloo_gather_trace(sync: bool, prefetch: bool, steps=(5, 6)) -> TraceBuilder:
+    """A gloo forward of units "0" and "1", each all-gathered for 1000 µs with no compute under it, then computing
+    1000 µs (steps 10,000 µs apart, 9,000 long; the last cut). ``sync``: the host sits in each all-gather (its
+    ``FSDP::all_gather`` label and c10d op hold it to the end, the synchronous unshard), else it issues it and goes on
+    (the label and op end 80 µs in, the copy-out comes after it: async unshard). ``prefetch``: unit "1"'s all-gather is
+    issued under ``FSDP::forward_prefetch for 1`` (explicit forward prefetch), else under its own pre-forward. The
+    same times either way: per step 2000 µs of exposed all-gather (20% of 10,000), 2 all-gathers, both blocking the
+    host where ``sync``."""
+    b = TraceBuilder(rank=0)
+    b.pid = b.main_tid = 100
+    for i, n in enumerate(list(steps) + [steps[-1] + 1]):
+        T = 10000.0 * i
+        b.step(n, T, 9000.0)
+        b.label("FSDP::root_pre_forward", T + 1, 2)
+        for unit, t in (("0", T + 10), ("1", T + 2210)):
+            b.label(f"FSDP::forward_prefetch for {unit}" if (prefetch and unit == "1") else
+                    f"FSDP::pre_forward ({unit})", t - 5, 1090 if sync else 100)
+            b.label(f"FSDP::all_gather ({unit})", t, 1080 if sync else 90)
+            b.op("c10d::_allgather_base_", t + 10, 1070 if sync else 80)
+            b.gloo("all_gather", t + 40, 1000)
+            if not sync:
+                b.label(f"FSDP::all_gather_copy_out ({unit})", t + 1045, 40)
+            b.op("aten::mm", t + 1100, 1000)
+    return b
+
+
 # ====================================================================== real runs
 class ProfileWindow:
     """``on_step`` hook for ``fsdp_doctor.workloads.train``: plain torch.profiler with a schedule writing

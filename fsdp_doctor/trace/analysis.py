@@ -313,6 +313,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.fsdp_host_ms_per_step = (pr.fsdp_host_ms_per_step or 0.0) + w.fsdp_host_us / 1e3
         if w.roots_per_forward is not None:
             pr.roots_per_forward = max(pr.roots_per_forward or 0.0, w.roots_per_forward)
+        pr.forward_prefetched = sorted(set(pr.forward_prefetched) | set(w.forward_prefetched))
         pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
                                                  + on_compute_stream_us(w) / 1e3)
         if w.device_lag_us > 0:

@@ -439,6 +439,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     labels = index.labels()
     spans = unit_spans(*labels, bounds)
     win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
+    win.forward_prefetched = sorted({_unit_of(p.fqn) for i in np.unique(labels[2]).tolist()
+                                     if (p := parse_label(labels[3][i])) is not None and p.kind == "forward_prefetch"})
     del labels
     gpu_window = bool(len(gpu.ts))
     if not gpu_window:  # (a GPU window's units are timed by their kernels, in _build_gpu)

@@ -37,6 +37,12 @@ EXPLICIT_DEPTH_WARN = 2
 # Synchronous unshard on gloo: the share of the backward all-gather waits that async unshard plus FSDP's
 # implicit backward prefetch removed on the reference workload (2 ranks, 2 cores: waits ~3.3 -> ~1.4 ms).
 GLOO_ASYNC_BWD_SAVED = 0.5
+# A plain trace shows the unshard synchronous (prefetch.sync_unshard) where the host sat in at least this share of the
+# all-gathers (gloo): with it, nearly every one (18 of 18 per rank on a new-user trial's 2-rank GPT with per-block
+# units, the root's included; 36 of 36 in each of its reruns). With async unshard gloo's thread may still finish a
+# small all-gather before the host's call returns, which reads as blocking: 0-4 of 36 in the trial GPT's reruns, but
+# 11 of 22 in the sample run's own window (traces/sample, a loaded host; 7 of 11 on one rank)
+BLOCKED_AG_SHARE = 0.9
 # The last unit's immediate re-gather matters when it costs at least this share of the step.
 LAST_UNIT_WARN_SHARE = 0.02
 # An all-gather of a frozen unit that never runs backward is a warning from this share of the step on a GPU (its
@@ -44,6 +50,14 @@ LAST_UNIT_WARN_SHARE = 0.02
 # otherwise. Not by time on gloo: there the copies share the cores with compute and the exposure is the host's load
 # (0.1-4.7% on the tuned fine-tuning baselines, and once over 15% under a loaded run of the whole table).
 FROZEN_GATHER_WARN_SHARE_GPU = 0.05
+
+
+# what prefetch.exposed_allgather says where explicit prefetch is set and the waits remain, and of its snippet on gloo
+_PREFETCH_SET = ("if the waits remain, the all-gathers are slower than the compute they hide behind: larger units "
+                 "(fewer, bigger calls) or reshard_after_forward=False on the units whose backward waits dominate "
+                 "(if memory allows).")
+_GLOO_NO_GAIN = (" On gloo, prefetch gains nothing measurable (gloo's threads share the cores with compute): "
+                 "expect no step-time change from the snippet.")
 
 
 def _exposed_severity(share: float, cpu: bool):
@@ -67,6 +81,34 @@ def _sync_gloo_units(ctx: Context) -> list[E.Unit]:
     if E.backend(ctx) != "gloo":
         return []
     return [u for u in E.non_root(E.param_units(ctx)) if not u.unshard_async_op]
+
+
+def _blocked_allgathers(ctx: Context) -> tuple[int, int]:
+    """From the trace: (the all-gathers during which the host sat in the collective for its whole length, the
+    all-gathers), over every rank's windows. Only gloo's block (trace.build: on a GPU the host launches and goes on)."""
+    blk = E.overlap(ctx).blocking
+    return (sum(b.count for b in blk.values()), sum(r.count for r in E.trace_rows(ctx, "all_gather")))
+
+
+def _trace_shows_sync(ctx: Context) -> bool:
+    """The trace shows the synchronous unshard: on a CPU trace, the host blocked in (nearly) every all-gather
+    (BLOCKED_AG_SHARE)."""
+    n, total = _blocked_allgathers(ctx)
+    return E.trace_device(ctx) == "cpu" and total > 0 and n >= BLOCKED_AG_SHARE * total
+
+
+def _sat_in(ctx: Context) -> str:
+    """The blocked all-gathers in words."""
+    n, total = _blocked_allgathers(ctx)
+    ranks = len(E.overlap(ctx).per_rank)
+    return (f"the host sat in {n} of {total} all-gathers for their whole length (the profiled windows of {ranks} "
+            f"rank{'s' if ranks != 1 else ''})")
+
+
+def _forward_prefetched(ctx: Context) -> list[str]:
+    """The units the trace shows FSDP2 prefetching in forward (its FSDP::forward_prefetch labels, on any rank):
+    explicit forward prefetch is set."""
+    return sorted({u for pr in E.overlap(ctx).per_rank.values() for u in pr.forward_prefetched})
 
 
 @register
@@ -207,9 +249,7 @@ class ExposedAllGather(Rule):
                      "they gather those units again rather than ahead (prefetch.wrong_order's fix sets them in the "
                      "run's order).")
         elif has_fwd_prefetch:
-            text += ("Explicit prefetch is already set; if the waits remain, the all-gathers are slower than the "
-                     "compute they hide behind: larger units (fewer, bigger calls) or reshard_after_forward=False "
-                     "on the units whose backward waits dominate (if memory allows).")
+            text += "Explicit prefetch is already set; " + _PREFETCH_SET
         else:
             text += ("FSDP2 prefetches implicitly only in backward; in forward each unit's all-gather starts "
                      "when the unit is reached. Prefetch the next unit explicitly so that its all-gather runs "
@@ -221,8 +261,7 @@ class ExposedAllGather(Rule):
         if saved > 0 and not no_room and not has_fwd_prefetch:
             text += f" Expected from the snippet (explicit prefetch): ~{saved:.1f} ms per step."
         elif cpu and not has_fwd_prefetch:
-            text += (" On gloo, prefetch gains nothing measurable (gloo's threads share the cores with compute): "
-                     "expect no step-time change from the snippet.")
+            text += _GLOO_NO_GAIN
         if saved_bwd > 0:
             text += (f" Separately, reshard_after_forward=False on the resharded units would remove up to "
                      f"~{saved_bwd:.1f} ms of backward waits for +{E.mib(added)} MiB (reshard.zero2_affordable "
@@ -282,11 +321,47 @@ class ExposedAllGather(Rule):
         verdicts = ctx.report.verdict.per_rank if ctx.report.verdict is not None else {}
         compute_ms = statistics.median(
             v.step_ms * v.groups_pct["compute"] / 100 for v in verdicts.values()) if verdicts else 0.0
-        saved = 0.0 if cpu else min(hideable, compute_ms) * PREFETCH_OVERLAP_GPU
-        if not cpu and _exposed_severity(saved / step, cpu=False) != "warning":
+        # explicit forward prefetch in the trace (FSDP2 labels a forward prefetch only where a list is set): the fix
+        # pasted already. A new-user trial's rerun of it on gloo printed the same finding and fix again (its 9
+        # FSDP::forward_prefetch labels a trace, the stall 8.84 -> 18.48 ms a step); there, as in record mode, quiet
+        explicit = _forward_prefetched(ctx)
+        # gloo's all-gathers block the host unless the unshard is asynchronous: a prefetched all-gather then runs to
+        # its end before the unit computes, and prefetching hides nothing (the trial's traces: the host sat in 18 of
+        # 18 all-gathers per rank, before the paste and after)
+        sync = _trace_shows_sync(ctx)
+        blocked, calls = _blocked_allgathers(ctx)
+        sat_in = _sat_in(ctx)
+        if cpu and explicit:
+            return self.quiet(
+                f"explicit prefetch is set (the trace's FSDP::forward_prefetch labels name {E.fmt_list(explicit)}) "
+                f"and compute still waits {total:.2f} ms per step ({100 * share:.0f}%) for all-gathers: "
+                + (f"the unshard is synchronous on gloo ({sat_in}), and no prefetch overlaps an all-gather the host "
+                   "waits in (prefetch.sync_unshard)" if sync else
+                   "on gloo they share the host's cores with the compute, and no prefetch hides them (comm.bound and "
+                   "the verdict weigh them)"))
+        saved = 0.0 if cpu or explicit else min(hideable, compute_ms) * PREFETCH_OVERLAP_GPU
+        if sync or (not cpu and _exposed_severity(saved / step, cpu=False) != "warning"):
             sev = "info"  # on a GPU the severity follows the gain prefetching can bring (the trace's compute)
         names = sorted({u for u, _, _ in rows})
-        code = S.prefetch_code(ctx, backward=False)
+        text = (f"Compute waits {total:.2f} ms per step for all-gathers{on_late} ({fwd:.2f} ms in forward, {bwd:.2f} "
+                "ms in backward; from the trace: units and phases from FSDP2's labels). ")
+        if sync:
+            # (record mode notes it beside its snippet; here the trace is the evidence, and the snippet no help)
+            text += (f"The unshard is synchronous on gloo: {sat_in}. FSDP2's all-gathers on gloo block the host unless "
+                     "the unshard is asynchronous, so a prefetched all-gather too runs to its end before the current "
+                     "unit computes: prefetching cannot hide them. Make the unshard asynchronous first "
+                     "(prefetch.sync_unshard's fix).")
+            code = ""
+        elif explicit:
+            text += (f"Explicit prefetch is already set (the trace's FSDP::forward_prefetch labels name "
+                     f"{E.fmt_list(explicit)}); " + _PREFETCH_SET)
+            code = ""
+        else:
+            text += ("In forward FSDP2 issues a unit's all-gather when the unit is reached; prefetch the next unit "
+                     "explicitly so that it runs during the current unit's compute. Backward waits remain when an "
+                     "all-gather takes longer than the unit's backward compute: larger units, or "
+                     "reshard_after_forward=False where memory allows." + (_GLOO_NO_GAIN if cpu else ""))
+            code = S.prefetch_code(ctx, backward=False)
         return [self.finding(
             sev, f"All-gathers stall compute for {total:.2f} ms per step ({100 * share:.0f}%)",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
@@ -294,13 +369,9 @@ class ExposedAllGather(Rule):
              "step_ms": round(step, 3),
              "worst_units": [f"{u} ({ph}): {w:.3f} ms" for u, ph, w in rows[:6]], "measured_by": "trace",
              "ranks_read": sorted({int(r.rank) for r in E.trace_rows(ctx, "all_gather")}) if late is None
-             else [int(late.rank)]},
-            f"Compute waits {total:.2f} ms per step for all-gathers{on_late} ({fwd:.2f} ms in forward, {bwd:.2f} ms "
-            "in backward; from the trace: units and phases from FSDP2's labels). In forward FSDP2 issues a unit's "
-            "all-gather when the unit is reached; prefetch the next unit explicitly so that it runs during the "
-            "current unit's compute. Backward waits remain when an all-gather takes longer than the unit's "
-            "backward compute: larger units, or reshard_after_forward=False where memory allows.",
-            code, predicted=E.predicted(step, step - saved if saved > 0 else None), units=names[:10])]
+             else [int(late.rank)],
+             "allgathers_blocking_host": blocked, "allgathers": calls, "forward_prefetched": explicit},
+            text, code, predicted=E.predicted(step, step - saved if saved > 0 else None), units=names[:10])]
 
 
 @register
@@ -579,15 +650,27 @@ class PrefetchWrongOrder(Rule):
             units=sorted({u.name for u, _, _ in wrong} | {t for _, _, b in wrong for t in b}))]
 
 
+_SYNC_WHY = ("On gloo, CPU streams and events are no-ops, so with the default synchronous unshard the all-gather runs "
+             "to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, including the all-gathers "
+             "FSDP prefetches (explicitly in forward, by default in backward). Make the unshard asynchronous on every "
+             "unit (private API, torch >= 2.4): the collective then runs on gloo's threads while the host computes, "
+             "and FSDP waits for it only when the unit is needed.")
+
+
 @register
 class SyncUnshard(Rule):
     code = "prefetch.sync_unshard"
     name = "Synchronous unshard on gloo"
-    description = "On gloo the default synchronous unshard blocks the host inside every all-gather."
-    needs = ("units", "sharded")  # (one rank per shard group: its all-gathers are local copies)
+    description = ("On gloo the default synchronous unshard blocks the host inside every all-gather (the unit "
+                   "snapshot's setting, or a trace's all-gathers that blocked the host).")
+    # (one rank per shard group: its all-gathers are local copies.) A plain trace has no unit snapshot: its blocked
+    # all-gathers are the evidence, and the fix (every FSDPModule of the model) needs no unit's name
+    needs = ("records|trace", "sharded")
     severities = ("warning",)
 
     def match(self, ctx: Context):
+        if not E.param_units(ctx):
+            return self._from_plain_trace(ctx)
         sync = _sync_gloo_units(ctx)
         if not sync:
             return self.quiet("not gloo" if E.backend(ctx) != "gloo" else "every unit unshards asynchronously")
@@ -610,15 +693,49 @@ class SyncUnshard(Rule):
              "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,
              "blocking_calls": sum(b.count for b in blk.values()) if blk else None,
              "ag_overlap_pct": ag_overlap_pct},
-            "On gloo, CPU streams and events are no-ops, so with the default synchronous unshard the "
-            "all-gather runs to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, "
-            "including the all-gathers FSDP prefetches in backward. Make the unshard asynchronous on every "
-            "unit (private API, torch >= 2.4): the collective then runs on gloo's threads while the host "
-            "computes, and FSDP waits for it only when the unit is needed. (The root's own all-gather opens the "
-            "step, with nothing before it to overlap: it is not counted; the snippet sets every unit alike.)",
+            _SYNC_WHY + " (The root's own all-gather opens the step, with nothing before it to overlap: it is not "
+            "counted; the snippet sets every unit alike.)",
             S.async_unshard_code(),
             predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None),
             units=names)]
+
+    def _from_plain_trace(self, ctx: Context):
+        """A plain trace (no unit snapshot): the all-gathers the host sat in for their whole length (gloo's, with
+        the synchronous unshard; trace.build) are the evidence."""
+        if E.trace_device(ctx) != "cpu":
+            return self.quiet("a GPU trace: its all-gathers run on their own stream" if E.trace_device(ctx) else
+                              "no trace")
+        blocked, calls = _blocked_allgathers(ctx)
+        ag_rows = E.trace_rows(ctx, "all_gather")
+        units = sorted({r.unit for r in ag_rows if r.unit != E.OTHER_UNIT})
+        if not units:  # (gloo's blocking all-gathers of the loop's own code are no unshard's)
+            return self.quiet("no FSDP all-gather in the trace")
+        if not _trace_shows_sync(ctx):
+            return self.quiet(f"{_sat_in(ctx)}, under {100 * BLOCKED_AG_SHARE:.0f}% of them: the unshard is "
+                              "asynchronous (the synchronous one blocks in nearly every one)")
+        step = E.trace_step_ms(ctx)
+        ag_comm = sum(r.comm_us for r in ag_rows)
+        ag_overlap_pct = round(100 * (1 - sum(r.exposed_us for r in ag_rows) / ag_comm), 1) if ag_comm > 0 else None
+        blk = E.overlap(ctx).blocking
+        blocking_ms = [b.us / E.steps_in_windows(ctx, r) / 1e3 for r, b in blk.items()]
+        # as from the records: async unshard and FSDP's implicit backward prefetch remove about half of the backward
+        # waits (GLOO_ASYNC_BWD_SAVED); here the trace's exposed backward all-gathers, the median over ranks
+        waits = E.trace_exposed_by_unit(ctx, "all_gather")
+        bwd = sum(w for (u, ph), w in waits.items() if ph == "backward" and u not in ("(root)", E.OTHER_UNIT))
+        fwd = sum(w for (u, ph), w in waits.items() if ph == "forward" and u not in ("(root)", E.OTHER_UNIT))
+        saved = bwd * GLOO_ASYNC_BWD_SAVED
+        return [self.finding(
+            "warning", f"Synchronous unshard on gloo: the host blocked in {blocked} of {calls} all-gathers (trace)",
+            {"backend": E.backend(ctx), "allgathers_blocking_host": blocked, "allgathers": calls,
+             "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,
+             "trace_exposed_ag_fwd_ms": round(fwd, 3), "trace_exposed_ag_bwd_ms": round(bwd, 3),
+             "step_ms": None if step is None else round(step, 3), "ag_overlap_pct": ag_overlap_pct,
+             "measured_by": "trace"},
+            f"The trace shows it: {_sat_in(ctx)}. " + _SYNC_WHY
+            + " (The snippet sets every FSDP module of the model alike, the root included.)",
+            S.async_unshard_code(),
+            predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None),
+            units=units[:10])]
 
 
 @register
