@@ -36,8 +36,10 @@ if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
 fi
 echo "test-compat: installing the runtime dependencies into $env (torch pinned at $ver) ..." >&2
 pin="$env/.torch-pin.txt"
-"$py" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > "$pin"
-# the pin keeps pip from touching torch (a dependency asking for another torch fails instead)
+"$py" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" 2>/dev/null > "$pin"
+# the pin keeps pip from touching torch (a dependency asking for another torch fails instead); without the local
+# part (+cu130), which the installed build still matches: pinned with it, pip could not resolve a package needing
+# torch>=2.0 (accelerate 1.15: ResolutionImpossible; unpinned by version, pip took accelerate 0.0.1: a trial)
 PIP_CONSTRAINT="$pin" "$py" -m pip install --disable-pip-version-check --progress-bar off $deps 2>&1 \
   | quiet | grep -E "^(Installing|Successfully|ERROR)" >&2 || true
 "$py" -c "import torch, msgspec, rich, numpy, pytest; assert torch.__version__.split('+')[0] == '$ver'" \

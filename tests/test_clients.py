@@ -416,3 +416,30 @@ def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
     assert not missing, missing
     assert not codes & words
     assert sum(r[2] == "ok" for r in _run_snippets(spec, tmp_path)) >= 18
+
+
+def test_every_constructed_snippet_prints_its_comments_within_80_columns():
+    """The terminal prints a fix unwrapped, for copying: two new-user trials' 80-column terminals wrapped the fixes'
+    long comments mid-word (lines of 87 to 126 columns). Printed, every constructed snippet's comments fit 80
+    columns (a paragraph wrapped anew, a comment after code moved above it), and its code is the rule's own: the
+    same tokens but comments and line breaks, so it runs as the tests run it."""
+    import io
+    import tokenize
+
+    from fsdp_doctor.present.fmt import CODE_WIDTH, fit_comments
+
+    def code_tokens(src):
+        return [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+                if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
+
+    snippets = {(c, code) for _, c, code, where, _ in _known_answer_findings(snippets=True) if where != "torchtitan"}
+    wide = 0
+    for rule, code in snippets:
+        fitted = fit_comments(code)
+        wide += any(len(ln) > CODE_WIDTH for ln in code.splitlines())
+        assert code_tokens(fitted) == code_tokens(code), (rule, fitted)
+        lines = fitted.splitlines()
+        for t in tokenize.generate_tokens(io.StringIO(fitted).readline):
+            if t.type == tokenize.COMMENT:  # (a comment line, or one after code)
+                assert len(lines[t.start[0] - 1]) <= CODE_WIDTH, (rule, lines[t.start[0] - 1])
+    assert wide >= 20  # (the snippets that had a line too wide)

@@ -257,6 +257,15 @@ def test_params_in_root():
     # the step: on gloo the new units' collectives cost the host per call (a new-user trial measured +63% and +85%
     # where "unchanged" was predicted): not predicted, and said; on a GPU they overlap as the blocks' do: unchanged
     assert f.predicted["step_ms_after"] is None and "the step time is not predicted" in f.recommendation.text
+    assert "The root is not resharded after forward" in f.recommendation.text
+    # a root given reshard_after_forward=True is resharded after its forward (a new-user trial read "not resharded"
+    # beside reshard.last_unit's "resharded after forward"); what it holds spans the blocks' all the same
+    us[0][0]["reshard_after_forward"] = True
+    (r,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
+    assert "not resharded" not in r.recommendation.text and "The root is resharded after its forward here, but " \
+        "its forward and its backward span the whole model's" in r.recommendation.text, r.recommendation.text
+    assert r.predicted["peak_bytes_after"] == f.predicted["peak_bytes_after"]
+    us[0][0]["reshard_after_forward"] = False
     (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB), backend="nccl", device="cuda")[0])
     assert g.predicted["step_ms_after"] == g.predicted["step_ms_before"] == 110.0
     assert "not predicted" not in g.recommendation.text

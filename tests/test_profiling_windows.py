@@ -231,3 +231,23 @@ def test_a_second_doctor_in_the_process_names_the_first_not_the_user(tmp_path, c
     (line,) = [r.getMessage() for r in caplog.records if STEPPED_ASIDE in r.getMessage()]
     assert "another fsdp_doctor.watch() in this process records profiler windows" in line, line
     assert other_profiler() is None
+
+
+@pytest.mark.compat
+def test_a_window_makes_torch_warn_nothing(tmp_path):
+    """A window is a profiler of its own, one cycle: torch 2.11 (the GPU machine's) warned on every rank of every
+    watched run that the profiler "clears events at the end of each cycle ... set acc_events=True", a flag the
+    user does not hold (a new-user trial). The window keeps its events and torch says nothing."""
+    import warnings
+
+    import torch.profiler.profiler as tp
+
+    getattr(tp, "_WARNINGS_SHOWN", set()).clear()  # (torch warns once a process)
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=2, warmup=1, every=0)),
+                        on_saved=lambda steps, rel: saved.append(steps))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _drive(w, 6)
+    assert saved == [[2, 3]]
+    assert not [str(c.message) for c in caught if "profiler" in c.filename], [str(c.message) for c in caught]

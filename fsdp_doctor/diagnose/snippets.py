@@ -694,7 +694,8 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     if len(fwd) < 2:  # no unit besides the root (or one): nothing to prefetch ahead of another; no code
         return ""
     how = "as your run ran them" if recorded else "module order"
-    lines = [f"# FSDP units in the order their forward starts ({how}): each prefetches the next",
+    # (each line fits 80 columns: a new-user trial's terminal wrapped the fixes' long comments)
+    lines = [f"# FSDP units in forward order ({how}): each prefetches the next",
              *([f"# (not {len(sometimes)} unit(s) that did not run in every step: gathered when they run)"]
                if sometimes else []),
              *_order_lines(t, "forward_order", fwd)]
@@ -1359,13 +1360,14 @@ _DEFINES = (
 )
 _FSDP_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard")
 _MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
-         "mesh = init_device_mesh(device, (dist.get_world_size(),))  # all ranks (HSDP: your 2-D mesh)")
+         "# a mesh over all ranks (HSDP: your 2-D mesh)\n"
+         "mesh = init_device_mesh(device, (dist.get_world_size(),))")
 
 
 # heads a snippet's imports, which it gathers at its top: pasted into a function that used one of their names
 # before (``dist.init_process_group()`` in the user's main()), an import there makes the name local to the whole
 # function, and the earlier use raises UnboundLocalError (a new-user trial pasted a wrap fix into main())
-IMPORTS_NOTE = "# imports: at the top of your file, not inside a function that already uses these names"
+IMPORTS_NOTE = "# imports: at the top of your file, not in a function using these names"
 
 
 def _hoist_imports(body: str) -> tuple[list[str], str]:
@@ -1422,3 +1424,4 @@ def complete(code: str, define_mesh: bool = True) -> str:
         fsdp += [n.strip() for n in m.group(1).split(",") if n.strip() not in fsdp]
     imports = [f"from torch.distributed.fsdp import {', '.join(fsdp)}" if ln == "<fsdp>" else ln for ln in imports]
     return "\n".join([IMPORTS_NOTE, *imports, "", body]) if imports else body
+

@@ -7,7 +7,10 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
+import io
 import statistics
+import textwrap
+import tokenize
 from typing import NamedTuple
 
 from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier,
@@ -608,3 +611,50 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
     out += [RunWarning(f"doctor stepped aside on rank {e.rank} at step {e.step} ({e.where}): {e.message}", "error")
             for e in run.doctor_errors or []]
     return out
+
+
+#: the columns a fix's lines fit in on the terminal, which prints it unwrapped, for copying
+CODE_WIDTH = 80
+
+
+def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
+    """``code`` with each comment paragraph (comment lines in a row, at one indent) holding a line over ``width``
+    columns wrapped anew, and a comment after code over it moved above that code, wrapped; the code itself as it
+    is: two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word (lines of 87 to 126
+    columns). Comments only move, so the fix runs as the report's own (its JSON keeps it as the rule wrote it).
+    Code that does not tokenize (a command line) is returned as it is."""
+    lines = code.split("\n")
+    if all(len(ln) <= width for ln in lines):
+        return code
+    try:
+        comments = {t.start[0] - 1: t.start[1] for t in tokenize.generate_tokens(io.StringIO(code).readline)
+                    if t.type == tokenize.COMMENT}
+    except (tokenize.TokenError, SyntaxError):
+        return code
+
+    def wrap(indent: str, text: str) -> list[str]:
+        return [f"{indent}# {w}" for w in textwrap.wrap(text, max(20, width - len(indent) - 2),
+                                                          break_long_words=False, break_on_hyphens=False)]
+
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        ln, col = lines[i], comments.get(i)
+        indent = ln[:len(ln) - len(ln.lstrip())]
+        if col is not None and col == len(indent):  # a comment line: its paragraph
+            j = i
+            while j + 1 < len(lines) and comments.get(j + 1) == len(indent) and lines[j + 1].startswith(indent) \
+                    and len(lines[j + 1]) - len(lines[j + 1].lstrip()) == len(indent):
+                j += 1
+            para = lines[i:j + 1]
+            if any(len(x) > width for x in para):
+                para = wrap(indent, " ".join(x.strip().lstrip("#").strip() for x in para))
+            out += para
+            i = j + 1
+            continue
+        if col is not None and len(ln) > width:  # a comment after code: above it
+            out += wrap(indent, ln[col:].lstrip("#").strip())
+            ln = ln[:col].rstrip()
+        out.append(ln)
+        i += 1
+    return "\n".join(out)

@@ -12,7 +12,7 @@ from rich.text import Text
 from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow,
                                Verdict)
 from .fit import Col, fitted_table
-from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
+from .fmt import (fit_comments, fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
@@ -157,7 +157,8 @@ def finding_details(f: Finding) -> list:
             items.append(Text(f"The fix uses from your code: {fix_inputs(rec)}", style="dim"))
         items.append(Text(fix_heading(rec, inputs=False), style="dim"))
         lexer = "bash" if rec.where in FIX_LANGUAGES else "python"  # (a command line, not Python)
-        items.append(Syntax(rec.code, lexer, theme="ansi_dark", background_color="default", word_wrap=False))
+        code = rec.code if lexer == "bash" else fit_comments(rec.code)
+        items.append(Syntax(code, lexer, theme="ansi_dark", background_color="default", word_wrap=False))
     return items
 
 

@@ -169,6 +169,10 @@ class ProfilerWindows:
         kw.setdefault("profile_memory", True)
         kw.setdefault("with_stack", False)
         kw["schedule"] = self.action  # torch's profiler steps through the same, shifted, schedule
+        # each window is a profiler of its own, one cycle: nothing to clear between cycles. Without it torch 2.11
+        # warned on every rank of every watched run that it "clears events at the end of each cycle ... set
+        # acc_events=True", a flag the user does not hold (a new-user trial)
+        kw.setdefault("acc_events", True)
         self._kw = kw
         self.prof: torch.profiler.profile | None = None
         self._gzips: list[tuple[threading.Thread, list[int], list[Path]]] = []  # traces being compressed, in order

@@ -240,8 +240,14 @@ class ParamsInRoot(Rule):
         blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
         plug = _plugin_wrap(ctx, "left the blocks in the root (no policy, or none that matched them)") \
             if blocks else {}
+        # (a root given reshard_after_forward=True is resharded after its forward: a new-user trial's report said
+        # it was not, beside reshard.last_unit saying it was; its forward and backward span the model's all the same)
         held_text = ("The root is not resharded after forward, so these stay gathered from the first forward to the "
-                     "end of backward, and their all-gather is the first of the step with nothing to overlap.")
+                     "end of backward, and their all-gather is the first of the step with nothing to overlap."
+                     if root.reshard_after_forward is not True else
+                     "The root is resharded after its forward here, but its forward and its backward span the whole "
+                     "model's: these stay gathered through every block's forward and backward, and their all-gathers "
+                     "are the first of each with nothing to overlap.")
         text = (f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped units: "
                 f"the blocks {E.fmt_list(blocks)} among them. {held_text} {plug['text']}" if plug else
                 f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped "
