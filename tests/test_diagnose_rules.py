@@ -636,11 +636,16 @@ def test_sync_unshard_on_gloo():
           "per_unit": [{"rank": 0, "unit": "layers.0", "collective": "all_gather", "phase": "forward", "count": 1,
                         "comm_us": 3000.0, "exposed_us": 3000.0}],
           "blocking": {"0": {"count": 11, "us": 17_000.0}}}
-    ctx, _ = build(units=us, overlap=ov)
+    ctx, _ = build(units=us, overlap=ov, memory=memory(40 * MiB))
     (f,) = run_rule("prefetch.sync_unshard", ctx)
     assert f.evidence["blocking_calls"] == 11 and f.evidence["ag_overlap_pct"] == 0.0
     assert "_set_unshard_async_op(True)" in f.recommendation.code
     assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
+    # the peak: up to one unit's gathered parameters more, the largest (a new-user trial's rank 0 rose by one block's
+    # where no peak was predicted)
+    largest = max(u["unsharded_bytes"] for u, _ in us if u.get("unshard_async_op") is False)
+    assert f.predicted["peak_bytes_after"] - f.predicted["peak_bytes_before"] == largest > 0, f.predicted
+    assert "The peak may rise by up to one unit's gathered parameters" in f.recommendation.text
     assert run_rule("prefetch.sync_unshard", build()[0]) == []  # async already
     ctx, _ = build(units=us, backend="nccl", device="cuda:0")
     assert run_rule("prefetch.sync_unshard", ctx) == []  # not gloo
