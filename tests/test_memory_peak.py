@@ -206,6 +206,86 @@ def test_light_steps_replay_the_high_water():
     _nothing_left(probe)
 
 
+def test_gloos_copy_of_a_reduce_scatter_input_is_left_out(gloo_one_rank):
+    """gloo's reduce-scatter all-reduces a copy of its input that gloo allocates off the dispatcher; the wait splits it
+    to copy this rank's chunk out, and FSDPMemTracker counts the copy from that split on (Temp). A bf16 run with fp32
+    reduce (2 gloo ranks) read the tracker's peak 2-7% above ours: 1,780,884 B against 1,743,476 B (a new-user
+    trial), the fp32 copy of blocks.1's reduce-scatter input. NCCL makes no such copy, and the CPU run stands in for a
+    device: counted (adopted at the split), the trial's peak met the tracker's within 1,056 B, but the reruns of the
+    fixes' predictions broke (accelerate's bf16 reduce fixed to fp32: 72.66 MB measured, 63.38 MB predicted). Here:
+    the input (1 MB) and the output (1 MB); gloo's copy (1 MB) is not in the figure."""
+    import torch.distributed as dist
+
+    probe = _probe()
+    probe.mark(None, "forward_start")
+    inp = torch.ones(250_000)
+    out = torch.empty(250_000)
+    dist.reduce_scatter_tensor(out, inp)  # one rank: the output is the whole input, through gloo's copy all the same
+    del inp, out
+    probe.mark(None, "loss_start")
+    step = probe.step_end(0)
+    assert step.peak.phase == "in_forward" and step.peak.breakdown["temporaries"] == 2_000_000
+    _nothing_left(probe)
+
+
+def test_the_unit_in_backward_at_the_peak_is_gathered(tmp_path, gloo_one_rank):
+    """The high-water inside a unit's backward took its categories from the unit's backward_start mark, before
+    FSDP's pre-backward gathers it: the unit's gathered parameters were read as temporaries (a new-user trial:
+    blocks.1 in_backward, unsharded params 129.50 KiB, the root's, where FSDPMemTracker read 324.75 KiB, the root's
+    and blocks.1's). The unit's first gradient, after FSDP's pre-backward, now splits that interval. Against
+    FSDPMemTracker on the same model: the peak to the byte, the gathered parameters (the root's and block 2's);
+    the gradients still being computed are temporaries in both until the unit's post-backward."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+
+    class Block(nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(x)))
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 64), Block(64), Block(64), nn.Linear(64, 8))
+        fully_shard(m[1])
+        fully_shard(m[2])
+        fully_shard(m)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    x = torch.randn(512, 64)
+
+    def step(m, opt):
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    m, opt = build()
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "run", profile=False, memory={"full_every": 1}) as doc:
+        for _ in range(3):
+            step(m, opt)
+            doc.step()
+    rd = fsdp_doctor.load_run(tmp_path / "run").ranks[0]
+    peak = rd.steps[-1].memory.peak
+    m, opt = build()
+    fmt = FSDPMemTracker(m, opt)
+    with fmt:
+        for i in range(3):
+            fmt.reset_mod_stats()
+            if i == 2:
+                fmt._peak_mem = {}  # the op-level peak of the last step
+            step(m, opt)
+    theirs = {str(k).rsplit(".", 1)[-1]: v for k, v in fmt.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    gathered = {u.name: u.unsharded_bytes for u in rd.config.units}
+    assert (peak.unit, peak.phase) == ("2", "in_backward")
+    assert peak.bytes == theirs["Total"] == 2_992_744
+    assert peak.breakdown["unsharded_params"] == gathered[""] + gathered["2"] == theirs["UNSHARDED_PARAM"] == 151_072
+    assert peak.breakdown["unsharded_grads"] == theirs["UNSHARDED_GRAD"] == 0
+
+
 # ------------------------------------------------------------------------------ 2 ranks against FSDPMemTracker
 @pytest.fixture(scope="module")
 def reconciled():
@@ -231,6 +311,13 @@ def test_peak_reconciles_with_fsdp_mem_tracker(reconciled, name):
     # above the window's start and no row was kept (tests/scenario_matrix.run_matrix: gloo frees late under load)
     assert 0.85 * r["activations"] <= r["activations_sampled"] <= r["activations"]
     assert r["losses_identical"]  # the dispatch mode and the saved-tensor hooks change nothing (SiLU and GELU)
+    if name == "gpt":
+        # the peak is inside the last block's backward: that block is gathered (its all-gather copied out, the next
+        # block's prefetched), as FSDPMemTracker sees it (1.289 MiB, 0.756 MiB); its gradients are temporaries in both
+        assert r["peak_at"][1] == "in_backward"
+        tb, pb = r["tracker_breakdown"], r["peak_breakdown"]
+        assert pb["unsharded_params"] == tb["Unsharded Param"] and pb["unsharded_grads"] == tb["Unsharded Grad"]
+        assert pb["comm_buffers"] == tb["All Gather"] + tb["Reduce Scatter"]
     if name == "llama8192":
         # the logits' loss and its gradients are the peak at a large vocabulary: the loss phase of its own
         assert r["peak_at"] == (None, "in_loss")

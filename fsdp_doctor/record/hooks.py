@@ -61,6 +61,8 @@ class MarkSink(Protocol):
 
     def unit_input(self, unit: str, args: tuple) -> None: ...  # a unit's forward inputs (what a checkpoint keeps)
 
+    def gathered(self) -> None: ...  # a unit's first backward gradient: FSDP's pre-backward gathered it (no mark)
+
     def step_end(self, step: int) -> Any: ...
 
 
@@ -584,6 +586,8 @@ class StepTimer:
         if not self._bwd_cb_queued:
             self._bwd_cb_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self.marks is not None:
+            self._safe(self.marks.gathered, "memory")
 
     def _backward_begins(self, t: int) -> None:
         self._bwd_start = t

@@ -41,7 +41,9 @@ the probe samples these categories (bytes on this rank's device):
 Between two marks (a unit's op temporaries, the loss phase from ``loss_start`` to the first backward mark,
 the root's reduce-scatter buffer in its post-backward) the high-water counter of full steps keeps the
 highest bytes; when they rise above both marks they become a sample of their own (phase ``in_forward``,
-``in_loss``, ``in_backward``, ``in_optimizer``, ``after_optimizer``), replayed by light steps.
+``in_loss``, ``in_backward``, ``in_optimizer``, ``after_optimizer``), replayed by light steps. A unit's first
+backward gradient (``gathered``: FSDP's pre-backward has gathered it) splits its interval: a high-water after it
+takes that moment's named categories.
 
 ``offloaded_host`` (host memory, reported apart): tensors of the categories above that live on the host
 while the model computes on an accelerator (``CPUOffloadPolicy`` params and grads, optimizer state on the
@@ -174,8 +176,13 @@ class MemoryProbe:
         self._hw_note = None
         self._hw_used = False  # the high-water ran this step
         self._anchor: int | None = None  # this step's total minus the counter, at its first counted mark
-        self._open: tuple[int, int, int] | None = None  # (sample index, anchor, total) of the last counted mark
-        self._transients: list[tuple] = []  # (after sample index, t, bytes, saved bytes) between two marks
+        # (sample index, anchor, total) of the last counted mark, and the named categories of the last point inside
+        # the interval it opens (None: the mark's own)
+        self._open: tuple[int, int, int, list | None] | None = None
+        self._segs: list[tuple] = []  # the high-waters of the interval's parts before its last point (see gathered)
+        # (after sample index, t, bytes, saved bytes, left, right) between two marks; left / right: the named
+        # categories at the points around it (None: the marks')
+        self._transients: list[tuple] = []
         self._later = None  # detach() inside backward: the global forward pre-hook that finishes it
         self._full = True  # this step measures everything (else: replays the last full step)
         self.step_idx = 0
@@ -274,6 +281,24 @@ class MemoryProbe:
             self._stop_hw()
         self._cost_ns += _now() - t
 
+    def gathered(self) -> None:
+        """A unit's backward gradient arrived: FSDP's pre-backward, which runs between the unit's ``backward_start``
+        mark and here, has gathered the unit's parameters and issued the next unit's prefetch. On a counted step this
+        point splits the interval between two marks: a high-water after it takes the named categories of this point
+        (or of the next mark), not of ``backward_start``, where the unit was still sharded. Before this point, the
+        peak inside a unit's backward read the unit's gathered parameters as temporaries: ``blocks.1 in_backward``
+        of a 2-block GPT (hidden 64, 2 gloo ranks) had unsharded params 129.50 KiB (the root's) and 483.23 KiB of
+        temporaries where FSDPMemTracker read 324.75 KiB (the root's and blocks.1's) and 289.0 KiB (a new-user
+        trial). No row of its own: the timeline keeps its marks."""
+        hw = self.hw
+        if not self._full or hw is None or not hw.active or self._open is None:
+            return
+        t = _now()
+        if self.sizes.pending:
+            self.sizes.flush_pending()
+        self._sample(t, None, "", point=True)
+        self._cost_ns += _now() - t
+
     def _own_recompute(self) -> None:
         """The unit whose backward runs now owns the recomputes that start in it (children checkpointed inside a
         unit recompute between its backward marks; a checkpointed unit, after its own backward_start)."""
@@ -309,8 +334,9 @@ class MemoryProbe:
                         "inert until that mode exits")
         self._open = None
 
-    def _sample(self, t: int, unit, phase: str) -> None:
-        """One sample: the per-mark figures; the static ones (sharded params, buffers) are referenced."""
+    def _sample(self, t: int, unit, phase: str, point: bool = False) -> None:
+        """One sample: the per-mark figures; the static ones (sharded params, buffers) are referenced. A ``point``
+        (:meth:`gathered`) only splits the high-water's interval: no sample."""
         sz = self.sizes
         act = self.live.bytes if self.acts.mode == "exact" else 0
         usp = sz.unsharded_bytes()
@@ -326,15 +352,21 @@ class MemoryProbe:
                 pass
         hw = self.hw
         if hw is not None and hw.active:
-            tmp = self._count(known, tmp)
+            named = [st[0], usp, sg, sz.ug_total, sz.opt_bytes, sz.stale_bytes, act, comm, st[1], 0] if point else None
+            tmp = self._count(known, tmp, named)
+        if point:
+            return
         self._samples.append((t, unit, phase, sz.static_t, usp, sg, sz.ug_total, sz.opt_bytes,
                               sz.stale_bytes, act, comm, tmp, self.live.cast if act else 0))
 
-    def _count(self, known: int, tmp: int) -> int:
+    def _count(self, known: int, tmp: int, point: list | None = None) -> int:
         """A mark on a counted step: closes the interval since the previous mark (its high-water is kept when
         it rises above both marks) and returns the temporaries at this mark. On CUDA the allocator total
         anchors every mark; on CPU the first mark of the step does (its temporaries are taken as 0: the
-        user's input batch) and the counter carries it: temporaries = anchor + counter - named categories."""
+        user's input batch) and the counter carries it: temporaries = anchor + counter - named categories.
+        ``point``: the named categories at a point inside the interval (:meth:`gathered`), which closes the part
+        of the interval before it; the interval's high-water is the highest of its parts, with the named
+        categories of the points (or marks) around that part."""
         live, high, saved, t_high = self.hw.read()
         if self._anchor is None:
             self._anchor = known + tmp - live
@@ -342,25 +374,32 @@ class MemoryProbe:
             tmp = max(0, self._anchor + live - known)
         total = known + tmp
         if self._open is not None:
-            i, anchor, prev_total = self._open
-            peak = anchor + high
+            i, anchor, prev_total, left = self._open
+            part = (anchor + high, t_high, saved, left, point)
+            if point is not None:
+                self._segs.append(part)
+                self._open = (i, total - live, prev_total, point)
+                return tmp
+            peak, t_high, saved, left, right = max([*self._segs, part], key=lambda x: x[0])
             if peak > max(prev_total, total):
-                self._transients.append((i, t_high, peak, saved))
-        self._open = (len(self._samples), total - live, total)
+                self._transients.append((i, t_high, peak, saved, left, right))
+        self._segs = []
+        self._open = (len(self._samples), total - live, total, None)
         return tmp
 
     def _transient_rows(self, samples, rows) -> list[tuple]:
         """(after sample index, t, unit, phase, row) of each high-water between two marks: the named
-        categories of the neighbouring mark with fewer of them, the saved bytes of that moment, and the rest
-        as temporaries (the op temporaries, the loss, the reduce-scatter buffer in the root's post-backward)."""
+        categories of the neighbouring mark (or point, :meth:`gathered`) with fewer of them, the saved bytes of
+        that moment, and the rest as temporaries (the op temporaries, the loss, the reduce-scatter buffer in the
+        root's post-backward)."""
         out = []
         exact = self.acts.mode == "exact"
-        for i, t, peak, saved in self._transients:
+        for i, t, peak, saved, left, right in self._transients:
             best = None
-            for j in (i, i + 1):
-                if j >= len(rows):
+            for j, named in ((i, left), (i + 1, right)):
+                if named is None and j >= len(rows):
                     continue
-                r = list(rows[j])
+                r = list(rows[j] if named is None else named)
                 if exact:
                     r[_ACT] = saved
                 r[-1] = 0
@@ -392,6 +431,7 @@ class MemoryProbe:
         self._reads_at = self.sampler.reads_at  # the marks a light step reads the allocator at (CUDA)
         self.acts.begin()
         self._anchor = self._open = None
+        self._segs = []
         self._transients = []
         self._hw_used = False
         self._autocast: str | None = None  # autocast's dtype at the model's forward (full steps)
