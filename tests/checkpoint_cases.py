@@ -129,7 +129,7 @@ def main():
     torch.set_num_threads(1)
     out = {}
     for mode in sys.argv[1:] or ["children", "block", "none", "compiled", "compiled_model", "compiled_wrapper",
-                                 "compiled_hidden"]:
+                                 "compiled_hidden", "compiled_step"]:
         out[mode] = run(mode, watched=True)
         plain = run(mode, watched=False)
         out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]

@@ -278,7 +278,12 @@ class MemoryProbe:
             sizes.refresh_optimizer(force=self.step_idx < 2)
         self._sample(t, unit, phase)
         if phase == "optimizer_end" and self.hw is not None and self.hw.active:
-            self._stop_hw()
+            # inert from here, and popped at the step's end: this mark runs inside optimizer.step(), which the user
+            # may compile (torch.compile(optimizer.step)); a dispatch mode popped inside a compiled frame left
+            # torch's dispatch state for the frame's exit to restore, and the next operator without a tensor
+            # (zero_grad's record_function) raised an INTERNAL ASSERT: training stopped (a new-user trial's case)
+            self.hw.stop(pop=False)
+            self._open = None
         self._cost_ns += _now() - t
 
     def gathered(self) -> None:
@@ -451,7 +456,7 @@ class MemoryProbe:
         if acts.error is not None and acts.mode == "exact":
             acts.mode = "off"
         hw = self.hw
-        if hw is not None and hw.active:
+        if hw is not None and (hw.active or hw.parked):
             self._stop_hw()
         if hw is not None and hw.error:
             self._hw_note = hw.error

@@ -176,6 +176,11 @@ class HighWater:
         self.active = True
         return None
 
+    @property
+    def parked(self) -> bool:
+        """Stopped without popping its mode (``stop(pop=False)``): inert on the stack until a ``stop()`` pops it."""
+        return not self.active and self._mode is not None
+
     def stop(self, pop: bool = True) -> bool:
         """Turns it off: pops the mode (when it is on top and ``pop``), restores ``resize_``, forgets every
         storage. Returns False when the mode could not be popped (another mode above it; it stays inert)."""
