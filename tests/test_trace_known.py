@@ -156,8 +156,11 @@ def test_gloo_known_answer(tmp_path):
     r = analyze_traces(tmp_path)
     pr = r.per_rank["0"]
     assert pr.device == "cpu" and pr.steps == [5, 6]
-    assert pr.comm_us == pytest.approx(6000) and pr.overlap_us == pytest.approx(2400)
-    assert pr.overlap_pct == pytest.approx(40.0)
+    # in collectives: the gloo events (6000) and the main thread's waits outside them (per step 300: unit 0's
+    # all-gather [20,50) and [1050,1190), unit 1's [2310,2350) and its copy-out's [3350,3400), the reduce-scatter's
+    # [3610,3650)), which no compute overlaps
+    assert pr.comm_us == pytest.approx(6600) and pr.overlap_us == pytest.approx(2400)
+    assert pr.overlap_pct == pytest.approx(100 * 2400 / 6600)
     rows = rows_by(r)
     assert set(rows) == {("0", "all_gather", "forward"), ("1", "all_gather", "forward"),
                          ("1", "reduce_scatter", "backward")}

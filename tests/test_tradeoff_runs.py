@@ -52,7 +52,7 @@ def _expected_recoverable(report) -> dict[str, float]:
     assert 4 // MIN_BLOCK_UNITS == 1 and {u.name for u in report.units} >= {f"layers.{i}" for i in range(4)}
     out = {"batch size": max(0.0, comp - flops / (peak * 1e12 * KERNEL_EFFICIENCY_TARGET) * 1e3),
            "input pipeline": step * groups["input"] / 100,
-           # the host part: GC pauses from step records, the main thread between operators from a trace
+           # the host part: GC pauses from step records, the main thread outside operators and collectives from a trace
            ("GC pauses" if report.verdict.job.source.startswith("records") else "host overhead"):
                step * groups["host"] / 100}
     return {k: v for k, v in out.items() if v >= 0.01 * step}

@@ -62,13 +62,34 @@ def test_known_gpu_trace_without_prefetch_and_other_collective(tmp_path):
 
 def test_known_gloo_trace_breakdown(tmp_path):
     """gloo_known_trace, steps 5-6 (window [0, 20000): the cut is step 7's start). Per step: compute
-    mm 1000 + addmm 600 + backward op 600 = 2200; all-gathers exposed 1000 (synchronous) + 400; the
-    reduce-scatter 400; outside the model: [T, T+1) before the root pre-forward and [T+3700, T+9000) after
-    the last FSDP label, less the reduce-scatter's exposed [4300,4650): 1 + 4350 = 4351 input; the rest,
-    main-thread time between operators inside the model and the gap between steps: host 1649."""
+    mm 1000 + addmm 600 + backward op 600 = 2200; all-gathers exposed: unit 0's synchronous one, its gloo event
+    [50,1050) and the main thread inside it, from its c10d op's start (20) to the next operator (mm, 1200) within its
+    label's end (1190): 1170; unit 1's: its c10d op and label [2310,2396) and the gloo event to addmm (2400): 90, and
+    its copy-out's wait [3000,3400) (the label holds no operator): 400; the reduce-scatter's: the main thread in its
+    label [3610,3700) and the gloo event after the backward op [4300,4650): 440; outside the model: [T, T+1)
+    before the root pre-forward and [T+3700, T+9000) after the last FSDP label, less the reduce-scatter's exposed
+    [4300,4650): 1 + 4350 = 4351 input; the rest, main-thread time between operators outside collectives inside
+    the model and the gap between steps: host 1349."""
     d = _bd(_analyze(tmp_path, [gloo_known_trace()]))
     assert d["window_us"] == 20000
-    _check(d, compute=4400, allgather_fwd=2800, reducescatter=800, input=8702, host=3298)
+    _check(d, compute=4400, allgather_fwd=3320, reducescatter=880, input=8702, host=2698)
+
+
+def test_known_gloo_trace_collective_wait_is_communication(tmp_path):
+    """The main thread blocked in a collective's wait is that collective's communication, not host time, whether or
+    not a gloo event covers it: on 4 gloo ranks sharing 2 cores (a new-user trial, FSDP + tensor parallelism) rank 0
+    sat 90.7 ms of its 215.6 ms step in tensor parallelism's ``_c10d_functional::wait_tensor``, 89.8 ms of it under
+    no gloo event, and read host-bound (66.5% "host (main thread between operators)"). gloo_known_trace(tp_wait):
+    per step the functional all-reduce and its wait [2200,2280) are the model's collective (issued inside the
+    model), 80 µs, where its gloo event covers 20; the host part loses those 80 µs."""
+    d = _bd(_analyze(tmp_path, [gloo_known_trace(tp_wait=True)]))
+    assert d["window_us"] == 20000
+    _check(d, compute=4400, allgather_fwd=3320, reducescatter=880, model_comm=160, input=8702, host=2538)
+    # in collectives, gloo events and the main thread's waits: [20,1190), [2200,2280), [2310,3400), [3610,4650)
+    assert d["comm_us"] == pytest.approx(2 * (1170 + 80 + 1090 + 1040))
+    v = verdict(_analyze(tmp_path / "v", [gloo_known_trace(tp_wait=True)])).per_rank["0"]
+    assert v.device == "cpu" and v.shares_pct["model_comm"] == pytest.approx(0.8)
+    assert v.shares_pct["host"] == pytest.approx(12.69)
 
 
 @pytest.mark.parametrize("kw,parts,bound", [

@@ -192,7 +192,11 @@ def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False
 # comm per step 3000, overlap 1200.
 
 
-def gloo_known_trace(rank=0, steps=(5, 6)) -> TraceBuilder:
+def gloo_known_trace(rank=0, steps=(5, 6), tp_wait=False) -> TraceBuilder:
+    """``tp_wait``: tensor parallelism's all-reduce in the forward, between the units, as torch issues it on gloo: a
+    functional all-reduce [T+2200, T+2210) over its c10d op, then its ``_c10d_functional::wait_tensor``
+    [T+2210, T+2280) on the main thread, under which the gloo event [T+2205, T+2225) ends early (the gloo worker ran
+    late on a loaded host: 55 µs of the wait under no gloo event)."""
     b = TraceBuilder(rank=rank)
     b.pid = b.main_tid = 100
     all_steps = list(steps) + [steps[-1] + 1]
@@ -206,6 +210,13 @@ def gloo_known_trace(rank=0, steps=(5, 6)) -> TraceBuilder:
         b.gloo("all_gather", T + 50, 1000)
         b.op("aten::mm", T + 1200, 1000)
         b.op("aten::empty", T + 1300, 10)
+        if tp_wait:
+            b.op("_c10d_functional::all_reduce", T + 2200, 10)
+            b.op("c10d::allreduce_", T + 2202, 6, **{"Input Dims": [[[2, 16, 32]], [], []],
+                                                    "Input type": ["TensorList", "", ""]})
+            b.x("gloo:all_reduce", T + 2205, 20, cat="user_annotation", tid=202,
+                **{"Input Dims": [[2, 16, 32]], "Input type": ["float"]})
+            b.op("_c10d_functional::wait_tensor", T + 2210, 70)
         b.label("FSDP::pre_forward (1)", T + 2290, 108)
         b.label("FSDP::all_gather (1)", T + 2300, 96)
         b.op("c10d::_allgather_base_", T + 2310, 80)

@@ -97,7 +97,8 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
     the device is idle: ``sync`` (the next device work was not launched yet because the host sat in a device sync:
     ``cudaDeviceSynchronize``, ``cudaStreamSynchronize``, ``aten::item``...), ``host`` (the next device work was
     not launched yet and the host was inside the
-    model: launch/framework overhead; on CPU, main-thread time between operators), ``input`` (the same while
+    model: launch/framework overhead; on CPU, main-thread time outside operators and collectives: on gloo the
+    main thread's time inside a collective, its wait included, is its call's communication), ``input`` (the same while
     the host was outside the model: data loading, the user's code), ``idle`` (launched work waiting:
     synchronisation, launch latency). The parts add up to ``window_us``."""
     out = {k: 0.0 for k in BREAKDOWN_PARTS}
@@ -116,6 +117,10 @@ def breakdown(win: WindowTrace, window: Optional[tuple[float, float]] = None) ->
         s, e = by_part[_comm_part(c)]
         s.append(c.start)
         e.append(c.end)
+    for a, b, c in win.comm_waits:  # gloo: the main thread inside a collective, in the part of the call it waited for
+        s, e = by_part[_comm_part(c) if c is not None else "other_comm"]
+        s.append(a)
+        e.append(b)
     for part in COMM_PARTS:
         if part in by_part and exposed[0].size:
             mine = iv.intersect(exposed, iv.union(*by_part[part]))

@@ -50,6 +50,9 @@ class WindowTrace:
     stream_busy: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # compute stream / main thread busy
     span: tuple[float, float] = (0.0, 0.0)  # first start, last end of the compute stream / main thread
     calls: list[CollectiveCall] = field(default_factory=list)
+    # CPU/gloo: the main thread's spans inside collectives, (start, end, the call it waited for or None), in ``comm``
+    # with the gloo events (build's _collective_waits): the verdict gives each to its call's part
+    comm_waits: list = field(default_factory=list)
     # the verdict's timeline (see the module docstring)
     # the complete steps' host span; on GPU moved by device_lag_us where the host ran that far ahead of the device
     # (build._follow_the_device)

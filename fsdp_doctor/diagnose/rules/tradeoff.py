@@ -270,10 +270,11 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
     host = ms("host")
     if host > 0:
         gc = records  # from step records the host part is GC pauses
-        # (on the CPU the trace's host time is the main thread between operators: no launches, no CUDA graphs, which
-        # a new-user trial's U-Net on gloo was told of)
+        # (on the CPU the trace's host time is the main thread outside operators and collectives: no launches, no CUDA
+        # graphs, which a new-user trial's U-Net on gloo was told of)
         gpu = E.trace_device(ctx) != "cpu"
-        what = "GC pauses" if gc else "device waiting for launches" if gpu else "the main thread between operators"
+        what = ("GC pauses" if gc else "device waiting for launches" if gpu
+                else "the main thread outside operators and collectives")
         # units compiled already: compiling them again changes nothing (a new-user trial's Qwen2-MoE was given the same
         # unit.compile() lines after pasting them)
         compiled = [u.name for u in (getattr(cfg, "units", None) or []) if runs_compiled(u)]
