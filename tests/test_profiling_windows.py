@@ -251,3 +251,39 @@ def test_a_window_makes_torch_warn_nothing(tmp_path):
         _drive(w, 6)
     assert saved == [[2, 3]]
     assert not [str(c.message) for c in caught if "profiler" in c.filename], [str(c.message) for c in caught]
+
+
+_EVERY_STEP_EVAL = """
+from fsdp_doctor import ProfileSchedule
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+for m in model:
+    fully_shard(m)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], tokens_per_step=64,
+                       profile=ProfileSchedule(first=3, active=1, warmup=1, every=0)) as doc:
+    for step in range(8):
+        with torch.no_grad():  # a generation before every step's update (an RL loop)
+            for _ in range(3):
+                model(torch.randn(4, 64))
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        doc.step()
+"""
+
+
+def test_a_loop_that_evaluates_in_every_step_keeps_its_window_and_flop_count(tmp_path):
+    """A loop that generates (or evaluates) in every step: moving the FLOP count or the profiler window on to the
+    next step only meets another evaluation. A new-user trial's RL loop had steps 1-9 all set aside (FLOPs recounted
+    four times, windows dropped) at 5.5-8.4 s of the doctor's time per dropped window, and no trace kept. Now the
+    count stands at step 1 and the window is kept at its step; the other steps are timed."""
+    from conftest import run_one_rank
+    from fsdp_doctor import load_run
+
+    run = load_run(run_one_rank(tmp_path, _EVERY_STEP_EVAL)[0])
+    steps = run.ranks[0].steps
+    assert all(s.no_grad_forwards == 3 for s in steps)
+    # (step 1 counts the FLOPs; 2 is the window's warm-up, 3 its step, 4 holds its export)
+    assert [s.step for s in steps if s.profiled] == [1, 2, 3, 4], [(s.step, s.profiled) for s in steps]
+    assert run.config.flops_per_step and run.trace_files, (run.config.flops_per_step, run.trace_files)

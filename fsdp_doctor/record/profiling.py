@@ -210,11 +210,12 @@ class ProfilerWindows:
         self.prof = prof
         self._opened_at = step
 
-    def step(self, evaluated: bool = False) -> bool:
-        """Advances past the step just finished (``evaluated``: it also ran the model without gradients); True if
-        a trace was written."""
+    def step(self, evaluated: bool = False, retake: bool = True) -> bool:
+        """Advances past the step just finished (``evaluated``: it also ran the model without gradients; ``retake``
+        False: so did the step before, the loop evaluates in every step and the window keeps it); True if a trace
+        was written."""
         if self.action(self._step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
-            if evaluated and self.prof is not None and self.retakes > 0:
+            if evaluated and retake and self.prof is not None and self.retakes > 0:
                 self._retake()
                 return False
             self._window.append(self._step)
