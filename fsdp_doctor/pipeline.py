@@ -22,6 +22,7 @@ from . import __version__
 from .analyze.report import fill_sizes_from_units, run_facts, unit_table
 from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
+from .records import config_unavailable
 from .report_sections import CommRank, CommSummary, OverlapSection, Report
 from .store import Run
 from .units import fmt_ms, ranks_phrase
@@ -170,7 +171,7 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         report.findings = diagnose(run, report, skipped=skipped, statuses=statuses)
         report.rules = statuses
     if run.config is not None:  # what this torch's FSDP2 did not let the recorder read (one line each)
-        problems.extend(n for n in run.config.unavailable if n not in problems)
+        problems.extend(n for n in config_unavailable(run.config) if n not in problems)
     problems.extend(skipped)
     if not has_input(run):  # (the CLI says this line and stops; a script calling this got a healthy-looking report
         # of nothing, no finding and no problem: a new-user trial)

@@ -140,6 +140,23 @@ def doctor_step(s: StepRecord) -> bool:
     return bool(s.profiled) or counted_op_by_op(s)
 
 
+#: how the line starts that a run says when the model's forward ran in a compiled frame the doctor was not given
+#: (record/config_snapshot.FRAME_UNSEEN): a note on how it was measured, which records before that listed among the
+#: figures torch did not let it read (RunConfig.unavailable: a problem, exit 3)
+FRAME_UNSEEN_START = "the model's forward runs in a compiled frame the doctor was not given"
+
+
+def config_notes(cfg: RunConfig) -> list[str]:
+    """A configuration's notes on how the run was measured (``measured_notes``, and the FRAME_UNSEEN line that older
+    records listed in ``unavailable``)."""
+    return [*(n for n in cfg.unavailable if n.startswith(FRAME_UNSEEN_START)), *cfg.measured_notes]
+
+
+def config_unavailable(cfg: RunConfig) -> list[str]:
+    """A configuration's ``unavailable`` lines that are problems (what torch did not let the recorder read)."""
+    return [n for n in cfg.unavailable if not n.startswith(FRAME_UNSEEN_START)]
+
+
 def runs_compiled(u) -> bool:
     """Whether a unit (its snapshot, UnitConfig, or a report's UnitRow made from it) runs in a frame torch.compile
     compiled: compiled in place (its hooks inside the frame, untimed) or timed around its compiled call."""
@@ -485,6 +502,14 @@ class StepRecord(Record, tag="step"):
     # another FSDP model's forward and backward inside this step, outside the watched model (a teacher's forward, a
     # GAN's other network; FSDP2's labels of param groups not the watched model's): part of outside_ms, not the data
     other_models_ms: float = 0.0
+    # graphs torch.compile compiled in the step (Dynamo's frames, recompiles, AOT autograd's lazily compiled
+    # backwards: record/compile_time.py) and their time, inside the phases they ran in; the analyses leave such steps
+    # out of the statistics as they do the first (0: none, and records before these fields)
+    compiles: int = 0
+    compile_ms: float = 0.0
+    # set by the reader, never written: another rank compiled in this step, or in the previous one and this rank waited
+    # for it in this step's collectives (a rank compiling longer arrives late at the next step's first all-gather)
+    others_compiled: bool = False
     # set by the reader, never written: another rank saved a checkpoint in this step (rank 0's torch.save, which the
     # others wait for at their next collective): a save step of the job, left out of the statistics as its own are
     others_saved: bool = False

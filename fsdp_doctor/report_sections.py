@@ -239,7 +239,10 @@ class Outlier(_Section):
     ms: float
     median_ms: float
     excess_ms: float
-    cause: str  # "late_rank" | "gc" | "outside" | "no_grad" | "checkpoint" | "allgather_wait" | "doctor" | "compute"
+    # "late_rank" | "gc" | "outside" | "no_grad" | "checkpoint" | "allgather_wait" | "doctor" | "compute" |
+    # "compilation" (torch.compile compiling in the step, on this rank or another it waited for) | "unrecorded"
+    # (forward, backward or outside the model, where the forward and backward were not recorded)
+    cause: str
     detail: str
 
 
@@ -268,6 +271,17 @@ class NoGradSteps(_Section):
     excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
     # of the forwards, those in eval mode with autograd on (no backward followed: torch.no_grad() forgotten)
     with_autograd: int = 0
+
+
+class CompileSteps(_Section):
+    """One rank's steps in which torch.compile compiled (its own graphs: ``StepRecord.compiles``), and those in which
+    it waited for another rank compiling (``StepRecord.others_compiled``)."""
+
+    steps: list[int]
+    graphs: int  # graphs compiled in those steps, all together (Dynamo's frames, lazily compiled backwards)
+    ms_total: float  # their compile time
+    waited: list[int] = []  # steps it waited for another rank's compile in
+    excluded: bool = True  # those steps are left out of the steady-state statistics (kept when too few steps remain)
 
 
 class CheckpointSteps(_Section):
@@ -308,6 +322,7 @@ class StepsSection(_Section):
     profiler_steps: dict[str, dict[str, list[int]]] = {}
     no_grad: dict[str, NoGradSteps] = {}  # per rank that ran any
     checkpoints: dict[str, CheckpointSteps] = {}  # per rank that saved any
+    compiled: dict[str, CompileSteps] = {}  # per rank that compiled in any step, or waited for another's compile
     # per rank: the steps whose memory the doctor counted op by op that the statistics keep (too few without)
     counted_kept: dict[str, list[int]] = {}
 

@@ -115,6 +115,8 @@ def run(mode: str, watched: bool) -> dict:
         res["fwd_ms"] = {u.name: [next(x for x in s.units if x.name == u.name).fwd_ms for s in steps]
                          for u in run_.config.units}
         res["forward_ms"] = [s.forward_ms for s in steps]  # the model's forward, each step
+        res["compiles"] = [s.compiles for s in run_.ranks[0].steps]  # torch.compile's graphs, each step
+        res["compile_ms"] = [s.compile_ms for s in run_.ranks[0].steps]
         res["errors"] = [e.message for e in run_.ranks[0].errors]
         res["watch_hooks_after_first_step"] = hooks_left
         res["watch_hooks_first_step"] = watching

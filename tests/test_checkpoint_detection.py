@@ -57,7 +57,12 @@ def test_blocks_compiled_in_place_are_timed_around_their_compiled_call_without_a
     assert c["graph_breaks"] == c["plain_graph_breaks"] == 0 and c["losses"] == c["plain_losses"]
     assert c["compiled_in_place"] == [] and c["compiled_call_timed"] == ["layers.0", "layers.1", "layers.2"]
     assert c["compiled_calls_restored"]
+    # the blocks compiled in the first step (one frame for the three, and its backward), never again; nothing
+    # compiled where nothing is compiled
+    assert c["compiles"][0] >= 2 and c["compile_ms"][0] > 0 and c["compiles"][1:] == [0] * 4, c["compiles"]
+    assert cases["none"]["compiles"] == [0] * 5 and cases["none"]["compile_ms"] == [0.0] * 5
     rep = build_report(load_run(c["out_dir"]))
+    assert rep.steps.compiled["0"].steps == [0]
     units = {u.name: u for u in rep.units}
     for i in range(3):
         t = units[f"layers.{i}"].timing_p50
@@ -130,8 +135,17 @@ def test_a_compiled_wrapper_the_doctor_was_not_given_is_said_not_measured_as_tim
     assert c["watch_hooks_first_step"] == 0 and c["unique_graphs"] == c["plain_unique_graphs"], c
     assert c["compiled_in_place"] == ["", "layers.0", "layers.1", "layers.2"] and c["compiled_call_timed"] == []
     rep = build_report(load_run(c["out_dir"]))
-    assert FRAME_UNSEEN in rep.problems and all(not u.timing_p50 for u in rep.units)
+    assert all(not u.timing_p50 for u in rep.units)
+    # said first, in the header's notes, and the run exits 0: it was the report's last line, a problem, and exit 3
+    # ("some files or lines were skipped"), where nothing was
+    assert FRAME_UNSEEN in rep.run.notes and FRAME_UNSEEN not in rep.problems, rep.problems
+    from fsdp_doctor.cli import EXIT_OK, main
+    from fsdp_doctor.present.fmt import STEPS_TITLE, steps_title
+
+    assert main(["analyze", c["out_dir"]]) == EXIT_OK
     assert all(not st.phases_p50_ms for st in rep.steps.per_rank.values())
+    # the recorded steps, whose phases read unknown, are not the traces' (their title said so)
+    assert steps_title(rep.steps) == STEPS_TITLE
     quiet = {r.code: r.reason for r in rep.rules if r.status == "quiet"}
     assert "time outside the model is unknown" in quiet["jitter.data_wait"], quiet["jitter.data_wait"]
 

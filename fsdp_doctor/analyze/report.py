@@ -8,6 +8,7 @@ from typing import Optional
 
 import msgspec
 
+from ..records import config_notes
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
 from ..units import ROOT_LABEL
@@ -58,8 +59,8 @@ def run_facts(run: Run) -> RunFacts:
             facts.mixed_precision = mp
         if off:
             facts.offload = off
-        if cfg.measured_notes:  # units compiled by torch.compile: how they were timed, or that they were not
-            facts.notes = list(cfg.measured_notes)
+        if config_notes(cfg):  # units compiled by torch.compile: how they were timed, or that they were not
+            facts.notes = config_notes(cfg)
         if getattr(cfg, "model_has_forward", None) is False:  # (a new-user trial's teacher-and-student wrapper)
             facts.notes = [*(facts.notes or []), (
                 "watch() was given a module with no forward() of its own (a container of models called one by one): "

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..records import GpuTimes, StepRecord, counted_op_by_op
-from ..report_sections import CheckpointSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection, StepStats, Straggler
+from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection,
+                               StepStats, Straggler)
 from ..store import Run
 from ..units import unit_label
 
@@ -24,14 +25,20 @@ STRAGGLER_MIN_STEPS = 5  # too few steps say nothing about consistency
 STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared host
 
 
+def compiling(s: StepRecord) -> bool:
+    """torch.compile compiled in the step, on this rank or on another that this one waited for."""
+    return bool(getattr(s, "compiles", 0) or getattr(s, "others_compiled", False))
+
+
 def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
     profiler window or a FLOP-counting step (their cost is the tool's, not the model's), nor, each unless that
-    leaves fewer than 3, a step that also ran the model without gradients (evaluation, generation: not training)
+    leaves fewer than 3, a step in which torch.compile compiled (on this rank or one it waited for: ``compiling``),
+    a step that also ran the model without gradients (evaluation, generation: not training)
     or one whose memory was counted op by op (the high-water's dispatch mode), or one in which a rank saved a
     checkpoint (this one or another: ``StepRecord.others_saved``)."""
     out = [s for s in steps if s.step > 0 and not s.profiled]
-    for keep in (lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s),
+    for keep in (lambda s: not compiling(s), lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s),
                  lambda s: not s.checkpoints and not getattr(s, "others_saved", False)):
         kept = [s for s in out if keep(s)]
         out = kept if len(kept) >= 3 else out
@@ -48,6 +55,20 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
                        ms_p50=round(statistics.median([s.no_grad_ms for s in hit]), 3),
                        excluded=not any(s.step in kept for s in hit),
                        with_autograd=sum(s.autograd_eval_forwards for s in hit))
+
+
+def compile_steps(steps: list[StepRecord]) -> Optional[CompileSteps]:
+    """A rank's steps in which torch.compile compiled, or in which it waited for another rank compiling, and whether
+    the statistics leave them out; None where there are none."""
+    hit = [s for s in steps if compiling(s)]
+    if not hit:
+        return None
+    kept = {s.step for s in usable_steps(steps)}
+    own = [s for s in hit if s.compiles]
+    return CompileSteps(steps=[s.step for s in own], graphs=sum(s.compiles for s in own),
+                        ms_total=round(sum(s.compile_ms for s in own), 3),
+                        waited=[s.step for s in hit if not s.compiles],
+                        excluded=not any(s.step in kept for s in hit))
 
 
 def profiled_saves(steps: list[StepRecord]) -> list[int]:
@@ -143,7 +164,7 @@ def step_stats(steps: list[StepRecord]) -> StepStats:
     out = wall_stats([s.wall_ms - getattr(s, "checkpoint_ms", 0.0) for s in steps])
     # (no forward and no backward in any step: the doctor's hooks did not see the model run, inside a compiled frame
     # it was not given; its phases are unknown, not a step spent outside the model)
-    if steps and any(s.forward_ms or s.backward_ms for s in steps):
+    if steps and phases_recorded(steps):
         out.phases_p50_ms = {k: round(statistics.median([getattr(s, k + "_ms") for s in steps]), 3)
                              for k in ("forward", "backward", "optimizer", "outside", "gc")}
         between = [s.between_ms for s in steps]
@@ -295,6 +316,12 @@ def _baseline(steps: list[StepRecord]) -> _Base:
     )
 
 
+def phases_recorded(steps: list[StepRecord]) -> bool:
+    """Whether the steps' forward and backward were recorded: where no step has either, the doctor's hooks did not
+    see the model run (inside a compiled frame it was not given), and the time it did not see is in outside_ms."""
+    return any(s.forward_ms or s.backward_ms for s in steps)
+
+
 def find_outliers(run: Run) -> list[Outlier]:
     by_rank = {r: usable_steps(rd.steps) for r, rd in run.ranks.items()}
     base = {r: _baseline(st) for r, st in by_rank.items() if len(st) >= 3}
@@ -306,14 +333,35 @@ def find_outliers(run: Run) -> list[Outlier]:
         b = base[r]
         mad = statistics.median([abs(s.wall_ms - b.wall) for s in steps])
         thresh = b.wall + max(OUTLIER_MIN_FRACTION * b.wall, OUTLIER_MIN_SIGMAS * 1.4826 * mad)
-        for s in steps:
+        # the steps in which torch.compile compiled, left out of the statistics as the first step is, are named
+        # among the outliers, as compilation (a recompile at step 10 read "compute +1595.8 ms in
+        # forward/backward/optimizer", and stayed in the statistics: a new-user trial)
+        kept, recorded = {s.step for s in steps}, phases_recorded(steps)
+        compiled = [s for s in run.ranks[r].steps if s.step > 0 and compiling(s) and s.step not in kept]
+        for s in sorted(steps + compiled, key=lambda s: s.step):
             if s.wall_ms <= thresh:
                 continue
-            cause, detail = _cause(r, s, b, base, index)
+            cause, detail = (("compilation", _compile_detail(r, s, run)) if compiling(s)
+                             else _cause(r, s, b, base, index, recorded))
             out.append(Outlier(rank=r, step=s.step, ms=round(s.wall_ms, 3), median_ms=round(b.wall, 3),
                                excess_ms=round(s.wall_ms - b.wall, 3), cause=cause, detail=detail))
     out.sort(key=lambda o: -o.excess_ms)
     return out
+
+
+def _compile_detail(rank: int, s: StepRecord, run: Run) -> str:
+    """An outlier step's compilation, in words: this rank's compiles, else the other rank's it waited for (in this
+    step or the one before, the longest)."""
+    if s.compiles:
+        return (f"compilation: torch.compile compiled {s.compiles} graph{'s' if s.compiles > 1 else ''} "
+                f"({s.compile_ms:.1f} ms)")
+    theirs = [(s2.compile_ms, r2, s2.step) for r2, rd in run.ranks.items() if r2 != rank
+              for s2 in rd.steps if s2.step in (s.step, s.step - 1) and s2.compiles]
+    if not theirs:
+        return "compilation"
+    ms, r2, st = max(theirs)
+    when = "compiling in this step" if st == s.step else f"late from its step {st}, which compiled"
+    return f"compilation: waiting for rank {r2}, {when} (torch.compile: {ms:.1f} ms)"
 
 
 def _largest_unit_wait(s: StepRecord) -> tuple[str | None, float]:
@@ -326,7 +374,9 @@ def _largest_unit_wait(s: StepRecord) -> tuple[str | None, float]:
     return best, best_ms
 
 
-def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple[str, str]:
+def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict, recorded: bool = True) -> tuple[str, str]:
+    """An outlier step's likely cause and its words; ``recorded``: the rank's forward and backward were recorded
+    (``phases_recorded``), else its time outside the model holds them and neither is named."""
     excess = s.wall_ms - b.wall
     parts = {
         "gc": s.gc_ms - b.gc,
@@ -340,6 +390,13 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
     parts["doctor"] = s.doctor_ms + probe_ms(s) - b.doctor - b.probe
     own_compute = (s.forward_ms + s.backward_ms + s.optimizer_ms) - collective_wait_ms(s) - probe_ms(s)
     parts["compute"] = own_compute - (b.fwd + b.bwd + b.opt - b.wait - b.probe)
+    if not recorded:
+        # forward and backward not recorded (a compiled step function the doctor was not given): the time outside
+        # the model holds them, and no part of it is data loading or compute as far as the doctor knows (a new-user
+        # trial's step 9 read "time outside the model +59.3 ms (data loading or user code)", forward_ms and
+        # backward_ms 0.0 in every step); the optimizer, timed by its own hooks, stays
+        parts["unrecorded"] = parts.pop("outside")
+        parts["compute"] = s.optimizer_ms - b.opt
     # Another rank arriving late shows up here as waiting, and there as time outside or computing: in the same
     # step, or at the end of the previous one (its optimizer step or code after it ran long after this rank had
     # moved on, so this rank waits in this step's first collective). The late rank is the one whose own time (not
@@ -367,6 +424,11 @@ def _cause(rank: int, s: StepRecord, b: _Base, base: dict, index: dict) -> tuple
             return "checkpoint", f"checkpoint save +{parts['checkpoint']:.1f} ms"
         if key == "outside":
             return "outside", f"time outside the model +{parts['outside']:.1f} ms (data loading or user code)"
+        if key == "unrecorded":
+            return "unrecorded", (f"+{parts['unrecorded']:.1f} ms in the model's forward or backward or outside the "
+                                  "model, not told apart (forward and backward not recorded)")
+        if key == "compute" and not recorded:
+            return "compute", f"optimizer +{parts['compute']:.1f} ms (of +{excess:.1f} ms)"
         if key == "doctor":
             how = ("counting this step's memory op by op" if counted_op_by_op(s)
                    else "on its records and memory figures")
@@ -536,6 +598,7 @@ def analyze_steps(run: Run) -> StepsSection:
         no_grad={str(r): ng for r, rd in sorted(run.ranks.items()) if (ng := no_grad_steps(rd.steps)) is not None},
         checkpoints={str(r): c for r, rd in sorted(run.ranks.items())
                      if (c := checkpoint_steps(rd.steps)) is not None},
+        compiled={str(r): c for r, rd in sorted(run.ranks.items()) if (c := compile_steps(rd.steps)) is not None},
         counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},
     )
 

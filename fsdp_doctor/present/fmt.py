@@ -290,9 +290,11 @@ STEP_PHASES = ("forward", "backward", "optimizer", "outside", "gc")
 
 
 def steps_traced(section: StepsSection) -> bool:
-    """The step figures are the traces' (no records: no phase split)."""
+    """The step figures are the traces' (no records: no phase split). Records always leave their first step out
+    (``excluded``): a recorded run whose forward and backward the doctor did not see has no phase split either, and
+    its table read "the traces' complete profiler steps" (a compiled step function's, a new-user trial)."""
     per = section.per_rank
-    return bool(per) and all(st.count and not st.phases_p50_ms for st in per.values())
+    return bool(per) and all(st.count and not st.phases_p50_ms and not st.excluded for st in per.values())
 
 
 def steps_title(section: StepsSection) -> str:
@@ -408,10 +410,34 @@ def checkpoint_text(section: StepsSection) -> str | None:
             f"{share:.1f}% of the recorded time{which}{around}{aside_text}; counted apart from outside; those steps are {kept}")
 
 
+def compile_text(section: StepsSection) -> str | None:
+    """One line on the steps in which torch.compile compiled, over the ranks (the graphs and time of the rank that
+    compiled longest), and those in which a rank waited for another's compile; None when none did."""
+    per = section.compiled
+    if not per:
+        return None
+    steps = sorted({s for c in per.values() for s in c.steps})
+    waited = sorted({s for c in per.values() for s in c.waited} - set(steps))
+    kept = ("left out of the step statistics above" if all(c.excluded for c in per.values())
+            else "kept in the step statistics above (too few steps without)")
+    out = "torch.compile compiled"
+    if steps:
+        rank, top = max(per.items(), key=lambda rc: rc[1].ms_total)
+        which = f" on rank {rank}" if len(per) > 1 else ""
+        out += (f" in step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {top.graphs} "
+                f"graph{'s' if top.graphs != 1 else ''}, {fmt_ms(top.ms_total)}{which}")
+    if waited:
+        out += (f"{';' if steps else ''} a rank waited for another's compile in step{'s' if len(waited) > 1 else ''} "
+                f"{', '.join(map(str, waited))}")
+    return out + f"; those steps are {kept}"
+
+
 def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
-    """The lines on steps whose extra work the statistics keep apart, each with its key ("no-grad": evaluation,
-    "checkpoint": checkpoint saves): what every presenter shows under the step table."""
-    return [(key, line) for key, line in (("no-grad", no_grad_text(section)), ("checkpoint", checkpoint_text(section)))
+    """The lines on steps whose extra work the statistics keep apart, each with its key ("compile": torch.compile
+    compiling, "no-grad": evaluation, "checkpoint": checkpoint saves): what every presenter shows under the step
+    table."""
+    return [(key, line) for key, line in (("compile", compile_text(section)), ("no-grad", no_grad_text(section)),
+                                          ("checkpoint", checkpoint_text(section)))
             if line is not None]
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records import ALLOC_CONF_VARS, Experts, OptimizerGroup, RunConfig, Untrained
+from ..records import ALLOC_CONF_VARS, FRAME_UNSEEN_START, Experts, OptimizerGroup, RunConfig, Untrained
 from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
@@ -21,12 +21,11 @@ from .units import (Unit, compiled_frames, consistency_problem, managed_param_id
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
-FRAME_UNSEEN = ("the model's forward runs in a compiled frame the doctor was not given: the compiled wrapper of "
-                "torch.compile(model) trained instead of the model passed to watch(), or a function compiled around "
-                "the model's call (torch.compile of a step or loss function that calls it); its hooks do nothing "
-                "there, so the step's forward, backward and every unit's time are not recorded. Pass the compiled "
-                "model to watch(), or compile the model in place (model.compile()) and call it from an uncompiled "
-                "step function")
+FRAME_UNSEEN = (f"{FRAME_UNSEEN_START}: the compiled wrapper of torch.compile(model) trained instead of the model "
+                "passed to watch(), or a function compiled around the model's call (torch.compile of a step or loss "
+                "function that calls it); its hooks do nothing there, so the step's forward, backward and every "
+                "unit's time are not recorded. Pass the compiled model to watch(), or compile the model in place "
+                "(model.compile()) and call it from an uncompiled step function")
 
 
 def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,
@@ -81,14 +80,14 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     def names(ids: list[int]) -> str:
         return ", ".join(unit_cfgs[i].name or "(root)" for i in ids[:4]) + (" ..." if len(ids) > 4 else "")
 
-    notes: list[str] = []
+    # (the forward in a compiled frame the doctor was not given: what it could not time, first, as a note in the
+    # report's header; it was a problem, the report's last line, and exit 3, which says files or lines were skipped)
+    notes: list[str] = [FRAME_UNSEEN] if frame_unseen else []
     if timed:
         notes.append(
             f"{len(timed)} unit(s) compiled by torch.compile ({names(timed)}): timed around their compiled call, so "
             "their forward's all-gather wait is inside their forward time, not apart")
-    if frame_unseen:
-        unavailable.append(FRAME_UNSEEN)
-    elif in_place:
+    if in_place and not frame_unseen:
         notes.append(
             f"{len(in_place)} unit(s) run inside a compiled frame ({names(in_place)}): the doctor's hooks do nothing "
             "there, so these units' timings are not recorded")

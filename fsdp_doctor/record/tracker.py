@@ -51,6 +51,7 @@ from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import FRAME_UNSEEN, config_snapshot, untrained_rows
+from .compile_time import CompileClock
 from .dcp_saves import DcpSaveTap
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
@@ -170,6 +171,7 @@ class Doctor:
             from .gpu_timing import GpuTimeline
 
             self._gpu = self._timer.gpu = GpuTimeline(self.rank, len(self._units), [u.name for u in self._units])
+        self._compiles = CompileClock()
         self.active = True
         if self._profile_kwargs is not None:
             try:
@@ -426,6 +428,7 @@ class Doctor:
         profiled = profiled or self._recorded_at_start or profiler_recording()
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
+        compiles, compile_ms = self._compiles.take()
         own_ms = _ms(self._own_ns)
         saves, self._saves = merged_saves(self._saves, tm.first_forward_ns or 0, tm.last_optimizer_end_ns or 0), []
         save_ms = _ms(sum(b - a for a, b, _ in saves))
@@ -452,6 +455,7 @@ class Doctor:
             autograd_eval_forwards=tm.autograd_eval_forwards, doctor_ms=own_ms, between_ms=between,
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
             backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,
+            compiles=compiles, compile_ms=round(min(compile_ms, wall), 3),
         )
         self._sinks.on_step(rec)
         if done:

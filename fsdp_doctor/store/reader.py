@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import statistics
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,6 +271,7 @@ class RunFollower:
                 self.note_problem(f"{sr.path.name}: {why}; skipped (a run directory holds one run)")
         if new:
             _mark_others_saved(run)
+            _mark_others_compiled(run)
         return run, max(new, 0)
 
     def _read_manifest(self, mpath: Path) -> None:
@@ -357,6 +359,29 @@ def _mark_others_saved(run: Run) -> None:
     for rd in run.ranks.values():
         for s in rd.steps:
             s.others_saved = s.step in saved and not s.checkpoints
+
+
+#: a step after another rank's compile step waited for it when its collective wait is above the rank's median by this
+#: share of its median step
+COMPILE_WAIT_SHARE = 0.25
+
+
+def _mark_others_compiled(run: Run) -> None:
+    """``StepRecord.others_compiled`` on each rank's steps that did not compile where another rank compiled: in the
+    same step (the others wait for it in its collectives), or in the step before, where this step's collective
+    wait is above the rank's median by a quarter of its median step (the compiling rank arrived late at this step's
+    first all-gather). A new-user trial's compiled optimizer step: rank 1 compiled ~1.1 s longer in step 0, and
+    rank 0's step 1 read "all-gather wait +1092.3 ms", kept in its statistics (p99 1107.7 ms, cv 186%)."""
+    compiled = {r: {s.step for s in rd.steps if s.compiles} for r, rd in run.ranks.items()}
+    for r, rd in run.ranks.items():
+        others = set().union(*(st for r2, st in compiled.items() if r2 != r))
+        if not others or not rd.steps:
+            continue
+        waits = {s.step: sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units) for s in rd.steps}
+        late = statistics.median(waits.values()) + COMPILE_WAIT_SHARE * statistics.median(s.wall_ms for s in rd.steps)
+        for s in rd.steps:
+            s.others_compiled = not s.compiles and (
+                s.step in others or (s.step - 1 in others and waits[s.step] > late))
 
 
 def load_run(path: Path | str) -> Run:
