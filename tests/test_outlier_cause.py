@@ -109,6 +109,15 @@ def test_evaluation_with_autograd_on_is_named_and_diagnosed():
     assert (f.severity, f.evidence["forwards"], f.evidence["steps"], f.ranks) == ("info", 16, [4, 8], [0, 1]), f
     assert f.recommendation.where == "evaluation" and list(f.recommendation.inputs) == ["evaluate"]
     assert "with torch.no_grad():" in f.recommendation.code and "evaluate()" in f.recommendation.code
+    # generation under no_grad in other steps (an RL loop's): neither its steps nor its time are the finding's (a
+    # new-user trial read "10 step(s)" for the 5 that ran the eval-mode forwards, at the generation's time)
+    run = _eval_run({2, 4, 6, 8}, autograd=8)
+    for rd in run.ranks.values():
+        for k in (2, 6):
+            rd.steps[k].autograd_eval_forwards, rd.steps[k].no_grad_ms = 0, 500.0
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "memory.eval_autograd")
+    assert (f.evidence["steps"], f.evidence["ms_per_step_p50"]) == ([4, 8], 300.0), f.evidence
+    assert "In 2 step(s) (4, 8)" in f.recommendation.text
     quiet = fsdp_doctor.build_report(_eval_run({4, 8}))
     assert not [f for f in quiet.findings if f.code == "memory.eval_autograd"]
     assert next(s.reason for s in quiet.rules if s.code == "memory.eval_autograd").startswith("no forward in eval")
