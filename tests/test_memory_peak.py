@@ -554,3 +554,38 @@ def test_all_gather_waits_of_a_short_run_leave_the_counted_steps_out():
     assert E.median_step_ag_waits(ctx) == (73.0, 0.0, 236.0)  # steps 3 and 4: the lower of the two
     run.ranks[0] = RankData(rank=0, steps=[step(i, True) for i in range(4)])  # every step counted: those
     assert E.median_step_ag_waits(ctx) == (152.5, 0.0, 548.0)
+
+
+_VARLEN = """
+model = nn.Sequential(nn.Embedding(64, 32), *[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                                             for _ in range(2)], nn.Linear(32, 64))
+for m in model[1:3]:
+    fully_shard(m)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doc:
+    for step in range(10):
+        seq = 512 if step == 6 else 32  # one long batch among short ones (variable sequence lengths)
+        tok = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(step))
+        logits = model(tok)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tok.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        doc.step()
+"""
+
+
+def test_a_light_step_on_a_larger_batch_is_measured_in_full(tmp_path):
+    """Light memory steps replay the last full step's figures, FSDP's schedule repeating; a batch larger than
+    every full step's (variable sequence lengths) does not repeat them: a new-user trial's 1024-token steps among
+    64-token ones read the short steps' 6.80 MiB where 87.82 MiB was the peak. A light step whose batch has 1.25x
+    the elements of every full step's is measured in full, and the peak is its own."""
+    from conftest import run_one_rank
+    from fsdp_doctor import build_report, load_run
+
+    run = load_run(run_one_rank(tmp_path, _VARLEN)[0])
+    by_step = {s.step: s.memory for s in run.ranks[0].steps}
+    assert by_step[6].sampling == "full" and by_step[5].sampling == by_step[7].sampling == "replayed", \
+        {k: m.sampling for k, m in by_step.items()}
+    assert by_step[6].peak.bytes > 4 * by_step[5].peak.bytes, (by_step[6].peak.bytes, by_step[5].peak.bytes)
+    assert build_report(run).memory.per_rank["0"].peak_at.step == 6
