@@ -2165,6 +2165,7 @@ def test_eval_regather():
         rule.why_quiet
     (f,) = rule.match(_eval_ctx(23.0, gathers=41))
     assert f.evidence["allgathers_per_unit"] == pytest.approx(6.83)
+    assert (f.evidence["allgathers_per_evaluation"], f.evidence["units_entered"]) == (41, 6)
     assert rule.match(_eval_ctx(capacity=None)) == [] and "capacity" in rule.why_quiet
     (f,) = rule.match(_eval_ctx(lacks=["FSDPModule.set_reshard_after_forward"]))
     assert f.recommendation.code == "" and "no set_reshard_after_forward" in f.recommendation.text

@@ -248,6 +248,7 @@ def test_generation_fix_gathers_once_and_leaves_training_unchanged(matrix):
     us = o.report.units
     gathers = sum(8 if u.reshard_after_forward is not False else 1 for u in us if u.param_count)
     assert o.finding.evidence["allgathers_per_unit"] == pytest.approx(gathers / len(us), abs=0.01), gathers
+    assert (o.finding.evidence["allgathers_per_evaluation"], o.finding.evidence["units_entered"]) == (gathers, len(us))
     once = sum(1 for u in us if u.param_count)  # (each unit holding parameters, once)
     assert f"{once} all-gathers for the {len(us)} units entered in 8 forwards" in quiet["eval.regather"], quiet
     assert o.result["losses"] and o.after_result["losses"] == o.result["losses"]

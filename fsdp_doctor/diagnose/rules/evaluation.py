@@ -58,14 +58,15 @@ class EvalRegather(Rule):
             return self.quiet("no training forward's all-gather was timed")
         counted = [r[3] for r in evals]
         per_unit = None if None in counted else statistics.median(g / u for g, u in counted)
+        typical = None  # (all-gathers, units entered) of the step nearest that median
         if per_unit is not None:
+            typical = min(counted, key=lambda c: abs(c[0] / c[1] - per_unit))
             # counted: gathered at most once for the whole evaluation where kept (the time read it borderline under
             # the host's load: a 2-rank generation's 8 forwards went quiet once; and on a GPU the host's time of an
             # all-gather is its issue, not its wait)
             if per_unit <= 1.0:
-                g, u = min(counted, key=lambda c: abs(c[0] / c[1] - per_unit))
-                return self.quiet(f"the units stay gathered across those forwards: {g} all-gathers for the {u} "
-                                  f"units entered in {passes:.0f} forwards")
+                return self.quiet(f"the units stay gathered across those forwards: {typical[0]} all-gathers for the "
+                                  f"{typical[1]} units entered in {passes:.0f} forwards")
         elif gathered < KEPT_SHARE * passes * once:
             return self.quiet(f"the units stay gathered across those forwards: {gathered:.1f} ms of all-gathers for "
                               f"{passes:.0f} forwards, under {100 * KEPT_SHARE:.0f}% of as many training forwards' "
@@ -123,7 +124,11 @@ class EvalRegather(Rule):
              "training_forward_allgather_ms": round(once, 3), "saved_ms_per_evaluation": round(saved, 3),
              "saved_ms_per_step": round(per_step, 3), "unsharded_held_bytes": held,
              "evaluation_peak_bytes": int(during), "capacity_bytes": cap,
-             "allgathers_per_unit": None if per_unit is None else round(per_unit, 2)},
+             "allgathers_per_unit": None if per_unit is None else round(per_unit, 2),
+             # the counts themselves: a unit resharded after forward gathers once a pass, one kept gathered (FSDP's
+             # root) once in all; the ratio alone read 6.25 for (3 x 8 + 1) / 4 (a new-user trial)
+             "allgathers_per_evaluation": typical[0] if typical else None,
+             "units_entered": typical[1] if typical else None},
             text, code, where=where, inputs=inputs,
             # (the training steps' time is not what changes: the evaluation's is, in the evidence)
             predicted=E.predicted(None, None, peak, max(peak, during)))]
