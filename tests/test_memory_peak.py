@@ -589,3 +589,46 @@ def test_a_light_step_on_a_larger_batch_is_measured_in_full(tmp_path):
         {k: m.sampling for k, m in by_step.items()}
     assert by_step[6].peak.bytes > 4 * by_step[5].peak.bytes, (by_step[6].peak.bytes, by_step[5].peak.bytes)
     assert build_report(run).memory.per_rank["0"].peak_at.step == 6
+
+
+_EVAL_MODE_IN_A_FULL_STEP = """
+model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(2)])
+for m in model:
+    fully_shard(m)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+evaluate = int(sys.argv[2])
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doc:
+    for step in range(4):  # (steps 0-2 measured in full, the last of them evaluating)
+        if evaluate and step == 2:  # an evaluation that forgot torch.no_grad(), its outputs kept
+            model.eval()
+            kept = [model(torch.randn(16, 32)) for _ in range(4)]
+            model.train()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        doc.step()
+"""
+
+
+def test_units_activations_are_a_training_forwards_beside_an_eval_mode_evaluation(tmp_path):
+    """Forwards in eval mode with autograd on (torch.no_grad() forgotten) add their graphs' activations to the units'
+    in the full step that ran them: a new-user trial's layers read 1.08 MiB each, four evaluation forwards' worth,
+    for 275.5 KiB of one training forward. The per-unit figures come from a full step without them."""
+    import os
+    import subprocess
+
+    from conftest import ONE_RANK, REPO, child_pythonpath
+    from fsdp_doctor import build_report, load_run
+
+    script = tmp_path / "case.py"
+    script.write_text(ONE_RANK + _EVAL_MODE_IN_A_FULL_STEP + "\ndist.destroy_process_group()\n")
+    acts = {}
+    for evaluate in (0, 1):
+        out = tmp_path / f"run{evaluate}"
+        subprocess.run([sys.executable, str(script), str(out), str(evaluate)], check=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"})
+        run = load_run(out)
+        assert sum(s.autograd_eval_forwards for s in run.ranks[0].steps) == 4 * evaluate
+        acts[evaluate] = {u.unit: u.activation_bytes for u in build_report(run).memory.per_rank["0"].per_unit}
+    assert acts[1] == acts[0] and acts[0]["0"] > 0, acts
