@@ -520,7 +520,8 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
     before them, where the wrappers do not exist yet, they did nothing: a new-user trial)."""
     if after_sharding:
         lines = ["# on the sharded model, after your fully_shard and checkpoint_wrapper calls (the wrappers went "
-                 "around", "# the units after fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
+                 "around",
+                 "# the units after fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
                  "# (or leave out your checkpoint_wrapper calls)"]
     else:
         # (a header over 96 columns wrapped: ac.fewer_units' read 111; "apply_activation_checkpointing" named to a run
@@ -1424,4 +1425,3 @@ def complete(code: str, define_mesh: bool = True) -> str:
         fsdp += [n.strip() for n in m.group(1).split(",") if n.strip() not in fsdp]
     imports = [f"from torch.distributed.fsdp import {', '.join(fsdp)}" if ln == "<fsdp>" else ln for ln in imports]
     return "\n".join([IMPORTS_NOTE, *imports, "", body]) if imports else body
-

@@ -12,11 +12,12 @@ from rich.text import Text
 from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, ThroughputSection, TraceUnitRow, UnitRow,
                                Verdict)
 from .fit import Col, fitted_table
-from .fmt import (fit_comments, fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
+from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
                   findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
-                  trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title)
+                  trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title,
+                  fit_comments)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 

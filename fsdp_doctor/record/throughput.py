@@ -26,7 +26,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -191,7 +190,7 @@ class _Observer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if any(t is not torch.Tensor and not issubclass(t, nn.Parameter) for t in types):
+        if any(t is not torch.Tensor for t in types):
             # a tensor subclass's operator (a DTensor's: tensor parallelism's) is counted on its local tensors, the
             # work this rank does (a new-user trial's column- and row-wise linears on a tp 2 mesh counted their
             # global shapes, 1.7x the rank's FLOPs: 3,768,320 for 2,195,456). The mode sees the subclass's operator

@@ -19,9 +19,9 @@ KEPT_SHARE = 0.5
 
 def _evaluations(ctx: Context) -> list[tuple[int, float, float, Optional[tuple[int, int]]]]:
     """(forwards without gradients and autograd, their time ms, their all-gathers ms, (the units entered not
-    gathered, the units entered)) of each step that ran two or more, every rank's (records before ``no_grad_gather_ms`` have none,
-    before ``no_grad_gathers`` no count: None); those outside profiler windows where there are any (a window slows
-    them as it slows the step)."""
+    gathered, the units entered)) of each step that ran two or more, every rank's (records before
+    ``no_grad_gather_ms`` have none, before ``no_grad_gathers`` no count: None); those outside profiler windows where
+    there are any (a window slows them as it slows the step)."""
     rows = []
     for rd in (getattr(ctx.run, "ranks", None) or {}).values():
         for s in rd.steps:

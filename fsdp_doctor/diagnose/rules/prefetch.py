@@ -651,10 +651,10 @@ class PrefetchWrongOrder(Rule):
 
 
 _SYNC_WHY = ("On gloo, CPU streams and events are no-ops, so with the default synchronous unshard the all-gather runs "
-             "to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, including the all-gathers "
-             "FSDP prefetches (explicitly in forward, by default in backward). Make the unshard asynchronous on every "
-             "unit (private API, torch >= 2.4): the collective then runs on gloo's threads while the host computes, "
-             "and FSDP waits for it only when the unit is needed.")
+             "to completion inside FSDP's pre-forward/pre-backward hook: nothing overlaps it, including the "
+             "all-gathers FSDP prefetches (explicitly in forward, by default in backward). Make the unshard "
+             "asynchronous on every unit (private API, torch >= 2.4): the collective then runs on gloo's threads "
+             "while the host computes, and FSDP waits for it only when the unit is needed.")
 
 
 @register
