@@ -106,7 +106,10 @@ def test_a_model_compiled_whole_has_its_step_timed_and_no_false_data_wait(cases,
     assert "jitter.data_wait" not in {f.code for f in rep.findings}
     steps = run.ranks[0].steps[1:]
     assert all(s.backward_ms > 0 for s in steps)
-    assert statistics.median(s.outside_ms for s in steps) < 0.25 * statistics.median(s.forward_ms for s in steps)
+    # the forward's time is the model's, not outside it (it all fell outside: outside >= forward). What is outside
+    # here, the batch's randn, the loss, zero_grad, reads a quarter of the forward in the uncompiled model's case too
+    # (0.20-0.30 on a quiet host; 0.28 in a CI run), so the bound is half
+    assert statistics.median(s.outside_ms for s in steps) < 0.5 * statistics.median(s.forward_ms for s in steps)
     assert all(not u.timing_p50 for u in rep.units if u.name in inner)  # unknown, not a measured zero
     assert "the model's forward is compiled as a whole; saved activations not counted" in {  # (full steps)
         s.memory.activations_note for s in run.ranks[0].steps if s.memory}
