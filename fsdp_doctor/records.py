@@ -284,6 +284,9 @@ class RunConfig(Record, tag="config"):
     peak_tflops: float | None = None
     flops_per_step: float | None = None  # model FLOPs of one (optimizer) step: forward, backward, optimizer
     hardware_flops_per_step: float | None = None  # the same plus activation checkpointing's recompute
+    # the elements the counted step's training forwards took (StepRecord.input_elements): the FLOPs above are that
+    # batch's; None: not recorded
+    flops_input_elements: int | None = None
     profile_schedule: dict[str, int] | None = None
     notes: list[str] = []
     unmanaged_trainable_names: list[str] | None = None  # trainable parameters no unit manages (ignored_params)
@@ -507,6 +510,10 @@ class StepRecord(Record, tag="step"):
     # out of the statistics as they do the first (0: none, and records before these fields)
     compiles: int = 0
     compile_ms: float = 0.0
+    # the elements of the tensors the step's training forwards of the model took (its batches' tokens, pixels; summed
+    # over micro-batches): FLOPs counted on one step are scaled by it where it varies (analyze/throughput.py); None:
+    # not recorded (records before this field, or no training forward seen)
+    input_elements: int | None = None
     # set by the reader, never written: another rank compiled in this step, or in the previous one and this rank waited
     # for it in this step's collectives (a rank compiling longer arrives late at the next step's first all-gather)
     others_compiled: bool = False

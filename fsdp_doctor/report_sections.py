@@ -376,7 +376,8 @@ class ThroughputRank(_Section, omit_defaults=True):  # a figure not known is abs
     tokens_per_s: Optional[float] = None
     flops_per_step: Optional[float] = None
     flops_source: Optional[str] = None  # "counted" | "analytic" (6 x parameters x tokens)
-    flops_note: Optional[str] = None  # analytic: which parameters it counts (a mixture of experts' active ones)
+    # analytic: which parameters it counts (a mixture of experts' active ones); counted on batches that vary: scaled
+    flops_note: Optional[str] = None
     achieved_tflops: Optional[float] = None
     peak_tflops: Optional[float] = None
     mfu_pct: Optional[float] = None  # model FLOPs (no activation-checkpointing recompute) / step / peak

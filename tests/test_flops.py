@@ -700,3 +700,50 @@ def test_tensor_parallel_flops_are_the_ranks_own(tmp_path):
     # the whole MLP: forward 2 x 4 x 32 x 64 twice; backward the same twice over (input and weight gradients)
     assert got["whole"] == 3 * 2 * (2 * 4 * 32 * 64) and got["tp"] == got["whole"] / 2, got
     assert got["same"] and got["close"], got
+
+
+def test_flops_of_batches_that_vary_scale_with_each_steps_input(one_rank_group, tmp_path):
+    """Batches of different sizes per step (token budgets, bucketing, an epoch's short last batch): the FLOPs are
+    counted on step 1 only, here its 1-row batch, and were every step's: MFU 12x low on steps of 8 and 16 rows. Each
+    step's FLOPs are now the counted ones scaled by its input elements (recorded per step, micro-batches summed),
+    their sum over the steps' time the rate. Known answer: the reference GPT's closed-form FLOPs of each step's batch
+    (rows vary, the sequence length does not: exact)."""
+    import statistics
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+    from fsdp_doctor.workloads.train import build_training
+
+    cfg = WorkloadConfig(**SMALL)
+    rows = [4, 1, 8, 16, 8, 16, 8, 16]  # step 1, the counted one, takes 1 row
+    micro = {5: 2}  # step 5 in two micro-batches of 8 rows
+    torch.manual_seed(0)
+    model, opt = build_training(cfg)
+    with fsdp_doctor.watch(model, opt, out_dir=tmp_path / "run", memory=False, profile=False,
+                           peak_tflops=1.0) as doctor:
+        for step, n in enumerate(rows):
+            for _ in range(micro.get(step, 1)):
+                tok = torch.randint(0, cfg.vocab, (n // micro.get(step, 1), cfg.seq_len))
+                next_token_loss(model(tok), tok).backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+    run = fsdp_doctor.load_run(tmp_path / "run")
+    rd = run.ranks[0]
+    assert [s.input_elements for s in rd.steps] == [n * cfg.seq_len for n in rows]
+    assert rd.config.flops_per_step == gpt.flops_per_step(WorkloadConfig(**{**SMALL, "batch_size": 1}))
+    assert rd.config.flops_input_elements == cfg.seq_len
+    steps = usable_steps(rd.steps)
+    known = [gpt.flops_per_step(WorkloadConfig(**{**SMALL, "batch_size": s.input_elements // cfg.seq_len}))
+             for s in steps]
+    row = analyze_throughput(run).per_rank["0"]
+    assert row.flops_per_step == pytest.approx(statistics.mean(known), rel=1e-12)
+    assert row.achieved_tflops == pytest.approx(sum(known) / sum(s.wall_ms for s in steps) / 1e9, rel=1e-3)
+    assert row.hardware_flops_per_step == row.flops_per_step and row.mfu_pct == row.hfu_pct
+    assert "scaled by each step's input elements" in row.flops_note
+    # the same batch every step: the counted step's FLOPs over the median step, no note
+    for s in rd.steps:
+        s.input_elements = rd.config.flops_input_elements
+    row = analyze_throughput(run).per_rank["0"]
+    assert row.flops_per_step == rd.config.flops_per_step and row.flops_note is None

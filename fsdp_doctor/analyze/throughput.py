@@ -7,7 +7,13 @@ Where FLOPs were not counted (counting failed, or was off) but tokens per step a
 from the analytic estimate 6 x parameters x tokens per rank (Kaplan et al. 2020: forward 2, backward 4 FLOPs
 per parameter per token; attention scores not included, so it reads low for long sequences; a mixture of
 experts' routed experts counted top_k of num_experts), and each row says which (``flops_source``: ``"counted"`` or
-``"analytic"``; ``flops_note``: which parameters the estimate counts)."""
+``"analytic"``; ``flops_note``: which parameters the estimate counts).
+
+FLOPs are counted on one step. Where the steps' batches differ in size (``StepRecord.input_elements``: variable
+sequence lengths, token budgets, bucketing), each step's FLOPs are the counted ones scaled by its batch's elements
+over the counted step's, and the rate is their sum over the steps' summed time: a count of a 4-row step read as every
+step's put MFU 40x low on steps of 64 and 256 rows. Linear in the batch: exact where the rows vary, low where the
+sequences lengthen under attention (its quadratic term is not scaled); the row's note says so."""
 
 from __future__ import annotations
 
@@ -57,6 +63,23 @@ def _analytic(cfg) -> tuple[float | None, str]:
     return per_token * cfg.tokens_per_step / max(1, cfg.world_size), note
 
 
+def _scaled(cfg, steps) -> tuple[float, float, str] | None:
+    """(the steps' mean counted FLOPs scaled by their batches, those FLOPs per second, the note saying so), or None
+    where every step's batch is the counted one's (or a batch is unknown)."""
+    base = getattr(cfg, "flops_input_elements", None)
+    sizes = [getattr(s, "input_elements", None) for s in steps]
+    if not base or not sizes or not all(sizes) or all(n == base for n in sizes):
+        return None
+    flops = [cfg.flops_per_step * n / base for n in sizes]
+    seconds = sum(s.wall_ms for s in steps) / 1e3
+    if seconds <= 0:
+        return None
+    # (one sentence for every rank: the terminal prints each different note once)
+    note = ("FLOPs counted on one step and scaled by each step's input elements, which vary: taken as linear in the "
+            "batch (attention's quadratic term in the sequence length is not scaled)")
+    return sum(flops) / len(flops), sum(flops) / seconds, note
+
+
 def analyze_throughput(run: Run) -> ThroughputSection | None:
     """Per rank and for the job, or None where neither tokens per step nor FLOPs are known."""
     per_rank: dict[str, ThroughputRank] = {}
@@ -64,7 +87,8 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
     any_data = False
     for r, rd in sorted(run.ranks.items()):
         cfg = rd.config
-        st = step_stats(usable_steps(rd.steps))
+        steps = usable_steps(rd.steps)
+        st = step_stats(steps)
         if cfg is None or not st.count:
             continue
         p50_s = st.p50_ms / 1e3
@@ -75,23 +99,31 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
         flops, source, note = cfg.flops_per_step, "counted", None
         if not flops:
             (flops, note), source = _analytic(cfg), "analytic"
+        scaled = _scaled(cfg, steps) if source == "counted" and flops else None
         if flops:
+            hw = cfg.hardware_flops_per_step if source == "counted" else None
             tf = flops / p50_s / 1e12
+            hw_tf = hw / p50_s / 1e12 if hw else None
+            if scaled is not None:  # the batches vary: each step's FLOPs over the steps' time (the recompute's alike)
+                share = scaled[0] / flops
+                flops, tf, note = scaled[0], scaled[1] / 1e12, scaled[2]
+                if cfg.tokens_per_step:  # (a number the user gave, not measured)
+                    note += "; tokens/s takes watch()'s tokens_per_step as every step's"
+                hw, hw_tf = (hw * share, tf * hw / cfg.flops_per_step) if hw else (None, None)
             row.flops_per_step = flops
             row.flops_source = source
             row.flops_note = note
             row.achieved_tflops = _sig(tf)
             job_tflops += tf
             any_data = True
-            hw = cfg.hardware_flops_per_step if source == "counted" else None
             if hw:
                 row.hardware_flops_per_step = hw
-                job_hw_tflops += hw / p50_s / 1e12
+                job_hw_tflops += hw_tf
             if cfg.peak_tflops:
                 row.peak_tflops = cfg.peak_tflops
                 row.mfu_pct = round(100 * tf / cfg.peak_tflops, 2)
                 if hw:
-                    row.hfu_pct = round(100 * hw / p50_s / 1e12 / cfg.peak_tflops, 2)
+                    row.hfu_pct = round(100 * hw_tf / cfg.peak_tflops, 2)
         per_rank[str(r)] = row
     if not any_data:
         return None

@@ -463,7 +463,8 @@ def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, 
 
 
 def throughput_note(section: ThroughputSection) -> str:
-    """Where the FLOPs are the analytic estimate: which parameters it counts (every rank's distinct sentence)."""
+    """Where the FLOPs are the analytic estimate, which parameters it counts; where counted FLOPs were scaled by
+    batches that vary, that they were (every rank's distinct sentence)."""
     return "\n".join(dict.fromkeys(r.flops_note for r in section.per_rank.values() if r.flops_note))
 
 

@@ -109,6 +109,8 @@ class StepTimings:
     # another FSDP model's forward or backward inside this step (its param groups' pre/post labels, the outermost
     # span of them): a teacher's forward, a GAN's other network, time outside the watched model that is not the data
     other_models_ms: float = 0.0
+    # the elements of the tensors the model's training forwards took (0: none seen)
+    input_elements: int = 0
 
 
 class _UnitAcc:
@@ -697,9 +699,15 @@ class StepTimer:
                 self._safe(self._probe_children, "checkpoint watch")
             if self._opt_end and self.step_boundary is not None:  # a new step's first forward, maybe
                 self._safe(lambda: self.step_boundary(_now()), "step")
+            elements = 0
             if module.training:
                 self._eval_open = None
                 self._settle_eval()  # the eval-mode forwards before this one had no backward: evaluation
+                try:  # the batch's size: FLOPs counted on one step scale by it (variable shapes)
+                    elements = _elements(args, kwargs)
+                    self._input_elems += elements
+                except Exception as e:  # noqa: BLE001
+                    self._fail("throughput", e)
             else:
                 self._eval_open = self._unit_figures()
             self._fwd_start = _now()
@@ -712,7 +720,7 @@ class StepTimer:
                 # the batch's size first: a light memory step whose input outgrows the full steps' is measured in
                 # full (variable sequence lengths: a new-user trial's 1024-token steps among 64-token ones replayed
                 # the short steps' 6.80 MiB where 87.82 MiB was the peak)
-                self._safe(lambda: self.marks.model_input(_elements(args, kwargs)), "memory")
+                self._safe(lambda: self.marks.model_input(elements or _elements(args, kwargs)), "memory")
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
     def _model_post(self, module, args, output):
@@ -830,6 +838,7 @@ class StepTimer:
         self._eval_pending: list[tuple[int, list[tuple], list[bool]]] = []
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
+        self._input_elems = 0  # the elements of the training forwards' tensor arguments
         self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
@@ -858,7 +867,8 @@ class StepTimer:
                            autograd_eval_forwards=self._autograd_eval_count, first_forward_ns=self._first_fwd,
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
-                           backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns))
+                           backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns),
+                           input_elements=self._input_elems)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

@@ -113,6 +113,7 @@ class Doctor:
         self._flops: FlopCounter | None = None
         self.flops_per_step: float | None = None  # model FLOPs
         self.hardware_flops_per_step: float | None = None  # model FLOPs + checkpointing's recompute
+        self.flops_input_elements: int | None = None  # the counted step's training forwards' input elements
         self._config_written = False
         self._gpu = None  # GpuTimeline on CUDA
         self._micro = 0  # doctor.step() calls since the last step record (micro-batches of one optimizer step)
@@ -456,6 +457,7 @@ class Doctor:
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
             backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,
             compiles=compiles, compile_ms=round(min(compile_ms, wall), 3),
+            input_elements=tm.input_elements or None,
         )
         self._sinks.on_step(rec)
         if done:
@@ -468,7 +470,7 @@ class Doctor:
         # 1-9 all set aside, three windows dropped at 5.5-8.4 s of the doctor's time each, no trace kept)
         every = evaluated and self._evaluated_always
         self._evaluated_always = every
-        self._flops_tick(step, evaluated and not every)
+        self._flops_tick(step, evaluated and not every, tm.input_elements)
         if self._profiler is not None:
             try:
                 if self._profiler.step(evaluated, retake=not every):
@@ -484,7 +486,7 @@ class Doctor:
     _flops_recounts = 0
     _evaluated_always = True  # every step ended so far also ran the model without gradients
 
-    def _flops_tick(self, step: int, evaluated: bool = False) -> None:
+    def _flops_tick(self, step: int, evaluated: bool = False, elements: int = 0) -> None:
         """Counts FLOPs over one whole step (step 1, after FSDP's lazy init; see record/throughput.py). A counted
         step that also ran the model without gradients (evaluation, generation) counted those forwards too: the
         next step is counted instead, up to FLOPS_RECOUNTS times (then the count stands, the evaluation in it)."""
@@ -499,6 +501,7 @@ class Doctor:
             self._flops = None
             if counted is not None:
                 self.flops_per_step, self.hardware_flops_per_step = counted
+                self.flops_input_elements = elements or None  # the batch they are of (variable shapes scale them)
             self._safe_write(self._config())
         if recount or (step == 0 and self.flops_per_step is None):
             # compiled code does not run under a dispatch mode (a fullgraph compile raises, flex_attention's
@@ -550,6 +553,7 @@ class Doctor:
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen)
         cfg.driver = self.driver
+        cfg.flops_input_elements = self.flops_input_elements
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None
         if cfg.sharded_by is not None:
