@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..records import runs_compiled
 from ..report_sections import OverlapSection, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
@@ -151,6 +152,21 @@ def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
     return out
 
 
+def _waits_inside_forward(run: Optional[Run], ranks: list[str]) -> tuple[int, int]:
+    """Of the units of ``ranks`` (split from their records), how many have their forward's all-gather wait inside
+    their forward time: (compiled, in place or timed around their compiled call; the others run through a
+    registered forward method), the most of any rank."""
+    compiled = methods = 0
+    for r in ranks:
+        rd = run.ranks.get(int(r)) if run is not None else None
+        cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
+        if cfg is not None:
+            compiled = max(compiled, sum(1 for u in cfg.units if runs_compiled(u)))
+            methods = max(methods, sum(1 for u in cfg.units
+                                       if not runs_compiled(u) and getattr(u, "forward_methods", None)))
+    return compiled, methods
+
+
 def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Optional[Verdict]:
     """The :class:`~fsdp_doctor.report_sections.Verdict` from the report's ``overlap`` section (the traces) and
     the run's records, per rank and for the job (see the module docstring), or None without any data."""
@@ -194,6 +210,14 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
         # only step that does it, unsaid: a new-user trial)
         job.summary += (" (the profiler window holds step 0, the first: FSDP's lazy initialization and any "
                         "torch.compile compilation run in it, as in no later step)")
+    compiled, methods = _waits_inside_forward(run, [r for r in joined if r not in traced])
+    if compiled or methods:
+        # (the records time such a unit's forward with its all-gather wait inside: a compiled model without a trace
+        # read compute-bound with 0 ms of exposed forward all-gather, unsaid)
+        how = " and ".join(f"{n} unit{'s' * (n > 1)} {what}" for n, what in (
+            (compiled, "compiled by torch.compile"), (methods, "run through a registered forward method")) if n)
+        job.summary += (f" (from the records, the forward all-gather waits of {how} are inside their "
+                        "forward: counted as compute here; a profiler window tells them apart)")
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
         by_bound.setdefault(v.bound, []).append(int(r))
