@@ -39,6 +39,11 @@ saved-tensor hooks reader       2.6: no ``torch._C._autograd._top_saved_     pre
                                 tensors_default_hooks`` (a probe op tells
                                 whether hooks are active: see
                                 :func:`saved_hooks_top`); 2.9: present
+selective checkpoint cache      ``storage[op]``: a list, popped in backward  2.15: ``storage[key][idx]``
+(``torch.utils.checkpoint``)    (:func:`sac_cached_tensors`); no hook mark   (a dict); hooks marked
+                                                                             ``_checkpoint_internal`` are
+                                                                             not the user's
+                                                                             (:func:`not_the_users_hooks`)
 all-gather copy-out             2.6: bumps the all-gather outputs' version   2.9+: preserves them
                                 counters (see :func:`enable_cpu_fsdp`)
 ``fully_shard(reshard_after_    2.6 refuses ``None`` (its default is True;   ``None`` (auto) is the
@@ -593,6 +598,61 @@ def saved_hooks_top():
 
 def _identity(t):
     return t
+
+
+def not_the_users_hooks(pack) -> None:
+    """Marks the doctor's saved-tensor pack hook as torch's checkpoint marks its own (``_checkpoint_internal``, with
+    no user hooks below it: the doctor pushes its hooks only where none are active): torch 2.15's selective
+    checkpointing looks past such hooks for the user's, so it caches as it does without the doctor. Unmarked, the
+    doctor's hooks read as the user's (a ``save_on_cpu``) and every selective checkpoint region warned the user
+    ("A saved_tensors_hooks context (e.g. save_on_cpu) is active around a selective activation checkpoint region
+    ... pass respect_saved_tensors_hooks"): torchtitan's default checkpointing on torch 2.15. Releases before 2.15
+    read no such mark."""
+    pack._checkpoint_internal = True
+    pack._user_hooks = None
+
+
+def sac_cache():
+    """The cache of the selective activation checkpoint region running now (the storage of torch's
+    ``_CachingTorchDispatchMode`` on the dispatch mode stack: what the region's policy saves, outside autograd's
+    saved tensors and so outside any saved-tensor hook), or None: no such region, or not readable."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        for mode in reversed(_get_current_dispatch_mode_stack()):
+            if type(mode).__name__ == "_CachingTorchDispatchMode":
+                cache = getattr(mode, "storage", None)
+                return cache if isinstance(cache, dict) else None
+    except Exception:  # noqa: BLE001 - another torch: not read
+        return None
+    return None
+
+
+def sac_cached_tensors(cache: dict) -> list:
+    """The tensors a selective checkpoint region's cache holds now. Its entries by operator: a list of them (2.6 -
+    2.13: popped as the recompute takes them) or a dict by call index (2.15: a taken one replaced by a marker); an
+    entry is the operator's outputs, each wrapped (``_VersionWrapper.val``)."""
+    out: list = []
+    try:
+        _cached(list(cache.values()), out, 0)
+    except Exception:  # noqa: BLE001 - another shape: what was read so far
+        pass
+    return out
+
+
+def _cached(x, out: list, depth: int) -> None:
+    """(a plain function: a closure calling itself is a reference cycle, and one holding ``out`` kept every cached
+    tensor alive until a garbage collection: 14 MiB more at the peak of the next step)"""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif depth < 4 and isinstance(x, (list, tuple)):
+        for y in x:
+            _cached(y, out, depth + 1)
+    elif depth < 4 and isinstance(x, dict):
+        for y in x.values():
+            _cached(y, out, depth + 1)
+    elif isinstance(getattr(x, "val", None), torch.Tensor):
+        out.append(x.val)
 
 
 def autocast_dtype(device_type: str) -> str | None:

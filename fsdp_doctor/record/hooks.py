@@ -70,6 +70,8 @@ class MarkSink(Protocol):
 
     def model_input(self, elements: int) -> None: ...  # the elements of the model's forward's tensor arguments
 
+    def region(self, start: bool) -> None: ...  # a checkpointed module's forward starts / returns (its region's)
+
     def step_end(self, step: int) -> Any: ...
 
 
@@ -464,26 +466,39 @@ class StepTimer:
             self._recompute_pre(idx, args)
         else:
             self._acc[idx].t_child = _now()
+            self._region(True)
 
     def _child_post(self, idx, args):
         a = self._acc[idx]
         if in_backward():
             self._recompute_post(idx, args)
-        elif a.t_child:
-            a.child_fwd += _now() - a.t_child
-            a.t_child = 0
+        else:
+            self._region(False)
+            if a.t_child:
+                a.child_fwd += _now() - a.t_child
+                a.t_child = 0
+
+    def _region(self, start: bool) -> None:
+        """A checkpointed module's forward starts or returns (in forward): the memory probe notes its region."""
+        if self.marks is not None and not _compiling():
+            self._safe(lambda: self.marks.region(start), "memory")
 
     def _recompute_pre(self, idx, args):
         if in_backward():
             a = self._acc[idx]
             a.t_recompute = _now()
             a.recompute_runs += 1
+        else:
+            self._region(True)
 
     def _recompute_post(self, idx, args):
         a = self._acc[idx]
-        if in_backward() and a.t_recompute:
-            a.recompute += _now() - a.t_recompute
-            a.t_recompute = 0
+        if in_backward():
+            if a.t_recompute:
+                a.recompute += _now() - a.t_recompute
+                a.t_recompute = 0
+        else:
+            self._region(False)
 
     @staticmethod
     def _recompute_ns(a: "_UnitAcc") -> int:

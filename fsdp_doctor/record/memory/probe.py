@@ -26,7 +26,8 @@ the probe samples these categories (bytes on this rank's device):
     count 0. A saved tensor's bytes are removed when autograd drops its packed handle (the handle's
     ``__del__``), so the running counter is exact during backward too. Under activation checkpointing
     the checkpoint's inner hooks take precedence: only what checkpointing keeps (its inputs) is counted,
-    which is what is alive.
+    which is what is alive; what a selective checkpoint's policy saves, which it keeps in a cache of its own
+    (outside autograd's saved tensors: no hook sees it), is counted from its region's end until it dies.
 ``comm_buffers``
     FSDP's collective buffers in flight: the all-gather output kept for copy-out overlap
     (``comm_ctx.all_gather_state``), pending (prefetched) all-gather results, reduce-scatter inputs kept
@@ -288,6 +289,18 @@ class MemoryProbe:
             # (zero_grad's record_function) raised an INTERNAL ASSERT: training stopped (a new-user trial's case)
             self.hw.stop(pop=False)
             self._open = None
+        self._cost_ns += _now() - t
+
+    def region(self, start: bool) -> None:
+        """A checkpointed module's forward starts (``start``) or returns, inside its checkpoint's region, on a full
+        step: a selective checkpoint's cache counts as activations (activations.SavedTensors.region_start)."""
+        if not self._full or in_backward():
+            return
+        t = _now()
+        if start:
+            self.acts.region_start()
+        else:
+            self.acts.region_end()
         self._cost_ns += _now() - t
 
     def model_input(self, elements: int) -> None:
