@@ -78,6 +78,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # layers, GradientCheckpointingLayer, checkpoint themselves while it is set): turned off there, that unit alone
     # stops checkpointing
     checkpoint_flag: bool = False
+    # its checkpointing is selective (a policy saves some operators' outputs, torch's
+    # create_selective_checkpoint_contexts: torchtitan's default): its recompute re-runs only the others
+    checkpoint_selective: bool = False
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     # the unit runs inside a compiled frame (a module compiled in place, ``module.compile()``, or the module of

@@ -73,6 +73,12 @@ def fmt_unit_figures(u: UnitRow) -> tuple[str, str, str, str]:
             UNKNOWN if raf is None else str(raf).lower())
 
 
+def fmt_checkpoint(u: UnitRow) -> str:
+    """A unit-table row's AC cell: what checkpointing wraps ("unit", "children", ...), "sel" before it where the
+    checkpointing is selective (its policy saves some operators' outputs: torchtitan's default)."""
+    return f"sel {u.checkpoint}" if getattr(u, "checkpoint_selective", False) else u.checkpoint
+
+
 def run_facts(run: RunFacts) -> list[str]:
     """The short facts of a run for a header line: ranks, units, parameters, backend, device, versions, the trace
     files read (``run``: ``report.run``)."""

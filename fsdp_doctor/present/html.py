@@ -22,7 +22,7 @@ from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSecti
 from . import figures as F
 from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
-                  fmt_pct, fmt_unit_figures, fmt_us, evidence_labels, fmt_value, memory_lines, memory_rows, memory_unit_rows,
+                  fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_labels, fmt_value, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
                   steps_title, no_steady_text, straggler_text, throughput_rows,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
@@ -170,7 +170,7 @@ def _units_table(units: list[UnitRow] | list[TraceUnitRow]) -> str:
         t = u.timing_p50
         times = (t.fwd_self_ms, t.ag_wait_fwd_ms, t.bwd_self_ms, t.ag_wait_bwd_ms) if t else (None,) * 4
         rows.append(f"<tr><td style='padding-left:{12 * u.depth}px'>{_esc(unit_label(u.name or ''))}</td>" + "".join(
-            f"<td>{_esc(x)}</td>" for x in (*fmt_unit_figures(u), u.checkpoint, *map(fmt_ms, times))) + "</tr>")
+            f"<td>{_esc(x)}</td>" for x in (*fmt_unit_figures(u), fmt_checkpoint(u), *map(fmt_ms, times))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
     return (f"<p class='note'>Per-step medians; each unit's own time (nested units excluded).</p>"
             f"<table>{head}{''.join(rows)}{more}</table>")

@@ -13,7 +13,7 @@ from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, Thr
                                Verdict)
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
-                  findings_headline, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
+                  findings_headline, fmt_checkpoint, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title,
@@ -109,7 +109,7 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
     for u in units[:UNIT_ROWS]:
         tm = u.timing_p50
         times = (tm.fwd_self_ms, tm.ag_wait_fwd_ms, tm.bwd_self_ms, tm.ag_wait_bwd_ms) if tm else (None,) * 4
-        rows.append((("  " * u.depth) + labels[u.name], *fmt_unit_figures(u), u.checkpoint, *map(fmt_ms_cell, times)))
+        rows.append((("  " * u.depth) + labels[u.name], *fmt_unit_figures(u), fmt_checkpoint(u), *map(fmt_ms_cell, times)))
     if len(units) > UNIT_ROWS:
         rows.append((f"… {len(units) - UNIT_ROWS} more", *[""] * 9))
     return fitted_table(f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "

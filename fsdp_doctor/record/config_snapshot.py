@@ -34,12 +34,14 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
                     hardware_flops_per_step: float | None = None,
                     runtime_checkpointed: Iterable[int], consistency: str | None,
                     runtime_checkpointed_children: Iterable[int] = (),
-                    timed_compiled: Iterable[int] = (), frame_unseen: bool = False) -> tuple[RunConfig, str]:
+                    timed_compiled: Iterable[int] = (), frame_unseen: bool = False,
+                    selective: Iterable[int] = ()) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
     (``checkpoint(self.mlp, h)`` inside the unit's forward); ``consistency``: the first snapshot's check ("" when
-    it passed; None: not run yet, run and logged now); ``timed_compiled``: units compiled in place that the timer
+    it passed; None: not run yet, run and logged now); ``selective``: units seen checkpointing selectively
+    (StepTimer.selective); ``timed_compiled``: units compiled in place that the timer
     times around their compiled call (StepTimer.timed_compiled); ``frame_unseen``: the forward ran in a compiled
     frame the doctor was not given (every unit untimed: FRAME_UNSEEN)."""
     dev = device
@@ -60,6 +62,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     for idx in runtime_checkpointed_children:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "children"
+    for idx in selective:
+        unit_cfgs[idx].checkpoint_selective = unit_cfgs[idx].checkpoint != "none"
     compiled, timed_compiled = _compiled_in_place(model, units), set(timed_compiled)
     if frame_unseen:
         compiled, timed_compiled = list(range(len(units))), set()

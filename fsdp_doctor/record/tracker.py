@@ -551,7 +551,8 @@ class Doctor:
             hardware_flops_per_step=self.hardware_flops_per_step, profile_schedule=getattr(self._profiler, "schedule", None),
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
-            timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen)
+            timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
+            selective=self._timer.selective)
         cfg.driver = self.driver
         cfg.flops_input_elements = self.flops_input_elements
         # accelerate marks what its prepare() returned (the Trainer's model as well)
