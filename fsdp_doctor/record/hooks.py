@@ -159,8 +159,10 @@ class StepTimer:
         self._child_probe: Optional[list] = None
         self._child_pending = False  # probes to put on at the first training forward outside a compiled frame
         self.checkpointed_children: set[int] = set()  # units whose submodules re-run in backward
-        # units whose checkpointing is selective (torch's selective checkpoint mode seen in their region's forward)
+        # units whose checkpointing is selective (torch's selective checkpoint mode seen in their region's forward,
+        # looked for in the first step: end_child_watch ends it)
         self.selective: set[int] = set()
+        self._selective_watch = True
         self._unit_of_label: dict[str, int] = {}
         self._unit_of_group: dict[int, int] | None = None  # id(FSDPParamGroup) -> unit index
         self._kinds: dict[str, str] = {}  # another model's FSDP label -> its kind ("pre_forward", ...)
@@ -440,6 +442,7 @@ class StepTimer:
         """Ends the first step's watch: hooks the outermost submodules seen re-running in backward (of units
         that did not re-run as a whole, whose submodules re-run with them) and records their units."""
         self._child_pending = False  # (never put on: the model ran in compiled frames)
+        self._selective_watch = False
         if self._child_probe is None:
             return
         self._stop_child_probe()
@@ -489,7 +492,7 @@ class StepTimer:
         once a unit; the memory probe notes its region."""
         if _compiling():
             return
-        if start and idx not in self.selective and F2.sac_cache() is not None:
+        if start and self._selective_watch and idx not in self.selective and F2.sac_cache() is not None:
             self.selective.add(idx)
         if self.marks is not None:
             self._safe(lambda: self.marks.region(start), "memory")
