@@ -149,6 +149,13 @@ def _selective_advice(sac, full):
             assert f.recommendation.text.startswith("Selective checkpointing re-runs the operators its policy does not "
                                                     "save in 4 unit(s) during backward (its time not measured")
             assert all(s.recompute_ms == 0 for st in run.ranks[0].steps for s in st.units)
+            # near capacity with every unit checkpointed, ac.recommended is quiet, and says what full checkpointing
+            # would spare: the 4 blocks' cached matmul outputs (10 MiB a forward)
+            for rd in run.ranks.values():
+                rd.config.capacity_bytes = int(rd.steps[-1].memory.peak.bytes / 0.95)
+            why = next(r.reason for r in build_report(run).rules if r.code == "ac.recommended")
+            assert why.endswith(" (4 selectively: what their policy saves beyond their inputs, 10.00 MiB a forward, "
+                                "full checkpointing would recompute instead)"), why
             console = Console(width=100, record=True)
             console.print(render_units(rep.units))
             assert " sel unit " in console.export_text()
