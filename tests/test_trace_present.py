@@ -51,3 +51,19 @@ def test_render_empty():
     text = _render({"per_rank": {}, "per_unit": [], "copies": {}, "idle": {}, "blocking": {}, "files": [],
                     "skipped": [{"file": "x", "error": "no such file or directory"}]})
     assert "No traces" in text and "skipped x: no such file or directory" in text
+
+
+def test_collectives_outside_the_units_name_their_phase_in_full():
+    """The per-unit table's op column names a collective no unit issued by where it ran: a gradient norm's
+    all-reduce (clip_grad_norm_ on DTensor gradients) read "AR gra" (the phase cut to 3 letters: a new-user trial),
+    a model's own parallelism's "AG mod"."""
+    from fsdp_doctor.present.overlap import _unit_table
+    from fsdp_doctor.report_sections import CommUnitRow
+
+    rows = [CommUnitRow(rank=0, unit=u, collective=c, phase=p, count=1, comm_us=10.0)
+            for u, c, p in (("(other)", "all_reduce", "grad_norm"), ("(other)", "all_gather", "model"),
+                            ("blocks.0", "all_gather", "forward"), ("(other)", "all_reduce", "optimizer"))]
+    console = Console(width=100, record=True)
+    console.print(_unit_table(rows, 10, 100))
+    ops = [line.split()[2:4] for line in console.export_text().splitlines() if line.strip().startswith("0 ")]
+    assert ops == [["AR", "norm"], ["AG", "model"], ["AG", "fwd"], ["AR", "opt"]], ops

@@ -14,7 +14,8 @@ from .fmt import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit
 TOP_UNITS = 15
 _COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
          "send_recv": "SR", "all_to_all": "A2A"}
-_PHASE = {"forward": "fwd", "backward": "bwd"}
+# (a phase not here was cut to its first 3 letters: a gradient norm's all-reduce read "AR gra", a new-user trial)
+_PHASE = {"forward": "fwd", "backward": "bwd", "grad_norm": "norm", "model": "model"}
 
 
 def _rank_table(sec: OverlapSection, width: int):
