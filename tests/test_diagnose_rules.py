@@ -2395,3 +2395,15 @@ def test_a_plan_passes_the_users_shard_placement_fn_again():
                                                              "(your run shards parameters on dim 1)")
     (g,) = run_rule("numerics.reduce_dtype", build(units=everywhere())[0])
     assert "shard_placement_fn" not in g.recommendation.code + str(g.recommendation.inputs)
+
+
+def test_unwrapping_fix_has_no_code_line_over_80_columns():
+    """ac.unneeded's and ac.fewer_units' unwrapping (CheckpointWrappers, Hugging Face's own switch) prints within an
+    80-column terminal: a new-user trial found its setattr line at 83 columns (comments are wrapped when printed:
+    fmt.fit_comments)."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    code = S.remove_checkpointing(["model.layers.0", "model.layers.1"], ["model.layers.2"])
+    long = [line for line in code.splitlines() if len(line) > 80 and not line.lstrip().startswith("#")]
+    assert not long, long
+    assert "    setattr(holder, child, inner)" in code.splitlines()

@@ -536,7 +536,7 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",
                                 subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
                   "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its own method",
-                  "off = (getattr(model, 'activation_checkpointing_disable', None)  # its newer name",
+                  "off = (getattr(model, 'activation_checkpointing_disable', None)  # newer name",
                   "       or getattr(model, 'gradient_checkpointing_disable', None))",
                   "if off is not None:",
                   "    off()",
@@ -548,7 +548,8 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                   "    parent, _, child = name.rpartition('.')",
                   "    holder = model.get_submodule(parent)",
                   "    wrapper = getattr(holder, child)",
-                  "    setattr(holder, child, getattr(wrapper, '_checkpoint_wrapped_module', wrapper))"]
+                  "    inner = getattr(wrapper, '_checkpoint_wrapped_module', wrapper)",
+                  "    setattr(holder, child, inner)"]
     if root:
         lines.append("model = getattr(model, '_checkpoint_wrapped_module', model)  # the model itself was wrapped")
     return "\n".join(lines)
