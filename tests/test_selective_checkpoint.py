@@ -156,11 +156,17 @@ def _selective_advice(sac, full):
             why = next(r.reason for r in build_report(run).rules if r.code == "ac.recommended")
             assert why.endswith(" (4 selectively: what their policy saves beyond their inputs, 10.00 MiB a forward, "
                                 "full checkpointing would recompute instead)"), why
+            # the peak in a block's backward: the activations its recompute holds are temporaries, the ones it
+            # recomputed and the cached ones it took (2 + 2.5 MiB), as many as full checkpointing's recompute makes
+            note = next(n for n in rep.memory.per_rank["0"].notes if "recomputes its forward" in n)
+            assert "(selective activation checkpointing): up to 4.50 MiB of the " in note, note
             console = Console(width=100, record=True)
             console.print(render_units(rep.units))
             assert " sel unit " in console.export_text()
         else:
             assert f.evidence["recompute_source"] == "measured" and f.predicted.step_ms_after < f.predicted.step_ms_before
+            note = next(n for n in rep.memory.per_rank["0"].notes if "recomputes its forward" in n)
+            assert "(activation checkpointing): up to 4.50 MiB of the " in note, note
 
 
 @pytest.mark.compat

@@ -72,7 +72,8 @@ def _rank_section(rd) -> MemoryRank | None:
     if unknown:  # not measurable on this torch: their 0 in the breakdown is not a figure
         out.unknown_categories = unknown
     notes = sorted({n for s in steps for n in (s.memory.activations_note, s.memory.comm_note) if n})
-    recomputed = _recomputed_at_peak(out)
+    selective = {u.name for u in getattr(cfg, "units", None) or [] if getattr(u, "checkpoint_selective", False)}
+    recomputed = _recomputed_at_peak(out, selective)
     if recomputed:
         notes.append(recomputed)
     if notes:
@@ -147,22 +148,35 @@ def _latest(steps, field: str) -> dict[str, int]:
     return {}
 
 
-def _recomputed_at_peak(rank: MemoryRank) -> str:
+def recompute_held(row: MemoryUnitRow | None, selective: bool) -> int:
+    """Bytes a checkpointed unit's recompute holds for its backward: what it saved (``recompute_saved_bytes``) and,
+    under selective checkpointing, what its forward's cache handed it (the policy's saves: its forward's saved bytes
+    beyond its inputs), which the cache no longer holds once taken. 0 where unknown."""
+    if row is None:
+        return 0
+    saved = row.recompute_saved_bytes if row.recompute_saved_bytes is not msgspec.UNSET else 0
+    if selective and row.activation_bytes and row.input_bytes is not msgspec.UNSET:
+        saved = (saved or 0) + max(0, row.activation_bytes - row.input_bytes)
+    return int(saved or 0)
+
+
+def _recomputed_at_peak(rank: MemoryRank, selective: set[str] = frozenset()) -> str:
     """Where the peak falls in the backward of a unit whose forward activation checkpointing recomputes: the
     recomputed activations it holds are counted as temporaries (they are no saved activations of the forward), and
-    the line says up to how much of the temporaries they are (its recompute's saved bytes, at most the temporaries).
+    the line says up to how much of the temporaries they are (:func:`recompute_held`, at most the temporaries).
     Without it a new-user trial read 6.23 MiB of "temporaries" at the peak of an HF model under
-    gradient_checkpointing_enable() and went hunting for operator temporaries: 4.01 MiB of it was the recompute."""
+    gradient_checkpointing_enable() and went hunting for operator temporaries: 4.01 MiB of it was the recompute; under
+    selective checkpointing the line counted only what the recompute made, not the cached outputs it took (256 of
+    512 KiB: another trial)."""
     at = rank.peak_at
     if at.unit is None or "backward" not in (at.phase or ""):
         return ""
-    row = next((u for u in rank.per_unit if u.unit == at.unit), None)
-    saved = row.recompute_saved_bytes if row is not None and row.recompute_saved_bytes is not msgspec.UNSET else 0
+    saved = recompute_held(next((u for u in rank.per_unit if u.unit == at.unit), None), at.unit in selective)
     temps = rank.peak_breakdown.get("temporaries", 0)
     if not saved or not temps:
         return ""
-    return (f"the peak is in {unit_label(at.unit)}'s backward, which recomputes its forward (activation "
-            f"checkpointing): up to {fmt_bytes(min(saved, temps))} of the {fmt_bytes(temps)} of temporaries at the "
+    how = "selective activation checkpointing" if at.unit in selective else "activation checkpointing"
+    return (f"the peak is in {unit_label(at.unit)}'s backward, which recomputes its forward ({how}): up to {fmt_bytes(min(saved, temps))} of the {fmt_bytes(temps)} of temporaries at the "
             "peak are its recomputed activations")
 
 

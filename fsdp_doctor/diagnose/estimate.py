@@ -16,6 +16,7 @@ from typing import Iterable, NamedTuple, Optional
 
 import msgspec
 
+from ..analyze.memory import recompute_held
 from ..analyze.steps import profiled_saves, unit_modules, unit_passes
 from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
@@ -237,9 +238,10 @@ def recomputed_at_peak(ctx: Context) -> int:
     pm = peak_memory(ctx)
     if pm is None or pm.peak_at.unit is None or "backward" not in (pm.peak_at.phase or ""):
         return 0
-    row = next((u for u in pm.per_unit if u.unit == pm.peak_at.unit), None)
-    saved = row.recompute_saved_bytes if row is not None and row.recompute_saved_bytes is not msgspec.UNSET else 0
-    return int(min(saved or 0, pm.peak_breakdown.get("temporaries", 0)))
+    unit = next((u for u in units(ctx) if u.name == pm.peak_at.unit), None)
+    held = recompute_held(next((u for u in pm.per_unit if u.unit == pm.peak_at.unit), None),
+                          bool(getattr(unit, "checkpoint_selective", False)))
+    return int(min(held, pm.peak_breakdown.get("temporaries", 0)))
 
 
 def memory_units(ctx: Context) -> dict[str, MemoryUnitRow]:
