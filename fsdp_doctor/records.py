@@ -137,6 +137,12 @@ def counted_op_by_op(s: StepRecord) -> bool:
     return s.memory is not None and s.memory.transients == "exact"
 
 
+def collective_wait_ms(s: StepRecord) -> float:
+    """Time the rank's host spent waiting for all-gathers in this step (forward and backward). Each unit's
+    wait covers only its own unshard (nested units are timed separately), so the sum does not double count."""
+    return sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units)
+
+
 def doctor_step(s: StepRecord) -> bool:
     """The step holds the doctor's own work, which the step statistics leave out: a profiler window (or a FLOP
     count) or a memory count op by op."""

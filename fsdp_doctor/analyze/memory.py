@@ -176,8 +176,9 @@ def _recomputed_at_peak(rank: MemoryRank, selective: set[str] = frozenset()) -> 
     if not saved or not temps:
         return ""
     how = "selective activation checkpointing" if at.unit in selective else "activation checkpointing"
-    return (f"the peak is in {unit_label(at.unit)}'s backward, which recomputes its forward ({how}): up to {fmt_bytes(min(saved, temps))} of the {fmt_bytes(temps)} of temporaries at the "
-            "peak are its recomputed activations")
+    return (f"the peak is in {unit_label(at.unit)}'s backward, which recomputes its forward ({how}): up to "
+            f"{fmt_bytes(min(saved, temps))} of the {fmt_bytes(temps)} of temporaries at the peak are its recomputed "
+            "activations")
 
 
 def _per_unit(cfg, steps) -> list[MemoryUnitRow]:

@@ -59,8 +59,8 @@ def run_facts(run: Run) -> RunFacts:
             facts.mixed_precision = mp
         if off:
             facts.offload = off
-        if config_notes(cfg):  # units compiled by torch.compile: how they were timed, or that they were not
-            facts.notes = config_notes(cfg)
+        if notes := config_notes(cfg):  # units compiled by torch.compile: how they were timed, or that they were not
+            facts.notes = notes
         if getattr(cfg, "model_has_forward", None) is False:  # (a new-user trial's teacher-and-student wrapper)
             facts.notes = [*(facts.notes or []), (
                 "watch() was given a module with no forward() of its own (a container of models called one by one): "

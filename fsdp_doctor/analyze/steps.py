@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from ..records import GpuTimes, StepRecord, counted_op_by_op
+from ..records import GpuTimes, StepRecord, collective_wait_ms, counted_op_by_op
 from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection,
                                StepStats, Straggler)
 from ..store import Run
@@ -267,12 +267,6 @@ def trace_steps(overlap) -> Optional[StepsSection]:
     for r, st in per_rank.items():
         st.recorded, st.excluded = st.count, 0
     return StepsSection(per_rank=per_rank, job=wall_stats([x for xs in per.values() for x in xs]))
-
-
-def collective_wait_ms(s: StepRecord) -> float:
-    """Time the rank's host spent waiting for all-gathers in this step (forward and backward). Each unit's
-    wait covers only its own unshard (nested units are timed separately), so the sum does not double count."""
-    return sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units)
 
 
 def own_ms(s: StepRecord) -> float:

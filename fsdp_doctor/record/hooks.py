@@ -425,10 +425,10 @@ class StepTimer:
                 hit = self._child_owner.get(id(module))
                 if hit is not None:
                     self._child_seen.setdefault(hit[0], set()).add(id(module))
-            elif self.active:  # in forward, inside a selective checkpoint's region: the unit checkpoints selectively
+            elif self.active:  # in forward: inside a selective checkpoint's region, the unit checkpoints selectively
                 hit = self._child_owner.get(id(module))
-                if hit is not None and hit[0] not in self.selective and F2.sac_cache() is not None:
-                    self.selective.add(hit[0])
+                if hit is not None:
+                    self._see_selective(hit[0])
         except Exception as e:  # noqa: BLE001
             self._fail("checkpoint watch", e)
 
@@ -492,10 +492,16 @@ class StepTimer:
         once a unit; the memory probe notes its region."""
         if _compiling():
             return
-        if start and self._selective_watch and idx not in self.selective and F2.sac_cache() is not None:
-            self.selective.add(idx)
+        if start and self._selective_watch:
+            self._see_selective(idx)
         if self.marks is not None:
             self._safe(lambda: self.marks.region(start), "memory")
+
+    def _see_selective(self, idx: int) -> None:
+        """The unit ``idx`` checkpoints selectively where torch's selective checkpoint mode is on the dispatch stack
+        here (inside its region's forward)."""
+        if idx not in self.selective and F2.sac_cache() is not None:
+            self.selective.add(idx)
 
     def _recompute_pre(self, idx, args):
         if in_backward():
@@ -730,15 +736,15 @@ class StepTimer:
                 self._safe(self._probe_children, "checkpoint watch")
             if self._opt_end and self.step_boundary is not None:  # a new step's first forward, maybe
                 self._safe(lambda: self.step_boundary(_now()), "step")
-            elements = 0
+            try:  # the batch's size: FLOPs counted on one step scale by it, the memory probe reads it (variable shapes)
+                elements = _elements(args, kwargs)
+            except Exception as e:  # noqa: BLE001
+                elements = 0
+                self._fail("throughput", e)
             if module.training:
                 self._eval_open = None
                 self._settle_eval()  # the eval-mode forwards before this one had no backward: evaluation
-                try:  # the batch's size: FLOPs counted on one step scale by it (variable shapes)
-                    elements = _elements(args, kwargs)
-                    self._input_elems += elements
-                except Exception as e:  # noqa: BLE001
-                    self._fail("throughput", e)
+                self._input_elems += elements
             else:
                 self._eval_open = self._unit_figures()
             self._fwd_start = _now()
@@ -751,7 +757,7 @@ class StepTimer:
                 # the batch's size first: a light memory step whose input outgrows the full steps' is measured in
                 # full (variable sequence lengths: a new-user trial's 1024-token steps among 64-token ones replayed
                 # the short steps' 6.80 MiB where 87.82 MiB was the peak)
-                self._safe(lambda: self.marks.model_input(elements or _elements(args, kwargs)), "memory")
+                self._safe(lambda: self.marks.model_input(elements), "memory")
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
     def _model_post(self, module, args, output):

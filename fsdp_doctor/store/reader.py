@@ -22,6 +22,7 @@ from ..records import (
     ProfileWindow,
     RunConfig,
     StepRecord,
+    collective_wait_ms,
     manifest_decoder,
     record_decoder,
 )
@@ -377,7 +378,7 @@ def _mark_others_compiled(run: Run) -> None:
         others = set().union(*(st for r2, st in compiled.items() if r2 != r))
         if not others or not rd.steps:
             continue
-        waits = {s.step: sum(u.ag_wait_fwd_ms + u.ag_wait_bwd_ms for u in s.units) for s in rd.steps}
+        waits = {s.step: collective_wait_ms(s) for s in rd.steps}
         late = statistics.median(waits.values()) + COMPILE_WAIT_SHARE * statistics.median(s.wall_ms for s in rd.steps)
         for s in rd.steps:
             s.others_compiled = not s.compiles and (

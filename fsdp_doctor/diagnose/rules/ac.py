@@ -367,11 +367,23 @@ class AcUnneeded(Rule):
         # recompute time: measured when the recorder saw it, else the blocks' forward compute
         measured = sum(u.timing.recompute_ms for u in ck)
         estimated = sum(E.compute_fwd_ms(u) for u in ck)
-        # a selective checkpoint's recompute, cut short, is not timed: its forward's time is only a bound (a new-user
-        # trial's 19.9 ms "measured" where turning selective checkpointing off saved 2-5 ms)
-        bound = estimated if measured <= 0 and any(_selective(u) for u in ck) else None
-        # neither: the units are not timed (inside a module compiled in place: the doctor's hooks return at once)
-        recompute = measured if measured > 0 else estimated if estimated > 0 and bound is None else None
+        recompute = bound = None  # (bound: a selective checkpoint's, not timed)
+        if measured > 0:
+            recompute, how = measured, "measured"
+        elif any(_selective(u) for u in ck):
+            # a selective checkpoint's recompute, cut short, is not timed: its forward's time is only a bound (a
+            # new-user trial's 19.9 ms "measured" where turning selective checkpointing off saved 2-5 ms)
+            bound = estimated
+            how = f"not timed (selective checkpointing: at most the units' forward compute, {bound:.1f} ms)"
+            said = (f"its time not measured: it stops once it has what backward needs, and the units' forward "
+                    f"compute, ~{bound:.1f} ms per step, bounds it")
+        elif estimated > 0:
+            recompute, how = estimated, "estimated from the units' forward compute"
+        else:  # the units are not timed (inside a module compiled in place: the doctor's hooks return at once)
+            how = "not timed (units in a compiled frame)"
+            said = "its time not measured: the units run in a compiled frame, where the doctor's hooks do not time them"
+        if recompute is not None:
+            said = f"~{recompute:.1f} ms per step"
         pm = E.peak_memory(ctx)
         extra, source = _added_without_checkpointing(ctx, ck, pm)
         peak_after = _peak_with(pm, extra, order=[u.name for u in E.units(ctx)]) if source is not None else None
@@ -379,7 +391,7 @@ class AcUnneeded(Rule):
             return self.quiet(f"without checkpointing the peak would be {fmt_bytes(peak_after)}, over "
                               f"{100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
         share = recompute / step if step and recompute is not None else None
-        sev = "info" if bound is not None else "warning" if share is None or share >= AC_RECOMPUTE_WARN_SHARE else "info"
+        sev = "warning" if bound is None and (share is None or share >= AC_RECOMPUTE_WARN_SHARE) else "info"
         wrappers, functional = _wrappers(ck)
         # where accelerate's FSDP2 plugin sharded the model, its settings: CheckpointWrappers are FSDP's own (the
         # plugin wraps the layers it shards); checkpoint(...) calls are Hugging Face's, under the Trainer its
@@ -403,17 +415,11 @@ class AcUnneeded(Rule):
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
              "checkpointed_units": [u.name for u in ck],
              "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
-             "recompute_source": "measured" if measured > 0 else "estimated from the units' forward compute"
-                                 if recompute is not None else
-                                 f"not timed (selective checkpointing: at most the units' forward compute, "
-                                 f"{bound:.1f} ms)" if bound is not None else "not timed (units in a compiled frame)",
+             "recompute_source": how,
              "activation_bytes_added": int(sum(extra.values())) if source is not None else None,
              "activation_source": source, "step_p50_ms": step},
             f"{_reruns(ck)} during backward ("
-            + (f"~{recompute:.1f} ms per step" if recompute is not None else
-               f"its time not measured: it stops once it has what backward needs, and the units' forward compute, "
-               f"~{bound:.1f} ms per step, bounds it" if bound is not None else
-               "its time not measured: the units run in a compiled frame, where the doctor's hooks do not time them")
+            + said
             + f") to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed."
