@@ -338,6 +338,15 @@ def _trace_folder_cases() -> list[Case]:
                                                     "rank2.json"),
       "rank2.json: another job (its step 1's FSDP units: 1, named layers.0; the other files': 2, named layers.0, "
       "layers.1); skipped")
+    # profiled into the same folder again (tensorboard_trace_handler adds files): the rerun's two files are kept, the
+    # first run's named (a new-user trial's rerun with a fix was skipped as "rank 0 again", the first run analysed)
+    P("rerun-into-the-folder", lambda d: [one_file(d, shifted(gpu_doc(r), 30), f"rank{r}.2.pt.trace.json")
+                                          for r in (0, 1)],
+      "rank0.1.pt.trace.json: another run (its step 1 ran 30 s before the step 1 of the 2 files kept: profiled into "
+      "the same folder again?); skipped")
+    # one rank's file of a later run beside both of the first: the first run's own rank 1 kept, not the later one's
+    P("one-rank-of-a-later-run", lambda d: one_file(d, shifted(gpu_doc(1), 98), "rank1.later.json"),
+      "rank1.later.json: another run (its step 1 ran 98 s after the step 1 of the 2 files kept")
     P("another-job-hours-later", lambda d: one_file(d, shifted(gpu_doc(2, world_size=2), 3 * 3600),
                                                     "rank2.json"), "another job (its step")
     P("negative-duration-third", lambda d: one_file(d, with_event(gpu_doc(2), dur=-3.0), "rank2.json"),

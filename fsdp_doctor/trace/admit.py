@@ -12,6 +12,9 @@ with the reason, never summed with another or dropped without a word:
   that sends point-to-point, or whose FSDP collectives run on a group smaller than the world, as pipeline
   stages do); or the same step run more than ``JOB_SKEW_S`` apart from the other ranks' same step;
 * a file without any FSDP2 collective among files that issue them (a DDP or single-process run's trace);
+* another run profiled into the same folder (``tensorboard_trace_handler`` adds files): where a rank holds a step
+  twice, seconds apart, the files holding that step are split into runs by when they ran it, and the run with the
+  most ranks is kept, the newest on a tie;
 * a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap; the first
   file (by name) is kept.
 """
@@ -31,6 +34,9 @@ from .model import OTHER_UNIT, WindowTrace
 # it in their first collective up to the collective's timeout (NCCL's default: 10 min) before the job fails; two
 # runs of different models minutes apart are told apart by their FSDP units instead
 JOB_SKEW_S = 600.0
+# two files of one rank that ran the same step at least this far apart are two runs (a copy of a file, or a rank's
+# file twice, ran it at the same time); no run starts its processes and reaches a profiled step sooner
+RERUN_MIN_GAP_S = 1.0
 
 
 def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFile]]:
@@ -109,6 +115,34 @@ def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFi
             if not has and (windows[i].calls or windows[i].steps):
                 skipped[i] = ("another job (no FSDP2 collective in it, where the other files' issue them: a run "
                               "without fully_shard?); skipped")
+
+    # a folder profiled into again: the rerun's files beside the first run's (a new-user trial's rerun with a fix was
+    # skipped as "rank 0 again" while the first run's files were analysed; one rank's file of a later run beside
+    # both of an earlier one read as one job with it, the earlier run's own file of that rank skipped). Where a rank
+    # holds a step twice, seconds apart, the files holding it are split into runs in the order they ran it (the
+    # ranks of one run start a step together; a rank already in the run, later, starts another)
+    for n, idx in sorted(by_step.items()):
+        idx = [i for i in idx if i not in skipped]
+        starts = {i: _step_start_s(windows[i], n) for i in idx}
+        if max(Counter(windows[i].rank for i in idx).values(), default=0) < 2 or None in starts.values():
+            continue
+        runs: list[list[int]] = []
+        for i in sorted(idx, key=starts.get):
+            if runs and (all(windows[j].rank != windows[i].rank for j in runs[-1])
+                         or starts[i] - starts[runs[-1][0]] < RERUN_MIN_GAP_S):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if len(runs) < 2:
+            continue
+        keep = max(runs, key=lambda r: (len({windows[i].rank for i in r}), starts[r[0]]))
+        for r in runs:
+            if r is not keep:
+                dt = starts[keep[0]] - starts[r[0]]
+                for i in r:
+                    skipped[i] = (f"another run (its step {n} ran {_apart(abs(dt))} {'before' if dt > 0 else 'after'} "
+                                  f"the step {n} of {_files(len(keep))} kept: profiled into the same folder "
+                                  "again?); skipped")
 
     # the same step on different ranks runs at the same time: far apart, it is another job's
     for n, idx in sorted(by_step.items()):
@@ -234,8 +268,22 @@ def _unit_name(unit: str) -> str:
 
 
 def _apart(s: float) -> str:
-    """A time apart (> JOB_SKEW_S) in its unit: "11 min", "2.5 h", "3.0 days"."""
+    """A time apart in its unit: "98 s", "11 min", "2.5 h", "3.0 days"."""
+    if s < 120:
+        return f"{s:.0f} s"
     return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
+
+
+def _files(n: int) -> str:
+    return "the file" if n == 1 else f"the {n} files"
+
+
+def _step_start_s(w: WindowTrace, n: int):
+    """When the window's step ``n`` started (s since the epoch): its window's start and the steps before ``n``."""
+    t = _start_s(w)
+    if t is None or w.window is None or any(k not in w.step_us for k in w.steps if k < n):
+        return None
+    return t + sum(w.step_us[k] for k in w.steps if k < n) / 1e6
 
 
 def _start_s(w: WindowTrace):
