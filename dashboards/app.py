@@ -239,8 +239,15 @@ def serve(path: Path | str, host: str = "127.0.0.1", port: int = 8050) -> int:
         print(f"fsdp-doctor: {path} does not exist yet; the dashboard shows the run as soon as its records appear "
               "there", file=sys.stderr)
     elif not state.snapshot().has_records:
-        print(f"fsdp-doctor: {path}: no fsdp-doctor records (rank*.records.jsonl) yet; the dashboard shows the "
-              "run as soon as they appear", file=sys.stderr)
+        # (plain profiler traces: the pages show them; "records ... yet" read as a wait for records that never come,
+        # a new-user trial)
+        try:
+            n = len(state._trace_files())  # (decoded on a background thread: counted as files here)
+        except OSError:
+            n = 0
+        print(f"fsdp-doctor: {path}: {n} profiler trace file(s), no fsdp-doctor records: the pages show the traces"
+              if n else f"fsdp-doctor: {path}: no fsdp-doctor records (rank*.records.jsonl) yet; the dashboard "
+              "shows the run as soon as they appear", file=sys.stderr)
     app = create_app(path, state=state, host=host)
     import logging
 

@@ -566,7 +566,8 @@ def _outcome(path: Path, rank: int) -> dict:
             "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
             "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
             "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
-                      for u in run.ranks[rank].config.units]}
+                      for u in run.ranks[rank].config.units],
+            "selective": [u.name for u in run.ranks[rank].config.units if u.checkpoint_selective]}
 
 
 def run_trainer_fixes(out: Path) -> dict:

@@ -197,6 +197,10 @@ ROWS: list[Row] = [
     _r("hf_llama_ac_some", "hf_llama", "ac.fewer_units", "HF gradient_checkpointing_enable(), 2.9 MiB budget",
        knobs={"ac": "block"}, watch={"capacity_bytes": int(2.9 * MiB)}, min_severity="info",
        figure="checkpointed_units"),
+    # torchtitan's default, selective checkpointing of every block (the matmuls' outputs saved), near capacity:
+    # full checkpointing keeps only the blocks' inputs
+    _r("gpt_sac_tight", "gpt", "ac.selective_to_full", "every block selectively checkpointed, budget 5% above peak",
+       knobs={"ac": "selective", "batch_size": 8}, capacity_share=0.95),
     _r("gpt_ac_children", "gpt", "ac.wrong_granularity", "each block's attn and mlp checkpointed",
        knobs={"ac": "children"}, watch=AMPLE),
     _r("resnet_ac_children", "resnet", "ac.wrong_granularity", "each block's convolutions checkpointed",

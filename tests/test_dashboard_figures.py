@@ -433,6 +433,12 @@ def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
     assert serve(empty) == 0
     out = capsys.readouterr()
     assert "no fsdp-doctor records" in out.err
+    # plain profiler traces: the pages show them, no wait for records that never come (a new-user trial)
+    import shutil
+
+    shutil.copytree(SAMPLE / "profiler", tmp_path / "plain")
+    assert serve(tmp_path / "plain") == 0
+    assert "2 profiler trace file(s), no fsdp-doctor records: the pages show the traces" in capsys.readouterr().err
     # started before the run creates its directory (a new-user trial: it refused): it waits for it
     assert serve(tmp_path / "not_yet") == 0
     assert "does not exist yet" in capsys.readouterr().err

@@ -2295,6 +2295,21 @@ def test_near_capacity_spread_on_a_torch_without_the_reshard_switch():
             in g.recommendation.text), g.recommendation.text
 
 
+def test_near_capacity_spread_quiet_where_resharding_frees_nothing_at_the_peak():
+    """memory.near_capacity_spread warned with a fix that freed nothing: the peak held no gathered parameters of the
+    units kept gathered (a new-user trial's HF Llama, the [norm, lm_head] unit the wrapping fix kept gathered: "lowers
+    the peak by 0 B", 4% slower; pasted, the peak stayed and reshard.last_unit asked for it back). Quiet, saying so."""
+    us = healthy_units(reshard_after_forward=False)
+    cap = 100 * MiB
+    mem = memory(95 * MiB, capacity=cap, sharded_params=30 * MiB, unsharded_params=0, optimizer_state=25 * MiB,
+                 activations=25 * MiB, temporaries=15 * MiB)
+    assert run_rule("memory.near_capacity_spread", build(units=us, memory=mem, capacity=cap)[0]) == []
+    ctx, statuses = build(units=us, memory=mem, capacity=cap)[0], []
+    diagnose(ctx.run, ctx.report, statuses=statuses)
+    st = next(s for s in statuses if s.code == "memory.near_capacity_spread")
+    assert st.status == "quiet" and " frees 0 B at the peak (its step's timeline), under 1% of it" in st.reason, st
+
+
 def test_reduce_dtype_unset_reads_unset_or_the_same():
     """numerics.reduce_dtype on blocks with param_dtype bfloat16 and no reduce_dtype recorded: torch 2.6's
     MixedPrecisionPolicy stores a reduce_dtype equal to param_dtype as None, so the text does not claim the user

@@ -149,13 +149,25 @@ def _selective_advice(sac, full):
             assert f.recommendation.text.startswith("Selective checkpointing re-runs the operators its policy does not "
                                                     "save in 4 unit(s) during backward (its time not measured")
             assert all(s.recompute_ms == 0 for st in run.ranks[0].steps for s in st.units)
-            # near capacity with every unit checkpointed, ac.recommended is quiet, and says what full checkpointing
+            # near capacity (89%) with every unit checkpointed, ac.recommended is quiet, and says what full checkpointing
             # would spare: the 4 blocks' cached matmul outputs (10 MiB a forward)
+            # (the budget: full checkpointing's peak at 84% of it, the sac peak near it)
+            full_peak = load_run(full).ranks[0].steps[-1].memory.peak.bytes
             for rd in run.ranks.values():
-                rd.config.capacity_bytes = int(rd.steps[-1].memory.peak.bytes / 0.95)
-            why = next(r.reason for r in build_report(run).rules if r.code == "ac.recommended")
+                rd.config.capacity_bytes = int(full_peak / 0.84)
+            tight = build_report(run)
+            why = next(r.reason for r in tight.rules if r.code == "ac.recommended")
             assert why.endswith(" (4 selectively: what their policy saves beyond their inputs, 10.00 MiB a forward, "
-                                "full checkpointing would recompute instead)"), why
+                                "full checkpointing would recompute instead: ac.selective_to_full)"), why
+            # ... and ac.selective_to_full takes that lever: the peak full checkpointing measured, predicted; its fix
+            # the wrappers' checkpoint without the policy, or words for checkpoint(..., context_fn=) calls
+            g = next((f for f in tight.findings if f.code == "ac.selective_to_full"), None)
+            assert g, next(r.reason for r in tight.rules if r.code == "ac.selective_to_full")
+            assert g.evidence["saved_beyond_inputs_bytes"] == BLOCKS * (HIDDEN + DIM) * ROWS * 4, g.evidence
+            assert abs(g.predicted.peak_bytes_after - full_peak) <= 0.03 * full_peak, (g.predicted, full_peak)
+            functional = not run.config.units[1].checkpoint_wrappers
+            assert (g.recommendation.code == "") == functional, g.recommendation
+            assert ("leave context_fn out there (0, 1, 2, 3)" in g.recommendation.text) == functional, g.recommendation
             # the peak in a block's backward: the activations its recompute holds are temporaries, the ones it
             # recomputed and the cached ones it took (2 + 2.5 MiB), as many as full checkpointing's recompute makes
             note = next(n for n in rep.memory.per_rank["0"].notes if "recomputes its forward" in n)
@@ -187,3 +199,42 @@ def test_the_doctors_hooks_make_torch_warn_nothing_around_selective_regions(tmp_
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "saved_tensors_hooks" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.compat
+def test_full_checkpointing_fix_drops_the_policy_and_nothing_else():
+    """ac.selective_to_full's fix for checkpoint wrappers (snippets.full_checkpointing), run as printed on wrappers
+    built as torchtitan builds them (``context_fn`` and ``preserve_rng_state=False``): the policy is no longer asked
+    about any operator, the other keyword stays, and the gradients are the selective run's (torch 2.6 to 2.15 keep
+    the wrapper's checkpoint in ``checkpoint_fn``)."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from fsdp_doctor.diagnose import snippets as S
+
+    asked = []
+
+    def policy(ctx, op, *args, **kwargs):
+        asked.append(op)
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[checkpoint_wrapper(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+                                                  context_fn=lambda: create_selective_checkpoint_contexts(policy),
+                                                  preserve_rng_state=False) for _ in range(2)])
+
+    def grads(model):
+        model(torch.ones(4, 8)).pow(2).sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    want = grads(build())
+    assert asked
+    model = build()
+    exec(S.full_checkpointing(["0", "1"]), {"model": model})
+    asked.clear()
+    got = grads(model)
+    assert asked == [] and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(w.checkpoint_fn.keywords.get("preserve_rng_state") is False for w in model)

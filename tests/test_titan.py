@@ -146,6 +146,23 @@ def test_titan_checkpointing_recommended_fix_checkpoints_every_block(titan_fixes
 
 
 @pytest.mark.slow
+def test_titan_selective_checkpointing_near_capacity_fix_is_full(titan_fixes):
+    """torchtitan's default, selective checkpointing of every block (its policy saves the matmuls' outputs), under
+    a budget 5% above the peak: ac.selective_to_full names all four blocks and its fix is
+    ``activation-checkpoint:full``; run so, the blocks checkpoint fully (no longer selectively), the finding is
+    gone and the peak falls to the predicted one."""
+    for res in titan_fixes:
+        before, after, f = _fixed(res, "tight_sel", "ac.selective_to_full", "activation-checkpoint:full")
+        assert "all 4 here" in f["text"], f["text"]
+        assert before["quiet"]["ac.recommended"].endswith("full checkpointing would recompute instead: "
+                                                          "ac.selective_to_full)"), before["quiet"]["ac.recommended"]
+        layers = [u[0] for u in before["units"] if u[0].startswith("layers.")]
+        assert len(layers) == 4 and before["selective"] == layers and after["selective"] == [], (before, after)
+        assert [u[1] for u in after["units"] if u[0].startswith("layers.")] == ["unit"] * 4, after["units"]
+        assert after["peak"] < 0.9 * before["peak"], (after["peak"], before["peak"])
+
+
+@pytest.mark.slow
 def test_titan_zero2_fix_is_its_resharding_setting(titan_fixes):
     """torchtitan's default resharding (every unit but [norm, lm_head]) under an ample budget: keeping all of them
     gathered fits, so reshard.zero2_affordable's fix is torchtitan's ``--parallelism.fsdp-reshard-after-forward

@@ -217,6 +217,19 @@ def test_doctor_arguments_split_from_torchtitans():
     assert max(map(len, help_text.splitlines())) <= 100
 
 
+def test_help_without_module_is_one_line(tmp_path):
+    """``--help`` lists the doctor's options, then torchtitan's; without ``--module`` torchtitan 0.3 refuses its
+    command line with a ValueError, which ended in a traceback (a new-user trial): one line naming it."""
+    if not (TITAN_SITE / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan is not installed in {TITAN_SITE} (make setup installs it: make titan-site)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TITAN_SITE), str(ROOT)])}
+    p = subprocess.run([sys.executable, "-m", "fsdp_doctor.titan", "--help"], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=tmp_path)
+    assert p.returncode == 1 and "--doctor.out-dir" in p.stdout, (p.returncode, p.stdout[-500:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1].startswith("fsdp_doctor.titan: torchtitan: --module is required"), p.stderr
+
+
 def _trainer(**kw):
     class Trainer:
         def _forward_backward_body(self):

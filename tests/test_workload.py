@@ -171,7 +171,7 @@ def test_cli_round_trip():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(wrap="zero3"), dict(ac="every:0"), dict(ac="selective"), dict(param_dtype="fp8"),
+    dict(wrap="zero3"), dict(ac="every:0"), dict(ac="sac"), dict(param_dtype="fp8"),
     dict(d_model=30, n_heads=4), dict(cpu_offload=True), dict(reshard_after_forward="sometimes"),
     dict(pause_every=-1),
 ])

@@ -18,7 +18,8 @@ Cases:
   titan        the same run without and with the doctor: identical losses and parameter shards, the hook state
                as before watch(); the units and the sharder as recorded.
   titan_fixes  ac.unneeded under torchtitan's default selective checkpointing with an ample budget,
-               ac.recommended without checkpointing under a budget 5% above the peak, and reshard.zero2_affordable
+               ac.recommended without checkpointing under a budget 5% above the peak, ac.selective_to_full
+               under the default with the same, and reshard.zero2_affordable
                under its default resharding with an ample budget, each rerun with its fix's command line as its
                user would run it (the fix's flags in place of the same settings).
   titan_default  its defaults and its loop for 30 steps with the doctor's defaults: the report's findings.
@@ -339,6 +340,8 @@ def run_titan_fixes(out: Path) -> dict:
         ("sel_ample", "ac.unneeded", {}),
         # activations dominate (width 128, 256 tokens a sequence) a peak 5% under the budget
         ("tight", "ac.recommended", {"args": ["activation-checkpoint:none"], "width": 128, "seq": 256}),
+        # the same under torchtitan's default, selective checkpointing: its saved matmul outputs fill the peak
+        ("tight_sel", "ac.selective_to_full", {"width": 128, "seq": 256}),
         # torchtitan's default resharding (all but [norm, lm_head]) under an ample budget
         ("zero2", "reshard.zero2_affordable", {"args": ["activation-checkpoint:none"]}),
         # full checkpointing of blocks compiled by torchtitan (each in place: the doctor's hooks inside return at

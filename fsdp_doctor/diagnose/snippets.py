@@ -500,6 +500,20 @@ _NO_KV_CACHE = ("for m in model.modules():  # Hugging Face configs: no KV cache 
                 "        m.config.use_cache = False")
 
 
+def full_checkpointing(wrappers: list[str]) -> str:
+    """Full activation checkpointing in place of a selective policy on the named CheckpointWrappers (fqns): each
+    one's checkpoint function without its ``context_fn`` (torch's CheckpointWrapper calls ``self.checkpoint_fn``, a
+    partial holding the keyword arguments it was built with, torch 2.6 to 2.15); on the model sharded or not (the
+    wrappers are the same modules)."""
+    return "\n".join([
+        "import functools",
+        "# full activation checkpointing in place of the selective policy: each wrapper's checkpoint",
+        "# without its context_fn (or leave context_fn= out where you call checkpoint_wrapper)",
+        name_list("wrappers", wrappers), "for name in wrappers:", "    w = model.get_submodule(name)",
+        "    kw = {k: v for k, v in w.checkpoint_fn.keywords.items() if k != 'context_fn'}",
+        "    w.checkpoint_fn = functools.partial(w.checkpoint_fn.func, *w.checkpoint_fn.args, **kw)"])
+
+
 def checkpoint_flags_off(layers: list[str], note: str) -> str:
     """Activation checkpointing off on the named modules (fqns) by their own ``gradient_checkpointing`` flag
     (transformers' layers, UnitConfig.checkpoint_flag), the model's other layers left checkpointing; on the model
@@ -1088,11 +1102,16 @@ def titan_settings(version: str, **settings) -> Optional[str]:
     except (KeyError, TypeError):  # (a setting the table lacks; no table for that version)
         return None
     flags = [a for a, _ in args if a.startswith("--")] + [a for a, _ in args if not a.startswith("--")]
-    return "\n".join([f"# torchtitan {version}: on the command line that runs torchtitan.train, in place of the "
-                      "same settings", "# (after --module/--config; a subcommand, activation-checkpoint:..., goes "
-                      "last: one only)", " ".join(flags),
+    return "\n".join([_titan_line(f"torchtitan {version}") + "in place of the same settings (after",
+                      "# --module/--config; a subcommand, activation-checkpoint:..., last: one only)",
+                      " ".join(flags),
                       "# or set it in your config_registry function, on the Trainer.Config it returns:",
                       *(f"#   {ln}" for _, py in args for ln in py.splitlines())])
+
+
+def _titan_line(said: str) -> str:
+    """The head of a fix that is torchtitan's command line (within 80 columns: a new-user trial's read 114)."""
+    return f"# {said}: on the command line that runs fsdp_doctor.titan or\n# torchtitan.train, "
 
 
 def titan_says(version: str) -> str:
@@ -1143,8 +1162,7 @@ TITAN_TRAINER_ELSEWHERE = (" torchtitan's Trainer runs the loop and its parallel
 def titan_command_line(version: str, flags: str) -> str:
     """A fix that is flags of torchtitan's command line (``Recommendation.where`` "torchtitan")."""
     said = f"torchtitan {version}" if version else "torchtitan"
-    return (f"# {said}: on the command line that runs fsdp_doctor.titan (or torchtitan.train), after "
-            f"--module/--config\n{flags}")
+    return f"{_titan_line(said)}after --module/--config\n{flags}"
 
 
 def for_titan_trainer(rec, finding: str, version: str) -> None:
@@ -1172,7 +1190,8 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     hook = table["hook"]
     body = textwrap.indent(rec.code, " " * 4)
     rec.code = (f"# {said} calls this once it has sharded the model and built its optimizers\n"
-                f"def doctor_fix(optimizers, model_parts, parallel_dims, previous=config.model_spec.{hook}):\n"
+                "def doctor_fix(optimizers, model_parts, parallel_dims,\n"
+                f"               previous=config.model_spec.{hook}):\n"
                 "    if previous is not None:  # the model's own (a mixture of experts' load balancing)\n"
                 "        previous(optimizers, model_parts, parallel_dims)\n"
                 "    model, optimizer = model_parts[0], optimizers\n"

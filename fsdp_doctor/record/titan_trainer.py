@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [sys.argv[0], *rest]  # (torchtitan's ConfigManager reads sys.argv)
     try:
         entry(trainer_cls) if inspect.signature(entry).parameters else entry()
+    except ValueError as e:  # torchtitan's own refusal of its command line, one line (a traceback after the
+        # doctor's --help without --module: a new-user trial; torchtitan.train alone does the same)
+        if "--module" not in str(e):
+            raise
+        sys.exit(f"fsdp_doctor.titan: torchtitan: {e}")
     finally:
         if own:
             trainer_cls.train = train

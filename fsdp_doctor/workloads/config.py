@@ -34,7 +34,7 @@ class WorkloadConfig:
     prefetch depth over the block units, 0 = FSDP's implicit prefetch), `prefetch_reversed` (deliberate bug:
     explicit lists in the wrong order, each block forward-prefetching the block before it and backward-prefetching
     the one after), `ac` ("none", "block",
-    "every:K", "children"), `param_dtype` / `reduce_dtype` (None or one of `DTYPE_NAMES`),
+    "every:K", "children", "selective": each block under torchtitan's op-level selective policy), `param_dtype` / `reduce_dtype` (None or one of `DTYPE_NAMES`),
     `cpu_offload` (+ `offload_pin_memory`), `optimizer_before_shard` (deliberate bug), `autocast` (None or
     one of `DTYPE_NAMES`: the loop runs forward and loss under `torch.autocast(device, dtype)`), `device`,
     `num_threads` (intra-op threads per rank; None leaves torch's default).
@@ -135,11 +135,11 @@ class WorkloadConfig:
     def ac_every(self) -> int:
         """Checkpoint period over the blocks: 0 = none, 1 = every block, K = every K-th block.
 
-        "children" also returns 1 (every block is affected); tell it apart with `ac == "children"`.
+        "children" and "selective" also return 1 (every block is affected); tell them apart with `ac`.
         """
         if self.ac == "none":
             return 0
-        if self.ac in ("block", "children"):
+        if self.ac in ("block", "children", "selective"):
             return 1
         if self.ac.startswith("every:"):
             try:
@@ -148,7 +148,7 @@ class WorkloadConfig:
                 k = 0
             _check(k >= 1, f"ac 'every:K' needs an integer K >= 1, got {self.ac!r}")
             return k
-        raise ValueError(f"ac must be 'none', 'block', 'every:K' or 'children', got {self.ac!r}")
+        raise ValueError(f"ac must be 'none', 'block', 'every:K', 'children' or 'selective', got {self.ac!r}")
 
     def tokens_per_step(self, world_size: int) -> int:
         """Tokens consumed by one optimizer step over all ranks."""
@@ -264,8 +264,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     fsdp.add_argument("--prefetch-reversed", action=argparse.BooleanOptionalAction, default=d.prefetch_reversed,
                       help="explicit prefetch lists in the wrong order: each block prefetches the block before it "
                       "in forward, the one after it in backward (a deliberate bug)")
-    fsdp.add_argument("--ac", default=d.ac, metavar="{none,block,every:K,children}",
-                      help="activation checkpointing policy")
+    fsdp.add_argument("--ac", default=d.ac, metavar="{none,block,every:K,children,selective}",
+                      help="activation checkpointing policy (selective: torchtitan's op-level policy on each block)")
     fsdp.add_argument("--param-dtype", type=_cli_type(_dtype_arg), default=d.param_dtype,
                       metavar="{bf16,fp32,fp16}", help="MixedPrecisionPolicy param_dtype")
     fsdp.add_argument("--reduce-dtype", type=_cli_type(_dtype_arg), default=d.reduce_dtype,

@@ -70,18 +70,33 @@ def checkpointed_blocks(cfg: WorkloadConfig) -> list[int]:
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: WorkloadConfig) -> None:
-    """Wrap blocks (or, for ac="children", each block's attn and mlp) in a non-reentrant checkpoint."""
+    """Wrap blocks (or, for ac="children", each block's attn and mlp) in a non-reentrant checkpoint; for
+    ac="selective", under a policy that saves the matmuls' outputs, as torchtitan's default (its op-level
+    ``SelectiveAC``, a checkpoint_wrapper with a ``context_fn``) does."""
     for i in checkpointed_blocks(cfg):
         if cfg.ac == "children":
             block = model.layers[i]
             for child in _CHECKPOINTED_CHILDREN:
                 setattr(block, child, _checkpoint(getattr(block, child)))
         else:
-            model.layers[i] = _checkpoint(model.layers[i])
+            model.layers[i] = _checkpoint(model.layers[i], selective=cfg.ac == "selective")
 
 
-def _checkpoint(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+def _checkpoint(module: nn.Module, selective: bool = False) -> nn.Module:
+    kw = {"context_fn": _save_matmuls} if selective else {}
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
+
+
+def _save_matmuls():
+    """Selective checkpointing's contexts: the matmuls' outputs saved, every other operator recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def block_leaf_path(cfg: WorkloadConfig, block: int, leaf: str) -> str:

@@ -188,7 +188,7 @@ def _selective_saves(ctx: Context) -> str:
     if not saves:
         return ""
     return (f" ({len(sel)} selectively: what their policy saves beyond their inputs, {fmt_bytes(saves)} a forward, "
-            "full checkpointing would recompute instead)")
+            "full checkpointing would recompute instead: ac.selective_to_full)")
 
 
 def _reruns(ck: list[E.Unit]) -> str:
@@ -263,8 +263,9 @@ class AcRecommended(Rule):
         if lever or titan_code:
             chosen = [u for u in cands if S.strip_ckpt(u.name) == S.block_of(u.name)]
             if not chosen:
-                return self.quiet("no layer of accelerate's FSDP2 plugin (a repeated block) is left to checkpoint"
-                                  if lever else "no block of torchtitan's model is left to checkpoint")
+                return self.quiet(("no layer of accelerate's FSDP2 plugin (a repeated block) is left to checkpoint"
+                                   if lever else "no block of torchtitan's model is left to checkpoint")
+                                  + _selective_saves(ctx))
             peak_after = peak_with(chosen)
         else:
             # checkpoint the largest activation holders first until the peak is under the target
@@ -284,9 +285,7 @@ class AcRecommended(Rule):
         # previous row's model still allocated, and checkpointing two of its four blocks predicted at 816 MiB against
         # an 828 MiB target; the fixture recorded since holds 45.5% of 811.5 MiB: tests/test_gpu_fixtures.py)
         if not dominant and peak_after > target:
-            return self.quiet(E.below_share("activations", acts, peak, "the peak", AC_ACT_SHARE_MIN)
-                              + f"; checkpointing {len(chosen)} unit(s) leaves the peak at {fmt_bytes(peak_after)}, "
-                              f"over {100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
+            return self.quiet(_short_of_target(acts, peak, peak_after, cap, f"checkpointing {len(chosen)} unit(s)"))
         saved = peak - peak_after
         # their forward compute; none timed: inside a module compiled in place, where the doctor's hooks return at once
         recompute = sum(E.compute_fwd_ms(u) for u in chosen) or None
@@ -331,6 +330,13 @@ class AcRecommended(Rule):
             units=[u.name for u in chosen])]
 
 
+def _short_of_target(acts: int, peak: int, peak_after: int, cap: int, lever: str) -> str:
+    """Why a checkpointing rule is quiet where activations do not dominate the peak and its lever leaves the peak
+    over the target share of capacity."""
+    return (E.below_share("activations", acts, peak, "the peak", AC_ACT_SHARE_MIN) + f"; {lever} leaves the peak at "
+            f"{fmt_bytes(peak_after)}, over {100 * E.TARGET_CAPACITY_SHARE:.0f}% of capacity {fmt_bytes(cap)}")
+
+
 def _over_budget(peak_after: int, cap: int, bd: dict) -> str:
     """What the text adds where checkpointing leaves the peak over the capacity: that it does not fit alone, and
     where the model's own sharded parameters and optimizer state exceed the budget, that the budget may not be in
@@ -346,6 +352,81 @@ def _over_budget(peak_after: int, cap: int, bd: dict) -> str:
                        f"{state / cap:.1f}x the capacity given ({cap:,} B): is capacity_bytes in bytes?")
     return text + ("; the other levers are more ranks to shard over, CPU offload (offload.*) or a smaller "
                    "micro-batch.")
+
+
+@register
+class AcSelectiveToFull(Rule):
+    code = "ac.selective_to_full"
+    name = "Full checkpointing in place of selective"
+    description = ("Selective checkpointing keeps operators' outputs at a peak near capacity: full checkpointing "
+                   "keeps only the units' inputs.")
+    needs = ("memory",)
+    severities = ("warning", "critical")
+
+    def match(self, ctx: Context):
+        peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
+        if not peak or not cap:
+            return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
+        sel = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none" and _selective(u)]
+        if not sel:
+            return self.quiet("no unit checkpoints selectively")
+        share = peak / cap
+        if share < AC_NEAR_CAPACITY:
+            return self.quiet(E.below_share("peak", peak, cap, "capacity", AC_NEAR_CAPACITY))
+        # what each keeps beyond its inputs: the policy's saved outputs (the memory probe counts selective
+        # checkpointing's cache as the unit's activations), which full checkpointing recomputes instead
+        per_unit, mem = _unit_activations(ctx, sel), E.memory_units(ctx)
+        saves = {u.name: max(0, per_unit.get(u.name, 0) - int(mem[u.name].input_bytes)) for u in sel
+                 if u.name in mem and mem[u.name].input_bytes is not UNSET}
+        if not any(saves.values()):
+            return self.quiet("what the selective units keep beyond their inputs is not counted (no full memory "
+                              "step)" if not saves else "the selective units keep nothing beyond their inputs")
+        # units not checkpointed at all holding more: ac.recommended's lever first (the embeddings' and the head's
+        # few KiB are not: the reference GPT's, 4.6 KiB beside the blocks' 9 MiB of saved matmul outputs)
+        plain = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint == "none"]
+        held = sum(_unit_activations(ctx, plain).values()) if plain else 0
+        if held >= sum(saves.values()):
+            return self.quiet(f"{len(plain)} unit(s) not checkpointed hold {fmt_bytes(held)} of activations, "
+                              f"more than the selective ones keep beyond their inputs ({fmt_bytes(sum(saves.values()))})"
+                              ": checkpointing them comes first (ac.recommended)")
+        sel = [u for u in sel if saves.get(u.name)]
+        pm, bd = E.peak_memory(ctx), E.breakdown(ctx)
+        acts = bd.get("activations") or 0
+        peak_after = _peak_with(pm, {u.name: -saves[u.name] for u in sel}, order=[u.name for u in E.units(ctx)])
+        if acts / peak < AC_ACT_SHARE_MIN and peak_after > E.TARGET_CAPACITY_SHARE * cap:
+            return self.quiet(_short_of_target(acts, peak, peak_after, cap, "full checkpointing"))
+        # the recompute full checkpointing adds, the saved operators', is no more than the units' forward compute
+        bound = sum(E.compute_fwd_ms(u) for u in sel) or None
+        step = E.step_ms(ctx)
+        wrappers, functional = _wrappers(sel)
+        titan = E.torchtitan_version(ctx) if wrappers and not functional else None
+        code = (S.titan_settings(titan, activation_checkpoint="full") if titan is not None else None) or ""
+        if code:
+            how = f" {S.titan_says(titan)}: its full checkpointing wraps every block, all {len(sel)} here."
+        elif not functional:
+            code = S.full_checkpointing(wrappers)
+            how = " Their checkpoint wrappers then checkpoint without the policy (their context_fn)."
+        else:  # checkpoint(..., context_fn=) in the units' forward: the user's own code
+            how = (" They call checkpoint(..., context_fn=...) in their forward: leave context_fn out there "
+                   f"({', '.join(functional[:4])}{', ...' if len(functional) > 4 else ''}).")
+        saved_total = sum(saves.values())
+        return [self.finding(
+            "critical" if share >= 1.0 else "warning",
+            f"Selective checkpointing keeps {fmt_bytes(saved_total)} of operator outputs at a peak at "
+            f"{100 * share:.0f}% of capacity: checkpoint {len(sel)} unit(s) fully",
+            {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * share, 1),
+             "activation_bytes": acts, "selective_units": [u.name for u in sel],
+             "saved_beyond_inputs_bytes": int(saved_total), "memory_saved_bytes": int(peak - peak_after),
+             "recompute_ms_added_at_most": None if bound is None else round(bound, 3), "step_p50_ms": step},
+            f"{len(sel)} unit(s) checkpoint selectively: their policy saves operators' outputs (a forward's {fmt_bytes(saved_total)} beyond their inputs), held from each "
+            f"unit's forward to its backward. Full checkpointing keeps only the inputs and recomputes those "
+            f"operators too: about {E.mib(peak - peak_after)} MiB less at the {E.mib(peak)} MiB peak (capacity "
+            f"{E.mib(cap)} MiB), for more recompute per step: "
+            + (f"at most {bound:.1f} ms, the units' forward compute (selective checkpointing already re-runs the "
+               "rest)." if bound is not None else "not timed (the units run in a compiled frame).")
+            + how + _over_budget(peak_after, cap, bd),
+            code, where="torchtitan" if titan is not None and code else "",
+            predicted=E.predicted(step, None, peak, peak_after), units=[u.name for u in sel])]
 
 
 @register

@@ -251,6 +251,10 @@ class EvalAutograd(Rule):
             ranks=sorted(int(r) for r in per))]
 
 
+# resharding that frees less than this share of the peak is no lever for it
+SPREAD_MIN_FREED_SHARE = 0.01
+
+
 @register
 class NearCapacitySpread(Rule):
     code = "memory.near_capacity_spread"
@@ -280,6 +284,11 @@ class NearCapacitySpread(Rule):
         flip = [u for u in kept if u.name != last.name] or kept
         after = _peak_resharded(pm, flip)
         freed = peak - after
+        if freed < SPREAD_MIN_FREED_SHARE * peak:  # (a selective checkpoint's recompute set the peak, in
+            # the last block's backward, where the unit kept gathered is gathered anyway: "peak unchanged", a warning)
+            return self.quiet(f"resharding {len(flip)} unit(s) kept gathered after forward frees {fmt_bytes(freed)} "
+                              f"at the peak (its step's timeline), under "
+                              f"{100 * SPREAD_MIN_FREED_SHARE:.0f}% of it")
         waits = [u.timing.ag_wait_fwd_ms for u in flip if u.has_timing and u.timing.ag_wait_fwd_ms is not None]
         step = E.step_ms(ctx)
         # each flipped unit all-gathers once more in backward: about what its forward all-gather waits

@@ -151,7 +151,10 @@ class Zero2PerUnit(Rule):
                 f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({100 * peak_after / cap:.1f}% of capacity).")
         if left:
             text += f" {E.fmt_list(left)} would not fit the budget."
-        if last is not None:
+        if last is not None and E.calls_beyond_model(ctx, last.name) >= 1:  # (reshard.last_unit is quiet there)
+            text += (f" The last unit {last.name!r} is left as it is: code outside the model's forward runs it and "
+                     "sets its resharding (torchtitan's chunked loss).")
+        elif last is not None:
             text += f" The last unit {last.name!r} is reshard.last_unit's finding."
         if where:
             text += (f" {S.titan_says(titan)}: its fsdp_reshard_after_forward 'never' keeps every unit gathered "
