@@ -155,6 +155,8 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         if report.overlap is not None:
             problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
             _count_unread(report.run, report.overlap, run)
+            if not run.has_records and (note := _nograd_note(report.overlap)):  # (records: eval.regather's)
+                report.run.notes = [*(report.run.notes or []), note]
     if report.steps is None and report.overlap is not None:  # plain traces: the complete ProfilerSteps
         from .analyze.steps import trace_steps
 
@@ -178,6 +180,23 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         problems.insert(0, unusable_reason(run.path, run, None))
     report.problems = problems
     return report
+
+
+def _nograd_note(overlap) -> Optional[str]:
+    """What the traces' figures hold where profiled steps ran forward passes without a backward (evaluation or
+    generation between training steps: a new-user trial's 3 no-grad forwards a step read as 41% of the step in
+    exposed forward all-gathers, with nothing saying the step held them)."""
+    per = {r: pr.nograd_forwards for r, pr in sorted(overlap.per_rank.items()) if pr.nograd_forwards}
+    if not per:
+        return None
+    rank, steps = max(per.items(), key=lambda kv: (len(kv[1]), sum(kv[1].values())))
+    counts = sorted(set(steps.values()))
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    of = sorted(overlap.per_rank[rank].step_times_ms, key=int)
+    return (f"{len(steps)} of {len(of)} profiled steps ran {n} forward pass(es) without a backward (rank {rank}: "
+            "evaluation or generation inside them): their all-gathers and compute are in these figures, the units' "
+            "forward times, the exposed all-gathers and the verdict (watch()'s records tell them apart: "
+            "eval.regather)")
 
 
 def is_usable(run: Run, report: Report) -> bool:

@@ -437,6 +437,9 @@ class OverlapRank(_Section):
     # FSDP::forward_prefetch labels, which only set_modules_to_forward_prefetch's lists issue); empty: none, or a report
     # written before it
     forward_prefetched: list[str] = []
+    # complete step -> the forward passes it ran without a backward (trace.model.WindowTrace.nograd_forwards:
+    # evaluation or generation inside a profiled step); empty: none, or a report written before it
+    nograd_forwards: dict[str, int] = {}
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

@@ -451,3 +451,42 @@ def test_a_unit_run_after_the_roots_forward_is_not_a_second_root():
     assert _roots_per_forward(*pattern(titan)[:2], 0.0) == 3.0  # without the units: three roots, as before
     blocks = [[["layers.0"], ["layers.1"], ["layers.2"]]] * 3  # fully_shard on the blocks only
     assert _roots_per_forward(*pattern(blocks)[:2], 0.0, pattern(blocks)[2]) == 3.0
+
+
+def _passes_trace(passes: list[bool]) -> TraceBuilder:
+    """A gloo trace of units "0" and "1", steps 5 and 6 (and 7, cut): each step runs ``passes``, a forward of both
+    units, and where True its backward (FSDP2's labels: pre_forward/post_forward, pre_backward/post_backward_reduce)."""
+    b = TraceBuilder(rank=0)
+    b.pid = b.main_tid = 100
+    for i, n in enumerate((5, 6, 7)):
+        t = 20000.0 * i
+        b.step(n, t, 19000.0)
+        for with_backward in passes:
+            for unit in ("0", "1"):
+                b.label(f"FSDP::pre_forward ({unit})", t + 10, 5)
+                b.op("aten::mm", t + 20, 500)
+                b.label(f"FSDP::post_forward ({unit})", t + 530, 5)
+                t += 600
+            for unit in ("1", "0") if with_backward else ():
+                b.label(f"FSDP::pre_backward ({unit})", t + 10, 5)
+                b.op("aten::mm", t + 20, 800)
+                b.label(f"FSDP::post_backward_reduce ({unit})", t + 830, 20)
+                t += 900
+    return b
+
+
+@pytest.mark.parametrize("passes, note", [
+    ([True, False, False], "2 of 2 profiled steps ran 2 forward pass(es) without a backward (rank 0: evaluation or "
+                           "generation inside them)"),
+    ([True, True], None),  # gradient accumulation: each forward has its backward
+])
+def test_plain_trace_says_where_steps_ran_forwards_without_a_backward(tmp_path, passes, note):
+    """A new-user trial's plain traces with 3 no-grad evaluation forwards after each training step: 41% of the step
+    read as exposed forward all-gathers, the units' forward times 4-7x the training's, and nothing said the steps
+    held those forwards. Known answer: a training pass and two forwards without a backward in each step; FSDP2
+    labels no forward of a checkpoint's recompute, and micro-batches each have their backward (no note)."""
+    _passes_trace(passes).write(tmp_path / "rank0.5.pt.trace.json.gz")
+    rep = build_report(load_run(tmp_path))
+    assert rep.overlap.per_rank["0"].nograd_forwards == ({"5": 2, "6": 2} if note else {})
+    notes = [n for n in rep.run.notes or [] if "without a backward" in n]
+    assert (notes[0].startswith(note) if note else notes == []), notes

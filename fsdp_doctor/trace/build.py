@@ -50,7 +50,8 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
 from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
-from .steps_detail import kept_from_forward, memory_steps, step_units, unit_spans, unit_step_times
+from .steps_detail import (kept_from_forward, memory_steps, nograd_forwards, step_units, unit_spans,
+                           unit_step_times)
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -441,6 +442,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     labels = index.labels()
     spans = unit_spans(*labels, bounds)
     win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
+    win.nograd_forwards = nograd_forwards(spans)
     win.forward_prefetched = sorted({_unit_of(p.fqn) for i in np.unique(labels[2]).tolist()
                                      if (p := parse_label(labels[3][i])) is not None and p.kind == "forward_prefetch"})
     del labels

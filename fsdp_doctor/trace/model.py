@@ -92,6 +92,8 @@ class WindowTrace:
     # complete steps; None: none seen). One root runs that label once a forward; fully_shard applied to the blocks
     # and not the model makes each block a root of its own, each labelled (FSDP's labels name no root)
     roots_per_forward: Optional[float] = None
+    # per complete step: forward passes without a backward (steps_detail.nograd_forwards; none: absent)
+    nograd_forwards: dict = field(default_factory=dict)
     # the units FSDP2 all-gathered ahead in forward (its ``FSDP::forward_prefetch for <unit>`` labels, "(root)" for the
     # root's): FSDP2 prefetches in forward only where set_modules_to_forward_prefetch set a list (in backward its
     # implicit prefetch is labelled too)

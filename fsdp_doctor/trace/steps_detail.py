@@ -172,6 +172,21 @@ def step_units(ts: np.ndarray, name: np.ndarray, names: list[str],
     return {n: shared.setdefault(tuple(v), tuple(v)) for n, v in per.items()}
 
 
+def nograd_forwards(spans: UnitSpans) -> dict[int, int]:
+    """step -> the forward passes it ran without a backward (evaluation or generation inside a profiled step): the
+    most any unit ran forward beyond its backwards (FSDP2 labels no forward of a checkpoint's recompute, which runs
+    inside the unit's backward; a micro-batch's forward has its backward). Steps with none are left out."""
+    if not len(spans):
+        return {}
+    n_units = max(1, len(spans.units))
+    keys, at = np.unique(spans.step * n_units + spans.unit, return_inverse=True)  # (step, unit)
+    extra = np.bincount(at, weights=np.where(spans.backward, -1.0, 1.0)).round().astype(np.int64)
+    out: dict[int, int] = {}
+    for k, e in zip(keys[extra > 0].tolist(), extra[extra > 0].tolist()):
+        out[k // n_units] = max(out.get(k // n_units, 0), e)
+    return out
+
+
 def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[str, list[float]]]:
     """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
     the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
