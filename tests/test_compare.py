@@ -154,6 +154,10 @@ def test_step_prediction_verdicts():
     assert C._step_verdict(-10.0, m, 90.0) == "held" and C._step_verdict(-30.0, m, 70.0) == "missed"
     wide = StepDelta(a=100.0, b=100.0, delta=0.0, pct=0.0, ci_low=-12.0, ci_high=12.0)
     assert C._step_verdict(-10.0, wide, 90.0) == "inconclusive" and C._step_verdict(-1.0, wide, 99.0) == "held"
+    # a predicted -4.6% (under the floor, over half of it) in an interval of -55% ... +6%: no telling it from no
+    # change (it read "held": a new-user trial)
+    noisy = StepDelta(a=49.7, b=36.8, delta=-12.9, pct=-26.0, ci_low=-27.2, ci_high=2.8)
+    assert C._step_verdict(-2.3, noisy, 47.4) == "inconclusive" and C._step_verdict(-1.0, noisy, 48.7) == "held"
     # a predicted -7.2% against a measured +1.9% (interval -2.0% … +8.5%): within 10% of B's step, but the other way
     # and outside the interval: missed (it read "held": a new-user trial); a predicted -2% (under the 5% noise floor)
     # within the tolerance still holds

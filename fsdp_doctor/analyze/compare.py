@@ -358,12 +358,17 @@ def _fix_keys(code: str) -> tuple[str, ...]:
 def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     """Whether a predicted step change ``d`` (ms; ``pred`` the predicted step) held against the measured change:
     inconclusive from too few steps (``MIN_STEPS``), or when the measured interval holds both ``d`` and zero while
-    ``d`` is a change (at least the noise floor), held when the interval holds ``d`` or ``pred`` lands within
+    ``d`` is a change (at least the noise floor; half of it where the interval is over twice the floor wide),
+    held when the interval holds ``d`` or ``pred`` lands within
     ``STEP_TOLERANCE_PCT`` of B's step."""
     if p50.reason == FEW_STEPS:  # (one step a side: a zero-width interval, no measure of its noise)
         return "inconclusive"
     inside = p50.ci_low is not None and p50.ci_low <= d <= p50.ci_high
-    if inside and p50.ci_low <= 0 <= p50.ci_high and abs(d) >= NOISE_FLOOR_PCT / 100 * p50.a:
+    floor = NOISE_FLOOR_PCT / 100 * p50.a
+    # (an interval wider than twice the floor tells no change of half the floor's size or more from none: a
+    # predicted -4.6% against -30% measured in an interval from -55% to +6% read "held", a new-user trial)
+    wide = p50.ci_high - p50.ci_low > 2 * floor if inside else False
+    if inside and p50.ci_low <= 0 <= p50.ci_high and (abs(d) >= floor or (wide and abs(d) >= floor / 2)):
         return "inconclusive"
     # within the tolerance of B's step, unless a predicted change (at least the noise floor) went the other way: a
     # predicted -7.2% against a measured +1.9% outside its interval "held" (a new-user trial)
