@@ -523,6 +523,9 @@ class StepRecord(Record, tag="step"):
     # over micro-batches): FLOPs counted on one step are scaled by it where it varies (analyze/throughput.py); None:
     # not recorded (records before this field, or no training forward seen)
     input_elements: int | None = None
+    # the tokens this rank trained on in the step, as the loop gave them (doctor.step(tokens=N), summed over its calls
+    # in the step): tokens/s from them where they vary (packing, token budgets); None: not given
+    tokens: int | None = None
     # set by the reader, never written: another rank compiled in this step, or in the previous one and this rank waited
     # for it in this step's collectives (a rank compiling longer arrives late at the next step's first all-gather)
     others_compiled: bool = False

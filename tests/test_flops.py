@@ -747,3 +747,47 @@ def test_flops_of_batches_that_vary_scale_with_each_steps_input(one_rank_group, 
         s.input_elements = rd.config.flops_input_elements
     row = analyze_throughput(run).per_rank["0"]
     assert row.flops_per_step == rd.config.flops_per_step and row.flops_note is None
+
+
+def test_tokens_of_each_step_from_the_loop(one_rank_group, tmp_path, caplog):
+    """Tokens per step that vary (packing, token budgets, an epoch's short last batch) read from watch()'s constant
+    tokens_per_step as every step's. The loop gives each step's: ``doctor.step(tokens=N)``, summed over its calls in
+    the step (micro-batches); tokens/s is their sum over the steps' time, and the analytic FLOPs (no count) are
+    6 x parameters x those tokens. Known answer: the records' own sums. A value that is no count is said once and
+    left out; training goes on."""
+    import fsdp_doctor
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.analyze.throughput import analyze_throughput
+    from fsdp_doctor.workloads.train import build_training
+
+    cfg = WorkloadConfig(**SMALL)
+    rows = [4, 1, 8, 16, 8, 16, 8, 16]
+    micro = {5: 2}
+    torch.manual_seed(0)
+    model, opt = build_training(cfg)
+    with fsdp_doctor.watch(model, opt, out_dir=tmp_path / "run", memory=False, profile=False, count_flops=False,
+                           tokens_per_step=4 * cfg.seq_len) as doctor:
+        for step, n in enumerate(rows):
+            for _ in range(micro.get(step, 1)):
+                tok = torch.randint(0, cfg.vocab, (n // micro.get(step, 1), cfg.seq_len))
+                next_token_loss(model(tok), tok).backward()
+                doctor.step(tokens=tok.numel() if step != 2 else "many")  # (step 2: not a count)
+            opt.step()
+            opt.zero_grad()
+    assert sum("doctor.step(tokens='many')" in r.getMessage() for r in caplog.records) == 1
+    run = fsdp_doctor.load_run(tmp_path / "run")
+    rd = run.ranks[0]
+    assert [s.tokens for s in rd.steps] == [n * cfg.seq_len if i != 2 else None for i, n in enumerate(rows)]
+    rep = analyze_throughput(run)
+    # step 2 gave none: watch()'s constant for every step, as before
+    assert rep.per_rank["0"].tokens_per_s == pytest.approx(4 * cfg.seq_len / (rep.per_rank["0"].step_p50_ms / 1e3),
+                                                           rel=1e-3)
+    rd.steps[2].tokens = rows[2] * cfg.seq_len
+    steps = usable_steps(rd.steps)
+    tokens, seconds = sum(s.tokens for s in steps), sum(s.wall_ms for s in steps) / 1e3
+    rep = analyze_throughput(run)
+    row = rep.per_rank["0"]
+    assert row.tokens_per_s == pytest.approx(tokens / seconds, abs=0.1) and rep.job.tokens_per_s == row.tokens_per_s
+    assert row.flops_source == "analytic" and "tokens from doctor.step(tokens=...)" in row.flops_note
+    n = rd.config.model_param_count
+    assert row.achieved_tflops == pytest.approx(6 * n * tokens / seconds / 1e12, rel=1e-3)

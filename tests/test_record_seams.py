@@ -200,8 +200,9 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
     first micro-batch's call to the next step's first one, and the next step's first micro-batch (forward and
     backward, ~90 ms of ~390) read as time outside the model: jitter.data_wait warned of "23% of each step between
     optimizer.step() and the next forward", and memory.grads_kept of gradients the loop freed. The step now ends where
-    the next one's first forward starts: both ways record as many steps, 4 micro-batches each, every forward inside
-    its step, and the time outside the model is the loop's own (zero_grad and the batch), not a micro-batch."""
+    the next one's first forward starts (the last at its optimizer step): both ways record every step, 4
+    micro-batches each, every forward inside its step, and the time outside the model is the loop's own (zero_grad
+    and the batch), not a micro-batch."""
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_doctor
@@ -226,7 +227,8 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
                 doc.step()
     run = fsdp_doctor.load_run(tmp_path / where)
     steps = run.ranks[0].steps
-    assert len(steps) == (7 if where == "per_micro_batch" else 8)  # (the last: no forward after it to end it)
+    # (the last ends at its optimizer step, at watch()'s exit: it was lost, no forward after it to end it)
+    assert len(steps) == 8
     for s in steps:
         assert all(u.fwd_calls == 4 for u in s.units), [u.fwd_calls for u in s.units]
         assert s.micro_batches == (4 if where == "per_micro_batch" else 1)  # (doctor.step() calls)

@@ -37,9 +37,12 @@ def analytic_flops_per_step(cfg) -> float | None:
     return _analytic(cfg)[0]
 
 
-def _analytic(cfg) -> tuple[float | None, str]:
-    """The analytic FLOPs of one step on this rank, and a sentence saying which parameters they count."""
-    if not cfg.tokens_per_step or not cfg.model_param_count:
+def _analytic(cfg, tokens: float | None = None) -> tuple[float | None, str]:
+    """The analytic FLOPs of one step on this rank, and a sentence saying which parameters they count; ``tokens``:
+    this rank's tokens a step (the loop's, doctor.step(tokens=N)), else watch()'s tokens_per_step over the ranks."""
+    if tokens is None and cfg.tokens_per_step:
+        tokens = cfg.tokens_per_step / max(1, cfg.world_size)
+    if not tokens or not cfg.model_param_count:
         return None, ""
     ex = getattr(cfg, "experts", None) or Experts(param_count=0)
     idle = 1.0 - ex.share()  # of each expert parameter, the share a token does not run
@@ -60,7 +63,7 @@ def _analytic(cfg) -> tuple[float | None, str]:
     elif ex.param_count:
         note += (f"; a mixture of experts whose top_k could not be read: every expert's {ex.param_count / 1e6:.3g} M "
                  "parameters counted, high by up to num_experts / top_k on them")
-    return per_token * cfg.tokens_per_step / max(1, cfg.world_size), note
+    return per_token * tokens, note
 
 
 def _scaled(cfg, steps) -> tuple[float, float, str] | None:
@@ -83,6 +86,7 @@ def _scaled(cfg, steps) -> tuple[float, float, str] | None:
 def analyze_throughput(run: Run) -> ThroughputSection | None:
     """Per rank and for the job, or None where neither tokens per step nor FLOPs are known."""
     per_rank: dict[str, ThroughputRank] = {}
+    tokens_sums: dict[str, tuple[int, float]] = {}  # rank -> (doctor.step(tokens=N) summed, its steps' seconds)
     job_tflops = job_hw_tflops = 0.0
     any_data = False
     for r, rd in sorted(run.ranks.items()):
@@ -93,13 +97,23 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
             continue
         p50_s = st.p50_ms / 1e3
         row = ThroughputRank(step_p50_ms=st.p50_ms)
-        if cfg.tokens_per_step:
+        # the loop's own count (doctor.step(tokens=N)) on every step: tokens/s over the steps' summed time
+        given = [s.tokens for s in steps]
+        seconds = sum(s.wall_ms for s in steps) / 1e3
+        counted = bool(given) and None not in given and seconds > 0
+        if counted:
+            row.tokens_per_s = round(sum(given) / seconds, 1)
+            tokens_sums[str(r)] = (sum(given), seconds)
+            any_data = True
+        elif cfg.tokens_per_step:
             row.tokens_per_s = round(cfg.tokens_per_step / cfg.world_size / p50_s, 1)
             any_data = True
         flops, source, note = cfg.flops_per_step, "counted", None
         if not flops:
-            (flops, note), source = _analytic(cfg), "analytic"
+            (flops, note), source = _analytic(cfg, sum(given) / len(given) if counted else None), "analytic"
         scaled = _scaled(cfg, steps) if source == "counted" and flops else None
+        if source == "analytic" and flops and counted:  # each step's tokens: their FLOPs over the steps' time
+            scaled = (flops, flops * len(given) / seconds, note + "; tokens from doctor.step(tokens=...), step by step")
         if flops:
             hw = cfg.hardware_flops_per_step if source == "counted" else None
             tf = flops / p50_s / 1e12
@@ -107,7 +121,7 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
             if scaled is not None:  # the batches vary: each step's FLOPs over the steps' time (the recompute's alike)
                 share = scaled[0] / flops
                 flops, tf, note = scaled[0], scaled[1] / 1e12, scaled[2]
-                if cfg.tokens_per_step:  # (a number the user gave, not measured)
+                if cfg.tokens_per_step and not counted:  # (a number the user gave once, for every step)
                     note += "; tokens/s takes watch()'s tokens_per_step as every step's"
                 hw, hw_tf = (hw * share, tf * hw / cfg.flops_per_step) if hw else (None, None)
             row.flops_per_step = flops
@@ -130,7 +144,10 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
     cfg = run.config
     job = ThroughputJob()
     p50s = [v.step_p50_ms for v in per_rank.values()]
-    if cfg and cfg.tokens_per_step and p50s:
+    if tokens_sums and len(tokens_sums) == len(per_rank):  # every rank's tokens over the slowest rank's time
+        job.tokens_per_s = round(sum(t for t, _ in tokens_sums.values())
+                                 / max(sec for _, sec in tokens_sums.values()), 1)
+    elif cfg and cfg.tokens_per_step and p50s:
         job.tokens_per_s = round(cfg.tokens_per_step / (max(p50s) / 1e3), 1)  # the slowest rank paces the job
     if job_tflops:
         job.achieved_tflops = _sig(job_tflops)

@@ -887,6 +887,11 @@ class StepTimer:
         if self.gpu is not None:
             self.gpu.begin_step()
 
+    @property
+    def last_optimizer_end_ns(self) -> int:
+        """When the step's last optimizer.step() ended (0: none yet)."""
+        return self._opt_end or 0
+
     def timings(self) -> StepTimings:
         """The step's timings: the phases' and, per unit, forward, backward, their unshard waits, recompute."""
         self._settle_eval()  # the step ends: eval-mode forwards no backward followed were evaluation

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import os
 import socket
 import sys
@@ -117,6 +118,8 @@ class Doctor:
         self._config_written = False
         self._gpu = None  # GpuTimeline on CUDA
         self._micro = 0  # doctor.step() calls since the last step record (micro-batches of one optimizer step)
+        self._tokens: int | None = None  # the tokens those calls gave (doctor.step(tokens=N))
+        self._bad_tokens = False  # a tokens= value that is no count was said
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
@@ -185,6 +188,14 @@ class Doctor:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         was_active = self.active
+        if was_active and exc_type is None and self._micro and self._timer.optimizer_steps != self._opt_steps_recorded:
+            # doctor.step() per micro-batch, before optimizer.step(): each step ends where the next one's first forward
+            # starts, and the last one at its optimizer step (it was lost: 7 steps recorded of 8, a test of tokens)
+            try:
+                self._end_step(self._timer.last_optimizer_end_ns or _now())
+                self.steps_done += 1
+            except Exception as e:  # noqa: BLE001
+                self._fail("step", e)
         try:
             self._remove(clean=exc_type is None)
             if self._gpu is not None and was_active:
@@ -324,10 +335,14 @@ class Doctor:
     #: doctor.step() calls without an optimizer step after which each call is taken for a step of its own
     MICRO_BATCH_LIMIT = 64
 
-    def step(self) -> None:
+    def step(self, tokens: int | None = None) -> None:
         """Marks the end of one training step: call it after ``optimizer.step()``. One step is one optimizer
         step: calls between two steps of the watched optimizer (``doctor.step()`` per micro-batch under
-        gradient accumulation) are micro-batches of one step, recorded together (``StepRecord.micro_batches``)."""
+        gradient accumulation) are micro-batches of one step, recorded together (``StepRecord.micro_batches``).
+
+        ``tokens``: the tokens this rank trained on since the last call (its batch's, padding left out as you count
+        them), where they vary from step to step (sequence packing, token budgets, the epoch's short last batch):
+        tokens/s then comes from them, step by step, rather than from watch()'s constant ``tokens_per_step``."""
         t_end = _now()
         if not self.active:
             if not self._entered:  # watch() called without `with` (a new-user trial got no records and no word)
@@ -335,6 +350,14 @@ class Doctor:
                 log.warning("fsdp_doctor: doctor.step() on a watch() that was never entered records nothing: use "
                             "`with fsdp_doctor.watch(model, optimizer, out_dir=...) as doctor:` around the loop")
             return
+        if tokens is not None:  # (a value it cannot count is said once and left out: training goes on)
+            if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+                if not self._bad_tokens:
+                    self._bad_tokens = True
+                    log.warning("fsdp_doctor: doctor.step(tokens=%r): tokens is a count, an int >= 0 counted on "
+                                "the host (a CUDA tensor's .item() would wait for the GPU); not recorded", tokens)
+            else:
+                self._tokens = (self._tokens or 0) + int(tokens)
         self._micro += 1
         if self._is_micro_batch():
             return
@@ -357,6 +380,7 @@ class Doctor:
             self._fail("step", e)
         self.steps_done += 1
         self._micro = 0
+        self._tokens = None
         self._opt_steps_recorded = self._timer.optimizer_steps
         if self.active:
             # the next step starts where this one ended: what the doctor did since (its records, the memory
@@ -457,7 +481,7 @@ class Doctor:
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
             backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,
             compiles=compiles, compile_ms=round(min(compile_ms, wall), 3),
-            input_elements=tm.input_elements or None,
+            input_elements=tm.input_elements or None, tokens=self._tokens,
         )
         self._sinks.on_step(rec)
         if done:
