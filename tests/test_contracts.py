@@ -220,6 +220,26 @@ def test_steps_section_schema_is_the_struct(sample_run_path):
     assert strag.stragglers[0].rank == 1 and StepsSection.of(msgspec.to_builtins(strag)) == strag
 
 
+def test_a_straggler_is_named_in_the_phase_of_its_own_time(sample_run_path):
+    """A rank given 4x the other's rows on gloo was named a straggler "outside the model": its forward took 222 ms
+    more of its own, while the other rank's forward held as much waiting for it in its all-gathers, so the phases'
+    excess read 23 ms in forward and 17 ms outside. Known answer: rank 1 computes 150 ms more in forward, rank 0
+    waits those 150 ms in a forward all-gather, and rank 1 spends 5 ms more outside the model: forward, 150 ms."""
+    from fsdp_doctor.analyze.steps import analyze_steps, usable_steps
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    for r, extra_outside in ((0, 0.0), (1, 5.0)):
+        for st in usable_steps(run.ranks[r].steps):
+            st.forward_ms += 150
+            st.wall_ms += 150 + extra_outside
+            st.outside_ms += extra_outside
+            if r == 0:
+                st.units[1].ag_wait_fwd_ms += 150
+    (s,) = analyze_steps(run).stragglers
+    assert (s.rank, s.phase) == (1, "forward") and abs(s.phase_excess_ms_per_step - 150.0) <= 1.0, s
+
+
 def test_comm_headline_share_is_that_of_its_two_figures():
     """The headline's three figures agree: its % overlapped is 1 - exposed/collectives of the two medians it prints,
     not the median of the ranks' own shares (here 3 ranks: shares 50%, 10%, 80%, median 50%; medians 4 of 10 ms)."""

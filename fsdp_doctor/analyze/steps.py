@@ -478,7 +478,11 @@ def _device_idle(g, s: StepRecord) -> float:
 
 
 def _host_phase_ms(s: StepRecord) -> dict[str, float]:
-    return {ph: getattr(s, ph + "_ms") for ph in _PHASES}
+    """The step's phases on the host, less the all-gather waits inside forward and backward: the rank's own time in
+    each (a rank given 4x the rows of the other was named a straggler "outside the model": the other rank's forward
+    held its 198 ms of waits for it, so the forward's excess read 23 ms where its own was 222 ms)."""
+    waits = {"forward": sum(u.ag_wait_fwd_ms for u in s.units), "backward": sum(u.ag_wait_bwd_ms for u in s.units)}
+    return {ph: max(0.0, getattr(s, ph + "_ms") - waits.get(ph, 0.0)) for ph in _PHASES}
 
 
 def _device_phase_ms(g, s: StepRecord) -> dict[str, float]:
