@@ -407,11 +407,12 @@ def trainer_hooks():
     return Hooks()
 
 
-def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, **args):
+def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, items=64, **args):
     """A Hugging Face Trainer of a Llama (``width``) on 2 micro-batches of 2 sequences of ``seq`` tokens per step,
     8 steps, evaluating every 3, sharded by accelerate's FSDP2 plugin as the Trainer makes it from ``fsdp_config``
     (``TrainingArguments(fsdp=True, fsdp_config=...)``; accelerate enables FSDP on GPUs only, so the plugin and
-    the state are forced here, as in run_accelerate); ``args``: more TrainingArguments."""
+    the state are forced here, as in run_accelerate); ``items``: training sequences; ``args``: more
+    TrainingArguments."""
     from accelerate import FullyShardedDataParallelPlugin
     from accelerate.utils import DistributedType
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
@@ -426,7 +427,7 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
     fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                    "reshard_after_forward": True, **(fsdp_config or {})}
     targs = TrainingArguments(**{**kw, **args}, fsdp=True, fsdp_config=fsdp_config)
-    tr = Trainer(model=model, args=targs, train_dataset=_Tokens(64, 0, slow_ms, seq),
+    tr = Trainer(model=model, args=targs, train_dataset=_Tokens(items, 0, slow_ms, seq),
                  eval_dataset=_Tokens(8, 10_000, 0.0, seq), callbacks=callbacks)
     st = tr.accelerator.state  # the plugin the Trainer makes on a GPU (trainer.py: from args.fsdp_plugin_args)
     st.fsdp_plugin = FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
@@ -584,12 +585,13 @@ def run_trainer_fixes(out: Path) -> dict:
     def run(name, fix=None, capacity=8 << 30, **kw):
         tr = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False,
                                                                        capacity_bytes=capacity)],
-                          out / f"hf_{name}", max_steps=6, eval_strategy="no", **kw)
+                          out / f"hf_{name}", **{"max_steps": 6, "eval_strategy": "no", **kw})
         if fix:
             exec(compile(fix, f"<{name} fix>", "exec"), {"trainer": tr})
         tr.train()
         dist.barrier()
-        res[name] = {**_outcome(out / name, rank), "losses": [h["loss"] for h in tr.state.log_history if "loss" in h]}
+        res[name] = {**_outcome(out / name, rank), "losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
+                     "grad_norms": [h["grad_norm"] for h in tr.state.log_history if "grad_norm" in h]}
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("hf_ample", "ac.unneeded", {"activation_checkpointing": True}),
@@ -598,8 +600,11 @@ def run_trainer_fixes(out: Path) -> dict:
                                   ("hf_some", "ac.fewer_units", {"activation_checkpointing": True, "width": 128,
                                                                  "seq": 256, "capacity_share": 0.70}),
                                   ("fsdp_ample", "ac.unneeded", {"fsdp_config": {"activation_checkpointing": True}}),
-                                  # its 2 micro-batches a step, each unit gathered again in the second
-                                  ("regather", "accum.regather", {}),
+                                  # its 2 micro-batches a step, each unit gathered again in the second; 60
+                                  # sequences, 15 micro-batches a rank an epoch: its 8th step has one, and the
+                                  # clipping that follows it must see every gradient
+                                  ("regather", "accum.regather", {"items": 60, "max_steps": 9,
+                                                                  "max_grad_norm": 0.3}),
                                   # accelerate's policy for bf16=True reduces in bfloat16
                                   ("bf16", "numerics.reduce_dtype", {"bf16": True}),
                                   ("tight", "ac.recommended", {"width": 128, "seq": 256}),
