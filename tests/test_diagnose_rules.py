@@ -1296,6 +1296,10 @@ def test_ac_wrong_granularity():
     ctx, _ = build(units=healthy_units(checkpoint="children"))
     (f,) = run_rule("ac.wrong_granularity", ctx)
     assert len(f.units) == 4 and "apply_activation_checkpointing" in f.recommendation.code
+    # within 80 columns, comments on lines of their own (trailing ones past 80 columns were split around the code)
+    assert all(len(ln) <= 80 for ln in f.recommendation.code.splitlines()), f.recommendation.code
+    assert "# Hugging Face configs: no KV cache under checkpointing\n# (gradient_checkpointing_enable()" in \
+        f.recommendation.code
     assert run_rule("ac.wrong_granularity", build()[0]) == []
     # a peak far below capacity: the text says turning checkpointing off gains more (ac.unneeded fires beside it;
     # both fired on a new-user trial's MLP-only checkpointing, each fix read as undoing the other)
@@ -1306,6 +1310,21 @@ def test_ac_wrong_granularity():
     ctx, _ = build(units=healthy_units(checkpoint="children"), memory=memory(90 * MiB, capacity=100 * MiB))
     (f,) = run_rule("ac.wrong_granularity", ctx)
     assert "ac.unneeded" not in f.recommendation.text
+    # the decoder layers in the root (a Trainer's NO_WRAP), each checkpointed by Hugging Face: the root's
+    # "children" are the blocks, their granularity (a new-user trial's warning whose fix checkpointed the whole
+    # model); wrappers on the blocks alike; wrappers on the blocks' children are the wrong granularity there too
+    # (the reference GPT's names: the fixes of these constructions run on it, tests/test_clients.py)
+    layers = [f"layers.{i}.{m}" for i in range(2) for m in ("attn.qkv", "mlp.fc1")]
+    for wrappers, fires in (([], False), (["layers.0", "layers.1"], False), (["layers.0.mlp", "layers.1.mlp"], True)):
+        us = [unit("", checkpoint="children", own_modules=layers, checkpoint_wrappers=wrappers,
+                   timing=dict(fwd_ms=30.0, bwd_ms=50.0)),
+              unit("tok_emb, pos_emb", n_params=2, param_count=73_728, sharded_bytes=147_456,
+                   unsharded_bytes=294_912, orig_dtypes=["float32"], timing=dict(fwd_ms=1.0, bwd_ms=1.0))]
+        ctx = build(units=us)[0]
+        assert len(run_rule("ac.wrong_granularity", ctx)) == int(fires), wrappers
+        if not fires:
+            st = run_status("ac.wrong_granularity", ctx)
+            assert "holding whole blocks of the model ((root): 2 blocks, layers.0, layers.1)" in st.reason, st
 
 
 # ------------------------------------------------------------------------------------------------ offload

@@ -495,8 +495,12 @@ def checkpoint_modules(names: list[str], note: str) -> str:
 
 # a Hugging Face model fills its KV cache in a training forward where use_cache is on (T5's decoder): a recomputed
 # block then finds it filled, saves other tensors and checkpoint raises; gradient_checkpointing_enable() turns it off
-_NO_KV_CACHE = ("for m in model.modules():  # Hugging Face configs: no KV cache under checkpointing (as\n"
-                "    if getattr(getattr(m, 'config', None), 'use_cache', False):  # gradient_checkpointing_enable)\n"
+# (its comment on lines of its own: as trailing comments past 80 columns the terminal split it around the code, a
+# new-user trial)
+_NO_KV_CACHE = ("# Hugging Face configs: no KV cache under checkpointing\n"
+                "# (gradient_checkpointing_enable() turns it off too)\n"
+                "for m in model.modules():\n"
+                "    if getattr(getattr(m, 'config', None), 'use_cache', False):\n"
                 "        m.config.use_cache = False")
 
 

@@ -198,6 +198,13 @@ def _reruns(ck: list[E.Unit]) -> str:
     return f"Checkpointing re-runs the forward of {len(ck)} unit(s)"
 
 
+def _blocks_inside(u: E.Unit) -> list[str]:
+    """The repeated blocks (``layers.3``) whose parameters the unit holds, besides the unit's own modules (the root
+    of a model whose blocks are no units holds them all); [] for a block's own unit."""
+    own = {S.strip_ckpt(m) for m in (u.modules or [u.name])}
+    return sorted({b for m in (u.own_modules or []) if (b := S.block_of(m)) is not None and b not in own})
+
+
 def _wrapped_after(us: list[E.Unit]) -> bool:
     """The units' CheckpointWrappers went around the units themselves (a unit applied to a wrapper's inner module:
     checkpoint_wrapper after fully_shard): a fix unwrapping them goes after the user's fully_shard calls."""
@@ -525,6 +532,19 @@ class AcWrongGranularity(Rule):
         ch = [u for u in E.units(ctx) if u.checkpoint in ("children", "partial")]
         if not ch:
             return self.quiet("no unit checkpoints its children instead of itself")
+        # a unit holding whole blocks of the model (the root, where no block is a unit of its own): the children it
+        # checkpoints are those blocks, at the block's granularity (a new-user trial's Trainer with NO_WRAP: its
+        # decoder layers, checkpointed by gradient_checkpointing, read as the root's children, and the fix
+        # checkpointed the whole model); that they are no units is wrap.params_in_root's
+        inside = {u.name: _blocks_inside(u) if all(S.strip_ckpt(w) == S.block_of(w) for w in u.checkpoint_wrappers)
+                  else [] for u in ch}  # (wrappers on the blocks' children: the wrong granularity all the same)
+        if all(inside.values()):
+            blocks = sorted({b for bs in inside.values() for b in bs})
+            return self.quiet(f"the checkpointing is inside unit(s) holding whole blocks of the model "
+                              f"({E.fmt_list([u.name or '(root)' for u in ch])}: {len(blocks)} blocks, "
+                              f"{E.fmt_list(blocks[:3])}{', ...' if len(blocks) > 3 else ''}), the blocks' own: "
+                              "their granularity; that the blocks are no units is wrap.params_in_root's")
+        ch = [u for u in ch if not inside[u.name]]
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         cap = E.capacity_bytes(ctx)
         # a peak far below capacity: whole blocks checkpointed spare memory the run does not need, and ac.unneeded
