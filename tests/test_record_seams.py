@@ -572,3 +572,37 @@ def test_an_exception_before_the_first_step_is_recorded_whole(tmp_path, gloo_one
             raise ValueError(msg)
     run = fsdp_doctor.load_run(tmp_path)
     assert run.ranks[0].end.exception == f"ValueError: {msg}"
+
+
+def test_no_trace_says_its_windows_met_evaluations(tmp_path, gloo_one_rank):
+    """A Trainer evaluating every 2 steps of 9: each profiler window met an evaluation and was dropped unsaved (as a
+    window would read the evaluation as the step's), twice, and the report said only "needs a torch.profiler trace;
+    this run has none" (a new-user trial). The rules that need a trace say why, with a window that the steps without
+    an evaluation hold: here the evaluations run in steps 2, 4, 6 and 8 (4 the window's warm-up), so step 3 alone."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
+    for layer in m:
+        fully_shard(layer)
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(32, 64)
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "run", memory=False,
+                           profile=fsdp_doctor.ProfileSchedule(first=5, active=2)) as doc:
+        for step in range(9):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step % 2 == 0 and step:
+                with torch.no_grad():
+                    m(x)
+            doc.step()
+    rep = build_report(fsdp_doctor.load_run(tmp_path / "run"))
+    reasons = {r.reason for r in rep.rules if r.status == "skipped" and "profiler trace" in r.reason}
+    assert any("windows met steps that also ran the model without gradients (steps 4, 6, 8: an evaluation) and were "
+               "dropped unsaved" in r and "ProfileSchedule(first=3, active=1)) records step 3" in r
+               for r in reasons), reasons

@@ -75,10 +75,13 @@ def trace_device(ctx: Context) -> Optional[str]:
 
 
 def _no_window(ctx: Context) -> Optional[str]:
-    """Why a recorded run has no profiler trace, where its steps ended before the doctor's first window."""
+    """Why a recorded run has no profiler trace, where its steps ended before the doctor's first window, or its
+    windows met evaluation steps and were dropped unsaved."""
     sched = getattr(ctx.config, "profile_schedule", None)
     ranks = getattr(ctx.run, "ranks", None) or {}
     steps = max((len(rd.steps) for rd in ranks.values()), default=0)
+    if sched and steps > sched.get("first", 0) and not any(rd.profiles for rd in ranks.values()):
+        return _windows_dropped(ranks, int(sched.get("active", 1)))
     if not sched or not steps or steps > sched.get("first", 0):
         return None
     first, active = int(sched["first"]), int(sched.get("active", 1))
@@ -86,6 +89,30 @@ def _no_window(ctx: Context) -> Optional[str]:
                f"{active} steps" if steps - active >= 1 else f"a run of {active + 1} steps or more records one")
     window = f"steps {first}-{first + active - 1}" if active > 1 else f"step {first}"
     return f"its {steps} steps ended before the doctor's first profiler window ({window}); {earlier}"
+
+
+def _windows_dropped(ranks: dict, active: int) -> Optional[str]:
+    """Why no window was saved where the doctor's windows met steps that also ran the model without gradients: each is
+    dropped unsaved and taken again, twice at most (a new-user trial's Trainer evaluating every 2 steps of 9 saved
+    none, and the report said only that the run had no trace), with a window the steps without evaluation hold."""
+    rd = next(iter(ranks.values()), None)
+    if rd is None:
+        return None
+    evaluated = sorted(s.step for s in rd.steps if s.no_grad_forwards)
+    met = [n for n in evaluated if any(s.step == n and s.profiled for s in rd.steps)]
+    if not met:
+        return None
+    free = [s.step for s in rd.steps if s.step >= 2 and not s.no_grad_forwards]  # (a warm-up step before each)
+    width = next((w for w in (active, 1) if any(all(n + k in free for k in range(w)) for n in free)), None)
+    start = next((n for n in free if width and all(n + k in free for k in range(width))), None)
+    fix = (f"watch(..., profile=fsdp_doctor.ProfileSchedule(first={start}, active={width})) records steps "
+           f"{start}-{start + width - 1}, which do not evaluate" if start is not None and width > 1 else
+           f"watch(..., profile=fsdp_doctor.ProfileSchedule(first={start}, active=1)) records step {start}, which does "
+           "not evaluate" if start is not None else "evaluating less often leaves a window steps without it")
+    shown = ", ".join(str(n) for n in met[:6]) + (", ..." if len(met) > 6 else "")
+    return (f"the doctor's profiler windows met steps that also ran the model without gradients (step"
+            f"{'s' * (len(met) > 1)} {shown}: an evaluation) and were dropped unsaved, as a window would read the "
+            "evaluation as the step's; " + fix)
 
 
 def _sharded(ctx: Context) -> bool:
