@@ -453,20 +453,34 @@ def test_a_unit_run_after_the_roots_forward_is_not_a_second_root():
     assert _roots_per_forward(*pattern(blocks)[:2], 0.0, pattern(blocks)[2]) == 3.0
 
 
-def _passes_trace(passes: list[bool]) -> TraceBuilder:
+def _passes_trace(passes: list[bool], gathers: bool = False) -> TraceBuilder:
     """A gloo trace of units "0" and "1", steps 5 and 6 (and 7, cut): each step runs ``passes``, a forward of both
-    units, and where True its backward (FSDP2's labels: pre_forward/post_forward, pre_backward/post_backward_reduce)."""
+    units, and where True its backward (FSDP2's labels: pre_forward/post_forward, pre_backward/post_backward_reduce).
+    ``gathers``: an all-gather no FSDP unit issues inside unit "1"'s forward (a tensor-parallel layer's) and one
+    after each forward without a backward (an evaluation loop's metric gather)."""
     b = TraceBuilder(rank=0)
     b.pid = b.main_tid = 100
+
+    def gather(t):
+        b.op("c10d::allgather_", t, 40)
+        b.gloo("all_gather", t + 5, 30)
+
     for i, n in enumerate((5, 6, 7)):
         t = 20000.0 * i
         b.step(n, t, 19000.0)
         for with_backward in passes:
+            if gathers:
+                b.label("FSDP::root_pre_forward", t + 1, 2)
             for unit in ("0", "1"):
                 b.label(f"FSDP::pre_forward ({unit})", t + 10, 5)
                 b.op("aten::mm", t + 20, 500)
+                if gathers and unit == "1":
+                    gather(t + 450)
                 b.label(f"FSDP::post_forward ({unit})", t + 530, 5)
                 t += 600
+            if gathers and not with_backward:
+                gather(t + 20)
+                t += 100
             for unit in ("1", "0") if with_backward else ():
                 b.label(f"FSDP::pre_backward ({unit})", t + 10, 5)
                 b.op("aten::mm", t + 20, 800)
@@ -490,3 +504,18 @@ def test_plain_trace_says_where_steps_ran_forwards_without_a_backward(tmp_path, 
     assert rep.overlap.per_rank["0"].nograd_forwards == ({"5": 2, "6": 2} if note else {})
     notes = [n for n in rep.run.notes or [] if "without a backward" in n]
     assert (notes[0].startswith(note) if note else notes == []), notes
+
+
+def test_an_evaluations_own_collectives_between_its_forwards_are_the_loops(tmp_path):
+    """A Trainer evaluating inside a profiled step gathers its metrics between the evaluation's forwards, inside the
+    model's region (its first forward to its last FSDP label): the trace verdict read them as "exposed
+    model-parallel collectives" (a new-user trial, no model parallelism there). In a step with forwards without a
+    backward, the model's collectives are those inside a unit's forward or backward: the tensor-parallel-like gather
+    inside unit 1 stays the model's, the evaluation's are the loop's."""
+    from fsdp_doctor.trace import load_window
+
+    _passes_trace([True, False, False], gathers=True).write(tmp_path / "rank0.5.pt.trace.json.gz")
+    w = load_window(tmp_path / "rank0.5.pt.trace.json.gz")
+    phases = [c.phase for c in w.calls if c.collective == "all_gather"][:5]
+    # step 5: the training pass's gather (model), two evaluation forwards each with one inside and one after
+    assert phases == ["model", "model", None, "model", None], phases

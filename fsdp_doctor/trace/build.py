@@ -441,8 +441,15 @@ def _build_window(path: Path, trace) -> WindowTrace:
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt, fw_at, opt_at
     labels = index.labels()
     spans = unit_spans(*labels, bounds)
-    win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
+    # a step that also evaluated (forward passes without a backward): the model's region, from its first forward to
+    # its last FSDP label, holds the evaluation loop's own collectives between those forwards (a Trainer's metric
+    # gathers read as model-parallel collectives, a new-user trial), so there the model's are those inside a unit's
+    # forward or backward (a tensor-parallel loss's all-reduce, after the units, stays the model's elsewhere)
     win.nograd_forwards = nograd_forwards(spans)
+    evaluating = iv.union(np.array([bounds[n][0] for n in win.nograd_forwards], dtype=float),
+                          np.array([bounds[n][1] for n in win.nograd_forwards], dtype=float))
+    in_units = iv.union(spans.start.copy(), spans.end.copy()) if win.nograd_forwards else iv.EMPTY
+    win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
     win.forward_prefetched = sorted({_unit_of(p.fqn) for i in np.unique(labels[2]).tolist()
                                      if (p := parse_label(labels[3][i])) is not None and p.kind == "forward_prefetch"})
     del labels
@@ -466,7 +473,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     if from_optimizer and win.window is not None:  # (the calls of the step the profiler started in are no step's)
         win.calls = [c for c in win.calls if c.start >= win.window[0]]
     _mark_calls(win.calls, optimizer_steps, "optimizer")
-    _mark_calls(win.calls, in_model, MODEL_PHASE)
+    _mark_calls(win.calls, iv.union_many(iv.subtract(in_model, evaluating),
+                                         iv.intersect(iv.intersect(in_model, evaluating), in_units)), MODEL_PHASE)
     _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
                 GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
