@@ -229,6 +229,11 @@ def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
         code = res["sync_unshard_fix"]
         assert "class DoctorFix(TrainerCallback)" in code and code.rstrip().endswith("trainer.add_callback(DoctorFix())")
         assert "_set_unshard_async_op(True)" in code, code
+        # its imports at the top of the file, under the note that says so (they were inside on_train_begin, below
+        # "# imports: at the top of your file, not in a function": a new-user trial)
+        head = code.split("class DoctorFix")[0]
+        assert head.startswith("# imports: at the top of your file") and "from torch.distributed.fsdp import" in head
+        assert not re.search(r"^\s+(from \S+ )?import ", code, re.M), code
         assert res["sync_unshard_after_fix"] == "quiet", res["sync_unshard_after_fix"]
 
 

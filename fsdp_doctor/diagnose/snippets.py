@@ -1192,8 +1192,10 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
         rec.text += TITAN_TRAINER_ELSEWHERE
         return
     hook = table["hook"]
-    body = textwrap.indent(rec.code, " " * 4)
-    rec.code = (f"# {said} calls this once it has sharded the model and built its optimizers\n"
+    imports, code = _imports_apart(rec.code)
+    body = textwrap.indent(code, " " * 4)
+    rec.code = ("".join(f"{ln}\n" for ln in imports) + ("\n\n" if imports else "")
+                + f"# {said} calls this once it has sharded the model and built its optimizers\n"
                 "def doctor_fix(optimizers, model_parts, parallel_dims,\n"
                 f"               previous=config.model_spec.{hook}):\n"
                 "    if previous is not None:  # the model's own (a mixture of experts' load balancing)\n"
@@ -1344,16 +1346,25 @@ def for_trainer(rec, finding: str = "") -> None:
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
         rec.text += TRAINER_ELSEWHERE
         return
-    body = textwrap.indent(rec.code, " " * 8)
-    rec.code = ("from transformers import TrainerCallback\n\n\n"
+    imports, code = _imports_apart(rec.code)
+    body = textwrap.indent(code, " " * 8)
+    rec.code = ("\n".join([*imports, "from transformers import TrainerCallback"]) + "\n\n\n"
                 "class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model and built the optimizer\n"
                 "    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):\n"
                 + ("        optimizer = getattr(optimizer, \"optimizer\", optimizer)  # the torch optimizer inside "
-                   "accelerate's\n" if re.search(r"\boptimizer\b", rec.code) else "")
+                   "accelerate's\n" if re.search(r"\boptimizer\b", code) else "")
                 + f"{body}\n\n\n"
                 "trainer.add_callback(DoctorFix())")
     rec.where = "trainer"
     rec.inputs = {**rec.inputs, **TRAINER_INPUTS}
+
+
+def _imports_apart(code: str) -> tuple[list[str], str]:
+    """(a completed snippet's imports under IMPORTS_NOTE, the rest): a fix that goes into a function (a Trainer
+    callback's, torchtitan's hook) keeps its imports at the top of the file (inside the function, the note above
+    them read "at the top of your file, not in a function": a new-user trial)."""
+    imports, body = _hoist_imports(code.replace(IMPORTS_NOTE + "\n", "", 1))
+    return ([IMPORTS_NOTE, *imports] if imports else []), body
 
 
 def fix_place(code: str) -> str:
