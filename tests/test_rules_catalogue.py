@@ -151,6 +151,11 @@ def test_a_rule_missing_the_memory_capacity_is_skipped_not_quiet():
         statuses = []
         diagnose(run, report, statuses=statuses)
         assert {s.code for s in statuses if s.reason == "memory capacity unknown: " + how} == set(no_cap), statuses
+        # the other options the same way (under the Trainer, low MFU's reason said "pass ... to watch()": a new-user
+        # trial)
+        mfu = next(s.reason for s in statuses if s.code == "throughput.low_mfu")
+        assert mfu.endswith(how.replace("capacity_bytes", "peak_tflops").replace("capacity-bytes", "peak-tflops")
+                            .replace("SIZE (80GiB)", "N")), mfu
     run.config.driver = None
     run.config.capacity_bytes = 64 << 20
     statuses: list = []

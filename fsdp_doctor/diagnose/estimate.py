@@ -395,15 +395,20 @@ def no_capacity(ctx: Context) -> str:
     """Why a rule that weighs memory against the budget cannot: the budget is unknown (a CPU run, or plain traces
     without the device's memory), and how this run's user gives it: on torchtitan's command line, to the Hugging
     Face Trainer's callback, or to watch() (a new-user trial under torchtitan was told to pass it to watch())."""
+    if ctx.config is None:
+        return "memory capacity unknown: the traces do not say the device's memory; record the run with watch(..., " \
+               "capacity_bytes=...)"
+    return f"memory capacity unknown: {pass_option(ctx, 'capacity_bytes', 'SIZE (80GiB)')}"
+
+
+def pass_option(ctx: Context, name: str, example: str) -> str:
+    """How this run's user gives the doctor an option: on torchtitan's command line, to the Hugging Face Trainer's
+    callback, or to watch() (under the Trainer, a new-user trial was told to pass tokens_per_step= to watch())."""
     if titan_trainer_driven(ctx):
-        how = "pass --doctor.capacity-bytes SIZE (80GiB) on the command line"
-    elif trainer_driven(ctx):
-        how = "pass capacity_bytes= to fsdp_doctor.DoctorCallback(...)"
-    elif ctx.config is None:
-        how = "the traces do not say the device's memory; record the run with watch(..., capacity_bytes=...)"
-    else:
-        how = "pass capacity_bytes= to watch()"
-    return f"memory capacity unknown: {how}"
+        return f"pass --doctor.{name.replace('_', '-')} {example} on the command line"
+    if trainer_driven(ctx):
+        return f"pass {name}= to fsdp_doctor.DoctorCallback(...)"
+    return f"pass {name}= to watch()"
 
 
 def no_peak_or_capacity(ctx: Context, peak, cap) -> str:

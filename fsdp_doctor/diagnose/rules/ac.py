@@ -501,7 +501,7 @@ class AcUnneeded(Rule):
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is "
                  f"{100 * peak / cap:.{0 if peak >= cap / 100 else 1}f}% of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
-             "checkpointed_units": [u.name for u in ck],
+             "checkpointed_units": [u.name or "(root)" for u in ck],
              "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
              "recompute_source": how,
              "activation_bytes_added": int(sum(extra.values())) if source is not None else None,

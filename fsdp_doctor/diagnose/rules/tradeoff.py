@@ -329,12 +329,12 @@ class LowMfu(Rule):
                                   "aside for compiled code), and the analytic estimate needs tokens_per_step= in "
                                   "watch(), a transformer's tokens per optimizer step")
             # (skipped, not quiet: it could not look, a figure missing; a new-user trial read "quiet" as checked)
-            return self.skip("no throughput: pass tokens_per_step= to watch() (FLOPs are counted from it)")
+            return self.skip(f"no throughput: {E.pass_option(ctx, 'tokens_per_step', 'N')} (FLOPs are counted from it)")
         mfu = _mfu(tp)
         if mfu is None:
             why = ("no FLOP count" if not any(r.flops_per_step for r in rows) else
                    "no peak TFLOP/s for this device (a CPU, or a GPU not in the table)")
-            return self.quiet(f"MFU unknown: {why}; pass peak_tflops= (and tokens_per_step=) to watch()")
+            return self.quiet(f"MFU unknown: {why}; {E.pass_option(ctx, 'peak_tflops', 'N')}")
         if mfu >= LOW_MFU_PCT:
             return self.quiet(f"MFU {mfu:.1f}% is not below {LOW_MFU_PCT:.0f}%")
         step = E.step_ms(ctx) or _median(r.step_p50_ms for r in rows)
