@@ -313,6 +313,33 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     return "\n".join(lines)
 
 
+def holders(t: Tree) -> dict[str, list]:
+    """Where the run's units are single modules of a model without repeated blocks (a U-Net's ``enc1.conv1``,
+    ``enc1.bn``): each module holding two or more of them (``enc1``), the deepest first, with those units; a unit in
+    a repeated block, or alone in its parent, is left out."""
+    by_parent: dict[str, list] = {}
+    for u in t.non_root():
+        if len(u.modules) == 1 and "." in (m := strip_ckpt(u.modules[0])) and block_of(m) is None:
+            by_parent.setdefault(m.rsplit(".", 1)[0], []).append(u)
+    return dict(sorted(((p, us) for p, us in by_parent.items() if len(us) >= 2), key=lambda kv: -kv[0].count(".")))
+
+
+def holder_plan(t: Tree, note: str) -> str:
+    """The sharding with each module of ``holders`` a unit in place of the units it holds, the run's other units as
+    they were, the root last (each with the options the run gave it); to paste in place of the user's calls."""
+    groups = holders(t)
+    held = {u.name for us in groups.values() for u in us}
+    lines = [f"# {note}", f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
+    if mp := _mp_line(t.units):
+        lines.append(mp)
+    lines += [_call(module_expr(p), _unit_kwargs(us[0])) for p, us in groups.items()]
+    lines += [_call(unit_expr(u), _unit_kwargs(u)) for u in t.non_root() if u.name not in held]
+    root = t.root()
+    lines += ["# the root last: it keeps what no unit holds", _call("model", _unit_kwargs(root) if root else ""),
+              *_async_unshard_lines(t)]
+    return "\n".join(lines)
+
+
 def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop) -> Optional[tuple[str, dict[str, str]]]:
     """Where the run's units of container ``c``'s blocks had different options (``reshard_after_forward=False`` on
     the first and the last block only): (the options all share, as ``, k=v``; each block's others by its name in

@@ -169,13 +169,23 @@ class TooFine(Rule):
         latency = statistics.median(E.ag_wait_ms(u, "forward") for u in by_size) if by_size else None
         # group the units by repeated block: what the calls would be after re-wrapping
         groups = {E.block_of(m) or m for u in us for m in u.modules}
+        tree = S.tree(ctx)
+        if len(groups) >= len(us):  # no repeated blocks (a U-Net's enc1, enc2, ...): the modules holding the leaves
+            # (the blocks' plan kept every leaf its unit, "18 units -> ~18", and pasted it changed nothing: a
+            # new-user trial)
+            held = S.holders(tree)
+            n = len(us) - sum(len(v) for v in held.values()) + len(held)
+            code = S.holder_plan(tree, f"the modules holding the leaves instead of them ({len(us)} units -> {n})") \
+                if held else ""
+            groups = set(range(n))
+        else:
+            code = S.shard_plan(tree, nested=False,  # the leaves' units give way to their blocks
+                                note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
         calls_before = 2 * len(us)  # one all-gather in forward, one in backward
         calls_after = 2 * len(groups)
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        code = S.shard_plan(S.tree(ctx), nested=False,  # the leaves' units give way to their blocks
-                            note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
         plug = _plugin_wrap(ctx, "cut these units (a size-based policy: every module over min_num_params)")
         code = plug.get("code", code)
         return [self.finding(
@@ -189,6 +199,8 @@ class TooFine(Rule):
             "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
             f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones."
+            + ("" if code or plug else " The module names show no blocks holding several of these units: wrap "
+               "the modules of your model that hold several layers each.")
             + (" " + plug["text"] if plug else ""),
             code, where=plug.get("where", ""), predicted=E.predicted(step, step_after),
             units=[u.name for u in small[:20]])]
