@@ -193,7 +193,7 @@ def test_a_grouped_unit_kept_gathered_waits_for_no_all_gather_in_backward(tmp_pa
         [(u.ag_wait_bwd_ms, u.bwd_ms) for u in head]
 
 
-@pytest.mark.parametrize("where", ["per_micro_batch", "per_step"])
+@pytest.mark.parametrize("where", ["per_micro_batch", "per_step", "both"])
 def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_steps(tmp_path, gloo_one_rank, where):
     """The README says doctor.step() may be called per micro-batch or per optimizer step. A new-user trial called it
     after each micro-batch's backward, the last one's before optimizer.step(): each recorded step then ran from the
@@ -219,19 +219,19 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
         for _ in range(8):
             for _mb in range(4):
                 m(x).square().mean().backward()
-                if where == "per_micro_batch":
+                if where in ("per_micro_batch", "both"):
                     doc.step()
             opt.step()
             opt.zero_grad()
-            if where == "per_step":
-                doc.step()
+            if where in ("per_step", "both"):  # (both: a call after each micro-batch and one after the optimizer
+                doc.step()  # step, 5 for 4 micro-batches, read "5 micro-batches": a new-user trial)
     run = fsdp_doctor.load_run(tmp_path / where)
     steps = run.ranks[0].steps
     # (the last ends at its optimizer step, at watch()'s exit: it was lost, no forward after it to end it)
     assert len(steps) == 8
     for s in steps:
         assert all(u.fwd_calls == 4 for u in s.units), [u.fwd_calls for u in s.units]
-        assert s.micro_batches == (4 if where == "per_micro_batch" else 1)  # (doctor.step() calls)
+        assert s.micro_batches == (1 if where == "per_step" else 4)  # (doctor.step() calls after a forward)
         assert s.outside_ms < 0.2 * s.wall_ms and s.forward_ms + s.backward_ms > 0.6 * s.wall_ms, s
     codes = {f.code for f in build_report(run).findings}
     assert not codes & {"jitter.data_wait", "memory.grads_kept"}, codes

@@ -144,6 +144,7 @@ class StepTimer:
         self._units: list[Unit] = []
         self._fail = fail
         self.active = False  # the Doctor turns it on at entry and off when it steps aside
+        self.train_forwards = 0  # the model's forwards with autograd on, since entry (the micro-batches' count)
         self.marks: Optional[MarkSink] = None  # the memory probe
         self.gpu = None  # GpuTimeline on CUDA
         self._handles: list[Any] = []
@@ -732,6 +733,7 @@ class StepTimer:
                 self._no_grad_t0 = _now()
                 return
             self._no_grad_t0 = 0  # (one that raised never reached its post-hook)
+            self.train_forwards += 1
             if self._child_pending:
                 self._safe(self._probe_children, "checkpoint watch")
             if self._opt_end and self.step_boundary is not None:  # a new step's first forward, maybe

@@ -120,6 +120,7 @@ class Doctor:
         self._micro = 0  # doctor.step() calls since the last step record (micro-batches of one optimizer step)
         self._tokens: int | None = None  # the tokens those calls gave (doctor.step(tokens=N))
         self._bad_tokens = False  # a tokens= value that is no count was said
+        self._forwards_at_call = -1  # the timer's training forwards at the last doctor.step() call
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
@@ -358,7 +359,12 @@ class Doctor:
                                 "the host (a CUDA tensor's .item() would wait for the GPU); not recorded", tokens)
             else:
                 self._tokens = (self._tokens or 0) + int(tokens)
-        self._micro += 1
+        # a call with no forward since the last (doctor.step() after each micro-batch and again after
+        # optimizer.step(): 5 calls for 4 micro-batches read "5 micro-batches", a new-user trial) is no micro-batch
+        forwards = self._timer.train_forwards
+        if not self._micro or not forwards or forwards != self._forwards_at_call:  # (none seen: a compiled frame)
+            self._micro += 1
+        self._forwards_at_call = forwards
         if self._is_micro_batch():
             return
         self._close_step(t_end)
