@@ -241,7 +241,8 @@ class Outlier(_Section):
     excess_ms: float
     # "late_rank" | "gc" | "outside" | "no_grad" | "checkpoint" | "allgather_wait" | "doctor" | "compute" |
     # "compilation" (torch.compile compiling in the step, on this rank or another it waited for) | "unrecorded"
-    # (forward, backward or outside the model, where the forward and backward were not recorded)
+    # (forward, backward or outside the model, where the forward and backward were not recorded) | "micro_batches"
+    # (twice the usual micro-batches: doctor.step() calls with no step of the watched optimizer between them)
     cause: str
     detail: str
 

@@ -220,6 +220,22 @@ def test_steps_section_schema_is_the_struct(sample_run_path):
     assert strag.stragglers[0].rank == 1 and StepsSection.of(msgspec.to_builtins(strag)) == strag
 
 
+def test_an_outlier_step_with_twice_the_micro_batches_says_so(sample_run_path):
+    """A NaN guard skipping optimizer.step() once: the doctor records the two iterations as one step of two
+    micro-batches (it cannot tell them from gradient accumulation), 2x the time, kept in the statistics and named
+    nothing (a new-user trial). The outlier table names it: twice the usual micro-batches, no step of the watched
+    optimizer between the calls."""
+    from fsdp_doctor.analyze.steps import analyze_steps, usable_steps
+    from fsdp_doctor.store import load_run
+
+    run = load_run(sample_run_path)
+    s = usable_steps(run.ranks[0].steps)[3]
+    s.micro_batches, s.wall_ms, s.forward_ms, s.backward_ms = 2, 2 * s.wall_ms, 2 * s.forward_ms, 2 * s.backward_ms
+    (o,) = [o for o in analyze_steps(run).outliers if o.rank == 0 and o.step == s.step]
+    assert o.cause == "micro_batches" and o.detail.startswith("2 micro-batches in this step (usually 1): no step of "
+                                                              "the watched optimizer between its doctor.step() calls")
+
+
 def test_a_straggler_is_named_in_the_phase_of_its_own_time(sample_run_path):
     """A rank given 4x the other's rows on gloo was named a straggler "outside the model": its forward took 222 ms
     more of its own, while the other rank's forward held as much waiting for it in its all-gathers, so the phases'

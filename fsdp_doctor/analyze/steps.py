@@ -332,11 +332,20 @@ def find_outliers(run: Run) -> list[Outlier]:
         # forward/backward/optimizer", and stayed in the statistics: a new-user trial)
         kept, recorded = {s.step for s in steps}, phases_recorded(steps)
         compiled = [s for s in run.ranks[r].steps if s.step > 0 and compiling(s) and s.step not in kept]
+        usual = statistics.median(s.micro_batches for s in steps)
         for s in sorted(steps + compiled, key=lambda s: s.step):
             if s.wall_ms <= thresh:
                 continue
             cause, detail = (("compilation", _compile_detail(r, s, run)) if compiling(s)
                              else _cause(r, s, b, base, index, recorded))
+            if s.micro_batches >= 2 * usual and cause != "compilation":
+                # more micro-batches than the others: doctor.step() calls with no step of the watched optimizer
+                # between them (a NaN guard's skipped step read as one step of twice the time, named nothing: a
+                # new-user trial)
+                cause, detail = "micro_batches", (
+                    f"{s.micro_batches} micro-batches in this step (usually {usual:g}): no step of the watched "
+                    f"optimizer between its doctor.step() calls (an optimizer step skipped, or another optimizer's); "
+                    + detail)
             out.append(Outlier(rank=r, step=s.step, ms=round(s.wall_ms, 3), median_ms=round(b.wall, 3),
                                excess_ms=round(s.wall_ms - b.wall, 3), cause=cause, detail=detail))
     out.sort(key=lambda o: -o.excess_ms)
