@@ -82,6 +82,10 @@ def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
     with pytest.raises(WatchError) as e:
         unwrap_optimizer(object())
     assert "not a torch.optim.Optimizer" in str(e.value) and "\n" not in str(e.value)
+    # a list of optimizers: one, and which (a new-user trial's [adamw, sgd] was told to "pass the Optimizer itself")
+    with pytest.raises(WatchError) as e:
+        unwrap_optimizer([opt, other])
+    assert "is a list of 2; watch() takes one optimizer: pass the one each step ends with" in str(e.value)
 
 
 def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, caplog):

@@ -134,6 +134,13 @@ def test_parameters_another_optimizer_steps_are_no_finding(runs):
     assert all(rd.config.untrained.changed is True for rd in run.ranks.values())
     why = next(s.reason for s in rep.rules if s.code == "optim.untrained_params")
     assert "change between steps" in why and "optim.untrained_params" not in {x.code for x in rep.findings}
+    # the memory section says its optimizer state is the watched optimizer's only (a new-user trial's second
+    # optimizer's momentum was missing from it, said only under --explain)
+    ut = run.config.untrained
+    for pr in rep.memory.per_rank.values():
+        assert any(n.startswith(f"optimizer state is the watched optimizer's ({run.config.optimizer}): {ut.tensors} "
+                                f"trainable parameter(s) ({ut.param_count:,} elements) outside it change") for n in
+                   pr.notes or []), pr.notes
 
 
 def test_the_fix_leaves_nothing_outside_the_optimizer(runs):

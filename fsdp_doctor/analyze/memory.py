@@ -76,6 +76,11 @@ def _rank_section(rd) -> MemoryRank | None:
     recomputed = _recomputed_at_peak(out, selective)
     if recomputed:
         notes.append(recomputed)
+    ut = getattr(cfg, "untrained", None)
+    if ut is not None and ut.tensors and ut.changed:  # (a new-user trial's second optimizer: its state uncounted)
+        notes.append(f"optimizer state is the watched optimizer's ({cfg.optimizer}): {ut.tensors} trainable "
+                     f"parameter(s) ({ut.param_count:,} elements) outside it change between steps, stepped by another "
+                     "optimizer or the loop, whose state (momentum, moments) is not counted as optimizer state")
     if notes:
         out.notes = notes
     casts = [s for s in steps if s.memory.autocast]

@@ -649,6 +649,10 @@ def unwrap_optimizer(optimizer):
     inner = held_optimizers(opt)
     if inner is not None and len(inner) == 1:
         opt = inner[0]
+    if isinstance(opt, (list, tuple)):  # (a new-user trial's two optimizers, refused without a way on)
+        raise WatchError(f"fsdp_doctor.watch: the optimizer argument is a {type(optimizer).__name__} of "
+                         f"{len(opt)}; watch() takes one optimizer: pass the one each step ends with (the last "
+                         "stepped); the others' state is then not counted as optimizer state, and the report says so")
     if opt is not None and not has_step_hooks(opt):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
                          "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")
