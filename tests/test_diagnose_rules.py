@@ -647,6 +647,12 @@ def test_sync_unshard_on_gloo():
     assert f.predicted["peak_bytes_after"] - f.predicted["peak_bytes_before"] == largest > 0, f.predicted
     assert "The peak may rise by up to one unit's gathered parameters" in f.recommendation.text
     assert run_rule("prefetch.sync_unshard", build()[0]) == []  # async already
+    # the root the only unit (a model sharded whole): quiet, saying so, not "every unit unshards asynchronously"
+    # (a new-user trial's U-Net)
+    st = run_status("prefetch.sync_unshard", build(units=[unit("", param_count=1_000_000, n_params=8,
+                                                               sharded_bytes=2 << 20, unsharded_bytes=4 << 20,
+                                                               timing=dict(fwd_ms=30.0, bwd_ms=50.0))])[0])
+    assert st.status == "quiet" and st.reason.startswith("the root is the only unit"), st
     ctx, _ = build(units=us, backend="nccl", device="cuda:0")
     assert run_rule("prefetch.sync_unshard", ctx) == []  # not gloo
 

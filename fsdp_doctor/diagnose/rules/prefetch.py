@@ -673,7 +673,12 @@ class SyncUnshard(Rule):
             return self._from_plain_trace(ctx)
         sync = _sync_gloo_units(ctx)
         if not sync:
-            return self.quiet("not gloo" if E.backend(ctx) != "gloo" else "every unit unshards asynchronously")
+            if E.backend(ctx) != "gloo":
+                return self.quiet("not gloo")
+            # (the root alone: "every unit unshards asynchronously" read for a synchronous root, a new-user trial)
+            return self.quiet("every unit unshards asynchronously" if E.non_root(E.param_units(ctx)) else
+                              "the root is the only unit: its all-gather opens the step, with nothing before it to "
+                              "overlap (wrap.too_coarse weighs one unit for the whole model)")
         step = E.step_ms(ctx)
         blk = E.overlap(ctx).blocking
         blocking_ms = [b.us / E.steps_in_windows(ctx, r) / 1e3 for r, b in blk.items()]
