@@ -371,8 +371,9 @@ def test_empty_directory_says_so(browser, serve, tmp_path):
     empty.mkdir()
     srv = serve(empty)
     driver.get(srv.url)
-    note = _wait(driver, lambda d: d.find_elements(By.ID, "empty-note"), what="empty note")[0]
-    assert "No fsdp-doctor records" in note.text
+    # (its text read inside the wait: the note found, then re-rendered by a poll, went stale under load)
+    text = _wait(driver, lambda d: [e.text for e in d.find_elements(By.ID, "empty-note")], what="empty note")[0]
+    assert "No fsdp-doctor records" in text
     for key in PAGES:
         _open_tab(driver, key)
         _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, "#page .note"), what=f"{key} note")

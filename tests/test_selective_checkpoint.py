@@ -149,8 +149,8 @@ def _selective_advice(sac, full):
             assert f.recommendation.text.startswith("Selective checkpointing re-runs the operators its policy does not "
                                                     "save in 4 unit(s) during backward (its time not measured")
             assert all(s.recompute_ms == 0 for st in run.ranks[0].steps for s in st.units)
-            # near capacity (89%) with every unit checkpointed, ac.recommended is quiet, and says what full checkpointing
-            # would spare: the 4 blocks' cached matmul outputs (10 MiB a forward)
+            # near capacity (89%) with every unit checkpointed, ac.recommended is quiet, and says what full
+            # checkpointing would spare: the 4 blocks' cached matmul outputs (10 MiB a forward)
             # (the budget: full checkpointing's peak at 84% of it, the sac peak near it)
             full_peak = load_run(full).ranks[0].steps[-1].memory.peak.bytes
             for rd in run.ranks.values():

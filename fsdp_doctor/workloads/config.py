@@ -34,7 +34,8 @@ class WorkloadConfig:
     prefetch depth over the block units, 0 = FSDP's implicit prefetch), `prefetch_reversed` (deliberate bug:
     explicit lists in the wrong order, each block forward-prefetching the block before it and backward-prefetching
     the one after), `ac` ("none", "block",
-    "every:K", "children", "selective": each block under torchtitan's op-level selective policy), `param_dtype` / `reduce_dtype` (None or one of `DTYPE_NAMES`),
+    "every:K", "children", "selective": each block under torchtitan's op-level selective
+    policy), `param_dtype` / `reduce_dtype` (None or one of `DTYPE_NAMES`),
     `cpu_offload` (+ `offload_pin_memory`), `optimizer_before_shard` (deliberate bug), `autocast` (None or
     one of `DTYPE_NAMES`: the loop runs forward and loss under `torch.autocast(device, dtype)`), `device`,
     `num_threads` (intra-op threads per rank; None leaves torch's default).

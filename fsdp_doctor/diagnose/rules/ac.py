@@ -393,9 +393,9 @@ class AcSelectiveToFull(Rule):
         plain = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint == "none"]
         held = sum(_unit_activations(ctx, plain).values()) if plain else 0
         if held >= sum(saves.values()):
-            return self.quiet(f"{len(plain)} unit(s) not checkpointed hold {fmt_bytes(held)} of activations, "
-                              f"more than the selective ones keep beyond their inputs ({fmt_bytes(sum(saves.values()))})"
-                              ": checkpointing them comes first (ac.recommended)")
+            return self.quiet(f"{len(plain)} unit(s) not checkpointed hold {fmt_bytes(held)} of activations, more "
+                              "than the selective ones keep beyond their inputs "
+                              f"({fmt_bytes(sum(saves.values()))}): checkpointing them comes first (ac.recommended)")
         sel = [u for u in sel if saves.get(u.name)]
         pm, bd = E.peak_memory(ctx), E.breakdown(ctx)
         acts = bd.get("activations") or 0
@@ -425,8 +425,8 @@ class AcSelectiveToFull(Rule):
              "activation_bytes": acts, "selective_units": [u.name for u in sel],
              "saved_beyond_inputs_bytes": int(saved_total), "memory_saved_bytes": int(peak - peak_after),
              "recompute_ms_added_at_most": None if bound is None else round(bound, 3), "step_p50_ms": step},
-            f"{len(sel)} unit(s) checkpoint selectively: their policy saves operators' outputs (a forward's {fmt_bytes(saved_total)} beyond their inputs), held from each "
-            f"unit's forward to its backward. Full checkpointing keeps only the inputs and recomputes those "
+            f"{len(sel)} unit(s) checkpoint selectively: their policy saves operators' outputs (a forward's "
+            f"{fmt_bytes(saved_total)} beyond their inputs), held from each unit's forward to its backward. Full checkpointing keeps only the inputs and recomputes those "
             f"operators too: about {E.mib(peak - peak_after)} MiB less at the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB), for more recompute per step: "
             + (f"at most {bound:.1f} ms, the units' forward compute (selective checkpointing already re-runs the "
