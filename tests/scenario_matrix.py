@@ -46,8 +46,10 @@ UNCOVERS = {"wrap.root_not_sharded": {"wrap.params_in_root"}, "ac.recommended": 
 # findings that say "memory to spare: spend it on speed", an opportunity and never a harm: a fix that lowers the
 # peak uncovers them (the bf16 model of optim.state_dominates leaves room for ZeRO-2 where the tight budget had
 # none), and after ac.unneeded's fix the headroom left is still offered (its severity follows the time saved,
-# which a loaded host moves); not counted as a new warning of a fix
-HEADROOM = frozenset({"reshard.zero2_affordable"})
+# which a loaded host moves); not counted as a new warning of a fix. accum.regather is one too: units kept gathered
+# between micro-batches for the time of their all-gathers (the Trainer's tight case: after ac.recommended's fix freed
+# the memory it warned, its severity the time saved on a loaded host)
+HEADROOM = frozenset({"reshard.zero2_affordable", "accum.regather"})
 # what two NCCL ranks sharing one GPU over loopback sockets (1.5-2 GB/s, ../shared/notes/gpu-machine.md) make true
 # of every GPU row: its collectives set the step (exposed collectives 51-92% of it on the H100), and ZeRO-2 would
 # save the backward's all-gathers. The tuned GPU baselines show these rightly: not false alarms there
