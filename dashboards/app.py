@@ -85,6 +85,14 @@ def _nav(app: Dash, pathname: Optional[str], search: Optional[str]) -> list:
             for key, (label, _) in PAGES.items()]
 
 
+def _answers_version(state: RunState) -> tuple:
+    """What a cached page answer depends on besides the request: the run state's version and whether the run is
+    live. A run whose ranks died writes nothing more, so its version stays: the Overview answered while it was
+    "live" (its warnings held back) was served for good (a new-user trial's killed rank, minutes later)."""
+    snap = state.snapshot()
+    return state.version, run_state(snap.report, snap.updated)
+
+
 def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int = POLL_MS,
                host: str = "127.0.0.1", cache_pages: bool = True) -> Dash:
     """The app over ``path``; ``host`` is the address it will be bound to (the ``Host:`` headers it accepts,
@@ -218,7 +226,7 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
     for _, mod in PAGES.values():
         if hasattr(mod, "register"):
             mod.register(app)
-    guard.install(app, guard.allowed_hosts(host), lambda: state.version,
+    guard.install(app, guard.allowed_hosts(host), lambda: _answers_version(state),
                   cached_outputs=("page.children", "nav.children") if cache_pages else ())
     return app
 

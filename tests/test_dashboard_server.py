@@ -220,6 +220,32 @@ def test_a_run_that_stopped_writing_is_not_live(tmp_path):
     assert run_state(snap.report, snap.updated, now=snap.updated + 1e6) == "stopped on KeyboardInterrupt"
 
 
+def test_a_cached_page_answer_follows_the_run_going_stale(tmp_path, monkeypatch):
+    """A rank killed while the dashboard follows its run: no record comes, the run state's version stays, and the
+    Overview answered while the run was "live" (the header's warnings held back) was served from the cache for good,
+    "live" minutes later (a new-user trial). The cache key holds the run's state: once stale, a new answer, with
+    the warnings."""
+    import time as _time
+
+    from fsdp_doctor.dashboards.app import create_app
+    from fsdp_doctor.dashboards.pages.common import STALE_S
+
+    run = write_run(tmp_path / "run", "dddddddddddd", 10, 1)
+    for f in run.glob("rank*.records.jsonl"):  # killed: no end record
+        f.write_bytes(b"".join(ln + b"\n" for ln in f.read_bytes().splitlines() if not ln.startswith(b'{"t":"end"')))
+    state = RunState(run, background_traces=False)
+    state.snapshot()  # (read: the version the pages are answered at)
+    app = create_app(run, state=state)
+    c = app.server.test_client()
+    live = _page_post(c, "/overview", "", state.version).get_data(as_text=True)
+    assert _page_post(c, "/overview", "", state.version).get_data(as_text=True) == live  # (cached)
+    assert "did not finish" not in live
+    later = _time.time() + STALE_S + 60
+    monkeypatch.setattr(_time, "time", lambda: later)
+    stale = _page_post(c, "/overview", "", state.version).get_data(as_text=True)
+    assert "did not finish" in stale, stale[:2000]
+
+
 def test_a_run_that_crashed_before_the_dashboard_opened_reads_as_stopped_with_the_headers_warnings(tmp_path):
     """A run whose rank was killed ten minutes before the dashboard opened read "live", its last record the time of
     loading, and the Overview said only "finished: no" where the terminal and HTML headers say which rank did not
