@@ -165,6 +165,10 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 
     report.verdict = verdict(report.overlap, run)
+    if (gpu_blind := _no_device_activity(run, report)) is not None:
+        # (a new-user trial's A100 trace without its device events read "host-bound 53%: 53% faster", exit 0)
+        problems.append(gpu_blind)
+        report.verdict = None
     skipped: list[str] = []
     if diagnosis:
         from .diagnose import diagnose
@@ -180,6 +184,18 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         problems.insert(0, unusable_reason(run.path, run, None))
     report.problems = problems
     return report
+
+
+def _no_device_activity(run: Run, report: Report) -> Optional[str]:
+    """Where plain traces name a GPU (deviceProperties) yet hold no device event: the profiler did not record CUDA
+    activity, and what is left is the host's side of a GPU run, which no verdict reads as a CPU run's."""
+    per_rank = report.overlap.per_rank if report.overlap is not None else {}
+    if run.has_records or report.run.device != "cuda" or not per_rank or any(
+            pr.device == "gpu" for pr in per_rank.values()):
+        return None
+    return (f"{report.run.path}: the traces name a GPU ({report.run.device_name}) but hold no device event (kernel, "
+            "memcpy): the profiler did not record CUDA activity (torch.profiler.profile(activities=[ProfilerActivity.CPU, "
+            "ProfilerActivity.CUDA])); what the step waits for on the GPU cannot be read, so no verdict is given")
 
 
 def _nograd_note(overlap) -> Optional[str]:

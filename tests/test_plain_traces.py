@@ -519,3 +519,19 @@ def test_an_evaluations_own_collectives_between_its_forwards_are_the_loops(tmp_p
     phases = [c.phase for c in w.calls if c.collective == "all_gather"][:5]
     # step 5: the training pass's gather (model), two evaluation forwards each with one inside and one after
     assert phases == ["model", "model", None, "model", None], phases
+
+
+def test_a_gpu_trace_without_device_events_is_said_and_gets_no_verdict(tmp_path):
+    """A GPU run profiled without ProfilerActivity.CUDA: the trace names its GPU (deviceProperties) and holds only
+    the host's events. It was read as a CPU run: "host-bound 53%: 53% faster", exit 0 (a new-user trial's A100 trace
+    with its device events removed). Now one line says what is missing, and no verdict is given."""
+    # (before the events, where Kineto writes it)
+    doc = {"deviceProperties": [{"id": 0, "name": "NVIDIA A100-SXM4-80GB", "totalGlobalMem": 85_899_345_920}],
+           **gpu_known_trace(rank=0).document()}
+    doc["traceEvents"] = [e for e in doc["traceEvents"]
+                          if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")]
+    (tmp_path / "rank0.json").write_text(json.dumps(doc))
+    rep = build_report(load_run(tmp_path))
+    assert rep.verdict is None and "verdict.severe" not in {f.code for f in rep.findings}
+    assert any("but hold no device event (kernel, memcpy): the profiler did not record CUDA activity" in p
+               for p in rep.problems), rep.problems
