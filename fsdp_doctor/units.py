@@ -116,6 +116,29 @@ _LABEL_WORDS = {"ag": "AG", "rs": "RS", "allgather": "all-gather", "allgathers":
                 "reducescatter": "reduce-scatter", "reducescatters": "reduce-scatters", "mfu": "MFU"}
 
 
+def evidence_rows(evidence: dict, max_items: int = 8, fmt=None) -> list[tuple[str, str]]:
+    """(label, value) for each evidence item, as every presenter prints them (terminal, HTML, dashboard; ``fmt``:
+    a presenter's own ``fmt_value(key, value)``). A list shows its first ``max_items``, and how many more: of its
+    count where one stands beside it (``late_steps`` and ``late_step_count``: a long run's list is cut, and "(+42)"
+    of the cut list read beside a count of 562, a new-user trial)."""
+    labels = evidence_labels(evidence)
+    fmt = fmt or (lambda k, v: fmt_value(k, v, max_items=max(1, len(v)) if isinstance(v, list) else 8))
+    rows = []
+    for k, v in evidence.items():
+        if isinstance(v, list) and v:
+            words = k.split("_")  # its count: late_steps' late_step_count, or a count of the same first word's
+            keys = ["_".join([*words[:-1], words[-1].rstrip("s"), "count"])]
+            keys += [x for x in evidence if x.endswith("_count") and x.split("_")[0] == words[0]]
+            count = next((evidence[x] for x in keys if x in evidence), None)
+            total = count if isinstance(count, int) and not isinstance(count, bool) and count >= len(v) else len(v)
+            shown = v[:max_items]
+            text = fmt(k, shown) + (f" … (+{total - len(shown)})" if total > len(shown) else "")
+        else:
+            text = fmt(k, v)
+        rows.append((labels[k], text))
+    return rows
+
+
 def fmt_value(key: str, v, max_items: int = 8) -> str:
     """An evidence value formatted by the unit its key names (a word of the key: ``bytes``, ``ms``, ``us``,
     ``pct``, ``gbps``; e.g. ``exposed_ms_per_step``, ``rs_bytes_per_call_median``); a plain count with thousands

@@ -352,3 +352,18 @@ def test_evidence_labels_leave_the_unit_to_the_value():
     assert list(evidence_labels({"reshard_after_forward_false_ms": 12.2, "reshard_after_forward_false_bytes": 593920,
                                  "step_p50_ms": 1.0}).values()) == [
         "reshard after forward false ms", "reshard after forward false bytes", "step p50"]
+
+
+def test_a_list_cut_short_beside_its_count_says_how_many_of_that_count_are_left_out():
+    """straggler.intermittent keeps the first 50 late steps beside their count: the evidence read "late steps: 9, 17,
+    ... (+42)" beside "late step count: 562", the +42 of the cut list (a new-user trial). Every presenter's rows
+    (evidence_rows) say +554; a list alone keeps its own count."""
+    from fsdp_doctor.units import evidence_rows
+
+    ev = {"late_steps": list(range(50)), "late_step_count": 562, "late_excess_ms": [1.5] * 50,
+          "worst_units": ["a", "b", "c"], "examples": list(range(12))}
+    rows = dict(evidence_rows(ev))
+    assert rows["late steps"] == "0, 1, 2, 3, 4, 5, 6, 7 … (+554)" and rows["late step count"] == "562"
+    assert rows["late excess ms"].endswith("… (+554)") and rows["worst units"] == "a, b, c"
+    assert rows["examples"] == "0, 1, 2, 3, 4, 5, 6, 7 … (+4)"
+    assert dict(evidence_rows(ev, max_items=10))["late steps"].endswith("8, 9 … (+552)")

@@ -9,7 +9,7 @@ import msgspec
 from dash import dcc, html
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (evidence_labels, fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
+from fsdp_doctor.present.fmt import (evidence_rows, fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
                                      fmt_bytes, fmt_ms, optimizer_fact, params_fact, predicted_text, severity_counts,
                                      run_warnings, throughput_note, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
@@ -102,8 +102,7 @@ def verdict_panel(section: Verdict, flt: Filters) -> html.Section:
 
 def finding_card(i: int, f: Finding) -> html.Div:
     sev = f.severity
-    labels = evidence_labels(f.evidence)
-    rows = [html.Tr([html.Th(labels[k]), html.Td(fmt_value(k, v))]) for k, v in f.evidence.items()]
+    rows = [html.Tr([html.Th(label), html.Td(value)]) for label, value in evidence_rows(f.evidence, fmt=fmt_value)]
     rec = f.recommendation
     body = [html.P(rec.text, className="finding-text")]
     if rows:

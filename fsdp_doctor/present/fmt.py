@@ -17,7 +17,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary
                                Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
                                ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
-                     evidence_label, evidence_labels, fmt_us, fmt_value, printable, ranks_phrase, unit_label)
+                     evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, printable, ranks_phrase, unit_label)
 
 
 def printable_report(report: Report) -> Report:

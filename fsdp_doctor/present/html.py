@@ -22,7 +22,7 @@ from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSecti
 from . import figures as F
 from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
-                  fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_labels, fmt_value, memory_lines, memory_rows, memory_unit_rows,
+                  fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
                   steps_title, no_steady_text, straggler_text, throughput_rows,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
@@ -109,9 +109,8 @@ def _header(report: Report) -> str:
 def _finding(f: Finding) -> str:
     color = SEVERITY_COLORS.get(f.severity, "#999")
     rec = f.recommendation
-    labels = evidence_labels(f.evidence)
-    ev = "".join(f"<tr><th>{_esc(labels[k])}</th><td>{_esc(fmt_value(k, v, max_items=10))}</td></tr>"
-                 for k, v in f.evidence.items())
+    ev = "".join(f"<tr><th>{_esc(label)}</th><td>{_esc(value)}</td></tr>"
+                 for label, value in evidence_rows(f.evidence, max_items=10))
     code = (f"<div class='fixhead'>{_esc(fix_heading(rec))}</div><pre><code>{_esc(rec.code)}</code></pre>"
             if rec.code else "")
     expected = predicted_text(f.predicted)

@@ -13,7 +13,7 @@ from ..report_sections import (FIX_LANGUAGES, Finding, Report, StepsSection, Thr
                                Verdict)
 from .fit import Col, fitted_table
 from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline,
-                  findings_headline, fmt_checkpoint, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_labels, fmt_value, apart_texts, outlier_rows,
+                  findings_headline, fmt_checkpoint, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_rows, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title,
@@ -144,8 +144,7 @@ def finding_details(f: Finding) -> list:
     rec = f.recommendation
     items = [title, Text(rec.text)]
     if f.evidence:
-        labels = evidence_labels(f.evidence)
-        items.append(Text("Evidence:\n" + "\n".join(f"  {labels[k]}: {fmt_value(k, v)}" for k, v in f.evidence.items()),
+        items.append(Text("Evidence:\n" + "\n".join(f"  {label}: {value}" for label, value in evidence_rows(f.evidence)),
                           style="dim"))
     expected = predicted_text(f.predicted)
     if expected:
