@@ -79,6 +79,10 @@ class RunFacts(_Section):
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly
     # per rank: the exception the training loop raised through watch() (the run stopped there; not complete)
     stopped_on: dict[str, str] | UnsetType = UNSET
+    # where they differ: the rank whose exception ended its run first, and by how long (ms) before the next (the
+    # others' errors, a peer's connection closed, follow from it)
+    stopped_first: str | UnsetType = UNSET
+    stopped_first_by_ms: float | UnsetType = UNSET
 
 
 class CommRank(_Section, omit_defaults=True):

@@ -281,6 +281,19 @@ def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp
         "rank 1 stopped on an exception in the training loop (RuntimeError): RuntimeError: pair.cc:537] Read error: "
         "Connection reset by peer, likely after rank 0 stopped (a rank killed writes no end record); its completed "
         "steps are used"]
+    # both raised, different errors: the first to stop, with its message (a new-user trial's header dropped the
+    # planted error for the others' "Connection closed by peer", with no message at all)
+    from fsdp_doctor.analyze.report import run_facts
+    from fsdp_doctor.records import End
+
+    for r, (ns, why) in {0: (2_575_000_000, "RuntimeError: [gloo] Connection closed by peer"),
+                         1: (2_000_000_000, "RuntimeError: planted failure at step 50")}.items():
+        run.ranks[r] = run.ranks[0] if r == 0 else type(run.ranks[0])(rank=1, config=run.ranks[0].config, steps=[])
+        run.ranks[r].end = End(rank=r, steps=4, ended_ns=ns, exception=why)
+    (w,) = [w.text for w in run_warnings(run_facts(run))]
+    assert w == ("ranks 0, 1 stopped on an exception in the training loop (RuntimeError); rank 1 first (575 ms before "
+                 "rank 0, whose errors likely follow from it): RuntimeError: planted failure at step 50; their "
+                 "completed steps are used"), w
 
 
 def test_a_trainer_that_did_not_shard_is_told_so_in_its_own_terms():

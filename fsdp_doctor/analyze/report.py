@@ -92,6 +92,10 @@ def run_facts(run: Run) -> RunFacts:
                if rd.end is not None and rd.end.exception}
     if stopped:
         facts.stopped_on = stopped
+    if len(set(stopped.values())) > 1:  # (a new-user trial's header dropped the planted error for the others')
+        ends = sorted((run.ranks[int(r)].end.ended_ns, r) for r in stopped)
+        facts.stopped_first = ends[0][1]
+        facts.stopped_first_by_ms = round((ends[1][0] - ends[0][0]) / 1e6, 1)
     return facts
 
 

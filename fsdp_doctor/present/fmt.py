@@ -628,6 +628,12 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
         # by peer"), cut to a line
         one = msgs[0].rstrip(". ")  # (its own full stop before "; their completed steps" read ".;")
         said = (f": {one if len(one) <= 160 else one[:159] + '…'}" if len(msgs) == 1 and ":" in msgs[0] else "")
+        first = run.stopped_first if run.stopped_first is not UNSET else None
+        if first is not None:  # different errors: the first rank's, the others' likely following from it
+            one = stopped[first].rstrip(". ")
+            rest = ranks_phrase(sorted(r for r in stopped if r != first))
+            said = (f"; rank {first} first ({run.stopped_first_by_ms:g} ms before {rest}, whose errors likely follow "
+                    f"from it): {one if len(one) <= 160 else one[:159] + '…'}")
         after = (f", likely after {ranks_phrase(incomplete)} stopped (a rank killed writes no end record)"
                  if incomplete else "")
         out.append(f"{ranks_phrase(stopped)} stopped on an exception in the training loop "
