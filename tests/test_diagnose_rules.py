@@ -253,6 +253,9 @@ def test_params_in_root():
     ctx, _ = build(units=us, memory=memory(10 * MiB))
     (f,) = run_rule("wrap.params_in_root", ctx)
     assert f.evidence["root_param_share_pct"] == pytest.approx(15.0, abs=0.1)
+    # a root unit without parameters of its own: said so ("no root unit" read beside root_not_sharded's "the root
+    # module is an FSDP unit": a new-user trial)
+    assert run_status("wrap.params_in_root", build()[0]).reason == "the root unit holds no parameters"
     assert f.predicted["peak_bytes_after"] == 10 * MiB - (558_080 - 279_040)
     # the step: on gloo the new units' collectives cost the host per call (a new-user trial measured +63% and +85%
     # where "unchanged" was predicted): not predicted, and said; on a GPU they overlap as the blocks' do: unchanged

@@ -221,8 +221,11 @@ class ParamsInRoot(Rule):
         others = E.non_root(us)
         total = E.total_params(us)
         if len(rts) != 1 or not others or total <= 0:
+            # (a root unit without parameters read "no root unit" beside root_not_sharded's "the root module is an
+            # FSDP unit": a new-user trial)
             return self.quiet("several roots: wrap.root_not_sharded says it" if len(rts) > 1 else
-                              "the root is the only unit: wrap.too_coarse says it" if rts else "no root unit")
+                              "the root is the only unit: wrap.too_coarse says it" if rts else
+                              "the root unit holds no parameters" if E.roots(allu) else "no root unit")
         root = rts[0]
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
