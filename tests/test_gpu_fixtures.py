@@ -434,3 +434,14 @@ def test_untrained_parameters_frozen_with_their_reduce_scatters_and_prefetch():
     assert f.recommendation.code.endswith("unit = model.get_submodule('layers.3')\n"
                                           "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
                                           "nothing to gather")
+
+
+@recorded
+def test_reshard_after_forward_is_quoted_alike_by_both_findings(fixture_run):
+    """prefetch.exposed_allgather names keeping the resharded units gathered (reshard.zero2_affordable's lever) with
+    what it would save: the host's waits read ~7.9 ms beside zero2's 70.0 ms for the same 9 units and bytes (a
+    new-user trial on this fixture). Both read the GPU trace's backward waits now: one figure."""
+    _, report = fixture_run
+    ag, z2 = _one(report, "prefetch.exposed_allgather"), _one(report, "reshard.zero2_affordable")
+    assert ag.evidence["reshard_after_forward_false_ms"] == pytest.approx(z2.evidence["saved_ms_per_step"], abs=0.01)
+    assert ag.evidence["reshard_after_forward_false_bytes"] == z2.evidence["added_at_peak_bytes"]
