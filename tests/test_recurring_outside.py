@@ -133,3 +133,14 @@ def test_one_ranks_late_steps_claim_a_period_from_three_on():
     assert f.evidence["late_steps"] == hit[:50] and f.evidence["late_step_count"] == 120
     assert len(f.evidence["late_excess_ms"]) == 50
     assert f.recommendation.text.startswith("In steps " + ", ".join(map(str, hit[:12])) + " … (+108) rank 1 spends")
+
+
+def test_one_spike_among_late_steps_is_not_the_patterns_cost():
+    """Rank 1 late by 40 ms in four steps and by 800 ms in one (a host hiccup): the cost per step and the predicted
+    gain came from the mean, the spike's (a new-user trial: +5 ms late steps and one of 101 ms, a warning of 9%).
+    Each late step counts up to 3x the median late step's excess: 4 x 40 + 120 ms over the steps, not 960."""
+    rep = fsdp_doctor.build_report(_run({1: {3: 40.0, 6: 40.0, 9: 800.0, 12: 40.0, 15: 40.0}}))
+    f = next(f for f in rep.findings if f.code == "straggler.intermittent")
+    n = f.evidence["steps_checked"]
+    assert abs(f.evidence["cost_ms_per_step"] - 280.0 / n) < 0.05, f.evidence
+    assert abs(f.evidence["spikes_capped_at_ms"] - 120.0) < 0.5, f.evidence
