@@ -121,6 +121,9 @@ def test_launch_bound_on_the_real_host_bound_trace():
     assert not findings_headline(report.findings).startswith("Healthy")
     # a DDP trace names no FSDP unit: the fix compiles the model (it printed an empty list of units to compile)
     assert f.recommendation.code.splitlines()[-1] == "model.compile()", f.recommendation.code
+    # ... and the words say the same ("Compile each FSDP block in place" read beside it: a new-user trial)
+    assert "The trace names no FSDP unit: compile the model in place." in f.recommendation.text
+    assert "FSDP block" not in f.recommendation.text, f.recommendation.text
 
 
 def test_launch_bound_by_fsdp_hooks_is_one_unit():

@@ -191,17 +191,23 @@ class LaunchBound(Rule):
         # GEMMs', FSDP2's hooks, autograd's or the optimizer's, and each compiled region adds its own call. Measured
         # on the H200's tiny GPT (benchmarks/launch_levers.py): -12% with one FSDP unit, +27% with six; a model of
         # the trace's "small kernels gone" predicted 64% and 78% faster
+        # (a trace naming no FSDP unit, a DDP run's: its code compiles the whole model, and the words say so: "each
+        # FSDP block" read beside it, a new-user trial on HTA's DDP traces)
+        tree = S.tree(ctx)
+        fsdp = bool(tree.containers() or tree.unit_labels())  # (as compile_code decides what it compiles)
         return [self.finding(
             sev, title, evidence,
             f"{lead} torch.compile fuses chains of small elementwise kernels into a few (and "
-            "mode='reduce-overhead' replays them as CUDA graphs, one launch per graph). Compile each FSDP block in "
-            "place: the FSDP hooks and module names stay. No gain is quoted: compiling removes the fused "
+            "mode='reduce-overhead' replays them as CUDA graphs, one launch per graph). "
+            + ("Compile each FSDP block in place: the FSDP hooks and module names stay." if fsdp else
+               "The trace names no FSDP unit: compile the model in place.")
+            + " No gain is quoted: compiling removes the fused "
             "elementwise kernels' launches, not those of the matrix multiplies, of FSDP2's own hooks"
             + (f" ({fsdp_ms:.1f} ms of the step's host time here)" if fsdp_ms else "")
             + ", of autograd or of the optimizer, and each compiled block adds a call of its own; on the H200 it "
             "measured from 12% faster (a tiny GPT as one FSDP unit) to 27% slower (the same GPT as six units). "
             "Time a few steps with and without it.",
-            S.compile_code(S.tree(ctx)), predicted=E.predicted(step, None), ranks=[int(rank)])]
+            S.compile_code(tree), predicted=E.predicted(step, None), ranks=[int(rank)])]
 
     @staticmethod
     def _one_unit(ctx: Context, pr, trace_step, fsdp_ms, scale):
