@@ -284,3 +284,24 @@ def test_a_prediction_of_no_change_says_unchanged():
         "step 760.2 ms unchanged, peak 14.05 MiB → 13.80 MiB"
     assert predicted_text(predicted(100.0, 80.0, 1 << 20, 1 << 20)) == "step 100.0 ms → 80.0 ms (20% faster), peak 1.00 MiB unchanged"
     assert predicted_text(predicted(100.0, 101.0)) == "step 100.0 ms → 101.0 ms (1% slower)"
+
+
+def test_the_doctors_own_cost_over_the_run_is_said():
+    """A long run's doctor_ms summed to 7.1 s of 156 s, its profiler steps' excess to more, and the report said
+    neither (a new-user trial weighing whether to leave it on). Known answer: steps 1-9 of 100 ms, 1 ms of the
+    doctor's between each; step 5 a profiler window of 400 ms, 50 ms of it the doctor's between steps: 8 x 1 + 50
+    + (400 - 100 - 50) = 308 ms of 1,200 ms."""
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.fmt import doctor_text
+    from fsdp_doctor.records import RunConfig, StepRecord
+    from fsdp_doctor.store import Run
+    from fsdp_doctor.store.reader import RankData
+
+    run = Run(path="constructed")
+    steps = [StepRecord(rank=0, step=k, start_ns=k, wall_ms=400.0 if k == 5 else 100.0, forward_ms=30.0,
+                        backward_ms=50.0, optimizer_ms=10.0, outside_ms=9.0, profiled=k == 5,
+                        doctor_ms=50.0 if k == 5 else 1.0) for k in range(10)]
+    run.ranks[0] = RankData(rank=0, steps=steps, config=RunConfig(rank=0, world_size=1, backend="gloo", device="cpu"))
+    sec = analyze_steps(run)
+    assert sec.doctor_own_ms == {"0": [308.0, 1200.0]}
+    assert doctor_text(sec).startswith("The doctor's own work: 308.0 ms of the 1.20 s the steps took (25.7%): its ")

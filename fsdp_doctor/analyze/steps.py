@@ -607,7 +607,21 @@ def analyze_steps(run: Run) -> StepsSection:
                      if (c := checkpoint_steps(rd.steps)) is not None},
         compiled={str(r): c for r, rd in sorted(run.ranks.items()) if (c := compile_steps(rd.steps)) is not None},
         counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},
+        doctor_own_ms={str(r): own for r, rd in sorted(run.ranks.items()) if (own := doctor_own(rd.steps, usable[r]))},
     )
+
+
+def doctor_own(steps: list[StepRecord], usable: list[StepRecord]) -> list[float]:
+    """[the doctor's own ms, the steps' ms] over a rank's steps after the first: its work between steps (each step's
+    doctor_ms) and, in its own steps (a profiler window, a memory count op by op), their time over the median step
+    beyond that; [] without steady steps. (A new-user trial's long run: 7.1 s of 156 s, said nowhere.)"""
+    rest = [s for s in steps if s.step > 0]
+    if not usable or not rest:
+        return []
+    med = statistics.median(s.wall_ms for s in usable)
+    own = sum(s.doctor_ms for s in rest) + sum(max(0.0, s.wall_ms - med - s.doctor_ms) for s in rest
+                                               if s.profiled or counted_op_by_op(s))
+    return [round(own, 3), round(sum(s.wall_ms for s in rest), 3)]
 
 
 def counted_kept(usable: list[StepRecord]) -> list[int]:

@@ -11,7 +11,7 @@ import io
 import statistics
 import textwrap
 import tokenize
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier,
                                Report, RunFacts, StepsSection, Straggler, ThroughputJob, ThroughputRank,
@@ -443,8 +443,21 @@ def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
     compiling, "no-grad": evaluation, "checkpoint": checkpoint saves): what every presenter shows under the step
     table."""
     return [(key, line) for key, line in (("compile", compile_text(section)), ("no-grad", no_grad_text(section)),
-                                          ("checkpoint", checkpoint_text(section)))
+                                          ("checkpoint", checkpoint_text(section)), ("doctor", doctor_text(section)))
             if line is not None]
+
+
+def doctor_text(section: StepsSection) -> Optional[str]:
+    """The doctor's own cost over the run, the rank where it was largest (a share the user can weigh against leaving
+    it on), or None without step records."""
+    own = {r: v for r, v in (section.doctor_own_ms or {}).items() if v and v[1] > 0}
+    if not own:
+        return None
+    ms, total = max(own.values(), key=lambda v: v[0] / v[1])  # (the rank where it was most: a page filtered to
+    # another rank reads no rank named)
+    return (f"The doctor's own work: {fmt_ms(ms)} of the {fmt_ms(total)} the steps took ({100 * ms / total:.1f}%"
+            f"{', the most of any rank' if len(own) > 1 else ''}): its records between steps, its profiler windows "
+            "and full memory counts (those steps' time over the median step), left out of the statistics above")
 
 
 def straggler_text(s: Straggler) -> str:
