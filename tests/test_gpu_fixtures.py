@@ -445,3 +445,14 @@ def test_reshard_after_forward_is_quoted_alike_by_both_findings(fixture_run):
     ag, z2 = _one(report, "prefetch.exposed_allgather"), _one(report, "reshard.zero2_affordable")
     assert ag.evidence["reshard_after_forward_false_ms"] == pytest.approx(z2.evidence["saved_ms_per_step"], abs=0.01)
     assert ag.evidence["reshard_after_forward_false_bytes"] == z2.evidence["added_at_peak_bytes"]
+
+
+@recorded
+def test_reduce_scatters_already_in_16_bits_are_not_told_to_halve_their_float32_bytes(fixture_run):
+    """The fixture reduces in bfloat16: comm.exposed_reducescatter read "A 16-bit reduce dtype would halve the bytes of
+    the float32 ones (the expected gain below)" with none below (a new-user trial). It says they are 16-bit already."""
+    _, report = fixture_run
+    f = _one(report, "comm.exposed_reducescatter")
+    assert f.evidence["rs_dtype"].lower() in ("bfloat16", "bf16") and f.predicted.step_ms_after is None
+    assert "would halve the bytes" not in f.recommendation.text
+    assert f.recommendation.text.endswith("They reduce in 16 bits already (numerics.reduce_dtype weighs that choice).")
