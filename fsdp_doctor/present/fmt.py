@@ -450,7 +450,7 @@ def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
 def doctor_text(section: StepsSection) -> Optional[str]:
     """The doctor's own cost over the run, the rank where it was largest (a share the user can weigh against leaving
     it on), or None without step records."""
-    own = {r: v for r, v in (section.doctor_own_ms or {}).items() if v and v[1] > 0}
+    own = {r: v for r, v in (section.doctor_own_ms or {}).items() if v and v[0] > 0 and v[1] > 0}  # (none: unsaid)
     if not own:
         return None
     ms, total = max(own.values(), key=lambda v: v[0] / v[1])  # (the rank where it was most: a page filtered to
