@@ -194,8 +194,9 @@ def _no_device_activity(run: Run, report: Report) -> Optional[str]:
             pr.device == "gpu" for pr in per_rank.values()):
         return None
     return (f"{report.run.path}: the traces name a GPU ({report.run.device_name}) but hold no device event (kernel, "
-            "memcpy): the profiler did not record CUDA activity (torch.profiler.profile(activities=[ProfilerActivity.CPU, "
-            "ProfilerActivity.CUDA])); what the step waits for on the GPU cannot be read, so no verdict is given")
+            "memcpy): the profiler did not record CUDA activity (torch.profiler.profile(activities="
+            "[ProfilerActivity.CPU, ProfilerActivity.CUDA])); what the step waits for on the GPU cannot be read, so no "
+            "verdict is given")
 
 
 def _nograd_note(overlap) -> Optional[str]:

@@ -144,7 +144,8 @@ def finding_details(f: Finding) -> list:
     rec = f.recommendation
     items = [title, Text(rec.text)]
     if f.evidence:
-        items.append(Text("Evidence:\n" + "\n".join(f"  {label}: {value}" for label, value in evidence_rows(f.evidence)),
+        rows = evidence_rows(f.evidence)
+        items.append(Text("Evidence:\n" + "\n".join(f"  {label}: {value}" for label, value in rows),
                           style="dim"))
     expected = predicted_text(f.predicted)
     if expected:
