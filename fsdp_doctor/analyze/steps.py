@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from ..records import GpuTimes, StepRecord, collective_wait_ms, counted_op_by_op
+from ..records import GpuTimes, StepRecord, collective_wait_ms, counted_op_by_op, doctor_step
 from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection,
                                StepStats, Straggler)
 from ..store import Run
@@ -620,7 +620,7 @@ def doctor_own(steps: list[StepRecord], usable: list[StepRecord]) -> list[float]
         return []
     med = statistics.median(s.wall_ms for s in usable)
     own = sum(s.doctor_ms for s in rest) + sum(max(0.0, s.wall_ms - med - s.doctor_ms) for s in rest
-                                               if s.profiled or counted_op_by_op(s))
+                                               if doctor_step(s))
     return [round(own, 3), round(sum(s.wall_ms for s in rest), 3)]
 
 

@@ -102,13 +102,14 @@ def _windows_dropped(ranks: dict, active: int) -> Optional[str]:
     met = [n for n in evaluated if any(s.step == n and s.profiled for s in rd.steps)]
     if not met:
         return None
-    free = [s.step for s in rd.steps if s.step >= 2 and not s.no_grad_forwards]  # (a warm-up step before each)
-    width = next((w for w in (active, 1) if any(all(n + k in free for k in range(w)) for n in free)), None)
-    start = next((n for n in free if width and all(n + k in free for k in range(width))), None)
-    fix = (f"watch(..., profile=fsdp_doctor.ProfileSchedule(first={start}, active={width})) records steps "
-           f"{start}-{start + width - 1}, which do not evaluate" if start is not None and width > 1 else
-           f"watch(..., profile=fsdp_doctor.ProfileSchedule(first={start}, active=1)) records step {start}, which does "
-           "not evaluate" if start is not None else "evaluating less often leaves a window steps without it")
+    free = {s.step for s in rd.steps if s.step >= 2 and not s.no_grad_forwards}  # (a warm-up step before each)
+    # the first run of ``active`` steps without an evaluation, else of one
+    start, width = next(((n, w) for w in (active, 1) for n in sorted(free)
+                         if all(n + k in free for k in range(w))), (None, 1))
+    fix = ("evaluating less often leaves a window steps without it" if start is None else
+           f"watch(..., profile=fsdp_doctor.ProfileSchedule(first={start}, active={width})) records "
+           + (f"steps {start}-{start + width - 1}, which do not evaluate" if width > 1 else
+              f"step {start}, which does not evaluate"))
     shown = ", ".join(str(n) for n in met[:6]) + (", ..." if len(met) > 6 else "")
     return (f"the doctor's profiler windows met steps that also ran the model without gradients (step"
             f"{'s' * (len(met) > 1)} {shown}: an evaluation) and were dropped unsaved, as a window would read the "

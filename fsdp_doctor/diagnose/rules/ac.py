@@ -177,18 +177,25 @@ def _selective(u: E.Unit) -> bool:
     return bool(getattr(u, "checkpoint_selective", False))
 
 
+def _selective_beyond_inputs(ctx: Context) -> tuple[list[E.Unit], dict[str, int]]:
+    """(the units that checkpoint selectively, what each keeps beyond its inputs where a full memory step counted
+    them): the policy's saved outputs (the memory probe counts selective checkpointing's cache as the unit's
+    activations), which full checkpointing recomputes instead."""
+    sel = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none" and _selective(u)]
+    per_unit, mem = _unit_activations(ctx, sel), E.memory_units(ctx)
+    return sel, {u.name: max(0, per_unit.get(u.name, 0) - int(mem[u.name].input_bytes)) for u in sel
+                 if u.name in mem and mem[u.name].input_bytes is not UNSET}
+
+
 def _selective_saves(ctx: Context) -> str:
     """Where units checkpoint selectively, what their policy saves beyond their inputs (a forward's worth, from a
     full memory step), which full checkpointing would not keep: the lever left when every unit is checkpointed (a
     new-user trial's selective blocks at 96% of capacity, quiet without a word of it)."""
-    sel = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none" and _selective(u)]
-    per_unit, mem = _unit_activations(ctx, sel), E.memory_units(ctx)
-    saves = sum(max(0, per_unit.get(u.name, 0) - int(mem[u.name].input_bytes)) for u in sel
-                if u.name in mem and mem[u.name].input_bytes is not UNSET)
-    if not saves:
+    sel, saves = _selective_beyond_inputs(ctx)
+    if not sum(saves.values()):
         return ""
-    return (f" ({len(sel)} selectively: what their policy saves beyond their inputs, {fmt_bytes(saves)} a forward, "
-            "full checkpointing would recompute instead: ac.selective_to_full)")
+    return (f" ({len(sel)} selectively: what their policy saves beyond their inputs, {fmt_bytes(sum(saves.values()))} "
+            "a forward, full checkpointing would recompute instead: ac.selective_to_full)")
 
 
 def _reruns(ck: list[E.Unit]) -> str:
@@ -374,17 +381,12 @@ class AcSelectiveToFull(Rule):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
         if not peak or not cap:
             return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
-        sel = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint != "none" and _selective(u)]
+        sel, saves = _selective_beyond_inputs(ctx)
         if not sel:
             return self.quiet("no unit checkpoints selectively")
         share = peak / cap
         if share < AC_NEAR_CAPACITY:
             return self.quiet(E.below_share("peak", peak, cap, "capacity", AC_NEAR_CAPACITY))
-        # what each keeps beyond its inputs: the policy's saved outputs (the memory probe counts selective
-        # checkpointing's cache as the unit's activations), which full checkpointing recomputes instead
-        per_unit, mem = _unit_activations(ctx, sel), E.memory_units(ctx)
-        saves = {u.name: max(0, per_unit.get(u.name, 0) - int(mem[u.name].input_bytes)) for u in sel
-                 if u.name in mem and mem[u.name].input_bytes is not UNSET}
         if not any(saves.values()):
             return self.quiet("what the selective units keep beyond their inputs is not counted (no full memory "
                               "step)" if not saves else "the selective units keep nothing beyond their inputs")
@@ -426,9 +428,10 @@ class AcSelectiveToFull(Rule):
              "saved_beyond_inputs_bytes": int(saved_total), "memory_saved_bytes": int(peak - peak_after),
              "recompute_ms_added_at_most": None if bound is None else round(bound, 3), "step_p50_ms": step},
             f"{len(sel)} unit(s) checkpoint selectively: their policy saves operators' outputs (a forward's "
-            f"{fmt_bytes(saved_total)} beyond their inputs), held from each unit's forward to its backward. Full checkpointing keeps only the inputs and recomputes those "
-            f"operators too: about {E.mib(peak - peak_after)} MiB less at the {E.mib(peak)} MiB peak (capacity "
-            f"{E.mib(cap)} MiB), for more recompute per step: "
+            f"{fmt_bytes(saved_total)} beyond their inputs), held from each unit's forward to its backward. Full "
+            f"checkpointing keeps only the inputs and recomputes those operators too: about "
+            f"{E.mib(peak - peak_after)} MiB less at the {E.mib(peak)} MiB peak (capacity {E.mib(cap)} MiB), for more "
+            "recompute per step: "
             + (f"at most {bound:.1f} ms, the units' forward compute (selective checkpointing already re-runs the "
                "rest)." if bound is not None else "not timed (the units run in a compiled frame).")
             + how + _over_budget(peak_after, cap, bd),

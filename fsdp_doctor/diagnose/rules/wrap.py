@@ -168,21 +168,20 @@ class TooFine(Rule):
         by_size = sorted(timed, key=lambda u: u.unsharded_bytes)[:max(1, len(timed) // 4)]
         latency = statistics.median(E.ag_wait_ms(u, "forward") for u in by_size) if by_size else None
         # group the units by repeated block: what the calls would be after re-wrapping
-        groups = {E.block_of(m) or m for u in us for m in u.modules}
+        after = len({E.block_of(m) or m for u in us for m in u.modules})
         tree = S.tree(ctx)
-        if len(groups) >= len(us):  # no repeated blocks (a U-Net's enc1, enc2, ...): the modules holding the leaves
+        if after >= len(us):  # no repeated blocks (a U-Net's enc1, enc2, ...): the modules holding the leaves
             # (the blocks' plan kept every leaf its unit, "18 units -> ~18", and pasted it changed nothing: a
             # new-user trial)
             held = S.holders(tree)
-            n = len(us) - sum(len(v) for v in held.values()) + len(held)
-            code = S.holder_plan(tree, f"the modules holding the leaves instead of them ({len(us)} units -> {n})") \
+            after = len(us) - sum(len(v) for v in held.values()) + len(held)
+            code = S.holder_plan(tree, f"the modules holding the leaves instead of them ({len(us)} units -> {after})") \
                 if held else ""
-            groups = set(range(n))
         else:
             code = S.shard_plan(tree, nested=False,  # the leaves' units give way to their blocks
-                                note=f"whole blocks instead of their leaves ({len(us)} units -> ~{len(groups)})")
+                                note=f"whole blocks instead of their leaves ({len(us)} units -> ~{after})")
         calls_before = 2 * len(us)  # one all-gather in forward, one in backward
-        calls_after = 2 * len(groups)
+        calls_after = 2 * after
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
@@ -198,7 +197,7 @@ class TooFine(Rule):
             f"{len(us)} units with a median of {E.mib(med_bytes)} MiB each: every unit pays a fixed cost per "
             "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
-            f"block a unit) so that ~{len(groups)} larger all-gathers replace the {len(us)} small ones."
+            f"block a unit) so that ~{after} larger all-gathers replace the {len(us)} small ones."
             + ("" if code or plug else " The module names show no blocks holding several of these units: wrap "
                "the modules of your model that hold several layers each.")
             + (" " + plug["text"] if plug else ""),
