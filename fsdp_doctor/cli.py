@@ -309,7 +309,9 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     cmp = compare(*sides, applied=ns.applied or (), gpu_hour_price=ns.gpu_hour_price, path_a=ns.run_a,
                   path_b=ns.run_b)
     # what each side skipped, named (exit 3 said something was, and nothing said what: a new-user trial)
-    skipped = [f"skipped ({name}, {side.path}): {p}" for name, side in (("A", cmp.a), ("B", cmp.b))
+    from .present.fmt import problem_line
+
+    skipped = [problem_line(p, f"({name}, {side.path})") for name, side in (("A", cmp.a), ("B", cmp.b))
                for p in side.problems]
 
     def html(p):
@@ -543,12 +545,13 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
         _err(f"{e.filename or out}: cannot write the TensorBoard events there ({e.strerror or e}); --out DIR writes "
              "them elsewhere")
         return EXIT_BAD_INPUT
+    from .present.fmt import problem_line
     from .units import printable
 
     for d in dirs:
         print(f"wrote {d}")
-    for p in problems:  # one line each, as analyze's "skipped:" lines
-        print(printable(f"skipped: {p}"))
+    for p in problems:  # one line each, as analyze's
+        print(printable(problem_line(p)))
     print(f"open with: {_command('tensorboard')} --logdir {out}")
     return EXIT_PARTIAL if problems else EXIT_OK
 

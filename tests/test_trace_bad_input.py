@@ -194,7 +194,7 @@ def test_the_cli_names_another_jobs_file_in_one_line_and_exits_3(tmp_path, capsy
     assert rc == cli.EXIT_PARTIAL == 3
     assert [ln for ln in out.splitlines() if "rank1" in ln] == [
         "skipped: rank1.json: another job (its step 1's FSDP units: 1, named layers.0; the other files': 4, named "
-        "layers.0, layers.1, layers.2, layers.3); skipped"]
+        "layers.0, layers.1, layers.2, layers.3)"]  # (it read "...); skipped" after "skipped:")
     # the header counts it left out
     assert "1 trace file · 1 left out (listed at the end)" in out, out
 

@@ -10,7 +10,8 @@ from dash import dcc, html
 from msgspec import UNSET
 
 from fsdp_doctor.present.fmt import (evidence_rows, fix_heading, SEVERITY_ORDER, VERDICT_HEADER, experts_fact, findings_headline,
-                                     fmt_bytes, fmt_ms, optimizer_fact, params_fact, predicted_text, severity_counts,
+                                     fmt_bytes, fmt_ms, optimizer_fact, params_fact, predicted_text, problem_text,
+                                     severity_counts,
                                      run_warnings, throughput_note, unit_label, verdict_headline, verdict_rows)
 from fsdp_doctor.report_sections import Finding, Report, RunFacts, StepStats, Verdict
 
@@ -196,7 +197,7 @@ def layout(snap, flt: Filters) -> list:
     out.append(html.Div([
         section(f"Findings ({summary})", *cards, cls="findings", sid="findings"),
         html.Div([section("Run", run_facts(run), sid="run-facts")] +
-                 ([section("Problems", html.Ul([html.Li(p) for p in problems]), cls="problems")]
+                 ([section("Problems", html.Ul([html.Li(problem_text(p)) for p in problems]), cls="problems")]
                   if (problems := snap.problems(live=state == "live")) else []), className="side"),
     ], className="overview-cols"))
     return out

@@ -20,6 +20,21 @@ from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, f
                      evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, printable, ranks_phrase, unit_label)
 
 
+SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
+
+
+def problem_text(p: str) -> str:
+    """One of ``report.problems`` under a heading or prefix that says "skipped" already: without its own "; skipped"
+    ending (a new-user trial's "skipped: rank1.json: another job (...); skipped")."""
+    return p.removesuffix(SKIPPED_TAIL)
+
+
+def problem_line(p: str, side: str = "") -> str:
+    """One of ``report.problems`` as the CLI prints it, one line each: "skipped: ...". ``side``: compare's
+    "(A, PATH)"."""
+    return f"skipped{f' {side}' if side else ''}: {problem_text(p)}"
+
+
 def printable_report(report: Report) -> Report:
     """The report with every text (keys included) stripped of control characters, for a terminal: module, file
     and host names come from the user's run and may carry escape sequences (``units.printable``)."""

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (fix_heading, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
+from .fmt import (fix_heading, problem_text, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
@@ -288,7 +288,8 @@ def render_html(report: Report | dict) -> str:
     if report.unit_rows():
         parts.append("<h2>FSDP units</h2>" + _units_table(report.unit_rows()))
     if report.problems:
-        parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in report.problems) + "</ul>")
+        parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(problem_text(p))}</li>" for p in report.problems)
+                     + "</ul>")
     data = json.dumps(report.to_builtins(), default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='fsdp-doctor-report'>{data}</script>")
     return html_page(f"fsdp-doctor — {report.run.path or 'report'}", "".join(parts))

@@ -17,7 +17,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title,
-                  fit_comments)
+                  fit_comments, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -209,4 +209,4 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
             console.print(item, soft_wrap=isinstance(item, Syntax))
         console.print()
     for p in report.problems:  # one line each, never folded (as code lines): a copy or a grep gets it whole
-        console.print(Text(f"skipped: {p}", style="yellow"), soft_wrap=True)
+        console.print(Text(problem_line(p), style="yellow"), soft_wrap=True)
