@@ -611,6 +611,7 @@ FIX_PLACES = {
     "prepared": "after accelerator.prepare(...) returns the sharded model",  # "sharded", where accelerate sharded it
     "around": "around your fully_shard calls (your calls where the code says)",
     "optimizer": "after your optimizer is built",
+    "model": "after your model is built (and wrapped), before the training loop",  # a run without fully_shard
     "loop": "in your training loop",
     "backward": "in your training loop, between the loss and its backward",
     "after_backward": "in your training loop, after the backward and before optimizer.step(), in place of the code "

@@ -124,6 +124,19 @@ def test_launch_bound_on_the_real_host_bound_trace():
     # ... and the words say the same ("Compile each FSDP block in place" read beside it: a new-user trial)
     assert "The trace names no FSDP unit: compile the model in place." in f.recommendation.text
     assert "FSDP block" not in f.recommendation.text, f.recommendation.text
+    # ... and where it goes: it read "Fix (Python, after your fully_shard calls):" on a run without fully_shard
+    assert f.recommendation.where == "model"
+    # its all-reduces are not an "FSDP units" table, and all-gathers' slack and held figures are not explained
+    from rich.console import Console
+
+    from fsdp_doctor.present.terminal import render_report
+
+    console = Console(width=100, record=True)
+    render_report(report, console)
+    out = console.export_text()
+    assert "Collectives (no FSDP unit in the traces), worst exposure first" in out and "FSDP units" not in out
+    assert "Fix (Python, after your model is built (and wrapped), before the training loop):" in out
+    assert "Slack:" not in out
 
 
 def test_launch_bound_by_fsdp_hooks_is_one_unit():

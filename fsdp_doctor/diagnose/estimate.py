@@ -23,6 +23,7 @@ from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFO
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
+from ..trace.model import OTHER_UNIT  # (collectives no FSDP unit issued: optimizer step, clipping, metrics)
 from ..units import fmt_bytes
 from . import thresholds as T
 from .base import Context, prepared_by_user, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
@@ -432,10 +433,6 @@ def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]
 
     return [r if r.steps is not None else per_step_row(msgspec.structs.replace(r), steps_in_windows(ctx, r.rank))
             for r in overlap(ctx).per_unit if collective is None or r.collective == collective]
-
-
-# the trace engine's label for collectives no FSDP unit issued (optimizer step, gradient clipping, metrics)
-OTHER_UNIT = "(other)"
 
 
 def other_comm_between_ms(ctx: Context, rank) -> float:

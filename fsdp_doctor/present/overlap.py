@@ -8,6 +8,7 @@ from rich.console import Group
 from rich.text import Text
 
 from ..report_sections import Blocking, CommUnitRow, OverlapSection
+from ..trace.model import OTHER_UNIT
 from .fit import Col, fitted_table
 from .fmt import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit_labels  # one convention: fmt.py
 
@@ -45,7 +46,9 @@ def _unit_table(rows: list[CommUnitRow], top: int, width: int, names: Iterable[s
     units, not only among those with collectives in this table (an MoE's ``experts.2`` of one layer read as if the
     only one: a new-user trial)."""
     shown = rows[:top]
-    title = "FSDP units, worst exposure first, per profiled step"
+    fsdp = any(r.unit != OTHER_UNIT for r in rows)  # (a DDP trace's all-reduces read "FSDP units": a new-user trial)
+    title = ("FSDP units" if fsdp else "Collectives (no FSDP unit in the traces)") + \
+        ", worst exposure first, per profiled step"
     if len(rows) > top:
         title += f" (top {top} of {len(rows)})"
     labels = short_unit_labels([*(r.unit for r in rows), *names])
@@ -82,6 +85,7 @@ def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped
         parts.append(Text("No traces could be analysed.", style="bold red"))
     if sec.per_unit:
         parts.append(_unit_table(sec.per_unit, top, width, [*names, *(u.name for u in sec.units or ())]))
+    if any(r.unit != OTHER_UNIT for r in sec.per_unit):  # (all-gathers' figures)
         parts.append(Text("Slack: need − finish of the all-gather (negative: compute waited). "
                           "Held: gathered params unused before need.", style="dim"))
     for s in sec.skipped if skipped else []:

@@ -207,7 +207,8 @@ class LaunchBound(Rule):
             + ", of autograd or of the optimizer, and each compiled block adds a call of its own; on the H200 it "
             "measured from 12% faster (a tiny GPT as one FSDP unit) to 27% slower (the same GPT as six units). "
             "Time a few steps with and without it.",
-            S.compile_code(tree), predicted=E.predicted(step, None), ranks=[int(rank)])]
+            S.compile_code(tree), predicted=E.predicted(step, None), ranks=[int(rank)],
+            where="" if fsdp else "model")]  # (it read "after your fully_shard calls" on a DDP trace)
 
     @staticmethod
     def _one_unit(ctx: Context, pr, trace_step, fsdp_ms, scale):

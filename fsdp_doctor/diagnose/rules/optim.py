@@ -33,8 +33,6 @@ STATE_TIGHT_SHARE = 0.80
 # creates: Adam-family keep exp_avg and exp_avg_sq; SGD with momentum one buffer (assumed on).
 STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "sgd": 1, "rmsprop": 1,
                    "adagrad": 1}
-# FSDP's own collectives as the trace engine labels them; everything else came from user code.
-_OTHER_UNITS = ("(other)",)
 
 
 @register
@@ -138,9 +136,9 @@ class OptimizerStepComm(Rule):
     def match(self, ctx: Context):
         step = E.step_ms(ctx) or E.trace_step_ms(ctx)  # the records' median, else the trace's (a plain trace)
         every = E.trace_rows(ctx)
-        rows = [r for r in every if r.unit in _OTHER_UNITS and r.phase != MODEL_PHASE]
+        rows = [r for r in every if r.unit == E.OTHER_UNIT and r.phase != MODEL_PHASE]
         # collectives issued inside the model (its tensor parallelism's): neither the loop's nor the optimizer's
-        model = max((sum(r.count_per_step for r in every if r.unit in _OTHER_UNITS and r.phase == MODEL_PHASE
+        model = max((sum(r.count_per_step for r in every if r.unit == E.OTHER_UNIT and r.phase == MODEL_PHASE
                          and r.rank == rank) for rank in {r.rank for r in every}), default=0.0)
         besides = (f" (besides the model's own: {model:.0f} per step issued inside it, its tensor parallelism's)"
                    if model else "")
