@@ -104,6 +104,43 @@ def test_heatmap_jitter_and_phases(steps):
     assert _is_note(F.jitter_histogram(steps, window=(0, 1)))
 
 
+def test_a_long_run_is_drawn_in_groups_that_keep_its_spikes(steps):
+    """A run followed for 5,000 steps drew every step: 873 KiB of figures per Steps page (a new-user trial), ~17 MB
+    at 100,000 steps, sent again on each refresh. The sample run's real step columns repeated to 5,000 steps (one
+    step made 100x slower on rank 1) are drawn at most STEP_POINTS positions wide, and nothing is lost on the way:
+    the slowest and fastest steps stay, each phase's total is kept, every steady step is counted in the jitter."""
+    reps = 5000 // len(steps[0]["step"]) + 1
+    long = {}
+    for r, cols in steps.items():
+        n = len(cols["step"])
+        long[r] = {key: [v for _ in range(reps) for v in vals] for key, vals in cols.items()}
+        long[r]["step"] = [j * n + s for j in range(reps) for s in cols["step"]]
+        long[r]["steady"] = [j > 0 or _steady for j in range(reps) for _steady in cols["steady"]]
+        long[r]["profiled"] = [j == 0 and p for j in range(reps) for p in cols["profiled"]]  # one window
+    spike = len(long[1]["step"]) // 2
+    long[1]["wall_ms"] = list(long[1]["wall_ms"])
+    long[1]["wall_ms"][spike] *= 100
+    total = len(long[0]["step"])
+    assert total > 5 * F.STEP_POINTS
+    st = F.step_time_figure(long)
+    k = -(-total // F.STEP_POINTS)
+    assert f"{k} steps per point" in st.layout.title.text
+    for t, r in zip(st.data, (0, 1)):
+        assert len(t.x) <= 2 * (F.STEP_POINTS + 1) + sum(long[r]["profiled"])
+        assert max(t.y) == max(long[r]["wall_ms"]) and min(t.y) == min(long[r]["wall_ms"])
+    hm = F.step_heatmap(long)
+    assert len(hm.data[0].x) <= F.STEP_POINTS + 1
+    assert long[1]["wall_ms"][spike] in hm.data[0].z[1]  # the spike's group shows it
+    ph = F.phase_split_figure(long, 0)
+    assert len(ph.data[0].x) <= F.STEP_POINTS + 1
+    width = {x: len([s for s in long[0]["step"] if s // k * k == x // k * k]) for x in ph.data[0].x}
+    assert sum(m * width[x] for x, m in zip(ph.data[0].x, ph.data[0].y)) == pytest.approx(sum(long[0]["forward_ms"]))
+    jit = F.jitter_histogram(long)
+    assert [sum(t.y) for t in jit.data] == [sum(long[r]["steady"]) for r in (0, 1)]
+    size = sum(len(f.to_json()) for f in (st, hm, ph, jit))
+    assert size < 600 << 10, size  # (2.3 MiB before)
+
+
 # ---------------------------------------------------------------- memory figures
 
 def test_memory_timeline_stacks_categories_with_unit_and_phase():

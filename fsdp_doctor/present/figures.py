@@ -106,18 +106,52 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
+# at most this many step positions per step figure: a run followed for 5,000 steps drew every step, 873 KiB of
+# figures per Steps page (~17 MB at 100,000 steps) sent again on each refresh while the run writes. A longer
+# selection is drawn in groups of k consecutive steps, each by what it must not hide (its slowest step)
+STEP_POINTS = 1000
+JITTER_BINS = 80  # the jitter histogram's bins where it counts the steps itself (more than STEP_POINTS of them)
+
+
+def _group_size(steps: Iterable[int]) -> int:
+    """k: how many consecutive step numbers one drawn position stands for (1: every step its own)."""
+    s = sorted(set(steps))
+    return max(1, -(-(s[-1] - s[0] + 1) // STEP_POINTS)) if s else 1
+
+
+def _groups(cols: dict, idx: list[int], k: int) -> list[list[int]]:
+    """``idx`` (rows, in step order) cut where the step number crosses a multiple of ``k``: one list per group."""
+    out: list[list[int]] = []
+    for i in idx:
+        if out and cols["step"][out[-1][0]] // k == cols["step"][i] // k:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _grouped_title(title: str, k: int, how: str) -> str:
+    return title if k == 1 else f"{title}<br><sup>{k} steps per point: {how}</sup>"
+
+
 # ---------------------------------------------------------------- steps
 
 
 def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) -> go.Figure:
     """Step wall time per rank over steps; profiled steps (tool overhead inside) drawn hollow."""
     sel = _select_ranks(steps, ranks)
+    k = _group_size(cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+                    for i in _rows(cols, window))
     fig = go.Figure()
     for r in sel:
         cols = steps.get(r) or steps.get(str(r))
         idx = _rows(cols, window)
         if not idx:
             continue
+        if k > 1:  # each group by its fastest and its slowest step (a spike stays a spike), profiled ones kept
+            idx = sorted({j for g in _groups(cols, idx, k) for j in (
+                min(g, key=lambda i: cols["wall_ms"][i]), max(g, key=lambda i: cols["wall_ms"][i]),
+                *(i for i in g if cols["profiled"][i]))})
         x = [cols["step"][i] for i in idx]
         y = [cols["wall_ms"][i] for i in idx]
         prof = [bool(cols["profiled"][i]) for i in idx]
@@ -134,7 +168,8 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) ->
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="wall time (ms)", rangemode="tozero")
-    return _layout(fig, "Step time per rank (grey band, hollow: profiled steps; their time is the tool's)", height)
+    return _layout(fig, _grouped_title("Step time per rank (grey band, hollow: profiled steps; their time is the "
+                                       "tool's)", k, "each group's fastest and slowest step"), height)
 
 
 def _runs(xs: list[int]) -> list[tuple[int, int]]:
@@ -159,28 +194,39 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
     idx = _rows(cols, window)
     if not idx:
         return empty_figure("No steps in the selected window.", "Step phases", height)
-    x = [cols["step"][i] for i in idx]
-    prof = [bool(cols["profiled"][i]) for i in idx]
+    k = _group_size(cols["step"][i] for i in idx)
+    groups = _groups(cols, idx, k)  # (k = 1: one step each)
+    x = [cols["step"][g[0]] for g in groups]
+    label = [[f"step {cols['step'][g[0]]}" if len(g) == 1 else f"steps {cols['step'][g[0]]}–{cols['step'][g[-1]]}, "
+              "mean"] for g in groups]
+    prof = [[bool(cols["profiled"][i]) for i in g] for g in groups]
+
+    def mean(ph: str, keep=lambda p: True) -> list:
+        return [sum(cols[f"{ph}_ms"][i] for i, p in zip(g, ps) if keep(p)) / len(g) for g, ps in zip(groups, prof)]
+
     fig = go.Figure()
     # the steps' work kept apart from the phases, drawn where any step of the window did it
     apart = [ph for ph in ("no_grad", "checkpoint") if f"{ph}_ms" in cols and any(cols[f"{ph}_ms"][i] for i in idx)]
     for ph in ("forward", "backward", "optimizer", "outside", *apart):
-        y = [cols[f"{ph}_ms"][i] for i in idx]
         if ph == "outside":
-            y = [None if p else v for v, p in zip(y, prof)]
+            y = [None if all(ps) else v for v, ps in zip(mean(ph, lambda p: not p), prof)]
+        else:
+            y = mean(ph)
         name = PHASE_NAMES.get(ph, ph)
-        fig.add_trace(go.Bar(x=x, y=y, name=name, marker_color=PHASE_COLORS[ph],
-                             hovertemplate=f"step %{{x}}<br>{name} %{{y:.2f}} ms<extra></extra>"))
-    if any(prof):
+        fig.add_trace(go.Bar(x=x, y=y, name=name, marker_color=PHASE_COLORS[ph], customdata=label,
+                             hovertemplate=f"%{{customdata[0]}}<br>{name} %{{y:.2f}} ms<extra></extra>"))
+    if any(map(any, prof)):
+        tool = mean("outside", lambda p: p)
+        some = [j for j, ps in enumerate(prof) if any(ps)]
         fig.add_trace(go.Bar(
-            x=[s for s, p in zip(x, prof) if p], y=[cols["outside_ms"][i] for i, p in zip(idx, prof) if p],
+            x=[x[j] for j in some], y=[tool[j] for j in some], customdata=[label[j] for j in some],
             name=PROFILER_OUTSIDE, marker={"color": "#D9D9D9", "pattern": {"shape": "/", "fgcolor": "#7F7F7F"}},
-            hovertemplate="step %{x} (profiled)<br>outside %{y:.2f} ms: profiling (a profiler window and its trace "
-                          "export, or the doctor's FLOP count), not a stall<extra></extra>"))
+            hovertemplate="%{customdata[0]} (profiled)<br>outside %{y:.2f} ms: profiling (a profiler window and its "
+                          "trace export, or the doctor's FLOP count), not a stall<extra></extra>"))
     fig.update_layout(barmode="stack", bargap=0.1)
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="ms")
-    return _layout(fig, f"Where the time goes, rank {rank}", height)
+    return _layout(fig, _grouped_title(f"Where the time goes, rank {rank}", k, "each group's mean"), height)
 
 
 def _steady(cols: dict, i: int) -> bool:
@@ -203,8 +249,20 @@ def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) ->
             continue
         w = [cols["wall_ms"][i] for i in idx]
         med = _median(w)
-        fig.add_trace(go.Histogram(x=[v - med for v in w], name=f"rank {r}", marker_color=rank_color(r), opacity=0.7,
-                                   hovertemplate=f"rank {r}<br>%{{x}} ms from median<br>%{{y}} steps<extra></extra>"))
+        dev = [v - med for v in w]
+        if len(dev) <= STEP_POINTS:
+            fig.add_trace(go.Histogram(x=dev, name=f"rank {r}", marker_color=rank_color(r), opacity=0.7,
+                                       hovertemplate=f"rank {r}<br>%{{x}} ms from median<br>%{{y}} steps<extra></extra>"))
+            continue
+        # a long run: its counts, not every step's value (the browser bins what it is sent)
+        lo, hi = min(dev), max(dev)
+        width = (hi - lo) / JITTER_BINS or 1.0
+        counts = [0] * JITTER_BINS
+        for v in dev:
+            counts[min(int((v - lo) / width), JITTER_BINS - 1)] += 1
+        fig.add_trace(go.Bar(x=[lo + (j + 0.5) * width for j in range(JITTER_BINS)], y=counts, width=width,
+                             name=f"rank {r}", marker_color=rank_color(r), opacity=0.7,
+                             hovertemplate=f"rank {r}<br>%{{x:.2f}} ms from median<br>%{{y}} steps<extra></extra>"))
     if not fig.data:
         return empty_figure("Too few steady-state steps for a distribution.", "Step-time jitter", height)
     fig.update_layout(barmode="overlay")
@@ -222,14 +280,16 @@ def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.
         all_steps.update(cols["step"][i] for i in _rows(cols, window))
     if not sel or not all_steps:
         return empty_figure("No steps recorded in this selection yet.", "Step time, rank × step", height)
-    xs = sorted(all_steps)
+    k = _group_size(all_steps)
+    xs = sorted({s // k * k for s in all_steps})  # (k = 1: every step)
     pos = {s: i for i, s in enumerate(xs)}
     z = []
     for r in sel:
         row: list = [None] * len(xs)
         cols = steps.get(r) or steps.get(str(r))
-        for i in _rows(cols, window):
-            row[pos[cols["step"][i]]] = cols["wall_ms"][i]
+        for g in _groups(cols, _rows(cols, window), k):  # each cell its group's slowest steady step (else slowest)
+            keep = [i for i in g if _steady(cols, i)] or g
+            row[pos[cols["step"][g[0]] // k * k]] = max(cols["wall_ms"][i] for i in keep)
         z.append(row)
     steady = [cols["wall_ms"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
               for i in _rows(cols, window) if _steady(cols, i)]
@@ -237,12 +297,14 @@ def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.
     fig = go.Figure(go.Heatmap(
         z=z, x=xs, y=[f"rank {r}" for r in sel], colorscale="Viridis", zmax=zmax,
         zmin=min(steady) if steady else None, colorbar={"title": {"text": "ms"}},
-        hovertemplate="%{y}<br>step %{x}<br>%{z:.2f} ms<extra></extra>", xgap=1 if len(xs) < 120 else 0, ygap=1,
+        hovertemplate=f"%{{y}}<br>step %{{x}}{f' (to +{k - 1})' if k > 1 else ''}<br>%{{z:.2f}} ms<extra></extra>",
+        xgap=1 if len(xs) < 120 else 0, ygap=1,
     ))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(autorange="reversed")
     title = "Step time, rank × step" + (" (colour capped at the slowest steady step)" if zmax is not None else "")
-    return _layout(fig, title, max(height, 140 + 22 * len(sel)))
+    return _layout(fig, _grouped_title(title, k, f"the slowest steady step of steps N to N+{k - 1}"),
+                   max(height, 140 + 22 * len(sel)))
 
 
 # ---------------------------------------------------------------- memory
