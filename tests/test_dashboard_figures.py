@@ -616,6 +616,21 @@ def test_memory_and_communication_pages_follow_the_window(snap):
     assert inside and "inside steps 5–7" in shown_steps_note(wins, inside, Filters(window=(5, 7)))
 
 
+def test_communication_tiles_are_one_definition(snap):
+    """The "Host blocked in all-gather" tile summed the ranks' windows (37.5 ms of 2 ranks) beside tiles "per step,
+    median over 2 ranks" (a new-user trial): it is the same median per step. The sample run: rank 0 blocked 7.26 ms
+    over its 1-step window, rank 1 2.86 ms; median 5.06 ms (the sum read 10.1 ms)."""
+    from fsdp_doctor.present.fmt import fmt_ms
+
+    page = PAGES["communication"][1].layout(snap, Filters())
+    tile = next(c for c in _walk(page) if getattr(c, "id", None) == "kpi-comm-blocked")
+    txt = json.dumps(tile.to_plotly_json(), default=str, ensure_ascii=False)
+    ov = snap.report.overlap
+    per = sorted(ov.blocking[k].us / ov.per_rank[k].step_count for k in ov.per_rank)
+    assert len(per) == 2 and per[0] != per[1]
+    assert fmt_ms((per[0] + per[1]) / 2e3) in txt and fmt_ms(sum(per) / 1e3) not in txt
+
+
 def _finding(severity: str, title: str) -> Finding:
     return Finding(code="x.test", severity=severity, title=title, evidence={}, recommendation=Recommendation(text=""))
 
