@@ -639,7 +639,9 @@ class Predicted(_Section):
     """What a finding's fix is predicted to change, in the run's units: the median step (ms) and the peak rank's
     device memory (bytes), before and after; a side the rule cannot tell is None. The deltas (after - before,
     negative: a gain) are filled in from them. ``at_most``: the after-figures are ceilings, the part of the gain the
-    rule can count (the fix gains at least the deltas; what it leaves uncounted it says in its text)."""
+    rule can count (the fix gains at least the deltas; what it leaves uncounted it says in its text).
+    ``peak_at_most``: the peak after alone is a ceiling ("the peak may rise by up to one unit's parameters": its
+    rerun at a lower peak read "missed", a new-user trial)."""
 
     step_ms_before: Optional[float] = None
     step_ms_after: Optional[float] = None
@@ -648,6 +650,7 @@ class Predicted(_Section):
     step_ms_delta: Optional[float] = None
     peak_bytes_delta: Optional[int] = None
     at_most: bool = False
+    peak_at_most: bool = False
 
     def __post_init__(self):
         if self.step_ms_before is not None and self.step_ms_after is not None:

@@ -672,9 +672,10 @@ class Outcome:
                - (LOOPBACK if self.row.gpu else frozenset())
                - UNCOVERS.get(f.code, set()))
         return {"gone": gone, "improved": improved, "new_warnings": sorted(new),
-                "peak_predicted": want, "peak_measured": peak_after, "peak_at_most": bool(p and p.get("at_most")),
-                # a ceiling (Predicted.at_most) holds at or under it
-                "peak_ok": None if not want else (peak_after - want <= self.row.peak_within * want if p.get("at_most")
+                "peak_predicted": want, "peak_measured": peak_after, "peak_at_most": bool(p and (p.get("at_most") or p.get("peak_at_most"))),
+                # a ceiling (Predicted.at_most, peak_at_most) holds at or under it
+                "peak_ok": None if not want else (peak_after - want <= self.row.peak_within * want
+                                                  if p.get("at_most") or p.get("peak_at_most")
                                                   else abs(peak_after - want) <= self.row.peak_within * want),
                 "step_ms_predicted": p.get("step_ms_after") if p is not None else None,
                 "step_ms_before": step_b, "step_ms_measured": step_a, "gain_ok": gain_ok, "figure": self.row.figure,

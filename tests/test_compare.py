@@ -551,7 +551,10 @@ def test_an_unfinished_side_and_another_world_size_are_said(sample_run_path, tmp
                                                    (0.966, 0.99, False), (0.966, 1.02, False),
                                                    # +0.17% predicted, nothing moved: "about unchanged" both (it read
                                                    # "missed": ZeRO-2 under checkpointing, a new-user trial)
-                                                   (1.0017, 1.0, True), (1.0017, 0.97, False)])
+                                                   (1.0017, 1.0, True), (1.0017, 0.97, False),
+                                                   # "may rise by up to" (peak_at_most): prefetch.sync_unshard's fix
+                                                   # rerun 4.4% under it read "missed: lower than predicted"
+                                                   ("ceiling 1.044", 1.0, True), ("ceiling 1.044", 1.12, False)])
 def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path, after, measured, held):
     """A run compared with itself and a fix --applied whose finding predicted the peak 3.4% lower "held" (inside the
     5% tolerance, no change at all passes: a new-user trial). A predicted change holds where the error is within the
@@ -565,7 +568,9 @@ def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path,
     peak = a.report.memory.per_rank[a.report.memory.peak_rank].peak_bytes
     a.report.findings.append(Finding(
         code="wrap.params_in_root", severity="warning", title="t", evidence={}, recommendation=Recommendation(text=""),
-        predicted=Predicted(peak_bytes_before=peak, peak_bytes_after=round(peak * after))))
+        predicted=Predicted(peak_bytes_before=peak, peak_bytes_after=round(peak * ceiling), peak_at_most=True)
+        if isinstance(after, str) and (ceiling := float(after.split()[1])) else
+        Predicted(peak_bytes_before=peak, peak_bytes_after=round(peak * after))))
     m = b.report.memory.per_rank[b.report.memory.peak_rank]
     m.peak_bytes = round(peak * measured)
     cmp = compare(a, b, applied=["wrap.params_in_root"])
@@ -578,8 +583,8 @@ def test_a_peak_prediction_holds_only_where_the_change_happened(sample_run_path,
     # the figure in parentheses is the prediction's error, said under the table (read as a change: a new-user trial)
     assert "peak: the prediction's error against the measured peak (+: predicted above it)" in t.note
     said = t.rows[0][2].rsplit("\n", 1)[1]
-    assert said == ("held" if held else "missed: lower than predicted" if measured < after
-                    else "missed: higher than predicted"), said
+    assert said == ("held" if held else "missed: lower than predicted" if not isinstance(after, str)
+                    and measured < after else "missed: higher than predicted"), said
 
 
 @pytest.mark.skipif(not (HTA_TRACES / "v100_allreduce_rank1").is_dir(), reason="reference traces not found")

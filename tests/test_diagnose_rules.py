@@ -649,6 +649,11 @@ def test_sync_unshard_on_gloo():
     largest = max(u["unsharded_bytes"] for u, _ in us if u.get("unshard_async_op") is False)
     assert f.predicted["peak_bytes_after"] - f.predicted["peak_bytes_before"] == largest > 0, f.predicted
     assert "The peak may rise by up to one unit's gathered parameters" in f.recommendation.text
+    # ... a ceiling, said and graded as one (its rerun 4.4% under it read "missed: lower than predicted")
+    assert f.predicted.peak_at_most and not f.predicted.at_most
+    from fsdp_doctor.present.fmt import predicted_text
+
+    assert predicted_text(f.predicted).endswith(f"→ ≤ {fmt_bytes(f.predicted.peak_bytes_after)}")
     assert run_rule("prefetch.sync_unshard", build()[0]) == []  # async already
     # the root the only unit (a model sharded whole): quiet, saying so, not "every unit unshards asynchronously"
     # (a new-user trial's U-Net)

@@ -113,6 +113,7 @@ def predicted_of(f: Finding) -> dict[str, Optional[float]]:
         p = msgspec.to_builtins(p)
     out = {k: p.get(k) for k in ("step_ms_before", "step_ms_after", "peak_bytes_before", "peak_bytes_after")}
     out["at_most"] = bool(p.get("at_most"))
+    out["peak_at_most"] = out["at_most"] or bool(p.get("peak_at_most"))
     return out
 
 
@@ -439,7 +440,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             # too (ZeRO-2 under checkpointing predicted +0.17%, measured 0: "missed", a new-user trial)
             moved, change = peak_b - peak_a, pred - peak_a
             slight = max(abs(change), abs(moved)) <= PEAK_UNCHANGED_PCT / 100 * peak_a
-            chk.peak_held = (chk.peak_pct_error >= -PEAK_TOLERANCE_PCT if p["at_most"]
+            chk.peak_held = (chk.peak_pct_error >= -PEAK_TOLERANCE_PCT if p["peak_at_most"]
                              else abs(chk.peak_pct_error) <= PEAK_TOLERANCE_PCT
                              and (slight or (moved * change > 0 and abs(moved) >= 0.5 * abs(change))))
         out.append(chk)

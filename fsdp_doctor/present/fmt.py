@@ -226,7 +226,8 @@ def predicted_text(pred) -> str:
         if pred.peak_bytes_delta == 0:
             bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} unchanged")
         else:
-            bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {most}{fmt_bytes(pred.peak_bytes_after)}")
+            peak_most = "≤ " if most or getattr(pred, "peak_at_most", False) else ""
+            bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} → {peak_most}{fmt_bytes(pred.peak_bytes_after)}")
     return ", ".join(bits)
 
 

@@ -713,7 +713,7 @@ class SyncUnshard(Rule):
             "not counted; the snippet sets every unit alike.)",
             S.async_unshard_code(),
             predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None, peak,
-                                  peak + extra if peak is not None else None),
+                                  peak + extra if peak is not None else None, peak_at_most=True),
             units=names)]
 
     def _from_plain_trace(self, ctx: Context):
