@@ -977,6 +977,14 @@ def test_zero2_per_unit_without_timeline_and_quiet_reasons():
     us[-1][1]["ag_wait_bwd_ms"] = 9.0
     (f,) = run_rule("reshard.zero2_affordable", build(units=us, memory=mem)[0])
     assert "norm, lm_head" not in f.evidence["units_flipped"] and "reshard.last_unit" in f.recommendation.text
+    # units resharded to a smaller group (reshard_after_forward=2 on 4 ranks) wait for backward all-gathers too: the
+    # quiet reason said "no resharded unit waits for a backward all-gather" beside them (a new-user trial)
+    us = _zero2_units()
+    for u, _t in us[:-1]:  # (the last, norm and head, is not resharded)
+        u["reshard_after_forward"] = 2
+    assert rule.match(build(units=us, memory=mem)[0]) == []
+    assert rule.why_quiet == ("no resharded unit waits for a backward all-gather; units resharded to a smaller group "
+                              "(reshard_after_forward=2) are not weighed"), rule.why_quiet
 
 
 def test_zero2_per_unit_gpu_reads_the_trace():

@@ -116,7 +116,13 @@ class Zero2PerUnit(Rule):
             rows.append(_Candidate(u, saved, u.unsharded_bytes, E.zero2_peak(ctx, [u]) - peak,
                                    E.backward_allgather_comm_ms(ctx, u.name)))
         if not rows:
-            return self.quiet("no resharded unit waits for a backward all-gather")
+            # (units resharding to a smaller group, reshard_after_forward=<int>, re-gather in backward too, over
+            # that group: not weighed here, and "no resharded unit waits" read as false beside their waits)
+            partial = sorted({u.reshard_after_forward for u in E.param_units(ctx)
+                              if type(u.reshard_after_forward) is int})
+            return self.quiet("no resharded unit waits for a backward all-gather" + (
+                f"; units resharded to a smaller group (reshard_after_forward="
+                f"{', '.join(map(str, partial))}) are not weighed" if partial else ""))
         rows.sort(key=lambda r: (-r.saved / r.held, r.u.name))
         for r in rows:
             r.flip = E.zero2_peak(ctx, [c.u for c in rows if c.flip] + [r.u]) <= budget
