@@ -252,6 +252,16 @@ def test_one_config_on_a_drifting_host_is_not_called_a_change(sample_run_path, t
         "; A's jitter.data_wait is gone in B: for a fix applied in your loop (which compare cannot "
         "read), pass --applied jitter.data_wait to check its prediction"), hinted.summary
     a.report.findings.pop()
+    # ... and a note's, where it predicted something (memory.grads_kept, an info finding fixed in the loop, read "no
+    # configuration change found" alone); a note predicting nothing is not offered
+    from fsdp_doctor.report_sections import Predicted
+
+    a.report.findings.append(msgspec.structs.replace(f0, code="memory.grads_kept", severity="info",
+                                                     predicted=Predicted(peak_bytes_before=100, peak_bytes_after=90)))
+    assert C.compare(a, b).summary.endswith("pass --applied memory.grads_kept to check its prediction")
+    a.report.findings[-1] = msgspec.structs.replace(a.report.findings[-1], predicted=Predicted())
+    assert C.compare(a, b).summary == cmp.summary
+    a.report.findings.pop()
     # one B could not look for (accum.sync_every_micro_batch reads a trace, and B has none) is not "gone"
     a.report.findings.append(msgspec.structs.replace(f0, code="accum.sync_every_micro_batch", severity="warning"))
     unchecked = C.compare(a, b)
