@@ -1040,7 +1040,7 @@ def test_low_mfu_points_to_fewer_larger_units():
     assert f.predicted["step_ms_after"] == pytest.approx(110 - 55 * 2 / 3, abs=1e-3)
     assert "median 774.5 KiB" in ev["levers"][0] and "18 -> 6 units" in ev["levers"][0]
     assert "MFU 48.0%" in ev["levers"][0]  # 32% x 110 / 73.3 ms
-    assert "for i in range(0, len(blocks), 4):" in f.recommendation.code
+    assert "for start in range(0, len(blocks), 4):" in f.recommendation.code
     assert "blocks = list(model.layers.children())" in f.recommendation.code
 
 
@@ -1063,7 +1063,7 @@ def test_grouped_plan_size_follows_blocks_and_bytes():
     plan = E.grouped_plan(build(healthy_units(8))[0])
     assert (plan.group, plan.units_before, plan.units_after) == (2, 10, 6)
     assert plan.why.startswith("8 blocks: 2 per unit keep 4 units or more")
-    assert "for i in range(0, len(blocks), 2):  # 2 consecutive blocks per unit" in plan.code
+    assert "for start in range(0, len(blocks), 2):  # 2 consecutive blocks per unit" in plan.code
     plan = E.grouped_plan(build(healthy_units(16, unsharded_bytes=8 << 20))[0])
     assert (plan.group, plan.units_before, plan.units_after) == (1, 18, 18)
     assert plan.why == "a block's all-gather, 8.0 MiB, is out of the latency regime already (from 4.0 MiB)"

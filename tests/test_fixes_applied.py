@@ -278,7 +278,7 @@ def test_plan_pasted_into_the_users_main_keeps_async_unshard(matrix, tmp_path):
     lines = head.splitlines()
     assert lines[0] == IMPORTS_NOTE and all(ln.startswith(("import ", "from ")) for ln in lines[1:]), head
     assert not any(ln.startswith(("import ", "from ")) for ln in body.splitlines()), body  # (all at the top)
-    assert "m._set_unshard_async_op(True)" in body
+    assert "module._set_unshard_async_op(True)" in body
     tests = Path(__file__).resolve().parent
     script = tmp_path / "train.py"
     script.write_text("\n".join([

@@ -123,8 +123,8 @@ def test_plain_gloo_trace_prefetch_advice_follows_blocked_allgathers(tmp_path, s
         assert su.title == "Synchronous unshard on gloo: the host blocked in 4 of 4 all-gathers (trace)"
         assert su.evidence["allgathers_blocking_host"] == 4 and su.evidence["allgathers"] == 4
         assert su.evidence["blocking_ms_per_step"] == 2.0 and su.evidence["ag_overlap_pct"] == 0.0
-        assert su.recommendation.code.endswith("for m in model.modules():\n    if isinstance(m, FSDPModule):\n"
-                                               "        m._set_unshard_async_op(True)")
+        assert su.recommendation.code.endswith("for module in model.modules():\n    if isinstance(module, FSDPModule):\n"
+                                               "        module._set_unshard_async_op(True)")
     else:
         assert su is None and su_status.status == "quiet"
         assert su_status.reason.startswith("the host sat in 0 of 4 all-gathers for their whole length")

@@ -287,3 +287,42 @@ def test_accumulation_without_sync_peak_frees_the_sharded_gradients(matrix, row)
     slack = max(u.unsharded_bytes or 0 for u in o.after.units)  # (async_gather_slack of the rerun)
     off = rc["peak_measured"] - rc["peak_predicted"]
     assert -0.03 * rc["peak_measured"] - slack <= off <= 0.03 * rc["peak_measured"] + slack, (rc, slack)
+
+
+def _names_bound_at_top(code: str) -> set[str]:
+    """The names a snippet binds where it is pasted (assignments, for-loop targets, imports; not inside a function
+    or a comprehension, whose names stay their own)."""
+    import ast
+
+    out: set[str] = set()
+
+    def visit(nodes):
+        for n in nodes:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+                continue
+            for t in ([*n.targets] if isinstance(n, ast.Assign) else
+                      [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)) else []):
+                out.update(x.id for x in ast.walk(t) if isinstance(x, ast.Name))
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                out.update((a.asname or a.name).split(".")[0] for a in n.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(n, field, []) or [])
+
+    visit(ast.parse(code).body)
+    return out
+
+
+@pytest.mark.parametrize("row", [r.name for r in M.ROWS if r.code])
+def test_a_pasted_fix_binds_no_one_letter_name(matrix, row):
+    """A new-user trial's script named its model ``m``: the async-unshard fix's ``for m in model.modules():``,
+    pasted as printed, rebound it to the last submodule. A fix pasted into the user's code binds no one-letter
+    name there (``module``, ``param``, ``wrapper``, ``start``); every Python fix the matrix prints is parsed."""
+    from fsdp_doctor.report_sections import FIX_LANGUAGES
+
+    o = _ran(matrix[row])
+    for f in o.findings:
+        code, where = f.recommendation.code, f.recommendation.where
+        if code and where not in FIX_LANGUAGES:
+            short = {n for n in _names_bound_at_top(code) if len(n) == 1 and n != "_"}
+            assert not short, (f.code, short, code)

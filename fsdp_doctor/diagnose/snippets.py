@@ -278,8 +278,8 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         per = _per_block_kwargs(t, c, is_block, extra_of, drop) if group == 1 else None
         if group > 1:
             lines += [f"blocks = list({children_expr(c)})",
-                      f"for i in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
-                      f"    fully_shard(blocks[i:i + {group}], mesh=mesh{kw})"]
+                      f"for start in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
+                      f"    fully_shard(blocks[start:start + {group}], mesh=mesh{kw})"]
         elif per is not None:  # blocks the run sharded with options of their own: each keeps its own
             common, opts = per
             lines += ["# your blocks' own options, as the run had them",
@@ -427,7 +427,7 @@ def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> 
     return before, inside
 
 
-def _call(expr: str, kw: str, indent: int = 0, width: int = 96) -> str:
+def _call(expr: str, kw: str, indent: int = 0, width: int = 80) -> str:
     """``fully_shard(expr, mesh=mesh, ...)``, its options on continuation lines past ``width`` columns."""
     one = f"fully_shard({expr}, mesh=mesh{kw})"
     if indent + len(one) <= width:
@@ -526,9 +526,9 @@ def checkpoint_modules(names: list[str], note: str) -> str:
 # new-user trial)
 _NO_KV_CACHE = ("# Hugging Face configs: no KV cache under checkpointing\n"
                 "# (gradient_checkpointing_enable() turns it off too)\n"
-                "for m in model.modules():\n"
-                "    if getattr(getattr(m, 'config', None), 'use_cache', False):\n"
-                "        m.config.use_cache = False")
+                "for module in model.modules():\n"
+                "    if getattr(getattr(module, 'config', None), 'use_cache', False):\n"
+                "        module.config.use_cache = False")
 
 
 def full_checkpointing(wrappers: list[str]) -> str:
@@ -540,9 +540,10 @@ def full_checkpointing(wrappers: list[str]) -> str:
         "import functools",
         "# full activation checkpointing in place of the selective policy: each wrapper's checkpoint",
         "# without its context_fn (or leave context_fn= out where you call checkpoint_wrapper)",
-        name_list("wrappers", wrappers), "for name in wrappers:", "    w = model.get_submodule(name)",
-        "    kw = {k: v for k, v in w.checkpoint_fn.keywords.items() if k != 'context_fn'}",
-        "    w.checkpoint_fn = functools.partial(w.checkpoint_fn.func, *w.checkpoint_fn.args, **kw)"])
+        name_list("wrappers", wrappers), "for name in wrappers:", "    wrapper = model.get_submodule(name)",
+        "    fn = wrapper.checkpoint_fn",
+        "    kw = {k: v for k, v in fn.keywords.items() if k != 'context_fn'}",
+        "    wrapper.checkpoint_fn = functools.partial(fn.func, *fn.args, **kw)"])
 
 
 def checkpoint_flags_off(layers: list[str], note: str) -> str:
@@ -569,16 +570,16 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                  "# the units after fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
                  "# (or leave out your checkpoint_wrapper calls)"]
     else:
-        # (a header over 96 columns wrapped: ac.fewer_units' read 111; "apply_activation_checkpointing" named to a run
+        # (a header over 80 columns wrapped: ac.fewer_units' read 111; "apply_activation_checkpointing" named to a run
         # with checkpoint(...) calls only, which never called it: new-user trials)
         lines = textwrap.wrap(f"{BEFORE_SHARDING} (before fully_shard): activation checkpointing off"
-                              + (f" {note}" if note else ""), width=94, initial_indent="# ", subsequent_indent="# ")
+                              + (f" {note}" if note else ""), width=80, initial_indent="# ", subsequent_indent="# ")
         lines.append("# (or leave out your checkpoint(...) calls, or gradient_checkpointing_enable())" if not wrappers
                      else "# (or build the model without apply_activation_checkpointing)" if not note else
                      "# (or leave these out of your apply_activation_checkpointing)")
     if functional:
         lines += ["# checkpointed by checkpoint(...) calls in their forward:",
-                  textwrap.fill(", ".join(n or "(root)" for n in functional), width=96, initial_indent="#   ",
+                  textwrap.fill(", ".join(n or "(root)" for n in functional), width=80, initial_indent="#   ",
                                 subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
                   "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its own method",
                   "off = (getattr(model, 'activation_checkpointing_disable', None)  # newer name",
@@ -606,7 +607,7 @@ def unit_list(t: Tree, var: str = "units") -> str:
     labels = t.unit_labels()
     mods = [members(n)[0] for n in labels]
     short = f"{var} = [" + ", ".join(module_expr(m) for m in mods) + "]"
-    if len(short) <= 96:
+    if len(short) <= 80:
         return "# every FSDP unit, in forward order\n" + short
     return ("# every FSDP unit, in forward order\n" + name_list("unit_names", mods) + "\n"
             f"{var} = [model.get_submodule(name) for name in unit_names]")
@@ -648,7 +649,7 @@ def gather_order(t: Tree) -> tuple[list[str], list[str], bool]:
     return fwd, [n for n in post[::-1] if n not in fwd[:first]], recorded
 
 
-def _wrapped(head: str, items: list[str], width: int = 96) -> str:
+def _wrapped(head: str, items: list[str], width: int = 80) -> str:
     """``head[a, b, ...]`` wrapped to ``width`` columns."""
     if not items:
         return head + "[]"
@@ -843,9 +844,9 @@ def async_unshard_code() -> str:
     """Asynchronous unshard on every FSDP unit, the root included (private API, torch >= 2.4): on gloo the
     all-gathers then run on gloo's threads instead of blocking the host."""
     return ("from torch.distributed.fsdp import FSDPModule\n"
-            "for m in model.modules():\n"
-            "    if isinstance(m, FSDPModule):\n"
-            "        m._set_unshard_async_op(True)")
+            "for module in model.modules():\n"
+            "    if isinstance(module, FSDPModule):\n"
+            "        module._set_unshard_async_op(True)")
 
 
 def compile_code(t: Tree) -> str:
@@ -870,7 +871,7 @@ def hf_layout(t: Tree) -> bool:
     return any(re.match(r"model\.layers\.\d+$", strip_ckpt(n)) for n in t.module_names() + t.labels())
 
 
-def name_list(var: str, names: list[str], width: int = 96) -> str:
+def name_list(var: str, names: list[str], width: int = 80) -> str:
     """``var = ['a', 'b', ...]`` wrapped to ``width`` columns."""
     return _wrapped(f"{var} = ", [repr(n) for n in names], width)
 
@@ -952,23 +953,30 @@ def mesh_input(config) -> str:
 #: step): the same norms from the local shards, one all-reduce for all of them, every LOG_EVERY steps
 GRAD_NORMS_CODE = """\
 LOG_EVERY = 50  # optimizer steps between gradient-norm logs
-# in place of your per-parameter norms: each gradient's squared norm from this rank's shard, one all-reduce for all
+# in place of your per-parameter norms: each gradient's squared norm from
+# this rank's shard, one all-reduce for all of them
 if step % LOG_EVERY == 0:
     world = dist.get_world_size()
     names, squares = [], []
-    for name, p in model.named_parameters():
-        if p.grad is None:
+    for name, param in model.named_parameters():
+        if param.grad is None:
             continue
-        g, copies = p.grad, world  # a whole gradient: the same on every rank
-        if isinstance(g, DTensor):  # a shard of it, on each replica of the shard (HSDP)
-            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-            g, copies = g.to_local(), world // shards
+        # a whole gradient: the same on every rank
+        grad, copies = param.grad, world
+        # a shard of it, on each replica of the shard (HSDP)
+        if isinstance(grad, DTensor):
+            shards = math.prod(grad.device_mesh.size(i)
+                               for i, pl in enumerate(grad.placements)
+                               if pl.is_shard())
+            grad, copies = grad.to_local(), world // shards
         names.append(name)
-        squares.append(g.detach().float().square().sum() / copies)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        squares.append(grad.detach().float().square().sum() / copies)
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else "cpu")
     total = torch.stack([x.to(device) for x in squares])
     dist.all_reduce(total)
-    grad_norms = dict(zip(names, total.sqrt().tolist()))  # name -> norm, as p.grad.full_tensor().norm()"""
+    # name -> norm, as param.grad.full_tensor().norm()
+    grad_norms = dict(zip(names, total.sqrt().tolist()))"""
 
 
 def expandable_segments_code(conf: dict[str, str]) -> str:
@@ -1281,9 +1289,9 @@ def for_transformers(rec) -> None:
 
 
 #: every FSDP unit of the model resharded (FSDPModule.reshard() is not recursive): its gathered parameters released
-RESHARD_EVERY_UNIT = ("for m in model.modules():\n"
-                      "    if isinstance(m, FSDPModule):\n"
-                      "        m.reshard()")
+RESHARD_EVERY_UNIT = ("for module in model.modules():\n"
+                      "    if isinstance(module, FSDPModule):\n"
+                      "        module.reshard()")
 
 
 def gathered_around_evaluation(restore: list[str]) -> str:

@@ -67,9 +67,11 @@ class GradsKept(Rule):
             "next step (its activations, its all-gathers) runs with every gradient shard already allocated. "
             "Free them: set_to_none=True is the default since torch 2.0, and FSDP2 allocates each gradient when "
             "its unit's backward produces it.",
-            "# frees the gradients after every optimizer.step(), whatever your loop's zero_grad does later\n"
-            "# (or call optimizer.zero_grad() instead of zero_grad(set_to_none=False) in your loop)\n"
-            "optimizer.register_step_post_hook(lambda opt, args, kwargs: opt.zero_grad(set_to_none=True))",
+            "# frees the gradients after every optimizer.step(), whatever your loop's\n"
+            "# zero_grad does later (or call optimizer.zero_grad() instead of\n"
+            "# zero_grad(set_to_none=False) in your loop)\n"
+            "optimizer.register_step_post_hook(\n"
+            "    lambda opt, args, kwargs: opt.zero_grad(set_to_none=True))",
             predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
 
 
@@ -300,9 +302,9 @@ class NearCapacitySpread(Rule):
                  for u in flip[:12]]
         if len(flip) > 12:
             lines = ["from torch.distributed.fsdp import FSDPModule",
-                     "for m in model.modules():  # every unit but the root",
-                     "    if isinstance(m, FSDPModule) and m is not model:",
-                     "        m.set_reshard_after_forward(True, recurse=False)"]
+                     "for module in model.modules():  # every unit but the root",
+                     "    if isinstance(module, FSDPModule) and module is not model:",
+                     "        module.set_reshard_after_forward(True, recurse=False)"]
         lacks = S.lacks_reshard_switch(ctx.config)
         if lacks:
             lines = []

@@ -371,9 +371,9 @@ class UntrainedParams(Rule):
         code = ("# after building the optimizer, before the first forward: the trainable parameters it does not hold\n"
                 "# (nothing updates them), frozen\n"
                 "stepped = {id(p) for group in optimizer.param_groups for p in group[\"params\"]}\n"
-                "for p in model.parameters():\n"
-                "    if p.requires_grad and id(p) not in stepped:\n"
-                "        p.requires_grad_(False)  # no gradient computed, reduce-scattered or kept for it")
+                "for param in model.parameters():\n"
+                "    if param.requires_grad and id(param) not in stepped:\n"
+                "        param.requires_grad_(False)  # no gradient computed, reduce-scattered or kept for it")
         if lists:
             code += ("\n# the frozen units run no backward: the first trained unit's backward prefetch leaves them out\n"
                      + S.backward_prefetch_lists(lists))
