@@ -140,7 +140,7 @@ class MemoryRank(_Section):
     activations_peak_bytes: int = 0
     capacity_bytes: Optional[int] = None
     capacity_fraction: Optional[float] = None
-    steady_bytes: dict[str, int] = {}  # after the last optimizer step (what stays between steps)
+    steady_bytes: dict[str, int] = {}  # what stays between steps: at a step's first mark, before its forward
     stale_optimizer_params_bytes: int = 0
     steps: int = 0
     full_steps: int = 0

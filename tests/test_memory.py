@@ -363,6 +363,27 @@ def test_analyze_and_render(base):
     assert max(len(line) for line in text.splitlines()) <= 100
 
 
+
+def test_steady_state_is_what_a_step_starts_with(base, tmp_path):
+    """The report's steady-state memory is what a step starts with, before its forward: with zero_grad()
+    (set_to_none) no gradient, with zero_grad(set_to_none=False) every gradient shard, and nothing else differs.
+    It was the mark after optimizer.step(), before the loop's zero_grad: the same figure both ways, gradients
+    included (a new-user trial: "Steady state 1.40 MiB, between steps", 326 KiB of it gradients zero_grad() freed).
+    memory.grads_kept reads the same bytes as kept."""
+    from fsdp_doctor import build_report
+    from fsdp_doctor.analyze.memory import analyze_memory
+
+    kept, cfg = _record(tmp_path / "zgf", vocab=509, zero_grad_to_none=False)
+    grads = _local_padded_bytes(cfg, NPROC)  # fp32 gradient shards, FSDP's padded layout (as the params')
+    for r in map(str, range(NPROC)):
+        freed, held = (analyze_memory(run).per_rank[r].steady_bytes for run in (base[0], kept))
+        assert freed["sharded_grads"] == 0 and held["sharded_grads"] == grads, (freed, held)
+        assert {c: held[c] - freed[c] for c in held if held[c] != freed[c]} == {"sharded_grads": grads}
+        assert freed["optimizer_state"] > 0 and freed["sharded_params"] == grads
+    (f,) = [f for f in build_report(kept).findings if f.code == "memory.grads_kept"]
+    assert f.evidence["grads_kept_bytes"] == grads
+
+
 # ------------------------------------------------------------------------------ variant configurations
 def test_activation_checkpointing_and_bf16(ac_bf16, base):
     run, cfg = ac_bf16

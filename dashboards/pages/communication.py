@@ -7,7 +7,7 @@ import statistics
 
 from dash import html
 
-from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms, unit_exposed_note
 from fsdp_doctor.report_sections import CommUnitRow, OverlapSection
 
 from fsdp_doctor.present import figures as F
@@ -133,7 +133,8 @@ def layout(snap, flt: Filters) -> list:
         section("", graph(F.prefetch_slack_figure(per_unit, flt.ranks, flt.unit), "fig-prefetch-slack")),
     ))
     rows = [unit_row(r) for r in per_unit if (flt.rank is None or r.rank == flt.rank) and (flt.unit is None or r.unit == flt.unit)]
-    out.append(section("Collectives per unit",
+    gloo = unit_exposed_note(ov, flt.rank)
+    out.append(section("Collectives per unit", *([note(gloo, nid="comm-units-gloo")] if gloo else []),
                        table("tbl-comm-units", rows, [("rank", "rank"), ("unit", "unit"), ("collective", "collective"),
                                                       ("phase", "phase"), ("count", "calls"), ("comm", "time"),
                                                       ("exposed", "exposed"), ("bytes", "bytes / call"),

@@ -74,7 +74,7 @@ def layout(snap, flt: Filters) -> list:
             kid="kpi-mem-peak"),
         kpi("Activations", fmt_bytes(m.activations_peak_bytes), "their own peak in the step"),
         kpi("Steady state", fmt_bytes(sum(m.steady_bytes.values())) if m.steady_bytes else "—",
-            "between steps (params, grads, optimizer)"),
+            "kept between steps: what a step starts with, before its forward"),
         kpi("Capacity", fmt_bytes(cap) if cap else "unknown", f"headroom {fmt_bytes(cap - m.peak_bytes)}" if cap else ""),
     ], className="kpis")
     out = [tiles, *unknown_note(m, rank),

@@ -24,7 +24,7 @@ from .fmt import (fix_heading, problem_text, MEMORY_UNITS_HEADER, OUTLIERS_HEADE
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
-                  steps_title, no_steady_text, straggler_text, throughput_rows,
+                  steps_title, no_steady_text, straggler_text, throughput_rows, unit_exposed_note,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
 
 _CSS = """
@@ -282,6 +282,9 @@ def render_html(report: Report | dict) -> str:
     if report.overlap is not None and report.overlap.per_rank:
         parts.append(_overlap_ranks_table(report.overlap))
         parts.append(_comm_units_table(report.overlap.per_unit))
+        gloo = unit_exposed_note(report.overlap)
+        if gloo:
+            parts.append(f"<p class='note'>{_esc(gloo)}</p>")
     head = comm_headline(report.comm)
     if head:
         parts.append(f"<p class='pred'>{_esc(head)}</p>")

@@ -10,7 +10,8 @@ from rich.text import Text
 from ..report_sections import Blocking, CommUnitRow, OverlapSection
 from ..trace.model import OTHER_UNIT
 from .fit import Col, fitted_table
-from .fmt import MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit_labels  # one convention: fmt.py
+from .fmt import (MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit_labels,  # one convention: fmt.py
+                  unit_exposed_note)
 
 TOP_UNITS = 15
 _COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
@@ -88,6 +89,9 @@ def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped
     if any(r.unit != OTHER_UNIT for r in sec.per_unit):  # (all-gathers' figures)
         parts.append(Text("Slack: need − finish of the all-gather (negative: compute waited). "
                           "Held: gathered params unused before need.", style="dim"))
+    gloo = unit_exposed_note(sec)
+    if gloo:
+        parts.append(Text(gloo, style="dim"))
     for s in sec.skipped if skipped else []:
         parts.append(Text(f"skipped {s.file}: {s.error}", style="yellow"))
     return Group(*parts)
