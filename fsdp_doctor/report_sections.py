@@ -330,8 +330,9 @@ class StepsSection(_Section):
     compiled: dict[str, CompileSteps] = {}  # per rank that compiled in any step, or waited for another's compile
     # per rank: the steps whose memory the doctor counted op by op that the statistics keep (too few without)
     counted_kept: dict[str, list[int]] = {}
-    # per rank: [the doctor's own ms over the recorded steps, those steps' ms]: its work between steps (doctor_ms)
-    # and its own steps' time over the median step (its profiler windows, its memory counted op by op)
+    # per rank: [the doctor's own ms over the recorded steps, those steps' ms, its ms on an ordinary step (median),
+    # the median step's ms]: its work between steps (doctor_ms) and its own steps' time over the median step (its
+    # profiler windows, its memory counted op by op); reports before the last two hold the first two
     doctor_own_ms: dict[str, list[float]] = {}
 
 

@@ -278,7 +278,8 @@ def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp
                     stopped_on={"1": "RuntimeError: pair.cc:537] Read error: Connection reset by peer"})
     assert [w.text for w in run_warnings(both)] == [
         "rank 0 did not finish (run still going, or killed); its completed steps are used",
-        "rank 1 stopped on an exception in the training loop (RuntimeError): RuntimeError: pair.cc:537] Read error: "
+        # (the kind said once: "(RuntimeError): RuntimeError: ..." read twice, a new-user trial)
+        "rank 1 stopped on an exception in the training loop: RuntimeError: pair.cc:537] Read error: "
         "Connection reset by peer, likely after rank 0 stopped (a rank killed writes no end record); its completed "
         "steps are used"]
     # both raised, different errors: the first to stop, with its message (a new-user trial's header dropped the
