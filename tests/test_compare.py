@@ -163,6 +163,10 @@ def test_step_prediction_verdicts():
     # within the tolerance still holds
     up = StepDelta(a=100.0, b=101.9, delta=1.9, pct=1.9, ci_low=-2.0, ci_high=8.5)
     assert C._step_verdict(-7.2, up, 92.8) == "missed" and C._step_verdict(-2.0, up, 98.0) == "held"
+    # a predicted no change against +26% in an interval of -38% ... +119%: it tells neither a 20% slowdown nor a 20%
+    # speedup from none (it read "held": a new-user trial); -12 ... +12 and -55% ... +6% still tell one side
+    blind = StepDelta(a=141.1, b=177.1, delta=36.0, pct=25.5, ci_low=-53.6, ci_high=167.9)
+    assert C._step_verdict(0.0, blind, 141.1) == "inconclusive"
 
 
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)

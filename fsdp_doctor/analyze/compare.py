@@ -371,6 +371,11 @@ def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     wide = p50.ci_high - p50.ci_low > 2 * floor if inside else False
     if inside and p50.ci_low <= 0 <= p50.ci_high and (abs(d) >= floor or (wide and abs(d) >= floor / 2)):
         return "inconclusive"
+    # a predicted "no change" in an interval that tells neither a slowdown nor a speedup of twice the tolerance
+    # from none (a new-user trial's -38% ... +119% read "held" beside +26% measured)
+    blind = 2 * STEP_TOLERANCE_PCT / 100 * p50.a
+    if inside and p50.ci_low <= -blind and p50.ci_high >= blind:
+        return "inconclusive"
     # within the tolerance of B's step, unless a predicted change (at least the noise floor) went the other way: a
     # predicted -7.2% against a measured +1.9% outside its interval "held" (a new-user trial)
     against = abs(d) >= NOISE_FLOOR_PCT / 100 * p50.a and (p50.delta or 0.0) * d < 0
