@@ -154,7 +154,11 @@ def test_ag_94pct_exposed_verdict_text(tmp_path):
     v = verdict(_analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=94, fwd_us=6)]))
     r0 = v.per_rank["0"]
     assert r0.shares_pct["allgather_fwd"] == 94.0 and r0.groups_pct["communication"] == 94.0
-    assert r0.summary == "communication-bound (94% of the step); then compute 6%"
+    # the one exposed collective named (an HSDP 2x1 mesh read "communication-bound (51% of the step)", naming none of
+    # its parts: a new-user trial); a group's namesake part alone is not ("compute-bound (90%: compute 90%)")
+    assert r0.summary == "communication-bound (94% of the step: exposed all-gather (forward) 94%); then compute 6%"
+    busy = verdict(_analyze(tmp_path, [fsdp_gpu_trace(units=4, ag_us=6, fwd_us=94, prefetch=True)])).per_rank["0"]
+    assert busy.summary.startswith("compute-bound (") and ": compute" not in busy.summary, busy.summary
 
 
 def test_job_verdict_over_ranks(tmp_path):

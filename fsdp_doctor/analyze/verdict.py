@@ -88,7 +88,9 @@ def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], so
     rest = [g for g in ranked[1:3] if groups[g] >= 0.5]
     parts = _parts(bound, shares)
     summary = f"{bound}-bound ({groups[bound]:.0f}% of the step"
-    if len(parts) > 1:
+    # one part is named too where it is not the group's namesake (an HSDP 2x1 mesh's "communication-bound (51% of
+    # the step)" named no collective: its gradient all-reduce across replicas, a new-user trial)
+    if len(parts) > 1 or (parts and parts[0] != bound):
         summary += ": " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in parts)
     summary += ")"
     if rest:
