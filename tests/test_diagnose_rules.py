@@ -654,6 +654,14 @@ def test_sync_unshard_on_gloo():
     from fsdp_doctor.present.fmt import predicted_text
 
     assert predicted_text(f.predicted).endswith(f"→ ≤ {fmt_bytes(f.predicted.peak_bytes_after)}")
+    assert "capacity" not in f.recommendation.text  # (no capacity given)
+    # near a capacity the rise is said against it (a new-user trial's 4 MiB budget: 3.59 -> 4.10 MiB, said nowhere)
+    for cap, said in ((int(40.1 * MiB), "past it, so free memory first"), (45 * MiB, "of the 45.00 MiB capacity.")):
+        ctx, _ = build(units=us, overlap=ov, memory=memory(40 * MiB, capacity=cap), capacity=cap)
+        (f,) = run_rule("prefetch.sync_unshard", ctx)
+        pct = round(100 * f.predicted.peak_bytes_after / cap)
+        assert f"That is {pct}% of the {fmt_bytes(cap)} capacity" in f.recommendation.text and said in \
+            f.recommendation.text, f.recommendation.text
     assert run_rule("prefetch.sync_unshard", build()[0]) == []  # async already
     # the root the only unit (a model sharded whole): quiet, saying so, not "every unit unshards asynchronously"
     # (a new-user trial's U-Net)

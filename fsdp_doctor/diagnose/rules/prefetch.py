@@ -705,6 +705,12 @@ class SyncUnshard(Rule):
         peak, extra = E.peak_bytes(ctx), max((u.unsharded_bytes for u in sync), default=0)
         held = (f" The peak may rise by up to one unit's gathered parameters ({fmt_bytes(extra)}): a prefetched "
                 "unit arrives while the one before it still computes." if peak is not None and extra else "")
+        cap = E.capacity_bytes(ctx)
+        if held and cap and peak + extra > T.NEAR_CAPACITY_SHARE * cap:  # (a new-user trial's 4 MiB budget: 3.59 ->
+            # 4.10 MiB predicted, said nowhere)
+            held += (f" That is {100 * (peak + extra) / cap:.0f}% of the {fmt_bytes(cap)} capacity"
+                     + (": past it, so free memory first (or keep the unshard synchronous)." if peak + extra > cap
+                        else "."))
         return [self.finding(
             "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} units "
                        "besides the root)",
