@@ -65,6 +65,34 @@ def run_one_rank(tmp_path: Path, body: str) -> tuple[Path, str]:
     return tmp_path / "run", out
 
 
+#: the tail of a two-rank script (``record_two_ranks``): its ``worker(rank, port, out, fix)`` spawned on 2 ranks, the
+#: run directory ``sys.argv[1]``, a fix file for the worker to execute ``sys.argv[2]`` ("" for none)
+TWO_RANKS = """
+if __name__ == "__main__":
+    import sys
+    import torch.multiprocessing as mp
+    from fsdp_doctor.workloads import free_port
+    mp.spawn(worker, args=(free_port(), sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""), nprocs=2)
+"""
+
+
+def record_two_ranks(tmp_path: Path, script: str, name: str, fix: str = ""):
+    """Runs ``script`` + ``TWO_RANKS`` in a fresh process into ``tmp_path / name`` (``fix``: the path of a fix file);
+    returns the run's Report."""
+    import subprocess
+    import sys
+
+    import fsdp_doctor
+
+    path = tmp_path / "two_ranks.py"
+    path.write_text(script + TWO_RANKS)
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(path), str(tmp_path / name), *([fix] if fix else [])], env=env,
+                       timeout=300, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / name))
+
+
 def record(out_dir: Path, nproc: int = 2, watch_extra: dict | None = None, **knobs):
     """Runs the reference workload with the doctor attached; returns (losses per rank, Run)."""
     from fsdp_doctor import load_run

@@ -2471,3 +2471,66 @@ def test_unwrapping_fix_has_no_code_line_over_80_columns():
     long = [line for line in code.splitlines() if len(line) > 80 and not line.lstrip().startswith("#")]
     assert not long, long
     assert "    setattr(holder, child, inner)" in code.splitlines()
+
+
+def test_wrap_wording_on_one_coarse_unit_beside_the_root():
+    """One unit holding the four blocks beside a small root (a new-user trial's nested nn.Sequential): "(1 units
+    besides the root)" and "nothing to overlap it with . Apply" read in its report."""
+    blocks = dict(n_params=16, param_count=133_888, sharded_bytes=267_776, unsharded_bytes=535_552,
+                  orig_dtypes=["float32"], own_modules=[f"layers.{i}.fc" for i in range(4)], own_bytes=[133_888] * 4,
+                  timing=dict(fwd_ms=20.0, ag_wait_fwd_ms=8.5, bwd_ms=30.0, ag_wait_bwd_ms=0.7))
+    us = [unit("", param_count=33_024, n_params=3, sharded_bytes=66_048, unsharded_bytes=132_096,
+               orig_dtypes=["float32"], own_modules=["emb", "head"], own_bytes=[65_536, 66_560],
+               timing=dict(fwd_ms=5.0, ag_wait_fwd_ms=1.0)), unit("layers", **blocks)]
+    ctx, _ = build(units=us, memory=memory(int(3.6 * MiB), unsharded_params=535_552 + 132_096))
+    (f,) = run_rule("wrap.too_coarse", ctx)
+    assert "nothing to overlap it with. Apply fully_shard" in f.recommendation.text, f.recommendation.text
+    assert " ." not in f.recommendation.text
+    assert run_status("wrap.too_fine", ctx).reason == "1 unit besides the root (fires from 12)"
+    (g,) = run_rule("prefetch.sync_unshard", ctx)
+    assert g.title == "Synchronous unshard on gloo: the host blocks in every all-gather (1 unit besides the root)"
+
+
+def test_blocks_that_are_children_of_a_sequential_root():
+    """The README's quick-start model, nn.Sequential(Embedding, 4 x TransformerEncoderLayer, Linear), under
+    fully_shard(model) alone: its blocks are the root's children 1..4 (own modules "1.self_attn", ...; the trial's
+    snapshot), the embedding "0" and head "5" leaves. wrap.too_coarse read "neither it nor the model holds repeated
+    blocks" (the containers matched only "layers.0."-like names); every snippet over the blocks must iterate 1..4
+    (tests/test_wrap_root_sequential.py runs the plan)."""
+    import torch.nn as nn
+
+    from fsdp_doctor.diagnose import snippets as S
+
+    inner = [("self_attn", 49_920), ("self_attn.out_proj", 16_640), ("linear1", 33_280), ("linear2", 33_024),
+             ("norm1", 512), ("norm2", 512)]
+    own = ["0"] + [f"{i}.{m}" for i in range(1, 5) for m, _ in inner] + ["5"]
+    own_bytes = [65_536] + [b for _ in range(4) for _, b in inner] + [66_560]
+    whole = unit("", param_count=166_912, n_params=54, sharded_bytes=333_824, unsharded_bytes=667_648,
+                 orig_dtypes=["float32"], own_modules=own, own_bytes=own_bytes,
+                 timing=dict(fwd_ms=23.8, ag_wait_fwd_ms=20.6, bwd_ms=14.8, ag_wait_bwd_ms=0.06))
+    ctx, _ = build(units=[whole], step_ms=79.2, capacity=4 * MiB,
+                   memory=memory(3_827_916, capacity=4 * MiB, unsharded_params=667_648, comm_buffers=667_648))
+    (f,) = run_rule("wrap.too_coarse", ctx)
+    code = f.recommendation.code
+    assert "for block in list(model.children())[1:5]:\n    fully_shard(block, mesh=mesh)" in code, code
+    assert "fully_shard(model.get_submodule('0'), mesh=mesh)" in code
+    assert "fully_shard(model.get_submodule('5'), mesh=mesh, reshard_after_forward=False)" in code
+    assert f.evidence["estimate_assumes"] == "its 4 blocks split off, 2 consecutive ones gathered at a time"
+    model = nn.Sequential(nn.Embedding(256, 64), *(nn.TransformerEncoderLayer(64, 4, 128) for _ in range(4)),
+                          nn.Linear(64, 256))
+    blocks = list(model)[1:5]
+    # the same blocks wrapped (the trial's base run): its units and the snippets over them
+    block_units = [unit(str(i), **{**BLOCK, "own_modules": [f"{i}.{m}" for m, _ in inner]}) for i in range(1, 5)]
+    t = S.Tree.of([UnitConfig(**u) for u, _ in [unit("", own_modules=["0", "5"])] + block_units])
+    assert t.containers() == {"": [1, 2, 3, 4]}
+    compiled = S.compile_code(t)
+    assert compiled.startswith("for block in list(model.children())[1:5]:"), compiled
+    assert S._order_lines(t, "forward_order", ["1", "2", "3", "4"]) == ["forward_order = list(model.children())[1:5]"]
+    assert S._order_lines(t, "backward_order", ["4", "3", "2", "1"]) == [
+        "backward_order = list(model.children())[1:5][::-1]"]
+    for expr, want in ((S.children_expr("", [1, 2, 3, 4]), blocks), (S.children_expr("", [1, 3]), blocks[::2]),
+                       (S.children_expr("", [1, 2, 3, 4], named=True), list(zip("1234", blocks)))):
+        assert list(eval(expr, {"model": model})) == want, expr
+    # the leaves alone (units "0", "1" each a Linear): no blocks (test_too_coarse_stays_quiet_... fires nothing)
+    t = S.Tree.of([UnitConfig(**u) for u, _ in [unit(""), unit("0", own_modules=["0"]), unit("1", own_modules=["1"])]])
+    assert t.containers() == {}

@@ -8,20 +8,16 @@ backward unit's backward list."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import child_pythonpath
+from conftest import record_two_ranks
 from fsdp_doctor.diagnose import RULES
 from fsdp_doctor.diagnose import snippets as S
 from test_diagnose_rules import BLOCK, _chain, _pairs, build, memory, run_rule, unit
 
-REPO = Path(__file__).resolve().parents[1]
 LAYERS = [f"layers.{i}" for i in range(4)]
 
 
@@ -227,25 +223,12 @@ _SCRIPT = textwrap.dedent(
                 opt.zero_grad()
                 doc.step()
         dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        from fsdp_doctor.workloads import free_port
-        mp.spawn(worker, args=(free_port(), sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""), nprocs=2)
     """
 )
 
 
 def _record(tmp_path: Path, name: str, fix: str = ""):
-    import fsdp_doctor
-
-    script = tmp_path / "wrong_prefetch.py"
-    script.write_text(_SCRIPT)
-    out = tmp_path / name
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(script), str(out), *([fix] if fix else [])], env=env, timeout=300,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return fsdp_doctor.build_report(fsdp_doctor.load_run(out))
+    return record_two_ranks(tmp_path, _SCRIPT, name, fix)
 
 
 def _ag_per_step(report) -> dict[str, float]:

@@ -899,9 +899,8 @@ def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
         return None
     sized = _sized_units(ctx)
 
-    def container(blk: Optional[str]) -> Optional[str]:
-        c = blk.rsplit(".", 1)[0] if blk else None
-        return c if c in conts else None
+    def container(blk: Optional[str]) -> Optional[str]:  # ("" for the root's children: an nn.Sequential model)
+        return S.container_of(blk, conts) if blk else None
 
     per_block: dict[str, list[float]] = {}  # block -> [parameters, gathered bytes]
 
@@ -914,7 +913,8 @@ def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
     blocks_are_units = False
     for mods, params, nbytes, own, own_b in sized:
         blks = {block_of(m) for m in mods}
-        if all(container(b) for b in blks):  # a block, several, or a unit inside one (leaf wrapping, experts)
+        # a block, several, or a unit inside one (leaf wrapping, experts)
+        if all(container(b) is not None for b in blks):
             for b in blks:
                 add(b, params / len(blks), nbytes / len(blks))
             whole = all(block_of(m) == S.strip_ckpt(m) for m in mods)
@@ -925,7 +925,7 @@ def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
         stored = sum(own_b)
         held = S.block_bytes(SimpleNamespace(own_modules=own, own_bytes=own_b)) if stored else {}
         for b, n in held.items():  # the blocks a unit holds as its own modules (the whole model, the root)
-            if container(b):
+            if container(b) is not None:
                 add(b, params * n / stored, nbytes * n / stored)
     total = sum(params for _, params, _, _, _ in sized)
     c = max(conts, key=lambda k: len(conts[k]))

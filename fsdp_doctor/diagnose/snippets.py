@@ -35,8 +35,10 @@ SHARDING_GOES_HERE = "# ... your fully_shard calls ..."
 ROOT_LABELS = ("", "(root)")
 
 _CKPT = "._checkpoint_wrapped_module"
-_IDX = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-_DEEP = re.compile(r"^(.*?)\.(\d+)\.")
+# a numbered module: under a named container ("layers.2") or, where no name holds the number, a child of the root
+# itself ("2": an nn.Sequential model's embedding, blocks and head); group 1 is None for the root's
+_IDX = re.compile(r"^(?:(.*?)\.)?(\d+)(?:\.|$)")
+_DEEP = re.compile(r"^(?:(.*?)\.)?(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -72,27 +74,54 @@ def unit_expr(u) -> str:
     return group_expr(list(u.modules) or members(u.name))
 
 
-def children_expr(fqn: str) -> str:
+def children_expr(fqn: str, idx: Iterable[int] = (), named: bool = False, as_list: bool = False) -> str:
     """Code iterating a block container's modules: ``model.layers.children()`` (iterating a ModuleDict itself
-    would give its keys)."""
-    return f"{module_expr(fqn)}.children()"
+    would give its keys); ``named``: ``named_children()``; ``as_list``: a list. The root's (fqn "") are its
+    numbered children ``idx`` only: an nn.Sequential model's blocks between its embedding and its head,
+    ``list(model.children())[1:5]`` (``model.children()`` would wrap the embedding and the head as blocks)."""
+    call = "named_children()" if named else "children()"
+    idx = list(idx)
+    if fqn or not idx:
+        return f"list({module_expr(fqn)}.{call})" if as_list else f"{module_expr(fqn)}.{call}"
+    if idx == list(range(idx[0], idx[-1] + 1)):
+        return f"list({ROOT}.{call})[{idx[0]}:{idx[-1] + 1}]"
+    return "[" + ", ".join(f"({str(i)!r}, {module_expr(str(i))})" if named else module_expr(str(i))
+                           for i in idx) + "]"
 
 
 def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
     """Repeated-block containers among module names, outermost numbered level: {"layers": [0, 1, 2, 3]} for
-    "layers.0.attn.qkv", ...; {"layer1": [0, 1], "layer2": [0, 1]} for a ResNet's stages."""
+    "layers.0.attn.qkv", ...; {"layer1": [0, 1], "layer2": [0, 1]} for a ResNet's stages; {"": [1, 2, 3, 4]} for
+    an nn.Sequential model's "1.self_attn", ..., "4.linear2", the root's numbered children counted only where a
+    module inside them is named (its blocks, not its embedding "0" and head "5")."""
     out: dict[str, set[int]] = {}
     for n in names:
         m = _IDX.match(strip_ckpt(n))
-        if m:
-            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+        if m and (m.group(1) is not None or _DEEP.match(strip_ckpt(n))):
+            out.setdefault(m.group(1) or "", set()).add(int(m.group(2)))
     return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
 
 
 def block_of(name: str) -> Optional[str]:
-    """The repeated block a module belongs to: "layers.2.mlp.fc1" -> "layers.2"."""
+    """The repeated block a module belongs to: "layers.2.mlp.fc1" -> "layers.2"; "2.linear1" (a child of an
+    nn.Sequential model) -> "2"."""
     m = _IDX.match(strip_ckpt(name))
-    return f"{m.group(1)}.{m.group(2)}" if m else None
+    return (f"{m.group(1)}.{m.group(2)}" if m.group(1) is not None else m.group(2)) if m else None
+
+
+def container_of(name: str, conts: dict[str, list[int]]) -> Optional[str]:
+    """The container among ``conts`` whose blocks hold module ``name``: "layers" for "layers.2.mlp", "" for
+    "2.linear1" where the root's children 1..4 are its blocks (not for its embedding "0"); else None."""
+    blk = block_of(name)
+    if blk is None:
+        return None
+    c, _, i = blk.rpartition(".")
+    return c if c in conts and (c or int(i) in conts[c]) else None
+
+
+def in_container(name: str, c: str, conts: dict[str, list[int]]) -> bool:
+    """Whether module ``name`` is container ``c`` or inside one of its blocks."""
+    return (bool(c) and name == c) or container_of(name, conts) == c
 
 
 # ---------------------------------------------------------------------------------------------- the tree
@@ -136,7 +165,10 @@ class Tree:
     def containers(self) -> dict[str, list[int]]:
         """Every repeated-block container, outermost first (a container inside a block is not one)."""
         found = block_containers(self.module_names())
-        return {c: idx for c, idx in found.items() if block_of(c) is None}
+        # (inside a numbered child of the root, "1.layers" of an nn.Sequential holding a TransformerEncoder, only
+        # where the root's numbered children are blocks themselves)
+        return {c: idx for c, idx in found.items()
+                if (b := block_of(c)) is None or ("." not in b and "" not in found)}
 
     def unit_labels(self) -> list[str]:
         """The non-root units in forward order (snapshot order; a trace's labels sorted by block)."""
@@ -191,7 +223,7 @@ def run_order(ctx) -> tuple[list[str], Optional[list[str]]]:
 
 def _label_order(name: str):
     m = _IDX.match(name or "")
-    return (m.group(1), int(m.group(2))) if m else (name or "", -1)
+    return (m.group(1) or "", int(m.group(2))) if m else (name or "", -1)
 
 
 # ---------------------------------------------------------------------------------------------- sharding plans
@@ -261,11 +293,11 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     if mp:
         lines.append(mp)
     conts = t.containers() if blocks else {}
-    in_block = lambda m: any(m == c or m.startswith(c + ".") for c in conts)  # noqa: E731
-    is_block = lambda m, c: block_of(m) == m and m.startswith(c + ".")  # noqa: E731
+    in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
+    is_block = lambda m, c: block_of(m) == m and container_of(m, conts) == c  # noqa: E731
     by_cont = {c: next((u for u in t.non_root() if any(is_block(m, c) for m in u.modules)),
-                       next((u for u in t.non_root() if any(block_of(m) and m.startswith(c + ".")
-                                                             for m in u.modules)), None)) for c in conts}
+                       next((u for u in t.non_root() if any(container_of(m, conts) == c for m in u.modules)),
+                            None)) for c in conts}
     for c in conts:
         if by_cont[c] is not None:  # the options of the container's block units
             own, ex = _unit_kwargs(by_cont[c]), extra_of(by_cont[c])
@@ -277,17 +309,18 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         lines += inner[0]
         per = _per_block_kwargs(t, c, is_block, extra_of, drop) if group == 1 else None
         if group > 1:
-            lines += [f"blocks = list({children_expr(c)})",
+            lines += [f"blocks = {children_expr(c, conts[c], as_list=True)}",
                       f"for start in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
                       f"    fully_shard(blocks[start:start + {group}], mesh=mesh{kw})"]
         elif per is not None:  # blocks the run sharded with options of their own: each keeps its own
             common, opts = per
             lines += ["# your blocks' own options, as the run had them",
                       f"block_options = {{{', '.join(f'{k!r}: dict({v})' for k, v in opts.items())}}}",
-                      f"for name, block in {module_expr(c)}.named_children():", *inner[1],
+                      f"for name, block in {children_expr(c, conts[c], named=True)}:", *inner[1],
                       "    " + _call("block", common + ", **block_options.get(name, {})", indent=4)]
         else:
-            lines += [f"for block in {children_expr(c)}:", *inner[1], "    " + _call("block", kw, indent=4)]
+            lines += [f"for block in {children_expr(c, conts[c])}:", *inner[1],
+                      "    " + _call("block", kw, indent=4)]
     units = t.non_root() if t.units else [None] * 0
     labels = [u.name for u in units] if t.units else t.unit_labels()
     for i, name in enumerate(labels):
@@ -350,7 +383,7 @@ def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop) -> Optional[tup
     for u in t.non_root():
         blocks = [m for m in u.modules if is_block(m, c)]
         if len(blocks) == 1 and len(u.modules) == 1:
-            kws[blocks[0][len(c) + 1:]] = _options(_merge(_unit_kwargs(u), extra_of(u), drop))
+            kws[blocks[0][len(c) + 1:] if c else blocks[0]] = _options(_merge(_unit_kwargs(u), extra_of(u), drop))
     if len({tuple(sorted(d.items())) for d in kws.values()}) < 2:
         return None
     first = next(iter(kws.values()))
@@ -408,15 +441,16 @@ def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> 
     (lines before the blocks' loop, lines inside it). The same submodule a unit in every block (each layer's
     ``mlp.experts``): one line in the loop, ``fully_shard(block.mlp.experts, ...)``; otherwise each by name."""
     rel: dict[tuple[str, str], list[str]] = {}  # (path inside its block, options) -> blocks
+    conts = t.containers()
     for u in t.non_root():
         if len(u.modules) != 1:
             continue
         m = u.modules[0]
         blk = block_of(m)
-        if blk is None or blk == m or not blk.startswith(c + "."):
+        if blk is None or blk == m or container_of(m, conts) != c:
             continue
         rel.setdefault((m[len(blk) + 1:], _merge(_unit_kwargs(u), extra_kwargs, drop)), []).append(blk)
-    n_blocks = len(t.containers().get(c, []))
+    n_blocks = len(conts.get(c, []))
     before, inside = [], []
     for (path, kw), blks in rel.items():
         if len(blks) == n_blocks and len(set(blks)) == n_blocks:
@@ -666,7 +700,8 @@ def _block_run(t: Tree, labels: list[str], i: int):
     def split(n: str):  # (container, block index, path inside the block) of the unit's first module
         fqn = members(n)[0]
         m = _IDX.match(fqn)
-        return (m.group(1), int(m.group(2)), fqn[m.end(2) + 1:]) if m and strip_ckpt(m.group(1)) in conts else None
+        c = container_of(fqn, conts)
+        return (m.group(1) or "", int(m.group(2)), fqn[m.end(2) + 1:]) if c is not None else None
 
     first = split(labels[i])
     if first is None:
@@ -704,10 +739,12 @@ def _order_lines(t: Tree, var: str, labels: list[str]) -> list[str]:
             continue
         (c, rev, paths), i = run
         flush()
+        idx = t.containers()[strip_ckpt(c)]
         if paths == [""]:  # the blocks themselves
-            lines.append(f"{var} {'+=' if lines else '='} list({children_expr(c)}){'[::-1]' if rev else ''}")
+            rev_ = "[::-1]" if rev else ""
+            lines.append(f"{var} {'+=' if lines else '='} {children_expr(c, idx, as_list=True)}{rev_}")
             continue
-        blocks = f"reversed(list({children_expr(c)}))" if rev else children_expr(c)
+        blocks = f"reversed({children_expr(c, idx, as_list=True)})" if rev else children_expr(c, idx)
         lines += ([] if lines else [f"{var} = []"]) + [
             f"for block in {blocks}:",
             f"    {var} += [" + ", ".join(module_expr(p, root="block") if p else "block" for p in paths) + "]"]
@@ -855,8 +892,8 @@ def compile_code(t: Tree) -> str:
     model where the run names no unit (a trace of DDP or of a single device: a list of units would be empty)."""
     conts = t.containers()
     if conts:
-        return "\n".join(f"for block in {children_expr(c)}:\n    block.compile()  # in place, after fully_shard"
-                          for c in conts)
+        return "\n".join(f"for block in {children_expr(c, idx)}:\n    block.compile()  # in place, after fully_shard"
+                          for c, idx in conts.items())
     if not t.unit_labels():
         return ("# the run names no FSDP unit: the whole model, in place (torch >= 2.2);\n"
                 "# on an FSDP2 model compile each repeated block after fully_shard instead,\n"

@@ -11,7 +11,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...units import fmt_bytes, unit_label
-from ..base import Context, Rule, register
+from ..base import RULES, Context, Rule, register
 
 # Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
 # collectives run on their own stream and could overlap fully ...
@@ -163,6 +163,12 @@ class ExposedAllGather(Rule):
         if source == "host" and step and of != step:
             fwd, bwd, of = fwd * step / of, bwd * step / of, step
             total = fwd + bwd
+        if not E.non_root(E.param_units(ctx)) and _too_coarse_fires(ctx):
+            # (a new-user trial's nn.Sequential under fully_shard(model) alone read "Prefetch the next unit
+            # explicitly" with no next unit, no snippet and 0 µs of compute to hide behind)
+            return self.quiet(f"the root is the only unit: compute waits {total:.1f} ms per step for its all-gathers "
+                              "with no unit before it to prefetch them behind (wrap.too_coarse says it: its blocks "
+                              "as units of their own)")
         notes = []
         sync = _sync_gloo_units(ctx)
         if sync:
@@ -663,6 +669,14 @@ _SYNC_WHY = ("On gloo, CPU streams and events are no-ops, so with the default sy
              "while the host computes, and FSDP waits for it only when the unit is needed.")
 
 
+def _too_coarse_fires(ctx: Context) -> bool:
+    """Whether wrap.too_coarse has a finding on this run: run here, found by its code in the registry (this rule
+    runs before it, and no rule module imports another)."""
+    rule = next(c for c in RULES if c.code == "wrap.too_coarse")()
+    rule.config = ctx.config
+    return bool(rule.match(ctx))
+
+
 @register
 class SyncUnshard(Rule):
     code = "prefetch.sync_unshard"
@@ -712,8 +726,8 @@ class SyncUnshard(Rule):
                      + (": past it, so free memory first (or keep the unshard synchronous)." if peak + extra > cap
                         else "."))
         return [self.finding(
-            "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} units "
-                       "besides the root)",
+            "warning", f"Synchronous unshard on gloo: the host blocks in every all-gather ({len(sync)} "
+                       f"unit{'s' if len(sync) != 1 else ''} besides the root)",
             {"backend": "gloo", "units_sync": len(sync), "ag_wait_fwd_ms": fwd_waits,
              "ag_wait_bwd_ms": round(bwd_waits, 3), "step_p50_ms": step,
              "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,

@@ -118,8 +118,8 @@ class TooCoarse(Rule):
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
         code = S.shard_plan(S.tree(ctx), root_leftovers=True)
         text = (f"Unit {name!r} holds {100 * share:.0f}% of the parameters, so FSDP gathers "
-                f"{E.mib(big.unsharded_bytes)} MiB in one all-gather with nothing to overlap it with "
-                + ("(the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
+                f"{E.mib(big.unsharded_bytes)} MiB in one all-gather with nothing to overlap it with"
+                + (" (the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
                 + "Apply fully_shard to each repeated block first, then to the root: only two blocks are "
                 "gathered at a time, and on a GPU each block's all-gather overlaps with the previous block's "
                 "compute." + ("" if E.on_gpu(ctx) else " On a CPU/gloo host the gain is memory only: more, "
@@ -153,7 +153,8 @@ class TooFine(Rule):
     def match(self, ctx: Context):
         us = E.non_root(E.param_units(ctx))
         if len(us) < FINE_MIN_UNITS:
-            return self.quiet(f"{len(us)} units besides the root (fires from {FINE_MIN_UNITS})")
+            return self.quiet(f"{len(us)} unit{'s' if len(us) != 1 else ''} besides the root (fires from "
+                              f"{FINE_MIN_UNITS})")
         med_tensors = statistics.median(u.n_params for u in us)
         med_bytes = statistics.median(u.unsharded_bytes for u in us)
         if med_tensors > FINE_LEAF_TENSORS and med_bytes >= FINE_SMALL_BYTES:
