@@ -1306,8 +1306,8 @@ def test_ac_fewer_units():
     # all of them, where the peak is at half of capacity (ac.unneeded's bound): 50 + 4 x 7 = 78 MiB
     (f,) = rule.match(_fewer_ctx(50, saved=7 * MiB))
     assert f.title.startswith("All 4 checkpointed") and len(f.evidence["units_to_uncheckpoint"]) == 4
-    assert "off on all 4\n# checkpointed units" in f.recommendation.code  # (wrapped at 96 columns: it read 111)
-    assert max(map(len, f.recommendation.code.splitlines())) <= 96, f.recommendation.code
+    assert "# off on all 4 checkpointed units" in f.recommendation.code  # (wrapped at 80 columns: it read 111)
+    assert max(map(len, f.recommendation.code.splitlines())) <= 80, f.recommendation.code
     # quiet, and why: memory needs every one; none needs any (ac.unneeded's); at the aim already; not measured
     assert rule.match(_fewer_ctx(75)) == [] and rule.why_quiet.startswith("without checkpointing on even one unit")
     assert rule.match(_fewer_ctx(30)) == [] and "ac.unneeded's case" in rule.why_quiet
@@ -1772,7 +1772,8 @@ def test_snippets_from_the_module_tree():
     code = S.complete(S.shard_plan(S.Tree.of([*blocks, hf_root]), root_leftovers=True))
     assert "for block in model.model.layers.children():" in code
     assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code
-    assert "fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)" in code
+    assert ("fully_shard([model.model.norm, model.lm_head], mesh=mesh,\n"
+            "            reshard_after_forward=False)") in code  # (within 80 columns)
     assert code.startswith(S.IMPORTS_NOTE + "\nimport torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard")
     compile(code, "<plan>", "exec")  # valid Python
     tied = UnitConfig(**{**msgspec.structs.asdict(hf_root), "own_modules": ["embed", "norm", "head"],
@@ -1975,7 +1976,7 @@ def test_plan_moves_what_a_tie_kept_from_its_ancestor():
         "    fully_shard(block, mesh=mesh)",
         "fully_shard([model.bert.embeddings.position_embeddings, model.bert.embeddings.token_type_embeddings, "
         "model.bert.embeddings.LayerNorm], mesh=mesh)",
-        "fully_shard(model.cls.predictions.transform, mesh=mesh, reshard_after_forward=False)",
+        "fully_shard(model.cls.predictions.transform, mesh=mesh,",  # (reshard_after_forward=False: next line)
         "fully_shard(model, mesh=mesh)"], code
     assert ("# bert.embeddings.word_embeddings, cls.predictions, cls.predictions.decoder share a parameter (tied "
             "weights): they stay in the root") in code

@@ -11,7 +11,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...units import fmt_bytes, unit_label
-from ..base import RULES, Context, Rule, register
+from ..base import Context, Rule, register
 
 # Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
 # collectives run on their own stream and could overlap fully ...
@@ -120,6 +120,7 @@ class ExposedAllGather(Rule):
     # one-rank tiny GPT read its host's launch time there as 7 ms of all-gather wait, the trace none)
     needs = ("records|trace", "sharded")
     severities = ("info", "warning")
+    last = True  # (quiet where wrap.too_coarse fired on a model sharded whole: ctx.earlier)
 
     def match(self, ctx: Context):
         if not E.param_units(ctx):
@@ -152,6 +153,12 @@ class ExposedAllGather(Rule):
         if not step or not us or not total:
             return self.quiet("no step time measured" if not step else "no unit timed" if not us else
                               "compute never waited for an all-gather")
+        if not E.non_root(E.param_units(ctx)) and any(f.code == "wrap.too_coarse" for f in ctx.earlier):
+            # (a new-user trial's nn.Sequential under fully_shard(model) alone read "Prefetch the next unit
+            # explicitly" with no next unit, no snippet and 0 µs of compute to hide behind)
+            return self.quiet(f"the root is the only unit: compute waits {total:.1f} ms in a step for its all-gathers "
+                              "with no unit before it to prefetch them behind (wrap.too_coarse says it: its blocks "
+                              "as units of their own)")
         share = total / of
         sev = _exposed_severity(share, cpu)
         if sev is None:
@@ -163,12 +170,6 @@ class ExposedAllGather(Rule):
         if source == "host" and step and of != step:
             fwd, bwd, of = fwd * step / of, bwd * step / of, step
             total = fwd + bwd
-        if not E.non_root(E.param_units(ctx)) and _too_coarse_fires(ctx):
-            # (a new-user trial's nn.Sequential under fully_shard(model) alone read "Prefetch the next unit
-            # explicitly" with no next unit, no snippet and 0 µs of compute to hide behind)
-            return self.quiet(f"the root is the only unit: compute waits {total:.1f} ms per step for its all-gathers "
-                              "with no unit before it to prefetch them behind (wrap.too_coarse says it: its blocks "
-                              "as units of their own)")
         notes = []
         sync = _sync_gloo_units(ctx)
         if sync:
@@ -667,14 +668,6 @@ _SYNC_WHY = ("On gloo, CPU streams and events are no-ops, so with the default sy
              "all-gathers FSDP prefetches (explicitly in forward, by default in backward). Make the unshard "
              "asynchronous on every unit (private API, torch >= 2.4): the collective then runs on gloo's threads "
              "while the host computes, and FSDP waits for it only when the unit is needed.")
-
-
-def _too_coarse_fires(ctx: Context) -> bool:
-    """Whether wrap.too_coarse has a finding on this run: run here, found by its code in the registry (this rule
-    runs before it, and no rule module imports another)."""
-    rule = next(c for c in RULES if c.code == "wrap.too_coarse")()
-    rule.config = ctx.config
-    return bool(rule.match(ctx))
 
 
 @register
