@@ -474,6 +474,14 @@ class StepRecord(Record, tag="step"):
     # doctor.step() calls this record covers: one step is one optimizer step, so with gradient accumulation
     # (doctor.step() per micro-batch) the micro-batches of one optimizer step make one record
     micro_batches: int = 1
+    # backward passes that reached the model in the step (backward() calls through it): the micro-batches of
+    # gradient accumulation, however doctor.step() is called; several forwards feeding one loss are one. None:
+    # records before this field
+    backwards: int | None = None
+    # the loop ran a backward and dropped the gradients (zero_grad) with no step of the watched optimizer: an update
+    # skipped (a NaN/inf guard, GradScaler's skipped step), recorded as a step of its own, not as a micro-batch of the
+    # next (gradient accumulation keeps its gradients to the optimizer step)
+    optimizer_skipped: bool = False
     # the model's forward passes without gradients in the step (torch.no_grad / inference_mode: evaluation,
     # generation) and their time; kept out of forward_ms, outside_ms and the units' timings
     no_grad_ms: float = 0.0

@@ -289,6 +289,15 @@ class CompileSteps(_Section):
     excluded: bool = True  # those steps are left out of the steady-state statistics (kept when too few steps remain)
 
 
+class SkippedSteps(_Section):
+    """One rank's steps that ran a backward and dropped its gradients with no step of the watched optimizer
+    (``StepRecord.optimizer_skipped``: a NaN/inf guard, GradScaler's skipped step), shorter by the update skipped."""
+
+    steps: list[int]
+    recorded: int  # the rank's recorded steps
+    excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
+
+
 class CheckpointSteps(_Section):
     """One rank's steps that saved a checkpoint (torch.distributed.checkpoint's ``save`` and ``async_save``;
     ``doctor.checkpointing()``; torchtitan's Trainer's saves under ``python -m fsdp_doctor.titan``, a Hugging Face
@@ -328,6 +337,7 @@ class StepsSection(_Section):
     no_grad: dict[str, NoGradSteps] = {}  # per rank that ran any
     checkpoints: dict[str, CheckpointSteps] = {}  # per rank that saved any
     compiled: dict[str, CompileSteps] = {}  # per rank that compiled in any step, or waited for another's compile
+    skipped: dict[str, SkippedSteps] = {}  # per rank that skipped any optimizer step
     # per rank: the steps whose memory the doctor counted op by op that the statistics keep (too few without)
     counted_kept: dict[str, list[int]] = {}
     # per rank: [the doctor's own ms over the recorded steps, those steps' ms, its ms on an ordinary step (median),

@@ -21,6 +21,7 @@ Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import logging
@@ -903,7 +904,101 @@ def run_hsdp_fixes(out: Path) -> dict:
     return _each_fixed(run, res, [("coarse", "wrap.too_coarse", {})])
 
 
-CASES = {"identity": run_identity, "aside": run_aside, "trainer": run_trainer, "trainer_fixes": run_trainer_fixes,
+def run_loops(out: Path) -> dict:
+    """Two loops that are not gradient accumulation, each rank's records and the report of each: a GAN's generator
+    run twice with gradients into one loss, one backward per optimizer step, beside its sharded discriminator
+    (``gan``, a new-user trial's loop.py); a NaN/inf guard that skips optimizer.step() in steps 2 and 5 of 8 and
+    zeroes the gradients all the same, after the guard (``skip``) and at the loop's top (``skip_top``). Each also run
+    unwatched: its losses and final shards compared."""
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import apart_texts
+
+    rank = dist.get_rank()
+
+    def model(seed: int, d: int = 32, vocab: int = 64):
+        """The trial's generator (the embedding, encoder layers as units, the head), smaller."""
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Embedding(vocab, d), *(torch.nn.TransformerEncoderLayer(
+            d, 2, 2 * d, batch_first=True, dropout=0.0) for _ in range(2)), torch.nn.Linear(d, vocab))
+        for layer in m[1:-1]:
+            fully_shard(layer)
+        fully_shard(m)
+        return m
+
+    def loop(mode: str, out_dir=None):
+        G = model(0)
+        # D as the trial's: its units "0" and "2" and its root, whose collectives the trace's labels (which name no
+        # model) count under G's units of the same names: twice a step (D's own backward, and G's loss through it)
+        torch.manual_seed(1)
+        D = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 1))
+        fully_shard(D[0])
+        fully_shard(D[2])
+        fully_shard(D)
+        opt, opt_d = torch.optim.AdamW(G.parameters(), lr=1e-3), torch.optim.AdamW(D.parameters(), lr=1e-3)
+        kw = dict(profile=ProfileSchedule(first=4, warmup=1, active=1), capacity_bytes=1 << 30)
+        ctx = fsdp_doctor.watch(G, opt, out_dir=str(out_dir), **kw) if out_dir else contextlib.nullcontext()
+        losses = []
+        with ctx as doctor:
+            for step in range(8):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                t = torch.randint(0, 64, (2, 9), generator=g)
+                x, y = t[:, :-1], t[:, 1:]
+                if mode == "gan":
+                    with torch.no_grad():
+                        fake = torch.softmax(G(x), -1)
+                    real = F.one_hot(y, 64).float()
+                    (F.softplus(-D(real)).mean() + F.softplus(D(fake)).mean()).backward()
+                    opt_d.step()
+                    opt_d.zero_grad()
+                    # the generator twice with gradients (for D's input, and for a cross-entropy term): one backward
+                    loss = F.softplus(-D(torch.softmax(G(x), -1))).mean() + F.cross_entropy(
+                        G(x).flatten(0, 1), y.flatten())
+                    loss.backward()
+                    opt.step()
+                else:
+                    if mode == "skip_top":
+                        opt.zero_grad()
+                    loss = F.cross_entropy(G(x).flatten(0, 1), y.flatten()) * (
+                        float("inf") if step in (2, 5) else 1.0)
+                    loss.backward()
+                    ok = torch.tensor([float(all(torch.isfinite(p.grad.to_local()).all() for p in G.parameters()))])
+                    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                    if ok.item() == 1.0:
+                        opt.step()
+                if mode != "skip_top":
+                    opt.zero_grad()
+                opt_d.zero_grad()
+                losses.append(loss.item().hex())
+                if doctor is not None:
+                    doctor.step()
+        return losses, [p.to_local().detach().clone() for p in G.parameters()]
+
+    res = {}
+    for mode in ("gan", "skip", "skip_top"):
+        losses, params = loop(mode, out / mode)
+        base_losses, base_params = loop(mode)
+        run = fsdp_doctor.load_run(out / mode)
+        report = build_report(run) if rank == 0 else None
+        steps = run.ranks[rank].steps
+        res[mode] = {"identical": losses == base_losses and same_tensors(params, base_params),
+                     "steps": [s.step for s in steps], "micro_batches": [s.micro_batches for s in steps],
+                     "backwards": [getattr(s, "backwards", None) for s in steps],
+                     "skipped": [s.step for s in steps if getattr(s, "optimizer_skipped", False)],
+                     "accum": None if report is None else {
+                         st.code: [st.status, st.reason] for st in report.rules if st.code.startswith("accum.")},
+                     "reduce_scatters": None if report is None else sorted(
+                         [r.unit, r.count_per_step] for r in report.overlap.per_unit
+                         if r.rank == 0 and r.collective == "reduce_scatter"),
+                     "apart": None if report is None else dict(apart_texts(report.steps)),
+                     "statistics": [s.step for s in usable_steps(steps)]}
+        dist.barrier()
+    return res
+
+
+CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,
+         "trainer_fixes": run_trainer_fixes,
          "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
          "accelerate_fixes": run_accelerate_fixes}
 

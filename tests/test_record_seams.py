@@ -91,7 +91,8 @@ def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
 def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, caplog):
     """doctor.step() per micro-batch: one record per optimizer step with its micro-batch count. An optimizer that
     never steps (the user steps another one) cannot hold the records back forever: after MICRO_BATCH_LIMIT calls
-    each call is a step, said in one line."""
+    each call is a step, said in one line; where the loop zeroes the gradients (set_to_none) after each backward, each
+    call is a step at once, one that skipped the step of the optimizer given to watch()."""
     import logging
     import os
 
@@ -129,12 +130,20 @@ def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, 
             with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "never", profile=False) as doc:
                 for _ in range(8):
                     m(torch.randn(2, 4)).sum().backward()
-                    other.step()
-                    other.zero_grad()
+                    other.step()  # (no zero_grad: the gradients add up, as under accumulation)
                     doc.step()
         rd = fsdp_doctor.load_run(tmp_path / "never").ranks[0]
         assert [s.micro_batches for s in rd.steps] == [5, 1, 1, 1]
         assert len([r for r in caplog.records if "without a step of the optimizer" in r.getMessage()]) == 1
+        other.zero_grad()
+        with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "zeroed", profile=False) as doc:
+            for _ in range(8):
+                m(torch.randn(2, 4)).sum().backward()
+                other.step()
+                other.zero_grad()
+                doc.step()
+        rd = fsdp_doctor.load_run(tmp_path / "zeroed").ranks[0]
+        assert [(s.micro_batches, s.optimizer_skipped) for s in rd.steps] == [(1, True)] * 8
     finally:
         dist.destroy_process_group()
 
@@ -236,6 +245,7 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
     for s in steps:
         assert all(u.fwd_calls == 4 for u in s.units), [u.fwd_calls for u in s.units]
         assert s.micro_batches == (1 if where == "per_step" else 4)  # (doctor.step() calls after a forward)
+        assert s.backwards == 4 and not s.optimizer_skipped, s  # (no zero_grad between micro-batches: none skipped)
         assert s.outside_ms < 0.2 * s.wall_ms and s.forward_ms + s.backward_ms > 0.6 * s.wall_ms, s
     codes = {f.code for f in build_report(run).findings}
     assert not codes & {"jitter.data_wait", "memory.grads_kept"}, codes
@@ -624,3 +634,58 @@ def test_no_trace_says_its_windows_met_evaluations(tmp_path, gloo_one_rank):
     assert any("windows met steps that also ran the model without gradients (steps 4, 6, 8: an evaluation) and were "
                "dropped unsaved" in r and "ProfileSchedule(first=3, active=1)) records step 3" in r
                for r in reasons), reasons
+
+
+@pytest.fixture(scope="module")
+def loops(tmp_path_factory):
+    from test_clients import _launch
+
+    return _launch("loops", 2, tmp_path_factory.mktemp("loops"), script="recorder_cases.py")[0]
+
+
+def test_forwards_feeding_one_backward_are_not_gradient_accumulation(loops):
+    """A new-user trial's GAN: the generator run twice with gradients (D's input, and a cross-entropy term) into one
+    backward per step, beside its sharded discriminator. accum.sync_every_micro_batch read "2 reduce-scatters per unit
+    per optimizer step: gradient accumulation syncs every micro-batch (2 micro-batches)" and printed
+    set_requires_gradient_sync(is_last_micro_batch) "before each micro-batch's backward": there is one backward and no
+    micro-batch loop. FSDP2 reduce-scatters the generator's units once a step (a second forward's post-backward finds
+    no gradient left); the trace's extra ones are the discriminator's, whose units share the names "2" and the root
+    and run two backwards a step. The records count the backward passes (1 a step; micro_batches stays 1), and the
+    rule stays quiet saying so. Training is unchanged on both ranks."""
+    for rank, res in enumerate(loops):
+        gan = res["gan"]
+        assert gan["identical"], rank
+        assert gan["steps"] == list(range(8)) and gan["micro_batches"] == [1] * 8 and gan["backwards"] == [1] * 8, gan
+    gan = loops[0]["gan"]
+    # G's own units "1" once a step; "0" is D's alone (twice), "2" and the root both models' (1 + 2)
+    assert gan["reduce_scatters"] == [["(root)", 3.0], ["0", 2.0], ["1", 1.0], ["2", 3.0]], gan["reduce_scatters"]
+    status, reason = gan["accum"]["accum.sync_every_micro_batch"]
+    assert status == "quiet" and reason == (
+        "2 reduce-scatters per unit per step in the trace, but 1 backward pass through the model per optimizer step (2 "
+        "forward passes feeding it): no gradient accumulation; FSDP2 reduce-scatters a unit once per backward. 3 FSDP2 "
+        "units of another model are alive in this process: the trace counts their collectives under same-named units "
+        "(its labels do not name the model)"), reason
+    assert gan["accum"]["accum.regather"] == [
+        "quiet", "2 forward passes per unit per optimizer step feed 1 backward: no micro-batches to gather between"]
+
+
+@pytest.mark.parametrize("mode", ["skip", "skip_top"])
+def test_a_skipped_optimizer_step_is_a_step_of_its_own(loops, mode):
+    """A NaN/inf guard skipping optimizer.step() in steps 2 and 5 of 8, doctor.step() every iteration and the
+    gradients zeroed all the same (after the guard, or at the loop's top): each skipped step was merged with the next
+    as "2 micro-batches" (a new-user trial: 9 records of 12 steps, their numbers no longer the loop's, tokens/s ~25%
+    low, nothing said). Each is a step of its own now, numbered as the loop counts, flagged, left out of the step
+    statistics and said in one line; training unchanged."""
+    for rank, res in enumerate(loops):
+        r = res[mode]
+        assert r["identical"], rank
+        assert r["steps"] == list(range(8)) and r["micro_batches"] == [1] * 8 and r["skipped"] == [2, 5], r
+        assert r["backwards"] == [1] * 8, r
+    r = loops[0][mode]
+    assert r["apart"]["skipped"] == (
+        "2 of 8 steps skipped the optimizer step (steps 2, 5): a backward whose gradients were dropped with no step "
+        "of the optimizer given to watch() (a NaN/inf guard, GradScaler); those steps are left out of the step "
+        "statistics above"), r["apart"]
+    for rank, res in enumerate(loops):  # (the steps the statistics keep: the skipped ones out, 3 or more left)
+        kept = res[mode]["statistics"]
+        assert len(kept) >= 3 and not {2, 5} & set(kept), (rank, kept)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..records import GpuTimes, StepRecord, collective_wait_ms, counted_op_by_op, doctor_step
-from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, NoGradSteps, Outlier, StepsSection,
-                               StepStats, Straggler)
+from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, NoGradSteps, Outlier, SkippedSteps,
+                               StepsSection, StepStats, Straggler)
 from ..store import Run
 from ..units import unit_label
 
@@ -34,11 +34,13 @@ def usable_steps(steps: list[StepRecord]) -> list[StepRecord]:
     """Steps that represent steady state: not the first (FSDP lazy init, allocator warm-up), not inside a
     profiler window or a FLOP-counting step (their cost is the tool's, not the model's), nor, each unless that
     leaves fewer than 3, a step in which torch.compile compiled (on this rank or one it waited for: ``compiling``),
-    a step that also ran the model without gradients (evaluation, generation: not training)
+    a step whose optimizer step the loop skipped (no update: shorter), a step that also ran the model without
+    gradients (evaluation, generation: not training)
     or one whose memory was counted op by op (the high-water's dispatch mode), or one in which a rank saved a
     checkpoint (this one or another: ``StepRecord.others_saved``)."""
     out = [s for s in steps if s.step > 0 and not s.profiled]
-    for keep in (lambda s: not compiling(s), lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s),
+    for keep in (lambda s: not compiling(s), lambda s: not getattr(s, "optimizer_skipped", False),
+                 lambda s: not s.no_grad_forwards, lambda s: not counted_op_by_op(s),
                  lambda s: not s.checkpoints and not getattr(s, "others_saved", False)):
         kept = [s for s in out if keep(s)]
         out = kept if len(kept) >= 3 else out
@@ -69,6 +71,16 @@ def compile_steps(steps: list[StepRecord]) -> Optional[CompileSteps]:
                         ms_total=round(sum(s.compile_ms for s in own), 3),
                         waited=[s.step for s in hit if not s.compiles],
                         excluded=not any(s.step in kept for s in hit))
+
+
+def skipped_steps(steps: list[StepRecord]) -> Optional[SkippedSteps]:
+    """A rank's steps whose optimizer step the loop skipped, and whether the statistics leave them out; None where
+    there are none."""
+    hit = [s.step for s in steps if getattr(s, "optimizer_skipped", False)]
+    if not hit:
+        return None
+    kept = {s.step for s in usable_steps(steps)}
+    return SkippedSteps(steps=hit, recorded=len(steps), excluded=not kept & set(hit))
 
 
 def profiled_saves(steps: list[StepRecord]) -> list[int]:
@@ -606,6 +618,7 @@ def analyze_steps(run: Run) -> StepsSection:
         checkpoints={str(r): c for r, rd in sorted(run.ranks.items())
                      if (c := checkpoint_steps(rd.steps)) is not None},
         compiled={str(r): c for r, rd in sorted(run.ranks.items()) if (c := compile_steps(rd.steps)) is not None},
+        skipped={str(r): k for r, rd in sorted(run.ranks.items()) if (k := skipped_steps(rd.steps)) is not None},
         counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},
         doctor_own_ms={str(r): own for r, rd in sorted(run.ranks.items()) if (own := doctor_own(rd.steps, usable[r]))},
     )

@@ -716,6 +716,17 @@ def micro_batches(ctx: Context) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in per.items()}
 
 
+@_once
+def backward_passes(ctx: Context) -> Optional[float]:
+    """Backward passes through the model per optimizer step (median over steady steps and ranks): gradient
+    accumulation's micro-batches, where :func:`micro_batches` counts forward passes (a GAN's generator run twice
+    into one loss: 2 forward passes, 1 backward). None: not recorded (records before ``StepRecord.backwards``, plain
+    traces)."""
+    n = [s.backwards for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in rd.steps[1:]
+         if getattr(s, "backwards", None) and not getattr(s, "optimizer_skipped", False)]
+    return float(statistics.median(n)) if n else None
+
+
 def regather_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
     """Rows [start, end) of the peak step's memory timeline during which unit ``name`` would hold its unsharded
     parameters if it were kept gathered after its backward until its next forward in the same step (gradient

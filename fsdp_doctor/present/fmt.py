@@ -477,11 +477,27 @@ def compile_text(section: StepsSection) -> str | None:
     return out + f"; those steps are {kept}"
 
 
+def skipped_text(section: StepsSection) -> str | None:
+    """One line on the steps whose optimizer step the loop skipped, over the ranks; None when none did."""
+    per = section.skipped
+    if not per:
+        return None
+    steps = sorted({s for k in per.values() for s in k.steps})
+    recorded = max(k.recorded for k in per.values())
+    kept = ("left out of the step statistics above" if all(k.excluded for k in per.values())
+            else "kept in the step statistics above (too few steps without)")
+    shown = ", ".join(map(str, steps[:6])) + (f", … {len(steps) - 6} more" if len(steps) > 6 else "")
+    return (f"{len(steps)} of {recorded} steps skipped the optimizer step (step{'s' if len(steps) > 1 else ''} "
+            f"{shown}): a backward whose gradients were dropped with no step of the optimizer given to watch() (a "
+            f"NaN/inf guard, GradScaler); those steps are {kept}")
+
+
 def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
     """The lines on steps whose extra work the statistics keep apart, each with its key ("compile": torch.compile
-    compiling, "no-grad": evaluation, "checkpoint": checkpoint saves): what every presenter shows under the step
-    table."""
-    return [(key, line) for key, line in (("compile", compile_text(section)), ("no-grad", no_grad_text(section)),
+    compiling, "skipped": optimizer steps skipped, "no-grad": evaluation, "checkpoint": checkpoint saves): what
+    every presenter shows under the step table."""
+    return [(key, line) for key, line in (("compile", compile_text(section)), ("skipped", skipped_text(section)),
+                                          ("no-grad", no_grad_text(section)),
                                           ("checkpoint", checkpoint_text(section)), ("doctor", doctor_text(section)))
             if line is not None]
 

@@ -113,6 +113,8 @@ class StepTimings:
     other_models_ms: float = 0.0
     # the elements of the tensors the model's training forwards took (0: none seen)
     input_elements: int = 0
+    # backward passes that reached the model (backward() calls through it, however many forwards each took in)
+    backwards: int = 0
 
 
 class _UnitAcc:
@@ -144,7 +146,10 @@ class StepTimer:
         self._units: list[Unit] = []
         self._fail = fail
         self.active = False  # the Doctor turns it on at entry and off when it steps aside
-        self.train_forwards = 0  # the model's forwards with autograd on, since entry (the micro-batches' count)
+        self.train_forwards = 0  # the model's forwards with autograd on, since entry
+        # backward passes that reached the model, since entry: the micro-batches' count, where forwards are not
+        # (a GAN's generator run twice into one loss is one backward, one micro-batch)
+        self.backwards = 0
         self.marks: Optional[MarkSink] = None  # the memory probe
         self.gpu = None  # GpuTimeline on CUDA
         self._handles: list[Any] = []
@@ -186,6 +191,9 @@ class StepTimer:
         # the Doctor's: a training forward starts after an optimizer.step() (its ns); it ends the step there when
         # doctor.step() is called per micro-batch, before optimizer.step() (see Doctor._forward_after_optimizer)
         self.step_boundary: Optional[Callable[[int], None]] = None
+        # the Doctor's: a doctor.step() call without an optimizer step, after a backward, found the gradients kept;
+        # whether they are by the next forward (zero_grad at the loop's top) tells a skipped step from a micro-batch
+        self.zeroed_check = False
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
@@ -637,7 +645,10 @@ class StepTimer:
             self._safe(self.marks.gathered, "memory")
 
     def _backward_begins(self, t: int) -> None:
+        # one per backward() call through the model, ended by its engine callback (_on_backward_end): not per graph
+        # task id, as reentrant checkpointing runs each unit's recompute and backward in a graph task of its own
         self._bwd_start = t
+        self.backwards += 1
         if self._opt_end and self._opt_after_bwd:  # after an update that followed a backward: not a micro-batch
             self._bwd_after_opt = True
 
@@ -736,7 +747,8 @@ class StepTimer:
             self.train_forwards += 1
             if self._child_pending:
                 self._safe(self._probe_children, "checkpoint watch")
-            if self._opt_end and self.step_boundary is not None:  # a new step's first forward, maybe
+            # a new step's first forward, maybe
+            if (self._opt_end or self.zeroed_check) and self.step_boundary is not None:
                 self._safe(lambda: self.step_boundary(_now()), "step")
             try:  # the batch's size: FLOPs counted on one step scale by it, the memory probe reads it (variable shapes)
                 elements = _elements(args, kwargs)
@@ -878,6 +890,7 @@ class StepTimer:
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
         self._input_elems = 0  # the elements of the training forwards' tensor arguments
+        self._backwards_at_begin = self.backwards
         self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
@@ -913,7 +926,7 @@ class StepTimer:
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
                            backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns),
-                           input_elements=self._input_elems)
+                           input_elements=self._input_elems, backwards=self.backwards - self._backwards_at_begin)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

@@ -121,6 +121,8 @@ class Doctor:
         self._tokens: int | None = None  # the tokens those calls gave (doctor.step(tokens=N))
         self._bad_tokens = False  # a tokens= value that is no count was said
         self._forwards_at_call = -1  # the timer's training forwards at the last doctor.step() call
+        self._backwards_at_call = 0  # the timer's backward passes at the last doctor.step() call
+        self._skipped = False  # the step being recorded ran a backward and dropped its gradients without an update
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
@@ -340,6 +342,9 @@ class Doctor:
         """Marks the end of one training step: call it after ``optimizer.step()``. One step is one optimizer
         step: calls between two steps of the watched optimizer (``doctor.step()`` per micro-batch under
         gradient accumulation) are micro-batches of one step, recorded together (``StepRecord.micro_batches``).
+        A call after a backward whose gradients the loop dropped (zero_grad) with no optimizer step, by the call or
+        by the next forward, ends a step of its own whose update was skipped (``StepRecord.optimizer_skipped``: a
+        NaN/inf guard, GradScaler's skipped step): accumulation keeps its gradients to the optimizer step.
 
         ``tokens``: the tokens this rank trained on since the last call (its batch's, padding left out as you count
         them), where they vary from step to step (sequence packing, token budgets, the epoch's short last batch):
@@ -366,8 +371,27 @@ class Doctor:
             self._micro += 1
         self._forwards_at_call = forwards
         if self._is_micro_batch():
-            return
+            backwards, self._backwards_at_call = self._backwards_at_call, self._timer.backwards
+            if backwards == self._timer.backwards or not self._syncing():  # (sync off: gradients not reduced yet)
+                return
+            if not self._gradients_dropped():
+                self._timer.zeroed_check = True  # zero_grad at the top of the loop: read at the next forward
+                return
+            self._skipped = True
         self._close_step(t_end)
+
+    def _syncing(self) -> bool:
+        """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on): a backward then
+        leaves gradients on the sharded parameters, which gradient accumulation keeps to the optimizer step."""
+        return all(F2.reduce_grads(pg) for u in self._units for pg in u.param_groups)
+
+    def _gradients_dropped(self) -> bool:
+        """Whether no parameter of the watched optimizer holds a gradient: the loop zeroed them (zero_grad's
+        set_to_none, the default) without an optimizer step since they were reduced. Gradient accumulation never
+        does: its micro-batches add up into them. (Zeroed in place, set_to_none=False, they cannot be told from
+        accumulated ones without reading them: such a skipped step stays a micro-batch of the next.)"""
+        return self._reads is not None and not any(p.grad is not None for g in self._reads.param_groups
+                                                   for p in g["params"])
 
     def _forward_after_optimizer(self, t: int) -> None:
         """A training forward starts after an optimizer.step() that no doctor.step() has ended: where doctor.step()
@@ -376,8 +400,18 @@ class Doctor:
         the optimizer step to that call read as time outside the model (a new-user trial: jitter.data_wait's false
         warning, 23% of the step, and memory.grads_kept on gradients the loop freed). The step ends here, where the
         next one's first forward starts; a doctor.step() called after optimizer.step() ended it already."""
-        if self.active and self._micro and self._timer.optimizer_steps != self._opt_steps_recorded:
+        if not self.active or not self._micro:
+            return
+        if self._timer.optimizer_steps != self._opt_steps_recorded:
             self._close_step(t)
+        elif self._timer.zeroed_check:
+            # the last doctor.step() call came after a backward, no optimizer step since, and the gradients were
+            # dropped before this forward (zero_grad at the loop's top): that call ended a skipped step; it ends here,
+            # as one ended by an optimizer step does
+            self._timer.zeroed_check = False
+            if self._gradients_dropped():
+                self._skipped = True
+                self._close_step(t)
 
     def _close_step(self, t_end: int) -> None:
         try:
@@ -387,6 +421,7 @@ class Doctor:
         self.steps_done += 1
         self._micro = 0
         self._tokens = None
+        self._skipped = self._timer.zeroed_check = False
         self._opt_steps_recorded = self._timer.optimizer_steps
         if self.active:
             # the next step starts where this one ended: what the doctor did since (its records, the memory
@@ -479,7 +514,8 @@ class Doctor:
                                       - own_ms - save_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, gc_full_ms=tm.gc_full_ms, gc_collected=tm.gc_collected,
             profiled=profiled, units=tm.units, memory=mem,
-            micro_batches=self._micro, no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
+            micro_batches=self._micro, backwards=tm.backwards, optimizer_skipped=self._skipped,
+            no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
             no_grad_gathers=tm.no_grad_gathers if tm.no_grad_forwards else None,
             no_grad_units=tm.no_grad_units if tm.no_grad_forwards else None,

@@ -57,6 +57,19 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         if mb is not None and mb < 1.5:
             return self.quiet(f"{n:.0f} reduce-scatters per unit per step, but 1 forward pass per unit per step: no "
                               "micro-batches (several FSDP roots, which FSDP's labels do not name, count as one)")
+        # FSDP2 reduce-scatters a unit once per backward however many forwards fed it (its post-backward reduces the
+        # gradients there are; a second forward's finds none): with one backward per step, the rest is another FSDP
+        # model's under the same unit names. A new-user trial's GAN, the generator run twice into one backward, read
+        # "2 reduce-scatters per unit: gradient accumulation syncs every micro-batch (2 micro-batches)" with the
+        # accumulation fix: its units reduce-scattered once a step, the discriminator's same-named ones twice
+        if (backwards := E.backward_passes(ctx)) is not None and backwards < 1.5:
+            others = E.other_fsdp_units(ctx)
+            return self.quiet(
+                f"{n:.0f} reduce-scatters per unit per step in the trace, but {backwards:.0f} backward pass through "
+                "the model per optimizer step" + (f" ({mb:.0f} forward passes feeding it)" if mb and mb > 1 else "") +
+                ": no gradient accumulation; FSDP2 reduce-scatters a unit once per backward" + (
+                    f". {others} FSDP2 units of another model are alive in this process: the trace counts their "
+                    "collectives under same-named units (its labels do not name the model)" if others else ""))
         if mb is None and set(counts) == {ROOT_LABEL}:
             return self.quiet(f"only the root's reduce-scatters are labelled ({n:.0f} per step): several FSDP roots, "
                               "which FSDP's labels do not name, would count the same as micro-batches")
@@ -119,6 +132,9 @@ class AccumulationRegathers(Rule):
         n = statistics.median(micro.values()) if micro else 1.0
         if n < 2:
             return self.quiet(f"{n:.0f} forward pass per unit per optimizer step: no micro-batches to gather between")
+        if (backwards := E.backward_passes(ctx)) is not None and backwards < 2:
+            return self.quiet(f"{n:.0f} forward passes per unit per optimizer step feed {backwards:.0f} backward: no "
+                              "micro-batches to gather between")
         pm, peak, cap, step = E.peak_memory(ctx), E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not cap:
             return self.skip(E.no_capacity(ctx))

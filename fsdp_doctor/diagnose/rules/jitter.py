@@ -215,7 +215,10 @@ class DataWait(Rule):
         rank = max(shares, key=lambda r: shares[r].share)  # the first of equal shares
         top = shares[rank]
         # under gradient accumulation the host's window also holds the gaps between micro-batches (their loading)
-        accum = " and between micro-batches" if max(E.micro_batches(ctx).values(), default=1) > 1 else ""
+        # (the backward passes where recorded: forwards feeding one backward leave no gap between micro-batches)
+        backwards = E.backward_passes(ctx)
+        many = backwards > 1 if backwards is not None else max(E.micro_batches(ctx).values(), default=1) > 1
+        accum = " and between micro-batches" if many else ""
         if top.share < OUTSIDE_SHARE_MIN:
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
             what = (f"time between optimizer.step() and the next forward{accum if top.clock == CLOCK_HOST else ''}"
