@@ -314,10 +314,11 @@ def _names_bound_at_top(code: str) -> set[str]:
 
 
 @pytest.mark.parametrize("row", [r.name for r in M.ROWS if r.code])
-def test_a_pasted_fix_binds_no_one_letter_name(matrix, row):
+def test_a_pasted_fix_binds_no_one_letter_name_and_fits_80_columns(matrix, row):
     """A new-user trial's script named its model ``m``: the async-unshard fix's ``for m in model.modules():``,
     pasted as printed, rebound it to the last submodule. A fix pasted into the user's code binds no one-letter
-    name there (``module``, ``param``, ``wrapper``, ``start``); every Python fix the matrix prints is parsed."""
+    name there (``module``, ``param``, ``wrapper``, ``start``); every Python fix the matrix prints is parsed. And
+    every fix fits an 80-column terminal as the terminal prints it."""
     from fsdp_doctor.report_sections import FIX_LANGUAGES
 
     o = _ran(matrix[row])
@@ -326,3 +327,9 @@ def test_a_pasted_fix_binds_no_one_letter_name(matrix, row):
         if code and where not in FIX_LANGUAGES:
             short = {n for n in _names_bound_at_top(code) if len(n) == 1 and n != "_"}
             assert not short, (f.code, short, code)
+        if code:  # within an 80-column terminal, as it prints it (comments rewrapped; code lines are never folded:
+            # trials read 81-130 columns)
+            from fsdp_doctor.present.fmt import fit_comments
+
+            wide = [ln for ln in fit_comments(code).splitlines() if len(ln) > 80]
+            assert not wide, (f.code, wide)

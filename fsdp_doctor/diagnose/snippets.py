@@ -255,13 +255,25 @@ def _holder(t: Tree, fqn: str):
     return max(held, key=depth, default=None) or t.root()
 
 
+def policy_line(var: str, param_dtype: str, reduce_dtype: str = "float32", output_dtype: str = "",
+                note: str = "") -> str:
+    """``var = MixedPrecisionPolicy(param_dtype=torch.X, ...)`` (dtype names without ``torch.``), its arguments on
+    continuation lines past 80 columns (the one-line form read 81-103 columns in 80-column terminals)."""
+    args = [f"{k}=torch.{v}" for k, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                                          ("output_dtype", output_dtype)) if v]
+    head = f"{var} = MixedPrecisionPolicy("
+    one = head + ", ".join(args) + ")"
+    if len(one) > 80:
+        one = head + (",\n" + " " * len(head)).join(args) + ")"
+    return (f"# {note}\n" if note else "") + one
+
+
 def _mp_line(units) -> Optional[str]:
     u = next((u for u in units if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None)), None)
     if u is None:
         return None
-    args = ", ".join(f"{k}=torch.{getattr(u, k)}" for k in ("param_dtype", "reduce_dtype", "output_dtype")
-                     if getattr(u, k, None))
-    return f"mp = MixedPrecisionPolicy({args})  # as your run had it"
+    return policy_line("mp", getattr(u, "param_dtype", None) or "", getattr(u, "reduce_dtype", None) or "",
+                       getattr(u, "output_dtype", None) or "", note="as your run had it")
 
 
 def _options(kw: str) -> dict[str, str]:
@@ -467,6 +479,9 @@ def _call(expr: str, kw: str, indent: int = 0, width: int = 80) -> str:
     if indent + len(one) <= width:
         return one
     pad = " " * (indent + len("fully_shard("))
+    if expr.startswith("[") and indent + len(f"fully_shard({expr}, mesh=mesh") > width:  # a group: a module a line
+        # (BERT's three embeddings' group read 130 columns)
+        expr = "[" + f",\n{pad} ".join(expr[1:-1].split(", ")) + "]"
     return f"fully_shard({expr}, mesh=mesh" + "".join(f",\n{pad}{p}" for p in kw.split(", ") if p) + ")"
 
 
@@ -933,8 +948,8 @@ def repoint_optimizer() -> str:
             "# after them: the same optimizer (groups, hyper-parameters, LR scheduler) on the sharded parameters\n"
             "sharded = dict(model.named_parameters())\n"
             "for group in optimizer.param_groups:\n"
-            "    group['params'] = [sharded[param_names[id(p)]] if id(p) in param_names else p\n"
-            "                       for p in group['params']]\n"
+            "    group['params'] = [sharded[param_names[id(p)]] if id(p) in param_names\n"
+            "                       else p for p in group['params']]\n"
             "optimizer.state.clear()  # state of the old tensors, if it has stepped")
 
 

@@ -87,7 +87,7 @@ def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
     """16-bit parameters (all-gathers and compute) for every unit; gradients still reduced in float32, as
     numerics.reduce_dtype asks: the all-gathers' bytes halve, the reduce-scatters' stay."""
     return reshard_snippet(ctx, ", mp_policy=mp", prelude,
-                           "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+                           S.policy_line("mp", "bfloat16"))
 
 
 @register

@@ -62,8 +62,8 @@ class NarrowReduceDtype(Rule):
                  f"reduces them: about {E.mib(peak_after - peak)} MiB more at the peak ({E.mib(peak_after)} MiB)."
                  if peak and peak_after > peak else ", nothing else.")
         lever = E.plugin_lever(ctx)
-        out = f", output_dtype={_torch(us[0].output_dtype)}" if us[0].output_dtype else ""  # kept as it was
-        mp = f"mp = MixedPrecisionPolicy(param_dtype={_torch(us[0].param_dtype)}, reduce_dtype=torch.float32{out})"
+        # (output_dtype kept as it was)
+        mp = S.policy_line("mp", us[0].param_dtype or "", output_dtype=us[0].output_dtype or "")
         if lever:  # accelerate's FSDP2 plugin shards the model, with the policy it holds
             who, prepares = S.plugin_says(lever)
             made = ("bf16=True or fp16=True in TrainingArguments, which have no option for the policy itself"

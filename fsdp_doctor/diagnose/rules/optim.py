@@ -289,7 +289,7 @@ class OptimizerStateDominates(Rule):
             "# about |w|/256 (norm weights near 1.0 stop moving at lr 1e-3): compare the loss against this run's\n"
             "model.to(torch.bfloat16)\n"
             + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
-                           mp_line="mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
+                           mp_line=S.policy_line("mp", "bfloat16"))
             # a plan goes where the fully_shard calls are, before the optimizer exists: rebuilding the optimizer
             # there read an `optimizer` not yet built (tested by applying it)
             + "\n# then build the optimizer as before, after fully_shard: its state takes the parameters' bf16",

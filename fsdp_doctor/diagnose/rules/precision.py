@@ -46,7 +46,7 @@ class AutocastFp32Params(Rule):
         names = [u.name for u in units32]
         # the run's own policy, where some units have one, keeps its name (``mp``, as the plan writes it)
         var = "autocast_mp" if any(u.param_dtype or u.reduce_dtype for u in units) else "mp"
-        mp = f"{var} = MixedPrecisionPolicy(param_dtype=torch.{dtype}, reduce_dtype=torch.float32)"
+        mp = S.policy_line(var, dtype)
         text = (f"The forward runs under torch.autocast({dtype}) while FSDP2 gathers {len(units32)} unit(s)' "
                 f"parameters in float32 ({E.mib(gathered)} MiB when all are gathered): every all-gather moves "
                 f"twice the bytes it would in {dtype}, and autocast then casts each gathered weight to {dtype} for "

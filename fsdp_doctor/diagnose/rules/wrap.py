@@ -456,9 +456,7 @@ class MixedDtypeUnit(Rule):
                 S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
                              note=f"every unit with a MixedPrecisionPolicy: parameters all-gathered in {narrow}, "
                                   f"outputs in {wide} (what the next units expect)",
-                             mp_line=f"mp = MixedPrecisionPolicy(param_dtype=torch.{narrow}, "
-                                     f"reduce_dtype=torch.float32,\n"
-                                     f"                          output_dtype=torch.{wide})"),
+                             mp_line=S.policy_line("mp", narrow, output_dtype=wide)),
                 units=[u.name]))
         if not out:
             return self.quiet("every unit's parameters have one dtype" if not under_mp else
@@ -508,7 +506,8 @@ class UnreducedParams(Rule):
             f"# gradients of {E.fmt_list(names, 3)} before every optimizer.step():\n"
             "import torch.distributed as dist\n"
             "from torch.distributed.tensor import DTensor\n"
-            "unmanaged = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]\n"
+            "unmanaged = [p for p in model.parameters()\n"
+            "             if p.requires_grad and not isinstance(p, DTensor)]\n"
             "def average_unmanaged_grads(opt, args, kwargs):\n"
             "    for p in unmanaged:\n"
             "        if p.grad is not None:\n"
