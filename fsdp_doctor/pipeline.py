@@ -162,9 +162,10 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
 
         report.trace_steps = trace_steps(report.overlap)
     report.comm = comm_summary(report.overlap, recorded_ag_waits(run))
+    from .analyze.steps import late_straggler
     from .analyze.verdict import verdict  # what bounds the step, per rank and for the job
 
-    report.verdict = verdict(report.overlap, run)
+    report.verdict = verdict(report.overlap, run, late_straggler(report.steps.stragglers if report.steps else []))
     if (gpu_blind := _no_device_activity(run, report)) is not None:
         # (a new-user trial's A100 trace without its device events read "host-bound 53%: 53% faster", exit 0)
         problems.append(gpu_blind)

@@ -220,6 +220,58 @@ def test_verdict_from_records_of_a_real_run(recorded_run):
         assert sum(rv.shares_pct.values()) == pytest.approx(100, abs=0.05)
 
 
+def test_a_straggler_is_read_on_its_own_step(tmp_path):
+    """Rank 1 of 2 sleeps 150 ms before each forward (a new-user trial planted it on rank 2 of 4): rank 0 waits for it
+    in its first all-gather, the root's. That wait is rank 1's lateness, not the all-gathers' cost: the job's verdict
+    is rank 1's own step (it waits for no one) and the rules that quote all-gather waits read rank 1's, saying so
+    (measured on this run before: "communication-bound (51% of the step: exposed all-gather (forward) 31%, ...)", the
+    root's forward wait 76.9 ms, the host blocked 185.3 ms a step in all-gathers; read on rank 1: "input-bound (46% of
+    the step) ...", 1.97 ms, 76.1 ms)."""
+    import statistics
+
+    from conftest import record
+
+    from fsdp_doctor import ProfileSchedule
+    from fsdp_doctor.analyze import build_report
+    from fsdp_doctor.analyze.steps import usable_steps
+
+    _, run = record(tmp_path, steps=14, wrap="blocks_only", sleep_rank=1, sleep_ms=150.0,
+                    watch_extra={"profile": ProfileSchedule(first=6, active=2, warmup=1, every=0)})
+    rep = build_report(run)
+    (late,) = rep.steps.stragglers
+    assert late.rank == 1 and late.phase == "outside" and late.excess_ms_per_step > 100  # the 150 ms sleep
+    read = (f"read on rank 1, the straggler (the other ranks' waits for it, +{late.excess_ms_per_step:.2f} ms a step, "
+            "are straggler.rank's)")
+    v = rep.verdict
+    assert v.per_rank["0"].source == v.per_rank["1"].source == "trace"
+    # rank 0's forward all-gathers hold its wait for rank 1; the job is rank 1's own step, and says so
+    assert v.per_rank["0"].shares_pct["allgather_fwd"] > v.per_rank["1"].shares_pct["allgather_fwd"]
+    assert v.job.shares_pct == v.per_rank["1"].shares_pct and v.job.bound == v.per_rank["1"].bound
+    assert v.job.summary == v.per_rank["1"].summary + "; " + read, v.job.summary
+    # the root's forward all-gather wait, per step: rank 0 waits out the sleep, rank 1 hardly (its median is quoted)
+    root = {r: statistics.median(u.ag_wait_fwd_ms for s in usable_steps(run.ranks[r].steps) for u in s.units
+                                 if u.name == "") for r in (0, 1)}
+    assert root[0] > 100 and root[1] < root[0] / 2, root
+    by_code = {f.code: f for f in rep.findings}
+    wrap = by_code["wrap.params_in_root"].evidence
+    assert wrap["root_ag_wait_fwd_ms"] == pytest.approx(root[1], abs=1e-3) and wrap["read_on_straggler"] == 1
+    # the synchronous unshard's host blocking: rank 1's trace (rank 0's holds the wait for rank 1)
+    sync = by_code["prefetch.sync_unshard"]
+    pr = rep.overlap.per_rank
+    blocking = {r: b.us / max(1, pr[r].step_count or len(pr[r].steps)) / 1e3 for r, b in rep.overlap.blocking.items()}
+    assert sync.evidence["read_on_straggler"] == 1 and read in sync.recommendation.text
+    assert sync.evidence["blocking_ms_per_step"] == pytest.approx(blocking["1"], abs=1e-3) and \
+        blocking["0"] > blocking["1"], blocking
+    # the exposed all-gathers: rank 1's steps, fired (a loaded host stretches its gloo waits) or quiet, saying so
+    ag = next(s for s in rep.rules if s.code == "prefetch.exposed_allgather")
+    if ag.status == "fired":
+        f = by_code["prefetch.exposed_allgather"]
+        assert f.evidence["read_on_straggler"] == 1 and f", {read}: " in f.recommendation.text
+        assert "straggler rank(s)" not in f.recommendation.text  # (the old note beside the waits for it)
+    else:
+        assert ag.status == "quiet" and ag.reason.endswith("; " + read), ag
+
+
 # ------------------------------------------------------------------------------------- HTA references
 def _hta_cases():
     if not EXPECTED.exists():

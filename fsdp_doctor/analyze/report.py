@@ -102,8 +102,9 @@ def run_facts(run: Run) -> RunFacts:
 _TIMING_KEYS = ("fwd_ms", "ag_wait_fwd_ms", "bwd_ms", "ag_wait_bwd_ms", "recompute_ms")
 
 
-def unit_table(run: Run) -> list[UnitRow]:
-    """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks.
+def unit_table(run: Run, ranks: Optional[list[int]] = None) -> list[UnitRow]:
+    """The configuration snapshot of each unit (lowest rank), with median per-step timings across ranks (those of
+    ``ranks`` where given: a straggler's own, diagnose.estimate.units).
 
     ``timing_p50``'s ``fwd_ms`` and ``bwd_ms`` include nested units (as recorded); ``fwd_self_ms`` and
     ``bwd_self_ms`` are the unit's own time, its direct nested units' times taken out (for a leaf unit, the
@@ -122,7 +123,9 @@ def unit_table(run: Run) -> list[UnitRow]:
     timings: dict[str, dict[str, list[float]]] = {}
     not_run: dict[str, int] = {}
     # (one pass over every unit of every step: a 20,000-step run's 240,000, attributes read directly)
-    for rd in run.ranks.values():
+    for r, rd in run.ranks.items():
+        if ranks is not None and r not in ranks:
+            continue
         for s in usable_steps(rd.steps):
             by_name = {u.name: u for u in s.units} if (children or bwd_children) else {}
             for u in s.units:

@@ -573,6 +573,19 @@ def _straggler(r, own: dict, phase_ms, margin) -> Optional[Straggler]:
                      phase_excess_ms_per_step=round(excess_phase[phase] / len(common), 3))
 
 
+def late_straggler(stragglers: list[Straggler]) -> Optional[Straggler]:
+    """Of the records' stragglers, the one the other ranks wait for longest, or None: what the others wait for it
+    in their collectives is its lateness, not the collectives' cost, so the verdict and the rules that read
+    all-gather waits read its own step (it waits for no one's lateness; diagnose.estimate.late_rank)."""
+    return max(stragglers, key=lambda s: s.excess_ms_per_step, default=None)
+
+
+def read_on_straggler(rank, excess_ms: float, rule: str) -> str:
+    """What a figure read on the straggler's own step says of it (the verdict's, and the rules' that read waits)."""
+    return (f"read on rank {rank}, the straggler (the other ranks' waits for it, +{excess_ms:.2f} ms a step, "
+            f"are {rule}'s)")
+
+
 def profiler_export_steps(rd) -> list[int]:
     """Steps whose time includes writing a profiler window's trace (the step after the window: its "outside"
     time is the export, not data loading)."""

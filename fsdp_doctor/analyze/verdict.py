@@ -25,12 +25,12 @@ from __future__ import annotations
 from typing import Optional
 
 from ..records import runs_compiled
-from ..report_sections import OverlapSection, Verdict, VerdictEntry
+from ..report_sections import OverlapSection, Straggler, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from ..trace.model import OTHER_UNIT
 from ..units import ranks_phrase
-from .steps import device_outside_ms, device_pairs, profiled_saves, usable_steps
+from .steps import device_outside_ms, device_pairs, profiled_saves, read_on_straggler, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "communication": COMM_PARTS,
@@ -169,9 +169,11 @@ def _waits_inside_forward(run: Optional[Run], ranks: list[str]) -> tuple[int, in
     return compiled, methods
 
 
-def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Optional[Verdict]:
+def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
+            late: Optional[Straggler] = None) -> Optional[Verdict]:
     """The :class:`~fsdp_doctor.report_sections.Verdict` from the report's ``overlap`` section (the traces) and
-    the run's records, per rank and for the job (see the module docstring), or None without any data."""
+    the run's records, per rank and for the job (see the module docstring), or None without any data. With a
+    straggler (``late``: the records', ``analyze.steps.late_straggler``) the job's is its rank's own step."""
     per_rank: dict[str, VerdictEntry] = {}
     used: dict[str, tuple[dict, float]] = {}
     # an FSDP unit's all-reduce (HSDP's across replicas) is counted in its gradient reduction: named so
@@ -193,12 +195,21 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None) -> Opt
     # reduce-scatter (a new-user trial truncated one rank's trace: the job's 6% became 0.3%)
     traced = {r for r, v in per_rank.items() if v.source == "trace"}
     joined = {r: u for r, u in used.items() if not traced or r in traced}
+    on_late = late is not None and str(late.rank) in used and len(per_rank) > 1
+    if on_late:
+        # the others wait for the straggler inside their collectives: its lateness, not their collectives' cost,
+        # which its own step says (a new-user trial's rank 2 of 4, sleeping 150 ms before each forward, read
+        # "communication-bound (76% of the step: exposed all-gather (forward) 51%, ...)", its own step 54% outside
+        # the model)
+        joined = {str(late.rank): used[str(late.rank)]}
     job_parts = {k: sum(p[k] for p, _ in joined.values()) for k in BREAKDOWN_PARTS}
     job_total = sum(t for _, t in joined.values())
     devices = {per_rank[r].device for r in joined}
     job = _entry(job_parts, job_total, None, ", ".join(sorted({per_rank[r].source for r in joined})),
                  "gpu" if "gpu" in devices else "cpu", hsdp=hsdp)
-    if traced and len(traced) < len(per_rank):
+    if on_late:
+        job.summary += "; " + read_on_straggler(late.rank, late.excess_ms_per_step, "straggler.rank")
+    elif traced and len(traced) < len(per_rank):
         job.summary += (f" (from the traces of {ranks_phrase(sorted(traced, key=int))}; "
                         "the others' from their records)")
     ranks = run.ranks if run is not None else {}

@@ -17,7 +17,7 @@ from typing import Iterable, NamedTuple, Optional
 import msgspec
 
 from ..analyze.memory import recompute_held
-from ..analyze.steps import profiled_saves, unit_modules, unit_passes
+from ..analyze.steps import late_straggler, profiled_saves, read_on_straggler as read_on_late, unit_modules, unit_passes
 from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
@@ -39,6 +39,20 @@ SAVED_PER_INPUT = 16.0
 # The memory target a recommendation aims for: this share of capacity leaves room for fragmentation and
 # allocator caching (the CUDA caching allocator rarely runs cleanly above ~90%).
 TARGET_CAPACITY_SHARE = T.NEAR_CAPACITY_SHARE
+
+
+def _once(fn):
+    """``fn(ctx)`` computed once per diagnosis (``Context.memo``); its callers get the same object: read only."""
+    def once(ctx: Context):
+        memo = getattr(ctx, "memo", None)
+        if memo is None:
+            return fn(ctx)
+        if fn.__name__ not in memo:
+            memo[fn.__name__] = fn(ctx)
+        return memo[fn.__name__]
+
+    once.__name__, once.__doc__, once.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return once
 
 
 # ---------------------------------------------------------------------------------------------- sections
@@ -79,7 +93,8 @@ def window_saves(ctx: Context) -> dict[int, list[int]]:
 
 def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
     """(forward waits, backward waits, wall; ms) of the step whose recorded all-gather waits take the median share
-    of it (the lower of two), among every rank's usable steps (those of the step statistics); None without step
+    of it (the lower of two), among every rank's usable steps (those of the step statistics; the straggler's alone
+    where there is one: ``read_ranks``); None without step
     records. Each step's waits against its own wall: the host's load stretches a step's waits with it, while the
     median waits over the median wall pair steps of different lengths (40% on a loaded run whose steps waited
     42-67% of themselves). Nor the sum of the units' medians over the step p50: which unit waits moves from step to
@@ -90,8 +105,9 @@ def median_step_ag_waits(ctx: Context) -> Optional[tuple[float, float, float]]:
     waits (a new-user trial's 8-step run read "152.5 ms per step" from a 548 ms step of a 233 ms run)."""
     from ..analyze.steps import counted_op_by_op, usable_steps
 
-    usable = [s for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in usable_steps(rd.steps)
-              if s.wall_ms > 0]
+    read = read_ranks(ctx)  # (a straggler's own steps: the others' waits hold their wait for it)
+    usable = [s for r, rd in (getattr(ctx.run, "ranks", None) or {}).items() if read is None or str(r) in read
+              for s in usable_steps(rd.steps) if s.wall_ms > 0]
     usable = [s for s in usable if not counted_op_by_op(s)] or usable
     steps = sorted(((sum(u.ag_wait_fwd_ms for u in s.units), sum(u.ag_wait_bwd_ms for u in s.units), s.wall_ms)
                     for s in usable), key=lambda w: (w[0] + w[1]) / w[2])
@@ -269,11 +285,26 @@ class Unit(UnitConfig, kw_only=True):
 
 
 def units(ctx: Context) -> list[Unit]:
-    """The report's units, from the run's config where the report has no unit table."""
-    rows = ctx.report.units
+    """The report's units, from the run's config where the report has no unit table; their timings the
+    straggler's own where there is one (``late_unit_rows``)."""
+    rows = late_unit_rows(ctx) or ctx.report.units
     if not rows and ctx.config is not None:
         rows = ctx.config.units
     return [Unit.of(r) for r in rows or []]
+
+
+@_once
+def late_unit_rows(ctx: Context) -> list:
+    """The report's unit table read on the straggler's own steps (``late_rank``, from step records), or [] without
+    one: the others' all-gather waits hold their wait for it (its lateness), and the rules read a unit's waits and
+    its compute (its time less its wait) from one rank's steps. The trial's root waited 155.2 ms in forward (the
+    median of 4 ranks, 3 of them waiting for rank 2) and 3.8-13.6 ms on rank 2."""
+    late = late_rank(ctx) if steps(ctx).stragglers and ctx.report.units else None
+    if late is None or late.rule != "straggler.rank":
+        return []
+    from ..analyze.report import unit_table
+
+    return unit_table(ctx.run, ranks=[int(late.rank)])
 
 
 def grad_shard_bytes(u: Unit) -> int:
@@ -503,7 +534,8 @@ class Straggler(NamedTuple):
     own_ms: dict  # rank -> own work per step (ms)
     waits_ms: dict  # rank -> exposed communication per step (ms)
     others_own_ms: float  # the other ranks' median own work
-    others_wait_ms: float  # the other ranks' median exposed communication
+    others_wait_ms: Optional[float]  # the other ranks' median exposed communication (None: not from a trace)
+    rule: str = "straggler.trace"  # the rule that reports it (straggler.rank where the job has step records)
 
 
 def trace_straggler(ctx: Context) -> tuple[Optional[Straggler], str]:
@@ -544,8 +576,29 @@ def trace_straggler(ctx: Context) -> tuple[Optional[Straggler], str]:
 
 def read_on_straggler(late: Straggler) -> str:
     """What a rule that read the straggler's own collectives says of it."""
-    return (f"read on rank {late.rank}, the straggler (the other ranks' waits for it, +{late.excess_ms:.2f} ms a step, "
-            "are straggler.trace's)")
+    return read_on_late(late.rank, late.excess_ms, late.rule)
+
+
+@_once
+def late_rank(ctx: Context) -> Optional[Straggler]:
+    """The straggler the other ranks wait for in their collectives, or None: with step records straggler.rank's
+    (the one they wait for longest: analyze.steps.late_straggler), else the trace's (``trace_straggler``). What the
+    others wait for it is its lateness, which no prefetch or fewer bytes would shorten: the rules that read
+    all-gather waits or exposure read its own (``units``, ``median_step_ag_waits``, ``read_ranks``), as the verdict
+    does (a new-user trial's rank 2 of 4, sleeping 150 ms before each forward, read "All-gathers stall compute for
+    211.7 ms per step (81%)", 155.2 ms of it the others' root all-gather waiting for rank 2)."""
+    s = late_straggler(steps(ctx).stragglers)
+    if s is not None and s.rank in (getattr(ctx.run, "ranks", None) or {}):  # (its steps: what the rules read)
+        return Straggler(str(s.rank), s.excess_ms_per_step, {str(s.rank): s.own_ms_p50}, {}, s.others_own_ms_p50,
+                         None, "straggler.rank")
+    return trace_straggler(ctx)[0]
+
+
+def read_ranks(ctx: Context) -> Optional[list[str]]:
+    """The ranks whose collectives the rules read: the straggler's alone where there is one (``late_rank``), else
+    None (every rank)."""
+    late = late_rank(ctx)
+    return None if late is None else [late.rank]
 
 
 def trace_step_ms(ctx: Context) -> Optional[float]:
@@ -681,20 +734,6 @@ def held_windows(timeline: list[dict], name: str) -> list[tuple[int, int]]:
             out.append((fe + 1, (prev if prev is not None else bs) + 1))
         lo = bs + 1
     return out
-
-
-def _once(fn):
-    """``fn(ctx)`` computed once per diagnosis (``Context.memo``); its callers get the same object: read only."""
-    def once(ctx: Context):
-        memo = getattr(ctx, "memo", None)
-        if memo is None:
-            return fn(ctx)
-        if fn.__name__ not in memo:
-            memo[fn.__name__] = fn(ctx)
-        return memo[fn.__name__]
-
-    once.__name__, once.__doc__, once.__wrapped__ = fn.__name__, fn.__doc__, fn
-    return once
 
 
 @_once
@@ -846,7 +885,7 @@ def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
     """(ms per step that compute waits for this unit's backward all-gather, source): on a GPU with a trace the
     trace's exposed time (the host runs ahead of the device there), else the recorder's ``ag_wait_bwd_ms``."""
     if on_gpu(ctx):
-        tr = trace_exposed_by_unit(ctx, "all_gather")
+        tr = trace_exposed_by_unit(ctx, "all_gather", ranks=read_ranks(ctx))
         if tr:
             return tr.get((u.name, "backward"), 0.0), "trace"
     return (ag_wait_ms(u, "backward"), "host") if u.has_timing else (None, "")

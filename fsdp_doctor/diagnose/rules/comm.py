@@ -183,10 +183,10 @@ class CommunicationBound(TraceRule):
         job = ctx.report.verdict.job
         if trace_device(ctx) != "gpu":
             return self.quiet(GLOO_QUIET)
-        # with a straggler the other ranks' collectives wait for it to arrive: its lateness (straggler.trace's), which
+        # with a straggler the other ranks' collectives wait for it to arrive: its lateness (E.late_rank), which
         # fewer bytes would not shorten; the straggler's own step says what its collectives cost (one rank 5 ms late
         # of 4 read "communication-bound, 61% of the step" and advised 16-bit all-gathers)
-        late, _ = E.trace_straggler(ctx)
+        late = E.late_rank(ctx)
         only, on_late = None, ""  # (the rank whose collectives are read, where one is)
         if late is not None and late.rank in ctx.report.verdict.per_rank:
             only, job = late.rank, ctx.report.verdict.per_rank[late.rank]

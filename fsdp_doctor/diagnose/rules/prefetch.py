@@ -126,7 +126,10 @@ class ExposedAllGather(Rule):
         if not E.param_units(ctx):
             return self._from_plain_trace(ctx)
         step = E.step_ms(ctx)
-        trace = E.trace_exposed_by_unit(ctx, "all_gather")
+        # with a straggler, the waits and the exposure are its own (E.late_rank: the others wait for its lateness)
+        late = E.late_rank(ctx)
+        read = "" if late is None else E.read_on_straggler(late)
+        trace = E.trace_exposed_by_unit(ctx, "all_gather", ranks=E.read_ranks(ctx))
         cpu = _is_cpu(ctx)
         by_name = {u.name: u for u in E.param_units(ctx)}
         rows = []
@@ -151,8 +154,8 @@ class ExposedAllGather(Rule):
             sum(w for _, ph, w in rows if ph == "forward"), sum(w for _, ph, w in rows if ph == "backward"), step)
         total = fwd + bwd
         if not step or not us or not total:
-            return self.quiet("no step time measured" if not step else "no unit timed" if not us else
-                              "compute never waited for an all-gather")
+            return self.quiet(("no step time measured" if not step else "no unit timed" if not us else
+                               "compute never waited for an all-gather") + (read and "; " + read))
         if not E.non_root(E.param_units(ctx)) and any(f.code == "wrap.too_coarse" for f in ctx.earlier):
             # (a new-user trial's nn.Sequential under fully_shard(model) alone read "Prefetch the next unit
             # explicitly" with no next unit, no snippet and 0 µs of compute to hide behind)
@@ -162,7 +165,7 @@ class ExposedAllGather(Rule):
         share = total / of
         sev = _exposed_severity(share, cpu)
         if sev is None:
-            return self.quiet(_below(total, of, cpu, source))
+            return self.quiet(_below(total, of, cpu, source) + (read and "; " + read))
         # the share on the step p50: the step holding the median share may be a long one (a loaded host stretches a
         # step and its waits), and its waits beside the p50 read twice those of a typical step (a new-user trial:
         # "142.4 ms per step (29%)" beside a 308.7 ms step, from a 499.1 ms one)
@@ -175,11 +178,6 @@ class ExposedAllGather(Rule):
         if sync:
             sev = "info"
             notes.append("the unshard is synchronous on gloo (see prefetch.sync_unshard): fix that first")
-        stragglers = E.steps(ctx).stragglers
-        if stragglers:
-            sev = "info"
-            notes.append("part of the first all-gather's wait is time spent waiting for straggler rank(s) "
-                         + ", ".join(str(s.rank) for s in stragglers))
         rows.sort(key=lambda x: -x[2])
         # explicit forward prefetch (the snippet's chain, in the order the units' forward starts): unit i's
         # all-gather overlaps unit i-1's forward compute
@@ -245,7 +243,8 @@ class ExposedAllGather(Rule):
         other = (f" (the host's waits, timed by the recorder in every steady step; the profiled window's trace counts "
                  f"{traced:.1f} ms of exposed all-gathers in its steps)" if source == "host" and traced
                  and abs(traced - total) > 0.5 * max(traced, total) else "")
-        text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% {of_step}) for all-gathers{other}: "
+        text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% {of_step}) for all-gathers{other}"
+                f"{read and ', ' + read}: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. "
                 + ("Largest (median per unit): " + ", ".join(f"{u.name or '(root)'} {ph} {w:.1f} ms"
                                                              for u, ph, w in rows[:4]) + ". " if rows else ""))
@@ -289,7 +288,7 @@ class ExposedAllGather(Rule):
              "share_taken_of_step_wall_ms": round(taken, 3),  # (the wall of the step the share is of)
              "worst_units": [f"{u.name or '(root)'} ({ph}): {w:.2f} ms" for u, ph, w in rows[:6]],
              "trace_exposed_ag_ms_per_step": None if traced is None else round(traced, 3),
-             "measured_by": source,
+             "measured_by": source, "read_on_straggler": None if late is None else int(late.rank),
              "prefetch_overlap_assumed_pct": round(100 * eff), "expected_gain_ms": round(gain, 3),
              "compute_to_hide_behind_ms": round(hideable, 3),
              "compute_measured_by": "trace (device)" if device else "host",
@@ -309,8 +308,8 @@ class ExposedAllGather(Rule):
         # with a straggler, the other ranks' first all-gather of a step waits for it to arrive: its lateness
         # (straggler.trace's), which no prefetch hides; the straggler's own waits are the all-gathers' (read as the
         # median of the ranks, one late rank of 4 doubled the exposure: 1.02 ms a step against 0.08 ms without it)
-        late, _ = E.trace_straggler(ctx)
-        trace = E.trace_exposed_by_unit(ctx, "all_gather", ranks=None if late is None else [late.rank])
+        late = E.late_rank(ctx)
+        trace = E.trace_exposed_by_unit(ctx, "all_gather", ranks=E.read_ranks(ctx))
         step = E.trace_step_ms(ctx)
         rows = [(u, ph, w) for (u, ph), w in trace.items() if w > 0 and ph in ("forward", "backward")
                 and u not in ("(other)",)]
@@ -693,9 +692,12 @@ class SyncUnshard(Rule):
                               "the root is the only unit: its all-gather opens the step, with nothing before it to "
                               "overlap (wrap.too_coarse weighs one unit for the whole model)")
         step = E.step_ms(ctx)
-        blk = E.overlap(ctx).blocking
+        # with a straggler, its own waits and blocking (E.late_rank: the others' hold their wait for it; the trial's
+        # rank 2 of 4 late by 150 ms read "blocking per step: 193.6 ms", the most of any rank, a waiting one's)
+        late, read = E.late_rank(ctx), E.read_ranks(ctx)
+        blk = {r: b for r, b in E.overlap(ctx).blocking.items() if read is None or str(r) in read}
         blocking_ms = [b.us / E.steps_in_windows(ctx, r) / 1e3 for r, b in blk.items()]
-        ag_rows = E.trace_rows(ctx, "all_gather")
+        ag_rows = [r for r in E.trace_rows(ctx, "all_gather") if read is None or str(r.rank) in read]
         ag_comm = sum(r.comm_us for r in ag_rows)
         ag_exp = sum(r.exposed_us for r in ag_rows)
         ag_overlap_pct = round(100 * (1 - ag_exp / ag_comm), 1) if ag_comm > 0 else None
@@ -725,9 +727,10 @@ class SyncUnshard(Rule):
              "ag_wait_bwd_ms": round(bwd_waits, 3), "step_p50_ms": step,
              "blocking_ms_per_step": round(max(blocking_ms), 3) if blocking_ms else None,
              "blocking_calls": sum(b.count for b in blk.values()) if blk else None,
-             "ag_overlap_pct": ag_overlap_pct},
+             "ag_overlap_pct": ag_overlap_pct, "read_on_straggler": None if late is None else int(late.rank)},
             _SYNC_WHY + held + " (The root's own all-gather opens the step, with nothing before it to overlap: it is "
-            "not counted; the snippet sets every unit alike.)",
+            "not counted; the snippet sets every unit alike.)"
+            + ("" if late is None else f" The waits are {E.read_on_straggler(late)}."),
             S.async_unshard_code(),
             predicted=E.predicted(step, step - saved if step is not None and saved > 0 else None, peak,
                                   peak + extra if peak is not None else None, peak_at_most=True),

@@ -282,7 +282,9 @@ class ParamsInRoot(Rule):
             "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
             {"root_param_share_pct": round(100 * share, 1), "root_param_count": root.param_count,
              "root_unsharded_bytes": root.unsharded_bytes, "held_gathered_bytes": held,
-             "root_ag_wait_fwd_ms": t.ag_wait_fwd_ms, "wrapped_units": len(others),
+             "root_ag_wait_fwd_ms": t.ag_wait_fwd_ms,  # (a straggler's own: E.late_rank)
+             "read_on_straggler": None if (late := E.late_rank(ctx)) is None else int(late.rank),
+             "wrapped_units": len(others),
              "wrapped_examples": sorted(wrapped)[:6]},
             text, plug.get("code", code), where=plug.get("where", ""),
             predicted=E.predicted(step, None if cpu else step, peak, peak_after), units=[""])]
