@@ -602,3 +602,113 @@ def test_a_unit_that_did_not_run_in_a_step_has_its_gradients_counted_after(tmp_p
         assert ends[step]["sharded_grads"] == full and ends[step]["temporaries"] < 1024, (step, ends[step])
     assert "memory.outputs_kept" not in {f.code for f in build_report(run).findings}
 
+
+
+# ----------------------------------------------------- a new-user trial's blocks: kept gradients, float32 reduction
+_TRIAL_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp, torch.nn as nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    class Block(nn.Module):  # the trial's: LayerNorm, 64 -> 192 -> 64
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = nn.LayerNorm(64), nn.Linear(64, 192), nn.Linear(192, 64)
+
+        def forward(self, x):
+            return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+    def worker(rank, port, out, mode, fix):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        import fsdp_doctor
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(100, 64), *(Block() for _ in range(3)), nn.Linear(64, 100, bias=False))
+        if fix:  # the finding's code, pasted in place of the fully_shard calls
+            exec(fix, {"model": model})
+        else:
+            bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            kw = {"mp_policy": bf16} if mode == "bf16" else {}
+            for block in model[1:4]:
+                fully_shard(block, **kw)
+            fully_shard(model, **kw)
+        params = list(model.parameters())
+        if mode == "untrained":  # the last block's fc2 left out of the optimizer: zero_grad() never frees its gradient
+            params = [p for p in params if all(p is not q for q in model[3].fc2.parameters())]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        kept = []  # the gradient storages alive as each step's forward starts (bytes, each storage once)
+        with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
+            for step in range(4):
+                grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+                kept.append(sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in grads}.values()))
+                t = torch.randint(0, 100, (4, 33), generator=g)
+                loss = nn.functional.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten())
+                loss.backward(); opt.step(); opt.zero_grad(); doc.step()  # (the trial's loop)
+        with open(os.path.join(out, f"kept{rank}.json"), "w") as f:
+            json.dump(kept, f)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        from fsdp_doctor.workloads import free_port
+        fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
+        mp.spawn(worker, args=(free_port(), sys.argv[1], sys.argv[2], fix), nprocs=2)
+''')
+#: one block's gradient shard on a rank (fp32, FSDP's dim-0 padding on 2 ranks): LayerNorm 32 + 32, fc1 96 x 64 + 96,
+#: fc2 32 x 192 + 32 elements; FSDP2 views every gradient out of one such flat reduce-scatter output
+_BLOCK_GRAD_SHARD = 4 * (32 + 32 + 96 * 64 + 96 + 32 * 192 + 32)
+
+
+def _trial_run(tmp_path: Path, mode: str, fix: str = ""):
+    from fsdp_doctor import load_run
+
+    script, out = tmp_path / "trial.py", tmp_path / (mode + ("_fixed" if fix else ""))
+    script.write_text(_TRIAL_SCRIPT)
+    args = [sys.executable, str(script), str(out), mode]
+    if fix:
+        (tmp_path / "fix.py").write_text(fix)
+        args.append(str(tmp_path / "fix.py"))
+    env = {**__import__("os").environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(args, check=True, env=env, timeout=300)
+    return load_run(out), {r: json.loads((out / f"kept{r}.json").read_text()) for r in range(NPROC)}
+
+
+def test_gradients_the_optimizer_does_not_free_are_counted_where_their_unit_has_others_freed(tmp_path):
+    """The trial's last block with fc2 left out of AdamW: zero_grad() frees the block's other gradients and keeps
+    fc2's, views of the block's reduce-scatter output of step 0, which stays whole (49,920 B; fc2's own shard is
+    24,704 B). At the forward start the probe read one parameter per unit (the LayerNorm's weight, freed) and set the
+    whole unit's gradients to 0: step 2 (full, not a refresh step) read sharded_grads 0 from its start to its peak,
+    whose 1,526,608 B were 49,920 B under step 1's. Now every full step reads what the ranks hold."""
+    from fsdp_doctor.analyze.memory import analyze_memory, timeline_rows
+
+    run, kept = _trial_run(tmp_path, "untrained")
+    for r in range(NPROC):
+        assert kept[r][1:] == [_BLOCK_GRAD_SHARD] * 3, kept[r]  # what the rank held as each later step began
+        steps = {s.step: s.memory for s in run.ranks[r].steps}
+        assert [steps[i].sampling for i in range(4)] == ["full", "full", "full", "replayed"]
+        for i in (1, 2):
+            first = timeline_rows(steps[i])[0]
+            assert (first["unit"], first["phase"]) == (None, "forward_start")
+            assert first["sharded_grads"] == kept[r][i], (i, first)
+        assert steps[2].peak.bytes == steps[1].peak.bytes, (steps[1].peak, steps[2].peak)
+        assert steps[2].peak.breakdown["sharded_grads"] == _BLOCK_GRAD_SHARD, steps[2].peak.breakdown
+        assert analyze_memory(run).per_rank[str(r)].steady_bytes["sharded_grads"] == _BLOCK_GRAD_SHARD
+
+
+def test_float32_reduction_predicts_the_float32_reduce_scatter_input(tmp_path):
+    """bf16 compute reducing in bf16, no accumulation (the trial's blocks): numerics.reduce_dtype predicted "peak
+    unchanged" (only unsharded gradients, none at the peak, were scaled), and its fix, pasted, raised the peak by the
+    float32 reduce-scatter input of the block whose post-backward ran last, held in comm_buffers (the trial: 1,094,104
+    -> 1,144,024 B). The prediction now grows it by (4 - 2) B x 2 ranks x the block's padded shard elements, and the
+    rerun with the fix applied peaks there (here exactly; the old prediction was 4.5% low)."""
+    from fsdp_doctor import build_report
+
+    before = build_report(_trial_run(tmp_path, "bf16")[0])
+    (f,) = [f for f in before.findings if f.code == "numerics.reduce_dtype"]
+    assert f.predicted.peak_bytes_before == before.memory.peak_bytes
+    assert f.predicted.peak_bytes_delta == _BLOCK_GRAD_SHARD // 4 * 2 * (4 - 2), f.predicted
+    after = build_report(_trial_run(tmp_path, "bf16", f.recommendation.code)[0])
+    assert "numerics.reduce_dtype" not in {g.code for g in after.findings}
+    assert after.memory.peak_bytes == pytest.approx(f.predicted.peak_bytes_after, rel=0.01), (
+        after.memory.peak_bytes, f.predicted)

@@ -57,9 +57,12 @@ class NarrowReduceDtype(Rule):
         if rs_ms is not None:
             text += (f" (the step slows by at most its time again, {rs_ms:.1f} ms, where none of it hides behind the "
                      "backward; far less where that time is mostly waiting for the other ranks, as on gloo)")
-        peak_after = _peak_reducing_in_fp32(E.peak_memory(ctx), _WIDTH.get(us[0].param_dtype or "", 0)) or peak
-        text += (f", and FSDP2 keeps the 16-bit compute's unsharded gradients in float32 while it accumulates and "
-                 f"reduces them: about {E.mib(peak_after - peak)} MiB more at the peak ({E.mib(peak_after)} MiB)."
+        width = _WIDTH.get(us[0].param_dtype or "", 0)
+        peak_after = _peak_reducing_in_fp32(E.peak_memory(ctx), us, width) or peak
+        kept = (" (and keeps the 16-bit compute's unsharded gradients it accumulates between synced micro-batches in "
+                "float32)" if 0 < width < 4 else "")
+        text += (f", and FSDP2 copies each unit's gradients into a float32 reduce-scatter input{kept}: about "
+                 f"{E.mib(peak_after - peak)} MiB more at the peak ({E.mib(peak_after)} MiB)."
                  if peak and peak_after > peak else ", nothing else.")
         lever = E.plugin_lever(ctx)
         # (output_dtype kept as it was)
@@ -87,19 +90,55 @@ class NarrowReduceDtype(Rule):
             units=[u.name for u in us[:20]])]
 
 
-def _peak_reducing_in_fp32(pm, grad_width: int):
-    """The peak with the gradients reduced in float32 where the compute (``param_dtype``, ``grad_width`` bytes an
-    element) is 16-bit: FSDP2 then keeps the unsharded gradients it accumulates between synced micro-batches in
-    reduce_dtype, and reduce-scatters from a float32 copy of them, so whatever the peak step's timeline holds as
-    unsharded gradients at a mark counts 4 / grad_width times; the new peak is the highest mark. (A Trainer's Llama,
-    bf16, 2 micro-batches: predicted 63,382,488 B, measured 63,874,652 B; the peak was 53,678,040 B.) None where
-    nothing changes (32-bit compute: float32 reduction is the gradients' own dtype) or no peak was measured."""
-    if pm is None or not pm.peak_bytes or not 0 < grad_width < 4:
+def _peak_reducing_in_fp32(pm, us: list[E.Unit], grad_width: int):
+    """The peak with the gradients of the units ``us`` reduced in float32. FSDP2 copies a unit's gradients into one
+    flat reduce-scatter input in the reduce dtype (its shard group's size times its padded trainable shard) and holds
+    it from the unit's post-backward to the next one's (``_rs_inputs``), in comm_buffers: it grows by 4 / width of
+    the dtype it is reduced in now. Where the compute (``param_dtype``, ``grad_width`` bytes an element) is 16-bit,
+    FSDP2 also keeps the unsharded gradients it accumulates between synced micro-batches in reduce_dtype, so whatever
+    the peak step's timeline holds as unsharded gradients at a mark counts 4 / grad_width times. The new peak is the
+    highest mark. (A Trainer's Llama, bf16, 2 micro-batches: predicted 63,382,488 B, measured 63,874,652 B; the peak
+    was 53,678,040 B. A new-user trial's bf16 blocks reducing in bf16 without accumulation: "peak 1.04 MiB
+    unchanged" predicted, 1,094,104 -> 1,144,024 B measured, the float32 reduce-scatter input of the block whose
+    post-backward ran last; the unit's input now.) None where nothing changes or no peak was measured."""
+    if pm is None or not pm.peak_bytes:
         return None
-    grow = 4 / grad_width - 1
-    if not pm.timeline:
-        return int(pm.peak_bytes + grow * (pm.peak_breakdown.get("unsharded_grads") or 0))
-    return E.peak_with_rows(pm, [grow * int(r.get("unsharded_grads") or 0) for r in pm.timeline])
+    grow = 4 / grad_width - 1 if 0 < grad_width < 4 else 0
+    rs_grow = {u.name: _rs_input_bytes(u, 4) - _rs_input_bytes(u, _WIDTH.get(_reduced_in(u) or "", 4)) for u in us}
+    if not grow and not any(rs_grow.values()):
+        return None
+    if not pm.timeline:  # (the peak in a backward holds one unit's reduce-scatter input at most)
+        held = max(rs_grow.values()) if "backward" in (pm.peak_at.phase or "") else 0
+        return int(pm.peak_bytes + grow * (pm.peak_breakdown.get("unsharded_grads") or 0) + held)
+    return E.peak_with_rows(pm, [grow * int(r.get("unsharded_grads") or 0) + rs
+                                 for r, rs in zip(pm.timeline, _rs_inputs(pm.timeline, rs_grow))])
+
+
+def _rs_input_bytes(u: E.Unit, width: int) -> int:
+    """The unit's reduce-scatter input in a dtype of ``width`` bytes: its padded trainable shard's elements (the
+    gradient shard, in its parameters' dtype) times the ranks it is sharded over; 0 where unknown."""
+    orig = _WIDTH.get(u.orig_dtypes[0], 0) if len(u.orig_dtypes or []) == 1 else 0
+    return E.grad_shard_bytes(u) // orig * (u.shard_size or 1) * width if orig and E.grad_shard_bytes(u) else 0
+
+
+def _rs_inputs(timeline: list[dict], size: dict[str, int]) -> list[int]:
+    """``size[unit]`` at each row of a step's timeline where FSDP2 holds that unit's reduce-scatter input: from its
+    post-backward, which runs right after its backward_end mark, to the next unit's post-backward, which frees it
+    before issuing its own (one input in flight: torch's reduce_scatter_max_input_buffers default), or the end of
+    the backward. Nothing where the post-backward did not reduce (no gradient sync): there the unit's unsharded
+    gradients stay, where a reduction frees them by the next mark."""
+    marks = [i for i, r in enumerate(timeline) if not str(r.get("phase") or "").startswith("in_")]
+    out, held = [], 0
+    for i, r in enumerate(timeline):
+        unit, phase = r.get("unit"), r.get("phase")
+        if unit is None and phase in ("forward_start", "backward_end"):
+            held = 0
+        out.append(held)
+        if phase == "backward_end" and unit is not None:
+            nxt = next((timeline[j] for j in marks if j > i), None)
+            if nxt is not None and (nxt.get("unsharded_grads") or 0) < (r.get("unsharded_grads") or 0):
+                held = size.get(unit, 0)
+    return out
 
 
 def _torch(dtype: str | None) -> str:

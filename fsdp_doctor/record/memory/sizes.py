@@ -113,6 +113,9 @@ class FsdpSizes:
                 if trainable:
                     fps.append(trainable[0])
             self._probe_fps.append(fps)
+        # units with trainable parameters the optimizer does not hold (refresh_optimizer): its zero_grad frees only
+        # its own gradients, so one probe cannot tell what the unit keeps
+        self._part_held = [False] * len(units)
         self.static_done = False
         self.pending: list[int] = []  # units whose post-backward ran since their grads were measured
         self.refresh_step = True  # this step re-measures every cached size
@@ -267,10 +270,13 @@ class FsdpSizes:
         self._set_grads(idx, sg, ug, host)
 
     def quick_grads(self) -> None:
-        """At the forward start: notice gradients freed (zero_grad) or kept since the last backward."""
+        """At the forward start: notice gradients freed (zero_grad) or kept since the last backward. A unit the
+        optimizer holds only part of is measured: its zero_grad() frees some of the unit's gradients and keeps the
+        rest (a new-user trial's last block, fc2 left out of AdamW: its probe, the LayerNorm's weight, had none, and
+        the 49,920 B fc2's gradient kept, the unit's whole reduce-scatter output of an earlier step, read 0)."""
         for idx in range(len(self.units)):
             if self.unit_sgrad[idx] or self.unit_ugrad[idx] or self.unit_host_grad[idx] or self.refresh_step:
-                if self.refresh_step:
+                if self.refresh_step or self._part_held[idx]:
                     self.measure_unit_grads(idx)
                 elif not self._has_grads(idx):
                     self._set_grads(idx, 0, 0, 0)
@@ -302,11 +308,13 @@ class FsdpSizes:
         # on the modules in their place: the optimizer's read as stale after a forward without gradients)
         model_ids = {id(p) for p in self.model.parameters()} | self._managed_ids()
         seen: set[int] = set()
+        held: set[int] = set()
         dev = host = 0
         stale = 0
         stale_n = 0
         for group in opt.param_groups:
             for p in group.get("params", ()):
+                held.add(id(p))
                 if id(p) in model_ids or F2.is_sharded(p):  # (another FSDP model's: its state is optimizer state)
                     continue
                 stale_n += 1
@@ -332,6 +340,8 @@ class FsdpSizes:
                     dev += nb
                 else:
                     host += nb
+        self._part_held = [any(getattr(sp := F2.sharded_param(fp), "requires_grad", False) and id(sp) not in held
+                               for g in gs for fp in g.fps) for gs in self.unit_groups]
         self.opt_bytes = dev
         self.opt_host = host
         self.stale_bytes = stale
