@@ -334,6 +334,14 @@ def gpt(n_layers: int = 4):
     return build_model(WorkloadConfig(n_layers=n_layers, d_model=64 if n_layers <= 4 else 16, seq_len=SEQ, vocab=512))
 
 
+def sequential():
+    """The README's quick-start model: nn.Sequential(Embedding, 4 x TransformerEncoderLayer, Linear), its blocks the
+    root's own children 1..4 (snippets over them: tests/test_diagnose_rules.py's sequential root)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(512, 64), *(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+                                                  for _ in range(4)), nn.Linear(64, 512))
+
+
 def shard_gpt(model, mesh):
     from fsdp_doctor.workloads import WorkloadConfig
     from fsdp_doctor.workloads.sharding import apply_fsdp
@@ -646,6 +654,7 @@ FINETUNE = {"hf_llama_lora": hf_llama_lora, "qwen2_tail": qwen2_tail}
 # each client's model as built, and the user's own sharding of it (for snippets that act on the sharded model)
 BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_blocks(transformer(checkpoint=False)),
          "llama": llama, "gpt": gpt, "gpt8": lambda: gpt(8), "gpt48": lambda: gpt(48), "hf_llama": hf_llama,
+         "sequential": sequential,
          "hf_llama_ckpt": lambda: hf_llama(True),
          # eager attention, GPU-sized on a GPU (tiny on the CPU, where the GPU rows only check their plumbing)
          "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
@@ -675,10 +684,11 @@ def shard_blocks_only(model, mesh):
 
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
          "gpt": shard_gpt, "gpt8": shard_blocks_only, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only,
-         "hf_llama_ckpt": shard_blocks_only,
+         "hf_llama_ckpt": shard_blocks_only, "sequential": lambda m, mesh: fully_shard(m, mesh=mesh),  # (whole)
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
+         "sequential": 512,
          "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "neox": 512,
          **{name: 512 for name in FINETUNE}}
 

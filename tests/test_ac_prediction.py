@@ -121,8 +121,8 @@ def test_blocks_checkpointed_prediction_is_the_uncheckpointed_peak(runs):
     measured = runs[1]["fixed"][1].memory.peak_bytes  # the same ResNet, never checkpointed
     print(f"\n[resnet blocks] predicted {f.predicted.peak_bytes_after:,} B, measured without checkpointing {measured:,} B")
     assert f.predicted.peak_bytes_after == pytest.approx(measured, rel=0.10)
-    assert "wrappers = ['layer1.0', 'layer1.1', 'layer2.0', 'layer2.1', 'layer3.0', 'layer3.1']" in \
-        f.recommendation.code
+    assert ("wrappers = ['layer1.0', 'layer1.1', 'layer2.0', 'layer2.1', 'layer3.0',\n"
+            "            'layer3.1']") in f.recommendation.code  # (wrapped at 80 columns)
 
 
 @pytest.mark.slow

@@ -389,6 +389,8 @@ def _constructed_snippets() -> list[list[str]]:
     def tree(s: str) -> str:
         if "set_attn_implementation" in s:
             return "hf_llama"
+        if "list(model.children())" in s or "model.get_submodule('0')" in s:  # the root's own children as blocks
+            return "sequential"
         if re.search(r"'model\.layers\.\d+'", s):  # a Hugging Face decoder's units: the frozen-base fine-tuning tree
             return "qwen2_tail"
         n = 1 + max((int(i) for i in re.findall(r"layers\.(\d+)", s)), default=0)

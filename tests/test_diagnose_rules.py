@@ -2468,8 +2468,9 @@ def test_wrap_wording_on_one_coarse_unit_beside_the_root():
                   orig_dtypes=["float32"], own_modules=[f"layers.{i}.fc" for i in range(4)], own_bytes=[133_888] * 4,
                   timing=dict(fwd_ms=20.0, ag_wait_fwd_ms=8.5, bwd_ms=30.0, ag_wait_bwd_ms=0.7))
     us = [unit("", param_count=33_024, n_params=3, sharded_bytes=66_048, unsharded_bytes=132_096,
-               orig_dtypes=["float32"], own_modules=["emb", "head"], own_bytes=[65_536, 66_560],
-               timing=dict(fwd_ms=5.0, ag_wait_fwd_ms=1.0)), unit("layers", **blocks)]
+               orig_dtypes=["float32"], own_modules=["tok_emb", "lm_head"], own_bytes=[65_536, 66_560],
+               timing=dict(fwd_ms=5.0, ag_wait_fwd_ms=1.0)), unit("layers", **blocks)]  # (the reference GPT's names:
+    # tests/test_clients.py runs the fix on it)
     ctx, _ = build(units=us, memory=memory(int(3.6 * MiB), unsharded_params=535_552 + 132_096))
     (f,) = run_rule("wrap.too_coarse", ctx)
     assert "nothing to overlap it with. Apply fully_shard" in f.recommendation.text, f.recommendation.text
