@@ -312,3 +312,32 @@ def test_the_doctors_own_cost_over_the_run_is_said():
                                 "left out of the statistics above")
     sec.doctor_own_ms = {"0": [308.0, 1200.0]}  # a report written before the split
     assert doctor_text(sec).startswith("The doctor's own work: 308.0 ms of the 1.20 s the steps took (25.7%): its ")
+
+
+def test_fixes_say_which_names_of_the_script_they_read():
+    """A new-user trial's model named ``m`` met ``NameError: name 'model' is not defined`` pasting a fix as printed,
+    and its ``device = torch.device(f"cuda:{local_rank}")``-style variable was rebound by the mesh the fix defines.
+    The diagnosis says once which names the fixes read; the mesh a fix defines binds no ``device``."""
+    import ast
+    import json
+
+    from conftest import SAMPLE_RUN as SAMPLE
+    from rich.console import Console
+
+    from fsdp_doctor.diagnose.snippets import complete
+    from fsdp_doctor.present.fmt import fixes_note
+    from fsdp_doctor.present.terminal import render_report
+    from fsdp_doctor.report_sections import Report
+
+    report = Report.of(json.loads((SAMPLE / "report.json").read_text()))
+    assert any(f.recommendation.code for f in report.findings)
+    console = Console(width=100, record=True)
+    render_report(report, console)
+    out = console.export_text()
+    assert out.count("The fixes call your model `model` and your optimizer `optimizer`") == 1
+    assert out.index("The fixes call") > out.index("Diagnosis")
+    assert fixes_note([f for f in report.findings if not f.recommendation.code]) == ""
+    code = complete("fully_shard(model, mesh=mesh)")
+    bound = {t.id for n in ast.parse(code).body if isinstance(n, ast.Assign) for t in n.targets
+             if isinstance(t, ast.Name)}
+    assert bound == {"mesh"}, code

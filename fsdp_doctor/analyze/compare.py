@@ -55,7 +55,9 @@ STEP_TOLERANCE_PCT = 10.0
 # at least half the predicted change measured.
 PEAK_TOLERANCE_PCT = 5.0
 # a predicted and a measured peak change both under this share of the peak: "about unchanged", and that held
-PEAK_UNCHANGED_PCT = 1.0
+# (identical gloo ranks' peaks differ by 1.3-1.4% from run to run, which rank is highest flipping: a fix predicting
+# no peak change read "missed" at +1.38%, a new-user trial)
+PEAK_UNCHANGED_PCT = 2.0
 TOP_OPS = 8  # kernels/operators listed per phase
 TOP_COMM = 12  # unit rows listed
 

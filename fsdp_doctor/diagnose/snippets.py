@@ -85,8 +85,9 @@ def children_expr(fqn: str, idx: Iterable[int] = (), named: bool = False, as_lis
         return f"list({module_expr(fqn)}.{call})" if as_list else f"{module_expr(fqn)}.{call}"
     if idx == list(range(idx[0], idx[-1] + 1)):
         return f"list({ROOT}.{call})[{idx[0]}:{idx[-1] + 1}]"
-    return "[" + ", ".join(f"({str(i)!r}, {module_expr(str(i))})" if named else module_expr(str(i))
-                           for i in idx) + "]"
+    # (not consecutive: one get_submodule each read 118 columns for four blocks, a new-user trial)
+    item = f"(str(i), {ROOT}.get_submodule(str(i)))" if named else f"{ROOT}.get_submodule(str(i))"
+    return f"[{item} for i in {tuple(idx)!r}]"
 
 
 def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
@@ -1484,9 +1485,11 @@ _DEFINES = (
     (r"\binit_device_mesh\(", "from torch.distributed.device_mesh import init_device_mesh"),
 )
 _FSDP_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard")
-_MESH = ("device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
-         "# a mesh over all ranks (HSDP: your 2-D mesh)\n"
-         "mesh = init_device_mesh(device, (dist.get_world_size(),))")
+# (no ``device`` of its own: pasted into a script whose ``device`` was "cuda:{local_rank}", it made it "cuda", every
+# rank's cuda:0 - a new-user trial's script had one)
+_MESH = ("# a mesh over all ranks (HSDP: your 2-D mesh)\n"
+         "mesh = init_device_mesh('cuda' if torch.cuda.is_available() else 'cpu',\n"
+         "                        (dist.get_world_size(),))")
 
 
 # heads a snippet's imports, which it gathers at its top: pasted into a function that used one of their names

@@ -200,6 +200,15 @@ def fix_heading(rec, inputs: bool = True) -> str:
     return head
 
 
+def fixes_note(findings) -> str:
+    """One line over the findings where any fix is Python code: the names it reads of the user's script (a new-user
+    trial's model named ``m`` met ``NameError: name 'model' is not defined`` pasting a fix as printed); "" for none."""
+    if not any(f.recommendation.code and f.recommendation.where not in FIX_LANGUAGES for f in findings):
+        return ""
+    return ("The fixes call your model `model` and your optimizer `optimizer` (what watch() was given): rename them "
+            "to yours where you paste.")
+
+
 def fix_inputs(rec) -> str:
     """The names of the user's code a fix reads, and what they are ("mesh: the mesh your fully_shard calls pass");
     "" for none."""

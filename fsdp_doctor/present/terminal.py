@@ -17,7 +17,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title,
-                  fit_comments, problem_line)
+                  fit_comments, fixes_note, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -203,6 +203,8 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
                                      names=[u.name for u in report.units or []]))
     if report.findings:
         console.rule("Diagnosis")
+        if note := fixes_note(report.findings):
+            console.print(Text(note, style="dim"))
     for f in report.findings:
         for item in finding_details(f):
             # code lines are never folded: the terminal wraps a long one on screen, a copy stays one line

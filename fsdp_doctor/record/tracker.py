@@ -372,7 +372,10 @@ class Doctor:
         self._forwards_at_call = forwards
         if self._is_micro_batch():
             backwards, self._backwards_at_call = self._backwards_at_call, self._timer.backwards
-            if backwards == self._timer.backwards or not self._syncing():  # (sync off: gradients not reduced yet)
+            # (sync off: gradients not reduced yet; or held unreduced where the loop's sync was turned back on
+            # before this call: accelerate's no_sync restores it in a finally, and the Trainer's and accumulate()'s
+            # micro-batches read as skipped optimizer steps, 8 of 16: a new-user trial)
+            if backwards == self._timer.backwards or not self._syncing() or self._unreduced():
                 return
             if not self._gradients_dropped():
                 self._timer.zeroed_check = True  # zero_grad at the top of the loop: read at the next forward
@@ -384,6 +387,17 @@ class Doctor:
         """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on): a backward then
         leaves gradients on the sharded parameters, which gradient accumulation keeps to the optimizer step."""
         return all(F2.reduce_grads(pg) for u in self._units for pg in u.param_groups)
+
+    def _unreduced(self) -> bool:
+        """Whether a unit holds gradients it has not reduced yet (unsharded or accumulated ones: a micro-batch's
+        backward under gradient accumulation without sync): attribute reads only."""
+        for u in self._units:
+            for pg in u.param_groups:
+                for fp in F2.group_params(pg):
+                    up = F2.unsharded_param(fp)
+                    if (up is not None and up.grad is not None) or F2.accumulated_grad(fp) is not None:
+                        return True
+        return False
 
     def _gradients_dropped(self) -> bool:
         """Whether no parameter of the watched optimizer holds a gradient: the loop zeroed them (zero_grad's
