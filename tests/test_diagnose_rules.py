@@ -2523,3 +2523,30 @@ def test_blocks_that_are_children_of_a_sequential_root():
     # the leaves alone (units "0", "1" each a Linear): no blocks (test_too_coarse_stays_quiet_... fires nothing)
     t = S.Tree.of([UnitConfig(**u) for u, _ in [unit(""), unit("0", own_modules=["0"]), unit("1", own_modules=["1"])]])
     assert t.containers() == {}
+
+
+def test_calls_on_units_fit_80_columns():
+    """A Hugging Face layer's "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)"
+    read 85 columns (a new-user trial's accelerate loop): past 80 the calls are a loop over the names; the Trainer
+    callback's signature is two lines."""
+    import torch.nn as nn
+
+    from fsdp_doctor.diagnose import snippets as S
+
+    call = "set_reshard_after_forward(False, recurse=False)"
+    assert S.set_on_units(["layers.1"], call) == f"model.get_submodule('layers.1').{call}"
+    code = S.set_on_units(["model.layers.1", "model.layers.2"], call)
+    assert max(map(len, code.splitlines())) <= 80, code
+    seen = []
+
+    class Unit(nn.Module):
+        def set_reshard_after_forward(self, flag, recurse=True):
+            seen.append((self.tag, flag, recurse))
+
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([Unit() for _ in range(3)])
+    for i, u in enumerate(model.model.layers):
+        u.tag = i
+    exec(code, {"model": model})
+    assert seen == [(1, False, False), (2, False, False)]

@@ -932,8 +932,10 @@ def name_list(var: str, names: list[str], width: int = 80) -> str:
 def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``)."""
     mods = [members(n)[0] for n in names]
-    if len(mods) > loop_over:
-        return name_list("names", mods) + f"\nfor name in names:\n    model.get_submodule(name).{call}"
+    # (a loop too where a line would pass 80 columns: an HF layer's
+    # "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)" read 85)
+    if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > 80 for m in mods):
+        return name_list("names", mods) + f"\nfor name in names:\n    unit = model.get_submodule(name)\n    unit.{call}"
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
 
 
@@ -1438,7 +1440,8 @@ def for_trainer(rec, finding: str = "") -> None:
     body = textwrap.indent(code, " " * 8)
     rec.code = ("\n".join([*imports, "from transformers import TrainerCallback"]) + "\n\n\n"
                 "class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model and built the optimizer\n"
-                "    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):\n"
+                "    def on_train_begin(self, args, state, control, model=None,\n"
+                "                       optimizer=None, **kwargs):\n"
                 + ("        optimizer = getattr(optimizer, \"optimizer\", optimizer)  # the torch optimizer inside "
                    "accelerate's\n" if re.search(r"\boptimizer\b", code) else "")
                 + f"{body}\n\n\n"
