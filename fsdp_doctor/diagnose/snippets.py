@@ -763,7 +763,7 @@ def _order_lines(t: Tree, var: str, labels: list[str]) -> list[str]:
         blocks = f"reversed({children_expr(c, idx, as_list=True)})" if rev else children_expr(c, idx)
         lines += ([] if lines else [f"{var} = []"]) + [
             f"for block in {blocks}:",
-            f"    {var} += [" + ", ".join(module_expr(p, root="block") if p else "block" for p in paths) + "]"]
+            _wrapped(f"    {var} += ", [module_expr(p, root="block") if p else "block" for p in paths])]
     flush()
     return lines or [f"{var} = []"]
 
