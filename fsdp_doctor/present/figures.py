@@ -251,8 +251,9 @@ def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) ->
         med = _median(w)
         dev = [v - med for v in w]
         if len(dev) <= STEP_POINTS:
-            fig.add_trace(go.Histogram(x=dev, name=f"rank {r}", marker_color=rank_color(r), opacity=0.7,
-                                       hovertemplate=f"rank {r}<br>%{{x}} ms from median<br>%{{y}} steps<extra></extra>"))
+            fig.add_trace(go.Histogram(
+                x=dev, name=f"rank {r}", marker_color=rank_color(r), opacity=0.7,
+                hovertemplate=f"rank {r}<br>%{{x}} ms from median<br>%{{y}} steps<extra></extra>"))
             continue
         # a long run: its counts, not every step's value (the browser bins what it is sent)
         lo, hi = min(dev), max(dev)

@@ -20,7 +20,8 @@ from typing import Any, Optional
 from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (fix_heading, fixes_note, problem_text, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
+from .fmt import (fix_heading, fixes_note, problem_text,
+                  MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
                   fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
@@ -263,8 +264,9 @@ def render_html(report: Report | dict) -> str:
         text, drew = _verdict(report.verdict, first)
         parts.append(text)
         first = first and not drew
-    parts += ["<h2>Diagnosis</h2>"] + ([f"<p class='note'>{_esc(n)}</p>"] if (n := fixes_note(report.findings)) else []) \
-        + [_findings(report.findings, report.rules)]
+    note = fixes_note(report.findings)
+    parts += ["<h2>Diagnosis</h2>", *([f"<p class='note'>{_esc(note)}</p>"] if note else []),
+              _findings(report.findings, report.rules)]
     for title, builder, data, missing, tables in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")
