@@ -2550,3 +2550,23 @@ def test_calls_on_units_fit_80_columns():
         u.tag = i
     exec(code, {"model": model})
     assert seen == [(1, False, False), (2, False, False)]
+
+
+def test_findings_sort_by_severity_then_predicted_gain():
+    """A straggler's "204.9 ms -> 100.0 ms (51% faster)" was listed after prefetch.sync_unshard's 2% (by code, within
+    a severity: a new-user trial). Most severe first, then the largest relative gain (step or peak), then by code."""
+    from fsdp_doctor.diagnose import sort_findings
+    from fsdp_doctor.diagnose.estimate import predicted
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    def f(code, sev, p=None):
+        return Finding(code=code, severity=sev, title=code, evidence={}, recommendation=Recommendation(text=""),
+                       **({"predicted": p} if p is not None else {}))
+
+    got = sort_findings([f("prefetch.sync_unshard", "warning", predicted(204.9, 200.8)),
+                         f("straggler.rank", "warning", predicted(204.9, 100.0)),
+                         f("ac.unneeded", "warning", predicted(100.0, 101.0, 100 << 20, 70 << 20)),
+                         f("jitter.gc", "warning"), f("optim.before_shard", "critical"),
+                         f("memory.grads_kept", "info", predicted(100.0, 100.0, 10 << 20, 9 << 20))])
+    assert [x.code for x in got] == ["optim.before_shard", "straggler.rank", "ac.unneeded", "prefetch.sync_unshard",
+                                     "jitter.gc", "memory.grads_kept"]
