@@ -530,10 +530,10 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     diff = _findings(ra, rb)
     # (a note's fix too where it predicted something: accum.sync_every_micro_batch and memory.grads_kept as notes,
     # fixed in the loop, read "no configuration change found" with no word of --applied: a new-user trial)
-    mine = {f.code: f for f in ra.findings}
+    mine = {f.code: predicted_of(f) for f in ra.findings}
     gone = [f.code for f in sorted(diff.resolved, key=lambda f: f.severity == "info")
-            if f.severity != "info" or predicted_of(mine[f.code])["step_ms_after"] is not None
-            or predicted_of(mine[f.code])["peak_bytes_after"] is not None]
+            if f.severity != "info" or mine[f.code]["step_ms_after"] is not None
+            or mine[f.code]["peak_bytes_after"] is not None]
     if not changed and gone and p50 is not None and p50.pct is not None:
         summary += (f"; A's {', '.join(gone[:3])} {'is' if len(gone) == 1 else 'are'} gone in B: for a fix applied in "
                     f"your loop (which compare cannot read), pass --applied {gone[0]} to check its prediction")

@@ -441,6 +441,13 @@ def accumulated_grad(fp):
         return None
 
 
+def holds_unreduced_grad(fp) -> bool:
+    """Whether the parameter holds a gradient not reduce-scattered yet: on its unsharded parameter, or the one
+    accumulated across micro-batches without sync (attribute reads only)."""
+    up = unsharded_param(fp)
+    return (up is not None and up.grad is not None) or accumulated_grad(fp) is not None
+
+
 # ------------------------------------------------------------------------------------------- comm buffers
 class CommReader:
     """FSDP's collective buffers in flight, read from the groups' shared ``comm_ctx`` and the groups'

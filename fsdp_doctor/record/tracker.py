@@ -391,13 +391,8 @@ class Doctor:
     def _unreduced(self) -> bool:
         """Whether a unit holds gradients it has not reduced yet (unsharded or accumulated ones: a micro-batch's
         backward under gradient accumulation without sync): attribute reads only."""
-        for u in self._units:
-            for pg in u.param_groups:
-                for fp in F2.group_params(pg):
-                    up = F2.unsharded_param(fp)
-                    if (up is not None and up.grad is not None) or F2.accumulated_grad(fp) is not None:
-                        return True
-        return False
+        return any(F2.holds_unreduced_grad(fp) for u in self._units for pg in u.param_groups
+                   for fp in F2.group_params(pg))
 
     def _gradients_dropped(self) -> bool:
         """Whether no parameter of the watched optimizer holds a gradient: the loop zeroed them (zero_grad's

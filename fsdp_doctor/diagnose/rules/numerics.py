@@ -140,6 +140,3 @@ def _rs_inputs(timeline: list[dict], size: dict[str, int]) -> list[int]:
                 held = size.get(unit, 0)
     return out
 
-
-def _torch(dtype: str | None) -> str:
-    return f"torch.{dtype}" if dtype else "None"

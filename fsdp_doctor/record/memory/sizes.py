@@ -224,12 +224,7 @@ class FsdpSizes:
         """Whether the unit holds any gradient now, read off one trainable param per param group (FSDP
         treats a group's params together): a few attribute reads, no storage access."""
         for fp in self._probe_fps[idx]:
-            if F2.sharded_param(fp).grad is not None:
-                return True
-            up = F2.unsharded_param(fp)
-            if up is not None and up.grad is not None:
-                return True
-            if F2.accumulated_grad(fp) is not None:
+            if F2.sharded_param(fp).grad is not None or F2.holds_unreduced_grad(fp):
                 return True
         return False
 
@@ -241,12 +236,7 @@ class FsdpSizes:
         Attribute reads, no storage access."""
         if sharded:
             return tuple(F2.sharded_param(fp).grad is not None for g in self.unit_groups[idx] for fp in g.fps)
-        out = []
-        for g in self.unit_groups[idx]:
-            for fp in g.fps:
-                up = F2.unsharded_param(fp)
-                out.append((up is not None and up.grad is not None) or F2.accumulated_grad(fp) is not None)
-        return tuple(out)
+        return tuple(F2.holds_unreduced_grad(fp) for g in self.unit_groups[idx] for fp in g.fps)
 
     def measure_unit_grads(self, idx: int) -> None:
         """Sharded / unsharded gradient bytes of one unit, from every param's gradient storages."""
