@@ -292,7 +292,19 @@ def reconciled():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import memory_vs_memtracker as bench
 
-    return bench.measure(bench.MODELS, steps=3, layers=2)
+    out = bench.measure(bench.MODELS, steps=3, layers=2)
+    # gloo's worker thread frees a finished collective's buffers when the OS schedules it: under CI's load one run
+    # read llama512's peak 184,832 B high (6.156 against the tracker's 5.982 MiB), one layer's all-gather output
+    # (46,208 fp32 parameters) still alive in the loss phase; 12 runs here beside 4 busy loops read 0.9997 each
+    # time. As the scenario matrix does (scenario_matrix.run_matrix), a model whose peak misses is measured again,
+    # once: a wrong peak misses twice.
+    again = [n for n, r in out.items() if abs(r["peak"] / r["tracker_peak"] - 1) > PEAK_TOLERANCE]
+    if again:
+        out.update(bench.measure(again, steps=3, layers=2))
+    return out
+
+
+PEAK_TOLERANCE = 0.02
 
 
 @pytest.mark.slow
@@ -301,7 +313,7 @@ def test_peak_reconciles_with_fsdp_mem_tracker(reconciled, name):
     r = reconciled[name]
     assert r["transients"] == "exact"
     assert r["matched"] >= 10 and r["mismatched"] == []  # the categories both tools measure: equal at every point
-    assert abs(r["peak"] / r["tracker_peak"] - 1) <= 0.02, (r["peak"] / MiB, r["tracker_peak"] / MiB)
+    assert abs(r["peak"] / r["tracker_peak"] - 1) <= PEAK_TOLERANCE, (r["peak"] / MiB, r["tracker_peak"] / MiB)
     # the step's highest, counted at every save: 1.0000 on all three
     assert abs(r["activations"] / r["saved_high"] - 1) <= 0.002, (r["activations"] / MiB, r["saved_high"] / MiB)
     # the marks and high-water rows sample moments: never above the step's highest. The loss's saved log-softmax
