@@ -288,11 +288,11 @@ def test_the_unit_in_backward_at_the_peak_is_gathered(tmp_path, gloo_one_rank):
 
 # ------------------------------------------------------------------------------ 2 ranks against FSDPMemTracker
 @pytest.fixture(scope="module")
-def reconciled():
+def reconciled(tmp_path_factory):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import memory_vs_memtracker as bench
 
-    out = bench.measure(bench.MODELS, steps=3, layers=2)
+    out = bench.measure(bench.MODELS, steps=3, layers=2, root=str(tmp_path_factory.mktemp("vs_tracker")))
     # gloo's worker thread frees a finished collective's buffers when the OS schedules it: under CI's load one run
     # read llama512's peak 184,832 B high (6.156 against the tracker's 5.982 MiB), one layer's all-gather output
     # (46,208 fp32 parameters) still alive in the loss phase; 12 runs here beside 4 busy loops read 0.9997 each
@@ -300,7 +300,7 @@ def reconciled():
     # once: a wrong peak misses twice.
     again = [n for n, r in out.items() if abs(r["peak"] / r["tracker_peak"] - 1) > PEAK_TOLERANCE]
     if again:
-        out.update(bench.measure(again, steps=3, layers=2))
+        out.update(bench.measure(again, steps=3, layers=2, root=str(tmp_path_factory.mktemp("vs_tracker_again"))))
     return out
 
 
