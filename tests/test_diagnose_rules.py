@@ -2552,6 +2552,54 @@ def test_calls_on_units_fit_80_columns():
     assert seen == [(1, False, False), (2, False, False)]
 
 
+def test_calls_on_checkpointed_units_survive_the_checkpointing_fix(gloo_one_rank):
+    """accelerate's FSDP2 plugin with activation_checkpointing wraps each layer, then shards the layer inside: the units
+    are "layers.0._checkpoint_wrapped_module". reshard.zero2_affordable's fix named them so, and ac.unneeded's fix,
+    printed beside it, replaces each wrapper by its module: pasted together (a new-user trial, the HF Trainer), the
+    first raised AttributeError. The calls name the wrapper's place, which is the unit itself once unwrapped and,
+    while wrapped, forwards the call to the unit (CheckpointWrapper's __getattr__)."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper)
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from fsdp_doctor.diagnose import snippets as S
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def build():
+        model = Stack()
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda m: isinstance(m, nn.Linear))
+        for layer in model.layers:
+            fully_shard(layer._checkpoint_wrapped_module)
+        fully_shard(model)
+        return model
+
+    units = [f"layers.{i}._checkpoint_wrapped_module" for i in range(3)]
+    call = S.set_on_units(units, "set_reshard_after_forward(False, recurse=False)")
+    unwrap = S.remove_checkpointing([f"layers.{i}" for i in range(3)], [], after_sharding=True)
+    for fixes in ([call], [unwrap, call], [call, unwrap]):
+        model = build()
+        inner = [layer._checkpoint_wrapped_module for layer in model.layers]
+        for code in fixes:
+            exec(code, {"model": model})
+        assert all(isinstance(u, FSDPModule) and u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+                   for u in inner), fixes
+        if unwrap in fixes:
+            assert [m is u for m, u in zip(model.layers, inner)] == [True] * 3
+        model(torch.ones(2, 8)).sum().backward()  # runs, unsharded parameters kept from forward to backward
+
+
 def test_findings_sort_by_severity_then_predicted_gain():
     """A straggler's "204.9 ms -> 100.0 ms (51% faster)" was listed after prefetch.sync_unshard's 2% (by code, within
     a severity: a new-user trial). Most severe first, then the largest relative gain (step or peak), then by code."""

@@ -930,8 +930,11 @@ def name_list(var: str, names: list[str], width: int = 80) -> str:
 
 
 def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
-    """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``)."""
-    mods = [members(n)[0] for n in names]
+    """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``).
+    A unit inside a CheckpointWrapper ("layers.0._checkpoint_wrapped_module": accelerate's plugin) is named by the
+    wrapper's place, which forwards the call to it while wrapped and holds it once ac.unneeded's fix unwraps it
+    (named inside the wrapper, that fix pasted beside this one raised AttributeError: a new-user trial)."""
+    mods = [strip_ckpt(members(n)[0]) for n in names]
     # (a loop too where a line would pass 80 columns: an HF layer's
     # "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)" read 85)
     if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > 80 for m in mods):
