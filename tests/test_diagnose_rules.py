@@ -1486,6 +1486,12 @@ def test_optimizer_step_comm():
     few["per_unit"][0]["count"] = 4  # already batched (foreach=True): their exposure is the user's loop's, no code
     (f,) = run_rule("optim.step_comm", build(overlap=few, backend="nccl", device="cuda:0")[0])
     assert f.recommendation.code == "" and "already batched" in f.recommendation.text
+    # a Hugging Face Trainer's loop (R2, a new-user trial, read "your loop" for the Trainer's loss and token gathers):
+    # the Trainer's, with the arguments that set them
+    (f,) = run_rule("optim.step_comm", build(overlap=few, backend="nccl", device="cuda:0", driver=TRAINER_DRIVER)[0])
+    assert f.evidence["attribution"] == "outside optimizer.step(): the Trainer's loop"
+    assert "the Trainer issues them itself" in f.recommendation.text and "logging_steps=N" in f.recommendation.text
+    assert "your loop" not in f.recommendation.text and f.recommendation.code == ""
     inside = copy.deepcopy(ov)
     inside["per_unit"][0]["phase"] = "optimizer"  # issued inside optimizer.step(): the optimizer's own, no loop code
     (f,) = run_rule("optim.step_comm", build(overlap=inside, backend="nccl", device="cuda:0")[0])

@@ -182,7 +182,11 @@ class OptimizerStepComm(Rule):
         loop = worst.exposed_ms - inside
         code_ms = E.other_comm_loop_ms(ctx, rank, removable=True)  # the loop's code that issues them, less the wait
         mostly_loop = loop > 0.5 * worst.exposed_ms
-        where = ("outside optimizer.step(): your loop" if inside <= 0.5 * worst.exposed_ms else
+        # a Hugging Face Trainer's loop is not the user's: its own collectives are the loss gathered at each logging
+        # step and the token counts (R2, a new-user trial: "your loop" read for the Trainer's)
+        trainer = E.trainer_driven(ctx)
+        loop_owner = "the Trainer's loop" if trainer else "your loop"
+        where = (f"outside optimizer.step(): {loop_owner}" if inside <= 0.5 * worst.exposed_ms else
                  "both inside optimizer.step() and outside it") if mostly_loop else "inside optimizer.step()"
         evidence = {"rank": rank, "calls_per_step": round(worst.calls, 1), "comm_ms_per_step": round(worst.comm_ms, 3),
                     "exposed_ms_per_step": round(worst.exposed_ms, 3), "collectives": kinds,
@@ -221,6 +225,12 @@ class OptimizerStepComm(Rule):
             "orthogonalising one such as Muon or Shampoo gathers whole matrices). Look for its option to work on "
             "the local shards, or batch the gathers; no code is offered for an optimizer the doctor does not know."
             if not mostly_loop else
+            f"{loop_calls:.0f} calls per step are batched: the Trainer issues them itself. It gathers the loss at "
+            "every logging step, each batch's token count with average_tokens_across_devices (which the loss "
+            "needs: keep it), and the tokens seen with include_num_input_tokens_seen. Log every N steps "
+            "(TrainingArguments(logging_steps=N)) and leave include_num_input_tokens_seen off; a callback of yours "
+            "that reduces metrics each step, every N steps too."
+            if trainer else
             f"{loop_calls:.0f} calls per step are already batched (clip_grad_norm_ with foreach=True, or a few "
             "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
