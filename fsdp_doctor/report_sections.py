@@ -602,6 +602,7 @@ class VerdictEntry(_Section, omit_defaults=True):  # a figure not known is absen
     steps: Optional[int] = None  # per rank
     ranks_by_bound: Optional[dict[str, list[int]]] = None  # the job only
     ranks: Optional[int] = None  # the job only
+    read_on: Optional[int] = None  # the job only: the straggler rank whose own step it is (the others wait for it)
 
 
 class Verdict(_Section):

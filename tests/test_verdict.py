@@ -248,6 +248,9 @@ def test_a_straggler_is_read_on_its_own_step(tmp_path):
     assert v.per_rank["0"].shares_pct["allgather_fwd"] > v.per_rank["1"].shares_pct["allgather_fwd"]
     assert v.job.shares_pct == v.per_rank["1"].shares_pct and v.job.bound == v.per_rank["1"].bound
     assert v.job.summary == v.per_rank["1"].summary + "; " + read, v.job.summary
+    from fsdp_doctor.present.fmt import verdict_rows
+
+    assert v.job.read_on == 1 and verdict_rows(v)[-1][:2] == ("job", f"{v.per_rank['1'].bound} (rank 1)")
     # the root's forward all-gather wait, per step: rank 0 waits out the sleep, rank 1 hardly (its median is quoted)
     root = {r: statistics.median(u.ag_wait_fwd_ms for s in usable_steps(run.ranks[r].steps) for u in s.units
                                  if u.name == "") for r in (0, 1)}

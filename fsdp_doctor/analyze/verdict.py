@@ -209,6 +209,7 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
                  "gpu" if "gpu" in devices else "cpu", hsdp=hsdp)
     if on_late:
         job.summary += "; " + read_on_straggler(late.rank, late.excess_ms_per_step, "straggler.rank")
+        job.read_on = int(late.rank)
     elif traced and len(traced) < len(per_rank):
         job.summary += (f" (from the traces of {ranks_phrase(sorted(traced, key=int))}; "
                         "the others' from their records)")

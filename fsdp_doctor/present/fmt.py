@@ -324,7 +324,10 @@ def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[t
     if len(ranks) > max_ranks:
         out.append((f"+{len(ranks) - max_ranks}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
     if len(ranks) > 1:
-        out.append(row("job", sec.job))
+        job = row("job", sec.job)
+        if sec.job.read_on is not None:  # the straggler's own step (its row above the same figures, unlabelled)
+            job = (job[0], f"{job[1]} (rank {sec.job.read_on})", *job[2:])
+        out.append(job)
     return out
 
 
