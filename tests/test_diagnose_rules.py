@@ -671,6 +671,16 @@ def test_reshard_last_unit():
     assert "reshard_after_forward=False" in f.recommendation.code
     assert f.predicted["step_ms_after"] == pytest.approx(106.0)
     assert run_rule("reshard.last_unit", build()[0]) == []
+    # its backward all-gather waits next to nothing (a new-user trial: 0 µs, "step unchanged, peak unchanged" as a
+    # note): quiet, saying so; 1.5 ms of 110 is a note
+    us[-1][1]["ag_wait_bwd_ms"] = 0.04
+    rule = next(c for c in RULES if c.code == "reshard.last_unit")()
+    assert rule.match(build(units=us, memory=memory(50 * MiB))[0]) == []
+    assert rule.why_quiet == ("the backward all-gather wait of 'norm, lm_head' 0.0 ms: 0% of the step 110.0 ms (fires "
+                              "from 1%): gathered again at once, but with nothing to wait for"), rule.why_quiet
+    us[-1][1]["ag_wait_bwd_ms"] = 1.5
+    (f,) = run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0])
+    assert f.severity == "info"
     # a root holding parameters (the tied embeddings and head, as HF's layout keeps them) computes last in forward
     # and first in backward; FSDP keeps a root gathered by default, but a root given reshard_after_forward=True
     # reshards (torch honours it: a new-user trial's root waited 8.94 ms for its backward all-gather, 0.88 ms by

@@ -205,7 +205,7 @@ def fixes_note(findings) -> str:
     trial's model named ``m`` met ``NameError: name 'model' is not defined`` pasting a fix as printed); "" for none."""
     if not any(f.recommendation.code and f.recommendation.where not in FIX_LANGUAGES for f in findings):
         return ""
-    return ("The fixes call your model `model` and your optimizer `optimizer` (what watch() was given): rename them "
+    return ("The fixes call your model `model` and your optimizer `optimizer`: rename them "
             "to yours where you paste.")
 
 
