@@ -621,6 +621,9 @@ FIX_PLACES = {
     "before_shard": "before your fully_shard calls, on the unsharded model",
     "sharded": "after your fully_shard calls",
     "prepared": "after accelerator.prepare(...) returns the sharded model",  # "sharded", where accelerate sharded it
+    # "sharded", where torchtitan's parallelize function sharded it in the user's own loop (no fully_shard calls of
+    # theirs: "after your fully_shard calls" read on a trial's torchtitan run)
+    "parallelized": "after torchtitan's parallelize function (parallelize_llama) returns the sharded model",
     "around": "around your fully_shard calls (your calls where the code says)",
     "optimizer": "after your optimizer is built",
     "model": "after your model is built (and wrapped), before the training loop",  # a run without fully_shard

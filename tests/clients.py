@@ -941,7 +941,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         fix = {**fix, "code": after, "where": "sharded"}
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
     # after the fully_shard calls (or accelerator.prepare, which made them), before the optimizer (unless built before)
-    if fix.get("where") in ("sharded", "prepared"):
+    if fix.get("where") in ("sharded", "prepared", "parallelized"):
         model, early = _exec(fix, model, early, ns=ns)
     opt = early or make_opt(model)
     if fix.get("where") == "optimizer":

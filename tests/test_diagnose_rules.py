@@ -810,6 +810,16 @@ def test_a_fix_for_the_sharded_model_goes_after_accelerate_prepare():
         (f,) = rule.match(dataclasses.replace(ctx, run=SimpleNamespace(**{**vars(ctx.run), "config": cfg})))
         assert f.recommendation.where == where, (driver, f.recommendation)
     assert FIX_PLACES["prepared"] == "after accelerator.prepare(...) returns the sharded model"
+    # torchtitan's parallelize_llama in the user's own loop: no fully_shard calls of theirs either (a new-user trial
+    # read "after your fully_shard calls"); under torchtitan's Trainer snippets.for_titan_trainer places it
+    from fsdp_doctor.records import TITAN_DRIVER, TORCHTITAN_SHARDER
+
+    for driver, where in ((None, "parallelized"), (TITAN_DRIVER, "sharded")):
+        cfg = msgspec.structs.replace(ctx.config, sharded_by=TORCHTITAN_SHARDER, driver=driver)
+        rule.config = cfg
+        (f,) = rule.match(dataclasses.replace(ctx, run=SimpleNamespace(**{**vars(ctx.run), "config": cfg})))
+        assert f.recommendation.where == where, (driver, f.recommendation)
+    assert FIX_PLACES["parallelized"].startswith("after torchtitan's parallelize function")
 
 
 def test_frozen_unit_gathered_in_backward_known_answer():

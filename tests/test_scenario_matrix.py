@@ -66,8 +66,8 @@ def test_fix_applied_and_rechecked(matrix, row):
     o = _ran(matrix[row])
     assert o.finding is not None, row
     assert o.fix, f"{row}: {o.finding.code} prints no code"
-    assert o.fix["where"] in ("unsharded", "before_shard", "sharded", "prepared", "around", "optimizer", "loop", "backward",
-                              "after_backward", "evaluation")
+    assert o.fix["where"] in ("unsharded", "before_shard", "sharded", "prepared", "parallelized", "around", "optimizer",
+                              "loop", "backward", "after_backward", "evaluation")
     assert not o.after_error, (o.after_error, o.fix["code"])
     rc = o.recheck()
     assert not rc["new_warnings"], (rc, o.fix["code"])

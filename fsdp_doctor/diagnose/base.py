@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, NamedTuple, Optional
 
-from ..records import ACCELERATE_SHARDER, TRAINER_DRIVER
+from ..records import ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
 from .snippets import (FSDP_MESH_USE, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, complete, fix_place,
@@ -220,6 +220,8 @@ class Rule:
         where = where or fix_place(code)
         if where == "sharded" and prepared_by_user(self.config):  # no fully_shard calls of the user's own
             where = "prepared"
+        elif where == "sharded" and parallelized_by_user(self.config):  # ... nor here
+            where = "parallelized"
         assert where in FIX_PLACES or not code, (self.code, where)
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
@@ -254,6 +256,13 @@ def prepared_by_user(config) -> bool:
     fix for the sharded model goes after that call, where the user has no fully_shard calls."""
     return (getattr(config, "sharded_by", None) == ACCELERATE_SHARDER
             and getattr(config, "driver", None) != TRAINER_DRIVER)
+
+
+def parallelized_by_user(config) -> bool:
+    """torchtitan's parallelize function sharded the model in the user's own loop (not torchtitan's Trainer, whose
+    fixes go in its config: snippets.for_titan_trainer): a fix for the sharded model goes after that call."""
+    return (getattr(config, "sharded_by", None) == TORCHTITAN_SHARDER
+            and getattr(config, "driver", None) != TITAN_DRIVER)
 
 
 RULES: list[type[Rule]] = []
