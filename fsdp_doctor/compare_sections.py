@@ -58,7 +58,8 @@ class RunSide(_S):
 class ConfigChange(_S):
     """One configuration difference: ``scope`` "job" or the units it applies to (identical changes grouped)."""
 
-    key: str  # wrapping, reshard_after_forward, forward_prefetch, ..., world_size, torch_version, tokens_per_step
+    key: str  # wrapping, reshard_after_forward, forward_prefetch, ..., world_size, torch_version, tokens_per_step,
+    # trainable (the requires_grad share of the units' gathered parameter bytes, or of the model's parameters: "73.5%")
     a: Any = None
     b: Any = None
     units: list[str] = []  # the units it applies to (empty: the job)

@@ -789,3 +789,86 @@ def test_a_change_outside_the_model_is_said_to_be_the_loops_not_the_hosts(sample
     # the same change with the phases alike: host variation, as before
     job.phases_p50_ms = dict(a.report.steps.job.phases_p50_ms)
     assert "run-to-run variation" in C.compare(a, b).summary
+
+
+def test_parameters_frozen_are_a_configuration_change():
+    """optim.untrained_params' fix (requires_grad_(False) on the parameters the optimizer never steps) read "no
+    configuration change found ... Configuration: no difference in the unit snapshots and the job" though the
+    headers said 0.70 M params against 0.70 M (0.18% trainable) (a new-user trial's ResNet, whose optimizer held
+    only fc): the trainable share of each unit's gathered bytes is a setting compare reads, else the model's."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.records import UnitConfig
+
+    # the trial's units (gathered bytes): the root 7016 (fc trainable in B: 5160), layer1 37376, layer2 132352
+    def side(root_trainable, layers_trainable, model_trainable=None):
+        units = [UnitConfig(name=n, modules=[n], is_root=not n, param_count=size // 4, n_params=1,
+                            sharded_bytes=size // 2, unsharded_bytes=size, orig_dtypes=["float32"],
+                            trainable_unsharded_bytes=(root_trainable if not n else
+                                                       None if layers_trainable is None else layers_trainable * size))
+                 for n, size in (("", 7016), ("layer1", 37376), ("layer2", 132352))]
+        run = SimpleNamespace(model_param_count=701466, model_trainable_param_count=model_trainable)
+        return C.Side(report=SimpleNamespace(units=units, run=run), samples=[], source="records")
+
+    got = [(c.key, c.a, c.b, c.units) for c in C.config_diff(side(7016, 1), side(5160, 0))]
+    assert got == [("trainable", "100%", "73.5%", ["(root)"]), ("trainable", "100%", "0%", ["layer1", "layer2"])], got
+    # one 4-byte bias frozen: in the root 99.9%; in layer2 not all of it either, though 99.997% is 100% at 3 figures
+    (ch,) = C.config_diff(side(7016, 1), side(7012, 1))
+    assert (ch.a, ch.b) == ("100%", "99.9%"), ch
+    assert C._trainable_share(132348, 132352) == "99.997%"
+    assert C.config_diff(side(7016, 1), side(7016, 1)) == []
+    # a snapshot without the units' trainable bytes (recorded before them): the model's share, for the job
+    got = [(c.key, c.a, c.b, c.units) for c in C.config_diff(side(None, None, 701466), side(None, None, 1290))]
+    assert got == [("trainable", "100%", "0.184%", [])], got
+    assert C.config_diff(side(None, None, 701466), side(None, None, None)) == []  # unknown on one side
+
+
+def test_a_freeze_is_not_read_as_the_batch_and_checks_its_finding(sample_run_path):
+    """The trial's freeze again, through compare(): its activations at the peak -100% were said to be the batch's
+    ("with no setting changed: the batch or the sequence length differs") and the --applied hint named
+    reshard.zero2_affordable, resolved beside optim.untrained_params. The freeze is the change: the step time is
+    set against it, nothing is said of the batch, and optim.untrained_params' prediction is checked."""
+    import copy
+
+    from fsdp_doctor.report_sections import Finding, Predicted, Recommendation
+
+    a = compare_side(load_run(sample_run_path))
+    b = copy.deepcopy(a)
+    for u in a.report.units:
+        u.trainable_unsharded_bytes = u.unsharded_bytes
+    for u in b.report.units:  # every unit frozen but the last (the head)
+        u.trainable_unsharded_bytes = u.unsharded_bytes if u.name == "norm, lm_head" else 0
+    m = b.report.memory_section()
+    (m.per_rank.get(m.peak_rank) or next(iter(m.per_rank.values()))).peak_breakdown["activations"] = 0
+    a.report.findings = [Finding(code=code, severity="warning", title=code, evidence={},
+                                 recommendation=Recommendation(text=""),
+                                 predicted=Predicted(peak_bytes_before=1000, peak_bytes_after=900))
+                         for code in ("reshard.zero2_affordable", "optim.untrained_params")]
+    b.report.findings = []
+    cmp = C.compare(a, b)
+    got = [(c.key, c.a, c.b, c.units) for c in cmp.config]
+    assert got == [("trainable", "100%", "0%", ["layers.0", "layers.1", "layers.2", "layers.3", "tok_emb, pos_emb"])], \
+        got
+    assert not cmp.summary.startswith("no configuration change") and "activations moved" not in cmp.summary \
+        and "--applied" not in cmp.summary, cmp.summary
+    assert [(p.code, p.recognised_by) for p in cmp.predictions] == [("optim.untrained_params",
+                                                                     "config diff: trainable")]
+    # a parameter frozen has no gradient, which the optimizer's step skips: its time is no control of the host's
+    job = b.report.steps.job
+    job.phases_p50_ms = {**job.phases_p50_ms, "optimizer": 2 * job.phases_p50_ms["optimizer"] + C.HOST_MIN_MS}
+    assert C.compare(a, b).step_p50.reason != C.HOST_CHANGED
+
+
+def test_a_prefetch_of_the_root_names_the_root():
+    """prefetch.frozen_gathered's fix (``model.set_modules_to_backward_prefetch([model])``) records the root's name,
+    "": the table read "backward_prefetch (root) none none" (a new-user trial)."""
+    from fsdp_doctor.compare_sections import ConfigChange, RunSide
+    from fsdp_doctor.present.compare import tables
+
+    cmp = Comparison(a=RunSide(path="a", source="records"), b=RunSide(path="b", source="records"),
+                     config=[ConfigChange(key="backward_prefetch", a=[], b=[""], units=["(root)"]),
+                             ConfigChange(key="forward_prefetch", a=["layers.1"], b=["", "layers.1"],
+                                          units=["layers.0"])])
+    (t,) = [t for t in tables(cmp) if t.title == "Configuration changed"]
+    assert t.rows == [("backward_prefetch", "(root)", "none", "(root)"),
+                      ("forward_prefetch", "layers.0", "layers.1", "(root), layers.1")], t.rows

@@ -45,8 +45,9 @@ FEW_STEPS = "too few steps"
 # dtypes or batch; it tells the host's speed apart where it moved by this share (and at least HOST_MIN_MS)
 HOST_SHIFT_PCT = 25.0
 HOST_MIN_MS = 1.0
-# what changes the optimizer step itself: then it is no control (job keys, and --applied codes by prefix)
-OPTIMIZER_KEYS = ("optimizer", "offload", "world_size", "backend", "device_name", "torch_version")
+# what changes the optimizer step itself: then it is no control (job keys, and --applied codes by prefix); a
+# parameter frozen has no gradient, which the optimizer's step skips
+OPTIMIZER_KEYS = ("optimizer", "offload", "world_size", "backend", "device_name", "torch_version", "trainable")
 OPTIMIZER_FIXES = ("optim.", "offload.", "memory.grads_kept")
 # A step-time prediction holds when the predicted change lies inside the measured change's interval, or lands
 # within this share of the measured step (a step prediction is an estimate from host-side timings).
@@ -73,9 +74,10 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "comm.bound": ("param_dtype", "reduce_dtype"),
     "precision.": ("param_dtype",),
     "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
+    "optim.untrained_params": ("trainable",),
 }
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
-             "offload", "param_dtype", "reduce_dtype", "compiled")
+             "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
 # activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did
 BATCH_SHIFT_PCT = 20.0
 JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
@@ -228,6 +230,8 @@ def _setting(u, key: str):
     compiled (in place, or timed around its compiled call): U-Net blocks compiled read "no configuration change"."""
     if key == "compiled":
         return runs_compiled(u)
+    if key == "trainable":
+        return _trainable_share(u.trainable_unsharded_bytes, u.unsharded_bytes)
     v = getattr(u, key)
     if v is not None or getattr(u, "reshard_after_forward", None) is None:
         return v
@@ -236,6 +240,18 @@ def _setting(u, key: str):
     own = list(getattr(u, "orig_dtypes", None) or [])
     param = getattr(u, "param_dtype", None) or (own[0] if len(own) == 1 else None)
     return param if key in ("param_dtype", "reduce_dtype") else v
+
+
+def _trainable_share(trainable, total) -> Optional[str]:
+    """The trainable (requires_grad) share of a unit's gathered parameter bytes, or of the model's parameters, in
+    words ("100%", "0%", "73.5%"); None where not read. optim.untrained_params' fix (requires_grad_(False) on what the
+    optimizer never steps) read "no configuration change found" and its activations' fall as the batch's, though the
+    headers said 0.70 M params against 0.70 M (0.18% trainable) (a new-user trial)."""
+    if trainable is None or not total:
+        return None
+    share = f"{100 * trainable / total:.3g}%"
+    # (one bias frozen in a large unit is not all of it)
+    return f"{100 * trainable / total:.6g}%" if share == "100%" and trainable != total else share
 
 
 def _mesh(run) -> Optional[str]:
@@ -278,6 +294,12 @@ def config_diff(a: Side, b: Side) -> list[ConfigChange]:
     for (k, va, vb), names in grouped.items():
         out.append(ConfigChange(key=k, a=list(va) if isinstance(va, tuple) else va,
                                 b=list(vb) if isinstance(vb, tuple) else vb, units=names))
+    # the model's trainable share, where the units' do not say it (a snapshot without their trainable bytes)
+    sa, sb = (_trainable_share(*(None if v is UNSET else v for v in (getattr(r, "model_trainable_param_count", None),
+                                                                     getattr(r, "model_param_count", None))))
+              for r in (ra, rb))
+    if not any(c.key == "trainable" for c in out) and sa is not None and sb is not None and sa != sb:
+        out.append(ConfigChange(key="trainable", a=sa, b=sb))
     return out
 
 

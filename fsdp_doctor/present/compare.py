@@ -53,8 +53,9 @@ def _ms_signed(x) -> str:
 
 
 def _value(v) -> str:
-    if isinstance(v, list):
-        return ", ".join(map(str, v)) or "none"
+    if isinstance(v, list):  # the units a unit prefetches: the root's name is "" (a new-user trial read
+        # "backward_prefetch (root) none none" for the root set to prefetch itself)
+        return ", ".join(map(unit_label, v)) or "none"
     return MISSING if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
