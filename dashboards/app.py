@@ -145,7 +145,7 @@ def create_app(path: Path | str, *, state: RunState | None = None, poll_ms: int 
     @app.callback(Output("version", "data"), Output("status", "children"), Input("tick", "n_intervals"),
                   State("version", "data"), prevent_initial_call=True)
     def _poll(_n, version):
-        state.refresh()
+        state.refresh(throttle=True)
         snap = state.snapshot()
         if snap.version == version:  # (the status still moves: a run that stopped writing says so)
             return no_update, _status(snap)

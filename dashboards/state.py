@@ -39,6 +39,12 @@ TRACE_SETTLE_S = 10.0
 # The report's sections computed from the records, which a step window (and a rank) recompute.
 RECORD_SECTIONS = ("steps", "units", "throughput", "memory")
 HEAD_BYTES = 4096  # a stream's header line (its run id) lies within its first bytes; a manifest is smaller
+# The report is rebuilt from every record read (build_report over the whole run): its cost grows with the run (0.2 s
+# of CPU at 2,500 steps x 2 ranks, ~2 s at 20,000). Rebuilt on every poll with new records, a new-user trial's
+# dashboard answered its one-second poll in 5-9 s at 15,000 steps, a quarter of a core spent on it. The poll
+# (``refresh(throttle=True)``) rebuilds for new records at most this share of the time: after a rebuild of t seconds
+# the next waits (1/share - 1)·t (0.8 s after a 0.2 s one). A replaced run or a new problem rebuilds at once.
+REBUILD_SHARE = 0.2
 
 
 @dataclass
@@ -134,10 +140,13 @@ class RunState:
         self._background = background_traces
         self._snapshot: Snapshot | None = None
         self._window_cache: dict = {}
+        self._stale = False  # records read but not yet in the snapshot (a throttled poll)
+        self._next_rebuild = 0.0  # time.monotonic() from which a throttled poll may rebuild
 
     # ------------------------------------------------------------------ polling
-    def refresh(self) -> bool:
-        """Reads what is new; returns True when the snapshot changed."""
+    def refresh(self, throttle: bool = False) -> bool:
+        """Reads what is new; returns True when the snapshot changed. ``throttle`` (the dashboard's poll): new
+        records rebuild the report at most REBUILD_SHARE of the time; until then they wait, read."""
         with self._lock:
             ident = self._read_identity()
             why = replaced_reason(self._identity, ident)
@@ -153,10 +162,17 @@ class RunState:
             scanned = self._scan_traces()
             problems = len(run.problems) != self._problems_seen  # shown as they appear, even without a record
             self._problems_seen = len(run.problems)
-            if not (new or scanned or problems or why or self._traces_dirty) and self._snapshot is not None:
+            fresh = bool(new or scanned or self._traces_dirty or self._stale)
+            if not (fresh or problems or why) and self._snapshot is not None:
                 return False
-            self._traces_dirty = False
+            if throttle and not (problems or why) and self._snapshot is not None and \
+                    time.monotonic() < self._next_rebuild:
+                self._stale = True
+                return False
+            self._traces_dirty = self._stale = False
+            t0 = time.monotonic()
             self._rebuild(run)
+            self._next_rebuild = time.monotonic() + (time.monotonic() - t0) * (1 / REBUILD_SHARE - 1)
             return True
 
     def snapshot(self) -> Snapshot:

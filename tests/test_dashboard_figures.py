@@ -311,6 +311,49 @@ def test_run_state_follows_a_growing_run_incrementally(tmp_path):
     assert st._follower._streams[0].offset == src.stat().st_size
 
 
+def test_the_poll_rebuilds_a_long_runs_report_a_share_of_the_time(tmp_path, monkeypatch):
+    """A new-user trial's dashboard, following a run at 15,000 steps, answered its one-second poll in 5-9 s: every poll
+    with new records rebuilt the whole report (~2 s of CPU there). The poll's refresh (throttle=True) rebuilds at
+    most REBUILD_SHARE of the time: records that arrive sooner wait, read, and come with the next rebuild; a page's
+    own refresh and a new problem are not held back."""
+    import fsdp_doctor.dashboards.state as S
+
+    run = tmp_path / "run"
+    run.mkdir()
+    src = SAMPLE / "rank0.records.jsonl"
+    lines = src.read_bytes().splitlines(keepends=True)
+    (run / src.name).write_bytes(b"".join(lines[:8]))
+    steps = lambda upto: sum(1 for ln in lines[:upto] if ln.startswith(b'{"t":"step"'))  # noqa: E731
+    clock = [1000.0]
+    monkeypatch.setattr(S.time, "monotonic", lambda: clock[0])
+    st = RunState(run, background_traces=False)
+    assert st.refresh(throttle=True) is True  # the first read: at once
+    v = st.snapshot().version
+    with open(run / src.name, "ab") as f:
+        f.write(b"".join(lines[8:12]))
+    # the rebuild took no time on this clock: the next may come at once; 0.5 s ones wait 2 s (share 0.2)
+    st._next_rebuild = clock[0] + 2.0
+    clock[0] += 1.0
+    assert st.refresh(throttle=True) is False and st.snapshot().version == v  # read, held back
+    assert st._follower._streams[0].offset == len(b"".join(lines[:12]))
+    clock[0] += 1.5
+    assert st.refresh(throttle=True) is True  # nothing newer was read, but what waited is rebuilt now
+    assert len(st.snapshot().steps[0]["step"]) == steps(12)
+    # a page's refresh does not wait
+    st._next_rebuild = clock[0] + 100.0
+    with open(run / src.name, "ab") as f:
+        f.write(b"".join(lines[12:16]))
+    assert st.refresh() is True and len(st.snapshot().steps[0]["step"]) == steps(16)
+    # the wait follows the rebuild's own time: 0.5 s of rebuilding holds the next for 2 s
+    real = st._rebuild
+    monkeypatch.setattr(st, "_rebuild", lambda r: (real(r), clock.__setitem__(0, clock[0] + 0.5)))
+    with open(run / src.name, "ab") as f:
+        f.write(b"".join(lines[16:20]))
+    st._next_rebuild = 0.0
+    assert st.refresh(throttle=True) is True
+    assert st._next_rebuild == pytest.approx(clock[0] + 2.0)
+
+
 def test_run_state_caches_trace_analysis_per_file(tmp_path, monkeypatch):
     run = tmp_path / "run"
     shutil.copytree(SAMPLE, run)
