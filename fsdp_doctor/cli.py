@@ -559,16 +559,28 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
 EPILOG = """exit codes:
   0  everything read and analysed
   1  the demo workload failed
-  2  nothing usable (no such path, no records or traces, an output file that cannot be written, port in use,
-     a run directory that already holds another run)
+  2  nothing usable (no such path, no records or traces, an output file that
+     cannot be written, port in use, a run directory holding another run)
   3  analysed, but some files or lines were skipped (each named in the report)
   4  analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)
   130 interrupted"""
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The epilog's exit-code table as written (indented lines), every other paragraph of a description filled to
+    the terminal (analyze's and compare's read 192 and 299 columns at COLUMNS=80: a new-user trial)."""
+
+    def _fill_text(self, text, width, indent):
+        import textwrap
+
+        return "\n".join(line if line.startswith(" ") else textwrap.fill(line, width, initial_indent=indent,
+                                                                           subsequent_indent=indent)
+                         for line in text.splitlines())
+
+
 def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     """``with_workload``: add the demo's workload flags (importing torch); skipped for the other commands."""
-    fmt = argparse.RawDescriptionHelpFormatter
+    fmt = _HelpFormatter
     p = argparse.ArgumentParser(prog="fsdp-doctor", description="Profiling and diagnostics for PyTorch FSDP2 training.",
                                 epilog=EPILOG, formatter_class=fmt)
     from . import __version__

@@ -4,6 +4,7 @@ help texts name every argument and the exit codes without importing torch; rerun
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -82,11 +83,15 @@ def test_dashboard_port_in_use_is_checked_before_announcing():
 
 def test_help_names_every_argument_and_the_exit_codes_without_torch():
     code = ("import sys\nfrom fsdp_doctor.cli import main\n"
-            "for cmd in ('analyze', 'dashboard', 'tensorboard'):\n"
+            "for cmd in ('analyze', 'compare', 'dashboard', 'tensorboard'):\n"
             "    try:\n        main([cmd, '--help'])\n    except SystemExit:\n        pass\n"
             "print('TORCH', 'torch' in sys.modules)")
-    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env={**os.environ, "COLUMNS": "80"})
     assert "TORCH False" in r.stdout, r.stdout[-500:] + r.stderr
+    # within an 80-column terminal (analyze's description read 192 columns, compare's 299, the exit codes' 108: a
+    # new-user trial)
+    assert max(map(len, r.stdout.splitlines())) <= 80, [ln for ln in r.stdout.splitlines() if len(ln) > 80]
     out = " ".join(r.stdout.split())  # (argparse wraps the help at its own column)
     assert "run directory, directory of Kineto traces, or one trace file" in out
     assert "address to bind" in out and "port to bind" in out
