@@ -2614,16 +2614,49 @@ def test_calls_on_checkpointed_units_survive_the_checkpointing_fix(gloo_one_rank
     units = [f"layers.{i}._checkpoint_wrapped_module" for i in range(3)]
     call = S.set_on_units(units, "set_reshard_after_forward(False, recurse=False)")
     unwrap = S.remove_checkpointing([f"layers.{i}" for i in range(3)], [], after_sharding=True)
-    for fixes in ([call], [unwrap, call], [call, unwrap]):
+    # the prefetch chain over the blocks (prefetch.exposed_allgather's, as a Trainer's run printed it with
+    # `block._checkpoint_wrapped_module`): the unit inside the wrapper, or the block once unwrapped
+    t = S.Tree.of([UnitConfig(**u) for u, _ in [unit("")] + [unit(n, own_modules=[n]) for n in units]])
+    lines = S._order_lines(t, "forward_order", units)
+    assert "getattr(block, '_checkpoint_wrapped_module', block)" in "\n".join(lines), lines
+    chain = "\n".join(lines + ["for unit, nxt in zip(forward_order, forward_order[1:]):",
+                               "    unit.set_modules_to_forward_prefetch([nxt])"])
+    for fixes in ([call], [unwrap, call], [call, unwrap], [chain], [unwrap, chain]):
         model = build()
         inner = [layer._checkpoint_wrapped_module for layer in model.layers]
         for code in fixes:
             exec(code, {"model": model})
-        assert all(isinstance(u, FSDPModule) and u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
-                   for u in inner), fixes
+        if call in fixes:
+            assert all(u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None for u in inner), fixes
+        if chain in fixes:
+            assert [u._get_fsdp_state()._states_to_forward_prefetch for u in inner] == \
+                [[inner[1]._get_fsdp_state()], [inner[2]._get_fsdp_state()], []], fixes
         if unwrap in fixes:
             assert [m is u for m, u in zip(model.layers, inner)] == [True] * 3
         model(torch.ones(2, 8)).sum().backward()  # runs, unsharded parameters kept from forward to backward
+
+
+def test_a_fix_names_no_fully_shard_calls_where_the_user_made_none():
+    """reshard.zero2_affordable's Trainer callback read "# or pass reshard_after_forward=False to their fully_shard
+    calls" (a new-user trial): a Trainer's user, or one whose accelerator.prepare() or torchtitan's parallelize
+    function sharded the model, has no fully_shard calls; the words name the setting that makes them."""
+    from fsdp_doctor.diagnose import snippets as S
+    from fsdp_doctor.diagnose.base import Rule
+    from fsdp_doctor.records import TORCHTITAN_SHARDER
+    from fsdp_doctor.report_sections import Recommendation
+
+    code = (f"# on the sharded model\n{S.RESHARD_IN_CALLS}\n"
+            + S.set_on_units(["layers.0"], "set_reshard_after_forward(False, recurse=False)"))
+    rec = Recommendation(text="", code=code, where="sharded")
+    S.for_trainer(rec)
+    assert "fully_shard calls" not in rec.code and "accelerate's plugin's reshard_after_forward" in rec.code
+    rule = Rule()
+    for sharder, where, words in ((ACCELERATE_SHARDER, "prepared", "accelerate's plugin"),
+                                  (TORCHTITAN_SHARDER, "parallelized", "--parallelism.fsdp-reshard-after-forward")):
+        rule.config = RunConfig(rank=0, world_size=2, backend="gloo", device="cpu", units=[], sharded_by=sharder)
+        f = rule.finding("info", "t", {}, "x", code)
+        assert f.recommendation.where == where and "fully_shard calls" not in f.recommendation.code
+        assert words in f.recommendation.code, f.recommendation.code
 
 
 def test_findings_sort_by_severity_then_predicted_gain():

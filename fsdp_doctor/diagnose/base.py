@@ -13,8 +13,9 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 from ..records import ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
-from .snippets import (FSDP_MESH_USE, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, complete, fix_place,
-                       for_prepared_optimizer, mesh_input, model_parallel, placement_input)
+from .snippets import (FSDP_MESH_USE, PLUGIN_CALLS, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, TITAN_CALLS,
+                       calls_words, complete, fix_place, for_prepared_optimizer, mesh_input, model_parallel,
+                       placement_input)
 
 SEVERITIES = ("info", "warning", "critical")
 
@@ -223,6 +224,8 @@ class Rule:
         elif where == "sharded" and parallelized_by_user(self.config):  # ... nor here
             where = "parallelized"
         assert where in FIX_PLACES or not code, (self.code, where)
+        if where in ("prepared", "parallelized"):  # the fully_shard calls the fix's words name are not the user's
+            code = calls_words(code, PLUGIN_CALLS if where == "prepared" else TITAN_CALLS)
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
         if prepared_by_user(self.config):  # the loop's names as accelerate's accumulate() holds them

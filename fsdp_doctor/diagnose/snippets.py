@@ -51,6 +51,11 @@ def module_expr(fqn: Optional[str], root: str = ROOT) -> str:
     "norm" -> ``model.norm``; the root ("" or its label "(root)") -> ``model``."""
     if fqn is None or fqn in ROOT_LABELS:
         return root
+    if fqn == _CKPT[1:]:
+        # a block's unit inside its CheckpointWrapper (accelerate's plugin wraps each layer, then shards the layer
+        # inside): the inner module while wrapped, the block itself once ac.unneeded's fix unwraps it (named
+        # ``block._checkpoint_wrapped_module``, a prefetch fix pasted beside that one raised AttributeError)
+        return f"getattr({root}, {fqn!r}, {root})"
     if all(part.isidentifier() for part in fqn.split(".")):
         return f"{root}.{fqn}"
     # a numbered child: get_submodule works for ModuleList and ModuleDict alike (model.layers[0] fails on a
@@ -1320,6 +1325,21 @@ def reshard_in_calls_words(names: Iterable[str], value: bool) -> str:
 #: reshard.last_unit's)
 RESHARD_IN_CALLS = "# or pass reshard_after_forward=False to their fully_shard calls"
 RESHARD_IN_CALL = "(or pass reshard_after_forward=False to its fully_shard call)"
+#: what they say where accelerate's FSDP2 plugin made the fully_shard calls (a Trainer's or the user's prepare(): "their
+#: fully_shard calls" read in a Trainer callback, a new-user trial), and where torchtitan's parallelize function did
+PLUGIN_CALLS = ((RESHARD_IN_CALLS, "# (accelerate's plugin's reshard_after_forward is every unit's: all or none)"),
+                (RESHARD_IN_CALL, "(accelerate's plugin's reshard_after_forward is every unit's)"))
+TITAN_CALLS = ((RESHARD_IN_CALLS, "# (torchtitan's --parallelism.fsdp-reshard-after-forward is every unit's)"),
+               (RESHARD_IN_CALL, "(torchtitan's --parallelism.fsdp-reshard-after-forward is every unit's)"))
+
+
+def calls_words(code: str, words) -> str:
+    """The fix's words for the user's fully_shard calls, where someone else made them (PLUGIN_CALLS, TITAN_CALLS)."""
+    for mine, theirs in words:
+        code = code.replace(mine, theirs)
+    return code
+
+
 #: what they say instead for a model transformers sharded itself
 _HF_CALLS = ((RESHARD_IN_CALLS,
               "# (its DistributedConfig's fsdp_plan keeps every layer gathered or none: 'keep_full_weight')"),
@@ -1439,7 +1459,7 @@ def for_trainer(rec, finding: str = "") -> None:
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
         rec.text += TRAINER_ELSEWHERE
         return
-    imports, code = _imports_apart(rec.code)
+    imports, code = _imports_apart(calls_words(rec.code, PLUGIN_CALLS))
     body = textwrap.indent(code, " " * 8)
     rec.code = ("\n".join([*imports, "from transformers import TrainerCallback"]) + "\n\n\n"
                 "class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model and built the optimizer\n"
