@@ -188,6 +188,7 @@ def test_hf_trainer_data_wait_fix_sets_the_trainers_dataloader_arguments(trainer
         w = res["data_wait"]
         assert w is not None and w["share"] >= 15 and w["where"] == "trainer", w
         assert "trainer.args.dataloader_num_workers = 4" in w["code"] and "no code is offered" not in w["text"], w
+        assert "pin_memory" not in w["code"], w  # a CPU run: no device to copy to (a new-user trial read it set)
         assert res["data_wait_after_fix"] == "quiet", res["data_wait_after_fix"]
 
 

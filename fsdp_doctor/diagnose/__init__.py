@@ -61,7 +61,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
             S.for_transformers(f.recommendation)
     if E.trainer_driven(ctx):  # its fixes where a Trainer's user can put them
         for f in out:
-            S.for_trainer(f.recommendation, f.code)
+            S.for_trainer(f.recommendation, f.code, E.on_gpu(ctx))
     if E.titan_trainer_driven(ctx):  # ... and where a user of torchtitan's own Trainer can
         for f in out:
             S.for_titan_trainer(f.recommendation, f.code, E.torchtitan_version(ctx) or "")

@@ -1069,14 +1069,15 @@ NO_LOOP_CODE = "They are your loop's code, which the doctor does not see: no cod
 NO_SAVE_CODE = "The save is your code, which the doctor does not see: no code is offered."
 #: findings whose lever is a Trainer argument that train() reads when it builds what the argument sets (its
 #: DataLoader): under a Trainer-driven run the fix sets it on trainer.args. Finding code -> (text, code)
+#: (on a GPU: ``gpu``). Pinned memory only where there is a device to copy to (a new-user trial's CPU run read it)
 TRAINER_ARGS_FIXES = {
-    "jitter.data_wait": (
+    "jitter.data_wait": lambda gpu: (
         "Under the Trainer, which builds its DataLoader in train() from its arguments, set them on trainer.args "
         "before trainer.train() (or pass them to TrainingArguments); keep the workers within the CPU cores each "
         "rank has.",
         "trainer.args.dataloader_num_workers = 4  # batches made in background processes\n"
-        "trainer.args.dataloader_pin_memory = True\n"
-        "trainer.args.dataloader_persistent_workers = True\n"
+        + ("trainer.args.dataloader_pin_memory = True\n" if gpu else "")
+        + "trainer.args.dataloader_persistent_workers = True\n"
         "trainer.args.dataloader_prefetch_factor = 4"),
 }
 
@@ -1440,7 +1441,7 @@ def for_prepared_optimizer(code: str) -> str:
                             code))
 
 
-def for_trainer(rec, finding: str = "") -> None:
+def for_trainer(rec, finding: str = "", gpu: bool = True) -> None:
     """A fix of a run a Hugging Face Trainer drove (``Recommendation``, changed in place). The Trainer shards the
     model and builds the optimizer inside ``trainer.train()``, so a fix for the sharded model or its optimizer
     runs from a callback's ``on_train_begin``, as fsdp_doctor.DoctorCallback does (``optimizer`` there is
@@ -1449,7 +1450,7 @@ def for_trainer(rec, finding: str = "") -> None:
     (which the Trainer's own runs under no_grad: this is code of the user's, a callback's say) stays as it is. A
     finding (``finding``: its code) whose lever the Trainer takes as arguments gets them set on trainer.args."""
     if not rec.code and finding in TRAINER_ARGS_FIXES:  # a lever of the user's code the Trainer has as arguments
-        text, rec.code = TRAINER_ARGS_FIXES[finding]
+        text, rec.code = TRAINER_ARGS_FIXES[finding](gpu)
         rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
         rec.where, rec.inputs = "trainer", dict(TRAINER_INPUTS)
         return
