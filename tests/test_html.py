@@ -91,6 +91,19 @@ def test_healthy_and_missing_sections(tmp_path):
     assert "No warnings; 1 note below" in text and "Healthy" not in text  # a note is not "healthy"
     bare = render_html({"run": {"path": "p"}})
     assert "Healthy: no findings." in bare and "No memory measurements" in bare and "No step records" in bare
+    # no finding under a communication-bound verdict (gloo: verdict.severe quiet, its levers gain nothing measurable
+    # there) read "Healthy: no findings." beside "Verdict: communication-bound (54% ...)" (a new-user trial)
+    from fsdp_doctor.present.fmt import findings_headline
+    from fsdp_doctor.report_sections import Verdict, VerdictEntry
+
+    def verdict(bound, pct):
+        return Verdict(job=VerdictEntry(bound=bound, groups_pct={bound: pct}))
+
+    head = findings_headline([], [], verdict("communication", 54.2))
+    assert head.startswith("No findings, though the step is communication-bound (54%): ") and "Healthy" not in head
+    assert findings_headline([], [], verdict("compute", 80.0)) == "Healthy: no findings."
+    text = render_html({**_report(findings=[]), "verdict": {"job": {"bound": "input", "groups_pct": {"input": 61.0}}}})
+    assert "No findings, though the step is input-bound (61%)" in text and "Healthy" not in text
     assert "Plotly.newPlot" not in bare
 
 

@@ -192,7 +192,7 @@ def layout(snap, flt: Filters) -> list:
     if findings:
         cards = [finding_card(i, f) for i, f in enumerate(findings)]
     else:
-        cards = [note(findings_headline([], report.rules) if flt.rank is None and flt.unit is None
+        cards = [note(findings_headline([], report.rules, report.verdict) if flt.rank is None and flt.unit is None
                       else "No findings: nothing the rules flag in this run for this selection.", "ok")]
     out.append(html.Div([
         section(f"Findings ({summary})", *cards, cls="findings", sid="findings"),

@@ -174,14 +174,23 @@ def severity_counts(items: list[Finding]) -> str:
     return ", ".join(severity_count(k, s) for s, k in n.items() if k) or "none"
 
 
-def findings_headline(items: list[Finding], rules: list | None = None) -> str:
-    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found and at
-    least half the rules (``report.rules``, where given) could check the run; a plain trace lets few of them
-    check (most need the doctor's records), and "Healthy" then claimed what was never looked at."""
+def findings_headline(items: list[Finding], rules: list | None = None, verdict: Optional[Verdict] = None) -> str:
+    """The line above the findings, the same in every presenter: "Healthy" only when nothing was found, at least
+    half the rules (``report.rules``, where given) could check the run, and the step (``verdict``, where given) is
+    bound by compute; a plain trace lets few of them check (most need the doctor's records), and "Healthy" then
+    claimed what was never looked at; and "Healthy" under "Verdict: communication-bound (54% of the step)" (gloo,
+    whose overlap levers gain nothing measurable: a new-user trial) read as a clean bill of the step."""
     checked = sum(r.status != "skipped" for r in rules or [])
     few = (f"only {checked} of {len(rules)} rules could check this run: the others need what it lacks (fsdp-doctor "
            "analyze --explain lists them)") if rules and 2 * checked < len(rules) else ""
     if not items:
+        job = verdict.job if verdict is not None else None
+        if not few and job is not None and job.bound != "compute":
+            share = job.groups_pct.get(job.bound)
+            return (f"No findings, though the step is {job.bound}-bound"
+                    + (f" ({share:.0f}%)" if share is not None else "")
+                    + ": no rule found a lever that gains measurably here (fsdp-doctor analyze --explain says why "
+                      "each stayed quiet).")
         return f"No findings, but {few}." if few else "Healthy: no findings."
     if not any(f.severity in ("critical", "warning") for f in items):
         # (a plain trace's "No warnings" read as a clean bill where most rules never looked: a new-user trial)

@@ -123,10 +123,11 @@ def _finding(f: Finding) -> str:
             f"<table>{ev}</table>{code}</div>")
 
 
-def _findings(findings: list[Finding], rules: list | None = None) -> str:
+def _findings(findings: list[Finding], rules: list | None = None, verdict=None) -> str:
     sevs = {f.severity for f in findings}
     cls = "healthy" if not sevs & {"warning", "critical"} else "facts"
-    return f"<div class='{cls}'>{_esc(findings_headline(findings, rules))}</div>" + "".join(_finding(f) for f in findings)
+    return (f"<div class='{cls}'>{_esc(findings_headline(findings, rules, verdict))}</div>"
+            + "".join(_finding(f) for f in findings))
 
 
 def _overlap_ranks_table(overlap: OverlapSection) -> str:
@@ -266,7 +267,7 @@ def render_html(report: Report | dict) -> str:
         first = first and not drew
     note = fixes_note(report.findings)
     parts += ["<h2>Diagnosis</h2>", *([f"<p class='note'>{_esc(note)}</p>"] if note else []),
-              _findings(report.findings, report.rules)]
+              _findings(report.findings, report.rules, report.verdict)]
     for title, builder, data, missing, tables in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")

@@ -117,10 +117,10 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
                         caption=units_not_run_note(units))
 
 
-def findings_summary(findings: list[Finding], rules: list | None = None):
+def findings_summary(findings: list[Finding], rules: list | None = None, verdict=None):
     """The findings' headlines, one line each (severity, code, title, expected change): printed right after the
     verdict so that they sit on the first screen; the details follow under "Diagnosis"."""
-    head = findings_headline(findings, rules)
+    head = findings_headline(findings, rules, verdict)
     worst = {f.severity for f in findings}
     lines = [Text(head, style="green" if not worst & {"critical", "warning"} else "bold")]
     for f in findings:
@@ -185,7 +185,7 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
     head = comm_headline(report.comm)
     if head:
         console.print(Text(head, style="bold"))
-    console.print(findings_summary(report.findings, report.rules))
+    console.print(findings_summary(report.findings, report.rules, report.verdict))
     if report.steps is not None or report.trace_steps is not None:
         console.print(render_steps(report.steps or report.trace_steps, w))
     if report.throughput is not None:
