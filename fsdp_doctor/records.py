@@ -68,6 +68,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     forward_prefetch: list[str] | None = []
     backward_prefetch: list[str] | None = []
     unshard_async_op: bool | None = False
+    # False: set_unshard_in_backward(False), FSDP2 never all-gathers the unit in backward (its parameters needed in
+    # forward only, an embedding's): kept gathered it would hold them for nothing (a run recorded before: True)
+    unshard_in_backward: bool | None = True
     offload: str | None = None  # "cpu" when CPUOffloadPolicy is set
     offload_pin_memory: bool | None = None
     checkpoint: str = "none"  # "none" | "unit" (AC wraps the unit) | "children" | "partial"

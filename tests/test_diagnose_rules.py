@@ -973,6 +973,63 @@ def test_zero2_per_unit_known_answer():
             "calls of layers.3, layers.2, tok_emb, pos_emb instead") in g.recommendation.text, g.recommendation.text
 
 
+def test_units_never_gathered_in_backward_are_not_kept_gathered():
+    """set_unshard_in_backward(False) on the embeddings (FSDP2 never all-gathers them in backward: an embedding's
+    parameters are needed in forward only): the recorder's span from their pre-backward to their first gradient is
+    its hooks' own, no all-gather. A new-user trial's reshard.zero2_affordable flipped such an embedding for 0.04 ms
+    ("emb: -0.04 ms for 18.94 KiB held ... flip"): keeping it gathered only holds memory. The known answer of
+    test_zero2_per_unit_known_answer with the embeddings (0.3 ms of waits) left out, and said so."""
+    cap = int(26.875 * MiB)
+    mem = memory(20 * MiB, capacity=cap)
+    for r in mem["per_rank"].values():
+        r["timeline"] = _timeline()
+    us = _zero2_units()
+    us[1][0]["unshard_in_backward"] = False
+    ctx, _ = build(units=us, memory=mem, capacity=cap)
+    (f,) = run_rule("reshard.zero2_affordable", ctx)
+    ev = f.evidence
+    assert ev["units_flipped"] == ["layers.3", "layers.2"] and ev["units_not_fitting"] == ["layers.1", "layers.0"]
+    assert ev["units_not_gathered_in_backward"] == ["tok_emb, pos_emb"]
+    assert not any(r.startswith("tok_emb") for r in ev["per_unit"]) and "tok_emb" not in f.recommendation.code
+    assert f.predicted["peak_bytes_after"] == int(19.5 * MiB) + 2 * BLOCK["unsharded_bytes"]
+    assert f.predicted["step_ms_after"] == pytest.approx(110.0 - 5.0)
+    assert ("Left out: tok_emb, pos_emb is never all-gathered in backward (set_unshard_in_backward(False)): kept "
+            "gathered, only memory is held.") in f.recommendation.text, f.recommendation.text
+    # the only resharded unit waiting is such a unit: quiet, saying why
+    only = _zero2_units()
+    for u, t in only[2:6]:
+        t["ag_wait_bwd_ms"] = 0.0
+    only[1][0]["unshard_in_backward"] = False
+    rule = next(c for c in RULES if c.code == "reshard.zero2_affordable")()
+    assert rule.match(build(units=only, memory=mem, capacity=cap)[0]) == []
+    assert rule.why_quiet == ("no resharded unit waits for a backward all-gather; tok_emb, pos_emb is never "
+                              "all-gathered in backward (set_unshard_in_backward(False)): kept gathered, only memory "
+                              "is held"), rule.why_quiet
+    # prefetch.exposed_allgather's second half (reshard_after_forward=False removes the backward waits) leaves it out
+    # too, and lists no backward wait of it (whatever the recorder timed there, 6 ms here, is no all-gather's)
+    waits = healthy_units()
+    for u, t in waits[1:]:
+        t.update(ag_wait_fwd_ms=5.0, ag_wait_bwd_ms=6.0 if u["name"] == "tok_emb, pos_emb" else 2.0)
+    waits[1][0]["unshard_in_backward"] = False
+    (g,) = run_rule("prefetch.exposed_allgather", build(units=waits)[0])
+    assert g.evidence["reshard_after_forward_false_ms"] == pytest.approx(4 * 2.0)  # the 4 layers
+    assert g.evidence["reshard_after_forward_false_bytes"] == 4 * BLOCK["unsharded_bytes"]
+    assert not any(w.startswith("tok_emb, pos_emb (backward)") for w in g.evidence["worst_units"])
+    # the last unit of forward never gathered in backward: resharding it costs no all-gather, reshard.last_unit is
+    # quiet, and zero2_affordable does not hand it to that rule
+    us = healthy_units()
+    us[-1][0].update(reshard_after_forward=True, unshard_in_backward=False)
+    us[-1][1]["ag_wait_bwd_ms"] = 4.0
+    last = next(c for c in RULES if c.code == "reshard.last_unit")()
+    assert last.match(build(units=us, memory=memory(50 * MiB))[0]) == []
+    assert last.why_quiet == ("'norm, lm_head', the last unit of forward, is never all-gathered in backward "
+                              "(set_unshard_in_backward(False)): resharding it after forward costs nothing")
+    us[1][1]["ag_wait_bwd_ms"] = 9.0
+    (h,) = run_rule("reshard.zero2_affordable", build(units=us, memory=memory(20 * MiB, capacity=cap))[0])
+    assert h.evidence["units_not_gathered_in_backward"] == ["norm, lm_head"]
+    assert "reshard.last_unit" not in h.recommendation.text and "norm, lm_head" not in h.evidence["units_flipped"]
+
+
 def test_zero2_per_unit_without_timeline_and_quiet_reasons():
     mem = memory(100 * MiB, capacity=1 << 30)
     ctx, _ = build(units=_zero2_units(), memory=mem)

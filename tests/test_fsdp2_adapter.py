@@ -18,11 +18,11 @@ PKG = Path(__file__).resolve().parents[1] / "fsdp_doctor"
 PRIVATE = {"_fsdp_param_group", "_fsdp_param_groups", "_get_fsdp_state", "_orig_size", "_sharded_param_data",
            "_mp_policy", "_states_to_forward_prefetch", "_states_to_backward_prefetch", "post_forward_mesh_info",
            "_training_state", "_all_gather_result", "comm_ctx", "all_gather_state", "reduce_scatter_states",
-           "reduce_scatter_state", "_module_fqn", "_set_unshard_async_op", "unshard_async_op", "_sharded_state",
-           "_unsharded_param", "all_gather_outputs", "_unsharded_inner_tensors", "unsharded_accumulated_grad",
-           "_sharded_post_forward_param_data", "_is_hsdp", "_all_reduce_state", "_partial_reduce_output",
-           "fsdp_params", "offload_policy", "reduce_grads", "_top_saved_tensors_default_hooks", "_is_root",
-           "_modules", "_param_fqn", "_comm_ctx"}
+           "reduce_scatter_state", "_module_fqn", "_set_unshard_async_op", "unshard_async_op", "unshard_in_backward",
+           "_sharded_state", "_unsharded_param", "all_gather_outputs", "_unsharded_inner_tensors",
+           "unsharded_accumulated_grad", "_sharded_post_forward_param_data", "_is_hsdp", "_all_reduce_state",
+           "_partial_reduce_output", "fsdp_params", "offload_policy", "reduce_grads",
+           "_top_saved_tensors_default_hooks", "_is_root", "_modules", "_param_fqn", "_comm_ctx"}
 
 
 def _imports_torch(tree: ast.AST) -> bool:
@@ -132,6 +132,7 @@ def test_snapshot_marks_unknown_fields_none(monkeypatch):
     (cfg,) = snapshot_units([u])
     assert cfg.param_count is None and cfg.sharded_bytes is None and cfg.unsharded_bytes is None
     assert cfg.reshard_after_forward is None and cfg.unshard_async_op is None and cfg.forward_prefetch is None
+    assert cfg.unshard_in_backward is None
     assert cfg.param_groups is None
     assert len(F2.problems()) >= 1 and all(p.startswith(f"torch {F2.TORCH_STR}: cannot read ") for p in F2.problems())
 

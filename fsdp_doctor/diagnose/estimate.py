@@ -655,8 +655,19 @@ def predicted(step_before=None, step_after=None, peak_before=None, peak_after=No
 
 def ag_wait_ms(u: Unit, phase: str) -> float:
     """A unit's all-gather wait in ``phase`` (ms); 0 where not known apart (a unit compiled in place: its forward's
-    wait is inside its forward)."""
-    return (u.timing.ag_wait_fwd_ms or 0.0) if phase == "forward" else u.timing.ag_wait_bwd_ms
+    wait is inside its forward), and 0 in backward for a unit FSDP2 never gathers there (``gathered_in_backward``):
+    the recorder's span from its pre-backward to its first gradient is then its hooks' own (0.04 ms on a new-user
+    trial's embedding, which reshard.zero2_affordable flipped for it)."""
+    if phase == "forward":
+        return u.timing.ag_wait_fwd_ms or 0.0
+    return u.timing.ag_wait_bwd_ms if gathered_in_backward(u) else 0.0
+
+
+def gathered_in_backward(u: Unit) -> bool:
+    """Whether FSDP2 all-gathers the unit for its backward: not after ``set_unshard_in_backward(False)`` (its
+    parameters needed in forward only, an embedding's), where keeping it gathered after forward only holds memory.
+    Unknown reads as FSDP's default (gathered)."""
+    return u.unshard_in_backward is not False
 
 
 def compute_fwd_ms(u: Unit) -> float:

@@ -53,7 +53,7 @@ forward=None)``                 the root is set to False at lazy init)       def
 Unchanged across 2.6 - 2.15 (still read defensively): ``FSDPState._modules``, ``_is_root``,
 ``_mp_policy``, ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``, ``_training_state``;
 ``FSDPParamGroup.fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``, ``_module_fqn``,
-``offload_policy``, ``unshard_async_op``, ``reduce_grads``, ``device``, ``comm_ctx``,
+``offload_policy``, ``unshard_async_op``, ``unshard_in_backward``, ``reduce_grads``, ``device``, ``comm_ctx``,
 ``_all_gather_result``, ``_sharded_state``, ``_is_hsdp``, ``_all_reduce_state``,
 ``_partial_reduce_output``; ``FSDPParam._orig_size``, ``sharded_param``, ``_sharded_param_data``,
 ``_unsharded_param``, ``all_gather_outputs``, ``_unsharded_inner_tensors``,
@@ -297,6 +297,13 @@ def offload_policy(pg):
 
 def unshard_async_op(pg) -> bool | None:
     v = _read(pg, "unshard_async_op", "FSDPParamGroup", "async unshard unknown")
+    return None if v is None else bool(v)
+
+
+def unshard_in_backward(pg) -> bool | None:
+    """False where ``FSDPModule.set_unshard_in_backward(False)`` was called: FSDP2 never all-gathers the group in
+    backward (its parameters needed in forward only, an embedding's); None when unreadable."""
+    v = _read(pg, "unshard_in_backward", "FSDPParamGroup", "backward all-gather setting unknown")
     return None if v is None else bool(v)
 
 

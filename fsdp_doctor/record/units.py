@@ -323,6 +323,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 forward_prefetch=_names(F2.prefetch_targets(u.state, "forward"), names),
                 backward_prefetch=_names(F2.prefetch_targets(u.state, "backward"), names),
                 unshard_async_op=F2.unshard_async_op(pg0) if pg0 is not None else (False if known else None),
+                unshard_in_backward=F2.unshard_in_backward(pg0) if pg0 is not None else (True if known else None),
                 offload="cpu" if is_cpu_offload else None,
                 offload_pin_memory=bool(getattr(offload, "pin_memory", False)) if is_cpu_offload else None,
                 checkpoint=_checkpoint_kind(u, units),

@@ -210,11 +210,13 @@ class ExposedAllGather(Rule):
         no_room = bool(device) and by_gain is None
         # the second half of the advice: reshard_after_forward=False on the resharded units removes their backward
         # all-gathers (measured host waits) at the cost of keeping them gathered until backward; only the units that
-        # wait for one (a frozen prefix is never gathered in backward: kept gathered it costs memory for nothing)
+        # wait for one (a frozen prefix is never gathered in backward, nor a unit set_unshard_in_backward(False): kept
+        # gathered they cost memory for nothing)
         # (the waits as reshard.zero2_affordable measures them, the GPU trace's where there is one: the host's
         # clock read ~7.9 ms beside its 70.0 ms for the same units, a new-user trial on the H100 fixture)
         waits = {u.name: E.backward_allgather_ms(ctx, u)[0] or 0.0 for u in E.non_root(us)} if bwd > 0 else {}
-        z2 = [u for u in E.non_root(us) if not E.kept_gathered(u) and waits.get(u.name, 0.0) > 0]
+        z2 = [u for u in E.non_root(us) if not E.kept_gathered(u) and E.gathered_in_backward(u)
+              and waits.get(u.name, 0.0) > 0]
         saved_bwd = sum(waits[u.name] for u in z2)
         peak = E.peak_bytes(ctx)
         # the same memory model as reshard.zero2_affordable: each unit keeps its unsharded bytes (and its shard)
@@ -573,13 +575,14 @@ def _allgathers_per_step(ctx: Context) -> tuple[Optional[float], dict[tuple[str,
 
 def _one_per_unit(ctx: Context, bwd: list[str]) -> float:
     """All-gathers per step with each unit gathered once per pass: once in each forward, and once in each backward
-    where it runs backward resharded (reshard_after_forward not False), times its forward passes per step."""
+    where it runs backward resharded (reshard_after_forward not False) and FSDP2 gathers it there (not after
+    set_unshard_in_backward(False)), times its forward passes per step."""
     mb = E.micro_batches(ctx)
     runs_bwd = set(bwd)
     n = 0.0
     for u in E.param_units(ctx):
         passes = mb.get(u.name, 1.0)
-        n += passes * (1 + (u.name in runs_bwd and not E.kept_gathered(u)))
+        n += passes * (1 + (u.name in runs_bwd and not E.kept_gathered(u) and E.gathered_in_backward(u)))
     return n
 
 
@@ -802,6 +805,9 @@ class LastUnitResharded(Rule):
                                   "they do")
             return self.quiet("the last unit of forward is kept gathered" if us else "no unit beside the root")
         name = last.name or "(root)"
+        if not E.gathered_in_backward(last):  # (its resharding frees memory and costs no all-gather)
+            return self.quiet(f"{name!r}, the last unit of forward, is never all-gathered in backward "
+                              "(set_unshard_in_backward(False)): resharding it after forward costs nothing")
         extra = E.calls_beyond_model(ctx, last.name)
         if extra >= 1:  # its resharding is that code's to set
             return self.quiet(

@@ -104,8 +104,16 @@ class Zero2PerUnit(Rule):
             return self.quiet(f"the peak is already {100 * peak / cap:.0f}% of capacity "
                               f"(budget {100 * ZERO2_MAX_SHARE:.0f}%)")
         last = E.resharded_last_unit(ctx)
-        cands = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is True
+        resharded = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is True]
+        # units FSDP2 never gathers in backward (set_unshard_in_backward(False)): keeping them gathered saves nothing
+        # and holds their parameters (a new-user trial's embedding was flipped for its hooks' 0.04 ms)
+        never = [u.name for u in resharded if not E.gathered_in_backward(u)]
+        if last is not None and last.name in never:
+            last = None
+        cands = [u for u in resharded if u.name not in never
                  and (last is None or u.name != last.name)]  # the last unit is reshard.last_unit's
+        not_gathered = (f"{E.fmt_list(never)} {'is' if len(never) == 1 else 'are'} never all-gathered in backward "
+                        "(set_unshard_in_backward(False)): kept gathered, only memory is held") if never else ""
         rows: list[_Candidate] = []
         source = ""
         for u in cands:
@@ -122,7 +130,8 @@ class Zero2PerUnit(Rule):
                               if type(u.reshard_after_forward) is int})
             return self.quiet("no resharded unit waits for a backward all-gather" + (
                 f"; units resharded to a smaller group (reshard_after_forward="
-                f"{', '.join(map(str, partial))}) are not weighed" if partial else ""))
+                f"{', '.join(map(str, partial))}) are not weighed" if partial else "")
+                + (f"; {not_gathered}" if never else ""))
         rows.sort(key=lambda r: (-r.saved / r.held, r.u.name))
         for r in rows:
             r.flip = E.zero2_peak(ctx, [c.u for c in rows if c.flip] + [r.u]) <= budget
@@ -141,7 +150,7 @@ class Zero2PerUnit(Rule):
         # its lever where all of them fit the budget
         titan = E.torchtitan_version(ctx)
         where, code = "", None
-        if titan is not None and not left and last is None:
+        if titan is not None and not left and last is None and not never:  # ('never' would keep those too)
             every = E.zero2_peak(ctx, cands)
             code = S.titan_settings(titan, fsdp_reshard_after_forward="never") if every <= budget else None
             if code:
@@ -157,6 +166,8 @@ class Zero2PerUnit(Rule):
                 f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({100 * peak_after / cap:.1f}% of capacity).")
         if left:
             text += f" {E.fmt_list(left)} would not fit the budget."
+        if never:
+            text += f" Left out: {not_gathered}."
         if last is not None and E.calls_beyond_model(ctx, last.name) >= 1:  # (reshard.last_unit is quiet there)
             text += (f" The last unit {last.name!r} is left as it is: code outside the model's forward runs it and "
                      "sets its resharding (torchtitan's chunked loss).")
@@ -177,6 +188,7 @@ class Zero2PerUnit(Rule):
              "saved_ms_per_step": round(saved, 3),
              "saved_upper_ms_per_step": None if upper is None else round(upper, 3),
              "step_p50_ms": step, "units_flipped": names, "units_not_fitting": left,
+             **({"units_not_gathered_in_backward": never} if never else {}),  # (left out, said in the text)
              "per_unit": [r.row for r in rows], "measured_by": source,
              "memory_model": "timeline" if E.peak_memory(ctx).timeline else "peak"},
             text, _unit_fix(us) if code is None else code, where=where, predicted=E.predicted(step, step - saved, peak, peak_after),
@@ -199,7 +211,8 @@ class _Sizes(NamedTuple):
 
 def _collective_sizes(ctx: Context) -> Optional[_Sizes]:
     """All-gathers per step, median message and achieved bus bandwidth: from the trace, else the unit snapshot
-    (each unit all-gathers its unsharded parameters once in forward, once in backward unless kept gathered)."""
+    (each unit all-gathers its unsharded parameters once in forward, once in backward unless kept gathered or never
+    gathered there)."""
     rows = [r for r in E.trace_rows(ctx, "all_gather") if r.bytes_per_call]
     if rows:
         ranks = {r.rank for r in rows}
@@ -209,7 +222,7 @@ def _collective_sizes(ctx: Context) -> Optional[_Sizes]:
     us = E.non_root(E.param_units(ctx))
     if not us:
         return None
-    calls = sum(1 + (u.reshard_after_forward is not False) for u in us)
+    calls = sum(1 + (u.reshard_after_forward is not False and E.gathered_in_backward(u)) for u in us)
     return _Sizes(calls, statistics.median(u.unsharded_bytes for u in us), None, "unit snapshot")
 
 
