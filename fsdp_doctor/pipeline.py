@@ -155,6 +155,10 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
         if report.overlap is not None:
             problems.extend(f"{s.file}: {s.error}" for s in report.overlap.skipped)
             _count_unread(report.run, report.overlap, run)
+            if report.overlap.exit_windows:  # (torch.profiler's window at its exit, part of a normal folder: a
+                # note, not a problem; as a skipped file it made analyze exit 3 under schedule(..., repeat=0), which
+                # failed a new-user trial's CI check of the exit code)
+                report.run.notes = [*(report.run.notes or []), *_exit_window_notes(report.overlap.exit_windows)]
             if not run.has_records and (note := _nograd_note(report.overlap)):  # (records: eval.regather's)
                 report.run.notes = [*(report.run.notes or []), note]
     if report.steps is None and report.overlap is not None:  # plain traces: the complete ProfilerSteps
@@ -257,7 +261,7 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
         return f"{path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"
     if is_usable(run, report):
         return None
-    skipped = report.overlap.skipped if report.overlap is not None else []
+    skipped = [*report.overlap.skipped, *report.overlap.exit_windows] if report.overlap is not None else []
     if Path(path).is_file() and len(skipped) == 1:
         return f"{path}: {skipped[0].error}"
     why = [f"{s.file}: {s.error}" for s in skipped]
@@ -316,6 +320,16 @@ def trace_steps_columns(overlap: Optional[OverlapSection]) -> dict[int, dict[str
     return out
 
 
+def _exit_window_notes(files: list) -> list[str]:
+    """One line per message of the files torch.profiler saved at its exit (``OverlapSection.exit_windows``; the
+    ranks' files say the same step), naming them: the first 4, then how many more."""
+    by: dict[str, list[str]] = {}
+    for f in files:
+        by.setdefault(f.error, []).append(f.file)
+    return [", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "") + f": {why}"
+            for why, names in by.items()]
+
+
 def _count_unread(facts, overlap, run: Optional[Run] = None) -> None:
     """The run facts count the trace files read, not those found: an unreadable one (truncated, not a trace) is
     counted apart, and the ranks the traces speak for are those read (a truncated rank's file still names its
@@ -323,16 +337,16 @@ def _count_unread(facts, overlap, run: Optional[Run] = None) -> None:
     traces' metadata are those of the files read (another job's skipped files made the header of HTA's reference
     folder "300 ranks" and list five GPU models: a new-user trial)."""
     unread = len(overlap.skipped)
-    if not unread:
+    if not unread and not overlap.exit_windows:
         return
     facts.trace_files_unread = unread
-    facts.trace_files = max(0, facts.trace_files - unread)
+    facts.trace_files = max(0, facts.trace_files - unread - len(overlap.exit_windows))  # (those: a note says them)
     if run is not None and facts.facts_source == "trace metadata":
         import msgspec
 
         from .trace.meta import meta_facts
 
-        gone = {s.file for s in overlap.skipped}
+        gone = {s.file for s in (*overlap.skipped, *overlap.exit_windows)}
         kept = [p for p in run.trace_files if not any(str(p) == g or str(p).endswith(os.sep + g) for g in gone)]
         meta = meta_facts(kept)
         defaults = {f.name: f.default for f in msgspec.structs.fields(facts)}

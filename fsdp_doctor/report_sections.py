@@ -581,6 +581,9 @@ class OverlapSection(_Section):
     kernels: dict[str, KernelStats] = {}  # GPU ranks: compute kernels by class
     files: list[str] = []  # trace files read
     skipped: list[SkippedFile] = []  # trace files that could not be read
+    # trace files whose one profiler step ran nothing, each its rank's last: the window torch.profiler saves at its
+    # exit where its schedule was recording (trace.reader.EmptyLastStep); not analysed, and no problem (a note)
+    exit_windows: list[SkippedFile] = []
     units: list[TraceUnitRow] = []  # per-unit times from FSDP2's labels (fsdp_doctor.trace.steps_detail)
     memory: Optional[MemorySection] = None  # from the [memory] events (profile_memory=True), source "trace: ..."
 

@@ -535,3 +535,107 @@ def test_a_gpu_trace_without_device_events_is_said_and_gets_no_verdict(tmp_path)
     assert rep.verdict is None and "verdict.severe" not in {f.code for f in rep.findings}
     assert any("but hold no device event (kernel, memcpy): the profiler did not record CUDA activity" in p
                for p in rep.problems), rep.problems
+
+
+# one gloo rank profiled with plain torch.profiler (``plain_one_rank``): a step of FSDP2 training
+_PLAIN_ONE_RANK = """
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
+
+out = sys.argv[1]
+os.makedirs(out)
+model = fully_shard(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step():
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with record_function("ProfilerStep#0"):
+        step()
+        dist.all_reduce(torch.ones(8))
+    for _ in range(3):
+        dist.all_reduce(torch.ones(8))
+prof.export_chrome_trace(os.path.join(out, "one_step.json"))
+for name, steps in (("early", 2), ("repeat0", 6)):
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=2),
+                 on_trace_ready=tensorboard_trace_handler(os.path.join(out, name))) as prof:
+        for _ in range(steps):
+            step()
+            prof.step()
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_one_rank(tmp_path_factory):
+    """Plain torch.profiler traces of 1 gloo rank: ``one_step.json``, one ProfilerStep marked by hand (as Kineto's
+    on-demand traces mark their one iteration: HTA's reference gloo trace) holding an all-reduce, 3 more after it;
+    ``repeat0/`` and ``early/``, schedule(wait=1, warmup=1, active=2) (repeat=0, its default) over loops of 6 and 2
+    steps."""
+    from conftest import run_one_rank
+
+    out, _ = run_one_rank(tmp_path_factory.mktemp("plain_one_rank"), _PLAIN_ONE_RANK)
+    return out
+
+
+def _profiler_steps(path: Path) -> list[str]:
+    return [e["name"] for e in json.loads(path.read_text())["traceEvents"]
+            if e.get("name", "").startswith("ProfilerStep")]
+
+
+def test_a_one_step_windows_calls_per_step_are_those_its_time_holds(plain_one_rank):
+    """A window of one ProfilerStep keeps what ran after the step (HTA's reference gloo trace: 2 of its 10 all-reduces
+    in the step, "10 calls per step" beside the 2's 178.8 ms). Per step, calls and time are of the same calls now:
+    here 1 all-reduce of the 4, and its time."""
+    path = plain_one_rank / "one_step.json"
+    ev = json.loads(path.read_text())["traceEvents"]
+    (step,) = [e for e in ev if e.get("name") == "ProfilerStep#0"]
+    gloo = [e for e in ev if e.get("name") == "gloo:all_reduce"]
+    inside = [e for e in gloo if step["ts"] <= e["ts"] < step["ts"] + step["dur"]]
+    assert len(gloo) == 4 and len(inside) == 1
+    ov = analyze_traces(path)
+    (row,) = [r for r in ov.per_unit if r.collective == "all_reduce"]
+    assert (row.count, row.steps, row.count_per_step) == (4, 1, 1.0)
+    assert row.comm_ms_per_step == pytest.approx(inside[0]["dur"] / 1e3, abs=1e-6)  # (ms: to the ns)
+
+
+def test_the_window_torch_profiler_saves_at_exit_is_a_note_and_exit_0(plain_one_rank, tmp_path, capsys):
+    """schedule(..., repeat=0) over a loop that ends as a cycle begins recording: torch.profiler's exit saves one more
+    file, its one ProfilerStep (the one the loop's last prof.step() began) empty. It was a skipped input: exit 3, a
+    new-user trial's CI check failed on a normal folder. It is a note now, exit 0; beside a really empty file the
+    exit is 3, and such a step before its rank's later windows (a rerun into the folder) is no exit's: skipped."""
+    import shutil
+
+    from fsdp_doctor import cli
+
+    folder = plain_one_rank / "repeat0"
+    steps = {f.name: _profiler_steps(f) for f in folder.iterdir()}
+    assert sorted(steps.values()) == [["ProfilerStep#2", "ProfilerStep#3"], ["ProfilerStep#6"]], steps
+    last = next(n for n, s in steps.items() if s == ["ProfilerStep#6"])
+    rep = build_report(load_run(folder))
+    assert rep.overlap.skipped == [] and [f.file for f in rep.overlap.exit_windows] == [last]
+    assert rep.problems == [] and (rep.run.trace_files, rep.run.trace_files_unread) == (1, 0)
+    assert [n for n in rep.run.notes if last in n] == [
+        f"{last}: nothing ran in its profiler step (#6): the window torch.profiler saves at its exit where its "
+        "schedule was recording as the loop ended (the step the loop's last prof.step() began); not analysed"]
+    assert cli.main(["analyze", str(folder)]) == cli.EXIT_OK
+    assert capsys.readouterr().out.count(f"{last}:") == 1
+
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "empty.pt.trace.json").write_text('{"traceEvents": []}')
+    assert cli.main(["analyze", str(broken)]) == cli.EXIT_PARTIAL
+
+    (early,) = (plain_one_rank / "early").iterdir()
+    assert _profiler_steps(early) == ["ProfilerStep#2"]  # the 2-step loop's exit window, alone in its folder
+    rerun = tmp_path / "rerun"
+    shutil.copytree(folder, rerun)
+    shutil.copy(early, rerun / early.name)  # before the 6-step loop's window of steps 2-3
+    rep = build_report(load_run(rerun))
+    assert [(f.file, f.error) for f in rep.overlap.skipped] == [
+        (early.name, "nothing ran in its profiler step (#2): no operator, kernel or collective; not analysed")]
+    assert [f.file for f in rep.overlap.exit_windows] == [last]
+    assert cli.main(["analyze", str(rerun)]) == cli.EXIT_PARTIAL

@@ -45,3 +45,24 @@ def test_overlap_matches_hta(folder, expected, monkeypatch):
         assert gpu_overlap_pct(result, int(rank)) == pr.overlap_pct
         # HTA lists the complete steps it analysed
         assert pr.steps == expected["profiler_steps"]
+
+
+def test_a_one_step_gloo_traces_calls_per_step_are_those_in_its_step():
+    """cpu_only_gloo holds one ProfilerStep (#551, 210 ms) and 10 gloo:all_reduce on 2 gloo threads, 2 of them
+    starting inside the step and the other 8 after it. The row's time per step was the 2's (178.8 ms) and its calls
+    per step all 10 ("(other) AR calls 10 per profiled step", a new-user trial); both are the 2's now."""
+    import gzip
+
+    from fsdp_doctor.trace import intervals as iv
+
+    (path,) = (HTA_DIR / "cpu_only_gloo").iterdir()
+    ev = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    (step,) = [e for e in ev if e.get("name", "").startswith("ProfilerStep")]
+    s0, s1 = step["ts"], step["ts"] + step["dur"]
+    gloo = [e for e in ev if e.get("name") == "gloo:all_reduce"]
+    inside = [e for e in gloo if s0 <= e["ts"] < s1]
+    assert (len(gloo), len(inside)) == (10, 2)
+    in_step_ms = iv.measure(iv.union([e["ts"] for e in inside], [min(s1, e["ts"] + e["dur"]) for e in inside])) / 1e3
+    (row,) = analyze_traces(HTA_DIR / "cpu_only_gloo").per_unit
+    assert (row.collective, row.count, row.steps, row.count_per_step) == ("all_reduce", 10, 1, 2.0)
+    assert row.comm_ms_per_step == pytest.approx(in_step_ms, abs=1e-3) and round(in_step_ms, 1) == 178.8

@@ -115,8 +115,8 @@ def test_the_window_tensorboard_handler_writes_at_exit_is_named_not_read_as_a_st
     """torch.profiler as its tutorial has it (schedule(wait=1, warmup=1, active=2), tensorboard_trace_handler) over 6
     steps: at the stop the second cycle had begun, and the handler wrote one more file per rank with one ProfilerStep
     marker (#6, 50 µs) and nothing else. A new-user trial's report read it as a step (2 steps a rank, p50 halved, the
-    units' calls 0.5 a step), and alone it read "host-bound 100% of the step". Each such file is named and left out
-    now; alone, it is one line and no report."""
+    units' calls 0.5 a step), and alone it read "host-bound 100% of the step". Each such file is named in a note and
+    left out now (not a skipped input: a normal part of the folder); alone, it is one line and no report."""
     from fsdp_doctor import build_report, load_run
     from fsdp_doctor.pipeline import unusable_reason
     from trace_fixtures import TensorBoardProfile
@@ -127,10 +127,14 @@ def test_the_window_tensorboard_handler_writes_at_exit_is_named_not_read_as_a_st
     workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=120)
     report = build_report(load_run(tmp_path))
     ov = report.overlap
-    assert len(ov.skipped) == 2 and all("nothing ran in its profiler step (#6)" in s.error for s in ov.skipped)
+    assert ov.skipped == [] and report.problems == []
+    ends = ov.exit_windows
+    assert len(ends) == 2 and all("nothing ran in its profiler step (#6)" in s.error for s in ends)
+    assert [n for n in report.run.notes if "(#6)" in n] == [
+        f"{', '.join(s.file for s in ends)}: {ends[0].error}"]
     assert {r: pr.steps for r, pr in ov.per_rank.items()} == {"0": [2], "1": [2]}
     assert {r.count_per_step for r in ov.per_unit if r.collective == "all_gather" and r.unit != "(other)"} == {1.0}
-    tail = tmp_path / Path(ov.skipped[0].file).name
+    tail = tmp_path / Path(ends[0].file).name
     alone = load_run(tail)
     why = unusable_reason(tail, alone, build_report(alone))
     assert why is not None and "nothing ran in its profiler step (#6)" in why, why

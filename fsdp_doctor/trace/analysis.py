@@ -208,21 +208,26 @@ def _per_step(pr: OverlapRank, bd: Optional[dict]) -> None:
 
 
 def row_time_in_steps(win: WindowTrace) -> dict:
-    """Per (unit, collective, phase) of the window's calls: the union of those calls inside the complete steps
-    (µs) and the part of it during which no compute ran. Unions, not sums: calls of one row that run at once
+    """Per (unit, collective, phase) of the window's calls: those inside the complete steps, as (their count, the
+    union of their time inside the steps in µs, the part of it during which no compute ran). A call counts where
+    it ran into the steps and was issued before they end, so that the count and the time are of the same calls (a
+    window of one ProfilerStep keeps what ran after it: HTA's reference gloo trace holds one step of 210 ms, 2 of
+    its 10 all-reduces start inside it and the other 8 after it, the last ending 1.06 s after it; counted whole,
+    its row read 10 calls a step beside the 2's 178.8 ms). Unions, not sums: calls of one row that run at once
     (gloo's threads, several NCCL streams) count once, so a row's time per step never exceeds the step."""
     if win.window is None or not win.calls:
         return {}
     w0, w1 = win.window
     by: dict = defaultdict(lambda: ([], []))
     for c in win.calls:
-        s, e = by[(c.unit, c.collective, c.phase)]
-        s.append(c.start)
-        e.append(c.end)
-    out = {}
+        if c.end > w0 and c.issue < w1:
+            s, e = by[(c.unit, c.collective, c.phase)]
+            s.append(c.start)
+            e.append(c.end)
+    out = {key: (0, 0.0, 0.0) for key in {(c.unit, c.collective, c.phase) for c in win.calls}}
     for key, (s, e) in by.items():
         u = _clip(iv.union(s, e), w0, w1)
-        out[key] = (iv.measure(u), iv.measure(iv.subtract(u, win.compute)) if u[0].size else 0.0)
+        out[key] = (len(s), iv.measure(u), iv.measure(iv.subtract(u, win.compute)) if u[0].size else 0.0)
     return out
 
 
@@ -238,7 +243,8 @@ def on_compute_stream_us(win: WindowTrace) -> float:
 def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int = 1,
               in_steps: Optional[dict] = None) -> list[CommUnitRow]:
     """One row per (unit, collective, phase) of the rank's calls; the per-step figures divide by ``steps`` the
-    row's time inside the complete steps (``in_steps``, see :func:`row_time_in_steps`; without it, its sums)."""
+    row's calls and time inside the complete steps (``in_steps``, see :func:`row_time_in_steps`; without it, its
+    sums)."""
     groups: dict = defaultdict(list)
     for c, exp in calls:
         groups[(c.unit, c.collective, c.phase)].append((c, exp))
@@ -263,13 +269,14 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int =
     return rows
 
 
-def per_step_row(row: CommUnitRow, steps: int, in_steps: Optional[tuple[float, float]] = None) -> CommUnitRow:
-    """``row`` with its figures per complete step: calls, and communication and exposed ms (the row's time inside
-    the complete steps, ``in_steps`` = (comm µs, exposed µs); without it its sums) divided by ``steps`` (the
-    rank's complete profiled steps, at least 1). The one definition of a unit row's per-step figures."""
+def per_step_row(row: CommUnitRow, steps: int, in_steps: Optional[tuple[int, float, float]] = None) -> CommUnitRow:
+    """``row`` with its figures per complete step: calls, and communication and exposed ms (the row's calls and time
+    inside the complete steps, ``in_steps`` = (calls, comm µs, exposed µs); without it its sums) divided by
+    ``steps`` (the rank's complete profiled steps, at least 1). The one definition of a unit row's per-step
+    figures."""
     n = max(1, int(steps))
-    comm, exposed = in_steps if in_steps is not None else (row.comm_us, row.exposed_us)
-    row.steps, row.count_per_step = n, row.count / n
+    count, comm, exposed = in_steps if in_steps is not None else (row.count, row.comm_us, row.exposed_us)
+    row.steps, row.count_per_step = n, count / n
     row.comm_ms_per_step, row.exposed_ms_per_step = comm / n / 1e3, exposed / n / 1e3
     return row
 
@@ -299,7 +306,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     per_rank: dict[str, OverlapRank] = {}
     sums: dict[str, dict[str, dict]] = {"copies": {}, "idle": {}, "blocking": {}, "breakdown": {}}
     calls: dict = defaultdict(list)
-    in_steps: dict = defaultdict(dict)  # rank -> (unit, collective, phase) -> [comm µs, exposed µs] in the steps
+    in_steps: dict = defaultdict(dict)  # rank -> (unit, collective, phase) -> [calls, comm µs, exposed µs] in steps
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
@@ -331,10 +338,10 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         if w.kernels:
             _sum_into(sums.setdefault("kernels", {}), k, w.kernels)
         calls[w.rank].extend(zip(w.calls, call_exposure(w).tolist()))
-        for key, (comm, exp) in row_time_in_steps(w).items():
-            acc = in_steps[w.rank].setdefault(key, [0.0, 0.0])
-            acc[0] += comm
-            acc[1] += exp
+        for key, figures in row_time_in_steps(w).items():
+            acc = in_steps[w.rank].setdefault(key, [0, 0.0, 0.0])
+            for i, v in enumerate(figures):
+                acc[i] += v
     for k, pr in per_rank.items():
         pr.comm_us, pr.overlap_us, pr.exposed_us = float(pr.comm_us), float(pr.overlap_us), float(pr.exposed_us)
         pr.overlap_pct = 100.0 * pr.overlap_us / pr.comm_us if pr.comm_us > 0 else None
@@ -389,11 +396,30 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     if not files:
         return OverlapSection(skipped=skipped)
     common = Path(os.path.commonpath([str(f.parent) for f in files])) if len(files) > 1 else None
+    empty_last: list = []
     windows, unread = load_windows(files, progress=progress, workers=workers,
-                                   root=common if common is not None else roots[files[0]])
+                                   root=common if common is not None else roots[files[0]], empty_last=empty_last)
     result = analyze_windows(windows)
-    result.skipped = skipped + unread + result.skipped
+    result.exit_windows, bad = exit_windows(empty_last, windows)
+    result.skipped = skipped + unread + bad + result.skipped
     return result
+
+
+def exit_windows(empty: list, windows: list[WindowTrace]) -> tuple[list[SkippedFile], list[SkippedFile]]:
+    """Of the files whose one profiler step ran nothing (``empty``: (SkippedFile, trace.reader.EmptyLastStep)
+    pairs), (those that are torch.profiler's window at its exit, those skipped): a file is the exit's where no
+    window of its rank (of any, its rank unknown) holds that step or a later one; one before a rank's later
+    windows is no exit's, and is skipped."""
+    ends, bad = [], []
+    for f, e in empty:
+        later = any(n >= e.step for w in windows if e.rank is None or w.rank == e.rank for n in w.steps)
+        if later:
+            bad.append(f)
+        else:
+            ends.append(SkippedFile(file=f.file, error=f"nothing ran in its profiler step (#{e.step}): the window "
+                                    "torch.profiler saves at its exit where its schedule was recording as the loop "
+                                    "ended (the step the loop's last prof.step() began); not analysed"))
+    return ends, bad
 
 
 def gpu_overlap_pct(result: OverlapSection, rank) -> Optional[float]:

@@ -49,7 +49,8 @@ from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, 
                           _group_from_shapes, _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
-from .reader import MEMORY_EVENT, Args, Event, IEvent, KinetoTrace, StreamedTrace, TraceError, decode, rank_from_name
+from .reader import (MEMORY_EVENT, Args, EmptyLastStep, Event, IEvent, KinetoTrace, StreamedTrace, TraceError,
+                     decode, rank_from_name)
 from .steps_detail import (kept_from_forward, memory_steps, nograd_forwards, step_units, unit_spans,
                            unit_step_times)
 
@@ -484,9 +485,11 @@ def _build_window(path: Path, trace) -> WindowTrace:
         # (torch.profiler's tensorboard_trace_handler writes one at exit where the schedule had begun a window: a
         # ProfilerStep of 50 µs and nothing else, read as a step it halved the step statistics, and alone it read
         # "host-bound 100% of the step")
-        raise TraceError(f"nothing ran in its profiler step{'s' if len(kept_steps) > 1 else ''} "
-                         f"({', '.join(f'#{n}' for n in kept_steps)}): no operator, kernel or collective, a window "
-                         "the profiler closed as the loop ended; not analysed")
+        why = (f"nothing ran in its profiler step{'s' if len(kept_steps) > 1 else ''} "
+               f"({', '.join(f'#{n}' for n in kept_steps)}): no operator, kernel or collective")
+        if len(steps) == 1 and not from_optimizer:  # (trace.analysis: a normal file where it is the rank's last)
+            raise EmptyLastStep(f"{why}; not analysed", rank if rank_known else None, kept_steps[0])
+        raise TraceError(f"{why}; not analysed")
     return win
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Optional
 from ..report_sections import SkippedFile
 from .build import _gc_paused, build_window
 from .model import WindowTrace
-from .reader import TraceError, decode
+from .reader import EmptyLastStep, TraceError, decode
 
 # Decoding in worker processes pays off once there is this much JSON to read (gzip counted as 8x its size;
 # one process decodes and reduces roughly 100-200 MB of trace JSON per second; forking a worker ~10 ms).
@@ -23,12 +23,18 @@ _CAN_FORK = "fork" in mp.get_all_start_methods()
 
 
 
+def _error_value(e: TraceError) -> TraceError:
+    """``e`` as a value to return: a new one of its kind, without the traceback that holds the decoded trace."""
+    return EmptyLastStep(str(e), e.rank, e.step) if isinstance(e, EmptyLastStep) else TraceError(str(e))
+
+
 def load_window(path: str):
-    """The window model of one trace file, or a TraceError (returned, not raised) saying in one line why not."""
+    """The window model of one trace file, or a TraceError (returned, not raised) saying in one line why not (an
+    EmptyLastStep where its one profiler step ran nothing)."""
     try:
         return build_window(path)
     except TraceError as e:
-        return TraceError(str(e))
+        return _error_value(e)
     except Exception as e:  # a reader must never take the CLI down with a traceback
         return TraceError(f"cannot analyze ({type(e).__name__}: {e})")
 
@@ -53,7 +59,7 @@ def _worker(paths: list[str], conn) -> None:
                 trace = decode(Path(paths[i]))
                 res = build_window(paths[i], trace)
             except TraceError as e:
-                res = TraceError(str(e))
+                res = _error_value(e)
             except Exception as e:  # as in _load
                 res = TraceError(f"cannot analyze ({type(e).__name__}: {e})")
             conn.send((i, res))
@@ -135,9 +141,10 @@ def _display(path: Path, root: Optional[Path]) -> str:
 
 
 def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int], None]] = None,
-                 workers: Optional[int] = None, root: Optional[Path] = None):
+                 workers: Optional[int] = None, root: Optional[Path] = None, empty_last: Optional[list] = None):
     """Build the model for each file; returns (windows, skipped). Files are decoded in parallel processes
-    when there are several and they are large enough to pay for it."""
+    when there are several and they are large enough to pay for it. With ``empty_last`` (a list), the files whose
+    one profiler step ran nothing go there, as (SkippedFile, EmptyLastStep), instead of into skipped."""
     paths = list(paths)
     total = len(paths)
     results: dict[int, object] = {}
@@ -175,6 +182,8 @@ def load_windows(paths: Iterable[Path], *, progress: Optional[Callable[[int, int
         r = results[i]
         if isinstance(r, WindowTrace):
             windows.append(r)
+        elif empty_last is not None and isinstance(r, EmptyLastStep):
+            empty_last.append((SkippedFile(file=_display(p, root), error=str(r)), r))
         else:
             skipped.append(SkippedFile(file=_display(p, root), error=str(r)))
     return windows, skipped
