@@ -237,6 +237,9 @@ class Untrained(msgspec.Struct, kw_only=True, omit_defaults=True):
     names: list[str] = []  # their names in the model (the first 20)
     # FSDP unit -> [elements outside the optimizer, elements it holds], over the unit's trainable parameters
     units: dict[str, list[int]] = {}
+    # the modules holding the parameters the optimizer trains in those units that hold some outside it too (fqns: a
+    # ResNet's head `fc` in the root beside its frozen-to-be stem `conv1`, `bn1`); None: not recorded (older runs)
+    trained_modules: list[str] | None = None
     # whether their values changed between the first step's end and the third's (another optimizer, or the loop,
     # updates them); None: not checked (the run ended sooner)
     changed: bool | None = None

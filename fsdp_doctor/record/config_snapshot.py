@@ -269,12 +269,19 @@ def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untraine
     grads = [getattr(p.grad, "_local_tensor", p.grad) for _, p in rows if p.grad is not None]
     out = Untrained(tensors=len(rows), param_count=sum(p.numel() for _, p in rows), with_grad=len(grads),
                     grad_bytes=sum(g.numel() * g.element_size() for g in grads), names=[n for n, _ in rows[:20]])
+    sharded, holder = sharded_of(units), {}  # parameter id -> the first module holding it
+    for fqn, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            holder.setdefault(id(sharded.get(id(p), p)), fqn)
+    out.trained_modules = []
     for u in units:
         ps = [p for pg in u.param_groups for fp in F2.group_params(pg)
               if (p := F2.sharded_param(fp)) is not None and p.requires_grad]
         counts = [sum(p.numel() for p in ps if id(p) not in held), sum(p.numel() for p in ps if id(p) in held)]
         if counts[0]:
             out.units[u.name] = counts
+        if counts[0] and counts[1]:  # which of its modules stay trainable once the rest is frozen
+            out.trained_modules += list(dict.fromkeys(holder[id(p)] for p in ps if id(p) in held and id(p) in holder))
     return out
 
 

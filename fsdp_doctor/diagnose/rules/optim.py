@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import msgspec
 
 from ...trace.build import GRAD_NORM_PHASE, MODEL_PHASE
 from .. import estimate as E
@@ -339,10 +342,15 @@ class UntrainedParams(Rule):
                               "another optimizer, or the loop, updates them")
         trainable = int(cfg.model_trainable_param_count or 0) or ut.param_count
         share = ut.param_count / trainable
-        prefix = _frozen_prefix(ctx, ut)
+        stem, prefix = _frozen_prefix(ctx, ut)
         pm = E.peak_memory(ctx)
-        acts = {n: int(r.activation_bytes or 0) for n, r in E.memory_units(ctx).items()}
-        prefix_acts = sum(acts.get(u.name, 0) for u in prefix)
+        mem = E.memory_units(ctx)
+        acts = {n: int(r.activation_bytes or 0) for n, r in mem.items()}
+        inputs = {n: int(r.input_bytes) for n, r in mem.items() if r.input_bytes is not msgspec.UNSET}
+        stem_acts = _stem_saved(pm.timeline if pm is not None else [], stem)
+        rest = E.non_root(E.param_units(ctx))[len(prefix):]
+        after = rest[0].name if rest and (stem or prefix) else None  # (the first trained unit: its input is passed)
+        prefix_acts = stem_acts + sum(acts.get(u.name, 0) for u in prefix)
         step = E.step_ms(ctx)
         # frozen, the prefix never runs backward, but the first trained unit's backward would still prefetch the
         # last of it (FSDP2's default, the previous unit: prefetch.frozen_gathered): the fix gives that unit a
@@ -365,11 +373,16 @@ class UntrainedParams(Rule):
                 f"backward computes their gradients, FSDP2 reduce-scatters them, and their gradient shards "
                 f"({E.mib(ut.grad_bytes)} MiB on this rank) stay and accumulate, since optimizer.zero_grad() frees "
                 f"only the optimizer's own.")
+        if stem:
+            text += (f" The root's own {E.fmt_list(stem.own)} run before its nested units and train nothing (the "
+                     f"optimizer trains its {E.fmt_list(stem.trained)}, after them): frozen, autograd saves nothing "
+                     f"for them ({E.mib(stem_acts)} MiB now)" + (", nor for the units after them up to the first "
+                                                                  "trained one." if prefix else "."))
         if prefix:
             text += (f" The first {len(prefix)} unit(s) in forward order ({_units_text([u.name for u in prefix])}) "
                      f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its "
                      f"all-gathers{' and reduce-scatters' if rs else ''}) runs only for these gradients, and their "
-                     f"forward saves {E.mib(prefix_acts)} MiB of activations for it.")
+                     f"forward saves {E.mib(prefix_acts - stem_acts)} MiB of activations for it.")
             if lists:
                 text += (f" Frozen, they run no backward, but FSDP2's default backward prefetch would still gather "
                          f"{E.fmt_list(sorted({t for _, t, _ in found}))} in every backward, for nothing "
@@ -394,40 +407,94 @@ class UntrainedParams(Rule):
             f"gradients computed and kept for nothing",
             {"tensors": ut.tensors, "param_count": ut.param_count, "share_of_trainable": round(share, 4),
              "grad_bytes_kept": ut.grad_bytes, "names": ut.names[:8],
-             "frozen_prefix_units": [u.name for u in prefix], "frozen_prefix_activation_bytes": prefix_acts,
+             "frozen_prefix_units": [u.name for u in prefix], "frozen_root_modules": stem.own if stem else [],
+             "frozen_prefix_activation_bytes": prefix_acts,
              "frozen_prefix_backward_ms": round(bwd, 3),
              "frozen_prefix_reduce_scatter_ms": round(rs, 3) if E.on_gpu(ctx) else None},
             text, code, where="optimizer",
             predicted=E.predicted(step, step - bwd if step is not None else None, peak,
-                                  _peak_untrained_frozen(pm, ut, prefix, acts) if peak else None, at_most=True),
+                                  _peak_untrained_frozen(pm, ut, stem, prefix, after, acts, inputs) if peak
+                                  else None,
+                                  at_most=True),
             units=sorted(ut.units)[:20])]
 
 
-def _frozen_prefix(ctx: Context, ut) -> list:
-    """The units, in forward order, before the first one holding a parameter the optimizer trains: frozen, autograd
-    runs none of their backward. None where the root holds trained parameters of its own (its embeddings may be
-    among them)."""
+class _Stem(NamedTuple):
+    """The root's own modules that stay trainable (``trained``: its head, after its nested units) and those it holds
+    beside them (``own``: its stem, frozen by the fix), the root unit's ``name``."""
+
+    name: str
+    own: list[str]
+    trained: list[str]
+
+
+def _frozen_prefix(ctx: Context, ut) -> tuple[Optional[_Stem], list]:
+    """What runs, in forward order, before the first module the optimizer trains: frozen, autograd saves nothing for
+    it and runs none of its backward. The root's stem, its own modules before its nested units, where each module
+    it trains comes after its last one (its head; None: no such stem), then the units before the first one holding
+    a trained parameter. Neither where the root trains, or may train, a module before its last nested unit (its
+    embeddings; a root holding trained and untrained parameters in a run recorded before
+    ``Untrained.trained_modules``). The ResNet trial's root held conv1, bn1 and the trained fc: read as a trained
+    first unit, its frozen layer1..layer4 (8.48 MiB of saves) predicted 14.67 MiB for a measured 6.50 MiB."""
     us = E.param_units(ctx)
     root = next((u for u in us if u.is_root), None)
+    stem = None
     if root is not None and ut.units.get(root.name, [0, 1])[1] > 0:
-        return []
+        own, trailing = root.own_modules or [], set(root.trailing_modules or [])
+        # (a root not in ut.units holds nothing outside the optimizer: each of its modules trains)
+        trained = [m for m in ut.trained_modules or [] if m in own] if root.name in ut.units else own
+        if not trained or not set(trained) <= trailing:
+            return None, []
+        if any(m not in trailing for m in own):
+            stem = _Stem(root.name, [m for m in own if m not in trailing], trained)
     out = []
     for u in E.non_root(us):
         untrained, trained = ut.units.get(u.name, [0, 0])
         if trained or (not untrained and u.trainable_unsharded_bytes):
             break
         out.append(u)
-    return out
+    return stem, out
 
 
-def _peak_untrained_frozen(pm, ut, prefix: list, acts: dict[str, int]) -> int:
+def _rows(tl: list[dict], name: str, phase: str) -> list[int]:
+    return [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == phase]
+
+
+def _stem_saved(tl: list[dict], stem: Optional[_Stem]) -> int:
+    """Bytes the root's forward saved before its first nested unit's forward (its stem's; 0 without a timeline)."""
+    start, nested = _stem_window(tl, stem)
+    return int(tl[nested].get("activations") or 0) - int(tl[start].get("activations") or 0) if nested else 0
+
+
+def _stem_window(tl: list[dict], stem: Optional[_Stem]) -> tuple[int, Optional[int]]:
+    """The timeline rows of the root's forward start and of the first nested unit's forward start after it (None:
+    not in the timeline)."""
+    starts = _rows(tl, stem.name, "forward_start") if stem else []
+    if not starts:
+        return 0, None
+    nested = next((i for i in range(starts[0] + 1, len(tl)) if tl[i].get("phase") == "forward_start"
+                   and tl[i].get("unit") not in (None, stem.name)), None)
+    return starts[0], nested
+
+
+def _peak_untrained_frozen(pm, ut, stem: Optional[_Stem], prefix: list, after: Optional[str],
+                           acts: dict[str, int], inputs: dict[str, int]) -> int:
     """The peak (bytes), at most, with the parameters outside the optimizer frozen: their gradient shards go from every
-    mark, and each frozen-prefix unit's saved activations from its forward's end to its backward's end. Without a
-    timeline: both at the peak."""
+    mark, each frozen-prefix unit's saved activations from its forward's end to its backward's end, and the root's
+    stem's from the first nested unit's forward to the root's backward end. What the frozen part passes on (each
+    prefix unit's input, and ``after``'s, the unit after them) stays, unsaved, from the end of what made it to the
+    forward's end: the forward's code may hold it (the ResNet trial's root held its stem's output, layer1's input,
+    through layer1..layer4: with layer4's input, 640 KiB the saves' subtraction alone missed). Without a timeline:
+    the units' saves at the peak."""
     tl = pm.timeline
     if not tl:
         return int(pm.peak_bytes) - ut.grad_bytes - sum(acts.get(u.name, 0) for u in prefix)
     added = [-float(ut.grad_bytes)] * len(tl)
+    _, nested = _stem_window(tl, stem)
+    if nested is not None:
+        ends = [i for i in _rows(tl, stem.name, "backward_end") if i > nested]
+        for k in range(nested, ends[0] if ends else len(tl)):
+            added[k] -= _stem_saved(tl, stem)
     for u in prefix:
         start = None
         for i, r in enumerate(tl):
@@ -437,6 +504,16 @@ def _peak_untrained_frozen(pm, ut, prefix: list, acts: dict[str, int]) -> int:
                 for k in range(start, i):
                     added[k] -= acts.get(u.name, 0)
                 start = None
+    # each passed tensor, from the row its maker's saves go (the stem's: the first nested forward; a unit's: its
+    # forward's end; the first unit's input, made unfrozen, its own) to the root's forward end (the root: the first
+    # unit whose forward starts)
+    ends = {u.name: next(iter(_rows(tl, u.name, "forward_end")), None) for u in prefix}
+    makers = [nested] if nested is not None else [ends[prefix[0].name]] if prefix else []
+    root = next((r.get("unit") for r in tl if r.get("phase") == "forward_start" and r.get("unit") is not None), None)
+    for name, made in zip([u.name for u in prefix] + ([after] if after else []), makers + list(ends.values())):
+        end = next((i for i in _rows(tl, root, "forward_end") if made is not None and i > made), None)
+        for k in range(made, end) if end is not None else ():
+            added[k] += inputs.get(name, 0)
     return E.peak_with_rows(pm, added)
 
 
