@@ -360,14 +360,15 @@ def compare_side(run: Run, report: Optional[Report] = None):
     """One side of ``fsdp-doctor compare``: the run's report (built here unless given), its per-step samples
     (the records' steady steps, else the traces' complete steps), the kernels' and operators' times per phase from
     its traces and, for a plain-trace folder, the units FSDP prefetched (an ``analyze.compare.Side``)."""
-    from .analyze.compare import Side, samples_from_ranks, samples_from_records
+    from .analyze.compare import Side, peak_input_elements, samples_from_ranks, samples_from_records
 
     report = report if report is not None else build_report(run)
     from .trace.ops import op_times
 
     if run.has_records:  # (the kernels' and operators' times from its profiler windows, where it has any)
         ops = op_times(run.trace_files).us_per_step if run.trace_files else {}
-        return Side(report=report, samples=samples_from_records(run), source="records", ops=ops)
+        return Side(report=report, samples=samples_from_records(run), source="records", ops=ops,
+                    peak_input_elements=peak_input_elements(run, report))
     ops = op_times(run.trace_files)
     return Side(report=report, samples=samples_from_ranks(ops.steps_ms), source="trace", ops=ops.us_per_step,
                 prefetched=ops.prefetched)

@@ -21,6 +21,15 @@ _CONTROL = {c: None for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7
                               *range(0x2066, 0x206a)]}
 
 
+def memory_peak_where(at) -> str:
+    """Where a memory peak happened (a ``MemoryPeakAt``): "step 3, layers.0 forward_end" ("outside the units": in no
+    unit's forward or backward, the loss's phase; "(model)" there read as a unit the tables name "(root)": a new-user
+    trial)."""
+    if at.unit is None:
+        return ", ".join([f"step {at.step}", "outside the units", *([at.phase] if at.phase else [])])
+    return f"step {at.step}, {unit_label(at.unit)} {at.phase or ''}".strip()
+
+
 def printable(text: str) -> str:
     """``text`` without control characters (an escape sequence in a module or file name must never reach a
     terminal raw: it could retitle the window, hide text or move the cursor)."""

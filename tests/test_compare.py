@@ -872,3 +872,44 @@ def test_a_prefetch_of_the_root_names_the_root():
     (t,) = [t for t in tables(cmp) if t.title == "Configuration changed"]
     assert t.rows == [("backward_prefetch", "(root)", "none", "(root)"),
                       ("forward_prefetch", "layers.0", "layers.1", "(root), layers.1")], t.rows
+
+
+LOADER_PAIR = os.path.join(os.path.dirname(__file__), "fixtures", "loader_pair")
+
+
+def test_a_peak_that_moved_is_not_read_as_the_batch():
+    """A new-user trial's two runs alike but for their DataLoader (num_workers, prefetch_factor, persistent_workers;
+    tests/fixtures/loader_pair: their records, steps 0-4 and the end): A's peak fell on rank 0 in the loss (203.53
+    KiB of activations), B's in unit 2's backward (155.03 KiB), each step's batch 64 input elements on both. compare
+    said "the peak's activations moved -24% with no setting changed: the batch or the sequence length differs". The
+    peak moved, and the summary says where; the batch is said to differ only where the peak steps' input elements
+    do, or where, not recorded, the peak fell at the same place."""
+    import copy
+
+    a, b = (compare_side(load_run(os.path.join(LOADER_PAIR, n))) for n in ("j_loader", "j_loader_fix"))
+    assert (a.peak_input_elements, b.peak_input_elements) == (64, 64)
+    cmp = C.compare(a, b)
+    assert cmp.config == [] and cmp.memory["activations"].a == 208416 and cmp.memory["activations"].b == 158752
+    assert "batch or the sequence length" not in cmp.summary, cmp.summary
+    assert cmp.summary.endswith(
+        "; the memory peak moved, from rank 0, step 2, outside the units, in_loss (A) to rank 0, step 2, 2 in_backward "
+        "(B): its activations (-24%) are those of another moment of the step, the batch the same (64 input elements "
+        "in the peak step)"), cmp.summary
+    # input elements not recorded (a run before the field) on one side: the peak moved all the same, the batch not
+    # claimed either way
+    a0 = copy.copy(a)
+    a0.peak_input_elements = None
+    s = C.compare(a0, b).summary
+    assert "batch" not in s and s.endswith("its activations (-24%) are those of another moment of the step"), s
+    # B's batch twice A's: the batch, whatever the place
+    b2 = copy.copy(b)
+    b2.peak_input_elements = 128
+    assert C.compare(a, b2).summary.endswith(
+        "; but the peak's activations moved -24% with no setting changed: the batch or the sequence length differs "
+        "(the peak step's input elements 64 -> 128)")
+    # the same batch at the same place (A against itself, its activations moved): nothing said of either
+    a2 = copy.deepcopy(a)
+    _, pr = C._peak_rank(a2.report)
+    pr.peak_breakdown["activations"] = int(pr.peak_breakdown["activations"] * 0.7)
+    s = C.compare(a, a2).summary
+    assert "activations" not in s and "peak moved" not in s, s

@@ -270,3 +270,35 @@ def test_a_report_of_nothing_says_so_from_python(tmp_path):
     rep = build_report(load_run(tmp_path))
     assert rep.findings == [] and rep.problems == [
         f"{tmp_path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"], rep.problems
+
+
+def test_records_appended_after_the_read_are_not_a_cut_off_record(tmp_path):
+    """A run still writing: a whole step record appended between the reader's pass and its check of the stream's
+    end was named "last record is incomplete (1346 bytes, the run was cut off mid-write)" and the analysis exited 3
+    (a new-user trial, 2 of 12 analyses of a live run). Only bytes the reader read without their line end are a
+    record cut off; a torn last line, as a kill leaves, is still named with its size."""
+    from fsdp_doctor.store.reader import RunFollower, closing_problems
+
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d)
+    s0 = d / "rank0.records.jsonl"
+    lines = s0.read_bytes().splitlines(keepends=True)
+    assert lines[-2].startswith(b'{"t":"step","step":29,') and lines[-1].startswith(b'{"t":"end"')
+    s0.write_bytes(b"".join(lines[:-2]))  # the run is at step 28
+    follower = RunFollower(d)
+    run, _ = follower.poll()
+    assert max(s.step for s in run.ranks[0].steps) == 28
+    with open(s0, "ab") as f:  # step 29 lands after the read, in one write, as the recorder writes it
+        f.write(lines[-2])
+    got, _, _ = closing_problems(follower, run)
+    assert not [q for q in got if "rank0.records.jsonl" in q], got
+
+    # a kill mid-write: the reader reads 40 bytes of step 29 without their line end
+    s0.write_bytes(b"".join(lines[:-2]) + lines[-2][:40])
+    follower = RunFollower(d)
+    run, _ = follower.poll()
+    got, _, _ = closing_problems(follower, run)
+    assert [q for q in got if "rank0.records.jsonl" in q] == [
+        "rank0.records.jsonl: last record is incomplete (40 bytes, the run was cut off mid-write); every complete "
+        "step before it is used"]
+    assert max(s.step for s in run.ranks[0].steps) == 28

@@ -23,7 +23,7 @@ from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta
                                 OpChange, PredictionCheck, RunSide, StepDelta)
 from ..records import runs_compiled
 from ..report_sections import Finding, Report
-from ..units import fmt_mesh
+from ..units import fmt_mesh, memory_peak_where
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -78,7 +78,8 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
 }
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
              "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
-# activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did
+# activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did, where
+# the batch's input elements at the peak differ or, where not recorded, the peak fell at the same place of the step
 BATCH_SHIFT_PCT = 20.0
 JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
             "capacity_bytes")
@@ -95,6 +96,8 @@ class Side:
     ops: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (phase, kind, name) -> µs per step
     # (from its traces: a plain-trace folder's, or a recorded run's profiler windows; {} without any)
     prefetched: Optional[dict[str, set[str]]] = None  # trace: "forward"/"backward" -> units prefetched
+    # the input elements of the step its memory peak fell in (StepRecord.input_elements); None: not recorded
+    peak_input_elements: Optional[int] = None
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -320,14 +323,46 @@ def _phases(side: Side) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
+def _peak_rank(rep: Report):
+    """(rank, its ``MemoryRank``) of the highest rank's memory; (None, None) without a memory section."""
+    m = rep.memory_section()
+    if m is None or not m.per_rank:
+        return None, None
+    r = m.peak_rank if m.peak_rank in m.per_rank else next(iter(m.per_rank))
+    return r, m.per_rank[r]
+
+
 def _memory(rep: Report) -> tuple[Optional[int], dict[str, int]]:
     """(peak bytes, bytes by category at it) of the highest rank, as the report's views show them: the records', else
     a plain trace's memory events (no categories; a new-user trial read analyze's peak and compare's "—")."""
-    m = rep.memory_section()
-    if m is None or not m.per_rank:
-        return None, {}
-    pr = m.per_rank.get(m.peak_rank) or next(iter(m.per_rank.values()))
-    return pr.peak_bytes, dict(pr.peak_breakdown)
+    _, pr = _peak_rank(rep)
+    return (None, {}) if pr is None else (pr.peak_bytes, dict(pr.peak_breakdown))
+
+
+def _activations_moved(a: Side, b: Side, act: Delta) -> str:
+    """What the peak's activations moving by ``BATCH_SHIFT_PCT`` or more with no setting changed say, for the
+    summary: the batch changed where the input elements of the peaks' steps differ, or (not recorded) where both
+    peaks fell at the same place of the step (unit and phase); where the peak moved, that it did ("" where the batch
+    and the place are the same). Two runs alike but for their DataLoader read "the batch or the sequence length
+    differs" at -24%: A's peak fell in the loss (rank 0, 203.53 KiB of activations), B's in unit 2's backward
+    (155.03 KiB), and both recorded 64 input elements on every step (a new-user trial)."""
+    ea, eb = a.peak_input_elements, b.peak_input_elements
+    (ra, pa), (rb, pb) = _peak_rank(a.report), _peak_rank(b.report)
+    same = (pa.peak_at.unit, pa.peak_at.phase) == (pb.peak_at.unit, pb.peak_at.phase)
+    known = ea is not None and eb is not None
+    if known and ea != eb:
+        return (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or the "
+                f"sequence length differs (the peak step's input elements {ea:,} -> {eb:,})")
+    if not known and same:
+        # (a batch of 4 against 2 read "no configuration change found" beside +99.7% of activations: a new-user
+        # trial; runs recorded before StepRecord.input_elements hold the loop's batch only as tokens_per_step)
+        return (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or the "
+                "sequence length differs, which compare reads only as watch()'s tokens_per_step")
+    if same:
+        return ""
+    return (f"; the memory peak moved, from rank {ra}, {memory_peak_where(pa.peak_at)} (A) to rank {rb}, "
+            f"{memory_peak_where(pb.peak_at)} (B): its activations ({act.pct:+.0f}%) are those of another moment of "
+            "the step" + (f", the batch the same ({ea:,} input elements in the peak step)" if known else ""))
 
 
 def _comm(side: Side, source: str) -> dict[tuple[str, str, Optional[str]], float]:
@@ -585,10 +620,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         cmp.memory = {k: delta(cat_a[k], cat_b[k], 0) for k in cat_a if k in cat_b}
         act = cmp.memory.get("activations")
         if not changed and act is not None and act.pct is not None and abs(act.pct) >= BATCH_SHIFT_PCT:
-            # (a batch of 4 against 2 read "no configuration change found" beside +99.7% of activations: a new-user
-            # trial; the batch is the loop's, which the records hold only as tokens_per_step)
-            cmp.summary += (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or "
-                            "the sequence length differs, which compare reads only as watch()'s tokens_per_step")
+            cmp.summary += _activations_moved(a, b, act)
     source = "trace" if ra.overlap is not None and rb.overlap is not None and ra.overlap.per_unit \
         and rb.overlap.per_unit else "records"
     # the headline total beside the rows, where both reports took it from the rows' source (a 1-rank run's records
@@ -631,6 +663,16 @@ def samples_from_records(run) -> list[list[float]]:
         for s in usable_steps(rd.steps):
             by_step.setdefault(s.step, []).append(s.wall_ms)
     return [by_step[k] for k in sorted(by_step)]
+
+
+def peak_input_elements(run, rep: Report) -> Optional[int]:
+    """The input elements of the step the report's memory peak fell in, on its rank (StepRecord.input_elements);
+    None where not recorded (records before the field, or a plain trace)."""
+    r, pr = _peak_rank(rep)
+    rd = run.ranks.get(int(r)) if r is not None and str(r).isdigit() else None
+    if rd is None or pr.peak_at.step is None:
+        return None
+    return next((s.input_elements for s in rd.steps if s.step == pr.peak_at.step), None)
 
 
 def samples_from_ranks(steps_ms: dict[str, list[float]]) -> list[list[float]]:

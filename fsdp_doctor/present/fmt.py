@@ -17,7 +17,8 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary
                                OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
-                     evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, printable, ranks_phrase, unit_label)
+                     evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, memory_peak_where, printable,
+                     ranks_phrase, unit_label)
 
 
 SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
@@ -580,14 +581,6 @@ def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
 
 
 # --- the memory section at the peak: the terminal's table cells and per-rank lines, for the HTML report
-def memory_peak_where(at) -> str:
-    """Where a peak happened: "step 3, layers.0 forward_end" ("outside the units": in no unit's forward or
-    backward, the loss's phase; "(model)" there read as a unit the tables name "(root)": a new-user trial)."""
-    if at.unit is None:
-        return ", ".join([f"step {at.step}", "outside the units", *([at.phase] if at.phase else [])])
-    return f"step {at.step}, {unit_label(at.unit)} {at.phase or ''}".strip()
-
-
 def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     """(header, rows) of the breakdown at the peak: per category its bytes and % of the peak on each rank
     ("unknown" where this torch could not measure it), then the peak itself."""

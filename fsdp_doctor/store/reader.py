@@ -125,9 +125,11 @@ class StreamReader:
         self.bad_problems: list[str] = []  # the lines of ``problems`` that report them
         self.first_bad = ""  # "line N (why)" of the first
         self.unreadable = False  # the file could not be opened or read (named in ``problems``)
+        self.torn = 0  # bytes the last poll read after the last line end (what ``trailing_bytes`` reports)
 
     def poll(self) -> list:
         if self.offset >= 1 << 62:  # stopped (a newer version, or not a regular file)
+            self.torn = 0
             return []
         try:
             with layout.open_regular(self.path) as f:
@@ -137,8 +139,10 @@ class StreamReader:
             self.problems.append(f"{self.path.name}: cannot read ({e.strerror or e}); skipped")
             self.offset = 1 << 62
             self.unreadable = True
+            self.torn = 0
             return []
         end = data.rfind(b"\n")
+        self.torn = len(data) - (end + 1)
         if end < 0:
             return []
         chunk = data[: end + 1]
@@ -160,6 +164,7 @@ class StreamReader:
                 if why:
                     self.problems.append(f"{self.path.name}: {why}; skipped")
                     self.offset = 1 << 62  # stop reading this stream
+                    self.torn = 0
                     return out
                 out.append(rec)
             return out
@@ -183,11 +188,11 @@ class StreamReader:
         self.bad_problems.append(msg)
 
     def trailing_bytes(self) -> int:
-        """Bytes after the last complete line (a record cut short by a kill)."""
-        try:
-            return max(0, self.path.stat().st_size - self.offset)
-        except OSError:
-            return 0
+        """Bytes the last poll read after the last complete line (a record cut short by a kill). Only what the poll
+        itself read counts, never the file's size now: records appended to a run still writing after the poll read
+        it were named "incomplete" (a new-user trial: 2 of 12 analyses of a live run exited 3 on "last record is
+        incomplete (1346 bytes ...)", exactly one whole step record written after the read)."""
+        return self.torn
 
 
 def _header_refusal(h: Header) -> str:
