@@ -489,6 +489,11 @@ def test_a_unit_without_parameters_has_no_settings_to_change():
     (ch,) = C.config_diff(side(100, True), side(100, False))
     assert (ch.key, ch.a, ch.b, ch.units) == ("unshard_async_op", True, False, ["(root)"])
     assert C.config_diff(side(100, True), side(100, True, layer_async=None)) == []  # unknown on one side
+    # set_unshard_in_backward(False) on a unit (recorded since a new-user trial's embedding): a setting compared too
+    a, b = side(100, True), side(100, True)
+    b.report.units[1] = msgspec.structs.replace(b.report.units[1], unshard_in_backward=False)
+    (ch,) = C.config_diff(a, b)
+    assert (ch.key, ch.a, ch.b, ch.units) == ("unshard_in_backward", True, False, ["layers.0"])
 
 
 def test_mixed_precision_and_offload_turned_on_are_configuration_changes():

@@ -76,8 +76,8 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
     "optim.untrained_params": ("trainable",),
 }
-UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op", "checkpoint",
-             "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
+UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op",
+             "unshard_in_backward", "checkpoint", "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
 # activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did, where
 # the batch's input elements at the peak differ or, where not recorded, the peak fell at the same place of the step
 BATCH_SHIFT_PCT = 20.0
