@@ -438,6 +438,9 @@ class OverlapRank(_Section):
     hidden_ms_per_step: Optional[float] = None  # of that, while compute ran
     step_overlap_pct: Optional[float] = None  # hidden / comm inside the complete steps
     step_times_ms: dict[str, float] = {}  # complete step -> its wall time (ProfilerStep start to the next's)
+    # complete step -> its exposed communication (ms; the verdict's communication parts in that step: the step less
+    # it is the rank's own work, estimate.trace_straggler's); empty: a report written before it
+    step_exposed_ms: dict[str, float] = {}
     # host time per step of the loop's code that issued collectives no FSDP unit issued, outside the model and
     # optimizer.step(): from the first such call's issue to the last one's end, the code between them included;
     # of that, the first calls' own time (their wait for the other ranks, which the step keeps without them)

@@ -177,6 +177,56 @@ def test_straggler_across_the_ranks_files(tmp_path):
     assert st.status == "quiet" and "but the others wait" in st.reason, st
 
 
+# Each rank's own work per profiled step (ms: the step less its exposed communication), as read from a new-user
+# trial's plain gloo traces (2 ranks on a 2-core host at load ~8, 4 complete steps; the same script, in the last
+# with rank 1 sleeping 50 ms every step)
+TRIAL_OWN_MS = {
+    "root": ((43.8, 97.2, 32.3, 59.0), (92.0, 62.0, 88.9, 57.2)),  # the slower rank changes: rank 1 in 2 of 4
+    "async": ((77.9, 61.2, 25.6, 33.0), (71.7, 74.7, 85.2, 57.0)),  # rank 1 in 3 of 4, by -6.2 to +59.6 ms
+    "sleep": ((43.0, 42.1, 25.4, 24.5), (76.0, 76.1, 75.4, 88.4)),  # the 50 ms sleep: +33.0 to +63.9 ms in each
+}
+
+
+@pytest.mark.parametrize("case", list(TRIAL_OWN_MS))
+def test_a_straggler_is_the_same_rank_step_after_step(tmp_path, case):
+    """straggler.trace asks of the traces' steps what straggler.rank asks of the records': the same rank slower, in
+    75% of the steps, by more than the step-to-step spread of its excess. The trial's ranks' own work per step is
+    planted on the known-answer job (each rank's own host time, the faster waiting for the slower in its first
+    all-gather): on the mean of its 4 steps rank 1 exceeded rank 0 by 16.95 and 22.75 ms, each named a straggler
+    (7 of 20 such runs, none planted, the rank flipping), which silenced prefetch.exposed_allgather on rank 0."""
+    own = TRIAL_OWN_MS[case]
+    kws = [dict(units=4, ag_us=40, fwd_us=100, bwd_us=200, rs_us=50, prefetch=True, world_size=2, steps=4,
+                step_skew_us=[1e3 * ms for ms in own[r]],
+                first_ag_wait_us=[1e3 * (max(both) - both[r]) for both in zip(*own)]) for r in range(2)]
+    _, rep = _report(tmp_path, *kws)
+    # each step's own work, from its wall time less its exposed communication: the planted excess, step by step
+    per = rep.overlap.per_rank
+    steps = sorted(per["0"].step_exposed_ms, key=int)
+    got = [(per["1"].step_times_ms[st] - per["1"].step_exposed_ms[st])
+           - (per["0"].step_times_ms[st] - per["0"].step_exposed_ms[st]) for st in steps]
+    assert got == pytest.approx([b - a for a, b in zip(*own)], abs=0.01)
+    for pr in per.values():  # the steps' exposed communication is the rank's, split by step
+        assert sum(pr.step_exposed_ms.values()) == pytest.approx(pr.exposed_ms_per_step * pr.step_count)
+    st = next(s for s in rep.rules if s.code == "straggler.trace")
+    ag = next(s for s in rep.rules if s.code == "prefetch.exposed_allgather")
+    if case == "sleep":
+        f = _by_code(rep)["straggler.trace"]
+        assert f.ranks == [1] and f.title.startswith("Rank 1 is a straggler: +45.2"), f.title
+        assert f.evidence["own_ms_per_step"] - f.evidence["others_own_ms_median"] == pytest.approx(45.225, abs=0.01)
+        assert "the straggler" in ag.reason
+        return
+    assert st.status == "quiet", st
+    assert st.reason == {
+        "root": "rank 1 is the slowest on the mean (+16.95 ms of its own work per step), but by 15% in 2 of 4 steps "
+                "only (a straggler is slower in 75% of them): not the same rank step after step (host noise, or a "
+                "rank late now and then)",
+        "async": "rank 1 is slower in 3 of 4 steps, by 18.75 ms per step (median), within the step-to-step spread "
+                 "of the other ranks' own work (24.41 ms, standard deviation): host noise on like ranks, not one "
+                 "rank the others wait for"}[case]
+    # no straggler: the all-gather waits are read on every rank (rank 0's waits for rank 1 are exposed all-gathers)
+    assert ag.status == "fired" and "the straggler" not in ag.reason, ag
+
+
 def test_rules_quiet_with_a_reason_when_evidence_is_missing(tmp_path):
     # a CPU/gloo trace: the GPU-only rules say why they are quiet
     gloo_known_trace().write(tmp_path / "cpu" / "rank0.json")

@@ -355,6 +355,11 @@ class TensorBoardProfile:
 EPS = 0.01  # µs: the width of a host label around one launch
 
 
+def _of_step(v, k: int) -> float:
+    """A per-step knob's value in step ``k``: ``v`` itself, or its k-th value where a list (0 past its end)."""
+    return v if isinstance(v, (int, float)) else (v[k] if k < len(v) else 0.0)
+
+
 def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs_us=0.0, opt_us=0.0,
                    prefetch=False, h2d_us=0.0, loader_us=0.0, launch_gap_us=0.0, nelems=1_000_000,
                    nccl_stream=20, rank=0, world_size=8, step_skew_us=0.0, first_ag_wait_us=0.0,
@@ -369,7 +374,8 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
     is launched and runs under it. The host launches one kernel every ``launch_gap_us`` (0: at once), and a
     kernel never starts before its launch. ``step_skew_us`` adds that much host time (a slow rank) before
     each step's forward, inside the model (after the root pre-forward); ``first_ag_wait_us`` lengthens each
-    step's first all-gather by that much (this rank waits inside it for a late rank); ``sync_allreduce_us`` adds,
+    step's first all-gather by that much (this rank waits inside it for a late rank); either a list: one value per
+    step (the cut one's 0); ``sync_allreduce_us`` adds,
     after the optimizer, the loop's synchronous all-reduce of one float (a loss for logging) taking that long on the
     compute stream, as torch 2.8+ launches an ``async_op=False`` collective on the current stream;
     ``host_ahead_us``: the host runs that far ahead of the device (no sync in the loop): the device starts the first
@@ -398,11 +404,12 @@ def fsdp_gpu_trace(*, units=4, steps=2, ag_us=50.0, fwd_us=100.0, bwd_us=0.0, rs
             host += loader_us
             comp_free = comm_free = max(host, comp_free)
         b.label("FSDP::root_pre_forward", host, EPS)  # the first launch is at its start
-        if step_skew_us:
-            host += step_skew_us
+        skew = _of_step(step_skew_us, k)
+        if skew:
+            host += skew
             comp_free = comm_free = max(host, comp_free)
 
-        first = [first_ag_wait_us]
+        first = [_of_step(first_ag_wait_us, k)]
 
         def all_gather(unit, tid=None, after=None):
             nonlocal comm_free, comp_free

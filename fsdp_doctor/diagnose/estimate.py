@@ -17,7 +17,8 @@ from typing import Iterable, NamedTuple, Optional
 import msgspec
 
 from ..analyze.memory import recompute_held
-from ..analyze.steps import late_straggler, profiled_saves, read_on_straggler as read_on_late, unit_modules, unit_passes
+from ..analyze.steps import (STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
+                             read_on_straggler as read_on_late, unit_modules, unit_passes)
 from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
@@ -542,9 +543,10 @@ def trace_straggler(ctx: Context) -> tuple[Optional[Straggler], str]:
     """The straggler of the traced job, or None and why not: the slowest rank's own work exceeds the others'
     median by ``T.TRACE_STRAGGLER_MIN_MS`` and ``T.TRACE_STRAGGLER_MIN_FRACTION``, the others wait for it in their
     collectives (half its excess at least, beyond what it waits itself), over two or more complete profiled steps,
-    in a job without step records (their straggler.rank decides there). What the other ranks wait for it is its
-    lateness, not their collectives' cost: straggler.trace reports it, and the rules that read the trace's exposed
-    collectives read the straggler's own (it waits for no one's lateness)."""
+    the same rank step after step (``_unsteady``), in a job without step records (their straggler.rank decides
+    there). What the other ranks wait for it is its lateness, not their collectives' cost: straggler.trace reports
+    it, and the rules that read the trace's exposed collectives read the straggler's own (it waits for no one's
+    lateness)."""
     from ..report_sections import Breakdown
 
     if ctx.run is not None and getattr(ctx.run, "has_records", False):
@@ -571,7 +573,55 @@ def trace_straggler(ctx: Context) -> tuple[Optional[Straggler], str]:
     if n < 2:  # one step is not a pattern (the identical rerun was quiet)
         return None, (f"rank {worst} is the slowest (+{excess:.2f} ms), in {n} complete profiled step: "
                       "one step is not a pattern")
+    why = _unsteady(worst, excess, _step_own_ms(ov, tr))
+    if why:
+        return None, why
     return Straggler(worst, excess, own, waits, base, others_wait), ""
+
+
+def _step_own_ms(ov: OverlapSection, ranks) -> dict[str, dict[str, float]]:
+    """Per rank, per complete step that every rank in ``ranks`` profiled: its own work (the step less its exposed
+    communication), ms."""
+    per = {r: ov.per_rank[r] for r in ranks if r in ov.per_rank}
+    common = set.intersection(*(set(pr.step_times_ms) & set(pr.step_exposed_ms) for pr in per.values()))
+    return {r: {st: pr.step_times_ms[st] - pr.step_exposed_ms[st] for st in sorted(common, key=int)}
+            for r, pr in per.items()}
+
+
+def _unsteady(worst: str, excess: float, own: dict[str, dict[str, float]]) -> str:
+    """Why the slowest rank on the mean (``worst``, ``excess`` ms of own work a step over the others' median) is no
+    straggler step by step (``own``: ``_step_own_ms``), or "". What the records require of one
+    (analyze.steps.find_stragglers): slower by the margin in STRAGGLER_MIN_CONSISTENCY of the steps; and its excess
+    (median over the steps) beyond the step-to-step spread of the other ranks' own work (standard deviation, median
+    over them): the noise the host puts on a rank that is not late. On a 2-core host at load ~8 two like ranks' own
+    work differed by tens of ms from step to step, the slower one changing: a new-user trial's 4 profiled steps
+    named a straggler in 7 of 20 runs with none planted (+3.45 to +22.75 ms on the mean, the rank flipping from run
+    to run; in that of +22.75 ms, rank 1 slower in 3 of 4 steps by +18.73 ms (median), rank 0's own work spread
+    24.40 ms), where
+    the planted 50 ms sleep was slower in each of its 4 steps, by +41.99 ms (median), the other's spread 10.19 ms.
+    (The spread is the others', not that of the excess: a straggler's own hiccups widen the latter.)"""
+    steps = list(own[worst]) if worst in own else []
+    if len(steps) < 2:
+        return (f"rank {worst} is the slowest (+{excess:.2f} ms of its own work per step), but the ranks' traces "
+                f"share {len(steps)} complete step with per-step figures: one step is not a pattern")
+    others = [r for r in own if r != worst]
+    diffs, slower = [], 0
+    for st in steps:
+        theirs = statistics.median(own[r][st] for r in others)
+        diffs.append(own[worst][st] - theirs)
+        slower += diffs[-1] > max(T.TRACE_STRAGGLER_MIN_FRACTION * theirs, T.TRACE_STRAGGLER_MIN_MS)
+    if slower < STRAGGLER_MIN_CONSISTENCY * len(steps):
+        return (f"rank {worst} is the slowest on the mean (+{excess:.2f} ms of its own work per step), but by "
+                f"{100 * T.TRACE_STRAGGLER_MIN_FRACTION:.0f}% in {slower} of {len(steps)} steps only (a straggler "
+                f"is slower in {100 * STRAGGLER_MIN_CONSISTENCY:.0f}% of them): not the same rank step after step "
+                "(host noise, or a rank late now and then)")
+    typical = statistics.median(diffs)
+    spread = statistics.median(statistics.stdev(own[r].values()) for r in others)
+    if typical <= spread:
+        return (f"rank {worst} is slower in {slower} of {len(steps)} steps, by {typical:.2f} ms per step (median), "
+                f"within the step-to-step spread of the other ranks' own work ({spread:.2f} ms, standard "
+                "deviation): host noise on like ranks, not one rank the others wait for")
+    return ""
 
 
 def read_on_straggler(late: Straggler) -> str:

@@ -42,6 +42,7 @@ SEVERE_BOUND_SHARE = 0.50
 
 # A rank whose own time (step minus exposed communication) exceeds the median of the others' by this share and at
 # least this long is a straggler: the other ranks wait for it inside their collectives (estimate.trace_straggler:
-# straggler.trace, and the trace's exposed collectives read from the straggler's own)
+# straggler.trace, and the trace's exposed collectives read from the straggler's own), in most of the profiled steps
+# (estimate._unsteady: the records' STRAGGLER_MIN_CONSISTENCY)
 TRACE_STRAGGLER_MIN_FRACTION = 0.15
 TRACE_STRAGGLER_MIN_MS = 0.5

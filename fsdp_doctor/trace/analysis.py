@@ -231,6 +231,20 @@ def row_time_in_steps(win: WindowTrace) -> dict:
     return out
 
 
+def step_exposed_us(win: WindowTrace) -> dict:
+    """Per complete step: its exposed communication (collectives while no compute ran), µs; the steps run one after
+    the other from the window's start (on a GPU moved with the device, ``device_lag_us``), so they add up to the
+    breakdown's communication parts."""
+    if win.window is None or not win.step_us:
+        return {}
+    w0, w1 = win.window
+    steps = sorted(win.step_us)
+    ends = w0 + np.cumsum([win.step_us[n] for n in steps])
+    starts = np.concatenate(([w0], ends[:-1]))
+    exposed = iv.overlap_each(starts, np.minimum(ends, w1), iv.subtract(_clip(win.comm, w0, w1), win.compute))
+    return dict(zip(steps, exposed.tolist()))
+
+
 def on_compute_stream_us(win: WindowTrace) -> float:
     """µs inside the complete steps during which collectives' kernels ran on the compute stream (their union)."""
     mine = [(c.start, c.end) for c in win.calls if c.on_compute_stream]
@@ -310,7 +324,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
-        pr = per_rank.setdefault(k, OverlapRank(device=w.device, step_times_ms={}))
+        pr = per_rank.setdefault(k, OverlapRank(device=w.device, step_times_ms={}, step_exposed_ms={}))
         pr.comm_calls += len(w.calls)
         pr.comm_calls_on_compute_stream += sum(1 for c in w.calls if c.on_compute_stream)
         pr.comm_us += o["comm_us"]
@@ -319,6 +333,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.steps = sorted(set(pr.steps) | set(w.steps))
         pr.step_count += len(w.steps)
         pr.step_times_ms.update({str(n): us / 1e3 for n, us in w.step_us.items()})
+        pr.step_exposed_ms.update({str(n): us / 1e3 for n, us in step_exposed_us(w).items()})
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
