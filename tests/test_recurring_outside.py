@@ -135,6 +135,21 @@ def test_one_ranks_late_steps_claim_a_period_from_three_on():
     assert f.recommendation.text.startswith("In steps " + ", ".join(map(str, hit[:12])) + " … (+108) rank 1 spends")
 
 
+def test_late_steps_spread_over_the_ranks_are_no_ones_pattern():
+    """A slow DataLoader on both ranks made each rank late now and then (a new-user trial: "Rank 0 is late in 96 of
+    243 steps", a warning beside jitter.data_wait's finding of the same cause, the rank named changing from one
+    analysis to the next): one rank's pattern is late at least twice as often as any other."""
+    both = {0: {2: 150.0, 5: 150.0, 9: 150.0}, 1: {3: 150.0, 7: 150.0, 12: 150.0, 14: 150.0}}
+    rep = fsdp_doctor.build_report(_run(both))
+    assert not [f for f in rep.findings if f.code == "straggler.intermittent"]
+    st = next(s for s in rep.rules if s.code == "straggler.intermittent")
+    assert st.reason.startswith("late steps spread over the ranks (rank 0 in 3, rank 1 in 4 of 15 steps)"), st
+    # rank 1 late in 4 steps, rank 0 in 2: rank 1's pattern
+    both[0] = {2: 150.0, 5: 150.0}
+    f = next(f for f in fsdp_doctor.build_report(_run(both)).findings if f.code == "straggler.intermittent")
+    assert f.evidence["rank"] == 1 and f.evidence["late_steps"] == [3, 7, 12, 14], f.evidence
+
+
 def test_one_spike_among_late_steps_is_not_the_patterns_cost():
     """Rank 1 late by 40 ms in four steps and by 800 ms in one (a host hiccup): the cost per step and the predicted
     gain came from the mean, the spike's (a new-user trial: +5 ms late steps and one of 101 ms, a warning of 9%).

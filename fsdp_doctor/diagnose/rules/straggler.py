@@ -23,6 +23,11 @@ LATE_WARN_MIN_STEPS = 3
 LATE_LISTED = 50
 # a late step's excess counts in the pattern's cost up to this many times the median late step's
 LATE_SPIKE_FACTOR = 3.0
+# One rank's pattern: late in at least this many times as many steps as any other rank. Lateness spread over the
+# ranks is not one rank's work (a new-user trial's slow DataLoader, the same on both ranks, read "Rank 0 is late in
+# 96 of 243 steps" as a warning beside jitter.data_wait's finding of the same cause, the rank named changing
+# between analyses of the same run, and its advice (a checkpoint on rank 0, async_save) fitting none of it)
+LATE_DOMINANCE = 2.0
 _PHASES = ("outside", "forward", "backward", "optimizer")
 
 
@@ -56,6 +61,12 @@ class IntermittentStraggler(Rule):
         if len(rows) < LATE_MIN_STEPS:
             return self.quiet(f"rank {rank} late in {len(rows)} step only (step {rows[0][0]}): one event is not a "
                               "pattern")
+        runner_up = max((len(v) for r, v in late.items() if r != rank), default=0)
+        if runner_up * LATE_DOMINANCE > len(rows):
+            counts = ", ".join(f"rank {r} in {len(v)}" for r, v in sorted(late.items()))
+            return self.quiet(f"late steps spread over the ranks ({counts} of {len(common)} steps): not one rank's "
+                              f"work (one rank's pattern is late {LATE_DOMINANCE:.0f}x as often as any other); "
+                              "what every rank does at different moments (data loading, host noise)")
         if any(x.rank == int(rank) for x in E.steps(ctx).stragglers) or \
                 len(rows) / len(common) >= STRAGGLER_MIN_CONSISTENCY:
             return self.quiet(f"rank {rank} late in {len(rows)} of {len(common)} steps: a consistent straggler "
