@@ -474,6 +474,10 @@ class StepRecord(Record, tag="step"):
     gc_full_ms: float = 0.0  # of gc_ms, the full (generation 2) collections', which traverse every tracked object
     # objects the step's collections freed: reference cycles only the collector frees (None: runs before this field)
     gc_collected: int | None = None
+    # of gc_count and gc_ms, the collections that started with the collector disabled (gc.disable()): the loop's
+    # explicit gc.collect() calls (0: none, or runs before these fields)
+    gc_disabled_count: int = 0
+    gc_disabled_ms: float = 0.0
     profiled: bool = False  # inside an active torch.profiler window
     units: list[UnitStep] = []
     memory: MemoryStep | None = None  # memory by category (see fsdp_doctor.record.memory)

@@ -231,6 +231,10 @@ class StepStats(_Section):
     # reference cycles); where every step recorded them
     gc_full_ms_total: float | UnsetType = UNSET
     gc_collected_total: int | UnsetType = UNSET
+    # of gc_count_total and gc_ms_total, the collections made with the collector disabled: explicit gc.collect()
+    # calls; where any step recorded one
+    gc_disabled_count_total: int | UnsetType = UNSET
+    gc_disabled_ms_total: float | UnsetType = UNSET
     wall_ms_total: float | UnsetType = UNSET
     recorded: int | UnsetType = UNSET  # steps recorded
     excluded: int | UnsetType = UNSET  # of those, left out (first step, profiled steps, no-grad steps)

@@ -174,6 +174,103 @@ def test_the_step_timer_counts_what_the_collector_frees_and_its_full_collections
     tm = timer.timings()
     assert tm.gc_collected == 2000 and tm.gc_count >= 2
     assert 0 < tm.gc_full_ms <= tm.gc_ms
+    assert tm.gc_disabled_count == 0 and tm.gc_disabled_ms == 0.0  # the collector on: none made with it off
+
+
+def test_the_step_timer_counts_the_collections_made_with_the_collector_off():
+    """With the collector disabled every collection is an explicit gc.collect() call (the loop's own, or jitter.gc's
+    collect_between_steps): the gc callback counts those of a step and their time apart (gc_disabled_count,
+    gc_disabled_ms, of gc_count and gc_ms), the collector's state read at each collection's start."""
+    import gc
+
+    from fsdp_doctor.record.hooks import StepTimer
+
+    timer = StepTimer(lambda *a: None)
+    timer.active = True
+    timer.begin_step()
+    gc.callbacks.append(timer._gc_cb)
+    try:
+        gc.collect()  # the collector on
+        gc.disable()
+        try:
+            gc.collect()
+            gc.collect(1)
+        finally:
+            gc.enable()
+    finally:
+        gc.callbacks.remove(timer._gc_cb)
+    tm = timer.timings()
+    assert tm.gc_disabled_count == 2 and tm.gc_count >= 3
+    assert 0 < tm.gc_disabled_ms < tm.gc_ms
+
+
+def _cycles_run(out, steps: int, collect_every: int, cycles: int = 180_000):
+    """A one-rank run with the collector disabled, ``cycles`` one-list reference cycles made a step and an explicit
+    gc.collect() every ``collect_every`` steps, before doctor.step(): its records and report."""
+    import gc
+
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(8, 16)
+    gc.collect()
+    gc.disable()
+    try:
+        with fsdp_doctor.watch(m, opt, out_dir=out, profile=False, memory=False) as doc:
+            for step in range(steps):
+                m(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                for _ in range(cycles):
+                    c: list = []
+                    c.append(c)
+                del c
+                if step % collect_every == collect_every - 1:
+                    gc.collect()
+                doc.step()
+    finally:
+        gc.enable()
+    run = fsdp_doctor.load_run(out)
+    return run.ranks[0].steps, build_report(run)
+
+
+def test_explicit_collections_with_the_collector_off_are_not_told_to_disable_it(tmp_path, gloo_one_rank):
+    """A new-user trial pasted jitter.gc's fix (set-up frozen, gc.disable(), collect_between_steps every 50 steps)
+    beside its own gc.collect() every 20 steps: the rule read the explicit calls' pauses (12.2% of step time, one
+    every 15 steps) as the collector's and printed the same gc.freeze()/gc.disable() snippet again. With the
+    collector off the recorder counts the collections apart; the rule says they are the loop's explicit calls, how
+    often and how long, and to call it every N steps (here 180k objects of cycles a step: every 5), with no switch
+    of the collector's in the fix; at that period it stays quiet, saying why."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    steps, rep = _cycles_run(tmp_path / "often", 11, 2)
+    # steps 1, 3, ..., 9 collected (1 call each, the collector off); 0, 2, ... none; every collection counted
+    assert [s.gc_disabled_count for s in steps] == [i % 2 for i in range(11)]
+    assert all(s.gc_count == s.gc_disabled_count and s.gc_disabled_ms == s.gc_ms for s in steps)
+    assert all(s.gc_collected >= 2 * 180_000 for s in steps if s.gc_disabled_count)
+    (f,) = [f for f in rep.findings if f.code == "jitter.gc"]
+    st = rep.steps.per_rank["0"]
+    assert st.gc_disabled_count_total == 5 and st.count == 10  # (step 0 left out)
+    assert f.title.startswith("Explicit gc.collect() calls take ") and f.title.endswith("(the collector is off)")
+    assert f.evidence["gc_disabled_collections"] == 5 and f.evidence["collect_every_steps"] == 5
+    assert f.evidence["gc_disabled_ms_each"] == pytest.approx(st.gc_disabled_ms_total / 5, abs=1e-3)
+    assert ("every pause here is an explicit gc.collect() call in the loop: 5 in 10 steps (one every 2 steps), "
+            f"{st.gc_disabled_ms_total / 5:.1f} ms each. Call it less often: every 5 steps") in f.recommendation.text
+    assert f.recommendation.code.endswith(S.gc_collect_every(5))
+    assert "gc.disable" not in f.recommendation.code and "gc.freeze" not in f.recommendation.code
+    # ... the collections at the period advised: quiet, with the reason
+    steps, rep = _cycles_run(tmp_path / "period", 11, 5)
+    assert [s.gc_disabled_count for s in steps] == [int(i % 5 == 4) for i in range(11)]
+    assert not [f for f in rep.findings if f.code == "jitter.gc"]
+    (why,) = [r.reason for r in rep.rules if r.code == "jitter.gc"]
+    assert "are explicit gc.collect() calls with the collector off, 2 in 10 steps (one every 5 steps)" in why
+    assert "at the period advised (every 5 steps) or rarer" in why, why
 
 
 def test_a_grouped_unit_kept_gathered_waits_for_no_all_gather_in_backward(tmp_path, gloo_one_rank):

@@ -191,6 +191,9 @@ def step_stats(steps: list[StepRecord]) -> StepStats:
         if all(s.gc_collected is not None for s in steps):
             out.gc_full_ms_total = round(sum(s.gc_full_ms for s in steps), 3)
             out.gc_collected_total = sum(s.gc_collected for s in steps)
+        if any(s.gc_disabled_count for s in steps):
+            out.gc_disabled_count_total = sum(s.gc_disabled_count for s in steps)
+            out.gc_disabled_ms_total = round(sum(s.gc_disabled_ms for s in steps), 3)
     return out
 
 

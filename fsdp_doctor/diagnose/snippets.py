@@ -1392,13 +1392,18 @@ GC_FROZEN = ("# after building the model, optimizer and data loader: set-up obje
              "gc.collect()\ngc.freeze()")
 
 
-def gc_between_steps(every: int) -> str:
-    """No collection inside a step: set-up frozen, the collector off, a full collection every ``every`` steps
-    between two steps, at the same step on every rank (no rank waits for another's pause)."""
-    return (GC_FROZEN + "\ngc.disable()  # no collection inside a step\n\n"
-            "# call after optimizer.step(), at the same step on every rank\n"
+def gc_collect_every(every: int) -> str:
+    """A full collection every ``every`` steps between two steps, at the same step on every rank (no rank waits for
+    another's pause)."""
+    return ("# call after optimizer.step(), at the same step on every rank\n"
             f"def collect_between_steps(step, every={every}):\n"
             "    if step % every == 0:\n        gc.collect()")
+
+
+def gc_between_steps(every: int) -> str:
+    """No collection inside a step: set-up frozen, the collector off, a full collection every ``every`` steps
+    between two steps."""
+    return GC_FROZEN + "\ngc.disable()  # no collection inside a step\n\n" + gc_collect_every(every)
 
 
 def trainer_micro_batch_switch(calls: str) -> str:

@@ -87,6 +87,9 @@ class StepTimings:
     units: list[UnitStep]
     gc_full_ms: float = 0.0  # of gc_ms, the full (generation 2) collections'
     gc_collected: int = 0  # objects the collections freed
+    # of gc_count and gc_ms, the collections that started with the collector disabled: explicit gc.collect() calls
+    gc_disabled_count: int = 0
+    gc_disabled_ms: float = 0.0
     no_grad_ms: float = 0.0
     no_grad_forwards: int = 0
     autograd_eval_forwards: int = 0  # of no_grad_forwards: in eval mode with autograd on, no backward after
@@ -864,6 +867,9 @@ class StepTimer:
             return
         if phase == "start":
             self._gc_start = _now()
+            # the collector off (gc.disable()), only the loop's own gc.collect() calls collect: a new-user trial
+            # that pasted jitter.gc's fix was told to disable the collector again for them
+            self._gc_disabled = not gc.isenabled()
         elif self._gc_start:
             dt = _now() - self._gc_start
             self._gc_ns += dt
@@ -872,12 +878,16 @@ class StepTimer:
             if info.get("generation") == 2:
                 self._gc_full_ns += dt
             self._gc_collected += info.get("collected", 0)
+            if self._gc_disabled:
+                self._gc_disabled_ns += dt
+                self._gc_disabled_count += 1
 
 
     def begin_step(self) -> None:
         self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
         self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
-        self._gc_full_ns = self._gc_collected = 0
+        self._gc_full_ns = self._gc_collected = self._gc_disabled_ns = self._gc_disabled_count = 0
+        self._gc_disabled = False
         self._ng_gather_ns = 0  # FSDP's pre-forward all-gathers inside forwards without gradients
         self._ng_gathers, self._ng_units = 0, set()  # ... the units entered not gathered, and those entered
         # the model's forward entered in eval mode with autograd on: evaluation that forgot torch.no_grad(), unless
@@ -919,6 +929,7 @@ class StepTimer:
         return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
                            gc_full_ms=_ms(self._gc_full_ns), gc_collected=self._gc_collected,
+                           gc_disabled_count=self._gc_disabled_count, gc_disabled_ms=_ms(self._gc_disabled_ns),
                            units=units, no_grad_ms=_ms(self._no_grad_ns), no_grad_forwards=self._no_grad_count,
                            no_grad_gather_ms=_ms(self._ng_gather_ns), no_grad_gathers=self._ng_gathers,
                            no_grad_units=len(self._ng_units),

@@ -522,6 +522,7 @@ class Doctor:
             outside_ms=max(0.0, round(wall - tm.forward_ms - tm.backward_ms - tm.optimizer_ms - tm.no_grad_ms
                                       - own_ms - save_ms, 3)),
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, gc_full_ms=tm.gc_full_ms, gc_collected=tm.gc_collected,
+            gc_disabled_count=tm.gc_disabled_count, gc_disabled_ms=tm.gc_disabled_ms,
             profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, backwards=tm.backwards, optimizer_skipped=self._skipped,
             no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,

@@ -89,6 +89,8 @@ class GcPauses(Rule):
                     "excluded": "steps of the doctor's profiler windows and their export (its own collection)"}
         if made is not None:
             evidence.update(gc_full_ms_per_step=round(full, 3), gc_collected_per_step=round(made))
+        if st.gc_disabled_count_total and st.gc_disabled_ms_total >= st.gc_ms_total / 2:  # (UNSET is falsy)
+            return self._collected_by_hand(rank, st, made, evidence)
         title = f"GC pauses take {100 * share:.1f}% of step time on rank {rank}"
         if made is None or made * GC_DEFER_MIN_STEPS <= GC_PILE_MAX:
             every = GC_DEFER_MAX_STEPS if not made else min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made))
@@ -121,6 +123,43 @@ class GcPauses(Rule):
             S.GC_FROZEN if freeze else "", where="optimizer" if freeze else "",
             predicted=E.predicted(p50, max(0.0, p50 - full)) if freeze else None,
             ranks=[rank],
+        )]
+
+    def _collected_by_hand(self, rank: int, st: StepStats, made: Optional[float], evidence: dict):
+        """The collector off (gc.disable()), the pauses are the loop's explicit gc.collect() calls: a new-user trial
+        that pasted this rule's fix (collect_between_steps every 50 steps) beside its own gc.collect() every 20
+        steps was told to freeze and disable the collector again (12.2% of step time, one call every 15 steps).
+        Turning nothing off is left: the calls' period is. Each call's time grows with the cycles it frees (that
+        trial: 4-9 ms for 20k objects, 42-215 ms for 400k, the collector's set-up objects frozen), so fewer calls
+        make fewer, longer pauses: no gain is predicted (that loop with the fix's calls alone, 4 of 478 ms in 243
+        steps where 16 had taken 189 ms each: 13.9% of the step, 14.0% before), and at the period this rule advises
+        it stays quiet."""
+        n, ms = st.gc_disabled_count_total, st.gc_disabled_ms_total
+        share = ms / st.wall_ms_total
+        every = GC_DEFER_MAX_STEPS if not made else max(1, min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made)))
+        often = f"{n / st.count:.1f} a step" if n >= st.count else f"one every {st.count / n:.0f} steps"
+        calls = f"{n} in {st.count} steps ({often}), {ms / n:.1f} ms each"
+        lever = ("for one step, gc.set_debug(gc.DEBUG_SAVEALL) keeps what the collector frees in gc.garbage, by "
+                 "type")
+        if n <= st.count // every + 1:  # (collections every `every` steps: at most this many in these steps)
+            return self.quiet(
+                f"rank {rank}'s GC pauses ({100 * share:.1f}% of its step time) are explicit gc.collect() calls with "
+                f"the collector off, {calls}: at the period advised (every {every} steps) or rarer. Their time grows "
+                "with the reference cycles they free" + (f" ({made:,.0f} objects a step)" if made else "")
+                + f": fewer calls would only make longer pauses; the lever left is the code that makes them ({lever})")
+        evidence.update(gc_disabled_collections=n, gc_disabled_ms_each=round(ms / n, 3),
+                        gc_disabled_share_pct=round(100 * share, 2), collect_every_steps=every)
+        return [self.finding(
+            "warning", f"Explicit gc.collect() calls take {100 * share:.1f}% of step time on rank {rank} (the "
+                       "collector is off)", evidence,
+            "The collector is disabled (gc.disable()), so every pause here is an explicit gc.collect() call in the "
+            f"loop: {calls}. Call it less often: every {every} steps, on all ranks at once (below, after "
+            "optimizer.step()), and remove the loop's other gc.collect() calls"
+            + (f" ({made:,.0f} objects of reference cycles a step wait for it: {made * every:,.0f} at most)"
+               if made and made >= 1000 else "")
+            + ". A call's time grows with the cycles it frees: fewer calls make fewer, longer pauses, and their time "
+            f"together is the cycles' own, which only the code that makes them cuts ({lever}).",
+            S.gc_collect_every(every), where="optimizer", ranks=[rank],
         )]
 
 
