@@ -36,6 +36,12 @@ def printable(text: str) -> str:
     return text.translate(_CONTROL) if not text.isprintable() else text
 
 
+def fmt_list(items: list[str], n: int = 6) -> str:
+    """Names in a sentence, the first ``n`` and a count of the rest ("a, b … (+3)"); the root's "" as "(root)"."""
+    items = [i if i else "(root)" for i in items]
+    return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")
+
+
 def ranks_phrase(ranks) -> str:
     """"rank 1", "ranks 0, 1": ranks named with the noun's number."""
     ranks = [str(r) for r in ranks]

@@ -75,8 +75,8 @@ def test_blocks_compiled_in_place_are_timed_around_their_compiled_call_without_a
                "call" in n for n in rep.run.notes)
     assert not any("compiled" in p for p in rep.problems), rep.problems
     # the verdict from the records (no profiler window) says where the blocks' forward all-gather waits went
-    assert ("the forward all-gather waits of 3 units compiled by torch.compile are inside their forward: counted as "
-            "compute here" in rep.verdict.job.summary), rep.verdict.job.summary
+    assert ("the forward all-gather waits of 3 units compiled by torch.compile (layers.0, layers.1, layers.2) are "
+            "inside their forward: counted as compute here" in rep.verdict.job.summary), rep.verdict.job.summary
     plain = build_report(load_run(cases["none"]["out_dir"]))
     assert plain.verdict.job.source == "records" and "all-gather waits" not in plain.verdict.job.summary
     from fsdp_doctor.cli import EXIT_OK, main

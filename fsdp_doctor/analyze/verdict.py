@@ -29,7 +29,7 @@ from ..report_sections import OverlapSection, Straggler, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from ..trace.model import OTHER_UNIT
-from ..units import ranks_phrase
+from ..units import fmt_list, ranks_phrase
 from .steps import device_outside_ms, device_pairs, profiled_saves, read_on_straggler, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -154,18 +154,19 @@ def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
     return out
 
 
-def _waits_inside_forward(run: Optional[Run], ranks: list[str]) -> tuple[int, int]:
-    """Of the units of ``ranks`` (split from their records), how many have their forward's all-gather wait inside
-    their forward time: (compiled, in place or timed around their compiled call; the others run through a
+def _waits_inside_forward(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list[str]]:
+    """Of the units of ``ranks`` (split from their records), those whose forward's all-gather wait is inside their
+    forward time, by name: (compiled, in place or timed around their compiled call; the others run through a
     registered forward method), the most of any rank."""
-    compiled = methods = 0
+    compiled: list[str] = []
+    methods: list[str] = []
     for r in ranks:
         rd = run.ranks.get(int(r)) if run is not None else None
         cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
         if cfg is not None:
-            compiled = max(compiled, sum(1 for u in cfg.units if runs_compiled(u)))
-            methods = max(methods, sum(1 for u in cfg.units
-                                       if not runs_compiled(u) and getattr(u, "forward_methods", None)))
+            compiled = max(compiled, [u.name or "(root)" for u in cfg.units if runs_compiled(u)], key=len)
+            methods = max(methods, [u.name or "(root)" for u in cfg.units
+                                    if not runs_compiled(u) and getattr(u, "forward_methods", None)], key=len)
     return compiled, methods
 
 
@@ -228,8 +229,10 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
     if compiled or methods:
         # (the records time such a unit's forward with its all-gather wait inside: a compiled model without a trace
         # read compute-bound with 0 ms of exposed forward all-gather, unsaid)
-        how = " and ".join(f"{n} unit{'s' * (n > 1)} {what}" for n, what in (
-            (compiled, "compiled by torch.compile"), (methods, "run through a registered forward method")) if n)
+        # (named: "1 unit run through a registered forward method" left the reader to find which, a new-user trial)
+        how = " and ".join(f"{len(names)} unit{'s' * (len(names) > 1)} {what} ({fmt_list(names, 3)})"
+                           for names, what in ((compiled, "compiled by torch.compile"),
+                                               (methods, "run through a registered forward method")) if names)
         job.summary += (f" (from the records, the forward all-gather waits of {how} are inside their "
                         "forward: counted as compute here; a profiler window tells them apart)")
     by_bound: dict[str, list[int]] = {}

@@ -25,7 +25,7 @@ from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSe
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
 from ..trace.model import OTHER_UNIT  # (collectives no FSDP unit issued: optimizer step, clipping, metrics)
-from ..units import fmt_bytes
+from ..units import fmt_bytes, fmt_list  # (fmt_list: rules call it E.fmt_list)
 from . import thresholds as T
 from .base import Context, prepared_by_user, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
 
@@ -729,11 +729,6 @@ def compute_fwd_ms(u: Unit) -> float:
 # ---------------------------------------------------------------------------------------------- code names
 # the module tree as code lives in diagnose/snippets.py (the one writer of snippets); re-exported for evidence
 from .snippets import block_containers, block_of, module_expr, strip_ckpt, unit_expr  # noqa: E402,F401
-
-
-def fmt_list(items: list[str], n: int = 6) -> str:
-    items = [i if i else "(root)" for i in items]
-    return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")
 
 
 def kept_gathered(u: Unit) -> bool:
