@@ -84,6 +84,10 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # its checkpointing is selective (a policy saves some operators' outputs, torch's
     # create_selective_checkpoint_contexts: torchtitan's default): its recompute re-runs only the others
     checkpoint_selective: bool = False
+    # fqns of its modules (nested units' excluded) that update running statistics in training (BatchNorm, SyncBatchNorm,
+    # InstanceNorm with track_running_stats): a checkpoint's recompute runs them in training mode again, updating their
+    # statistics twice per step
+    running_stats_modules: list[str] = []
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     # the unit runs inside a compiled frame (a module compiled in place, ``module.compile()``, or the module of

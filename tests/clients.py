@@ -437,17 +437,29 @@ def resnet():
     return ResNet()
 
 
-def resnet_checkpointed(what: str):
+def resnet_checkpointed(what):
     """The ResNet with activation checkpointing applied as users do, before fully_shard (non-reentrant
-    checkpoint_wrapper): on each BasicBlock's conv1, bn1, conv2, bn2 (``children``) or on the blocks (``blocks``)."""
+    checkpoint_wrapper): on each BasicBlock's conv1, bn1, conv2, bn2 (``children``), on the blocks (``blocks``), or
+    on the modules named (a list of fqns: a fix's)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         apply_activation_checkpointing, checkpoint_wrapper)
 
     model = resnet()
     blocks = [m for m in model.modules() if isinstance(m, BasicBlock)]
-    targets = set(blocks) if what == "blocks" else {getattr(b, n) for b in blocks for n in ("conv1", "bn1", "conv2", "bn2")}
+    targets = (set(blocks) if what == "blocks" else
+               {getattr(b, n) for b in blocks for n in ("conv1", "bn1", "conv2", "bn2")} if what == "children" else
+               {model.get_submodule(n) for n in what})
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: m in targets)
     return model
+
+
+def batch_norms_updated_twice(model) -> list[str]:
+    """The batch norms whose running statistics one training step of ``model`` (a batch of two 16x16 images) updates
+    twice (num_batches_tracked 2: a checkpoint's recompute runs them in training mode again), their fqns without the
+    wrappers' ``_checkpoint_wrapped_module``, in module order. One process, no FSDP."""
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    return [n.replace("._checkpoint_wrapped_module", "") for n, m in model.named_modules()
+            if isinstance(m, nn.BatchNorm2d) and int(m.num_batches_tracked) == 2]
 
 
 # ------------------------------------------------------------------------------------------------ architectures

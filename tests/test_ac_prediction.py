@@ -13,7 +13,7 @@ from fsdp_doctor.diagnose import Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.rules.ac import ESTIMATED, MEASURED
 
-from clients import AC_STEPS, AC_WATCH
+from clients import AC_STEPS, AC_WATCH, batch_norms_updated_twice, resnet, resnet_checkpointed
 import scenario_matrix as M
 from scenario_matrix import fix_of, launch
 from test_clients import _diagnosis, _launch
@@ -254,3 +254,40 @@ def test_a_reentrant_checkpoint_called_from_the_root_books_the_recompute_on_its_
     last = saved[-1]
     blocks = {k: v for k, v in last.items() if k.startswith("layers.")}
     assert len(blocks) == 3 and all(v > 0 for v in blocks.values()) and not last.get(""), last
+
+
+@pytest.mark.slow
+def test_fixes_that_change_checkpointing_say_which_batch_norms_update_twice(runs):
+    """Checkpointing re-runs a batch norm in training mode in the recompute: its running statistics are updated
+    twice per step (a new-user trial's ResNet: buffer checksum 792.65 -> 844.52 with checkpointing on, parameters
+    identical). The recorder lists each unit's own modules that keep running statistics; ac.unneeded names those
+    its fix stops updating twice, ac.wrong_granularity those checkpointing whole blocks starts updating twice: each
+    list is what one training step of the model measures."""
+    children, blocks = runs[1]["resnet_ckpt_children"], runs[1]["resnet_ckpt_blocks"]
+    units = {u.name: u.running_stats_modules for u in children[0].config.units}
+    assert units[""] == ["stem.1", "norm"]  # the root's own: the blocks' are their units'
+    assert units["layer2.0"] == ["layer2.0.bn1._checkpoint_wrapped_module", "layer2.0.bn2._checkpoint_wrapped_module",
+                                 "layer2.0.down.1"]
+    assert {u.name: u.running_stats_modules for u in blocks[0].config.units}["layer3.1"] == [
+        "layer3.1._checkpoint_wrapped_module.bn1", "layer3.1._checkpoint_wrapped_module.bn2"]
+    twice = {w: batch_norms_updated_twice(resnet() if w == "none" else resnet_checkpointed(w))
+             for w in ("none", "children", "blocks")}
+    assert twice["none"] == [] and len(twice["children"]) == 12 and len(twice["blocks"]) == 14
+
+    f = _unneeded(children[2])
+    assert f.evidence["running_stats_layers"] == twice["children"]
+    assert ("Turn it off and spend the headroom on speed. 12 normalization layer(s) with running statistics "
+            "(layer1.0.bn1, layer1.0.bn2 and 10 more) run again in the recompute now, in training mode, updating "
+            "their running statistics twice per step; without checkpointing that second update ends, so the "
+            "statistics evaluation uses will differ from the checkpointed runs'.") in f.recommendation.text
+    assert _unneeded(blocks[2]).evidence["running_stats_layers"] == twice["blocks"]
+    g = next(f for f in children[2] if f.code == "ac.wrong_granularity")
+    # the blocks' downsampling batch norms, outside the checkpointed children: checkpointed with their blocks
+    assert g.evidence["running_stats_layers"] == sorted(set(twice["blocks"]) - set(twice["children"])) == [
+        "layer2.0.down.1", "layer3.0.down.1"]
+    assert (" With the blocks checkpointed, 2 normalization layer(s) with running statistics not checkpointed now "
+            "(layer2.0.down.1 and layer3.0.down.1) run again in the recompute, in training mode: their running "
+            "statistics are updated twice per step, which changes the statistics evaluation uses.") \
+        in g.recommendation.text
+    # the fixed run checkpoints nothing: no finding of it
+    assert not any("running statistics" in x.recommendation.text for x in runs[1]["fixed"][2])

@@ -204,3 +204,34 @@ def test_a_sharded_compiled_wrapper_is_a_compiled_frame():
     frames, inside = compiled_frames(wrapper)
     assert [(f.top, f.owner, f.attr) for f in frames] == [(inner, wrapper, "forward")]
     assert inside == {id(m) for m in inner.modules()} and not compiled_wrapper(inner)
+
+
+def test_each_unit_lists_its_own_modules_that_keep_running_statistics(gloo_one_rank):
+    """What the snapshot lists as keeping running statistics (BatchNorm, InstanceNorm with track_running_stats) is
+    what a training step updates (their running mean moves): a batch norm without tracking, an InstanceNorm's default, a
+    GroupNorm keep none. Each unit lists its own (a nested unit's are its), inside a CheckpointWrapper too, where
+    the step updates them twice (the recompute runs them in training mode)."""
+    import torch
+    import torch.nn as nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_doctor.record.units import find_units, snapshot_units
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4)),
+        nn.Sequential(nn.Conv1d(4, 4, 1), nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
+                      nn.BatchNorm1d(4, track_running_stats=False), nn.InstanceNorm1d(4), nn.GroupNorm(2, 4)),
+        checkpoint_wrapper(nn.Sequential(nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4))))
+    fully_shard(model[1])
+    fully_shard(model)
+    got = {c.name: c.running_stats_modules for c in snapshot_units(find_units(model))}
+    assert got == {"": ["0.1", "2._checkpoint_wrapped_module.1"], "1": ["1.1"]}
+    model(torch.randn(2, 4, 5)).sum().backward()
+    moved = [n for n, m in model.named_modules() if getattr(m, "running_mean", None) is not None
+             and m.running_mean.abs().sum() > 0]  # (they start at zero)
+    assert moved == ["0.1", "1.1", "2._checkpoint_wrapped_module.1"]
+    # (InstanceNorm counts no batches)
+    assert {n: int(m.num_batches_tracked) for n, m in model.named_modules() if isinstance(m, nn.BatchNorm1d)
+            and m.track_running_stats} == {"0.1": 1, "2._checkpoint_wrapped_module.1": 2}

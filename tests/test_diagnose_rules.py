@@ -1385,6 +1385,22 @@ def test_ac_fewer_units():
     for u in ctx.report.units:
         u.checkpoint_wrappers = []
     assert rule.match(ctx) == [] and "checkpoint(...) calls in code" in rule.why_quiet
+    # batch norms in the blocks (the root's own, never checkpointed, aside): those of the two blocks un-checkpointed
+    # end their second update per step, the recompute's; a CheckpointWrapper's or transformers' flag alike
+    for hf in (False, True):
+        ctx = _fewer_ctx(60, hf=hf)
+        for u in ctx.report.units:
+            u.running_stats_modules = [f"{u.name}{'' if hf else '._checkpoint_wrapped_module'}.bn"] if u.name else [
+                "bn"]
+        (f,) = rule.match(ctx)
+        assert f.evidence["running_stats_layers"] == ["layers.2.bn", "layers.3.bn"]
+        assert f.recommendation.text.endswith(
+            "Turn checkpointing off on those and keep it on the others. 2 normalization layer(s) with running "
+            "statistics (layers.2.bn and layers.3.bn) run again in the recompute now, in training mode, updating their "
+            "running statistics twice per step; without checkpointing that second update ends, so the statistics "
+            "evaluation uses will differ from the checkpointed runs'."), f.recommendation.text
+    (f,) = rule.match(_fewer_ctx(60))  # none: no word of them
+    assert "running_stats_layers" not in f.evidence and "running statistics" not in f.recommendation.text
 
 
 def test_ac_wrong_granularity():

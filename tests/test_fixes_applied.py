@@ -8,6 +8,8 @@ import pytest
 
 from fsdp_doctor.units import unit_label
 
+from clients import batch_norms_updated_twice, resnet_checkpointed
+
 pytestmark = pytest.mark.slow
 
 
@@ -77,6 +79,30 @@ def test_checkpointing_keeps_the_inputs_the_run_measured(matrix, row):
     assert o.finding.evidence["activation_source"].endswith("keeps its inputs (measured)"), o.finding.evidence
     r = o.recheck()
     assert abs(r["peak_predicted"] - r["peak_measured"]) <= 0.03 * r["peak_measured"], r
+
+
+@pytest.mark.rows("resnet_tight_capacity", "vit_tight_capacity", "gpt_tight_capacity")
+@pytest.mark.parametrize("row", ["resnet_tight_capacity", "vit_tight_capacity", "gpt_tight_capacity"])
+def test_checkpointing_recommended_says_which_batch_norms_it_updates_twice(matrix, row):
+    """ac.recommended's fix makes the recompute run the chosen blocks' batch norms in training mode again: their
+    running statistics are updated twice per step (a new-user trial's ResNet: buffer checksum 792.65 -> 844.52
+    with checkpointing on, parameters identical), and the text says which, as one training step of the ResNet with
+    those blocks checkpointed measures them. A transformer's LayerNorms keep no running statistics: no word."""
+    o = matrix[row]
+    assert not o.error and o.finding is not None, o.error
+    f, text = o.finding, o.finding.recommendation.text
+    if row != "resnet_tight_capacity":
+        assert all(u.running_stats_modules == [] for u in o.report.units)
+        assert "running_stats_layers" not in f.evidence and "running statistics" not in text, text
+        return
+    twice = batch_norms_updated_twice(resnet_checkpointed(f.evidence["blocks_to_checkpoint"]))
+    print(f"\n[{row}] blocks {f.evidence['blocks_to_checkpoint']}: batch norms updated twice {twice}")
+    assert twice and f.evidence["running_stats_layers"] == twice
+    said = (", ".join(twice[:2]) + f" and {len(twice) - 2} more" if len(twice) > 3
+            else ", ".join(twice[:-1]) + " and " + twice[-1] if len(twice) > 1 else twice[0])
+    assert text.endswith(f" Checkpointed, {len(twice)} normalization layer(s) with running statistics ({said}) run "
+                         "again in the recompute, in training mode: their running statistics are updated twice per "
+                         "step, which changes the statistics evaluation uses."), text
 
 
 @pytest.mark.rows("neox_ac_ample")

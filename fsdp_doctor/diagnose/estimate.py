@@ -344,6 +344,19 @@ def roots(us: Iterable[Unit]) -> list[Unit]:
     return [u for u in us if u.is_root]
 
 
+def running_stats_under(us: Iterable[Unit], modules: Iterable[str], but: Iterable[str] = ()) -> list[str]:
+    """Of the units' modules that update running statistics in training (``running_stats_modules``: BatchNorm and
+    the like), the fqns at or under one of ``modules`` and under none of ``but`` (checkpoint wrappers' names
+    stripped): those a fix checkpointing ``modules`` runs once more per step in the recompute, or one
+    un-checkpointing them once less (``but``: what stays checkpointed either way)."""
+    def under(fqn: str, tops: list[str]) -> bool:
+        return any(t in ("", fqn) or fqn.startswith(t + ".") for t in tops)
+
+    tops, kept = [strip_ckpt(m) for m in modules], [strip_ckpt(m) for m in but]
+    names = [strip_ckpt(n) for u in us for n in u.running_stats_modules or []]
+    return [n for n in dict.fromkeys(names) if under(n, tops) and not under(n, kept)]
+
+
 def post_forward_order(us: list[Unit]) -> list[Unit]:
     """The units with parameters in FSDP2's post-forward order (``comm_ctx.post_forward_order``, which its implicit
     backward prefetch walks back along: each unit's pre-backward gathers the one before it): each unit after the

@@ -209,17 +209,34 @@ def checkpoint_wrappers(unit: Unit, all_units: list[Unit]) -> list[tuple[str, nn
     unit), in module order."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    return [(fqn, m) for fqn, m in _unit_tree(unit, all_units, stop=lambda m: isinstance(m, CheckpointWrapper))
+            if isinstance(m, CheckpointWrapper)]
+
+
+def running_stats_modules(unit: Unit, all_units: list[Unit]) -> list[str]:
+    """fqns of the unit's modules (not inside a nested unit) that update running statistics in training: BatchNorm,
+    SyncBatchNorm, InstanceNorm with ``track_running_stats`` (torch's ``_NormBase``). Checkpointing re-runs them in
+    training mode during backward, updating them twice per step (a Conv-BN-ReLU under checkpoint_wrapper ends a step
+    with ``num_batches_tracked`` 2; a new-user trial's ResNet buffers moved, its parameters identical)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [fqn for fqn, m in _unit_tree(unit, all_units)
+            if isinstance(m, _NormBase) and getattr(m, "track_running_stats", False)]
+
+
+def _unit_tree(unit: Unit, all_units: list[Unit], stop=lambda m: False):
+    """(fqn, module) of the unit's modules and every module inside them, in module order, neither nested units
+    nor a CheckpointWrapper around another unit; below a module ``stop`` holds for, nothing."""
     other = {id(m) for u in all_units if u is not unit for m in u.modules}
-    out, stack = [], list(zip(unit.module_names, unit.modules))[::-1]
+    stack = list(zip(unit.module_names, unit.modules))[::-1]
     while stack:
         fqn, m = stack.pop()
         if _wraps_unit(m, other):  # (another unit's own wrapper: its checkpointing, not this unit's children's)
             continue
-        if isinstance(m, CheckpointWrapper):
-            out.append((fqn, m))
-            continue
-        stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children() if id(c) not in other]))
-    return out
+        yield fqn, m
+        if not stop(m):
+            stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()
+                                   if id(c) not in other]))
 
 
 def _wraps_unit(m: nn.Module, unit_modules: set[int]) -> bool:
@@ -329,6 +346,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 checkpoint=_checkpoint_kind(u, units),
                 checkpoint_wrappers=[n for n, _ in checkpoint_wrappers(u, units)] or enclosing_wrapper(u),
                 checkpoint_flag=checkpoints_itself(u),
+                running_stats_modules=running_stats_modules(u, units),
                 forward_methods=sorted({n for m in u.modules for n in F2.registered_forward_methods(m)}),
                 shard_dims=sorted({d for fp in fps if (d := F2.shard_dim(fp))}),
                 param_groups=len(pgs) if known else None,

@@ -225,6 +225,34 @@ def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
     return wrappers, functional
 
 
+def _uncheckpointed_stats(ctx: Context, us: list[E.Unit]) -> list[str]:
+    """The modules keeping running statistics that turning the units' checkpointing off no longer re-runs: inside
+    their CheckpointWrappers, or the whole unit where it checkpoints itself (a checkpoint(...) call around it,
+    transformers' flag); those under checkpoint(...) calls on some of a unit's children are not known."""
+    return E.running_stats_under(E.units(ctx), [w for u in us for w in u.checkpoint_wrappers]
+                                 + [m for u in us if not u.checkpoint_wrappers and u.checkpoint == "unit"
+                                    for m in u.modules or [u.name]])
+
+
+def _running_stats(names: list[str], on: bool, lead: str = "Checkpointed,", now: str = "") -> str:
+    """The sentence of a fix changing which modules are checkpointed, where that changes how often the modules
+    keeping running statistics (BatchNorm) among them are updated: the recompute runs them in training mode, so
+    checkpointed they are updated twice per step (a new-user trial's ResNet: buffer checksum 792.65 -> 844.52 with
+    checkpointing on, parameters identical). ``lead``, ``now``: the words before and after the layers' where a fix
+    checkpoints only some of them anew (ac.wrong_granularity's blocks)."""
+    if not names:
+        return ""
+    said = (", ".join(names[:2]) + f" and {len(names) - 2} more" if len(names) > 3
+            else " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0])
+    n = f"{len(names)} normalization layer(s) with running statistics{now} ({said})"
+    if on:
+        return (f" {lead} {n} run again in the recompute, in training mode: their running statistics are "
+                "updated twice per step, which changes the statistics evaluation uses.")
+    return (f" {n} run again in the recompute now, in training mode, updating their running statistics twice per "
+            "step; without checkpointing that second update ends, so the statistics evaluation uses will differ "
+            "from the checkpointed runs'.")
+
+
 @register
 class AcRecommended(Rule):
     code = "ac.recommended"
@@ -309,6 +337,7 @@ class AcRecommended(Rule):
         order = {u.name: i for i, u in enumerate(E.units(ctx))}
         chosen.sort(key=lambda u: order.get(u.name, 0))
         mods = [m for u in chosen for m in u.modules]
+        stats = E.running_stats_under(E.units(ctx), mods)
         return [self.finding(
             sev, f"Activations are {100 * acts / peak:.0f}% of a peak at {100 * share:.0f}% of capacity: "
                  f"checkpoint {len(chosen)} block(s)",
@@ -321,7 +350,8 @@ class AcRecommended(Rule):
                                    if all(u.name in inputs for u in chosen) else
                                    f"measured saved activations; a checkpointed unit keeps 1/{E.SAVED_PER_INPUT:g} "
                                    "of them (its input: estimated)"),
-             "recompute_ms_added": None if recompute is None else round(recompute, 3), "step_p50_ms": step},
+             "recompute_ms_added": None if recompute is None else round(recompute, 3), "step_p50_ms": step,
+             **({"running_stats_layers": stats} if stats else {})},
             f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
             f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
             f"their forward in backward: about {E.mib(saved)} MiB less at the peak for "
@@ -335,7 +365,7 @@ class AcRecommended(Rule):
                "and full checkpointing keeps only their inputs (selective, its default, keeps some operators' "
                "outputs and saves less)." if titan_code else
                "Apply checkpointing to whole blocks, before fully_shard.")
-            + _over_budget(peak_after, cap, bd),
+            + _over_budget(peak_after, cap, bd) + _running_stats(stats, on=True),
             S.plugin_checkpointing(True, lever) if lever else titan_code or S.checkpoint_modules(
                 mods, "checkpoint whole blocks"),
             where=lever or ("torchtitan" if titan_code else ""),
@@ -492,6 +522,7 @@ class AcUnneeded(Rule):
         titan = E.torchtitan_version(ctx) if wrappers and not functional else None
         titan_code = S.titan_settings(titan, activation_checkpoint="none") if titan is not None else None
         code = S.remove_checkpointing(wrappers, functional, after_sharding=_wrapped_after(ck))
+        stats = _uncheckpointed_stats(ctx, ck)
         if titan_code:
             code = titan_code
         elif lever == "trainer":
@@ -508,12 +539,13 @@ class AcUnneeded(Rule):
              "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
              "recompute_source": how,
              "activation_bytes_added": int(sum(extra.values())) if source is not None else None,
-             "activation_source": source, "step_p50_ms": step},
+             "activation_source": source, "step_p50_ms": step,
+             **({"running_stats_layers": stats} if stats else {})},
             f"{_reruns(ck)} during backward ("
             + said
             + f") to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
-            "Turn it off and spend the headroom on speed."
+            "Turn it off and spend the headroom on speed." + _running_stats(stats, on=False)
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
                "(checkpoint wrappers of your own: build the model without them)." if lever else "")
             + (f" {S.titan_says(titan)}: turn its activation checkpointing off there." if titan is not None else ""),
@@ -560,12 +592,17 @@ class AcWrongGranularity(Rule):
         # what checkpointing the children spares now: measured in their recompute (else unknown)
         spared, source = _added_without_checkpointing(ctx, ch, E.peak_memory(ctx))
         wrappers, functional = _wrappers(ch)
+        # checkpointed whole, the blocks' modules outside the inner wrappers re-run too (under checkpoint(...) calls
+        # in a forward, which those are is not known)
+        stats = E.running_stats_under(E.units(ctx), [m for u in ch if u.checkpoint_wrappers for m in u.modules],
+                                      but=wrappers)
         return [self.finding(
             "warning", f"Checkpointing is applied inside {len(ch)} unit(s) instead of to the whole block",
             {"units": [u.name or "(root)" for u in ch], "checkpoint": sorted({u.checkpoint for u in ch}),
              "activation_bytes": acts,
              "activation_bytes_spared": int(sum(spared.values())) if source == MEASURED else None,
-             "activation_source": source if source == MEASURED else None, "step_p50_ms": step},
+             "activation_source": source if source == MEASURED else None, "step_p50_ms": step,
+             **({"running_stats_layers": stats} if stats else {})},
             "Checkpointing re-runs the blocks' children (attention, MLP: checkpoint wrappers on them, or "
             "checkpoint(self.mlp, h) calls in the block's forward), not the blocks: every tensor passed between "
             "the children and the residual adds and norms around them stays saved, so a large part of the "
@@ -575,7 +612,8 @@ class AcWrongGranularity(Rule):
                        f"keep {fmt_bytes(acts)} saved." if source == MEASURED and acts else "")
             + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls."
             + (f" That is where memory is needed: here the peak is {100 * peak / cap:.0f}% of capacity, and "
-               "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else ""),
+               "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else "")
+            + _running_stats(stats, on=True, lead="With the blocks checkpointed,", now=" not checkpointed now"),
             (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
             + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
@@ -647,6 +685,7 @@ class AcFewerUnits(Rule):
         step = E.step_ms(ctx)
         sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
         names = [u.name for u in chosen]
+        stats = _uncheckpointed_stats(ctx, chosen)
         every = len(chosen) == len(ck)
         some = f"all {len(ck)}" if every else f"{len(chosen)} of the {len(ck)}"
         return [self.finding(
@@ -657,14 +696,16 @@ class AcFewerUnits(Rule):
              "peak_after_share_of_capacity_pct": round(100 * peak_after / cap, 1),
              "target_share_of_capacity_pct": round(100 * AC_FEWER_TARGET_SHARE),
              "activation_bytes_added": int(sum(extra[n] for n in names)), "activation_source": source,
-             "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step},
+             "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step,
+             **({"running_stats_layers": stats} if stats else {})},
             f"{_reruns(ck)} in backward to keep the peak at {fmt_bytes(peak)} "
             f"of {fmt_bytes(cap)} ({100 * peak / cap:.0f}%). {some.replace(' the ', ' ').capitalize()} can keep their "
             f"activations (measured in their recompute): the peak would be about {fmt_bytes(peak_after)} "
             f"({100 * peak_after / cap:.0f}%, under {100 * AC_FEWER_TARGET_SHARE:.0f}%), and the step "
             + (f"~{spared:.1f} ms shorter" if spared else "shorter by their recompute (not timed here)")
             + (". Turn checkpointing off (ac.unneeded stays quiet: the peak is at half of capacity or more)."
-               if every else ". Turn checkpointing off on those and keep it on the others."),
+               if every else ". Turn checkpointing off on those and keep it on the others.")
+            + _running_stats(stats, on=False),
             _fewer_code(chosen, f"on {some} checkpointed units"),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
             units=names)]
