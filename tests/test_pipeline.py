@@ -272,6 +272,31 @@ def test_a_report_of_nothing_says_so_from_python(tmp_path):
         f"{tmp_path}: no fsdp-doctor records and no Kineto traces (*.json, *.json.gz) found"], rep.problems
 
 
+def test_ranks_a_step_apart_in_a_run_being_written_are_not_named_stopped(tmp_path):
+    """A run still writing is read one stream after the other, so its ranks can be a step apart: "rank 0 stopped first
+    (last record: step 28; rank 1 step 29) and wrote no end record: it died or hung" read in 1 of a new-user trial's
+    12 analyses of a live run (exit 3). A step apart with every stream written in the last seconds is a run being
+    written; the same gap in streams left alone for a minute, or a larger one, is still named."""
+    import os
+    import time
+
+    from fsdp_doctor import load_run
+
+    d = tmp_path / "run"
+    shutil.copytree(SAMPLE, d)
+    for r, keep in ((0, 28), (1, 29)):  # no end records; rank 0 a step behind
+        s = d / f"rank{r}.records.jsonl"
+        lines = [ln for ln in s.read_bytes().splitlines(keepends=True) if not ln.startswith(b'{"t":"end"')]
+        s.write_bytes(b"".join(ln for ln in lines if not (ln.startswith(b'{"t":"step","step":')
+                                                         and int(ln.split(b",")[1].split(b":")[1]) > keep)))
+    assert not [p for p in load_run(d).problems if "stopped first" in p]
+    old = time.time() - 60
+    for r in (0, 1):
+        os.utime(d / f"rank{r}.records.jsonl", (old, old))
+    (named,) = [p for p in load_run(d).problems if "stopped first" in p]
+    assert named.startswith("rank 0 stopped first (last record: step 28; rank 1 step 29)"), named
+
+
 def test_records_appended_after_the_read_are_not_a_cut_off_record(tmp_path):
     """A run still writing: a whole step record appended between the reader's pass and its check of the stream's
     end was named "last record is incomplete (1346 bytes, the run was cut off mid-write)" and the analysis exited 3
