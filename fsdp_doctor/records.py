@@ -114,6 +114,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     own_bytes: list[int] = []
     # of those, modules sharing a parameter with another module (a tied embedding and output head)
     tied_modules: list[str] = []
+    # of those, the ones before the unit's first nested unit in module order (a model's embeddings); None: not
+    # recorded (runs before it, whose trailing_modules read [] where no own module came before the last nested unit)
+    leading_modules: list[str] | None = None
     # of those, the ones after the unit's last nested unit in module order (a model's final norm and head)
     trailing_modules: list[str] = []
     # ranks FSDP shards each parameter over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP

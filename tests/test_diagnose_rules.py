@@ -276,13 +276,35 @@ def test_params_in_root():
     # every block kept gathered after forward (reshard_after_forward=False): the new unit before the blocks takes
     # FSDP's default, and the snippet says so where it makes it (the prediction is that unit's)
     zero2 = [us[0]] + [unit(f"layers.{i}", reshard_after_forward=False, **BLOCK) for i in range(4)]
-    zero2[0][0].update(own_modules=["tok_emb", "norm"], trailing_modules=["norm"])
+    zero2[0][0].update(own_modules=["tok_emb", "norm"], leading_modules=["tok_emb"], trailing_modules=["norm"])
     (g,) = run_rule("wrap.params_in_root", build(units=zero2, memory=memory(10 * MiB))[0])
     code = g.recommendation.code
-    assert ("# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
-            "# reshard_after_forward=False); the predicted peak assumes it\nfully_shard(model.tok_emb, mesh=mesh)\n"
-            in code), code
+    assert ("# a new unit before the blocks reshards after forward, FSDP's default (your\n"
+            "# units pass reshard_after_forward=False); the predicted peak assumes it\n"
+            "fully_shard(model.tok_emb, mesh=mesh)\n" in code), code
     assert "fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)" in code, code
+    # where the new units are, as the snapshot recorded it: a module between two units (the final norm between the
+    # blocks and a head of its own) is not "before the blocks" (the reference GPT's names: tests/test_clients.py
+    # runs every snippet here on it)
+    between = [dict(zero2[0][0], own_modules=["tok_emb", "pos_emb", "norm"], leading_modules=["tok_emb", "pos_emb"],
+                    trailing_modules=[]), None]
+    (g,) = run_rule("wrap.params_in_root", build(units=[between] + zero2[1:] + [
+        unit("lm_head", reshard_after_forward=False, **BLOCK)], memory=memory(10 * MiB))[0])
+    assert ("# the new units before and between your units reshard after forward, FSDP's\n"
+            "# default (your units pass reshard_after_forward=False); the predicted peak\n# assumes it\n"
+            "fully_shard(model.tok_emb, mesh=mesh)\nfully_shard(model.pos_emb, mesh=mesh)\n"
+            "fully_shard(model.norm, mesh=mesh)\n") in g.recommendation.code, g.recommendation.code
+    # a root holding only the final norm and head, after its units (a new-user trial's 4-rank run, recorded before
+    # leading_modules with no trailing module): they trail, one unit kept gathered after forward (its plan read "a new
+    # unit before the blocks" above them, and gave them FSDP's default)
+    old = {k: v for k, v in zero2[0][0].items() if k != "leading_modules"}
+    trial = [(dict(old, own_modules=["norm", "lm_head"], trailing_modules=[]), None),
+             unit("tok_emb, pos_emb", reshard_after_forward=False, **BLOCK)] + zero2[1:]
+    (g,) = run_rule("wrap.params_in_root", build(units=trial, memory=memory(10 * MiB))[0])
+    code = g.recommendation.code
+    assert "# last in forward, first in backward: one unit, kept gathered after forward\n" \
+        "fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)\n" in code, code
+    assert "new unit" not in code, code
     default = [zero2[0]] + [unit(f"layers.{i}", **BLOCK) for i in range(4)]  # blocks resharded: nothing to say
     (g,) = run_rule("wrap.params_in_root", build(units=default, memory=memory(10 * MiB))[0])
     assert "fully_shard(model.tok_emb, mesh=mesh)" in g.recommendation.code
@@ -309,6 +331,40 @@ def test_params_in_root():
                     tied_modules=["tok_emb", "lm_head"])
     (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
     assert g.predicted["peak_bytes_after"] == 10 * MiB - int((558_080 - 279_040) * (418_560 + 512) / 558_080)
+
+
+def test_params_in_root_plan_keeps_each_units_mixed_precision():
+    """The blocks' MixedPrecisionPolicy(bf16, fp32) beside the root's, with output_dtype=float32 (a new-user trial's
+    knob): the plan gave every unit one ``mp``, the first unit's with a policy, the root's, and so every block an fp32
+    output cast it never had. Each unit keeps its own; the units split off the root take the root's dtypes, not its
+    output cast, which stays the root's (on the final norm it fed float32 to the head left in the root: RuntimeError
+    on the reference GPT); where all had the same, one ``mp`` as before. (tests/test_wrap_mixed_policies.py applies
+    it on a real run.)"""
+    kid = dict(param_dtype="bfloat16", reduce_dtype="float32")
+    us = [unit("", param_count=139_520, n_params=5, sharded_bytes=279_040, unsharded_bytes=558_080,
+               orig_dtypes=["float32"], reshard_after_forward=False, own_modules=["tok_emb", "norm"],
+               leading_modules=["tok_emb"], trailing_modules=["norm"], output_dtype="float32", **kid)]
+    us += [unit(f"layers.{i}", **kid, **BLOCK) for i in range(4)]
+    (f,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
+    code = f.recommendation.code
+    assert ("# as your run had them: each unit keeps its own\n"
+            "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
+            "                          reduce_dtype=torch.float32)\n"
+            "root_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
+            "                               reduce_dtype=torch.float32,\n"
+            "                               output_dtype=torch.float32)\n"
+            "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp)\n"
+            "fully_shard(model.tok_emb, mesh=mesh, mp_policy=mp)\n") in code, code
+    assert "fully_shard(model.norm, mesh=mesh, mp_policy=mp, reshard_after_forward=False)" in code, code
+    assert code.endswith("fully_shard(model, mesh=mesh, mp_policy=root_mp)"), code
+    # all alike: one policy, as the run had it
+    us[0][0]["output_dtype"] = None
+    (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
+    code = g.recommendation.code
+    assert "root_mp" not in code and code.count("MixedPrecisionPolicy(") == 1, code
+    assert "# as your run had it\nmp = MixedPrecisionPolicy(" in code, code
+    assert "    fully_shard(block, mesh=mesh, mp_policy=mp)" in code and \
+        code.endswith("fully_shard(model, mesh=mesh, mp_policy=mp)"), code
 
 
 def test_root_not_sharded_is_critical_with_unmanaged_params():

@@ -233,14 +233,15 @@ def _label_order(name: str):
 
 
 # ---------------------------------------------------------------------------------------------- sharding plans
-def _unit_kwargs(u, inherit: bool = False) -> str:
+def _unit_kwargs(u, inherit: bool = False, mp: Optional[dict] = None) -> str:
     """The unit's own fully_shard options as the run had them (what a plan must keep: mixed precision, a
     ``reshard_after_forward`` other than the default, False or an int, and offload). ``inherit``: for modules
     the unit held that become units of their own (the blocks of a whole-model unit): its mixed precision and
-    offload, which they must share (a bf16 input meets fp32 weights otherwise), not its resharding."""
+    offload, which they must share (a bf16 input meets fp32 weights otherwise), not its resharding nor its
+    output_dtype (``_policy``). ``mp``: the plan's variable for each policy (``_policy_vars``; none: ``mp``)."""
     kw = ""
-    if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None):
-        kw += ", mp_policy=mp"
+    if (pol := _policy(u, inherit)) is not None:
+        kw += f", mp_policy={(mp or {}).get(pol, 'mp')}"
     raf = getattr(u, "reshard_after_forward", True)  # True, False or an int (reshard to that many ranks)
     if not u.is_root and not inherit and raf is not None and raf is not True:
         kw += f", reshard_after_forward={raf}"
@@ -274,12 +275,38 @@ def policy_line(var: str, param_dtype: str, reduce_dtype: str = "float32", outpu
     return (f"# {note}\n" if note else "") + one
 
 
-def _mp_line(units) -> Optional[str]:
-    u = next((u for u in units if getattr(u, "param_dtype", None) or getattr(u, "reduce_dtype", None)), None)
-    if u is None:
-        return None
-    return policy_line("mp", getattr(u, "param_dtype", None) or "", getattr(u, "reduce_dtype", None) or "",
-                       getattr(u, "output_dtype", None) or "", note="as your run had it")
+def _policy(u, inherit: bool = False) -> Optional[tuple[str, str, str]]:
+    """A unit's MixedPrecisionPolicy as the snapshot has it, (param_dtype, reduce_dtype, output_dtype), "" where
+    unset; None without one. ``inherit``: for modules it held that become units of their own, without its
+    output_dtype, which casts the unit's own output (the unit still does): on them it casts outputs the run never
+    had, and a norm split off a root with output_dtype=float32 fed float32 to the head left in that root, whose
+    weights were bf16 (RuntimeError: expected m1 and m2 to have the same dtype)."""
+    pol = tuple(getattr(u, k, None) or "" for k in ("param_dtype", "reduce_dtype", "output_dtype"))
+    pol = pol[:2] + ("",) if inherit else pol
+    return pol if any(pol) else None
+
+
+def _policy_vars(units, one: bool = False) -> dict[tuple, str]:
+    """The plan's variable for each distinct policy of the run's units (``_policy``, with the ones the modules a
+    unit held take), so that each unit keeps its own: ``mp`` where they are all the same (``one``: a rule's own
+    ``mp`` for all of them); else ``root_mp`` for a root's that no other unit had, ``mp``, ``mp2``, ... for the
+    others, the non-root units' first. (One ``mp`` from the first unit with a policy, the root, gave every block the
+    root's output_dtype=float32, a cast of each block's output the run never had: a new-user trial.)"""
+    ordered = sorted(units, key=lambda u: bool(u.is_root))
+    pols = list(dict.fromkeys(p for inherit in (False, True) for u in ordered
+                              if (p := _policy(u, inherit)) is not None))
+    if one or len(pols) < 2:
+        return {p: "mp" for p in pols}
+    others = {_policy(u, inherit) for u in units for inherit in (False, True) if inherit or not u.is_root}
+    rest = [p for p in pols if p in others]
+    return {p: "root_mp" if p not in others else "mp" if p == rest[0] else f"mp{rest.index(p) + 1}" for p in pols}
+
+
+def _policy_lines(mp: dict, code: str) -> list[str]:
+    """``var = MixedPrecisionPolicy(...)`` for each policy of ``mp`` (``_policy_vars``) that ``code`` passes."""
+    used = [(p, v) for p, v in mp.items() if re.search(rf"\bmp_policy={v}\b", code)]
+    note = "as your run had it" if len(used) == 1 else "as your run had them: each unit keeps its own"
+    return [(f"# {note}\n" if i == 0 else "") + policy_line(v, *p) for i, (p, v) in enumerate(used)]
 
 
 def _options(kw: str) -> dict[str, str]:
@@ -304,12 +331,12 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     Units inside a block (a mixture of experts' ``mlp.experts``) stay units, sharded before their block
     (``nested``; dropped by plans that replace them with whole blocks: leaf wrapping, grouped blocks).
     ``only``: the names of the run's units that take ``extra_kwargs`` (the modules they held, when they become
-    several units); the others keep their options as they were."""
+    several units); the others keep their options as they were. ``mp_line``: a rule's own policy ``mp``, for every
+    unit that had one; without it each keeps its own (the modules a unit held, that unit's)."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     extra_of = lambda u: extra_kwargs if only is None or (u is not None and u.name in only) else ""  # noqa: E731
-    mp = mp_line or _mp_line(t.units)
-    if mp:
-        lines.append(mp)
+    mp = _policy_vars(t.units, one=mp_line is not None)
+    head = len(lines)
     conts = t.containers() if blocks else {}
     in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
     is_block = lambda m, c: block_of(m) == m and container_of(m, conts) == c  # noqa: E731
@@ -318,14 +345,14 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                             None)) for c in conts}
     for c in conts:
         if by_cont[c] is not None:  # the options of the container's block units
-            own, ex = _unit_kwargs(by_cont[c]), extra_of(by_cont[c])
+            own, ex = _unit_kwargs(by_cont[c], mp=mp), extra_of(by_cont[c])
         else:  # blocks without units of their own: those of the unit that held them (a whole-model unit)
             held = _holder(t, c)
-            own, ex = (_unit_kwargs(held, inherit=True) if held is not None else ""), extra_of(held)
+            own, ex = (_unit_kwargs(held, inherit=True, mp=mp) if held is not None else ""), extra_of(held)
         kw = _merge(own, ex, drop)
-        inner = _nested_lines(t, c, ex, drop) if nested and group == 1 else ([], [])
+        inner = _nested_lines(t, c, ex, drop, mp) if nested and group == 1 else ([], [])
         lines += inner[0]
-        per = _per_block_kwargs(t, c, is_block, extra_of, drop) if group == 1 else None
+        per = _per_block_kwargs(t, c, is_block, extra_of, drop, mp) if group == 1 else None
         if group > 1:
             lines += [f"blocks = {children_expr(c, conts[c], as_list=True)}",
                       f"for start in range(0, len(blocks), {group}):  # {group} consecutive blocks per unit",
@@ -345,22 +372,23 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         mods = list(units[i].modules) if t.units else members(name)
         if not mods or all(in_block(m) for m in mods):
             continue
-        kw = _merge(_unit_kwargs(units[i]) if t.units else "", extra_of(units[i]) if t.units else extra_kwargs,
-                    drop)
+        kw = _merge(_unit_kwargs(units[i], mp=mp) if t.units else "",
+                    extra_of(units[i]) if t.units else extra_kwargs, drop)
         lines.append(_call(group_expr(mods), kw))
     root, lead = t.root(), []
     if root_leftovers and root is not None:
         rafs = {getattr(u, "reshard_after_forward", True) for u in t.non_root()} if t.units else set()
         # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
-        note = (f"# a new unit before the blocks reshards after forward, FSDP's default (your units pass\n"
-                f"# reshard_after_forward={raf}); the predicted peak assumes it"
-                if len(rafs) == 1 and (raf := rafs.pop()) not in (True, None) else "")
-        lead = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root), extra_of(root), drop), note)
+        raf = rafs.pop() if len(rafs) == 1 else None
+        lead = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root, inherit=True, mp=mp), extra_of(root),
+                                                         drop),
+                               raf if raf is not True else None)
         lines += lead
-    rkw = _merge(_unit_kwargs(root) if root is not None else "", extra_of(root), drop)
+    rkw = _merge(_unit_kwargs(root, mp=mp) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw), *_async_unshard_lines(t)]
     if root_leftovers and root is not None:
         lines += _frozen_lead_prefetch(t, root, lead)
+    lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
 
 
@@ -381,17 +409,18 @@ def holder_plan(t: Tree, note: str) -> str:
     groups = holders(t)
     held = {u.name for us in groups.values() for u in us}
     lines = [f"# {note}", f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
-    if mp := _mp_line(t.units):
-        lines.append(mp)
-    lines += [_call(module_expr(p), _unit_kwargs(us[0])) for p, us in groups.items()]
-    lines += [_call(unit_expr(u), _unit_kwargs(u)) for u in t.non_root() if u.name not in held]
+    mp = _policy_vars(t.units)
+    lines += [_call(module_expr(p), _unit_kwargs(us[0], mp=mp)) for p, us in groups.items()]
+    lines += [_call(unit_expr(u), _unit_kwargs(u, mp=mp)) for u in t.non_root() if u.name not in held]
     root = t.root()
-    lines += ["# the root last: it keeps what no unit holds", _call("model", _unit_kwargs(root) if root else ""),
-              *_async_unshard_lines(t)]
+    lines += ["# the root last: it keeps what no unit holds",
+              _call("model", _unit_kwargs(root, mp=mp) if root else ""), *_async_unshard_lines(t)]
+    lines[2:2] = _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
 
 
-def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop) -> Optional[tuple[str, dict[str, str]]]:
+def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop,
+                      mp: Optional[dict] = None) -> Optional[tuple[str, dict[str, str]]]:
     """Where the run's units of container ``c``'s blocks had different options (``reshard_after_forward=False`` on
     the first and the last block only): (the options all share, as ``, k=v``; each block's others by its name in
     the container, as ``k=v, ...``, the blocks with none left out); None where they were alike. A plan that gave
@@ -401,7 +430,8 @@ def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop) -> Optional[tup
     for u in t.non_root():
         blocks = [m for m in u.modules if is_block(m, c)]
         if len(blocks) == 1 and len(u.modules) == 1:
-            kws[blocks[0][len(c) + 1:] if c else blocks[0]] = _options(_merge(_unit_kwargs(u), extra_of(u), drop))
+            kws[blocks[0][len(c) + 1:] if c else blocks[0]] = _options(_merge(_unit_kwargs(u, mp=mp), extra_of(u),
+                                                                              drop))
     if len({tuple(sorted(d.items())) for d in kws.values()}) < 2:
         return None
     first = next(iter(kws.values()))
@@ -442,19 +472,18 @@ def _async_unshard_lines(t: Tree) -> list[str]:
 def one_unit_plan(t: Tree, note: str = "") -> str:
     """The whole model as one FSDP unit, to paste in place of your ``fully_shard`` calls (on the unsharded model):
     the root alone, with the mixed precision and offload the run's units had (they must agree: a bf16 input meets
-    fp32 weights otherwise)."""
+    fp32 weights otherwise), the root's own where it had them."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
-    mp = _mp_line(t.units)
-    if mp:
-        lines.append(mp)
+    mp = _policy_vars(t.units)
     root = t.root()
     held = next((u for u in t.non_root() if _unit_kwargs(u, inherit=True)), None)
-    kw = _merge(_unit_kwargs(root) if root is not None else "", _unit_kwargs(held, inherit=True) if held else "")
-    lines += [_call("model", kw), *_async_unshard_lines(t)]
-    return "\n".join(lines)
+    kw = _merge(_unit_kwargs(held, inherit=True, mp=mp) if held else "",
+                _unit_kwargs(root, mp=mp) if root is not None else "")
+    return "\n".join(lines + _policy_lines(mp, kw) + [_call("model", kw), *_async_unshard_lines(t)])
 
 
-def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> tuple[list[str], list[str]]:
+def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...],
+                  mp: Optional[dict] = None) -> tuple[list[str], list[str]]:
     """The run's units inside container ``c``'s blocks (not blocks themselves), each sharded before its block:
     (lines before the blocks' loop, lines inside it). The same submodule a unit in every block (each layer's
     ``mlp.experts``): one line in the loop, ``fully_shard(block.mlp.experts, ...)``; otherwise each by name."""
@@ -467,7 +496,7 @@ def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...]) -> 
         blk = block_of(m)
         if blk is None or blk == m or container_of(m, conts) != c:
             continue
-        rel.setdefault((m[len(blk) + 1:], _merge(_unit_kwargs(u), extra_kwargs, drop)), []).append(blk)
+        rel.setdefault((m[len(blk) + 1:], _merge(_unit_kwargs(u, mp=mp), extra_kwargs, drop)), []).append(blk)
     n_blocks = len(conts.get(c, []))
     before, inside = [], []
     for (path, kw), blks in rel.items():
@@ -496,17 +525,23 @@ def _call(expr: str, kw: str, indent: int = 0, width: int = 80) -> str:
 SMALL_BESIDE_TIED = 0.01
 
 
-def _leftover_lines(t: Tree, root, in_block, kw: str, lead_note: str = "") -> list[str]:
+def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None) -> list[str]:
     """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
     that holds no unit and no tied module (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a
     ``model`` that holds the blocks); those after the last block (the final norm and head) grouped and kept
     gathered after forward as torchtitan does: they run last in forward and first in backward. Tied modules stay
     in the root, alone: what a tie kept from collapsing into a common ancestor (BERT's position and token-type
     embeddings and their LayerNorm beside the word embeddings tied to the MLM decoder) is one unit, grouped.
-    ``lead_note``: a comment line above the leading units, where there are any."""
+    ``lead_raf``: the run's units' reshard_after_forward where all had the same one other than FSDP's default,
+    which the leading units take: a comment above them says so, and where they are."""
     own = [m for m in root.own_modules or [] if m]
     tied = set(root.tied_modules or [])
     trailing = set(root.trailing_modules or [])
+    if not trailing and t.non_root() and getattr(root, "leading_modules", None) is None:
+        # recorded before leading_modules: that recorder left trailing_modules empty exactly where no own module
+        # came before the root's last nested unit, so all of them come after it (the final norm and head of a
+        # root whose embedding was a unit: a new-user trial's plan called them "a new unit before the blocks")
+        trailing = set(own)
     if not trailing:  # a whole-model unit: its own modules in module order, the blocks' among them
         last = max((i for i, m in enumerate(own) if in_block(m)), default=None)
         trailing = set(own[last + 1:]) if last is not None else set()
@@ -537,7 +572,9 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_note: str = "") -> li
     for h, (tr, group) in heads.items():
         if not tr:
             lead.setdefault(group or h, []).append(h)
-    lines = ([lead_note] if lead and lead_note else []) + [_call(group_expr(mods), kw) for mods in lead.values()]
+    lines = _lead_note(t, root, [m for m, h in head_of.items() if not heads[h][0]], len(lead), lead_raf) \
+        if lead and lead_raf is not None else []
+    lines += [_call(group_expr(mods), kw) for mods in lead.values()]
     tail = [h for h, (tr, _) in heads.items() if tr]
     skip = [m for m in own if m in tied and not in_block(m)]
     sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
@@ -556,6 +593,23 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_note: str = "") -> li
     if skip:
         lines.append(f"# {', '.join(sorted(skip))} share a parameter (tied weights): they stay in the root")
     return lines
+
+
+def _lead_note(t: Tree, root, own: list[str], units: int, raf) -> list[str]:
+    """The comment above a plan's ``units`` new leading units (of the root's modules ``own``, before its last unit)
+    where the run's units all passed ``reshard_after_forward=raf`` and these take FSDP's default: where they are,
+    before the first unit (the blocks, where it is one), between units, or both (runs before ``leading_modules``
+    did not record it: "below")."""
+    leading = getattr(root, "leading_modules", None)
+    first = t.non_root()[0]
+    first_words = ("the blocks" if container_of((first.modules or [first.name])[0], t.containers()) is not None
+                   else f"your first unit ({unit_label(first.name)})")
+    where = ("below" if leading is None else f"before {first_words}" if all(m in leading for m in own)
+             else "between your units" if not any(m in leading for m in own) else "before and between your units")
+    say = (f"{'the' if leading is None else 'a'} new unit {where} reshards" if units == 1 else
+           f"the new units {where} reshard")
+    return textwrap.wrap(f"{say} after forward, FSDP's default (your units pass reshard_after_forward={raf}); the "
+                         "predicted peak assumes it", width=80, initial_indent="# ", subsequent_indent="# ")
 
 
 # ---------------------------------------------------------------------------------------------- checkpointing

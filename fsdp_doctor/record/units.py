@@ -295,9 +295,9 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     # adds to its unit's all-gather)
     gathered = {id(sp): n for u in units for fp in u.params
                 if (sp := F2.sharded_param(fp)) is not None and (n := F2.param_numel(fp)) is not None}
-    owns, tied, trails, sizes = _own_modules(units, gathered)
+    owns, tied, leads, trails, sizes = _own_modules(units, gathered)
     out = []
-    for u, own, trailing in zip(units, owns, trails):
+    for u, own, leading, trailing in zip(units, owns, leads, trails):
         pgs = F2.param_groups(u.state)
         known = pgs is not None
         pgs = pgs or []
@@ -355,6 +355,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 own_modules=own,
                 own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
+                leading_modules=leading,
                 trailing_modules=trailing,
                 shard_size=_shard_size(pg0, fps),
             )
@@ -363,22 +364,28 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
 
 
 def _own_modules(units: list[Unit], gathered: dict[int, int]
-                 ) -> tuple[list[list[str]], set[str], list[list[str]], dict[str, int]]:
+                 ) -> tuple[list[list[str]], set[str], list[list[str]], list[list[str]], dict[str, int]]:
     """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
-    fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules after
-    its last nested unit in module order; each such module's parameter bytes as FSDP gathers them (``gathered``:
-    elements per parameter id; a parameter not there counts its global elements). Public module API only."""
+    fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules before its
+    first nested unit and those after its last one, in module order; each such module's parameter bytes as FSDP
+    gathers them (``gathered``: elements per parameter id; a parameter not there counts its global elements).
+    Public module API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
-    out, trails, sizes = [], [], {}
+    out, leads, trails, sizes = [], [], [], {}
     for u in units:
         own: list[str] = []
-        after_nested = 0  # len(own) when the last nested unit was passed
+        # len(own) when the first and the last nested unit were passed, None before any (0 is a nested unit first:
+        # read as "none", a root holding only the final norm and head after its units recorded no trailing module
+        # and its plan called them "a new unit before the blocks", a new-user trial)
+        before_nested: int | None = None
+        after_nested: int | None = None
         for base, top in zip(u.module_names, u.modules):
             stack = [(base, top)]
             while stack:
                 fqn, m = stack.pop()
                 if m is not top and id(m) in unit_mods:  # a nested unit: not ours, but it marks the order
+                    before_nested = len(own) if before_nested is None else before_nested
                     after_nested = len(own)
                     continue
                 if any(True for _ in m.parameters(recurse=False)):
@@ -389,9 +396,10 @@ def _own_modules(units: list[Unit], gathered: dict[int, int]
                         holders.setdefault(id(p), []).append(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)
-        trails.append(own[after_nested:] if after_nested else [])
+        leads.append(own[:before_nested] if before_nested is not None else [])
+        trails.append(own[after_nested:] if after_nested is not None else [])
     tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
-    return out, tied, trails, sizes
+    return out, tied, leads, trails, sizes
 
 
 def _shard_size(pg, fps) -> int | None:
