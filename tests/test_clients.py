@@ -420,6 +420,26 @@ def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
     assert sum(r[2] == "ok" for r in _run_snippets(spec, tmp_path)) >= 18
 
 
+def test_a_long_comment_line_is_wrapped_alone():
+    """A comment paragraph with one line over 80 columns was wrapped anew as a whole: a header, a parenthesis, a list
+    of units and the next sentence ran into one ("# off (or leave out your checkpoint(...) calls, or #
+    gradient_checkpointing_enable()) checkpointed by ...": a new-user trial). Each long line is wrapped under
+    itself, an indented list keeping its indent; the short lines stay as written."""
+    from fsdp_doctor.present.fmt import fit_comments
+
+    code = ("# activation checkpointing off\n"
+            "# (or leave out your checkpoint(...) calls)\n"
+            "# checkpointed by checkpoint(...) calls in their forward:\n"
+            "#   " + ", ".join(f"layer{i}" for i in range(1, 12)) + "\n"
+            "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its own method\n"
+            "off = None")
+    assert fit_comments(code).splitlines() == [
+        "# activation checkpointing off", "# (or leave out your checkpoint(...) calls)",
+        "# checkpointed by checkpoint(...) calls in their forward:",
+        "#   layer1, layer2, layer3, layer4, layer5, layer6, layer7, layer8, layer9,", "#   layer10, layer11",
+        "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its", "# own method", "off = None"]
+
+
 def test_every_constructed_snippet_prints_its_comments_within_80_columns():
     """The terminal prints a fix unwrapped, for copying: two new-user trials' 80-column terminals wrapped the fixes'
     long comments mid-word (lines of 87 to 126 columns). Printed, every constructed snippet's comments fit 80

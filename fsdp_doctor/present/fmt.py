@@ -747,12 +747,21 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
 CODE_WIDTH = 80
 
 
+def _comment_indent(line: str, indent: str) -> str:
+    """The spaces after a comment line's "# " beyond the first (an indented list under a header: "#   layer1, ..."),
+    kept on its wrapped lines."""
+    text = line[len(indent):].lstrip("#")
+    return " " * max(0, len(text) - len(text.lstrip(" ")) - 1)
+
+
 def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
-    """``code`` with each comment paragraph (comment lines in a row, at one indent) holding a line over ``width``
-    columns wrapped anew, and a comment after code over it moved above that code, wrapped; the code itself as it
-    is: two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word (lines of 87 to 126
-    columns). Comments only move, so the fix runs as the report's own (its JSON keeps it as the rule wrote it).
-    Code that does not tokenize (a command line) is returned as it is."""
+    """``code`` with each comment line over ``width`` columns wrapped under itself, at its indent, and a comment
+    after code over it moved above that code, wrapped; the code itself as it is: two new-user trials' 80-column
+    terminals wrapped the fixes' long comments mid-word (lines of 87 to 126 columns). Each comment line is wrapped
+    alone: a paragraph wrapped anew ran a header, a parenthesis, a list of units and the next sentence into one
+    (a new-user trial: "# off (or leave out your checkpoint(...) calls, or # gradient_checkpointing_enable())
+    checkpointed by ..."). Comments only move, so the fix runs as the report's own (its JSON keeps it as the rule
+    wrote it). Code that does not tokenize (a command line) is returned as it is."""
     lines = code.split("\n")
     if all(len(ln) <= width for ln in lines):
         return code
@@ -762,9 +771,10 @@ def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
     except (tokenize.TokenError, SyntaxError):
         return code
 
-    def wrap(indent: str, text: str) -> list[str]:
-        return [f"{indent}# {w}" for w in textwrap.wrap(text, max(20, width - len(indent) - 2),
-                                                          break_long_words=False, break_on_hyphens=False)]
+    def wrap(indent: str, text: str, lead: str = "") -> list[str]:
+        head = f"{indent}# {lead}"
+        return [head + w for w in textwrap.wrap(text, max(20, width - len(head)), break_long_words=False,
+                                                break_on_hyphens=False)]
 
     out: list[str] = []
     i = 0
@@ -776,10 +786,9 @@ def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
             while j + 1 < len(lines) and comments.get(j + 1) == len(indent) and lines[j + 1].startswith(indent) \
                     and len(lines[j + 1]) - len(lines[j + 1].lstrip()) == len(indent):
                 j += 1
-            para = lines[i:j + 1]
-            if any(len(x) > width for x in para):
-                para = wrap(indent, " ".join(x.strip().lstrip("#").strip() for x in para))
-            out += para
+            out += [y for x in lines[i:j + 1]
+                    for y in (wrap(indent, x.strip().lstrip("#").strip(), _comment_indent(x, indent))
+                              if len(x) > width else [x])]
             i = j + 1
             continue
         if col is not None and len(ln) > width:  # a comment after code: above it
