@@ -150,6 +150,24 @@ def test_late_steps_spread_over_the_ranks_are_no_ones_pattern():
     assert f.evidence["rank"] == 1 and f.evidence["late_steps"] == [3, 7, 12, 14], f.evidence
 
 
+def test_late_steps_within_the_others_spread_are_host_noise():
+    """A clean 2-rank run on a shared host (a new-user trial's, its records in tests/fixtures/noisy_clean_run, no
+    straggler planted) read "Rank 1 is late in 3 of 33 steps (+4 to +10 ms)": +4.0 ms in the median late step, the
+    other rank's own time varying by 2.9 ms (standard deviation) from step to step. A late step stands at least twice
+    that spread out of it; the constructed +150 ms stalls above stand far out (0.08 ms)."""
+    from pathlib import Path
+
+    rep = fsdp_doctor.build_report(fsdp_doctor.load_run(Path(__file__).parent / "fixtures" / "noisy_clean_run"))
+    assert not [f for f in rep.findings if f.code.startswith("straggler.")]
+    st = next(s for s in rep.rules if s.code == "straggler.intermittent")
+    assert st.reason == ("rank 1 late in 3 of 33 steps by +4.0 ms (median), within 2x the other ranks' step-to-step "
+                         "spread of their own time (2.9 ms): host noise, not a pattern"), st.reason
+    # late steps that differ say their range, not one "each" (+18.5 and +200.9 ms read "+110 ms each")
+    rep = fsdp_doctor.build_report(_run({1: {3: 40.0, 7: 150.0, 11: 40.0}}))
+    (f,) = [f for f in rep.findings if f.code == "straggler.intermittent"]
+    assert f.title == "Rank 1 is late in 3 of 15 steps (+40 to +150 ms)", f.title
+
+
 def test_one_spike_among_late_steps_is_not_the_patterns_cost():
     """Rank 1 late by 40 ms in four steps and by 800 ms in one (a host hiccup): the cost per step and the predicted
     gain came from the mean, the spike's (a new-user trial: +5 ms late steps and one of 101 ms, a warning of 9%).
