@@ -122,6 +122,10 @@ def test_parameters_outside_the_optimizer_counted_exactly(runs):
 def test_the_rule_fires_with_its_frozen_prefix_and_a_ceiling(runs):
     f = runs["finding"]
     assert f.severity == "warning" and f.recommendation.where == "optimizer"
+    # the share in the title as it is: 99.6% read "100%", as if the optimizer trained nothing (a new-user trial)
+    share = f.evidence["share_of_trainable"]
+    assert 0 < share < 1 and f.title.startswith(f"{100 * share:.0f}% of the trainable parameters" if share < 0.995
+                                                  else f"{100 * share:.1f}% of the trainable parameters"), f.title
     assert f.evidence["frozen_prefix_units"] == ["tok_emb, pos_emb", "layers.0", "layers.1", "layers.2"]
     assert f.evidence["frozen_prefix_activation_bytes"] > 0 and f.predicted.at_most
     assert f.predicted.peak_bytes_after < f.predicted.peak_bytes_before - f.evidence["grad_bytes_kept"]

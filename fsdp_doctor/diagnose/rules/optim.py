@@ -403,7 +403,9 @@ class UntrainedParams(Rule):
         peak = int(pm.peak_bytes) if pm is not None else None
         return [self.finding(
             "warning" if share >= UNTRAINED_WARN_SHARE else "info",
-            f"{100 * share:.0f}% of the trainable parameters ({ut.tensors} tensors) are never stepped: their "
+            # (99.6% read "100%", as if the optimizer trained nothing: a new-user trial's fc was)
+            (f"{100 * share:.0f}%" if round(100 * share) < 100 or share == 1 else f"{100 * share:.1f}%")
+            + f" of the trainable parameters ({ut.tensors} tensors) are never stepped: their "
             f"gradients computed and kept for nothing",
             {"tensors": ut.tensors, "param_count": ut.param_count, "share_of_trainable": round(share, 4),
              "grad_bytes_kept": ut.grad_bytes, "names": ut.names[:8],
