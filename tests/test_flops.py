@@ -672,6 +672,11 @@ if dist.get_rank() == 0:
     json.dump({"whole": whole, "tp": tp, "same": bool(torch.equal(y_tp, y_tp0) and torch.equal(g_tp, g_tp0)),
                "close": bool(torch.allclose(y_tp, y_plain, atol=1e-5))}, open(sys.argv[1], "w"))
 dist.destroy_process_group()
+# the result is out and the group destroyed: skip the interpreter's teardown, where gloo's threads abort now and then
+# ("terminate called without an active exception": 2 of 4 runs of this script on a loaded host, its result written)
+sys.stdout.flush()
+import os
+os._exit(0)
 '''
 
 
