@@ -2731,12 +2731,14 @@ def test_calls_on_checkpointed_units_survive_the_checkpointing_fix(gloo_one_rank
                 x = layer(x)
             return x
 
-    def build():
+    def build(wrapper_sharded):
         model = Stack()
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
                                        check_fn=lambda m: isinstance(m, nn.Linear))
         for layer in model.layers:
             fully_shard(layer._checkpoint_wrapped_module)
+            if wrapper_sharded:  # accelerate shards the wrapper too: a unit of no parameters of its own
+                fully_shard(layer)
         fully_shard(model)
         return model
 
@@ -2750,8 +2752,9 @@ def test_calls_on_checkpointed_units_survive_the_checkpointing_fix(gloo_one_rank
     assert "getattr(block, '_checkpoint_wrapped_module', block)" in "\n".join(lines), lines
     chain = "\n".join(lines + ["for unit, nxt in zip(forward_order, forward_order[1:]):",
                                "    unit.set_modules_to_forward_prefetch([nxt])"])
-    for fixes in ([call], [unwrap, call], [call, unwrap], [chain], [unwrap, chain]):
-        model = build()
+    for wrapper_sharded, fixes in [(w, f) for w in (False, True)
+                                   for f in ([call], [unwrap, call], [call, unwrap], [chain], [unwrap, chain])]:
+        model = build(wrapper_sharded)
         inner = [layer._checkpoint_wrapped_module for layer in model.layers]
         for code in fixes:
             exec(code, {"model": model})

@@ -166,6 +166,15 @@ def test_late_steps_within_the_others_spread_are_host_noise():
     rep = fsdp_doctor.build_report(_run({1: {3: 40.0, 7: 150.0, 11: 40.0}}))
     (f,) = [f for f in rep.findings if f.code == "straggler.intermittent"]
     assert f.title == "Rank 1 is late in 3 of 15 steps (+40 to +150 ms)", f.title
+    assert "lives in your loop" in f.recommendation.text
+    # under a Hugging Face Trainer the loop is the Trainer's (a new-user trial read "your loop" there)
+    from fsdp_doctor.records import TRAINER_DRIVER
+
+    run = _run({1: {3: 40.0, 7: 150.0, 11: 40.0}})
+    for rd in run.ranks.values():
+        rd.config.driver = TRAINER_DRIVER
+    (f,) = [f for f in fsdp_doctor.build_report(run).findings if f.code == "straggler.intermittent"]
+    assert "lives in the Trainer's loop or your callbacks" in f.recommendation.text, f.recommendation.text
 
 
 def test_one_spike_among_late_steps_is_not_the_patterns_cost():

@@ -990,10 +990,16 @@ def name_list(var: str, names: list[str], width: int = 80) -> str:
 
 def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``).
-    A unit inside a CheckpointWrapper ("layers.0._checkpoint_wrapped_module": accelerate's plugin) is named by the
-    wrapper's place, which forwards the call to it while wrapped and holds it once ac.unneeded's fix unwraps it
-    (named inside the wrapper, that fix pasted beside this one raised AttributeError: a new-user trial)."""
-    mods = [strip_ckpt(members(n)[0]) for n in names]
+    A unit inside a CheckpointWrapper ("layers.0._checkpoint_wrapped_module": accelerate's plugin) is reached through
+    the wrapper's place: the module inside it while wrapped, the unit itself once ac.unneeded's fix unwraps it (named
+    inside the wrapper, that fix pasted beside this one raised AttributeError; named by the wrapper alone, the call
+    went to the wrapper, which accelerate shards too, as a unit of no parameters: both new-user trials)."""
+    mods = [members(n)[0] for n in names]
+    if any(strip_ckpt(m) != m for m in mods):
+        return (name_list("names", [strip_ckpt(m) for m in mods]) + "\nfor name in names:\n"
+                "    unit = model.get_submodule(name)\n"
+                "    unit = getattr(unit, '_checkpoint_wrapped_module', unit)  # inside a checkpoint wrapper\n"
+                f"    unit.{call}")
     # (a loop too where a line would pass 80 columns: an HF layer's
     # "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)" read 85)
     if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > 80 for m in mods):

@@ -229,10 +229,10 @@ class OptimizerStepComm(Rule):
             "the local shards, or batch the gathers; no code is offered for an optimizer the doctor does not know."
             if not mostly_loop else
             f"{loop_calls:.0f} calls per step are batched: the Trainer issues them itself. It gathers the loss at "
-            "every logging step, each batch's token count with average_tokens_across_devices (which the loss "
-            "needs: keep it), and the tokens seen with include_num_input_tokens_seen. Log every N steps "
-            "(TrainingArguments(logging_steps=N)) and leave include_num_input_tokens_seen off; a callback of yours "
-            "that reduces metrics each step, every N steps too."
+            "every logging step and each batch's token count with average_tokens_across_devices (which the loss "
+            "needs: keep it), and, where you turned include_num_input_tokens_seen on, the tokens seen. Log every N "
+            "steps (TrainingArguments(logging_steps=N)); a callback of yours that reduces metrics each step, every "
+            "N steps too."
             if trainer else
             f"{loop_calls:.0f} calls per step are already batched (clip_grad_norm_ with foreach=True, or a few "
             "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "

@@ -112,8 +112,10 @@ class IntermittentStraggler(Rule):
             "collectives of the same step, so every rank pays it. Work done now and then on one rank (a "
             "checkpoint or evaluation on rank 0, a log line with a host sync, an occasional long sequence in its "
             "data shard) does this: run it on every rank at once, asynchronously (a checkpoint: "
-            "torch.distributed.checkpoint.async_save), or off the training loop. What it is lives in your loop, "
-            "which the doctor does not see: no code is offered.",
+            "torch.distributed.checkpoint.async_save), or off the training loop. What it is lives in "
+            # (a Trainer's loop is not the user's: R2, a new-user trial)
+            + ("the Trainer's loop or your callbacks" if E.trainer_driven(ctx) else "your loop")
+            + ", which the doctor does not see: no code is offered.",
             # its cost is paid in the late steps only: a share of the mean step, which the median leaves out (on a
             # fast host the median step is shorter than the cost per step: 100 against 129 ms, no prediction)
             predicted=E.predicted(mean := E.step_mean_ms(ctx), mean - per_step if mean else None),
