@@ -496,6 +496,38 @@ def test_a_unit_without_parameters_has_no_settings_to_change():
     assert (ch.key, ch.a, ch.b, ch.units) == ("unshard_in_backward", True, False, ["layers.0"])
 
 
+def test_a_setting_another_fix_made_does_not_check_a_third_findings_prediction():
+    """optim.untrained_params' fix freezes what the optimizer never steps and sets the first trained unit's backward
+    prefetch: compare credited that prefetch change to prefetch.exposed_allgather, which B still raised ("missed:
+    lower than predicted", a new-user trial). A setting a recognised fix's own code changes is that fix's."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.compare_sections import ConfigChange
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    def finding(code, fix):
+        return Finding(code=code, severity="warning", title="t", evidence={},
+                       recommendation=Recommendation(text="", code=fix),
+                       predicted={"step_ms_before": 100.0, "step_ms_after": 90.0})
+
+    untrained = finding("optim.untrained_params", "param.requires_grad_(False)\n"
+                        "model.set_modules_to_backward_prefetch([])")
+    exposed = finding("prefetch.exposed_allgather", "unit.set_modules_to_backward_prefetch([nxt])")
+    a = SimpleNamespace(report=SimpleNamespace(findings=[untrained, exposed]))
+    b = SimpleNamespace(report=SimpleNamespace(findings=[exposed]))
+    changes = [ConfigChange(key="trainable", a="100%", b="58.3%", units=["(root)"]),
+               ConfigChange(key="backward_prefetch", a=[], b=[""], units=["(root)"])]
+    got = C._predictions(a, b, changes, [], None, None, None)
+    assert [(p.code, p.recognised_by) for p in got] == [("optim.untrained_params", "config diff: trainable")]
+    # the prefetch fix applied too (named): checked as well
+    got = C._predictions(a, b, changes, ["prefetch.exposed_allgather"], None, None, None)
+    assert [p.code for p in got] == ["optim.untrained_params", "prefetch.exposed_allgather"]
+    # alone, a backward prefetch change is the prefetch fix's
+    a = SimpleNamespace(report=SimpleNamespace(findings=[exposed]))
+    got = C._predictions(a, SimpleNamespace(report=SimpleNamespace(findings=[])), changes[1:], [], None, None, None)
+    assert [(p.code, p.recognised_by) for p in got] == [("prefetch.exposed_allgather", "config diff: backward_prefetch")]
+
+
 def test_mixed_precision_and_offload_turned_on_are_configuration_changes():
     """No MixedPrecisionPolicy records its dtypes as None and no offload policy as None, which compare took for
     unknown: turning bf16 or CPU offload on read "no configuration change found: step time p50 +243.7% ... is

@@ -408,6 +408,18 @@ def _unfinished(rep: Report) -> list[str]:
     return sorted((r for r, done in (rep.run.complete or {}).items() if not done), key=int)
 
 
+# The settings a fix's code changes beside its own key, by what the code calls (optim.untrained_params' fix also sets
+# the first trained unit's backward prefetch: compare read that as prefetch.exposed_allgather applied, "missed")
+CODE_SETS = (("set_modules_to_backward_prefetch", "backward_prefetch"),
+             ("set_modules_to_forward_prefetch", "forward_prefetch"),
+             ("set_reshard_after_forward", "reshard_after_forward"), ("_set_unshard_async_op", "unshard_async_op"),
+             ("requires_grad_(False)", "trainable"))
+
+
+def _code_sets(code: str) -> set[str]:
+    return {key for call, key in CODE_SETS if call in (code or "")}
+
+
 def _fix_keys(code: str) -> tuple[str, ...]:
     for prefix, keys in FIX_KEYS.items():  # the most specific prefix first (dict order)
         if code == prefix or code.startswith(prefix) and prefix.endswith("."):
@@ -466,6 +478,10 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
     # what B applied (a rewrap that resolved wrap.too_fine checked wrap.params_in_root's prediction, "missed",
     # where B still raised it: a new-user trial)
     resolved_keys = {k for code, ks in hits.items() if code not in in_b for k in ks}
+    # the settings a recognised fix's own code changed beside its key: another finding whose keys are only those was
+    # not what B applied
+    claimed = {code: _code_sets(f.recommendation.code) & changed for f in a.report.findings
+               if (code := f.code) in applied or hits[code]}
     out = []
     for f in a.report.findings:
         if f.code in applied:
@@ -473,6 +489,11 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
         else:
             hit = hits[f.code]
             if not hit or (f.code in in_b and set(hit) <= resolved_keys):
+                continue
+            # (a fix whose own key is one of these, another prefetch rule's, claims nothing here: which of the two
+            # B applied stays open, as before)
+            if any(set(hit) <= keys for code, keys in claimed.items()
+                   if code != f.code and not set(_fix_keys(code)) & set(hit)):
                 continue
             how = "config diff: " + ", ".join(hit)
         p = predicted_of(f)
