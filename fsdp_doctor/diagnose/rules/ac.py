@@ -225,30 +225,39 @@ def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
     return wrappers, functional
 
 
-def _uncheckpointed_stats(ctx: Context, us: list[E.Unit]) -> list[str]:
-    """The modules keeping running statistics that turning the units' checkpointing off no longer re-runs: inside
+def _uncheckpointed_stats(ctx: Context, us: list[E.Unit]) -> tuple[list[str], bool]:
+    """(the modules keeping running statistics that turning the units' checkpointing off no longer re-runs: inside
     their CheckpointWrappers, or the whole unit where it checkpoints itself (a checkpoint(...) call around it,
-    transformers' flag); those under checkpoint(...) calls on some of a unit's children are not known."""
-    return E.running_stats_under(E.units(ctx), [w for u in us for w in u.checkpoint_wrappers]
+    transformers' flag); whether some of them are only possibly so: a unit's checkpoint(...) calls on some of its
+    children, which the records do not name, cover some of that unit's (a new-user trial's ResNet stages checkpointing
+    their blocks so: 14 BatchNorms updated twice, no word said))."""
+    sure = E.running_stats_under(E.units(ctx), [w for u in us for w in u.checkpoint_wrappers]
                                  + [m for u in us if not u.checkpoint_wrappers and u.checkpoint == "unit"
                                     for m in u.modules or [u.name]])
+    maybe = E.running_stats_under(E.units(ctx), [m for u in us if not u.checkpoint_wrappers
+                                                 and u.checkpoint in ("children", "partial")
+                                                 for m in u.modules or [u.name]], but=sure)
+    return sure + [n for n in maybe if n not in sure], bool(maybe)
 
 
-def _running_stats(names: list[str], on: bool, lead: str = "Checkpointed,", now: str = "") -> str:
+def _running_stats(names: list[str], on: bool, lead: str = "Checkpointed,", now: str = "", up_to: bool = False) -> str:
     """The sentence of a fix changing which modules are checkpointed, where that changes how often the modules
     keeping running statistics (BatchNorm) among them are updated: the recompute runs them in training mode, so
     checkpointed they are updated twice per step (a new-user trial's ResNet: buffer checksum 792.65 -> 844.52 with
     checkpointing on, parameters identical). ``lead``, ``now``: the words before and after the layers' where a fix
-    checkpoints only some of them anew (ac.wrong_granularity's blocks)."""
+    checkpoints only some of them anew (ac.wrong_granularity's blocks). ``up_to``: some are only possibly among them
+    (checkpoint(...) calls of the user's code cover which, the records do not say)."""
     if not names:
         return ""
     said = (", ".join(names[:2]) + f" and {len(names) - 2} more" if len(names) > 3
             else " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0])
-    n = f"{len(names)} normalization layer(s) with running statistics{now} ({said})"
+    n = (f"{'up to ' if up_to else ''}{len(names)} normalization layer(s) with running statistics{now} ({said}"
+         + ("; those your checkpoint(...) calls cover" if up_to else "") + ")")
     if on:
         return (f" {lead} {n} run again in the recompute, in training mode: their running statistics are "
                 "updated twice per step, which changes the statistics evaluation uses.")
-    return (f" {n} run again in the recompute now, in training mode, updating their running statistics twice per "
+    return (f" {n[0].upper()}{n[1:]} run again in the recompute now, in training mode, updating their running "
+            "statistics twice per "
             "step; without checkpointing that second update ends, so the statistics evaluation uses will differ "
             "from the checkpointed runs'.")
 
@@ -522,7 +531,7 @@ class AcUnneeded(Rule):
         titan = E.torchtitan_version(ctx) if wrappers and not functional else None
         titan_code = S.titan_settings(titan, activation_checkpoint="none") if titan is not None else None
         code = S.remove_checkpointing(wrappers, functional, after_sharding=_wrapped_after(ck))
-        stats = _uncheckpointed_stats(ctx, ck)
+        stats, up_to = _uncheckpointed_stats(ctx, ck)
         if titan_code:
             code = titan_code
         elif lever == "trainer":
@@ -545,7 +554,7 @@ class AcUnneeded(Rule):
             + said
             + f") to save memory this run does not need: the peak is {fmt_bytes(peak)} of {fmt_bytes(cap)}"
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
-            "Turn it off and spend the headroom on speed." + _running_stats(stats, on=False)
+            "Turn it off and spend the headroom on speed." + _running_stats(stats, on=False, up_to=up_to)
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
                "(checkpoint wrappers of your own: build the model without them)." if lever else "")
             + (f" {S.titan_says(titan)}: turn its activation checkpointing off there." if titan is not None else ""),
@@ -685,7 +694,7 @@ class AcFewerUnits(Rule):
         step = E.step_ms(ctx)
         sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
         names = [u.name for u in chosen]
-        stats = _uncheckpointed_stats(ctx, chosen)
+        stats, up_to = _uncheckpointed_stats(ctx, chosen)
         every = len(chosen) == len(ck)
         some = f"all {len(ck)}" if every else f"{len(chosen)} of the {len(ck)}"
         return [self.finding(
@@ -705,7 +714,7 @@ class AcFewerUnits(Rule):
             + (f"~{spared:.1f} ms shorter" if spared else "shorter by their recompute (not timed here)")
             + (". Turn checkpointing off (ac.unneeded stays quiet: the peak is at half of capacity or more)."
                if every else ". Turn checkpointing off on those and keep it on the others.")
-            + _running_stats(stats, on=False),
+            + _running_stats(stats, on=False, up_to=up_to),
             _fewer_code(chosen, f"on {some} checkpointed units"),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
             units=names)]
