@@ -610,8 +610,8 @@ def _unsteady(worst: str, excess: float, own: dict[str, dict[str, float]]) -> st
     work differed by tens of ms from step to step, the slower one changing: a new-user trial's 4 profiled steps
     named a straggler in 7 of 20 runs with none planted (+3.45 to +22.75 ms on the mean, the rank flipping from run
     to run; in that of +22.75 ms, rank 1 slower in 3 of 4 steps by +18.73 ms (median), rank 0's own work spread
-    24.40 ms), where
-    the planted 50 ms sleep was slower in each of its 4 steps, by +41.99 ms (median), the other's spread 10.19 ms.
+    24.40 ms), where the planted 50 ms sleep was slower in each of its 4 steps, by +41.99 ms (median), the other's
+    spread 10.19 ms.
     (The spread is the others', not that of the excess: a straggler's own hiccups widen the latter.)"""
     steps = list(own[worst]) if worst in own else []
     if len(steps) < 2:
