@@ -2387,6 +2387,17 @@ def test_eval_regather():
     assert (f.evidence["evaluation_steps"], f.evidence["steps"]) == (2, 6)
     assert f.evidence["saved_ms_per_step"] == pytest.approx(23.333)
     assert "2 of 6 steps ran 8 forward passes" in f.recommendation.text
+    # one rank, its one evaluation outside a window the run's first and cold (80 ms more gathering), the other in a
+    # window: a single one is not the typical evaluation (a new-user trial's 152 ms each, the later ones 60-80 ms in
+    # all, "up to 98.3 ms less per evaluation" claimed): both are read, the cold one no longer alone
+    one = _eval_ctx()
+    for s in one.run.ranks[0].steps:
+        s.profiled = s.step == 5
+        if s.step == 2:
+            s.no_grad_gather_ms = 160.0
+    (g,) = rule.match(one)
+    # the median of 160 and 80 ms, less one pass's share (120 / 8): 105 ms (140 from the cold one alone)
+    assert g.evidence["saved_ms_per_evaluation"] == 105.0, g.evidence
     # a gain in words, not a negative "about -70.6 ms per evaluation" (a new-user trial)
     # (a ceiling: a trial's predicted 70.6 ms came out 39 ms on gloo, part of each all-gather the wait for the other
     # rank)
