@@ -896,6 +896,28 @@ def test_a_freeze_is_not_read_as_the_batch_and_checks_its_finding(sample_run_pat
     assert C.compare(a, b).step_p50.reason != C.HOST_CHANGED
 
 
+def test_an_optimizer_fix_resolved_in_b_is_no_host_shift(sample_run_path):
+    """optim.before_shard's fix makes an optimizer that stepped stale tensors step the model's: its step 0.1 -> 8.4 ms
+    beside a rewrap read "the optimizer step, which this change does not touch, moved +10189% too: the host ran at
+    another speed", with the finding resolved in the same comparison (a new-user trial comparing its first run with
+    its last). An optimizer fix resolved in B touches the optimizer step as one applied does."""
+    import copy
+
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    a = compare_side(load_run(sample_run_path))
+    b = copy.deepcopy(a)
+    b.report.units[1].reshard_after_forward = not a.report.units[1].reshard_after_forward  # a change of setting
+    job = b.report.steps.job
+    job.phases_p50_ms = {**job.phases_p50_ms, "optimizer": 3 * job.phases_p50_ms["optimizer"] + C.HOST_MIN_MS}
+    stale = Finding(code="optim.before_shard", severity="critical", title="t", evidence={},
+                    recommendation=Recommendation(text=""))
+    a.report.findings, b.report.findings = [stale], [stale]
+    assert C.compare(a, b).step_p50.reason == C.HOST_CHANGED  # still raised in B: the optimizer is untouched
+    b.report.findings = []
+    assert C.compare(a, b).step_p50.reason != C.HOST_CHANGED
+
+
 def test_a_prefetch_of_the_root_names_the_root():
     """prefetch.frozen_gathered's fix (``model.set_modules_to_backward_prefetch([model])``) records the root's name,
     "": the table read "backward_prefetch (root) none none" (a new-user trial)."""
