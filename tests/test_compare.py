@@ -528,6 +528,25 @@ def test_a_setting_another_fix_made_does_not_check_a_third_findings_prediction()
     assert [(p.code, p.recognised_by) for p in got] == [("prefetch.exposed_allgather", "config diff: backward_prefetch")]
 
 
+def test_bf16_parameters_check_optimizer_state_dominates_prediction():
+    """optim.state_dominates' fix is bf16 parameters: the config diff read param_dtype float32 -> bfloat16 and no
+    prediction was checked without --applied (a new-user trial)."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.compare_sections import ConfigChange
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    f = Finding(code="optim.state_dominates", severity="warning", title="t", evidence={},
+                recommendation=Recommendation(text="", code="mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)"),
+                predicted={"peak_bytes_before": 100, "peak_bytes_after": 80})
+    a = SimpleNamespace(report=SimpleNamespace(findings=[f]))
+    b = SimpleNamespace(report=SimpleNamespace(findings=[]))
+    changes = [ConfigChange(key="param_dtype", a="float32", b="bfloat16", units=["(root)"])]
+    got = C._predictions(a, b, changes, [], None, 100, 81)
+    assert [(p.code, p.recognised_by, p.peak_held) for p in got] == [
+        ("optim.state_dominates", "config diff: param_dtype", True)]
+
+
 def test_mixed_precision_and_offload_turned_on_are_configuration_changes():
     """No MixedPrecisionPolicy records its dtypes as None and no offload policy as None, which compare took for
     unknown: turning bf16 or CPU offload on read "no configuration change found: step time p50 +243.7% ... is

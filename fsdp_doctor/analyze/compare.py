@@ -75,6 +75,9 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "precision.": ("param_dtype",),
     "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
     "optim.untrained_params": ("trainable",),
+    # its fix: bf16 parameters (a MixedPrecisionPolicy); the config diff showed param_dtype float32 -> bfloat16 and no
+    # prediction checked (a new-user trial)
+    "optim.state_dominates": ("param_dtype",),
 }
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op",
              "unshard_in_backward", "checkpoint", "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
