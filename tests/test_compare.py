@@ -937,6 +937,21 @@ def test_an_optimizer_fix_resolved_in_b_is_no_host_shift(sample_run_path):
     assert C.compare(a, b).step_p50.reason != C.HOST_CHANGED
 
 
+def test_two_models_are_said_to_do_different_work(sample_run_path):
+    """Two different models (6 units and 3, 512 tokens a step and 128) read "step time p50 -40.1% ...: faster,
+    significant" with nothing said of the work a step does (a new-user trial): said, as for a world size."""
+    import copy
+
+    a = compare_side(load_run(sample_run_path))
+    b = copy.deepcopy(a)
+    assert not [n for n in C.compare(a, b).notes if "parameters" in n]
+    b.report.run.model_param_count = a.report.run.model_param_count // 4
+    (note,) = [n for n in C.compare(a, b).notes if "parameters" in n]
+    assert note == (f"A trains a model of {a.report.run.model_param_count:,} parameters, B one of "
+                    f"{b.report.run.model_param_count:,}: a step does not do the same work on both sides; compare "
+                    "throughput, not step times"), note
+
+
 def test_a_prefetch_of_the_root_names_the_root():
     """prefetch.frozen_gathered's fix (``model.set_modules_to_backward_prefetch([model])``) records the root's name,
     "": the table read "backward_prefetch (root) none none" (a new-user trial)."""

@@ -637,6 +637,12 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         cmp.notes.append(f"world size {cmp.a.world_size} in A, {cmp.b.world_size} in B: a step does not do the same "
                          "work on both sides (the job's tokens per step, its collectives' sizes); compare throughput, "
                          "not step times")
+    na, nb = getattr(ra.run, "model_param_count", None), getattr(rb.run, "model_param_count", None)
+    if isinstance(na, int) and isinstance(nb, int) and na and nb and na != nb:
+        # (two different models read "step time p50 -40.1%: faster, significant" with a quarter of the work done: a
+        # new-user trial)
+        cmp.notes.append(f"A trains a model of {na:,} parameters, B one of {nb:,}: a step does not do the same work "
+                         "on both sides; compare throughput, not step times")
     cmp.phases = {k: delta(pa.get(k), pb.get(k)) for k in dict.fromkeys([*pa, *pb])}
     cmp.phases_source = a.source if a.source == b.source else "mixed"
     peak_a, cat_a = _memory(ra)
