@@ -438,6 +438,14 @@ def test_a_long_comment_line_is_wrapped_alone():
         "# checkpointed by checkpoint(...) calls in their forward:",
         "#   layer1, layer2, layer3, layer4, layer5, layer6, layer7, layer8, layer9,", "#   layer10, layer11",
         "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its", "# own method", "off = None"]
+    # a sentence over two lines, one of them long, is wrapped as one (line by line it read "# updates smaller than"
+    # alone between two lines: a new-user trial)
+    code = ("# bf16 parameters halve the state's bytes of every tensor they hold, but bf16 rounds away\n"
+            "# updates smaller than about |w|/256.\n"
+            "mp = None")
+    assert fit_comments(code).splitlines() == [
+        "# bf16 parameters halve the state's bytes of every tensor they hold, but bf16",
+        "# rounds away updates smaller than about |w|/256.", "mp = None"]
 
 
 def test_every_constructed_snippet_prints_its_comments_within_80_columns():

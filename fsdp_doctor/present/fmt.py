@@ -747,6 +747,23 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
 CODE_WIDTH = 80
 
 
+def _sentences(para: list[str], indent: str) -> list[list[str]]:
+    """A comment paragraph's lines in runs that read as one text: a line continues the one before unless that one
+    ends a sentence or a clause (".", ":", ")", ";") or it opens a parenthesis or an indented list ("#   layer1, ...").
+    Wrapped as a whole, a paragraph ran a header, a parenthesis and a list into one line; wrapped line by line, a
+    sentence broke mid-way ("# updates smaller than" alone: new-user trials)."""
+    runs: list[list[str]] = []
+    for x in para:
+        text = x[len(indent):].lstrip("#")
+        opens = text.strip().startswith("(") or _comment_indent(x, indent)
+        if runs and not opens and not _comment_indent(runs[-1][-1], indent) \
+                and not runs[-1][-1].rstrip().endswith((".", ":", ")", ";")):
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return runs
+
+
 def _comment_indent(line: str, indent: str) -> str:
     """The spaces after a comment line's "# " beyond the first (an indented list under a header: "#   layer1, ..."),
     kept on its wrapped lines."""
@@ -786,9 +803,9 @@ def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
             while j + 1 < len(lines) and comments.get(j + 1) == len(indent) and lines[j + 1].startswith(indent) \
                     and len(lines[j + 1]) - len(lines[j + 1].lstrip()) == len(indent):
                 j += 1
-            out += [y for x in lines[i:j + 1]
-                    for y in (wrap(indent, x.strip().lstrip("#").strip(), _comment_indent(x, indent))
-                              if len(x) > width else [x])]
+            for run in _sentences(lines[i:j + 1], indent):
+                out += (wrap(indent, " ".join(x.strip().lstrip("#").strip() for x in run),
+                             _comment_indent(run[0], indent)) if any(len(x) > width for x in run) else run)
             i = j + 1
             continue
         if col is not None and len(ln) > width:  # a comment after code: above it
