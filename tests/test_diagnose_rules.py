@@ -2842,3 +2842,53 @@ def test_findings_sort_by_severity_then_predicted_gain():
                          f("memory.grads_kept", "info", predicted(100.0, 100.0, 10 << 20, 9 << 20))])
     assert [x.code for x in got] == ["optim.before_shard", "straggler.rank", "ac.unneeded", "prefetch.sync_unshard",
                                      "jitter.gc", "memory.grads_kept"]
+
+
+def test_units_that_never_ran_stay_out_of_the_prefetch_chain_and_are_not_the_last_unit():
+    """A top-1 mixture of experts, each expert its own unit, one expert no token reached (a new-user trial's
+    moe.experts.3: its unit-table row all "—"). Its missing timing read as run: the chain closed over all 4 experts,
+    ``list(model.moe.experts.children())``, gathering the unused one in every forward (+64.75 KiB at the peak, 14
+    blocked all-gathers per step for 13), and reshard.last_unit called it "the last unit ... in forward". Never run,
+    it is left out of both chains (the recorded order kept, the experts' loop only where every expert is chained) and
+    of the last unit."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    timed = dict(fwd_ms=2.0, ag_wait_fwd_ms=1.0, bwd_ms=2.0, ag_wait_bwd_ms=4.0)
+    layers, experts = ["layers.0", "layers.1"], [f"moe.experts.{i}" for i in range(4)]
+
+    def moe(root_params: bool, ran=3):
+        root = unit("", reshard_after_forward=False, timing=dict(fwd_ms=20.0, ag_wait_fwd_ms=0.2),
+                    **(dict(n_params=2, param_count=8_000, sharded_bytes=16_000, unsharded_bytes=32_000,
+                            orig_dtypes=["float32"], own_modules=["emb", "head"]) if root_params else {}))
+        return [root] + [unit(n, timing=dict(timed) if n not in experts[ran:] else None, **BLOCK)
+                         for n in layers + experts]
+
+    ran = layers + experts[:3]
+    marks = [{"unit": None, "phase": "forward_start"}] + [{"unit": n, "phase": "forward_start"} for n in ran]
+    marks += [{"unit": n, "phase": "backward_start"} for n in ran[::-1]]
+    mem = {"per_rank": {"0": {**memory(50 * MiB)["per_rank"]["0"], "timeline": marks}}}
+    ctx, _ = build(units=moe(True), memory=mem)
+    assert S.never_ran(ctx) == {"moe.experts.3"}
+    code = S.prefetch_code(ctx)
+    assert "experts.children()" not in code and "'moe.experts.3'" not in code, code
+    assert "# FSDP units in forward order (as your run ran them)" in code, code
+    assert _chain(code, layers + experts + ["emb", "head"]) == _pairs(ran), code
+    # every expert ran: each one chained, the experts' loop
+    marks_all = [{"unit": None, "phase": "forward_start"}] + [{"unit": n, "phase": "forward_start"}
+                                                               for n in layers + experts]
+    marks_all += [{"unit": n, "phase": "backward_start"} for n in (layers + experts)[::-1]]
+    ctx_all, _ = build(units=moe(True, ran=4), memory={"per_rank": {"0": {**mem["per_rank"]["0"],
+                                                                         "timeline": marks_all}}})
+    assert S.never_ran(ctx_all) == set()
+    code_all = S.prefetch_code(ctx_all)
+    assert "forward_order += list(model.moe.experts.children())" in code_all, code_all
+    assert _chain(code_all, layers + experts + ["emb", "head"]) == _pairs(layers + experts)
+    # reshard.last_unit: the root's parameters may compute after the last unit that ran, not the unused expert
+    rule = next(c for c in RULES if c.code == "reshard.last_unit")()
+    assert rule.match(ctx) == []
+    assert "the last unit (moe.experts.2) in forward" in rule.why_quiet, rule.why_quiet
+    # no parameters in the root: the last unit resharded is the last that ran (asked of estimate itself: a finding
+    # here would be run on the reference GPT, which has no moe, by tests/test_clients.py)
+    from fsdp_doctor.diagnose import estimate as E
+
+    assert E.resharded_last_unit(build(units=moe(False), memory=mem)[0]).name == "moe.experts.2"

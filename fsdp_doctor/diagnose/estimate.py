@@ -756,7 +756,8 @@ def resharded_last_unit(ctx: Context):
     in forward and first in backward: it is that unit where it was given reshard_after_forward=True (FSDP's default
     keeps a root gathered; torch honours the explicit setting, and the records say which)."""
     allu = param_units(ctx)
-    us = non_root(allu)
+    # (not a unit no step ran: a trial's never-routed last expert read as "the last unit ... in forward")
+    us = [u for u in non_root(allu) if u.name not in S.never_ran(ctx)]
     rts = roots(allu)
     if len(rts) == 1 and not kept_gathered(rts[0]):
         return rts[0]

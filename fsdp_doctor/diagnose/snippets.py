@@ -734,14 +734,26 @@ def _trains(t: Tree, name: str, order: list[str]) -> bool:
                if n == name or _inside(n, name))
 
 
-def gather_order(t: Tree) -> tuple[list[str], list[str], bool]:
+def never_ran(ctx) -> set[str]:
+    """The units no steady step ran, where the report timed others (an MoE expert no token reached: its rows say
+    "—"), less those the doctor cannot time (compiled in place: they ran unseen)."""
+    rows = getattr(ctx.report, "units", None) or []
+    if not any(getattr(r, "timing_p50", None) for r in rows):
+        return set()
+    return {r.name for r in rows if not r.is_root and not getattr(r, "timing_p50", None)
+            and not getattr(r, "compiled_in_place", False)}
+
+
+def gather_order(t: Tree, skip: Iterable[str] = ()) -> tuple[list[str], list[str], bool]:
     """(forward, backward, recorded): the non-root units in the order FSDP2 gathers them, each list in the order
     the units' pre-forward (pre-backward) hooks run: as the run recorded them (``Tree.forward``/``backward``), else
     the tree's order (snapshot, a trace's first forward) with the backward derived as FSDP2 runs it, in reverse
     post-forward order (a block before the units nested in it), less the frozen units before the first that
     trains (their outputs need no gradient: FSDP2 never gathers them in backward). In such orders the unit after
-    another is never one it is nested in (gathered already)."""
-    labels = t.unit_labels()
+    another is never one it is nested in (gathered already). ``skip``: units left out (the units that did not run
+    in every step, absent from a recorded order: with them in, the recorded order read as none)."""
+    skip = set(skip)
+    labels = [n for n in t.unit_labels() if n not in skip]
     known = set(labels)
     recorded = bool(labels) and known <= set(t.forward)
     fwd = [n for n in t.forward if n in known] if recorded else labels
@@ -843,14 +855,15 @@ def prefetch_code(ctx, backward: bool = True) -> str:
         # their units prefetched the student's first block from the teacher's last, before the student's lazy
         # initialization, and the pasted code crashed training (a new-user trial); wrap.root_not_sharded first
         return ""
-    fwd, bwd, recorded = gather_order(t)
     # units that did not run in every step (an MoE expert no token reached, a dropped layer) stay out of the chains:
     # prefetched, each was gathered in the steps it did not run, for nothing (a new-user trial's per-expert units:
-    # +59 KiB at the peak against "unchanged"); gathered when they run, as without a list
+    # +59 KiB at the peak against "unchanged"); gathered when they run, as without a list. A unit no step ran has
+    # no timing to count them in: a trial's never-routed expert stayed in, closing the chain over all 4 experts
+    # (``model.moe.experts.children()``), gathered in every forward (+64.75 KiB at the peak, 14 blocked all-gathers
+    # per step for 13)
     sometimes = {u.name for u in (getattr(ctx.report, "units", None) or [])
-                 if getattr(getattr(u, "timing_p50", None), "not_run", 0)}
-    fwd = [n for n in fwd if n not in sometimes]
-    bwd = [n for n in bwd if n not in sometimes]
+                 if getattr(getattr(u, "timing_p50", None), "not_run", 0)} | never_ran(ctx)
+    fwd, bwd, recorded = gather_order(t, skip=sometimes)
     if len(fwd) < 2:  # no unit besides the root (or one): nothing to prefetch ahead of another; no code
         return ""
     how = "as your run ran them" if recorded else "module order"

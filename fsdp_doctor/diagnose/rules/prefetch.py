@@ -796,7 +796,9 @@ class LastUnitResharded(Rule):
         if last is None:
             # (which: a new-user trial's root held only the embedding and a norm that ran before its head unit, and
             # read "the root computes after it")
-            rts, us = E.roots(E.param_units(ctx)), E.non_root(E.param_units(ctx))
+            rts = E.roots(E.param_units(ctx))
+            # (the last that ran: a trial's never-routed last expert, moe.experts.3, read as the last in forward)
+            us = [u for u in E.non_root(E.param_units(ctx)) if u.name not in S.never_ran(ctx)]
             if rts and us and not E.kept_gathered(us[-1]):
                 own = [m for m in (rts[0].own_modules or []) if m]
                 return self.quiet(f"the root holds parameters of its own ({E.fmt_list(own) if own else 'its modules'}),"
