@@ -2535,6 +2535,37 @@ def test_near_capacity_spread_quiet_where_resharding_frees_nothing_at_the_peak()
     assert st.status == "quiet" and " frees 0 B at the peak (its step's timeline), under 1% of it" in st.reason, st
 
 
+def test_over_capacity_spread_over_categories_is_a_finding():
+    """A new-user trial's peak at 104% of its budget, optimizer state 39% (under the 40% optim.state_dominates fires
+    from), no unit kept gathered: no memory finding at all. Over capacity, where no earlier finding's fix brings the
+    peak under, the finding says where the bytes are and what lowers each part (no code: the lever is the user's
+    choice); under capacity, or with such a fix, quiet as before."""
+    from fsdp_doctor.report_sections import Finding, Predicted, Recommendation
+
+    us = healthy_units()
+    cap = 100 * MiB
+    mem = memory(104 * MiB, capacity=cap, sharded_params=20 * MiB, sharded_grads=20 * MiB, optimizer_state=39 * MiB,
+                 activations=20 * MiB, temporaries=5 * MiB)
+    ctx = build(units=us, memory=mem, capacity=cap)[0]
+    ctx.earlier = []
+    (f,) = run_rule("memory.near_capacity_spread", ctx)
+    assert f.severity == "critical" and f.title == "Peak at 104% of capacity, spread over categories: it does not fit"
+    assert f.recommendation.code == "" and f.evidence["largest_category"] == "optimizer_state"
+    assert "optimizer state 39.00 MiB (38%)" in f.recommendation.text and "more ranks" in f.recommendation.text \
+        and "activation checkpointing" in f.recommendation.text, f.recommendation.text
+    # an earlier finding whose fix brings the peak under capacity: quiet, naming it
+    ctx.earlier = [Finding(code="optim.state_dominates", severity="warning", title="t", evidence={},
+                           recommendation=Recommendation(text=""),
+                           predicted=Predicted(peak_bytes_before=104 * MiB, peak_bytes_after=80 * MiB))]
+    rule = next(c for c in RULES if c.code == "memory.near_capacity_spread")()
+    assert rule.match(ctx) == [] and "optim.state_dominates's fix brings it under" in rule.why_quiet
+    # under capacity, the unit kept gathered holding nothing at the peak: quiet as before
+    ctx = build(units=us, memory=memory(95 * MiB, capacity=cap, sharded_params=35 * MiB, optimizer_state=35 * MiB,
+                                        activations=25 * MiB), capacity=cap)[0]
+    ctx.earlier = []
+    assert rule.match(ctx) == [] and rule.why_quiet.startswith("resharding 1 unit(s) kept gathered"), rule.why_quiet
+
+
 def test_reduce_dtype_unset_reads_unset_or_the_same():
     """numerics.reduce_dtype on blocks with param_dtype bfloat16 and no reduce_dtype recorded: torch 2.6's
     MixedPrecisionPolicy stores a reduce_dtype equal to param_dtype as None, so the text does not claim the user

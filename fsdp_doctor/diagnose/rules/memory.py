@@ -262,9 +262,11 @@ class NearCapacitySpread(Rule):
     code = "memory.near_capacity_spread"
     name = "Peak near capacity, no dominant category"
     description = ("The peak is near capacity and no memory category dominates it (so no activation, optimizer "
-                   "or offload rule applies), while units are kept unsharded after forward.")
+                   "or offload rule applies), while units are kept unsharded after forward; or over capacity with "
+                   "no finding whose fix brings it under.")
     needs = ("memory", "units")
     severities = ("warning", "critical")
+    last = True  # (over capacity it reads the earlier findings' fixes: ctx.earlier)
 
     def match(self, ctx: Context):
         pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
@@ -280,6 +282,8 @@ class NearCapacitySpread(Rule):
             return self.quiet(f"{top} dominates the peak ({100 * bd[top] / peak:.0f}%): its own rule applies")
         kept = [u for u in E.non_root(E.param_units(ctx)) if E.kept_gathered(u)]
         if not kept:
+            if share >= 1.0:
+                return self._over_capacity(ctx, peak, cap, bd)
             return self.quiet("no unit is kept unsharded after forward: no reshard lever")
         # keep the last unit of forward gathered (its backward starts at once; reshard.last_unit's advice)
         last = E.non_root(E.param_units(ctx))[-1]
@@ -288,6 +292,8 @@ class NearCapacitySpread(Rule):
         freed = peak - after
         if freed < SPREAD_MIN_FREED_SHARE * peak:  # (a selective checkpoint's recompute set the peak, in
             # the last block's backward, where the unit kept gathered is gathered anyway: "peak unchanged", a warning)
+            if share >= 1.0:
+                return self._over_capacity(ctx, peak, cap, bd)
             return self.quiet(f"resharding {len(flip)} unit(s) kept gathered after forward frees {fmt_bytes(freed)} "
                               f"at the peak (its step's timeline), under "
                               f"{100 * SPREAD_MIN_FREED_SHARE:.0f}% of it")
@@ -324,6 +330,46 @@ class NearCapacitySpread(Rule):
             predicted=E.predicted(step, step + slower if (step is not None and slower is not None) else None,
                                   peak, after),
             units=names)]
+
+
+    def _over_capacity(self, ctx: Context, peak: int, cap: int, bd: dict) -> list:
+        """Over capacity, no category dominating and no unit kept gathered: a new-user trial's peak at 104% of its
+        budget (optimizer state 39%, under the 40% optim.state_dominates fires from) had no memory finding at all.
+        The finding says where the bytes are and what lowers each part, in words (which lever fits is the user's
+        choice: more ranks, a dtype, checkpointing); quiet where an earlier finding's fix brings the peak under."""
+        for f in ctx.earlier:
+            after = getattr(f.predicted, "peak_bytes_after", None) if f.predicted else None
+            if f.severity in ("warning", "critical") and after is not None and after < cap:
+                return self.quiet(f"the peak is {100 * peak / cap:.0f}% of capacity, and {f.code}'s fix brings it "
+                                  f"under ({fmt_bytes(after)} of {fmt_bytes(cap)})")
+        parts = sorted(bd.items(), key=lambda kv: -kv[1])
+        said = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)} ({100 * v / peak:.0f}%)" for k, v in parts[:4])
+        big = [k for k, v in parts if v >= 0.1 * peak]  # (a tenth of the peak or more: a part worth lowering)
+        levers = [text for cats, text in _OVER_LEVERS if any(k in cats for k in big)]
+        return [self.finding(
+            "critical", f"Peak at {100 * peak / cap:.0f}% of capacity, spread over categories: it does not fit",
+            {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
+             "largest_category": parts[0][0] if parts else None,
+             "breakdown_bytes": dict(parts), "units_kept_gathered": 0},
+            f"The peak is {fmt_bytes(peak)} of {fmt_bytes(cap)} of capacity ({100 * peak / cap:.0f}%) and no category "
+            f"holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% of it, so no single rule's lever is enough and none of "
+            f"this run's findings brings it under: {said}. What lowers its largest parts: " + "; ".join(levers)
+            + ". Which fits is your choice (the ranks you have, the precision you train in): no code is offered.")]
+
+
+#: over capacity, what lowers each of the peak's largest categories (memory.near_capacity_spread)
+_OVER_LEVERS = (
+    (("sharded_params", "sharded_grads", "optimizer_state"),
+     "the sharded state (parameters, gradients, optimizer state: each rank holds 1/N of it) shrinks with more ranks, "
+     "with bf16 parameters (MixedPrecisionPolicy(param_dtype=torch.bfloat16)), or moves to the host "
+     "(CPUOffloadPolicy)"),
+    (("activations",), "activations shrink with activation checkpointing on the blocks, or a smaller micro-batch "
+                       "with gradient accumulation"),
+    (("unsharded_params", "unsharded_grads", "comm_buffers"),
+     "gathered parameters and their buffers shrink with smaller units (fewer parameters gathered at once) and no "
+     "explicit forward prefetch"),
+    (("temporaries",), "temporaries (the loss's logits among them) shrink with the loss computed in chunks"),
+)
 
 
 def _peak_resharded(pm, flip) -> int:
