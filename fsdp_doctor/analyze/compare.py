@@ -353,14 +353,14 @@ def _activations_moved(a: Side, b: Side, act: Delta) -> str:
     (ra, pa), (rb, pb) = _peak_rank(a.report), _peak_rank(b.report)
     same = (pa.peak_at.unit, pa.peak_at.phase) == (pb.peak_at.unit, pb.peak_at.phase)
     known = ea is not None and eb is not None
+    batch = (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or the sequence "
+             "length differs")
     if known and ea != eb:
-        return (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or the "
-                f"sequence length differs (the peak step's input elements {ea:,} -> {eb:,})")
+        return f"{batch} (the peak step's input elements {ea:,} -> {eb:,})"
     if not known and same:
         # (a batch of 4 against 2 read "no configuration change found" beside +99.7% of activations: a new-user
         # trial; runs recorded before StepRecord.input_elements hold the loop's batch only as tokens_per_step)
-        return (f"; but the peak's activations moved {act.pct:+.0f}% with no setting changed: the batch or the "
-                "sequence length differs, which compare reads only as watch()'s tokens_per_step")
+        return f"{batch}, which compare reads only as watch()'s tokens_per_step"
     if same:
         return ""
     return (f"; the memory peak moved, from rank {ra}, {memory_peak_where(pa.peak_at)} (A) to rank {rb}, "

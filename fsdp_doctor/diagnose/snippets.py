@@ -1408,7 +1408,8 @@ TITAN_CALLS = ((RESHARD_IN_CALLS, "# (torchtitan's --parallelism.fsdp-reshard-af
 
 
 def calls_words(code: str, words) -> str:
-    """The fix's words for the user's fully_shard calls, where someone else made them (PLUGIN_CALLS, TITAN_CALLS)."""
+    """The fix's words for the user's fully_shard calls, where someone else made them (PLUGIN_CALLS, TITAN_CALLS,
+    _HF_CALLS)."""
     for mine, theirs in words:
         code = code.replace(mine, theirs)
     return code
@@ -1434,8 +1435,7 @@ def for_transformers(rec) -> None:
         return
     if rec.where == "sharded":
         rec.where = "transformers"
-        for mine, theirs in _HF_CALLS:
-            rec.code = rec.code.replace(mine, theirs)
+        rec.code = calls_words(rec.code, _HF_CALLS)
     elif rec.where in ("unsharded", "before_shard", "around"):
         rec.text += HF_SHARDING
 

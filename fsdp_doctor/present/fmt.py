@@ -772,13 +772,11 @@ def _comment_indent(line: str, indent: str) -> str:
 
 
 def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
-    """``code`` with each comment line over ``width`` columns wrapped under itself, at its indent, and a comment
-    after code over it moved above that code, wrapped; the code itself as it is: two new-user trials' 80-column
-    terminals wrapped the fixes' long comments mid-word (lines of 87 to 126 columns). Each comment line is wrapped
-    alone: a paragraph wrapped anew ran a header, a parenthesis, a list of units and the next sentence into one
-    (a new-user trial: "# off (or leave out your checkpoint(...) calls, or # gradient_checkpointing_enable())
-    checkpointed by ..."). Comments only move, so the fix runs as the report's own (its JSON keeps it as the rule
-    wrote it). Code that does not tokenize (a command line) is returned as it is."""
+    """``code`` with each run of comment lines that reads as one text (``_sentences``) and holds a line over
+    ``width`` columns wrapped anew, at its indent, and a comment after code over it moved above that code, wrapped;
+    the code itself as it is: two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word
+    (lines of 87 to 126 columns). Comments only move, so the fix runs as the report's own (its JSON keeps it as the
+    rule wrote it). Code that does not tokenize (a command line) is returned as it is."""
     lines = code.split("\n")
     if all(len(ln) <= width for ln in lines):
         return code

@@ -257,9 +257,8 @@ def _running_stats(names: list[str], on: bool, lead: str = "Checkpointed,", now:
         return (f" {lead} {n} run again in the recompute, in training mode: their running statistics are "
                 "updated twice per step, which changes the statistics evaluation uses.")
     return (f" {n[0].upper()}{n[1:]} run again in the recompute now, in training mode, updating their running "
-            "statistics twice per "
-            "step; without checkpointing that second update ends, so the statistics evaluation uses will differ "
-            "from the checkpointed runs'.")
+            "statistics twice per step; without checkpointing that second update ends, so the statistics evaluation "
+            "uses will differ from the checkpointed runs'.")
 
 
 @register

@@ -96,11 +96,11 @@ class IntermittentStraggler(Rule):
                  "forward": "forward", "backward": "backward", "optimizer": "the optimizer step"}[phase]
         # a period from 3 late steps on, each at that spacing (two are one interval: not yet a period)
         gap = E.period(steps, common, least=3)
+        # a range where the late steps differ ("+110 ms each" read for +18.5 and +200.9 ms: a new-user trial)
+        lo, hi = min(x for _, x, _ in rows), max(x for _, x, _ in rows)
+        each = f"+{lo:.0f} to +{hi:.0f} ms" if hi > 2 * lo else f"+{typical:.0f} ms each"
         return [self.finding(
-            sev, f"Rank {rank} is late in {len(rows)} of {len(common)} steps ("
-            # (a range where the late steps differ: "+110 ms each" read for +18.5 and +200.9 ms, a new-user trial)
-            + (f"+{lo:.0f} to +{hi:.0f} ms" if (hi := max(x for _, x, _ in rows)) > 2 * (lo := min(
-                x for _, x, _ in rows)) else f"+{typical:.0f} ms each") + ")",
+            sev, f"Rank {rank} is late in {len(rows)} of {len(common)} steps ({each})",
             # (the first LATE_LISTED of each list: a 20,000-step run's held 1,230 steps, 15.6 KB of JSON)
             {"rank": int(rank), "late_steps": steps[:LATE_LISTED], "late_step_count": len(steps),
              "steps_checked": len(common), "late_excess_ms": [round(x, 1) for _, x, _ in rows][:LATE_LISTED],
