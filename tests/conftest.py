@@ -68,11 +68,22 @@ def run_one_rank(tmp_path: Path, body: str) -> tuple[Path, str]:
 #: the tail of a two-rank script (``record_two_ranks``): its ``worker(rank, port, out, fix)`` spawned on 2 ranks, the
 #: run directory ``sys.argv[1]``, a fix file for the worker to execute ``sys.argv[2]`` ("" for none)
 TWO_RANKS = """
+def _worker_then_exit(*args):
+    # the rank's work done and recorded: skip the interpreter's teardown, where gloo's threads abort now and then
+    # ("terminate called without an active exception", SIGABRT after the run was written: a fresh clone's suite)
+    import os
+    import sys
+    worker(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     import sys
     import torch.multiprocessing as mp
     from fsdp_doctor.workloads import free_port
-    mp.spawn(worker, args=(free_port(), sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""), nprocs=2)
+    mp.spawn(_worker_then_exit, args=(free_port(), sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else ""), nprocs=2)
 """
 
 
