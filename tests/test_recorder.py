@@ -231,6 +231,57 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert "this run has none" not in short["advised"]["reason"], short
 
 
+
+_REFUSED_WATCHES_SCRIPT = textwrap.dedent('''
+    out = sys.argv[1]
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train(doctor):
+        for _ in range(4):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+
+    said = []
+    w = fsdp_doctor.watch(model, opt, out_dir=out + "/reenter", profile=False)
+    with w as doctor:
+        try:
+            with w:
+                pass
+        except fsdp_doctor.WatchError as e:
+            said.append(str(e))
+        train(doctor)
+    with fsdp_doctor.watch(model, opt, out_dir=out + "/outer", profile=False) as doctor:
+        for attempt in range(2):
+            try:
+                fsdp_doctor.watch(model, opt, out_dir=f"{out}/inner{attempt}", profile=False).__enter__()
+                said.append("entered")
+            except fsdp_doctor.WatchError as e:
+                said.append(str(e))
+        train(doctor)
+    print("SAID", json.dumps(said))
+''')
+
+
+def test_a_refused_watch_leaves_the_watching_session_as_it_was(tmp_path):
+    """A refused watch() touches no other session: the same watch() object entered again inside its own `with`
+    was refused, and its refusal removed the outer session's hooks (a new-user trial: the streams held only their
+    header); after one refused second watch of a watched model, another was accepted (the refusal had unmarked
+    the model: two doctors on one model)."""
+    from fsdp_doctor import load_run
+
+    out, printed = run_one_rank(tmp_path, _REFUSED_WATCHES_SCRIPT)
+    said = json.loads(printed.split("SAID ", 1)[1])
+    assert len(said) == 3 and "entered" not in said, said
+    assert said[0].startswith("fsdp_doctor.watch: this watch() is already entered"), said
+    assert all("this model is already being watched" in s for s in said[1:]), said
+    for name in ("reenter", "outer"):
+        assert [s.step for s in load_run(out / name).ranks[0].steps] == [0, 1, 2, 3], name
+
 @pytest.mark.slow
 def test_multi_rank_rerun_is_refused_and_overwrite_gives_one_run(sample_run_path, tmp_path):
     """The issue's reproduction: a 3-rank run's directory reused by a 2-rank run. Every rank refuses it (they agree

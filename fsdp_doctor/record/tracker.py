@@ -97,6 +97,8 @@ class Doctor:
         self.options = opts
         self.model = model
         self._entered = False  # (doctor.step() on a doctor never entered says so once: it records nothing)
+        self._inside = False  # between __enter__ and __exit__ (a second entry of the same object is refused)
+        self._watching = False  # the model is in _WATCHED by this doctor's entry
         self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry (its step hooks time it)
         self._reads = optimizer  # what its state and groups are read from (optimizer_reads)
         self.out_dir = Path(opts.out_dir)
@@ -136,7 +138,11 @@ class Doctor:
         """Starts recording. Misuse (no FSDP2 unit, an unwritable or taken out_dir, a second watch of the model,
         an object that is no optimizer) is refused with one sentence (:class:`WatchError`); any other exception
         here makes the doctor step aside with one log line while training goes on."""
-        self._entered = True
+        if self._inside:  # (refused before anything is touched: the refusal's _remove() would end the outer session,
+            # which then recorded nothing past its header: a new-user trial's `with w:` inside `with w as doctor:`)
+            raise WatchError("fsdp_doctor.watch: this watch() is already entered (a `with` of it inside its own); "
+                             "the first entry goes on recording")
+        self._entered = self._inside = True
         try:
             self.optimizer = unwrap_optimizer(self.optimizer)
             self._reads = optimizer_reads(self.optimizer)
@@ -146,6 +152,7 @@ class Doctor:
             self.run_id = self._claim_out_dir()
             self._start()
         except WatchError:
+            self._inside = False  # (no __exit__ follows a refused __enter__)
             self._remove()
             raise
         except Exception as e:  # noqa: BLE001  (never a dead run: the doctor steps aside, training goes on)
@@ -167,6 +174,7 @@ class Doctor:
                          run_id=self.run_id),
             )
         _WATCHED.add(self.model)
+        self._watching = True
         self._install()
         if self.options.tensorboard:
             try:
@@ -190,6 +198,7 @@ class Doctor:
         self._begin_step(_now())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        self._inside = False
         was_active = self.active
         if was_active and exc_type is None and self._micro and self._timer.optimizer_steps != self._opt_steps_recorded:
             # doctor.step() per micro-batch, before optimizer.step(): each step ends where the next one's first forward
@@ -246,8 +255,11 @@ class Doctor:
             except Exception as e:  # noqa: BLE001
                 log.warning("fsdp_doctor: removing its %s failed (%s: %s)", where, type(e).__name__, e)
         self._profiler = self._flops = self._memory = self._timer.marks = self._timer.step_boundary = None
-        with contextlib.suppress(TypeError):  # (a model that takes no weak reference was refused at entry)
-            _WATCHED.discard(self.model)
+        if self._watching:  # (a refused watch() of a watched model leaves the other session's mark: a second watch
+            # after one refusal was accepted, two doctors on one model, a new-user trial)
+            self._watching = False
+            with contextlib.suppress(TypeError):  # (a model that takes no weak reference was refused at entry)
+                _WATCHED.discard(self.model)
 
     def _check_entry(self) -> None:
         if self.model in _WATCHED:
