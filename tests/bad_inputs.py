@@ -426,6 +426,15 @@ def _record_cases() -> list[Case]:
     # and its profiler window was called another run's)
     C("stream-missing", lambda r: (r / "rank1.records.jsonl").unlink() or r, "partial",
       "rank1.records.jsonl: listed in manifest.json but missing: rank 1 is not analysed", rank0_only, traces=True)
+    # plain torch.profiler traces made 4 min after the run (it ended) by another process, into its folder or its
+    # profiler/ folder: read with the run's own window as one job, their step 2 beside its step 6, exit 0 (a
+    # new-user trial); only traces older than the run were told apart
+    C("traces-after-the-run", lambda r: _later_traces(r, r), "partial", "rank0.later.pt.trace.json: another run (it "
+      "started 4 min after rank 0's records ended: profiled into the same folder after the run?); skipped",
+      sample_steps, traces=True)
+    C("traces-after-the-run-in-profiler", lambda r: _later_traces(r, r / "profiler", gz=True), "partial",
+      "rank1.later.pt.trace.json.gz: another run (it started 4 min after rank 1's records ended", sample_steps,
+      traces=True)
     # one of the run's own files given instead of its folder: read as a trace, it was "invalid JSON (... trailing
     # characters)" and "not a Kineto trace" (a new-user trial)
     C("given-a-records-file", lambda r: r / "rank0.records.jsonl", "error",
@@ -551,6 +560,19 @@ def _record_cases() -> list[Case]:
                   "error", "does not exist"))
     t.append(Case("out/json-onto-folder", lambda d: (two_ranks(d), ["--json", str(d)]), "error", "is a directory"))
     return t
+
+
+def _later_traces(run: Path, into: Path, gz: bool = False) -> Path:
+    """The run's own profiler windows (steps 6-7) made another run's: 4 min after the run ended, as steps 2-3."""
+    end = max(x["ended_ns"] for r in (0, 1) for x in lines(run / f"rank{r}.records.jsonl") if x.get("t") == "end")
+    for r in (0, 1):
+        text = gzip.decompress((run / "profiler" / f"rank{r}.6.pt.trace.json.gz").read_bytes()).decode()
+        text = text.replace('"ProfilerStep#6"', '"ProfilerStep#2"').replace('"ProfilerStep#7"', '"ProfilerStep#3"')
+        doc = json.loads(text)
+        first = min(e["ts"] for e in doc["traceEvents"] if e.get("name") == "ProfilerStep#2")
+        doc["baseTimeNanoseconds"] += end + 240 * 10**9 - (doc["baseTimeNanoseconds"] + int(first * 1e3))
+        write_json(into / f"rank{r}.later.pt.trace.json{'.gz' * gz}", doc, gz=gz)
+    return run
 
 
 def random_bytes(path: Path, n: int = 20_000, seed: int = 7) -> Path:

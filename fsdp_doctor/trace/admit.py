@@ -16,7 +16,9 @@ with the reason, never summed with another or dropped without a word:
   twice, seconds apart, the files holding that step are split into runs by when they ran it, and the run with the
   most ranks is kept, the newest on a tie;
 * a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap; the first
-  file (by name) is kept.
+  file (by name) is kept;
+* a window that started after its rank's records ended (``ended``: the run's End record per rank): another run
+  profiled into the run's folder later (a rank still running has no End record: nothing is said of its files).
 """
 
 from __future__ import annotations
@@ -39,13 +41,30 @@ JOB_SKEW_S = 600.0
 RERUN_MIN_GAP_S = 1.0
 
 
-def admit(windows: list[WindowTrace]) -> tuple[list[WindowTrace], list[SkippedFile]]:
-    """``(kept, skipped)``: the windows that belong to one job, one per rank and window, in their order."""
-    if len(windows) < 2:
+def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None) -> tuple[list[WindowTrace],
+                                                                                      list[SkippedFile]]:
+    """``(kept, skipped)``: the windows that belong to one job, one per rank and window, in their order.
+    ``ended``: when each rank of the run the windows are read with ended (s since the epoch; a rank not in it has
+    not, or no run is known)."""
+    if len(windows) < 2 and not ended:
         return list(windows), []
     names = _display_names(windows)
     skipped: dict[int, str] = {}
     order = sorted(range(len(windows)), key=lambda i: windows[i].file)
+
+    # the run's own windows all started before its End record (its profiler stops before the record is written): a
+    # later one is another process's (a new-user trial's plain torch.profiler traces, made 4 min after a run into its
+    # folder, were read with the run's own window as one job, the foreign step 2 beside the run's step 6, exit 0)
+    for i in order:
+        w = windows[i]
+        end = (ended or {}).get(w.rank) if w.rank_known else max((ended or {}).values(), default=None)
+        start = _start_s(w)
+        if end is not None and start is not None and start - end > RERUN_MIN_GAP_S:
+            skipped[i] = (f"another run (it started {_apart(start - end)} after rank {w.rank}'s records ended: "
+                          "profiled into the same folder after the run?); skipped")
+    if len(windows) - len(skipped) < 2:
+        kept = [w for i, w in enumerate(windows) if i not in skipped]
+        return kept, [SkippedFile(file=names[i], error=skipped[i]) for i in order if i in skipped]
 
     for i in order:
         if not windows[i].rank_known:
