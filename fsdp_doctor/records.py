@@ -499,6 +499,10 @@ class StepRecord(Record, tag="step"):
     # skipped (a NaN/inf guard, GradScaler's skipped step), recorded as a step of its own, not as a micro-batch of the
     # next (gradient accumulation keeps its gradients to the optimizer step)
     optimizer_skipped: bool = False
+    # doctor.step() calls before this step's work, after the previous step's closing call with nothing run since (no
+    # forward, backward or optimizer step): the same step's call repeated (doctor.step() twice per optimizer step),
+    # not steps; End.repeated_calls: those after the last step
+    repeated_calls: int = 0
     # the model's forward passes without gradients in the step (torch.no_grad / inference_mode: evaluation,
     # generation) and their time; kept out of forward_ms, outside_ms and the units' timings
     no_grad_ms: float = 0.0
@@ -610,6 +614,7 @@ class End(Record, tag="end"):
     # FSDP2 units of other models alive in the process at the exit (a frozen teacher, a GAN's other network): their
     # collectives share the trace's labels with the watched model's, their work lies in its time outside the model
     other_fsdp_units: int = 0
+    repeated_calls: int = 0  # doctor.step() calls repeated after the last step (StepRecord.repeated_calls)
 
 
 AnyRecord = Union[Header, RunConfig, StepRecord, GpuTimes, ProfileWindow, DoctorError, End]

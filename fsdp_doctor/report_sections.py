@@ -342,6 +342,9 @@ class StepsSection(_Section):
     checkpoints: dict[str, CheckpointSteps] = {}  # per rank that saved any
     compiled: dict[str, CompileSteps] = {}  # per rank that compiled in any step, or waited for another's compile
     skipped: dict[str, SkippedSteps] = {}  # per rank that skipped any optimizer step
+    # per rank that called doctor.step() again with nothing run since the call before: the steps after which, once per
+    # such call (analyze.steps.repeated_calls)
+    repeated: dict[str, list[int]] = {}
     # per rank: the steps whose memory the doctor counted op by op that the statistics keep (too few without)
     counted_kept: dict[str, list[int]] = {}
     # per rank: [the doctor's own ms over the recorded steps, those steps' ms, its ms on an ordinary step (median),

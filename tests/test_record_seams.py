@@ -144,6 +144,31 @@ def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, 
                 doc.step()
         rd = fsdp_doctor.load_run(tmp_path / "zeroed").ranks[0]
         assert [(s.micro_batches, s.optimizer_skipped) for s in rd.steps] == [(1, True)] * 8
+
+        # doctor.step() twice per optimizer step: the second call, with nothing run since the first, is no step (a
+        # new-user trial: 20 steps recorded for 10, every other one empty and read "10 of 20 steps skipped the
+        # optimizer step ... a NaN/inf guard, GradScaler", and every step number doubled)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+            with fsdp_doctor.watch(m, opt, out_dir=tmp_path / "twice", profile=False) as doc:
+                for _ in range(4):
+                    m(torch.randn(2, 4)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    doc.step()
+                    doc.step()
+        run = fsdp_doctor.load_run(tmp_path / "twice")
+        rd = run.ranks[0]
+        assert [(s.step, s.repeated_calls, s.optimizer_skipped) for s in rd.steps] == [
+            (0, 0, False), (1, 1, False), (2, 1, False), (3, 1, False)]
+        assert rd.end.steps == 4 and rd.end.repeated_calls == 1
+        assert len([r for r in caplog.records if "called again with nothing run" in r.getMessage()]) == 1
+        from fsdp_doctor.present.fmt import apart_texts
+
+        apart = dict(apart_texts(fsdp_doctor.build_report(run, traces=False).steps))
+        assert "skipped" not in apart and apart["repeated"] == (
+            "doctor.step() was called again after steps 0, 1, 2, 3 with nothing run since the call before (no "
+            "forward, backward or optimizer step): 4 calls not counted as steps; call it once per optimizer step")
     finally:
         dist.destroy_process_group()
 
@@ -786,3 +811,22 @@ def test_a_skipped_optimizer_step_is_a_step_of_its_own(loops, mode):
     for rank, res in enumerate(loops):  # (the steps the statistics keep: the skipped ones out, 3 or more left)
         kept = res[mode]["statistics"]
         assert len(kept) >= 3 and not {2, 5} & set(kept), (rank, kept)
+
+
+def test_empty_steps_of_an_older_recorder_read_as_repeated_calls():
+    """A recorder before StepRecord.repeated_calls recorded doctor.step() twice per step as a step of its own, empty
+    (no forward, no backward, no optimizer step) and marked as an update skipped: read as the call repeated after
+    the step before, not as a skipped update (a new-user trial: "10 of 20 steps skipped the optimizer step")."""
+    from fsdp_doctor.analyze.steps import repeated_calls, skipped_steps
+    from fsdp_doctor.records import End, StepRecord
+    from fsdp_doctor.store.reader import RankData
+
+    def rec(n, empty, skipped=False):
+        return StepRecord(rank=0, step=n, start_ns=0, wall_ms=0.2 if empty else 30.0, forward_ms=0.0 if empty else 9.0,
+                          backward_ms=0.0 if empty else 15.0, optimizer_ms=0.0 if empty or skipped else 4.0,
+                          backwards=0 if empty else 1, optimizer_skipped=empty or skipped)
+
+    steps = [rec(n, n % 2 == 1, skipped=n == 4) for n in range(6)]
+    rd = RankData(rank=0, steps=steps, end=End(rank=0, steps=6, ended_ns=0))
+    assert repeated_calls(rd) == [0, 2, 4]
+    assert skipped_steps(steps).steps == [4]  # a real skipped update (a backward, its gradients dropped) stays one

@@ -76,11 +76,29 @@ def compile_steps(steps: list[StepRecord]) -> Optional[CompileSteps]:
 def skipped_steps(steps: list[StepRecord]) -> Optional[SkippedSteps]:
     """A rank's steps whose optimizer step the loop skipped, and whether the statistics leave them out; None where
     there are none."""
-    hit = [s.step for s in steps if getattr(s, "optimizer_skipped", False)]
+    hit = [s.step for s in steps if getattr(s, "optimizer_skipped", False) and not _empty(s)]
     if not hit:
         return None
     kept = {s.step for s in usable_steps(steps)}
     return SkippedSteps(steps=hit, recorded=len(steps), excluded=not kept & set(hit))
+
+
+def _empty(s: StepRecord) -> bool:
+    """A step record with no forward, no backward and no optimizer step: a doctor.step() call repeated, recorded as
+    a step (with its update skipped) by a recorder before StepRecord.repeated_calls."""
+    return s.backwards == 0 and not s.forward_ms and not s.optimizer_ms and s.micro_batches <= 1
+
+
+def repeated_calls(rd) -> list[int]:
+    """The steps of a rank after which doctor.step() was called again with nothing run since the call before (no
+    forward, backward or optimizer step), once per such call: ``StepRecord.repeated_calls`` (before the step's work:
+    the step before's), ``End.repeated_calls`` (after the last step), and the empty step records of a recorder
+    before those fields (one each: the step before's; a new-user trial's doctor.step() twice per step read "10 of 20
+    steps skipped the optimizer step")."""
+    out = [s.step - 1 for s in rd.steps for _ in range(max(s.repeated_calls, _empty(s)))]
+    if rd.end is not None and rd.steps:
+        out += [rd.steps[-1].step] * rd.end.repeated_calls
+    return out
 
 
 def profiled_saves(steps: list[StepRecord]) -> list[int]:
@@ -635,6 +653,7 @@ def analyze_steps(run: Run) -> StepsSection:
                      if (c := checkpoint_steps(rd.steps)) is not None},
         compiled={str(r): c for r, rd in sorted(run.ranks.items()) if (c := compile_steps(rd.steps)) is not None},
         skipped={str(r): k for r, rd in sorted(run.ranks.items()) if (k := skipped_steps(rd.steps)) is not None},
+        repeated={str(r): c for r, rd in sorted(run.ranks.items()) if (c := repeated_calls(rd))},
         counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},
         doctor_own_ms={str(r): own for r, rd in sorted(run.ranks.items()) if (own := doctor_own(rd.steps, usable[r]))},
     )

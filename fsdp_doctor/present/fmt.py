@@ -514,11 +514,26 @@ def skipped_text(section: StepsSection) -> str | None:
             f"NaN/inf guard, GradScaler); those steps are {kept}")
 
 
+def repeated_text(section: StepsSection) -> str | None:
+    """One line on doctor.step() calls repeated with nothing run since the call before, over the ranks (the rank
+    with the most); None when none was."""
+    if not section.repeated:
+        return None
+    after = max(section.repeated.values(), key=len)
+    steps = sorted(set(after))
+    shown = ", ".join(map(str, steps[:6])) + (f", … {len(steps) - 6} more" if len(steps) > 6 else "")
+    n = len(after)
+    return (f"doctor.step() was called again after step{'s' if len(steps) > 1 else ''} {shown} with nothing run since "
+            f"the call before (no forward, backward or optimizer step): {n} call{'s' if n > 1 else ''} not counted as "
+            "steps; call it once per optimizer step")
+
+
 def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
     """The lines on steps whose extra work the statistics keep apart, each with its key ("compile": torch.compile
-    compiling, "skipped": optimizer steps skipped, "no-grad": evaluation, "checkpoint": checkpoint saves): what
-    every presenter shows under the step table."""
-    return [(key, line) for key, line in (("compile", compile_text(section)), ("skipped", skipped_text(section)),
+    compiling, "skipped": optimizer steps skipped, "no-grad": evaluation, "checkpoint": checkpoint saves), and on
+    doctor.step() calls that are no step ("repeated"): what every presenter shows under the step table."""
+    return [(key, line) for key, line in (("repeated", repeated_text(section)),
+                                          ("compile", compile_text(section)), ("skipped", skipped_text(section)),
                                           ("no-grad", no_grad_text(section)),
                                           ("checkpoint", checkpoint_text(section)), ("doctor", doctor_text(section)))
             if line is not None]

@@ -99,6 +99,11 @@ class Doctor:
         self._entered = False  # (doctor.step() on a doctor never entered says so once: it records nothing)
         self._inside = False  # between __enter__ and __exit__ (a second entry of the same object is refused)
         self._watching = False  # the model is in _WATCHED by this doctor's entry
+        # (forward, backward, optimizer step) counts at the doctor.step() call that ended the last step (None: a forward
+        # ended it), and the calls repeated since with nothing run (StepRecord.repeated_calls)
+        self._closed_by_call: tuple | None = None
+        self._repeated = 0
+        self._said_repeated = False
         self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry (its step hooks time it)
         self._reads = optimizer  # what its state and groups are read from (optimizer_reads)
         self.out_dir = Path(opts.out_dir)
@@ -225,7 +230,7 @@ class Doctor:
                     except Exception:  # noqa: BLE001
                         others = 0
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns(),
-                                         exception=why, other_fsdp_units=others))
+                                         exception=why, other_fsdp_units=others, repeated_calls=self._repeated))
                     if not self.steps_done and exc_type is None and self.rank == 0:
                         ran = self._timer.optimizer_steps
                         log.warning("fsdp_doctor: watch() ended without a doctor.step() call%s: nothing was "
@@ -368,6 +373,17 @@ class Doctor:
                 log.warning("fsdp_doctor: doctor.step() on a watch() that was never entered records nothing: use "
                             "`with fsdp_doctor.watch(model, optimizer, out_dir=...) as doctor:` around the loop")
             return
+        # a call with nothing run since the call that ended the last step (no forward, backward or optimizer step) is
+        # that call repeated (a new-user trial called doctor.step() twice per step: 10 of its 20 steps were empty ones
+        # read as skipped optimizer steps, and every step's number doubled), not a step
+        seen = (self._timer.train_forwards, self._timer.backwards, self._timer.optimizer_steps)
+        if seen == self._closed_by_call and self.optimizer is not None:
+            self._repeated += 1
+            if not self._said_repeated:
+                self._said_repeated = True
+                log.warning("fsdp_doctor: doctor.step() called again with nothing run since the last call (no "
+                            "forward, backward or optimizer step): not a step; call it once per optimizer step")
+            return
         if tokens is not None:  # (a value it cannot count is said once and left out: training goes on)
             if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
                 if not self._bad_tokens:
@@ -394,6 +410,7 @@ class Doctor:
                 return
             self._skipped = True
         self._close_step(t_end)
+        self._closed_by_call = seen
 
     def _syncing(self) -> bool:
         """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on): a backward then
@@ -440,7 +457,8 @@ class Doctor:
         except Exception as e:  # noqa: BLE001
             self._fail("step", e)
         self.steps_done += 1
-        self._micro = 0
+        self._micro = self._repeated = 0
+        self._closed_by_call = None  # (step() sets it: a step a forward ended is not repeated by the next call)
         self._tokens = None
         self._skipped = self._timer.zeroed_check = False
         self._opt_steps_recorded = self._timer.optimizer_steps
@@ -537,6 +555,7 @@ class Doctor:
             gc_disabled_count=tm.gc_disabled_count, gc_disabled_ms=tm.gc_disabled_ms,
             profiled=profiled, units=tm.units, memory=mem,
             micro_batches=self._micro, backwards=tm.backwards, optimizer_skipped=self._skipped,
+            repeated_calls=self._repeated,
             no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
             no_grad_gathers=tm.no_grad_gathers if tm.no_grad_forwards else None,
