@@ -243,6 +243,9 @@ def serve(path: Path | str, host: str = "127.0.0.1", port: int = 8050) -> int:
         return 2
     state = RunState(path)
     state.refresh()
+    if state.refused:  # (the store decides, as for analyze and compare: one line, exit 2)
+        print(f"fsdp-doctor: {state.refused}", file=sys.stderr)
+        return 2
     if not path.exists():  # started before the run: watch(out_dir=...) creates it
         print(f"fsdp-doctor: {path} does not exist yet; the dashboard shows the run as soon as its records appear "
               "there", file=sys.stderr)

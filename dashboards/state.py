@@ -185,6 +185,12 @@ class RunState:
     def version(self) -> int:
         return self._version
 
+    @property
+    def refused(self) -> str:
+        """Why the store refuses the run directory ("" when it reads it): the line ``analyze`` exits on. (A new-user
+        trial's manifest of format version 7: analyze refused it, the dashboard showed its traces and a verdict.)"""
+        return self._follower.run.refused
+
     def wait_traces(self, timeout: float = 30.0) -> None:
         """Blocks until every trace file found so far is analysed (tests, benchmarks)."""
         t_end = time.monotonic() + timeout
@@ -279,7 +285,7 @@ class RunState:
         return out
 
     def _trace_files(self) -> list[Path]:
-        if not self.path.is_dir():
+        if not self.path.is_dir() or self.refused:  # (a refused run is not read: its traces neither)
             return []
         root = self.path.resolve()
         out = []

@@ -519,6 +519,18 @@ def test_serve_messages_and_safe_defaults(tmp_path, capsys, monkeypatch):
     shutil.copytree(SAMPLE / "profiler", tmp_path / "plain")
     assert serve(tmp_path / "plain") == 0
     assert "2 profiler trace file(s), no fsdp-doctor records: the pages show the traces" in capsys.readouterr().err
+    # a manifest the store refuses (a format version it does not read, another tool's format): the line analyze exits
+    # on, exit 2 (a new-user trial's dashboard showed the traces and a verdict where analyze refused the run)
+    from fsdp_doctor.cli import main
+
+    for name, edit in (("v7", {"version": 7}), ("other", {"format": "other-tool"})):
+        run = shutil.copytree(SAMPLE, tmp_path / name, ignore=shutil.ignore_patterns("tb", "report.json"))
+        (run / "manifest.json").write_text(json.dumps({**json.loads((run / "manifest.json").read_text()), **edit}))
+        assert main(["analyze", str(run)]) == 2
+        refused = capsys.readouterr().err
+        assert serve(run) == 2
+        assert capsys.readouterr().err == refused and refused.count("\n") == 1, refused
+        assert ("format version 7 is not one this fsdp-doctor reads" if name == "v7" else "'other-tool'") in refused
     # started before the run creates its directory (a new-user trial: it refused): it waits for it
     assert serve(tmp_path / "not_yet") == 0
     assert "does not exist yet" in capsys.readouterr().err
