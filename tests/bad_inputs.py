@@ -489,10 +489,12 @@ def _record_cases() -> list[Case]:
           rep, "rank1.records.jsonl"))
     C("stream-cut-mid-line", lambda r: (r / "rank1.records.jsonl").write_bytes(
         (r / "rank1.records.jsonl").read_bytes()[:-40]) and r, "partial", "incomplete")
+    # a stream refused (a newer record version, another format): its rank not analysed, never said to be one that
+    # "did not finish (run still going, or killed); its completed steps are used" (a new-user trial)
     C("stream-header-version-99", lambda r: edit_stream(r, 1, lambda x: set_first(x, "header", version=99)),
-      "partial", "version 99")
+      "partial", "rank1.records.jsonl: record format version 99 is newer than this fsdp-doctor reads", _refused_rank1)
     C("stream-header-foreign-format", lambda r: edit_stream(r, 1, lambda x: set_first(x, "header", format="other")),
-      "partial", "'other'")
+      "partial", "'other'", _refused_rank1)
     C("steps-duplicated", lambda r: edit_stream(r, 0, lambda x: x + [y for y in x if y.get("t") == "step"]),
       "partial", "repeated", sample_steps)
     C("steps-duplicated-both", lambda r: [edit_stream(r, k, lambda x: x + [y for y in x if y.get("t") == "step"])
@@ -588,6 +590,12 @@ def _escape_units(rec: dict) -> dict:
         for u in rec.get("units", []):
             u["name"] = u["name"] + "\x1b]0;pwned\x07\x1b[31m" if u["name"] else u["name"]
     return rec
+
+
+def _refused_rank1(report: dict) -> None:
+    """Rank 1's stream refused: rank 0 analysed alone, rank 1 named once, nowhere read as unfinished."""
+    assert report["run"]["ranks"] == [0] and list(report["run"]["complete"]) == ["0"], report["run"]
+    _one_line_for(report, "rank1.records.jsonl")
 
 
 def _one_line_for(report: dict, name: str) -> None:

@@ -125,6 +125,7 @@ class StreamReader:
         self.bad_problems: list[str] = []  # the lines of ``problems`` that report them
         self.first_bad = ""  # "line N (why)" of the first
         self.unreadable = False  # the file could not be opened or read (named in ``problems``)
+        self.refused = False  # its header is of another format or a newer version (named in ``problems``)
         self.torn = 0  # bytes the last poll read after the last line end (what ``trailing_bytes`` reports)
 
     def poll(self) -> list:
@@ -163,6 +164,7 @@ class StreamReader:
                 why = _header_refusal(rec) if isinstance(rec, Header) else ""
                 if why:
                     self.problems.append(f"{self.path.name}: {why}; skipped")
+                    self.refused = True
                     self.offset = 1 << 62  # stop reading this stream
                     self.torn = 0
                     return out
@@ -421,7 +423,8 @@ def load_run(path: Path | str) -> Run:
 def closing_problems(follower: "RunFollower", run: Run) -> tuple[list[str], set[str], set[int]]:
     """What the record streams of a run that stopped writing say beyond their records: (one line each, the lines
     those replace, the ranks not analysed). An empty or unreadable stream (its rank not analysed, never "did not
-    finish": a file of random bytes was said to be a rank that was killed), a last record cut off mid-write, a rank
+    finish": a file of random bytes was said to be a rank that was killed; nor one refused for its format or version),
+    a last record cut off mid-write, a rank
     the manifest lists without a stream. ``load_run`` applies them; the dashboard shows them once the run is no
     longer live (it showed none of them: a new-user trial). Reads only."""
     lines: list[str] = []
@@ -429,6 +432,9 @@ def closing_problems(follower: "RunFollower", run: Run) -> tuple[list[str], set[
     unread: set[int] = set()
     for rank, sr in follower._streams.items():
         rd = run.ranks.get(rank)
+        if rd is not None and sr.refused:  # (named already; read as a rank that "did not finish", a new-user trial)
+            unread.add(rank)
+            continue
         if rd is not None and sr.offset == 0 and not sr.trailing_bytes():
             lines.append(f"{sr.path.name}: empty (no records); skipped")
             unread.add(rank)
