@@ -34,8 +34,10 @@ class Record(msgspec.Struct, tag_field="t", kw_only=True, omit_defaults=True):
 class Header(Record, tag="header"):
     """First line of each stream."""
 
-    format: str = FORMAT_NAME
-    version: int = FORMAT_VERSION
+    # FORMAT_NAME and FORMAT_VERSION, written by the recorder; None: a file written before they were (as defaults,
+    # omitted: a later reader would have read them as its own version), read as version 1 (store.reader)
+    format: str | None = None
+    version: int | None = None
     world_size: int = 1
     pid: int = 0
     host: str = ""
@@ -621,8 +623,8 @@ AnyRecord = Union[Header, RunConfig, StepRecord, GpuTimes, ProfileWindow, Doctor
 
 
 class Manifest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    format: str = FORMAT_NAME
-    version: int = FORMAT_VERSION
+    format: str | None = None  # as Header's
+    version: int | None = None
     world_size: int = 1
     started_ns: int = 0
     streams: list[str] = []

@@ -830,3 +830,41 @@ def test_empty_steps_of_an_older_recorder_read_as_repeated_calls():
     rd = RankData(rank=0, steps=steps, end=End(rank=0, steps=6, ended_ns=0))
     assert repeated_calls(rd) == [0, 2, 4]
     assert skipped_steps(steps).steps == [4]  # a real skipped update (a backward, its gradients dropped) stays one
+
+
+def test_manifest_and_headers_say_their_format_and_version(tmp_path, gloo_one_rank, monkeypatch):
+    """manifest.json and every stream's header carry the format's name and version: as defaults they were omitted
+    (omit_defaults), and a later fsdp-doctor would have read today's files as its own version. Files without them
+    (written before) read as version 1."""
+    import json
+
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    import fsdp_doctor.store.reader as reader
+    from fsdp_doctor.records import FORMAT_NAME, FORMAT_VERSION
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(m[0])
+    fully_shard(m)
+    with fsdp_doctor.watch(m, out_dir=tmp_path / "run", profile=False) as doc:
+        m(torch.randn(2, 4)).sum().backward()
+        doc.step()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    header = json.loads((tmp_path / "run" / "rank0.records.jsonl").read_text().splitlines()[0])
+    for got in (manifest, header):
+        assert (got["format"], got["version"]) == (FORMAT_NAME, FORMAT_VERSION) == ("fsdp-doctor-run", 1), got
+    # a reader of version 2: today's files are version 1 to it, as are those written before the fields were
+    monkeypatch.setattr(reader, "FORMAT_VERSION", 2)
+    for edit in ({}, {"format": None, "version": None}):
+        for name, doc in (("manifest.json", manifest), ("rank0.records.jsonl", header)):
+            text = json.dumps({k: v for k, v in {**doc, **edit}.items() if v is not None})
+            if name == "manifest.json":
+                (tmp_path / "run" / name).write_text(text)
+            else:
+                lines = (tmp_path / "run" / name).read_text().splitlines()
+                (tmp_path / "run" / name).write_text("\n".join([text, *lines[1:]]) + "\n")
+        run = fsdp_doctor.load_run(tmp_path / "run")
+        assert [s.step for s in run.ranks[0].steps] == [0] and not run.problems, run.problems
+        assert reader._format_version(run.manifest) == reader._format_version(run.ranks[0].header) == (
+            "fsdp-doctor-run", 1)

@@ -36,6 +36,8 @@ import torch.nn as nn
 from .. import __version__
 from ..records import (
     ACCELERATE_SHARDER,
+    FORMAT_NAME,
+    FORMAT_VERSION,
     TORCHTITAN_SHARDER,
     TRANSFORMERS_SHARDER,
     End,
@@ -168,13 +170,15 @@ class Doctor:
         self.started_ns = time.time_ns()
         self._sinks = Sinks(self.out_dir, self.rank)
         self._sinks.write(
-            Header(rank=self.rank, world_size=self.world_size, pid=os.getpid(), host=socket.gethostname(),
+            Header(rank=self.rank, format=FORMAT_NAME, version=FORMAT_VERSION, world_size=self.world_size,
+                   pid=os.getpid(), host=socket.gethostname(),
                    started_ns=self.started_ns, doctor_version=__version__, run_id=self.run_id)
         )
         if self.rank == 0:
             write_manifest(
                 self.out_dir,
-                Manifest(world_size=self.world_size, started_ns=self.started_ns, doctor_version=__version__,
+                Manifest(format=FORMAT_NAME, version=FORMAT_VERSION, world_size=self.world_size,
+                         started_ns=self.started_ns, doctor_version=__version__,
                          streams=[stream_name(r) for r in range(self.world_size)], command=list(sys.argv),
                          run_id=self.run_id),
             )

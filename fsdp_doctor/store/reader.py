@@ -197,23 +197,31 @@ class StreamReader:
         return self.torn
 
 
+def _format_version(x: Header | Manifest) -> tuple[str, int]:
+    """The format and version a header or manifest is written in: a file without them (written before they were)
+    is version 1 of FORMAT_NAME."""
+    return (FORMAT_NAME if x.format is None else x.format), (1 if x.version is None else x.version)
+
+
 def _header_refusal(h: Header) -> str:
     """Why a stream with this header cannot be read ("" when it can)."""
-    if h.format != FORMAT_NAME:
-        return f"format {h.format!r} is not an fsdp-doctor record stream ({FORMAT_NAME!r})"
-    if h.version > FORMAT_VERSION:
-        return (f"record format version {h.version} is newer than this fsdp-doctor reads ({FORMAT_VERSION}); "
+    fmt, version = _format_version(h)
+    if fmt != FORMAT_NAME:
+        return f"format {fmt!r} is not an fsdp-doctor record stream ({FORMAT_NAME!r})"
+    if version > FORMAT_VERSION:
+        return (f"record format version {version} is newer than this fsdp-doctor reads ({FORMAT_VERSION}); "
                 "upgrade fsdp-doctor")
     return ""
 
 
 def _manifest_refusal(m: Manifest) -> str:
     """Why a run directory with this manifest cannot be read at all ("" when it can)."""
-    if m.format != FORMAT_NAME:
-        return f"format {m.format!r} is not an fsdp-doctor run ({FORMAT_NAME!r})"
-    if m.version > FORMAT_VERSION or m.version < 1:
-        return (f"format version {m.version} is not one this fsdp-doctor reads (1 to {FORMAT_VERSION})"
-                + ("; upgrade fsdp-doctor" if m.version > FORMAT_VERSION else ""))
+    fmt, version = _format_version(m)
+    if fmt != FORMAT_NAME:
+        return f"format {fmt!r} is not an fsdp-doctor run ({FORMAT_NAME!r})"
+    if version > FORMAT_VERSION or version < 1:
+        return (f"format version {version} is not one this fsdp-doctor reads (1 to {FORMAT_VERSION})"
+                + ("; upgrade fsdp-doctor" if version > FORMAT_VERSION else ""))
     return ""
 
 
