@@ -211,6 +211,39 @@ def test_a_trace_the_profiler_never_wrote_is_said_lost_not_kept_plain(tmp_path, 
     assert [p.name for p in done] == ["rank0.3.pt.trace.json.gz"] and not src.exists()
 
 
+def test_a_trace_lost_to_a_full_disk_names_the_disk_and_leaves_no_temp_file(tmp_path, caplog, monkeypatch):
+    """torch's writer on a full disk (a new-user trial's 40 KiB tmpfs) writes nothing, says nothing of why and leaves
+    its empty NAME.tmp: the line said "[Errno 2] No such file or directory" (the trace it did not write) and two
+    empty .part.tmp files stayed in profiler/. The cause is read by a write of the doctor's own (here it fails
+    with ENOSPC), and torch's leftover is removed."""
+    import builtins
+    import errno
+
+    import fsdp_doctor.record.profiling as P
+
+    def full_disk(path, *a, **kw):
+        if ".write-test-" in str(path):
+            builtins.open(path, *a, **kw).close()  # (created, then no space for its bytes)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, *a, **kw)
+
+    monkeypatch.setattr(P, "open", full_disk, raising=False)
+    src = tmp_path / "rank1.6.pt.trace.json.gz.part"  # never written
+    (tmp_path / "rank1.6.pt.trace.json.gz.part.tmp").write_bytes(b"")  # torch's, left empty
+    done: list = []
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        P._gzip_file(src, tmp_path / "rank1.6.pt.trace.json.gz", done)
+    assert done == [] and list(tmp_path.iterdir()) == []
+    assert caplog.messages == ["fsdp_doctor: the profiler trace rank1.6.pt.trace.json.gz was not written ([Errno 28] "
+                               "No space left on device): that window is lost"], caplog.messages
+    monkeypatch.undo()  # a folder that takes the probe: the missing file is what is said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        P._gzip_file(src, tmp_path / "rank1.6.pt.trace.json.gz", done)
+    assert "(torch's profiler wrote no file: [Errno 2] No such file or directory" in caplog.text, caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_doctor_in_the_process_names_the_first_not_the_user(tmp_path, caplog):
     """A nested watch() (the README's two-model recipe): the second doctor stepped aside saying "a
     torch.profiler.profile object is alive", blaming a profiler of the user's (a new-user trial). It names the other

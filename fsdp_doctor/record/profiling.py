@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
 import logging
@@ -309,6 +310,27 @@ class ProfilerWindows:
 _GZIP_CHUNK = 4 << 20
 
 
+#: bytes a write into the profiler folder tries when torch's writer left no trace: more than a full disk's last blocks
+_PROBE_BYTES = 64 << 10
+
+
+def _write_failure(folder: Path) -> str:
+    """Why a write into ``folder`` fails now ("[Errno 28] No space left on device"), "" when it does not: a probe
+    of _PROBE_BYTES, removed."""
+    probe = folder / f".write-test-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(_PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        return ""
+    except OSError as e:
+        return f"[Errno {e.errno}] {e.strerror}" if e.errno else str(e)
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+
+
 def _gzip_file(src: Path, dst: Path, done: list[Path]) -> None:
     """Compresses ``src`` into ``dst`` (gzip, level 6), removes ``src`` and appends ``dst`` to ``done``; ``dst``
     appears complete or not at all (written beside it, then renamed). If that fails, ``src`` becomes the plain
@@ -327,7 +349,13 @@ def _gzip_file(src: Path, dst: Path, done: list[Path]) -> None:
         except OSError:
             pass
         if not src.exists():  # (a full disk: the profiler wrote nothing; "it stays as plain JSON" said of nothing)
-            log.warning("fsdp_doctor: the profiler trace %s was not written (%s): that window is lost", src.name, e)
+            # torch's writer says nothing of why (Kineto logs "Failed to write to log file!") and leaves its empty
+            # NAME.tmp: the cause is the folder's own, read by a write of ours (a new-user trial's 40 KiB disk, full,
+            # read "[Errno 2] No such file or directory", the missing file, with two empty .part.tmp files left)
+            with contextlib.suppress(OSError):
+                src.with_name(src.name + ".tmp").unlink(missing_ok=True)
+            log.warning("fsdp_doctor: the profiler trace %s was not written (%s): that window is lost",
+                        dst.name, _write_failure(src.parent) or f"torch's profiler wrote no file: {e}")
             return
         plain = dst.with_suffix("")
         try:
