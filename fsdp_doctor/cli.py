@@ -152,8 +152,9 @@ STDOUT = "-"  # ``--json -``: the JSON on standard output
 
 def _check_outputs(ns: argparse.Namespace) -> dict | None:
     """The report files asked for (``--json``, ``--html``), checked before any work: each one's directory must
-    exist and be writable. None after one line on stderr when one cannot be written."""
+    exist and take a file. None after one line on stderr when one cannot be written."""
     import os
+    import tempfile
 
     out = {}
     for kind in ("json", "html"):
@@ -168,11 +169,20 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
         if p.is_dir():
             _err(f"--{kind} {p}: is a directory; give a file name")
             return None
+        if parent.exists() and not parent.is_dir():
+            _err(f"--{kind} {p}: {parent} is a file, not a directory")
+            return None
         if not parent.is_dir():
             _err(f"--{kind} {p}: directory {parent} does not exist")
             return None
-        if not os.access(parent, os.W_OK):
-            _err(f"--{kind} {p}: directory {parent} is not writable")
+        # (a file created there, as the atomic write will: os.access says yes to root everywhere, and /proc took the
+        # whole report printed before "cannot write", exit 2: a new-user trial)
+        try:
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            _err(f"--{kind} {p}: directory {parent} is not writable ({e.strerror or e})")
             return None
         out[kind] = p
     return out

@@ -543,6 +543,13 @@ def _record_cases() -> list[Case]:
                                       edit_stream(r, 1, lambda x: [y for y in x if y.get("t") not in ("end",) and not (
                                           y.get("t") == "step" and y["step"] > 20)])] and r, "partial",
       "rank 1 stopped first")
+    # both streams cut in the middle of a record, rank 1's earlier (a full disk: the doctor's writes failed, the ranks
+    # trained on): a write cut short is no killed process, never "it died or hung" (a new-user trial's 40 KiB disk)
+    C("records-cut-mid-write", lambda r: [_cut_mid_record(edit_stream(r, k, lambda x, k=k: [
+        y for y in x if y.get("t") != "end" and not (y.get("t") == "step" and y["step"] > 20 - 3 * k)]), k)
+        for k in (0, 1)] and r, "partial",
+      "rank 1's records stopped first (last record: step 17; rank 0 step 20) in the middle of a record",
+      lambda rep: _not_said(rep, "died or hung"), traces=True)
     C("profiler-folder-dangling", lambda r: symlink(r / "profiler" / "old", r / "nowhere") and r, "ok", "",
       traces=True)
     C("profiler-trace-dangling-symlink", lambda r: symlink(r / "profiler" / "rank0.20.pt.trace.json.gz",
@@ -561,6 +568,14 @@ def _record_cases() -> list[Case]:
     t.append(Case("out/json-into-missing-dir", lambda d: (two_ranks(d), ["--json", str(d / "no" / "r.json")]),
                   "error", "does not exist"))
     t.append(Case("out/json-onto-folder", lambda d: (two_ranks(d), ["--json", str(d)]), "error", "is a directory"))
+    # checked before the work: /proc takes no file (root passes os.access there: the whole report was printed, then
+    # "cannot write", exit 2), and a file where the folder should be read "directory afile does not exist" (a new-user
+    # trial)
+    t.append(Case("out/json-into-proc", lambda d: (two_ranks(d), ["--json", "/proc/x.json"]), "error",
+                  "--json /proc/x.json: directory /proc is not writable ("))
+    t.append(Case("out/html-under-a-file", lambda d: (two_ranks(d), (d / "afile").write_text("x"),
+                                                      ["--html", str(d / "afile" / "x.html")])[::2], "error",
+                  "afile is a file, not a directory"))
     return t
 
 
@@ -590,6 +605,17 @@ def _escape_units(rec: dict) -> dict:
         for u in rec.get("units", []):
             u["name"] = u["name"] + "\x1b]0;pwned\x07\x1b[31m" if u["name"] else u["name"]
     return rec
+
+
+def _cut_mid_record(run: Path, rank: int) -> Path:
+    """The rank's stream with the start of one more record after its last, as a write that failed leaves it."""
+    with open(run / f"rank{rank}.records.jsonl", "ab") as f:
+        f.write(b'{"t":"step","ste')
+    return run
+
+
+def _not_said(report: dict, words: str) -> None:
+    assert not [p for p in report["problems"] if words in p], report["problems"]
 
 
 def _refused_rank1(report: dict) -> None:

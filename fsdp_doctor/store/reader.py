@@ -424,7 +424,7 @@ def load_run(path: Path | str) -> Run:
         run.unread.add(rank)
     run.trace_files = run_trace_files(run, run.problems)
     _leave_out_unfinished_windows(run)
-    _name_first_stopped(run)
+    _name_first_stopped(run, {rank for rank, sr in follower._streams.items() if sr.trailing_bytes()})
     return run
 
 
@@ -521,9 +521,11 @@ def _span(steps: list[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{min(steps)}–{max(steps)}"
 
 
-def _name_first_stopped(run: Run) -> None:
+def _name_first_stopped(run: Run, cut: set[int] = frozenset()) -> None:
     """When ranks stopped without their end record at different points, the one that stopped first is named: it
-    died or hung, and the others' failure (a collective error, a timeout) follows from it."""
+    died or hung, and the others' failure (a collective error, a timeout) follows from it; where its stream ends in
+    the middle of a record (``cut``), the doctor's write failed there (a killed process leaves whole records: each is
+    one write), and the rank may have trained on."""
     if len(run.ranks) < 2 or any(rd.end is not None for rd in run.ranks.values()):
         return
     reach = {r: max([s.step for s in rd.steps] + [n for pw in rd.profiles for n in pw.steps]
@@ -539,6 +541,11 @@ def _name_first_stopped(run: Run) -> None:
         return
     others = ", ".join(f"rank {r} step {v}" for r, v in sorted(reach.items()) if v != low)
     who = ", ".join(map(str, first))
+    if set(first) <= cut:  # (a new-user trial's full disk read "rank 0 stopped first ... it died or hung": both finished)
+        run.problems.append(f"rank{'s' if len(first) > 1 else ''} {who}'s records stopped first (last record: step "
+                            f"{low}; {others}) in the middle of a record: a write of the doctor's failed there (a full "
+                            "disk?), which a killed process does not do; the rank may have trained on")
+        return
     run.problems.append(f"rank{'s' if len(first) > 1 else ''} {who} stopped first (last record: step {low}; "
                         f"{others}) and wrote no end record: it died or hung, and the other ranks' errors or waits "
                         "follow from it")
