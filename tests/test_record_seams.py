@@ -3,9 +3,11 @@ WatchOptions (watch()'s options in one place) and the optimizer unwrapping."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from fsdp_doctor.fsdp_labels import FsdpLabel, parse_label
@@ -368,7 +370,10 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
         assert all(u.fwd_calls == 4 for u in s.units), [u.fwd_calls for u in s.units]
         assert s.micro_batches == (1 if where == "per_step" else 4)  # (doctor.step() calls after a forward)
         assert s.backwards == 4 and not s.optimizer_skipped, s  # (no zero_grad between micro-batches: none skipped)
-        assert s.outside_ms < 0.2 * s.wall_ms and s.forward_ms + s.backward_ms > 0.6 * s.wall_ms, s
+    # (the median step's shares: one step preempted on a loaded 2-core host read 14.9 ms outside of 65.8)
+    outside = statistics.median(s.outside_ms / s.wall_ms for s in steps)
+    model = statistics.median((s.forward_ms + s.backward_ms) / s.wall_ms for s in steps)
+    assert outside < 0.2 and model > 0.6, (outside, model)
     codes = {f.code for f in build_report(run).findings}
     assert not codes & {"jitter.data_wait", "memory.grads_kept"}, codes
 
