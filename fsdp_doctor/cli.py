@@ -566,14 +566,24 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
     return EXIT_PARTIAL if problems else EXIT_OK
 
 
-EPILOG = """exit codes:
-  0  everything read and analysed
-  1  the demo workload failed
-  2  nothing usable (no such path, no records or traces, an output file that
-     cannot be written, port in use, a run directory holding another run)
-  3  analysed, but some files or lines were skipped (each named in the report)
-  4  analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)
-  130 interrupted"""
+EXIT_LINES = {
+    0: "  0  everything read and analysed",
+    1: "  1  the demo workload failed",
+    2: "  2  nothing usable (no such path, no records or traces, an output file that\n"
+       "     cannot be written, port in use, a run directory holding another run)",
+    3: "  3  analysed, but some files or lines were skipped (each named in the report)",
+    4: "  4  analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)",
+    130: "  130 interrupted",
+}
+
+
+def epilog(*codes: int, **own: str) -> str:
+    """The exit-code table of a command: the codes it returns (compare's, schema's and dashboard's listed analyze's
+    4, which they never return: a new-user trial); ``own``: a code's line of its own ("c1": the dashboard's 1)."""
+    return "exit codes:\n" + "\n".join(own.get(f"c{c}", EXIT_LINES[c]) for c in codes)
+
+
+EPILOG = epilog(*EXIT_LINES)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -601,7 +611,7 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="analyze a run directory or Kineto traces (.json / .json.gz)",
                        description="Reads a run directory written by fsdp_doctor.watch() (records and profiler "
                        "traces), a directory of plain torch.profiler traces (one file per rank), or one trace "
-                       "file, and prints the diagnosis.", epilog=EPILOG, formatter_class=fmt)
+                       "file, and prints the diagnosis.", epilog=epilog(0, 2, 3, 4, 130), formatter_class=fmt)
     a.add_argument("path", help="run directory, directory of Kineto traces, or one trace file")
     a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist); "
                                                   "'-': the JSON alone on standard output")
@@ -620,12 +630,14 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        description="Compares run B against run A (run directories or plain-trace folders): the "
                        "configuration that changed, step time with a bootstrap confidence interval, phases, memory "
                        "at the peak, exposed communication per unit, throughput, findings resolved / new / "
-                       "persisting, and A's predictions checked against B.", epilog=EPILOG, formatter_class=fmt)
+                       "persisting, and A's predictions checked against B.", epilog=epilog(0, 2, 3, 130),
+                       formatter_class=fmt)
     c.add_argument("run_a", help="the run before (run directory, folder of Kineto traces, or one trace file)")
     c.add_argument("run_b", help="the run after")
-    c.add_argument("--json", metavar="FILE", help="also write the comparison as JSON here; '-': the JSON alone on "
-                                                  "standard output")
-    c.add_argument("--html", metavar="FILE", help="also write a self-contained HTML comparison here")
+    c.add_argument("--json", metavar="FILE", help="also write the comparison as JSON here (its directory must exist); "
+                                                  "'-': the JSON alone on standard output")
+    c.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained HTML comparison here (its directory must exist)")
     c.add_argument("--applied", metavar="CODE", action="append",
                    help="a finding code of A whose fix B applies (repeatable; config changes are recognised anyway)")
     c.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
@@ -637,7 +649,7 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_rules)
 
     d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it",
-                       epilog=EPILOG, formatter_class=fmt)
+                       epilog=epilog(0, 1, 2, 130), formatter_class=fmt)
     d.add_argument("--out", default="traces/demo", help="run directory (default: traces/demo)")
     d.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (a run directory holds one run; without this flag "
@@ -650,7 +662,8 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
         add_cli_args(d)
     d.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("dashboard", help="serve the live dashboard over a run directory", epilog=EPILOG,
+    s = sub.add_parser("dashboard", help="serve the live dashboard over a run directory",
+                       epilog=epilog(0, 1, 2, 130, c1="  1  the dashboard's packages are not installed"),
                        formatter_class=fmt)
     s.add_argument("path", help="run directory (finished, or still being written)")
     s.add_argument("--host", default="127.0.0.1",
@@ -658,12 +671,12 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8050, help="port to bind (default: 8050)")
     s.set_defaults(fn=cmd_dashboard)
 
-    sc = sub.add_parser("schema", help="print the JSON schema of the --json report", epilog=EPILOG,
-                        formatter_class=fmt)
+    sc = sub.add_parser("schema", help="print the JSON schema of the --json report",
+                        epilog=epilog(0, c0="  0  the schema printed"), formatter_class=fmt)
     sc.set_defaults(fn=cmd_schema)
 
     t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run",
-                       epilog=EPILOG, formatter_class=fmt)
+                       epilog=epilog(0, 2, 3, 130), formatter_class=fmt)
     t.add_argument("path", help="run directory written by fsdp_doctor.watch()")
     t.add_argument("--out", default=None, help="log directory (default: the run directory)")
     t.add_argument("--no-traces", action="store_true", help="skip the overlap scalars from the profiler traces")

@@ -73,7 +73,8 @@ class CommDelta(_S):
     phase: Optional[str] = None
     a_ms: Optional[float] = None
     b_ms: Optional[float] = None
-    delta_ms: Optional[float] = None
+    delta_ms: Optional[float] = None  # a side without the row counts as 0 ms
+    pct: Optional[float] = None  # of A's (None where A has no such row, or 0 ms)
 
 
 class FindingRef(_S):

@@ -98,6 +98,22 @@ def fmt_pct(x) -> str:
     return MISSING if x is None else f"{x:.1f}%"
 
 
+def fmt_share(fraction, decimals: int = 0) -> str:
+    """A share (0.43 of the step, of capacity) as a percent with ``decimals`` ("43%"), never "0%" or "100%" for one
+    that is neither: there one decimal more ("0.4%", "99.6%"), or "<0.1%", ">99.9%". Every text that prints a
+    measured share goes through it (a new-user trial: a peak at "0% of 1.00 GiB" in the memory lines and the quiet
+    reasons beside "0.4% of capacity" in ac.unneeded's title, the one that said it right)."""
+    if fraction is None:
+        return MISSING
+    pct = 100 * fraction
+    text = f"{pct:.{decimals}f}"
+    if pct in (0, 100) or float(text) not in (0, 100):
+        return text + "%"
+    if decimals == 0 and float(f"{pct:.1f}") not in (0, 100):
+        return f"{pct:.1f}%"
+    return "<0.1%" if pct < 50 else ">99.9%"
+
+
 # the unit an evidence key names, by one of its "_"-separated words: "rs_bytes_per_call_median" is bytes
 _KEY_UNITS = (("bytes", fmt_bytes), ("ms", fmt_ms), ("us", fmt_us), ("pct", lambda v: f"{v:.1f}%"),
               ("gbps", fmt_bw))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -345,3 +346,44 @@ def test_a_folder_of_runs_is_one_line_naming_them(tmp_path):
     shutil.rmtree(tmp_path / "runs" / "run_b")
     r = fd("analyze", tmp_path / "runs")
     assert r.returncode == 0 and "reading the ones in" in r.stderr
+
+
+def test_a_share_under_one_percent_never_reads_zero(tmp_path):
+    """The sample run with a 4 GiB budget (its peak 14.63 MiB: 0.36%): the memory lines and the quiet reasons read
+    "0% of 4.00 GiB" while ac.unneeded's title said "0.4% of capacity" (a new-user trial). Every share goes through
+    one formatter, which never writes "0%" nor "100%" for one that is neither."""
+    from fsdp_doctor.units import fmt_share
+
+    assert [fmt_share(x) for x in (0, 0.0004, 0.00357, 0.014, 0.43, 0.996, 0.99996, 1, 1.19)] == \
+        ["0%", "<0.1%", "0.4%", "1%", "43%", "99.6%", ">99.9%", "100%", "119%"]
+    assert [fmt_share(x, 1) for x in (0.0004, 0.014, 0.99996)] == ["<0.1%", "1.4%", ">99.9%"]
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLE, run, ignore=shutil.ignore_patterns("report.json", "tb"))
+    for f in run.glob("rank*.records.jsonl"):  # what watch(capacity_bytes=4 << 30) records
+        f.write_text(f.read_text().replace('{"t":"config",', '{"t":"config","capacity_bytes":4294967296,'))
+    r = subprocess.run([PY, "-m", "fsdp_doctor.cli", "analyze", str(run), "--explain"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO, env={**os.environ, "COLUMNS": "200"})
+    out = r.stdout + r.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: peak 14.63 MiB at step 1, norm, lm_head backward_end; 0.4% of 4.00 GiB" in out, out
+    quiet = [ln for ln in out.splitlines() if "peak 14.63 MiB: " in ln]
+    assert len(quiet) >= 3 and all("peak 14.63 MiB: 0.4% of capacity 4.00 GiB" in ln for ln in quiet), quiet
+    assert not re.search(r"(?<![\d.])0% of (capacity|4.00 GiB)", out), out
+
+
+def test_each_commands_help_lists_the_exit_codes_it_returns():
+    """compare, schema and dashboard --help listed "4 analyze --fail-on LEVEL", which they never return, and compare's
+    --json and --html did not say their directory must exist, as analyze's do (a new-user trial)."""
+    code = ("from fsdp_doctor.cli import main\n"
+            "for cmd in ('analyze', 'compare', 'schema', 'dashboard', 'tensorboard'):\n"
+            "    print('==', cmd)\n    try:\n        main([cmd, '--help'])\n    except SystemExit:\n        pass\n")
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env={**os.environ, "COLUMNS": "80"})
+    helps = {h.split("\n", 1)[0]: " ".join(h.split()) for h in r.stdout.split("== ")[1:]}
+    codes = {cmd: re.findall(r"(?:^| )(\d+) +\S", h.split("exit codes:")[1]) for cmd, h in helps.items()}
+    assert codes == {"analyze": ["0", "2", "3", "4", "130"], "compare": ["0", "2", "3", "130"], "schema": ["0"],
+                     "dashboard": ["0", "1", "2", "130"], "tensorboard": ["0", "2", "3", "130"]}, codes
+    assert "4 analyze --fail-on LEVEL" in helps["analyze"]
+    assert "1 the dashboard's packages are not installed" in helps["dashboard"]
+    for cmd in ("analyze", "compare"):
+        assert helps[cmd].count("(its directory must exist)") == 2, helps[cmd]

@@ -610,7 +610,12 @@ def test_an_unfinished_side_and_another_world_size_are_said(sample_run_path, tmp
     assert ("B: rank 1 did not finish (killed, still going, or stopped on an exception): its figures are those of "
             "the steps completed") in cmp.notes
     (t,) = [t for t in tables(cmp) if t.title.startswith("Exposed communication")]
-    assert cmp.comm_rows == 17 and len(cmp.comm) == 12 and t.note == "the 12 of 17 units' rows that changed most"
+    assert cmp.comm_rows == 17 and len(cmp.comm) == 12, (cmp.comm_rows, len(cmp.comm))
+    # rows, not units (a new-user trial read "the 12 of 14 units' rows" with 5 units); each row's Δ% of A's
+    assert t.note == "the 12 of 17 rows (unit, collective, phase) that changed most", t.note
+    for r, row in zip(cmp.comm, t.rows[1:]):
+        assert row[4] == (f"{100 * ((r.b_ms or 0) - r.a_ms) / r.a_ms:+.1f}%" if r.a_ms else "—"), (r, row)
+    assert sum(row[4] != "—" for row in t.rows[1:]) >= 10, t.rows
     a, b = compare_side(load_run(sample_run_path)), compare_side(load_run(sample_run_path))
     b.report.run.world_size = 4
     cmp = C.compare(a, b)
@@ -1006,3 +1011,25 @@ def test_a_peak_that_moved_is_not_read_as_the_batch():
     pr.peak_breakdown["activations"] = int(pr.peak_breakdown["activations"] * 0.7)
     s = C.compare(a, a2).summary
     assert "activations" not in s and "peak moved" not in s, s
+
+
+def test_comparison_tables_write_minus_in_ascii_and_every_rows_change():
+    """Two recorded GPU runs (the whole model one unit, then 7 units). The memory table's Δ column wrote "−" (U+2212)
+    beside the Δ% column's "-", every other table ASCII (a new-user trial); the exposed communication table's Δ% was
+    "—" on every unit's row, filled on the total's only, and its note called its rows (unit x collective x phase)
+    units' rows."""
+    from pathlib import Path
+
+    from fsdp_doctor.present.compare import tables
+
+    gpu = Path(__file__).resolve().parents[1] / "traces" / "gpu" / "scenarios"
+    cmp = compare_runs(load_run(gpu / "gpu_gpt_whole"), load_run(gpu / "gpu_gpt_tuned"))
+    ts = {t.title: t for t in tables(cmp)}
+    assert not [c for t in ts.values() for row in t.rows for c in row if "\u2212" in c]
+    mem = ts["Memory at the peak (highest rank)"]
+    assert ("unsharded params", "37.55 MiB", "8.00 MiB", "-29.54 MiB", "-78.7%") in mem.rows, mem.rows
+    comm = ts["Exposed communication (ms per step, from the trace)"]
+    assert comm.rows[1] == ("(root) reduce_scatter backward", "21.9 ms", "—", "-21.9 ms", "-100.0%"), comm.rows
+    assert ("layers.0 reduce_scatter backward", "—", "4.46 ms", "+4.46 ms", "—") in comm.rows, comm.rows
+    assert comm.note == ("the 12 of 19 rows (unit, collective, phase) that changed most; Δ% of A's figure: — where A "
+                         "has no such row"), comm.note

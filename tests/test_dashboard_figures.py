@@ -850,3 +850,21 @@ def test_overview_step_count_says_rank_steps_for_the_job(snap):
 
     assert f"all ranks, {job.count} steady rank-steps" in tile(Filters())
     assert f"rank 0, {per.count} steady steps" in tile(Filters(rank=0))
+
+
+def test_memory_cards_of_a_step_window_that_replays_another_step(snap):
+    """?rank=1&steps=9-11 on the sample (steps 9-11 replay a measured step, and the curve is step 1's, measured in
+    full): the Steady state card read "—" (5.34 MiB without the filter: what every step starts with) and the Peak
+    card "step 9" beside a curve of step 1 (a new-user trial). The steady state is the drawn step's, and both cards
+    say which step the curve is."""
+    def cards(flt):
+        page = PAGES["memory"][1].layout(snap, flt)
+        return {c.id: [x.children for x in c.children] for c in _walk(page) if getattr(c, "id", None) in
+                ("kpi-mem-peak", "kpi-mem-steady")}
+
+    run, window = cards(Filters(rank=1)), cards(Filters(rank=1, window=(9, 11)))
+    assert run["kpi-mem-steady"][1] == "5.34 MiB" == window["kpi-mem-steady"][1], (run, window)
+    assert window["kpi-mem-steady"][2].endswith("(step 1's, the curve's)") and "curve" not in run["kpi-mem-steady"][2]
+    assert window["kpi-mem-peak"][1:] == ["14.63 MiB", "step 9 (replayed; the curve is step 1's), unit norm, lm_head, "
+                                                       "backward_end"], window
+    assert run["kpi-mem-peak"][1:] == ["14.63 MiB", "step 1, unit norm, lm_head, backward_end"], run

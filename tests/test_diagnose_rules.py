@@ -732,7 +732,7 @@ def test_reshard_last_unit():
     us[-1][1]["ag_wait_bwd_ms"] = 0.04
     rule = next(c for c in RULES if c.code == "reshard.last_unit")()
     assert rule.match(build(units=us, memory=memory(50 * MiB))[0]) == []
-    assert rule.why_quiet == ("the backward all-gather wait of 'norm, lm_head' 0.0 ms: 0% of the step 110.0 ms (fires "
+    assert rule.why_quiet == ("the backward all-gather wait of 'norm, lm_head' 0.0 ms: <0.1% of the step 110.0 ms (fires "
                               "from 1%): gathered again at once, but with nothing to wait for"), rule.why_quiet
     us[-1][1]["ag_wait_bwd_ms"] = 1.5
     (f,) = run_rule("reshard.last_unit", build(units=us, memory=memory(50 * MiB))[0])
@@ -1504,6 +1504,15 @@ def test_ac_wrong_granularity():
         if not fires:
             st = run_status("ac.wrong_granularity", ctx)
             assert "holding whole blocks of the model ((root): 2 blocks, layers.0, layers.1)" in st.reason, st
+            assert st.reason.endswith("that the blocks are no units is wrap.params_in_root's"), st.reason
+    # the whole model one unit (a new-user trial): the blocks are no units because the root is the only one, which
+    # wrap.too_coarse says (wrap.params_in_root is quiet there, "the root is the only unit: wrap.too_coarse says it")
+    ctx = build(units=[unit("", checkpoint="children", own_modules=layers, n_params=8, param_count=465_920,
+                            sharded_bytes=931_840, unsharded_bytes=1_863_680, orig_dtypes=["float32"],
+                            timing=dict(fwd_ms=30.0, bwd_ms=50.0))])[0]
+    assert run_status("wrap.params_in_root", ctx).reason == "the root is the only unit: wrap.too_coarse says it"
+    st = run_status("ac.wrong_granularity", ctx)
+    assert st.reason.endswith("that the blocks are no units is wrap.too_coarse's"), st.reason
 
 
 # ------------------------------------------------------------------------------------------------ offload

@@ -69,7 +69,7 @@ def test_self_contained_with_findings_and_figures(tmp_path):
     assert not re.search(r"<(script|link)[^>]+(src|href)=['\"]https?://", text)
     # the figures: step timeline, memory breakdown (+ per unit), communication per unit, unit waits
     assert text.count("Plotly.newPlot") >= 5
-    for title in ("Step timeline", "Memory at the peak", "Collectives per unit", "Memory per unit"):
+    for title in ("Step timeline", "Memory at the peak", "Communication per unit", "Memory per unit"):
         assert title in text
     assert "<h2>FSDP units</h2>" in text and "unreadable" not in text  # every section of the report read
     # the finding, escaped, with its code and prediction
@@ -111,7 +111,7 @@ def test_sample_run_report(sample_run_path, tmp_path):
     rep = json.loads((sample_run_path / "report.json").read_text())
     out = write_html(rep, tmp_path / "sample.html")
     text = out.read_text()
-    assert "Step timeline" in text and "Collectives per unit" in text
+    assert "Step timeline" in text and "Communication per unit" in text
     assert not re.search(r"<(script|link)[^>]+(src|href)=['\"]https?://", text)
 
 
@@ -352,3 +352,50 @@ def test_steps_table_has_the_jobs_row_the_findings_quote(sample_run_path):
     assert steps.job.count == sum(st.count for st in steps.per_rank.values())
     one = steps.__class__(per_rank={"0": steps.per_rank["0"]}, job=steps.job)
     assert [r[0] for r in steps_rows(one)] == ["0"]  # one rank: its row is the job's
+
+
+def test_communication_tables_are_the_terminals_under_their_titles():
+    """The HTML's per-rank communication table had 5 of the terminal's 10 columns (no hidden, blocked AG, dev,
+    copies exp.) under the heading "Collectives per unit" (a new-user trial): it is the terminal's table now, every
+    cell, under the terminal's title, and the per-unit table carries the terminal's title and its held column.
+    On the sample run (gloo) and the recorded GPU run (host-device copies exposed: 86 µs on rank 0)."""
+    from pathlib import Path
+
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.overlap import _rank_table
+    from fsdp_doctor.store import load_run
+
+    traces = Path(__file__).resolve().parents[1] / "traces"
+    for run, rank0 in (("sample", ["0", "cpu", "1", "213.9 ms", "77.8 ms", "5.73 ms", "72.0 ms", "7.4%",
+                                   "7 in window", "–"]),
+                       ("gpu/fixture", ["0", "gpu", "1", "262.3 ms", "252.9 ms", "6.72 ms", "246.1 ms", "2.7%", "0",
+                                        "86 µs"])):
+        report = build_report(load_run(traces / run))
+        text = render_html(report)
+        html_rows = _html_tables(text)["overlap-ranks-table"]
+        assert html_rows == _rich_rows(_rank_table(report.overlap, 200)), run
+        assert html_rows[0] == ["rank", "dev", "steps", "step", "comm", "hidden", "exposed", "overlap", "blocked AG",
+                                "copies exp."] and html_rows[1] == rank0, html_rows
+        assert ("<h2>Communication</h2><h3>Communication per complete profiled step, per rank (overlap %: whole "
+                "window, as HTA)</h3><table class='num' id='overlap-ranks-table'>") in text
+        assert re.search(r"<h3>FSDP units, worst exposure first, per profiled step \(top 15 of \d+\)</h3><table>"
+                         r"<tr><th>rank</th>.*<th>slack</th><th>held</th></tr>", text), run
+
+
+def test_the_job_tokens_per_s_names_the_rank_that_paces_it(sample_run_path):
+    """The job's tokens/s is every rank's tokens over the slowest rank's step (a new-user trial: 2,243 tokens/s, 114.1
+    ms a step on rank 1, beside the step table's job p50 of 112.9 ms over both ranks' steps): the report names that
+    rank, and the terminal and the HTML say so under the table."""
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import throughput_note
+    from fsdp_doctor.store import load_run
+
+    report = build_report(load_run(sample_run_path))
+    tp = report.throughput
+    slow = max(tp.per_rank, key=lambda r: tp.per_rank[r].step_p50_ms)
+    p50 = tp.per_rank[slow].step_p50_ms
+    assert tp.job.paced_by == slow and tp.job.tokens_per_s == round(512 / (p50 / 1e3), 1)
+    assert p50 != report.steps.job.p50_ms  # (the job's p50 is over every rank's steps)
+    line = f"job tokens/s: paced by the slowest rank, rank {slow} (step p50 {p50:.1f} ms)"
+    assert throughput_note(tp).splitlines() == [line]
+    assert f"<p class='note'>{line}</p>" in render_html(report)

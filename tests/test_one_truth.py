@@ -150,8 +150,9 @@ def test_every_view_shows_the_same_figures(reports, name, tmp_path):
     out = write_html(rep, tmp_path / "r.html")
     text = htmllib.unescape(out.read_text())
     assert head in text and vhead in text
-    for r, pr in rep.overlap.per_rank.items():
-        assert f"<td>{r}</td><td>{fmt_ms(pr.step_ms)}</td><td>{fmt_ms(pr.comm_ms_per_step)}</td>" \
+    for r, pr in rep.overlap.per_rank.items():  # (the terminal's columns: tests/test_html.py checks every cell)
+        assert f"<td class=l>{r}</td><td>{pr.device}</td><td>{pr.step_count or '–'}</td><td>{fmt_ms(pr.step_ms)}</td>" \
+               f"<td>{fmt_ms(pr.comm_ms_per_step)}</td><td>{fmt_ms(pr.hidden_ms_per_step)}</td>" \
                f"<td>{fmt_ms(pr.exposed_ms_per_step)}</td>" in out.read_text()
     # TensorBoard: a window's per-step scalars are the report's
     for r, pr in rep.overlap.per_rank.items():

@@ -69,12 +69,18 @@ def layout(snap, flt: Filters) -> list:
         why = f"step {tl_step}, the measured step nearest to the peak step {m.peak_at.step} of {where}"
     picked = f"rank {rank}" + ("" if flt.rank is not None else f", the highest peak of {len(per_rank)} ranks")
     at = m.peak_at
+    # the steps picked replay a measured step, drawn below: the cards say so, and the steady state (what every step
+    # starts with) is that step's (?steps=9-11 read "—" there, 1.33 MiB without the filter, and a peak at "step 9"
+    # beside a curve of step 2: a new-user trial)
+    drawn = f" (replayed; the curve is step {tl_step}'s)" if tl_m is not m else ""
+    steady = m.steady_bytes or tl_m.steady_bytes
     tiles = html.Div([
-        kpi("Peak", fmt_bytes(m.peak_bytes), f"step {_or_q(at.step)}, unit {F.unit_label(at.unit)}, {_or_q(at.phase)}",
-            kid="kpi-mem-peak"),
+        kpi("Peak", fmt_bytes(m.peak_bytes),
+            f"step {_or_q(at.step)}{drawn}, unit {F.unit_label(at.unit)}, {_or_q(at.phase)}", kid="kpi-mem-peak"),
         kpi("Activations", fmt_bytes(m.activations_peak_bytes), "their own peak in the step"),
-        kpi("Steady state", fmt_bytes(sum(m.steady_bytes.values())) if m.steady_bytes else "—",
-            "kept between steps: what a step starts with, before its forward"),
+        kpi("Steady state", fmt_bytes(sum(steady.values())) if steady else "—",
+            "kept between steps: what a step starts with, before its forward"
+            + (f" (step {tl_step}'s, the curve's)" if steady is not m.steady_bytes else ""), kid="kpi-mem-steady"),
         kpi("Capacity", fmt_bytes(cap) if cap else "unknown", f"headroom {fmt_bytes(cap - m.peak_bytes)}" if cap else ""),
     ], className="kpis")
     out = [tiles, *unknown_note(m, rank),

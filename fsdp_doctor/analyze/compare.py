@@ -662,8 +662,10 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     if ra.comm is not None and rb.comm is not None and ra.comm.source == rb.comm.source == source:
         cmp.comm_exposed = delta(ra.comm.exposed_ms_per_step, rb.comm.exposed_ms_per_step)
     ca, cb = _comm(a, source), _comm(b, source)
+    # (Δ% of each row too: it was "—" on every row but the total's, unexplained; a new-user trial)
     rows = [CommDelta(unit=k[0], collective=k[1], phase=k[2], a_ms=round(ca[k], 3) if k in ca else None,
-                      b_ms=round(cb[k], 3) if k in cb else None, delta_ms=round(cb.get(k, 0.0) - ca.get(k, 0.0), 3))
+                      b_ms=round(cb[k], 3) if k in cb else None, delta_ms=round(cb.get(k, 0.0) - ca.get(k, 0.0), 3),
+                      pct=round(100 * (cb.get(k, 0.0) - ca[k]) / ca[k], 1) if ca.get(k) else None)
             for k in dict.fromkeys([*ca, *cb])]
     cmp.comm = sorted(rows, key=lambda r: (-abs(r.delta_ms or 0.0), -max(r.a_ms or 0.0, r.b_ms or 0.0)))[:TOP_COMM]
     cmp.comm_rows = len(rows)

@@ -145,9 +145,10 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
     job = ThroughputJob()
     p50s = [v.step_p50_ms for v in per_rank.values()]
     if tokens_sums and len(tokens_sums) == len(per_rank):  # every rank's tokens over the slowest rank's time
-        job.tokens_per_s = round(sum(t for t, _ in tokens_sums.values())
-                                 / max(sec for _, sec in tokens_sums.values()), 1)
+        job.paced_by = max(tokens_sums, key=lambda r: tokens_sums[r][1])
+        job.tokens_per_s = round(sum(t for t, _ in tokens_sums.values()) / tokens_sums[job.paced_by][1], 1)
     elif cfg and cfg.tokens_per_step and p50s:
+        job.paced_by = max(per_rank, key=lambda r: per_rank[r].step_p50_ms)
         job.tokens_per_s = round(cfg.tokens_per_step / (max(p50s) / 1e3), 1)  # the slowest rank paces the job
     if job_tflops:
         job.achieved_tflops = _sig(job_tflops)

@@ -29,7 +29,7 @@ from ..report_sections import OverlapSection, Straggler, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from ..trace.model import OTHER_UNIT
-from ..units import fmt_list, ranks_phrase
+from ..units import fmt_list, fmt_share, ranks_phrase
 from .steps import device_outside_ms, device_pairs, profiled_saves, read_on_straggler, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -87,11 +87,11 @@ def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], so
     bound = ranked[0]
     rest = [g for g in ranked[1:3] if groups[g] >= 0.5]
     parts = _parts(bound, shares)
-    summary = f"{bound}-bound ({groups[bound]:.0f}% of the step"
+    summary = f"{bound}-bound ({fmt_share(groups[bound] / 100)} of the step"
     # one part is named too where it is not the group's namesake (an HSDP 2x1 mesh's "communication-bound (51% of
     # the step)" named no collective: its gradient all-reduce across replicas, a new-user trial)
     if len(parts) > 1 or (parts and parts[0] != bound):
-        summary += ": " + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in parts)
+        summary += ": " + ", ".join(f"{labels[k]} {fmt_share(shares[k] / 100)}" for k in parts)
     summary += ")"
     if rest:
         summary += "; then " + ", ".join(_runner_up(g, groups, shares, labels) for g in rest)
@@ -109,8 +109,9 @@ def _runner_up(g: str, groups: dict, shares: dict, labels: dict) -> str:
     ...)" where several of its parts count, else the one part's label: "host (main thread ...) 25%"."""
     parts = _parts(g, shares)
     if len(parts) > 1:
-        return f"{GROUP_LABELS[g]} {groups[g]:.0f}% (" + ", ".join(f"{labels[k]} {shares[k]:.0f}%" for k in parts) + ")"
-    return f"{labels[parts[0]] if parts else GROUP_LABELS[g]} {groups[g]:.0f}%"
+        return (f"{GROUP_LABELS[g]} {fmt_share(groups[g] / 100)} ("
+                + ", ".join(f"{labels[k]} {fmt_share(shares[k] / 100)}" for k in parts) + ")")
+    return f"{labels[parts[0]] if parts else GROUP_LABELS[g]} {fmt_share(groups[g] / 100)}"
 
 
 def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, float, int, str, Optional[float]]]:

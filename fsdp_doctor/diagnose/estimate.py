@@ -25,7 +25,7 @@ from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSe
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
 from ..trace.model import OTHER_UNIT  # (collectives no FSDP unit issued: optimizer step, clipping, metrics)
-from ..units import fmt_bytes, fmt_list  # (fmt_list: rules call it E.fmt_list)
+from ..units import fmt_bytes, fmt_list, fmt_share  # (fmt_list: rules call it E.fmt_list)
 from . import thresholds as T
 from .base import Context, prepared_by_user, trace_device  # noqa: F401  (trace_device: "gpu" | "cpu" | None)
 
@@ -418,8 +418,8 @@ def below_share(what: str, part: float, whole: float, of: str, threshold: float,
                 fires: str = "from") -> str:
     """"activations 8.03 MiB: 50% of the peak 16.13 MiB (fires from 60%)"; ``ms``: times, not bytes; ``fires``:
     "below" for a rule that fires under its threshold (``above_share``)."""
-    return (f"{what} {_bytes_or_ms(part, ms)}: {100 * part / whole:.0f}% of {of} {_bytes_or_ms(whole, ms)} "
-            f"(fires {fires} {100 * threshold:.0f}%)")
+    return (f"{what} {_bytes_or_ms(part, ms)}: {fmt_share(part / whole)} of {of} {_bytes_or_ms(whole, ms)} "
+            f"(fires {fires} {fmt_share(threshold)})")
 
 
 def above_share(what: str, part: float, whole: float, of: str, threshold: float, ms: bool = False) -> str:
@@ -1065,7 +1065,7 @@ def grouped_plan(ctx: Context) -> Optional[GroupPlan]:
            + ", each all-gather overlapping the previous unit's compute"] = max(1, spread)
     if share:
         most = max(1, math.ceil(T.COARSE_SHARE_MIN / share) - 1)
-        limits[f"a block holds {100 * share:.0f}% of the parameters: {most} keep a unit under "
+        limits[f"a block holds {fmt_share(share)} of the parameters: {most} keep a unit under "
                f"{100 * T.COARSE_SHARE_MIN:.0f}% (wrap.too_coarse)"] = most
     limits[f"at most {T.GROUP_FACTOR} blocks per unit"] = T.GROUP_FACTOR
     why = min(limits, key=limits.get)

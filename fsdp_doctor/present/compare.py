@@ -35,9 +35,10 @@ class CompareTable:
 
 
 def _signed_bytes(n) -> str:
+    """"+421.75 KiB", "-195.25 KiB": the ASCII minus of every other figure (its Δ% beside it read "-100.0%")."""
     if n is None:
         return MISSING
-    return ("+" if n >= 0 else "−") + fmt_bytes(abs(n))
+    return ("+" if n >= 0 else "") + fmt_bytes(n)
 
 
 def _pct(d: Delta) -> str:
@@ -103,9 +104,12 @@ def tables(c: Comparison) -> list[CompareTable]:
     if c.comm_exposed is not None or c.comm:
         rows = [_row("exposed, all", c.comm_exposed, fmt_ms, _ms_signed)] if c.comm_exposed is not None else []
         rows += [(f"{unit_label(r.unit)} {r.collective} {r.phase or ''}".rstrip(), fmt_ms(r.a_ms), fmt_ms(r.b_ms),
-                  _ms_signed(r.delta_ms), MISSING) for r in c.comm]
-        shown = (f"the {len(c.comm)} of {c.comm_rows} units' rows that changed most" if c.comm_rows > len(c.comm)
-                 else "")
+                  _ms_signed(r.delta_ms), MISSING if r.pct is None else f"{r.pct:+.1f}%") for r in c.comm]
+        # (rows are unit x collective x phase: "the 12 of 14 units' rows" read as units, of which there were 5)
+        shown = "; ".join(
+            ([f"the {len(c.comm)} of {c.comm_rows} rows (unit, collective, phase) that changed most"]
+             if c.comm_rows > len(c.comm) else [])
+            + (["Δ% of A's figure: — where A has no such row"] if any(r.pct is None for r in c.comm) else []))
         out.append(CompareTable(f"Exposed communication (ms per step, from the {c.comm_source or 'reports'})",
                                 ("unit, collective, phase", "A", "B", "Δ", "Δ%"), rows, note=shown))
     if c.throughput:

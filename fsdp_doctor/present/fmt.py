@@ -13,12 +13,13 @@ import textwrap
 import tokenize
 from typing import NamedTuple, Optional
 
-from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Breakdown, CommSummary, Finding, MemorySection, Outlier,
-                               OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
+from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, CommSummary, CommUnitRow, Finding,
+                               MemorySection, Outlier, OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
+from ..trace.model import OTHER_UNIT
 from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
-                     evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, memory_peak_where, printable,
-                     ranks_phrase, unit_label)
+                     fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, memory_peak_where,
+                     printable, ranks_phrase, unit_label)
 
 
 SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
@@ -189,7 +190,7 @@ def findings_headline(items: list[Finding], rules: list | None = None, verdict: 
         if not few and job is not None and job.bound != "compute":
             share = job.groups_pct.get(job.bound)
             return (f"No findings, though the step is {job.bound}-bound"
-                    + (f" ({share:.0f}%)" if share is not None else "")
+                    + (f" ({fmt_share(share / 100)})" if share is not None else "")
                     + ": no rule found a lever that gains measurably here (fsdp-doctor analyze --explain says why "
                       "each stayed quiet).")
         return f"No findings, but {few}." if few else "Healthy: no findings."
@@ -260,6 +261,48 @@ def comm_headline(comm: CommSummary | None) -> str | None:
     if c.comm_ms_per_step is not None:
         txt += f" of {fmt_ms(c.comm_ms_per_step)} in collectives ({fmt_pct(c.overlap_pct)} overlapped)"
     return txt + f"; source: {c.source_text or c.source}, median over ranks"
+
+
+# --- the communication tables (report.overlap): the terminal's and the HTML's columns and titles, one definition
+# (the HTML's per-rank table had 5 of the terminal's 10 columns, under the heading "Collectives per unit": a new-user
+# trial)
+OVERLAP_RANKS_TITLE = "Communication per complete profiled step, per rank (overlap %: whole window, as HTA)"
+OVERLAP_RANKS_HEADER = ("rank", "dev", "steps", "step", "comm", "hidden", "exposed", "overlap", "blocked AG",
+                        "copies exp.")
+
+
+def overlap_rank_rows(sec: OverlapSection) -> list[tuple[str, ...]]:
+    """Per rank, per complete profiled step (OverlapRank's ``*_per_step`` figures); the overlap % is HTA's, over the
+    whole window; host-blocking all-gathers in the window; exposed host-device copies (only where there are any)."""
+    rows = []
+    for rank in sorted(sec.per_rank, key=int):
+        pr = sec.per_rank[rank]
+        blk = sec.blocking.get(rank) or Blocking()
+        cp = sec.copies.get(rank)
+        rows.append((
+            str(rank), pr.device, f"{pr.step_count}" if pr.step_count else "–", fmt_ms(pr.step_ms),
+            fmt_ms(pr.comm_ms_per_step), fmt_ms(pr.hidden_ms_per_step), fmt_ms(pr.exposed_ms_per_step),
+            fmt_pct(pr.overlap_pct), f"{blk.count} in window" if blk.count else "0",
+            fmt_us(cp.exposed_us) if cp is not None and (cp.h2d_us or cp.d2h_us) else "–"))
+    return rows
+
+
+def comm_units_title(rows: list[CommUnitRow], top: int) -> str:
+    """The per-unit collectives table's title: "FSDP units, worst exposure first, per profiled step (top 15 of
+    34)"."""
+    fsdp = any(r.unit != OTHER_UNIT for r in rows)  # (a DDP trace's all-reduces read "FSDP units": a new-user trial)
+    title = ("FSDP units" if fsdp else "Collectives (no FSDP unit in the traces)") + \
+        ", worst exposure first, per profiled step"
+    return title + (f" (top {top} of {len(rows)})" if len(rows) > top else "")
+
+
+def slack_note(sec: OverlapSection) -> str | None:
+    """Under the per-unit collectives, what their all-gathers' slack and held columns mean (None without FSDP
+    units' rows)."""
+    if any(r.unit != OTHER_UNIT for r in sec.per_unit):
+        return ("Slack: need − finish of the all-gather (negative: compute waited). Held: gathered params unused "
+                "before need.")
+    return None
 
 
 def unit_exposed_note(sec: OverlapSection | None, rank=None) -> str | None:
@@ -474,7 +517,8 @@ def checkpoint_text(section: StepsSection) -> str | None:
     aside = sorted({st for c in per.values() for st in c.profiled})
     aside_text = f" (step{'s' if len(aside) > 1 else ''} {', '.join(map(str, aside))} profiled: aside)" if aside else ""
     return (f"Checkpoint saves: {saves}{kind} in step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} each, "
-            f"{share:.1f}% of the recorded time{which}{around}{aside_text}; counted apart from outside; those steps are {kept}")
+            f"{fmt_share(share / 100, 1)} of the recorded time{which}{around}{aside_text}; counted apart from outside; "
+            f"those steps are {kept}")
 
 
 def compile_text(section: StepsSection) -> str | None:
@@ -547,11 +591,11 @@ def doctor_text(section: StepsSection) -> Optional[str]:
         return None
     ms, total, *every = max(own.values(), key=lambda v: v[0] / v[1])  # (the rank where it was most: a page filtered
     # to another rank reads no rank named)
-    head = (f"The doctor's own work: {fmt_ms(ms)} of the {fmt_ms(total)} the steps took ({100 * ms / total:.1f}%"
+    head = (f"The doctor's own work: {fmt_ms(ms)} of the {fmt_ms(total)} the steps took ({fmt_share(ms / total, 1)}"
             f"{', the most of any rank' if len(own) > 1 else ''}): ")
     if len(every) == 2 and every[1] > 0:  # (a 12-step run read "79.3%", nearly all one window's export, as a cost
         # per step: a new-user trial)
-        return (head + f"{fmt_ms(every[0])} per ordinary step ({100 * every[0] / every[1]:.1f}% of the median step), "
+        return (head + f"{fmt_ms(every[0])} per ordinary step ({fmt_share(every[0] / every[1], 1)} of the median step), "
                 "its records between steps; the rest once per profiler window or full memory count (those steps' "
                 "time over the median step), left out of the statistics above")
     return (head + "its records between steps, its profiler windows and full memory counts (those steps' time over "
@@ -581,8 +625,16 @@ def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, 
 
 def throughput_note(section: ThroughputSection) -> str:
     """Where the FLOPs are the analytic estimate, which parameters it counts; where counted FLOPs were scaled by
-    batches that vary, that they were (every rank's distinct sentence)."""
-    return "\n".join(dict.fromkeys(r.flops_note for r in section.per_rank.values() if r.flops_note))
+    batches that vary, that they were (every rank's distinct sentence); of several ranks, which one paces the job's
+    tokens/s."""
+    notes = list(dict.fromkeys(r.flops_note for r in section.per_rank.values() if r.flops_note))
+    slow = section.per_rank.get(section.job.paced_by or "")
+    if slow is not None and section.job.tokens_per_s is not None and len(section.per_rank) > 1:
+        # (a new-user trial's job read 2,243 tokens/s, 114.1 ms a step, beside the step table's job p50 112.9 ms:
+        # the median over every rank's steps)
+        notes.append(f"job tokens/s: paced by the slowest rank, rank {section.job.paced_by} (step p50 "
+                     f"{fmt_ms(slow.step_p50_ms)})")
+    return "\n".join(notes)
 
 
 def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
@@ -628,7 +680,7 @@ def memory_lines(section: MemorySection) -> list[tuple[str, str]]:
         pr = section.per_rank[r]
         parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {memory_peak_where(pr.peak_at)}"]
         if pr.capacity_bytes:
-            parts.append(f"{100 * pr.peak_bytes / pr.capacity_bytes:.0f}% of {fmt_bytes(pr.capacity_bytes)}")
+            parts.append(f"{fmt_share(pr.peak_bytes / pr.capacity_bytes)} of {fmt_bytes(pr.capacity_bytes)}")
         if pr.offloaded_host_bytes:
             parts.append(f"host (offloaded) {fmt_bytes(pr.offloaded_host_bytes)}")
         if pr.activations and pr.activations != "exact":

@@ -20,10 +20,10 @@ from typing import Any, Optional
 from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (fix_heading, fixes_note, problem_text,
-                  MEMORY_UNITS_HEADER, OUTLIERS_HEADER, SEVERITY_COLORS, STEPS_HEADER,
+from .fmt import (fix_heading, fixes_note, problem_text, comm_units_title, overlap_rank_rows, slack_note,
+                  MEMORY_UNITS_HEADER, OUTLIERS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
-                  fmt_checkpoint, fmt_pct, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
+                  fmt_checkpoint, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
                   steps_title, no_steady_text, straggler_text, throughput_rows, unit_exposed_note,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
@@ -131,30 +131,25 @@ def _findings(findings: list[Finding], rules: list | None = None, verdict=None) 
 
 
 def _overlap_ranks_table(overlap: OverlapSection) -> str:
-    """Per rank, per complete profiled step (the report's ``OverlapRank.*_per_step``, as the terminal)."""
-    rows = "".join(
-        f"<tr><td>{_esc(r)}</td><td>{fmt_ms(v.step_ms)}</td><td>{fmt_ms(v.comm_ms_per_step)}</td>"
-        f"<td>{fmt_ms(v.exposed_ms_per_step)}</td><td>{fmt_pct(v.overlap_pct)}</td></tr>"
-        for r, v in sorted(overlap.per_rank.items()))
-    return ("<table><tr><th>rank</th><th>step</th><th>communication / step</th><th>exposed / step</th>"
-            f"<th>overlap</th></tr>{rows}</table>")
+    """Per rank, per complete profiled step: the terminal's table, its title and columns (fmt.overlap_rank_rows)."""
+    return f"<h3>{_esc(OVERLAP_RANKS_TITLE)}</h3>" + _table(OVERLAP_RANKS_HEADER, overlap_rank_rows(overlap),
+                                                          "overlap-ranks-table")
 
 
 def _comm_units_table(per_unit: list[CommUnitRow], top: int = 15) -> str:
-    """The per-unit collectives, worst exposure first: the terminal's table, same formatters."""
+    """The per-unit collectives, worst exposure first: the terminal's table, its title, same formatters."""
     if not per_unit:
         return ""
     head = ("<tr><th>rank</th><th>unit</th><th>collective</th><th>phase</th><th>calls / step</th><th>time / step</th>"
-            "<th>exposed / step</th><th>bytes / call</th><th>bus BW</th><th>slack</th></tr>")
+            "<th>exposed / step</th><th>bytes / call</th><th>bus BW</th><th>slack</th><th>held</th></tr>")
     rows = "".join(
         "<tr>" + "".join(f"<td>{_esc(x)}</td>" for x in (
             r.rank, unit_label(r.unit), r.collective, r.phase or "—",
             "—" if r.count_per_step is None else f"{r.count_per_step:.3g}",
             fmt_ms(r.comm_ms_per_step), fmt_ms(r.exposed_ms_per_step), fmt_bytes(r.bytes_per_call),
-            fmt_bw(r.busbw_gbps), fmt_us(r.slack_us, signed=True))) + "</tr>"
+            fmt_bw(r.busbw_gbps), fmt_us(r.slack_us, signed=True), fmt_us(r.held_us))) + "</tr>"
         for r in per_unit[:top])
-    more = f"<p class='note'>top {top} of {len(per_unit)}</p>" if len(per_unit) > top else ""
-    return f"<table>{head}{rows}</table>{more}"
+    return f"<h3>{_esc(comm_units_title(per_unit, top))}</h3><table>{head}{rows}</table>"
 
 
 def _units_table(units: list[UnitRow] | list[TraceUnitRow]) -> str:
@@ -244,18 +239,23 @@ def render_html(report: Report | dict) -> str:
     (plotly.js inlined once, before the first figure)."""
     report = Report.of(report)
     parts = [_header(report)]
-    # (heading, figure builder, its section, what to say without it, the tables that follow the figure)
+    ov = report.overlap
+    # (heading, what precedes the figure, figure builder, its section, what to say without it, the tables that
+    # follow the figure)
     sections = [
         # (plain traces: their complete ProfilerSteps, as the terminal shows them; "No step records." read as none)
-        ("Steps", F.step_summary_figure, report.steps or report.trace_steps, "No step records.",
+        ("Steps", None, F.step_summary_figure, report.steps or report.trace_steps, "No step records.",
          lambda: _steps(report.steps or report.trace_steps)
          + (_throughput(report.throughput) if report.throughput is not None else "")),
-        ("Memory", F.memory_peaks_figure, report.memory_section(), "No memory measurements in this report.",
+        ("Memory", None, F.memory_peaks_figure, report.memory_section(), "No memory measurements in this report.",
          lambda: _memory(report.memory_section())),
-        (None, F.memory_units_figure, report.memory, None, None),
-        ("Collectives per unit", F.unit_exposure_figure, report.overlap and report.overlap.per_unit,
-         "No profiler traces: per-unit overlap needs a profiled window.", None),
-        (None, F.unit_timing_figure, report.unit_rows(), None, None),
+        (None, None, F.memory_units_figure, report.memory, None, None),
+        # the terminal's two tables, each under its own title: per rank, then per unit below their figure
+        ("Communication", ov and ov.per_rank and (lambda: _overlap_ranks_table(ov)), F.unit_exposure_figure,
+         ov and ov.per_unit, "No profiler traces: per-unit overlap needs a profiled window.",
+         lambda: _comm_units_table(ov.per_unit) + "".join(
+             f"<p class='note'>{_esc(n)}</p>" for n in (slack_note(ov), unit_exposed_note(ov)) if n)),
+        (None, None, F.unit_timing_figure, report.unit_rows(), None, None),
     ]
     bundle = partial_plotlyjs()
     if bundle is not None:
@@ -268,9 +268,11 @@ def render_html(report: Report | dict) -> str:
     note = fixes_note(report.findings)
     parts += ["<h2>Diagnosis</h2>", *([f"<p class='note'>{_esc(note)}</p>"] if note else []),
               _findings(report.findings, report.rules, report.verdict)]
-    for title, builder, data, missing, tables in sections:
+    for title, lead, builder, data, missing, tables in sections:
         if title:
             parts.append(f"<h2>{_esc(title)}</h2>")
+        if lead:
+            parts.append(lead())
         fig = None
         try:
             fig = builder(data) if data else None
@@ -283,12 +285,6 @@ def render_html(report: Report | dict) -> str:
             parts.append(f"<p class='note'>{_esc(missing)}</p>")
         if tables is not None and data:
             parts.append(tables())
-    if report.overlap is not None and report.overlap.per_rank:
-        parts.append(_overlap_ranks_table(report.overlap))
-        parts.append(_comm_units_table(report.overlap.per_unit))
-        gloo = unit_exposed_note(report.overlap)
-        if gloo:
-            parts.append(f"<p class='note'>{_esc(gloo)}</p>")
     head = comm_headline(report.comm)
     if head:
         parts.append(f"<p class='pred'>{_esc(head)}</p>")

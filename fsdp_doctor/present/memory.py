@@ -9,7 +9,7 @@ from rich.text import Text
 from ..memory_categories import DEVICE, label
 from ..report_sections import MemorySection
 from .fit import Col, fitted_table
-from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, memory_peak_where, short_unit_labels, trace_memory_rows
+from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, fmt_share, memory_peak_where, short_unit_labels, trace_memory_rows
 
 _BAR = 20
 
@@ -74,7 +74,7 @@ def render_memory(section: MemorySection, width: int = 100):
         parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {memory_peak_where(pr.peak_at)}"]
         cap = pr.capacity_bytes
         if cap:
-            parts.append(f"{100 * pr.peak_bytes / cap:.0f}% of {fmt_bytes(cap)}")
+            parts.append(f"{fmt_share(pr.peak_bytes / cap)} of {fmt_bytes(cap)}")
         if pr.offloaded_host_bytes:
             parts.append(f"host (offloaded) {fmt_bytes(pr.offloaded_host_bytes)}")
         if pr.activations and pr.activations != "exact":

@@ -7,10 +7,10 @@ from typing import Iterable
 from rich.console import Group
 from rich.text import Text
 
-from ..report_sections import Blocking, CommUnitRow, OverlapSection
-from ..trace.model import OTHER_UNIT
+from ..report_sections import CommUnitRow, OverlapSection
 from .fit import Col, fitted_table
-from .fmt import (MISSING, fmt_bw, fmt_bytes, fmt_ms, fmt_pct, fmt_us, short_unit_labels,  # one convention: fmt.py
+from .fmt import (MISSING, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, comm_units_title, fmt_bw,  # one convention: fmt.py
+                  fmt_bytes, fmt_ms, fmt_us, overlap_rank_rows, short_unit_labels, slack_note,
                   unit_exposed_note)
 
 TOP_UNITS = 15
@@ -21,25 +21,15 @@ _PHASE = {"forward": "fwd", "backward": "bwd", "grad_norm": "norm", "model": "mo
 
 
 def _rank_table(sec: OverlapSection, width: int):
-    """Per rank, per complete profiled step (OverlapRank's ``*_per_step`` figures); the overlap % is HTA's, over
-    the whole window."""
-    cols = [Col("rank"), Col("dev", drop=3), Col("steps", drop=2), Col("step"), Col("comm"), Col("hidden", drop=1),
-            Col("exposed"), Col("overlap", drop=1), Col("blocked AG", drop=2), Col("copies exp.", drop=3)]
-    rows = []
-    for rank in sorted(sec.per_rank, key=int):
-        pr = sec.per_rank[rank]
-        blk = sec.blocking.get(rank) or Blocking()
-        cp = sec.copies.get(rank)
-        pct = pr.overlap_pct
+    """Per rank, per complete profiled step (fmt.overlap_rank_rows, the HTML's too), the overlap % coloured."""
+    drops = {"dev": 3, "steps": 2, "hidden": 1, "overlap": 1, "blocked AG": 2, "copies exp.": 3}
+    cols = [Col(h, drop=drops.get(h, 0)) for h in OVERLAP_RANKS_HEADER]
+    rows, at = [], OVERLAP_RANKS_HEADER.index("overlap")
+    for rank, row in zip(sorted(sec.per_rank, key=int), overlap_rank_rows(sec)):
+        pct = sec.per_rank[rank].overlap_pct
         style = "red" if pct is not None and pct < 20 else ("yellow" if pct is not None and pct < 60 else "green")
-        rows.append((
-            rank, pr.device, f"{pr.step_count}" if pr.step_count else "–", fmt_ms(pr.step_ms),
-            fmt_ms(pr.comm_ms_per_step), fmt_ms(pr.hidden_ms_per_step), fmt_ms(pr.exposed_ms_per_step),
-            Text(fmt_pct(pct), style=style if pct is not None else ""),
-            f"{blk.count} in window" if blk.count else "0",
-            fmt_us(cp.exposed_us) if cp is not None and (cp.h2d_us or cp.d2h_us) else "–"))
-    return fitted_table("Communication per complete profiled step, per rank (overlap %: whole window, as HTA)",
-                        cols, rows, width)
+        rows.append((*row[:at], Text(row[at], style=style if pct is not None else ""), *row[at + 1:]))
+    return fitted_table(OVERLAP_RANKS_TITLE, cols, rows, width)
 
 
 def _unit_table(rows: list[CommUnitRow], top: int, width: int, names: Iterable[str] = ()):
@@ -47,11 +37,7 @@ def _unit_table(rows: list[CommUnitRow], top: int, width: int, names: Iterable[s
     units, not only among those with collectives in this table (an MoE's ``experts.2`` of one layer read as if the
     only one: a new-user trial)."""
     shown = rows[:top]
-    fsdp = any(r.unit != OTHER_UNIT for r in rows)  # (a DDP trace's all-reduces read "FSDP units": a new-user trial)
-    title = ("FSDP units" if fsdp else "Collectives (no FSDP unit in the traces)") + \
-        ", worst exposure first, per profiled step"
-    if len(rows) > top:
-        title += f" (top {top} of {len(rows)})"
+    title = comm_units_title(rows, top)
     labels = short_unit_labels([*(r.unit for r in rows), *names])
     cols = [Col("rank"), Col("unit", justify="left", wrap=True), Col("op", justify="left"), Col("calls", drop=2),
             Col("comm"), Col("exposed"), Col("size", drop=1), Col("bus BW", drop=1), Col("slack", drop=3),
@@ -86,9 +72,9 @@ def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped
         parts.append(Text("No traces could be analysed.", style="bold red"))
     if sec.per_unit:
         parts.append(_unit_table(sec.per_unit, top, width, [*names, *(u.name for u in sec.units or ())]))
-    if any(r.unit != OTHER_UNIT for r in sec.per_unit):  # (all-gathers' figures)
-        parts.append(Text("Slack: need − finish of the all-gather (negative: compute waited). "
-                          "Held: gathered params unused before need.", style="dim"))
+    slack = slack_note(sec)
+    if slack:
+        parts.append(Text(slack, style="dim"))
     gloo = unit_exposed_note(sec)
     if gloo:
         parts.append(Text(gloo, style="dim"))

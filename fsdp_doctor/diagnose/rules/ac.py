@@ -12,7 +12,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 
 # Checkpointing is worth its recompute when the peak is at least this share of capacity ...
 AC_NEAR_CAPACITY = T.NEAR_CAPACITY_SHARE
@@ -212,6 +212,13 @@ def _blocks_inside(u: E.Unit) -> list[str]:
     return sorted({b for m in (u.own_modules or []) if (b := S.block_of(m)) is not None and b not in own})
 
 
+def _blocks_owner(ctx: Context, holders: list[E.Unit]) -> str:
+    """The rule that says units hold whole blocks: wrap.params_in_root where the root holds them beside other units
+    (its case), else wrap.too_coarse (the root the only unit, or a unit below it holding several blocks)."""
+    others = E.non_root(E.param_units(ctx))
+    return "wrap.params_in_root" if others and all(u.is_root for u in holders) else "wrap.too_coarse"
+
+
 def _wrapped_after(us: list[E.Unit]) -> bool:
     """The units' CheckpointWrappers went around the units themselves (a unit applied to a wrapper's inner module:
     checkpoint_wrapper after fully_shard): a fix unwrapping them goes after the user's fully_shard calls."""
@@ -347,7 +354,7 @@ class AcRecommended(Rule):
         mods = [m for u in chosen for m in u.modules]
         stats = E.running_stats_under(E.units(ctx), mods)
         return [self.finding(
-            sev, f"Activations are {100 * acts / peak:.0f}% of a peak at {100 * share:.0f}% of capacity: "
+            sev, f"Activations are {fmt_share(acts / peak)} of a peak at {fmt_share(share)} of capacity: "
                  f"checkpoint {len(chosen)} block(s)",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * share, 1),
              "activation_bytes": acts, "activation_share_pct": round(100 * acts / peak, 1),
@@ -397,7 +404,7 @@ def _over_budget(peak_after: int, cap: int, bd: dict) -> str:
     if peak_after <= cap:
         return ""
     state = int((bd.get("sharded_params") or 0) + (bd.get("optimizer_state") or 0))
-    text = (f" Even so the peak stays {fmt_bytes(peak_after)}, {100 * peak_after / cap:.0f}% of the capacity: "
+    text = (f" Even so the peak stays {fmt_bytes(peak_after)}, {fmt_share(peak_after / cap)} of the capacity: "
             "checkpointing alone does not fit this budget")
     if state >= cap:
         return text + (f"; the sharded parameters and optimizer state alone take {fmt_bytes(state)}, "
@@ -460,7 +467,7 @@ class AcSelectiveToFull(Rule):
         return [self.finding(
             "critical" if share >= 1.0 else "warning",
             f"Selective checkpointing keeps {fmt_bytes(saved_total)} of operator outputs at a peak at "
-            f"{100 * share:.0f}% of capacity: checkpoint {len(sel)} unit(s) fully",
+            f"{fmt_share(share)} of capacity: checkpoint {len(sel)} unit(s) fully",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * share, 1),
              "activation_bytes": acts, "selective_units": [u.name for u in sel],
              "saved_beyond_inputs_bytes": int(saved_total), "memory_saved_bytes": int(peak - peak_after),
@@ -540,8 +547,7 @@ class AcUnneeded(Rule):
                 "\n" + S.remove_checkpointing([], functional) if functional else "")
         return [self.finding(
             # (under 1%: one decimal; "the peak is 0% of capacity" beside 0.5% in its evidence, a new-user trial)
-            sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is "
-                 f"{100 * peak / cap:.{0 if peak >= cap / 100 else 1}f}% of capacity",
+            sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {fmt_share(peak / cap)} of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * peak / cap, 1),
              "checkpointed_units": [u.name or "(root)" for u in ck],
              "recompute_ms_per_step": None if recompute is None else round(recompute, 3),
@@ -578,7 +584,9 @@ class AcWrongGranularity(Rule):
         # a unit holding whole blocks of the model (the root, where no block is a unit of its own): the children it
         # checkpoints are those blocks, at the block's granularity (a new-user trial's Trainer with NO_WRAP: its
         # decoder layers, checkpointed by gradient_checkpointing, read as the root's children, and the fix
-        # checkpointed the whole model); that they are no units is wrap.params_in_root's
+        # checkpointed the whole model); that they are no units is wrap.params_in_root's beside other units, and
+        # wrap.too_coarse's where the root is the only unit or a unit below it holds several blocks (the rule that
+        # says it: a new-user trial's whole model in one unit read "wrap.params_in_root's", itself quiet there)
         inside = {u.name: _blocks_inside(u) if all(S.strip_ckpt(w) == S.block_of(w) for w in u.checkpoint_wrappers)
                   else [] for u in ch}  # (wrappers on the blocks' children: the wrong granularity all the same)
         if all(inside.values()):
@@ -586,7 +594,7 @@ class AcWrongGranularity(Rule):
             return self.quiet(f"the checkpointing is inside unit(s) holding whole blocks of the model "
                               f"({E.fmt_list([u.name or '(root)' for u in ch])}: {len(blocks)} blocks, "
                               f"{E.fmt_list(blocks[:3])}{', ...' if len(blocks) > 3 else ''}), the blocks' own: "
-                              "their granularity; that the blocks are no units is wrap.params_in_root's")
+                              f"their granularity; that the blocks are no units is {_blocks_owner(ctx, ch)}'s")
         ch = [u for u in ch if not inside[u.name]]
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         cap = E.capacity_bytes(ctx)
@@ -619,7 +627,7 @@ class AcWrongGranularity(Rule):
             "full." + (f" Here their recompute spares {fmt_bytes(sum(spared.values()))}, while these units still "
                        f"keep {fmt_bytes(acts)} saved." if source == MEASURED and acts else "")
             + " Checkpoint the blocks themselves, and drop the inner wrappers or checkpoint calls."
-            + (f" That is where memory is needed: here the peak is {100 * peak / cap:.0f}% of capacity, and "
+            + (f" That is where memory is needed: here the peak is {fmt_share(peak / cap)} of capacity, and "
                "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else "")
             + _running_stats(stats, on=True, lead="With the blocks checkpointed,", now=" not checkpointed now"),
             (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
@@ -707,9 +715,9 @@ class AcFewerUnits(Rule):
              "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step,
              **({"running_stats_layers": stats} if stats else {})},
             f"{_reruns(ck)} in backward to keep the peak at {fmt_bytes(peak)} "
-            f"of {fmt_bytes(cap)} ({100 * peak / cap:.0f}%). {some.replace(' the ', ' ').capitalize()} can keep their "
+            f"of {fmt_bytes(cap)} ({fmt_share(peak / cap)}). {some.replace(' the ', ' ').capitalize()} can keep their "
             f"activations (measured in their recompute): the peak would be about {fmt_bytes(peak_after)} "
-            f"({100 * peak_after / cap:.0f}%, under {100 * AC_FEWER_TARGET_SHARE:.0f}%), and the step "
+            f"({fmt_share(peak_after / cap)}, under {100 * AC_FEWER_TARGET_SHARE:.0f}%), and the step "
             + (f"~{spared:.1f} ms shorter" if spared else "shorter by their recompute (not timed here)")
             + (". Turn checkpointing off (ac.unneeded stays quiet: the peak is at half of capacity or more)."
                if every else ". Turn checkpointing off on those and keep it on the others.")

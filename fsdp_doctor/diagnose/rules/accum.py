@@ -9,7 +9,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import ROOT_LABEL, fmt_bytes, unit_label
+from ...units import ROOT_LABEL, fmt_bytes, fmt_share, unit_label
 
 
 def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "") -> tuple[str, str, str, dict]:
@@ -188,7 +188,7 @@ class AccumulationRegathers(Rule):
                 "the most time per byte first, while the peak stays under "
                 f"{100 * T.HEADROOM_MAX_SHARE:.0f}% of capacity), they are gathered once in forward per step: "
                 f"-{saved:.1f} ms per step (the measured forward all-gather waits after the first micro-batch), peak "
-                f"{fmt_bytes(peak)} -> {fmt_bytes(peak_after)} ({100 * peak_after / cap:.1f}% of capacity).")
+                f"{fmt_bytes(peak)} -> {fmt_bytes(peak_after)} ({fmt_share(peak_after / cap, 1)} of capacity).")
         call = "set_reshard_after_backward(is_last_micro_batch" + (")" if every else ", recurse=False)")
         calls = f"model.{call}" if every else S.set_on_units(names, call)
         if E.trainer_driven(ctx):  # the Trainer runs the micro-batches: a callback switches before each

@@ -11,6 +11,7 @@ from typing import Optional
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
+from ...units import fmt_share
 
 #: saves taking at least this share of the recorded time are a finding, a warning from the second
 SHARE_NOTE, SHARE_WARN = 0.05, 0.15
@@ -83,13 +84,13 @@ class CheckpointBlocking(Rule):
         c = per[rank]
         share = c.ms_total / c.wall_ms_total
         if share < SHARE_NOTE:
-            return self.quiet(f"checkpoint saves take {100 * share:.1f}% of the recorded time (rank {rank}; fires "
+            return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}; fires "
                               f"from {100 * SHARE_NOTE:.0f}%)")
         setup = first_save_setup(c)
         if setup and (rest := (c.ms_total - setup) / (c.wall_ms_total - setup)) < SHARE_NOTE:
-            return self.quiet(f"checkpoint saves take {100 * share:.1f}% of the recorded time (rank {rank}), "
+            return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}), "
                               f"{setup:.0f} ms of it the first save's excess over the others' median (set-up, once a "
-                              f"process); the others {100 * rest:.1f}% (fires from {100 * SHARE_NOTE:.0f}%)")
+                              f"process); the others {fmt_share(rest, 1)} (fires from {100 * SHARE_NOTE:.0f}%)")
         steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
         every = statistics.median(b - a for a, b in zip(c.steps, c.steps[1:])) if len(c.steps) > 1 else None
         per_step = c.ms_total / steps
@@ -114,8 +115,8 @@ class CheckpointBlocking(Rule):
         step_ms = (c.wall_ms_total - c.ms_total) / steps
         n, share_after, gain, steady = less_often_plan(c, step_ms, every, steps)
         # the share then: in a long run; and in one as long as this (its first save's set-up kept), what a rerun shows
-        then = (f"{100 * share_after:.1f}% of the time" if not setup else
-                f"{100 * steady:.1f}% of the time ({100 * share_after:.1f}% in a run as long as this one, whose first "
+        then = (f"{fmt_share(share_after, 1)} of the time" if not setup else
+                f"{fmt_share(steady, 1)} of the time ({fmt_share(share_after, 1)} in a run as long as this one, whose first "
                 f"save's {setup:.0f} ms of set-up stays)")
         less_often = {"save_steps_after": n, "share_pct_after": round(100 * share_after, 1),
                       "share_pct_after_long_run": round(100 * steady, 1), "first_save_setup_ms": round(setup, 1),
@@ -130,7 +131,7 @@ class CheckpointBlocking(Rule):
             text += _sharded_saves(ctx, "fsdp_config={..., 'state_dict_type': 'SHARDED_STATE_DICT'}")
             code = (f"trainer.args.save_strategy = \"steps\"  # saves by step count (read by trainer.train())\n"
                     f"trainer.args.save_steps = {n}  # optimizer steps between saves: {c.ms_p50:.0f} ms each, "
-                    f"{100 * steady:.1f}% of the time")
+                    f"{fmt_share(steady, 1)} of the time")
             where = "trainer"
         elif c.async_saves == c.saves:
             evidence.pop("gain_ms_per_step_at_most")  # (asynchronous already)
@@ -166,7 +167,7 @@ class CheckpointBlocking(Rule):
                     + f" {S.NO_SAVE_CODE}")
         return [self.finding(
             "warning" if share >= SHARE_WARN else "info",
-            f"Training waits for checkpoint saves {100 * share:.0f}% of the recorded time",
+            f"Training waits for checkpoint saves {fmt_share(share)} of the recorded time",
             evidence, text, code, where=where,
             predicted=E.predicted(c.wall_ms_total / steps, c.wall_ms_total / steps - gain) if interval_lever else None,
             ranks=sorted(r for r in per if per[r].ms_total >= SHARE_NOTE * per[r].wall_ms_total),

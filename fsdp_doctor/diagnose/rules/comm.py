@@ -17,7 +17,7 @@ from .. import estimate as E
 from .. import snippets as S
 from ...report_sections import Breakdown
 from ...trace.build import MODEL_PHASE
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 from ..base import Context, Rule, register
 from ..estimate import GLOO_QUIET, breakdown_ms, per_step, trace_device, trace_step_ms, trace_verdicts  # noqa: F401
 from ..thresholds import BOUND_MIN_SHARE, SMALL_MAX_MEDIAN_BYTES
@@ -124,7 +124,7 @@ class ExposedReduceScatter(TraceRule):
                    " They reduce in 16 bits already (numerics.reduce_dtype weighs that choice).")
         return [self.finding(
             "warning" if share >= EXPOSED_RS_WARN_SHARE else "info",
-            f"Reduce-scatters stall the step for {total:.2f} ms ({100 * share:.0f}%)",
+            f"Reduce-scatters stall the step for {total:.2f} ms ({fmt_share(share)})",
             {"exposed_rs_ms_per_step": round(total, 3), "exposed_share_pct": round(100 * share, 1),
              "step_ms": round(step, 3), "worst_units": [f"{u or '(root)'}: {ms:.3f} ms" for u, ms in worst[:6]],
              "rs_bytes_per_call_median": statistics.median(sizes) if sizes else None,
@@ -193,14 +193,14 @@ class CommunicationBound(TraceRule):
             on_late = ", " + E.read_on_straggler(late)
         share = job.groups_pct["communication"] / 100
         if job.bound != "communication" or share < COMM_BOUND_MIN_SHARE:
-            return self.quiet(f"the step is {job.bound}-bound{on_late}; communication {100 * share:.0f}% of it (fires "
+            return self.quiet(f"the step is {job.bound}-bound{on_late}; communication {fmt_share(share)} of it (fires "
                               f"when communication-bound at {100 * COMM_BOUND_MIN_SHARE:.0f}% or more)")
         fsdp_pct = sum(job.shares_pct.get(k, 0.0) for k in Breakdown.FSDP_COMM_PARTS)
         model_pct = job.shares_pct.get("model_comm", 0.0)
         if model_pct >= fsdp_pct:
             return self.quiet(f"communication-bound mostly by the model's own collectives (model-parallel "
-                              f"{model_pct:.0f}% of the step, FSDP's {fsdp_pct:.0f}%), which FSDP's levers do not "
-                              "reach (verdict.severe names theirs)")
+                              f"{fmt_share(model_pct / 100)} of the step, FSDP's {fmt_share(fsdp_pct / 100)}), "
+                              "which FSDP's levers do not reach (verdict.severe names theirs)")
         rows = [r for r in E.trace_rows(ctx) if r.phase != MODEL_PHASE and only in (None, str(r.rank))]
         table = _size_table(rows)
         step = trace_step_ms(ctx)
@@ -242,7 +242,7 @@ class CommunicationBound(TraceRule):
             code = ""
         sh = job.shares_pct
         return [self.finding(
-            "warning", f"Communication-bound: exposed collectives take {100 * share:.0f}% of the step",
+            "warning", f"Communication-bound: exposed collectives take {fmt_share(share)} of the step",
             {"exposed_comm_share_pct": round(100 * share, 1), "allgather_fwd_pct": sh["allgather_fwd"],
              "allgather_bwd_pct": sh["allgather_bwd"], "reducescatter_pct": sh["reducescatter"],
              "other_comm_pct": sh["other_comm"], "compute_pct": job.groups_pct["compute"],
@@ -357,7 +357,7 @@ class NcclOnComputeStream(TraceRule):
         share = {r: (ms[r] / steps[r] if ms[r] is not None and steps[r] else 1.0) for r in bad}
         worst = max(share, key=share.get)
         calls = {r: f"{pr.comm_calls_on_compute_stream} of {pr.comm_calls}" for r, pr in sorted(bad.items())}
-        held = (f"{ms[worst]:.3f} ms of the {steps[worst]:.2f} ms step ({100 * share[worst]:.1f}%, rank {worst})"
+        held = (f"{ms[worst]:.3f} ms of the {steps[worst]:.2f} ms step ({fmt_share(share[worst], 1)}, rank {worst})"
                 if ms[worst] is not None and steps[worst] else f"rank {worst}")
         if share[worst] < ON_COMPUTE_STREAM_INFO_SHARE:
             return self.quiet(f"{calls[worst]} collectives on rank {worst} run on the compute stream, holding it "
@@ -366,7 +366,7 @@ class NcclOnComputeStream(TraceRule):
                               "by design")
         sev = "warning" if share[worst] >= ON_COMPUTE_STREAM_WARN_SHARE else "info"
         return [self.finding(
-            sev, f"Collectives hold the compute stream {100 * share[worst]:.0f}% of the step",
+            sev, f"Collectives hold the compute stream {fmt_share(share[worst])} of the step",
             {"ranks": sorted(int(r) for r in bad), "calls_on_compute_stream": calls,
              "on_compute_stream_ms_per_step": {r: None if v is None else round(v, 3) for r, v in sorted(ms.items())},
              "share_of_step_pct": round(100 * share[worst], 1),

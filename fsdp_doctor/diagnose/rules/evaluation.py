@@ -9,7 +9,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 
 # forwards without gradients whose all-gathers take under this share of as many training forwards' keep the units
 # gathered already: the first pass gathers them, a unit kept gathered returns from FSDP's pre-forward at once (the
@@ -111,7 +111,7 @@ class EvalRegather(Rule):
                 f"evaluation, the units are gathered once: up to {saved:.1f} ms less per evaluation ({per_step:.1f} ms a "
                 f"step over the run; on gloo part of an all-gather's time is the wait for the other ranks, which "
                 f"stays: a trial's predicted 70.6 ms came out 39 ms), holding {fmt_bytes(held)} of unsharded parameters meanwhile (about "
-                f"{fmt_bytes(during)} then, {100 * during / cap:.1f}% of capacity). The training steps do not change.")
+                f"{fmt_bytes(during)} then, {fmt_share(during / cap, 1)} of capacity). The training steps do not change.")
         code, where, inputs = "", "", {}
         if S.lacks_reshard_switch(ctx.config):
             text += (" This torch's FSDPModule has no set_reshard_after_forward, the switch the fix turns (a newer "

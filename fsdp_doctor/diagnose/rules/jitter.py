@@ -14,6 +14,7 @@ from ...report_sections import StepStats
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
+from ...units import fmt_share
 
 # GC pauses that take this share of total step time are worth acting on (gc.freeze / fewer cycles).
 GC_SHARE_MIN = 0.03
@@ -76,7 +77,7 @@ class GcPauses(Rule):
         recurring = (st.gc_ms_total - largest) / st.wall_ms_total if st.wall_ms_total else 0.0
         if recurring < GC_SHARE_MIN and not (len(gc_out) >= GC_MIN_OUTLIERS and out_share >= GC_OUTLIER_SHARE_MIN):
             # no pattern: a single collection (or none of note)
-            return self.quiet(f"GC takes {100 * share:.1f}% of rank {rank}'s step time, {100 * recurring:.1f}% "
+            return self.quiet(f"GC takes {fmt_share(share, 1)} of rank {rank}'s step time, {fmt_share(recurring, 1)} "
                               f"without its largest pause (fires from {100 * GC_SHARE_MIN:.0f}%)"
                               + (f", and explains {len(gc_out)} of {len(outliers)} outlier steps" if outliers else ""))
         per_step = st.gc_ms_total / st.count
@@ -91,7 +92,7 @@ class GcPauses(Rule):
             evidence.update(gc_full_ms_per_step=round(full, 3), gc_collected_per_step=round(made))
         if st.gc_disabled_count_total and st.gc_disabled_ms_total >= st.gc_ms_total / 2:  # (UNSET is falsy)
             return self._collected_by_hand(rank, st, made, evidence)
-        title = f"GC pauses take {100 * share:.1f}% of step time on rank {rank}"
+        title = f"GC pauses take {fmt_share(share, 1)} of step time on rank {rank}"
         if made is None or made * GC_DEFER_MIN_STEPS <= GC_PILE_MAX:
             every = GC_DEFER_MAX_STEPS if not made else min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made))
             cost = (made or 0.0) * GC_NS_PER_OBJECT * 1e-6  # the deferred collection, a step's share
@@ -143,14 +144,14 @@ class GcPauses(Rule):
                  "type")
         if n <= st.count // every + 1:  # (collections every `every` steps: at most this many in these steps)
             return self.quiet(
-                f"rank {rank}'s GC pauses ({100 * share:.1f}% of its step time) are explicit gc.collect() calls with "
+                f"rank {rank}'s GC pauses ({fmt_share(share, 1)} of its step time) are explicit gc.collect() calls with "
                 f"the collector off, {calls}: at the period advised (every {every} steps) or rarer. Their time grows "
                 "with the reference cycles they free" + (f" ({made:,.0f} objects a step)" if made else "")
                 + f": fewer calls would only make longer pauses; the lever left is the code that makes them ({lever})")
         evidence.update(gc_disabled_collections=n, gc_disabled_ms_each=round(ms / n, 3),
                         gc_disabled_share_pct=round(100 * share, 2), collect_every_steps=every)
         return [self.finding(
-            "warning", f"Explicit gc.collect() calls take {100 * share:.1f}% of step time on rank {rank} (the "
+            "warning", f"Explicit gc.collect() calls take {fmt_share(share, 1)} of step time on rank {rank} (the "
                        "collector is off)", evidence,
             "The collector is disabled (gc.disable()), so every pause here is an explicit gc.collect() call in the "
             f"loop: {calls}. Call it less often: every {every} steps, on all ranks at once (below, after "
@@ -262,7 +263,7 @@ class DataWait(Rule):
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
             what = (f"time between optimizer.step() and the next forward{accum if top.clock == CLOCK_HOST else ''}"
                     if top.between else "time outside the model")
-            return self.quiet(f"{what} is at most {100 * top.share:.0f}% of the step (rank {rank}"
+            return self.quiet(f"{what} is at most {fmt_share(top.share)} of the step (rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
         if why := E.updated_between(ctx):  # (the time after optimizer.step() holds the model's own second pass)
             return self.quiet(f"{why}; the time outside the model holds that work, not data loading")
@@ -276,7 +277,7 @@ class DataWait(Rule):
             return self.quiet(
                 f"on CUDA the host's time outside the model holds its waits for the device; this run's device times "
                 f"were recorded before the recorder timed the device's idle before the forward, and bound it at "
-                f"{100 * top.share:.0f}% of the step (rank {rank}) together with the loss and the wait for the last "
+                f"{fmt_share(top.share)} of the step (rank {rank}) together with the loss and the wait for the last "
                 f"reduce-scatters after backward: not data loading for certain (fires from "
                 f"{100 * OUTSIDE_SHARE_MIN:.0f}% on the device's own figure; record again to get it)")
         rank = max(decided, key=lambda r: shares[r].share)
@@ -299,11 +300,11 @@ class DataWait(Rule):
         pinned, pin = (" with pinned memory", "pin_memory=True, ") if E.on_gpu(ctx) else ("", "")
         return [self.finding(
             "warning",
-            (f"The device idles {100 * sh.share:.0f}% of each step between optimizer.step() and the next forward "
+            (f"The device idles {fmt_share(sh.share)} of each step between optimizer.step() and the next forward "
              "(data loading or user code)" if sh.clock == CLOCK_DEVICE else
-             f"{100 * sh.share:.0f}% of each step is spent between optimizer.step() and the next forward"
+             f"{fmt_share(sh.share)} of each step is spent between optimizer.step() and the next forward"
              f"{accum} (data loading or user code)" if sh.between else
-             f"{100 * sh.share:.0f}% of each step is spent outside the model (data loading or user code)"),
+             f"{fmt_share(sh.share)} of each step is spent outside the model (data loading or user code)"),
             evidence,
             "Between optimizer.step() and the next forward the devices idle. Load batches in background "
             f"workers{pinned} and prefetching (torch.utils.data.DataLoader(..., num_workers=4, {pin}"
@@ -378,12 +379,12 @@ class RecurringOutside(Rule):
         said = f"{len(hit)} of {len(common)} steady steps" + (f", every {every} steps" if every else "")
         if share < RECUR_SHARE_NOTE:
             return self.quiet(f"every rank spends {typical:.0f} ms longer outside the model in {said}: "
-                              f"{100 * share:.1f}% of the time (rank {rank}; fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
+                              f"{fmt_share(share, 1)} of the time (rank {rank}; fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
         per_step = sum(ex) / len(common)
         clock = "the device idles" if E.on_gpu(ctx) else "every rank spends"
         return [self.finding(
             "warning" if share >= OUTSIDE_SHARE_MIN and len(hit) >= RECUR_WARN_MIN_STEPS else "info",
-            f"Every rank stops {typical:.0f} ms outside the model in {said} ({100 * share:.0f}% of the "
+            f"Every rank stops {typical:.0f} ms outside the model in {said} ({fmt_share(share)} of the "
             "time)",
             {"steps": hit, "steps_checked": len(common), "every_n_steps": every,
              "excess_ms": [round(x, 1) for x in ex], "outside_ms_median": round(statistics.median(
@@ -392,7 +393,7 @@ class RecurringOutside(Rule):
              "measured_by": "device" if E.on_gpu(ctx) else "host"},
             f"In steps {', '.join(map(str, hit))} {clock} {typical:.0f} ms more outside the model "
             f"than in the other steps, on every rank at once: {per_step:.1f} ms per step over the run, "
-            f"{100 * share:.0f}% of the time (rank {rank}). The median step does not show it. Work done every few "
+            f"{fmt_share(share)} of the time (rank {rank}). The median step does not show it. Work done every few "
             "steps does this: a checkpoint save the doctor was not told of (torch.distributed.checkpoint's saves it "
             "finds by itself; time another, a torch.save of a gathered state dict, with doctor.checkpointing(), and "
             "checkpoint.blocking weighs it), an upload or a log line that waits on the network, a data loader "

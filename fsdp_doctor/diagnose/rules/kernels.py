@@ -5,7 +5,7 @@ between matmuls where a fused SDPA/flash kernel would run) and a step bound by l
 from __future__ import annotations
 
 from .. import estimate as E
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 from .. import thresholds as T
 from ...trace.kernels import LAUNCH_WAIT_US, SMALL_KERNEL_US
 from .. import snippets as S
@@ -133,21 +133,21 @@ class LaunchBound(Rule):
         k, n = rows[rank]
         # (a report of an older trace analysis has no launch delays: the shares decide alone)
         waited = k.launch_waited_count / k.launched_count if k.launched_count else None
-        queued = "" if waited is None else (f"; {100 * waited:.0f}% of its compute kernels started within "
+        queued = "" if waited is None else (f"; {fmt_share(waited)} of its compute kernels started within "
                                             f"{LAUNCH_WAIT_US:.0f} µs of their launch")
         if share < T.BOUND_MIN_SHARE:
-            return self.quiet(f"the device waits for launches {100 * share:.0f}% of the step "
+            return self.quiet(f"the device waits for launches {fmt_share(share)} of the step "
                               f"(< {100 * T.BOUND_MIN_SHARE:.0f}%; rank {rank}){queued}")
         small = k.small_count / k.count
         if small < SMALL_KERNEL_MIN_SHARE:
-            return self.quiet(f"host-bound, but {100 * small:.0f}% of the kernels are under {SMALL_KERNEL_US:.0f} µs: "
+            return self.quiet(f"host-bound, but {fmt_share(small)} of the kernels are under {SMALL_KERNEL_US:.0f} µs: "
                               "not a launch-count problem")
         if waited is not None and waited < LAUNCH_WAITED_MIN_SHARE:
-            return self.quiet(f"the device waits for the host {100 * share:.0f}% of the step (rank {rank}), but "
-                              f"only {100 * waited:.0f}% of its compute kernels started within {LAUNCH_WAIT_US:.0f} µs "
-                              "of their launch: the host runs ahead and they wait in the queue, so the host's time "
-                              "is spent elsewhere (an optimizer step on the CPU, a sync, code between steps), not "
-                              "in launching them")
+            return self.quiet(f"the device waits for the host {fmt_share(share)} of the step (rank {rank}), but "
+                              f"only {fmt_share(waited)} of its compute kernels started within "
+                              f"{LAUNCH_WAIT_US:.0f} µs of their launch: the host runs ahead and they wait in the "
+                              "queue, so the host's time is spent elsewhere (an optimizer step on the CPU, a sync, "
+                              "code between steps), not in launching them")
         trace_step = E.trace_step_ms(ctx)
         step = E.step_ms(ctx) or trace_step  # the records' steady step where recorded (the trace's is profiled)
         scale = step / trace_step if step and trace_step else 1.0
@@ -162,8 +162,8 @@ class LaunchBound(Rule):
                     else round(host_ms, 3), "rank": int(rank),
                     "launch_waited_pct": None if waited is None else round(100 * waited, 1),
                     "fsdp_host_ms_per_step": None if fsdp_ms is None else round(fsdp_ms, 3)}
-        title = (f"Launch-bound: {k.count / n:.0f} kernels per step, {100 * small:.0f}% shorter than "
-                 f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {100 * share:.0f}% of the step")
+        title = (f"Launch-bound: {k.count / n:.0f} kernels per step, {fmt_share(small)} shorter than "
+                 f"{SMALL_KERNEL_US:.0f} µs; the device waits for launches {fmt_share(share)} of the step")
         lead = ("The device runs each kernel faster than the host can launch the next one, so it idles between "
                 "them. A larger batch per step amortises the launches: the same kernels, each doing more work, "
                 "so tokens per second grow while the device has time to spare.")
@@ -179,7 +179,7 @@ class LaunchBound(Rule):
                 sev, title, evidence,
                 f"{lead} Here FSDP2's own host work, its hooks around each of the {units} units' forward and "
                 f"backward with their all-gather copies and reduce-scatter copies, takes {fsdp_ms:.1f} ms of the "
-                f"{trace_step:.1f} ms profiled step ({100 * fsdp_ms / trace_step:.0f}%), whatever the batch. One "
+                f"{trace_step:.1f} ms profiled step ({fmt_share(fsdp_ms / trace_step)}), whatever the batch. One "
                 f"unit for the whole model runs those hooks once: the prediction removes {units - 1}/{units} of "
                 f"that time. It costs the whole model gathered from forward to backward "
                 f"({fmt_bytes(peak_after - peak) if peak is not None else 'the unsharded parameters'} more at the "

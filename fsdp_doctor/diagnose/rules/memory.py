@@ -12,7 +12,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...records import CudaMemory
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 from ..base import Context, Rule, register
 
 _GRADS = ("sharded_grads", "unsharded_grads")
@@ -279,7 +279,7 @@ class NearCapacitySpread(Rule):
         bd = {k: v for k, v in pm.peak_breakdown.items() if v}
         top = max(bd, key=bd.get) if bd else None
         if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
-            return self.quiet(f"{top} dominates the peak ({100 * bd[top] / peak:.0f}%): its own rule applies")
+            return self.quiet(f"{top} dominates the peak ({fmt_share(bd[top] / peak)}): its own rule applies")
         kept = [u for u in E.non_root(E.param_units(ctx)) if E.kept_gathered(u)]
         if not kept:
             if share >= 1.0:
@@ -315,13 +315,13 @@ class NearCapacitySpread(Rule):
         if lacks:
             lines = []
         return [self.finding(
-            sev, f"Peak at {100 * share:.0f}% of capacity, spread over categories; "
+            sev, f"Peak at {fmt_share(share)} of capacity, spread over categories; "
             f"{len(kept)} unit(s) kept gathered after forward",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * share, 1),
              "largest_category": top, "largest_category_pct": round(100 * bd[top] / peak, 1) if top else None,
              "breakdown_bytes": dict(sorted(bd.items(), key=lambda kv: -kv[1])),
              "units_kept_gathered": len(kept), "freed_bytes": freed},
-            f"The peak is {100 * share:.0f}% of capacity and no category holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% "
+            f"The peak is {fmt_share(share)} of capacity and no category holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% "
             f"of it; {len(kept)} unit(s) keep their gathered parameters from forward to backward "
             f"(reshard_after_forward=False, ZeRO-2). Resharding {len(flip)} of them after forward lowers the peak by "
             f"{fmt_bytes(freed)}, at the price of one more all-gather per unit in backward (the last unit of forward "
@@ -340,18 +340,18 @@ class NearCapacitySpread(Rule):
         for f in ctx.earlier:
             after = getattr(f.predicted, "peak_bytes_after", None) if f.predicted else None
             if f.severity in ("warning", "critical") and after is not None and after < cap:
-                return self.quiet(f"the peak is {100 * peak / cap:.0f}% of capacity, and {f.code}'s fix brings it "
+                return self.quiet(f"the peak is {fmt_share(peak / cap)} of capacity, and {f.code}'s fix brings it "
                                   f"under ({fmt_bytes(after)} of {fmt_bytes(cap)})")
         parts = sorted(bd.items(), key=lambda kv: -kv[1])
-        said = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)} ({100 * v / peak:.0f}%)" for k, v in parts[:4])
+        said = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)} ({fmt_share(v / peak)})" for k, v in parts[:4])
         big = [k for k, v in parts if v >= 0.1 * peak]  # (a tenth of the peak or more: a part worth lowering)
         levers = [text for cats, text in _OVER_LEVERS if any(k in cats for k in big)]
         return [self.finding(
-            "critical", f"Peak at {100 * peak / cap:.0f}% of capacity, spread over categories: it does not fit",
+            "critical", f"Peak at {fmt_share(peak / cap)} of capacity, spread over categories: it does not fit",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
              "largest_category": parts[0][0] if parts else None,
              "breakdown_bytes": dict(parts), "units_kept_gathered": 0},
-            f"The peak is {fmt_bytes(peak)} of {fmt_bytes(cap)} of capacity ({100 * peak / cap:.0f}%) and no category "
+            f"The peak is {fmt_bytes(peak)} of {fmt_bytes(cap)} of capacity ({fmt_share(peak / cap)}) and no category "
             f"holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% of it, so no single rule's lever is enough and none of "
             f"this run's findings brings it under: {said}. What lowers its largest parts: " + "; ".join(levers)
             + ". Which fits is your choice (the ranks you have, the precision you train in): no code is offered.")]
@@ -492,7 +492,7 @@ class AllocRetries(Rule):
             below = int(peak - RETRY_PEAK_FILLS_SHARE * total) if fills else 0
             cause = (f". {already} already on ({', '.join(f'{k}={v}' for k, v in conf.items())}), so the "
                      "allocations themselves meet the device's memory" if already else
-                     f"; the peak allocation itself ({fmt_bytes(peak)}) fills {100 * peak / total:.0f}% of the "
+                     f"; the peak allocation itself ({fmt_bytes(peak)}) fills {fmt_share(peak / total)} of the "
                      f"{fmt_bytes(total)} the allocator may reserve"
                      + ("" if not w.allocator_limit else " (this process's memory fraction)")
                      + ". Each CUDA stream keeps its own cached memory (FSDP2 allocates its all-gather and "

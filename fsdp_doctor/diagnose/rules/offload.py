@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...report_sections import Copies
 from ...trace.collectives import dtype_bytes
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
@@ -104,7 +104,7 @@ class OffloadCostly(Rule):
         copies = ("copies not measured (no profiler trace)" if exposed is None else
                   f"{exposed:.1f} ms of their copies not hidden by compute")
         return [self.finding(
-            "warning", f"CPU offload costs {cost:.1f} ms of the step ({100 * cost / step:.0f}%): the optimizer steps "
+            "warning", f"CPU offload costs {cost:.1f} ms of the step ({fmt_share(cost / step)}): the optimizer steps "
                        f"on the CPU for {cpu_opt:.1f} ms" + ("" if exposed is None else
                                                            f", copies stall {exposed:.1f} ms"),
             {"offloaded_units": len(off), "copies_ms_per_step": None if tot is None else round(tot, 3),
@@ -143,7 +143,7 @@ class OffloadCostly(Rule):
         per_step = E.per_step
 
         return [self.finding(
-            "warning", f"Host-device copies stall the step for {ms:.2f} ms ({100 * ms / step:.0f}%)",
+            "warning", f"Host-device copies stall the step for {ms:.2f} ms ({fmt_share(ms / step)})",
             {"exposed_copies_ms_per_step": round(ms, 3), "exposed_share_pct": round(100 * ms / step, 1),
              "h2d_ms_per_step": round(per_step(ctx, worst, cp.h2d_us), 3),
              "d2h_ms_per_step": round(per_step(ctx, worst, cp.d2h_us), 3),
@@ -192,8 +192,8 @@ class OffloadRecommended(Rule):
         gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0
         after = step + copy_ms + cpu_opt_ms - gpu_opt_ms if step is not None else None
         return [self.finding(
-            "warning", f"Sharded parameters, gradients and optimizer state are {100 * state / peak:.0f}% of a "
-                       f"peak at {100 * peak / cap:.0f}% of capacity",
+            "warning", f"Sharded parameters, gradients and optimizer state are {fmt_share(state / peak)} of a "
+                       f"peak at {fmt_share(peak / cap)} of capacity",
             {"peak_bytes": peak, "capacity_bytes": cap, "sharded_state_bytes": state,
              "sharded_params_bytes": bd.get("sharded_params"), "sharded_grads_bytes": bd.get("sharded_grads"),
              "optimizer_state_bytes": bd.get("optimizer_state"), "copy_ms_per_step_est": round(copy_ms, 3),

@@ -14,6 +14,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
+from ...units import fmt_share
 
 # Collectives that no FSDP unit issued are worth a look above this share of the step ...
 OTHER_COMM_INFO_SHARE = 0.02
@@ -182,7 +183,7 @@ class OptimizerStepComm(Rule):
         if share < OTHER_COMM_INFO_SHARE or typical < OTHER_COMM_INFO_SHARE * (1 - OTHER_COMM_HYSTERESIS):
             return self.quiet(E.below_share(f"exposed collectives outside FSDP (rank {rank})", worst.exposed_ms,
                                             step, "the step", OTHER_COMM_INFO_SHARE, ms=True)
-                              + f"; the median rank's {100 * typical:.0f}%{besides}")
+                              + f"; the median rank's {fmt_share(typical)}{besides}")
         sev = "warning" if share >= OTHER_COMM_WARN_SHARE else "info"
         kinds = sorted(worst.kinds)
         # where the host issued them (the trace engine's phase): inside optimizer.step() the optimizer's own,
@@ -292,7 +293,7 @@ class OptimizerStateDominates(Rule):
         # (halving the state alone predicted 3.38 MiB where the rerun measured 2.25 MiB)
         saved = sum(bd.get(k) or 0 for k in _halved_by_bf16(E.param_units(ctx))) / 2
         return [self.finding(
-            "warning", f"{opt} state is {100 * st / peak:.0f}% of a peak at {100 * peak / cap:.0f}% of capacity",
+            "warning", f"{opt} state is {fmt_share(st / peak)} of a peak at {fmt_share(peak / cap)} of capacity",
             {"optimizer": opt, "optimizer_state_bytes": st, "peak_bytes": peak, "capacity_bytes": cap,
              "state_share_pct": round(100 * st / peak, 1), "world_size": cfg.world_size if cfg else None},
             f"{opt}'s per-parameter state ({E.mib(st)} MiB per rank, already sharded) is the largest part of "
@@ -373,7 +374,7 @@ class UntrainedParams(Rule):
         rs_exposed = E.trace_exposed_by_unit(ctx, "reduce_scatter") if E.on_gpu(ctx) else {}
         rs = sum(rs_exposed.get((u.name, "backward"), 0.0) for u in prefix)
         bwd = compute + ag + rs
-        text = (f"{ut.tensors} parameter tensor(s) ({ut.param_count / 1e6:.2f} M elements, {100 * share:.0f}% of "
+        text = (f"{ut.tensors} parameter tensor(s) ({ut.param_count / 1e6:.2f} M elements, {fmt_share(share)} of "
                 f"the trainable ones) have requires_grad=True but are not in the optimizer given to watch(), and "
                 f"their values did not change from the first step to the third: nothing updates them. Yet every "
                 f"backward computes their gradients, FSDP2 reduce-scatters them, and their gradient shards "
@@ -409,9 +410,8 @@ class UntrainedParams(Rule):
         peak = int(pm.peak_bytes) if pm is not None else None
         return [self.finding(
             "warning" if share >= UNTRAINED_WARN_SHARE else "info",
-            # (99.6% read "100%", as if the optimizer trained nothing: a new-user trial's fc was)
-            (f"{100 * share:.0f}%" if round(100 * share) < 100 or share == 1 else f"{100 * share:.1f}%")
-            + f" of the trainable parameters ({ut.tensors} tensors) are never stepped: their "
+            # (99.6% read "100%", as if the optimizer trained nothing: a new-user trial's fc was; fmt_share says 99.6%)
+            f"{fmt_share(share)} of the trainable parameters ({ut.tensors} tensors) are never stepped: their "
             f"gradients computed and kept for nothing",
             {"tensors": ut.tensors, "param_count": ut.param_count, "share_of_trainable": round(share, 4),
              "grad_bytes_kept": ut.grad_bytes, "names": ut.names[:8],

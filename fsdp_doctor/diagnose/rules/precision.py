@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import estimate as E
 from .. import snippets as S
-from ...units import unit_label
+from ...units import fmt_share, unit_label
 from ..base import Context, Rule, register
 
 _FORWARD = ("forward_start", "in_forward", "forward_end")
@@ -53,7 +53,7 @@ class AutocastFp32Params(Rule):
                 "its matmul. ")
         if most:
             text += (f"Autograd keeps that copy for the backward: {E.mib(at_peak)} MiB of the activations at the peak "
-                     f"({100 * share:.0f}%; {E.mib(most)} MiB at most), held from each unit's forward to its backward "
+                     f"({fmt_share(share)}; {E.mib(most)} MiB at most), held from each unit's forward to its backward "
                      "although FSDP reshards the float32 original after the forward, so sharding does not shrink "
                      "them. ")
         else:
@@ -68,7 +68,7 @@ class AutocastFp32Params(Rule):
                  f"as well, which the predicted peak does not count (it is a ceiling).")
         title = f"torch.autocast({dtype}) over float32 FSDP2 parameters: {E.mib(gathered)} MiB gathered in float32"
         if at_peak:
-            title += f", {E.mib(at_peak)} MiB of {dtype} weight copies held at the peak ({100 * share:.0f}%)"
+            title += f", {E.mib(at_peak)} MiB of {dtype} weight copies held at the peak ({fmt_share(share)})"
         lever = E.plugin_lever(ctx)
         if lever:  # accelerate's FSDP2 plugin shards the model, with the policy it holds
             who, prepares = S.plugin_says(lever)

@@ -10,7 +10,7 @@ from typing import Optional
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
-from ...units import fmt_bytes, unit_label
+from ...units import fmt_bytes, fmt_share, unit_label
 from ..base import Context, Rule, register
 
 # Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
@@ -232,7 +232,7 @@ class ExposedAllGather(Rule):
             # text had said it would): gloo's threads share the host's cores with the compute, no prefetch hides
             # them; on a GPU the finding stays and says what is left
             return self.quiet(f"explicit prefetch is set and compute still waits {total:.1f} ms per step "
-                              f"({100 * share:.0f}%) for all-gathers: on gloo they share the host's cores with the "
+                              f"({fmt_share(share)}) for all-gathers: on gloo they share the host's cores with the "
                               "compute, and no prefetch hides them (comm.bound and the verdict weigh them)"
                               + (f"; {len(wrong)} of its lists name units that ran before their own, which adds "
                                  "all-gathers (prefetch.wrong_order)" if wrong else ""))
@@ -248,7 +248,7 @@ class ExposedAllGather(Rule):
         other = (f" (the host's waits, timed by the recorder in every steady step; the profiled window's trace counts "
                  f"{traced:.1f} ms of exposed all-gathers in its steps)" if source == "host" and traced
                  and abs(traced - total) > 0.5 * max(traced, total) else "")
-        text = (f"Compute waits {total:.1f} ms per step ({100 * share:.0f}% {of_step}) for all-gathers{other}"
+        text = (f"Compute waits {total:.1f} ms per step ({fmt_share(share)} {of_step}) for all-gathers{other}"
                 f"{read and ', ' + read}: "
                 f"{fwd:.1f} ms in forward, {bwd:.1f} ms in backward. "
                 + ("Largest (median per unit): " + ", ".join(f"{u.name or '(root)'} {ph} {w:.1f} ms"
@@ -287,7 +287,7 @@ class ExposedAllGather(Rule):
             text += " Note: " + "; ".join(notes) + "."
         gain = 0.0 if has_fwd_prefetch else saved  # (nothing to paste: no gain of its own)
         return [self.finding(
-            sev, f"All-gathers stall compute for {total:.1f} ms per step ({100 * share:.0f}%)",
+            sev, f"All-gathers stall compute for {total:.1f} ms per step ({fmt_share(share)})",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1), "step_p50_ms": step,
              "share_taken_of_step_wall_ms": round(taken, 3),  # (the wall of the step the share is of)
@@ -351,7 +351,7 @@ class ExposedAllGather(Rule):
         if cpu and explicit:
             return self.quiet(
                 f"explicit prefetch is set (the trace's FSDP::forward_prefetch labels name {E.fmt_list(explicit)}) "
-                f"and compute still waits {total:.2f} ms per step ({100 * share:.0f}%) for all-gathers: "
+                f"and compute still waits {total:.2f} ms per step ({fmt_share(share)}) for all-gathers: "
                 + (f"the unshard is synchronous on gloo ({sat_in}), and no prefetch overlaps an all-gather the host "
                    "waits in (prefetch.sync_unshard)" if sync else
                    "on gloo they share the host's cores with the compute, and no prefetch hides them (comm.bound and "
@@ -380,7 +380,7 @@ class ExposedAllGather(Rule):
                      "reshard_after_forward=False where memory allows." + (_GLOO_NO_GAIN if cpu else ""))
             code = S.prefetch_code(ctx, backward=False)
         return [self.finding(
-            sev, f"All-gathers stall compute for {total:.2f} ms per step ({100 * share:.0f}%)",
+            sev, f"All-gathers stall compute for {total:.2f} ms per step ({fmt_share(share)})",
             {"exposed_ag_ms_per_step": round(total, 3), "exposed_ag_fwd_ms": round(fwd, 3),
              "exposed_ag_bwd_ms": round(bwd, 3), "exposed_share_pct": round(100 * share, 1),
              "step_ms": round(step, 3),
@@ -434,7 +434,7 @@ class PrefetchTooEarly(Rule):
                 + one_ahead) if one_ahead else ""
         return [self.finding(
             sev, f"Parameters of {len(rows)} unit(s) are gathered up to {rows[0][2]:.1f} ms before use "
-                       f"with memory at {100 * share:.0f}% of capacity",
+                       f"with memory at {fmt_share(share)} of capacity",
             {"peak_share_of_capacity_pct": round(100 * share, 1), "peak_bytes": peak,
              "capacity_bytes": E.capacity_bytes(ctx), "forward_prefetch_depth": depth,
              "backward_prefetch_depth": bdepth,
@@ -520,7 +520,7 @@ class FrozenGathered(Rule):
                 f"; it is held at the peak: without it the peak is {fmt_bytes(peak_after)} "
                 f"({fmt_bytes(peak - peak_after)} lower)")
         timed = (f" The trace shows it: {comm:.2f} ms of all-gather per step, {exposed:.2f} ms of it exposed "
-                 f"({100 * share:.1f}% of the step), and no pre-backward of it." if share is not None else "")
+                 f"({fmt_share(share, 1)} of the step), and no pre-backward of it." if share is not None else "")
         text = (f"{names} holds no trainable parameter and runs before every trainable one: no output of it needs "
                 "a gradient, so FSDP2 never runs its backward. Yet a backward prefetch all-gathers it in every "
                 f"backward: {fmt_bytes(gathered)} per step for nothing, held until the root's final callback frees it "
@@ -723,7 +723,7 @@ class SyncUnshard(Rule):
         cap = E.capacity_bytes(ctx)
         if held and cap and peak + extra > T.NEAR_CAPACITY_SHARE * cap:  # (a new-user trial's 4 MiB budget: 3.59 ->
             # 4.10 MiB predicted, said nowhere)
-            held += (f" That is {100 * (peak + extra) / cap:.0f}% of the {fmt_bytes(cap)} capacity"
+            held += (f" That is {fmt_share((peak + extra) / cap)} of the {fmt_bytes(cap)} capacity"
                      + (": past it, so free memory first (or keep the unshard synchronous)." if peak + extra > cap
                         else "."))
         return [self.finding(

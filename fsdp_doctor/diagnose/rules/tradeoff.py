@@ -24,7 +24,7 @@ from .. import snippets as S
 from ..base import Context, register
 from ...records import runs_compiled
 from ...report_sections import ThroughputRank, ThroughputSection
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 from ..base import Rule
 from ..thresholds import (BOUND_MIN_SHARE, HEADROOM_MAX_SHARE, HEADROOM_MIN_GAIN_SHARE, HEADROOM_WARN_GAIN_SHARE,
                           PREFETCH_OVERLAP_CPU, PREFETCH_OVERLAP_GPU, SMALL_MAX_MEDIAN_BYTES)
@@ -101,7 +101,7 @@ class Zero2PerUnit(Rule):
             return self.quiet("needs the step records' memory and step times")
         budget = ZERO2_MAX_SHARE * cap
         if peak >= budget:
-            return self.quiet(f"the peak is already {100 * peak / cap:.0f}% of capacity "
+            return self.quiet(f"the peak is already {fmt_share(peak / cap)} of capacity "
                               f"(budget {100 * ZERO2_MAX_SHARE:.0f}%)")
         last = E.resharded_last_unit(ctx)
         resharded = [u for u in E.non_root(E.param_units(ctx)) if u.reshard_after_forward is True]
@@ -158,12 +158,12 @@ class Zero2PerUnit(Rule):
         upper = sum(r.comm for r in chosen if r.comm is not None) if any(r.comm for r in chosen) else None
         sev = "warning" if saved >= ZERO2_WARN_GAIN_SHARE * step else "info"
         names, n_of = [u.name for u in us], len(cands) if where else len(rows)
-        text = (f"The peak is {100 * peak / cap:.1f}% of capacity ({E.mib(peak)} of {E.mib(cap)} MiB; the budget "
+        text = (f"The peak is {fmt_share(peak / cap, 1)} of capacity ({E.mib(peak)} of {E.mib(cap)} MiB; the budget "
                 f"is {100 * ZERO2_MAX_SHARE:.0f}%). Keeping a unit gathered after forward (ZeRO-2 for that unit) "
                 "holds its unsharded parameters from its forward to its backward and removes its backward "
                 f"all-gather. Flip {len(us)} of {n_of} unit(s), best time saved per byte first: "
                 f"{E.fmt_list(names)}: -{saved:.1f} ms per step (the measured wait), peak "
-                f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({100 * peak_after / cap:.1f}% of capacity).")
+                f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({fmt_share(peak_after / cap, 1)} of capacity).")
         if left:
             text += f" {E.fmt_list(left)} would not fit the budget."
         if never:
@@ -243,7 +243,7 @@ class _Lever:
 def _comm_lever(ctx: Context, comm: float, groups: dict[str, float], compute_ms: float) -> _Lever:
     """Exposed communication: small collectives -> fewer, larger units; large ones -> overlap."""
     sizes = _collective_sizes(ctx)
-    exposed = f"exposed communication {comm:.1f} ms ({groups['communication']:.0f}%); "
+    exposed = f"exposed communication {comm:.1f} ms ({fmt_share(groups['communication'] / 100)}); "
     size_ev = (f"{sizes.calls_per_step} all-gathers per step, median {fmt_bytes(sizes.median_bytes, 1)}"
                + (f", busbw {sizes.busbw_gbps:.1f} GB/s" if sizes.busbw_gbps else "")
                + f" ({sizes.source})") if sizes else "no collective sizes"
@@ -284,7 +284,7 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
         eff = flops / (comp / 1e3) / (peak_tf * 1e12)
         ideal = flops / (peak_tf * 1e12 * KERNEL_EFFICIENCY_TARGET) * 1e3
         out.append(_Lever("batch size", max(0.0, comp - ideal),
-                          f"compute {comp:.1f} ms ({groups['compute']:.0f}%) at {100 * eff:.0f}% of peak "
+                          f"compute {comp:.1f} ms ({fmt_share(groups['compute'] / 100)}) at {fmt_share(eff)} of peak "
                           f"while computing (well-sized kernels reach {100 * KERNEL_EFFICIENCY_TARGET:.0f}%)"
                           + (f"; {tokens:.0f} tokens per rank per step" if tokens else ""),
                           "a larger micro-batch per rank (more tokens per kernel); activation checkpointing "
@@ -312,14 +312,14 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
                    "predicted: a new-user trial's tiny MoE gained nothing)")
             code = (S.unit_list(S.tree(ctx)) + "\nfor unit in units:\n    unit.compile()"
                     + ("  # fused kernels; mode='reduce-overhead' adds CUDA graphs" if gpu else "  # fused operators"))
-        out.append(_Lever("GC pauses" if gc else "host overhead", host, f"{what} {host:.1f} ms ({groups['host']:.0f}%)",
-                          fix, code))
+        out.append(_Lever("GC pauses" if gc else "host overhead", host,
+                          f"{what} {host:.1f} ms ({fmt_share(groups['host'] / 100)})", fix, code))
     for group, lever, fix in (
             ("input", "input pipeline", "DataLoader workers, pinned memory, prefetch (jitter.data_wait)"),
             ("offload", "offload copies", "keep the state on the device if it fits (offload.costly)")):
         t = ms(group)
         if t > 0:
-            out.append(_Lever(lever, t, f"{group} {t:.1f} ms ({groups[group]:.0f}%)", fix))
+            out.append(_Lever(lever, t, f"{group} {t:.1f} ms ({fmt_share(groups[group] / 100)})", fix))
     out = [lv for lv in out if lv.recoverable_ms >= LEVER_MIN_SHARE * step]
     for lv in out:
         lv.mfu_after_pct = round(mfu * step / max(1e-9, step - lv.recoverable_ms), 1)
@@ -373,9 +373,9 @@ class LowMfu(Rule):
                 f"{job.summary or job.bound}). Levers by the step time each could recover: "
                 + "; ".join(f"{i + 1}. {lv.lever} ~{lv.recoverable_ms:.1f} ms -> MFU {lv.mfu_after_pct:.1f}%"
                             for i, lv in enumerate(levers[:4]))
-                + (f". First, the step is idle-bound ({groups['idle']:.0f}%): the device waits with work launched "
-                   "(a synchronisation, another rank), which none of these levers addresses (verdict.severe says "
-                   f"where to look); then {first.lever}: {first.evidence}. Fix: {first.fix}." if idle else
+                + (f". First, the step is idle-bound ({fmt_share(groups['idle'] / 100)}): the device waits with work "
+                   "launched (a synchronisation, another rank), which none of these levers addresses (verdict.severe "
+                   f"says where to look); then {first.lever}: {first.evidence}. Fix: {first.fix}." if idle else
                    f". The evidence points to {first.lever} first: {first.evidence}. Fix: {first.fix}."))
         if first.lever == "batch size":
             # a larger micro-batch: the same step time per token falls; the activations grow with the batch
@@ -397,7 +397,8 @@ class LowMfu(Rule):
             pred = E.predicted(step, step - first.recoverable_ms)
         notes = sorted({r.flops_note for r in rows if r.flops_note})
         return [self.finding(
-            sev, (f"MFU {mfu:.1f}%: the step is idle-bound ({groups['idle']:.0f}%), no MFU lever for that" if idle
+            sev, (f"MFU {mfu:.1f}%: the step is idle-bound ({fmt_share(groups['idle'] / 100)}), no MFU lever for that"
+                  if idle
                   else f"MFU {mfu:.1f}%: the evidence points to {first.lever} first"),
             {"mfu_pct": round(mfu, 2), "threshold_pct": LOW_MFU_PCT, "step_p50_ms": round(step, 3),
              "achieved_tflops_per_rank": _median(r.achieved_tflops for r in rows),

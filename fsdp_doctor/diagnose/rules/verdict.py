@@ -8,6 +8,7 @@ from .. import thresholds as T
 from .. import snippets as S
 from ..base import Context, Rule, register
 from ...report_sections import Breakdown
+from ...units import fmt_share
 
 def _compile(ctx: Context) -> str:
     return S.compile_code(S.tree(ctx))
@@ -95,7 +96,7 @@ class SevereVerdict(Rule):
         if job.bound not in _LEVERS:
             return self.quiet(f"the step is {job.bound}-bound")
         if share < T.SEVERE_BOUND_SHARE:
-            return self.quiet(f"{job.bound} is {100 * share:.0f}% of the step "
+            return self.quiet(f"{job.bound} is {fmt_share(share)} of the step "
                               f"(< {100 * T.SEVERE_BOUND_SHARE:.0f}%)")
         fsdp = bool(E.trace_rows(ctx, "all_gather") or E.trace_rows(ctx, "reduce_scatter") or E.param_units(ctx))
         sh = job.shares_pct
@@ -103,13 +104,13 @@ class SevereVerdict(Rule):
         kind = job.bound if job.bound != "communication" else ("model_parallel" if model else
                                                                "communication" if fsdp else "all_reduce")
         if kind == "communication" and E.backend(ctx) == "gloo":  # (comm.*'s GPU rules stay out of gloo runs too)
-            return self.quiet(f"communication-bound ({100 * share:.0f}%) on gloo, whose collectives share the CPU "
+            return self.quiet(f"communication-bound ({fmt_share(share)}) on gloo, whose collectives share the CPU "
                               "cores with compute: FSDP's overlap levers (prefetch, kept-gathered units) gain nothing "
                               "measurable there, so no gain is promised (prefetch.exposed_allgather and "
                               "prefetch.sync_unshard judge what gloo allows)")
         warned = [f.code for f in ctx.earlier if f.severity in ("warning", "critical") and _addresses(f, kind)]
         if warned:
-            return self.quiet(f"{job.bound}-bound ({100 * share:.0f}%), and {', '.join(sorted(set(warned)))} "
+            return self.quiet(f"{job.bound}-bound ({fmt_share(share)}), and {', '.join(sorted(set(warned)))} "
                               "already name levers")
         what, levers, write = _LEVERS[kind]
         # code from the run's module tree where the lever is a setting of the model; the others are the user's
@@ -118,13 +119,13 @@ class SevereVerdict(Rule):
         step = job.step_ms or E.trace_step_ms(ctx)
         bound_ms = step * share if step else None
         return [self.finding(
-            "warning", f"{job.bound.capitalize()}-bound: {what} take {100 * share:.0f}% of the step",
+            "warning", f"{job.bound.capitalize()}-bound: {what} take {fmt_share(share)} of the step",
             {"bound": job.bound, "bound_pct": round(100 * share, 1), "step_ms": step,
              "bound_ms_per_step": None if bound_ms is None else round(bound_ms, 3),
              "groups_pct": {k: v for k, v in job.groups_pct.items() if v}, "source": job.source,
              "summary": job.summary},
             f"{(job.summary or job.bound).rstrip('.')}. No other rule pinned it on one cause, so the levers for "
             f"{'an' if job.bound[:1] in 'aeiou' else 'a'} {job.bound}-bound step, in the order to try them: "
-            f"{levers}. The prediction is the bound: the step if all {100 * share:.0f}% were recovered.",
+            f"{levers}. The prediction is the bound: the step if all {fmt_share(share)} were recovered.",
             code,
             predicted=E.predicted(step, step - bound_ms if bound_ms is not None else None))]

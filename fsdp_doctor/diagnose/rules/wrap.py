@@ -8,7 +8,7 @@ import statistics
 from .. import estimate as E
 from .. import thresholds as T
 from .. import snippets as S
-from ...units import fmt_bytes
+from ...units import fmt_bytes, fmt_share
 from ..base import NEEDS, Context, Rule, register
 from ..thresholds import COARSE_SHARE_MIN  # one unit holding this share of the parameters is too coarse
 
@@ -68,7 +68,7 @@ class TooCoarse(Rule):
         big = max(us, key=lambda u: u.param_count)
         share = big.param_count / total
         if share < COARSE_SHARE_MIN:
-            return self.quiet(f"the largest unit, {big.name or '(root)'}, holds {100 * share:.0f}% of the "
+            return self.quiet(f"the largest unit, {big.name or '(root)'}, holds {fmt_share(share)} of the "
                               f"parameters (fires from {100 * COARSE_SHARE_MIN:.0f}%)")
         if big.is_root and len(us) > 1:  # a root holding most parameters next to wrapped units
             return self.quiet("the root holds most parameters beside other units: wrap.params_in_root says it")
@@ -76,10 +76,10 @@ class TooCoarse(Rule):
         if hb is not None and hb[1] >= T.BOUND_MIN_SHARE and not E.peak_near_capacity(ctx):
             # each unit adds FSDP2's hooks, copies and collectives to the host's work, which the device waits for
             # already (the H200's tiny GPT: 6 units 30.3 ms, one unit 19.3 ms), and the memory is not needed
-            return self.quiet(f"{big.name or '(root)'} holds {100 * share:.0f}% of the parameters, but the device "
-                              f"waits for its host {100 * hb[1]:.0f}% of the profiled step (rank {hb[0]}): more units would "
-                              "add FSDP2's per-unit host work to that wait (kernels.launch_bound), for memory the "
-                              "run does not need (its peak is not near capacity)")
+            return self.quiet(f"{big.name or '(root)'} holds {fmt_share(share)} of the parameters, but the device "
+                              f"waits for its host {fmt_share(hb[1])} of the profiled step (rank {hb[0]}): more "
+                              "units would add FSDP2's per-unit host work to that wait (kernels.launch_bound), for "
+                              "memory the run does not need (its peak is not near capacity)")
         step, peak = _job_numbers(ctx)
         t = big.timing
         ag = E.ag_wait_ms(big, "forward") + E.ag_wait_ms(big, "backward")
@@ -107,17 +107,17 @@ class TooCoarse(Rule):
         if own and len(blocks) < 2 and not S.tree(ctx).containers():
             # (a unit of one Linear in a 2-unit model: "split into 4 similar units" of a module that has none, its
             # plan the run's own sharding again, predicted 156% slower and no memory saved: a new-user trial)
-            return self.quiet(f"{name} holds {100 * share:.0f}% of the parameters, but neither it nor the model "
+            return self.quiet(f"{name} holds {fmt_share(share)} of the parameters, but neither it nor the model "
                               "holds repeated blocks to make units of")
         if not E.on_gpu(ctx) and peak is not None and peak_after is not None and \
                 peak - peak_after < COARSE_PEAK_GAIN_MIN * peak:
-            return self.quiet(f"{name} holds {100 * share:.0f}% of the parameters, but splitting it saves "
+            return self.quiet(f"{name} holds {fmt_share(share)} of the parameters, but splitting it saves "
                               f"{fmt_bytes(max(0, peak - peak_after))} of a {fmt_bytes(peak)} peak here, and on "
                               "gloo its smaller collectives only lengthen the step")
         whole = big.is_root and len(us) == 1
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
         code = S.shard_plan(S.tree(ctx), root_leftovers=True)
-        text = (f"Unit {name!r} holds {100 * share:.0f}% of the parameters, so FSDP gathers "
+        text = (f"Unit {name!r} holds {fmt_share(share)} of the parameters, so FSDP gathers "
                 f"{E.mib(big.unsharded_bytes)} MiB in one all-gather with nothing to overlap it with"
                 + (" (the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
                 + "Apply fully_shard to each repeated block first, then to the root: only two blocks are "
@@ -130,7 +130,7 @@ class TooCoarse(Rule):
             text = text.replace("Apply fully_shard to each repeated block first, then to the root:",
                                 "With each repeated block a unit of its own,") + " " + plug["text"]
         return [self.finding(
-            "warning", f"Unit {name!r} holds {100 * share:.0f}% of all parameters",
+            "warning", f"Unit {name!r} holds {fmt_share(share)} of all parameters",
             {"unit": name, "param_share_pct": round(100 * share, 1), "param_count": big.param_count,
              "unsharded_bytes": big.unsharded_bytes, "units_with_params": len(us),
              "ag_wait_fwd_ms": t.ag_wait_fwd_ms, "ag_wait_bwd_ms": t.ag_wait_bwd_ms,
@@ -229,7 +229,7 @@ class ParamsInRoot(Rule):
         root = rts[0]
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
-            return self.quiet(f"the root holds {100 * share:.1f}% of the parameters "
+            return self.quiet(f"the root holds {fmt_share(share, 1)} of the parameters "
                               f"(fires from {100 * ROOT_SHARE_MIN:.0f}%)")
         own = [m for m in root.own_modules if m]
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
@@ -238,7 +238,7 @@ class ParamsInRoot(Rule):
         movable = _movable_share(root)
         if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
             tied = [m for m in own if m in root.tied_modules]
-            return self.quiet(f"{100 * share:.0f}% of the parameters are in the root, but those of tied modules "
+            return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of tied modules "
                               f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%")
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
         # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
@@ -279,7 +279,7 @@ class ParamsInRoot(Rule):
             text += (" On gloo each new unit adds all-gathers and reduce-scatters of its own, which share the host's "
                      "cores with the compute: the step time is not predicted (the gain is the memory).")
         return [self.finding(
-            "warning", f"{100 * share:.0f}% of the parameters are left in the root unit",
+            "warning", f"{fmt_share(share)} of the parameters are left in the root unit",
             {"root_param_share_pct": round(100 * share, 1), "root_param_count": root.param_count,
              "root_unsharded_bytes": root.unsharded_bytes, "held_gathered_bytes": held,
              "root_ag_wait_fwd_ms": t.ag_wait_fwd_ms,  # (a straggler's own: E.late_rank)
