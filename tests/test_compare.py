@@ -1006,3 +1006,17 @@ def test_a_peak_that_moved_is_not_read_as_the_batch():
     pr.peak_breakdown["activations"] = int(pr.peak_breakdown["activations"] * 0.7)
     s = C.compare(a, a2).summary
     assert "activations" not in s and "peak moved" not in s, s
+
+
+def test_a_whole_model_unit_reads_one_unit(sample_run_path):
+    """A new-user trial's T5 with only the root sharded against its plan printed "wrapping   5 units differ   1 units
+    6 units": one unit is "1 unit"."""
+    import copy
+
+    run = load_run(sample_run_path)
+    a = compare_side(run)
+    rep = copy.deepcopy(a.report)
+    rep.units = [u for u in rep.units if not u.name]  # the root alone: one unit
+    b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
+    (ch,) = [c for c in C.config_diff(a, b) if c.key == "wrapping"]
+    assert (ch.a, ch.b) == (f"{len(a.report.units)} units", "1 unit"), (ch.a, ch.b)
