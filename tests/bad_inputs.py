@@ -452,7 +452,11 @@ def _record_cases() -> list[Case]:
       sample_steps)
     C("manifest-world-size-1", lambda r: edit_manifest(r, world_size=1), "partial", "outside this run")
     C("manifest-truncated", lambda r: (r / "manifest.json").write_text('{"world_size": 2,') and r, "partial",
-      "manifest.json", sample_steps)
+      "manifest.json: not valid JSON (Input data was truncated)", sample_steps)
+    # cut short after a field of the wrong type: the JSON's break said, not the field's type ("Expected `str`, got
+    # `int` - at `$.format`" told a new-user trial nothing of a manifest cut short)
+    C("manifest-truncated-after-a-field", lambda r: (r / "manifest.json").write_text('{"format": 3') and r,
+      "partial", "manifest.json: not valid JSON (Input data was truncated)", sample_steps)
     C("manifest-empty", lambda r: (r / "manifest.json").write_text("") or r, "partial", "manifest.json",
       sample_steps)
     C("manifest-list", lambda r: (r / "manifest.json").write_text("[]") and r, "partial", "manifest.json",

@@ -438,14 +438,22 @@ def test_a_long_comment_line_is_wrapped_alone():
         "# checkpointed by checkpoint(...) calls in their forward:",
         "#   layer1, layer2, layer3, layer4, layer5, layer6, layer7, layer8, layer9,", "#   layer10, layer11",
         "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its", "# own method", "off = None"]
-    # a sentence over two lines, one of them long, is wrapped as one (line by line it read "# updates smaller than"
-    # alone between two lines: a new-user trial)
-    code = ("# bf16 parameters halve the state's bytes of every tensor they hold, but bf16 rounds away\n"
-            "# updates smaller than about |w|/256.\n"
-            "mp = None")
+    # separate comments stay separate: a line not ending in ".", ":", ")" or ";" was joined to the next, and a
+    # new-user trial's GPT-2 plan printed three comments as one text ("... would add collectives for nothing lm_head,
+    # transformer.wte share a parameter (tied weights): they stay in the root the root last: it keeps what / # no
+    # unit holds"); the lines as the rule wrote them in that run
+    code = ("fully_shard(model.transformer.wpe, mesh=mesh)\n"
+            "# transformer.ln_f (512 B) stays in the root with the tied modules: a unit of its own would add "
+            "collectives for nothing\n"
+            "# lm_head, transformer.wte share a parameter (tied weights): they stay in the root\n"
+            "# the root last: it keeps what no unit holds\n"
+            "fully_shard(model, mesh=mesh)")
     assert fit_comments(code).splitlines() == [
-        "# bf16 parameters halve the state's bytes of every tensor they hold, but bf16",
-        "# rounds away updates smaller than about |w|/256.", "mp = None"]
+        "fully_shard(model.transformer.wpe, mesh=mesh)",
+        "# transformer.ln_f (512 B) stays in the root with the tied modules: a unit of",
+        "# its own would add collectives for nothing",
+        "# lm_head, transformer.wte share a parameter (tied weights): they stay in the", "# root",
+        "# the root last: it keeps what no unit holds", "fully_shard(model, mesh=mesh)"]
 
 
 def test_every_constructed_snippet_prints_its_comments_within_80_columns():

@@ -1033,3 +1033,33 @@ def test_comparison_tables_write_minus_in_ascii_and_every_rows_change():
     assert ("layers.0 reduce_scatter backward", "—", "4.46 ms", "+4.46 ms", "—") in comm.rows, comm.rows
     assert comm.note == ("the 12 of 19 rows (unit, collective, phase) that changed most; Δ% of A's figure: — where A "
                          "has no such row"), comm.note
+
+
+def test_a_whole_model_unit_reads_one_unit(sample_run_path):
+    """A new-user trial's T5 with only the root sharded against its plan printed "wrapping   5 units differ   1 units
+    6 units": one unit is "1 unit"."""
+    import copy
+
+    run = load_run(sample_run_path)
+    a = compare_side(run)
+    rep = copy.deepcopy(a.report)
+    rep.units = [u for u in rep.units if not u.name]  # the root alone: one unit
+    b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
+    (ch,) = [c for c in C.config_diff(a, b) if c.key == "wrapping"]
+    assert (ch.a, ch.b) == (f"{len(a.report.units)} units", "1 unit"), (ch.a, ch.b)
+
+
+def test_one_unit_that_differs_reads_one_unit_differs(sample_run_path):
+    """The configuration table's wrapping row counted "1 units differ" where one unit was added or removed."""
+    import copy
+
+    from fsdp_doctor.present.compare import tables
+
+    run = load_run(sample_run_path)
+    a = compare_side(run)
+    rep = copy.deepcopy(a.report)
+    rep.units = rep.units[:-1]  # one unit fewer
+    b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
+    cmp = C.Comparison(a=a, b=b, config=C.config_diff(a, b))
+    (row,) = [r for t in tables(cmp) if t.title == "Configuration changed" for r in t.rows if r[0] == "wrapping"]
+    assert row[1] == "1 unit differs", row

@@ -289,8 +289,9 @@ def config_diff(a: Side, b: Side) -> list[ConfigChange]:
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting
         ua, ub = ({n: {} for n, v in u.items() if v or side.source == "trace"} for u, side in ((ua, a), (ub, b)))
     if ua and ub and set(ua) != set(ub):
-        out.append(ConfigChange(key="wrapping", a=f"{len(ua)} units", b=f"{len(ub)} units",
-                                units=sorted(set(ua) ^ set(ub))))
+        # ("1 units" for a whole-model unit: a new-user trial's T5 root against its plan)
+        a_n, b_n = (f"{len(u)} unit{'s' * (len(u) != 1)}" for u in (ua, ub))
+        out.append(ConfigChange(key="wrapping", a=a_n, b=b_n, units=sorted(set(ua) ^ set(ub))))
     grouped: dict[tuple, list[str]] = {}
     for name in sorted(set(ua) & set(ub)):
         for k in UNIT_KEYS:

@@ -501,10 +501,15 @@ def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...],
     before, inside = [], []
     for (path, kw), blks in rel.items():
         if len(blks) == n_blocks and len(set(blks)) == n_blocks:
-            inside.append("    " + _call(module_expr(path, root="block"), kw, indent=4)
-                          + "  # a unit of its own, as in your run")
+            inside.append("    " + _call(module_expr(path, root="block"), kw, indent=4))
         else:
             before += [_call(module_expr(f"{b}.{path}"), kw) for b in blks]
+    # said once: on each of GPT-2's four Conv1D units a block read "a unit of its own, as in your run" four times
+    # (a new-user trial)
+    if len(inside) == 1:
+        inside[0] += "  # a unit of its own, as in your run"
+    elif inside:
+        inside.insert(0, "    # each a unit of its own, as in your run")
     return before, inside
 
 
@@ -520,8 +525,9 @@ def _call(expr: str, kw: str, indent: int = 0, width: int = 80) -> str:
     return f"fully_shard({expr}, mesh=mesh" + "".join(f",\n{pad}{p}" for p in kw.split(", ") if p) + ")"
 
 
-#: a module left after the last block (a final norm) stays in the root where the root keeps tied modules whose bytes
-#: are more than 1/SMALL_BESIDE_TIED of its own: the root is gathered for them anyway
+#: a module of the root's that a plan would make a unit of its own (a final norm, a norm between two stacks) stays in
+#: the root where the root keeps tied modules whose bytes are more than 1/SMALL_BESIDE_TIED of its own: the root is
+#: gathered for them anyway
 SMALL_BESIDE_TIED = 0.01
 
 
@@ -572,21 +578,28 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None) -> list[str
     for h, (tr, group) in heads.items():
         if not tr:
             lead.setdefault(group or h, []).append(h)
-    lines = _lead_note(t, root, [m for m, h in head_of.items() if not heads[h][0]], len(lead), lead_raf) \
-        if lead and lead_raf is not None else []
-    lines += [_call(group_expr(mods), kw) for mods in lead.values()]
     tail = [h for h, (tr, _) in heads.items() if tr]
     skip = [m for m in own if m in tied and not in_block(m)]
     sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    tail_bytes = sum(sizes.get(m, 0) for m, h in head_of.items() if h in tail)
     tied_bytes = sum(sizes.get(m, 0) for m in skip)
-    if tail and skip and sizes and tail_bytes < SMALL_BESIDE_TIED * tied_bytes:
-        # the root stays gathered for the tied modules anyway: a final norm of a few hundred bytes as a unit of its
-        # own only adds its collectives (Gemma3's model.norm: 19.3 ms of exposed all-gather a step on gloo, a
-        # new-user trial), so it stays beside them
-        lines.append(f"# {', '.join(tail)} ({tail_bytes:,} B) {'stays' if len(tail) == 1 else 'stay'} in the root "
-                     "with the tied modules: a unit of its own would add collectives for nothing")
-        tail = []
+    nbytes = lambda hs: sum(sizes.get(m, 0) for m, h in head_of.items() if h in hs)  # noqa: E731
+    # the root stays gathered for the tied modules anyway: a norm of a few hundred bytes as a unit of its own only
+    # adds its collectives, wherever it runs (Gemma3's final model.norm: 19.3 ms of exposed all-gather a step on
+    # gloo; T5's encoder.final_layer_norm, 256 B between the two stacks: 1.50 ms forward + 0.74 ms backward of a
+    # 54.2 ms step, pasted, while the same plan kept the decoder's in the root: new-user trials), so it stays
+    small = [hs for hs in [*lead.values(), tail]
+             if hs and skip and sizes and nbytes(hs) < SMALL_BESIDE_TIED * tied_bytes]
+    stay = [h for hs in small for h in hs]
+    lead = {g: hs for g, hs in lead.items() if hs not in small}
+    tail = [h for h in tail if h not in stay]
+    lines = _lead_note(t, root, [m for m, h in head_of.items() if not heads[h][0] and h not in stay], len(lead),
+                       lead_raf) if lead and lead_raf is not None else []
+    lines += [_call(group_expr(mods), kw) for mods in lead.values()]
+    if stay:
+        one = len(stay) == 1
+        lines.append(f"# {', '.join(stay)} ({nbytes(stay):,} B{'' if one else ' in all'}) {'stays' if one else 'stay'} "
+                     f"in the root with the tied modules: {'a unit of its' if one else 'units of their'} own would "
+                     "add collectives for nothing")
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
@@ -867,7 +880,7 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     if len(fwd) < 2:  # no unit besides the root (or one): nothing to prefetch ahead of another; no code
         return ""
     how = "as your run ran them" if recorded else "module order"
-    # (each line fits 80 columns: a new-user trial's terminal wrapped the fixes' long comments)
+    # (one text a line, however long: the terminal wraps each alone, fmt.fit_comments, never joining two)
     lines = [f"# FSDP units in forward order ({how}): each prefetches the next",
              *([f"# (not {len(sometimes)} unit(s) that did not run in every step: gathered when they run)"]
                if sometimes else []),
@@ -877,12 +890,11 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     elif backward:
         why = (["a block before the units nested in it"] if any(_inside(a, b) for a in fwd for b in fwd) else []) + (
             [f"not the {len(fwd) - len(bwd)} frozen unit(s) that never run it"] if len(bwd) < len(fwd) else [])
-        lines += [*textwrap.wrap(f"and in the order their backward starts ({'; '.join(why) or how})", width=88,
-                                 initial_indent="# ", subsequent_indent="# "),
+        lines += [f"# and in the order their backward starts ({'; '.join(why) or how})",
                   *_order_lines(t, "backward_order", bwd)]
         if bwd and len(bwd) < len(fwd):
-            lines += ["# the last prefetches itself, gathered already: with no list FSDP's default would gather the",
-                      "# unit before it in forward, which never runs backward",
+            lines += ["# the last prefetches itself, gathered already: with no list FSDP's default would gather the "
+                      "unit before it in forward, which never runs backward",
                       "backward_order.append(backward_order[-1])"]
     lines += ["for unit, nxt in zip(forward_order, forward_order[1:]):",
               "    unit.set_modules_to_forward_prefetch([nxt])"]

@@ -65,13 +65,17 @@ def _units(names: list[str], n: int = 4) -> str:
     return s + (f" … (+{len(names) - n})" if len(names) > n else "") if names else "job"
 
 
+def _units_differ(n: int) -> str:
+    return "1 unit differs" if n == 1 else f"{n} units differ"
+
+
 def tables(c: Comparison) -> list[CompareTable]:
     """Every section of the comparison as a table (empty sections left out)."""
     out: list[CompareTable] = []
     if c.config:
         out.append(CompareTable("Configuration changed", CONFIG_HEADER,
                                 [(ch.key, _units(ch.units) if ch.key != "wrapping" else
-                                  f"{len(ch.units)} units differ", _value(ch.a), _value(ch.b)) for ch in c.config]))
+                                  _units_differ(len(ch.units)), _value(ch.a), _value(ch.b)) for ch in c.config]))
     else:
         traces = "trace" in (c.a.source, c.b.source)
         out.append(CompareTable("Configuration", CONFIG_HEADER, [],

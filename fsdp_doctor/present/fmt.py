@@ -814,23 +814,6 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
 CODE_WIDTH = 80
 
 
-def _sentences(para: list[str], indent: str) -> list[list[str]]:
-    """A comment paragraph's lines in runs that read as one text: a line continues the one before unless that one
-    ends a sentence or a clause (".", ":", ")", ";") or it opens a parenthesis or an indented list ("#   layer1, ...").
-    Wrapped as a whole, a paragraph ran a header, a parenthesis and a list into one line; wrapped line by line, a
-    sentence broke mid-way ("# updates smaller than" alone: new-user trials)."""
-    runs: list[list[str]] = []
-    for x in para:
-        text = x[len(indent):].lstrip("#")
-        opens = text.strip().startswith("(") or _comment_indent(x, indent)
-        if runs and not opens and not _comment_indent(runs[-1][-1], indent) \
-                and not runs[-1][-1].rstrip().endswith((".", ":", ")", ";")):
-            runs[-1].append(x)
-        else:
-            runs.append([x])
-    return runs
-
-
 def _comment_indent(line: str, indent: str) -> str:
     """The spaces after a comment line's "# " beyond the first (an indented list under a header: "#   layer1, ..."),
     kept on its wrapped lines."""
@@ -839,11 +822,15 @@ def _comment_indent(line: str, indent: str) -> str:
 
 
 def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
-    """``code`` with each run of comment lines that reads as one text (``_sentences``) and holds a line over
-    ``width`` columns wrapped anew, at its indent, and a comment after code over it moved above that code, wrapped;
-    the code itself as it is: two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word
-    (lines of 87 to 126 columns). Comments only move, so the fix runs as the report's own (its JSON keeps it as the
-    rule wrote it). Code that does not tokenize (a command line) is returned as it is."""
+    """``code`` with each comment line over ``width`` columns wrapped under itself, at its indent (an indented list
+    keeping its indent), and a comment after code over it moved above that code, wrapped; the code itself as it is:
+    two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word (lines of 87 to 126 columns).
+    Each comment line is its own text, never joined to the next: a rule writes one text on one line, however long.
+    Joining a line to the next when it did not end in ".", ":", ")" or ";" ran three separate comments into one
+    ("... would add collectives for nothing lm_head, transformer.wte share a parameter ... the root last: ...": a
+    new-user trial's GPT-2 plan), and a rule's comments end without a full stop. Comments only move, so the fix runs
+    as the report's own (its JSON keeps it as the rule wrote it). Code that does not tokenize (a command line) is
+    returned as it is."""
     lines = code.split("\n")
     if all(len(ln) <= width for ln in lines):
         return code
@@ -859,23 +846,14 @@ def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
                                                 break_on_hyphens=False)]
 
     out: list[str] = []
-    i = 0
-    while i < len(lines):
-        ln, col = lines[i], comments.get(i)
+    for i, ln in enumerate(lines):
+        col = comments.get(i)
         indent = ln[:len(ln) - len(ln.lstrip())]
-        if col is not None and col == len(indent):  # a comment line: its paragraph
-            j = i
-            while j + 1 < len(lines) and comments.get(j + 1) == len(indent) and lines[j + 1].startswith(indent) \
-                    and len(lines[j + 1]) - len(lines[j + 1].lstrip()) == len(indent):
-                j += 1
-            for run in _sentences(lines[i:j + 1], indent):
-                out += (wrap(indent, " ".join(x.strip().lstrip("#").strip() for x in run),
-                             _comment_indent(run[0], indent)) if any(len(x) > width for x in run) else run)
-            i = j + 1
-            continue
-        if col is not None and len(ln) > width:  # a comment after code: above it
-            out += wrap(indent, ln[col:].lstrip("#").strip())
+        if col is not None and len(ln) > width:
+            if col == len(indent):  # a comment line
+                out += wrap(indent, ln.strip().lstrip("#").strip(), _comment_indent(ln, indent))
+                continue
+            out += wrap(indent, ln[col:].lstrip("#").strip())  # a comment after code: above it
             ln = ln[:col].rstrip()
         out.append(ln)
-        i += 1
     return "\n".join(out)

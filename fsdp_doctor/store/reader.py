@@ -293,12 +293,20 @@ class RunFollower:
     def _read_manifest(self, mpath: Path) -> None:
         name = layout.MANIFEST_NAME
         try:
-            m = manifest_decoder.decode(layout.read_regular(mpath))
+            data = layout.read_regular(mpath)
+            m = manifest_decoder.decode(data)
         except OSError as e:
             self.note_problem(f"{name}: cannot read ({e.strerror or e}); the streams are read without it")
             return
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.note_problem(f"{name}: not a valid fsdp-doctor manifest ({_short(e)}); the streams are read without it")
+            # the typed decoder stops at the first field of the wrong type: a manifest cut short after '{"format": 3'
+            # read "Expected `str`, got `int`" (a new-user trial); where the JSON itself is broken, that is said
+            try:
+                msgspec.json.decode(data)
+                what = "not a valid fsdp-doctor manifest"
+            except msgspec.DecodeError as j:
+                what, e = "not valid JSON", j
+            self.note_problem(f"{name}: {what} ({_short(e)}); the streams are read without it")
             return
         why = _manifest_refusal(m)
         if why:

@@ -305,8 +305,8 @@ class OptimizerStateDominates(Rule):
             "1.0 stop moving at lr 1e-3; FSDP2 wants one dtype per unit, so they cannot stay fp32 alone) unless "
             "the optimizer rounds stochastically (torchao's AdamW with bf16_stochastic_round=True). Compare the "
             "loss curve against this run's before keeping it.",
-            "# bf16 parameters and optimizer state, fp32 reduce: halves them, and rounds away updates smaller than\n"
-            "# about |w|/256 (norm weights near 1.0 stop moving at lr 1e-3): compare the loss against this run's\n"
+            "# bf16 parameters and optimizer state, fp32 reduce: halves them, and rounds away updates smaller than "
+            "about |w|/256 (norm weights near 1.0 stop moving at lr 1e-3): compare the loss against this run's\n"
             "model.to(torch.bfloat16)\n"
             + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
                            mp_line=S.policy_line("mp", "bfloat16"))
@@ -398,8 +398,8 @@ class UntrainedParams(Rule):
         text += (" If they are meant to be frozen, say so with requires_grad_(False) before the first forward: FSDP2 "
                  "then neither computes nor reduces their gradients, and autograd saves nothing for a frozen prefix. "
                  "If they are meant to train, add them to the optimizer (its state then grows by theirs).")
-        code = ("# after building the optimizer, before the first forward: the trainable parameters it does not hold\n"
-                "# (nothing updates them), frozen\n"
+        code = ("# after building the optimizer, before the first forward: the trainable parameters it does not hold "
+                "(nothing updates them), frozen\n"
                 "stepped = {id(p) for group in optimizer.param_groups for p in group[\"params\"]}\n"
                 "for param in model.parameters():\n"
                 "    if param.requires_grad and id(param) not in stepped:\n"
@@ -566,7 +566,7 @@ class NoGradients(Rule):
                      "into the sharded ones the optimizer steps. Turn the sync on for the backward of the last "
                      "micro-batch of every optimizer step (every backward, without accumulation).")
             code = ("# in your loop, before each micro-batch's backward (without gradient accumulation, every backward"
-                    "\n# is the last): reduce-scatter the gradients into the sharded parameters on the last one\n"
+                    " is the last): reduce-scatter the gradients into the sharded parameters on the last one\n"
                     "model.set_requires_gradient_sync(is_last_micro_batch)")
             where, inputs = "loop", {"is_last_micro_batch": "True on the last micro-batch of an optimizer step"}
         else:

@@ -504,8 +504,8 @@ class UnreducedParams(Rule):
             + "Let FSDP manage them, or average their gradients before optimizer.step(), or freeze them.",
             # a hook on the optimizer, not lines in the loop: pasted once, it runs before every step (a loop
             # version pasted after the optimizer was built ran once, before any gradient existed)
-            "# either drop them from ignored_params (FSDP then shards and reduces them), or average the\n"
-            f"# gradients of {E.fmt_list(names, 3)} before every optimizer.step():\n"
+            "# either drop them from ignored_params (FSDP then shards and reduces them), or average the "
+            f"gradients of {E.fmt_list(names, 3)} before every optimizer.step():\n"
             "import torch.distributed as dist\n"
             "from torch.distributed.tensor import DTensor\n"
             "unmanaged = [p for p in model.parameters()\n"
