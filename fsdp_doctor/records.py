@@ -293,6 +293,13 @@ class RunConfig(Record, tag="config"):
     # {}: a 1-D FSDP mesh only, or not read. A dim without a name is "dim<i>"
     mesh: dict[str, int] = {}
     fsdp_dims: int = 0
+    # FSDP's mesh is 1-D and cut from a larger one (``mesh2["shard"]`` of a 2-D ``mesh2``): that mesh's dims, name ->
+    # size in mesh order, and the name of FSDP's dim in it; {} and "": not cut from one, or not read
+    fsdp_mesh_parent: dict[str, int] = {}
+    fsdp_mesh_dim: str = ""
+    # the process group's ranks that train the watched model, where its mesh leaves ranks out (this run's rank i is
+    # world_ranks[i]; world_size counts them); []: every rank of the process group
+    world_ranks: list[int] = []
     unmanaged_param_bytes: int | None = 0  # parameters no FSDP unit manages (None: unknown)
     model_param_count: int = 0
     # a frozen base (fine-tuning): the trainable parameters (weight gradients) and those from the first trainable one

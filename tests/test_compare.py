@@ -1063,3 +1063,19 @@ def test_one_unit_that_differs_reads_one_unit_differs(sample_run_path):
     cmp = C.Comparison(a=a, b=b, config=C.config_diff(a, b))
     (row,) = [r for t in tables(cmp) if t.title == "Configuration changed" for r in t.rows if r[0] == "wrapping"]
     assert row[1] == "1 unit differs", row
+
+
+def test_a_mesh_change_touches_the_optimizer_step(sample_run_path):
+    """4 ranks 1-D against HSDP 2 x 2 (a new-user trial's runs/fsdp4 and runs/hsdp): each rank's shard of the
+    parameters doubles, and with it its optimizer step; compare read "the optimizer step, which this change does not
+    touch, moved -53%" and the step's change as the host's. A mesh change is no control of the host's speed."""
+    import copy
+
+    a = compare_side(load_run(sample_run_path))
+    b = copy.deepcopy(a)
+    b.report.run.mesh = {"replicate": 2, "shard": 1}
+    job = b.report.steps.job
+    job.phases_p50_ms = {**job.phases_p50_ms, "optimizer": 3 * job.phases_p50_ms["optimizer"] + C.HOST_MIN_MS}
+    cmp = C.compare(a, b)
+    assert [(c.key, c.a, c.b) for c in cmp.config] == [("mesh", "1-D", "replicate 2 × shard 1")]
+    assert cmp.step_p50.reason != C.HOST_CHANGED and "does not touch" not in cmp.summary, cmp.summary

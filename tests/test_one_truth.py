@@ -368,3 +368,26 @@ def test_the_exposure_table_labels_units_among_all_the_runs_units():
     assert " experts.2 " in shown([])
     both = shown(["model.layers.0.mlp.experts.2", "model.layers.1.mlp.experts.2"])
     assert "0.mlp.experts.2" in both, both
+
+
+def test_a_memory_table_too_wide_leaves_a_rank_out_with_its_share(sample_run_path):
+    """4 ranks at 80 columns (a new-user trial's HSDP run): the last rank's bytes were left out and its "%" kept,
+    headed "rank 2 % %"; a rank's share goes with it, and the caption names the rank alone."""
+    import copy
+    import io
+
+    from rich.console import Console
+
+    from fsdp_doctor.analyze.memory import analyze_memory
+    from fsdp_doctor.present.memory import render_memory
+    from fsdp_doctor.store import load_run
+
+    mem = analyze_memory(load_run(sample_run_path))
+    first = mem.per_rank[sorted(mem.per_rank)[0]]
+    mem.per_rank = {str(r): copy.deepcopy(first) for r in range(4)}
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(render_memory(mem, 80))
+    text = out.getvalue()
+    header = next(ln for ln in text.splitlines() if ln.strip().startswith("category"))
+    assert header.split() == ["category", "rank", "0", "%", "rank", "1", "%", "rank", "2", "%"], header
+    assert "not shown at 80 columns: rank 3 (a wider terminal shows them)" in text, text

@@ -232,10 +232,11 @@ class Rule:
             inputs = {k: PREPARED_INPUTS.get(k, v) for k, v in inputs.items()}
             code = for_prepared_optimizer(code)
         # a run whose parameters' mesh has model-parallel dims beside FSDP's: the mesh a fix uses is the user's FSDP
-        # mesh, which the fix reads (a new mesh cannot be it: FSDP needs the tensor-parallel mesh's parent)
+        # mesh, which the fix reads (a new mesh cannot be it: FSDP needs the tensor-parallel mesh's parent); so too
+        # HSDP's 2-D mesh and a 1-D one over some of the ranks (snippets.partial_mesh)
         mesh = mesh_input(self.config)
-        code = complete(code, define_mesh=not mesh)
-        if mesh and re.search(r"\bmesh\b", code) and not re.search(r"^\s*mesh\s*=", code, re.M):
+        code = complete(code, define_mesh=not mesh, mesh_known=bool(getattr(self.config, "units", None)))
+        if mesh and re.search(r"\bmesh\b(?!=)", code) and not re.search(r"^\s*mesh\s*=", code, re.M):
             name = "mesh"
             if model_parallel(self.config):
                 # beside tensor parallelism the user's `mesh` is likely the whole mesh (torch's examples name it so):

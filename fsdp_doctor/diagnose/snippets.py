@@ -39,6 +39,7 @@ _CKPT = "._checkpoint_wrapped_module"
 # itself ("2": an nn.Sequential model's embedding, blocks and head); group 1 is None for the root's
 _IDX = re.compile(r"^(?:(.*?)\.)?(\d+)(?:\.|$)")
 _DEEP = re.compile(r"^(?:(.*?)\.)?(\d+)\.")
+_NUMBERED = re.compile(r"^(?:(.*)\.)?(\d+)$")  # a numbered module itself: "layers.2", "2"; group 1 its container
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -104,6 +105,14 @@ def block_containers(names: Iterable[str]) -> dict[str, list[int]]:
     for n in names:
         m = _IDX.match(strip_ckpt(n))
         if m and (m.group(1) is not None or _DEEP.match(strip_ckpt(n))):
+            out.setdefault(m.group(1) or "", set()).add(int(m.group(2)))
+    # a numbered module whose numbered children holding parameters leave gaps is a block of layers, some without
+    # parameters (an nn.Sequential(Linear, ReLU, Linear) block reads "1.0", "1.2"): it is a block of its parent, not
+    # a container, whose children() would make a unit of each layer and of each ReLU
+    for c, idx in list(out.items()):
+        m = _NUMBERED.match(c)
+        if m and len(idx) >= 2 and sorted(idx) != list(range(min(idx), max(idx) + 1)):
+            del out[c]
             out.setdefault(m.group(1) or "", set()).add(int(m.group(2)))
     return {k: sorted(v) for k, v in out.items() if len(v) >= 2}
 
@@ -171,6 +180,21 @@ class Tree:
     def containers(self) -> dict[str, list[int]]:
         """Every repeated-block container, outermost first (a container inside a block is not one)."""
         found = block_containers(self.module_names())
+        # numbered siblings that are units are the blocks (the run's own, whatever is inside them): units "1", "2",
+        # "3" of nn.Sequential blocks are the root's blocks 1-3, and "1" no container of blocks "1.0", "1.1", "1.2"
+        # (a new-user trial's plan split each block into its Linear and ReLU layers: 12 units for 6)
+        numbered: dict[str, set[int]] = {}
+        for u in self.non_root():
+            inner = [o for o in getattr(u, "own_modules", []) or [] for m in u.modules if o.startswith(m + ".")]
+            for m in u.modules if inner else ():  # (a leaf unit, a Linear "0" of its own, holds no layers to split)
+                if (n := _NUMBERED.match(strip_ckpt(m))) is not None:
+                    numbered.setdefault(n.group(1) or "", set()).add(int(n.group(2)))
+        for c, idx in numbered.items():
+            if len(idx) < 2:
+                continue
+            blocks = [f"{c}.{i}" if c else str(i) for i in idx]
+            found = {k: v for k, v in found.items() if not any(k == b or k.startswith(b + ".") for b in blocks)}
+            found = {c: sorted(set(found.get(c, [])) | idx), **found}  # (outermost first)
         # (inside a numbered child of the root, "1.layers" of an nn.Sequential holding a TransformerEncoder, only
         # where the root's numbered children are blocks themselves)
         return {c: idx for c, idx in found.items()
@@ -1089,12 +1113,34 @@ FSDP_MESH_USE = re.compile(r"(?<=\bmesh=)mesh\b")
 def mesh_input(config) -> str:
     """Where the run's parameters' mesh has model-parallel dims beside FSDP's (RunConfig.mesh: tensor parallelism)
     or FSDP's mesh is 2-D (HSDP), what a fix using ``mesh`` reads from the user's code (``Recommendation.inputs``):
-    their FSDP mesh (a 1-D one over all ranks would turn HSDP into FSDP over the world); "" otherwise."""
-    if config is None or not getattr(config, "mesh", None):
+    their FSDP mesh (a 1-D one over all ranks would turn HSDP into FSDP over the world); so too where FSDP's 1-D mesh
+    leaves ranks out (:func:`partial_mesh`); "" otherwise."""
+    if config is None:
         return ""
+    if not getattr(config, "mesh", None):
+        return partial_mesh(config)
     if not model_parallel(config):
         return f"the mesh your fully_shard calls pass: your {fmt_mesh(config.mesh)} mesh (HSDP)"
     return f"the mesh your fully_shard calls pass: {fsdp_submesh(config)} of your {fmt_mesh(config.mesh)} mesh"
+
+
+def partial_mesh(config) -> str:
+    """Where FSDP's 1-D mesh spans some of the ranks only (``mesh2["shard"]`` of a 2-D mesh; a mesh from a group that
+    leaves ranks out), that mesh, in words, for a fix that passes it: a mesh over all ranks in its place shards over
+    all of them (a new-user trial's 2 x 2 mesh, ``mesh=mesh2["shard"]``: a pasted wrap fix sharded over 4 ranks and
+    the losses changed); "" where it spans them all (or nothing says otherwise)."""
+    parent, dim = getattr(config, "fsdp_mesh_parent", None) or {}, getattr(config, "fsdp_mesh_dim", "")
+    world = getattr(config, "world_size", 0) or 0
+    if parent:
+        return (f"the mesh your fully_shard calls pass: {f'[{dim!r}]' if dim else 'a 1-D sub-mesh'} of your "
+                f"{fmt_mesh(parent)} mesh")
+    ranks = getattr(config, "world_ranks", None) or []
+    if ranks:
+        return f"the mesh your fully_shard calls pass: over ranks {', '.join(map(str, ranks))} of the process group"
+    shard = max((u.shard_size for u in getattr(config, "units", None) or [] if u.shard_size), default=0)
+    if 0 < shard < world:
+        return f"the mesh your fully_shard calls pass: {shard} of the {world} ranks"
+    return ""
 
 
 #: optim.step_comm's fix for a per-parameter gradient-norm log (full_tensor() per parameter: a collective each, every
@@ -1604,9 +1650,12 @@ _DEFINES = (
 _FSDP_NAMES = ("CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "fully_shard")
 # (no ``device`` of its own: pasted into a script whose ``device`` was "cuda:{local_rank}", it made it "cuda", every
 # rank's cuda:0 - a new-user trial's script had one)
-_MESH = ("# a mesh over all ranks (HSDP: your 2-D mesh)\n"
+_MESH = ("# a mesh over all ranks{}\n"
          "mesh = init_device_mesh('cuda' if torch.cuda.is_available() else 'cpu',\n"
          "                        (dist.get_world_size(),))")
+# the mesh's comment where the run's mesh is known (1-D, over all ranks: a mesh of its own is HSDP's or a part of the
+# ranks', which the fix reads), and where it is not (a trace without the doctor's records)
+_MESH_KNOWN, _MESH_UNKNOWN = ", as your units' (FSDP's default)", " (or the mesh your fully_shard calls pass, if any)"
 
 
 # heads a snippet's imports, which it gathers at its top: pasted into a function that used one of their names
@@ -1635,16 +1684,17 @@ def _hoist_imports(body: str) -> tuple[list[str], str]:
     return imports, "\n".join(rest).strip("\n")
 
 
-def complete(code: str, define_mesh: bool = True) -> str:
+def complete(code: str, define_mesh: bool = True, mesh_known: bool = False) -> str:
     """The snippet with the imports and the ``mesh`` it uses and does not define (``define_mesh``: a 1-D mesh over
-    all ranks; False: the user's, which the fix reads), so that it runs pasted after the user's ``model`` (and
-    ``optimizer``) exist. Its imports, its own and those added, come first under ``IMPORTS_NOTE``."""
+    all ranks, ``mesh_known``: the run's own; False: the user's, which the fix reads), so that it runs pasted after
+    the user's ``model`` (and ``optimizer``) exist. Its imports, its own and those added, come first under
+    ``IMPORTS_NOTE``."""
     if not code:
         return code
     body = code
     pre: list[str] = []
-    if define_mesh and re.search(r"\bmesh\b", body) and not re.search(r"^\s*mesh\s*=", body, re.M):
-        body = _MESH + "\n" + body
+    if define_mesh and re.search(r"\bmesh\b(?!=)", body) and not re.search(r"^\s*mesh\s*=", body, re.M):
+        body = _MESH.format(_MESH_KNOWN if mesh_known else _MESH_UNKNOWN) + "\n" + body
     uses = re.sub(r"^\s*(from|import) .*$", "", body, flags=re.M)  # what the code uses, its own imports aside
     used_fsdp = [n for n in _FSDP_NAMES if re.search(rf"\b{n}\b", uses)
                  and not re.search(rf"^\s*from \S+ import [^\n]*\b{n}\b", body, re.M)]

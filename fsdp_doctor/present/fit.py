@@ -20,6 +20,9 @@ class Col:
     drop: int = 0  # 0: always shown; where the table does not fit, the highest ``drop`` goes first
     wrap: bool = False  # a name column: may wrap between words (never inside one); numbers never wrap
     fold: int = 0  # a name column of long identifiers (kernel names): folded inside a word past this width
+    # left out with the column before it (a rank's "%" beside its bytes: kept alone, "rank 2 % %" headed rank 3's
+    # shares with its bytes left out, a new-user trial's 4 ranks at 80 columns)
+    follows: bool = False
 
 
 def _len(cell) -> int:
@@ -57,7 +60,14 @@ def fit_columns(cols: Sequence[Col], narrow: Sequence[int], width: int, gap: int
     for i in sorted((i for i, c in enumerate(cols) if c.drop), key=lambda i: (-cols[i].drop, -i)):
         if need(keep) <= width:
             break
+        if i not in keep:  # (gone with the column it follows)
+            continue
         keep.remove(i)
+        j = i + 1
+        while j < len(cols) and cols[j].follows:
+            if j in keep:
+                keep.remove(j)
+            j += 1
     return keep
 
 
@@ -71,7 +81,7 @@ def fitted_table(title: str, cols: Sequence[Col], rows: Sequence[Sequence], widt
     keep = fit_columns(cols, narrow, width, gap=gap)
     fixed = _shared_widths([cols[i] for i in keep], [natural[i] for i in keep], [narrow[i] for i in keep],
                            width - gap * (len(keep) - 1) - 2)
-    dropped = [cols[i].name for i in range(len(cols)) if i not in keep]
+    dropped = [cols[i].name for i in range(len(cols)) if i not in keep and not (cols[i].follows and i - 1 not in keep)]
     notes = [caption] if caption else []
     if dropped:
         notes.append(f"not shown at {width} columns: {', '.join(dropped)} (a wider terminal shows them)")

@@ -40,7 +40,7 @@ def render_memory(section: MemorySection, width: int = 100):
     many = len(ranks) > 2
     cols = [Col("category", justify="left", wrap=True)]
     for i, r in enumerate(ranks):  # at a narrow width the shares go first, then the last ranks
-        cols += [Col(f"rank {r}", drop=0 if i == 0 else 10 + i), Col("%", drop=1)]
+        cols += [Col(f"rank {r}", drop=0 if i == 0 else 10 + i), Col("%", drop=1, follows=True)]
     if not many:
         cols.append(Col(f"share (rank {ranks[0]})", justify="left", drop=2))
     rows, styles = [], []

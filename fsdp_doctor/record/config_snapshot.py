@@ -116,11 +116,11 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
 
 def parallel_mesh(units: list[Unit]) -> dict:
-    """RunConfig.mesh and fsdp_dims: the mesh of the first dense parameter (of the param groups with the largest
+    """RunConfig.mesh and fsdp_dims (or fsdp_mesh_parent and fsdp_mesh_dim): the mesh of the first dense parameter (of the param groups with the largest
     FSDP mesh: a mixture of experts' experts under expert parallelism have their own, smaller one; Experts.mesh)
     that has dims beyond FSDP's (FSDP's dims first, then the model-parallel ones: tensor parallelism's "tp"; a
     tensor-parallel model's embeddings can have none), or FSDP's own mesh where it is 2-D (HSDP: replicate,
-    shard); {} when none has (a 1-D FSDP mesh)."""
+    shard); else, where FSDP's 1-D mesh is cut from a larger mesh, that one; {} when none has (a 1-D FSDP mesh)."""
     groups = [(fps, fsdp) for u in units for pg in F2.param_groups(u.state) or []
               if (fsdp := F2.fsdp_mesh(pg)) is not None and (fps := F2.group_params(pg))]
     largest = max((fsdp.size() for _, fsdp in groups), default=0)
@@ -131,6 +131,10 @@ def parallel_mesh(units: list[Unit]) -> dict:
             mesh = getattr(F2.sharded_param(fp), "device_mesh", None)
             if mesh is not None and (mesh.ndim > fsdp.ndim or fsdp.ndim > 1):
                 return {"mesh": mesh_dims(mesh), "fsdp_dims": int(fsdp.ndim)}
+    for _, fsdp in groups:  # a 1-D FSDP mesh cut from a larger one: the classic mesh2["shard"] for HSDP's mesh2
+        root = F2.root_mesh(fsdp)
+        if root is not None and root is not fsdp and root.ndim > 1 and fsdp.ndim == 1 and root.size() > fsdp.size():
+            return {"fsdp_mesh_parent": mesh_dims(root), "fsdp_mesh_dim": (fsdp.mesh_dim_names or ("",))[0] or ""}
     return {}
 
 

@@ -323,6 +323,20 @@ def fsdp_mesh(pg):
     return getattr(getattr(pg, "mesh_info", None), "mesh", None)
 
 
+def root_mesh(mesh):
+    """The device mesh ``mesh`` was cut from (``mesh2["shard"]``'s 2-D ``mesh2``), else ``mesh`` itself; None when
+    unreadable. 2.13: ``DeviceMesh._get_root_mesh``; before: ``_mesh_resources.get_root_mesh``."""
+    try:
+        get = getattr(mesh, "_get_root_mesh", None)
+        if get is None:
+            from torch.distributed.device_mesh import _mesh_resources
+
+            get = lambda: _mesh_resources.get_root_mesh(mesh)  # noqa: E731
+        return get()
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def shard_mesh_size(pg) -> int | None:
     """Ranks FSDP shards each parameter over (``mesh_info.shard_mesh_size``); None when unreadable."""
     n = getattr(getattr(pg, "mesh_info", None), "shard_mesh_size", None)

@@ -43,3 +43,25 @@ def run_device(units: Iterable) -> torch.device:
     """The device of this rank's run (see the module's docstring)."""
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
     return choose_device(backend, fsdp_compute_device(units), torch.cuda.current_device)
+
+
+def watching_ranks(units: Iterable) -> tuple[list[int] | None, list]:
+    """The global ranks that train the watched model, and the process groups the doctor gathers over to hear from
+    all of them: those of the mesh its units' FSDP meshes are cut from (a 1-D ``mesh2["shard"]``'s 2-D ``mesh2``,
+    every dim's group), where that mesh leaves ranks of the world out; (None, []) where it spans the world or cannot
+    be read: the default group, all ranks. A collective over the default group hangs watch() where only some ranks
+    train (a new-user trial: ranks 0-1 on ``DeviceMesh.from_group(new_group([0, 1]))``, ranks 2-3 waiting in a
+    barrier; killed after 120 s, nothing written)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, []
+    for u in units:
+        for pg in u.param_groups:
+            mesh = F2.fsdp_mesh(pg)
+            root = F2.root_mesh(mesh) if mesh is not None else None
+            if root is None:
+                continue
+            ranks = sorted(int(r) for r in root.mesh.flatten().tolist())
+            if len(ranks) == dist.get_world_size():
+                return None, []
+            return ranks, [root.get_group(d) for d in range(root.ndim)]
+    return None, []

@@ -51,7 +51,7 @@ from ..records import (
 from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
-from .run_device import run_device
+from .run_device import run_device, watching_ranks
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import FRAME_UNSEEN, config_snapshot, untrained_rows
 from .compile_time import CompileClock
@@ -116,6 +116,8 @@ class Doctor:
         self.steps_done = 0  # step records ended (optimizer steps, with an optimizer)
         self._failures = FailurePolicy(self._step_aside, self._safe_write)
         self._units: list[Unit] = []
+        self._world_ranks: list[int] | None = None  # the global ranks that train, where not all of them do
+        self._groups: list = []  # the process groups their values are gathered over (none: the default group)
         self._consistency: str | None = None  # the first step's consistency check ("" when it passed)
         self._sinks: Sinks | None = None  # the record stream and the live TensorBoard writer
         self._profiler: ProfilerWindows | None = None
@@ -156,6 +158,10 @@ class Doctor:
             self._check_entry()
             self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            # only some ranks train the model (its mesh leaves the others out): the run is theirs, numbered 0..n-1
+            self._world_ranks, self._groups = watching_ranks(self._units)
+            if self._world_ranks is not None:
+                self.rank, self.world_size = self._world_ranks.index(self.rank), len(self._world_ranks)
             self.run_id = self._claim_out_dir()
             self._start()
         except WatchError:
@@ -293,11 +299,20 @@ class Doctor:
 
     def _claim_out_dir(self) -> str:
         """A run directory holds one run: refuse one holding another run's records (unless ``overwrite``); all
-        ranks agree on the verdict and the run id before any writes (one all_gather_object at entry)."""
+        ranks agree on the verdict and the run id before any writes (one all_gather_object at entry, over the
+        default group; where only some ranks train, one per dim of their mesh, over that dim's group)."""
         def exchange(v):
-            got = [None] * self.world_size
-            dist.all_gather_object(got, v)
-            return got
+            if not self._groups:
+                got = [None] * self.world_size
+                dist.all_gather_object(got, v)
+                return got
+            me = self._world_ranks[self.rank]
+            held = {me: v}
+            for group in self._groups:  # each dim's gather passes on what the one before gathered
+                got = [None] * dist.get_world_size(group)
+                dist.all_gather_object(got, held, group=group)
+                held = {r: x for d in got for r, x in d.items()}
+            return [held[r] for r in self._world_ranks]
 
         try:
             return claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite,
@@ -665,6 +680,11 @@ class Doctor:
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
             selective=self._timer.selective)
         cfg.driver = self.driver
+        if self._world_ranks is not None:
+            cfg.world_ranks = list(self._world_ranks)
+            cfg.measured_notes.append(
+                f"ranks {', '.join(map(str, self._world_ranks))} of the {dist.get_world_size()} in the process group "
+                f"train the watched model (its device mesh), numbered 0-{self.world_size - 1} here in that order")
         cfg.flops_input_elements = self.flops_input_elements
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None

@@ -91,13 +91,28 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         unsharded = sum(E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name) if by_name else None
         freed = min(E.breakdown(ctx).get("sharded_grads", 0),
                     sum(E.grad_shard_bytes(by_name[u]) for u in counts if u in by_name)) if by_name else 0
-        grow = None if unsharded is None else unsharded - freed
+        # HSDP with set_requires_all_reduce(is_last_micro_batch): the all-reduce runs once per step already, and
+        # each unit's reduce-scatter outputs wait in comm buffers between micro-batches for it; without the
+        # reduce-scatters they go, but one unit's input at a time (a new-user trial's 2 x 2 mesh: comm buffers
+        # 518.62 -> 129.75 KiB at the peak; predicted 3.06 MiB with them, 2.62 MiB measured)
+        ars = [r.count_per_step for r in E.trace_rows(ctx, "all_reduce") if r.unit in counts]
+        ar_n = statistics.median(ars) if ars else None
+        held = 0
+        if ar_n is not None and ar_n < 1.5 and by_name:
+            largest = max((E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name), default=0)
+            held = max(0, E.breakdown(ctx).get("comm_buffers", 0) - largest)
+        grow = None if unsharded is None else unsharded - freed - held
         sev = "warning" if share is None or share >= 0.05 else "info"
         text = (f"Each unit reduce-scatters its gradients {n:.0f} times per optimizer step"
                 + (f" ({mb:.0f} micro-batches)" if mb else "") +
-                f": {comm:.1f} ms of reduce-scatters per step, {exposed:.1f} ms of it exposed. Turn gradient sync "
-                "off for all but the last micro-batch; FSDP2 then accumulates unsharded gradients locally and "
-                "reduce-scatters once, at the cost of holding them (the predicted peak).")
+                f": {comm:.1f} ms of reduce-scatters per step, {exposed:.1f} ms of it exposed. ")
+        if ar_n is not None and ar_n < 1.5:
+            text += (f"HSDP's all-reduce across the replicas runs {ar_n:.0f} time per unit per step already "
+                     "(set_requires_all_reduce on the last micro-batch only): the reduce-scatter alone runs per "
+                     f"micro-batch, and its outputs wait in comm buffers for that all-reduce ({fmt_bytes(held)} at "
+                     "the peak beyond one unit's, which go with it). ")
+        text += ("Turn gradient sync off for all but the last micro-batch; FSDP2 then accumulates unsharded "
+                 "gradients locally and reduce-scatters once, at the cost of holding them (the predicted peak).")
         per = f"{mb:.0f}" if mb and mb > 1 else f"{n:.0f}"
         code = (f"# before each micro-batch's backward ({per} per optimizer step in this run):\n"
                 "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
@@ -109,7 +124,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
              "units": len(counts), "reducescatter_ms_per_step": round(comm, 3),
              "reducescatter_exposed_ms_per_step": round(exposed, 3), "saved_ms_per_step": round(saved, 3),
              "saved_share_pct": None if share is None else round(100 * share, 1), "unsharded_grads_bytes": unsharded,
-             "sharded_grads_freed_bytes": freed},
+             "sharded_grads_freed_bytes": freed, "allreduces_per_unit_per_step": ar_n, "comm_buffers_freed_bytes": held},
             text, code, where=where, inputs=inputs,
             predicted=E.predicted(step, step - gain if step else None, peak,
                                   peak + grow if (peak is not None and grow is not None) else None),
