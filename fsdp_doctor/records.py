@@ -173,6 +173,37 @@ def config_notes(cfg: RunConfig) -> list[str]:
     return [*(n for n in cfg.unavailable if n.startswith(FRAME_UNSEEN_START)), *cfg.measured_notes]
 
 
+def optimizer_model_params(cfg: RunConfig) -> int:
+    """The watched model's parameter tensors the optimizer given to watch() holds (0: none, or no optimizer)."""
+    return max(0, cfg.optimizer_params - cfg.optimizer_foreign_params - cfg.optimizer_other_params)
+
+
+def optimizer_of_another_model(cfg: RunConfig) -> str:
+    """Where the optimizer given to watch() holds another FSDP2 model's parameters (RunConfig.optimizer_other_params):
+    one sentence saying so, for the log at watch() and the report's header; "" where it holds none. Holding none of
+    the watched model's own (a distillation's frozen teacher watched with its student's AdamW, a new-user trial: its
+    memory table put the student's 259 KiB of Adam state beside the teacher's 195 KiB of parameters, with no word)
+    the optimizer's figures and rules are another model's; holding both (one optimizer over a GAN's two networks) its
+    step updates both."""
+    other = cfg.optimizer_other_params
+    if not other:
+        return ""
+    from .units import fmt_bytes
+
+    own = optimizer_model_params(cfg)
+    name = cfg.optimizer or "the optimizer"
+    size = f"{fmt_bytes(cfg.optimizer_other_bytes)} per rank"
+    if own <= 0:
+        return (f"the optimizer given to watch() ({name}) holds none of the watched model's parameters: its {other} "
+                f"parameter tensor(s) ({size}) are another FSDP2 model's; "
+                "its state is not counted in this model's memory, its step is that model's update, and the rules "
+                "on the optimizer are skipped. Give watch() the model this optimizer trains, with it (README: loops "
+                "with more than one model)")
+    return (f"the optimizer given to watch() ({name}) holds {other} parameter tensor(s) of another FSDP2 model "
+            f"({size}) beside {own} of the watched model's: its step updates both models, and both models' state is "
+            "this model's optimizer state in the memory figures")
+
+
 def config_unavailable(cfg: RunConfig) -> list[str]:
     """A configuration's ``unavailable`` lines that are problems (what torch did not let the recorder read)."""
     return [n for n in cfg.unavailable if not n.startswith(FRAME_UNSEEN_START)]
@@ -266,6 +297,11 @@ class RunConfig(Record, tag="config"):
     optimizer_params: int = 0  # parameter tensors held by the optimizer
     optimizer_foreign_params: int = 0  # of those, tensors that are not the model's parameters
     optimizer_foreign_bytes: int = 0
+    # of the optimizer's tensors, another FSDP2 model's parameters (sharded, outside the watched model: a student's,
+    # where its frozen teacher is watched with the student's optimizer; a GAN's other network under one optimizer),
+    # and their local bytes
+    optimizer_other_params: int = 0
+    optimizer_other_bytes: int = 0
     optimizer_groups: list[OptimizerGroup] = []  # its parameter groups, in order ([]: not read)
     # a Hugging Face model's attention implementation ("eager", "sdpa", ...) where the model can switch it
     # (``set_attn_implementation``); None for any other model, or an older transformers without that method

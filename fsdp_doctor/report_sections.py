@@ -176,6 +176,8 @@ class MemorySection(_Section):
     peak_rank: str = ""  # the rank with the highest peak
     peak_bytes: int = 0
     per_rank: dict[str, MemoryRank] = {}
+    # what these figures cannot see, said once (CPU_UNSEEN on a CPU run, whose allocator has no total to read); ""
+    unseen: str = ""
 
 
 class DeviceSteps(_Section):

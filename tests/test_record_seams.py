@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fsdp_doctor.fsdp_labels import FsdpLabel, parse_label
+from fsdp_doctor.units import fmt_bytes
 
 
 @pytest.mark.parametrize("name,parsed", [
@@ -708,6 +709,87 @@ def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo
     teacher = sharded().requires_grad_(False)
     (said,) = [n for n in notes(teacher) if "another model" in n]
     assert said.startswith("2 FSDP2 unit(s) of another model are alive in this process (a teacher, "), said
+
+
+def _teacher_and_student():
+    """A distillation's two sharded models (each a root over one block unit), the teacher frozen, and the student's
+    AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded():
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+        fully_shard(m[0])
+        fully_shard(m)
+        return m
+
+    torch.manual_seed(0)
+    teacher, student = sharded().requires_grad_(False), sharded()
+    return teacher, student, torch.optim.AdamW(student.parameters(), lr=1e-3)
+
+
+def _distill(doc, teacher, student, opt, steps=4):
+    for _ in range(steps):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            t = teacher(x)
+        (student(x) - t).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        doc.step()
+
+
+def test_a_teacher_watched_with_its_students_optimizer_is_said_and_its_optimizer_left_out(tmp_path, gloo_one_rank,
+                                                                                             caplog):
+    """The frozen teacher given to watch() with the student's AdamW (a new-user trial: exit 0, no word, and the memory
+    table put 259 KiB of the student's Adam state beside the teacher's 195 KiB of parameters): one line at watch(),
+    the same at the head of the report, no optimizer state in the teacher's memory, the optimizer's rules skipped."""
+    import logging
+
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    teacher, student, opt = _teacher_and_student()
+    with caplog.at_level(logging.WARNING, logger="fsdp_doctor"):
+        with fsdp_doctor.watch(teacher, opt, out_dir=tmp_path / "run", profile=False) as doc:
+            said = [r.getMessage() for r in caplog.records if "holds none" in r.getMessage()]
+            _distill(doc, teacher, student, opt)
+    shard = sum(p.to_local().numel() * 4 for p in student.parameters())  # the student's fp32 shards, 4 tensors
+    line = (f"the optimizer given to watch() (AdamW) holds none of the watched model's parameters: its 4 parameter "
+            f"tensor(s) ({fmt_bytes(shard)} per rank) are another FSDP2 model's; its state is not counted")
+    assert len(said) == 1 and said[0].startswith("fsdp_doctor: " + line), said
+    run = fsdp_doctor.load_run(tmp_path / "run")
+    cfg = run.ranks[0].config
+    assert (cfg.optimizer_params, cfg.optimizer_foreign_params, cfg.optimizer_other_params,
+            cfg.optimizer_other_bytes) == (4, 0, 4, shard)
+    rep = build_report(run)
+    assert [n for n in rep.run.notes if n.startswith("The optimizer given")] == [line[0].upper() + line[1:] + (
+        " in this model's memory, its step is that model's update, and the rules on the optimizer are skipped. Give "
+        "watch() the model this optimizer trains, with it (README: loops with more than one model)")]
+    assert not rep.memory.per_rank["0"].peak_breakdown.get("optimizer_state"), rep.memory.per_rank["0"].peak_breakdown
+    status = {st.code: st for st in rep.rules}
+    for code in ("optim.before_shard", "optim.untrained_params", "optim.no_gradients"):
+        assert status[code].status == "skipped" and "holds none of the watched model's" in status[code].reason
+
+
+def test_a_container_of_teacher_and_student_frees_its_gradients(tmp_path, gloo_one_rank):
+    """A module holding the teacher and the student, watched (its forward never runs: the loop calls each model):
+    the gradients the loop's opt.zero_grad() freed read as kept at the step's start, a new-user trial's INFO
+    memory.grads_kept of 129.50 KiB, the student's gradients. Its first unit forward checks them, as the model's
+    forward does."""
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    teacher, student, opt = _teacher_and_student()
+    both = torch.nn.Module()
+    both.teacher, both.student = teacher, student
+    with fsdp_doctor.watch(both, opt, out_dir=tmp_path / "run", profile=False) as doc:
+        _distill(doc, teacher, student, opt)
+    rep = build_report(fsdp_doctor.load_run(tmp_path / "run"))
+    pm = rep.memory.per_rank["0"]
+    first = pm.timeline[0]
+    assert first["unit"] == "teacher" and first["phase"] == "forward_start" and not first.get("sharded_grads"), first
+    assert not rep.memory.per_rank["0"].steady_bytes.get("sharded_grads"), pm.steady_bytes
+    assert "memory.grads_kept" not in {f.code for f in rep.findings}
 
 
 def test_an_exception_before_the_first_step_is_recorded_whole(tmp_path, gloo_one_rank):

@@ -259,3 +259,28 @@ def test_a_watched_container_without_forward_is_said_in_the_header(sample_run_pa
     run.config.model_has_forward = False
     assert any(n.startswith("watch() was given a module with no forward() of its own") and
                "give watch() the model you train" in n for n in run_facts(run).notes), run_facts(run).notes
+
+
+def test_a_cpu_runs_memory_section_says_once_what_its_figures_cannot_see(sample_run_path):
+    """On the CPU the figures are the model's, its optimizer's and the step's own allocations: an EMA copy of the
+    weights cloned before the loop and updated in place (a new-user trial's, 162 KiB, +10% of the peak) left the
+    report the same, with no word. The memory section says so once, under the ranks' lines; a CUDA run, whose
+    temporaries are the allocator's total less the categories, does not."""
+    from fsdp_doctor.analyze.memory import CPU_UNSEEN, analyze_memory
+    from fsdp_doctor.present.fmt import memory_lines
+    from fsdp_doctor.present.memory import render_memory
+    from rich.console import Console
+
+    run = load_run(sample_run_path)
+    sec = analyze_memory(run)
+    assert sec.unseen == CPU_UNSEEN and "an EMA copy of the weights" in CPU_UNSEEN
+    lines = [t for t, _ in memory_lines(sec)]
+    assert lines.count(CPU_UNSEEN) == 1 and lines[-1] == CPU_UNSEEN, lines
+    con = Console(width=400, record=True)
+    con.print(render_memory(sec, width=400))
+    assert con.export_text().count(CPU_UNSEEN) == 1
+    for rd in run.ranks.values():
+        for s in rd.steps:
+            if s.memory is not None:
+                s.memory.device = "cuda:0"
+    assert analyze_memory(run).unseen == ""

@@ -242,7 +242,13 @@ def test_an_optimizer_over_two_sharded_models_holds_no_stale_tensor(tmp_path):
     for s in run.ranks[0].steps[1:]:
         assert s.memory.end["stale_optimizer_params"] == 0, s.memory.end
         assert s.memory.end["optimizer_state"] == state, (s.memory.end, state)
-    assert "optim.before_shard" not in {f.code for f in build_report(run).findings}
+    rep = build_report(run)
+    assert "optim.before_shard" not in {f.code for f in rep.findings}
+    # and the report's head says whose parameters it holds (4 tensors of b beside 4 of a's: 2 Linears each)
+    assert (run.config.optimizer_other_params, run.config.optimizer_other_bytes) == (4, 4 * 2 * (16 * 16 + 16))
+    assert "The optimizer given to watch() (AdamW) holds 4 parameter tensor(s) of another FSDP2 model (2.12 KiB per " \
+        "rank) beside 4 of the watched model's: its step updates both models, and both models' state is this " \
+        "model's optimizer state in the memory figures" in rep.run.notes, rep.run.notes
 
 
 _HEAD_ONLY_SCRIPT = textwrap.dedent(

@@ -8,7 +8,7 @@ from typing import Optional
 
 import msgspec
 
-from ..records import config_notes
+from ..records import config_notes, optimizer_of_another_model
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
 from ..units import ROOT_LABEL
@@ -66,6 +66,8 @@ def run_facts(run: Run) -> RunFacts:
                 "watch() was given a module with no forward() of its own (a container of models called one by one): "
                 "its models' steps, units and findings are mixed here; give watch() the model you train and its "
                 "optimizer (README: loops with more than one model)")]
+        if said := optimizer_of_another_model(cfg):  # (a teacher watched with its student's optimizer)
+            facts.notes = [*(facts.notes or []), said[0].upper() + said[1:]]
         others = other_fsdp_units(run)
         if others:  # (a new-user trial's distillation: the teacher's all-gathers in the student's same-named units)
             facts.notes = [*(facts.notes or []), (

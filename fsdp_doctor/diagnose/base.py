@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, NamedTuple, Optional
 
-from ..records import ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER
+from ..records import (ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, optimizer_model_params,
+                       optimizer_of_another_model)
 from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
 from .snippets import (FSDP_MESH_USE, PLUGIN_CALLS, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, TITAN_CALLS,
@@ -163,9 +164,13 @@ NEEDS: dict[str, Need] = {
         ctx.report.throughput is not None and any(r.mfu_pct is not None
                                                   for r in ctx.report.throughput.per_rank.values())),
                        "needs an MFU figure (FLOPs per step and the device's peak)"),
+    # (an optimizer holding none of the model's parameters, another FSDP2 model's: a teacher watched with its student's
+    # optimizer, whose rules would read the student's)
     "optimizer": Need("the optimizer (watch(model, optimizer))",
-                      lambda ctx: bool(ctx.config is not None and ctx.config.optimizer),
-                      "needs the optimizer passed to fsdp_doctor.watch"),
+                      lambda ctx: bool(ctx.config is not None and ctx.config.optimizer and not (
+                          ctx.config.optimizer_other_params and not optimizer_model_params(ctx.config))),
+                      "needs the optimizer of the watched model passed to fsdp_doctor.watch",
+                      lambda ctx: optimizer_of_another_model(ctx.config) if ctx.config is not None else None),
 }
 
 

@@ -690,6 +690,8 @@ def memory_lines(section: MemorySection) -> list[tuple[str, str]]:
             out.append((f"rank {r}: the optimizer holds {fmt_bytes(pr.stale_optimizer_params_bytes)} of tensors the "
                         "model no longer uses (created before fully_shard)", "error"))
         out += [(f"rank {r}: {n}", "warning") for n in pr.notes or []]
+    if section.unseen:
+        out.append((section.unseen, "info"))
     return out
 
 

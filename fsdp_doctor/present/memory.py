@@ -85,6 +85,8 @@ def render_memory(section: MemorySection, width: int = 100):
                               "of tensors the model no longer uses (created before fully_shard)", style="red"))
         for n in pr.notes or []:
             lines.append(Text(f"  rank {r}: {n}", style="yellow"))
+    if sec.unseen:
+        lines.append(Text(sec.unseen))
     top_rank = sec.peak_rank or ranks[0]
     top = per_rank.get(top_rank) or per_rank[ranks[0]]
     units = [u for u in top.per_unit if u.activation_bytes is not None or u.sharded_bytes]

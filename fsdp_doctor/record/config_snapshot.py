@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
+from types import SimpleNamespace
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records import ALLOC_CONF_VARS, FRAME_UNSEEN_START, Experts, OptimizerGroup, RunConfig, Untrained
+from ..records import (ALLOC_CONF_VARS, FRAME_UNSEEN_START, Experts, OptimizerGroup, RunConfig, Untrained,
+                       optimizer_model_params, optimizer_of_another_model)
 from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
@@ -46,7 +48,6 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     frame the doctor was not given (every unit untimed: FRAME_UNSEEN)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
-    opt_params, foreign, foreign_bytes = _optimizer_params(optimizer, model, units)
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     capacity = capacity_bytes
     if capacity is None and dev.type == "cuda":  # the device, or what a memory fraction leaves this process of it
@@ -99,7 +100,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
         torch_version=str(torch.__version__),
         optimizer=optimizer_name(optimizer),
-        optimizer_params=opt_params, optimizer_foreign_params=foreign, optimizer_foreign_bytes=foreign_bytes,
+        **optimizer_params(optimizer, model, units),
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
         units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(named, units),
@@ -229,19 +230,31 @@ def _compute_dtype(units: list[Unit]) -> str:
     return "float32"
 
 
-def _optimizer_params(optimizer, model: nn.Module, units: list[Unit] = ()) -> tuple[int, int, int]:
+def another_models_optimizer(optimizer, model: nn.Module, units: list[Unit]) -> str:
+    """What watch() says at entry where the optimizer holds none of the model's parameters and another FSDP2 model's
+    (records.optimizer_of_another_model); "" otherwise (one optimizer over two models is said in the report only)."""
+    counts = SimpleNamespace(optimizer=optimizer_name(optimizer), **optimizer_params(optimizer, model, units))
+    return optimizer_of_another_model(counts) if not optimizer_model_params(counts) else ""
+
+
+def optimizer_params(optimizer, model: nn.Module, units: list[Unit] = ()) -> dict[str, int]:
+    """RunConfig's counts of the optimizer's parameter tensors: all of them, those that are not the model's (left
+    from before fully_shard) and another FSDP2 model's (sharded, outside the model), with their local bytes."""
+    out = dict(optimizer_params=0, optimizer_foreign_params=0, optimizer_foreign_bytes=0, optimizer_other_params=0,
+               optimizer_other_bytes=0)
     if optimizer is None:
-        return 0, 0, 0
+        return out
     model_ids = {id(p) for p in model.parameters()} | managed_param_ids(units)
-    n = foreign = nbytes = 0
     for g in optimizer.param_groups:
         for p in g["params"]:
-            n += 1
-            if id(p) not in model_ids and not F2.is_sharded(p):  # (another FSDP model's)
-                foreign += 1
-                lt = getattr(p, "_local_tensor", p)
-                nbytes += lt.numel() * lt.element_size()
-    return n, foreign, nbytes
+            out["optimizer_params"] += 1
+            if id(p) in model_ids:
+                continue
+            kind = "other" if F2.is_sharded(p) else "foreign"
+            lt = getattr(p, "_local_tensor", p)
+            out[f"optimizer_{kind}_params"] += 1
+            out[f"optimizer_{kind}_bytes"] += lt.numel() * lt.element_size()
+    return out
 
 
 def untrained_rows(model: nn.Module, optimizer, held: set[int] | None = None,

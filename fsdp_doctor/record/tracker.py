@@ -53,7 +53,7 @@ from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device, watching_ranks
 from .sinks import FailurePolicy, Sinks
-from .config_snapshot import FRAME_UNSEEN, config_snapshot, untrained_rows
+from .config_snapshot import FRAME_UNSEEN, another_models_optimizer, config_snapshot, untrained_rows
 from .compile_time import CompileClock
 from .dcp_saves import DcpSaveTap
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
@@ -340,6 +340,8 @@ class Doctor:
         return self._profiler is not None and not self._profiler.stepped_aside and self._profiler.is_profiled(step)
 
     def _install(self) -> None:
+        if said := another_models_optimizer(self._reads, self.model, self._units):  # (a warning: training goes on)
+            log.warning("fsdp_doctor: %s", said)
         self._timer.install(self._units, self.model, self.optimizer)
         self._timer.step_boundary = self._forward_after_optimizer
         self._init_memory()

@@ -15,7 +15,9 @@ the probe samples these categories (bytes on this rank's device):
     flat reduce-scatter output per unit), and the full gradients of unsharded parameters that have not
     been reduced yet (transient in backward; they stay when gradient sync is off).
 ``optimizer_state``
-    every tensor in ``optimizer.state`` of a model parameter (local bytes of DTensors).
+    every tensor in ``optimizer.state`` of a model parameter (local bytes of DTensors), and of another FSDP2 model's
+    that the optimizer holds beside them (one optimizer over a GAN's two networks); an optimizer holding none of the
+    model's parameters is another model's, its state not counted.
 ``stale_optimizer_params``
     tensors an optimizer created *before* ``fully_shard`` holds: its params are the old full tensors the
     model no longer uses (plus their grads and state). Kept apart so the bug is visible.
@@ -248,6 +250,13 @@ class MemoryProbe:
                 if self.hw is not None:
                     self.hw.recompute_of(idx)
             else:
+                if sizes.static_done and not self._fwd_seen:
+                    # the step's first unit forward with no forward of the watched module before it: a container of
+                    # models called one by one (a teacher and its student), whose forward never runs; the gradients
+                    # the optimizer's zero_grad freed read as kept, a new-user trial's 129.50 KiB of the student's
+                    # (memory.grads_kept on a loop calling opt.zero_grad())
+                    sizes.quick_grads()
+                    self._fwd_seen = True
                 if not sizes.static_done:
                     sizes.refresh_static(final=False)
                 if idx not in sizes.keys_built:
