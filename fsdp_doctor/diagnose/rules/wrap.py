@@ -32,9 +32,6 @@ FINE_LEAF_TENSORS = 2
 FINE_SMALL_BYTES = 256 << 10
 # A root unit holding at least this share of the parameters keeps them gathered for the whole step.
 ROOT_SHARE_MIN = 0.05
-#: its plan's gain is memory only (the step: not predicted on gloo, unchanged on a GPU): under this share of the peak
-#: it is no finding, as wrap.too_coarse's split off a GPU
-ROOT_PEAK_GAIN_MIN = COARSE_PEAK_GAIN_MIN
 
 
 def _job_numbers(ctx: Context):
@@ -243,16 +240,12 @@ class ParamsInRoot(Rule):
             tied = [m for m in own if m in root.tied_modules]
             return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of tied modules "
                               f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%")
-        held = _freed_gathered(root, movable)
+        # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
+        # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
+        # stay in the root gathered: only the rest is freed
+        held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable)
         step, peak = _job_numbers(ctx)
         peak_after = peak - held if peak is not None else None
-        if peak is not None and held < ROOT_PEAK_GAIN_MIN * peak:
-            # the step is not predicted to change (on gloo not predicted; on a GPU the new units' all-gathers overlap
-            # as the blocks' do): with no memory freed either, the plan gains nothing predicted
-            return self.quiet(f"{100 * share:.0f}% of the parameters are in the root, but making units of them "
-                              f"frees {fmt_bytes(held)} of their gathered copy at a {fmt_bytes(peak)} peak (the "
-                              "modules after the blocks stay gathered after forward, as one unit), and the step is "
-                              "not predicted to change")
         t = root.timing
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
         # every module holding the root's parameters a unit of its own (tied ones stay), the run's units as they were
@@ -295,27 +288,6 @@ class ParamsInRoot(Rule):
              "wrapped_examples": sorted(wrapped)[:6]},
             text, plug.get("code", code), where=plug.get("where", ""),
             predicted=E.predicted(step, None if cpu else step, peak, peak_after), units=[""])]
-
-
-def _freed_gathered(root, movable: float) -> int:
-    """The bytes of the root's gathered copy its plan frees after forward: those of its own modules that become units
-    resharded after forward, in the dtype they are gathered in (the snapshot's sizes of its own modules); not those of
-    tied modules, which stay in the root, nor those after the blocks (the final norm and head), one unit kept
-    gathered after forward. A 2-rank LM's root of embedding, norm and head (40% of the parameters): 65,536 B freed
-    of 131,584 gathered in float32, 32,768 B of 65,792 under a bfloat16 param_dtype, as measured (peaks 1,682,400 ->
-    1,616,864 B and 1,286,880 -> 1,254,112 B); the gathered copy less the shard, as before, read 65,792 B and 0 B
-    (under a 16-bit param_dtype on 2 ranks the gathered copy equals the float32 shard: "peak unchanged", a new-user
-    trial). Without the sizes (a run recorded before them), that estimate, of the movable share."""
-    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
-    if not sizes or stored <= 0:
-        return int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable)
-    tail = set(root.trailing_modules or [])
-    if not tail and root.leading_modules is None:  # recorded before leading_modules: all after the units (snippets)
-        tail = set(sizes)
-    tied = set(root.tied_modules or [])
-    freed = sum(b for m, b in sizes.items() if m and m not in tied and m not in tail)
-    return int(root.unsharded_bytes * min(1.0, freed / stored))
 
 
 def _movable_share(root) -> float:
