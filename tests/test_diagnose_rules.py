@@ -333,6 +333,20 @@ def test_params_in_root():
     assert g.predicted["peak_bytes_after"] == 10 * MiB - int((558_080 - 279_040) * (418_560 + 512) / 558_080)
 
 
+def test_params_in_root_under_a_16_bit_param_dtype_frees_what_its_plan_reshards():
+    """A 2-rank LM's root holding its embedding, final norm and head (40% of the parameters), under a bfloat16
+    param_dtype (a new-user trial's loop, its fix pasted): the gathered copy (65,792 B) equals the float32 shard, and
+    "the gathered copy less the shard" predicted the peak unchanged, a warning with no gain; the plan frees the
+    embedding's gathered copy, 32,768 B, and the rerun's peak was 1,286,880 -> 1,254,112 B (rank 0)."""
+    own = dict(own_modules=["emb", "norm", "head"], own_bytes=[65_536, 512, 65_536], leading_modules=["emb"],
+               trailing_modules=["norm", "head"], shard_size=2, reshard_after_forward=False)
+    blocks = [unit(f"blocks.{i}", **BLOCK) for i in range(3)]
+    bf16 = [unit("", param_count=32_896, n_params=4, sharded_bytes=65_792, unsharded_bytes=65_792,
+                 orig_dtypes=["float32"], param_dtype="bfloat16", **own)] + blocks
+    (f,) = run_rule("wrap.params_in_root", build(units=bf16, memory=memory(1_286_880))[0])
+    assert f.severity == "warning" and f.evidence["held_gathered_bytes"] == 32_768
+    assert f.predicted["peak_bytes_after"] == 1_254_112, f.predicted
+
 def test_params_in_root_plan_keeps_each_units_mixed_precision():
     """The blocks' MixedPrecisionPolicy(bf16, fp32) beside the root's, with output_dtype=float32 (a new-user trial's
     knob): the plan gave every unit one ``mp``, the first unit's with a policy, the root's, and so every block an fp32
