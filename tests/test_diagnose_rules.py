@@ -337,10 +337,10 @@ def test_params_in_root_under_a_16_bit_param_dtype_frees_what_its_plan_reshards(
     """A 2-rank LM's root holding its embedding, final norm and head (40% of the parameters), under a bfloat16
     param_dtype (a new-user trial's loop, its fix pasted): the gathered copy (65,792 B) equals the float32 shard, and
     "the gathered copy less the shard" predicted the peak unchanged, a warning with no gain; the plan frees the
-    embedding's gathered copy, 32,768 B, and the rerun's peak was 1,286,880 -> 1,254,112 B (rank 0)."""
-    own = dict(own_modules=["emb", "norm", "head"], own_bytes=[65_536, 512, 65_536], leading_modules=["emb"],
-               trailing_modules=["norm", "head"], shard_size=2, reshard_after_forward=False)
-    blocks = [unit(f"blocks.{i}", **BLOCK) for i in range(3)]
+    embedding's gathered copy, 32,768 B, and the rerun's peak was 1,286,880 -> 1,254,112 B (rank 0). (Named as the reference GPT's modules: the snippet runs on it.)"""
+    own = dict(own_modules=["tok_emb", "norm", "lm_head"], own_bytes=[65_536, 512, 65_536], leading_modules=["tok_emb"],
+               trailing_modules=["norm", "lm_head"], shard_size=2, reshard_after_forward=False)
+    blocks = [unit(f"layers.{i}", **dict(BLOCK, param_dtype="bfloat16")) for i in range(3)]  # (the policy on every unit)
     bf16 = [unit("", param_count=32_896, n_params=4, sharded_bytes=65_792, unsharded_bytes=65_792,
                  orig_dtypes=["float32"], param_dtype="bfloat16", **own)] + blocks
     (f,) = run_rule("wrap.params_in_root", build(units=bf16, memory=memory(1_286_880))[0])
