@@ -68,7 +68,12 @@ def test_blocks_compiled_in_place_are_timed_around_their_compiled_call_without_a
         t = units[f"layers.{i}"].timing_p50
         assert t.fwd_ms > 0 and t.bwd_ms > 0 and t.ag_wait_bwd_ms > 0 and t.ag_wait_fwd_ms is None, t
     root = units[""].timing_p50
-    assert root.fwd_ms > sum(units[f"layers.{i}"].timing_p50.fwd_ms for i in range(3)) and root.fwd_self_ms > 0
+    # the root's forward holds the blocks' compiled calls, step by step (the medians of each need not add up: under
+    # load the root's p50 read 24.7 ms beside the blocks' p50s summing to 27.8)
+    for s in load_run(c["out_dir"]).ranks[0].steps[1:]:
+        fwd = {u.name: u.fwd_ms for u in s.units}
+        assert fwd[""] > sum(fwd[f"layers.{i}"] for i in range(3)), fwd
+    assert root.fwd_self_ms > 0
     # how the compiled blocks were timed is a note of the header, not a problem: analyze exits 0 (it exited 3, "some
     # files or lines were skipped", on every compiled run)
     assert any("3 unit(s) compiled by torch.compile (layers.0, layers.1, layers.2): timed around their compiled "
