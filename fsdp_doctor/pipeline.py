@@ -84,13 +84,16 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
 
     # (a trace that started after its rank's End record is another run's: trace.admit)
     ended = {r: rd.end.ended_ns / 1e9 for r, rd in run.ranks.items() if rd.end is not None}
+    # the traces number the process group's ranks; where only some train, the run numbers them 0..n-1
+    world_ranks = run.config.world_ranks if run.config is not None else []
+    ranks = {g: i for i, g in enumerate(world_ranks)} or None
     if windows is not None:
         windows = list(windows)
         if not windows:
             return None
-        ov = analyze_windows(windows, ended)
+        ov = analyze_windows(windows, ended, ranks)
     elif run.trace_files:
-        ov = analyze_traces(run.trace_files, progress=progress, ended=ended)
+        ov = analyze_traces(run.trace_files, progress=progress, ended=ended, ranks=ranks)
     else:
         return None
     fill_sizes_from_units(ov, run)

@@ -99,7 +99,7 @@ def test_watch_on_ranks_of_a_sub_group_finishes_and_the_run_reads(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         runs[watch] = _losses(r.stdout)
     assert runs["1"] == runs["0"] and sorted(runs["1"]) == [1, 2]
-    run = fsdp_doctor.load_run(tmp_path / "run")
+    run = fsdp_doctor.load_run(tmp_path / "run" / "ranks1-2")  # (its group's folder)
     assert sorted(run.ranks) == [0, 1] and run.world_size == 2
     report = fsdp_doctor.build_report(run)
     assert not report.problems, report.problems
@@ -189,3 +189,87 @@ def test_a_one_dim_sub_mesh_gets_uncombined_groups_and_fixes_that_keep_its_mesh(
     after, hsdp = _four(tmp_path, "hsdp", f.recommendation.code)
     assert not [f for f in after.findings if f.code == "mesh.uncombined_groups"]
     assert hsdp[0][0] == hsdp[2][0] and hsdp[1][0] == hsdp[3][0]
+
+
+#: 4 gloo ranks in two FSDP groups, {0, 1} and {2, 3} (``DeviceMesh.from_group`` of each; the trial's ``groups4.py``),
+#: both watched into one ``out_dir`` with overwrite, step 2 profiled; global rank 3 sleeps 60 ms before each forward
+_GROUPS = _HEAD + textwrap.dedent(
+    """
+    def worker(rank, port, out, _):
+        import time
+        model = start(rank, port, 4, 2)
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        mesh = DeviceMesh.from_group(groups[rank // 2], "cpu")
+        for block in model[1:-1]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        prof = torch.profiler.schedule(skip_first=1, wait=0, warmup=1, active=1, repeat=1)
+        with fsdp_doctor.watch(model, opt, out_dir=out, overwrite=True, profile=prof) as doc:
+            for _ in range(6):
+                if rank == 3:
+                    time.sleep(0.06)
+                t = torch.randint(0, 64, (2, 9), generator=g)
+                nn.functional.cross_entropy(model(t[:, :-1]).flatten(0, 1), t[:, 1:].flatten()).backward()
+                opt.step(); opt.zero_grad(); doc.step()
+        dist.barrier()
+        dist.destroy_process_group()
+        os._exit(0)
+
+    if __name__ == "__main__":
+        spawn(worker, 4)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_groups_watched_into_one_folder_keep_both_runs_in_one_numbering(tmp_path):
+    """The trial's groups4.py: both groups numbered their ranks 0-1 and wrote the same files in out_dir, one group's
+    overwrite wiped the other's (a profiler trace lost) and analyze read 2 ranks. Each group's run now lies in a
+    folder of its own (ranks0-1, ranks2-3), both whole; analyze of out_dir says it holds 2 runs. The traces, keyed by
+    the process group's rank (2, 3), read in the run's numbering (0, 1): the verdict's rows are 0 and 1 (they were
+    0, 1, 2, 3: the records' rows and the traces'), global rank 3's sleep (input-bound) in row 1."""
+    import fsdp_doctor
+    from fsdp_doctor.store.layout import runs_below
+
+    script = tmp_path / "groups.py"
+    script.write_text(_GROUPS)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(script), str(out)], env=env, timeout=240, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "was not written" not in r.stderr, r.stderr[-3000:]
+    assert [d.name for d in runs_below(out)] == ["ranks0-1", "ranks2-3"]
+    for name, ranks in (("ranks0-1", [0, 1]), ("ranks2-3", [2, 3])):
+        run = fsdp_doctor.load_run(out / name)
+        assert sorted(run.ranks) == [0, 1] and run.config.world_ranks == ranks
+        assert len(run.trace_files) == 2, run.trace_files
+        report = fsdp_doctor.build_report(run)
+        assert not report.overlap.skipped, report.overlap.skipped
+        assert sorted(report.overlap.per_rank) == ["0", "1"]
+        assert sorted(report.verdict.per_rank) == ["0", "1"]
+        assert sorted(report.comm.per_rank) == ["0", "1"]
+        (status,) = [s for s in report.rules if s.code == "mesh.uncombined_groups"]
+        assert status.status == "quiet" and status.reason == (
+            f"the units shard over all 2 ranks that train the watched model (ranks {ranks[0]}, {ranks[1]} of the "
+            "process group; the doctor does not see the others)")
+        if name == "ranks2-3":  # global rank 3's trace is rank 1's row: its sleep is its input time
+            assert report.verdict.per_rank["1"].bound == "input" and report.verdict.per_rank["1"].source == "trace"
+            assert report.verdict.per_rank["0"].bound == "communication"
+    cli = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "analyze", str(out)], env=env, timeout=120,
+                         capture_output=True, text=True)
+    assert cli.returncode != 0 and "holds 2 runs' records" in cli.stderr, (cli.returncode, cli.stderr)
+
+
+def test_a_group_s_note_and_folder():
+    """A one-rank group's note is singular (a trial's read "ranks 0 of the 3 ... numbered 0-0 here"); the groups'
+    folders are named by their ranks."""
+    from fsdp_doctor.record.tracker import subset_note
+    from fsdp_doctor.store.layout import group_dir
+
+    assert subset_note([0], 3) == ("rank 0 of the 3 in the process group trains the watched model (its device mesh), "
+                                   "numbered 0 here")
+    assert subset_note([2, 3], 4) == ("ranks 2, 3 of the 4 in the process group train the watched model (its device "
+                                      "mesh), numbered 0-1 here in that order")
+    assert [group_dir(r) for r in ([2, 3], [1], [0, 2])] == ["ranks2-3", "ranks1-1", "ranks0_2"]

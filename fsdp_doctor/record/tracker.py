@@ -48,6 +48,7 @@ from ..records import (
     StepRecord,
     stream_name,
 )
+from ..store.layout import group_dir
 from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
@@ -89,6 +90,16 @@ class SaveMark:
 
 class WatchError(RuntimeError):
     """``watch`` refused to start; the message is one sentence for the user."""
+
+
+def subset_note(world_ranks: list[int], world: int) -> str:
+    """The run's note where only some ranks of the process group's ``world`` train (``RunConfig.world_ranks``)."""
+    n = len(world_ranks)
+    if n == 1:  # (a trial's one-rank group read "ranks 0 of the 3 ... numbered 0-0 here")
+        return (f"rank {world_ranks[0]} of the {world} in the process group trains the watched model (its device "
+                "mesh), numbered 0 here")
+    return (f"ranks {', '.join(map(str, world_ranks))} of the {world} in the process group train the watched model "
+            f"(its device mesh), numbered 0-{n - 1} here in that order")
 
 
 class Doctor:
@@ -162,6 +173,7 @@ class Doctor:
             self._world_ranks, self._groups = watching_ranks(self._units)
             if self._world_ranks is not None:
                 self.rank, self.world_size = self._world_ranks.index(self.rank), len(self._world_ranks)
+                self._group_dir()
             self.run_id = self._claim_out_dir()
             self._start()
         except WatchError:
@@ -296,6 +308,19 @@ class Doctor:
             probe.unlink()
         except OSError as e:
             raise WatchError(f"fsdp_doctor.watch: cannot write to out_dir {self.out_dir} ({e.strerror or e})") from None
+
+    def _group_dir(self) -> None:
+        """Where only some ranks train, their run goes in a folder of its own below ``out_dir`` (layout.group_dir):
+        another group of the job, numbering its ranks 0..n-1 too, cannot overwrite it (it cannot be asked: the
+        groups share no collective)."""
+        self.out_dir = self.out_dir / group_dir(self._world_ranks)
+        try:
+            self.out_dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise WatchError(f"fsdp_doctor.watch: cannot write to out_dir {self.out_dir} ({e.strerror or e})") from None
+        if self.rank == 0:
+            log.warning("fsdp_doctor: %s: its run is recorded in %s",
+                        subset_note(self._world_ranks, dist.get_world_size()), self.out_dir)
 
     def _claim_out_dir(self) -> str:
         """A run directory holds one run: refuse one holding another run's records (unless ``overwrite``); all
@@ -684,9 +709,7 @@ class Doctor:
         cfg.driver = self.driver
         if self._world_ranks is not None:
             cfg.world_ranks = list(self._world_ranks)
-            cfg.measured_notes.append(
-                f"ranks {', '.join(map(str, self._world_ranks))} of the {dist.get_world_size()} in the process group "
-                f"train the watched model (its device mesh), numbered 0-{self.world_size - 1} here in that order")
+            cfg.measured_notes.append(subset_note(self._world_ranks, dist.get_world_size()))
         cfg.flops_input_elements = self.flops_input_elements
         # accelerate marks what its prepare() returned (the Trainer's model as well)
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None

@@ -8,6 +8,9 @@
     tb/rank{R}/events.out.tfevents.*               TensorBoard scalars (``fsdp-doctor tensorboard`` / the demo)
     report.json                                    the demo's saved report
 
+Where only some ranks of the process group train the watched model (its device mesh leaves the others out), the run
+is those ranks' and lies in a folder of its own below ``out_dir``, named by them (``group_dir``: ``ranks2-3/``).
+
 This module imports nothing from the rest of the package (the record schema imports it).
 """
 
@@ -35,6 +38,15 @@ _TRACE_RANK_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 
 def stream_name(rank: int) -> str:
     return f"rank{rank}.records.jsonl"
+
+
+def group_dir(world_ranks: list[int]) -> str:
+    """The folder below ``out_dir`` of the run of the process group's ``world_ranks`` where only they train:
+    ``ranks2-3`` (a range), ``ranks0_2`` (others). Groups of one job that share ``out_dir`` number their ranks 0..n-1
+    alike: in one folder, a new-user trial's two groups of 2 of 4 ranks wrote the same files, one group's overwrite
+    wiped the other's and the report read 2 ranks."""
+    r = sorted(world_ranks)
+    return f"ranks{r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) else "ranks" + "_".join(map(str, r))
 
 
 def runs_below(path: Path) -> list[Path]:

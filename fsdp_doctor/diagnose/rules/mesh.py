@@ -26,7 +26,10 @@ class UncombinedGroups(Rule):
         world = cfg.world_size
         shard = max((u.shard_size for u in cfg.units if u.shard_size), default=0)
         if not shard or shard >= world or world % shard:
-            return self.quiet(f"the units shard over all {world} ranks" if shard >= world else
+            # where only some ranks train, world_size counts those (a trial's ranks 2-3 of 4 read "all 2 ranks")
+            some = (f" that train the watched model (ranks {', '.join(map(str, cfg.world_ranks))} of the process "
+                    "group; the doctor does not see the others)" if cfg.world_ranks else "")
+            return self.quiet(f"the units shard over all {world} ranks{some}" if shard >= world else
                               "the units' shard size is not known" if not shard else
                               f"the units shard over {shard} of {world} ranks, not whole groups of them")
         groups = world // shard
