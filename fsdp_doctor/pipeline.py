@@ -82,15 +82,16 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
     no message sizes. None when there is nothing to analyse."""
     from .trace import analyze_traces, analyze_windows
 
-    # (a trace that started after its rank's End record is another run's: trace.admit)
+    # (a trace that started after its rank's End record, or ended before its header, is another run's: trace.admit)
     ended = {r: rd.end.ended_ns / 1e9 for r, rd in run.ranks.items() if rd.end is not None}
+    started = {r: rd.header.started_ns / 1e9 for r, rd in run.ranks.items() if rd.header and rd.header.started_ns}
     if windows is not None:
         windows = list(windows)
         if not windows:
             return None
-        ov = analyze_windows(windows, ended)
+        ov = analyze_windows(windows, ended, started)
     elif run.trace_files:
-        ov = analyze_traces(run.trace_files, progress=progress, ended=ended)
+        ov = analyze_traces(run.trace_files, progress=progress, ended=ended, started=started)
     else:
         return None
     fill_sizes_from_units(ov, run)

@@ -298,11 +298,13 @@ def per_step_row(row: CommUnitRow, steps: int, in_steps: Optional[tuple[int, flo
 # ---------------------------------------------------------------- top level
 
 
-def analyze_windows(windows: list[WindowTrace], ended: Optional[dict[int, float]] = None) -> OverlapSection:
+def analyze_windows(windows: list[WindowTrace], ended: Optional[dict[int, float]] = None,
+                    started: Optional[dict[int, float]] = None) -> OverlapSection:
     """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order. Windows
     of another job, without a rank among several, of a rank already read for the same steps, or started after their
-    rank's run ended (``ended``, see ``trace.admit``) are left out and listed in ``skipped`` (``trace.admit``)."""
-    kept, skipped = admit(windows, ended)
+    rank's run ended (``ended``, see ``trace.admit``) or ended before its records started (``started``) are left out
+    and listed in ``skipped`` (``trace.admit``)."""
+    kept, skipped = admit(windows, ended, started)
     with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
         result = _analyze_windows(kept)
     result.skipped = skipped
@@ -381,7 +383,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
 
 
 def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,
-                   workers: Optional[int] = None, ended: Optional[dict[int, float]] = None) -> OverlapSection:
+                   workers: Optional[int] = None, ended: Optional[dict[int, float]] = None,
+                   started: Optional[dict[int, float]] = None) -> OverlapSection:
     """Analyse Kineto traces: a file, a directory (searched recursively), or a list of either.
 
     Returns the overlap section (see the module docstring). Files that cannot be read are listed in ``skipped``
@@ -414,7 +417,7 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     empty_last: list = []
     windows, unread = load_windows(files, progress=progress, workers=workers,
                                    root=common if common is not None else roots[files[0]], empty_last=empty_last)
-    result = analyze_windows(windows, ended)
+    result = analyze_windows(windows, ended, started)
     result.exit_windows, bad = exit_windows(empty_last, windows)
     result.skipped = skipped + unread + bad + result.skipped
     return result
