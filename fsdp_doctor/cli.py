@@ -153,8 +153,9 @@ STDOUT = "-"  # ``--json -``: the JSON on standard output
 def _check_outputs(ns: argparse.Namespace) -> dict | None:
     """The report files asked for (``--json``, ``--html``), checked before any work: each one's directory must
     exist and take a file. None after one line on stderr when one cannot be written."""
-    import os
     import tempfile
+
+    from .store import layout
 
     out = {}
     for kind in ("json", "html"):
@@ -175,10 +176,14 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
         if not parent.is_dir():
             _err(f"--{kind} {p}: directory {parent} does not exist")
             return None
+        if not layout.is_replaceable(p):  # a FIFO, a device, /dev/stdout: written through, no file created
+            out[kind] = p
+            continue
         # (a file created there, as the atomic write will: os.access says yes to root everywhere, and /proc took the
-        # whole report printed before "cannot write", exit 2: a new-user trial)
+        # whole report printed before "cannot write", exit 2: a new-user trial; a symlink's target's folder is
+        # where the write goes)
         try:
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
+            fd, probe = tempfile.mkstemp(dir=Path(os.path.realpath(p)).parent, prefix=f".{p.name}.", suffix=".tmp")
             os.close(fd)
             os.unlink(probe)
         except OSError as e:

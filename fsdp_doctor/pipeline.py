@@ -82,8 +82,9 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
     no message sizes. None when there is nothing to analyse."""
     from .trace import analyze_traces, analyze_windows
 
-    # (a trace that started after its rank's End record is another run's: trace.admit)
+    # (a trace that started after its rank's End record, or ended before its header, is another run's: trace.admit)
     ended = {r: rd.end.ended_ns / 1e9 for r, rd in run.ranks.items() if rd.end is not None}
+    started = {r: rd.header.started_ns / 1e9 for r, rd in run.ranks.items() if rd.header and rd.header.started_ns}
     # the traces number the process group's ranks; where only some train, the run numbers them 0..n-1
     world_ranks = run.config.world_ranks if run.config is not None else []
     ranks = {g: i for i, g in enumerate(world_ranks)} or None
@@ -91,9 +92,9 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
         windows = list(windows)
         if not windows:
             return None
-        ov = analyze_windows(windows, ended, ranks)
+        ov = analyze_windows(windows, ended, started, ranks)
     elif run.trace_files:
-        ov = analyze_traces(run.trace_files, progress=progress, ended=ended, ranks=ranks)
+        ov = analyze_traces(run.trace_files, progress=progress, ended=ended, started=started, ranks=ranks)
     else:
         return None
     fill_sizes_from_units(ov, run)

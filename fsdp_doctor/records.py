@@ -635,10 +635,13 @@ class GpuTimes(Record, tag="gpu"):
 
 
 class ProfileWindow(Record, tag="profile"):
-    """A torch.profiler window whose Kineto trace was written."""
+    """A torch.profiler window whose Kineto trace was written, or (``lost``) was not."""
 
     steps: list[int]
     path: str  # relative to the run directory
+    # why the trace was not saved ("[Errno 28] No space left on device"): the window is lost, ``path`` never written
+    # (a new-user trial's 80 KiB disk lost its one window, said during training and nowhere in the report)
+    lost: str = ""
 
 
 class DoctorError(Record, tag="error"):

@@ -416,7 +416,7 @@ class ThroughputRank(_Section, omit_defaults=True):  # a figure not known is abs
 class ThroughputJob(_Section, omit_defaults=True):  # a figure not known is absent from the JSON
     tokens_per_s: Optional[float] = None  # the slowest rank paces the job
     paced_by: Optional[str] = None  # that rank: tokens_per_s is every rank's tokens over its time
-    achieved_tflops: Optional[float] = None  # model FLOPs
+    achieved_tflops: Optional[float] = None  # model FLOPs: every rank's per step over paced_by's step
     mfu_pct: Optional[float] = None
     hfu_pct: Optional[float] = None
 

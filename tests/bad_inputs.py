@@ -435,6 +435,11 @@ def _record_cases() -> list[Case]:
     C("traces-after-the-run-in-profiler", lambda r: _later_traces(r, r / "profiler", gz=True), "partial",
       "rank1.later.pt.trace.json.gz: another run (it started 4 min after rank 1's records ended", sample_steps,
       traces=True)
+    # and made before the run: a process 26 s before a run that profiled nothing (PROF=0), its traces copied into
+    # the run's folder, read as the run's own ("source: profiler trace, step 2", exit 0: a new-user trial)
+    C("traces-before-the-run", lambda r: _later_traces(r, r, before=True), "partial", "rank0.later.pt.trace.json: "
+      "another run (it ended 4 min before rank 0's records started: profiled into the same folder before the run?); "
+      "skipped", sample_steps, traces=True)
     # one of the run's own files given instead of its folder: read as a trace, it was "invalid JSON (... trailing
     # characters)" and "not a Kineto trace" (a new-user trial)
     C("given-a-records-file", lambda r: r / "rank0.records.jsonl", "error",
@@ -583,9 +588,13 @@ def _record_cases() -> list[Case]:
     return t
 
 
-def _later_traces(run: Path, into: Path, gz: bool = False) -> Path:
-    """The run's own profiler windows (steps 6-7) made another run's: 4 min after the run ended, as steps 2-3."""
+def _later_traces(run: Path, into: Path, gz: bool = False, before: bool = False) -> Path:
+    """The run's own profiler windows (steps 6-7) made another run's: 4 min after the run ended, as steps 2-3
+    (``before``: starting 4 min before its records started)."""
     end = max(x["ended_ns"] for r in (0, 1) for x in lines(run / f"rank{r}.records.jsonl") if x.get("t") == "end")
+    if before:
+        end = min(x["started_ns"] for r in (0, 1) for x in lines(run / f"rank{r}.records.jsonl")
+                  if x.get("t") == "header") - 480 * 10**9
     for r in (0, 1):
         text = gzip.decompress((run / "profiler" / f"rank{r}.6.pt.trace.json.gz").read_bytes()).decode()
         text = text.replace('"ProfilerStep#6"', '"ProfilerStep#2"').replace('"ProfilerStep#7"', '"ProfilerStep#3"')

@@ -111,6 +111,55 @@ def test_failed_write_leaves_the_previous_file_whole(tmp_path, monkeypatch):
     assert target.read_text() == "new"
 
 
+def test_a_report_file_follows_a_link_and_writes_through_a_fifo_or_device(tmp_path, monkeypatch):
+    """A new-user trial: ``--json link.json`` (a symlink) replaced the link with a file and left its target as it
+    was; ``--json /dev/full`` exited 0 and turned the device into an 82 KB file; a FIFO's reader got 0 bytes and the
+    FIFO became a file. The link's target is what is written, the link stays; a FIFO or device is written through
+    and stays what it was; a device that refuses the write (ENOSPC, as /dev/full: simulated here, on a FIFO of
+    this test's own) is one line and exit 2."""
+    import stat
+    import threading
+
+    from fsdp_doctor.store import layout
+
+    target = tmp_path / "target.json"
+    target.write_text("old")
+    (tmp_path / "link.json").symlink_to(target)
+    fifo = tmp_path / "fifo.html"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    rc, out, err = _in_process("analyze", B.SAMPLE, "--json", tmp_path / "link.json", "--html", fifo)
+    reader.join(timeout=30)
+    assert rc == 0, err
+    assert (tmp_path / "link.json").is_symlink() and os.readlink(tmp_path / "link.json") == str(target)
+    assert json.loads(target.read_text())["verdict"]
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and got and b"</html>" in got[0][-200:].lower()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    full = tmp_path / "full"
+    os.mkfifo(full)
+    real_open = open
+
+    class Full:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(layout, "open", lambda p, *a, **k: Full() if Path(p) == full else real_open(p, *a, **k),
+                        raising=False)
+    rc, out, err = _in_process("analyze", B.SAMPLE, "--json", full)
+    assert rc == 2
+    assert err.strip() == f"fsdp-doctor: --json {full}: cannot write (No space left on device)"
+    assert stat.S_ISFIFO(full.lstat().st_mode)
+
+
 # ------------------------------------------------------------------------------------------ a new-user trial's finds
 def _cli(*args: str, prefix=(), timeout=120) -> subprocess.CompletedProcess:
     """``fsdp-doctor ARGS`` in a child process (``prefix``: ``B.unprivileged()``'s, for the permission cases)."""

@@ -396,6 +396,11 @@ def test_the_job_tokens_per_s_names_the_rank_that_paces_it(sample_run_path):
     p50 = tp.per_rank[slow].step_p50_ms
     assert tp.job.paced_by == slow and tp.job.tokens_per_s == round(512 / (p50 / 1e3), 1)
     assert p50 != report.steps.job.p50_ms  # (the job's p50 is over every rank's steps)
-    line = f"job tokens/s: paced by the slowest rank, rank {slow} (step p50 {p50:.1f} ms)"
+    # and its FLOP rate: every rank's FLOPs per step over that rank's step, not the sum of the ranks' own rates (a
+    # new-user trial's job read 0.00147 TFLOP/s, its ranks' 0.00061 + 0.000862, paced: 0.00122)
+    flops = sum(row.flops_per_step for row in tp.per_rank.values())
+    assert tp.job.achieved_tflops == float(f"{flops / (p50 / 1e3) / 1e12:.4g}")
+    assert tp.job.achieved_tflops < sum(row.achieved_tflops for row in tp.per_rank.values())
+    line = f"job tokens/s and TFLOP/s: paced by the slowest rank, rank {slow} (step p50 {p50:.1f} ms)"
     assert throughput_note(tp).splitlines() == [line]
     assert f"<p class='note'>{line}</p>" in render_html(report)

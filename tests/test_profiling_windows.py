@@ -320,3 +320,35 @@ def test_a_loop_that_evaluates_in_every_step_keeps_its_window_and_flop_count(tmp
     # (step 1 counts the FLOPs; 2 is the window's warm-up, 3 its step, 4 holds its export)
     assert [s.step for s in steps if s.profiled] == [1, 2, 3, 4], [(s.step, s.profiled) for s in steps]
     assert run.config.flops_per_step and run.trace_files, (run.config.flops_per_step, run.trace_files)
+
+
+def test_a_window_lost_to_a_full_disk_is_recorded_and_said_in_the_report(tmp_path, monkeypatch):
+    """A new-user trial's 80 KiB disk: "...rank0.6.pt.trace.json.gz was not written ([Errno 28] No space left on
+    device): that window is lost" during training, and nothing of it in the report. The window is recorded as lost
+    (why), and the run read back says it in one line. The full disk is simulated: torch's export writes nothing and
+    the doctor's probe fails with ENOSPC."""
+    import errno
+    import shutil
+
+    from fsdp_doctor.record import profiling
+    from fsdp_doctor.records import ProfileWindow, record_encoder
+    from fsdp_doctor.store import load_run
+    from conftest import SAMPLE_RUN as SAMPLE
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", lambda self, path: None)
+    monkeypatch.setattr(profiling, "_write_failure", lambda folder: f"[Errno {errno.ENOSPC}] No space left on device")
+    saved = []
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=1, active=2, warmup=0, every=0)),
+                        lambda *a: saved.append(a))
+    w.start()
+    _drive(w, 4)
+    assert saved == [([1, 2], "profiler/rank0.1.pt.trace.json.gz", "[Errno 28] No space left on device")]
+
+    run_dir = shutil.copytree(SAMPLE, tmp_path / "run")
+    with open(run_dir / "rank0.records.jsonl", "ab") as f:
+        f.write(record_encoder.encode(ProfileWindow(rank=0, steps=[9, 10], path="profiler/rank0.9.pt.trace.json.gz",
+                                                    lost="[Errno 28] No space left on device")) + b"\n")
+    run = load_run(run_dir)
+    assert ("profiler/rank0.9.pt.trace.json.gz: the profiler window of rank 0 at steps 9–10 was not saved ([Errno 28] "
+            "No space left on device)") in run.problems, run.problems
+    assert [pw.steps for pw in run.ranks[0].profiles] == [[6, 7]]  # (the lost one is no trace to analyse)

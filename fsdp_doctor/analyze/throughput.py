@@ -87,7 +87,8 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
     """Per rank and for the job, or None where neither tokens per step nor FLOPs are known."""
     per_rank: dict[str, ThroughputRank] = {}
     tokens_sums: dict[str, tuple[int, float]] = {}  # rank -> (doctor.step(tokens=N) summed, its steps' seconds)
-    job_tflops = job_hw_tflops = 0.0
+    job_flops = job_hw_flops = 0.0  # every rank's FLOPs per step, summed
+    step_s: dict[str, float] = {}  # rank -> the seconds per step its FLOP rate is over
     any_data = False
     for r, rd in sorted(run.ranks.items()):
         cfg = rd.config
@@ -128,11 +129,12 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
             row.flops_source = source
             row.flops_note = note
             row.achieved_tflops = _sig(tf)
-            job_tflops += tf
+            step_s[str(r)] = flops / (tf * 1e12)
+            job_flops += flops
             any_data = True
             if hw:
                 row.hardware_flops_per_step = hw
-                job_hw_tflops += hw_tf
+                job_hw_flops += hw
             if cfg.peak_tflops:
                 row.peak_tflops = cfg.peak_tflops
                 row.mfu_pct = round(100 * tf / cfg.peak_tflops, 2)
@@ -150,11 +152,17 @@ def analyze_throughput(run: Run) -> ThroughputSection | None:
     elif cfg and cfg.tokens_per_step and p50s:
         job.paced_by = max(per_rank, key=lambda r: per_rank[r].step_p50_ms)
         job.tokens_per_s = round(cfg.tokens_per_step / (max(p50s) / 1e3), 1)  # the slowest rank paces the job
-    if job_tflops:
+    if step_s:
+        # every rank's FLOPs per step over the pacing rank's step, as tokens/s (a new-user trial's job read 0.00147
+        # TFLOP/s, the sum of its ranks' own rates 0.00061 and 0.000862, beside tokens/s paced by rank 0's 177.9 ms
+        # step: 217 MFLOP / 177.9 ms = 0.00122)
+        pace = job.paced_by if job.paced_by in step_s else max(step_s, key=lambda r: step_s[r])
+        job.paced_by = pace
+        job_tflops = job_flops / step_s[pace] / 1e12
         job.achieved_tflops = _sig(job_tflops)
         peaks = [v.peak_tflops for v in per_rank.values()]
         if all(peaks):
             job.mfu_pct = round(100 * job_tflops / sum(peaks), 2)
             if all(v.hfu_pct is not None for v in per_rank.values()):
-                job.hfu_pct = round(100 * job_hw_tflops / sum(peaks), 2)
+                job.hfu_pct = round(100 * job_hw_flops / step_s[pace] / 1e12 / sum(peaks), 2)
     return ThroughputSection(per_rank=per_rank, job=job)

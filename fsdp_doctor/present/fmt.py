@@ -626,13 +626,15 @@ def throughput_cells(x: ThroughputRank | ThroughputJob) -> tuple[str, str, str, 
 def throughput_note(section: ThroughputSection) -> str:
     """Where the FLOPs are the analytic estimate, which parameters it counts; where counted FLOPs were scaled by
     batches that vary, that they were (every rank's distinct sentence); of several ranks, which one paces the job's
-    tokens/s."""
+    tokens/s and FLOP rate."""
     notes = list(dict.fromkeys(r.flops_note for r in section.per_rank.values() if r.flops_note))
     slow = section.per_rank.get(section.job.paced_by or "")
-    if slow is not None and section.job.tokens_per_s is not None and len(section.per_rank) > 1:
+    rates = " and ".join(what for what, x in (("tokens/s", section.job.tokens_per_s),
+                                               ("TFLOP/s", section.job.achieved_tflops)) if x is not None)
+    if slow is not None and rates and len(section.per_rank) > 1:
         # (a new-user trial's job read 2,243 tokens/s, 114.1 ms a step, beside the step table's job p50 112.9 ms:
         # the median over every rank's steps)
-        notes.append(f"job tokens/s: paced by the slowest rank, rank {section.job.paced_by} (step p50 "
+        notes.append(f"job {rates}: paced by the slowest rank, rank {section.job.paced_by} (step p50 "
                      f"{fmt_ms(slow.step_p50_ms)})")
     return "\n".join(notes)
 

@@ -110,7 +110,8 @@ _LIVE: "weakref.WeakSet[ProfilerWindows]" = weakref.WeakSet()
 
 class ProfilerWindows:
     """Drives ``torch.profiler.profile`` from ``step()``; writes each finished window to
-    ``<out_dir>/profiler/rank{R}.{first_step}.pt.trace.json.gz`` and reports it to ``on_saved``.
+    ``<out_dir>/profiler/rank{R}.{first_step}.pt.trace.json.gz`` and reports it to ``on_saved(steps, path)``; a
+    window whose trace could not be written at all, as ``on_saved(steps, path, why)``.
 
     A profiler object exists only around a window: it is created and started at the step before the
     window's warm-up and dropped once the window is saved, so steps between windows pay nothing (a live
@@ -140,7 +141,8 @@ class ProfilerWindows:
     #: every step keeps its window, and the report says the trace includes the evaluation)
     retakes = 2
 
-    def __init__(self, out_dir: Path, rank: int, kwargs: dict[str, Any], on_saved: Callable[[list[int], str], None]):
+    def __init__(self, out_dir: Path, rank: int, kwargs: dict[str, Any],
+                 on_saved: Callable[..., None]):
         self.dir = Path(out_dir) / PROFILER_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         for old in self.dir.glob(f"rank{rank}.*.pt.trace.json*"):  # a previous run's windows of this rank
@@ -264,18 +266,21 @@ class ProfilerWindows:
         self._window = []
         self._saved += 1
         done: list[Path] = []  # the file the thread leaves: the .json.gz, or the plain .json if it failed
-        job = threading.Thread(target=_gzip_file, args=(part, self.dir / name, done), name="fsdp_doctor-trace-gzip",
-                               daemon=True)
+        lost: list[str] = []  # or why there is none
+        job = threading.Thread(target=_gzip_file, args=(part, self.dir / name, done, lost),
+                               name="fsdp_doctor-trace-gzip", daemon=True)
         job.start()
-        self._gzips.append((job, steps, done))
+        self._gzips.append((job, steps, done, lost))
 
     def _report_compressed(self, wait: bool = False) -> None:
         """Reports the traces whose compression finished (all of them, waiting, with ``wait``), in order."""
         while self._gzips and (wait or not self._gzips[0][0].is_alive()):
-            job, steps, done = self._gzips.pop(0)
+            job, steps, done, lost = self._gzips.pop(0)
             job.join()
             if done:
                 self.on_saved(steps, f"{PROFILER_DIR}/{done[0].name}")
+            elif lost:  # (the name it would have had, and why it has none)
+                self.on_saved(steps, f"{PROFILER_DIR}/{lost[0]}", lost[1])
 
     def stop(self, clean: bool = False) -> None:
         """Closes an open window and waits for the traces being compressed. Stopping mid-window saves what was
@@ -331,10 +336,11 @@ def _write_failure(folder: Path) -> str:
             probe.unlink(missing_ok=True)
 
 
-def _gzip_file(src: Path, dst: Path, done: list[Path]) -> None:
+def _gzip_file(src: Path, dst: Path, done: list[Path], lost: list[str] | None = None) -> None:
     """Compresses ``src`` into ``dst`` (gzip, level 6), removes ``src`` and appends ``dst`` to ``done``; ``dst``
     appears complete or not at all (written beside it, then renamed). If that fails, ``src`` becomes the plain
-    trace (``dst`` less ``.gz``: the reader takes both), appended instead, and one line says so."""
+    trace (``dst`` less ``.gz``: the reader takes both), appended instead, and one line says so. Where there is no
+    trace at all, ``dst``'s name and why go to ``lost``."""
     tmp = dst.with_name(dst.name + ".tmp")
     try:
         with open(src, "rb") as fin, gzip.open(tmp, "wb", compresslevel=6) as fout:
@@ -354,8 +360,10 @@ def _gzip_file(src: Path, dst: Path, done: list[Path]) -> None:
             # read "[Errno 2] No such file or directory", the missing file, with two empty .part.tmp files left)
             with contextlib.suppress(OSError):
                 src.with_name(src.name + ".tmp").unlink(missing_ok=True)
-            log.warning("fsdp_doctor: the profiler trace %s was not written (%s): that window is lost",
-                        dst.name, _write_failure(src.parent) or f"torch's profiler wrote no file: {e}")
+            why = _write_failure(src.parent) or f"torch's profiler wrote no file: {e}"
+            log.warning("fsdp_doctor: the profiler trace %s was not written (%s): that window is lost", dst.name, why)
+            if lost is not None:
+                lost += [dst.name, why]
             return
         plain = dst.with_suffix("")
         try:

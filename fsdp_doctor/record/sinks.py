@@ -49,7 +49,7 @@ class Sinks:
 
     def on_profile(self, window: ProfileWindow) -> None:
         self.safe_write(window)
-        if self.tb is not None:
+        if self.tb is not None and not window.lost:  # (a lost window has no trace)
             self.tb.on_profile(window, self.out_dir / window.path)  # overlap analysed on the writer's thread
 
     def close_tensorboard(self) -> None:

@@ -725,8 +725,8 @@ class Doctor:
             cfg.sharded_by, cfg.sharder_version = TRANSFORMERS_SHARDER, _version(TRANSFORMERS_SHARDER)
         return cfg
 
-    def _on_trace_saved(self, steps: list[int], rel_path: str) -> None:
-        self._sinks.on_profile(ProfileWindow(rank=self.rank, steps=steps, path=rel_path))
+    def _on_trace_saved(self, steps: list[int], rel_path: str, lost: str = "") -> None:
+        self._sinks.on_profile(ProfileWindow(rank=self.rank, steps=steps, path=rel_path, lost=lost))
 
     # ------------------------------------------------------------------ failure handling
     def _safe_write(self, rec) -> None:

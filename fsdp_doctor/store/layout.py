@@ -298,21 +298,43 @@ def clear_run(run_dir: Path | str) -> list[Path]:
     return gone
 
 
+def is_replaceable(path: Path | str) -> bool:
+    """Whether ``write_atomic`` would write ``path`` by a rename over it: a regular file, a symlink to one, or a
+    new name; not a FIFO, device or ``/dev/stdout`` (``os.stat`` follows links, ``/proc/self/fd/N`` included),
+    which is opened and written through."""
+    import stat
+
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:  # not there (or a dangling link): created, by the rename
+        return True
+
+
 def write_atomic(path: Path | str, data: bytes | str) -> Path:
     """Writes ``data`` to ``path`` whole or not at all: into a temporary file in the same folder, then renamed
     over ``path`` (``os.replace``), so that a failed or interrupted write never leaves a truncated file and a
     reader never sees half of one. Text is written as UTF-8. The file gets the permissions a plain ``open`` gives
-    (0666 less the umask: ``mkstemp``'s own 0600 would hide a report from the user's group)."""
+    (0666 less the umask: ``mkstemp``'s own 0600 would hide a report from the user's group). A symlink's target
+    is the file replaced; a path that is not a regular file (``is_replaceable``) is opened and written through."""
     import tempfile
 
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    if not is_replaceable(path):
+        # a FIFO, a character device, /dev/stdout: written through, never replaced (a new-user trial's
+        # ``--json /dev/full`` exited 0 and turned the device into an 82 KB file; a FIFO's reader got 0 bytes)
+        with open(path, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        return path
+    # a symlink is followed: its target is replaced, the link stays (the trial's ``--json link.json`` replaced the
+    # link with a file and left its target untouched)
+    target = Path(os.path.realpath(path))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -41,6 +41,7 @@ class RankData:
     config: RunConfig | None = None
     steps: list[StepRecord] = field(default_factory=list)
     profiles: list[ProfileWindow] = field(default_factory=list)
+    lost_profiles: list[ProfileWindow] = field(default_factory=list)  # windows whose trace was not saved
     errors: list[DoctorError] = field(default_factory=list)
     end: End | None = None
     gpu: dict[int, GpuTimes] = field(default_factory=dict)  # step -> device-side times (CUDA only)
@@ -51,7 +52,7 @@ class RankData:
         elif isinstance(rec, RunConfig):
             self.config = rec
         elif isinstance(rec, ProfileWindow):
-            self.profiles.append(rec)
+            (self.lost_profiles if rec.lost else self.profiles).append(rec)
         elif isinstance(rec, DoctorError):
             self.errors.append(rec)
         elif isinstance(rec, Header):
@@ -493,6 +494,9 @@ def _leave_out_unfinished_windows(run: Run) -> None:
     drop = set()
     for r, rd in sorted(run.ranks.items()):
         done = {s.step for s in rd.steps}
+        for pw in rd.lost_profiles:  # (said during training only, before: a new-user trial's full 80 KiB disk)
+            run.problems.append(f"{pw.path}: the profiler window of rank {r} at steps {_span(pw.steps)} was not saved "
+                                f"({pw.lost})")
         for pw in rd.profiles:
             f = (run.path / pw.path)
             gone = _missing(f)

@@ -18,7 +18,8 @@ with the reason, never summed with another or dropped without a word:
 * a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap; the first
   file (by name) is kept;
 * a window that started after its rank's records ended (``ended``: the run's End record per rank): another run
-  profiled into the run's folder later (a rank still running has no End record: nothing is said of its files).
+  profiled into the run's folder later (a rank still running has no End record: nothing is said of its files);
+  one that ended before its rank's records started (``started``: their header's): another run profiled earlier.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ JOB_SKEW_S = 600.0
 RERUN_MIN_GAP_S = 1.0
 
 
-def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None) -> tuple[list[WindowTrace],
-                                                                                      list[SkippedFile]]:
+def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
+          started: dict[int, float] | None = None) -> tuple[list[WindowTrace], list[SkippedFile]]:
     """``(kept, skipped)``: the windows that belong to one job, one per rank and window, in their order.
     ``ended``: when each rank of the run the windows are read with ended (s since the epoch; a rank not in it has
-    not, or no run is known)."""
-    if len(windows) < 2 and not ended:
+    not, or no run is known); ``started``: when each rank's records started (s since the epoch)."""
+    if len(windows) < 2 and not ended and not started:
         return list(windows), []
     names = _display_names(windows)
     skipped: dict[int, str] = {}
@@ -62,6 +63,15 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None) -> 
         if end is not None and start is not None and start - end > RERUN_MIN_GAP_S:
             skipped[i] = (f"another run (it started {_apart(start - end)} after rank {w.rank}'s records ended: "
                           "profiled into the same folder after the run?); skipped")
+        # and before them: a window that ended before its rank's records started (watch() entry) is another
+        # process's, one profiler wrapping watch() itself is not (a new-user trial's plain torch.profiler traces,
+        # made by a process 26 s before a run that profiled nothing, were read as its own: "source: profiler trace,
+        # step 2", exit 0)
+        began = (started or {}).get(w.rank) if w.rank_known else min((started or {}).values(), default=None)
+        stop = _end_s(w)
+        if i not in skipped and began is not None and stop is not None and began - stop > RERUN_MIN_GAP_S:
+            skipped[i] = (f"another run (it ended {_apart(began - stop)} before rank {w.rank}'s records started: "
+                          "profiled into the same folder before the run?); skipped")
     if len(windows) - len(skipped) < 2:
         kept = [w for i, w in enumerate(windows) if i not in skipped]
         return kept, [SkippedFile(file=names[i], error=skipped[i]) for i in order if i in skipped]
@@ -309,6 +319,11 @@ def _start_s(w: WindowTrace):
     # (the host's start: a window that follows a device running behind it starts later)
     t = w.window[0] - w.device_lag_us if w.window is not None else (w.span[0] if w.span[1] > w.span[0] else None)
     return None if t is None else (t + w.clock_us) / 1e6
+
+
+def _end_s(w: WindowTrace):
+    """When the window's main thread (or compute stream) last ran (s since the epoch); None without events."""
+    return (w.span[1] + w.clock_us) / 1e6 if w.span[1] > w.span[0] else None
 
 
 def _overlap(a: WindowTrace, b: WindowTrace) -> bool:

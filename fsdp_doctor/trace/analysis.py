@@ -300,16 +300,18 @@ def per_step_row(row: CommUnitRow, steps: int, in_steps: Optional[tuple[int, flo
 
 
 def analyze_windows(windows: list[WindowTrace], ended: Optional[dict[int, float]] = None,
+                    started: Optional[dict[int, float]] = None,
                     ranks: Optional[dict[int, int]] = None) -> OverlapSection:
     """The overlap section of ``windows`` (each rank's windows summed); ``files`` names them, in order. Windows
     of another job, without a rank among several, of a rank already read for the same steps, or started after their
-    rank's run ended (``ended``, see ``trace.admit``) are left out and listed in ``skipped`` (``trace.admit``).
-    ``ranks`` renumbers the traces' ranks (the process group's, distributedInfo.rank) as the run numbers them, where
-    only some ranks train (``RunConfig.world_ranks``: ranks 1-2 of 3 are the run's 0-1; read unrenumbered, a
-    new-user trial's verdict had rows 0, 1, 2 and read the job on the wrong rank)."""
+    rank's run ended (``ended``, see ``trace.admit``) or ended before its records started (``started``) are left out
+    and listed in ``skipped`` (``trace.admit``). ``ranks`` renumbers the traces' ranks (the process group's,
+    distributedInfo.rank) as the run numbers them, where only some ranks train (``RunConfig.world_ranks``: ranks 1-2
+    of 3 are the run's 0-1; read unrenumbered, a new-user trial's verdict had rows 0, 1, 2 and read the job on the
+    wrong rank)."""
     if ranks:
         windows = [replace(w, rank=ranks.get(w.rank, w.rank)) for w in windows]
-    kept, skipped = admit(windows, ended)
+    kept, skipped = admit(windows, ended, started)
     with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
         result = _analyze_windows(kept)
     result.skipped = skipped
@@ -389,6 +391,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
 
 def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], None]] = None,
                    workers: Optional[int] = None, ended: Optional[dict[int, float]] = None,
+                   started: Optional[dict[int, float]] = None,
                    ranks: Optional[dict[int, int]] = None) -> OverlapSection:
     """Analyse Kineto traces: a file, a directory (searched recursively), or a list of either.
 
@@ -422,7 +425,7 @@ def analyze_traces(path_or_paths, *, progress: Optional[Callable[[int, int], Non
     empty_last: list = []
     windows, unread = load_windows(files, progress=progress, workers=workers,
                                    root=common if common is not None else roots[files[0]], empty_last=empty_last)
-    result = analyze_windows(windows, ended, ranks)
+    result = analyze_windows(windows, ended, started, ranks)
     result.exit_windows, bad = exit_windows(empty_last, windows)
     result.skipped = skipped + unread + bad + result.skipped
     return result
