@@ -571,24 +571,31 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
     return EXIT_PARTIAL if problems else EXIT_OK
 
 
-EXIT_LINES = {
-    0: "  0  everything read and analysed",
-    1: "  1  the demo workload failed",
-    2: "  2  nothing usable (no such path, no records or traces, an output file that\n"
-       "     cannot be written, port in use, a run directory holding another run)",
-    3: "  3  analysed, but some files or lines were skipped (each named in the report)",
-    4: "  4  analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)",
-    130: "  130 interrupted",
+EXIT_REASONS = {  # every command's codes (the top-level --help); each command's --help gives its own reasons
+    0: "everything read and analysed",
+    1: "the demo workload failed",
+    2: "nothing usable (no such path, no records or traces, an output file that cannot be written, port in use, a "
+       "run directory holding another run)",
+    3: "analysed, but some files or lines were skipped (each named in the report)",
+    4: "analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)",
+    130: "interrupted",
 }
 
 
 def epilog(*codes: int, **own: str) -> str:
     """The exit-code table of a command: the codes it returns (compare's, schema's and dashboard's listed analyze's
-    4, which they never return: a new-user trial); ``own``: a code's line of its own ("c1": the dashboard's 1)."""
-    return "exit codes:\n" + "\n".join(own.get(f"c{c}", EXIT_LINES[c]) for c in codes)
+    4, which they never return), each with the reasons this command returns it (``own``: "c2" is code 2's; analyze's
+    and compare's 2 named "port in use, a run directory holding another run", the dashboard's and the demo's: a
+    new-user trial), wrapped within 80 columns."""
+    import textwrap
+
+    return "exit codes:\n" + "\n".join(
+        textwrap.fill(own.get(f"c{c}", EXIT_REASONS[c]), 78, initial_indent=f"  {c:<2} ", subsequent_indent=" " * 5,
+                      break_on_hyphens=False)
+        for c in codes)
 
 
-EPILOG = epilog(*EXIT_LINES)
+EPILOG = epilog(*EXIT_REASONS)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -616,7 +623,9 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="analyze a run directory or Kineto traces (.json / .json.gz)",
                        description="Reads a run directory written by fsdp_doctor.watch() (records and profiler "
                        "traces), a directory of plain torch.profiler traces (one file per rank), or one trace "
-                       "file, and prints the diagnosis.", epilog=epilog(0, 2, 3, 4, 130), formatter_class=fmt)
+                       "file, and prints the diagnosis.", formatter_class=fmt,
+                       epilog=epilog(0, 2, 3, 4, 130, c2="nothing usable (no such path, no records or traces), or an "
+                                     "output file that cannot be written or would replace an input"))
     a.add_argument("path", help="run directory, directory of Kineto traces, or one trace file")
     a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist); "
                                                   "'-': the JSON alone on standard output")
@@ -635,8 +644,13 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        description="Compares run B against run A (run directories or plain-trace folders): the "
                        "configuration that changed, step time with a bootstrap confidence interval, phases, memory "
                        "at the peak, exposed communication per unit, throughput, findings resolved / new / "
-                       "persisting, and A's predictions checked against B.", epilog=epilog(0, 2, 3, 130),
-                       formatter_class=fmt)
+                       "persisting, and A's predictions checked against B.", formatter_class=fmt,
+                       epilog=epilog(0, 2, 3, 130, c0="both runs read and compared",
+                                     c2="nothing usable in a run (no such path, no records or traces), an output file "
+                                        "that cannot be written or would replace an input, or a --gpu-hour-price not "
+                                        "above zero",
+                                     c3="compared, but some files or lines of a run were skipped (each named after "
+                                        "the comparison)"))
     c.add_argument("run_a", help="the run before (run directory, folder of Kineto traces, or one trace file)")
     c.add_argument("run_b", help="the run after")
     c.add_argument("--json", metavar="FILE", help="also write the comparison as JSON here (its directory must exist); "
@@ -649,12 +663,16 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                    help="price of one GPU-hour: adds the cost per billion tokens of each run")
     c.set_defaults(fn=cmd_compare)
 
-    r = sub.add_parser("rules", help="the rule catalogue: code, severity, what it needs and checks")
+    r = sub.add_parser("rules", help="the rule catalogue: code, severity, what it needs and checks",
+                       epilog=epilog(0, c0="the catalogue printed"), formatter_class=fmt)
     r.add_argument("--markdown", action="store_true", help="as the README's Markdown table")
     r.set_defaults(fn=cmd_rules)
 
     d = sub.add_parser("demo", help="train the reference FSDP2 workload with the doctor attached, then analyze it",
-                       epilog=epilog(0, 1, 2, 130), formatter_class=fmt)
+                       epilog=epilog(0, 1, 2, 130, c0="trained, and the run analysed",
+                                     c2="workload options that cannot run, or --out holding another run (without "
+                                        "--overwrite) or one that cannot be removed"),
+                       formatter_class=fmt)
     d.add_argument("--out", default="traces/demo", help="run directory (default: traces/demo)")
     d.add_argument("--overwrite", action="store_true",
                    help="replace the run already in --out (a run directory holds one run; without this flag "
@@ -668,7 +686,10 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("dashboard", help="serve the live dashboard over a run directory",
-                       epilog=epilog(0, 1, 2, 130, c1="  1  the dashboard's packages are not installed"),
+                       epilog=epilog(0, 1, 2, 130, c0="served until stopped",
+                                     c1="the dashboard's packages are not installed",
+                                     c2="no such run directory (nor its parent), an unreadable one, or the port in "
+                                        "use"),
                        formatter_class=fmt)
     s.add_argument("path", help="run directory (finished, or still being written)")
     s.add_argument("--host", default="127.0.0.1",
@@ -677,11 +698,15 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_dashboard)
 
     sc = sub.add_parser("schema", help="print the JSON schema of the --json report",
-                        epilog=epilog(0, c0="  0  the schema printed"), formatter_class=fmt)
+                        epilog=epilog(0, c0="the schema printed"), formatter_class=fmt)
     sc.set_defaults(fn=cmd_schema)
 
     t = sub.add_parser("tensorboard", help="write TensorBoard scalars (tb/rank{R}) for a recorded run",
-                       epilog=epilog(0, 2, 3, 130), formatter_class=fmt)
+                       epilog=epilog(0, 2, 3, 130, c0="the events written",
+                                     c2="nothing to convert (no such path, no records), event files already there "
+                                        "(without --overwrite), or a folder that cannot be written",
+                                     c3="written, but some files or lines were skipped (each named)"),
+                       formatter_class=fmt)
     t.add_argument("path", help="run directory written by fsdp_doctor.watch()")
     t.add_argument("--out", default=None, help="log directory (default: the run directory)")
     t.add_argument("--no-traces", action="store_true", help="skip the overlap scalars from the profiler traces")

@@ -46,7 +46,8 @@ def window_run(run: Run, window: StepWindow) -> Run:
     from .store.reader import RankData
 
     lo, hi = window
-    sub = Run(path=run.path, manifest=run.manifest, trace_files=list(run.trace_files), problems=list(run.problems))
+    sub = Run(path=run.path, manifest=run.manifest, trace_files=list(run.trace_files), problems=list(run.problems),
+              trace_files_left_out=run.trace_files_left_out)
     for r, rd in run.ranks.items():
         sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=list(rd.profiles),
                                 errors=list(rd.errors), end=rd.end, gpu=dict(rd.gpu),
@@ -345,7 +346,7 @@ def _count_unread(facts, overlap, run: Optional[Run] = None) -> None:
     unread = len(overlap.skipped)
     if not unread and not overlap.exit_windows:
         return
-    facts.trace_files_unread = unread
+    facts.trace_files_unread += unread  # (with those the store left out: Run.trace_files_left_out)
     facts.trace_files = max(0, facts.trace_files - unread - len(overlap.exit_windows))  # (those: a note says them)
     if run is not None and facts.facts_source == "trace metadata":
         import msgspec

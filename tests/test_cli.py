@@ -375,14 +375,23 @@ def test_each_commands_help_lists_the_exit_codes_it_returns():
     """compare, schema and dashboard --help listed "4 analyze --fail-on LEVEL", which they never return, and compare's
     --json and --html did not say their directory must exist, as analyze's do (a new-user trial)."""
     code = ("from fsdp_doctor.cli import main\n"
-            "for cmd in ('analyze', 'compare', 'schema', 'dashboard', 'tensorboard'):\n"
+            "for cmd in ('analyze', 'compare', 'schema', 'dashboard', 'tensorboard', 'rules', 'demo'):\n"
             "    print('==', cmd)\n    try:\n        main([cmd, '--help'])\n    except SystemExit:\n        pass\n")
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
                        env={**os.environ, "COLUMNS": "80"})
     helps = {h.split("\n", 1)[0]: " ".join(h.split()) for h in r.stdout.split("== ")[1:]}
     codes = {cmd: re.findall(r"(?:^| )(\d+) +\S", h.split("exit codes:")[1]) for cmd, h in helps.items()}
     assert codes == {"analyze": ["0", "2", "3", "4", "130"], "compare": ["0", "2", "3", "130"], "schema": ["0"],
-                     "dashboard": ["0", "1", "2", "130"], "tensorboard": ["0", "2", "3", "130"]}, codes
+                     "dashboard": ["0", "1", "2", "130"], "tensorboard": ["0", "2", "3", "130"], "rules": ["0"],
+                     "demo": ["0", "1", "2", "130"]}, codes
+    # each code with this command's own reasons: analyze's and compare's 2 named "port in use, a run directory
+    # holding another run" (the dashboard's and the demo's), and rules listed no code (a new-user trial)
+    two = {cmd: re.search(r" 2 (.*?)(?: 3 | 130 |$)", h.split("exit codes:")[1]).group(1) for cmd, h in helps.items()
+           if "2" in codes[cmd]}
+    assert all("port" not in two[c] and "another run" not in two[c] for c in ("analyze", "compare", "tensorboard"))
+    assert "port in use" in two["dashboard"] and "--out holding another run" in two["demo"], two
+    assert "--gpu-hour-price" in two["compare"] and "event files already there" in two["tensorboard"], two
+    assert "0 the catalogue printed" in helps["rules"] and "0 both runs read and compared" in helps["compare"]
     assert "4 analyze --fail-on LEVEL" in helps["analyze"]
     assert "1 the dashboard's packages are not installed" in helps["dashboard"]
     for cmd in ("analyze", "compare"):

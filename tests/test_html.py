@@ -208,7 +208,7 @@ def _terminal_tables(report) -> dict[str, list[list[str]]]:
     out["steps-table"] = _rich_rows(steps[0])
     if len(steps) > 1:
         out["outliers-table"] = _rich_rows(steps[1])
-    out["throughput-table"] = _rich_rows(T.render_throughput(report.throughput))
+    out["throughput-table"] = _rich_rows(T.render_throughput(report.throughput).renderables[0])
     return out
 
 
@@ -362,7 +362,7 @@ def test_communication_tables_are_the_terminals_under_their_titles():
     from pathlib import Path
 
     from fsdp_doctor.pipeline import build_report
-    from fsdp_doctor.present.overlap import _rank_table
+    from fsdp_doctor.present.overlap import _rank_table, _unit_table
     from fsdp_doctor.store import load_run
 
     traces = Path(__file__).resolve().parents[1] / "traces"
@@ -378,8 +378,59 @@ def test_communication_tables_are_the_terminals_under_their_titles():
                                 "copies exp."] and html_rows[1] == rank0, html_rows
         assert ("<h2>Communication</h2><h3>Communication per complete profiled step, per rank (overlap %: whole "
                 "window, as HTA)</h3><table class='num' id='overlap-ranks-table'>") in text
-        assert re.search(r"<h3>FSDP units, worst exposure first, per profiled step \(top 15 of \d+\)</h3><table>"
-                         r"<tr><th>rank</th>.*<th>slack</th><th>held</th></tr>", text), run
+        assert re.search(r"<h3>FSDP units, worst exposure first, per profiled step \(top 15 of \d+\)</h3>"
+                         r"<table class='num' id='comm-units-table'>", text), run
+        # the per-unit table: the terminal's columns and labels, cell for cell (the HTML had its own columns,
+        # "collective", "phase", "time / step", and full names, "model.layers.2.mlp.down_proj" beside the
+        # terminal's "2.mlp.down_proj": a new-user trial)
+        units = _html_tables(text)["comm-units-table"]
+        names = [u.name for u in report.units or []]
+        assert units == _rich_rows(_unit_table(report.overlap.per_unit, 15, 200, names)), run
+        assert units[0] == ["rank", "unit", "op", "calls", "comm", "exposed", "size", "bus BW", "slack", "held"]
+        assert len(units) == 16 and {r[2] for r in units[1:]} >= {"AG fwd", "RS bwd"}, units
+
+
+def test_a_share_of_the_peak_under_0_05_percent_never_reads_0():
+    """The memory table's % column read "0.0" for a new-user trial's buffers, 64 B of a 3.17 MiB peak (JSON share
+    1.9e-05): "<0.1" in the terminal and the HTML alike (units.fmt_share's rule); the others keep their decimal."""
+    from rich.console import Console
+
+    from fsdp_doctor.present.memory import render_memory
+    from fsdp_doctor.report_sections import Report
+
+    rep = _report()
+    for r in ("0", "1"):
+        rep["memory"]["per_rank"][r] = {**rep["memory"]["per_rank"][r], "peak_bytes": 24 * MiB + 64}
+        rep["memory"]["per_rank"][r]["peak_breakdown"] = {**rep["memory"]["per_rank"][r]["peak_breakdown"],
+                                                          "buffers": 64}
+    report = Report.of(rep)
+    rows = {r[0]: r[1:] for r in _html_tables(render_html(report))["memory-table"][1:]}
+    assert rows["buffers"] == ["64 B", "<0.1", "64 B", "<0.1"], rows
+    assert rows["activations"] == ["16.00 MiB", "66.7", "16.00 MiB", "66.7"], rows
+    console = Console(width=200, record=True)
+    console.print(render_memory(report.memory, 200))
+    line = next(x for x in console.export_text().splitlines() if x.strip().startswith("buffers"))
+    assert line.split()[:5] == ["buffers", "64", "B", "<0.1", "64"], line
+
+
+def test_the_pacing_note_wraps_at_the_terminals_width(sample_run_path):
+    """"job tokens/s: paced by the slowest rank, rank 1 (step p50 …)" wrapped at the throughput table's 40 columns
+    on a 200-column terminal (a table's caption): it is a line of its own under the table now."""
+    from rich.console import Console
+
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.present.fmt import throughput_note
+    from fsdp_doctor.present.terminal import render_throughput
+    from fsdp_doctor.store import load_run
+
+    tp = build_report(load_run(sample_run_path)).throughput
+    note = throughput_note(tp)
+    assert len(note) > 60 and "\n" not in note
+    console = Console(width=200, record=True)
+    console.print(render_throughput(tp, 200))
+    lines = console.export_text().splitlines()
+    assert note in [x.rstrip() for x in lines], lines
+    assert max(len(x.rstrip()) for x in lines if "paced" not in x) < 60  # (the table itself is narrower)
 
 
 def test_the_job_tokens_per_s_names_the_rank_that_paces_it(sample_run_path):

@@ -206,6 +206,12 @@ def test_reader_refuses_to_mix_runs(tmp_path):
     rep = build_report(run)
     assert rep.run.ranks == [0] and sorted(rep.overlap.per_rank) == ["0"]
     assert {r.rank for r in rep.overlap.per_unit} == {0}
+    # the header counts the windows left out, as it counts traces the trace analysis skips (another run's traces in
+    # profiler/ read "2 trace files" alone, one folder up "2 trace files · 2 left out": a new-user trial)
+    from fsdp_doctor.present.fmt import run_facts
+
+    assert (rep.run.trace_files, rep.run.trace_files_unread) == (1, 2)
+    assert run_facts(rep.run)[-2:] == ["1 trace file", "2 left out (listed at the end)"]
 
 
 def test_cli_names_the_mixed_run_and_exits_3(tmp_path, capsys):

@@ -3,8 +3,8 @@
 import pytest
 from rich.console import Console
 
-from fsdp_doctor.present.fmt import fmt_bw, fmt_ms, unit_exposed_note
-from fsdp_doctor.present.overlap import fmt_bytes, fmt_us, render_overlap
+from fsdp_doctor.present.fmt import fmt_bw, fmt_bytes, fmt_ms, fmt_us, unit_exposed_note
+from fsdp_doctor.present.overlap import render_overlap
 from fsdp_doctor.trace import analyze_traces
 from trace_fixtures import gloo_known_trace, gpu_known_trace
 

@@ -40,7 +40,8 @@ def run_facts(run: Run) -> RunFacts:
     cfg = run.config
     single = not run.ranks and len(run.trace_files) == 1  # one trace file given: name it, not its folder
     facts = RunFacts(path=str(run.trace_files[0] if single else run.path), ranks=sorted(run.ranks),
-                     world_size=run.world_size, run_id=run.run_id or None, trace_files=len(run.trace_files))
+                     world_size=run.world_size, run_id=run.run_id or None, trace_files=len(run.trace_files),
+                     trace_files_unread=run.trace_files_left_out)
     if cfg is not None:
         facts = msgspec.structs.replace(
             facts, backend=cfg.backend, device=cfg.device, device_name=cfg.device_name,

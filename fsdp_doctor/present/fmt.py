@@ -296,6 +296,30 @@ def comm_units_title(rows: list[CommUnitRow], top: int) -> str:
     return title + (f" (top {top} of {len(rows)})" if len(rows) > top else "")
 
 
+COMM_UNITS_HEADER = ("rank", "unit", "op", "calls", "comm", "exposed", "size", "bus BW", "slack", "held")
+_COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
+         "send_recv": "SR", "all_to_all": "A2A"}
+# (a phase not here was cut to its first 3 letters: a gradient norm's all-reduce read "AR gra", a new-user trial)
+_PHASE = {"forward": "fwd", "backward": "bwd", "grad_norm": "norm", "model": "model"}
+
+
+def comm_unit_rows(rows: list[CommUnitRow], top: int, names=()) -> list[tuple[str, ...]]:
+    """The per-unit collectives' first ``top`` rows, the terminal's and the HTML's cells (the HTML had its own
+    columns and full unit names, "model.layers.2.mlp.down_proj" beside the terminal's "2.mlp.down_proj": a new-user
+    trial). ``names``: every unit's name the run knows, so a label is unambiguous among all the units, not only
+    among those with collectives in this table (an MoE's ``experts.2`` of one layer read as if the only one)."""
+    labels = short_unit_labels([*(r.unit for r in rows), *names])
+    out = []
+    for r in rows[:top]:
+        op = _COLL.get(r.collective, r.collective[:4])
+        if r.phase:
+            op += " " + _PHASE.get(r.phase, r.phase[:3])
+        out.append((str(r.rank), labels[r.unit], op, MISSING if r.count_per_step is None else f"{r.count_per_step:.3g}",
+                    fmt_ms(r.comm_ms_per_step), fmt_ms(r.exposed_ms_per_step), fmt_bytes(r.bytes_per_call),
+                    fmt_bw(r.busbw_gbps), fmt_us(r.slack_us, signed=True), fmt_us(r.held_us)))
+    return out
+
+
 def slack_note(sec: OverlapSection) -> str | None:
     """Under the per-unit collectives, what their all-gathers' slack and held columns mean (None without FSDP
     units' rows)."""
@@ -650,16 +674,25 @@ def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
 
 
 # --- the memory section at the peak: the terminal's table cells and per-rank lines, for the HTML report
+def memory_categories_shown(section: MemorySection) -> list[str]:
+    """The categories of the breakdown at the peak, in the section's order: those held on some rank, or unknown."""
+    from ..memory_categories import DEVICE
+
+    per_rank = section.per_rank
+    unknown = {c for pr in per_rank.values() for c in pr.unknown_categories or ()}
+    return [c for c in list(section.categories or DEVICE)
+            if c in unknown or any(pr.peak_breakdown.get(c) for pr in per_rank.values())]
+
+
 def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     """(header, rows) of the breakdown at the peak: per category its bytes and % of the peak on each rank
-    ("unknown" where this torch could not measure it), then the peak itself."""
-    from ..memory_categories import DEVICE, label
+    ("unknown" where this torch could not measure it), then the peak itself; the terminal's and the HTML's. A
+    non-zero share never reads "0.0" (a new-user trial's buffers, 64 B of a 3.2 MiB peak: "<0.1")."""
+    from ..memory_categories import label
 
     per_rank = section.per_rank
     ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
-    unknown = {c for r in ranks for c in per_rank[r].unknown_categories or ()}
-    shown = [c for c in list(section.categories or DEVICE)
-             if c in unknown or any(per_rank[r].peak_breakdown.get(c) for r in ranks)]
+    shown = memory_categories_shown(section)
     header = ("category", *(x for r in ranks for x in (f"rank {r}", "%")))
     rows = []
     for c in shown:
@@ -668,7 +701,7 @@ def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str
             pr = per_rank[r]
             v, peak = pr.peak_breakdown.get(c, 0) or 0, pr.peak_bytes or 0
             row += (["unknown", MISSING] if c in (pr.unknown_categories or ()) else
-                    [fmt_bytes(v), f"{100 * v / peak:.1f}" if peak else MISSING])
+                    [fmt_bytes(v), fmt_share(v / peak, 1).rstrip("%") if peak else MISSING])
         rows.append(tuple(row))
     rows.append(("peak", *(x for r in ranks for x in (fmt_bytes(per_rank[r].peak_bytes), "100"))))
     return header, rows

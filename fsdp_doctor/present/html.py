@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..report_sections import (CommUnitRow, Finding, MemorySection, OverlapSection, Report, StepsSection,
+from ..report_sections import (Finding, MemorySection, OverlapSection, Report, StepsSection,
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
-from .fmt import (fix_heading, fixes_note, problem_text, comm_units_title, overlap_rank_rows, slack_note,
-                  MEMORY_UNITS_HEADER, OUTLIERS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, SEVERITY_COLORS, STEPS_HEADER,
-                  THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bw, fmt_bytes, fmt_ms,
-                  fmt_checkpoint, fmt_unit_figures, fmt_us, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
+from .fmt import (fix_heading, fixes_note, problem_text, comm_unit_rows, comm_units_title, overlap_rank_rows,
+                  slack_note, COMM_UNITS_HEADER, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, SEVERITY_COLORS, STEPS_HEADER,
+                  THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bytes, fmt_ms,
+                  fmt_checkpoint, fmt_unit_figures, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
                   steps_title, no_steady_text, straggler_text, throughput_rows, unit_exposed_note,
                   throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
@@ -136,20 +136,14 @@ def _overlap_ranks_table(overlap: OverlapSection) -> str:
                                                           "overlap-ranks-table")
 
 
-def _comm_units_table(per_unit: list[CommUnitRow], top: int = 15) -> str:
-    """The per-unit collectives, worst exposure first: the terminal's table, its title, same formatters."""
-    if not per_unit:
+def _comm_units_table(overlap: OverlapSection, names: list[str], top: int = 15) -> str:
+    """The per-unit collectives, worst exposure first: the terminal's table, its title, columns and labels
+    (fmt.comm_unit_rows; ``names``: the run's units, as the terminal's)."""
+    if not overlap.per_unit:
         return ""
-    head = ("<tr><th>rank</th><th>unit</th><th>collective</th><th>phase</th><th>calls / step</th><th>time / step</th>"
-            "<th>exposed / step</th><th>bytes / call</th><th>bus BW</th><th>slack</th><th>held</th></tr>")
-    rows = "".join(
-        "<tr>" + "".join(f"<td>{_esc(x)}</td>" for x in (
-            r.rank, unit_label(r.unit), r.collective, r.phase or "—",
-            "—" if r.count_per_step is None else f"{r.count_per_step:.3g}",
-            fmt_ms(r.comm_ms_per_step), fmt_ms(r.exposed_ms_per_step), fmt_bytes(r.bytes_per_call),
-            fmt_bw(r.busbw_gbps), fmt_us(r.slack_us, signed=True), fmt_us(r.held_us))) + "</tr>"
-        for r in per_unit[:top])
-    return f"<h3>{_esc(comm_units_title(per_unit, top))}</h3><table>{head}{rows}</table>"
+    return f"<h3>{_esc(comm_units_title(overlap.per_unit, top))}</h3>" + _table(
+        COMM_UNITS_HEADER, comm_unit_rows(overlap.per_unit, top, [*names, *(u.name for u in overlap.units or ())]),
+        "comm-units-table", left=(1, 2))
 
 
 def _units_table(units: list[UnitRow] | list[TraceUnitRow]) -> str:
@@ -253,7 +247,7 @@ def render_html(report: Report | dict) -> str:
         # the terminal's two tables, each under its own title: per rank, then per unit below their figure
         ("Communication", ov and ov.per_rank and (lambda: _overlap_ranks_table(ov)), F.unit_exposure_figure,
          ov and ov.per_unit, "No profiler traces: per-unit overlap needs a profiled window.",
-         lambda: _comm_units_table(ov.per_unit) + "".join(
+         lambda: _comm_units_table(ov, [u.name for u in report.units or []]) + "".join(
              f"<p class='note'>{_esc(n)}</p>" for n in (slack_note(ov), unit_exposed_note(ov)) if n)),
         (None, None, F.unit_timing_figure, report.unit_rows(), None, None),
     ]

@@ -6,10 +6,10 @@ from msgspec import UNSET
 from rich.console import Group
 from rich.text import Text
 
-from ..memory_categories import DEVICE, label
 from ..report_sections import MemorySection
 from .fit import Col, fitted_table
-from .fmt import TRACE_MEMORY_HEADER, fmt_bytes, fmt_share, memory_peak_where, short_unit_labels, trace_memory_rows
+from .fmt import (TRACE_MEMORY_HEADER, fmt_bytes, fmt_share, memory_categories_shown, memory_peak_where, memory_rows,
+                  short_unit_labels, trace_memory_rows)
 
 _BAR = 20
 
@@ -34,9 +34,6 @@ def render_memory(section: MemorySection, width: int = 100):
         return Group(head, fitted_table("", [Col(n, justify="left" if n == "unit, phase" else "right",
                                                  wrap=n == "unit, phase") for n in TRACE_MEMORY_HEADER],
                                         trace_memory_rows(sec), width))
-    cats = list(sec.categories or DEVICE)
-    unknown = {c for r in ranks for c in per_rank[r].unknown_categories or ()}
-    shown = [c for c in cats if c in unknown or any(per_rank[r].peak_breakdown.get(c) for r in ranks)]
     many = len(ranks) > 2
     cols = [Col("category", justify="left", wrap=True)]
     for i, r in enumerate(ranks):  # at a narrow width the shares go first, then the last ranks
@@ -44,29 +41,14 @@ def render_memory(section: MemorySection, width: int = 100):
     if not many:
         cols.append(Col(f"share (rank {ranks[0]})", justify="left", drop=2))
     rows, styles = [], []
-    for c in shown:
-        row = [label(c)]
-        for r in ranks:
-            pr = per_rank[r]
-            v = pr.peak_breakdown.get(c, 0) or 0
-            peak = pr.peak_bytes or 0
-            if c in (pr.unknown_categories or ()):
-                row += ["unknown", "—"]
-                continue
-            row += [fmt_bytes(v), f"{100 * v / peak:.1f}" if peak else "—"]
+    # the cells: fmt.memory_rows, the HTML's too; the categories' rows, then the peak's
+    for c, row in zip([*memory_categories_shown(sec), "peak"], memory_rows(sec)[1]):
         if not many:
             p0 = per_rank[ranks[0]]
             v0 = p0.peak_breakdown.get(c, 0) or 0
-            row.append(_bar(v0 / p0.peak_bytes) if p0.peak_bytes else "")
+            row += (_bar(v0 / p0.peak_bytes) if p0.peak_bytes and c != "peak" else "",)
         rows.append(row)
-        styles.append("bold red" if c == "stale_optimizer_params" else None)
-    total = ["peak"]
-    for r in ranks:
-        total += [fmt_bytes(per_rank[r].peak_bytes), "100"]
-    if not many:
-        total.append("")
-    rows.append(total)
-    styles.append("bold")
+        styles.append("bold red" if c == "stale_optimizer_params" else "bold" if c == "peak" else None)
     table = fitted_table("Memory at the peak, by category (device bytes per rank)", cols, rows, width, styles=styles)
     lines = []
     for r in ranks:

@@ -9,15 +9,10 @@ from rich.text import Text
 
 from ..report_sections import CommUnitRow, OverlapSection
 from .fit import Col, fitted_table
-from .fmt import (MISSING, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, comm_units_title, fmt_bw,  # one convention: fmt.py
-                  fmt_bytes, fmt_ms, fmt_us, overlap_rank_rows, short_unit_labels, slack_note,
-                  unit_exposed_note)
+from .fmt import (COMM_UNITS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE,  # one convention: fmt.py
+                  comm_unit_rows, comm_units_title, overlap_rank_rows, slack_note, unit_exposed_note)
 
 TOP_UNITS = 15
-_COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
-         "send_recv": "SR", "all_to_all": "A2A"}
-# (a phase not here was cut to its first 3 letters: a gradient norm's all-reduce read "AR gra", a new-user trial)
-_PHASE = {"forward": "fwd", "backward": "bwd", "grad_norm": "norm", "model": "model"}
 
 
 def _rank_table(sec: OverlapSection, width: int):
@@ -33,29 +28,19 @@ def _rank_table(sec: OverlapSection, width: int):
 
 
 def _unit_table(rows: list[CommUnitRow], top: int, width: int, names: Iterable[str] = ()):
-    """``names``: every unit's name the run knows (the trace's unit rows), so a label is unambiguous among all the
-    units, not only among those with collectives in this table (an MoE's ``experts.2`` of one layer read as if the
-    only one: a new-user trial)."""
-    shown = rows[:top]
-    title = comm_units_title(rows, top)
-    labels = short_unit_labels([*(r.unit for r in rows), *names])
-    cols = [Col("rank"), Col("unit", justify="left", wrap=True), Col("op", justify="left"), Col("calls", drop=2),
-            Col("comm"), Col("exposed"), Col("size", drop=1), Col("bus BW", drop=1), Col("slack", drop=3),
-            Col("held", drop=3)]
+    """``names``: every unit's name the run knows (the trace's unit rows), for labels unambiguous among them all
+    (fmt.comm_unit_rows, the HTML's too); exposed over half the collective and negative slack in red."""
+    drops = {"calls": 2, "size": 1, "bus BW": 1, "slack": 3, "held": 3}
+    cols = [Col(h, justify="left" if h in ("unit", "op") else "right", wrap=h == "unit", drop=drops.get(h, 0))
+            for h in COMM_UNITS_HEADER]
+    exposed, slack = COMM_UNITS_HEADER.index("exposed"), COMM_UNITS_HEADER.index("slack")
     out = []
-    for r in shown:
-        op = _COLL.get(r.collective, r.collective[:4])
-        if r.phase:
-            op += " " + _PHASE.get(r.phase, r.phase[:3])
-        exposed_frac = r.exposed_us / r.comm_us if r.comm_us else 0.0
-        out.append((
-            str(r.rank), labels[r.unit], op, MISSING if r.count_per_step is None else f"{r.count_per_step:.3g}",
-            fmt_ms(r.comm_ms_per_step),
-            Text(fmt_ms(r.exposed_ms_per_step), style="red" if exposed_frac > 0.5 else ""),
-            fmt_bytes(r.bytes_per_call), fmt_bw(r.busbw_gbps),
-            Text(fmt_us(r.slack_us, signed=True), style="red" if r.slack_us is not None and r.slack_us < 0 else ""),
-            fmt_us(r.held_us)))
-    return fitted_table(title, cols, out, width)
+    for r, row in zip(rows, comm_unit_rows(rows, top, names)):
+        cells = list(row)
+        cells[exposed] = Text(row[exposed], style="red" if r.comm_us and r.exposed_us / r.comm_us > 0.5 else "")
+        cells[slack] = Text(row[slack], style="red" if r.slack_us is not None and r.slack_us < 0 else "")
+        out.append(tuple(cells))
+    return fitted_table(comm_units_title(rows, top), cols, out, width)
 
 
 def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped: bool = True, width: int = 100,

@@ -83,8 +83,11 @@ def render_throughput(section: ThroughputSection, width: int = 100):
     checkpointing's recompute)."""
     rows = throughput_rows(section or ThroughputSection())
     cols = [Col(h, drop=1 if h == "HFU" else 0) for h in THROUGHPUT_HEADER]
-    return fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows],
-                        caption=throughput_note(section or ThroughputSection()) or None)
+    table = fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows])
+    # the note under the table, not its caption: a caption wraps at the table's width ("job tokens/s: paced by the
+    # slowest rank, rank 1 (step p50 …)" over three lines of 40 columns on a 200-column terminal: a new-user trial)
+    note = throughput_note(section or ThroughputSection())
+    return Group(table, *([Text(note, style="dim")] if note else []))
 
 
 UNIT_ROWS = 24

@@ -76,6 +76,11 @@ class Run:
     # ranks whose record stream is there but holds no record that could be read (unreadable, or not records): not
     # analysed, never "did not finish"; their profiler windows of this run are analysed all the same
     unread: set[int] = field(default_factory=set)
+    # trace files found and left out before analysis (unreadable, another run's, a window its rank never completed),
+    # each named in ``problems``: the header counts them as it counts those the trace analysis skips (another run's
+    # traces in profiler/ read "2 trace files" alone, beside "2 left out" for the same traces one folder up: a
+    # new-user trial)
+    trace_files_left_out: int = 0
 
     @property
     def config(self) -> RunConfig | None:
@@ -431,7 +436,9 @@ def load_run(path: Path | str) -> Run:
     for rank in unread:
         run.ranks.pop(rank, None)
         run.unread.add(rank)
+    said = len(run.problems)
     run.trace_files = run_trace_files(run, run.problems)
+    run.trace_files_left_out = len(run.problems) - said  # (one line per file left out)
     _leave_out_unfinished_windows(run)
     _name_first_stopped(run, {rank for rank, sr in follower._streams.items() if sr.trailing_bytes()})
     return run
@@ -513,7 +520,9 @@ def _leave_out_unfinished_windows(run: Run) -> None:
                                     "window (it ended in an error: a collective failed, or a rank was killed); "
                                     "not analysed")
     if drop:
-        run.trace_files = [f for f in run.trace_files if f.resolve() not in drop]
+        kept = [f for f in run.trace_files if f.resolve() not in drop]
+        run.trace_files_left_out += len(run.trace_files) - len(kept)
+        run.trace_files = kept
 
 
 def _missing(f: Path) -> bool | None:
