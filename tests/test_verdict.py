@@ -477,9 +477,9 @@ def test_a_model_without_a_backward_of_its_own_says_the_reduce_scatter_is_anothe
 
     run = fsdp_doctor.load_run(sample_run_path)
     rep = fsdp_doctor.build_report(run)
-    said = ("(the watched model ran no backward in its steps and reduce-scatters no gradients: the reduce-scatter, "
-            "the backward's all-gathers and its compute here are another FSDP model's, run in its steps; watch that "
-            "model for its own bound)")
+    said = ("(the watched model ran no backward in its steps and reduce-scatters no gradients: the forward and "
+            "backward of another FSDP model run in its steps are in these shares, the reduce-scatter and the "
+            "backward's all-gathers all of them; watch that model for its own bound)")
     assert rep.verdict.job.shares_pct["reducescatter"] > 0 and said not in rep.verdict.job.summary
     for rd in run.ranks.values():
         rd.steps = [msgspec.structs.replace(s, backward_ms=0.0, backwards=0, units=[

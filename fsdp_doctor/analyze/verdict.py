@@ -248,8 +248,9 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
         # (a frozen teacher watched with its student's optimizer read "exposed reduce-scatter 26%": the student's,
         # whose units FSDP's trace labels name as the teacher's, a new-user trial)
         job.summary += (" (the watched model ran no backward in its steps and reduce-scatters no gradients: the "
-                        "reduce-scatter, the backward's all-gathers and its compute here are another FSDP model's, "
-                        "run in its steps; watch that model for its own bound)")
+                        "forward and backward of another FSDP model run in its steps are in these shares, the "
+                        "reduce-scatter and the backward's all-gathers all of them; watch that model for its own "
+                        "bound)")
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
         by_bound.setdefault(v.bound, []).append(int(r))
