@@ -350,8 +350,9 @@ class StepsSection(_Section):
     # per rank: the steps whose memory the doctor counted op by op that the statistics keep (too few without)
     counted_kept: dict[str, list[int]] = {}
     # per rank: [the doctor's own ms over the recorded steps, those steps' ms, its ms on an ordinary step (median),
-    # the median step's ms]: its work between steps (doctor_ms) and its own steps' time over the median step (its
-    # profiler windows, its memory counted op by op); reports before the last two hold the first two
+    # the median step's ms, of its ms the part in its own steps]: its work between steps (doctor_ms) and its own
+    # steps' time over the median step (its profiler windows, its memory counted op by op); reports before the last
+    # three hold the first two, before the last one the first four
     doctor_own_ms: dict[str, list[float]] = {}
 
 

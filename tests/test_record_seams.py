@@ -792,6 +792,39 @@ def test_a_container_of_teacher_and_student_frees_its_gradients(tmp_path, gloo_o
     assert "memory.grads_kept" not in {f.code for f in rep.findings}
 
 
+def test_a_container_of_teacher_and_student_times_its_models_forwards_and_counts_their_activations(tmp_path,
+                                                                                                    gloo_one_rank):
+    """A container of teacher and student watched (its forward never runs): the two models' forwards read as time
+    outside the model (a new-user trial's WARNING jitter.data_wait, 37% of the step, with a DataLoader fix, the data a
+    tensor in memory) and no activations were counted ("activations off"; the student alone measured 537 KiB). Its
+    units' outermost forwards, the teacher's without gradients too, are the step's forward, and the activations are
+    counted from the step's first unit forward: the same as the student's watched alone."""
+    import fsdp_doctor
+    from fsdp_doctor.pipeline import build_report
+
+    teacher, student, opt = _teacher_and_student()
+    both = torch.nn.Module()
+    both.teacher, both.student = teacher, student
+    with fsdp_doctor.watch(both, opt, out_dir=tmp_path / "both", profile=False) as doc:
+        _distill(doc, teacher, student, opt)
+    teacher, student, opt = _teacher_and_student()
+    with fsdp_doctor.watch(student, opt, out_dir=tmp_path / "student", profile=False) as doc:
+        _distill(doc, teacher, student, opt)
+    run = fsdp_doctor.load_run(tmp_path / "both")
+    for st in run.ranks[0].steps:
+        fwd = {u.name: u.fwd_ms for u in st.units}
+        # the roots' spans, the nested units inside them (the same clock readings: equal to rounding)
+        assert st.forward_ms == pytest.approx(fwd["teacher"] + fwd["student"], abs=0.002), (st.forward_ms, fwd)
+        assert fwd["teacher"] > 0 and st.between_ms is not None
+    rep, alone = build_report(run), build_report(fsdp_doctor.load_run(tmp_path / "student"))
+    acts = alone.memory.per_rank["0"].peak_breakdown["activations"]
+    assert acts > 0 and rep.memory.per_rank["0"].peak_breakdown["activations"] == acts
+    rows = {u.unit: u.activation_bytes for u in rep.memory.per_rank["0"].per_unit}
+    own = {u.unit: u.activation_bytes for u in alone.memory.per_rank["0"].per_unit}
+    assert (rows["teacher"], rows["teacher.0"]) == (0, 0) and rows["student"] == own[""] > 0, (rows, own)
+    assert rows["student.0"] == own["0"] > 0
+
+
 def test_an_exception_before_the_first_step_is_recorded_whole(tmp_path, gloo_one_rank):
     """torch's error for a tied weight split across units (336 characters: "Parameter 'tok_emb.weight' is shared ...
     to place them in the same FSDP ...") raised at the first forward was recorded cut at 200 characters, and

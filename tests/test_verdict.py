@@ -462,3 +462,26 @@ def test_the_records_verdict_counts_another_models_work_as_compute(sample_run_pa
                                             other_models_ms=300.0) for s in rd.steps]
     after = verdict(None, run).job
     assert after.bound == "compute" and after.groups_pct["input"] <= before["input"] + 0.1, (before, after.groups_pct)
+
+
+def test_a_model_without_a_backward_of_its_own_says_the_reduce_scatter_is_another_models(sample_run_path):
+    """A frozen teacher watched with its student's optimizer (the teacher runs under torch.no_grad) read
+    "communication-bound (56% of the step: exposed reduce-scatter 26%, ...)": the student's reduce-scatters, whose
+    units FSDP's trace labels name as the teacher's (a new-user trial). Where the records show no backward of the
+    watched model in any step, the verdict says the trace's reduce-scatter and backward are another model's. The
+    sample run (its own backward) says nothing of it."""
+    import msgspec
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.verdict import verdict
+
+    run = fsdp_doctor.load_run(sample_run_path)
+    rep = fsdp_doctor.build_report(run)
+    said = ("(the watched model ran no backward in its steps and reduce-scatters no gradients: the forward and "
+            "backward of another FSDP model run in its steps are in these shares, the reduce-scatter and the "
+            "backward's all-gathers all of them; watch that model for its own bound)")
+    assert rep.verdict.job.shares_pct["reducescatter"] > 0 and said not in rep.verdict.job.summary
+    for rd in run.ranks.values():
+        rd.steps = [msgspec.structs.replace(s, backward_ms=0.0, backwards=0, units=[
+            msgspec.structs.replace(u, bwd_ms=0.0, ag_wait_bwd_ms=0.0) for u in s.units]) for s in rd.steps]
+    assert verdict(rep.overlap, run).job.summary.endswith(said)

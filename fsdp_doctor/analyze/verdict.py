@@ -171,6 +171,14 @@ def _waits_inside_forward(run: Optional[Run], ranks: list[str]) -> tuple[list[st
     return compiled, methods
 
 
+def _no_backward_of_its_own(run: Optional[Run]) -> bool:
+    """Whether the records say the watched model ran no backward in any of its steps (a frozen teacher run under
+    torch.no_grad): its units have no gradients to reduce-scatter."""
+    steps = [s for rd in (run.ranks.values() if run is not None and run.has_records else []) for s in rd.steps]
+    return bool(steps) and all(not getattr(s, "backwards", None) and not s.backward_ms
+                               and not any(u.bwd_ms for u in s.units) for s in steps)
+
+
 def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
             late: Optional[Straggler] = None) -> Optional[Verdict]:
     """The :class:`~fsdp_doctor.report_sections.Verdict` from the report's ``overlap`` section (the traces) and
@@ -236,6 +244,13 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
                                                (methods, "run through a registered forward method")) if names)
         job.summary += (f" (from the records, the forward all-gather waits of {how} are inside their "
                         "forward: counted as compute here; a profiler window tells them apart)")
+    if job_parts.get("reducescatter", 0.0) > 0 and _no_backward_of_its_own(run):
+        # (a frozen teacher watched with its student's optimizer read "exposed reduce-scatter 26%": the student's,
+        # whose units FSDP's trace labels name as the teacher's, a new-user trial)
+        job.summary += (" (the watched model ran no backward in its steps and reduce-scatters no gradients: the "
+                        "forward and backward of another FSDP model run in its steps are in these shares, the "
+                        "reduce-scatter and the backward's all-gathers all of them; watch that model for its own "
+                        "bound)")
     by_bound: dict[str, list[int]] = {}
     for r, v in per_rank.items():
         by_bound.setdefault(v.bound, []).append(int(r))

@@ -18,8 +18,8 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_frames, consistency_problem, managed_param_ids, naming_root, sharded_of,
-                    snapshot_units, unmanaged_param_bytes, unmanaged_summary)
+from .units import (Unit, compiled_frames, consistency_problem, managed_param_ids, naming_root, no_forward_of_its_own,
+                    sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
@@ -110,7 +110,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         profile_schedule=sched.as_dict() if hasattr(sched, "as_dict") else None,
         unmanaged_trainable_names=ign_names or None, unmanaged_trainable_bytes=ign_bytes or None,
         untrained=untrained_params(named, optimizer, units), unavailable=unavailable,
-        model_has_forward=type(named).forward is not nn.Module.forward,
+        model_has_forward=not no_forward_of_its_own(model),
         measured_notes=notes,
         torch_lacks=F2.features_unavailable(),
     ), consistency

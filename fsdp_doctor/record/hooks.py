@@ -35,7 +35,7 @@ from ..records import UnitStep
 from . import fsdp2 as F2
 from .phase import in_backward
 from .units import (CompiledFrame, Unit, checkpointed_modules, checkpoints_itself, compiled_frames, compiled_module,
-                    label_to_index)
+                    label_to_index, no_forward_of_its_own)
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -197,10 +197,12 @@ class StepTimer:
         # the Doctor's: a doctor.step() call without an optimizer step, after a backward, found the gradients kept;
         # whether they are by the next forward (zero_grad at the loop's top) tells a skipped step from a micro-batch
         self.zeroed_check = False
+        self._container = False  # the watched module has no forward of its own (install)
         self.begin_step()
 
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
         self._units = units
+        self._container = no_forward_of_its_own(model)
         h = self._handles
         for idx, u in enumerate(self._units):
             self._acc[idx] = _UnitAcc()
@@ -556,12 +558,16 @@ class StepTimer:
             a.t_outer = _now()
             if self.gpu is not None and not in_backward():
                 self.gpu.open(idx, 0)
-            if not self._fwd_start and self._units[idx].depth and torch.is_grad_enabled():
+            if not self._fwd_start and (self._container or self._units[idx].depth and torch.is_grad_enabled()):
                 # a unit the training step runs outside the model's forward (torchtitan's chunked loss runs lm_head
                 # from the loss): the model's forward all the same, not time outside the model; the outermost
-                # such unit's time counts (the units it calls are inside it)
+                # such unit's time counts (the units it calls are inside it). In a container whose forward never
+                # runs, every unit forward, a teacher's without gradients too: its models' forwards read as time
+                # outside the model (a new-user trial's teacher and student: 37% of the step, jitter.data_wait)
                 if not self._loose_open:
                     self._loose_t0 = a.t_outer
+                    if self._container and not self._first_fwd:
+                        self._first_fwd = a.t_outer  # (the step's first forward: between_ms counts from it)
                 self._loose_open += 1
                 a.loose = True
         a.fwd_depth += 1

@@ -58,6 +58,13 @@ def naming_root(model: nn.Module) -> nn.Module:
     return model
 
 
+def no_forward_of_its_own(model: nn.Module) -> bool:
+    """Whether the watched module defines no forward() of its own: a container of models called one by one (a
+    teacher and its student in an ``nn.ModuleDict``, each its own FSDP root), whose hooks never run; its units'
+    forwards are the step's forward."""
+    return type(naming_root(model)).forward is nn.Module.forward
+
+
 def find_units(model: nn.Module) -> list[Unit]:
     """All FSDP units under ``model`` (itself included), in module order; grouped units appear once; named from
     ``naming_root(model)``."""

@@ -250,13 +250,14 @@ class MemoryProbe:
                 if self.hw is not None:
                     self.hw.recompute_of(idx)
             else:
-                if sizes.static_done and not self._fwd_seen:
+                if not self._fwd_seen:
                     # the step's first unit forward with no forward of the watched module before it: a container of
-                    # models called one by one (a teacher and its student), whose forward never runs; the gradients
-                    # the optimizer's zero_grad freed read as kept, a new-user trial's 129.50 KiB of the student's
-                    # (memory.grads_kept on a loop calling opt.zero_grad())
-                    sizes.quick_grads()
-                    self._fwd_seen = True
+                    # models called one by one (a teacher and its student), whose forward never runs. The step's
+                    # forward starts here: without it the gradients the optimizer's zero_grad freed read as kept (a
+                    # new-user trial's 129.50 KiB of the student's, memory.grads_kept on a loop calling
+                    # opt.zero_grad()), and no activations were counted ("activations off", a 703 KiB peak where
+                    # the student alone peaked at 909 KiB with 537 KiB of activations)
+                    self._on_step_forward()
                 if not sizes.static_done:
                     sizes.refresh_static(final=False)
                 if idx not in sizes.keys_built:
