@@ -352,3 +352,25 @@ def test_a_window_lost_to_a_full_disk_is_recorded_and_said_in_the_report(tmp_pat
     assert ("profiler/rank0.9.pt.trace.json.gz: the profiler window of rank 0 at steps 9–10 was not saved ([Errno 28] "
             "No space left on device)") in run.problems, run.problems
     assert [pw.steps for pw in run.ranks[0].profiles] == [[6, 7]]  # (the lost one is no trace to analyse)
+
+
+def test_a_run_whose_only_window_was_lost_says_so_where_trace_rules_are_skipped(tmp_path):
+    """The same trial's run had one window, lost to the full disk: --explain said of every trace rule "needs a
+    torch.profiler trace; this run has none". It now says which window was not saved, and why."""
+    import shutil
+
+    from fsdp_doctor.pipeline import build_report
+    from fsdp_doctor.store import load_run
+    from conftest import SAMPLE_RUN as SAMPLE
+
+    run_dir = shutil.copytree(SAMPLE, tmp_path / "run")
+    shutil.rmtree(run_dir / "profiler")
+    for f in run_dir.glob("rank*.records.jsonl"):  # each rank's window recorded as lost
+        f.write_text(f.read_text().replace('"path":"profiler/',
+                                           '"lost":"[Errno 28] No space left on device","path":"profiler/'))
+    run = load_run(run_dir)
+    assert all(not rd.profiles and rd.lost_profiles for rd in run.ranks.values())
+    rep = build_report(run)
+    reasons = {r.reason for r in rep.rules if r.status == "skipped" and r.reason.startswith("needs a torch.profiler")}
+    assert reasons == {"needs a torch.profiler trace; this run has none: its profiler window at steps 6-7 was not "
+                       "saved ([Errno 28] No space left on device)"}, reasons

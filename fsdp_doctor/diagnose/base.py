@@ -77,10 +77,16 @@ def trace_device(ctx: Context) -> Optional[str]:
 
 
 def _no_window(ctx: Context) -> Optional[str]:
-    """Why a recorded run has no profiler trace, where its steps ended before the doctor's first window, or its
-    windows met evaluation steps and were dropped unsaved."""
+    """Why a recorded run has no profiler trace, where its window's trace was not saved (a full disk), its steps
+    ended before the doctor's first window, or its windows met evaluation steps and were dropped unsaved."""
     sched = getattr(ctx.config, "profile_schedule", None)
     ranks = getattr(ctx.run, "ranks", None) or {}
+    lost = next((pw for rd in ranks.values() for pw in rd.lost_profiles), None)
+    if lost is not None and not any(rd.profiles for rd in ranks.values()):  # (--explain said "this run has none" of
+        # a run whose one window a full disk lost: a new-user trial)
+        steps = lost.steps
+        where = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}" if steps else "its window"
+        return f"its profiler window at {where} was not saved ({lost.lost})"
     steps = max((len(rd.steps) for rd in ranks.values()), default=0)
     if sched and steps > sched.get("first", 0) and not any(rd.profiles for rd in ranks.values()):
         return _windows_dropped(ranks, int(sched.get("active", 1)))
