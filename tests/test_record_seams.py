@@ -3,6 +3,7 @@ WatchOptions (watch()'s options in one place) and the optimizer unwrapping."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from pathlib import Path
 
@@ -988,3 +989,39 @@ def test_manifest_and_headers_say_their_format_and_version(tmp_path, gloo_one_ra
         assert [s.step for s in run.ranks[0].steps] == [0] and not run.problems, run.problems
         assert reader._format_version(run.manifest) == reader._format_version(run.ranks[0].header) == (
             "fsdp-doctor-run", 1)
+
+
+def test_an_unsupported_torch_steps_aside_and_training_goes_on(tmp_path, gloo_one_rank, monkeypatch, caplog):
+    """On a torch the doctor cannot read (older than 2.6), watch() raised WatchError: a new-user trial's job ended
+    before its first step. It now says so in one line, records nothing, and the loop trains as it would without it."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.record import fsdp2 as F2
+
+    def train(watch: bool) -> list[float]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        fully_shard(m[0])
+        fully_shard(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x, losses = torch.randn(8, 16), []
+        with (fsdp_doctor.watch(m, opt, out_dir=tmp_path / "run") if watch else contextlib.nullcontext()) as doc:
+            for _ in range(3):
+                loss = m(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if doc is not None:
+                    doc.step()
+        return losses
+
+    monkeypatch.setattr(F2, "unsupported_reason", lambda: "torch 2.5.1 is not supported: fsdp_doctor reads FSDP2 "
+                                                          "(fully_shard) internals of torch >= 2.6")
+    with caplog.at_level("WARNING", logger="fsdp_doctor"):
+        assert train(True) == train(False)
+    said = [r.getMessage() for r in caplog.records if "not supported" in r.getMessage()]
+    assert said == ["fsdp_doctor: torch 2.5.1 is not supported: fsdp_doctor reads FSDP2 (fully_shard) internals of "
+                    "torch >= 2.6; watch() records nothing and training goes on"], caplog.messages
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

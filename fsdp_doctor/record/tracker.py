@@ -156,13 +156,18 @@ class Doctor:
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
         """Starts recording. Misuse (no FSDP2 unit, an unwritable or taken out_dir, a second watch of the model,
-        an object that is no optimizer) is refused with one sentence (:class:`WatchError`); any other exception
-        here makes the doctor step aside with one log line while training goes on."""
+        an object that is no optimizer) is refused with one sentence (:class:`WatchError`); a torch too old for the
+        doctor, and any other exception here, make it step aside with one log line while training goes on."""
         if self._inside:  # (refused before anything is touched: the refusal's _remove() would end the outer session,
             # which then recorded nothing past its header: a new-user trial's `with w:` inside `with w as doctor:`)
             raise WatchError("fsdp_doctor.watch: this watch() is already entered (a `with` of it inside its own); "
                              "the first entry goes on recording")
         self._entered = self._inside = True
+        if (reason := F2.unsupported_reason()) is not None:  # (the cluster's torch, not a mistake in the call: a
+            # WatchError here ended the user's job before its first step, a new-user trial on an older torch)
+            if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+                log.warning("fsdp_doctor: %s; watch() records nothing and training goes on", reason)
+            return self
         try:
             self.optimizer = unwrap_optimizer(self.optimizer)
             self._reads = optimizer_reads(self.optimizer)
@@ -291,9 +296,6 @@ class Doctor:
     def _check_entry(self) -> None:
         if self.model in _WATCHED:
             raise WatchError("fsdp_doctor.watch: this model is already being watched; exit the first watch() before starting another")
-        reason = F2.unsupported_reason()
-        if reason is not None:
-            raise WatchError(f"fsdp_doctor.watch: {reason}")
         units = find_units(self.model)
         if not units:
             raise WatchError(f"fsdp_doctor.watch: {type(self.model).__name__} has no FSDP2 unit; " + (
