@@ -1009,11 +1009,11 @@ def test_an_unsupported_torch_steps_aside_and_training_goes_on(tmp_path, gloo_on
         with (fsdp_doctor.watch(m, opt, out_dir=tmp_path / "run") if watch else contextlib.nullcontext()) as doc:
             for _ in range(3):
                 loss = m(x).square().mean()
+                losses.append(loss.item())
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                losses.append(loss.item())
-                if doc is not None:
+                if watch:
                     doc.step()
         return losses
 
