@@ -77,6 +77,8 @@ class RunFacts(_Section):
     doctor_errors: list[SteppedAside] | UnsetType = UNSET  # the doctor stepped aside
     steps_recorded: dict[str, int] = {}  # per rank
     complete: dict[str, bool] = {}  # per rank: the stream ended cleanly
+    # ranks whose records end in the middle of a record (a write of the doctor's failed: a full disk), not killed
+    records_cut: list[str] | UnsetType = UNSET
     # per rank: the exception the training loop raised through watch() (the run stopped there; not complete)
     stopped_on: dict[str, str] | UnsetType = UNSET
     # where they differ: the rank whose exception ended its run first, and by how long (ms) before the next (the

@@ -558,7 +558,7 @@ def _record_cases() -> list[Case]:
         y for y in x if y.get("t") != "end" and not (y.get("t") == "step" and y["step"] > 20 - 3 * k)]), k)
         for k in (0, 1)] and r, "partial",
       "rank 1's records stopped first (last record: step 17; rank 0 step 20) in the middle of a record",
-      lambda rep: _not_said(rep, "died or hung"), traces=True)
+      _cut_not_killed, traces=True)
     C("profiler-folder-dangling", lambda r: symlink(r / "profiler" / "old", r / "nowhere") and r, "ok", "",
       traces=True)
     C("profiler-trace-dangling-symlink", lambda r: symlink(r / "profiler" / "rank0.20.pt.trace.json.gz",
@@ -629,6 +629,21 @@ def _cut_mid_record(run: Path, rank: int) -> Path:
 
 def _not_said(report: dict, words: str) -> None:
     assert not [p for p in report["problems"] if words in p], report["problems"]
+
+
+def _cut_not_killed(report: dict) -> None:
+    """Records that stop mid-record (a failed write: a full disk) are no killed rank, in the problems or the header
+    (a new-user trial's header said "ranks 0, 1 did not finish (run still going, or killed)")."""
+    import msgspec
+
+    from fsdp_doctor.present.fmt import run_warnings
+    from fsdp_doctor.report_sections import RunFacts
+
+    _not_said(report, "died or hung")
+    assert report["run"]["records_cut"] == ["0", "1"], report["run"]
+    said = [w.text for w in run_warnings(msgspec.convert(report["run"], RunFacts))]
+    assert said == ["the records of ranks 0, 1 stop in the middle of a record: a write of the doctor's failed there "
+                    "(a full disk?); their completed steps are used"], said
 
 
 def _refused_rank1(report: dict) -> None:

@@ -91,6 +91,9 @@ def run_facts(run: Run) -> RunFacts:
         facts.doctor_errors = errs
     facts.steps_recorded = {str(r): len(rd.steps) for r, rd in sorted(run.ranks.items())}
     facts.complete = {str(r): rd.end is not None and not rd.end.exception for r, rd in sorted(run.ranks.items())}
+    cut = sorted(str(r) for r in getattr(run, "records_cut", ()) if r in run.ranks and run.ranks[r].end is None)
+    if cut:
+        facts.records_cut = cut
     stopped = {str(r): rd.end.exception for r, rd in sorted(run.ranks.items())
                if rd.end is not None and rd.end.exception}
     if stopped:

@@ -814,7 +814,8 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
 
     out = []
     stopped = run.stopped_on if run.stopped_on is not UNSET else {}
-    incomplete = [k for k, done in run.complete.items() if not done and k not in stopped]
+    cut = run.records_cut if run.records_cut is not UNSET else []
+    incomplete = [k for k, done in run.complete.items() if not done and k not in stopped and k not in cut]
     def whose(ranks) -> str:
         return "their" if len(ranks) > 1 else "its"
 
@@ -824,6 +825,9 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
     if incomplete:
         out.append(f"{ranks_phrase(incomplete)} did not finish (run still going, or killed); {whose(incomplete)} "
                    "completed steps are used")
+    if cut:  # (a new-user trial's full 40 KiB disk read "ranks 0, 1 did not finish (run still going, or killed)")
+        out.append(f"the records of {ranks_phrase(cut)} stop in the middle of a record: a write of the doctor's "
+                   f"failed there (a full disk?); {whose(cut)} completed steps are used")
     if stopped:
         msgs = sorted(set(stopped.values()))
         # the message where one is shared and holds more than its kind (a rank's "RuntimeError: ... Connection reset

@@ -81,6 +81,9 @@ class Run:
     # traces in profiler/ read "2 trace files" alone, beside "2 left out" for the same traces one folder up: a
     # new-user trial)
     trace_files_left_out: int = 0
+    # ranks whose stream ends in the middle of a record: a write of the doctor's failed there (a full disk), which a
+    # killed process does not leave (each record is one write)
+    records_cut: set[int] = field(default_factory=set)
 
     @property
     def config(self) -> RunConfig | None:
@@ -440,7 +443,8 @@ def load_run(path: Path | str) -> Run:
     run.trace_files = run_trace_files(run, run.problems)
     run.trace_files_left_out = len(run.problems) - said  # (one line per file left out)
     _leave_out_unfinished_windows(run)
-    _name_first_stopped(run, {rank for rank, sr in follower._streams.items() if sr.trailing_bytes()})
+    run.records_cut = {rank for rank, sr in follower._streams.items() if sr.trailing_bytes()}
+    _name_first_stopped(run, run.records_cut)
     return run
 
 
