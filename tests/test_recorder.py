@@ -425,3 +425,55 @@ def test_a_registered_forward_method_is_timed_as_the_forward(tmp_path):
     assert "memory.grads_kept" not in {f.code for f in rep.findings}
     row = next(u for u in rep.units if u.name == "")
     assert row.timing_p50.fwd_ms > 0 and row.timing_p50.ag_wait_fwd_ms is None, row.timing_p50
+
+
+_HEAD_AFTER_FORWARD_METHOD_SCRIPT = textwrap.dedent('''
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+            self.norm = nn.LayerNorm(32)
+            self.head = nn.Linear(32, 512, bias=False)
+
+        def hidden(self, x):
+            return self.norm(self.blocks(x))
+
+        def forward(self, x):
+            return self.head(self.hidden(x))
+
+    model = Net()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model.head)
+    fully_shard(model)
+    register_fsdp_forward_method(model, "hidden")
+    opt = torch.optim.AdamW(model.parameters())
+    with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doctor:
+        for step in range(5):
+            logits = model.head(model.hidden(torch.randn(64, 32)))  # the root's forward never runs
+            nn.functional.cross_entropy(logits, torch.randint(0, 512, (64,))).backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+''')
+
+
+def test_the_loss_phase_starts_after_a_unit_run_past_the_models_forward(tmp_path):
+    """The loop calls model.hidden() (a registered forward method: the root's post-forward runs at its end) and then
+    the head, a unit of its own: the loss phase starts when the head has resharded, not at the root's return. From
+    the return, the peak in the loss read "head in_forward" with only the root's 256 B gathered (a new-user trial:
+    "head in_forward" with the root's 64.50 KiB, the head's 64 KiB resharded)."""
+    from fsdp_doctor import load_run
+
+    run_one_rank(tmp_path, _HEAD_AFTER_FORWARD_METHOD_SCRIPT)
+    steps = load_run(tmp_path / "run").ranks[0].steps
+    assert [s.memory.activations for s in steps] == ["exact"] * 3 + ["replayed"] * 2
+    for s in steps:
+        p = s.memory.peak
+        assert (p.unit, p.phase, p.breakdown["unsharded_params"]) == (None, "in_loss", 256), (s.step, p)
+    tl = steps[1].memory.timeline
+    marks = [(r[1], r[2], r[tl.columns.index("unsharded_params")]) for r in tl.rows]
+    head_end = marks.index(("head", "forward_end", 256 + 512 * 32 * 4))  # the head gathered in its forward
+    assert marks[head_end + 1] == (None, "loss_start", 256), marks  # ... resharded when the loss starts

@@ -609,6 +609,12 @@ class StepTimer:
             self._loose_open -= 1
             if not self._loose_open:
                 self._forward_ns += t - self._loose_t0
+                if self._returned and self.marks is not None:
+                    # a unit run after the model's forward returned (its forward a registered forward method, the
+                    # head a unit the loop calls after it; a chunked loss's lm_head): the loss phase starts again
+                    # when it has resharded. From the model's return alone, a new-user trial's peak in the loss read
+                    # "head in_forward" with only the root's 64.50 KiB gathered, the head's 64 KiB resharded.
+                    self._safe(lambda: self.marks.mark(None, "loss_start"), "memory")
         if self.gpu is not None:
             self.gpu.close(idx, 0)
         output = args[1] if len(args) > 1 else None
@@ -657,6 +663,7 @@ class StepTimer:
         # one per backward() call through the model, ended by its engine callback (_on_backward_end): not per graph
         # task id, as reentrant checkpointing runs each unit's recompute and backward in a graph task of its own
         self._bwd_start = t
+        self._returned = False
         self.backwards += 1
         if self._opt_end and self._opt_after_bwd:  # after an update that followed a backward: not a micro-batch
             self._bwd_after_opt = True
@@ -753,6 +760,7 @@ class StepTimer:
                 self._no_grad_t0 = _now()
                 return
             self._no_grad_t0 = 0  # (one that raised never reached its post-hook)
+            self._returned = False
             self.train_forwards += 1
             if self._child_pending:
                 self._safe(self._probe_children, "checkpoint watch")
@@ -807,6 +815,7 @@ class StepTimer:
                     self._fail("eval-mode forward", e)
                 self._eval_pending.append((dt, self._unit_delta(self._eval_open), reached))
                 self._eval_open = None
+            self._returned = True
             if self.marks is not None:  # the loss phase: from here to the first backward mark
                 self._safe(lambda: self.marks.mark(None, "loss_start"), "memory")
 
@@ -910,6 +919,7 @@ class StepTimer:
         self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
+        self._returned = False  # the model's training forward returned and no backward has begun since
         self._bwd_cb_queued = False
         self._other_ns = 0  # another FSDP model's forward and backward in this step (its spans that ended in it)
         self._other_open.clear()  # (a span left open, its post label never logged, never spans the steps after)
