@@ -72,6 +72,9 @@ class MarkSink(Protocol):
 
     def region(self, start: bool) -> None: ...  # a checkpointed module's forward starts / returns (its region's)
 
+    # a unit compiled in place enters / leaves its compiled call (its saves, counted from outside the frame)
+    def compiled_call(self, unit: str, start: bool, args: tuple = ()) -> None: ...
+
     def step_end(self, step: int) -> Any: ...
 
 
@@ -246,9 +249,10 @@ class StepTimer:
         the doctor steps aside, and bracketed there by the outer hooks of an eager unit: its forward (and its CUDA
         events), its outputs' gradient hook (the backward's all-gather wait); its backward comes from FSDP's logs
         as for any unit. FSDP's pre-forward runs inside the frame, so the forward's all-gather wait is inside its
-        forward, not apart. No forward marks go to the memory timeline from outside the call: the memory rules
-        read such a unit from what its backward frees, as before (torchtitan's compiled blocks checkpointed peaked
-        within 10% of that prediction; from marks around the call it came out 29% over the rerun's peak). Units
+        forward, not apart. The activations its forward saved are counted around the call (the probe's
+        ``compiled_call``), but no forward marks go to the memory timeline from outside it: the memory rules place
+        such a unit from its backward's marks, as before (torchtitan's compiled blocks checkpointed peaked within
+        10% of that prediction; from marks around the call it came out 29% over the rerun's peak). Units
         inside another unit's frame stay untimed (that frame calls them). The model compiled whole has its own
         hooks brought out of the frame the same way (``_wrap_call``)."""
         frames, _ = compiled_frames(model)
@@ -280,12 +284,14 @@ class StepTimer:
         setattr(module, name, timed_method)
         self._compiled_calls.append((module, name, call, timed_method))
 
-    def _bracketed(self, call, module: nn.Module, idx: Optional[int], whole: bool):
+    def _bracketed(self, call, module: nn.Module, idx: Optional[int], whole: bool, frame: bool = False):
         """``call`` bracketed by the doctor's outer forward hooks of unit ``idx`` (None: no unit) and, ``whole``, by
-        its model hooks, in the order the hooks run: the model's pre-hook first and its post-hook last. Each is
-        guarded as a hook is; inside a frame Dynamo traces, the call alone."""
+        its model hooks, in the order the hooks run: the model's pre-hook first and its post-hook last; ``frame``
+        (the call enters the unit's compiled frame), by the memory probe's count of its saves too. Each is guarded
+        as a hook is; inside a frame Dynamo traces, the call alone."""
         pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
         post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
+        saves = self._mk(self._compiled_saves, idx) if frame and idx is not None else None
 
         def timed(*args, **kwargs):
             if _compiling():
@@ -294,7 +300,11 @@ class StepTimer:
                 self._model_pre(module, args, kwargs)
             if pre is not None:
                 pre(module, args)
+            if saves is not None:
+                saves(module, True, args)
             out = call(*args, **kwargs)
+            if saves is not None:
+                saves(module, False, args)
             if post is not None:
                 post(module, args, out)
             if whole:
@@ -311,7 +321,7 @@ class StepTimer:
         first and its post-hook last. Each is guarded as a hook is; inside a frame Dynamo traces, the call alone."""
         module, call = frame.owner, getattr(frame.owner, frame.attr)
         # (the model's hooks run outside a wrapper's frame, as a wrapper's own do)
-        timed_call = self._bracketed(call, module, idx, whole=frame.top is model)
+        timed_call = self._bracketed(call, module, idx, whole=frame.top is model, frame=True)
         setattr(module, frame.attr, timed_call)
         self._compiled_calls.append((module, frame.attr, call, timed_call))
 
@@ -581,6 +591,13 @@ class StepTimer:
         if self.marks is not None:
             self.marks.mark(self._units[idx].name, "forward_start")
             self.marks.unit_input(self._units[idx].name, args[0] if args else ())  # (the module's positional inputs)
+
+    def _compiled_saves(self, idx, args):
+        """A unit compiled in place enters (``args[0]``) or leaves its compiled call: its inner hooks, which count its
+        saves, do nothing inside the frame."""
+        if self.marks is not None:
+            start, inputs = args
+            self.marks.compiled_call(self._units[idx].name, start, inputs if start else ())
 
     def _fwd_inner_post(self, idx, args):
         if self.marks is not None:
