@@ -85,3 +85,42 @@ def test_optimizer_before_shard_fix_keeps_groups_and_scheduler(tmp_path):
         assert "AdamW (2 param groups)" in str(dash_facts(facts))
     finally:
         dist.destroy_process_group()
+
+
+def test_optimizer_before_shard_fix_under_checkpoint_wrapper(gloo_one_rank):
+    """The fix pasted around a loop that checkpoint_wraps each layer and fully_shards it (a new-user trial:
+    KeyError 'layers.0.attn_norm.weight', the names after the wrapper being 'layers.0._checkpoint_wrapped_module.
+    attn_norm.weight'): the optimizer then holds the model's sharded parameters, in order, and trains them."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    ctx, _ = build(optimizer_foreign_params=4, optimizer_foreign_bytes=4_000)
+    (f,) = run_rule("optim.before_shard", ctx)
+    before, after = f.recommendation.code.split(SHARDING_GOES_HERE)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+                                       for _ in range(2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ns = {"model": model, "optimizer": optimizer}
+    exec(before, ns)
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer)
+        fully_shard(model.layers[i])
+    fully_shard(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert names[0] == "layers.0._checkpoint_wrapped_module.0.weight"  # the names the old fix looked up failed
+    exec(after, ns)
+    (group,) = optimizer.param_groups
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+    assert all(isinstance(p, DTensor) for p in group["params"])
+    w = model.layers[1]._checkpoint_wrapped_module[1].weight
+    before_step = w.detach().full_tensor().clone()
+    x = torch.randn(4, 8)
+    for layer in model.layers:
+        x = layer(x)
+    x.sum().backward()
+    optimizer.step()
+    assert not torch.equal(before_step, w.detach().full_tensor())  # the model trains

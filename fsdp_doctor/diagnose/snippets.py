@@ -1061,12 +1061,21 @@ def repoint_optimizer() -> str:
     named before the fully_shard calls (``SHARDING_GOES_HERE`` splits the two parts) and replaced by the
     parameter of that name after them. Its groups, hyper-parameters and any LR scheduler built on it are kept
     (rebuilding the optimizer from ``model.parameters()`` dropped the groups, weight-decay exclusions and
-    per-group learning rates among them, and left a scheduler driving the old one)."""
-    return ("# before your fully_shard calls: the name of each parameter the optimizer holds\n"
-            "param_names = {id(p): name for name, p in model.named_parameters()}\n"
+    per-group learning rates among them, and left a scheduler driving the old one). Names are matched without
+    the wrappers' segments (checkpoint_wrapper's ``_checkpoint_wrapped_module.``, torch.compile's ``_orig_mod.``,
+    FSDP1's ``_fsdp_wrapped_module.``): a user who checkpoint_wrapped each layer inside the pasted region got
+    KeyError 'layers.0.attn_norm.weight', the name after it being 'layers.0._checkpoint_wrapped_module.
+    attn_norm.weight' (a new-user trial)."""
+    return ("# before your fully_shard calls: the name of each parameter the optimizer holds, without the\n"
+            "# wrappers' segments (checkpoint_wrapper, torch.compile) that the calls may add\n"
+            "def plain_name(name):\n"
+            "    for seg in ('_checkpoint_wrapped_module.', '_orig_mod.', '_fsdp_wrapped_module.'):\n"
+            "        name = name.replace(seg, '')\n"
+            "    return name\n"
+            "param_names = {id(p): plain_name(name) for name, p in model.named_parameters()}\n"
             f"{SHARDING_GOES_HERE}\n"
             "# after them: the same optimizer (groups, hyper-parameters, LR scheduler) on the sharded parameters\n"
-            "sharded = dict(model.named_parameters())\n"
+            "sharded = {plain_name(name): p for name, p in model.named_parameters()}\n"
             "for group in optimizer.param_groups:\n"
             "    group['params'] = [sharded[param_names[id(p)]] if id(p) in param_names\n"
             "                       else p for p in group['params']]\n"
