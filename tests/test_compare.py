@@ -1079,3 +1079,28 @@ def test_a_mesh_change_touches_the_optimizer_step(sample_run_path):
     cmp = C.compare(a, b)
     assert [(c.key, c.a, c.b) for c in cmp.config] == [("mesh", "1-D", "replicate 2 × shard 1")]
     assert cmp.step_p50.reason != C.HOST_CHANGED and "does not touch" not in cmp.summary, cmp.summary
+
+
+def test_a_checkpointing_fix_is_checked_only_where_b_went_its_way():
+    """ac.unneeded's fix checkpoints fewer units, ac.recommended's more: a B that checkpointed all 8 layers where A
+    checkpointed every other one checked A's ac.unneeded ("missed: lower than predicted", a new-user trial). Each is
+    checked where B went its way, and not otherwise."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.compare_sections import ConfigChange
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    def finding(code):
+        return Finding(code=code, severity="warning", title="t", evidence={}, recommendation=Recommendation(text=""),
+                       predicted={"peak_bytes_before": 100, "peak_bytes_after": 130})
+
+    a = SimpleNamespace(report=SimpleNamespace(findings=[finding("ac.unneeded"), finding("ac.recommended")]))
+    b = SimpleNamespace(report=SimpleNamespace(findings=[]))
+    more = [ConfigChange(key="checkpoint", a="none", b="unit", units=["layers.1", "layers.3", "layers.5", "layers.7"])]
+    fewer = [ConfigChange(key="checkpoint", a="unit", b="none", units=["layers.1", "layers.3"])]
+    assert [p.code for p in C._predictions(a, b, more, [], None, 100, 80)] == ["ac.recommended"]
+    assert [p.code for p in C._predictions(a, b, fewer, [], None, 100, 130)] == ["ac.unneeded"]
+    # one unit's checkpointing moved to its children: neither way, neither checked; --applied still checks it
+    kind = [ConfigChange(key="checkpoint", a="unit", b="children", units=["layers.1"])]
+    assert C._predictions(a, b, kind, [], None, 100, 100) == []
+    assert [p.code for p in C._predictions(a, b, kind, ["ac.unneeded"], None, 100, 100)] == ["ac.unneeded"]

@@ -82,6 +82,10 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     # prediction checked (a new-user trial)
     "optim.state_dominates": ("param_dtype",),
 }
+# The way a fix moves its setting, where the rule says one: the units checkpointed, fewer (-1) or more (+1). Its
+# prediction is checked only where B moved that way: a B checkpointing all 8 layers where A checkpointed every other
+# one checked A's ac.unneeded (checkpoint less) and read "missed: lower than predicted" (a new-user trial).
+FIX_WAY: dict[str, int] = {"ac.unneeded": -1, "ac.fewer_units": -1, "ac.recommended": 1}
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op",
              "unshard_in_backward", "checkpoint", "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
 # activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did, where
@@ -434,6 +438,16 @@ def _fix_keys(code: str) -> tuple[str, ...]:
     return ()
 
 
+def _fix_way(code: str, changes: list[ConfigChange]) -> bool:
+    """Whether B's configuration changes went the way ``code``'s fix goes (FIX_WAY: units checkpointed, net of
+    those that stopped), or the fix names no way."""
+    way = FIX_WAY.get(code)
+    if way is None:
+        return True
+    moved = sum(((c.b != "none") - (c.a != "none")) * len(c.units) for c in changes if c.key == "checkpoint")
+    return moved * way > 0
+
+
 def _step_verdict(d: float, p50: StepDelta, pred: float) -> str:
     """Whether a predicted step change ``d`` (ms; ``pred`` the predicted step) held against the measured change:
     inconclusive from too few steps (``MIN_STEPS``), or when the measured interval holds both ``d`` and zero while
@@ -495,7 +509,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             how = "--applied"
         else:
             hit = hits[f.code]
-            if not hit or (f.code in in_b and set(hit) <= resolved_keys):
+            if not hit or (f.code in in_b and set(hit) <= resolved_keys) or not _fix_way(f.code, changes):
                 continue
             # (a fix whose own key is one of these, another prefetch rule's, claims nothing here: which of the two
             # B applied stays open, as before)
