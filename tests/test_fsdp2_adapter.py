@@ -265,17 +265,19 @@ def test_unmeasured_memory_category_is_unknown_not_zero(sample_run_path):
     assert "unknown" in row and "B" not in row.replace("buffers", "")
 
 
-def test_unsupported_torch_is_one_sentence_from_watch(monkeypatch, tmp_path):
+def test_unsupported_torch_is_one_sentence_from_watch(monkeypatch, tmp_path, caplog):
+    """One logged sentence, and the doctor steps aside: nothing raised into the loop, nothing written (it raised
+    WatchError, ending a new-user trial's job before its first step; training on is tests/test_record_seams.py's)."""
     import fsdp_doctor
-    from fsdp_doctor.record.tracker import WatchError
 
     monkeypatch.setattr(F2, "TORCH", (2, 5, 1))
     monkeypatch.setattr(F2, "TORCH_STR", "2.5.1")
-    with pytest.raises(WatchError) as e:
-        with fsdp_doctor.watch(nn.Linear(2, 2), out_dir=tmp_path):
-            pass
-    msg = str(e.value)
+    with caplog.at_level("WARNING", logger="fsdp_doctor"):
+        with fsdp_doctor.watch(nn.Linear(2, 2), out_dir=tmp_path / "run") as doc:
+            doc.step()
+    (msg,) = [m for m in caplog.messages if "not supported" in m]
     assert "torch 2.5.1 is not supported" in msg and "2.6" in msg and "\n" not in msg
+    assert msg.endswith("watch() records nothing and training goes on") and not (tmp_path / "run").exists()
 
 
 @pytest.mark.compat
