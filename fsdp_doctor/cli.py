@@ -153,8 +153,6 @@ STDOUT = "-"  # ``--json -``: the JSON on standard output
 def _check_outputs(ns: argparse.Namespace) -> dict | None:
     """The report files asked for (``--json``, ``--html``), checked before any work: each one's directory must
     exist and take a file. None after one line on stderr when one cannot be written."""
-    import tempfile
-
     from .store import layout
 
     out = {}
@@ -179,14 +177,9 @@ def _check_outputs(ns: argparse.Namespace) -> dict | None:
         if not layout.is_replaceable(p):  # a FIFO, a device, /dev/stdout: written through, no file created
             out[kind] = p
             continue
-        # (a file created there, as the atomic write will: os.access says yes to root everywhere, and /proc took the
-        # whole report printed before "cannot write", exit 2: a new-user trial; a symlink's target's folder is
-        # where the write goes)
-        try:
-            fd, probe = tempfile.mkstemp(dir=Path(os.path.realpath(p)).parent, prefix=f".{p.name}.", suffix=".tmp")
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
+        # (a file created there, as the atomic write will: /proc took the whole report printed before "cannot
+        # write", exit 2: a new-user trial; a symlink's target's folder is where the write goes)
+        if (e := layout.write_probe(Path(os.path.realpath(p)).parent)) is not None:
             _err(f"--{kind} {p}: directory {parent} is not writable ({e.strerror or e})")
             return None
         out[kind] = p

@@ -220,6 +220,7 @@ def test_a_trace_lost_to_a_full_disk_names_the_disk_and_leaves_no_temp_file(tmp_
     import errno
 
     import fsdp_doctor.record.profiling as P
+    from fsdp_doctor.store import layout
 
     def full_disk(path, *a, **kw):
         if ".write-test-" in str(path):
@@ -227,7 +228,7 @@ def test_a_trace_lost_to_a_full_disk_names_the_disk_and_leaves_no_temp_file(tmp_
             raise OSError(errno.ENOSPC, "No space left on device")
         return builtins.open(path, *a, **kw)
 
-    monkeypatch.setattr(P, "open", full_disk, raising=False)
+    monkeypatch.setattr(layout, "open", full_disk, raising=False)  # (the probe's: layout.write_probe)
     src = tmp_path / "rank1.6.pt.trace.json.gz.part"  # never written
     (tmp_path / "rank1.6.pt.trace.json.gz.part.tmp").write_bytes(b"")  # torch's, left empty
     done: list = []

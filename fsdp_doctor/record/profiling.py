@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerAction
 
 from ..records import PROFILER_DIR
+from ..store.layout import write_probe
 
 log = logging.getLogger("fsdp_doctor")
 # torch.profiler.profile registers this name with Kineto's step tracker from its construction until it exits
@@ -321,19 +322,11 @@ _PROBE_BYTES = 64 << 10
 
 def _write_failure(folder: Path) -> str:
     """Why a write into ``folder`` fails now ("[Errno 28] No space left on device"), "" when it does not: a probe
-    of _PROBE_BYTES, removed."""
-    probe = folder / f".write-test-{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(_PROBE_BYTES))
-            f.flush()
-            os.fsync(f.fileno())
+    of _PROBE_BYTES (layout.write_probe)."""
+    e = write_probe(folder, _PROBE_BYTES)
+    if e is None:
         return ""
-    except OSError as e:
-        return f"[Errno {e.errno}] {e.strerror}" if e.errno else str(e)
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink(missing_ok=True)
+    return f"[Errno {e.errno}] {e.strerror}" if e.errno else str(e)
 
 
 def _gzip_file(src: Path, dst: Path, done: list[Path], lost: list[str] | None = None) -> None:

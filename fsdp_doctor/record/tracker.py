@@ -48,7 +48,7 @@ from ..records import (
     StepRecord,
     stream_name,
 )
-from ..store.layout import group_dir
+from ..store.layout import group_dir, write_probe
 from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
@@ -303,12 +303,16 @@ class Doctor:
                 "optimizer it returns" if _accelerate_fsdp() else
                 "apply torch.distributed.fsdp.fully_shard to its blocks and to the model before watching it"))
         self._units = units
+        self._writable_out_dir()
+
+    def _writable_out_dir(self) -> None:
+        """``out_dir`` made and written to once (layout.write_probe), or WatchError naming it."""
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.out_dir / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
+            e = write_probe(self.out_dir)
+        except OSError as err:
+            e = err
+        if e is not None:
             raise WatchError(f"fsdp_doctor.watch: cannot write to out_dir {self.out_dir} ({e.strerror or e})") from None
 
     def _group_dir(self) -> None:
@@ -316,10 +320,7 @@ class Doctor:
         another group of the job, numbering its ranks 0..n-1 too, cannot overwrite it (it cannot be asked: the
         groups share no collective)."""
         self.out_dir = self.out_dir / group_dir(self._world_ranks)
-        try:
-            self.out_dir.mkdir(exist_ok=True)
-        except OSError as e:
-            raise WatchError(f"fsdp_doctor.watch: cannot write to out_dir {self.out_dir} ({e.strerror or e})") from None
+        self._writable_out_dir()
         if self.rank == 0:
             log.warning("fsdp_doctor: %s: its run is recorded in %s",
                         subset_note(self._world_ranks, dist.get_world_size()), self.out_dir)
@@ -329,17 +330,13 @@ class Doctor:
         ranks agree on the verdict and the run id before any writes (one all_gather_object at entry, over the
         default group; where only some ranks train, one per dim of their mesh, over that dim's group)."""
         def exchange(v):
-            if not self._groups:
-                got = [None] * self.world_size
-                dist.all_gather_object(got, v)
-                return got
-            me = self._world_ranks[self.rank]
-            held = {me: v}
-            for group in self._groups:  # each dim's gather passes on what the one before gathered
+            ranks = self._world_ranks or list(range(self.world_size))
+            held = {ranks[self.rank]: v}
+            for group in self._groups or [None]:  # each dim's gather passes on what the one before gathered
                 got = [None] * dist.get_world_size(group)
                 dist.all_gather_object(got, held, group=group)
                 held = {r: x for d in got for r, x in d.items()}
-            return [held[r] for r in self._world_ranks]
+            return [held[r] for r in ranks]
 
         try:
             return claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite,

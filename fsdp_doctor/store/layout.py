@@ -298,6 +298,28 @@ def clear_run(run_dir: Path | str) -> list[Path]:
     return gone
 
 
+def write_probe(folder: Path | str, nbytes: int = 0) -> OSError | None:
+    """The error a write into ``folder`` raises now (None where it takes one): a file of ``nbytes`` (synced to the
+    disk, where any) created there and removed. ``os.access`` says yes to root everywhere (/proc took a whole
+    report, then "cannot write"), and a full disk takes an empty file but not its bytes. watch()'s out_dir, the
+    report files the CLI writes and a profiler trace that was not written (why) are each checked by it."""
+    probe = Path(folder) / f".write-test-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            if nbytes:
+                f.write(bytes(nbytes))
+                f.flush()
+                os.fsync(f.fileno())
+        return None
+    except OSError as e:
+        return e
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def is_replaceable(path: Path | str) -> bool:
     """Whether ``write_atomic`` would write ``path`` by a rename over it: a regular file, a symlink to one, or a
     new name; not a FIFO, device or ``/dev/stdout`` (``os.stat`` follows links, ``/proc/self/fd/N`` included),

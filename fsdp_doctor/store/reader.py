@@ -444,7 +444,7 @@ def load_run(path: Path | str) -> Run:
     run.trace_files_left_out = len(run.problems) - said  # (one line per file left out)
     _leave_out_unfinished_windows(run)
     run.records_cut = {rank for rank, sr in follower._streams.items() if sr.trailing_bytes()}
-    _name_first_stopped(run, run.records_cut)
+    _name_first_stopped(run)
     return run
 
 
@@ -546,11 +546,11 @@ def _span(steps: list[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{min(steps)}–{max(steps)}"
 
 
-def _name_first_stopped(run: Run, cut: set[int] = frozenset()) -> None:
+def _name_first_stopped(run: Run) -> None:
     """When ranks stopped without their end record at different points, the one that stopped first is named: it
     died or hung, and the others' failure (a collective error, a timeout) follows from it; where its stream ends in
-    the middle of a record (``cut``), the doctor's write failed there (a killed process leaves whole records: each is
-    one write), and the rank may have trained on."""
+    the middle of a record (``Run.records_cut``), the doctor's write failed there (a killed process leaves whole
+    records: each is one write), and the rank may have trained on."""
     if len(run.ranks) < 2 or any(rd.end is not None for rd in run.ranks.values()):
         return
     reach = {r: max([s.step for s in rd.steps] + [n for pw in rd.profiles for n in pw.steps]
@@ -566,7 +566,8 @@ def _name_first_stopped(run: Run, cut: set[int] = frozenset()) -> None:
         return
     others = ", ".join(f"rank {r} step {v}" for r, v in sorted(reach.items()) if v != low)
     who = ", ".join(map(str, first))
-    if set(first) <= cut:  # (a new-user trial's full disk read "rank 0 stopped first ... it died or hung": both finished)
+    # (a new-user trial's full disk read "rank 0 stopped first ... it died or hung": both finished)
+    if set(first) <= run.records_cut:
         run.problems.append(f"rank{'s' if len(first) > 1 else ''} {who}'s records stopped first (last record: step "
                             f"{low}; {others}) in the middle of a record: a write of the doctor's failed there (a full "
                             "disk?), which a killed process does not do; the rank may have trained on")

@@ -47,6 +47,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
     """``(kept, skipped)``: the windows that belong to one job, one per rank and window, in their order.
     ``ended``: when each rank of the run the windows are read with ended (s since the epoch; a rank not in it has
     not, or no run is known); ``started``: when each rank's records started (s since the epoch)."""
+    ended, started = ended or {}, started or {}
     if len(windows) < 2 and not ended and not started:
         return list(windows), []
     names = _display_names(windows)
@@ -58,7 +59,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
     # folder, were read with the run's own window as one job, the foreign step 2 beside the run's step 6, exit 0)
     for i in order:
         w = windows[i]
-        end = (ended or {}).get(w.rank) if w.rank_known else max((ended or {}).values(), default=None)
+        end = ended.get(w.rank) if w.rank_known else max(ended.values(), default=None)
         start = _start_s(w)
         if end is not None and start is not None and start - end > RERUN_MIN_GAP_S:
             skipped[i] = (f"another run (it started {_apart(start - end)} after rank {w.rank}'s records ended: "
@@ -67,7 +68,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         # process's, one profiler wrapping watch() itself is not (a new-user trial's plain torch.profiler traces,
         # made by a process 26 s before a run that profiled nothing, were read as its own: "source: profiler trace,
         # step 2", exit 0)
-        began = (started or {}).get(w.rank) if w.rank_known else min((started or {}).values(), default=None)
+        began = started.get(w.rank) if w.rank_known else min(started.values(), default=None)
         stop = _end_s(w)
         if i not in skipped and began is not None and stop is not None and began - stop > RERUN_MIN_GAP_S:
             skipped[i] = (f"another run (it ended {_apart(began - stop)} before rank {w.rank}'s records started: "
