@@ -367,9 +367,9 @@ class AcRecommended(Rule):
                                    "of them (its input: estimated)"),
              "recompute_ms_added": None if recompute is None else round(recompute, 3), "step_p50_ms": step,
              **({"running_stats_layers": stats} if stats else {})},
-            f"Saved activations fill {E.mib(acts)} MiB of the {E.mib(peak)} MiB peak (capacity "
-            f"{E.mib(cap)} MiB). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
-            f"their forward in backward: about {E.mib(saved)} MiB less at the peak for "
+            f"Saved activations fill {fmt_bytes(acts)} of the {fmt_bytes(peak)} peak (capacity "
+            f"{fmt_bytes(cap)}). Checkpointing {len(chosen)} block(s) keeps only their inputs and recomputes "
+            f"their forward in backward: about {fmt_bytes(saved)} less at the peak for "
             + (f"~{recompute:.1f} ms more per step (their forward compute). " if recompute is not None else
                "their forward compute more per step (not measured: the blocks run in a compiled frame, where the "
                "doctor's hooks do not time them). ")
@@ -475,7 +475,7 @@ class AcSelectiveToFull(Rule):
             f"{len(sel)} unit(s) checkpoint selectively: their policy saves operators' outputs (a forward's "
             f"{fmt_bytes(saved_total)} beyond their inputs), held from each unit's forward to its backward. Full "
             f"checkpointing keeps only the inputs and recomputes those operators too: about "
-            f"{E.mib(peak - peak_after)} MiB less at the {E.mib(peak)} MiB peak (capacity {E.mib(cap)} MiB), for more "
+            f"{fmt_bytes(peak - peak_after)} less at the {fmt_bytes(peak)} peak (capacity {fmt_bytes(cap)}), for more "
             "recompute per step: "
             + (f"at most {bound:.1f} ms, the units' forward compute (selective checkpointing already re-runs the "
                "rest)." if bound is not None else "not timed (the units run in a compiled frame).")

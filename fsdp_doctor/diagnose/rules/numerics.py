@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import estimate as E
 from .. import snippets as S
-from ...units import unit_label
+from ...units import fmt_bytes, unit_label
 from ..base import Context, Rule, register
 
 # bytes per element, the order "narrower than" reads
@@ -62,7 +62,7 @@ class NarrowReduceDtype(Rule):
         kept = (" (and keeps the 16-bit compute's unsharded gradients it accumulates between synced micro-batches in "
                 "float32)" if 0 < width < 4 else "")
         text += (f", and FSDP2 copies each unit's gradients into a float32 reduce-scatter input{kept}: about "
-                 f"{E.mib(peak_after - peak)} MiB more at the peak ({E.mib(peak_after)} MiB)."
+                 f"{fmt_bytes(peak_after - peak)} more at the peak ({fmt_bytes(peak_after)})."
                  if peak and peak_after > peak else ", nothing else.")
         lever = E.plugin_lever(ctx)
         # (output_dtype kept as it was)

@@ -114,7 +114,7 @@ class OffloadCostly(Rule):
              "peak_bytes": peak, "capacity_bytes": cap, "step_p50_ms": step},
             f"The {len(off)} offloaded unit(s) keep their parameters, gradients and optimizer state on the host: "
             f"every step copies the parameters in and the gradients out ({copies}), and the optimizer steps on "
-            f"the CPU, {cpu_opt:.1f} ms per step while the device waits. Keeping the {E.mib(host)} MiB of "
+            f"the CPU, {cpu_opt:.1f} ms per step while the device waits. Keeping the {fmt_bytes(host)} of "
             f"offloaded state on the device still leaves the peak under {100 * OFFLOAD_FITS_SHARE:.0f}% of "
             "capacity: drop the offload policy. The prediction removes both; the optimizer step on the device "
             "that replaces the CPU's (a few ms for a foreach AdamW) is not measured in this run.",
@@ -199,7 +199,7 @@ class OffloadRecommended(Rule):
              "optimizer_state_bytes": bd.get("optimizer_state"), "copy_ms_per_step_est": round(copy_ms, 3),
              "cpu_optimizer_ms_per_step_est": round(cpu_opt_ms, 3), "optimizer_ms_per_step": round(gpu_opt_ms, 3),
              "step_p50_ms": step},
-            f"The persistent sharded state ({E.mib(state)} MiB) is what fills the device. CPUOffloadPolicy keeps "
+            f"The persistent sharded state ({fmt_bytes(state)}) is what fills the device. CPUOffloadPolicy keeps "
             "it on the host: parameters are copied in for each unshard, gradients out after each "
             f"reduce-scatter (about {copy_ms:.1f} ms per step), and {optim} steps on the CPU, about "
             f"{cpu_opt_ms:.0f} ms for this rank's {elements / 1e6:.2f} M elements on one thread against "

@@ -14,7 +14,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import fmt_share
+from ...units import fmt_bytes, fmt_share
 
 # Collectives that no FSDP unit issued are worth a look above this share of the step ...
 OTHER_COMM_INFO_SHARE = 0.02
@@ -81,9 +81,9 @@ class OptimizerBeforeShard(Rule):
             "fully_shard replaces each parameter with a sharded DTensor parameter. An optimizer built before "
             "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
-            f"({E.mib(stale)} MiB per rank). Nor does optimizer.zero_grad() reach the model's parameters: their "
+            f"({fmt_bytes(stale)} per rank). Nor does optimizer.zero_grad() reach the model's parameters: their "
             "gradients accumulate from step to step"
-            + (f" ({E.mib(bd['sharded_grads'])} MiB of them at the peak, which the predicted peak frees)"
+            + (f" ({fmt_bytes(bd['sharded_grads'])} of them at the peak, which the predicted peak frees)"
                if freed else "") + ". Build the optimizer after your fully_shard calls (move its line, "
             "parameter groups and all), or paste this around them: it points the optimizer you have at the "
             f"sharded parameters, keeping its {_groups(cfg.optimizer_groups)}, hyper-parameters and any LR scheduler built on it.",
@@ -296,7 +296,7 @@ class OptimizerStateDominates(Rule):
             "warning", f"{opt} state is {fmt_share(st / peak)} of a peak at {fmt_share(peak / cap)} of capacity",
             {"optimizer": opt, "optimizer_state_bytes": st, "peak_bytes": peak, "capacity_bytes": cap,
              "state_share_pct": round(100 * st / peak, 1), "world_size": cfg.world_size if cfg else None},
-            f"{opt}'s per-parameter state ({E.mib(st)} MiB per rank, already sharded) is the largest part of "
+            f"{opt}'s per-parameter state ({fmt_bytes(st)} per rank, already sharded) is the largest part of "
             "the peak. Options: shard over more ranks; offload the parameters and their state to the host "
             "(CPUOffloadPolicy, GPU only: the optimizer then steps on the CPU); an optimizer with smaller state "
             "that takes FSDP2's DTensor parameters (8-bit Adam; torch 2.13's own Adafactor raises on them); or "
@@ -378,18 +378,18 @@ class UntrainedParams(Rule):
                 f"the trainable ones) have requires_grad=True but are not in the optimizer given to watch(), and "
                 f"their values did not change from the first step to the third: nothing updates them. Yet every "
                 f"backward computes their gradients, FSDP2 reduce-scatters them, and their gradient shards "
-                f"({E.mib(ut.grad_bytes)} MiB on this rank) stay and accumulate, since optimizer.zero_grad() frees "
+                f"({fmt_bytes(ut.grad_bytes)} on this rank) stay and accumulate, since optimizer.zero_grad() frees "
                 f"only the optimizer's own.")
         if stem:
             text += (f" The root's own {E.fmt_list(stem.own)} run before its nested units and train nothing (the "
                      f"optimizer trains its {E.fmt_list(stem.trained)}, after them): frozen, autograd saves nothing "
-                     f"for them ({E.mib(stem_acts)} MiB now)" + (", nor for the units after them up to the first "
+                     f"for them ({fmt_bytes(stem_acts)} now)" + (", nor for the units after them up to the first "
                                                                   "trained one." if prefix else "."))
         if prefix:
             text += (f" The first {len(prefix)} unit(s) in forward order ({_units_text([u.name for u in prefix])}) "
                      f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its "
                      f"all-gathers{' and reduce-scatters' if rs else ''}) runs only for these gradients, and their "
-                     f"forward saves {E.mib(prefix_acts - stem_acts)} MiB of activations for it.")
+                     f"forward saves {fmt_bytes(prefix_acts - stem_acts)} of activations for it.")
             if lists:
                 text += (f" Frozen, they run no backward, but FSDP2's default backward prefetch would still gather "
                          f"{E.fmt_list(sorted({t for _, t, _ in found}))} in every backward, for nothing "
@@ -562,7 +562,7 @@ class NoGradients(Rule):
             text += (f" FSDP2's gradient sync is off on {len(off)} unit(s) ({_units_text(off)}): "
                      "set_requires_gradient_sync(False), meant for the micro-batches of gradient accumulation, was "
                      "never set back to True before the last backward, so each backward leaves its gradients on the "
-                     f"unsharded parameters ({E.mib(held)} MiB held when a step starts), never reduce-scattered "
+                     f"unsharded parameters ({fmt_bytes(held)} held when a step starts), never reduce-scattered "
                      "into the sharded ones the optimizer steps. Turn the sync on for the backward of the last "
                      "micro-batch of every optimizer step (every backward, without accumulation).")
             code = ("# in your loop, before each micro-batch's backward (without gradient accumulation, every backward"

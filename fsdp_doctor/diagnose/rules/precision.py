@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import estimate as E
 from .. import snippets as S
-from ...units import fmt_share, unit_label
+from ...units import fmt_bytes, fmt_share, unit_label
 from ..base import Context, Rule, register
 
 _FORWARD = ("forward_start", "in_forward", "forward_end")
@@ -48,12 +48,12 @@ class AutocastFp32Params(Rule):
         var = "autocast_mp" if any(u.param_dtype or u.reduce_dtype for u in units) else "mp"
         mp = S.policy_line(var, dtype)
         text = (f"The forward runs under torch.autocast({dtype}) while FSDP2 gathers {len(units32)} unit(s)' "
-                f"parameters in float32 ({E.mib(gathered)} MiB when all are gathered): every all-gather moves "
+                f"parameters in float32 ({fmt_bytes(gathered)} when all are gathered): every all-gather moves "
                 f"twice the bytes it would in {dtype}, and autocast then casts each gathered weight to {dtype} for "
                 "its matmul. ")
         if most:
-            text += (f"Autograd keeps that copy for the backward: {E.mib(at_peak)} MiB of the activations at the peak "
-                     f"({fmt_share(share)}; {E.mib(most)} MiB at most), held from each unit's forward to its backward "
+            text += (f"Autograd keeps that copy for the backward: {fmt_bytes(at_peak)} of the activations at the peak "
+                     f"({fmt_share(share)}; {fmt_bytes(most)} at most), held from each unit's forward to its backward "
                      "although FSDP reshards the float32 original after the forward, so sharding does not shrink "
                      "them. ")
         else:
@@ -66,9 +66,9 @@ class AutocastFp32Params(Rule):
                  f"float32 master weights as now. Activations computed from the parameters outside autocast's "
                  f"matmuls (the embeddings' output and the residual stream, norms) become {dtype} too: they shrink "
                  f"as well, which the predicted peak does not count (it is a ceiling).")
-        title = f"torch.autocast({dtype}) over float32 FSDP2 parameters: {E.mib(gathered)} MiB gathered in float32"
+        title = f"torch.autocast({dtype}) over float32 FSDP2 parameters: {fmt_bytes(gathered)} gathered in float32"
         if at_peak:
-            title += f", {E.mib(at_peak)} MiB of {dtype} weight copies held at the peak ({fmt_share(share)})"
+            title += f", {fmt_bytes(at_peak)} of {dtype} weight copies held at the peak ({fmt_share(share)})"
         lever = E.plugin_lever(ctx)
         if lever:  # accelerate's FSDP2 plugin shards the model, with the policy it holds
             who, prepares = S.plugin_says(lever)

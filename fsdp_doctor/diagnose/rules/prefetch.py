@@ -281,7 +281,7 @@ class ExposedAllGather(Rule):
             text += _GLOO_NO_GAIN
         if saved_bwd > 0:
             text += (f" Separately, reshard_after_forward=False on the resharded units would remove up to "
-                     f"~{saved_bwd:.1f} ms of backward waits for +{E.mib(added)} MiB (reshard.zero2_affordable "
+                     f"~{saved_bwd:.1f} ms of backward waits for +{fmt_bytes(added)} (reshard.zero2_affordable "
                      "weighs it per unit against the memory budget).")
         if notes:
             text += " Note: " + "; ".join(notes) + "."
@@ -438,7 +438,7 @@ class PrefetchTooEarly(Rule):
             {"peak_share_of_capacity_pct": round(100 * share, 1), "peak_bytes": peak,
              "capacity_bytes": E.capacity_bytes(ctx), "forward_prefetch_depth": depth,
              "backward_prefetch_depth": bdepth,
-             "held_units": [f"{u.name or '(root)'} ({ph}): {ms:.1f} ms, {E.mib(u.unsharded_bytes)} MiB"
+             "held_units": [f"{u.name or '(root)'} ({ph}): {ms:.1f} ms, {fmt_bytes(u.unsharded_bytes)}"
                             for u, ph, ms in rows[:6]]},
             "These all-gathers finish long before their unit computes, so their unsharded parameters occupy "
             "memory while earlier units still run, and memory is near capacity. Reduce the explicit prefetch "
@@ -837,7 +837,7 @@ class LastUnitResharded(Rule):
              "ag_wait_bwd_ms": None if wait is None else round(wait, 3),
              "step_p50_ms": step, "regather_share_pct": None if share is None else round(100 * share, 2)},
             f"{name!r} runs last in forward and first in backward: resharding it after forward frees "
-            f"{E.mib(extra)} MiB only for the length of the loss computation, then backward all-gathers it "
+            f"{fmt_bytes(extra)} only for the length of the loss computation, then backward all-gathers it "
             "again with nothing to overlap. Keep it gathered (as torchtitan does for the final norm and output "
             "head)." + (S.reshard_in_calls_words([last.name], False) if lacks else ""),
             code, predicted=E.predicted(step, step - wait if (step is not None and wait) else None, peak,

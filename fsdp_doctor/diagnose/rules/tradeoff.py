@@ -137,8 +137,8 @@ class Zero2PerUnit(Rule):
             r.flip = E.zero2_peak(ctx, [c.u for c in rows if c.flip] + [r.u]) <= budget
         chosen = [r for r in rows if r.flip]
         if not chosen:
-            return self.quiet(f"no unit fits: headroom {E.mib(budget - peak)} MiB below the budget, the cheapest "
-                              f"unit holds {E.mib(min(r.held for r in rows))} MiB")
+            return self.quiet(f"no unit fits: headroom {fmt_bytes(budget - peak)} below the budget, the cheapest "
+                              f"unit holds {fmt_bytes(min(r.held for r in rows))}")
         saved = sum(r.saved for r in chosen)
         if saved < ZERO2_MIN_GAIN_SHARE * step:
             return self.quiet(f"the units that fit save {saved:.2f} ms, under "
@@ -158,12 +158,12 @@ class Zero2PerUnit(Rule):
         upper = sum(r.comm for r in chosen if r.comm is not None) if any(r.comm for r in chosen) else None
         sev = "warning" if saved >= ZERO2_WARN_GAIN_SHARE * step else "info"
         names, n_of = [u.name for u in us], len(cands) if where else len(rows)
-        text = (f"The peak is {fmt_share(peak / cap, 1)} of capacity ({E.mib(peak)} of {E.mib(cap)} MiB; the budget "
+        text = (f"The peak is {fmt_share(peak / cap, 1)} of capacity ({fmt_bytes(peak)} of {fmt_bytes(cap)}; the budget "
                 f"is {100 * ZERO2_MAX_SHARE:.0f}%). Keeping a unit gathered after forward (ZeRO-2 for that unit) "
                 "holds its unsharded parameters from its forward to its backward and removes its backward "
                 f"all-gather. Flip {len(us)} of {n_of} unit(s), best time saved per byte first: "
                 f"{E.fmt_list(names)}: -{saved:.1f} ms per step (the measured wait), peak "
-                f"{E.mib(peak)} -> {E.mib(peak_after)} MiB ({fmt_share(peak_after / cap, 1)} of capacity).")
+                f"{fmt_bytes(peak)} -> {fmt_bytes(peak_after)} ({fmt_share(peak_after / cap, 1)} of capacity).")
         if left:
             text += f" {E.fmt_list(left)} would not fit the budget."
         if never:
@@ -181,7 +181,7 @@ class Zero2PerUnit(Rule):
             code = ""
         return [self.finding(
             sev, f"ZeRO-2 on {len(us)} of {n_of} units: -{saved:.1f} ms/step, "
-                 f"+{E.mib(peak_after - peak)} MiB peak",
+                 f"+{fmt_bytes(peak_after - peak)} peak",
             {"peak_bytes": peak, "capacity_bytes": cap, "budget_bytes": int(budget),
              "headroom_bytes": int(budget - peak), "peak_after_bytes": peak_after,
              "added_at_peak_bytes": peak_after - peak, "peak_after_share_pct": round(100 * peak_after / cap, 1),

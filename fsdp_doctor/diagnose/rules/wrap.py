@@ -118,7 +118,7 @@ class TooCoarse(Rule):
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
         code = S.shard_plan(S.tree(ctx), root_leftovers=True)
         text = (f"Unit {name!r} holds {fmt_share(share)} of the parameters, so FSDP gathers "
-                f"{E.mib(big.unsharded_bytes)} MiB in one all-gather with nothing to overlap it with"
+                f"{fmt_bytes(big.unsharded_bytes)} in one all-gather with nothing to overlap it with"
                 + (" (the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
                 + "Apply fully_shard to each repeated block first, then to the root: only two blocks are "
                 "gathered at a time, and on a GPU each block's all-gather overlaps with the previous block's "
@@ -195,7 +195,7 @@ class TooFine(Rule):
              "ag_wait_ms_per_step": round(ag_total, 3),
              "ag_latency_ms_per_call": None if latency is None else round(latency, 3),
              "step_p50_ms": step, "examples": [u.name for u in small[:6]]},
-            f"{len(us)} units with a median of {E.mib(med_bytes)} MiB each: every unit pays a fixed cost per "
+            f"{len(us)} units with a median of {fmt_bytes(med_bytes)} each: every unit pays a fixed cost per "
             "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
             "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
             f"block a unit) so that ~{after} larger all-gathers replace the {len(us)} small ones."
@@ -263,9 +263,9 @@ class ParamsInRoot(Rule):
                      "The root is resharded after its forward here, but its forward and its backward span the whole "
                      "model's: these stay gathered through every block's forward and backward, and their all-gathers "
                      "are the first of each with nothing to overlap.")
-        text = (f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped units: "
+        text = (f"The root unit manages {fmt_bytes(root.unsharded_bytes)} of parameters outside the wrapped units: "
                 f"the blocks {E.fmt_list(blocks)} among them. {held_text} {plug['text']}" if plug else
-                f"The root unit manages {E.mib(root.unsharded_bytes)} MiB of parameters outside the wrapped "
+                f"The root unit manages {fmt_bytes(root.unsharded_bytes)} of parameters outside the wrapped "
                 f"units. {held_text} Wrap them as units of their own before wrapping the root "
                 f"({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}"
                 # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
@@ -380,7 +380,7 @@ class RootNotSharded(Rule):
                    "Each was given reshard_after_forward=True, so none stays gathered; but each root all-gathers on "
                    "its own, with no prefetch from one root to the next, and its own lazy initialization."))
         if unmanaged:
-            text += (f" {E.mib(unmanaged)} MiB of parameters belong to no unit: they are plain replicated "
+            text += (f" {fmt_bytes(unmanaged)} of parameters belong to no unit: they are plain replicated "
                      "tensors whose gradients are never reduced across ranks, so the replicas drift apart.")
         text += " Apply fully_shard to the root module after the blocks: one line after your own calls."
         code = ("# after your fully_shard calls on the blocks, on their mesh:\n" + S.root_mesh(ctx.config) + "\n"
