@@ -701,10 +701,10 @@ def free_compute_ms(ctx: Context) -> Optional[float]:
 
 # ---------------------------------------------------------------------------------------------- estimates
 def predicted(step_before=None, step_after=None, peak_before=None, peak_after=None, at_most: bool = False,
-              peak_at_most: bool = False) -> Predicted:
+              peak_at_most: bool = False, step_mean: bool = False) -> Predicted:
     """A finding's prediction: step time (ms) and peak (bytes) before and after its fix; None where unknown.
     ``at_most``: the after-figures are ceilings (the fix gains at least that much); ``peak_at_most``: the peak
-    after alone is."""
+    after alone is; ``step_mean``: the step figures are the mean step's, not the median's."""
     def r(x, nd):
         return None if x is None else round(float(x), nd)
 
@@ -713,7 +713,7 @@ def predicted(step_before=None, step_after=None, peak_before=None, peak_after=No
     return Predicted(step_ms_before=r(step_before, 3), step_ms_after=r(step_after, 3),
                      peak_bytes_before=None if peak_before is None else int(peak_before),
                      peak_bytes_after=None if peak_after is None else int(max(0, peak_after)), at_most=at_most,
-                     peak_at_most=peak_at_most)
+                     peak_at_most=peak_at_most, step_mean=step_mean)
 
 
 def ag_wait_ms(u: Unit, phase: str) -> float:

@@ -235,13 +235,14 @@ def predicted_text(pred) -> str:
     most = "≤ " if getattr(pred, "at_most", False) else ""  # ceilings: the fix gains at least this much
     if pred.step_ms_delta is not None:
         b, a = pred.step_ms_before, pred.step_ms_after
+        step = "mean step" if getattr(pred, "step_mean", False) else "step"
         if b and abs(b - a) < 0.005 * b:  # under 0.5%: "0% faster" read as a gain of nothing, a warning's included
-            bits.append(f"step {fmt_ms(b)} unchanged")
+            bits.append(f"{step} {fmt_ms(b)} unchanged")
         else:
             # (a ceiling on the step after: a gain of at least, a slowdown of at most, that share)
             bound = ("≥ " if a <= b else "≤ ") if most else ""
             pct = f" ({bound}{abs(100 * (b - a) / b):.0f}% {'faster' if a <= b else 'slower'})" if b else ""
-            bits.append(f"step {fmt_ms(b)} → {most}{fmt_ms(a)}{pct}")
+            bits.append(f"{step} {fmt_ms(b)} → {most}{fmt_ms(a)}{pct}")
     if pred.peak_bytes_delta is not None:
         if pred.peak_bytes_delta == 0:
             bits.append(f"peak {fmt_bytes(pred.peak_bytes_before)} unchanged")

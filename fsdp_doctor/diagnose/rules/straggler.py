@@ -118,5 +118,5 @@ class IntermittentStraggler(Rule):
             + ", which the doctor does not see: no code is offered.",
             # its cost is paid in the late steps only: a share of the mean step, which the median leaves out (on a
             # fast host the median step is shorter than the cost per step: 100 against 129 ms, no prediction)
-            predicted=E.predicted(mean := E.step_mean_ms(ctx), mean - per_step if mean else None),
+            predicted=E.predicted(mean := E.step_mean_ms(ctx), mean - per_step if mean else None, step_mean=True),
             ranks=[int(rank)])]
