@@ -104,6 +104,8 @@ def test_zero2_prediction_against_the_run_that_applies_it(recorded_run, tmp_path
     assert len(ev["units_flipped"]) >= 4 and ev["memory_model"] == "timeline"
     p = f.predicted
     assert p["step_ms_after"] < p["step_ms_before"] and p["peak_bytes_after"] > p["peak_bytes_before"]
+    # the title says which way each figure moves ("-52.1 ms/step" left a new-user trial guessing what the minus meant)
+    assert f"{ev['saved_ms_per_step']:.1f} ms/step faster, " in f.title and " more at the peak" in f.title, f.title
     for name in ev["units_flipped"]:
         mod = name.split(",")[0]
         assert f"'{mod}'" in f.recommendation.code or f"model.{mod}." in f.recommendation.code

@@ -215,7 +215,7 @@ class AccumulationRegathers(Rule):
                     f"optimizer.step()\n{calls}")
             text, code, where, inputs = _in_the_loop(ctx, text, code, "set_reshard_after_backward")
         return [self.finding(
-            sev, f"Gathered again in each of {n:.0f} micro-batches: -{saved:.1f} ms/step kept gathered",
+            sev, f"Gathered again in each of {n:.0f} micro-batches: kept gathered, {saved:.1f} ms/step faster",
             {"micro_batches_per_step": n, "units_kept_gathered": [unit_label(x) for x in names], "units": len(us),
              "forward_allgather_wait_saved_ms": round(saved, 3), "peak_bytes": peak, "capacity_bytes": cap,
              "peak_after_bytes": int(peak_after), "budget_bytes": int(budget), "step_p50_ms": step},

@@ -180,8 +180,8 @@ class Zero2PerUnit(Rule):
             text += S.reshard_in_calls_words(names, False)
             code = ""
         return [self.finding(
-            sev, f"ZeRO-2 on {len(us)} of {n_of} units: -{saved:.1f} ms/step, "
-                 f"+{fmt_bytes(peak_after - peak)} peak",
+            sev, f"ZeRO-2 on {len(us)} of {n_of} units: {saved:.1f} ms/step faster, "
+                 f"{fmt_bytes(peak_after - peak)} more at the peak",
             {"peak_bytes": peak, "capacity_bytes": cap, "budget_bytes": int(budget),
              "headroom_bytes": int(budget - peak), "peak_after_bytes": peak_after,
              "added_at_peak_bytes": peak_after - peak, "peak_after_share_pct": round(100 * peak_after / cap, 1),
