@@ -262,6 +262,7 @@ def test_real_gloo_trace_in_every_view(gloo_memory_run, tmp_path):
         assert "No fsdp-doctor records" not in page, key
         pages[key] = page
     assert "fig-step-time" in pages["steps"]
+    assert "per-step medians in ms over" in term  # (the terminal's cells are bare numbers: the title gives the unit)
     for u in rep.unit_rows():
         t = u.timing_p50
         assert any(ln.split()[-2:] == [_num(t.fwd_self_ms), _num(t.bwd_self_ms)] for ln in term.splitlines()

@@ -771,8 +771,9 @@ def units_not_run_note(units) -> str | None:
 
 def trace_units_title(units) -> str:
     """What a plain trace's unit table shows (``units``: ``TraceUnitRow``s), with its source."""
-    return (f"FSDP units ({len(units)}): per-step medians over {units[0].samples} rank-steps, each unit's own time "
-            f"(nested units excluded); {units[0].source}")
+    # ("in ms": the terminal's cells are bare numbers, a new-user trial read 20.3 and 24.2 without a unit)
+    return (f"FSDP units ({len(units)}): per-step medians in ms over {units[0].samples} rank-steps, each unit's own "
+            f"time (nested units excluded); {units[0].source}")
 
 
 MEMORY_UNITS_HEADER = ("unit", "sharded", "unsharded", "activations (own)", "activations (incl. nested)")
