@@ -59,7 +59,8 @@ class ConfigChange(_S):
     """One configuration difference: ``scope`` "job" or the units it applies to (identical changes grouped)."""
 
     key: str  # wrapping, reshard_after_forward, forward_prefetch, ..., world_size, torch_version, tokens_per_step,
-    # trainable (the requires_grad share of the units' gathered parameter bytes, or of the model's parameters: "73.5%")
+    # trainable (the requires_grad share of the units' gathered parameter bytes, or of the model's parameters: "73.5%"),
+    # gradient_sync (gradient accumulation's micro-batches that reduce-scatter: "every micro-batch (4 of 4)")
     a: Any = None
     b: Any = None
     units: list[str] = []  # the units it applies to (empty: the job)

@@ -540,6 +540,10 @@ class StepRecord(Record, tag="step"):
     # gradient accumulation, however doctor.step() is called; several forwards feeding one loss are one. None:
     # records before this field
     backwards: int | None = None
+    # of those, the ones that began with FSDP2's gradient sync on (every unit reduce-scattering its gradients):
+    # under gradient accumulation all of them where each micro-batch reduce-scatters, the last alone where the loop
+    # calls set_requires_gradient_sync(is_last_micro_batch). None: records before this field
+    synced_backwards: int | None = None
     # the loop ran a backward and dropped the gradients (zero_grad) with no step of the watched optimizer: an update
     # skipped (a NaN/inf guard, GradScaler's skipped step), recorded as a step of its own, not as a micro-batch of the
     # next (gradient accumulation keeps its gradients to the optimizer step)

@@ -69,6 +69,12 @@ class RunFacts(_Section):
     # offload ("CPU offload" or "CPU offload, 3 of 9 units"), where any unit has one
     mixed_precision: str | UnsetType = UNSET
     offload: str | UnsetType = UNSET
+    # gradient accumulation: the backward passes through the model per optimizer step (its micro-batches) and, of
+    # them, those run with FSDP2's gradient sync on (reduce-scattering; set_requires_gradient_sync turns it off), in
+    # the steady steps (the most common pair; StepRecord.synced_backwards); absent with one backward per step, and
+    # for records before that field
+    backwards_per_step: int | UnsetType = UNSET
+    synced_backwards_per_step: int | UnsetType = UNSET
     # how some figures were measured (units compiled by torch.compile): notes, not problems (RunConfig.measured_notes)
     notes: list[str] | UnsetType = UNSET
     nccl_version: str | UnsetType = UNSET  # from the traces' distributedInfo, where torch wrote it

@@ -1104,3 +1104,42 @@ def test_a_checkpointing_fix_is_checked_only_where_b_went_its_way():
     kind = [ConfigChange(key="checkpoint", a="unit", b="children", units=["layers.1"])]
     assert C._predictions(a, b, kind, [], None, 100, 100) == []
     assert [p.code for p in C._predictions(a, b, kind, ["ac.unneeded"], None, 100, 100)] == ["ac.unneeded"]
+
+
+@pytest.mark.slow
+def test_gradient_sync_turned_off_for_all_but_the_last_micro_batch_is_a_configuration_change(tmp_path):
+    """Gradient accumulation reduce-scattering every micro-batch (A, accum.sync_every_micro_batch) against the same
+    run with the finding's fix, set_requires_gradient_sync(is_last_micro_batch) (B): compare read "no configuration
+    change found" (the sync is set in the loop, which no snapshot held), so the step-time change was the host's and
+    the finding's prediction went unchecked. The recorder counts the backward passes run with gradient sync on
+    (StepRecord.synced_backwards): the config diff says how each run syncs, and the fix is recognised from it. A run
+    without accumulation, and records from before that field, have no such key."""
+    from fsdp_doctor import ProfileSchedule
+
+    _, a = record(tmp_path / "every", watch_extra={"profile": ProfileSchedule(first=3, active=2, warmup=1, every=0)},
+                  steps=10, grad_accum=4)
+    _, b = record(tmp_path / "last", watch_extra={"profile": False}, steps=8, grad_accum=4, accum_no_sync=True)
+    side_a, side_b = compare_side(a), compare_side(b)
+    assert "accum.sync_every_micro_batch" in {f.code for f in side_a.report.findings}
+    cmp = C.compare(side_a, side_b)
+    assert [(c.key, c.a, c.b, c.units) for c in cmp.config] == [
+        ("gradient_sync", "every micro-batch (4 of 4)", "last micro-batch (1 of 4)", [])], cmp.summary
+    assert not cmp.summary.startswith("no configuration change found"), cmp.summary
+    (p,) = [p for p in cmp.predictions if p.code == "accum.sync_every_micro_batch"]
+    assert p.recognised_by == "config diff: gradient_sync"
+    print(f"\naccumulation's fix: {cmp.summary}\n{p}")
+    for run, synced in ((a, 4), (b, 1)):  # every step's 4 backwards, with gradient sync on in 4 or in the last
+        assert {(s.backwards, s.synced_backwards) for rd in run.ranks.values() for s in rd.steps} == {(4, synced)}
+    # one backward per step: no accumulation, no key (the batch per optimizer step changed, said as such); a run
+    # against itself: no change
+    _, one = record(tmp_path / "one", watch_extra={"profile": False}, steps=4)
+    assert {s.synced_backwards for rd in one.ranks.values() for s in rd.steps} == {1}
+    assert compare_side(one).report.run.backwards_per_step is msgspec.UNSET
+    assert [c.key for c in C.compare(compare_side(one), side_b).config] == ["tokens_per_step"]
+    assert C.compare(side_b, compare_side(b)).config == []
+    # records written before StepRecord.synced_backwards: the fact is unknown, not a change
+    for rd in a.ranks.values():
+        rd.steps = [msgspec.structs.replace(s, synced_backwards=None) for s in rd.steps]
+    old = compare_side(a)
+    assert old.report.run.backwards_per_step is msgspec.UNSET
+    assert [c.key for c in C.compare(old, side_b).config] == []

@@ -81,6 +81,8 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     # its fix: bf16 parameters (a MixedPrecisionPolicy); the config diff showed param_dtype float32 -> bfloat16 and no
     # prediction checked (a new-user trial)
     "optim.state_dominates": ("param_dtype",),
+    # its fix: set_requires_gradient_sync(is_last_micro_batch), in the loop (the config diff's gradient_sync)
+    "accum.sync_every_micro_batch": ("gradient_sync",),
 }
 # The way a fix moves its setting, where the rule says one: the units checkpointed, fewer (-1) or more (+1). Its
 # prediction is checked only where B moved that way: a B checkpointing all 8 layers where A checkpointed every other
@@ -276,6 +278,20 @@ def _mesh(run) -> Optional[str]:
     return fmt_mesh(mesh) if mesh not in (UNSET, None) and mesh else "1-D"
 
 
+def _gradient_sync(run) -> Optional[tuple[str, str]]:
+    """(how the run syncs its micro-batches' gradients, in words: "every micro-batch (4 of 4)", "last micro-batch
+    (1 of 4)"; the way compared, the counts left out) under gradient accumulation; None without it, or where the
+    run did not record it (RunFacts.backwards_per_step). Accumulation's fix read "no configuration change found" and
+    its step-time change as the host's: the sync is set in the loop, which no snapshot holds."""
+    n, synced = (getattr(run, k, UNSET) for k in ("backwards_per_step", "synced_backwards_per_step"))
+    if n in (UNSET, None) or synced in (UNSET, None):
+        return None
+    way = "every" if synced == n else "last" if synced == 1 else "no" if synced == 0 else f"{synced / n:.3g}"
+    words = f"{way} micro-batch ({synced} of {n})" if way in ("every", "last", "no") else \
+        f"{synced} of {n} micro-batches"
+    return words, way
+
+
 def _norm(v):
     return tuple(v) if isinstance(v, list) else v
 
@@ -291,6 +307,9 @@ def config_diff(a: Side, b: Side) -> list[ConfigChange]:
     ma, mb = _mesh(ra), _mesh(rb)
     if ma is not None and mb is not None and ma != mb:  # (4 ranks 1-D against HSDP 2 x 2 read "no configuration
         out.append(ConfigChange(key="mesh", a=ma, b=mb))  # change" and its step time as the host's: a new-user trial)
+    ga, gb = _gradient_sync(ra), _gradient_sync(rb)
+    if ga is not None and gb is not None and ga[1] != gb[1]:
+        out.append(ConfigChange(key="gradient_sync", a=ga[0], b=gb[0]))
     ua, ub = _units(a), _units(b)
     if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting

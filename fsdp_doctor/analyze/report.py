@@ -4,6 +4,7 @@ is assembled by :mod:`fsdp_doctor.pipeline`."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Optional
 
 import msgspec
@@ -34,6 +35,20 @@ def precision_facts(units) -> tuple[str, str]:
     off = [u for u in us if u.offload]
     offload = "" if not off else "CPU offload" + (f" ({len(off)} of {len(us)} units)" if len(off) < len(us) else "")
     return mp, offload
+
+
+def gradient_sync(run: Run) -> Optional[tuple[int, int]]:
+    """(backward passes per optimizer step, of them those run with FSDP2's gradient sync on): the pair most steady
+    steps of every rank recorded, where they accumulate gradients over more than one backward; None without
+    accumulation, or where not recorded (records before ``StepRecord.synced_backwards``). A backward after the
+    step's optimizer step (a second loss through the model after its update) is no micro-batch: such steps are
+    left out."""
+    pairs = Counter((s.backwards, s.synced_backwards) for rd in run.ranks.values() for s in usable_steps(rd.steps)
+                    if s.backwards and s.synced_backwards is not None and not s.backward_after_optimizer)
+    if not pairs:
+        return None
+    (n, synced), _ = pairs.most_common(1)[0]
+    return (n, synced) if n > 1 else None
 
 
 def run_facts(run: Run) -> RunFacts:
@@ -89,6 +104,8 @@ def run_facts(run: Run) -> RunFacts:
             for rd in run.ranks.values() for e in rd.errors]
     if errs:
         facts.doctor_errors = errs
+    if sync := gradient_sync(run):
+        facts.backwards_per_step, facts.synced_backwards_per_step = sync
     facts.steps_recorded = {str(r): len(rd.steps) for r, rd in sorted(run.ranks.items())}
     facts.complete = {str(r): rd.end is not None and not rd.end.exception for r, rd in sorted(run.ranks.items())}
     cut = sorted(str(r) for r in getattr(run, "records_cut", ()) if r in run.ranks and run.ranks[r].end is None)

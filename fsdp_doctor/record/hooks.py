@@ -121,6 +121,8 @@ class StepTimings:
     input_elements: int = 0
     # backward passes that reached the model (backward() calls through it, however many forwards each took in)
     backwards: int = 0
+    # of those, the ones that began with FSDP2's gradient sync on (every unit reduce-scattering its gradients)
+    synced_backwards: int = 0
 
 
 class _UnitAcc:
@@ -156,6 +158,7 @@ class StepTimer:
         # backward passes that reached the model, since entry: the micro-batches' count, where forwards are not
         # (a GAN's generator run twice into one loss is one backward, one micro-batch)
         self.backwards = 0
+        self.synced_backwards = 0  # of those, the ones that began with gradient sync on (gradient_sync)
         self.marks: Optional[MarkSink] = None  # the memory probe
         self.gpu = None  # GpuTimeline on CUDA
         self._handles: list[Any] = []
@@ -682,6 +685,8 @@ class StepTimer:
         self._bwd_start = t
         self._returned = False
         self.backwards += 1
+        if self.gradient_sync():  # (set before the backward: FSDP2's post-backward reads it as it reduces)
+            self.synced_backwards += 1
         if self._opt_end and self._opt_after_bwd:  # after an update that followed a backward: not a micro-batch
             self._bwd_after_opt = True
 
@@ -932,7 +937,7 @@ class StepTimer:
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
         self._input_elems = 0  # the elements of the training forwards' tensor arguments
-        self._backwards_at_begin = self.backwards
+        self._backwards_at_begin, self._synced_at_begin = self.backwards, self.synced_backwards
         self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
@@ -970,7 +975,13 @@ class StepTimer:
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
                            backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns),
-                           input_elements=self._input_elems, backwards=self.backwards - self._backwards_at_begin)
+                           input_elements=self._input_elems, backwards=self.backwards - self._backwards_at_begin,
+                           synced_backwards=self.synced_backwards - self._synced_at_begin)
+
+    def gradient_sync(self) -> bool:
+        """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on, which
+        ``set_requires_gradient_sync`` turns off): attribute reads only."""
+        return all(F2.reduce_grads(pg) for u in self._units for pg in u.param_groups)
 
     def index_labels(self) -> None:
         """(Re)reads which FSDP label names which unit (after FSDP's lazy init, at the first step)."""

@@ -460,7 +460,7 @@ class Doctor:
     def _syncing(self) -> bool:
         """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on): a backward then
         leaves gradients on the sharded parameters, which gradient accumulation keeps to the optimizer step."""
-        return all(F2.reduce_grads(pg) for u in self._units for pg in u.param_groups)
+        return self._timer.gradient_sync()
 
     def _unreduced(self) -> bool:
         """Whether a unit holds gradients it has not reduced yet (unsharded or accumulated ones: a micro-batch's
@@ -599,7 +599,8 @@ class Doctor:
             gc_ms=tm.gc_ms, gc_count=tm.gc_count, gc_full_ms=tm.gc_full_ms, gc_collected=tm.gc_collected,
             gc_disabled_count=tm.gc_disabled_count, gc_disabled_ms=tm.gc_disabled_ms,
             profiled=profiled, units=tm.units, memory=mem,
-            micro_batches=self._micro, backwards=tm.backwards, optimizer_skipped=self._skipped,
+            micro_batches=self._micro, backwards=tm.backwards, synced_backwards=tm.synced_backwards,
+            optimizer_skipped=self._skipped,
             repeated_calls=self._repeated,
             no_grad_ms=tm.no_grad_ms, no_grad_forwards=tm.no_grad_forwards,
             no_grad_gather_ms=tm.no_grad_gather_ms if tm.no_grad_forwards else None,
