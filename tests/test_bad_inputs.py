@@ -384,3 +384,13 @@ def test_a_served_folder_that_becomes_unreadable_keeps_what_was_read(tmp_path, m
     assert {r: list(c["step"]) for r, c in snap.steps.items()} == steps
     assert f"{run}: cannot read folder (Permission denied); the records read before are shown" in snap.report.problems
     assert not snap.notice  # nothing was "replaced": the run is not read again from scratch
+
+
+@pytest.mark.parametrize("target, why", [("self", "symlink loop"), ("nowhere.json", "dangling symlink")])
+def test_a_broken_link_given_alone_is_named_as_in_a_folder(tmp_path, target, why):
+    """A self-link given alone read "no such file or directory", the same link inside a folder "symlink loop" (a
+    new-user trial): one wording, naming the link."""
+    link = tmp_path / "rank1.trace.json"
+    link.symlink_to(link if target == "self" else tmp_path / target)
+    rc, out, err = _in_process("analyze", link)
+    assert rc == 2 and err.strip().splitlines() == [f"fsdp-doctor: {link}: {why}"], (rc, err)

@@ -174,7 +174,7 @@ def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]
     if not p.exists() and not p.is_symlink():
         raise FileNotFoundError(f"{p}: no such file or directory")
     if not p.is_dir():
-        why = _not_readable(p)
+        why = not_readable(p)
         if why:
             problems.append((p, why))
             return []
@@ -202,7 +202,7 @@ def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]
             if is_dir:
                 walk(q)
             elif is_trace_name(q):
-                why = _not_readable(q)
+                why = not_readable(q)
                 if why:
                     problems.append((q, why))
                 elif not is_doctor_json(q):
@@ -228,7 +228,7 @@ def is_doctor_json(p: Path) -> bool:
         return False
 
 
-def _not_readable(p: Path) -> str:
+def not_readable(p: Path) -> str:
     """Why ``p`` cannot be opened as a regular file ("" when it can), without opening it."""
     try:
         st = os.stat(p)

@@ -423,7 +423,10 @@ def load_run(path: Path | str) -> Run:
     exist raises ``FileNotFoundError`` with one clear sentence."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{p}: no such file or directory")
+        # (a link that loops or points nowhere is named so, as inside a folder: a self-link given alone read "no such
+        # file or directory", a new-user trial)
+        why = layout.not_readable(p) if p.is_symlink() else ""
+        raise FileNotFoundError(f"{p}: {why if why else 'no such file or directory'}")
     if not p.is_dir():
         if fnmatch.fnmatch(p.name, layout.STREAM_GLOB) or p.name == layout.MANIFEST_NAME:
             # (read as a trace: "invalid JSON (... trailing characters)" and "not a Kineto trace", a new-user trial)
