@@ -2,6 +2,7 @@
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -296,3 +297,100 @@ def test_one_rank_on_two_gpu_models_is_two_jobs():
                for s in rep.overlap.skipped), rep.overlap.skipped
     assert list(rep.overlap.per_rank) == ["1"]
     assert rep.run.device_name == "Tesla V100-SXM2-32GB" and rep.run.world_size == 2, rep.run
+
+
+# ---------------------------------------------------------------- a foreign file named like a rank's
+FOREIGN = Path(__file__).parent / "fixtures" / "foreign_rank_file" / "rank1.100.pt.trace.json"
+
+
+def _two_windows_per_rank(d):
+    """A 2-rank run profiled in two windows per rank (steps 2-3, then 7-8 48 s later), named as
+    tensorboard_trace_handler names them, beside a new user's one-event file named like rank 1's
+    (tests/fixtures/foreign_rank_file: no rank metadata, no profiler step, nothing on a main thread)."""
+    from trace_fixtures import gloo_known_trace
+
+    for rank in (0, 1):
+        for k, (steps, shift_s) in enumerate((((2, 3), 0.0), ((7, 8), 48.0))):
+            doc = gloo_known_trace(rank=rank, steps=steps).document()
+            doc["baseTimeNanoseconds"] += int(shift_s * 1e9)
+            (d / f"rank{rank}.17961569{k}4210685823.pt.trace.json").write_text(json.dumps(doc))
+    (d / FOREIGN.name).write_bytes(FOREIGN.read_bytes())
+    return d
+
+
+def test_a_foreign_file_named_like_a_rank_does_not_push_out_its_traces(tmp_path, capsys, monkeypatch):
+    """A new-user trial put a one-event file named rank1.100.pt.trace.json beside a 2-rank run's four traces: it
+    sorts first, so it was kept as rank 1 and both of rank 1's real files were skipped as "rank 1 again (the same
+    time span also in rank1.100.pt.trace.json)" (its time is not known: nothing overlaps); rank 0 was analysed
+    alone. A file with no profiler step and no FSDP2 collective beside files of its rank that hold them is not a
+    trace of the run: named in one line (within 100 columns), left out, both ranks analysed."""
+    from fsdp_doctor import cli
+
+    d = _two_windows_per_rank(tmp_path)
+    r = analyze_traces(d)
+    assert [s.file for s in r.skipped] == [FOREIGN.name], r.skipped
+    assert r.skipped[0].error == "not a trace of this run (no profiler step, no FSDP2 collective); skipped"
+    _one_line(r.skipped)
+    assert sorted(r.per_rank) == ["0", "1"]
+    assert r.per_rank["1"].steps == [2, 3, 7, 8] == r.per_rank["0"].steps
+    # the figures are those of the run's four files read without it
+    alone = analyze_traces(sorted(p for p in d.iterdir() if p.name != FOREIGN.name))
+    for rank in ("0", "1"):
+        for k in ("comm_us", "exposed_us", "overlap_us"):
+            assert getattr(r.per_rank[rank], k) == getattr(alone.per_rank[rank], k) > 0, (rank, k)
+
+    monkeypatch.setenv("COLUMNS", "100")
+    assert cli.main(["analyze", str(d)]) == cli.EXIT_PARTIAL
+    out = capsys.readouterr().out
+    line, = [ln for ln in out.splitlines() if "rank1" in ln]
+    assert line == f"skipped: {FOREIGN.name}: not a trace of this run (no profiler step, no FSDP2 collective)"
+    assert len(line) <= 100
+    assert "no trace of rank 1" not in out and "4 trace files" in out, out
+
+
+def test_two_files_of_one_rank_without_a_time_are_not_said_to_share_a_time_span(tmp_path):
+    """Two files of rank 1 with no time span to compare (nothing on a main thread): one is left out as rank 1 again,
+    but not for "the same time span" (it read so, their spans unknown)."""
+    for name in ("rank1.100.pt.trace.json", "rank1.123.pt.trace.json"):
+        (tmp_path / name).write_bytes(FOREIGN.read_bytes())
+    r = analyze_traces(tmp_path)
+    assert [s.file for s in r.skipped] == ["rank1.123.pt.trace.json"], r.skipped
+    assert r.skipped[0].error == ("rank 1 again (rank1.100.pt.trace.json too, and no time in either tells the two "
+                                  "apart): two files of one rank are never summed; skipped"), r.skipped[0].error
+    _one_line(r.skipped)
+
+
+def test_one_ranks_files_whose_spans_overlap_are_said_to_share_a_time_span(tmp_path):
+    """Two copies of rank 1's whole-loop export (no profiler step): the same time span, said so."""
+    from trace_fixtures import gloo_known_trace
+
+    for rank, names in ((0, ("rank0.json",)), (1, ("rank1.a.json", "rank1.b.json"))):
+        b = gloo_known_trace(rank=rank)
+        b.events = [e for e in b.events if not e["name"].startswith("ProfilerStep")]
+        for name in names:
+            b.write(tmp_path / name)
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [("rank1.b.json", "rank 1 again (the same time span also in "
+                                                       "rank1.a.json): two files of one rank are never summed; "
+                                                       "skipped")]
+
+
+def test_of_one_ranks_two_files_the_one_with_steps_is_kept_whatever_the_names(tmp_path):
+    """A pipeline stage's rank (it sends point-to-point: it may hold part of the model, not compared with the
+    others) with two files over the same time: one with its profiler steps and FSDP2 collectives, one (named
+    first) with a send only. The one with steps is kept, the other named as rank 1 again."""
+    from trace_fixtures import gloo_known_trace
+
+    gloo_known_trace(rank=0).write(tmp_path / "rank0.json")
+    real = gloo_known_trace(rank=1)
+    real.gloo("send", 500, 20)
+    real.write(tmp_path / "rank1.9.json")
+    send = TraceBuilder(rank=1)
+    send.op("aten::copy_", 400, 200)
+    send.gloo("send", 500, 20)
+    send.write(tmp_path / "rank1.0.json")
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [("rank1.0.json", "rank 1 again (the same time span also in "
+                                                       "rank1.9.json): two files of one rank are never summed; "
+                                                       "skipped")]
+    assert r.per_rank["1"].steps == [5, 6]

@@ -12,11 +12,13 @@ with the reason, never summed with another or dropped without a word:
   that sends point-to-point, or whose FSDP collectives run on a group smaller than the world, as pipeline
   stages do); or the same step run more than ``JOB_SKEW_S`` apart from the other ranks' same step;
 * a file without any FSDP2 collective among files that issue them (a DDP or single-process run's trace);
+* a file with no profiler step and no FSDP2 collective beside files of its rank that hold them: not a trace of
+  this run (a new user's one-event file named like a rank's);
 * another run profiled into the same folder (``tensorboard_trace_handler`` adds files): where a rank holds a step
   twice, seconds apart, the files holding that step are split into runs by when they ran it, and the run with the
   most ranks is kept, the newest on a tie;
-* a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap; the first
-  file (by name) is kept;
+* a rank claimed twice: two files of one rank whose steps (or, without steps, time spans) overlap, or whose time
+  is not known; the file with profiler steps or FSDP2 collectives is kept, then the first by name;
 * a window that started after its rank's records ended (``ended``: the run's End record per rank): another run
   profiled into the run's folder later (a rank still running has no End record: nothing is said of its files);
   one that ended before its rank's records started (``started``: their header's): another run profiled earlier.
@@ -145,6 +147,14 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
             if not has and (windows[i].calls or windows[i].steps):
                 skipped[i] = ("another job (no FSDP2 collective in it, where the other files' issue them: a run "
                               "without fully_shard?); skipped")
+    # a file with neither a profiler step nor an FSDP2 collective beside files of its rank that hold them is no trace
+    # of the run (a new-user trial's one-event file named rank1.100.pt.trace.json, sorted first, was kept as rank 1
+    # and both of rank 1's real files skipped as "rank 1 again"); a rank's only file may hold part of a step
+    held = {i: _holds_the_run(windows[i]) for i in order if i not in skipped}
+    ranks_held = {windows[i].rank for i, has in held.items() if has}
+    for i, has in held.items():
+        if not has and windows[i].rank in ranks_held and not part(i):
+            skipped[i] = "not a trace of this run (no profiler step, no FSDP2 collective); skipped"
 
     # a folder profiled into again: the rerun's files beside the first run's (a new-user trial's rerun with a fix was
     # skipped as "rank 0 again" while the first run's files were analysed; one rank's file of a later run beside
@@ -190,18 +200,14 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
                 skipped[i] = (f"another job (its step {n} ran {_apart(abs(t - mid))} from the other files' "
                               f"step {n}); skipped")
 
-    # one file per rank and window
+    # one file per rank and window: of two, the one holding the run's steps or collectives, then the first by name
     kept_by_rank: dict[int, list[int]] = {}
-    for i in order:
-        if i in skipped:
-            continue
+    for i in sorted((i for i in order if i not in skipped), key=lambda i: not held[i]):
         w = windows[i]
         for j in kept_by_rank.get(w.rank, []):
-            if _overlap(windows[j], w):
-                shared = sorted(set(windows[j].steps) & set(w.steps))
-                what = f"step {_steps(shared)}" if shared else "the same time span"
-                skipped[i] = (f"rank {w.rank} again ({what} also in {names[j]}): two files of one rank are never "
-                              "summed; skipped")
+            why = _same_window(windows[j], w, names[j])
+            if why:
+                skipped[i] = f"rank {w.rank} again ({why}): two files of one rank are never summed; skipped"
                 break
             gpus = (_gpu(windows[j]), _gpu(w))
             if all(gpus) and gpus[0] != gpus[1]:  # one rank on two GPU models: two jobs (HTA's reference folder
@@ -327,15 +333,24 @@ def _end_s(w: WindowTrace):
     return (w.span[1] + w.clock_us) / 1e6 if w.span[1] > w.span[0] else None
 
 
-def _overlap(a: WindowTrace, b: WindowTrace) -> bool:
+def _holds_the_run(w: WindowTrace) -> bool:
+    """Whether the window holds a profiler step or an FSDP2 collective."""
+    return bool(w.steps or _fsdp_collectives(w))
+
+
+def _same_window(a: WindowTrace, b: WindowTrace, a_name: str) -> str:
+    """Why ``b`` cannot be read beside ``a`` (``a_name``'s) as another window of the same rank: the steps both
+    hold, the time span both cover, or no time to tell them apart; "" where they are two windows."""
     if a.steps and b.steps:
-        return bool(set(a.steps) & set(b.steps))
+        shared = sorted(set(a.steps) & set(b.steps))
+        return f"step {_steps(shared)} also in {a_name}" if shared else ""
     sa, sb = _start_s(a), _start_s(b)
-    if sa is None or sb is None:
-        return True  # nothing tells them apart
+    if sa is None or sb is None:  # nothing tells them apart
+        which = "either" if sa is None and sb is None else "it" if sb is None else a_name
+        return f"{a_name} too, and no time in {which} tells the two apart"
     ea = sa + (a.span[1] - a.span[0]) / 1e6
     eb = sb + (b.span[1] - b.span[0]) / 1e6
-    return sa <= eb and sb <= ea
+    return f"the same time span also in {a_name}" if sa <= eb and sb <= ea else ""
 
 
 def _steps(steps: list[int]) -> str:
