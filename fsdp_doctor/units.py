@@ -16,6 +16,28 @@ def unit_label(name) -> str:
         return MISSING
     return ROOT_LABEL if name == "" else str(name)
 
+
+# the segment a wrapper module puts in the path of the module it wraps, and the call that wraps it: checkpoint_wrapper's
+# (accelerate's FSDP2 plugin shards each layer inside its wrapper: "layers.0._checkpoint_wrapped_module", beside the
+# wrapper's own empty unit "layers.0") and torch.compile's
+WRAPPER_SEGMENTS = {"_checkpoint_wrapped_module": "checkpoint_wrapper", "_orig_mod": "torch.compile"}
+
+
+def module_path(name):
+    """The path in the user's model of the module a unit's name stands for, the wrappers' segments
+    (``WRAPPER_SEGMENTS``) taken out: "layers.0._checkpoint_wrapped_module" -> "layers.0"; a grouped unit's
+    ("norm, lm_head") member by member; "" (the root) and None as they are. What matches a unit across two runs and
+    what the tables print; a fix's code names the real path."""
+    if not name:
+        return name
+    return ", ".join(".".join(p for p in m.split(".") if p not in WRAPPER_SEGMENTS) for m in str(name).split(", "))
+
+
+def list_item(name) -> str:
+    """One name of a comma-joined list: a grouped unit's ("norm, lm_head") in brackets, or the list reads as one
+    name more per comma (accum.regather's "model.norm, lm_head" among 4 units read as 5, a new-user trial)."""
+    return f"[{name}]" if isinstance(name, str) and ", " in name else str(name)
+
 # C0 and C1 control characters but newline and tab, DEL, and the bidi overrides that reorder what a terminal shows
 _CONTROL = {c: None for c in [*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0), *range(0x202a, 0x202f),
                               *range(0x2066, 0x206a)]}
@@ -37,8 +59,9 @@ def printable(text: str) -> str:
 
 
 def fmt_list(items: list[str], n: int = 6) -> str:
-    """Names in a sentence, the first ``n`` and a count of the rest ("a, b … (+3)"); the root's "" as "(root)"."""
-    items = [i if i else "(root)" for i in items]
+    """Names in a sentence, the first ``n`` and a count of the rest ("a, b … (+3)"); the root's "" as "(root)", a
+    grouped unit in brackets (``list_item``)."""
+    items = [list_item(i) if i else ROOT_LABEL for i in items]
     return ", ".join(items[:n]) + (f" … (+{len(items) - n})" if len(items) > n else "")
 
 
@@ -173,7 +196,7 @@ def evidence_rows(evidence: dict, max_items: int = 8, fmt=None) -> list[tuple[st
 def fmt_value(key: str, v, max_items: int = 8) -> str:
     """An evidence value formatted by the unit its key names (a word of the key: ``bytes``, ``ms``, ``us``,
     ``pct``, ``gbps``; e.g. ``exposed_ms_per_step``, ``rs_bytes_per_call_median``); a plain count with thousands
-    separators, never in exponent notation; lists shortened, dicts formatted item by item. Shared by every stage
+    separators, never in exponent notation; lists shortened (a grouped unit's name in brackets), dicts formatted item by item. Shared by every stage
     that prints evidence (terminal, HTML, dashboard)."""
     if isinstance(v, bool) or v is None:
         return MISSING if v is None else str(v).lower()
@@ -188,7 +211,7 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
     if isinstance(v, (list, tuple)):
         if not v:
             return "none"
-        s = ", ".join(str(x) for x in v[:max_items])
+        s = ", ".join(list_item(x) for x in v[:max_items])
         return s + (f" … (+{len(v) - max_items})" if len(v) > max_items else "")
     if isinstance(v, dict):
         return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())

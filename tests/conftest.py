@@ -184,3 +184,60 @@ def gloo_one_rank():
         yield
     finally:
         dist.destroy_process_group()
+
+
+
+#: a one-rank script's model (after ``ONE_RANK``): three MLP blocks in ``model.layers`` and a head, unsharded
+BLOCKS_NET = """
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+model = Net()
+"""
+
+#: ``BLOCKS_NET`` sharded, each block a unit, and trained 6 steps; ``AC``: each block checkpointed as accelerate's
+#: FSDP2 plugin does it (the block in a checkpoint_wrapper, the block inside sharded, then the wrapper, which holds no
+#: parameters of its own: units "layers.0" and "layers.0._checkpoint_wrapped_module")
+_CHECKPOINT_WRAPPED = BLOCKS_NET + """
+for i, b in enumerate(model.layers):
+    if AC:
+        model.layers[i] = w = checkpoint_wrapper(b)
+        fully_shard(b)
+        fully_shard(w)
+    else:
+        fully_shard(b)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doctor:
+    for step in range(6):
+        model(torch.randn(32, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        doctor.step()
+"""
+
+
+@pytest.fixture(scope="session")
+def checkpoint_wrapped_pair(tmp_path_factory):
+    """(A, B): the run directories of ``_CHECKPOINT_WRAPPED`` without checkpointing and with each block checkpointed
+    as accelerate's FSDP2 plugin does it (a new-user trial's runs/cap3 and runs/fix_ac)."""
+    return tuple(run_one_rank(tmp_path_factory.mktemp(side), f"AC = {ac}\n" + _CHECKPOINT_WRAPPED)[0]
+                 for side, ac in (("plain", False), ("wrapped", True)))

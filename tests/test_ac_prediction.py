@@ -13,6 +13,7 @@ from fsdp_doctor.diagnose import Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.rules.ac import ESTIMATED, MEASURED
 
+from conftest import BLOCKS_NET
 from clients import AC_STEPS, AC_WATCH, batch_norms_updated_twice, resnet, resnet_checkpointed
 import scenario_matrix as M
 from scenario_matrix import fix_of, launch
@@ -170,29 +171,7 @@ def test_recompute_saved_known_answer(reentrant):
     assert hw.recompute_saved == {7: 16_384 + (4 * 256 * 4 if reentrant else 0)}
 
 
-_WRAPPED_AFTER_SCRIPT = """
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, x):
-        for b in self.layers:
-            x = b(x)
-        return self.head(x)
-
-model = Net()
+_WRAPPED_AFTER_SCRIPT = BLOCKS_NET + """
 for b in model.layers:
     fully_shard(b)
 fully_shard(model)

@@ -1050,19 +1050,22 @@ def test_a_whole_model_unit_reads_one_unit(sample_run_path):
 
 
 def test_one_unit_that_differs_reads_one_unit_differs(sample_run_path):
-    """The configuration table's wrapping row counted "1 units differ" where one unit was added or removed."""
+    """The configuration table's wrapping row counted "1 units differ" where one unit was added or removed; and it
+    named none of the units that differ ("2 units differ", a new-user trial): the first three, then how many more."""
     import copy
 
     from fsdp_doctor.present.compare import tables
 
     run = load_run(sample_run_path)
     a = compare_side(run)
-    rep = copy.deepcopy(a.report)
-    rep.units = rep.units[:-1]  # one unit fewer
-    b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
-    cmp = C.Comparison(a=a, b=b, config=C.config_diff(a, b))
-    (row,) = [r for t in tables(cmp) if t.title == "Configuration changed" for r in t.rows if r[0] == "wrapping"]
-    assert row[1] == "1 unit differs", row
+    for keep, where in ((-1, "1 unit differs: [norm, lm_head]"),
+                        (2, "5 units differ: layers.0, layers.1, layers.2 … (+2)")):
+        rep = copy.deepcopy(a.report)
+        rep.units = rep.units[:keep]  # units fewer
+        b = C.Side(report=rep, samples=a.samples, source=a.source, ops=a.ops)
+        cmp = C.Comparison(a=a, b=b, config=C.config_diff(a, b))
+        (row,) = [r for t in tables(cmp) if t.title == "Configuration changed" for r in t.rows if r[0] == "wrapping"]
+        assert row[1] == where, row
 
 
 def test_a_mesh_change_touches_the_optimizer_step(sample_run_path):
@@ -1143,3 +1146,24 @@ def test_gradient_sync_turned_off_for_all_but_the_last_micro_batch_is_a_configur
     old = compare_side(a)
     assert old.report.run.backwards_per_step is msgspec.UNSET
     assert [c.key for c in C.compare(old, side_b).config] == []
+
+
+def test_units_inside_checkpoint_wrappers_are_matched_by_their_module_path(checkpoint_wrapped_pair):
+    """Each block checkpointed as accelerate's FSDP2 plugin does it (a new-user trial's runs/cap3 against runs/fix_ac,
+    ac.recommended's fix): the block's unit becomes "layers.0._checkpoint_wrapped_module" and the wrapper an empty
+    unit "layers.0". compare read "wrapping, 3 units differ, 4 units -> 7 units" and, in the exposed-communication
+    table, every block's rows -100% under its old name and new under the wrapped one, hiding the change. Units are
+    matched by their module path without the wrapper's segment: the change is the blocks' checkpointing."""
+    from fsdp_doctor.present.compare import tables
+
+    a, b = (compare_side(load_run(p)) for p in checkpoint_wrapped_pair)
+    assert any(u.name == "layers.0._checkpoint_wrapped_module" for u in b.report.units)  # the shape compared
+    cmp = C.compare(a, b)
+    blocks = ["layers.0", "layers.1", "layers.2"]
+    assert [(c.key, c.a, c.b, c.units) for c in cmp.config] == [("checkpoint", "none", "unit", blocks)]
+    rows = {(r.unit, r.collective, r.phase): (r.a_ms, r.b_ms) for r in cmp.comm}
+    assert cmp.comm_rows == len(rows) and all(a_ms is not None and b_ms is not None for a_ms, b_ms in rows.values()), \
+        rows
+    assert {u for u, _, _ in rows} == {u.name or "(root)" for u in a.report.units}, rows
+    (config,) = [t for t in tables(cmp) if t.title == "Configuration changed"]
+    assert config.rows == [("checkpoint", "layers.0, layers.1, layers.2", "none", "unit")], config.rows

@@ -1063,7 +1063,7 @@ def test_units_never_gathered_in_backward_are_not_kept_gathered():
     assert not any(r.startswith("tok_emb") for r in ev["per_unit"]) and "tok_emb" not in f.recommendation.code
     assert f.predicted["peak_bytes_after"] == int(19.5 * MiB) + 2 * BLOCK["unsharded_bytes"]
     assert f.predicted["step_ms_after"] == pytest.approx(110.0 - 5.0)
-    assert ("Left out: tok_emb, pos_emb is never all-gathered in backward (set_unshard_in_backward(False)): kept "
+    assert ("Left out: [tok_emb, pos_emb] is never all-gathered in backward (set_unshard_in_backward(False)): kept "
             "gathered, only memory is held.") in f.recommendation.text, f.recommendation.text
     # the only resharded unit waiting is such a unit: quiet, saying why
     only = _zero2_units()
@@ -1072,7 +1072,7 @@ def test_units_never_gathered_in_backward_are_not_kept_gathered():
     only[1][0]["unshard_in_backward"] = False
     rule = next(c for c in RULES if c.code == "reshard.zero2_affordable")()
     assert rule.match(build(units=only, memory=mem, capacity=cap)[0]) == []
-    assert rule.why_quiet == ("no resharded unit waits for a backward all-gather; tok_emb, pos_emb is never "
+    assert rule.why_quiet == ("no resharded unit waits for a backward all-gather; [tok_emb, pos_emb] is never "
                               "all-gathered in backward (set_unshard_in_backward(False)): kept gathered, only memory "
                               "is held"), rule.why_quiet
     # prefetch.exposed_allgather's second half (reshard_after_forward=False removes the backward waits) leaves it out
@@ -3017,3 +3017,24 @@ def test_accumulation_on_hsdp_with_the_all_reduce_once_per_step_frees_the_buffer
     assert f.predicted["peak_bytes_after"] == 2_679_676 + 530_688 - (531_072 - 132_864) == 2_812_156
     assert "HSDP's all-reduce across the replicas runs 1 time per unit per step already" in f.recommendation.text
     assert "the reduce-scatter alone runs per micro-batch" in f.recommendation.text
+
+
+def test_a_grouped_unit_in_a_list_of_units_reads_as_one_unit():
+    """accum.regather's evidence listed "units kept gathered: model.embed_tokens, model.norm, lm_head, ..." beside
+    "units: 4": the grouped unit's name holds the list's own comma, and four units read as five (a new-user trial).
+    Wherever names are joined in a list (evidence, E.fmt_list in rules' texts), a grouped unit is in brackets."""
+    from fsdp_doctor.units import evidence_rows
+
+    kept = ["model.embed_tokens", "model.norm, lm_head", "model.layers.1._checkpoint_wrapped_module",
+            "model.layers.0._checkpoint_wrapped_module"]
+    rows = dict(evidence_rows({"micro_batches_per_step": 4, "units_kept_gathered": kept, "units": 4}))
+    assert rows["units kept gathered"] == ("model.embed_tokens, [model.norm, lm_head], "
+                                           "model.layers.1._checkpoint_wrapped_module, "
+                                           "model.layers.0._checkpoint_wrapped_module"), rows
+    assert E.fmt_list(["", "norm, lm_head", "layers.0"]) == "(root), [norm, lm_head], layers.0"
+    us = healthy_units()
+    for u, _ in us:
+        u.update(param_dtype="bfloat16")
+    (f,) = run_rule("numerics.reduce_dtype", build(units=us)[0])  # a rule's sentence naming its units
+    assert "6 unit(s) ([tok_emb, pos_emb], layers.0, layers.1, layers.2 … (+2)) hold" in f.recommendation.text, \
+        f.recommendation.text

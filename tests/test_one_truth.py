@@ -231,6 +231,14 @@ def test_short_unit_labels():
     experts = ", ".join(f"layers.0.moe.experts.{i}" for i in range(4))
     assert short_unit_labels(["", experts, "layers.1.moe.experts.0"])[experts] == \
         "0.moe.experts.0, … experts.3 (4 modules)"
+    # units inside wrappers by their module path (accelerate's FSDP2 plugin shards each layer inside its
+    # checkpoint_wrapper, then the wrapper: "0._checkpoint_wrapped_module" dropped the layer's name, a new-user trial),
+    # the wrapper's own unit as the call that made it
+    wrapped = [f"model.layers.{i}._checkpoint_wrapped_module" for i in range(2)]
+    assert short_unit_labels(["", *wrapped, "model.norm, lm_head"]) == {
+        "": "(root)", wrapped[0]: "layers.0", wrapped[1]: "layers.1", "model.norm, lm_head": "norm, lm_head"}
+    assert short_unit_labels(["model.layers.0", wrapped[0], "layers.1._orig_mod"]) == {
+        "model.layers.0": "checkpoint_wrapper(layers.0)", wrapped[0]: "layers.0", "layers.1._orig_mod": "layers.1"}
 
 
 def test_run_facts_from_the_traces_own_metadata(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import json
+import re
 import subprocess
 import sys
 
@@ -284,3 +285,27 @@ def test_a_cpu_runs_memory_section_says_once_what_its_figures_cannot_see(sample_
             if s.memory is not None:
                 s.memory.device = "cuda:0"
     assert analyze_memory(run).unseen == ""
+
+
+def test_units_inside_checkpoint_wrappers_are_named_by_their_module_path(checkpoint_wrapped_pair):
+    """accelerate's FSDP2 plugin with activation checkpointing shards each layer inside its checkpoint_wrapper
+    ("layers.0._checkpoint_wrapped_module") and the wrapper too (an empty unit "layers.0"): the unit tree and the
+    per-unit memory table printed "0._checkpoint_wrapped_module" and "1._checkpoint_wrapped_module", the layer's
+    name dropped (a new-user trial). The wrapper's segment is left out of the tables' short names, the wrapper's own
+    unit named as the call that made it."""
+    import io
+
+    from rich.console import Console
+
+    from fsdp_doctor.present.terminal import render_report
+
+    rep = build_report(load_run(checkpoint_wrapped_pair[1]))
+    buf = io.StringIO()
+    render_report(rep, Console(file=buf, width=100, color_system=None))
+    text = buf.getvalue()
+    for title in ("FSDP units (", "Per unit (rank 0)"):  # the unit tree, the memory per unit
+        table = re.split(r"\n *─+ *\n", text.split(title)[1], maxsplit=1)[1]  # its rows, under the header's rule
+        names = [re.match(r"\s*(.*?)\s{2,}", ln).group(1) for ln in table.splitlines()[:7]]
+        assert names == ["(root)", *(f"{w}layers.{i}{w and ')'}" for i in range(3) for w in ("checkpoint_wrapper(", ""))], \
+            (title, names)
+    assert max(map(len, text.split("─ Diagnosis ─")[0].splitlines())) <= 100

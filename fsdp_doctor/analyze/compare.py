@@ -23,7 +23,7 @@ from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta
                                 OpChange, PredictionCheck, RunSide, StepDelta)
 from ..records import runs_compiled
 from ..report_sections import Finding, Report
-from ..units import fmt_mesh, memory_peak_where
+from ..units import ROOT_LABEL, fmt_mesh, memory_peak_where, module_path
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -224,17 +224,33 @@ def step_summary(s: Optional[StepDelta], changed: bool = True, host: str = "", o
 
 
 # ------------------------------------------------------------------------------------------------ config
+def _path(name: Optional[str]) -> str:
+    """The key a unit is matched by across the two runs: its module path (``module_path``: a layer sharded inside
+    its checkpoint_wrapper, "layers.0._checkpoint_wrapped_module", is the layer "layers.0" it was without one), the
+    root "(root)"."""
+    return module_path(name) or ROOT_LABEL
+
+
 def _units(side: Side) -> dict[str, dict[str, Any]]:
-    """Unit name -> the configuration keys compared (from the unit snapshot, or for a plain trace the units its
-    collectives name and whether FSDP prefetched them)."""
+    """Unit module path (``_path``) -> the configuration keys compared (from the unit snapshot, or for a plain trace
+    the units its collectives name and whether FSDP prefetched them). A wrapper's own unit without parameters
+    (accelerate's, around the layer's unit) and the unit inside it are one path: the settings are the inner one's.
+    (Matched by name, each layer checkpointed read as a rewrap, "2 units differ, 5 units -> 7 units", and its
+    collectives as gone and new: a new-user trial.)"""
     rep = side.report
+    out: dict[str, dict[str, Any]] = {}
     if rep.units:  # (a unit without parameters, a root left empty, gathers nothing: its settings do nothing)
-        return {u.name or "(root)": {k: _setting(u, k) for k in UNIT_KEYS} if u.param_count != 0 else {}
-                for u in rep.units}
-    names = {r.unit for r in (rep.overlap.per_unit if rep.overlap else []) if r.unit != "(other)"}
+        for u in rep.units:
+            path, settings = _path(u.name), {k: _setting(u, k) for k in UNIT_KEYS} if u.param_count != 0 else {}
+            if settings or path not in out:
+                out[path] = settings
+        return out
     pf = side.prefetched or {}
-    return {n: {"forward_prefetch": n in pf.get("forward", set()), "backward_prefetch": n in pf.get("backward", set())}
-            for n in names}
+    for n in {r.unit for r in (rep.overlap.per_unit if rep.overlap else []) if r.unit != "(other)"}:
+        seen = out.setdefault(_path(n), {"forward_prefetch": False, "backward_prefetch": False})
+        for k, phase in (("forward_prefetch", "forward"), ("backward_prefetch", "backward")):
+            seen[k] = seen[k] or n in pf.get(phase, set())
+    return out
 
 
 def _setting(u, key: str):
@@ -248,6 +264,8 @@ def _setting(u, key: str):
     if key == "trainable":
         return _trainable_share(u.trainable_unsharded_bytes, u.unsharded_bytes)
     v = getattr(u, key)
+    if key in ("forward_prefetch", "backward_prefetch") and v:  # the units it prefetches, by module path too
+        return [module_path(n) for n in v]
     if v is not None or getattr(u, "reshard_after_forward", None) is None:
         return v
     if key == "offload":
@@ -405,15 +423,16 @@ def _comm(side: Side, source: str) -> dict[tuple[str, str, Optional[str]], float
         for row in ov.per_unit:
             n = len(ov.per_rank[str(row.rank)].steps) if str(row.rank) in ov.per_rank else 0
             if n:
-                k = (row.unit, row.collective, row.phase)
+                k = (_path(row.unit), row.collective, row.phase)
                 out[k] = out.get(k, 0.0) + row.exposed_us / 1e3 / n / len(ranks)
     else:
         for u in rep.units or []:
             t = u.timing_p50
             if t is not UNSET:
-                if t.ag_wait_fwd_ms is not None:  # (None: not known apart, a unit compiled in place)
-                    out[(u.name or "(root)", "all_gather", "forward")] = t.ag_wait_fwd_ms
-                out[(u.name or "(root)", "all_gather", "backward")] = t.ag_wait_bwd_ms
+                for phase, ms in (("forward", t.ag_wait_fwd_ms), ("backward", t.ag_wait_bwd_ms)):
+                    if ms is not None:  # (None: not known apart, a unit compiled in place)
+                        k = (_path(u.name), "all_gather", phase)  # (a wrapper's unit and the one inside: one path)
+                        out[k] = out.get(k, 0.0) + ms
     return out
 
 

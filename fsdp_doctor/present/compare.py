@@ -13,7 +13,7 @@ from rich.markup import escape
 from ..compare_sections import Comparison, Delta
 from ..memory_categories import label as category_label
 from .fit import Col, fitted_table
-from .fmt import MISSING, fmt_bytes, fmt_ms, fmt_us, unit_label
+from .fmt import MISSING, fmt_bytes, fmt_list, fmt_ms, fmt_us, unit_label
 
 # ("between": the part of the time outside the model between optimizer.step() and the next forward, not a phase
 # beside it: read as one, the phases added up to more than the step)
@@ -56,17 +56,18 @@ def _ms_signed(x) -> str:
 def _value(v) -> str:
     if isinstance(v, list):  # the units a unit prefetches: the root's name is "" (a new-user trial read
         # "backward_prefetch (root) none none" for the root set to prefetch itself)
-        return ", ".join(map(unit_label, v)) or "none"
+        return fmt_list(v, len(v)) or "none"
     return MISSING if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _units(names: list[str], n: int = 4) -> str:
-    s = ", ".join(unit_label(x) for x in names[:n])
-    return s + (f" … (+{len(names) - n})" if len(names) > n else "") if names else "job"
+    return fmt_list(names, n) if names else "job"
 
 
-def _units_differ(n: int) -> str:
-    return "1 unit differs" if n == 1 else f"{n} units differ"
+def _units_differ(names: list[str]) -> str:
+    """The wrapping row's units, in one side only: how many, and which ("2 units differ" alone named none: a new-user
+    trial)."""
+    return f"{'1 unit differs' if len(names) == 1 else f'{len(names)} units differ'}: {_units(names, 3)}"
 
 
 def tables(c: Comparison) -> list[CompareTable]:
@@ -75,7 +76,7 @@ def tables(c: Comparison) -> list[CompareTable]:
     if c.config:
         out.append(CompareTable("Configuration changed", CONFIG_HEADER,
                                 [(ch.key, _units(ch.units) if ch.key != "wrapping" else
-                                  _units_differ(len(ch.units)), _value(ch.a), _value(ch.b)) for ch in c.config]))
+                                  _units_differ(ch.units), _value(ch.a), _value(ch.b)) for ch in c.config]))
     else:
         traces = "trace" in (c.a.source, c.b.source)
         out.append(CompareTable("Configuration", CONFIG_HEADER, [],

@@ -17,9 +17,9 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
                                MemorySection, Outlier, OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
 from ..trace.model import OTHER_UNIT
-from ..units import (MISSING, ROOT_LABEL, fmt_bw, fmt_bytes, fmt_mesh, fmt_ms, fmt_pct,  # noqa: F401  (re-exported)
-                     fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us, fmt_value, memory_peak_where,
-                     printable, ranks_phrase, unit_label)
+from ..units import (MISSING, ROOT_LABEL, WRAPPER_SEGMENTS, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
+                     fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
+                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, unit_label)
 
 
 SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
@@ -60,23 +60,33 @@ def short_unit_labels(names) -> dict:
     """Display names for a set of FSDP unit names: each dotted name shortened to its shortest suffix that no other
     unit shares, never a bare index ("model.layers.3" -> "layers.3", "model.norm" -> "norm"); grouped units
     ("a, b") shorten each member, and of more than two the first and the last are shown ("experts.0, … experts.3
-    (4 modules)": at 80 columns the whole list wrapped to column 0, out of the tree); the root is "(root)"."""
+    (4 modules)": at 80 columns the whole list wrapped to column 0, out of the tree); the root is "(root)". A unit
+    inside a wrapper is named by its module path (``module_path``: "layers.0._checkpoint_wrapped_module" read
+    "0._checkpoint_wrapped_module", the layer's name dropped: a new-user trial), and the wrapper's own unit, where
+    it is one too, as the call that made it ("checkpoint_wrapper(layers.0)": one word, which the unit column does
+    not wrap out of the tree); the fixes name the real paths."""
     names = [n for n in dict.fromkeys(names) if n is not None]
-    members = {m for n in names if n for m in (p.strip() for p in str(n).split(","))}
+    raw = {p.strip() for n in names if n for p in str(n).split(",")}
+    members = {module_path(m) for m in raw}
 
     def short(m: str) -> str:
-        parts = m.split(".")
+        path = module_path(m)
+        if not path:  # the root, or a module inside the root's wrapper (its own name)
+            return m or ROOT_LABEL
+        parts, label = path.split("."), path
         for k in range(2 if parts[-1].isdigit() and len(parts) > 1 else 1, len(parts) + 1):
             suffix = ".".join(parts[-k:])
             if sum(1 for o in members if o == suffix or o.endswith("." + suffix)) == 1:
-                return suffix
-        return m
+                label = suffix
+                break
+        wrapper = next((w for seg, w in WRAPPER_SEGMENTS.items() if f"{m}.{seg}" in raw), None)
+        return f"{wrapper}({label})" if wrapper else label
 
     def group(n: str) -> str:
         parts = [short(p.strip()) for p in str(n).split(",")]
         return ", ".join(parts) if len(parts) <= 2 else f"{parts[0]}, … {parts[-1]} ({len(parts)} modules)"
 
-    return {n: unit_label(n) if not n else group(n) for n in names}
+    return {n: group(n) for n in names}
 
 
 UNKNOWN = "unknown"  # a figure this torch's FSDP2 internals did not let the recorder read (None in the records)

@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..report_sections import SkippedFile
-from ..units import printable, unit_label
+from ..units import list_item, printable, unit_label
 from .model import OTHER_UNIT, WindowTrace
 
 # the ranks of one job start a step within this of each other (clocks of one cluster). Not less: a rank that saves
@@ -300,7 +300,7 @@ def _unit_name(unit: str) -> str:
     name = printable(unit_label(unit))
     if len(name) > _NAME_CHARS:
         name = name[:_NAME_CHARS - 1] + "…"
-    return f"[{name}]" if ", " in name else name
+    return list_item(name)
 
 
 def _apart(s: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .. import estimate as E
 from .. import snippets as S
-from ...units import fmt_bytes, unit_label
+from ...units import fmt_bytes
 from ..base import Context, Rule, register
 
 # bytes per element, the order "narrower than" reads
@@ -48,7 +48,7 @@ class NarrowReduceDtype(Rule):
         # reduce_dtype=torch.bfloat16 read "no reduce_dtype")
         how = ("reduce_dtype=" + "/".join(reds)) if explicit else (f"param_dtype={'/'.join(reds)} and reduce_dtype "
                                                                   "unset or the same: FSDP2 then reduces in param_dtype")
-        named = ", ".join(unit_label(u.name) for u in us[:4]) + (f", … {len(us) - 4} more" if len(us) > 4 else "")
+        named = E.fmt_list([u.name for u in us], 4)
         text = (f"{len(us)} unit(s) ({named}) hold {'/'.join(params)} parameters but reduce their gradients in "
                 f"{'/'.join(reds)} ({how}). Summing {world or 'several'} ranks' gradients in a 16-bit dtype rounds "
                 "each partial sum to 8 (bf16) or 11 (fp16) bits of mantissa: small gradients vanish against large "

@@ -386,7 +386,7 @@ class UntrainedParams(Rule):
                      f"for them ({fmt_bytes(stem_acts)} now)" + (", nor for the units after them up to the first "
                                                                   "trained one." if prefix else "."))
         if prefix:
-            text += (f" The first {len(prefix)} unit(s) in forward order ({_units_text([u.name for u in prefix])}) "
+            text += (f" The first {len(prefix)} unit(s) in forward order ({E.fmt_list([u.name for u in prefix], 4)}) "
                      f"hold nothing the optimizer trains: their backward ({bwd:.1f} ms per step, with its "
                      f"all-gathers{' and reduce-scatters' if rs else ''}) runs only for these gradients, and their "
                      f"forward saves {fmt_bytes(prefix_acts - stem_acts)} of activations for it.")
@@ -559,7 +559,7 @@ class NoGradients(Rule):
                 "first step that parameter has a gradient, so none of its parameters had one. Nothing trains: the "
                 "loss moves only with the batches.")
         if off:
-            text += (f" FSDP2's gradient sync is off on {len(off)} unit(s) ({_units_text(off)}): "
+            text += (f" FSDP2's gradient sync is off on {len(off)} unit(s) ({E.fmt_list(off, 4)}): "
                      "set_requires_gradient_sync(False), meant for the micro-batches of gradient accumulation, was "
                      "never set back to True before the last backward, so each backward leaves its gradients on the "
                      f"unsharded parameters ({fmt_bytes(held)} held when a step starts), never reduce-scattered "
@@ -580,8 +580,3 @@ class NoGradients(Rule):
             {"optimizer": name, "optimizer_state_tensors": 0, "gradient_sync_off_units": off[:20],
              "unsharded_grads_held_bytes": held},
             text, code, where=where, inputs=inputs, units=off[:20])]
-
-
-def _units_text(names: list[str]) -> str:
-    """Units named in a sentence, a grouped unit's modules in brackets ("[norm, lm_head]")."""
-    return E.fmt_list([f"[{n}]" if ", " in n else n for n in names], 4)
