@@ -390,10 +390,12 @@ class UnitStep(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True
     fwd_ms brackets FSDP's own forward hooks (pre-forward all-gather wait through post-forward
     reshard); ag_wait_fwd_ms is the part between entering FSDP's pre-forward hook and leaving it
     (the unshard issued and waited for). bwd_ms runs from FSDP's pre-backward to its post-backward
-    for the unit; ag_wait_bwd_ms is the pre-backward unshard wait. recompute_ms is forward time
-    re-run under activation checkpointing during backward (measured when the re-run completes; the
-    default non-reentrant checkpoint stops its re-run early, and then it is the unit's forward compute
-    time fwd_ms - ag_wait_fwd_ms, which is what the re-run repeats). All inclusive of nested units.
+    for the unit; ag_wait_bwd_ms is the wait for its own backward all-gather: in its pre-backward, or in
+    the pre-backward of the unit that prefetched it synchronously, whose bwd_ms holds that wait
+    (record.hooks.StepTimer._backward_split). recompute_ms is forward time re-run under activation
+    checkpointing during backward (measured when the re-run completes; the default non-reentrant
+    checkpoint stops its re-run early, and then it is the unit's forward compute time
+    fwd_ms - ag_wait_fwd_ms, which is what the re-run repeats). All inclusive of nested units.
     """
 
     name: str

@@ -22,7 +22,8 @@ PRIVATE = {"_fsdp_param_group", "_fsdp_param_groups", "_get_fsdp_state", "_orig_
            "_sharded_state", "_unsharded_param", "all_gather_outputs", "_unsharded_inner_tensors",
            "unsharded_accumulated_grad", "_sharded_post_forward_param_data", "_is_hsdp", "_all_reduce_state",
            "_partial_reduce_output", "fsdp_params", "offload_policy", "reduce_grads",
-           "_top_saved_tensors_default_hooks", "_is_root", "_modules", "_param_fqn", "_comm_ctx"}
+           "_top_saved_tensors_default_hooks", "_is_root", "_modules", "_param_fqn", "_comm_ctx",
+           "_post_forward_indices", "all_gather_work"}
 
 
 def _imports_torch(tree: ast.AST) -> bool:

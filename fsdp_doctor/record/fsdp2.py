@@ -54,9 +54,10 @@ Unchanged across 2.6 - 2.15 (still read defensively): ``FSDPState._modules``, ``
 ``_mp_policy``, ``_states_to_forward_prefetch`` / ``_states_to_backward_prefetch``, ``_training_state``;
 ``FSDPParamGroup.fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``, ``_module_fqn``,
 ``offload_policy``, ``unshard_async_op``, ``unshard_in_backward``, ``reduce_grads``, ``device``, ``comm_ctx``,
-``_all_gather_result``, ``_sharded_state``, ``_is_hsdp``, ``_all_reduce_state``,
-``_partial_reduce_output``; ``FSDPParam._orig_size``, ``sharded_param``, ``_sharded_param_data``,
-``_unsharded_param``, ``all_gather_outputs``, ``_unsharded_inner_tensors``,
+``_all_gather_result`` (an ``AllGatherResult``'s ``all_gather_work``), ``_sharded_state``, ``_is_hsdp``,
+``_all_reduce_state``, ``_partial_reduce_output``, ``_post_forward_indices``, ``comm_ctx.post_forward_order``
+(FSDP2's default backward prefetch: the group before; 2.13+ alike for a state of one group); ``FSDPParam._orig_size``,
+``sharded_param``, ``_sharded_param_data``, ``_unsharded_param``, ``all_gather_outputs``, ``_unsharded_inner_tensors``,
 ``_sharded_post_forward_param_data``, ``orig_dtype``, ``param_dtype``; ``ShardedState`` in
 ``_fsdp_param``; ``FSDPModule._set_unshard_async_op``; the logger ``torch.distributed.fsdp.fully_shard``;
 torch.distributed.checkpoint's logger and the messages of its ``save`` and ``async_save`` (:data:`DCP_LOGGER_NAME`).
@@ -260,6 +261,46 @@ def prefetch_targets(state, direction: str) -> list | None:
     """The states explicitly prefetched after this one (``set_modules_to_{forward,backward}_prefetch``)."""
     v = _read(state, f"_states_to_{direction}_prefetch", "FSDPState", f"explicit {direction} prefetch unknown")
     return list(v) if v is not None else None
+
+
+def backward_gathers(state, sharded: "ShardedStates") -> tuple[list, list] | None:
+    """At a unit's ``FSDP::pre_backward`` log (the start of FSDP2's ``FSDPParamGroup.pre_backward``: ``unshard();
+    wait_for_unshard(); _backward_prefetch()``, then ``FSDPState._pre_backward``'s explicit prefetches), the param
+    groups whose all-gathers the host waits for from there to the unit's first gradient: ``(own, prefetched)``.
+    ``own``: the unit's group where its all-gather is issued there, or was prefetched asynchronously and is waited
+    for there (prefetched synchronously, gathered since forward, or ``unshard_in_backward`` False: nothing of its
+    own). ``prefetched``: the groups its backward prefetch all-gathers there synchronously (``unshard_async_op``
+    False: on gloo the host blocks for the whole collective; an asynchronous one is only issued there): the states
+    of ``_states_to_backward_prefetch`` (each one's groups), else FSDP2's default, the group before it in
+    ``comm_ctx.post_forward_order`` (at ``_post_forward_indices[-1] - 1``; popped after the log), in 2.6 - 2.15
+    alike. None where not modelled: a unit of several param groups (2.13+'s per-group prefetch), a field not
+    readable. Attribute reads only (called in the hook)."""
+    groups = param_groups(state)
+    explicit = getattr(state, "_states_to_backward_prefetch", None)
+    if not groups or len(groups) != 1 or explicit is None:
+        return None
+    (pg,) = groups
+    agr = getattr(pg, "_all_gather_result", _MISSING)
+    if agr is _MISSING:
+        return None
+    own = [pg] if _gathers_now(pg, sharded) or getattr(agr, "all_gather_work", None) is not None else []
+    if explicit:
+        targets = [t for s in explicit for t in reversed(param_groups(s) or [])]
+    else:
+        idx = getattr(pg, "_post_forward_indices", None)
+        order = getattr(getattr(pg, "comm_ctx", None), "post_forward_order", None)
+        if idx is None or order is None:
+            return None
+        targets = [order[idx[-1] - 1]] if idx and 0 < idx[-1] <= len(order) else []
+    return own, [t for t in targets if t is not pg and not getattr(t, "unshard_async_op", False)
+                 and _gathers_now(t, sharded)]
+
+
+def _gathers_now(pg, sharded: "ShardedStates") -> bool:
+    """Whether ``FSDPParamGroup.unshard`` called now in backward all-gathers the group: no all-gather pending, not
+    gathered, ``unshard_in_backward``, more than one rank to gather from."""
+    return (getattr(pg, "_all_gather_result", None) is None and sharded.of(pg) != "unsharded"
+            and bool(getattr(pg, "unshard_in_backward", True)) and shard_mesh_size(pg) != 1)
 
 
 def training_state(state) -> str | None:

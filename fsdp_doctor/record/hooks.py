@@ -35,7 +35,7 @@ from ..records import UnitStep
 from . import fsdp2 as F2
 from .phase import in_backward
 from .units import (CompiledFrame, Unit, checkpointed_modules, checkpoints_itself, compiled_frames, compiled_module,
-                    label_to_index, no_forward_of_its_own)
+                    gathered_bytes, label_to_index, no_forward_of_its_own)
 
 _FSDP_LOGGER = F2.LOGGER_NAME
 _now = time.perf_counter_ns
@@ -130,7 +130,7 @@ class _UnitAcc:
 
     __slots__ = ("fwd", "ag_fwd", "bwd", "ag_bwd", "recompute", "calls", "t_outer", "t_inner",
                  "t_pre_bwd", "fwd_depth", "t_recompute", "recompute_runs", "grad_seen",
-                 "t_child", "child_fwd", "loose")
+                 "t_child", "child_fwd", "loose", "bwd_split")
 
     def __init__(self):
         self.reset()
@@ -145,6 +145,9 @@ class _UnitAcc:
         self.grad_seen = False
         self.t_child = self.child_fwd = 0  # forward time of the unit's functionally checkpointed submodules
         self.loose = False  # its forward runs outside the model's (StepTimer._loose_open)
+        # the all-gathers between its pre-backward and its first gradient, [(unit, bytes)], its own first; None: all
+        # its own (StepTimer._backward_split)
+        self.bwd_split: Optional[list[tuple[int, int]]] = None
 
 
 class StepTimer:
@@ -197,6 +200,7 @@ class StepTimer:
         self._no_grad_t0 = 0
         self._ng_gather_t0: dict[int, int] = {}
         self._sharded_states = F2.ShardedStates()
+        self._gathered_bytes: dict[int, int] = {}  # id(FSDPParamGroup) -> the bytes it all-gathers
         # the Doctor's: a training forward starts after an optimizer.step() (its ns); it ends the step there when
         # doctor.step() is called per micro-batch, before optimizer.step() (see Doctor._forward_after_optimizer)
         self.step_boundary: Optional[Callable[[int], None]] = None
@@ -670,7 +674,22 @@ class StepTimer:
         t = _now()
         a = self._acc[idx]
         if a.t_pre_bwd:
-            a.ag_bwd += t - a.t_pre_bwd
+            gap = own = t - a.t_pre_bwd
+            split, a.bwd_split = a.bwd_split, None
+            if split:
+                # the gap holds the unit's own all-gather (if any) and, serially, the synchronous ones its backward
+                # prefetch issued, which are the targets' waits (the trace's FSDP::all_gather (target) under
+                # FSDP::backward_prefetch): no timestamp between them without patching FSDP, so the gap is split in
+                # proportion to the bytes each gathers (one link, one collective after the other; on CUDA the host
+                # only issues them, the same split of a short span: bwd_ms and the GpuTimeline's backward spans keep
+                # their pre- to post-backward brackets); the unit keeps the rest of the integer division, so the gap's
+                # total stays whole
+                total = sum(w for _, w in split)
+                for j, w in split[1:] if total else ():
+                    share = gap * w // total
+                    self._acc[j].ag_bwd += share
+                    own -= share
+            a.ag_bwd += own
         if self._bwd_start == 0:
             self._backward_begins(t)
         if not self._bwd_cb_queued:
@@ -678,6 +697,36 @@ class StepTimer:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         if self.marks is not None:
             self._safe(self.marks.gathered, "memory")
+
+    def _backward_split(self, idx: int) -> Optional[list[tuple[int, int]]]:
+        """At the unit's pre-backward log: the all-gathers the host waits for from there to its first gradient (see
+        F2.backward_gathers), each unit's bytes: ``[(idx, its own), (target, its), ...]``; None where the whole span is
+        the unit's (nothing prefetched there synchronously, or not modelled): a prefetched unit's own is nothing, the
+        span its targets' all-gathers (a root kept gathered read 14.9 ms of backward all-gather wait, all of it the
+        prefetch of blocks.3: a new-user trial)."""
+        got = F2.backward_gathers(self._units[idx].state, self._sharded_states)
+        if not got or not got[1]:
+            return None
+        of = self._group_units()
+        split = [(idx, sum(self._bytes_of(pg) for pg in got[0]))]
+        for pg in got[1]:
+            j = of.get(id(pg))
+            if j is not None and j != idx:  # (another model's group: its share stays here)
+                split.append((j, self._bytes_of(pg)))
+        return split if len(split) > 1 else None
+
+    def _group_units(self) -> dict[int, int]:
+        """id(FSDPParamGroup) -> the index of the watched unit it belongs to (read at the first use after
+        index_labels)."""
+        if self._unit_of_group is None:
+            self._unit_of_group = {id(pg): i for i, u in enumerate(self._units) for pg in u.param_groups}
+        return self._unit_of_group
+
+    def _bytes_of(self, pg) -> int:
+        n = self._gathered_bytes.get(id(pg))
+        if n is None:
+            n = self._gathered_bytes[id(pg)] = gathered_bytes(pg)
+        return n
 
     def _backward_begins(self, t: int) -> None:
         # one per backward() call through the model, ended by its engine callback (_on_backward_end): not per graph
@@ -741,9 +790,7 @@ class StepTimer:
         if group is not None:  # the param group that logged it: one of the watched model's units, or another model's
             # (a GAN's discriminator's blocks.0 logs the label of the generator's blocks.0: its backward was booked to
             # the generator's units, a new-user trial)
-            if self._unit_of_group is None:
-                self._unit_of_group = {id(pg): i for i, u in enumerate(self._units) for pg in u.param_groups}
-            mine = self._unit_of_group.get(id(group))
+            mine = self._group_units().get(id(group))
             if mine is None:
                 self._other_model_log(msg, t, id(group))
                 return
@@ -763,6 +810,7 @@ class StepTimer:
                 self._backward_begins(t)
             if not a.t_pre_bwd:
                 a.t_pre_bwd = t
+                a.bwd_split = self._backward_split(idx)
                 if self.gpu is not None:
                     self.gpu.open(idx, 1)
             if self.marks is not None:

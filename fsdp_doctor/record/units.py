@@ -287,6 +287,11 @@ def _param_bytes(fp) -> tuple[int | None, int | None, int | None, list[str]]:
     return F2.global_numel(fp), local, unsharded, [_dtype_name(orig)] if orig is not None else []
 
 
+def gathered_bytes(pg) -> int:
+    """The bytes FSDP all-gathers for a param group (in param dtype; what this torch does not let us read: 0)."""
+    return sum(_param_bytes(fp)[2] or 0 for fp in F2.group_params(pg))
+
+
 def _add(total: int | None, v: int | None) -> int | None:
     return None if total is None or v is None else total + v
 
