@@ -706,10 +706,11 @@ VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
-            device=None, keep: dict | None = None):
+            device=None, keep: dict | None = None, labels: bool = False):
     """The user's loss on a deterministic batch (``size``: sequences, tokens) of this step, rank and micro-batch,
     drawn on the CPU and moved to ``device`` (None: left there); ``keep``: the loop keeps what the model returned
-    there, as ``keep["outputs"]``."""
+    there, as ``keep["outputs"]``; ``labels``: a Hugging Face model computes the loss in its own forward
+    (``model(input_ids=..., labels=...).loss``, as the HF examples and the Trainer do)."""
     if (loss := arch_loss(model, client, step, rank, micro, size, device)) is not None:
         return loss
     if client.startswith("resnet"):
@@ -717,6 +718,8 @@ def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tupl
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(x.to(device)), y.to(device))
     tok, tgt = batch(step, VOCAB[client], rank, micro, size)
+    if labels:  # (HF shifts the labels itself: the inputs are the labels)
+        return model(input_ids=tok.to(device), labels=tok.to(device)).loss
     out = model(tok.to(device))
     logits = out.logits if hasattr(out, "logits") else out
     if keep is not None:
@@ -985,7 +988,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                               micro_batches=cfg.grad_accum, step=step)
                     with autocast(cfg):
                         loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, seq), dev,
-                                       keep=held if row.get("loop") == "keep_outputs" else None) / cfg.grad_accum
+                                       keep=held if row.get("loop") == "keep_outputs" else None,
+                                       labels=row.get("loop") == "labels") / cfg.grad_accum
                     if fix.get("where") == "backward":
                         _exec(fix, model, opt, ns=held, outputs=held.get("outputs"))
                     loss.backward()

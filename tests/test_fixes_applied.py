@@ -29,6 +29,23 @@ def test_params_in_root_fix_names_the_hf_modules(matrix):
     assert "for block in model.model.layers.children():" in code
 
 
+@pytest.mark.rows("hf_llama_blocks_only_labels")
+def test_params_in_root_predicts_the_peak_its_plan_moves(matrix):
+    """An HF Llama that computes its loss in its forward (labels=), its embeddings, final norm and head left in the
+    root: the root's backward starts before the loss's, and its prefetch of the last layer is held through the loss's
+    backward; once the root holds nothing, the head's unit issues that prefetch after it. The prediction, read from
+    the peak step's timeline (each new unit's copy and buffers held where it runs), meets the rerun with the plan
+    pasted within 2%. A new-user trial's took the root's gathered copy less its shard off the old peak: 128 KiB
+    predicted saved, 288 KiB measured (the prefetch and the embedding's copy), the peak moved into the loss."""
+    o = matrix["hf_llama_blocks_only_labels"]
+    assert not o.error and o.after is not None, (o.error, o.after_error, o.rerun_note)
+    rc = o.recheck()
+    assert o.row.peak_within == 0.02 and rc["peak_ok"], (rc, o.retried)
+    root = next(u for u in o.report.units if u.is_root)
+    saved = o.report.memory.peak_bytes - rc["peak_predicted"]
+    assert saved > root.unsharded_bytes - root.sharded_bytes, (saved, root.unsharded_bytes, root.sharded_bytes)
+
+
 @pytest.mark.rows("resnet_whole")
 def test_too_coarse_fix_covers_every_container(matrix):
     code = _code(matrix, "resnet_whole")
