@@ -509,6 +509,9 @@ class CommUnitRow(_Section):
     bytes_per_call: Optional[float] = None
     bytes_source: str | UnsetType = UNSET  # "unit snapshot" where the trace carries no message sizes
     busbw_gbps: Optional[float] = None  # bus bandwidth (decimal GB/s)
+    # ranks in the calls' group, where the trace says it (NCCL's args, gloo's record_shapes, else the world where every
+    # process group spans it): a reduce-scatter's output is its input over it (a unit's gradient shard)
+    group_size: Optional[int] = None
     slack_us: Optional[float] = None  # mean time from the collective's end to its first use
     held_us: Optional[float] = None  # the same, negative slack counted as 0
     dtype: Optional[str] = None

@@ -22,14 +22,10 @@ from fsdp_doctor.report_sections import Report, TraceUnitRow
 from fsdp_doctor.store import load_run
 from fsdp_doctor.trace import analyze_traces, build_window
 from fsdp_doctor.trace.reader import decode
-from trace_fixtures import BASE_US, ProfileWindow, TraceBuilder, gloo_gather_trace, gpu_known_trace
+from trace_fixtures import ProfileWindow, TraceBuilder, gloo_gather_trace, gpu_known_trace
 
 
-def _mem(b: TraceBuilder, ts: float, total: int, device_type: int = 0, device_id: int = -1) -> None:
-    b.events.append({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": b.pid,
-                     "tid": b.main_tid, "ts": BASE_US + ts,
-                     "args": {"Total Reserved": 0, "Total Allocated": total, "Bytes": 1, "Device Id": device_id,
-                              "Device Type": device_type, "Addr": 1, "Ev Idx": len(b.events)}})
+_mem = TraceBuilder.memory  # (b, ts, total, device_type=0, device_id=-1)
 
 
 def _cpu_nested_trace() -> TraceBuilder:

@@ -88,6 +88,14 @@ class TraceBuilder:
     def op(self, name, ts, dur, tid=None, **args):
         return self.x(name, ts, dur, cat="cpu_op", tid=tid, **args)
 
+    # ------------------------------------------------------------------ memory (profile_memory=True)
+    def memory(self, ts, total, device_type=0, device_id=-1):
+        """A ``[memory]`` instant: the allocator's total after it (device type 0: the CPU's)."""
+        self.events.append({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": self.pid,
+                            "tid": self.main_tid, "ts": BASE_US + ts,
+                            "args": {"Total Reserved": 0, "Total Allocated": total, "Bytes": 1, "Device Id": device_id,
+                                     "Device Type": device_type, "Addr": 1, "Ev Idx": len(self.events)}})
+
     # ------------------------------------------------------------------ output
     def document(self):
         doc = {"schemaVersion": 1, "traceEvents": list(self.events), "displayTimeUnit": "ms",
@@ -262,11 +270,12 @@ class ProfileWindow:
     """``on_step`` hook for ``fsdp_doctor.workloads.train``: plain torch.profiler with a schedule writing
     ``rank{R}.{step}.pt.trace.json.gz`` into ``out_dir`` (module-level, so it pickles to spawned ranks)."""
 
-    def __init__(self, out_dir, warmup=1, active=3, profile_memory=False):
+    def __init__(self, out_dir, warmup=1, active=3, profile_memory=False, record_shapes=False):
         self.out_dir = str(out_dir)
         self.warmup = warmup
         self.active = active
         self.profile_memory = profile_memory  # [memory] instant events (Total Allocated, Bytes)
+        self.record_shapes = record_shapes  # the collectives' input dims: gloo's message sizes
         self._prof = None
 
     def __call__(self, step, model=None, optimizer=None, loss=None):
@@ -285,6 +294,7 @@ class ProfileWindow:
                 schedule=torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.active, repeat=1),
                 on_trace_ready=ready,
                 profile_memory=self.profile_memory,
+                record_shapes=self.record_shapes,
             )
             self._prof.start()
             self._calls = 0

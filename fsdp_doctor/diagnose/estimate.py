@@ -225,6 +225,13 @@ def peak_bytes(ctx: Context) -> Optional[int]:
     return int(pm.peak_bytes) if pm else None
 
 
+def trace_peak_bytes(ctx: Context) -> Optional[int]:
+    """The highest rank's peak from a plain trace's ``[memory]`` events (``overlap.memory``, the memory the report
+    shows without records: one total, no categories; a CPU's counted from the profiler's start); None without them."""
+    tm = ctx.report.overlap.memory if ctx.report.overlap is not None else None
+    return int(tm.peak_bytes) if tm is not None and tm.per_rank else None
+
+
 def capacity_bytes(ctx: Context) -> Optional[int]:
     pm = peak_memory(ctx)
     if pm and pm.capacity_bytes:
@@ -330,6 +337,25 @@ def grad_unsharded_bytes(u: Unit) -> int:
     if b and compute in DTYPE_WIDTH and reduce in DTYPE_WIDTH and reduce != compute:
         return b * DTYPE_WIDTH[reduce] // DTYPE_WIDTH[compute]
     return b
+
+
+def trace_grad_bytes(rows: Iterable[TraceRow]) -> tuple[Optional[int], int]:
+    """(unsharded, shard) gradient bytes of the units of a trace's reduce-scatter rows, where no unit snapshot sizes
+    them: a unit's reduce-scatter input is its unsharded gradients in the reduce dtype, as FSDP2 accumulates them
+    without gradient sync (``grad_unsharded_bytes``), its output, the input over the call's group, its gradient shard
+    (0 where the group is not known). (None, 0) where a unit's calls carry no message size (gloo without
+    record_shapes)."""
+    per: dict[str, list[TraceRow]] = {}
+    for r in rows:
+        per.setdefault(r.unit, []).append(r)
+    full = shard = 0
+    for rs in per.values():
+        sizes = [r.bytes_per_call for r in rs if r.bytes_per_call]
+        if not sizes:
+            return None, 0
+        size, group = statistics.median(sizes), max((r.group_size or 0 for r in rs), default=0)
+        full, shard = full + size, shard + (size / group if group else 0)
+    return int(full), int(shard)
 
 
 def param_units(ctx: Context) -> list[Unit]:

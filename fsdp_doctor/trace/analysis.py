@@ -278,7 +278,7 @@ def unit_rows(rank: int, calls: list[tuple[CollectiveCall, float]], steps: int =
         rows.append(per_step_row(CommUnitRow(
             rank=rank, unit=unit, collective=coll, phase=phase, count=len(items), comm_us=comm,
             exposed_us=float(sum(exp for _, exp in items)), bytes_per_call=bytes_per_call, busbw_gbps=busbw,
-            slack_us=float(np.mean(slacks)) if slacks else None,
+            group_size=n, slack_us=float(np.mean(slacks)) if slacks else None,
             held_us=float(np.mean([max(0.0, s) for s in slacks])) if slacks else None,
             dtype=items[0][0].dtype), steps, (in_steps or {}).get((unit, coll, phase))))
     return rows

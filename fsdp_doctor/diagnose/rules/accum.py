@@ -78,6 +78,8 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         exposed = sum(r.exposed_ms_per_step for r in rows) / len(ranks)
         saved = exposed * (1 - 1 / n)  # one reduce-scatter per unit per step instead of n
         window, peak = E.trace_step_ms(ctx), E.peak_bytes(ctx)
+        # a plain trace: the peak its [memory] events show, one total (not what the peak held of the gradient shards)
+        ceiling = peak is None and (peak := E.trace_peak_bytes(ctx)) is not None
         # the share of the profiled step it saves, applied to the steady step the report's other findings start from
         # (the records' median; a profiled step runs slower: 293.6 ms against 219.5 in one trial)
         share = saved / window if window else None
@@ -88,9 +90,16 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         # FSDP2 then accumulates the unsharded gradients between micro-batches (in the reduce dtype), and holds no
         # sharded ones until the last micro-batch reduce-scatters them: those the peak held go (a new-user trial:
         # +7.8% over the measured peak without them, exact with them; the matrix's GPT row +9.8%, now +0.6%)
-        unsharded = sum(E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name) if by_name else None
-        freed = min(E.breakdown(ctx).get("sharded_grads", 0),
-                    sum(E.grad_shard_bytes(by_name[u]) for u in counts if u in by_name)) if by_name else 0
+        # Where the peak is a trace's (one total), every shard is taken as held at it: the most the fix adds at any
+        # point of the step. Without a unit snapshot (a plain trace), the reduce-scatters' sizes (a new-user trial's
+        # plain trace read no figure, and the fix's peak rose 2.79 MiB unwarned; a 2-rank GPT's: +0.90 MiB measured,
+        # +1.02 MiB predicted)
+        if by_name:
+            unsharded = sum(E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name)
+            shards = sum(E.grad_shard_bytes(by_name[u]) for u in counts if u in by_name)
+            freed = shards if ceiling else min(E.breakdown(ctx).get("sharded_grads", 0), shards)
+        else:
+            unsharded, freed = E.trace_grad_bytes(rows)
         # HSDP with set_requires_all_reduce(is_last_micro_batch): the all-reduce runs once per step already, and
         # each unit's reduce-scatter outputs wait in comm buffers between micro-batches for it; without the
         # reduce-scatters they go, but one unit's input at a time (a new-user trial's 2 x 2 mesh: comm buffers
@@ -111,24 +120,44 @@ class AccumulationSyncsEveryMicroBatch(Rule):
                      "(set_requires_all_reduce on the last micro-batch only): the reduce-scatter alone runs per "
                      f"micro-batch, and its outputs wait in comm buffers for that all-reduce ({fmt_bytes(held)} at "
                      "the peak beyond one unit's, which go with it). ")
+        after = peak + grow if (peak is not None and grow is not None) else None
         text += ("Turn gradient sync off for all but the last micro-batch; FSDP2 then accumulates unsharded "
-                 "gradients locally and reduce-scatters once, at the cost of holding them (the predicted peak).")
-        per = f"{mb:.0f}" if mb and mb > 1 else f"{n:.0f}"
-        code = (f"# before each micro-batch's backward ({per} per optimizer step in this run):\n"
+                 "gradients locally and reduce-scatters once, at the cost of holding them"
+                 + _holding(unsharded, freed, after, ceiling, plain=not by_name))
+        # (a plain trace's micro-batches: its reduce-scatters per unit per step)
+        per = mb if mb and mb > 1 else n
+        code = (f"# before each micro-batch's backward ({per:.0f} per optimizer step in this run):\n"
                 "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
         text, code, where, inputs = _in_the_loop(ctx, text, code, "set_requires_gradient_sync",
                                                  " with gradient sync on for every one")
         return [self.finding(
             sev, f"{n:.0f} reduce-scatters per unit per optimizer step: gradient accumulation syncs every micro-batch",
-            {"reducescatters_per_unit_per_step": round(n, 2), "micro_batches_per_step": mb,
+            {"reducescatters_per_unit_per_step": round(n, 2), "micro_batches_per_step": per,
              "units": len(counts), "reducescatter_ms_per_step": round(comm, 3),
              "reducescatter_exposed_ms_per_step": round(exposed, 3), "saved_ms_per_step": round(saved, 3),
              "saved_share_pct": None if share is None else round(100 * share, 1), "unsharded_grads_bytes": unsharded,
              "sharded_grads_freed_bytes": freed, "allreduces_per_unit_per_step": ar_n, "comm_buffers_freed_bytes": held},
             text, code, where=where, inputs=inputs,
-            predicted=E.predicted(step, step - gain if step else None, peak,
-                                  peak + grow if (peak is not None and grow is not None) else None),
+            predicted=E.predicted(step, step - gain if step else None, peak, after,
+                                  peak_at_most=ceiling and after is not None),
             units=sorted(counts)[:20])]
+
+
+def _holding(unsharded, freed: int, after, ceiling: bool, plain: bool) -> str:
+    """The end of the text's sentence on what holding the unsharded gradients costs: the predicted peak where there is
+    one (a ceiling where the peak is a plain trace's), else what is known of them and why no peak is predicted."""
+    if after is not None:
+        return (" (the predicted peak)." if not ceiling else
+                f" (the predicted peak, at most: {fmt_bytes(unsharded)} of unsharded gradients in place of their "
+                f"{fmt_bytes(freed)} of shards, as if the peak held every shard; the trace's memory events do not "
+                "say which it held).")
+    if unsharded is None:
+        return (": their size is not known here, and no peak is predicted" + (
+            " (the trace's collectives carry no message sizes: torch.profiler's record_shapes=True records them)"
+            if plain else "") + ".")
+    return (f": {fmt_bytes(unsharded)} of unsharded gradients in place of their {fmt_bytes(freed)} of shards. No "
+            "peak is predicted: the run has no memory figures" + (
+                " (torch.profiler's profile_memory=True records them)" if plain else "") + ".")
 
 
 @register
