@@ -82,12 +82,13 @@ def test_plain_trace_sizes_the_held_gradients_and_predicts_the_peak(tmp_path):
     full = 4 * sum(UNITS.values())
     assert ev["unsharded_grads_bytes"] == full and ev["sharded_grads_freed_bytes"] == full // WORLD
     # the peak the report shows (the trace's memory events, the highest rank's), holding the unsharded gradients
-    # in place of the shards: a ceiling, as the trace does not say which units had reduce-scattered at its peak
+    # in place of the shards, as if it held every shard: the trace does not say which units had reduce-scattered at its
+    # peak (an estimate, not a ceiling: the trial's run with the fix measured 4.1% above it)
     peak = rep.memory_section().peak_bytes
     assert peak == 5_000_000 + 1000 * (WORLD - 1)
     assert p.peak_bytes_before == peak and p.peak_bytes_after == peak + full - full // WORLD
-    assert p.peak_at_most
-    assert "(the predicted peak)" not in f.recommendation.text and "at most" in f.recommendation.text
+    assert not p.peak_at_most
+    assert "(the predicted peak: " in f.recommendation.text and "as if the peak held every shard" in f.recommendation.text
 
 
 @pytest.mark.parametrize("memory, shapes", [(False, True), (False, False), (True, False)])
@@ -111,7 +112,7 @@ def test_real_plain_traces_size_the_model_gradients(tmp_path):
     gradients are the model's parameters in float32, their shards half of them, and the predicted peak the one the
     report shows with them in place of the shards. (Not checked against a run with the fix here: a CPU trace's
     peak moves from run to run by a unit's reduce-scatter buffer, up to 0.79 MB of this run's 9 MB, where the
-    profiler's tally misses a free on gloo's thread; the trial's run with the fix measured 4.1% under the ceiling.)"""
+    profiler's tally misses a free on gloo's thread; the trial's run with the fix measured 4.1% above the prediction.)"""
     workloads = pytest.importorskip("fsdp_doctor.workloads")
     from fsdp_doctor.workloads.gpt import GPT
 
@@ -125,4 +126,4 @@ def test_real_plain_traces_size_the_model_gradients(tmp_path):
     full = 4 * sum(x.numel() for x in GPT(cfg).parameters())
     assert ev["unsharded_grads_bytes"] == full and ev["sharded_grads_freed_bytes"] == full // 2
     assert p.peak_bytes_before == rep.memory_section().peak_bytes
-    assert p.peak_bytes_after == p.peak_bytes_before + full - full // 2 and p.peak_at_most
+    assert p.peak_bytes_after == p.peak_bytes_before + full - full // 2 and not p.peak_at_most
