@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2  # nothing could be analyzed
-EXIT_PARTIAL = 3  # analyzed, but some files were skipped
+EXIT_PARTIAL = 3  # analyzed, but some files were skipped, or a rank did not finish
 EXIT_FINDINGS = 4  # analyzed, and a finding at --fail-on's severity or above
 
 
@@ -569,7 +569,7 @@ EXIT_REASONS = {  # every command's codes (the top-level --help); each command's
     1: "the demo workload failed",
     2: "nothing usable (no such path, no records or traces, an output file that cannot be written, port in use, a "
        "run directory holding another run)",
-    3: "analysed, but some files or lines were skipped (each named in the report)",
+    3: "analysed, but some files or lines were skipped, or a rank did not finish (each named in the report)",
     4: "analyze --fail-on LEVEL: a finding at LEVEL or above (checked before 3)",
     130: "interrupted",
 }
@@ -698,7 +698,8 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        epilog=epilog(0, 2, 3, 130, c0="the events written",
                                      c2="nothing to convert (no such path, no records), event files already there "
                                         "(without --overwrite), or a folder that cannot be written",
-                                     c3="written, but some files or lines were skipped (each named)"),
+                                     c3="written, but some files or lines were skipped, or a rank did not finish "
+                                        "(each named)"),
                        formatter_class=fmt)
     t.add_argument("path", help="run directory written by fsdp_doctor.watch()")
     t.add_argument("--out", default=None, help="log directory (default: the run directory)")

@@ -774,7 +774,9 @@ class Report(msgspec.Struct, kw_only=True):
     verdict: Optional[Verdict] = None
     findings: list[Finding] = []
     rules: list[RuleStatus] = []  # every rule checked: fired, quiet, skipped or failed, with the reason
-    problems: list[str] = []  # one line each: files skipped, figures this torch could not give, rules not checked
+    # one line each: files skipped, figures this torch could not give, rules not checked, how the ranks stopped where
+    # not every one finished (store.reader.run_end_line)
+    problems: list[str] = []
 
     def unit_rows(self) -> list:
         """The unit table the views show: the records' (``units``, with configuration), else a plain trace's

@@ -489,15 +489,17 @@ def _record_cases() -> list[Case]:
     C("stream-unknown-tag", lambda r: edit_stream(r, 1, lambda x: x + [{"t": "zzz", "rank": 1}]), "partial",
       "not a valid record")
     # a stream of random bytes: one line for the file (not one per line of it), and the rank not analysed, never "did
-    # not finish (run still going, or killed)"
+    # not finish (run still going, or killed)" nor "stopped ... without an end record"
     C("stream-random-bytes", lambda r: random_bytes(r / "rank1.records.jsonl") and r, "partial",
       "rank1.records.jsonl: unreadable: no valid record in it", lambda rep: (
           rank0_only(rep), _one_line_for(rep, "rank1.records.jsonl")))
     C("stream-garbage-lines", lambda r: edit_stream(r, 1, lambda x: x[:5] + ["{not json"] * 3 + x[5:]), "partial",
       "rank1.records.jsonl: 3 lines are not valid records (lines 6, 7, 8;", lambda rep: _one_line_for(
           rep, "rank1.records.jsonl"))
+    # (left a minute: rank 0's end record written, rank 1's stream, cut, is not being written)
     C("stream-cut-mid-line", lambda r: (r / "rank1.records.jsonl").write_bytes(
-        (r / "rank1.records.jsonl").read_bytes()[:-40]) and r, "partial", "incomplete")
+        (r / "rank1.records.jsonl").read_bytes()[:-40]) and _aged(r), "partial",
+      "rank 1's records stop after step 29 in the middle of a record (")
     # a stream refused (a newer record version, another format): its rank not analysed, never said to be one that
     # "did not finish (run still going, or killed); its completed steps are used" (a new-user trial)
     C("stream-header-version-99", lambda r: edit_stream(r, 1, lambda x: set_first(x, "header", version=99)),
@@ -557,7 +559,7 @@ def _record_cases() -> list[Case]:
     C("records-cut-mid-write", lambda r: [_cut_mid_record(edit_stream(r, k, lambda x, k=k: [
         y for y in x if y.get("t") != "end" and not (y.get("t") == "step" and y["step"] > 20 - 3 * k)]), k)
         for k in (0, 1)] and r, "partial",
-      "rank 1's records stopped first (last record: step 17; rank 0 step 20) in the middle of a record",
+      "rank 1's records stop after step 17 in the middle of a record (16 bytes at the end of rank1.records.jsonl)",
       _cut_not_killed, traces=True)
     C("profiler-folder-dangling", lambda r: symlink(r / "profiler" / "old", r / "nowhere") and r, "ok", "",
       traces=True)
@@ -620,6 +622,16 @@ def _escape_units(rec: dict) -> dict:
     return rec
 
 
+def _aged(run: Path, s: float = 60.0) -> Path:
+    """The run with its record streams last written ``s`` seconds ago."""
+    import os
+    import time
+
+    for f in run.glob("rank*.records.jsonl"):
+        os.utime(f, (time.time() - s,) * 2)
+    return run
+
+
 def _cut_mid_record(run: Path, rank: int) -> Path:
     """The rank's stream with the start of one more record after its last, as a write that failed leaves it."""
     with open(run / f"rank{rank}.records.jsonl", "ab") as f:
@@ -633,17 +645,15 @@ def _not_said(report: dict, words: str) -> None:
 
 def _cut_not_killed(report: dict) -> None:
     """Records that stop mid-record (a failed write: a full disk) are no killed rank, in the problems or the header
-    (a new-user trial's header said "ranks 0, 1 did not finish (run still going, or killed)")."""
-    import msgspec
-
-    from fsdp_doctor.present.fmt import run_warnings
-    from fsdp_doctor.report_sections import RunFacts
-
-    _not_said(report, "died or hung")
+    (a new-user trial's header said "ranks 0, 1 did not finish (run still going, or killed)"): one line says it of
+    both ranks, with their steps."""
+    _not_said(report, "killed")
     assert report["run"]["records_cut"] == ["0", "1"], report["run"]
-    said = [w.text for w in run_warnings(msgspec.convert(report["run"], RunFacts))]
-    assert said == ["the records of ranks 0, 1 stop in the middle of a record: a write of the doctor's failed there "
-                    "(a full disk?); their completed steps are used"], said
+    said = [p for p in report["problems"] if "step" in p]
+    assert said == ["rank 1's records stop after step 17 in the middle of a record (16 bytes at the end of "
+                    "rank1.records.jsonl); rank 0's records stop after step 20 in the middle of a record (16 bytes at "
+                    "the end of rank0.records.jsonl): a write of the doctor's failed there (a full disk?), the ranks may "
+                    "have trained on; the completed steps of every rank are used"], said
 
 
 def _refused_rank1(report: dict) -> None:

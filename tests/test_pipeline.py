@@ -281,12 +281,13 @@ def test_a_report_of_nothing_says_so_from_python(tmp_path):
 def test_ranks_a_step_apart_in_a_run_being_written_are_not_named_stopped(tmp_path):
     """A run still writing is read one stream after the other, so its ranks can be a step apart: "rank 0 stopped first
     (last record: step 28; rank 1 step 29) and wrote no end record: it died or hung" read in 1 of a new-user trial's
-    12 analyses of a live run (exit 3). A step apart with every stream written in the last seconds is a run being
-    written; the same gap in streams left alone for a minute, or a larger one, is still named."""
+    12 analyses of a live run (exit 3). Streams written lately, none with an end record, are a run still going (a
+    note, each rank's last step); the same streams left alone past STALE_S are named, the first to stop first."""
     import os
     import time
 
     from fsdp_doctor import load_run
+    from fsdp_doctor.store.reader import STALE_S
 
     d = tmp_path / "run"
     shutil.copytree(SAMPLE, d)
@@ -295,12 +296,17 @@ def test_ranks_a_step_apart_in_a_run_being_written_are_not_named_stopped(tmp_pat
         lines = [ln for ln in s.read_bytes().splitlines(keepends=True) if not ln.startswith(b'{"t":"end"')]
         s.write_bytes(b"".join(ln for ln in lines if not (ln.startswith(b'{"t":"step","step":')
                                                          and int(ln.split(b",")[1].split(b":")[1]) > keep)))
-    assert not [p for p in load_run(d).problems if "stopped first" in p]
-    old = time.time() - 60
+    run = load_run(d)
+    assert not [p for p in run.problems if "stopped" in p] and run.notes == [
+        "the run is still going (no rank has ended; last records: step 28 on rank 0, step 29 on rank 1)"]
+    old = time.time() - STALE_S - 60
     for r in (0, 1):
         os.utime(d / f"rank{r}.records.jsonl", (old, old))
-    (named,) = [p for p in load_run(d).problems if "stopped first" in p]
-    assert named.startswith("rank 0 stopped first (last record: step 28; rank 1 step 29)"), named
+    run = load_run(d)
+    (named,) = [p for p in run.problems if "stopped first" in p]
+    assert named.startswith("rank 0 stopped first, after step 28, without an end record (killed, or hung); rank 1 "
+                            "stopped after step 29"), named
+    assert run.notes == []
 
 
 def test_records_appended_after_the_read_are_not_a_cut_off_record(tmp_path):
@@ -330,6 +336,7 @@ def test_records_appended_after_the_read_are_not_a_cut_off_record(tmp_path):
     run, _ = follower.poll()
     got, _, _ = closing_problems(follower, run)
     assert [q for q in got if "rank0.records.jsonl" in q] == [
-        "rank0.records.jsonl: last record is incomplete (40 bytes, the run was cut off mid-write); every complete "
-        "step before it is used"]
+        "rank 0's records stop after step 28 in the middle of a record (40 bytes at the end of rank0.records.jsonl): a "
+        "write of the doctor's failed there (a full disk?), the rank may have trained on; rank 1 finished after step "
+        "29; the completed steps of every rank are used"]
     assert max(s.step for s in run.ranks[0].steps) == 28

@@ -383,7 +383,8 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
 def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp_path, gloo_one_rank):
     """A Ctrl-C (KeyboardInterrupt) or an error raised through the with-block left no end record: the report said
     "did not finish (run still going, or killed)" (a new-user trial). The end record now says the exception; the
-    header says the rank stopped on it, and its completed steps are used. The exception reaches the caller."""
+    report's problems say the rank stopped on it after its last step, and its completed steps are used. The exception
+    reaches the caller."""
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_doctor
@@ -405,35 +406,36 @@ def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp
                     raise KeyboardInterrupt
     run = fsdp_doctor.load_run(tmp_path)
     assert run.ranks[0].end.exception == "KeyboardInterrupt" and run.ranks[0].end.steps == 4
-    facts = build_report(run).run
+    report = build_report(run)
+    facts = report.run
     assert facts.complete == {"0": False} and facts.stopped_on == {"0": "KeyboardInterrupt"}
-    assert [w.text for w in run_warnings(facts)] == ["rank 0 stopped on an exception in the training loop (KeyboardInterrupt); its "
-                                   "completed steps are used"]
+    # (one line, with its step, in the problems the terminal prints and the JSON holds: store.reader.run_end_line)
+    assert report.problems == ["rank 0 stopped after step 3 on KeyboardInterrupt; the completed steps of every rank "
+                               "are used"], report.problems
+    assert run_warnings(facts) == []
     # a rank killed (no end record) beside one that raised after it: the killed one first, the other's message said
     # (a new-user trial's header named rank 1's RuntimeError first and dropped its message)
-    from fsdp_doctor.report_sections import RunFacts
+    from fsdp_doctor.records import End
+    from fsdp_doctor.store.reader import run_end_line
 
-    both = RunFacts(complete={"0": False, "1": False},
-                    stopped_on={"1": "RuntimeError: pair.cc:537] Read error: Connection reset by peer"})
-    assert [w.text for w in run_warnings(both)] == [
-        "rank 0 did not finish (run still going, or killed); its completed steps are used",
+    run.ranks[1] = type(run.ranks[0])(rank=1, config=run.ranks[0].config, steps=list(run.ranks[0].steps))
+    run.ranks[0].end = None
+    run.ranks[1].end = End(rank=1, steps=4, ended_ns=1, exception="RuntimeError: pair.cc:537] Read error: Connection "
+                                                                   "reset by peer")
+    assert run_end_line(run, {}) == (
         # (the kind said once: "(RuntimeError): RuntimeError: ..." read twice, a new-user trial)
-        "rank 1 stopped on an exception in the training loop: RuntimeError: pair.cc:537] Read error: "
-        "Connection reset by peer, likely after rank 0 stopped (a rank killed writes no end record); its completed "
-        "steps are used"]
+        "rank 0 stopped first, after step 3, without an end record (killed, or hung); rank 1 stopped after step 3 on "
+        "RuntimeError: pair.cc:537] Read error: Connection reset by peer, likely following from it; the completed "
+        "steps of every rank are used")
     # both raised, different errors: the first to stop, with its message (a new-user trial's header dropped the
     # planted error for the others' "Connection closed by peer", with no message at all)
-    from fsdp_doctor.analyze.report import run_facts
-    from fsdp_doctor.records import End
-
     for r, (ns, why) in {0: (2_575_000_000, "RuntimeError: [gloo] Connection closed by peer"),
                          1: (2_000_000_000, "RuntimeError: planted failure at step 50")}.items():
-        run.ranks[r] = run.ranks[0] if r == 0 else type(run.ranks[0])(rank=1, config=run.ranks[0].config, steps=[])
         run.ranks[r].end = End(rank=r, steps=4, ended_ns=ns, exception=why)
-    (w,) = [w.text for w in run_warnings(run_facts(run))]
-    assert w == ("ranks 0, 1 stopped on an exception in the training loop (RuntimeError); rank 1 first (575 ms before "
-                 "rank 0, whose errors likely follow from it): RuntimeError: planted failure at step 50; their "
-                 "completed steps are used"), w
+    assert run_end_line(run, {}) == (
+        "rank 1 stopped first, after step 3, on RuntimeError: planted failure at step 50 (575 ms before rank 0); rank 0 "
+        "stopped after step 3 on RuntimeError: [gloo] Connection closed by peer, likely following from it; the "
+        "completed steps of every rank are used")
 
 
 def test_a_trainer_that_did_not_shard_is_told_so_in_its_own_terms():

@@ -137,14 +137,23 @@ def test_run_killed_with_sigkill_is_still_analyzable(tmp_path):
     s0.write_bytes(s0.read_bytes() + b'{"t":"step","step":999,"start_')
     res = subprocess.run([PY, "-m", "fsdp_doctor.cli", "analyze", str(out), "--json", str(tmp_path / "r.json")],
                          capture_output=True, text=True, timeout=120)
-    assert res.returncode in (0, 3), res.stderr
+    assert res.returncode in (0, 3), res.stderr  # (killed a moment ago: as fresh as a run in training)
     assert "Traceback" not in res.stdout + res.stderr
-    assert "did not finish" in res.stdout
+    # left alone past STALE_S, no end record: the ranks stopped, each after its last step, rank 0's record cut
+    from fsdp_doctor.store.reader import STALE_S
+
+    for f in out.glob("rank*.records.jsonl"):
+        os.utime(f, (time.time() - STALE_S - 60,) * 2)
+    res = subprocess.run([PY, "-m", "fsdp_doctor.cli", "analyze", str(out), "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3, res.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["run"]["complete"] == {"0": False, "1": False}
     assert all(n >= 8 for n in report["run"]["steps_recorded"].values())
     assert report["steps"]["per_rank"]["0"]["count"] >= 4
-    assert any("incomplete" in p for p in report["problems"])
+    (said,) = [p for p in report["problems"] if "rank 0's records stop after step" in p]
+    assert "in the middle of a record" in said and "rank 1 stopped" in said and "without an end record" in said, said
+    assert said in res.stdout
 
 
 def test_bad_input_gets_one_line(tmp_path, sample_run_path):

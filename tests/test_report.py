@@ -234,19 +234,21 @@ def test_a_unit_that_did_not_run_in_some_steps_is_timed_over_the_steps_it_ran(sa
         f"{t.samples + t.not_run})" in note, note
 
 
-def test_small_figures_and_messages_read_right():
+def test_small_figures_and_messages_read_right(sample_run_path):
     """A tiny CPU run's TFLOP/s read "0.000"; an exception message's own full stop read ".;" before "; their
     completed steps"; a straggler's title read "per step in outside the model" (new-user trials)."""
-    from fsdp_doctor.present.fmt import fmt_tflops, run_warnings
-    from fsdp_doctor.report_sections import RunFacts
+    from fsdp_doctor.present.fmt import fmt_tflops
+    from fsdp_doctor.records import End
+    from fsdp_doctor.store.reader import run_end_line
 
     assert (fmt_tflops(0.00041), fmt_tflops(0.0192), fmt_tflops(0.5), fmt_tflops(312.4)) == \
         ("0.00041", "0.0192", "0.500", "312.400")
-    facts = RunFacts(complete={"0": False, "1": False},
-                     stopped_on={"0": "RuntimeError: DataLoader worker (pid 7) exited in worker process 1.",
-                                 "1": "RuntimeError: DataLoader worker (pid 7) exited in worker process 1."})
-    (w,) = [w for w in run_warnings(facts) if "stopped on an exception" in w.text]
-    assert "worker process 1; their completed steps are used" in w.text, w.text
+    why = "RuntimeError: DataLoader worker (pid 7) exited in worker process 1."
+    run = load_run(sample_run_path)
+    for r, rd in run.ranks.items():
+        rd.end = End(rank=r, steps=30, ended_ns=1, exception=why)
+    line = run_end_line(run, {})
+    assert "worker process 1; the completed steps of every rank are used" in line, line
 
 
 def test_a_watched_container_without_forward_is_said_in_the_header(sample_run_path):

@@ -11,24 +11,29 @@ from dash import dcc, html
 
 from fsdp_doctor.present.fmt import ROOT_LABEL, exception_kinds, unit_label
 from fsdp_doctor.present.fmt import fmt_value as _fmt_value
-
-# a run that has not finished and wrote no record for this long (or 10 of its slowest steps, if longer) is said to
-# have stopped writing: a rank killed, or the job, leaves no end record, and "live" would stay on the screen
-STALE_S = 120.0
+# whether a run is live: the rule analyze applies (a run none of whose ranks ended, without a record for STALE_S or 10
+# of its slowest steps, stopped writing: a rank killed, or the job, leaves no end record)
+from fsdp_doctor.store.reader import STALE_S, still_going  # noqa: F401 (STALE_S: the pages' and tests' name)
 
 
 def run_state(report, updated: float, now: Optional[float] = None) -> str:
-    """"finished", "stopped on KeyboardInterrupt" (the loop raised through watch()), "live", or "no new record for N
-    min" (``updated``: when the records last grew, time.time())."""
+    """"finished", "stopped on KeyboardInterrupt" (a rank's loop raised through watch(): the run is not live, whatever
+    the others wrote since), "live" (store.reader.still_going), "stopped" (a rank ended normally or fell behind the
+    others, which wrote nothing since) or "no new record for N min" (``updated``: when the records last grew,
+    time.time())."""
     done = report.run.complete
-    stopped = report.run.stopped_on or {}  # (UNSET: none)
-    if done and all(ok or r in stopped for r, ok in done.items()):
-        return f"stopped on {', '.join(exception_kinds(report.run))}" if stopped else "finished"
+    if report.run.stopped_on:  # (UNSET: none)
+        return f"stopped on {', '.join(exception_kinds(report.run))}"
+    if done and all(done.values()):
+        return "finished"
     steps = report.steps.per_rank.values() if report.steps is not None else []
-    slowest = max((st.max_ms or 0.0 for st in steps), default=0.0) / 1e3
+    slowest = max((st.max_ms or 0.0 for st in steps), default=0.0)
     idle = (time.time() if now is None else now) - updated
-    if idle < max(STALE_S, 10 * slowest):
+    counts = report.run.steps_recorded.values()  # (ranks more than a step apart: one stopped)
+    if still_going(idle, slowest, any(done.values()), max(counts, default=0) - min(counts, default=0)):
         return "live"
+    if any(done.values()) or idle < STALE_S:  # (a rank ended normally, or the ranks are steps apart)
+        return "stopped"
     return f"no new record for {idle / 60:.0f} min" if idle < 7200 else f"no new record for {idle / 3600:.1f} h"
 
 

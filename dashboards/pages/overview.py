@@ -174,8 +174,8 @@ def layout(snap, flt: Filters) -> list:
     state = run_state(report, snap.updated)
     out.append(_kpis(windowed(snap, flt.window), flt, traces_only=bool(traces_only), state=state))
     run = report.run
-    # the header's warnings, as the terminal and the HTML report give them (a crashed rank's run read only "finished:
-    # no" here: a new-user trial); while the run is live its ranks have not finished, which is no warning
+    # the header's warnings, as the terminal and the HTML report give them; how the ranks stopped is a problem, in the
+    # Problems below once the run is not live (a crashed rank's run read only "finished: no" here: a new-user trial)
     for w in run_warnings(run):
         if w.level == "warning" and state == "live":
             continue

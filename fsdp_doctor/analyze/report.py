@@ -100,6 +100,8 @@ def run_facts(run: Run) -> RunFacts:
             facts = msgspec.structs.replace(facts, **meta, facts_source="trace metadata")
             if "device_name" in meta:
                 facts.device = "cuda"
+    if run.notes:  # (a run still being written: load_run)
+        facts.notes = [*run.notes, *(facts.notes or [])]
     errs = [SteppedAside(rank=e.rank, where=e.where, message=e.message, step=e.step)
             for rd in run.ranks.values() for e in rd.errors]
     if errs:

@@ -821,44 +821,12 @@ class RunWarning(NamedTuple):
 
 
 def run_warnings(run: RunFacts) -> list[RunWarning]:
-    """What the header warns of: ranks that did not finish, and where the doctor stepped aside."""
+    """What the header warns of: the traces of some ranks only, how some figures were measured (notes), and where the
+    doctor stepped aside. How ranks stopped is one of the report's problems (store.reader.run_end_line), printed as
+    the others are: the header told it in words of its own, the JSON not at all (a new-user trial)."""
     from msgspec import UNSET
 
     out = []
-    stopped = run.stopped_on if run.stopped_on is not UNSET else {}
-    cut = run.records_cut if run.records_cut is not UNSET else []
-    incomplete = [k for k, done in run.complete.items() if not done and k not in stopped and k not in cut]
-    def whose(ranks) -> str:
-        return "their" if len(ranks) > 1 else "its"
-
-    # a rank killed leaves no end record, one that raised does: with both, the killed one likely went first and the
-    # others' errors (a peer's connection reset) follow from it (a new-user trial's rank 0 killed itself: the header
-    # named rank 1's RuntimeError first and dropped its message)
-    if incomplete:
-        out.append(f"{ranks_phrase(incomplete)} did not finish (run still going, or killed); {whose(incomplete)} "
-                   "completed steps are used")
-    if cut:  # (a new-user trial's full 40 KiB disk read "ranks 0, 1 did not finish (run still going, or killed)")
-        out.append(f"the records of {ranks_phrase(cut)} stop in the middle of a record: a write of the doctor's "
-                   f"failed there (a full disk?); {whose(cut)} completed steps are used")
-    if stopped:
-        msgs = sorted(set(stopped.values()))
-        # the message where one is shared and holds more than its kind (a rank's "RuntimeError: ... Connection reset
-        # by peer"), cut to a line
-        one = msgs[0].rstrip(". ")  # (its own full stop before "; their completed steps" read ".;")
-        said = (f": {one if len(one) <= 160 else one[:159] + '…'}" if len(msgs) == 1 and ":" in msgs[0] else "")
-        first = run.stopped_first if run.stopped_first is not UNSET else None
-        if first is not None:  # different errors: the first rank's, the others' likely following from it
-            one = stopped[first].rstrip(". ")
-            rest = ranks_phrase(sorted(r for r in stopped if r != first))
-            said = (f"; rank {first} first ({run.stopped_first_by_ms:g} ms before {rest}, whose errors likely follow "
-                    f"from it): {one if len(one) <= 160 else one[:159] + '…'}")
-        after = (f", likely after {ranks_phrase(incomplete)} stopped (a rank killed writes no end record)"
-                 if incomplete else "")
-        kinds = exception_kinds(run)
-        # (the kind once: "(RuntimeError): RuntimeError: planted user error" read twice, a new-user trial)
-        kind = "" if said.startswith(f": {kinds[0]}:") and len(kinds) == 1 else f" ({', '.join(kinds)})"
-        out.append(f"{ranks_phrase(stopped)} stopped on an exception in the training loop"
-                   f"{kind}{said}{after}; {whose(stopped)} completed steps are used")
     traced = run.trace_ranks if run.trace_ranks is not UNSET else None
     if traced and run.world_size and len(traced) < run.world_size and not run.steps_recorded:
         gone = [r for r in range(run.world_size) if r not in traced]

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 
 from . import layout
+from ..units import ranks_phrase
 from ..records import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -84,6 +85,8 @@ class Run:
     # ranks whose stream ends in the middle of a record: a write of the doctor's failed there (a full disk), which a
     # killed process does not leave (each record is one write)
     records_cut: set[int] = field(default_factory=set)
+    # one line each: how what was read is to be taken, no problem (a run still being written: load_run)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def config(self) -> RunConfig | None:
@@ -437,7 +440,8 @@ def load_run(path: Path | str) -> Run:
     run, _ = follower.poll()
     if run.refused:
         raise RunRefused(run.refused)
-    lines, replaced, unread = closing_problems(follower, run)
+    going = _still_going(run)
+    lines, replaced, unread = closing_problems(follower, run, going=going)
     run.problems[:] = [q for q in run.problems if q not in replaced] + lines
     for rank in unread:
         run.ranks.pop(rank, None)
@@ -446,18 +450,19 @@ def load_run(path: Path | str) -> Run:
     run.trace_files = run_trace_files(run, run.problems)
     run.trace_files_left_out = len(run.problems) - said  # (one line per file left out)
     _leave_out_unfinished_windows(run)
-    run.records_cut = {rank for rank, sr in follower._streams.items() if sr.trailing_bytes()}
-    _name_first_stopped(run)
+    run.records_cut = set(_cut_bytes(follower))
+    if going:
+        run.notes.append(_still_going_note(run))
     return run
 
 
-def closing_problems(follower: "RunFollower", run: Run) -> tuple[list[str], set[str], set[int]]:
+def closing_problems(follower: "RunFollower", run: Run, going: bool = False) -> tuple[list[str], set[str], set[int]]:
     """What the record streams of a run that stopped writing say beyond their records: (one line each, the lines
     those replace, the ranks not analysed). An empty or unreadable stream (its rank not analysed, never "did not
     finish": a file of random bytes was said to be a rank that was killed; nor one refused for its format or version),
-    a last record cut off mid-write, a rank
-    the manifest lists without a stream. ``load_run`` applies them; the dashboard shows them once the run is no
-    longer live (it showed none of them: a new-user trial). Reads only."""
+    a rank the manifest lists without a stream, and how the ranks stopped where not every one finished
+    (``run_end_line``; not where the run is still ``going``). ``load_run`` applies them; the dashboard shows them once
+    the run is no longer live (it showed none of them: a new-user trial). Reads only."""
     lines: list[str] = []
     replaced: set[str] = set()
     unread: set[int] = set()
@@ -476,13 +481,17 @@ def closing_problems(follower: "RunFollower", run: Run) -> tuple[list[str], set[
                 lines.append(_unreadable_stream(sr, rank))
             unread.add(rank)
             continue
-        if sr.trailing_bytes():
-            lines.append(f"{sr.path.name}: last record is incomplete ({sr.trailing_bytes()} bytes, the run was "
-                         "cut off mid-write); every complete step before it is used")
     for rank in missing_stream_ranks(run):
         lines.append(f"{layout.stream_name(rank)}: listed in {layout.MANIFEST_NAME} but missing: rank {rank} is not "
                      "analysed (its records were deleted or never copied)")
+    if not going and (said := run_end_line(run, _cut_bytes(follower), unread)):
+        lines.append(said)
     return lines, replaced, unread
+
+
+def _cut_bytes(follower: "RunFollower") -> dict[int, int]:
+    """Per rank whose stream the last poll read to the middle of a record: the bytes after its last line end."""
+    return {rank: sr.trailing_bytes() for rank, sr in follower._streams.items() if sr.trailing_bytes()}
 
 
 def _unreadable_stream(sr: StreamReader, rank: int) -> str:
@@ -549,50 +558,119 @@ def _span(steps: list[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{min(steps)}–{max(steps)}"
 
 
-def _name_first_stopped(run: Run) -> None:
-    """When ranks stopped without their end record at different points, the one that stopped first is named: it
-    died or hung, and the others' failure (a collective error, a timeout) follows from it; where its stream ends in
-    the middle of a record (``Run.records_cut``), the doctor's write failed there (a killed process leaves whole
-    records: each is one write), and the rank may have trained on."""
-    if len(run.ranks) < 2 or any(rd.end is not None for rd in run.ranks.values()):
-        return
-    reach = {r: max([s.step for s in rd.steps] + [n for pw in rd.profiles for n in pw.steps]
-                    + [e.step for e in rd.errors if e.step is not None], default=-1)
-             for r, rd in run.ranks.items()}
-    low = min(reach.values())
-    first = sorted(r for r, v in reach.items() if v == low)
-    if len(first) == len(reach):
-        return
-    if max(reach.values()) - low == 1 and _written_lately(run):
-        # a run being written: the streams are read one after the other, a step apart at most (a new-user trial's
-        # analyze during training read "rank 0 stopped first ... it died or hung" and exited 3, 1 time in 12)
-        return
-    others = ", ".join(f"rank {r} step {v}" for r, v in sorted(reach.items()) if v != low)
-    who = ", ".join(map(str, first))
-    # (a new-user trial's full disk read "rank 0 stopped first ... it died or hung": both finished)
-    if set(first) <= run.records_cut:
-        run.problems.append(f"rank{'s' if len(first) > 1 else ''} {who}'s records stopped first (last record: step "
-                            f"{low}; {others}) in the middle of a record: a write of the doctor's failed there (a full "
-                            "disk?), which a killed process does not do; the rank may have trained on")
-        return
-    run.problems.append(f"rank{'s' if len(first) > 1 else ''} {who} stopped first (last record: step {low}; "
-                        f"{others}) and wrote no end record: it died or hung, and the other ranks' errors or waits "
-                        "follow from it")
+#: how a rank's stream ended, in the order ranks stopped after the same step: without an end record (a rank killed
+#: writes none: before one whose end record holds the error that followed), on an exception, normally
+_STOP_ORDER = {"killed": 0, "cut": 0, "raised": 1, "finished": 2}
 
 
-#: a stream written this recently (seconds) belongs to a run still going
+def _last_step(rd: RankData) -> int:
+    """The last step the rank recorded (-1: none)."""
+    return max((s.step for s in rd.steps), default=-1)
+
+
+def run_end_line(run: Run, cut: dict[int, int], leave_out=frozenset()) -> str:
+    """How the run ended where not every rank finished, in one line ("" where every rank did): each rank's last
+    recorded step and how it stopped (on the exception of its end record; without an end record: killed, or hung;
+    its records cut in the middle of one, ``cut`` giving the bytes after its last line end: a write of the doctor's
+    failed there, and the rank may have trained on), the one that stopped first named first and the others' errors
+    said to follow from it. The one telling of it: the problems carry it, every presenter shows it as it is (the
+    header said "rank 1 did not finish (run still going, or killed)" with no step, "run still going" though rank 0's
+    end record held the job's error, and the JSON nothing: a new-user trial). ``leave_out``: ranks not analysed."""
+    ranks = {r: rd for r, rd in run.ranks.items() if r not in leave_out}
+    if all(rd.end is not None and not rd.end.exception for rd in ranks.values()) or not any(
+            rd.steps for rd in ranks.values()):  # (no step: nothing analysed, pipeline.unusable_reason says why)
+        return ""
+    stops = []  # (last step, how, detail, end time, rank)
+    for r, rd in ranks.items():
+        last = _last_step(rd)
+        if rd.end is not None:
+            how, detail = ("raised", _one_line(rd.end.exception)) if rd.end.exception else ("finished", "")
+        else:
+            how, detail = ("cut", f"{cut[r]:,} bytes at the end of {layout.stream_name(r)}") if r in cut else (
+                "killed", "")
+        stops.append((last, how, detail, rd.end.ended_ns if rd.end is not None else 0, r))
+    stops.sort(key=lambda s: (s[0], _STOP_ORDER[s[1]], s[3], s[4]))
+    groups: list[tuple[tuple, list]] = []  # ((last step, how, detail), its stops), in the order they stopped
+    for s in stops:
+        if groups and groups[-1][0] == s[:3]:
+            groups[-1][1].append(s)
+        else:
+            groups.append((s[:3], [s]))
+    (last0, how0, _), _ = groups[0]
+    first = len(groups) > 1 and how0 in ("killed", "raised") and (
+        (last0, _STOP_ORDER[how0]) < (groups[1][0][0], _STOP_ORDER[groups[1][0][1]]) or groups[1][0][1] == "raised")
+    cuts = [i for i, ((_, how, _), _) in enumerate(groups) if how == "cut"]
+    clauses = []
+    for i, ((last, how, detail), group) in enumerate(groups):
+        who = ranks_phrase(s[4] for s in group)
+        at = f"after step {last}" if last >= 0 else f"before {'their' if len(group) > 1 else 'its'} first step"
+        if how == "finished":
+            clauses.append(f"{who} finished {at}")
+        elif how == "cut":  # (the cause once, after the last)
+            clauses.append(f"{who}'s records stop {at} in the middle of a record ({detail})" + (
+                f": a write of the doctor's failed there (a full disk?), the rank{'s' * (len(cuts) > 1)} may have "
+                "trained on" if i == cuts[-1] else ""))
+        else:
+            what = "without an end record (killed, or hung)" if how == "killed" else f"on {detail}"
+            if i == 0 and first:
+                then = groups[1][1]
+                ahead = (f" ({round((then[0][3] - group[-1][3]) / 1e6, 1):g} ms before "
+                         f"{ranks_phrase(s[4] for s in then)})"
+                         if how == then[0][1] == "raised" and then[0][3] > group[-1][3] else "")
+                clauses.append(f"{who} stopped first, {at}, {what}{ahead}")
+            else:
+                clauses.append(f"{who} stopped {at} {what}" + (", likely following from it" if first else ""))
+    return "; ".join(clauses) + "; the completed steps of every rank are used"
+
+
+def _one_line(message: str, most: int = 160) -> str:
+    """An exception's message on one line of at most ``most`` characters, without its own full stop."""
+    one = " ".join(message.split()).rstrip(". ")
+    return one if len(one) <= most else one[: most - 1] + "…"
+
+
+#: a run none of whose ranks has ended is still going while its newest record is younger than this, or than 10 of its
+#: slowest steps if longer (a rank killed, or the whole job, writes no end record)
+STALE_S = 120.0
+#: where a rank has ended normally, the others write their end records within this long (seconds)
 LIVE_WRITE_S = 5.0
 
 
-def _written_lately(run: Run) -> bool:
-    """Every rank's stream was written in the last LIVE_WRITE_S seconds (its modification time)."""
+def still_going(idle_s: float, slowest_step_ms: float, some_ended: bool = False, apart: int = 0) -> bool:
+    """Whether a run whose ranks have not all ended, none on an exception (an end record with one: the run is not
+    live), is being written: its newest record ``idle_s`` seconds old, its ranks' last steps ``apart`` steps apart
+    (more than one: a rank stopped, as FSDP's ranks meet in every step's collectives; one: a run read one stream
+    after the other while it writes, which read "rank 0 stopped first ... it died or hung", exit 3, in 1 of a
+    new-user trial's 12 analyses of a live run). The one rule of ``analyze`` and the dashboard (which said "live" for
+    two minutes after torchrun exited, rank 0's end record holding the job's error: a new-user trial)."""
+    return apart <= 1 and idle_s < (LIVE_WRITE_S if some_ended else max(STALE_S, 10 * slowest_step_ms / 1e3))
+
+
+def _still_going(run: Run) -> bool:
+    """``still_going`` of a run read now: the ranks that began (a header or a step), its streams' newest write."""
     import time
 
+    ends = [rd.end for rd in run.ranks.values() if rd.header is not None or rd.steps]
+    if not ends or all(e is not None for e in ends) or any(e is not None and e.exception for e in ends):
+        return False
     try:
-        times = [(Path(run.path) / layout.stream_name(r)).stat().st_mtime for r in run.ranks]
+        newest = max((Path(run.path) / layout.stream_name(r)).stat().st_mtime for r in run.ranks)
     except (OSError, TypeError):
         return False
-    return bool(times) and time.time() - min(times) < LIVE_WRITE_S
+    slowest = max((s.wall_ms for rd in run.ranks.values() for s in rd.steps), default=0.0)
+    lasts = [_last_step(rd) for rd in run.ranks.values() if rd.steps]
+    return still_going(time.time() - newest, slowest, any(e is not None for e in ends),
+                       max(lasts, default=0) - min(lasts, default=0))
+
+
+def _still_going_note(run: Run) -> str:
+    """The note on a run still being written: each rank's last recorded step."""
+    by: dict[int, list[int]] = {}
+    for r, rd in sorted(run.ranks.items()):
+        if rd.steps:
+            by.setdefault(_last_step(rd), []).append(r)
+    lasts = ", ".join(f"step {n} on {ranks_phrase(rs)}" for n, rs in sorted(by.items()))
+    return f"the run is still going (no rank has ended; last records: {lasts or 'no step yet'})"
 
 
 def missing_stream_ranks(run: Run) -> list[int]:
