@@ -216,3 +216,8 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
     if isinstance(v, dict):
         return ", ".join(f"{k}: {fmt_value(k, x)}" for k, x in v.items())
     return str(v)
+
+
+#: the end of the one line that tells how a run ended where not every rank finished (store.reader.run_end_line), by
+#: which presenters tell it from a file skipped: it is printed "run ended: ...", not "skipped: ..." (nothing was)
+RUN_END_TAIL = "; the completed steps of every rank are used"

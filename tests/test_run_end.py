@@ -75,6 +75,9 @@ def _once_from_the_problems(problems: list[str], text: str, js: dict) -> None:
     lines = text.replace(js["run"]["path"], "").splitlines()
     for p in problems:
         assert sum(p in ln for ln in lines) == 1, (p, text)
+        # nothing was skipped: the line says how the run ended ("skipped: rank 1 stopped first ..." read otherwise)
+        (ln,) = [ln for ln in lines if p in ln]
+        assert ln.startswith("run ended: " if "stopped" in p or "records stop" in p else "skipped: "), ln
     told = [ln for ln in lines if not any(p in ln for p in problems)]
     for words in ("did not finish", "stopped", "end record", "in the middle of a record", "mid-write", "killed"):
         assert not [ln for ln in told if words in ln], (words, text)

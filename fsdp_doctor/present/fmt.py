@@ -17,7 +17,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
                                MemorySection, Outlier, OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
 from ..trace.model import OTHER_UNIT
-from ..units import (MISSING, ROOT_LABEL, WRAPPER_SEGMENTS, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
+from ..units import (MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
                      fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
                      fmt_value, memory_peak_where, module_path, printable, ranks_phrase, unit_label)
 
@@ -32,9 +32,11 @@ def problem_text(p: str) -> str:
 
 
 def problem_line(p: str, side: str = "") -> str:
-    """One of ``report.problems`` as the CLI prints it, one line each: "skipped: ...". ``side``: compare's
-    "(A, PATH)"."""
-    return f"skipped{f' {side}' if side else ''}: {problem_text(p)}"
+    """One of ``report.problems`` as the CLI prints it, one line each: "skipped: ...", or "run ended: ..." for how a
+    run ended where not every rank finished (nothing skipped: "skipped: rank 1 stopped first, after step 69", a
+    new-user trial's first reading). ``side``: compare's "(A, PATH)"."""
+    lead = "run ended" if p.endswith(RUN_END_TAIL) else "skipped"
+    return f"{lead}{f' {side}' if side else ''}: {problem_text(p)}"
 
 
 def printable_report(report: Report) -> Report:

@@ -285,7 +285,7 @@ def render_html(report: Report | dict) -> str:
     if report.unit_rows():
         parts.append("<h2>FSDP units</h2>" + _units_table(report.unit_rows()))
     if report.problems:
-        parts.append("<h2>Skipped</h2><ul>" + "".join(f"<li>{_esc(problem_text(p))}</li>" for p in report.problems)
+        parts.append("<h2>Problems: files left out, ranks that did not finish</h2><ul>" + "".join(f"<li>{_esc(problem_text(p))}</li>" for p in report.problems)
                      + "</ul>")
     data = json.dumps(report.to_builtins(), default=str).replace("</", "<\\/")
     parts.append(f"<script type='application/json' id='fsdp-doctor-report'>{data}</script>")

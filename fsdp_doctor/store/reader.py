@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 
 from . import layout
-from ..units import ranks_phrase
+from ..units import RUN_END_TAIL, ranks_phrase
 from ..records import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -620,7 +620,7 @@ def run_end_line(run: Run, cut: dict[int, int], leave_out=frozenset()) -> str:
                 clauses.append(f"{who} stopped first, {at}, {what}{ahead}")
             else:
                 clauses.append(f"{who} stopped {at} {what}" + (", likely following from it" if first else ""))
-    return "; ".join(clauses) + "; the completed steps of every rank are used"
+    return "; ".join(clauses) + RUN_END_TAIL
 
 
 def _one_line(message: str, most: int = 160) -> str:
