@@ -609,6 +609,17 @@ def test_an_unfinished_side_and_another_world_size_are_said(sample_run_path, tmp
     assert cmp.a.unfinished == [] and cmp.b.unfinished == ["1"]
     assert ("B: rank 1 did not finish (killed, still going, or stopped on an exception): its figures are those of "
             "the steps completed") in cmp.notes
+    # the files two minutes old: no longer "still going", B's problems tell how it ended, and the note points there
+    # instead of guessing beside it
+    import os
+    import time
+
+    for f in (tmp_path / "killed").rglob("*"):
+        os.utime(f, (time.time() - 600,) * 2)
+    old = compare_runs(load_run(sample_run_path), load_run(tmp_path / "killed"))
+    assert any(p.startswith("rank 1 stopped first") for p in old.b.problems), old.b.problems
+    assert ('B: rank 1 did not finish (how: its "run ended" line): its figures are those of the steps completed'
+            in old.notes), old.notes
     (t,) = [t for t in tables(cmp) if t.title.startswith("Exposed communication")]
     assert cmp.comm_rows == 17 and len(cmp.comm) == 12, (cmp.comm_rows, len(cmp.comm))
     # rows, not units (a new-user trial read "the 12 of 14 units' rows" with 5 units); each row's Δ% of A's

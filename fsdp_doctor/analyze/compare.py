@@ -23,7 +23,7 @@ from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta
                                 OpChange, PredictionCheck, RunSide, StepDelta)
 from ..records import runs_compiled
 from ..report_sections import Finding, Report
-from ..units import ROOT_LABEL, fmt_mesh, memory_peak_where, module_path
+from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_mesh, memory_peak_where, module_path
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -686,9 +686,13 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         cmp.notes.append(f"A's step times come from {a.source}, B's from {b.source}: compare shares, not times")
     for name, side in (("A", cmp.a), ("B", cmp.b)):
         if side.unfinished:  # (a killed run's last steps, or what it was doing when killed, may be in its times)
+            # how it ended is its "run ended" line, printed with its problems: named, not guessed at ("killed, still
+            # going, or stopped on an exception" beside "rank 1 stopped first, after step 69, ...": a new-user trial)
+            told = any(p.endswith(RUN_END_TAIL) for p in side.problems)
             cmp.notes.append(f"{name}: rank{'s' * (len(side.unfinished) > 1)} {', '.join(side.unfinished)} did not "
-                             "finish (killed, still going, or stopped on an exception): its figures are those of the "
-                             "steps completed")
+                             + ("finish (how: its \"run ended\" line)" if told else
+                                "finish (killed, still going, or stopped on an exception)")
+                             + ": its figures are those of the steps completed")
     if cmp.a.world_size and cmp.b.world_size and cmp.a.world_size != cmp.b.world_size:
         cmp.notes.append(f"world size {cmp.a.world_size} in A, {cmp.b.world_size} in B: a step does not do the same "
                          "work on both sides (the job's tokens per step, its collectives' sizes); compare throughput, "
