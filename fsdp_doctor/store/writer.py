@@ -13,8 +13,9 @@ class RecordWriter:
     """Appends records to ``rank{R}.records.jsonl``.
 
     Each record is encoded to one line and handed to the OS with a single unbuffered ``write`` so that
-    a process killed at any moment leaves only whole lines behind (at worst one cut-short last line,
-    which readers skip). Nothing is held in Python buffers between steps.
+    a process killed at any moment leaves whole lines behind: a cut-short last line comes from a write the OS
+    took only part of (a full disk; a kill inside one very large write, rarely), which readers skip and name
+    (store.reader.run_end_line). Nothing is held in Python buffers between steps.
     """
 
     def __init__(self, out_dir: Path, rank: int, fresh: bool = True):
