@@ -218,6 +218,12 @@ ROWS: list[Row] = [
        knobs={"batch_size": 16}, capacity_share=0.95),
     _r("gpt_raf_tight", "gpt", "memory.near_capacity_spread", "reshard_after_forward=False, budget 5% above peak",
        knobs={"batch_size": 1, "reshard_after_forward": False, "steps": 4}, capacity_share=0.95, peak_within=0.02),
+    # accelerate's plan since 1.14 (the [norm, head] unit alone kept gathered) near capacity, as a new-user trial's
+    # Qwen2 (4 bf16 micro-batches, the peak at 89%): memory.near_capacity_spread asked to reshard that unit, the last
+    # of forward, and reshard.last_unit asked for it back; the lever is checkpointing
+    _r("hf_llama_tail_kept_near_capacity", "hf_llama", "ac.recommended",
+       "[norm, head] alone kept gathered, 4 bf16 micro-batches, the peak at 89% of capacity",
+       knobs={**BF16_REDUCE, "grad_accum": 4, "accum_no_sync": True}, capacity_share=0.89),
     _r("gpt_raf_everywhere", "gpt", "reshard.last_unit", "reshard_after_forward=True on every unit",
        knobs={"reshard_after_forward": True}, min_severity="info"),
     _r("hf_llama_raf_everywhere", "hf_llama", "reshard.last_unit", "reshard_after_forward=True on every unit",
@@ -802,30 +808,50 @@ MAY_CHANGE = {"reshard.": {"reshard_after_forward"}, "memory.near_capacity_sprea
               "wrap.mixed_dtype_unit": _MP, "optim.state_dominates": _MP, "comm.bound": _MP}
 
 
+def about(code: str) -> set[str]:
+    """The unit options a finding's fix is about (MAY_CHANGE)."""
+    return set().union(*(v for k, v in MAY_CHANGE.items() if code.startswith(k)))
+
+
+def _switched(o: Outcome) -> list[tuple[str, str, object, object]]:
+    """(unit, option, before, after) for each of KEPT_OPTIONS the fix changed on the units its before-run and rerun
+    share (by name; the root aside)."""
+    if o.report is None or o.after is None or o.finding is None:
+        return []
+    before = {u.name: u for u in o.report.units or [] if not u.is_root}
+    return [(u.name, k, getattr(before[u.name], k, None), getattr(u, k, None))
+            for u in o.after.units or [] if u.name in before for k in KEPT_OPTIONS
+            if getattr(before[u.name], k, None) != getattr(u, k, None)]
+
+
 def changed_options(o: Outcome) -> list[str]:
     """The options a fix changed, that its finding is not about, on the units its before-run and rerun share
     (by name; the root aside): ``unit: option before -> after``; and the optimizer's parameter groups (their sizes
     and hyper-parameters)."""
     if o.report is None or o.after is None or o.finding is None:
         return []
-    allowed = set().union(*(v for k, v in MAY_CHANGE.items() if o.finding.code.startswith(k)))
-    before = {u.name: u for u in o.report.units or [] if not u.is_root}
-    out = []
-    for u in o.after.units or []:
-        b = before.get(u.name)
-        for k in (KEPT_OPTIONS if b is not None else ()):
-            if k not in allowed and getattr(b, k, None) != getattr(u, k, None):
-                out.append(f"{u.name}: {k} {getattr(b, k, None)!r} -> {getattr(u, k, None)!r}")
+    allowed = about(o.finding.code)
+    out = [f"{name}: {k} {b!r} -> {a!r}" for name, k, b, a in _switched(o) if k not in allowed]
     groups = [[(g.params, g.options) for g in (rep.run.optimizer_groups or [])] for rep in (o.report, o.after)]
     if groups[0] != groups[1] and "optimizer" not in allowed:  # a fix keeps the user's optimizer groups too
         out.append(f"optimizer groups {groups[0]} -> {groups[1]}")
     return out
 
 
+def undone(o: Outcome) -> list[str]:
+    """Findings of the rerun that ask to change again what the fix changed: a finding about an option (MAY_CHANGE)
+    the fix switched, naming a unit it switched it on. Two rules that send the user back and forth (a new-user
+    trial: memory.near_capacity_spread resharded the last unit of forward, reshard.last_unit asked for it back)."""
+    rerun = o.after.findings if o.after is not None else []
+    return [f"{h.code} asks for {name}'s {k} again (the fix: {b!r} -> {a!r})" for name, k, b, a in _switched(o)
+            for h in rerun if k in about(h.code) and name in (h.units or [])]
+
+
 def problems(o: Outcome) -> list[str]:
     """What a row's runs show wrong, as tests/test_scenario_matrix.py checks a row (empty: it passes): it ran, its
-    finding found at its severity (a tuned baseline: no warning), its fix rerun without a new warning, the finding
-    gone or its figure improved (a GPU gain: half the predicted step time saved), the peak as predicted."""
+    finding found at its severity (a tuned baseline: no warning), its fix rerun without a new warning nor a finding
+    that asks to undo it, the finding gone or its figure improved (a GPU gain: half the predicted step time saved),
+    the peak as predicted."""
     r = o.row
     if o.error:
         return ["did not run: " + o.error.splitlines()[0]]
@@ -846,6 +872,8 @@ def problems(o: Outcome) -> list[str]:
     changed = changed_options(o)
     if changed:
         out.append(f"the fix changed options it is not about: {'; '.join(changed)}")
+    if back := undone(o):
+        out.append(f"the rerun asks to undo the fix: {'; '.join(back)}")
     if r.gpu_gain:
         if rc["gain_ok"] is False:
             out.append(f"step {rc['step_ms_before']:.1f} -> {rc['step_ms_measured']:.1f} ms, predicted "

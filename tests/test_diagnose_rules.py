@@ -2601,6 +2601,49 @@ def test_near_capacity_spread_quiet_where_resharding_frees_nothing_at_the_peak()
     assert st.status == "quiet" and " frees 0 B at the peak (its step's timeline), under 1% of it" in st.reason, st
 
 
+def test_near_capacity_spread_never_reshards_the_last_unit_of_forward():
+    """A new-user trial (accelerate's FSDP2 plugin on a tiny Qwen2: its embeddings and layers resharded, its tail
+    unit [norm, lm_head] kept gathered, the peak 89% of capacity, no category 40% of it): memory.near_capacity_spread
+    asked to reshard the only unit kept gathered, the last of forward (2.68 -> 2.61 MiB); applied, reshard.last_unit
+    asked to keep it gathered (2.61 -> 2.68 MiB), which brought the first back. The last unit of forward is never
+    near_capacity_spread's to flip: kept gathered alone, the rule is quiet and says why; beside a block kept gathered,
+    it flips the block. On the units as each rule's fix leaves them, the other rule does not ask to undo it."""
+    def units(kept=(), resharded=()):  # the tail's backward wait 6% of the step, as the trial's
+        us = healthy_units()
+        for u, t in us:
+            if u["name"] == "norm, lm_head":
+                t["ag_wait_bwd_ms"] = 7.0
+            if u["name"] in kept or u["name"] in resharded:
+                u["reshard_after_forward"] = u["name"] not in kept
+        return us
+
+    cap = int(10 * MiB / 0.89)  # (the tail's 257 KiB gathered, 2.5% of the peak, as the trial's 64 KiB of 2.68 MiB)
+    mem = memory(10 * MiB, capacity=cap, sharded_params=int(1.5 * MiB), unsharded_params=263_168,
+                 unsharded_grads=int(1.5 * MiB), optimizer_state=int(2.5 * MiB), activations=3 * MiB,
+                 temporaries=int(1.25 * MiB))
+    ctx = build(units=units(), memory=mem, capacity=cap)[0]
+    st = run_status("memory.near_capacity_spread", ctx)
+    assert st.status == "quiet" and "'norm, lm_head', the last unit of forward" in st.reason, st
+    (f,) = run_rule("memory.near_capacity_spread", build(units=units(kept=["layers.3"]), memory=mem, capacity=cap)[0])
+    assert f.units == ["layers.3"], f.units
+    # each rule's fix applied to the units it names, the other rule on the result: none asks to undo it
+    sets = {"memory.near_capacity_spread": True, "reshard.last_unit": False}
+    other = {"memory.near_capacity_spread": "reshard.last_unit", "reshard.last_unit": "memory.near_capacity_spread"}
+    cases = [(code, kw) for code in sets for kw in ({}, {"kept": ["layers.3"]}, {"resharded": ["norm, lm_head"]})]
+    fired = []
+    for code, kw in cases:
+        for g in run_rule(code, build(units=units(**kw), memory=mem, capacity=cap)[0]):
+            fired.append((code, kw))
+            after = units(**{"kept": [n for n in kw.get("kept", []) if n not in g.units]
+                                     + ([] if sets[code] else g.units),
+                             "resharded": [n for n in kw.get("resharded", []) if n not in g.units]
+                                          + (g.units if sets[code] else [])})
+            back = [h.units for h in run_rule(other[code], build(units=after, memory=mem, capacity=cap)[0])]
+            assert not [n for us in back for n in us if n in g.units], (code, kw, g.units, other[code], back)
+    assert ("memory.near_capacity_spread", {"kept": ["layers.3"]}) in fired and \
+        ("reshard.last_unit", {"resharded": ["norm, lm_head"]}) in fired, fired
+
+
 def test_over_capacity_spread_over_categories_is_a_finding():
     """A new-user trial's peak at 104% of its budget, optimizer state 39% (under the 40% optim.state_dominates fires
     from), no unit kept gathered: no memory finding at all. Over capacity, where no earlier finding's fix brings the
@@ -2625,11 +2668,12 @@ def test_over_capacity_spread_over_categories_is_a_finding():
                            predicted=Predicted(peak_bytes_before=104 * MiB, peak_bytes_after=80 * MiB))]
     rule = next(c for c in RULES if c.code == "memory.near_capacity_spread")()
     assert rule.match(ctx) == [] and "optim.state_dominates's fix brings it under" in rule.why_quiet
-    # under capacity, the unit kept gathered holding nothing at the peak: quiet as before
+    # under capacity, the one unit kept gathered the last of forward (never the rule's to reshard): quiet as before
     ctx = build(units=us, memory=memory(95 * MiB, capacity=cap, sharded_params=35 * MiB, optimizer_state=35 * MiB,
                                         activations=25 * MiB), capacity=cap)[0]
     ctx.earlier = []
-    assert rule.match(ctx) == [] and rule.why_quiet.startswith("resharding 1 unit(s) kept gathered"), rule.why_quiet
+    assert rule.match(ctx) == [] and rule.why_quiet.startswith(
+        "the one unit kept gathered after forward is 'norm, lm_head', the last unit of forward"), rule.why_quiet
 
 
 def test_reduce_dtype_unset_reads_unset_or_the_same():

@@ -75,6 +75,48 @@ def test_no_params_in_root_warning_without_an_all_gather(matrix):
         assert status[code].status == "skipped" and "2x1 HSDP mesh" in status[code].reason, status[code]
 
 
+# rows whose fixes switch reshard_after_forward (the planted ones' and any other finding's in their before-runs), and
+# accelerate's plan near capacity where memory.near_capacity_spread and reshard.last_unit sent a new-user trial back
+# and forth
+RESHARD_ROWS = ("hf_llama_tail_kept_near_capacity", "gpt_raf_tight", "gpt_raf_everywhere", "hf_llama_raf_everywhere",
+                "hf_llama_zero2_ample")
+
+
+@pytest.mark.rows(*RESHARD_ROWS)
+def test_no_rule_asks_to_undo_a_reshard_fix(matrix, tmp_path):
+    """Every fix that switches a unit's reshard_after_forward in these rows' before-runs (the planted finding's,
+    rerun by the matrix, and every other such finding's, rerun here), applied to the real model and rerun: no
+    finding of the rerun asks for that unit's setting back. A new-user trial (accelerate's FSDP2 plugin, its tail
+    unit [norm, lm_head] alone kept gathered, the peak at 89% of capacity): memory.near_capacity_spread resharded
+    that unit, the last of forward, and on the rerun reshard.last_unit asked to keep it gathered, which brought the
+    first back. There the last unit of forward is not near_capacity_spread's to flip: it is quiet and says why."""
+    import dataclasses
+
+    import scenario_matrix as M
+
+    applied, extra = [], {}
+    for name in RESHARD_ROWS:
+        o = matrix[name]
+        assert not o.error, o.error
+        if o.after is not None:
+            applied.append(o)
+        others = [f for f in o.findings if f is not o.finding and f.recommendation.code
+                  and "reshard_after_forward" in M.about(f.code)]
+        extra[name] = [dataclasses.replace(o, finding=f, fix=M.fix_of(f), after=None, after_error="") for f in others]
+    for i in range(max(map(len, extra.values()), default=0)):  # one rerun per row and launch: a folder each
+        batch = [fixes[i] for fixes in extra.values() if len(fixes) > i]
+        M._after(batch, tmp_path, "cpu", f"_other{i}")
+        applied += batch
+    for o in applied:
+        assert not o.after_error, (o.row.name, o.finding.code, o.after_error)
+        assert not M.undone(o), (o.row.name, o.finding.code, M.undone(o), o.fix["code"])
+    assert {o.finding.code for o in applied} >= {"memory.near_capacity_spread", "reshard.last_unit"}, \
+        [(o.row.name, o.finding.code) for o in applied]
+    st = next(s for s in matrix["hf_llama_tail_kept_near_capacity"].report.rules
+              if s.code == "memory.near_capacity_spread")
+    assert st.status == "quiet" and "'model.norm, lm_head', the last unit of forward" in st.reason, st
+
+
 @pytest.mark.rows("hf_llama_ac_ample")
 def test_hf_gradient_checkpointing_is_not_wrong_granularity(matrix):
     """HF's gradient_checkpointing_enable() checkpoints each whole decoder layer, the unit itself."""

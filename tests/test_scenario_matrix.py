@@ -72,6 +72,7 @@ def test_fix_applied_and_rechecked(matrix, row):
     rc = o.recheck()
     assert not rc["new_warnings"], (rc, o.fix["code"])
     assert not M.changed_options(o), (M.changed_options(o), o.fix["code"])  # the user's other options kept
+    assert not M.undone(o), (M.undone(o), o.fix["code"])  # no rule asks for what the fix changed back
     if o.row.gpu_gain:  # its gain is overlap a GPU has (the rule predicts none on gloo): rechecked there
         return
     assert rc["gone"] or rc["improved"], (rc, o.fix["code"])

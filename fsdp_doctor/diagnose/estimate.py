@@ -776,11 +776,13 @@ def kept_gathered(u: Unit) -> bool:
     return u.reshard_after_forward in (False, 0)
 
 
-def resharded_last_unit(ctx: Context):
-    """The last unit of forward when it is resharded after forward only to be gathered again at once for
-    backward (the root has no parameters to compute in between), else None. A root with parameters computes last
-    in forward and first in backward: it is that unit where it was given reshard_after_forward=True (FSDP's default
-    keeps a root gathered; torch honours the explicit setting, and the records say which)."""
+def last_forward_unit(ctx: Context):
+    """The unit that computes last in forward and first in backward, whose backward all-gather, resharded after
+    forward, has nothing to overlap (reshard.last_unit's; memory.near_capacity_spread never reshards it): a root with
+    parameters resharded after forward (FSDP's default keeps a root gathered; torch honours the explicit setting, and
+    the records say which); a grouped unit whose modules run first and last in forward (a tied [embedding, head]
+    unit); else the last unit that ran, where the root holds no parameters to compute after it. None where a root
+    with parameters (kept gathered) may compute between that unit's forward and its backward."""
     allu = param_units(ctx)
     # (not a unit no step ran: a trial's never-routed last expert read as "the last unit ... in forward")
     us = [u for u in non_root(allu) if u.name not in S.never_ran(ctx)]
@@ -798,14 +800,18 @@ def resharded_last_unit(ctx: Context):
     starts = [r.get("unit") for r in tl if r.get("phase") == "backward_start" and r.get("unit") not in (None, "")]
     if ends and starts and ends[-1] == starts[0] and ends.count(ends[-1]) > 1:
         last = next((u for u in us if u.name == ends[-1]), None)
-        if last is not None and len(last.modules) > 1 and not kept_gathered(last):
+        if last is not None and len(last.modules) > 1:
             return last
     if not us or rts:
         return None  # a root with parameters computes between the last unit's forward and its backward
-    last = us[-1]  # module order = forward order for sequential models
-    if kept_gathered(last):
-        return None
-    return last
+    return us[-1]  # module order = forward order for sequential models
+
+
+def resharded_last_unit(ctx: Context):
+    """The last unit of forward (``last_forward_unit``) when it is resharded after forward only to be gathered
+    again at once for backward, else None."""
+    last = last_forward_unit(ctx)
+    return None if last is None or kept_gathered(last) else last
 
 
 # ---------------------------------------------------------------------------------------------- ZeRO-2 per unit

@@ -1468,9 +1468,15 @@ def reshard_in_calls_words(names: Iterable[str], value: bool) -> str:
 RESHARD_IN_CALLS = "# or pass reshard_after_forward=False to their fully_shard calls"
 RESHARD_IN_CALL = "(or pass reshard_after_forward=False to its fully_shard call)"
 #: what they say where accelerate's FSDP2 plugin made the fully_shard calls (a Trainer's or the user's prepare(): "their
-#: fully_shard calls" read in a Trainer callback, a new-user trial), and where torchtitan's parallelize function did
-PLUGIN_CALLS = ((RESHARD_IN_CALLS, "# (accelerate's plugin's reshard_after_forward is every unit's: all or none)"),
-                (RESHARD_IN_CALL, "(accelerate's plugin's reshard_after_forward is every unit's)"))
+#: fully_shard calls" read in a Trainer callback, a new-user trial), and where torchtitan's parallelize function did.
+#: The plugin's reshard_after_forward went to every fully_shard call before accelerate 1.14; from 1.14 on (its
+#: fsdp2_prepare_model) to the layers its wrap policy shards and the input embedding only: its tail unit, the final
+#: norm and output head, is sharded with reshard_after_forward=False and the root with torch's default (kept
+#: gathered). ("is every unit's" misled a new-user trial whose tail unit accelerate kept gathered by itself)
+_PLUGIN_TAIL = ("every unit's before 1.14; from 1.14 on it keeps the root and the [final norm, output head] unit "
+                "gathered")
+PLUGIN_CALLS = ((RESHARD_IN_CALLS, f"# (accelerate's plugin's reshard_after_forward is all or none: {_PLUGIN_TAIL})"),
+                (RESHARD_IN_CALL, f"(accelerate's plugin's reshard_after_forward is {_PLUGIN_TAIL})"))
 TITAN_CALLS = ((RESHARD_IN_CALLS, "# (torchtitan's --parallelism.fsdp-reshard-after-forward is every unit's)"),
                (RESHARD_IN_CALL, "(torchtitan's --parallelism.fsdp-reshard-after-forward is every unit's)"))
 

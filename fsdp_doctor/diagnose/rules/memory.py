@@ -285,9 +285,17 @@ class NearCapacitySpread(Rule):
             if share >= 1.0:
                 return self._over_capacity(ctx, peak, cap, bd)
             return self.quiet("no unit is kept unsharded after forward: no reshard lever")
-        # keep the last unit of forward gathered (its backward starts at once; reshard.last_unit's advice)
-        last = E.non_root(E.param_units(ctx))[-1]
-        flip = [u for u in kept if u.name != last.name] or kept
+        # the last unit of forward stays gathered: FSDP2's backward gathers it at once, with nothing to overlap
+        # (reshard.last_unit's advice; resharding it, a new-user trial's only unit kept gathered, made that rule ask
+        # for it back, and the peak with it)
+        last = E.last_forward_unit(ctx)
+        flip = [u for u in kept if last is None or u.name != last.name]
+        if not flip:
+            if share >= 1.0:
+                return self._over_capacity(ctx, peak, cap, bd)
+            return self.quiet(f"the one unit kept gathered after forward is {last.name!r}, the last unit of forward, "
+                              "whose backward gathers it again at once with nothing to overlap (reshard.last_unit "
+                              "keeps it gathered): no reshard lever")
         after = _peak_resharded(pm, flip)
         freed = peak - after
         if freed < SPREAD_MIN_FREED_SHARE * peak:  # (a selective checkpoint's recompute set the peak, in
