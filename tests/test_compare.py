@@ -570,6 +570,11 @@ def test_mixed_precision_and_offload_turned_on_are_configuration_changes():
     assert got == {"offload": ("none", "cpu")}, got
     unread = side(reshard_after_forward=None)  # groups this torch did not let the snapshot read: unknown
     assert C.config_diff(unread, side(param_dtype="bfloat16", offload="cpu")) == []
+    # selective checkpointing to full (ac.selective_to_full's fix, torchtitan's --activation-checkpoint.mode full):
+    # the snapshots differ only in checkpoint_selective, which read "no configuration change found" (a new-user trial)
+    got = {c.key: (c.a, c.b) for c in C.config_diff(side(checkpoint="unit", checkpoint_selective=True),
+                                                     side(checkpoint="unit"))}
+    assert got == {"checkpoint": ("unit (selective)", "unit")}, got
 
 
 def test_a_finding_the_other_side_cannot_check_is_not_called_resolved(sample_run_path):

@@ -211,6 +211,10 @@ def test_doctor_arguments_split_from_torchtitans():
         TT.split_args(["--doctor.capacity-bytes", "lots"])
     with pytest.raises(TT.TitanArgError, match=r"--doctor\.profile takes true, false or a schedule \(first=N,"):
         TT.split_args(["--doctor.profile", "start=3"])
+    # a value the options refuse (a ValueError of WatchOptions, not a parse error): one line, before torchtitan starts
+    # (--doctor.tokens-per-step -3 ended in a traceback: a new-user trial)
+    with pytest.raises(SystemExit, match=r"^fsdp_doctor\.watch: tokens_per_step must be a positive number, got -3$"):
+        TT.main(["--doctor.tokens-per-step", "-3"])
     help_text = TT.help_text()
     for name in (f.name for f in dataclasses.fields(WatchOptions)):
         assert f"--doctor.{name.replace('_', '-')} " in help_text, name

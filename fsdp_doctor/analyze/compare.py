@@ -264,6 +264,10 @@ def _setting(u, key: str):
     if key == "trainable":
         return _trainable_share(u.trainable_unsharded_bytes, u.unsharded_bytes)
     v = getattr(u, key)
+    if key == "checkpoint" and v not in (None, "none") and getattr(u, "checkpoint_selective", False):
+        # (selective to full read "no configuration change found", ac.selective_to_full's fix unmatched: the
+        # snapshots differed only there, a new-user trial on torchtitan)
+        return f"{v} (selective)"
     if key in ("forward_prefetch", "backward_prefetch") and v:  # the units it prefetches, by module path too
         return [module_path(n) for n in v]
     if v is not None or getattr(u, "reshard_after_forward", None) is None:

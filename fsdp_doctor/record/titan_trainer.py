@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         options, rest = split_args(argv)
         WatchOptions.from_kwargs({"out_dir": ".", **options})  # (an option it refuses: before torchtitan starts)
-    except (TitanArgError, TypeError) as e:
+    except (TitanArgError, TypeError, ValueError) as e:  # (ValueError: "--doctor.tokens-per-step -3" printed a
+        # traceback where the other refused values print one line, a new-user trial)
         sys.exit(str(e))
     if "-h" in rest or "--help" in rest:  # the doctor's options first; torchtitan's help follows
         print(help_text(), flush=True)
