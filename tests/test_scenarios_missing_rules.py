@@ -50,6 +50,10 @@ def test_grad_accumulation_without_no_sync(matrix):
     assert ev["reducescatters_per_unit_per_step"] == 4 and ev["micro_batches_per_step"] == 4
     assert ev["units"] == 6  # tok_emb+pos_emb, 4 blocks, norm+lm_head (the root holds no parameters)
     assert ev["saved_ms_per_step"] == pytest.approx(0.75 * ev["reducescatter_exposed_ms_per_step"], rel=1e-3)
+    # the profiled step's saving, scaled to the median step, is the prediction's
+    assert ev["saved_ms_per_median_step"] == pytest.approx(-f.predicted.step_ms_delta, abs=2e-3)
+    assert ev["saved_ms_per_median_step"] == pytest.approx(
+        ev["saved_ms_per_step"] * f.predicted.step_ms_before / ev["profiled_step_ms"], rel=1e-3)
     rec = f.recommendation
     assert "model.set_requires_gradient_sync(is_last_micro_batch)" in rec.code and "(4 per optimizer step" in rec.code
     assert rec.where == "loop" and list(rec.inputs) == ["is_last_micro_batch"]
