@@ -82,11 +82,15 @@ class FindingRef(_S):
     code: str
     severity: str
     title: str
-    why: str = ""  # unchecked: why B's report could not check it (its rule's reason)
+    why: str = ""  # unchecked: why B's report could not check it (its rule's reason); below_threshold: that it fell
+    # below its threshold, no change of its fix found
 
 
 class FindingsDiff(_S):
     resolved: list[FindingRef] = []  # in A, not in B, whose rule B's report checked
+    # in A, not in B, whose rule B's report checked, where every setting its fix changes was read on both sides and
+    # none changed (nor --applied names it): it fell below its threshold in B, no fix made
+    below_threshold: list[FindingRef] = []
     unchecked: list[FindingRef] = []  # in A; B's report could not check its rule (skipped: an input it needs)
     new: list[FindingRef] = []  # in B, not in A
     persisting: list[FindingRef] = []  # in both (B's wording)

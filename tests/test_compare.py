@@ -21,7 +21,7 @@ from fsdp_doctor.analyze import compare as C
 from fsdp_doctor.cli import main
 from fsdp_doctor.compare_sections import Comparison
 from fsdp_doctor.pipeline import build_report, compare_runs, compare_side
-from trace_fixtures import gpu_known_trace
+from trace_fixtures import ProfileWindow, gloo_gather_trace, gpu_known_trace
 
 
 @pytest.fixture(scope="module")
@@ -1183,3 +1183,126 @@ def test_units_inside_checkpoint_wrappers_are_matched_by_their_module_path(check
     assert {u for u, _, _ in rows} == {u.name or "(root)" for u in a.report.units}, rows
     (config,) = [t for t in tables(cmp) if t.title == "Configuration changed"]
     assert config.rows == [("checkpoint", "layers.0, layers.1, layers.2", "none", "unit")], config.rows
+
+
+# ------------------------------------------------------------------ what plain traces show of a setting changed
+def _gather_folder(root, name, **kw):
+    """A folder of one known-answer gloo trace (trace_fixtures.gloo_gather_trace: units "0" and "1", 2 steps)."""
+    gloo_gather_trace(**kw).write(root / name / "rank0.5.pt.trace.json.gz")
+    return root / name
+
+
+def test_plain_traces_show_the_allgathers_dtype_size_and_blocking(tmp_path):
+    """A new-user trial's plain gloo traces: bf16 parameters (every all-gather 774.50 -> 387.25 KiB, c10::BFloat16 in
+    the c10d ops' args) and async unshard (the host blocked in 72 of 72 all-gathers, then in 6) both read "no
+    configuration change found", the step's change the host's. Known answers: what a plain trace carries of them is a
+    change: the all-gathers' dtype per unit, their size where the dtype is the same, the all-gathers the host sat in
+    (sync unshard against async: prefetch.sync_unshard's fix, its prediction checked)."""
+    from rich.console import Console
+
+    from fsdp_doctor.present.compare import render_comparison
+
+    base = _gather_folder(tmp_path, "base", sync=False, prefetch=False, dtype="float")
+    mp = _gather_folder(tmp_path, "mp", sync=False, prefetch=False, dtype="c10::BFloat16")
+    sync = _gather_folder(tmp_path, "sync", sync=True, prefetch=False, dtype="float")
+    big = _gather_folder(tmp_path, "big", sync=False, prefetch=False, dtype="float", gathered=2 * 198272)
+
+    def changes(a, b):
+        cmp = compare_runs(load_run(a), load_run(b))
+        return cmp, [(c.key, c.a, c.b, c.units) for c in cmp.config]
+
+    assert changes(base, base)[1] == []
+    cmp, got = changes(base, mp)
+    assert got == [("allgather_dtype", "float32", "bfloat16", ["0", "1"])]  # (its bytes halved: said by the dtype)
+    assert not cmp.summary.startswith("no configuration change found"), cmp.summary
+    con = Console(width=100, record=True, color_system=None, file=open(os.devnull, "w"))
+    render_comparison(cmp, con)
+    out = con.export_text()
+    assert any(ln.split() == ["allgather_dtype", "0,", "1", "float32", "bfloat16"] for ln in out.splitlines()), out
+    assert max(len(ln) for ln in out.splitlines()) <= 100
+    assert changes(base, big)[1] == [("allgather_bytes", "774.50 KiB", "1.51 MiB", ["0", "1"])]
+    cmp, got = changes(sync, base)
+    assert got == [("allgathers_blocking_host", "4 of 4", "0 of 4", [])]
+    assert [(p.code, p.recognised_by) for p in cmp.predictions] == [
+        ("prefetch.sync_unshard", "config diff: allgathers_blocking_host")]
+    assert "prefetch.sync_unshard" in {f.code for f in cmp.findings.resolved}
+    assert not cmp.summary.startswith("no configuration change found"), cmp.summary
+
+
+def test_a_finding_under_its_threshold_with_no_change_of_its_fix_is_not_called_resolved(prefetch_pair):
+    """A new-user trial's bf16 run listed prefetch.exposed_allgather "resolved" where no prefetch had changed: its
+    exposure fell under its threshold. A finding gone in B whose fix's settings were read on both sides and none
+    changed is "not resolved": below its threshold in B, no change of its fix found; "resolved" where one was, or
+    where --applied names it, or where compare cannot read its fix's setting (a plain trace's
+    reshard_after_forward)."""
+    from fsdp_doctor.present.compare import tables
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    off, on = prefetch_pair
+    code = "prefetch.exposed_allgather"
+
+    def pair(b_path):
+        a, b = compare_side(load_run(off)), compare_side(load_run(b_path))
+        a.report.findings.append(Finding(code="reshard.after_forward", severity="warning", title="reshard",
+                                         evidence={}, recommendation=Recommendation(text="")))
+        b.report.findings = [f for f in b.report.findings if f.code != code]
+        return a, b
+
+    cmp = C.compare(*pair(off))
+    assert [f.code for f in cmp.findings.below_threshold] == [code]
+    assert cmp.findings.below_threshold[0].why == "below its threshold in B; no change of its fix found"
+    assert {f.code for f in cmp.findings.resolved} == {"reshard.after_forward"}  # (not read from plain traces)
+    (t,) = [t for t in tables(cmp) if t.title == "Findings"]
+    (row,) = [r for r in t.rows if r[1] == code]
+    assert row[0] == "not resolved" and row[3].endswith("(below its threshold in B; no change of its fix found)"), row
+    assert code in {f.code for f in C.compare(*pair(off), applied=[code]).findings.resolved}
+    cmp = C.compare(*pair(on))  # forward prefetch set: its fix
+    assert code in {f.code for f in cmp.findings.resolved} and not cmp.findings.below_threshold
+
+
+@pytest.fixture(scope="module")
+def plain_gloo_trio(tmp_path_factory):
+    """Three real 2-rank gloo runs of the reference workload profiled with plain torch.profiler (record_shapes=True,
+    no doctor records): ``base`` (async unshard), ``mp`` (bf16 parameters, gradients reduced in float32, as the
+    trial's), ``sync`` (no async unshard)."""
+    workloads = pytest.importorskip("fsdp_doctor.workloads")
+    root = tmp_path_factory.mktemp("plain_trio")
+    for name, knobs in (("base", {}), ("mp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
+                        ("sync", {"async_unshard": False})):
+        (root / name).mkdir()
+        hook = ProfileWindow(root / name, warmup=1, active=3, record_shapes=True)
+        # (d_model 256: with 128, gloo finished 18-22 of async unshard's 28 all-gathers before the host's call
+        # returned on a loaded host, near the synchronous unshard's share)
+        cfg = workloads.WorkloadConfig(**{"steps": hook.steps_needed(), "async_unshard": True, "d_model": 256,
+                                          "n_layers": 2, "seq_len": 64, **knobs})
+        workloads.launch(cfg, nproc=2, on_step=hook, timeout_s=300)
+    return root
+
+
+@pytest.mark.slow
+def test_real_plain_traces_show_bf16_allgathers_and_async_unshard(plain_gloo_trio):
+    """The trial's two pairs, from real runs: bf16 parameters halve every all-gather (the reduce-scatters stay
+    float32) and read as the all-gathers' dtype changed on every unit; the synchronous unshard against async, as the
+    all-gathers the host sat in going from (nearly) all to few, prefetch.sync_unshard's fix."""
+    base, mp, sync = (plain_gloo_trio / n for n in ("base", "mp", "sync"))
+    ra, rb = build_report(load_run(base)), build_report(load_run(mp))
+
+    def sizes(rep, coll):
+        return {(r.rank, r.unit, r.phase): r.bytes_per_call for r in rep.overlap.per_unit if r.collective == coll}
+
+    ag_a, ag_b = sizes(ra, "all_gather"), sizes(rb, "all_gather")
+    assert ag_a and set(ag_a) == set(ag_b) and all(ag_b[k] == ag_a[k] / 2 for k in ag_a), (ag_a, ag_b)
+    assert sizes(ra, "reduce_scatter") == sizes(rb, "reduce_scatter")
+    cmp = compare_runs(load_run(base), load_run(mp))
+    units = sorted({C._path(r.unit) for r in ra.overlap.per_unit if r.collective == "all_gather"})
+    assert [(c.key, c.a, c.b, c.units) for c in cmp.config] == [("allgather_dtype", "float32", "bfloat16", units)]
+    assert not cmp.summary.startswith("no configuration change found"), cmp.summary
+    cmp = compare_runs(load_run(sync), load_run(base))
+    (c,) = cmp.config
+    (blocked_a, total_a), (blocked_b, total_b) = (map(int, v.split(" of ")) for v in (c.a, c.b))
+    assert c.key == "allgathers_blocking_host" and blocked_a >= 0.9 * total_a > blocked_b and total_a == total_b, c
+    # (the rule's share: prefetch.sync_unshard raised in A, not in B, its fix recognised)
+    assert "prefetch.sync_unshard" in {f.code for f in cmp.findings.resolved}
+    assert ("prefetch.sync_unshard", "config diff: allgathers_blocking_host") in {
+        (p.code, p.recognised_by) for p in cmp.predictions}
+    assert not cmp.summary.startswith("no configuration change found"), cmp.summary

@@ -239,15 +239,19 @@ def gloo_known_trace(rank=0, steps=(5, 6), tp_wait=False) -> TraceBuilder:
     return b
 
 
-def gloo_gather_trace(sync: bool, prefetch: bool, steps=(5, 6)) -> TraceBuilder:
+def gloo_gather_trace(sync: bool, prefetch: bool, steps=(5, 6), dtype: Optional[str] = None,
+                      gathered: int = 198272) -> TraceBuilder:
     """A gloo forward of units "0" and "1", each all-gathered for 1000 µs with no compute under it, then computing
     1000 µs (steps 10,000 µs apart, 9,000 long; the last cut). ``sync``: the host sits in each all-gather (its
     ``FSDP::all_gather`` label and c10d op hold it to the end, the synchronous unshard), else it issues it and goes on
     (the label and op end 80 µs in, the copy-out comes after it: async unshard). ``prefetch``: unit "1"'s all-gather is
     issued under ``FSDP::forward_prefetch for 1`` (explicit forward prefetch), else under its own pre-forward. The
     same times either way: per step 2000 µs of exposed all-gather (20% of 10,000), 2 all-gathers, both blocking the
-    host where ``sync``."""
+    host where ``sync``. ``dtype``: the c10d ops carry record_shapes args (``record_shapes=True``), each all-gather
+    ``gathered`` elements of ``dtype`` as the trace names it ("float", "c10::BFloat16": 774.50 KiB and 387.25 KiB at
+    the default size, a new-user trial's blocks), from a shard of half as many; without it, no args."""
     b = TraceBuilder(rank=0)
+    shapes = {} if dtype is None else {"Input Dims": [[gathered], [gathered // 2]], "Input type": [dtype, dtype]}
     b.pid = b.main_tid = 100
     for i, n in enumerate(list(steps) + [steps[-1] + 1]):
         T = 10000.0 * i
@@ -257,7 +261,7 @@ def gloo_gather_trace(sync: bool, prefetch: bool, steps=(5, 6)) -> TraceBuilder:
             b.label(f"FSDP::forward_prefetch for {unit}" if (prefetch and unit == "1") else
                     f"FSDP::pre_forward ({unit})", t - 5, 1090 if sync else 100)
             b.label(f"FSDP::all_gather ({unit})", t, 1080 if sync else 90)
-            b.op("c10d::_allgather_base_", t + 10, 1070 if sync else 80)
+            b.op("c10d::_allgather_base_", t + 10, 1070 if sync else 80, **shapes)
             b.gloo("all_gather", t + 40, 1000)
             if not sync:
                 b.label(f"FSDP::all_gather_copy_out ({unit})", t + 1045, 40)
@@ -275,7 +279,7 @@ class ProfileWindow:
         self.warmup = warmup
         self.active = active
         self.profile_memory = profile_memory  # [memory] instant events (Total Allocated, Bytes)
-        self.record_shapes = record_shapes  # the collectives' input dims: gloo's message sizes
+        self.record_shapes = record_shapes  # operators' input dims and types (the collectives' sizes and dtypes)
         self._prof = None
 
     def __call__(self, step, model=None, optimizer=None, loss=None):

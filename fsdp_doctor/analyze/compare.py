@@ -23,7 +23,9 @@ from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta
                                 OpChange, PredictionCheck, RunSide, StepDelta)
 from ..records import runs_compiled
 from ..report_sections import Finding, Report
-from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_mesh, memory_peak_where, module_path
+from ..trace.analysis import BLOCKED_AG_SHARE, blocked_allgathers
+from ..trace.collectives import dtype_name
+from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_bytes, fmt_mesh, memory_peak_where, module_path
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -90,6 +92,20 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
 FIX_WAY: dict[str, int] = {"ac.unneeded": -1, "ac.fewer_units": -1, "ac.recommended": 1}
 UNIT_KEYS = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "unshard_async_op",
              "unshard_in_backward", "checkpoint", "offload", "param_dtype", "reduce_dtype", "compiled", "trainable")
+# What a plain trace carries of the settings, compared between two plain-trace sides only (records give the settings
+# themselves): per unit, its all-gathers' dtype (the collectives' args) and, where the dtypes are the same or not
+# given, their size per call; for the job, the all-gathers the host sat in (gloo's synchronous unshard). bf16
+# parameters (every all-gather 774.50 -> 387.25 KiB) and async unshard (72 of 72 all-gathers blocking the host, then
+# 6) read "no configuration change found", the step's change the host's (a new-user trial).
+TRACE_UNIT_KEYS = ("allgather_dtype", "allgather_bytes")
+# ... the setting each shows (a fix recognised by it, FIX_KEYS; a finding gone with none of its fix's settings changed).
+# The host's blocking is a change where one side's is the synchronous unshard's and the other's not, as
+# prefetch.sync_unshard reads them (BLOCKED_AG_SHARE of the all-gathers or more): the synchronous unshard blocks in
+# every one (28 of 28 in each of this package's reruns), the async one in a varying share (0-22 of 28 in them)
+SEEN_AS = {"allgather_dtype": "param_dtype", "allgathers_blocking_host": "unshard_async_op"}
+# a finding of A gone in B where every setting its fix changes was read on both sides and none changed: it fell
+# under its threshold (prefetch.exposed_allgather, no prefetch changed, read "resolved": a new-user trial)
+NO_FIX_FOUND = "below its threshold in B; no change of its fix found"
 # activations at the peak moving this much (%) with no setting changed: the batch or the sequence length did, where
 # the batch's input elements at the peak differ or, where not recorded, the peak fell at the same place of the step
 BATCH_SHIFT_PCT = 20.0
@@ -246,11 +262,31 @@ def _units(side: Side) -> dict[str, dict[str, Any]]:
                 out[path] = settings
         return out
     pf = side.prefetched or {}
-    for n in {r.unit for r in (rep.overlap.per_unit if rep.overlap else []) if r.unit != "(other)"}:
-        seen = out.setdefault(_path(n), {"forward_prefetch": False, "backward_prefetch": False})
+    for r in rep.overlap.per_unit if rep.overlap else []:
+        if r.unit == "(other)":
+            continue
+        seen = out.setdefault(_path(r.unit), {"forward_prefetch": False, "backward_prefetch": False})
         for k, phase in (("forward_prefetch", "forward"), ("backward_prefetch", "backward")):
-            seen[k] = seen[k] or n in pf.get(phase, set())
+            seen[k] = seen[k] or r.unit in pf.get(phase, set())
+        if r.collective == "all_gather":  # (TRACE_UNIT_KEYS: the unit's whole parameters, on every rank)
+            seen["allgather_dtype"] = dtype_name(r.dtype) or seen.get("allgather_dtype")
+            seen["allgather_bytes"] = max(r.bytes_per_call or 0, seen.get("allgather_bytes") or 0) or None
+    for seen in out.values():
+        seen["allgather_bytes"] = fmt_bytes(seen["allgather_bytes"]) if seen.get("allgather_bytes") else None
     return out
+
+
+def _blocking(side: Side) -> Optional[tuple[str, bool]]:
+    """A CPU plain trace's all-gathers the host sat in, in words ("72 of 72"), and whether that is the synchronous
+    unshard's (``BLOCKED_AG_SHARE`` of them or more); None without all-gathers, or on a GPU (the host launches them
+    and goes on)."""
+    ov = side.report.overlap if side.source == "trace" else None
+    if ov is None or any(pr.device != "cpu" for pr in ov.per_rank.values()):
+        return None
+    n, total = blocked_allgathers(ov)
+    if not total:
+        return None
+    return f"{n} of {total}", n >= BLOCKED_AG_SHARE * total
 
 
 def _setting(u, key: str):
@@ -318,34 +354,51 @@ def _norm(v):
     return tuple(v) if isinstance(v, list) else v
 
 
-def config_diff(a: Side, b: Side) -> list[ConfigChange]:
+def config_diff(a: Side, b: Side, read: Optional[set[str]] = None) -> list[ConfigChange]:
+    """The configuration changes from A to B; ``read``, where given, gets the keys known on both sides (those whose
+    change would have been found)."""
     out: list[ConfigChange] = []
+    read = set() if read is None else read
     ra, rb = a.report.run, b.report.run
     for k in JOB_KEYS:
         va, vb = getattr(ra, k, None), getattr(rb, k, None)
         va, vb = (None if v is UNSET else v for v in (va, vb))
+        read.update([k] if va is not None and vb is not None else [])
         if va != vb and (va is not None and vb is not None or k == "world_size"):
             out.append(ConfigChange(key=k, a=va, b=vb))
     ma, mb = _mesh(ra), _mesh(rb)
+    read.update(["mesh"] if ma is not None and mb is not None else [])
     if ma is not None and mb is not None and ma != mb:  # (4 ranks 1-D against HSDP 2 x 2 read "no configuration
         out.append(ConfigChange(key="mesh", a=ma, b=mb))  # change" and its step time as the host's: a new-user trial)
     ga, gb = _gradient_sync(ra), _gradient_sync(rb)
+    read.update(["gradient_sync"] if ga is not None and gb is not None else [])
     if ga is not None and gb is not None and ga[1] != gb[1]:
         out.append(ConfigChange(key="gradient_sync", a=ga[0], b=gb[0]))
+    ba, bb = _blocking(a), _blocking(b)
+    if ba is not None and bb is not None:
+        read.add("allgathers_blocking_host")
+        if ba[1] != bb[1]:
+            out.append(ConfigChange(key="allgathers_blocking_host", a=ba[0], b=bb[0]))
     ua, ub = _units(a), _units(b)
     if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting
         ua, ub = ({n: {} for n, v in u.items() if v or side.source == "trace"} for u, side in ((ua, a), (ub, b)))
+    read.update(["wrapping"] if ua and ub else [])
     if ua and ub and set(ua) != set(ub):
         # ("1 units" for a whole-model unit: a new-user trial's T5 root against its plan)
         a_n, b_n = (f"{len(u)} unit{'s' * (len(u) != 1)}" for u in (ua, ub))
         out.append(ConfigChange(key="wrapping", a=a_n, b=b_n, units=sorted(set(ua) ^ set(ub))))
     grouped: dict[tuple, list[str]] = {}
     for name in sorted(set(ua) & set(ub)):
-        for k in UNIT_KEYS:
+        da, db = ua[name].get("allgather_dtype"), ub[name].get("allgather_dtype")
+        for k in (*UNIT_KEYS, *TRACE_UNIT_KEYS):
             va, vb = ua[name].get(k), ub[name].get(k)
-            if va is not None and vb is not None and _norm(va) != _norm(vb):  # (None: unknown, not a change)
-                grouped.setdefault((k, _norm(ua[name][k]), _norm(ub[name][k])), []).append(name)
+            if va is None or vb is None:  # (None: unknown, not a change)
+                continue
+            read.add(k)
+            if _norm(va) != _norm(vb) and not (k == "allgather_bytes" and None not in (da, db) and da != db):
+                # (an all-gather's size where its dtype changed: the dtype's change says it)
+                grouped.setdefault((k, _norm(va), _norm(vb)), []).append(name)
     for (k, va, vb), names in grouped.items():
         out.append(ConfigChange(key=k, a=list(va) if isinstance(va, tuple) else va,
                                 b=list(vb) if isinstance(vb, tuple) else vb, units=names))
@@ -353,6 +406,7 @@ def config_diff(a: Side, b: Side) -> list[ConfigChange]:
     sa, sb = (_trainable_share(*(None if v is UNSET else v for v in (getattr(r, "model_trainable_param_count", None),
                                                                      getattr(r, "model_param_count", None))))
               for r in (ra, rb))
+    read.update(["trainable"] if sa is not None and sb is not None else [])
     if not any(c.key == "trainable" for c in out) and sa is not None and sb is not None and sa != sb:
         out.append(ConfigChange(key="trainable", a=sa, b=sb))
     return out
@@ -440,18 +494,26 @@ def _comm(side: Side, source: str) -> dict[tuple[str, str, Optional[str]], float
     return out
 
 
-def _findings(a: Report, b: Report) -> FindingsDiff:
-    def ref(f):
-        return FindingRef(code=f.code, severity=f.severity, title=f.title)
+def _findings(a: Report, b: Report, changes: Iterable[ConfigChange] = (), read: Iterable[str] = (),
+              applied: Iterable[str] = ()) -> FindingsDiff:
+    """A's and B's findings by code; one of A's gone in B is resolved unless B's report could not look for it
+    (unchecked) or every setting its fix changes (FIX_KEYS) was ``read`` on both sides and none of the ``changes``
+    is one of them, nor is it ``applied``: then it fell below its threshold in B (NO_FIX_FOUND)."""
+    def ref(f, why=""):
+        return FindingRef(code=f.code, severity=f.severity, title=f.title, why=why)
 
     ca, cb = {f.code: f for f in a.findings}, {f.code: f for f in b.findings}
     # a finding B's report could not look for (its rule skipped there: a plain trace has no unit snapshot) is not
     # resolved: a run against its own trace read "resolved wrap.params_in_root ... pass --applied" (a new-user trial)
     skipped = {s.code: s.reason for s in b.rules if s.status == "skipped"}
-    gone = [f for c, f in ca.items() if c not in cb]
-    return FindingsDiff(resolved=[ref(f) for f in gone if f.code not in skipped],
-                        unchecked=[FindingRef(code=f.code, severity=f.severity, title=f.title, why=skipped[f.code])
-                                   for f in gone if f.code in skipped],
+    gone = [f for c, f in ca.items() if c not in cb and c not in skipped]
+    seen, changed = ({SEEN_AS.get(k, k) for k in keys} for keys in (read, (c.key for c in changes)))
+    fixes = {f.code: set(_fix_keys(f.code)) for f in gone}
+    below = [f for f in gone if fixes[f.code] and fixes[f.code] <= seen and not fixes[f.code] & changed
+             and f.code not in applied]
+    return FindingsDiff(resolved=[ref(f) for f in gone if f not in below],
+                        below_threshold=[ref(f, NO_FIX_FOUND) for f in below],
+                        unchecked=[ref(f, skipped[c]) for c, f in ca.items() if c not in cb and c in skipped],
                         new=[ref(f) for c, f in cb.items() if c not in ca],
                         persisting=[ref(cb[c]) for c in ca if c in cb])
 
@@ -533,7 +595,8 @@ def _share(rep: Report) -> Optional[float]:
 
 def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterable[str],
                  p50: Optional[StepDelta], peak_a: Optional[int], peak_b: Optional[int]) -> list[PredictionCheck]:
-    changed = {c.key for c in changes}
+    shown = {SEEN_AS.get(c.key, c.key): c.key for c in changes}  # the settings changed (a plain trace's: SEEN_AS)
+    changed = set(shown)
     applied = set(applied)
     in_b = {f.code for f in b.report.findings}
     hits = {f.code: [k for k in _fix_keys(f.code) if k in changed] for f in a.report.findings}
@@ -558,7 +621,7 @@ def _predictions(a: Side, b: Side, changes: list[ConfigChange], applied: Iterabl
             if any(set(hit) <= keys for code, keys in claimed.items()
                    if code != f.code and not set(_fix_keys(code)) & set(hit)):
                 continue
-            how = "config diff: " + ", ".join(hit)
+            how = "config diff: " + ", ".join(shown[k] for k in hit)
         p = predicted_of(f)
         chk = PredictionCheck(code=f.code, recognised_by=how)
         if f.code in SHARE_FIXES:  # its gain is not in the step p50 (the saves' steps are out of it): its share
@@ -660,7 +723,8 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     ra, rb = a.report, b.report
     applied = tuple(applied)
     known = [c for c in applied if c in {f.code for f in ra.findings}]  # (an unknown code changes nothing)
-    changes = config_diff(a, b)
+    read: set[str] = set()
+    changes = config_diff(a, b, read)
     # (--applied: a change the user declares, e.g. one a plain trace cannot show; not one whose gain the step
     # statistics leave out: --applied checkpoint.blocking made host noise "significant: faster", a new-user trial)
     changed = bool(changes or [c for c in known if c not in SHARE_FIXES])
@@ -671,7 +735,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     p50 = _step_delta(a.samples, b.samples, 50, rng, changed, apart)
     p90 = _step_delta(a.samples, b.samples, 90, rng, changed, apart)
     summary = step_summary(p50, changed, host, _outside_moved(pa, pb, p50))
-    diff = _findings(ra, rb)
+    diff = _findings(ra, rb, changes, read, known)
     # (a note's fix too where it predicted something: accum.sync_every_micro_batch and memory.grads_kept as notes,
     # fixed in the loop, read "no configuration change found" with no word of --applied: a new-user trial)
     mine = {f.code: predicted_of(f) for f in ra.findings}

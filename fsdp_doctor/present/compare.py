@@ -80,8 +80,10 @@ def tables(c: Comparison) -> list[CompareTable]:
     else:
         traces = "trace" in (c.a.source, c.b.source)
         out.append(CompareTable("Configuration", CONFIG_HEADER, [],
-                                note="no difference in the units and the prefetching the traces show (a plain trace "
-                                     "holds no settings: reshard_after_forward, dtypes and offload are not read)"
+                                note="no difference in the units and the prefetching the traces show, nor in the "
+                                     "all-gathers' dtypes and sizes (where their args give them) and the host's "
+                                     "blocking in them (a plain trace holds no settings: reshard_after_forward, the "
+                                     "reduce dtype and offload are not read)"
                                 if traces else "no difference in the unit snapshots and the job"))
     rows = []
     for name, s in (("p50", c.step_p50), ("p90", c.step_p90)):
@@ -138,9 +140,10 @@ def tables(c: Comparison) -> list[CompareTable]:
                                 [("cost", fm(k.a), fm(k.b), MISSING if k.delta is None else f"{k.delta:+,.2f}",
                                   _pct(Delta(pct=k.pct)))], note=k.note))
     f = c.findings
-    rows = [(kind, x.code, x.severity, x.title + (f" (B: {x.why})" if x.why else ""))
-            for kind, xs in (("resolved", f.resolved), ("not checked in B", f.unchecked), ("new", f.new),
-                             ("persisting", f.persisting)) for x in xs]
+    rows = [(kind, x.code, x.severity, x.title + (f" ({said}{x.why})" if x.why else ""))
+            for kind, said, xs in (("resolved", "", f.resolved), ("not resolved", "", f.below_threshold),
+                                   ("not checked in B", "B: ", f.unchecked), ("new", "", f.new),
+                                   ("persisting", "", f.persisting)) for x in xs]
     out.append(CompareTable("Findings", ("", "code", "severity", "title"), rows,
                             note="" if rows else "no finding in either run"))
     if c.predictions:

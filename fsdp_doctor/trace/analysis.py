@@ -45,6 +45,12 @@ from .reader import find_trace_files
 from .steps_detail import trace_memory, trace_unit_rows
 
 PathLike = Union[str, os.PathLike]
+# A plain trace shows the unshard synchronous where the host sat in at least this share of the all-gathers (gloo):
+# with it, nearly every one (18 of 18 per rank on a new-user trial's 2-rank GPT with per-block units, the root's
+# included; 36 of 36 in each of its reruns). With async unshard gloo's thread may still finish a small all-gather
+# before the host's call returns, which reads as blocking: 0-4 of 36 in the trial GPT's reruns, but 11 of 22 in the
+# sample run's own window (traces/sample, a loaded host; 7 of 11 on one rank). prefetch.sync_unshard reads it so.
+BLOCKED_AG_SHARE = 0.9
 
 # ---------------------------------------------------------------- per-window analyses
 
@@ -171,6 +177,13 @@ def temporal_breakdown(win: WindowTrace) -> dict:
 def blocking(win: WindowTrace) -> dict:
     blk = [c for c in win.calls if c.blocking]
     return {"count": len(blk), "us": float(sum(c.end - c.start for c in blk))}
+
+
+def blocked_allgathers(section: OverlapSection) -> tuple[int, int]:
+    """(the all-gathers during which the host sat in the collective for its whole length, the all-gathers), over every
+    rank's windows of the trace section. Only gloo's block (trace.build: on a GPU the host launches and goes on)."""
+    return (sum(b.count for b in section.blocking.values()),
+            sum(r.count for r in section.per_unit if r.collective == "all_gather"))
 
 
 def call_exposure(win: WindowTrace) -> np.ndarray:

@@ -45,8 +45,8 @@ import numpy as np
 from ..fsdp_labels import PREFIX, parse_label
 from . import intervals as iv
 from .kernels import kernel_stats
-from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _gloo_collective,
-                          _group_from_shapes, _snake_collective)
+from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _dtype_from_shapes,
+                          _gloo_collective, _group_from_shapes, _snake_collective)
 from .model import OTHER_UNIT, ROOT_UNIT, CollectiveCall, WindowTrace
 from ..units import printable
 from .reader import (MEMORY_EVENT, Args, EmptyLastStep, Event, IEvent, KinetoTrace, StreamedTrace, TraceError,
@@ -1163,7 +1163,8 @@ def _build_cpu(win, host, index, phases, scale, shapes):
         args = shapes.args(op)
         nbytes = _bytes_from_shapes(args) or _bytes_from_shapes(shapes.args(best))
         call = CollectiveCall(unit=OTHER_UNIT, collective=coll, phase=None, start=g0, end=g1, issue=o0,
-                              bytes=nbytes, group_size=_group_from_shapes(args, coll) or _world_group(win))
+                              bytes=nbytes, group_size=_group_from_shapes(args, coll) or _world_group(win),
+                              dtype=_dtype_from_shapes(args) or _dtype_from_shapes(shapes.args(best)))
         if att is not None:
             unit, k, suffix = att
             call.unit = unit

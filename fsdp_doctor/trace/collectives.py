@@ -76,28 +76,48 @@ def dtype_bytes(name: Optional[str]) -> Optional[int]:
     return DTYPE_BYTES.get(name.strip().lower())
 
 
+def dtype_name(name: Optional[str]) -> Optional[str]:
+    """A dtype as torch names it ("float32", "bfloat16") from its name in a trace: NCCL's args ("Float", "BFloat16")
+    or record_shapes' ("float", "c10::BFloat16"); None where not given."""
+    if not name:
+        return None
+    n = name.strip().lower().removeprefix("c10::")
+    return {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "long int": "int64",
+            "int": "int32", "short": "int16", "char": "int8", "signed char": "int8", "unsigned char": "uint8",
+            "byte": "uint8"}.get(n, n)
+
+
 def _numel(dims) -> Optional[int]:
     if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
         return math.prod(dims) if dims else 1
     return None
 
 
+def _shapes(args) -> list[tuple]:
+    """The (dims, type) of the first two tensors in record_shapes args of a c10d op; [] where absent or unreadable."""
+    if args is None or not args.input_dims or not args.input_type:
+        return []
+    try:
+        return list(zip(json.loads(bytes(args.input_dims)), json.loads(bytes(args.input_type))))[:2]
+    except ValueError:
+        return []
+
+
 def _bytes_from_shapes(args) -> Optional[int]:
     """Message size from record_shapes args of a c10d op: the larger of its first two tensors."""
-    if args is None or not args.input_dims or not args.input_type:
-        return None
-    try:
-        dims = json.loads(bytes(args.input_dims))
-        types = json.loads(bytes(args.input_type))
-    except ValueError:
-        return None
     best = None
-    for d, t in list(zip(dims, types))[:2]:
+    for d, t in _shapes(args):
         n = _numel_nested(d)  # (a tensor list: its tensors' sum)
         b = dtype_bytes(t if isinstance(t, str) else None)
         if n is not None and b is not None:
             best = max(best or 0, n * b)
     return best
+
+
+def _dtype_from_shapes(args) -> Optional[str]:
+    """The element type of a c10d op's tensors from its record_shapes args, as the trace names it ("float",
+    "c10::BFloat16"); None where they give none (a tensor list's "TensorList")."""
+    return next((t for _, t in _shapes(args) if isinstance(t, str) and dtype_bytes(t)), None)
 
 
 def _group_from_shapes(args, collective: str) -> Optional[int]:

@@ -27,7 +27,9 @@ class CollectiveCall:
     issue: float  # host time the collective was issued (launch / c10d op start)
     bytes: Optional[int] = None  # message size S (NCCL-tests convention: the full, unsharded size)
     group_size: Optional[int] = None
-    dtype: Optional[str] = None  # element type from the NCCL args ("Float", "BFloat16", ...), where present
+    # element type from the NCCL args ("Float", "BFloat16", ...) or a gloo c10d op's record_shapes args ("float",
+    # "c10::BFloat16"), where present
+    dtype: Optional[str] = None
     need: Optional[float] = None  # when compute needed the gathered params (all_gather only)
     blocking: bool = False  # gloo: the host thread sat in the all-gather for the whole collective
     on_compute_stream: bool = False  # GPU: the NCCL kernel ran on the compute stream (serialised with compute)

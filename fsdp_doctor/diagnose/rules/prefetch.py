@@ -10,6 +10,7 @@ from typing import Optional
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
+from ...trace.analysis import BLOCKED_AG_SHARE, blocked_allgathers
 from ...units import fmt_bytes, fmt_share, unit_label
 from ..base import Context, Rule, register
 
@@ -37,12 +38,6 @@ EXPLICIT_DEPTH_WARN = 2
 # Synchronous unshard on gloo: the share of the backward all-gather waits that async unshard plus FSDP's
 # implicit backward prefetch removed on the reference workload (2 ranks, 2 cores: waits ~3.3 -> ~1.4 ms).
 GLOO_ASYNC_BWD_SAVED = 0.5
-# A plain trace shows the unshard synchronous (prefetch.sync_unshard) where the host sat in at least this share of the
-# all-gathers (gloo): with it, nearly every one (18 of 18 per rank on a new-user trial's 2-rank GPT with per-block
-# units, the root's included; 36 of 36 in each of its reruns). With async unshard gloo's thread may still finish a
-# small all-gather before the host's call returns, which reads as blocking: 0-4 of 36 in the trial GPT's reruns, but
-# 11 of 22 in the sample run's own window (traces/sample, a loaded host; 7 of 11 on one rank)
-BLOCKED_AG_SHARE = 0.9
 # The last unit's immediate re-gather matters when it costs at least this share of the step; measured under this
 # one, it is no finding (a new-user trial's head unit, split off the root by wrap.params_in_root's plan, waited 0 µs
 # for its backward all-gather and read "step unchanged, peak unchanged" as a note: one fix leading to another)
@@ -87,10 +82,8 @@ def _sync_gloo_units(ctx: Context) -> list[E.Unit]:
 
 
 def _blocked_allgathers(ctx: Context) -> tuple[int, int]:
-    """From the trace: (the all-gathers during which the host sat in the collective for its whole length, the
-    all-gathers), over every rank's windows. Only gloo's block (trace.build: on a GPU the host launches and goes on)."""
-    blk = E.overlap(ctx).blocking
-    return (sum(b.count for b in blk.values()), sum(r.count for r in E.trace_rows(ctx, "all_gather")))
+    """From the trace: (the all-gathers the host sat in for their whole length, the all-gathers)."""
+    return blocked_allgathers(E.overlap(ctx))
 
 
 def _trace_shows_sync(ctx: Context) -> bool:
