@@ -25,7 +25,7 @@ from .analyze.throughput import analyze_throughput
 from .records import config_unavailable
 from .report_sections import CommRank, CommSummary, OverlapSection, Report
 from .store import Run
-from .units import fmt_ms, ranks_phrase
+from .units import fmt_ms, ranks_phrase, steps_phrase
 
 StepWindow = Optional[tuple[int, int]]
 
@@ -116,7 +116,7 @@ def comm_summary(overlap: Optional[OverlapSection],
                                     steps=sorted(pr.steps))
     if rows:
         steps = sorted({s for v in rows.values() for s in v.steps})
-        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
+        span = steps_phrase(steps)
         lags = [pr.device_lag_ms for pr in overlap.per_rank.values() if pr.device_lag_ms]
         if lags and max(lags) >= LAG_SAID_MS:  # the host ran ahead: the window followed the device
             span += f", the device {fmt_ms(statistics.median(lags))} behind the host"

@@ -451,6 +451,9 @@ class OverlapRank(_Section):
     overlap_pct: Optional[float] = None  # None without communication
     steps: list[int] = []  # profiler steps in the windows
     step_count: int = 0  # complete steps analysed, over all windows
+    # profiler step left out of them -> why: the last of its window, where it may be cut (trace.build.window_steps);
+    # empty: none, or a report written before it
+    steps_left_out: dict[str, str] = {}
     step_ms: Optional[float] = None  # mean wall time of a complete step
     comm_ms_per_step: Optional[float] = None  # union of collectives inside the complete steps, per step
     exposed_ms_per_step: Optional[float] = None  # of that, while no compute ran (the verdict's communication)

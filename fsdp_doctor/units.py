@@ -71,6 +71,25 @@ def ranks_phrase(ranks) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
 
 
+def runs(xs: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted integers: [1, 5, 6, 7] -> [(1, 1), (5, 7)]."""
+    out: list[tuple[int, int]] = []
+    for x in xs:
+        if out and x == out[-1][1] + 1:
+            out[-1] = (out[-1][0], x)
+        else:
+            out.append((x, x))
+    return out
+
+
+def steps_phrase(steps) -> str:
+    """"step 6", "steps 6–7", "steps 2–3, 7–8": the steps named, each run of consecutive ones as a range (a range
+    over a gap would name steps that were not there)."""
+    xs = sorted({int(s) for s in steps})
+    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(xs))
+    return f"step{'s' * (len(xs) > 1)} {text}"
+
+
 def fmt_bytes(n, prec: int = 2) -> str:
     """Bytes in binary units: "774.50 KiB", "1.25 GiB" (``prec`` decimals; 1 where a table is tight)."""
     if n is None:

@@ -363,9 +363,9 @@ def test_plain_trace_times_read_the_same_from_nanosecond_traces(prefetch_pair, t
 def test_the_loss_backward_is_counted_in_backward(run, kernel):
     """Recorded FSDP2 runs: autograd runs the loss's backward (NllLossBackward0, LogSoftmaxBackward0, ...) before
     the root unit's FSDP::pre_backward fires, so phases taken from FSDP's labels alone counted it as forward (the
-    sample's NllLossBackward0, 8.29 µs per step and rank, and aten::_log_softmax_backward_data, 65.18 µs, sat in
-    the forward rows). Backward now starts at autograd's first function after the forward; the loss's forward
-    operators stay in forward."""
+    sample's NllLossBackward0 and aten::_log_softmax_backward_data sat in the forward rows). Backward now starts at
+    autograd's first function after the forward; the loss's forward operators stay in forward. (The sample's steps
+    6 and 7 per rank, per step: 8.52 µs and 983.94 µs, the latter 62-65 µs a step but rank 1's step 7, 3.74 ms.)"""
     import re
     from pathlib import Path
 
@@ -384,8 +384,8 @@ def test_the_loss_backward_is_counted_in_backward(run, kernel):
     # no autograd backward function is left in forward (FSDP's forward-time RegisterPostBackwardFunction is forward)
     assert [n for ph, kind, n in us if ph == "forward" and re.search(r"Backward\d+$", n)] == []
     if run == "sample":
-        assert us[("backward", "operator", "NllLossBackward0")] == pytest.approx(8.29, abs=0.01)
-        assert us[("backward", "operator", "aten::_log_softmax_backward_data")] == pytest.approx(65.18, abs=0.01)
+        assert us[("backward", "operator", "NllLossBackward0")] == pytest.approx(8.52, abs=0.01)
+        assert us[("backward", "operator", "aten::_log_softmax_backward_data")] == pytest.approx(983.94, abs=0.01)
     if kernel:  # the loss's backward kernel, placed by its launch on autograd's thread
         ((ph, us_k),) = [(k[0], v) for k, v in us.items() if k[1] == "kernel" and kernel in k[2]]
         assert ph == "backward" and us_k == pytest.approx(10.08, abs=0.01)

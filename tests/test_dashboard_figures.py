@@ -606,7 +606,9 @@ def test_profiler_steps_are_drawn_apart_from_stalls(steps):
     st = F.step_time_figure(steps)
     bands = [(s.x0, s.x1) for s in st.layout.shapes]
     assert any(a < 8 < b for a, b in bands) and not any(a < 12 < b for a, b in bands)
-    assert F._runs([1, 5, 6, 7, 8]) == [(1, 1), (5, 8)]
+    from fsdp_doctor.units import runs
+
+    assert runs([1, 5, 6, 7, 8]) == [(1, 1), (5, 8)]
     # the outlier analysis does not count the profiler step as a stall
     from fsdp_doctor.analyze.steps import find_outliers
 

@@ -358,7 +358,8 @@ def test_communication_tables_are_the_terminals_under_their_titles():
     """The HTML's per-rank communication table had 5 of the terminal's 10 columns (no hidden, blocked AG, dev,
     copies exp.) under the heading "Collectives per unit" (a new-user trial): it is the terminal's table now, every
     cell, under the terminal's title, and the per-unit table carries the terminal's title and its held column.
-    On the sample run (gloo) and the recorded GPU run (host-device copies exposed: 86 µs on rank 0)."""
+    On the sample run (gloo) and the recorded GPU run (host-device copies exposed: 168 µs on rank 0 over its 2
+    steps)."""
     from pathlib import Path
 
     from fsdp_doctor.pipeline import build_report
@@ -366,10 +367,10 @@ def test_communication_tables_are_the_terminals_under_their_titles():
     from fsdp_doctor.store import load_run
 
     traces = Path(__file__).resolve().parents[1] / "traces"
-    for run, rank0 in (("sample", ["0", "cpu", "1", "213.9 ms", "77.8 ms", "5.73 ms", "72.0 ms", "7.4%",
-                                   "7 in window", "–"]),
-                       ("gpu/fixture", ["0", "gpu", "1", "262.3 ms", "252.9 ms", "6.72 ms", "246.1 ms", "2.7%", "0",
-                                        "86 µs"])):
+    for run, rank0 in (("sample", ["0", "cpu", "2", "196.4 ms", "75.2 ms", "6.49 ms", "68.8 ms", "8.6%",
+                                   "14 in window", "–"]),
+                       ("gpu/fixture", ["0", "gpu", "2", "259.0 ms", "252.8 ms", "8.01 ms", "244.8 ms", "3.2%", "0",
+                                        "168 µs"])):
         report = build_report(load_run(traces / run))
         text = render_html(report)
         html_rows = _html_tables(text)["overlap-ranks-table"]

@@ -102,7 +102,9 @@ def test_launch_bound_known_answer(tmp_path):
 
 
 def test_launch_bound_on_the_real_host_bound_trace():
-    """HTA's A100 DDP trace, 73% host-bound, was "Healthy: no findings."; 43% of its kernels are under 10 µs."""
+    """HTA's A100 DDP trace, 72% host-bound, was "Healthy: no findings."; 43% of its kernels are under 10 µs. (Over
+    its 3 steps: its last is whole, torch.profiler's cudaDeviceSynchronize after it; over steps 4-5 alone, HTA's, it
+    read 72.8% host-bound, 43.1% small kernels, 79.1% launch-waited.)"""
     from fsdp_doctor.pipeline import build_report
     from fsdp_doctor.present.fmt import findings_headline
     from fsdp_doctor.store import load_run
@@ -112,11 +114,11 @@ def test_launch_bound_on_the_real_host_bound_trace():
         pytest.skip(f"{path} is missing")
     report = build_report(load_run(path))
     f = next(f for f in report.findings if f.code == "kernels.launch_bound")
-    assert f.severity == "warning" and f.evidence["host_bound_pct"] == pytest.approx(72.8, abs=0.1)
+    assert f.severity == "warning" and f.evidence["host_bound_pct"] == pytest.approx(71.7, abs=0.1)
     assert f.evidence["kernels_per_step"] == pytest.approx(893, abs=1)
-    assert f.evidence["small_kernel_share_pct"] == pytest.approx(43.1, abs=0.1)
-    # the launch-bound signature: 1,413 of its 1,786 compute kernels started within 50 µs of their launch
-    assert f.evidence["launch_waited_pct"] == pytest.approx(79.1, abs=0.1)
+    assert f.evidence["small_kernel_share_pct"] == pytest.approx(43.2, abs=0.1)
+    # the launch-bound signature: 2,124 of its 2,679 compute kernels started within 50 µs of their launch
+    assert f.evidence["launch_waited_pct"] == pytest.approx(79.3, abs=0.1)
     assert _status(report, "verdict.severe").status == "quiet"  # the specific finding names the lever
     assert not findings_headline(report.findings).startswith("Healthy")
     # a DDP trace names no FSDP unit: the fix compiles the model (it printed an empty list of units to compile)

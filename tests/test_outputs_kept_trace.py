@@ -42,7 +42,8 @@ LOOP_LABELS = (("FSDP::root_pre_forward", 10, 2), ("FSDP::pre_backward (layers.0
 
 
 def _loop_trace(blind_step: int | None = None) -> TraceBuilder:
-    """A CPU window of 3 ProfilerSteps (1 and 2 complete, 3 cut), at T = 1000 * i: the root's pre-forward at T+10,
+    """A CPU window of 3 ProfilerSteps (1 and 2 complete, 3 cut: the profiler stopped in its forward, 100 µs in,
+    before its optimizer.step()), at T = 1000 * i: the root's pre-forward at T+10,
     the first pre-backward at T+500, optimizer.step() at T+800, zero_grad at T+900. Blocks (address: bytes):
     step 1: a block from before the window freed at T+5 (before the forward: not the loop's rebinding), an
     activation 0x100: 1000 from T+20 to backward (T+600), the output 0x200: 4096 from T+30 (kept), a block from
@@ -52,8 +53,8 @@ def _loop_trace(blind_step: int | None = None) -> TraceBuilder:
     ``blind_step``: that step's output allocated without an address."""
     b = TraceBuilder(rank=0, world_size=1)
     for n in (1, 2, 3):
-        b.step(n, 1000.0 * (n - 1), 1000.0)
-        for name, at, dur in LOOP_LABELS:
+        b.step(n, 1000.0 * (n - 1), 1000.0 if n < 3 else 100.0)
+        for name, at, dur in LOOP_LABELS if n < 3 else LOOP_LABELS[:1]:
             b.label(name, 1000.0 * (n - 1) + at, dur)
     _block(b, 5, -64, 0xA)
     _block(b, 20, 1000, 0x100)

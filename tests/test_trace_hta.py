@@ -25,6 +25,7 @@ def test_overlap_matches_hta(folder, expected, monkeypatch):
     from fsdp_doctor.trace import build as B
 
     monkeypatch.setattr(B, "KEEP_LAUNCHLESS", False)
+    monkeypatch.setattr(B, "HTA_LAST_STEP", True)
     result = analyze_traces(HTA_DIR / folder)
     assert result.skipped == []
     assert sorted(result.per_rank) == sorted(str(r) for r in expected["ranks"])

@@ -21,6 +21,15 @@ EXPECTED = HTA_DIR / "HTA_0.5.0_expected.json"
 
 pytestmark = pytest.mark.skipif(not EXPECTED.exists(), reason=f"reference traces not found at {HTA_DIR}")
 
+
+@pytest.fixture(autouse=True)
+def _htas_steps(monkeypatch):
+    """HTA's steps: the last of each window dropped (build.HTA_LAST_STEP; ours keeps it where it is known whole,
+    tests/test_window_last_step.py), so that the figures compared are over the same steps."""
+    from fsdp_doctor.trace import build as B
+
+    monkeypatch.setattr(B, "HTA_LAST_STEP", True)
+
 FRACTIONAL = ("v100_ns_resolution", "a100_ddp_allreduce_rank0", "amd_mi250")
 INTEGRAL = ("a100_rank3_of_8", "a100_sendrecv_16rank_rank0", "a100_sendrecv_2rank", "v100_allreduce_rank1",
             "v100_rank1_of_2")

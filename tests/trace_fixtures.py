@@ -77,6 +77,11 @@ class TraceBuilder:
         return self.kernel(f"ncclDevKernel_{camel}_RING_LL(ncclDevKernelArgsStorage<4096ul>)", ts, dur,
                            stream=stream, launch_ts=launch_ts, tid=tid, **args)
 
+    def device_sync(self, ts, dur, tid=None):
+        """A host ``cudaDeviceSynchronize`` (torch.profiler calls one as it stops a CUDA trace)."""
+        self._corr += 1
+        return self.x("cudaDeviceSynchronize", ts, dur, cat="cuda_runtime", tid=tid, correlation=self._corr)
+
     def memcpy(self, kind, ts, dur, launch_ts=None, stream=7):
         name = {"h2d": "Memcpy HtoD (Pinned -> Device)", "d2h": "Memcpy DtoH (Device -> Pinned)"}[kind]
         return self.kernel(name, ts, dur, stream=stream, launch_ts=launch_ts, cat="gpu_memcpy")
@@ -141,7 +146,10 @@ class TraceBuilder:
 # extra_unit_events adds a non-FSDP all_reduce [T+990, T+995) (exposed 5) attributed to "(other)".
 
 
-def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False, world_size=2) -> TraceBuilder:
+def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False, world_size=2,
+                    optimizer=False) -> TraceBuilder:
+    """``optimizer``: each step also holds torch.optim's ``Optimizer.step#AdamW.step`` label [T+860, T+880) on the
+    main thread."""
     b = TraceBuilder(rank=rank, world_size=world_size)
     M, B = b.main_tid, b.bwd_tid
     all_steps = list(steps) + [steps[-1] + 1]
@@ -183,6 +191,8 @@ def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False
         b.memcpy("d2h", T + 960, 20, launch_ts=T + 852, stream=8)
         if extra_unit_events:  # a non-FSDP collective (e.g. a user all_reduce): attributed to "(other)"
             b.nccl("all_reduce", T + 990, 5, launch_ts=T + 853, nelems=10)
+        if optimizer:
+            b.label("Optimizer.step#AdamW.step", T + 860, 20)
     return b
 
 
@@ -200,8 +210,11 @@ def gpu_known_trace(rank=0, steps=(1, 2), prefetch=True, extra_unit_events=False
 # comm per step 3000, overlap 1200.
 
 
-def gloo_known_trace(rank=0, steps=(5, 6), tp_wait=False) -> TraceBuilder:
-    """``tp_wait``: tensor parallelism's all-reduce in the forward, between the units, as torch issues it on gloo: a
+def gloo_known_trace(rank=0, steps=(5, 6), tp_wait=False, optimizer=False) -> TraceBuilder:
+    """``optimizer``: each step also holds torch.optim's ``Optimizer.step#AdamW.step`` label [T+4700, T+4900), over
+    an ``aten::add_`` [T+4710, T+4890).
+
+    ``tp_wait``: tensor parallelism's all-reduce in the forward, between the units, as torch issues it on gloo: a
     functional all-reduce [T+2200, T+2210) over its c10d op, then its ``_c10d_functional::wait_tensor``
     [T+2210, T+2280) on the main thread, under which the gloo event [T+2205, T+2225) ends early (the gloo worker ran
     late on a loaded host: 55 µs of the wait under no gloo event)."""
@@ -236,6 +249,9 @@ def gloo_known_trace(rank=0, steps=(5, 6), tp_wait=False) -> TraceBuilder:
         b.op("c10d::_reduce_scatter_base_", T + 3610, 80)
         b.gloo("all_reduce", T + 3650, 1000)
         b.op("autograd::engine::evaluate_function: AddmmBackward0", T + 3700, 600)
+        if optimizer:
+            b.label("Optimizer.step#AdamW.step", T + 4700, 200)
+            b.op("aten::add_", T + 4710, 180)
     return b
 
 

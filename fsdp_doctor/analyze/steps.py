@@ -290,15 +290,17 @@ def device_pairs(rd, steps: list[StepRecord]) -> list[tuple[StepRecord, GpuTimes
 
 def trace_steps(overlap) -> Optional[StepsSection]:
     """The steps section of a run known only from its traces: per rank, the wall times of the complete
-    ``ProfilerStep``s (``OverlapRank.step_times_ms``; no phase split, no outliers: those need records); None
-    without any complete step."""
-    per = {r: list(pr.step_times_ms.values()) for r, pr in (overlap.per_rank if overlap is not None else {}).items()
-           if pr.step_times_ms}
+    ``ProfilerStep``s (``OverlapRank.step_times_ms``; no phase split, no outliers: those need records), the steps
+    left out (``OverlapRank.steps_left_out``: a window's last, where it may be cut) counted as recorded and excluded;
+    None without any complete step."""
+    ranks = overlap.per_rank if overlap is not None else {}
+    per = {r: list(pr.step_times_ms.values()) for r, pr in ranks.items() if pr.step_times_ms}
     if not per:
         return None
     per_rank = {r: wall_stats(xs) for r, xs in sorted(per.items(), key=lambda kv: int(kv[0]))}
     for r, st in per_rank.items():
-        st.recorded, st.excluded = st.count, 0
+        st.excluded = len(ranks[r].steps_left_out)
+        st.recorded = st.count + st.excluded
     return StepsSection(per_rank=per_rank, job=wall_stats([x for xs in per.values() for x in xs]))
 
 

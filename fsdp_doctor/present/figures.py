@@ -20,6 +20,7 @@ from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, VERDICT_SEGMENT
                                      verdict_share, verdict_title)
 from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
                                          StepsSection, UnitRow, Verdict)
+from fsdp_doctor.units import runs
 
 # ---------------------------------------------------------------- palette and shared layout
 
@@ -163,24 +164,13 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) ->
         ))
     if not fig.data:
         return empty_figure("No steps recorded in this selection yet.", "Step time per rank", height)
-    for a, b in _runs(sorted({cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+    for a, b in runs(sorted({cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
                               for i in _rows(cols, window) if cols["profiled"][i]})):
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="wall time (ms)", rangemode="tozero")
     return _layout(fig, _grouped_title("Step time per rank (grey band, hollow: profiled steps; their time is the "
                                        "tool's)", k, "each group's fastest and slowest step"), height)
-
-
-def _runs(xs: list[int]) -> list[tuple[int, int]]:
-    """Consecutive runs of sorted integers: [1, 5, 6, 7] -> [(1, 1), (5, 7)]."""
-    out: list[tuple[int, int]] = []
-    for x in xs:
-        if out and x == out[-1][1] + 1:
-            out[-1] = (out[-1][0], x)
-        else:
-            out.append((x, x))
-    return out
 
 
 def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -> go.Figure:

@@ -19,7 +19,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
 from ..trace.model import OTHER_UNIT
 from ..units import (MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
                      fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
-                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, unit_label)
+                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, steps_phrase, unit_label)
 
 
 SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
@@ -333,6 +333,22 @@ def comm_unit_rows(rows: list[CommUnitRow], top: int, names=()) -> list[tuple[st
     return out
 
 
+def left_out_note(sec: OverlapSection | None) -> str | None:
+    """Under the per-rank communication: the profiler steps the trace figures leave out (``steps_left_out``: a
+    window's last, where it may be cut), with why; None where none is."""
+    by: dict[str, dict[str, set]] = {}  # why -> step -> ranks
+    for r, pr in (sec.per_rank if sec is not None else {}).items():
+        for step, why in pr.steps_left_out.items():
+            by.setdefault(why, {}).setdefault(step, set()).add(r)
+    parts = []
+    for why, steps in by.items():
+        ranks = set().union(*steps.values())
+        where = "" if ranks == set(sec.per_rank) else f" on {ranks_phrase(sorted(ranks, key=int))}"
+        parts.append(f"{steps_phrase(steps)}{where}, the last of {'its' if len(steps) == 1 else 'each'} profiler "
+                     f"window ({why})")
+    return ("Left out of the complete steps: " + "; ".join(parts)) if parts else None
+
+
 def slack_note(sec: OverlapSection) -> str | None:
     """Under the per-unit collectives, what their all-gathers' slack and held columns mean (None without FSDP
     units' rows)."""
@@ -437,11 +453,14 @@ STEP_PHASES = ("forward", "backward", "optimizer", "outside", "gc")
 
 
 def steps_traced(section: StepsSection) -> bool:
-    """The step figures are the traces' (no records: no phase split). Records always leave their first step out
-    (``excluded``): a recorded run whose forward and backward the doctor did not see has no phase split either, and
-    its table read "the traces' complete profiler steps" (a compiled step function's, a new-user trial)."""
+    """The step figures are the traces' (no records: no phase split). Records always total their steps' GC
+    (``gc_ms_total``), which a trace does not time: a recorded run whose forward and backward the doctor did not see
+    has no phase split either, and its table read "the traces' complete profiler steps" (a compiled step function's,
+    a new-user trial). (Not ``excluded``: a trace's steps leave out a window's last where it may be cut.)"""
+    from msgspec import UNSET
+
     per = section.per_rank
-    return bool(per) and all(st.count and not st.phases_p50_ms and not st.excluded for st in per.values())
+    return bool(per) and all(st.count and not st.phases_p50_ms and st.gc_ms_total is UNSET for st in per.values())
 
 
 def steps_title(section: StepsSection) -> str:

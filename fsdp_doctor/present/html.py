@@ -21,7 +21,7 @@ from ..report_sections import (Finding, MemorySection, OverlapSection, Report, S
                                ThroughputSection, TraceUnitRow, UnitRow, Verdict)
 from . import figures as F
 from .fmt import (fix_heading, fixes_note, problem_text, comm_unit_rows, comm_units_title, overlap_rank_rows,
-                  slack_note, COMM_UNITS_HEADER, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, SEVERITY_COLORS, STEPS_HEADER,
+                  left_out_note, slack_note, COMM_UNITS_HEADER, MEMORY_UNITS_HEADER, OUTLIERS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE, SEVERITY_COLORS, STEPS_HEADER,
                   THROUGHPUT_HEADER, TRACE_MEMORY_HEADER, TRACE_UNITS_HEADER, VERDICT_HEADER, comm_headline, findings_headline, fmt_bytes, fmt_ms,
                   fmt_checkpoint, fmt_unit_figures, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
@@ -248,7 +248,8 @@ def render_html(report: Report | dict) -> str:
         ("Communication", ov and ov.per_rank and (lambda: _overlap_ranks_table(ov)), F.unit_exposure_figure,
          ov and ov.per_unit, "No profiler traces: per-unit overlap needs a profiled window.",
          lambda: _comm_units_table(ov, [u.name for u in report.units or []]) + "".join(
-             f"<p class='note'>{_esc(n)}</p>" for n in (slack_note(ov), unit_exposed_note(ov)) if n)),
+             f"<p class='note'>{_esc(n)}</p>" for n in (left_out_note(ov), slack_note(ov), unit_exposed_note(ov))
+             if n)),
         (None, None, F.unit_timing_figure, report.unit_rows(), None, None),
     ]
     bundle = partial_plotlyjs()

@@ -10,7 +10,7 @@ from rich.text import Text
 from ..report_sections import CommUnitRow, OverlapSection
 from .fit import Col, fitted_table
 from .fmt import (COMM_UNITS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE,  # one convention: fmt.py
-                  comm_unit_rows, comm_units_title, overlap_rank_rows, slack_note, unit_exposed_note)
+                  comm_unit_rows, comm_units_title, left_out_note, overlap_rank_rows, slack_note, unit_exposed_note)
 
 TOP_UNITS = 15
 
@@ -53,6 +53,9 @@ def render_overlap(section: OverlapSection | dict, top: int = TOP_UNITS, skipped
     parts = []
     if sec.per_rank:
         parts.append(_rank_table(sec, width))
+        left_out = left_out_note(sec)
+        if left_out:
+            parts.append(Text(left_out, style="dim"))
     else:
         parts.append(Text("No traces could be analysed.", style="bold red"))
     if sec.per_unit:

@@ -354,6 +354,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.exposed_us += o["exposed_us"]
         pr.steps = sorted(set(pr.steps) | set(w.steps))
         pr.step_count += len(w.steps)
+        pr.steps_left_out = {**pr.steps_left_out, **{str(n): why for n, why in w.steps_dropped.items()}}
         pr.step_times_ms.update({str(n): us / 1e3 for n, us in w.step_us.items()})
         pr.step_exposed_ms.update({str(n): us / 1e3 for n, us in step_exposed_us(w).items()})
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided

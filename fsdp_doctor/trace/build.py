@@ -5,9 +5,12 @@ Semantics (see the module docstring of ``analysis`` for the metrics):
 
 * Time is in µs (float64) on the trace's own clock. Traces whose ``ts`` are integer nanoseconds
   (``displayTimeUnit: "ns"`` with integer timestamps, or timestamps too large to be µs) are divided by 1000.
-* Complete steps, as HTA does it: when a window has two or more ``ProfilerStep#N`` markers, the last step is
-  dropped. On GPU, a device event is kept when its launch (the CPU event with the same ``correlation``)
-  started before the last step's start; on CPU, an event is kept when it starts before it.
+* Complete steps (``window_steps``): of a window's two or more ``ProfilerStep#N`` markers, the last is kept where it
+  is known whole: it holds an optimizer.step() and, on GPU, a device-wide synchronize (torch.profiler's own as it
+  stops) began after the window's last launch of device work, so none of it ran past the trace. Elsewhere it is
+  dropped as HTA does (HTA always drops it): on GPU a device event is then kept when its launch (the CPU event with
+  the same ``correlation``) started before the last step's start; on CPU, an event is kept when it starts before it.
+  A kept last step ends at its marker's end, and so does what the window reads.
 * GPU classes follow HTA 0.5.0: communication ``^nccl.*Kernel``; memory ``^Memcpy|^Memset|^dma``; compute:
   every other device event except names containing ``Sync`` or ``Memcpy``.
 * The verdict's timeline (``window``, ``gpu_busy``, ``other_dev``, ``host_wait``, ``outside``): the analysis
@@ -233,6 +236,8 @@ _SPECIAL_FIRST = frozenset("FPeOcha")  # first letters of the special names: a c
 SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
                         "hipDeviceSynchronize", "hipStreamSynchronize", "hipEventSynchronize",
                         "aten::item", "aten::_local_scalar_dense"})
+# of those, the ones that wait for all the device's work (torch.profiler calls one as it stops a trace)
+DEVICE_SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "hipDeviceSynchronize"})
 # norm operators: a collective no FSDP unit issued from inside one is a gradient norm's reduction (a DTensor norm
 # all-reduces its shards' partial norms: clip_grad_norm_'s total norm, torchtitan's clipping), which clipping needs
 GRAD_NORM_OPS = frozenset({"aten::linalg_vector_norm", "aten::norm", "aten::_foreach_norm", "aten::frobenius_norm"})
@@ -280,6 +285,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     launches = _Launches()
     special = _Special()
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
+    device_syncs: list[float] = []  # the starts of those that wait for the whole device (DEVICE_SYNC_NAMES)
     norms: list[tuple[float, float]] = []  # (ts, dur) of the host's norm operators (GRAD_NORM_OPS)
     # the [memory] instants: ts, total, device type, id, the block's bytes (negative: a free) and address (-1:
     # not given)
@@ -371,6 +377,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 if n in SYNC_NAMES:
                     if e.ts is not None and e.dur is not None:
                         syncs.append((e.ts, e.dur))
+                        if n in DEVICE_SYNC_NAMES:
+                            device_syncs.append(e.ts)
                 elif n in GRAD_NORM_OPS:
                     if e.ts is not None and e.dur is not None:
                         norms.append((e.ts, e.dur))
@@ -396,7 +404,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
         raise TraceError(f"implausible duration: an event lasts {dmax * scale / 3.6e9:.3g} h (longer than a day); "
                          "not analysed")
 
-    # ---- profiler steps and the cut at the last step's start ----
+    # ---- profiler steps and the cut: at the last step's start, or its end where it is known whole ----
+    lpos = launches.positions(np.frombuffer(gpu.corr, dtype=np.int64))  # each device event's launch (-1: none)
+    gpu.corr = None
     sp_ts, sp_end, sp_name, sp_thread = special.arrays()
     sp_ts, sp_end = sp_ts * scale, sp_end * scale
     step_of = {i: int(m.group(1)) for i, nm in enumerate(special.names)
@@ -407,7 +417,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     ws = window_steps(((step_of[i], a, b) for i, a, b in zip(sp_name[sel].tolist(), sp_ts[sel].tolist(),
                                                              sp_end[sel].tolist())),
                       list(zip(sp_ts[opt_at].tolist(), sp_end[opt_at].tolist())), sp_ts[fw_at].tolist(),
-                      float(sp_end.max(initial=0.0)))
+                      float(sp_end.max(initial=0.0)),
+                      unsettled_launch(launches.ts_at(lpos) * scale, [t * scale for t in device_syncs]))
     steps, step_end, cutoff, kept_steps, from_optimizer = ws.starts, ws.ends, ws.cutoff, ws.kept, ws.from_optimizer
 
     # the FSDP labels before the cut, and the phase boundaries among them
@@ -427,7 +438,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     optimizer_steps = iv.union(sp_ts[opt], sp_end[opt])
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
-                      steps=kept_steps, rank_known=rank_known, backend=dist.backend if dist is not None else None,
+                      steps=kept_steps, steps_dropped=ws.dropped, rank_known=rank_known,
+                      backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward,
                       world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True)
     bounds = ws.bounds
@@ -465,7 +477,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
         del mts, mv, mdt, mdid, mnb, maddr
     del mem
     if gpu_window:
-        _build_gpu(win, gpu, launches, index, phases, scale, cutoff, spans)
+        _build_gpu(win, gpu, lpos, launches, index, phases, scale, cutoff, spans)
     else:  # the host events, read again (a streamed trace: in full, so that _Shapes has their args)
         events = [e for b in trace.batches(full=True) for e in b] if streamed else trace.traceEvents
         host = [e for e in events if e.dur is not None and e.ts is not None and e.cat is not None
@@ -522,23 +534,60 @@ def _roots_per_forward(ts: list[float], is_bwd: list[bool], t0: float,
 
 
 class WindowSteps(NamedTuple):
-    """A window's steps (``window_steps``): every step's start and end as marked, the cut at the last step's start
-    (inf: one step, kept whole), the complete steps kept, and each kept step's (start, end) where a kept step ends
-    where the next one starts (the last kept at the cut)."""
+    """A window's steps (``window_steps``): every step's start and end as marked, the cut (the last step's start
+    where it is dropped, its end where it is kept; inf: one step, kept whole), the complete steps kept, each kept
+    step's (start, end) where a kept step ends where the next one starts (the last kept at the cut), whether the
+    steps came from optimizer.step() calls, and the step dropped with why (none from optimizer.step() calls: their
+    last is what ran after the last call, no step)."""
     starts: dict
     ends: dict
     cutoff: float
     kept: list
     bounds: dict
     from_optimizer: bool
+    dropped: dict
+
+
+#: True reproduces HTA 0.5.0's rule (the last of two or more steps always dropped), for comparing with its figures
+#: (tests/test_trace_hta.py); False keeps a last step known whole (``window_steps``)
+HTA_LAST_STEP = False
+NO_OPTIMIZER_STEP = "no optimizer.step() in it: the profiler may have stopped it mid-step"
+DEVICE_UNSETTLED = "its device work may run past the trace: no device-wide sync after its last launch"
+
+
+def unsettled_launch(launch_ts: np.ndarray, device_syncs: list[float]) -> float:
+    """The last launch of device work that no later device-wide synchronize waited for (``launch_ts``: each device
+    event's launch time, NaN where the trace holds none; ``device_syncs``: the starts of the host's
+    DEVICE_SYNC_NAMES calls); -inf where there is none: a host-only trace, or all its device work known done."""
+    launched = launch_ts[~np.isnan(launch_ts)]
+    if not launched.size:
+        return -math.inf
+    last = float(launched.max())
+    return -math.inf if any(t >= last for t in device_syncs) else last
+
+
+def _last_step_cut(start: float, end: float, opt: list[tuple[float, float]], unsettled: float) -> Optional[str]:
+    """Why the last of a window's steps ([start, end) as marked) may be cut, None where it is known whole: it holds an
+    optimizer.step() (``opt``: their labels' (start, end)), which a step the profiler stopped early (at its exit,
+    after an exception, the doctor's stop mid-window) lacks, and no device work launched in it may still have been
+    running when the trace stopped (``unsettled``: ``unsettled_launch``)."""
+    if HTA_LAST_STEP:
+        return "the last step, as HTA drops it"
+    if not any(start <= a and b <= end for a, b in opt):
+        return NO_OPTIMIZER_STEP
+    if unsettled >= start:
+        return DEVICE_UNSETTLED
+    return None
 
 
 def window_steps(markers: Iterable[tuple[int, float, float]], opt: list[tuple[float, float]],
-                 forwards: list[float], end: float) -> WindowSteps:
+                 forwards: list[float], end: float, unsettled: float = -math.inf) -> WindowSteps:
     """The steps of one window, as the report (trace.build) and compare's per-op times (trace.ops) both read them:
     ``markers`` the ``ProfilerStep#N`` events' (N, start, end) (a marker on several threads: its earliest start and
     latest end); without any, the optimizer.step() calls' (``steps_from_optimizer`` of ``opt``, ``forwards``,
-    ``end``). Two or more steps: the last one is dropped as HTA does (it ends where the profiler stopped)."""
+    ``end``). Of two or more steps the last is kept where it is known whole (``_last_step_cut``; ``unsettled``:
+    ``unsettled_launch``), else dropped as HTA drops it (on GPU its device work may run past the end of the trace),
+    with why; steps from optimizer.step() calls always drop their last (what ran after the last call: no step)."""
     starts: dict[int, float] = {}
     ends: dict[int, float] = {}
     for n, a, b in markers:
@@ -548,12 +597,18 @@ def window_steps(markers: Iterable[tuple[int, float, float]], opt: list[tuple[fl
     if from_optimizer:  # no ProfilerStep markers (a whole-run profile): optimizer.step() delimits the steps
         for n, (a, b) in steps_from_optimizer(opt, forwards, end).items():
             starts[n], ends[n] = a, b
-    cutoff, kept = math.inf, sorted(starts)
+    cutoff, kept, dropped = math.inf, sorted(starts), {}
     if len(starts) >= 2:
-        cutoff = max(starts.values())
+        last = max(starts, key=lambda n: (starts[n], n))
+        # (from optimizer.step() calls the last runs from the last call to the trace's end: no step, as what came
+        # before the first call is none)
+        why = "" if from_optimizer else _last_step_cut(starts[last], ends[last], opt, unsettled)
+        cutoff = starts[last] if why is not None else ends[last]
         kept = [n for n in kept if starts[n] < cutoff]
+        dropped = {n: why for n in sorted(starts) if n not in kept} if why else {}
     nxt = [starts[n] for n in kept[1:]] + [cutoff if cutoff != math.inf else ends[n] for n in kept[-1:]]
-    return WindowSteps(starts, ends, cutoff, kept, {n: (starts[n], e) for n, e in zip(kept, nxt)}, from_optimizer)
+    return WindowSteps(starts, ends, cutoff, kept, {n: (starts[n], e) for n, e in zip(kept, nxt)}, from_optimizer,
+                       dropped)
 
 
 def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],
@@ -562,7 +617,7 @@ def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],
     schedule; the profiler around the whole loop), from its optimizer.step() calls: ``opt`` their labels' (start,
     end), ``forwards`` the starts of ``FSDP::root_pre_forward``. Step i runs from the i-th optimizer step's end to
     the next one's (several optimizers' steps with no forward between them end one step); the last runs to ``end``
-    and is dropped as the last ``ProfilerStep`` is, and what came before the first end (the profiler started
+    and is always dropped (no optimizer.step() ends it: the profiler stopped in it), and what came before the first end (the profiler started
     mid-step) is no step. {i: (start, end)}; {} for fewer than 2 ends (no complete step). Read as one step, a
     window of 5 steps had 5 reduce-scatters per unit "per step": gradient accumulation found where there was
     none."""
@@ -693,7 +748,9 @@ def _follow_the_device(win: WindowTrace, ts, te, lts, cutoff: float) -> None:
     the device idle (the earlier work is not the window's) and cut off the end of the window's own work. It moves
     by that lag (``device_lag_us``): from when the device is done with the earlier work, or starts the window's own
     if sooner, to as late as the window's own work runs, but no later than the host span moved by the lag (after
-    it the device runs the next step's work, which is not the window's)."""
+    it the device runs the next step's work, which is not the window's); where the trace holds none of a next step's
+    work (its last step kept, or its one step), to the host span moved by the lag: the device's idle tail is the
+    step's, as the host's time is, and the steps' times add up to the window."""
     if win.window is None or not ts.size:
         return
     w0, w1 = win.window
@@ -709,7 +766,8 @@ def _follow_the_device(win: WindowTrace, ts, te, lts, cutoff: float) -> None:
     if lag <= 0:
         return
     win.device_lag_us = lag
-    win.window = (w0 + lag, min(w1 + lag, max(w1, float(te[own].max()))))
+    nxt = (lts >= cutoff).any()  # a next step's work (NaN compares False)
+    win.window = (w0 + lag, min(w1 + lag, max(w1, float(te[own].max()))) if nxt else w1 + lag)
 
 
 def _gpu_timeline(win: WindowTrace, ts, te, lts, classified) -> None:
@@ -814,14 +872,14 @@ class _Launches:
         return out
 
 
-def _build_gpu(win, dev: _DeviceEvents, launches: _Launches, index, phases, scale, cutoff, spans=None):
+def _build_gpu(win, dev: _DeviceEvents, lpos: np.ndarray, launches: _Launches, index, phases, scale, cutoff,
+               spans=None):
     """The device timeline, the collective calls and (with ``spans``: each unit's forward and backward,
-    fsdp_doctor.trace.steps_detail) the units' device times. It consumes ``dev``, ``launches`` and ``spans``: their
-    largest arrays are released as soon as read, so that a window of millions of events holds few copies at once."""
-    # each device event's launch time (NaN: no launch); with a step cut, launches at or after the last step's
-    # start do not count, and neither do the device events they launched
-    lpos = launches.positions(np.frombuffer(dev.corr, dtype=np.int64))
-    dev.corr = None
+    fsdp_doctor.trace.steps_detail) the units' device times (``lpos``: each device event's launch's position in
+    ``launches``, -1 where none). It consumes ``dev``, ``launches`` and ``spans``: their largest arrays are released
+    as soon as read, so that a window of millions of events holds few copies at once."""
+    # each device event's launch time (NaN: no launch); with a step cut, launches at or after the cut do not count,
+    # and neither do the device events they launched
     # the collectives' launches (time in the trace's unit, thread) by their position in dev, read before the
     # launches are released; every collective is among comm_pos, in order
     comm_pos = np.frombuffer(dev.comm_pos, dtype=np.int64)

@@ -44,6 +44,8 @@ class WindowTrace:
     device: str  # "gpu" | "cpu"
     world_size: Optional[int]
     steps: list[int]  # complete steps analysed
+    # the window's step left out of them -> why (trace.build.window_steps: its last, where it may be cut)
+    steps_dropped: dict = field(default_factory=dict)
     step_us: dict = field(default_factory=dict)  # complete step -> its wall time (its start to the next step's)
     comm: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of communication
     compute: iv.Intervals = field(default_factory=lambda: iv.EMPTY)  # union of compute

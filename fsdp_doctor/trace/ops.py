@@ -2,7 +2,7 @@
 two plain-trace runs needs beyond the overlap section (``fsdp_doctor.analyze.compare``).
 
 Per file (one rank's window): the complete steps, as the report reads them (``trace.build.window_steps``:
-``ProfilerStep#N`` markers, the last one dropped as HTA does when there are two or more, a step ending where the
+``ProfilerStep#N`` markers, the last of two or more dropped as HTA does where it may be cut, a step ending where the
 next starts; without markers the optimizer.step() calls) give the step durations; within them every kernel (a device
 event, placed in the phase its launch was issued in) and every operator (``cpu_op``, self time: its nested operators
 taken out) is summed by (phase, kind, name). Phases follow FSDP2's labels: ``forward`` from
@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
+
 from ..fsdp_labels import parse_label
-from .build import OPTIMIZER_PREFIX, OPTIMIZER_STEP_PREFIX, STEP_RE, window_steps
+from .build import DEVICE_SYNC_NAMES, OPTIMIZER_PREFIX, OPTIMIZER_STEP_PREFIX, STEP_RE, unsettled_launch, window_steps
 from .reader import TraceError, decode
 
 #: the operator autograd's engine wraps each backward function in ("autograd::engine::evaluate_function: MmBackward0")
@@ -74,6 +76,8 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     optim_names: list[str] = []
     launches: dict[int, float] = {}
     autograd: list[float] = []  # the starts of autograd's backward functions
+    device: list[int] = []  # the device events' correlations
+    device_syncs: list[float] = []  # the starts of the host's device-wide syncs
     ints, top, any_event = True, 0, False
     for e in _events(trace):
         n, a = e.name, e.args
@@ -96,8 +100,12 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
                 bounds.append((e.ts, "backward"))
             elif lab.kind.endswith("_prefetch"):  # "FSDP::forward_prefetch for layers.1"
                 prefetched.setdefault(lab.kind[: -len("_prefetch")], set()).add(lab.fqn)
+        elif n in DEVICE_SYNC_NAMES:
+            device_syncs.append(e.ts)
         if a is not None and a.correlation is not None and a.stream is None and e.cat == "cuda_runtime":
             launches[a.correlation] = e.ts
+        elif a is not None and a.correlation is not None and a.stream is not None and e.cat not in (None, "Trace"):
+            device.append(a.correlation)
     dist = trace.distributedInfo  # (a streamed trace's, if written after the events, is known once a pass ended)
     rank = dist.rank if dist is not None and dist.rank is not None else None
     # integer-nanosecond timestamps (as the trace model reads them): "ns" display unit (a streamed trace knows it
@@ -109,7 +117,9 @@ def _file_times(path: Path, prefetched: dict[str, set[str]]) -> tuple[int | None
     # the report's steps (trace.build reads them so): a kept step ends where the next starts
     ws = window_steps(((n, a * scale, b * scale) for n, a, b in markers),
                       [o for o, nm in zip(optim, optim_names) if nm.startswith(OPTIMIZER_STEP_PREFIX)],
-                      [t for t, ph in bounds if ph == "forward"], top * scale)
+                      [t for t, ph in bounds if ph == "forward"], top * scale,
+                      unsettled_launch(np.array([launches.get(c, math.nan) for c in device], dtype=float),
+                                       [t * scale for t in device_syncs]))
     kept = ws.kept
     if not kept:
         return rank, [], {}, 0
