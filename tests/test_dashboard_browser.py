@@ -482,7 +482,7 @@ def test_filters_live_in_the_url_and_every_page_applies_them(browser, serve, tmp
     driver.get(base + "/communication?steps=10-20")
     note = _wait(driver, lambda d: _text(d, "comm-step-note"), what="comm step note")
     assert "outside the selected steps 10–20" in note
-    assert "step 6" in note
+    assert "steps 6, 7" in note  # (the sample's window: steps 6 and 7, its last complete step kept)
 
     # the unit dropdown: every option visible at once, "all units" not under the search box; selecting a unit
     # narrows the communication KPIs to its collectives; the clear button removes the filter
