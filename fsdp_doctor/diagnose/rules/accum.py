@@ -90,8 +90,8 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         # FSDP2 then accumulates the unsharded gradients between micro-batches (in the reduce dtype), and holds no
         # sharded ones until the last micro-batch reduce-scatters them: those the peak held go (a new-user trial:
         # +7.8% over the measured peak without them, exact with them; the matrix's GPT row +9.8%, now +0.6%)
-        # Where the peak is a trace's (one total), every shard is taken as held at it: the most the fix adds at any
-        # point of the step. Without a unit snapshot (a plain trace), the reduce-scatters' sizes (a new-user trial's
+        # Where the peak is a trace's (one total), every shard is taken as held at it (an estimate: which shards it
+        # held the trace does not say, and a CPU trace's peak moves by a unit's reduce-scatter buffer). Without a unit snapshot (a plain trace), the reduce-scatters' sizes (a new-user trial's
         # plain trace read no figure, and the fix's peak rose 2.79 MiB unwarned; a 2-rank GPT's: +0.90 MiB measured,
         # +1.02 MiB predicted)
         if by_name:
