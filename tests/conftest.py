@@ -28,6 +28,23 @@ def pytest_configure(config):
     multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
 
 
+#: the long tier (marker ``long``: ``make test-long``, which CI runs after ``make test``): the tests that read the
+#: scenario matrix (its 119 rows' runs and fix reruns), torchtitan's (its llama3 under parallelize_llama, its
+#: Trainer under torchrun), the Hugging Face Trainer's and accelerate's plugin runs, and the browser's. They took
+#: 573 of the suite's 1,394 s on a slow host of this 2-core kind (2026-12-02), which ran it in 23 min: ``make test``
+#: keeps the rest under the 15 minutes it is given. Marked here, where a new test that reads one of these fixtures
+#: joins the tier by itself (the matrix runs only for the rows its selected tests read: none under ``make test``)
+LONG_FIXTURES = frozenset({"matrix", "trainer_run", "trainer_fixes_run", "accelerate_fixes_run"})
+LONG_FILES = frozenset({"test_titan.py", "test_titan_trainer.py"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.get_closest_marker("browser") is not None or item.path.name in LONG_FILES
+                or LONG_FIXTURES.intersection(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.long)
+
+
 def child_pythonpath(*first: str | Path) -> str:
     """PYTHONPATH for a child process of this interpreter: ``first`` (this tree), then the caller's own
     PYTHONPATH, kept: on the GPU machine the dependencies are there (``--target /tmp/site``, no .venv), and a

@@ -42,7 +42,16 @@ NOISE = frozenset({"straggler.rank", "straggler.intermittent", "straggler.trace"
 # budget checkpointing cannot meet (gpt_tight_capacity: 14.9 MB predicted and measured for 12 MiB), the peak left
 # has no dominant category once the block in backward counts as gathered (its 793 KB no longer temporaries), and
 # memory.near_capacity_spread names the next lever, the units kept gathered after forward
-UNCOVERS = {"wrap.root_not_sharded": {"wrap.params_in_root"}, "ac.recommended": {"memory.near_capacity_spread"}}
+# wrap.too_fine's blocks shorten the step (gpt_leaf: 328 -> 194 ms) while the last unit of forward, the run's own
+# lm_head unit the plan keeps as it was, waits as long as before for its backward all-gather (5.5 and 4.2 ms): the
+# same wait becomes a larger share of the step, and reshard.last_unit, under 1% of it before on a loaded host (CI),
+# says it past 2% after
+UNCOVERS = {"wrap.root_not_sharded": {"wrap.params_in_root"}, "ac.recommended": {"memory.near_capacity_spread"},
+            "wrap.too_fine": {"reshard.last_unit"},
+            # full checkpointing's peak (gpt_sac_tight: 14.9 MB of a 22.6 MB budget, 66%) leaves room for the last
+            # block's activations, freed as its backward starts: ac.fewer_units offers them, its severity the share
+            # of the step its 9 ms recompute is (4%, info, idle; past 5%, a warning, on a loaded host)
+            "ac.selective_to_full": {"ac.fewer_units"}}
 # findings that say "memory to spare: spend it on speed", an opportunity and never a harm: a fix that lowers the
 # peak uncovers them (the bf16 model of optim.state_dominates leaves room for ZeRO-2 where the tight budget had
 # none), and after ac.unneeded's fix the headroom left is still offered (its severity follows the time saved,
