@@ -1126,6 +1126,7 @@ def test_a_checkpointing_fix_is_checked_only_where_b_went_its_way():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_gradient_sync_turned_off_for_all_but_the_last_micro_batch_is_a_configuration_change(tmp_path):
     """Gradient accumulation reduce-scattering every micro-batch (A, accum.sync_every_micro_batch) against the same
     run with the finding's fix, set_requires_gradient_sync(is_last_micro_batch) (B): compare read "no configuration

@@ -773,6 +773,7 @@ def test_gradients_the_optimizer_does_not_free_are_counted_where_their_unit_has_
         assert analyze_memory(run).per_rank[str(r)].steady_bytes["sharded_grads"] == _BLOCK_GRAD_SHARD
 
 
+@pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_float32_reduction_predicts_the_float32_reduce_scatter_input(tmp_path):
     """bf16 compute reducing in bf16, no accumulation (the trial's blocks): numerics.reduce_dtype predicted "peak
     unchanged" (only unsharded gradients, none at the peak, were scaled), and its fix, pasted, raised the peak by the

@@ -166,6 +166,7 @@ def _four(tmp_path, name: str, fix: str = ""):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_a_one_dim_sub_mesh_gets_uncombined_groups_and_fixes_that_keep_its_mesh(tmp_path):
     """The trial's slip, planted: mesh2["shard"] of a (2, 2) mesh. mesh.uncombined_groups warns with the numbers
     (4 ranks, 2 groups of 2), and its fix (a 2-D mesh, HSDP), pasted, makes the groups' replicas agree (ranks 0 and

@@ -240,6 +240,7 @@ def _ag_per_step(report) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_real_run_wrong_order_found_and_its_fix_restores_one_gather_per_unit(tmp_path):
     """2 gloo ranks, a root and four blocks with the trial's lists: the finding fires with the trace's extra
     all-gathers; its printed fix, pasted after the user's lists, leaves one all-gather per unit and pass (the root

@@ -456,7 +456,7 @@ def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.long  # (4 ranks of a transformers model: the long tier's, conftest.LONG_FIXTURES)
+@pytest.mark.long  # (4 ranks of a transformers model: the long tier's, tests/conftest.py)
 def test_transformers_own_sharding_fix_runs_after_from_pretrained(tmp_path_factory):
     """A model transformers sharded itself (from_pretrained with DistributedConfig(tp_size=2, fsdp_size=2), 4 ranks;
     its fsdp_plan cut the units): the run says so (sharded_by "transformers", its version) and records its
