@@ -348,6 +348,29 @@ def test_a_foreign_file_named_like_a_rank_does_not_push_out_its_traces(tmp_path,
     assert "no trace of rank 1" not in out and "4 trace files" in out, out
 
 
+def test_a_foreign_file_named_like_a_rank_without_traces_of_its_own_is_left_out(tmp_path, capsys):
+    """The foreign one-event file named like rank 1 beside rank 0's traces alone (rank 1 not profiled): it was kept as
+    rank 1, said nowhere ("2 trace files" over a table of rank 0 only). It holds neither a profiler step nor an FSDP2
+    collective where another file does: left out in one line, rank 0 analysed as without it."""
+    from trace_fixtures import gloo_known_trace
+
+    from fsdp_doctor import cli
+
+    (tmp_path / "rank0.179615690.pt.trace.json").write_text(
+        json.dumps(gloo_known_trace(rank=0, steps=(2, 3)).document()))
+    (tmp_path / FOREIGN.name).write_bytes(FOREIGN.read_bytes())
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [
+        (FOREIGN.name, "not a trace of this run (no profiler step, no FSDP2 collective); skipped")]
+    assert sorted(r.per_rank) == ["0"]
+    alone = analyze_traces([tmp_path / "rank0.179615690.pt.trace.json"])
+    assert r.per_rank["0"].exposed_us == alone.per_rank["0"].exposed_us > 0
+    assert cli.main(["analyze", str(tmp_path)]) == cli.EXIT_PARTIAL
+    out = capsys.readouterr().out
+    assert "1 trace file · 1 left out" in out and "2 trace files" not in out, out
+    assert f"skipped: {FOREIGN.name}: not a trace of this run (no profiler step, no FSDP2 collective)" in out
+
+
 def test_two_files_of_one_rank_without_a_time_are_not_said_to_share_a_time_span(tmp_path):
     """Two files of rank 1 with no time span to compare (nothing on a main thread): one is left out as rank 1 again,
     but not for "the same time span" (it read so, their spans unknown)."""

@@ -149,11 +149,16 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
                               "without fully_shard?); skipped")
     # a file with neither a profiler step nor an FSDP2 collective beside files of its rank that hold them is no trace
     # of the run (a new-user trial's one-event file named rank1.100.pt.trace.json, sorted first, was kept as rank 1
-    # and both of rank 1's real files skipped as "rank 1 again"); a rank's only file may hold part of a step
+    # and both of rank 1's real files skipped as "rank 1 again"); a rank's only file may hold part of a step (FSDP2's
+    # labels around operators without a profiler step), but one with no collective and nothing on its main thread,
+    # beside other ranks' files that hold the run, is none (that file beside rank 0's alone was kept as rank 1, said
+    # nowhere: "2 trace files" over a table of rank 0)
     held = {i: _holds_the_run(windows[i]) for i in order if i not in skipped}
     ranks_held = {windows[i].rank for i, has in held.items() if has}
     for i, has in held.items():
-        if not has and windows[i].rank in ranks_held and not part(i):
+        w = windows[i]
+        if not has and not part(i) and (w.rank in ranks_held
+                                        or (ranks_held and not w.calls and w.span[1] <= w.span[0])):
             skipped[i] = "not a trace of this run (no profiler step, no FSDP2 collective); skipped"
 
     # a folder profiled into again: the rerun's files beside the first run's (a new-user trial's rerun with a fix was
