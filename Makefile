@@ -69,9 +69,10 @@ browser-deps:
 # (as on this machine) each would compile this tree's modules again (up to 0.7 s a process); compiled once first.
 COMPILE_TREE := $(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchmarks > /dev/null
 
-# `make test`: the suite but its long tier (tests marked `long`, tests/conftest.py: the scenario matrix, torchtitan,
-# the HF Trainer, accelerate's plugin, the browser), within the 15 minutes it is given on this 2-core kind of host;
-# `make test-long`: that tier. CI (.ci/run) runs both, then `make test-compat`.
+# `make test`: the suite but its long tier (tests marked `long`, tests/conftest.py: the scenario matrix, the other
+# fixes pasted and rerun, torchtitan, the HF Trainer, accelerate's plugin, the browser), within the 15 minutes it is
+# given on this 2-core kind of host; `make test-long`: that tier. CI (.ci/run) runs both, then `make test-compat`.
+# (benchmarks/suite_cost.py: what each test costs.)
 test: setup
 	@$(COMPILE_TREE)
 	$(VPY) -m pytest -q -m "not long"

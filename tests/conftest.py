@@ -32,7 +32,7 @@ def pytest_configure(config):
 #: scenario matrix (its 119 rows' runs and fix reruns), torchtitan's (its llama3 under parallelize_llama, its
 #: Trainer under torchrun), the Hugging Face Trainer's and accelerate's plugin runs, the browser's, and the other
 #: planted problems whose fix is pasted and rerun in a second real run (these files, and single tests marked
-#: ``long`` where they are). They took ~730 of the suite's 1,394 s on a slow host of this 2-core kind (2026-12-02),
+#: ``long`` where they are). They took 707 of the suite's 1,394 s on a slow host of this 2-core kind (2026-12-02),
 #: which ran it in 23 min: ``make test`` keeps the rest under the 15 minutes it is given. Marked here, where a new
 #: test that reads one of these fixtures joins the tier by itself (the matrix runs only for the rows its selected
 #: tests read: none under ``make test``)

@@ -399,6 +399,7 @@ def _constructed_snippets() -> list[list[str]]:
     return [[tree(s), c, s, where, list(inputs)] for _, c, s, where, inputs in _known_answer_findings(snippets=True)]
 
 
+@pytest.mark.long  # (the long tier, tests/conftest.py: every GPU rule's fix pasted and run on a model tree)
 def test_every_constructed_rule_snippet_runs_on_the_reference_gpt(tmp_path):
     import scenario_matrix as M
     from fsdp_doctor.diagnose import RULES

@@ -394,6 +394,7 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_hsdp_fix_keeps_the_users_2d_mesh(tmp_path_factory):
     """HSDP in a user's own code (a 2 x 2 ("replicate", "shard") mesh, the whole model one unit): the run records the
     2-D mesh, and wrap.too_coarse's fix reads it (its input "mesh") instead of defining a 1-D mesh over all 4 ranks,
@@ -417,6 +418,7 @@ def test_hsdp_fix_keeps_the_users_2d_mesh(tmp_path_factory):
             assert run["groups"] == [["all_gather", 2], ["all_reduce", 2], ["reduce_scatter", 2]], run["groups"]
 
 
+@pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):
     """Tensor parallelism beside FSDP in a user's own code (a ("dp", "tp") mesh of 2 x 2; torch's parallelize_module
     on an HF Llama's layers, then fully_shard(model, mesh=mesh["dp"]) alone). Watched, its losses are those of the
