@@ -363,15 +363,18 @@ def config_diff(a: Side, b: Side, read: Optional[set[str]] = None) -> list[Confi
     for k in JOB_KEYS:
         va, vb = getattr(ra, k, None), getattr(rb, k, None)
         va, vb = (None if v is UNSET else v for v in (va, vb))
-        read.update([k] if va is not None and vb is not None else [])
+        if va is not None and vb is not None:
+            read.add(k)
         if va != vb and (va is not None and vb is not None or k == "world_size"):
             out.append(ConfigChange(key=k, a=va, b=vb))
     ma, mb = _mesh(ra), _mesh(rb)
-    read.update(["mesh"] if ma is not None and mb is not None else [])
+    if ma is not None and mb is not None:
+        read.add("mesh")
     if ma is not None and mb is not None and ma != mb:  # (4 ranks 1-D against HSDP 2 x 2 read "no configuration
         out.append(ConfigChange(key="mesh", a=ma, b=mb))  # change" and its step time as the host's: a new-user trial)
     ga, gb = _gradient_sync(ra), _gradient_sync(rb)
-    read.update(["gradient_sync"] if ga is not None and gb is not None else [])
+    if ga is not None and gb is not None:
+        read.add("gradient_sync")
     if ga is not None and gb is not None and ga[1] != gb[1]:
         out.append(ConfigChange(key="gradient_sync", a=ga[0], b=gb[0]))
     ba, bb = _blocking(a), _blocking(b)
@@ -383,7 +386,8 @@ def config_diff(a: Side, b: Side, read: Optional[set[str]] = None) -> list[Confi
     if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting
         ua, ub = ({n: {} for n, v in u.items() if v or side.source == "trace"} for u, side in ((ua, a), (ub, b)))
-    read.update(["wrapping"] if ua and ub else [])
+    if ua and ub:
+        read.add("wrapping")
     if ua and ub and set(ua) != set(ub):
         # ("1 units" for a whole-model unit: a new-user trial's T5 root against its plan)
         a_n, b_n = (f"{len(u)} unit{'s' * (len(u) != 1)}" for u in (ua, ub))
@@ -406,7 +410,8 @@ def config_diff(a: Side, b: Side, read: Optional[set[str]] = None) -> list[Confi
     sa, sb = (_trainable_share(*(None if v is UNSET else v for v in (getattr(r, "model_trainable_param_count", None),
                                                                      getattr(r, "model_param_count", None))))
               for r in (ra, rb))
-    read.update(["trainable"] if sa is not None and sb is not None else [])
+    if sa is not None and sb is not None:
+        read.add("trainable")
     if not any(c.key == "trainable" for c in out) and sa is not None and sb is not None and sa != sb:
         out.append(ConfigChange(key="trainable", a=sa, b=sb))
     return out

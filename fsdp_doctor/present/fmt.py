@@ -13,6 +13,8 @@ import textwrap
 import tokenize
 from typing import NamedTuple, Optional
 
+from msgspec import UNSET
+
 from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, CommSummary, CommUnitRow, Finding,
                                MemorySection, Outlier, OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
@@ -457,8 +459,6 @@ def steps_traced(section: StepsSection) -> bool:
     (``gc_ms_total``), which a trace does not time: a recorded run whose forward and backward the doctor did not see
     has no phase split either, and its table read "the traces' complete profiler steps" (a compiled step function's,
     a new-user trial). (Not ``excluded``: a trace's steps leave out a window's last where it may be cut.)"""
-    from msgspec import UNSET
-
     per = section.per_rank
     return bool(per) and all(st.count and not st.phases_p50_ms and st.gc_ms_total is UNSET for st in per.values())
 
@@ -821,8 +821,6 @@ def memory_unit_rows(section: MemorySection) -> tuple[str, list[tuple[str, ...]]
 
 def memory_unit_cells(u) -> tuple[str, ...]:
     """One unit's row of the per-unit memory table (MEMORY_UNITS_HEADER's columns), in every view."""
-    from msgspec import UNSET
-
     return (unit_label(u.unit or ""), fmt_bytes(u.sharded_bytes), fmt_bytes(u.unsharded_bytes),
             fmt_bytes(None if u.activation_self_bytes is UNSET else u.activation_self_bytes),
             fmt_bytes(u.activation_bytes))
@@ -845,8 +843,6 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
     """What the header warns of: the traces of some ranks only, how some figures were measured (notes), and where the
     doctor stepped aside. How ranks stopped is one of the report's problems (store.reader.run_end_line), printed as
     the others are: the header told it in words of its own, the JSON not at all (a new-user trial)."""
-    from msgspec import UNSET
-
     out = []
     traced = run.trace_ranks if run.trace_ranks is not UNSET else None
     if traced and run.world_size and len(traced) < run.world_size and not run.steps_recorded:

@@ -617,8 +617,8 @@ def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],
     schedule; the profiler around the whole loop), from its optimizer.step() calls: ``opt`` their labels' (start,
     end), ``forwards`` the starts of ``FSDP::root_pre_forward``. Step i runs from the i-th optimizer step's end to
     the next one's (several optimizers' steps with no forward between them end one step); the last runs to ``end``
-    and is always dropped (no optimizer.step() ends it: the profiler stopped in it), and what came before the first end (the profiler started
-    mid-step) is no step. {i: (start, end)}; {} for fewer than 2 ends (no complete step). Read as one step, a
+    and is always dropped (no optimizer.step() ends it: the profiler stopped in it), and what came before the first
+    end (the profiler started mid-step) is no step. {i: (start, end)}; {} for fewer than 2 ends (no complete step). Read as one step, a
     window of 5 steps had 5 reduce-scatters per unit "per step": gradient accumulation found where there was
     none."""
     fw = sorted(forwards)

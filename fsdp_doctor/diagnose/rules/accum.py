@@ -91,9 +91,9 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         # sharded ones until the last micro-batch reduce-scatters them: those the peak held go (a new-user trial:
         # +7.8% over the measured peak without them, exact with them; the matrix's GPT row +9.8%, now +0.6%)
         # Where the peak is a trace's (one total), every shard is taken as held at it (an estimate: which shards it
-        # held the trace does not say, and a CPU trace's peak moves by a unit's reduce-scatter buffer). Without a unit snapshot (a plain trace), the reduce-scatters' sizes (a new-user trial's
-        # plain trace read no figure, and the fix's peak rose 2.79 MiB unwarned; a 2-rank GPT's: +0.90 MiB measured,
-        # +1.02 MiB predicted)
+        # held the trace does not say, and a CPU trace's peak moves by a unit's reduce-scatter buffer). Without a
+        # unit snapshot (a plain trace), the reduce-scatters' sizes (a new-user trial's plain trace read no figure,
+        # and the fix's peak rose 2.79 MiB unwarned; a 2-rank GPT's: +0.90 MiB measured, +1.02 MiB predicted)
         if by_name:
             unsharded = sum(E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name)
             shards = sum(E.grad_shard_bytes(by_name[u]) for u in counts if u in by_name)
