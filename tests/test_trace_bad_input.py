@@ -417,3 +417,16 @@ def test_of_one_ranks_two_files_the_one_with_steps_is_kept_whatever_the_names(tm
                                                        "rank1.9.json): two files of one rank are never summed; "
                                                        "skipped")]
     assert r.per_rank["1"].steps == [5, 6]
+
+
+def test_steps_a_skip_names_are_the_steps_held_not_a_range_over_their_gap(tmp_path):
+    """Two files of rank 1 that both hold profiled steps 2, 3, 7 and 8 (two windows each): the skip said "step 2–8
+    also in", naming steps 4-6 that neither file holds; it names the runs of steps, as the report does elsewhere."""
+    units = {n: ["", "layers.0"] for n in (2, 3, 7, 8)}
+    for name, rank in (("rank0.json", 0), ("rank1.json", 1), ("rank1.b.json", 1)):
+        _units_trace(rank, units, world_size=2).write(tmp_path / name)
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [
+        ("rank1.json", "rank 1 again (steps 2–3, 7–8 also in rank1.b.json): two files of one rank are never summed; "
+                       "skipped")]
+    _one_line(r.skipped)

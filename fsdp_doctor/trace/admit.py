@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..report_sections import SkippedFile
-from ..units import list_item, printable, unit_label
+from ..units import list_item, printable, steps_phrase, unit_label
 from .model import OTHER_UNIT, WindowTrace
 
 # the ranks of one job start a step within this of each other (clocks of one cluster). Not less: a rank that saves
@@ -135,7 +135,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         for i, c in counts.items():
             why = _counts_differ(c, main, len(steps))
             if why:
-                skipped[i] = f"another job (its step{'s' * (len(steps) > 1)} {_steps(list(steps))} {why}); skipped"
+                skipped[i] = f"another job (its {steps_phrase(steps)} {why}); skipped"
 
     # every rank of an FSDP job issues FSDP2's collectives (but a rank that may hold part of the model): a file with
     # none where the others have them is another run's, a plain DDP or single-process one (a new-user trial's FSDP
@@ -348,7 +348,7 @@ def _same_window(a: WindowTrace, b: WindowTrace, a_name: str) -> str:
     hold, the time span both cover, or no time to tell them apart; "" where they are two windows."""
     if a.steps and b.steps:
         shared = sorted(set(a.steps) & set(b.steps))
-        return f"step {_steps(shared)} also in {a_name}" if shared else ""
+        return f"{steps_phrase(shared)} also in {a_name}" if shared else ""
     sa, sb = _start_s(a), _start_s(b)
     if sa is None or sb is None:  # nothing tells them apart
         which = "either" if sa is None and sb is None else "it" if sb is None else a_name
@@ -356,10 +356,6 @@ def _same_window(a: WindowTrace, b: WindowTrace, a_name: str) -> str:
     ea = sa + (a.span[1] - a.span[0]) / 1e6
     eb = sb + (b.span[1] - b.span[0]) / 1e6
     return f"the same time span also in {a_name}" if sa <= eb and sb <= ea else ""
-
-
-def _steps(steps: list[int]) -> str:
-    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
 
 
 def _display_names(windows: list[WindowTrace]) -> list[str]:
