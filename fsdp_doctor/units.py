@@ -140,13 +140,18 @@ def fmt_pct(x) -> str:
     return MISSING if x is None else f"{x:.1f}%"
 
 
-def fmt_share(fraction, decimals: int = 0) -> str:
+def fmt_share(fraction, decimals: int = 0, under: float | None = None) -> str:
     """A share (0.43 of the step, of capacity) as a percent with ``decimals`` ("43%"), never "0%" or "100%" for one
     that is neither: there one decimal more ("0.4%", "99.6%"), or "<0.1%", ">99.9%". Every text that prints a
     measured share goes through it (a new-user trial: a peak at "0% of 1.00 GiB" in the memory lines and the quiet
-    reasons beside "0.4% of capacity" in ac.unneeded's title, the one that said it right)."""
+    reasons beside "0.4% of capacity" in ac.unneeded's title, the one that said it right). ``under``: a threshold
+    the share is below, said beside it: decimals are added (three at most) until the share reads under it
+    ("2.96% (fires from 3%)", where whole percents read "3% (fires from 3%)", a rule quiet at its own threshold)."""
     if fraction is None:
         return MISSING
+    if under is not None and fraction < under:
+        while decimals < 3 and round(100 * fraction, decimals) >= round(100 * under, decimals):
+            decimals += 1
     pct = 100 * fraction
     text = f"{pct:.{decimals}f}"
     if pct in (0, 100) or float(text) not in (0, 100):

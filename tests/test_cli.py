@@ -348,6 +348,20 @@ def test_a_folder_of_runs_is_one_line_naming_them(tmp_path):
     assert r.returncode == 0 and "reading the ones in" in r.stderr
 
 
+def test_a_quiet_share_never_reads_as_its_threshold():
+    """A rule quiet below its threshold said "3% (fires from 3%)" of a 2.96% share (whole-percent rounding): a
+    share said beside the threshold it is under gets the decimals that show it under (three at most)."""
+    from fsdp_doctor.diagnose.estimate import above_share, below_share
+    from fsdp_doctor.units import fmt_share
+
+    assert [fmt_share(x, under=0.03) for x in (0.0296, 0.02999, 0.029999, 0.024, 0.2, 0.004)] == \
+        ["2.96%", "2.999%", "3.000%", "2%", "20%", "0.4%"]
+    assert [fmt_share(x, 1, 0.05) for x in (0.0499, 0.04, 0.051)] == ["4.99%", "4.0%", "5.1%"]
+    assert below_share("activations", 59.7, 100, "the peak", 0.6) == \
+        "activations 60 B: 59.7% of the peak 100 B (fires from 60%)"
+    assert above_share("peak", 50.2, 100, "capacity", 0.5) == "peak 50 B: 50% of capacity 100 B (fires below 50%)"
+
+
 def test_a_share_under_one_percent_never_reads_zero(tmp_path):
     """The sample run with a 4 GiB budget (its peak 14.63 MiB: 0.36%): the memory lines and the quiet reasons read
     "0% of 4.00 GiB" while ac.unneeded's title said "0.4% of capacity" (a new-user trial). Every share goes through

@@ -444,7 +444,8 @@ def below_share(what: str, part: float, whole: float, of: str, threshold: float,
                 fires: str = "from") -> str:
     """"activations 8.03 MiB: 50% of the peak 16.13 MiB (fires from 60%)"; ``ms``: times, not bytes; ``fires``:
     "below" for a rule that fires under its threshold (``above_share``)."""
-    return (f"{what} {_bytes_or_ms(part, ms)}: {fmt_share(part / whole)} of {of} {_bytes_or_ms(whole, ms)} "
+    share = fmt_share(part / whole, under=threshold if fires == "from" else None)
+    return (f"{what} {_bytes_or_ms(part, ms)}: {share} of {of} {_bytes_or_ms(whole, ms)} "
             f"(fires {fires} {fmt_share(threshold)})")
 
 

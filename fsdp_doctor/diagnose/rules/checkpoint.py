@@ -90,7 +90,8 @@ class CheckpointBlocking(Rule):
         if setup and (rest := (c.ms_total - setup) / (c.wall_ms_total - setup)) < SHARE_NOTE:
             return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}), "
                               f"{setup:.0f} ms of it the first save's excess over the others' median (set-up, once a "
-                              f"process); the others {fmt_share(rest, 1)} (fires from {100 * SHARE_NOTE:.0f}%)")
+                              f"process); the others {fmt_share(rest, 1, SHARE_NOTE)} "
+                              f"(fires from {100 * SHARE_NOTE:.0f}%)")
         steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
         every = statistics.median(b - a for a, b in zip(c.steps, c.steps[1:])) if len(c.steps) > 1 else None
         per_step = c.ms_total / steps

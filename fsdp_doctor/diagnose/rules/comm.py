@@ -357,7 +357,8 @@ class NcclOnComputeStream(TraceRule):
         share = {r: (ms[r] / steps[r] if ms[r] is not None and steps[r] else 1.0) for r in bad}
         worst = max(share, key=share.get)
         calls = {r: f"{pr.comm_calls_on_compute_stream} of {pr.comm_calls}" for r, pr in sorted(bad.items())}
-        held = (f"{ms[worst]:.3f} ms of the {steps[worst]:.2f} ms step ({fmt_share(share[worst], 1)}, rank {worst})"
+        held = (f"{ms[worst]:.3f} ms of the {steps[worst]:.2f} ms step "
+                f"({fmt_share(share[worst], 1, ON_COMPUTE_STREAM_INFO_SHARE)}, rank {worst})"
                 if ms[worst] is not None and steps[worst] else f"rank {worst}")
         if share[worst] < ON_COMPUTE_STREAM_INFO_SHARE:
             return self.quiet(f"{calls[worst]} collectives on rank {worst} run on the compute stream, holding it "

@@ -77,8 +77,9 @@ class GcPauses(Rule):
         recurring = (st.gc_ms_total - largest) / st.wall_ms_total if st.wall_ms_total else 0.0
         if recurring < GC_SHARE_MIN and not (len(gc_out) >= GC_MIN_OUTLIERS and out_share >= GC_OUTLIER_SHARE_MIN):
             # no pattern: a single collection (or none of note)
-            return self.quiet(f"GC takes {fmt_share(share, 1)} of rank {rank}'s step time, {fmt_share(recurring, 1)} "
-                              f"without its largest pause (fires from {100 * GC_SHARE_MIN:.0f}%)"
+            return self.quiet(f"GC takes {fmt_share(share, 1)} of rank {rank}'s step time, "
+                              f"{fmt_share(recurring, 1, GC_SHARE_MIN)} without its largest pause "
+                              f"(fires from {100 * GC_SHARE_MIN:.0f}%)"
                               + (f", and explains {len(gc_out)} of {len(outliers)} outlier steps" if outliers else ""))
         per_step = st.gc_ms_total / st.count
         p50 = st.p50_ms
@@ -263,7 +264,8 @@ class DataWait(Rule):
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
             what = (f"time between optimizer.step() and the next forward{accum if top.clock == CLOCK_HOST else ''}"
                     if top.between else "time outside the model")
-            return self.quiet(f"{what} is at most {fmt_share(top.share)} of the step (rank {rank}"
+            return self.quiet(f"{what} is at most {fmt_share(top.share, under=OUTSIDE_SHARE_MIN)} of the step "
+                              f"(rank {rank}"
                               f"{on[top.clock]}; fires from {100 * OUTSIDE_SHARE_MIN:.0f}%)")
         if why := E.updated_between(ctx):  # (the time after optimizer.step() holds the model's own second pass)
             return self.quiet(f"{why}; the time outside the model holds that work, not data loading")
@@ -379,7 +381,8 @@ class RecurringOutside(Rule):
         said = f"{len(hit)} of {len(common)} steady steps" + (f", every {every} steps" if every else "")
         if share < RECUR_SHARE_NOTE:
             return self.quiet(f"every rank spends {typical:.0f} ms longer outside the model in {said}: "
-                              f"{fmt_share(share, 1)} of the time (rank {rank}; fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
+                              f"{fmt_share(share, 1, RECUR_SHARE_NOTE)} of the time (rank {rank}; "
+                              f"fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
         per_step = sum(ex) / len(common)
         clock = "the device idles" if E.on_gpu(ctx) else "every rank spends"
         return [self.finding(

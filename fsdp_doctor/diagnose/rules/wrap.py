@@ -68,8 +68,9 @@ class TooCoarse(Rule):
         big = max(us, key=lambda u: u.param_count)
         share = big.param_count / total
         if share < COARSE_SHARE_MIN:
-            return self.quiet(f"the largest unit, {big.name or '(root)'}, holds {fmt_share(share)} of the "
-                              f"parameters (fires from {100 * COARSE_SHARE_MIN:.0f}%)")
+            return self.quiet(f"the largest unit, {big.name or '(root)'}, holds "
+                              f"{fmt_share(share, under=COARSE_SHARE_MIN)} of the parameters "
+                              f"(fires from {100 * COARSE_SHARE_MIN:.0f}%)")
         if big.is_root and len(us) > 1:  # a root holding most parameters next to wrapped units
             return self.quiet("the root holds most parameters beside other units: wrap.params_in_root says it")
         hb = E.host_bound(ctx)
@@ -229,7 +230,7 @@ class ParamsInRoot(Rule):
         root = rts[0]
         share = root.param_count / total
         if share < ROOT_SHARE_MIN:
-            return self.quiet(f"the root holds {fmt_share(share, 1)} of the parameters "
+            return self.quiet(f"the root holds {fmt_share(share, 1, ROOT_SHARE_MIN)} of the parameters "
                               f"(fires from {100 * ROOT_SHARE_MIN:.0f}%)")
         own = [m for m in root.own_modules if m]
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
