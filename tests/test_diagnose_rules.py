@@ -1647,6 +1647,55 @@ def test_optimizer_before_shard_is_critical():
     assert "which the predicted peak frees" not in f.recommendation.text
 
 
+
+def _stale(peak, capacity, units=None, **bd):
+    """A run whose AdamW was built before fully_shard (12 MiB of stale full-size tensors at the peak, 4 MiB of the
+    model's never-zeroed gradients) under a budget: its Context, and the peak optim.before_shard's fix leaves."""
+    ctx, _ = build(units=units, capacity=capacity, optimizer_foreign_params=53, optimizer_foreign_bytes=12 * MiB,
+                   memory=memory(peak, capacity=capacity, stale_optimizer_params=12 * MiB, sharded_grads=4 * MiB,
+                                 **bd))
+    shard = sum(E.grad_shard_bytes(u) for u in E.param_units(ctx))
+    return ctx, peak - 12 * MiB - 4 * MiB + 2 * shard  # (AdamW's state appears with the fix)
+
+
+def test_capacity_rules_weigh_the_peak_optim_before_shard_leaves():
+    """The stale tensors of an optimizer built before fully_shard inflate the peak: under a budget, ac.recommended and
+    memory.near_capacity_spread advised checkpointing and resharding for memory the critical fix alone gives back (a
+    new-user trial). They weigh the peak that fix leaves (estimate.stale_fix, optim.before_shard's own prediction):
+    quiet, naming it, where that peak is under their share of capacity; where it is still near capacity, the blocks
+    checkpointed are those that fix leaves needed."""
+    # 80 MiB at 89% of 90 MiB, activations dominant: the fix leaves 67.56 MiB, 75%
+    ctx, after = _stale(80 * MiB, 90 * MiB, per_unit=_act_units(), activations=64 * MiB)
+    (bs,) = run_rule("optim.before_shard", ctx)
+    assert bs.predicted["peak_bytes_after"] == after == E.budget_peak(ctx) == 70_839_296
+    st = run_status("ac.recommended", ctx)
+    assert st.status == "quiet" and st.reason == (
+        "peak 80.00 MiB holds 12.00 MiB of stale parameters the optimizer keeps (optim.before_shard): its fix leaves "
+        "67.56 MiB (the model's gradients at the peak, 4.00 MiB, freed by zero_grad; 3.56 MiB of optimizer state "
+        "created), 75% of capacity 90.00 MiB (fires from 85%)"), st.reason
+    # the same peak under 76 MiB (105%): the fix leaves 89%, still near capacity, no longer over it (a warning, not
+    # critical). 0.85 x 76 = 64.6 MiB: one block checkpointed (15 MiB less) reaches it with the stale tensors gone (two
+    # were asked for before, on the 80 MiB)
+    ctx, after = _stale(80 * MiB, 76 * MiB, per_unit=_act_units(), activations=64 * MiB)
+    (f,) = run_rule("ac.recommended", ctx)
+    assert f.severity == "warning" and f.evidence["blocks_to_checkpoint"] == ["layers.0"]
+    assert f.predicted["peak_bytes_after"] == 80 * MiB - 15 * MiB  # (this run's, the stale tensors still there)
+    assert (f"The peak also holds {fmt_bytes(80 * MiB - after)} that optim.before_shard's fix gives back" in
+            f.recommendation.text and "with both fixes it comes to about 52.56 MiB, 69% of capacity."
+            in f.recommendation.text), f.recommendation.text
+    # no category dominating a 95 MiB peak at 95% of 100 MiB, the blocks kept gathered: the fix leaves 83%
+    us = healthy_units(reshard_after_forward=False)
+    spread = dict(sharded_params=30 * MiB, unsharded_params=25 * MiB, activations=24 * MiB)
+    ctx, after = _stale(95 * MiB, 100 * MiB, units=us, **spread)
+    st = run_status("memory.near_capacity_spread", ctx)
+    assert st.status == "quiet" and st.reason == (
+        f"peak 95.00 MiB holds 12.00 MiB of stale parameters the optimizer keeps (optim.before_shard): its fix leaves "
+        f"{fmt_bytes(after)} (the model's gradients at the peak, 4.00 MiB, freed by zero_grad; 3.56 MiB of optimizer "
+        f"state created), 83% of capacity 100.00 MiB (fires from 85%)"), st.reason
+    # ... and under 90 MiB the fix leaves 92%: resharding is still the lever
+    (f,) = run_rule("memory.near_capacity_spread", _stale(95 * MiB, 90 * MiB, units=us, **spread)[0])
+    assert f.severity == "warning" and f.units  # (over capacity, 106%, before the fix: not after it)
+
 def test_optimizer_before_shard_fine_tuning_counts_trainable_state_only():
     """A frozen base with trainable adapters: AdamW's state after the fix covers the trainable shards only. Counting
     every parameter's shard predicted 2.17 MiB after the fix for an HF Llama+LoRA run whose state is 10.5 KiB."""

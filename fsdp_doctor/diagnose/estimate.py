@@ -245,9 +245,101 @@ def capacity_bytes(ctx: Context) -> Optional[int]:
 
 def peak_near_capacity(ctx: Context) -> bool:
     """Whether the peak rank's peak is near its capacity (thresholds.NEAR_CAPACITY_SHARE of it or more); False
-    where either is unknown."""
-    peak, cap = peak_bytes(ctx), capacity_bytes(ctx)
+    where either is unknown. Where the optimizer was built before fully_shard, the peak its fix leaves
+    (``budget_peak``): the stale tensors it gives back are no memory to find elsewhere."""
+    peak, cap = budget_peak(ctx), capacity_bytes(ctx)
     return bool(peak and cap) and peak / cap >= T.NEAR_CAPACITY_SHARE
+
+
+# Optimizer state per parameter byte (fp32 state on fp32 params), for predicting the state a fixed optimizer
+# creates: Adam-family keep exp_avg and exp_avg_sq; SGD with momentum one buffer (assumed on).
+STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "sgd": 1, "rmsprop": 1,
+                   "adagrad": 1}
+
+
+class StaleFix(NamedTuple):
+    """optim.before_shard's fix, in bytes at the peak rank's peak: the ``stale`` full-size tensors the optimizer built
+    before fully_shard keeps alive go, the model's gradients it never zeroes (``freed``: those at the peak, from the
+    steps before) are freed by its zero_grad, and its state appears for the first time (``new_state``)."""
+
+    peak: Optional[int]  # None: no memory records
+    stale: int  # 0: not known
+    freed: int
+    new_state: int
+    state_known: bool  # the optimizer's state per parameter is known (STATE_PER_PARAM): ``new_state`` counted
+
+    @property
+    def after(self) -> Optional[int]:
+        """The peak once the fix is applied; None where the peak or the stale bytes are not known."""
+        return self.peak - self.stale - self.freed + self.new_state if self.peak is not None and self.stale else None
+
+
+@_once
+def stale_fix(ctx: Context) -> Optional[StaleFix]:
+    """What optim.before_shard's fix does to the peak (``StaleFix``); None where the optimizer holds the model's own
+    parameters. The one estimate of it: optim.before_shard predicts its ``after``, and the rules that weigh the peak against capacity read it (``budget_peak``, ``below_budget``)."""
+    cfg = ctx.config
+    if cfg is None or (cfg.optimizer_foreign_params or 0) <= 0:
+        return None
+    peak, bd = peak_bytes(ctx), breakdown(ctx)
+    stale = bd.get("stale_optimizer_params") or cfg.optimizer_foreign_bytes or 0
+    # the state only for trainable parameters, where the optimizer held none (its state on the stale tensors,
+    # which never receive gradients, does not exist)
+    shard = sum(grad_shard_bytes(u) for u in param_units(ctx))
+    per_param = STATE_PER_PARAM.get((cfg.optimizer or "").lower())
+    new_state = 0 if bd.get("optimizer_state") else (per_param or 0) * shard
+    # the gradients at the peak go with the fix where they are the previous steps' (one forward a step); under
+    # gradient accumulation the peak holds this step's earlier micro-batches' too, which stay (a new-user
+    # trial's 2 micro-batches: 4.59 MiB predicted, 5.00 measured, the new state replacing the stale tensors)
+    passes = backward_passes(ctx)
+    accumulating = (passes if passes is not None else max(micro_batches(ctx).values(), default=1.0)) > 1
+    freed = 0 if accumulating else (bd.get("sharded_grads") or 0)
+    return StaleFix(None if peak is None else int(peak), int(stale), int(freed), int(new_state), per_param is not None)
+
+
+def budget_peak(ctx: Context) -> Optional[int]:
+    """The peak a rule weighs against capacity: the measured one, or where the optimizer was built before
+    fully_shard, the one optim.before_shard's fix leaves (``stale_fix``): a user applies that critical fix first,
+    and advice to free memory (checkpointing, resharding, offload) for bytes it gives back would change what need
+    not change. None without a peak."""
+    after = getattr(stale_fix(ctx), "after", None)
+    return after if after is not None else peak_bytes(ctx)
+
+
+def stale_words(ctx: Context, cap: Optional[int] = None) -> str:
+    """"peak 17.79 MiB holds 3.56 MiB of stale parameters the optimizer keeps (optim.before_shard): its fix leaves
+    16.01 MiB (the model's gradients at the peak, 1.78 MiB, freed by zero_grad; 3.56 MiB of optimizer state
+    created)" and, with ``cap``, ", 81% of capacity 19.76 MiB"; "" where the optimizer holds the model's own
+    parameters."""
+    fix = stale_fix(ctx)
+    if fix is None or fix.after is None:
+        return ""
+    parts = ([f"the model's gradients at the peak, {fmt_bytes(fix.freed)}, freed by zero_grad"] if fix.freed else []) \
+        + ([f"{fmt_bytes(fix.new_state)} of optimizer state created"] if fix.new_state else [])
+    return (f"peak {fmt_bytes(fix.peak)} holds {fmt_bytes(fix.stale)} of stale parameters the optimizer keeps "
+            f"(optim.before_shard): its fix leaves {fmt_bytes(fix.after)}"
+            + (f" ({'; '.join(parts)})" if parts else "")
+            + (f", {fmt_share(fix.after / cap)} of capacity {fmt_bytes(cap)}" if cap else ""))
+
+
+def below_budget(ctx: Context, peak: int, cap: int, threshold: float) -> Optional[str]:
+    """Why a rule that frees memory once the peak reaches ``threshold`` of capacity is quiet: the peak below it
+    (``below_share``), or above it only by what optim.before_shard's fix gives back (``stale_words``, "... (fires
+    from 85%)"); None: it fires."""
+    if peak / cap < threshold:
+        return below_share("peak", peak, cap, "capacity", threshold)
+    after = budget_peak(ctx)
+    if after is not None and after / cap < threshold:
+        return f"{stale_words(ctx, cap)} (fires from {fmt_share(threshold)})"
+    return None
+
+
+def stale_offset(ctx: Context) -> int:
+    """What optim.before_shard's fix takes off the peak (bytes; 0 without that fix, or where it adds): a rule that
+    sizes its lever against the budget aims that much higher on this run's timeline, which still holds the stale
+    tensors."""
+    fix = stale_fix(ctx)
+    return max(0, fix.peak - fix.after) if fix is not None and fix.after is not None else 0
 
 
 def breakdown(ctx: Context) -> dict[str, int]:

@@ -283,8 +283,8 @@ class AcRecommended(Rule):
         share = peak / cap
         bd = E.breakdown(ctx)
         acts = bd.get("activations") or 0
-        if share < AC_NEAR_CAPACITY:
-            return self.quiet(E.below_share("peak", peak, cap, "capacity", AC_NEAR_CAPACITY))
+        if why := E.below_budget(ctx, peak, cap, AC_NEAR_CAPACITY):  # (what optim.before_shard's fix gives back aside)
+            return self.quiet(why)
         dominant = acts / peak >= AC_ACT_SHARE_MIN
         cands = [u for u in E.non_root(E.param_units(ctx)) if u.checkpoint == "none"]
         per_unit = _unit_activations(ctx, cands)
@@ -293,7 +293,10 @@ class AcRecommended(Rule):
             return self.quiet((E.below_share("activations", acts, peak, "the peak", AC_ACT_SHARE_MIN) if not dominant
                                else "no unit left to checkpoint: every one with activations is checkpointed")
                               + _selective_saves(ctx))
-        pm, target = E.peak_memory(ctx), E.TARGET_CAPACITY_SHARE * cap
+        # the target on this run's timeline: higher by what optim.before_shard's fix gives back (its stale tensors
+        # are no activations to checkpoint away)
+        stale = E.stale_offset(ctx)
+        pm, target = E.peak_memory(ctx), E.TARGET_CAPACITY_SHARE * cap + stale
 
         lever = E.plugin_lever(ctx)  # accelerate's FSDP2 plugin checkpoints every layer it shards, or none
         titan = E.torchtitan_version(ctx)  # torchtitan's config checkpoints every block, or none
@@ -342,12 +345,14 @@ class AcRecommended(Rule):
         # previous row's model still allocated, and checkpointing two of its four blocks predicted at 816 MiB against
         # an 828 MiB target; the fixture recorded since holds 45.5% of 811.5 MiB: tests/test_gpu_fixtures.py)
         if not dominant and peak_after > target:
-            return self.quiet(_short_of_target(acts, peak, peak_after, cap, f"checkpointing {len(chosen)} unit(s)"))
+            return self.quiet(_short_of_target(acts, peak, peak_after - stale, cap,
+                                               f"checkpointing {len(chosen)} unit(s)"
+                                               + (" and optim.before_shard's fix" if stale else "")))
         saved = peak - peak_after
         # their forward compute; none timed: inside a module compiled in place, where the doctor's hooks return at once
         recompute = sum(E.compute_fwd_ms(u) for u in chosen) or None
         step = E.step_ms(ctx)
-        sev = "critical" if share >= 1.0 else "warning"
+        sev = "critical" if peak - stale >= cap else "warning"  # (over capacity once optim.before_shard's fix is in)
         # checkpoint the blocks themselves, in forward order
         order = {u.name: i for i, u in enumerate(E.units(ctx))}
         chosen.sort(key=lambda u: order.get(u.name, 0))
@@ -380,7 +385,11 @@ class AcRecommended(Rule):
                "and full checkpointing keeps only their inputs (selective, its default, keeps some operators' "
                "outputs and saves less)." if titan_code else
                "Apply checkpointing to whole blocks, before fully_shard.")
-            + _over_budget(peak_after, cap, bd) + _running_stats(stats, on=True),
+            + (f" The peak also holds {fmt_bytes(stale)} that optim.before_shard's fix gives back (the stale "
+               "parameters the optimizer keeps and the gradients it never zeroes, less the state it then creates): "
+               f"with both fixes it comes to about {fmt_bytes(peak_after - stale)}, "
+               f"{fmt_share((peak_after - stale) / cap)} of capacity." if stale else "")
+            + _over_budget(peak_after - stale, cap, bd) + _running_stats(stats, on=True),
             S.plugin_checkpointing(True, lever) if lever else titan_code or S.checkpoint_modules(
                 mods, "checkpoint whole blocks"),
             where=lever or ("torchtitan" if titan_code else ""),
@@ -430,8 +439,8 @@ class AcSelectiveToFull(Rule):
         if not sel:
             return self.quiet("no unit checkpoints selectively")
         share = peak / cap
-        if share < AC_NEAR_CAPACITY:
-            return self.quiet(E.below_share("peak", peak, cap, "capacity", AC_NEAR_CAPACITY))
+        if why := E.below_budget(ctx, peak, cap, AC_NEAR_CAPACITY):  # (what optim.before_shard's fix gives back aside)
+            return self.quiet(why)
         if not any(saves.values()):
             return self.quiet("what the selective units keep beyond their inputs is not counted (no full memory "
                               "step)" if not saves else "the selective units keep nothing beyond their inputs")
@@ -447,8 +456,10 @@ class AcSelectiveToFull(Rule):
         pm, bd = E.peak_memory(ctx), E.breakdown(ctx)
         acts = bd.get("activations") or 0
         peak_after = _peak_with(pm, {u.name: -saves[u.name] for u in sel}, order=[u.name for u in E.units(ctx)])
-        if acts / peak < AC_ACT_SHARE_MIN and peak_after > E.TARGET_CAPACITY_SHARE * cap:
-            return self.quiet(_short_of_target(acts, peak, peak_after, cap, "full checkpointing"))
+        stale = E.stale_offset(ctx)  # (what optim.before_shard's fix gives back: no lever of this rule's)
+        if acts / peak < AC_ACT_SHARE_MIN and peak_after - stale > E.TARGET_CAPACITY_SHARE * cap:
+            return self.quiet(_short_of_target(acts, peak, peak_after - stale, cap, "full checkpointing"
+                                               + (" and optim.before_shard's fix" if stale else "")))
         # the recompute full checkpointing adds, the saved operators', is no more than the units' forward compute
         bound = sum(E.compute_fwd_ms(u) for u in sel) or None
         step = E.step_ms(ctx)
@@ -465,7 +476,7 @@ class AcSelectiveToFull(Rule):
                    f"({', '.join(functional[:4])}{', ...' if len(functional) > 4 else ''}).")
         saved_total = sum(saves.values())
         return [self.finding(
-            "critical" if share >= 1.0 else "warning",
+            "critical" if peak - stale >= cap else "warning",
             f"Selective checkpointing keeps {fmt_bytes(saved_total)} of operator outputs at a peak at "
             f"{fmt_share(share)} of capacity: checkpoint {len(sel)} unit(s) fully",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_share_of_capacity_pct": round(100 * share, 1),

@@ -274,15 +274,17 @@ class NearCapacitySpread(Rule):
             return self.skip(E.no_peak_or_capacity(ctx, pm, cap))
         peak = int(pm.peak_bytes)
         share = peak / cap
-        if share < T.NEAR_CAPACITY_SHARE:
-            return self.quiet(E.below_share("peak", peak, cap, "capacity", T.NEAR_CAPACITY_SHARE))
+        if why := E.below_budget(ctx, peak, cap, T.NEAR_CAPACITY_SHARE):  # (optim.before_shard's stale tensors aside)
+            return self.quiet(why)
+        # over capacity: with optim.before_shard's fix in (its stale tensors are no lever of this rule's)
+        over = E.budget_peak(ctx) >= cap
         bd = {k: v for k, v in pm.peak_breakdown.items() if v}
         top = max(bd, key=bd.get) if bd else None
         if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
             return self.quiet(f"{top} dominates the peak ({fmt_share(bd[top] / peak)}): its own rule applies")
         kept = [u for u in E.non_root(E.param_units(ctx)) if E.kept_gathered(u)]
         if not kept:
-            if share >= 1.0:
+            if over:
                 return self._over_capacity(ctx, peak, cap, bd)
             return self.quiet("no unit is kept unsharded after forward: no reshard lever")
         # the last unit of forward stays gathered: FSDP2's backward gathers it at once, with nothing to overlap
@@ -291,7 +293,7 @@ class NearCapacitySpread(Rule):
         last = E.last_forward_unit(ctx)
         flip = [u for u in kept if last is None or u.name != last.name]
         if not flip:
-            if share >= 1.0:
+            if over:
                 return self._over_capacity(ctx, peak, cap, bd)
             return self.quiet(f"the one unit kept gathered after forward is {last.name!r}, the last unit of forward, "
                               "whose backward gathers it again at once with nothing to overlap (reshard.last_unit "
@@ -300,7 +302,7 @@ class NearCapacitySpread(Rule):
         freed = peak - after
         if freed < SPREAD_MIN_FREED_SHARE * peak:  # (a selective checkpoint's recompute set the peak, in
             # the last block's backward, where the unit kept gathered is gathered anyway: "peak unchanged", a warning)
-            if share >= 1.0:
+            if over:
                 return self._over_capacity(ctx, peak, cap, bd)
             return self.quiet(f"resharding {len(flip)} unit(s) kept gathered after forward frees {fmt_bytes(freed)} "
                               f"at the peak (its step's timeline), under "
@@ -310,7 +312,7 @@ class NearCapacitySpread(Rule):
         # each flipped unit all-gathers once more in backward: about what its forward all-gather waits
         slower = sum(waits) if len(waits) == len(flip) else None
         names = [u.name for u in flip]
-        sev = "critical" if share >= 1.0 else "warning"
+        sev = "critical" if over else "warning"
         # at run time, on the modules fully_shard was applied to (a grouped unit: any of its modules)
         lines = [f"{E.module_expr(u.modules[0] if u.modules else u.name)}.set_reshard_after_forward(True, recurse=False)"
                  for u in flip[:12]]

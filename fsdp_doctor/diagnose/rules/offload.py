@@ -172,8 +172,8 @@ class OffloadRecommended(Rule):
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not peak or not cap:
             return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
-        if peak / cap < OFFLOAD_NEEDED_SHARE:
-            return self.quiet(E.below_share("peak", peak, cap, "capacity", OFFLOAD_NEEDED_SHARE))
+        if why := E.below_budget(ctx, peak, cap, OFFLOAD_NEEDED_SHARE):  # (optim.before_shard's stale tensors aside)
+            return self.quiet(why)
         bd = E.breakdown(ctx)
         state = sum(bd.get(k) or 0 for k in _STATE_KEYS)
         if state / peak < OFFLOAD_STATE_SHARE_MIN:

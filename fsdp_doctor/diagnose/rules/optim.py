@@ -33,10 +33,7 @@ GRAD_NORM_CALLS_MAX = 2
 STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # ... and matters only when the peak is at least this share of capacity.
 STATE_TIGHT_SHARE = 0.80
-# Optimizer state per parameter byte (fp32 state on fp32 params), for predicting the state a fixed optimizer
-# creates: Adam-family keep exp_avg and exp_avg_sq; SGD with momentum one buffer (assumed on).
-STATE_PER_PARAM = {"adamw": 2, "adam": 2, "nadam": 2, "radam": 2, "adamax": 2, "sgd": 1, "rmsprop": 1,
-                   "adagrad": 1}
+STATE_PER_PARAM = E.STATE_PER_PARAM  # (the optimizers whose state the doctor knows)
 
 
 @register
@@ -55,29 +52,19 @@ class OptimizerBeforeShard(Rule):
         stale = cfg.optimizer_foreign_bytes
         bd = E.breakdown(ctx)
         stale_mem = bd.get("stale_optimizer_params")
-        held = stale_mem if stale_mem else stale
         opt = cfg.optimizer or "the optimizer"
         # after the fix: the stale tensors go, the model's gradients are freed by zero_grad (this optimizer
-        # never zeroes them, so they persist), and the optimizer state appears for the first time
-        shard = sum(E.grad_shard_bytes(u) for u in E.param_units(ctx))  # state only for trainable parameters
-        per_param = STATE_PER_PARAM.get((cfg.optimizer or "").lower())
-        new_state = 0 if bd.get("optimizer_state") else (per_param or 0) * shard
-        peak_after = None
-        # the gradients at the peak go with the fix where they are the previous steps' (one forward a step); under
-        # gradient accumulation the peak holds this step's earlier micro-batches' too, which stay (a new-user
-        # trial's 2 micro-batches: 4.59 MiB predicted, 5.00 measured, the new state replacing the stale tensors)
-        passes = E.backward_passes(ctx)
-        accumulating = (passes if passes is not None else max(E.micro_batches(ctx).values(), default=1.0)) > 1
-        freed = 0 if accumulating else (bd.get("sharded_grads") or 0)
-        if peak is not None and held:
-            peak_after = peak - held - freed + new_state
+        # never zeroes them, so they persist), and the optimizer state appears for the first time (estimate.stale_fix,
+        # the one estimate the rules weighing the peak against capacity read too)
+        fix = E.stale_fix(ctx)
+        freed, peak_after = fix.freed, fix.after
         return [self.finding(
             "critical", f"{opt} was created before fully_shard: {cfg.optimizer_foreign_params} of its "
                         f"{cfg.optimizer_params} parameters are not the model's",
             {"optimizer": cfg.optimizer, "optimizer_params": cfg.optimizer_params,
              "foreign_params": cfg.optimizer_foreign_params, "foreign_bytes": stale,
              "stale_bytes_at_peak": stale_mem, "optimizer_ms_p50": E.phase_ms(ctx, "optimizer"),
-             "optimizer_state_after_fix_bytes_est": new_state if per_param is not None else None},
+             "optimizer_state_after_fix_bytes_est": fix.new_state if fix.state_known else None},
             "fully_shard replaces each parameter with a sharded DTensor parameter. An optimizer built before "
             "that holds the old full-size tensors: they never receive gradients, so optimizer.step() updates "
             "nothing the model uses (the loss does not train), and the stale tensors stay alive at full size "
@@ -279,8 +266,8 @@ class OptimizerStateDominates(Rule):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
         if not peak or not cap:
             return self.skip(E.no_peak_or_capacity(ctx, peak, cap))
-        if peak / cap < STATE_TIGHT_SHARE:
-            return self.quiet(E.below_share("peak", peak, cap, "capacity", STATE_TIGHT_SHARE))
+        if why := E.below_budget(ctx, peak, cap, STATE_TIGHT_SHARE):  # (optim.before_shard's stale tensors aside)
+            return self.quiet(why)
         bd = E.breakdown(ctx)
         st = bd.get("optimizer_state") or 0
         if not st or st / peak < STATE_SHARE_MIN:

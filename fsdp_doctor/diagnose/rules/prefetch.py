@@ -397,8 +397,8 @@ class PrefetchTooEarly(Rule):
         if not peak or not cap or not step:
             return self.skip(E.no_peak_or_capacity(ctx, peak, cap) if step else "no step time measured")
         share = peak / cap
-        if share < TIGHT_SHARE:
-            return self.quiet(E.below_share("peak", peak, cap, "capacity", TIGHT_SHARE))
+        if why := E.below_budget(ctx, peak, cap, TIGHT_SHARE):  # (optim.before_shard's stale tensors aside)
+            return self.quiet(why)
         by_name = {u.name: u for u in E.units(ctx)}
         held: dict[tuple[str, str], list[float]] = {}
         for r in E.trace_rows(ctx, "all_gather"):
@@ -504,7 +504,7 @@ class FrozenGathered(Rule):
         peak_after = E.timeline_peak(pm, changes) if pm is not None and all(ws for ws, _ in changes) else None
         cap = E.capacity_bytes(ctx)
         tight = bool(cap and peak and peak_after is not None and peak_after < peak
-                     and peak >= T.NEAR_CAPACITY_SHARE * cap)
+                     and E.peak_near_capacity(ctx))  # (optim.before_shard's stale tensors aside)
         share = exposed / step if (seen and step) else None
         by_time = share is not None and not _is_cpu(ctx) and share >= FROZEN_GATHER_WARN_SHARE_GPU
         sev = "warning" if tight or by_time else "info"
