@@ -277,7 +277,8 @@ class StaleFix(NamedTuple):
 @_once
 def stale_fix(ctx: Context) -> Optional[StaleFix]:
     """What optim.before_shard's fix does to the peak (``StaleFix``); None where the optimizer holds the model's own
-    parameters. The one estimate of it: optim.before_shard predicts its ``after``, and the rules that weigh the peak against capacity read it (``budget_peak``, ``below_budget``)."""
+    parameters. The one estimate of it: optim.before_shard predicts its ``after``, and the rules that weigh the peak
+    against capacity read it (``budget_peak``, ``below_budget``)."""
     cfg = ctx.config
     if cfg is None or (cfg.optimizer_foreign_params or 0) <= 0:
         return None
@@ -306,11 +307,11 @@ def budget_peak(ctx: Context) -> Optional[int]:
     return after if after is not None else peak_bytes(ctx)
 
 
-def stale_words(ctx: Context, cap: Optional[int] = None) -> str:
+def stale_words(ctx: Context, cap: Optional[int] = None, under: Optional[float] = None) -> str:
     """"peak 17.79 MiB holds 3.56 MiB of stale parameters the optimizer keeps (optim.before_shard): its fix leaves
     16.01 MiB (the model's gradients at the peak, 1.78 MiB, freed by zero_grad; 3.56 MiB of optimizer state
-    created)" and, with ``cap``, ", 81% of capacity 19.76 MiB"; "" where the optimizer holds the model's own
-    parameters."""
+    created)" and, with ``cap``, ", 81% of capacity 19.76 MiB" (``under``: the threshold said beside it, as
+    ``fmt_share``'s); "" where the optimizer holds the model's own parameters."""
     fix = stale_fix(ctx)
     if fix is None or fix.after is None:
         return ""
@@ -319,7 +320,7 @@ def stale_words(ctx: Context, cap: Optional[int] = None) -> str:
     return (f"peak {fmt_bytes(fix.peak)} holds {fmt_bytes(fix.stale)} of stale parameters the optimizer keeps "
             f"(optim.before_shard): its fix leaves {fmt_bytes(fix.after)}"
             + (f" ({'; '.join(parts)})" if parts else "")
-            + (f", {fmt_share(fix.after / cap)} of capacity {fmt_bytes(cap)}" if cap else ""))
+            + (f", {fmt_share(fix.after / cap, under=under)} of capacity {fmt_bytes(cap)}" if cap else ""))
 
 
 def below_budget(ctx: Context, peak: int, cap: int, threshold: float) -> Optional[str]:
@@ -330,7 +331,7 @@ def below_budget(ctx: Context, peak: int, cap: int, threshold: float) -> Optiona
         return below_share("peak", peak, cap, "capacity", threshold)
     after = budget_peak(ctx)
     if after is not None and after / cap < threshold:
-        return f"{stale_words(ctx, cap)} (fires from {fmt_share(threshold)})"
+        return f"{stale_words(ctx, cap, threshold)} (fires from {fmt_share(threshold)})"
     return None
 
 
