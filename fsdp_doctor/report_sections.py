@@ -463,6 +463,10 @@ class OverlapRank(_Section):
     # complete step -> its exposed communication (ms; the verdict's communication parts in that step: the step less
     # it is the rank's own work, estimate.trace_straggler's); empty: a report written before it
     step_exposed_ms: dict[str, float] = {}
+    # complete step unlike the rank's others (trace.analysis.ATYPICAL_STEP_FACTOR times their median or more) -> its
+    # breakdown's parts (ms; ``Breakdown``'s, which hold it): the verdict says what its shares read without it;
+    # empty: none, or a report written before it
+    atypical_steps: dict[str, dict[str, float]] = {}
     # host time per step of the loop's code that issued collectives no FSDP unit issued, outside the model and
     # optimizer.step(): from the first such call's issue to the last one's end, the code between them included;
     # of that, the first calls' own time (their wait for the other ranks, which the step keeps without them)

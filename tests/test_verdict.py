@@ -5,7 +5,7 @@ import json
 
 import pytest
 from msgspec.structs import asdict
-from trace_fixtures import fsdp_gpu_trace, gloo_known_trace, gpu_known_trace
+from trace_fixtures import BASE_US, fsdp_gpu_trace, gloo_known_trace, gpu_known_trace
 
 from fsdp_doctor.analyze.verdict import GROUPS, verdict
 from fsdp_doctor.report_sections import Breakdown, OverlapSection
@@ -489,3 +489,71 @@ def test_a_model_without_a_backward_of_its_own_says_the_reduce_scatter_is_anothe
         rd.steps = [msgspec.structs.replace(s, backward_ms=0.0, backwards=0, units=[
             msgspec.structs.replace(u, bwd_ms=0.0, ag_wait_bwd_ms=0.0) for u in s.units]) for s in rd.steps]
     assert verdict(rep.overlap, run).job.summary.endswith(said)
+
+
+def test_which_profiled_steps_are_unlike_the_others():
+    """A step twice the median of its rank's other profiled steps or more is unlike them; none where as many are so
+    as not (nothing typical to compare with), nor under two steps."""
+    from fsdp_doctor.trace.analysis import ATYPICAL_STEP_FACTOR, atypical_steps
+
+    assert ATYPICAL_STEP_FACTOR == 2.0
+    assert atypical_steps({1: 10.0, 2: 19.9}) == [] and atypical_steps({1: 10.0, 2: 20.0}) == [2]
+    assert atypical_steps({1: 10.0, 2: 25.0, 3: 26.0}) == []  # 1.4x and 1.5x the others' median
+    assert atypical_steps({1: 10.0, 2: 30.0, 3: 31.0, 4: 10.0}) == [2, 3]
+    assert atypical_steps({1: 10.0, 2: 30.0, 3: 31.0}) == [] and atypical_steps({7: 500.0}) == []
+
+
+def _stretched(tmp_path, steps, gap_us):
+    """gloo_known_trace's steps with ``gap_us`` of nothing added at the end of its second step."""
+    b = gloo_known_trace(steps=steps)
+    for e in b.events:
+        if e["ts"] >= BASE_US + 20000:
+            e["ts"] += gap_us
+    tmp_path.mkdir()
+    b.write(tmp_path / "rank0.json")
+    return analyze_traces(tmp_path)
+
+
+def test_a_profiled_step_unlike_the_others_is_said_with_the_verdict_without_it(tmp_path):
+    """A verdict read off a window whose one step was unlike the others (a GC pause, a stalled loader: profiled
+    steps 5, 6, 7 of 10, 30 and 10 ms, step 6 holding 20 ms of nothing) said nothing of it: its bound was the
+    pause's. The shares keep it (the report's other per-step figures do), and the verdict says which step, how far
+    from the others, where its extra time went, and what the shares read without it: the known answer, the verdict
+    of the same trace's steps 5 and 6 with no gap."""
+    odd = _stretched(tmp_path / "odd", (5, 6, 7), 20000.0)
+    plain = _stretched(tmp_path / "plain", (5, 6), 0.0)
+    pr = odd.per_rank["0"]
+    assert pr.step_times_ms == {"5": 10.0, "6": 30.0, "7": 10.0} and list(pr.atypical_steps) == ["6"]
+    assert sum(pr.atypical_steps["6"].values()) == pytest.approx(30.0, abs=1e-3)  # its parts tile its span
+    assert plain.per_rank["0"].atypical_steps == {}
+    want = verdict(plain).per_rank["0"]
+    assert want.summary.startswith("input-bound (44% of the step)") and "profiled step" not in want.summary
+    got = verdict(odd)
+    assert got.per_rank["0"].summary.startswith("host-bound (48% of the step)")
+    assert got.per_rank["0"].summary.endswith(
+        "; profiled step 6 took 3.0x the other profiled steps (30.0 ms against 10.0 ms), most of the extra time host "
+        "(main thread outside operators and collectives): without it, input-bound (44% of the step)")
+    assert got.job.summary.endswith("without it, input-bound (44% of the step)")  # one rank: its ranks unnamed
+    assert "on rank" not in got.job.summary
+
+
+@pytest.mark.long
+def test_a_real_stall_in_one_profiled_step_is_said(tmp_path):
+    """A real 2-rank gloo run watched with a profiler window of steps 6-8, rank 0 stalling 400 ms before step 7's
+    forward (a loader hiccup): step 7 is unlike the others on both ranks, rank 0's extra time outside the model and
+    rank 1's in the forward all-gather waiting for it, and the verdicts say what the shares read without it."""
+    from fsdp_doctor import build_report, load_run
+    from fsdp_doctor.record.profiling import ProfileSchedule
+    from fsdp_doctor.workloads import WorkloadConfig, launch
+
+    cfg = WorkloadConfig(steps=10, d_model=64, n_layers=2, seq_len=32, sleep_rank=0, sleep_ms=400.0, sleep_steps=[7])
+    launch(cfg, nproc=2, watch_kwargs={"out_dir": str(tmp_path), "profile": ProfileSchedule(first=6, active=3,
+                                                                                             warmup=1, every=0)},
+           timeout_s=300)
+    rep = build_report(load_run(tmp_path))
+    for r, part in (("0", "input / outside the model"), ("1", "exposed all-gather (forward)")):
+        assert list(rep.overlap.per_rank[r].atypical_steps) == ["7"], rep.overlap.per_rank[r].step_times_ms
+        said = rep.verdict.per_rank[r].summary.split("; profiled step 7 took ", 1)[1]
+        assert f", most of the extra time {part}: without it, " in said, said
+        assert not said.split("without it, ")[1].startswith("input-bound"), said
+    assert "; profiled step 7 took " in rep.verdict.job.summary and " on ranks 0, 1, " in rep.verdict.job.summary

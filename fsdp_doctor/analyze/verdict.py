@@ -22,6 +22,7 @@ device (a ``loss.item()`` per step): those fall to the rest here.
 
 from __future__ import annotations
 
+import statistics
 from typing import Optional
 
 from ..records import runs_compiled
@@ -29,7 +30,7 @@ from ..report_sections import OverlapSection, Straggler, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
 from ..trace.model import OTHER_UNIT
-from ..units import fmt_list, fmt_share, ranks_phrase
+from ..units import fmt_list, fmt_ms, fmt_share, ranks_phrase, steps_phrase
 from .steps import device_outside_ms, device_pairs, profiled_saves, read_on_straggler, usable_steps
 
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -78,11 +79,7 @@ def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], so
     """The verdict of one rank's parts (µs) over ``steps`` steps, or of the job's (``steps`` None); ``hsdp``: the
     units' gradient reduction holds an all-reduce across replicas."""
     shares, groups = _shares(parts_us, total_us)
-    labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else dict(PART_LABELS)
-    if hsdp:
-        labels["reducescatter"] = HSDP_REDUCE_LABEL
-    if source.startswith("records"):
-        labels.update(host="GC pauses", compute="forward, backward and optimizer (less waits)")
+    labels = _labels(device, source, hsdp)
     ranked = sorted(groups, key=lambda g: (-groups[g], g != "compute"))  # groups as wholes, their parts added
     bound = ranked[0]
     rest = [g for g in ranked[1:3] if groups[g] >= 0.5]
@@ -97,6 +94,16 @@ def _entry(parts_us: dict[str, float], total_us: float, steps: Optional[int], so
         summary += "; then " + ", ".join(_runner_up(g, groups, shares, labels) for g in rest)
     return VerdictEntry(bound=bound, shares_pct=shares, groups_pct=groups, summary=summary, source=source,
                         device=device, steps=steps, step_ms=None if step_ms is None else round(step_ms, 3))
+
+
+def _labels(device: str, source: str, hsdp: bool) -> dict[str, str]:
+    """The parts' labels for a verdict of ``device`` from ``source`` (trace, records)."""
+    labels = {**PART_LABELS, **CPU_LABELS} if device == "cpu" else dict(PART_LABELS)
+    if hsdp:
+        labels["reducescatter"] = HSDP_REDUCE_LABEL
+    if source.startswith("records"):
+        labels.update(host="GC pauses", compute="forward, backward and optimizer (less waits)")
+    return labels
 
 
 def _parts(g: str, shares: dict) -> list[str]:
@@ -125,6 +132,76 @@ def _trace_parts(overlap: Optional[OverlapSection]) -> dict[str, tuple[dict, flo
         step_ms = pr.step_ms if pr is not None and pr.step_ms is not None else parts.window_us / n / 1e3
         out[str(r)] = ({k: float(v) for k, v in parts.parts().items()}, float(parts.window_us), n, dev, step_ms)
     return out
+
+
+def _atypical(overlap: Optional[OverlapSection], ranks: list[str]) -> dict[str, dict[str, dict]]:
+    """Of ``ranks``' traces, each rank's complete steps unlike its others (``OverlapRank.atypical_steps``): step ->
+    its breakdown's parts (µs)."""
+    out = {}
+    for r in ranks:
+        pr = overlap.per_rank.get(r) if overlap is not None else None
+        if pr is not None and pr.atypical_steps:
+            out[r] = {st: {k: v * 1e3 for k, v in parts.items()} for st, parts in pr.atypical_steps.items()}
+    return out
+
+
+def _atypical_clause(odd: dict[str, dict[str, dict]], used: dict[str, tuple[dict, float]], overlap: OverlapSection,
+                     run: Optional[Run], labels: dict, bound: str, hsdp: bool, name_ranks: bool) -> str:
+    """"; profiled step 7 took 2.3x the other profiled steps (412.0 ms against 180.0 ms), most of the extra time
+    input / outside the model: without it, compute-bound (61% of the step)": what the shares of ``used``'s ranks
+    (parts µs, total µs) hold of their steps unlike the others (``odd``, ``_atypical``), and what they read without
+    them; "" where none is. The shares keep them, as the report's other per-step figures do (one window, one set
+    of figures); a window of two steps, one of them a GC pause, read as the pause's bound unsaid."""
+    odd = {r: o for r, o in odd.items() if r in used}
+    if not odd:
+        return ""
+    rest = {k: 0.0 for k in BREAKDOWN_PARTS}
+    rest_total = 0.0
+    excess = {k: 0.0 for k in BREAKDOWN_PARTS}
+    factors, odd_ms, typical_ms, why = [], [], [], []
+    for r, (parts, total) in used.items():
+        steps = odd.get(r, {})
+        mine = {k: max(0.0, parts.get(k, 0.0) - sum(p.get(k, 0.0) for p in steps.values())) for k in BREAKDOWN_PARTS}
+        mine_total = max(0.0, total - sum(sum(p.get(k, 0.0) for k in BREAKDOWN_PARTS) for p in steps.values()))
+        for k in BREAKDOWN_PARTS:
+            rest[k] += mine[k]
+        rest_total += mine_total
+        if not steps:
+            continue
+        times = overlap.per_rank[r].step_times_ms
+        typical = [ms for st, ms in times.items() if st not in steps]
+        n = len(typical) or 1
+        for st, p in steps.items():
+            for k in BREAKDOWN_PARTS:
+                excess[k] += p.get(k, 0.0) - mine[k] / n
+            med = statistics.median(typical) if typical else None
+            if med:
+                factors.append(times[st] / med)
+                odd_ms.append(times[st])
+                typical_ms.append(med)
+            rec = next((x for x in (run.ranks[int(r)].steps if run is not None and int(r) in run.ranks else [])
+                        if x.step == int(st)), None)
+            if rec is not None and rec.step == 0:
+                why.append("the first step: FSDP's lazy initialization and any compilation run in it")
+            elif rec is not None and rec.checkpoints:
+                why.append("it saved a checkpoint")
+            elif rec is not None and med and rec.gc_ms >= 0.5 * (times[st] - med):
+                why.append(f"a GC pause of {fmt_ms(rec.gc_ms)} in it (the records)")
+    if rest_total <= 0 or not factors:
+        return ""
+    without = _entry(rest, rest_total, None, "trace", "cpu", hsdp=hsdp)
+    steps = sorted({int(st) for o in odd.values() for st in o})
+    top = max(excess, key=excess.get)
+    where = f" on {ranks_phrase(sorted(odd, key=int))}" if name_ranks else ""
+    lo, hi = f"{min(factors):.1f}", f"{max(factors):.1f}"
+    took = (f"{hi}x the other profiled steps ({fmt_ms(odd_ms[0])} against {fmt_ms(typical_ms[0])})"
+            if len(factors) == 1 else f"{hi if lo == hi else f'{lo}-{hi}'}x the other profiled steps")
+    same = " too" if without.bound == bound else ""
+    reason = f" ({sorted(set(why))[0]})" if len(set(why)) == 1 else ""
+    it = "it" if len(steps) == 1 else "them"
+    return (f"; profiled {steps_phrase(steps)} took {took}{where}{reason}, most of the extra time "
+            f"{labels.get(top, top)}: without {it}, {without.bound}-bound{same} "
+            f"({fmt_share(without.groups_pct[without.bound] / 100)} of the step)")
 
 
 def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
@@ -188,9 +265,12 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
     used: dict[str, tuple[dict, float]] = {}
     # an FSDP unit's all-reduce (HSDP's across replicas) is counted in its gradient reduction: named so
     hsdp = any(u.collective == "all_reduce" and u.unit != OTHER_UNIT for u in (overlap.per_unit if overlap else []))
+    odd = _atypical(overlap, list(_trace_parts(overlap)))
     for r, (parts, total, n, dev, step_ms) in _trace_parts(overlap).items():
         per_rank[r] = _entry(parts, total, n, "trace", dev, step_ms, hsdp)
         used[r] = (parts, total)
+        per_rank[r].summary += _atypical_clause(odd, {r: used[r]}, overlap, run, _labels(dev, "trace", hsdp),
+                                                per_rank[r].bound, hsdp, name_ranks=False)
     if run is not None and run.has_records:
         for r, (parts, total, n, gpu) in _record_parts(run).items():
             if r in per_rank or total <= 0:
@@ -217,6 +297,8 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
     devices = {per_rank[r].device for r in joined}
     job = _entry(job_parts, job_total, None, ", ".join(sorted({per_rank[r].source for r in joined})),
                  "gpu" if "gpu" in devices else "cpu", hsdp=hsdp)
+    job.summary += _atypical_clause(odd, joined, overlap, run, _labels(job.device, job.source, hsdp), job.bound, hsdp,
+                                    name_ranks=len(joined) > 1)
     if on_late:
         job.summary += "; " + read_on_straggler(late.rank, late.excess_ms_per_step, "straggler.rank")
         job.read_on = int(late.rank)
@@ -224,12 +306,13 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
         job.summary += (f" (from the traces of {ranks_phrase(sorted(traced, key=int))}; "
                         "the others' from their records)")
     ranks = run.ranks if run is not None else {}
-    saves = sorted({st for r in traced if int(r) in ranks for st in profiled_saves(ranks[int(r)].steps)})
+    said = {int(st) for r in joined for st in odd.get(r, {})}  # (their reason said in the clause above)
+    saves = sorted({st for r in traced if int(r) in ranks for st in profiled_saves(ranks[int(r)].steps)} - said)
     if saves:  # the trace's steps hold a checkpoint save, which the step statistics leave out
         job.summary += (f" (the profiler window's step{'s' * (len(saves) > 1)} {', '.join(map(str, saves))} saved a "
                         "checkpoint: the save is in these shares, as time outside the model)")
     if run is not None and run.has_records and overlap is not None and \
-            any(0 in (overlap.per_rank[r].steps or []) for r in traced if r in overlap.per_rank):
+            any(0 in (overlap.per_rank[r].steps or []) for r in traced if r in overlap.per_rank) and 0 not in said:
         # (a window from step 0 on a compiled model read "compute-bound (97% of the step)": its compilation, the
         # only step that does it, unsaid: a new-user trial)
         job.summary += (" (the profiler window holds step 0, the first: FSDP's lazy initialization and any "

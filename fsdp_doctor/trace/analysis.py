@@ -245,18 +245,53 @@ def row_time_in_steps(win: WindowTrace) -> dict:
     return out
 
 
-def step_exposed_us(win: WindowTrace) -> dict:
-    """Per complete step: its exposed communication (collectives while no compute ran), µs; the steps run one after
-    the other from the window's start (on a GPU moved with the device, ``device_lag_us``), so they add up to the
-    breakdown's communication parts."""
-    if win.window is None or not win.step_us:
-        return {}
+def _step_spans(win: WindowTrace) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The window's complete steps and their spans (starts, ends): one after the other from the window's start (on
+    a GPU moved with the device, ``device_lag_us``), the last ending at the window's end at the latest, so that they
+    tile the breakdown's window."""
     w0, w1 = win.window
     steps = sorted(win.step_us)
     ends = w0 + np.cumsum([win.step_us[n] for n in steps])
     starts = np.concatenate(([w0], ends[:-1]))
-    exposed = iv.overlap_each(starts, np.minimum(ends, w1), iv.subtract(_clip(win.comm, w0, w1), win.compute))
+    return steps, starts, np.minimum(ends, w1)
+
+
+def step_exposed_us(win: WindowTrace) -> dict:
+    """Per complete step: its exposed communication (collectives while no compute ran), µs; the steps add up to the
+    breakdown's communication parts (``_step_spans``)."""
+    if win.window is None or not win.step_us:
+        return {}
+    steps, starts, ends = _step_spans(win)
+    exposed = iv.overlap_each(starts, ends, iv.subtract(_clip(win.comm, *win.window), win.compute))
     return dict(zip(steps, exposed.tolist()))
+
+
+#: a complete profiled step this many times the median of its rank's other complete steps is unlike them (a GC
+#: pause, a stall of the data loader, a checkpoint save, the first step's initialization in the window): the
+#: verdict says what the shares read without it (analyze.verdict). Not less: on a loaded 2-core host the profiled
+#: steps of a steady gloo run differ by up to 1.49x among themselves (102 ms against 70 and 67)
+ATYPICAL_STEP_FACTOR = 2.0
+
+
+def atypical_steps(step_ms: dict) -> list:
+    """The steps of ``step_ms`` (step -> wall time) that take ``ATYPICAL_STEP_FACTOR`` times the median of the
+    others or more; none where there are fewer than two steps or where as many are so as not (no typical step to
+    compare with: a window of two steps far apart names the longer)."""
+    if len(step_ms) < 2:
+        return []
+    out = [n for n, ms in step_ms.items()
+           if ms >= ATYPICAL_STEP_FACTOR * float(np.median([v for m, v in step_ms.items() if m != n]))]
+    return sorted(out) if 2 * len(out) <= len(step_ms) else []
+
+
+def step_breakdowns(win: WindowTrace, steps) -> dict:
+    """Per complete step of ``steps`` that the window holds: its breakdown's parts (µs, ``breakdown`` over its span,
+    ``_step_spans``)."""
+    if win.window is None or not win.step_us:
+        return {}
+    order, starts, ends = _step_spans(win)
+    return {n: {k: v for k, v in breakdown(win, (float(a), float(b))).items() if k in BREAKDOWN_PARTS}
+            for n, a, b in zip(order, starts, ends) if n in steps}
 
 
 def on_compute_stream_us(win: WindowTrace) -> float:
@@ -343,10 +378,15 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     sums: dict[str, dict[str, dict]] = {"copies": {}, "idle": {}, "blocking": {}, "breakdown": {}}
     calls: dict = defaultdict(list)
     in_steps: dict = defaultdict(dict)  # rank -> (unit, collective, phase) -> [calls, comm µs, exposed µs] in steps
+    times: dict[str, dict] = defaultdict(dict)  # rank -> complete step -> µs, over its windows
+    for w in windows:
+        times[str(w.rank)].update(w.step_us)
+    odd = {k: atypical_steps(t) for k, t in times.items()}
     for w in sorted(windows, key=lambda w: (w.rank, w.file)):
         k = str(w.rank)
         o = overlap(w)
-        pr = per_rank.setdefault(k, OverlapRank(device=w.device, step_times_ms={}, step_exposed_ms={}))
+        pr = per_rank.setdefault(k, OverlapRank(device=w.device, step_times_ms={}, step_exposed_ms={},
+                                                atypical_steps={}))
         pr.comm_calls += len(w.calls)
         pr.comm_calls_on_compute_stream += sum(1 for c in w.calls if c.on_compute_stream)
         pr.comm_us += o["comm_us"]
@@ -357,6 +397,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.steps_left_out = {**pr.steps_left_out, **{str(n): why for n, why in w.steps_dropped.items()}}
         pr.step_times_ms.update({str(n): us / 1e3 for n, us in w.step_us.items()})
         pr.step_exposed_ms.update({str(n): us / 1e3 for n, us in step_exposed_us(w).items()})
+        pr.atypical_steps.update({str(n): {p: round(us / 1e3, 4) for p, us in parts.items()}
+                                  for n, parts in step_breakdowns(w, odd[k]).items()})
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
