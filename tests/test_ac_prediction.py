@@ -97,7 +97,7 @@ def test_unneeded_fix_names_the_resnet_wrappers_and_applied_removes_the_finding(
     for block in ("layer1.0", "layer2.1", "layer3.1"):
         for child in ("conv1", "bn1", "conv2", "bn2"):
             assert f"'{block}.{child}'" in code, code
-    assert "holder = model.get_submodule(parent)" in code
+    assert "wrapper.checkpoint_fn = without_checkpoint" in code and f.recommendation.where == "sharded"
     run, report, after = runs[1]["fixed"]
     assert all(u.checkpoint == "none" and not u.checkpoint_wrappers for u in run.config.units)
     assert "ac.unneeded" not in {x.code for x in after} and "ac.wrong_granularity" not in {x.code for x in after}
@@ -177,6 +177,9 @@ for b in model.layers:
 fully_shard(model)
 for i, b in enumerate(model.layers):  # checkpoint_wrapper AFTER fully_shard: around each unit
     model.layers[i] = checkpoint_wrapper(b)
+FIX = ""  # a fix's file, pasted after the user's fully_shard and checkpoint_wrapper calls
+if FIX:
+    exec(open(FIX).read(), {"model": model})
 opt = torch.optim.AdamW(model.parameters())
 with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, capacity_bytes=1 << 30) as doctor:
     for step in range(4):
@@ -192,21 +195,30 @@ def test_wrappers_applied_after_fully_shard_checkpoint_the_units_not_the_roots_c
     checkpointed, ac.wrong_granularity fired with a fix checkpointing the root, and ac.unneeded's fix, printed for
     before fully_shard where the wrappers do not exist yet, did nothing (pasted after, the root's fix removed every
     block's checkpointing: +79% peak; a new-user trial). The blocks are the checkpointed units, the root none, and
-    the fix that unwraps them goes after the user's fully_shard calls."""
+    the fix that turns them off goes after the user's fully_shard calls: pasted there, nothing is checkpointed."""
     from conftest import run_one_rank
 
     from fsdp_doctor import build_report, load_run
 
-    run = load_run(run_one_rank(tmp_path, _WRAPPED_AFTER_SCRIPT)[0])
+    (tmp_path / "before").mkdir()
+    (tmp_path / "after").mkdir()
+    run = load_run(run_one_rank(tmp_path / "before", _WRAPPED_AFTER_SCRIPT)[0])
     kinds = {u.name: u.checkpoint for u in run.config.units}
     assert kinds == {"": "none", **{f"layers.{i}._checkpoint_wrapped_module": "unit" for i in range(3)}}, kinds
     rep = build_report(run)
     codes = {f.code for f in rep.findings}
     assert "ac.wrong_granularity" not in codes, codes
     f = next(f for f in rep.findings if f.code == "ac.unneeded")
-    assert f.recommendation.where == "sharded" and "after your fully_shard and checkpoint_wrapper calls" in \
-        f.recommendation.code, f.recommendation
+    assert f.recommendation.where == "sharded" and "checkpoint_wrapper\n# (apply_activation_checkpointing) and " \
+        "fully_shard calls" in f.recommendation.code, f.recommendation
     assert "wrappers = ['layers.0', 'layers.1', 'layers.2']" in f.recommendation.code
+    fix = tmp_path / "fix.py"
+    fix.write_text(f.recommendation.code)
+    script = _WRAPPED_AFTER_SCRIPT.replace('FIX = ""', f"FIX = {str(fix)!r}")
+    after = load_run(run_one_rank(tmp_path / "after", script)[0])
+    assert {u.name: (u.checkpoint, u.checkpoint_wrappers) for u in after.config.units} == {
+        u: ("none", []) for u in kinds}
+    assert "ac.unneeded" not in {x.code for x in build_report(after).findings}
 
 
 def test_a_reentrant_checkpoint_called_from_the_root_books_the_recompute_on_its_block(tmp_path):

@@ -54,8 +54,8 @@ def module_expr(fqn: Optional[str], root: str = ROOT) -> str:
         return root
     if fqn == _CKPT[1:]:
         # a block's unit inside its CheckpointWrapper (accelerate's plugin wraps each layer, then shards the layer
-        # inside): the inner module while wrapped, the block itself once ac.unneeded's fix unwraps it (named
-        # ``block._checkpoint_wrapped_module``, a prefetch fix pasted beside that one raised AttributeError)
+        # inside): the inner module while wrapped, the block itself once unwrapped (as an older ac.unneeded fix did:
+        # named ``block._checkpoint_wrapped_module``, a prefetch fix pasted beside that one raised AttributeError)
         return f"getattr({root}, {fqn!r}, {root})"
     if all(part.isidentifier() for part in fqn.split(".")):
         return f"{root}.{fqn}"
@@ -701,20 +701,33 @@ def checkpoint_flags_off(layers: list[str], note: str) -> str:
                       "for name in layers:", "    model.get_submodule(name).gradient_checkpointing = False"])
 
 
+#: what a CheckpointWrapper calls in place of its checkpoint once ac.unneeded's (ac.fewer_units', ...) fix turns it
+#: off: the module as it is; torch builds ``checkpoint_fn`` as a functools.partial of its checkpoint, and the recorder
+#: reads a wrapper holding a plain function there as not checkpointing (record/units.py ``wrapper_off``)
+NO_CHECKPOINT_FN = "without_checkpoint"
+
+
 def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "",
-                         after_sharding: bool = False) -> str:
-    """Activation checkpointing off, on the unsharded model: every CheckpointWrapper (fqns) replaced by the
-    module it wraps (one already unwrapped is left as it is); units checkpointed by ``checkpoint(...)`` calls in
-    code (``functional``): Hugging Face's ``gradient_checkpointing_enable()`` is undone by its
-    ``gradient_checkpointing_disable()``, other ``checkpoint(...)`` calls are named in a comment, since only their
-    code can change. ``note``: the header's words where checkpointing stays on elsewhere. ``after_sharding``: the
-    wrappers went around the units after fully_shard: the same lines after the user's fully_shard calls (pasted
-    before them, where the wrappers do not exist yet, they did nothing: a new-user trial)."""
-    if after_sharding:
-        lines = ["# on the sharded model, after your fully_shard and checkpoint_wrapper calls (the wrappers went "
-                 "around",
-                 "# the units after fully_shard): activation checkpointing off" + (f" {note}" if note else ""),
-                 "# (or leave out your checkpoint_wrapper calls)"]
+                         before_sharding: bool = False) -> str:
+    """Activation checkpointing off: every CheckpointWrapper (fqns) left in place, calling the module it wraps as it
+    is (its ``checkpoint_fn``, torch 2.6 to 2.15; one already unwrapped is left as it is), on the model sharded or
+    not: after the user's checkpoint_wrapper and fully_shard calls, where every wrapper exists, however they were
+    made. (Replaced by its module before fully_shard, the old fix did nothing where a loop wraps and shards each
+    layer in turn, the wrappers made after it: a new-user trial; after fully_shard, a wrapper that is itself the
+    unit cannot be replaced: its module's parameters stay sharded outside any unit, "mixed torch.Tensor and
+    DTensor".) Units checkpointed by ``checkpoint(...)`` calls in code (``functional``): Hugging Face's
+    ``gradient_checkpointing_enable()`` is undone by its ``gradient_checkpointing_disable()``, other
+    ``checkpoint(...)`` calls are named in a comment, since only their code can change; alone, the lines go before
+    the user's fully_shard calls, beside the enable call. ``note``: the header's words where checkpointing stays on
+    elsewhere. ``before_sharding``: the lines go before fully_shard (ac.wrong_granularity checkpoints the blocks
+    next, which goes there)."""
+    if wrappers and not before_sharding:
+        lines = textwrap.wrap("activation checkpointing off" + (f" {note}" if note else "") + ": after your "
+                              "checkpoint_wrapper (apply_activation_checkpointing) and fully_shard calls, where "
+                              "every wrapper exists (a loop that wraps and shards each layer makes them there); "
+                              "each wrapper stays, calling its module as it is", width=80, initial_indent="# ",
+                              subsequent_indent="# ")
+        lines.append("# (or leave out your checkpoint_wrapper calls" + (" for these)" if note else ")"))
     else:
         # (a header over 80 columns wrapped: ac.fewer_units' read 111; "apply_activation_checkpointing" named to a run
         # with checkpoint(...) calls only, which never called it: new-user trials)
@@ -733,17 +746,16 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                   "if off is not None:",
                   "    off()",
                   "# (your own checkpoint(...) calls: remove them in your code)"]
-    root = [w for w in wrappers if w == ""]
-    inner = [w for w in wrappers if w]
-    if inner:
-        lines += [name_list("wrappers", inner), "for name in wrappers:",
-                  "    parent, _, child = name.rpartition('.')",
-                  "    holder = model.get_submodule(parent)",
-                  "    wrapper = getattr(holder, child)",
-                  "    inner = getattr(wrapper, '_checkpoint_wrapped_module', wrapper)",
-                  "    setattr(holder, child, inner)"]
-    if root:
-        lines.append("model = getattr(model, '_checkpoint_wrapped_module', model)  # the model itself was wrapped")
+    if wrappers:
+        lines += [f"def {NO_CHECKPOINT_FN}(function, *args, **kwargs):",
+                  "    return function(*args, **kwargs)  # in place of checkpoint(function, ...)",
+                  "",
+                  "",
+                  # ('': the model itself, wrapped)
+                  name_list("wrappers", wrappers), "for name in wrappers:",
+                  "    wrapper = model.get_submodule(name)",
+                  "    if hasattr(wrapper, 'checkpoint_fn'):  # (a wrapper still: not unwrapped)",
+                  f"        wrapper.checkpoint_fn = {NO_CHECKPOINT_FN}"]
     return "\n".join(lines)
 
 
@@ -1040,9 +1052,10 @@ def name_list(var: str, names: list[str], width: int = 80) -> str:
 def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``).
     A unit inside a CheckpointWrapper ("layers.0._checkpoint_wrapped_module": accelerate's plugin) is reached through
-    the wrapper's place: the module inside it while wrapped, the unit itself once ac.unneeded's fix unwraps it (named
-    inside the wrapper, that fix pasted beside this one raised AttributeError; named by the wrapper alone, the call
-    went to the wrapper, which accelerate shards too, as a unit of no parameters: both new-user trials)."""
+    the wrapper's place: the module inside it while wrapped, the unit itself once unwrapped (as an older ac.unneeded
+    fix did: named inside the wrapper, that fix pasted beside this one raised AttributeError; named by the wrapper
+    alone, the call went to the wrapper, which accelerate shards too, as a unit of no parameters: both new-user
+    trials)."""
     mods = [members(n)[0] for n in names]
     if any(strip_ckpt(m) != m for m in mods):
         return (name_list("names", [strip_ckpt(m) for m in mods]) + "\nfor name in names:\n"

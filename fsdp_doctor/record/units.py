@@ -31,6 +31,9 @@ class Unit:
     depth: int = 0
     parent: str | None = None
     children: list[str] = field(default_factory=list)
+    # (fqn, module) of each CheckpointWrapper whose inner module is one of the unit's (the unit applied to a wrapper's
+    # inner module: "layers.0._checkpoint_wrapped_module", accelerate's plugin, or checkpoint_wrapper after fully_shard)
+    around: list[tuple[str, nn.Module]] = field(default_factory=list)
 
     @property
     def param_groups(self) -> list:
@@ -82,8 +85,47 @@ def find_units(model: nn.Module) -> list[Unit]:
             by_state[key] = Unit(state=state, modules=mods, module_names=mnames, name=", ".join(mnames))
             order.append(key)
     units = [by_state[k] for k in order]
+    root = naming_root(model)
+    tail = "." + _CKPT_PREFIX
+    for u in units:
+        outer = [n[: -len(tail)] if n.endswith(tail) else "" for n in u.module_names
+                 if n.endswith(tail) or n == _CKPT_PREFIX]
+        u.around = [(n, w) for n in outer if (w := _submodule(root, n)) is not None]
     _link_nesting(units)
     return units
+
+
+def _submodule(root: nn.Module, fqn: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(fqn)
+    except AttributeError:
+        return None
+
+
+def checkpointing(m: nn.Module) -> bool:
+    """Whether ``m`` checkpoints its forward: a CheckpointWrapper (unless turned off: ``wrapper_off``), or a module
+    under the composable ``checkpoint(module)`` API."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # pragma: no cover
+        _get_registry = lambda m: None  # noqa: E731
+    if isinstance(m, CheckpointWrapper):
+        return not wrapper_off(m)
+    return "checkpoint" in (_get_registry(m) or {})
+
+
+def wrapper_off(wrapper: nn.Module) -> bool:
+    """A CheckpointWrapper whose checkpointing was turned off in place (ac.unneeded's fix: its ``checkpoint_fn`` a
+    plain function calling the module as it is, snippets.remove_checkpointing): torch builds ``checkpoint_fn`` as a
+    functools.partial of its checkpoint function (or of the one given to checkpoint_wrapper), torch 2.6 to 2.15, and
+    ac.selective_to_full's fix keeps one; any plain function put in its place is read as not checkpointing (a
+    checkpoint of the user's own assigned so, not a partial, would be misread). Without the attribute: on."""
+    import functools
+
+    fn = vars(wrapper).get("checkpoint_fn")  # (not through the wrapper's __getattr__, which asks its module)
+    return fn is not None and not isinstance(fn, functools.partial)
 
 
 def _is_prefix(parent: str, child: str) -> bool:
@@ -117,18 +159,8 @@ def _dtype_name(dt) -> str | None:
 
 
 def _checkpoint_kind(unit: Unit, all_units: list[Unit]) -> str:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    try:
-        from torch.distributed._composable.contract import _get_registry
-    except ImportError:  # pragma: no cover
-        _get_registry = lambda m: None  # noqa: E731
-
-    def is_ckpt(m: nn.Module) -> bool:
-        reg = _get_registry(m) or {}
-        return isinstance(m, CheckpointWrapper) or "checkpoint" in reg
-
-    if any(is_ckpt(m) for m in unit.modules) or any(n.endswith(_CKPT_PREFIX) for n in unit.module_names):
+    is_ckpt = checkpointing  # (a wrapper turned off in place: not checkpointing, its modules looked into)
+    if any(is_ckpt(m) for m in unit.modules) or any(is_ckpt(w) for _, w in unit.around):
         return "unit"
     other_unit_mods = {id(m) for u in all_units if u is not unit for m in u.modules}
     found = 0
@@ -216,8 +248,10 @@ def checkpoint_wrappers(unit: Unit, all_units: list[Unit]) -> list[tuple[str, nn
     unit), in module order."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    return [(fqn, m) for fqn, m in _unit_tree(unit, all_units, stop=lambda m: isinstance(m, CheckpointWrapper))
-            if isinstance(m, CheckpointWrapper)]
+    def on(m: nn.Module) -> bool:  # (one turned off: no checkpointing, its modules the unit's as any others)
+        return isinstance(m, CheckpointWrapper) and not wrapper_off(m)
+
+    return [(fqn, m) for fqn, m in _unit_tree(unit, all_units, stop=on) if on(m)]
 
 
 def running_stats_modules(unit: Unit, all_units: list[Unit]) -> list[str]:
@@ -257,9 +291,8 @@ def _wraps_unit(m: nn.Module, unit_modules: set[int]) -> bool:
 def enclosing_wrapper(unit: Unit) -> list[str]:
     """The fqn of the CheckpointWrapper around the unit, when the unit was applied to a wrapper's inner module
     (``layers.0._checkpoint_wrapped_module``: accelerate's FSDP2 plugin with ``activation_checkpointing`` wraps
-    each layer, then shards the layer inside); [] otherwise."""
-    tail = "." + _CKPT_PREFIX
-    return [n[: -len(tail)] for n in unit.module_names if n.endswith(tail)]
+    each layer, then shards the layer inside) and the wrapper checkpoints; [] otherwise."""
+    return [n for n, w in unit.around if checkpointing(w)]
 
 
 def checkpoints_itself(u: Unit) -> bool:

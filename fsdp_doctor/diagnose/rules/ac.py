@@ -219,12 +219,6 @@ def _blocks_owner(ctx: Context, holders: list[E.Unit]) -> str:
     return "wrap.params_in_root" if others and all(u.is_root for u in holders) else "wrap.too_coarse"
 
 
-def _wrapped_after(us: list[E.Unit]) -> bool:
-    """The units' CheckpointWrappers went around the units themselves (a unit applied to a wrapper's inner module:
-    checkpoint_wrapper after fully_shard): a fix unwrapping them goes after the user's fully_shard calls."""
-    return any(u.name.endswith("._checkpoint_wrapped_module") for u in us if u.checkpoint_wrappers)
-
-
 def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
     """(the CheckpointWrappers of the units, fqns; the checkpointed units that have none: checkpoint(...) calls)."""
     wrappers = [w for u in us for w in u.checkpoint_wrappers]
@@ -547,7 +541,9 @@ class AcUnneeded(Rule):
         # torchtitan's config wraps its blocks (selective, its default, or full): the setting turns them off
         titan = E.torchtitan_version(ctx) if wrappers and not functional else None
         titan_code = S.titan_settings(titan, activation_checkpoint="none") if titan is not None else None
-        code = S.remove_checkpointing(wrappers, functional, after_sharding=_wrapped_after(ck))
+        # (the wrappers turned off where they are, after the user's fully_shard calls: made before sharding, after it,
+        # or in one loop with it, they exist there; snippets.remove_checkpointing)
+        code = S.remove_checkpointing(wrappers, functional)
         stats, up_to = _uncheckpointed_stats(ctx, ck)
         if titan_code:
             code = titan_code
@@ -641,7 +637,7 @@ class AcWrongGranularity(Rule):
             + (f" That is where memory is needed: here the peak is {fmt_share(peak / cap)} of capacity, and "
                "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else "")
             + _running_stats(stats, on=True, lead="With the blocks checkpointed,", now=" not checkpointed now"),
-            (S.remove_checkpointing(wrappers, functional) + "\n" if wrappers else "")
+            (S.remove_checkpointing(wrappers, functional, before_sharding=True) + "\n" if wrappers else "")
             + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
 
@@ -739,10 +735,11 @@ class AcFewerUnits(Rule):
 
 
 def _fewer_code(chosen: list[E.Unit], note: str) -> str:
-    """ac.fewer_units' fix: the chosen units' CheckpointWrappers unwrapped (on the unsharded model), then
-    transformers' layers' own flags off (anywhere: alone, after fully_shard, where a Trainer's callback can run it)."""
+    """ac.fewer_units' fix: the chosen units' CheckpointWrappers turned off (after the user's fully_shard calls,
+    where every wrapper exists), then transformers' layers' own flags off (anywhere: alone, after fully_shard, where a
+    Trainer's callback can run it)."""
     wrappers = [w for u in chosen for w in u.checkpoint_wrappers]
     flagged = [u.modules[0] for u in chosen if not u.checkpoint_wrappers and u.modules]
-    return "\n".join(([S.remove_checkpointing(wrappers, [], note=note, after_sharding=_wrapped_after(chosen))]
+    return "\n".join(([S.remove_checkpointing(wrappers, [], note=note)]
                       if wrappers else [])
                      + ([S.checkpoint_flags_off(flagged, note)] if flagged else []))
