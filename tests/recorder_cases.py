@@ -499,14 +499,14 @@ def run_trainer(out: Path) -> dict:
 
     wait, _ = data_wait("slow")
     wait_after = data_wait("slow_fixed", wait.recommendation.code)[1] if wait and wait.recommendation.code else None
+    rd = fsdp_doctor.load_run(out / "trainer").ranks[rank]
     again = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / "trainer"))], out / "hf2")
-    again.train()  # a second run into the same run directory: refused, trained all the same
+    again.train()  # a second run into the same run directory: the first moved aside to previous/run-ID, recorded
     try:
         fsdp_doctor.DoctorCallback(out_dir=str(out / "x"), memroy=False)
         misspelt = None
     except TypeError as e:
         misspelt = str(e)
-    rd = fsdp_doctor.load_run(out / "trainer").ranks[rank]
     return {"identical": identical, "left": left, "base_left": base_left, "losses": first_losses,
             "steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
             "no_grad": {s.step: [s.no_grad_forwards, s.no_grad_ms] for s in rd.steps if s.no_grad_forwards},

@@ -194,9 +194,16 @@ def test_watch_refuses_bad_setups_and_steps_aside_on_errors():
     assert "has no FSDP2 unit" in out["no_fsdp"] and "\n" not in out["no_fsdp"]
     assert "cannot write to out_dir" in out["bad_dir"]
     assert "already being watched" in out["double"]
-    assert "already holds a run's records" in out["rerun"] and "overwrite=True" in out["rerun"], out["rerun"]
-    old_id, new_id, header_id, steps = out["overwritten"]
+    # watched into a folder holding a run (a job restarted into its crashed attempt's folder): that run is kept in
+    # previous/run-ID, read as before, and said in a note of the new run's (it was refused: the job ended)
+    old_id, moved_id, old_steps, moved_steps, new_id, new_steps, notes, listing = out["rerun"]
+    assert moved_id == old_id and moved_steps == old_steps and old_steps and new_steps == [0], out["rerun"]
+    assert len(new_id) == 12 and new_id != old_id and "previous" in listing, out["rerun"]
+    assert notes == [f"an earlier run started in this folder is kept below it, previous/run-{old_id} (watch() moves "
+                     "a run aside when another starts there): fsdp-doctor analyze it there"], notes
+    old_id, new_id, header_id, steps, previous = out["overwritten"]
     assert len(old_id) == 12 and new_id == header_id and new_id != old_id and steps == [0], out["overwritten"]
+    assert not previous  # (overwrite removes it)
     # an exception inside the doctor's hooks: reported once, training unchanged
     assert out["sabotaged_losses_equal"] is True
     assert res.stderr.count("the doctor stops recording") == 1, res.stderr
@@ -292,27 +299,44 @@ def test_a_refused_watch_leaves_the_watching_session_as_it_was(tmp_path):
         assert [s.step for s in load_run(out / name).ranks[0].steps] == [0, 1, 2, 3], name
 
 @pytest.mark.slow
-def test_multi_rank_rerun_is_refused_and_overwrite_gives_one_run(sample_run_path, tmp_path):
-    """The issue's reproduction: a 3-rank run's directory reused by a 2-rank run. Every rank refuses it (they agree
-    before any writes); with overwrite=True the old run is gone and the new one has one run id on every rank."""
-    from fsdp_doctor.workloads import WorkloadConfig, WorkloadError, launch
+def test_multi_rank_rerun_keeps_the_earlier_run_and_overwrite_gives_one_run(sample_run_path, tmp_path, monkeypatch):
+    """A 3-rank run's directory reused by a 2-rank run: the earlier run (its 3 streams, manifest, traces, report) is
+    moved aside whole to previous/run-ID before any rank writes, and reads there as it did; with overwrite=True it is
+    removed, but where the process restarts the job (torchrun's TORCHELASTIC_RESTART_COUNT): its crashed attempt's
+    records say how that ended. (A trial's job restarted by torchrun --max-restarts into its attempt's folder ended
+    at watch(), "already holds a run's records"; with overwrite the crashed attempt's records were wiped, unsaid.)"""
+    from fsdp_doctor import load_run
+    from fsdp_doctor.workloads import WorkloadConfig, launch
 
     d = tmp_path / "run"
     shutil.copytree(sample_run_path, d)
     shutil.copy(d / "rank1.records.jsonl", d / "rank2.records.jsonl")  # as left by an earlier 3-rank run
+    before = load_run(d)
+    old = before.manifest.run_id or "unknown"
     cfg = WorkloadConfig(steps=3, n_layers=2, d_model=64)
-    with pytest.raises(WorkloadError, match="already holds a run's records"):
-        launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False})
-    assert (d / "rank2.records.jsonl").exists() and (d / "profiler").is_dir()  # nothing touched
-    launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False, "overwrite": True})
-    from fsdp_doctor import load_run
-
+    launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False})
+    kept = d / "previous" / f"run-{old}"
+    assert sorted(p.name for p in kept.iterdir()) == ["manifest.json", "profiler", "rank0.records.jsonl",
+                                                      "rank1.records.jsonl", "rank2.records.jsonl", "report.json", "tb"]
+    moved = load_run(kept)
+    assert sorted(moved.ranks) == sorted(before.ranks) and moved.problems == before.problems
+    assert len(moved.trace_files) == len(before.trace_files) > 0
+    assert [s.step for s in moved.ranks[0].steps] == [s.step for s in before.ranks[0].steps]
     run = load_run(d)
     assert sorted(run.ranks) == [0, 1] and not run.problems and run.trace_files == []
+    assert run.notes[-1].startswith(f"an earlier run started in this folder is kept below it, previous/run-{old} ")
     ids = {rd.header.run_id for rd in run.ranks.values()} | {run.manifest.run_id}
-    assert len(ids) == 1 and len(ids.pop()) == 12
-    assert not (d / "rank2.records.jsonl").exists() and not (d / "report.json").exists()
+    assert len(ids) == 1 and len(new := ids.pop()) == 12
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # (spawned ranks inherit it)
+    launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False, "overwrite": True})
+    assert [s.step for s in load_run(d / "previous" / f"run-{new}").ranks[1].steps] == [0, 1, 2]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    newer = load_run(d).run_id
+    launch(cfg, nproc=2, watch_kwargs={"out_dir": str(d), "profile": False, "overwrite": True})
+    run = load_run(d)
+    assert run.run_id != newer and not (d / "previous" / f"run-{newer}").exists() and not (d / "report.json").exists()
     assert [s.step for s in run.ranks[1].steps] == [0, 1, 2]
+    assert len(run.notes[-1].split("previous/run-")) == 3  # (the two kept before: 2 earlier runs)
 
 
 def test_slow_loader_under_gradient_accumulation_is_data_wait(tmp_path):

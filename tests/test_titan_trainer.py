@@ -371,15 +371,3 @@ def test_entry_point_leaves_the_trainer_as_it_was(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "fsdp_doctor.watch: Linear has no FSDP2 unit; apply torch.distributed.fsdp.fully_shard to its blocks and to "
         "the model before watching it; torchtitan trains without fsdp_doctor"]
-
-
-def test_a_dump_folder_holding_a_run_is_said_with_the_command_lines_flags(tmp_path):
-    """A new-user trial ran torchtitan again into the same --dump-folder: the doctor stayed out saying "pass
-    overwrite=True (fsdp-doctor demo --overwrite)", which no flag of theirs is. Under python -m fsdp_doctor.titan the
-    line names --doctor.overwrite and --doctor.out-dir."""
-    from fsdp_doctor.record.tracker import WatchError
-    from fsdp_doctor.store.writer import TAKEN_ADVICE
-
-    e = WatchError(f"fsdp_doctor.watch: {tmp_path} already holds a run's records; {TAKEN_ADVICE}")
-    assert TT.as_flags(e) == (f"fsdp_doctor.watch: {tmp_path} already holds a run's records; pass --doctor.overwrite "
-                              "true to replace them, or --doctor.out-dir DIR")

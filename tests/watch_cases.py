@@ -80,15 +80,25 @@ def main():
     run_dir = os.path.join(tmp, "sabotaged")
     out["sabotaged_losses_equal"] = train_losses(cfg, run_dir, sabotage=True) == base
     out["sabotaged_dir"] = run_dir
-    # a run directory holds one run: watching into it again is refused, overwrite=True replaces the old run
-    out["rerun"] = refused(lambda: fsdp_doctor.watch(m, out_dir=run_dir).__enter__())
+    # a run directory holds one run: watching into it again moves the earlier run aside (it reads as before from
+    # previous/run-ID), overwrite=True replaces it
+    kept = shutil.copytree(run_dir, os.path.join(tmp, "kept"))
+    old = fsdp_doctor.load_run(kept)
+    with fsdp_doctor.watch(m, out_dir=kept, profile=False) as doc:
+        m(torch.randn(2, 4)).sum().backward()
+        doc.step()
+    new, moved = fsdp_doctor.load_run(kept), fsdp_doctor.load_run(os.path.join(kept, "previous", f"run-{old.run_id}"))
+    out["rerun"] = [old.run_id, moved.run_id, [s.step for s in old.ranks[0].steps],
+                    [s.step for s in moved.ranks[0].steps], new.run_id, [s.step for s in new.ranks[0].steps],
+                    new.notes, sorted(os.listdir(kept))]
     copy = shutil.copytree(run_dir, os.path.join(tmp, "rerun"))
     old_id = fsdp_doctor.load_run(copy).run_id
     with fsdp_doctor.watch(m, out_dir=copy, profile=False, overwrite=True) as doc:
         m(torch.randn(2, 4)).sum().backward()
         doc.step()
     again = fsdp_doctor.load_run(copy)
-    out["overwritten"] = [old_id, again.run_id, again.ranks[0].header.run_id, [s.step for s in again.ranks[0].steps]]
+    out["overwritten"] = [old_id, again.run_id, again.ranks[0].header.run_id, [s.step for s in again.ranks[0].steps],
+                          os.path.exists(os.path.join(copy, "previous"))]
     # activation checkpointing: the re-run in backward is timed per unit
     ac_dir = os.path.join(tmp, "ac")
     train_losses(WorkloadConfig(steps=3, n_layers=2, d_model=64, ac="block"), ac_dir)

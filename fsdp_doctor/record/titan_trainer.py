@@ -183,14 +183,6 @@ def tokens_per_step(trainer) -> int | None:
         return None
 
 
-def as_flags(e: WatchError) -> str:
-    """watch()'s refusal with its options said as this command line takes them (a new-user trial ran again into
-    the same dump folder and was told to pass overwrite=True, which no flag of theirs is)."""
-    from ..store.writer import TAKEN_ADVICE
-
-    return str(e).replace(TAKEN_ADVICE, "pass --doctor.overwrite true to replace them, or --doctor.out-dir DIR")
-
-
 @contextlib.contextmanager
 def attach(trainer, **options):
     """Watches a built torchtitan ``Trainer`` while the block runs: its model and optimizers, ``doctor.step()``
@@ -213,7 +205,7 @@ def attach(trainer, **options):
         doctor.__enter__()
     except Exception as e:  # noqa: BLE001  (WatchError: its sentence; anything else: the doctor's own failure)
         log.warning("%s; torchtitan trains without fsdp_doctor",
-                    as_flags(e) if isinstance(e, WatchError) else f"fsdp_doctor: {type(e).__name__}: {e}")
+                    str(e) if isinstance(e, WatchError) else f"fsdp_doctor: {type(e).__name__}: {e}")
         yield None
         return
     inner_step = trainer.train_step

@@ -326,9 +326,10 @@ class Doctor:
                         subset_note(self._world_ranks, dist.get_world_size()), self.out_dir)
 
     def _claim_out_dir(self) -> str:
-        """A run directory holds one run: refuse one holding another run's records (unless ``overwrite``); all
-        ranks agree on the verdict and the run id before any writes (one all_gather_object at entry, over the
-        default group; where only some ranks train, one per dim of their mesh, over that dim's group)."""
+        """A run directory holds one run: an earlier run's records there are moved aside below it (or with
+        ``overwrite`` removed: ``store.writer.claim_run_dir``), said in one line; all ranks agree on the run id
+        before any writes (one all_gather_object at entry, over the default group; where only some ranks train, one
+        per dim of their mesh, over that dim's group)."""
         def exchange(v):
             ranks = self._world_ranks or list(range(self.world_size))
             held = {ranks[self.rank]: v}
@@ -339,10 +340,18 @@ class Doctor:
             return [held[r] for r in ranks]
 
         try:
-            return claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite,
-                                 exchange=exchange if self.world_size > 1 else None)
+            claim = claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite,
+                                  exchange=exchange if self.world_size > 1 else None)
         except RunDirTaken as e:
             raise WatchError(f"fsdp_doctor.watch: {e}") from None
+        if self.rank == 0 and claim.kept is not None:
+            log.warning("fsdp_doctor: %s held an earlier run's records: moved to %s%s (fsdp-doctor analyze reads "
+                        "it there); this run records in %s", self.out_dir, claim.kept,
+                        ", though overwrite=True: this process restarts the job (TORCHELASTIC_RESTART_COUNT), and "
+                        "they say how the attempt before ended" if self.options.overwrite else "", self.out_dir)
+        elif self.rank == 0 and claim.removed:
+            log.warning("fsdp_doctor: %s held an earlier run's records: removed (overwrite=True)", self.out_dir)
+        return claim.run_id
 
     # ------------------------------------------------------------------ hooks
     # ------------------------------------------------------------------ collaborators

@@ -7,6 +7,7 @@
     profiler/rank{R}.{first_step}.pt.trace.json.gz Kineto traces of the profiled windows (TensorBoard layout)
     tb/rank{R}/events.out.tfevents.*               TensorBoard scalars (``fsdp-doctor tensorboard`` / the demo)
     report.json                                    the demo's saved report
+    previous/run-{ID}/                             an earlier run's files, moved aside by a run started here (keep_run)
 
 Where only some ranks of the process group train the watched model (its device mesh leaves the others out), the run
 is those ranks' and lies in a folder of its own below ``out_dir``, named by them (``group_dir``: ``ranks2-3/``).
@@ -28,6 +29,7 @@ MANIFEST_NAME = "manifest.json"
 PROFILER_DIR = "profiler"
 TB_DIR = "tb"
 REPORT_NAME = "report.json"
+PREVIOUS_DIR = "previous"
 STREAM_GLOB = "rank*.records.jsonl"
 # JSON files of a run directory that are not Kineto traces.
 NON_TRACE_NAMES = frozenset({MANIFEST_NAME, REPORT_NAME})
@@ -165,7 +167,8 @@ def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]
     """Kineto trace files at ``path``: the file itself, or ``*.json`` / ``*.json.gz`` found recursively under a
     directory (symlinked folders followed once; TensorBoard plugin layout and the ``profiler/`` folder
     included), sorted. Known non-trace JSON (``manifest.json``, ``report.json``, ``*.jsonl``, the doctor's own
-    ``--json`` outputs under any name) is left out.
+    ``--json`` outputs under any name) is left out, and so are earlier runs moved aside below a run's folder
+    (``previous/``: ``keep_run``).
     What cannot be read (an unreadable folder, a dangling or looping symlink, a FIFO or other non-regular
     file with a trace's name) is added to ``problems`` as (path, why) and left out, never silently.
     Raises FileNotFoundError for a missing path."""
@@ -200,6 +203,8 @@ def find_trace_files(path: Path | str, problems: Optional[list[tuple[Path, str]]
             except OSError:
                 is_dir = False
             if is_dir:
+                if e.name == PREVIOUS_DIR and has_run(d):  # (earlier runs moved aside: keep_run; not this one's)
+                    continue
                 walk(q)
             elif is_trace_name(q):
                 why = not_readable(q)
@@ -296,6 +301,59 @@ def clear_run(run_dir: Path | str) -> list[Path]:
             shutil.rmtree(d)
             gone.append(d)
     return gone
+
+
+def keep_run(run_dir: Path | str, rank: int) -> Optional[Path]:
+    """Moves an earlier run's files out of the way of a run starting in ``run_dir``, into
+    ``previous/run-{its id}/`` below it, and returns that folder (None where there was nothing of it to move here):
+    rank 0 moves the manifest, the saved report, the profiler traces, the TensorBoard scalars and every record
+    stream, any other rank its own stream (one left where rank 0 cannot see it: another node's disk). A restarted
+    job (torchrun --max-restarts) watched into the folder of its crashed attempt was refused, which ended the
+    restart, or with overwrite wiped the records that said how the attempt ended (a new-user trial). The earlier
+    run reads as it did, from its new folder."""
+    p = Path(run_dir)
+    mine = (([manifest_path(p), report_path(p), *streams(p).values(), profiler_dir(p), p / TB_DIR]) if rank == 0
+            else [p / stream_name(rank)])
+    mine = [q for q in mine if q.exists() or q.is_symlink()]
+    if not mine:
+        return None
+    dest = p / PREVIOUS_DIR / f"run-{_run_id_in(p, rank) or 'unknown'}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for q in mine:
+        try:
+            os.replace(q, dest / q.name)
+        except FileNotFoundError:  # (another rank moved it: its stream, seen by rank 0 on a shared disk)
+            pass
+    return dest
+
+
+def _run_id_in(run_dir: Path, rank: int) -> Optional[str]:
+    """The run id of the run whose files are in ``run_dir``: its manifest's (rank 0), else the first record stream's
+    header's (the rank's own first)."""
+    import json
+
+    paths = ([manifest_path(run_dir)] if rank == 0 else []) + [run_dir / stream_name(rank)] \
+        + list(streams(run_dir).values())
+    for q in paths:
+        try:
+            with open(q, "rb") as fh:
+                first = fh.readline() if q.name != MANIFEST_NAME else fh.read()
+            rid = json.loads(first).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(rid, str) and re.fullmatch(r"[0-9a-zA-Z_-]{1,64}", rid):
+            return rid
+    return None
+
+
+def previous_runs(run_dir: Path | str) -> list[Path]:
+    """The earlier runs moved aside below ``run_dir`` (``keep_run``), oldest first."""
+    d = Path(run_dir) / PREVIOUS_DIR
+    try:
+        runs = [q for q in d.iterdir() if q.is_dir() and (manifest_path(q).exists() or streams(q))]
+    except OSError:
+        return []
+    return sorted(runs, key=lambda q: q.stat().st_mtime)
 
 
 def write_probe(folder: Path | str, nbytes: int = 0) -> OSError | None:

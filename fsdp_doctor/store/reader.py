@@ -453,7 +453,22 @@ def load_run(path: Path | str) -> Run:
     run.records_cut = set(_cut_bytes(follower))
     if going:
         run.notes.append(_still_going_note(run))
+    if note := previous_runs_note(p):
+        run.notes.append(note)
     return run
+
+
+def previous_runs_note(run_dir: Path) -> str:
+    """"earlier runs started in this folder are kept below it: previous/run-3f2a..., previous/run-9c1d... (watch()
+    moved each aside when the next started): fsdp-doctor analyze one of them"; "" where there is none."""
+    kept = layout.previous_runs(run_dir)
+    if not kept:
+        return ""
+    names = [f"{layout.PREVIOUS_DIR}/{q.name}" for q in kept]
+    said = ", ".join(names[-3:]) + (f" and {len(names) - 3} older" if len(names) > 3 else "")
+    return (f"{'an earlier run' if len(kept) == 1 else f'{len(kept)} earlier runs'} started in this folder "
+            f"{'is' if len(kept) == 1 else 'are'} kept below it, {said} (watch() moves a run aside when another "
+            f"starts there): fsdp-doctor analyze {'it' if len(kept) == 1 else 'one of them'} there")
 
 
 def closing_problems(follower: "RunFollower", run: Run, going: bool = False) -> tuple[list[str], set[str], set[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 from . import layout
 from ..records import Manifest, Record, record_encoder
@@ -38,45 +39,54 @@ class RecordWriter:
             os.close(self._fd)
             self._fd = -1
 
-#: what to do about an out_dir holding a run, in watch()'s words (a command line that takes its options as flags says
-#: it in its own: fsdp_doctor.record.titan_trainer)
-# (to a user of watch(): a new-user trial resuming a run was told of the demo's flag alone)
-TAKEN_ADVICE = ("pass overwrite=True to watch() to replace them (the demo: fsdp-doctor demo --overwrite), or choose a "
-                "new out_dir")
-
-
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
     """Writes ``manifest.json`` atomically (temp file then rename)."""
     return layout.write_atomic(layout.manifest_path(out_dir), record_encoder.encode(manifest))
 
 
 class RunDirTaken(Exception):
-    """The run directory already holds another run's records; ``str()`` is one line saying what to do."""
+    """The run directory cannot be made this run's; ``str()`` is one line saying why."""
 
 
-def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, exchange=None) -> str:
-    """Makes ``out_dir`` this run's own before anything is written, and returns the run's id.
+class Claim(NamedTuple):
+    """What :func:`claim_run_dir` did: the run's id, and the earlier run's files in the directory, moved aside to
+    ``kept`` (rank 0's folder for them) or ``removed``."""
 
-    A run directory holds one run: one that already holds a run's records (a manifest or a record stream)
-    is refused with :class:`RunDirTaken`, or, with ``overwrite``, that run's files are removed (rank 0 the
-    shared ones, every rank its own stream; nothing else in the directory is touched). ``exchange`` (given
-    when there are several ranks) gathers one picklable value from every rank and returns the list of all of
-    them in rank order (``torch.distributed.all_gather_object``): the ranks agree on the verdict and on rank
-    0's run id before any of them writes."""
+    run_id: str
+    kept: Optional[Path] = None
+    removed: bool = False
+
+
+def restarted() -> bool:
+    """Whether this process is a restart of a job torchrun's elastic agent runs (``--max-restarts``)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+
+
+def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, exchange=None) -> Claim:
+    """Makes ``out_dir`` this run's own before anything is written (a run directory holds one run).
+
+    An earlier run's files there (a manifest or a record stream) are moved aside, below it in
+    ``previous/run-{its id}/`` (``layout.keep_run``: rank 0 the shared ones and every stream, every rank its own
+    stream), or with ``overwrite`` removed (nothing else in the directory is touched) but where this process is an
+    elastic restart of the job (``restarted``): its crashed attempt's records say how it ended. Refusing the
+    directory ended the user's training where a job restarted (torchrun --max-restarts) into the folder of its
+    crashed attempt, and overwrite wiped that attempt's records, unsaid (a new-user trial). ``exchange`` (given when
+    there are several ranks) gathers one picklable value from every rank and returns the list of all of them in rank
+    order (``torch.distributed.all_gather_object``): the ranks agree on rank 0's run id, and on any error, before
+    any of them writes."""
     out = Path(out_dir)
-    verdict: dict = {"error": None, "run_id": None}
+    verdict: dict = {"error": None, "run_id": None, "kept": None, "removed": False}
     try:
-        if rank == 0:
-            taken = layout.has_run(out)
-        else:
-            taken = (out / layout.stream_name(rank)).exists()
-        if taken and not overwrite:
-            verdict["error"] = f"{out} already holds a run's records; {TAKEN_ADVICE}"
-        elif taken:
+        taken = layout.has_run(out) if rank == 0 else (out / layout.stream_name(rank)).exists()
+        if taken and overwrite and not restarted():
             if rank == 0:
                 layout.clear_run(out)
             else:
                 (out / layout.stream_name(rank)).unlink(missing_ok=True)
+            verdict["removed"] = True
+        elif taken:
+            kept = layout.keep_run(out, rank)
+            verdict["kept"] = None if kept is None else str(kept)
         if rank == 0:
             verdict["run_id"] = layout.new_run_id()
     except OSError as e:
@@ -85,4 +95,6 @@ def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, ex
     for v in verdicts:
         if v["error"]:
             raise RunDirTaken(v["error"])
-    return verdicts[0]["run_id"] or layout.new_run_id()
+    kept = next((v["kept"] for v in verdicts if v["kept"]), None)
+    return Claim(verdicts[0]["run_id"] or layout.new_run_id(), None if kept is None else Path(kept),
+                 any(v["removed"] for v in verdicts))
