@@ -1,10 +1,14 @@
 """Numbers with their units, one convention for every stage that writes one (rules' evidence text, presenters,
 dashboard): memory and message sizes in binary units (B, KiB, MiB, GiB: powers of 1024); bandwidth in decimal
 units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests' bus bandwidth); times in µs below a millisecond,
-then ms, then s; a missing value is "—". No imports: the diagnosis uses it without reaching into the
-presenters."""
+then ms, then s; a missing value is "—"; a fix's code in 80 columns. No imports of the package's: the diagnosis uses
+it without reaching into the presenters."""
 
 from __future__ import annotations
+
+import io
+import textwrap
+import tokenize
 
 MISSING = "—"
 ROOT_LABEL = "(root)"  # the root FSDP unit's display name (its module path is "")
@@ -245,3 +249,54 @@ def fmt_value(key: str, v, max_items: int = 8) -> str:
 #: the end of the one line that tells how a run ended where not every rank finished (store.reader.run_end_line), by
 #: which presenters tell it from a file skipped: it is printed "run ended: ...", not "skipped: ..." (nothing was)
 RUN_END_TAIL = "; the completed steps of every rank are used"
+
+
+#: the columns a fix's lines fit in: the rules write them so (diagnose.base.Rule.finding fits its comments), and the
+#: terminal prints a fix unwrapped, for copying
+CODE_WIDTH = 80
+
+
+def _comment_indent(line: str, indent: str) -> str:
+    """The spaces after a comment line's "# " beyond the first (an indented list under a header: "#   layer1, ..."),
+    kept on its wrapped lines."""
+    text = line[len(indent):].lstrip("#")
+    return " " * max(0, len(text) - len(text.lstrip(" ")) - 1)
+
+
+def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
+    """``code`` with each comment line over ``width`` columns wrapped under itself, at its indent (an indented list
+    keeping its indent), and a comment after code over it moved above that code, wrapped; the code itself as it is:
+    two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word (lines of 87 to 126 columns).
+    Each comment line is its own text, never joined to the next: a rule writes one text on one line, however long.
+    Joining a line to the next when it did not end in ".", ":", ")" or ";" ran three separate comments into one
+    ("... would add collectives for nothing lm_head, transformer.wte share a parameter ... the root last: ...": a
+    new-user trial's GPT-2 plan), and a rule's comments end without a full stop. Comments only move, so the fix runs
+    as the rule wrote it: diagnose.base.Rule.finding fits every fix so, the report (JSON, HTML, dashboard) holding
+    it fitted; the terminal fits it again (a report written before). Code that does not tokenize (a command line) is
+    returned as it is."""
+    lines = code.split("\n")
+    if all(len(ln) <= width for ln in lines):
+        return code
+    try:
+        comments = {t.start[0] - 1: t.start[1] for t in tokenize.generate_tokens(io.StringIO(code).readline)
+                    if t.type == tokenize.COMMENT}
+    except (tokenize.TokenError, SyntaxError):
+        return code
+
+    def wrap(indent: str, text: str, lead: str = "") -> list[str]:
+        head = f"{indent}# {lead}"
+        return [head + w for w in textwrap.wrap(text, max(20, width - len(head)), break_long_words=False,
+                                                break_on_hyphens=False)]
+
+    out: list[str] = []
+    for i, ln in enumerate(lines):
+        col = comments.get(i)
+        indent = ln[:len(ln) - len(ln.lstrip())]
+        if col is not None and len(ln) > width:
+            if col == len(indent):  # a comment line
+                out += wrap(indent, ln.strip().lstrip("#").strip(), _comment_indent(ln, indent))
+                continue
+            out += wrap(indent, ln[col:].lstrip("#").strip())  # a comment after code: above it
+            ln = ln[:col].rstrip()
+        out.append(ln)
+    return "\n".join(out)

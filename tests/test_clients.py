@@ -393,6 +393,8 @@ def _constructed_snippets() -> list[list[str]]:
             return "sequential"
         if re.search(r"'model\.layers\.\d+'", s):  # a Hugging Face decoder's units: the frozen-base fine-tuning tree
             return "qwen2_tail"
+        if "block.mlp.experts" in s or "model.model.layers" in s:  # a CausalLM's decoder (the trial's Mixtral)
+            return "mixtral"
         n = 1 + max((int(i) for i in re.findall(r"layers\.(\d+)", s)), default=0)
         return "gpt" if n <= 4 else "gpt8" if n <= 8 else "gpt48"
 
@@ -459,28 +461,19 @@ def test_a_long_comment_line_is_wrapped_alone():
         "# the root last: it keeps what no unit holds", "fully_shard(model, mesh=mesh)"]
 
 
-def test_every_constructed_snippet_prints_its_comments_within_80_columns():
-    """The terminal prints a fix unwrapped, for copying: two new-user trials' 80-column terminals wrapped the fixes'
-    long comments mid-word (lines of 87 to 126 columns). Printed, every constructed snippet's comments fit 80
-    columns (a paragraph wrapped anew, a comment after code moved above it), and its code is the rule's own: the
-    same tokens but comments and line breaks, so it runs as the tests run it."""
-    import io
-    import tokenize
-
+def test_every_constructed_snippet_fits_80_columns_as_the_report_holds_it():
+    """A fix's lines fit 80 columns as the rule writes them, every line, code or comment: the JSON, the HTML and the
+    dashboard show the code as the report holds it. This test once checked the terminal's rendering only
+    (fmt.fit_comments, wrapping each long comment under itself): the report's own lines stayed 82 to 199 columns (a
+    new-user trial's Mixtral: the asynchronous unshard's comment in three wrap plans, optim.before_shard's 92 and 99,
+    the experts' comment after its call), and a paragraph the rule had broken at 92 columns left the terminal a
+    stray "# without the". Every known-answer snippet (the trial's Mixtral among them: test_diagnose_rules.py's
+    _moe_trial_units), the terminal's rendering the report's own."""
     from fsdp_doctor.present.fmt import CODE_WIDTH, fit_comments
 
-    def code_tokens(src):
-        return [(t.type, t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
-                if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE)]
-
     snippets = {(c, code) for _, c, code, where, _ in _known_answer_findings(snippets=True) if where != "torchtitan"}
-    wide = 0
-    for rule, code in snippets:
-        fitted = fit_comments(code)
-        wide += any(len(ln) > CODE_WIDTH for ln in code.splitlines())
-        assert code_tokens(fitted) == code_tokens(code), (rule, fitted)
-        lines = fitted.splitlines()
-        for t in tokenize.generate_tokens(io.StringIO(fitted).readline):
-            if t.type == tokenize.COMMENT:  # (a comment line, or one after code)
-                assert len(lines[t.start[0] - 1]) <= CODE_WIDTH, (rule, lines[t.start[0] - 1])
-    assert wide >= 20  # (the snippets that had a line too wide)
+    assert {"wrap.too_fine", "wrap.params_in_root", "optim.before_shard"} <= {c for c, _ in snippets}
+    wide = sorted({(rule, ln) for rule, code in snippets for ln in code.splitlines() if len(ln) > CODE_WIDTH})
+    assert not wide, "\n".join(f"{rule}: {len(ln)}: {ln}" for rule, ln in wide)
+    assert all(fit_comments(code) == code for _, code in snippets)
+    assert any("model.model.embed_tokens" in code for c, code in snippets if c == "wrap.params_in_root")

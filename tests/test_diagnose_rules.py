@@ -245,6 +245,80 @@ def test_too_fine_leaf_wrapping_names_the_blocks():
     assert h.recommendation.code == f.recommendation.code and "fsdp_plugin" not in h.recommendation.code
 
 
+def _moe_trial_units(routers: bool = True, experts: bool = False, n_layers: int = 6):
+    """A new-user trial's tiny Hugging Face Mixtral (MixtralForCausalLM, 2 gloo ranks, unshard_async_op set): each
+    decoder layer a unit (432.50 KiB gathered, 8 tensors), beside it each layer's 1 KiB MoE router ``mlp.gate``
+    (``routers``) or its experts (``experts``) a unit of its own; the embedding, final norm and head left in the
+    root (128.25 KiB)."""
+    us = [unit("", n_params=3, param_count=32_832, sharded_bytes=65_664, unsharded_bytes=131_328,
+               orig_dtypes=["float32"], reshard_after_forward=False, unshard_async_op=True,
+               own_modules=["model.embed_tokens", "model.norm", "lm_head"], own_bytes=[65_536, 256, 65_536],
+               leading_modules=["model.embed_tokens"], trailing_modules=["model.norm", "lm_head"],
+               timing=dict(fwd_ms=20.0, ag_wait_fwd_ms=6.6))]
+    for i in range(n_layers):
+        us.append(unit(f"model.layers.{i}", n_params=8, param_count=110_720, sharded_bytes=221_440,
+                       unsharded_bytes=442_880, orig_dtypes=["float32"], unshard_async_op=True,
+                       timing=dict(fwd_ms=8.0, ag_wait_fwd_ms=4.7, bwd_ms=9.0, ag_wait_bwd_ms=3.0)))
+        nested = dict(parent=f"model.layers.{i}", depth=2, orig_dtypes=["float32"], unshard_async_op=True)
+        if routers:
+            us.append(unit(f"model.layers.{i}.mlp.gate", n_params=1, param_count=256, sharded_bytes=512,
+                           unsharded_bytes=1024, timing=dict(fwd_ms=0.3, ag_wait_fwd_ms=5.0, bwd_ms=0.2,
+                                                             ag_wait_bwd_ms=1.0), **nested))
+        if experts:
+            us.append(unit(f"model.layers.{i}.mlp.experts", n_params=2, param_count=65_536, sharded_bytes=131_072,
+                           unsharded_bytes=262_144, timing=dict(fwd_ms=3.0, ag_wait_fwd_ms=2.0, bwd_ms=4.0,
+                                                                ag_wait_bwd_ms=1.0), **nested))
+    return us
+
+
+def test_too_fine_names_small_units_beside_blocks_by_their_real_sizes():
+    """A new-user trial's Mixtral with each layer's 1 KiB MoE router a unit beside its 432.50 KiB layer read "12 FSDP
+    units, most of them single layers" and "12 units with a median of 216.75 KiB each": a median no unit has (the
+    mean of the two middle sizes), whole layers called single layers, all 12 called small. The title and text name
+    the small units and the others by their sizes, and what replaces them; the fix drops the router units (pasted,
+    the finding went away: step 219.8 -> 168.1 ms)."""
+    ctx, _ = build(units=_moe_trial_units(), step_ms=219.8)
+    (f,) = run_rule("wrap.too_fine", ctx)
+    assert f.title == "6 of 12 units are single small layers (mlp.gate, 1.00 KiB each) beside 6 blocks of 432.50 KiB"
+    text = f.recommendation.text
+    assert text.startswith(f.title + ": every such unit pays a fixed cost per collective"), text
+    assert ("so that each pass (forward, then backward) makes 6 all-gathers of 433.50 KiB each in place of these "
+            "12.") in text, text
+    assert "median" not in text and "216.75" not in text and "median" not in " ".join(f.evidence)
+    assert (f.evidence["largest_small_unit_bytes"], f.evidence["smallest_larger_unit_bytes"]) == (1024, 442_880)
+    assert (f.evidence["units_after"], f.evidence["largest_unit_after_bytes"]) == (6, 443_904)
+    code = f.recommendation.code
+    assert "for block in model.model.layers.children():\n    fully_shard(block, mesh=mesh)\n" in code, code
+    assert "mlp.gate" not in code
+    # the median unit is one of the units: with an even count the lower middle one (the gate fires the rule where
+    # half the units are small, as here; all whole blocks stay quiet)
+    us = [u for u in _moe_trial_units(routers=False, n_layers=12)]
+    assert run_status("wrap.too_fine", build(units=us)[0]).reason.startswith(
+        "the median unit holds 8 tensors, 432.50 KiB gathered")
+
+
+def test_params_in_root_names_the_modules_as_its_snippet_does():
+    """On a Hugging Face CausalLM the user's `model` holds `model.model.embed_tokens` and `model.lm_head`: the text read
+    "Wrap them as units of their own before wrapping the root (model.embed_tokens, model.norm, lm_head)", the fqns,
+    beside a snippet on model.model.embed_tokens (a new-user trial's Mixtral, each layer's experts a unit). It names
+    them as the snippet does; and the snippet's lines fit 80 columns (the experts' comment after its call read 82,
+    the asynchronous unshard's 100: JSON, HTML and the dashboard show the code as written)."""
+    from fsdp_doctor.diagnose.snippets import module_expr
+
+    ctx, _ = build(units=_moe_trial_units(routers=False, experts=True, n_layers=2), memory=memory(4 * MiB))
+    (f,) = run_rule("wrap.params_in_root", ctx)
+    text, code = f.recommendation.text, f.recommendation.code
+    assert ("Wrap them as units of their own before wrapping the root (model.model.embed_tokens, "
+            "model.model.norm, model.lm_head).") in text, text
+    for m in ("model.embed_tokens", "model.norm", "lm_head"):
+        assert module_expr(m) in code
+    assert ("    # a unit of its own, as in your run\n    fully_shard(block.mlp.experts, mesh=mesh)\n"
+            "    fully_shard(block, mesh=mesh)\n") in code, code
+    assert "# asynchronous unshard, as your run had it (fully_shard does not take it: set on\n# the units after it)\n" \
+        in code, code
+    assert max(map(len, code.splitlines())) <= 80, code
+
+
 def test_params_in_root():
     us = [unit("", param_count=139_520, n_params=5, sharded_bytes=279_040, unsharded_bytes=558_080,
                orig_dtypes=["float32"], reshard_after_forward=False, timing=dict(fwd_ms=65, ag_wait_fwd_ms=4.9))]
@@ -311,7 +385,7 @@ def test_params_in_root():
     assert "FSDP's default" not in g.recommendation.code, g.recommendation.code
     # the text names the root's own modules, not "typically embeddings, the final norm and the output head" (said of
     # a U-Net's mid block: a new-user trial), and speaks of tied modules only where the root holds some
-    assert "Wrap them as units of their own before wrapping the root (tok_emb, norm)." in g.recommendation.text
+    assert "Wrap them as units of their own before wrapping the root (model.tok_emb, model.norm)." in g.recommendation.text
     assert "typically" not in g.recommendation.text and "tied" not in g.recommendation.text
     # a root holding only a tied embedding and output head: nothing its snippet could move
     us[0][0].update(own_modules=["tok_emb", "lm_head"], tied_modules=["tok_emb", "lm_head"])
@@ -912,8 +986,8 @@ def test_frozen_unit_gathered_in_backward_known_answer():
     # a non-empty list turns the default off ([] would not); the unit itself is gathered already: nothing to gather
     assert f.recommendation.where == "sharded"
     assert f.recommendation.code == ("unit = model.get_submodule('model.layers.2')\n"
-                                     "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
-                                     "nothing to gather")
+                                     "# itself: gathered already, nothing to gather\n"
+                                     "unit.set_modules_to_backward_prefetch([unit])")
     # the rerun's snapshot: layers.2 prefetches itself
     assert rule.match(_qwen2_tail_ctx(_qwen2_tail_units(backward_prefetch=["model.layers.2"]))) == []
     assert "model.layers.2's explicit list leaves them out" in rule.why_quiet
@@ -942,10 +1016,12 @@ def test_frozen_unit_gathered_by_an_explicit_list_and_quiet_reasons():
     (f,) = rule.match(_qwen2_tail_ctx(us, bwd_ag=("model.layers.1", "model.layers.0")))
     assert f.evidence["allgather_bytes_per_step"] == 3 * 148_480  # layers.1 twice, layers.0 once
     assert f.evidence["gathered_for_nothing"][0].endswith("prefetched by model.layers.2's explicit list")
+    # (a unit a line where one line would pass 80 columns)
     assert f.recommendation.code == ("unit = model.get_submodule('model.layers.2')\n"
-                                     "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
-                                     "nothing to gather\n"
-                                     "model.model.norm.set_modules_to_backward_prefetch([model.get_submodule('model.layers.2')])")
+                                     "# itself: gathered already, nothing to gather\n"
+                                     "unit.set_modules_to_backward_prefetch([unit])\n"
+                                     "model.model.norm.set_modules_to_backward_prefetch([\n"
+                                     "    model.get_submodule('model.layers.2')])")
     # every unit trains (the reference GPT): every unit runs backward
     us = healthy_units()
     for u, _ in us:
@@ -2189,7 +2265,8 @@ def test_shard_plan_keeps_units_inside_blocks():
     units = [u for i in range(3) for u in (unit(f"model.layers.{i}"), unit(f"model.layers.{i}.mlp.experts"))]
     code = S.shard_plan(S.Tree.of([*units, root]), root_leftovers=True)
     assert ("for block in model.model.layers.children():\n"
-            "    fully_shard(block.mlp.experts, mesh=mesh)  # a unit of its own, as in your run\n"
+            "    # a unit of its own, as in your run\n"
+            "    fully_shard(block.mlp.experts, mesh=mesh)\n"
             "    fully_shard(block, mesh=mesh)\n") in code
     assert "layers.0" not in code  # no unit named twice
     compile(S.complete(code), "<plan>", "exec")
@@ -2329,7 +2406,8 @@ def test_alloc_retries_known_answer():
     assert ev["reserved_bytes"] == (30 << 30) + (7 << 20) and ev["device_total_bytes"] == 80 << 30
     rec = f.recommendation
     assert rec.where == "startup"
-    assert "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'max_split_size_mb:512,expandable_segments:True'" in rec.code
+    assert ("os.environ['PYTORCH_CUDA_ALLOC_CONF'] = (\n    'max_split_size_mb:512,expandable_segments:True')"
+            in rec.code)
     assert rec.code.startswith(IMPORTS_NOTE + "\nimport os\n\n")
     ns: dict = {}
     import os
@@ -2388,7 +2466,7 @@ def test_the_config_records_the_allocator_settings_of_a_cuda_run(monkeypatch):
     assert alloc_conf(torch.device("cpu")) == {}
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 1, 2, 3], alloc_conf=alloc_conf(torch.device("cuda", 0))))
     assert f.recommendation.code.endswith(
-        "os.environ['PYTORCH_ALLOC_CONF'] = 'max_split_size_mb:64,expandable_segments:True'")
+        "os.environ['PYTORCH_ALLOC_CONF'] = (\n    'max_split_size_mb:64,expandable_segments:True')")
 
 
 def test_a_memory_fraction_is_the_capacity_and_the_allocator_limit(monkeypatch):

@@ -194,6 +194,7 @@ def test_params_in_root_fix_keeps_the_experts_units(matrix):
     """Mixtral with each layer's experts a unit: the plan keeps them, sharded before their layer."""
     code = _code(matrix, "mixtral_experts_blocks_only")
     assert ("for block in model.model.layers.children():\n"
+            "    # a unit of its own, as in your run\n"
             "    fully_shard(block.mlp.experts, mesh=mesh)") in code, code
     assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code, code
 

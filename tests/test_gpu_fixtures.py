@@ -433,8 +433,8 @@ def test_untrained_parameters_frozen_with_their_reduce_scatters_and_prefetch():
     measured = 40.791  # traces/gpu/scenarios_gpu.json, gpu_gpt_top_optimizer's recheck (step_ms_measured)
     assert abs(f.predicted.step_ms_after - measured) <= 0.10 * measured
     assert f.recommendation.code.endswith("unit = model.get_submodule('layers.3')\n"
-                                          "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, "
-                                          "nothing to gather")
+                                          "# itself: gathered already, nothing to gather\n"
+                                          "unit.set_modules_to_backward_prefetch([unit])")
 
 
 @recorded

@@ -12,8 +12,9 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 
 from ..records import (ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, optimizer_model_params,
                        optimizer_of_another_model)
-from ..report_sections import FIX_PLACES, Finding, Recommendation, Report, RuleStatus
+from ..report_sections import FIX_LANGUAGES, FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
+from ..units import fit_comments
 from .snippets import (FSDP_MESH_USE, PLUGIN_CALLS, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, TITAN_CALLS,
                        calls_words, complete, fix_place, for_prepared_optimizer, mesh_input, model_parallel,
                        placement_input)
@@ -258,6 +259,11 @@ class Rule:
             inputs = {**inputs, name: mesh}
         if f"shard_placement_fn={SHARD_PLACEMENT_FN}" in code:  # the user's own, passed again by a plan
             inputs = {**inputs, SHARD_PLACEMENT_FN: placement_input(self.config)}
+        # its comments within 80 columns as the report holds it: the JSON, the HTML and the dashboard show the code as
+        # written (lines of 100 columns there, which only the terminal wrapped: a new-user trial); a command line as
+        # it is
+        if where not in FIX_LANGUAGES:
+            code = fit_comments(code)
         rec = Recommendation(text=text, code=code, where=where if code else "", inputs=inputs)
         return Finding(code=self.code, severity=severity, title=title, evidence=evidence, recommendation=rec, **kw)
 

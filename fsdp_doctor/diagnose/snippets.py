@@ -483,14 +483,31 @@ def _frozen_lead_prefetch(t: Tree, root, lead: list[str]) -> list[str]:
             backward_prefetch_lists({first.name: []})]
 
 
+def comment(text: str, indent: str = "", width: int = 80) -> list[str]:
+    """``text`` as comment lines of ``width`` columns at most (``indent`` before each "# "), one paragraph wrapped
+    at its spaces: a fix's lines fit 80 columns as written, in the JSON, the HTML and the dashboard too (which show
+    the code as the rule wrote it; only the terminal wrapped it, and a paragraph the rule had broken too late left
+    a stray line there: "# without the", a new-user trial)."""
+    head = f"{indent}# "
+    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent=head, break_long_words=False,
+                         break_on_hyphens=False) or [head.rstrip()]
+
+
+def assign(target: str, value: str, width: int = 80) -> str:
+    """``target = value``, the value in parentheses on a line of its own where the line would pass ``width`` columns
+    (the Trainer's plugin lines read 85, an allocator setting 88: a new-user trial's JSON showed them whole)."""
+    one = f"{target} = {value}"
+    return one if len(one) <= width else f"{target} = (\n    {value})"
+
+
 def _async_unshard_lines(t: Tree) -> list[str]:
     """A plan in place of the user's fully_shard calls keeps the run's asynchronous unshard, which fully_shard does
     not take (``FSDPModule._set_unshard_async_op``, set on the units after it): on every unit, where any of the run's
     had it (a new-user trial's gloo run lost it with the plan, and its all-gathers blocked the host again)."""
     if not any(getattr(u, "unshard_async_op", False) for u in t.units):
         return []
-    return ["# asynchronous unshard, as your run had it (fully_shard does not take it: set on the units after it)",
-            *async_unshard_code().splitlines()]
+    return [*comment("asynchronous unshard, as your run had it (fully_shard does not take it: set on the units "
+                     "after it)"), *async_unshard_code().splitlines()]
 
 
 def one_unit_plan(t: Tree, note: str = "") -> str:
@@ -530,10 +547,10 @@ def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...],
             before += [_call(module_expr(f"{b}.{path}"), kw) for b in blks]
     # said once: on each of GPT-2's four Conv1D units a block read "a unit of its own, as in your run" four times
     # (a new-user trial)
-    if len(inside) == 1:
-        inside[0] += "  # a unit of its own, as in your run"
-    elif inside:
-        inside.insert(0, "    # each a unit of its own, as in your run")
+    # (above the call: after it, a Mixtral's "    fully_shard(block.mlp.experts, mesh=mesh)  # a unit of its own, as
+    # in your run" read 82 columns, past the 80 the JSON and HTML show a fix in: a new-user trial)
+    if inside:
+        inside.insert(0, f"    # {'each ' if len(inside) > 1 else ''}a unit of its own, as in your run")
     return before, inside
 
 
@@ -916,7 +933,7 @@ def prefetch_code(ctx, backward: bool = True) -> str:
     if len(fwd) < 2:  # no unit besides the root (or one): nothing to prefetch ahead of another; no code
         return ""
     how = "as your run ran them" if recorded else "module order"
-    # (one text a line, however long: the terminal wraps each alone, fmt.fit_comments, never joining two)
+    # (one text a line, however long: Rule.finding wraps each alone, units.fit_comments, never joining two)
     lines = [f"# FSDP units in forward order ({how}): each prefetches the next",
              *([f"# (not {len(sometimes)} unit(s) that did not run in every step: gathered when they run)"]
                if sometimes else []),
@@ -1006,10 +1023,14 @@ def backward_prefetch_lists(lists: dict[str, list[str]]) -> str:
         unit = module_expr(members(name)[0])
         if targets:
             listed = ", ".join(module_expr(members(t)[0]) for t in targets)
-            lines.append(f"{unit}.set_modules_to_backward_prefetch([{listed}])")
+            line = f"{unit}.set_modules_to_backward_prefetch([{listed}])"
+            if len(line) > 80:  # a unit a line (a Qwen2's read 90 columns)
+                line = (f"{unit}.set_modules_to_backward_prefetch([\n    "
+                        + ",\n    ".join(module_expr(members(t)[0]) for t in targets) + "])")
+            lines.append(line)
         else:
-            lines += [f"unit = {unit}",
-                      "unit.set_modules_to_backward_prefetch([unit])  # itself: gathered already, nothing to gather"]
+            lines += [f"unit = {unit}", "# itself: gathered already, nothing to gather",
+                      "unit.set_modules_to_backward_prefetch([unit])"]
     return "\n".join(lines)
 
 
@@ -1079,8 +1100,9 @@ def repoint_optimizer() -> str:
     FSDP1's ``_fsdp_wrapped_module.``): a user who checkpoint_wrapped each layer inside the pasted region got
     KeyError 'layers.0.attn_norm.weight', the name after it being 'layers.0._checkpoint_wrapped_module.
     attn_norm.weight' (a new-user trial)."""
-    return ("# before your fully_shard calls: the name of each parameter the optimizer holds, without the\n"
-            "# wrappers' segments (checkpoint_wrapper, torch.compile) that the calls may add\n"
+    return ("\n".join(comment("before your fully_shard calls: the name of each parameter the optimizer holds, "
+                             "without the wrappers' segments (checkpoint_wrapper, torch.compile) that the calls "
+                             "may add")) + "\n"
             "def plain_name(name):\n"
             "    for seg in ('_checkpoint_wrapped_module.', '_orig_mod.',\n"
             "                '_fsdp_wrapped_module.'):\n"
@@ -1088,7 +1110,8 @@ def repoint_optimizer() -> str:
             "    return name\n"
             "param_names = {id(p): plain_name(name) for name, p in model.named_parameters()}\n"
             f"{SHARDING_GOES_HERE}\n"
-            "# after them: the same optimizer (groups, hyper-parameters, LR scheduler) on the sharded parameters\n"
+            + "\n".join(comment("after them: the same optimizer (groups, hyper-parameters, LR scheduler) on the "
+                               "sharded parameters")) + "\n"
             "sharded = {plain_name(name): p for name, p in model.named_parameters()}\n"
             "for group in optimizer.param_groups:\n"
             "    group['params'] = [sharded[param_names[id(p)]] if id(p) in param_names\n"
@@ -1205,7 +1228,7 @@ def expandable_segments_code(conf: dict[str, str]) -> str:
     for name in [v for v in ALLOC_CONF_VARS if v in conf] or [ALLOC_CONF_VARS[0]]:
         kept = [t.strip() for t in conf.get(name, "").split(",")
                 if t.strip() and not t.strip().lower().startswith("expandable_segments")]
-        lines.append(f"os.environ[{name!r}] = {','.join(kept + ['expandable_segments:True'])!r}")
+        lines.append(assign(f"os.environ[{name!r}]", repr(','.join(kept + ['expandable_segments:True']))))
     return "\n".join(lines)
 
 
@@ -1291,8 +1314,8 @@ def plugin_wrap(lever: str, classes: list[str]) -> str:
     return "\n".join(["from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy", "",
                       f"# each block a unit of its own, by class, as {prepares} shards the model",
                       f"# (or {option[0]}", *option[1:],
-                      f"{holder}.auto_wrap_policy = transformer_auto_wrap_policy",
-                      f"{holder}.transformer_cls_names_to_wrap = {classes!r}"])
+                      assign(f"{holder}.auto_wrap_policy", "transformer_auto_wrap_policy"),
+                      assign(f"{holder}.transformer_cls_names_to_wrap", repr(classes))])
 
 
 def plugin_offload(lever: str, on: bool) -> str:
@@ -1301,11 +1324,12 @@ def plugin_offload(lever: str, on: bool) -> str:
     holder, prepares, _ = _PLUGIN[lever]
     option = {"trainer": f"in your TrainingArguments: fsdp_config={{..., 'cpu_offload': {on}}}",
               "accelerate": f"FullyShardedDataParallelPlugin(..., cpu_offload={on})"}[lever]
-    policy = "CPUOffloadPolicy(pin_memory=True)" if on else "OffloadPolicy()  # none: the state stays on the device"
+    policy = "CPUOffloadPolicy(pin_memory=True)" if on else "OffloadPolicy()"
+    line = assign(f"{holder}.cpu_offload", policy)
     return "\n".join([*([] if on else ["from torch.distributed.fsdp import OffloadPolicy", ""]),
                       f"# the offload policy {prepares} shards the model with",
                       f"# (or {option})",
-                      f"{holder}.cpu_offload = {policy}"])
+                      *([] if on else ["# none: the state stays on the device"]), line])
 
 
 def plugin_mp_policy(mp_line: str, lever: str) -> str:
@@ -1548,7 +1572,8 @@ def gathered_around_evaluation(restore: list[str]) -> str:
 
 #: the objects set-up made (the model, the optimizer, the data loader's) frozen out of the collector's view: the full
 #: collections, which traverse every object the collector tracks, then traverse only what the steps made
-GC_FROZEN = ("# after building the model, optimizer and data loader: set-up objects leave the collector's view\n"
+GC_FROZEN = ("# after building the model, optimizer and data loader: set-up objects leave the\n"
+             "# collector's view\n"
              "gc.collect()\ngc.freeze()")
 
 

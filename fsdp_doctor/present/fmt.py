@@ -7,10 +7,7 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
-import io
 import statistics
-import textwrap
-import tokenize
 from typing import NamedTuple, Optional
 
 from msgspec import UNSET
@@ -19,7 +16,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
                                MemorySection, Outlier, OverlapSection, Report, RunFacts, StepsSection, Straggler, ThroughputJob,
                                ThroughputRank, ThroughputSection, UnitRow, Verdict, VerdictEntry, UnitTiming)
 from ..trace.model import OTHER_UNIT
-from ..units import (MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
+from ..units import (CODE_WIDTH, MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fit_comments, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
                      fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
                      fmt_value, memory_peak_where, module_path, printable, ranks_phrase, steps_phrase, unit_label)
 
@@ -858,50 +855,3 @@ def run_warnings(run: RunFacts) -> list[RunWarning]:
     return out
 
 
-#: the columns a fix's lines fit in on the terminal, which prints it unwrapped, for copying
-CODE_WIDTH = 80
-
-
-def _comment_indent(line: str, indent: str) -> str:
-    """The spaces after a comment line's "# " beyond the first (an indented list under a header: "#   layer1, ..."),
-    kept on its wrapped lines."""
-    text = line[len(indent):].lstrip("#")
-    return " " * max(0, len(text) - len(text.lstrip(" ")) - 1)
-
-
-def fit_comments(code: str, width: int = CODE_WIDTH) -> str:
-    """``code`` with each comment line over ``width`` columns wrapped under itself, at its indent (an indented list
-    keeping its indent), and a comment after code over it moved above that code, wrapped; the code itself as it is:
-    two new-user trials' 80-column terminals wrapped the fixes' long comments mid-word (lines of 87 to 126 columns).
-    Each comment line is its own text, never joined to the next: a rule writes one text on one line, however long.
-    Joining a line to the next when it did not end in ".", ":", ")" or ";" ran three separate comments into one
-    ("... would add collectives for nothing lm_head, transformer.wte share a parameter ... the root last: ...": a
-    new-user trial's GPT-2 plan), and a rule's comments end without a full stop. Comments only move, so the fix runs
-    as the report's own (its JSON keeps it as the rule wrote it). Code that does not tokenize (a command line) is
-    returned as it is."""
-    lines = code.split("\n")
-    if all(len(ln) <= width for ln in lines):
-        return code
-    try:
-        comments = {t.start[0] - 1: t.start[1] for t in tokenize.generate_tokens(io.StringIO(code).readline)
-                    if t.type == tokenize.COMMENT}
-    except (tokenize.TokenError, SyntaxError):
-        return code
-
-    def wrap(indent: str, text: str, lead: str = "") -> list[str]:
-        head = f"{indent}# {lead}"
-        return [head + w for w in textwrap.wrap(text, max(20, width - len(head)), break_long_words=False,
-                                                break_on_hyphens=False)]
-
-    out: list[str] = []
-    for i, ln in enumerate(lines):
-        col = comments.get(i)
-        indent = ln[:len(ln) - len(ln.lstrip())]
-        if col is not None and len(ln) > width:
-            if col == len(indent):  # a comment line
-                out += wrap(indent, ln.strip().lstrip("#").strip(), _comment_indent(ln, indent))
-                continue
-            out += wrap(indent, ln[col:].lstrip("#").strip())  # a comment after code: above it
-            ln = ln[:col].rstrip()
-        out.append(ln)
-    return "\n".join(out)

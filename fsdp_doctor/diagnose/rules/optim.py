@@ -380,7 +380,8 @@ class UntrainedParams(Rule):
             if lists:
                 text += (f" Frozen, they run no backward, but FSDP2's default backward prefetch would still gather "
                          f"{E.fmt_list(sorted({t for _, t, _ in found}))} in every backward, for nothing "
-                         f"(prefetch.frozen_gathered): the fix also gives {E.fmt_list(list(lists))} a backward "
+                         f"(prefetch.frozen_gathered): the fix also gives "
+                         f"{E.fmt_list([S.module_expr(S.members(n)[0]) for n in lists])} a backward "
                          f"prefetch list without it.")
         text += (" If they are meant to be frozen, say so with requires_grad_(False) before the first forward: FSDP2 "
                  "then neither computes nor reduces their gradients, and autograd saves nothing for a frozen prefix. "

@@ -521,7 +521,7 @@ class FrozenGathered(Rule):
                 "order (torch's own comment: \"may have mistargeted prefetches if not all modules used in forward are "
                 "used in this backward\"). A non-empty explicit backward prefetch list turns that default off for its "
                 "unit (set_modules_to_backward_prefetch([]) does not: an empty list means the default): the snippet "
-                f"gives {E.fmt_list(list(lists))} a list without the frozen unit, the unit itself where nothing else "
+                f"gives {E.fmt_list([S.module_expr(S.members(n)[0]) for n in lists])} a list without the frozen unit, the unit itself where nothing else "
                 "is left, which is gathered already when its backward starts, so nothing is all-gathered. Losses are "
                 "unchanged: the frozen unit's parameters are not used in backward.")
         return [self.finding(

@@ -156,8 +156,10 @@ class TooFine(Rule):
         if len(us) < FINE_MIN_UNITS:
             return self.quiet(f"{len(us)} unit{'s' if len(us) != 1 else ''} besides the root (fires from "
                               f"{FINE_MIN_UNITS})")
-        med_tensors = statistics.median(u.n_params for u in us)
-        med_bytes = statistics.median(u.unsharded_bytes for u in us)
+        # the median unit, one of the units (with an even count the lower middle one: the mean of the two middle ones
+        # is no unit's size, "216.75 KiB" read beside units of 1 KiB and 432.5 KiB: a new-user trial)
+        med_tensors = statistics.median_low(u.n_params for u in us)
+        med_bytes = statistics.median_low(u.unsharded_bytes for u in us)
         if med_tensors > FINE_LEAF_TENSORS and med_bytes >= FINE_SMALL_BYTES:
             return self.quiet(f"the median unit holds {med_tensors:g} tensors, {fmt_bytes(med_bytes)} gathered (fires "
                               f"at {FINE_LEAF_TENSORS} tensors or fewer, or under {fmt_bytes(FINE_SMALL_BYTES)})")
@@ -170,6 +172,8 @@ class TooFine(Rule):
         by_size = sorted(timed, key=lambda u: u.unsharded_bytes)[:max(1, len(timed) // 4)]
         latency = statistics.median(E.ag_wait_ms(u, "forward") for u in by_size) if by_size else None
         # group the units by repeated block: what the calls would be after re-wrapping
+        group = {u.name: E.block_of(u.modules[0] if u.modules else u.name) or (u.modules[0] if u.modules else u.name)
+                 for u in us}
         after = len({E.block_of(m) or m for u in us for m in u.modules})
         tree = S.tree(ctx)
         if after >= len(us):  # no repeated blocks (a U-Net's enc1, enc2, ...): the modules holding the leaves
@@ -177,6 +181,7 @@ class TooFine(Rule):
             # new-user trial)
             held = S.holders(tree)
             after = len(us) - sum(len(v) for v in held.values()) + len(held)
+            group = {u.name: u.name for u in us} | {h.name: p for p, hs in held.items() for h in hs}
             code = S.holder_plan(tree, f"the modules holding the leaves instead of them ({len(us)} units -> {after})") \
                 if held else ""
         else:
@@ -189,22 +194,70 @@ class TooFine(Rule):
             step_after = step - max(0, calls_before - calls_after) * latency
         plug = _plugin_wrap(ctx, "cut these units (a size-based policy: every module over min_num_params)")
         code = plug.get("code", code)
+        title, said = _fine_units(us, small)
+        # what replaces what: the units' bytes summed by what holds them after the re-wrap
+        groups: dict[str, int] = {}
+        for u in us:
+            groups[group[u.name]] = groups.get(group[u.name], 0) + u.unsharded_bytes
+        replaced = (f" so that each pass (forward, then backward) makes {len(groups)} all-gather"
+                    f"{'s' if len(groups) != 1 else ''} of {_each(groups.values())} in place of these {len(us)}"
+                    if len(groups) < len(us) and (code or plug) else "")
         return [self.finding(
-            "warning", f"{len(us)} FSDP units, most of them single layers: latency-bound collectives",
-            {"units": len(us), "median_unit_unsharded_bytes": int(med_bytes), "median_unit_tensors": med_tensors,
-             "small_units": len(small), "all_gathers_per_step": calls_before,
+            "warning", title,
+            {"units": len(us), "small_units": len(small),
+             "largest_small_unit_bytes": max(u.unsharded_bytes for u in small) if small else None,
+             "larger_units": len(us) - len(small),
+             "smallest_larger_unit_bytes": min((u.unsharded_bytes for u in us if u not in small), default=None),
+             "units_after": len(groups), "largest_unit_after_bytes": max(groups.values()),
+             "all_gathers_per_step": calls_before,
              "ag_wait_ms_per_step": round(ag_total, 3),
              "ag_latency_ms_per_call": None if latency is None else round(latency, 3),
              "step_p50_ms": step, "examples": [u.name for u in small[:6]]},
-            f"{len(us)} units with a median of {fmt_bytes(med_bytes)} each: every unit pays a fixed cost per "
-            "collective (launch, synchronisation, latency) that its few bytes cannot amortise, and FSDP's "
-            "prefetching only looks one unit ahead. Wrap whole blocks (as torchtitan does: each transformer "
-            f"block a unit) so that ~{after} larger all-gathers replace the {len(us)} small ones."
+            f"{said}: every such unit pays a fixed cost per collective (launch, synchronisation, latency) that its few "
+            "bytes cannot amortise, and FSDP's prefetching only looks one unit ahead. Wrap whole blocks (as "
+            f"torchtitan does: each transformer block a unit){replaced}."
             + ("" if code or plug else " The module names show no blocks holding several of these units: wrap "
                "the modules of your model that hold several layers each.")
             + (" " + plug["text"] if plug else ""),
             code, where=plug.get("where", ""), predicted=E.predicted(step, step_after),
             units=[u.name for u in small[:20]])]
+
+
+def _each(sizes) -> str:
+    """Sizes in words: "1.00 KiB each" where all are the same, else "1.00 KiB to 258.00 KiB"."""
+    sizes = list(sizes)
+    lo, hi = min(sizes), max(sizes)
+    return f"{fmt_bytes(lo)} each" if lo == hi else f"{fmt_bytes(lo)} to {fmt_bytes(hi)}"
+
+
+def _fine_units(us: list, small: list) -> tuple[str, str]:
+    """wrap.too_fine's (title, subject of its text): the small units by their names within their blocks and their
+    sizes, beside the others' (blocks where they are), each a size some unit has: "6 of 12 units are single small
+    layers (mlp.gate, 1.00 KiB each) beside 6 blocks of 432.50 KiB". (Its text read "12 units with a median of
+    216.75 KiB each", the mean of the two middle sizes, under the title "most of them single layers", where half
+    were whole decoder layers: a new-user trial's MoE routers, each its own unit.)"""
+    def rel(u) -> str:  # the unit's module(s) within its block: "mlp.gate" for "model.layers.0.mlp.gate"
+        m = S.strip_ckpt(u.modules[0]) if len(u.modules) == 1 else u.name
+        b = E.block_of(m)
+        return m[len(b) + 1:] if b and m != b else m
+
+    leaves = all(len(u.modules) <= 1 and u.n_params <= FINE_LEAF_TENSORS for u in small)
+    tiny = all(u.unsharded_bytes < FINE_SMALL_BYTES for u in small)
+    what = ("single small layers" if tiny else "single layers") if leaves else "small units"
+    kinds = list(dict.fromkeys(rel(u) for u in small))
+    sizes = _each(u.unsharded_bytes for u in small)
+    named = f"{E.fmt_list(kinds)}, {sizes}"
+    others = [u for u in us if u not in small]
+    if not others:  # the title names the kinds where they are few (a leaf-wrapped GPT's 6 read as a list)
+        said = f"All {len(us)} units are {what} ({named})"
+        short = said if len(kinds) <= 2 else f"All {len(us)} units are {what} ({sizes})"
+        return f"{short}: latency-bound collectives", said
+    blocks = all(len(u.modules) == 1 and E.block_of(u.modules[0]) == S.strip_ckpt(u.modules[0]) for u in others)
+    kind = ("block" if blocks else "larger unit") + ("s" if len(others) != 1 else "")
+    size = _each(u.unsharded_bytes for u in others)
+    said = (f"{len(small)} of {len(us)} units are {what} ({named}) beside {len(others)} {kind} of "
+            f"{size.removesuffix(' each')}")
+    return said, said
 
 
 @register
@@ -272,7 +325,9 @@ class ParamsInRoot(Rule):
                 f"the blocks {E.fmt_list(blocks)} among them. {held_text} {plug['text']}" if plug else
                 f"The root unit manages {fmt_bytes(root.unsharded_bytes)} of parameters outside the wrapped "
                 f"units. {held_text} Wrap them as units of their own before wrapping the root "
-                f"({E.fmt_list([m for m in root.own_modules if m not in root.tied_modules])}"
+                # named as the snippet names them, from the user's `model` (the fqns "model.embed_tokens, lm_head" read
+                # beside code on model.model.embed_tokens and model.lm_head: a new-user trial's CausalLM)
+                f"({E.fmt_list([S.module_expr(m) for m in root.own_modules if m not in root.tied_modules])}"
                 # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
                 + ("; modules tied to another one, such as an output head sharing the embedding's weight, must "
                    "stay together: the snippet leaves them in the root" if root.tied_modules else "") + ").")
