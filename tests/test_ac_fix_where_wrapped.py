@@ -67,7 +67,9 @@ def _build(shape: str):
     ns = {"torch": torch, "nn": nn, "fully_shard": fully_shard}
     exec(BLOCKS_NET + USER_CODE, ns)
     ns["checkpoint_and_shard"](ns["model"], shape)
-    return ns["model"], ns["Block"]
+    # (popped: fully_shard caches its FSDP class of Net for the process, whose methods hold ns as their globals: a
+    # model left in ns outlived the test, and a later test's watch() read its units as another model's)
+    return ns.pop("model"), ns["Block"]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

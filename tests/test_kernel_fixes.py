@@ -125,7 +125,7 @@ def test_eager_attention_fix_for_a_model_without_sdpa_switches_it_to_flex_attent
                        attn_implementations=attn_implementations(model))
     f = _eager_finding(tmp_path, "model.layers.{}", record)
     code = f.recommendation.code
-    assert code.startswith("model.set_attn_implementation('flex_attention')") and "sdpa" not in code, code
+    assert code.splitlines()[-1] == "model.set_attn_implementation('flex_attention')" and "sdpa" not in code, code
     import scenario_matrix as M
 
     assert any(k in code for k in M.COMPILES)  # its GPU row's rerun compiles: a launch of its own there

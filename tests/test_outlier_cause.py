@@ -398,9 +398,9 @@ def test_trainer_saves_fix_is_how_often_it_saves():
     e, rec = f.evidence, f.recommendation
     assert (e["save_steps_after"], e["share_pct_after"], e["gain_ms_per_step"]) == (60, 4.0, 58.333), e
     assert rec.where == "trainer" and rec.inputs == {"trainer": "your transformers Trainer"}, rec
-    assert rec.code.splitlines() == [
-        'trainer.args.save_strategy = "steps"  # saves by step count (read by trainer.train())',
-        "trainer.args.save_steps = 60  # optimizer steps between saves: 250 ms each, 4.0% of the time"], rec.code
+    assert rec.code.splitlines() == [  # (each comment above its line: beside it the lines passed 80 columns)
+        "# saves by step count (read by trainer.train())", 'trainer.args.save_strategy = "steps"',
+        "# optimizer steps between saves: 250 ms each, 4.0% of the time", "trainer.args.save_steps = 60"], rec.code
     assert "async_save" not in rec.text and "no code is offered" not in rec.text, rec.text
     assert "SHARDED_STATE_DICT" not in rec.text  # (the plugin's state_dict_type not recorded)
     for rd in run.ranks.values():
