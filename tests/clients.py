@@ -571,12 +571,12 @@ def arch_ends(model):
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
 
 
-def shard_moe_experts(model, mesh):
-    """A Mixtral user's plan with the experts as their own units: each layer's ``mlp.experts``, then the layer,
-    the embedding, [norm, lm_head] kept gathered, the root."""
+def shard_moe_experts(model, mesh, inner: str = "experts"):
+    """A Mixtral user's plan with each layer's ``mlp.<inner>`` a unit of its own (its experts; or its router, ``gate``,
+    a 1 KiB Linear, as a new-user trial's), then the layer, the embedding, [norm, lm_head] kept gathered, the root."""
     fully_shard(model.model.embed_tokens, mesh=mesh)
     for layer in model.model.layers:
-        fully_shard(layer.mlp.experts, mesh=mesh)
+        fully_shard(getattr(layer.mlp, inner), mesh=mesh)
         fully_shard(layer, mesh=mesh)
     fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh)
@@ -612,7 +612,8 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
 
 
 ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "bert": bert, "neox": neox}
-ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only}
+ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
+              "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate")}
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
 

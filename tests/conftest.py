@@ -29,7 +29,7 @@ def pytest_configure(config):
 
 
 #: the long tier (marker ``long``: ``make test-long``, which CI runs after ``make test``): the tests that read the
-#: scenario matrix (its 119 rows' runs and fix reruns), torchtitan's (its llama3 under parallelize_llama, its
+#: scenario matrix (its 120 rows' runs and fix reruns), torchtitan's (its llama3 under parallelize_llama, its
 #: Trainer under torchrun), the Hugging Face Trainer's and accelerate's plugin runs, the browser's, and the other
 #: planted problems whose fix is pasted and rerun in a second real run (these files, and single tests marked
 #: ``long`` where they are). They took 707 of the suite's 1,394 s on a slow host of this 2-core kind (2026-12-02),

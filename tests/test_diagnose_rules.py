@@ -297,6 +297,83 @@ def test_too_fine_names_small_units_beside_blocks_by_their_real_sizes():
         "the median unit holds 8 tensors, 432.50 KiB gathered")
 
 
+def test_too_fine_finds_a_few_tiny_units_by_what_their_collectives_cost():
+    """A new-user trial's tiny Mixtral on 2 gloo ranks with 2 layers, each layer's 1 KiB router a unit inside its
+    432.50 KiB layer: 4 units, and wrap.too_fine read "4 units besides the root (fires from 12)" while the routers'
+    all-gathers waited 17.3 ms of its 108.6 ms step (with 6 layers it fired, and its fix took the step 219.8 ->
+    168.1 ms). Whatever the count, a unit far smaller than the unit holding it whose collectives cost a material
+    share of the step is a finding: the plan drops those units alone (the experts' units stay), the gain their
+    waits less what their bytes add to their layers' all-gathers; a note under 10% of the step, quiet under 5%."""
+    ctx, _ = build(units=_moe_trial_units(n_layers=2), step_ms=108.6)
+    (f,) = run_rule("wrap.too_fine", ctx)
+    assert f.severity == "warning", f
+    assert f.title == ("2 of 4 units are single small layers (mlp.gate, 1.00 KiB each) beside 2 blocks of 432.50 KiB: "
+                       "14.0 ms of collectives per step (13%)"), f.title
+    ev = f.evidence
+    assert ev["small_units"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert ev["holding_units"] == ["model.layers.0", "model.layers.1"]
+    # their all-gathers' waits (5.0 + 1.0 ms each), their reduce-scatters as their backward all-gathers (1.0 ms)
+    assert (ev["largest_small_unit_bytes"], ev["ag_wait_ms_per_step"], ev["rs_estimated_ms_per_step"]) == (1024, 12.0,
+                                                                                                         2.0)
+    # each layer's collectives (4.7 + 3.0 + 3.0 ms for 442,880 B) carry 1,024 B more
+    assert ev["merge_adds_ms_per_step"] == round(2 * 10.7 * 1024 / 442_880, 3)
+    assert f.predicted["step_ms_after"] == pytest.approx(108.6 - 14.0 + 2 * 10.7 * 1024 / 442_880, abs=1e-3)
+    code = f.recommendation.code
+    assert "for block in model.model.layers.children():\n    fully_shard(block, mesh=mesh)\n" in code, code
+    assert not [ln for ln in code.splitlines() if "fully_shard(" in ln and "gate" in ln], code
+    assert "Drop their fully_shard calls" in f.recommendation.text
+    # beside the experts' units (kept: the plan drops the routers alone)
+    ctx, _ = build(units=_moe_trial_units(n_layers=2, experts=True), step_ms=108.6)
+    (g,) = run_rule("wrap.too_fine", ctx)
+    assert g.evidence["small_units"] == ev["small_units"]
+    assert "    fully_shard(block.mlp.experts, mesh=mesh)" in g.recommendation.code, g.recommendation.code
+    assert not [ln for ln in g.recommendation.code.splitlines() if "fully_shard(" in ln and "gate" in ln]
+    # on a GPU the trace's exposed collectives (the host runs ahead of the device): each router's all-gathers 0.5 and
+    # 0.3 ms, its reduce-scatter 0.4 ms, in a 20 ms step
+    rows = [(f"model.layers.{i}.mlp.gate", c, ph, x) for i in range(2) for c, ph, x in
+            (("all_gather", "forward", 500.0), ("all_gather", "backward", 300.0),
+             ("reduce_scatter", "backward", 400.0))]
+    rows += [(f"model.layers.{i}", "all_gather", "forward", 1000.0) for i in range(2)]
+    ov = {"per_rank": {"0": {"comm_us": 6_000.0, "steps": [6], "device": "gpu"}},
+          "per_unit": [{"rank": 0, "unit": n, "collective": c, "phase": ph, "count": 1, "comm_us": x, "exposed_us": x,
+                        "bytes_per_call": 1024.0} for n, c, ph, x in rows]}
+    ctx, _ = build(units=_moe_trial_units(n_layers=2), step_ms=20.0, overlap=ov, backend="nccl", device="cuda:0")
+    (k,) = run_rule("wrap.too_fine", ctx)
+    assert (k.evidence["ag_exposed_ms_per_step"], k.evidence["rs_exposed_ms_per_step"]) == (1.6, 0.8), k.evidence
+    assert k.severity == "warning" and k.predicted["step_ms_after"] == pytest.approx(20.0 - 2.4 + 2 * 1024 / 442_880,
+                                                                                    abs=1e-3)
+    # a smaller share: a note, then quiet, saying what it cost
+    (h,) = run_rule("wrap.too_fine", build(units=_moe_trial_units(n_layers=2), step_ms=200.0)[0])
+    assert h.severity == "info"
+    st = run_status("wrap.too_fine", build(units=_moe_trial_units(n_layers=2), step_ms=400.0)[0])
+    assert st.status == "quiet" and st.reason.startswith("4 units besides the root (fires from 12); 2 unit(s) far "
+                                                         "smaller than the units holding them"), st
+    assert "(fires from 5%)" in st.reason, st.reason
+
+
+def test_too_fine_leaves_small_units_that_are_needed_alone():
+    """No false alarm: a small unit beside the root (an embedding, a final norm and head: wrap.params_in_root's
+    plan), a router under a mixed precision policy of its own (kept in float32 on purpose), and on a GPU without a
+    trace (the host's waits are not the device's) stay quiet, saying why."""
+    # the reference GPT's torchtitan layout and a 1 KiB final norm a unit of its own beside the root
+    us = healthy_units() + [unit("ln_f", n_params=2, param_count=256, sharded_bytes=512, unsharded_bytes=1024,
+                                 orig_dtypes=["float32"], timing=dict(fwd_ms=6.0, ag_wait_fwd_ms=5.5, bwd_ms=6.0,
+                                                                      ag_wait_bwd_ms=5.5))]
+    st = run_status("wrap.too_fine", build(units=us, step_ms=100.0)[0])
+    assert st.status == "quiet" and "no unit far smaller than the unit holding it" in st.reason, st
+    own = _moe_trial_units(n_layers=2)
+    for u, _ in own:
+        if u["name"].endswith("gate"):
+            u["param_dtype"] = "float32"
+        elif u["name"]:
+            u["param_dtype"] = "bfloat16"
+    st = run_status("wrap.too_fine", build(units=own, step_ms=108.6)[0])
+    assert st.status == "quiet" and "options of their own (mixed precision): kept apart on purpose" in st.reason, st
+    st = run_status("wrap.too_fine", build(units=_moe_trial_units(n_layers=2), step_ms=108.6, backend="nccl",
+                                           device="cuda")[0])
+    assert st.status == "quiet" and st.reason.endswith("needs a profiler trace"), st
+
+
 def test_params_in_root_names_the_modules_as_its_snippet_does():
     """On a Hugging Face CausalLM the user's `model` holds `model.model.embed_tokens` and `model.lm_head`: the text read
     "Wrap them as units of their own before wrapping the root (model.embed_tokens, model.norm, lm_head)", the fqns,
@@ -2932,7 +3009,9 @@ def test_wrap_wording_on_one_coarse_unit_beside_the_root():
     (f,) = run_rule("wrap.too_coarse", ctx)
     assert "nothing to overlap it with. Apply fully_shard" in f.recommendation.text, f.recommendation.text
     assert " ." not in f.recommendation.text
-    assert run_status("wrap.too_fine", ctx).reason == "1 unit besides the root (fires from 12)"
+    assert run_status("wrap.too_fine", ctx).reason == ("1 unit besides the root (fires from 12); no unit far smaller "
+                                                       "than the unit holding it (under 256.00 KiB and 1/16 of its "
+                                                       "bytes)")
     (g,) = run_rule("prefetch.sync_unshard", ctx)
     assert g.title == "Synchronous unshard on gloo: the host blocks in every all-gather (1 unit besides the root)"
 

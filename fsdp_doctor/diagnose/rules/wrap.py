@@ -3,6 +3,7 @@ the root never sharded, a unit mixing parameter dtypes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from .. import estimate as E
@@ -32,6 +33,17 @@ FINE_LEAF_TENSORS = 2
 FINE_SMALL_BYTES = 256 << 10
 # A root unit holding at least this share of the parameters keeps them gathered for the whole step.
 ROOT_SHARE_MIN = 0.05
+# Whatever the unit count, a unit far smaller than the unit holding it (its FSDP parent, not the root: a MoE router or
+# a norm sharded alone inside a block) gathers a few bytes at a collective's whole fixed cost: at most this share of
+# its parent's gathered bytes, and under FINE_SMALL_BYTES. (A new-user trial's tiny Mixtral, each layer's 1 KiB
+# router a unit inside its 432.50 KiB layer: 4 units, quiet under FINE_MIN_UNITS, where the routers' all-gathers
+# waited 17.3 ms of a 108.6 ms step; with 6 layers the rule fired, and its fix took the step 219.8 -> 168.1 ms.)
+TINY_PARENT_SHARE = 1 / 16
+# ... worth a finding where merging them into their parents saves at least this share of the step (their measured
+# collectives less what their bytes add to their parents' all-gathers), a warning from this share on (the share
+# a step-time gain is worth a warning from in thresholds.HEADROOM_WARN_GAIN_SHARE)
+TINY_MIN_GAIN_SHARE = 0.05
+TINY_WARN_GAIN_SHARE = T.HEADROOM_WARN_GAIN_SHARE
 
 
 def _job_numbers(ctx: Context):
@@ -147,22 +159,32 @@ class TooCoarse(Rule):
 class TooFine(Rule):
     code = "wrap.too_fine"
     name = "Units too fine"
-    description = "Many small units: their collectives are too small to reach bandwidth and pay per-call latency."
+    description = ("Many small units, or a few far smaller than the units holding them: their collectives are too "
+                   "small to reach bandwidth and pay per-call latency.")
     needs = ("units",)
-    severities = ("warning",)
+    severities = ("info", "warning")
 
     def match(self, ctx: Context):
         us = E.non_root(E.param_units(ctx))
+        many = self._many(ctx, us)
+        if not isinstance(many, str):
+            return many
+        # whatever the count: a few units far smaller than the units holding them, whose collectives cost time
+        tiny = self._tiny(ctx, us)
+        return tiny if not isinstance(tiny, str) else self.quiet(f"{many}; {tiny}")
+
+    def _many(self, ctx: Context, us: list):
+        """Many small units (FINE_MIN_UNITS or more, the median one a leaf or small): the finding, or why not."""
         if len(us) < FINE_MIN_UNITS:
-            return self.quiet(f"{len(us)} unit{'s' if len(us) != 1 else ''} besides the root (fires from "
-                              f"{FINE_MIN_UNITS})")
+            return (f"{len(us)} unit{'s' if len(us) != 1 else ''} besides the root (fires from "
+                    f"{FINE_MIN_UNITS})")
         # the median unit, one of the units (with an even count the lower middle one: the mean of the two middle ones
         # is no unit's size, "216.75 KiB" read beside units of 1 KiB and 432.5 KiB: a new-user trial)
         med_tensors = statistics.median_low(u.n_params for u in us)
         med_bytes = statistics.median_low(u.unsharded_bytes for u in us)
         if med_tensors > FINE_LEAF_TENSORS and med_bytes >= FINE_SMALL_BYTES:
-            return self.quiet(f"the median unit holds {med_tensors:g} tensors, {fmt_bytes(med_bytes)} gathered (fires "
-                              f"at {FINE_LEAF_TENSORS} tensors or fewer, or under {fmt_bytes(FINE_SMALL_BYTES)})")
+            return (f"the median unit holds {med_tensors:g} tensors, {fmt_bytes(med_bytes)} gathered (fires "
+                    f"at {FINE_LEAF_TENSORS} tensors or fewer, or under {fmt_bytes(FINE_SMALL_BYTES)})")
         small = [u for u in us if u.unsharded_bytes < FINE_SMALL_BYTES or u.n_params <= FINE_LEAF_TENSORS]
         step, _ = _job_numbers(ctx)
         timed = [u for u in us if u.has_timing]
@@ -221,6 +243,117 @@ class TooFine(Rule):
             + (" " + plug["text"] if plug else ""),
             code, where=plug.get("where", ""), predicted=E.predicted(step, step_after),
             units=[u.name for u in small[:20]])]
+
+    def _tiny(self, ctx: Context, us: list):
+        """Units far smaller than the units holding them (TINY_PARENT_SHARE of their FSDP parent's bytes, the parent
+        not the root), whose collectives take a material share of the step whatever the unit count: the finding
+        (their fully_shard calls dropped, each merged into the unit holding it), or why not. The cost is what the
+        run measured: on gloo the host's waits in their all-gathers (the records'; the host blocks in each), on a
+        GPU the trace's exposed all-gathers and reduce-scatters (the host runs ahead of the device there)."""
+        by_name = {u.name: u for u in E.units(ctx)}
+        pairs, apart = [], []
+        for u in us:
+            p = by_name.get(u.parent) if u.parent is not None else None
+            if p is None or p.is_root or not p.param_count:
+                continue  # beside the root: an embedding, a final norm and head (wrap.params_in_root's units)
+            if u.unsharded_bytes >= FINE_SMALL_BYTES or u.unsharded_bytes > TINY_PARENT_SHARE * p.unsharded_bytes:
+                continue
+            (apart if _kept_apart(u, p) else pairs).append((u, p))
+        if not pairs:
+            return (f"no unit far smaller than the unit holding it (under {fmt_bytes(FINE_SMALL_BYTES)} and "
+                    f"1/{round(1 / TINY_PARENT_SHARE)} of its bytes)" if not apart else
+                    f"the units far smaller than the units holding them ({E.fmt_list([u.name for u, _ in apart], 3)}) "
+                    f"have options of their own ({_kept_apart(*apart[0])}): kept apart on purpose")
+        names = E.fmt_list([u.name for u, _ in pairs], 3)
+        step = E.step_ms(ctx)
+        gpu = E.on_gpu(ctx)
+        ranks = E.read_ranks(ctx)
+        ag = E.trace_exposed_by_unit(ctx, "all_gather", ranks=ranks)
+        rs = E.trace_exposed_by_unit(ctx, "reduce_scatter", ranks=ranks)
+        trace_ag = lambda u: sum(v for (n, _), v in ag.items() if n == u.name)  # noqa: E731
+        trace_rs = lambda u: sum(v for (n, _), v in rs.items() if n == u.name)  # noqa: E731
+        if gpu:  # on a GPU the host runs ahead of the device: only the trace sees the stream waiting
+            if not ag and not rs:
+                return (f"{len(pairs)} unit(s) far smaller than the units holding them ({names}): timing their "
+                        "collectives on a GPU needs a profiler trace")
+            ag_ms, rs_ms = trace_ag, trace_rs
+        else:
+            if not all(u.has_timing and p.has_timing for u, p in pairs):
+                return f"{len(pairs)} unit(s) far smaller than the units holding them ({names}), not timed"
+            ag_ms = lambda u: E.ag_wait_ms(u, "forward") + E.ag_wait_ms(u, "backward")  # noqa: E731
+            # the records time no reduce-scatter: one of the same few bytes, in the same backward, costs what the
+            # unit's backward all-gather waited (the trial's 6 routers: 26.1 ms forward and 12.2 ms backward
+            # all-gather waits, 50.5 ms with their reduce-scatters so counted; merged, the step gained 51.7 ms)
+            rs_ms = lambda u: E.ag_wait_ms(u, "backward") if u.trainable_unsharded_bytes != 0 else 0.0  # noqa: E731
+        cost = {u.name: ag_ms(u) + rs_ms(u) for u, _ in pairs}
+        # what their bytes add to their parents' collectives, at the parents' own rate
+        added = sum((ag_ms(p) + rs_ms(p)) * u.unsharded_bytes / p.unsharded_bytes for u, p in pairs
+                    if p.unsharded_bytes)
+        total = sum(cost.values())
+        gain = total - added
+        if not step or gain <= 0 or gain < TINY_MIN_GAIN_SHARE * step:
+            return (f"{len(pairs)} unit(s) far smaller than the units holding them ({names}) cost "
+                    f"{total:.1f} ms per step in their collectives" + (
+                        f", {fmt_share(max(0.0, gain) / step, under=TINY_MIN_GAIN_SHARE)} of the step once merged "
+                        f"(fires from {100 * TINY_MIN_GAIN_SHARE:.0f}%)" if step else ", no step time measured"))
+        share = gain / step
+        tiny = [u for u, _ in pairs]
+        ag_total, rs_total = sum(ag_ms(u) for u in tiny), sum(rs_ms(u) for u in tiny)
+        parents = list(dict.fromkeys(p.name for _, p in pairs))
+        title, said = _fine_units(us, tiny)
+        drop = {u.name for u in tiny}
+        t = S.tree(ctx)
+        kept = dataclasses.replace(
+            t, units=[x for x in t.units if x.name not in drop], names=[n for n in t.names if n not in drop],
+            forward=[n for n in t.forward if n not in drop],
+            backward=None if t.backward is None else [n for n in t.backward if n not in drop])
+        code = S.shard_plan(kept, note=f"your units but {E.fmt_list([u.name for u in tiny], 2)}: each merged into "
+                                       f"the unit holding it ({len(us)} units -> {len(us) - len(tiny)})")
+        plug = _plugin_wrap(ctx, "cut these units (a size-based policy, or one naming their classes)")
+        each = _each(u.unsharded_bytes for u in tiny)
+        text = (f"{said}: each pays a collective's fixed cost (launch, synchronisation, latency) for its few bytes, "
+                "in an all-gather in forward, another in backward and a reduce-scatter, and FSDP's prefetching only "
+                "looks one unit ahead. "
+                + (f"Their all-gathers and reduce-scatters are exposed {ag_total:.1f} and {rs_total:.1f} ms per step "
+                   "in the trace" if gpu else
+                   f"Their all-gathers wait {ag_total:.1f} ms per step (on gloo the host blocks in each) and their "
+                   f"reduce-scatters, as many bytes in the same backward, about {rs_total:.1f} ms more")
+                + f": {fmt_share(total / step)} of the step p50. Drop their fully_shard calls: each then belongs to "
+                f"the unit holding it ({E.fmt_list(parents, 3)}), whose collectives carry its "
+                f"{each.removesuffix(' each')} too ({len(us) - len(tiny)} units in place of {len(us)}).")
+        if plug:
+            text += " " + plug["text"]
+        return [self.finding(
+            "warning" if share >= TINY_WARN_GAIN_SHARE else "info",
+            f"{title}: {total:.1f} ms of collectives per step ({fmt_share(total / step)})",
+            {"units": len(us), "small_units": [u.name for u in tiny],
+             "largest_small_unit_bytes": max(u.unsharded_bytes for u in tiny),
+             "holding_units": parents,
+             "smallest_holding_unit_bytes": min(p.unsharded_bytes for _, p in pairs),
+             "per_unit": [f"{n}: {c:.2f} ms" for n, c in cost.items()],
+             ("ag_exposed_ms_per_step" if gpu else "ag_wait_ms_per_step"): round(ag_total, 3),
+             ("rs_exposed_ms_per_step" if gpu else "rs_estimated_ms_per_step"): round(rs_total, 3),
+             "collectives_ms_per_step": round(total, 3),
+             "merge_adds_ms_per_step": round(added, 3),
+             "step_share_pct": round(100 * total / step, 1), "step_p50_ms": step,
+             "measured_by": ("trace (exposed collectives)" if gpu else
+                             "records (host waits in all-gathers; reduce-scatters as the backward all-gathers)")},
+            text, plug.get("code", code), where=plug.get("where", ""),
+            predicted=E.predicted(step, step - gain), units=[u.name for u in tiny])]
+
+
+def _kept_apart(u, p) -> str:
+    """Why unit ``u`` is kept apart from ``p``, the unit holding it, on purpose ("" where nothing says so): options of
+    its own that merging would drop (a MoE router kept in float32 under its layer's bfloat16 policy, an offload,
+    another mesh), or parameter dtypes its parent has not (merged: a unit mixing dtypes, wrap.mixed_dtype_unit)."""
+    for what, a, b in (("mixed precision", (u.param_dtype, u.reduce_dtype, u.output_dtype),
+                        (p.param_dtype, p.reduce_dtype, p.output_dtype)), ("offload", u.offload, p.offload),
+                       ("mesh", (u.shard_size, tuple(u.shard_dims)), (p.shard_size, tuple(p.shard_dims)))):
+        if a != b:
+            return what
+    if not set(u.orig_dtypes) <= set(p.orig_dtypes):
+        return "parameter dtypes"
+    return ""
 
 
 def _each(sizes) -> str:
