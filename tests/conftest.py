@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,60 @@ class Net(nn.Module):
 
 model = Net()
 """
+
+def pasted_fix_script(user_code: str, shape: str) -> str:
+    """A 2-rank script (``record_two_ranks``): ``BLOCKS_NET``'s model checkpointed and sharded by ``user_code``'s
+    ``checkpoint_and_shard(model, shape, mesh, before_shard)``, the fix (its file, and where it goes in the file
+    beside it, ``<fix>.where``) pasted where its Recommendation.where says, trained 4 steps under watch() with an
+    8 GiB budget; each rank's losses written beside the run (``<out>.losses<rank>``, JSON)."""
+    return textwrap.dedent(
+        f"""
+        import json
+        import os
+
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        SHAPE = {shape!r}
+        """
+    ) + BLOCKS_NET + user_code + textwrap.dedent(
+        """
+
+        def worker(rank, port, out, fix):
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+            import fsdp_doctor
+            torch.manual_seed(0)
+            code, where = (open(fix).read(), open(fix + ".where").read()) if fix else ("", "")
+            assert where in ("", "before_shard", "sharded"), where
+            model = Net()
+            paste = lambda: exec(code, {"model": model})
+            checkpoint_and_shard(model, SHAPE, init_device_mesh("cpu", (2,)),
+                                 paste if where == "before_shard" else lambda: None)
+            if where == "sharded":  # after the fully_shard calls
+                paste()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(rank)
+            losses = []
+            with fsdp_doctor.watch(model, opt, out_dir=out, profile=False, memory={"full_every": 1},
+                                   capacity_bytes=8 << 30) as doctor:
+                for _ in range(4):
+                    loss = model(torch.randn(32, 64, generator=g)).sum()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    doctor.step()
+                    losses.append(loss.item())
+            with open(f"{out}.losses{rank}", "w") as f:
+                json.dump(losses, f)
+            dist.destroy_process_group()
+        """
+    )
+
 
 #: ``BLOCKS_NET`` sharded, each block a unit, and trained 6 steps; ``AC``: each block checkpointed as accelerate's
 #: FSDP2 plugin does it (the block in a checkpoint_wrapper, the block inside sharded, then the wrapper, which holds no

@@ -15,12 +15,11 @@ every wrapper exists: wrapped before sharding, after it, or in one loop with it.
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import BLOCKS_NET, record_two_ranks
+from conftest import BLOCKS_NET, pasted_fix_script, record_two_ranks
 import scenario_matrix as M
 
 # timing-driven codes a shared 2-core host produces by itself now and then (as in tests/test_ac_prediction.py)
@@ -121,51 +120,6 @@ def test_a_wrapper_keeps_checkpointing_under_any_checkpoint_function_torch_build
     assert [checkpointing(m) for m in model.layers] == [False, True, True]
 
 
-# the user's script, 2 gloo ranks (``record_two_ranks``): SHAPE's wrapping and sharding (``USER_CODE``), the fix (its
-# file, and where it goes beside it) pasted where its Recommendation.where says
-_SCRIPT = textwrap.dedent(
-    """
-    import os
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    SHAPE = "loop"
-    """
-) + BLOCKS_NET + USER_CODE + textwrap.dedent(
-    """
-
-    def worker(rank, port, out, fix):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        import fsdp_doctor
-        torch.manual_seed(0)
-        code, where = (open(fix).read(), open(fix + ".where").read()) if fix else ("", "")
-        assert where in ("", "before_shard", "sharded"), where
-        model = Net()
-        paste = lambda: exec(code, {"model": model})
-        checkpoint_and_shard(model, SHAPE, init_device_mesh("cpu", (2,)),
-                             paste if where == "before_shard" else lambda: None)
-        if where == "sharded":  # after the fully_shard calls
-            paste()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        with fsdp_doctor.watch(model, opt, out_dir=out, profile=False, memory={"full_every": 1},
-                               capacity_bytes=8 << 30) as doctor:
-            for _ in range(4):
-                model(torch.randn(32, 64, generator=g)).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                doctor.step()
-        dist.destroy_process_group()
-    """
-)
-
-
 @pytest.mark.slow
 @pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 @pytest.mark.parametrize("shape", ["loop", "first"])
@@ -174,7 +128,8 @@ def test_unneeded_fix_pasted_where_it_says_ends_the_checkpointing(tmp_path, shap
     ends their checkpointing in the rerun: nothing checkpointed nor recomputed, the finding gone, no new warning, and
     the peak the one predicted without checkpointing (1,288,624 B measured and predicted here, against 1,255,856 B
     checkpointed). Before, on the loop, the rerun was the first run again."""
-    script = _SCRIPT.replace('SHAPE = "loop"', f"SHAPE = {shape!r}")
+    # the user's script, 2 gloo ranks: SHAPE's checkpointing and sharding, the fix pasted where it says
+    script = pasted_fix_script(USER_CODE, shape)
     before = record_two_ranks(tmp_path, script, "before")
     f = next(f for f in before.findings if f.code == "ac.unneeded")
     assert {u.name: u.checkpoint for u in before.units} == {"": "none", **{f"layers.{i}": "unit" for i in range(3)}}

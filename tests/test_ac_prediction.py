@@ -87,7 +87,8 @@ def test_children_granularity_evidence_shows_what_checkpointing_spares(runs):
     assert f.evidence["activation_source"] == MEASURED
     assert 0 < f.evidence["activation_bytes_spared"] < f.evidence["activation_bytes"] / 50
     code = f.recommendation.code
-    assert "'layer1.0.conv1'" in code and "names = ['layer1.0', 'layer1.1', 'layer2.0'," in code
+    assert "'layer1.0.conv1'" in code and "blocks = ['layer1.0', 'layer1.1', 'layer2.0'," in code
+    assert f.recommendation.where == "sharded"  # (the children's wrappers off, the blocks wrapped: where all exist)
 
 
 @pytest.mark.slow

@@ -1668,7 +1668,11 @@ def test_ac_wrong_granularity():
               unit("tok_emb, pos_emb", n_params=2, param_count=73_728, sharded_bytes=147_456,
                    unsharded_bytes=294_912, orig_dtypes=["float32"], timing=dict(fwd_ms=1.0, bwd_ms=1.0))]
         ctx = build(units=us)[0]
-        assert len(run_rule("ac.wrong_granularity", ctx)) == int(fires), wrappers
+        got = run_rule("ac.wrong_granularity", ctx)
+        assert len(got) == int(fires), wrappers
+        if fires:  # the blocks the wrappers lie in wrapped whole, where they are (the root cannot be), after sharding
+            rec = got[0].recommendation
+            assert rec.where == "sharded" and "blocks = ['layers.0', 'layers.1']" in rec.code, rec.code
         if not fires:
             st = run_status("ac.wrong_granularity", ctx)
             assert "holding whole blocks of the model ((root): 2 blocks, layers.0, layers.1)" in st.reason, st
@@ -2378,11 +2382,15 @@ def test_checkpoint_snippet_runs_on_an_encoder_decoder():
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
-    code = S.checkpoint_modules(["encoder.block.0", "decoder.block.0"], "checkpoint whole blocks")
-    exec(compile(code, "<ac fix>", "exec"), {"model": model})
     src, tgt = torch.randint(1, 64, (2, 2, 8), generator=torch.Generator().manual_seed(0))
-    model(input_ids=src, labels=tgt).loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
+    # (ac.wrong_granularity's, the blocks wrapped where they are: the same lines after them)
+    for code in (S.checkpoint_modules(["encoder.block.0", "decoder.block.0"], "checkpoint whole blocks"),
+                 S.checkpoint_in_place(["encoder.block.0", "decoder.block.0"], "whole blocks checkpointed")):
+        m = copy.deepcopy(model)
+        exec(compile(S.complete(code), "<ac fix>", "exec"), {"model": m})
+        assert type(m.decoder.block[0]).__name__ == "CheckpointWrapper"
+        m(input_ids=src, labels=tgt).loss.backward()
+        assert all(p.grad is not None for p in m.parameters())
 
 
 def test_plan_moves_what_a_tie_kept_from_its_ancestor():

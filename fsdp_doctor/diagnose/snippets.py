@@ -683,6 +683,28 @@ def checkpoint_modules(names: list[str], note: str) -> str:
             + _NO_KV_CACHE)
 
 
+def checkpoint_in_place(names: list[str], note: str) -> str:
+    """Activation checkpointing on exactly the named modules (fqns, checkpoint wrappers' own names dropped; the
+    root, which a wrapper cannot replace in place, left out), on the sharded model: each replaced where it is by a
+    CheckpointWrapper around it, a unit or inside one (checkpoint_wrapper around a sharded unit works: FSDP's
+    pre-backward gathers its parameters before the recompute; tests/test_ac_fix_where_wrapped.py's "after" shape).
+    After the user's fully_shard calls a loop that wraps each block's children and shards the block in the same pass
+    has run: before them (``checkpoint_modules``), the loop set its children's wrappers on the blocks' wrappers,
+    where nothing calls them, nested them inside, or, checking its blocks' type, found none and sharded none
+    (tests/test_ac_granularity_fix_where_wrapped.py)."""
+    names = [n for n in dict.fromkeys(strip_ckpt(n) for n in names) if n]
+    return "\n".join(
+        ["from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (", "    checkpoint_wrapper)"]
+        + textwrap.wrap(f"{note}: after your fully_shard calls (and the lines above), each wrapped where it is, "
+                        "around its unit", width=80, initial_indent="# ", subsequent_indent="# ")
+        + ["# (or wrap these, not their children, where you call checkpoint_wrapper)",
+           name_list("blocks", names), "for name in blocks:",
+           "    parent, _, child = name.rpartition('.')",
+           "    holder = model.get_submodule(parent)",
+           "    setattr(holder, child, checkpoint_wrapper(getattr(holder, child)))",
+           _NO_KV_CACHE])
+
+
 # a Hugging Face model fills its KV cache in a training forward where use_cache is on (T5's decoder): a recomputed
 # block then finds it filled, saves other tensors and checkpoint raises; gradient_checkpointing_enable() turns it off
 # (its comment on lines of its own: as trailing comments past 80 columns the terminal split it around the code, a
@@ -724,8 +746,7 @@ def checkpoint_flags_off(layers: list[str], note: str) -> str:
 NO_CHECKPOINT_FN = "without_checkpoint"
 
 
-def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "",
-                         before_sharding: bool = False) -> str:
+def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "") -> str:
     """Activation checkpointing off: every CheckpointWrapper (fqns) left in place, calling the module it wraps as it
     is (its ``checkpoint_fn``, torch 2.6 to 2.15; one already unwrapped is left as it is), on the model sharded or
     not: after the user's checkpoint_wrapper and fully_shard calls, where every wrapper exists, however they were
@@ -736,9 +757,9 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
     ``gradient_checkpointing_enable()`` is undone by its ``gradient_checkpointing_disable()``, other
     ``checkpoint(...)`` calls are named in a comment, since only their code can change; alone, the lines go before
     the user's fully_shard calls, beside the enable call. ``note``: the header's words where checkpointing stays on
-    elsewhere. ``before_sharding``: the lines go before fully_shard (ac.wrong_granularity checkpoints the blocks
-    next, which goes there)."""
-    if wrappers and not before_sharding:
+    elsewhere (ac.wrong_granularity's, on the blocks' children: checkpoint_in_place wraps the blocks next, after
+    the same calls)."""
+    if wrappers:
         lines = textwrap.wrap("activation checkpointing off" + (f" {note}" if note else "") + ": after your "
                               "checkpoint_wrapper (apply_activation_checkpointing) and fully_shard calls, where "
                               "every wrapper exists (a loop that wraps and shards each layer makes them there); "
@@ -840,9 +861,15 @@ def _wrapped(head: str, items: list[str], width: int = 80) -> str:
     """``head[a, b, ...]`` wrapped to ``width`` columns."""
     if not items:
         return head + "[]"
-    return textwrap.fill(", ".join(items), width=width, initial_indent=head + "[",
-                         subsequent_indent=" " * (len(head) + 1), break_long_words=False,
-                         break_on_hyphens=False) + "]"
+
+    def fill(w: int) -> str:
+        return textwrap.fill(", ".join(items), width=w, initial_indent=head + "[",
+                             subsequent_indent=" " * (len(head) + 1), break_long_words=False,
+                             break_on_hyphens=False) + "]"
+
+    out = fill(width)
+    # (the closing bracket counted: ac.wrong_granularity's "blocks = [...]" on the ResNet read 81 columns)
+    return out if len(out.splitlines()[-1]) <= width else fill(width - 1)
 
 
 def _block_run(t: Tree, labels: list[str], i: int):

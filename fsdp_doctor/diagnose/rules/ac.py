@@ -219,6 +219,15 @@ def _blocks_owner(ctx: Context, holders: list[E.Unit]) -> str:
     return "wrap.params_in_root" if others and all(u.is_root for u in holders) else "wrap.too_coarse"
 
 
+def _blocks_of(u: E.Unit) -> list[str]:
+    """The blocks ac.wrong_granularity checkpoints whole for unit ``u``: its own modules; a root's, the blocks its
+    CheckpointWrappers lie in (the root itself cannot be wrapped in place, nor does apply_activation_checkpointing
+    wrap it); else its name."""
+    own = [m for m in u.modules if m]
+    blocks = [b for b in (S.block_of(w) for w in u.checkpoint_wrappers) if b is not None]
+    return own or blocks or [u.name]
+
+
 def _wrappers(us: list[E.Unit]) -> tuple[list[str], list[str]]:
     """(the CheckpointWrappers of the units, fqns; the checkpointed units that have none: checkpoint(...) calls)."""
     wrappers = [w for u in us for w in u.checkpoint_wrappers]
@@ -609,7 +618,7 @@ class AcWrongGranularity(Rule):
         # weighs checkpointing off; said here, so that the two findings read as one choice (both fired on a new-user
         # trial's MLP-only checkpointing, each fix read as undoing the other)
         ample = bool(peak and cap and peak / cap < AC_UNNEEDED_MAX_SHARE)
-        mods = [m for u in ch for m in u.modules if m]
+        mods = list(dict.fromkeys(m for u in ch for m in _blocks_of(u)))
         per_unit = _unit_activations(ctx, ch)
         acts = sum(per_unit.values()) if per_unit else None
         # what checkpointing the children spares now: measured in their recompute (else unknown)
@@ -637,9 +646,22 @@ class AcWrongGranularity(Rule):
             + (f" That is where memory is needed: here the peak is {fmt_share(peak / cap)} of capacity, and "
                "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else "")
             + _running_stats(stats, on=True, lead="With the blocks checkpointed,", now=" not checkpointed now"),
-            (S.remove_checkpointing(wrappers, functional, before_sharding=True) + "\n" if wrappers else "")
-            + S.checkpoint_modules(mods or [u.name for u in ch], "checkpoint whole blocks"),
+            _granularity_code(wrappers, functional, mods),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
+
+
+def _granularity_code(wrappers: list[str], functional: list[str], blocks: list[str]) -> str:
+    """ac.wrong_granularity's fix. CheckpointWrappers on the blocks' children: turned off where they are and each
+    block wrapped in place, both after the user's fully_shard calls, where every wrapper exists however the user's
+    code made it (before them, a loop that wraps each block's children and shards the block in the same pass ran
+    after the fix: it set the children's wrappers on the blocks' wrappers, never called, or, checking its blocks'
+    type, sharded none of them; tests/test_ac_granularity_fix_where_wrapped.py). checkpoint(...) calls only (no
+    wrapper of the user's to wait for): the blocks wrapped before fully_shard, as ``apply_activation_checkpointing``
+    wraps them."""
+    if not wrappers:
+        return S.checkpoint_modules(blocks, "checkpoint whole blocks")
+    return (S.remove_checkpointing(wrappers, functional, note="on the blocks' children") + "\n"
+            + S.checkpoint_in_place(blocks, "then whole blocks checkpointed"))
 
 
 # ac.fewer_units aims the peak under this share of capacity: below ac.recommended's (NEAR_CAPACITY_SHARE), so that a
