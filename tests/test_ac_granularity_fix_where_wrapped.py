@@ -92,7 +92,9 @@ def _build(shape: str, fix=None):
     torch.manual_seed(0)
     ns = {"torch": torch, "nn": nn, "fully_shard": fully_shard}
     exec(BLOCKS_NET + USER_CODE, ns)
-    model = ns["model"]
+    # (popped: fully_shard caches its FSDP class of Net for the process, whose methods hold ns as their globals: a
+    # model left in ns outlived the test, and a later test's watch() read its units as another model's)
+    model = ns.pop("model")
     paste = lambda: exec(compile(fix.code, "<ac.wrong_granularity fix>", "exec"), {"model": model})  # noqa: E731
     where = fix.where if fix is not None else ""
     assert where in ("", "before_shard", "sharded"), where
