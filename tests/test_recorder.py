@@ -510,3 +510,23 @@ def test_the_loss_phase_starts_after_a_unit_run_past_the_models_forward(tmp_path
     marks = [(r[1], r[2], r[tl.columns.index("unsharded_params")]) for r in tl.rows]
     head_end = marks.index(("head", "forward_end", 256 + 512 * 32 * 4))  # the head gathered in its forward
     assert marks[head_end + 1] == (None, "loss_start", 256), marks  # ... resharded when the loss starts
+
+
+def test_earlier_runs_kept_aside_never_overwrite_each_other(sample_run_path, tmp_path):
+    """Two runs without a run id in their records (an older doctor's), each moved aside in turn by a run started in
+    their folder: the second goes beside the first (run-unknown-2), nothing of either replaced; a folder holding
+    only earlier runs holds no run."""
+    from fsdp_doctor.store import layout
+
+    d = tmp_path / "run"
+    shutil.copytree(sample_run_path, d)
+    first = layout.keep_run(d, 0)
+    assert first == d / "previous" / "run-unknown" and not layout.has_run(d)
+    for name in ("manifest.json", "rank0.records.jsonl", "rank1.records.jsonl"):
+        shutil.copy(sample_run_path / name, d / name)
+    (d / "rank0.records.jsonl").write_text("{}\n")  # (another run's stream: what the first folder must keep)
+    second = layout.keep_run(d, 0)
+    assert second == d / "previous" / "run-unknown-2" and layout.keep_run(d, 1) is None
+    assert (first / "rank0.records.jsonl").read_bytes() == (sample_run_path / "rank0.records.jsonl").read_bytes()
+    assert (second / "rank0.records.jsonl").read_text() == "{}\n" and (first / "profiler").is_dir()
+    assert layout.previous_runs(d) == [first, second]

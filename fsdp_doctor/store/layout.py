@@ -317,7 +317,11 @@ def keep_run(run_dir: Path | str, rank: int) -> Optional[Path]:
     mine = [q for q in mine if q.exists() or q.is_symlink()]
     if not mine:
         return None
-    dest = p / PREVIOUS_DIR / f"run-{_run_id_in(p, rank) or 'unknown'}"
+    base = dest = p / PREVIOUS_DIR / f"run-{_run_id_in(p, rank) or 'unknown'}"
+    n = 1
+    while any((dest / q.name).exists() or (dest / q.name).is_symlink() for q in mine):  # (never over another's)
+        n += 1
+        dest = base.with_name(f"{base.name}-{n}")
     dest.mkdir(parents=True, exist_ok=True)
     for q in mine:
         try:
