@@ -299,6 +299,7 @@ def test_a_refused_watch_leaves_the_watching_session_as_it_was(tmp_path):
         assert [s.step for s in load_run(out / name).ranks[0].steps] == [0, 1, 2, 3], name
 
 @pytest.mark.slow
+@pytest.mark.long  # (four 2-rank launches: the quick tier's 15 minutes have no room for them)
 def test_multi_rank_rerun_keeps_the_earlier_run_and_overwrite_gives_one_run(sample_run_path, tmp_path, monkeypatch):
     """A 3-rank run's directory reused by a 2-rank run: the earlier run (its 3 streams, manifest, traces, report) is
     moved aside whole to previous/run-ID before any rank writes, and reads there as it did; with overwrite=True it is

@@ -218,7 +218,7 @@ def test_hf_trainer_saves_timed_and_their_fix_is_how_often(trainer_run):
         assert not [o for o in before["outliers"] if o[1] in (2, 4, 6) and o[2] != "checkpoint"], before["outliers"]
         f = before["finding"]
         assert f["severity"] == "warning" and f["where"] == "trainer" and f["evidence"]["save_steps_after"] > 8, f
-        assert f["code"].splitlines()[1].startswith(f"trainer.args.save_steps = {f['evidence']['save_steps_after']}")
+        assert f"\ntrainer.args.save_steps = {f['evidence']['save_steps_after']}\n" in f["code"] + "\n", f["code"]
         # (accelerate's default, recorded: each save could be cheaper, which the text says)
         assert before["state_dict_type"] == "FULL_STATE_DICT" and "'SHARDED_STATE_DICT'" in f["text"], f["text"]
         assert after["status"] == "quiet" and after["saves"] == {} and after["save_dirs"] == ["checkpoint-8"], after
@@ -351,10 +351,10 @@ def _wrap_fix(res: dict, where: str) -> None:
     no new warning, and the peak (the layers no longer held gathered through the step) as predicted within 10%."""
     before, after, f = _plugin_fix(res, "nowrap", "wrap.params_in_root", where)
     holder = {"trainer": "trainer.accelerator", "accelerate": "accelerator"}[where] + ".state.fsdp_plugin"
-    line = f"{holder}.auto_wrap_policy = transformer_auto_wrap_policy"  # (the Trainer's, past 80 columns: split)
-    assert (line if len(line) <= 80 else f"{holder}.auto_wrap_policy = (\n    transformer_auto_wrap_policy)") \
-        in f["code"], f["code"]
-    assert f"{holder}.transformer_cls_names_to_wrap = ['LlamaDecoderLayer']" in f["code"], f["code"]
+    # (an assignment past 80 columns is split after its "= (": read joined)
+    code = re.sub(r"= \(\n\s+(.*)\)$", r"= \1", f["code"], flags=re.M)
+    assert f"{holder}.auto_wrap_policy = transformer_auto_wrap_policy" in code, f["code"]
+    assert f"{holder}.transformer_cls_names_to_wrap = ['LlamaDecoderLayer']" in code, f["code"]
     assert "fully_shard(" not in f["code"] and "LlamaDecoderLayer" in f["text"], f["code"]
     assert not any(u[0].startswith("model.layers.") for u in before["units"]), before["units"]
     assert [u[0] for u in after["units"] if u[0].startswith("model.layers.")] == ["model.layers.0",

@@ -154,8 +154,8 @@ def test_the_fix_leaves_nothing_outside_the_optimizer(runs):
     # frozen, the prefix runs no backward: the fix also takes the last frozen unit out of the first trained unit's
     # backward prefetch (FSDP2's default gathered layers.2 in every backward for nothing: prefetch.frozen_gathered,
     # a warning on the H200's rerun of gpu_gpt_top_optimizer)
-    assert "unit = model.get_submodule('layers.3')\nunit.set_modules_to_backward_prefetch([unit])" in \
-        runs["finding"].recommendation.code
+    assert ("unit = model.get_submodule('layers.3')\n# itself: gathered already, nothing to gather\n"
+            "unit.set_modules_to_backward_prefetch([unit])") in runs["finding"].recommendation.code
     assert "prefetch.frozen_gathered" not in {x.code for x in rep.findings}
     why = next(s.reason for s in rep.rules if s.code == "prefetch.frozen_gathered")
     assert "layers.3's explicit list leaves them out" in why, why
