@@ -32,8 +32,9 @@ class WatchOptions:
             CPU of a step here (its CRC32C and protobuf work run in Python on a background thread that competes
             with training). ``fsdp-doctor tensorboard OUT_DIR`` writes the same scalars afterwards, at no
             cost to training.
-        overwrite: ``out_dir`` already holding another run's records is refused (a run directory holds one
-            run); True removes that run's files first (manifest, record streams, profiler/, tb/, report.json).
+        overwrite: a run directory holds one run: an earlier run's records in ``out_dir`` are moved aside to
+            ``previous/run-ID/`` below it (False), or removed (True: manifest, record streams, profiler/, tb/,
+            report.json), but kept aside in a process that restarts the job (TORCHELASTIC_RESTART_COUNT > 0).
     """
 
     out_dir: str | os.PathLike

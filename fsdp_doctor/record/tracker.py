@@ -155,7 +155,7 @@ class Doctor:
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
-        """Starts recording. Misuse (no FSDP2 unit, an unwritable or taken out_dir, a second watch of the model,
+        """Starts recording. Misuse (no FSDP2 unit, an unwritable out_dir, a second watch of the model,
         an object that is no optimizer) is refused with one sentence (:class:`WatchError`); a torch too old for the
         doctor, and any other exception here, make it step aside with one log line while training goes on."""
         if self._inside:  # (refused before anything is touched: the refusal's _remove() would end the outer session,
