@@ -265,8 +265,9 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
     used: dict[str, tuple[dict, float]] = {}
     # an FSDP unit's all-reduce (HSDP's across replicas) is counted in its gradient reduction: named so
     hsdp = any(u.collective == "all_reduce" and u.unit != OTHER_UNIT for u in (overlap.per_unit if overlap else []))
-    odd = _atypical(overlap, list(_trace_parts(overlap)))
-    for r, (parts, total, n, dev, step_ms) in _trace_parts(overlap).items():
+    traced_parts = _trace_parts(overlap)
+    odd = _atypical(overlap, list(traced_parts))
+    for r, (parts, total, n, dev, step_ms) in traced_parts.items():
         per_rank[r] = _entry(parts, total, n, "trace", dev, step_ms, hsdp)
         used[r] = (parts, total)
         per_rank[r].summary += _atypical_clause(odd, {r: used[r]}, overlap, run, _labels(dev, "trace", hsdp),
