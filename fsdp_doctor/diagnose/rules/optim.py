@@ -33,7 +33,6 @@ GRAD_NORM_CALLS_MAX = 2
 STATE_SHARE_MIN = T.DOMINANT_CATEGORY_SHARE
 # ... and matters only when the peak is at least this share of capacity.
 STATE_TIGHT_SHARE = 0.80
-STATE_PER_PARAM = E.STATE_PER_PARAM  # (the optimizers whose state the doctor knows)
 
 
 @register
@@ -534,7 +533,7 @@ class NoGradients(Rule):
         if cfg.optimizer_foreign_params:  # built before fully_shard: optim.before_shard's
             return self.quiet("the optimizer holds tensors that are not the model's parameters (optim.before_shard)")
         momentum = any(float(g.options.get("momentum", 0) or 0) > 0 for g in cfg.optimizer_groups or [])
-        if name.lower() not in STATE_PER_PARAM:
+        if name.lower() not in E.STATE_PER_PARAM:
             return self.quiet(f"{name or 'the optimizer'} is not one whose state the doctor knows: no state tells "
                               "nothing there")
         if name.lower() == "sgd" and not momentum:
