@@ -365,7 +365,7 @@ ARCH_ROWS: list[Row] = [
     # their layers: a new-user trial's 2-layer Mixtral waited 17.3 ms of a 108.6 ms step in its routers' all-gathers,
     # and the rule counted 4 units "(fires from 12)"); its fix drops the routers' units alone
     _r("mixtral_router_units", "mixtral", "wrap.too_fine", "each layer's router (mlp.gate, 1 KiB) a unit inside "
-       "its layer", user_shard="moe_routers", min_severity="info"),
+       "its layer", user_shard="moe_routers", min_severity="info", knobs={"steps": 12}),
     _r("t5_tight_capacity", "t5", "ac.recommended", "batch 8, budget 5% above peak", knobs={"batch_size": 8},
        capacity_share=0.95),
     _r("vit_tight_capacity", "vit", "ac.recommended", "32 images, budget 5% above peak", knobs={"batch_size": 16},

@@ -351,6 +351,45 @@ def test_too_fine_finds_a_few_tiny_units_by_what_their_collectives_cost():
     assert "(fires from 5%)" in st.reason, st.reason
 
 
+def test_too_fine_counts_what_a_tiny_units_collective_costs_not_the_wait_for_a_late_rank():
+    """On gloo a rank blocks in an all-gather until the last rank reaches it: the last waits for the collective
+    alone, the others for its lateness too, which merging the unit leaves at their next collective. A CI host's
+    routers read 15% of the step from waits pooled over both ranks; merged, the step gained 3.5%. Here each step
+    rank 0 waits 5.0 ms in each router's forward all-gather, rank 1 (the late one) 1.0 ms: the routers cost what
+    rank 1 waited, 1.0 ms forward and 1.0 ms backward each, their reduce-scatters 1.0 ms more: 6.0 ms of the
+    108.6 ms step, a note (12.0 + 2.0 ms, a warning, read from the report's medians of rank 0's waits)."""
+    from fsdp_doctor.records import StepRecord, UnitStep
+    from fsdp_doctor.store.reader import RankData
+
+    units = _moe_trial_units(n_layers=2)
+    ctx, _ = build(units=units, step_ms=108.6)
+    waits = {0: 5.0, 1: 1.0}
+    for r in (0, 1):
+        steps = [StepRecord(rank=r, step=k, start_ns=k, wall_ms=108.6, units=[
+            UnitStep(name=u["name"], fwd_ms=t["fwd_ms"], bwd_ms=t.get("bwd_ms", 0.0),
+                     ag_wait_fwd_ms=waits[r] if u["name"].endswith("gate") else t["ag_wait_fwd_ms"],
+                     ag_wait_bwd_ms=t.get("ag_wait_bwd_ms", 0.0)) for u, t in units]) for k in range(8)]
+        ctx.run.ranks[r] = RankData(rank=r, steps=steps, config=ctx.config)
+    (f,) = run_rule("wrap.too_fine", ctx)
+    ev = f.evidence
+    assert (ev["ag_wait_ms_per_step"], ev["rs_estimated_ms_per_step"], ev["collectives_ms_per_step"]) == (4.0, 2.0,
+                                                                                                        6.0), ev
+    assert ev["per_unit"] == ["model.layers.0.mlp.gate: 3.00 ms", "model.layers.1.mlp.gate: 3.00 ms"], ev
+    assert f.severity == "info" and f.predicted["step_ms_after"] == pytest.approx(
+        108.6 - 6.0 + 2 * 10.7 * 1024 / 442_880, abs=1e-3), f
+    assert "what the last rank to reach each waits in it" in f.recommendation.text, f.recommendation.text
+    # where no rank is late, the same figures as the report's
+    waits[1] = 5.0
+    for r in (0, 1):
+        for s in ctx.run.ranks[r].steps:
+            for u in s.units:
+                if u.name.endswith("gate"):
+                    u.ag_wait_fwd_ms = 5.0
+    ctx = Context(run=ctx.run, report=ctx.report)
+    (g,) = run_rule("wrap.too_fine", ctx)
+    assert (g.evidence["ag_wait_ms_per_step"], g.severity) == (12.0, "warning"), g.evidence
+
+
 def test_too_fine_leaves_small_units_that_are_needed_alone():
     """No false alarm: a small unit beside the root (an embedding, a final norm and head: wrap.params_in_root's
     plan), a router under a mixed precision policy of its own (kept in float32 on purpose), and on a GPU without a

@@ -846,6 +846,47 @@ def ag_wait_ms(u: Unit, phase: str) -> float:
     return u.timing.ag_wait_bwd_ms if gathered_in_backward(u) else 0.0
 
 
+@_once
+def own_waits(ctx: Context) -> dict[str, tuple[float, float]]:
+    """Per unit, its forward and backward all-gather waits (ms) as what the collective itself costs: in each step the
+    least any read rank (``read_ranks``) waited, median over the steps. On gloo the host blocks in an all-gather until
+    every rank is in it: the last rank to arrive waits for the collective alone, the others for it as well, and that
+    lateness does not go with the collective (without it they wait at their next one). The report's medians pool
+    every rank's waits: the scenario matrix's 3 tiny routers (mixtral_router_units) read 6.3 ms of all-gathers per
+    step there, 5.3 ms on the rank that arrived last; merged, the step gained 12% (11.8% predicted, 13.6% from the
+    pooled waits; a CI host's run had predicted 15% from them and gained 3.5%). {} without step records. A
+    straggler's own steps are one rank's: its waits."""
+    from ..analyze.steps import counted_op_by_op, usable_steps
+
+    read = read_ranks(ctx)
+    by_step: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for r, rd in (getattr(ctx.run, "ranks", None) or {}).items():
+        if read is not None and str(r) not in read:
+            continue
+        usable = usable_steps(rd.steps)
+        for s in [s for s in usable if not counted_op_by_op(s)] or usable:
+            for u in s.units:
+                if u.fwd_calls or u.fwd_ms or u.bwd_ms:  # (a unit that did not run in a step waited nothing)
+                    by_step.setdefault((s.step, u.name), []).append((u.ag_wait_fwd_ms, u.ag_wait_bwd_ms))
+    per_unit: dict[str, tuple[list[float], list[float]]] = {}
+    for (_, name), waits in by_step.items():
+        fwd, bwd = per_unit.setdefault(name, ([], []))
+        fwd.append(min(w[0] for w in waits))
+        bwd.append(min(w[1] for w in waits))
+    return {n: (float(statistics.median(f)), float(statistics.median(b))) for n, (f, b) in per_unit.items()}
+
+
+def own_wait_ms(ctx: Context, u: Unit, phase: str) -> float:
+    """``ag_wait_ms`` as the collective's own cost (``own_waits``), the report's figure where no step records
+    say."""
+    own = own_waits(ctx).get(u.name)
+    if own is None or (phase == "forward" and u.timing.ag_wait_fwd_ms is None):
+        return ag_wait_ms(u, phase)
+    if phase == "forward":
+        return own[0]
+    return own[1] if gathered_in_backward(u) else 0.0
+
+
 def gathered_in_backward(u: Unit) -> bool:
     """Whether FSDP2 all-gathers the unit for its backward: not after ``set_unshard_in_backward(False)`` (its
     parameters needed in forward only, an embedding's), where keeping it gathered after forward only holds memory.

@@ -188,11 +188,13 @@ class TooFine(Rule):
         small = [u for u in us if u.unsharded_bytes < FINE_SMALL_BYTES or u.n_params <= FINE_LEAF_TENSORS]
         step, _ = _job_numbers(ctx)
         timed = [u for u in us if u.has_timing]
-        waits = [E.ag_wait_ms(u, "forward") for u in timed]
-        ag_total = sum(E.ag_wait_ms(u, p) for u in timed for p in ("forward", "backward"))
+        # what each all-gather itself costs: the wait of the rank that reached it last (E.own_waits)
+        wait = lambda u, phase: E.own_wait_ms(ctx, u, phase)  # noqa: E731
+        waits = [wait(u, "forward") for u in timed]
+        ag_total = sum(wait(u, p) for u in timed for p in ("forward", "backward"))
         # per-call fixed cost: the all-gather wait of the smallest quarter of the units (their bytes are ~0)
         by_size = sorted(timed, key=lambda u: u.unsharded_bytes)[:max(1, len(timed) // 4)]
-        latency = statistics.median(E.ag_wait_ms(u, "forward") for u in by_size) if by_size else None
+        latency = statistics.median(wait(u, "forward") for u in by_size) if by_size else None
         # group the units by repeated block: what the calls would be after re-wrapping
         group = {u.name: E.block_of(u.modules[0] if u.modules else u.name) or (u.modules[0] if u.modules else u.name)
                  for u in us}
@@ -280,11 +282,14 @@ class TooFine(Rule):
         else:
             if not all(u.has_timing and p.has_timing for u, p in pairs):
                 return f"{len(pairs)} unit(s) far smaller than the units holding them ({names}), not timed"
-            ag_ms = lambda u: E.ag_wait_ms(u, "forward") + E.ag_wait_ms(u, "backward")  # noqa: E731
+            # what each collective itself costs: the wait of the rank that arrived last (E.own_waits), not the
+            # others' wait for it, which merging leaves at their next collective
+            ag_ms = lambda u: E.own_wait_ms(ctx, u, "forward") + E.own_wait_ms(ctx, u, "backward")  # noqa: E731
             # the records time no reduce-scatter: one of the same few bytes, in the same backward, costs what the
             # unit's backward all-gather waited (the trial's 6 routers: 26.1 ms forward and 12.2 ms backward
             # all-gather waits, 50.5 ms with their reduce-scatters so counted; merged, the step gained 51.7 ms)
-            rs_ms = lambda u: E.ag_wait_ms(u, "backward") if u.trainable_unsharded_bytes != 0 else 0.0  # noqa: E731
+            rs_ms = lambda u: (E.own_wait_ms(ctx, u, "backward")  # noqa: E731
+                               if u.trainable_unsharded_bytes != 0 else 0.0)
         cost = {u.name: ag_ms(u) + rs_ms(u) for u, _ in pairs}
         # what their bytes add to their parents' collectives, at the parents' own rate
         added = sum((ag_ms(p) + rs_ms(p)) * u.unsharded_bytes / p.unsharded_bytes for u, p in pairs
@@ -316,8 +321,9 @@ class TooFine(Rule):
                 "looks one unit ahead. "
                 + (f"Their all-gathers and reduce-scatters are exposed {ag_total:.1f} and {rs_total:.1f} ms per step "
                    "in the trace" if gpu else
-                   f"Their all-gathers wait {ag_total:.1f} ms per step (on gloo the host blocks in each) and their "
-                   f"reduce-scatters, as many bytes in the same backward, about {rs_total:.1f} ms more")
+                   f"Their all-gathers take {ag_total:.1f} ms per step (what the last rank to reach each waits in "
+                   "it: on gloo the host blocks there) and their reduce-scatters, as many bytes in the same "
+                   f"backward, about {rs_total:.1f} ms more")
                 + f": {fmt_share(total / step)} of the step p50. Drop their fully_shard calls: each then belongs to "
                 f"the unit holding it ({E.fmt_list(parents, 3)}), whose collectives carry its "
                 f"{each.removesuffix(' each')} too ({len(us) - len(tiny)} units in place of {len(us)}).")
@@ -337,7 +343,7 @@ class TooFine(Rule):
              "merge_adds_ms_per_step": round(added, 3),
              "step_share_pct": round(100 * total / step, 1), "step_p50_ms": step,
              "measured_by": ("trace (exposed collectives)" if gpu else
-                             "records (host waits in all-gathers; reduce-scatters as the backward all-gathers)")},
+                             "records (the last-arriving rank's all-gather waits; reduce-scatters as the backward all-gathers)")},
             text, plug.get("code", code), where=plug.get("where", ""),
             predicted=E.predicted(step, step - gain), units=[u.name for u in tiny])]
 
