@@ -4,6 +4,8 @@ of the model they were emitted for, and two scenarios where the right answer is 
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from fsdp_doctor.units import unit_label
@@ -402,10 +404,12 @@ def test_plan_pasted_into_the_users_main_keeps_async_unshard(matrix, tmp_path):
 
 
 
-def _alternating_steps(o, tmp_path, pairs: int = 4) -> tuple[list[float], list[float]]:
+def _alternating_steps(o, tmp_path, pairs: int = 4) -> tuple[list[float], list[float], list[float]]:
     """The row's step p50 (ms) without and with its fix, trained alternately in one launch (before, after, before,
     ...): on a loaded 2-core host two launches' steps differ by more than a fix's gain (the router row's before-run
-    took 98.7 ms in one launch and 203.8 ms in another), pairs run back to back see alike loads."""
+    took 98.7 ms in one launch and 203.8 ms in another), pairs run back to back see alike loads. Also each
+    before-run's predicted gain (a share of its step; 0 where the finding did not fire), made on the same host at the
+    same time as the measurement (a CI host's matrix run predicted 15%, its alternating runs gained 3.5%)."""
     import scenario_matrix as M
 
     specs = []
@@ -415,8 +419,15 @@ def _alternating_steps(o, tmp_path, pairs: int = 4) -> tuple[list[float], list[f
             specs.append({**spec, "name": f"{o.row.name}_{kind}{i}"})
     got = M.launch(specs, tmp_path, "alternating")
     assert not [r for r in got.values() if "error" in r], got
-    step = lambda kind, i: M.diagnosis(tmp_path / f"{kind}{i}")[1].steps.job.p50_ms  # noqa: E731
-    return [step("before", i) for i in range(pairs)], [step("after", i) for i in range(pairs)]
+    reports = {(kind, i): M.diagnosis(tmp_path / f"{kind}{i}")[1] for kind in ("before", "after") for i in range(pairs)}
+    step = lambda kind, i: reports[kind, i].steps.job.p50_ms  # noqa: E731
+
+    def predicted(rep) -> float:
+        f = next((f for f in rep.findings if f.code == o.row.code), None)
+        return 1 - f.predicted.step_ms_after / rep.steps.job.p50_ms if f is not None and f.predicted else 0.0
+
+    return ([step("before", i) for i in range(pairs)], [step("after", i) for i in range(pairs)],
+            [predicted(reports["before", i]) for i in range(pairs)])
 
 
 @pytest.mark.long
@@ -443,8 +454,8 @@ def test_too_fine_fix_merges_tiny_units_and_gains_the_step(matrix, tmp_path):
     assert rc["gone"] and not rc["new_warnings"], rc
     # the gain, as a share of the step: at least half the predicted one, the runs with and without the fix
     # alternating in one launch, each read at its least loaded (the fastest run's step p50: a load spike on this
-    # shared host once took one before-run 208 -> 430 ms and an after-run beside it 146 -> 467 ms)
-    predicted = 1 - rc["step_ms_predicted"] / rc["step_ms_before"]
-    assert predicted >= 0.05, rc
-    before, after = _alternating_steps(o, tmp_path)
-    assert 1 - min(after) / min(before) >= 0.5 * predicted, (predicted, before, after)
+    # shared host once took one before-run 208 -> 430 ms and an after-run beside it 146 -> 467 ms), the prediction
+    # the median of those before-runs' own
+    assert 1 - rc["step_ms_predicted"] / rc["step_ms_before"] >= 0.05, rc
+    before, after, predicted = _alternating_steps(o, tmp_path)
+    assert 1 - min(after) / min(before) >= 0.5 * statistics.median(predicted), (predicted, before, after)
