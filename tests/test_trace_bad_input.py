@@ -265,6 +265,29 @@ def test_a_rank_of_another_run_issuing_other_collectives_is_skipped(tmp_path):
     assert analyze_traces(tmp_path).skipped == []
 
 
+@pytest.mark.parametrize("before, after", [
+    ({"units": 4, "rs_us": 20}, {"units": 4, "rs_us": 0}),  # the fix changed the counts of a collective
+    ({"units": 1, "rs_us": 20}, {"units": 4, "rs_us": 20}),  # the fix wrapped the model per block
+])
+def test_a_rerun_with_a_fix_into_the_same_folder_is_kept(tmp_path, before, after):
+    """A new-user trial profiled gradient accumulation without set_requires_gradient_sync(False) (24
+    reduce-scatters a step), pasted the fix and reran into the same tensorboard_trace_handler folder 89 s later (6 a
+    step): the two runs tied 2 files to 2 as "another job" by their counts, the first by name (the first run's,
+    whose pids were lower) was kept, and the report still warned of the problem the rerun had fixed. Where every
+    rank holds the same steps twice, the files are two runs of the folder: the newest is kept, the first named."""
+    for run, (kw, shift_s) in enumerate(((before, 0.0), (after, 89.0))):
+        for rank in (0, 1):
+            doc = fsdp_gpu_trace(rank=rank, world_size=2, bwd_us=50, **kw).document()
+            doc["baseTimeNanoseconds"] += int(shift_s * 1e9)
+            (tmp_path / f"vm_{2120 + 300 * run + rank}.pt.trace.json").write_text(json.dumps(doc))
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [
+        (f"vm_{n}.pt.trace.json", "another run (its step 1 ran 89 s before the step 1 of the 2 files kept: profiled "
+                                  "into the same folder again?); skipped") for n in (2120, 2121)], r.skipped
+    assert sorted(r.per_rank) == ["0", "1"]
+    assert len(r.units) == after["units"], r.units
+
+
 def test_a_trace_without_fsdp_collectives_beside_fsdp_ones_is_another_job(good):
     """A folder holding an FSDP run's trace of rank 0 and a DDP run's trace of rank 1 (whole-loop exports, no
     ProfilerStep markers to compare): read as one job, rank 1's all-reduce became the FSDP job's "3 collectives per

@@ -97,6 +97,37 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
             for n in windows[i].steps:
                 by_step.setdefault(n, []).append(i)
 
+    # a folder profiled into again: the rerun's files beside the first run's (a new-user trial's rerun with a fix was
+    # skipped as "rank 0 again" while the first run's files were analysed; one rank's file of a later run beside
+    # both of an earlier one read as one job with it, the earlier run's own file of that rank skipped). Where a rank
+    # holds a step twice, seconds apart, the files holding it are split into runs in the order they ran it (the
+    # ranks of one run start a step together; a rank already in the run, later, starts another). Before the units
+    # and counts are compared: a fix often changes them (set_requires_gradient_sync: 6 reduce-scatters a step where
+    # the first run issued 24; a model wrapped per block where it was one unit), and the runs then tied 2 files to
+    # 2, the first by name kept, the rerun with the fix skipped as "another job" (a new-user trial)
+    for n, idx in sorted(by_step.items()):
+        idx = [i for i in idx if i not in skipped]
+        starts = {i: _step_start_s(windows[i], n) for i in idx}
+        if max(Counter(windows[i].rank for i in idx).values(), default=0) < 2 or None in starts.values():
+            continue
+        runs: list[list[int]] = []
+        for i in sorted(idx, key=starts.get):
+            if runs and (all(windows[j].rank != windows[i].rank for j in runs[-1])
+                         or starts[i] - starts[runs[-1][0]] < RERUN_MIN_GAP_S):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if len(runs) < 2:
+            continue
+        keep = max(runs, key=lambda r: (len({windows[i].rank for i in r}), starts[r[0]]))
+        for r in runs:
+            if r is not keep:
+                dt = starts[keep[0]] - starts[r[0]]
+                for i in r:
+                    skipped[i] = (f"another run (its step {n} ran {_apart(abs(dt))} {'before' if dt > 0 else 'after'} "
+                                  f"the step {n} of {_files(len(keep))} kept: profiled into the same folder "
+                                  "again?); skipped")
+
     # the ranks of one job shard one model: the same step runs the same FSDP units on every rank (but where a rank
     # may hold part of the model: pipeline stages hold different units)
     split: dict[int, bool] = {}
@@ -160,34 +191,6 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         if not has and not part(i) and (w.rank in ranks_held
                                         or (ranks_held and not w.calls and w.span[1] <= w.span[0])):
             skipped[i] = "not a trace of this run (no profiler step, no FSDP2 collective); skipped"
-
-    # a folder profiled into again: the rerun's files beside the first run's (a new-user trial's rerun with a fix was
-    # skipped as "rank 0 again" while the first run's files were analysed; one rank's file of a later run beside
-    # both of an earlier one read as one job with it, the earlier run's own file of that rank skipped). Where a rank
-    # holds a step twice, seconds apart, the files holding it are split into runs in the order they ran it (the
-    # ranks of one run start a step together; a rank already in the run, later, starts another)
-    for n, idx in sorted(by_step.items()):
-        idx = [i for i in idx if i not in skipped]
-        starts = {i: _step_start_s(windows[i], n) for i in idx}
-        if max(Counter(windows[i].rank for i in idx).values(), default=0) < 2 or None in starts.values():
-            continue
-        runs: list[list[int]] = []
-        for i in sorted(idx, key=starts.get):
-            if runs and (all(windows[j].rank != windows[i].rank for j in runs[-1])
-                         or starts[i] - starts[runs[-1][0]] < RERUN_MIN_GAP_S):
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        if len(runs) < 2:
-            continue
-        keep = max(runs, key=lambda r: (len({windows[i].rank for i in r}), starts[r[0]]))
-        for r in runs:
-            if r is not keep:
-                dt = starts[keep[0]] - starts[r[0]]
-                for i in r:
-                    skipped[i] = (f"another run (its step {n} ran {_apart(abs(dt))} {'before' if dt > 0 else 'after'} "
-                                  f"the step {n} of {_files(len(keep))} kept: profiled into the same folder "
-                                  "again?); skipped")
 
     # the same step on different ranks runs at the same time: far apart, it is another job's
     for n, idx in sorted(by_step.items()):
