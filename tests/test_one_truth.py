@@ -399,3 +399,31 @@ def test_a_memory_table_too_wide_leaves_a_rank_out_with_its_share(sample_run_pat
     header = next(ln for ln in text.splitlines() if ln.strip().startswith("category"))
     assert header.split() == ["category", "rank", "0", "%", "rank", "1", "%", "rank", "2", "%"], header
     assert "not shown at 80 columns: rank 3 (a wider terminal shows them)" in text, text
+
+
+def test_the_verdict_at_80_columns_leaves_out_a_column_of_zeros_before_a_part_of_the_step():
+    """A new-user trial's gradient accumulation without set_requires_gradient_sync(False) (HF Llama, 2 gloo ranks,
+    plain traces; the shares below are its report's): at 80 columns the verdict's RS column, 24% of the step and
+    the subject of its warning, was left out while offload and idle, 0.0 on every row, were kept. A column of zeros
+    goes first."""
+    import io
+
+    from fsdp_doctor.present.terminal import render_verdict
+    from fsdp_doctor.report_sections import Verdict, VerdictEntry
+
+    def entry(fwd, bwd, rs, compute, host, inp, step_ms=None):
+        return VerdictEntry(bound="communication", step_ms=step_ms, shares_pct={
+            "compute": compute, "allgather_fwd": fwd, "allgather_bwd": bwd, "reducescatter": rs, "model_comm": 0.0,
+            "other_comm": 0.0, "offload": 0.0, "other_gpu": 0.0, "host": host, "sync": 0.0, "input": inp,
+            "idle": 0.0})
+
+    v = Verdict(job=entry(19.2, 16.8, 23.7, 28.5, 11.7, 0.1),
+                per_rank={"0": entry(21.0, 16.9, 22.9, 28.8, 10.4, 0.0, 961.976),
+                          "1": entry(17.4, 16.7, 24.6, 28.2, 13.0, 0.2, 934.946)})
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(render_verdict(v, 80))
+    text = out.getvalue()
+    header = next(ln for ln in text.splitlines() if ln.split()[:2] == ["rank", "bound"])
+    assert header.split()[-4:] == ["RS", "offload", "host", "input"], text
+    assert "22.9" in text and "not shown at 80 columns: idle (a wider terminal shows them)" in text, text
+    assert max(len(ln) for ln in text.splitlines()) <= 80, text
