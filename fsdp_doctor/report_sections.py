@@ -488,6 +488,9 @@ class OverlapRank(_Section):
     # complete step -> the forward passes it ran without a backward (trace.model.WindowTrace.nograd_forwards:
     # evaluation or generation inside a profiled step); empty: none, or a report written before it
     nograd_forwards: dict[str, int] = {}
+    # complete steps whose ProfilerStep holds no optimizer.step() (trace.model.WindowTrace.steps_without_optimizer: a
+    # loop calling prof.step() per micro-batch); empty: none, or a report written before it
+    steps_without_optimizer: list[int] = []
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

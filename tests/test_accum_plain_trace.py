@@ -127,3 +127,55 @@ def test_real_plain_traces_size_the_model_gradients(tmp_path):
     assert ev["unsharded_grads_bytes"] == full and ev["sharded_grads_freed_bytes"] == full // 2
     assert p.peak_bytes_before == rep.memory_section().peak_bytes
     assert p.peak_bytes_after == p.peak_bytes_before + full - full // 2 and not p.peak_at_most
+
+
+def _micro_batch_steps_trace(rank: int, micro: int, every: bool) -> TraceBuilder:
+    """A gloo trace of a loop calling prof.step() per micro-batch: ProfilerSteps 1..2*micro hold one micro-batch
+    each (the last, cut), optimizer.step() in every ``micro``-th (steps micro, 2*micro). Each micro-batch's forward
+    all-gathers each unit, its backward reduce-scatters each unit (``every``) or, with
+    set_requires_gradient_sync(is_last_micro_batch), only in the step of the optimizer."""
+    b = TraceBuilder(rank=rank, world_size=WORLD)
+    b.pid = b.main_tid = 100
+    for i in range(2 * micro + 1):
+        n, T = i + 1, 5000.0 * i
+        b.step(n, T, 4900.0)
+        last = n % micro == 0
+        b.label("FSDP::root_pre_forward", T + 10, 2)
+        for k, unit in enumerate(UNITS):
+            f = T + 20 + 1000 * k
+            b.label(f"FSDP::pre_forward ({unit})", f, 120)
+            b.label(f"FSDP::all_gather ({unit})", f + 5, 110)
+            b.op("c10d::_allgather_base_", f + 10, 100)
+            b.gloo("all_gather", f + 20, 80)
+            b.op("aten::mm", f + 200, 700)
+        for k, unit in enumerate(reversed(list(UNITS))):
+            g = T + 2100 + 900 * k
+            b.label(f"FSDP::pre_backward ({unit})", g, 20)
+            b.op("autograd::engine::evaluate_function: MmBackward0", g + 30, 500)
+            if every or last:
+                b.label(f"FSDP::post_backward_reduce ({unit})", g + 600, 200)
+                b.op("c10d::_reduce_scatter_base_", g + 610, 180)
+                b.gloo("all_reduce", g + 620, 150)
+        if last:
+            b.op("Optimizer.step#AdamW.step", T + 4200, 500)
+    return b
+
+
+def test_profiler_steps_of_micro_batches_count_per_optimizer_step(tmp_path):
+    """A new-user trial (HF Llama, 4 micro-batches without set_requires_gradient_sync(False), 2 gloo ranks) called
+    prof.step() per micro-batch: each ProfilerStep reduce-scattered each unit once and the rule read "1 reduce-scatter
+    per unit per step", quiet. Its steps without an optimizer.step() are micro-batches: per optimizer step, the
+    count times the steps per optimizer step; with the fix pasted, quiet."""
+    for r in range(WORLD):
+        _micro_batch_steps_trace(r, micro=2, every=True).write(tmp_path / "bad" / f"rank{r}.json")
+        _micro_batch_steps_trace(r, micro=2, every=False).write(tmp_path / "fixed" / f"rank{r}.json")
+    rep = build_report(load_run(tmp_path / "bad"))
+    assert [pr.steps_without_optimizer for pr in rep.overlap.per_rank.values()] == [[1, 3], [1, 3]]
+    f = next((f for f in rep.findings if f.code == CODE), None)
+    assert f is not None, [(s.code, s.status, s.reason) for s in rep.rules if s.code == CODE]
+    assert f.evidence["reducescatters_per_unit_per_step"] == 2 and f.evidence["micro_batches_per_step"] == 2
+    assert "your loop calls prof.step() per micro-batch" in f.recommendation.text
+    assert "(at least 2 per optimizer step):" in f.recommendation.code
+    rep = build_report(load_run(tmp_path / "fixed"))
+    assert not [f for f in rep.findings if f.code == CODE]
+    assert next(s for s in rep.rules if s.code == CODE).status == "quiet"

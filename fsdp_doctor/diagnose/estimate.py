@@ -992,6 +992,16 @@ def micro_batches(ctx: Context) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in per.items()}
 
 
+def trace_steps_per_optimizer_step(ctx: Context) -> Optional[float]:
+    """Complete profiler steps per optimizer.step() in the traces (median over ranks): 1 where the loop calls
+    ``prof.step()`` once per optimizer step, more where it calls it per micro-batch of gradient accumulation (its
+    ProfilerSteps without an optimizer.step(): ``OverlapRank.steps_without_optimizer``). None: no trace, or no
+    complete step holding an optimizer.step()."""
+    per = [pr.step_count / (pr.step_count - len(pr.steps_without_optimizer))
+           for pr in overlap(ctx).per_rank.values() if pr.step_count > len(pr.steps_without_optimizer)]
+    return float(statistics.median(per)) if per else None
+
+
 @_once
 def backward_passes(ctx: Context) -> Optional[float]:
     """Backward passes through the model per optimizer step (median over steady steps and ranks): gradient

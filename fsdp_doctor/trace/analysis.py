@@ -407,6 +407,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
             pr.roots_per_forward = max(pr.roots_per_forward or 0.0, w.roots_per_forward)
         pr.forward_prefetched = sorted(set(pr.forward_prefetched) | set(w.forward_prefetched))
         pr.nograd_forwards = {**pr.nograd_forwards, **{str(n): c for n, c in w.nograd_forwards.items()}}
+        pr.steps_without_optimizer = sorted(set(pr.steps_without_optimizer) | set(w.steps_without_optimizer))
         pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
                                                  + on_compute_stream_us(w) / 1e3)
         if w.device_lag_us > 0:

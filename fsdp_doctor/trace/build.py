@@ -444,6 +444,10 @@ def _build_window(path: Path, trace) -> WindowTrace:
                       world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True)
     bounds = ws.bounds
     win.step_us = {n: e - a for n, (a, e) in bounds.items()}  # a kept step ends where the next starts
+    if not from_optimizer:  # (steps cut at optimizer.step() calls hold one each)
+        opt_starts = sp_ts[opt]
+        win.steps_without_optimizer = [n for n in kept_steps if not np.any((opt_starts >= bounds[n][0])
+                                                                           & (opt_starts < bounds[n][1]))]
     if kept_steps:
         win.window = (bounds[kept_steps[0]][0], bounds[kept_steps[-1]][1])
     loop, in_model, between = _outside_model(win, special, sp_ts, sp_end,

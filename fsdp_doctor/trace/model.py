@@ -98,6 +98,9 @@ class WindowTrace:
     roots_per_forward: Optional[float] = None
     # per complete step: forward passes without a backward (steps_detail.nograd_forwards; none: absent)
     nograd_forwards: dict = field(default_factory=dict)
+    # complete steps whose ProfilerStep holds no optimizer.step() (a loop calling prof.step() per micro-batch of
+    # gradient accumulation); steps cut at optimizer.step() calls hold one each
+    steps_without_optimizer: list = field(default_factory=list)
     # the units FSDP2 all-gathered ahead in forward (its ``FSDP::forward_prefetch for <unit>`` labels, "(root)" for the
     # root's): FSDP2 prefetches in forward only where set_modules_to_forward_prefetch set a list (in backward its
     # implicit prefetch is labelled too)

@@ -27,6 +27,12 @@ def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "")
             "offered for torchtitan's loop."), "", "", {}
 
 
+# profiler steps per optimizer.step() from which the profiler steps are micro-batches (prof.step() called per
+# micro-batch): a window of 2 steps sees at best one micro-batch beside its optimizer step; under it, a step whose
+# optimizer.step() was skipped (a GradScaler's inf) is not gradient accumulation
+MICRO_BATCH_STEPS_MIN = 2.0
+
+
 @register
 class AccumulationSyncsEveryMicroBatch(Rule):
     code = "accum.sync_every_micro_batch"
@@ -49,6 +55,13 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         n = statistics.median(counts.values())
         micro = E.micro_batches(ctx)
         mb = statistics.median(micro.values()) if micro else None
+        # a loop calling prof.step() per micro-batch: its profiler steps are micro-batches, most of them without an
+        # optimizer.step(), each reduce-scattering once (a new-user trial's 4 micro-batches a step read "1
+        # reduce-scatter per unit per step", quiet): per optimizer step, the steps' count times the steps per one
+        per_opt = E.trace_steps_per_optimizer_step(ctx)
+        micro_steps = per_opt is not None and per_opt >= MICRO_BATCH_STEPS_MIN
+        if micro_steps:
+            n *= per_opt
         if n < 1.5:
             return self.quiet(f"{n:.0f} reduce-scatter per unit per step" +
                               (f" over {mb:.0f} micro-batches" if mb and mb > 1 else ""))
@@ -115,6 +128,12 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         text = (f"Each unit reduce-scatters its gradients {n:.0f} times per optimizer step"
                 + (f" ({mb:.0f} micro-batches)" if mb else "") +
                 f": {comm:.1f} ms of reduce-scatters per step, {exposed:.1f} ms of it exposed. ")
+        if micro_steps:
+            text = (f"Each unit reduce-scatters its gradients once per profiler step, and the profiled steps hold "
+                    f"one optimizer.step() per {per_opt:.0f} of them: your loop calls prof.step() per micro-batch, "
+                    f"so each step of this report is a micro-batch, and each unit reduce-scatters {n:.0f} times per "
+                    f"optimizer step (those the window saw): {comm:.1f} ms of reduce-scatters per profiled step, "
+                    f"{exposed:.1f} ms of it exposed. ")
         if ar_n is not None and ar_n < 1.5:
             text += (f"HSDP's all-reduce across the replicas runs {ar_n:.0f} time per unit per step already "
                      "(set_requires_all_reduce on the last micro-batch only): the reduce-scatter alone runs per "
@@ -126,7 +145,9 @@ class AccumulationSyncsEveryMicroBatch(Rule):
                  + _holding(unsharded, freed, after, trace_peak, plain=not by_name))
         # (a plain trace's micro-batches: its reduce-scatters per unit per step)
         per = mb if mb and mb > 1 else n
-        code = (f"# before each micro-batch's backward ({per:.0f} per optimizer step in this run):\n"
+        # (the window saw part of an optimizer step's micro-batches where the profiler stepped per micro-batch)
+        count = f"at least {per:.0f} per optimizer step" if micro_steps else f"{per:.0f} per optimizer step in this run"
+        code = (f"# before each micro-batch's backward ({count}):\n"
                 "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
         text, code, where, inputs = _in_the_loop(ctx, text, code, "set_requires_gradient_sync",
                                                  " with gradient sync on for every one")
