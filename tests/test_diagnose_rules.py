@@ -87,6 +87,36 @@ def memory(peak, *, capacity=None, per_unit=None, **bd):
     return {"per_rank": {"0": rank, "1": copy.deepcopy(rank)}}
 
 
+def checkpointed_stack(n, wrapper_sharded, **shard_kw):
+    """As accelerate's FSDP2 plugin with activation_checkpointing shards a model: ``n`` Linear layers
+    (``model.layers``), each in a CheckpointWrapper, the layer inside sharded, then (``wrapper_sharded``) the
+    wrapper, a unit of no parameters of its own, the root last; ``shard_kw`` for every fully_shard call."""
+    import torch.nn as nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper)
+    from torch.distributed.fsdp import fully_shard
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(n)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Stack()
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda m: isinstance(m, nn.Linear))
+    for layer in model.layers:
+        fully_shard(layer._checkpoint_wrapped_module, **shard_kw)
+        if wrapper_sharded:
+            fully_shard(layer, **shard_kw)
+    fully_shard(model, **shard_kw)
+    return model
+
+
 def run_rule(code, ctx):
     cls = next(c for c in RULES if c.code == code)
     return cls().match(ctx)
@@ -2838,6 +2868,42 @@ def test_near_capacity_spread_on_a_torch_without_the_reshard_switch():
             in g.recommendation.text), g.recommendation.text
 
 
+def test_near_capacity_spread_reshards_checkpointed_units_in_80_columns(gloo_one_rank):
+    """A new-user trial (accelerate's FSDP2 plugin, reshard_after_forward=False, ac.recommended's fix pasted: the
+    plugin wraps each layer for checkpointing and shards the layer inside): memory.near_capacity_spread printed one
+    line per unit, "model.get_submodule('model.layers.0._checkpoint_wrapped_module').set_reshard_after_forward(True,
+    recurse=False)", 111 columns in a report held to 100, naming the unit inside the wrapper (AttributeError once
+    ac.unneeded's fix unwraps it). Its calls are now set_on_units', as reshard.zero2_affordable's: 80 columns, the
+    unit reached through the wrapper's place; run on the sharded model, wrapped or unwrapped, each unit reshards
+    after forward again."""
+    import torch
+
+    from fsdp_doctor.diagnose import snippets as S
+
+    us = healthy_units(reshard_after_forward=False)
+    for u, _ in us:
+        if u["name"].startswith("layers."):
+            u["name"] = f"{u['name']}._checkpoint_wrapped_module"
+            u["modules"] = [u["name"]]
+    cap = 100 * MiB
+    mem = memory(95 * MiB, capacity=cap, sharded_params=30 * MiB, unsharded_params=25 * MiB,
+                 optimizer_state=20 * MiB, activations=20 * MiB)
+    (f,) = run_rule("memory.near_capacity_spread", build(units=us, memory=mem, capacity=cap)[0])
+    code = f.recommendation.code
+    assert f.units == [f"layers.{i}._checkpoint_wrapped_module" for i in range(4)], f.units
+    assert max(len(line) for line in code.splitlines()) <= 80, code
+    assert "._checkpoint_wrapped_module'" not in code and "set_reshard_after_forward(True, recurse=False)" in code
+
+    for unwrapped in (False, True):
+        model = checkpointed_stack(4, True, reshard_after_forward=False)
+        inner = [layer._checkpoint_wrapped_module for layer in model.layers]
+        if unwrapped:  # ac.unneeded's fix, pasted before: each wrapper replaced by its module
+            exec(S.remove_checkpointing([f"layers.{i}" for i in range(4)], []), {"model": model})
+        exec(code, {"model": model})
+        assert all(u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in inner)
+        model(torch.ones(2, 8)).sum().backward()
+
+
 def test_near_capacity_spread_quiet_where_resharding_frees_nothing_at_the_peak():
     """memory.near_capacity_spread warned with a fix that freed nothing: the peak held no gathered parameters of the
     units kept gathered (a new-user trial's HF Llama, the [norm, lm_head] unit the wrapping fix kept gathered: "lowers
@@ -3144,33 +3210,11 @@ def test_calls_on_checkpointed_units_survive_the_checkpointing_fix(gloo_one_rank
     wrappers in place, calling their modules as they are: the calls reach the units all the same, and the step
     runs each block's forward once (no recompute)."""
     import torch
-    import torch.nn as nn
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing, checkpoint_wrapper)
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from fsdp_doctor.diagnose import snippets as S
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     def build(wrapper_sharded):
-        model = Stack()
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: isinstance(m, nn.Linear))
-        for layer in model.layers:
-            fully_shard(layer._checkpoint_wrapped_module)
-            if wrapper_sharded:  # accelerate shards the wrapper too: a unit of no parameters of its own
-                fully_shard(layer)
-        fully_shard(model)
-        return model
+        return checkpointed_stack(3, wrapper_sharded)
 
     units = [f"layers.{i}._checkpoint_wrapped_module" for i in range(3)]
     call = S.set_on_units(units, "set_reshard_after_forward(False, recurse=False)")
