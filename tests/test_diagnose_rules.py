@@ -1559,6 +1559,54 @@ def test_ac_recommended_picks_enough_blocks():
     assert run_rule("ac.recommended", build(memory=mem)[0]) == []
 
 
+@pytest.mark.parametrize("driver", [None, "transformers.Trainer"])
+def test_ac_recommended_under_accelerate_turns_the_kv_cache_off(driver):
+    """A new-user trial (accelerate's FSDP2 plugin on a tiny Qwen2, 4 micro-batches, over its budget):
+    ac.recommended's fix set the plugin's activation_checkpointing alone. The plugin's CheckpointWrapper, unlike
+    gradient_checkpointing_enable(), leaves use_cache on, and each recompute in backward appended the layer's keys
+    and values again to the cache the model's output holds, into the next micro-batch: the peak came to 18.83 MiB
+    against 16.29 MiB predicted, memory.near_capacity_spread fired on it, memory.outputs_kept read 3.53 MiB where it
+    had read 1.51 MiB; with the cache off, 16.30 MiB (17,096,280 B against 17,084,024 B predicted), the losses
+    bit-identical. The fix now turns it off, on the user's model (the Trainer's under the Trainer). Run on a tiny
+    Qwen2 whose layers are wrapped as the plugin wraps them: the cache grows to twice the sequence in backward
+    without it, and there is none with it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from types import SimpleNamespace
+
+    mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(), activations=64 * MiB, optimizer_state=8 * MiB)
+    ctx = build(memory=mem, capacity=72 * MiB, sharded_by="accelerate", driver=driver)[0]
+    rule = next(c for c in RULES if c.code == "ac.recommended")()
+    rule.config = ctx.config  # as diagnose() sets it
+    (f,) = rule.match(ctx)
+    code = f.recommendation.code
+    assert max(len(line) for line in code.splitlines()) <= 100, code
+
+    def run(fix):
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        plugin = SimpleNamespace(activation_checkpointing=False)
+        acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+        if fix:  # pasted before prepare(), which would wrap the layers it shards as below
+            names = {"accelerator": acc, "model": model} if driver is None else {
+                "trainer": SimpleNamespace(accelerator=acc, model=model)}
+            exec(code, names)
+            assert plugin.activation_checkpointing is True
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer)  # (accelerate's fsdp2_apply_ac: non-reentrant)
+        model.train()
+        tok = torch.randint(0, 64, (2, 8))
+        out = model(input_ids=tok, labels=tok)
+        out.loss.backward()
+        return out.past_key_values.get_seq_length() if out.past_key_values is not None else 0
+
+    assert run(fix=False) == 16  # 8 tokens, appended again by each layer's recompute
+    assert run(fix=True) == 0
+
+
 def test_ac_recommended_below_the_dominant_share_fires_only_where_checkpointing_alone_reaches_the_target():
     """Activations 35% of an 80 MiB peak (under the 40% from which they dominate it), at 89% of a 90 MiB capacity:
     checkpointing one 7 MiB block keeps 1/16 of it, 73.44 MiB, under 85% of capacity (76.5 MiB): the rule fires and
