@@ -3414,6 +3414,41 @@ def test_accumulation_on_hsdp_with_the_all_reduce_once_per_step_frees_the_buffer
     assert "the reduce-scatter alone runs per micro-batch" in f.recommendation.text
 
 
+def test_regather_fix_comment_is_one_paragraph_in_80_columns():
+    """A new-user trial (accelerate's FSDP2 plugin, accelerator.accumulate over 4 micro-batches): accum.regather's
+    fix opened with a comment broken by hand at 99 columns, which the report wrapped at 80 into "...: keep", a stray
+    "# the parameters gathered" and "# until the last one's backward ...". Its comment is now one paragraph wrapped
+    at 80 columns, the call after it; on 4 micro-batches of 6 units each waiting 1 ms for its forward all-gather,
+    3 of the 4 waits saved: 4.5 ms."""
+    from fsdp_doctor.records import StepRecord, UnitStep
+
+    us = healthy_units()
+    names = [u["name"] for u, _ in us if u["name"]]
+    tl = []
+    for _ in range(4):  # each micro-batch: the root's mark, the units' forwards, their backwards in reverse
+        tl.append({"t_ms": float(len(tl)), "unit": None, "phase": "forward_start", "total": 10 * MiB})
+        for name in names:
+            tl += [{"t_ms": float(len(tl)), "unit": name, "phase": p, "total": 10 * MiB}
+                   for p in ("forward_start", "forward_end")]
+        for name in reversed(names):
+            tl += [{"t_ms": float(len(tl)), "unit": name, "phase": p, "total": 10 * MiB}
+                   for p in ("backward_start", "backward_end")]
+    mem = memory(10 * MiB, capacity=100 * MiB)
+    for rank in ("0", "1"):
+        mem["per_rank"][rank]["timeline"] = tl
+    ctx = build(memory=mem, capacity=100 * MiB, step_ms=30.0)[0]
+    ctx.run.ranks = {0: SimpleNamespace(steps=[StepRecord(rank=0, step=i, start_ns=i, wall_ms=30.0, micro_batches=4,
+                                                          backwards=4, units=[UnitStep(name=n) for n in names])
+                                               for i in range(4)])}
+    (f,) = run_rule("accum.regather", ctx)
+    assert f.evidence["forward_allgather_wait_saved_ms"] == pytest.approx(4.5), f.evidence
+    assert f.recommendation.code == (
+        "# before each micro-batch's backward (4 per optimizer step in this run): keep\n"
+        "# the parameters gathered until the last one's backward, which reshards them\n"
+        "# before optimizer.step()\n"
+        "model.set_reshard_after_backward(is_last_micro_batch)"), f.recommendation.code
+
+
 def test_a_grouped_unit_in_a_list_of_units_reads_as_one_unit():
     """accum.regather's evidence listed "units kept gathered: model.embed_tokens, model.norm, lm_head, ..." beside
     "units: 4": the grouped unit's name holds the list's own comma, and four units read as five (a new-user trial).
