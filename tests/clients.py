@@ -1186,8 +1186,8 @@ def _plugin_sharded(model, code: str, mesh, finding_code: str):
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     holder = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
-    exec(compile(code, f"<{finding_code} fix>", "exec"), {"accelerator": holder,
-                                                           "trainer": SimpleNamespace(accelerator=holder)})
+    exec(compile(code, f"<{finding_code} fix>", "exec"),  # (the user's model exists before prepare() shards it)
+         {"accelerator": holder, "model": model, "trainer": SimpleNamespace(accelerator=holder, model=model)})
     plugin.validate_cpu_offload()
     plugin.set_auto_wrap_policy(model)
     kw = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,

@@ -87,6 +87,36 @@ def memory(peak, *, capacity=None, per_unit=None, **bd):
     return {"per_rank": {"0": rank, "1": copy.deepcopy(rank)}}
 
 
+def checkpointed_stack(n, wrapper_sharded, **shard_kw):
+    """As accelerate's FSDP2 plugin with activation_checkpointing shards a model: ``n`` Linear layers
+    (``model.layers``), each in a CheckpointWrapper, the layer inside sharded, then (``wrapper_sharded``) the
+    wrapper, a unit of no parameters of its own, the root last; ``shard_kw`` for every fully_shard call."""
+    import torch.nn as nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing, checkpoint_wrapper)
+    from torch.distributed.fsdp import fully_shard
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(n)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Stack()
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                   check_fn=lambda m: isinstance(m, nn.Linear))
+    for layer in model.layers:
+        fully_shard(layer._checkpoint_wrapped_module, **shard_kw)
+        if wrapper_sharded:
+            fully_shard(layer, **shard_kw)
+    fully_shard(model, **shard_kw)
+    return model
+
+
 def run_rule(code, ctx):
     cls = next(c for c in RULES if c.code == code)
     return cls().match(ctx)
@@ -1529,6 +1559,54 @@ def test_ac_recommended_picks_enough_blocks():
     assert run_rule("ac.recommended", build(memory=mem)[0]) == []
 
 
+@pytest.mark.parametrize("driver", [None, "transformers.Trainer"])
+def test_ac_recommended_under_accelerate_turns_the_kv_cache_off(driver):
+    """A new-user trial (accelerate's FSDP2 plugin on a tiny Qwen2, 4 micro-batches, over its budget):
+    ac.recommended's fix set the plugin's activation_checkpointing alone. The plugin's CheckpointWrapper, unlike
+    gradient_checkpointing_enable(), leaves use_cache on, and each recompute in backward appended the layer's keys
+    and values again to the cache the model's output holds, into the next micro-batch: the peak came to 18.83 MiB
+    against 16.29 MiB predicted, memory.near_capacity_spread fired on it, memory.outputs_kept read 3.53 MiB where it
+    had read 1.51 MiB; with the cache off, 16.30 MiB (17,096,280 B against 17,084,024 B predicted), the losses
+    bit-identical. The fix now turns it off, on the user's model (the Trainer's under the Trainer). Run on a tiny
+    Qwen2 whose layers are wrapped as the plugin wraps them: the cache grows to twice the sequence in backward
+    without it, and there is none with it."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from types import SimpleNamespace
+
+    mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(), activations=64 * MiB, optimizer_state=8 * MiB)
+    ctx = build(memory=mem, capacity=72 * MiB, sharded_by="accelerate", driver=driver)[0]
+    rule = next(c for c in RULES if c.code == "ac.recommended")()
+    rule.config = ctx.config  # as diagnose() sets it
+    (f,) = rule.match(ctx)
+    code = f.recommendation.code
+    assert max(len(line) for line in code.splitlines()) <= 100, code
+
+    def run(fix):
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        plugin = SimpleNamespace(activation_checkpointing=False)
+        acc = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+        if fix:  # pasted before prepare(), which would wrap the layers it shards as below
+            names = {"accelerator": acc, "model": model} if driver is None else {
+                "trainer": SimpleNamespace(accelerator=acc, model=model)}
+            exec(code, names)
+            assert plugin.activation_checkpointing is True
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer)  # (accelerate's fsdp2_apply_ac: non-reentrant)
+        model.train()
+        tok = torch.randint(0, 64, (2, 8))
+        out = model(input_ids=tok, labels=tok)
+        out.loss.backward()
+        return out.past_key_values.get_seq_length() if out.past_key_values is not None else 0
+
+    assert run(fix=False) == 16  # 8 tokens, appended again by each layer's recompute
+    assert run(fix=True) == 0
+
+
 def test_ac_recommended_below_the_dominant_share_fires_only_where_checkpointing_alone_reaches_the_target():
     """Activations 35% of an 80 MiB peak (under the 40% from which they dominate it), at 89% of a 90 MiB capacity:
     checkpointing one 7 MiB block keeps 1/16 of it, 73.44 MiB, under 85% of capacity (76.5 MiB): the rule fires and
@@ -2838,6 +2916,42 @@ def test_near_capacity_spread_on_a_torch_without_the_reshard_switch():
             in g.recommendation.text), g.recommendation.text
 
 
+def test_near_capacity_spread_reshards_checkpointed_units_in_80_columns(gloo_one_rank):
+    """A new-user trial (accelerate's FSDP2 plugin, reshard_after_forward=False, ac.recommended's fix pasted: the
+    plugin wraps each layer for checkpointing and shards the layer inside): memory.near_capacity_spread printed one
+    line per unit, "model.get_submodule('model.layers.0._checkpoint_wrapped_module').set_reshard_after_forward(True,
+    recurse=False)", 111 columns in a report held to 100, naming the unit inside the wrapper (AttributeError once
+    ac.unneeded's fix unwraps it). Its calls are now set_on_units', as reshard.zero2_affordable's: 80 columns, the
+    unit reached through the wrapper's place; run on the sharded model, wrapped or unwrapped, each unit reshards
+    after forward again."""
+    import torch
+
+    from fsdp_doctor.diagnose import snippets as S
+
+    us = healthy_units(reshard_after_forward=False)
+    for u, _ in us:
+        if u["name"].startswith("layers."):
+            u["name"] = f"{u['name']}._checkpoint_wrapped_module"
+            u["modules"] = [u["name"]]
+    cap = 100 * MiB
+    mem = memory(95 * MiB, capacity=cap, sharded_params=30 * MiB, unsharded_params=25 * MiB,
+                 optimizer_state=20 * MiB, activations=20 * MiB)
+    (f,) = run_rule("memory.near_capacity_spread", build(units=us, memory=mem, capacity=cap)[0])
+    code = f.recommendation.code
+    assert f.units == [f"layers.{i}._checkpoint_wrapped_module" for i in range(4)], f.units
+    assert max(len(line) for line in code.splitlines()) <= 80, code
+    assert "._checkpoint_wrapped_module'" not in code and "set_reshard_after_forward(True, recurse=False)" in code
+
+    for unwrapped in (False, True):
+        model = checkpointed_stack(4, True, reshard_after_forward=False)
+        inner = [layer._checkpoint_wrapped_module for layer in model.layers]
+        if unwrapped:  # ac.unneeded's fix, pasted before: each wrapper replaced by its module
+            exec(S.remove_checkpointing([f"layers.{i}" for i in range(4)], []), {"model": model})
+        exec(code, {"model": model})
+        assert all(u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in inner)
+        model(torch.ones(2, 8)).sum().backward()
+
+
 def test_near_capacity_spread_quiet_where_resharding_frees_nothing_at_the_peak():
     """memory.near_capacity_spread warned with a fix that freed nothing: the peak held no gathered parameters of the
     units kept gathered (a new-user trial's HF Llama, the [norm, lm_head] unit the wrapping fix kept gathered: "lowers
@@ -3144,33 +3258,11 @@ def test_calls_on_checkpointed_units_survive_the_checkpointing_fix(gloo_one_rank
     wrappers in place, calling their modules as they are: the calls reach the units all the same, and the step
     runs each block's forward once (no recompute)."""
     import torch
-    import torch.nn as nn
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing, checkpoint_wrapper)
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from fsdp_doctor.diagnose import snippets as S
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
     def build(wrapper_sharded):
-        model = Stack()
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: isinstance(m, nn.Linear))
-        for layer in model.layers:
-            fully_shard(layer._checkpoint_wrapped_module)
-            if wrapper_sharded:  # accelerate shards the wrapper too: a unit of no parameters of its own
-                fully_shard(layer)
-        fully_shard(model)
-        return model
+        return checkpointed_stack(3, wrapper_sharded)
 
     units = [f"layers.{i}._checkpoint_wrapped_module" for i in range(3)]
     call = S.set_on_units(units, "set_reshard_after_forward(False, recurse=False)")
@@ -3320,6 +3412,41 @@ def test_accumulation_on_hsdp_with_the_all_reduce_once_per_step_frees_the_buffer
     assert f.predicted["peak_bytes_after"] == 2_679_676 + 530_688 - (531_072 - 132_864) == 2_812_156
     assert "HSDP's all-reduce across the replicas runs 1 time per unit per step already" in f.recommendation.text
     assert "the reduce-scatter alone runs per micro-batch" in f.recommendation.text
+
+
+def test_regather_fix_comment_is_one_paragraph_in_80_columns():
+    """A new-user trial (accelerate's FSDP2 plugin, accelerator.accumulate over 4 micro-batches): accum.regather's
+    fix opened with a comment broken by hand at 99 columns, which the report wrapped at 80 into "...: keep", a stray
+    "# the parameters gathered" and "# until the last one's backward ...". Its comment is now one paragraph wrapped
+    at 80 columns, the call after it; on 4 micro-batches of 6 units each waiting 1 ms for its forward all-gather,
+    3 of the 4 waits saved: 4.5 ms."""
+    from fsdp_doctor.records import StepRecord, UnitStep
+
+    us = healthy_units()
+    names = [u["name"] for u, _ in us if u["name"]]
+    tl = []
+    for _ in range(4):  # each micro-batch: the root's mark, the units' forwards, their backwards in reverse
+        tl.append({"t_ms": float(len(tl)), "unit": None, "phase": "forward_start", "total": 10 * MiB})
+        for name in names:
+            tl += [{"t_ms": float(len(tl)), "unit": name, "phase": p, "total": 10 * MiB}
+                   for p in ("forward_start", "forward_end")]
+        for name in reversed(names):
+            tl += [{"t_ms": float(len(tl)), "unit": name, "phase": p, "total": 10 * MiB}
+                   for p in ("backward_start", "backward_end")]
+    mem = memory(10 * MiB, capacity=100 * MiB)
+    for rank in ("0", "1"):
+        mem["per_rank"][rank]["timeline"] = tl
+    ctx = build(memory=mem, capacity=100 * MiB, step_ms=30.0)[0]
+    ctx.run.ranks = {0: SimpleNamespace(steps=[StepRecord(rank=0, step=i, start_ns=i, wall_ms=30.0, micro_batches=4,
+                                                          backwards=4, units=[UnitStep(name=n) for n in names])
+                                               for i in range(4)])}
+    (f,) = run_rule("accum.regather", ctx)
+    assert f.evidence["forward_allgather_wait_saved_ms"] == pytest.approx(4.5), f.evidence
+    assert f.recommendation.code == (
+        "# before each micro-batch's backward (4 per optimizer step in this run): keep\n"
+        "# the parameters gathered until the last one's backward, which reshards them\n"
+        "# before optimizer.step()\n"
+        "model.set_reshard_after_backward(is_last_micro_batch)"), f.recommendation.code
 
 
 def test_a_grouped_unit_in_a_list_of_units_reads_as_one_unit():

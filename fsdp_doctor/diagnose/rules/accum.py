@@ -265,9 +265,11 @@ class AccumulationRegathers(Rule):
             text += " Under the Trainer, a callback switches it before each micro-batch."
             code, where, inputs = S.trainer_micro_batch_switch(calls), "trainer", dict(S.TRAINER_INPUTS)
         else:
-            code = (f"# before each micro-batch's backward ({n:.0f} per optimizer step in this run): keep the "
-                    "parameters gathered\n# until the last one's backward, which reshards them before "
-                    f"optimizer.step()\n{calls}")
+            # (one paragraph wrapped at 80 columns: broken by hand at 99, it left a stray "# the parameters
+            # gathered" line in every report of a new-user trial's accelerate loop)
+            code = "\n".join(S.comment(f"before each micro-batch's backward ({n:.0f} per optimizer step in this "
+                                        "run): keep the parameters gathered until the last one's backward, which "
+                                        "reshards them before optimizer.step()") + [calls])
             text, code, where, inputs = _in_the_loop(ctx, text, code, "set_reshard_after_backward")
         return [self.finding(
             sev, f"Gathered again in each of {n:.0f} micro-batches: kept gathered, {saved:.1f} ms/step faster",

@@ -314,8 +314,11 @@ class NearCapacitySpread(Rule):
         names = [u.name for u in flip]
         sev = "critical" if over else "warning"
         # at run time, on the modules fully_shard was applied to (a grouped unit: any of its modules)
-        lines = [f"{E.module_expr(u.modules[0] if u.modules else u.name)}.set_reshard_after_forward(True, recurse=False)"
-                 for u in flip[:12]]
+        # (as reshard.zero2_affordable's: a loop past 80 columns or 6 units, a unit inside accelerate's
+        # CheckpointWrapper reached through the wrapper's place; one line per unit named
+        # "model.get_submodule('model.layers.0._checkpoint_wrapped_module')" read 111 columns: a new-user trial)
+        lines = S.set_on_units([u.modules[0] if u.modules else u.name for u in flip],
+                               "set_reshard_after_forward(True, recurse=False)").splitlines()
         if len(flip) > 12:
             lines = ["from torch.distributed.fsdp import FSDPModule",
                      "for module in model.modules():  # every unit but the root",
