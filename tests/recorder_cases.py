@@ -632,7 +632,10 @@ def fixed_pair(res: dict, name: str, code: str, where: str, sharded_by: str,
     assert before["sharded_by"] == after["sharded_by"] == sharded_by, before["sharded_by"]
     assert code not in after["findings"], after["findings"].keys()
     predicted = f["predicted"]["peak_bytes_after"]
-    assert abs(after["peak"] - predicted) <= within * predicted, (name, after["peak"], predicted)
+    if f["predicted"].get("at_most") or f["predicted"].get("peak_at_most"):  # a ceiling: at or under it
+        assert after["peak"] - predicted <= within * predicted, (name, after["peak"], predicted)
+    else:
+        assert abs(after["peak"] - predicted) <= within * predicted, (name, after["peak"], predicted)
     # (a warning the run had at any severity is not the fix's: without the recompute, the same all-gather waits
     # are a larger share of a shorter step, and reshard.zero2_affordable's note can grow to a warning; nor is
     # memory to spare offered, as the scenario matrix counts it: blocks resharded after the wrap fix leave room
@@ -663,10 +666,12 @@ def _each_fixed(run, res: dict, cases: list) -> dict:
             if code not in found:
                 break
             run(f"{attempt}_fixed", found[code]["code"], **kw)
-            want, got = found[code]["predicted"]["peak_bytes_after"], res[f"{attempt}_fixed"]["peak"]
+            p = found[code]["predicted"]
+            want, got = p["peak_bytes_after"], res[f"{attempt}_fixed"]["peak"]
+            off = got - want if p.get("at_most") or p.get("peak_at_most") else abs(got - want)  # (a ceiling)
             if attempt != name:
                 res[name], res[f"{name}_fixed"] = res[attempt], res[f"{attempt}_fixed"]
-            elif want and abs(got - want) > PEAK_WITHIN * want:
+            elif want and off > PEAK_WITHIN * want:
                 res[f"{name}_missed"] = {"peak": got, "predicted": want}
                 continue
             break
@@ -700,10 +705,10 @@ def run_accelerate_fixes(out: Path) -> dict:
         if mixed != "no":  # as AcceleratorState does on a GPU (bf16: reduce_dtype bfloat16)
             plugin.set_mixed_precision(mixed)
         acc.state.fsdp_plugin, acc.state.distributed_type = plugin, DistributedType.FSDP
-        if fix:
-            exec(compile(fix, f"<{name} fix>", "exec"), {"accelerator": acc})
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq)))
+        if fix:  # where it says: with the Accelerator built, before accelerator.prepare(model) (the model built)
+            exec(compile(fix, f"<{name} fix>", "exec"), {"accelerator": acc, "model": model})
         model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         data = _Tokens(STEPS * 2, 0, seq=seq)
         with fsdp_doctor.watch(model, opt, out_dir=str(out / name), profile=False, capacity_bytes=capacity) as doc:
