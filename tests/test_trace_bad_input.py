@@ -258,8 +258,9 @@ def test_a_rank_of_another_run_issuing_other_collectives_is_skipped(tmp_path):
     fsdp_gpu_trace(units=4, rank=0, world_size=2, bwd_us=50, rs_us=20).write(tmp_path / "rank0.json")
     fsdp_gpu_trace(units=4, rank=1, world_size=2, bwd_us=50, rs_us=0).write(tmp_path / "rank1.json")
     r = analyze_traces(tmp_path)
-    assert r.skipped == [SkippedFile(file="rank1.json", error="another job (its steps 1–2 issue 0 reduce-scatter per "
-                                                              "step where the other files' issue 4); skipped")]
+    assert r.skipped == [SkippedFile(file="rank1.json", error="another job (its steps 1–2 issue 0 reduce-scatters "
+                                                              "per step where the other files' issue 4 "
+                                                              "reduce-scatters); skipped")]
     _one_line(r.skipped)
     fsdp_gpu_trace(units=4, rank=1, world_size=2, bwd_us=50, rs_us=20).write(tmp_path / "rank1.json")
     assert analyze_traces(tmp_path).skipped == []
@@ -453,3 +454,13 @@ def test_steps_a_skip_names_are_the_steps_held_not_a_range_over_their_gap(tmp_pa
         ("rank1.json", "rank 1 again (steps 2–3, 7–8 also in rank1.b.json): two files of one rank are never summed; "
                        "skipped")]
     _one_line(r.skipped)
+
+
+def test_collective_counts_of_another_job_are_said_with_their_plural():
+    """The counts a skip names read as English ("issue 12 all-gather per step" read a new-user trial's skip)."""
+    from fsdp_doctor.trace.admit import _counts_differ
+
+    assert _counts_differ(frozenset({("all_gather", 24)}), frozenset({("all_gather", 6)}), 2) == (
+        "issue 12 all-gathers per step where the other files' issue 3 all-gathers")
+    assert _counts_differ(frozenset({("reduce_scatter", 1)}), frozenset({("reduce_scatter", 4)}), 1) == (
+        "issues 1 reduce-scatter per step where the other files' issue 4 reduce-scatters")

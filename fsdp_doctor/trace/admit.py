@@ -255,8 +255,10 @@ def _counts_differ(mine: frozenset, theirs: frozenset, steps: int) -> str:
     for kind in sorted(set(a) | set(b)):
         x, y = a.get(kind, 0), b.get(kind, 0)
         if abs(x - y) >= 0.5 * max(x, y, 1):
-            return (f"{'issue' if steps > 1 else 'issues'} {x / steps:g} {kind.replace('_', '-')} per step where "
-                    f"the other files' issue {y / steps:g}")
+            name = kind.replace("_", "-")
+            many = lambda n: f"{n:g} {name}{'' if n == 1 else 's'}"  # noqa: E731 ("issue 12 all-gather": a trial)
+            return (f"{'issue' if steps > 1 else 'issues'} {many(x / steps)} per step where the other files' issue "
+                    f"{many(y / steps)}")
     return ""
 
 
