@@ -764,7 +764,7 @@ def test_verdict_bar_known_answers():
     assert list(fig.data[3].text) == ["5.0%", "", ""]
     assert fig.layout.barmode == "stack" and tuple(fig.layout.xaxis.range) == (0, 100)
     assert fig.layout.yaxis.autorange == "reversed"  # rank 0 on top, the job last
-    assert fig.layout.title.text == "Verdict: % of the step (trace); step time over 2 profiled steps"
+    assert fig.layout.title.text == "Verdict: % of the step (trace); step: the mean of 2 profiled steps"
     assert fig.layout.height == 96 + 30 * 3
     # the same rows as the terminal and the HTML table
     rows = verdict_rows(v)

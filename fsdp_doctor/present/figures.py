@@ -17,7 +17,7 @@ from fsdp_doctor import memory_categories as MC
 from msgspec import UNSET
 
 from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
-                                     verdict_share, verdict_title)
+                                     verdict_share, verdict_steps, verdict_title)
 from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
                                          StepsSection, UnitRow, Verdict)
 from fsdp_doctor.units import runs
@@ -608,11 +608,7 @@ def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_r
     title = verdict_title(section)
     if len(keys) > len(shown):
         title += f", first {len(shown)} of {len(keys)} ranks"
-    counts = sorted({v.steps for _, v in rows if v.steps})
-    if counts:  # the verdict's step time is over the profiled (or steady) steps it covers, not the run's p50
-        kind = "profiled" if job.source.startswith("trace") else "steady"
-        num = str(counts[0]) if len(counts) == 1 else "its"
-        title += f"; step time over {num} {kind} step{'' if counts == [1] else 's'}"
+    title += verdict_steps(section)  # (over the profiled or steady steps it covers, not the run's p50)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(range=[0, 100], ticksuffix="%", dtick=10)
     fig.update_yaxes(autorange="reversed", automargin=True)

@@ -16,7 +16,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   findings_headline, fmt_checkpoint, fmt_ms, fmt_ms_cell, fmt_unit_figures, evidence_rows, apart_texts, outlier_rows,
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
-                  trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_title,
+                  trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_steps, verdict_title,
                   fit_comments, fixes_note, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -46,7 +46,7 @@ def render_verdict(section: Verdict, width: int = 100):
     rows = verdict_rows(section)
     cols = [Col(c, justify="left" if c == "bound" else "right", drop=_verdict_drop(c, [r[k] for r in rows]))
             for k, c in enumerate(VERDICT_HEADER)]
-    t = fitted_table(verdict_title(section), cols, rows, width,
+    t = fitted_table(verdict_title(section) + verdict_steps(section), cols, rows, width,
                      styles=["bold" if r[0] == "job" else None for r in rows], compact=True)
     return Group(Text(verdict_headline(section), style="bold"), t)
 
