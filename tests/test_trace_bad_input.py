@@ -287,6 +287,18 @@ def test_a_rerun_with_a_fix_into_the_same_folder_is_kept(tmp_path, before, after
                                   "into the same folder again?); skipped") for n in (2120, 2121)], r.skipped
     assert sorted(r.per_rank) == ["0", "1"]
     assert len(r.units) == after["units"], r.units
+    # each run in a folder of its own, the folder above them analysed: not "the same folder again"
+    for run, name in enumerate(("run_accum", "run_fixed")):
+        (tmp_path / name).mkdir()
+        for rank in (0, 1):
+            f = tmp_path / f"vm_{2120 + 300 * run + rank}.pt.trace.json"
+            f.rename(tmp_path / name / f.name)
+    r = analyze_traces(tmp_path)
+    assert [(s.file, s.error) for s in r.skipped] == [
+        (f"run_accum/vm_{n}.pt.trace.json", "another run (its step 1 ran 89 s before the step 1 of the 2 files kept "
+                                            "in run_fixed: another run's folder beside it; analyze one run's "
+                                            "folder); skipped") for n in (2120, 2121)], r.skipped
+    assert len(r.units) == after["units"], r.units
 
 
 def test_a_trace_without_fsdp_collectives_beside_fsdp_ones_is_another_job(good):

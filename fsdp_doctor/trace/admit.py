@@ -120,13 +120,19 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         if len(runs) < 2:
             continue
         keep = max(runs, key=lambda r: (len({windows[i].rank for i in r}), starts[r[0]]))
+        kept_in = {str(Path(names[i]).parent) for i in keep}
         for r in runs:
             if r is not keep:
                 dt = starts[keep[0]] - starts[r[0]]
+                # (runs in folders of their own under the one analysed were asked "profiled into the same folder
+                # again?": a new-user trial)
+                apart = {str(Path(names[i]).parent) for i in r}.isdisjoint(kept_in)
+                where = (f" in {', '.join(sorted(kept_in)) if len(kept_in) < 3 else 'their folders'}: another "
+                         "run's folder beside it; analyze one run's folder" if apart else
+                         ": profiled into the same folder again?")
                 for i in r:
                     skipped[i] = (f"another run (its step {n} ran {_apart(abs(dt))} {'before' if dt > 0 else 'after'} "
-                                  f"the step {n} of {_files(len(keep))} kept: profiled into the same folder "
-                                  "again?); skipped")
+                                  f"the step {n} of {_files(len(keep))} kept{where}); skipped")
 
     # the ranks of one job shard one model: the same step runs the same FSDP units on every rank (but where a rank
     # may hold part of the model: pipeline stages hold different units)
