@@ -102,8 +102,10 @@ def test_plain_trace_says_no_prediction_it_does_not_make(tmp_path, memory, shape
     if shapes:
         assert ev["unsharded_grads_bytes"] == 4 * sum(UNITS.values())
         assert "profile_memory=True" in text
-    else:
-        assert ev["unsharded_grads_bytes"] is None and "record_shapes=True" in text
+    else:  # (not "sharded grads freed: 0 B": a new-user trial's evidence)
+        assert ev["unsharded_grads_bytes"] is None and ev["sharded_grads_freed_bytes"] is None, ev
+        assert "record_shapes=True" in text
+    assert ev["comm_buffers_freed_bytes"] is None, ev  # (no HSDP all-reduce waiting for the last micro-batch)
 
 
 @pytest.mark.slow

@@ -113,17 +113,19 @@ class AccumulationSyncsEveryMicroBatch(Rule):
             freed = shards if trace_peak else min(E.breakdown(ctx).get("sharded_grads", 0), shards)
         else:
             unsharded, freed = E.trace_grad_bytes(rows)
+            # (sizes unknown: "sharded grads freed: 0 B" read a plain gloo trace's evidence, a new-user trial)
+            freed = None if unsharded is None else freed
         # HSDP with set_requires_all_reduce(is_last_micro_batch): the all-reduce runs once per step already, and
         # each unit's reduce-scatter outputs wait in comm buffers between micro-batches for it; without the
         # reduce-scatters they go, but one unit's input at a time (a new-user trial's 2 x 2 mesh: comm buffers
         # 518.62 -> 129.75 KiB at the peak; predicted 3.06 MiB with them, 2.62 MiB measured)
         ars = [r.count_per_step for r in E.trace_rows(ctx, "all_reduce") if r.unit in counts]
         ar_n = statistics.median(ars) if ars else None
-        held = 0
+        held = None  # (comm buffers go only where HSDP's all-reduce waits for the last micro-batch)
         if ar_n is not None and ar_n < 1.5 and by_name:
             largest = max((E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name), default=0)
             held = max(0, E.breakdown(ctx).get("comm_buffers", 0) - largest)
-        grow = None if unsharded is None else unsharded - freed - held
+        grow = None if unsharded is None else unsharded - (freed or 0) - (held or 0)
         sev = "warning" if share is None or share >= 0.05 else "info"
         text = (f"Each unit reduce-scatters its gradients {n:.0f} times per optimizer step"
                 + (f" ({mb:.0f} micro-batches)" if mb else "") +
@@ -137,7 +139,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         if ar_n is not None and ar_n < 1.5:
             text += (f"HSDP's all-reduce across the replicas runs {ar_n:.0f} time per unit per step already "
                      "(set_requires_all_reduce on the last micro-batch only): the reduce-scatter alone runs per "
-                     f"micro-batch, and its outputs wait in comm buffers for that all-reduce ({fmt_bytes(held)} at "
+                     f"micro-batch, and its outputs wait in comm buffers for that all-reduce ({fmt_bytes(held or 0)} at "
                      "the peak beyond one unit's, which go with it). ")
         after = peak + grow if (peak is not None and grow is not None) else None
         text += ("Turn gradient sync off for all but the last micro-batch; FSDP2 then accumulates unsharded "
