@@ -168,6 +168,8 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
                 report.run.notes = [*(report.run.notes or []), *_exit_window_notes(report.overlap.exit_windows)]
             if not run.has_records and (note := _nograd_note(report.overlap)):  # (records: eval.regather's)
                 report.run.notes = [*(report.run.notes or []), note]
+            if not run.has_records and (note := _micro_batch_note(report.overlap)):  # (records count optimizer steps)
+                report.run.notes = [*(report.run.notes or []), note]
     if report.steps is None and report.overlap is not None:  # plain traces: the complete ProfilerSteps
         from .analyze.steps import trace_steps
 
@@ -226,6 +228,24 @@ def _nograd_note(overlap) -> Optional[str]:
             "evaluation or generation inside them): their all-gathers and compute are in these figures, the units' "
             "forward times, the exposed all-gathers and the verdict (watch()'s records tell them apart: "
             "eval.regather)")
+
+
+def _micro_batch_note(overlap) -> Optional[str]:
+    """What the traces' step figures are where the loop called prof.step() per micro-batch of gradient accumulation
+    (most profiled steps without an optimizer.step(): trace.analysis.steps_per_optimizer_step): a new-user trial's
+    report read its micro-batches as steps everywhere but in accum.sync_every_micro_batch's finding."""
+    from .trace.analysis import MICRO_BATCH_STEPS_MIN, steps_per_optimizer_step
+
+    per = {r: n for r, pr in sorted(overlap.per_rank.items(), key=lambda kv: int(kv[0]))
+           if (n := steps_per_optimizer_step(pr)) is not None and n >= MICRO_BATCH_STEPS_MIN}
+    if not per:
+        return None
+    rank, n = next(iter(per.items()))
+    pr = overlap.per_rank[rank]
+    return (f"the profiled steps are micro-batches: {len(pr.steps_without_optimizer)} of {pr.step_count} hold no "
+            f"optimizer.step() (rank {rank}: prof.step() called per micro-batch, one optimizer step per {n:.0f} of "
+            "them), so the step times, the verdict's step and the per-step figures are per micro-batch, not per "
+            "optimizer step")
 
 
 def is_usable(run: Run, report: Report) -> bool:

@@ -178,6 +178,11 @@ def test_profiler_steps_of_micro_batches_count_per_optimizer_step(tmp_path):
     assert f.evidence["reducescatters_per_unit_per_step"] == 2 and f.evidence["micro_batches_per_step"] == 2
     assert "your loop calls prof.step() per micro-batch" in f.recommendation.text
     assert "(at least 2 per optimizer step):" in f.recommendation.code
+    # the header says the report's steps are micro-batches (its step table and verdict read them as steps unsaid)
+    assert rep.run.notes == ["the profiled steps are micro-batches: 2 of 4 hold no optimizer.step() (rank 0: "
+                             "prof.step() called per micro-batch, one optimizer step per 2 of them), so the step "
+                             "times, the verdict's step and the per-step figures are per micro-batch, not per "
+                             "optimizer step"], rep.run.notes
     rep = build_report(load_run(tmp_path / "fixed"))
     assert not [f for f in rep.findings if f.code == CODE]
     assert next(s for s in rep.rules if s.code == CODE).status == "quiet"

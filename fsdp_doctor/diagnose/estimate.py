@@ -997,8 +997,9 @@ def trace_steps_per_optimizer_step(ctx: Context) -> Optional[float]:
     ``prof.step()`` once per optimizer step, more where it calls it per micro-batch of gradient accumulation (its
     ProfilerSteps without an optimizer.step(): ``OverlapRank.steps_without_optimizer``). None: no trace, or no
     complete step holding an optimizer.step()."""
-    per = [pr.step_count / (pr.step_count - len(pr.steps_without_optimizer))
-           for pr in overlap(ctx).per_rank.values() if pr.step_count > len(pr.steps_without_optimizer)]
+    from ..trace.analysis import steps_per_optimizer_step
+
+    per = [n for pr in overlap(ctx).per_rank.values() if (n := steps_per_optimizer_step(pr)) is not None]
     return float(statistics.median(per)) if per else None
 
 

@@ -273,6 +273,19 @@ def step_exposed_us(win: WindowTrace) -> dict:
 ATYPICAL_STEP_FACTOR = 2.0
 
 
+#: profiler steps per optimizer.step() from which a rank's profiler steps are micro-batches (prof.step() called per
+#: micro-batch of gradient accumulation): a window of 2 steps sees at best one micro-batch beside its optimizer
+#: step; under it, a step whose optimizer.step() was skipped (a GradScaler's inf) is not gradient accumulation
+MICRO_BATCH_STEPS_MIN = 2.0
+
+
+def steps_per_optimizer_step(pr) -> Optional[float]:
+    """A rank's complete profiler steps per optimizer.step() (``OverlapRank``: its steps less those whose
+    ProfilerStep holds no optimizer.step(), ``steps_without_optimizer``); None where none holds one."""
+    with_opt = pr.step_count - len(pr.steps_without_optimizer)
+    return pr.step_count / with_opt if with_opt > 0 else None
+
+
 def atypical_steps(step_ms: dict) -> list:
     """The steps of ``step_ms`` (step -> wall time) that take ``ATYPICAL_STEP_FACTOR`` times the median of the
     others or more; none where there are fewer than two steps or where as many are so as not (no typical step to

@@ -9,6 +9,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
+from ...trace.analysis import MICRO_BATCH_STEPS_MIN
 from ...units import ROOT_LABEL, fmt_bytes, fmt_share, unit_label
 
 
@@ -25,12 +26,6 @@ def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "")
             "The change goes in train_step, in a Trainer of your own: each model part's "
             f"{switch}(False) before every forward_backward_step but the last, True before the last. No code is "
             "offered for torchtitan's loop."), "", "", {}
-
-
-# profiler steps per optimizer.step() from which the profiler steps are micro-batches (prof.step() called per
-# micro-batch): a window of 2 steps sees at best one micro-batch beside its optimizer step; under it, a step whose
-# optimizer.step() was skipped (a GradScaler's inf) is not gradient accumulation
-MICRO_BATCH_STEPS_MIN = 2.0
 
 
 @register
