@@ -112,6 +112,9 @@ class PredictionCheck(_S):
     peak_bytes_measured: Optional[int] = None
     peak_pct_error: Optional[float] = None  # (predicted - measured) / measured
     peak_held: Optional[bool] = None
+    # the other fixes B applies whose predicted peak changes peak_bytes_predicted adds to this one's (a loop fix B
+    # resolved, a fix of other settings): two fixes pasted into one rerun move the peak together
+    peak_with: list[str] = []
     # a fix whose gain lies in steps the step statistics leave out (checkpoint.blocking: the saves' share of the
     # recorded time, %): A's prediction against B's share, held when B's fell by at least half the predicted drop
     share_pct_before: Optional[float] = None

@@ -1307,3 +1307,51 @@ def test_real_plain_traces_show_bf16_allgathers_and_async_unshard(plain_gloo_tri
     assert ("prefetch.sync_unshard", "config diff: allgathers_blocking_host") in {
         (p.code, p.recognised_by) for p in cmp.predictions}
     assert not cmp.summary.startswith("no configuration change found"), cmp.summary
+
+
+def test_two_fixes_in_one_rerun_check_each_peak_with_the_others_change():
+    """A new-user trial pasted prefetch.exposed_allgather's fix (peak unchanged) and memory.outputs_kept's `del
+    outputs` (peak 17.42 -> 16.54 MiB) into one rerun of an HF GPT-2: B's peak 16.54 MiB, as the latter predicted,
+    read "missed: lower than predicted" against the prefetch's unchanged peak, with or without --applied naming the
+    loop fix. Each fix's peak is checked with the changes of the other fixes B applies on other settings (a loop fix
+    B resolved counts, as named or not); a ceiling, a fix of the same settings, or a finding B still raises does not."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.compare_sections import Comparison, ConfigChange, PredictionCheck
+    from fsdp_doctor.present.compare import tables
+    from fsdp_doctor.report_sections import Finding, Predicted, Recommendation
+
+    def finding(code, after, **kw):
+        return Finding(code=code, severity="info", title=code, evidence={}, recommendation=Recommendation(text=""),
+                       predicted=Predicted(peak_bytes_before=18_262_184, peak_bytes_after=after, **kw))
+
+    prefetch = finding("prefetch.exposed_allgather", 18_262_184)
+    outputs = finding("memory.outputs_kept", 17_346_756)  # the trial's figures: 893.97 KiB freed
+    a = SimpleNamespace(report=SimpleNamespace(findings=[prefetch, outputs]))
+    b = SimpleNamespace(report=SimpleNamespace(findings=[]))
+    changes = [ConfigChange(key="forward_prefetch", a="none", b="transformer.h.1", units=["transformer.h.0"])]
+    for applied in ([], ["memory.outputs_kept"]):
+        got = {p.code: p for p in C._predictions(a, b, changes, applied, None, 18_262_184, 17_346_752)}
+        p = got["prefetch.exposed_allgather"]
+        assert (p.peak_with, p.peak_bytes_predicted, p.peak_held) == (["memory.outputs_kept"], 17_346_756, True)
+    assert got["memory.outputs_kept"].peak_with == []  # (the prefetch's own change is none)
+    assert got["memory.outputs_kept"].peak_held is True
+    # the loop fix's finding still raised in B: not applied, the prefetch's peak alone (and that missed)
+    b.report.findings = [outputs]
+    [p] = C._predictions(a, b, changes, [], None, 18_262_184, 17_346_752)
+    assert (p.peak_with, p.peak_bytes_predicted, p.peak_held) == ([], 18_262_184, False)
+    # a ceiling ("may rise by up to") is no expected change; a fix of the same settings is not added to its own
+    b.report.findings = []
+    a.report.findings = [prefetch, finding("memory.outputs_kept", 18_500_000, peak_at_most=True),
+                         finding("prefetch.too_early", 17_000_000)]
+    got = {p.code: p for p in C._predictions(a, b, changes, ["prefetch.too_early"], None, 18_262_184, 18_262_184)}
+    assert got["prefetch.exposed_allgather"].peak_with == []
+    # the terminal says which fixes the predicted peak holds
+    row = PredictionCheck(code="prefetch.exposed_allgather", recognised_by="config diff: forward_prefetch",
+                          peak_bytes_predicted=17_346_756, peak_bytes_measured=17_346_752, peak_pct_error=0.0,
+                          peak_held=True, peak_with=["memory.outputs_kept"])
+    c = msgspec.convert({"a": {"path": "a", "source": "records", "steps": 9},
+                         "b": {"path": "b", "source": "records", "steps": 9}, "summary": "s"}, Comparison)
+    c.predictions = [row]
+    [t] = [t for t in tables(c) if t.title.startswith("Predictions")]
+    assert "16.54 MiB with the fix of memory.outputs_kept\n→ 16.54 MiB (+0.00%):\nheld" in t.rows[0][2]

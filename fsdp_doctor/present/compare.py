@@ -165,7 +165,11 @@ def tables(c: Comparison) -> list[CompareTable]:
                        f"missed: {'lower' if (p.peak_pct_error or 0) > 0 else 'higher'} than predicted")
             # (the prediction's error, said as one: "(+1.31%)" beside a measured peak 4% under A's read as its change,
             # a new-user trial)
-            peak = (f"{fmt_bytes(p.peak_bytes_predicted)}\n→ {fmt_bytes(p.peak_bytes_measured)} "
+            # (with the other fixes' peak changes it counts: B's peak is theirs too)
+            peak = (f"{fmt_bytes(p.peak_bytes_predicted)}"
+                    + (f" with the fix{'es' * (len(p.peak_with) > 1)} of {', '.join(p.peak_with)}"
+                       if p.peak_with else "")
+                    + f"\n→ {fmt_bytes(p.peak_bytes_measured)} "
                     f"({peak_error(p.peak_pct_error)}):\n{verdict}"
                     if p.peak_bytes_predicted is not None else MISSING)  # (5.04: missed)
             rows.append((f"{p.code} ({p.recognised_by})", step, peak))
