@@ -265,7 +265,8 @@ def test_checkpoint_steps_are_left_out_and_named():
     rep = fsdp_doctor.build_report(run)
     f = next(f for f in rep.findings if f.code == "checkpoint.blocking")
     assert f.recommendation.text.startswith("Each of the 3 saves stops training for 280.0 ms, one every 3 steps: "
-                                            "70.0 ms per step over the run (rank 1)."), f.recommendation.text
+                                            "840.0 ms over the 12 steps counted, 70.0 ms per step (rank 1)."), \
+        f.recommendation.text
     assert checkpoint_text(rep.steps).startswith(
         f"Checkpoint saves: 3 in steps (3, 6, 9), 280.0 ms each, {f.evidence['share_pct']}% of the recorded time "
         "(rank 1); "), checkpoint_text(rep.steps)
@@ -303,8 +304,8 @@ def test_asynchronous_saves_fix_is_how_often_they_save():
     e, text = f.evidence, f.recommendation.text
     assert (e["async_saves"], e["save_steps_after"], e["share_pct_after"], e["gain_ms_per_step"]) == (3, 60, 4.0, 58.333)
     assert "gain_ms_per_step_at_most" not in e, e
-    assert text.startswith("Each of the 3 saves stops training for 250.0 ms, one every 3 steps: 62.5 ms per step "
-                           "over the run (rank 0). The saves are asynchronous already "
+    assert text.startswith("Each of the 3 saves stops training for 250.0 ms, one every 3 steps: 750.0 ms over "
+                           "the 12 steps counted, 62.5 ms per step (rank 0). The saves are asynchronous already "
                            "(torch.distributed.checkpoint.async_save): the step waits while each one copies the "
                            "state to host memory. Save every 60 steps instead, and the saves take 4.0% of the time "
                            "(58.3 ms per step gained)"), text
@@ -326,8 +327,9 @@ def test_asynchronous_saves_fix_is_how_often_they_save():
                                                  "for) in steps (3, 6, 9), 250.0 ms each, 38.4% of"), rep.steps
     # one synchronous save of 250 ms in 12 steps: 20.8 ms per step, 17.2% of the time; said of one save
     f = next(f for f in fsdp_doctor.build_report(_save_run({6})).findings if f.code == "checkpoint.blocking")
-    assert f.recommendation.text.startswith("The save stops training for 250.0 ms: 20.8 ms per step over the run "
-                                            "(rank 0). Save asynchronously"), f.recommendation.text
+    assert f.recommendation.text.startswith("The save stops training for 250.0 ms: 250.0 ms over the 12 steps "
+                                            "counted, 20.8 ms per step (rank 0). Save asynchronously"), \
+        f.recommendation.text
     # pasted on the training's default gloo group, async_save hung at the second save (a new-user trial; so did a
     # 2-rank FSDP2 check here, its future waited on): the text names a group of its own and the future's wait
     assert 'Give it a process group of its own, made once (process_group=dist.new_group(backend="gloo"))' in \
@@ -348,8 +350,8 @@ def test_accelerate_saves_fix_is_how_often_save_state_runs():
                               plugin_state_dict_type="FULL_STATE_DICT")
     f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "checkpoint.blocking")
     e, text = f.evidence, f.recommendation.text
-    assert text.startswith("Each of the 3 saves stops training for 250.0 ms, one every 3 steps: 62.5 ms per step over "
-                           f"the run (rank 0). accelerate's save_state saves synchronously: call it every "
+    assert text.startswith("Each of the 3 saves stops training for 250.0 ms, one every 3 steps: 750.0 ms over the "
+                           f"12 steps counted, 62.5 ms per step (rank 0). accelerate's save_state saves synchronously: call it every "
                            f"{e['save_steps_after']} optimizer steps instead"), text
     assert "SHARDED_STATE_DICT" in text and "Save asynchronously" not in text and not f.recommendation.code
     assert (e["save_steps_after"], e["share_pct_after"], e["gain_ms_per_step"]) == (60, 4.0, 58.333)
@@ -483,6 +485,18 @@ def test_saves_are_never_told_to_come_more_often():
     assert "Or save every 15 steps" in f.recommendation.text
     assert "3.8% of the time (12.3% in a run as long as this one, whose first save's 240 ms of set-up stays)" in \
         f.recommendation.text, f.recommendation.text
+
+    # a 20-step run of a new-user trial (2 saves of 284 ms, one every 10 steps, over the 14 steps counted: its
+    # profiler window's steps are not) read "one every 10 steps: 40.6 ms per step over the run", a wrong division
+    # to a reader, and "Or save every 24 steps ... (4.8% in a run as long as this one ...)", a run that would hold no
+    # save. Constructed so: a first save of 300 ms, then 60 ms, every 10 steps of 100 ms over 14 steps
+    f, _ = report(300.0, 60.0, {1, 11}, 14)
+    e, text = f.evidence, f.recommendation.text
+    assert (e["steps_counted"], e["steps_between_saves"]) == (14, 10) and e["save_steps_after"] > 14, e
+    assert text.startswith("Each of the 2 saves stops training for 180.0 ms, one every 10 steps: 360.0 ms over the "
+                           "14 steps counted, 25.7 ms per step (rank 0)."), text
+    assert f"Or save every {e['save_steps_after']} steps, and the saves take {e['share_pct_after_long_run']}% of the " \
+        "time." in text and "in a run as long as this one" not in text, text
 
 
 def test_an_all_gather_outlier_names_the_root_by_its_label():
