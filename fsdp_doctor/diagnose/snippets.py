@@ -695,8 +695,8 @@ def checkpoint_in_place(names: list[str], note: str) -> str:
     names = [n for n in dict.fromkeys(strip_ckpt(n) for n in names) if n]
     return "\n".join(
         ["from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (", "    checkpoint_wrapper)"]
-        + textwrap.wrap(f"{note}: after your fully_shard calls (and the lines above), each wrapped where it is, "
-                        "around its unit", width=80, initial_indent="# ", subsequent_indent="# ")
+        + comment(f"{note}: after your fully_shard calls (and the lines above), each wrapped where it is, around "
+                  "its unit")
         + ["# (or wrap these, not their children, where you call checkpoint_wrapper)",
            name_list("blocks", names), "for name in blocks:",
            "    parent, _, child = name.rpartition('.')",

@@ -122,15 +122,16 @@ class AccumulationSyncsEveryMicroBatch(Rule):
             held = max(0, E.breakdown(ctx).get("comm_buffers", 0) - largest)
         grow = None if unsharded is None else unsharded - (freed or 0) - (held or 0)
         sev = "warning" if share is None or share >= 0.05 else "info"
-        text = (f"Each unit reduce-scatters its gradients {n:.0f} times per optimizer step"
-                + (f" ({mb:.0f} micro-batches)" if mb else "") +
-                f": {comm:.1f} ms of reduce-scatters per step, {exposed:.1f} ms of it exposed. ")
         if micro_steps:
             text = (f"Each unit reduce-scatters its gradients once per profiler step, and the profiled steps hold "
                     f"one optimizer.step() per {per_opt:.0f} of them: your loop calls prof.step() per micro-batch, "
                     f"so each step of this report is a micro-batch, and each unit reduce-scatters {n:.0f} times per "
                     f"optimizer step (those the window saw): {comm:.1f} ms of reduce-scatters per profiled step, "
                     f"{exposed:.1f} ms of it exposed. ")
+        else:
+            text = (f"Each unit reduce-scatters its gradients {n:.0f} times per optimizer step"
+                    + (f" ({mb:.0f} micro-batches)" if mb else "") +
+                    f": {comm:.1f} ms of reduce-scatters per step, {exposed:.1f} ms of it exposed. ")
         if ar_n is not None and ar_n < 1.5:
             text += (f"HSDP's all-reduce across the replicas runs {ar_n:.0f} time per unit per step already "
                      "(set_requires_all_reduce on the last micro-batch only): the reduce-scatter alone runs per "

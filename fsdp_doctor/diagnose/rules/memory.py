@@ -317,13 +317,14 @@ class NearCapacitySpread(Rule):
         # (as reshard.zero2_affordable's: a loop past 80 columns or 6 units, a unit inside accelerate's
         # CheckpointWrapper reached through the wrapper's place; one line per unit named
         # "model.get_submodule('model.layers.0._checkpoint_wrapped_module')" read 111 columns: a new-user trial)
-        lines = S.set_on_units([u.modules[0] if u.modules else u.name for u in flip],
-                               "set_reshard_after_forward(True, recurse=False)").splitlines()
         if len(flip) > 12:
             lines = ["from torch.distributed.fsdp import FSDPModule",
                      "for module in model.modules():  # every unit but the root",
                      "    if isinstance(module, FSDPModule) and module is not model:",
                      "        module.set_reshard_after_forward(True, recurse=False)"]
+        else:
+            lines = S.set_on_units([u.modules[0] if u.modules else u.name for u in flip],
+                                   "set_reshard_after_forward(True, recurse=False)").splitlines()
         lacks = S.lacks_reshard_switch(ctx.config)
         if lacks:
             lines = []
