@@ -513,6 +513,83 @@ def test_the_loss_phase_starts_after_a_unit_run_past_the_models_forward(tmp_path
     assert marks[head_end + 1] == (None, "loss_start", 256), marks  # ... resharded when the loss starts
 
 
+def _claim_on_two_ranks(dirs, monkeypatch, **kw):
+    """claim_run_dir on ranks 0 and 1 at once (two threads; exchange: all_gather_object's contract, over a barrier),
+    rank 0 slowed each time it lists a folder's streams, rank 1 starting 0.3 s late: where rank 1 does not wait for
+    rank 0, it moves its stream under rank 0, between rank 0's listing and its acting."""
+    import threading
+    import time
+
+    from fsdp_doctor.store import layout, writer
+
+    listed = layout.streams
+    monkeypatch.setattr(layout, "streams", lambda p: (listed(p), time.sleep(0.2 if threading.current_thread().name
+                                                                              == "rank0" else 0))[0])
+    slots, barrier, out = [None, None], threading.Barrier(2), {}
+
+    def exchange_for(rank):
+        def exchange(v):
+            slots[rank] = v
+            barrier.wait()
+            got = list(slots)
+            barrier.wait()
+            return got
+        return exchange
+
+    def run(rank):
+        time.sleep(0.3 * rank)
+        try:
+            out[rank] = writer.claim_run_dir(dirs[rank], rank, exchange=exchange_for(rank), **kw)
+        except Exception as e:  # noqa: BLE001
+            out[rank] = e
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_ranks_claiming_one_folder_at_once_move_an_earlier_run_whole(sample_run_path, tmp_path, monkeypatch, overwrite):
+    """Two ranks claiming a folder that holds an earlier run's records: rank 0 moves (or removes) the shared files
+    and every stream, then rank 1 what is left of its own (nothing, on one disk): one folder below previous/ holds the
+    whole run, both ranks agree on the id and on what happened. (Both at once, rank 1 moved its stream under rank 0:
+    with overwrite, rank 0's unlink of it could fail, "cannot prepare ... (No such file or directory)", and the 2-rank run
+    ended at watch(), a CI run; kept, the run was split over two folders.)"""
+    from fsdp_doctor.store import layout
+
+    d = tmp_path / "run"
+    shutil.copytree(sample_run_path, d)
+    out = _claim_on_two_ranks([d, d], monkeypatch, overwrite=overwrite)
+    assert all(not isinstance(c, Exception) for c in out.values()), out
+    assert out[0] == out[1] and len(out[0].run_id) == 12 and not layout.has_run(d)
+    if overwrite:
+        assert out[0].removed and out[0].kept is None and not (d / "previous").exists()
+    else:
+        (kept,) = layout.previous_runs(d)
+        assert out[0].kept == kept and sorted(q.name for q in kept.iterdir()) == sorted(
+            q.name for q in sample_run_path.iterdir())
+
+
+def test_a_ranks_stream_on_another_disk_joins_rank_0s_folder_of_the_earlier_run(sample_run_path, tmp_path, monkeypatch):
+    """Rank 1's stream on another node's disk (rank 0 cannot see it): moved aside into the folder of the name rank 0
+    gave the earlier run, below the same path on its own disk."""
+    d0, d1 = tmp_path / "node0" / "run", tmp_path / "node1" / "run"
+    shutil.copytree(sample_run_path, d0)
+    (d0 / "rank1.records.jsonl").unlink()
+    d1.mkdir(parents=True)
+    shutil.copy(sample_run_path / "rank1.records.jsonl", d1)
+    out = _claim_on_two_ranks([d0, d1], monkeypatch)
+    assert out[0] == out[1], out
+    name = out[0].kept.name
+    assert name.startswith("run-") and sorted(q.name for q in (d1 / "previous" / name).iterdir()) == [
+        "rank1.records.jsonl"]
+    assert not (d1 / "rank1.records.jsonl").exists() and (d0 / "previous" / name / "rank0.records.jsonl").exists()
+
+
 def test_earlier_runs_kept_aside_never_overwrite_each_other(sample_run_path, tmp_path):
     """Two runs without a run id in their records (an older doctor's), each moved aside in turn by a run started in
     their folder: the second goes beside the first (run-unknown-2), nothing of either replaced; a folder holding

@@ -294,7 +294,7 @@ def clear_run(run_dir: Path | str) -> list[Path]:
     gone: list[Path] = []
     for q in [manifest_path(p), report_path(p), *streams(p).values()]:
         if q.is_file():
-            q.unlink()
+            q.unlink(missing_ok=True)  # (gone between the two: another process's)
             gone.append(q)
     for d in (profiler_dir(p), p / TB_DIR):
         if d.is_dir() and not d.is_symlink():
@@ -303,21 +303,22 @@ def clear_run(run_dir: Path | str) -> list[Path]:
     return gone
 
 
-def keep_run(run_dir: Path | str, rank: int) -> Optional[Path]:
+def keep_run(run_dir: Path | str, rank: int, into: Optional[str] = None) -> Optional[Path]:
     """Moves an earlier run's files out of the way of a run starting in ``run_dir``, into
     ``previous/run-{its id}/`` below it, and returns that folder (None where there was nothing of it to move here):
     rank 0 moves the manifest, the saved report, the profiler traces, the TensorBoard scalars and every record
     stream, any other rank its own stream (one left where rank 0 cannot see it: another node's disk). A restarted
     job (torchrun --max-restarts) watched into the folder of its crashed attempt was refused, which ended the
     restart, or with overwrite wiped the records that said how the attempt ended (a new-user trial). The earlier
-    run reads as it did, from its new folder."""
+    run reads as it did, from its new folder. ``into``: the name of the folder rank 0 moved that run's files to (another
+    rank's stream joins them in the folder of that name below its ``run_dir``, unless one of its name is there)."""
     p = Path(run_dir)
     mine = (([manifest_path(p), report_path(p), *streams(p).values(), profiler_dir(p), p / TB_DIR]) if rank == 0
             else [p / stream_name(rank)])
     mine = [q for q in mine if q.exists() or q.is_symlink()]
     if not mine:
         return None
-    base = dest = p / PREVIOUS_DIR / f"run-{_run_id_in(p, rank) or 'unknown'}"
+    base = dest = p / PREVIOUS_DIR / (into or f"run-{_run_id_in(p, rank) or 'unknown'}")
     n = 1
     while any((dest / q.name).exists() or (dest / q.name).is_symlink() for q in mine):  # (never over another's)
         n += 1

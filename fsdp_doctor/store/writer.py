@@ -66,35 +66,49 @@ def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, ex
     """Makes ``out_dir`` this run's own before anything is written (a run directory holds one run).
 
     An earlier run's files there (a manifest or a record stream) are moved aside, below it in
-    ``previous/run-{its id}/`` (``layout.keep_run``: rank 0 the shared ones and every stream, every rank its own
-    stream), or with ``overwrite`` removed (nothing else in the directory is touched) but where this process is an
-    elastic restart of the job (``restarted``): its crashed attempt's records say how it ended. Refusing the
-    directory ended the user's training where a job restarted (torchrun --max-restarts) into the folder of its
-    crashed attempt, and overwrite wiped that attempt's records, unsaid (a new-user trial). ``exchange`` (given when
-    there are several ranks) gathers one picklable value from every rank and returns the list of all of them in rank
-    order (``torch.distributed.all_gather_object``): the ranks agree on rank 0's run id, and on any error, before
-    any of them writes."""
+    ``previous/run-{its id}/`` (``layout.keep_run``), or with ``overwrite`` removed (nothing else in the directory is
+    touched) but where this process is an elastic restart of the job (``restarted``): its crashed attempt's records
+    say how it ended. Refusing the directory ended the user's training where a job restarted (torchrun
+    --max-restarts) into the folder of its crashed attempt, and overwrite wiped that attempt's records, unsaid (a
+    new-user trial). Rank 0 goes first, with the shared files and every stream it sees; then each other rank with
+    what is left of its own stream (one on another node's disk), into rank 0's folder. (All at once, two ranks moved
+    or removed the same stream under each other: "No such file or directory" ended a 2-rank run at watch().)
+    ``exchange`` (given when there are several ranks) gathers one picklable value from every rank and returns the
+    list of all of them in rank order (``torch.distributed.all_gather_object``): the ranks agree on rank 0's run id,
+    and on any error, before any of them writes."""
     out = Path(out_dir)
-    verdict: dict = {"error": None, "run_id": None, "kept": None, "removed": False}
-    try:
-        taken = layout.has_run(out) if rank == 0 else (out / layout.stream_name(rank)).exists()
-        if taken and overwrite and not restarted():
-            if rank == 0:
-                layout.clear_run(out)
-            else:
-                (out / layout.stream_name(rank)).unlink(missing_ok=True)
-            verdict["removed"] = True
-        elif taken:
-            kept = layout.keep_run(out, rank)
-            verdict["kept"] = None if kept is None else str(kept)
-        if rank == 0:
-            verdict["run_id"] = layout.new_run_id()
-    except OSError as e:
-        verdict["error"] = f"cannot prepare {out} ({e.strerror or e})"
-    verdicts = exchange(verdict) if exchange is not None else [verdict]
-    for v in verdicts:
-        if v["error"]:
-            raise RunDirTaken(v["error"])
+    remove = overwrite and not restarted()
+    gather = exchange or (lambda v: [v])
+
+    def act(verdict: dict, mine: bool, into: Optional[str] = None) -> dict:
+        try:
+            if mine and remove:
+                if rank == 0:
+                    layout.clear_run(out)
+                else:
+                    (out / layout.stream_name(rank)).unlink(missing_ok=True)
+                verdict["removed"] = True
+            elif mine:
+                kept = layout.keep_run(out, rank, into=None if into is None else Path(into).name)
+                verdict["kept"] = None if kept is None else str(kept)
+        except OSError as e:
+            verdict["error"] = f"cannot prepare {out} ({e.strerror or e})"
+        return verdict
+
+    def agreed(verdicts: list[dict]) -> list[dict]:
+        for v in verdicts:
+            if v["error"]:
+                raise RunDirTaken(v["error"])
+        return verdicts
+
+    first = {"error": None, "run_id": layout.new_run_id() if rank == 0 else None, "kept": None, "removed": False}
+    if rank == 0:
+        first = act(first, layout.has_run(out))
+    lead = agreed(gather(first))[0]
+    rest = {"error": None, "kept": None, "removed": False}
+    if rank != 0:
+        rest = act(rest, (out / layout.stream_name(rank)).exists(), into=lead["kept"])
+    verdicts = [lead, *agreed(gather(rest))[1:]] if exchange is not None else [lead]
     kept = next((v["kept"] for v in verdicts if v["kept"]), None)
-    return Claim(verdicts[0]["run_id"] or layout.new_run_id(), None if kept is None else Path(kept),
+    return Claim(lead["run_id"] or layout.new_run_id(), None if kept is None else Path(kept),
                  any(v["removed"] for v in verdicts))
