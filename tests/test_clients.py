@@ -461,6 +461,24 @@ def test_a_long_comment_line_is_wrapped_alone():
         "# the root last: it keeps what no unit holds", "fully_shard(model, mesh=mesh)"]
 
 
+def test_no_constructed_snippet_rebinds_a_name_scripts_give_a_module():
+    """A fix pasted into the user's script binds only names of its own: the plans named their MixedPrecisionPolicy
+    ``mp``, which PyTorch's FSDP tutorial (and many scripts) bind to torch.multiprocessing for mp.spawn; a plan pasted
+    into such a function made ``mp`` a local there (UnboundLocalError at an earlier use), or at module level
+    replaced the module. Every known-answer snippet's assignments, read with ast."""
+    import ast
+
+    modules = {"mp", "np", "F", "nn", "dist", "plt", "pd", "os", "sys", "math", "time", "tf", "fsdp", "dcp", "optim"}
+    snippets = {(c, code) for _, c, code, _, _ in _known_answer_findings(snippets=True)}
+    bound: dict[str, set] = {}
+    for rule, code in snippets:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                bound.setdefault(node.id, set()).add(rule)
+    assert "mp_policy" in bound and len(bound) > 10, sorted(bound)  # (plans bind their policy, loops their names)
+    assert not {n: r for n, r in bound.items() if n in modules}, {n: r for n, r in bound.items() if n in modules}
+
+
 def test_every_constructed_snippet_fits_80_columns_as_the_report_holds_it():
     """A fix's lines fit 80 columns as the rule writes them, every line, code or comment: the JSON, the HTML and the
     dashboard show the code as the report holds it. This test once checked the terminal's rendering only

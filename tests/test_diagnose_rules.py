@@ -582,23 +582,24 @@ def test_params_in_root_plan_keeps_each_units_mixed_precision():
     (f,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
     code = f.recommendation.code
     assert ("# as your run had them: each unit keeps its own\n"
-            "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
-            "                          reduce_dtype=torch.float32)\n"
-            "root_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
-            "                               reduce_dtype=torch.float32,\n"
-            "                               output_dtype=torch.float32)\n"
-            "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp)\n"
-            "fully_shard(model.tok_emb, mesh=mesh, mp_policy=mp)\n") in code, code
-    assert "fully_shard(model.norm, mesh=mesh, mp_policy=mp, reshard_after_forward=False)" in code, code
-    assert code.endswith("fully_shard(model, mesh=mesh, mp_policy=root_mp)"), code
+            "mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
+            "                                 reduce_dtype=torch.float32)\n"
+            "root_mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n"
+            "                                      reduce_dtype=torch.float32,\n"
+            "                                      output_dtype=torch.float32)\n"
+            "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp_policy)\n"
+            "fully_shard(model.tok_emb, mesh=mesh, mp_policy=mp_policy)\n") in code, code
+    assert ("fully_shard(model.norm, mesh=mesh,\n            mp_policy=mp_policy,\n"
+            "            reshard_after_forward=False)") in code, code
+    assert code.endswith("fully_shard(model, mesh=mesh, mp_policy=root_mp_policy)"), code
     # all alike: one policy, as the run had it
     us[0][0]["output_dtype"] = None
     (g,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB))[0])
     code = g.recommendation.code
     assert "root_mp" not in code and code.count("MixedPrecisionPolicy(") == 1, code
-    assert "# as your run had it\nmp = MixedPrecisionPolicy(" in code, code
-    assert "    fully_shard(block, mesh=mesh, mp_policy=mp)" in code and \
-        code.endswith("fully_shard(model, mesh=mesh, mp_policy=mp)"), code
+    assert "# as your run had it\nmp_policy = MixedPrecisionPolicy(" in code, code
+    assert "    fully_shard(block, mesh=mesh, mp_policy=mp_policy)" in code and \
+        code.endswith("fully_shard(model, mesh=mesh, mp_policy=mp_policy)"), code
 
 
 def test_root_not_sharded_is_critical_with_unmanaged_params():
@@ -711,9 +712,9 @@ def test_mixed_dtype_unit():
     (f,) = run_rule("wrap.mixed_dtype_unit", ctx)
     assert f.units == ["layers.0"]
     # the whole plan, every unit with the policy (a line for this unit alone would replace the other calls)
-    assert "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp)" in \
+    assert "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp_policy)" in \
         f.recommendation.code, f.recommendation.code
-    assert "fully_shard(model, mesh=mesh, mp_policy=mp)" in f.recommendation.code
+    assert "fully_shard(model, mesh=mesh, mp_policy=mp_policy)" in f.recommendation.code
     assert f.recommendation.where == "unsharded"
     assert "param_dtype=torch.bfloat16" in f.recommendation.code
     assert ".to(" not in f.recommendation.code  # the fix never upcasts (frozen) weights
@@ -2389,7 +2390,7 @@ def test_blocks_split_off_a_unit_keep_its_mixed_precision_and_offload():
                        unsharded_bytes=2, own_modules=["emb", "layers.0.fc", "layers.1.fc", "head"],
                        offload="cpu", offload_pin_memory=True, **mp)
     code = re.sub(r",\n\s+", ", ", S.shard_plan(S.Tree.of([whole]), root_leftovers=True))  # options on one line
-    assert ("    fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy(pin_memory=True))"
+    assert ("    fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=CPUOffloadPolicy(pin_memory=True))"
             in code.splitlines()), code
     # the container is a unit of its own inside a grouped unit, one of whose modules has a long name: the
     # container's own unit holds the blocks (the longest module name anywhere once picked the outer one)
@@ -2404,7 +2405,7 @@ def test_blocks_split_off_a_unit_keep_its_mixed_precision_and_offload():
     t = S.Tree.of([outer, stack, root])
     assert S._holder(t, "enc.stack") is stack
     code = S.shard_plan(t)
-    assert "    fully_shard(block, mesh=mesh, mp_policy=mp)" in code.splitlines(), code  # not its resharding
+    assert "    fully_shard(block, mesh=mesh, mp_policy=mp_policy)" in code.splitlines(), code  # not its resharding
     compile(S.complete(code), "<plan>", "exec")
 
 

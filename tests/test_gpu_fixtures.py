@@ -352,8 +352,9 @@ def test_comm_bound_on_float32_allgathers_predicts_the_16_bit_gain():
     assert f.predicted.step_ms_before == pytest.approx(110.841)
     assert f.predicted.step_ms_after == pytest.approx(80.841)
     code = f.recommendation.code
-    assert "mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n                          reduce_dtype=torch.float32)" in code
-    assert "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp)" in code
+    assert "mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,\n" \
+        "                                 reduce_dtype=torch.float32)" in code
+    assert "for block in model.layers.children():\n    fully_shard(block, mesh=mesh, mp_policy=mp_policy)" in code
 
 
 @recorded

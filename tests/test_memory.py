@@ -455,7 +455,7 @@ def test_autocast_copies_of_parameters_counted_exactly(autocast, base):
     assert "" not in own and "(root)" in own and sum(own.values()) == saved[""] < sum(saved.values()), (own, saved)
     assert f.predicted.at_most and f.predicted.peak_bytes_after < f.predicted.peak_bytes_before - \
         f.evidence["cast_copies_at_peak_bytes"] + 1
-    assert "mp_policy=mp" in f.recommendation.code and "reduce_dtype=torch.float32" in f.recommendation.code
+    assert "mp_policy=mp_policy" in f.recommendation.code and "reduce_dtype=torch.float32" in f.recommendation.code
     quiet = {s.code: s.reason for s in build_report(run_mp).rules if s.status == "quiet"}
     assert "every unit gathers its parameters in its MixedPrecisionPolicy's param_dtype" in \
         quiet["precision.autocast_fp32_params"]

@@ -92,7 +92,7 @@ def test_params_in_root_plan_keeps_each_units_policy_and_trails_the_head(tmp_pat
     (f,) = [f for f in run.findings if f.code == "wrap.params_in_root"]
     code = f.recommendation.code
     assert "# last in forward, first in backward: one unit, kept gathered after forward\n" \
-        "fully_shard([model.norm, model.head], mesh=mesh,\n            mp_policy=mp,\n" in code, code
+        "fully_shard([model.norm, model.head], mesh=mesh,\n            mp_policy=mp_policy,\n" in code, code
     assert "before the blocks" not in code, code
 
     fix = tmp_path / "fix.py"

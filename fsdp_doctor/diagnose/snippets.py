@@ -257,15 +257,21 @@ def _label_order(name: str):
 
 
 # ---------------------------------------------------------------------------------------------- sharding plans
+#: the name a plan gives its MixedPrecisionPolicy (``root_mp_policy``, ``mp_policy2``, ... where units differ):
+#: ``mp`` was bound in the user's code where a script imported torch.multiprocessing as mp (PyTorch's FSDP
+#: tutorial does, and spawns with mp.spawn), which a pasted plan rebound; torchtitan names it so too
+MP = "mp_policy"
+
+
 def _unit_kwargs(u, inherit: bool = False, mp: Optional[dict] = None) -> str:
     """The unit's own fully_shard options as the run had them (what a plan must keep: mixed precision, a
     ``reshard_after_forward`` other than the default, False or an int, and offload). ``inherit``: for modules
     the unit held that become units of their own (the blocks of a whole-model unit): its mixed precision and
     offload, which they must share (a bf16 input meets fp32 weights otherwise), not its resharding nor its
-    output_dtype (``_policy``). ``mp``: the plan's variable for each policy (``_policy_vars``; none: ``mp``)."""
+    output_dtype (``_policy``). ``mp``: the plan's variable for each policy (``_policy_vars``; none: ``MP``)."""
     kw = ""
     if (pol := _policy(u, inherit)) is not None:
-        kw += f", mp_policy={(mp or {}).get(pol, 'mp')}"
+        kw += f", mp_policy={(mp or {}).get(pol, MP)}"
     raf = getattr(u, "reshard_after_forward", True)  # True, False or an int (reshard to that many ranks)
     if not u.is_root and not inherit and raf is not None and raf is not True:
         kw += f", reshard_after_forward={raf}"
@@ -312,18 +318,18 @@ def _policy(u, inherit: bool = False) -> Optional[tuple[str, str, str]]:
 
 def _policy_vars(units, one: bool = False) -> dict[tuple, str]:
     """The plan's variable for each distinct policy of the run's units (``_policy``, with the ones the modules a
-    unit held take), so that each unit keeps its own: ``mp`` where they are all the same (``one``: a rule's own
-    ``mp`` for all of them); else ``root_mp`` for a root's that no other unit had, ``mp``, ``mp2``, ... for the
-    others, the non-root units' first. (One ``mp`` from the first unit with a policy, the root, gave every block the
+    unit held take), so that each unit keeps its own: ``MP`` where they are all the same (``one``: a rule's own
+    ``MP`` for all of them); else ``root_MP`` for a root's that no other unit had, ``MP``, ``MP2``, ... for the
+    others, the non-root units' first. (One policy from the first unit with a policy, the root, gave every block the
     root's output_dtype=float32, a cast of each block's output the run never had: a new-user trial.)"""
     ordered = sorted(units, key=lambda u: bool(u.is_root))
     pols = list(dict.fromkeys(p for inherit in (False, True) for u in ordered
                               if (p := _policy(u, inherit)) is not None))
     if one or len(pols) < 2:
-        return {p: "mp" for p in pols}
+        return {p: MP for p in pols}
     others = {_policy(u, inherit) for u in units for inherit in (False, True) if inherit or not u.is_root}
     rest = [p for p in pols if p in others]
-    return {p: "root_mp" if p not in others else "mp" if p == rest[0] else f"mp{rest.index(p) + 1}" for p in pols}
+    return {p: f"root_{MP}" if p not in others else MP if p == rest[0] else f"{MP}{rest.index(p) + 1}" for p in pols}
 
 
 def _policy_lines(mp: dict, code: str) -> list[str]:
@@ -1371,11 +1377,11 @@ def plugin_offload(lever: str, on: bool) -> str:
 def plugin_mp_policy(mp_line: str, lever: str) -> str:
     """The mixed-precision policy accelerate's FSDP2 plugin shards with (accelerate makes it from the
     mixed_precision setting, the Trainer's bf16/fp16, reducing in that dtype; TrainingArguments have no option
-    for it), set where ``lever`` says (plugin_checkpointing): ``mp_line`` assigns ``mp``."""
+    for it), set where ``lever`` says (plugin_checkpointing): ``mp_line`` assigns ``MP``."""
     holder, prepares, _ = _PLUGIN[lever]
     return (f"{mp_line}\n"
             f"# the policy {prepares} shards the model with (accelerate made it from mixed_precision)\n"
-            f"{holder}.mixed_precision_policy = mp")
+            f"{holder}.mixed_precision_policy = {MP}")
 
 
 #: torchtitan's job-config settings a fix changes, by the torchtitan version (major, minor) whose command line

@@ -86,8 +86,8 @@ def reshard_snippet(ctx: Context, kwargs: str = "", prelude: tuple[str, ...] = (
 def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
     """16-bit parameters (all-gathers and compute) for every unit; gradients still reduced in float32, as
     numerics.reduce_dtype asks: the all-gathers' bytes halve, the reduce-scatters' stay."""
-    return reshard_snippet(ctx, ", mp_policy=mp", prelude,
-                           S.policy_line("mp", "bfloat16"))
+    return reshard_snippet(ctx, f", mp_policy={S.MP}", prelude,
+                           S.policy_line(S.MP, "bfloat16"))
 
 
 @register

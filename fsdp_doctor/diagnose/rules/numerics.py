@@ -66,7 +66,7 @@ class NarrowReduceDtype(Rule):
                  if peak and peak_after > peak else ", nothing else.")
         lever = E.plugin_lever(ctx)
         # (output_dtype kept as it was)
-        mp = S.policy_line("mp", us[0].param_dtype or "", output_dtype=us[0].output_dtype or "")
+        mp = S.policy_line(S.MP, us[0].param_dtype or "", output_dtype=us[0].output_dtype or "")
         if lever:  # accelerate's FSDP2 plugin shards the model, with the policy it holds
             who, prepares = S.plugin_says(lever)
             made = ("bf16=True or fp16=True in TrainingArguments, which have no option for the policy itself"

@@ -294,8 +294,8 @@ class OptimizerStateDominates(Rule):
             "# bf16 parameters and optimizer state, fp32 reduce: halves them, and rounds away updates smaller than "
             "about |w|/256 (norm weights near 1.0 stop moving at lr 1e-3): compare the loss against this run's\n"
             "model.to(torch.bfloat16)\n"
-            + S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
-                           mp_line=S.policy_line("mp", "bfloat16"))
+            + S.shard_plan(S.tree(ctx), extra_kwargs=f", mp_policy={S.MP}",
+                           mp_line=S.policy_line(S.MP, "bfloat16"))
             # a plan goes where the fully_shard calls are, before the optimizer exists: rebuilding the optimizer
             # there read an `optimizer` not yet built (tested by applying it)
             + "\n# then build the optimizer as before, after fully_shard: its state takes the parameters' bf16",

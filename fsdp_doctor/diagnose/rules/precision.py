@@ -44,8 +44,8 @@ class AutocastFp32Params(Rule):
         share = at_peak / peak if peak else 0.0
         sev = "warning" if share >= WARN_SHARE else "info"
         names = [u.name for u in units32]
-        # the run's own policy, where some units have one, keeps its name (``mp``, as the plan writes it)
-        var = "autocast_mp" if any(u.param_dtype or u.reduce_dtype for u in units) else "mp"
+        # the run's own policy, where some units have one, keeps its name (``S.MP``, as the plan writes it)
+        var = "autocast_mp" if any(u.param_dtype or u.reduce_dtype for u in units) else S.MP
         mp = S.policy_line(var, dtype)
         text = (f"The forward runs under torch.autocast({dtype}) while FSDP2 gathers {len(units32)} unit(s)' "
                 f"parameters in float32 ({fmt_bytes(gathered)} when all are gathered): every all-gather moves "
@@ -75,9 +75,9 @@ class AutocastFp32Params(Rule):
             text += f" {who}: set the plugin's policy before {prepares}."
             code = S.plugin_mp_policy(mp, lever)
         else:  # the run's sharding again, every unit's options kept, with the policy on the float32 units
-            plan = S.shard_plan(S.tree(ctx), extra_kwargs=f", mp_policy={var}", mp_line=mp if var == "mp" else None,
+            plan = S.shard_plan(S.tree(ctx), extra_kwargs=f", mp_policy={var}", mp_line=mp if var == S.MP else None,
                                 only=set(names), note=f"parameters gathered in {dtype}; your torch.autocast stays")
-            code = plan if var == "mp" else mp + "\n" + plan
+            code = plan if var == S.MP else mp + "\n" + plan
         return [self.finding(
             sev, title,
             {"autocast_dtype": dtype, "units_float32": len(units32), "cast_copies_at_peak_bytes": at_peak,

@@ -761,10 +761,10 @@ class MixedDtypeUnit(Rule):
                 "odd-dtype parameters a unit of their own.",
                 # the run's whole sharding with one policy (torchtitan's way): a plan that names only this unit
                 # would replace the other fully_shard calls by nothing (tested by applying it)
-                S.shard_plan(S.tree(ctx), extra_kwargs=", mp_policy=mp",
+                S.shard_plan(S.tree(ctx), extra_kwargs=f", mp_policy={S.MP}",
                              note=f"every unit with a MixedPrecisionPolicy: parameters all-gathered in {narrow}, "
                                   f"outputs in {wide} (what the next units expect)",
-                             mp_line=S.policy_line("mp", narrow, output_dtype=wide)),
+                             mp_line=S.policy_line(S.MP, narrow, output_dtype=wide)),
                 units=[u.name]))
         if not out:
             return self.quiet("every unit's parameters have one dtype" if not under_mp else
