@@ -285,6 +285,24 @@ class Untrained(msgspec.Struct, kw_only=True, omit_defaults=True):
     changed: bool | None = None
 
 
+class AccelerateAccumulation(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """accelerate's gradient accumulation where its prepare() sharded the model in the user's loop: what decides
+    whether ``accelerator.accumulate(model)`` turns FSDP2's gradient sync off on all but the last micro-batch (its
+    GradientState and AcceleratorState, read as the config is written)."""
+
+    # gradient_accumulation_steps: accumulate() syncs on every num_steps-th call only (1, its default: on every call)
+    num_steps: int = 1
+    # GradientAccumulationPlugin(sync_each_batch=True): accumulate() leaves gradient sync on in every micro-batch
+    # (less memory: the gradients are reduce-scattered to shards each time)
+    sync_each_batch: bool = False
+    # accelerate's distributed type then ("FSDP"; under another, its no_sync looks for DDP's no_sync, which an FSDP2
+    # model lacks, and leaves gradient sync on); "": not read
+    distributed_type: str = ""
+    # backward passes through the model so far that began with accelerate's sync_gradients off: accumulate() on a
+    # micro-batch before the last of its num_steps (0: the loop does not enter accumulate(), or num_steps is 1)
+    unsynced_backwards: int = 0
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -323,6 +341,9 @@ class RunConfig(Record, tag="config"):
     # accelerate's FSDP2 plugin's state_dict_type where it sharded the model: how its save_state and a Trainer's
     # checkpoints save it ("FULL_STATE_DICT": gathered and written whole; "SHARDED_STATE_DICT"); None: not read
     plugin_state_dict_type: str | None = None
+    # accelerate's gradient accumulation there (its sync_each_batch, gradient_accumulation_steps); None: not read
+    # (not sharded by accelerate, or a run recorded before this field)
+    accelerate: AccelerateAccumulation | None = None
     units: list[UnitConfig] = []
     # the device mesh of the units' parameters where it has dims beyond FSDP's (tensor, context or expert parallelism
     # beside FSDP) or FSDP's is 2-D (HSDP): each dim's name and size in mesh order, FSDP's first (fsdp_dims of them);

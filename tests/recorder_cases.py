@@ -15,6 +15,8 @@ Cases:
             HF gradient checkpointing: model FLOPs as without it, hardware FLOPs higher.
   trainer   a Hugging Face Trainer with fsdp_doctor.DoctorCallback (run_trainer).
   trainer_fixes  fixes whose lever is the Trainer's own setting, diagnosed and pasted (run_trainer_fixes).
+  accelerate_accum  gradient accumulation inside accelerator.accumulate(model), its plugin's defaults and
+            sync_each_batch=True, the latter's fix pasted (run_accelerate_accum).
 
 Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -330,7 +332,6 @@ def run_accelerate(out: Path) -> dict:
     on GPUs only), ``accelerator.prepare(model, optimizer)`` shards an HF Llama and wraps the optimizer in an
     AcceleratedOptimizer, ``accelerator.backward``; the same run without and with the doctor."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.utils import DistributedType
     from transformers import LlamaForCausalLM
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -342,8 +343,7 @@ def run_accelerate(out: Path) -> dict:
 
 
     def run(out_dir=None):
-        acc.state.distributed_type = DistributedType.FSDP  # (prepare resets it)
-        acc.state.fsdp_plugin = plugin
+        force_fsdp(acc.state, plugin)  # (prepare resets AcceleratorState's alone)
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config())
         model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -688,7 +688,6 @@ def run_accelerate_fixes(out: Path) -> dict:
     fix. Each run: 5 steps of one micro-batch; the report's findings as in run_trainer_fixes."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
     from transformers import LlamaForCausalLM
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -704,7 +703,7 @@ def run_accelerate_fixes(out: Path) -> dict:
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"] if wrap == "transformer_based_wrap" else None)
         if mixed != "no":  # as AcceleratorState does on a GPU (bf16: reduce_dtype bfloat16)
             plugin.set_mixed_precision(mixed)
-        acc.state.fsdp_plugin, acc.state.distributed_type = plugin, DistributedType.FSDP
+        force_fsdp(acc.state, plugin)
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq)))
         if fix:  # where it says: with the Accelerator built, before accelerator.prepare(model) (the model built)
@@ -734,6 +733,78 @@ def run_accelerate_fixes(out: Path) -> dict:
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
            "mlp.down_proj": "rowwise"}
+
+
+def force_fsdp(state, plugin=None) -> None:
+    """accelerate's state forced to its FSDP path, as it is on a GPU (where AcceleratorState sets both): on the
+    CPU it is MULTI_CPU. Set on PartialState's shared state too: each AcceleratorState() copies PartialState's
+    back, and accelerator.accumulate(model) read MULTI_CPU again and left gradient sync on in every micro-batch
+    (its no_sync looks for DDP's no_sync there; an FSDP2 model has none)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if plugin is not None:
+        state.fsdp_plugin = plugin
+    state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+#: the accelerate accumulation case's micro-batches per optimizer step, and its optimizer steps
+ACCUM_MICRO, ACCUM_STEPS = 4, 6
+
+
+def run_accelerate_accum(out: Path) -> dict:
+    """Gradient accumulation as an accelerate user runs it: each of ACCUM_MICRO micro-batches a step inside
+    ``with accelerator.accumulate(model):`` (accelerator.backward, optimizer.step() and zero_grad() in each, which
+    accelerate skips but on the last), accelerate's FSDP2 plugin sharding an HF Llama (forced to FSDP:
+    force_fsdp), doctor.step() per micro-batch, a profiler window over step 3. ``default``: the
+    GradientAccumulationPlugin's defaults, gradient sync on the last micro-batch alone; ``each``: its
+    sync_each_batch=True, rerun with accum.sync_every_micro_batch's fix pasted as printed (``each_fixed``, with the
+    Accelerator built, before prepare()). Each run's report as in run_trainer_fixes, with each rank's
+    AccelerateAccumulation record and backward counts."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import GradientAccumulationPlugin
+    from transformers import LlamaForCausalLM
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    res = {}
+
+    def run(name, fix=None, sync_each_batch=False):
+        AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
+        GradientState._reset_state()
+        acc = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=ACCUM_MICRO, sync_each_batch=sync_each_batch))
+        force_fsdp(acc.state, FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"]))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config(256))
+        if fix:  # where it says: with the Accelerator built, before accelerator.prepare(model)
+            exec(compile(fix, f"<{name} fix>", "exec"), {"accelerator": acc, "model": model})
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        data = _Tokens(ACCUM_STEPS * ACCUM_MICRO * BATCH, 0)
+        with fsdp_doctor.watch(model, opt, out_dir=str(out / name), capacity_bytes=8 << 30,
+                               profile=ProfileSchedule(first=3, warmup=1, active=1)) as doc:
+            for i in range(ACCUM_STEPS * ACCUM_MICRO):
+                with acc.accumulate(model):
+                    tok = torch.stack([data[BATCH * i + j]["input_ids"] for j in range(BATCH)])
+                    acc.backward(model(input_ids=tok, labels=tok).loss)
+                    opt.step()
+                    opt.zero_grad()
+                doc.step()
+        dist.barrier()
+        run_ = fsdp_doctor.load_run(out / name)
+        rd = run_.ranks[rank]
+        res[name] = {**_outcome(out / name, rank), "accelerate": msgspec.to_builtins(rd.config.accelerate),
+                     "backwards": [[s.backwards, s.synced_backwards] for s in rd.steps],
+                     # each unit's reduce-scatters per optimizer step in the trace (this rank's)
+                     "reduce_scatters": sorted([r.unit, r.count_per_step] for r in fsdp_doctor.build_report(
+                         run_).overlap.per_unit if r.rank == rank and r.collective == "reduce_scatter")}
+        return res[name]["findings"]
+
+    run("default")
+    return _each_fixed(run, res, [("each", "accum.sync_every_micro_batch", {"sync_each_batch": True})])
 
 
 def run_tp_fixes(out: Path) -> dict:
@@ -1005,7 +1076,7 @@ def run_loops(out: Path) -> dict:
 CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,
          "trainer_fixes": run_trainer_fixes,
          "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
-         "accelerate_fixes": run_accelerate_fixes}
+         "accelerate_fixes": run_accelerate_fixes, "accelerate_accum": run_accelerate_accum}
 
 
 if __name__ == "__main__":

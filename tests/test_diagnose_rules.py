@@ -2736,6 +2736,52 @@ def test_accumulation_under_torchtitan_offers_no_loop_code():
         "accelerator.sync_gradients inside `with accelerator.accumulate(model):`")
 
 
+
+@pytest.mark.parametrize("acc, where, said, names", [
+    # sync_each_batch=True, accumulate() switching (3 of 4 backwards began with sync_gradients off): its own setting
+    ({"num_steps": 4, "sync_each_batch": True, "distributed_type": "FSDP", "unsynced_backwards": 3}, "accelerate",
+     "Your GradientAccumulationPlugin's sync_each_batch=True keeps it on", "accelerator"),
+    # its distributed type not FSDP: no_sync looks for DDP's; the loop's flag is accumulate()'s still
+    ({"num_steps": 4, "distributed_type": "MULTI_CPU", "unsynced_backwards": 3}, "loop",
+     "accelerate's distributed type was MULTI_CPU, not FSDP", "accelerator.sync_gradients inside"),
+    # gradient_accumulation_steps left at 1: accumulate() syncs every call; sync_gradients is no last-micro-batch flag
+    ({"distributed_type": "FSDP"}, "loop", "accelerate's gradient_accumulation_steps is 1, its default",
+     "True for the micro-batch"),
+    # set to 4, but nothing switched: the loop does not enter accumulate()
+    ({"num_steps": 4, "distributed_type": "FSDP"}, "loop", "the loop does not enter accelerator.accumulate(model)",
+     "True for the micro-batch"),
+])
+def test_accumulation_under_accelerate_names_what_accelerate_did(acc, where, said, names):
+    """A loop of the user's own around accelerate's prepare() (RunConfig.accelerate recorded): the finding names
+    why accelerator.accumulate(model) left gradient sync on, and its fix is accelerate's own setting where that is
+    the cause (sync_each_batch=True, which the loop fix would silently undo: a new-user trial's Qwen2), else the
+    loop's line, reading accumulate()'s flag only where accumulate() switched."""
+    from fsdp_doctor.records import AccelerateAccumulation
+
+    rows = [{"rank": r, "unit": f"layers.{i}", "collective": "reduce_scatter", "phase": "backward", "count": 8,
+             "comm_us": 8_000.0, "exposed_us": 8_000.0} for r in (0, 1) for i in range(4)]
+    ov = {"per_rank": {str(r): {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                                "steps": [6, 7], "device": "gpu"} for r in (0, 1)}, "per_unit": rows}
+    ctx = build(overlap=ov, sharded_by=ACCELERATE_SHARDER, accelerate=AccelerateAccumulation(**acc))[0]
+    rule = next(c for c in RULES if c.code == "accum.sync_every_micro_batch")()
+    rule.config = ctx.config  # (as diagnose() sets it)
+    (f,) = rule.match(ctx)
+    rec = f.recommendation
+    assert said in rec.text and rec.where == where, (rec.where, rec.text)
+    assert next(iter(rec.inputs.values())).startswith(names) if where == "loop" else rec.inputs == {
+        "accelerator": "your accelerate Accelerator"}, rec.inputs
+    if where == "accelerate":
+        assert f.title.endswith("(sync_each_batch=True)"), f.title
+        assert rec.code.splitlines()[-1] == 'accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = False'
+        assert "set_requires_gradient_sync" not in rec.code
+    else:
+        assert rec.code.splitlines()[-1] == "model.set_requires_gradient_sync(is_last_micro_batch)", rec.code
+    assert f.predicted["step_ms_after"] < f.predicted["step_ms_before"]
+    # a record written before RunConfig.accelerate (none read): the loop fix, with accumulate()'s flag, as before
+    old = msgspec.json.decode(msgspec.json.encode(ctx.config), type=dict)
+    old.pop("accelerate")
+    assert msgspec.convert(old, type(ctx.config)).accelerate is None
+
 def _eval_ctx(gather_ms=80.0, *, capacity=8 << 30, lacks=(), raf=True, compiled=False, gathers=None):
     """The reference GPT's layout (one training forward's all-gather waits: 1.0 + 4 x 1.0 + 1.0 ms), 6 steps of
     which two ran 8 forward passes without gradients taking ``gather_ms`` of all-gathers each; with ``gathers``, the

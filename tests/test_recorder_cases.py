@@ -399,6 +399,43 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         _wrap_fix(res, "accelerate")
 
 
+@pytest.fixture(scope="module")
+def accelerate_accum_run(tmp_path_factory):
+    return _fix_case(tmp_path_factory, "accelerate_accum")
+
+
+@pytest.mark.long  # (the long tier, tests/conftest.py: 3 runs, a fix pasted and rerun in the third)
+def test_accelerate_accumulate_syncs_once_and_sync_each_batch_is_named(accelerate_accum_run):
+    """4 micro-batches a step inside accelerator.accumulate(model) (recorder_cases.run_accelerate_accum, accelerate
+    forced to FSDP on PartialState too: forced on AcceleratorState alone, each micro-batch reduce-scattered, as the
+    doctor caught). The plugin's defaults: 1 of 4 backwards with gradient sync on, 1 reduce-scatter per unit per
+    optimizer step in the trace, accum.sync_every_micro_batch quiet. sync_each_batch=True: 4 of 4, the finding names
+    it and its fix turns it off on the Accelerator before prepare(); pasted, 1 of 4 again, the finding gone, the
+    peak the predicted one (recorder_cases.fixed_pair)."""
+    from recorder_cases import ACCUM_MICRO, ACCUM_STEPS
+
+    for res in accelerate_accum_run:
+        default = res["default"]
+        assert default["accelerate"] == {"num_steps": ACCUM_MICRO, "distributed_type": "FSDP",
+                                         "unsynced_backwards": ACCUM_MICRO - 1}, default["accelerate"]
+        assert default["backwards"] == [[ACCUM_MICRO, 1]] * ACCUM_STEPS, default["backwards"]
+        assert "accum.sync_every_micro_batch" not in default["findings"]
+        assert default["quiet"]["accum.sync_every_micro_batch"] == (
+            f"1 reduce-scatter per unit per step over {ACCUM_MICRO} micro-batches")
+        assert default["reduce_scatters"] and {n for _, n in default["reduce_scatters"]} == {1}, default
+        before, after, f = fixed_pair(res, "each", "accum.sync_every_micro_batch", "accelerate", "accelerate")
+        assert before["accelerate"]["sync_each_batch"] is True and before["backwards"] == [
+            [ACCUM_MICRO, ACCUM_MICRO]] * ACCUM_STEPS, before
+        assert {n for _, n in before["reduce_scatters"]} == {ACCUM_MICRO}, before["reduce_scatters"]
+        assert "sync_each_batch=True keeps it on" in f["text"] and f["inputs"] == {
+            "accelerator": "your accelerate Accelerator"}, f
+        assert f["code"].splitlines()[-1] == 'accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = False'
+        assert "sync_each_batch" not in after["accelerate"] and after["backwards"] == [[ACCUM_MICRO, 1]] * ACCUM_STEPS
+        assert {n for _, n in after["reduce_scatters"]} == {1}, after["reduce_scatters"]
+        # (holding the unsharded gradients: the peak rises, as predicted)
+        assert f["predicted"]["peak_bytes_after"] > f["predicted"]["peak_bytes_before"]
+
+
 @pytest.mark.slow
 @pytest.mark.long  # (the long tier, tests/conftest.py: a fix pasted and rerun in a second real run)
 def test_hsdp_fix_keeps_the_users_2d_mesh(tmp_path_factory):

@@ -225,10 +225,13 @@ class Rule:
         return self.quiet(why)
 
     def finding(self, severity: str, title: str, evidence: dict, text: str, code: str = "", *,
-                where: str = "", inputs: dict[str, str] | None = None, **kw) -> Finding:
+                where: str = "", inputs: dict[str, str] | None = None, accumulated: bool = True,
+                **kw) -> Finding:
         """``code``: the fix; ``where`` it goes (report_sections.FIX_PLACES; read from the code when not
         given); a loop fix's ``inputs``, the names it reads from the user's loop (a fix on accelerate's FSDP2 plugin,
-        ``where`` "trainer" or "accelerate", reads the object holding it: snippets.PLUGIN_INPUTS)."""
+        ``where`` "trainer" or "accelerate", reads the object holding it: snippets.PLUGIN_INPUTS). In a loop around
+        accelerate's prepare() those names are what its accumulate() holds (snippets.PREPARED_INPUTS) unless
+        ``accumulated`` is False: the run shows accumulate() not switching (the loop does not enter it)."""
         assert severity in SEVERITIES, severity
         where = where or fix_place(code)
         if where == "sharded" and prepared_by_user(self.config):  # no fully_shard calls of the user's own
@@ -241,7 +244,8 @@ class Rule:
         # the snippet with the imports and mesh it uses (diagnose/snippets.py): it runs pasted as it is
         inputs = inputs or dict(PLUGIN_INPUTS.get(where, {}))
         if prepared_by_user(self.config):  # the loop's names as accelerate's accumulate() holds them
-            inputs = {k: PREPARED_INPUTS.get(k, v) for k, v in inputs.items()}
+            if accumulated:
+                inputs = {k: PREPARED_INPUTS.get(k, v) for k, v in inputs.items()}
             code = for_prepared_optimizer(code)
         # a run whose parameters' mesh has model-parallel dims beside FSDP's: the mesh a fix uses is the user's FSDP
         # mesh, which the fix reads (a new mesh cannot be it: FSDP needs the tensor-parallel mesh's parent); so too

@@ -162,6 +162,10 @@ class StepTimer:
         # (a GAN's generator run twice into one loss is one backward, one micro-batch)
         self.backwards = 0
         self.synced_backwards = 0  # of those, the ones that began with gradient sync on (gradient_sync)
+        # where accelerate prepared the model: its GradientState's sync_gradients (accelerator.accumulate(model)'s
+        # per-call switch), read as each backward begins; and the backwards so far that began with it off
+        self.accelerate_sync: Optional[Callable[[], bool]] = None
+        self.accelerate_unsynced = 0
         self.marks: Optional[MarkSink] = None  # the memory probe
         self.gpu = None  # GpuTimeline on CUDA
         self._handles: list[Any] = []
@@ -736,6 +740,8 @@ class StepTimer:
         self.backwards += 1
         if self.gradient_sync():  # (set before the backward: FSDP2's post-backward reads it as it reduces)
             self.synced_backwards += 1
+        if self.accelerate_sync is not None and not self.accelerate_sync():
+            self.accelerate_unsynced += 1
         if self._opt_end and self._opt_after_bwd:  # after an update that followed a backward: not a micro-batch
             self._bwd_after_opt = True
 

@@ -36,6 +36,7 @@ import torch.nn as nn
 from .. import __version__
 from ..records import (
     ACCELERATE_SHARDER,
+    AccelerateAccumulation,
     FORMAT_NAME,
     FORMAT_VERSION,
     TORCHTITAN_SHARDER,
@@ -82,6 +83,29 @@ def _plugin_state_dict_type() -> str | None:
     return None if kind is None else str(getattr(kind, "name", kind))
 
 
+def _accelerate_sync() -> bool:
+    """accelerate's GradientState.sync_gradients (False inside ``accelerator.accumulate(model)`` on a micro-batch
+    before the last of its gradient_accumulation_steps), read from its shared state; True where there is none."""
+    state = getattr(sys.modules.get("accelerate.state"), "GradientState", None)
+    return (getattr(state, "_shared_state", None) or {}).get("sync_gradients", True) is not False
+
+
+def _accelerate_accumulation(unsynced: int) -> AccelerateAccumulation | None:
+    """accelerate's gradient accumulation settings (its GradientState's plugin kwargs, AcceleratorState's distributed
+    type), read from their shared state without creating one, with ``unsynced``, the backwards seen begun with its
+    sync_gradients off; None: no GradientState."""
+    mod = sys.modules.get("accelerate.state")
+    grad = getattr(getattr(mod, "GradientState", None), "_shared_state", None) or {}
+    if not grad:
+        return None
+    kw = grad.get("plugin_kwargs") or {}
+    kind = (getattr(getattr(mod, "AcceleratorState", None), "_shared_state", None) or {}).get("distributed_type")
+    return AccelerateAccumulation(num_steps=int(kw.get("num_steps", 1) or 1),
+                                  sync_each_batch=bool(kw.get("sync_each_batch", False)),
+                                  distributed_type="" if kind is None else str(getattr(kind, "name", kind)),
+                                  unsynced_backwards=unsynced)
+
+
 class SaveMark:
     """What ``Doctor.checkpointing()`` yields: ``saved`` False drops the call (it saved nothing)."""
 
@@ -123,6 +147,8 @@ class Doctor:
         self.count_flops = opts.counts_flops
         self._profile_kwargs = resolve_profile(opts.profile)
         self._timer = StepTimer(self._fail)  # the hooks around FSDP's, their marks and timings
+        if getattr(model, "_is_accelerate_prepared", False):  # accumulate()'s switch, read per backward
+            self._timer.accelerate_sync = _accelerate_sync
         self.active = False
         self.steps_done = 0  # step records ended (optimizer steps, with an optimizer)
         self._failures = FailurePolicy(self._step_aside, self._safe_write)
@@ -724,6 +750,7 @@ class Doctor:
         cfg.sharded_by = ACCELERATE_SHARDER if getattr(self.model, "_is_accelerate_prepared", False) else None
         if cfg.sharded_by is not None:
             cfg.plugin_state_dict_type = _plugin_state_dict_type()
+            cfg.accelerate = _accelerate_accumulation(self._timer.accelerate_unsynced)
         # a torchtitan model (fully_shard subclasses its class: FSDPLlama3Model)
         if cfg.sharded_by is None and any(c.__module__.split(".")[0] == TORCHTITAN_SHARDER
                                           for c in type(self.model).__mro__):

@@ -28,6 +28,45 @@ def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "")
             "offered for torchtitan's loop."), "", "", {}
 
 
+def _under_accelerate(ctx: Context, per: float) -> tuple[str, str, str, bool] | None:
+    """Where a loop of the user's own around accelerate's prepare() accumulates: (what accelerate did, read from its
+    recorded state (RunConfig.accelerate), the fix's code or "" for the loop fix, where it goes, whether the loop's
+    names are accumulate()'s); None: not such a run, or nothing of accelerate's to name. accelerator.accumulate(model)
+    turns FSDP2's gradient sync off on all but the last of its gradient_accumulation_steps calls, unless the
+    GradientAccumulationPlugin's sync_each_batch=True keeps it on (set to save memory: a new-user trial's Qwen2 was
+    told to call set_requires_gradient_sync, which silently undid it), its distributed type is not FSDP (its no_sync
+    then looks for DDP's), or the loop never enters it (sync_gradients never off)."""
+    acc = getattr(ctx.config, "accelerate", None)
+    if E.plugin_lever(ctx) != "accelerate" or acc is None:
+        return None
+    switched = acc.unsynced_backwards > 0  # accumulate() said "not the last micro-batch" on some backward
+    if acc.distributed_type and acc.distributed_type != "FSDP":
+        return (f" accelerate's distributed type was {acc.distributed_type}, not FSDP: accelerator.accumulate(model) "
+                "turns an FSDP2 model's gradient sync off only under FSDP (under another, its no_sync looks for "
+                "DDP's no_sync, which an FSDP2 model lacks). Turn it off in the loop:", "", "", switched)
+    if acc.sync_each_batch and switched:
+        code = "\n".join(S.comment(
+            f"sync_each_batch off, as GradientAccumulationPlugin has it by default: accelerator.accumulate(model) "
+            f"turns gradient sync off on all but the last of every {acc.num_steps} micro-batches")
+            + ['accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = False'])
+        return (" Your GradientAccumulationPlugin's sync_each_batch=True keeps it on: accelerator.accumulate(model) "
+                f"turned it off on all but the last of its {acc.num_steps} micro-batches otherwise. Set to save "
+                "memory, it costs these reduce-scatters: turn it off where the predicted peak fits.", code,
+                "accelerate", True)
+    if switched:
+        return None  # (accumulate() switched and would have turned sync off: something else turned it on)
+    wrap = ("each micro-batch's forward and backward inside `with accelerator.accumulate(model):`, which turns "
+            "gradient sync off on all but the last")
+    if acc.num_steps <= 1:
+        return (f" accelerate's gradient_accumulation_steps is 1, its default: accelerator.accumulate(model) syncs "
+                f"on every call. Let it accumulate: Accelerator(gradient_accumulation_steps={per:.0f}) and {wrap} "
+                f"(accelerator.backward then divides each loss by {per:.0f}: drop a division of your own), or turn "
+                "it off in the loop yourself:", "", "", False)
+    return (f" accelerate's gradient_accumulation_steps is {acc.num_steps}, but no backward began with its "
+            "sync_gradients off: the loop does not enter accelerator.accumulate(model). Put "
+            f"{wrap}, or turn it off in the loop yourself:", "", "", False)
+
+
 @register
 class AccumulationSyncsEveryMicroBatch(Rule):
     code = "accum.sync_every_micro_batch"
@@ -149,8 +188,15 @@ class AccumulationSyncsEveryMicroBatch(Rule):
                 "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
         text, code, where, inputs = _in_the_loop(ctx, text, code, "set_requires_gradient_sync",
                                                  " with gradient sync on for every one")
+        accumulated, cause = True, ""
+        if (accel := _under_accelerate(ctx, per)) is not None:
+            said, plugin_code, plugin_where, accumulated = accel
+            text += said
+            if plugin_code:  # accelerate's own setting, in place of the loop's line
+                code, where, inputs, cause = plugin_code, plugin_where, None, " (sync_each_batch=True)"
         return [self.finding(
-            sev, f"{n:.0f} reduce-scatters per unit per optimizer step: gradient accumulation syncs every micro-batch",
+            sev, f"{n:.0f} reduce-scatters per unit per optimizer step: gradient accumulation syncs every "
+                 f"micro-batch{cause}",
             {"reducescatters_per_unit_per_step": round(n, 2), "micro_batches_per_step": per,
              "units": len(counts), "reducescatter_ms_per_step": round(comm, 3),
              "reducescatter_exposed_ms_per_step": round(exposed, 3), "saved_ms_per_step": round(saved, 3),
@@ -160,7 +206,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
              "saved_ms_per_median_step": round(gain, 3),
              "saved_share_pct": None if share is None else round(100 * share, 1), "unsharded_grads_bytes": unsharded,
              "sharded_grads_freed_bytes": freed, "allreduces_per_unit_per_step": ar_n, "comm_buffers_freed_bytes": held},
-            text, code, where=where, inputs=inputs,
+            text, code, where=where, inputs=inputs, accumulated=accumulated,
             # (an estimate, not a ceiling, where the peak is a plain trace's: the trial's run with the fix measured
             # 4.1% above it, a CPU trace's peak moving by a unit's reduce-scatter buffer from run to run)
             predicted=E.predicted(step, step - gain if step else None, peak, after),
