@@ -118,9 +118,21 @@ class PredictionCheck(_S):
     # a fix whose gain lies in steps the step statistics leave out (checkpoint.blocking: the saves' share of the
     # recorded time, %): A's prediction against B's share, held when B's fell by at least half the predicted drop
     share_pct_before: Optional[float] = None
-    share_pct_predicted: Optional[float] = None
+    share_pct_predicted: Optional[float] = None  # None for async_save (the rule prices none: at most all of it)
     share_pct_measured: Optional[float] = None
-    share_held: Optional[bool] = None
+    share_held: Optional[bool] = None  # None: not checked (share_why says why)
+    # which of the fix's alternatives B took, by its own records (checkpoint.blocking: its saves asynchronous where
+    # A's were not, or fewer: a longer interval): "async_save" | "less often" (both checked) | "both" | "neither" |
+    # "no save" (not checked)
+    share_fix: str = ""
+    share_why: str = ""  # what B did, where nothing was checked
+    share_every_a: Optional[float] = None  # steps between saves in A (median; with one save, the steps counted)
+    share_every_b: Optional[float] = None  # ... in B: a less-often prediction is checked at B's interval
+    share_every_advised: Optional[int] = None  # the interval A's finding advised (its save_steps_after)
+    share_saves_b: Optional[int] = None  # less often: B's saves counted, with which A's saves are predicted
+    # async_save: A's saves' time per step (the most it gains, less the copy to host memory) and A's less B's
+    gain_ms_per_step_at_most: Optional[float] = None
+    gain_ms_per_step_measured: Optional[float] = None
 
 
 class OpChange(_S):

@@ -1165,6 +1165,73 @@ def test_gradient_sync_turned_off_for_all_but_the_last_micro_batch_is_a_configur
     assert [c.key for c in C.compare(old, side_b).config] == []
 
 
+@pytest.mark.slow
+@pytest.mark.long  # (four real 2-rank runs)
+def test_a_checkpoint_fix_is_checked_by_the_alternative_b_took(tmp_path):
+    """checkpoint.blocking on synchronous DCP saves offers async_save or a save less often. A new-user trial (a GPT-2
+    loop saving with dcp.save every 10 steps, 2 gloo ranks) applied async_save, and compare checked the save-less-often
+    prediction, which "held" by chance. Four real runs of the reference GPT, 24 steps, the model's and optimizer's
+    state saved by DCP (tests/trace_fixtures.DcpSaves): A dcp.save every 4 steps (~330 ms saves, ~26% of the time
+    here), B dcp.async_save every 4 (~60 ms stagings, ~6%), C dcp.save every 8, D dcp.async_save every 8. B's records
+    tell which alternative it took, and compare checks that one: B async_save's (held: under half of A's share, its
+    gain per step within A's saves' time), C the save less often at its own interval (the advised one named), D both
+    and A against itself neither, nothing checked."""
+    from fsdp_doctor.present.compare import tables
+    from fsdp_doctor.workloads import WorkloadConfig, launch
+    from trace_fixtures import DcpSaves
+
+    sides = {}
+    for name, every, asynchronous in (("A", 4, False), ("B", 4, True), ("C", 8, False), ("D", 8, True)):
+        cfg = WorkloadConfig(steps=24)
+        launch(cfg, nproc=2, watch_kwargs={"out_dir": str(tmp_path / name), "profile": False},
+               on_step=DcpSaves(tmp_path / f"{name}-checkpoints", every, cfg.steps, asynchronous), timeout_s=300)
+        sides[name] = compare_side(load_run(tmp_path / name))
+    for name, asynchronous in (("A", False), ("B", True), ("C", False), ("D", True)):
+        for c in sides[name].report.steps.checkpoints.values():  # (the save after step 4k: in step 4k's record)
+            assert c.steps == ([4, 8, 12, 16, 20] if name in "AB" else [8, 16]), (name, c)
+            assert c.async_saves == (c.saves if asynchronous else 0), (name, c)
+    f = next(f for f in sides["A"].report.findings if f.code == "checkpoint.blocking")
+    assert "Save asynchronously" in f.recommendation.text and f.evidence["save_steps_after"] > 8, f.evidence
+
+    def check(b):
+        cmp = C.compare(sides["A"], sides[b], applied=["checkpoint.blocking"])
+        (chk,) = cmp.predictions
+        (t,) = [t for t in tables(cmp) if t.title.startswith("Predictions")]
+        print(f"\nA -> {b}: {chk}\n{t.rows[0][1]}")
+        return chk, t.rows[0][1]
+
+    chk, cell = check("B")
+    assert chk.share_pct_predicted is None, chk  # (it was the save-less-often prediction's share_pct_after)
+    assert (chk.share_fix, chk.share_every_a, chk.share_every_b) == ("async_save", 4, 4), chk
+    assert chk.share_pct_before == f.evidence["share_pct"] and chk.share_held is True, chk
+    assert chk.share_pct_measured <= 0.5 * chk.share_pct_before, chk
+    assert chk.gain_ms_per_step_at_most == f.evidence["gain_ms_per_step_at_most"], (chk, f.evidence)
+    assert 0 < chk.gain_ms_per_step_measured <= chk.gain_ms_per_step_at_most, chk
+    assert cell.startswith(f"async_save: share {chk.share_pct_before:.1f}%\n→ the copy's only (held at\nhalf of it "
+                           f"or under)\n→ {chk.share_pct_measured:.1f}%: held\n("), cell
+
+    chk, cell = check("C")
+    assert (chk.share_fix, chk.share_every_b, chk.share_saves_b) == ("less often", 8, 2), chk
+    assert chk.share_every_advised == f.evidence["save_steps_after"] and chk.share_held is True, chk
+    # A's saves' time with B's 2 saves (A's share_pct_after is for its advised interval, which C did not take)
+    ca = next(c for c in sides["A"].report.steps.checkpoints.values()
+              if round(100 * c.ms_total / c.wall_ms_total, 1) == chk.share_pct_before)
+    step_ms, setup = (ca.wall_ms_total - ca.ms_total) / ca.counted_steps, f.evidence["first_save_setup_ms"]
+    saves_ms, steps = setup + 2 * (ca.ms_total - setup) / ca.saves, ca.counted_steps  # (C's too: 23, step 0 out)
+    assert chk.share_pct_predicted == pytest.approx(100 * saves_ms / (steps * step_ms + saves_ms), abs=0.06), chk
+    assert cell.startswith(f"2 saves, every 8 steps (advised: every {f.evidence['save_steps_after']}):\nshare "
+                           f"{chk.share_pct_before:.1f}% → {chk.share_pct_predicted:.1f}%\n→ "), cell
+
+    chk, cell = check("D")
+    assert (chk.share_fix, chk.share_held, chk.share_pct_predicted) == ("both", None, None), chk
+    assert "not checked: B saved asynchronously every 8 steps, A synchronously every 4 steps: how and how often both " \
+           "changed" in cell, cell
+    chk, cell = check("A")
+    assert (chk.share_fix, chk.share_held) == ("neither", None), chk
+    assert cell.endswith("not checked: B saved synchronously every 4 steps, as A: neither of the fix's alternatives "
+                         "(async_save, a save less often)"), cell
+
+
 def test_units_inside_checkpoint_wrappers_are_matched_by_their_module_path(checkpoint_wrapped_pair):
     """Each block checkpointed as accelerate's FSDP2 plugin does it (a new-user trial's runs/cap3 against runs/fix_ac,
     ac.recommended's fix): the block's unit becomes "layers.0._checkpoint_wrapped_module" and the wrapper an empty

@@ -596,8 +596,10 @@ def test_a_save_on_rank_0_only_is_a_save_step_of_every_rank(tmp_path, sample_run
 def test_compare_checks_a_save_interval_fix_by_the_saves_share_not_the_step_p50():
     """``compare --applied checkpoint.blocking``: the fix's gain lies in the save steps, which the step statistics
     leave out, so the p50 cannot show it; the predictions row read "— —" and the applied fix made host noise
-    "significant: faster" (a new-user trial). The check is the saves' share: A's predicted against B's measured,
-    held when it fell by at least half the predicted drop; the step-time change stays the host's."""
+    "significant: faster" (a new-user trial). The check is the saves' share: the share A's saves would take with
+    B's saves (one 250 ms save in 24 steps of 100.1 ms: 9.4%; the finding's 4.0% is for its advised save every 60
+    steps, which B did not take, and the cell says so), held when B's fell by at least half that drop; the
+    step-time change stays the host's."""
     import fsdp_doctor
     from fsdp_doctor.analyze import compare as C
     from fsdp_doctor.pipeline import compare_side
@@ -608,14 +610,60 @@ def test_compare_checks_a_save_interval_fix_by_the_saves_share_not_the_step_p50(
     f = next(f for f in a.report.findings if f.code == "checkpoint.blocking")
     cmp = C.compare(a, b, applied=["checkpoint.blocking"])
     (chk,) = cmp.predictions
-    assert chk.share_pct_before == f.evidence["share_pct"] and chk.share_pct_predicted == f.evidence["share_pct_after"]
+    assert (chk.share_fix, chk.share_pct_before, chk.share_every_a, chk.share_every_b, chk.share_saves_b,
+            chk.share_every_advised) == ("less often", f.evidence["share_pct"], 3, 24, 1, 60), chk
+    assert chk.share_pct_predicted == round(100 * 250 / (24 * 100.1 + 250), 1) == 9.4, chk
     assert chk.share_pct_measured == round(100 * 250 / b_run_total(b_run), 1) and chk.share_held is True, chk
     assert chk.step_verdict is None and not cmp.step_p50.significant, cmp.step_p50
     text = "\n".join(str(r) for t in tables(cmp) for r in t.rows)
-    assert f"share {chk.share_pct_before:.1f}% → {chk.share_pct_predicted:.1f}%" in text, text
-    # B saving as often as A: missed
+    assert (f"1 save in 24 steps (advised: every 60):\\nshare {chk.share_pct_before:.1f}% → 9.4%\\n→ 9.4%:\\nheld"
+            in text), text
+    # B saving as A did: neither of the fix's alternatives, nothing checked (it read "missed")
     (chk,) = C.compare(a, compare_side(_save_run({3, 6, 9}, n=24)), applied=["checkpoint.blocking"]).predictions
-    assert chk.share_held is False, chk
+    assert (chk.share_fix, chk.share_held, chk.share_pct_predicted) == ("neither", None, None), chk
+    assert chk.share_why == ("B saved synchronously every 3 steps, as A: neither of the fix's alternatives "
+                             "(async_save, a save less often)"), chk.share_why
+
+
+def test_compare_checks_the_alternative_b_took_async_save_or_less_often():
+    """checkpoint.blocking offers two fixes for synchronous saves: async_save (the step waits for the copy to host
+    memory only; at most the saves' time per step to gain, no figure) or a save less often (its share_pct_after).
+    A new-user trial applied async_save, and compare checked the save-less-often prediction, "held" by chance. B's
+    records tell them apart (its saves' async_saves, its interval): async_save stagings of 50 ms where A's saves
+    took 250 ms, as often, are async_save's check, held (B's share 5.9%, under half A's 23.8%), 31.2 - 6.2 = 25.0 ms
+    per step gained of at most 31.2; stagings as long as the saves miss; async and less often, both, check nothing."""
+    from fsdp_doctor.analyze import compare as C
+    from fsdp_doctor.pipeline import compare_side
+    from fsdp_doctor.present.compare import tables
+
+    a = compare_side(_save_run({3, 6, 9}, n=24))
+    f = next(f for f in a.report.findings if f.code == "checkpoint.blocking")
+    b_run = _save_run({3, 6, 9}, n=24, save_ms=50.0, asynchronous=True)
+    cmp = C.compare(a, compare_side(b_run), applied=["checkpoint.blocking"])
+    (chk,) = cmp.predictions
+    assert chk.share_pct_predicted is None, chk  # (it was the save-less-often prediction's 4.0%, "held")
+    assert (chk.share_fix, chk.share_every_a, chk.share_every_b) == ("async_save", 3, 3), chk
+    assert chk.share_pct_measured == round(100 * 150 / b_run_total(b_run), 1) == 5.9 and chk.share_held is True, chk
+    assert (chk.gain_ms_per_step_at_most, chk.gain_ms_per_step_measured) == (31.25, 25.0), chk
+    assert chk.gain_ms_per_step_at_most == f.evidence["gain_ms_per_step_at_most"]
+    (t,) = [t for t in tables(cmp) if t.title.startswith("Predictions")]
+    assert t.rows[0][1] == ("async_save: share 23.8%\n→ the copy's only (held at\nhalf of it or under)\n→ 5.9%: "
+                            "held\n(25.0 ms of at most 31.2 ms per step gained)"), t.rows[0][1]
+    assert "for async_save half of A's share" in t.note, t.note
+    # stagings as long as the saves: the step did not wait for a copy only
+    (chk,) = C.compare(a, compare_side(_save_run({3, 6, 9}, n=24, asynchronous=True)),
+                       applied=["checkpoint.blocking"]).predictions
+    assert (chk.share_fix, chk.share_held) == ("async_save", False), chk
+    # asynchronous and less often: both alternatives at once, neither prediction is for that
+    (chk,) = C.compare(a, compare_side(_save_run({5, 11, 17}, n=24, save_ms=50.0, asynchronous=True)),
+                       applied=["checkpoint.blocking"]).predictions
+    assert (chk.share_fix, chk.share_held, chk.share_pct_measured) == ("both", None, 5.9), chk
+    assert chk.share_why.startswith("B saved asynchronously every 6 steps, A synchronously every 3 steps: how and "
+                                    "how often both changed"), chk.share_why
+    (t,) = [t for t in tables(C.compare(a, compare_side(_save_run(set(), n=24)), applied=["checkpoint.blocking"]))
+            if t.title.startswith("Predictions")]
+    assert t.rows[0][1] == ("share 23.8% → 0.0%:\nnot checked: B recorded no checkpoint save: no prediction of this "
+                            "fix applies"), t.rows
 
 
 def b_run_total(run) -> float:

@@ -381,6 +381,37 @@ class TensorBoardProfile:
         return 1 + self.steps
 
 
+class DcpSaves:
+    """``on_step`` hook: the model's and the optimizer's state saved with torch.distributed.checkpoint every ``every``
+    steps (after the step's ``doctor.step()``: the recorder counts it in the next step), as users write it:
+    ``dcp.save``, or with ``asynchronous`` ``dcp.async_save`` on a gloo group of its own made once (on the default
+    group gloo's collectives and training's interleave), its future waited on before the next save and after the
+    last step. No save after the last step (the recorder would count it in no step)."""
+
+    def __init__(self, out_dir, every, steps, asynchronous=False):
+        self.out_dir, self.every, self.steps, self.asynchronous = str(out_dir), every, steps, asynchronous
+        self._group = self._future = None
+
+    def __call__(self, step, model=None, optimizer=None, loss=None):
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if (step + 1) % self.every == 0 and step < self.steps - 1:
+            if self._future is not None:
+                self._future.result()
+            where = f"{self.out_dir}/step{step + 1}"
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            if not self.asynchronous:
+                dcp.save(state, checkpoint_id=where)
+                return
+            if self._group is None:
+                self._group = dist.new_group(backend="gloo")
+            self._future = dcp.async_save(state, checkpoint_id=where, process_group=self._group)
+        elif step == self.steps - 1 and self._future is not None:
+            self._future.result()
+            self._future = None
+
+
 # ====================================================================== FSDP2-shaped GPU traces
 EPS = 0.01  # µs: the width of a host label around one launch
 

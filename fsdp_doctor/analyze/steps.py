@@ -164,6 +164,40 @@ def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
                            first_ms=round(ms[0], 3), unmarked_ms=round(unmarked, 3))
 
 
+def save_interval(c: CheckpointSteps) -> Optional[float]:
+    """Steps between a rank's saves (their steps' median distance); None with one save."""
+    return statistics.median(b - a for a, b in zip(c.steps, c.steps[1:])) if len(c.steps) > 1 else None
+
+
+def counted_saves(c: CheckpointSteps) -> int:
+    """The saves whose time ``c.ms_total`` holds: those outside profiler windows."""
+    return c.counted_saves or c.saves
+
+
+def first_save_setup(c: CheckpointSteps) -> float:
+    """The first counted save's excess over the median save (ms): a process's first save also sets up (an
+    async_save its staging: 45-68 ms against 31 ms for the next ones in torchtitan's), once however often it saves;
+    0 with one save, or where the first was not slower."""
+    return max(0.0, (c.first_ms or 0.0) - c.ms_p50) if counted_saves(c) > 1 else 0.0
+
+
+def save_ms_each(c: CheckpointSteps) -> float:
+    """A save's time (ms): the counted saves' mean without the first one's set-up (``first_save_setup``)."""
+    # (per save counted: a 16-step torchtitan run saving every 2 steps, 2 of its 7 saves in the profiler's window,
+    # priced each save at 5/7 of its time and was told every 4 steps for 4.5%: 6.4% measured)
+    return (c.ms_total - first_save_setup(c)) / max(1, counted_saves(c))
+
+
+def saves_share(c: CheckpointSteps, step_ms: float, saves: float, steps: int) -> tuple[float, float]:
+    """(the saves' share of the time, their time in ms) in a run of ``steps`` steps of ``step_ms`` with ``saves``
+    saves (a run saving every n steps: steps / n), each as those of ``c`` (``save_ms_each``), the first one's set-up
+    paid once (a 16-step torchtitan run saving every 2 steps, asynchronously, was predicted 3.8% at a save every 8
+    steps from the mean of all saves, and measured 6.7%: its two saves' first took 60 ms). checkpoint.blocking's
+    save-less-often plan, and compare's check of it with the saves a rerun made."""
+    after = first_save_setup(c) + saves * save_ms_each(c)
+    return after / (steps * step_ms + after), after
+
+
 def percentile(xs: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
     if not xs:

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 from rich.console import Console
 from rich.markup import escape
 
-from ..compare_sections import Comparison, Delta
+from ..compare_sections import Comparison, Delta, PredictionCheck
 from ..memory_categories import label as category_label
 from .fit import Col, fitted_table
 from .fmt import MISSING, fmt_bytes, fmt_list, fmt_ms, fmt_us, unit_label
@@ -156,9 +156,7 @@ def tables(c: Comparison) -> list[CompareTable]:
                     f"({p.step_pct_measured:+.0f}%):\n{p.step_verdict or MISSING}"
                     if p.step_ms_predicted is not None else
                     # (a fix whose gain the step statistics leave out: its share of the time, e.g. the saves')
-                    f"share {p.share_pct_before:.1f}% → {p.share_pct_predicted:.1f}%\n"
-                    f"→ {p.share_pct_measured:.1f}%:"
-                    f"\n{held[p.share_held]}" if p.share_pct_measured is not None else MISSING)
+                    share_cell(p) if p.share_pct_measured is not None else MISSING)
             # a miss says which side of the prediction the peak landed (a saving larger than predicted read "missed"
             # as if the fix had failed: a new-user trial)
             verdict = (held[p.peak_held] if p.peak_held is not False else
@@ -178,13 +176,40 @@ def tables(c: Comparison) -> list[CompareTable]:
         out.append(CompareTable("Predictions of A's findings, checked against B",
                                 ("fix", "step: predicted → measured", "peak: predicted → measured"), rows,
                                 note="step: each figure's change from A's step in parentheses; peak: the prediction's "
-                                     "error against the measured peak (+: predicted above it)"))
+                                     "error against the measured peak (+: predicted above it)"
+                                     + (SHARE_CHECK_NOTE if any(p.share_pct_measured is not None
+                                                                for p in c.predictions) else "")))
     if c.ops:
         out.append(CompareTable("Kernels and operators whose time changed most (per step and rank)",
                                 ("phase, kind: name", "A", "B", "Δ"),  # (one name column: it fits 80 columns)
                                 [(f"{o.phase} {o.kind}: {o.name}", fmt_us(o.a_us), fmt_us(o.b_us),
                                   fmt_us(o.delta_us, True)) for o in c.ops]))
     return out
+
+
+#: the predictions table's note where a share is checked (its cell: ``share_cell``)
+SHARE_CHECK_NOTE = ("; share: the saves' share of the recorded time (checkpoint.blocking), held where it fell by "
+                    "at least half the predicted drop, for async_save half of A's share (the most it gains is all of "
+                    "it, less the copy to host memory)")
+
+
+def share_cell(p: PredictionCheck) -> str:
+    """A share check's cell (checkpoint.blocking's, by the alternative B took: its saves asynchronous, or less
+    often, at B's interval, the advised one named where it differs), or what B did where nothing was checked."""
+    held = {True: "held", False: "missed", None: "not checked"}
+    share, got = f"share {p.share_pct_before:.1f}%", f"{p.share_pct_measured:.1f}%"
+    if p.share_fix == "async_save":
+        return (f"async_save: {share}\n→ the copy's only (held at\nhalf of it or under)\n→ {got}: "
+                f"{held[p.share_held]}\n({fmt_ms(p.gain_ms_per_step_measured)} of at most "
+                f"{fmt_ms(p.gain_ms_per_step_at_most)} per step gained)")
+    if p.share_pct_predicted is not None:
+        every, advised, n = p.share_every_b, p.share_every_advised, p.share_saves_b
+        head = ("" if every is None else (f"1 save in {every:g} steps" if n == 1 else
+                                           f"{n} saves, every {every:g} steps" if n else f"every {every:g} steps")
+                + ("" if advised is None else ", as advised" if advised == every else f" (advised: every {advised})")
+                + ":\n")
+        return f"{head}{share} → {p.share_pct_predicted:.1f}%\n→ {got}:\n{held[p.share_held]}"
+    return f"{share} → {got}:\nnot checked: {p.share_why}"
 
 
 def side_text(side) -> str:

@@ -5,12 +5,12 @@ Face Trainer's under ``DoctorCallback``)."""
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Optional
 
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
+from ...analyze.steps import first_save_setup, save_interval, save_ms_each, saves_share
 from ...units import fmt_share
 
 #: saves taking at least this share of the recorded time are a finding, a warning from the second
@@ -25,35 +25,19 @@ def save_every(save_ms: float, step_ms: float, aim: float = SHARE_AIM) -> int:
     return max(1, math.ceil(save_ms * (1 - aim) / (aim * step_ms)))
 
 
-def first_save_setup(c) -> float:
-    """The first counted save's excess over the median save (ms; ``c``: a rank's CheckpointSteps): a process's first
-    save also sets up (an async_save its staging: 45-68 ms against 31 ms for the next ones in torchtitan's), once
-    however often it saves; 0 with one save, or where the first was not slower."""
-    return max(0.0, (c.first_ms or 0.0) - c.ms_p50) if counted_saves(c) > 1 else 0.0
-
-
-def counted_saves(c) -> int:
-    """The saves whose time ``c.ms_total`` holds (``c``: a rank's CheckpointSteps): those outside profiler windows."""
-    return c.counted_saves or c.saves
-
-
 def less_often_plan(c, step_ms: float, every: Optional[float], steps: int) -> tuple[int, float, float, float]:
     """(steps between saves, the saves' share of the time then, ms per step gained, the share in a long run) for
     the saves of ``c`` (a rank's CheckpointSteps) between steps of ``step_ms``, over a run of ``steps`` steps as
     recorded, to take ``SHARE_AIM`` of the time; never as often as now (``every`` steps apart, where known: a
     new-user trial's loop saving every 10 steps was told "save every 8 steps"). The interval comes from the saves'
     mean without the first save's set-up (``first_save_setup``), which the share then keeps: paid once in a run as
-    long (a 16-step torchtitan run saving every 2 steps, asynchronously, was predicted 3.8% at a save every 8 steps
-    from the mean of all saves, and measured 6.7%: its two saves' first took 60 ms)."""
-    setup = first_save_setup(c)
-    # (per save counted: a 16-step torchtitan run saving every 2 steps, 2 of its 7 saves in the profiler's window,
-    # priced each save at 5/7 of its time and was told every 4 steps for 4.5%: 6.4% measured)
-    save_ms = (c.ms_total - setup) / max(1, counted_saves(c))
+    long (``saves_share``)."""
+    save_ms = save_ms_each(c)
     n = save_every(save_ms, step_ms)
     if every:
         n = max(n, math.floor(every) + 1)
-    after = setup + steps / n * save_ms  # the saves' time in a run as long, saving every n steps
-    return n, after / (steps * step_ms + after), (c.ms_total - after) / steps, save_ms / (n * step_ms + save_ms)
+    share, after = saves_share(c, step_ms, steps / n, steps)  # in a run as long, saving every n steps
+    return n, share, (c.ms_total - after) / steps, save_ms / (n * step_ms + save_ms)
 
 
 def _sharded_saves(ctx: Context, setting: str) -> str:
@@ -93,7 +77,7 @@ class CheckpointBlocking(Rule):
                               f"process); the others {fmt_share(rest, 1, SHARE_NOTE)} "
                               f"(fires from {100 * SHARE_NOTE:.0f}%)")
         steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
-        every = statistics.median(b - a for a, b in zip(c.steps, c.steps[1:])) if len(c.steps) > 1 else None
+        every = save_interval(c)
         per_step = c.ms_total / steps
         evidence = {"saves": c.saves, "save_ms_p50": c.ms_p50, "saves_ms_total": c.ms_total,
                     # (the steps outside profiler windows: a window slows a save as it slows the step)
