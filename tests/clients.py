@@ -510,13 +510,19 @@ def vit():
 # lm_head tied to transformer.wte; ln_f) and BERT for masked language modelling (bert.encoder.layer.N, embeddings
 # with their LayerNorm, the MLM head's decoder tied to the word embeddings and its bias to cls.predictions.bias;
 # bidirectional attention; its config carries use_cache, which an encoder never reads)
-def gpt2():
+def gpt2(vocab_size: int = 512, n_positions: int = 64):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=64, n_layer=3, n_head=4,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                       eos_token_id=0))
+
+
+def gpt2_wide():
+    """GPT-2 of a new-user trial's proportions: a 2048-token vocabulary and 256 positions, so that the root (the tied
+    wte/lm_head, wpe of 64 KiB, ln_f) holds half the parameters, wpe and ln_f 5.5% of them."""
+    return gpt2(vocab_size=2048, n_positions=256)
 
 
 def bert():
@@ -611,7 +617,8 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
     return None
 
 
-ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "bert": bert, "neox": neox}
+ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "gpt2_wide": gpt2_wide, "bert": bert,
+              "neox": neox}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
               "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate")}
 # ------------------------------------------------------------------------------------------------ (end architectures)
@@ -702,7 +709,7 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
          "sequential": 512,
-         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "neox": 512,
+         "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "gpt2_wide": 2048, "neox": 512,
          **{name: 512 for name in FINETUNE}}
 
 

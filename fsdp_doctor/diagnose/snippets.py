@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from ..records import ALLOC_CONF_VARS, SET_RESHARD_AFTER_FORWARD
-from ..units import fmt_mesh, unit_label
+from ..units import fmt_bytes, fmt_mesh, fmt_share, unit_label
+from . import thresholds as T
 
 ROOT = "model"
 #: the words that say a snippet is pasted where the model is built, before any fully_shard (a sharding plan,
@@ -351,7 +352,8 @@ def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
 
 def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
                extra_kwargs: str = "", note: str = "", mp_line: Optional[str] = None,
-               drop: tuple[str, ...] = (), nested: bool = True, only: Optional[set[str]] = None) -> str:
+               drop: tuple[str, ...] = (), nested: bool = True, only: Optional[set[str]] = None,
+               leftover_costs: Optional[LeftoverCosts] = None) -> str:
     """The whole sharding of the model, to paste in place of your ``fully_shard`` calls (on the unsharded
     model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
@@ -362,7 +364,8 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     (``nested``; dropped by plans that replace them with whole blocks: leaf wrapping, grouped blocks).
     ``only``: the names of the run's units that take ``extra_kwargs`` (the modules they held, when they become
     several units); the others keep their options as they were. ``mp_line``: a rule's own policy ``mp``, for every
-    unit that had one; without it each keeps its own (the modules a unit held, that unit's)."""
+    unit that had one; without it each keeps its own (the modules a unit held, that unit's). ``leftover_costs``: the
+    run's figures that decide which of the root's modules stay in a root kept for tied modules (``leftover_stays``)."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     extra_of = lambda u: extra_kwargs if only is None or (u is not None and u.name in only) else ""  # noqa: E731
     mp = _policy_vars(t.units, one=mp_line is not None)
@@ -412,7 +415,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         raf = rafs.pop() if len(rafs) == 1 else None
         lead = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root, inherit=True, mp=mp), extra_of(root),
                                                          drop),
-                               raf if raf is not True else None)
+                               raf if raf is not True else None, leftover_costs)
         lines += lead
     rkw = _merge(_unit_kwargs(root, mp=mp) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call("model", rkw), *_async_unshard_lines(t)]
@@ -493,10 +496,12 @@ def comment(text: str, indent: str = "", width: int = 80) -> list[str]:
     """``text`` as comment lines of ``width`` columns at most (``indent`` before each "# "), one paragraph wrapped
     at its spaces: a fix's lines fit 80 columns as written, in the JSON, the HTML and the dashboard too (which show
     the code as the rule wrote it; only the terminal wrapped it, and a paragraph the rule had broken too late left
-    a stray line there: "# without the", a new-user trial)."""
+    a stray line there: "# without the", a new-user trial). A number stays on the line of its unit ("900.00 KiB")."""
     head = f"{indent}# "
-    return textwrap.wrap(text, width, initial_indent=head, subsequent_indent=head, break_long_words=False,
-                         break_on_hyphens=False) or [head.rstrip()]
+    glued = re.sub(r"(\d) (B|KiB|MiB|GiB|TiB|ms|us|s)\b", "\\1\0\\2", text)
+    return [ln.replace("\0", " ") for ln in textwrap.wrap(glued, width, initial_indent=head, subsequent_indent=head,
+                                                            break_long_words=False, break_on_hyphens=False)] \
+        or [head.rstrip()]
 
 
 def assign(target: str, value: str, width: int = 80) -> str:
@@ -572,21 +577,57 @@ def _call(expr: str, kw: str, indent: int = 0, width: int = 80) -> str:
     return f"fully_shard({expr}, mesh=mesh" + "".join(f",\n{pad}{p}" for p in kw.split(", ") if p) + ")"
 
 
-#: a module of the root's that a plan would make a unit of its own (a final norm, a norm between two stacks) stays in
-#: the root where the root keeps tied modules whose bytes are more than 1/SMALL_BESIDE_TIED of its own: the root is
-#: gathered for them anyway
-SMALL_BESIDE_TIED = 0.01
+@dataclass(frozen=True)
+class LeftoverCosts:
+    """The run's figures a plan weighs a module of the root's against where the root stays gathered for tied modules
+    anyway (``leftover_stays``): ``peak_bytes``, the step's peak (None: the root's own bytes stand for it, which the
+    peak holds, so a share of them is at most overstated); ``step_ms`` and ``call_ms``, the step and one
+    collective's cost in this run (None: the collectives are not weighed)."""
+    peak_bytes: Optional[int] = None
+    step_ms: Optional[float] = None
+    call_ms: Optional[float] = None
 
 
-def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None) -> list[str]:
-    """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
-    that holds no unit and no tied module (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a
-    ``model`` that holds the blocks); those after the last block (the final norm and head) grouped and kept
-    gathered after forward as torchtitan does: they run last in forward and first in backward. Tied modules stay
-    in the root, alone: what a tie kept from collapsing into a common ancestor (BERT's position and token-type
-    embeddings and their LayerNorm beside the word embeddings tied to the MLM decoder) is one unit, grouped.
-    ``lead_raf``: the run's units' reshard_after_forward where all had the same one other than FSDP's default,
-    which the leading units take: a comment above them says so, and where they are."""
+def leftover_stays(root, nbytes: int, trailing: bool, costs: Optional[LeftoverCosts] = None) -> str:
+    """Why modules of the root's holding ``nbytes`` of parameters (their stored dtype) stay in a root that is gathered
+    for tied modules anyway, "" where a unit of their own gains more than it costs (thresholds
+    LEFTOVER_PEAK_SHARE_PER_STEP_SHARE): it frees at most their gathered copy, which the root held through the step,
+    and adds its collectives, an all-gather in forward, one in backward unless it is the trailing unit (kept gathered
+    after forward) and a reduce-scatter where the root trains, each at the run's ``costs.call_ms``. (A 512 B norm's
+    unit cost Gemma3 19.3 ms of exposed all-gather a step on gloo; GPT-2's wpe, given a unit of its own because it
+    held more than 1% of the tied modules' bytes, the plan's rule until then, 6.3 ms of exposed reduce-scatter a
+    step for at most its 64 KiB: new-user trials.)"""
+    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    gathered = int(nbytes * root.unsharded_bytes / stored) if stored > 0 and root.unsharded_bytes else nbytes
+    c = costs or LeftoverCosts()
+    held = sum(root.own_bytes or []) or nbytes  # without a peak: of the root's own bytes, which the peak holds
+    gain = gathered / c.peak_bytes if c.peak_bytes else nbytes / held
+    calls = (2 if trailing else 3) - (root.trainable_unsharded_bytes == 0)
+    cost = calls * c.call_ms / c.step_ms if c.call_ms is not None and c.step_ms else None
+    if gain >= T.MEMORY_ONLY_MIN_PEAK_SHARE and (cost is None or gain >= T.LEFTOVER_PEAK_SHARE_PER_STEP_SHARE * cost):
+        return ""
+    frees = (f"would free at most {fmt_bytes(gathered)}, {fmt_share(gain, 1, T.MEMORY_ONLY_MIN_PEAK_SHARE)} of "
+             + (f"the {fmt_bytes(c.peak_bytes)} peak" if c.peak_bytes else f"the root's {fmt_bytes(held)}"))
+    if cost is None or gain < T.MEMORY_ONLY_MIN_PEAK_SHARE and cost <= gain:
+        return f"{frees} (worth it from {100 * T.MEMORY_ONLY_MIN_PEAK_SHARE:g}%)"
+    return (f"{frees}, for {calls} collectives a step of ~{c.call_ms:.1f} ms each, {fmt_share(cost, 1)} of the "
+            f"{c.step_ms:.1f} ms step")
+
+
+@dataclass
+class _Leftovers:
+    """The root's own modules as a plan groups them (``_leftover_groups``)."""
+    lead: dict  # each leading unit (the module a tie kept the group out of, else its one module) -> its modules
+    tail: list  # the trailing unit's modules
+    small: list  # (modules, why) of each group that stays in the root (``leftover_stays``)
+    skip: list  # tied modules: they stay in the root
+    head_of: dict  # each module the plan moves -> the module it collapses to
+    heads: dict  # each collapsed module -> [trailing, the group it joins]
+    nbytes: object  # the bytes of collapsed modules, their stored dtype
+
+
+def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = None) -> _Leftovers:
+    """``_leftover_lines``' groups of the root's own modules."""
     own = [m for m in root.own_modules or [] if m]
     tied = set(root.tied_modules or [])
     trailing = set(root.trailing_modules or [])
@@ -628,25 +669,53 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None) -> list[str
     tail = [h for h, (tr, _) in heads.items() if tr]
     skip = [m for m in own if m in tied and not in_block(m)]
     sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    tied_bytes = sum(sizes.get(m, 0) for m in skip)
     nbytes = lambda hs: sum(sizes.get(m, 0) for m, h in head_of.items() if h in hs)  # noqa: E731
-    # the root stays gathered for the tied modules anyway: a norm of a few hundred bytes as a unit of its own only
-    # adds its collectives, wherever it runs (Gemma3's final model.norm: 19.3 ms of exposed all-gather a step on
-    # gloo; T5's encoder.final_layer_norm, 256 B between the two stacks: 1.50 ms forward + 0.74 ms backward of a
-    # 54.2 ms step, pasted, while the same plan kept the decoder's in the root: new-user trials), so it stays
-    small = [hs for hs in [*lead.values(), tail]
-             if hs and skip and sizes and nbytes(hs) < SMALL_BESIDE_TIED * tied_bytes]
-    stay = [h for hs in small for h in hs]
-    lead = {g: hs for g, hs in lead.items() if hs not in small}
-    tail = [h for h in tail if h not in stay]
+    # the root stays gathered for the tied modules anyway: a group whose unit would free less than it costs stays
+    # there (Gemma3's final model.norm: 19.3 ms of exposed all-gather a step on gloo; T5's encoder.final_layer_norm,
+    # 256 B between the two stacks: 1.50 ms forward + 0.74 ms backward of a 54.2 ms step, pasted; GPT-2's wpe: 6.3 ms
+    # of exposed reduce-scatter for at most 64 KiB; new-user trials)
+    small = [(hs, w) for hs in [*lead.values(), tail]
+             if hs and skip and sizes and (w := leftover_stays(root, nbytes(hs), hs is tail, costs))]
+    stay = [h for hs, _ in small for h in hs]
+    return _Leftovers({g: hs for g, hs in lead.items() if hs[0] not in stay}, [h for h in tail if h not in stay], small,
+                      skip, head_of, heads, nbytes)
+
+
+def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> list[tuple[list[str], str]]:
+    """The groups of the root's own modules (tied ones aside) that ``shard_plan(t, root_leftovers=True,
+    leftover_costs=costs)`` keeps in the root, each (its modules, why: ``leftover_stays``); [] where it makes units
+    of them all."""
+    root, conts = t.root(), t.containers()
+    if root is None:
+        return []
+    g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
+    return [([m for m, h in g.head_of.items() if h in hs], why) for hs, why in g.small]
+
+
+def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
+                    costs: Optional[LeftoverCosts] = None) -> list[str]:
+    """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
+    that holds no unit and no tied module (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a
+    ``model`` that holds the blocks); those after the last block (the final norm and head) grouped and kept
+    gathered after forward as torchtitan does: they run last in forward and first in backward. Tied modules stay
+    in the root, alone: what a tie kept from collapsing into a common ancestor (BERT's position and token-type
+    embeddings and their LayerNorm beside the word embeddings tied to the MLM decoder) is one unit, grouped.
+    ``lead_raf``: the run's units' reshard_after_forward where all had the same one other than FSDP's default,
+    which the leading units take: a comment above them says so, and where they are. Where the root keeps tied
+    modules, a group whose unit gains less than it costs (``leftover_stays``, from the run's ``costs``) stays there,
+    and a comment says why."""
+    g = _leftover_groups(t, root, in_block, costs)
+    lead, tail, small, head_of, heads, nbytes = g.lead, g.tail, g.small, g.head_of, g.heads, g.nbytes
+    stay, skip = [h for hs, _ in small for h in hs], g.skip
     lines = _lead_note(t, root, [m for m, h in head_of.items() if not heads[h][0] and h not in stay], len(lead),
                        lead_raf) if lead and lead_raf is not None else []
     lines += [_call(group_expr(mods), kw) for mods in lead.values()]
-    if stay:
+    if small:  # said once, with the largest group's figures
+        big, why = max(small, key=lambda g: nbytes(g[0]))
         one = len(stay) == 1
-        lines.append(f"# {', '.join(stay)} ({nbytes(stay):,} B{'' if one else ' in all'}) {'stays' if one else 'stay'} "
-                     f"in the root with the tied modules: {'a unit of its' if one else 'units of their'} own would "
-                     "add collectives for nothing")
+        lines += comment(f"{', '.join(stay)} {'stays' if one else 'stay'} in the root with the tied modules: "
+                         + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
+                            f"units of their own gain less than they cost: the largest, {', '.join(big)}, {why}"))
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]

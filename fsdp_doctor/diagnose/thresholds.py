@@ -12,6 +12,21 @@ HEADROOM_MAX_SHARE = 0.80
 # ... and is worth a finding when it saves at least this share of the step, a warning from this share on.
 HEADROOM_MIN_GAIN_SHARE = 0.02
 HEADROOM_WARN_GAIN_SHARE = 0.10
+# A change whose gain is memory only (on gloo a coarse unit split into blocks; a module of the root's made a unit
+# of its own) gains nothing under this share of the step's peak.
+MEMORY_ONLY_MIN_PEAK_SHARE = 0.01
+# Leftovers: a module of the root's (a position embedding, a final norm) that a sharding plan would make a unit of its
+# own where the root stays gathered anyway (it keeps tied modules: an embedding sharing its weight with the head)
+# gains memory only, at most its gathered copy, which the root held through the step, and costs the unit's
+# collectives: an all-gather in forward and in backward (not for the trailing unit, kept gathered after forward) and
+# a reduce-scatter, each at the run's own cost per call. It becomes a unit where what it frees is at least
+# MEMORY_ONLY_MIN_PEAK_SHARE of the peak and at least this many times the share of the step its collectives add:
+# a share of the peak for no larger share of the step, so that peak x step (the memory-time a step holds) does not
+# grow. (GPT-2's wpe, beside its tied wte and lm_head: a unit of its own cost 6.3 ms of exposed reduce-scatter a
+# step on gloo for at most its 64 KiB gathered copy, 1.2% of the peak: a new-user trial; the tiny GPT-2 as one unit,
+# 2 gloo ranks, its plan pasted with wpe a unit and without: step 49.9 -> 43.3 ms, median of 7 runs each, peak
+# +16 KiB, 0.5%. On the real GPT-2 wpe is 3 MiB beside a multi-GiB peak.)
+LEFTOVER_PEAK_SHARE_PER_STEP_SHARE = 1.0
 # A memory category "dominates" the peak from this share on (activations, optimizer state, sharded state).
 DOMINANT_CATEGORY_SHARE = 0.40
 

@@ -17,7 +17,7 @@ from ..thresholds import COARSE_SHARE_MIN  # one unit holding this share of the 
 # at a time (the one computing, the one prefetched).
 COARSE_SPLIT_INTO = 4
 #: off a GPU the split's gain is memory only: under this share of the peak it is no finding
-COARSE_PEAK_GAIN_MIN = 0.01
+COARSE_PEAK_GAIN_MIN = T.MEMORY_ONLY_MIN_PEAK_SHARE
 # On a GPU the split units' all-gathers overlap with compute (own stream). On gloo they do not (the
 # collectives share the host's cores with compute), and splitting adds calls and a backward re-gather:
 # benchmarks/predictions.py measured whole -> block at +74% step time on the 2-rank CPU workload.
@@ -48,6 +48,40 @@ TINY_WARN_GAIN_SHARE = T.HEADROOM_WARN_GAIN_SHARE
 
 def _job_numbers(ctx: Context):
     return E.step_ms(ctx), E.peak_bytes(ctx)
+
+
+def _call_ms(ctx: Context):
+    """One collective's cost in this run (ms), what each all-gather and reduce-scatter of a new small unit adds: on
+    gloo the forward all-gathers of the smallest quarter of the units besides the root (their median), as the last
+    rank to reach each waited in it (E.own_wait_ms: the collective's own cost; the host blocks there); in a run with
+    no such unit the root's own, at most GLOO_CALL_MS (the root's carries the whole model); on a GPU those units'
+    exposed forward all-gathers in the trace (the host runs ahead of the device there). None without them."""
+    us = E.param_units(ctx)
+
+    def smallest(units: list) -> list:  # the smallest quarter by bytes, those as small as its largest with them
+        units = sorted(units, key=lambda u: u.unsharded_bytes)
+        return [u for u in units if u.unsharded_bytes <= units[max(1, len(units) // 4) - 1].unsharded_bytes]
+    if E.on_gpu(ctx):
+        trace = E.trace_exposed_by_unit(ctx, "all_gather", ranks=E.read_ranks(ctx))
+        seen = [u for u in E.non_root(us) if (u.name, "forward") in trace]
+        return statistics.median(trace[(u.name, "forward")] for u in smallest(seen)) if seen else None
+    timed = [u for u in E.non_root(us) if u.has_timing]
+    if timed:  # (equal blocks: the median of them all, the first block's forward wait, 8.2 ms, not alone)
+        return statistics.median(E.own_wait_ms(ctx, u, "forward") for u in smallest(timed))
+    root = next((u for u in E.roots(us) if u.has_timing), None)
+    return min(GLOO_CALL_MS, E.own_wait_ms(ctx, root, "forward")) if root is not None else None
+
+
+def _leftover_costs(ctx: Context) -> S.LeftoverCosts:
+    """What a plan weighs the root's own modules against (snippets.leftover_stays): the step's peak, the step and one
+    collective's cost in this run."""
+    step, peak = _job_numbers(ctx)
+    return S.LeftoverCosts(peak_bytes=peak, step_ms=step, call_ms=_call_ms(ctx))
+
+
+def _root_plan(ctx: Context) -> str:
+    """The whole sharding with the root's own modules units of their own where that gains more than it costs."""
+    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=_leftover_costs(ctx))
 
 
 def _plugin_wrap(ctx: Context, did: str) -> dict:
@@ -129,7 +163,7 @@ class TooCoarse(Rule):
                               "gloo its smaller collectives only lengthen the step")
         whole = big.is_root and len(us) == 1
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
-        code = S.shard_plan(S.tree(ctx), root_leftovers=True)
+        code = _root_plan(ctx)
         text = (f"Unit {name!r} holds {fmt_share(share)} of the parameters, so FSDP gathers "
                 f"{fmt_bytes(big.unsharded_bytes)} in one all-gather with nothing to overlap it with"
                 + (" (the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
@@ -429,25 +463,36 @@ class ParamsInRoot(Rule):
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
             return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(own)}): they stay "
                               "together in the root")
-        movable = _movable_share(root)
+        tied = [m for m in own if m in root.tied_modules]
+        # beside tied modules the root stays gathered anyway: what would gain less as units of their own than their
+        # collectives cost stays there with them (snippets.leftover_stays, from this run's peak, step and waits)
+        groups = S.kept_in_root(S.tree(ctx), _leftover_costs(ctx))
+        kept = [m for ms, _ in groups for m in ms]
+        if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
+            return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(tied)}), which stay "
+                              "there, and of modules that gain less as units of their own than they cost: "
+                              + "; ".join(f"{E.fmt_list(ms)}, a unit of {'its' if len(ms) == 1 else 'their'} own, "
+                                          f"{why}" for ms, why in groups))
+        movable = _movable_share(root, kept)
         if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
-            tied = [m for m in own if m in root.tied_modules]
             return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of tied modules "
-                              f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%")
+                              f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%"
+                              + (f", of which {E.fmt_list(list(kept))} stay too" if kept else ""))
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
         # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
-        # stay in the root gathered: only the rest is freed
-        held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable) or _freed_gathered(root)
+        # (and what stays with them) stay in the root gathered: only the rest is freed
+        held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable) or _freed_gathered(root, kept)
         step, peak = _job_numbers(ctx)
         # the new units' copies where they run, from the peak step's timeline; without one, the copy off the peak
         pm = E.peak_memory(ctx)
-        peak_after = _peak_as_units(pm, root, others) if peak is not None and pm is not None else None
+        peak_after = _peak_as_units(pm, root, others, kept) if peak is not None and pm is not None else None
         if peak is not None and peak_after is None:
             peak_after = peak - held
         t = root.timing
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
-        # every module holding the root's parameters a unit of its own (tied ones stay), the run's units as they were
-        code = S.shard_plan(S.tree(ctx), root_leftovers=True)
+        # every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones), the run's
+        # units as they were
+        code = _root_plan(ctx)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
         blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
@@ -467,10 +512,12 @@ class ParamsInRoot(Rule):
                 f"units. {held_text} Wrap them as units of their own before wrapping the root "
                 # named as the snippet names them, from the user's `model` (the fqns "model.embed_tokens, lm_head" read
                 # beside code on model.model.embed_tokens and model.lm_head: a new-user trial's CausalLM)
-                f"({E.fmt_list([S.module_expr(m) for m in root.own_modules if m not in root.tied_modules])}"
+                f"({E.fmt_list([S.module_expr(m) for m in own if m not in root.tied_modules and m not in kept])}"
                 # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
                 + ("; modules tied to another one, such as an output head sharing the embedding's weight, must "
-                   "stay together: the snippet leaves them in the root" if root.tied_modules else "") + ").")
+                   "stay together: the snippet leaves them in the root" if root.tied_modules else "")
+                + (f", with {E.fmt_list([S.module_expr(m) for m in kept])}, which would gain less as units of their "
+                   "own than their collectives cost (the snippet says why)" if kept else "") + ").")
         # the step: on a GPU the new units' all-gathers overlap the compute as the blocks' do (unchanged); on gloo each
         # new unit adds collectives of its own that the host's cores run beside the compute, at a fixed cost per call
         # (a new-user trial's 2-rank Qwen2 measured +63% and +85% where "unchanged" was predicted): not predicted
@@ -490,7 +537,7 @@ class ParamsInRoot(Rule):
             predicted=E.predicted(step, None if cpu else step, peak, peak_after), units=[""])]
 
 
-def _freed_gathered(root) -> int:
+def _freed_gathered(root, kept=()) -> int:
     """Where the gathered copy equals the shard (a 16-bit param_dtype on 2 ranks; the estimate above reads 0 B): the
     bytes of the gathered copy the plan frees after forward, those of the root's own modules that become units, in the
     dtype they are gathered in; not those of tied modules (they stay in the root) nor those after the blocks (the final
@@ -502,12 +549,12 @@ def _freed_gathered(root) -> int:
     stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
     if not sizes or stored <= 0 or root.leading_modules is None:
         return 0
-    skip = set(root.trailing_modules or []) | set(root.tied_modules or [])
+    skip = set(root.trailing_modules or []) | set(root.tied_modules or []) | set(kept)
     freed = sum(b for m, b in sizes.items() if m and m not in skip)
     return int(root.unsharded_bytes * min(1.0, freed / stored))
 
 
-def _peak_as_units(pm, root, blocks) -> int | None:
+def _peak_as_units(pm, root, blocks, kept=()) -> int | None:
     """The peak (bytes) of the peak step ``pm`` once the plan has made the root's modules units of their own, from
     its timeline: at each mark the root's gathered copy, held the whole step, gives way to what the new units hold
     there, and the new peak is the highest mark. The leading units (the embeddings) are gathered from the root's
@@ -532,7 +579,7 @@ def _peak_as_units(pm, root, blocks) -> int | None:
     if not sizes or stored <= 0 or full <= 0 or root.leading_modules is None or not any(
             at(j, name, "forward_start") for j in range(n)):
         return None
-    tied = set(root.tied_modules or [])
+    tied = set(root.tied_modules or []) | set(kept)  # (and what the plan keeps beside them)
     trailing = {m for m in root.trailing_modules or [] if m and m not in tied}
     leading = [m for m in sizes if m and m not in tied and m not in trailing]
     if any(sizes[m] for m in leading if m not in root.leading_modules):
@@ -596,10 +643,11 @@ def _peak_as_units(pm, root, blocks) -> int | None:
     return E.peak_with_rows(pm, added)
 
 
-def _movable_share(root) -> float:
+def _movable_share(root, kept=()) -> float:
     """The share of the root's parameters a plan can move to units of their own: all but those of tied modules
-    (which stay together in the root), from the snapshot's own-module sizes; 1 without tied modules or sizes."""
-    tied = set(root.tied_modules or [])
+    (which stay together in the root) and the ``kept`` ones beside them, from the snapshot's own-module sizes; 1
+    without tied modules or sizes."""
+    tied = set(root.tied_modules or []) | set(kept)
     sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
     stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
     if not tied or not sizes or stored <= 0:
