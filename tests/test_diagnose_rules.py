@@ -3533,12 +3533,9 @@ def test_accumulation_on_hsdp_with_the_all_reduce_once_per_step_frees_the_buffer
     assert "the reduce-scatter alone runs per micro-batch" in f.recommendation.text
 
 
-def test_regather_fix_comment_is_one_paragraph_in_80_columns():
-    """A new-user trial (accelerate's FSDP2 plugin, accelerator.accumulate over 4 micro-batches): accum.regather's
-    fix opened with a comment broken by hand at 99 columns, which the report wrapped at 80 into "...: keep", a stray
-    "# the parameters gathered" and "# until the last one's backward ...". Its comment is now one paragraph wrapped
-    at 80 columns, the call after it; on 4 micro-batches of 6 units each waiting 1 ms for its forward all-gather,
-    3 of the 4 waits saved: 4.5 ms."""
+def _regather_ctx(**build_kw):
+    """4 micro-batches a step of healthy_units' 6 units (1 ms forward all-gather wait each), resharded after each
+    backward: the peak step's timeline and the step records accum.regather reads, a 30 ms step."""
     from fsdp_doctor.records import StepRecord, UnitStep
 
     us = healthy_units()
@@ -3555,17 +3552,48 @@ def test_regather_fix_comment_is_one_paragraph_in_80_columns():
     mem = memory(10 * MiB, capacity=100 * MiB)
     for rank in ("0", "1"):
         mem["per_rank"][rank]["timeline"] = tl
-    ctx = build(memory=mem, capacity=100 * MiB, step_ms=30.0)[0]
+    ctx = build(memory=mem, capacity=100 * MiB, step_ms=30.0, **build_kw)[0]
     ctx.run.ranks = {0: SimpleNamespace(steps=[StepRecord(rank=0, step=i, start_ns=i, wall_ms=30.0, micro_batches=4,
                                                           backwards=4, units=[UnitStep(name=n) for n in names])
                                                for i in range(4)])}
+    return ctx
+
+
+def test_regather_fix_comment_is_one_paragraph_in_80_columns():
+    """A new-user trial (accelerate's FSDP2 plugin, accelerator.accumulate over 4 micro-batches): accum.regather's
+    fix opened with a comment broken by hand at 99 columns, which the report wrapped at 80 into "...: keep", a stray
+    "# the parameters gathered" and "# until the last one's backward ...". Its comment is now one paragraph wrapped
+    at 80 columns, the call after it; on 4 micro-batches of 6 units each waiting 1 ms for its forward all-gather,
+    3 of the 4 waits saved: 4.5 ms."""
+    ctx = _regather_ctx()
     (f,) = run_rule("accum.regather", ctx)
     assert f.evidence["forward_allgather_wait_saved_ms"] == pytest.approx(4.5), f.evidence
+    assert f.evidence["measured_by"] == "host" and "(the measured forward all-gather waits after the first " \
+        "micro-batch)" in f.recommendation.text, f.recommendation.text
     assert f.recommendation.code == (
         "# before each micro-batch's backward (4 per optimizer step in this run): keep\n"
         "# the parameters gathered until the last one's backward, which reshards them\n"
         "# before optimizer.step()\n"
         "model.set_reshard_after_backward(is_last_micro_batch)"), f.recommendation.code
+
+
+def test_regather_gain_on_a_gpu_is_the_traces_exposed_forward_allgathers():
+    """accum.regather on a GPU: the host runs ahead of the device, and its 1 ms in each unit's pre-forward is the
+    launches' (what the rule predicted from: 4.5 ms saved, 3 of 4 micro-batches of 6 units); what compute waits for
+    is the trace's exposed forward all-gathers, 2 ms per unit per step here (the backward's 5 ms stay: FSDP2 still
+    reshards after the next forward): 6 x 2 ms x 3/4 = 9 ms saved of a 30 ms step."""
+    names = [u["name"] for u, _ in healthy_units() if u["name"]]
+    ov = {"per_rank": {"0": {"comm_us": 42_000.0, "steps": [6], "device": "gpu"}},
+          "per_unit": [{"rank": 0, "unit": n, "collective": "all_gather", "phase": ph, "count": 4, "comm_us": x,
+                        "exposed_us": x, "bytes_per_call": 1024.0}
+                       for n in names for ph, x in (("forward", 2_000.0), ("backward", 5_000.0))]}
+    ctx = _regather_ctx(overlap=ov, backend="nccl", device="cuda:0")
+    (f,) = run_rule("accum.regather", ctx)
+    assert f.evidence["forward_allgather_wait_saved_ms"] == pytest.approx(9.0), f.evidence
+    assert f.evidence["measured_by"] == "trace", f.evidence
+    assert f.predicted["step_ms_after"] == pytest.approx(21.0), f.predicted
+    assert "-9.0 ms per step (the trace's exposed forward all-gathers after the first micro-batch)" in \
+        f.recommendation.text, f.recommendation.text
 
 
 def test_a_grouped_unit_in_a_list_of_units_reads_as_one_unit():

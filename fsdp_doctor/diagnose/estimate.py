@@ -1129,14 +1129,20 @@ def zero2_peak(ctx: Context, us: list[Unit]) -> Optional[int]:
     return timeline_peak(pm, changes, flat)
 
 
-def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
-    """(ms per step that compute waits for this unit's backward all-gather, source): on a GPU with a trace the
-    trace's exposed time (the host runs ahead of the device there), else the recorder's ``ag_wait_bwd_ms``."""
+def allgather_ms(ctx: Context, u: Unit, phase: str) -> tuple[Optional[float], str]:
+    """(ms per step that compute waits for this unit's all-gathers in ``phase``, source): on a GPU with a trace the
+    trace's exposed time (the host runs ahead of the device there: the host's time in FSDP's hooks is the launches',
+    off the step's critical path unless the host sets the step), else the recorder's wait (``ag_wait_ms``)."""
     if on_gpu(ctx):
         tr = trace_exposed_by_unit(ctx, "all_gather", ranks=read_ranks(ctx))
         if tr:
-            return tr.get((u.name, "backward"), 0.0), "trace"
-    return (ag_wait_ms(u, "backward"), "host") if u.has_timing else (None, "")
+            return tr.get((u.name, phase), 0.0), "trace"
+    return (ag_wait_ms(u, phase), "host") if u.has_timing else (None, "")
+
+
+def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
+    """``allgather_ms`` in backward."""
+    return allgather_ms(ctx, u, "backward")
 
 
 def backward_allgather_comm_ms(ctx: Context, name: str) -> Optional[float]:

@@ -263,10 +263,26 @@ class AccumulationRegathers(Rule):
         budget = T.HEADROOM_MAX_SHARE * cap
         if peak >= budget:
             return self.quiet(E.above_share("peak", peak, cap, "capacity", T.HEADROOM_MAX_SHARE))
+        # What set_reshard_after_backward(False) removes (FSDP2's post_backward skips reshard(), the next pre_forward
+        # finds the unit unsharded: no copy-in, all-gather, copy-out nor unsharded-parameter allocation), measured on
+        # the matrix's gpt_regather and hf_llama_regather (2 gloo ranks, 4 micro-batches): the forward all-gathers of
+        # every micro-batch but the first (44 -> 26 and 36 -> 21 per profiled step, 6 and 5 units x 3), each with its
+        # host work, all inside the recorder's forward wait (FSDP's pre-forward: 171 -> 28 ms a step); the post-
+        # backward reshards' frees, 0.3-2 ms a step, which no record times apart; not the backward all-gathers:
+        # reshard_after_forward still reshards after the next forward. So the forward waits are the prediction. On
+        # gloo the ranks meet at each all-gather, and without them they meet later: the first micro-batch's wait and
+        # the backward waits absorb part of what goes (the remaining forward wait a third of the old, not a quarter),
+        # which no record can split: on a 2-core host at load averages 4 to 6 the step moved -40.5 to +32 ms against
+        # 40-60 ms predicted (README). On a GPU the host runs ahead: its time in FSDP's pre-forward is the
+        # launches', and what compute waits for is the trace's exposed all-gathers (E.allgather_ms), the prediction
+        # there where there is a trace
         rows = []  # (unit, forward all-gather wait saved per step, its windows)
+        source = "host"
         for u in us:
             passes = micro.get(u.name, n)
-            saved = E.ag_wait_ms(u, "forward") * (passes - 1) / passes if passes > 1 else 0.0
+            wait, src = E.allgather_ms(ctx, u, "forward")
+            source = src or source
+            saved = (wait or 0.0) * (passes - 1) / passes if passes > 1 else 0.0
             windows = E.regather_windows(tl, u.name)
             if saved > 0 and windows and u.unsharded_bytes > 0 and u.offload is None:
                 rows.append((u, saved, windows))
@@ -296,12 +312,14 @@ class AccumulationRegathers(Rule):
         names = [r[0].name for r in chosen]
         every = len(chosen) == len(us)
         sev = "warning" if saved >= T.HEADROOM_WARN_GAIN_SHARE * step else "info"
+        waits = ("the trace's exposed forward all-gathers" if source == "trace" else
+                 "the measured forward all-gather waits")
         text = (f"Each optimizer step runs {n:.0f} micro-batches, and every unit is resharded after each "
                 "micro-batch's backward and all-gathered again in the next one's forward. Kept gathered until the "
                 f"last micro-batch's backward ({'every unit' if every else f'{len(chosen)} of {len(us)} units'}, "
                 "the most time per byte first, while the peak stays under "
                 f"{100 * T.HEADROOM_MAX_SHARE:.0f}% of capacity), they are gathered once in forward per step: "
-                f"-{saved:.1f} ms per step (the measured forward all-gather waits after the first micro-batch), peak "
+                f"-{saved:.1f} ms per step ({waits} after the first micro-batch), peak "
                 f"{fmt_bytes(peak)} -> {fmt_bytes(peak_after)} ({fmt_share(peak_after / cap, 1)} of capacity).")
         call = "set_reshard_after_backward(is_last_micro_batch" + (")" if every else ", recurse=False)")
         calls = f"model.{call}" if every else S.set_on_units(names, call)
@@ -318,7 +336,8 @@ class AccumulationRegathers(Rule):
         return [self.finding(
             sev, f"Gathered again in each of {n:.0f} micro-batches: kept gathered, {saved:.1f} ms/step faster",
             {"micro_batches_per_step": n, "units_kept_gathered": [unit_label(x) for x in names], "units": len(us),
-             "forward_allgather_wait_saved_ms": round(saved, 3), "peak_bytes": peak, "capacity_bytes": cap,
-             "peak_after_bytes": int(peak_after), "budget_bytes": int(budget), "step_p50_ms": step},
+             "forward_allgather_wait_saved_ms": round(saved, 3), "measured_by": source, "peak_bytes": peak,
+             "capacity_bytes": cap, "peak_after_bytes": int(peak_after), "budget_bytes": int(budget),
+             "step_p50_ms": step},
             text, code, where=where, inputs=inputs,
             predicted=E.predicted(step, step - saved, peak, peak_after), units=names)]
