@@ -3577,6 +3577,24 @@ def test_regather_fix_comment_is_one_paragraph_in_80_columns():
         "model.set_reshard_after_backward(is_last_micro_batch)"), f.recommendation.code
 
 
+@pytest.mark.parametrize("unsynced, flag", [(3, "accelerator.sync_gradients inside"), (0, "True for the micro-batch")])
+def test_regather_fix_under_accelerate_reads_accumulates_flag_only_where_it_switched(unsynced, flag):
+    """In a loop of the user's own around accelerate's prepare(), accum.regather's switch reads the last micro-batch
+    from accelerator.sync_gradients where accumulate() turned it off on some backward (RunConfig.accelerate:
+    3 of 4); where it never did (gradient_accumulation_steps left at 1, or the loop outside accumulate()), that
+    flag is True on every micro-batch, and keyed to it the fix would reshard after each: the loop's own flag."""
+    from fsdp_doctor.records import ACCELERATE_SHARDER, AccelerateAccumulation
+
+    ctx = _regather_ctx(sharded_by=ACCELERATE_SHARDER,
+                        accelerate=AccelerateAccumulation(num_steps=4, distributed_type="FSDP",
+                                                          unsynced_backwards=unsynced))
+    rule = next(c for c in RULES if c.code == "accum.regather")()
+    rule.config = ctx.config  # (as diagnose() sets it)
+    (f,) = rule.match(ctx)
+    assert f.recommendation.code.endswith("model.set_reshard_after_backward(is_last_micro_batch)"), f.recommendation
+    assert f.recommendation.inputs["is_last_micro_batch"].startswith(flag), f.recommendation.inputs
+
+
 def test_regather_gain_on_a_gpu_is_the_traces_exposed_forward_allgathers():
     """accum.regather on a GPU: the host runs ahead of the device, and its 1 ms in each unit's pre-forward is the
     launches' (what the rule predicted from: 4.5 ms saved, 3 of 4 micro-batches of 6 units); what compute waits for

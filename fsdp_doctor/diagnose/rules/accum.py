@@ -28,6 +28,15 @@ def _in_the_loop(ctx: Context, text: str, code: str, switch: str, now: str = "")
             "offered for torchtitan's loop."), "", "", {}
 
 
+def _accumulate_switched(ctx: Context) -> bool:
+    """Whether accelerate's ``accelerator.sync_gradients`` is a last-micro-batch flag in this run's loop: accumulate()
+    turned it off on some backward (RunConfig.accelerate), or nothing says otherwise (not accelerate's, or not
+    read). With gradient_accumulation_steps left at 1, or a loop that never enters accumulate(), it is True on every
+    micro-batch: a fix keyed to it would switch on each one."""
+    acc = getattr(ctx.config, "accelerate", None)
+    return acc is None or acc.unsynced_backwards > 0
+
+
 def _under_accelerate(ctx: Context, per: float) -> tuple[str, str, str, bool] | None:
     """Where a loop of the user's own around accelerate's prepare() accumulates: (what accelerate did, read from its
     recorded state (RunConfig.accelerate), the fix's code or "" for the loop fix, where it goes, whether the loop's
@@ -39,7 +48,7 @@ def _under_accelerate(ctx: Context, per: float) -> tuple[str, str, str, bool] | 
     acc = getattr(ctx.config, "accelerate", None)
     if E.plugin_lever(ctx) != "accelerate" or acc is None:
         return None
-    switched = acc.unsynced_backwards > 0  # accumulate() said "not the last micro-batch" on some backward
+    switched = _accumulate_switched(ctx)  # accumulate() said "not the last micro-batch" on some backward
     if acc.distributed_type and acc.distributed_type != "FSDP":
         return (f" accelerate's distributed type was {acc.distributed_type}, not FSDP: accelerator.accumulate(model) "
                 "turns an FSDP2 model's gradient sync off only under FSDP (under another, its no_sync looks for "
@@ -339,5 +348,5 @@ class AccumulationRegathers(Rule):
              "forward_allgather_wait_saved_ms": round(saved, 3), "measured_by": source, "peak_bytes": peak,
              "capacity_bytes": cap, "peak_after_bytes": int(peak_after), "budget_bytes": int(budget),
              "step_p50_ms": step},
-            text, code, where=where, inputs=inputs,
+            text, code, where=where, inputs=inputs, accumulated=_accumulate_switched(ctx),
             predicted=E.predicted(step, step - saved, peak, peak_after), units=names)]
