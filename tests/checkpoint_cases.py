@@ -100,7 +100,7 @@ def run(mode: str, watched: bool) -> dict:
                 hooks_left = watch_hooks()
         losses.append(loss.item())
     res = {"losses": losses, "graph_breaks": sum(counters["graph_break"].values()),
-           "unique_graphs": counters["stats"]["unique_graphs"]}
+           "unique_graphs": counters["stats"]["unique_graphs"], "frames": counters["frames"]["total"]}
     if ctx:
         ctx.__exit__(None, None, None)
         # each block's compiled call as it was before watch(), the doctor's timing of it gone
@@ -135,7 +135,7 @@ def main():
         out[mode] = run(mode, watched=True)
         plain = run(mode, watched=False)
         out[mode]["plain_losses"], out[mode]["plain_graph_breaks"] = plain["losses"], plain["graph_breaks"]
-        out[mode]["plain_unique_graphs"] = plain["unique_graphs"]
+        out[mode]["plain_unique_graphs"], out[mode]["plain_frames"] = plain["unique_graphs"], plain["frames"]
     dist.destroy_process_group()
     print(json.dumps(out))
 

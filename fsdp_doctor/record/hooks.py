@@ -218,9 +218,19 @@ class StepTimer:
         self._units = units
         self._container = no_forward_of_its_own(model)
         h = self._handles
+        # A module whose hooks run inside a compiled frame (compiled in place, or inside a module that is) gets
+        # none of the doctor's: there they would return at once, and Dynamo, which traces neither Module.__call__
+        # nor FSDP's hooks, compiled the doctor's hook as a frame of its own, guarded on the doctor's state and the
+        # grad mode (a new-user trial, Llama blocks compiled in place: 5 frames compiled for 4 graphs, "5 graphs"
+        # in the report, and the hook recompiled at an evaluation under no_grad; the model compiled in place: 8
+        # frames for 5, its own hooks too). Such a unit is timed around its compiled call (_time_compiled_calls);
+        # the units inside another one's frame are not timed.
+        _, in_frame = compiled_frames(model)
         for idx, u in enumerate(self._units):
             self._acc[idx] = _UnitAcc()
             for m in u.modules:
+                if id(m) in in_frame:
+                    continue
                 h.append(m.register_forward_pre_hook(self._mk(self._fwd_outer_pre, idx, self._ng_outer_pre),
                                                      prepend=True))
                 h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx, self._ng_inner_pre)))
@@ -229,13 +239,16 @@ class StepTimer:
             # Activation checkpointing re-runs the wrapped inner module in backward, not the unit's own
             # module: time those re-runs as the unit's recompute.
             for inner in checkpointed_modules(u, self._units):
+                if id(inner) in in_frame:
+                    continue
                 h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
                 h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
         self._time_compiled_calls(model)
         self._time_forward_methods(model)
         self._watch_children(model)
-        h.append(model.register_forward_pre_hook(self._model_pre, prepend=True, with_kwargs=True))
-        h.append(model.register_forward_hook(self._model_post))
+        if id(model) not in in_frame:  # (the model compiled in place: its call is bracketed by them instead)
+            h.append(model.register_forward_pre_hook(self._model_pre, prepend=True, with_kwargs=True))
+            h.append(model.register_forward_hook(self._model_post))
         if optimizer is not None:
             # run as they are where the user compiles optimizer.step (torch.compile(optimizer.step)): traced, the
             # memory marks' calls broke the graph inside them (a new-user trial: 3 graph breaks, 11 frames became
