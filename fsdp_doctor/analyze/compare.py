@@ -24,7 +24,7 @@ from ..compare_sections import (CommDelta, Comparison, ConfigChange, Cost, Delta
 from ..records import runs_compiled
 from ..report_sections import CheckpointSteps, Finding, Report
 from ..trace.analysis import BLOCKED_AG_SHARE, blocked_allgathers
-from .steps import counted_saves, save_interval, saves_share
+from .steps import counted_saves, heaviest_saves, save_interval, saves_share
 from ..trace.collectives import dtype_name
 from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_bytes, fmt_mesh, memory_peak_where, module_path
 
@@ -596,8 +596,8 @@ SHARE_HELD = 0.5
 def _saves(rep: Report) -> Optional[CheckpointSteps]:
     """The saves of the rank whose saves take the largest share of its recorded time, as checkpoint.blocking quotes
     them; None without a save."""
-    per = [c for c in (rep.steps.checkpoints or {}).values() if c.wall_ms_total > 0] if rep.steps else []
-    return max(per, key=lambda c: c.ms_total / c.wall_ms_total, default=None)
+    got = heaviest_saves(rep.steps.checkpoints) if rep.steps else None
+    return got[1] if got else None
 
 
 def _share(rep: Report) -> Optional[float]:

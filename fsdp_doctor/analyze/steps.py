@@ -164,6 +164,14 @@ def checkpoint_steps(steps: list[StepRecord]) -> Optional[CheckpointSteps]:
                            first_ms=round(ms[0], 3), unmarked_ms=round(unmarked, 3))
 
 
+def heaviest_saves(checkpoints: Optional[dict]) -> Optional[tuple[str, CheckpointSteps]]:
+    """(rank, its saves) of the rank whose checkpoint saves take the largest share of its recorded time (the
+    report's per-rank ``checkpoints``): the saves checkpoint.blocking quotes and compare checks; None without a
+    save."""
+    per = [(r, c) for r, c in (checkpoints or {}).items() if c.wall_ms_total > 0]
+    return max(per, key=lambda rc: rc[1].ms_total / rc[1].wall_ms_total, default=None)
+
+
 def save_interval(c: CheckpointSteps) -> Optional[float]:
     """Steps between a rank's saves (their steps' median distance); None with one save."""
     return statistics.median(b - a for a, b in zip(c.steps, c.steps[1:])) if len(c.steps) > 1 else None

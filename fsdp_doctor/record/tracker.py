@@ -74,32 +74,35 @@ UNTRAINED_SAMPLES, UNTRAINED_VALUES, LATE_CHECK_STEP = 8, 16, 2
 _now = time.perf_counter_ns
 
 
+def _accelerate_shared(cls: str) -> dict:
+    """The shared state of accelerate's ``accelerate.state.<cls>`` (AcceleratorState, GradientState), read without
+    creating one (constructing it would initialise accelerate's state where there is none); {} where there is none."""
+    state = getattr(getattr(sys.modules.get("accelerate.state"), cls, None), "_shared_state", None)
+    return state if isinstance(state, dict) else {}
+
+
 def _plugin_state_dict_type() -> str | None:
     """The state_dict_type of accelerate's FSDP2 plugin (how its save_state and a Trainer's checkpoints save the
     model: "FULL_STATE_DICT", "SHARDED_STATE_DICT"), read from its shared state without creating one; None: none."""
-    state = getattr(sys.modules.get("accelerate.state"), "AcceleratorState", None)
-    plugin = (getattr(state, "_shared_state", None) or {}).get("fsdp_plugin")
-    kind = getattr(plugin, "state_dict_type", None)
+    kind = getattr(_accelerate_shared("AcceleratorState").get("fsdp_plugin"), "state_dict_type", None)
     return None if kind is None else str(getattr(kind, "name", kind))
 
 
 def _accelerate_sync() -> bool:
     """accelerate's GradientState.sync_gradients (False inside ``accelerator.accumulate(model)`` on a micro-batch
     before the last of its gradient_accumulation_steps), read from its shared state; True where there is none."""
-    state = getattr(sys.modules.get("accelerate.state"), "GradientState", None)
-    return (getattr(state, "_shared_state", None) or {}).get("sync_gradients", True) is not False
+    return _accelerate_shared("GradientState").get("sync_gradients", True) is not False
 
 
 def _accelerate_accumulation(unsynced: int) -> AccelerateAccumulation | None:
     """accelerate's gradient accumulation settings (its GradientState's plugin kwargs, AcceleratorState's distributed
     type), read from their shared state without creating one, with ``unsynced``, the backwards seen begun with its
     sync_gradients off; None: no GradientState."""
-    mod = sys.modules.get("accelerate.state")
-    grad = getattr(getattr(mod, "GradientState", None), "_shared_state", None) or {}
+    grad = _accelerate_shared("GradientState")
     if not grad:
         return None
     kw = grad.get("plugin_kwargs") or {}
-    kind = (getattr(getattr(mod, "AcceleratorState", None), "_shared_state", None) or {}).get("distributed_type")
+    kind = _accelerate_shared("AcceleratorState").get("distributed_type")
     return AccelerateAccumulation(num_steps=int(kw.get("num_steps", 1) or 1),
                                   sync_each_batch=bool(kw.get("sync_each_batch", False)),
                                   distributed_type="" if kind is None else str(getattr(kind, "name", kind)),
@@ -825,11 +828,7 @@ def _accelerate_fsdp() -> bool:
     """Whether accelerate is set to shard with FSDP in this process (its Accelerator was built with an FSDP plugin):
     a model with no FSDP2 unit then is one accelerator.prepare() has not sharded yet (a new-user trial watched
     before prepare and was told to call fully_shard)."""
-    mod = sys.modules.get("accelerate.state")
-    # its shared dict, read: constructing AcceleratorState() would initialise accelerate's state where there is none
-    state = getattr(getattr(mod, "AcceleratorState", None), "_shared_state", None)
-    if not isinstance(state, dict):
-        return False
+    state = _accelerate_shared("AcceleratorState")
     return str(state.get("distributed_type", "")).endswith("FSDP") or state.get("fsdp_plugin") is not None
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
-from ...analyze.steps import first_save_setup, save_interval, save_ms_each, saves_share
+from ...analyze.steps import first_save_setup, heaviest_saves, save_interval, save_ms_each, saves_share
 from ...units import fmt_share
 
 #: saves taking at least this share of the recorded time are a finding, a warning from the second
@@ -59,13 +59,12 @@ class CheckpointBlocking(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        per = {int(r): c for r, c in E.steps(ctx).checkpoints.items() if c.wall_ms_total > 0}
-        if not per:
+        checkpoints = E.steps(ctx).checkpoints
+        if (heaviest := heaviest_saves(checkpoints)) is None:
             return self.quiet("no checkpoint save recorded (torch.distributed.checkpoint's save and async_save; "
                               "others with doctor.checkpointing() around them; torchtitan's Trainer's under python "
                               "-m fsdp_doctor.titan, a Hugging Face Trainer's under DoctorCallback)")
-        rank = max(per, key=lambda r: per[r].ms_total / per[r].wall_ms_total)
-        c = per[rank]
+        rank, c = int(heaviest[0]), heaviest[1]
         share = c.ms_total / c.wall_ms_total
         if share < SHARE_NOTE:
             return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}; fires "
@@ -162,5 +161,6 @@ class CheckpointBlocking(Rule):
             f"Training waits for checkpoint saves {fmt_share(share)} of the recorded time",
             evidence, text, code, where=where,
             predicted=E.predicted(c.wall_ms_total / steps, c.wall_ms_total / steps - gain) if interval_lever else None,
-            ranks=sorted(r for r in per if per[r].ms_total >= SHARE_NOTE * per[r].wall_ms_total),
+            ranks=sorted(int(r) for r, x in checkpoints.items()
+                         if x.wall_ms_total > 0 and x.ms_total >= SHARE_NOTE * x.wall_ms_total),
         )]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import Optional
 
 from .. import estimate as E
 from .. import thresholds as T
@@ -79,9 +80,10 @@ def _leftover_costs(ctx: Context) -> S.LeftoverCosts:
     return S.LeftoverCosts(peak_bytes=peak, step_ms=step, call_ms=_call_ms(ctx))
 
 
-def _root_plan(ctx: Context) -> str:
-    """The whole sharding with the root's own modules units of their own where that gains more than it costs."""
-    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=_leftover_costs(ctx))
+def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None) -> str:
+    """The whole sharding with the root's own modules units of their own where that gains more than it costs
+    (``costs``: ``_leftover_costs``, read here where not given)."""
+    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx))
 
 
 def _plugin_wrap(ctx: Context, did: str) -> dict:
@@ -466,7 +468,8 @@ class ParamsInRoot(Rule):
         tied = [m for m in own if m in root.tied_modules]
         # beside tied modules the root stays gathered anyway: what would gain less as units of their own than their
         # collectives cost stays there with them (snippets.leftover_stays, from this run's peak, step and waits)
-        groups = S.kept_in_root(S.tree(ctx), _leftover_costs(ctx))
+        costs = _leftover_costs(ctx)  # (the plan below weighs the same)
+        groups = S.kept_in_root(S.tree(ctx), costs)
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
             return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(tied)}), which stay "
@@ -492,7 +495,7 @@ class ParamsInRoot(Rule):
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
         # every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones), the run's
         # units as they were
-        code = _root_plan(ctx)
+        code = _root_plan(ctx, costs)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
         blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
