@@ -255,6 +255,23 @@ def trainer_fixes_run(tmp_path_factory):
     return _fix_case(tmp_path_factory, "trainer_fixes")
 
 
+def _accelerate_at_least(version: str) -> bool:
+    """Whether the installed accelerate is ``version`` or newer (its FSDP2 plugin changed what it shards and which
+    policy it builds at 1.16)."""
+    from packaging.version import Version
+    return Version(importlib.metadata.version("accelerate")) >= Version(version)
+
+
+def _checkpointed_units(i_s=(0, 1)) -> dict:
+    """The units accelerate's FSDP2 plugin makes of the layers it wraps in a checkpoint wrapper, each with the
+    modules its snapshot names: before 1.16 it shards the layer inside the wrapper
+    ("model.layers.0._checkpoint_wrapped_module", the wrapper named in the snapshot; the wrapper a unit too, its
+    snapshot empty), from 1.16 the wrapper alone ("model.layers.0", to keep FSDP's hooks outside compiled code)."""
+    if _accelerate_at_least("1.16"):
+        return {f"model.layers.{i}": [f"model.layers.{i}"] for i in i_s}
+    return {f"model.layers.{i}._checkpoint_wrapped_module": [f"model.layers.{i}"] for i in i_s}
+
+
 def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tuple[dict, dict, dict]:
     """(the run ``name``, its rerun with ``code``'s fix pasted, the finding): the fix was printed for ``where``
     (the Trainer, or the user's Accelerator), whose model accelerate sharded (recorder_cases.fixed_pair)."""
@@ -265,7 +282,7 @@ def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tupl
 def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(trainer_fixes_run, how):
     """A Trainer checkpointing under an ample budget, by Hugging Face's training argument (``hf``) or by FSDP's own
     (fsdp_config's activation_checkpointing: accelerate wraps each layer and shards the layer inside the wrapper,
-    whose fqn the unit's snapshot now names). ac.unneeded's fix turns off that setting on the built Trainer
+    whose fqn the unit's snapshot now names, or from accelerate 1.16 the wrapper). ac.unneeded's fix turns off that setting on the built Trainer
     (code on the unsharded model would be undone by train(), which applies the setting again); pasted as printed,
     the rerun checkpoints nothing, its peak is the predicted one within 10%, and no new warning appears."""
     for res in trainer_fixes_run:
@@ -273,9 +290,9 @@ def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(tra
         plugin = "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"]
         args = "setattr(trainer.args, name, False)" in f["code"]
         assert (plugin, args) == ((False, True) if how == "hf" else (True, False)), f["code"]
-        if how == "fsdp":  # the wrapper around each layer's unit, named in the inner unit's snapshot
-            inner = {u[0]: u[2] for u in before["units"] if u[0].endswith("._checkpoint_wrapped_module")}
-            assert inner == {f"model.layers.{i}._checkpoint_wrapped_module": [f"model.layers.{i}"] for i in (0, 1)}
+        if how == "fsdp":  # each layer's unit checkpointed, the wrapper named in its snapshot (_checkpointed_units)
+            ckpt = {u[0]: u[2] for u in before["units"] if u[1] == "unit" and u[2]}
+            assert ckpt == _checkpointed_units(), before["units"]
         assert after["quiet"]["ac.unneeded"] == "no unit is checkpointed", after["quiet"]
         assert all(u[1] == "none" for u in after["units"]), after["units"]
 
@@ -323,8 +340,8 @@ def test_hf_trainer_checkpointing_recommended_fix_turns_fsdps_own_on(trainer_fix
         before, after, f = _plugin_fix(res, "tight", "ac.recommended")
         assert "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
         assert "all 2 here" in f["text"], f["text"]
-        assert {u[0] for u in after["units"] if u[1] == "unit" and u[0].endswith("_module")} == {
-            "model.layers.0._checkpoint_wrapped_module", "model.layers.1._checkpoint_wrapped_module"}
+        assert {u[0]: u[2] for u in after["units"] if u[1] == "unit" and u[2]} == _checkpointed_units(), after["units"]
+        assert {u[0] for u in before["units"] if u[1] != "none"} == set(), before["units"]
         assert after["peak"] < 0.85 * before["peak"], (after["peak"], before["peak"])
 
 
@@ -336,7 +353,8 @@ def test_hf_trainer_bf16_reduce_dtype_fix_sets_the_plugins_policy(trainer_fixes_
     for res in trainer_fixes_run:
         before, after, f = _plugin_fix(res, "bf16", "numerics.reduce_dtype")
         assert "trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = mp" in f["code"], f["code"]
-        assert "output_dtype=torch.bfloat16" in f["code"], f["code"]
+        # (the plugin's own policy kept: accelerate before 1.16 also set output_dtype, since not)
+        assert ("output_dtype=torch.bfloat16" in f["code"]) is not _accelerate_at_least("1.16"), f["code"]
         assert {u[3:] == ["bfloat16", "bfloat16"] for u in before["units"]} == {True}, before["units"]
         assert {u[3:] == ["bfloat16", "float32"] for u in after["units"]} == {True}, after["units"]
         assert f["predicted"]["peak_bytes_after"] > 1.1 * before["peak"], (f["predicted"], before["peak"])
