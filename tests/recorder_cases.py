@@ -394,14 +394,13 @@ def trainer_hooks():
     """A Trainer callback (a new instance per Trainer) that keeps the hook state when training starts (the model
     is sharded by then), and forces accelerate's state back to FSDP there."""
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
     from transformers import TrainerCallback
 
     class Hooks(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
             # prepare() reset the forced state: FSDP again, so that the Trainer's no_sync for all but the last
             # micro-batch calls set_requires_gradient_sync(False), as it does on GPUs
-            AcceleratorState().distributed_type = DistributedType.FSDP
+            force_fsdp(AcceleratorState())
             self.model, self.opt = model, optimizer.optimizer
             self.before = hook_state(model, self.opt)
 
@@ -415,7 +414,6 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
     the state are forced here, as in run_accelerate); ``items``: training sequences; ``args``: more
     TrainingArguments."""
     from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.utils import DistributedType
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -434,7 +432,7 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
     st.fsdp_plugin = FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
     if st.mixed_precision != "no":  # as AcceleratorState does on a GPU (bf16=True: reduce_dtype bfloat16)
         st.fsdp_plugin.set_mixed_precision(st.mixed_precision)
-    st.distributed_type = DistributedType.FSDP
+    force_fsdp(st)
     tr.is_fsdp_enabled = True
     return tr
 
