@@ -125,7 +125,7 @@ class PredictionCheck(_S):
     # A's were not, or fewer: a longer interval): "async_save" | "less often" (both checked) | "both" | "neither" |
     # "no save" (not checked)
     share_fix: str = ""
-    share_why: str = ""  # what B did, where nothing was checked
+    share_why: str = ""  # what B did, where nothing was checked; async_save's: how many of B's saves were
     share_every_a: Optional[float] = None  # steps between saves in A (median; with one save, the steps counted)
     share_every_b: Optional[float] = None  # ... in B: a less-often prediction is checked at B's interval
     share_every_advised: Optional[int] = None  # the interval A's finding advised (its save_steps_after)

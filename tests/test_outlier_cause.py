@@ -208,19 +208,21 @@ def test_the_probes_step_end_work_counts_once_in_the_next_step():
     assert (out[4].cause, out[4].detail) == ("compute", "compute +40.0 ms in forward/backward/optimizer (of +40.0 ms)")
 
 
-def _save_run(save_steps, *, n=12, save_ms=250.0, asynchronous=False):
+def _save_run(save_steps, *, n=12, save_ms=250.0, asynchronous=False, sync_ms=None):
     """Two ranks of 100 ms steps; the steps in ``save_steps`` also saved a checkpoint (``doctor.checkpointing()``;
-    with ``asynchronous``, torch.distributed.checkpoint.async_save's, from its log) taking ``save_ms``, kept out of
+    with ``asynchronous``, torch.distributed.checkpoint.async_save's, from its log; ``asynchronous`` a set: those
+    steps' saves) taking ``save_ms`` (``sync_ms``: a synchronous one's, where some are asynchronous), kept out of
     their time outside the model by the recorder."""
     from fsdp_doctor.records import StepRecord
     from fsdp_doctor.store import Run
     from fsdp_doctor.store.reader import RankData
 
     def step(rank, k):
-        ck = save_ms if k in save_steps else 0.0
+        is_async = k in asynchronous if isinstance(asynchronous, (set, frozenset)) else asynchronous
+        ck = (save_ms if is_async or sync_ms is None else sync_ms) if k in save_steps else 0.0
         return StepRecord(rank=rank, step=k, start_ns=k, wall_ms=100.0 + ck + 0.1 * (k % 3), forward_ms=30.0,
                           backward_ms=50.0, optimizer_ms=15.0, outside_ms=5.0, between_ms=4.0, checkpoint_ms=ck,
-                          checkpoints=1 if ck else 0, async_saves=1 if ck and asynchronous else 0)
+                          checkpoints=1 if ck else 0, async_saves=1 if ck and is_async else 0)
 
     run = Run(path="constructed")
     for r in (0, 1):
@@ -664,6 +666,38 @@ def test_compare_checks_the_alternative_b_took_async_save_or_less_often():
             if t.title.startswith("Predictions")]
     assert t.rows[0][1] == ("share 23.8% → 0.0%:\nnot checked: B recorded no checkpoint save: no prediction of this "
                             "fix applies"), t.rows
+
+
+def test_compare_reads_a_mostly_asynchronous_b_as_async_save():
+    """torchtitan's async mode saves its last step synchronously (checkpointer/dcp.py, _save_last_step): a B that
+    took async_save saves "3 of 4 asynchronously", and read "neither of the fix's alternatives", nothing checked.
+    Most of B's saves asynchronous and most of A's not is async_save's check, the synchronous save's time in B's share
+    (A: 3 saves of 250 ms, 23.8%; B: 50 ms stagings and a last synchronous 250 ms save, 14.3%: it read "missed" against
+    half A's share, 11.9%; held against half the most async_save takes away, A's share less that synchronous save at
+    A's 250 ms, 8.9%: 16.4%), the cell saying how B saved; a B mostly synchronous stays "neither"."""
+    from fsdp_doctor.analyze import compare as C
+    from fsdp_doctor.pipeline import compare_side
+    from fsdp_doctor.present.compare import tables
+
+    a = compare_side(_save_run({3, 6, 9}, n=24))
+    b_run = _save_run({3, 6, 9, 12}, n=24, save_ms=50.0, asynchronous={3, 6, 9}, sync_ms=250.0)
+    cmp = C.compare(a, compare_side(b_run), applied=["checkpoint.blocking"])
+    (chk,) = cmp.predictions
+    assert (chk.share_fix, chk.share_every_a, chk.share_every_b, chk.share_why) == (
+        "async_save", 3, 3, "B saved 3 of 4 asynchronously"), chk
+    assert chk.share_pct_measured == round(100 * 400 / b_run_total(b_run), 1) == 14.3 and chk.share_held is True, chk
+    # (as B, but its last save as long a share as the async ones took away: missed)
+    (chk,) = C.compare(a, compare_side(_save_run({3, 6, 9, 12}, n=24, save_ms=50.0, asynchronous={3, 6, 9},
+                                                 sync_ms=600.0)), applied=["checkpoint.blocking"]).predictions
+    assert (chk.share_fix, chk.share_held) == ("async_save", False), chk
+    (t,) = [t for t in tables(cmp) if t.title.startswith("Predictions")]
+    assert t.rows[0][1].startswith("async_save: share 23.8%\n") and t.rows[0][1].endswith(
+        "per step gained)\n(B saved 3 of 4 asynchronously)"), t.rows[0][1]
+    # one of four asynchronous: not async_save's alternative
+    (chk,) = C.compare(a, compare_side(_save_run({3, 6, 9, 12}, n=24, asynchronous={12})),
+                       applied=["checkpoint.blocking"]).predictions
+    assert (chk.share_fix, chk.share_held) == ("neither", None), chk
+    assert chk.share_why.startswith("B saved 1 of 4 asynchronously every 3 steps"), chk.share_why
 
 
 def b_run_total(run) -> float:

@@ -201,7 +201,8 @@ def share_cell(p: PredictionCheck) -> str:
     if p.share_fix == "async_save":
         return (f"async_save: {share}\n→ the copy's only (held at\nhalf of it or under)\n→ {got}: "
                 f"{held[p.share_held]}\n({fmt_ms(p.gain_ms_per_step_measured)} of at most "
-                f"{fmt_ms(p.gain_ms_per_step_at_most)} per step gained)")
+                f"{fmt_ms(p.gain_ms_per_step_at_most)} per step gained)"
+                + (f"\n({p.share_why})" if p.share_why else ""))
     if p.share_pct_predicted is not None:
         every, advised, n = p.share_every_b, p.share_every_advised, p.share_saves_b
         head = ("" if every is None else (f"1 save in {every:g} steps" if n == 1 else
