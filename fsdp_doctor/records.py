@@ -93,13 +93,19 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     param_groups: int | None = 1
     depth: int = 0  # nesting depth among units (root 0)
     # the unit runs inside a compiled frame (a module compiled in place, ``module.compile()``, or the module of
-    # ``torch.compile(module)``'s wrapper) that the doctor does not time around: its hooks return at once there (no
-    # graph break), so the unit's timings are not recorded
+    # ``torch.compile(module)``'s wrapper) that the doctor does not time around: it puts none of its hooks on the unit
+    # (they would return at once there, and Dynamo compiled them as frames of their own), so the doctor's own timings
+    # of it are not recorded (but see fsdp_hooks_timed)
     compiled_in_place: bool = False
     # the unit is compiled in place itself (``module.compile()``) and timed around its compiled call: its forward,
     # backward and backward all-gather wait are recorded; its forward's all-gather wait is inside the compiled frame,
     # within its forward (not known apart)
     compiled_call_timed: bool = False
+    # of the units compiled in place (compiled_in_place): timed from FSDP2's own pre/post-forward and pre/post-backward
+    # logs, which FSDP2's hooks write outside compiled code (Dynamo does not trace them): their forward and backward
+    # are recorded, each with its all-gather wait inside it (not known apart); False: not timed (records before this
+    # field, a compiled frame the doctor was not given)
+    fsdp_hooks_timed: bool = False
     # methods of the unit's module that register_fsdp_forward_method made forward methods (a score() calling
     # self.forward): timed as its forward by the doctor, whose hooks inside FSDP's pre-forward they do not run: the
     # forward's all-gather wait is within its forward (not known apart)
@@ -620,6 +626,11 @@ class StepRecord(Record, tag="step"):
     # out of the statistics as they do the first (0: none, and records before these fields)
     compiles: int = 0
     compile_ms: float = 0.0
+    # the graph breaks Dynamo met compiling in the step (its counter, record/compile_time.py), and of them those at a
+    # call of torch._dynamo.disable inside the compiled code: FSDP2 wraps each of its hooks in one, so a model compiled
+    # whole after sharding breaks at its units' hooks (0: none, and records before these fields)
+    graph_breaks: int = 0
+    disable_breaks: int = 0
     # the elements of the tensors the step's training forwards of the model took (its batches' tokens, pixels; summed
     # over micro-batches): FLOPs counted on one step are scaled by it where it varies (analyze/throughput.py); None:
     # not recorded (records before this field, or no training forward seen)

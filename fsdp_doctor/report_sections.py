@@ -299,6 +299,10 @@ class CompileSteps(_Section):
     steps: list[int]
     graphs: int  # graphs compiled in those steps, all together (Dynamo's frames, lazily compiled backwards)
     ms_total: float  # their compile time
+    # the graph breaks Dynamo met compiling them (StepRecord.graph_breaks), and of them those at FSDP2's hooks: at a
+    # call of torch._dynamo.disable (StepRecord.disable_breaks) where units run inside a compiled frame
+    graph_breaks: int = 0
+    fsdp_hook_breaks: int = 0
     waited: list[int] = []  # steps it waited for another rank's compile in
     excluded: bool = True  # those steps are left out of the steady-state statistics (kept when too few steps remain)
 
@@ -370,13 +374,16 @@ class StepsSection(_Section):
 class UnitTiming(_Section):
     """A unit's median per-step timings across ranks (ms). ``fwd_ms``/``bwd_ms`` include nested units (as
     recorded); ``fwd_self_ms``/``bwd_self_ms`` are the unit's own time (None: FSDP never brackets its backward);
-    ``ag_wait_fwd_ms`` None: a unit compiled in place, whose forward's all-gather wait is inside its forward."""
+    ``ag_wait_fwd_ms`` None: a unit compiled in place, whose forward's all-gather wait is inside its forward;
+    ``ag_wait_bwd_ms`` None: a unit inside another module's compiled frame, timed from FSDP2's own hooks, whose
+    backward's wait is inside its backward; ``recompute_ms`` None: such a unit checkpointed (its recompute inside
+    the compiled backward, not timed)."""
 
     fwd_ms: float = 0.0
     ag_wait_fwd_ms: Optional[float] = 0.0
     bwd_ms: float = 0.0
-    ag_wait_bwd_ms: float = 0.0
-    recompute_ms: float = 0.0
+    ag_wait_bwd_ms: Optional[float] = 0.0
+    recompute_ms: Optional[float] = 0.0
     fwd_self_ms: Optional[float] = None
     bwd_self_ms: Optional[float] = None
     # of the steady (rank, step)s, those in which the unit did not run (an MoE expert no token reached, a dropped

@@ -9,8 +9,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 
 from fsdp_doctor.records import RunConfig, StepRecord, UnitConfig, UnitStep
+from fsdp_doctor.report_sections import CompileSteps
 from fsdp_doctor.store import Run
 from fsdp_doctor.store.reader import RankData
 
@@ -51,6 +53,54 @@ def test_the_compile_clock_reads_each_compile_once():
     assert n == 1 and ms > 0  # the backward, compiled at its first call
     torch._dynamo.reset()  # (clears the table: nothing new is read as new)
     assert clock.take() == (0, 0.0)
+
+
+@pytest.mark.compat
+def test_the_compile_clock_reads_the_graph_breaks_and_those_at_a_disabled_hook():
+    """Dynamo's graph-break counter, read as it grew: a function that calls a hook the way FSDP2 calls each of its own
+    (``torch._dynamo.disable(hook, recursive=True)(x)`` inside the compiled code) breaks twice, once at the call of
+    disable (FSDP2's break: counted), once at the call of the function it wrapped, not FSDP's (not counted); a
+    user-inserted break is not one; the counters cleared read nothing new. Alike on torch 2.6, 2.13 and 2.15, whose
+    reasons are worded differently (the reasons below are theirs, as Dynamo gives them)."""
+    import torch
+
+    from fsdp_doctor.record.compile_time import CompileClock, at_disable
+
+    torch._dynamo.reset()
+    clock = CompileClock()
+    assert clock.breaks() == (0, 0)
+
+    def hook(x):
+        return x.cos()
+
+    def calls_hook(x):
+        return torch._dynamo.disable(hook, recursive=True)(x.sin()) * 2
+
+    def breaks(x):
+        x = x.sin()
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch.compile(calls_hook, backend="eager")(torch.randn(4))
+    assert clock.breaks() == (2, 1)
+    assert clock.breaks() == (0, 0)  # (nothing compiled since)
+    torch.compile(breaks, backend="eager")(torch.randn(4))
+    assert clock.breaks() == (1, 0)
+    torch._dynamo.reset()
+    assert clock.breaks() == (0, 0)
+    fsdp = ["'skip function disable in file /venv/torch/_dynamo/decorators.py'",  # 2.6
+            "Attempted to call function marked as skipped\n  Explanation: Dynamo developers have intentionally marked "
+            "that the function `disable` in file `/venv/torch/_dynamo/decorators.py` should not be traced.",  # 2.13
+            "Call to `torch._dynamo.disable()`\n  Explanation: `torch._dynamo.disable()` was called inside a compiled "
+            "region.",  # 2.15
+            "Skip calling `torch.compiler.disable()`d function\n  Explanation: Skip calling function `<function "
+            "FSDPState._pre_forward at 0x7f>` since it was wrapped with `torch.compiler.disable`"]
+    others = ["call torch._dynamo.disable() wrapped function <function hook at 0x7f4e>",
+              "Skip calling `torch.compiler.disable()`d function\n  Explanation: Skip calling function `<function "
+              "hook at 0x7fec>` since it was wrapped with `torch.compiler.disable` (reason: None)",
+              "'skip function graph_break in file /venv/torch/_dynamo/decorators.py'",
+              "Call to `torch._dynamo.graph_break()`\n  Explanation: User-inserted graph break. Message: None"]
+    assert [at_disable(r) for r in fsdp] == [True] * 4 and [at_disable(r) for r in others] == [False] * 4
 
 
 def _step(rank, k, *, wall, fwd=30.0, bwd=40.0, opt=8.0, wait=10.0, compiles=0, compile_ms=0.0):
@@ -186,3 +236,189 @@ def test_an_unknown_forward_wait_reads_unknown_in_the_evidence():
     assert fmt_value("ag_wait_fwd_ms", ev["ag_wait_fwd_ms"]) == "—"
     assert evidence_labels(ev)["ag_wait_fwd_ms"] == "AG wait fwd ms"
     assert evidence(0.5)["ag_wait_fwd_ms"] == 1.5  # measured waits: their sum, as before
+    # blocks inside the model's compiled frame (model = torch.compile(model) after sharding), timed from FSDP2's hooks:
+    # both waits unknown (both read "0 µs", beside a unit table of "—")
+    for u in units[1:]:
+        u.compiled_call_timed, u.compiled_in_place, u.fsdp_hooks_timed = False, True, True
+    ev = evidence(None)
+    assert ev["ag_wait_fwd_ms"] is None and ev["ag_wait_bwd_ms"] is None, ev
+
+
+def _whole_compiled_run(hooks_timed: bool) -> Run:
+    """A constructed run of a model compiled whole after sharding: the root timed around its compiled call, two blocks
+    inside the frame (timed from FSDP2's hooks, or, ``hooks_timed`` False, records before they were: the same step
+    records, the units' forwards 0); 4 steps, the first left out."""
+    base = dict(param_count=50_000, n_params=12, sharded_bytes=99_968, unsharded_bytes=199_936,
+                orig_dtypes=["float32"], unshard_async_op=False)
+    units = [UnitConfig(name="", modules=[""], is_root=True, compiled_call_timed=True, **base),
+             *(UnitConfig(name=f"layers.{i}", modules=[f"layers.{i}"], is_root=False, parent="", depth=1,
+                          compiled_in_place=True, fsdp_hooks_timed=hooks_timed, **base) for i in range(2))]
+    cfg = RunConfig(rank=0, world_size=2, backend="gloo", device="cpu", optimizer="AdamW", units=units)
+    fwd = [(900.0, 400.0, 400.0), (30.0, 10.0, 8.0), (31.0, 11.0, 9.0), (35.0, 12.0, 7.0)]
+    bwd = [(0.0, 60.0, 50.0), (0.0, 20.0, 15.0), (0.0, 21.0, 16.0), (0.0, 22.0, 14.0)]
+    run = Run(path="constructed")
+    run.ranks[0] = RankData(rank=0, config=cfg, steps=[
+        StepRecord(rank=0, step=k, start_ns=k, wall_ms=120.0, forward_ms=f[0] + 1.0, backward_ms=sum(b) + 5.0,
+                   units=[UnitStep(name=u.name, fwd_ms=f[i] if hooks_timed or i == 0 else 0.0,
+                                   fwd_calls=1 if hooks_timed or i == 0 else 0, bwd_ms=b[i])
+                          for i, u in enumerate(units)])
+        for k, (f, b) in enumerate(zip(fwd, bwd))])
+    return run
+
+
+def test_units_timed_from_fsdps_hooks_read_their_times_and_unknown_waits():
+    """Known answers: the blocks inside the compiled frame read their recorded medians (forward 11 and 8 ms, backward
+    21 and 15 ms), their all-gather waits unknown (None: "—", recorded 0.0), the root its own forward, 31 less 11 and 8
+    (a root without parameters: no backward of its own); one line under the table says why the waits read "—". Records
+    before the blocks were timed read them unknown, and the root's own time with them. The rules read such a unit
+    untimed, as before: its waits are not apart."""
+    from fsdp_doctor.analyze.report import unit_table
+    from fsdp_doctor.diagnose.estimate import Unit
+    from fsdp_doctor.present.fmt import units_hooks_timed_note
+
+    rows = {u.name: u for u in unit_table(_whole_compiled_run(True))}
+    for name, fwd, bwd in (("layers.0", 11.0, 21.0), ("layers.1", 8.0, 15.0)):
+        t = rows[name].timing_p50
+        assert (t.fwd_ms, t.fwd_self_ms, t.bwd_ms, t.bwd_self_ms) == (fwd, fwd, bwd, bwd), t
+        assert t.ag_wait_fwd_ms is None and t.ag_wait_bwd_ms is None and t.recompute_ms == 0.0, t
+        assert not Unit.of(rows[name]).has_timing
+    root = rows[""].timing_p50
+    assert root.fwd_ms == 31.0 and root.fwd_self_ms == 12.0 and root.bwd_self_ms is None, root
+    assert units_hooks_timed_note(list(rows.values())) == (
+        "AG wait —: 2 units in a compiled frame (layers.0, layers.1) timed by FSDP2's own hooks, whose spans hold each "
+        "wait inside fwd and bwd; the doctor's hooks, which time it apart, would break the graph")
+    old = {u.name: u for u in unit_table(_whole_compiled_run(False))}
+    assert not old["layers.0"].timing_p50 and not old["layers.1"].timing_p50
+    assert old[""].timing_p50.fwd_ms == 31.0 and old[""].timing_p50.fwd_self_ms is None
+    assert units_hooks_timed_note(list(old.values())) is None
+
+
+def test_the_compile_line_counts_the_graph_breaks_and_names_fsdps():
+    """Known answers: the breaks of the steps that compiled, and of them those at FSDP2's hooks where units run inside
+    the compiled frame (at a call of torch._dynamo.disable elsewhere: not said to be FSDP's)."""
+    from fsdp_doctor.analyze.steps import compile_steps
+    from fsdp_doctor.present.fmt import breaks_text
+
+    steps = [StepRecord(rank=0, step=k, start_ns=k, wall_ms=80.0, compiles=c, compile_ms=c * 100.0, graph_breaks=g,
+                        disable_breaks=d) for k, (c, g, d) in enumerate([(5, 4, 3), (0, 0, 0), (1, 1, 1), (0, 0, 0)])]
+    framed, elsewhere = compile_steps(steps, fsdp_framed=True), compile_steps(steps)
+    assert (framed.graphs, framed.graph_breaks, framed.fsdp_hook_breaks) == (6, 5, 4)
+    assert (elsewhere.graph_breaks, elsewhere.fsdp_hook_breaks) == (5, 0)
+    tail = " at FSDP2's hooks, which torch.compile runs outside its graphs: FSDP's, not the doctor's)"
+    assert breaks_text(framed) == ", 5 graph breaks (4" + tail
+    assert breaks_text(elsewhere) == ", 5 graph breaks"
+    one = CompileSteps(steps=[0], graphs=2, ms_total=9.0, graph_breaks=1, fsdp_hook_breaks=1)
+    assert breaks_text(one) == ", 1 graph break (" + tail[1:]
+    two = msgspec.structs.replace(one, graph_breaks=2, fsdp_hook_breaks=2)
+    assert breaks_text(two) == ", 2 graph breaks (both" + tail
+    assert breaks_text(msgspec.structs.replace(one, graph_breaks=0, fsdp_hook_breaks=0)) == ""
+
+
+#: the reference GPT, each block and the root sharded, then compiled whole (``model = torch.compile(model)``, Dynamo's
+#: eager backend: no C++ toolchain), trained 6 steps on 2 gloo ranks under watch(); each rank writes Dynamo's own
+#: counters beside the run (``<out>.dynamo<rank>``, JSON)
+WHOLE_COMPILED = """
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def worker(rank, port, out, fix):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import fsdp_doctor
+    from torch._dynamo.utils import counters
+    from fsdp_doctor.workloads import WorkloadConfig
+    from fsdp_doctor.workloads.data import batches
+    from fsdp_doctor.workloads.train import build_training, next_token_loss
+
+    cfg = WorkloadConfig(steps=6, n_layers=3, d_model=64)
+    model, opt = build_training(cfg)
+    model = torch.compile(model, backend="eager")
+    data = batches(cfg, rank)
+    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doctor:
+        for _ in range(cfg.steps):
+            tokens, targets = next(data)
+            next_token_loss(model(tokens), targets).backward()
+            opt.step()
+            opt.zero_grad()
+            doctor.step()
+    with open(f"{out}.dynamo{rank}", "w") as f:
+        json.dump({"graph_breaks": sum(counters["graph_break"].values()), "frames": counters["frames"]["total"]}, f)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_model_compiled_whole_after_sharding_has_its_units_timed_from_fsdps_own_hooks(tmp_path):
+    """``model = torch.compile(model)`` after fully_shard, 2 ranks: every unit but the root runs inside the compiled
+    frame, where the doctor puts none of its hooks (they would add frames and graph breaks of their own). FSDP2's
+    hooks run outside compiled code, and their logs time each unit's forward (its all-gather inside it) and backward:
+    the unit table read "—" for every unit's four times, though the records held each one's backward. Now the times
+    are the records' medians, the waits "—" with one line saying why, and the compile line says how many graph breaks
+    Dynamo met, at FSDP2's hooks (4 in a new-user trial's Llama, said nowhere)."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from conftest import record_two_ranks
+    from fsdp_doctor import load_run
+    from fsdp_doctor.present.fmt import fmt_ms_cell
+    from fsdp_doctor.present.terminal import render_units
+
+    rep = record_two_ranks(tmp_path, WHOLE_COMPILED, "run")
+    run = load_run(tmp_path / "run")
+    inner = ["tok_emb, pos_emb", "layers.0", "layers.1", "layers.2", "norm, lm_head"]
+    assert not any(e for rd in run.ranks.values() for e in rd.errors)
+    units = {u.name: u for u in rep.units}
+    assert [n for n, u in units.items() if u.compiled_in_place] == inner and units[""].compiled_call_timed
+    for r, rd in run.ranks.items():
+        for s in rd.steps[1:]:  # (the first compiled)
+            by = {u.name: u for u in s.units}
+            # each unit's forward, once, inside the model's compiled call; the root holds no parameters, so FSDP
+            # brackets no backward of its own and the units' backwards lie one after the other within the step's
+            assert all(by[n].fwd_calls == 1 and by[n].fwd_ms > 0 and by[n].bwd_ms > 0 for n in inner), (r, s)
+            assert sum(by[n].fwd_ms for n in inner) < by[""].fwd_ms <= s.forward_ms, (r, s)
+            assert sum(by[n].bwd_ms for n in inner) < s.backward_ms, (r, s)
+    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console.print(render_units(rep.units, 100))
+    text = console.file.getvalue()
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.strip().startswith("layers.")}
+    for name in inner[1:4]:
+        t = units[name].timing_p50
+        assert t.ag_wait_fwd_ms is None and t.ag_wait_bwd_ms is None, t
+        # the row: fwd, AG wait, bwd, AG wait, each unit's own (a block nests none: its own are its times)
+        assert t.fwd_self_ms == t.fwd_ms and t.bwd_self_ms == t.bwd_ms, t
+        assert lines[name][-4:] == [fmt_ms_cell(t.fwd_ms), "—", fmt_ms_cell(t.bwd_ms), "—"], (lines[name], t)
+    why = ("AG wait —: 5 units in a compiled frame ([tok_emb, pos_emb], layers.0 … (+3)) timed by FSDP2's own hooks, "
+           "whose spans hold each wait inside fwd and bwd; the doctor's hooks, which time it apart, would break the graph")
+    assert why in " ".join(text.split()), text
+    # the HTML report's table and the dashboard's say it under theirs too (the same rows)
+    import html
+    from types import SimpleNamespace
+
+    from fsdp_doctor.dashboards.pages.common import Filters
+    from fsdp_doctor.dashboards.pages.units import layout
+    from fsdp_doctor.present.html import render_html
+
+    assert html.escape(why) in render_html(rep)
+    page = layout(SimpleNamespace(sections=lambda *a: SimpleNamespace(units=None), report=rep), Filters())
+    assert why in str(page), str(page)[:3000]
+    # the graph breaks Dynamo met compiling, each at FSDP2's hooks (a call of torch._dynamo.disable: 2 on torch 2.13
+    # and 2.15, 3 on 2.6), all in the first step, as its own counter has them
+    for r, rd in run.ranks.items():
+        dynamo = json.loads((tmp_path / f"run.dynamo{r}").read_text())
+        got = [(s.graph_breaks, s.disable_breaks) for s in rd.steps]
+        assert got[0] == (dynamo["graph_breaks"],) * 2 and dynamo["graph_breaks"] > 0, (got, dynamo)
+        assert set(got[1:]) == {(0, 0)}, got
+        c = rep.steps.compiled[str(r)]
+        assert c.graph_breaks == c.fsdp_hook_breaks == dynamo["graph_breaks"], c
+    from fsdp_doctor.present.fmt import compile_text
+
+    n = rep.steps.compiled["0"].graph_breaks  # (the line names the rank that compiled longest: as many)
+    assert (f"{n} graph breaks ({'both ' if n == 2 else 'all '}at FSDP2's hooks, which torch.compile runs outside "
+            "its graphs: FSDP's, not the doctor's)") in compile_text(rep.steps), compile_text(rep.steps)

@@ -1027,3 +1027,33 @@ def test_an_unsupported_torch_steps_aside_and_training_goes_on(tmp_path, gloo_on
     assert said == ["fsdp_doctor: torch 2.5.1 is not supported: fsdp_doctor reads FSDP2 (fully_shard) internals of "
                     "torch >= 2.6; watch() records nothing and training goes on"], caplog.messages
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_the_step_timer_times_a_unit_inside_a_compiled_frame_from_fsdps_forward_logs():
+    """A unit inside another module's compiled frame (``model = torch.compile(model)`` after sharding) gets none of
+    the doctor's hooks: its forward is FSDP2's pre-forward log to its post-forward log (FSDP2's hooks run outside
+    compiled code), each of a grouped unit's modules a span of its own; a unit the doctor's hooks time (the root here)
+    keeps its time from them, FSDP's forward logs ignored, and a forward without gradients is no training forward."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.record.hooks import StepTimer, _UnitAcc
+
+    timer = StepTimer(lambda *a: None)
+    names = ["", "layers.0", "norm, lm_head"]
+    timer._units = [SimpleNamespace(name=n, param_groups=[]) for n in names]
+    timer._acc = {i: _UnitAcc() for i in range(3)}
+    timer._unit_of_label = {n: i for i, n in enumerate(names)}
+    timer.fsdp_timed = {1, 2}
+    timer.active = True
+    timer.begin_step()
+    for label, t_ms in [("FSDP::pre_forward", 0.0), ("FSDP::pre_forward (layers.0)", 1.0),
+                        ("FSDP::post_forward (layers.0)", 3.5), ("FSDP::pre_forward (norm, lm_head)", 4.0),
+                        ("FSDP::post_forward (norm, lm_head)", 4.5), ("FSDP::pre_forward (norm, lm_head)", 5.0),
+                        ("FSDP::post_forward (norm, lm_head)", 6.0), ("FSDP::post_forward", 9.0)]:
+        timer._on_fsdp_log(label, int(t_ms * 1e6))
+    timer._no_grad_t0 = 1  # (the model's forward under torch.no_grad(): evaluation)
+    timer._on_fsdp_log("FSDP::pre_forward (layers.0)", 20_000_000)
+    timer._on_fsdp_log("FSDP::post_forward (layers.0)", 29_000_000)
+    timer._no_grad_t0 = 0
+    got = {u.name: (u.fwd_ms, u.fwd_calls, u.ag_wait_fwd_ms) for u in timer.timings().units}
+    assert got == {"": (0.0, 0, 0.0), "layers.0": (2.5, 1, 0.0), "norm, lm_head": (1.5, 2, 0.0)}, got

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dash import Input, Output, no_update
 
-from fsdp_doctor.present.fmt import UNKNOWN, fmt_ms, fmt_unit_figures
+from fsdp_doctor.present.fmt import UNKNOWN, fmt_ms, fmt_unit_figures, units_hooks_timed_note
 from fsdp_doctor.report_sections import TraceUnitRow, UnitRow
 
 from fsdp_doctor.present import figures as F
@@ -61,10 +61,12 @@ def layout(snap, flt: Filters) -> list:
         return _trace_layout(units, flt)
     shown = [u for u in units if flt.unit is None or u.name == flt.unit]
     rows = unit_rows(shown)
+    hooked = units_hooks_timed_note(shown)  # (why their waits read "—", as under the terminal's table)
     return [
         section(f"FSDP units ({len(shown)} of {len(units)})" + ("" if flt.unit is None else
                                                               " — clear the unit filter (× in the Unit box) to see all"),
                 table("tbl-units", rows, columns(rows), left=("unit", "prefetch"), page_size=50, row_id="rid"),
+                *([note(hooked, "info", nid="hooks-timed-note")] if hooked else []),
                 note("Click a unit's name to filter every page by it.", "info"), sid="sec-units"),
         section("", graph(F.unit_timing_figure(units, flt.unit, who=_who(flt)), "fig-unit-timing")),
     ]

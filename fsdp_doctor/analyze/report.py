@@ -173,7 +173,8 @@ def unit_table(run: Run, ranks: Optional[list[int]] = None) -> list[UnitRow]:
                     kids = [by_name[c] for c in bwd_children.get(u.name, ()) if c in by_name]
                 if u.bwd_ms > 0 or not kids:
                     t["bwd_self_ms"].append(max(0.0, u.bwd_ms - sum(c.bwd_ms for c in kids)))
-    blind = {u.name for u in cfg.units if u.compiled_in_place}  # the doctor's hooks stay out of a compiled frame
+    # the doctor's hooks stay out of a compiled frame: a unit inside one is untimed, unless timed from FSDP2's own hooks
+    blind = {u.name for u in cfg.units if u.compiled_in_place and not getattr(u, "fsdp_hooks_timed", False)}
     out = []
     for u in cfg.units:
         row = UnitRow(**msgspec.structs.asdict(u))
@@ -187,6 +188,10 @@ def unit_table(run: Run, ranks: Optional[list[int]] = None) -> list[UnitRow]:
                 # FSDP's pre-forward inside the compiled call, or inside a registered forward method: its wait is in
                 # fwd_ms (a score() method's root read 0.00 ms of all-gather wait, as if measured: a new-user trial)
                 row.timing_p50.ag_wait_fwd_ms = None
+            if u.compiled_in_place:  # (timed from FSDP2's own hooks: its waits inside its forward and backward)
+                row.timing_p50.ag_wait_fwd_ms = row.timing_p50.ag_wait_bwd_ms = None
+                if u.checkpoint != "none":  # (re-run inside the compiled backward: not timed, not 0)
+                    row.timing_p50.recompute_ms = None
         out.append(row)
     return out
 

@@ -59,9 +59,16 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
                        with_autograd=sum(s.autograd_eval_forwards for s in hit))
 
 
-def compile_steps(steps: list[StepRecord]) -> Optional[CompileSteps]:
+def _fsdp_framed(cfg) -> bool:
+    """Whether units of the run's configuration run inside a compiled frame (compile_steps)."""
+    return any(getattr(u, "compiled_in_place", False) for u in (getattr(cfg, "units", None) or ()))
+
+
+def compile_steps(steps: list[StepRecord], fsdp_framed: bool = False) -> Optional[CompileSteps]:
     """A rank's steps in which torch.compile compiled, or in which it waited for another rank compiling, and whether
-    the statistics leave them out; None where there are none."""
+    the statistics leave them out; None where there are none. ``fsdp_framed``: units run inside a compiled frame
+    (``UnitConfig.compiled_in_place``), where Dynamo breaks the graph at FSDP2's hooks: its breaks at a call of
+    torch._dynamo.disable are theirs."""
     hit = [s for s in steps if compiling(s)]
     if not hit:
         return None
@@ -69,6 +76,8 @@ def compile_steps(steps: list[StepRecord]) -> Optional[CompileSteps]:
     own = [s for s in hit if s.compiles]
     return CompileSteps(steps=[s.step for s in own], graphs=sum(s.compiles for s in own),
                         ms_total=round(sum(s.compile_ms for s in own), 3),
+                        graph_breaks=sum(s.graph_breaks for s in own),
+                        fsdp_hook_breaks=sum(s.disable_breaks for s in own) if fsdp_framed else 0,
                         waited=[s.step for s in hit if not s.compiles],
                         excluded=not any(s.step in kept for s in hit))
 
@@ -695,7 +704,8 @@ def analyze_steps(run: Run) -> StepsSection:
         no_grad={str(r): ng for r, rd in sorted(run.ranks.items()) if (ng := no_grad_steps(rd.steps)) is not None},
         checkpoints={str(r): c for r, rd in sorted(run.ranks.items())
                      if (c := checkpoint_steps(rd.steps)) is not None},
-        compiled={str(r): c for r, rd in sorted(run.ranks.items()) if (c := compile_steps(rd.steps)) is not None},
+        compiled={str(r): c for r, rd in sorted(run.ranks.items())
+                  if (c := compile_steps(rd.steps, _fsdp_framed(rd.config or run.config))) is not None},
         skipped={str(r): k for r, rd in sorted(run.ranks.items()) if (k := skipped_steps(rd.steps)) is not None},
         repeated={str(r): c for r, rd in sorted(run.ranks.items()) if (c := repeated_calls(rd))},
         counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},

@@ -382,6 +382,10 @@ class Unit(UnitConfig, kw_only=True):
         fields = {f: getattr(row, f) for f in UnitConfig.__struct_fields__}
         fields.update({f: d for f, d in _UNIT_DEFAULTS.items() if fields[f] is None})
         timing = getattr(row, "timing_p50", msgspec.UNSET)
+        if fields["compiled_in_place"]:
+            # inside another module's compiled frame, timed from FSDP2's own hooks: its forward and backward hold its
+            # all-gather waits, which most rules read apart; the rules read it untimed, as they did before it was timed
+            timing = msgspec.UNSET
         return cls(**fields, timing=timing or UnitTiming(), has_timing=bool(timing))
 
 

@@ -602,11 +602,23 @@ def compile_text(section: StepsSection) -> str | None:
         rank, top = max(per.items(), key=lambda rc: rc[1].ms_total)
         which = f" on rank {rank}" if len(per) > 1 else ""
         out += (f" in step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {top.graphs} "
-                f"graph{'s' if top.graphs != 1 else ''}, {fmt_ms(top.ms_total)}{which}")
+                f"graph{'s' if top.graphs != 1 else ''}{breaks_text(top)}, {fmt_ms(top.ms_total)}{which}")
     if waited:
         out += (f"{';' if steps else ''} a rank waited for another's compile in step{'s' if len(waited) > 1 else ''} "
                 f"{', '.join(map(str, waited))}")
     return out + f"; those steps are {kept}"
+
+
+def breaks_text(c) -> str:
+    """", 2 graph breaks (both at FSDP2's hooks ...)": the graph breaks Dynamo met compiling a rank's steps
+    (``CompileSteps``), and those at FSDP2's hooks; "" where it met none."""
+    n, fsdp = c.graph_breaks, c.fsdp_hook_breaks
+    if not n:
+        return ""
+    which = "" if n == 1 else "both " if n == fsdp == 2 else "all " if n == fsdp else f"{fsdp} "
+    cause = (f" ({which}at FSDP2's hooks, which torch.compile runs outside its graphs: FSDP's, not the doctor's)"
+             if fsdp else "")
+    return f", {n} graph break{'s' if n != 1 else ''}{cause}"
 
 
 def skipped_text(section: StepsSection) -> str | None:
@@ -808,6 +820,18 @@ def units_not_run_note(units) -> str | None:
     more = f", … {len(part) - 4} more" if len(part) > 4 else ""
     return (f"{len(part)} unit{'s' * (len(part) != 1)} did not run in every step (an expert no token reached, a "
             f"skipped layer): timed over the rank-steps they ran: {shown}{more}")
+
+
+def units_hooks_timed_note(units) -> str | None:
+    """A line under the unit table saying why the all-gather waits of the units timed from FSDP2's own hooks (inside
+    another module's compiled frame: ``model = torch.compile(model)`` after sharding) read "—" beside their times;
+    None where no unit is."""
+    hooked = [u.name for u in units if getattr(u, "compiled_in_place", False) and getattr(u, "timing_p50", None)]
+    if not hooked:
+        return None
+    return (f"AG wait —: {len(hooked)} unit{'s' * (len(hooked) != 1)} in a compiled frame ({fmt_list(hooked, 2)}) "
+            f"timed by FSDP2's own hooks, whose spans hold each wait inside fwd and bwd; the doctor's hooks, which time "
+            f"it apart, would break the graph")
 
 
 def trace_units_title(units) -> str:

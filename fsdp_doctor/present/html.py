@@ -26,7 +26,8 @@ from .fmt import (fix_heading, fixes_note, problem_text, comm_unit_rows, comm_un
                   fmt_checkpoint, fmt_unit_figures, evidence_rows, memory_lines, memory_rows, memory_unit_rows,
                   apart_texts, outlier_rows, outliers_title, predicted_text, run_facts, run_warnings, steps_rows,
                   steps_title, no_steady_text, straggler_text, throughput_rows, unit_exposed_note,
-                  throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows)
+                  throughput_note, trace_memory_rows, trace_units_title, unit_label, verdict_headline, verdict_rows,
+                  units_hooks_timed_note)
 
 _CSS = """
 body{font-family:-apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;
@@ -162,8 +163,10 @@ def _units_table(units: list[UnitRow] | list[TraceUnitRow]) -> str:
         rows.append(f"<tr><td style='padding-left:{12 * u.depth}px'>{_esc(unit_label(u.name or ''))}</td>" + "".join(
             f"<td>{_esc(x)}</td>" for x in (*fmt_unit_figures(u), fmt_checkpoint(u), *map(fmt_ms, times))) + "</tr>")
     more = f"<tr><td>… {len(units) - 64} more</td></tr>" if len(units) > 64 else ""
+    hooked = units_hooks_timed_note(units)
     return (f"<p class='note'>Per-step medians; each unit's own time (nested units excluded).</p>"
-            f"<table>{head}{''.join(rows)}{more}</table>")
+            f"<table>{head}{''.join(rows)}{more}</table>"
+            + (f"<p class='note'>{_esc(hooked)}</p>" if hooked else ""))
 
 
 def _table(header, rows, tid: str, left: tuple[int, ...] = (0,), cls: str = "num") -> str:

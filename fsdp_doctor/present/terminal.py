@@ -17,6 +17,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_steps, verdict_title,
+                  units_hooks_timed_note,
                   fit_comments, fixes_note, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -125,9 +126,10 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
         rows.append((("  " * u.depth) + labels[u.name], *fmt_unit_figures(u), fmt_checkpoint(u), *map(fmt_ms_cell, times)))
     if len(units) > UNIT_ROWS:
         rows.append((f"… {len(units) - UNIT_ROWS} more", *[""] * 9))
+    notes = [n for n in (units_not_run_note(units), units_hooks_timed_note(units)) if n]
     return fitted_table(f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
                         "excluded); AG wait: forward, then backward", cols, rows, width,
-                        caption=units_not_run_note(units))
+                        caption=escape("\n".join(notes)) or None)  # (a grouped unit's "[a, b]" is no markup)
 
 
 def findings_summary(findings: list[Finding], rules: list | None = None, verdict=None):

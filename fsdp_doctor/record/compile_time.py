@@ -9,7 +9,17 @@ last step: two lengths read per step, nothing installed. Where Dynamo was never 
 table is not imported for it.
 
 Before this a recompile (a shape change at step 10 of a 2-rank run, each block compiled in place) read as
-"compute +1595.8 ms in forward/backward/optimizer", kept in the step statistics (p99 1526.8 ms, cv 184%)."""
+"compute +1595.8 ms in forward/backward/optimizer", kept in the step statistics (p99 1526.8 ms, cv 184%).
+
+The graph breaks Dynamo met while compiling are read alike, from its counter of them (``counters["graph_break"]``,
+reason -> count, torch 2.6 to 2.15): what its counts grew by since the last step, and of that the breaks at a call of
+``torch._dynamo.disable`` inside the compiled code, which is how FSDP2 keeps Dynamo out of its hooks (each hook is
+wrapped in one as it is called): a model compiled whole after sharding breaks at its units' hooks (2 breaks for the
+reference GPT on torch 2.13, 4 for a tiny HF Llama). Dynamo words that break differently in each version (2.6 "skip
+function disable in file .../_dynamo/decorators.py", 2.13 "... the function `disable` in file
+.../_dynamo/decorators.py ...", 2.15 "Call to `torch._dynamo.disable()`"); a break at a call of a function that
+disable wrapped (2.6 "call torch._dynamo.disable() wrapped function <function f ...>", 2.13 and 2.15 "Skip calling
+`torch.compiler.disable()`d function") counts where the function is FSDP's, not a user's own."""
 
 from __future__ import annotations
 
@@ -19,12 +29,23 @@ import sys
 COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
 
 
+def at_disable(reason: str) -> bool:
+    """Dynamo's reason for a graph break says it broke where FSDP2 calls ``torch._dynamo.disable`` to run a hook (the
+    module docstring)."""
+    if "wrapped function" in reason or "disable()`d function" in reason:  # (a function disable wrapped: whose?)
+        return "FSDP" in reason
+    return "torch._dynamo.disable()" in reason or ("disable" in reason and "decorators.py" in reason)
+
+
 class CompileClock:
-    """The compiles since the last :meth:`take`, from Dynamo's timing table."""
+    """The compiles since the last :meth:`take`, from Dynamo's timing table, and the graph breaks since the last
+    :meth:`breaks`, from its counter."""
 
     def __init__(self) -> None:
         self._seen = dict.fromkeys(COMPILE_KEYS, 0)
+        self._breaks: dict[str, int] = {}
         self.take()  # (what compiled before watch() is not the first step's)
+        self.breaks()
 
     def take(self) -> tuple[int, float]:
         """Graphs compiled since the last call (frames, lazy backwards) and their time in ms."""
@@ -42,3 +63,20 @@ class CompileClock:
             secs += sum(times[seen:])
             self._seen[key] = len(times)
         return n, secs * 1e3
+
+    def breaks(self) -> tuple[int, int]:
+        """(the graph breaks Dynamo counted since the last call, of them those at a call of torch._dynamo.disable)."""
+        counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+        now = counters.get("graph_break") if isinstance(counters, dict) else None
+        if not now:  # (none yet, or the counters cleared: torch._dynamo.reset(), a user's counters.clear())
+            self._breaks = {}
+            return 0, 0
+        n = disabled = 0
+        for reason, count in now.items():
+            new = count - self._breaks.get(reason, 0)
+            if new < 0:  # (cleared and counted again since)
+                new = count
+            n += new
+            disabled += new if at_disable(str(reason)) else 0
+        self._breaks = dict(now)
+        return n, disabled

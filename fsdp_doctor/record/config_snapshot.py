@@ -37,7 +37,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
                     runtime_checkpointed: Iterable[int], consistency: str | None,
                     runtime_checkpointed_children: Iterable[int] = (),
                     timed_compiled: Iterable[int] = (), frame_unseen: bool = False,
-                    selective: Iterable[int] = ()) -> tuple[RunConfig, str]:
+                    selective: Iterable[int] = (), fsdp_timed: Iterable[int] = ()) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
@@ -45,7 +45,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     it passed; None: not run yet, run and logged now); ``selective``: units seen checkpointing selectively
     (StepTimer.selective); ``timed_compiled``: units compiled in place that the timer
     times around their compiled call (StepTimer.timed_compiled); ``frame_unseen``: the forward ran in a compiled
-    frame the doctor was not given (every unit untimed: FRAME_UNSEEN)."""
+    frame the doctor was not given (every unit untimed: FRAME_UNSEEN); ``fsdp_timed``: units inside another module's
+    compiled frame that the timer times from FSDP2's own logs (StepTimer.fsdp_timed)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -70,8 +71,10 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         compiled, timed_compiled = list(range(len(units))), set()
     timed = [i for i in compiled if i in timed_compiled]
     in_place = [i for i in compiled if i not in timed_compiled]
+    logged = set() if frame_unseen else set(fsdp_timed)
     for idx in in_place:
         unit_cfgs[idx].compiled_in_place = True
+        unit_cfgs[idx].fsdp_hooks_timed = idx in logged
     for idx in timed:
         unit_cfgs[idx].compiled_call_timed = True
     named = naming_root(model)  # (the model inside a compiled wrapper: the names of the user's fully_shard calls)
@@ -92,9 +95,16 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         notes.append(
             f"{len(timed)} unit(s) compiled by torch.compile ({names(timed)}): timed around their compiled call, so "
             "their forward's all-gather wait is inside their forward time, not apart")
-    if in_place and not frame_unseen:
+    hooked = [i for i in in_place if i in logged]
+    if hooked:
         notes.append(
-            f"{len(in_place)} unit(s) run inside a compiled frame ({names(in_place)}): the doctor's hooks do nothing "
+            f"{len(hooked)} unit(s) run inside a compiled frame ({names(hooked)}): the doctor's hooks stay out of "
+            "it; these units are timed from FSDP2's own hooks, which run outside compiled code (the units table "
+            "says which times that leaves unknown)")
+    unhooked = [i for i in in_place if i not in logged]
+    if unhooked and not frame_unseen:
+        notes.append(
+            f"{len(unhooked)} unit(s) run inside a compiled frame ({names(unhooked)}): the doctor's hooks do nothing "
             "there, so these units' timings are not recorded")
     return RunConfig(
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,

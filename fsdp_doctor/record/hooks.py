@@ -45,6 +45,10 @@ _now = time.perf_counter_ns
 # timed around its compiled call instead (``StepTimer._time_compiled_calls``); the units inside another compiled
 # module are not timed (the run's configuration says which units are which).
 _compiling = torch.compiler.is_compiling
+# FSDP2's hook logs the timer reads (fsdp_labels): every unit's backward; the forward of the units inside another
+# module's compiled frame, where the doctor's hooks are not (StepTimer.fsdp_timed)
+_FORWARD_KINDS = ("pre_forward", "post_forward")
+_LOGGED_KINDS = (*_FORWARD_KINDS, "pre_backward", "post_backward")
 
 
 def _elements(args, kwargs) -> int:
@@ -199,6 +203,10 @@ class StepTimer:
         self.timed_compiled: set[int] = set()
         # (module, the attribute, its compiled call or registered forward method, the doctor's)
         self._compiled_calls: list[tuple[nn.Module, str, Any, Any]] = []
+        # units inside another module's compiled frame (``model = torch.compile(model)`` after sharding: every unit
+        # but the root), which get none of the doctor's hooks: their forward is timed from FSDP2's own pre- and
+        # post-forward logs instead, as every unit's backward is (_logged_forward)
+        self.fsdp_timed: set[int] = set()
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
@@ -244,6 +252,8 @@ class StepTimer:
                 h.append(inner.register_forward_pre_hook(self._mk(self._recompute_pre, idx)))
                 h.append(inner.register_forward_hook(self._mk(self._recompute_post, idx)))
         self._time_compiled_calls(model)
+        self.fsdp_timed = {i for i, u in enumerate(self._units)
+                           if any(id(m) in in_frame for m in u.modules)} - self.timed_compiled
         self._time_forward_methods(model)
         self._watch_children(model)
         if id(model) not in in_frame:  # (the model compiled in place: its call is bracketed by them instead)
@@ -777,16 +787,17 @@ class StepTimer:
         except Exception as e:  # noqa: BLE001
             self._fail("backward end", e)
 
-    def _parse_fsdp_log(self, msg: str) -> tuple[bool, int] | None:
-        """("FSDP::pre_backward (layers.0)" -> (True, unit index)); None for labels the doctor does not use."""
+    def _parse_fsdp_log(self, msg: str) -> tuple[str, int] | None:
+        """("FSDP::pre_backward (layers.0)" -> ("pre_backward", unit index)); None for labels the doctor does not
+        use."""
         lab = parse_label(msg)
-        if lab is None or lab.kind not in ("pre_backward", "post_backward"):
+        if lab is None or lab.kind not in _LOGGED_KINDS:
             return None
         fqn = lab.fqn or ""
         if fqn not in self._unit_of_label:
             self._unit_of_label = label_to_index(self._units)
         idx = self._unit_of_label.get(fqn)
-        return None if idx is None else (lab.kind == "pre_backward", idx)
+        return None if idx is None else (lab.kind, idx)
 
     def _other_model_log(self, msg: str, t: int, group: int) -> None:
         """Another FSDP model's label: its forward and backward spans (the outermost of its open units) add up as
@@ -820,11 +831,15 @@ class StepTimer:
             parsed = self._log_cache[msg] = self._parse_fsdp_log(msg)
         if parsed is None:
             return
-        is_pre, idx = parsed
+        kind, idx = parsed
         if mine is not None:
             idx = mine
+        if kind in _FORWARD_KINDS:
+            if idx in self.fsdp_timed:
+                self._logged_forward(kind == "pre_forward", idx, t)
+            return
         a = self._acc[idx]
-        if is_pre:
+        if kind == "pre_backward":
             if self._bwd_start == 0:
                 self._backward_begins(t)
             if not a.t_pre_bwd:
@@ -842,6 +857,28 @@ class StepTimer:
                     self.gpu.close(idx, 1)
             if self.marks is not None:
                 self.marks.mark(self._units[idx].name, "backward_end")
+
+    def _logged_forward(self, start: bool, idx: int, t: int) -> None:
+        """FSDP2 logged a unit's pre-forward (``start``) or post-forward, where the unit runs inside another module's
+        compiled frame (``fsdp_timed``). FSDP2's hooks run outside compiled code (Dynamo does not trace them: the
+        graph breaks at each), so the span from the first log to the second is the unit's forward as it ran: its
+        all-gather, issued and waited for at the start of the pre-forward, and its compute, up to its reshard; the
+        wait is not known apart (nothing of FSDP's marks its end). A grouped unit's modules each open and close it.
+        Training forwards only, as the unit hooks' are: not inside a forward without gradients, nor a recompute."""
+        if self._no_grad_t0 or in_backward():
+            return
+        a = self._acc[idx]
+        if start:
+            if not a.t_outer:
+                a.t_outer = t
+                if self.gpu is not None:
+                    self.gpu.open(idx, 0)
+        elif a.t_outer:
+            a.fwd += t - a.t_outer
+            a.calls += 1
+            a.t_outer = 0
+            if self.gpu is not None:
+                self.gpu.close(idx, 0)
 
     def _model_pre(self, module, args, kwargs=None):
         if self.active and not _compiling() and not in_backward():

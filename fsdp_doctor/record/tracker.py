@@ -617,6 +617,7 @@ class Doctor:
         self._spill_profiled = False
         mem = self._memory.step_end(step) if self._memory is not None else None
         compiles, compile_ms = self._compiles.take()
+        breaks, disable_breaks = self._compiles.breaks()
         own_ms = _ms(self._own_ns)
         saves, self._saves = merged_saves(self._saves, tm.first_forward_ns or 0, tm.last_optimizer_end_ns or 0), []
         save_ms = _ms(sum(b - a for a, b, _ in saves))
@@ -648,6 +649,7 @@ class Doctor:
             checkpoint_ms=round(save_ms, 3), checkpoints=len(saves), async_saves=sum(k is True for _, _, k in saves),
             backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,
             compiles=compiles, compile_ms=round(min(compile_ms, wall), 3),
+            graph_breaks=breaks, disable_breaks=disable_breaks,
             input_elements=tm.input_elements or None, tokens=self._tokens,
         )
         self._sinks.on_step(rec)
@@ -743,7 +745,7 @@ class Doctor:
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
-            selective=self._timer.selective)
+            selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed)
         cfg.driver = self.driver
         if self._world_ranks is not None:
             cfg.world_ranks = list(self._world_ranks)
