@@ -297,7 +297,7 @@ class CompileSteps(_Section):
     it waited for another rank compiling (``StepRecord.others_compiled``)."""
 
     steps: list[int]
-    graphs: int  # graphs compiled in those steps, all together (Dynamo's frames, lazily compiled backwards)
+    graphs: int  # compiles in those steps, all together (Dynamo's frames, lazily compiled backwards; not unique graphs)
     ms_total: float  # their compile time
     # the graph breaks Dynamo met compiling them (StepRecord.graph_breaks), and of them those at FSDP2's hooks: at a
     # call of torch._dynamo.disable (StepRecord.disable_breaks) where units run inside a compiled frame

@@ -135,10 +135,10 @@ def test_a_recompile_is_named_as_compilation_and_left_out_of_the_statistics():
     sec = analyze_steps(run)
     assert sec.per_rank["0"].p99_ms < 85.0 and sec.per_rank["0"].cv < 0.02  # (1526.8 ms and 184.4% before)
     assert [(o.rank, o.step, o.cause) for o in sec.outliers] == [(0, 10, "compilation"), (1, 10, "compilation")]
-    assert sec.outliers[1].detail == "compilation: torch.compile compiled 1 graph (1484.2 ms)"
+    assert sec.outliers[1].detail == "compilation: torch.compile compiled 1 time (1484.2 ms)"
     assert sec.compiled["1"].steps == [0, 10] and sec.compiled["1"].graphs == 3 and sec.compiled["1"].excluded
     assert dict(apart_texts(sec))["compile"] == (
-        "torch.compile compiled in steps 0, 10: 3 graphs, 7.18 s on rank 1; those steps are left out of the step "
+        "torch.compile compiled in steps 0, 10: 3 compiles, 7.18 s on rank 1; those steps are left out of the step "
         "statistics above")
 
 

@@ -588,7 +588,7 @@ def checkpoint_text(section: StepsSection) -> str | None:
 
 
 def compile_text(section: StepsSection) -> str | None:
-    """One line on the steps in which torch.compile compiled, over the ranks (the graphs and time of the rank that
+    """One line on the steps in which torch.compile compiled, over the ranks (the compiles and time of the rank that
     compiled longest), and those in which a rank waited for another's compile; None when none did."""
     per = section.compiled
     if not per:
@@ -601,8 +601,9 @@ def compile_text(section: StepsSection) -> str | None:
     if steps:
         rank, top = max(per.items(), key=lambda rc: rc[1].ms_total)
         which = f" on rank {rank}" if len(per) > 1 else ""
+        # (compiles: frames Dynamo compiled and backwards compiled lazily; "5 graphs" read for 2 unique ones)
         out += (f" in step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}: {top.graphs} "
-                f"graph{'s' if top.graphs != 1 else ''}{breaks_text(top)}, {fmt_ms(top.ms_total)}{which}")
+                f"compile{'s' if top.graphs != 1 else ''}{breaks_text(top)}, {fmt_ms(top.ms_total)}{which}")
     if waited:
         out += (f"{';' if steps else ''} a rank waited for another's compile in step{'s' if len(waited) > 1 else ''} "
                 f"{', '.join(map(str, waited))}")
