@@ -309,6 +309,35 @@ class AccelerateAccumulation(msgspec.Struct, kw_only=True, omit_defaults=True):
     unsynced_backwards: int = 0
 
 
+class CompiledModule(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A module whose forward torch.compile compiles as a frame of its own: compiled in place (``module.compile()``)
+    or wrapped (``torch.compile(module)``), the outermost such (one inside another is traced in that one's frame). The
+    code Dynamo keys its cache on is its forward's: ``function`` at ``file``:``line``, which every module of its class
+    shares (Hugging Face's decoder layers share transformers' ``forward_with_checkpointing`` across classes)."""
+
+    name: str  # its fqn in the watched model ("" for the model itself)
+    cls: str  # its class, the user's (not the FSDP subclass fully_shard makes: LlamaDecoderLayer)
+    function: str = ""  # its forward's code: name, file, first line ("": not a Python function)
+    file: str = ""
+    line: int = 0
+
+
+class RecompileLimit(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """torch.compile's Dynamo gave up compiling a frame at its recompile limit (its one warning, "torch._dynamo hit
+    config.recompile_limit (8)"): that code runs eagerly wherever its cache has no matching entry, from then on."""
+
+    limit_type: str  # the config it hit, this torch's name: "recompile_limit" (2.6: "cache_size_limit"), or the
+    # accumulated one ("accumulated_recompile_limit")
+    limit: int | None = None  # its value then
+    function: str = ""  # the code object: name, file, first line ("": not read, Dynamo's warning not seen)
+    file: str = ""
+    line: int = 0
+    reason: str = ""  # the last guard that failed (Dynamo's "last reason", its first line)
+    # the unit compiled in place whose compiled call was running (the module that could not compile): its name;
+    # "" where none of the units the doctor times around their compiled call was
+    module: str = ""
+
+
 class RunConfig(Record, tag="config"):
     """Written once per rank at the first step."""
 
@@ -350,6 +379,11 @@ class RunConfig(Record, tag="config"):
     # accelerate's gradient accumulation there (its sync_each_batch, gradient_accumulation_steps); None: not read
     # (not sharded by accelerate, or a run recorded before this field)
     accelerate: AccelerateAccumulation | None = None
+    # modules torch.compile compiles as frames of their own (CompiledModule), in module order, and Dynamo's recompile
+    # limits then, this torch's names (recompile_limit, accumulated_recompile_limit; 2.6: cache_size_limit, ...) ->
+    # value; [] and {}: none compiled, or a run recorded before these fields
+    compiled_modules: list[CompiledModule] = []
+    compile_limits: dict[str, int] = {}
     units: list[UnitConfig] = []
     # the device mesh of the units' parameters where it has dims beyond FSDP's (tensor, context or expert parallelism
     # beside FSDP) or FSDP's is 2-D (HSDP): each dim's name and size in mesh order, FSDP's first (fsdp_dims of them);
@@ -631,6 +665,12 @@ class StepRecord(Record, tag="step"):
     # whole after sharding breaks at its units' hooks (0: none, and records before these fields)
     graph_breaks: int = 0
     disable_breaks: int = 0
+    # Dynamo's recompile limit hit in the step (record/compile_time.py): each frame it gave up compiling, which runs
+    # eagerly from then on where its cache has no matching entry ([]: none, and records before this field)
+    recompile_limits: list[RecompileLimit] = []
+    # frames Dynamo compiled inside each unit's compiled call in the step (the units compiled in place and timed
+    # around that call: name -> frames, those that compiled; {}: none, and records before this field)
+    unit_compiles: dict[str, int] = {}
     # the elements of the tensors the step's training forwards of the model took (its batches' tokens, pixels; summed
     # over micro-batches): FLOPs counted on one step are scaled by it where it varies (analyze/throughput.py); None:
     # not recorded (records before this field, or no training forward seen)

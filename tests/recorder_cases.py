@@ -166,6 +166,8 @@ def hook_state(model, opt) -> dict:
     out["fsdp logger"] = [id(lg.__dict__.get("debug")), lg.level, [id(h) for h in lg.handlers]]
     lg = F2.dcp_logger()
     out["checkpoint logger"] = [lg.level, [id(h) for h in lg.handlers]]
+    lg = F2.dynamo_logger()
+    out["dynamo logger"] = [lg.level, [id(h) for h in lg.handlers]]
     out["saved tensor hooks"] = F2.saved_hooks_top() is not None
     out["dispatch modes"] = torch._C._len_torch_dispatch_stack()
     out["profiler"] = torch.autograd.profiler._is_profiler_enabled

@@ -422,3 +422,67 @@ def test_a_model_compiled_whole_after_sharding_has_its_units_timed_from_fsdps_ow
     n = rep.steps.compiled["0"].graph_breaks  # (the line names the rank that compiled longest: as many)
     assert (f"{n} graph breaks ({'both ' if n == 2 else 'all '}at FSDP2's hooks, which torch.compile runs outside "
             "its graphs: FSDP's, not the doctor's)") in compile_text(rep.steps), compile_text(rep.steps)
+
+
+@pytest.mark.compat
+def test_the_recompile_limit_tap_reads_dynamos_warning_and_else_its_count():
+    """Ten modules compiled in place, each guarded on a string of its own (never made dynamic, on 2.6 as on 2.13):
+    the ninth hits the limit, Dynamo warns once, and the tap takes it with the code, the limit's name on this torch
+    (2.6: cache_size_limit), its value, the last reason and the module whose call was running; with Dynamo's
+    warnings turned off in this process's logging, the hit Dynamo counts is taken, its code unknown. The handler is
+    Dynamo's logger's no more once removed."""
+    import logging
+
+    import torch
+    import torch.nn as nn
+
+    from fsdp_doctor.record import fsdp2 as F2
+    from fsdp_doctor.record.compile_time import RecompileLimitTap
+
+    class Block(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.tag, self.lin = "b" * (i + 1), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * len(self.tag)
+
+    class Other(Block):  # (a code object of its own: Dynamo's cache of Block's is full, and runs it eager)
+        def forward(self, x):
+            return self.lin(x) + len(self.tag)
+
+    def blocks(cls, n):
+        out = [cls(i) for i in range(n)]
+        for b in out:
+            b.compile(backend="eager")
+        return out, cls.forward.__code__
+
+    torch._dynamo.reset()
+    limit_name = next(iter(F2.dynamo_limits()))
+    current, failed = [None], []
+    tap = RecompileLimitTap(lambda: current[0], lambda where, e: failed.append((where, e)))
+    handlers = list(F2.dynamo_logger().handlers)
+    tap.install()
+    quiet = logging.getLogger("torch._dynamo")
+    level = quiet.level
+    try:
+        mods, code = blocks(Block, 10)
+        for i, b in enumerate(mods):
+            current[0] = f"layers.{i}"
+            b(torch.randn(2, 4))
+        (hit,) = tap.take()
+        assert (hit.limit_type, hit.limit, hit.module) == (limit_name, 8, "layers.8"), hit
+        assert (hit.function, hit.file, hit.line) == ("forward", code.co_filename, code.co_firstlineno), hit
+        assert hit.reason and "\n" not in hit.reason
+        assert tap.take() == []
+        quiet.setLevel(logging.ERROR)  # (TORCH_LOGS="-dynamo", or a logging config)
+        mods, _ = blocks(Other, 9)
+        for b in mods:
+            b(torch.randn(2, 4))
+        (hit,) = tap.take()
+        assert (hit.limit_type, hit.limit, hit.function, hit.module) == (limit_name, 8, "", ""), hit
+    finally:
+        quiet.setLevel(level)
+        tap.uninstall()
+        torch._dynamo.reset()
+    assert F2.dynamo_logger().handlers == handlers and not failed

@@ -3633,3 +3633,96 @@ def test_a_grouped_unit_in_a_list_of_units_reads_as_one_unit():
     (f,) = run_rule("numerics.reduce_dtype", build(units=us)[0])  # a rule's sentence naming its units
     assert "6 unit(s) ([tok_emb, pos_emb], layers.0, layers.1, layers.2 … (+2)) hold" in f.recommendation.text, \
         f.recommendation.text
+
+
+# ------------------------------------------------------------------------------------------------ compile
+_HF_FORWARD = dict(function="forward_with_checkpointing", line=89,
+                   file="/venv/lib/python3.11/site-packages/transformers/modeling_layers.py")
+
+
+def _recompile_ctx(layers=10, limit=8, *, eager_ms=20.0, timed=True, hit=True, warned=True, compiles=None):
+    """An HF Llama of ``layers`` decoder layers, each compiled in place (and timed around its compiled call when
+    ``timed``): Dynamo hit its recompile limit on their shared forward in layer ``limit``'s call at step 0 (``warned``:
+    its warning seen; else only counted), the first ``limit`` layers' calls compiled a frame each (``compiles``:
+    layer index -> frames); the compiled layers take 12 ms a step (forward and backward), the others ``eager_ms``."""
+    from fsdp_doctor.records import CompiledModule, RecompileLimit
+
+    names = [f"model.layers.{i}" for i in range(layers)]
+    compiles = {i: 1 for i in range(min(limit, layers))} if compiles is None else compiles
+    us = [unit("", timing=dict(fwd_ms=40.0, bwd_ms=40.0))]
+    for i, n in enumerate(names):
+        t = 6.0 if i in compiles else eager_ms / 2
+        us.append(unit(n, timing=dict(fwd_ms=t, ag_wait_fwd_ms=0.0, bwd_ms=t), compiled_call_timed=timed, **BLOCK))
+    ctx, _ = build(units=us, compiled_modules=[CompiledModule(name=n, cls="LlamaDecoderLayer", **_HF_FORWARD)
+                                               for n in names],
+                   compile_limits={"recompile_limit": limit, "accumulated_recompile_limit": 256})
+    seen = RecompileLimit(limit_type="recompile_limit", limit=limit, reason="0/7: kwargs['cache'].layers[7]."
+                          "is_initialized == False        # if not self.is_initialized:",
+                          module=names[min(limit, layers - 1)], **_HF_FORWARD) \
+        if warned else RecompileLimit(limit_type="recompile_limit", limit=limit)
+    ctx.run.ranks = {r: SimpleNamespace(steps=[
+        StepRecord(rank=r, step=k, start_ns=k, wall_ms=110.0, recompile_limits=[seen] if hit and k == 0 else [],
+                   unit_compiles={names[i]: c for i, c in compiles.items()} if k == 0 else {})
+        for k in range(4)]) for r in (0, 1)}
+    return ctx
+
+
+def test_recompile_limit_names_the_layers_left_eager_and_raises_the_limit_to_what_they_need():
+    """The new-user trial's shape: 10 layers compiled in place, the limit 8 hit in layer 8's call; layers 8 and 9
+    compiled no frame in the whole run: eager. The fix sets recompile_limit to 10 x 1 variants and one more each; the
+    eager layers' 20 ms against the compiled ones' 12 ms is 16 ms a step (110 -> 94 ms)."""
+    ctx = _recompile_ctx()
+    (f,) = run_rule("compile.recompile_limit", ctx)
+    ev = f.evidence
+    assert ev["eager_modules"] == ["model.layers.8", "model.layers.9"] and ev["eager_from"].startswith("measured")
+    assert (ev["modules_sharing_code"], ev["modules_compiled"], ev["variants_per_module"]) == (10, 8, 1)
+    assert (ev["limit_needed"], ev["limit_suggested"], ev["ranks_hit"]) == (10, 20, [0, 1])
+    assert ev["function"] == "forward_with_checkpointing (transformers/modeling_layers.py:89)"
+    assert ev["last_reason"] == ("0/7: kwargs['cache'].layers[7].is_initialized == False # if not "
+                                 "self.is_initialized")
+    assert (ev["eager_unit_ms_p50"], ev["compiled_unit_ms_p50"], ev["eager_extra_ms_per_step"]) == (20.0, 12.0, 16.0)
+    assert f.predicted["step_ms_before"] == 110.0 and f.predicted["step_ms_after"] == 94.0
+    assert f.units == ["model.layers.8", "model.layers.9"] and f.severity == "warning"
+    rec = f.recommendation
+    assert rec.where == "model" and rec.code.splitlines()[-1] == "torch._dynamo.config.recompile_limit = 20"
+    assert "import torch" in rec.code and all(len(x) <= 80 for x in rec.code.splitlines())
+    assert "model.layers.8, model.layers.9 (2 of 10) ran eager" in rec.text, rec.text
+    # torch 2.6's name, and an accumulated limit under what is needed (40 layers: 80), raised with it
+    ctx = _recompile_ctx(layers=40)
+    ctx.config.compile_limits = {"cache_size_limit": 8, "accumulated_cache_size_limit": 64}
+    for rd in ctx.run.ranks.values():
+        rd.steps[0].recompile_limits[0].limit_type = "cache_size_limit"
+    (f,) = run_rule("compile.recompile_limit", ctx)
+    assert f.recommendation.code.splitlines()[-2:] == ["torch._dynamo.config.cache_size_limit = 80",
+                                                       "torch._dynamo.config.accumulated_cache_size_limit = 80"]
+
+
+def test_recompile_limit_when_it_cannot_tell_or_a_higher_limit_would_not_help():
+    # eager layers no slower (aot_eager, or too small to tell): no step time, said
+    (f,) = run_rule("compile.recompile_limit", _recompile_ctx(eager_ms=12.5))
+    assert f.predicted["step_ms_after"] is None and "No step time is predicted" in f.recommendation.text
+    # modules not timed (not units): the layers past the limit in module order, one variant each, said so
+    (f,) = run_rule("compile.recompile_limit", _recompile_ctx(timed=False))
+    assert f.evidence["eager_modules"] == ["model.layers.8", "model.layers.9"]
+    assert f.evidence["eager_from"].startswith("module order")
+    # Dynamo's warning not seen (its logging off): the hit as counted, every compiled module taken
+    (f,) = run_rule("compile.recompile_limit", _recompile_ctx(warned=False))
+    assert f.evidence["function"] == "unknown" and f.evidence["eager_modules"] == ["model.layers.8",
+                                                                                 "model.layers.9"]
+    assert "warning was not seen" in f.recommendation.text
+    # one module recompiled past the limit (a new shape each time): a higher limit compiles more; no code
+    (f,) = run_rule("compile.recompile_limit", _recompile_ctx(layers=1, compiles={0: 8}))
+    assert f.recommendation.code == "" and f.evidence["variants_per_module"] == 8
+    assert "mark the changing size dynamic" in f.recommendation.text
+    # quiet: nothing compiled; compiled modules within the limit
+    st = run_status("compile.recompile_limit", build()[0])
+    assert st.status == "quiet" and st.reason == ("no module compiled by torch.compile, and Dynamo hit no recompile "
+                                                  "limit")
+    ctx = _recompile_ctx()  # a run recorded before the doctor recorded the compiled modules: it cannot tell
+    ctx.config.compiled_modules = []
+    st = run_status("compile.recompile_limit", ctx)
+    assert st.status == "skipped" and "predate" in st.reason, st
+    st = run_status("compile.recompile_limit", _recompile_ctx(layers=8, hit=False))
+    assert st.status == "quiet" and st.reason == ("Dynamo hit no recompile limit: 8 module(s) compiled "
+                                                  "(LlamaDecoderLayer); recompile_limit 8, "
+                                                  "accumulated_recompile_limit 256"), st.reason

@@ -1166,6 +1166,13 @@ def compile_code(t: Tree) -> str:
     return unit_list(t) + "\nfor unit in units:\n    unit.compile()  # in place, after fully_shard"
 
 
+def recompile_limit_code(limits: dict[str, int], note: str) -> str:
+    """Dynamo's recompile limits raised (``limits``: this torch's config names -> values, ``recompile_limit`` on 2.13,
+    ``cache_size_limit`` on 2.6), set before the model's first forward: Dynamo reads them each time it compiles a
+    frame, so the compiled-in-place modules keep a variant each instead of running eager past the limit."""
+    return "\n".join(comment(note) + [f"torch._dynamo.config.{name} = {value}" for name, value in limits.items()])
+
+
 def hf_layout(t: Tree) -> bool:
     """A Hugging Face decoder's tree: its blocks are ``model.layers.N`` (the base model under a task head such
     as ``lm_head``), the names a plain trace's units carry too."""

@@ -23,7 +23,13 @@ disable wrapped (2.6 "call torch._dynamo.disable() wrapped function <function f 
 
 from __future__ import annotations
 
+import logging
 import sys
+from typing import Callable, Optional
+
+from ..records import RecompileLimit
+from . import fsdp2 as F2
+from .log_tap import LoggerTap
 
 #: Dynamo's outermost compile timers (the recorder clips their sum at the step's wall, should one run in the other)
 COMPILE_KEYS = ("_compile.compile_inner", "backward._backward_impl")
@@ -80,3 +86,40 @@ class CompileClock:
             disabled += new if at_disable(str(reason)) else 0
         self._breaks = dict(now)
         return n, disabled
+
+class RecompileLimitTap(LoggerTap):
+    """Dynamo giving up on a frame at its recompile limit, while the doctor watches. Dynamo warns once per code
+    object that hits it ("torch._dynamo hit config.recompile_limit (8)", its function and last reason) and from then
+    on runs that code eagerly wherever its cache has no matching entry: the Llama decoder layers of a new-user trial,
+    each compiled in place, recompiled once per layer (Dynamo guards on the layer's index), and past 8 layers every
+    later one ran eager with nothing in the report to say so. A handler of the doctor's on Dynamo's logger (added at
+    entry, removed when the doctor steps aside; the warning and Dynamo's other handlers are left as they are) takes
+    each such warning, with the unit compiled in place whose compiled call was running (``current_unit()``: its
+    name, or None); :meth:`take` hands them to the step record. Where this process's logging keeps Dynamo's
+    warnings quiet (TORCH_LOGS, a logging config), the hits Dynamo counts (its ``counters["unimplemented"]``) that no
+    warning came with are taken too, their function unknown. Nothing is read per call: one dict walk per step."""
+
+    def __init__(self, current_unit: Callable[[], Optional[str]], fail: Callable[[str, BaseException], None]):
+        super().__init__(logging.WARNING, F2.dynamo_logger)
+        self._current, self._fail = current_unit, fail
+        self._seen: list[RecompileLimit] = []
+        self._counted = F2.dynamo_limit_hits()  # (hits before watch() are not this run's)
+
+    def handle(self, record: logging.LogRecord) -> bool:  # (the training thread's compiles)
+        try:
+            hit = F2.recompile_limit_hit(record) if self.ours(record) else None
+            if hit is not None:
+                self._seen.append(RecompileLimit(**hit, module=self._current() or ""))
+        except Exception as e:  # noqa: BLE001  (never into Dynamo's compile)
+            self._fail("recompile limit tap", e)
+        return False
+
+    def take(self) -> list[RecompileLimit]:
+        """The limits hit since the last call: each warning seen, then the hits Dynamo counted beyond them."""
+        seen, self._seen = self._seen, []
+        counted = F2.dynamo_limit_hits()
+        for name, n in counted.items():
+            new = n - self._counted.get(name, 0) - sum(h.limit_type == name for h in seen)
+            seen += [RecompileLimit(limit_type=name, limit=F2.dynamo_limits().get(name)) for _ in range(new)]
+        self._counted = counted
+        return seen

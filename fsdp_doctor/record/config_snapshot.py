@@ -18,8 +18,8 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_frames, consistency_problem, managed_param_ids, naming_root, no_forward_of_its_own,
-                    sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
+from .units import (Unit, compiled_frames, compiled_modules, consistency_problem, managed_param_ids, naming_root,
+                    no_forward_of_its_own, sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
@@ -78,6 +78,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     for idx in timed:
         unit_cfgs[idx].compiled_call_timed = True
     named = naming_root(model)  # (the model inside a compiled wrapper: the names of the user's fully_shard calls)
+    compiled_mods = compiled_modules(model)  # (torch.compile's frames: where Dynamo's recompile limit applies)
     _, ign_names, ign_bytes = unmanaged_summary(named, units)
     if consistency is None:
         consistency = consistency_problem(model, units, unit_cfgs) or ""
@@ -123,6 +124,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         model_has_forward=not no_forward_of_its_own(model),
         measured_notes=notes,
         torch_lacks=F2.features_unavailable(),
+        compiled_modules=compiled_mods, compile_limits=F2.dynamo_limits() if compiled_mods else {},
     ), consistency
 
 

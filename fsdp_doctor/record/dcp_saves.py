@@ -8,11 +8,11 @@ handler is removed when the doctor steps aside; DCP's messages and its other han
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Callable
 
 from . import fsdp2 as F2
+from .log_tap import LoggerTap
 
 _now = time.perf_counter_ns
 
@@ -21,32 +21,24 @@ _now = time.perf_counter_ns
 SAVE_CALLS = {"save": False, "async_save": True}
 
 
-class DcpSaveTap(logging.Handler):
+class DcpSaveTap(LoggerTap):
     """Calls ``on_save(t0_ns, is_async)`` (``t0_ns``: the save's start, a ``time.perf_counter_ns`` reading) when a DCP
     save called from the thread that built the tap has just ended, by return or exception; ``fail(where, exc)`` on an
     error of its own."""
 
     def __init__(self, on_save: Callable[[int, bool], None], fail: Callable[[str, BaseException], None]):
-        super().__init__(logging.DEBUG)
+        super().__init__(logging.DEBUG, F2.dcp_logger)
         self._on_save, self._fail = on_save, fail
-        self._thread = threading.get_ident()
         self._open: dict[str, tuple[int, bool]] = {}  # the call's uuid -> (start, asynchronous)
-        self._logger: logging.Logger | None = None
-
-    def install(self) -> None:
-        self._logger = F2.dcp_logger()
-        self._logger.addHandler(self)
 
     def uninstall(self) -> None:
-        if self._logger is not None:
-            self._logger.removeHandler(self)
-        self._logger = None
+        super().uninstall()
         self._open.clear()
 
-    def handle(self, record: logging.LogRecord) -> bool:  # (no handler lock: one thread's calls are counted)
+    def handle(self, record: logging.LogRecord) -> bool:  # (one thread's calls are counted)
         try:
             msg = record.msg
-            if not isinstance(msg, dict) or (record.thread is not None and record.thread != self._thread):
+            if not isinstance(msg, dict) or not self.ours(record):
                 return False
             is_async = SAVE_CALLS.get(msg.get("func_name"))
             if is_async is None:
@@ -59,6 +51,3 @@ class DcpSaveTap(logging.Handler):
         except Exception as e:  # noqa: BLE001  (never into the user's save)
             self._fail("checkpoint save tap", e)
         return False
-
-    def emit(self, record: logging.LogRecord) -> None:  # (handle() does the work)
-        pass

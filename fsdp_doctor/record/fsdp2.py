@@ -61,6 +61,16 @@ Unchanged across 2.6 - 2.15 (still read defensively): ``FSDPState._modules``, ``
 ``_sharded_post_forward_param_data``, ``orig_dtype``, ``param_dtype``; ``ShardedState`` in
 ``_fsdp_param``; ``FSDPModule._set_unshard_async_op``; the logger ``torch.distributed.fsdp.fully_shard``;
 torch.distributed.checkpoint's logger and the messages of its ``save`` and ``async_save`` (:data:`DCP_LOGGER_NAME`).
+
+Dynamo's (torch.compile's) state read here too, every tested release alike unless said: the warning its
+``convert_frame`` logger logs once per code object that hits a recompile limit ("torch._dynamo hit config.%s (%s)",
+its arguments the limit's config name, its value, "'name' (file:line)" of the code, the last guard that failed:
+:func:`recompile_limit_hit`); the limits' names in ``torch._dynamo.config`` (2.6: ``cache_size_limit`` and
+``accumulated_cache_size_limit``; 2.13 - 2.15: ``recompile_limit`` and ``accumulated_recompile_limit``, the old
+names aliases: :func:`dynamo_limits`); ``torch._dynamo.utils.counters``: ``["frames"]["ok"]``, the frames it
+compiled (a frame it gave up at the limit is not counted; 2.13's ``_compile.compile_inner`` timer counts it), and
+``["unimplemented"]``, one key per limit hit (2.6: "cache_size_limit reached"; 2.13 - 2.15: a paragraph naming
+"Limit type: recompile_limit"): :func:`dynamo_limit_hits`.
 """
 
 from __future__ import annotations
@@ -125,6 +135,83 @@ def dcp_logger() -> logging.Logger:
     mod = sys.modules.get("torch.distributed.checkpoint.logger")
     lg = getattr(mod, "_dcp_logger", None) if mod is not None else None
     return lg if isinstance(lg, logging.Logger) else logging.getLogger(DCP_LOGGER_NAME)
+
+
+#: The logger Dynamo warns on when a frame hits a recompile limit (``torch._dynamo.convert_frame``'s own), every
+#: tested release; and the start of that warning's format string (its arguments: :func:`recompile_limit_hit`).
+DYNAMO_LOGGER_NAME = "torch._dynamo.convert_frame"
+RECOMPILE_LIMIT_WARNING = "torch._dynamo hit config."
+#: Dynamo's two limits on a code object's compiled variants: the specific one (per set of guarded module
+#: instances: every variant where modules are inlined, as since 2.4) and the accumulated one (every variant), by
+#: name, newest first
+DYNAMO_LIMITS = (("recompile_limit", "accumulated_recompile_limit"),
+                 ("cache_size_limit", "accumulated_cache_size_limit"))
+_FUNC_INFO = re.compile(r"'(?P<name>[^']*)' \((?P<file>.*):(?P<line>\d+)\)$")
+_LIMIT_NAME = re.compile(r"\b((?:accumulated_)?(?:recompile|cache_size)_limit)\b")
+_LIMIT_TYPE = re.compile(r"Limit type: (\w+)")
+
+
+def dynamo_logger() -> logging.Logger:
+    """Dynamo's ``convert_frame`` logger (:data:`DYNAMO_LOGGER_NAME`): the same object Dynamo logs to, imported
+    or not (a name is all a logger is until then)."""
+    return logging.getLogger(DYNAMO_LOGGER_NAME)
+
+
+def recompile_limit_hit(record: logging.LogRecord) -> dict | None:
+    """The fields of a ``RecompileLimit`` from Dynamo's warning that a frame hit a recompile limit, else None: its
+    arguments are (the limit's config name, its value, "'name' (file:line)" of the code object, the last reason,
+    a URL), in 2.6 - 2.15 alike. The reason is its first line (2.13 appends the user's stack to it)."""
+    msg, args = record.msg, record.args
+    if not isinstance(msg, str) or not msg.startswith(RECOMPILE_LIMIT_WARNING) or not isinstance(args, tuple) \
+            or len(args) < 4:
+        return None
+    out = {"limit_type": str(args[0]), "limit": args[1] if isinstance(args[1], int) else None,
+           "reason": str(args[3]).strip().splitlines()[0][:300] if args[3] else ""}
+    m = _FUNC_INFO.match(str(args[2]))
+    if m is not None:
+        out.update(function=m.group("name"), file=m.group("file"), line=int(m.group("line")))
+    return out
+
+
+def dynamo_limits() -> dict[str, int]:
+    """Dynamo's recompile limits as set now, this torch's names -> value ({} where Dynamo was never imported: then
+    nothing compiled)."""
+    config = sys.modules.get("torch._dynamo.config")
+    if config is None:
+        return {}
+    for names in DYNAMO_LIMITS:
+        values = {n: getattr(config, n, None) for n in names}
+        if all(isinstance(v, int) for v in values.values()):
+            return values
+    return {}
+
+
+def _counters() -> dict:
+    utils = sys.modules.get("torch._dynamo.utils")
+    c = getattr(utils, "counters", None)
+    return c if isinstance(c, dict) else {}
+
+
+def dynamo_frames_compiled() -> int:
+    """Frames Dynamo has compiled in this process (its ``counters["frames"]["ok"]``; 0 where never imported). Read
+    without adding a key: ``counters`` is a defaultdict."""
+    frames = _counters().get("frames")
+    return int(frames.get("ok", 0)) if isinstance(frames, dict) else 0
+
+
+def dynamo_limit_hits() -> dict[str, int]:
+    """The recompile limits hit in this process so far, by config name -> times (Dynamo's ``counters
+    ["unimplemented"]``, whose key names the limit): what its warning says where this process's logging keeps
+    Dynamo's warnings quiet."""
+    out: dict[str, int] = {}
+    unimpl = _counters().get("unimplemented")
+    for key, n in (unimpl.items() if isinstance(unimpl, dict) else ()):
+        key = str(key)
+        m = None if "limit reached" not in key and "recompile limit" not in key else \
+            _LIMIT_TYPE.search(key) or _LIMIT_NAME.search(key)
+        if m is not None and isinstance(n, int) and n > 0:
+            out[m.group(1)] = out.get(m.group(1), 0) + n
+    return out
 
 
 def problem(what: str, consequence: str) -> None:

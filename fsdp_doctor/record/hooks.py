@@ -127,6 +127,8 @@ class StepTimings:
     backwards: int = 0
     # of those, the ones that began with FSDP2's gradient sync on (every unit reduce-scattering its gradients)
     synced_backwards: int = 0
+    # frames Dynamo compiled inside each unit's compiled call (units compiled in place: name -> frames, those that did)
+    unit_compiles: Optional[dict] = None
 
 
 class _UnitAcc:
@@ -201,6 +203,11 @@ class StepTimer:
         # units compiled (``module.compile()``, or the module of ``torch.compile(module)``'s wrapper) timed around
         # the call that enters their compiled frame, and each such call, put back when the doctor steps aside
         self.timed_compiled: set[int] = set()
+        # the unit whose compiled call is running (None: none), and the frames Dynamo compiled inside each unit's
+        # compiled calls this step (unit -> frames): which units compiled and which ran eager, where Dynamo hit its
+        # recompile limit (compile_time.RecompileLimitTap)
+        self.in_compiled_call: Optional[int] = None
+        self._unit_compiles: dict[int, int] = {}
         # (module, the attribute, its compiled call or registered forward method, the doctor's)
         self._compiled_calls: list[tuple[nn.Module, str, Any, Any]] = []
         # units inside another module's compiled frame (``model = torch.compile(model)`` after sharding: every unit
@@ -326,6 +333,7 @@ class StepTimer:
         pre = self._mk(self._fwd_outer_pre, idx) if idx is not None else None
         post = self._mk(self._fwd_outer_post, idx) if idx is not None else None
         saves = self._mk(self._compiled_saves, idx) if frame and idx is not None else None
+        compiles = frame and idx is not None  # (the frames Dynamo compiles in the call: the unit's, unit_compiles)
 
         def timed(*args, **kwargs):
             if _compiling():
@@ -336,7 +344,17 @@ class StepTimer:
                 pre(module, args)
             if saves is not None:
                 saves(module, True, args)
-            out = call(*args, **kwargs)
+            if compiles:
+                outer, self.in_compiled_call = self.in_compiled_call, idx
+                n0 = F2.dynamo_frames_compiled()
+                try:
+                    out = call(*args, **kwargs)
+                finally:
+                    self.in_compiled_call = outer
+                if self.active and (n := F2.dynamo_frames_compiled() - n0) > 0:
+                    self._unit_compiles[idx] = self._unit_compiles.get(idx, 0) + n
+            else:
+                out = call(*args, **kwargs)
             if saves is not None:
                 saves(module, False, args)
             if post is not None:
@@ -1051,6 +1069,7 @@ class StepTimer:
         self._other_open.clear()  # (a span left open, its post label never logged, never spans the steps after)
         for a in self._acc.values():
             a.reset()
+        self._unit_compiles = {}
         if self.gpu is not None:
             self.gpu.begin_step()
 
@@ -1080,7 +1099,8 @@ class StepTimer:
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
                            backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns),
                            input_elements=self._input_elems, backwards=self.backwards - self._backwards_at_begin,
-                           synced_backwards=self.synced_backwards - self._synced_at_begin)
+                           synced_backwards=self.synced_backwards - self._synced_at_begin,
+                           unit_compiles={self._units[i].name: n for i, n in sorted(self._unit_compiles.items())})
 
     def gradient_sync(self) -> bool:
         """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on, which

@@ -56,7 +56,7 @@ from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device, watching_ranks
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import FRAME_UNSEEN, another_models_optimizer, config_snapshot, untrained_rows
-from .compile_time import CompileClock
+from .compile_time import CompileClock, RecompileLimitTap
 from .dcp_saves import DcpSaveTap
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
@@ -181,6 +181,7 @@ class Doctor:
         # drivers' saves and torch.distributed.checkpoint's own (its save and async_save: DcpSaveTap)
         self._saves: list[tuple[int, int, bool | None]] = []
         self._dcp_tap = None
+        self._limit_tap = None  # Dynamo's recompile limit hit (its warning: RecompileLimitTap)
 
     # ------------------------------------------------------------------ entry / exit
     def __enter__(self) -> "Doctor":
@@ -299,8 +300,9 @@ class Doctor:
 
     def _remove(self, clean: bool = False) -> None:
         """Removes everything of the doctor from the model, the optimizer, torch and the loggers, at once: the
-        profiler window, the FLOP counter, every hook, the FSDP logger tap, the gc callback, the handler on
-        torch.distributed.checkpoint's logger, the memory probe's saved-tensor hooks, the live TensorBoard writer.
+        profiler window, the FLOP counter, every hook, the FSDP logger tap, the gc callback, the handlers on
+        torch.distributed.checkpoint's logger and Dynamo's, the memory probe's saved-tensor hooks, the live
+        TensorBoard writer.
         Idempotent; each part is guarded so that one failing part leaves none of the others behind."""
         self.active = False
         self._untrained = None  # (references to parameters, held until the third step's check)
@@ -308,6 +310,7 @@ class Doctor:
                  ("flop counter", lambda: self._flops and self._flops.abort()),
                  ("hooks", self._timer.uninstall),
                  ("checkpoint save tap", lambda: self._dcp_tap and self._dcp_tap.uninstall()),
+                 ("recompile limit tap", lambda: self._limit_tap and self._limit_tap.uninstall()),
                  ("memory probe", lambda: self._memory and self._memory.detach()),
                  ("tensorboard close", lambda: self._sinks and self._sinks.close_tensorboard()))
         for where, fn in parts:
@@ -408,8 +411,18 @@ class Doctor:
         self._timer.step_boundary = self._forward_after_optimizer
         self._init_memory()
         self._timer.marks = self._memory
-        self._dcp_tap = DcpSaveTap(self.saved_since, lambda where, e: self._fail(where, e, stop=False))
+        def tap_failed(where: str, e: BaseException) -> None:  # (a tap's own error: recording goes on without it)
+            self._fail(where, e, stop=False)
+
+        self._dcp_tap = DcpSaveTap(self.saved_since, tap_failed)
         self._dcp_tap.install()
+        self._limit_tap = RecompileLimitTap(self._compiled_call_unit, tap_failed)
+        self._limit_tap.install()
+
+    def _compiled_call_unit(self) -> str | None:
+        """The name of the unit whose compiled call is running (a unit compiled in place; None: none is)."""
+        idx = self._timer.in_compiled_call
+        return self._units[idx].name if idx is not None else None
 
     def _init_memory(self) -> None:
         if not self.options.memory:
@@ -650,6 +663,8 @@ class Doctor:
             backward_after_optimizer=tm.backward_after_optimizer, other_models_ms=tm.other_models_ms,
             compiles=compiles, compile_ms=round(min(compile_ms, wall), 3),
             graph_breaks=breaks, disable_breaks=disable_breaks,
+            recompile_limits=self._limit_tap.take() if self._limit_tap is not None else [],
+            unit_compiles=tm.unit_compiles or {},
             input_elements=tm.input_elements or None, tokens=self._tokens,
         )
         self._sinks.on_step(rec)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..records import UnitConfig
+from ..records import CompiledModule, UnitConfig
 from . import fsdp2 as F2
 
 _CKPT_PREFIX = "_checkpoint_wrapped_module"
@@ -214,6 +214,30 @@ def compiled_frames(model: nn.Module) -> tuple[list[CompiledFrame], set[int]]:
             frames.append(CompiledFrame(m._orig_mod, m, "forward"))
     below = {id(x) for f in frames for x in f.top.modules() if x is not f.top}
     return [f for f in frames if id(f.top) not in below], below | {id(f.top) for f in frames}
+
+
+def user_class(module: nn.Module) -> type:
+    """The module's own class, not the FSDP subclass ``fully_shard`` gives it (FSDPLlamaDecoderLayer)."""
+    fsdp = F2.FSDPModule
+    return next((c for c in type(module).__mro__ if fsdp is None or not issubclass(c, fsdp)), type(module))
+
+
+def compiled_modules(model: nn.Module) -> list[CompiledModule]:
+    """The modules whose forward is a compiled frame of its own (the outermost: ``compiled_frames``), in module order:
+    each one's name in the model (through a compiled wrapper, the name the user gave: ``layers.0``, not
+    ``layers.0._orig_mod``), its class, and the code Dynamo caches its compiled variants on, its forward's (Dynamo
+    starts the frame there: ``Module._call_impl`` is not traced as a frame of its own)."""
+    root = naming_root(model)
+    names = {id(m): n for n, m in root.named_modules()}
+    out = []
+    for f in compiled_frames(model)[0]:
+        name = names.get(id(f.owner), names.get(id(f.top), ""))
+        fwd = getattr(f.top, "forward", None)
+        code = getattr(getattr(fwd, "__func__", fwd), "__code__", None)
+        out.append(CompiledModule(name=name, cls=user_class(f.top).__name__,
+                                  **({} if code is None else dict(function=code.co_name, file=code.co_filename,
+                                                                  line=code.co_firstlineno))))
+    return out
 
 
 def compiled_module(module: nn.Module) -> bool:
