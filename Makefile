@@ -68,6 +68,11 @@ browser-deps:
 # The suite starts many Python processes (rank scripts, command lines, torchrun): with PYTHONDONTWRITEBYTECODE set
 # (as on this machine) each would compile this tree's modules again (up to 0.7 s a process); compiled once first.
 COMPILE_TREE := $(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchmarks > /dev/null
+# The versions the suite runs against, first in its log: the test extra's clients are unpinned, the newest the
+# registry has (accelerate 1.16 sharded a checkpointed layer's wrapper where 1.15 sharded the layer inside it: CI
+# installed it overnight and three Trainer tests failed, with nothing in the log to say which accelerate it was)
+VERSIONS := $(VPY) -c "import importlib.metadata as m; print('versions:', ', '.join(f'{n} {m.version(n)}' for n in \
+  ('torch', 'transformers', 'accelerate', 'dash', 'plotly')))"
 
 # `make test`: the suite but its long tier (tests marked `long`, tests/conftest.py: the scenario matrix, the other
 # fixes pasted and rerun, torchtitan, the HF Trainer, accelerate's plugin, the browser), within the 15 minutes it is
@@ -75,10 +80,12 @@ COMPILE_TREE := $(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchm
 # (benchmarks/suite_cost.py: what each test costs.)
 test: setup
 	@$(COMPILE_TREE)
+	@$(VERSIONS)
 	$(VPY) -m pytest -q -m "not long"
 
 test-long: setup browser-deps
 	@$(COMPILE_TREE)
+	@$(VERSIONS)
 	$(VPY) -m pytest -q -m long
 
 test-compat:
