@@ -35,7 +35,8 @@ ELSEWHERE = {"checkpoint.blocking": "torchtitan's and a Hugging Face Trainer's s
              "mesh.uncombined_groups": "4 gloo ranks sharded over a (2, 2) mesh's 1-D shard dim "
                                        "(tests/test_mesh_subsets.py)",
              "compile.recompile_limit": "an HF Llama of 10 decoder layers, each compiled in place "
-                                        "(tests/test_recompile_limit.py)"}
+                                        "(tests/test_recompile_limit.py); of 16 with inductor on a GPU "
+                                        "(GPU row gpu_hf_llama_recompile_limit)"}
 HEADER = ["rule", "planted on", "recall", "false alarms", "fix applied and rechecked", "peak pred / meas",
           "step ms pred / meas"]
 

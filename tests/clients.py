@@ -371,6 +371,26 @@ def hf_llama(checkpointing: bool = False, attn: str = "sdpa", **size):
     return model
 
 
+#: compile.recompile_limit's GPU row: twice Dynamo's default recompile limit (8, torch 2.6 to 2.15) in decoder layers,
+#: half of them left eager: a gain the rerun's step shows through the process-to-process spread (±7-15% on the GPU)
+RECOMPILE_LAYERS = 16
+
+
+def hf_llama_layers_compiled(layers: int = RECOMPILE_LAYERS):
+    """An HF Llama of ``layers`` decoder layers, each compiled in place (``layer.compile()``) before the user's
+    fully_shard calls, as compile.recompile_limit's new-user trial did: each layer compiles a variant of the forward
+    they share (Dynamo guards on each one's KV-cache slot), and past Dynamo's recompile limit the later ones run
+    eager. On a GPU GPU-sized, with torch.compile's default backend (inductor); on the CPU tiny, with aot_eager
+    (inductor's C++ build of each variant takes minutes there, and changes no guard). Dynamo's caches are cleared
+    first: the scenarios of a launch share a process, where its user's script starts one of its own."""
+    cuda = scenario_device().type == "cuda"
+    model = hf_llama(**{**(HF_GPU if cuda else {}), "num_hidden_layers": layers})
+    torch._dynamo.reset()
+    for layer in model.model.layers:
+        layer.compile(**({} if cuda else {"backend": "aot_eager"}))
+    return model
+
+
 def hf_gemma2(**size):
     """A Hugging Face Gemma2ForCausalLM from a tiny config (no download): model.model.layers.N, an embedding tied to
     lm_head, and eager attention, its default: its attention soft-caps the scores, and transformers gives it no SDPA
@@ -680,6 +700,7 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          "hf_llama_eager": lambda: hf_llama(attn="eager", **(HF_GPU if scenario_device().type == "cuda" else {})),
          "hf_gemma2": lambda: hf_gemma2(**(HF_GPU if scenario_device().type == "cuda" else {})),
          "hf_granite_swa": lambda: hf_granite_swa(**(HF_GPU if scenario_device().type == "cuda" else {})),
+         "hf_llama_layers_compiled": hf_llama_layers_compiled,
          "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
          "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD, **FINETUNE}
@@ -710,7 +731,7 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
          "sequential": 512,
          "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "gpt2_wide": 2048, "neox": 512,
-         **{name: 512 for name in FINETUNE}}
+         "hf_llama_layers_compiled": 512, **{name: 512 for name in FINETUNE}}
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
@@ -939,6 +960,13 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     gc.collect()
     gc.freeze()
     dev = scenario_device()
+    # Dynamo's recompile limits as they are: a fix that raises them (compile.recompile_limit's) is this scenario's
+    # alone, not the next one's in the same process
+    from torch._dynamo import config as dynamo_config
+
+    from fsdp_doctor.record.fsdp2 import dynamo_limits
+
+    limits = dynamo_limits()
     tree, cfg = row["tree"], WorkloadConfig(**row.get("knobs", {}), device=dev.type)
     fix = row.get("fix") or {}
     rank = dist.get_rank()
@@ -964,7 +992,9 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         fix = {**fix, "code": after, "where": "sharded"}
     model = _shard(model, tree, cfg, mesh, {**fix, "user_shard": row.get("user_shard")})
     # after the fully_shard calls (or accelerator.prepare, which made them), before the optimizer (unless built before)
-    if fix.get("where") in ("sharded", "prepared", "parallelized"):
+    # (a fix for the model as built and wrapped, not for its sharding, "model": compile.recompile_limit's Dynamo
+    # settings, there before the first forward compiles)
+    if fix.get("where") in ("sharded", "prepared", "parallelized", "model"):
         model, early = _exec(fix, model, early, ns=ns)
     opt = early or make_opt(model)
     if fix.get("where") == "optimizer":
@@ -1033,6 +1063,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         release_objects()  # (the gc_heap knob's)
         if row.get("alloc_limit") and dev.type == "cuda":  # the next scenario has the whole device
             torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        for name, value in limits.items():
+            setattr(dynamo_config, name, value)
     return losses, replica_drift(model)
 
 

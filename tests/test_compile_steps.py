@@ -424,6 +424,20 @@ def test_a_model_compiled_whole_after_sharding_has_its_units_timed_from_fsdps_ow
             "its graphs: FSDP's, not the doctor's)") in compile_text(rep.steps), compile_text(rep.steps)
 
 
+@pytest.mark.slow
+def test_units_inside_a_model_compiled_whole_open_device_spans_from_fsdps_logs(tmp_path):
+    """The GPU tier's test of the same run (tests/test_gpu_timing.py) on the CPU: the model compiled whole after
+    sharding, one gloo rank, 12 steps, the device timeline attached as on CUDA with torch.cuda.Event stood in for by
+    the host's clock (tests/compiled_whole.py). FSDP2's pre/post-forward logs of the units inside the frame open and
+    close their spans: on steps 0 and 10 (every UNIT_EVERY-th) each has a forward and a backward, within the root's
+    and the phases as on a GPU, and, one clock for both, each forward the host's own for that unit."""
+    import compiled_whole
+
+    run = compiled_whole.record(tmp_path / "run", "cpu", "eager")
+    assert not any(e for rd in run.ranks.values() for e in rd.errors)
+    assert compiled_whole.check_device_unit_times(run, host_clock=True) == [0, 10]
+
+
 @pytest.mark.compat
 def test_the_recompile_limit_tap_reads_dynamos_warning_and_else_its_count():
     """Ten modules compiled in place, each guarded on a string of its own (never made dynamic, on 2.6 as on 2.13):

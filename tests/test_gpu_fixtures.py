@@ -153,9 +153,11 @@ def test_no_other_recorded_gpu_row_is_launch_bound():
     50 µs of their launch (gpu_gpt_ac_ample's rank 1: 50 of 251), where HTA's host-bound A100 trace has 79% and the
     one-rank tiny GPT 100%. The offloaded GPT's device waits for its host 61% of the step, in the optimizer step on
     the CPU: offload.costly's, not a launch count's. A kernel may lack its launch: gpu_gpt_ac_some's rank 0 starts
-    its window with 3 of the previous step's optimizer kernels, launched before the trace began."""
+    its window with 3 of the previous step's optimizer kernels, launched before the trace began. The rows of one rank
+    have no collectives to queue behind: the tiny GPT (the test below), the 16 compiled-in-place HF Llama layers of
+    compile.recompile_limit's row, half of them eager, whose host may well set the step."""
     for row in RECORDED:
-        if M.BY_NAME[row].code == "kernels.launch_bound":  # the one-rank tiny GPT: the test below
+        if M.BY_NAME[row].world == 1:
             continue
         report = _diagnosis(row)[1]
         assert _status(report, "kernels.launch_bound").status == "quiet", row

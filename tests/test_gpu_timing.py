@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,17 @@ def test_cuda_event_timings_recorded(tmp_path):
     by = {row[0]: row for row in rd.gpu[0].units}
     assert by["layers.0"][1] > 0 and by["layers.0"][2] > 0
     assert by[""][1] >= by["layers.0"][1]  # the root's forward contains its blocks'
+
+
+def test_units_inside_a_model_compiled_whole_are_timed_on_the_device(tmp_path):
+    """``model = torch.compile(model)`` after fully_shard, one NCCL rank, 12 steps: every unit but the root runs inside
+    the compiled frame, timed from FSDP2's own pre/post-forward logs, which open and close each one's CUDA events
+    (tests/compiled_whole.py; tests/test_compile_steps.py runs the same on the CPU, the events the host's clock). On
+    the steps that time every unit (0, the compiling one, and 10) each inner unit has a device forward and backward,
+    each forward within the root's, their sum within it, the root's span the step's forward phase."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import compiled_whole
+
+    run = compiled_whole.record(tmp_path / "run", "cuda", "aot_eager")
+    assert str(run.config.device).startswith("cuda"), run.config.device
+    assert compiled_whole.check_device_unit_times(run) == [0, 10]

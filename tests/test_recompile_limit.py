@@ -137,3 +137,28 @@ def test_no_limit_hit_with_as_many_layers_as_the_limit(tmp_path):
     assert st.status == "quiet" and st.reason == ("Dynamo hit no recompile limit: 8 module(s) compiled "
                                                   "(LlamaDecoderLayer); recompile_limit 8, "
                                                   "accumulated_recompile_limit 256"), st.reason
+
+
+def test_the_gpu_row_runs_its_layers_past_the_limit_and_pastes_the_fix_on_the_model(tmp_path):
+    """The scenario matrix's GPU row of this rule (gpu_hf_llama_recompile_limit: on a GPU 16 GPU-sized layers
+    compiled with inductor, one NCCL rank, its predicted step gain checked there), shrunk on one gloo rank as the
+    campaign's dry run runs it (aot_eager): the last 8 layers eager and named, the fix pasted where it says (after the
+    model is built and wrapped: the runner's ``model`` place), every layer compiled in the rerun, the rule quiet and
+    no new warning. Its step gain is the GPU's to check: here aot_eager's layers are no faster than eager ones."""
+    pytest.importorskip("transformers")
+    import scenario_matrix as M
+
+    from clients import RECOMPILE_LAYERS
+
+    row = M.BY_NAME["gpu_hf_llama_recompile_limit"]
+    assert row.gpu and row.world == 1 and row.gpu_gain and row.tree == "hf_llama_layers_compiled"
+    (o,) = M.run_matrix(tmp_path, [row]).values()
+    assert not o.error and not o.after_error, o.error + o.after_error
+    ev = o.finding.evidence
+    assert RECOMPILE_LAYERS == 16 and ev["modules_sharing_code"] == 16 and ev["limit"] == 8, ev
+    assert ev["eager_modules"] == [f"model.layers.{i}" for i in range(8, 16)], ev["eager_modules"]
+    assert o.fix["where"] == "model" and o.fix["code"].endswith("recompile_limit = 32"), o.fix
+    rc = o.recheck()
+    assert rc["gone"] and (rc["figure_before"], rc["figure_after"]) == (8.0, 0.0) and not rc["new_warnings"], rc
+    for rd in M.diagnosis(tmp_path / f"{row.name}_fixed")[0].ranks.values():
+        assert set(rd.steps[0].unit_compiles) == {f"model.layers.{i}" for i in range(16)}, rd.steps[0].unit_compiles

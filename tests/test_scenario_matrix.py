@@ -336,3 +336,37 @@ def test_a_pasted_fix_binds_no_one_letter_name_and_fits_80_columns(matrix, row):
 
             wide = [ln for ln in fit_comments(code).splitlines() if len(ln) > 80]
             assert not wide, (f.code, wide)
+
+
+def test_a_gpu_gain_row_that_names_a_figure_must_also_lose_its_finding():
+    """A GPU row checked by its step (gpu_gain: at least half the predicted gain measured) may keep its finding
+    where its rule reads what the fix does not change (the loopback link's comm.bound); a row that names a figure must
+    also lose the finding or halve it: compile.recompile_limit's GPU row, whose eager layers a rerun could leave eager
+    and still run faster by chance. Known answers, constructed reports: a 30 ms step, 24 ms predicted."""
+    import msgspec
+
+    from fsdp_doctor.report_sections import Report
+
+    def report(step_ms, eager):
+        finding = {"code": "compile.recompile_limit", "severity": "warning", "title": "t",
+                   "evidence": {"eager_count": eager},
+                   "recommendation": {"text": "t", "code": "torch._dynamo.config.recompile_limit = 32",
+                                      "where": "model"},
+                   "predicted": {"step_ms_before": 30.0, "step_ms_after": 24.0}}
+        return msgspec.convert({"steps": {"per_rank": {"0": {"count": 6, "p50_ms": step_ms}},
+                                          "job": {"p50_ms": step_ms}},
+                                "memory": {"peak_bytes": 1 << 20}, "findings": [finding] if eager else []}, Report)
+
+    def problems(row, after_ms, eager_after):
+        before = report(30.0, 8)
+        o = M.Outcome(row, report=before, finding=before.findings[0], fix=M.fix_of(before.findings[0]),
+                      after=report(after_ms, eager_after))
+        return M.problems(o)
+
+    figured = M.BY_NAME["gpu_hf_llama_recompile_limit"]
+    assert figured.gpu_gain and figured.figure == "eager_count"
+    assert problems(figured, 25.0, 0) == []
+    assert problems(figured, 25.0, 8) == ["compile.recompile_limit neither gone nor improved after the fix"]
+    assert problems(figured, 29.0, 0) == ["step 30.0 -> 29.0 ms, predicted 24.0 ms: under half the predicted gain"]
+    stays = M.Row("gpu_x", "hf_llama", "compile.recompile_limit", gpu=True, profile=True, gpu_gain=True)
+    assert problems(stays, 25.0, 8) == []
