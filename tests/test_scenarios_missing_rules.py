@@ -158,7 +158,9 @@ def test_intermittent_straggler(matrix):
     assert len(planted) >= 2 and len(late) - len(planted) <= 1, late  # host noise may add one step
     assert ev["phase"] == "outside"
     assert all(x >= 200 for x in planted.values()), late  # each planted step carries most of the 300 ms stall
-    assert f.predicted.step_ms_delta == pytest.approx(-ev["cost_ms_per_step"], abs=1e-3)
+    # (the mean step before and after are each rounded to µs, and the cost too: up to 1.5 µs apart; a fresh clone's
+    # long tier read -128.901 for -128.9)
+    assert f.predicted.step_ms_delta == pytest.approx(-ev["cost_ms_per_step"], abs=2e-3)
     # its cost is the mean step's (the median leaves the late steps out): said so where the prediction is shown,
     # beside the other findings' median step (a new-user trial read two "current" step times unexplained)
     from fsdp_doctor.present.fmt import predicted_text
