@@ -72,8 +72,7 @@ class CompileClock:
 
     def breaks(self) -> tuple[int, int]:
         """(the graph breaks Dynamo counted since the last call, of them those at a call of torch._dynamo.disable)."""
-        counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
-        now = counters.get("graph_break") if isinstance(counters, dict) else None
+        now = F2.dynamo_counters().get("graph_break")
         if not now:  # (none yet, or the counters cleared: torch._dynamo.reset(), a user's counters.clear())
             self._breaks = {}
             return 0, 0

@@ -186,7 +186,9 @@ def dynamo_limits() -> dict[str, int]:
     return {}
 
 
-def _counters() -> dict:
+def dynamo_counters() -> dict:
+    """Dynamo's ``torch._dynamo.utils.counters`` (category -> key -> count; {} where Dynamo was never imported),
+    read without adding a key: it is a defaultdict."""
     utils = sys.modules.get("torch._dynamo.utils")
     c = getattr(utils, "counters", None)
     return c if isinstance(c, dict) else {}
@@ -195,7 +197,7 @@ def _counters() -> dict:
 def dynamo_frames_compiled() -> int:
     """Frames Dynamo has compiled in this process (its ``counters["frames"]["ok"]``; 0 where never imported). Read
     without adding a key: ``counters`` is a defaultdict."""
-    frames = _counters().get("frames")
+    frames = dynamo_counters().get("frames")
     return int(frames.get("ok", 0)) if isinstance(frames, dict) else 0
 
 
@@ -204,7 +206,7 @@ def dynamo_limit_hits() -> dict[str, int]:
     ["unimplemented"]``, whose key names the limit): what its warning says where this process's logging keeps
     Dynamo's warnings quiet."""
     out: dict[str, int] = {}
-    unimpl = _counters().get("unimplemented")
+    unimpl = dynamo_counters().get("unimplemented")
     for key, n in (unimpl.items() if isinstance(unimpl, dict) else ()):
         key = str(key)
         m = None if "limit reached" not in key and "recompile limit" not in key else \
