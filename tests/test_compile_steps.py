@@ -397,6 +397,13 @@ def test_a_model_compiled_whole_after_sharding_has_its_units_timed_from_fsdps_ow
     why = ("AG wait —: 5 units in a compiled frame ([tok_emb, pos_emb], layers.0 … (+3)) timed by FSDP2's own hooks, "
            "whose spans hold each wait inside fwd and bwd; the doctor's hooks, which time it apart, would break the graph")
     assert why in " ".join(text.split()), text
+    # the verdict from the records (no profiler window) says where the units' waits went: the root's forward one
+    # inside its compiled call, the others' both inside their forward and backward ("the forward all-gather waits of
+    # 6 units", the backward's unsaid)
+    assert ("the forward all-gather waits of 1 unit compiled by torch.compile ((root)) are inside its forward, and "
+            "the forward and backward ones of 5 units in a compiled frame ([tok_emb, pos_emb], layers.0, layers.1 … "
+            "(+2)) inside their forward and backward: counted as compute here" in rep.verdict.job.summary), \
+        rep.verdict.job.summary
     # the HTML report's table and the dashboard's say it under theirs too (the same rows)
     import html
     from types import SimpleNamespace

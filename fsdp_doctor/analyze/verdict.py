@@ -232,20 +232,44 @@ def _record_parts(run: Run) -> dict[str, tuple[dict, float, int, bool]]:
     return out
 
 
-def _waits_inside_forward(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list[str]]:
-    """Of the units of ``ranks`` (split from their records), those whose forward's all-gather wait is inside their
-    forward time, by name: (compiled, in place or timed around their compiled call; the others run through a
-    registered forward method), the most of any rank."""
-    compiled: list[str] = []
+def _waits_inside(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Of the units of ``ranks`` (split from their records), those whose all-gather waits are inside their own
+    times, by name, the most of any rank: (the forward's only: compiled in place and timed around their compiled
+    call; both waits: in a compiled frame the doctor's hooks are not in, timed from FSDP2's own logs or untimed; the
+    forward's only: run through a registered forward method)."""
+    called: list[str] = []
+    framed: list[str] = []
     methods: list[str] = []
     for r in ranks:
         rd = run.ranks.get(int(r)) if run is not None else None
         cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
         if cfg is not None:
-            compiled = max(compiled, [u.name or "(root)" for u in cfg.units if runs_compiled(u)], key=len)
-            methods = max(methods, [u.name or "(root)" for u in cfg.units
+            called = max(called, [u.name for u in cfg.units if getattr(u, "compiled_call_timed", False)], key=len)
+            framed = max(framed, [u.name for u in cfg.units if runs_compiled(u)
+                                  and not getattr(u, "compiled_call_timed", False)], key=len)
+            methods = max(methods, [u.name for u in cfg.units
                                     if not runs_compiled(u) and getattr(u, "forward_methods", None)], key=len)
-    return compiled, methods
+    return called, framed, methods
+
+
+def _waits_inside_clause(called: list[str], framed: list[str], methods: list[str]) -> str:
+    """The verdict's words on the all-gather waits its records count as compute (``_waits_inside``'s lists), "" for
+    none."""
+    def units(names: list[str], what: str) -> str:
+        return f"{len(names)} unit{'s' * (len(names) > 1)} {what} ({fmt_list(names, 3)})"
+
+    fwd = " and ".join(units(names, what) for names, what in ((called, "compiled by torch.compile"),
+                                                              (methods, "run through a registered forward method"))
+                       if names)
+    their = "its" if len(called) + len(methods) == 1 else "their"
+    said = [f"the forward all-gather waits of {fwd} are inside {their} forward"] if fwd else []
+    if framed:
+        said.append(f"{'the forward and backward ones' if fwd else 'the forward and backward all-gather waits'} of "
+                    f"{units(framed, 'in a compiled frame')} {'are ' * (not fwd)}inside "
+                    f"{'its' if len(framed) == 1 else 'their'} forward and backward")
+    if not said:
+        return ""
+    return f" (from the records, {', and '.join(said)}: counted as compute here; a profiler window tells them apart)"
 
 
 def _no_backward_of_its_own(run: Optional[Run]) -> bool:
@@ -318,16 +342,11 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
         # only step that does it, unsaid: a new-user trial)
         job.summary += (" (the profiler window holds step 0, the first: FSDP's lazy initialization and any "
                         "torch.compile compilation run in it, as in no later step)")
-    compiled, methods = _waits_inside_forward(run, [r for r in joined if r not in traced])
-    if compiled or methods:
-        # (the records time such a unit's forward with its all-gather wait inside: a compiled model without a trace
-        # read compute-bound with 0 ms of exposed forward all-gather, unsaid)
-        # (named: "1 unit run through a registered forward method" left the reader to find which, a new-user trial)
-        how = " and ".join(f"{len(names)} unit{'s' * (len(names) > 1)} {what} ({fmt_list(names, 3)})"
-                           for names, what in ((compiled, "compiled by torch.compile"),
-                                               (methods, "run through a registered forward method")) if names)
-        job.summary += (f" (from the records, the forward all-gather waits of {how} are inside their "
-                        "forward: counted as compute here; a profiler window tells them apart)")
+    # (the records time such a unit's forward with its all-gather wait inside: a compiled model without a trace read
+    # compute-bound with 0 ms of exposed forward all-gather, unsaid; the units named: "1 unit run through a registered
+    # forward method" left the reader to find which, a new-user trial; a model compiled whole after sharding: its
+    # units' backward waits are inside their backward too, which "the forward all-gather waits" left unsaid)
+    job.summary += _waits_inside_clause(*_waits_inside(run, [r for r in joined if r not in traced]))
     if job_parts.get("reducescatter", 0.0) > 0 and _no_backward_of_its_own(run):
         # (a frozen teacher watched with its student's optimizer read "exposed reduce-scatter 26%": the student's,
         # whose units FSDP's trace labels name as the teacher's, a new-user trial)
