@@ -179,7 +179,7 @@ def test_the_trace_is_compressed_off_the_step_and_reported_once_complete(tmp_pat
     def broken(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(profiling.gzip, "open", broken)
+    monkeypatch.setattr(profiling.zlib, "compressobj", broken)
     saved.clear()
     w = ProfilerWindows(tmp_path / "b", 0, resolve_profile(ProfileSchedule(first=1, active=1, warmup=0, every=0)),
                         lambda steps, path: saved.append((steps, path)))
