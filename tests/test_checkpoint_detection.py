@@ -145,12 +145,16 @@ def test_a_model_compiled_whole_has_its_step_timed_and_no_false_data_wait(cases,
     assert not any("compiled" in p for p in rep.problems), rep.problems
 
 
-def test_a_compiled_wrapper_the_doctor_was_not_given_is_said_not_measured_as_time_outside(cases):
+def test_a_compiled_wrapper_the_doctor_was_not_given_is_timed_from_fsdps_own_hooks(cases):
     """watch(model) while training ``torch.compile(model)``: the doctor's hooks run inside the wrapper's frame, where
     they do nothing, and it cannot wrap a call it does not know. Every step read forward and backward 0 ms, the
-    step's time outside the model, and jitter.data_wait warned (53% outside the model, no loader). Now the first
-    step whose backward FSDP logged with no forward seen says so, once, with the fix (pass the compiled model to
-    watch()); the units and the step's phases read unknown, and jitter.data_wait stays quiet."""
+    step's time outside the model, and jitter.data_wait warned (53% outside the model, no loader); then the first
+    step whose backward FSDP logged said so, and every unit and the step's phases read unknown. Now the first
+    pre-forward FSDP2 logs with none of the doctor's hooks around it says so (in the first step's config, with the
+    fix): from there each unit's forward is timed from FSDP2's own pre/post-forward logs, as inside a compiled frame
+    the doctor was given, and the step's forward from the same logs; this model's root holds the head's parameters, so
+    its span, the whole forward, is the step's forward. The backward, from the units' pre-backward logs to autograd's
+    end. jitter.data_wait stays quiet; Dynamo compiles the same graphs as without the doctor."""
     from fsdp_doctor import load_run
     from fsdp_doctor.pipeline import build_report
     from fsdp_doctor.record.config_snapshot import FRAME_UNSEEN
@@ -165,20 +169,31 @@ def test_a_compiled_wrapper_the_doctor_was_not_given_is_said_not_measured_as_tim
     # trial's model: 1 graph became 5, other kernels, its losses an ulp apart); Dynamo compiles as without the doctor
     assert c["watch_hooks_first_step"] == 0 and c["unique_graphs"] == c["plain_unique_graphs"], c
     assert c["compiled_in_place"] == ["", "layers.0", "layers.1", "layers.2"] and c["compiled_call_timed"] == []
-    rep = build_report(load_run(c["out_dir"]))
-    assert all(not u.timing_p50 for u in rep.units)
+    inner = ["layers.0", "layers.1", "layers.2"]
+    for k, fwd in enumerate(c["forward_ms"]):  # (steps 1-4) the root's span from FSDP2's logs is the step's forward
+        root = c["fwd_ms"][""][k]
+        assert fwd > 0 and abs(root - fwd) <= 0.001, (k, fwd, root)
+        # the blocks one after the other inside it: all of it but the root's own (the head) and the hooks between
+        assert 0 < sum(c["fwd_ms"][n][k] for n in inner) < root, (k, c["fwd_ms"])
+    run = load_run(c["out_dir"])
+    assert all(s.backward_ms > 0 for s in run.ranks[0].steps)
+    rep = build_report(run)
+    for u in rep.units:  # every unit's forward and backward, their all-gather waits inside them: unknown, "—"
+        t = u.timing_p50
+        assert u.compiled_in_place and u.fsdp_hooks_timed and t.fwd_ms > 0 and t.bwd_ms > 0, (u.name, t)
+        assert t.ag_wait_fwd_ms is None and t.ag_wait_bwd_ms is None, (u.name, t)
     # said first, in the header's notes, and the run exits 0: it was the report's last line, a problem, and exit 3
     # ("some files or lines were skipped"), where nothing was
-    assert FRAME_UNSEEN in rep.run.notes and FRAME_UNSEEN not in rep.problems, rep.problems
+    assert rep.run.notes[0] == FRAME_UNSEEN and FRAME_UNSEEN not in rep.problems, rep.problems
+    assert ("4 unit(s) run inside a compiled frame ((root), layers.0, layers.1, layers.2): the doctor was not given "
+            "it, its hooks do nothing there; these units are timed from FSDP2's own hooks") in rep.run.notes[1]
+    assert len(rep.run.notes) == 2, rep.run.notes
     from fsdp_doctor.cli import EXIT_OK, main
-    from fsdp_doctor.present.fmt import STEPS_TITLE, steps_title
 
     assert main(["analyze", c["out_dir"]]) == EXIT_OK
-    assert all(not st.phases_p50_ms for st in rep.steps.per_rank.values())
-    # the recorded steps, whose phases read unknown, are not the traces' (their title said so)
-    assert steps_title(rep.steps) == STEPS_TITLE
-    quiet = {r.code: r.reason for r in rep.rules if r.status == "quiet"}
-    assert "time outside the model is unknown" in quiet["jitter.data_wait"], quiet["jitter.data_wait"]
+    phases = [st.phases_p50_ms for st in rep.steps.per_rank.values()]
+    assert all(ph["forward"] > 0 and ph["backward"] > 0 for ph in phases), phases
+    assert "jitter.data_wait" not in {f.code for f in rep.findings}
 
 
 def test_a_compiled_optimizer_step_compiles_as_without_the_doctor(cases):

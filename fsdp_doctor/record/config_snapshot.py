@@ -22,12 +22,34 @@ from .units import (Unit, compiled_frames, compiled_modules, consistency_problem
                     no_forward_of_its_own, sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
-# what the run says when the model's forward ran in a compiled frame the doctor was not given (tracker: _forward_unseen)
-FRAME_UNSEEN = (f"{FRAME_UNSEEN_START}: the compiled wrapper of torch.compile(model) trained instead of the model "
-                "passed to watch(), or a function compiled around the model's call (torch.compile of a step or loss "
-                "function that calls it); its hooks do nothing there, so the step's forward, backward and every "
-                "unit's time are not recorded. Pass the compiled model to watch(), or compile the model in place "
-                "(model.compile()) and call it from an uncompiled step function")
+# what the run says when the model's forward ran in a compiled frame the doctor was not given (its hooks do nothing
+# there): what it was, how the step and its units were timed instead (from FSDP2's logs: StepTimer.frame_unseen), and
+# the fix (unseen_note: from the step it was seen in)
+_UNSEEN_WHAT = ("the compiled wrapper of torch.compile(model) trained instead of the model passed to watch(), or a "
+                "function compiled around the model's call (torch.compile of a step or loss function that calls it); "
+                "its hooks do nothing there")
+_UNSEEN_FIX = ("Pass the compiled model to watch(), or compile the model in place (model.compile()) and call it from "
+               "an uncompiled step function")
+FRAME_UNSEEN = (f"{FRAME_UNSEEN_START}: {_UNSEEN_WHAT}, so the step's forward and backward and its units are timed "
+                "from FSDP2's own hooks, which run outside compiled code: the forward from its units' first "
+                "pre-forward to their last post-forward (the model's own code outside its units not in it), the "
+                "backward from their first pre-backward to autograd's end; forwards without gradients are not timed "
+                f"(they read as time outside the model). {_UNSEEN_FIX}")
+# ... where FSDP2 logged no forward there either (tracker: _forward_unseen), and the steps before
+FRAME_UNSEEN_UNTIMED = (f"{FRAME_UNSEEN_START}: {_UNSEEN_WHAT}, so the step's forward, backward and every unit's time "
+                        f"are not recorded. {_UNSEEN_FIX}")
+
+
+def unseen_note(timed: bool, from_step: int = 0) -> str:
+    """The run's FRAME_UNSEEN note: ``timed``, its forward timed from FSDP2's logs (else FRAME_UNSEEN_UNTIMED); seen
+    first in step ``from_step``, where the steps before ran no training forward there (the doctor's own hooks timed
+    them; the units table's medians hold both)."""
+    note = FRAME_UNSEEN if timed else FRAME_UNSEEN_UNTIMED
+    if not from_step:
+        return note
+    before = "step 0" if from_step == 1 else f"steps 0-{from_step - 1}"
+    return note.replace(f"{FRAME_UNSEEN_START}:", f"{FRAME_UNSEEN_START} from step {from_step} on ({before} ran "
+                        "their forward outside it, timed by the doctor's own hooks):", 1)
 
 
 def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int, world_size: int,
@@ -37,7 +59,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
                     runtime_checkpointed: Iterable[int], consistency: str | None,
                     runtime_checkpointed_children: Iterable[int] = (),
                     timed_compiled: Iterable[int] = (), frame_unseen: bool = False,
-                    selective: Iterable[int] = (), fsdp_timed: Iterable[int] = ()) -> tuple[RunConfig, str]:
+                    selective: Iterable[int] = (), fsdp_timed: Iterable[int] = (), unseen: Iterable[int] = (),
+                    unseen_from: int = 0) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
@@ -45,8 +68,10 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     it passed; None: not run yet, run and logged now); ``selective``: units seen checkpointing selectively
     (StepTimer.selective); ``timed_compiled``: units compiled in place that the timer
     times around their compiled call (StepTimer.timed_compiled); ``frame_unseen``: the forward ran in a compiled
-    frame the doctor was not given (every unit untimed: FRAME_UNSEEN); ``fsdp_timed``: units inside another module's
-    compiled frame that the timer times from FSDP2's own logs (StepTimer.fsdp_timed)."""
+    frame the doctor was not given (FRAME_UNSEEN), first seen in step ``unseen_from``; ``fsdp_timed``: units inside
+    another module's compiled frame that the timer times from FSDP2's own logs (StepTimer.fsdp_timed); ``unseen``: units
+    inside a compiled frame the doctor was not given that it times from them (StepTimer.frame_unseen; none: every unit
+    untimed there)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -66,12 +91,13 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
             unit_cfgs[idx].checkpoint = "children"
     for idx in selective:
         unit_cfgs[idx].checkpoint_selective = unit_cfgs[idx].checkpoint != "none"
-    compiled, timed_compiled = _compiled_in_place(model, units), set(timed_compiled)
+    compiled, timed_compiled, unseen = _compiled_in_place(model, units), set(timed_compiled), set(unseen)
     if frame_unseen:
         compiled, timed_compiled = list(range(len(units))), set()
+    compiled = sorted(set(compiled) | unseen)
     timed = [i for i in compiled if i in timed_compiled]
     in_place = [i for i in compiled if i not in timed_compiled]
-    logged = set() if frame_unseen else set(fsdp_timed)
+    logged = (set() if frame_unseen else set(fsdp_timed)) | unseen
     for idx in in_place:
         unit_cfgs[idx].compiled_in_place = True
         unit_cfgs[idx].fsdp_hooks_timed = idx in logged
@@ -91,22 +117,28 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
 
     # (the forward in a compiled frame the doctor was not given: what it could not time, first, as a note in the
     # report's header; it was a problem, the report's last line, and exit 3, which says files or lines were skipped)
-    notes: list[str] = [FRAME_UNSEEN] if frame_unseen else []
+    notes: list[str] = [unseen_note(bool(unseen), unseen_from)] if frame_unseen else []
     if timed:
         notes.append(
             f"{len(timed)} unit(s) compiled by torch.compile ({names(timed)}): timed around their compiled call, so "
             "their forward's all-gather wait is inside their forward time, not apart")
-    hooked = [i for i in in_place if i in logged]
-    if hooked:
-        notes.append(
-            f"{len(hooked)} unit(s) run inside a compiled frame ({names(hooked)}): the doctor's hooks stay out of "
-            "it; these units are timed from FSDP2's own hooks, which run outside compiled code (the units table "
-            "says which times that leaves unknown)")
+    # (inside a frame the doctor was given its hooks stay out; inside one it was not, they are there and do nothing)
+    kinds = {"the doctor's hooks stay out of it": [i for i in in_place if i in logged and i not in unseen],
+             "the doctor was not given it, its hooks do nothing there": [i for i in in_place if i in unseen]}
+    for where, hooked in kinds.items():
+        if hooked:
+            notes.append(
+                f"{len(hooked)} unit(s) run inside a compiled frame ({names(hooked)}): {where}; these units are timed "
+                "from FSDP2's own hooks, which run outside compiled code (the units table says which times that "
+                "leaves unknown)")
     unhooked = [i for i in in_place if i not in logged]
-    if unhooked and not frame_unseen:
+    if unhooked and not (frame_unseen and not unseen):  # (FRAME_UNSEEN_UNTIMED says so of every unit)
+        # (the root of a model whose parameters are all in its blocks: no param group, so no hook of FSDP2's logs)
+        bare = frame_unseen and not any(units[i].param_groups for i in unhooked)
         notes.append(
             f"{len(unhooked)} unit(s) run inside a compiled frame ({names(unhooked)}): the doctor's hooks do nothing "
-            "there, so these units' timings are not recorded")
+            "there, so these units' timings are not recorded" + (
+                " (no parameters of their own: FSDP2 logs no forward of theirs to time it from)" if bare else ""))
     return RunConfig(
         rank=rank, world_size=world_size, backend=str(backend), device=str(dev), device_name=dev_name,
         torch_version=str(torch.__version__),

@@ -43,10 +43,12 @@ _now = time.perf_counter_ns
 # hooks of the modules it calls, in the compiled frame) every hook returns at once: Dynamo folds the check to a
 # constant, so the hook leaves no graph break and no host call in the graph. A unit compiled in place itself is
 # timed around its compiled call instead (``StepTimer._time_compiled_calls``); the units inside another compiled
-# module are not timed (the run's configuration says which units are which).
+# module are timed from FSDP2's own logs (``StepTimer.fsdp_timed``), and so are those inside a compiled frame the doctor
+# was not given (``StepTimer.frame_unseen``) (the run's configuration says which units are which).
 _compiling = torch.compiler.is_compiling
 # FSDP2's hook logs the timer reads (fsdp_labels): every unit's backward; the forward of the units inside another
-# module's compiled frame, where the doctor's hooks are not (StepTimer.fsdp_timed)
+# module's compiled frame, where the doctor's hooks are not (StepTimer.fsdp_timed), or inside a compiled frame the
+# doctor was not given, where they do nothing (StepTimer.frame_unseen)
 _FORWARD_KINDS = ("pre_forward", "post_forward")
 _LOGGED_KINDS = (*_FORWARD_KINDS, "pre_backward", "post_backward")
 
@@ -214,6 +216,14 @@ class StepTimer:
         # but the root), which get none of the doctor's hooks: their forward is timed from FSDP2's own pre- and
         # post-forward logs instead, as every unit's backward is (_logged_forward)
         self.fsdp_timed: set[int] = set()
+        # units whose forward FSDP2 logged with none of the doctor's hooks around it, in a training forward: their hooks
+        # ran inside a compiled frame the doctor was not given (watch(model) while torch.compile(model)'s wrapper
+        # trains, or a compiled function around the model's call), where they return at once. Timed from FSDP2's logs
+        # from then on, as fsdp_timed units are (_unseen_forward); forward_unseen: the model's own forward was among
+        # them (its hooks did not run either), the step's forward timed from those logs too
+        self.frame_unseen: set[int] = set()
+        self.forward_unseen = False
+        self._root: Optional[int] = None  # the unit the watched model itself belongs to (install)
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
@@ -232,6 +242,7 @@ class StepTimer:
     def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
         self._units = units
         self._container = no_forward_of_its_own(model)
+        self._root = next((i for i, u in enumerate(units) if any(m is model for m in u.modules)), None)
         h = self._handles
         # A module whose hooks run inside a compiled frame (compiled in place, or inside a module that is) gets
         # none of the doctor's: there they would return at once, and Dynamo, which traces neither Module.__call__
@@ -776,6 +787,7 @@ class StepTimer:
     def _backward_begins(self, t: int) -> None:
         # one per backward() call through the model, ended by its engine callback (_on_backward_end): not per graph
         # task id, as reentrant checkpointing runs each unit's recompute and backward in a graph task of its own
+        self._close_unseen_forward()  # (a forward timed from FSDP2's logs ends before its backward)
         self._bwd_start = t
         self._returned = False
         self.backwards += 1
@@ -855,11 +867,18 @@ class StepTimer:
         if kind in _FORWARD_KINDS:
             if idx in self.fsdp_timed:
                 self._logged_forward(kind == "pre_forward", idx, t)
+            elif not self._acc[idx].fwd_depth and idx not in self.timed_compiled:  # (none of the doctor's hooks ran)
+                self._unseen_forward(kind == "pre_forward", idx, t)
             return
         a = self._acc[idx]
         if kind == "pre_backward":
             if self._bwd_start == 0:
                 self._backward_begins(t)
+            if idx in self.frame_unseen and not self._bwd_cb_queued:
+                # no gradient hook of the doctor's on such a unit's outputs (its post-forward hook did nothing) queues
+                # the engine callback that ends the backward: queued here, inside the backward, as FSDP2 queues its own
+                self._bwd_cb_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             if not a.t_pre_bwd:
                 a.t_pre_bwd = t
                 a.bwd_split = self._backward_split(idx)
@@ -898,6 +917,47 @@ class StepTimer:
             if self.gpu is not None:
                 self.gpu.close(idx, 0)
 
+    def _unseen_forward(self, start: bool, idx: int, t: int) -> None:
+        """FSDP2 logged a unit's pre-forward (``start``) or post-forward with none of the doctor's hooks around it: the
+        unit's hooks, the doctor's among them, ran inside a compiled frame the doctor was not given, where its hooks
+        return at once (``frame_unseen``). In a training forward (not one without gradients, nor a recompute in
+        backward) the unit is timed from FSDP2's logs from its first such pre-forward on, as an ``fsdp_timed`` unit is
+        (_logged_forward). Where the model's forward is not timed by its own hooks either (``forward_unseen``), the
+        step's forward is timed from the same logs: from the first unit's pre-forward to the last post-forward before
+        the backward begins (the root's post-forward, where the root holds parameters and logs one: its span is the
+        whole forward), the forward counted and its start taken as the model's hooks would (_forward_begins)."""
+        if self._no_grad_t0 or in_backward() or not torch.is_grad_enabled():
+            return
+        if start:
+            self.frame_unseen.add(idx)
+            if not self._unseen_t0 and not self._fwd_start:  # (the model's own hooks did not open its forward)
+                self.forward_unseen = True
+                self._unseen_t0 = t
+                self.train_forwards += 1
+                self._forward_begins(t)
+        elif idx not in self.frame_unseen:
+            return
+        elif self._unseen_t0:
+            self._unseen_end = t
+        self._logged_forward(start, idx, t)
+        if not start and idx == self._root:
+            self._close_unseen_forward()
+
+    def _close_unseen_forward(self) -> None:
+        """The forward timed from FSDP2's logs (_unseen_forward) ends at the last post-forward logged in it."""
+        if self._unseen_t0 and self._unseen_end > self._unseen_t0:
+            self._forward_ns += self._unseen_end - self._unseen_t0
+        self._unseen_t0 = self._unseen_end = 0
+
+    def _forward_begins(self, t: int) -> None:
+        """A training forward of the model starts at ``t``: the step's first, or the next micro-batch's (the gap since
+        the last backward)."""
+        if not self._first_fwd:
+            self._first_fwd = t
+        elif self._bwd_end and not self._opt_end:  # the next micro-batch: the gap since the last backward
+            self._micro_gap_ns += t - self._bwd_end
+        self._bwd_end = 0
+
     def _model_pre(self, module, args, kwargs=None):
         if self.active and not _compiling() and not in_backward():
             if not torch.is_grad_enabled():  # evaluation or generation, between training steps or inside one
@@ -923,11 +983,7 @@ class StepTimer:
             else:
                 self._eval_open = self._unit_figures()
             self._fwd_start = _now()
-            if not self._first_fwd:
-                self._first_fwd = self._fwd_start
-            elif self._bwd_end and not self._opt_end:  # the next micro-batch: the gap since the last backward
-                self._micro_gap_ns += self._fwd_start - self._bwd_end
-            self._bwd_end = 0
+            self._forward_begins(self._fwd_start)
             if self.marks is not None:
                 # the batch's size first: a light memory step whose input outgrows the full steps' is measured in
                 # full (variable sequence lengths: a new-user trial's 1024-token steps among 64-token ones replayed
@@ -1064,6 +1120,8 @@ class StepTimer:
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._returned = False  # the model's training forward returned and no backward has begun since
+        # a forward timed from FSDP2's logs (_unseen_forward): its first pre-forward, its last post-forward so far
+        self._unseen_t0 = self._unseen_end = 0
         self._bwd_cb_queued = False
         self._other_ns = 0  # another FSDP model's forward and backward in this step (its spans that ended in it)
         self._other_open.clear()  # (a span left open, its post label never logged, never spans the steps after)
@@ -1080,6 +1138,7 @@ class StepTimer:
 
     def timings(self) -> StepTimings:
         """The step's timings: the phases' and, per unit, forward, backward, their unshard waits, recompute."""
+        self._close_unseen_forward()
         self._settle_eval()  # the step ends: eval-mode forwards no backward followed were evaluation
         units = [
             UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),

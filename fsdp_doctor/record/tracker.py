@@ -55,7 +55,7 @@ from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
 from .run_device import run_device, watching_ranks
 from .sinks import FailurePolicy, Sinks
-from .config_snapshot import FRAME_UNSEEN, another_models_optimizer, config_snapshot, untrained_rows
+from .config_snapshot import another_models_optimizer, config_snapshot, unseen_note, untrained_rows
 from .compile_time import CompileClock, RecompileLimitTap
 from .dcp_saves import DcpSaveTap
 from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
@@ -616,14 +616,23 @@ class Doctor:
         # records, a profiler step) lies between this end event and the next step's start event, the device's
         # idle_before_ms, as the host counts it in doctor_ms and not in its time outside the model
         done = self._gpu.end_step(step) if self._gpu is not None else []
+        # the model's forward ran in a compiled frame the doctor was not given, seen in this step's FSDP2 logs (said
+        # before the first config is written, in it); the units timed from them said again where more were seen
+        seen = len(self._timer.frame_unseen)
+        if not self._frame_unseen and self._timer.forward_unseen:
+            self._frame_unseen, self._unseen_from = True, step
+            log.warning("fsdp_doctor: %s", unseen_note(True, step))
         if not self._config_written:
             self._write_config()
+        elif seen != self._unseen_said:
+            self._safe_write(self._config())
+        self._unseen_said = seen
         wall = _ms(t_end - self._step_t0)
         tm = self._timer.timings()
-        if not self._frame_unseen and _forward_unseen(tm):
-            self._frame_unseen = True
-            log.warning("fsdp_doctor: %s", FRAME_UNSEEN)
-            self._safe_write(self._config())  # (the units read unknown from here on)
+        if not self._frame_unseen and _forward_unseen(tm):  # (FSDP2 logged no forward there: the units read unknown)
+            self._frame_unseen, self._unseen_from = True, step
+            log.warning("fsdp_doctor: %s", unseen_note(False, step))
+            self._safe_write(self._config())
         profiled = self._profiler is not None and self._profiler.is_profiled(step)
         profiled = profiled or self._spill_profiled or self._flops is not None
         profiled = profiled or self._recorded_at_start or profiler_recording()
@@ -690,6 +699,8 @@ class Doctor:
     _spill_profiled = False
     _untrained = None  # [(parameter, its first values)] of trainable parameters outside the optimizer, until checked
     _frame_unseen = False  # the model's forward runs in a compiled frame the doctor was not given (FRAME_UNSEEN)
+    _unseen_from = 0  # ... seen first in this step
+    _unseen_said = 0  # the units timed from FSDP2's logs there when the config was last written
     _own_ns = 0  # the doctor's own time at the last step's end (ns), inside the next step's wall
     _flops_recounts = 0
     _evaluated_always = True  # every step ended so far also ran the model without gradients
@@ -760,7 +771,8 @@ class Doctor:
             runtime_checkpointed=self._timer._runtime_ckpt,
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
-            selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed)
+            selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
+            unseen_from=self._unseen_from)
         cfg.driver = self.driver
         if self._world_ranks is not None:
             cfg.world_ranks = list(self._world_ranks)
@@ -893,7 +905,8 @@ def _version(dist_name: str) -> str | None:
 def _forward_unseen(tm) -> bool:
     """A training step whose backward FSDP logged (its units' backward times) while neither the model's forward
     nor any unit's was seen: the forward ran in a compiled frame the doctor's hooks sit inside of, doing nothing
-    (``torch.compile(model)`` called on the model given to watch(), the wrapper trained instead)."""
+    (``torch.compile(model)`` called on the model given to watch(), the wrapper trained instead), and FSDP2 logged
+    no forward there to time it from (StepTimer.forward_unseen: where it does)."""
     return not tm.forward_ms and not any(u.fwd_calls for u in tm.units) and any(u.bwd_ms > 0 for u in tm.units)
 
 
