@@ -1084,6 +1084,27 @@ def test_one_unit_that_differs_reads_one_unit_differs(sample_run_path):
         assert row[1] == where, row
 
 
+def test_a_grouped_unit_is_printed_in_its_brackets(sample_run_path):
+    """The terminal prints the wrapping row's grouped unit as the table holds it: rich read "[norm, lm_head]" as a
+    style tag and dropped it (a new-user trial's Qwen3-MoE, compared with its rerun under wrap.params_in_root's fix,
+    printed "2 units differ: model.embed_tokens," where the JSON named model.embed_tokens and [model.norm, lm_head])."""
+    import copy
+    import io
+
+    from rich.console import Console
+
+    from fsdp_doctor.present.compare import render_comparison
+
+    a = compare_side(load_run(sample_run_path))
+    b = copy.deepcopy(a)
+    b.report.units = b.report.units[:-1]  # [norm, lm_head] folded into the root
+    cmp = C.compare(a, b, path_a="A", path_b="B")
+    buf = io.StringIO()
+    render_comparison(cmp, Console(file=buf, width=100, force_terminal=False, color_system=None))
+    out = buf.getvalue()
+    assert "wrapping   1 unit differs: [norm, lm_head]   7 units   6 units" in out, out
+
+
 def test_a_mesh_change_touches_the_optimizer_step(sample_run_path):
     """4 ranks 1-D against HSDP 2 x 2 (a new-user trial's runs/fsdp4 and runs/hsdp): each rank's shard of the
     parameters doubles, and with it its optimizer step; compare read "the optimizer step, which this change does not

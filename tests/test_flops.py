@@ -349,17 +349,34 @@ def _qwen2_moe():
         num_experts=8, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False))
 
 
+def _deepseek_v3():
+    """A tiny HF DeepSeek-V3 (a new-user trial's): its first layer dense (first_k_dense_replace), the other two of 8
+    routed experts, top-2, beside a shared expert every token runs (``shared_experts``: dense, not routed), and
+    multi-head latent attention (low-rank q and kv projections; keys of 24 dimensions, values of 16)."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, tie_word_embeddings=False))
+
+
 # tree: (experts' parameters, trainable ones, top_k, num_experts), the analytic estimate / the counted step when
 # every expert is counted (as before) and when a token's top_k of them are
 MOE = {"mixtral": ((3 * 4 * 3 * 64 * 128, 3 * 4 * 3 * 64 * 128, 2, 4), 1.72, 1.08),  # tests/clients.py mixtral()
        "mixtral_tail": ((3 * 4 * 3 * 64 * 128, 4 * 3 * 64 * 128, 2, 4), 1.60, 1.03),
-       "qwen2_moe": ((3 * 8 * 3 * 64 * 64, 3 * 8 * 3 * 64 * 64, 2, 8), 2.03, 1.08)}
+       "qwen2_moe": ((3 * 8 * 3 * 64 * 64, 3 * 8 * 3 * 64 * 64, 2, 8), 2.03, 1.08),
+       # (2 of its 3 layers routed; 1.12: its attention's score and value matmuls, uncounted, a larger share here)
+       "deepseek_v3": ((2 * 8 * 3 * 64 * 32, 2 * 8 * 3 * 64 * 32, 2, 8), 1.62, 1.12)}
 
 
 @pytest.mark.parametrize("tree", list(MOE))
 def test_analytic_flops_of_a_mixture_of_experts_count_the_active_experts(tree):
     """The analytic fallback on a mixture of experts: each token runs top_k of num_experts experts (read from the
-    tree: Mixtral's MoE block, Qwen2-MoE's router), so the experts count top_k / num_experts of their parameters;
+    tree: Mixtral's MoE block, Qwen2-MoE's and DeepSeek-V3's router; DeepSeek-V3's dense first layer and shared
+    expert are no routed experts), so the experts count top_k / num_experts of their parameters;
     the counted step (torch._grouped_mm per routed token, test_moe_flops_count_only_the_routed_experts) is what
     it estimates. Counting every expert read 1.72x the counted Mixtral step, 2.03x Qwen2-MoE's (top-2 of 8);
     the active count reads 1.08x (the embedding's parameters counted, attention scores not)."""
@@ -373,7 +390,8 @@ def test_analytic_flops_of_a_mixture_of_experts_count_the_active_experts(tree):
 
     pytest.importorskip("transformers")
     (experts, trainable, top_k, num_experts), every_expert, active = MOE[tree]
-    model = {"mixtral": BUILD["mixtral"], "mixtral_tail": _mixtral_tail, "qwen2_moe": _qwen2_moe}[tree]()
+    model = {"mixtral": BUILD["mixtral"], "mixtral_tail": _mixtral_tail, "qwen2_moe": _qwen2_moe,
+             "deepseek_v3": _deepseek_v3}[tree]()
     tok, tgt = batch(1, 512, 0, 0, (2, 32))
     fc = FlopCounter()
     fc.start()

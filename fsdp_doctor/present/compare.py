@@ -223,14 +223,14 @@ def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
     console = console or Console()
     console.print(f"[bold]fsdp-doctor compare[/]\n A: {escape(side_text(c.a))}\n B: {escape(side_text(c.b))}",
                   soft_wrap=True)
-    console.print(f"[bold]{c.summary}[/]")
+    console.print(f"[bold]{escape(c.summary)}[/]")  # (plain text, as the tables' cells: fit.fitted_table)
     for note in c.notes:
-        console.print(f"[yellow]{note}[/]")
+        console.print(f"[yellow]{escape(note)}[/]")
     for t in tables(c):
         if t.rows:
             console.print(fitted_table(t.title, _columns(t.header), t.rows, console.width, caption=t.note or None))
         else:
-            console.print(f"[bold]{t.title}[/]: [dim]{t.note}[/]")
+            console.print(f"[bold]{escape(t.title)}[/]: [dim]{escape(t.note)}[/]")
 
 
 #: the columns that hold names or sentences (left-aligned, wrapping between words); the others hold figures,

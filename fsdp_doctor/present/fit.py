@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from rich import box
 from rich.cells import cell_len
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -75,7 +76,11 @@ def fitted_table(title: str, cols: Sequence[Col], rows: Sequence[Sequence], widt
                  styles: Optional[Sequence[Optional[str]]] = None, caption: Optional[str] = None,
                  compact: bool = False) -> Table:
     """A rich table of ``rows`` (cells: str or Text) with the columns that fit ``width``; the columns left out
-    are named in the caption. ``compact``: one cell between columns instead of three."""
+    are named in the caption. ``compact``: one cell between columns instead of three. The title, the caption and
+    every str cell are plain text, never rich markup: a grouped unit's name in a list reads "[norm, lm_head]"
+    (``units.list_item``), which rich took for a style tag and dropped (compare's "2 units differ:
+    model.embed_tokens," after a new-user trial's Qwen3-MoE rerun with wrap.params_in_root's fix, whose second
+    unit was [model.norm, lm_head])."""
     gap = 1 if compact else 3
     natural, narrow = _widths(cols, rows)
     keep = fit_columns(cols, narrow, width, gap=gap)
@@ -85,14 +90,15 @@ def fitted_table(title: str, cols: Sequence[Col], rows: Sequence[Sequence], widt
     notes = [caption] if caption else []
     if dropped:
         notes.append(f"not shown at {width} columns: {', '.join(dropped)} (a wider terminal shows them)")
-    t = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0 if compact else 1), title_justify="left", pad_edge=False,
-              caption="\n".join(notes) or None, caption_justify="left", caption_style="dim")
+    t = Table(title=escape(title), box=box.SIMPLE_HEAD, padding=(0, 0 if compact else 1), title_justify="left",
+              pad_edge=False, caption=escape("\n".join(notes)) or None, caption_justify="left", caption_style="dim")
     for k, i in enumerate(keep):
         c = cols[i]
         t.add_column(c.name, justify=c.justify, no_wrap=not c.wrap, min_width=narrow[i], width=fixed[k],
                      overflow="fold" if c.wrap else "ellipsis")
     for j, r in enumerate(rows):
-        t.add_row(*(r[i] for i in keep), style=styles[j] if styles else None)
+        t.add_row(*(escape(r[i]) if isinstance(r[i], str) else r[i] for i in keep),
+                  style=styles[j] if styles else None)
     return t
 
 

@@ -129,7 +129,7 @@ def render_units(units: list[UnitRow] | list[TraceUnitRow], width: int = 100):
     notes = [n for n in (units_not_run_note(units), units_hooks_timed_note(units)) if n]
     return fitted_table(f"FSDP units ({len(units)}); per-step medians in ms, each unit's own time (nested units "
                         "excluded); AG wait: forward, then backward", cols, rows, width,
-                        caption=escape("\n".join(notes)) or None)  # (a grouped unit's "[a, b]" is no markup)
+                        caption="\n".join(notes) or None)
 
 
 def findings_summary(findings: list[Finding], rules: list | None = None, verdict=None):
