@@ -504,8 +504,8 @@ def test_a_compiled_wrapper_the_doctor_was_not_given_has_its_units_timed_from_fs
     # said in the first step's config, how it was timed first; the units timed from FSDP2's hooks and the root not
     assert rep.run.notes[0] == FRAME_UNSEEN and FRAME_UNSEEN not in rep.problems, rep.run.notes
     assert rep.run.notes[1:] == [
-        "5 unit(s) run inside a compiled frame (tok_emb, pos_emb, layers.0, layers.1, layers.2 ...): the doctor was "
-        "not given it, its hooks do nothing there; these units are timed from FSDP2's own hooks, which run outside "
+        "5 unit(s) run inside a compiled frame ([tok_emb, pos_emb], layers.0, layers.1, layers.2 … (+1)): the doctor "
+        "was not given it, its hooks do nothing there; these units are timed from FSDP2's own hooks, which run outside "
         "compiled code (the units table says which times that leaves unknown)",
         "1 unit(s) run inside a compiled frame ((root)): the doctor's hooks do nothing there, so these units' timings "
         "are not recorded (no parameters of their own: FSDP2 logs no forward of theirs to time it from)"]
@@ -527,6 +527,9 @@ def test_a_compiled_wrapper_the_doctor_was_not_given_has_its_units_timed_from_fs
     assert phases["forward"] > 0 and phases["backward"] > 0, phases
     assert "jitter.data_wait" not in {f.code for f in rep.findings}
     assert rep.verdict.job.source == "records" and rep.verdict.job.bound != "input", rep.verdict.job
+    # (the root, without parameters of its own, gathers nothing: not among the units whose waits are inside)
+    assert ("the forward and backward all-gather waits of 5 units in a compiled frame ([tok_emb, pos_emb], layers.0, "
+            "layers.1 … (+2)) are inside their forward and backward" in rep.verdict.job.summary), rep.verdict.job.summary
     console = Console(file=io.StringIO(), width=100, color_system=None)
     console.print(render_units(rep.units, 100))
     text = console.file.getvalue()

@@ -245,7 +245,8 @@ def _waits_inside(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list
         cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
         if cfg is not None:
             called = max(called, [u.name for u in cfg.units if getattr(u, "compiled_call_timed", False)], key=len)
-            framed = max(framed, [u.name for u in cfg.units if runs_compiled(u)
+            # (a unit without parameters of its own gathers nothing: a root whose parameters are all in its blocks)
+            framed = max(framed, [u.name for u in cfg.units if runs_compiled(u) and u.unsharded_bytes != 0
                                   and not getattr(u, "compiled_call_timed", False)], key=len)
             methods = max(methods, [u.name for u in cfg.units
                                     if not runs_compiled(u) and getattr(u, "forward_methods", None)], key=len)

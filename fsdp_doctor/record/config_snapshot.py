@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..records import (ALLOC_CONF_VARS, FRAME_UNSEEN_START, Experts, OptimizerGroup, RunConfig, Untrained,
                        optimizer_model_params, optimizer_of_another_model)
+from ..units import fmt_list
 from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
@@ -112,8 +113,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
             log.warning("fsdp_doctor: %s", consistency)
     unavailable = F2.problems() + ([consistency] if consistency else [])
 
-    def names(ids: list[int]) -> str:
-        return ", ".join(unit_cfgs[i].name or "(root)" for i in ids[:4]) + (" ..." if len(ids) > 4 else "")
+    def names(ids: list[int]) -> str:  # (a grouped unit in brackets: "tok_emb, pos_emb, layers.0" read as 3 units)
+        return fmt_list([unit_cfgs[i].name for i in ids], 4)
 
     # (the forward in a compiled frame the doctor was not given: what it could not time, first, as a note in the
     # report's header; it was a problem, the report's last line, and exit 3, which says files or lines were skipped)
