@@ -265,9 +265,9 @@ def _waits_inside_clause(called: list[str], framed: list[str], methods: list[str
     their = "its" if len(called) + len(methods) == 1 else "their"
     said = [f"the forward all-gather waits of {fwd} are inside {their} forward"] if fwd else []
     if framed:
-        said.append(f"{'the forward and backward ones' if fwd else 'the forward and backward all-gather waits'} of "
-                    f"{units(framed, 'in a compiled frame')} {'are ' * (not fwd)}inside "
-                    f"{'its' if len(framed) == 1 else 'their'} forward and backward")
+        whose, its = units(framed, "in a compiled frame"), "its" if len(framed) == 1 else "their"
+        said.append(f"the forward and backward ones of {whose} inside {its} forward and backward" if said else
+                    f"the forward and backward all-gather waits of {whose} are inside {its} forward and backward")
     if not said:
         return ""
     return f" (from the records, {', and '.join(said)}: counted as compute here; a profiler window tells them apart)"

@@ -748,11 +748,17 @@ class StepTimer:
             a.ag_bwd += own
         if self._bwd_start == 0:
             self._backward_begins(t)
+        self._end_backward_with_engine()
+        if self.marks is not None:
+            self._safe(self.marks.gathered, "memory")
+
+    def _end_backward_with_engine(self) -> None:
+        """Queues the autograd engine's callback that ends this backward (_on_backward_end), once per backward:
+        called from inside it (a unit's first gradient, or FSDP2's pre-backward log of a unit the doctor's hooks did
+        not see)."""
         if not self._bwd_cb_queued:
             self._bwd_cb_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        if self.marks is not None:
-            self._safe(self.marks.gathered, "memory")
 
     def _backward_split(self, idx: int) -> Optional[list[tuple[int, int]]]:
         """At the unit's pre-backward log: the all-gathers the host waits for from there to its first gradient (see
@@ -874,11 +880,10 @@ class StepTimer:
         if kind == "pre_backward":
             if self._bwd_start == 0:
                 self._backward_begins(t)
-            if idx in self.frame_unseen and not self._bwd_cb_queued:
+            if idx in self.frame_unseen:
                 # no gradient hook of the doctor's on such a unit's outputs (its post-forward hook did nothing) queues
                 # the engine callback that ends the backward: queued here, inside the backward, as FSDP2 queues its own
-                self._bwd_cb_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+                self._end_backward_with_engine()
             if not a.t_pre_bwd:
                 a.t_pre_bwd = t
                 a.bwd_split = self._backward_split(idx)
