@@ -522,6 +522,35 @@ def run_trainer(out: Path) -> dict:
             **trainer_saves(out, rank)}
 
 
+def run_trainer_compiled(out: Path) -> dict:
+    """A Hugging Face ``Trainer`` with ``torch_compile=True`` (Dynamo's eager backend: no C++ toolchain) over
+    accelerate's FSDP2 plugin, which applies fully_shard to the compiled wrapper (an FSDPOptimizedModule): without
+    the doctor, then with ``fsdp_doctor.DoctorCallback``; the losses of both, and what the run recorded."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+    def train(callbacks, name):
+        tr = make_trainer([trainer_hooks(), *callbacks], out / name, torch_compile=True,
+                          torch_compile_backend="eager")
+        tr.train()
+        return tr, [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+    _, base = train([], "hf_base")
+    torch._dynamo.reset()  # (its cache holds the first model: "another model alive" in the second run's report)
+    gc.collect()
+    tr, watched = train([fsdp_doctor.DoctorCallback(out_dir=str(out / "run"), profile=False)], "hf_run")
+    dist.barrier()
+    run = fsdp_doctor.load_run(out / "run")
+    rd = run.ranks[rank]
+    report = fsdp_doctor.build_report(run)
+    return {"wrapper": type(tr.model_wrapped).__name__, "identical": base == watched and len(base) == 8,
+            "has_forward": rd.config.model_has_forward, "notes": report.run.notes, "errors": len(rd.errors),
+            "steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
+            "forward_ms": [s.forward_ms for s in rd.steps], "backward_ms": [s.backward_ms for s in rd.steps],
+            "unit_fwd_ms": [[u.fwd_ms for u in s.units] for s in rd.steps],
+            "units": [u.name for u in rd.config.units], "findings": sorted(f.code for f in report.findings)}
+
+
 def trainer_saves(out: Path, rank: int) -> dict:
     """A Trainer saving a checkpoint every 2 of its 8 steps (save_strategy "steps", accelerate's plugin's default
     FULL_STATE_DICT: the model and optimizer gathered and written whole), watched: each save timed apart from the
@@ -1074,7 +1103,7 @@ def run_loops(out: Path) -> dict:
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,
-         "trainer_fixes": run_trainer_fixes,
+         "trainer_fixes": run_trainer_fixes, "trainer_compiled": run_trainer_compiled,
          "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
          "accelerate_fixes": run_accelerate_fixes, "accelerate_accum": run_accelerate_accum}
 

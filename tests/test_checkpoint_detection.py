@@ -233,7 +233,7 @@ def test_a_sharded_compiled_wrapper_is_a_compiled_frame():
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_doctor.record.units import compiled_frames, compiled_module, compiled_wrapper
+    from fsdp_doctor.record.units import compiled_frames, compiled_module, compiled_wrapper, no_forward_of_its_own
 
     inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     wrapper = torch.compile(inner, backend="eager")
@@ -242,6 +242,8 @@ def test_a_sharded_compiled_wrapper_is_a_compiled_frame():
     frames, inside = compiled_frames(wrapper)
     assert [(f.top, f.owner, f.attr) for f in frames] == [(inner, wrapper, "forward")]
     assert inside == {id(m) for m in inner.modules()} and not compiled_wrapper(inner)
+    # (its forward is set on the instance: the compiled module's own, not "a container of models" without one)
+    assert not no_forward_of_its_own(wrapper) and no_forward_of_its_own(torch.nn.ModuleDict({"a": inner}))
 
 
 def test_each_unit_lists_its_own_modules_that_keep_running_statistics(gloo_one_rank):

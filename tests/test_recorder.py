@@ -352,7 +352,11 @@ def test_slow_loader_under_gradient_accumulation_is_data_wait(tmp_path):
         for s in rd.steps[1:]:
             assert 4 * 40.0 <= s.between_ms <= s.outside_ms, s
     report = fsdp_doctor.build_report(run)
-    (wait,) = [f for f in report.findings if f.code == "jitter.data_wait"]
+    waits = [f for f in report.findings if f.code == "jitter.data_wait"]
+    # (once failed under a loaded machine, reason unknown: the rule's status and the steps say it next time)
+    assert len(waits) == 1, ([r for r in report.rules if r.code == "jitter.data_wait"],
+                             {r: [(s.wall_ms, s.outside_ms, s.between_ms) for s in rd.steps] for r, rd in run.ranks.items()})
+    (wait,) = waits
     assert "between optimizer.step() and the next forward and between micro-batches" in wait.title
     assert wait.evidence["outside_ms_p50"] >= 4 * 40.0
 

@@ -64,8 +64,14 @@ def naming_root(model: nn.Module) -> nn.Module:
 def no_forward_of_its_own(model: nn.Module) -> bool:
     """Whether the watched module defines no forward() of its own: a container of models called one by one (a
     teacher and its student in an ``nn.ModuleDict``, each its own FSDP root), whose hooks never run; its units'
-    forwards are the step's forward."""
-    return type(naming_root(model)).forward is nn.Module.forward
+    forwards are the step's forward. ``torch.compile``'s wrapper sets its ``forward`` on the instance: the wrapped
+    module's is the one it runs (fully_shard applied to the wrapper, as Hugging Face's Trainer does with
+    torch_compile=True, keeps the wrapper as the naming root: its report read "watch() was given a module with no
+    forward() of its own", a new-user trial)."""
+    root = naming_root(model)
+    if compiled_wrapper(root) and isinstance(getattr(root, "_orig_mod", None), nn.Module):
+        root = root._orig_mod
+    return type(root).forward is nn.Module.forward
 
 
 def find_units(model: nn.Module) -> list[Unit]:
