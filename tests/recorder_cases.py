@@ -523,15 +523,16 @@ def run_trainer(out: Path) -> dict:
 
 
 def run_trainer_compiled(out: Path) -> dict:
-    """A Hugging Face ``Trainer`` with ``torch_compile=True`` (Dynamo's eager backend: no C++ toolchain) over
-    accelerate's FSDP2 plugin, which applies fully_shard to the compiled wrapper (an FSDPOptimizedModule): without
-    the doctor, then with ``fsdp_doctor.DoctorCallback``; the losses of both, and what the run recorded."""
+    """A Hugging Face ``Trainer`` with ``torch_compile=True`` (Dynamo's eager backend: no C++ toolchain) and
+    ``gradient_checkpointing=True`` over accelerate's FSDP2 plugin, which applies fully_shard to the compiled
+    wrapper (an FSDPOptimizedModule): without the doctor, then with ``fsdp_doctor.DoctorCallback``; the losses of
+    both, and what the run recorded."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
     def train(callbacks, name):
         tr = make_trainer([trainer_hooks(), *callbacks], out / name, torch_compile=True,
-                          torch_compile_backend="eager")
+                          torch_compile_backend="eager", gradient_checkpointing=True)
         tr.train()
         return tr, [h["loss"] for h in tr.state.log_history if "loss" in h]
 
@@ -548,7 +549,8 @@ def run_trainer_compiled(out: Path) -> dict:
             "steps": [s.step for s in rd.steps], "micro_batches": [s.micro_batches for s in rd.steps],
             "forward_ms": [s.forward_ms for s in rd.steps], "backward_ms": [s.backward_ms for s in rd.steps],
             "unit_fwd_ms": [[u.fwd_ms for u in s.units] for s in rd.steps],
-            "units": [u.name for u in rd.config.units], "findings": sorted(f.code for f in report.findings)}
+            "units": [u.name for u in rd.config.units], "checkpoint": [u.checkpoint for u in rd.config.units],
+            "findings": sorted(f.code for f in report.findings)}
 
 
 def trainer_saves(out: Path, rank: int) -> dict:

@@ -96,6 +96,12 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     if frame_unseen:
         compiled, timed_compiled = list(range(len(units))), set()
     compiled = sorted(set(compiled) | unseen)
+    for idx in compiled:  # (the first step's probes see no recompute in a compiled frame: a layer's own flag says it)
+        if unit_cfgs[idx].checkpoint == "none" and unit_cfgs[idx].checkpoint_flag:
+            # transformers' layers checkpoint themselves with gradient_checkpointing on, which Dynamo keeps (its
+            # checkpoint operator recomputes them): a Trainer with torch_compile=True and gradient_checkpointing
+            # read AC "none" on every layer (a new-user trial)
+            unit_cfgs[idx].checkpoint = "unit"
     timed = [i for i in compiled if i in timed_compiled]
     in_place = [i for i in compiled if i not in timed_compiled]
     logged = (set() if frame_unseen else set(fsdp_timed)) | unseen
