@@ -598,6 +598,74 @@ def test_steps_before_the_compiled_wrapper_trains_keep_the_doctors_own_timings(t
 
 
 @pytest.mark.slow
+def test_evaluation_through_a_compiled_wrapper_the_doctor_was_not_given_is_counted_apart(tmp_path):
+    """watch(model) while the loop trains and evaluates ``torch.compile(model)`` (one gloo rank, Dynamo's eager
+    backend): 3 forwards without gradients after steps 2 and 4. They read as time outside the model (the reference
+    GPT: "time outside the model +26.4 ms (data loading or user code)" for an outlier step, jitter.recurring_outside
+    on 2 of 7 steps, the verdict 29% input-bound); now each is timed from its units' FSDP2 logs, counted as a
+    forward without gradients, and its steps are left out of the statistics, as the model's own hooks do for the
+    plain model: on a root without parameters (the reference GPT: from its first unit's pre-forward to the last
+    post-forward before the next) and on one holding them (its own post-forward ends each)."""
+    from conftest import run_one_rank
+    from fsdp_doctor import build_report, load_run
+
+    out, _ = run_one_rank(tmp_path, """
+        from torch.distributed.fsdp import fully_shard
+        from fsdp_doctor.workloads import WorkloadConfig
+        from fsdp_doctor.workloads.data import batches
+        from fsdp_doctor.workloads.train import build_training, next_token_loss
+
+        class Net(nn.Module):  # its root holds parameters (emb, head), its blocks are units
+            def __init__(self):
+                super().__init__()
+                self.emb, self.head = nn.Embedding(512, 32), nn.Linear(32, 512)  # (the workload's vocabulary)
+                self.blocks = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+
+            def forward(self, x):
+                return self.head(self.blocks(self.emb(x)))
+
+        torch.set_num_threads(1)
+        cfg = WorkloadConfig(steps=7, n_layers=2, d_model=64)
+        gpt, gpt_opt = build_training(cfg)
+        net = Net()
+        for b in net.blocks:
+            fully_shard(b)
+        fully_shard(net)
+        net_opt = torch.optim.AdamW(net.parameters())
+        for name, model, opt in (("gpt", gpt, gpt_opt), ("net", net, net_opt)):
+            compiled = torch.compile(model, backend="eager")
+            data = batches(cfg, 0)
+            with fsdp_doctor.watch(model, opt, out_dir=f"{sys.argv[1]}/{name}", profile=False) as doctor:
+                for step in range(cfg.steps):
+                    tokens, targets = next(data)
+                    next_token_loss(compiled(tokens), targets).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if step in (2, 4):
+                        model.eval()
+                        with torch.no_grad():
+                            for _ in range(3):
+                                compiled(tokens)
+                        model.train()
+                    doctor.step()
+        """)
+    for name in ("gpt", "net"):
+        run = load_run(out / name)
+        steps = run.ranks[0].steps
+        assert not any(e for rd in run.ranks.values() for e in rd.errors), name
+        assert [s.no_grad_forwards for s in steps] == [0, 0, 3, 0, 3, 0, 0], (name, steps)
+        for s in steps:
+            assert (s.no_grad_ms > 0) == (s.step in (2, 4)), (name, s)
+        # step 4 (step 2 compiles the forward without gradients): its evaluation out of the time outside the model
+        ordinary = sorted(s.outside_ms for s in steps[1:] if s.step not in (2, 4))
+        assert steps[4].outside_ms < ordinary[-1] + 0.5 * steps[4].no_grad_ms, (name, steps[4], ordinary)
+        report = build_report(run)
+        assert report.steps.no_grad["0"].steps == [2, 4] and report.steps.no_grad["0"].excluded, report.steps.no_grad
+        assert not [o for o in report.steps.outliers if o.step == 4], report.steps.outliers
+        assert "jitter.recurring_outside" not in {f.code for f in report.findings}, name
+
+
+@pytest.mark.slow
 def test_units_inside_a_model_compiled_whole_open_device_spans_from_fsdps_logs(tmp_path):
     """The GPU tier's test of the same run (tests/test_gpu_timing.py) on the CPU: the model compiled whole after
     sharding, one gloo rank, 12 steps, the device timeline attached as on CUDA with torch.cuda.Event stood in for by

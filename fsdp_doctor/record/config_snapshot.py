@@ -34,8 +34,8 @@ _UNSEEN_FIX = ("Pass the compiled model to watch(), or compile the model in plac
 FRAME_UNSEEN = (f"{FRAME_UNSEEN_START}: {_UNSEEN_WHAT}, so the step's forward and backward and its units are timed "
                 "from FSDP2's own hooks, which run outside compiled code: the forward from its units' first "
                 "pre-forward to their last post-forward (the model's own code outside its units not in it), the "
-                "backward from their first pre-backward to autograd's end; forwards without gradients are not timed "
-                f"(they read as time outside the model). {_UNSEEN_FIX}")
+                "backward from their first pre-backward to autograd's end; forwards without gradients (evaluation) "
+                f"likewise, counted apart. {_UNSEEN_FIX}")
 # ... where FSDP2 logged no forward there either (tracker: _forward_unseen), and the steps before
 FRAME_UNSEEN_UNTIMED = (f"{FRAME_UNSEEN_START}: {_UNSEEN_WHAT}, so the step's forward, backward and every unit's time "
                         f"are not recorded. {_UNSEEN_FIX}")

@@ -794,6 +794,7 @@ class StepTimer:
         # one per backward() call through the model, ended by its engine callback (_on_backward_end): not per graph
         # task id, as reentrant checkpointing runs each unit's recompute and backward in a graph task of its own
         self._close_unseen_forward()  # (a forward timed from FSDP2's logs ends before its backward)
+        self._close_unseen_no_grad()
         self._bwd_start = t
         self._returned = False
         self.backwards += 1
@@ -930,10 +931,15 @@ class StepTimer:
         (_logged_forward). Where the model's forward is not timed by its own hooks either (``forward_unseen``), the
         step's forward is timed from the same logs: from the first unit's pre-forward to the last post-forward before
         the backward begins (the root's post-forward, where the root holds parameters and logs one: its span is the
-        whole forward), the forward counted and its start taken as the model's hooks would (_forward_begins)."""
-        if self._no_grad_t0 or in_backward() or not torch.is_grad_enabled():
+        whole forward), the forward counted and its start taken as the model's hooks would (_forward_begins). A
+        forward without gradients there (evaluation through the compiled wrapper) is timed as one (_unseen_no_grad)."""
+        if self._no_grad_t0 or in_backward():
+            return
+        if not torch.is_grad_enabled():
+            self._unseen_no_grad(start, idx, t)
             return
         if start:
+            self._close_unseen_no_grad()
             self.frame_unseen.add(idx)
             if not self._unseen_t0 and not self._fwd_start:  # (the model's own hooks did not open its forward)
                 self.forward_unseen = True
@@ -947,6 +953,42 @@ class StepTimer:
         self._logged_forward(start, idx, t)
         if not start and idx == self._root:
             self._close_unseen_forward()
+
+    def _unseen_no_grad(self, start: bool, idx: int, t: int) -> None:
+        """FSDP2 logged a unit's pre-forward (``start``) or post-forward without gradients, none of the doctor's hooks
+        around it, in a unit already seen training in a compiled frame the doctor was not given (``frame_unseen``):
+        a forward without gradients there, which the model's hooks would have timed apart from the step's forward
+        and the time outside the model (an evaluation through the compiled wrapper read "time outside the model
+        +26.4 ms (data loading or user code)" and a recurring stop outside the model: a new-user trial). Each such
+        forward runs from its first unit's pre-forward to the last post-forward before the next one (the root's,
+        where the root holds parameters); the next begins where that first unit logs its pre-forward again after
+        another unit's logs. The time between them (the evaluation's own batches) stays outside."""
+        if idx not in self.frame_unseen:  # (not yet seen training there: a unit called on its own, say)
+            return
+        if start:
+            if self._ng_unseen_t0 and idx == self._ng_unseen_entry and self._ng_unseen_last != idx:
+                self._close_unseen_no_grad()  # the next forward begins
+            if not self._ng_unseen_t0:
+                self._ng_unseen_t0, self._ng_unseen_entry = t, idx
+        elif self._ng_unseen_t0:
+            self._ng_unseen_end = t
+            if idx == self._root:
+                self._close_unseen_no_grad()
+        self._ng_unseen_last = idx
+
+    def _close_unseen_no_grad(self) -> None:
+        """The forward without gradients timed from FSDP2's logs (_unseen_no_grad) ends at its last post-forward: its
+        time is counted as the model's post-hook counts one (_model_post)."""
+        if self._ng_unseen_t0 and self._ng_unseen_end > self._ng_unseen_t0:
+            dt = self._ng_unseen_end - self._ng_unseen_t0
+            self._no_grad_ns += dt
+            self._no_grad_count += 1
+            if not self._first_fwd:  # before the step's first training forward
+                self._ng_pre_ns += dt
+            elif self._opt_end:  # after an optimizer.step() (until the next one)
+                self._ng_post_ns += dt
+        self._ng_unseen_t0 = self._ng_unseen_end = 0
+        self._ng_unseen_entry = self._ng_unseen_last = None
 
     def _close_unseen_forward(self) -> None:
         """The forward timed from FSDP2's logs (_unseen_forward) ends at the last post-forward logged in it."""
@@ -1127,6 +1169,11 @@ class StepTimer:
         self._returned = False  # the model's training forward returned and no backward has begun since
         # a forward timed from FSDP2's logs (_unseen_forward): its first pre-forward, its last post-forward so far
         self._unseen_t0 = self._unseen_end = 0
+        # ... and one without gradients (_unseen_no_grad): its start, its last post-forward so far, the unit whose
+        # pre-forward opened it, the unit logged last
+        self._ng_unseen_t0 = self._ng_unseen_end = 0
+        self._ng_unseen_entry: Optional[int] = None
+        self._ng_unseen_last: Optional[int] = None
         self._bwd_cb_queued = False
         self._other_ns = 0  # another FSDP model's forward and backward in this step (its spans that ended in it)
         self._other_open.clear()  # (a span left open, its post label never logged, never spans the steps after)
@@ -1144,6 +1191,7 @@ class StepTimer:
     def timings(self) -> StepTimings:
         """The step's timings: the phases' and, per unit, forward, backward, their unshard waits, recompute."""
         self._close_unseen_forward()
+        self._close_unseen_no_grad()
         self._settle_eval()  # the step ends: eval-mode forwards no backward followed were evaluation
         units = [
             UnitStep(name=u.name, fwd_ms=_ms(a.fwd), ag_wait_fwd_ms=_ms(a.ag_fwd), bwd_ms=_ms(a.bwd),
