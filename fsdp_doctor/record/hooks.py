@@ -980,13 +980,7 @@ class StepTimer:
         """The forward without gradients timed from FSDP2's logs (_unseen_no_grad) ends at its last post-forward: its
         time is counted as the model's post-hook counts one (_model_post)."""
         if self._ng_unseen_t0 and self._ng_unseen_end > self._ng_unseen_t0:
-            dt = self._ng_unseen_end - self._ng_unseen_t0
-            self._no_grad_ns += dt
-            self._no_grad_count += 1
-            if not self._first_fwd:  # before the step's first training forward
-                self._ng_pre_ns += dt
-            elif self._opt_end:  # after an optimizer.step() (until the next one)
-                self._ng_post_ns += dt
+            self._count_no_grad(self._ng_unseen_end - self._ng_unseen_t0)
         self._ng_unseen_t0 = self._ng_unseen_end = 0
         self._ng_unseen_entry = self._ng_unseen_last = None
 
@@ -1038,16 +1032,19 @@ class StepTimer:
                 self._safe(lambda: self.marks.model_input(elements), "memory")
                 self._safe(lambda: self.marks.mark(None, "forward_start"), "memory")
 
+    def _count_no_grad(self, dt: int) -> None:
+        """A forward without gradients of ``dt`` ns: counted apart from the step's forward and the time outside."""
+        self._no_grad_ns += dt
+        self._no_grad_count += 1
+        if not self._first_fwd:  # before the step's first training forward
+            self._ng_pre_ns += dt
+        elif self._opt_end:  # after an optimizer.step() (until the next one)
+            self._ng_post_ns += dt
+
     def _model_post(self, module, args, output):
         if self._no_grad_t0:
             if self.active:
-                dt = _now() - self._no_grad_t0
-                self._no_grad_ns += dt
-                self._no_grad_count += 1
-                if not self._first_fwd:  # before the step's first training forward
-                    self._ng_pre_ns += dt
-                elif self._opt_end:  # after an optimizer.step() (until the next one)
-                    self._ng_post_ns += dt
+                self._count_no_grad(_now() - self._no_grad_t0)
             self._no_grad_t0 = 0
             return
         if self.active and not _compiling() and not in_backward() and self._fwd_start:
