@@ -35,7 +35,8 @@ FRAME_UNSEEN = (f"{FRAME_UNSEEN_START}: {_UNSEEN_WHAT}, so the step's forward an
                 "from FSDP2's own hooks, which run outside compiled code: the forward from its units' first "
                 "pre-forward to their last post-forward (the model's own code outside its units not in it), the "
                 "backward from their first pre-backward to autograd's end; forwards without gradients (evaluation) "
-                f"likewise, counted apart. {_UNSEEN_FIX}")
+                "likewise, counted apart. Dynamo compiles the doctor's hooks on the model itself there as frames of "
+                f"their own, which do nothing: the step's compiles count them. {_UNSEEN_FIX}")
 # ... where FSDP2 logged no forward there either (tracker: _forward_unseen), and the steps before
 FRAME_UNSEEN_UNTIMED = (f"{FRAME_UNSEEN_START}: {_UNSEEN_WHAT}, so the step's forward, backward and every unit's time "
                         f"are not recorded. {_UNSEEN_FIX}")
