@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
+import statistics
 
 import pytest
 
@@ -168,9 +169,10 @@ def test_hf_trainer_callback_records_without_changing_training(trainer_run):
 def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
     """The Trainer's run read back: the evaluation steps are left out of the step statistics and named in the
     report; no data-wait, straggler or accumulation finding (the Trainer syncs the last micro-batch only) and no
-    outlier blamed on another rank, but for the step after an evaluation, where rank 0 alone logs its metrics
-    (under full-suite load it once made rank 1 wait 32.8 ms at step 7: a true late rank)."""
+    outlier blamed on another rank that did not run late (after an evaluation rank 0 alone logs its metrics: under
+    full-suite load it once made rank 1 wait 32.8 ms at step 7, a true late rank)."""
     from fsdp_doctor import build_report, load_run
+    from fsdp_doctor.records import collective_wait_ms
     from fsdp_doctor.store.layout import previous_runs
 
     (first,) = previous_runs(trainer_run[2] / "trainer")  # (the second run into the folder moved it aside)
@@ -180,8 +182,24 @@ def test_hf_trainer_run_diagnosed_without_false_alarms(trainer_run):
     for r, ng in report.steps.no_grad.items():
         assert ng.steps == [3, 6] and ng.forwards == 4 and ng.excluded, (r, ng)
     assert all(o.step not in (3, 6) for o in report.steps.outliers), report.steps.outliers
-    assert all(o.cause != "late_rank" or (o.step in (4, 7) and "waiting for rank 0 " in o.detail)
-               for o in report.steps.outliers), report.steps.outliers
+    # a rank named late ran late in the records: its own time (the step's less its all-gather waits), in that step
+    # or at the previous one's end, over its median by at least half the lateness, and over the waiting rank's (a
+    # loaded host makes either rank late now and then: the long tier beside a trial, rank 1 late by 95.2 ms at step 5)
+    run = load_run(first)
+
+    def own(r: int, step: int):
+        s = next((s for s in run.ranks[r].steps if s.step == step), None)
+        return None if s is None else s.wall_ms - collective_wait_ms(s)
+
+    for o in report.steps.outliers:
+        if o.cause != "late_rank":
+            continue
+        late = int(o.detail.split("waiting for rank ")[1].split()[0])
+        by = float(o.detail.split("late by ")[1].split(" ms")[0])
+        median = statistics.median(own(late, s.step) for s in run.ranks[late].steps[1:])
+        assert late != o.rank and any(
+            (x := own(late, st)) is not None and x - median >= 0.5 * by and x >= (own(o.rank, st) or 0.0)
+            for st in (o.step, o.step - 1)), (o, [(s.step, own(late, s.step)) for s in run.ranks[late].steps])
 
 
 def test_hf_trainer_data_wait_fix_sets_the_trainers_dataloader_arguments(trainer_run):
