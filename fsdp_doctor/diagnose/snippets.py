@@ -641,13 +641,16 @@ def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = N
         trailing = set(own[last + 1:]) if last is not None else set()
     busy = [m for u in t.non_root() for m in u.modules] + [c for c in t.containers()]
     inside = lambda names, cand: any(b == cand or b.startswith(cand + ".") for b in names)  # noqa: E731
+    # a module with no forward of its own is no unit (fully_shard refuses a ModuleList: diffusers' UNet's
+    # mid_block.attentions, a new-user trial's pasted plan raised ValueError): what it holds collapses below it
+    no_fwd = set(getattr(root, "no_forward_modules", None) or [])
 
     def top(m: str) -> tuple[str, str]:
         """(the module ``m`` collapses to, the ancestor a tied module kept it out of, else "")."""
         parts, kept_out = m.split("."), ""
         for i in range(1, len(parts)):
             cand = ".".join(parts[:i])
-            if inside(busy, cand):
+            if inside(busy, cand) or cand in no_fwd:
                 continue
             if not inside(tied, cand):
                 return cand, ""
