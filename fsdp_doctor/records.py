@@ -742,6 +742,10 @@ class End(Record, tag="end"):
     steps: int
     ended_ns: int
     exception: str = ""
+    # where that exception is torch's "mixed torch.Tensor and DTensor" raised in a module of an FSDP unit that another
+    # unit's forward called, outside its own unit's forward (DiT's root calls transformer_blocks[0].norm1.emb): which
+    # module, called from where, and the fix (record/units.outside_unit_call); "" otherwise
+    exception_hint: str = ""
     # FSDP2 units of other models alive in the process at the exit (a frozen teacher, a GAN's other network): their
     # collectives share the trace's labels with the watched model's, their work lies in its time outside the model
     other_fsdp_units: int = 0

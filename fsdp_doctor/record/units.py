@@ -80,6 +80,43 @@ def no_forward(m: nn.Module) -> bool:
     return type(m).forward is nn.Module.forward
 
 
+#: torch's words when an operator meets a sharded parameter (a DTensor) beside plain tensors: a module ran while its
+#: unit's parameters were not gathered
+MIXED_DTENSOR = "mixed torch.Tensor and DTensor"
+
+
+def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
+    """Where a traceback (``tb``, the loop's exception) passes from a unit's forward into a module of another unit
+    nested in it without that unit's forward (diffusers' DiTTransformer2DModel: the root's forward calls
+    ``self.transformer_blocks[0].norm1.emb``, and with each block a unit its parameters were still sharded, "aten.addmm
+    got mixed torch.Tensor and DTensor": a new-user trial), one sentence naming the module, its unit, the caller and
+    the fix (the module a unit of its own, which FSDP2 gathers wherever it runs); "" where it does not. ``root``: the
+    module the units' names are read from (``naming_root``)."""
+    unit_of = {id(m): u for u in units for m in u.modules}
+    fqn = {id(m): n for n, m in root.named_modules()}
+    called = []  # the modules whose forward the traceback passes through, outermost first
+    while tb is not None:
+        frame = tb.tb_frame
+        me = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(me, nn.Module) and id(me) in fqn and (not called or called[-1] is not me):
+            called.append(me)
+        tb = tb.tb_next
+    active = max((i for i, m in enumerate(called) if id(m) in unit_of), default=None)
+    if active is None or active + 1 >= len(called) or id(called[active + 1]) in unit_of:
+        return ""
+    caller, callee = unit_of[id(called[active])], fqn[id(called[active + 1])]
+    # the unit whose module holds the callee, innermost: not the caller's (whose parameters are gathered)
+    owner = max((u for u in units for n in u.module_names if n and callee.startswith(n + ".")),
+                key=lambda u: u.depth, default=None)
+    if owner is None or owner is caller or any(id(m) in {id(c) for c in called} for m in owner.modules):
+        return ""
+    where = "the root's" if caller.name == "" else f"{caller.name}'s"
+    return (f"{callee}, inside FSDP unit {owner.name}, was called from {where} forward, outside {owner.name}'s own, "
+            f"where FSDP2 had not gathered its parameters: make it a unit of its own, "
+            f"fully_shard(model.get_submodule({callee!r})) before your fully_shard(...) of {owner.name}, so that "
+            "FSDP2 gathers it wherever it runs")
+
+
 def find_units(model: nn.Module) -> list[Unit]:
     """All FSDP units under ``model`` (itself included), in module order; grouped units appear once; named from
     ``naming_root(model)``."""
