@@ -279,6 +279,9 @@ def unusable_reason(path, run: Run, report: Optional[Report]) -> Optional[str]:
         if failed:  # the loop raised through watch() before its first doctor.step(): say so, with the exception
             first = failed[min(failed)]
             hint = next((f" ({fix})" for known, fix in TORCH_BUGS if known in first), "")
+            # (a module of a unit called outside its unit's forward: the recorder named it, End.exception_hint)
+            hint = hint or next((f" ({h})" for r in sorted(failed)
+                                 if (h := run.ranks[r].end.exception_hint)), "")
             return (f"{path}: the training loop raised an exception on {ranks_phrase(sorted(failed))} before its "
                     f"first doctor.step(), so no step was recorded: {first}"[:600] + hint)
         if begun:  # streams began (a header) but hold no step: still in step 0, or killed during FSDP's lazy init

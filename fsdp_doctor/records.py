@@ -127,6 +127,11 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     leading_modules: list[str] | None = None
     # of those, the ones after the unit's last nested unit in module order (a model's final norm and head)
     trailing_modules: list[str] = []
+    # modules of its own tree (nested units' subtrees excluded) holding own modules but no forward of their own (a
+    # ModuleList, a ModuleDict: diffusers' ``mid_block.attentions``), which fully_shard refuses ("does not support
+    # containers that do not implement forward"): a plan makes units of what they hold, never of them; None: not
+    # recorded (runs before it)
+    no_forward_modules: list[str] | None = None
     # ranks FSDP shards each parameter over (1: nothing to all-gather, e.g. the shard dimension of a 2x1 HSDP
     # mesh; tensor-parallel shards not counted); None: not read
     shard_size: int | None = None
@@ -737,6 +742,10 @@ class End(Record, tag="end"):
     steps: int
     ended_ns: int
     exception: str = ""
+    # where that exception is torch's "mixed torch.Tensor and DTensor" raised in a module of an FSDP unit that another
+    # unit's forward called, outside its own unit's forward (DiT's root calls transformer_blocks[0].norm1.emb): which
+    # module, called from where, and the fix (record/units.outside_unit_call); "" otherwise
+    exception_hint: str = ""
     # FSDP2 units of other models alive in the process at the exit (a frozen teacher, a GAN's other network): their
     # collectives share the trace's labels with the watched model's, their work lies in its time outside the model
     other_fsdp_units: int = 0

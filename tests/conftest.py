@@ -108,6 +108,18 @@ if __name__ == "__main__":
 """
 
 
+def gloo_worker(body: str) -> str:
+    """``worker(rank, port, out, fix)`` for ``TWO_RANKS``: the rank joins a 2-rank gloo group on one thread, seeded,
+    then runs ``body`` (dedented; ``fsdp_doctor`` imported). The script imports os, torch and torch.distributed as
+    dist."""
+    return ("\ndef worker(rank, port, out, fix):\n"
+            "    os.environ.update(MASTER_ADDR=\"127.0.0.1\", MASTER_PORT=str(port))\n"
+            "    torch.set_num_threads(1)\n"
+            "    dist.init_process_group(\"gloo\", rank=rank, world_size=2)\n"
+            "    import fsdp_doctor\n"
+            "    torch.manual_seed(0)\n" + textwrap.indent(textwrap.dedent(body), "    "))
+
+
 def record_two_ranks(tmp_path: Path, script: str, name: str, fix: str = ""):
     """Runs ``script`` + ``TWO_RANKS`` in a fresh process into ``tmp_path / name`` (``fix``: the path of a fix file);
     returns the run's Report."""

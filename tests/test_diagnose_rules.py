@@ -2635,11 +2635,63 @@ def test_unneeded_checkpointing_fix_turns_hugging_face_checkpointing_off():
     code = S.complete(S.remove_checkpointing([], ["transformer.h.0", "transformer.h.1"]))
     # (no apply_activation_checkpointing named to a run that never called it: a new-user trial)
     assert "apply_activation_checkpointing" not in code and "(or leave out your checkpoint(...) calls, or " \
-        "gradient_checkpointing_enable())" in code, code
+        "the call that enables it)" in code, code
     exec(compile(code, "<ac.unneeded fix>", "exec"), {"model": model})
     assert on() == [False, False]
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))  # checkpoint(...) in the user's own code: left to them
     exec(compile(code, "<ac.unneeded fix>", "exec"), {"model": plain})
+
+
+class _DiffusersShaped(__import__("torch").nn.Module):
+    """diffusers' ModelMixin API on a UNet-shaped tree: enable_gradient_checkpointing() and
+    disable_gradient_checkpointing() set the blocks' own gradient_checkpointing flag (transformers names them
+    gradient_checkpointing_enable()/_disable())."""
+
+    def __init__(self):
+        import torch.nn as nn
+
+        super().__init__()
+        self.down_blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        self.mid_block = nn.Linear(2, 2)
+        self.up_blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+        for m in self.modules():
+            m.gradient_checkpointing = False
+
+    def enable_gradient_checkpointing(self):
+        for m in self.modules():
+            m.gradient_checkpointing = True
+
+    def disable_gradient_checkpointing(self):
+        for m in self.modules():
+            m.gradient_checkpointing = False
+
+
+def test_unneeded_checkpointing_fix_turns_diffusers_checkpointing_off():
+    """ac.unneeded on a diffusers model checkpointed by enable_gradient_checkpointing() (its blocks' checkpoint(...)
+    calls): the fix looked for transformers' method names only, found none on a UNet2DConditionModel, and pasted as
+    printed left every block checkpointed (a new-user trial: 5 units AC 'unit' before and after). It calls diffusers'
+    disable_gradient_checkpointing(); the real UNet where diffusers is installed."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    blocks = ["down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1"]
+    code = S.complete(S.remove_checkpointing([], blocks))
+    shaped = _DiffusersShaped()
+    shaped.enable_gradient_checkpointing()
+    exec(compile(code, "<ac.unneeded fix>", "exec"), {"model": shaped})
+    assert [shaped.get_submodule(b).gradient_checkpointing for b in blocks] == [False] * 5
+    try:
+        import diffusers
+    except ImportError:
+        return
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, cross_attention_dim=8,
+        attention_head_dim=4, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    unet.enable_gradient_checkpointing()
+    assert unet.is_gradient_checkpointing
+    exec(compile(code, "<ac.unneeded fix>", "exec"), {"model": unet})
+    assert not unet.is_gradient_checkpointing
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in unet.modules())
 
 
 def _cuda_steps(retries, *, reserved=30 << 30, allocated=18 << 30, walls=None, ooms=None, peak=20 << 30):

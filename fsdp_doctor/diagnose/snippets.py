@@ -641,13 +641,16 @@ def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = N
         trailing = set(own[last + 1:]) if last is not None else set()
     busy = [m for u in t.non_root() for m in u.modules] + [c for c in t.containers()]
     inside = lambda names, cand: any(b == cand or b.startswith(cand + ".") for b in names)  # noqa: E731
+    # a module with no forward of its own is no unit (fully_shard refuses a ModuleList: diffusers' UNet's
+    # mid_block.attentions, a new-user trial's pasted plan raised ValueError): what it holds collapses below it
+    no_fwd = set(getattr(root, "no_forward_modules", None) or [])
 
     def top(m: str) -> tuple[str, str]:
         """(the module ``m`` collapses to, the ancestor a tied module kept it out of, else "")."""
         parts, kept_out = m.split("."), ""
         for i in range(1, len(parts)):
             cand = ".".join(parts[:i])
-            if inside(busy, cand):
+            if inside(busy, cand) or cand in no_fwd:
                 continue
             if not inside(tied, cand):
                 return cand, ""
@@ -834,7 +837,8 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
     layer in turn, the wrappers made after it: a new-user trial; after fully_shard, a wrapper that is itself the
     unit cannot be replaced: its module's parameters stay sharded outside any unit, "mixed torch.Tensor and
     DTensor".) Units checkpointed by ``checkpoint(...)`` calls in code (``functional``): Hugging Face's
-    ``gradient_checkpointing_enable()`` is undone by its ``gradient_checkpointing_disable()``, other
+    ``gradient_checkpointing_enable()`` is undone by its ``gradient_checkpointing_disable()`` (diffusers'
+    ``enable_gradient_checkpointing()`` by ``disable_gradient_checkpointing()``), other
     ``checkpoint(...)`` calls are named in a comment, since only their code can change; alone, the lines go before
     the user's fully_shard calls, beside the enable call. ``note``: the header's words where checkpointing stays on
     elsewhere (ac.wrong_granularity's, on the blocks' children: checkpoint_in_place wraps the blocks next, after
@@ -851,16 +855,20 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
         # with checkpoint(...) calls only, which never called it: new-user trials)
         lines = textwrap.wrap(f"{BEFORE_SHARDING} (before fully_shard): activation checkpointing off"
                               + (f" {note}" if note else ""), width=80, initial_indent="# ", subsequent_indent="# ")
-        lines.append("# (or leave out your checkpoint(...) calls, or gradient_checkpointing_enable())" if not wrappers
+        lines.append("# (or leave out your checkpoint(...) calls, or the call that enables it)" if not wrappers
                      else "# (or build the model without apply_activation_checkpointing)" if not note else
                      "# (or leave these out of your apply_activation_checkpointing)")
     if functional:
         lines += ["# checkpointed by checkpoint(...) calls in their forward:",
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=80, initial_indent="#   ",
                                 subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
-                  "# a Hugging Face model's (gradient_checkpointing_enable()): turned off by its own method",
+                  # (diffusers' models name it the other way round: transformers' names alone found no method on a
+                  # UNet2DConditionModel, and the pasted fix left its checkpointing on, a new-user trial)
+                  "# a Hugging Face model's (transformers' gradient_checkpointing_enable(),",
+                  "# diffusers' enable_gradient_checkpointing()): turned off by its own method",
                   "off = (getattr(model, 'activation_checkpointing_disable', None)  # newer name",
-                  "       or getattr(model, 'gradient_checkpointing_disable', None))",
+                  "       or getattr(model, 'gradient_checkpointing_disable', None)",
+                  "       or getattr(model, 'disable_gradient_checkpointing', None))  # diffusers'",
                   "if off is not None:",
                   "    off()",
                   "# (your own checkpoint(...) calls: remove them in your code)"]

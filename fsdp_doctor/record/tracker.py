@@ -62,7 +62,7 @@ from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
-from .units import Unit, compile_blocker, find_units, unmanaged_params
+from .units import MIXED_DTENSOR, Unit, compile_blocker, find_units, naming_root, outside_unit_call, unmanaged_params
 
 log = logging.getLogger("fsdp_doctor")
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -286,8 +286,17 @@ class Doctor:
                         others = len(F2.other_fsdp_modules(self.model) or [])
                     except Exception:  # noqa: BLE001
                         others = 0
+                    hint = ""
+                    if exc_type is not None and MIXED_DTENSOR in str(exc):
+                        try:  # (a module of a unit called outside its unit's forward: which, and the fix)
+                            hint = outside_unit_call(self._units, naming_root(self.model), tb)
+                        except Exception:  # noqa: BLE001 - the user's exception goes on unexplained
+                            hint = ""
+                        if hint and self.rank == 0:
+                            log.warning("fsdp_doctor: %s", hint)
                     self._safe_write(End(rank=self.rank, steps=self.steps_done, ended_ns=time.time_ns(),
-                                         exception=why, other_fsdp_units=others, repeated_calls=self._repeated))
+                                         exception=why, exception_hint=hint, other_fsdp_units=others,
+                                         repeated_calls=self._repeated))
                     if not self.steps_done and exc_type is None and self.rank == 0:
                         ran = self._timer.optimizer_steps
                         log.warning("fsdp_doctor: watch() ended without a doctor.step() call%s: nothing was "

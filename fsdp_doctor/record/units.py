@@ -71,7 +71,50 @@ def no_forward_of_its_own(model: nn.Module) -> bool:
     root = naming_root(model)
     if compiled_wrapper(root) and isinstance(getattr(root, "_orig_mod", None), nn.Module):
         root = root._orig_mod
-    return type(root).forward is nn.Module.forward
+    return no_forward(root)
+
+
+def no_forward(m: nn.Module) -> bool:
+    """The module has no forward of its own (a ModuleList, a ModuleDict, a plain container): fully_shard refuses a
+    ModuleList's or ModuleDict's, and nothing calls one, so hooks on it would never run."""
+    return type(m).forward is nn.Module.forward
+
+
+#: torch's words when an operator meets a sharded parameter (a DTensor) beside plain tensors: a module ran while its
+#: unit's parameters were not gathered
+MIXED_DTENSOR = "mixed torch.Tensor and DTensor"
+
+
+def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
+    """Where a traceback (``tb``, the loop's exception) passes from a unit's forward into a module of another unit
+    nested in it without that unit's forward (diffusers' DiTTransformer2DModel: the root's forward calls
+    ``self.transformer_blocks[0].norm1.emb``, and with each block a unit its parameters were still sharded, "aten.addmm
+    got mixed torch.Tensor and DTensor": a new-user trial), one sentence naming the module, its unit, the caller and
+    the fix (the module a unit of its own, which FSDP2 gathers wherever it runs); "" where it does not. ``root``: the
+    module the units' names are read from (``naming_root``)."""
+    unit_of = {id(m): u for u in units for m in u.modules}
+    fqn = {id(m): n for n, m in root.named_modules()}
+    called = []  # the modules whose forward the traceback passes through, outermost first
+    while tb is not None:
+        frame = tb.tb_frame
+        me = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(me, nn.Module) and id(me) in fqn and (not called or called[-1] is not me):
+            called.append(me)
+        tb = tb.tb_next
+    active = max((i for i, m in enumerate(called) if id(m) in unit_of), default=None)
+    if active is None or active + 1 >= len(called) or id(called[active + 1]) in unit_of:
+        return ""
+    caller, callee = unit_of[id(called[active])], fqn[id(called[active + 1])]
+    # the unit whose module holds the callee, innermost: not the caller's (whose parameters are gathered)
+    owner = max((u for u in units for n in u.module_names if n and callee.startswith(n + ".")),
+                key=lambda u: u.depth, default=None)
+    if owner is None or owner is caller or any(id(m) in {id(c) for c in called} for m in owner.modules):
+        return ""
+    where = "the root's" if caller.name == "" else f"{caller.name}'s"
+    return (f"{callee}, inside FSDP unit {owner.name}, was called from {where} forward, outside {owner.name}'s own, "
+            f"where FSDP2 had not gathered its parameters: make it a unit of its own, "
+            f"fully_shard(model.get_submodule({callee!r})) before your fully_shard(...) of {owner.name}, so that "
+            "FSDP2 gathers it wherever it runs")
 
 
 def find_units(model: nn.Module) -> list[Unit]:
@@ -370,9 +413,9 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     # adds to its unit's all-gather)
     gathered = {id(sp): n for u in units for fp in u.params
                 if (sp := F2.sharded_param(fp)) is not None and (n := F2.param_numel(fp)) is not None}
-    owns, tied, leads, trails, sizes = _own_modules(units, gathered)
+    owns, tied, leads, trails, sizes, no_fwd = _own_modules(units, gathered)
     out = []
-    for u, own, leading, trailing in zip(units, owns, leads, trails):
+    for u, own, leading, trailing, nf in zip(units, owns, leads, trails, no_fwd):
         pgs = F2.param_groups(u.state)
         known = pgs is not None
         pgs = pgs or []
@@ -432,24 +475,27 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 tied_modules=[n for n in own if n in tied],
                 leading_modules=leading,
                 trailing_modules=trailing,
+                no_forward_modules=nf,
                 shard_size=_shard_size(pg0, fps),
             )
         )
     return out
 
 
-def _own_modules(units: list[Unit], gathered: dict[int, int]
-                 ) -> tuple[list[list[str]], set[str], list[list[str]], list[list[str]], dict[str, int]]:
+def _own_modules(units: list[Unit], gathered: dict[int, int]) -> tuple[
+        list[list[str]], set[str], list[list[str]], list[list[str]], dict[str, int], list[list[str]]]:
     """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
     fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules before its
     first nested unit and those after its last one, in module order; each such module's parameter bytes as FSDP
-    gathers them (``gathered``: elements per parameter id; a parameter not there counts its global elements).
-    Public module API only."""
+    gathers them (``gathered``: elements per parameter id; a parameter not there counts its global elements); per
+    unit, the modules of its tree with no forward of their own that hold own modules (``no_forward``). Public module
+    API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
-    out, leads, trails, sizes = [], [], [], {}
+    out, leads, trails, sizes, no_fwd = [], [], [], {}, []
     for u in units:
         own: list[str] = []
+        empty: list[str] = []  # modules without a forward of their own (a ModuleList), in module order
         # len(own) when the first and the last nested unit were passed, None before any (0 is a nested unit first:
         # read as "none", a root holding only the final norm and head after its units recorded no trailing module
         # and its plan called them "a new unit before the blocks", a new-user trial)
@@ -463,6 +509,8 @@ def _own_modules(units: list[Unit], gathered: dict[int, int]
                     before_nested = len(own) if before_nested is None else before_nested
                     after_nested = len(own)
                     continue
+                if m is not top and no_forward(m):
+                    empty.append(fqn)
                 if any(True for _ in m.parameters(recurse=False)):
                     own.append(fqn)
                     sizes[fqn] = sum(gathered.get(id(p), p.numel()) * p.element_size()
@@ -471,10 +519,12 @@ def _own_modules(units: list[Unit], gathered: dict[int, int]
                         holders.setdefault(id(p), []).append(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)
+        no_fwd.append([e for e in empty if any(o.startswith(e + ".") for o in own)])
         leads.append(own[:before_nested] if before_nested is not None else [])
         trails.append(own[after_nested:] if after_nested is not None else [])
     tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
-    return out, tied, leads, trails, sizes
+    return out, tied, leads, trails, sizes, no_fwd
+
 
 
 def _shard_size(pg, fps) -> int | None:
