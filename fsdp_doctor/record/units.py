@@ -55,8 +55,8 @@ def naming_root(model: nn.Module) -> nn.Module:
     ``torch.compile(model)``'s wrapper of a sharded model (``model = torch.compile(model)`` after the fully_shard
     calls), the model inside it: the user's fixes go in place of their fully_shard calls, on that model (named
     through the wrapper, every name began "_orig_mod.", and a printed fix raised AttributeError: a new-user trial)."""
-    inner = getattr(model, "_orig_mod", None)
-    if compiled_wrapper(model) and isinstance(inner, nn.Module) and not F2.is_fsdp_module(model):
+    inner = wrapped_module(model)
+    if inner is not None and not F2.is_fsdp_module(model):
         return inner
     return model
 
@@ -69,9 +69,8 @@ def no_forward_of_its_own(model: nn.Module) -> bool:
     torch_compile=True, keeps the wrapper as the naming root: its report read "watch() was given a module with no
     forward() of its own", a new-user trial)."""
     root = naming_root(model)
-    if compiled_wrapper(root) and isinstance(getattr(root, "_orig_mod", None), nn.Module):
-        root = root._orig_mod
-    return no_forward(root)
+    inner = wrapped_module(root)
+    return no_forward(root if inner is None else inner)
 
 
 def no_forward(m: nn.Module) -> bool:
@@ -108,7 +107,8 @@ def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
     # the unit whose module holds the callee, innermost: not the caller's (whose parameters are gathered)
     owner = max((u for u in units for n in u.module_names if n and callee.startswith(n + ".")),
                 key=lambda u: u.depth, default=None)
-    if owner is None or owner is caller or any(id(m) in {id(c) for c in called} for m in owner.modules):
+    on_stack = {id(c) for c in called}
+    if owner is None or owner is caller or any(id(m) in on_stack for m in owner.modules):
         return ""
     where = "the root's" if caller.name == "" else f"{caller.name}'s"
     return (f"{callee}, inside FSDP unit {owner.name}, was called from {where} forward, outside {owner.name}'s own, "
@@ -239,6 +239,13 @@ def compiled_wrapper(module: nn.Module) -> bool:
     return wrapper is not None and isinstance(module, wrapper)
 
 
+def wrapped_module(module: nn.Module) -> nn.Module | None:
+    """The module inside ``torch.compile(module)``'s wrapper (an OptimizedModule, sharded or not); None for any other
+    module."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if compiled_wrapper(module) and isinstance(inner, nn.Module) else None
+
+
 @dataclass(frozen=True)
 class CompiledFrame:
     """A compiled frame the model's forward runs: ``top``, the outermost module whose forward hooks run inside it
@@ -258,9 +265,8 @@ def compiled_frames(model: nn.Module) -> tuple[list[CompiledFrame], set[int]]:
     for m in model.modules():
         if compiled_in_place(m):
             frames.append(CompiledFrame(m, m, "_compiled_call_impl"))
-        elif compiled_wrapper(m) and isinstance(getattr(m, "_orig_mod", None), nn.Module) \
-                and "forward" in vars(m):
-            frames.append(CompiledFrame(m._orig_mod, m, "forward"))
+        elif (inner := wrapped_module(m)) is not None and "forward" in vars(m):
+            frames.append(CompiledFrame(inner, m, "forward"))
     below = {id(x) for f in frames for x in f.top.modules() if x is not f.top}
     return [f for f in frames if id(f.top) not in below], below | {id(f.top) for f in frames}
 
