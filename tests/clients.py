@@ -756,6 +756,15 @@ def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tupl
     return F.cross_entropy(logits.float().flatten(0, 1), tgt.to(device).flatten())
 
 
+def shard_head_in_root(model, mesh):
+    """The leading modules one unit, each block, the root: the final norm and head stay in the root."""
+    lead, _ = _ends(model)
+    fully_shard(lead if len(lead) > 1 else lead[0], mesh=mesh)
+    for b in _blocks(model):
+        fully_shard(b, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def shard_no_root(model, mesh):
     """The blocks only: fully_shard never applied to the root."""
     for b in _blocks(model):
@@ -886,7 +895,7 @@ def _after_sharding(model, cfg):
 
 # the user's own sharding code where the workload knobs do not say it: torchtitan's plan (with a trainable
 # parameter ignored)
-USER_SHARD = {"titan": apply_fsdp_titan, **ARCH_SHARD}
+USER_SHARD = {"titan": apply_fsdp_titan, "head_in_root": shard_head_in_root, **ARCH_SHARD}
 
 
 def user_param_groups(model, trainable_only: bool = False, top_only: bool = False) -> list[dict]:

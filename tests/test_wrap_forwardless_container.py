@@ -117,3 +117,21 @@ def test_too_coarse_plan_shards_what_a_module_list_holds_not_the_list(tmp_path):
     assert {"mid_block.attentions.0", "mid_block.resnets.0", "mid_block.resnets.1", "down_blocks.0",
             "up_blocks.1"} <= names, names
     assert "wrap.too_coarse" not in {g.code for g in fixed.findings}
+
+
+@pytest.mark.slow
+def test_last_unit_in_forward_is_read_from_the_run_not_module_order(tmp_path):
+    """diffusers registers a UNet's ``mid_block`` after its ``up_blocks`` (both lists are set before the mid block is
+    built), as this tree does: reshard.last_unit's reason for staying quiet named ``mid_block`` as the last unit in
+    forward (a new-user trial's UNet2DConditionModel, its blocks units and its convolutions in the root). The order
+    is the run's: the up blocks end their forwards after the mid block's on the peak step's timeline."""
+    fix = tmp_path / "blocks.py"
+    fix.write_text("from torch.distributed.fsdp import fully_shard\n"
+                   "for name in ('down_blocks.0', 'down_blocks.1', 'mid_block', 'up_blocks.0', 'up_blocks.1'):\n"
+                   "    fully_shard(model.get_submodule(name))\n"
+                   "fully_shard(model)\n")
+    blocks = record_two_ranks(tmp_path, _SCRIPT, "blocks", str(fix))
+    assert [u.name for u in blocks.units if not u.is_root][-1] == "mid_block"  # module order
+    (s,) = [s for s in blocks.rules if s.code == "reshard.last_unit"]
+    assert s.status == "quiet", (s.status, s.reason)
+    assert "which may compute after the last unit (up_blocks.1) in forward" in s.reason, s.reason

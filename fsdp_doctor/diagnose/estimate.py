@@ -943,7 +943,19 @@ def last_forward_unit(ctx: Context):
             return last
     if not us or rts:
         return None  # a root with parameters computes between the last unit's forward and its backward
-    return us[-1]  # module order = forward order for sequential models
+    return last_in_forward(ctx, us)
+
+
+def last_in_forward(ctx: Context, us: list[Unit]) -> Unit:
+    """Of ``us`` (not empty), the unit whose forward ended last in the peak step, from its timeline's forward_end
+    marks (a unit nested in another ends before it), where every one of them has its mark; else the last in module
+    order, which is forward order for sequential models but not for a UNet: diffusers registers ``mid_block`` after
+    ``up_blocks`` (a new-user trial's UNet read "the last unit (mid_block.resnets.1) in forward")."""
+    pm = peak_memory(ctx)
+    names = {u.name: u for u in us}
+    ends = [r.get("unit") for r in (pm.timeline or [] if pm is not None else [])
+            if r.get("phase") == "forward_end" and r.get("unit") in names]
+    return names[ends[-1]] if ends and set(ends) == set(names) else us[-1]
 
 
 def resharded_last_unit(ctx: Context):

@@ -795,10 +795,10 @@ class LastUnitResharded(Rule):
             rts = E.roots(E.param_units(ctx))
             # (the last that ran: a trial's never-routed last expert, moe.experts.3, read as the last in forward)
             us = [u for u in E.non_root(E.param_units(ctx)) if u.name not in S.never_ran(ctx)]
-            if rts and us and not E.kept_gathered(us[-1]):
+            if rts and us and not E.kept_gathered(last := E.last_in_forward(ctx, us)):
                 own = [m for m in (rts[0].own_modules or []) if m]
                 return self.quiet(f"the root holds parameters of its own ({E.fmt_list(own) if own else 'its modules'}),"
-                                  f" which may compute after the last unit ({us[-1].name}) in forward, before its "
+                                  f" which may compute after the last unit ({last.name}) in forward, before its "
                                   "backward (an output head left in the root does): the records do not say whether "
                                   "they do")
             return self.quiet("the last unit of forward is kept gathered" if us else "no unit beside the root")
