@@ -86,6 +86,30 @@ def run_one_rank(tmp_path: Path, body: str) -> tuple[Path, str]:
     return tmp_path / "run", out
 
 
+#: a tiny language model for a case script's head (``Net``: an embedding, 3 encoder layers in ``blocks``, a head; the
+#: vocabulary ``V``): the shape users shard, a unit per block and the root
+TINY_LM = """\
+import torch.nn as nn
+
+V, D = 128, 32
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(D, 2, 2 * D, batch_first=True, dropout=0.0)
+                                    for _ in range(3))
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+"""
+
+
 #: the tail of a two-rank script (``record_two_ranks``): its ``worker(rank, port, out, fix)`` spawned on 2 ranks, the
 #: run directory ``sys.argv[1]``, a fix file for the worker to execute ``sys.argv[2]`` ("" for none)
 TWO_RANKS = """

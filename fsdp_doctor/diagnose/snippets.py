@@ -76,6 +76,14 @@ def group_expr(mods: list[str]) -> str:
     return exprs[0] if len(exprs) == 1 else "[" + ", ".join(exprs) + "]"
 
 
+def root_expr(t: "Tree") -> str:
+    """The run's root unit as code: ``model``, or the module of the watched model that was the root where watch() was
+    given a module holding it (a LightningModule, whose configure_model shards ``self.model``: the plans' last line
+    sharded the LightningModule itself, a new-user trial)."""
+    root = t.root()
+    return ROOT if root is None or root.name in ROOT_LABELS else unit_expr(root)
+
+
 def unit_expr(u) -> str:
     """The unit's module(s) as code (a UnitConfig)."""
     return group_expr(list(u.modules) or members(u.name))
@@ -418,7 +426,7 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                                raf if raf is not True else None, leftover_costs)
         lines += lead
     rkw = _merge(_unit_kwargs(root, mp=mp) if root is not None else "", extra_of(root), drop)
-    lines += ["# the root last: it keeps what no unit holds", _call("model", rkw), *_async_unshard_lines(t)]
+    lines += ["# the root last: it keeps what no unit holds", _call(root_expr(t), rkw), *_async_unshard_lines(t)]
     if root_leftovers and root is not None:
         lines += _frozen_lead_prefetch(t, root, lead)
     lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
@@ -447,7 +455,7 @@ def holder_plan(t: Tree, note: str) -> str:
     lines += [_call(unit_expr(u), _unit_kwargs(u, mp=mp)) for u in t.non_root() if u.name not in held]
     root = t.root()
     lines += ["# the root last: it keeps what no unit holds",
-              _call("model", _unit_kwargs(root, mp=mp) if root else ""), *_async_unshard_lines(t)]
+              _call(root_expr(t), _unit_kwargs(root, mp=mp) if root else ""), *_async_unshard_lines(t)]
     lines[2:2] = _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
 
@@ -531,7 +539,7 @@ def one_unit_plan(t: Tree, note: str = "") -> str:
     held = next((u for u in t.non_root() if _unit_kwargs(u, inherit=True)), None)
     kw = _merge(_unit_kwargs(held, inherit=True, mp=mp) if held else "",
                 _unit_kwargs(root, mp=mp) if root is not None else "")
-    return "\n".join(lines + _policy_lines(mp, kw) + [_call("model", kw), *_async_unshard_lines(t)])
+    return "\n".join(lines + _policy_lines(mp, kw) + [_call(root_expr(t), kw), *_async_unshard_lines(t)])
 
 
 def _nested_lines(t: Tree, c: str, extra_kwargs: str, drop: tuple[str, ...],

@@ -54,7 +54,9 @@ def naming_root(model: nn.Module) -> nn.Module:
     """The module whose tree names the units and parameters: the model, or where watch() was given
     ``torch.compile(model)``'s wrapper of a sharded model (``model = torch.compile(model)`` after the fully_shard
     calls), the model inside it: the user's fixes go in place of their fully_shard calls, on that model (named
-    through the wrapper, every name began "_orig_mod.", and a printed fix raised AttributeError: a new-user trial)."""
+    through the wrapper, every name began "_orig_mod.", and a printed fix raised AttributeError: a new-user trial).
+    Lightning Fabric's wrapper (``fabric.setup(model)``) likewise: the model inside it."""
+    model = fabric_wrapped(model) or model
     inner = wrapped_module(model)
     if inner is not None and not F2.is_fsdp_module(model):
         return inner
@@ -244,6 +246,24 @@ def wrapped_module(module: nn.Module) -> nn.Module | None:
     module."""
     inner = getattr(module, "_orig_mod", None)
     return inner if compiled_wrapper(module) and isinstance(inner, nn.Module) else None
+
+
+#: where Lightning defines Fabric's module wrapper (the ``lightning`` package, and ``lightning_fabric`` on its own)
+_FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
+
+
+def fabric_wrapped(module: nn.Module) -> nn.Module | None:
+    """The module inside Lightning Fabric's wrapper (``fabric.setup(model)`` returns a ``_FabricModule`` holding the
+    model it sharded, its ``parallelize_fn``'s, as ``_forward_module``); None for any other module. Named through
+    the wrapper, every unit began "_forward_module." (a new-user trial), which the user's ``parallelize_fn``, given
+    the model itself, does not have: wrap.params_in_root's fix pasted there raised AttributeError. Without Lightning
+    imported there is none (and it is not imported for the question)."""
+    for name in _FABRIC_WRAPPERS:
+        wrapper = getattr(sys.modules.get(name), "_FabricModule", None)
+        if wrapper is not None and isinstance(module, wrapper):
+            inner = module._modules.get("_forward_module")
+            return inner if isinstance(inner, nn.Module) else None
+    return None
 
 
 @dataclass(frozen=True)

@@ -56,41 +56,75 @@ class GradsKept(Rule):
                 f" (besides {fmt_bytes(outside)} of parameters outside the optimizer: optim.untrained_params)"
                 if outside else ""))
         peak, cap = int(pm.peak_bytes), E.capacity_bytes(ctx)
-        after = _peak_without_kept(pm, kept, E.param_units(ctx))
+        kinds = tuple(k for k in _GRADS if not (off and k == "unsharded_grads"))
+        freed_at = _freed_before_backward(pm.timeline, kept, kinds)
+        after = _peak_without_kept(pm, kept, E.param_units(ctx), freed_at)
         share = peak / cap if cap else None
         sev = "warning" if E.peak_near_capacity(ctx) else "info"
+        if freed_at is None:
+            why = ("After optimizer.step() the gradients are zeroed in place instead of freed, so the forward of the "
+                   "next step (its activations, its all-gathers) runs with every gradient shard already allocated. "
+                   "Free them: set_to_none=True is the default since torch 2.0, and FSDP2 allocates each gradient "
+                   "when its unit's backward produces it.")
+            instead = "call optimizer.zero_grad() instead of\n# zero_grad(set_to_none=False) in your loop"
+        else:
+            # (a new-user trial: Lightning's Trainer, and a loop zeroing between its loss and backward(), read "zeroed
+            # in place" where they were freed, and a predicted peak 0.44 MiB under the one the fix brought)
+            why = ("The gradients are freed only after the next step's forward: the loop's zero_grad runs between "
+                   "the forward and the backward (Lightning's Trainer zeroes so, inside the closure it hands "
+                   "optimizer.step(), after training_step), so that forward (its activations, its all-gathers) and "
+                   "the loss run with every gradient shard of the last step still allocated. Free them as the "
+                   "optimizer step ends; FSDP2 allocates each gradient when its unit's backward produces it.")
+            instead = "call optimizer.zero_grad() right after\n# optimizer.step() in your loop"
         return [self.finding(
             sev, f"{fmt_bytes(kept)} of gradients stay allocated between steps",
             {"grads_kept_bytes": kept, "peak_bytes": peak, "peak_capacity_pct": None if share is None else
-             round(100 * share, 1), "peak_phase": pm.peak_at.phase, "peak_after_bytes": after},
-            "After optimizer.step() the gradients are zeroed in place instead of freed, so the forward of the "
-            "next step (its activations, its all-gathers) runs with every gradient shard already allocated. "
-            "Free them: set_to_none=True is the default since torch 2.0, and FSDP2 allocates each gradient when "
-            "its unit's backward produces it.",
+             round(100 * share, 1), "peak_phase": pm.peak_at.phase, "peak_after_bytes": after,
+             "freed_before_backward": freed_at is not None},
+            why,
             "# frees the gradients after every optimizer.step(), whatever your loop's\n"
-            "# zero_grad does later (or call optimizer.zero_grad() instead of\n"
-            "# zero_grad(set_to_none=False) in your loop)\n"
+            f"# zero_grad does later (or {instead})\n"
             "optimizer.register_step_post_hook(\n"
             "    lambda opt, args, kwargs: opt.zero_grad(set_to_none=True))",
             predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx), peak, after))]
 
 
-def _peak_without_kept(pm, kept: int, units) -> int:
+def _freed_before_backward(tl, kept: int, kinds) -> int | None:
+    """The index of the first mark of the peak step's timeline, before its backward, holding fewer gradients than
+    the step began with: the loop freed them itself, after the forward (a zero_grad between the forward and the
+    backward); None where they stay until the backward (zeroed in place)."""
+    for i, row in enumerate(tl):
+        phase = row.get("phase") or ""
+        if phase.startswith("in_"):  # (a high-water between two marks takes its categories from one of them)
+            continue
+        if sum(int(row.get(k) or 0) for k in kinds) < kept:
+            return i
+        if phase.startswith("backward"):
+            return None
+    return None
+
+
+def _peak_without_kept(pm, kept: int, units, freed_at: int | None = None) -> int:
     """The peak with gradients freed after the step: on the peak step's timeline every mark before backward
     loses the kept gradients; a backward mark keeps those of the units whose backward has ended (their
-    shards, as FSDP2 reduce-scatters them). Without a timeline: the peak less the kept gradients."""
+    shards, as FSDP2 reduce-scatters them). Where the loop frees them itself after the forward (``freed_at``, the
+    first mark without them), the marks from there on lose nothing; the high-water just before it (the loss)
+    still held them. Without a timeline: the peak less the kept gradients."""
     tl = pm.timeline
     if not tl:
         return max(0, int(pm.peak_bytes) - kept)
     shard = {u.name: E.grad_shard_bytes(u) for u in units}
     done, best, backward = 0, 0, False
-    for row in tl:
+    for i, row in enumerate(tl):
         phase = row.get("phase") or ""
         backward = backward or phase.startswith("backward")
         if phase == "backward_end":
             done += shard.get(row.get("unit"), 0)
         total = int(row.get("total") or 0)
-        best = max(best, total - kept + (min(done, kept) if backward else 0))
+        if freed_at is not None and i >= freed_at:
+            best = max(best, total)
+        else:
+            best = max(best, total - kept + (min(done, kept) if backward else 0))
     return best + max(0, int(pm.peak_bytes) - max(int(r.get("total") or 0) for r in tl))
 
 

@@ -1,0 +1,68 @@
+"""watch() given a module holding the sharded network (a LightningModule: its configure_model shards ``self.model``,
+its training_step calls ``self.model(...)``): the run's root unit is ``model.model``, and the sharding plans' last
+line, ``fully_shard(model)``, sharded the holder itself. Pasted into a Lightning Trainer's configure_model (a new-user
+trial, 2 gloo ranks), the holder's forward never ran: 6 independent FSDP roots (wrap.root_not_sharded), the peak
+4.65 MiB where 3.93 MiB was predicted. The plan now shards the root the run had; pasted as printed, wrap.params_in_root
+and wrap.root_not_sharded are quiet and the root unit is ``model``."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from conftest import TINY_LM, gloo_worker, record_two_ranks
+
+_SCRIPT = TINY_LM + textwrap.dedent(
+    """
+    import os
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+
+    class Holder(nn.Module):  # a LightningModule's shape
+        def __init__(self):
+            super().__init__()
+            self.model = Net()
+
+        def configure_model(self, fix):
+            if fix:  # in place of the fully_shard calls, as printed
+                exec(open(fix).read(), {"model": self})
+            else:
+                for b in self.model.blocks:
+                    fully_shard(b)
+                fully_shard(self.model)
+
+        def training_step(self, x):
+            return F.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    """
+) + gloo_worker(
+    """
+    module = Holder()
+    module.configure_model(fix)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    with fsdp_doctor.watch(module, opt, out_dir=out, profile=False, capacity_bytes=64 << 20) as doc:
+        for x in torch.randint(0, V, (6, 4, 17), generator=g):
+            module.training_step(x).backward()
+            opt.step(), opt.zero_grad(), doc.step()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.long
+def test_plan_shards_the_runs_root_not_the_module_holding_it(tmp_path):
+    before = record_two_ranks(tmp_path, _SCRIPT, "holder")
+    (f,) = [f for f in before.findings if f.code == "wrap.params_in_root"]
+    code = f.recommendation.code
+    assert code.rstrip().endswith("fully_shard(model.model, mesh=mesh)"), code
+
+    fix = tmp_path / "fix.py"
+    fix.write_text(code)
+    after = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
+    assert {"model", "model.emb", "model.head", "model.blocks.0"} <= {u.name for u in after.units}
+    assert not {"wrap.params_in_root", "wrap.root_not_sharded"} & {g.code for g in after.findings}
