@@ -56,6 +56,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
             statuses.append(cls.status("fired", "; ".join(f.title for f in found), len(found)))
         else:
             statuses.append(cls.status("skipped" if rule.unchecked else "quiet", rule.why_quiet or NO_REASON))
+    if (root := S.root_expr(S.tree(ctx))) != S.ROOT:  # the watched model holds the root unit (a LightningModule)
+        for f in out:
+            S.on_root_unit(f.recommendation, root)
     if E.transformers_sharded(ctx):  # its fixes where a user of transformers' own sharding can put them
         for f in out:
             S.for_transformers(f.recommendation)

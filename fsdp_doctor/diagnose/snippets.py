@@ -84,6 +84,25 @@ def root_expr(t: "Tree") -> str:
     return ROOT if root is None or root.name in ROOT_LABELS else unit_expr(root)
 
 
+def _fsdp_methods() -> frozenset:
+    """FSDPModule's own methods (``set_reshard_after_forward``, ``set_requires_gradient_sync``, ``unshard``, ...): what
+    a fix calls on the root unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return frozenset(n for n, v in vars(FSDPModule).items() if callable(v) and not n.startswith("__") and n != "_apply")
+
+
+def on_root_unit(rec, root: str) -> None:
+    """A fix whose lines call FSDPModule's methods on ``model`` (``model.set_reshard_after_forward(False)``), where the
+    watched model is not the root unit but holds it (``root``, ``root_expr``): those calls made on the root unit
+    (``Recommendation``, changed in place). A LightningModule's validation kept gathered by eval.regather's fix read
+    ``model.set_reshard_after_forward(False)``: a LightningModule has no such method, its ``self.model`` has (a
+    new-user trial)."""
+    if rec.code and root != ROOT:
+        names = "|".join(sorted(map(re.escape, _fsdp_methods())))
+        rec.code = re.sub(rf"(?<![\w.]){ROOT}\.({names})\(", rf"{root}.\1(", rec.code)
+
+
 def unit_expr(u) -> str:
     """The unit's module(s) as code (a UnitConfig)."""
     return group_expr(list(u.modules) or members(u.name))

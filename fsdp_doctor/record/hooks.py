@@ -242,6 +242,9 @@ class StepTimer:
         # the model's forward entered without gradients (evaluation, generation): its start, 0 outside one. Its
         # units' hooks and marks stay quiet inside it: no training forward, no backward to follow
         self._no_grad_t0 = 0
+        # the unit that opened such a forward itself, called without gradients outside the model's forward (a
+        # LightningModule's validation_step calls self.model, the FSDP root inside the watched module): None otherwise
+        self._ng_opener: Optional[int] = None
         self._ng_gather_t0: dict[int, int] = {}
         self._sharded_states = F2.ShardedStates()
         self._gathered_bytes: dict[int, int] = {}  # id(FSDPParamGroup) -> the bytes it all-gathers
@@ -276,7 +279,7 @@ class StepTimer:
                                                      prepend=True))
                 h.append(m.register_forward_pre_hook(self._mk(self._fwd_inner_pre, idx, self._ng_inner_pre)))
                 h.append(m.register_forward_hook(self._mk(self._fwd_inner_post, idx), prepend=True))
-                h.append(m.register_forward_hook(self._mk(self._fwd_outer_post, idx)))
+                h.append(m.register_forward_hook(self._mk(self._fwd_outer_post, idx, self._ng_outer_post)))
             # Activation checkpointing re-runs the wrapped inner module in backward, not the unit's own
             # module: time those re-runs as the unit's recompute.
             for inner in checkpointed_modules(u, self._units):
@@ -474,6 +477,13 @@ class StepTimer:
             self._ng_gathers += 1
         self._ng_gather_t0[idx] = _now()
 
+    def _ng_outer_post(self, idx) -> None:
+        """A unit left inside a forward without gradients: where it opened that forward itself (_fwd_outer_pre), the
+        forward ends here, counted as the model's post-hook counts one (_model_post)."""
+        if idx == self._ng_opener:
+            self._count_no_grad(_now() - self._no_grad_t0)
+            self._no_grad_t0, self._ng_opener = 0, None
+
     def _ng_inner_pre(self, idx) -> None:
         """... and after it: its time is the unit's all-gather, issued and waited for (nothing when kept gathered)."""
         t0 = self._ng_gather_t0.pop(idx, 0)
@@ -641,6 +651,15 @@ class StepTimer:
             a.t_recompute = _now()
             a.recompute_runs += 1
             self._runtime_ckpt.add(idx)
+            return
+        if a.fwd_depth == 0 and not self._fwd_start and not self._container and not torch.is_grad_enabled():
+            # a unit called without gradients outside the model's forward (Lightning's validation_step runs
+            # self.model, the FSDP root inside the watched LightningModule, under inference_mode): a forward without
+            # gradients, its units' hooks quiet inside it, as when the model's own forward runs so. A new-user
+            # trial's validation read as time outside the model (41.8 ms at the step after it) and
+            # jitter.data_wait fired at 16%
+            self._no_grad_t0, self._ng_opener = _now(), idx
+            self._ng_outer_pre(idx)
             return
         if a.fwd_depth == 0:  # grouped units: only the first module's entry opens the unit
             a.t_outer = _now()
