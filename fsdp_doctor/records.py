@@ -270,6 +270,16 @@ TRANSFORMERS_SHARDER = "transformers"
 TORCHTITAN_SHARDER = "torchtitan"
 #: RunConfig.torch_lacks' entry for a release whose FSDPModule has no public set_reshard_after_forward (torch 2.6)
 SET_RESHARD_AFTER_FORWARD = "FSDPModule.set_reshard_after_forward"
+#: FSDPModule's own methods (torch 2.13; tests/test_snippets_root_calls.py holds it to the installed torch): what a fix
+#: calls on the root unit (diagnose/snippets.on_root_unit), kept here as data so that the diagnosis imports no torch
+FSDP_MODULE_METHODS = frozenset({
+    "_set_unshard_async_op", "reset_iter_state", "reshard", "set_all_reduce_hook",
+    "set_allocate_memory_from_process_group_for_comm", "set_custom_all_gather", "set_custom_reduce_scatter",
+    "set_force_sum_reduction_for_comms", "set_gradient_divide_factor", "set_is_last_backward",
+    "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch", "set_post_optim_event",
+    "set_reduce_scatter_divide_factor", "set_reduce_scatter_max_input_buffers", "set_reduce_scatter_unused_params",
+    "set_requires_all_reduce", "set_requires_gradient_sync", "set_reshard_after_backward", "set_reshard_after_forward",
+    "set_separate_reduce_scatter_group", "set_symm_mem_for_comm", "set_unshard_in_backward", "unshard"})
 
 
 #: the environment variables the CUDA caching allocator reads its settings from (the second: newer torch's name)

@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..records import ALLOC_CONF_VARS, SET_RESHARD_AFTER_FORWARD
+from ..records import ALLOC_CONF_VARS, FSDP_MODULE_METHODS, SET_RESHARD_AFTER_FORWARD
 from ..units import fmt_bytes, fmt_mesh, fmt_share, unit_label
 from . import thresholds as T
 
@@ -84,14 +84,6 @@ def root_expr(t: "Tree") -> str:
     return ROOT if root is None or root.name in ROOT_LABELS else unit_expr(root)
 
 
-def _fsdp_methods() -> frozenset:
-    """FSDPModule's own methods (``set_reshard_after_forward``, ``set_requires_gradient_sync``, ``unshard``, ...): what
-    a fix calls on the root unit."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return frozenset(n for n, v in vars(FSDPModule).items() if callable(v) and not n.startswith("__") and n != "_apply")
-
-
 def on_root_unit(rec, root: str) -> None:
     """A fix whose lines call FSDPModule's methods on ``model`` (``model.set_reshard_after_forward(False)``), where the
     watched model is not the root unit but holds it (``root``, ``root_expr``): those calls made on the root unit
@@ -99,7 +91,7 @@ def on_root_unit(rec, root: str) -> None:
     ``model.set_reshard_after_forward(False)``: a LightningModule has no such method, its ``self.model`` has (a
     new-user trial)."""
     if rec.code and root != ROOT:
-        names = "|".join(sorted(map(re.escape, _fsdp_methods())))
+        names = "|".join(sorted(map(re.escape, FSDP_MODULE_METHODS)))
         rec.code = re.sub(rf"(?<![\w.]){ROOT}\.({names})\(", rf"{root}.\1(", rec.code)
 
 

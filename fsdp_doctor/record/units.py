@@ -261,7 +261,7 @@ def fabric_wrapped(module: nn.Module) -> nn.Module | None:
     for name in _FABRIC_WRAPPERS:
         wrapper = getattr(sys.modules.get(name), "_FabricModule", None)
         if wrapper is not None and isinstance(module, wrapper):
-            inner = module._modules.get("_forward_module")
+            inner = dict(module.named_children()).get("_forward_module")
             return inner if isinstance(inner, nn.Module) else None
     return None
 
