@@ -682,14 +682,15 @@ def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo
     """A frozen, sharded teacher beside the watched student (distillation): the header notes that FSDP2 units of
     another model are alive in this process, whose collectives the trace's labels cannot tell from the student's (a
     new-user trial's student report counted the teacher's all-gathers in its units and its verdict). A model of an
-    earlier, destroyed process group that the collector has not freed yet is not one; the student alone has none."""
+    earlier, destroyed process group that the collector has not freed yet is not one; the student alone has none. Units
+    are counted, not modules: a unit of several modules (``fully_shard([a, b])``) is one."""
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_doctor
 
-    def sharded():
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
-        fully_shard(m[0])
+    def sharded(grouped=False):
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+        fully_shard([m[0], m[1]] if grouped else m[0])  # grouped: one unit of two modules
         fully_shard(m)
         return m
 
@@ -713,7 +714,9 @@ def test_another_fsdp_model_in_the_process_is_named_in_the_header(tmp_path, gloo
     from fsdp_doctor.pipeline import build_report
 
     assert not [n for n in notes(None) if "another model" in n]
-    teacher = sharded().requires_grad_(False)
+    # two units, counted as units: the teacher's grouped [0, 1] is one (a trial's TRL reference model, its layers
+    # grouped, read as one unit per module)
+    teacher = sharded(grouped=True).requires_grad_(False)
     (said,) = [n for n in notes(teacher) if "another model" in n]
     assert said.startswith("2 FSDP2 unit(s) of another model are alive in this process (a teacher, "), said
 
@@ -723,9 +726,9 @@ def _teacher_and_student():
     AdamW."""
     from torch.distributed.fsdp import fully_shard
 
-    def sharded():
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
-        fully_shard(m[0])
+    def sharded(grouped=False):
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
+        fully_shard([m[0], m[1]] if grouped else m[0])  # grouped: one unit of two modules
         fully_shard(m)
         return m
 

@@ -243,9 +243,10 @@ def is_fsdp_module(m: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(m, FSDPModule)
 
 
-def other_fsdp_modules(model: nn.Module) -> list[nn.Module] | None:
-    """The FSDP2 modules alive in this process outside ``model`` (a frozen teacher, a GAN's other network), from
-    torch's registry of composable states (``torch.distributed._composable_state._module_state_mapping``, private);
+def other_fsdp_units(model: nn.Module) -> int | None:
+    """How many FSDP2 units are alive in this process outside ``model`` (a frozen teacher, a GAN's other network),
+    from torch's registry of composable states (``torch.distributed._composable_state._module_state_mapping``,
+    private): units, not modules, one state each (``fully_shard([norm, output])`` registers both modules under one);
     None where that registry cannot be read. Where some are found, the cyclic garbage is collected once and they are
     read again: a model of an earlier run in the process, its process group destroyed, lingers in reference cycles
     (FSDP's hooks) until the collector frees it (the caller reads it once, at watch()'s exit, outside every step)."""
@@ -255,18 +256,20 @@ def other_fsdp_modules(model: nn.Module) -> list[nn.Module] | None:
         return None
     mine = {id(m) for m in model.modules()}
 
-    def read() -> list[nn.Module]:
-        return [m for m in list(cs._module_state_mapping.keys()) if is_fsdp_module(m) and id(m) not in mine]
+    def read() -> int:
+        states = set()
+        for m, ref in list(cs._module_state_mapping.items()):
+            if is_fsdp_module(m) and id(m) not in mine:
+                state = ref() if callable(ref) else ref  # (a weak reference to the state; older releases: the state)
+                states.add(id(state) if state is not None else id(m))
+        return len(states)
 
     try:
-        others = read()
-        if others:
+        if read():
             import gc
 
-            del others
             gc.collect()
-            others = read()
-        return others
+        return read()
     except Exception:  # noqa: BLE001
         return None
 

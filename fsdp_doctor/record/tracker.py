@@ -283,7 +283,7 @@ class Doctor:
                     # ... to place them in the same FSDP" read "in the same FSD", a new-user trial)
                     why = "" if exc_type is None else f"{exc_type.__name__}: {exc}".splitlines()[0][:1000].rstrip(": ")
                     try:  # (read at the exit, not in a step: a run's lingering garbage is collected to tell)
-                        others = len(F2.other_fsdp_modules(self.model) or [])
+                        others = F2.other_fsdp_units(self.model) or 0
                     except Exception:  # noqa: BLE001
                         others = 0
                     hint = ""
