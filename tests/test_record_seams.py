@@ -726,9 +726,9 @@ def _teacher_and_student():
     AdamW."""
     from torch.distributed.fsdp import fully_shard
 
-    def sharded(grouped=False):
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 16))
-        fully_shard([m[0], m[1]] if grouped else m[0])  # grouped: one unit of two modules
+    def sharded():
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+        fully_shard(m[0])
         fully_shard(m)
         return m
 
