@@ -260,6 +260,10 @@ TRAINER_DRIVER = "transformers.Trainer"
 # RunConfig.driver of a run torchtitan's own Trainer drove (python -m fsdp_doctor.titan): its loop is torchtitan's,
 # so a fix goes on its command line (or a Trainer subclass of the user's), never into a loop the user does not write
 TITAN_DRIVER = "torchtitan.Trainer"
+# RunConfig.driver of a run PyTorch Lightning's Trainer drove (the watched model a LightningModule attached to one):
+# a loop fix goes into its training_step, the last micro-batch said from the Trainer's accumulate_grad_batches
+# (diagnose/snippets.for_lightning)
+LIGHTNING_DRIVER = "lightning.Trainer"
 # RunConfig.sharded_by of a model accelerate's prepare() sharded (its FSDP2 plugin; the Trainer's runs too)
 ACCELERATE_SHARDER = "accelerate"
 # RunConfig.sharded_by of a model Hugging Face transformers sharded itself (from_pretrained(...,
@@ -381,8 +385,12 @@ class RunConfig(Record, tag="config"):
     # a Hugging Face model's _no_split_modules: the class names of its blocks (LlamaDecoderLayer), which
     # accelerate's transformer-based wrap policy shards one by one (what a plugin wrap fix names); None: none
     no_split_modules: list[str] | None = None
-    # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback)
+    # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback),
+    # TITAN_DRIVER, LIGHTNING_DRIVER
     driver: str | None = None
+    # Lightning's Trainer's accumulate_grad_batches where it drove the run (LIGHTNING_DRIVER): it steps the optimizer
+    # on every such batch and on the epoch's last; None: not such a run, or a run recorded before this field
+    lightning_accumulate: int | None = None
     # what sharded the model when not the user's own fully_shard calls: ACCELERATE_SHARDER (accelerator.prepare,
     # whose FSDP2 plugin holds the settings a fix changes: checkpointing, the mixed-precision policy),
     # TORCHTITAN_SHARDER (a torchtitan model: its job config holds them)

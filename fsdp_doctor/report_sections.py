@@ -678,6 +678,8 @@ FIX_PLACES = {
                       "it replaces",
     "evaluation": "around your evaluation (where the model runs without a backward after it)",
     "trainer": "with your Trainer built, before trainer.train()",
+    # a loop fix where PyTorch Lightning's Trainer runs the loop (snippets.for_lightning)
+    "training_step": "in your LightningModule's training_step(self, batch, batch_idx), before it returns the loss",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
     "torchtitan": "torchtitan's job config",
     "titan_registry": "in your torchtitan config_registry function, on the Trainer.Config it returns",

@@ -58,16 +58,22 @@ _SCRIPT = TINY_LM + textwrap.dedent(
 )
 
 
-def _fabric_run(tmp_path, name: str, fix: str = ""):
+def _run(tmp_path, source: str, name: str, fix: str = ""):
+    """(the report of the run ``source`` wrote to ``tmp_path / name``, its standard output): the script run as its
+    users run it, Lightning launching its second rank by running it again."""
     import fsdp_doctor
 
-    script = tmp_path / "fabric_case.py"
-    script.write_text(_SCRIPT)
+    script = tmp_path / "case.py"
+    script.write_text(source)
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, str(script), str(tmp_path / name), *([fix] if fix else [])], env=env,
                        timeout=300, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    return fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / name))
+    return fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / name)), r.stdout
+
+
+def _fabric_run(tmp_path, name: str, fix: str = ""):
+    return _run(tmp_path, _SCRIPT, name, fix)[0]
 
 
 @pytest.mark.long
@@ -83,3 +89,87 @@ def test_fabric_units_named_as_the_users_model_and_the_plan_pasted_in_paralleliz
     after = _fabric_run(tmp_path, "fixed", str(fix))  # (AttributeError '_forward_module' on both ranks before)
     assert {"emb", "head", "blocks.0"} <= {u.name for u in after.units}
     assert not {"wrap.params_in_root", "wrap.root_not_sharded"} & {g.code for g in after.findings}
+
+
+_TRAINER = TINY_LM + textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    import fsdp_doctor
+
+    out, fix = sys.argv[1], open(sys.argv[2]).read() if len(sys.argv) > 2 else ""
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = Net()
+            self.losses = []
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for b in self.model.blocks:
+                fully_shard(b, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            if fix:  # pasted at the top of training_step, as printed
+                exec(fix, {"self": self, "batch_idx": batch_idx})
+            x = batch[0]
+            loss = nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Doctor(L.Callback):  # the README's
+        def on_train_start(self, trainer, pl_module):
+            self.doctor = fsdp_doctor.watch(pl_module, trainer.optimizers[0], out_dir=out).__enter__()
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.doctor.step()
+        def on_train_end(self, trainer, pl_module):
+            self.doctor.__exit__(None, None, None)
+
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    lm = LM()
+    data = torch.utils.data.TensorDataset(torch.randint(0, V, (4 * 2 * 19, 17), generator=torch.Generator().manual_seed(1)))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(2, 1), max_epochs=1,
+                        accumulate_grad_batches=2, callbacks=[Doctor()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(lm, torch.utils.data.DataLoader(data, batch_size=4))
+    if trainer.global_rank == 0:
+        print("LOSSES " + json.dumps(lm.losses))
+    """
+)
+
+
+def _trainer_run(tmp_path, name: str, fix: str = ""):
+    report, out = _run(tmp_path, _TRAINER, name, fix)
+    return report, json.loads(next(ln for ln in out.splitlines() if ln.startswith("LOSSES "))[len("LOSSES "):])
+
+
+@pytest.mark.long
+def test_trainer_accumulation_fix_said_in_training_step_and_pasted_there(tmp_path):
+    """Lightning's Trainer with accumulate_grad_batches=2 under ModelParallelStrategy reduce-scatters every
+    micro-batch (its block_backward_sync is DDP's). accum.sync_every_micro_batch's fix read
+    ``model.model.set_requires_gradient_sync(is_last_micro_batch)`` for a loop the Trainer owns; it is said in
+    training_step, its last micro-batch as the Trainer decides it (19 batches: the epoch's last steps alone), and
+    pasted there the units reduce-scatter once per optimizer step, the losses unchanged."""
+    before, losses = _trainer_run(tmp_path, "trainer")
+    (f,) = [f for f in before.findings if f.code == "accum.sync_every_micro_batch"]
+    rec = f.recommendation
+    assert rec.where == "training_step" and set(rec.inputs) == {"batch_idx"}, (rec.where, rec.inputs)
+    assert "self.model.set_requires_gradient_sync(is_last_micro_batch)" in rec.code, rec.code
+    assert "self.trainer.accumulate_grad_batches" in rec.code and "model.model" not in rec.code, rec.code
+
+    fix = tmp_path / "fix.py"
+    fix.write_text(rec.code)
+    after, fixed_losses = _trainer_run(tmp_path, "fixed", str(fix))
+    s = next(s for s in after.rules if s.code == "accum.sync_every_micro_batch")
+    assert s.status == "quiet" and s.reason.startswith("1 reduce-scatter per unit per step"), (s.status, s.reason)
+    assert len(losses) == len(fixed_losses) == 19
+    assert fixed_losses == pytest.approx(losses, rel=1e-5), (losses, fixed_losses)

@@ -65,6 +65,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
     if E.trainer_driven(ctx):  # its fixes where a Trainer's user can put them
         for f in out:
             S.for_trainer(f.recommendation, f.code, E.on_gpu(ctx))
+    if (accumulate := E.lightning_accumulate(ctx)) is not None:  # ... and into a LightningModule's training_step
+        for f in out:
+            S.for_lightning(f.recommendation, accumulate)
     if E.titan_trainer_driven(ctx):  # ... and where a user of torchtitan's own Trainer can
         for f in out:
             S.for_titan_trainer(f.recommendation, f.code, E.torchtitan_version(ctx) or "")

@@ -19,7 +19,7 @@ import msgspec
 from ..analyze.memory import recompute_held
 from ..analyze.steps import (STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
                              read_on_straggler as read_on_late, unit_modules, unit_passes)
-from ..records import (TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
+from ..records import (LIGHTNING_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
                        UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
@@ -170,6 +170,13 @@ def trainer_driven(ctx: Context) -> bool:
     """A Hugging Face Trainer drove the run (fsdp_doctor.DoctorCallback): its fixes go where a Trainer's user can
     put them (snippets.for_trainer)."""
     return getattr(ctx.config, "driver", None) == TRAINER_DRIVER
+
+
+def lightning_accumulate(ctx: Context) -> int | None:
+    """PyTorch Lightning's Trainer drove the run: its accumulate_grad_batches (a loop fix goes into the
+    LightningModule's training_step: snippets.for_lightning); None: not such a run."""
+    cfg = ctx.config
+    return getattr(cfg, "lightning_accumulate", None) if getattr(cfg, "driver", None) == LIGHTNING_DRIVER else None
 
 
 def titan_trainer_driven(ctx: Context) -> bool:

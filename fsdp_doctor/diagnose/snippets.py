@@ -1809,6 +1809,36 @@ def for_trainer(rec, finding: str = "", gpu: bool = True) -> None:
     rec.inputs = {**rec.inputs, **TRAINER_INPUTS}
 
 
+#: the name a loop fix keyed to the last micro-batch reads from the user's loop (Recommendation.inputs)
+LAST_MICRO_BATCH = "is_last_micro_batch"
+
+
+def for_lightning(rec, accumulate: int) -> None:
+    """A loop fix keyed to the last micro-batch (its input ``is_last_micro_batch``) of a run PyTorch Lightning's
+    Trainer drove (``Recommendation``, changed in place): the Trainer runs the loop, so the fix goes into the
+    LightningModule's training_step, which runs before each micro-batch's backward, its last micro-batch said as the
+    Trainer decides it (its training epoch loop: the batch whose count in the epoch is a multiple of
+    accumulate_grad_batches, or the epoch's last), and ``model`` there is ``self``. A new-user trial's Trainer with
+    accumulate_grad_batches=2 under ModelParallelStrategy read "model.model.set_requires_gradient_sync(
+    is_last_micro_batch)" for the user's loop, which the Trainer owns."""
+    if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
+        return
+    lines = [re.sub(rf"(?<![\w.]){ROOT}\.", "self.", ln) if not ln.lstrip().startswith("#") else ln
+             for ln in rec.code.splitlines()]
+    rec.code = "\n".join([
+        *comment(f"Lightning's Trainer steps the optimizer after every {accumulate} batches "
+                 "(accumulate_grad_batches) and after the epoch's last"),
+        f"{LAST_MICRO_BATCH} = (",
+        "    (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0",
+        "    or batch_idx + 1 == self.trainer.num_training_batches",
+        "    or self.trainer.is_last_batch)",
+        *lines])
+    rec.where = "training_step"
+    rec.inputs = {"batch_idx": "training_step's argument: the batch's index in the epoch"}
+    rec.text += (" Lightning's Trainer runs the loop: the lines go into your LightningModule's training_step, which "
+                 "runs before each micro-batch's backward.")
+
+
 def _imports_apart(code: str) -> tuple[list[str], str]:
     """(a completed snippet's imports under IMPORTS_NOTE, the rest): a fix that goes into a function (a Trainer
     callback's, torchtitan's hook) keeps its imports at the top of the file (inside the function, the note above

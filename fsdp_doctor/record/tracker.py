@@ -39,6 +39,7 @@ from ..records import (
     AccelerateAccumulation,
     FORMAT_NAME,
     FORMAT_VERSION,
+    LIGHTNING_DRIVER,
     TORCHTITAN_SHARDER,
     TRANSFORMERS_SHARDER,
     End,
@@ -783,6 +784,8 @@ class Doctor:
             selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
             unseen_from=self._unseen_from)
         cfg.driver = self.driver
+        if cfg.driver is None and (acc := _lightning_accumulate(self.model)) is not None:
+            cfg.driver, cfg.lightning_accumulate = LIGHTNING_DRIVER, acc
         if self._world_ranks is not None:
             cfg.world_ranks = list(self._world_ranks)
             cfg.measured_notes.append(subset_note(self._world_ranks, dist.get_world_size()))
@@ -860,6 +863,22 @@ def unwrap_optimizer(optimizer):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
                          "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")
     return opt
+
+
+#: where PyTorch Lightning defines LightningModule (the ``lightning`` package, and ``pytorch_lightning`` on its own)
+_LIGHTNING_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
+
+
+def _lightning_accumulate(model) -> int | None:
+    """The accumulate_grad_batches of the Lightning Trainer the watched model is attached to, where it is a
+    LightningModule (its class, read without importing Lightning); None: not one, or no Trainer attached (Fabric's
+    loop is the user's own). The Trainer steps the optimizer on every such batch and on the epoch's last: a loop fix
+    keyed to the last micro-batch says it so in training_step (snippets.for_lightning)."""
+    if not any(c.__module__.startswith(_LIGHTNING_MODULES) for c in type(model).__mro__):
+        return None
+    trainer = getattr(model, "_trainer", None)  # (its .trainer property raises where none is attached)
+    n = getattr(trainer, "accumulate_grad_batches", None) if trainer is not None else None
+    return int(n) if isinstance(n, int) and n >= 1 else None
 
 
 def _accelerate_fsdp() -> bool:

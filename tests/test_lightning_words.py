@@ -1,0 +1,71 @@
+"""A loop fix of a run PyTorch Lightning's Trainer drove is said in its LightningModule's training_step (without
+Lightning installed: tests/test_lightning.py pastes it into a real Trainer where it is).
+
+traces/cpu/lightning_trainer_accumulate: a LightningModule (a tiny LM as ``self.model``, its blocks and itself sharded
+in configure_model) trained by Lightning's Trainer under ModelParallelStrategy on 2 gloo ranks, accumulate_grad_batches=2,
+20 batches, watched by the README's four-line callback (a profiler window at steps 6-7). Each unit reduce-scatters
+every micro-batch (Lightning's block_backward_sync is DDP's), and both accumulation fixes read
+``model.model.set_...(is_last_micro_batch)`` for the user's loop, which the Trainer owns."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch.nn as nn
+
+import fsdp_doctor
+from fsdp_doctor.diagnose import snippets as S
+from fsdp_doctor.record.tracker import _lightning_accumulate
+from fsdp_doctor.records import LIGHTNING_DRIVER
+from fsdp_doctor.report_sections import FIX_PLACES, Recommendation
+
+RUN = Path(__file__).resolve().parents[1] / "traces" / "cpu" / "lightning_trainer_accumulate"
+
+
+def test_the_trainer_is_read_from_the_watched_lightning_module():
+    lm_cls = type("LightningModule", (nn.Module,), {"__module__": "lightning.pytorch.core.module"})
+    user_cls = type("MyModule", (lm_cls,), {"__module__": "__main__"})
+    m = user_cls()
+    assert _lightning_accumulate(m) is None  # no Trainer attached (its .trainer property would raise)
+    m._trainer = types.SimpleNamespace(accumulate_grad_batches=4)
+    assert _lightning_accumulate(m) == 4
+    plain = nn.Linear(2, 2)
+    plain._trainer = types.SimpleNamespace(accumulate_grad_batches=4)
+    assert _lightning_accumulate(plain) is None  # not a LightningModule: the user's own loop
+
+
+def test_recorded_trainer_run_says_its_accumulation_fixes_in_training_step():
+    run = fsdp_doctor.load_run(RUN)
+    assert (run.config.driver, run.config.lightning_accumulate) == (LIGHTNING_DRIVER, 2)
+    report = fsdp_doctor.build_report(run)
+    got = {f.code: f.recommendation for f in report.findings if f.code.startswith("accum.")}
+    assert set(got) == {"accum.sync_every_micro_batch", "accum.regather"}, set(got)
+    for code, call in (("accum.sync_every_micro_batch", "self.model.set_requires_gradient_sync(is_last_micro_batch)"),
+                       ("accum.regather", "self.model.set_reshard_after_backward(is_last_micro_batch)")):
+        rec = got[code]
+        assert rec.where == "training_step" and set(rec.inputs) == {"batch_idx"}, (code, rec.where, rec.inputs)
+        assert call in rec.code and "model.model" not in rec.code, rec.code
+        assert "every 2 batches" in rec.code and "training_step" in rec.text, rec
+        assert max(map(len, rec.code.splitlines())) <= 80, rec.code
+    assert "training_step(self, batch, batch_idx)" in FIX_PLACES["training_step"]
+
+
+def test_pasted_fix_syncs_where_the_trainer_steps_the_optimizer():
+    """The printed lines run in training_step: gradient sync on for the batches after which Lightning's training
+    epoch loop steps the optimizer (its _should_accumulate: the batch count in the epoch a multiple of
+    accumulate_grad_batches, or the epoch's last batch), off for the others. 7 batches, accumulate_grad_batches=3."""
+    rec = Recommendation(text="t", code="# before each micro-batch's backward:\n"
+                                        "model.model.set_requires_gradient_sync(is_last_micro_batch)",
+                         where="loop", inputs={"is_last_micro_batch": "..."})
+    S.for_lightning(rec, 3)
+    calls = []
+    for batch_idx in range(7):
+        trainer = types.SimpleNamespace(accumulate_grad_batches=3, num_training_batches=7, is_last_batch=batch_idx == 6)
+        me = types.SimpleNamespace(trainer=trainer, model=types.SimpleNamespace(set_requires_gradient_sync=calls.append))
+        exec(rec.code, {"self": me, "batch_idx": batch_idx})
+    assert calls == [False, False, True, False, False, True, True], calls
+    # a fix not keyed to the last micro-batch, or not in the loop, is left as it was
+    other = Recommendation(text="t", code="model.set_reshard_after_forward(False)", where="sharded")
+    S.for_lightning(other, 3)
+    assert (other.code, other.where) == ("model.set_reshard_after_forward(False)", "sharded")
