@@ -14,6 +14,19 @@ MISSING = "—"
 ROOT_LABEL = "(root)"  # the root FSDP unit's display name (its module path is "")
 
 
+def fsdp_label(name: str, roots=()) -> str:
+    """The label FSDP2's profiler ranges give a unit ("FSDP::pre_forward (blocks.0)", a trace row's unit): its path
+    relative to its FSDP root module, the root ROOT_LABEL. The records name units from the watched model, which may
+    hold the root (a LightningModule's ``self.model``: the records' "model.blocks.0" is the trace's "blocks.0", their
+    root "model" the trace's "(root)"); ``roots``: the root units' names in the records."""
+    if name == "" or name in roots:
+        return ROOT_LABEL
+    for r in sorted((r for r in roots if r), key=len, reverse=True):
+        if name.startswith(r + "."):
+            return name[len(r) + 1:]
+    return name
+
+
 def unit_label(name) -> str:
     """Display name of an FSDP unit: "" is the root; None (outside every unit) is "—"."""
     if name is None:

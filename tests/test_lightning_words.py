@@ -69,3 +69,19 @@ def test_pasted_fix_syncs_where_the_trainer_steps_the_optimizer():
     other = Recommendation(text="t", code="model.set_reshard_after_forward(False)", where="sharded")
     S.for_lightning(other, 3)
     assert (other.code, other.where) == ("model.set_reshard_after_forward(False)", "sharded")
+
+
+def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root():
+    """The trace names units from the FSDP root ("blocks.0", "(root)"), the records from the watched LightningModule
+    ("model.blocks.0", "model"): accum.sync_every_micro_batch read no unit's gradients and predicted its fix's peak
+    unchanged, 716,880 B, where the fix pasted into this run's training_step measured 763,664 B (the unsharded
+    gradients held between micro-batches in place of their shards). It now counts them: 784,784 B."""
+    from fsdp_doctor.units import ROOT_LABEL, fsdp_label
+
+    assert [fsdp_label(n, ["model"]) for n in ("model", "model.blocks.0", "other.x")] == [ROOT_LABEL, "blocks.0", "other.x"]
+    assert [fsdp_label(n) for n in ("", "blocks.0")] == [ROOT_LABEL, "blocks.0"]
+    report = fsdp_doctor.build_report(fsdp_doctor.load_run(RUN))
+    (f,) = [f for f in report.findings if f.code == "accum.sync_every_micro_batch"]
+    assert (f.evidence["unsharded_grads_bytes"], f.evidence["sharded_grads_freed_bytes"]) == (135_808, 67_904)
+    assert f.predicted.peak_bytes_before == 716_880 and f.predicted.peak_bytes_after == 784_784, f.predicted
+    assert abs(f.predicted.peak_bytes_after - 763_664) <= 0.1 * 763_664

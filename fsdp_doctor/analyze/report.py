@@ -12,7 +12,7 @@ import msgspec
 from ..records import config_notes, optimizer_of_another_model
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
-from ..units import ROOT_LABEL
+from ..units import fsdp_label
 from .steps import usable_steps
 
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
@@ -236,7 +236,8 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     cfg = run.config
     if cfg is None:
         return
-    units = {u.name or ROOT_LABEL: u for u in cfg.units}  # (the trace names the root "(root)")
+    roots = [u.name for u in cfg.units if u.is_root]
+    units = {fsdp_label(u.name, roots): u for u in cfg.units}  # (as the trace names them: the root "(root)")
     for row in overlap.per_unit:
         u = units.get(row.unit)
         if u is None or (row.bytes_per_call is not None and row.busbw_gbps is not None) or not u.param_count \

@@ -142,7 +142,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         step = E.step_ms(ctx) or window
         gain = share * step if share is not None and step else saved
         # (by the trace's labels: the root's "(root)"; its gradients were left out of the figures: a new-user trial)
-        by_name = {unit_label(u.name): u for u in E.param_units(ctx)}
+        by_name = {E.trace_label(ctx, u.name): u for u in E.param_units(ctx)}
         # FSDP2 then accumulates the unsharded gradients between micro-batches (in the reduce dtype), and holds no
         # sharded ones until the last micro-batch reduce-scatters them: those the peak held go (a new-user trial:
         # +7.8% over the measured peak without them, exact with them; the matrix's GPT row +9.8%, now +0.6%)
