@@ -680,6 +680,7 @@ FIX_PLACES = {
     "trainer": "with your Trainer built, before trainer.train()",
     # a loop fix where PyTorch Lightning's Trainer runs the loop (snippets.for_lightning)
     "training_step": "in your LightningModule's training_step(self, batch, batch_idx), before it returns the loss",
+    "lightning_module": "in your LightningModule's class body",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
     "torchtitan": "torchtitan's job config",
     "titan_registry": "in your torchtitan config_registry function, on the Trainer.Config it returns",

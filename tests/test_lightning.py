@@ -58,7 +58,7 @@ _SCRIPT = TINY_LM + textwrap.dedent(
 )
 
 
-def _run(tmp_path, source: str, name: str, fix: str = ""):
+def _run(tmp_path, source: str, name: str, *args: str):
     """(the report of the run ``source`` wrote to ``tmp_path / name``, its standard output): the script run as its
     users run it, Lightning launching its second rank by running it again."""
     import fsdp_doctor
@@ -66,7 +66,7 @@ def _run(tmp_path, source: str, name: str, fix: str = ""):
     script = tmp_path / "case.py"
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / name), *([fix] if fix else [])], env=env,
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / name), *filter(None, args)], env=env,
                        timeout=300, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     return fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / name)), r.stdout
@@ -100,7 +100,11 @@ _TRAINER = TINY_LM + textwrap.dedent(
     from lightning.pytorch.strategies import ModelParallelStrategy
     import fsdp_doctor
 
-    out, fix = sys.argv[1], open(sys.argv[2]).read() if len(sys.argv) > 2 else ""
+    out, mode = sys.argv[1], sys.argv[2]  # mode: "accumulate" (2 micro-batches a step) or "validate"
+    fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
+    hooks = {}  # a fix of LightningModule hooks, as printed
+    if fix and mode == "validate":
+        exec(fix, hooks)
 
     class LM(L.LightningModule):
         def __init__(self):
@@ -115,19 +119,32 @@ _TRAINER = TINY_LM + textwrap.dedent(
             fully_shard(self.model, mesh=mesh)
 
         def training_step(self, batch, batch_idx):
-            if fix:  # pasted at the top of training_step, as printed
+            if fix and mode == "accumulate":  # pasted at the top of training_step, as printed
                 exec(fix, {"self": self, "batch_idx": batch_idx})
             x = batch[0]
             loss = nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
             self.losses.append(loss.item())
             return loss
 
+        def validation_step(self, batch, batch_idx):
+            x = batch[0]
+            return nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+
+        def on_validation_start(self):
+            if "on_validation_start" in hooks:
+                hooks["on_validation_start"](self)
+
+        def on_validation_end(self):
+            if "on_validation_end" in hooks:
+                hooks["on_validation_end"](self)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    class Doctor(L.Callback):  # the README's
+    class Doctor(L.Callback):  # the README's, with a capacity
         def on_train_start(self, trainer, pl_module):
-            self.doctor = fsdp_doctor.watch(pl_module, trainer.optimizers[0], out_dir=out).__enter__()
+            self.doctor = fsdp_doctor.watch(pl_module, trainer.optimizers[0], out_dir=out,
+                                            capacity_bytes=64 << 20).__enter__()  # (no capacity to read on a CPU)
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.doctor.step()
         def on_train_end(self, trainer, pl_module):
@@ -137,18 +154,21 @@ _TRAINER = TINY_LM + textwrap.dedent(
     L.seed_everything(0)
     lm = LM()
     data = torch.utils.data.TensorDataset(torch.randint(0, V, (4 * 2 * 19, 17), generator=torch.Generator().manual_seed(1)))
+    how = (dict(accumulate_grad_batches=2, limit_val_batches=0) if mode == "accumulate" else
+           dict(val_check_interval=5, num_sanity_val_steps=0))  # validate: 8 batches after every 5 steps
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(2, 1), max_epochs=1,
-                        accumulate_grad_batches=2, callbacks=[Doctor()], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(lm, torch.utils.data.DataLoader(data, batch_size=4))
+                        callbacks=[Doctor()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, **how)
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer.fit(lm, loader, torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(64)), batch_size=4))
     if trainer.global_rank == 0:
         print("LOSSES " + json.dumps(lm.losses))
     """
 )
 
 
-def _trainer_run(tmp_path, name: str, fix: str = ""):
-    report, out = _run(tmp_path, _TRAINER, name, fix)
+def _trainer_run(tmp_path, name: str, mode: str, fix: str = ""):
+    report, out = _run(tmp_path, _TRAINER, name, mode, fix)
     return report, json.loads(next(ln for ln in out.splitlines() if ln.startswith("LOSSES "))[len("LOSSES "):])
 
 
@@ -159,7 +179,7 @@ def test_trainer_accumulation_fix_said_in_training_step_and_pasted_there(tmp_pat
     ``model.model.set_requires_gradient_sync(is_last_micro_batch)`` for a loop the Trainer owns; it is said in
     training_step, its last micro-batch as the Trainer decides it (19 batches: the epoch's last steps alone), and
     pasted there the units reduce-scatter once per optimizer step, the losses unchanged."""
-    before, losses = _trainer_run(tmp_path, "trainer")
+    before, losses = _trainer_run(tmp_path, "trainer", "accumulate")
     (f,) = [f for f in before.findings if f.code == "accum.sync_every_micro_batch"]
     rec = f.recommendation
     assert rec.where == "training_step" and set(rec.inputs) == {"batch_idx"}, (rec.where, rec.inputs)
@@ -168,8 +188,29 @@ def test_trainer_accumulation_fix_said_in_training_step_and_pasted_there(tmp_pat
 
     fix = tmp_path / "fix.py"
     fix.write_text(rec.code)
-    after, fixed_losses = _trainer_run(tmp_path, "fixed", str(fix))
+    after, fixed_losses = _trainer_run(tmp_path, "fixed", "accumulate", str(fix))
     s = next(s for s in after.rules if s.code == "accum.sync_every_micro_batch")
     assert s.status == "quiet" and s.reason.startswith("1 reduce-scatter per unit per step"), (s.status, s.reason)
     assert len(losses) == len(fixed_losses) == 19
     assert fixed_losses == pytest.approx(losses, rel=1e-5), (losses, fixed_losses)
+
+
+@pytest.mark.long
+def test_trainer_validation_kept_gathered_by_the_hooks_printed(tmp_path):
+    """Validation through ``self.model`` every 5 steps (8 batches): each forward gathered every unit again.
+    eval.regather's fix around the user's evaluation is said as the LightningModule's on_validation_start and
+    on_validation_end; pasted as printed (the hooks defined from the printed code), the units stay gathered across
+    the validation's forwards, the rule is quiet and the training losses are those of the run without it."""
+    before, losses = _trainer_run(tmp_path, "validate", "validate")
+    (f,) = [f for f in before.findings if f.code == "eval.regather"]
+    rec = f.recommendation
+    assert rec.where == "lightning_module" and rec.inputs == {}, (rec.where, rec.inputs)
+    assert "def on_validation_start(self):\n" in rec.code and "def on_validation_end(self):\n" in rec.code, rec.code
+    assert "    self.model.set_reshard_after_forward(False)" in rec.code and "evaluate()" not in rec.code, rec.code
+
+    fix = tmp_path / "fix.py"
+    fix.write_text(rec.code)
+    after, fixed_losses = _trainer_run(tmp_path, "validate_fixed", "validate", str(fix))
+    s = next(s for s in after.rules if s.code == "eval.regather")
+    assert s.status == "quiet" and "stay gathered" in s.reason, (s.status, s.reason)
+    assert fixed_losses == losses

@@ -85,3 +85,57 @@ def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root()
     assert (f.evidence["unsharded_grads_bytes"], f.evidence["sharded_grads_freed_bytes"]) == (135_808, 67_904)
     assert f.predicted.peak_bytes_before == 716_880 and f.predicted.peak_bytes_after == 784_784, f.predicted
     assert abs(f.predicted.peak_bytes_after - 763_664) <= 0.1 * 763_664
+
+
+#: eval.regather's fix as printed for a Lightning Trainer's run before it was said in hooks (a trial's: validation
+#: through self.model every 5 steps, the LightningModule holding the root as ``model``)
+_EVAL_FIX = """# imports: at the top of your file, not in a function using these names
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+# every unit gathered once for the whole evaluation, not once per forward pass
+model.model.set_reshard_after_forward(False)
+with torch.no_grad():
+    evaluate()
+# the training steps' setting back, and the gathered parameters released
+names = ['model.blocks.0', 'model.blocks.1', 'model.blocks.2']
+for name in names:
+    unit = model.get_submodule(name)
+    unit.set_reshard_after_forward(True, recurse=False)
+for module in model.modules():
+    if isinstance(module, FSDPModule):
+        module.reshard()"""
+
+
+def test_evaluation_fix_said_as_validation_hooks():
+    """The lines before the user's evaluation go into on_validation_start, those after it into on_validation_end, on
+    ``self``; the unit names in the list stay the LightningModule's paths, and torch, no longer used, is not imported.
+    tests/test_lightning.py pastes them into a real Trainer where Lightning is installed."""
+    rec = Recommendation(text="t", code=_EVAL_FIX, where="evaluation", inputs={"evaluate": "..."})
+    S.for_lightning(rec, 1)
+    assert (rec.where, rec.inputs) == ("lightning_module", {}) and rec.where in FIX_PLACES
+    assert "import torch\n" not in rec.code and "from torch.distributed.fsdp import FSDPModule" in rec.code
+    hooks: dict = {}
+    exec(rec.code, hooks)
+    calls = []
+
+    class Unit:
+        def __init__(self, name):
+            self.name = name
+
+        def set_reshard_after_forward(self, on, recurse=True):
+            calls.append((self.name, on, recurse))
+
+    class Stand:
+        model = Unit("model")
+
+        def get_submodule(self, name):
+            return Unit(name)
+
+        def modules(self):
+            return []
+
+    hooks["on_validation_start"](Stand())
+    assert calls == [("model", False, True)]
+    hooks["on_validation_end"](Stand())
+    assert calls[1:] == [(f"model.blocks.{i}", True, False) for i in range(3)], calls

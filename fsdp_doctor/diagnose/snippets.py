@@ -1702,14 +1702,17 @@ RESHARD_EVERY_UNIT = ("for module in model.modules():\n"
                       "        module.reshard()")
 
 
+#: the user's evaluation in gathered_around_evaluation's code: the lines before it go before, those after it after
+EVALUATE_CALL = "with torch.no_grad():\n    evaluate()\n"
+
+
 def gathered_around_evaluation(restore: list[str]) -> str:
     """Every unit kept gathered around the user's evaluation (``evaluate()``): gathered once for all its forward
     passes, then each unit in ``restore`` (those resharded after forward in training) set back, and every unit
     resharded before training resumes."""
     return ("# every unit gathered once for the whole evaluation, not once per forward pass\n"
             "model.set_reshard_after_forward(False)\n"
-            "with torch.no_grad():\n"
-            "    evaluate()\n"
+            + EVALUATE_CALL +
             "# the training steps' setting back, and the gathered parameters released\n"
             + (set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n" if restore else "")
             + RESHARD_EVERY_UNIT)
@@ -1821,10 +1824,11 @@ def for_lightning(rec, accumulate: int) -> None:
     accumulate_grad_batches, or the epoch's last), and ``model`` there is ``self``. A new-user trial's Trainer with
     accumulate_grad_batches=2 under ModelParallelStrategy read "model.model.set_requires_gradient_sync(
     is_last_micro_batch)" for the user's loop, which the Trainer owns."""
+    if rec.code and rec.where == "evaluation" and EVALUATE_CALL in rec.code:
+        _lightning_validation(rec)
     if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
         return
-    lines = [re.sub(rf"(?<![\w.]){ROOT}\.", "self.", ln) if not ln.lstrip().startswith("#") else ln
-             for ln in rec.code.splitlines()]
+    lines = _on_self(rec.code)
     rec.code = "\n".join([
         *comment(f"Lightning's Trainer steps the optimizer after every {accumulate} batches "
                  "(accumulate_grad_batches) and after the epoch's last"),
@@ -1837,6 +1841,37 @@ def for_lightning(rec, accumulate: int) -> None:
     rec.inputs = {"batch_idx": "training_step's argument: the batch's index in the epoch"}
     rec.text += (" Lightning's Trainer runs the loop: the lines go into your LightningModule's training_step, which "
                  "runs before each micro-batch's backward.")
+
+
+def _on_self(code: str) -> list[str]:
+    """``code``'s lines with the watched model, ``model``, as ``self`` (inside a LightningModule's method); comment
+    lines as they were."""
+    return [ln if ln.lstrip().startswith("#") else re.sub(rf"(?<![\w.'\"]){ROOT}\b", "self", ln)
+            for ln in code.splitlines()]
+
+
+def _lightning_validation(rec) -> None:
+    """eval.regather's fix around the user's evaluation (gathered_around_evaluation), where Lightning's Trainer runs
+    the validation: the lines before it in the LightningModule's on_validation_start, those after it in its
+    on_validation_end (a trial's Trainer pasted so: the finding went, the losses equal to the bit)."""
+    imports, code = _imports_apart(rec.code)
+    before, after = code.split(EVALUATE_CALL, 1)
+    body = "\n".join(_on_self(before.strip("\n")) + ["", ""] + _on_self(after.strip("\n")))
+    used = [ln for ln in imports[1:] if any(re.search(rf"\b{re.escape(n)}\b", body) for n in _imported_names(ln))]
+    start, end = (textwrap.indent("\n".join(_on_self(part.strip("\n"))), " " * 4) for part in (before, after))
+    rec.code = "\n".join([*([imports[0], *used, ""] if used else []),
+                          "# in your LightningModule (its Trainer calls these around each validation)",
+                          "def on_validation_start(self):", start, "", "", "def on_validation_end(self):", end])
+    rec.where, rec.inputs = "lightning_module", {}
+    rec.text += (" Lightning's Trainer runs the validation: the lines go into your LightningModule's "
+                 "on_validation_start and on_validation_end hooks (merged into yours where you have them).")
+
+
+def _imported_names(line: str) -> list[str]:
+    """The names an import line binds ("import torch": torch; "from a import B, C": B, C)."""
+    if line.startswith("from "):
+        return [n.split(" as ")[-1].strip() for n in line.split(" import ", 1)[1].split(",")]
+    return [n.split(" as ")[-1].strip().split(".")[0] for n in line[len("import "):].split(",")]
 
 
 def _imports_apart(code: str) -> tuple[list[str], str]:
