@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from conftest import TINY_LM, gloo_worker, record_two_ranks
+from fsdp_doctor import load_run
 
 _SCRIPT = TINY_LM + textwrap.dedent(
     """
@@ -130,11 +131,17 @@ def test_evaluation_through_the_held_root_is_counted_apart_and_its_fix_runs_on_t
     (f,) = [f for f in before.findings if f.code == "eval.regather"]
     code = f.recommendation.code
     assert "\nmodel.model.set_reshard_after_forward(False)\n" in code, code
-    assert "jitter.data_wait" not in {g.code for g in before.findings}
+    # the evaluations' time is theirs, not time outside the model (which read 41.8 ms at the trial's steps after each
+    # validation); jitter.data_wait itself is not asserted on: this 30 ms step's own loop (the loss, the batch's
+    # slicing) sits at 13-17% outside the model from run to run, either side of the 15% it fires from
+    for rank, rd in load_run(tmp_path / "eval").ranks.items():
+        for s in rd.steps:
+            if s.step in (3, 6):
+                assert s.outside_ms < s.no_grad_ms / 4, (rank, s.step, s.outside_ms, s.no_grad_ms)
 
     fix = tmp_path / "fix.py"
     fix.write_text(code)
     after = record_two_ranks(tmp_path, _EVAL_SCRIPT, "fixed", str(fix))
     assert "eval.regather" not in {g.code for g in after.findings}
     new = {g.code for g in after.findings if g.severity != "info"} - {g.code for g in before.findings}
-    assert not new - {"jitter.gc", "straggler.rank", "straggler.intermittent"}, new
+    assert not new - {"jitter.gc", "straggler.rank", "straggler.intermittent", "jitter.data_wait"}, new
