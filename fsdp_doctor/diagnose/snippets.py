@@ -1826,6 +1826,7 @@ def for_lightning(rec, accumulate: int) -> None:
     is_last_micro_batch)" for the user's loop, which the Trainer owns."""
     if rec.code and rec.where == "evaluation" and EVALUATE_CALL in rec.code:
         _lightning_validation(rec)
+        return
     if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
         return
     lines = _on_self(rec.code)
@@ -1854,24 +1855,16 @@ def _lightning_validation(rec) -> None:
     """eval.regather's fix around the user's evaluation (gathered_around_evaluation), where Lightning's Trainer runs
     the validation: the lines before it in the LightningModule's on_validation_start, those after it in its
     on_validation_end (a trial's Trainer pasted so: the finding went, the losses equal to the bit)."""
-    imports, code = _imports_apart(rec.code)
-    before, after = code.split(EVALUATE_CALL, 1)
-    body = "\n".join(_on_self(before.strip("\n")) + ["", ""] + _on_self(after.strip("\n")))
-    used = [ln for ln in imports[1:] if any(re.search(rf"\b{re.escape(n)}\b", body) for n in _imported_names(ln))]
-    start, end = (textwrap.indent("\n".join(_on_self(part.strip("\n"))), " " * 4) for part in (before, after))
-    rec.code = "\n".join([*([imports[0], *used, ""] if used else []),
-                          "# in your LightningModule (its Trainer calls these around each validation)",
-                          "def on_validation_start(self):", start, "", "", "def on_validation_end(self):", end])
+    _, code = _imports_apart(rec.code)
+    start, end = (textwrap.indent("\n".join(_on_self(part.strip("\n"))), " " * 4)
+                  for part in code.split(EVALUATE_CALL, 1))
+    # (its imports those the hooks use, as complete() gives any snippet: torch.no_grad went with evaluate())
+    rec.code = complete("\n".join(["# in your LightningModule (its Trainer calls these around each validation)",
+                                   "def on_validation_start(self):", start, "", "",
+                                   "def on_validation_end(self):", end]), define_mesh=False)
     rec.where, rec.inputs = "lightning_module", {}
     rec.text += (" Lightning's Trainer runs the validation: the lines go into your LightningModule's "
                  "on_validation_start and on_validation_end hooks (merged into yours where you have them).")
-
-
-def _imported_names(line: str) -> list[str]:
-    """The names an import line binds ("import torch": torch; "from a import B, C": B, C)."""
-    if line.startswith("from "):
-        return [n.split(" as ")[-1].strip() for n in line.split(" import ", 1)[1].split(",")]
-    return [n.split(" as ")[-1].strip().split(".")[0] for n in line[len("import "):].split(",")]
 
 
 def _imports_apart(code: str) -> tuple[list[str], str]:

@@ -41,7 +41,8 @@ class NarrowReduceDtype(Rule):
         explicit = any(u.reduce_dtype for u in us)
         grads = sum(E.grad_shard_bytes(u) for u in us)  # the gradients' shards: their dtype is the parameters'
         world = ctx.config.world_size if ctx.config is not None else None
-        rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit in {E.trace_label(ctx, u.name) for u in us}]
+        labels = {E.trace_label(ctx, u.name) for u in us}
+        rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit in labels]
         rs_ms = sum(r.comm_ms_per_step for r in rows) / max(1, len({r.rank for r in rows})) if rows else None
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         # (torch 2.6's MixedPrecisionPolicy stores a reduce_dtype equal to param_dtype as None: a new-user trial's
