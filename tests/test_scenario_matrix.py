@@ -238,8 +238,16 @@ def test_root_modules_freeing_under_a_hundredth_of_the_peak_are_no_warning(matri
                       r"would lower the peak by ([\d.]+ \w?i?B), ([\d.]+)% of the [\d.]+ MiB peak \(worth it from 1%",
                       s.reason)
         assert m and int(m.group(1)) == held and float(m.group(3)) < 100 * ROOT_PEAK_GAIN_MIN, (quiet, s.reason)
-        peak, with_plan = o.report.memory.peak_bytes, _ran(matrix[plan]).report.memory.peak_bytes
+        peak, with_plan = _least_rank_peak(o), _least_rank_peak(_ran(matrix[plan]))
         assert peak - with_plan < ROOT_PEAK_GAIN_MIN * peak, (quiet, peak, with_plan)
+
+
+def _least_rank_peak(o: M.Outcome) -> int:
+    """A run's peak (bytes) as its least disturbed rank measured it. The matrix's ranks run one model on equal shards,
+    but on gloo one rank now and then keeps a block's gathered copy alive into the loss (gloo's async work still
+    holding the all-gather output: traces/cpu/titan_root_gloo_late_buffer), 73,984 B on titan's 1.16 MiB peak, 6%;
+    CI's long tier read titan_blocks_only_2_ranks at 1,234,388 B so, against 1,160,532 B for its expert plan."""
+    return min(m.peak_bytes for m in o.report.memory.per_rank.values())
 
 
 def _high_from(report, unit: str) -> int:
