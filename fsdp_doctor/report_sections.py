@@ -481,6 +481,10 @@ class OverlapRank(_Section):
     loop_comm_wait_ms_per_step: Optional[float] = None
     # of loop_comm_ms_per_step, that between optimizer.step() and the next forward (where data loading is)
     between_comm_ms_per_step: Optional[float] = None
+    # host time per step inside the DataLoader's ``enumerate(DataLoader)#...`` labels (its next batch: the wait for its
+    # workers, or the loading itself without them). None: no complete step held one (the loop feeds batches
+    # otherwise), or a report written before it
+    dataloader_ms_per_step: Optional[float] = None
     # host time per step inside FSDP2's labels (record_function ``FSDP::...``: its hooks, the all-gather copy-in and
     # copy-out, the reduce-scatter's copies, resharding; nested labels once): FSDP's own host work, which grows with
     # the number of units and parameters, not with the batch. None: no complete step, or a report written before it

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -192,6 +193,34 @@ def test_trainer_accumulation_fix_said_in_training_step_and_pasted_there(tmp_pat
     s = next(s for s in after.rules if s.code == "accum.sync_every_micro_batch")
     assert s.status == "quiet" and s.reason.startswith("1 reduce-scatter per unit per step"), (s.status, s.reason)
     assert len(losses) == len(fixed_losses) == 19
+    assert fixed_losses == pytest.approx(losses, rel=1e-5), (losses, fixed_losses)
+
+
+@pytest.mark.long
+def test_trainer_regather_fix_pasted_in_training_step_keeps_the_units_gathered(tmp_path):
+    """accum.regather's fix as the recorded Trainer run prints it (traces/cpu/lightning_trainer_accumulate), pasted at
+    the top of training_step: each block is all-gathered 3 times a step in place of 4 (its forward once), and the rule
+    reads the units kept gathered where the second micro-batch starts (read from the watched model's own marks, which
+    a LightningModule's training_step never makes, it fired on the fixed run: traces/cpu/lightning_regather_fixed),
+    the losses unchanged."""
+    import fsdp_doctor
+
+    run = Path(__file__).resolve().parents[1] / "traces" / "cpu" / "lightning_trainer_accumulate"
+    (f,) = [f for f in fsdp_doctor.build_report(fsdp_doctor.load_run(run)).findings if f.code == "accum.regather"]
+    assert f.recommendation.where == "training_step" and "self.model.set_reshard_after_backward(is_last_micro_batch)" \
+        in f.recommendation.code, f.recommendation
+    before, losses = _trainer_run(tmp_path, "trainer", "accumulate")
+    fix = tmp_path / "fix.py"
+    fix.write_text(f.recommendation.code)
+    after, fixed_losses = _trainer_run(tmp_path, "fixed", "accumulate", str(fix))
+    s = next(s for s in after.rules if s.code == "accum.regather")
+    assert s.status == "quiet" and s.reason.startswith("the units are kept gathered between micro-batches"), s
+    gathers = {name: {f"blocks.{i}": sum(r.count for r in rep.overlap.per_unit if r.rank == 0 and r.unit == f"blocks.{i}"
+                                         and r.collective == "all_gather") for i in range(3)}
+               for name, rep in (("before", before), ("after", after))}
+    steps = len(after.overlap.per_rank["0"].steps)
+    assert gathers == {"before": {f"blocks.{i}": 4 * steps for i in range(3)},
+                       "after": {f"blocks.{i}": 3 * steps for i in range(3)}}, gathers
     assert fixed_losses == pytest.approx(losses, rel=1e-5), (losses, fixed_losses)
 
 

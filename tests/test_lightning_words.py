@@ -74,8 +74,8 @@ def test_pasted_fix_syncs_where_the_trainer_steps_the_optimizer():
 def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root():
     """The trace names units from the FSDP root ("blocks.0", "(root)"), the records from the watched LightningModule
     ("model.blocks.0", "model"): accum.sync_every_micro_batch read no unit's gradients and predicted its fix's peak
-    unchanged, 716,880 B, where the fix pasted into this run's training_step measured 763,664 B (the unsharded
-    gradients held between micro-batches in place of their shards). It now counts them: 784,784 B."""
+    unchanged (715,336 B in this recording), where the fix pasted into this run's training_step measured 763,664 B (the unsharded
+    gradients held between micro-batches in place of their shards). It now counts them: 783,240 B."""
     from fsdp_doctor.units import ROOT_LABEL, fsdp_label
 
     assert [fsdp_label(n, ["model"]) for n in ("model", "model.blocks.0", "other.x")] == [ROOT_LABEL, "blocks.0", "other.x"]
@@ -83,7 +83,7 @@ def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root()
     report = fsdp_doctor.build_report(fsdp_doctor.load_run(RUN))
     (f,) = [f for f in report.findings if f.code == "accum.sync_every_micro_batch"]
     assert (f.evidence["unsharded_grads_bytes"], f.evidence["sharded_grads_freed_bytes"]) == (135_808, 67_904)
-    assert f.predicted.peak_bytes_before == 716_880 and f.predicted.peak_bytes_after == 784_784, f.predicted
+    assert f.predicted.peak_bytes_before == 715_336 and f.predicted.peak_bytes_after == 783_240, f.predicted
     assert abs(f.predicted.peak_bytes_after - 763_664) <= 0.1 * 763_664
 
 
@@ -139,3 +139,25 @@ def test_evaluation_fix_said_as_validation_hooks():
     assert calls == [("model", False, True)]
     hooks["on_validation_end"](Stand())
     assert calls[1:] == [(f"model.blocks.{i}", True, False) for i in range(3)], calls
+
+
+def test_units_kept_gathered_between_micro_batches_read_from_the_roots_marks():
+    """traces/cpu/lightning_regather_fixed: the same Trainer with accum.regather's fix pasted at the top of
+    training_step (tests/test_lightning.py pastes it: 3 all-gathers per block a step in place of 4). The rule read
+    the units kept gathered from the watched model's own forward_start marks, which a LightningModule's training_step
+    never makes (it calls self.model), found none, and fired again ("8.3 ms/step faster"); the second micro-batch now
+    starts at the first forward_start after a backward_end, the root's: 135,808 B unsharded there, every unit."""
+    from fsdp_doctor.diagnose import estimate as E
+
+    fixed = RUN.parent / "lightning_regather_fixed"
+    report = fsdp_doctor.build_report(fsdp_doctor.load_run(fixed))
+    tl = report.memory.per_rank["0"].timeline
+    assert not [r for r in tl if r.get("unit") is None and r.get("phase") == "forward_start"]
+    assert E.kept_between_micro_batches(tl) == 135_808
+    s = next(s for s in report.rules if s.code == "accum.regather")
+    assert s.status == "quiet" and s.reason.startswith("the units are kept gathered between micro-batches already "
+                                                       "(132.62 KiB unsharded"), (s.status, s.reason)
+    # the run without the fix: resharded after each micro-batch's backward, the root's own copy alone held
+    before = fsdp_doctor.build_report(fsdp_doctor.load_run(RUN))
+    assert E.kept_between_micro_batches(before.memory.per_rank["0"].timeline) == 33_280
+    assert "accum.regather" in {f.code for f in before.findings}

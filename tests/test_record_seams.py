@@ -835,6 +835,47 @@ def test_a_container_of_teacher_and_student_times_its_models_forwards_and_counts
     assert rows["student.0"] == own["0"] > 0
 
 
+def test_the_time_between_steps_where_the_watched_modules_forward_never_runs(tmp_path, gloo_one_rank):
+    """A LightningModule is watched (the README's callback) but its forward never runs: training_step calls
+    self.model, the FSDP root inside it, and Lightning's optimizer closure runs the last micro-batch inside
+    optimizer.step(). The time between optimizer.step() and the next forward was never measured there (None), so
+    jitter.data_wait read the whole time outside the model, the loss and the closure's own code with it, as data
+    loading: a WARNING at 16% with a DataLoader fix on a real Trainer whose loader took 0.5 ms a step. Here the loop
+    sleeps 30 ms for its batch and 10 ms between its two micro-batches, and computes its loss outside the model:
+    between_ms holds the sleeps, and not the loss."""
+    import time
+
+    import fsdp_doctor
+
+    _, student, opt = _teacher_and_student()
+
+    class Module(torch.nn.Module):  # a LightningModule's shape: a forward of its own that nothing calls
+        def __init__(self):
+            super().__init__()
+            self.model = student
+
+        def forward(self, x):
+            return self.model(x)
+
+    lm = Module()
+    with fsdp_doctor.watch(lm, opt, out_dir=tmp_path / "run", profile=False, memory=False) as doc:
+        for _ in range(5):
+            time.sleep(0.03)  # the next batch
+            for micro in range(2):
+                if micro:
+                    time.sleep(0.01)
+                out = lm.model(torch.randn(8, 16))
+                loss = sum(out.square().mean() for _ in range(200))  # the loss, outside the model's forward
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            doc.step()
+    steps = fsdp_doctor.load_run(tmp_path / "run").ranks[0].steps
+    for st in steps[1:]:
+        assert st.between_ms is not None and 40.0 <= st.between_ms < st.outside_ms, (st.between_ms, st.outside_ms)
+        assert st.backwards == 2 and st.forward_ms > 0, st
+
+
 def test_an_exception_before_the_first_step_is_recorded_whole(tmp_path, gloo_one_rank):
     """torch's error for a tied weight split across units (336 characters: "Parameter 'tok_emb.weight' is shared ...
     to place them in the same FSDP ...") raised at the first forward was recorded cut at 200 characters, and

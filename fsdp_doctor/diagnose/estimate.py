@@ -179,6 +179,19 @@ def lightning_accumulate(ctx: Context) -> int | None:
     return getattr(cfg, "lightning_accumulate", None) if getattr(cfg, "driver", None) == LIGHTNING_DRIVER else None
 
 
+def lightning_driven(ctx: Context) -> bool:
+    """PyTorch Lightning's Trainer drove the run (a watched LightningModule attached to one)."""
+    return getattr(ctx.config, "driver", None) == LIGHTNING_DRIVER
+
+
+def dataloader_ms(ctx: Context, rank) -> Optional[float]:
+    """Ms per step ``rank``'s DataLoader took for its next batch in the profiled steps (the trace's
+    ``enumerate(DataLoader)#...`` labels: the wait for its workers, or the loading without them); None without a trace
+    of complete steps, or where none held such a label (the loop feeds its batches otherwise)."""
+    pr = overlap(ctx).per_rank.get(str(rank))
+    return pr.dataloader_ms_per_step if pr is not None else None
+
+
 def titan_trainer_driven(ctx: Context) -> bool:
     """torchtitan's own Trainer drove the run (python -m fsdp_doctor.titan): its fixes go on its command line or
     in the user's config_registry function (snippets.for_titan_trainer)."""
@@ -1074,10 +1087,19 @@ def gather_transient(timeline: list[dict], fs: int, unsharded: int) -> int:
 
 
 def kept_between_micro_batches(timeline: list[dict]) -> Optional[int]:
-    """The unsharded parameters held where a micro-batch after the first starts its forward (the step's
-    forward_start marks but the first; the most of them): kept gathered since the previous micro-batch's backward.
-    None without a second micro-batch in the timeline."""
-    starts = [r for r in timeline if r.get("unit") is None and r.get("phase") == "forward_start"][1:]
+    """The unsharded parameters held where a micro-batch after the first starts its forward (the first forward_start
+    mark after each backward_end; the most of them): kept gathered since the previous micro-batch's backward. That
+    mark is the watched model's own, or its outermost unit's where the model's forward never runs (a LightningModule
+    whose training_step calls self.model: read from the model's marks alone, the fix pasted there, which halved the
+    forward all-gathers, still read as not kept, and the rule fired on). None without a second micro-batch in the
+    timeline."""
+    starts, after_backward = [], False
+    for r in timeline:
+        if r.get("phase") == "backward_end":
+            after_backward = True
+        elif r.get("phase") == "forward_start" and after_backward:
+            starts.append(r)
+            after_backward = False
     return max((int(r.get("unsharded_params") or 0) for r in starts), default=None)
 
 

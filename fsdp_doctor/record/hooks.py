@@ -673,7 +673,13 @@ class StepTimer:
                 # outside the model (a new-user trial's teacher and student: 37% of the step, jitter.data_wait)
                 if not self._loose_open:
                     self._loose_t0 = a.t_outer
-                    if self._container and not self._first_fwd:
+                    if torch.is_grad_enabled():
+                        # the step's first forward, or the next micro-batch's, where the watched module's own forward
+                        # never runs: a LightningModule's training_step calls self.model, the FSDP root inside it
+                        # (between_ms was never measured there, and jitter.data_wait read the loss and Lightning's
+                        # optimizer closure, 16% of a step, as data loading)
+                        self._forward_begins(a.t_outer)
+                    elif self._container and not self._first_fwd:
                         self._first_fwd = a.t_outer  # (the step's first forward: between_ms counts from it)
                 self._loose_open += 1
                 a.loose = True

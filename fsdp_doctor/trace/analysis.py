@@ -415,6 +415,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.loop_comm_ms_per_step = (pr.loop_comm_ms_per_step or 0.0) + w.loop_comm_us / 1e3  # sums until divided
         pr.loop_comm_wait_ms_per_step = (pr.loop_comm_wait_ms_per_step or 0.0) + w.loop_comm_wait_us / 1e3
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
+        if w.loader_us is not None:
+            pr.dataloader_ms_per_step = (pr.dataloader_ms_per_step or 0.0) + w.loader_us / 1e3
         pr.fsdp_host_ms_per_step = (pr.fsdp_host_ms_per_step or 0.0) + w.fsdp_host_us / 1e3
         if w.roots_per_forward is not None:
             pr.roots_per_forward = max(pr.roots_per_forward or 0.0, w.roots_per_forward)
@@ -442,6 +444,8 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         for f in ("loop_comm_ms_per_step", "loop_comm_wait_ms_per_step", "between_comm_ms_per_step",
                   "comm_ms_on_compute_stream_per_step", "fsdp_host_ms_per_step"):
             setattr(pr, f, getattr(pr, f) / pr.step_count if pr.step_count else None)
+        if pr.dataloader_ms_per_step is not None:
+            pr.dataloader_ms_per_step = round(pr.dataloader_ms_per_step / pr.step_count, 4) if pr.step_count else None
         _per_step(pr, sums["breakdown"].get(k))
     rows = []
     for rank in sorted(calls):

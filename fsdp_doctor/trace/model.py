@@ -90,6 +90,10 @@ class WindowTrace:
     # of loop_comm_us, that between optimizer.step() and the next forward (a step's start to its first root
     # pre-forward, its last optimizer.step()'s end to its end): where data loading is
     between_comm_us: float = 0.0
+    # host µs inside the DataLoader's ``enumerate(DataLoader)#...`` labels (its next batch: the wait for its workers,
+    # or the loading itself without them) over the complete steps; None: the window holds no such label (the loop
+    # feeds its batches otherwise)
+    loader_us: Optional[float] = None
     # host µs inside FSDP2's labels (its hooks, nested labels once) over the complete steps (build's _outside_model)
     fsdp_host_us: float = 0.0
     # FSDP roots per forward: FSDP::root_pre_forward labels with no backward between them (their median run in the

@@ -14,7 +14,7 @@ from ...report_sections import StepStats
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
-from ...units import fmt_share
+from ...units import fmt_ms, fmt_share
 
 # GC pauses that take this share of total step time are worth acting on (gc.freeze / fewer cycles).
 GC_SHARE_MIN = 0.03
@@ -39,6 +39,9 @@ GC_NS_PER_OBJECT = 100
 GC_MIN_OUTLIERS = 2
 # Time outside the model (data loading, loss, user code) above this share of the median step starves the GPU.
 OUTSIDE_SHARE_MIN = 0.15
+#: jitter.data_wait: where the profiled steps' DataLoader took under this part of the time it measures, that time is
+#: the loop's own code, and more loader workers would not shorten it (a Lightning Trainer's loop: 0.5 ms of 24.5)
+LOADER_PART_MIN = 0.5
 # Work outside the model in some steps only, on every rank at once (a save the doctor was not told of, an upload,
 # a loader whose workers fall behind now and then): a step counts when its time outside the model exceeds the
 # rank's median by this share of the median step (host noise on a shared machine reaches ~15%) ...
@@ -229,6 +232,17 @@ def _share(ctx: Context, rank, st: StepStats) -> _Share:
     return _Share(host / dev.period_ms, host, dev.period_ms, CLOCK_BOUND, True)  # (an upper bound on that window)
 
 
+def _loop_words(ctx: Context) -> str:
+    """Whose host code the time between the steps is, in the words of the loop that drove the run."""
+    if E.lightning_driven(ctx):
+        return ("the Lightning Trainer's own work between batches (its hooks and callbacks, self.log calls, the "
+                "batch's move to the device) and your training_step's code outside the model")
+    if E.trainer_driven(ctx):
+        return ("the Trainer's own work between steps (its callbacks, logging, the batch's move to the device) and "
+                "your compute_loss's code outside the model")
+    return "your loop's code between the steps"
+
+
 def _other_models(ctx: Context) -> str:
     """What the time outside the model may hold besides data loading where another model's FSDP2 units are alive in
     the process ("" where none): a new-user trial's distillation read its frozen teacher's forward as a 41% data
@@ -298,21 +312,38 @@ class DataWait(Rule):
                             before_forward_ms_p50=dev.before_forward_ms, after_model_ms_p50=dev.after_model_ms,
                             host_outside_ms_p50=round(_outside_ms(ctx, rank, st), 3))
         p50 = st.p50_ms
-        # pinned host memory speeds copies to a GPU; on a CPU-only run torch warns that there is no device for it
-        pinned, pin = (" with pinned memory", "pin_memory=True, ") if E.on_gpu(ctx) else ("", "")
+        loader = E.dataloader_ms(ctx, rank)
+        if loader is not None:
+            evidence["dataloader_ms_per_step"] = round(loader, 3)
+        loop = loader is not None and loader < LOADER_PART_MIN * sh.outside_ms
+        what = (f"the loop's own code: the DataLoader took {fmt_ms(loader)} of it" if loop else
+                "data loading or user code")
+        if loop:
+            text = (f"In the profiled steps the DataLoader's next batch took {fmt_ms(loader)} a step of this "
+                    f"{fmt_ms(sh.outside_ms)}: more loader workers would not shorten it. The rest is "
+                    f"{_loop_words(ctx)}: read and log metrics (.item(), .cpu(), a metric's all-reduce) every N "
+                    "steps rather than every step, and move per-step work out of callbacks. The profiler trace "
+                    "shows that code on the main thread outside FSDP's labels and optimizer.step(). "
+                    f"{S.NO_LOOP_CODE}")
+        else:
+            # pinned host memory speeds copies to a GPU; on a CPU-only run torch warns that there is no device for it
+            pinned, pin = (" with pinned memory", "pin_memory=True, ") if E.on_gpu(ctx) else ("", "")
+            took = (f" (in the profiled steps the DataLoader's next batch took {fmt_ms(loader)} a step)"
+                    if loader is not None else "")
+            text = ("Between optimizer.step() and the next forward the devices idle. Load batches in background "
+                    f"workers{pinned} and prefetching (torch.utils.data.DataLoader(..., num_workers=4, {pin}"
+                    "prefetch_factor=4, persistent_workers=True), the workers within the CPU cores each rank has), and "
+                    f"move host-side work (logging, metrics, .item() calls) off the step's critical path{took}. "
+                    f"{S.NO_PIPELINE_CODE}")
         return [self.finding(
             "warning",
             (f"The device idles {fmt_share(sh.share)} of each step between optimizer.step() and the next forward "
-             "(data loading or user code)" if sh.clock == CLOCK_DEVICE else
+             f"({what})" if sh.clock == CLOCK_DEVICE else
              f"{fmt_share(sh.share)} of each step is spent between optimizer.step() and the next forward"
-             f"{accum} (data loading or user code)" if sh.between else
-             f"{fmt_share(sh.share)} of each step is spent outside the model (data loading or user code)"),
+             f"{accum} ({what})" if sh.between else
+             f"{fmt_share(sh.share)} of each step is spent outside the model ({what})"),
             evidence,
-            "Between optimizer.step() and the next forward the devices idle. Load batches in background "
-            f"workers{pinned} and prefetching (torch.utils.data.DataLoader(..., num_workers=4, {pin}"
-            "prefetch_factor=4, persistent_workers=True), the workers within the CPU cores each rank has), and "
-            f"move host-side work (logging, metrics, .item() calls) off the step's critical path. "
-            f"{S.NO_PIPELINE_CODE}" + _other_models(ctx),
+            text + _other_models(ctx),
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - sh.outside_ms, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(decided),
