@@ -230,7 +230,12 @@ def test_short_unit_labels():
     # whole list wrapped to column 0 at 80 columns, out of the tree: a new-user trial)
     experts = ", ".join(f"layers.0.moe.experts.{i}" for i in range(4))
     assert short_unit_labels(["", experts, "layers.1.moe.experts.0"])[experts] == \
-        "0.moe.experts.0, … experts.3 (4 modules)"
+        "layers.0.moe.experts.0, … experts.3 (4 modules)"
+    # never from an index: a diffusers UNet's attention units read "0.attentions.0" and "1.attentions.0", their
+    # blocks' names dropped
+    unet = ["", "down_blocks.0.attentions.0", "down_blocks.1.attentions.0", "mid_block.attentions.0",
+            "up_blocks.1.attentions.0", "up_blocks.1.attentions.1"]
+    assert short_unit_labels(unet) == {"": "(root)", **{n: n for n in unet[1:-1]}, unet[-1]: "attentions.1"}
     # units inside wrappers by their module path (accelerate's FSDP2 plugin shards each layer inside its
     # checkpoint_wrapper, then the wrapper: "0._checkpoint_wrapped_module" dropped the layer's name, a new-user trial),
     # the wrapper's own unit as the call that made it

@@ -59,7 +59,8 @@ def printable_report(report: Report) -> Report:
 
 def short_unit_labels(names) -> dict:
     """Display names for a set of FSDP unit names: each dotted name shortened to its shortest suffix that no other
-    unit shares, never a bare index ("model.layers.3" -> "layers.3", "model.norm" -> "norm"); grouped units
+    unit shares, never from an index ("model.layers.3" -> "layers.3", "model.norm" -> "norm"; a diffusers UNet's
+    "down_blocks.0.attentions.0" beside "down_blocks.1.attentions.0" stays whole, not "0.attentions.0"); grouped units
     ("a, b") shorten each member, and of more than two the first and the last are shown ("experts.0, … experts.3
     (4 modules)": at 80 columns the whole list wrapped to column 0, out of the tree); the root is "(root)". A unit
     inside a wrapper is named by its module path (``module_path``: "layers.0._checkpoint_wrapped_module" read
@@ -76,6 +77,8 @@ def short_unit_labels(names) -> dict:
             return m or ROOT_LABEL
         parts, label = path.split("."), path
         for k in range(2 if parts[-1].isdigit() and len(parts) > 1 else 1, len(parts) + 1):
+            if parts[-k].isdigit() and k < len(parts):  # never from an index: "0.attentions.0" of down_blocks.0's
+                continue
             suffix = ".".join(parts[-k:])
             if sum(1 for o in members if o == suffix or o.endswith("." + suffix)) == 1:
                 label = suffix
