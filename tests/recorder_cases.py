@@ -409,12 +409,13 @@ def trainer_hooks():
     return Hooks()
 
 
-def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, items=64, **args):
+def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, items=64, eval_items=8,
+                 **args):
     """A Hugging Face Trainer of a Llama (``width``) on 2 micro-batches of 2 sequences of ``seq`` tokens per step,
     8 steps, evaluating every 3, sharded by accelerate's FSDP2 plugin as the Trainer makes it from ``fsdp_config``
     (``TrainingArguments(fsdp=True, fsdp_config=...)``; accelerate enables FSDP on GPUs only, so the plugin and
-    the state are forced here, as in run_accelerate); ``items``: training sequences; ``args``: more
-    TrainingArguments."""
+    the state are forced here, as in run_accelerate); ``items``: training sequences, ``eval_items`` evaluation
+    ones; ``args``: more TrainingArguments."""
     from accelerate import FullyShardedDataParallelPlugin
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -429,7 +430,7 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
                    "reshard_after_forward": True, **(fsdp_config or {})}
     targs = TrainingArguments(**{**kw, **args}, fsdp=True, fsdp_config=fsdp_config)
     tr = Trainer(model=model, args=targs, train_dataset=_Tokens(items, 0, slow_ms, seq),
-                 eval_dataset=_Tokens(8, 10_000, 0.0, seq), callbacks=callbacks)
+                 eval_dataset=_Tokens(eval_items, 10_000, 0.0, seq), callbacks=callbacks)
     st = tr.accelerator.state  # the plugin the Trainer makes on a GPU (trainer.py: from args.fsdp_plugin_args)
     st.fsdp_plugin = FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
     if st.mixed_precision != "no":  # as AcceleratorState does on a GPU (bf16=True: reduce_dtype bfloat16)
@@ -623,7 +624,8 @@ def run_trainer_fixes(out: Path) -> dict:
         tr.train()
         dist.barrier()
         res[name] = {**_outcome(out / name, rank), "losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
-                     "grad_norms": [h["grad_norm"] for h in tr.state.log_history if "grad_norm" in h]}
+                     "grad_norms": [h["grad_norm"] for h in tr.state.log_history if "grad_norm" in h],
+                     "eval_losses": [h["eval_loss"] for h in tr.state.log_history if "eval_loss" in h]}
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("hf_ample", "ac.unneeded", {"activation_checkpointing": True}),
@@ -639,6 +641,10 @@ def run_trainer_fixes(out: Path) -> dict:
                                                                   "max_grad_norm": 0.3}),
                                   # accelerate's policy for bf16=True reduces in bfloat16
                                   ("bf16", "numerics.reduce_dtype", {"bf16": True}),
+                                  # the Trainer's own evaluations (every 2 steps, 12 batches a rank), each forward
+                                  # gathering every unit again
+                                  ("evaluate", "eval.regather", {"eval_strategy": "steps", "eval_steps": 2,
+                                                                 "eval_items": 48}),
                                   ("tight", "ac.recommended", {"width": 128, "seq": 256}),
                                   # no wrap policy: the decoder layers stay in the root
                                   ("nowrap", "wrap.params_in_root", {"fsdp_config": {

@@ -375,6 +375,24 @@ def test_hf_trainer_regather_fix_is_a_callback_keyed_to_the_last_micro_batch(tra
         assert after["losses"] == pytest.approx(before["losses"], rel=1e-5), (before["losses"], after["losses"])
 
 
+def test_hf_trainer_evaluation_fix_is_a_callback_around_the_trainers_evaluations(trainer_fixes_run):
+    """The Trainer evaluating every 2 steps (12 batches a rank): each forward without gradients gathers every unit
+    again. eval.regather's fix was the lines around the user's own ``evaluate()``, which the Trainer calls inside
+    train() where no code of the user's surrounds it; it is a callback now, turning resharding after forward off at
+    the step end the Trainer evaluates after and back when the evaluation ends. Pasted as printed: the rule quiet,
+    the units staying gathered, the peak the predicted one within 10%, the losses, evaluation losses included,
+    those of the run without it."""
+    for res in trainer_fixes_run:
+        before, after, f = _plugin_fix(res, "evaluate", "eval.regather")
+        assert "class DoctorFix(TrainerCallback)" in f["code"] and "if control.should_evaluate:" in f["code"], f["code"]
+        assert "def on_evaluate(self" in f["code"] and "module.reshard()" in f["code"], f["code"]
+        assert "evaluate()" not in f["code"].replace("on_evaluate(", ""), f["code"]
+        assert "stay gathered" in after["quiet"]["eval.regather"], after["quiet"]["eval.regather"]
+        assert len(before["eval_losses"]) == 3 and after["eval_losses"] == pytest.approx(before["eval_losses"],
+                                                                                          rel=1e-5), after
+        assert after["losses"] == pytest.approx(before["losses"], rel=1e-5), (before["losses"], after["losses"])
+
+
 def test_hf_trainer_checkpointing_recommended_fix_turns_fsdps_own_on(trainer_fixes_run):
     """A Trainer whose activations dominate a peak 5% under its budget: ac.recommended checkpoints every layer
     accelerate's plugin shards (the Trainer's lever is all of them or none), through FSDP's own setting, which

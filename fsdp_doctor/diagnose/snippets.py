@@ -1718,6 +1718,26 @@ def gathered_around_evaluation(restore: list[str]) -> str:
             + RESHARD_EVERY_UNIT)
 
 
+def trainer_gathered_for_evaluation(restore: list[str]) -> str:
+    """gathered_around_evaluation for the evaluations a Hugging Face Trainer runs inside ``train()``
+    (``eval_strategy``), which no code of the user's surrounds: a callback turns resharding after forward off at the
+    step end (or epoch end) the Trainer evaluates after (``control.should_evaluate``, which its DefaultFlowCallback,
+    first in the list, has set by then), and back, every unit resharded, when the evaluation ends
+    (``on_evaluate``). ``model`` there is the Trainer's model, the one watched."""
+    back = set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n" if restore else ""
+    end = textwrap.indent("# the training steps' setting back, and the gathered parameters released\n" + back
+                          + RESHARD_EVERY_UNIT, " " * 8)
+    return ("from transformers import TrainerCallback\n\n\n"
+            "class DoctorFix(TrainerCallback):  # every unit gathered once per evaluation\n"
+            "    def on_step_end(self, args, state, control, model=None, **kwargs):\n"
+            "        if control.should_evaluate:  # the Trainer evaluates next\n"
+            "            model.set_reshard_after_forward(False)\n\n"
+            "    on_epoch_end = on_step_end  # (eval_strategy=\"epoch\")\n\n"
+            "    def on_evaluate(self, args, state, control, model=None, **kwargs):\n"
+            f"{end}\n\n\n"
+            "trainer.add_callback(DoctorFix())")
+
+
 #: the objects set-up made (the model, the optimizer, the data loader's) frozen out of the collector's view: the full
 #: collections, which traverse every object the collector tracks, then traverse only what the steps made
 GC_FROZEN = ("# after building the model, optimizer and data loader: set-up objects leave the\n"

@@ -116,6 +116,9 @@ class EvalRegather(Rule):
         if S.lacks_reshard_switch(ctx.config):
             text += (" This torch's FSDPModule has no set_reshard_after_forward, the switch the fix turns (a newer "
                      "torch has it).")
+        elif E.trainer_driven(ctx):  # the Trainer's own evaluations (eval_strategy): no code of the user's around them
+            text += " Under the Trainer, a callback keeps them gathered through each evaluation it runs in train()."
+            code, where, inputs = S.trainer_gathered_for_evaluation(restore), "trainer", dict(S.TRAINER_INPUTS)
         else:
             code = S.gathered_around_evaluation(restore)
             where, inputs = "evaluation", {"evaluate": "your evaluation or generation: the model's forward passes "
