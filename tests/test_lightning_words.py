@@ -74,8 +74,8 @@ def test_pasted_fix_syncs_where_the_trainer_steps_the_optimizer():
 def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root():
     """The trace names units from the FSDP root ("blocks.0", "(root)"), the records from the watched LightningModule
     ("model.blocks.0", "model"): accum.sync_every_micro_batch read no unit's gradients and predicted its fix's peak
-    unchanged (715,336 B in this recording), where the fix pasted into this run's training_step measured 763,664 B (the unsharded
-    gradients held between micro-batches in place of their shards). It now counts them: 783,240 B."""
+    unchanged (716,872 B in this recording), where the fix pasted into this run's training_step measured 763,664 B (the unsharded
+    gradients held between micro-batches in place of their shards). It now counts them: 784,776 B."""
     from fsdp_doctor.units import ROOT_LABEL, fsdp_label
 
     assert [fsdp_label(n, ["model"]) for n in ("model", "model.blocks.0", "other.x")] == [ROOT_LABEL, "blocks.0", "other.x"]
@@ -83,7 +83,7 @@ def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root()
     report = fsdp_doctor.build_report(fsdp_doctor.load_run(RUN))
     (f,) = [f for f in report.findings if f.code == "accum.sync_every_micro_batch"]
     assert (f.evidence["unsharded_grads_bytes"], f.evidence["sharded_grads_freed_bytes"]) == (135_808, 67_904)
-    assert f.predicted.peak_bytes_before == 715_336 and f.predicted.peak_bytes_after == 783_240, f.predicted
+    assert f.predicted.peak_bytes_before == 716_872 and f.predicted.peak_bytes_after == 784_776, f.predicted
     assert abs(f.predicted.peak_bytes_after - 763_664) <= 0.1 * 763_664
 
 
@@ -161,3 +161,26 @@ def test_units_kept_gathered_between_micro_batches_read_from_the_roots_marks():
     before = fsdp_doctor.build_report(fsdp_doctor.load_run(RUN))
     assert E.kept_between_micro_batches(before.memory.per_rank["0"].timeline) == 33_280
     assert "accum.regather" in {f.code for f in before.findings}
+
+
+def test_the_roots_forward_is_the_models_and_the_loss_follows_it():
+    """The FSDP root inside the watched LightningModule (``self.model``) runs outside the watched module's own
+    forward, which never runs: its forward (the embedding, the head, its all-gather) read as time outside the model,
+    each block's forward as the model's, and the loss's high-water as the last block's forward ("blocks.2
+    in_forward" before the root's forward_end). The root's forward is the step's now, and the loss phase starts
+    where it ends: each micro-batch's rows run root forward_start ... root forward_end, loss_start, in_loss,
+    root backward_start."""
+    report = fsdp_doctor.build_report(fsdp_doctor.load_run(RUN))
+    tl = report.memory.per_rank["0"].timeline
+    marks = [(r.get("unit"), r.get("phase")) for r in tl]
+    ends = [i for i, m in enumerate(marks) if m == ("model", "forward_end")]
+    assert len(ends) == 2, marks  # (2 micro-batches)
+    for i in ends:
+        assert marks[i + 1:i + 4] == [(None, "loss_start"), (None, "in_loss"), ("model", "backward_start")], marks[i:i + 4]
+    assert marks.count((None, "loss_start")) == 2, marks
+    # the step's forward holds the root's own: at least every block's forward, and the step's time outside the
+    # model is under a fifth of it
+    for rd in fsdp_doctor.load_run(RUN).ranks.values():
+        for s in rd.steps[1:-1]:
+            blocks = sum(u.fwd_ms for u in s.units if u.name.startswith("model.blocks."))
+            assert s.forward_ms >= blocks and s.outside_ms < 0.2 * s.wall_ms, (s.forward_ms, blocks, s.outside_ms)

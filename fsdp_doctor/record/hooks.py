@@ -665,12 +665,16 @@ class StepTimer:
             a.t_outer = _now()
             if self.gpu is not None and not in_backward():
                 self.gpu.open(idx, 0)
-            if not self._fwd_start and (self._container or self._units[idx].depth and torch.is_grad_enabled()):
+            unit = self._units[idx]
+            if not self._fwd_start and (self._container or (unit.depth or unit.name) and torch.is_grad_enabled()):
                 # a unit the training step runs outside the model's forward (torchtitan's chunked loss runs lm_head
                 # from the loss): the model's forward all the same, not time outside the model; the outermost
                 # such unit's time counts (the units it calls are inside it). In a container whose forward never
                 # runs, every unit forward, a teacher's without gradients too: its models' forwards read as time
-                # outside the model (a new-user trial's teacher and student: 37% of the step, jitter.data_wait)
+                # outside the model (a new-user trial's teacher and student: 37% of the step, jitter.data_wait).
+                # An FSDP root that is not the watched module (a LightningModule's self.model) is such a unit: its
+                # own forward (the embedding, the head, its all-gather) read as time outside the model, each
+                # block's forward as the model's, and the loss as the last block's
                 if not self._loose_open:
                     self._loose_t0 = a.t_outer
                     if torch.is_grad_enabled():
@@ -729,11 +733,14 @@ class StepTimer:
             self._loose_open -= 1
             if not self._loose_open:
                 self._forward_ns += t - self._loose_t0
-                if self._returned and self.marks is not None:
+                if (self._returned or not self.train_forwards and torch.is_grad_enabled()) and self.marks is not None:
                     # a unit run after the model's forward returned (its forward a registered forward method, the
                     # head a unit the loop calls after it; a chunked loss's lm_head): the loss phase starts again
                     # when it has resharded. From the model's return alone, a new-user trial's peak in the loss read
-                    # "head in_forward" with only the root's 64.50 KiB gathered, the head's 64 KiB resharded.
+                    # "head in_forward" with only the root's 64.50 KiB gathered, the head's 64 KiB resharded. Where
+                    # the watched module's own forward never runs (a LightningModule's training_step calling
+                    # self.model; a container's student), the loss starts where its outermost unit's forward ends:
+                    # without the mark, the loss's high-water read as that unit's forward
                     self._safe(lambda: self.marks.mark(None, "loss_start"), "memory")
         if self.gpu is not None:
             self.gpu.close(idx, 0)
