@@ -502,8 +502,8 @@ class ParamsInRoot(Rule):
                               f"{E.fmt_list([S.module_expr(m) for m in moved])} units of their own would lower the "
                               f"peak by {fmt_bytes(max(0, peak - peak_after))}, "
                               f"{fmt_share(max(0, peak - peak_after) / peak, 1, ROOT_PEAK_GAIN_MIN)} of the "
-                              f"{fmt_bytes(peak)} peak (worth it from {100 * ROOT_PEAK_GAIN_MIN:g}%; the least any "
-                              "rank's peak step shows on its memory timeline)")
+                              f"{fmt_bytes(peak)} peak (worth it from {100 * ROOT_PEAK_GAIN_MIN:g}%; as the peak step "
+                              "of the rank with the lowest peak shows it on its memory timeline)")
         if peak is not None and peak_after is None:
             peak_after = peak - held
         t = root.timing
@@ -573,22 +573,25 @@ def _freed_gathered(root, kept=()) -> int:
 
 
 def _peak_after_plan(ctx: Context, root, blocks, kept, peak) -> int | None:
-    """The job's peak once the plan has made the root's modules units of their own: the peak less the least gain
-    any rank's peak step shows on its timeline (``_peak_as_units`` on each rank that has one). FSDP's ranks run one
-    schedule, and what differs between their timelines is timing: on gloo an all-gather's output the async work
-    still holds. A torchtitan llama on 2 ranks (bf16, blocks and root only) saw one rank's peak move into the loss
-    by a 73,984 B gathered copy held there from the first block's forward on, where the plan frees the embedding's
-    copy: 2.69% of that rank's peak, -0.01% of the other's, whose peak stayed in the last block's backward; the rule
-    warned in 1 of 6 runs of the same row (and in CI). None where the peak rank's timeline gives no figure."""
+    """The job's peak once the plan has made the root's modules units of their own: the peak less the gain the peak
+    step of the rank with the lowest peak shows on its timeline (``_peak_as_units``; the highest rank's where that
+    one gives no figure). FSDP's ranks run one model on equal shards, and what differs between their timelines is
+    timing: on gloo a finished all-gather's output is freed when gloo's worker thread is next scheduled, which
+    raises one rank's peak and can move it. A torchtitan llama on 2 ranks (bf16, blocks and root only) saw one
+    rank's peak move into the loss by a 73,984 B gathered copy held there from the first block's forward on, where
+    the plan frees the embedding's copy: 2.69% of that rank's peak, -0.01% of the other's, whose peak stayed in the
+    last block's backward; read on the highest rank the rule warned in 1 of 6 runs of the same row (and in CI). The
+    least gain of all ranks then read 0 B on an HF Llama whose head the plan frees where the peak is (2.6%): its
+    disturbed rank's peak had moved (CI's long tier missed the row's planted finding). None where no rank's
+    timeline gives a figure."""
     pm = E.peak_memory(ctx)
-    first = _peak_as_units(pm, root, blocks, kept) if peak is not None and pm is not None else None
-    if first is None:
+    if peak is None or pm is None:
         return None
-    gains = [pm.peak_bytes - first]
-    for m in E.memory_per_rank(ctx).values():
-        if m is not pm and m.timeline and (after := _peak_as_units(m, root, blocks, kept)) is not None:
-            gains.append(m.peak_bytes - after)
-    return peak - min(gains)
+    calm = min((m for m in E.memory_per_rank(ctx).values() if m.timeline), key=lambda m: m.peak_bytes, default=pm)
+    for m in (calm, pm):
+        if (after := _peak_as_units(m, root, blocks, kept)) is not None:
+            return peak - (m.peak_bytes - after)
+    return None
 
 
 def _peak_as_units(pm, root, blocks, kept=()) -> int | None:
