@@ -175,8 +175,7 @@ def trainer_driven(ctx: Context) -> bool:
 def lightning_accumulate(ctx: Context) -> int | None:
     """PyTorch Lightning's Trainer drove the run: its accumulate_grad_batches (a loop fix goes into the
     LightningModule's training_step: snippets.for_lightning); None: not such a run."""
-    cfg = ctx.config
-    return getattr(cfg, "lightning_accumulate", None) if getattr(cfg, "driver", None) == LIGHTNING_DRIVER else None
+    return getattr(ctx.config, "lightning_accumulate", None) if lightning_driven(ctx) else None
 
 
 def lightning_driven(ctx: Context) -> bool:

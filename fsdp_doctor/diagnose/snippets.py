@@ -1712,8 +1712,13 @@ def gathered_around_evaluation(restore: list[str]) -> str:
     resharded before training resumes."""
     return ("# every unit gathered once for the whole evaluation, not once per forward pass\n"
             "model.set_reshard_after_forward(False)\n"
-            + EVALUATE_CALL +
-            "# the training steps' setting back, and the gathered parameters released\n"
+            + EVALUATE_CALL + _after_evaluation(restore))
+
+
+def _after_evaluation(restore: list[str]) -> str:
+    """The lines after an evaluation kept gathered: each unit in ``restore`` set back to resharding after forward,
+    and every unit resharded."""
+    return ("# the training steps' setting back, and the gathered parameters released\n"
             + (set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n" if restore else "")
             + RESHARD_EVERY_UNIT)
 
@@ -1724,9 +1729,7 @@ def trainer_gathered_for_evaluation(restore: list[str]) -> str:
     step end (or epoch end) the Trainer evaluates after (``control.should_evaluate``, which its DefaultFlowCallback,
     first in the list, has set by then), and back, every unit resharded, when the evaluation ends
     (``on_evaluate``). ``model`` there is the Trainer's model, the one watched."""
-    back = set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n" if restore else ""
-    end = textwrap.indent("# the training steps' setting back, and the gathered parameters released\n" + back
-                          + RESHARD_EVERY_UNIT, " " * 8)
+    end = textwrap.indent(_after_evaluation(restore), " " * 8)
     return ("from transformers import TrainerCallback\n\n\n"
             "class DoctorFix(TrainerCallback):  # every unit gathered once per evaluation\n"
             "    def on_step_end(self, args, state, control, model=None, **kwargs):\n"

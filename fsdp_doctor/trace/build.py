@@ -705,7 +705,7 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
     starts, ends = ts[loader].tolist(), end[loader].tolist()
     if starts and step_spans:  # the DataLoader's own time in the complete steps (its next batch, its workers' wait)
         spans = iv.union([s for s, _ in step_spans], [e for _, e in step_spans])
-        win.loader_us = iv.intersection_measure(iv.union(list(starts), list(ends)), spans)
+        win.loader_us = iv.intersection_measure(iv.union(starts, ends), spans)
     model = special.names_where(lambda nm: nm.startswith("FSDP::") or nm.startswith(OPTIMIZER_PREFIX))[name] & ~loader
     root = special.names_where(lambda nm: nm == "FSDP::root_pre_forward")[name][model]
     fsdp = special.names_where(lambda nm: nm.startswith("FSDP::"))[name][model]
