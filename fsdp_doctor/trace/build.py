@@ -441,7 +441,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
                       steps=kept_steps, steps_dropped=ws.dropped, rank_known=rank_known,
                       backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward,
-                      world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True)
+                      world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True,
+                      model_groups=_model_groups(dist, world))
     bounds = ws.bounds
     win.step_us = {n: e - a for n, (a, e) in bounds.items()}  # a kept step ends where the next starts
     if not from_optimizer:  # (steps cut at optimizer.step() calls hold one each)
@@ -465,7 +466,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     win.nograd_forwards = nograd_forwards(spans)
     evaluating = iv.union(np.array([bounds[n][0] for n in win.nograd_forwards], dtype=float),
                           np.array([bounds[n][1] for n in win.nograd_forwards], dtype=float))
-    in_units = iv.union(spans.start.copy(), spans.end.copy()) if win.nograd_forwards else iv.EMPTY
+    in_units = (iv.union(spans.start.copy(), spans.end.copy()) if win.nograd_forwards or not win.model_groups
+                else iv.EMPTY)
     win.step_units = step_units(labels[0], labels[2], labels[3], bounds)
     win.forward_prefetched = sorted({_unit_of(p.fqn) for i in np.unique(labels[2]).tolist()
                                      if (p := parse_label(labels[3][i])) is not None and p.kind == "forward_prefetch"})
@@ -490,8 +492,12 @@ def _build_window(path: Path, trace) -> WindowTrace:
     if from_optimizer and win.window is not None:  # (the calls of the step the profiler started in are no step's)
         win.calls = [c for c in win.calls if c.start >= win.window[0]]
     _mark_calls(win.calls, optimizer_steps, "optimizer")
-    _mark_calls(win.calls, iv.union_many(iv.subtract(in_model, evaluating),
-                                         iv.intersect(iv.intersect(in_model, evaluating), in_units)), MODEL_PHASE)
+    # (with no model-parallel group, the model's collectives are those inside a unit's forward or backward: Lightning's
+    # self.log(sync_dist=True) broadcast between forward and backward read as "exposed model-parallel collectives",
+    # a new-user trial whose only groups were the world's and a tensor-parallel dimension of 1 rank)
+    _mark_calls(win.calls, iv.intersect(in_model, in_units) if not win.model_groups else
+                iv.union_many(iv.subtract(in_model, evaluating), iv.intersect(iv.intersect(in_model, evaluating),
+                                                                              in_units)), MODEL_PHASE)
     _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
                 GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
@@ -507,6 +513,16 @@ def _build_window(path: Path, trace) -> WindowTrace:
             raise EmptyLastStep(f"{why}; not analysed", rank if rank_known else None, kept_steps[0])
         raise TraceError(f"{why}; not analysed")
     return win
+
+
+def _model_groups(dist, world: Optional[int]) -> bool:
+    """Whether this rank is in a process group of more than one rank and fewer than ``world`` (distributedInfo's
+    pg_config lists the groups the rank belongs to), or may be: no distributedInfo, no group list, a group or the
+    world of unknown size. A mesh dimension over the whole world is the world's group (DeviceMesh reuses it), and
+    one of a single rank issues no collective."""
+    if dist is None or not dist.pg_config or not world:
+        return True
+    return any(g.pg_size is None or 1 < g.pg_size < world for g in dist.pg_config)
 
 
 def _roots_per_forward(ts: list[float], is_bwd: list[bool], t0: float,

@@ -74,6 +74,12 @@ class WindowTrace:
     # every process group spans the world (distributedInfo.pg_config; True where not known): a collective whose
     # trace names no group is then over the world (gloo's; on a 2-D mesh its group is not known)
     world_groups: bool = True
+    # a process group of more than one rank and fewer than the world (distributedInfo.pg_config; True where not
+    # known): a model-parallel mesh dimension (tensor, context, expert parallelism, or HSDP's) whose collectives the
+    # model may issue outside its units (a vocabulary-parallel loss's all-reduce). Without one, a collective inside
+    # the model's region but outside every unit's forward and backward is the loop's own (Lightning's
+    # self.log(sync_dist=True) between forward and backward, a token count all-reduced between micro-batches)
+    model_groups: bool = True
     clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)
     kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)
     # per complete step (fsdp_doctor.trace.steps_detail): unit -> [forward µs, backward µs] from FSDP2's labels,
