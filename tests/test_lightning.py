@@ -98,10 +98,13 @@ _TRAINER = TINY_LM + textwrap.dedent(
     import torch, torch.nn as nn
     from torch.distributed.fsdp import fully_shard
     import lightning as L
+    from lightning.pytorch.profilers import PyTorchProfiler
     from lightning.pytorch.strategies import ModelParallelStrategy
     import fsdp_doctor
 
-    out, mode = sys.argv[1], sys.argv[2]  # mode: "accumulate" (2 micro-batches a step) or "validate"
+    # mode: "accumulate" (2 micro-batches a step), "validate", or "profiled" (Lightning's own PyTorchProfiler writing
+    # its traces to out, a loss logged with sync_dist=True, no doctor)
+    out, mode = sys.argv[1], sys.argv[2]
     fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
     hooks = {}  # a fix of LightningModule hooks, as printed
     if fix and mode == "validate":
@@ -125,6 +128,8 @@ _TRAINER = TINY_LM + textwrap.dedent(
             x = batch[0]
             loss = nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
             self.losses.append(loss.item())
+            if mode == "profiled":
+                self.log("loss", loss, sync_dist=True)
             return loss
 
         def validation_step(self, batch, batch_idx):
@@ -156,10 +161,13 @@ _TRAINER = TINY_LM + textwrap.dedent(
     lm = LM()
     data = torch.utils.data.TensorDataset(torch.randint(0, V, (4 * 2 * 19, 17), generator=torch.Generator().manual_seed(1)))
     how = (dict(accumulate_grad_batches=2, limit_val_batches=0) if mode == "accumulate" else
-           dict(val_check_interval=5, num_sanity_val_steps=0))  # validate: 8 batches after every 5 steps
+           dict(val_check_interval=5, num_sanity_val_steps=0) if mode == "validate" else  # 8 batches every 5 steps
+           dict(limit_val_batches=0, profiler=PyTorchProfiler(
+               dirpath=out, filename="prof", export_to_chrome=True,
+               schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1))))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(2, 1), max_epochs=1,
-                        callbacks=[Doctor()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, **how)
+                        callbacks=[Doctor()] if mode != "profiled" else [], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, **how)
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     trainer.fit(lm, loader, torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(64)), batch_size=4))
     if trainer.global_rank == 0:
@@ -243,3 +251,24 @@ def test_trainer_validation_kept_gathered_by_the_hooks_printed(tmp_path):
     s = next(s for s in after.rules if s.code == "eval.regather")
     assert s.status == "quiet" and "stay gathered" in s.reason, (s.status, s.reason)
     assert fixed_losses == losses
+
+
+@pytest.mark.long
+def test_lightning_profiler_traces_read_the_closure_and_the_logged_loss_as_the_loops(tmp_path):
+    """Lightning's own PyTorchProfiler on its Trainer (2 gloo ranks, a loss logged with sync_dist=True), its traces
+    analysed as a user would (``fsdp-doctor analyze`` on its dirpath). The Trainer steps AdamW as
+    ``optimizer.step(closure)``, whose label holds the forward, the log's barrier and all-reduce and the backward,
+    and its profiler steps between the loss and the backward. The log's collectives read as the optimizer's own
+    (optim.step_comm: "inside optimizer.step(): the optimizer issues them ... Muon or Shampoo", on AdamW), and each
+    step's backward, before its first forward, as the loop's time outside the model: the trial read input (outside
+    the model) 13.5% of the step, host (between operators inside it) 7.8%. Now: no collective of the optimizer's, no
+    such attribution, and the backward's time between operators the model's host time (6.7% and 14.7%)."""
+    report, _ = _run(tmp_path, _TRAINER, "prof", "profiled")
+    assert len(report.overlap.per_rank) == 2, report.overlap.per_rank
+    other = [(r.rank, r.collective, r.phase) for r in report.overlap.per_unit if r.unit == "(other)"]
+    assert {c for _, c, _ in other} >= {"all_reduce", "barrier"}, other
+    assert not [o for o in other if o[2] == "optimizer"], other
+    for f in report.findings:
+        assert f.code != "optim.step_comm" or "inside optimizer.step()" not in f.evidence["attribution"], f.evidence
+    for rank, v in report.verdict.per_rank.items():
+        assert v.shares_pct["input"] < v.shares_pct["host"] and v.shares_pct["model_comm"] == 0, (rank, v.shares_pct)

@@ -22,7 +22,10 @@ from fsdp_doctor.report_sections import Report, TraceUnitRow
 from fsdp_doctor.store import load_run
 from fsdp_doctor.trace import analyze_traces, build_window
 from fsdp_doctor.trace.reader import decode
-from trace_fixtures import ProfileWindow, TraceBuilder, gloo_gather_trace, gpu_known_trace
+import numpy as np
+
+from fsdp_doctor.trace import intervals as iv
+from trace_fixtures import BASE_US, ProfileWindow, TraceBuilder, gloo_gather_trace, gpu_known_trace
 
 
 _mem = TraceBuilder.memory  # (b, ts, total, device_type=0, device_id=-1)
@@ -697,3 +700,55 @@ def test_the_window_torch_profiler_saves_at_exit_is_a_note_and_exit_0(plain_one_
         (early.name, "nothing ran in its profiler step (#2): no operator, kernel or collective; not analysed")]
     assert [f.file for f in rep.overlap.exit_windows] == [last]
     assert cli.main(["analyze", str(rerun)]) == cli.EXIT_PARTIAL
+
+
+def _closure_trace() -> TraceBuilder:
+    """A gloo trace shaped as Lightning's Trainer and its PyTorchProfiler write one (µs from T = 10000·i): each
+    iteration's ``optimizer.step(closure)`` label [T, T+9000) holds the closure, the forward of units "0" and "1"
+    [T+100, T+2300), a logged loss synced over the ranks (an all-reduce at T+2500, 200 µs: ``self.log(...,
+    sync_dist=True)``) and the backward [T+3000, T+6000), then AdamW's own work [T+7000, T+8800); the loop's
+    DataLoader [T+9200, T+9900) before the next iteration. The profiler steps after training_step, between the
+    loss and the backward: step n runs [T+2800, T+12800)."""
+    b = TraceBuilder(rank=0)
+    b.pid = b.main_tid = 100
+    for i in range(4):
+        T = 10000.0 * i
+        b.label("Optimizer.step#AdamW.step", T, 9000)
+        b.label("FSDP::root_pre_forward", T + 100, 20)
+        # (the forward's units, then the logged loss's all-reduce, then the backward's units)
+        for units, t0, every, pre, post in ((("0", "1"), T + 200, 1000, "pre_forward", "post_forward"),
+                                             (("1", "0"), T + 3000, 1500, "pre_backward", "post_backward_reduce")):
+            for k, unit in enumerate(units):
+                t = t0 + every * k
+                b.label(f"FSDP::{pre} ({unit})", t, 10)
+                b.op("aten::mm", t + 20, every - 100)
+                b.label(f"FSDP::{post} ({unit})", t + every - 70, 40)
+            if pre == "pre_forward":
+                b.op("c10d::allreduce_", T + 2500, 200)
+                b.gloo("all_reduce", T + 2510, 150)
+        b.op("aten::_foreach_add_", T + 7000, 1800)
+        b.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", T + 9200, 700)
+        if i < 3:
+            b.step(5 + i, T + 2800, 10000)
+    return b
+
+
+def test_a_closure_step_and_a_profiler_stepping_mid_pass_keep_the_model_and_the_loop_apart(tmp_path):
+    """Lightning's Trainer steps AdamW as ``optimizer.step(closure)``: the optimizer's label holds the forward, the
+    logged loss's all-reduce and the backward, and its profiler steps between the loss and the backward. A
+    new-user trial's trace read the all-reduce as the optimizer's own ("an optimizer that calls full_tensor(), such
+    as Muon", on AdamW), and each step's backward, before its first root pre-forward, as time outside the model
+    (input 13.5% of the step, host 7.8%: now 6.7% and 14.7%). Known answer, steps 5 and 6: the optimizer's own part
+    of its label is [T+5970, T+9000) (after the closure's last FSDP label), the all-reduce is no optimizer's; the
+    time outside the model per step is the optimizer's end to the next forward, [T+9000, T+10100), 1100 µs; the
+    loop's collectives between optimizer.step() and the next forward: none."""
+    from fsdp_doctor.trace import load_window
+
+    path = _closure_trace().write(tmp_path / "rank0.5.pt.trace.json.gz")
+    w = load_window(path)
+    assert w.steps == [5, 6], w.steps
+    assert [c.phase for c in w.calls if c.collective == "all_reduce"][:2] == [None, None]
+    # outside the model in step 5 [2800, 12800): the optimizer's end (9000) to the next root pre-forward (10100)
+    outside = iv.intersect(w.outside, (np.array([2800.0]) + BASE_US, np.array([12800.0]) + BASE_US))
+    assert iv.measure(outside) == pytest.approx(1100), outside
+    assert w.between_comm_us == 0

@@ -435,7 +435,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                                                     [special.names[i] for i in sp_name[lab][pre].tolist()])))
     opt = opt_at & (sp_ts < cutoff)
     loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
-    optimizer_steps = iv.union(sp_ts[opt], sp_end[opt])
+    optimizer_steps = _optimizer_own(sp_ts[opt], sp_end[opt], sp_ts[is_fsdp], sp_end[is_fsdp])  # (past the cut too)
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, steps_dropped=ws.dropped, rank_known=rank_known,
@@ -513,6 +513,27 @@ def _build_window(path: Path, trace) -> WindowTrace:
             raise EmptyLastStep(f"{why}; not analysed", rank if rank_known else None, kept_steps[0])
         raise TraceError(f"{why}; not analysed")
     return win
+
+
+def _optimizer_own(starts: np.ndarray, ends: np.ndarray, fsdp_starts: np.ndarray,
+                   fsdp_ends: np.ndarray) -> iv.Intervals:
+    """The optimizer.step() labels' intervals (``starts``, ``ends``), each less the closure it ran first: where
+    ``optimizer.step(closure)`` runs the forward and backward (Lightning's Trainer steps every optimizer so), FSDP2's
+    labels fall inside the step's label, and the optimizer's own part begins after the last of them (``fsdp_starts``,
+    ``fsdp_ends``: FSDP2's labels, any thread). Read whole, the closure's collectives outside the model (a
+    ``self.log(..., sync_dist=True)``'s barrier and all-reduce) read as the optimizer's: "an optimizer that calls
+    full_tensor(), such as Muon", a new-user trial of Lightning's profiler on AdamW; and the model's span, inside it,
+    was subtracted whole from the model's region."""
+    if not starts.size or not fsdp_starts.size:
+        return iv.union(starts, ends)
+    order = np.argsort(fsdp_starts, kind="stable")
+    fs, fe = fsdp_starts[order], fsdp_ends[order]
+    own = starts.copy()
+    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        lo, hi = np.searchsorted(fs, [a, b], side="left").tolist()
+        if hi > lo:  # a closure ran the model inside this step: its own part follows the closure's last FSDP label
+            own[i] = min(b, max(a, float(fe[lo:hi].max())))
+    return iv.union(own, ends)
 
 
 def _model_groups(dist, world: Optional[int]) -> bool:
@@ -715,7 +736,9 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
     Returns the regions of each step outside the model and outside optimizer.step() (``optimizer_steps``: its
     labels' intervals): the user's loop; the model's (each step's first root pre-forward to its last FSDP
     label's end, optimizer.step() left out); and of the loop's, those between optimizer.step() and the next forward
-    (the step's start to its first root pre-forward, its last optimizer.step()'s end to its end)."""
+    (the step's start to its first root pre-forward, its last optimizer.step()'s end to its end). A step that began
+    inside a pass (its FSDP labels before its first root pre-forward) has that pass's tail as the model's and the
+    optimizer's, and its loop from there."""
     name = np.frombuffer(special.name, dtype=np.int32)
     loader = special.names_where(lambda nm: nm.startswith(DATALOADER_PREFIX))[name]
     starts, ends = ts[loader].tolist(), end[loader].tolist()
@@ -738,11 +761,21 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             if not roots.size:
                 continue
             win.model_delimited = True
-            starts += [s0, float(fe[lo:hi].max())]
-            ends += [float(roots.min()), s1]
+            first = float(roots.min())
+            # a step the profiler began inside a pass (Lightning's profiler steps after training_step, between the
+            # forward and the backward): its FSDP labels before its first root pre-forward, and the optimizer's own
+            # time after them, are that pass's tail, the model's and the optimizer's (read as the loop's time before
+            # the forward, a new-user trial's backward counted as input and its loop's collectives' span held the
+            # next forward)
+            head = fsdp[lo:hi] & (fs[lo:hi] < first)
+            head_end = float(fe[lo:hi][head].max()) if head.any() else s0
+            opt_head = optimizer_steps[1][(optimizer_steps[0] >= s0) & (optimizer_steps[0] < first)]
+            loop_from = max(head_end, float(opt_head.max()) if opt_head.size else s0)
+            starts += [loop_from, float(fe[lo:hi].max())]
+            ends += [first, s1]
             # the loop's own regions: the step less the model (its first root pre-forward to its last FSDP label's
-            # end) and optimizer.step()
-            model_span = iv.union([float(roots.min())], [float(fe[lo:hi][fsdp[lo:hi]].max())])
+            # end, and a tail it began with) and optimizer.step()
+            model_span = iv.union([first, s0], [float(fe[lo:hi][fsdp[lo:hi]].max()), head_end])
             free = iv.subtract(iv.subtract(iv.union([s0], [s1]), model_span), optimizer_steps)
             loop += list(zip(free[0].tolist(), free[1].tolist()))
             models.append(iv.subtract(model_span, optimizer_steps))
@@ -750,8 +783,8 @@ def _outside_model(win: WindowTrace, special: _Special, ts: np.ndarray, end: np.
             # resharding), nested labels once
             win.fsdp_host_us += iv.intersection_measure(iv.union(fs[lo:hi][fsdp[lo:hi]], fe[lo:hi][fsdp[lo:hi]]),
                                                         iv.union([s0], [s1]))
-            opt_ends = optimizer_steps[1][(optimizer_steps[1] > s0) & (optimizer_steps[1] <= s1)]
-            between += [(s0, float(roots.min())), (float(opt_ends.max()) if opt_ends.size else s1, s1)]
+            opt_ends = optimizer_steps[1][(optimizer_steps[1] > first) & (optimizer_steps[1] <= s1)]
+            between += [(loop_from, first), (float(opt_ends.max()) if opt_ends.size else s1, s1)]
     win.outside = iv.union(starts, ends)
     return loop, iv.union_many(*models) if models else iv.union([], []), between
 
