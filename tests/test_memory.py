@@ -98,7 +98,10 @@ _BASE_SCRIPT = textwrap.dedent(
                 doc.step()
         with open(os.path.join(out, f"graph{rank}.json"), "w") as f:
             json.dump(counted, f)
+        dist.barrier()  # (every rank past its last collective before either tears gloo down)
         dist.destroy_process_group()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)  # (no interpreter teardown: gloo's threads abort it now and then, "terminate called without...")
 
     if __name__ == "__main__":
         from fsdp_doctor.workloads import free_port
@@ -725,7 +728,10 @@ _TRIAL_SCRIPT = textwrap.dedent('''
                 loss.backward(); opt.step(); opt.zero_grad(); doc.step()  # (the trial's loop)
         with open(os.path.join(out, f"kept{rank}.json"), "w") as f:
             json.dump(kept, f)
+        dist.barrier()  # (every rank past its last collective before either tears gloo down)
         dist.destroy_process_group()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)  # (no interpreter teardown: gloo's threads abort it now and then, "terminate called without...")
 
     if __name__ == "__main__":
         from fsdp_doctor.workloads import free_port

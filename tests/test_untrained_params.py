@@ -64,7 +64,10 @@ _SCRIPT = textwrap.dedent(
                     rest.step()
                     rest.zero_grad()
                 doctor.step()
+        dist.barrier()  # (every rank past its last collective before either tears gloo down)
         dist.destroy_process_group()
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(0)  # (no interpreter teardown: gloo's threads abort it now and then, "terminate called without...")
 
     if __name__ == "__main__":
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
