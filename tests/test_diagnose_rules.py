@@ -15,7 +15,7 @@ from fsdp_doctor.diagnose import RULES, Context, diagnose
 from fsdp_doctor.diagnose import estimate as E
 from fsdp_doctor.diagnose.snippets import IMPORTS_NOTE, SHARDING_GOES_HERE
 from fsdp_doctor.units import fmt_bytes
-from fsdp_doctor.records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
+from fsdp_doctor.records import ACCELERATE_SHARDER, TORCHTITAN_SHARDER, TRAINER_DRIVER, LIGHTNING_DRIVER, RunConfig, StepRecord, UnitConfig, UnitStep
 from fsdp_doctor.report_sections import Predicted, Report, ThroughputSection, Verdict
 
 MiB = 1 << 20
@@ -2080,6 +2080,11 @@ def test_optimizer_step_comm():
     assert f.evidence["attribution"] == "outside optimizer.step(): the Trainer's loop"
     assert "the Trainer issues them itself" in f.recommendation.text and "logging_steps=N" in f.recommendation.text
     assert "your loop" not in f.recommendation.text and f.recommendation.code == ""
+    # Lightning's Trainer (a watched LightningModule): its self.log(..., sync_dist=True), said in its words
+    (f,) = run_rule("optim.step_comm", build(overlap=few, backend="nccl", device="cuda:0", driver=LIGHTNING_DRIVER)[0])
+    assert f.evidence["attribution"] == "outside optimizer.step(): the Lightning Trainer's loop and your training_step"
+    assert "sync_dist=True" in f.recommendation.text and "on_step=False, on_epoch=True" in f.recommendation.text
+    assert "if step % N" not in f.recommendation.text and f.recommendation.code == ""
     inside = copy.deepcopy(ov)
     inside["per_unit"][0]["phase"] = "optimizer"  # issued inside optimizer.step(): the optimizer's own, no loop code
     (f,) = run_rule("optim.step_comm", build(overlap=inside, backend="nccl", device="cuda:0")[0])

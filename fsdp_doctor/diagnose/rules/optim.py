@@ -181,7 +181,9 @@ class OptimizerStepComm(Rule):
         # a Hugging Face Trainer's loop is not the user's: its own collectives are the loss gathered at each logging
         # step and the token counts (R2, a new-user trial: "your loop" read for the Trainer's)
         trainer = E.trainer_driven(ctx)
-        loop_owner = "the Trainer's loop" if trainer else "your loop"
+        lightning = E.lightning_driven(ctx)
+        loop_owner = ("the Trainer's loop" if trainer else "the Lightning Trainer's loop and your training_step"
+                      if lightning else "your loop")
         where = (f"outside optimizer.step(): {loop_owner}" if inside <= 0.5 * worst.exposed_ms else
                  "both inside optimizer.step() and outside it") if mostly_loop else "inside optimizer.step()"
         evidence = {"rank": rank, "calls_per_step": round(worst.calls, 1), "comm_ms_per_step": round(worst.comm_ms, 3),
@@ -227,6 +229,14 @@ class OptimizerStepComm(Rule):
             "steps (TrainingArguments(logging_steps=N)); a callback of yours that reduces metrics each step, every "
             "N steps too."
             if trainer else
+            # (Lightning's self.log(..., sync_dist=True) reduces each logged value over the ranks when it is logged:
+            # a barrier and an all-reduce each, in training_step, every batch)
+            f"{loop_calls:.0f} calls per step are batched: Lightning issues them for your logging. "
+            "self.log(..., sync_dist=True) in training_step reduces the value over the ranks at every batch, a "
+            "collective or two per value: log step values without sync_dist (each rank's own), or with "
+            "on_step=False, on_epoch=True, which reduces them once per epoch; a callback of yours that reduces "
+            "metrics each batch, every N batches."
+            if lightning else
             f"{loop_calls:.0f} calls per step are already batched (clip_grad_norm_ with foreach=True, or a few "
             "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
