@@ -485,6 +485,9 @@ class OverlapRank(_Section):
     # workers, or the loading itself without them). None: no complete step held one (the loop feeds batches
     # otherwise), or a report written before it
     dataloader_ms_per_step: Optional[float] = None
+    # the loop that drove the run as the trace's own labels show it: records.LIGHTNING_DRIVER where Lightning's
+    # profiler labelled its hooks (``[pl][profile]...``); None: not shown, or a report written before it
+    driver: Optional[str] = None
     # host time per step inside FSDP2's labels (record_function ``FSDP::...``: its hooks, the all-gather copy-in and
     # copy-out, the reduce-scatter's copies, resharding; nested labels once): FSDP's own host work, which grows with
     # the number of units and parameters, not with the batch. None: no complete step, or a report written before it

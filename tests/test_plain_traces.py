@@ -728,6 +728,7 @@ def _closure_trace() -> TraceBuilder:
                 b.gloo("all_reduce", T + 2510, 150)
         b.op("aten::_foreach_add_", T + 7000, 1800)
         b.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", T + 9200, 700)
+        b.label("[pl][profile]run_training_batch", T - 50, 9030)
         if i < 3:
             b.step(5 + i, T + 2800, 10000)
     return b
@@ -741,12 +742,13 @@ def test_a_closure_step_and_a_profiler_stepping_mid_pass_keep_the_model_and_the_
     (input 13.5% of the step, host 7.8%: now 6.7% and 14.7%). Known answer, steps 5 and 6: the optimizer's own part
     of its label is [T+5970, T+9000) (after the closure's last FSDP label), the all-reduce is no optimizer's; the
     time outside the model per step is the optimizer's end to the next forward, [T+9000, T+10100), 1100 µs; the
-    loop's collectives between optimizer.step() and the next forward: none."""
+    loop's collectives between optimizer.step() and the next forward: none. Lightning's profiler labels say whose
+    loop it is (WindowTrace.lightning: optim.step_comm then says Lightning's logging, not "your loop")."""
     from fsdp_doctor.trace import load_window
 
     path = _closure_trace().write(tmp_path / "rank0.5.pt.trace.json.gz")
     w = load_window(path)
-    assert w.steps == [5, 6], w.steps
+    assert w.steps == [5, 6] and w.lightning, (w.steps, w.lightning)  # (its labels: Lightning's profiler's)
     assert [c.phase for c in w.calls if c.collective == "all_reduce"][:2] == [None, None]
     # outside the model in step 5 [2800, 12800): the optimizer's end (9000) to the next root pre-forward (10100)
     outside = iv.intersect(w.outside, (np.array([2800.0]) + BASE_US, np.array([12800.0]) + BASE_US))

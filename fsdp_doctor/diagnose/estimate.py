@@ -179,8 +179,10 @@ def lightning_accumulate(ctx: Context) -> int | None:
 
 
 def lightning_driven(ctx: Context) -> bool:
-    """PyTorch Lightning's Trainer drove the run (a watched LightningModule attached to one)."""
-    return getattr(ctx.config, "driver", None) == LIGHTNING_DRIVER
+    """PyTorch Lightning's Trainer drove the run: a watched LightningModule attached to one, or a trace of its own
+    profiler's (its labels, ``OverlapRank.driver``)."""
+    return getattr(ctx.config, "driver", None) == LIGHTNING_DRIVER or any(
+        pr.driver == LIGHTNING_DRIVER for pr in overlap(ctx).per_rank.values())
 
 
 def dataloader_ms(ctx: Context, rank) -> Optional[float]:

@@ -230,7 +230,10 @@ def _stream_id(args) -> int:
         return -1
 
 
-_SPECIAL_FIRST = frozenset("FPeOcha")  # first letters of the special names: a cheap test before startswith
+_SPECIAL_FIRST = frozenset("FPeOcha[")  # first letters of the special names: a cheap test before startswith
+#: the start of Lightning's profiler labels (its PyTorchProfiler's record_functions: ``[pl][profile]run_training_batch``,
+#: ``[pl][module]...``): the Lightning Trainer drove the run (WindowTrace.lightning)
+LIGHTNING_PREFIX = "[pl]["
 # host calls that wait for the device: time the host spends in them while the device is idle is a device sync,
 # not input or launch overhead (the verdict's ``sync`` part)
 SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -304,6 +307,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     # only read where it matters, not for the bulk of operators.
     dmax = tmax = 0.0
     n_events = 0
+    lightning = False
     for events in batches:  # one list, or a streamed trace's batches (each freed once read)
         n_events += len(events)
         for e in events:
@@ -382,6 +386,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 elif n in GRAD_NORM_OPS:
                     if e.ts is not None and e.dur is not None:
                         norms.append((e.ts, e.dur))
+                elif n.startswith(LIGHTNING_PREFIX):
+                    lightning = True
+                    first = _SPECIAL_FIRST - {"["}  # (seen once is enough; "[memory]" events need no second look)
                 elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
@@ -442,7 +449,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                       backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward,
                       world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True,
-                      model_groups=_model_groups(dist, world))
+                      model_groups=_model_groups(dist, world), lightning=lightning)
     bounds = ws.bounds
     win.step_us = {n: e - a for n, (a, e) in bounds.items()}  # a kept step ends where the next starts
     if not from_optimizer:  # (steps cut at optimizer.step() calls hold one each)

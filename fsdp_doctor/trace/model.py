@@ -80,6 +80,9 @@ class WindowTrace:
     # the model's region but outside every unit's forward and backward is the loop's own (Lightning's
     # self.log(sync_dist=True) between forward and backward, a token count all-reduced between micro-batches)
     model_groups: bool = True
+    # Lightning's profiler labels in the trace (``[pl][profile]...``, ``[pl][module]...``: its PyTorchProfiler's
+    # record_functions): the Lightning Trainer drove the run, and the loop's code is its hooks and training_step
+    lightning: bool = False
     clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)
     kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)
     # per complete step (fsdp_doctor.trace.steps_detail): unit -> [forward µs, backward µs] from FSDP2's labels,

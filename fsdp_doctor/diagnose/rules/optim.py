@@ -231,7 +231,8 @@ class OptimizerStepComm(Rule):
             if trainer else
             # (Lightning's self.log(..., sync_dist=True) reduces each logged value over the ranks when it is logged:
             # a barrier and an all-reduce each, in training_step, every batch)
-            f"{loop_calls:.0f} calls per step are batched: Lightning issues them for your logging. "
+            f"{loop_calls:.0f} calls per step are batched: Lightning's, for your logging and its own work between "
+            "batches. "
             "self.log(..., sync_dist=True) in training_step reduces the value over the ranks at every batch, a "
             "collective or two per value: log step values without sync_dist (each rank's own), or with "
             "on_step=False, on_epoch=True, which reduces them once per epoch; a callback of yours that reduces "
