@@ -505,6 +505,12 @@ class OverlapRank(_Section):
     # complete steps whose ProfilerStep holds no optimizer.step() (trace.model.WindowTrace.steps_without_optimizer: a
     # loop calling prof.step() per micro-batch); empty: none, or a report written before it
     steps_without_optimizer: list[int] = []
+    # backward passes through the model per complete step, and per optimizer step as the pairs of consecutive
+    # optimizer.step() calls in the windows count them (trace.model.WindowTrace.step_backwards,
+    # backwards_per_optimizer_step; the windows' median): None where not counted (no FSDP2 root's post-backward
+    # label, fewer than two optimizer steps in a window), or a report written before them
+    backwards_per_step: Optional[float] = None
+    backwards_per_optimizer_step: Optional[float] = None
     device: str = "cpu"  # "gpu" | "cpu"
     comm_calls: int = 0
     comm_calls_on_compute_stream: int = 0

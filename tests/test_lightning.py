@@ -102,8 +102,8 @@ _TRAINER = TINY_LM + textwrap.dedent(
     from lightning.pytorch.strategies import ModelParallelStrategy
     import fsdp_doctor
 
-    # mode: "accumulate" (2 micro-batches a step), "validate", or "profiled" (Lightning's own PyTorchProfiler writing
-    # its traces to out, a loss logged with sync_dist=True, no doctor)
+    # mode: "accumulate" (2 micro-batches a step), "validate", "profiled" (Lightning's own PyTorchProfiler writing
+    # its traces to out, a loss logged with sync_dist=True, no doctor), or "profiled_accumulate" (both)
     out, mode = sys.argv[1], sys.argv[2]
     fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
     hooks = {}  # a fix of LightningModule hooks, as printed
@@ -123,12 +123,12 @@ _TRAINER = TINY_LM + textwrap.dedent(
             fully_shard(self.model, mesh=mesh)
 
         def training_step(self, batch, batch_idx):
-            if fix and mode == "accumulate":  # pasted at the top of training_step, as printed
+            if fix and "accumulate" in mode:  # pasted at the top of training_step, as printed
                 exec(fix, {"self": self, "batch_idx": batch_idx})
             x = batch[0]
             loss = nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
             self.losses.append(loss.item())
-            if mode == "profiled":
+            if "profiled" in mode:
                 self.log("loss", loss, sync_dist=True)
             return loss
 
@@ -160,13 +160,14 @@ _TRAINER = TINY_LM + textwrap.dedent(
     L.seed_everything(0)
     lm = LM()
     data = torch.utils.data.TensorDataset(torch.randint(0, V, (4 * 2 * 19, 17), generator=torch.Generator().manual_seed(1)))
-    how = (dict(accumulate_grad_batches=2, limit_val_batches=0) if mode == "accumulate" else
+    how = (dict(accumulate_grad_batches=2, limit_val_batches=0) if "accumulate" in mode else
            dict(val_check_interval=5, num_sanity_val_steps=0) if mode == "validate" else  # 8 batches every 5 steps
-           dict(limit_val_batches=0, profiler=PyTorchProfiler(
-               dirpath=out, filename="prof", export_to_chrome=True,
-               schedule=torch.profiler.schedule(wait=2, warmup=1, active=3, repeat=1))))
+           dict(limit_val_batches=0))
+    if "profiled" in mode:
+        how["profiler"] = PyTorchProfiler(dirpath=out, filename="prof", export_to_chrome=True,
+                                          schedule=torch.profiler.schedule(wait=2, warmup=1, active=4, repeat=1))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(2, 1), max_epochs=1,
-                        callbacks=[Doctor()] if mode != "profiled" else [], logger=False, enable_checkpointing=False,
+                        callbacks=[] if "profiled" in mode else [Doctor()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, **how)
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     trainer.fit(lm, loader, torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(64)), batch_size=4))
@@ -188,20 +189,27 @@ def test_trainer_accumulation_fix_said_in_training_step_and_pasted_there(tmp_pat
     ``model.model.set_requires_gradient_sync(is_last_micro_batch)`` for a loop the Trainer owns; it is said in
     training_step, its last micro-batch as the Trainer decides it (19 batches: the epoch's last steps alone), and
     pasted there the units reduce-scatter once per optimizer step, the losses unchanged."""
-    before, losses = _trainer_run(tmp_path, "trainer", "accumulate")
-    (f,) = [f for f in before.findings if f.code == "accum.sync_every_micro_batch"]
-    rec = f.recommendation
-    assert rec.where == "training_step" and set(rec.inputs) == {"batch_idx"}, (rec.where, rec.inputs)
+    _, rec = _accumulation_fix_pasted(tmp_path, "accumulate")
     assert "self.model.set_requires_gradient_sync(is_last_micro_batch)" in rec.code, rec.code
     assert "self.trainer.accumulate_grad_batches" in rec.code and "model.model" not in rec.code, rec.code
 
+
+def _accumulation_fix_pasted(tmp_path, mode: str):
+    """(the first run's report, accum.sync_every_micro_batch's fix): the Trainer run in ``mode`` (2 micro-batches a
+    step), the fix said in training_step, then pasted there as printed in a second run: the rule quiet there, the
+    losses of both runs equal."""
+    before, losses = _trainer_run(tmp_path, "before", mode)
+    (f,) = [f for f in before.findings if f.code == "accum.sync_every_micro_batch"]
+    rec = f.recommendation
+    assert rec.where == "training_step" and set(rec.inputs) == {"batch_idx"}, (rec.where, rec.inputs)
     fix = tmp_path / "fix.py"
     fix.write_text(rec.code)
-    after, fixed_losses = _trainer_run(tmp_path, "fixed", "accumulate", str(fix))
+    after, fixed_losses = _trainer_run(tmp_path, "fixed", mode, str(fix))
     s = next(s for s in after.rules if s.code == "accum.sync_every_micro_batch")
     assert s.status == "quiet" and s.reason.startswith("1 reduce-scatter per unit per step"), (s.status, s.reason)
     assert len(losses) == len(fixed_losses) == 19
     assert fixed_losses == pytest.approx(losses, rel=1e-5), (losses, fixed_losses)
+    return before, rec
 
 
 @pytest.mark.long
@@ -281,7 +289,22 @@ def test_lightning_profiler_traces_read_the_closure_and_the_logged_loss_as_the_l
         events = json.loads(path.read_text())["traceEvents"]
         backward = [e["ts"] for e in events if e.get("name", "").startswith("FSDP::pre_backward")
                     and w.window[0] <= e["ts"] < w.window[1]]
-        assert len(backward) >= 2 * 4, (path.name, len(backward))  # (2 steps, 4 units each)
+        assert len(backward) >= 3 * 4, (path.name, len(backward))  # (3 steps, 4 units each)
         starts, ends = w.outside
         inside = [t for t in backward if ((starts <= t) & (t < ends)).any()]
         assert not inside and iv.measure(w.outside) > 0, (path.name, inside)
+
+
+@pytest.mark.long
+def test_lightning_profiler_traces_find_accumulation_syncing_and_its_fix_in_training_step(tmp_path):
+    """Lightning's own profiler on its Trainer with accumulate_grad_batches=2 (ModelParallelStrategy reduce-scatters
+    every micro-batch): its profiler steps per batch, mid-pass, and the optimizer steps in every other one, so a
+    window of 3 steps held 1 or 2 optimizer.step() calls as it fell: 1.5 steps per optimizer step, and
+    accum.sync_every_micro_batch stayed quiet ("1 reduce-scatter per unit per step", a new-user trial). The backward
+    passes between two optimizer steps say 2; the fix is said in training_step on every FSDP unit (the trace does not
+    say which module configure_model sharded as the root), and pasted there as printed each unit reduce-scatters once
+    per optimizer step: the rule quiet, the losses as before."""
+    before, rec = _accumulation_fix_pasted(tmp_path, "profiled_accumulate")
+    assert {pr.backwards_per_optimizer_step for pr in before.overlap.per_rank.values()} == {2.0}
+    assert "module.set_requires_gradient_sync(is_last_micro_batch, recurse=False)" in rec.code, rec.code
+    assert "Lightning's profiler" in rec.text and "your loop calls prof.step()" not in rec.text, rec.text

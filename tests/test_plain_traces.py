@@ -702,18 +702,21 @@ def test_the_window_torch_profiler_saves_at_exit_is_a_note_and_exit_0(plain_one_
     assert cli.main(["analyze", str(rerun)]) == cli.EXIT_PARTIAL
 
 
-def _closure_trace() -> TraceBuilder:
+def _closure_trace(accumulate: int = 1) -> TraceBuilder:
     """A gloo trace shaped as Lightning's Trainer and its PyTorchProfiler write one (µs from T = 10000·i): each
     iteration's ``optimizer.step(closure)`` label [T, T+9000) holds the closure, the forward of units "0" and "1"
     [T+100, T+2300), a logged loss synced over the ranks (an all-reduce at T+2500, 200 µs: ``self.log(...,
     sync_dist=True)``) and the backward [T+3000, T+6000), then AdamW's own work [T+7000, T+8800); the loop's
     DataLoader [T+9200, T+9900) before the next iteration. The profiler steps after training_step, between the
-    loss and the backward: step n runs [T+2800, T+12800)."""
+    loss and the backward: step n runs [T+2800, T+12800). ``accumulate``: the optimizer steps after every that many
+    batches (Lightning's accumulate_grad_batches), the other batches' closures run bare; each backward ends with
+    FSDP2's root post-backward label and each unit reduce-scatters (no gradient sync switched off)."""
     b = TraceBuilder(rank=0)
     b.pid = b.main_tid = 100
-    for i in range(4):
+    for i in range(4 if accumulate == 1 else 6):
         T = 10000.0 * i
-        b.label("Optimizer.step#AdamW.step", T, 9000)
+        if (i + 1) % accumulate == 0:
+            b.label("Optimizer.step#AdamW.step", T, 9000)
         b.label("FSDP::root_pre_forward", T + 100, 20)
         # (the forward's units, then the logged loss's all-reduce, then the backward's units)
         for units, t0, every, pre, post in ((("0", "1"), T + 200, 1000, "pre_forward", "post_forward"),
@@ -723,13 +726,18 @@ def _closure_trace() -> TraceBuilder:
                 b.label(f"FSDP::{pre} ({unit})", t, 10)
                 b.op("aten::mm", t + 20, every - 100)
                 b.label(f"FSDP::{post} ({unit})", t + every - 70, 40)
+                if post == "post_backward_reduce":
+                    b.op("c10d::_reduce_scatter_base_", t + every - 65, 20)
+                    b.gloo("reduce_scatter", t + every - 60, 15)
             if pre == "pre_forward":
                 b.op("c10d::allreduce_", T + 2500, 200)
                 b.gloo("all_reduce", T + 2510, 150)
-        b.op("aten::_foreach_add_", T + 7000, 1800)
+        b.label("FSDP::root_post_backward_callback", T + 6000, 50)
+        if (i + 1) % accumulate == 0:
+            b.op("aten::_foreach_add_", T + 7000, 1800)
         b.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", T + 9200, 700)
         b.label("[pl][profile]run_training_batch", T - 50, 9030)
-        if i < 3:
+        if i < (3 if accumulate == 1 else 4):
             b.step(5 + i, T + 2800, 10000)
     return b
 
@@ -754,3 +762,47 @@ def test_a_closure_step_and_a_profiler_stepping_mid_pass_keep_the_model_and_the_
     outside = iv.intersect(w.outside, (np.array([2800.0]) + BASE_US, np.array([12800.0]) + BASE_US))
     assert iv.measure(outside) == pytest.approx(1100), outside
     assert w.between_comm_us == 0
+
+
+def test_profiler_steps_per_batch_under_accumulation_count_the_micro_batches_and_say_the_fix_in_training_step(
+        tmp_path):
+    """The closure trace with accumulate_grad_batches=2: Lightning's profiler steps once per batch (mid-pass), the
+    optimizer every other batch, so the window's 3 complete steps hold 2 optimizer.step() calls (or 1, as the window
+    falls): "1.5 profiler steps per optimizer step", and accum.sync_every_micro_batch stayed quiet with each unit
+    reduce-scattering every batch (a new-user trial). Counted by the backward passes between two optimizer steps
+    (2) over those per profiler step (1), each unit reduce-scatters 2 times per optimizer step; the fix goes into
+    training_step (the trace's Lightning labels), made on every FSDP unit the LightningModule holds, which the trace
+    does not name; run there with a stand-in Trainer it switches gradient sync off on the odd batches only."""
+    import types
+
+    from fsdp_doctor import build_report, load_run
+
+    _closure_trace(accumulate=2).write(tmp_path / "rank0.5.pt.trace.json.gz")
+    report = build_report(load_run(tmp_path))
+    pr = report.overlap.per_rank["0"]
+    assert (pr.backwards_per_step, pr.backwards_per_optimizer_step) == (1.0, 2.0), pr
+    (f,) = [f for f in report.findings if f.code == "accum.sync_every_micro_batch"]
+    assert f.evidence["reducescatters_per_unit_per_step"] == 2, f.evidence
+    rec = f.recommendation
+    assert rec.where == "training_step" and "Lightning's profiler steps once per batch" in rec.text, rec
+    assert max(map(len, rec.code.splitlines())) <= 80, rec.code
+
+    stand_in = type("FSDPModule", (), {})  # (what the fix's isinstance() reads)
+
+    class Unit(stand_in):
+        def __init__(self):
+            self.calls = []
+
+        def set_requires_gradient_sync(self, on, recurse=True):
+            self.calls.append((on, recurse))
+
+    import torch.distributed.fsdp as fsdp
+
+    units = [Unit(), Unit()]
+    for batch_idx in range(4):
+        me = types.SimpleNamespace(modules=lambda: iter(units), trainer=types.SimpleNamespace(
+            accumulate_grad_batches=2, num_training_batches=4, is_last_batch=batch_idx == 3))
+        exec(rec.code.replace("from torch.distributed.fsdp import FSDPModule", ""),
+             {"self": me, "batch_idx": batch_idx, "FSDPModule": stand_in})
+    assert "from torch.distributed.fsdp import FSDPModule" in rec.code and hasattr(fsdp, "FSDPModule")
+    assert units[0].calls == units[1].calls == [(False, False), (True, False), (False, False), (True, False)]

@@ -67,7 +67,7 @@ def diagnose(run, report, skipped: list[str] | None = None,
             S.for_trainer(f.recommendation, f.code, E.on_gpu(ctx))
     if (accumulate := E.lightning_accumulate(ctx)) is not None:  # ... and into a LightningModule's training_step
         for f in out:
-            S.for_lightning(f.recommendation, accumulate)
+            S.for_lightning(f.recommendation, accumulate, root_known=ctx.config is not None)
     if E.titan_trainer_driven(ctx):  # ... and where a user of torchtitan's own Trainer can
         for f in out:
             S.for_titan_trainer(f.recommendation, f.code, E.torchtitan_version(ctx) or "")

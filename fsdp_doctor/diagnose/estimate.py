@@ -174,8 +174,16 @@ def trainer_driven(ctx: Context) -> bool:
 
 def lightning_accumulate(ctx: Context) -> int | None:
     """PyTorch Lightning's Trainer drove the run: its accumulate_grad_batches (a loop fix goes into the
-    LightningModule's training_step: snippets.for_lightning); None: not such a run."""
-    return getattr(ctx.config, "lightning_accumulate", None) if lightning_driven(ctx) else None
+    LightningModule's training_step: snippets.for_lightning); where only its profiler's trace says so, the backward
+    passes its windows counted between two optimizer steps (the trace section's ``backwards_per_optimizer_step``);
+    None: not such a run, or not counted."""
+    if not lightning_driven(ctx):
+        return None
+    if ctx.config is not None:
+        return getattr(ctx.config, "lightning_accumulate", None)
+    counted = [pr.backwards_per_optimizer_step for pr in overlap(ctx).per_rank.values()
+               if pr.backwards_per_optimizer_step]
+    return max(1, round(statistics.median(counted))) if counted else None
 
 
 def lightning_driven(ctx: Context) -> bool:

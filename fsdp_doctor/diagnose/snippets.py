@@ -1839,20 +1839,25 @@ def for_trainer(rec, finding: str = "", gpu: bool = True) -> None:
 LAST_MICRO_BATCH = "is_last_micro_batch"
 
 
-def for_lightning(rec, accumulate: int) -> None:
+def for_lightning(rec, accumulate: int, root_known: bool = True) -> None:
     """A loop fix keyed to the last micro-batch (its input ``is_last_micro_batch``) of a run PyTorch Lightning's
     Trainer drove (``Recommendation``, changed in place): the Trainer runs the loop, so the fix goes into the
     LightningModule's training_step, which runs before each micro-batch's backward, its last micro-batch said as the
     Trainer decides it (its training epoch loop: the batch whose count in the epoch is a multiple of
     accumulate_grad_batches, or the epoch's last), and ``model`` there is ``self``. A new-user trial's Trainer with
     accumulate_grad_batches=2 under ModelParallelStrategy read "model.model.set_requires_gradient_sync(
-    is_last_micro_batch)" for the user's loop, which the Trainer owns."""
-    if rec.code and rec.where == "evaluation" and EVALUATE_CALL in rec.code:
+    is_last_micro_batch)" for the user's loop, which the Trainer owns. Where the run is only the trace of Lightning's
+    profiler (``root_known`` False: which module of the LightningModule is the FSDP root the trace does not say), each
+    call on the model is made on every FSDP module the LightningModule holds (``recurse=False``); a fix of other
+    lines is left as it was."""
+    if rec.code and rec.where == "evaluation" and EVALUATE_CALL in rec.code and root_known:
         _lightning_validation(rec)
         return
     if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
         return
-    lines = _on_self(rec.code)
+    lines = _on_self(rec.code) if root_known else _on_fsdp_modules(rec.code)
+    if lines is None:
+        return
     rec.code = "\n".join([
         *comment(f"Lightning's Trainer steps the optimizer after every {accumulate} batches "
                  "(accumulate_grad_batches) and after the epoch's last"),
@@ -1861,10 +1866,30 @@ def for_lightning(rec, accumulate: int) -> None:
         "    or batch_idx + 1 == self.trainer.num_training_batches",
         "    or self.trainer.is_last_batch)",
         *lines])
+    if not root_known:
+        rec.code = complete(rec.code, define_mesh=False)  # (FSDPModule's import)
     rec.where = "training_step"
     rec.inputs = {"batch_idx": "training_step's argument: the batch's index in the epoch"}
     rec.text += (" Lightning's Trainer runs the loop: the lines go into your LightningModule's training_step, which "
                  "runs before each micro-batch's backward.")
+
+
+def _on_fsdp_modules(code: str) -> list[str] | None:
+    """``code``'s calls on the watched model (``model.METHOD(ARGS)``, each a line of its own) made on every FSDP module
+    of a LightningModule (``self``) instead, each with ``recurse=False`` (the loop reaches them all); comment lines as
+    they were. None where a line is neither (the fix is left as it was)."""
+    out, calls = [], []
+    for ln in code.splitlines():
+        if ln.lstrip().startswith("#") or not ln.strip():
+            out.append(ln)
+        elif m := re.fullmatch(rf"{ROOT}\.(\w+)\((.+?)\)(\s*#.*)?", ln.strip()):
+            calls.append(f"        module.{m.group(1)}({m.group(2)}, recurse=False){m.group(3) or ''}")
+        else:
+            return None
+    if not calls:
+        return None
+    return [*out, "for module in self.modules():  # every FSDP unit, as configure_model made them",
+            "    if isinstance(module, FSDPModule):", *calls]
 
 
 def _on_self(code: str) -> list[str]:

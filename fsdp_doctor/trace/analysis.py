@@ -281,8 +281,14 @@ MICRO_BATCH_STEPS_MIN = 2.0
 
 
 def steps_per_optimizer_step(pr) -> Optional[float]:
-    """A rank's complete profiler steps per optimizer.step() (``OverlapRank``: its steps less those whose
-    ProfilerStep holds no optimizer.step(), ``steps_without_optimizer``); None where none holds one."""
+    """A rank's complete profiler steps per optimizer.step(): its backward passes per optimizer step over those per
+    profiler step where the windows counted both (``OverlapRank.backwards_per_optimizer_step``, ``backwards_per_step``:
+    a window of 3 profiler steps per micro-batch, 2 micro-batches an optimizer step, held 1 or 2 calls as the window
+    fell, and read 1.5 or 3: Lightning's profiler, accum.sync_every_micro_batch quiet, a new-user trial); else its
+    steps less those whose ProfilerStep holds no optimizer.step() (``steps_without_optimizer``); None where none
+    holds one."""
+    if pr.backwards_per_optimizer_step and pr.backwards_per_step:
+        return pr.backwards_per_optimizer_step / pr.backwards_per_step
     with_opt = pr.step_count - len(pr.steps_without_optimizer)
     return pr.step_count / with_opt if with_opt > 0 else None
 
@@ -393,6 +399,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
     calls: dict = defaultdict(list)
     in_steps: dict = defaultdict(dict)  # rank -> (unit, collective, phase) -> [calls, comm µs, exposed µs] in steps
     times: dict[str, dict] = defaultdict(dict)  # rank -> complete step -> µs, over its windows
+    per_opt: dict[str, list] = {}  # rank -> its windows' backward passes per optimizer step
     for w in windows:
         times[str(w.rank)].update(w.step_us)
     odd = {k: atypical_steps(t) for k, t in times.items()}
@@ -426,6 +433,9 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.forward_prefetched = sorted(set(pr.forward_prefetched) | set(w.forward_prefetched))
         pr.nograd_forwards = {**pr.nograd_forwards, **{str(n): c for n, c in w.nograd_forwards.items()}}
         pr.steps_without_optimizer = sorted(set(pr.steps_without_optimizer) | set(w.steps_without_optimizer))
+        pr.backwards_per_step = (pr.backwards_per_step or 0.0) + w.step_backwards  # (sums until divided)
+        if w.backwards_per_optimizer_step is not None:
+            per_opt.setdefault(k, []).append(w.backwards_per_optimizer_step)
         pr.comm_ms_on_compute_stream_per_step = ((pr.comm_ms_on_compute_stream_per_step or 0.0)
                                                  + on_compute_stream_us(w) / 1e3)
         if w.device_lag_us > 0:
@@ -449,6 +459,9 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
             setattr(pr, f, getattr(pr, f) / pr.step_count if pr.step_count else None)
         if pr.dataloader_ms_per_step is not None:
             pr.dataloader_ms_per_step = round(pr.dataloader_ms_per_step / pr.step_count, 4) if pr.step_count else None
+        pr.backwards_per_step = (round(pr.backwards_per_step / pr.step_count, 4) if pr.step_count and
+                                 pr.backwards_per_step else None)
+        pr.backwards_per_optimizer_step = float(np.median(per_opt[k])) if k in per_opt else None
         _per_step(pr, sums["breakdown"].get(k))
     rows = []
     for rank in sorted(calls):

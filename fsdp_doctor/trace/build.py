@@ -458,6 +458,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
                                                                            & (opt_starts < bounds[n][1]))]
     if kept_steps:
         win.window = (bounds[kept_steps[0]][0], bounds[kept_steps[-1]][1])
+    root_bwd = special.names_where(lambda nm: nm == "FSDP::root_post_backward_callback")[sp_name]
+    win.step_backwards, win.backwards_per_optimizer_step = _backwards_counted(
+        sp_end[root_bwd], optimizer_steps, [bounds[n] for n in kept_steps])
     loop, in_model, between = _outside_model(win, special, sp_ts, sp_end,
                                              [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
@@ -541,6 +544,19 @@ def _optimizer_own(starts: np.ndarray, ends: np.ndarray, fsdp_starts: np.ndarray
         if hi > lo:  # a closure ran the model inside this step: its own part follows the closure's last FSDP label
             own[i] = min(b, max(a, float(fe[lo:hi].max())))
     return iv.union(own, ends)
+
+
+def _backwards_counted(ends: np.ndarray, optimizer_steps: iv.Intervals, spans: list) -> tuple[int, Optional[float]]:
+    """(the backward passes ending in the complete steps ``spans``, the median of the backward passes between two
+    consecutive optimizer.step() calls' own parts; None under two calls): ``ends``, the end of each backward's
+    ``FSDP::root_post_backward_callback`` label."""
+    ends = np.sort(ends)
+    in_steps = sum(int(np.count_nonzero((ends >= a) & (ends < b))) for a, b in spans)
+    starts = optimizer_steps[0]
+    if starts.size < 2 or not ends.size:
+        return in_steps, None
+    between = [int(np.count_nonzero((ends >= a) & (ends < b))) for a, b in zip(starts[:-1], starts[1:])]
+    return in_steps, float(np.median(between))
 
 
 def _model_groups(dist, world: Optional[int]) -> bool:

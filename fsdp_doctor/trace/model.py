@@ -114,6 +114,12 @@ class WindowTrace:
     # complete steps whose ProfilerStep holds no optimizer.step() (a loop calling prof.step() per micro-batch of
     # gradient accumulation); steps cut at optimizer.step() calls hold one each
     steps_without_optimizer: list = field(default_factory=list)
+    # backward passes through the model (FSDP2's ``FSDP::root_post_backward_callback``, one each) ending in the
+    # complete steps, and between two optimizer.step() calls (the median over the trace's pairs of consecutive calls,
+    # the optimizer's own part of each: build._optimizer_own; None under two calls): the micro-batches per optimizer
+    # step however the profiler stepped (per micro-batch, or mid-pass as Lightning's profiler does)
+    step_backwards: int = 0
+    backwards_per_optimizer_step: Optional[float] = None
     # the units FSDP2 all-gathered ahead in forward (its ``FSDP::forward_prefetch for <unit>`` labels, "(root)" for the
     # root's): FSDP2 prefetches in forward only where set_modules_to_forward_prefetch set a list (in backward its
     # implicit prefetch is labelled too)

@@ -171,8 +171,10 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         grow = None if unsharded is None else unsharded - (freed or 0) - (held or 0)
         sev = "warning" if share is None or share >= 0.05 else "info"
         if micro_steps:
+            stepper = ("Lightning's profiler steps once per batch" if E.lightning_driven(ctx) else
+                       "your loop calls prof.step() per micro-batch")
             text = (f"Each unit reduce-scatters its gradients once per profiler step, and the profiled steps hold "
-                    f"one optimizer.step() per {per_opt:.0f} of them: your loop calls prof.step() per micro-batch, "
+                    f"one optimizer.step() per {per_opt:.0f} of them: {stepper}, "
                     f"so each step of this report is a micro-batch, and each unit reduce-scatters {n:.0f} times per "
                     f"optimizer step (those the window saw): {comm:.1f} ms of reduce-scatters per profiled step, "
                     f"{exposed:.1f} ms of it exposed. ")
