@@ -694,6 +694,9 @@ FIX_PLACES = {
     # a loop fix where PyTorch Lightning's Trainer runs the loop (snippets.for_lightning)
     "training_step": "in your LightningModule's training_step(self, batch, batch_idx), before it returns the loss",
     "lightning_module": "in your LightningModule's class body",
+    # a fix on the model where Lightning's Trainer built it (snippets.LIGHTNING_MODEL_PLACES)
+    "configure_model": "in your LightningModule's configure_model(self), after your fully_shard calls",
+    "configure_model_plan": "in your LightningModule's configure_model(self), in place of your fully_shard calls",
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
     "torchtitan": "torchtitan's job config",
     "titan_registry": "in your torchtitan config_registry function, on the Trainer.Config it returns",

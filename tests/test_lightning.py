@@ -106,6 +106,7 @@ _TRAINER = TINY_LM + textwrap.dedent(
     # its traces to out, a loss logged with sync_dist=True, no doctor), or "profiled_accumulate" (both)
     out, mode = sys.argv[1], sys.argv[2]
     fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
+    where = sys.argv[4] if len(sys.argv) > 4 else "training_step"  # where the fix goes, as its report said
     hooks = {}  # a fix of LightningModule hooks, as printed
     if fix and mode == "validate":
         exec(fix, hooks)
@@ -117,13 +118,18 @@ _TRAINER = TINY_LM + textwrap.dedent(
             self.losses = []
 
         def configure_model(self):
+            if fix and where == "configure_model_plan":  # in place of the fully_shard calls, as printed
+                exec(fix, {"self": self})
+                return
             mesh = self.device_mesh["data_parallel"]
             for b in self.model.blocks:
                 fully_shard(b, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
+            if fix and where == "configure_model":  # after them, as printed
+                exec(fix, {"self": self})
 
         def training_step(self, batch, batch_idx):
-            if fix and "accumulate" in mode:  # pasted at the top of training_step, as printed
+            if fix and "accumulate" in mode and where == "training_step":  # at its top, as printed
                 exec(fix, {"self": self, "batch_idx": batch_idx})
             x = batch[0]
             loss = nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
@@ -177,8 +183,8 @@ _TRAINER = TINY_LM + textwrap.dedent(
 )
 
 
-def _trainer_run(tmp_path, name: str, mode: str, fix: str = ""):
-    report, out = _run(tmp_path, _TRAINER, name, mode, fix)
+def _trainer_run(tmp_path, name: str, mode: str, fix: str = "", where: str = ""):
+    report, out = _run(tmp_path, _TRAINER, name, mode, fix, where)
     return report, json.loads(next(ln for ln in out.splitlines() if ln.startswith("LOSSES "))[len("LOSSES "):])
 
 
@@ -308,3 +314,25 @@ def test_lightning_profiler_traces_find_accumulation_syncing_and_its_fix_in_trai
     assert {pr.backwards_per_optimizer_step for pr in before.overlap.per_rank.values()} == {2.0}
     assert "module.set_requires_gradient_sync(is_last_micro_batch, recurse=False)" in rec.code, rec.code
     assert "Lightning's profiler" in rec.text and "your loop calls prof.step()" not in rec.text, rec.text
+
+
+@pytest.mark.long
+def test_trainer_model_fixes_said_and_pasted_in_configure_model(tmp_path):
+    """A fix on the sharded model (prefetch.sync_unshard's) and a sharding plan (wrap.params_in_root's) where
+    Lightning's Trainer built the model: they read ``for module in model.modules()`` "after your fully_shard calls"
+    and ``fully_shard(model.model.emb, ...)`` "in place of your fully_shard calls", with no ``model`` in a
+    LightningModule's configure_model. Said there now, on self, and pasted there as printed: each finding gone, the
+    plan's units the root's former modules, the losses as before."""
+    before, losses = _trainer_run(tmp_path, "before", "accumulate")
+    fixes = {f.code: f.recommendation for f in before.findings}
+    for code, where, name in (("prefetch.sync_unshard", "configure_model", "async"),
+                              ("wrap.params_in_root", "configure_model_plan", "plan")):
+        rec = fixes[code]
+        assert rec.where == where and "self." in rec.code and "model.model" not in rec.code, (code, rec.where, rec.code)
+        fix = tmp_path / f"{name}.py"
+        fix.write_text(rec.code)
+        after, fixed_losses = _trainer_run(tmp_path, name, "accumulate", str(fix), where)
+        assert code not in {f.code for f in after.findings}, (code, [f.code for f in after.findings])
+        assert fixed_losses == pytest.approx(losses, rel=1e-5), (code, losses, fixed_losses)
+        if name == "plan":
+            assert {"model.emb", "model.head"} <= {u.name for u in after.units}, [u.name for u in after.units]

@@ -65,10 +65,18 @@ def test_pasted_fix_syncs_where_the_trainer_steps_the_optimizer():
         me = types.SimpleNamespace(trainer=trainer, model=types.SimpleNamespace(set_requires_gradient_sync=calls.append))
         exec(rec.code, {"self": me, "batch_idx": batch_idx})
     assert calls == [False, False, True, False, False, True, True], calls
-    # a fix not keyed to the last micro-batch, or not in the loop, is left as it was
-    other = Recommendation(text="t", code="model.set_reshard_after_forward(False)", where="sharded")
+    # a fix neither keyed to the last micro-batch nor on the model is left as it was
+    other = Recommendation(text="t", code="optimizer.zero_grad()", where="optimizer")
     S.for_lightning(other, 3)
-    assert (other.code, other.where) == ("model.set_reshard_after_forward(False)", "sharded")
+    assert (other.code, other.where) == ("optimizer.zero_grad()", "optimizer")
+    # one on the sharded model goes into configure_model, on self (tests/test_lightning.py pastes two there), where
+    # the records say the root; where only Lightning's profiler's trace says who drove the run, it is left as it was
+    on_model = Recommendation(text="t", code="model.set_reshard_after_forward(False)", where="sharded")
+    S.for_lightning(on_model, 3)
+    assert (on_model.code, on_model.where) == ("self.set_reshard_after_forward(False)", "configure_model")
+    traced = Recommendation(text="t", code="model.set_reshard_after_forward(False)", where="sharded")
+    S.for_lightning(traced, 3, root_known=False)
+    assert (traced.code, traced.where) == ("model.set_reshard_after_forward(False)", "sharded")
 
 
 def test_trace_units_read_as_the_records_units_under_a_module_holding_the_root():

@@ -1853,6 +1853,9 @@ def for_lightning(rec, accumulate: int, root_known: bool = True) -> None:
     if rec.code and rec.where == "evaluation" and EVALUATE_CALL in rec.code and root_known:
         _lightning_validation(rec)
         return
+    if rec.code and rec.where in LIGHTNING_MODEL_PLACES and root_known:
+        _lightning_configure_model(rec)
+        return
     if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
         return
     lines = _on_self(rec.code) if root_known else _on_fsdp_modules(rec.code)
@@ -1897,6 +1900,22 @@ def _on_self(code: str) -> list[str]:
     lines as they were."""
     return [ln if ln.lstrip().startswith("#") else re.sub(rf"(?<![\w.'\"]){ROOT}\b", "self", ln)
             for ln in code.splitlines()]
+
+
+#: where a fix on the model goes -> where it goes in a LightningModule: its configure_model builds the units
+LIGHTNING_MODEL_PLACES = {"sharded": "configure_model", "unsharded": "configure_model_plan"}
+
+
+def _lightning_configure_model(rec) -> None:
+    """A fix on the sharded model (``sharded``), or a sharding plan in place of the user's fully_shard calls
+    (``unsharded``), where Lightning's Trainer drove the run: the LightningModule's configure_model shards its model,
+    and ``model`` there is ``self`` (the watched LightningModule, which the units are named from). A new-user trial's
+    prefetch.sync_unshard fix read ``for module in model.modules()`` "after your fully_shard calls", where no
+    ``model`` exists."""
+    rec.code = "\n".join(_on_self(rec.code))
+    rec.where = LIGHTNING_MODEL_PLACES[rec.where]
+    rec.text += (" Lightning's Trainer builds the model: the lines go into your LightningModule's configure_model, "
+                 "where the model is self.")
 
 
 def _lightning_validation(rec) -> None:
