@@ -707,7 +707,8 @@ def _closure_trace(accumulate: int = 1) -> TraceBuilder:
     iteration's ``optimizer.step(closure)`` label [T, T+9000) holds the closure, the forward of units "0" and "1"
     [T+100, T+2300), a logged loss synced over the ranks (an all-reduce at T+2500, 200 µs: ``self.log(...,
     sync_dist=True)``) and the backward [T+3000, T+6000), then AdamW's own work [T+7000, T+8800); the loop's
-    DataLoader [T+9200, T+9900) before the next iteration. The profiler steps after training_step, between the
+    DataLoader [T+9200, T+9900) before the next iteration; between the closure and AdamW, Lightning's gradient
+    clipping [T+6100, T+6700), its norm's all-reduce at T+6200. The profiler steps after training_step, between the
     loss and the backward: step n runs [T+2800, T+12800). ``accumulate``: the optimizer steps after every that many
     batches (Lightning's accumulate_grad_batches), the other batches' closures run bare; each backward ends with
     FSDP2's root post-backward label and each unit reduce-scatters (no gradient sync switched off)."""
@@ -733,6 +734,11 @@ def _closure_trace(accumulate: int = 1) -> TraceBuilder:
                 b.op("c10d::allreduce_", T + 2500, 200)
                 b.gloo("all_reduce", T + 2510, 150)
         b.label("FSDP::root_post_backward_callback", T + 6000, 50)
+        if (i + 1) % accumulate == 0:  # Lightning's gradient clipping, after the closure: the norm's all-reduce
+            b.label("[pl][profile][LightningModule]LM.configure_gradient_clipping", T + 6100, 600)
+            b.op("aten::linalg_vector_norm", T + 6150, 300)
+            b.op("c10d::allreduce_", T + 6200, 100)
+            b.gloo("all_reduce", T + 6210, 80)
         if (i + 1) % accumulate == 0:
             b.op("aten::_foreach_add_", T + 7000, 1800)
         b.label("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", T + 9200, 700)
@@ -750,14 +756,17 @@ def test_a_closure_step_and_a_profiler_stepping_mid_pass_keep_the_model_and_the_
     (input 13.5% of the step, host 7.8%: now 6.7% and 14.7%). Known answer, steps 5 and 6: the optimizer's own part
     of its label is [T+5970, T+9000) (after the closure's last FSDP label), the all-reduce is no optimizer's; the
     time outside the model per step is the optimizer's end to the next forward, [T+9000, T+10100), 1100 µs; the
-    loop's collectives between optimizer.step() and the next forward: none. Lightning's profiler labels say whose
+    loop's collectives between optimizer.step() and the next forward: none; the clipping's norm the clipping's, not
+    the optimizer's own (Lightning clips inside optimizer.step()). Lightning's profiler labels say whose
     loop it is (WindowTrace.lightning: optim.step_comm then says Lightning's logging, not "your loop")."""
     from fsdp_doctor.trace import load_window
 
     path = _closure_trace().write(tmp_path / "rank0.5.pt.trace.json.gz")
     w = load_window(path)
     assert w.steps == [5, 6] and w.lightning, (w.steps, w.lightning)  # (its labels: Lightning's profiler's)
-    assert [c.phase for c in w.calls if c.collective == "all_reduce"][:2] == [None, None]
+    # the logged loss's all-reduce the loop's, the clipping norm's the clipping's, in both steps (the optimizer's
+    # before: "an optimizer that gathers whole matrices", on AdamW)
+    assert [c.phase for c in w.calls if c.collective == "all_reduce"][:4] == [None, "grad_norm"] * 2
     # outside the model in step 5 [2800, 12800): the optimizer's end (9000) to the next root pre-forward (10100)
     outside = iv.intersect(w.outside, (np.array([2800.0]) + BASE_US, np.array([12800.0]) + BASE_US))
     assert iv.measure(outside) == pytest.approx(1100), outside

@@ -234,6 +234,10 @@ _SPECIAL_FIRST = frozenset("FPeOcha[")  # first letters of the special names: a 
 #: the start of Lightning's profiler labels (its PyTorchProfiler's record_functions: ``[pl][profile]run_training_batch``,
 #: ``[pl][module]...``): the Lightning Trainer drove the run (WindowTrace.lightning)
 LIGHTNING_PREFIX = "[pl]["
+#: the end of its label around the gradient clipping (``...LightningModule]MyModule.configure_gradient_clipping``),
+#: which its precision plugin runs inside optimizer.step(closure), after the closure: the clipping's, not the
+#: optimizer's (its norm's all-reduce read as "an optimizer that gathers whole matrices", on AdamW)
+LIGHTNING_CLIPPING = ".configure_gradient_clipping"
 # host calls that wait for the device: time the host spends in them while the device is idle is a device sync,
 # not input or launch overhead (the verdict's ``sync`` part)
 SYNC_NAMES = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -290,6 +294,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
     syncs: list[tuple[float, float]] = []  # (ts, dur) of the host's device syncs, in the trace's unit
     device_syncs: list[float] = []  # the starts of those that wait for the whole device (DEVICE_SYNC_NAMES)
     norms: list[tuple[float, float]] = []  # (ts, dur) of the host's norm operators (GRAD_NORM_OPS)
+    # (ts, dur) of Lightning's gradient clipping labels: inside optimizer.step(closure), after the closure
+    clipping: list[tuple[float, float]] = []
     # the [memory] instants: ts, total, device type, id, the block's bytes (negative: a free) and address (-1:
     # not given)
     mem = (array("d"), array("d"), array("q"), array("q"), array("q"), array("q"))
@@ -388,7 +394,8 @@ def _build_window(path: Path, trace) -> WindowTrace:
                         norms.append((e.ts, e.dur))
                 elif n.startswith(LIGHTNING_PREFIX):
                     lightning = True
-                    first = _SPECIAL_FIRST - {"["}  # (seen once is enough; "[memory]" events need no second look)
+                    if n.endswith(LIGHTNING_CLIPPING) and e.ts is not None and e.dur is not None:
+                        clipping.append((e.ts, e.dur))
                 elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
@@ -442,7 +449,11 @@ def _build_window(path: Path, trace) -> WindowTrace:
                                                     [special.names[i] for i in sp_name[lab][pre].tolist()])))
     opt = opt_at & (sp_ts < cutoff)
     loop_marks = (np.sort(sp_ts[lab][fwd]), np.sort(sp_ts[lab][bwd]), np.sort(sp_ts[opt]))
-    optimizer_steps = _optimizer_own(sp_ts[opt], sp_end[opt], sp_ts[is_fsdp], sp_end[is_fsdp])  # (past the cut too)
+    own_steps = _optimizer_own(sp_ts[opt], sp_end[opt], sp_ts[is_fsdp], sp_end[is_fsdp])  # (past the cut too)
+    optimizer_steps = own_steps
+    if clipping:  # (Lightning's clipping inside optimizer.step(closure): the clipping's, its norm marked so below)
+        optimizer_steps = iv.subtract(own_steps, iv.union([ts * scale for ts, _ in clipping],
+                                                          [(ts + d) * scale for ts, d in clipping]))
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, steps_dropped=ws.dropped, rank_known=rank_known,
@@ -460,7 +471,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
         win.window = (bounds[kept_steps[0]][0], bounds[kept_steps[-1]][1])
     root_bwd = special.names_where(lambda nm: nm == "FSDP::root_post_backward_callback")[sp_name]
     win.step_backwards, win.backwards_per_optimizer_step = _backwards_counted(
-        sp_end[root_bwd], optimizer_steps, [bounds[n] for n in kept_steps])
+        sp_end[root_bwd], own_steps, [bounds[n] for n in kept_steps])
     loop, in_model, between = _outside_model(win, special, sp_ts, sp_end,
                                              [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
     win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
