@@ -166,6 +166,8 @@ def build_report(run: Run, *, progress: Optional[Callable[[int, int], None]] = N
                 # note, not a problem; as a skipped file it made analyze exit 3 under schedule(..., repeat=0), which
                 # failed a new-user trial's CI check of the exit code)
                 report.run.notes = [*(report.run.notes or []), *_exit_window_notes(report.overlap.exit_windows)]
+            if report.overlap.evaluation_windows:  # (a note: the files are read, their steps are not training's)
+                report.run.notes = [*(report.run.notes or []), _evaluation_windows_note(report.overlap)]
             if not run.has_records and (note := _nograd_note(report.overlap)):  # (records: eval.regather's)
                 report.run.notes = [*(report.run.notes or []), note]
             if not run.has_records and (note := _micro_batch_note(report.overlap)):  # (records count optimizer steps)
@@ -228,6 +230,16 @@ def _nograd_note(overlap) -> Optional[str]:
             "evaluation or generation inside them): their all-gathers and compute are in these figures, the units' "
             "forward times, the exposed all-gathers and the verdict (watch()'s records tell them apart: "
             "eval.regather)")
+
+
+def _evaluation_windows_note(overlap) -> str:
+    """What became of the trace files whose every step only evaluated, beside their rank's training windows
+    (``OverlapSection.evaluation_windows``)."""
+    files = [f for fs in overlap.evaluation_windows.values() for f in fs]
+    ranks = ", ".join(sorted(overlap.evaluation_windows, key=int))
+    return (f"{len(files)} trace file(s) of rank(s) {ranks} hold only forward passes without a backward or an "
+            f"optimizer step (an evaluation's own profiler window, as Lightning's profiler writes for validation_step: "
+            f"{files[0]}{', ...' if len(files) > 1 else ''}): left out of the training figures")
 
 
 def _micro_batch_note(overlap) -> Optional[str]:

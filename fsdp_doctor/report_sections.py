@@ -636,6 +636,10 @@ class OverlapSection(_Section):
     kernels: dict[str, KernelStats] = {}  # GPU ranks: compute kernels by class
     files: list[str] = []  # trace files read
     skipped: list[SkippedFile] = []  # trace files that could not be read
+    # rank -> its trace files whose every complete step ran forwards without a backward or an optimizer step (an
+    # evaluation's own profiler window: Lightning's PyTorchProfiler writes one for validation_step), left out of the
+    # training figures beside that rank's training windows (trace.analysis.training_windows)
+    evaluation_windows: dict[str, list[str]] = {}
     # trace files whose one profiler step ran nothing, each its rank's last: the window torch.profiler saves at its
     # exit where its schedule was recording (trace.reader.EmptyLastStep); not analysed, and no problem (a note)
     exit_windows: list[SkippedFile] = []

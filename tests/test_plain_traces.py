@@ -815,3 +815,37 @@ def test_profiler_steps_per_batch_under_accumulation_count_the_micro_batches_and
              {"self": me, "batch_idx": batch_idx, "FSDPModule": stand_in})
     assert "from torch.distributed.fsdp import FSDPModule" in rec.code and hasattr(fsdp, "FSDPModule")
     assert units[0].calls == units[1].calls == [(False, False), (True, False), (False, False), (True, False)]
+
+
+def test_an_evaluation_only_window_beside_training_windows_is_left_out_of_the_training_figures(tmp_path):
+    """Lightning's PyTorchProfiler writes a trace for validation_step beside training_step's, on every rank: read as
+    one window set, its validation batch was a profiled step ("1 of 2 profiled steps hold no optimizer.step():
+    prof.step() called per micro-batch", the training step "7x the other profiled steps": a new-user trial). A window
+    whose every complete step ran forwards without a backward or an optimizer step is left out of its rank's
+    training figures, said in one note; a rank whose windows all evaluate keeps them."""
+    from fsdp_doctor import build_report, load_run
+
+    _closure_trace().write(tmp_path / "run" / "rank0.train.pt.trace.json.gz")
+    val = _passes_trace([False])  # steps 5-7, a forward each, no backward, no optimizer
+    for i in range(3):  # each unit's all-gather in its pre-forward (FSDP2's, as a validation forward issues them)
+        for k, unit in enumerate(("0", "1")):
+            t = 20000.0 * i + 600 * k
+            val.label(f"FSDP::all_gather ({unit})", t + 11, 3)
+            val.op("c10d::_allgather_base_", t + 12, 2, **{"Input Dims": [[200], [100]],
+                                                           "Input type": ["float", "float"]})
+            val.gloo("all_gather", t + 12, 2)
+    for e in val.events:
+        e["ts"] += 100_000.0  # (after the training window: another profiler session of the same run)
+        if e["name"].startswith("ProfilerStep#"):
+            e["name"] = f"ProfilerStep#{int(e['name'][13:]) + 4}"
+    val.write(tmp_path / "run" / "rank0.val.pt.trace.json.gz")
+    report = build_report(load_run(tmp_path / "run"))
+    assert report.overlap.evaluation_windows == {"0": ["rank0.val.pt.trace.json.gz"]}
+    pr = report.overlap.per_rank["0"]
+    assert pr.steps == [5, 6] and pr.steps_without_optimizer == [] and not pr.nograd_forwards, pr
+    notes = [n for n in report.run.notes if "left out of the training figures" in n]
+    assert len(notes) == 1 and "rank0.val.pt.trace.json.gz" in notes[0], report.run.notes
+    assert not [n for n in report.run.notes if "micro-batches" in n], report.run.notes
+    val.write(tmp_path / "alone" / "rank0.val.pt.trace.json.gz")  # evaluation alone: what there is, analysed
+    alone = build_report(load_run(tmp_path / "alone"))
+    assert alone.overlap.evaluation_windows == {} and alone.overlap.per_rank["0"].steps == [9, 10]

@@ -380,10 +380,35 @@ def analyze_windows(windows: list[WindowTrace], ended: Optional[dict[int, float]
     if ranks:
         windows = [replace(w, rank=ranks.get(w.rank, w.rank)) for w in windows]
     kept, skipped = admit(windows, ended, started)
+    kept, evaluation = training_windows(kept)
     with _gc_paused():  # tens of thousands of (call, exposure) pairs: no cycles, nothing for the GC to find
         result = _analyze_windows(kept)
     result.skipped = skipped
+    result.evaluation_windows = evaluation
     return result
+
+
+def evaluation_only(w: WindowTrace) -> bool:
+    """Every complete step of the window ran forwards without a backward and no optimizer.step(): an evaluation's
+    own profiler window."""
+    return bool(w.steps) and all(n in w.nograd_forwards and n in w.steps_without_optimizer for n in w.steps)
+
+
+def training_windows(windows: list[WindowTrace]) -> tuple[list[WindowTrace], dict[str, list[str]]]:
+    """(the windows the training figures read, rank -> the files of its evaluation-only windows left out): a rank's
+    evaluation-only windows go where it has a training window too (Lightning's PyTorchProfiler writes a window for
+    validation_step beside training_step's: its validation batch read as a profiled step, "1 of 2 hold no
+    optimizer.step(): prof.step() called per micro-batch" and the training step "7x the other profiled steps", a
+    new-user trial); a rank with evaluation windows alone keeps them (a profiled evaluation is what there is)."""
+    training = {w.rank for w in windows if not evaluation_only(w)}
+    left: dict[str, list[str]] = {}
+    kept = []
+    for w in windows:
+        if w.rank in training and evaluation_only(w):
+            left.setdefault(str(w.rank), []).append(Path(w.file).name)
+        else:
+            kept.append(w)
+    return kept, left
 
 
 def _sum_into(acc: dict[str, dict], rank: str, part: dict) -> None:
