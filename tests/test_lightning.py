@@ -103,12 +103,12 @@ _TRAINER = TINY_LM + textwrap.dedent(
     import fsdp_doctor
 
     # mode: "accumulate" (2 micro-batches a step), "validate", "profiled" (Lightning's own PyTorchProfiler writing
-    # its traces to out, a loss logged with sync_dist=True, no doctor), or "profiled_accumulate" (both)
+    # its traces to out, a loss logged with sync_dist=True, no doctor), "profiled_accumulate" or "profiled_validate"
     out, mode = sys.argv[1], sys.argv[2]
     fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
     where = sys.argv[4] if len(sys.argv) > 4 else "training_step"  # where the fix goes, as its report said
     hooks = {}  # a fix of LightningModule hooks, as printed
-    if fix and mode == "validate":
+    if fix and "validate" in mode:
         exec(fix, hooks)
 
     class LM(L.LightningModule):
@@ -167,7 +167,7 @@ _TRAINER = TINY_LM + textwrap.dedent(
     lm = LM()
     data = torch.utils.data.TensorDataset(torch.randint(0, V, (4 * 2 * 19, 17), generator=torch.Generator().manual_seed(1)))
     how = (dict(accumulate_grad_batches=2, limit_val_batches=0) if "accumulate" in mode else
-           dict(val_check_interval=5, num_sanity_val_steps=0) if mode == "validate" else  # 8 batches every 5 steps
+           dict(val_check_interval=5, num_sanity_val_steps=0) if "validate" in mode else  # 8 batches every 5 steps
            dict(limit_val_batches=0))
     if "profiled" in mode:
         how["profiler"] = PyTorchProfiler(dirpath=out, filename="prof", export_to_chrome=True,
@@ -336,3 +336,18 @@ def test_trainer_model_fixes_said_and_pasted_in_configure_model(tmp_path):
         assert fixed_losses == pytest.approx(losses, rel=1e-5), (code, losses, fixed_losses)
         if name == "plan":
             assert {"model.emb", "model.head"} <= {u.name for u in after.units}, [u.name for u in after.units]
+
+
+@pytest.mark.long
+def test_lightning_profiler_validation_traces_are_left_out_of_the_training_figures(tmp_path):
+    """With validation, Lightning's profiler writes a validation_step trace per rank beside training_step's: its
+    validation batch read as a profiled micro-batch ("1 of 2 profiled steps hold no optimizer.step(): prof.step()
+    called per micro-batch") and the training step as "7x the other profiled steps" (a new-user trial). Those files
+    are left out of the training figures, said in one note."""
+    report, _ = _run(tmp_path, _TRAINER, "prof", "profiled_validate")
+    assert {r: len(fs) for r, fs in report.overlap.evaluation_windows.items()} == {"0": 1, "1": 1}, \
+        report.overlap.evaluation_windows
+    assert all("validation_step" in f for fs in report.overlap.evaluation_windows.values() for f in fs)
+    assert not [n for n in report.run.notes if "micro-batch" in n or "without a backward (rank" in n], report.run.notes
+    for pr in report.overlap.per_rank.values():
+        assert pr.steps and not pr.steps_without_optimizer and not pr.nograd_forwards, pr
