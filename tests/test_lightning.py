@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,8 +68,18 @@ def _run(tmp_path, source: str, name: str, *args: str):
     script = tmp_path / "case.py"
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / name), *filter(None, args)], env=env,
-                       timeout=300, capture_output=True, text=True, cwd=tmp_path)
+    # (a session of its own: Lightning starts the second rank as a child process, which a timeout killing the first
+    # alone left running, orphaned, for hours: the whole group goes)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / name), *filter(None, args)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        raise AssertionError(f"{name}: no end in 300 s\n{stderr[-3000:]}") from None
+    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     assert r.returncode == 0, r.stderr[-3000:]
     return fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / name)), r.stdout
 
