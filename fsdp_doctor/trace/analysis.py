@@ -400,11 +400,12 @@ def training_windows(windows: list[WindowTrace]) -> tuple[list[WindowTrace], dic
     validation_step beside training_step's: its validation batch read as a profiled step, "1 of 2 hold no
     optimizer.step(): prof.step() called per micro-batch" and the training step "7x the other profiled steps", a
     new-user trial); a rank with evaluation windows alone keeps them (a profiled evaluation is what there is)."""
-    training = {w.rank for w in windows if not evaluation_only(w)}
+    evaluating = [evaluation_only(w) for w in windows]
+    training = {w.rank for w, e in zip(windows, evaluating) if not e}
     left: dict[str, list[str]] = {}
     kept = []
-    for w in windows:
-        if w.rank in training and evaluation_only(w):
+    for w, e in zip(windows, evaluating):
+        if e and w.rank in training:
             left.setdefault(str(w.rank), []).append(Path(w.file).name)
         else:
             kept.append(w)

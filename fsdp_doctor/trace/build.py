@@ -452,8 +452,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     own_steps = _optimizer_own(sp_ts[opt], sp_end[opt], sp_ts[is_fsdp], sp_end[is_fsdp])  # (past the cut too)
     optimizer_steps = own_steps
     if clipping:  # (Lightning's clipping inside optimizer.step(closure): the clipping's, its norm marked so below)
-        optimizer_steps = iv.subtract(own_steps, iv.union([ts * scale for ts, _ in clipping],
-                                                          [(ts + d) * scale for ts, d in clipping]))
+        optimizer_steps = iv.subtract(own_steps, _spans(clipping, scale))
 
     win = WindowTrace(file=str(path), rank=rank, device="gpu" if len(gpu.ts) else "cpu", world_size=world,
                       steps=kept_steps, steps_dropped=ws.dropped, rank_known=rank_known,
@@ -474,8 +473,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
         sp_end[root_bwd], own_steps, [bounds[n] for n in kept_steps])
     loop, in_model, between = _outside_model(win, special, sp_ts, sp_end,
                                              [(steps[n], step_end[n]) for n in kept_steps], optimizer_steps)
-    win.sync = iv.union([ts * scale for ts, _ in syncs if ts * scale < cutoff],
-                        [(ts + dur) * scale for ts, dur in syncs if ts * scale < cutoff])
+    win.sync = _spans(syncs, scale, cutoff)
     # (read: the window may be long)
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt, fw_at, opt_at
     labels = index.labels()
@@ -519,8 +517,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     _mark_calls(win.calls, iv.intersect(in_model, in_units) if not win.model_groups else
                 iv.union_many(iv.subtract(in_model, evaluating), iv.intersect(iv.intersect(in_model, evaluating),
                                                                               in_units)), MODEL_PHASE)
-    _mark_calls(win.calls, iv.union([ts * scale for ts, _ in norms], [(ts + d) * scale for ts, d in norms]),
-                GRAD_NORM_PHASE)
+    _mark_calls(win.calls, _spans(norms, scale), GRAD_NORM_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     win.between_comm_us = _loop_comm_us(win.calls, between)[0]
     if kept_steps and not win.calls and not iv.measure(win.compute) and not iv.measure(win.comm) \
@@ -534,6 +531,12 @@ def _build_window(path: Path, trace) -> WindowTrace:
             raise EmptyLastStep(f"{why}; not analysed", rank if rank_known else None, kept_steps[0])
         raise TraceError(f"{why}; not analysed")
     return win
+
+
+def _spans(pairs: list[tuple[float, float]], scale: float, cutoff: float = math.inf) -> iv.Intervals:
+    """Host events' (ts, dur) pairs, in the trace's unit, as intervals in µs: those starting before ``cutoff`` (µs)."""
+    kept = [(ts * scale, (ts + d) * scale) for ts, d in pairs if ts * scale < cutoff]
+    return iv.union([a for a, _ in kept], [b for _, b in kept])
 
 
 def _optimizer_own(starts: np.ndarray, ends: np.ndarray, fsdp_starts: np.ndarray,
