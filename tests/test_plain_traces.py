@@ -849,3 +849,18 @@ def test_an_evaluation_only_window_beside_training_windows_is_left_out_of_the_tr
     val.write(tmp_path / "alone" / "rank0.val.pt.trace.json.gz")  # evaluation alone: what there is, analysed
     alone = build_report(load_run(tmp_path / "alone"))
     assert alone.overlap.evaluation_windows == {} and alone.overlap.per_rank["0"].steps == [9, 10]
+
+
+def test_optimizers_stepped_one_after_the_other_are_one_update_when_backward_passes_are_counted():
+    """Backward passes per optimizer step are counted between consecutive optimizer.step() calls (build's
+    _backwards_counted): two optimizers stepped back to back (Muon beside AdamW, a GAN's two) read 0 backward passes
+    between them, and the median of [0, 2, 0] (accumulation 2) was 0, so the count fell back to the profiler
+    steps'. Calls with no backward between them are one update: 2."""
+    from fsdp_doctor.trace.build import _backwards_counted
+
+    ends = np.array([1.0, 11.0, 21.0, 31.0, 41.0])  # one backward a batch, each ending at these times
+    one = iv.union([15.0, 35.0], [16.0, 36.0])  # one optimizer, after every 2nd batch
+    two = iv.union([15.0, 16.5, 35.0, 36.5], [16.0, 17.0, 36.0, 37.0])  # two, back to back
+    assert _backwards_counted(ends, one, [(0.0, 20.0)]) == (2, 2.0)
+    assert _backwards_counted(ends, two, [(0.0, 20.0)]) == (2, 2.0)
+    assert _backwards_counted(ends, iv.union([15.0, 16.5], [16.0, 17.0]), [])[1] is None  # (no backward between)

@@ -562,15 +562,14 @@ def _optimizer_own(starts: np.ndarray, ends: np.ndarray, fsdp_starts: np.ndarray
 
 def _backwards_counted(ends: np.ndarray, optimizer_steps: iv.Intervals, spans: list) -> tuple[int, Optional[float]]:
     """(the backward passes ending in the complete steps ``spans``, the median of the backward passes between two
-    consecutive optimizer.step() calls' own parts; None under two calls): ``ends``, the end of each backward's
-    ``FSDP::root_post_backward_callback`` label."""
+    consecutive optimizer.step() calls' own parts; None where no two calls have one between them): ``ends``, the end
+    of each backward's ``FSDP::root_post_backward_callback`` label. Calls with no backward between them (several
+    optimizers stepped one after the other: a GAN's, Muon beside AdamW) are one update, as in steps_from_optimizer."""
     ends = np.sort(ends)
     in_steps = sum(int(np.count_nonzero((ends >= a) & (ends < b))) for a, b in spans)
     starts = optimizer_steps[0]
-    if starts.size < 2 or not ends.size:
-        return in_steps, None
-    between = [int(np.count_nonzero((ends >= a) & (ends < b))) for a, b in zip(starts[:-1], starts[1:])]
-    return in_steps, float(np.median(between))
+    between = [n for a, b in zip(starts[:-1], starts[1:]) if (n := int(np.count_nonzero((ends >= a) & (ends < b))))]
+    return in_steps, float(np.median(between)) if between else None
 
 
 def _model_groups(dist, world: Optional[int]) -> bool:
