@@ -264,6 +264,11 @@ TITAN_DRIVER = "torchtitan.Trainer"
 # a loop fix goes into its training_step, the last micro-batch said from the Trainer's accumulate_grad_batches
 # (diagnose/snippets.for_lightning)
 LIGHTNING_DRIVER = "lightning.Trainer"
+# RunConfig.driver of a run one of torchtune's recipes drove (watch() called in a method of its recipe class, which
+# `tune cp` gives the user to edit): its loop and its _setup_model are the recipe's, the sharding its config's
+# (training.shard_model: custom_sharded_layers, fsdp_reshard_after_forward); RunConfig.recipe names the file
+# (diagnose/snippets.for_torchtune)
+TORCHTUNE_DRIVER = "torchtune.recipe"
 # RunConfig.sharded_by of a model accelerate's prepare() sharded (its FSDP2 plugin; the Trainer's runs too)
 ACCELERATE_SHARDER = "accelerate"
 # RunConfig.sharded_by of a model Hugging Face transformers sharded itself (from_pretrained(...,
@@ -386,11 +391,18 @@ class RunConfig(Record, tag="config"):
     # accelerate's transformer-based wrap policy shards one by one (what a plugin wrap fix names); None: none
     no_split_modules: list[str] | None = None
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback),
-    # TITAN_DRIVER, LIGHTNING_DRIVER
+    # TITAN_DRIVER, LIGHTNING_DRIVER, TORCHTUNE_DRIVER
     driver: str | None = None
     # Lightning's Trainer's accumulate_grad_batches where it drove the run (LIGHTNING_DRIVER): it steps the optimizer
     # on every such batch and on the epoch's last; None: not such a run, or a run recorded before this field
     lightning_accumulate: int | None = None
+    # the file of the torchtune recipe that drove the run (TORCHTUNE_DRIVER: its recipe class's source file, the user's
+    # copy from `tune cp` or torchtune's own); None: not such a run, or a run recorded before this field
+    recipe: str | None = None
+    # the watched model's num_output_chunks where above 1 (torchtune's TransformerDecoder, set by its recipes for
+    # CEWithChunkedOutputLoss): it calls its output head once per chunk of the sequence, a count that can differ
+    # between ranks (a unit of that head's own would issue its collectives per call); None: not chunked, or not read
+    output_chunks: int | None = None
     # what sharded the model when not the user's own fully_shard calls: ACCELERATE_SHARDER (accelerator.prepare,
     # whose FSDP2 plugin holds the settings a fix changes: checkpointing, the mixed-precision policy),
     # TORCHTITAN_SHARDER (a torchtitan model: its job config holds them)

@@ -705,9 +705,16 @@ FIX_PLACES = {
     "torchtitan": "torchtitan's job config",
     "titan_registry": "in your torchtitan config_registry function, on the Trainer.Config it returns",
     "transformers": "after from_pretrained(..., distributed_config=...) returns the sharded model",
+    # where one of torchtune's recipes drove the run (snippets.for_torchtune): the user's copy of it (tune cp), its
+    # _setup_model sharding the model with training.shard_model (the model is `model` there), its train() the loop
+    "torchtune_setup": "in your torchtune recipe's _setup_model, after training.shard_model(...)",
+    "torchtune_plan": "in your torchtune recipe's _setup_model, in place of training.shard_model(...)",
+    "torchtune_train": "in your torchtune recipe's train(), in its loop over the batches",
+    "torchtune_backward": "in your torchtune recipe's train(), before current_loss.backward()",
+    "torchtune_config": "in your torchtune config: the YAML tune run --config reads, or KEY=VALUE after it",
 }
 #: what a fix's code is, by where it goes, where it is not Python
-FIX_LANGUAGES = {"torchtitan": "command line"}
+FIX_LANGUAGES = {"torchtitan": "command line", "torchtune_config": "YAML"}
 
 
 class Recommendation(_Section):

@@ -19,8 +19,8 @@ import msgspec
 from ..analyze.memory import recompute_held
 from ..analyze.steps import (STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
                              read_on_straggler as read_on_late, unit_modules, unit_passes)
-from ..records import (LIGHTNING_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRAINER_DRIVER, TRANSFORMERS_SHARDER,
-                       UnitConfig, unit_defaults)
+from ..records import (LIGHTNING_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCHTUNE_DRIVER, TRAINER_DRIVER,
+                       TRANSFORMERS_SHARDER, UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
@@ -205,6 +205,15 @@ def titan_trainer_driven(ctx: Context) -> bool:
     """torchtitan's own Trainer drove the run (python -m fsdp_doctor.titan): its fixes go on its command line or
     in the user's config_registry function (snippets.for_titan_trainer)."""
     return getattr(ctx.config, "driver", None) == TITAN_DRIVER
+
+
+def torchtune_recipe(ctx: Context) -> Optional[str]:
+    """The file of the torchtune recipe that drove the run (watch() called in its method): its loop and its
+    _setup_model are where the user, in a copy (`tune cp`), puts a fix, and its config shards the model
+    (snippets.for_torchtune); None: not such a run."""
+    if getattr(ctx.config, "driver", None) != TORCHTUNE_DRIVER:
+        return None
+    return getattr(ctx.config, "recipe", None) or "your recipe"
 
 
 def plugin_lever(ctx: Context) -> Optional[str]:

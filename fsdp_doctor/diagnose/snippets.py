@@ -1902,6 +1902,57 @@ def _on_self(code: str) -> list[str]:
             for ln in code.splitlines()]
 
 
+#: where a fix goes -> where it goes in a torchtune recipe (the user's copy of it): its _setup_model shards the model
+#: with training.shard_model (the model is ``model`` there), its train() runs the loop
+TORCHTUNE_PLACES = {"sharded": "torchtune_setup", "unsharded": "torchtune_plan", "loop": "torchtune_train",
+                    "backward": "torchtune_backward"}
+#: the names of the model and its optimizer in a torchtune recipe's train()
+TORCHTUNE_LOOP_NAMES = {ROOT: "self._model", "optimizer": "self._optimizer"}
+
+
+def for_torchtune(rec, recipe: str) -> None:
+    """A fix of a run one of torchtune's recipes drove (``recipe``: its file), made for that recipe
+    (``Recommendation``, changed in place): a fix on the model goes into its _setup_model, after (or, a sharding
+    plan, in place of) training.shard_model, where the model is ``model``; a loop fix into its train(), where the
+    model is ``self._model`` and the optimizer ``self._optimizer``, and a fix keyed to the last micro-batch reads it
+    as the recipe decides it: it steps the optimizer on every gradient_accumulation_steps-th batch (``idx + 1``). A
+    new-user trial of full_finetune_distributed with gradient_accumulation_steps: 2 read
+    ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", whose model is ``self._model``
+    and which has no such flag. A fix of its config (torchtune_config) and any other is left as it was."""
+    if not rec.code or rec.where not in TORCHTUNE_PLACES:
+        return
+    said = f"torchtune's recipe ({recipe}) "
+    if rec.where in ("sharded", "unsharded"):
+        rec.where = TORCHTUNE_PLACES[rec.where]
+        rec.text += (f" {said}shards the model in its _setup_model (training.shard_model): the lines go there, in your "
+                     "copy of the recipe (tune cp), where the model is `model`.")
+        return
+    names = re.compile(rf"(?<![\w.'\"])({'|'.join(map(re.escape, TORCHTUNE_LOOP_NAMES))})\b")
+    lines = [ln if ln.lstrip().startswith("#") else names.sub(lambda m: TORCHTUNE_LOOP_NAMES[m.group(1)], ln)
+             for ln in rec.code.splitlines()]
+    if LAST_MICRO_BATCH in rec.inputs:
+        head = lines[:1] if lines[0].startswith("#") else []  # (what the lines are for, said first)
+        lines = [*head, *comment("torchtune's recipe steps the optimizer on every gradient_accumulation_steps-th "
+                                 "batch"),
+                 f"{LAST_MICRO_BATCH} = (idx + 1) % self._gradient_accumulation_steps == 0",
+                 *lines[len(head):]]
+        rec.inputs = {k: v for k, v in rec.inputs.items() if k != LAST_MICRO_BATCH}
+        rec.where = "torchtune_backward"
+    else:
+        rec.where = TORCHTUNE_PLACES[rec.where]
+    rec.code = "\n".join(lines)
+    rec.text += (f" {said}runs the loop in its train(): the lines go there, in your copy of the recipe (tune cp), "
+                 "where the model is self._model.")
+
+
+def torchtune_layers(names: list[str]) -> str:
+    """The torchtune config line that makes ``names`` (the model's modules, by their names in it) FSDP units of
+    their own: its recipes' training.shard_model shards each ``layers.N`` and each module its custom_sharded_layers
+    names, then the root."""
+    return "\n".join(["# each a unit of its own beside the layers (training.shard_model's shard conditions)",
+                      f"custom_sharded_layers: {names!r}"])
+
+
 #: where a fix on the model goes -> where it goes in a LightningModule: its configure_model builds the units
 LIGHTNING_MODEL_PLACES = {"sharded": "configure_model", "unsharded": "configure_model_plan"}
 

@@ -228,7 +228,10 @@ def fix_heading(rec, inputs: bool = True) -> str:
 def fixes_note(findings) -> str:
     """One line over the findings where any fix is Python code: the names it reads of the user's script (a new-user
     trial's model named ``m`` met ``NameError: name 'model' is not defined`` pasting a fix as printed); "" for none."""
-    if not any(f.recommendation.code and f.recommendation.where not in FIX_LANGUAGES for f in findings):
+    python = [f.recommendation.where for f in findings
+              if f.recommendation.code and f.recommendation.where not in FIX_LANGUAGES]
+    # (a torchtune recipe's fixes name its own `model` in _setup_model and `self._model` in train())
+    if not python or all(w.startswith("torchtune_") for w in python):
         return ""
     return ("The fixes call your model `model` and your optimizer `optimizer`: rename them "
             "to yours where you paste.")

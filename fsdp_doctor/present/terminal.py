@@ -172,8 +172,9 @@ def finding_details(f: Finding) -> list:
         if rec.inputs:
             items.append(Text(f"The fix uses from your code: {fix_inputs(rec)}", style="dim"))
         items.append(Text(fix_heading(rec, inputs=False), style="dim"))
-        lexer = "bash" if rec.where in FIX_LANGUAGES else "python"  # (a command line, not Python)
-        code = rec.code if lexer == "bash" else fit_comments(rec.code)
+        # (a command line, a config's YAML: not Python)
+        lexer = {"command line": "bash", "YAML": "yaml"}.get(FIX_LANGUAGES.get(rec.where, ""), "python")
+        code = rec.code if lexer != "python" else fit_comments(rec.code)
         items.append(Syntax(code, lexer, theme="ansi_dark", background_color="default", word_wrap=False))
     return items
 

@@ -20,6 +20,7 @@ removal as at exit).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import numbers
 import os
@@ -41,6 +42,7 @@ from ..records import (
     FORMAT_VERSION,
     LIGHTNING_DRIVER,
     TORCHTITAN_SHARDER,
+    TORCHTUNE_DRIVER,
     TRANSFORMERS_SHARDER,
     End,
     Header,
@@ -178,6 +180,7 @@ class Doctor:
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
+        self.recipe: str | None = None  # the torchtune recipe's file where one runs it (RunConfig.recipe)
         # the step's checkpoint saves (start, end ns, asynchronous: None where not known): checkpointing(), the
         # drivers' saves and torch.distributed.checkpoint's own (its save and async_save: DcpSaveTap)
         self._saves: list[tuple[int, int, bool | None]] = []
@@ -783,7 +786,9 @@ class Doctor:
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
             selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
             unseen_from=self._unseen_from)
-        cfg.driver = self.driver
+        cfg.driver, cfg.recipe = self.driver, self.recipe
+        chunks = getattr(self.model, "num_output_chunks", None)  # (torchtune's decoder: its output head per chunk)
+        cfg.output_chunks = chunks if isinstance(chunks, int) and chunks > 1 else None
         if cfg.driver is None and (acc := _lightning_accumulate(self.model)) is not None:
             cfg.driver, cfg.lightning_accumulate = LIGHTNING_DRIVER, acc
         if self._world_ranks is not None:
@@ -901,7 +906,44 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
     ``capacity_bytes``, ``tensorboard``, ``overwrite``).
     """
     _check_arguments(model, optimizer)
-    return Doctor(model, optimizer, WatchOptions.from_kwargs(options))
+    doctor = Doctor(model, optimizer, WatchOptions.from_kwargs(options))
+    if (recipe := _torchtune_recipe(sys._getframe(1))) is not None:
+        doctor.driver, doctor.recipe = TORCHTUNE_DRIVER, recipe
+    return doctor
+
+
+#: the module of torchtune's recipe base class (FTRecipeInterface), which every recipe of its own subclasses
+_TORCHTUNE_RECIPES = "torchtune.recipe_interfaces"
+
+
+def _torchtune_recipe(frame, depth: int = 4) -> str | None:
+    """The source file's name of the torchtune recipe whose method called watch() (``frame``: the caller's, and up to
+    ``depth`` frames out: a helper of the recipe's own), read from the frame's ``self`` without importing torchtune:
+    a recipe's loop (train()) and its sharding (_setup_model, from its config) are the recipe's, which the user
+    edits in a copy (`tune cp`); None: no recipe's method called it."""
+    for _ in range(depth):
+        if frame is None:
+            return None
+        cls = _method_class(frame)
+        if cls is not None and any(c.__module__ == _TORCHTUNE_RECIPES for c in cls.__mro__):
+            try:
+                return Path(inspect.getfile(cls)).name
+            except (TypeError, OSError):
+                return cls.__name__
+        frame = frame.f_back
+    return None
+
+
+def _method_class(frame) -> type | None:
+    """The class of its module whose method runs in ``frame`` (its code object that method's), None: not a method of
+    a class at a module's top level. Read from the module's globals, never the frame's locals: ``frame.f_locals``
+    snapshots them into a dict the running frame keeps, holding what the loop later drops (a model rebound there
+    stayed alive: its FSDP2 units read as another model's)."""
+    code = frame.f_code
+    for value in list(frame.f_globals.values()):
+        if isinstance(value, type) and getattr(value.__dict__.get(code.co_name), "__code__", None) is code:
+            return value
+    return None
 
 
 def _check_arguments(model, optimizer) -> None:

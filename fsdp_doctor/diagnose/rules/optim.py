@@ -214,6 +214,13 @@ class OptimizerStepComm(Rule):
         # a few batched calls of the loop: what removing them gains is their code's time less the first one's wait
         # for the other ranks (the step keeps that wait at its next collective): E.other_comm_loop_ms's figure
         gain = max(0.0, code_ms - kept) if mostly_loop else worst.exposed_ms
+        # a torchtune recipe all-reduces each optimizer step's token count (its gradient scaling needs it) and the
+        # running loss (for its log alone): one of the loop's calls beside the norm's stays, in the prediction too (a
+        # new-user trial's full_finetune_distributed read "reduce metrics every N steps" with both counted as gain)
+        recipe = E.torchtune_recipe(ctx) if mostly_loop else None
+        if recipe is not None:
+            others = loop_calls - (worst.norm_calls if worst.batched_norm else 0)
+            gain *= max(0.0, others - 1) / others if others > 0 else 0.0
         if mostly_loop and gain < OTHER_COMM_INFO_SHARE * step:
             return self.quiet(f"{worst.calls:.0f} batched collectives per step outside FSDP's own, "
                               f"{worst.exposed_ms:.1f} ms exposed: a wait for the other ranks that the step keeps at "
@@ -229,6 +236,12 @@ class OptimizerStepComm(Rule):
             "steps (TrainingArguments(logging_steps=N)); a callback of yours that reduces metrics each step, every "
             "N steps too."
             if trainer else
+            f"{loop_calls:.0f} calls per step are batched: torchtune's recipe ({recipe}) all-reduces num_tokens "
+            "before each optimizer step, which its gradient scaling by the step's token count needs (the prediction "
+            "keeps it), and running_loss, for the logged loss alone, read with .item() at every step. In your copy of "
+            "the recipe (tune cp), reduce running_loss only on the steps that log it "
+            "(self.global_step % self._log_every_n_steps == 0): the other ranks' losses are not needed elsewhere."
+            if recipe is not None else
             # (Lightning's self.log(..., sync_dist=True) reduces each logged value over the ranks when it is logged:
             # a barrier and an all-reduce each, in training_step, every batch)
             f"{loop_calls:.0f} calls per step are batched: Lightning's, for your logging and its own work between "

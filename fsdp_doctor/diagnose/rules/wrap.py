@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+
+import msgspec
 from typing import Optional
 
 from .. import estimate as E
@@ -48,6 +50,11 @@ TINY_PARENT_SHARE = 1 / 16
 # a step-time gain is worth a warning from in thresholds.HEADROOM_WARN_GAIN_SHARE)
 TINY_MIN_GAIN_SHARE = 0.05
 TINY_WARN_GAIN_SHARE = T.HEADROOM_WARN_GAIN_SHARE
+# under a torchtune recipe (whose config names the modules made units of their own, each alone: custom_sharded_layers),
+# a module of the root's holding less than this share of what moves stays in the root: a unit of its own would cost
+# its collectives for nothing (its final norm beside the output head; torchtune's own configs name the embedding
+# and the head)
+TUNE_LAYER_MIN_SHARE = 0.05
 
 
 def _job_numbers(ctx: Context):
@@ -83,10 +90,10 @@ def _leftover_costs(ctx: Context) -> S.LeftoverCosts:
     return S.LeftoverCosts(peak_bytes=peak, step_ms=step, call_ms=_call_ms(ctx))
 
 
-def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None) -> str:
+def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None, tree: Optional[S.Tree] = None) -> str:
     """The whole sharding with the root's own modules units of their own where that gains more than it costs
-    (``costs``: ``_leftover_costs``, read here where not given)."""
-    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx))
+    (``costs``: ``_leftover_costs``, read here where not given; ``tree``: the run's, ``S.tree``, where not given)."""
+    return S.shard_plan(tree or S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx))
 
 
 def _plugin_wrap(ctx: Context, did: str) -> dict:
@@ -465,33 +472,43 @@ class ParamsInRoot(Rule):
             return self.quiet(f"the root holds {fmt_share(share, 1, ROOT_SHARE_MIN)} of the parameters "
                               f"(fires from {100 * ROOT_SHARE_MIN:.0f}%)")
         own = [m for m in root.own_modules if m]
+        # an output head the model calls once per chunk of the sequence stays in the root as tied modules do
+        chunked, tree = _per_chunk(ctx, root), S.tree(ctx)
+        if chunked:
+            root = msgspec.structs.replace(root, tied_modules=[*root.tied_modules, *chunked])
+            tree.units = [msgspec.structs.replace(u, tied_modules=root.tied_modules) if u.is_root else u
+                          for u in tree.units]
+        staying = _staying_words(root, chunked, ctx)
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
-            return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(own)}): they stay "
-                              "together in the root")
+            return self.quiet(f"the root's parameters are those of {staying}: they stay in the root")
         tied = [m for m in own if m in root.tied_modules]
         # beside tied modules the root stays gathered anyway: what would gain less as units of their own than their
         # collectives cost stays there with them (snippets.leftover_stays, from this run's peak, step and waits)
         costs = _leftover_costs(ctx)  # (the plan below weighs the same)
-        groups = S.kept_in_root(S.tree(ctx), costs)
+        groups = S.kept_in_root(tree, costs)
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
-            return self.quiet(f"the root's parameters are those of tied modules ({E.fmt_list(tied)}), which stay "
-                              "there, and of modules that gain less as units of their own than they cost: "
+            return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules that gain less as units of their own than they cost: "
                               + "; ".join(f"{E.fmt_list(ms)}, a unit of {'its' if len(ms) == 1 else 'their'} own, "
                                           f"{why}" for ms, why in groups))
         movable = _movable_share(root, kept)
         if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
-            return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of tied modules "
-                              f"({E.fmt_list(tied)}) stay there; the rest is {100 * share * movable:.2f}%"
+            return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of {staying} stay "
+                              f"there; the rest is {100 * share * movable:.2f}%"
                               + (f", of which {E.fmt_list(list(kept))} stay too" if kept else ""))
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
         # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
         # (and what stays with them) stay in the root gathered: only the rest is freed
         held = int(max(0, root.unsharded_bytes - root.sharded_bytes) * movable) or _freed_gathered(root, kept)
         step, peak = _job_numbers(ctx)
-        # the new units' copies where they run, from the peak step's timeline; without one, the copy off the peak
-        peak_after = _peak_after_plan(ctx, root, others, kept, peak)
         moved = [m for m in own if m not in root.tied_modules and m not in kept]
+        # where a torchtune recipe shards the model, its config names the new units (each alone); what is too small
+        # to be one stays in the root with what the plan keeps
+        tune = _torchtune_layers(ctx, root, others, moved)
+        small = [m for m in moved if tune is not None and m not in tune]
+        moved = [m for m in moved if m not in small]
+        # the new units' copies where they run, from the peak step's timeline; without one, the copy off the peak
+        peak_after = _peak_after_plan(ctx, root, others, [*kept, *small], peak)
         if peak_after is not None and peak - peak_after < ROOT_PEAK_GAIN_MIN * peak:
             # what the plan frees where the peak is, from the peak step's timeline (exact to the byte where pasted):
             # a DiT whose root kept its patch embedding and output projections (5.3% of the parameters) read a warning
@@ -510,7 +527,7 @@ class ParamsInRoot(Rule):
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
         # every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones), the run's
         # units as they were
-        code = _root_plan(ctx, costs)
+        code = _root_plan(ctx, costs, tree) if tune is None else S.torchtune_layers(tune)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
         blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
@@ -533,9 +550,19 @@ class ParamsInRoot(Rule):
                 f"({E.fmt_list([S.module_expr(m) for m in moved])}"
                 # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
                 + ("; modules tied to another one, such as an output head sharing the embedding's weight, must "
-                   "stay together: the snippet leaves them in the root" if root.tied_modules else "")
+                   "stay together: the snippet leaves them in the root" if set(root.tied_modules) - set(chunked) else
+                   "")
                 + (f", with {E.fmt_list([S.module_expr(m) for m in kept])}, which would gain less as units of their "
-                   "own than their collectives cost (the snippet says why)" if kept else "") + ").")
+                   "own than their collectives cost" + (" (the snippet says why)" if tune is None else "")
+                   if kept else "") + ").")
+        if chunked:
+            text += _PER_CHUNK.format(E.fmt_list([S.module_expr(m) for m in chunked]), ctx.config.output_chunks)
+        if tune is not None:
+            text += (f" torchtune's recipe ({E.torchtune_recipe(ctx)}) shards the model from its config "
+                     "(training.shard_model: each layer, then each module custom_sharded_layers names, then the root):"
+                     " name them there" + (f"; {E.fmt_list([S.module_expr(m) for m in small])} "
+                                           f"{'stays' if len(small) == 1 else 'stay'} in the root, too small to gain "
+                                           "from a unit of its own" if small else "") + ".")
         # the step: on a GPU the new units' all-gathers overlap the compute as the blocks' do (unchanged); on gloo each
         # new unit adds collectives of its own that the host's cores run beside the compute, at a fixed cost per call
         # (a new-user trial's 2-rank Qwen2 measured +63% and +85% where "unchanged" was predicted): not predicted
@@ -551,8 +578,49 @@ class ParamsInRoot(Rule):
              "read_on_straggler": None if (late := E.late_rank(ctx)) is None else int(late.rank),
              "wrapped_units": len(others),
              "wrapped_examples": sorted(wrapped)[:6]},
-            text, plug.get("code", code), where=plug.get("where", ""),
+            text, plug.get("code", code), where=plug.get("where", "torchtune_config" if tune is not None else ""),
             predicted=E.predicted(step, None if cpu else step, peak, peak_after), units=[""])]
+
+
+def _torchtune_layers(ctx: Context, root, others, moved: list[str]) -> list[str] | None:
+    """Where a torchtune recipe drove the run and its config can say the plan (the root's own modules before the
+    layers, each a unit of its own): the modules its custom_sharded_layers names, those already units of their own
+    beside the layers (named there before) and those of ``moved`` holding TUNE_LAYER_MIN_SHARE of what moves; None:
+    not such a run, or blocks left in the root (the recipe shards every ``layers.N``: another model's layout)."""
+    if E.torchtune_recipe(ctx) is None or any(S.block_of(m) for m in moved):
+        return None
+    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
+    total = sum(sizes.get(m, 0) for m in moved)
+    new = [m for m in moved if not total or sizes.get(m, 0) >= TUNE_LAYER_MIN_SHARE * total]
+    named = sorted({m for u in others for m in u.modules if m and S.block_of(m) is None})
+    return [*named, *new] if new else None
+
+
+def _per_chunk(ctx: Context, root) -> list[str]:
+    """The root's own modules the model calls once per chunk of the sequence: torchtune's TransformerDecoder with
+    num_output_chunks above 1 (RunConfig.output_chunks; its recipes set it for CEWithChunkedOutputLoss) calls its
+    ``output`` head on each chunk; [] for none."""
+    if (getattr(ctx.config, "output_chunks", None) or 0) < 2:
+        return []
+    return [m for m in root.own_modules or [] if m == "output" and m not in root.tied_modules]
+
+
+# why a chunked output head stays in the root: a new-user trial's torchtune full_finetune_distributed (8 chunks, 2
+# gloo ranks) with `output` a unit of its own aborted at its second step resharded after forward ("Received data size
+# doesn't match expected size": 16384 vs 64 B) and hung kept gathered, with or without the doctor
+_PER_CHUNK = (" {} stays in the root: the model calls it once per chunk of the sequence (num_output_chunks={}, "
+              "torchtune's chunked output for CEWithChunkedOutputLoss), as many calls as each rank's sequence length "
+              "splits into, and a unit of its own would follow the calls with its collectives: ranks whose sequences "
+              "split differently issue different collectives (measured on gloo: the run aborted, or hung where the "
+              "unit was kept gathered after forward).")
+
+
+def _staying_words(root, chunked: list[str], ctx: Context) -> str:
+    """The root's modules that stay in it, said: tied modules, and an output head called once per chunk."""
+    tied = [m for m in root.tied_modules if m not in chunked]
+    return " and ".join(([f"tied modules ({E.fmt_list(tied)})"] if tied else []) + (
+        [f"{E.fmt_list(chunked)}, called once per chunk of the sequence (num_output_chunks="
+         f"{ctx.config.output_chunks})"] if chunked else [])) or "tied modules"
 
 
 def _freed_gathered(root, kept=()) -> int:

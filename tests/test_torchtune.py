@@ -1,0 +1,165 @@
+"""torchtune's own recipe (optional: skipped where torchtune is not importable; 0.6.1 with torchao 0.14.1 on torch 2.13
+here). Its full_finetune_distributed accumulates gradients without turning FSDP2's gradient sync off; attached as the
+README says (a `tune cp` copy, two lines in its train()), the doctor said its fix for "your training loop" on a
+`model` the recipe calls `self._model` and with a flag it does not have. Now the fix is said in the recipe's words;
+pasted where it says, before `current_loss.backward()`, the finding goes and the losses stay equal to the bit. The
+recipe runs as its users run it: `tune run --nproc_per_node 2 recipe.py --config cfg.yaml`, here on CPU (two lines of
+it changed: its get_memory_stats and cleanup_before_training raise there), a tiny Llama-2-shaped checkpoint, a
+tokenizer and a text file made locally."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, child_pythonpath
+
+pytest.importorskip("torchtune")
+pytest.importorskip("sentencepiece")
+
+_CONFIG = """\
+output_dir: {out}
+tokenizer: {{_component_: torchtune.models.llama2.llama2_tokenizer, path: {assets}/tok.model, max_seq_len: 64}}
+dataset: {{_component_: torchtune.datasets.text_completion_dataset, source: text, data_files: {assets}/corpus.txt,
+          column: text, split: train, packed: False}}
+seed: 0
+shuffle: True
+model: {{_component_: torchtune.models.llama2.llama2, vocab_size: 4096, num_layers: 2, num_heads: 4, num_kv_heads: 4,
+        embed_dim: 64, max_seq_len: 256, intermediate_dim: 128}}
+checkpointer: {{_component_: torchtune.training.FullModelHFCheckpointer, checkpoint_dir: {assets}/ckpt,
+               checkpoint_files: [model.safetensors], recipe_checkpoint: null, output_dir: {out}, model_type: LLAMA2}}
+resume_from_checkpoint: False
+batch_size: 2
+epochs: 1
+optimizer: {{_component_: torch.optim.AdamW, fused: False, lr: 2e-5}}
+loss: {{_component_: torchtune.modules.loss.CEWithChunkedOutputLoss}}
+max_steps_per_epoch: 10
+gradient_accumulation_steps: 2
+clip_grad_norm: 1.0
+compile: False
+optimizer_in_bwd: False
+device: cpu
+enable_activation_checkpointing: True
+dtype: fp32
+metric_logger: {{_component_: torchtune.training.metric_logging.DiskLogger, log_dir: {out}/logs}}
+log_every_n_steps: 1
+log_peak_memory_stats: False
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A text file, a sentencepiece tokenizer trained on it and a 2-layer Llama checkpoint in HF's format."""
+    d = tmp_path_factory.mktemp("tune_assets")
+    code = textwrap.dedent(f"""
+        import random, torch, sentencepiece as spm
+        from transformers import LlamaConfig, LlamaForCausalLM
+        random.seed(0)
+        words = "the quick brown fox jumps over a lazy dog while sharded ranks gather their parameters".split()
+        with open({str(d / 'corpus.txt')!r}, "w") as f:
+            for _ in range(200):
+                f.write(" ".join(random.choice(words) for _ in range(random.randint(20, 70))) + "\\n")
+        spm.SentencePieceTrainer.train(input={str(d / 'corpus.txt')!r}, model_prefix={str(d / 'tok')!r},
+            vocab_size=120, hard_vocab_limit=False, model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+            tie_word_embeddings=False)).save_pretrained({str(d / 'ckpt')!r}, safe_serialization=True)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+    return d
+
+
+def _tune(*args, cwd, env=None, timeout=400) -> str:
+    """torchtune's command line (its `tune` entry point), its output; the whole group killed on a timeout."""
+    p = subprocess.Popen([sys.executable, "-m", "torchtune._cli.tune", *args], cwd=cwd, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"tune {args[0]}: no end in {timeout} s\n{out[-3000:]}") from None
+    errors = [ln for ln in out.splitlines() if "Error" in ln and "ChildFailedError" not in ln]
+    (Path(cwd) / "tune.log").write_text(out)  # (its whole output, kept beside the run)
+    assert p.returncode == 0, "\n".join(errors[:6]) + "\n" + out[-2000:]
+    return out
+
+
+def _recipe(tmp_path, fix: str = "") -> Path:
+    """The recipe copied as its users copy it, attached as the README says, ``fix`` pasted before its backward."""
+    path = tmp_path / "recipe.py"
+    _tune("cp", "full_finetune_distributed", str(path), cwd=tmp_path)
+    s = path.read_text()
+
+    def once(old, new):
+        nonlocal s
+        assert s.count(old) == 1, old
+        s = s.replace(old, new)
+
+    # on a CPU: torchtune reads CUDA memory stats on rank 0 and empties a cache torch.cpu lacks
+    once("        if self._is_rank_zero:\n            memory_stats = training.get_memory_stats(",
+         "        if self._is_rank_zero and self._device.type == 'cuda':\n"
+         "            memory_stats = training.get_memory_stats(")
+    once("        training.cleanup_before_training()\n",
+         "        if self._device.type == 'cuda':\n            training.cleanup_before_training()\n")
+    # the README's two lines: watch() around the epochs' loop, doctor.step() after the optimizer step
+    start = "        for curr_epoch in range(self.epochs_run, self.total_epochs):\n"
+    end = "        self._profiler.stop()\n"
+    i, j = s.index(start), s.index(end)
+    s = (s[:i] + "        import fsdp_doctor, os\n"
+         "        with fsdp_doctor.watch(self._model, self._optimizer, out_dir=os.environ['DOCTOR_OUT']) as doctor:\n"
+         + textwrap.indent(s[i:j], "    ") + s[j:])
+    once("                            self._optimizer.zero_grad(set_to_none=True)\n",
+         "                            self._optimizer.zero_grad(set_to_none=True)\n"
+         "                            doctor.step()\n")
+    if fix:
+        m = re.search(r"^( *)current_loss\.backward\(\)\n", s, re.M)
+        s = s[:m.start()] + textwrap.indent(fix + "\n", m.group(1)) + s[m.start():]
+    path.write_text(s)
+    return path
+
+
+def _run(tmp_path, assets, name: str, fix: str = "", config: str = ""):
+    """(the report of the recipe's run, its final loss as its progress bar prints it): ``fix`` pasted before the
+    recipe's backward, ``config`` lines added to its config."""
+    import fsdp_doctor
+
+    d = tmp_path / name
+    d.mkdir()
+    cfg = d / "cfg.yaml"
+    cfg.write_text(_CONFIG.format(out=d / "out", assets=assets) + config + "\n")
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1",
+           "DOCTOR_OUT": str(d / "doctor")}
+    # (the recipe by its name in the run's folder, as tune cp leaves it: given a path, tune run read it as a module's)
+    out = _tune("run", "--nproc_per_node", "2", _recipe(d, fix).name, "--config", str(cfg), cwd=d, env=env)
+    losses = re.findall(r"\|10\|Loss: ([0-9.]+)", out)
+    assert losses, out[-3000:]
+    return fsdp_doctor.build_report(fsdp_doctor.load_run(d / "doctor")), losses[-1]
+
+
+@pytest.mark.long
+def test_recipe_accumulation_fix_pasted_where_said(tmp_path, assets):
+    before, loss = _run(tmp_path, assets, "before")
+    f = {f.code: f for f in before.findings}.get("accum.sync_every_micro_batch")
+    assert f is not None, [g.code for g in before.findings]
+    rec = f.recommendation
+    assert rec.where == "torchtune_backward" and "self._model.set_requires_gradient_sync" in rec.code, rec
+    # the root's modules, where worth units of their own, as the config's line; the chunked head stays in the root
+    # (a unit of its own, its collectives followed its calls per chunk: the trial's run aborted)
+    wrap = {f.code: f for f in before.findings}.get("wrap.params_in_root")
+    config = ""
+    if wrap is not None:
+        config = wrap.recommendation.code
+        assert wrap.recommendation.where == "torchtune_config", wrap.recommendation
+        assert config.splitlines()[-1] == "custom_sharded_layers: ['tok_embeddings']", config
+    after, loss_after = _run(tmp_path, assets, "after", rec.code, config)
+    assert not {"accum.sync_every_micro_batch", "wrap.params_in_root"} & {g.code for g in after.findings}
+    assert loss_after == loss, (loss, loss_after)
