@@ -918,13 +918,17 @@ _TORCHTUNE_RECIPES = "torchtune.recipe_interfaces"
 
 def _torchtune_recipe(frame, depth: int = 4) -> str | None:
     """The source file's name of the torchtune recipe whose method called watch() (``frame``: the caller's, and up to
-    ``depth`` frames out: a helper of the recipe's own), read from the frame's ``self`` without importing torchtune:
-    a recipe's loop (train()) and its sharding (_setup_model, from its config) are the recipe's, which the user
-    edits in a copy (`tune cp`); None: no recipe's method called it."""
+    ``depth`` frames out: a helper of the recipe's own), read from the class whose method the frame runs, without
+    importing torchtune: a recipe's loop (train()) and its sharding (_setup_model, from its config) are the recipe's,
+    which the user edits in a copy (`tune cp`); None: no recipe's method called it (or it could not be read: what
+    names the fixes' places never stops watch())."""
     for _ in range(depth):
         if frame is None:
             return None
-        cls = _method_class(frame)
+        try:
+            cls = _method_class(frame)
+        except Exception:  # noqa: BLE001  (an odd module's globals: the fixes keep their generic places)
+            return None
         if cls is not None and any(c.__module__ == _TORCHTUNE_RECIPES for c in cls.__mro__):
             try:
                 return Path(inspect.getfile(cls)).name
