@@ -488,7 +488,8 @@ class ParamsInRoot(Rule):
         groups = S.kept_in_root(tree, costs)
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
-            return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules that gain less as units of their own than they cost: "
+            return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules "
+                              "that gain less as units of their own than they cost: "
                               + "; ".join(f"{E.fmt_list(ms)}, a unit of {'its' if len(ms) == 1 else 'their'} own, "
                                           f"{why}" for ms, why in groups))
         movable = _movable_share(root, kept)
