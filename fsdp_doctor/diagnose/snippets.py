@@ -22,6 +22,8 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+import msgspec
+
 from ..records import ALLOC_CONF_VARS, FSDP_MODULE_METHODS, SET_RESHARD_AFTER_FORWARD
 from ..units import fmt_bytes, fmt_mesh, fmt_share, unit_label
 from . import thresholds as T
@@ -238,11 +240,24 @@ def block_bytes(u) -> dict[str, int]:
     return out
 
 
+def per_chunk(config, root) -> list[str]:
+    """The root's own modules the model calls once per chunk of the sequence: torchtune's TransformerDecoder with
+    num_output_chunks above 1 (RunConfig.output_chunks; its recipes set it for CEWithChunkedOutputLoss) calls its
+    ``output`` head on each chunk, as many times as each rank's sequence splits into: a unit of its own would issue
+    its collectives per call, a different count on each rank (wrap.params_in_root says it); [] for none."""
+    if (getattr(config, "output_chunks", None) or 0) < 2:
+        return []
+    return [m for m in root.own_modules or [] if m == "output" and m not in root.tied_modules]
+
+
 def tree(ctx) -> Tree:
     """The tree of a diagnosis context: the run's unit snapshot, else the report's unit rows, and the trace's
     unit labels."""
     cfg = getattr(ctx.run, "config", None)
     rows = list(cfg.units) if cfg is not None and cfg.units else list(ctx.report.units or [])
+    # an output head called once per chunk stays in the root as tied modules do, in every plan (per_chunk)
+    rows = [msgspec.structs.replace(r, tied_modules=[*r.tied_modules, *chunked])
+            if r.is_root and (chunked := per_chunk(cfg, r)) else r for r in rows]
     ov = ctx.report.overlap
     # a plain trace: the units its collectives and its FSDP labels name (a trace without collectives: labels)
     named = ([r.unit for r in ov.per_unit] + [r.name for r in ov.units or []]) if ov is not None else []
@@ -1898,7 +1913,14 @@ def _on_fsdp_modules(code: str) -> list[str] | None:
 def _on_self(code: str) -> list[str]:
     """``code``'s lines with the watched model, ``model``, as ``self`` (inside a LightningModule's method); comment
     lines as they were."""
-    return [ln if ln.lstrip().startswith("#") else re.sub(rf"(?<![\w.'\"]){ROOT}\b", "self", ln)
+    return _renamed(code, {ROOT: "self"})
+
+
+def _renamed(code: str, names: dict[str, str]) -> list[str]:
+    """``code``'s lines with each of ``names``' keys, a name of its own (not an attribute, not in a string), as its
+    value; comment lines as they were."""
+    pattern = re.compile(rf"(?<![\w.'\"])({'|'.join(map(re.escape, names))})\b")
+    return [ln if ln.lstrip().startswith("#") else pattern.sub(lambda m: names[m.group(1)], ln)
             for ln in code.splitlines()]
 
 
@@ -1927,9 +1949,7 @@ def for_torchtune(rec, recipe: str) -> None:
         rec.text += (f" {said}shards the model in its _setup_model (training.shard_model): the lines go there, in your "
                      "copy of the recipe (tune cp), where the model is `model`.")
         return
-    names = re.compile(rf"(?<![\w.'\"])({'|'.join(map(re.escape, TORCHTUNE_LOOP_NAMES))})\b")
-    lines = [ln if ln.lstrip().startswith("#") else names.sub(lambda m: TORCHTUNE_LOOP_NAMES[m.group(1)], ln)
-             for ln in rec.code.splitlines()]
+    lines = _renamed(rec.code, TORCHTUNE_LOOP_NAMES)
     if LAST_MICRO_BATCH in rec.inputs:
         head = lines[:1] if lines[0].startswith("#") else []  # (what the lines are for, said first)
         lines = [*head, *comment("torchtune's recipe steps the optimizer on every gradient_accumulation_steps-th "

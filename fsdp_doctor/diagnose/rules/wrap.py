@@ -90,10 +90,10 @@ def _leftover_costs(ctx: Context) -> S.LeftoverCosts:
     return S.LeftoverCosts(peak_bytes=peak, step_ms=step, call_ms=_call_ms(ctx))
 
 
-def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None, tree: Optional[S.Tree] = None) -> str:
+def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None) -> str:
     """The whole sharding with the root's own modules units of their own where that gains more than it costs
-    (``costs``: ``_leftover_costs``, read here where not given; ``tree``: the run's, ``S.tree``, where not given)."""
-    return S.shard_plan(tree or S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx))
+    (``costs``: ``_leftover_costs``, read here where not given)."""
+    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx))
 
 
 def _plugin_wrap(ctx: Context, did: str) -> dict:
@@ -472,12 +472,10 @@ class ParamsInRoot(Rule):
             return self.quiet(f"the root holds {fmt_share(share, 1, ROOT_SHARE_MIN)} of the parameters "
                               f"(fires from {100 * ROOT_SHARE_MIN:.0f}%)")
         own = [m for m in root.own_modules if m]
-        # an output head the model calls once per chunk of the sequence stays in the root as tied modules do
-        chunked, tree = _per_chunk(ctx, root), S.tree(ctx)
-        if chunked:
+        # an output head the model calls once per chunk of the sequence stays in the root as tied modules do (as in
+        # the plans: snippets.tree)
+        if chunked := S.per_chunk(ctx.config, root):
             root = msgspec.structs.replace(root, tied_modules=[*root.tied_modules, *chunked])
-            tree.units = [msgspec.structs.replace(u, tied_modules=root.tied_modules) if u.is_root else u
-                          for u in tree.units]
         staying = _staying_words(root, chunked, ctx)
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
             return self.quiet(f"the root's parameters are those of {staying}: they stay in the root")
@@ -485,7 +483,7 @@ class ParamsInRoot(Rule):
         # beside tied modules the root stays gathered anyway: what would gain less as units of their own than their
         # collectives cost stays there with them (snippets.leftover_stays, from this run's peak, step and waits)
         costs = _leftover_costs(ctx)  # (the plan below weighs the same)
-        groups = S.kept_in_root(tree, costs)
+        groups = S.kept_in_root(S.tree(ctx), costs)
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
             return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules "
@@ -528,7 +526,7 @@ class ParamsInRoot(Rule):
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
         # every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones), the run's
         # units as they were
-        code = _root_plan(ctx, costs, tree) if tune is None else S.torchtune_layers(tune)
+        code = _root_plan(ctx, costs) if tune is None else S.torchtune_layers(tune)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
         blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
@@ -595,15 +593,6 @@ def _torchtune_layers(ctx: Context, root, others, moved: list[str]) -> list[str]
     new = [m for m in moved if not total or sizes.get(m, 0) >= TUNE_LAYER_MIN_SHARE * total]
     named = sorted({m for u in others for m in u.modules if m and S.block_of(m) is None})
     return [*named, *new] if new else None
-
-
-def _per_chunk(ctx: Context, root) -> list[str]:
-    """The root's own modules the model calls once per chunk of the sequence: torchtune's TransformerDecoder with
-    num_output_chunks above 1 (RunConfig.output_chunks; its recipes set it for CEWithChunkedOutputLoss) calls its
-    ``output`` head on each chunk; [] for none."""
-    if (getattr(ctx.config, "output_chunks", None) or 0) < 2:
-        return []
-    return [m for m in root.own_modules or [] if m == "output" and m not in root.tied_modules]
 
 
 # why a chunked output head stays in the root: a new-user trial's torchtune full_finetune_distributed (8 chunks, 2
