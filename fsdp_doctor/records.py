@@ -380,6 +380,9 @@ class RunConfig(Record, tag="config"):
     optimizer_other_params: int = 0
     optimizer_other_bytes: int = 0
     optimizer_groups: list[OptimizerGroup] = []  # its parameter groups, in order ([]: not read)
+    # per-parameter optimizers stepped inside the backward (torchtune's optimizer_in_bwd), how many; 0: the optimizer
+    # steps after the backward. Their state is the optimizer state, their time the optimizer's, out of the backward's
+    optimizer_in_backward: int = 0
     # a Hugging Face model's attention implementation ("eager", "sdpa", ...) where the model can switch it
     # (``set_attn_implementation``); None for any other model, or an older transformers without that method
     attn_implementation: str | None = None

@@ -56,6 +56,7 @@ class RunFacts(_Section):
     torch_version: str | UnsetType = UNSET
     optimizer: Optional[str] | UnsetType = UNSET
     optimizer_groups: list[OptimizerGroup] | UnsetType = UNSET  # its parameter groups (sizes, hyper-parameters)
+    optimizer_in_backward: int | UnsetType = UNSET  # per-parameter optimizers stepped in the backward (RunConfig's)
     units: int | UnsetType = UNSET  # FSDP units
     # the units' parameter mesh where it has dims beyond FSDP's: dim -> size, FSDP's first (RunConfig.mesh)
     mesh: dict[str, int] | UnsetType = UNSET

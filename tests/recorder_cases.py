@@ -17,6 +17,8 @@ Cases:
   trainer_fixes  fixes whose lever is the Trainer's own setting, diagnosed and pasted (run_trainer_fixes).
   accelerate_accum  gradient accumulation inside accelerator.accumulate(model), its plugin's defaults and
             sync_each_batch=True, the latter's fix pasted (run_accelerate_accum).
+  in_backward  torchtune's optimizer_in_bwd on the reference GPT: a per-parameter AdamW stepped by a hook as FSDP2
+            reduce-scatters each gradient, watched with the map of them and with None (run_in_backward).
 
 Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -32,6 +34,7 @@ import shutil
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -1110,10 +1113,67 @@ def run_loops(out: Path) -> dict:
     return res
 
 
+def optimizers_in_backward(model):
+    """torchtune's optimizer_in_bwd as its recipe sets it up (training.register_optim_in_bwd_hooks and
+    create_optim_in_bwd_wrapper): each parameter's own AdamW, stepped and zeroed by a post-accumulate-grad hook (FSDP2
+    calls it on the sharded parameter once its gradient is reduced); the wrapper maps parameter names to them."""
+    optims = {p: torch.optim.AdamW([p], lr=1e-2) for p in model.parameters()}
+
+    def optim_step(param):
+        optims[param].step()
+        optims[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(optim_step)
+    return types.SimpleNamespace(optim_map={n: optims[p] for n, p in model.named_parameters()})
+
+
+def _local_bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def run_in_backward(out: Path) -> dict:
+    """The same training without the doctor, watched with the wrapper (its optim_map) and with None: losses and
+    final shards, what is left on the model and the optimizers after exit, the steps the doctor timed, the state's
+    bytes as the optimizers hold them."""
+    def one(given):
+        model, forward = gpt()
+        wrapper = optimizers_in_backward(model)
+        opts = list(wrapper.optim_map.values())
+        model._get_fsdp_state()._lazy_init()
+        before = [hook_state(model, o) for o in opts]
+        ctx = (fsdp_doctor.watch(model, wrapper if given == "wrapper" else None, out_dir=str(out / given),
+                                 profile=False) if given else contextlib.nullcontext())
+        losses = []
+        with ctx as doctor:
+            for step in range(STEPS):
+                tok, tgt = batch(step)
+                loss = F.cross_entropy(forward(tok).float().flatten(0, 1), tgt.flatten())
+                loss.backward()
+                if doctor is not None:
+                    doctor.step()
+                losses.append(loss.item())
+        left = sorted({k for b, o in zip(before, opts) for k in diff(b, hook_state(model, o))})
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        state = sum(_local_bytes(v) for o in opts for st in o.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        return losses, params, left, doctor, len(opts), state
+
+    base_losses, base_params, *_ = one(None)
+    res = {}
+    for given in ("wrapper", "none"):
+        losses, params, left, doctor, n, state = one(given)
+        res[given] = {"identical": losses == base_losses and same_tensors(params, base_params), "left": left,
+                      "optimizers": n, "state_bytes": state, "in_backward_steps": doctor._timer.in_backward_steps}
+    return res
+
+
 CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,
          "trainer_fixes": run_trainer_fixes, "trainer_compiled": run_trainer_compiled,
          "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
-         "accelerate_fixes": run_accelerate_fixes, "accelerate_accum": run_accelerate_accum}
+         "accelerate_fixes": run_accelerate_fixes, "accelerate_accum": run_accelerate_accum,
+         "in_backward": run_in_backward}
 
 
 if __name__ == "__main__":

@@ -93,8 +93,9 @@ def _tune(*args, cwd, env=None, timeout=400) -> str:
     return out
 
 
-def _recipe(tmp_path, fix: str = "") -> Path:
-    """The recipe copied as its users copy it, attached as the README says, ``fix`` pasted before its backward."""
+def _recipe(tmp_path, fix: str = "", watched: bool = True) -> Path:
+    """The recipe copied as its users copy it, attached as the README says (unless not ``watched``), ``fix`` pasted
+    before its backward."""
     path = tmp_path / "recipe.py"
     _tune("cp", "full_finetune_distributed", str(path), cwd=tmp_path)
     s = path.read_text()
@@ -110,16 +111,18 @@ def _recipe(tmp_path, fix: str = "") -> Path:
          "            memory_stats = training.get_memory_stats(")
     once("        training.cleanup_before_training()\n",
          "        if self._device.type == 'cuda':\n            training.cleanup_before_training()\n")
-    # the README's two lines: watch() around the epochs' loop, doctor.step() after the optimizer step
+    # the README's lines: watch() around the epochs' loop (given the per-parameter optimizers' map under
+    # optimizer_in_bwd), doctor.step() before the step's count goes up
     start = "        for curr_epoch in range(self.epochs_run, self.total_epochs):\n"
     end = "        self._profiler.stop()\n"
     i, j = s.index(start), s.index(end)
-    s = (s[:i] + "        import fsdp_doctor, os\n"
-         "        with fsdp_doctor.watch(self._model, self._optimizer, out_dir=os.environ['DOCTOR_OUT']) as doctor:\n"
-         + textwrap.indent(s[i:j], "    ") + s[j:])
-    once("                            self._optimizer.zero_grad(set_to_none=True)\n",
-         "                            self._optimizer.zero_grad(set_to_none=True)\n"
-         "                            doctor.step()\n")
+    if watched:
+        s = (s[:i] + "        import fsdp_doctor, os\n"
+             "        optimizer = self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer\n"
+             "        with fsdp_doctor.watch(self._model, optimizer, out_dir=os.environ['DOCTOR_OUT']) as doctor:\n"
+             + textwrap.indent(s[i:j], "    ") + s[j:])
+        once("                        self.global_step += 1\n",
+             "                        doctor.step()\n                        self.global_step += 1\n")
     if fix:
         m = re.search(r"^( *)current_loss\.backward\(\)\n", s, re.M)
         s = s[:m.start()] + textwrap.indent(fix + "\n", m.group(1)) + s[m.start():]
@@ -127,22 +130,28 @@ def _recipe(tmp_path, fix: str = "") -> Path:
     return path
 
 
-def _run(tmp_path, assets, name: str, fix: str = "", config: str = ""):
-    """(the report of the recipe's run, its final loss as its progress bar prints it): ``fix`` pasted before the
-    recipe's backward, ``config`` lines added to its config."""
+def _run(tmp_path, assets, name: str, fix: str = "", config: str = "", settings: dict | None = None,
+         watched: bool = True):
+    """(the report of the recipe's run, None where not ``watched``; its final loss as its progress bar prints it):
+    ``fix`` pasted before the recipe's backward, ``config`` lines added to its config, ``settings`` in place of its
+    own."""
     import fsdp_doctor
 
     d = tmp_path / name
     d.mkdir()
     cfg = d / "cfg.yaml"
-    cfg.write_text(_CONFIG.format(out=d / "out", assets=assets) + config + "\n")
+    text = _CONFIG.format(out=d / "out", assets=assets)
+    for key, value in (settings or {}).items():
+        text, n = re.subn(rf"^{key}: .*$", f"{key}: {value}", text, flags=re.M)
+        assert n == 1, key
+    cfg.write_text(text + config + "\n")
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1",
            "DOCTOR_OUT": str(d / "doctor")}
     # (the recipe by its name in the run's folder, as tune cp leaves it: given a path, tune run read it as a module's)
-    out = _tune("run", "--nproc_per_node", "2", _recipe(d, fix).name, "--config", str(cfg), cwd=d, env=env)
+    out = _tune("run", "--nproc_per_node", "2", _recipe(d, fix, watched).name, "--config", str(cfg), cwd=d, env=env)
     losses = re.findall(r"\|10\|Loss: ([0-9.]+)", out)
     assert losses, out[-3000:]
-    return fsdp_doctor.build_report(fsdp_doctor.load_run(d / "doctor")), losses[-1]
+    return fsdp_doctor.build_report(fsdp_doctor.load_run(d / "doctor")) if watched else None, losses[-1]
 
 
 @pytest.mark.long
@@ -163,3 +172,20 @@ def test_recipe_accumulation_fix_pasted_where_said(tmp_path, assets):
     after, loss_after = _run(tmp_path, assets, "after", rec.code, config)
     assert not {"accum.sync_every_micro_batch", "wrap.params_in_root"} & {g.code for g in after.findings}
     assert loss_after == loss, (loss, loss_after)
+
+
+@pytest.mark.long
+def test_recipe_optimizer_in_backward_state_and_time_counted(tmp_path, assets):
+    """optimizer_in_bwd: True, watched with the map of per-parameter optimizers the recipe keeps: AdamW's moments
+    are the optimizer state to the byte, their steps' time the optimizer's; the loss equal to the unwatched run's."""
+    from fsdp_doctor.present.fmt import optimizer_fact
+
+    settings = {"optimizer_in_bwd": "True", "gradient_accumulation_steps": 1, "clip_grad_norm": "null"}
+    report, loss = _run(tmp_path, assets, "in_bwd", settings=settings)
+    _, unwatched = _run(tmp_path, assets, "in_bwd_unwatched", settings=settings, watched=False)
+    assert loss == unwatched, (loss, unwatched)
+    assert optimizer_fact(report.run) == "AdamW in backward (21 per-parameter optimizers)"
+    for rank, mr in report.memory.per_rank.items():
+        bd = mr.peak_breakdown
+        assert bd["optimizer_state"] == 2 * bd["sharded_params"] + 4 * 21, (rank, bd)
+    assert report.steps.job.phases_p50_ms["optimizer"] > 0

@@ -66,6 +66,8 @@ def run_facts(run: Run) -> RunFacts:
             tokens_per_step=cfg.tokens_per_step)
         if cfg.optimizer_groups:
             facts.optimizer_groups = list(cfg.optimizer_groups)
+        if cfg.optimizer_in_backward:
+            facts.optimizer_in_backward = cfg.optimizer_in_backward
         if cfg.mesh:  # tensor (or other model) parallelism beside FSDP, or HSDP's 2-D mesh
             facts.mesh = dict(cfg.mesh)
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)

@@ -169,8 +169,11 @@ def experts_fact(r: RunFacts) -> str:
 
 
 def optimizer_fact(r: RunFacts) -> str:
-    """"AdamW (2 param groups)": the optimizer's class, and its groups where there are several."""
+    """"AdamW (2 param groups)": the optimizer's class, and its groups where there are several; "AdamW in backward
+    (24 per-parameter optimizers)" where it steps inside the backward."""
     groups = len(r.optimizer_groups or [])
+    if r.optimizer and r.optimizer_in_backward:
+        return f"{r.optimizer} in backward ({r.optimizer_in_backward} per-parameter optimizers)"
     return f"{r.optimizer} ({groups} param groups)" if r.optimizer and groups > 1 else (r.optimizer or "")
 
 

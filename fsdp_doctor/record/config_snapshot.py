@@ -356,8 +356,9 @@ def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untraine
 
 def optimizer_groups(optimizer) -> list[OptimizerGroup]:
     """The optimizer's parameter groups: their sizes and numeric hyper-parameters (a tensor learning rate read
-    as its number; flags, None and other values left out)."""
-    out = []
+    as its number; flags, None and other values left out). Per-parameter optimizers stepped in the backward (one
+    group each, hundreds in a real model) are read as the groups their options make."""
+    out: list[OptimizerGroup] = []
     for g in getattr(optimizer, "param_groups", None) or []:
         opts: dict = {}
         for k, v in g.items():
@@ -368,7 +369,11 @@ def optimizer_groups(optimizer) -> list[OptimizerGroup]:
             elif isinstance(v, (tuple, list)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                              for x in v):
                 opts[k] = [float(x) for x in v]
-        out.append(OptimizerGroup(params=len(g["params"]), options=opts))
+        same = next((o for o in out if o.options == opts), None) if getattr(optimizer, "in_backward", False) else None
+        if same is not None:
+            same.params += len(g["params"])
+        else:
+            out.append(OptimizerGroup(params=len(g["params"]), options=opts))
     return out
 
 

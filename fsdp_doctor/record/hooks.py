@@ -13,6 +13,8 @@ It brackets FSDP2's own hooks without patching FSDP:
   autograd-engine callback queued from it marks the end of backward.
 * optimizer: ``Optimizer.register_step_pre_hook`` / ``register_step_post_hook``; a closure given to
   ``optimizer.step(closure)`` (Lightning's Trainer) is passed on timed, its calls kept out of the optimizer's time.
+  Per-parameter optimizers stepped inside the backward (``install_in_backward``) are timed by the same hooks, their
+  time the step's optimizer time and out of the backward's.
 * garbage collection: ``gc.callbacks``.
 
 At FSDP's natural points the hooks emit *marks* ``(unit, phase)`` to a :class:`MarkSink` (the memory probe);
@@ -217,6 +219,8 @@ class StepTimer:
         self._grad_hooks: dict[int, Any] = {}
         self._log_cache: dict[str, tuple[bool, int] | None] = {}
         self.optimizer_steps = 0  # optimizer.step() calls seen (micro-batches: several doctor.step() per one)
+        self.in_backward_steps = 0  # steps of per-parameter optimizers inside the backward (install_in_backward)
+        self._ib_start = self._ib_ns = 0  # ... the one running's start, and their time inside this step's backward
         # units compiled (``module.compile()``, or the module of ``torch.compile(module)``'s wrapper) timed around
         # the call that enters their compiled frame, and each such call, put back when the doctor steps aside
         self.timed_compiled: set[int] = set()
@@ -309,6 +313,28 @@ class StepTimer:
                 hooks.move_to_end(pre.id, last=False)
         gc.callbacks.append(self._gc_cb)
         self._tap_fsdp_log()
+
+    def install_in_backward(self, optimizers: list) -> None:
+        """Times per-parameter optimizers stepped inside the backward (torchtune's optimizer_in_bwd: a hook on each
+        parameter steps its own optimizer as FSDP2 reduce-scatters its gradient): their steps add up to the step's
+        optimizer time, taken out of the backward's, which held them. They neither end nor split a step (the
+        loop's doctor.step() calls do): no optimizer_steps, no marks."""
+        for o in optimizers:
+            self._handles.append(o.register_step_pre_hook(_eager(self._ib_pre)))
+            self._handles.append(o.register_step_post_hook(_eager(self._ib_post)))
+
+    def _ib_pre(self, optimizer, args, kwargs):
+        if self.active:
+            self._ib_start = _now()
+
+    def _ib_post(self, optimizer, args, kwargs):
+        if self.active and self._ib_start:
+            dt = _now() - self._ib_start
+            self._ib_start = 0
+            self._optimizer_ns += dt
+            if self._bwd_start:
+                self._ib_ns += dt
+            self.in_backward_steps += 1
 
     def _time_compiled_calls(self, model: nn.Module) -> None:
         """A unit compiled in place (``module.compile()``: torchtitan 0.3's blocks, kernels.launch_bound's fix) runs
@@ -1216,6 +1242,7 @@ class StepTimer:
 
     def begin_step(self) -> None:
         self._forward_ns = self._backward_ns = self._optimizer_ns = self._gc_ns = self._no_grad_ns = 0
+        self._ib_start = self._ib_ns = 0
         self._gc_count = self._no_grad_count = self._autograd_eval_count = 0
         self._gc_full_ns = self._gc_collected = self._gc_disabled_ns = self._gc_disabled_count = 0
         self._gc_disabled = False
@@ -1268,7 +1295,7 @@ class StepTimer:
                      fwd_calls=a.calls)
             for i, u, a in ((i, self._units[i], self._acc[i]) for i in range(len(self._units)))
         ]
-        return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(self._backward_ns),
+        return StepTimings(forward_ms=_ms(self._forward_ns), backward_ms=_ms(max(0, self._backward_ns - self._ib_ns)),
                            optimizer_ms=_ms(self._optimizer_ns), gc_ms=_ms(self._gc_ns), gc_count=self._gc_count,
                            gc_full_ms=_ms(self._gc_full_ns), gc_collected=self._gc_collected,
                            gc_disabled_count=self._gc_disabled_count, gc_disabled_ms=_ms(self._gc_disabled_ns),

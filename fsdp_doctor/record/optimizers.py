@@ -1,5 +1,6 @@
 """The optimizer as the recorder reads it: its state and parameter groups, and its name, where a container of
-several optimizers steps them (torchtitan's OptimizersContainer) and holds only empty shells itself."""
+several optimizers steps them (torchtitan's OptimizersContainer) and holds only empty shells itself, or where each
+parameter's own optimizer steps inside the backward (torchtune's optimizer_in_bwd: in_backward_optimizers)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ class OptimizerParts:
     Their state and parameter groups in order, named by theirs ("DistMuon+AdamW"); its step hooks stay the
     container's."""
 
-    def __init__(self, optimizers: list):
+    def __init__(self, optimizers: list, in_backward: bool = False):
         self.optimizers = optimizers
+        # per-parameter optimizers that step inside the backward (in_backward_optimizers), not a container's
+        self.in_backward = in_backward
 
     @property
     def state(self) -> dict:
@@ -35,6 +38,19 @@ def held_optimizers(opt) -> list | None:
     if has_step_hooks(opt) and isinstance(inner, list) and inner and all(has_step_hooks(o) for o in inner):
         return inner
     return None
+
+
+def in_backward_optimizers(obj) -> list | None:
+    """The per-parameter optimizers of an optimizer stepped inside the backward, given to watch() as the object that
+    maps each parameter's name to its optimizer (``.optim_map``: torchtune's OptimizerInBackwardWrapper, which its
+    recipes keep as ``self._optim_ckpt_wrapper`` under ``optimizer_in_bwd: True``; a post-accumulate-grad hook on
+    each parameter steps its optimizer as FSDP2 reduce-scatters the gradient), in order, each once; None where
+    ``obj`` is no such map."""
+    optim_map = getattr(obj, "optim_map", None)
+    if has_step_hooks(obj) or not isinstance(optim_map, dict) or not optim_map:
+        return None
+    opts = list({id(o): o for o in optim_map.values()}.values())
+    return opts if all(has_step_hooks(o) for o in opts) else None
 
 
 def optimizer_reads(opt):

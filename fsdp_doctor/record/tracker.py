@@ -61,7 +61,7 @@ from .sinks import FailurePolicy, Sinks
 from .config_snapshot import another_models_optimizer, config_snapshot, unseen_note, untrained_rows
 from .compile_time import CompileClock, RecompileLimitTap
 from .dcp_saves import DcpSaveTap
-from .optimizers import has_step_hooks, held_optimizers, optimizer_reads
+from .optimizers import OptimizerParts, has_step_hooks, held_optimizers, in_backward_optimizers, optimizer_reads
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
@@ -149,6 +149,7 @@ class Doctor:
         self._said_repeated = False
         self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry (its step hooks time it)
         self._reads = optimizer  # what its state and groups are read from (optimizer_reads)
+        self._in_backward: list | None = None  # per-parameter optimizers stepped in the backward (no step hooks)
         self.out_dir = Path(opts.out_dir)
         self.count_flops = opts.counts_flops
         self._profile_kwargs = resolve_profile(opts.profile)
@@ -203,8 +204,13 @@ class Doctor:
                 log.warning("fsdp_doctor: %s; watch() records nothing and training goes on", reason)
             return self
         try:
-            self.optimizer = unwrap_optimizer(self.optimizer)
-            self._reads = optimizer_reads(self.optimizer)
+            if (inside := in_backward_optimizers(self.optimizer)) is not None:
+                # (optimizer_in_bwd: no step of an optimizer ends a step, each doctor.step() call does)
+                self.optimizer, self._in_backward = None, inside
+                self._reads = OptimizerParts(inside, in_backward=True)
+            else:
+                self.optimizer = unwrap_optimizer(self.optimizer)
+                self._reads = optimizer_reads(self.optimizer)
             self._check_entry()
             self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -421,6 +427,8 @@ class Doctor:
         if said := another_models_optimizer(self._reads, self.model, self._units):  # (a warning: training goes on)
             log.warning("fsdp_doctor: %s", said)
         self._timer.install(self._units, self.model, self.optimizer)
+        if self._in_backward:
+            self._timer.install_in_backward(self._in_backward)
         self._timer.step_boundary = self._forward_after_optimizer
         self._init_memory()
         self._timer.marks = self._memory
@@ -760,7 +768,9 @@ class Doctor:
         whose gradient sync is off then."""
         samples, self._untrained = self._untrained, None
         # (after three steps the hooks saw: a step a GradScaler skipped, or an optimizer whose hooks never run, is none)
-        stepped = self._reads is not None and self._timer.optimizer_steps >= LATE_CHECK_STEP + 1
+        # (stepped in the backward: a parameter's optimizer steps when its gradient comes, each step the loop ends)
+        ran = self._timer.optimizer_steps if self._in_backward is None else self.steps_done + 1
+        stepped = self._reads is not None and ran >= LATE_CHECK_STEP + 1
         state = len(getattr(self._reads, "state", None) or {}) if stepped else None
         sync_off = [u.name for u in self._units if any(not F2.reduce_grads(pg) for pg in u.param_groups)]
         unmanaged = [p for p in unmanaged_params(self.model, self._units) if p.requires_grad]
@@ -787,6 +797,17 @@ class Doctor:
             selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
             unseen_from=self._unseen_from)
         cfg.driver, cfg.recipe = self.driver, self.recipe
+        if self._in_backward:
+            cfg.optimizer_in_backward = len(self._in_backward)
+            cfg.measured_notes.append(
+                f"the optimizer steps inside the backward ({len(self._in_backward)} per-parameter optimizers): "
+                "their steps' time is the optim column's, taken out of the backward's")
+        elif self._reads is None and (hooked := _post_accumulate_hooked(self.model)):
+            cfg.measured_notes.append(
+                f"no optimizer was given to watch() and {hooked} parameter(s) have post-accumulate-grad hooks (an "
+                "optimizer stepped inside the backward?): its state is not counted, nor its time; give watch() an "
+                "object whose .optim_map maps each parameter's name to its optimizer (torchtune's "
+                "self._optim_ckpt_wrapper)")
         chunks = getattr(self.model, "num_output_chunks", None)  # (torchtune's decoder: its output head per chunk)
         cfg.output_chunks = chunks if isinstance(chunks, int) and chunks > 1 else None
         if cfg.driver is None and (acc := _lightning_accumulate(self.model)) is not None:
@@ -849,6 +870,12 @@ def merged_saves(saves: list[tuple[int, int, bool | None]], model_start: int = 0
     return out
 
 
+def _post_accumulate_hooked(model: nn.Module) -> int:
+    """The model's parameters with post-accumulate-grad hooks (what steps an optimizer inside the backward: torchtune's
+    register_optim_in_bwd_hooks), counted where no optimizer was given to watch()."""
+    return sum(1 for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def unwrap_optimizer(optimizer):
     """The torch Optimizer inside a wrapper that exposes it as ``.optimizer`` (accelerate's AcceleratedOptimizer,
     which subclasses Optimizer without its hook state, and the like), or the one a container holds as
@@ -901,7 +928,9 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
 
     ``model``: the model with ``fully_shard`` applied (to its blocks and to itself); ``optimizer``: its
     optimizer, or a wrapper exposing it as ``.optimizer`` (accelerate's), for optimizer-step timing, state
-    memory and the optimizer checks; ``options``: :class:`~fsdp_doctor.record.options.WatchOptions`
+    memory and the optimizer checks; per-parameter optimizers stepped inside the backward as an object whose
+    ``.optim_map`` maps each parameter's name to its optimizer (torchtune's ``self._optim_ckpt_wrapper`` under
+    ``optimizer_in_bwd: True``; each ``doctor.step()`` call is then a step); ``options``: :class:`~fsdp_doctor.record.options.WatchOptions`
     (``out_dir`` required; ``profile``, ``memory``, ``tokens_per_step``, ``peak_tflops``, ``count_flops``,
     ``capacity_bytes``, ``tensorboard``, ``overwrite``).
     """
