@@ -402,6 +402,13 @@ class RunConfig(Record, tag="config"):
     # the file of the torchtune recipe that drove the run (TORCHTUNE_DRIVER: its recipe class's source file, the user's
     # copy from `tune cp` or torchtune's own); None: not such a run, or a run recorded before this field
     recipe: str | None = None
+    # what its train() all-reduces at each optimizer step (the tensors as written, in order: num_tokens, running_loss)
+    # and the one of them its gradient scaling divides by (None: none, or its source not read)
+    recipe_reduced: list[str] = []
+    recipe_scaled_by: str | None = None
+    # whether its setup passes the config's custom_sharded_layers to the _setup_model that builds the watched model
+    # (torchtune 0.6.1's knowledge distillation passes it to its teacher's only); None: not read
+    recipe_custom_layers: bool | None = None
     # the watched model's num_output_chunks where above 1 (torchtune's TransformerDecoder, set by its recipes for
     # CEWithChunkedOutputLoss): it calls its output head once per chunk of the sequence, a count that can differ
     # between ranks (a unit of that head's own would issue its collectives per call); None: not chunked, or not read

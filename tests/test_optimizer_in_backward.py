@@ -17,8 +17,8 @@ from test_clients import _launch
 
 #: torchtune 0.6.1's full_finetune_distributed with optimizer_in_bwd: True (tests/test_torchtune_words.py's recipe,
 #: 2 gloo ranks, a 2-layer Llama-2-shaped decoder, activation checkpointing, chunked output loss, 14 steps, a profiler
-#: window at steps 6-7), watched as the README says: watch(self._model, self._optim_ckpt_wrapper if
-#: self._optimizer_in_bwd else self._optimizer, ...), doctor.step() before self.global_step += 1
+#: window at steps 6-7), watched with watch(self._model, self._optim_ckpt_wrapper, ...) (the README's line gives it
+#: where the recipe has it), doctor.step() before self.global_step += 1
 RUN = Path(__file__).resolve().parents[1] / "traces" / "cpu" / "torchtune_optimizer_in_bwd"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -412,6 +413,13 @@ def test_another_models_same_named_units_are_not_booked_to_the_watched_ones(tmp_
         assert bwd[""] < 30.0 and s.backward_ms < 30.0, (s.step, bwd, s.backward_ms)  # not the other's 60 ms
         assert s.outside_ms >= 55.0, s  # the other model's work: outside the watched model
         assert 55.0 <= s.other_models_ms <= s.outside_ms, s  # and timed as the other model's (StepRecord.other_models_ms)
+    # said under the step table: the outside column holds it, and it is model work (a KD trial's teacher: 42 of 86 ms)
+    from fsdp_doctor import build_report
+    from fsdp_doctor.present.fmt import apart_texts
+
+    line = dict(apart_texts(build_report(load_run(tmp_path / "run")).steps))["other-models"]
+    ms = float(re.search(r"run inside the steps: ([0-9.]+) ms of the ([0-9.]+) ms per step outside", line).group(1))
+    assert 55.0 <= ms and "not data loading" in line, line
 
 
 _FORWARD_METHOD_SCRIPT = textwrap.dedent('''

@@ -54,6 +54,22 @@ log_peak_memory_stats: False
 """
 
 
+# knowledge distillation: a LoRA student and a teacher of the same shape, each from the checkpoint, both sharded
+_KD_CONFIG = _CONFIG.replace(
+    "model: {{_component_: torchtune.models.llama2.llama2,",
+    "model: {{_component_: torchtune.models.llama2.lora_llama2, lora_attn_modules: [q_proj, v_proj, output_proj],\n"
+    "        apply_lora_to_mlp: True, lora_rank: 8, lora_alpha: 16, lora_dropout: 0.0,\n       ") + """\
+teacher_model: {{_component_: torchtune.models.llama2.llama2, vocab_size: 4096, num_layers: 2, num_heads: 4,
+                num_kv_heads: 4, embed_dim: 64, max_seq_len: 256, intermediate_dim: 128}}
+teacher_checkpointer: {{_component_: torchtune.training.FullModelHFCheckpointer, checkpoint_dir: {assets}/ckpt,
+                       checkpoint_files: [model.safetensors], recipe_checkpoint: null, output_dir: {out}/teacher,
+                       model_type: LLAMA2}}
+kd_loss: {{_component_: torchtune.modules.loss.ForwardKLWithChunkedOutputLoss}}
+kd_ratio: 0.5
+lr_scheduler: {{_component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup, num_warmup_steps: 2}}
+"""
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A text file, a sentencepiece tokenizer trained on it and a 2-layer Llama checkpoint in HF's format."""
@@ -93,24 +109,29 @@ def _tune(*args, cwd, env=None, timeout=400) -> str:
     return out
 
 
-def _recipe(tmp_path, fix: str = "", watched: bool = True) -> Path:
+def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded: str = "",
+            pass_layers: bool = False) -> Path:
     """The recipe copied as its users copy it, attached as the README says (unless not ``watched``), ``fix`` pasted
-    before its backward."""
+    before its backward, ``sharded`` after the training.shard_model(...) call of its _setup_model, and (``pass_layers``)
+    custom_sharded_layers passed to the _setup_model call that builds the model it trains."""
     path = tmp_path / "recipe.py"
-    _tune("cp", "full_finetune_distributed", str(path), cwd=tmp_path)
+    _tune("cp", recipe, str(path), cwd=tmp_path)
     s = path.read_text()
 
-    def once(old, new):
+    def once(old, new, count=1):
         nonlocal s
-        assert s.count(old) == 1, old
+        assert s.count(old) == count, old
         s = s.replace(old, new)
 
-    # on a CPU: torchtune reads CUDA memory stats on rank 0 and empties a cache torch.cpu lacks
+    # on a CPU: torchtune reads CUDA memory stats on rank 0 and empties a cache torch.cpu lacks; knowledge
+    # distillation asks for NCCL
+    n = s.count("        if self._is_rank_zero:\n            memory_stats = training.get_memory_stats(")
     once("        if self._is_rank_zero:\n            memory_stats = training.get_memory_stats(",
          "        if self._is_rank_zero and self._device.type == 'cuda':\n"
-         "            memory_stats = training.get_memory_stats(")
+         "            memory_stats = training.get_memory_stats(", max(n, 1))
     once("        training.cleanup_before_training()\n",
          "        if self._device.type == 'cuda':\n            training.cleanup_before_training()\n")
+    s = s.replace('init_process_group("cuda:nccl,cpu:gloo")', 'init_process_group("gloo")')
     # the README's lines: watch() around the epochs' loop (given the per-parameter optimizers' map under
     # optimizer_in_bwd), doctor.step() before the step's count goes up
     start = "        for curr_epoch in range(self.epochs_run, self.total_epochs):\n"
@@ -118,7 +139,7 @@ def _recipe(tmp_path, fix: str = "", watched: bool = True) -> Path:
     i, j = s.index(start), s.index(end)
     if watched:
         s = (s[:i] + "        import fsdp_doctor, os\n"
-             "        optimizer = self._optim_ckpt_wrapper if self._optimizer_in_bwd else self._optimizer\n"
+             "        optimizer = getattr(self, '_optim_ckpt_wrapper', self._optimizer)\n"
              "        with fsdp_doctor.watch(self._model, optimizer, out_dir=os.environ['DOCTOR_OUT']) as doctor:\n"
              + textwrap.indent(s[i:j], "    ") + s[j:])
         once("                        self.global_step += 1\n",
@@ -126,21 +147,29 @@ def _recipe(tmp_path, fix: str = "", watched: bool = True) -> Path:
     if fix:
         m = re.search(r"^( *)current_loss\.backward\(\)\n", s, re.M)
         s = s[:m.start()] + textwrap.indent(fix + "\n", m.group(1)) + s[m.start():]
+    if sharded:
+        i = s.index("        training.shard_model(", s.index("    def _setup_model("))
+        i = s.index("        )\n", i) + len("        )\n")
+        s = s[:i] + textwrap.indent(sharded + "\n", "        ") + s[i:]
+    if pass_layers:
+        once("        self._model = self._setup_model(\n",
+             "        self._model = self._setup_model(\n"
+             "            custom_sharded_layers=cfg.get('custom_sharded_layers', None),\n")
     path.write_text(s)
     return path
 
 
 def _run(tmp_path, assets, name: str, fix: str = "", config: str = "", settings: dict | None = None,
-         watched: bool = True):
+         watched: bool = True, recipe: str = "full_finetune_distributed", template: str = _CONFIG, **edits):
     """(the report of the recipe's run, None where not ``watched``; its final loss as its progress bar prints it):
-    ``fix`` pasted before the recipe's backward, ``config`` lines added to its config, ``settings`` in place of its
-    own."""
+    ``fix`` pasted before the recipe's backward (``edits``: _recipe's others), ``config`` lines added to its config
+    (``template``), ``settings`` in place of its own."""
     import fsdp_doctor
 
     d = tmp_path / name
     d.mkdir()
     cfg = d / "cfg.yaml"
-    text = _CONFIG.format(out=d / "out", assets=assets)
+    text = template.format(out=d / "out", assets=assets)
     for key, value in (settings or {}).items():
         text, n = re.subn(rf"^{key}: .*$", f"{key}: {value}", text, flags=re.M)
         assert n == 1, key
@@ -148,7 +177,8 @@ def _run(tmp_path, assets, name: str, fix: str = "", config: str = "", settings:
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1",
            "DOCTOR_OUT": str(d / "doctor")}
     # (the recipe by its name in the run's folder, as tune cp leaves it: given a path, tune run read it as a module's)
-    out = _tune("run", "--nproc_per_node", "2", _recipe(d, fix, watched).name, "--config", str(cfg), cwd=d, env=env)
+    out = _tune("run", "--nproc_per_node", "2", _recipe(d, recipe, fix, watched, **edits).name, "--config", str(cfg),
+                cwd=d, env=env)
     losses = re.findall(r"\|10\|Loss: ([0-9.]+)", out)
     assert losses, out[-3000:]
     return fsdp_doctor.build_report(fsdp_doctor.load_run(d / "doctor")) if watched else None, losses[-1]
@@ -189,3 +219,29 @@ def test_recipe_optimizer_in_backward_state_and_time_counted(tmp_path, assets):
         bd = mr.peak_breakdown
         assert bd["optimizer_state"] == 2 * bd["sharded_params"] + 4 * 21, (rank, bd)
     assert report.steps.job.phases_p50_ms["optimizer"] > 0
+
+
+@pytest.mark.long
+def test_distillation_recipe_teacher_said_and_its_plan_pasted_with_the_recipe_line(tmp_path, assets):
+    """knowledge_distillation_distributed: the teacher's forward said under the step table as another model's work;
+    what its train() all-reduces recorded as it writes it; with the student's root kept gathered (reshard.last_unit's
+    fix pasted where it says), wrap.params_in_root's plan says the recipe's missing line (its setup() passes
+    custom_sharded_layers to the teacher's _setup_model only): pasted with the config line, the finding goes, the
+    peak as predicted, the loss equal."""
+    from fsdp_doctor.present.fmt import apart_texts
+
+    kd = dict(recipe="knowledge_distillation_distributed", template=_KD_CONFIG)
+    report, _ = _run(tmp_path, assets, "kd", **kd)
+    assert "other-models" in dict(apart_texts(report.steps)), apart_texts(report.steps)
+    last = {f.code: f for f in report.findings}.get("reshard.last_unit")
+    assert last is not None and last.recommendation.where == "torchtune_setup", [f.code for f in report.findings]
+    kept, loss = _run(tmp_path, assets, "kd_kept", sharded=last.recommendation.code, **kd)
+    wrap = {f.code: f for f in kept.findings}.get("wrap.params_in_root")
+    assert wrap is not None, [f.code for f in kept.findings]
+    code = wrap.recommendation.code
+    assert '#     custom_sharded_layers=cfg.get("custom_sharded_layers", None),' in code, code
+    after, loss_after = _run(tmp_path, assets, "kd_units", sharded=last.recommendation.code, pass_layers=True,
+                             config=code, **kd)
+    assert "wrap.params_in_root" not in {f.code for f in after.findings}
+    assert abs(after.memory.peak_bytes / wrap.predicted.peak_bytes_after - 1) < 0.01, (after.memory, wrap.predicted)
+    assert loss_after == loss, (loss, loss_after)

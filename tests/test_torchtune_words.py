@@ -22,7 +22,8 @@ import msgspec
 import fsdp_doctor
 from fsdp_doctor.diagnose import snippets as S
 from fsdp_doctor.present.fmt import fixes_note
-from fsdp_doctor.record.tracker import _torchtune_recipe
+from fsdp_doctor.diagnose.rules.optim import _recipe_reductions
+from fsdp_doctor.record.torchtune import torchtune_recipe
 from fsdp_doctor.records import TORCHTUNE_DRIVER
 from fsdp_doctor.report_sections import FIX_LANGUAGES, FIX_PLACES, Recommendation
 
@@ -34,17 +35,17 @@ FTRecipeInterface = type("FTRecipeInterface", (), {"__module__": "torchtune.reci
 
 class MyRecipe(FTRecipeInterface):
     def train(self):
-        return _torchtune_recipe(sys._getframe())
+        return torchtune_recipe(sys._getframe())
 
     def train_through_a_helper(self):
-        return (lambda: _torchtune_recipe(sys._getframe()))()
+        return (lambda: torchtune_recipe(sys._getframe()))()
 
 
 def test_the_recipe_is_read_from_the_frame_that_called_watch():
-    assert MyRecipe().train() == Path(__file__).name  # the file the user edits: the copy tune cp gave them
-    assert MyRecipe().train_through_a_helper() == Path(__file__).name
-    assert _torchtune_recipe(sys._getframe()) is None  # a loop of the user's own (this test function)
-    other = type("Recipe", (), {"__module__": "my_recipes", "run": lambda self: _torchtune_recipe(sys._getframe())})
+    assert MyRecipe().train().file == Path(__file__).name  # the file the user edits: the copy tune cp gave them
+    assert MyRecipe().train_through_a_helper().file == Path(__file__).name
+    assert torchtune_recipe(sys._getframe()) is None  # a loop of the user's own (this test function)
+    other = type("Recipe", (), {"__module__": "my_recipes", "run": lambda self: torchtune_recipe(sys._getframe())})
     assert other().run() is None  # a class named like one, not torchtune's
 
 
@@ -106,6 +107,20 @@ def test_an_unchunked_decoders_plan_is_torchtunes_config_line():
     assert f.predicted.peak_bytes_after < f.predicted.peak_bytes_before, f.predicted
 
 
+def test_a_recipe_that_does_not_pass_the_config_on_is_told_to():
+    """torchtune 0.6.1's knowledge distillation builds its student without the config's custom_sharded_layers (its
+    teacher's _setup_model gets it): the config line alone left the embedding in the root (the trial's units were
+    unchanged). The plan then says the recipe's line as well, over the config's."""
+    run, _ = _report()
+    for rd in run.ranks.values():
+        rd.config = msgspec.structs.replace(rd.config, output_chunks=None, recipe_custom_layers=False)
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "wrap.params_in_root")
+    lines = f.recommendation.code.splitlines()
+    assert lines[1] == '#     custom_sharded_layers=cfg.get("custom_sharded_layers", None),', lines
+    assert lines[-1] == "custom_sharded_layers: ['tok_embeddings', 'output']", lines
+    assert "does not pass custom_sharded_layers on to the _setup_model" in f.recommendation.text
+
+
 def test_other_fixes_are_made_for_the_recipe_or_left_alone():
     plan = Recommendation(text="t", code="fully_shard(model.tok_embeddings)", where="unsharded")
     S.for_torchtune(plan, "r.py")
@@ -117,3 +132,77 @@ def test_other_fixes_are_made_for_the_recipe_or_left_alone():
     other = Recommendation(text="t", code="optimizer.zero_grad()", where="optimizer")
     S.for_torchtune(other, "r.py")
     assert (other.code, other.where, other.text) == ("optimizer.zero_grad()", "optimizer", "t")
+
+
+#: torchtune 0.6.1's recipes' reductions at each optimizer step, as their train() writes them (a stand-in recipe file
+#: per recipe: its train() reads the recipe, as watch() does, then returns before the lines below, which never run)
+_RECIPE = """
+import sys
+from fsdp_doctor.record.torchtune import torchtune_recipe
+FTRecipeInterface = type("FTRecipeInterface", (), {{"__module__": "torchtune.recipe_interfaces"}})
+
+class Recipe(FTRecipeInterface):
+    def setup(self, cfg):
+{setup}
+    def train(self):
+        got = torchtune_recipe(sys._getframe())
+        if got is not None:
+            return got
+{body}
+"""
+# (each recipe's line that builds the model it trains: knowledge distillation's passes the config's
+# custom_sharded_layers to its teacher's _setup_model only)
+_SETUP = """\
+        self._model = self._setup_model(
+            cfg_model=cfg.model,
+            fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
+{custom}        )
+"""
+_PASSED = """            custom_sharded_layers=cfg.get("custom_sharded_layers", None),\n"""
+_KD = """\
+        torch.distributed.all_reduce(num_tokens)
+        torch.distributed.all_reduce(running_class_loss)
+        torch.distributed.all_reduce(running_kd_loss)
+        training.scale_grads(self._model, self.world_size / num_tokens)
+"""
+_DPO = """\
+        torch.distributed.all_reduce(
+            running_loss, op=torch.distributed.ReduceOp.AVG
+        )
+        torch.distributed.all_reduce(num_tokens)
+        for key in running_metrics:
+            torch.distributed.all_reduce(
+                running_metrics[key], op=torch.distributed.ReduceOp.AVG
+            )
+"""
+
+
+def _read(tmp_path, name: str, body: str, passed: bool = True):
+    import importlib.util
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(_RECIPE.format(body=body, setup=_SETUP.format(custom=_PASSED if passed else "")))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Recipe().train()
+
+
+def test_the_recipes_reductions_named_as_it_writes_them(tmp_path):
+    """optim.step_comm named full_finetune's running_loss in every recipe: knowledge distillation has none (its
+    running_class_loss and running_kd_loss), and DPO's num_tokens feeds only its tokens/s, not a gradient scaling."""
+    kd = _read(tmp_path, "kd", _KD, passed=False)
+    assert (kd.file, kd.reduced, kd.scaled_by) == ("kd.py", ["num_tokens", "running_class_loss", "running_kd_loss"],
+                                                   "num_tokens")
+    assert kd.custom_layers is False
+    text = _recipe_reductions(kd.file, kd.reduced, kd.scaled_by)
+    assert "needs num_tokens (the prediction keeps it)" in text, text
+    assert "Only its log reads running_class_loss, running_kd_loss" in text and "reduce them only" in text, text
+    assert "running_loss," not in text
+    dpo = _read(tmp_path, "dpo", _DPO)
+    assert (dpo.reduced, dpo.scaled_by, dpo.custom_layers) == (["running_loss", "num_tokens", "running_metrics[key]"],
+                                                               None, True)
+    text = _recipe_reductions(dpo.file, dpo.reduced, dpo.scaled_by)
+    assert "needs" not in text and "Only its log reads running_loss, num_tokens, running_metrics[key]" in text, text
+    # a recipe that reduces nothing in its train(): none named
+    assert _read(tmp_path, "plain", "        pass\n").reduced == []

@@ -216,6 +216,14 @@ def torchtune_recipe(ctx: Context) -> Optional[str]:
     return getattr(ctx.config, "recipe", None) or "your recipe"
 
 
+def torchtune_reductions(ctx: Context) -> tuple[list[str], Optional[str]]:
+    """What the torchtune recipe's train() all-reduces at each optimizer step, as written, and the one its gradient
+    scaling divides by (RunConfig.recipe_reduced, recipe_scaled_by); ([], None): not read (a run recorded before
+    these fields: full_finetune's num_tokens and running_loss assumed)."""
+    cfg = ctx.config
+    return list(getattr(cfg, "recipe_reduced", None) or []), getattr(cfg, "recipe_scaled_by", None)
+
+
 def plugin_lever(ctx: Context) -> Optional[str]:
     """Where a fix of a setting of accelerate's FSDP2 plugin goes (report_sections.FIX_PLACES), when that plugin
     sharded the model: "trainer" (a Trainer drove the run), "accelerate" (the user's accelerator.prepare); None:

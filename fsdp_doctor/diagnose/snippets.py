@@ -1965,11 +1965,16 @@ def for_torchtune(rec, recipe: str) -> None:
                  "where the model is self._model.")
 
 
-def torchtune_layers(names: list[str]) -> str:
+def torchtune_layers(names: list[str], passed_on: bool = True) -> str:
     """The torchtune config line that makes ``names`` (the model's modules, by their names in it) FSDP units of
     their own: its recipes' training.shard_model shards each ``layers.N`` and each module its custom_sharded_layers
-    names, then the root."""
-    return "\n".join(["# each a unit of its own beside the layers (training.shard_model's shard conditions)",
+    names, then the root. Where the recipe does not pass the setting on to the model it trains (``passed_on``
+    False: knowledge distillation's setup() passes it to its teacher's _setup_model only), the recipe's line too,
+    as comments over it: the config line alone changed nothing (a new-user trial)."""
+    recipe = ["# your recipe's setup() does not pass this on to the model it trains: add",
+              '#     custom_sharded_layers=cfg.get("custom_sharded_layers", None),',
+              "# to its self._model = self._setup_model(...) call"] if not passed_on else []
+    return "\n".join([*recipe, "# each a unit of its own beside the layers (training.shard_model's shard conditions)",
                       f"custom_sharded_layers: {names!r}"])
 
 

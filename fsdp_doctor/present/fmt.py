@@ -667,8 +667,27 @@ def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
     return [(key, line) for key, line in (("repeated", repeated_text(section)),
                                           ("compile", compile_text(section)), ("skipped", skipped_text(section)),
                                           ("no-grad", no_grad_text(section)),
-                                          ("checkpoint", checkpoint_text(section)), ("doctor", doctor_text(section)))
+                                          ("checkpoint", checkpoint_text(section)),
+                                          ("other-models", other_models_text(section)),
+                                          ("doctor", doctor_text(section)))
             if line is not None]
+
+
+def other_models_text(section: StepsSection) -> Optional[str]:
+    """Of the time outside the model, another FSDP2 model's forward and backward inside the steps (a distillation's
+    teacher, a DPO reference model, a GAN's other network): model work the verdict counts as compute, not the data
+    loading "outside" suggests (a knowledge-distillation trial read 77 of its 249 ms step outside, 41 of them its
+    teacher's forward); None where no step ran one."""
+    per = {r: (st.phases_p50_ms or {}).get("other_models") for r, st in section.per_rank.items() if st.count}
+    per = {r: v for r, v in per.items() if v}
+    if not per:
+        return None
+    r, ms = max(per.items(), key=lambda kv: kv[1])
+    outside = (section.per_rank[r].phases_p50_ms or {}).get("outside")
+    of = f" of the {fmt_ms(outside)}" if outside else ""
+    return (f"Another FSDP2 model's forward and backward (a teacher's, a reference model's) run inside the steps: "
+            f"{fmt_ms(ms)}{of} per step outside the model (p50, rank {r}); model work, counted as compute in the "
+            "verdict, not data loading")
 
 
 def doctor_text(section: StepsSection) -> Optional[str]:

@@ -20,7 +20,6 @@ removal as at exit).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import numbers
 import os
@@ -62,6 +61,7 @@ from .config_snapshot import another_models_optimizer, config_snapshot, unseen_n
 from .compile_time import CompileClock, RecompileLimitTap
 from .dcp_saves import DcpSaveTap
 from .optimizers import OptimizerParts, has_step_hooks, held_optimizers, in_backward_optimizers, optimizer_reads
+from .torchtune import Recipe, torchtune_recipe
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
@@ -181,7 +181,7 @@ class Doctor:
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
-        self.recipe: str | None = None  # the torchtune recipe's file where one runs it (RunConfig.recipe)
+        self.recipe: Recipe | None = None  # the torchtune recipe that runs it (RunConfig.recipe: its file)
         # the step's checkpoint saves (start, end ns, asynchronous: None where not known): checkpointing(), the
         # drivers' saves and torch.distributed.checkpoint's own (its save and async_save: DcpSaveTap)
         self._saves: list[tuple[int, int, bool | None]] = []
@@ -796,7 +796,9 @@ class Doctor:
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
             selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
             unseen_from=self._unseen_from)
-        cfg.driver, cfg.recipe = self.driver, self.recipe
+        cfg.driver = self.driver
+        if self.recipe is not None:
+            cfg.recipe, cfg.recipe_reduced, cfg.recipe_scaled_by, cfg.recipe_custom_layers = self.recipe
         if self._in_backward:
             cfg.optimizer_in_backward = len(self._in_backward)
             cfg.measured_notes.append(
@@ -936,47 +938,9 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
     """
     _check_arguments(model, optimizer)
     doctor = Doctor(model, optimizer, WatchOptions.from_kwargs(options))
-    if (recipe := _torchtune_recipe(sys._getframe(1))) is not None:
+    if (recipe := torchtune_recipe(sys._getframe(1))) is not None:
         doctor.driver, doctor.recipe = TORCHTUNE_DRIVER, recipe
     return doctor
-
-
-#: the module of torchtune's recipe base class (FTRecipeInterface), which every recipe of its own subclasses
-_TORCHTUNE_RECIPES = "torchtune.recipe_interfaces"
-
-
-def _torchtune_recipe(frame, depth: int = 4) -> str | None:
-    """The source file's name of the torchtune recipe whose method called watch() (``frame``: the caller's, and up to
-    ``depth`` frames out: a helper of the recipe's own), read from the class whose method the frame runs, without
-    importing torchtune: a recipe's loop (train()) and its sharding (_setup_model, from its config) are the recipe's,
-    which the user edits in a copy (`tune cp`); None: no recipe's method called it (or it could not be read: what
-    names the fixes' places never stops watch())."""
-    for _ in range(depth):
-        if frame is None:
-            return None
-        try:
-            cls = _method_class(frame)
-        except Exception:  # noqa: BLE001  (an odd module's globals: the fixes keep their generic places)
-            return None
-        if cls is not None and any(c.__module__ == _TORCHTUNE_RECIPES for c in cls.__mro__):
-            try:
-                return Path(inspect.getfile(cls)).name
-            except (TypeError, OSError):
-                return cls.__name__
-        frame = frame.f_back
-    return None
-
-
-def _method_class(frame) -> type | None:
-    """The class of its module whose method runs in ``frame`` (its code object that method's), None: not a method of
-    a class at a module's top level. Read from the module's globals, never the frame's locals: ``frame.f_locals``
-    snapshots them into a dict the running frame keeps, holding what the loop later drops (a model rebound there
-    stayed alive: its FSDP2 units read as another model's)."""
-    code = frame.f_code
-    for value in list(frame.f_globals.values()):
-        if isinstance(value, type) and getattr(value.__dict__.get(code.co_name), "__code__", None) is code:
-            return value
-    return None
 
 
 def _check_arguments(model, optimizer) -> None:

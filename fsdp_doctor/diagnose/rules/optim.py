@@ -219,8 +219,12 @@ class OptimizerStepComm(Rule):
         # new-user trial's full_finetune_distributed read "reduce metrics every N steps" with both counted as gain)
         recipe = E.torchtune_recipe(ctx) if mostly_loop else None
         if recipe is not None:
+            reduced, scaled_by = E.torchtune_reductions(ctx)
+            if not reduced:  # (recorded before the recipe's source was read: full_finetune's)
+                reduced, scaled_by = ["num_tokens", "running_loss"], "num_tokens"
             others = loop_calls - (worst.norm_calls if worst.batched_norm else 0)
-            gain *= max(0.0, others - 1) / others if others > 0 else 0.0
+            kept_calls = 1 if scaled_by else 0
+            gain *= max(0.0, others - kept_calls) / others if others > 0 else 0.0
         if mostly_loop and gain < OTHER_COMM_INFO_SHARE * step:
             return self.quiet(f"{worst.calls:.0f} batched collectives per step outside FSDP's own, "
                               f"{worst.exposed_ms:.1f} ms exposed: a wait for the other ranks that the step keeps at "
@@ -236,11 +240,7 @@ class OptimizerStepComm(Rule):
             "steps (TrainingArguments(logging_steps=N)); a callback of yours that reduces metrics each step, every "
             "N steps too."
             if trainer else
-            f"{loop_calls:.0f} calls per step are batched: torchtune's recipe ({recipe}) all-reduces num_tokens "
-            "before each optimizer step, which its gradient scaling by the step's token count needs (the prediction "
-            "keeps it), and running_loss, for the logged loss alone, read with .item() at every step. In your copy of "
-            "the recipe (tune cp), reduce running_loss only on the steps that log it "
-            "(self.global_step % self._log_every_n_steps == 0): the other ranks' losses are not needed elsewhere."
+            f"{loop_calls:.0f} calls per step are batched: " + _recipe_reductions(recipe, reduced, scaled_by)
             if recipe is not None else
             # (Lightning's self.log(..., sync_dist=True) reduces each logged value over the ranks when it is logged:
             # a barrier and an all-reduce each, in training_step, every batch)
@@ -264,6 +264,24 @@ class OptimizerStepComm(Rule):
                      "the step keeps at its next collective.")
         return [self.finding(sev, title, evidence, text, "", predicted=E.predicted(step, step - gain),
                              ranks=[int(rank)])]
+
+
+def _recipe_reductions(recipe: str, reduced: list[str], scaled_by: Optional[str]) -> str:
+    """optim.step_comm's words on a torchtune recipe's all-reduces at each optimizer step (its train()'s, read from its
+    source): the one its gradient scaling divides by kept, the others, for its log alone, reduced only on the steps
+    that log them (knowledge distillation's running_class_loss and running_kd_loss; DPO's num_tokens, which only its
+    tokens/s reads, and each running_metrics[key])."""
+    logged = [n for n in reduced if n != scaled_by]
+    text = (f"torchtune's recipe ({recipe}) all-reduces {', '.join(reduced)} before each optimizer step. "
+            + (f"Its gradient scaling by the step's token count needs {scaled_by} (the prediction keeps it). "
+               if scaled_by else ""))
+    if not logged:
+        return text
+    them = "it" if len(logged) == 1 else "them"
+    return text + (f"Only its log reads {', '.join(logged)}. In your copy of the recipe (tune cp), reduce {them} "
+                   f"only on the steps that log {them} "
+                   "(self.global_step % self._log_every_n_steps == 0): the other ranks' values are not needed "
+                   "elsewhere.")
 
 
 def _halved_by_bf16(units) -> set[str]:

@@ -526,7 +526,8 @@ class ParamsInRoot(Rule):
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
         # every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones), the run's
         # units as they were
-        code = _root_plan(ctx, costs) if tune is None else S.torchtune_layers(tune)
+        passed_on = getattr(ctx.config, "recipe_custom_layers", None) is not False
+        code = _root_plan(ctx, costs) if tune is None else S.torchtune_layers(tune, passed_on)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
         blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
@@ -562,6 +563,10 @@ class ParamsInRoot(Rule):
                      " name them there" + (f"; {E.fmt_list([S.module_expr(m) for m in small])} "
                                            f"{'stays' if len(small) == 1 else 'stay'} in the root, too small to gain "
                                            "from a unit of its own" if small else "") + ".")
+            if not passed_on:
+                text += (" Its setup() does not pass custom_sharded_layers on to the _setup_model that builds this "
+                         "model (torchtune's knowledge distillation passes it to its teacher's only): add it to that "
+                         "call, as the lines below say, or the config line changes nothing here.")
         # the step: on a GPU the new units' all-gathers overlap the compute as the blocks' do (unchanged); on gloo each
         # new unit adds collectives of its own that the host's cores run beside the compute, at a fixed cost per call
         # (a new-user trial's 2-rank Qwen2 measured +63% and +85% where "unchanged" was predicted): not predicted
