@@ -409,6 +409,8 @@ class RunConfig(Record, tag="config"):
     # whether its setup passes the config's custom_sharded_layers to the _setup_model that builds the watched model
     # (torchtune 0.6.1's knowledge distillation passes it to its teacher's only); None: not read
     recipe_custom_layers: bool | None = None
+    # names its train() binds to a forward's returns and never reads (DPO's reference forward's `_`, holding its logits)
+    recipe_unread: list[str] = []
     # the watched model's num_output_chunks where above 1 (torchtune's TransformerDecoder, set by its recipes for
     # CEWithChunkedOutputLoss): it calls its output head once per chunk of the sequence, a count that can differ
     # between ranks (a unit of that head's own would issue its collectives per call); None: not chunked, or not read

@@ -291,6 +291,9 @@ class NoGradSteps(_Section):
     excluded: bool  # those steps are left out of the steady-state statistics (kept when too few steps remain)
     # of the forwards, those in eval mode with autograd on (no backward followed: torch.no_grad() forgotten)
     with_autograd: int = 0
+    # every step of the rank ran them: part of the training step (DPO's reference forward through the model with its
+    # adapters off), not an evaluation between steps
+    every_step: bool = False
 
 
 class CompileSteps(_Section):
@@ -711,7 +714,8 @@ FIX_PLACES = {
     "torchtune_setup": "in your torchtune recipe's _setup_model, after training.shard_model(...)",
     "torchtune_plan": "in your torchtune recipe's _setup_model, in place of training.shard_model(...)",
     "torchtune_train": "in your torchtune recipe's train(), in its loop over the batches",
-    "torchtune_backward": "in your torchtune recipe's train(), before current_loss.backward()",
+    "torchtune_backward": "in your torchtune recipe's train(), before its backward (current_loss.backward(); "
+                          "loss.backward() in its DPO recipes)",
     "torchtune_config": "in your torchtune config: the YAML tune run --config reads, or KEY=VALUE after it",
 }
 #: what a fix's code is, by where it goes, where it is not Python

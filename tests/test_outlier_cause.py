@@ -94,6 +94,23 @@ def test_evaluation_steps_are_left_out_and_named():
                                       "trace's figures include the evaluation"), no_grad_text(sec)
 
 
+def test_forwards_without_gradients_in_every_step_are_part_of_it():
+    """DPO's reference forward runs through the watched model with its adapters off and without gradients, in every
+    step: not an evaluation between steps (a new-user trial's torchtune lora_dpo_distributed read "evaluation,
+    generation: 24 in 12 steps" and "the trace's figures include the evaluation")."""
+    from fsdp_doctor.analyze.steps import analyze_steps
+    from fsdp_doctor.present.fmt import no_grad_text
+
+    sec = analyze_steps(_eval_run(set(range(12)), eval_ms=50.0))
+    assert all(ng.every_step and not ng.excluded for ng in sec.no_grad.values()), sec.no_grad
+    sec.profiler_steps = {"0": {"window": [7, 8], "export": [8]}, "1": {"window": [7, 8], "export": [8]}}
+    assert no_grad_text(sec) == (
+        "Forward passes without gradients in every step (a reference forward through the model, as DPO's with its "
+        "adapters off; a teacher's): 96 in 12 steps, 50.0 ms per step, counted apart from forward and outside, part "
+        "of the step statistics; steps 7, 8 of a profiler window: the trace's figures include them")
+    assert not any(ng.every_step for ng in analyze_steps(_eval_run({4, 8})).no_grad.values())
+
+
 def test_evaluation_with_autograd_on_is_named_and_diagnosed():
     """Forwards in eval mode with autograd on that no backward reached (torch.no_grad() forgotten) are evaluation
     like the others, and said to be: the line under the step table counts them, and memory.eval_autograd fires

@@ -9,6 +9,7 @@ tokenizer and a text file made locally."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
@@ -70,18 +71,38 @@ lr_scheduler: {{_component_: torchtune.training.lr_schedulers.get_cosine_schedul
 """
 
 
+# DPO with LoRA: the reference is the model with its adapters off; preference pairs from a local JSON file
+_DPO_CONFIG = _KD_CONFIG.split("teacher_model:")[0].replace(
+    "dataset: {{_component_: torchtune.datasets.text_completion_dataset, source: text, data_files: {assets}/corpus.txt,\n"
+    "          column: text, split: train, packed: False}}",
+    "dataset: {{_component_: torchtune.datasets.preference_dataset, source: json, data_files: {assets}/pref.json, "
+    "split: train}}").replace(
+    "loss: {{_component_: torchtune.modules.loss.CEWithChunkedOutputLoss}}",
+    "loss: {{_component_: torchtune.rlhf.loss.DPOLoss, beta: 0.1, label_smoothing: 0}}") + (
+    "lr_scheduler: {{_component_: torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup, "
+    "num_warmup_steps: 2}}\n")
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A text file, a sentencepiece tokenizer trained on it and a 2-layer Llama checkpoint in HF's format."""
     d = tmp_path_factory.mktemp("tune_assets")
     code = textwrap.dedent(f"""
-        import random, torch, sentencepiece as spm
+        import json, random, torch, sentencepiece as spm
         from transformers import LlamaConfig, LlamaForCausalLM
         random.seed(0)
         words = "the quick brown fox jumps over a lazy dog while sharded ranks gather their parameters".split()
         with open({str(d / 'corpus.txt')!r}, "w") as f:
             for _ in range(200):
                 f.write(" ".join(random.choice(words) for _ in range(random.randint(20, 70))) + "\\n")
+        def said(lo, hi):
+            return " ".join(random.choice(words) for _ in range(random.randint(lo, hi)))
+        pairs = []
+        for _ in range(96):  # preference pairs: one prompt, a chosen and a rejected answer
+            q = said(5, 12)
+            pairs.append({{"chosen": [{{"role": "user", "content": q}}, {{"role": "assistant", "content": said(5, 20)}}],
+                          "rejected": [{{"role": "user", "content": q}}, {{"role": "assistant", "content": said(5, 20)}}]}})
+        json.dump(pairs, open({str(d / 'pref.json')!r}, "w"))
         spm.SentencePieceTrainer.train(input={str(d / 'corpus.txt')!r}, model_prefix={str(d / 'tok')!r},
             vocab_size=120, hard_vocab_limit=False, model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
         torch.manual_seed(0)
@@ -110,10 +131,11 @@ def _tune(*args, cwd, env=None, timeout=400) -> str:
 
 
 def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded: str = "",
-            pass_layers: bool = False) -> Path:
+            pass_layers: bool = False, after_binding: tuple[str, str] | None = None) -> Path:
     """The recipe copied as its users copy it, attached as the README says (unless not ``watched``), ``fix`` pasted
-    before its backward, ``sharded`` after the training.shard_model(...) call of its _setup_model, and (``pass_layers``)
-    custom_sharded_layers passed to the _setup_model call that builds the model it trains."""
+    before its backward, ``sharded`` after the training.shard_model(...) call of its _setup_model, (``pass_layers``)
+    custom_sharded_layers passed to the _setup_model call that builds the model it trains, and ``after_binding``
+    (name, code) right after the statement that binds that name."""
     path = tmp_path / "recipe.py"
     _tune("cp", recipe, str(path), cwd=tmp_path)
     s = path.read_text()
@@ -136,7 +158,8 @@ def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded:
     # optimizer_in_bwd), doctor.step() before the step's count goes up
     start = "        for curr_epoch in range(self.epochs_run, self.total_epochs):\n"
     end = "        self._profiler.stop()\n"
-    i, j = s.index(start), s.index(end)
+    i = s.index(start)
+    j = s.index(end) if end in s else s.index("\n    def ", i) + 1  # (the loop ends train(): DPO's, no profiler)
     if watched:
         s = (s[:i] + "        import fsdp_doctor, os\n"
              "        optimizer = getattr(self, '_optim_ckpt_wrapper', self._optimizer)\n"
@@ -151,6 +174,14 @@ def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded:
         i = s.index("        training.shard_model(", s.index("    def _setup_model("))
         i = s.index("        )\n", i) + len("        )\n")
         s = s[:i] + textwrap.indent(sharded + "\n", "        ") + s[i:]
+    if after_binding:
+        name, code = after_binding
+        node = next(n for n in ast.walk(ast.parse(s)) if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == name for tg in n.targets for t in ast.walk(tg)))
+        lines = s.splitlines(keepends=True)
+        first = lines[node.lineno - 1]
+        s = ("".join(lines[:node.end_lineno]) + textwrap.indent(code + "\n", first[:len(first) - len(first.lstrip())])
+             + "".join(lines[node.end_lineno:]))
     if pass_layers:
         once("        self._model = self._setup_model(\n",
              "        self._model = self._setup_model(\n"
@@ -244,4 +275,23 @@ def test_distillation_recipe_teacher_said_and_its_plan_pasted_with_the_recipe_li
                              config=code, **kd)
     assert "wrap.params_in_root" not in {f.code for f in after.findings}
     assert abs(after.memory.peak_bytes / wrap.predicted.peak_bytes_after - 1) < 0.01, (after.memory, wrap.predicted)
+    assert loss_after == loss, (loss, loss_after)
+
+
+@pytest.mark.long
+def test_dpo_recipe_reference_logits_kept_and_freed_where_said(tmp_path, assets):
+    """lora_dpo_distributed binds its reference forward's logits to `_` and never reads them: memory.outputs_kept
+    named `del outputs`, which that recipe has no name for. Now it names `_`; pasted right after the line that binds
+    it, the finding goes, the peak falls as predicted (the peak rank's), the loss stays equal."""
+    dpo = dict(recipe="lora_dpo_distributed", template=_DPO_CONFIG)
+    before, loss = _run(tmp_path, assets, "dpo", **dpo)
+    kept = {f.code: f for f in before.findings}.get("memory.outputs_kept")
+    assert kept is not None, [f.code for f in before.findings]
+    names = kept.evidence["unread_names"]
+    assert names == ["_"] and kept.recommendation.code.splitlines()[-1] == "del _", kept.recommendation
+    after, loss_after = _run(tmp_path, assets, "dpo_fixed", after_binding=("_", kept.recommendation.code), **dpo)
+    assert "memory.outputs_kept" not in {f.code for f in after.findings}
+    assert after.memory.peak_bytes <= kept.predicted.peak_bytes_before, after.memory
+    rank = str(before.memory.peak_rank)
+    assert after.memory.per_rank[rank].peak_bytes == kept.predicted.peak_bytes_after, after.memory.per_rank[rank]
     assert loss_after == loss, (loss, loss_after)

@@ -56,7 +56,7 @@ def no_grad_steps(steps: list[StepRecord]) -> Optional[NoGradSteps]:
     return NoGradSteps(steps=[s.step for s in hit], forwards=sum(s.no_grad_forwards for s in hit),
                        ms_p50=round(statistics.median([s.no_grad_ms for s in hit]), 3),
                        excluded=not any(s.step in kept for s in hit),
-                       with_autograd=sum(s.autograd_eval_forwards for s in hit))
+                       with_autograd=sum(s.autograd_eval_forwards for s in hit), every_step=len(hit) == len(steps))
 
 
 def _fsdp_framed(cfg) -> bool:

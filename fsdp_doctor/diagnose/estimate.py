@@ -224,6 +224,12 @@ def torchtune_reductions(ctx: Context) -> tuple[list[str], Optional[str]]:
     return list(getattr(cfg, "recipe_reduced", None) or []), getattr(cfg, "recipe_scaled_by", None)
 
 
+def torchtune_unread(ctx: Context) -> list[str]:
+    """The names the torchtune recipe's train() binds a forward's returns to and never reads (RunConfig.recipe_unread:
+    DPO's reference forward's `_`); [] none, not read, or no recipe."""
+    return list(getattr(ctx.config, "recipe_unread", None) or []) if torchtune_recipe(ctx) is not None else []
+
+
 def plugin_lever(ctx: Context) -> Optional[str]:
     """Where a fix of a setting of accelerate's FSDP2 plugin goes (report_sections.FIX_PLACES), when that plugin
     sharded the model: "trainer" (a Trainer drove the run), "accelerate" (the user's accelerator.prepare); None:

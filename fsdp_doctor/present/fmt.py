@@ -562,8 +562,14 @@ def no_grad_text(section: StepsSection) -> str | None:
     autograd = max(ng.with_autograd for ng in per.values())
     autograd_txt = f" ({autograd} in eval mode with autograd on)" if autograd else ""
     traced = sorted(set(steps) & {s for ps in section.profiler_steps.values() for s in ps.get("window", [])})
+    every = all(ng.every_step for ng in per.values())
     traced_txt = (f"; step{'s' if len(traced) > 1 else ''} {', '.join(map(str, traced))} of a profiler window: "
-                  "the trace's figures include the evaluation" if traced else "")
+                  f"the trace's figures include {'them' if every else 'the evaluation'}" if traced else "")
+    if every and len(steps) > 1:  # (part of every step: a reference forward, not an evaluation between steps)
+        return (f"Forward passes without gradients in every step (a reference forward through the model, as DPO's "
+                f"with its adapters off; a teacher's): {forwards}{autograd_txt} in {len(steps)} steps, "
+                f"{fmt_ms(ms)} per step, counted apart from forward and outside, part of the step statistics"
+                f"{traced_txt}")
     return (f"Forward passes without gradients (evaluation, generation): {forwards}{autograd_txt} in {len(steps)} "
             f"step{'s' if len(steps) != 1 else ''} ({shown}), {fmt_ms(ms)} per step, counted apart from forward "
             f"and outside; those steps are {kept}{traced_txt}")

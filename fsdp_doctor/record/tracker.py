@@ -798,7 +798,8 @@ class Doctor:
             unseen_from=self._unseen_from)
         cfg.driver = self.driver
         if self.recipe is not None:
-            cfg.recipe, cfg.recipe_reduced, cfg.recipe_scaled_by, cfg.recipe_custom_layers = self.recipe
+            (cfg.recipe, cfg.recipe_reduced, cfg.recipe_scaled_by, cfg.recipe_custom_layers,
+             cfg.recipe_unread) = self.recipe
         if self._in_backward:
             cfg.optimizer_in_backward = len(self._in_backward)
             cfg.measured_notes.append(

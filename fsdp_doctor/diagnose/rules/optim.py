@@ -195,7 +195,10 @@ class OptimizerStepComm(Rule):
         title = f"{worst.calls:.0f} collectives per step outside FSDP's own ({worst.exposed_ms:.1f} ms exposed)"
         said = (f"The trace shows collectives that no FSDP unit issued, {where} ({inside:.1f} ms exposed inside "
                 f"optimizer.step(), {loop:.1f} ms outside it). ")
-        if mostly_loop and loop_calls > PER_TENSOR_CALLS_MIN:
+        # a torchtune recipe's reductions, read from its train(): DPO's all-reduce each running metric (9 calls a
+        # step, read as a per-tensor norm log with its grad-norm code: a new-user trial)
+        recipe_reduces = E.torchtune_recipe(ctx) is not None and bool(E.torchtune_reductions(ctx)[0])
+        if mostly_loop and loop_calls > PER_TENSOR_CALLS_MIN and not recipe_reduces:
             # the user's loop, one collective per tensor: what a per-parameter norm log does (full_tensor() of each
             # gradient: an all-gather each), or clip_grad_norm_(..., foreach=False)
             text = (said + f"{loop_calls:.0f} calls per step outside the optimizer look like one collective per "
@@ -240,7 +243,7 @@ class OptimizerStepComm(Rule):
             "steps (TrainingArguments(logging_steps=N)); a callback of yours that reduces metrics each step, every "
             "N steps too."
             if trainer else
-            f"{loop_calls:.0f} calls per step are batched: " + _recipe_reductions(recipe, reduced, scaled_by)
+            f"{loop_calls:.0f} calls per step: " + _recipe_reductions(recipe, reduced, scaled_by)
             if recipe is not None else
             # (Lightning's self.log(..., sync_dist=True) reduces each logged value over the ranks when it is logged:
             # a barrier and an all-reduce each, in training_step, every batch)
