@@ -1,7 +1,8 @@
 """What the recorder reads of a torchtune recipe that drives the run (watch() called in one of its recipe class's
-methods), without importing torchtune: its file, which the user edits in a copy (`tune cp`), and what its train()
-all-reduces at each optimizer step, read from its source (ast), so that the advice on those collectives names the
-recipe's own tensors and keeps the one its gradient scaling needs."""
+methods), without importing torchtune: its file, which the user edits in a copy (`tune cp`), and from its source
+(ast) what its train() all-reduces at each optimizer step, whether its setup() passes the config's
+custom_sharded_layers to the model it trains, and the names its train() binds a forward's returns to and never reads:
+so that the fixes name the recipe's own tensors and lines, as each of its recipes writes them."""
 
 from __future__ import annotations
 
@@ -110,7 +111,6 @@ def _unread_returns(tree) -> list[str]:
                 if isinstance(n, ast.Name) and n.id not in read and n.id not in out:
                     out.append(n.id)
     return out
-
 
 
 def _runs_backward(node) -> bool:
