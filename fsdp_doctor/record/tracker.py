@@ -798,8 +798,9 @@ class Doctor:
             unseen_from=self._unseen_from)
         cfg.driver = self.driver
         if self.recipe is not None:
-            (cfg.recipe, cfg.recipe_reduced, cfg.recipe_scaled_by, cfg.recipe_custom_layers,
-             cfg.recipe_unread) = self.recipe
+            r = self.recipe
+            cfg.recipe, cfg.recipe_reduced, cfg.recipe_scaled_by = r.file, r.reduced, r.scaled_by
+            cfg.recipe_custom_layers, cfg.recipe_unread = r.custom_layers, r.unread
         if self._in_backward:
             cfg.optimizer_in_backward = len(self._in_backward)
             cfg.measured_notes.append(
@@ -933,7 +934,8 @@ def watch(model: nn.Module, optimizer=None, **options) -> Doctor:
     optimizer, or a wrapper exposing it as ``.optimizer`` (accelerate's), for optimizer-step timing, state
     memory and the optimizer checks; per-parameter optimizers stepped inside the backward as an object whose
     ``.optim_map`` maps each parameter's name to its optimizer (torchtune's ``self._optim_ckpt_wrapper`` under
-    ``optimizer_in_bwd: True``; each ``doctor.step()`` call is then a step); ``options``: :class:`~fsdp_doctor.record.options.WatchOptions`
+    ``optimizer_in_bwd: True``; each ``doctor.step()`` call is then a step); ``options``:
+    :class:`~fsdp_doctor.record.options.WatchOptions`
     (``out_dir`` required; ``profile``, ``memory``, ``tokens_per_step``, ``peak_tflops``, ``count_flops``,
     ``capacity_bytes``, ``tensorboard``, ``overwrite``).
     """
