@@ -17,8 +17,10 @@ Cases:
   trainer_fixes  fixes whose lever is the Trainer's own setting, diagnosed and pasted (run_trainer_fixes).
   accelerate_accum  gradient accumulation inside accelerator.accumulate(model), its plugin's defaults and
             sync_each_batch=True, the latter's fix pasted (run_accelerate_accum).
-  in_backward  torchtune's optimizer_in_bwd on the reference GPT: a per-parameter AdamW stepped by a hook as FSDP2
-            reduce-scatters each gradient, watched with the map of them and with None (run_in_backward).
+  optimizers  several optimizers on the reference GPT: torchtune's optimizer_in_bwd (a per-parameter AdamW stepped
+            by a hook as FSDP2 reduce-scatters each gradient), watched with the map of them and with None
+            (run_in_backward); Muon on the blocks' matrices beside AdamW on the rest, both stepped in the loop,
+            watched with the list of them (run_two_optimizers).
 
 Usage: python tests/recorder_cases.py CASE RANK WORLD PORT OUT_DIR
 """
@@ -1133,47 +1135,79 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def _optimizers_run(make, out_dir=None, give=True):
+    """The reference GPT trained with the optimizers ``make(model)`` builds, ``(the object watch() is given, the
+    optimizers, whether the loop steps them)``, watched into ``out_dir`` (None: without the doctor; ``give``
+    False: watch() given None): losses, final shards, what is left on the optimizers after exit, the doctor, the
+    optimizers, their state's bytes as they hold them."""
+    model, forward = gpt()
+    given, opts, in_loop = make(model)
+    model._get_fsdp_state()._lazy_init()
+    before = [hook_state(model, o) for o in opts]
+    ctx = (fsdp_doctor.watch(model, given if give else None, out_dir=str(out_dir), profile=False) if out_dir
+           else contextlib.nullcontext())
+    losses = []
+    with ctx as doctor:
+        for step in range(STEPS):
+            tok, tgt = batch(step)
+            loss = F.cross_entropy(forward(tok).float().flatten(0, 1), tgt.flatten())
+            loss.backward()
+            for o in opts if in_loop else ():
+                o.step()
+                o.zero_grad()
+            if doctor is not None:
+                doctor.step()
+            losses.append(loss.item())
+    left = sorted({k for b, o in zip(before, opts) for k in diff(b, hook_state(model, o))})
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    state = sum(_local_bytes(v) for o in opts for st in o.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return losses, params, left, doctor, opts, state
+
+
 def run_in_backward(out: Path) -> dict:
     """The same training without the doctor, watched with the wrapper (its optim_map) and with None: losses and
     final shards, what is left on the model and the optimizers after exit, the steps the doctor timed, the state's
     bytes as the optimizers hold them."""
-    def one(given):
-        model, forward = gpt()
+    def make(model):
         wrapper = optimizers_in_backward(model)
-        opts = list(wrapper.optim_map.values())
-        model._get_fsdp_state()._lazy_init()
-        before = [hook_state(model, o) for o in opts]
-        ctx = (fsdp_doctor.watch(model, wrapper if given == "wrapper" else None, out_dir=str(out / given),
-                                 profile=False) if given else contextlib.nullcontext())
-        losses = []
-        with ctx as doctor:
-            for step in range(STEPS):
-                tok, tgt = batch(step)
-                loss = F.cross_entropy(forward(tok).float().flatten(0, 1), tgt.flatten())
-                loss.backward()
-                if doctor is not None:
-                    doctor.step()
-                losses.append(loss.item())
-        left = sorted({k for b, o in zip(before, opts) for k in diff(b, hook_state(model, o))})
-        params = [p.to_local().detach().clone() for p in model.parameters()]
-        state = sum(_local_bytes(v) for o in opts for st in o.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor))
-        return losses, params, left, doctor, len(opts), state
+        return wrapper, list(wrapper.optim_map.values()), False
 
-    base_losses, base_params, *_ = one(None)
+    base_losses, base_params, *_ = _optimizers_run(make)
     res = {}
     for given in ("wrapper", "none"):
-        losses, params, left, doctor, n, state = one(given)
+        losses, params, left, doctor, opts, state = _optimizers_run(make, out / given, give=given == "wrapper")
         res[given] = {"identical": losses == base_losses and same_tensors(params, base_params), "left": left,
-                      "optimizers": n, "state_bytes": state, "in_backward_steps": doctor._timer.in_backward_steps}
+                      "optimizers": len(opts), "state_bytes": state,
+                      "in_backward_steps": doctor._timer.in_backward_steps}
     return res
+
+
+def run_two_optimizers(out: Path) -> dict:
+    """Muon on the blocks' matrices beside AdamW on the rest, both stepped in the loop, watched with the list of them:
+    losses and final shards against the loop without the doctor, what is left on the optimizers after exit, the
+    optimizer steps the doctor timed, the state's bytes as they hold them."""
+    def make(model):
+        mats = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("layers.")]
+        rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("layers."))]
+        opts = [torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+        return opts, opts, True
+
+    base_losses, base_params, *_ = _optimizers_run(make)
+    losses, params, left, doctor, _, state = _optimizers_run(make, out / "two")
+    return {"identical": losses == base_losses and same_tensors(params, base_params), "left": left,
+            "optimizer_steps": doctor._timer.optimizer_steps, "steps": doctor.steps_done, "state_bytes": state}
+
+
+def run_optimizers(out: Path) -> dict:
+    return {"in_backward": run_in_backward(out), "two": run_two_optimizers(out)}
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,
          "trainer_fixes": run_trainer_fixes, "trainer_compiled": run_trainer_compiled,
          "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
          "accelerate_fixes": run_accelerate_fixes, "accelerate_accum": run_accelerate_accum,
-         "in_backward": run_in_backward}
+         "optimizers": run_optimizers}
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_watch_options_in_one_place():
 
 
 def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
-    from fsdp_doctor.record.tracker import WatchError, unwrap_optimizer
+    from fsdp_doctor.record.tracker import WatchError, unwrap_optimizer, unwrap_optimizers
 
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
 
@@ -86,10 +86,13 @@ def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
     with pytest.raises(WatchError) as e:
         unwrap_optimizer(object())
     assert "not a torch.optim.Optimizer" in str(e.value) and "\n" not in str(e.value)
-    # a list of optimizers: one, and which (a new-user trial's [adamw, sgd] was told to "pass the Optimizer itself")
-    with pytest.raises(WatchError) as e:
-        unwrap_optimizer([opt, other])
-    assert "is a list of 2; watch() takes one optimizer: pass the one each step ends with" in str(e.value)
+    # a list of optimizers the loop steps: each (a new-user trial's [adamw, sgd] was told to "pass the Optimizer
+    # itself", then refused with "pass the one each step ends with"); a list inside it, or an empty one: one sentence
+    assert unwrap_optimizers([opt, Wrapper(Plain(other)), opt]) == [opt, other] and unwrap_optimizers(None) == []
+    for bad, said in (([opt, [other]], "a list of 1 inside the optimizers' list"), ((), "an empty tuple")):
+        with pytest.raises(WatchError) as e:
+            unwrap_optimizers(bad)
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, caplog):

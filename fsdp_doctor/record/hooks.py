@@ -261,7 +261,7 @@ class StepTimer:
         self._container = False  # the watched module has no forward of its own (install)
         self.begin_step()
 
-    def install(self, units: list[Unit], model: nn.Module, optimizer) -> None:
+    def install(self, units: list[Unit], model: nn.Module, optimizers: list) -> None:
         self._units = units
         self._container = no_forward_of_its_own(model)
         self._root = next((i for i, u in enumerate(units) if any(m is model for m in u.modules)), None)
@@ -299,7 +299,7 @@ class StepTimer:
         if id(model) not in in_frame:  # (the model compiled in place: its call is bracketed by them instead)
             h.append(model.register_forward_pre_hook(self._model_pre, prepend=True, with_kwargs=True))
             h.append(model.register_forward_hook(self._model_post))
-        if optimizer is not None:
+        for optimizer in optimizers:  # (several: Muon beside AdamW, stepped one after the other in the loop)
             # run as they are where the user compiles optimizer.step (torch.compile(optimizer.step)): traced, the
             # memory marks' calls broke the graph inside them (a new-user trial: 3 graph breaks, 11 frames became
             # 31); disabled, Dynamo steps round each at the start and the end of the step

@@ -148,6 +148,7 @@ class Doctor:
         self._repeated = 0
         self._said_repeated = False
         self.optimizer = optimizer  # the torch Optimizer itself, once unwrapped at entry (its step hooks time it)
+        self._stepped: list = []  # the optimizers whose steps are timed and end a step (several: Muon beside AdamW)
         self._reads = optimizer  # what its state and groups are read from (optimizer_reads)
         self._in_backward: list | None = None  # per-parameter optimizers stepped in the backward (no step hooks)
         self.out_dir = Path(opts.out_dir)
@@ -209,8 +210,10 @@ class Doctor:
                 self.optimizer, self._in_backward = None, inside
                 self._reads = OptimizerParts(inside, in_backward=True)
             else:
-                self.optimizer = unwrap_optimizer(self.optimizer)
-                self._reads = optimizer_reads(self.optimizer)
+                self._stepped = unwrap_optimizers(self.optimizer)
+                self.optimizer = self._stepped[0] if self._stepped else None
+                self._reads = (optimizer_reads(self.optimizer) if len(self._stepped) < 2 else
+                               OptimizerParts([o for s in self._stepped for o in held_optimizers(s) or [s]]))
             self._check_entry()
             self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -426,7 +429,7 @@ class Doctor:
     def _install(self) -> None:
         if said := another_models_optimizer(self._reads, self.model, self._units):  # (a warning: training goes on)
             log.warning("fsdp_doctor: %s", said)
-        self._timer.install(self._units, self.model, self.optimizer)
+        self._timer.install(self._units, self.model, self._stepped)
         if self._in_backward:
             self._timer.install_in_backward(self._in_backward)
         self._timer.step_boundary = self._forward_after_optimizer
@@ -880,6 +883,18 @@ def _post_accumulate_hooked(model: nn.Module) -> int:
     return sum(1 for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None))
 
 
+def unwrap_optimizers(optimizer) -> list:
+    """The torch Optimizers whose steps watch() times: none for None, the one an optimizer or a wrapper holds
+    (unwrap_optimizer), each of a list or tuple of them (Muon beside AdamW, each stepped in the loop: a new-user
+    trial's [adamw, sgd] had been refused), each once."""
+    if not isinstance(optimizer, (list, tuple)):
+        return [] if (opt := unwrap_optimizer(optimizer)) is None else [opt]
+    if not optimizer:
+        raise WatchError(f"fsdp_doctor.watch: the optimizer argument is an empty {type(optimizer).__name__}; pass "
+                         "the optimizer, a list of the optimizers the loop steps, or None")
+    return list({id(o): o for o in map(unwrap_optimizer, optimizer) if o is not None}.values())
+
+
 def unwrap_optimizer(optimizer):
     """The torch Optimizer inside a wrapper that exposes it as ``.optimizer`` (accelerate's AcceleratedOptimizer,
     which subclasses Optimizer without its hook state, and the like), or the one a container holds as
@@ -891,10 +906,9 @@ def unwrap_optimizer(optimizer):
     inner = held_optimizers(opt)
     if inner is not None and len(inner) == 1:
         opt = inner[0]
-    if isinstance(opt, (list, tuple)):  # (a new-user trial's two optimizers, refused without a way on)
-        raise WatchError(f"fsdp_doctor.watch: the optimizer argument is a {type(optimizer).__name__} of "
-                         f"{len(opt)}; watch() takes one optimizer: pass the one each step ends with (the last "
-                         "stepped); the others' state is then not counted as optimizer state, and the report says so")
+    if isinstance(opt, (list, tuple)):  # (inside the list unwrap_optimizers takes)
+        raise WatchError(f"fsdp_doctor.watch: a {type(optimizer).__name__} of {len(opt)} inside the optimizers' list; "
+                         "pass the optimizers the loop steps as one flat list")
     if opt is not None and not has_step_hooks(opt):
         raise WatchError(f"fsdp_doctor.watch: the optimizer argument ({type(optimizer).__name__}) is not a "
                          "torch.optim.Optimizer and wraps none as .optimizer; pass the Optimizer itself")

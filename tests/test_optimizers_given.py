@@ -1,4 +1,5 @@
-"""An optimizer stepped inside the backward (torchtune's optimizer_in_bwd: each parameter's own optimizer, stepped by a
+"""Optimizers given to watch() beyond one torch Optimizer. Several stepped one after the other in the loop (Muon
+beside AdamW) as a list: each timed, their states counted. An optimizer stepped inside the backward (torchtune's optimizer_in_bwd: each parameter's own optimizer, stepped by a
 post-accumulate-grad hook as FSDP2 reduce-scatters its gradient) given to watch() as the map of them that torchtune's
 recipe keeps (self._optim_ckpt_wrapper.optim_map): their state is the optimizer state, their steps' time the
 optimizer's, out of the backward's, and training is unchanged. Given None (the README's earlier advice), the state
@@ -22,9 +23,15 @@ from test_clients import _launch
 RUN = Path(__file__).resolve().parents[1] / "traces" / "cpu" / "torchtune_optimizer_in_bwd"
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("optimizers")
+    return _launch("optimizers", 2, out, script="recorder_cases.py")[0], out
+
+
 @pytest.mark.slow
-def test_watched_with_the_map_training_unchanged_state_and_time_counted(tmp_path):
-    results, _ = _launch("in_backward", 2, tmp_path, script="recorder_cases.py")
+def test_watched_with_the_map_training_unchanged_state_and_time_counted(launched):
+    results, tmp_path = [r["in_backward"] for r in launched[0]], launched[1]
     for rank, res in enumerate(results):
         for given in ("wrapper", "none"):
             got = res[given]
@@ -69,3 +76,23 @@ def test_recorded_torchtune_run_counts_adamws_state_and_time():
     fired = {f.code for f in report.findings}
     assert fired == {"wrap.params_in_root", "reshard.last_unit", "prefetch.sync_unshard",
                      "prefetch.exposed_allgather"}, fired
+
+
+@pytest.mark.slow
+def test_two_optimizers_stepped_in_the_loop_watched_as_a_list(launched):
+    """Muon on the blocks' matrices beside AdamW on the rest, each stepped in the loop (a new-user trial's list of two
+    optimizers was refused: "pass the one each step ends with", the other's state then uncounted): both timed, one
+    step record per loop step, both states counted to the byte, training unchanged, nothing left behind."""
+    results, out = [r["two"] for r in launched[0]], launched[1]
+    for rank, res in enumerate(results):
+        assert res["identical"] and res["left"] == [], (rank, res)
+        assert (res["optimizer_steps"], res["steps"]) == (2 * 5, 5), res
+    run = fsdp_doctor.load_run(out / "two")
+    assert run.config.optimizer == "Muon+AdamW" and run.config.optimizer_params == 29, run.config.optimizer
+    report = fsdp_doctor.build_report(run)
+    for rank, rd in run.ranks.items():
+        want = results[int(rank)]["state_bytes"]
+        mr = report.memory.per_rank[str(rank)]
+        assert mr.steady_bytes["optimizer_state"] == want, (rank, mr.steady_bytes, want)
+        assert all(s.optimizer_ms > 0 for s in rd.steps), [s.optimizer_ms for s in rd.steps]
+    assert not [f.code for f in report.findings if f.code.startswith(("optim.", "memory."))]
