@@ -238,5 +238,10 @@ def test_dpo_reference_forward_kept_is_named_as_the_recipe_binds_it():
     assert rec.code.splitlines()[-1] == "del _" and rec.where == "torchtune_train" and not rec.inputs, rec
     assert "binds a forward's returns to _ in its train() and never reads it" in rec.text, rec.text
     assert f.predicted.peak_bytes_after < f.predicted.peak_bytes_before - (2 << 20), f.predicted
-    # the reference forward runs in every step: part of it, not an evaluation
+    # the reference forward runs in every step: part of it, not an evaluation (nor one to keep gathered where the
+    # capacity is known: eval.regather had fired on its 2 per step, with a fix around an evaluate() it lacks)
     assert no_grad_text(report.steps).startswith("Forward passes without gradients in every step"), report.steps
+    for rd in run.ranks.values():
+        rd.config = msgspec.structs.replace(rd.config, capacity_bytes=20 << 20)
+    st = next(st for st in fsdp_doctor.build_report(run).rules if st.code == "eval.regather")
+    assert st.status == "quiet" and "one per micro-batch (a reference forward" in st.reason, st

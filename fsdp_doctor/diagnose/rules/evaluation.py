@@ -36,6 +36,14 @@ def _evaluations(ctx: Context) -> list[tuple[int, float, float, Optional[tuple[i
     return plain if len(plain) >= 2 * ranks else [r for _, r in rows]
 
 
+def _one_per_micro_batch(ctx: Context) -> bool:
+    """Whether every step of every rank ran as many forwards without gradients as backwards (micro-batches): one per
+    micro-batch (DPO's reference forward, between its training forward and backward), not passes in a row."""
+    steps = [s for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in rd.steps]
+    return bool(steps) and all(s.backwards and s.no_grad_forwards - s.autograd_eval_forwards == s.backwards
+                               for s in steps)
+
+
 def _training_gather_ms(ctx: Context) -> float:
     """One training forward's all-gather waits (ms): each unit's per step over its forward passes, summed."""
     passes = E.micro_batches(ctx)
@@ -55,6 +63,12 @@ class EvalRegather(Rule):
         evals = _evaluations(ctx)
         if not evals:
             return self.quiet("no step ran two or more forward passes without gradients (their all-gathers timed)")
+        if _one_per_micro_batch(ctx):
+            # (a new-user trial's torchtune DPO: its reference forward per micro-batch, read as a 2-pass evaluation,
+            # with a fix wrapping an evaluate() the recipe does not have)
+            return self.quiet("every step runs as many forward passes without gradients as backwards, one per "
+                              "micro-batch (a reference forward, as DPO's): not an evaluation of several passes in a "
+                              "row to keep gathered")
         passes = statistics.median(r[0] for r in evals)
         ms, gathered = statistics.median(r[1] for r in evals), statistics.median(r[2] for r in evals)
         once = _training_gather_ms(ctx)
