@@ -2090,6 +2090,12 @@ def test_optimizer_step_comm():
     (f,) = run_rule("optim.step_comm", build(overlap=inside, backend="nccl", device="cuda:0")[0])
     assert f.evidence["attribution"] == "inside optimizer.step()" and f.recommendation.code == ""
     assert "The optimizer issues them" in f.recommendation.text
+    # Muon given to watch() (beside AdamW, as a list): named, with what its Newton-Schulz iterations do on the shards
+    muon, _ = build(overlap=inside, backend="nccl", device="cuda:0")
+    muon.run.config = msgspec.structs.replace(muon.run.config, optimizer="Muon+AdamW")
+    (f,) = run_rule("optim.step_comm", muon)
+    assert "Muon (Muon+AdamW) orthogonalises each matrix's update with Newton-Schulz" in f.recommendation.text
+    assert f.recommendation.code == "" and "Shampoo" not in f.recommendation.text
     # decided on the median rank: one rank alone above the threshold does not raise it
     two = copy.deepcopy(ov)
     two["per_unit"].append({**ov["per_unit"][0], "rank": 1, "comm_us": 100.0, "exposed_us": 100.0})
