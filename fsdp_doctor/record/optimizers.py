@@ -53,11 +53,12 @@ def in_backward_optimizers(obj) -> list | None:
     return opts if all(has_step_hooks(o) for o in opts) else None
 
 
-def optimizer_reads(opt):
-    """What an (unwrapped) optimizer's state and groups are read from: itself, or where it is a container of
-    several (unwrap_optimizer kept it), their OptimizerParts."""
-    inner = held_optimizers(opt)
-    return OptimizerParts(inner) if inner is not None and len(inner) > 1 else opt
+def optimizer_reads(stepped: list):
+    """What the (unwrapped) optimizers the loop steps have their state and groups read from: the one itself, or
+    where there are several, or a container of several (unwrap_optimizer kept it), their OptimizerParts; None for
+    none."""
+    parts = [o for s in stepped for o in held_optimizers(s) or [s]]
+    return OptimizerParts(parts) if len(parts) > 1 else (stepped[0] if stepped else None)
 
 
 def optimizer_name(opt) -> str | None:

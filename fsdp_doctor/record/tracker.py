@@ -212,8 +212,7 @@ class Doctor:
             else:
                 self._stepped = unwrap_optimizers(self.optimizer)
                 self.optimizer = self._stepped[0] if self._stepped else None
-                self._reads = (optimizer_reads(self.optimizer) if len(self._stepped) < 2 else
-                               OptimizerParts([o for s in self._stepped for o in held_optimizers(s) or [s]]))
+                self._reads = optimizer_reads(self._stepped)
             self._check_entry()
             self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -197,8 +197,9 @@ class OptimizerStepComm(Rule):
                 f"optimizer.step(), {loop:.1f} ms outside it). ")
         # a torchtune recipe's reductions, read from its train(): DPO's all-reduce each running metric (9 calls a
         # step, read as a per-tensor norm log with its grad-norm code: a new-user trial)
-        recipe_reduces = E.torchtune_recipe(ctx) is not None and bool(E.torchtune_reductions(ctx)[0])
-        if mostly_loop and loop_calls > PER_TENSOR_CALLS_MIN and not recipe_reduces:
+        recipe = E.torchtune_recipe(ctx)
+        reduced, scaled_by = E.torchtune_reductions(ctx)
+        if mostly_loop and loop_calls > PER_TENSOR_CALLS_MIN and not (recipe is not None and reduced):
             # the user's loop, one collective per tensor: what a per-parameter norm log does (full_tensor() of each
             # gradient: an all-gather each), or clip_grad_norm_(..., foreach=False)
             text = (said + f"{loop_calls:.0f} calls per step outside the optimizer look like one collective per "
@@ -220,9 +221,7 @@ class OptimizerStepComm(Rule):
         # a torchtune recipe all-reduces each optimizer step's token count (its gradient scaling needs it) and the
         # running loss (for its log alone): one of the loop's calls beside the norm's stays, in the prediction too (a
         # new-user trial's full_finetune_distributed read "reduce metrics every N steps" with both counted as gain)
-        recipe = E.torchtune_recipe(ctx) if mostly_loop else None
-        if recipe is not None:
-            reduced, scaled_by = E.torchtune_reductions(ctx)
+        if mostly_loop and recipe is not None:
             if not reduced:  # (recorded before the recipe's source was read: full_finetune's)
                 reduced, scaled_by = ["num_tokens", "running_loss"], "num_tokens"
             others = loop_calls - (worst.norm_calls if worst.batched_norm else 0)

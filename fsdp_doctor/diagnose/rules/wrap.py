@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import Optional
 
 import msgspec
-from typing import Optional
 
 from .. import estimate as E
 from .. import thresholds as T
