@@ -36,7 +36,10 @@ ELSEWHERE = {"checkpoint.blocking": "torchtitan's and a Hugging Face Trainer's s
                                        "(tests/test_mesh_subsets.py)",
              "compile.recompile_limit": "an HF Llama of 10 decoder layers, each compiled in place "
                                         "(tests/test_recompile_limit.py); of 16 with inductor on a GPU "
-                                        "(GPU row gpu_hf_llama_recompile_limit)"}
+                                        "(GPU row gpu_hf_llama_recompile_limit)",
+             "jitter.level_shift": "three 40-step 2-rank runs whose step time changes at step 20 and stays: longer "
+                                   "sequences, a slower loader, a thread on one rank "
+                                   "(tests/fixtures/level_shift, tests/test_level_shift.py)"}
 HEADER = ["rule", "planted on", "recall", "false alarms", "fix applied and rechecked", "peak pred / meas",
           "step ms pred / meas"]
 

@@ -119,10 +119,23 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         for p in run.problems:
             _err(p)
         return EXIT_BAD_INPUT
+    window = note = None
+    if ns.steps is not None:
+        if (window := _steps_window(ns.steps, path, run)) is None:
+            return EXIT_BAD_INPUT
+        from .pipeline import steps_window_note, window_run
+
+        sub = window_run(run, window)
+        note, run = steps_window_note(run, sub, window), sub
     report = _build_with_progress(run, console, build_report)
     if (why := unusable_reason(path, run, report)) is not None:
         _err(why)
         return EXIT_BAD_INPUT
+    if window is not None:
+        from .pipeline import STEPS_END
+
+        report.run.notes = [note, *(report.run.notes or [])]
+        report.run.steps_window = [window[0], None if window[1] >= STEPS_END else window[1]]
     if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
     if ns.explain:
@@ -137,6 +150,33 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
              f"{EXIT_FINDINGS} (--fail-on {ns.fail_on})")
         return EXIT_FINDINGS
     return EXIT_PARTIAL if report.problems else EXIT_OK
+
+
+def _steps_window(text: str, path: Path, run) -> Optional[tuple[int, int]]:
+    """``analyze --steps``' FIRST-LAST, FIRST- or -LAST (or one step) as an inclusive window over a run's recorded
+    steps, or None after one line on stderr saying why not (a malformed window, a run without records, no recorded
+    step inside)."""
+    from .pipeline import STEPS_END
+
+    first, dash, last = text.strip().partition("-")
+    try:
+        lo = int(first) if first.strip() else 0
+        hi = (int(last) if last.strip() else STEPS_END) if dash else lo
+    except ValueError:
+        lo = hi = -1
+    if lo < 0 or hi < lo:
+        _err(f"--steps {text}: give FIRST-LAST, FIRST- (to the end) or -LAST, steps numbered from 0 as the report "
+             "numbers them")
+        return None
+    if not run.has_records:
+        _err(f"--steps {text}: {path} holds no fsdp-doctor records, only profiler traces, which are read whole")
+        return None
+    steps = sorted({s.step for rd in run.ranks.values() for s in rd.steps})
+    if not any(lo <= st <= hi for st in steps):
+        _err(f"--steps {text}: no recorded step there; {path}'s ranks recorded steps "
+             + (f"{steps[0]}-{steps[-1]}" if steps else "none"))
+        return None
+    return lo, hi
 
 
 def failing(findings, level: str) -> list[str]:
@@ -631,6 +671,9 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
 
     a.add_argument("--fail-on", choices=SEVERITIES, default=None, metavar="LEVEL",
                    help="exit 4 when a finding is at LEVEL or above: info, warning or critical (for CI jobs)")
+    a.add_argument("--steps", metavar="FIRST-LAST",
+                   help="analyse these recorded steps only (inclusive; FIRST- to the end, -LAST from the start), "
+                   "with the profiler windows inside them: the part of a run after its step time changed")
     a.set_defaults(fn=cmd_analyze)
 
     c = sub.add_parser("compare", help="compare two runs: config diff, deltas with noise, predictions checked",

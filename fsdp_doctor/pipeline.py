@@ -40,19 +40,45 @@ COMM_DEFINITION_RECORDS = ("time compute waited for all-gathers (the recorder's 
 
 
 def window_run(run: Run, window: StepWindow) -> Run:
-    """The same run with only the steps inside ``window`` (inclusive), or ``run`` itself when None."""
+    """The same run with only the steps inside ``window`` (inclusive), or ``run`` itself when None; of its profiler
+    windows those whose steps all lie inside, and of its trace files theirs (a file no window of the records names,
+    a plain trace beside them, is kept)."""
     if window is None:
         return run
     from .store.reader import RankData
 
     lo, hi = window
-    sub = Run(path=run.path, manifest=run.manifest, trace_files=list(run.trace_files), problems=list(run.problems),
+    inside = {r: [pw for pw in rd.profiles if pw.steps and lo <= min(pw.steps) and max(pw.steps) <= hi]
+              for r, rd in run.ranks.items()}
+    named = {(run.path / pw.path).resolve() for rd in run.ranks.values() for pw in rd.profiles}
+    kept = {(run.path / pw.path).resolve() for pws in inside.values() for pw in pws}
+    files = [f for f in run.trace_files if f.resolve() in kept or f.resolve() not in named]
+    sub = Run(path=run.path, manifest=run.manifest, trace_files=files, problems=list(run.problems),
               trace_files_left_out=run.trace_files_left_out)
     for r, rd in run.ranks.items():
-        sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=list(rd.profiles),
+        sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=inside[r],
                                 errors=list(rd.errors), end=rd.end, gpu=dict(rd.gpu),
                                 steps=[s for s in rd.steps if lo <= s.step <= hi])
     return sub
+
+
+def steps_window_note(run: Run, sub: Run, window: tuple[int, int]) -> str:
+    """What ``analyze --steps`` left out, in one line: the steps each rank recorded against those analysed, and the
+    profiler windows outside."""
+    lo, hi = window
+    span = f"steps {lo}-{hi}" if hi < STEPS_END else f"steps {lo} to the end"
+    had = max((len(rd.steps) for rd in run.ranks.values()), default=0)
+    kept = max((len(rd.steps) for rd in sub.ranks.values()), default=0)
+    windows = {tuple(pw.steps) for rd in run.ranks.values() for pw in rd.profiles}
+    inside = {tuple(pw.steps) for rd in sub.ranks.values() for pw in rd.profiles}
+    out = (f"{span} only (--steps): {kept} of the {had} steps a rank recorded"
+           + (f"; {len(inside)} of {len(windows)} profiler window(s) inside, the others' traces left out"
+              if windows else ""))
+    return out
+
+
+#: the last step of an ``analyze --steps FIRST-`` window (to the end of the run)
+STEPS_END = 1 << 62
 
 
 def record_sections(run: Run, window: StepWindow = None, *, memory: bool = True) -> dict:

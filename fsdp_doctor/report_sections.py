@@ -92,6 +92,8 @@ class RunFacts(_Section):
     # others' errors, a peer's connection closed, follow from it)
     stopped_first: str | UnsetType = UNSET
     stopped_first_by_ms: float | UnsetType = UNSET
+    # the steps analysed where ``analyze --steps`` chose them: [first, last] (inclusive; last None: to the end)
+    steps_window: list[Optional[int]] | UnsetType = UNSET
 
 
 class CommRank(_Section, omit_defaults=True):
@@ -280,6 +282,28 @@ class Straggler(_Section):
     device_wait_ms_per_step: Optional[float] = None
 
 
+class LevelShift(_Section):
+    """The job's step time that changed mid-run and stayed (``analyze.steps.level_shift``, over the steady steps
+    every rank has, each step's median over the ranks): the steps before and after the change, each part's median
+    step, and per rank each part's phases' medians (ms: forward, backward, optimizer, outside (the model, without GC),
+    gc, ag_wait (all-gather waits, inside forward and backward), own (the step without all-gather waits and GC))."""
+
+    first_after: int  # the first steady step after the (first) change
+    last_before: int  # the last steady step before it (steps between them were left out of the statistics)
+    steps_before: int  # steady steps before it, and from it on
+    steps_after: int
+    ms_before: float  # median step before the first change, and after the last
+    ms_after: float
+    # of each part's steps, the lesser share lying on its side of the two medians' midpoint (the main cut's)
+    separation: float = 1.0
+    # where it changed in more than one step the same way: each part's [first step, last step, median ms], in order
+    # (the first part's median is ms_before, the last's ms_after); empty with one change
+    levels: list[list[float]] = []
+    # per rank, the first part's phases and the last part's
+    phases_before_ms: dict[str, dict[str, float]] = {}
+    phases_after_ms: dict[str, dict[str, float]] = {}
+
+
 class NoGradSteps(_Section):
     """One rank's steps whose time holds forward passes of the model without gradients (``torch.no_grad`` or
     ``inference_mode``: evaluation, generation; or in eval mode with no backward after them), which are not
@@ -370,6 +394,8 @@ class StepsSection(_Section):
     # steps' time over the median step (its profiler windows, its memory counted op by op); reports before the last
     # three hold the first two, before the last one the first four
     doctor_own_ms: dict[str, list[float]] = {}
+    # the job's step time changed once mid-run and stayed (analyze.steps.level_shift)
+    level_shift: Optional[LevelShift] = None
 
 
 # ---------------------------------------------------------------- units (fsdp_doctor.analyze.report.unit_table)

@@ -24,8 +24,8 @@ def layout(snap, flt: Filters) -> list:
     ranks = flt.ranks
     phase_rank = flt.rank if flt.rank is not None else min(steps, default=0)
     out = [
-        section("Step time", graph(F.step_time_figure(steps, ranks, flt.window), "fig-step-time"),
-                sid="sec-step-time"),
+        section("Step time", graph(F.step_time_figure(steps, ranks, flt.window, shift=sec.level_shift),
+                                   "fig-step-time"), sid="sec-step-time"),
         grid(section("", graph(F.step_heatmap(steps, ranks, flt.window), "fig-step-heatmap")),
              section("", graph(F.jitter_histogram(steps, ranks, flt.window), "fig-jitter"))),
         section("", graph(F.phase_split_figure(steps, phase_rank, flt.window), "fig-phases")),

@@ -3,13 +3,14 @@ known only from its traces, over the complete profiler steps)."""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass
 from typing import Optional
 
 from ..records import GpuTimes, StepRecord, collective_wait_ms, counted_op_by_op, doctor_step
-from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, NoGradSteps, Outlier, SkippedSteps,
-                               StepsSection, StepStats, Straggler)
+from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, LevelShift, NoGradSteps, Outlier,
+                               SkippedSteps, StepsSection, StepStats, Straggler)
 from ..store import Run
 from ..units import unit_label
 
@@ -17,6 +18,16 @@ from ..units import unit_label
 OUTLIER_MIN_FRACTION = 0.25  # below a quarter of a step, a slow step is noise on a busy host
 # ... and by at least this many robust standard deviations (1.4826 × MAD).
 OUTLIER_MIN_SIGMAS = 5.0
+# A rank's step time that changed once mid-run and stayed (level_shift: fake quantization switched on, longer
+# sequences from a curriculum, a data loader past its cache, another process on the host): the later steady steps'
+# median at least this many times the earlier's, or at most its inverse (a shared 2-core host moves a median ~10%) ...
+SHIFT_MIN_RATIO = 1.25
+SHIFT_MIN_STEPS = 5  # ... with at least this many steady steps on each side (fewer are an episode, not a level) ...
+# ... of each part's steps at least this share on its side of the two medians' midpoint (a gradual drift, or halves
+# of a noisy run that differ by chance, leave more of them across it) ...
+SHIFT_MIN_SEPARATION = 0.8
+SHIFT_MIN_MS = 1.0  # ... and the medians at least this far apart (ms), below which the timer's noise dominates
+
 # A straggler rank's own time (step minus time waiting in collectives) exceeds the others' by this much ...
 STRAGGLER_MIN_FRACTION = 0.15  # under 15% ranks differ by noise and placement on a shared host
 STRAGGLER_MIN_MS = 1.0  # ... and by at least a millisecond, below which timer noise dominates
@@ -662,6 +673,90 @@ def read_on_straggler(rank, excess_ms: float, rule: str) -> str:
             f"are {rule}'s)")
 
 
+def _sorted_median(xs: list[float]) -> float:
+    """The median of a sorted list."""
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _best_cut(xs: list[float]) -> Optional[tuple[int, float, float, float]]:
+    """Of the places to cut ``xs`` in two (SHIFT_MIN_STEPS or more each side), the one whose parts differ as levels
+    (SHIFT_*) leaving the most of each part on its side of the two medians' midpoint, then the larger ratio:
+    (index of the later part's first, earlier median, later median, the lesser share on its side); None where none
+    does. The parts are kept sorted as the cut moves (one insertion and one removal a step): a 20,000-step run is read
+    in well under a second."""
+    n = len(xs)
+    if n < 2 * SHIFT_MIN_STEPS:
+        return None
+    left, right = sorted(xs[:SHIFT_MIN_STEPS - 1]), sorted(xs[SHIFT_MIN_STEPS - 1:])
+    best = None
+    for k in range(SHIFT_MIN_STEPS, n - SHIFT_MIN_STEPS + 1):
+        x = xs[k - 1]  # moves from the later part to the earlier
+        bisect.insort(left, x)
+        del right[bisect.bisect_left(right, x)]
+        a, b = _sorted_median(left), _sorted_median(right)
+        lo, hi = min(a, b), max(a, b)
+        if lo <= 0 or hi < SHIFT_MIN_RATIO * lo or hi - lo < SHIFT_MIN_MS:
+            continue
+        mid = (a + b) / 2
+        if b > a:  # each part's steps on its own side of the midpoint: below it before, above it after
+            sa, sb = bisect.bisect_left(left, mid), len(right) - bisect.bisect_right(right, mid)
+        else:
+            sa, sb = len(left) - bisect.bisect_right(left, mid), bisect.bisect_left(right, mid)
+        sa, sb = sa / len(left), sb / len(right)
+        if min(sa, sb) < SHIFT_MIN_SEPARATION:
+            continue
+        key = (sa + sb, hi / lo)
+        if best is None or key > best[0]:
+            best = (key, k, a, b, min(sa, sb))
+    return None if best is None else best[1:]
+
+
+def level_shift(usable: dict) -> Optional[LevelShift]:
+    """Where the job's steady steps (``usable_steps`` of each rank, {rank: steps}; the steps every rank kept, each
+    its median over the ranks, whose collectives keep them in step) fall into an earlier and a later part whose step
+    times differ as levels, not as noise (``_best_cut``); then, each part cut again where it holds a further change
+    the same way (a step that went 57 ms -> 240 ms at step 20 and -> 3.3 s at step 26, a new-user trial's thread
+    started on one rank: the one cut alone dated it at 26). A step's time is counted without its save, as in
+    ``step_stats``. None where no cut is found."""
+    by_rank = {r: {s.step: s for s in st} for r, st in usable.items()}
+    common = sorted(set.intersection(*(set(d) for d in by_rank.values()))) if by_rank else []
+    xs = [statistics.median(d[st].wall_ms - getattr(d[st], "checkpoint_ms", 0.0) for d in by_rank.values())
+          for st in common]
+    top = _best_cut(xs)
+    if top is None:
+        return None
+    k, a, b, sep = top
+    up = b > a
+    cuts = [k]
+    if (early := _best_cut(xs[:k])) is not None and (early[2] > early[1]) == up:
+        cuts.insert(0, early[0])
+    if (late := _best_cut(xs[k:])) is not None and (late[2] > late[1]) == up:
+        cuts.append(k + late[0])
+    bounds = [0, *cuts, len(xs)]
+    parts = [common[i:j] for i, j in zip(bounds, bounds[1:])]
+    med = statistics.median
+
+    def phases(part: list[int], d: dict) -> dict[str, float]:
+        ss = [d[st] for st in part]
+        return {"forward": round(med(s.forward_ms for s in ss), 3),
+                "backward": round(med(s.backward_ms for s in ss), 3),
+                "optimizer": round(med(s.optimizer_ms for s in ss), 3),
+                "outside": round(med(max(0.0, s.outside_ms - s.gc_ms) for s in ss), 3),
+                "gc": round(med(s.gc_ms for s in ss), 3),
+                "ag_wait": round(med(collective_wait_ms(s) for s in ss), 3),
+                "own": round(med(own_ms(s) for s in ss), 3)}
+
+    first, last = parts[0], parts[-1]
+    return LevelShift(first_after=parts[1][0], last_before=first[-1], steps_before=len(first),
+                      steps_after=len(common) - len(first), ms_before=round(med(xs[:cuts[0]]), 3),
+                      ms_after=round(med(xs[cuts[-1]:]), 3), separation=round(sep, 3),
+                      levels=[[p[0], p[-1], round(med(xs[i:j]), 3)] for p, i, j in zip(parts, bounds, bounds[1:])]
+                      if len(parts) > 2 else [],
+                      phases_before_ms={str(r): phases(first, d) for r, d in by_rank.items()},
+                      phases_after_ms={str(r): phases(last, d) for r, d in by_rank.items()})
+
+
 def profiler_export_steps(rd) -> list[int]:
     """Steps whose time includes writing a profiler window's trace (the step after the window: its "outside"
     time is the export, not data loading)."""
@@ -712,6 +807,7 @@ def analyze_steps(run: Run) -> StepsSection:
         repeated={str(r): c for r, rd in sorted(run.ranks.items()) if (c := repeated_calls(rd))},
         counted_kept={str(r): kept for r, st in usable.items() if (kept := counted_kept(st))},
         doctor_own_ms={str(r): own for r, rd in sorted(run.ranks.items()) if (own := doctor_own(rd.steps, usable[r]))},
+        level_shift=level_shift(usable),
     )
 
 

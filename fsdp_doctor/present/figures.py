@@ -138,8 +138,9 @@ def _grouped_title(title: str, k: int, how: str) -> str:
 # ---------------------------------------------------------------- steps
 
 
-def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) -> go.Figure:
-    """Step wall time per rank over steps; profiled steps (tool overhead inside) drawn hollow."""
+def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, shift=None) -> go.Figure:
+    """Step wall time per rank over steps; profiled steps (tool overhead inside) drawn hollow; ``shift`` (the report's
+    ``LevelShift``, None: none) a dashed line where the step time changed and stayed, each part's median across it."""
     sel = _select_ranks(steps, ranks)
     k = _group_size(cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
                     for i in _rows(cols, window))
@@ -167,6 +168,14 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340) ->
     for a, b in runs(sorted({cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
                               for i in _rows(cols, window) if cols["profiled"][i]})):
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
+    if shift is not None:
+        cut = (shift.last_before + shift.first_after) / 2
+        xs = [x for tr in fig.data for x in tr.x]
+        fig.add_vline(x=cut, line={"color": "#555", "width": 1, "dash": "dash"})
+        for x0, x1, ms in ((min(xs), cut, shift.ms_before), (cut, max(xs), shift.ms_after)):
+            fig.add_shape(type="line", x0=x0, x1=x1, y0=ms, y1=ms, line={"color": "#555", "width": 1, "dash": "dot"})
+        fig.add_annotation(x=cut, y=max(shift.ms_before, shift.ms_after), text=f"changed at step {shift.first_after}",
+                           showarrow=False, xanchor="left", yanchor="bottom", font={"size": 11})
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="wall time (ms)", rangemode="tozero")
     return _layout(fig, _grouped_title("Step time per rank (grey band, hollow: profiled steps; their time is the "

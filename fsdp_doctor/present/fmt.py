@@ -675,8 +675,23 @@ def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
                                           ("no-grad", no_grad_text(section)),
                                           ("checkpoint", checkpoint_text(section)),
                                           ("other-models", other_models_text(section)),
+                                          ("level-shift", level_shift_text(section)),
                                           ("doctor", doctor_text(section)))
             if line is not None]
+
+
+def level_shift_text(section: StepsSection) -> Optional[str]:
+    """The step time that changed once mid-run and stayed: the statistics above hold both parts (jitter.level_shift
+    says what changed); None where it did not."""
+    ls = section.level_shift
+    if ls is None:
+        return None
+    at = (f"at step {ls.first_after}" if ls.first_after == ls.last_before + 1 else
+          f"between steps {ls.last_before} and {ls.first_after}")
+    levels = (" -> ".join(f"{fmt_ms(ms)} from step {int(a)}" for a, _, ms in ls.levels[1:]) if ls.levels else
+              f"{fmt_ms(ls.ms_after)} after ({ls.steps_after})")
+    return (f"The step time changed {at} and stayed: {fmt_ms(ls.ms_before)} before ({ls.steps_before} steps), "
+            f"{levels}, medians; the statistics above hold every part (jitter.level_shift)")
 
 
 def other_models_text(section: StepsSection) -> Optional[str]:

@@ -3,13 +3,15 @@ ranks."""
 
 from __future__ import annotations
 
+import shlex
 import statistics
 from typing import NamedTuple, Optional
 
 from msgspec import UNSET
 
-from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION, STRAGGLER_MIN_MS,
-                               STRAGGLER_MIN_STEPS, device_outside_ms, usable_steps)
+from ...analyze.steps import (SHIFT_MIN_RATIO, SHIFT_MIN_SEPARATION, SHIFT_MIN_STEPS, STRAGGLER_MIN_CONSISTENCY,
+                               STRAGGLER_MIN_FRACTION, STRAGGLER_MIN_MS, STRAGGLER_MIN_STEPS, device_outside_ms,
+                               usable_steps)
 from ...report_sections import StepStats
 from .. import estimate as E
 from .. import snippets as S
@@ -343,11 +345,26 @@ class DataWait(Rule):
              f"{accum} ({what})" if sh.between else
              f"{fmt_share(sh.share)} of each step is spent outside the model ({what})"),
             evidence,
-            text + _other_models(ctx),
+            text + _other_models(ctx) + _outside_since(ctx, rank),
             predicted={"step_ms_before": p50, "step_ms_after": round(p50 - sh.outside_ms, 3),
                        "peak_bytes_before": None, "peak_bytes_after": None},
             ranks=sorted(decided),
         )]
+
+
+def _outside_since(ctx: Context, rank: int) -> str:
+    """Where the step time rose mid-run by the rank's time outside the model (jitter.level_shift): that this time is
+    the later part's, and what the earlier part spent there ("" otherwise). A new-user trial's loader slowed at step
+    20 of 40 read "43% of each step" over steps that spent 1 ms there before it."""
+    ls = E.steps(ctx).level_shift
+    before, after = ((ls.phases_before_ms.get(str(rank)), ls.phases_after_ms.get(str(rank))) if ls is not None
+                     else (None, None))
+    if before is None or after is None or ls.ms_after <= ls.ms_before or after["outside"] - before["outside"] < (
+            SHIFT_PHASE_PART * (ls.ms_after - ls.ms_before)):
+        return ""
+    return (f" Most of this time came with the change of step time at step {ls.first_after} (jitter.level_shift): "
+            f"{fmt_ms(after['outside'])} a step outside the model from it on, {fmt_ms(before['outside'])} before it "
+            f"(rank {rank}, medians).")
 
 
 def _outside_by_step(ctx: Context, rd) -> Optional[dict[int, tuple[float, float]]]:
@@ -438,6 +455,145 @@ class RecurringOutside(Rule):
             + ". Do it less often, in the background, or off the training "
             "loop. What it is lives in your loop, which the doctor does not see: no code is offered.",
             ranks=sorted(per))]
+
+
+#: jitter.level_shift: one rank changed and the others waited for it where the others' own time changed by under this
+#: part of that rank's
+SHIFT_ONE_RANK_OTHERS = 1 / 3
+#: a phase is named where it moved by this part of the step's change or more
+SHIFT_PHASE_PART = 0.15
+#: the later part's step this many times the earlier's or more, not in the model's own work: a warning
+SHIFT_WARN_RATIO = 1.5
+
+# what each phase's change says, (grew, shrank)
+_SHIFT_WORDS = {
+    "compute": ("the model's own work grew: its inputs (longer sequences, larger images or batches: a curriculum, a "
+                "bucketing sampler), what it trains (layers unfrozen, fake quantization switched on, a second loss), "
+                "or the cores it runs on (another process on them, a thermal limit)",
+                "the model's own work shrank: shorter inputs, layers frozen, or the earlier steps still warming up "
+                "(allocator, autotuning, caches)"),
+    "outside": ("the time outside the model grew: the data loader falling behind (a data set past the page cache, "
+                "slower storage, workers started again at an epoch) or code in your loop that started then (logging, "
+                "evaluation, a callback)",
+                "the time outside the model shrank: the data loader caught up (its cache warm) or code in your loop "
+                "that stopped then"),
+    "optimizer": ("the optimizer step grew: more parameters to update (layers unfrozen) or work added to it (a "
+                  "gradient-norm log, a schedule's new phase)",
+                  "the optimizer step shrank: fewer parameters to update, or work taken out of it"),
+    "gc": ("garbage collection grew: objects left in reference cycles piling up since then (jitter.gc weighs it)",
+           "garbage collection shrank"),
+    "ag_wait": ("the waits for all-gathers grew: the collectives slowed (another job on the links, a slower route)",
+                "the waits for all-gathers shrank"),
+}
+_SHIFT_PHASE = {"compute": "forward and backward compute", "outside": "outside the model", "optimizer": "optimizer",
+                "gc": "GC", "ag_wait": "all-gather waits"}
+
+
+def _shift_deltas(before: dict, after: dict) -> dict[str, float]:
+    """A rank's change per phase (ms) across a level shift: compute is forward and backward without all-gather waits."""
+    def compute(p):
+        return p["forward"] + p["backward"] - p["ag_wait"]
+
+    out = {k: after[k] - before[k] for k in ("outside", "optimizer", "gc", "ag_wait")}
+    out["compute"] = compute(after) - compute(before)
+    return out
+
+
+def _window_words(windows: list[int], shift) -> str:
+    """Which part of a level shift the profiler windows' steps lie in, in words ("" without windows)."""
+    if not windows:
+        return ""
+    early = [w for w in windows if w <= shift.last_before]
+    late = [w for w in windows if w >= shift.first_after]
+    span = f"steps {windows[0]}-{windows[-1]}" if len(windows) > 1 else f"step {windows[0]}"
+    if early and not late:
+        return (f" The profiler window ({span}) lies in the earlier part: the verdict's and the trace's figures "
+                "describe the steps before the change.")
+    if late and not early:
+        return f" The profiler window ({span}) lies in the later part: the trace's figures describe it."
+    return f" Profiler windows ({span}) lie in both parts: the trace's figures mix them."
+
+
+@register
+class LevelShiftRule(Rule):
+    code = "jitter.level_shift"
+    name = "Step time changed mid-run"
+    description = ("The step time changed mid-run and stayed (once, or more than once the same way): when, what changed "
+                   "(the phase, on every rank or on one), and that the step statistics and the findings' figures mix "
+                   "the parts.")
+    needs = ("records",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        steps = E.steps(ctx)
+        ls = steps.level_shift
+        if ls is None:
+            return self.quiet(f"no cut of the steady steps every rank kept into two parts of {SHIFT_MIN_STEPS} steps "
+                              f"or more whose medians differ {SHIFT_MIN_RATIO:g} times, with "
+                              f"{100 * SHIFT_MIN_SEPARATION:.0f}% of each part's steps on its own side")
+        deltas = {int(r): _shift_deltas(ls.phases_before_ms[r], ls.phases_after_ms[r]) for r in ls.phases_after_ms}
+        change = ls.ms_after - ls.ms_before
+        grew = change > 0
+        own = {r: ls.phases_after_ms[str(r)]["own"] - ls.phases_before_ms[str(r)]["own"] for r in deltas}
+        first = max(own, key=lambda r: own[r] if grew else -own[r])  # the rank whose own time moved most
+        others = [r for r in own if r != first]
+        one_rank = bool(others) and abs(own[first]) >= abs(change) / 2 and all(
+            abs(own[r]) < SHIFT_ONE_RANK_OTHERS * abs(own[first]) for r in others)
+        # the phases that moved, on that rank; one rank changing, its all-gather waits are not its own change
+        d = deltas[first]
+        named = sorted((k for k in d if (d[k] > 0) == grew and abs(d[k]) >= SHIFT_PHASE_PART * abs(change)
+                        and not (one_rank and k == "ag_wait")), key=lambda k: -abs(d[k]))
+        moved = ", ".join(f"{_SHIFT_PHASE[k]} {fmt_ms(d[k], signed=True)}" for k in named) or "no phase alone"
+        if one_rank:
+            waits = ", ".join(f"rank {r} {fmt_ms(deltas[r]['ag_wait'], signed=True)}" for r in others[:3])
+            who = (f"on rank {first} (its own time {fmt_ms(own[first], signed=True)}: {moved}); the other ranks wait "
+                   f"for it in their collectives (all-gather waits: {waits}{', ...' if len(others) > 3 else ''})")
+            why = (f"Something on rank {first}'s host or in its code started then: another process on its cores, a "
+                   "thread in your process holding the GIL (a spinning logger, a metrics thread), its data shard."
+                   if grew else f"Something on rank {first} stopped then.")
+        else:
+            who = f"on every rank (rank {first}: {moved})" if others else f"in {moved}"
+            words = _SHIFT_WORDS[named[0] if named else "compute"][0 if grew else 1]
+            why = words[0].upper() + words[1:] + "."
+        ratio = ls.ms_after / ls.ms_before
+        at = (f"at step {ls.first_after}" if ls.first_after == ls.last_before + 1 else
+              f"between steps {ls.last_before} and {ls.first_after}")
+        sides = ("every step of each part on its side of the midpoint between the two" if ls.separation >= 1 else
+                 f"{100 * ls.separation:.0f}% or more of each part's steps on its side of the midpoint between the two")
+        p50 = steps.job.p50_ms if steps.job is not None else None
+        held = (f" The step statistics and every finding's figures hold {'every part' if ls.levels else 'both parts'} "
+                f"(step p50 {fmt_ms(p50)} over the run, {fmt_ms(ls.ms_after)} now)." if p50 is not None else "")
+        windows = sorted({w for pw in steps.profiler_steps.values() for w in pw.get("window", [])})
+        last = int(ls.levels[-1][0]) if ls.levels else ls.first_after
+        parts = (f"two parts: {ls.steps_before} before step {ls.first_after} at {fmt_ms(ls.ms_before)} (median) and "
+                 f"{ls.steps_after} from it on at {fmt_ms(ls.ms_after)}, {sides}" if not ls.levels else
+                 f"{len(ls.levels)} levels, each a step time that stayed: "
+                 + ", ".join(f"{fmt_ms(ms)} in steps {int(a)}-{int(b)}" for a, b, ms in ls.levels[:-1])
+                 + f", {fmt_ms(ls.levels[-1][2])} from step {int(ls.levels[-1][0])} on (medians)")
+        text = (f"The steady steps fall into {parts}. "
+                f"The change is {who}. {why}{held}{_window_words(windows, ls)} "
+                f"`fsdp-doctor analyze {shlex.quote(str(ctx.run.path))} --steps {last}-` reads the last part alone"
+                + (" (with the profiler windows inside it); watch(..., profile=fsdp_doctor.ProfileSchedule(first=N)) "
+                   "puts the next run's window at a step N after the change" if windows else "")
+                + ". What changed is in your loop, your data or on your host, which the doctor does not see: no code "
+                "is offered.")
+        # a slowdown by half or more that is not the model's own work (a loader, another process): a warning
+        severity = "warning" if grew and ratio >= SHIFT_WARN_RATIO and (one_rank or named[:1] != ["compute"]) else "info"
+        return [self.finding(
+            severity,
+            f"Step time {'rose' if grew else 'fell'} from {fmt_ms(ls.ms_before)} to {fmt_ms(ls.ms_after)} "
+            f"({ratio:.2f}x) {at} and stayed" + (f", in {len(ls.levels) - 1} changes" if ls.levels else "")
+            + (f", on rank {first}" if one_rank else ""),
+            {"first_step_after": ls.first_after, "last_step_before": ls.last_before,
+             "steps_before": ls.steps_before, "steps_after": ls.steps_after,
+             "step_ms_before": ls.ms_before, "step_ms_after": ls.ms_after, "ratio": round(ratio, 3),
+             "separated_pct": round(100 * ls.separation, 1), "rank": first if one_rank else None,
+             "level_first_steps": [int(lv[0]) for lv in ls.levels], "level_ms": [lv[2] for lv in ls.levels],
+             **{f"{k}_change_ms": round(v, 3) for k, v in d.items()},
+             "changed_rank_own_change_ms": round(own[first], 3),
+             "other_ranks_own_change_ms": max((round(own[r], 3) for r in others), key=abs, default=None),
+             "step_p50_ms_all": p50},
+            text, ranks=[first] if one_rank else sorted(deltas))]
 
 
 @register
