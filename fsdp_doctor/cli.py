@@ -132,7 +132,7 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         _err(why)
         return EXIT_BAD_INPUT
     if window is not None:
-        from .pipeline import STEPS_END
+        from .store.reader import STEPS_END
 
         report.run.notes = [note, *(report.run.notes or [])]
         report.run.steps_window = [window[0], None if window[1] >= STEPS_END else window[1]]
@@ -156,7 +156,7 @@ def _steps_window(text: str, path: Path, run) -> Optional[tuple[int, int]]:
     """``analyze --steps``' FIRST-LAST, FIRST- or -LAST (or one step) as an inclusive window over a run's recorded
     steps, or None after one line on stderr saying why not (a malformed window, a run without records, no recorded
     step inside)."""
-    from .pipeline import STEPS_END
+    from .store.reader import STEPS_END
 
     first, dash, last = text.strip().partition("-")
     try:

@@ -25,6 +25,7 @@ from .analyze.throughput import analyze_throughput
 from .records import config_unavailable
 from .report_sections import CommRank, CommSummary, OverlapSection, Report
 from .store import Run
+from .store.reader import window_words
 from .units import fmt_ms, ranks_phrase, steps_phrase
 
 StepWindow = Optional[tuple[int, int]]
@@ -54,7 +55,7 @@ def window_run(run: Run, window: StepWindow) -> Run:
     kept = {(run.path / pw.path).resolve() for pws in inside.values() for pw in pws}
     files = [f for f in run.trace_files if f.resolve() in kept or f.resolve() not in named]
     sub = Run(path=run.path, manifest=run.manifest, trace_files=files, problems=list(run.problems),
-              trace_files_left_out=run.trace_files_left_out)
+              trace_files_left_out=run.trace_files_left_out, steps_window=window)
     for r, rd in run.ranks.items():
         sub.ranks[r] = RankData(rank=r, header=rd.header, config=rd.config, profiles=inside[r],
                                 errors=list(rd.errors), end=rd.end, gpu=dict(rd.gpu),
@@ -65,8 +66,7 @@ def window_run(run: Run, window: StepWindow) -> Run:
 def steps_window_note(run: Run, sub: Run, window: tuple[int, int]) -> str:
     """What ``analyze --steps`` left out, in one line: the steps each rank recorded against those analysed, and the
     profiler windows outside."""
-    lo, hi = window
-    span = f"steps {lo}-{hi}" if hi < STEPS_END else f"steps {lo} to the end"
+    span = window_words(window)
     had = max((len(rd.steps) for rd in run.ranks.values()), default=0)
     kept = max((len(rd.steps) for rd in sub.ranks.values()), default=0)
     windows = {tuple(pw.steps) for rd in run.ranks.values() for pw in rd.profiles}
@@ -76,9 +76,6 @@ def steps_window_note(run: Run, sub: Run, window: tuple[int, int]) -> str:
               if windows else ""))
     return out
 
-
-#: the last step of an ``analyze --steps FIRST-`` window (to the end of the run)
-STEPS_END = 1 << 62
 
 
 def record_sections(run: Run, window: StepWindow = None, *, memory: bool = True) -> dict:

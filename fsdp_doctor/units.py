@@ -107,6 +107,14 @@ def steps_phrase(steps) -> str:
     return f"step{'s' * (len(xs) > 1)} {text}"
 
 
+def shift_at(shift) -> str:
+    """When a step time changed (a ``LevelShift``): "at step 20", or "between steps 19 and 21" where the steps
+    between were left out of the statistics."""
+    if shift.first_after == shift.last_before + 1:
+        return f"at step {shift.first_after}"
+    return f"between steps {shift.last_before} and {shift.first_after}"
+
+
 def fmt_bytes(n, prec: int = 2) -> str:
     """Bytes in binary units: "774.50 KiB", "1.25 GiB" (``prec`` decimals; 1 where a table is tight)."""
     if n is None:

@@ -266,11 +266,11 @@ def test_one_config_on_a_drifting_host_is_not_called_a_change(sample_run_path, t
     a.report.findings[-1] = msgspec.structs.replace(a.report.findings[-1], predicted=Predicted())
     assert C.compare(a, b).summary == cmp.summary
     a.report.findings.pop()
-    # one B could not look for (accum.sync_every_micro_batch reads a trace, and B has none) is not "gone"
-    a.report.findings.append(msgspec.structs.replace(f0, code="accum.sync_every_micro_batch", severity="warning"))
+    # one B could not look for (optim.step_comm reads a trace, and B has none) is not "gone"
+    a.report.findings.append(msgspec.structs.replace(f0, code="optim.step_comm", severity="warning"))
     unchecked = C.compare(a, b)
     assert unchecked.summary == cmp.summary and [f.code for f in unchecked.findings.unchecked] == [
-        "accum.sync_every_micro_batch"]
+        "optim.step_comm"]
     a.report.findings.pop()
     # an --applied code A's report does not hold is no change: the verdict stays run-to-run variation
     bogus = C.compare(a, b, applied=["not.a.rule"])

@@ -250,3 +250,18 @@ def test_the_step_table_and_the_dashboards_figure_say_it():
     fig = F.step_time_figure(steps_columns(run), shift=rep.steps.level_shift)
     assert any(s.type == "line" and s.x0 == 19.5 == s.x1 for s in fig.layout.shapes), fig.layout.shapes
     assert [a.text for a in fig.layout.annotations] == ["changed at step 20"]
+    # a window of steps before the change: no line drawn past its steps (plotly's axis would stretch to it)
+    fig = F.step_time_figure(steps_columns(run), window=(3, 15), shift=rep.steps.level_shift)
+    assert not fig.layout.shapes and not fig.layout.annotations
+
+
+def test_compare_says_a_side_mixes_two_parts():
+    r = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "compare", str(FIXTURES / "seq"),
+                        str(FIXTURES / "outside"), "--json", "-"], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["notes"]
+    said = [n for n in notes if "step time changed" in n]
+    assert said == ["A's step time changed between steps 19 and 21 and stayed (48.4 ms before, 91.2 ms after: jitter.level_shift): "
+                    "its times mix the parts; `fsdp-doctor analyze --steps` reads one part alone",
+                    "B's step time changed at step 20 and stayed (44.6 ms before, 78.6 ms after: jitter.level_shift): "
+                    "its times mix the parts; `fsdp-doctor analyze --steps` reads one part alone"], notes

@@ -26,7 +26,7 @@ from ..report_sections import CheckpointSteps, Finding, Report
 from ..trace.analysis import BLOCKED_AG_SHARE, blocked_allgathers
 from .steps import counted_saves, heaviest_saves, save_interval, saves_share
 from ..trace.collectives import dtype_name
-from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_bytes, fmt_mesh, memory_peak_where, module_path
+from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_bytes, fmt_mesh, fmt_ms, memory_peak_where, module_path, shift_at
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -869,6 +869,12 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
                              + ("finish (how: its \"run ended\" line)" if told else
                                 "finish (killed, still going, or stopped on an exception)")
                              + ": its figures are those of the steps completed")
+    for name, rep in (("A", ra), ("B", rb)):
+        ls = rep.steps.level_shift if rep.steps is not None else None
+        if ls is not None:  # (its samples mix the parts: a delta of p50s reads the mix, not either part)
+            cmp.notes.append(f"{name}'s step time changed {shift_at(ls)} and stayed ({fmt_ms(ls.ms_before)} "
+                             f"before, {fmt_ms(ls.ms_after)} after: jitter.level_shift): its times mix the parts; "
+                             f"`fsdp-doctor analyze --steps` reads one part alone")
     if cmp.a.world_size and cmp.b.world_size and cmp.a.world_size != cmp.b.world_size:
         cmp.notes.append(f"world size {cmp.a.world_size} in A, {cmp.b.world_size} in B: a step does not do the same "
                          "work on both sides (the job's tokens per step, its collectives' sizes); compare throughput, "

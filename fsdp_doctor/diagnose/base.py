@@ -14,6 +14,7 @@ from ..records import (ACCELERATE_SHARDER, TITAN_DRIVER, TORCHTITAN_SHARDER, TRA
                        optimizer_of_another_model)
 from ..report_sections import FIX_LANGUAGES, FIX_PLACES, Finding, Recommendation, Report, RuleStatus
 from ..store import Run
+from ..store.reader import window_words
 from ..units import fit_comments
 from .snippets import (FSDP_MESH_USE, PLUGIN_CALLS, PLUGIN_INPUTS, PREPARED_INPUTS, SHARD_PLACEMENT_FN, TITAN_CALLS,
                        calls_words, complete, fix_place, for_prepared_optimizer, mesh_input, model_parallel,
@@ -82,6 +83,10 @@ def _no_window(ctx: Context) -> Optional[str]:
     ended before the doctor's first window, or its windows met evaluation steps and were dropped unsaved."""
     sched = getattr(ctx.config, "profile_schedule", None)
     ranks = getattr(ctx.run, "ranks", None) or {}
+    if (window := getattr(ctx.run, "steps_window", None)) is not None and not any(rd.profiles for rd in ranks.values()):
+        # (its 3 steps read "ended before the doctor's first profiler window" under analyze --steps 9-)
+        return (f"no profiler window lies inside the steps analysed ({window_words(window)}): analyse steps holding "
+                "one, or watch(..., profile=fsdp_doctor.ProfileSchedule(first=N)) puts one at step N")
     lost = next((pw for rd in ranks.values() for pw in rd.lost_profiles), None)
     if lost is not None and not any(rd.profiles for rd in ranks.values()):  # (--explain said "this run has none" of
         # a run whose one window a full disk lost: a new-user trial)

@@ -168,9 +168,9 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
     for a, b in runs(sorted({cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
                               for i in _rows(cols, window) if cols["profiled"][i]})):
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
-    if shift is not None:
-        cut = (shift.last_before + shift.first_after) / 2
-        xs = [x for tr in fig.data for x in tr.x]
+    xs = [x for tr in fig.data for x in tr.x]
+    cut = None if shift is None else (shift.last_before + shift.first_after) / 2
+    if cut is not None and min(xs) < cut < max(xs):  # (a window of steps on one side of it: not drawn)
         fig.add_vline(x=cut, line={"color": "#555", "width": 1, "dash": "dash"})
         for x0, x1, ms in ((min(xs), cut, shift.ms_before), (cut, max(xs), shift.ms_after)):
             fig.add_shape(type="line", x0=x0, x1=x1, y0=ms, y1=ms, line={"color": "#555", "width": 1, "dash": "dot"})

@@ -18,7 +18,8 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
 from ..trace.model import OTHER_UNIT
 from ..units import (CODE_WIDTH, MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fit_comments, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
                      fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
-                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, steps_phrase, unit_label)
+                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, shift_at, steps_phrase,
+                     unit_label)
 
 
 SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
@@ -686,8 +687,7 @@ def level_shift_text(section: StepsSection) -> Optional[str]:
     ls = section.level_shift
     if ls is None:
         return None
-    at = (f"at step {ls.first_after}" if ls.first_after == ls.last_before + 1 else
-          f"between steps {ls.last_before} and {ls.first_after}")
+    at = shift_at(ls)
     levels = (" -> ".join(f"{fmt_ms(ms)} from step {int(a)}" for a, _, ms in ls.levels[1:]) if ls.levels else
               f"{fmt_ms(ls.ms_after)} after ({ls.steps_after})")
     return (f"The step time changed {at} and stayed: {fmt_ms(ls.ms_before)} before ({ls.steps_before} steps), "

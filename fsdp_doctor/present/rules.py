@@ -46,6 +46,8 @@ def render_catalogue(rows: list[dict], needs: dict[str, str]) -> Group:
 def catalogue_markdown(rows: list[dict], needs: dict[str, str]) -> str:
     """The catalogue as the README's Markdown table (``fsdp-doctor rules --markdown``), its legend below."""
     lines = ["| code | severity | needs | checks |", "|---|---|---|---|"]
-    lines += [f"| `{r['code']}` | {r['severity']} | {', '.join(r['needs']) or '—'} | {r['checks']} |" for r in rows]
+    # (a need's "|" ("records|trace": either) escaped: unescaped it split the table's row into an extra column)
+    lines += [f"| `{r['code']}` | {r['severity']} | {', '.join(r['needs']).replace('|', chr(92) + '|') or '—'} | "
+              f"{r['checks']} |" for r in rows]
     lines += ["", "Needs: " + "; ".join(f"`{k}`: {v}" for k, v in needs.items()) + "."]
     return "\n".join(lines)

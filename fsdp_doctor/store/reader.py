@@ -64,6 +64,16 @@ class RankData:
             self.gpu[rec.step] = rec
 
 
+#: the last step of a steps window that runs to the end of the run (``analyze --steps FIRST-``)
+STEPS_END = 1 << 62
+
+
+def window_words(window: tuple[int, int]) -> str:
+    """A steps window in words: "steps 20-39", "steps 20 to the end"."""
+    lo, hi = window
+    return f"steps {lo}-{hi}" if hi < STEPS_END else f"steps {lo} to the end"
+
+
 @dataclass
 class Run:
     """A run as the analyses see it: the same model whether it was just recorded or read from disk."""
@@ -87,6 +97,9 @@ class Run:
     records_cut: set[int] = field(default_factory=set)
     # one line each: how what was read is to be taken, no problem (a run still being written: load_run)
     notes: list[str] = field(default_factory=list)
+    # the recorded steps analysed where only some are (pipeline.window_run: ``analyze --steps``, the dashboard's
+    # step filter), inclusive; None: all of them
+    steps_window: tuple[int, int] | None = None
 
     @property
     def config(self) -> RunConfig | None:

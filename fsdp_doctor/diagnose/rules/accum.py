@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from msgspec import UNSET
+
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
@@ -82,13 +84,15 @@ class AccumulationSyncsEveryMicroBatch(Rule):
     name = "Gradient accumulation without set_requires_gradient_sync(False)"
     description = ("Several backward passes per optimizer step, each unit reduce-scattering its gradients after "
                    "every one of them instead of once.")
-    needs = ("trace",)
+    needs = ("records|trace",)
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
         if why := E.updated_between(ctx):
             return self.quiet(why)
         rows = [r for r in E.trace_rows(ctx, "reduce_scatter") if r.unit not in ("", "(other)", None)]
+        if not rows and ctx.report.overlap is None:  # no trace in the steps analysed: what the records counted
+            return self._from_records(ctx)
         if not rows:
             return self.quiet("no reduce-scatter per unit in the trace")
         per_unit: dict[str, list[E.TraceRow]] = {}
@@ -193,18 +197,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
                  + _holding(unsharded, freed, after, trace_peak, plain=not by_name))
         # (a plain trace's micro-batches: its reduce-scatters per unit per step)
         per = mb if mb and mb > 1 else n
-        # (the window saw part of an optimizer step's micro-batches where the profiler stepped per micro-batch)
-        count = f"at least {per:.0f} per optimizer step" if micro_steps else f"{per:.0f} per optimizer step in this run"
-        code = (f"# before each micro-batch's backward ({count}):\n"
-                "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
-        text, code, where, inputs = _in_the_loop(ctx, text, code, "set_requires_gradient_sync",
-                                                 " with gradient sync on for every one")
-        accumulated, cause = True, ""
-        if (accel := _under_accelerate(ctx, per)) is not None:
-            said, plugin_code, plugin_where, accumulated = accel
-            text += said
-            if plugin_code:  # accelerate's own setting, in place of the loop's line
-                code, where, inputs, cause = plugin_code, plugin_where, None, " (sync_each_batch=True)"
+        text, code, where, inputs, accumulated, cause = _sync_fix(ctx, text, per, micro_steps)
         return [self.finding(
             sev, f"{n:.0f} reduce-scatters per unit per optimizer step: gradient accumulation syncs every "
                  f"micro-batch{cause}",
@@ -222,6 +215,67 @@ class AccumulationSyncsEveryMicroBatch(Rule):
             # 4.1% above it, a CPU trace's peak moving by a unit's reduce-scatter buffer from run to run)
             predicted=E.predicted(step, step - gain if step else None, peak, after),
             units=sorted(counts)[:20])]
+
+
+    def _from_records(self, ctx: Context):
+        """Without a trace in the steps analysed (no profiler window, ``profile=False``, or one outside ``analyze
+        --steps``): the backward passes per optimizer step the records counted and those that ran with FSDP2's
+        gradient sync on (RunFacts' most common pair over the steady steps), each a reduce-scatter of every unit.
+        Their time is not measured (on the GPU they overlap the backward; on gloo they sit inside it), so no step
+        time is predicted; the memory the fix costs is, from the unit snapshot and the peak. (A new-user trial's
+        torchtune recipe accumulating 2 micro-batches with sync on both, analysed past its window, was skipped:
+        "needs a torch.profiler trace".)"""
+        facts = ctx.report.run
+        n, synced = (getattr(facts, k, None) for k in ("backwards_per_step", "synced_backwards_per_step"))
+        n, synced = (None if x is UNSET else x for x in (n, synced))
+        if not n or synced is None:
+            return self.quiet("no reduce-scatter in a profiler trace, and the records count no backward passes per "
+                              "optimizer step with gradient sync on (one backward per step, or records before that "
+                              "count)")
+        if synced < 2:
+            return self.quiet(f"{synced} of the {n} backward passes per optimizer step ran with gradient sync on (the "
+                              "records; no profiler trace in the steps analysed)")
+        units = E.param_units(ctx)
+        unsharded = sum(E.grad_unsharded_bytes(u) for u in units) if units else None
+        shards = sum(E.grad_shard_bytes(u) for u in units)
+        freed = min(E.breakdown(ctx).get("sharded_grads", 0), shards)
+        peak = E.peak_bytes(ctx)
+        after = peak + unsharded - freed if peak is not None and unsharded is not None else None
+        text = (f"{synced} of the {n} backward passes per optimizer step ran with FSDP2's gradient sync on (the "
+                "records), each reduce-scattering every unit's gradients: the reduce-scatters of all but the last are "
+                "work the optimizer step does not need. Their time is not measured without a profiler window in the "
+                "steps analysed (a window's trace shows it), so no step time is predicted. Turn gradient sync off "
+                "for all but the last micro-batch; FSDP2 then accumulates unsharded gradients locally and "
+                "reduce-scatters once, at the cost of holding them" + _holding(unsharded, freed, after, False, False))
+        text, code, where, inputs, accumulated, cause = _sync_fix(ctx, text, float(n), False)
+        step = E.step_ms(ctx)
+        return [self.finding(
+            "warning", f"{synced} reduce-scatters per unit per optimizer step: gradient accumulation syncs every "
+                       f"micro-batch{cause}",
+            {"reducescatters_per_unit_per_step": synced, "micro_batches_per_step": n,
+             "units": len(units), "measured_by": "records (no profiler trace)", "unsharded_grads_bytes": unsharded,
+             "sharded_grads_freed_bytes": freed},
+            text, code, where=where, inputs=inputs, accumulated=accumulated,
+            predicted=E.predicted(step, None, peak, after), units=sorted(u.name for u in units)[:20])]
+
+
+def _sync_fix(ctx: Context, text: str, per: float, micro_steps: bool) -> tuple[str, str, str, dict, bool, str]:
+    """(text, code, where, inputs, accumulated, the cause said in the title) of the fix: gradient sync on the last
+    micro-batch only, in the loop (its ``per`` micro-batches per optimizer step; at least that many where the profiler
+    stepped per micro-batch), or accelerate's own setting where its plugin kept it on."""
+    # (the window saw part of an optimizer step's micro-batches where the profiler stepped per micro-batch)
+    count = f"at least {per:.0f} per optimizer step" if micro_steps else f"{per:.0f} per optimizer step in this run"
+    code = (f"# before each micro-batch's backward ({count}):\n"
+            "model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter on the last one only")
+    text, code, where, inputs = _in_the_loop(ctx, text, code, "set_requires_gradient_sync",
+                                             " with gradient sync on for every one")
+    accumulated, cause = True, ""
+    if (accel := _under_accelerate(ctx, per)) is not None:
+        said, plugin_code, plugin_where, accumulated = accel
+        text += said
+        if plugin_code:  # accelerate's own setting, in place of the loop's line
+            code, where, inputs, cause = plugin_code, plugin_where, None, " (sync_each_batch=True)"
+    return text, code, where, inputs, accumulated, cause
 
 
 def _holding(unsharded, freed: int, after, trace_peak: bool, plain: bool) -> str:

@@ -16,7 +16,7 @@ from ...report_sections import StepStats
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
-from ...units import fmt_ms, fmt_share
+from ...units import fmt_ms, fmt_share, shift_at
 
 # GC pauses that take this share of total step time are worth acting on (gc.freeze / fewer cycles).
 GC_SHARE_MIN = 0.03
@@ -362,7 +362,7 @@ def _outside_since(ctx: Context, rank: int) -> str:
     if before is None or after is None or ls.ms_after <= ls.ms_before or after["outside"] - before["outside"] < (
             SHIFT_PHASE_PART * (ls.ms_after - ls.ms_before)):
         return ""
-    return (f" Most of this time came with the change of step time at step {ls.first_after} (jitter.level_shift): "
+    return (f" Most of this time came with the change of step time {shift_at(ls)} (jitter.level_shift): "
             f"{fmt_ms(after['outside'])} a step outside the model from it on, {fmt_ms(before['outside'])} before it "
             f"(rank {rank}, medians).")
 
@@ -556,8 +556,7 @@ class LevelShiftRule(Rule):
             words = _SHIFT_WORDS[named[0] if named else "compute"][0 if grew else 1]
             why = words[0].upper() + words[1:] + "."
         ratio = ls.ms_after / ls.ms_before
-        at = (f"at step {ls.first_after}" if ls.first_after == ls.last_before + 1 else
-              f"between steps {ls.last_before} and {ls.first_after}")
+        at = shift_at(ls)
         sides = ("every step of each part on its side of the midpoint between the two" if ls.separation >= 1 else
                  f"{100 * ls.separation:.0f}% or more of each part's steps on its side of the midpoint between the two")
         p50 = steps.job.p50_ms if steps.job is not None else None
