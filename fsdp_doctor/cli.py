@@ -121,7 +121,7 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     window = note = None
     if ns.steps is not None:
-        if (window := _steps_window(ns.steps, path, run)) is None:
+        if (window := _steps_window(ns.steps, path, run, "--steps")) is None:
             return EXIT_BAD_INPUT
         from .pipeline import steps_window_note, window_run
 
@@ -152,8 +152,8 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     return EXIT_PARTIAL if report.problems else EXIT_OK
 
 
-def _steps_window(text: str, path: Path, run) -> Optional[tuple[int, int]]:
-    """``analyze --steps``' FIRST-LAST, FIRST- or -LAST (or one step) as an inclusive window over a run's recorded
+def _steps_window(text: str, path: Path, run, flag: str) -> Optional[tuple[int, int]]:
+    """``analyze --steps``' (``compare --steps-a``', ``--steps-b``': ``flag``) FIRST-LAST, FIRST- or -LAST (or one step) as an inclusive window over a run's recorded
     steps, or None after one line on stderr saying why not (a malformed window, a run without records, no recorded
     step inside)."""
     from .store.reader import STEPS_END
@@ -165,15 +165,15 @@ def _steps_window(text: str, path: Path, run) -> Optional[tuple[int, int]]:
     except ValueError:
         lo = hi = -1
     if lo < 0 or hi < lo:
-        _err(f"--steps {text}: give FIRST-LAST, FIRST- (to the end) or -LAST, steps numbered from 0 as the report "
+        _err(f"{flag} {text}: give FIRST-LAST, FIRST- (to the end) or -LAST, steps numbered from 0 as the report "
              "numbers them")
         return None
     if not run.has_records:
-        _err(f"--steps {text}: {path} holds no fsdp-doctor records, only profiler traces, which are read whole")
+        _err(f"{flag} {text}: {path} holds no fsdp-doctor records, only profiler traces, which are read whole")
         return None
     steps = sorted({s.step for rd in run.ranks.values() for s in rd.steps})
     if not any(lo <= st <= hi for st in steps):
-        _err(f"--steps {text}: no recorded step there; {path}'s ranks recorded steps "
+        _err(f"{flag} {text}: no recorded step there; {path}'s ranks recorded steps "
              + (f"{steps[0]}-{steps[-1]}" if steps else "none"))
         return None
     return lo, hi
@@ -339,13 +339,22 @@ def cmd_compare(ns: argparse.Namespace) -> int:
     if ns.gpu_hour_price is not None and not ns.gpu_hour_price > 0:
         _err(f"--gpu-hour-price {ns.gpu_hour_price}: must be a positive price per GPU-hour")
         return EXIT_BAD_INPUT
-    sides = []
-    for path in (Path(ns.run_a), Path(ns.run_b)):
+    sides, windowed = [], []
+    for name, path, spec, flag in (("A", Path(ns.run_a), ns.steps_a, "--steps-a"),
+                                   ("B", Path(ns.run_b), ns.steps_b, "--steps-b")):
         run = _load(path)
         if run is None:
             return EXIT_BAD_INPUT
         if _onto_input(outputs, path, run, "compared"):
             return EXIT_BAD_INPUT
+        if spec is not None:  # (as analyze --steps: one part of a run whose step time changed mid-run)
+            if (window := _steps_window(spec, path, run, flag)) is None:
+                return EXIT_BAD_INPUT
+            from .pipeline import steps_window_note, window_run
+
+            sub = window_run(run, window)
+            windowed.append(f"{name}: {steps_window_note(run, sub, window, flag)}")
+            run = sub
         with _busy(_analysing(run)):
             report = build_report(run) if has_input(run) else None
         if (why := unusable_reason(path, run, report)) is not None:
@@ -356,6 +365,7 @@ def cmd_compare(ns: argparse.Namespace) -> int:
 
     cmp = compare(*sides, applied=ns.applied or (), gpu_hour_price=ns.gpu_hour_price, path_a=ns.run_a,
                   path_b=ns.run_b)
+    cmp.notes[:0] = windowed
     # what each side skipped, named (exit 3 said something was, and nothing said what: a new-user trial)
     from .present.fmt import problem_line
 
@@ -657,8 +667,9 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        description="Reads a run directory written by fsdp_doctor.watch() (records and profiler "
                        "traces), a directory of plain torch.profiler traces (one file per rank), or one trace "
                        "file, and prints the diagnosis.", formatter_class=fmt,
-                       epilog=epilog(0, 2, 3, 4, 130, c2="nothing usable (no such path, no records or traces), or an "
-                                     "output file that cannot be written or would replace an input"))
+                       epilog=epilog(0, 2, 3, 4, 130, c2="nothing usable (no such path, no records or traces), an "
+                                     "output file that cannot be written or would replace an input, or a --steps "
+                                     "window that is malformed or holds no recorded step"))
     a.add_argument("path", help="run directory, directory of Kineto traces, or one trace file")
     a.add_argument("--json", metavar="FILE", help="also write the JSON report here (its directory must exist); "
                                                   "'-': the JSON alone on standard output")
@@ -683,8 +694,9 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                        "persisting, and A's predictions checked against B.", formatter_class=fmt,
                        epilog=epilog(0, 2, 3, 130, c0="both runs read and compared",
                                      c2="nothing usable in a run (no such path, no records or traces), an output file "
-                                        "that cannot be written or would replace an input, or a --gpu-hour-price not "
-                                        "above zero",
+                                        "that cannot be written or would replace an input, a --gpu-hour-price not "
+                                        "above zero, or a --steps-a/--steps-b window that is malformed or holds no "
+                                        "recorded step",
                                      c3="compared, but some files or lines of a run were skipped (each named after "
                                         "the comparison)"))
     c.add_argument("run_a", help="the run before (run directory, folder of Kineto traces, or one trace file)")
@@ -697,6 +709,9 @@ def build_parser(with_workload: bool = True) -> argparse.ArgumentParser:
                    help="a finding code of A whose fix B applies (repeatable; config changes are recognised anyway)")
     c.add_argument("--gpu-hour-price", type=float, default=None, metavar="PRICE",
                    help="price of one GPU-hour: adds the cost per billion tokens of each run")
+    c.add_argument("--steps-a", metavar="FIRST-LAST",
+                   help="compare these recorded steps of A only (as analyze --steps: FIRST- to the end)")
+    c.add_argument("--steps-b", metavar="FIRST-LAST", help="compare these recorded steps of B only")
     c.set_defaults(fn=cmd_compare)
 
     r = sub.add_parser("rules", help="the rule catalogue: code, severity, what it needs and checks",

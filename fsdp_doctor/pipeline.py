@@ -63,15 +63,15 @@ def window_run(run: Run, window: StepWindow) -> Run:
     return sub
 
 
-def steps_window_note(run: Run, sub: Run, window: tuple[int, int]) -> str:
-    """What ``analyze --steps`` left out, in one line: the steps each rank recorded against those analysed, and the
-    profiler windows outside."""
+def steps_window_note(run: Run, sub: Run, window: tuple[int, int], flag: str = "--steps") -> str:
+    """What ``analyze --steps`` (``flag``: compare's ``--steps-a``, ``--steps-b``) left out, in one line: the steps
+    each rank recorded against those analysed, and the profiler windows outside."""
     span = window_words(window)
     had = max((len(rd.steps) for rd in run.ranks.values()), default=0)
     kept = max((len(rd.steps) for rd in sub.ranks.values()), default=0)
     windows = {tuple(pw.steps) for rd in run.ranks.values() for pw in rd.profiles}
     inside = {tuple(pw.steps) for rd in sub.ranks.values() for pw in rd.profiles}
-    out = (f"{span} only (--steps): {kept} of the {had} steps a rank recorded"
+    out = (f"{span} only ({flag}): {kept} of the {had} steps a rank recorded"
            + (f"; {len(inside)} of {len(windows)} profiler window(s) inside, the others' traces left out"
               if windows else ""))
     return out

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import fsdp_doctor
 from fsdp_doctor.pipeline import window_run
-from fsdp_doctor.records import RunConfig, StepRecord
+from fsdp_doctor.records import RunConfig, StepRecord, UnitStep
 from fsdp_doctor.store import Run, load_run
 from fsdp_doctor.store.reader import STEPS_END, RankData
 
@@ -46,7 +46,7 @@ def _run(backwards: int, synced: int) -> Run:
     for r in (0, 1):
         steps = [StepRecord(rank=r, step=k, start_ns=k, wall_ms=100.0, forward_ms=30.0, backward_ms=50.0,
                             optimizer_ms=15.0, outside_ms=5.0, backwards=backwards, synced_backwards=synced,
-                            micro_batches=backwards) for k in range(8)]
+                            micro_batches=backwards, units=[UnitStep(name="layers.0")]) for k in range(8)]
         run.ranks[r] = RankData(rank=r, steps=steps, config=RunConfig(rank=r, world_size=2, backend="gloo",
                                                                       device="cpu"))
     return run
@@ -66,6 +66,18 @@ def test_records_with_sync_on_every_micro_batch_fire_without_a_peak():
     assert f.predicted.peak_bytes_after is None and f.predicted.step_ms_after is None
     assert f.recommendation.where == "loop" and "model.set_requires_gradient_sync(is_last_micro_batch)" in \
         f.recommendation.code
+
+
+def test_backward_passes_without_micro_batches_are_quiet():
+    """Backward passes counted without a forward pass per unit for each (torchtitan's Trainer read 9 a step, 2 with
+    gradient sync on, its trace 1 reduce-scatter per unit): no micro-batches, quiet."""
+    run = _run(9, 2)
+    for rd in run.ranks.values():
+        for s in rd.steps:
+            s.micro_batches = 1
+    f, status = _finding(fsdp_doctor.build_report(run))
+    assert f is None and status.status == "quiet" and status.reason.startswith(
+        "the records count 9 backward passes per optimizer step, 2 with gradient sync on, but "), status.reason
 
 
 def test_one_backward_per_step_is_quiet():

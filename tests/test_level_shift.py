@@ -261,7 +261,22 @@ def test_compare_says_a_side_mixes_two_parts():
     assert r.returncode == 0, r.stderr
     notes = json.loads(r.stdout)["notes"]
     said = [n for n in notes if "step time changed" in n]
-    assert said == ["A's step time changed between steps 19 and 21 and stayed (48.4 ms before, 91.2 ms after: jitter.level_shift): "
-                    "its times mix the parts; `fsdp-doctor analyze --steps` reads one part alone",
+    assert said == ["A's step time changed between steps 19 and 21 and stayed (48.4 ms before, 91.2 ms after: "
+                    "jitter.level_shift): its times mix the parts; --steps-a 21- compares its last part alone",
                     "B's step time changed at step 20 and stayed (44.6 ms before, 78.6 ms after: jitter.level_shift): "
-                    "its times mix the parts; `fsdp-doctor analyze --steps` reads one part alone"], notes
+                    "its times mix the parts; --steps-b 20- compares its last part alone"], notes
+    # each side's last part alone: no such note, each side's window said, B's p50 its last part's
+    r = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "compare", str(FIXTURES / "seq"),
+                        str(FIXTURES / "outside"), "--steps-a", "21-", "--steps-b=20-", "--json", "-"],
+                       capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    cmp = json.loads(r.stdout)
+    assert cmp["notes"][:2] == ["A: steps 21 to the end only (--steps-a): 19 of the 40 steps a rank recorded",
+                                "B: steps 20 to the end only (--steps-b): 20 of the 40 steps a rank recorded"], cmp
+    assert not any("step time changed" in n for n in cmp["notes"])
+    assert cmp["step_p50"]["steps_b"] == 20 and 70 < cmp["step_p50"]["b"] < 90, cmp["step_p50"]
+    r = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "compare", str(FIXTURES / "seq"),
+                        str(FIXTURES / "outside"), "--steps-b", "99-"], capture_output=True, text=True, timeout=180,
+                       cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip().endswith("--steps-b 99-: no recorded step there; " + str(
+        FIXTURES / "outside") + "'s ranks recorded steps 0-39"), r.stderr

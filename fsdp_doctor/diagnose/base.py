@@ -83,7 +83,8 @@ def _no_window(ctx: Context) -> Optional[str]:
     ended before the doctor's first window, or its windows met evaluation steps and were dropped unsaved."""
     sched = getattr(ctx.config, "profile_schedule", None)
     ranks = getattr(ctx.run, "ranks", None) or {}
-    if (window := getattr(ctx.run, "steps_window", None)) is not None and not any(rd.profiles for rd in ranks.values()):
+    if (window := getattr(ctx.run, "steps_window", None)) is not None and sched and \
+            not any(rd.profiles for rd in ranks.values()):
         # (its 3 steps read "ended before the doctor's first profiler window" under analyze --steps 9-)
         return (f"no profiler window lies inside the steps analysed ({window_words(window)}): analyse steps holding "
                 "one, or watch(..., profile=fsdp_doctor.ProfileSchedule(first=N)) puts one at step N")

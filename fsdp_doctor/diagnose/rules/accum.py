@@ -235,6 +235,13 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         if synced < 2:
             return self.quiet(f"{synced} of the {n} backward passes per optimizer step ran with gradient sync on (the "
                               "records; no profiler trace in the steps analysed)")
+        micro = E.micro_batches(ctx)
+        mb = statistics.median(micro.values()) if micro else None
+        if mb is None or mb < 1.5:  # (no micro-batches: torchtitan's Trainer, one forward a step, read 9 backward
+            # passes a step, 2 with gradient sync on, where its trace showed 1 reduce-scatter per unit)
+            return self.quiet(f"the records count {n} backward passes per optimizer step, {synced} with gradient sync "
+                              f"on, but {'no' if mb is None else f'{mb:.0f}'} forward pass per unit: no micro-batches "
+                              "(no profiler trace in the steps analysed)")
         units = E.param_units(ctx)
         unsharded = sum(E.grad_unsharded_bytes(u) for u in units) if units else None
         shards = sum(E.grad_shard_bytes(u) for u in units)
