@@ -119,23 +119,21 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
         for p in run.problems:
             _err(p)
         return EXIT_BAD_INPUT
-    window = note = None
+    note = None
     if ns.steps is not None:
-        if (window := _steps_window(ns.steps, path, run, "--steps")) is None:
+        if (got := _windowed(ns.steps, path, run, "--steps")) is None:
             return EXIT_BAD_INPUT
-        from .pipeline import steps_window_note, window_run
-
-        sub = window_run(run, window)
-        note, run = steps_window_note(run, sub, window), sub
+        run, note = got
     report = _build_with_progress(run, console, build_report)
     if (why := unusable_reason(path, run, report)) is not None:
         _err(why)
         return EXIT_BAD_INPUT
-    if window is not None:
+    if run.steps_window is not None:
         from .store.reader import STEPS_END
 
+        lo, hi = run.steps_window
         report.run.notes = [note, *(report.run.notes or [])]
-        report.run.steps_window = [window[0], None if window[1] >= STEPS_END else window[1]]
+        report.run.steps_window = [lo, None if hi >= STEPS_END else hi]
     if not _emit(report, outputs, console):
         return EXIT_BAD_INPUT
     if ns.explain:
@@ -152,10 +150,21 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     return EXIT_PARTIAL if report.problems else EXIT_OK
 
 
-def _steps_window(text: str, path: Path, run, flag: str) -> Optional[tuple[int, int]]:
-    """``analyze --steps``' (``compare --steps-a``', ``--steps-b``': ``flag``) FIRST-LAST, FIRST- or -LAST (or one step) as an inclusive window over a run's recorded
-    steps, or None after one line on stderr saying why not (a malformed window, a run without records, no recorded
-    step inside)."""
+def _windowed(text: str, path: Path, run, flag: str):
+    """(the run with only the recorded steps ``text`` names, the note saying what that left out): ``analyze
+    --steps``, ``compare --steps-a`` and ``--steps-b`` (``flag``); None after one line on stderr."""
+    if (window := _steps_window(text, path, run, flag)) is None:
+        return None
+    from .pipeline import steps_window_note, window_run
+
+    sub = window_run(run, window)
+    return sub, steps_window_note(run, sub, window, flag)
+
+
+def _steps_window(text: str, path: Path, run, flag: str) -> tuple[int, int] | None:
+    """``flag``'s FIRST-LAST, FIRST- or -LAST (or one step) as an inclusive window over a run's recorded steps, or
+    None after one line on stderr saying why not (a malformed window, a run without records, no recorded step
+    inside)."""
     from .store.reader import STEPS_END
 
     first, dash, last = text.strip().partition("-")
@@ -348,13 +357,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
         if _onto_input(outputs, path, run, "compared"):
             return EXIT_BAD_INPUT
         if spec is not None:  # (as analyze --steps: one part of a run whose step time changed mid-run)
-            if (window := _steps_window(spec, path, run, flag)) is None:
+            if (got := _windowed(spec, path, run, flag)) is None:
                 return EXIT_BAD_INPUT
-            from .pipeline import steps_window_note, window_run
-
-            sub = window_run(run, window)
-            windowed.append(f"{name}: {steps_window_note(run, sub, window, flag)}")
-            run = sub
+            run, note = got
+            windowed.append(f"{name}: {note}")
         with _busy(_analysing(run)):
             report = build_report(run) if has_input(run) else None
         if (why := unusable_reason(path, run, report)) is not None:

@@ -71,11 +71,9 @@ def steps_window_note(run: Run, sub: Run, window: tuple[int, int], flag: str = "
     kept = max((len(rd.steps) for rd in sub.ranks.values()), default=0)
     windows = {tuple(pw.steps) for rd in run.ranks.values() for pw in rd.profiles}
     inside = {tuple(pw.steps) for rd in sub.ranks.values() for pw in rd.profiles}
-    out = (f"{span} only ({flag}): {kept} of the {had} steps a rank recorded"
-           + (f"; {len(inside)} of {len(windows)} profiler window(s) inside, the others' traces left out"
-              if windows else ""))
-    return out
-
+    return (f"{span} only ({flag}): {kept} of the {had} steps a rank recorded"
+            + (f"; {len(inside)} of {len(windows)} profiler window(s) inside, the others' traces left out"
+               if windows else ""))
 
 
 def record_sections(run: Run, window: StepWindow = None, *, memory: bool = True) -> dict:
