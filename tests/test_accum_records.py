@@ -83,3 +83,22 @@ def test_backward_passes_without_micro_batches_are_quiet():
 def test_one_backward_per_step_is_quiet():
     f, status = _finding(fsdp_doctor.build_report(_run(1, 1)))
     assert f is None and status.status == "quiet" and "no backward passes per optimizer step" in status.reason
+
+
+def test_a_chunked_loss_is_no_micro_batches_to_the_data_wait_words():
+    """torchtitan's chunked loss: 9 backward() calls a step (8 through its head, one chunk each, then the rest), one
+    forward of the model: jitter.data_wait's window is the time between optimizer.step() and the next forward, not
+    also "between micro-batches"."""
+    run = _run(9, 2)
+    for rd in run.ranks.values():
+        for s in rd.steps:
+            s.micro_batches, s.outside_ms, s.between_ms = 1, 40.0, 40.0
+    rep = fsdp_doctor.build_report(run)
+    f = next(f for f in rep.findings if f.code == "jitter.data_wait")
+    assert f.title.startswith("40% of each step is spent between optimizer.step() and the next forward (data "), f.title
+    run = _run(4, 4)  # (micro-batches: the gaps between them are in that time too)
+    for rd in run.ranks.values():
+        for s in rd.steps:
+            s.outside_ms, s.between_ms = 40.0, 40.0
+    f = next(f for f in fsdp_doctor.build_report(run).findings if f.code == "jitter.data_wait")
+    assert "next forward and between micro-batches (" in f.title, f.title

@@ -273,8 +273,11 @@ class DataWait(Rule):
         top = shares[rank]
         # under gradient accumulation the host's window also holds the gaps between micro-batches (their loading)
         # (the backward passes where recorded: forwards feeding one backward leave no gap between micro-batches)
+        # (and forward passes: torchtitan's chunked loss runs its head a chunk at a time, each chunk's backward() its
+        # own, 9 a step with one forward of the rest, and read "and between micro-batches")
         backwards = E.backward_passes(ctx)
-        many = backwards > 1 if backwards is not None else max(E.micro_batches(ctx).values(), default=1) > 1
+        micro = E.micro_batches(ctx)
+        many = (backwards is None or backwards > 1) and bool(micro) and statistics.median(micro.values()) > 1
         accum = " and between micro-batches" if many else ""
         if top.share < OUTSIDE_SHARE_MIN:
             on = {CLOCK_HOST: "", CLOCK_DEVICE: ", device clock", CLOCK_BOUND: ", an upper bound on the device clock"}
