@@ -303,6 +303,10 @@ class LevelShift(_Section):
     phases_before_ms: dict[str, dict[str, float]] = {}
     phases_after_ms: dict[str, dict[str, float]] = {}
 
+    def last_from(self) -> int:
+        """The first steady step of the last part (after the last change): where ``--steps N-`` reads it alone."""
+        return int(self.levels[-1][0]) if self.levels else self.first_after
+
 
 class NoGradSteps(_Section):
     """One rank's steps whose time holds forward passes of the model without gradients (``torch.no_grad`` or

@@ -257,22 +257,13 @@ def test_the_step_table_and_the_dashboards_figure_say_it():
     from fsdp_doctor.dashboards.pages import PAGES
     from fsdp_doctor.dashboards.pages.common import Filters
     from fsdp_doctor.dashboards.state import RunState
+    from test_dashboard_figures import _walk
 
     st = RunState(FIXTURES / "outside", background_traces=False)
     st.refresh()
     page = PAGES["steps"][1].layout(st.snapshot(), Filters())
     notes = [c for c in _walk(page) if getattr(c, "id", None) == "level-shift-note"]
     assert len(notes) == 1 and "The step time changed at step 20 and stayed" in str(notes[0].children)
-
-
-def _walk(c):
-    """Every Dash component under ``c``."""
-    if isinstance(c, (list, tuple)):
-        for x in c:
-            yield from _walk(x)
-    elif hasattr(c, "to_plotly_json"):
-        yield c
-        yield from _walk(getattr(c, "children", None))
 
 
 def test_compare_says_a_side_mixes_two_parts():

@@ -18,7 +18,7 @@ from ..units import unit_label
 OUTLIER_MIN_FRACTION = 0.25  # below a quarter of a step, a slow step is noise on a busy host
 # ... and by at least this many robust standard deviations (1.4826 × MAD).
 OUTLIER_MIN_SIGMAS = 5.0
-# A rank's step time that changed once mid-run and stayed (level_shift: fake quantization switched on, longer
+# The job's step time that changed mid-run and stayed (level_shift: fake quantization switched on, longer
 # sequences from a curriculum, a data loader past its cache, another process on the host): the later steady steps'
 # median at least this many times the earlier's, or at most its inverse (a shared 2-core host moves a median ~10%) ...
 SHIFT_MIN_RATIO = 1.25

@@ -682,8 +682,8 @@ def apart_texts(section: StepsSection) -> list[tuple[str, str]]:
 
 
 def level_shift_text(section: StepsSection) -> Optional[str]:
-    """The step time that changed once mid-run and stayed: the statistics above hold both parts (jitter.level_shift
-    says what changed); None where it did not."""
+    """The step time that changed mid-run and stayed: the statistics above hold every part (jitter.level_shift says
+    what changed); None where it did not."""
     ls = section.level_shift
     if ls is None:
         return None

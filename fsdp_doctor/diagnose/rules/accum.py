@@ -155,9 +155,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
         # unit snapshot (a plain trace), the reduce-scatters' sizes (a new-user trial's plain trace read no figure,
         # and the fix's peak rose 2.79 MiB unwarned; a 2-rank GPT's: +0.90 MiB measured, +1.02 MiB predicted)
         if by_name:
-            unsharded = sum(E.grad_unsharded_bytes(by_name[u]) for u in counts if u in by_name)
-            shards = sum(E.grad_shard_bytes(by_name[u]) for u in counts if u in by_name)
-            freed = shards if trace_peak else min(E.breakdown(ctx).get("sharded_grads", 0), shards)
+            unsharded, freed = _grads_held(ctx, [by_name[u] for u in counts if u in by_name], trace_peak)
         else:
             unsharded, freed = E.trace_grad_bytes(rows)
             # (sizes unknown: "sharded grads freed: 0 B" read a plain gloo trace's evidence, a new-user trial)
@@ -243,9 +241,7 @@ class AccumulationSyncsEveryMicroBatch(Rule):
                               f"on, but {'no' if mb is None else f'{mb:.0f}'} forward pass per unit: no micro-batches "
                               "(no profiler trace in the steps analysed)")
         units = E.param_units(ctx)
-        unsharded = sum(E.grad_unsharded_bytes(u) for u in units) if units else None
-        shards = sum(E.grad_shard_bytes(u) for u in units)
-        freed = min(E.breakdown(ctx).get("sharded_grads", 0), shards)
+        unsharded, freed = _grads_held(ctx, units) if units else (None, 0)
         peak = E.peak_bytes(ctx)
         after = peak + unsharded - freed if peak is not None and unsharded is not None else None
         text = (f"{synced} of the {n} backward passes per optimizer step ran with FSDP2's gradient sync on (the "
@@ -264,6 +260,15 @@ class AccumulationSyncsEveryMicroBatch(Rule):
              "sharded_grads_freed_bytes": freed},
             text, code, where=where, inputs=inputs, accumulated=accumulated,
             predicted=E.predicted(step, None, peak, after), units=sorted(u.name for u in units)[:20])]
+
+
+def _grads_held(ctx: Context, units: list, trace_peak: bool = False) -> tuple[int, int]:
+    """(the units' unsharded gradients FSDP2 holds with gradient sync off, of their shards those the peak held, which
+    go): every shard where the peak is a plain trace's one total (``trace_peak``), else at most the peak's sharded
+    gradients."""
+    shards = sum(E.grad_shard_bytes(u) for u in units)
+    return (sum(E.grad_unsharded_bytes(u) for u in units),
+            shards if trace_peak else min(E.breakdown(ctx).get("sharded_grads", 0), shards))
 
 
 def _sync_fix(ctx: Context, text: str, per: float, micro_steps: bool) -> tuple[str, str, str, dict, bool, str]:

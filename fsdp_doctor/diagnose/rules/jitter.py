@@ -566,15 +566,14 @@ class LevelShiftRule(Rule):
         held = (f" The step statistics and every finding's figures hold {'every part' if ls.levels else 'both parts'} "
                 f"(step p50 {fmt_ms(p50)} over the run, {fmt_ms(ls.ms_after)} now)." if p50 is not None else "")
         windows = sorted({w for pw in steps.profiler_steps.values() for w in pw.get("window", [])})
-        last = int(ls.levels[-1][0]) if ls.levels else ls.first_after
         parts = (f"two parts: {ls.steps_before} before step {ls.first_after} at {fmt_ms(ls.ms_before)} (median) and "
                  f"{ls.steps_after} from it on at {fmt_ms(ls.ms_after)}, {sides}" if not ls.levels else
                  f"{len(ls.levels)} levels, each a step time that stayed: "
                  + ", ".join(f"{fmt_ms(ms)} in steps {int(a)}-{int(b)}" for a, b, ms in ls.levels[:-1])
-                 + f", {fmt_ms(ls.levels[-1][2])} from step {int(ls.levels[-1][0])} on (medians)")
+                 + f", {fmt_ms(ls.levels[-1][2])} from step {ls.last_from()} on (medians)")
         text = (f"The steady steps fall into {parts}. "
                 f"The change is {who}. {why}{held}{_window_words(windows, ls)} "
-                f"`fsdp-doctor analyze {shlex.quote(str(ctx.run.path))} --steps {last}-` reads the last part alone"
+                f"`fsdp-doctor analyze {shlex.quote(str(ctx.run.path))} --steps {ls.last_from()}-` reads the last part alone"
                 + (" (with the profiler windows inside it); watch(..., profile=fsdp_doctor.ProfileSchedule(first=N)) "
                    "puts the next run's window at a step N after the change" if windows else "")
                 + ". What changed is in your loop, your data or on your host, which the doctor does not see: no code "
