@@ -647,8 +647,9 @@ class StepRecord(Record, tag="step"):
     # (doctor.step() per micro-batch) the micro-batches of one optimizer step make one record
     micro_batches: int = 1
     # backward passes that reached the model in the step (backward() calls through it): the micro-batches of
-    # gradient accumulation, however doctor.step() is called; several forwards feeding one loss are one. None:
-    # records before this field
+    # gradient accumulation, however doctor.step() is called; several forwards feeding one loss are one; where the
+    # model is a unit, a call that did not reach it is part of one (torchtitan's chunked loss: one call per chunk
+    # through its output unit alone, which earlier records count too). None: records before this field
     backwards: int | None = None
     # of those, the ones that began with FSDP2's gradient sync on (every unit reduce-scattering its gradients):
     # under gradient accumulation all of them where each micro-batch reduce-scatters, the last alone where the loop

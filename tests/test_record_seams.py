@@ -387,6 +387,72 @@ def test_doctor_step_per_micro_batch_before_the_optimizer_step_records_the_same_
     assert not codes & {"jitter.data_wait", "memory.grads_kept"}, codes
 
 
+class _SkipsItsHead(torch.nn.Module):
+    """torchtitan's llama under its chunked loss, in small: the model's forward skips its output head, which the loss
+    calls per chunk of the hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(64, 64)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(2))
+        self.output = torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h).relu()
+        return h
+
+
+def _chunked_loss(model, h, chunks=4):
+    """torchtitan 0.3.0's ChunkedCELoss (components/loss.py) as its loop runs it: the hidden states detached, the
+    head and the loss per chunk, each chunk's backward() through the head alone with its gradient sync off but on the
+    last chunk, then the model's backward from the chunks' accumulated gradient."""
+    hd = h.detach().requires_grad_()
+    model.output.set_requires_gradient_sync(False, recurse=False)
+    for i, c in enumerate(hd.chunk(chunks)):
+        if i == chunks - 1:
+            model.output.set_requires_gradient_sync(True, recurse=False)
+        model.output(c).square().mean().backward()
+    h.backward(hd.grad)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_chunked_loss_counts_one_backward_pass_per_micro_batch(tmp_path, gloo_one_rank, micro):
+    """torchtitan's Trainer (its chunked loss) recorded 9 backward passes a step, 2 with gradient sync on, for one
+    forward: every backward() call through any unit was counted, and each chunk's runs through the output head
+    alone. The compare's gradient-sync row and the run's facts read "9 backward passes per optimizer step, 2 with
+    gradient sync on". Only the calls that reach the model's own unit are its backward passes: one per micro-batch,
+    synced as the loop set it (the last micro-batch's alone, with set_requires_gradient_sync(is_last))."""
+    from torch.distributed.fsdp import fully_shard
+
+    from msgspec import UNSET
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.report import run_facts
+
+    torch.manual_seed(0)
+    m = _SkipsItsHead()
+    for layer in m.layers:
+        fully_shard(layer)
+    fully_shard(m.output)
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(32, 64)
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path, profile=False) as doc:
+        for _ in range(4):
+            for k in range(micro):
+                m.set_requires_gradient_sync(k == micro - 1)
+                _chunked_loss(m, m(x))
+            opt.step()
+            opt.zero_grad()
+            doc.step()
+    run = fsdp_doctor.load_run(tmp_path)
+    assert [(s.backwards, s.synced_backwards) for s in run.ranks[0].steps] == [(micro, 1)] * 4
+    facts = run_facts(run)
+    assert (facts.backwards_per_step, facts.synced_backwards_per_step) == ((2, 1) if micro == 2 else (UNSET, UNSET))
+
+
 def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp_path, gloo_one_rank):
     """A Ctrl-C (KeyboardInterrupt) or an error raised through the with-block left no end record: the report said
     "did not finish (run still going, or killed)" (a new-user trial). The end record now says the exception; the

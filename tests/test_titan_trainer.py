@@ -102,6 +102,10 @@ def test_titan_trainer_watched_from_its_command_line(runs):
         assert len(rd.steps) == 16 and rd.end is not None
         assert (rd.config.driver, rd.config.sharded_by) == ("torchtitan.Trainer", "torchtitan")
         assert rd.config.tokens_per_step == 2 * 2 * 64
+        # its chunked loss calls backward() per chunk through the [norm, output] unit, then once through the model:
+        # one backward pass a step, synced (it read 9, 2 synced)
+        assert {(s.backwards, s.synced_backwards) for s in rd.steps} == {(1, 1)}, [(s.backwards, s.synced_backwards)
+                                                                                  for s in rd.steps]
         saved = {s.step: s for s in rd.steps if s.checkpoints}
         assert sorted(saved) == [5, 10, 15], sorted(saved)
         for s in saved.values():

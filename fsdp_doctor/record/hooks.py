@@ -142,7 +142,9 @@ class StepTimings:
     other_models_ms: float = 0.0
     # the elements of the tensors the model's training forwards took (0: none seen)
     input_elements: int = 0
-    # backward passes that reached the model (backward() calls through it, however many forwards each took in)
+    # backward passes through the model (backward() calls that reached it, however many forwards each took in; where
+    # the model is a unit, those that reached it: torchtitan's chunked loss calls backward() once per chunk of the
+    # sequence through its output unit alone, then once through the model, one pass: StepTimer._model_backwards)
     backwards: int = 0
     # of those, the ones that began with FSDP2's gradient sync on (every unit reduce-scattering its gradients)
     synced_backwards: int = 0
@@ -186,7 +188,9 @@ class StepTimer:
         # backward passes that reached the model, since entry: the micro-batches' count, where forwards are not
         # (a GAN's generator run twice into one loss is one backward, one micro-batch)
         self.backwards = 0
-        self.synced_backwards = 0  # of those, the ones that began with gradient sync on (gradient_sync)
+        # the step's backward() calls: [whether it reached the model's own unit, whether it began with gradient sync
+        # on (gradient_sync)], the last the one running or last run (_model_backwards)
+        self._step_bwds: list[list[bool]] = []
         # where accelerate prepared the model: its GradientState's sync_gradients (accelerator.accumulate(model)'s
         # per-call switch), read as each backward begins; and the backwards so far that began with it off
         self.accelerate_sync: Optional[Callable[[], bool]] = None
@@ -821,6 +825,8 @@ class StepTimer:
             a.ag_bwd += own
         if self._bwd_start == 0:
             self._backward_begins(t)
+        if idx == self._root:
+            self._step_bwds[-1][0] = True
         self._end_backward_with_engine()
         if self.marks is not None:
             self._safe(self.marks.gathered, "memory")
@@ -871,8 +877,8 @@ class StepTimer:
         self._bwd_start = t
         self._returned = False
         self.backwards += 1
-        if self.gradient_sync():  # (set before the backward: FSDP2's post-backward reads it as it reduces)
-            self.synced_backwards += 1
+        # (sync set before the backward: FSDP2's post-backward reads it as it reduces)
+        self._step_bwds.append([False, self.gradient_sync()])
         if self.accelerate_sync is not None and not self.accelerate_sync():
             self.accelerate_unsynced += 1
         if self._opt_end and self._opt_after_bwd:  # after an update that followed a backward: not a micro-batch
@@ -954,6 +960,8 @@ class StepTimer:
         if kind == "pre_backward":
             if self._bwd_start == 0:
                 self._backward_begins(t)
+            if idx == self._root:
+                self._step_bwds[-1][0] = True
             if idx in self.frame_unseen:
                 # no gradient hook of the doctor's on such a unit's outputs (its post-forward hook did nothing) queues
                 # the engine callback that ends the backward: queued here, inside the backward, as FSDP2 queues its own
@@ -1258,7 +1266,7 @@ class StepTimer:
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
         self._input_elems = 0  # the elements of the training forwards' tensor arguments
-        self._backwards_at_begin, self._synced_at_begin = self.backwards, self.synced_backwards
+        self._step_bwds = []
         self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
@@ -1306,9 +1314,17 @@ class StepTimer:
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
                            backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns),
-                           input_elements=self._input_elems, backwards=self.backwards - self._backwards_at_begin,
-                           synced_backwards=self.synced_backwards - self._synced_at_begin,
+                           input_elements=self._input_elems, **self._model_backwards(),
                            unit_compiles={self._units[i].name: n for i, n in sorted(self._unit_compiles.items())})
+
+    def _model_backwards(self) -> dict[str, int]:
+        """The step's backward passes through the model and those begun with gradient sync on: where the watched
+        model is a unit, the backward() calls that reached it (torchtitan's chunked loss calls backward() once per
+        chunk of the sequence through its [norm, output] unit alone, gradient sync off but on the last, then once
+        through the model: 9 backward passes, 2 synced, read for one micro-batch's 1 and 1); else, or where none
+        reached it (its hooks unseen), every call."""
+        through = [synced for root, synced in self._step_bwds if root] or [synced for _, synced in self._step_bwds]
+        return {"backwards": len(through), "synced_backwards": sum(through)}
 
     def gradient_sync(self) -> bool:
         """Whether every unit reduce-scatters its gradients in backward (FSDP2's gradient sync on, which
