@@ -393,6 +393,10 @@ class RunConfig(Record, tag="config"):
     # a Hugging Face model's _no_split_modules: the class names of its blocks (LlamaDecoderLayer), which
     # accelerate's transformer-based wrap policy shards one by one (what a plugin wrap fix names); None: none
     no_split_modules: list[str] | None = None
+    # a Hugging Face config under the model with use_cache on (a decoder that fills its KV cache in a training forward
+    # where its own checkpointing is off, which a checkpointing fix then turns off); None: a run recorded before this
+    # field
+    kv_cache: bool | None = None
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback),
     # TITAN_DRIVER, LIGHTNING_DRIVER, TORCHTUNE_DRIVER
     driver: str | None = None

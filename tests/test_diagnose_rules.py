@@ -1832,8 +1832,14 @@ def test_ac_wrong_granularity():
     assert len(f.units) == 4 and "apply_activation_checkpointing" in f.recommendation.code
     # within 80 columns, comments on lines of their own (trailing ones past 80 columns were split around the code)
     assert all(len(ln) <= 80 for ln in f.recommendation.code.splitlines()), f.recommendation.code
-    assert "# Hugging Face configs: no KV cache under checkpointing\n# (gradient_checkpointing_enable()" in \
+    assert "# Hugging Face configs: no KV cache under checkpointing\n# (transformers' own checkpointing" in \
         f.recommendation.code
+    # where the run recorded no Hugging Face config with use_cache on (the reference GPT, torchtitan's llama,
+    # diffusers' Flux: they printed all the same), no such lines; where not recorded (plain traces), they stay
+    ctx, _ = build(units=healthy_units(checkpoint="children"), kv_cache=False)
+    (g,) = run_rule("ac.wrong_granularity", ctx)
+    assert "KV cache" not in g.recommendation.code and "use_cache" not in g.recommendation.code
+    assert g.recommendation.code == f.recommendation.code[:f.recommendation.code.index("\n# Hugging Face configs")]
     assert run_rule("ac.wrong_granularity", build()[0]) == []
     # a peak far below capacity: the text says turning checkpointing off gains more (ac.unneeded fires beside it;
     # both fired on a new-user trial's MLP-only checkpointing, each fix read as undoing the other)
@@ -2567,6 +2573,23 @@ def test_shard_plan_keeps_units_inside_blocks():
             + "    fully_shard(block, mesh=mesh)\n") in code, code
     assert code.count("as in your run") == 1
     compile(S.complete(code), "<plan>", "exec")
+
+
+def test_the_snapshot_records_a_hugging_face_kv_cache_where_one_is_on():
+    """RunConfig.kv_cache: on for an HF Llama (its config's use_cache defaults on), off once turned off and on a
+    model with no such config (whose checkpointing fix then names no KV cache)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from fsdp_doctor.record.config_snapshot import kv_cache
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert kv_cache(model) is True
+    model.config.use_cache = False
+    assert kv_cache(model) is False
+    assert kv_cache(torch.nn.Sequential(torch.nn.Linear(2, 2))) is False
 
 
 def test_checkpoint_snippet_runs_on_an_encoder_decoder():

@@ -783,19 +783,20 @@ _APPLY_CKPT = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper
                "    apply_activation_checkpointing, checkpoint_wrapper)\n")
 
 
-def checkpoint_modules(names: list[str], note: str) -> str:
+def checkpoint_modules(names: list[str], note: str, kv_cache: bool = True) -> str:
     """Activation checkpointing on exactly the named modules (fqns, checkpoint wrappers' own names dropped), on
-    the unsharded model."""
+    the unsharded model; ``kv_cache``: with no_kv_cache's lines (a Hugging Face config under the model has use_cache
+    on, or may: not recorded)."""
     names = list(dict.fromkeys(strip_ckpt(n) for n in names))
     return (_APPLY_CKPT + f"# {BEFORE_SHARDING} (before fully_shard): {note}\n"
             + name_list("names", names) + "\n"
             "targets = {model.get_submodule(name) for name in names}\n"
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
-            "                               check_fn=lambda m: m in targets)\n"
-            + _NO_KV_CACHE)
+            "                               check_fn=lambda m: m in targets)"
+            + ("\n" + _NO_KV_CACHE if kv_cache else ""))
 
 
-def checkpoint_in_place(names: list[str], note: str) -> str:
+def checkpoint_in_place(names: list[str], note: str, kv_cache: bool = True) -> str:
     """Activation checkpointing on exactly the named modules (fqns, checkpoint wrappers' own names dropped; the
     root, which a wrapper cannot replace in place, left out), on the sharded model: each replaced where it is by a
     CheckpointWrapper around it, a unit or inside one (checkpoint_wrapper around a sharded unit works: FSDP's
@@ -814,7 +815,7 @@ def checkpoint_in_place(names: list[str], note: str) -> str:
            "    parent, _, child = name.rpartition('.')",
            "    holder = model.get_submodule(parent)",
            "    setattr(holder, child, checkpoint_wrapper(getattr(holder, child)))",
-           _NO_KV_CACHE])
+           *([_NO_KV_CACHE] if kv_cache else [])])
 
 
 # a Hugging Face model fills its KV cache in a training forward where use_cache is on (T5's decoder): a recomputed
@@ -824,7 +825,7 @@ def checkpoint_in_place(names: list[str], note: str) -> str:
 def no_kv_cache(root: str = ROOT) -> str:
     """use_cache off on every Hugging Face config under ``root`` (the model as the fix names it)."""
     return ("# Hugging Face configs: no KV cache under checkpointing\n"
-            "# (gradient_checkpointing_enable() turns it off too)\n"
+            "# (transformers' own checkpointing turns it off too)\n"
             f"for module in {root}.modules():\n"
             "    if getattr(getattr(module, 'config', None), 'use_cache', False):\n"
             "        module.config.use_cache = False")
@@ -898,8 +899,9 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                                 subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
                   # (diffusers' models name it the other way round: transformers' names alone found no method on a
                   # UNet2DConditionModel, and the pasted fix left its checkpointing on, a new-user trial)
-                  "# a Hugging Face model's (transformers' gradient_checkpointing_enable(),",
-                  "# diffusers' enable_gradient_checkpointing()): turned off by its own method",
+                  "# a Hugging Face model's (transformers' activation_checkpointing_enable(),",
+                  "# gradient_checkpointing_enable() before 5.25; diffusers'",
+                  "# enable_gradient_checkpointing()): turned off by its own method",
                   "off = (getattr(model, 'activation_checkpointing_disable', None)  # newer name",
                   "       or getattr(model, 'gradient_checkpointing_disable', None)",
                   "       or getattr(model, 'disable_gradient_checkpointing', None))  # diffusers'",

@@ -154,6 +154,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         **optimizer_params(optimizer, model, units),
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
+        kv_cache=kv_cache(model),
         units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(named, units),
         **_param_counts(model),
         capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
@@ -419,6 +420,11 @@ def no_split_modules(model: nn.Module) -> list[str] | None:
     if not isinstance(names, (list, tuple, set)) or not names or not all(isinstance(n, str) for n in names):
         return None
     return sorted(names) if isinstance(names, set) else list(names)
+
+
+def kv_cache(model: nn.Module) -> bool:
+    """Whether a Hugging Face config under ``model`` has ``use_cache`` on (what snippets.no_kv_cache turns off)."""
+    return any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in model.modules())
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:

@@ -399,7 +399,7 @@ class AcRecommended(Rule):
                "leaves on (each recompute would append its keys and values to it again): where the run held the "
                "cache at its peak, the peak falls that much further, so the figure is a ceiling." if lever else ""),
             S.plugin_checkpointing(True, lever) if lever else titan_code or S.checkpoint_modules(
-                mods, "checkpoint whole blocks"),
+                mods, "checkpoint whole blocks", kv_cache=_kv_cache(ctx)),
             where=lever or ("torchtitan" if titan_code else ""),
             predicted=E.predicted(step, step + recompute if step is not None and recompute is not None else None,
                                   peak, peak_after, peak_at_most=bool(lever)),
@@ -651,11 +651,18 @@ class AcWrongGranularity(Rule):
             + (f" That is where memory is needed: here the peak is {fmt_share(peak / cap)} of capacity, and "
                "turning checkpointing off (ac.unneeded) gains more than checkpointing the blocks." if ample else "")
             + _running_stats(stats, on=True, lead="With the blocks checkpointed,", now=" not checkpointed now"),
-            _granularity_code(wrappers, functional, mods),
+            _granularity_code(wrappers, functional, mods, _kv_cache(ctx)),
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
 
 
-def _granularity_code(wrappers: list[str], functional: list[str], blocks: list[str]) -> str:
+def _kv_cache(ctx: Context) -> bool:
+    """Whether a checkpointing fix turns a Hugging Face KV cache off (snippets.no_kv_cache): a config under the
+    model had use_cache on (RunConfig.kv_cache), or may have (not recorded: plain traces, older records). Its lines
+    printed on the reference GPT, torchtitan's llama and diffusers' Flux, which have no such config."""
+    return getattr(ctx.config, "kv_cache", None) is not False
+
+
+def _granularity_code(wrappers: list[str], functional: list[str], blocks: list[str], kv_cache: bool) -> str:
     """ac.wrong_granularity's fix. CheckpointWrappers on the blocks' children: turned off where they are and each
     block wrapped in place, both after the user's fully_shard calls, where every wrapper exists however the user's
     code made it (before them, a loop that wraps each block's children and shards the block in the same pass ran
@@ -664,9 +671,9 @@ def _granularity_code(wrappers: list[str], functional: list[str], blocks: list[s
     wrapper of the user's to wait for): the blocks wrapped before fully_shard, as ``apply_activation_checkpointing``
     wraps them."""
     if not wrappers:
-        return S.checkpoint_modules(blocks, "checkpoint whole blocks")
+        return S.checkpoint_modules(blocks, "checkpoint whole blocks", kv_cache)
     return (S.remove_checkpointing(wrappers, functional, note="on the blocks' children") + "\n"
-            + S.checkpoint_in_place(blocks, "then whole blocks checkpointed"))
+            + S.checkpoint_in_place(blocks, "then whole blocks checkpointed", kv_cache))
 
 
 # ac.fewer_units aims the peak under this share of capacity: below ac.recommended's (NEAR_CAPACITY_SHARE), so that a
