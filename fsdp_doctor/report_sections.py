@@ -302,10 +302,21 @@ class LevelShift(_Section):
     # per rank, the first part's phases and the last part's
     phases_before_ms: dict[str, dict[str, float]] = {}
     phases_after_ms: dict[str, dict[str, float]] = {}
+    # where it grew or fell steadily, not in levels (the phase that moved grows within the parts as across them:
+    # analyze.steps.SHIFT_DRIFT_SHARE): the step time's line, [[first steady step, ms], [last steady step, ms]]; the
+    # parts above then only split it; empty where it changed in levels
+    drift_line: list[list[float]] = []
 
     def last_from(self) -> int:
         """The first steady step of the last part (after the last change): where ``--steps N-`` reads it alone."""
         return int(self.levels[-1][0]) if self.levels else self.first_after
+
+    def drift_ms_per_step(self) -> Optional[float]:
+        """The drift's change per step (ms; None: it changed in levels)."""
+        if not self.drift_line:
+            return None
+        (a, ya), (b, yb) = self.drift_line
+        return (yb - ya) / (b - a)
 
 
 class NoGradSteps(_Section):

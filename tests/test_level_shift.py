@@ -1,8 +1,9 @@
 """jitter.level_shift: a step time that changed once mid-run and stayed (fake quantization switched on, longer
-sequences, a loader past its cache, a thread or process on one rank's host), which the step statistics and every
-finding's figures would mix unsaid; and ``analyze --steps`` that reads one part alone. Known answers on constructed
-runs; three recorded 2-rank runs (tests/fixtures/level_shift, recorded by its record.py: the change at step 20 of 40);
-no false alarm on any other run recorded in this repository."""
+sequences, a loader past its cache, a thread or process on one rank's host), or grew steadily (work over everything
+so far), which the step statistics and every finding's figures would mix unsaid; and ``analyze --steps`` that reads
+one part alone. Known answers on constructed runs; four recorded 2-rank runs (tests/fixtures/level_shift, recorded by
+its record.py: the change at step 20 of 40, or 3 ms more with every step); no false alarm on any other run recorded
+in this repository."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 import fsdp_doctor
 from fsdp_doctor.analyze.steps import level_shift, usable_steps
+from fsdp_doctor.present.fmt import apart_texts
 from fsdp_doctor.records import RunConfig, StepRecord, UnitStep
 from fsdp_doctor.store import Run, load_run
 from fsdp_doctor.store.reader import RankData
@@ -119,6 +121,25 @@ def test_two_changes_the_same_way_are_dated_from_the_first():
     assert f.title.endswith("at step 12 and stayed, in 2 changes"), f.title
     assert "3 levels, each a step time that stayed:" in f.recommendation.text
     assert "--steps 24-` reads the last part alone" in f.recommendation.text
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_steady_drift_is_said_as_one_not_as_levels(seed):
+    """The step's own work growing 4 ms every step (10% noise): a drift, said with its rate and without a date or a
+    --steps flag (a loop whose work grew 2 ms a step read "4 levels, each a step time that stayed" and the flag for
+    its last "part"); a change in one step under 15% noise stays a change in levels."""
+    run = _run(n=40, wall=lambda k: 100.0 + 4.0 * k, noise=0.1, seed=seed)
+    ls = level_shift({r: usable_steps(rd.steps) for r, rd in run.ranks.items()})
+    assert ls is not None and ls.drift_line and 3.0 <= ls.drift_ms_per_step() <= 5.0, ls
+    f, _, rep = _finding(run)
+    assert f.severity == "info" and f.title.startswith("Step time grew steadily from "), f.title
+    assert f.title.endswith(" over steps 1-39, +" + f"{ls.drift_ms_per_step():.2f} ms a step"), f.title
+    assert "The model's own work grows with the run" in f.recommendation.text and "--steps" not in \
+        f.recommendation.text, f.recommendation.text
+    assert "changed" not in dict(apart_texts(rep.steps))["level-shift"]
+    step = _run(n=40, wall=lambda k: 100.0 if k < 20 else 150.0, noise=0.15, seed=seed)
+    ls = level_shift({r: usable_steps(rd.steps) for r, rd in step.ranks.items()})
+    assert ls is not None and ls.first_after == 20 and not ls.drift_line, ls
 
 
 def test_a_long_run_is_read():
@@ -238,10 +259,40 @@ def test_analyze_steps_on_plain_traces_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------------ presenters
 
 
+def test_recorded_loop_whose_work_grows_every_step():
+    """A loop doing 3 ms more before each forward with every step (work over everything so far), 2 ranks: a drift of
+    the time outside the model, a warning; jitter.data_wait says its time grew with the run, and
+    jitter.recurring_outside, which read the latest steps as "every rank stops N ms outside the model in 7 of 33
+    steps", stays quiet; the step table's line, the figure's dotted line and the compare note say it grew."""
+    from fsdp_doctor.pipeline import steps_columns
+    from fsdp_doctor.present import figures as F
+
+    run = load_run(FIXTURES / "drift")
+    rep = fsdp_doctor.build_report(run)
+    f = next(f for f in rep.findings if f.code == CODE)
+    assert f.severity == "warning" and f.ranks == [0, 1] and f.evidence["rank"] is None, f
+    assert 2.5 <= f.evidence["drift_ms_per_step"] <= 4.5 and f.evidence["outside_change_ms"] > 60, f.evidence
+    assert "The time outside the model grows with the run" in f.recommendation.text
+    wait = next(x for x in rep.findings if x.code == "jitter.data_wait")
+    assert "This time grew with the run, as the step time did (jitter.level_shift)" in wait.recommendation.text
+    quiet = next(s for s in rep.rules if s.code == "jitter.recurring_outside")
+    assert quiet.status == "quiet" and "the latest of a step time that grew steadily" in quiet.reason, quiet
+    assert dict(apart_texts(rep.steps))["level-shift"].startswith("The step time grew steadily, +3.")
+    fig = F.step_time_figure(steps_columns(run), shift=rep.steps.level_shift)
+    (line,) = fig.layout.shapes
+    assert line.line.dash == "dot" and (line.x0, line.x1) == (3, 39) and line.y1 > 2 * line.y0, line
+    assert [a.text for a in fig.layout.annotations] == [f"grew {f.evidence['drift_ms_per_step']:.2f} ms a step"]
+    r = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "compare", str(FIXTURES / "drift"),
+                        str(FIXTURES / "outside"), "--json", "-"], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    notes = [n for n in json.loads(r.stdout)["notes"] if "jitter.level_shift" in n]
+    assert notes[0] == (f"A's step time grew steadily (+{f.evidence['drift_ms_per_step']:.2f} ms a step: "
+                        "jitter.level_shift): its times mix its early and late steps"), notes
+
+
 def test_the_step_table_and_the_dashboards_figure_say_it():
     from fsdp_doctor.pipeline import steps_columns
     from fsdp_doctor.present import figures as F
-    from fsdp_doctor.present.fmt import apart_texts
 
     run = load_run(FIXTURES / "outside")
     rep = fsdp_doctor.build_report(run)

@@ -872,9 +872,13 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     for name, rep in (("A", ra), ("B", rb)):
         ls = rep.steps.level_shift if rep.steps is not None else None
         if ls is not None:  # (its samples mix the parts: a delta of p50s reads the mix, not either part)
-            cmp.notes.append(f"{name}'s step time changed {shift_at(ls)} and stayed ({fmt_ms(ls.ms_before)} "
-                             f"before, {fmt_ms(ls.ms_after)} after: jitter.level_shift): its times mix the parts; "
-                             f"--steps-{name.lower()} {ls.last_from()}- compares its last part alone")
+            cmp.notes.append(
+                f"{name}'s step time {'grew' if ls.ms_after > ls.ms_before else 'fell'} steadily "
+                f"({fmt_ms(ls.drift_ms_per_step(), signed=True)} a step: jitter.level_shift): its times mix its early "
+                "and late steps" if ls.drift_line else
+                f"{name}'s step time changed {shift_at(ls)} and stayed ({fmt_ms(ls.ms_before)} before, "
+                f"{fmt_ms(ls.ms_after)} after: jitter.level_shift): its times mix the parts; "
+                f"--steps-{name.lower()} {ls.last_from()}- compares its last part alone")
     if cmp.a.world_size and cmp.b.world_size and cmp.a.world_size != cmp.b.world_size:
         cmp.notes.append(f"world size {cmp.a.world_size} in A, {cmp.b.world_size} in B: a step does not do the same "
                          "work on both sides (the job's tokens per step, its collectives' sizes); compare throughput, "

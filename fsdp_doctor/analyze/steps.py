@@ -27,6 +27,10 @@ SHIFT_MIN_STEPS = 5  # ... with at least this many steady steps on each side (fe
 # of a noisy run that differ by chance, leave more of them across it) ...
 SHIFT_MIN_SEPARATION = 0.8
 SHIFT_MIN_MS = 1.0  # ... and the medians at least this far apart (ms), below which the timer's noise dominates
+# A step time that grew (or fell) steadily, not in levels (a loop whose work grew 2 ms every step read "4 levels,
+# each a step time that stayed"): the phase that moved grows within the levels at least this part of its growth
+# across them (Tukey's resistant line's slopes; _drift_line)
+SHIFT_DRIFT_SHARE = 0.5
 
 # A straggler rank's own time (step minus time waiting in collectives) exceeds the others' by this much ...
 STRAGGLER_MIN_FRACTION = 0.15  # under 15% ranks differ by noise and placement on a shared host
@@ -712,6 +716,50 @@ def _best_cut(xs: list[float]) -> Optional[tuple[int, float, float, float]]:
     return None if best is None else best[1:]
 
 
+def _resistant_slope(xs: list[float], ys: list[float]) -> float:
+    """Tukey's resistant line's slope through the points: its outer thirds' medians (by x); 0 where undefined."""
+    pts = sorted(zip(xs, ys))
+    t = len(pts) // 3
+    med = statistics.median
+    dx = med(x for x, _ in pts[-t:]) - med(x for x, _ in pts[:t]) if t else 0
+    return (med(y for _, y in pts[-t:]) - med(y for _, y in pts[:t])) / dx if dx > 0 else 0.0
+
+
+# a step's time in each phase a level shift can move (ms), as jitter.level_shift names them
+_SHIFT_PHASES = {"compute": lambda s: s.forward_ms + s.backward_ms - collective_wait_ms(s),
+                 "outside": lambda s: max(0.0, s.outside_ms - s.gc_ms), "optimizer": lambda s: s.optimizer_ms,
+                 "gc": lambda s: s.gc_ms, "ag_wait": collective_wait_ms}
+
+
+def _drift_line(steps: list[int], walls: list[float], by_rank: dict, bounds: list[int],
+                up: bool) -> Optional[list[list[float]]]:
+    """Where the step times ``walls`` (of the steady ``steps``, each the median over the ranks ``by_rank``) grew
+    (``up``; else fell) steadily rather than in the levels ``bounds`` cut them into: the phase that moved most grows
+    within the parts as across them (SHIFT_DRIFT_SHARE); the step time's resistant line [[first step, ms], [last
+    step, ms]], None where it changed in levels.  The phase alone, not the step: the other phases' noise hid a
+    recorded 3 ms a step outside the model (tests/fixtures/level_shift/drift: the step time's own slope within its
+    levels 0.43 of its slope across them, the phase's 0.96; recorded and constructed changes in levels 0.27 or
+    less)."""
+    med = statistics.median
+    parts = list(zip(bounds, bounds[1:]))
+    moved = None
+    for fn in _SHIFT_PHASES.values():
+        ys = [med(fn(d[st]) for d in by_rank.values()) for st in steps]
+        delta = med(ys[parts[-1][0]:]) - med(ys[:parts[0][1]])
+        if moved is None or (delta if up else -delta) > moved[0]:
+            moved = (delta if up else -delta, ys)
+    ys = moved[1]
+    across = _resistant_slope(steps, ys)
+    centred = [(x - mx, y - my) for i, j in parts for mx, my in [(med(steps[i:j]), med(ys[i:j]))]
+               for x, y in zip(steps[i:j], ys[i:j])]
+    within = _resistant_slope([x for x, _ in centred], [y for _, y in centred])
+    slope = _resistant_slope(steps, walls)
+    if across == 0 or (across > 0) != up or within / across < SHIFT_DRIFT_SHARE or slope == 0 or (slope > 0) != up:
+        return None
+    icpt = med(y - slope * x for x, y in zip(steps, walls))
+    return [[steps[0], round(icpt + slope * steps[0], 3)], [steps[-1], round(icpt + slope * steps[-1], 3)]]
+
+
 def level_shift(usable: dict) -> Optional[LevelShift]:
     """Where the job's steady steps (``usable_steps`` of each rank, {rank: steps}; the steps every rank kept, each
     its median over the ranks, whose collectives keep them in step) fall into an earlier and a later part whose step
@@ -748,7 +796,8 @@ def level_shift(usable: dict) -> Optional[LevelShift]:
                 "own": round(med(own_ms(s) for s in ss), 3)}
 
     first, last = parts[0], parts[-1]
-    return LevelShift(first_after=parts[1][0], last_before=first[-1], steps_before=len(first),
+    line = _drift_line(common, xs, by_rank, bounds, up)
+    return LevelShift(drift_line=line or [], first_after=parts[1][0], last_before=first[-1], steps_before=len(first),
                       steps_after=len(common) - len(first), ms_before=round(med(xs[:cuts[0]]), 3),
                       ms_after=round(med(xs[cuts[-1]:]), 3), separation=round(sep, 3),
                       levels=[[p[0], p[-1], round(med(xs[i:j]), 3)] for p, i, j in zip(parts, bounds, bounds[1:])]

@@ -17,7 +17,7 @@ from typing import Iterable, NamedTuple, Optional
 import msgspec
 
 from ..analyze.memory import recompute_held
-from ..analyze.steps import (STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
+from ..analyze.steps import (SHIFT_MIN_SEPARATION, STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
                              read_on_straggler as read_on_late, unit_modules, unit_passes)
 from ..records import (LIGHTNING_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCHTUNE_DRIVER, TRAINER_DRIVER,
                        TRANSFORMERS_SHARDER, UnitConfig, unit_defaults)
@@ -60,6 +60,27 @@ def _once(fn):
 def steps(ctx: Context) -> StepsSection:
     """The steps section, empty where the run has no step records."""
     return ctx.report.steps or StepsSection()
+
+
+def after_shift(ctx: Context, flagged: list[int], common: list[int]) -> Optional[str]:
+    """Where the steps a rule found slow (``flagged``, of the steady steps ``common``) are the later part of the
+    job's level shift, not steps now and then: mostly (SHIFT_MIN_SEPARATION) from its first step after the change on,
+    and half that part's steps or more, or, where the step time grew steadily, the latest of it (a thread started on
+    rank 1 at step 20 read "late in 16 of 37 steps", tests/fixtures/level_shift/busy; a loop whose work grew 2 ms a
+    step read "every rank stops 26 ms outside the model in 7 of 33 steps"); the words for the rule's quiet reason
+    after its subject ("rank 1 late in ..."), None otherwise."""
+    shift = steps(ctx).level_shift
+    later = [st for st in common if shift is not None and st >= shift.first_after]
+    after = [st for st in flagged if later and st >= later[0]]
+    if not later or len(after) < SHIFT_MIN_SEPARATION * len(flagged):
+        return None
+    if shift.drift_line:
+        return (f"{len(flagged)} of {len(common)} steps, the latest of a step time that grew steadily "
+                "(jitter.level_shift)")
+    if 2 * len(after) < len(later):
+        return None
+    return f"{len(after)} of the {len(later)} steps from step {later[0]} on, where the step time changed and stayed " \
+           "(jitter.level_shift)"
 
 
 def overlap(ctx: Context) -> OverlapSection:

@@ -140,7 +140,8 @@ def _grouped_title(title: str, k: int, how: str) -> str:
 
 def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, shift=None) -> go.Figure:
     """Step wall time per rank over steps; profiled steps (tool overhead inside) drawn hollow; ``shift`` (the report's
-    ``LevelShift``, None: none) a dashed line where the step time changed and stayed, each part's median across it."""
+    ``LevelShift``, None: none) a dashed line where the step time changed and stayed, each part's median across it,
+    or, where it grew or fell steadily, a dotted line along it."""
     sel = _select_ranks(steps, ranks)
     k = _group_size(cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
                     for i in _rows(cols, window))
@@ -169,7 +170,17 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
                               for i in _rows(cols, window) if cols["profiled"][i]})):
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
     xs = [x for tr in fig.data for x in tr.x]
-    cut = None if shift is None else (shift.last_before + shift.first_after) / 2
+    cut = None if shift is None or shift.drift_line else (shift.last_before + shift.first_after) / 2
+    if shift is not None and shift.drift_line:  # a steady drift: its line, over the steps drawn
+        (a, ms_a), (b, ms_b) = shift.drift_line
+        x0, x1 = max(a, min(xs)), min(b, max(xs))
+        if x0 < x1:
+            at = lambda x: ms_a + (ms_b - ms_a) * (x - a) / (b - a)  # noqa: E731
+            fig.add_shape(type="line", x0=x0, x1=x1, y0=at(x0), y1=at(x1),
+                          line={"color": "#555", "width": 1, "dash": "dot"})
+            fig.add_annotation(x=x1, y=at(x1), showarrow=False, xanchor="right", yanchor="bottom", font={"size": 11},
+                               text=f"{'grew' if ms_b > ms_a else 'fell'} {fmt_ms(abs(shift.drift_ms_per_step()))} "
+                                    "a step")
     if cut is not None and min(xs) < cut < max(xs):  # (a window of steps on one side of it: not drawn)
         fig.add_vline(x=cut, line={"color": "#555", "width": 1, "dash": "dash"})
         for x0, x1, ms in ((min(xs), cut, shift.ms_before), (cut, max(xs), shift.ms_after)):

@@ -687,6 +687,11 @@ def level_shift_text(section: StepsSection) -> Optional[str]:
     ls = section.level_shift
     if ls is None:
         return None
+    if ls.drift_line:
+        (a, ms_a), (b, ms_b) = ls.drift_line
+        return (f"The step time {'grew' if ms_b > ms_a else 'fell'} steadily, {fmt_ms(ls.drift_ms_per_step(), signed=True)} "
+                f"a step ({fmt_ms(ms_a)} at step {int(a)} to {fmt_ms(ms_b)} at step {int(b)}, a line through the "
+                "steps); the statistics above hold every step (jitter.level_shift)")
     at = shift_at(ls)
     levels = (" -> ".join(f"{fmt_ms(ms)} from step {int(a)}" for a, _, ms in ls.levels[1:]) if ls.levels else
               f"{fmt_ms(ls.ms_after)} after ({ls.steps_after})")

@@ -365,6 +365,10 @@ def _outside_since(ctx: Context, rank: int) -> str:
     if before is None or after is None or ls.ms_after <= ls.ms_before or after["outside"] - before["outside"] < (
             SHIFT_PHASE_PART * (ls.ms_after - ls.ms_before)):
         return ""
+    if ls.drift_line:
+        return (f" This time grew with the run, as the step time did (jitter.level_shift): "
+                f"{fmt_ms(after['outside'])} a step outside the model in the latest steps, "
+                f"{fmt_ms(before['outside'])} in the earliest (rank {rank}, medians).")
     return (f" Most of this time came with the change of step time {shift_at(ls)} (jitter.level_shift): "
             f"{fmt_ms(after['outside'])} a step outside the model from it on, {fmt_ms(before['outside'])} before it "
             f"(rank {rank}, medians).")
@@ -414,6 +418,8 @@ class RecurringOutside(Rule):
             floor = max(STRAGGLER_MIN_MS, RECUR_MIN_FRACTION * statistics.median(d[st][1] for st in common))
             excess[r] = {st: d[st][0] - base for st in common if d[st][0] - base >= floor}
         hit = sorted(set.intersection(*(set(e) for e in excess.values())))
+        if len(hit) >= RECUR_MIN_STEPS and (since := E.after_shift(ctx, hit, common)):  # (not every few steps)
+            return self.quiet(f"every rank longer outside the model in {since}")
         some = sorted(r for r, e in excess.items() if len(e) >= RECUR_MIN_STEPS)
         if len(hit) < RECUR_MIN_STEPS:
             if some and len(per) > 1:
@@ -488,6 +494,19 @@ _SHIFT_WORDS = {
     "ag_wait": ("the waits for all-gathers grew: the collectives slowed (another job on the links, a slower route)",
                 "the waits for all-gathers shrank"),
 }
+# what each phase's steady growth says (a drift: analyze.steps.SHIFT_DRIFT_SHARE)
+_DRIFT_WORDS = {
+    "compute": "the model's own work grows with the run: its inputs growing (a curriculum lengthening the sequences), "
+               "or work added to it every step (a hook registered again in the loop, a cache it keeps filling)",
+    "outside": "the time outside the model grows with the run: code in your loop whose work grows with every step (a "
+               "metric or a log over everything so far, a list it appends to and walks again), or batches that grow",
+    "optimizer": "the optimizer step grows with the run: work added to it every step (a hook or a callback registered "
+                 "again in the loop, a list it walks)",
+    "gc": "garbage collection grows with the run: objects that pile up step after step (a list of tensors, reference "
+          "cycles: jitter.gc weighs it)",
+    "ag_wait": "the waits for all-gathers grow with the run: the collectives slowing step after step (another job "
+               "ramping up on the links)",
+}
 _SHIFT_PHASE = {"compute": "forward and backward compute", "outside": "outside the model", "optimizer": "optimizer",
                 "gc": "GC", "ag_wait": "all-gather waits"}
 
@@ -521,9 +540,9 @@ def _window_words(windows: list[int], shift) -> str:
 class LevelShiftRule(Rule):
     code = "jitter.level_shift"
     name = "Step time changed mid-run"
-    description = ("The step time changed mid-run and stayed (once, or more than once the same way): when, what changed "
-                   "(the phase, on every rank or on one), and that the step statistics and the findings' figures mix "
-                   "the parts.")
+    description = ("The step time changed mid-run and stayed (once, or more than once the same way), or grew steadily: "
+                   "when and how fast, what changed (the phase, on every rank or on one), and that the step statistics "
+                   "and the findings' figures mix the parts.")
     needs = ("records",)
     severities = ("info", "warning")
 
@@ -556,8 +575,18 @@ class LevelShiftRule(Rule):
                    if grew else f"Something on rank {first} stopped then.")
         else:
             who = f"on every rank (rank {first}: {moved})" if others else f"in {moved}"
-            words = _SHIFT_WORDS[named[0] if named else "compute"][0 if grew else 1]
+            key = named[0] if named else "compute"
+            words = _DRIFT_WORDS[key] if ls.drift_line and grew else _SHIFT_WORDS[key][0 if grew else 1]
             why = words[0].upper() + words[1:] + "."
+        # a slowdown by half or more that is not the model's own work (a loader, another process): a warning
+        alarm = one_rank or named[:1] != ["compute"]
+        evidence = {**{f"{k}_change_ms": round(v, 3) for k, v in d.items()},
+                    "changed_rank_own_change_ms": round(own[first], 3),
+                    "other_ranks_own_change_ms": max((round(own[r], 3) for r in others), key=abs, default=None)}
+        ranks = [first] if one_rank else sorted(deltas)
+        if ls.drift_line:
+            return [self._drift(ctx, ls, f"From the earliest steps to the latest it {'grew' if grew else 'fell'} "
+                                         f"{who}. {why}", alarm, evidence, ranks, first if one_rank else None)]
         ratio = ls.ms_after / ls.ms_before
         at = shift_at(ls)
         sides = ("every step of each part on its side of the midpoint between the two" if ls.separation >= 1 else
@@ -578,8 +607,7 @@ class LevelShiftRule(Rule):
                    "puts the next run's window at a step N after the change" if windows else "")
                 + ". What changed is in your loop, your data or on your host, which the doctor does not see: no code "
                 "is offered.")
-        # a slowdown by half or more that is not the model's own work (a loader, another process): a warning
-        severity = "warning" if grew and ratio >= SHIFT_WARN_RATIO and (one_rank or named[:1] != ["compute"]) else "info"
+        severity = "warning" if grew and ratio >= SHIFT_WARN_RATIO and alarm else "info"
         return [self.finding(
             severity,
             f"Step time {'rose' if grew else 'fell'} from {fmt_ms(ls.ms_before)} to {fmt_ms(ls.ms_after)} "
@@ -590,11 +618,37 @@ class LevelShiftRule(Rule):
              "step_ms_before": ls.ms_before, "step_ms_after": ls.ms_after, "ratio": round(ratio, 3),
              "separated_pct": round(100 * ls.separation, 1), "rank": first if one_rank else None,
              "level_first_steps": [int(lv[0]) for lv in ls.levels], "level_ms": [lv[2] for lv in ls.levels],
-             **{f"{k}_change_ms": round(v, 3) for k, v in d.items()},
-             "changed_rank_own_change_ms": round(own[first], 3),
-             "other_ranks_own_change_ms": max((round(own[r], 3) for r in others), key=abs, default=None),
+             **evidence, "step_p50_ms_all": p50},
+            text, ranks=ranks)]
+
+    def _drift(self, ctx: Context, ls, change: str, alarm: bool, evidence: dict, ranks: list, rank):
+        """The finding where the step time grew or fell steadily (``ls.drift_line``) rather than in levels (a loop
+        whose work grew 2 ms every step read "4 levels, each a step time that stayed", with the flag to read the last
+        "part" alone): ``change``, what changed and why, in words; ``alarm``: not the model's own work, or one
+        rank's (``rank``)."""
+        steps = E.steps(ctx)
+        (a, ms_a), (b, ms_b) = ls.drift_line
+        per_step = ls.drift_ms_per_step()
+        grew = per_step > 0
+        ratio = ms_b / ms_a if ms_a > 0 else ls.ms_after / ls.ms_before
+        p50 = steps.job.p50_ms if steps.job is not None else None
+        held = (f" The step statistics and every finding's figures hold the whole run (step p50 {fmt_ms(p50)}, "
+                f"{fmt_ms(ls.ms_after)} in the latest steps)." if p50 is not None else "")
+        text = (f"The steady steps' time {'grew' if grew else 'fell'} by about {fmt_ms(abs(per_step))} every step, not "
+                f"at one step: it grew within each stretch of steps as it did across them (a line through them runs "
+                f"from {fmt_ms(ms_a)} at step {int(a)} to {fmt_ms(ms_b)} at step {int(b)}). {change}"
+                + (" Left as it is, each step keeps slowing." if grew else "") + held
+                + " What changes is in your loop, your data or on your host, which the doctor does not see: no code "
+                "is offered.")
+        return self.finding(
+            "warning" if grew and ratio >= SHIFT_WARN_RATIO and alarm else "info",
+            f"Step time {'grew' if grew else 'fell'} steadily from {fmt_ms(ms_a)} to {fmt_ms(ms_b)} ({ratio:.2f}x) "
+            f"over steps {int(a)}-{int(b)}, {fmt_ms(per_step, signed=True)} a step"
+            + (f", on rank {rank}" if rank is not None else ""),
+            {"drift_ms_per_step": round(per_step, 3), "first_step": int(a), "last_step": int(b),
+             "line_ms_first": ms_a, "line_ms_last": ms_b, "ratio": round(ratio, 3), "rank": rank, **evidence,
              "step_p50_ms_all": p50},
-            text, ranks=[first] if one_rank else sorted(deltas))]
+            text, ranks=ranks)
 
 
 @register

@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from .. import estimate as E
-from ...analyze.steps import (SHIFT_MIN_SEPARATION, STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION,
+from ...analyze.steps import (STRAGGLER_MIN_CONSISTENCY, STRAGGLER_MIN_FRACTION,
                               STRAGGLER_MIN_MS, own_ms, usable_steps)
 from ..base import Context, Rule, register
 
@@ -132,14 +132,8 @@ class IntermittentStraggler(Rule):
             return quiet(f"rank {rank} late in {len(rows)} of {len(common)} steps: a consistent straggler "
                          "(straggler.rank)")
         steps = [st for st, _, _ in rows]
-        shift = E.steps(ctx).level_shift
-        later = [st for st in common if shift is not None and st >= shift.first_after]
-        after = [st for st in steps if later and st >= later[0]]
-        if later and len(after) >= SHIFT_MIN_SEPARATION * len(steps) and 2 * len(after) >= len(later):
-            # (not now and then: from a step on, which jitter.level_shift dates; a thread started on rank 1 at step 20
-            # read "late in 16 of 37 steps", with advice for work done now and then: tests/fixtures/level_shift/busy)
-            return quiet(f"rank {rank} late in {len(after)} of the {len(later)} steps from step {later[0]} on, where the "
-                         "step time changed and stayed (jitter.level_shift)")
+        if since := E.after_shift(ctx, steps, common):  # (not now and then: from a step on)
+            return quiet(f"rank {rank} late in {since}")
         phase = statistics.mode(ph for _, _, ph in rows)
         # the pattern's cost: each late step's excess up to LATE_SPIKE_FACTOR times the typical one (a single 101 ms
         # host hiccup among +5 ms late steps made a 9% "gain" and a warning: a new-user trial); the spike is one event
