@@ -873,7 +873,8 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
     unit cannot be replaced: its module's parameters stay sharded outside any unit, "mixed torch.Tensor and
     DTensor".) Units checkpointed by ``checkpoint(...)`` calls in code (``functional``): Hugging Face's
     ``gradient_checkpointing_enable()`` is undone by its ``gradient_checkpointing_disable()`` (diffusers'
-    ``enable_gradient_checkpointing()`` by ``disable_gradient_checkpointing()``), other
+    ``enable_gradient_checkpointing()`` by ``disable_gradient_checkpointing()``, timm's
+    ``set_grad_checkpointing()`` by ``set_grad_checkpointing(False)``), other
     ``checkpoint(...)`` calls are named in a comment, since only their code can change; alone, the lines go before
     the user's fully_shard calls, beside the enable call. ``note``: the header's words where checkpointing stays on
     elsewhere (ac.wrong_granularity's, on the blocks' children: checkpoint_in_place wraps the blocks next, after
@@ -899,14 +900,19 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                                 subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
                   # (diffusers' models name it the other way round: transformers' names alone found no method on a
                   # UNet2DConditionModel, and the pasted fix left its checkpointing on, a new-user trial)
+                  # (and timm's set_grad_checkpointing(): the others' names found nothing on a timm ViT, whose
+                  # pasted fix left its checkpointing on, a new-user trial)
                   "# a Hugging Face model's (transformers' activation_checkpointing_enable(),",
                   "# gradient_checkpointing_enable() before 5.25; diffusers'",
-                  "# enable_gradient_checkpointing()): turned off by its own method",
+                  "# enable_gradient_checkpointing()) or a timm model's (set_grad_checkpointing()):",
+                  "# turned off by its own method",
                   "off = (getattr(model, 'activation_checkpointing_disable', None)  # newer name",
                   "       or getattr(model, 'gradient_checkpointing_disable', None)",
                   "       or getattr(model, 'disable_gradient_checkpointing', None))  # diffusers'",
                   "if off is not None:",
                   "    off()",
+                  "elif hasattr(model, 'set_grad_checkpointing'):  # timm's",
+                  "    model.set_grad_checkpointing(False)",
                   "# (your own checkpoint(...) calls: remove them in your code)"]
     if wrappers:
         lines += [f"def {NO_CHECKPOINT_FN}(function, *args, **kwargs):",
