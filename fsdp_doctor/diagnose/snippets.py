@@ -222,6 +222,38 @@ class Tree:
         return {c: idx for c, idx in found.items()
                 if (b := block_of(c)) is None or ("." not in b and "" not in found)}
 
+    def split_blocks(self) -> dict[str, str]:
+        """Blocks too large to be one unit: {block: its own block container, relative} for each block of a container
+        holding T.COARSE_SHARE_MIN of the model's parameter bytes or more whose own modules hold two or more numbered
+        blocks of their own, none of them a unit yet (a ConvNeXt's ``stages.3`` -> ``blocks``: ``stages.3.blocks.0``,
+        ``stages.3.blocks.1``; "" where they are the block's numbered children). A plan making a unit of each stage
+        left 55% of a ConvNeXt's parameters in its last, and wrap.too_coarse fired again on it (a new-user trial)."""
+        own = [(m, b) for u in self.units for m, b in zip(getattr(u, "own_modules", []) or [],
+                                                          getattr(u, "own_bytes", []) or [])]
+        total = sum(b for _, b in own)
+        if not total:
+            return {}
+        conts = self.containers()
+        by_block: dict[str, list[tuple[str, int]]] = {}
+        for m, b in own:
+            blk = block_of(m)
+            if blk is not None and container_of(m, conts) is not None:
+                by_block.setdefault(blk, []).append((strip_ckpt(m)[len(blk) + 1:], b))
+        units = [m for u in self.non_root() for m in u.modules]
+        out = {}
+        for blk, mods in by_block.items():
+            if sum(b for _, b in mods) < T.COARSE_SHARE_MIN * total:
+                continue
+            inner = block_containers(m for m, _ in mods if m)
+            # the one holding the most (a ConvNeXt stage's blocks, not its downsample's numbered layers), half the
+            # block or more
+            held = {c: sum(b for m, b in mods if container_of(m, inner) == c) for c in inner}
+            sub = max(held, key=held.get, default=None)
+            if sub is not None and 2 * held[sub] >= sum(b for _, b in mods) and \
+                    not any(u.startswith(blk + ".") for u in units):
+                out[blk] = sub
+        return out
+
     def unit_labels(self) -> list[str]:
         """The non-root units in forward order (snapshot order; a trace's labels sorted by block)."""
         if self.units:
@@ -229,12 +261,18 @@ class Tree:
         return [n for n in self.names if n not in ROOT_LABELS]
 
 
-def block_bytes(u) -> dict[str, int]:
+def block_bytes(u, split: Optional[dict[str, str]] = None) -> dict[str, int]:
     """A unit's repeated blocks (``layer1.0``, ...) in module order, with the bytes of their parameters (the
-    snapshot's own modules and their sizes); {} where the snapshot has no sizes."""
+    snapshot's own modules and their sizes); {} where the snapshot has no sizes. ``split`` (Tree.split_blocks): those
+    blocks' own blocks apart, each block's other modules under its name."""
     out: dict[str, int] = {}
     for m, b in zip(getattr(u, "own_modules", []) or [], getattr(u, "own_bytes", []) or []):
         blk = block_of(m) if _DEEP.match(strip_ckpt(m)) else None
+        if blk is not None and split and blk in split:
+            rest = strip_ckpt(m)[len(blk) + 1:]
+            inner = block_of(rest) if _DEEP.match(rest) else None
+            if inner is not None and inner.rpartition(".")[0] == split[blk]:
+                blk = f"{blk}.{inner}"
         if blk is not None:
             out[blk] = out.get(blk, 0) + b
     return out
@@ -387,7 +425,7 @@ def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
 def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
                extra_kwargs: str = "", note: str = "", mp_line: Optional[str] = None,
                drop: tuple[str, ...] = (), nested: bool = True, only: Optional[set[str]] = None,
-               leftover_costs: Optional[LeftoverCosts] = None) -> str:
+               leftover_costs: Optional[LeftoverCosts] = None, split: bool = False) -> str:
     """The whole sharding of the model, to paste in place of your ``fully_shard`` calls (on the unsharded
     model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
@@ -399,12 +437,16 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     ``only``: the names of the run's units that take ``extra_kwargs`` (the modules they held, when they become
     several units); the others keep their options as they were. ``mp_line``: a rule's own policy ``mp``, for every
     unit that had one; without it each keeps its own (the modules a unit held, that unit's). ``leftover_costs``: the
-    run's figures that decide which of the root's modules stay in a root kept for tied modules (``leftover_stays``)."""
+    run's figures that decide which of the root's modules stay in a root kept for tied modules (``leftover_stays``).
+    ``split``: a block too large to be one unit (``Tree.split_blocks``) has its own blocks sharded before it, each a
+    unit (wrap.too_coarse's plan; the others keep the run's granularity)."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     extra_of = lambda u: extra_kwargs if only is None or (u is not None and u.name in only) else ""  # noqa: E731
     mp = _policy_vars(t.units, one=mp_line is not None)
     head = len(lines)
     conts = t.containers() if blocks else {}
+    split_ = t.split_blocks() if split and blocks and nested and group == 1 else {}
+    big = _block_shares(t, split_)
     in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
     is_block = lambda m, c: block_of(m) == m and container_of(m, conts) == c  # noqa: E731
     by_cont = {c: next((u for u in t.non_root() if any(is_block(m, c) for m in u.modules)),
@@ -419,6 +461,12 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         kw = _merge(own, ex, drop)
         inner = _nested_lines(t, c, ex, drop, mp) if nested and group == 1 else ([], [])
         lines += inner[0]
+        for blk, sub in split_.items():
+            if container_of(blk + ".x", conts) == c:  # (a block of this container)
+                lines += [f"# {blk} holds {fmt_share(big[blk])} of the parameters: its own blocks units of their own,",
+                          "# sharded before it",
+                          f"for block in {children_expr(f'{blk}.{sub}' if sub else blk)}:",
+                          "    " + _call("block", kw, indent=4)]
         per = _per_block_kwargs(t, c, is_block, extra_of, drop, mp) if group == 1 else None
         if group > 1:
             lines += [f"blocks = {children_expr(c, conts[c], as_list=True)}",
@@ -457,6 +505,14 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         lines += _frozen_lead_prefetch(t, root, lead)
     lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
+
+
+def _block_shares(t: Tree, blocks: Iterable[str]) -> dict[str, float]:
+    """Each of ``blocks``' share of the model's parameter bytes (the snapshot's own modules)."""
+    own = [(strip_ckpt(m), b) for u in t.units for m, b in zip(getattr(u, "own_modules", []) or [],
+                                                              getattr(u, "own_bytes", []) or [])]
+    total = sum(b for _, b in own) or 1
+    return {blk: sum(b for m, b in own if m.startswith(blk + ".")) / total for blk in blocks}
 
 
 def holders(t: Tree) -> dict[str, list]:

@@ -90,10 +90,11 @@ def _leftover_costs(ctx: Context) -> S.LeftoverCosts:
     return S.LeftoverCosts(peak_bytes=peak, step_ms=step, call_ms=_call_ms(ctx))
 
 
-def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None) -> str:
+def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None, split: bool = False) -> str:
     """The whole sharding with the root's own modules units of their own where that gains more than it costs
-    (``costs``: ``_leftover_costs``, read here where not given)."""
-    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx))
+    (``costs``: ``_leftover_costs``, read here where not given); ``split``: blocks too large to be one unit split
+    (wrap.too_coarse's)."""
+    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx), split=split)
 
 
 def _plugin_wrap(ctx: Context, did: str) -> dict:
@@ -152,7 +153,8 @@ class TooCoarse(Rule):
                 step_after = step + E.ag_wait_ms(big, "forward") * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
         gathered_extra = big.unsharded_bytes - big.sharded_bytes
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
-        blocks = list(S.block_bytes(big).values())
+        # (a block too large to be one unit split into its own, as the plan does)
+        blocks = list(S.block_bytes(big, S.tree(ctx).split_blocks()).values())
         own = sum(big.own_bytes)
         if peak is not None and len(blocks) >= 2 and own:
             # from the unit's own modules: after the split at most two consecutive blocks are gathered (the one
@@ -175,7 +177,7 @@ class TooCoarse(Rule):
                               "gloo its smaller collectives only lengthen the step")
         whole = big.is_root and len(us) == 1
         # every block of every container (from the modules the coarse unit holds), the rest as the run had it
-        code = _root_plan(ctx)
+        code = _root_plan(ctx, split=True)
         text = (f"Unit {name!r} holds {fmt_share(share)} of the parameters, so FSDP gathers "
                 f"{fmt_bytes(big.unsharded_bytes)} in one all-gather with nothing to overlap it with"
                 + (" (the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
