@@ -132,6 +132,19 @@ if __name__ == "__main__":
 """
 
 
+#: ``shard(model, fix)`` for a TWO_RANKS script: the printed plan (the file ``fix``) executed in place of the script's
+#: ``fully_shard(model)``, as a user pastes it; that call where there is none (the script imports fully_shard)
+SHARD_OR_FIX = textwrap.dedent(
+    """
+    def shard(model, fix):
+        if fix:  # in place of the fully_shard call, as printed
+            exec(open(fix).read(), {"model": model})
+        else:
+            fully_shard(model)
+    """
+)
+
+
 def gloo_worker(body: str) -> str:
     """``worker(rank, port, out, fix)`` for ``TWO_RANKS``: the rank joins a 2-rank gloo group on one thread, seeded,
     then runs ``body`` (dedented; ``fsdp_doctor`` imported). The script imports os, torch and torch.distributed as

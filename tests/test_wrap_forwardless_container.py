@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from conftest import gloo_worker, record_two_ranks
+from conftest import SHARD_OR_FIX, gloo_worker, record_two_ranks
 
 _SCRIPT = textwrap.dedent(
     """
@@ -76,14 +76,8 @@ _SCRIPT = textwrap.dedent(
             for blk in self.up_blocks:
                 x = blk(x + skips.pop())
             return self.conv_out(F.silu(self.conv_norm_out(x)))
-
-    def shard(model, fix):
-        if fix:  # in place of the fully_shard call, as printed
-            exec(open(fix).read(), {"model": model})
-        else:
-            fully_shard(model)
     """
-) + gloo_worker(
+) + SHARD_OR_FIX + gloo_worker(
     """
     model = UNet()
     shard(model, fix)

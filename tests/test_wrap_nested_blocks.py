@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import gloo_worker, record_two_ranks
+from conftest import SHARD_OR_FIX, gloo_worker, record_two_ranks
 
 _SCRIPT = textwrap.dedent(
     """
@@ -54,14 +54,8 @@ _SCRIPT = textwrap.dedent(
 
         def forward(self, x):
             return self.head(F.adaptive_avg_pool2d(self.stages(self.stem(x)), 1))
-
-    def shard(model, fix):
-        if fix:  # in place of the fully_shard call, as printed
-            exec(open(fix).read(), {"model": model})
-        else:
-            fully_shard(model)
     """
-) + gloo_worker(
+) + SHARD_OR_FIX + gloo_worker(
     """
     model = ConvNeXt()
     shard(model, fix)
