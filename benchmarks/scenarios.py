@@ -3,7 +3,7 @@ tests) run whole, then per rule: the scenarios and model trees it was planted on
 planted), false alarms (a warning of the rule on a row that did not plant it: tuned baselines, other rows), and its
 fix applied and rechecked (gone or improved, no new warning, peak predicted against measured; step time
 predicted against measured, noisy on a shared host). Rules whose problem needs a GPU (comm.*, kernels.*,
-offload.*, memory.alloc_retries) are found from known answers: GPU traces (tests/test_trace_rules.py,
+offload.*, memory.alloc_retries, memory.growing) are found from known answers: GPU traces (tests/test_trace_rules.py,
 tests/test_kernel_rules.py, shared/reference_traces/hta) and constructed records (tests/test_diagnose_rules.py), and
 their snippets executed on a model tree (tests/test_clients.py); their rerun is
 for the GPU machine: the matrix's GPU rows (tests/scenario_matrix.py GPU_ROWS), which plant them where a GPU sets
@@ -37,8 +37,8 @@ ELSEWHERE = {"checkpoint.blocking": "torchtitan's and a Hugging Face Trainer's s
              "compile.recompile_limit": "an HF Llama of 10 decoder layers, each compiled in place "
                                         "(tests/test_recompile_limit.py); of 16 with inductor on a GPU "
                                         "(GPU row gpu_hf_llama_recompile_limit)",
-             "jitter.level_shift": "three 40-step 2-rank runs whose step time changes at step 20 and stays: longer "
-                                   "sequences, a slower loader, a thread on one rank "
+             "jitter.level_shift": "four 40-step 2-rank runs whose step time changes at step 20 and stays (longer "
+                                   "sequences, a slower loader, a thread on one rank) or grows 3 ms every step "
                                    "(tests/fixtures/level_shift, tests/test_level_shift.py)"}
 HEADER = ["rule", "planted on", "recall", "false alarms", "fix applied and rechecked", "peak pred / meas",
           "step ms pred / meas"]

@@ -1035,8 +1035,10 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                               micro_batches=cfg.grad_accum, step=step)
                     with autocast(cfg):
                         loss = loss_of(model, tree, step, rank, micro, (cfg.batch_size, seq), dev,
-                                       keep=held if row.get("loop") == "keep_outputs" else None,
+                                       keep=held if row.get("loop") in ("keep_outputs", "keep_all_outputs") else None,
                                        labels=row.get("loop") == "labels") / cfg.grad_accum
+                    if row.get("loop") == "keep_all_outputs":  # every step's logits kept for a metric, on the device
+                        held.setdefault("all", []).append(held.pop("outputs").detach())
                     if fix.get("where") == "backward":
                         _exec(fix, model, opt, ns=held, outputs=held.get("outputs"))
                     loss.backward()

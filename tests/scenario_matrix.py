@@ -102,7 +102,8 @@ class Row:
     gpu: bool = False  # a GPU row (GPU_ROWS): its knobs are the GPU's shape, shrunk on the CPU
     # the user's loop beyond the knobs: "loss_allreduce" all-reduces the loss synchronously after each step (a log
     # line's average); "keep_outputs" keeps what the model returned (outputs = model(...)) until
-    # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "eval_autograd" evaluates after
+    # the next forward rebinds the name, as Hugging Face's no-trainer examples do; "keep_all_outputs" appends every
+    # step's logits, detached, to a list on the device (kept for a metric); "eval_autograd" evaluates after
     # every third step with model.eval() and no torch.no_grad() (tests/clients.py evaluate_in_eval_mode);
     # "top_optimizer" builds the optimizer over the last block and what follows it only (tests/clients.py
     # user_param_groups); "sync_off" calls set_requires_gradient_sync(False) before every backward; "generate" runs
@@ -599,6 +600,10 @@ GPU_ROWS: list[Row] = [
     # gain is checked on the GPU
     _g("gpu_gpt_grad_norm_log", "gpt", "optim.step_comm", "each parameter's gradient norm logged every step",
        knobs=GPU_SHAPE, loop="grad_norm_log", min_severity="info", gpu_gain=True),
+    # every step's logits appended to a list on the device (a metric computed at the end): the allocation at each
+    # step's end grows by them (memory.growing reads the allocator; on the CPU it is skipped). Nothing to paste
+    _g("gpu_gpt_outputs_grow", "gpt", "memory.growing", "every step's logits kept in a list on the device",
+       knobs=GPU_SHAPE, loop="keep_all_outputs", apply=False),
     _g("gpu_hf_llama_outputs_kept", "hf_llama", "memory.outputs_kept",
        "outputs = model(...) kept until the next forward (logits, past_key_values)", knobs=HF_GPU_SHAPE,
        loop="keep_outputs", min_severity="info"),

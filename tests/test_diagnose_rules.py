@@ -2828,6 +2828,46 @@ def test_alloc_retries_known_answer():
     assert f.predicted.step_ms_after == 100.0 and f.predicted.peak_bytes_after == f.predicted.peak_bytes_before
 
 
+def _growing_ctx(allocated: list[int], walls=None):
+    """Two CUDA ranks' steps 0..n-1 whose allocator holds ``allocated[i]`` bytes at step i's end, the step's peak
+    8 GiB above it, on an 80 GiB device."""
+    from fsdp_doctor.records import CudaMemory, MemoryPeak, MemoryStep
+
+    ctx, _ = build(device="cuda:0", backend="nccl")
+    walls = walls or [100.0] * len(allocated)
+    ctx.run.ranks = {r: SimpleNamespace(steps=[StepRecord(
+        rank=r, step=i, start_ns=i, wall_ms=walls[i], memory=MemoryStep(
+            device="cuda:0", peak=MemoryPeak(bytes=a + (8 << 30), breakdown={"activations": 8 << 30}),
+            cuda=CudaMemory(allocated=a - r * (1 << 20), max_allocated=a + (8 << 30), device_total=80 << 30)))
+        for i, a in enumerate(allocated)]) for r in (0, 1)}
+    return ctx
+
+
+def test_memory_growing_known_answer():
+    """64 MiB more allocated at every step's end (the loop keeps each step's logits), 12 steps: fires with the rate,
+    the steps it grew in and when the 80 GiB device fills; a scalar kept each step (512 B, as the reference
+    workload's losses list) and one step-up that stays (a cache filled once) are quiet."""
+    ctx = _growing_ctx([(10 << 30) + i * (64 << 20) for i in range(12)])
+    (f,) = run_rule("memory.growing", ctx)
+    ev = f.evidence
+    assert f.severity == "warning" and f.ranks == [0], f  # (rank 1 1 MiB below it: the same growth)
+    assert (ev["bytes_per_step"], ev["first_step"], ev["last_step"], ev["steps_growing"], ev["steps_checked"]) == (
+        64 << 20, 1, 11, 10, 11), ev
+    # the last step's peak, 10 GiB + 11 x 64 MiB + 8 GiB, reaches 80 GiB in (80 - 18.6875) GiB / 64 MiB steps
+    assert ev["steps_to_limit"] == int(((80 << 30) - ((18 << 30) + 11 * (64 << 20))) / (64 << 20)) == 981, ev
+    assert f.title == "Device memory grows 64.00 MiB every step on rank 0 (10.06 GiB -> 10.69 GiB over steps 1-11)"
+    assert "in about 981 more steps (1.8 min at 110.0 ms a step)" in f.recommendation.text and \
+        "memory_viz" in f.recommendation.text and not f.recommendation.code, f.recommendation.text
+    assert f.predicted.peak_bytes_before - f.predicted.peak_bytes_after == 10 * (64 << 20)
+    assert _quiet("memory.growing", _growing_ctx([(10 << 30) + i * 512 for i in range(12)])).startswith(
+        "the memory allocated at a step's end changed by 5.00 KiB over 11 steady steps on rank 0, growing in 10 "
+        "of 10: not steady growth")
+    step_up = [(10 << 30) + ((100 << 20) if i >= 4 else 0) for i in range(12)]
+    assert "growing in 1 of 10" in _quiet("memory.growing", _growing_ctx(step_up))
+    assert _quiet("memory.growing", _growing_ctx([10 << 30] * 4)) == \
+        "3 steady steps with allocator figures (needs 5)"
+
+
 def test_alloc_retries_one_step_is_info_and_quiet_reasons():
     (f,) = run_rule("memory.alloc_retries", _retries_ctx([0, 0, 1, 1, 1, 1]))
     assert f.severity == "info" and f.evidence["retry_steps"] == [2]

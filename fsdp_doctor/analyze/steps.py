@@ -716,7 +716,7 @@ def _best_cut(xs: list[float]) -> Optional[tuple[int, float, float, float]]:
     return None if best is None else best[1:]
 
 
-def _resistant_slope(xs: list[float], ys: list[float]) -> float:
+def resistant_slope(xs: list[float], ys: list[float]) -> float:
     """Tukey's resistant line's slope through the points: its outer thirds' medians (by x); 0 where undefined."""
     pts = sorted(zip(xs, ys))
     t = len(pts) // 3
@@ -749,11 +749,11 @@ def _drift_line(steps: list[int], walls: list[float], by_rank: dict, bounds: lis
         if moved is None or (delta if up else -delta) > moved[0]:
             moved = (delta if up else -delta, ys)
     ys = moved[1]
-    across = _resistant_slope(steps, ys)
+    across = resistant_slope(steps, ys)
     centred = [(x - mx, y - my) for i, j in parts for mx, my in [(med(steps[i:j]), med(ys[i:j]))]
                for x, y in zip(steps[i:j], ys[i:j])]
-    within = _resistant_slope([x for x, _ in centred], [y for _, y in centred])
-    slope = _resistant_slope(steps, walls)
+    within = resistant_slope([x for x, _ in centred], [y for _, y in centred])
+    slope = resistant_slope(steps, walls)
     if across == 0 or (across > 0) != up or within / across < SHIFT_DRIFT_SHARE or slope == 0 or (slope > 0) != up:
         return None
     icpt = med(y - slope * x for x, y in zip(steps, walls))

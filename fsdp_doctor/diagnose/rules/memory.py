@@ -1,5 +1,6 @@
 """Memory: gradients kept alive between steps, the model's outputs kept past backward, evaluation with autograd
-on, a peak near capacity that no one category explains, and the CUDA allocator retrying its allocations."""
+on, a peak near capacity that no one category explains, the CUDA allocator retrying its allocations, and device
+memory growing every step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...records import CudaMemory
-from ...units import fmt_bytes, fmt_share
+from ...units import fmt_bytes, fmt_ms, fmt_share
 from ..base import Context, Rule, register
 
 _GRADS = ("sharded_grads", "unsharded_grads")
@@ -581,3 +582,105 @@ class AllocRetries(Rule):
             + ("" if not rt.without_ms else f" (the steps with retries take {evidence['step_ms_with_retries']:.1f} "
                f"ms, the others {evidence['step_ms_without_retries']:.1f} ms)") + ".",
             S.expandable_segments_code(conf), where="startup", predicted=predicted, ranks=[rank])]
+
+
+# memory.growing: the device memory allocated at each step's end grows step after step (tensors the loop keeps from
+# every step: outputs or logits appended to a list for metrics, a cache that keeps filling). The 32 scenario runs
+# recorded on the H100 (traces/gpu) end every steady step with the same bytes allocated, to the byte; the reference
+# workload's two (traces/gpu_device_time) grow 512 B a step, its loop keeping each step's loss in a list: growth in
+# this share of the consecutive steady steps or more ...
+GROW_MIN_SHARE = 0.8
+GROW_MIN_STEPS = 5  # ... of this many steady steps or more ...
+GROW_MIN_BYTES = 1 << 20  # ... by this much or more over them (the allocator rounds a kept scalar to 512 B)
+# the device full within this many steps at that rate: a warning (a leak, however slow, ends a long run in an
+# out-of-memory error); beyond it a note
+GROW_WARN_STEPS = 100_000
+
+
+class _Growth(NamedTuple):
+    """One rank's device memory allocated at the end of its steady steps (CUDA), growing."""
+
+    steps: list[int]
+    allocated: list[int]  # bytes, at each of those steps' end
+    grew: int  # consecutive steps whose end allocation grew
+    per_step: float  # bytes a step (the resistant line's slope)
+    worst: CudaMemory  # the last step's figures
+
+
+def _growth(ctx: Context) -> dict[int, _Growth]:
+    """Per rank, the allocator's bytes at each steady step's end (records of a CUDA run; {} elsewhere)."""
+    from ...analyze.steps import resistant_slope, usable_steps
+
+    out = {}
+    for rank, rd in (getattr(ctx.run, "ranks", None) or {}).items():
+        read = [s for s in usable_steps(rd.steps) if s.memory is not None and s.memory.cuda is not None
+                and s.memory.cuda.allocated is not None]
+        if not read:
+            continue
+        steps, alloc = [s.step for s in read], [int(s.memory.cuda.allocated) for s in read]
+        out[int(rank)] = _Growth(steps, alloc, sum(b > a for a, b in zip(alloc, alloc[1:])),
+                                 resistant_slope(steps, alloc), read[-1].memory.cuda)
+    return out
+
+
+@register
+class Growing(Rule):
+    code = "memory.growing"
+    name = "Device memory growing every step"
+    description = ("The device memory allocated at the end of each step grows step after step: tensors the loop keeps "
+                   "from every step (outputs or logits appended to a list, a loss summed without .item(), a cache "
+                   "that keeps filling), which end the run in an out-of-memory error. When, and how fast.")
+    needs = ("memory", "gpu")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        per = _growth(ctx)
+        if not per:
+            return self.quiet("no allocator figures in the steady steps' records (CUDA runs record them)")
+        rank = max(per, key=lambda r: per[r].allocated[-1] - per[r].allocated[0])
+        g = per[rank]
+        n = len(g.steps)
+        grown = g.allocated[-1] - g.allocated[0]
+        if n < GROW_MIN_STEPS:
+            return self.quiet(f"{n} steady steps with allocator figures (needs {GROW_MIN_STEPS})")
+        if g.grew < GROW_MIN_SHARE * (n - 1) or grown < GROW_MIN_BYTES or g.per_step <= 0:
+            return self.quiet(f"the memory allocated at a step's end changed by {fmt_bytes(grown)} over {n} steady "
+                              f"steps on rank {rank}, growing in {g.grew} of {n - 1}: not "
+                              f"steady growth (fires from {fmt_bytes(GROW_MIN_BYTES)}, growing in "
+                              f"{100 * GROW_MIN_SHARE:.0f}% of the steps)")
+        pm = E.peak_memory(ctx)
+        peak = int(pm.peak_bytes) if pm is not None else None
+        w = g.worst
+        limit = w.allocator_limit or w.device_total or E.capacity_bytes(ctx)
+        top = w.max_allocated or peak
+        left = int((limit - top) / g.per_step) if limit and top and limit > top else None
+        step = E.step_ms(ctx)
+        when = ""
+        if left is not None:
+            secs = left * step / 1000 if step else None
+            span = (None if secs is None else f"{secs / 3600:.1f} h" if secs >= 3600 else
+                    f"{secs / 60:.1f} min" if secs >= 60 else fmt_ms(1000 * secs))
+            when = (f" At this rate the step's peak ({fmt_bytes(top)}) reaches the {fmt_bytes(limit)} the allocator "
+                    f"may use in about {left:,} more steps"
+                    + (f" ({span} at {fmt_ms(step)} a step)" if span is not None else "") + ".")
+        a, b = g.steps[0], g.steps[-1]
+        text = (f"The device memory allocated at the end of each step grew by about {fmt_bytes(g.per_step)} a step on "
+                f"rank {rank}, from {fmt_bytes(g.allocated[0])} after step {a} to {fmt_bytes(g.allocated[-1])} after "
+                f"step {b} (growing in {g.grew} of {n - 1} steps): tensors kept from every step that nothing frees. "
+                "In a training loop that is most often a list it appends to: outputs or logits kept for metrics "
+                "(keep loss.item(), or logits.detach().cpu()), a loss summed without .item() (each keeps its "
+                "step's graph), or a cache keyed by something that keeps changing." + when
+                + " To see what holds it: torch.cuda.memory._record_memory_history() before a few steps and "
+                "torch.cuda.memory._dump_snapshot('grow.pickle') after them; PyTorch's memory_viz shows each live "
+                "allocation's stack. What keeps it is in your loop, which the doctor does not see: no code is "
+                "offered.")
+        return [self.finding(
+            "warning" if left is None or left <= GROW_WARN_STEPS else "info",
+            f"Device memory grows {fmt_bytes(g.per_step)} every step on rank {rank} "
+            f"({fmt_bytes(g.allocated[0])} -> {fmt_bytes(g.allocated[-1])} over steps {a}-{b})",
+            {"rank": rank, "bytes_per_step": int(g.per_step), "first_step": a, "last_step": b,
+             "allocated_first_bytes": g.allocated[0], "allocated_last_bytes": g.allocated[-1],
+             "steps_growing": g.grew, "steps_checked": n, "limit_bytes": limit, "max_allocated_bytes": top,
+             "steps_to_limit": left, "step_p50_ms": step},
+            text, predicted=E.predicted(step, step, peak, peak - grown if peak is not None else None),
+            ranks=[rank])]
