@@ -222,12 +222,13 @@ class Tree:
         return {c: idx for c, idx in found.items()
                 if (b := block_of(c)) is None or ("." not in b and "" not in found)}
 
-    def split_blocks(self) -> dict[str, str]:
-        """Blocks too large to be one unit: {block: its own block container, relative} for each block of a container
-        holding T.COARSE_SHARE_MIN of the model's parameter bytes or more whose own modules hold two or more numbered
-        blocks of their own, none of them a unit yet (a ConvNeXt's ``stages.3`` -> ``blocks``: ``stages.3.blocks.0``,
-        ``stages.3.blocks.1``; "" where they are the block's numbered children). A plan making a unit of each stage
-        left 55% of a ConvNeXt's parameters in its last, and wrap.too_coarse fired again on it (a new-user trial)."""
+    def split_blocks(self) -> dict[str, tuple[str, float]]:
+        """Blocks too large to be one unit: {block: (its own block container, relative; its share of the model's
+        parameter bytes)} for each block of a container holding T.COARSE_SHARE_MIN of them or more whose own modules
+        hold two or more numbered blocks of their own, none of them a unit yet (a ConvNeXt's ``stages.3`` ->
+        ``blocks``: ``stages.3.blocks.0``, ``stages.3.blocks.1``; "" where they are the block's numbered children). A
+        plan making a unit of each stage left 55% of a ConvNeXt's parameters in its last, and wrap.too_coarse fired
+        again on it (a new-user trial)."""
         own = [(m, b) for u in self.units for m, b in zip(getattr(u, "own_modules", []) or [],
                                                           getattr(u, "own_bytes", []) or [])]
         total = sum(b for _, b in own)
@@ -242,16 +243,16 @@ class Tree:
         units = [m for u in self.non_root() for m in u.modules]
         out = {}
         for blk, mods in by_block.items():
-            if sum(b for _, b in mods) < T.COARSE_SHARE_MIN * total:
+            size = sum(b for _, b in mods)
+            if size < T.COARSE_SHARE_MIN * total:
                 continue
             inner = block_containers(m for m, _ in mods if m)
             # the one holding the most (a ConvNeXt stage's blocks, not its downsample's numbered layers), half the
             # block or more
             held = {c: sum(b for m, b in mods if container_of(m, inner) == c) for c in inner}
             sub = max(held, key=held.get, default=None)
-            if sub is not None and 2 * held[sub] >= sum(b for _, b in mods) and \
-                    not any(u.startswith(blk + ".") for u in units):
-                out[blk] = sub
+            if sub is not None and 2 * held[sub] >= size and not any(u.startswith(blk + ".") for u in units):
+                out[blk] = (sub, size / total)
         return out
 
     def unit_labels(self) -> list[str]:
@@ -261,7 +262,7 @@ class Tree:
         return [n for n in self.names if n not in ROOT_LABELS]
 
 
-def block_bytes(u, split: Optional[dict[str, str]] = None) -> dict[str, int]:
+def block_bytes(u, split: Optional[dict[str, tuple[str, float]]] = None) -> dict[str, int]:
     """A unit's repeated blocks (``layer1.0``, ...) in module order, with the bytes of their parameters (the
     snapshot's own modules and their sizes); {} where the snapshot has no sizes. ``split`` (Tree.split_blocks): those
     blocks' own blocks apart, each block's other modules under its name."""
@@ -271,7 +272,7 @@ def block_bytes(u, split: Optional[dict[str, str]] = None) -> dict[str, int]:
         if blk is not None and split and blk in split:
             rest = strip_ckpt(m)[len(blk) + 1:]
             inner = block_of(rest) if _DEEP.match(rest) else None
-            if inner is not None and inner.rpartition(".")[0] == split[blk]:
+            if inner is not None and inner.rpartition(".")[0] == split[blk][0]:
                 blk = f"{blk}.{inner}"
         if blk is not None:
             out[blk] = out.get(blk, 0) + b
@@ -446,7 +447,6 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     head = len(lines)
     conts = t.containers() if blocks else {}
     split_ = t.split_blocks() if split and blocks and nested and group == 1 else {}
-    big = _block_shares(t, split_)
     in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
     is_block = lambda m, c: block_of(m) == m and container_of(m, conts) == c  # noqa: E731
     by_cont = {c: next((u for u in t.non_root() if any(is_block(m, c) for m in u.modules)),
@@ -461,9 +461,9 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         kw = _merge(own, ex, drop)
         inner = _nested_lines(t, c, ex, drop, mp) if nested and group == 1 else ([], [])
         lines += inner[0]
-        for blk, sub in split_.items():
-            if container_of(blk + ".x", conts) == c:  # (a block of this container)
-                lines += [f"# {blk} holds {fmt_share(big[blk])} of the parameters: its own blocks units of their own,",
+        for blk, (sub, share) in split_.items():
+            if container_of(blk, conts) == c:  # (a block of this container)
+                lines += [f"# {blk} holds {fmt_share(share)} of the parameters: its own blocks units of their own,",
                           "# sharded before it",
                           f"for block in {children_expr(f'{blk}.{sub}' if sub else blk)}:",
                           "    " + _call("block", kw, indent=4)]
@@ -505,14 +505,6 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         lines += _frozen_lead_prefetch(t, root, lead)
     lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
-
-
-def _block_shares(t: Tree, blocks: Iterable[str]) -> dict[str, float]:
-    """Each of ``blocks``' share of the model's parameter bytes (the snapshot's own modules)."""
-    own = [(strip_ckpt(m), b) for u in t.units for m, b in zip(getattr(u, "own_modules", []) or [],
-                                                              getattr(u, "own_bytes", []) or [])]
-    total = sum(b for _, b in own) or 1
-    return {blk: sum(b for m, b in own if m.startswith(blk + ".")) / total for blk in blocks}
 
 
 def holders(t: Tree) -> dict[str, list]:

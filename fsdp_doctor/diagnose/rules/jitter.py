@@ -634,15 +634,16 @@ class LevelShiftRule(Rule):
         p50 = steps.job.p50_ms if steps.job is not None else None
         held = (f" The step statistics and every finding's figures hold the whole run (step p50 {fmt_ms(p50)}, "
                 f"{fmt_ms(ls.ms_after)} in the latest steps)." if p50 is not None else "")
-        text = (f"The steady steps' time {'grew' if grew else 'fell'} by about {fmt_ms(abs(per_step))} every step, not "
-                f"at one step: it grew within each stretch of steps as it did across them (a line through them runs "
+        verb = "grew" if grew else "fell"
+        text = (f"The steady steps' time {verb} by about {fmt_ms(abs(per_step))} every step, not at one step: it "
+                f"{verb} within each stretch of steps as it did across them (a line through them runs "
                 f"from {fmt_ms(ms_a)} at step {int(a)} to {fmt_ms(ms_b)} at step {int(b)}). {change}"
                 + (" Left as it is, each step keeps slowing." if grew else "") + held
                 + " What changes is in your loop, your data or on your host, which the doctor does not see: no code "
                 "is offered.")
         return self.finding(
             "warning" if grew and ratio >= SHIFT_WARN_RATIO and alarm else "info",
-            f"Step time {'grew' if grew else 'fell'} steadily from {fmt_ms(ms_a)} to {fmt_ms(ms_b)} ({ratio:.2f}x) "
+            f"Step time {verb} steadily from {fmt_ms(ms_a)} to {fmt_ms(ms_b)} ({ratio:.2f}x) "
             f"over steps {int(a)}-{int(b)}, {fmt_ms(per_step, signed=True)} a step"
             + (f", on rank {rank}" if rank is not None else ""),
             {"drift_ms_per_step": round(per_step, 3), "first_step": int(a), "last_step": int(b),
