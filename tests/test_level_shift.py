@@ -137,6 +137,9 @@ def test_a_steady_drift_is_said_as_one_not_as_levels(seed):
     assert "The model's own work grows with the run" in f.recommendation.text and "--steps" not in \
         f.recommendation.text, f.recommendation.text
     assert "changed" not in dict(apart_texts(rep.steps))["level-shift"]
+    f, _, _ = _finding(_run(n=40, wall=lambda k: 260.0 - 4.0 * k, noise=0.1, seed=seed))  # (the same, falling)
+    assert f.severity == "info" and f.title.startswith("Step time fell steadily from "), f.title
+    assert "every step, not at one step: it fell within each stretch" in f.recommendation.text
     step = _run(n=40, wall=lambda k: 100.0 if k < 20 else 150.0, noise=0.15, seed=seed)
     ls = level_shift({r: usable_steps(rd.steps) for r, rd in step.ranks.items()})
     assert ls is not None and ls.first_after == 20 and not ls.drift_line, ls
