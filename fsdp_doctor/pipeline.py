@@ -348,7 +348,9 @@ def steps_columns(run: Run) -> dict[int, dict[str, list]]:
     """The per-step records of each rank as columns (plain lists), the input of the step figures. Column
     ``profiler_export`` is True on a step that wrote a profiler window's trace (its "outside" time is that
     export, not data loading); ``steady`` is True on the steps the analyses use for statistics (the one
-    steady-state rule, ``fsdp_doctor.analyze.steps.usable_steps``: figures need not re-implement it)."""
+    steady-state rule, ``fsdp_doctor.analyze.steps.usable_steps``: figures need not re-implement it). Columns
+    ``peak_bytes`` (the step's memory peak, StepRecord.memory) and, on CUDA, ``allocated_end`` (the allocator's
+    bytes at its end, what memory.growing reads) are None where not recorded."""
     from .analyze.steps import profiler_export_steps
 
     out: dict[int, dict[str, list]] = {}
@@ -357,6 +359,9 @@ def steps_columns(run: Run) -> dict[int, dict[str, list]]:
         for s in rd.steps:
             for k in STEP_COLUMNS:
                 cols[k].append(getattr(s, k))
+        mem = [s.memory for s in rd.steps]
+        cols["peak_bytes"] = [m.peak.bytes if m is not None and m.peak is not None else None for m in mem]
+        cols["allocated_end"] = [m.cuda.allocated if m is not None and m.cuda is not None else None for m in mem]
         export = set(profiler_export_steps(rd))
         cols["profiler_export"] = [st in export for st in cols["step"]]
         steady = {s.step for s in usable_steps(rd.steps)}
@@ -378,6 +383,7 @@ def trace_steps_columns(overlap: Optional[OverlapSection]) -> dict[int, dict[str
         cols["step"] = [n for n, _ in steps]
         cols["wall_ms"] = [v for _, v in steps]
         cols["profiled"] = cols["profiler_export"] = [False] * len(steps)
+        cols["peak_bytes"] = cols["allocated_end"] = [None] * len(steps)
         cols["steady"] = [True] * len(steps)
         out[int(r)] = cols
     return out

@@ -414,11 +414,33 @@ def test_memory_page_with_the_documented_section(snap):
     report = msgspec.structs.replace(snap.report, memory=memory_section())
     s2 = dataclasses.replace(snap, report=report)
     ids = _ids(PAGES["memory"][1].layout(s2, Filters()))
-    assert {"fig-mem-timeline", "fig-mem-breakdown", "tbl-mem-units", "kpi-mem-peak"} <= ids
+    assert {"fig-mem-timeline", "fig-mem-breakdown", "tbl-mem-units", "kpi-mem-peak", "fig-mem-steps"} <= ids
     page = PAGES["memory"][1].layout(s2, Filters(rank=0, unit="layers.0"))
     table = next(c for c in _walk(page) if getattr(c, "id", None) == "tbl-mem-units")
     assert [r["unit"] for r in table.rowData] == ["layers.0"]
     assert "kpi-peak" in _ids(PAGES["overview"][1].layout(s2, Filters()))
+
+
+def test_memory_per_step_draws_each_peak_and_the_allocation_left_at_each_end(steps):
+    """Each step's peak per rank (the sample: CPU, no allocator figures) and, on CUDA (the H100 fixture), what stays
+    allocated at each step's end, flat at 956.1 MiB there: a loop keeping something from every step shows as a
+    dotted line rising (memory.growing). A window keeps its steps; a plain trace's steps carry none."""
+    run = load_run(SAMPLE)
+    fig = F.memory_per_step_figure(steps)
+    assert [t.name for t in fig.data] == ["rank 0 peak", "rank 1 peak"]
+    peaks = {s.step: s.memory.peak.bytes / (1 << 20) for s in run.ranks[0].steps if s.memory and s.memory.peak}
+    assert dict(zip(fig.data[0].x, fig.data[0].y)) == pytest.approx(peaks)
+    fig = F.memory_per_step_figure(steps, ranks=[1], window=(3, 5))
+    assert [t.name for t in fig.data] == ["rank 1 peak"] and list(fig.data[0].x) == [3, 4, 5]
+    gpu = Path(__file__).resolve().parents[1] / "traces" / "gpu" / "fixture"
+    if (gpu / "manifest.json").exists():
+        fig = F.memory_per_step_figure(steps_columns(load_run(gpu)))
+        ends = [t for t in fig.data if t.name.endswith("allocated at the end")]
+        assert len(ends) == 2 and all(t.line.dash == "dot" and len(t.x) == 10 for t in ends), fig.data
+        assert all(round(y, 1) == 956.1 for t in ends for y in t.y)
+    # (a plain trace's steps: no memory columns)
+    assert _is_note(F.memory_per_step_figure({0: {k: v[:3] for k, v in steps[0].items()
+                                                  if k in ("step", "wall_ms")}}))
 
 
 def _walk(c):

@@ -88,6 +88,8 @@ def layout(snap, flt: Filters) -> list:
                    *([note(f"Showing {why}.", "info" if tl_m is m else "warning", nid="mem-step-note")] if tl_step is not None else []),
                    graph(F.memory_timeline_figure(tl_m, None, cap, rank, categories=mem.categories),
                          "fig-mem-timeline"), sid="sec-mem-timeline")]
+    out.append(section("Memory per step", graph(F.memory_per_step_figure(snap.steps, flt.ranks, flt.window),
+                                                "fig-mem-steps"), sid="sec-mem-steps"))
     pu = [u for u in tl_m.per_unit if flt.unit is None or u.unit == flt.unit]
     keys = ("unit", "sharded", "unsharded", "act_own", "activations")  # MEMORY_UNITS_HEADER's columns, as the terminal
     rows = [dict(zip(keys, memory_unit_cells(u))) for u in pu]

@@ -193,6 +193,29 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
                                        "tool's)", k, "each group's fastest and slowest step"), height)
 
 
+def memory_per_step_figure(steps: dict, ranks=None, window=None, height: int = 300) -> go.Figure:
+    """Each rank's memory peak per step (solid, MiB) and, on CUDA, what stays allocated at each step's end
+    (dotted): flat in a healthy run, rising where the loop keeps something from every step (memory.growing)."""
+    title = "Memory per step: each step's peak (solid) and, on CUDA, allocated at its end (dotted)"
+    fig = go.Figure()
+    for r in _select_ranks(steps, ranks):
+        cols = steps.get(r) or steps.get(str(r))
+        idx = _rows(cols, window)
+        for key, name, dash in (("peak_bytes", "peak", "solid"), ("allocated_end", "allocated at the end", "dot")):
+            vals = cols.get(key) or [None] * len(cols["step"])
+            pts = [(cols["step"][i], vals[i] / MIB) for i in idx if vals[i] is not None]
+            if pts:
+                fig.add_trace(go.Scatter(
+                    x=[x for x, _ in pts], y=[y for _, y in pts], mode="lines+markers", name=f"rank {r} {name}",
+                    line={"color": rank_color(r), "width": 1.5, "dash": dash}, marker={"size": 4},
+                    hovertemplate=f"rank {r}<br>step %{{x}}<br>{name}: %{{y:.2f}} MiB<extra></extra>"))
+    if not fig.data:
+        return empty_figure("No per-step memory recorded in this selection.", title, height)
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="MiB", rangemode="tozero")
+    return _layout(fig, title, height)
+
+
 def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -> go.Figure:
     """Per step of one rank, the wall time split into forward / backward / optimizer / outside (stacked), and the
     model's forward passes without gradients (evaluation, generation) where a step ran any. Time outside the
