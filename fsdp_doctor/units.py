@@ -144,6 +144,13 @@ def fmt_ms(ms, signed: bool = False) -> str:
     return f"{sign}{ms * 1000:.0f} µs"
 
 
+def fmt_duration(s: float) -> str:
+    """A span of wall time in its unit, from seconds: "98 s", "11 min", "2.5 h", "3.0 days"."""
+    if s < 120:
+        return f"{s:.0f} s"
+    return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
+
+
 def fmt_us(us, signed: bool = False) -> str:
     """A duration given in µs, formatted as :func:`fmt_ms`."""
     return MISSING if us is None else fmt_ms(us / 1e3, signed)

@@ -725,10 +725,13 @@ def resistant_slope(xs: list[float], ys: list[float]) -> float:
     return (med(y for _, y in pts[-t:]) - med(y for _, y in pts[:t])) / dx if dx > 0 else 0.0
 
 
-# a step's time in each phase a level shift can move (ms), as jitter.level_shift names them
+# a step's time in each phase a level shift reports per part (ms: LevelShift.phases_before_ms, phases_after_ms) ...
+_PART_PHASES = {"forward": lambda s: s.forward_ms, "backward": lambda s: s.backward_ms,
+                "optimizer": lambda s: s.optimizer_ms, "outside": lambda s: max(0.0, s.outside_ms - s.gc_ms),
+                "gc": lambda s: s.gc_ms, "ag_wait": collective_wait_ms, "own": own_ms}
+# ... and in each it can move, as jitter.level_shift names them (compute: forward and backward less the waits)
 _SHIFT_PHASES = {"compute": lambda s: s.forward_ms + s.backward_ms - collective_wait_ms(s),
-                 "outside": lambda s: max(0.0, s.outside_ms - s.gc_ms), "optimizer": lambda s: s.optimizer_ms,
-                 "gc": lambda s: s.gc_ms, "ag_wait": collective_wait_ms}
+                 **{k: _PART_PHASES[k] for k in ("outside", "optimizer", "gc", "ag_wait")}}
 
 
 def _drift_line(steps: list[int], walls: list[float], by_rank: dict, bounds: list[int],
@@ -786,14 +789,7 @@ def level_shift(usable: dict) -> Optional[LevelShift]:
     med = statistics.median
 
     def phases(part: list[int], d: dict) -> dict[str, float]:
-        ss = [d[st] for st in part]
-        return {"forward": round(med(s.forward_ms for s in ss), 3),
-                "backward": round(med(s.backward_ms for s in ss), 3),
-                "optimizer": round(med(s.optimizer_ms for s in ss), 3),
-                "outside": round(med(max(0.0, s.outside_ms - s.gc_ms) for s in ss), 3),
-                "gc": round(med(s.gc_ms for s in ss), 3),
-                "ag_wait": round(med(collective_wait_ms(s) for s in ss), 3),
-                "own": round(med(own_ms(s) for s in ss), 3)}
+        return {k: round(med(fn(d[st]) for st in part), 3) for k, fn in _PART_PHASES.items()}
 
     first, last = parts[0], parts[-1]
     line = _drift_line(common, xs, by_rank, bounds, up)

@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..report_sections import SkippedFile
-from ..units import list_item, printable, steps_phrase, unit_label
+from ..units import fmt_duration, list_item, printable, steps_phrase, unit_label
 from .model import OTHER_UNIT, WindowTrace
 
 # the ranks of one job start a step within this of each other (clocks of one cluster). Not less: a rank that saves
@@ -64,7 +64,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         end = ended.get(w.rank) if w.rank_known else max(ended.values(), default=None)
         start = _start_s(w)
         if end is not None and start is not None and start - end > RERUN_MIN_GAP_S:
-            skipped[i] = (f"another run (it started {_apart(start - end)} after rank {w.rank}'s records ended: "
+            skipped[i] = (f"another run (it started {fmt_duration(start - end)} after rank {w.rank}'s records ended: "
                           "profiled into the same folder after the run?); skipped")
         # and before them: a window that ended before its rank's records started (watch() entry) is another
         # process's, one profiler wrapping watch() itself is not (a new-user trial's plain torch.profiler traces,
@@ -73,7 +73,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         began = started.get(w.rank) if w.rank_known else min(started.values(), default=None)
         stop = _end_s(w)
         if i not in skipped and began is not None and stop is not None and began - stop > RERUN_MIN_GAP_S:
-            skipped[i] = (f"another run (it ended {_apart(began - stop)} before rank {w.rank}'s records started: "
+            skipped[i] = (f"another run (it ended {fmt_duration(began - stop)} before rank {w.rank}'s records started: "
                           "profiled into the same folder before the run?); skipped")
     if len(windows) - len(skipped) < 2:
         kept = [w for i, w in enumerate(windows) if i not in skipped]
@@ -131,8 +131,9 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
                          "run's folder beside it; analyze one run's folder" if apart else
                          ": profiled into the same folder again?")
                 for i in r:
-                    skipped[i] = (f"another run (its step {n} ran {_apart(abs(dt))} {'before' if dt > 0 else 'after'} "
-                                  f"the step {n} of {_files(len(keep))} kept{where}); skipped")
+                    skipped[i] = (f"another run (its step {n} ran {fmt_duration(abs(dt))} "
+                                  f"{'before' if dt > 0 else 'after'} the step {n} of {_files(len(keep))} kept{where}); "
+                                  "skipped")
 
     # the ranks of one job shard one model: the same step runs the same FSDP units on every rank (but where a rank
     # may hold part of the model: pipeline stages hold different units)
@@ -211,7 +212,7 @@ def admit(windows: list[WindowTrace], ended: dict[int, float] | None = None,
         mid = ts[(len(ts) - 1) // 2]
         for i, t in known.items():
             if abs(t - mid) > JOB_SKEW_S:
-                skipped[i] = (f"another job (its step {n} ran {_apart(abs(t - mid))} from the other files' "
+                skipped[i] = (f"another job (its step {n} ran {fmt_duration(abs(t - mid))} from the other files' "
                               f"step {n}); skipped")
 
     # one file per rank and window: of two, the one holding the run's steps or collectives, then the first by name
@@ -317,13 +318,6 @@ def _unit_name(unit: str) -> str:
     if len(name) > _NAME_CHARS:
         name = name[:_NAME_CHARS - 1] + "…"
     return list_item(name)
-
-
-def _apart(s: float) -> str:
-    """A time apart in its unit: "98 s", "11 min", "2.5 h", "3.0 days"."""
-    if s < 120:
-        return f"{s:.0f} s"
-    return f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} days"
 
 
 def _files(n: int) -> str:

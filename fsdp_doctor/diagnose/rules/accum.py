@@ -235,8 +235,9 @@ class AccumulationSyncsEveryMicroBatch(Rule):
                               "records; no profiler trace in the steps analysed)")
         micro = E.micro_batches(ctx)
         mb = statistics.median(micro.values()) if micro else None
-        if mb is None or mb < 1.5:  # (no micro-batches: torchtitan's Trainer, one forward a step, read 9 backward
-            # passes a step, 2 with gradient sync on, where its trace showed 1 reduce-scatter per unit)
+        if mb is None or mb < 1.5:  # (no micro-batches: backward() called more than once over one forward; records
+            # before the count of backward passes through the model read torchtitan's Trainer, one forward a step, as
+            # 9 backward passes, 2 with gradient sync on, where its trace showed 1 reduce-scatter per unit)
             return self.quiet(f"the records count {n} backward passes per optimizer step, {synced} with gradient sync "
                               f"on, but {'no' if mb is None else f'{mb:.0f}'} forward pass per unit: no micro-batches "
                               "(no profiler trace in the steps analysed)")

@@ -273,8 +273,8 @@ class DataWait(Rule):
         top = shares[rank]
         # under gradient accumulation the host's window also holds the gaps between micro-batches (their loading)
         # (the backward passes where recorded: forwards feeding one backward leave no gap between micro-batches)
-        # (and forward passes: torchtitan's chunked loss runs its head a chunk at a time, each chunk's backward() its
-        # own, 9 a step with one forward of the rest, and read "and between micro-batches")
+        # (and forward passes: records before the count of backward passes through the model read torchtitan's
+        # chunked loss, each chunk's backward() its own, as 9 a step with one forward, "and between micro-batches")
         backwards = E.backward_passes(ctx)
         micro = E.micro_batches(ctx)
         many = (backwards is None or backwards > 1) and bool(micro) and statistics.median(micro.values()) > 1

@@ -13,7 +13,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...records import CudaMemory
-from ...units import fmt_bytes, fmt_ms, fmt_share
+from ...units import fmt_bytes, fmt_duration, fmt_ms, fmt_share
 from ..base import Context, Rule, register
 
 _GRADS = ("sharded_grads", "unsharded_grads")
@@ -604,7 +604,7 @@ class _Growth(NamedTuple):
     allocated: list[int]  # bytes, at each of those steps' end
     grew: int  # consecutive steps whose end allocation grew
     per_step: float  # bytes a step (the resistant line's slope)
-    worst: CudaMemory  # the last step's figures
+    last: CudaMemory  # the last step's figures
 
 
 def _growth(ctx: Context) -> dict[int, _Growth]:
@@ -650,19 +650,16 @@ class Growing(Rule):
                               f"{100 * GROW_MIN_SHARE:.0f}% of the steps)")
         pm = E.peak_memory(ctx)
         peak = int(pm.peak_bytes) if pm is not None else None
-        w = g.worst
+        w = g.last
         limit = w.allocator_limit or w.device_total or E.capacity_bytes(ctx)
         top = w.max_allocated or peak
         left = int((limit - top) / g.per_step) if limit and top and limit > top else None
         step = E.step_ms(ctx)
         when = ""
         if left is not None:
-            secs = left * step / 1000 if step else None
-            span = (None if secs is None else f"{secs / 3600:.1f} h" if secs >= 3600 else
-                    f"{secs / 60:.1f} min" if secs >= 60 else fmt_ms(1000 * secs))
             when = (f" At this rate the step's peak ({fmt_bytes(top)}) reaches the {fmt_bytes(limit)} the allocator "
                     f"may use in about {left:,} more steps"
-                    + (f" ({span} at {fmt_ms(step)} a step)" if span is not None else "") + ".")
+                    + (f" ({fmt_duration(left * step / 1000)} at {fmt_ms(step)} a step)" if step else "") + ".")
         a, b = g.steps[0], g.steps[-1]
         text = (f"The device memory allocated at the end of each step grew by about {fmt_bytes(g.per_step)} a step on "
                 f"rank {rank}, from {fmt_bytes(g.allocated[0])} after step {a} to {fmt_bytes(g.allocated[-1])} after "
