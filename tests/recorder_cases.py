@@ -600,7 +600,7 @@ def _outcome(path: Path, rank: int) -> dict:
     return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
                                   "code": f.recommendation.code, "text": f.recommendation.text,
                                   "inputs": f.recommendation.inputs,
-                                  "predicted": f.predicted and msgspec.to_builtins(f.predicted)}
+                                  "predicted": msgspec.to_builtins(f.predicted) if f.predicted else None}
                          for f in rep.findings},
             "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
             "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
