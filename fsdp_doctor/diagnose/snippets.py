@@ -759,22 +759,36 @@ def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = N
     # there (Gemma3's final model.norm: 19.3 ms of exposed all-gather a step on gloo; T5's encoder.final_layer_norm,
     # 256 B between the two stacks: 1.50 ms forward + 0.74 ms backward of a 54.2 ms step, pasted; GPT-2's wpe: 6.3 ms
     # of exposed reduce-scatter for at most 64 KiB; new-user trials)
-    small = [(hs, w) for hs in [*lead.values(), tail]
-             if hs and skip and sizes and (w := leftover_stays(root, nbytes(hs), hs is tail, costs))]
+    groups = [hs for hs in [*lead.values(), tail] if hs and sizes]
+    if skip or sizes.get(""):  # the root is gathered for its tied modules or its own parameters anyway
+        small = [(hs, w) for hs in groups if (w := leftover_stays(root, nbytes(hs), hs is tail, costs))]
+    elif not any(sizes.values()):  # (sizes not recorded)
+        small = []
+    else:
+        # a root left with no parameters has no collectives: what stays there brings them back, an all-gather and a
+        # reduce-scatter a step, against each unit's three. Two groups or more stay where each, and all of them
+        # together, would free less than MEMORY_ONLY_MIN_PEAK_SHARE of the peak, whatever the collectives cost (a
+        # new-user trial's Llava: its vision tower's embeddings, its two norms and its projector made four units of
+        # 0.4% of the peak or less, 12 collectives a step)
+        mem = LeftoverCosts(peak_bytes=(costs or LeftoverCosts()).peak_bytes)
+        few = [hs for hs in groups if leftover_stays(root, nbytes(hs), hs is tail, mem)]
+        why = leftover_stays(root, sum(map(nbytes, few)), False, mem)
+        small = [(hs, why) for hs in few] if len(few) > 1 and why else []
     stay = [h for hs, _ in small for h in hs]
     return _Leftovers({g: hs for g, hs in lead.items() if hs[0] not in stay}, [h for h in tail if h not in stay], small,
                       skip, head_of, heads, nbytes)
 
 
-def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> list[tuple[list[str], str]]:
+def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> tuple[list[tuple[list[str], str]], dict]:
     """The groups of the root's own modules (tied ones aside) that ``shard_plan(t, root_leftovers=True,
-    leftover_costs=costs)`` keeps in the root, each (its modules, why: ``leftover_stays``); [] where it makes units
-    of them all."""
+    leftover_costs=costs)`` keeps in the root, each (its modules, why: ``leftover_stays``), [] where it makes units
+    of them all; and the module each of the root's modules collapses to in the plan (``model.vision_tower.embeddings``
+    for its ``patch_embedding``), by which words name them as the plan does."""
     root, conts = t.root(), t.containers()
     if root is None:
-        return []
+        return [], {}
     g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
-    return [([m for m, h in g.head_of.items() if h in hs], why) for hs, why in g.small]
+    return [([m for m, h in g.head_of.items() if h in hs], why) for hs, why in g.small], g.head_of
 
 
 def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
@@ -788,7 +802,8 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     ``lead_raf``: the run's units' reshard_after_forward where all had the same one other than FSDP's default,
     which the leading units take: a comment above them says so, and where they are. Where the root keeps tied
     modules, a group whose unit gains less than it costs (``leftover_stays``, from the run's ``costs``) stays there,
-    and a comment says why."""
+    and a comment says why; where it keeps none (nor parameters of its own), two groups or more stay where each and
+    all of them together would free under MEMORY_ONLY_MIN_PEAK_SHARE of the peak (``_leftover_groups``)."""
     g = _leftover_groups(t, root, in_block, costs)
     lead, tail, small, head_of, heads, nbytes = g.lead, g.tail, g.small, g.head_of, g.heads, g.nbytes
     stay, skip = [h for hs, _ in small for h in hs], g.skip
@@ -798,9 +813,15 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     if small:  # said once, with the largest group's figures
         big, why = max(small, key=lambda g: nbytes(g[0]))
         one = len(stay) == 1
-        lines += comment(f"{', '.join(stay)} {'stays' if one else 'stay'} in the root with the tied modules: "
-                         + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
-                            f"units of their own gain less than they cost: the largest, {', '.join(big)}, {why}"))
+        if skip or dict(zip(root.own_modules or [], root.own_bytes or [])).get(""):  # the root is gathered anyway
+            lines += comment(f"{', '.join(stay)} {'stays' if one else 'stay'} in the root with "
+                             + ("the tied modules: " if skip else "its own parameters: ")
+                             + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
+                                f"units of their own gain less than they cost: the largest, {', '.join(big)}, {why}"))
+        else:  # (_leftover_groups: all of them together)
+            lines += comment(f"{', '.join(stay)} stay in the root, which then has an all-gather and a reduce-scatter "
+                             f"a step of its own: each a unit, {len(small)} units would add {3 * len(small)} "
+                             f"collectives, and one unit of them all {why}")
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]

@@ -487,18 +487,29 @@ class ParamsInRoot(Rule):
         # beside tied modules the root stays gathered anyway: what would gain less as units of their own than their
         # collectives cost stays there with them (snippets.leftover_stays, from this run's peak, step and waits)
         costs = _leftover_costs(ctx)  # (the plan below weighs the same)
-        groups = S.kept_in_root(S.tree(ctx), costs)
+        groups, head_of = S.kept_in_root(S.tree(ctx), costs)
+        # the modules as the plan names them: each collapsed to the one it shards (a module, not its children)
+        conts = S.tree(ctx).containers()
+        heads = lambda ms: list(dict.fromkeys(head_of.get(m, m) for m in ms))  # noqa: E731
+
+        def named(ms: list[str]) -> str:  # (blocks left in the root: their containers, each module named 30 times)
+            return E.fmt_list(list(dict.fromkeys(
+                f"each block of {S.module_expr(c)}" if (c := S.container_of(m, conts)) is not None else
+                S.module_expr(head_of.get(m, m)) for m in ms)))
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
             return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules "
                               "that gain less as units of their own than they cost: "
-                              + "; ".join(f"{E.fmt_list(ms)}, a unit of {'its' if len(ms) == 1 else 'their'} own, "
-                                          f"{why}" for ms, why in groups))
+                              + "; ".join(f"{E.fmt_list(heads(ms))}, a unit of {'its' if len(ms) == 1 else 'their'} "
+                                          f"own, {why}" for ms, why in groups) if tied else
+                              f"the root's parameters are those of modules that gain less as units of their own than "
+                              f"they cost: {E.fmt_list(heads(kept))}, each a unit, and one unit of them all "
+                              f"{groups[0][1]}")
         movable = _movable_share(root, kept)
         if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
             return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of {staying} stay "
                               f"there; the rest is {100 * share * movable:.2f}%"
-                              + (f", of which {E.fmt_list(list(kept))} stay too" if kept else ""))
+                              + (f", of which {E.fmt_list(heads(kept))} stay too" if kept else ""))
         # the gathered copy beside the shard; under a 16-bit param_dtype on 2 ranks it can equal the fp32 shard's
         # size (a torchtitan llama: difference 0), and the root is still gathered for the whole step; tied modules
         # (and what stays with them) stay in the root gathered: only the rest is freed
@@ -519,7 +530,7 @@ class ParamsInRoot(Rule):
             # units more of collectives: a new-user trial. (Without a timeline, the copy off the peak stays the
             # estimate: below what a fix measured on a GPU trace, GPT-2's wpe, 0.6% against 1.2%.)
             return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but making "
-                              f"{E.fmt_list([S.module_expr(m) for m in moved])} units of their own would lower the "
+                              f"{named(moved)} units of their own would lower the "
                               f"peak by {fmt_bytes(max(0, peak - peak_after))}, "
                               f"{fmt_share(max(0, peak - peak_after) / peak, 1, ROOT_PEAK_GAIN_MIN)} of the "
                               f"{fmt_bytes(peak)} peak (worth it from {100 * ROOT_PEAK_GAIN_MIN:g}%; as the peak step "
@@ -551,14 +562,13 @@ class ParamsInRoot(Rule):
                 f"units. {held_text} Wrap them as units of their own before wrapping the root "
                 # named as the snippet names them, from the user's `model` (the fqns "model.embed_tokens, lm_head" read
                 # beside code on model.model.embed_tokens and model.lm_head: a new-user trial's CausalLM)
-                f"({E.fmt_list([S.module_expr(m) for m in moved])}"
+                f"({named(moved)}"
                 # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
                 + ("; modules tied to another one, such as an output head sharing the embedding's weight, must "
                    "stay together: the snippet leaves them in the root" if set(root.tied_modules) - set(chunked) else
                    "")
-                + (f", with {E.fmt_list([S.module_expr(m) for m in kept])}, which would gain less as units of their "
-                   "own than their collectives cost" + (" (the snippet says why)" if tune is None else "")
-                   if kept else "") + ").")
+                + (f"; {named(kept)} stay in the root: units of their own would gain less than their collectives "
+                   "cost" + (" (the snippet says why)" if tune is None else "") if kept else "") + ").")
         if chunked:
             text += _PER_CHUNK.format(E.fmt_list([S.module_expr(m) for m in chunked]), ctx.config.output_chunks)
         if tune is not None:
