@@ -34,6 +34,8 @@ ELSEWHERE = {"checkpoint.blocking": "torchtitan's and a Hugging Face Trainer's s
                                     "found unmarked (tests/test_titan_trainer.py, tests/test_recorder_cases.py)",
              "mesh.uncombined_groups": "4 gloo ranks sharded over a (2, 2) mesh's 1-D shard dim "
                                        "(tests/test_mesh_subsets.py)",
+             "optim.never_updated": "a Hugging Face Llava whose vision layer after vision_feature_layer=-2 runs for "
+                                    "no output (tests/test_never_updated.py)",
              "compile.recompile_limit": "an HF Llama of 10 decoder layers, each compiled in place "
                                         "(tests/test_recompile_limit.py); of 16 with inductor on a GPU "
                                         "(GPU row gpu_hf_llama_recompile_limit)",

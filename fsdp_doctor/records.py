@@ -397,6 +397,10 @@ class RunConfig(Record, tag="config"):
     # where its own checkpointing is off, which a checkpointing fix then turns off); None: a run recorded before this
     # field
     kv_cache: bool | None = None
+    # a Hugging Face vision-language model's vision_feature_layer (its config's, on the watched model: the vision
+    # tower's hidden state its projector takes, -2 for Llava's: the layers after it run for no output); None: none,
+    # or not one layer
+    vision_feature_layer: int | None = None
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback),
     # TITAN_DRIVER, LIGHTNING_DRIVER, TORCHTUNE_DRIVER
     driver: str | None = None

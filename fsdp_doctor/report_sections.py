@@ -435,6 +435,9 @@ class UnitTiming(_Section):
     # layer), left out of the medians above, and those they are over (the records' unit rows; 0: not counted)
     not_run: int = 0
     samples: int = 0
+    # of those it ran in, the ones with no backward of it (its output reached no gradient: optim.never_updated); 0
+    # for a root
+    no_backward: int = 0
 
 
 class UnitRow(UnitConfig, omit_defaults=False):

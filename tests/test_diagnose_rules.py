@@ -59,7 +59,7 @@ def build(units=None, *, step_ms=110.0, phases=None, capacity=None, memory=None,
         d.setdefault("forward_prefetch", [])
         d.setdefault("backward_prefetch", [])
         if t:
-            d["timing_p50"] = {k: float(v) for k, v in t.items()}
+            d["timing_p50"] = {k: v if k in ("not_run", "samples", "no_backward") else float(v) for k, v in t.items()}
         rows.append(d)
     ph = phases or {"forward": 34.0, "backward": 60.0, "optimizer": 13.0, "outside": 3.0, "gc": 0.0}
     st = {"count": 16, "p50_ms": step_ms, "phases_p50_ms": ph, "gc_ms_total": 0.0, "gc_count_total": 0,
@@ -3897,3 +3897,34 @@ def test_recompile_limit_when_it_cannot_tell_or_a_higher_limit_would_not_help():
     assert st.status == "quiet" and st.reason == ("Dynamo hit no recompile limit: 8 module(s) compiled "
                                                   "(LlamaDecoderLayer); recompile_limit 8, "
                                                   "accumulated_recompile_limit 256"), st.reason
+
+
+def _never_updated_ctx(no_backward=8, samples=8, **block3):
+    """The reference GPT's units with layers.3 run forward in ``samples`` steady steps and no backward in
+    ``no_backward`` of them (a Llava's vision layer after the hidden state it takes)."""
+    us = healthy_units()
+    u, _ = us[5]
+    assert u["name"] == "layers.3"
+    us[5] = (dict(u, **block3), dict(fwd_ms=6.0, ag_wait_fwd_ms=1.0, bwd_ms=0.0, ag_wait_bwd_ms=0.8,
+                                     no_backward=no_backward, samples=samples))
+    return build(us)[0]
+
+
+def test_never_updated_known_answer():
+    """A unit holding trainable parameters that ran its forward in all 8 steady steps and its backward in none: its
+    parameters never get a gradient; its forward (6.0 ms a step) and its backward all-gather (0.8 ms, gathered by
+    the previous unit's prefetch) are the waste. No vision_feature_layer: the fix is words (where the output leaves
+    the graph, or freeze it). Quiet on a frozen unit (prefetch.frozen_gathered's), under 3 steps, or where it ran a
+    backward in some step."""
+    (f,) = run_rule("optim.never_updated", _never_updated_ctx())
+    assert f.severity == "warning" and f.units == ["layers.3"] and not f.recommendation.code
+    assert f.evidence["forward_ms_per_step"] == 6.0 and f.evidence["wasted_ms_per_step"] == 6.8, f.evidence
+    assert f.evidence["params"] == BLOCK["param_count"]
+    assert "ran its forward in every steady step (6.0 ms a step" in f.recommendation.text
+    assert "freeze them (requires_grad_(False))" in f.recommendation.text
+    assert f.predicted.step_ms_after is None and f.predicted.peak_bytes_after is None  # (no fix to predict)
+    assert "ran its backward in the steps it ran" in _quiet("optim.never_updated", _never_updated_ctx(no_backward=7))
+    assert "ran its backward in the steps it ran" in _quiet("optim.never_updated", _never_updated_ctx(2, 2))
+    assert "ran its backward in the steps it ran" in _quiet("optim.never_updated",
+                                                            _never_updated_ctx(trainable_sharded_bytes=0))
+    assert _quiet("optim.never_updated", build([u for u in healthy_units()])[0]).startswith("every unit holding")

@@ -82,6 +82,9 @@ def test_small_modules_of_the_root_stay_there_rather_than_units_of_their_own(tmp
     # the vision tower's 4 blocks, the embedding, the final norm and head
     assert len(fixed.units) == len(base.units) + 6, [u.name for u in fixed.units]
     warned = lambda rep: {g.code for g in rep.findings if g.severity == "warning"}  # noqa: E731
-    assert "wrap.params_in_root" not in warned(fixed) and warned(fixed) <= warned(base), warned(fixed)
+    # (the vision block after the hidden state Llava takes, a unit of its own now, shows it never runs backward:
+    # optim.never_updated, tests/test_never_updated.py; inside the root, it had no timing of its own)
+    assert "wrap.params_in_root" not in warned(fixed), warned(fixed)
+    assert warned(fixed) - {"optim.never_updated"} <= warned(base), warned(fixed)
     predicted = f.predicted.peak_bytes_after
     assert abs(fixed.memory.peak_bytes - predicted) <= 0.1 * predicted, (fixed.memory.peak_bytes, predicted)

@@ -81,6 +81,7 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "precision.": ("param_dtype",),
     "throughput.low_mfu": ("tokens_per_step", "checkpoint", "wrapping"),
     "optim.untrained_params": ("trainable",),
+    "optim.never_updated": ("wrapping",),  # (its fix removes the units whose output nothing reads)
     # its fix: bf16 parameters (a MixedPrecisionPolicy); the config diff showed param_dtype float32 -> bfloat16 and no
     # prediction checked (a new-user trial)
     "optim.state_dominates": ("param_dtype",),

@@ -149,6 +149,10 @@ def unit_table(run: Run, ranks: Optional[list[int]] = None) -> list[UnitRow]:
     bwd_children = _backward_nesting(run) or children
     timings: dict[str, dict[str, list[float]]] = {}
     not_run: dict[str, int] = {}
+    # steps in which a unit ran its forward and no backward (not a root's: one holding no parameters of its own is timed
+    # by none)
+    no_backward: dict[str, int] = {}
+    roots = {u.name for u in cfg.units if u.is_root}
     # (one pass over every unit of every step: a 20,000-step run's 240,000, attributes read directly)
     for r, rd in run.ranks.items():
         if ranks is not None and r not in ranks:
@@ -161,6 +165,8 @@ def unit_table(run: Run, ranks: Optional[list[int]] = None) -> list[UnitRow]:
                     # trial)
                     not_run[u.name] = not_run.get(u.name, 0) + 1
                     continue
+                if not u.bwd_ms and u.name not in roots:
+                    no_backward[u.name] = no_backward.get(u.name, 0) + 1
                 t = timings.get(u.name)
                 if t is None:
                     t = timings[u.name] = {k: [] for k in (*_TIMING_KEYS, "fwd_self_ms", "bwd_self_ms")}
@@ -183,7 +189,8 @@ def unit_table(run: Run, ranks: Optional[list[int]] = None) -> list[UnitRow]:
         t = timings.get(u.name) if u.name not in blind else None
         if t:
             row.timing_p50 = UnitTiming(**{k: round(statistics.median(v), 3) for k, v in t.items() if v},
-                                        not_run=not_run.get(u.name, 0), samples=len(t["fwd_ms"]))
+                                        not_run=not_run.get(u.name, 0), samples=len(t["fwd_ms"]),
+                                        no_backward=no_backward.get(u.name, 0))
             if blind & set(children.get(u.name, ())):  # a nested unit's time unknown: so is this one's own
                 row.timing_p50.fwd_self_ms = row.timing_p50.bwd_self_ms = None
             if u.compiled_call_timed or getattr(u, "forward_methods", None):

@@ -154,7 +154,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         **optimizer_params(optimizer, model, units),
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
-        kv_cache=kv_cache(model),
+        kv_cache=kv_cache(model), vision_feature_layer=vision_feature_layer(model),
         units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(named, units),
         **_param_counts(model),
         capacity_bytes=capacity, alloc_conf=alloc_conf(dev), tokens_per_step=tokens_per_step, peak_tflops=peak,
@@ -425,6 +425,15 @@ def no_split_modules(model: nn.Module) -> list[str] | None:
 def kv_cache(model: nn.Module) -> bool:
     """Whether a Hugging Face config under ``model`` has ``use_cache`` on (what snippets.no_kv_cache turns off)."""
     return any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in model.modules())
+
+
+def vision_feature_layer(model: nn.Module) -> int | None:
+    """The watched model's Hugging Face config's ``vision_feature_layer`` where it is one layer (an int) of the vision
+    tower its ``vision_config`` counts the layers of (what optim.never_updated's fix changes)."""
+    cfg = getattr(model, "config", None)
+    v = getattr(cfg, "vision_feature_layer", None)
+    layers = getattr(getattr(cfg, "vision_config", None), "num_hidden_layers", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and isinstance(layers, int) else None
 
 
 def _compiled_in_place(model: nn.Module, units: list[Unit]) -> list[int]:

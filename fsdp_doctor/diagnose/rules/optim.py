@@ -620,3 +620,90 @@ class NoGradients(Rule):
             {"optimizer": name, "optimizer_state_tensors": 0, "gradient_sync_off_units": off[:20],
              "unsharded_grads_held_bytes": held},
             text, code, where=where, inputs=inputs, units=off[:20])]
+
+
+# A unit "never" runs its backward from this many steady (rank, step)s on, in every one of which it ran its forward.
+NEVER_UPDATED_MIN_STEPS = 3
+
+
+@register
+class NeverUpdated(Rule):
+    code = "optim.never_updated"
+    name = "Trainable units that never get a gradient"
+    description = ("A unit holding trainable parameters runs its forward every step and never its backward: its "
+                   "output reaches the loss through no gradient (unused, detached or computed under no_grad), so its "
+                   "parameters never change, and its forward and all-gathers run for nothing.")
+    needs = ("units", "records")
+    severities = ("warning",)
+
+    def match(self, ctx: Context):
+        timed = [u for u in E.units(ctx) if u.has_timing]
+        if not any(u.timing.bwd_ms > 0 for u in timed):
+            return self.quiet("no unit ran a backward in the steady steps")
+        idle = [u for u in timed if not u.is_root and E.grad_shard_bytes(u) > 0
+                and u.timing.samples >= NEVER_UPDATED_MIN_STEPS and u.timing.no_backward == u.timing.samples]
+        if not idle:
+            return self.quiet("every unit holding trainable parameters ran its backward in the steps it ran")
+        names = [u.name for u in idle]
+        fwd = sum(u.timing.fwd_ms for u in idle)
+        # on gloo the host blocks in each all-gather: the backward prefetch that gathers such a unit in vain (FSDP2's
+        # default, the previous unit in forward order) is step time too; on a GPU the host-timed forward is not the
+        # device's: no step figure
+        wasted = fwd + sum(E.own_wait_ms(ctx, u, "backward") for u in idle)
+        step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
+        params = sum(u.param_count for u in idle)
+        cut = _feature_layer_cut(ctx, names)
+        its = "its" if len(idle) == 1 else "their"
+        text = (f"{E.fmt_list(names, 4)} ({params / 1e6:.2f} M trainable parameters) ran {its} forward in every "
+                f"steady step ({fwd:.1f} ms a step, with {its} all-gathers) and never {its} backward: the output "
+                "reaches the loss through no gradient, so these parameters never get one and the optimizer never "
+                "changes them.")
+        code = ""
+        if cut is not None:
+            cont, first, v = cut
+            text += (f" The model's vision_feature_layer={v} takes the vision tower's hidden state before them: the "
+                     f"layers from {cont}.{first} on compute an output nothing reads. The fix removes them and takes "
+                     "the last hidden state, the same one (the loss is unchanged).")
+            code = (f"# {S.BEFORE_SHARDING} (before fully_shard): the layers vision_feature_layer={v} leaves unread\n"
+                    f"del {S.module_expr(cont)}[{first}:]\n"
+                    "model.config.vision_feature_layer = -1  # the same hidden state: now the last\n"
+                    "# the tower's config counts its layers (transformers 5 finds its hidden states by it)\n"
+                    f"model.config.vision_config.num_hidden_layers = {first}")
+        else:
+            text += (" If they should train, find where their output leaves the graph (torch.no_grad(), .detach(), "
+                     "an output left unused); if not, freeze them (requires_grad_(False)) and, where their output is "
+                     "unused, leave them out of the forward.")
+        saves = cut is not None and not E.on_gpu(ctx)
+        # removed: their parameters, and what their forward saved for a backward that never comes, held while their
+        # output lives (the trial's Llava: its unread layer's 914 KiB at the peak, which fell 2.04 MiB)
+        mem = E.memory_units(ctx)
+        freed = sum(u.sharded_bytes + int(getattr(mem.get(u.name), "activation_bytes", 0) or 0) for u in idle)
+        return [self.finding(
+            "warning", f"{len(idle)} unit(s) with trainable parameters never run backward",
+            {"units": names, "params": params, "forward_ms_per_step": round(fwd, 3),
+             "step_ms": step, "wasted_ms_per_step": round(wasted, 3) if not E.on_gpu(ctx) else None},
+            text, code,
+            predicted=E.predicted(step, step - wasted if saves and step else None, peak,
+                                  peak - freed if cut is not None and peak is not None else None,
+                                  # (ceilings: the trial's Llava, 3 runs each way, 118.0 -> 108.2 ms and 36.16 ->
+                                  # 34.12 MiB measured, 102.9 ms and 35.01 MiB predicted; what else the layer held
+                                  # and cost, the tower's pooled output among it, is not counted)
+                                  at_most=True),
+            units=names)]
+
+
+def _feature_layer_cut(ctx: Context, names: list[str]) -> tuple[str, int, int] | None:
+    """(the container, its first block, vision_feature_layer) where the units that never run backward are exactly
+    the blocks of one container after the hidden state a Hugging Face vision-language model's vision_feature_layer
+    takes (hidden_states[v] of a tower of n blocks, n + 1 states: blocks from index v on, or n + 1 + v where v < 0,
+    read nothing; Llava's -2 leaves its last block unread); None otherwise."""
+    v = getattr(ctx.config, "vision_feature_layer", None)
+    if v is None:
+        return None
+    for cont, idx in S.tree(ctx).containers().items():
+        n = len(idx)
+        first = v if v >= 0 else n + 1 + v
+        if cont and sorted(idx) == list(range(n)) and 0 < first < n and \
+                set(names) == {f"{cont}.{i}" for i in range(first, n)}:
+            return cont, first, v
+    return None

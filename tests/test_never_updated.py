@@ -1,0 +1,107 @@
+"""optim.never_updated on a vision-language model (a tiny Hugging Face Llava: a CLIP vision tower and a Llama, every
+block and the root sharded, the vision tower trained): Llava's projector takes the vision tower's hidden state at
+vision_feature_layer=-2, the one before its last layer, so that layer runs its forward every step for an output
+nothing reads. It never runs backward, its parameters never get a gradient, and FSDP2's default backward prefetch
+gathers it in vain (a new-user trial: the prefetch snippet already left it out, prefetch.frozen_gathered's quiet
+reason said "every unit runs backward"). The fix removes the layers after that hidden state and takes the last one,
+the same: pasted before the fully_shard calls, the losses are bit-identical, the finding is gone and the peak is the
+predicted one within 10%.
+
+Run as a user would: 2 gloo ranks, the printed fix executed before the script's fully_shard calls in a fresh run."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import gloo_worker, record_two_ranks
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    """
+) + gloo_worker(
+    """
+    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=64, patch_size=8)
+    text = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=False)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=2000))
+    model.config.use_cache = False
+    if fix:  # before the fully_shard calls, as printed
+        exec(open(fix).read(), {"model": model})
+    for layer in model.model.vision_tower.encoder.layers:
+        fully_shard(layer)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
+        for _ in range(6):
+            ids = torch.cat([torch.full((2, 64), 2000), torch.randint(0, 1900, (2, 64), generator=g)], 1)
+            labels = ids.clone()
+            labels[:, :64] = -100
+            loss = model(input_ids=ids, pixel_values=torch.randn(2, 3, 64, 64, generator=g), labels=labels).loss
+            loss.backward()
+            opt.step(), opt.zero_grad(), doc.step()
+            losses.append(loss.item())
+    with open(f"{out}.losses{rank}.json", "w") as fh:
+        json.dump(losses, fh)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _losses(tmp_path: Path, name: str) -> list:
+    return [json.loads((tmp_path / f"{name}.losses{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_a_vision_layer_no_output_reads_is_removed_and_the_loss_is_the_same(tmp_path):
+    base = record_two_ranks(tmp_path, _SCRIPT, "base")
+    (f,) = [f for f in base.findings if f.code == "optim.never_updated"]
+    assert f.units == ["model.vision_tower.encoder.layers.3"] and f.severity == "warning", f.units
+    assert "vision_feature_layer=-2 takes the vision tower's hidden state before them" in f.recommendation.text
+    code = f.recommendation.code
+    assert f.recommendation.where == "before_shard", f.recommendation.where
+    assert "del model.model.vision_tower.encoder.layers[3:]\n" in code, code
+    assert "model.config.vision_feature_layer = -1" in code and "num_hidden_layers = 3" in code, code
+    # the quiet rule that said "every unit runs backward" names it
+    frozen = next(s for s in base.rules if s.code == "prefetch.frozen_gathered")
+    assert "model.vision_tower.encoder.layers.3, after it, runs no backward" in frozen.reason, frozen.reason
+
+    fix = tmp_path / "fix.py"
+    fix.write_text(code)
+    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
+    assert _losses(tmp_path, "fixed") == _losses(tmp_path, "base")  # (bit-identical: the same hidden state)
+    assert len(fixed.units) == len(base.units) - 1, [u.name for u in fixed.units]
+    warned = lambda rep: {g.code for g in rep.findings if g.severity == "warning"}  # noqa: E731
+    assert "optim.never_updated" not in warned(fixed) and warned(fixed) <= warned(base), warned(fixed)
+    predicted = f.predicted.peak_bytes_after
+    assert predicted < base.memory.peak_bytes
+    assert abs(fixed.memory.peak_bytes - predicted) <= 0.1 * predicted, (fixed.memory.peak_bytes, predicted)
+
+
+def test_the_cut_reads_the_hidden_state_the_layer_index_takes():
+    """Known answers for which blocks vision_feature_layer leaves unread (n blocks give n + 1 hidden states): -2 of 4
+    leaves block 3, 2 of 4 blocks 2 and 3, -1 none; any other set of units gets no cut (words only)."""
+    from fsdp_doctor.diagnose.rules.optim import _feature_layer_cut
+    from test_diagnose_rules import build, healthy_units
+
+    ctx = build(healthy_units(), vision_feature_layer=-2)[0]
+    assert _feature_layer_cut(ctx, ["layers.3"]) == ("layers", 3, -2)
+    assert _feature_layer_cut(ctx, ["layers.2", "layers.3"]) is None
+    assert _feature_layer_cut(build(healthy_units(), vision_feature_layer=2)[0], ["layers.2", "layers.3"]) == \
+        ("layers", 2, 2)
+    assert _feature_layer_cut(build(healthy_units(), vision_feature_layer=-1)[0], ["layers.3"]) is None
+    assert _feature_layer_cut(build(healthy_units())[0], ["layers.3"]) is None
