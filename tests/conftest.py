@@ -145,6 +145,42 @@ SHARD_OR_FIX = textwrap.dedent(
 )
 
 
+#: ``gloo_worker`` body parts for a tiny Hugging Face Llava (a CLIP vision tower of 4 layers at 64x64, patch 8, and a
+#: Llama of 4 layers; 1.85 M parameters): TINY_LLAVA builds ``model``; LLAVA_LOOP trains it 6 steps on 64 image and 64
+#: text tokens, watched into ``out`` (no profiler window), each rank's losses to ``{out}.losses{rank}.json``
+TINY_LLAVA = textwrap.dedent(
+    """
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=64, patch_size=8)
+    text = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=False)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=2000))
+    model.config.use_cache = False
+    """
+)
+LLAVA_LOOP = textwrap.dedent(
+    """
+    import json
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
+        for _ in range(6):
+            ids = torch.cat([torch.full((2, 64), 2000), torch.randint(0, 1900, (2, 64), generator=g)], 1)
+            labels = ids.clone()
+            labels[:, :64] = -100
+            loss = model(input_ids=ids, pixel_values=torch.randn(2, 3, 64, 64, generator=g), labels=labels).loss
+            loss.backward()
+            opt.step(), opt.zero_grad(), doc.step()
+            losses.append(loss.item())
+    with open(f"{out}.losses{rank}.json", "w") as fh:
+        json.dump(losses, fh)
+    dist.destroy_process_group()
+    """
+)
+
+
 def gloo_worker(body: str) -> str:
     """``worker(rank, port, out, fix)`` for ``TWO_RANKS``: the rank joins a 2-rank gloo group on one thread, seeded,
     then runs ``body`` (dedented; ``fsdp_doctor`` imported). The script imports os, torch and torch.distributed as

@@ -17,25 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import gloo_worker, record_two_ranks
+from conftest import LLAVA_LOOP, TINY_LLAVA, gloo_worker, record_two_ranks
 
 _SCRIPT = textwrap.dedent(
     """
-    import json
     import os
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
     """
-) + gloo_worker(
+) + gloo_worker(TINY_LLAVA + textwrap.dedent(
     """
-    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                              image_size=64, patch_size=8)
-    text = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=False)
-    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=2000))
-    model.config.use_cache = False
     if fix:  # before the fully_shard calls, as printed
         exec(open(fix).read(), {"model": model})
     for layer in model.model.vision_tower.encoder.layers:
@@ -43,23 +35,8 @@ _SCRIPT = textwrap.dedent(
     for layer in model.model.language_model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1 + rank)
-    losses = []
-    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
-        for _ in range(6):
-            ids = torch.cat([torch.full((2, 64), 2000), torch.randint(0, 1900, (2, 64), generator=g)], 1)
-            labels = ids.clone()
-            labels[:, :64] = -100
-            loss = model(input_ids=ids, pixel_values=torch.randn(2, 3, 64, 64, generator=g), labels=labels).loss
-            loss.backward()
-            opt.step(), opt.zero_grad(), doc.step()
-            losses.append(loss.item())
-    with open(f"{out}.losses{rank}.json", "w") as fh:
-        json.dump(losses, fh)
-    dist.destroy_process_group()
     """
-)
+) + LLAVA_LOOP)
 
 
 def _losses(tmp_path: Path, name: str) -> list:

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from conftest import gloo_worker, record_two_ranks
+from conftest import LLAVA_LOOP, TINY_LLAVA, gloo_worker, record_two_ranks
 
 _SCRIPT = textwrap.dedent(
     """
@@ -25,7 +25,6 @@ _SCRIPT = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     def shard(model, fix):
         if fix:  # in place of the fully_shard calls, as printed
@@ -35,27 +34,7 @@ _SCRIPT = textwrap.dedent(
             fully_shard(layer)
         fully_shard(model)
     """
-) + gloo_worker(
-    """
-    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                              image_size=64, patch_size=8)
-    text = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=False)
-    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=2000))
-    model.config.use_cache = False
-    shard(model, fix)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(1 + rank)
-    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
-        for _ in range(6):
-            ids = torch.cat([torch.full((2, 64), 2000), torch.randint(0, 1900, (2, 64), generator=g)], 1)
-            labels = ids.clone()
-            labels[:, :64] = -100
-            model(input_ids=ids, pixel_values=torch.randn(2, 3, 64, 64, generator=g), labels=labels).loss.backward()
-            opt.step(), opt.zero_grad(), doc.step()
-    dist.destroy_process_group()
-    """
-)
+) + gloo_worker(TINY_LLAVA + "shard(model, fix)\n" + LLAVA_LOOP)
 
 _SMALL = ("model.vision_tower.embeddings", "model.vision_tower.pre_layrnorm", "model.vision_tower.post_layernorm",
           "model.multi_modal_projector")
