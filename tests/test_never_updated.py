@@ -4,8 +4,8 @@ vision_feature_layer=-2, the one before its last layer, so that layer runs its f
 nothing reads. It never runs backward, its parameters never get a gradient, and FSDP2's default backward prefetch
 gathers it in vain (a new-user trial: the prefetch snippet already left it out, prefetch.frozen_gathered's quiet
 reason said "every unit runs backward"). The fix removes the layers after that hidden state and takes the last one,
-the same: pasted before the fully_shard calls, the losses are bit-identical, the finding is gone and the peak is the
-predicted one within 10%.
+the same: pasted before the fully_shard calls, the losses are bit-identical, the finding is gone and the peak at most
+the predicted one (a ceiling), within 10% of it.
 
 Run as a user would: 2 gloo ranks, the printed fix executed before the script's fully_shard calls in a fresh run."""
 
@@ -64,9 +64,9 @@ def test_a_vision_layer_no_output_reads_is_removed_and_the_loss_is_the_same(tmp_
     assert len(fixed.units) == len(base.units) - 1, [u.name for u in fixed.units]
     warned = lambda rep: {g.code for g in rep.findings if g.severity == "warning"}  # noqa: E731
     assert "optim.never_updated" not in warned(fixed) and warned(fixed) <= warned(base), warned(fixed)
-    predicted = f.predicted.peak_bytes_after
-    assert predicted < base.memory.peak_bytes
-    assert abs(fixed.memory.peak_bytes - predicted) <= 0.1 * predicted, (fixed.memory.peak_bytes, predicted)
+    predicted = f.predicted.peak_bytes_after  # a ceiling: the layer's shard at least, what it saved where held
+    assert f.predicted.at_most and predicted < base.memory.peak_bytes
+    assert 0.9 * predicted <= fixed.memory.peak_bytes <= predicted, (fixed.memory.peak_bytes, predicted)
 
 
 def test_the_cut_reads_the_hidden_state_the_layer_index_takes():
@@ -82,3 +82,47 @@ def test_the_cut_reads_the_hidden_state_the_layer_index_takes():
         ("layers", 2, 2)
     assert _feature_layer_cut(build(healthy_units(), vision_feature_layer=-1)[0], ["layers.3"]) is None
     assert _feature_layer_cut(build(healthy_units())[0], ["layers.3"]) is None
+
+
+_ACCELERATE = textwrap.dedent(
+    """
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    """
+) + gloo_worker(TINY_LLAVA + textwrap.dedent(
+    """
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    sys.path.insert(0, os.environ["FSDP_DOCTOR_TESTS"])
+    from recorder_cases import force_fsdp
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    # its default policy: the model's _no_split_modules (each CLIP and Llama layer, the vision embeddings)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    accelerator = Accelerator(cpu=True)
+    force_fsdp(accelerator.state, plugin)  # (accelerate enables FSDP on GPUs only)
+    if fix:  # with the Accelerator built, before prepare(), as printed
+        exec(open(fix).read(), {"model": model, "accelerator": accelerator})
+    model = accelerator.prepare(model)
+    """
+) + LLAVA_LOOP)
+
+
+@pytest.mark.slow
+def test_under_accelerates_plugin_the_fix_goes_before_prepare(tmp_path, monkeypatch):
+    """The same model sharded by accelerate's FSDP2 plugin (its default policy, the model's _no_split_modules): the
+    fix goes before accelerator.prepare(model), which shards it; pasted there, the losses are bit-identical and the
+    finding is gone."""
+    pytest.importorskip("accelerate")
+    monkeypatch.setenv("FSDP_DOCTOR_TESTS", str(Path(__file__).parent))
+    base = record_two_ranks(tmp_path, _ACCELERATE, "base")
+    (f,) = [f for f in base.findings if f.code == "optim.never_updated"]
+    assert f.recommendation.where == "accelerate" and "del model.model.vision_tower.encoder.layers[3:]" in \
+        f.recommendation.code, (f.recommendation.where, f.recommendation.code)
+    fix = tmp_path / "fix.py"
+    fix.write_text(f.recommendation.code)
+    fixed = record_two_ranks(tmp_path, _ACCELERATE, "fixed", str(fix))
+    assert _losses(tmp_path, "fixed") == _losses(tmp_path, "base")
+    assert "optim.never_updated" not in {g.code for g in fixed.findings}
+    assert fixed.memory.peak_bytes <= f.predicted.peak_bytes_after, (fixed.memory.peak_bytes, f.predicted)

@@ -664,7 +664,7 @@ class NeverUpdated(Rule):
             text += (f" The model's vision_feature_layer={v} takes the vision tower's hidden state before them: the "
                      f"layers from {cont}.{first} on compute an output nothing reads. The fix removes them and takes "
                      "the last hidden state, the same one (the loss is unchanged).")
-            code = (f"# {S.BEFORE_SHARDING} (before fully_shard): the layers vision_feature_layer={v} leaves unread\n"
+            code = (f"# {S.BEFORE_SHARDING} (before it is sharded): the layers vision_feature_layer={v} leaves unread\n"
                     f"del {S.module_expr(cont)}[{first}:]\n"
                     "model.config.vision_feature_layer = -1  # the same hidden state: now the last\n"
                     "# the tower's config counts its layers (transformers 5 finds its hidden states by it)\n"
@@ -674,20 +674,21 @@ class NeverUpdated(Rule):
                      "an output left unused); if not, freeze them (requires_grad_(False)) and, where their output is "
                      "unused, leave them out of the forward.")
         saves = cut is not None and not E.on_gpu(ctx)
-        # removed: their parameters, and what their forward saved for a backward that never comes, held while their
-        # output lives (the trial's Llava: its unread layer's 914 KiB at the peak, which fell 2.04 MiB)
-        mem = E.memory_units(ctx)
-        freed = sum(u.sharded_bytes + int(getattr(mem.get(u.name), "activation_bytes", 0) or 0) for u in idle)
+        # removed: their parameters' shards at least (a ceiling: what their forward saved for a backward that never
+        # comes is freed too where the peak holds it: the trial's Llava in its own loop, 36.16 -> 34.12 MiB for a
+        # 258.75 KiB shard; under accelerate's prepare(), 30.52 -> 30.27 MiB, the shard alone)
+        freed = sum(u.sharded_bytes for u in idle)
         return [self.finding(
             "warning", f"{len(idle)} unit(s) with trainable parameters never run backward",
             {"units": names, "params": params, "forward_ms_per_step": round(fwd, 3),
              "step_ms": step, "wasted_ms_per_step": round(wasted, 3) if not E.on_gpu(ctx) else None},
             text, code,
+            # (accelerate's prepare() or the Trainer shards the model: the fix goes before it)
+            where=(E.plugin_lever(ctx) or "") if code else "",
             predicted=E.predicted(step, step - wasted if saves and step else None, peak,
                                   peak - freed if cut is not None and peak is not None else None,
-                                  # (ceilings: the trial's Llava, 3 runs each way, 118.0 -> 108.2 ms and 36.16 ->
-                                  # 34.12 MiB measured, 102.9 ms and 35.01 MiB predicted; what else the layer held
-                                  # and cost, the tower's pooled output among it, is not counted)
+                                  # (ceilings: the trial's Llava, 3 runs each way, 118.0 -> 108.2 ms measured, 102.9
+                                  # predicted; what else the layer cost is not counted)
                                   at_most=True),
             units=names)]
 
