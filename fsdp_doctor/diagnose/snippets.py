@@ -706,6 +706,7 @@ class _Leftovers:
     head_of: dict  # each module the plan moves -> the module it collapses to
     heads: dict  # each collapsed module -> [trailing, the group it joins]
     nbytes: object  # the bytes of collapsed modules, their stored dtype
+    anyway: bool = False  # the root is gathered anyway: it keeps tied modules or parameters of its own
 
 
 def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = None) -> _Leftovers:
@@ -760,7 +761,8 @@ def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = N
     # 256 B between the two stacks: 1.50 ms forward + 0.74 ms backward of a 54.2 ms step, pasted; GPT-2's wpe: 6.3 ms
     # of exposed reduce-scatter for at most 64 KiB; new-user trials)
     groups = [hs for hs in [*lead.values(), tail] if hs and sizes]
-    if skip or sizes.get(""):  # the root is gathered for its tied modules or its own parameters anyway
+    anyway = bool(skip or sizes.get(""))  # the root is gathered for its tied modules or its own parameters anyway
+    if anyway:
         small = [(hs, w) for hs in groups if (w := leftover_stays(root, nbytes(hs), hs is tail, costs))]
     elif not any(sizes.values()):  # (sizes not recorded)
         small = []
@@ -776,7 +778,7 @@ def _leftover_groups(t: Tree, root, in_block, costs: Optional[LeftoverCosts] = N
         small = [(hs, why) for hs in few] if len(few) > 1 and why else []
     stay = [h for hs, _ in small for h in hs]
     return _Leftovers({g: hs for g, hs in lead.items() if hs[0] not in stay}, [h for h in tail if h not in stay], small,
-                      skip, head_of, heads, nbytes)
+                      skip, head_of, heads, nbytes, anyway)
 
 
 def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> tuple[list[tuple[list[str], str]], dict]:
@@ -813,7 +815,7 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     if small:  # said once, with the largest group's figures
         big, why = max(small, key=lambda g: nbytes(g[0]))
         one = len(stay) == 1
-        if skip or dict(zip(root.own_modules or [], root.own_bytes or [])).get(""):  # the root is gathered anyway
+        if g.anyway:
             lines += comment(f"{', '.join(stay)} {'stays' if one else 'stay'} in the root with "
                              + ("the tied modules: " if skip else "its own parameters: ")
                              + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else

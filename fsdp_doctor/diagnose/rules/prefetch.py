@@ -465,7 +465,8 @@ class FrozenGathered(Rule):
             later = [u.name for u in us[first:] if not u.is_root and u.has_timing and not u.timing.bwd_ms > 0]
             return self.quiet(("every unit runs backward: " if not later else "") + "no frozen unit comes before "
                               f"{lowest}, the first trainable one in forward order"
-                              + (f" ({E.fmt_list(later)}, after it, runs no backward: optim.never_updated)" if later else ""))
+                              + (f" ({E.fmt_list(later)}, after it, runs no backward: optim.never_updated)"
+                                 if later else ""))
         found = E.frozen_prefetches(us, set(idle))
         if found is None:
             return self.quiet("a unit has several parameter groups (torch's backward prefetch per group is not modelled)")

@@ -487,9 +487,10 @@ class ParamsInRoot(Rule):
         # beside tied modules the root stays gathered anyway: what would gain less as units of their own than their
         # collectives cost stays there with them (snippets.leftover_stays, from this run's peak, step and waits)
         costs = _leftover_costs(ctx)  # (the plan below weighs the same)
-        groups, head_of = S.kept_in_root(S.tree(ctx), costs)
+        tree = S.tree(ctx)
+        groups, head_of = S.kept_in_root(tree, costs)
         # the modules as the plan names them: each collapsed to the one it shards (a module, not its children)
-        conts = S.tree(ctx).containers()
+        conts = tree.containers()
         heads = lambda ms: list(dict.fromkeys(head_of.get(m, m) for m in ms))  # noqa: E731
 
         def named(ms: list[str]) -> str:  # (blocks left in the root: their containers, each module named 30 times)
