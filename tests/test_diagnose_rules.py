@@ -3902,7 +3902,7 @@ def test_recompile_limit_when_it_cannot_tell_or_a_higher_limit_would_not_help():
 def _never_updated_ctx(no_backward=8, samples=8, **block3):
     """The reference GPT's units with layers.3 run forward in ``samples`` steady steps and no backward in
     ``no_backward`` of them (a Llava's vision layer after the hidden state it takes)."""
-    us = healthy_units()
+    us = [(dict(u, trainable_sharded_bytes=u["sharded_bytes"]), t) for u, t in healthy_units()]  # (all trainable)
     u, _ = us[5]
     assert u["name"] == "layers.3"
     us[5] = (dict(u, **block3), dict(fwd_ms=6.0, ag_wait_fwd_ms=1.0, bwd_ms=0.0, ag_wait_bwd_ms=0.8,
@@ -3927,4 +3927,7 @@ def test_never_updated_known_answer():
     assert "ran its backward in the steps it ran" in _quiet("optim.never_updated", _never_updated_ctx(2, 2))
     assert "ran its backward in the steps it ran" in _quiet("optim.never_updated",
                                                             _never_updated_ctx(trainable_sharded_bytes=0))
-    assert _quiet("optim.never_updated", build([u for u in healthy_units()])[0]).startswith("every unit holding")
+    healthy = [(dict(u, trainable_sharded_bytes=u["sharded_bytes"]), t) for u, t in healthy_units()]
+    assert _quiet("optim.never_updated", build(healthy)[0]).startswith("every unit holding")
+    # recorded before the snapshot read which parameters train: a frozen unit would read as trainable
+    assert _quiet("optim.never_updated", build(healthy_units())[0]).startswith("which parameters train was not")

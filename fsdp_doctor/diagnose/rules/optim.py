@@ -640,6 +640,8 @@ class NeverUpdated(Rule):
         timed = [u for u in E.units(ctx) if u.has_timing]
         if not any(u.timing.bwd_ms > 0 for u in timed):
             return self.quiet("no unit ran a backward in the steady steps")
+        if any(u.trainable_sharded_bytes is None for u in timed):  # (a frozen unit would read as trainable)
+            return self.quiet("which parameters train was not recorded (a snapshot older than its trainable bytes)")
         idle = [u for u in timed if not u.is_root and E.grad_shard_bytes(u) > 0
                 and u.timing.samples >= NEVER_UPDATED_MIN_STEPS and u.timing.no_backward == u.timing.samples]
         if not idle:
