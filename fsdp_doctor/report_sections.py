@@ -318,6 +318,10 @@ class LevelShift(_Section):
         (a, ya), (b, yb) = self.drift_line
         return (yb - ya) / (b - a)
 
+    def drift_verb(self) -> str:
+        """Which way the step time drifted, "grew" or "fell" (its line's ends; "" where it changed in levels)."""
+        return "" if not self.drift_line else "grew" if self.drift_line[1][1] > self.drift_line[0][1] else "fell"
+
 
 class NoGradSteps(_Section):
     """One rank's steps whose time holds forward passes of the model without gradients (``torch.no_grad`` or

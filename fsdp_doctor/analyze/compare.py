@@ -874,7 +874,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
         ls = rep.steps.level_shift if rep.steps is not None else None
         if ls is not None:  # (its samples mix the parts: a delta of p50s reads the mix, not either part)
             cmp.notes.append(
-                f"{name}'s step time {'grew' if ls.ms_after > ls.ms_before else 'fell'} steadily "
+                f"{name}'s step time {ls.drift_verb()} steadily "
                 f"({fmt_ms(ls.drift_ms_per_step(), signed=True)} a step: jitter.level_shift): its times mix its early "
                 "and late steps" if ls.drift_line else
                 f"{name}'s step time changed {shift_at(ls)} and stayed ({fmt_ms(ls.ms_before)} before, "

@@ -179,7 +179,7 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
             fig.add_shape(type="line", x0=x0, x1=x1, y0=at(x0), y1=at(x1),
                           line={"color": "#555", "width": 1, "dash": "dot"})
             fig.add_annotation(x=x1, y=at(x1), showarrow=False, xanchor="right", yanchor="bottom", font={"size": 11},
-                               text=f"{'grew' if ms_b > ms_a else 'fell'} {fmt_ms(abs(shift.drift_ms_per_step()))} "
+                               text=f"{shift.drift_verb()} {fmt_ms(abs(shift.drift_ms_per_step()))} "
                                     "a step")
     if cut is not None and min(xs) < cut < max(xs):  # (a window of steps on one side of it: not drawn)
         fig.add_vline(x=cut, line={"color": "#555", "width": 1, "dash": "dash"})

@@ -689,7 +689,7 @@ def level_shift_text(section: StepsSection) -> Optional[str]:
         return None
     if ls.drift_line:
         (a, ms_a), (b, ms_b) = ls.drift_line
-        return (f"The step time {'grew' if ms_b > ms_a else 'fell'} steadily, {fmt_ms(ls.drift_ms_per_step(), signed=True)} "
+        return (f"The step time {ls.drift_verb()} steadily, {fmt_ms(ls.drift_ms_per_step(), signed=True)} "
                 f"a step ({fmt_ms(ms_a)} at step {int(a)} to {fmt_ms(ms_b)} at step {int(b)}, a line through the "
                 "steps); the statistics above hold every step (jitter.level_shift)")
     at = shift_at(ls)

@@ -629,12 +629,12 @@ class LevelShiftRule(Rule):
         steps = E.steps(ctx)
         (a, ms_a), (b, ms_b) = ls.drift_line
         per_step = ls.drift_ms_per_step()
-        grew = per_step > 0
         ratio = ms_b / ms_a if ms_a > 0 else ls.ms_after / ls.ms_before
         p50 = steps.job.p50_ms if steps.job is not None else None
         held = (f" The step statistics and every finding's figures hold the whole run (step p50 {fmt_ms(p50)}, "
                 f"{fmt_ms(ls.ms_after)} in the latest steps)." if p50 is not None else "")
-        verb = "grew" if grew else "fell"
+        verb = ls.drift_verb()
+        grew = verb == "grew"
         text = (f"The steady steps' time {verb} by about {fmt_ms(abs(per_step))} every step, not at one step: it "
                 f"{verb} within each stretch of steps as it did across them (a line through them runs "
                 f"from {fmt_ms(ms_a)} at step {int(a)} to {fmt_ms(ms_b)} at step {int(b)}). {change}"
