@@ -3931,3 +3931,49 @@ def test_never_updated_known_answer():
     assert _quiet("optim.never_updated", build(healthy)[0]).startswith("every unit holding")
     # recorded before the snapshot read which parameters train: a frozen unit would read as trainable
     assert _quiet("optim.never_updated", build(healthy_units())[0]).startswith("which parameters train was not")
+
+
+def test_plan_keeps_tiny_modules_of_an_otherwise_empty_root_there():
+    """A root with no tied modules and no parameters of its own (a Llava's: its vision tower's embeddings, two norms
+    and projector, 0.4% of the peak or less each, beside the Llama's embedding and final norm and head): each a unit
+    added 3 collectives a step for nothing; where two groups or more would each, and all together, free under 1% of
+    the peak, they stay in the root (which then has an all-gather and a reduce-scatter of its own) and the plan says
+    why. One such group alone stays a unit, as before; without the peak (no costs), their share of the root's own
+    bytes decides. The rule, with nothing else to move, is quiet and says why."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    names = ["vision.embed", "vision.pre_norm", "vision.post_norm", "projector", "embed", "norm", "lm_head"]
+    sizes = [132_096, 1_024, 1_024, 132_096, 1_048_576, 512, 1_048_576]
+    total = sum(sizes)
+    root = dict(unit("", param_count=total // 4, n_params=12, sharded_bytes=total // 2, unsharded_bytes=total,
+                     orig_dtypes=["float32"], shard_size=2, reshard_after_forward=False)[0],
+                own_modules=names, own_bytes=sizes, leading_modules=names[:2] + ["embed"], tied_modules=[],
+                trailing_modules=["norm", "lm_head"])
+    blocks = [UnitConfig(**unit(f"{c}.{i}", **BLOCK)[0]) for c in ("vision.layers", "layers") for i in range(2)]
+    plan = S.shard_plan(S.Tree.of([UnitConfig(**root), *blocks]), root_leftovers=True,
+                        leftover_costs=S.LeftoverCosts(peak_bytes=36 << 20))
+    calls = [ln.strip() for ln in plan.splitlines() if "fully_shard(" in ln]
+    assert calls == ["fully_shard(block, mesh=mesh)", "fully_shard(block, mesh=mesh)",
+                     "fully_shard(model.embed, mesh=mesh)",
+                     "fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)",
+                     "fully_shard(model, mesh=mesh)"], plan
+    assert ("# vision.embed, vision.pre_norm, vision.post_norm, projector stay in the root,\n# which then has an "
+            "all-gather and a reduce-scatter a step of its own: each a\n# unit, 4 units would add 12 collectives, "
+            "and one unit of them all would free at\n# most 260.00 KiB, 0.7% of the 36.00 MiB peak (worth it from "
+            "1%)\n") in plan, plan
+    # one such group alone: a unit, as before
+    one = dict(root, own_modules=names[4:] + ["projector"], own_bytes=sizes[4:] + [132_096],
+               leading_modules=["embed"])
+    plan = S.shard_plan(S.Tree.of([UnitConfig(**one), *blocks]), root_leftovers=True,
+                        leftover_costs=S.LeftoverCosts(peak_bytes=36 << 20))
+    assert "fully_shard(model.projector, mesh=mesh)" in plan and "stay in the root" not in plan, plan
+    # the rule: the same root beside its blocks, nothing but the small ones to move
+    small = dict(root, own_modules=names[:4], own_bytes=sizes[:4], leading_modules=names[:2], trailing_modules=[],
+                 param_count=66_560, sharded_bytes=133_120, unsharded_bytes=266_240)
+    blocks = [unit(f"{c}.{i}", **BLOCK, timing=dict(fwd_ms=6.0, ag_wait_fwd_ms=1.0, bwd_ms=6.0, ag_wait_bwd_ms=0.8))
+              for c in ("vision.layers", "layers") for i in range(2)]
+    st = run_status("wrap.params_in_root", build(units=[(small, None), *blocks], memory=memory(36 << 20))[0])
+    assert st.status == "quiet" and st.reason.startswith(
+        "the root's parameters are those of modules that gain less as units of their own than they cost: "
+        "vision.embed, vision.pre_norm, vision.post_norm, projector, each a unit, and one unit of them all would "
+        "free at most"), st.reason
