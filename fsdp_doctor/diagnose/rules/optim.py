@@ -666,11 +666,13 @@ class NeverUpdated(Rule):
             text += (f" The model's vision_feature_layer={v} takes the vision tower's hidden state before them: the "
                      f"layers from {cont}.{first} on compute an output nothing reads. The fix removes them and takes "
                      "the last hidden state, the same one (the loss is unchanged).")
+            # (under a Trainer, the model it holds: its fixes read `trainer`)
+            m = "trainer.model" if E.plugin_lever(ctx) == "trainer" else S.ROOT
             code = (f"# {S.BEFORE_SHARDING} (before it is sharded): the layers vision_feature_layer={v} leaves unread\n"
-                    f"del {S.module_expr(cont)}[{first}:]\n"
-                    "model.config.vision_feature_layer = -1  # the same hidden state: now the last\n"
+                    f"del {S.module_expr(cont, m)}[{first}:]\n"
+                    f"{m}.config.vision_feature_layer = -1  # the same hidden state: now the last\n"
                     "# the tower's config counts its layers (transformers 5 finds its hidden states by it)\n"
-                    f"model.config.vision_config.num_hidden_layers = {first}")
+                    f"{m}.config.vision_config.num_hidden_layers = {first}")
         else:
             text += (" If they should train, find where their output leaves the graph (torch.no_grad(), .detach(), "
                      "an output left unused); if not, freeze them (requires_grad_(False)) and, where their output is "
