@@ -186,3 +186,19 @@ def test_one_spike_among_late_steps_is_not_the_patterns_cost():
     n = f.evidence["steps_checked"]
     assert abs(f.evidence["cost_ms_per_step"] - 280.0 / n) < 0.05, f.evidence
     assert abs(f.evidence["spikes_capped_at_ms"] - 120.0) < 0.5, f.evidence
+
+
+def test_one_stretch_of_consecutive_steps_is_no_work_done_every_few_steps():
+    """Steps 5-10 of 16 each 60 ms longer outside the model on every rank, and no others (a loader that slowed for a
+    while, a trial's run: "work done every few steps does this: a checkpoint save ..."): said as one stretch that
+    recovered, with what does that; two steps in a row, or stops apart, keep the recurring words."""
+    found, _, _ = _rule(_run({r: {k: 60.0 for k in range(5, 11)} for r in (0, 1)}))
+    (f,) = found
+    assert f.title.startswith("Every rank spent 60 ms more outside the model in steps 5-10 (6 in a row), then no "
+                              "longer"), f.title
+    assert f.evidence["consecutive"] is True and f.evidence["every_n_steps"] is None, f.evidence
+    assert "Not work done every few steps" in f.recommendation.text and "checkpoint save" not in f.recommendation.text
+    assert f.severity == "warning"  # (360 of 1,960 ms: 18%, six stops)
+    for extra in ({5: 100.0, 6: 100.0}, {3: 100.0, 7: 100.0, 11: 100.0}):
+        (g,) = _rule(_run({r: extra for r in (0, 1)}))[0]
+        assert "consecutive" not in g.evidence and "Work done every few steps" in g.recommendation.text, g.title

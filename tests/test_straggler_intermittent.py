@@ -122,3 +122,16 @@ def test_an_optimizer_step_as_long_as_the_other_ranks_own_is_host_noise():
     (f,) = _rule(_run({1: {2: ("outside", 150.0), 7: ("outside", 150.0), 10: ("outside", 150.0)}}, opt=noisy))[0]
     assert (f.severity, f.evidence["rank"], f.evidence["late_steps"], f.evidence["phase"]) == (
         "warning", 1, [2, 7, 10], "outside"), f.evidence
+
+
+def test_one_stretch_of_late_steps_is_said_as_one_that_recovered():
+    """Rank 1 late outside the model in steps 4-8 of 16 and no others (another process on its host for a while: a
+    trial's run read "work done now and then on one rank (a checkpoint or evaluation on rank 0 ...) does this"): one
+    stretch, said as one that recovered; late in every step to the run's end, or in steps apart, the words stay."""
+    (f,), _ = _rule(_run({1: {k: ("outside", 40.0) for k in range(4, 9)}}, n=16))
+    assert f.title.startswith("Rank 1 was late in steps 4-8 (5 in a row), then no longer"), f.title
+    assert f.evidence["consecutive"] is True and "Not work done now and then" in f.recommendation.text
+    assert "async_save" not in f.recommendation.text
+    for late in ({k: ("outside", 40.0) for k in (3, 7, 11)}, {k: ("outside", 40.0) for k in range(12, 16)}):
+        found, st = _rule(_run({1: late}, n=16))
+        assert all("consecutive" not in g.evidence for g in found), (found, st)

@@ -634,6 +634,16 @@ def period(steps: list[int], checked: list[int], least: int = 2) -> Optional[int
     return n if n > 1 and all(st in steps for st in checked if st % n == steps[0] % n) else None
 
 
+def one_stretch(steps: list[int], checked: list[int]) -> bool:
+    """Whether ``steps`` are T.STRETCH_MIN_STEPS or more consecutive ones of ``checked`` and no others, before its last:
+    one stretch that slowed and recovered, not work done every few steps (a trial's loader slowed in steps 15-24 of
+    40, read as "work done every few steps does this: a checkpoint save ...")."""
+    if len(steps) < T.STRETCH_MIN_STEPS or steps[0] not in checked or steps[-1] == checked[-1]:
+        return False
+    at = checked.index(steps[0])
+    return checked[at:at + len(steps)] == list(steps)
+
+
 def no_capacity(ctx: Context) -> str:
     """Why a rule that weighs memory against the budget cannot: the budget is unknown (a CPU run, or plain traces
     without the device's memory), and how this run's user gives it: on torchtitan's command line, to the Hugging

@@ -61,3 +61,8 @@ SEVERE_BOUND_SHARE = 0.50
 # (estimate._unsteady: the records' STRAGGLER_MIN_CONSISTENCY)
 TRACE_STRAGGLER_MIN_FRACTION = 0.15
 TRACE_STRAGGLER_MIN_MS = 0.5
+
+# this many steps in a row or more, and no others, before the run's last, are one stretch that slowed and recovered,
+# not work done every few steps (jitter.recurring_outside, straggler.intermittent; two in a row can be one save that
+# spans a step boundary)
+STRETCH_MIN_STEPS = 3

@@ -442,15 +442,19 @@ class RecurringOutside(Rule):
                               f"fires from {100 * RECUR_SHARE_NOTE:.0f}%)")
         per_step = sum(ex) / len(common)
         clock = "the device idles" if E.on_gpu(ctx) else "every rank spends"
+        # one stretch of consecutive steps, then no more, is no work done every few steps (a trial's loader slowed in
+        # steps 15-24 of 40: "work done every few steps does this: a checkpoint save ...")
+        severity = "warning" if share >= OUTSIDE_SHARE_MIN and len(hit) >= RECUR_WARN_MIN_STEPS else "info"
+        evidence = {"steps": hit, "steps_checked": len(common), "every_n_steps": every,
+                    "excess_ms": [round(x, 1) for x in ex], "outside_ms_median": round(statistics.median(
+                        per[rank][st][0] for st in common), 3), "share_pct": round(100 * share, 1),
+                    "cost_ms_per_step": round(per_step, 3), "rank": rank,
+                    "measured_by": "device" if E.on_gpu(ctx) else "host"}
+        if E.one_stretch(hit, common):
+            return [self._stretch(ctx, severity, {**evidence, "consecutive": True}, typical, share, per_step, rank)]
         return [self.finding(
-            "warning" if share >= OUTSIDE_SHARE_MIN and len(hit) >= RECUR_WARN_MIN_STEPS else "info",
-            f"Every rank stops {typical:.0f} ms outside the model in {said} ({fmt_share(share)} of the "
-            "time)",
-            {"steps": hit, "steps_checked": len(common), "every_n_steps": every,
-             "excess_ms": [round(x, 1) for x in ex], "outside_ms_median": round(statistics.median(
-                 per[rank][st][0] for st in common), 3), "share_pct": round(100 * share, 1),
-             "cost_ms_per_step": round(per_step, 3), "rank": rank,
-             "measured_by": "device" if E.on_gpu(ctx) else "host"},
+            severity, f"Every rank stops {typical:.0f} ms outside the model in {said} ({fmt_share(share)} of the "
+            "time)", evidence,
             f"In steps {', '.join(map(str, hit))} {clock} {typical:.0f} ms more outside the model "
             f"than in the other steps, on every rank at once: {per_step:.1f} ms per step over the run, "
             f"{fmt_share(share)} of the time (rank {rank}). The median step does not show it. Work done every few "
@@ -464,6 +468,23 @@ class RecurringOutside(Rule):
             + ". Do it less often, in the background, or off the training "
             "loop. What it is lives in your loop, which the doctor does not see: no code is offered.",
             ranks=sorted(per))]
+
+    def _stretch(self, ctx: Context, severity: str, evidence: dict, typical, share, per_step, rank):
+        """The finding where the steps longer outside the model are one stretch of consecutive steps, before and
+        after which they were not: something outside the model slowed for a while, no work done every few steps."""
+        hit = evidence["steps"]
+        clock = "the device idled" if E.on_gpu(ctx) else "every rank spent"
+        return self.finding(
+            severity, f"Every rank spent {typical:.0f} ms more outside the model in steps {hit[0]}-{hit[-1]} "
+            f"({len(hit)} in a row), then no longer ({fmt_share(share)} of the time)", evidence,
+            f"In steps {hit[0]} to {hit[-1]}, {len(hit)} steps in a row, {clock} {typical:.0f} ms more outside the "
+            "model than in the steps before and after them, on every rank at once: "
+            f"{per_step:.1f} ms per step over the run, {fmt_share(share)} of the time (rank {rank}). Not work done "
+            "every few steps: something outside the model slowed for a while and recovered. A data loader reading a "
+            "slow part of the data set or a file system under load, another process on the host, an evaluation or a "
+            "save the doctor was not told of do this. Look at what the loop and the host did in those steps. What it "
+            "was lives in your loop or on your host, which the doctor does not see: no code is offered.",
+            ranks=sorted(int(r) for r in ctx.run.ranks))
 
 
 #: jitter.level_shift: one rank changed and the others waited for it where the others' own time changed by under this

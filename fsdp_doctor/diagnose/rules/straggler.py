@@ -163,24 +163,33 @@ class IntermittentStraggler(Rule):
         # a range where the late steps differ ("+110 ms each" read for +18.5 and +200.9 ms: a new-user trial)
         lo, hi = min(x for _, x, _ in rows), max(x for _, x, _ in rows)
         each = f"+{lo:.0f} to +{hi:.0f} ms" if hi > 2 * lo else f"+{typical:.0f} ms each"
+        waits = ("first collective of the next step" if phase == "optimizer" else "collectives of the same step")
+        loop = "the Trainer's loop or your callbacks" if E.trainer_driven(ctx) else "your loop"
+        stretch = E.one_stretch(steps, common)  # (consecutive steps, then no more: no work done now and then)
         return [self.finding(
-            sev, f"Rank {rank} is late in {len(rows)} of {len(common)} steps ({each})",
+            sev, (f"Rank {rank} was late in steps {steps[0]}-{steps[-1]} ({len(rows)} in a row), then no longer "
+                  f"({each})") if stretch else f"Rank {rank} is late in {len(rows)} of {len(common)} steps ({each})",
             # (the first LATE_LISTED of each list: a 20,000-step run's held 1,230 steps, 15.6 KB of JSON)
             {"rank": int(rank), "late_steps": steps[:LATE_LISTED], "late_step_count": len(steps),
              "steps_checked": len(common), "late_excess_ms": [round(x, 1) for _, x, _ in rows][:LATE_LISTED],
              "phase": phase,
              "every_n_steps": gap, "own_ms_median": round(base, 3), "cost_ms_per_step": round(per_step, 3),
-             "spikes_capped_at_ms": round(cap, 1) if any(x > cap for _, x, _ in rows) else None},
+             "spikes_capped_at_ms": round(cap, 1) if any(x > cap for _, x, _ in rows) else None,
+             **({"consecutive": True} if stretch else {})},
+            f"In steps {steps[0]} to {steps[-1]}, {len(rows)} steps in a row, rank {rank} spent {typical:.0f} ms "
+            f"more than the other ranks on its own work, mostly {where}, and then no longer; the other ranks waited "
+            f"that long in the {waits}, so every rank paid it. Not work done now and then: something on rank {rank} "
+            "slowed for a while and recovered (another process on its host, a slow stretch of its data shard, its "
+            f"device throttled). Look at what rank {rank} and its host did in those steps. What it was lives in {loop} "
+            "or on that host, which the doctor does not see: no code is offered." if stretch else
             f"In steps {E.fmt_list([str(x) for x in steps], 12)} rank {rank} spends {typical:.0f} ms "
             f"more than the other ranks on its own work, mostly {where}; the other ranks wait that long in the "
-            + ("first collective of the next step" if phase == "optimizer" else "collectives of the same step")
-            + ", so every rank pays it. Work done now and then on one rank (a "
+            f"{waits}, so every rank pays it. Work done now and then on one rank (a "
             "checkpoint or evaluation on rank 0, a log line with a host sync, an occasional long sequence in its "
             "data shard) does this: run it on every rank at once, asynchronously (a checkpoint: "
             "torch.distributed.checkpoint.async_save), or off the training loop. What it is lives in "
             # (a Trainer's loop is not the user's: R2, a new-user trial)
-            + ("the Trainer's loop or your callbacks" if E.trainer_driven(ctx) else "your loop")
-            + ", which the doctor does not see: no code is offered.",
+            f"{loop}, which the doctor does not see: no code is offered.",
             # its cost is paid in the late steps only: a share of the mean step, which the median leaves out (on a
             # fast host the median step is shorter than the cost per step: 100 against 129 ms, no prediction)
             # (down to the median step without the lateness: ``floor``)
