@@ -1,10 +1,10 @@
 """wrap.params_in_root on a vision-language model (a tiny Hugging Face Llava: a CLIP vision tower and a Llama, the
-Llama's blocks and the root sharded, the vision tower's blocks left in the root). The plan made a unit of every module holding the root's parameters: the
-vision tower's embeddings, its two norms and the projector, 0.4% of the peak or less each, four units and twelve
-collectives a step more (a new-user trial), beside the embedding and the final norm and head, which the peak does
-hold. Without tied modules the root left with nothing has no collectives; those small modules now stay in it where
-each, and all of them together, would free under 1% of the peak, and a comment in the plan says why. The finding's
-text names the modules the plan shards, not their children (it listed ``embeddings.patch_embedding`` beside
+Llama's blocks and the root sharded, the vision tower's blocks left in the root). The plan made a unit of every
+module holding the root's parameters: the vision tower's embeddings, its two norms and the projector, 0.4% of the
+peak or less each, four units and twelve collectives a step more (a new-user trial), beside the embedding and the
+final norm and head, which the peak does hold. Without tied modules the root left with nothing has no
+collectives; those small modules now stay in it where each, and all of them together, would free under 1% of the
+peak, and a comment in the plan says why. The finding's text names the modules the plan shards, not their children (it listed ``embeddings.patch_embedding`` beside
 ``embeddings``, and each module of each vision block: ``model.get_submodule('model.vision_tower.encoder.layers.0
 .self_attn.k_proj')``, ... (+29)).
 

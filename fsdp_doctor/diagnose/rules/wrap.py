@@ -501,8 +501,9 @@ class ParamsInRoot(Rule):
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
             return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules "
                               "that gain less as units of their own than they cost: "
-                              + "; ".join(f"{E.fmt_list(heads(ms))}, a unit of {'its' if len(heads(ms)) == 1 else 'their'} "
-                                          f"own, {why}" for ms, why in groups) if tied else
+                              + "; ".join(f"{E.fmt_list(heads(ms))}, a unit of "
+                                          f"{'its' if len(heads(ms)) == 1 else 'their'} own, {why}"
+                                          for ms, why in groups) if tied else
                               f"the root's parameters are those of modules that gain less as units of their own than "
                               f"they cost: {E.fmt_list(heads(kept))}, each a unit, and one unit of them all "
                               f"{groups[0][1]}")
