@@ -4,9 +4,9 @@ module holding the root's parameters: the vision tower's embeddings, its two nor
 peak or less each, four units and twelve collectives a step more (a new-user trial), beside the embedding and the
 final norm and head, which the peak does hold. Without tied modules the root left with nothing has no
 collectives; those small modules now stay in it where each, and all of them together, would free under 1% of the
-peak, and a comment in the plan says why. The finding's text names the modules the plan shards, not their children (it listed ``embeddings.patch_embedding`` beside
-``embeddings``, and each module of each vision block: ``model.get_submodule('model.vision_tower.encoder.layers.0
-.self_attn.k_proj')``, ... (+29)).
+peak, and a comment in the plan says why. The finding's text names the modules the plan shards, not their children
+(it listed ``embeddings.patch_embedding`` beside ``embeddings``, and each module of each vision block:
+``model.get_submodule('model.vision_tower.encoder.layers.0.self_attn.k_proj')``, ... (+29)).
 
 Run as a user would: 2 gloo ranks, the printed plan executed in place of the script's fully_shard calls in a fresh
 run."""
