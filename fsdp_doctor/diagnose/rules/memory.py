@@ -648,8 +648,7 @@ class Growing(Rule):
                               f"steps on rank {rank}, growing in {g.grew} of {n - 1}: not "
                               f"steady growth (fires from {fmt_bytes(GROW_MIN_BYTES)}, growing in "
                               f"{100 * GROW_MIN_SHARE:.0f}% of the steps)")
-        pm = E.peak_memory(ctx)
-        peak = int(pm.peak_bytes) if pm is not None else None
+        peak = E.peak_bytes(ctx)
         w = g.last
         limit = w.allocator_limit or w.device_total or E.capacity_bytes(ctx)
         top = w.max_allocated or peak

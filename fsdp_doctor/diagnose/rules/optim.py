@@ -655,6 +655,7 @@ class NeverUpdated(Rule):
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         params = sum(u.param_count for u in idle)
         cut = _feature_layer_cut(ctx, names)
+        lever = E.plugin_lever(ctx)  # (accelerate's prepare() or a Trainer shards the model: the fix goes before it)
         its = "its" if len(idle) == 1 else "their"
         text = (f"{E.fmt_list(names, 4)} ({params / 1e6:.2f} M trainable parameters) ran {its} forward in every "
                 f"steady step ({fwd:.1f} ms a step, with {its} all-gathers) and never {its} backward: the output "
@@ -667,7 +668,7 @@ class NeverUpdated(Rule):
                      f"layers from {cont}.{first} on compute an output nothing reads. The fix removes them and takes "
                      "the last hidden state, the same one (the loss is unchanged).")
             # (under a Trainer, the model it holds: its fixes read `trainer`)
-            m = "trainer.model" if E.plugin_lever(ctx) == "trainer" else S.ROOT
+            m = "trainer.model" if lever == "trainer" else S.ROOT
             code = (f"# {S.BEFORE_SHARDING} (before it is sharded): the layers vision_feature_layer={v} leaves unread\n"
                     f"del {S.module_expr(cont, m)}[{first}:]\n"
                     f"{m}.config.vision_feature_layer = -1  # the same hidden state: now the last\n"
@@ -687,8 +688,7 @@ class NeverUpdated(Rule):
             {"units": names, "params": params, "forward_ms_per_step": round(fwd, 3),
              "step_ms": step, "wasted_ms_per_step": round(wasted, 3) if not E.on_gpu(ctx) else None},
             text, code,
-            # (accelerate's prepare() or the Trainer shards the model: the fix goes before it)
-            where=(E.plugin_lever(ctx) or "") if code else "",
+            where=(lever or "") if code else "",
             predicted=E.predicted(step, step - wasted if saves and step else None, peak,
                                   peak - freed if cut is not None and peak is not None else None,
                                   # (ceilings: the trial's Llava, 3 runs each way, 118.0 -> 108.2 ms measured, 102.9
