@@ -1299,11 +1299,18 @@ def _sized_units(ctx: Context) -> list[tuple[list[str], float, float, list[str],
     if us:
         return [(list(u.modules) or S.members(u.name), float(u.param_count), float(u.unsharded_bytes),
                  list(u.own_modules or []), list(u.own_bytes or [])) for u in us]
+    return [(S.members(n), b, b, [], []) for n, b in trace_gathered_bytes(ctx).items()]
+
+
+def trace_gathered_bytes(ctx: Context) -> dict[str, float]:
+    """A plain trace's units (FSDP2's labels, the root "(root)") -> the bytes their forward all-gather moves (the
+    median over ranks: the message is the unit's whole gathered parameters); units whose size the trace does not
+    record (record_shapes off) are absent."""
     got: dict[str, list[float]] = {}
     for r in trace_rows(ctx, "all_gather"):
         if r.bytes_per_call and r.phase == "forward" and r.unit != OTHER_UNIT:
             got.setdefault(r.unit, []).append(float(r.bytes_per_call))
-    return [(S.members(n), statistics.median(b), statistics.median(b), [], []) for n, b in got.items()]
+    return {n: statistics.median(b) for n, b in got.items()}
 
 
 def grouped_plan(ctx: Context) -> Optional[GroupPlan]:

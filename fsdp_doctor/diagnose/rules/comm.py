@@ -17,7 +17,7 @@ from .. import estimate as E
 from .. import snippets as S
 from ...report_sections import Breakdown
 from ...trace.build import MODEL_PHASE
-from ...units import fmt_bytes, fmt_share
+from ...units import ROOT_LABEL, fmt_bytes, fmt_share
 from ..base import Context, Rule, register
 from ..estimate import GLOO_QUIET, breakdown_ms, per_step, trace_device, trace_step_ms, trace_verdicts  # noqa: F401
 from ..thresholds import BOUND_MIN_SHARE, SMALL_MAX_MEDIAN_BYTES
@@ -90,6 +90,12 @@ def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
                            S.policy_line(S.MP, "bfloat16"))
 
 
+_ONE_UNIT_RS = ("The whole model is one unit: its reduce-scatter of every gradient starts when the whole backward "
+                "has run, with no compute left to hide it. With each repeated block a unit of its own (wrap.too_coarse"
+                "), each block's reduce-scatter runs while the blocks before it compute their backward, and only the "
+                "first unit's is left exposed")
+
+
 @register
 class ExposedReduceScatter(TraceRule):
     code = "comm.exposed_reducescatter"
@@ -116,6 +122,8 @@ class ExposedReduceScatter(TraceRule):
         bw = [r.busbw_gbps for r in rows if r.busbw_gbps]
         sizes = [r.bytes_per_call for r in rows if r.bytes_per_call]
         fp32_ms = fp32_exposed_ms(rows)
+        # the whole model one unit: "keep the first unit small" read for the H100 GPT's whole-model trace
+        one_unit = {r.unit for r in E.trace_rows(ctx) if r.unit != E.OTHER_UNIT} == {ROOT_LABEL}
         # (the 16-bit lever only where float32 reduce-scatters are exposed: on a bf16 run it read "would halve the
         # bytes of the float32 ones (the expected gain below)" with none below, a new-user trial on the H100 fixture)
         sixteen = (" A 16-bit reduce dtype would halve the bytes of the float32 ones (the expected gain below) at the "
@@ -130,10 +138,13 @@ class ExposedReduceScatter(TraceRule):
              "rs_bytes_per_call_median": statistics.median(sizes) if sizes else None,
              "rs_busbw_gbps_median": round(statistics.median(bw), 1) if bw else None,
              "rs_dtype": rows[0].dtype, "measured_by": "trace"},
-            "These gradient reduce-scatters run while no compute is left to hide them: the units that finish "
-            "backward last (the first in forward: embeddings, the first blocks) reduce with nothing after them "
-            "but the optimizer. Keep the first unit small (its reduce-scatter is always exposed); with gradient "
-            "accumulation, reduce-scatter on the last micro-batch only (accum.sync_every_micro_batch)." + sixteen,
+            (_ONE_UNIT_RS if one_unit else
+             "These gradient reduce-scatters run while no compute is left to hide them: the units that finish "
+             "backward last (the first in forward: embeddings, the first blocks) reduce with nothing after them "
+             "but the optimizer. Keep the first unit small (its reduce-scatter is always exposed)")
+            + "; with gradient accumulation, reduce-scatter on the last micro-batch only "
+            "(accum.sync_every_micro_batch)."
+            + sixteen,
             predicted=E.predicted(step, step - HALF_BYTES_SAVING * fp32_ms if fp32_ms else None),
             units=[u for u, _ in worst[:6]])]
 

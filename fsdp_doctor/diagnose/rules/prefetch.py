@@ -11,7 +11,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...trace.analysis import BLOCKED_AG_SHARE, blocked_allgathers
-from ...units import fmt_bytes, fmt_share, unit_label
+from ...units import ROOT_LABEL, fmt_bytes, fmt_share, unit_label
 from ..base import Context, Rule, register
 
 # Exposed all-gather waits above this share of the step are worth acting on, on a GPU where the
@@ -317,6 +317,10 @@ class ExposedAllGather(Rule):
             return self.quiet("no step in the trace" if not step else f"no all-gather exposed in the trace{on_late}")
         cpu = E.trace_device(ctx) != "gpu"
         total = sum(w for _, _, w in rows)
+        if {u for u, _, _ in rows} == {ROOT_LABEL} and any(f.code == "wrap.too_coarse" for f in ctx.earlier):
+            # (as from the records: the H100 GPT's whole-model trace read "prefetch the next unit explicitly")
+            return self.quiet(f"the root is the only unit: compute waits {total:.2f} ms in a step for its "
+                              "all-gathers with no unit before it to prefetch them behind (wrap.too_coarse says it)")
         share = total / step
         sev = _exposed_severity(share, cpu)
         if sev is None:
@@ -753,6 +757,10 @@ class SyncUnshard(Rule):
         units = sorted({r.unit for r in ag_rows if r.unit != E.OTHER_UNIT})
         if not units:  # (gloo's blocking all-gathers of the loop's own code are no unshard's)
             return self.quiet("no FSDP all-gather in the trace")
+        if units == [ROOT_LABEL]:  # (as from the records: a trial's whole-model unit read a warning whose fix, the
+            # root's all-gather made asynchronous, has nothing to overlap it with, and predicted no gain)
+            return self.quiet("the root is the only unit in the trace: its all-gather opens the step, with nothing "
+                              "before it to overlap")
         if not _trace_shows_sync(ctx):
             return self.quiet(f"{_sat_in(ctx)}, under {100 * BLOCKED_AG_SHARE:.0f}% of them: the unshard is "
                               "asynchronous (the synchronous one blocks in nearly every one)")

@@ -12,7 +12,7 @@ import msgspec
 from .. import estimate as E
 from .. import thresholds as T
 from .. import snippets as S
-from ...units import fmt_bytes, fmt_share
+from ...units import ROOT_LABEL, fmt_bytes, fmt_share
 from ..base import NEEDS, Context, Rule, register
 from ..thresholds import COARSE_SHARE_MIN  # one unit holding this share of the parameters is too coarse
 
@@ -116,10 +116,12 @@ class TooCoarse(Rule):
     code = "wrap.too_coarse"
     name = "Unit too coarse"
     description = "One unit holds most parameters: its all-gather dominates unsharded memory and cannot overlap."
-    needs = ("units",)
+    needs = ("units|trace",)
     severities = ("warning",)
 
     def match(self, ctx: Context):
+        if not E.units(ctx):
+            return self._from_plain_trace(ctx)
         us = E.param_units(ctx)
         total = E.total_params(us)
         if not us or total <= 0:
@@ -203,6 +205,72 @@ class TooCoarse(Rule):
             text, code,
             where=plug.get("where", ""),
             predicted=E.predicted(step, step_after, peak, peak_after), units=[big.name])]
+
+    def _from_plain_trace(self, ctx: Context):
+        """A plain trace (no unit snapshot): each unit's forward all-gather moves its whole gathered parameters
+        (FSDP2's labels name the unit), so the messages' sizes give the units' shares. A new-user trial's Whisper
+        under fully_shard(model) alone, traced with torch.profiler, read "No findings" (its records: this warning,
+        the peak 34.04 -> 23.79 MiB predicted, 25.03 measured with its blocks as units). No code: a trace names no
+        module, and the plan is built from the model's tree."""
+        sized = E.trace_gathered_bytes(ctx)
+        if not sized:
+            return self.quiet("the trace records no FSDP all-gather's size (torch.profiler's record_shapes=True "
+                              "records them)" if E.trace_rows(ctx, "all_gather") else
+                              "no FSDP all-gather in the trace")
+        name, big = max(sized.items(), key=lambda kv: kv[1])
+        total = sum(sized.values())
+        share = big / total
+        if share < COARSE_SHARE_MIN:
+            return self.quiet(f"the largest unit in the trace, {name}, gathers "
+                              f"{fmt_share(share, under=COARSE_SHARE_MIN)} of the bytes the units' forward all-gathers "
+                              f"move (fires from {100 * COARSE_SHARE_MIN:.0f}%)")
+        roots = [pr.roots_per_forward for pr in ctx.report.overlap.per_rank.values() if pr.roots_per_forward]
+        if roots and statistics.median(roots) >= 2:  # several roots read as one "(root)": FSDP's labels name none
+            return self.quiet("the trace shows several FSDP roots in each forward: wrap.root_not_sharded says it")
+        if name == ROOT_LABEL and len(sized) > 1:
+            return self.quiet("the root holds most parameters beside other units (wrap.params_in_root weighs that "
+                              "from the unit snapshot, which fsdp_doctor.watch records)")
+        if name.rpartition(".")[2].isdigit():  # (a known-answer trace's model.layers.1 beside a smaller layers.0
+            # read "apply fully_shard to each repeated block" of a block: a trace does not say what a unit holds)
+            return self.quiet(f"the largest unit in the trace, {name}, gathers {fmt_share(share)} of the units' "
+                              "bytes, but it is one of a numbered container's blocks: a trace does not say whether it "
+                              "holds smaller repeated blocks of its own")
+        hb = E.host_bound(ctx)
+        if hb is not None and hb[1] >= T.BOUND_MIN_SHARE:
+            return self.quiet(f"{name} gathers {fmt_share(share)} of the units' bytes, but the device waits for its "
+                              f"host {fmt_share(hb[1])} of the profiled step (rank {hb[0]}): more units would add "
+                              "FSDP2's per-unit host work to that wait (kernels.launch_bound)")
+        # split into k similar units, two of them gathered at a time: all but 2/k of its gathered bytes freed at
+        # the peak (k unknown from a trace: the records' default)
+        freed = big * (1 - 2 / COARSE_SPLIT_INTO)
+        gpu = E.trace_device(ctx) == "gpu"
+        peak = E.trace_peak_bytes(ctx)
+        if not gpu and peak and freed < COARSE_PEAK_GAIN_MIN * peak:
+            return self.quiet(f"{name} gathers {fmt_share(share)} of the units' bytes, but splitting it would free "
+                              f"about {fmt_bytes(freed)} of a {fmt_bytes(peak)} peak, and on gloo its smaller "
+                              "collectives only lengthen the step")
+        whole = len(sized) == 1 and name == ROOT_LABEL
+        waits = E.trace_exposed_by_unit(ctx, "all_gather", ranks=E.read_ranks(ctx))
+        fwd, bwd = (waits.get((name, ph), 0.0) for ph in ("forward", "backward"))
+        step = E.trace_step_ms(ctx)
+        text = (f"Unit {name!r} gathers {fmt_share(share)} of the parameters the trace's units all-gather: "
+                f"{fmt_bytes(big)} in one all-gather with nothing to overlap it with"
+                + (" (the whole model is one unit: fully_shard was applied only to the root). " if whole else ". ")
+                + "Apply fully_shard to each repeated block first (each transformer layer), then to the root: only "
+                "two blocks are gathered at a time, so with n blocks all but 2/n of these bytes are freed at the "
+                f"peak (about {fmt_bytes(freed)} with 4)"
+                + (", and each block's all-gather overlaps with the previous block's compute. " if gpu else
+                   ". On a CPU/gloo host the gain is memory only: more, smaller collectives that cannot overlap make "
+                   "the step longer. ")
+                + "A trace names no module, so no code is offered: record the run with fsdp_doctor.watch(model, "
+                "optimizer) for the plan built from your model's modules, and its figures.")
+        return [self.finding(
+            "warning", f"Unit {name!r} gathers {fmt_share(share)} of all parameters (trace)",
+            {"unit": name, "gathered_share_pct": round(100 * share, 1), "gathered_bytes": int(big),
+             "units_in_trace": len(sized), "trace_exposed_ag_fwd_ms": round(fwd, 3),
+             "trace_exposed_ag_bwd_ms": round(bwd, 3), "step_ms": None if step is None else round(step, 3),
+             "measured_by": "trace (FSDP2's labels, the all-gathers' sizes)"},
+            text, units=[name])]
 
 
 @register
