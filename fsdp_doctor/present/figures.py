@@ -95,6 +95,11 @@ def _select_ranks(steps: dict, ranks: Optional[Iterable[int]]) -> list[int]:
     return [r for r in keys if r in want]
 
 
+def _cols(steps: dict, rank) -> dict:
+    """A rank's step columns, ``steps`` keyed by int or str rank (a live snapshot's JSON has str keys)."""
+    return steps.get(rank) or steps.get(str(rank))
+
+
 def _rows(cols: dict, window) -> list[int]:
     return [i for i, s in enumerate(cols.get("step", [])) if _in_window(s, window)]
 
@@ -143,11 +148,11 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
     ``LevelShift``, None: none) a dashed line where the step time changed and stayed, each part's median across it,
     or, where it grew or fell steadily, a dotted line along it."""
     sel = _select_ranks(steps, ranks)
-    k = _group_size(cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+    k = _group_size(cols["step"][i] for r in sel for cols in [_cols(steps, r)]
                     for i in _rows(cols, window))
     fig = go.Figure()
     for r in sel:
-        cols = steps.get(r) or steps.get(str(r))
+        cols = _cols(steps, r)
         idx = _rows(cols, window)
         if not idx:
             continue
@@ -166,7 +171,7 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
         ))
     if not fig.data:
         return empty_figure("No steps recorded in this selection yet.", "Step time per rank", height)
-    for a, b in runs(sorted({cols["step"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+    for a, b in runs(sorted({cols["step"][i] for r in sel for cols in [_cols(steps, r)]
                               for i in _rows(cols, window) if cols["profiled"][i]})):
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#BBBBBB", opacity=0.25, line_width=0, layer="below")
     xs = [x for tr in fig.data for x in tr.x]
@@ -199,7 +204,7 @@ def memory_per_step_figure(steps: dict, ranks=None, window=None, height: int = 3
     title = "Memory per step: each step's peak (solid) and, on CUDA, allocated at its end (dotted)"
     fig = go.Figure()
     for r in _select_ranks(steps, ranks):
-        cols = steps.get(r) or steps.get(str(r))
+        cols = _cols(steps, r)
         idx = _rows(cols, window)
         for key, name, dash in (("peak_bytes", "peak", "solid"), ("allocated_end", "allocated at the end", "dot")):
             vals = cols.get(key) or [None] * len(cols["step"])
@@ -221,7 +226,7 @@ def phase_split_figure(steps: dict, rank: int, window=None, height: int = 320) -
     model's forward passes without gradients (evaluation, generation) where a step ran any. Time outside the
     model in a profiled step (the profiler starting, stopping and writing its trace) is the tool's, not a
     data-loader stall: it is drawn apart, hatched, under its own legend entry."""
-    cols = steps.get(rank) or steps.get(str(rank))
+    cols = _cols(steps, rank)
     if not cols:
         return empty_figure("No steps recorded for this rank yet.", "Step phases", height)
     idx = _rows(cols, window)
@@ -276,7 +281,7 @@ def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) ->
     sel = _select_ranks(steps, ranks)
     fig = go.Figure()
     for r in sel:
-        cols = steps.get(r) or steps.get(str(r))
+        cols = _cols(steps, r)
         idx = [i for i in _rows(cols, window) if _steady(cols, i)]
         if len(idx) < 2:
             continue
@@ -310,7 +315,7 @@ def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.
     sel = _select_ranks(steps, ranks)
     all_steps: set[int] = set()
     for r in sel:
-        cols = steps.get(r) or steps.get(str(r))
+        cols = _cols(steps, r)
         all_steps.update(cols["step"][i] for i in _rows(cols, window))
     if not sel or not all_steps:
         return empty_figure("No steps recorded in this selection yet.", "Step time, rank × step", height)
@@ -320,12 +325,12 @@ def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.
     z = []
     for r in sel:
         row: list = [None] * len(xs)
-        cols = steps.get(r) or steps.get(str(r))
+        cols = _cols(steps, r)
         for g in _groups(cols, _rows(cols, window), k):  # each cell its group's slowest steady step (else slowest)
             keep = [i for i in g if _steady(cols, i)] or g
             row[pos[cols["step"][g[0]] // k * k]] = max(cols["wall_ms"][i] for i in keep)
         z.append(row)
-    steady = [cols["wall_ms"][i] for r in sel for cols in [steps.get(r) or steps.get(str(r))]
+    steady = [cols["wall_ms"][i] for r in sel for cols in [_cols(steps, r)]
               for i in _rows(cols, window) if _steady(cols, i)]
     zmax = max(steady) if steady else None  # first and profiled steps (tool cost) would wash the scale out
     fig = go.Figure(go.Heatmap(
