@@ -93,6 +93,47 @@ def test_unit_times_and_memory_known_answer(tmp_path):
     assert ov.memory.source == STEPS_DETAIL.MEMORY_SOURCE_CPU and "not in them" in ov.memory.source
 
 
+def test_grouped_unit_own_time_leaves_out_what_ran_between_its_modules(tmp_path):
+    """A tied [embed, head] unit (accelerate's plugin groups a tied embedding and head): FSDP2 labels its pre-forward
+    at each module and its post-forward once, after the last, so its forward span holds the blocks between them,
+    which the module tree does not nest in it (the Trainer trial's Whisper read its decoder's whole forward, 23.0 ms,
+    as the unit's own time, and the root's own as 0.00). Known answer, one CPU step at T = 0: root forward
+    [10, 500), the group's [20, 450) (pre-forward again at 420, the head), layers.0 [100, 200), layers.1 [210, 400);
+    backward: the root [600, 900), the group [605, 920) (its reduce ends after the root's), layers.1 [620, 700),
+    layers.0 [710, 800). Own time: forward, the group 430 - 100 - 190 = 140 us, the root 490 - 430 = 60 us;
+    backward, each holds both layers (the group not inside the root): the root 300 - 170 = 130 us, the group 315 -
+    170 = 145 us."""
+    b = TraceBuilder(rank=0, world_size=1)
+    for n, T in ((1, 0.0), (2, 1000.0)):
+        b.step(n, T, 1000.0)
+        b.label("FSDP::root_pre_forward", T + 1, 2)
+        b.label("FSDP::pre_forward", T + 10, 3)
+        b.label("FSDP::pre_forward (embed, head)", T + 20, 5)
+        b.label("FSDP::pre_forward (layers.0)", T + 100, 5)
+        b.label("FSDP::post_forward (layers.0)", T + 190, 10)
+        b.label("FSDP::pre_forward (layers.1)", T + 210, 5)
+        b.label("FSDP::post_forward (layers.1)", T + 390, 10)
+        b.label("FSDP::pre_forward (embed, head)", T + 420, 5)
+        b.label("FSDP::post_forward (embed, head)", T + 440, 10)
+        b.label("FSDP::post_forward", T + 490, 10)
+        b.label("FSDP::pre_backward", T + 600, 2)
+        b.label("FSDP::pre_backward (embed, head)", T + 605, 5)
+        b.label("FSDP::pre_backward (layers.1)", T + 620, 5)
+        b.label("FSDP::post_backward_reduce (layers.1)", T + 690, 10)
+        b.label("FSDP::pre_backward (layers.0)", T + 710, 5)
+        b.label("FSDP::post_backward_reduce (layers.0)", T + 790, 10)
+        b.label("FSDP::post_backward_reshard", T + 890, 10)
+        b.label("FSDP::post_backward_reduce (embed, head)", T + 910, 10)
+    path = b.write(tmp_path / "rank0.json")
+    w = build_window(path, decode(path))
+    assert w.unit_nesting == {"forward": {"": ["embed, head"], "embed, head": ["layers.0", "layers.1"]},
+                              "backward": {"": ["layers.0", "layers.1"], "embed, head": ["layers.0", "layers.1"]}}
+    rows = {u.name: u.timing_p50 for u in analyze_traces(path).units}
+    assert (rows["embed, head"].fwd_self_ms, rows[""].fwd_self_ms) == (0.14, 0.06)
+    assert (rows[""].bwd_self_ms, rows["embed, head"].bwd_self_ms) == (0.13, 0.145)
+    assert (rows["layers.1"].fwd_self_ms, rows["layers.1"].bwd_self_ms) == (0.19, 0.08)
+
+
 def _prefetch_rules(tmp_path, trace):
     """The report of one trace file, and prefetch.exposed_allgather's and prefetch.sync_unshard's finding (None where
     quiet) and status."""

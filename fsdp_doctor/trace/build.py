@@ -55,7 +55,7 @@ from ..units import printable
 from .reader import (MEMORY_EVENT, Args, EmptyLastStep, Event, IEvent, KinetoTrace, StreamedTrace, TraceError,
                      decode, rank_from_name)
 from .steps_detail import (kept_from_forward, memory_steps, nograd_forwards, step_units, unit_spans,
-                           unit_step_times)
+                           time_nesting, unit_step_times)
 
 NCCL_KERNEL_RE = re.compile(r"^nccl.*Kernel")
 MEMORY_KERNEL_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
@@ -478,6 +478,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     del special, sp_ts, sp_end, sp_name, sp_thread, is_fsdp, lab, fwd, bwd, opt, fw_at, opt_at
     labels = index.labels()
     spans = unit_spans(*labels, bounds)
+    win.unit_nesting = time_nesting(spans)
     # a step that also evaluated (forward passes without a backward): the model's region, from its first forward to
     # its last FSDP label, holds the evaluation loop's own collectives between those forwards (a Trainer's metric
     # gathers read as model-parallel collectives, a new-user trial), so there the model's are those inside a unit's

@@ -88,6 +88,11 @@ class WindowTrace:
     # per complete step (fsdp_doctor.trace.steps_detail): unit -> [forward µs, backward µs] from FSDP2's labels,
     # and the allocator's peak and curve from the [memory] events (profile_memory=True)
     unit_us: dict = field(default_factory=dict)
+    # per phase ("forward", "backward"): unit -> the units whose spans run directly inside its own
+    # (steps_detail.time_nesting), by which a unit's own time leaves out what ran inside it: FSDP2 brackets a grouped
+    # unit from its first module's pre-hook to its last's post-hook, so a tied [embedding, head] unit's holds the
+    # blocks between them, which the module tree does not nest in it
+    unit_nesting: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)
     # per complete step: the FSDP units its FSDP2 labels name ("" the root), in the order first named (the ranks of
     # one job shard one model: they name the same units in a step; trace.admit); a step without such labels: absent

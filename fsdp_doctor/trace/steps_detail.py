@@ -187,6 +187,29 @@ def nograd_forwards(spans: UnitSpans) -> dict[int, int]:
     return out
 
 
+def time_nesting(spans: UnitSpans) -> dict[str, dict[str, list[str]]]:
+    """Per phase ("forward", "backward"), each unit -> the units whose span runs directly inside its own (it starts
+    before theirs and ends after; none of them inside another of them), read in the first step with spans, as the
+    records' backward nesting is (analyze.report): each unit's first span of the phase there (a checkpointed unit's
+    recompute, a second call, later). Units holding none are left out."""
+    if not len(spans):
+        return {}
+    first_step = int(spans.step.min())
+    out: dict[str, dict[str, list[str]]] = {}
+    for phase, bwd in (("forward", False), ("backward", True)):
+        sel = np.flatnonzero((spans.step == first_step) & (spans.backward == bwd))
+        first: dict[str, tuple[float, float]] = {}
+        for i in sel[np.argsort(spans.start[sel], kind="stable")].tolist():
+            first.setdefault(spans.units[int(spans.unit[i])], (float(spans.start[i]), float(spans.end[i])))
+        inside = {y: {x for x, (s, e) in first.items() if x != y and sy < s and e < ey}
+                  for y, (sy, ey) in first.items()}
+        direct = {y: sorted(x for x in xs if not any(x in inside[z] for z in xs if z != x))
+                  for y, xs in inside.items() if xs}
+        if direct:
+            out[phase] = direct
+    return out
+
+
 def unit_step_times(spans: UnitSpans, device=None, busy=None) -> dict[int, dict[str, list[float]]]:
     """step -> unit -> [forward µs, backward µs] (summed over the step's spans: a unit run twice counts twice),
     the units in the order they started. Host time; with ``device`` (launch time, start, end of each compute
@@ -357,22 +380,30 @@ def trace_unit_rows(windows) -> list[TraceUnitRow]:
     gpu = False
     for w in windows:
         gpu = gpu or w.device == "gpu"
-        parents: dict[frozenset, dict] = {}  # the units of a step -> unit -> its direct nested units
+        parents: dict[frozenset, tuple] = {}  # the units of a step -> per phase, unit -> its direct nested units
+        timed = getattr(w, "unit_nesting", None) or {}
         for step, units in w.unit_us.items():
             names = frozenset(units)
             if names not in parents:
-                nested = parents[names] = defaultdict(list)
+                # nested in time where the window read it (a grouped unit holds what ran between its modules), else
+                # by name
+                by_name = defaultdict(list)
                 for c in names:
-                    nested[_parent(c, names)].append(c)
+                    by_name[_parent(c, names)].append(c)
+                pair = []
+                for ph in ("forward", "backward"):
+                    nest = timed.get(ph)
+                    pair.append({u: [c for c in kids if c in names] for u, kids in nest.items()} if nest else by_name)
+                parents[names] = tuple(pair)
+            fwd_kids, bwd_kids = parents[names]
             for unit, (f, b) in units.items():
-                kids = [units[c] for c in parents[names].get(unit, ())]
                 acc = per.setdefault(unit, defaultdict(list))
                 if f > 0:  # (0: no forward span of the unit in the step)
                     acc["fwd_ms"].append(f / 1e3)
-                    acc["fwd_self_ms"].append(max(0.0, f - sum(k[0] for k in kids)) / 1e3)
+                    acc["fwd_self_ms"].append(max(0.0, f - sum(units[c][0] for c in fwd_kids.get(unit, ()))) / 1e3)
                 if b > 0:
                     acc["bwd_ms"].append(b / 1e3)
-                    acc["bwd_self_ms"].append(max(0.0, b - sum(k[1] for k in kids)) / 1e3)
+                    acc["bwd_self_ms"].append(max(0.0, b - sum(units[c][1] for c in bwd_kids.get(unit, ()))) / 1e3)
     names = set(per)
     rows = []
     source = UNIT_SOURCE_DEVICE if gpu else UNIT_SOURCE_HOST
