@@ -622,6 +622,27 @@ def test_params_in_root_keeps_gpt2_wpe_beside_its_tied_embedding():
             "peak (worth it from 1%)\n") in code, code
 
 
+def test_params_in_root_says_a_shared_cost_once():
+    """Beside tied modules, the modules that stay in the root as each would cost more than it frees: those whose
+    units would cost the same (a Whisper's conv front-end, position tables and encoder norm: 3 collectives each) are
+    named with their bytes and the cost said once; one of another cost (the trailing norm: 2) keeps its own clause.
+    (Whisper's reason read the same cost six times, 20 lines of --explain.)"""
+    from fsdp_doctor.diagnose import snippets as S
+    from fsdp_doctor.diagnose.rules.wrap import _kept_words
+
+    peak, three, two = "the 25.03 MiB peak", ", for 3 collectives a step of ~1.7 ms each, 3.5% of the 141.8 ms step", \
+        ", for 2 collectives a step of ~1.7 ms each, 2.4% of the 141.8 ms step"
+    conv = S.Stays(("120.50 KiB", "0.5%", peak, three))
+    assert conv == "would free at most 120.50 KiB, 0.5% of the 25.03 MiB peak" + three  # (a str, as before)
+    groups = [(["conv1"], conv), (["conv2"], S.Stays(("192.50 KiB", "0.8%", peak, three))),
+              (["norm"], S.Stays(("1.00 KiB", "<0.1%", peak, two)))]
+    assert _kept_words(groups, lambda ms: ms) == (
+        "conv1 120.50 KiB (0.5%), conv2 192.50 KiB (0.8%): each, a unit of its own, would free at most that share of "
+        "the 25.03 MiB peak" + three + "; norm, a unit of its own, would free at most 1.00 KiB, <0.1% of the 25.03 "
+        "MiB peak" + two)
+    assert _kept_words(groups[:1], lambda ms: ms) == "conv1, a unit of its own, " + conv
+
+
 def test_params_in_root_under_a_16_bit_param_dtype_frees_what_its_plan_reshards():
     """A 2-rank LM's root holding its embedding, final norm and head (40% of the parameters), under a bfloat16
     param_dtype (a new-user trial's loop, its fix pasted): the gathered copy (65,792 B) equals the float32 shard, and

@@ -670,6 +670,21 @@ class LeftoverCosts:
     call_ms: Optional[float] = None
 
 
+class Stays(str):
+    """``leftover_stays``' reason, a clause, with its parts apart (``parts``: the gathered bytes, their share, what
+    the share is of, and the rest: the collectives' cost or the threshold), by which several modules' reasons with
+    the same cost are said once (wrap.params_in_root's quiet reason named the cost of Whisper's six small modules six
+    times, 20 lines of ``--explain``)."""
+
+    parts: tuple[str, str, str, str]
+
+    def __new__(cls, parts: tuple[str, str, str, str]):
+        nbytes, share, of, rest = parts
+        obj = super().__new__(cls, f"would free at most {nbytes}, {share} of {of}{rest}")
+        obj.parts = parts
+        return obj
+
+
 def leftover_stays(root, nbytes: int, trailing: bool, costs: Optional[LeftoverCosts] = None) -> str:
     """Why modules of the root's holding ``nbytes`` of parameters (their stored dtype) stay in a root that is gathered
     for tied modules anyway, "" where a unit of their own gains more than it costs (thresholds
@@ -688,12 +703,12 @@ def leftover_stays(root, nbytes: int, trailing: bool, costs: Optional[LeftoverCo
     cost = calls * c.call_ms / c.step_ms if c.call_ms is not None and c.step_ms else None
     if gain >= T.MEMORY_ONLY_MIN_PEAK_SHARE and (cost is None or gain >= T.LEFTOVER_PEAK_SHARE_PER_STEP_SHARE * cost):
         return ""
-    frees = (f"would free at most {fmt_bytes(gathered)}, {fmt_share(gain, 1, T.MEMORY_ONLY_MIN_PEAK_SHARE)} of "
-             + (f"the {fmt_bytes(c.peak_bytes)} peak" if c.peak_bytes else f"the root's {fmt_bytes(held)}"))
+    frees = (fmt_bytes(gathered), fmt_share(gain, 1, T.MEMORY_ONLY_MIN_PEAK_SHARE),
+             f"the {fmt_bytes(c.peak_bytes)} peak" if c.peak_bytes else f"the root's {fmt_bytes(held)}")
     if cost is None or gain < T.MEMORY_ONLY_MIN_PEAK_SHARE and cost <= gain:
-        return f"{frees} (worth it from {100 * T.MEMORY_ONLY_MIN_PEAK_SHARE:g}%)"
-    return (f"{frees}, for {calls} collectives a step of ~{c.call_ms:.1f} ms each, {fmt_share(cost, 1)} of the "
-            f"{c.step_ms:.1f} ms step")
+        return Stays((*frees, f" (worth it from {100 * T.MEMORY_ONLY_MIN_PEAK_SHARE:g}%)"))
+    return Stays((*frees, f", for {calls} collectives a step of ~{c.call_ms:.1f} ms each, {fmt_share(cost, 1)} of "
+                          f"the {c.step_ms:.1f} ms step"))
 
 
 @dataclass

@@ -568,10 +568,8 @@ class ParamsInRoot(Rule):
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
             return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules "
-                              "that gain less as units of their own than they cost: "
-                              + "; ".join(f"{E.fmt_list(heads(ms))}, a unit of "
-                                          f"{'its' if len(heads(ms)) == 1 else 'their'} own, {why}"
-                                          for ms, why in groups) if tied else
+                              "that gain less as units of their own than they cost: " + _kept_words(groups, heads)
+                              if tied else
                               f"the root's parameters are those of modules that gain less as units of their own than "
                               f"they cost: {E.fmt_list(heads(kept))}, each a unit, and one unit of them all "
                               f"{groups[0][1]}")
@@ -668,6 +666,25 @@ class ParamsInRoot(Rule):
              "wrapped_examples": sorted(wrapped)[:6]},
             text, plug.get("code", code), where=plug.get("where", "torchtune_config" if tune is not None else ""),
             predicted=E.predicted(step, None if cpu else step, peak, peak_after), units=[""])]
+
+
+def _kept_words(groups: list, heads) -> str:
+    """Why each group of the root's modules stays there beside tied modules (``snippets.kept_in_root``'s groups,
+    ``heads`` naming their modules as the plan does): groups whose units would cost the same said once, with each
+    one's bytes (Whisper's six small modules read the same cost six times, 20 lines of ``--explain``)."""
+    said: dict = {}  # the cost -> [(names, bytes, share)], in order
+    for ms, why in groups:
+        p = getattr(why, "parts", None)
+        said.setdefault(p[2:] if p else why, []).append((E.fmt_list(heads(ms)), len(heads(ms)), p, why))
+    out = []
+    for key, xs in said.items():
+        if len(xs) == 1 or not xs[0][2]:
+            out += [f"{names}, a unit of {'its' if n == 1 else 'their'} own, {why}" for names, n, _, why in xs]
+        else:
+            of, rest = key
+            out.append(", ".join(f"{names} {p[0]} ({p[1]})" for names, _, p, _ in xs)
+                       + f": each, a unit of its own, would free at most that share of {of}{rest}")
+    return "; ".join(out)
 
 
 def _torchtune_layers(ctx: Context, root, others, moved: list[str]) -> list[str] | None:
