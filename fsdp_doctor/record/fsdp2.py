@@ -631,32 +631,38 @@ class CommReader:
                     "FSDPParamGroup._all_gather_result", "comm_buffers unknown")
         self.hsdp = [pg for pg in self.groups if is_hsdp(pg)]
 
-    def bytes(self, exclude=None) -> int | None:
+    def bytes(self, exclude=None, keys: set | None = None) -> int | None:
         """They are standalone tensors, so ``nbytes`` is their size. ``exclude(pg, tensor)``: an HSDP
-        all-reduce input the caller already counts elsewhere (see ``FsdpSizes.comm_bytes``)."""
+        all-reduce input the caller already counts elsewhere (see ``FsdpSizes.comm_bytes``). ``keys``: a set the
+        counted all-gather outputs' and reduce-scatter inputs' storages (``_cdata``) are added to."""
         if not self.ok:
             return None
         seen: list[int] = []
         total = 0
+
+        def add(t) -> int:
+            if keys is not None:
+                keys.add(t.untyped_storage()._cdata)
+            return t.nbytes
         for c in self.ctxs:
             ags = c.all_gather_state
             if ags is not None:
                 t = ags.all_gather_result.all_gather_output
                 seen.append(id(t))
-                total += t.nbytes
+                total += add(t)
             if self.rs_list:
                 for rs in c.reduce_scatter_states:
-                    total += rs.reduce_scatter_input.nbytes
+                    total += add(rs.reduce_scatter_input)
             else:
                 rs = c.reduce_scatter_state
                 if rs is not None:
-                    total += rs.reduce_scatter_input.nbytes
+                    total += add(rs.reduce_scatter_input)
         for pg in self.groups:
             agr = pg._all_gather_result
             if agr is not None:
                 t = agr.all_gather_output
                 if id(t) not in seen:
-                    total += t.nbytes
+                    total += add(t)
         for pg in self.hsdp:
             ars = getattr(pg, "_all_reduce_state", None)
             if ars is not None and isinstance(getattr(ars, "all_reduce_input", None), torch.Tensor):

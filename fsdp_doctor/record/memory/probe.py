@@ -33,7 +33,9 @@ the probe samples these categories (bytes on this rank's device):
 ``comm_buffers``
     FSDP's collective buffers in flight: the all-gather output kept for copy-out overlap
     (``comm_ctx.all_gather_state``), pending (prefetched) all-gather results, reduce-scatter inputs kept
-    by ``comm_ctx.reduce_scatter_states``, and HSDP all-reduce / partial-reduce buffers.
+    by ``comm_ctx.reduce_scatter_states``, and HSDP all-reduce / partial-reduce buffers; on CPU full steps also
+    the all-gather outputs and reduce-scatter inputs FSDP released and the backend still holds (gloo's worker
+    thread drops a finished collective's tensors when it is next scheduled: ``transients.HighWater.comm_alive``).
 ``buffers``
     the model's registered buffers.
 ``temporaries``
@@ -426,7 +428,11 @@ class MemoryProbe:
         act = self.live.bytes if self.acts.mode == "exact" else 0
         usp = sz.unsharded_bytes()
         sg = sz.sg_total + sz.unmanaged_sgrad
-        comm = sz.comm_bytes()
+        hw = self.hw
+        counted: set | None = set() if hw is not None and hw.active and not self.is_cuda else None
+        comm = sz.comm_bytes(counted)
+        if counted is not None:  # (and those the backend still holds after FSDP released them: gloo's)
+            comm += hw.comm_alive(counted)
         tmp = 0
         st = sz.static_t
         known = st[0] + st[1] + usp + sg + sz.ug_total + sz.opt_bytes + sz.stale_bytes + act + comm
@@ -435,7 +441,6 @@ class MemoryProbe:
                 tmp = max(0, self._allocated() - known)
             except Exception:  # noqa: BLE001
                 pass
-        hw = self.hw
         if hw is not None and hw.active:
             named = [st[0], usp, sg, sz.ug_total, sz.opt_bytes, sz.stale_bytes, act, comm, st[1], 0] if point else None
             tmp = self._count(known, tmp, named)

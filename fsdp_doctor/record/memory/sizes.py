@@ -383,10 +383,11 @@ class FsdpSizes:
                 total += t.numel() * t.element_size()
         return total
 
-    def comm_bytes(self) -> int:
-        """FSDP's collective buffers in flight (0 while unknown: the step says ``unknown``)."""
+    def comm_bytes(self, keys: set | None = None) -> int:
+        """FSDP's collective buffers in flight (0 while unknown: the step says ``unknown``); ``keys``: a set the
+        counted buffers' storages are added to."""
         c = self._comm
-        return (c.bytes(exclude=_is_grad_storage) or 0) if c is not None else 0
+        return (c.bytes(exclude=_is_grad_storage, keys=keys) or 0) if c is not None else 0
 
     def _set_grads(self, idx: int, sg: int, ug: int, host: int) -> None:
         self.sg_total += sg - self.unit_sgrad[idx]
