@@ -187,6 +187,10 @@ def nograd_forwards(spans: UnitSpans) -> dict[int, int]:
     return out
 
 
+#: units in a phase above which ``time_nesting`` leaves the nesting to the module tree (its pairs are compared)
+TIME_NESTING_MAX_UNITS = 512
+
+
 def time_nesting(spans: UnitSpans) -> dict[str, dict[str, list[str]]]:
     """Per phase ("forward", "backward"), each unit -> the units whose span runs directly inside its own (it starts
     before theirs and ends after; none of them inside another of them), read in the first step with spans, as the
@@ -201,6 +205,8 @@ def time_nesting(spans: UnitSpans) -> dict[str, dict[str, list[str]]]:
         first: dict[str, tuple[float, float]] = {}
         for i in sel[np.argsort(spans.start[sel], kind="stable")].tolist():
             first.setdefault(spans.units[int(spans.unit[i])], (float(spans.start[i]), float(spans.end[i])))
+        if len(first) > TIME_NESTING_MAX_UNITS:  # (quadratic: the module tree nests them there)
+            continue
         inside = {y: {x for x, (s, e) in first.items() if x != y and sy < s and e < ey}
                   for y, (sy, ey) in first.items()}
         direct = {y: sorted(x for x in xs if not any(x in inside[z] for z in xs if z != x))

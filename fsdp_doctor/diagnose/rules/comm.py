@@ -91,9 +91,9 @@ def _mp_snippet(ctx: Context, prelude: tuple[str, ...] = ()) -> str:
 
 
 _ONE_UNIT_RS = ("The whole model is one unit: its reduce-scatter of every gradient starts when the whole backward "
-                "has run, with no compute left to hide it. With each repeated block a unit of its own (wrap.too_coarse"
-                "), each block's reduce-scatter runs while the blocks before it compute their backward, and only the "
-                "first unit's is left exposed")
+                "has run, with no compute left to hide it. With each repeated block a unit of its own "
+                "(wrap.too_coarse), each block's reduce-scatter runs while the blocks before it compute their "
+                "backward, and only the first unit's is left exposed")
 
 
 @register

@@ -672,7 +672,7 @@ def _kept_words(groups: list, heads) -> str:
     """Why each group of the root's modules stays there beside tied modules (``snippets.kept_in_root``'s groups,
     ``heads`` naming their modules as the plan does): groups whose units would cost the same said once, with each
     one's bytes (Whisper's six small modules read the same cost six times, 20 lines of ``--explain``)."""
-    said: dict = {}  # the cost -> [(names, bytes, share)], in order
+    said: dict = {}  # what the share is of and the cost -> [(names, how many, parts, why)], in order
     for ms, why in groups:
         p = getattr(why, "parts", None)
         said.setdefault(p[2:] if p else why, []).append((E.fmt_list(heads(ms)), len(heads(ms)), p, why))
