@@ -959,6 +959,20 @@ def test_exposed_allgather_reads_the_median_step():
     assert f.severity == "info" and "layers.0 forward 1.5 ms" in f.recommendation.text  # where: each unit's median
 
 
+def test_trace_rows_name_a_grouped_unit_as_the_records_do():
+    """FSDP2's labels list a grouped unit's modules in module-tree order, the records as fully_shard was given them
+    (accelerate's plugin groups a tied model's final norm, embedding and head: the records' "model.norm,
+    model.embed_tokens, lm_head", the trace's "model.embed_tokens, model.norm, lm_head"): the trace's rows of it are
+    read under the records' name, so a GPU's exposed all-gathers count its 8 ms (32 ms without it)."""
+    rows = [{"rank": 0, "unit": u, "collective": "all_gather", "phase": "forward", "count": 2, "comm_us": 8000.0,
+             "exposed_us": 16000.0} for u in [f"layers.{i}" for i in range(4)] + ["lm_head, norm"]]
+    ov = {"per_rank": {"0": {"comm_us": 1.0, "steps": [6, 7], "device": "gpu"}}, "per_unit": rows}
+    ctx, _ = build(overlap=ov, backend="nccl", device="cuda:0")
+    assert E.trace_exposed_by_unit(ctx)[("norm, lm_head", "forward")] == 8.0
+    (f,) = run_rule("prefetch.exposed_allgather", ctx)
+    assert f.evidence["exposed_ag_fwd_ms"] == pytest.approx(40.0), f.evidence
+
+
 def test_exposed_allgather_gpu_reads_the_trace():
     rows = [{"rank": 0, "unit": f"layers.{i}", "collective": "all_gather", "phase": "forward", "count": 2,
              "comm_us": 8000.0, "exposed_us": 16000.0} for i in range(4)]
