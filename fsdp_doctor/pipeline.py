@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from . import __version__
-from .analyze.report import fill_sizes_from_units, run_facts, unit_table
+from .analyze.report import fill_sizes_from_units, name_groups_as_records, run_facts, unit_table
 from .analyze.steps import analyze_steps, usable_steps
 from .analyze.throughput import analyze_throughput
 from .records import config_unavailable
@@ -119,6 +119,7 @@ def trace_section(run: Run, *, windows: Optional[Iterable] = None,
         ov = analyze_traces(run.trace_files, progress=progress, ended=ended, started=started, ranks=ranks)
     else:
         return None
+    name_groups_as_records(ov, run)
     fill_sizes_from_units(ov, run)
     return ov
 

@@ -1105,6 +1105,28 @@ def test_a_grouped_unit_is_printed_in_its_brackets(sample_run_path):
     assert "wrapping   1 unit differs: [norm, lm_head]   7 units   6 units" in out, out
 
 
+def test_a_grouped_unit_listed_in_another_order_is_the_same_unit(sample_run_path):
+    """A recorded run names a grouped unit as fully_shard was given it, a plain trace's FSDP2 labels in module-tree
+    order: the same modules in another order are one unit, its settings and its collectives' rows matched (they
+    read as one unit removed and one new, "7 units -> 7 units")."""
+    import copy
+
+    a = compare_side(load_run(sample_run_path))
+    b = copy.deepcopy(a)
+    (u,) = [u for u in b.report.units if u.name == "norm, lm_head"]
+    u.name = "lm_head, norm"
+    for r in b.report.overlap.per_unit:
+        r.unit = "lm_head, norm" if r.unit == "norm, lm_head" else r.unit
+    assert any(r.unit == "lm_head, norm" for r in b.report.overlap.per_unit)
+    cmp = C.compare(a, b, path_a="A", path_b="B")
+    assert not [c for c in cmp.config if c.key == "wrapping"], cmp.config
+    assert cmp.comm and all(r.a_ms is not None and r.b_ms is not None for r in cmp.comm), cmp.comm
+    assert not [r for r in cmp.comm if "lm_head, norm" in r.unit]
+    # a group of other modules is another unit
+    u.name = "lm_head, norm, tok_emb"
+    assert [c.key for c in C.compare(a, b, path_a="A", path_b="B").config if c.key == "wrapping"] == ["wrapping"]
+
+
 def test_a_mesh_change_touches_the_optimizer_step(sample_run_path):
     """4 ranks 1-D against HSDP 2 x 2 (a new-user trial's runs/fsdp4 and runs/hsdp): each rank's shard of the
     parameters doubles, and with it its optimizer step; compare read "the optimizer step, which this change does not

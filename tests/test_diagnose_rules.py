@@ -963,12 +963,22 @@ def test_trace_rows_name_a_grouped_unit_as_the_records_do():
     """FSDP2's labels list a grouped unit's modules in module-tree order, the records as fully_shard was given them
     (accelerate's plugin groups a tied model's final norm, embedding and head: the records' "model.norm,
     model.embed_tokens, lm_head", the trace's "model.embed_tokens, model.norm, lm_head"): the trace's rows of it are
-    read under the records' name, so a GPU's exposed all-gathers count its 8 ms (32 ms without it)."""
+    read under the records' name (as the pipeline builds the trace section), so a GPU's exposed all-gathers count its
+    8 ms (32 ms without it), and its bytes per call come from the unit snapshot."""
+    from fsdp_doctor.analyze.report import fill_sizes_from_units, name_groups_as_records
+
     rows = [{"rank": 0, "unit": u, "collective": "all_gather", "phase": "forward", "count": 2, "comm_us": 8000.0,
              "exposed_us": 16000.0} for u in [f"layers.{i}" for i in range(4)] + ["lm_head, norm"]]
-    ov = {"per_rank": {"0": {"comm_us": 1.0, "steps": [6, 7], "device": "gpu"}}, "per_unit": rows}
+    ov = {"per_rank": {"0": {"comm_us": 1.0, "steps": [6, 7], "device": "gpu"}}, "per_unit": rows,
+          "units": [{"name": "lm_head, norm", "parent": ""}, {"name": "layers.0", "parent": ""}]}
     ctx, _ = build(overlap=ov, backend="nccl", device="cuda:0")
+    assert E.trace_exposed_by_unit(ctx).get(("norm, lm_head", "forward")) is None  # (as the trace wrote it)
+    name_groups_as_records(ctx.report.overlap, ctx.run)
+    fill_sizes_from_units(ctx.report.overlap, ctx.run)
     assert E.trace_exposed_by_unit(ctx)[("norm, lm_head", "forward")] == 8.0
+    assert [u.name for u in ctx.report.overlap.units] == ["norm, lm_head", "layers.0"]
+    (row,) = [r for r in ctx.report.overlap.per_unit if r.unit == "norm, lm_head"]
+    assert row.bytes_per_call == 263_168 and row.bytes_source == "unit snapshot"  # (its unsharded fp32 parameters)
     (f,) = run_rule("prefetch.exposed_allgather", ctx)
     assert f.evidence["exposed_ag_fwd_ms"] == pytest.approx(40.0), f.evidence
 

@@ -249,6 +249,15 @@ def _path(name: Optional[str]) -> str:
     return module_path(name) or ROOT_LABEL
 
 
+def _group_alias(a_paths: Iterable[str], b_paths: Iterable[str]) -> dict[str, str]:
+    """B's grouped unit paths that A lists with the same modules in another order -> A's: a recorded run names a
+    group as ``fully_shard`` was given it, a plain trace's FSDP2 labels in module-tree order (accelerate's tied
+    "model.norm, model.embed_tokens, lm_head" against "model.embed_tokens, model.norm, lm_head" read as one unit
+    removed and one new)."""
+    of_a = {frozenset(p.split(", ")): p for p in a_paths if ", " in p}
+    return {p: of_a[k] for p in b_paths if ", " in p and (k := frozenset(p.split(", "))) in of_a and of_a[k] != p}
+
+
 def _units(side: Side) -> dict[str, dict[str, Any]]:
     """Unit module path (``_path``) -> the configuration keys compared (from the unit snapshot, or for a plain trace
     the units its collectives name and whether FSDP prefetched them). A wrapper's own unit without parameters
@@ -385,6 +394,8 @@ def config_diff(a: Side, b: Side, read: Optional[set[str]] = None) -> list[Confi
         if ba[1] != bb[1]:
             out.append(ConfigChange(key="allgathers_blocking_host", a=ba[0], b=bb[0]))
     ua, ub = _units(a), _units(b)
+    alias = _group_alias(ua, ub)
+    ub = {alias.get(k, k): v for k, v in ub.items()}
     if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting
         ua, ub = ({n: {} for n, v in u.items() if v or side.source == "trace"} for u, side in ((ua, a), (ub, b)))
@@ -909,6 +920,8 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     if ra.comm is not None and rb.comm is not None and ra.comm.source == rb.comm.source == source:
         cmp.comm_exposed = delta(ra.comm.exposed_ms_per_step, rb.comm.exposed_ms_per_step)
     ca, cb = _comm(a, source), _comm(b, source)
+    alias = _group_alias({k[0] for k in ca}, {k[0] for k in cb})
+    cb = {(alias.get(k[0], k[0]), *k[1:]): v for k, v in cb.items()}
     # (Δ% of each row too: it was "—" on every row but the total's, unexplained; a new-user trial)
     rows = [CommDelta(unit=k[0], collective=k[1], phase=k[2], a_ms=round(ca[k], 3) if k in ca else None,
                       b_ms=round(cb[k], 3) if k in cb else None, delta_ms=round(cb.get(k, 0.0) - ca.get(k, 0.0), 3),

@@ -234,6 +234,31 @@ def _backward_nesting(run: Run) -> Optional[dict[str, list[str]]]:
     return None
 
 
+def name_groups_as_records(overlap: OverlapSection, run: Run) -> None:
+    """A grouped unit's trace rows (``per_unit``, ``units``) renamed to the records' name where its modules are listed
+    in another order: FSDP2's labels list them in module-tree order, the records as ``fully_shard`` was given them
+    (accelerate's plugin groups a tied model's final norm, embedding and head: the records' "model.norm,
+    model.embed_tokens, lm_head", the trace's "model.embed_tokens, model.norm, lm_head"; the rules' joins found no
+    such unit, the unit snapshot filled no sizes for its rows, and the report named it two ways: a new-user trial)."""
+    cfg = run.config
+    if cfg is None:
+        return
+    roots = [u.name for u in cfg.units if u.is_root]
+    labels = [fsdp_label(u.name, roots) for u in cfg.units if ", " in u.name]
+    by_members = {frozenset(lab.split(", ")): lab for lab in labels}
+    if not by_members:
+        return
+
+    def named(n):
+        lab = by_members.get(frozenset(n.split(", "))) if n and ", " in n else None
+        return lab if lab is not None else n
+
+    for row in overlap.per_unit:
+        row.unit = named(row.unit)
+    for row in overlap.units:
+        row.name, row.parent = named(row.name), named(row.parent)
+
+
 def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes, or no group
     (gloo's all-reduces on a 2-D mesh: HSDP's): an all-gather moves the unit's unsharded parameters in param dtype, a

@@ -680,28 +680,11 @@ def steps_in_windows(ctx: Context, rank) -> int:
 
 def trace_rows(ctx: Context, collective: Optional[str] = None) -> list[TraceRow]:
     """The trace's per-unit collective rows (of one collective, or all), with their figures per step (filled by
-    the trace engine's definition where a section was written without them); a grouped unit's rows named with its
-    modules in the records' order (``_group_renames``)."""
+    the trace engine's definition where a section was written without them)."""
     from ..trace.analysis import per_step_row
 
-    ren = _group_renames(ctx)
-    rows = [r if r.steps is not None else per_step_row(msgspec.structs.replace(r), steps_in_windows(ctx, r.rank))
+    return [r if r.steps is not None else per_step_row(msgspec.structs.replace(r), steps_in_windows(ctx, r.rank))
             for r in overlap(ctx).per_unit if collective is None or r.collective == collective]
-    return [msgspec.structs.replace(r, unit=ren[r.unit]) if r.unit in ren else r for r in rows] if ren else rows
-
-
-@_once
-def _group_renames(ctx: Context) -> dict[str, str]:
-    """Trace unit names -> the records' (``trace_label``) where a grouped unit's modules are listed in another order:
-    FSDP2's labels list them in module-tree order, the records as fully_shard was given them (accelerate's plugin
-    groups a tied model's final norm, embedding and head: the records' "model.norm, model.embed_tokens, lm_head",
-    the trace's "model.embed_tokens, model.norm, lm_head", whose rows no unit then matched)."""
-    labels = [trace_label(ctx, u.name) for u in units(ctx) if ", " in u.name]
-    if not labels:
-        return {}
-    by_members = {frozenset(lab.split(", ")): lab for lab in labels}
-    names = {r.unit for r in overlap(ctx).per_unit if ", " in r.unit}
-    return {n: by_members[k] for n in names if (k := frozenset(n.split(", "))) in by_members and by_members[k] != n}
 
 
 def other_comm_between_ms(ctx: Context, rank) -> float:
