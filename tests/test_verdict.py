@@ -557,3 +557,37 @@ def test_a_real_stall_in_one_profiled_step_is_said(tmp_path):
         assert f", most of the extra time {part}: without it, " in said, said
         assert not said.split("without it, ")[1].startswith("input-bound"), said
     assert "; profiled step 7 took " in rep.verdict.job.summary and " on ranks 0, 1, " in rep.verdict.job.summary
+
+
+def test_profiled_steps_far_slower_than_the_steady_ones_say_the_profilers_cost(sample_run_path):
+    """A new-user trial's Mamba (the selective scan's reference PyTorch path on CPU, 62,000 operators a step): its
+    profiled steps took 16.6 s against 936 ms steady ones, the profiler's cost per operator, and a rank it slowed
+    more kept the other waiting: "compute-bound (76%); then exposed reduce-scatter 23%" read off the window, unsaid.
+    Where every traced rank's profiled steps take PROFILED_SLOW_FACTOR times its steady median or more, the verdict
+    says so, with the records' split of the steady steps (the known answer: the records' verdict of the same run).
+    The sample run's window (about its steady steps) says nothing of it."""
+    import copy
+    import statistics
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.steps import usable_steps
+    from fsdp_doctor.analyze.verdict import PROFILED_SLOW_FACTOR, verdict
+
+    run = fsdp_doctor.load_run(sample_run_path)
+    rep = fsdp_doctor.build_report(run)
+    steady = {r: statistics.median(s.wall_ms for s in usable_steps(rd.steps)) for r, rd in run.ranks.items()}
+    assert all(rep.overlap.per_rank[str(r)].step_ms < PROFILED_SLOW_FACTOR * ms for r, ms in steady.items())
+    assert "the profiled steps ran" not in rep.verdict.job.summary
+    ov = copy.deepcopy(rep.overlap)
+    for r, ms in steady.items():
+        ov.per_rank[str(r)].step_ms = ms * (17.7 if r == 0 else 16.0)
+    got = verdict(ov, run).job.summary
+    records = verdict(None, run).job.summary
+    lead = (f"; the profiled steps ran 16.0-17.7x the steady steps ({fsdp_doctor.units.fmt_ms(steady[0] * 17.7)} "
+            f"against {fsdp_doctor.units.fmt_ms(steady[0])} on rank 0): the profiler's own cost per operator is in "
+            "these shares, and a rank it slowed more than another makes that one wait in their collectives")
+    assert got.endswith(lead + "; the records' split of the steady steps: " + records), got
+    assert got.startswith(rep.verdict.job.summary)  # (the trace's shares kept, as the table's)
+    # one rank under the factor: its window is its steps, and nothing is said
+    ov.per_rank["1"].step_ms = steady[1] * 1.5
+    assert "the profiled steps ran" not in verdict(ov, run).job.summary
