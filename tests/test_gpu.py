@@ -57,6 +57,11 @@ def test_demo_two_nccl_ranks_on_one_gpu(tmp_path):
     assert sorted(run.ranks) == [0, 1]
     assert all(rd.gpu for rd in run.ranks.values()), "CUDA-event timings on every rank"
     assert list(out.glob("profiler/rank*.pt.trace.json*")), "the profiler window was saved"
+    # the doctor's windows record no shapes (record.profiling): NCCL's own args (record_param_comms) size and type
+    # every FSDP collective, the unit snapshot none of them
+    rows = [r for r in report["overlap"]["per_unit"] if r["collective"] in ("all_gather", "reduce_scatter")]
+    assert rows and all(r["bytes_per_call"] and r.get("bytes_source") != "unit snapshot" and r["dtype"]
+                        for r in rows), rows
 
 
 def test_device_time_is_the_devices(tmp_path):

@@ -28,9 +28,15 @@ def _drive(windows: ProfilerWindows, steps: int, user=None) -> None:
     windows.stop()
 
 
-def test_window_records_memory_and_shapes_and_leaves_no_profiler_behind(tmp_path):
+@pytest.mark.parametrize("shapes", [None, True])
+def test_window_records_memory_not_shapes_and_leaves_no_profiler_behind(tmp_path, shapes):
+    """Memory (TensorBoard's Memory view), and no shapes unless asked for: the collectives' sizes come from NCCL's own
+    args or the unit snapshot, and with shapes a model of many small operators ran its profiled steps 17x its plain
+    ones (a new-user trial's Mamba); ``profile={"record_shapes": True, ...}`` records them."""
     saved = []
-    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=1, warmup=1, every=0)),
+    sched = ProfileSchedule(first=2, active=1, warmup=1, every=0)
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(sched if shapes is None else {"schedule": sched,
+                                                                                   "record_shapes": shapes}),
                         lambda steps, path: saved.append((steps, path)))
     w.start()
     _drive(w, 5)
@@ -38,7 +44,8 @@ def test_window_records_memory_and_shapes_and_leaves_no_profiler_behind(tmp_path
     trace = json.loads(gzip.open(tmp_path / saved[0][1]).read())
     events = trace["traceEvents"]
     assert any(e.get("name") == "[memory]" for e in events)  # profile_memory: TensorBoard's Memory view
-    assert any("Input Dims" in (e.get("args") or {}) for e in events if e.get("name") == "aten::mm")  # shapes
+    mm = [e for e in events if e.get("name") == "aten::mm"]
+    assert mm and any("Input Dims" in (e.get("args") or {}) for e in mm) == bool(shapes)
     assert w.stepped_aside is None
     assert other_profiler() is None  # our profile object unregistered itself from Kineto's step tracker
 
@@ -120,17 +127,22 @@ def test_steps_aside_for_a_running_user_profiler(tmp_path, caplog):
 
 @pytest.mark.slow  # the session's recorded 2-rank run
 def test_recorded_windows_carry_message_sizes(recorded_run):
-    """record_shapes=True by default: the gloo trace's c10d ops give each collective its message size."""
+    """The doctor's gloo windows record no shapes (their c10d ops carry no sizes): every FSDP collective is sized,
+    typed and grouped from the unit snapshot, as a trace with shapes says (the known answer: the gathered block's
+    bytes, float32, the 2 ranks), and has its bus bandwidth."""
     import fsdp_doctor
 
     run, _, _ = recorded_run
     overlap = fsdp_doctor.build_report(run).overlap
     rows = [r for r in overlap.per_unit if r.collective in ("all_gather", "reduce_scatter") and r.unit]
     assert rows
-    assert all(r.bytes_per_call and r.bytes_source != "unit snapshot" for r in rows), rows[:2]
+    assert all(r.bytes_per_call and r.bytes_source == "unit snapshot" and r.busbw_gbps for r in rows), rows[:2]
+    assert {(r.dtype, r.group_size) for r in rows} == {("float32", 2)}
     units = {u.name: u for u in run.config.units}
     ag = next(r for r in rows if r.collective == "all_gather" and r.unit == "layers.1")
-    assert ag.bytes_per_call == units["layers.1"].unsharded_bytes  # the gathered block, from the trace
+    assert ag.bytes_per_call == units["layers.1"].unsharded_bytes  # the gathered block
+    rs = next(r for r in rows if r.collective == "reduce_scatter" and r.unit == "layers.1")
+    assert rs.bytes_per_call == units["layers.1"].unsharded_bytes  # its float32 gradients
 
 
 @pytest.mark.parametrize("collect", [True, False])

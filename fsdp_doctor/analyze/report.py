@@ -263,7 +263,8 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
     """Bytes per call and bus bandwidth from the unit snapshot where the trace has no message sizes, or no group
     (gloo's all-reduces on a 2-D mesh: HSDP's): an all-gather moves the unit's unsharded parameters in param dtype, a
     reduce-scatter its unsharded gradients in reduce dtype, HSDP's all-reduce across replicas the reduce-scatter's
-    output (one shard of them) over the replicas."""
+    output (one shard of them) over the replicas; the dtype and group as torch names them where the trace gives
+    none."""
     from ..trace.analysis import busbw_factor
     from ..trace.collectives import dtype_bytes
 
@@ -284,18 +285,30 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
         # snapshot has no shard (an HSDP all-reduce of 45,600 B for the 46,000 B that FSDP2 sends on 2 x 2)
         padded = (u.sharded_bytes or 0) / (dtype_bytes(stored) or 4) * group
         elems = max(u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4), padded)
-        reduced = elems * (dtype_bytes(u.reduce_dtype or stored) or 4)  # gradients, in the reduce dtype
+        # gradients, in the reduce dtype: FSDP2 reduces in the compute dtype where the policy names none (bf16
+        # parameters' gradients read as float32, twice their bytes)
+        reduce = u.reduce_dtype or u.param_dtype or stored
+        # of the trainable parameters only: a frozen base's unit reduces its adapters' gradients (a LoRA layer's
+        # 3,584 B, not its 151,552 B)
+        grads = elems
+        if u.trainable_unsharded_bytes is not None:
+            grads = max(u.trainable_unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4),
+                        (u.trainable_sharded_bytes or 0) / (dtype_bytes(stored) or 4) * group)
+        reduced = grads * (dtype_bytes(reduce) or 4)
         if row.collective == "all_gather":
-            nbytes = elems * (dtype_bytes(u.param_dtype or stored) or 4)
+            nbytes, dtype = elems * (dtype_bytes(u.param_dtype or stored) or 4), u.param_dtype or stored
         elif row.collective == "reduce_scatter":
-            nbytes = reduced
+            nbytes, dtype = reduced, reduce
         elif row.collective == "all_reduce" and cfg.fsdp_dims == 2 and cfg.mesh and u.shard_size:  # HSDP's
-            nbytes, group = reduced / u.shard_size, next(iter(cfg.mesh.values()))  # (the replicate dim: first)
+            nbytes, group, dtype = reduced / u.shard_size, next(iter(cfg.mesh.values())), reduce  # (replicas: dim 0)
         else:
             continue
         if row.bytes_per_call is None:
             row.bytes_per_call = float(nbytes)
             row.bytes_source = "unit snapshot"
+        # (a gloo trace without record_shapes names neither: the doctor's windows record none, see record.profiling)
+        row.dtype = row.dtype or dtype
+        row.group_size = row.group_size or group
         nbytes = row.bytes_per_call  # (the trace's where it has them; the group the snapshot's: gloo's has none)
         f = busbw_factor(row.collective, group)
         if f is not None and row.comm_us > 0:

@@ -163,13 +163,16 @@ class ProfilerWindows:
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             kw["activities"] = acts
-        # Shapes give the trace its message sizes (bytes and bus bandwidth per collective) and memory gives
-        # TensorBoard's Memory view. Cost, measured by benchmarks/profile_window_cost.py on the 2-rank CPU
-        # reference workload: the window's recorded steps x1.34 of a plain step (x0.97 without them), the
-        # trace export +0.26 s, the trace x1.6 (290 KiB per window). Window steps are left out of the step
-        # statistics. On the H100's host-bound 1B-parameter model a window (its 2 steps, the warm-up and the export) cost
-        # ~1.0 s over plain steps: every 200 steps that was 5 ms a step (3%), hence a window every 1000 by default.
-        kw.setdefault("record_shapes", True)
+        # Memory gives TensorBoard's Memory view. Shapes are not recorded: the collectives' message sizes come from
+        # NCCL's own args (record_param_comms, recorded without them) and, on gloo, from the unit snapshot
+        # (analyze.report.fill_sizes_from_units); with them a new-user trial's Mamba (the selective scan's reference
+        # path, 62,000 operators a step) ran its profiled steps 7.3, 18.0 and 18.4 s against 1.1 s plain steps (1.1,
+        # 1.1 and 2.5 s without: the last one stops the profiler). Cost, measured by
+        # benchmarks/profile_window_cost.py on the 2-rank CPU reference workload: see the README. Window steps are
+        # left out of the step statistics. On the H100's host-bound 1B-parameter model a window (its 2 steps, the
+        # warm-up and the export) cost ~1.0 s over plain steps: every 200 steps that was 5 ms a step (3%), hence a
+        # window every 1000 by default.
+        kw.setdefault("record_shapes", False)
         kw.setdefault("profile_memory", True)
         kw.setdefault("with_stack", False)
         kw["schedule"] = self.action  # torch's profiler steps through the same, shifted, schedule
