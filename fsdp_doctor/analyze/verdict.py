@@ -240,9 +240,9 @@ def _slow_window_clause(overlap: Optional[OverlapSection], run: Optional[Run], r
             "shares, and a rank it slowed more than another makes that one wait in their collectives")
     if rec:
         gpu = any(v[3] for v in rec.values())
-        steady = _entry({k: sum(v[0][k] for v in rec.values()) for k in BREAKDOWN_PARTS},
-                        sum(v[1] for v in rec.values()), None, "records", "gpu" if gpu else "cpu")
-        said += f"; the records' split of the steady steps: {steady.summary}"
+        split = _entry({k: sum(v[0][k] for v in rec.values()) for k in BREAKDOWN_PARTS},
+                       sum(v[1] for v in rec.values()), None, "records", "gpu" if gpu else "cpu")
+        said += f"; the records' split of the steady steps: {split.summary}"
     return said
 
 
