@@ -591,3 +591,18 @@ def test_profiled_steps_far_slower_than_the_steady_ones_say_the_profilers_cost(s
     # one rank under the factor: its window is its steps, and nothing is said
     ov.per_rank["1"].step_ms = steady[1] * 1.5
     assert "the profiled steps ran" not in verdict(ov, run).job.summary
+
+
+def test_a_recorded_window_twice_the_steady_steps_says_so():
+    """A real recorded run whose profiled steps took 2.8x its steady ones (torchtune's full-finetune recipe with
+    gradient accumulation on 2 gloo ranks, profiled with shapes and memory: 371.0 ms against 134.0 ms): the verdict
+    says so, and its records' split, which reads the steady steps compute-bound where the window read communication."""
+    from pathlib import Path
+
+    import fsdp_doctor
+
+    run = fsdp_doctor.load_run(Path(__file__).resolve().parents[1] / "traces" / "cpu" / "torchtune_recipe_accumulate")
+    s = fsdp_doctor.build_report(run).verdict.job.summary
+    assert s.startswith("communication-bound"), s
+    assert "; the profiled steps ran 2.8x the steady steps (371.0 ms against 134.0 ms on rank 0)" in s, s
+    assert "; the records' split of the steady steps: compute-bound (" in s, s
