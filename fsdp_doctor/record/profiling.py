@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -176,10 +177,13 @@ class ProfilerWindows:
         kw.setdefault("profile_memory", True)
         kw.setdefault("with_stack", False)
         kw["schedule"] = self.action  # torch's profiler steps through the same, shifted, schedule
-        # each window is a profiler of its own, one cycle: nothing to clear between cycles. Without it torch 2.11
-        # warned on every rank of every watched run that it "clears events at the end of each cycle ... set
-        # acc_events=True", a flag the user does not hold (a new-user trial)
-        kw.setdefault("acc_events", True)
+        # each window is a profiler of its own, one cycle: nothing to keep across cycles, and without acc_events torch
+        # builds no Python event at the window's stop (the export is its C++ writer's). With it, set to silence
+        # torch 2.11's "clears events at the end of each cycle ... set acc_events=True" (a one-cycle profiler warned,
+        # fixed in pytorch#180387), every stop parsed the window's events in Python: a new-user trial's Mamba (62,000
+        # operators a step) spent 10.8 s in its export step. That warning is hidden in the doctor's own calls only
+        # (_quiet_profiler)
+        kw.setdefault("acc_events", False)
         self._kw = kw
         self.prof: torch.profiler.profile | None = None
         self._gzips: list[tuple[threading.Thread, list[int], list[Path]]] = []  # traces being compressed, in order
@@ -210,10 +214,12 @@ class ProfilerWindows:
             return
         tracker = _step_tracker()
         self._owns_tracker_key = tracker is not None and _PROFILER_STEP_NAME not in tracker
-        prof = torch.profiler.profile(on_trace_ready=self._ready, **self._kw)
+        with _quiet_profiler():
+            prof = torch.profiler.profile(on_trace_ready=self._ready, **self._kw)
         prof.step_num = step  # the schedule sees global steps; ProfilerStep#N labels are training steps
         prof.current_action = self.action(step)
-        prof.start()
+        with _quiet_profiler():
+            prof.start()
         self.prof = prof
         self._opened_at = step
 
@@ -230,7 +236,8 @@ class ProfilerWindows:
         self._report_compressed()
         self._step += 1
         if self.prof is not None:
-            self.prof.step()
+            with _quiet_profiler():
+                self.prof.step()
             if self.action(self._step) == ProfilerAction.NONE:  # the window is over (and was saved)
                 self._close()
                 self._collect()
@@ -313,6 +320,19 @@ class ProfilerWindows:
             if self._owns_tracker_key and tracker is not None:
                 tracker.pop(_PROFILER_STEP_NAME, None)
             self._owns_tracker_key = False
+
+
+#: the warning torch (2.11 and before) gives a one-cycle profiler without acc_events, which has no cycles to clear
+_CYCLE_WARNING = r"Warning: Profiler clears events at the end of each cycle"
+
+
+@contextlib.contextmanager
+def _quiet_profiler():
+    """The doctor's own calls into its window's profiler, without torch's cycle warning (``_CYCLE_WARNING``) and
+    nothing else hidden."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CYCLE_WARNING, category=UserWarning)
+        yield
 
 
 #: bytes read and compressed at a time
