@@ -216,9 +216,8 @@ class ProfilerWindows:
         self._owns_tracker_key = tracker is not None and _PROFILER_STEP_NAME not in tracker
         with _quiet_profiler():
             prof = torch.profiler.profile(on_trace_ready=self._ready, **self._kw)
-        prof.step_num = step  # the schedule sees global steps; ProfilerStep#N labels are training steps
-        prof.current_action = self.action(step)
-        with _quiet_profiler():
+            prof.step_num = step  # the schedule sees global steps; ProfilerStep#N labels are training steps
+            prof.current_action = self.action(step)
             prof.start()
         self.prof = prof
         self._opened_at = step
@@ -322,7 +321,8 @@ class ProfilerWindows:
             self._owns_tracker_key = False
 
 
-#: the warning torch (2.11 and before) gives a one-cycle profiler without acc_events, which has no cycles to clear
+#: the warning torch 2.11 (and versions before it, not 2.6) gives a one-cycle profiler without acc_events, which has
+#: no cycles to clear
 _CYCLE_WARNING = r"Warning: Profiler clears events at the end of each cycle"
 
 
