@@ -50,6 +50,15 @@ def module_path(name):
     return ", ".join(".".join(p for p in m.split(".") if p not in WRAPPER_SEGMENTS) for m in str(name).split(", "))
 
 
+def same_group(known, names) -> dict[str, str]:
+    """Of ``names``, the grouped units' ("norm, lm_head") that list the modules of a ``known`` group in another order
+    -> that group's name. FSDP2's labels list a group's modules in module-tree order, the records as ``fully_shard``
+    was given them (accelerate's tied "model.norm, model.embed_tokens, lm_head" is a trace's "model.embed_tokens,
+    model.norm, lm_head"): the same unit."""
+    of = {frozenset(k.split(", ")): k for k in known if k and ", " in k}
+    return {n: of[m] for n in names if n and ", " in n and (m := frozenset(n.split(", "))) in of and of[m] != n}
+
+
 def list_item(name) -> str:
     """One name of a comma-joined list: a grouped unit's ("norm, lm_head") in brackets, or the list reads as one
     name more per comma (accum.regather's "model.norm, lm_head" among 4 units read as 5, a new-user trial)."""

@@ -26,7 +26,8 @@ from ..report_sections import CheckpointSteps, Finding, Report
 from ..trace.analysis import BLOCKED_AG_SHARE, blocked_allgathers
 from .steps import counted_saves, heaviest_saves, save_interval, saves_share
 from ..trace.collectives import dtype_name
-from ..units import ROOT_LABEL, RUN_END_TAIL, fmt_bytes, fmt_mesh, fmt_ms, memory_peak_where, module_path, shift_at
+from ..units import (ROOT_LABEL, RUN_END_TAIL, fmt_bytes, fmt_mesh, fmt_ms, memory_peak_where, module_path, same_group,
+                     shift_at)
 
 RESAMPLES = 2000  # bootstrap draws: the 2.5/97.5 percentiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
@@ -249,15 +250,6 @@ def _path(name: Optional[str]) -> str:
     return module_path(name) or ROOT_LABEL
 
 
-def _group_alias(a_paths: Iterable[str], b_paths: Iterable[str]) -> dict[str, str]:
-    """B's grouped unit paths that A lists with the same modules in another order -> A's: a recorded run names a
-    group as ``fully_shard`` was given it, a plain trace's FSDP2 labels in module-tree order (accelerate's tied
-    "model.norm, model.embed_tokens, lm_head" against "model.embed_tokens, model.norm, lm_head" read as one unit
-    removed and one new)."""
-    of_a = {frozenset(p.split(", ")): p for p in a_paths if ", " in p}
-    return {p: of_a[k] for p in b_paths if ", " in p and (k := frozenset(p.split(", "))) in of_a and of_a[k] != p}
-
-
 def _units(side: Side) -> dict[str, dict[str, Any]]:
     """Unit module path (``_path``) -> the configuration keys compared (from the unit snapshot, or for a plain trace
     the units its collectives name and whether FSDP prefetched them). A wrapper's own unit without parameters
@@ -394,7 +386,7 @@ def config_diff(a: Side, b: Side, read: Optional[set[str]] = None) -> list[Confi
         if ba[1] != bb[1]:
             out.append(ConfigChange(key="allgathers_blocking_host", a=ba[0], b=bb[0]))
     ua, ub = _units(a), _units(b)
-    alias = _group_alias(ua, ub)
+    alias = same_group(ua, ub)  # (a records run and a plain trace name a group's modules in other orders)
     ub = {alias.get(k, k): v for k, v in ub.items()}
     if a.source != b.source:  # a trace names the units it saw gather (those with parameters), and no settings: a
         # records' unit's prefetch targets and a trace's "was prefetched" are not one setting
@@ -920,7 +912,7 @@ def compare(a: Side, b: Side, *, applied: Iterable[str] = (), gpu_hour_price: Op
     if ra.comm is not None and rb.comm is not None and ra.comm.source == rb.comm.source == source:
         cmp.comm_exposed = delta(ra.comm.exposed_ms_per_step, rb.comm.exposed_ms_per_step)
     ca, cb = _comm(a, source), _comm(b, source)
-    alias = _group_alias({k[0] for k in ca}, {k[0] for k in cb})
+    alias = same_group({k[0] for k in ca}, {k[0] for k in cb})
     cb = {(alias.get(k[0], k[0]), *k[1:]): v for k, v in cb.items()}
     # (Δ% of each row too: it was "—" on every row but the total's, unexplained; a new-user trial)
     rows = [CommDelta(unit=k[0], collective=k[1], phase=k[2], a_ms=round(ca[k], 3) if k in ca else None,

@@ -12,7 +12,7 @@ import msgspec
 from ..records import config_notes, optimizer_of_another_model
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
-from ..units import fsdp_label
+from ..units import fsdp_label, same_group
 from .steps import usable_steps
 
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
@@ -244,19 +244,14 @@ def name_groups_as_records(overlap: OverlapSection, run: Run) -> None:
     if cfg is None:
         return
     roots = [u.name for u in cfg.units if u.is_root]
-    labels = [fsdp_label(u.name, roots) for u in cfg.units if ", " in u.name]
-    by_members = {frozenset(lab.split(", ")): lab for lab in labels}
-    if not by_members:
+    alias = same_group([fsdp_label(u.name, roots) for u in cfg.units],
+                       {n for r in overlap.units for n in (r.name, r.parent)} | {r.unit for r in overlap.per_unit})
+    if not alias:
         return
-
-    def named(n):
-        lab = by_members.get(frozenset(n.split(", "))) if n and ", " in n else None
-        return lab if lab is not None else n
-
     for row in overlap.per_unit:
-        row.unit = named(row.unit)
+        row.unit = alias.get(row.unit, row.unit)
     for row in overlap.units:
-        row.name, row.parent = named(row.name), named(row.parent)
+        row.name, row.parent = alias.get(row.name, row.name), alias.get(row.parent, row.parent)
 
 
 def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
@@ -280,23 +275,24 @@ def fill_sizes_from_units(overlap: OverlapSection, run: Run) -> None:
             continue
         stored = u.orig_dtypes[0] if u.orig_dtypes else "float32"
         group = u.shard_size or cfg.world_size  # (FSDP's shard group)
-        # the elements FSDP2 moves (with tensor parallelism its shard's): each parameter's shard padded to dim 0's
-        # ceil(rows / group) (sharded_bytes, stored dtype) on every rank of the group; the unpadded figure where the
-        # snapshot has no shard (an HSDP all-reduce of 45,600 B for the 46,000 B that FSDP2 sends on 2 x 2)
-        padded = (u.sharded_bytes or 0) / (dtype_bytes(stored) or 4) * group
-        elems = max(u.unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4), padded)
+        gathered = u.param_dtype or stored  # (the all-gather's dtype)
+
+        def elements(unsharded: int, sharded: Optional[int]) -> float:
+            # the elements FSDP2 moves (with tensor parallelism its shard's): each parameter's shard padded to dim
+            # 0's ceil(rows / group) (sharded bytes, stored dtype) on every rank of the group; the unpadded figure where
+            # the snapshot has no shard (an HSDP all-reduce of 45,600 B for the 46,000 B that FSDP2 sends on 2 x 2)
+            return max(unsharded / (dtype_bytes(gathered) or 4), (sharded or 0) / (dtype_bytes(stored) or 4) * group)
+
+        elems = elements(u.unsharded_bytes, u.sharded_bytes)
         # gradients, in the reduce dtype: FSDP2 reduces in the compute dtype where the policy names none (bf16
-        # parameters' gradients read as float32, twice their bytes)
-        reduce = u.reduce_dtype or u.param_dtype or stored
-        # of the trainable parameters only: a frozen base's unit reduces its adapters' gradients (a LoRA layer's
-        # 3,584 B, not its 151,552 B)
-        grads = elems
-        if u.trainable_unsharded_bytes is not None:
-            grads = max(u.trainable_unsharded_bytes / (dtype_bytes(u.param_dtype or stored) or 4),
-                        (u.trainable_sharded_bytes or 0) / (dtype_bytes(stored) or 4) * group)
+        # parameters' gradients read as float32, twice their bytes); of the trainable parameters only: a frozen base's
+        # unit reduces its adapters' gradients (a LoRA layer's 3,584 B, not its 151,552 B)
+        reduce = u.reduce_dtype or gathered
+        grads = elems if u.trainable_unsharded_bytes is None else elements(u.trainable_unsharded_bytes,
+                                                                             u.trainable_sharded_bytes)
         reduced = grads * (dtype_bytes(reduce) or 4)
         if row.collective == "all_gather":
-            nbytes, dtype = elems * (dtype_bytes(u.param_dtype or stored) or 4), u.param_dtype or stored
+            nbytes, dtype = elems * (dtype_bytes(gathered) or 4), gathered
         elif row.collective == "reduce_scatter":
             nbytes, dtype = reduced, reduce
         elif row.collective == "all_reduce" and cfg.fsdp_dims == 2 and cfg.mesh and u.shard_size:  # HSDP's
