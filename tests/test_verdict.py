@@ -597,11 +597,10 @@ def test_a_recorded_window_twice_the_steady_steps_says_so():
     """A real recorded run whose profiled steps took 2.8x its steady ones (torchtune's full-finetune recipe with
     gradient accumulation on 2 gloo ranks, profiled with shapes and memory: 371.0 ms against 134.0 ms): the verdict
     says so, and its records' split, which reads the steady steps compute-bound where the window read communication."""
-    from pathlib import Path
-
     import fsdp_doctor
+    from conftest import REPO
 
-    run = fsdp_doctor.load_run(Path(__file__).resolve().parents[1] / "traces" / "cpu" / "torchtune_recipe_accumulate")
+    run = fsdp_doctor.load_run(REPO / "traces" / "cpu" / "torchtune_recipe_accumulate")
     s = fsdp_doctor.build_report(run).verdict.job.summary
     assert s.startswith("communication-bound"), s
     assert "; the profiled steps ran 2.8x the steady steps (371.0 ms against 134.0 ms on rank 0)" in s, s
