@@ -361,14 +361,17 @@ def hf_llama(checkpointing: bool = False, attn: str = "sdpa", **size):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    shape = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    shape = {**dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                     max_position_embeddings=64), **size}
-    cfg = LlamaConfig(vocab_size=512, num_key_value_heads=2, tie_word_embeddings=False, attn_implementation=attn,
-                      **shape)
+    cfg = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, attn_implementation=attn, **shape)
     model = LlamaForCausalLM(cfg)
     if checkpointing:  # HF's own: each decoder layer checkpointed whole
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+#: the large-vocabulary HF Llama's (memory.temporaries' row)
+BIG_VOCAB = 8192
 
 
 #: compile.recompile_limit's GPU row: twice Dynamo's default recompile limit (8, torch 2.6 to 2.15) in decoder layers,
@@ -701,6 +704,10 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          "hf_gemma2": lambda: hf_gemma2(**(HF_GPU if scenario_device().type == "cuda" else {})),
          "hf_granite_swa": lambda: hf_granite_swa(**(HF_GPU if scenario_device().type == "cuda" else {})),
          "hf_llama_layers_compiled": hf_llama_layers_compiled,
+         # a vocabulary 16 times the tiny one's (as a 128k one beside a 4k-wide model): the loss's logits set the peak
+         "hf_llama_vocab": lambda: hf_llama(vocab_size=BIG_VOCAB),
+         # eager attention over long sequences: its score matrices set the peak
+         "hf_llama_eager_long": lambda: hf_llama(attn="eager", max_position_embeddings=512),
          "titan": lambda: llama(out_scale=False),
          "resnet": resnet, "resnet_ckpt_children": lambda: resnet_checkpointed("children"),
          "resnet_ckpt_blocks": lambda: resnet_checkpointed("blocks"), **ARCH_BUILD, **FINETUNE}
@@ -725,13 +732,14 @@ def shard_blocks_only(model, mesh):
 
 SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda m, mesh: apply_fsdp_titan(m, mesh),
          "gpt": shard_gpt, "gpt8": shard_blocks_only, "gpt48": shard_blocks_only, "hf_llama": shard_blocks_only,
-         "hf_llama_ckpt": shard_blocks_only, "sequential": lambda m, mesh: fully_shard(m, mesh=mesh),  # (whole)
+         "hf_llama_ckpt": shard_blocks_only, "hf_llama_vocab": shard_blocks_only,
+         "hf_llama_eager_long": shard_blocks_only, "sequential": lambda m, mesh: fully_shard(m, mesh=mesh),  # (whole)
          "resnet": shard_blocks_only, "resnet_ckpt_children": shard_blocks_only, "resnet_ckpt_blocks": shard_blocks_only,
          **{name: shard_blocks_only for name in FINETUNE}}
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
          "sequential": 512,
          "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "gpt2_wide": 2048, "neox": 512,
-         "hf_llama_layers_compiled": 512, **{name: 512 for name in FINETUNE}}
+         "hf_llama_layers_compiled": 512, "hf_llama_vocab": BIG_VOCAB, "hf_llama_eager_long": 512, **{name: 512 for name in FINETUNE}}
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),

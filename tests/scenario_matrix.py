@@ -52,7 +52,10 @@ UNCOVERS = {"wrap.root_not_sharded": {"wrap.params_in_root"}, "ac.recommended": 
             # full checkpointing's peak (gpt_sac_tight: 14.9 MB of a 22.6 MB budget, 66%) leaves room for the last
             # block's activations, freed as its backward starts: ac.fewer_units offers them, its severity the share
             # of the step its 9 ms recompute is (4%, info, idle; past 5%, a warning, on a loaded host)
-            "ac.selective_to_full": {"ac.fewer_units"}}
+            "ac.selective_to_full": {"ac.fewer_units"},
+            # attention switched to sdpa (hf_llama_eager_long): the score matrices gone, the peak falls far under the
+            # budget (29.91 -> 8.71 MiB of a 31.48 MiB one) and the blocks' checkpointing is more than it needs
+            "memory.temporaries": {"ac.unneeded"}}
 # findings that say "memory to spare: spend it on speed", an opportunity and never a harm: a fix that lowers the
 # peak uncovers them (the bf16 model of optim.state_dominates leaves room for ZeRO-2 where the tight budget had
 # none), and after ac.unneeded's fix the headroom left is still offered (its severity follows the time saved,
@@ -243,6 +246,17 @@ ROWS: list[Row] = [
        knobs={"ac": "children"}, watch=AMPLE),
     _r("resnet_tight_capacity", "resnet", "ac.recommended", "activations of a batch of 32 images, budget 5% above peak",
        knobs={"batch_size": 16}, capacity_share=0.95),
+    # a vocabulary 16 times the tiny model's (8,192 tokens beside a 64-wide model, as 128k beside a 4k-wide one), the
+    # loss in the model's forward: its logits, their log-softmax and gradients hold most of a peak near capacity; the
+    # lever is the user's loss (chunked, fused with the head), said in words (a new-user trial's 32,000-token Llama
+    # read no memory finding at 91% of capacity, memory.near_capacity_spread quiet as "its own rule applies")
+    _r("hf_llama_big_vocab", "hf_llama_vocab", "memory.temporaries", "8,192-token vocabulary, budget 5% above peak",
+       knobs={"batch_size": 8, "seq_len": 64}, loop="labels", capacity_share=0.95, apply=False),
+    # eager attention over 512 tokens, each block checkpointed (HF's own): the score matrices its backward's
+    # recompute and gradients make set the peak; the fix is the model's own switch to scaled_dot_product_attention
+    _r("hf_llama_eager_long", "hf_llama_eager_long", "memory.temporaries",
+       "eager attention over 512 tokens, blocks checkpointed, budget 5% above peak",
+       knobs={"batch_size": 2, "seq_len": 512, "ac": "block"}, capacity_share=0.95),
     _r("gpt_raf_tight", "gpt", "memory.near_capacity_spread", "reshard_after_forward=False, budget 5% above peak",
        knobs={"batch_size": 1, "reshard_after_forward": False, "steps": 4}, capacity_share=0.95, peak_within=0.02),
     # accelerate's plan since 1.14 (the [norm, head] unit alone kept gathered) near capacity, as a new-user trial's

@@ -51,6 +51,27 @@ def test_a_temporary_between_two_marks_is_the_peak():
     _nothing_left(probe)
 
 
+def test_a_high_water_after_a_units_end_belongs_to_the_unit_around_it():
+    """After the last block's forward_end the step is back in the root's forward (its head and, where the model
+    computes it, the loss): a temporary there is the root's, not the block's; after the root's own end, outside
+    every unit. A Hugging Face Llama's loss in its forward read "model.layers.1 in_forward" (a new-user trial)."""
+    probe = _probe()
+    rows = []
+    for unit, phase, size in (("", "forward_start", 1000), ("layers.0", "forward_start", 0),
+                              ("layers.0", "forward_end", 3000), ("", "forward_end", 2000), (None, "loss_start", 0)):
+        probe.mark(unit, phase)
+        if size:
+            x = torch.ones(size, 250)  # (size * 1000 bytes, freed before the next mark)
+            del x
+    out = probe.step_end(0)
+    cols = out.timeline.columns
+    rows = [(r[cols.index("unit")], r[cols.index("phase")], r[cols.index("temporaries")]) for r in out.timeline.rows]
+    assert [(u, ph, t) for u, ph, t in rows if ph.startswith("in_")] == [
+        ("", "in_forward", 1_000_000), ("", "in_forward", 3_000_000), (None, "in_forward", 2_000_000)], rows
+    assert out.peak.unit == "" and out.peak.breakdown["temporaries"] == 3_000_000
+    _nothing_left(probe)
+
+
 def test_alive_at_a_mark_is_temporaries_there_and_saved_is_activations():
     lin = nn.Linear(256, 256)
     probe = _probe(lin)

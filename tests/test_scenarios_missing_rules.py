@@ -122,6 +122,42 @@ def test_near_capacity_with_no_dominant_category(matrix):
     assert _status(fixed, "memory.near_capacity_spread").status == "quiet"
 
 
+@pytest.mark.rows("hf_llama_big_vocab")
+def test_temporaries_of_the_loss_near_capacity(matrix):
+    """An HF Llama with an 8,192-token vocabulary, the loss in its forward (labels=), 8 x 64 tokens a rank, a budget
+    5% above the peak: the loss's logits (8 x 64 x 8,192 float32, 16 MiB) and their gradients are the peak's
+    temporaries, its largest part; the finding says where they are and what lowers them, with no code (the loss is
+    the user's), and memory.near_capacity_spread, quiet, names it (it read "its own rule applies" with none)."""
+    from clients import BIG_VOCAB
+
+    o = _outcome(matrix, "hf_llama_big_vocab")
+    f, logits = o.finding, 8 * 64 * BIG_VOCAB * 4
+    assert f.evidence["where"] == "loss" and f.evidence["temporaries_pct"] >= 40, f.evidence
+    assert logits <= f.evidence["temporaries_bytes"] <= 3 * logits, (f.evidence, logits)
+    assert f.evidence["peak_capacity_pct"] >= 85
+    assert "chunks" in f.recommendation.text and not f.recommendation.code
+    spread = _status(o.report, "memory.near_capacity_spread")
+    assert spread.status == "quiet" and "memory.temporaries applies" in spread.reason, spread
+    assert "ac.recommended" not in {x.code for x in o.findings}
+
+
+@pytest.mark.rows("hf_llama_eager_long")
+def test_temporaries_of_eager_attention_switch_it(matrix):
+    """An HF Llama with eager attention over 512 tokens, its blocks checkpointed (HF's own), a budget 5% above the
+    peak: the peak lies in a block's backward, nearly all of it temporaries (the recompute's and the gradients'
+    score matrices). The model can run scaled_dot_product_attention, and the fix is its own switch; rerun with it,
+    the finding is gone and the peak under a third of what it was."""
+    o = _outcome(matrix, "hf_llama_eager_long")
+    f = o.finding
+    assert f.evidence["where"] == "unit" and f.evidence["peak_unit"].startswith("model.layers."), f.evidence
+    assert f.evidence["temporaries_pct"] >= 80, f.evidence
+    assert f.recommendation.code.strip().endswith("model.set_attn_implementation('sdpa')"), f.recommendation.code
+    fixed = _fixed(o)
+    assert "memory.temporaries" not in {x.code for x in fixed.findings}
+    assert fixed.memory.peak_bytes < o.report.memory.peak_bytes / 3, (fixed.memory.peak_bytes,
+                                                                      o.report.memory.peak_bytes)
+
+
 @pytest.mark.parametrize("name,bound", [("cpu_only_gloo", "communication"), ("a100_sendrecv_16rank_rank0", "idle")])
 def test_severe_verdict_is_a_finding_on_real_traces(name, bound):
     """The real traces the issue saw reported "Healthy: no findings." under 85% communication and 70% idle (the

@@ -2112,6 +2112,13 @@ def _imports_apart(code: str) -> tuple[list[str], str]:
     return ([IMPORTS_NOTE, *imports] if imports else []), body
 
 
+#: a Hugging Face model's attention switched to a fused kernel, every layer (kernels.eager_attention,
+#: memory.temporaries)
+ATTN_SWITCH = {"sdpa": "model.set_attn_implementation('sdpa')  # every attention layer: scaled_dot_product_attention",
+               "flex_attention": "model.set_attn_implementation('flex_attention')  # every attention layer: one "
+                                 "fused kernel (compiled in the first steps)"}
+
+
 def fix_place(code: str) -> str:
     """Where a snippet goes (report_sections.FIX_PLACES): one in two parts around the user's fully_shard calls, a
     sharding plan on the unsharded model (a checkpointing change before the user's calls), one that (re)builds or

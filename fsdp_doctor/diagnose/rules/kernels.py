@@ -72,9 +72,7 @@ class EagerAttention(Rule):
         can = getattr(cfg, "attn_implementations", None)
         to = "" if not hf or asked else "sdpa" if can is None or "sdpa" in can else \
             "flex_attention" if "flex_attention" in can else ""
-        code = {"sdpa": "model.set_attn_implementation('sdpa')  # every attention layer: scaled_dot_product_attention",
-                "flex_attention": "model.set_attn_implementation('flex_attention')  # every attention layer: one "
-                                  "fused kernel (compiled in the first steps)"}.get(to, "")
+        code = S.ATTN_SWITCH.get(to, "")
         flash = "; or to flash_attention_2, where the flash-attn package is installed" \
             if can and "flash_attention_2" in can else ""
         no_sdpa = ("" if not hf or asked or to == "sdpa" else

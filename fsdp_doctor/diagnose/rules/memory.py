@@ -13,7 +13,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ...records import CudaMemory
-from ...units import fmt_bytes, fmt_duration, fmt_ms, fmt_share
+from ...units import fmt_bytes, fmt_duration, fmt_ms, fmt_share, unit_label
 from ..base import Context, Rule, register
 
 _GRADS = ("sharded_grads", "unsharded_grads")
@@ -332,7 +332,8 @@ class NearCapacitySpread(Rule):
         bd = {k: v for k, v in pm.peak_breakdown.items() if v}
         top = max(bd, key=bd.get) if bd else None
         if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
-            return self.quiet(f"{top} dominates the peak ({fmt_share(bd[top] / peak)}): its own rule applies")
+            return self.quiet(f"{top} dominates the peak ({fmt_share(bd[top] / peak)}): "
+                              + ("memory.temporaries applies" if top == "temporaries" else "its own rule applies"))
         kept = [u for u in E.non_root(E.param_units(ctx)) if E.kept_gathered(u)]
         if not kept:
             if over:
@@ -420,6 +421,90 @@ class NearCapacitySpread(Rule):
             f"holds {100 * T.DOMINANT_CATEGORY_SHARE:.0f}% of it, so no single rule's lever is enough and none of "
             f"this run's findings brings it under: {said}. What lowers its largest parts: " + "; ".join(levers)
             + ". Which fits is your choice (the ranks you have, the precision you train in): no code is offered.")]
+
+
+@register
+class TemporariesDominate(Rule):
+    code = "memory.temporaries"
+    name = "Temporaries dominate a peak near capacity"
+    description = ("The operators' temporaries (what an operation allocates and frees within the step: the loss's "
+                   "logits and their gradients, attention's scores where attention runs eagerly) hold the largest "
+                   "part of a peak near capacity, which no FSDP setting or checkpointing lowers; where they are "
+                   "says what does.")
+    needs = ("memory",)
+    severities = ("warning", "critical")
+
+    def match(self, ctx: Context):
+        pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
+        if pm is None or not cap:
+            return self.skip(E.no_peak_or_capacity(ctx, pm, cap))
+        peak = int(pm.peak_bytes)
+        if why := E.below_budget(ctx, peak, cap, T.NEAR_CAPACITY_SHARE):
+            return self.quiet(why)
+        tmp = int(pm.peak_breakdown.get("temporaries") or 0)
+        if tmp / peak < T.DOMINANT_CATEGORY_SHARE:
+            return self.quiet(E.below_share("temporaries", tmp, peak, "the peak", T.DOMINANT_CATEGORY_SHARE))
+        at = pm.peak_at
+        roots = {u.name for u in E.roots(E.units(ctx))} or {""}
+        inside, half = at.phase in ("in_forward", "in_backward"), "forward" if at.phase == "in_forward" else "backward"
+        if at.phase in ("in_loss", "loss_start"):
+            where, place = "loss", "in the loss, after the model returned"
+        elif inside and at.unit in roots:
+            where, place = "loss", (f"in the root's own {half} (its operators outside every other unit: the output "
+                                    "head and, where the model computes it, the loss)")
+        elif inside and at.unit and S.block_of(at.unit) == S.strip_ckpt(at.unit):  # a repeated block
+            where, place = "unit", f"inside {at.unit}'s {half}"
+        elif inside and at.unit and at.unit == _last_to_end(pm, roots):  # after every block: a [norm, head] unit
+            where, place = "loss", f"inside {at.unit}'s {half}, the last unit of forward: the output head"
+        else:
+            return self.quiet(f"the peak's temporaries ({fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of it) lie "
+                              f"{at.phase or 'outside the marks'}, outside the loss and every unit's forward and "
+                              "backward: no lever named for them")
+        levers = _LOSS_LEVERS if where == "loss" else _UNIT_LEVERS
+        sev = "critical" if E.budget_peak(ctx) >= cap else "warning"
+        step = f"step {at.step}, " if at.step is not None else ""
+        # a Hugging Face model whose attention runs eagerly, and which can run scaled_dot_product_attention: its
+        # own switch (a trial's eager Llama at 1,024 tokens: peak 116.65 MiB, 95% temporaries; with sdpa 27.37 MiB)
+        cfg = ctx.config
+        impl, can = getattr(cfg, "attn_implementation", None), getattr(cfg, "attn_implementations", None)
+        code = S.ATTN_SWITCH["sdpa"] if where == "unit" and impl == "eager" and (can is None or "sdpa" in can) else ""
+        tail = ("This Hugging Face model runs its attention eagerly (attn_implementation 'eager') and can run "
+                "scaled_dot_product_attention: the snippet switches every attention layer." if code else
+                "No code is offered: they are made by your model's operators or your loss, which the doctor does "
+                "not rewrite.")
+        return [self.finding(
+            sev, f"Temporaries hold {fmt_share(tmp / peak)} of a peak at {fmt_share(peak / cap)} of capacity, "
+                 f"{'in the loss and output head' if where == 'loss' else 'inside ' + unit_label(at.unit)}",
+            {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
+             "temporaries_bytes": tmp, "temporaries_pct": round(100 * tmp / peak, 1), "where": where,
+             "peak_unit": unit_label(at.unit), "peak_phase": at.phase},
+            f"At the peak ({step}{place}) the operators' temporaries hold {fmt_bytes(tmp)} of {fmt_bytes(peak)} "
+            f"({fmt_share(tmp / peak)}), its largest part, and the peak is {fmt_share(peak / cap)} of "
+            f"{fmt_bytes(cap)} of capacity. {levers} {tail}", code)]
+
+
+def _last_to_end(pm, roots: set) -> str | None:
+    """The unit other than the root whose forward ends last on the peak step's timeline (None: no timeline)."""
+    ends = [r.get("unit") for r in pm.timeline or () if r.get("phase") == "forward_end"
+            and r.get("unit") is not None and r.get("unit") not in roots]
+    return ends[-1] if ends else None
+
+
+#: memory.temporaries: what they are and what lowers them, by where the peak lies
+_LOSS_LEVERS = (
+    "There they are the logits the output head makes for every token of the micro-batch (tokens x vocabulary), "
+    "their log-softmax and their gradients, in float32 where the loss upcasts them. Resharding, offloading and "
+    "checkpointing the blocks leave them as they are. What lowers them: the loss computed in chunks of the tokens, "
+    "each chunk's logits made from the head's input and freed before the next (a fused linear cross-entropy: "
+    "Liger Kernel's, which Hugging Face's TrainingArguments(use_liger_kernel=True) applies; torchtune's "
+    "CEWithChunkedOutputLoss), or a smaller micro-batch with gradient accumulation (they shrink with its tokens).")
+_UNIT_LEVERS = (
+    "There they are intermediates that the unit's operators allocate and free (attention's score matrix, "
+    "batch x heads x sequence x sequence, where attention runs eagerly; an MLP's hidden activations between "
+    "its matmuls). Checkpointing does not lower them (its recompute makes them again in backward), nor does any "
+    "FSDP setting. What lowers them: a fused attention kernel (torch.nn.functional.scaled_dot_product_attention; "
+    "attn_implementation=\"sdpa\" for a Hugging Face model), or a smaller micro-batch with gradient accumulation "
+    "(they shrink with its size).")
 
 
 #: over capacity, what lowers each of the peak's largest categories (memory.near_capacity_spread)

@@ -136,6 +136,29 @@ _INSIDE = {"forward_start": "in_forward", "forward_end": "in_forward", "recomput
 _ACT = CATEGORIES.index("activations")
 
 
+def _enclosing(samples) -> list:
+    """Per mark, the unit whose forward or backward the interval after it lies in: the mark's own unit after its
+    start, the unit still open around it after its end (after the last block's forward_end, the root's forward: its
+    head and, where the model computes it, the loss; a high-water there read "model.layers.1 in_forward" for an HF
+    Llama's loss: a new-user trial), None outside every unit."""
+    out, open_ = [], []
+    for s in samples:
+        unit, phase = s[1], s[2]
+        if phase in ("forward_start", "backward_start", "recompute_start"):
+            open_.append(unit)
+            out.append(unit)
+        elif phase in ("forward_end", "backward_end", "recompute_end"):
+            for j in range(len(open_) - 1, -1, -1):  # (the innermost open span of that unit)
+                if open_[j] == unit:
+                    del open_[j]
+                    break
+            out.append(open_[-1] if open_ else None)
+        else:  # loss_start, optimizer marks: outside every unit
+            open_.clear()
+            out.append(unit)
+    return out
+
+
 def _options(option: Any) -> dict:
     opts = dict(_DEFAULTS)
     if isinstance(option, dict):
@@ -484,6 +507,7 @@ class MemoryProbe:
         root's post-backward)."""
         out = []
         exact = self.acts.mode == "exact"
+        inside = _enclosing(samples)
         for i, t, peak, saved, left, right in self._transients:
             best = None
             for j, named in ((i, left), (i + 1, right)):
@@ -496,7 +520,7 @@ class MemoryProbe:
                 r[-1] = max(0, peak - sum(r))
                 if best is None or r[-1] > best[-1]:
                     best = r
-            out.append((i, t, samples[i][1], _INSIDE.get(samples[i][2], "in_step"), best))
+            out.append((i, t, inside[i], _INSIDE.get(samples[i][2], "in_step"), best))
         return out
 
     @staticmethod
