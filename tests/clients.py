@@ -739,7 +739,8 @@ SHARD = {"transformer": shard_blocks, "compiled": shard_blocks, "llama": lambda 
 VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 512, "gpt48": 512, "hf_llama": 512,
          "sequential": 512,
          "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "gpt2_wide": 2048, "neox": 512,
-         "hf_llama_layers_compiled": 512, "hf_llama_vocab": BIG_VOCAB, "hf_llama_eager_long": 512, **{name: 512 for name in FINETUNE}}
+         "hf_llama_layers_compiled": 512, "hf_llama_vocab": BIG_VOCAB, "hf_llama_eager_long": 512,
+         **{name: 512 for name in FINETUNE}}
 
 
 def loss_of(model, client: str, step: int, rank: int, micro: int = 0, size: tuple[int, int] = (BATCH, SEQ),
