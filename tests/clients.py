@@ -705,7 +705,9 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          "hf_granite_swa": lambda: hf_granite_swa(**(HF_GPU if scenario_device().type == "cuda" else {})),
          "hf_llama_layers_compiled": hf_llama_layers_compiled,
          # a vocabulary 16 times the tiny one's (as a 128k one beside a 4k-wide model): the loss's logits set the peak
-         "hf_llama_vocab": lambda: hf_llama(vocab_size=BIG_VOCAB),
+         # (on a GPU 4 times larger beside HF_GPU's width, 2 layers: there the logits must outweigh the blocks)
+         "hf_llama_vocab": lambda: hf_llama(**({**HF_GPU, "num_hidden_layers": 2, "vocab_size": 4 * BIG_VOCAB}
+                                               if scenario_device().type == "cuda" else {"vocab_size": BIG_VOCAB})),
          # eager attention over long sequences: its score matrices set the peak
          "hf_llama_eager_long": lambda: hf_llama(attn="eager", max_position_embeddings=512),
          "titan": lambda: llama(out_scale=False),

@@ -578,6 +578,12 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "ac": "block"}, capacity_share=0.65, min_severity="info", figure="checkpointed_units"),
     _g("gpu_gpt_tight_capacity", "gpt", "ac.recommended", "batch 8, budget 5% above peak",
        knobs={**GPU_SHAPE, "batch_size": 8}, capacity_share=0.95),
+    # the loss's logits near capacity (the CPU row hf_llama_big_vocab on a GPU): a 32,768-token vocabulary beside a
+    # 512-wide, 2-layer HF Llama in bf16, the loss in its forward (float32 logits: 8 x 512 x 32,768 x 4 B, 1 GiB),
+    # 8 x 512 tokens a rank; in words, no code
+    _g("gpu_hf_llama_big_vocab", "hf_llama_vocab", "memory.temporaries",
+       "32,768-token vocabulary, the loss in forward, budget 5% above peak", knobs={**HF_GPU_SHAPE, "batch_size": 8},
+       loop="labels", capacity_share=0.95, apply=False),
     # one short sequence per rank: the sharded parameters, gradients and AdamW's state are most of the peak, which a
     # budget 3% above it puts at 97% of capacity (offload.recommended fires from 95%); its fix moves that state to
     # the host, and the same budget then has room (offload.costly stays quiet: the state would not fit back)
