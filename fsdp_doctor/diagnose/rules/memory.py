@@ -208,12 +208,13 @@ class OutputsKept(Rule):
             where, inputs = "torchtune_train", {}
         else:
             text = (f"{head}: the loop keeps what the model returned (outputs = model(...); loss = outputs.loss, as "
-                    "Hugging Face's no-trainer examples do), so its logits, and its past_key_values unless "
-                    "use_cache=False, live through backward, the optimizer step and the next forward, until the name "
+                    "Hugging Face's no-trainer examples do), so its logits, and any cache it returns unless "
+                    "use_cache=False (a transformer's past_key_values, a Mamba's cache_params), live through "
+                    "backward, the optimizer step and the next forward, until the name "
                     "is bound again. Backward needs none of them: the loss keeps what it needs. Keep the loss only, "
                     f"or delete the output before backward. {at_peak}")
             code = ("# in your loop, once the loss is computed from the model's output and before loss.backward():\n"
-                    f"del outputs  # its {fmt_bytes(kept)} (logits, past_key_values) freed in backward, not after the "
+                    f"del outputs  # its {fmt_bytes(kept)} (logits, any cache) freed in backward, not after the "
                     "next forward")
             where = "backward"
             inputs = {"outputs": "what your loop keeps of model(...)'s return (its output object or logits)"}
