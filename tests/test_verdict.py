@@ -580,7 +580,9 @@ def test_profiled_steps_far_slower_than_the_steady_ones_say_the_profilers_cost(s
     assert "the profiled steps ran" not in rep.verdict.job.summary
     ov = copy.deepcopy(rep.overlap)
     for r, ms in steady.items():
-        ov.per_rank[str(r)].step_ms = ms * (17.7 if r == 0 else 16.0)
+        pr = ov.per_rank[str(r)]
+        pr.step_ms = ms * (17.7 if r == 0 else 16.0)
+        pr.step_times_ms = {st: pr.step_ms for st in pr.step_times_ms}
     got = verdict(ov, run).job.summary
     records = verdict(None, run).job.summary
     lead = (f"; the profiled steps ran 16.0-17.7x the steady steps ({fsdp_doctor.units.fmt_ms(steady[0] * 17.7)} "
@@ -588,8 +590,18 @@ def test_profiled_steps_far_slower_than_the_steady_ones_say_the_profilers_cost(s
             "these shares, and a rank it slowed more than another makes that one wait in their collectives")
     assert got.endswith(lead + "; the records' split of the steady steps: " + records), got
     assert got.startswith(rep.verdict.job.summary)  # (the trace's shares kept, as the table's)
+    # a profiled step slower than the other, in that slow window: the window's own reading is set aside whole, and
+    # the atypical step's clause with it (both stood in the Mamba's verdict)
+    pr = ov.per_rank["0"]
+    first = min(pr.step_times_ms, key=int)
+    pr.step_times_ms = {**pr.step_times_ms, first: pr.step_times_ms[first] * 3}
+    pr.atypical_steps = {first: {"compute": pr.step_times_ms[first]}}
+    alone = verdict(ov, run).job.summary
+    assert "; profiled step" not in alone and alone.endswith(lead + "; the records' split of the steady steps: "
+                                                             + records), alone
     # one rank under the factor: its window is its steps, and nothing is said
     ov.per_rank["1"].step_ms = steady[1] * 1.5
+    ov.per_rank["1"].step_times_ms = {st: steady[1] * 1.5 for st in ov.per_rank["1"].step_times_ms}
     assert "the profiled steps ran" not in verdict(ov, run).job.summary
 
 
