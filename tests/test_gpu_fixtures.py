@@ -504,3 +504,6 @@ def test_temporaries_held_before_the_step_are_not_the_steps():
     assert "memory.temporaries" not in {f.code for f in diagnose(run, report, statuses=statuses)}
     (st,) = [s for s in statuses if s.code == "memory.temporaries"]
     assert st.status == "quiet" and f"beside {fmt_bytes(held)} already outside every category" in st.reason, st
+    # nor does memory.near_capacity_spread leave it to that rule: it weighs the same temporaries
+    (spread,) = [s for s in statuses if s.code == "memory.near_capacity_spread"]
+    assert "memory.temporaries applies" not in spread.reason, spread

@@ -331,9 +331,11 @@ class NearCapacitySpread(Rule):
         # over capacity: with optim.before_shard's fix in (its stale tensors are no lever of this rule's)
         over = E.budget_peak(ctx) >= cap
         bd = {k: v for k, v in pm.peak_breakdown.items() if v}
-        top = max(bd, key=bd.get) if bd else None
-        if top is not None and bd[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
-            return self.quiet(f"{top} dominates the peak ({fmt_share(bd[top] / peak)}): "
+        # (temporaries as memory.temporaries weighs them: those the step made, not the workspaces held before it)
+        made = {**bd, "temporaries": E.step_temporaries(pm)[0]} if "temporaries" in bd else bd
+        top = max(made, key=made.get) if made else None
+        if top is not None and made[top] / peak >= T.DOMINANT_CATEGORY_SHARE:
+            return self.quiet(f"{top} dominates the peak ({fmt_share(made[top] / peak)}): "
                               + ("memory.temporaries applies" if top == "temporaries" else "its own rule applies"))
         kept = [u for u in E.non_root(E.param_units(ctx)) if E.kept_gathered(u)]
         if not kept:
@@ -443,12 +445,7 @@ class TemporariesDominate(Rule):
         if why := E.below_budget(ctx, peak, cap, T.NEAR_CAPACITY_SHARE):
             return self.quiet(why)
         at = pm.peak_at
-        # what the step's operators made: on CUDA the temporaries are the allocator's bytes outside every category,
-        # and the step's first mark already holds some (cuBLAS's and NCCL's workspaces, the batch, tensors kept from
-        # before: 66-72 MiB on the H100 rows, 72 of a 99 MiB peak's 83 MiB on one); on the CPU it holds none
-        tl = pm.timeline or []
-        held = int(tl[0].get("temporaries") or 0) if tl and pm.timeline_step == at.step else 0
-        tmp = max(0, int(pm.peak_breakdown.get("temporaries") or 0) - held)
+        tmp, held = E.step_temporaries(pm)  # (on CUDA the workspaces and what was kept from before: not the step's)
         if tmp / peak < T.DOMINANT_CATEGORY_SHARE:
             return self.quiet(E.below_share("temporaries made in the step", tmp, peak, "the peak",
                                             T.DOMINANT_CATEGORY_SHARE)
