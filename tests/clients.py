@@ -362,8 +362,8 @@ def hf_llama(checkpointing: bool = False, attn: str = "sdpa", **size):
 
     torch.manual_seed(0)
     shape = {**dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    max_position_embeddings=64), **size}
-    cfg = LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, attn_implementation=attn, **shape)
+                    max_position_embeddings=64, tie_word_embeddings=False), **size}
+    cfg = LlamaConfig(num_key_value_heads=2, attn_implementation=attn, **shape)
     model = LlamaForCausalLM(cfg)
     if checkpointing:  # HF's own: each decoder layer checkpointed whole
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -708,6 +708,8 @@ BUILD = {"transformer": lambda: transformer(), "compiled": lambda: compile_block
          # (on a GPU 4 times larger beside HF_GPU's width, 2 layers: there the logits must outweigh the blocks)
          "hf_llama_vocab": lambda: hf_llama(**({**HF_GPU, "num_hidden_layers": 2, "vocab_size": 4 * BIG_VOCAB}
                                                if scenario_device().type == "cuda" else {"vocab_size": BIG_VOCAB})),
+         # the large vocabulary's embedding tied to the head: most of the parameters, in one unit with the final norm
+         "hf_llama_tied_vocab": lambda: hf_llama(vocab_size=BIG_VOCAB, tie_word_embeddings=True),
          # eager attention over long sequences: its score matrices set the peak
          "hf_llama_eager_long": lambda: hf_llama(attn="eager", max_position_embeddings=512),
          "titan": lambda: llama(out_scale=False),
@@ -742,6 +744,7 @@ VOCAB = {"transformer": 512, "compiled": 512, "llama": 256, "gpt": 512, "gpt8": 
          "sequential": 512,
          "hf_llama_ckpt": 512, "hf_llama_eager": 512, "hf_gemma2": 512, "hf_granite_swa": 512, "titan": 256, "mixtral": 512, "gpt2": 512, "gpt2_wide": 2048, "neox": 512,
          "hf_llama_layers_compiled": 512, "hf_llama_vocab": BIG_VOCAB, "hf_llama_eager_long": 512,
+         "hf_llama_tied_vocab": BIG_VOCAB,
          **{name: 512 for name in FINETUNE}}
 
 
@@ -773,6 +776,17 @@ def shard_head_in_root(model, mesh):
     fully_shard(lead if len(lead) > 1 else lead[0], mesh=mesh)
     for b in _blocks(model):
         fully_shard(b, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def shard_tied_ends(model, mesh):
+    """Each block, then its ends in one unit (the tied embedding and head must share one) kept gathered after
+    forward (it computes last in forward and first in backward), then the root: accelerate's FSDP2 plugin's grouping
+    of a tied Qwen2 (model.norm, model.embed_tokens, lm_head)."""
+    lead, trail = _ends(model)
+    for b in _blocks(model):
+        fully_shard(b, mesh=mesh)
+    fully_shard(trail + lead, mesh=mesh, reshard_after_forward=False)
     return fully_shard(model, mesh=mesh)
 
 
@@ -906,7 +920,8 @@ def _after_sharding(model, cfg):
 
 # the user's own sharding code where the workload knobs do not say it: torchtitan's plan (with a trainable
 # parameter ignored)
-USER_SHARD = {"titan": apply_fsdp_titan, "head_in_root": shard_head_in_root, **ARCH_SHARD}
+USER_SHARD = {"titan": apply_fsdp_titan, "head_in_root": shard_head_in_root, "tied_ends": shard_tied_ends,
+              **ARCH_SHARD}
 
 
 def user_param_groups(model, trainable_only: bool = False, top_only: bool = False) -> list[dict]:

@@ -200,6 +200,11 @@ ROWS: list[Row] = [
     _r("hf_llama_head_in_root_long_batch", "hf_llama", None, "head in the root, 8 x 64 tokens: under 1% of the peak",
        user_shard="head_in_root", knobs={"batch_size": 8, "seq_len": 64}),
     _r("hf_llama_tuned_long_batch", "hf_llama", None, "expert plan, 8 x 64 tokens", knobs={"batch_size": 8, "seq_len": 64}),
+    # an 8,192-token vocabulary's embedding tied to the head, in one unit with the final norm (accelerate's grouping
+    # of a tied model) beside each block: 83% of the parameters in a unit that cannot split (wrap.too_coarse asked for
+    # each block a unit, which they were, on a new-user trial's Qwen2 under the Trainer)
+    _r("hf_llama_tied_vocab_ends", "hf_llama_tied_vocab", None,
+       "blocks, then the tied embedding, norm and head one unit kept gathered", user_shard="tied_ends"),
     # torchtitan's bf16 parameters on 4 ranks: the root's gathered copy twice its fp32 shard. On 2 ranks the two are
     # equal and the plan frees nothing (its expert plan, titan_tuned, measured 1,160,532 B against 1,160,404 B): quiet
     _r("titan_blocks_only", "titan", "wrap.params_in_root", "blocks and root only, 4 ranks",

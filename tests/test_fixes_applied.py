@@ -467,3 +467,15 @@ def test_too_fine_fix_merges_tiny_units_and_gains_the_step(matrix, tmp_path):
     before, after, predicted = _alternating_steps(o, tmp_path)
     gained = 1 - statistics.median(a / b for a, b in zip(after, before))
     assert gained >= 0.5 * statistics.median(predicted), (gained, predicted, before, after)
+
+
+@pytest.mark.rows("hf_llama_tied_vocab_ends")
+def test_too_coarse_quiet_on_a_tied_unit_of_the_models_ends(matrix):
+    """A large vocabulary's embedding tied to the head, grouped with the final norm (accelerate's grouping of a tied
+    model) beside each block: 83% of the parameters in one unit that holds no block and cannot split. A new-user
+    trial's Qwen2 under the Trainer read "holds 99%: each block a unit", its fix the policy the run already had."""
+    o = matrix["hf_llama_tied_vocab_ends"]
+    assert not o.error, o.error
+    (st,) = [s for s in o.report.rules if s.code == "wrap.too_coarse"]
+    assert st.status == "quiet" and "holds 83% of the parameters but no repeated block" in st.reason, st
+    assert "lm_head, model.embed_tokens: tied" in st.reason, st

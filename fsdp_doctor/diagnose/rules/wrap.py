@@ -169,6 +169,17 @@ class TooCoarse(Rule):
             at_peak = (bd.get("unsharded_params") or 0) + (bd.get("comm_buffers") or 0)
             peak_after = peak - at_peak * (1 - min(1.0, pair / own))
         name = big.name or "(root)"
+        if own and len(blocks) < 2 and len(us) > 1 and S.tree(ctx).containers():
+            # the blocks are units already; this one holds the model's ends (a tied embedding and output head over a
+            # large vocabulary, as accelerate groups them: a new-user trial's Qwen2, 151,936 tokens beside 64-wide
+            # blocks, read "holds 99%: each block a unit", its fix the plugin's policy the run had, 9% slower)
+            mods = list(big.own_modules or [])
+            tied = [m for m in mods if m in (big.tied_modules or [])]
+            return self.quiet(f"{name} holds {fmt_share(share)} of the parameters but no repeated block (the blocks "
+                              "are units of their own): its modules' "
+                              + (f"shared weight ({E.fmt_list(tied)}: tied), which must stay in one unit"
+                                 if len(tied) >= 2 else f"own weights ({E.fmt_list(mods)})")
+                              + ", which no finer wrap of the blocks shrinks")
         if own and len(blocks) < 2 and not S.tree(ctx).containers():
             # (a unit of one Linear in a 2-unit model: "split into 4 similar units" of a module that has none, its
             # plan the run's own sharding again, predicted 156% slower and no memory saved: a new-user trial)
