@@ -483,8 +483,7 @@ class TemporariesDominate(Rule):
                  f"{'in the loss and output head' if where == 'loss' else 'inside ' + unit_label(at.unit)}",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
              "temporaries_bytes": tmp, "temporaries_pct": round(100 * tmp / peak, 1), "held_before_bytes": held,
-             "where": where,
-             "peak_unit": unit_label(at.unit), "peak_phase": at.phase},
+             "where": where, "peak_unit": unit_label(at.unit), "peak_phase": at.phase},
             f"At the peak ({step}{place}) the temporaries the step's operators made hold {fmt_bytes(tmp)} of "
             f"{fmt_bytes(peak)} ({fmt_share(tmp / peak)}), and the peak is {fmt_share(peak / cap)} of "
             f"{fmt_bytes(cap)} of capacity. {levers} {tail}", code)]
