@@ -505,12 +505,12 @@ _LOSS_LEVERS = (
     "Liger Kernel's, which Hugging Face's TrainingArguments(use_liger_kernel=True) applies; torchtune's "
     "CEWithChunkedOutputLoss), or a smaller micro-batch with gradient accumulation (they shrink with its tokens).")
 _UNIT_LEVERS = (
-    "There they are intermediates that the unit's operators allocate and free (attention's score matrix, "
-    "batch x heads x sequence x sequence, where attention runs eagerly; an MLP's hidden activations between "
-    "its matmuls). Checkpointing does not lower them (its recompute makes them again in backward), nor does any "
-    "FSDP setting. What lowers them: a fused attention kernel (torch.nn.functional.scaled_dot_product_attention; "
-    "attn_implementation=\"sdpa\" for a Hugging Face model), or a smaller micro-batch with gradient accumulation "
-    "(they shrink with its size).")
+    "There they are intermediates that the unit's operators allocate and free (where attention runs eagerly, its "
+    "score matrix, batch x heads x sequence x sequence; an MLP's hidden activations between its matmuls; a "
+    "convolution's workspace). Checkpointing does not lower them (its recompute makes them again in backward), nor "
+    "does any FSDP setting. What lowers them: a smaller micro-batch with gradient accumulation (they shrink with its "
+    "size), and where attention runs eagerly a fused kernel (torch.nn.functional.scaled_dot_product_attention; "
+    "attn_implementation=\"sdpa\" for a Hugging Face model).")
 
 
 #: over capacity, what lowers each of the peak's largest categories (memory.near_capacity_spread)
