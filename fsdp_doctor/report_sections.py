@@ -65,6 +65,8 @@ class RunFacts(_Section):
     experts: Optional[Experts] | UnsetType = UNSET  # a mixture of experts' routed experts (None: none found)
     capacity_bytes: Optional[int] | UnsetType = UNSET  # memory budget per rank (bytes)
     tokens_per_step: Optional[int] | UnsetType = UNSET
+    # a Hugging Face model's attention implementation ("eager", "sdpa", ...; RunConfig.attn_implementation)
+    attn_implementation: str | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
     # the units' MixedPrecisionPolicy ("params bfloat16, reduce float32"; "mixed" where units differ) and CPU
     # offload ("CPU offload" or "CPU offload, 3 of 9 units"), where any unit has one

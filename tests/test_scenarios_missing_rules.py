@@ -156,6 +156,12 @@ def test_temporaries_of_eager_attention_switch_it(matrix):
     assert "memory.temporaries" not in {x.code for x in fixed.findings}
     assert fixed.memory.peak_bytes < o.report.memory.peak_bytes / 3, (fixed.memory.peak_bytes,
                                                                       o.report.memory.peak_bytes)
+    # compare reads the switch as the configuration change it is (it read "no configuration change found", the
+    # step's change the host's, on a new-user trial's pair)
+    from fsdp_doctor.analyze import compare as C
+
+    a, b = (C.Side(report=r, samples=[], source="records") for r in (o.report, fixed))
+    assert [(c.key, c.a, c.b) for c in C.config_diff(a, b)] == [("attn_implementation", "eager", "sdpa")]
 
 
 @pytest.mark.parametrize("name,bound", [("cpu_only_gloo", "communication"), ("a100_sendrecv_16rank_rank0", "idle")])

@@ -70,6 +70,8 @@ def run_facts(run: Run) -> RunFacts:
             facts.optimizer_in_backward = cfg.optimizer_in_backward
         if cfg.mesh:  # tensor (or other model) parallelism beside FSDP, or HSDP's 2-D mesh
             facts.mesh = dict(cfg.mesh)
+        if cfg.attn_implementation:  # (a Hugging Face model's: compare reads its change)
+            facts.attn_implementation = cfg.attn_implementation
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
         mp, off = precision_facts(cfg.units)
