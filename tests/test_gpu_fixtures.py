@@ -486,9 +486,9 @@ def test_reduce_scatters_already_in_16_bits_are_not_told_to_halve_their_float32_
 
 def test_temporaries_held_before_the_step_are_not_the_steps():
     """On CUDA the temporaries are the allocator's bytes outside every category, and each step of the H100 rows starts
-    with 66-72 MiB of them (cuBLAS's and NCCL's workspaces, the batch): on the HF Llama row that keeps its outputs,
-    72.1 of the peak's 82.6 MiB of temporaries (79% of a 99.3 MiB peak). Given a budget 5% above that peak,
-    memory.temporaries weighs what the step's operators made (10.5 MiB, 10%) and stays quiet, saying what was held;
+    with 65-74 MiB of them (cuBLAS's and NCCL's workspaces, the batch): on the HF Llama row that keeps its outputs,
+    68.78 of the peak's 78.76 MiB of temporaries (79% of a 99.28 MiB peak). Given a budget 5% above that peak,
+    memory.temporaries weighs what the step's operators made (9.99 MiB, 10%) and stays quiet, saying what was held;
     read from the whole category it would have blamed the loss for the workspaces."""
     from fsdp_doctor.diagnose import diagnose
     from fsdp_doctor.units import fmt_bytes

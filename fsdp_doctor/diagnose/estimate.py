@@ -296,7 +296,7 @@ def peak_memory(ctx: Context) -> Optional[MemoryRank]:
 def step_temporaries(pm: MemoryRank) -> tuple[int, int]:
     """(made by the step's operators, held at its first mark) of the peak's temporaries. On CUDA the temporaries are
     the allocator's bytes outside every category, and the step's first mark already holds some (cuBLAS's and NCCL's
-    workspaces, the batch, tensors kept from before: 66-72 MiB on the H100 rows, 72 of a 99 MiB peak's 83 MiB on
+    workspaces, the batch, tensors kept from before: 65-74 MiB on the H100 rows, 68.78 of a 99.28 MiB peak's 78.76 MiB on
     one); on the CPU it holds none (the probe counts from that mark)."""
     tl = pm.timeline or []
     held = int(tl[0].get("temporaries") or 0) if tl and pm.timeline_step == pm.peak_at.step else 0
