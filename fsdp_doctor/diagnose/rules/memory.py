@@ -467,6 +467,9 @@ class TemporariesDominate(Rule):
                               f"{at.phase or 'outside the marks'}, outside the loss and every unit's forward and "
                               "backward: no lever named for them")
         levers = _LOSS_LEVERS if where == "loss" else _UNIT_LEVERS
+        chunks = getattr(ctx.config, "output_chunks", None) or 0
+        if where == "loss" and chunks >= 2:  # torchtune's CEWithChunkedOutputLoss already (not to be advised again)
+            levers = _CHUNKED_LEVERS.format(chunks)
         sev = "critical" if E.budget_peak(ctx) >= cap else "warning"
         step = f"step {at.step}, " if at.step is not None else ""
         # a Hugging Face model whose attention runs eagerly, and which can run scaled_dot_product_attention: its
@@ -504,6 +507,14 @@ _LOSS_LEVERS = (
     "each chunk's logits made from the head's input and freed before the next (a fused linear cross-entropy: "
     "Liger Kernel's, which Hugging Face's TrainingArguments(use_liger_kernel=True) applies; torchtune's "
     "CEWithChunkedOutputLoss), or a smaller micro-batch with gradient accumulation (they shrink with its tokens).")
+# a model that computes its output in chunks already (torchtune's num_output_chunks, RunConfig.output_chunks)
+_CHUNKED_LEVERS = (
+    "There they are the logits the output head makes for every token of the micro-batch (tokens x vocabulary) and "
+    "their gradients. The model computes them in {} chunks already (num_output_chunks, for torchtune's "
+    "CEWithChunkedOutputLoss), which upcasts one chunk at a time but keeps every chunk's logits from the forward to "
+    "the loss's backward. Resharding, offloading and checkpointing the blocks leave them as they are. What lowers "
+    "them: a smaller micro-batch with gradient accumulation (they shrink with its tokens), or a loss fused with the "
+    "head that never holds the whole micro-batch's logits (Liger Kernel's fused linear cross-entropy).")
 _UNIT_LEVERS = (
     "There they are intermediates that the unit's operators allocate and free (where attention runs eagerly, its "
     "score matrix, batch x heads x sequence x sequence; an MLP's hidden activations between its matmuls; a "
