@@ -293,11 +293,18 @@ def peak_memory(ctx: Context) -> Optional[MemoryRank]:
     return max(per_rank.values(), key=lambda m: m.peak_bytes) if per_rank else None
 
 
+def timeline_units(pm: Optional[MemoryRank], phase: str) -> list[str]:
+    """The units of the peak step's timeline rows at ``phase``, in order, the root ("") and rows outside every unit
+    left out ([] without a timeline)."""
+    return [r.get("unit") for r in (pm.timeline or [] if pm is not None else [])
+            if r.get("phase") == phase and r.get("unit") not in (None, "")]
+
+
 def step_temporaries(pm: MemoryRank) -> tuple[int, int]:
     """(made by the step's operators, held at its first mark) of the peak's temporaries. On CUDA the temporaries are
     the allocator's bytes outside every category, and the step's first mark already holds some (cuBLAS's and NCCL's
-    workspaces, the batch, tensors kept from before: 65-74 MiB on the H100 rows, 68.78 of a 99.28 MiB peak's 78.76 MiB on
-    one); on the CPU it holds none (the probe counts from that mark)."""
+    workspaces, the batch, tensors kept from before: 65-74 MiB on the H100 rows, 68.78 of a 99.28 MiB peak's
+    78.76 MiB on one); on the CPU it holds none (the probe counts from that mark)."""
     tl = pm.timeline or []
     held = int(tl[0].get("temporaries") or 0) if tl and pm.timeline_step == pm.peak_at.step else 0
     return max(0, int(pm.peak_breakdown.get("temporaries") or 0) - held), held
@@ -1034,9 +1041,7 @@ def last_forward_unit(ctx: Context):
     # own (it stayed quiet on "the root holds parameters", beside the run's largest backward wait, 10.1 ms: a
     # new-user trial). A last block ends its forward once, before the root's final norm and head: as below
     pm = peak_memory(ctx)
-    tl = list(pm.timeline or []) if pm is not None else []
-    ends = [r.get("unit") for r in tl if r.get("phase") == "forward_end" and r.get("unit") not in (None, "")]
-    starts = [r.get("unit") for r in tl if r.get("phase") == "backward_start" and r.get("unit") not in (None, "")]
+    ends, starts = timeline_units(pm, "forward_end"), timeline_units(pm, "backward_start")
     if ends and starts and ends[-1] == starts[0] and ends.count(ends[-1]) > 1:
         last = next((u for u in us if u.name == ends[-1]), None)
         if last is not None and len(last.modules) > 1:

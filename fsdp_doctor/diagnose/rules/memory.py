@@ -494,27 +494,25 @@ class TemporariesDominate(Rule):
 
 def _last_to_end(pm, roots: set) -> str | None:
     """The unit other than the root whose forward ends last on the peak step's timeline (None: no timeline)."""
-    ends = [r.get("unit") for r in pm.timeline or () if r.get("phase") == "forward_end"
-            and r.get("unit") is not None and r.get("unit") not in roots]
+    ends = [u for u in E.timeline_units(pm, "forward_end") if u not in roots]
     return ends[-1] if ends else None
 
 
 #: memory.temporaries: what they are and what lowers them, by where the peak lies
+_LOGITS = "There they are the logits the output head makes for every token of the micro-batch (tokens x vocabulary)"
+_UNMOVED = "Resharding, offloading and checkpointing the blocks leave them as they are."
+_SMALLER = "a smaller micro-batch with gradient accumulation (they shrink with its tokens)"
 _LOSS_LEVERS = (
-    "There they are the logits the output head makes for every token of the micro-batch (tokens x vocabulary), "
-    "their log-softmax and their gradients, in float32 where the loss upcasts them. Resharding, offloading and "
-    "checkpointing the blocks leave them as they are. What lowers them: the loss computed in chunks of the tokens, "
-    "each chunk's logits made from the head's input and freed before the next (a fused linear cross-entropy: "
-    "Liger Kernel's, which Hugging Face's TrainingArguments(use_liger_kernel=True) applies; torchtune's "
-    "CEWithChunkedOutputLoss), or a smaller micro-batch with gradient accumulation (they shrink with its tokens).")
+    f"{_LOGITS}, their log-softmax and their gradients, in float32 where the loss upcasts them. {_UNMOVED} What "
+    "lowers them: the loss computed in chunks of the tokens, each chunk's logits made from the head's input and freed "
+    "before the next (a fused linear cross-entropy: Liger Kernel's, which Hugging Face's "
+    f"TrainingArguments(use_liger_kernel=True) applies; torchtune's CEWithChunkedOutputLoss), or {_SMALLER}.")
 # a model that computes its output in chunks already (torchtune's num_output_chunks, RunConfig.output_chunks)
 _CHUNKED_LEVERS = (
-    "There they are the logits the output head makes for every token of the micro-batch (tokens x vocabulary) and "
-    "their gradients. The model computes them in {} chunks already (num_output_chunks, for torchtune's "
-    "CEWithChunkedOutputLoss), which upcasts one chunk at a time but keeps every chunk's logits from the forward to "
-    "the loss's backward. Resharding, offloading and checkpointing the blocks leave them as they are. What lowers "
-    "them: a smaller micro-batch with gradient accumulation (they shrink with its tokens), or a loss fused with the "
-    "head that never holds the whole micro-batch's logits (Liger Kernel's fused linear cross-entropy).")
+    f"{_LOGITS} and their gradients. The model computes them in {{}} chunks already (num_output_chunks, for "
+    "torchtune's CEWithChunkedOutputLoss), which upcasts one chunk at a time but keeps every chunk's logits from the "
+    f"forward to the loss's backward. {_UNMOVED} What lowers them: {_SMALLER}, or a loss fused with the head that "
+    "never holds the whole micro-batch's logits (Liger Kernel's fused linear cross-entropy).")
 _UNIT_LEVERS = (
     "There they are intermediates that the unit's operators allocate and free (where attention runs eagerly, its "
     "score matrix, batch x heads x sequence x sequence; an MLP's hidden activations between its matmuls; a "
