@@ -417,19 +417,12 @@ def _chunked_loss(model, h, chunks=4):
     h.backward(hd.grad)
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_a_chunked_loss_counts_one_backward_pass_per_micro_batch(tmp_path, gloo_one_rank, micro):
-    """torchtitan's Trainer (its chunked loss) recorded 9 backward passes a step, 2 with gradient sync on, for one
-    forward: every backward() call through any unit was counted, and each chunk's runs through the output head
-    alone. The compare's gradient-sync row and the run's facts read "9 backward passes per optimizer step, 2 with
-    gradient sync on". Only the calls that reach the model's own unit are its backward passes: one per micro-batch,
-    synced as the loop set it (the last micro-batch's alone, with set_requires_gradient_sync(is_last))."""
+def _watched_chunked_loss(out, steps: int, micro: int = 1):
+    """_SkipsItsHead trained under _chunked_loss for ``steps`` steps of ``micro`` micro-batches (the gradients synced
+    in the last), watched into ``out``: the run read back."""
     from torch.distributed.fsdp import fully_shard
 
-    from msgspec import UNSET
-
     import fsdp_doctor
-    from fsdp_doctor.analyze.report import run_facts
 
     torch.manual_seed(0)
     m = _SkipsItsHead()
@@ -439,18 +432,48 @@ def test_a_chunked_loss_counts_one_backward_pass_per_micro_batch(tmp_path, gloo_
     fully_shard(m)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     x = torch.randn(32, 64)
-    with fsdp_doctor.watch(m, opt, out_dir=tmp_path, profile=False) as doc:
-        for _ in range(4):
+    with fsdp_doctor.watch(m, opt, out_dir=out, profile=False) as doc:
+        for _ in range(steps):
             for k in range(micro):
                 m.set_requires_gradient_sync(k == micro - 1)
                 _chunked_loss(m, m(x))
             opt.step()
             opt.zero_grad()
             doc.step()
-    run = fsdp_doctor.load_run(tmp_path)
+    return fsdp_doctor.load_run(out)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_a_chunked_loss_counts_one_backward_pass_per_micro_batch(tmp_path, gloo_one_rank, micro):
+    """torchtitan's Trainer (its chunked loss) recorded 9 backward passes a step, 2 with gradient sync on, for one
+    forward: every backward() call through any unit was counted, and each chunk's runs through the output head
+    alone. The compare's gradient-sync row and the run's facts read "9 backward passes per optimizer step, 2 with
+    gradient sync on". Only the calls that reach the model's own unit are its backward passes: one per micro-batch,
+    synced as the loop set it (the last micro-batch's alone, with set_requires_gradient_sync(is_last))."""
+    from msgspec import UNSET
+
+    from fsdp_doctor.analyze.report import run_facts
+
+    run = _watched_chunked_loss(tmp_path, 4, micro)
     assert [(s.backwards, s.synced_backwards) for s in run.ranks[0].steps] == [(micro, 1)] * 4
     facts = run_facts(run)
     assert (facts.backwards_per_step, facts.synced_backwards_per_step) == ((2, 1) if micro == 2 else (UNSET, UNSET))
+
+
+def test_a_chunked_loss_is_the_loss_phase_through_every_chunk(tmp_path, gloo_one_rank):
+    """Each chunk's backward runs through the output head alone, before the next chunk's head forward: the loss
+    phase went on only until the first of them, and the next chunks' high-waters read "outside the units, in_forward"
+    (a new-user trial's torchtitan peak, in its 2nd of 8 chunks: memory.temporaries named no lever for it). A
+    backward that does not reach the root leaves the loss phase open: each chunk's high-water is in the loss."""
+    import fsdp_doctor
+
+    tl = fsdp_doctor.build_report(_watched_chunked_loss(tmp_path, 3)).memory.per_rank["0"].timeline
+    rows = [(r["unit"], r["phase"]) for r in tl]
+    start, back = rows.index((None, "loss_start")), rows.index(("", "backward_start"))  # (the model's backward)
+    loss = rows[start:back]
+    # (the loss starts where the model returns, and again where each chunk's head has run)
+    assert loss.count((None, "in_loss")) == 4 and loss.count((None, "loss_start")) == 5, loss
+    assert not [r for r in loss if r[1] == "in_forward" and r[0] != "output"], loss
 
 
 def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp_path, gloo_one_rank):

@@ -317,3 +317,18 @@ def test_titans_flex_attention_keeps_the_doctors_modes_aside(monkeypatch):
     assert compile_blocker(flex) == "compiled functions in the model: not counted"
     assert compile_blocker(nn.Sequential(nn.Linear(4, 4), ScaledDotProductAttention(
         ScaledDotProductAttention.Config()))) is None
+
+
+@pytest.mark.slow
+def test_titan_chunked_loss_temporaries_fix_is_more_chunks(titan_fixes):
+    """torchtitan's chunked loss (its ChunkedLossWrapper, 2 chunks on the user's command line) over an 8,192-token
+    vocabulary, each chunk's logits filling a peak 5% under the budget: memory.temporaries places the peak in the
+    loss (a chunk's backward through lm_head alone leaves the loss phase open), says the loss is chunked already
+    (never advising a chunked loss) and doubles the chunks on torchtitan's command line; run so, the finding is gone
+    and the peak is the predicted one."""
+    for res in titan_fixes:
+        before, after, f = _fixed(res, "tight_chunks", "memory.temporaries", "--loss.num-chunks 4")
+        assert res["tight_chunks_fixed_args"][:2] == ["--loss.num-chunks", "4"], res["tight_chunks_fixed_args"]
+        assert "in 2 chunks already" in f["text"] and "Liger" not in f["text"], f["text"]
+        assert "#   config.loss.num_chunks = 4" in f["code"], f["code"]
+        assert after["peak"] < 0.8 * before["peak"], (after["peak"], before["peak"])

@@ -19,9 +19,9 @@ Cases:
                as before watch(); the units and the sharder as recorded.
   titan_fixes  ac.unneeded under torchtitan's default selective checkpointing with an ample budget,
                ac.recommended without checkpointing under a budget 5% above the peak, ac.selective_to_full
-               under the default with the same, and reshard.zero2_affordable
-               under its default resharding with an ample budget, each rerun with its fix's command line as its
-               user would run it (the fix's flags in place of the same settings).
+               under the default with the same, reshard.zero2_affordable under its default resharding with an
+               ample budget, and memory.temporaries under its chunked loss over a large vocabulary, each rerun with
+               its fix's command line as its user would run it (the fix's flags in place of the same settings).
   titan_default  its defaults and its loop for 30 steps with the doctor's defaults: the report's findings.
   titan_moe    its Qwen3 mixture of experts: the experts the run records.
   titan_tp     its tensor parallelism beside FSDP (4 ranks: fsdp 2 x tp 2): the mesh and units the run records, the
@@ -103,17 +103,17 @@ def with_fix(args: list[str], fix: str) -> list[str]:
     return [a for a in kept if not is_sub(a)] + [a for a in new if not is_sub(a)] + subs
 
 
-def llama(width: int, layers: int = 4, seq: int = 64):
+def llama(width: int, layers: int = 4, seq: int = 64, vocab: int = VOCAB):
     """torchtitan's llama3 config, tiny: its layers as its registry builds them, SDPA attention."""
     import torchtitan.models.llama3 as L
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     heads = 4
     cfg = L.Llama3Model.Config(
-        dim=width, vocab_size=VOCAB,
-        tok_embeddings=L.Embedding.Config(num_embeddings=VOCAB, embedding_dim=width, param_init=L._EMBEDDING_INIT),
+        dim=width, vocab_size=vocab,
+        tok_embeddings=L.Embedding.Config(num_embeddings=vocab, embedding_dim=width, param_init=L._EMBEDDING_INIT),
         norm=L.RMSNorm.Config(normalized_shape=width, param_init=L._NORM_INIT),
-        lm_head=L.Linear.Config(in_features=width, out_features=VOCAB, param_init=L._output_linear_init(width)),
+        lm_head=L.Linear.Config(in_features=width, out_features=vocab, param_init=L._output_linear_init(width)),
         layers=L._build_llama3_layers(
             fuse_qkv=True, n_layers=layers, dim=width, n_heads=heads, n_kv_heads=2,
             hidden_dim=L.compute_ffn_hidden_dim(width, multiple_of=64),
@@ -144,7 +144,7 @@ def qwen3_moe(width: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2
     return cfg
 
 
-def build(config, width: int, seq: int, model=None):
+def build(config, width: int, seq: int, model=None, vocab: int = VOCAB):
     """The model (``model``: its config; the llama by default) as torchtitan's Trainer builds it from the job
     ``config``: on the meta device, its parallelize function with the config's settings, then to_empty and
     init_weights; gradients summed (gloo has no PREMUL_SUM)."""
@@ -162,7 +162,7 @@ def build(config, width: int, seq: int, model=None):
     # length, here the run's; each module's tensor-parallel sharding when the job has tensor parallelism)
     set_spmd_backend(config.parallelism.spmd_backend)
     config.training.seq_len = seq
-    model = model or llama(width, seq=seq)
+    model = model or llama(width, seq=seq, vocab=vocab)
     model.update_from_config(config=config)
     with torch.device("meta"):
         model = model.build()
@@ -183,7 +183,7 @@ def build(config, width: int, seq: int, model=None):
 
 
 def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = STEPS, gc_freq: int = 50,
-          token_count: bool = True, **watch_kw):
+          token_count: bool = True, vocab: int = VOCAB, **watch_kw):
     """torchtitan's training loop, one micro-batch a step (Trainer.train / train_step): its garbage collection
     (automatic collection off, a generation-1 collection every ``gc_freq`` steps, before the step), the job's
     token count summed over the batch mesh, forward, its loss from the job config (llama3_debugmodel's chunked
@@ -229,7 +229,7 @@ def train(model, config, seq: int, out_dir=None, batch: int = 2, steps: int = ST
         for step in range(1, steps + 1):  # (torchtitan counts its steps from 1)
             gc_handler.run(step)
             g = torch.Generator().manual_seed(100 * step + rank)
-            tok = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+            tok = torch.randint(0, vocab, (batch, seq + 1), generator=g)
             opt.zero_grad()
             # its loss is normalised by the job's token count, summed over the batch mesh each step
             tokens = (dist_sum_tensor(torch.tensor(tok[:, 1:].numel()), batch_mesh) if token_count else
@@ -324,13 +324,14 @@ def run_titan_fixes(out: Path) -> dict:
     rank = dist.get_rank()
     res = {}
 
-    def run(name, fix=None, capacity=8 << 30, args=(), width=64, seq=32):
+    def run(name, fix=None, capacity=8 << 30, args=(), width=64, seq=32, vocab=VOCAB, chunked=False, batch=2):
         args = list(args)
         if fix:
             args = with_fix(args, fix)
         res[f"{name}_args"] = args
-        config = plain_loss(job_config(args))
-        train(build(config, width, seq), config, seq, out / name, token_count=False, capacity_bytes=capacity)
+        config = job_config(args) if chunked else plain_loss(job_config(args))
+        train(build(config, width, seq, vocab=vocab), config, seq, out / name, batch=batch, token_count=False,
+              vocab=vocab, capacity_bytes=capacity)
         dist.barrier()
         res[name] = _outcome(out / name, rank)
         return res[name]["findings"]
@@ -350,7 +351,11 @@ def run_titan_fixes(out: Path) -> dict:
                                               "activation-checkpoint:full"]}),
         # the same compiled blocks without checkpointing, activations dominating a peak 5% under the budget
         ("tight_compiled", "ac.recommended", {"args": ["--compile.enable", "--compile.backend", "aot_eager",
-                                                       "activation-checkpoint:none"], "width": 128, "seq": 256})])
+                                                       "activation-checkpoint:none"], "width": 128, "seq": 256}),
+        # its chunked loss (the default's, in 2 chunks here) over an 8,192-token vocabulary, 4 x 128 tokens a rank:
+        # each chunk's logits fill a peak 5% under the budget
+        ("tight_chunks", "memory.temporaries", {"args": ["--loss.num-chunks", "2", "activation-checkpoint:none"],
+                                                "chunked": True, "vocab": 8192, "seq": 128, "batch": 4})])
 
 
 #: tensor parallelism beside FSDP (4 ranks: fsdp 2 x tp 2), torchtitan's defaults for it (sequence parallelism, its

@@ -148,14 +148,33 @@ def calls_beyond_model(ctx: Context, name: str) -> float:
     (one per module per pass: analyze.steps.forward_passes), over every rank's usable steps: code outside the
     model's forward called them (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper); 0
     without step records."""
+    extra = [x for x, _ in _calls_beyond(ctx, name)]
+    return max(0.0, statistics.median(extra)) if extra else 0.0
+
+
+def loss_chunks(ctx: Context, name: str) -> Optional[int]:
+    """The chunks of each micro-batch that code outside the model's forward runs the unit ``name`` (the output head)
+    on: its forward calls beyond the model's (calls_beyond_model) per forward pass, and the one the model's forward
+    skips (torchtitan's ChunkedLossWrapper: the model's forward with _skip_lm_head, then lm_head and the loss once per
+    chunk of the sequence, each chunk's backward before the next); None where no such code calls it."""
+    per_pass = [x / n for x, n in _calls_beyond(ctx, name) if n]
+    extra = statistics.median(per_pass) if per_pass else 0.0
+    return round(extra) + 1 if extra >= 1 else None
+
+
+def _calls_beyond(ctx: Context, name: str) -> list[tuple[float, float]]:
+    """Per usable step of every rank: the unit ``name``'s forward calls beyond the model's forward passes' (one per
+    module per pass: analyze.steps.forward_passes), and those passes."""
     from ..analyze.steps import forward_passes, unit_modules, usable_steps
 
     cfg = ctx.config
     modules = unit_modules(cfg.units if cfg is not None else [])
-    extra = [u.fwd_calls - modules.get(name, 1) * forward_passes(s, modules)
-             for rd in (getattr(ctx.run, "ranks", None) or {}).values() for s in usable_steps(rd.steps)
-             for u in s.units if u.name == name]
-    return max(0.0, statistics.median(extra)) if extra else 0.0
+    out = []
+    for rd in (getattr(ctx.run, "ranks", None) or {}).values():
+        for s in usable_steps(rd.steps):
+            passes = forward_passes(s, modules)
+            out += [(u.fwd_calls - modules.get(name, 1) * passes, passes) for u in s.units if u.name == name]
+    return out
 
 
 def phase_ms(ctx: Context, phase: str) -> Optional[float]:

@@ -1614,6 +1614,8 @@ TITAN_SETTINGS = {
             True: ("--training.enable-cpu-offload", "config.training.enable_cpu_offload = True"),
             False: ("--training.no-enable-cpu-offload", "config.training.enable_cpu_offload = False"),
         },
+        # (any count: its ChunkedLossWrapper's; a setting whose values are numbers is a function of the value)
+        "loss_num_chunks": lambda n: (f"--loss.num-chunks {n}", f"config.loss.num_chunks = {n}"),
     },
 }
 
@@ -1633,7 +1635,7 @@ def titan_settings(version: str, **settings) -> Optional[str]:
     that version (or a setting of it)."""
     table = titan_table(TITAN_SETTINGS, version)
     try:
-        args = [table[k][v] for k, v in settings.items()]
+        args = [table[k](v) if callable(table[k]) else table[k][v] for k, v in settings.items()]
     except (KeyError, TypeError):  # (a setting the table lacks; no table for that version)
         return None
     flags = [a for a, _ in args if a.startswith("--")] + [a for a, _ in args if not a.startswith("--")]

@@ -875,7 +875,9 @@ class StepTimer:
         self._close_unseen_forward()  # (a forward timed from FSDP2's logs ends before its backward)
         self._close_unseen_no_grad()
         self._bwd_start = t
-        self._returned = False
+        # (kept for the backward's end: one that never reaches the root, a chunked loss's backward through the head
+        # alone, leaves the loss phase open)
+        self._returned_before, self._returned = self._returned, False
         self.backwards += 1
         # (sync set before the backward: FSDP2's post-backward reads it as it reduces)
         self._step_bwds.append([False, self.gradient_sync()])
@@ -898,6 +900,12 @@ class StepTimer:
             self._eval_pending = [e for e in self._eval_pending if not e[2][0]]
             for a in self._acc.values():
                 a.grad_seen = False
+            if self._step_bwds and not self._step_bwds[-1][0]:
+                # a backward that did not reach the model's root: torchtitan's chunked loss runs each chunk's backward
+                # through lm_head alone, then the next chunk's lm_head forward. The loss phase goes on (a new-user
+                # trial's peak in the 2nd of 8 chunks read "outside the units, in_forward", and memory.temporaries
+                # named no lever for it)
+                self._returned = self._returned_before
             if self.marks is not None:
                 self.marks.mark(None, "backward_end")
         except Exception as e:  # noqa: BLE001
@@ -1271,6 +1279,7 @@ class StepTimer:
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
         self._loose_open = self._loose_t0 = 0  # units open outside the model's forward, and the outermost's start
         self._returned = False  # the model's training forward returned and no backward has begun since
+        self._returned_before = False  # ... as it was when the backward now running began
         # a forward timed from FSDP2's logs (_unseen_forward): its first pre-forward, its last post-forward so far
         self._unseen_t0 = self._unseen_end = 0
         # ... and one without gradients (_unseen_no_grad): its start, its last post-forward so far, the unit whose

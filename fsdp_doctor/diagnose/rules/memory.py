@@ -468,28 +468,63 @@ class TemporariesDominate(Rule):
                               "backward: no lever named for them")
         levers = _LOSS_LEVERS if where == "loss" else _UNIT_LEVERS
         chunks = getattr(ctx.config, "output_chunks", None) or 0
+        titan = E.torchtitan_version(ctx)
+        # the head a loss outside the model's forward runs per chunk (torchtitan's ChunkedLossWrapper)
+        head = max(((u.name, n) for u in E.non_root(E.units(ctx)) if (n := E.loss_chunks(ctx, u.name))),
+                   key=lambda x: x[1], default=None) if where == "loss" else None
+        code, fix_where, after = "", "", None
         if where == "loss" and chunks >= 2:  # torchtune's CEWithChunkedOutputLoss already (not to be advised again)
             levers = _CHUNKED_LEVERS.format(chunks)
+        elif head is not None:  # chunked from the loss already: more chunks, or fewer tokens
+            levers = _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
+            code = (S.titan_settings(titan, loss_num_chunks=2 * head[1]) or "") if titan is not None else ""
+            if code:  # (each chunk's logits, their log-softmax and gradients halve; the sequence must divide)
+                after, fix_where = _loss_chunks_halved(pm, held), "torchtitan"
+                levers += (f" {S.titan_says(titan)}, whose loss takes its number of chunks: {2 * head[1]} halves "
+                           "them (the training sequence length must be a multiple of it).")
+        elif where == "loss" and titan is not None:
+            levers = _LOSS_LEVERS + _TITAN_CHUNKED
         sev = "critical" if E.budget_peak(ctx) >= cap else "warning"
         step = f"step {at.step}, " if at.step is not None else ""
         # a Hugging Face model whose attention runs eagerly, and which can run scaled_dot_product_attention: its
         # own switch (a trial's eager Llama at 1,024 tokens: peak 116.65 MiB, 95% temporaries; with sdpa 27.37 MiB)
         cfg = ctx.config
         impl, can = getattr(cfg, "attn_implementation", None), getattr(cfg, "attn_implementations", None)
-        code = S.ATTN_SWITCH["sdpa"] if where == "unit" and impl == "eager" and (can is None or "sdpa" in can) else ""
-        tail = ("This Hugging Face model runs its attention eagerly (attn_implementation 'eager') and can run "
-                "scaled_dot_product_attention: the snippet switches every attention layer." if code else
-                "No code is offered: they are made by your model's operators or your loss, which the doctor does "
-                "not rewrite.")
+        if where == "unit" and impl == "eager" and (can is None or "sdpa" in can):
+            code = S.ATTN_SWITCH["sdpa"]
+            tail = ("This Hugging Face model runs its attention eagerly (attn_implementation 'eager') and can run "
+                    "scaled_dot_product_attention: the snippet switches every attention layer.")
+        else:
+            tail = "" if code else ("No code is offered: they are made by your model's operators or your loss, "
+                                    "which the doctor does not rewrite.")
         return [self.finding(
             sev, f"Temporaries hold {fmt_share(tmp / peak)} of a peak at {fmt_share(peak / cap)} of capacity, "
                  f"{'in the loss and output head' if where == 'loss' else 'inside ' + unit_label(at.unit)}",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
              "temporaries_bytes": tmp, "temporaries_pct": round(100 * tmp / peak, 1), "held_before_bytes": held,
-             "where": where, "peak_unit": unit_label(at.unit), "peak_phase": at.phase},
+             "where": where, "peak_unit": unit_label(at.unit), "peak_phase": at.phase,
+             "loss_chunks": head[1] if head else (chunks or None)},
             f"At the peak ({step}{place}) the temporaries the step's operators made hold {fmt_bytes(tmp)} of "
             f"{fmt_bytes(peak)} ({fmt_share(tmp / peak)}), and the peak is {fmt_share(peak / cap)} of "
-            f"{fmt_bytes(cap)} of capacity. {levers} {tail}", code)]
+            f"{fmt_bytes(cap)} of capacity. {levers} {tail}".rstrip(), code, where=fix_where,
+            predicted=E.predicted(E.step_ms(ctx), None, peak, after) if after is not None else None)]
+
+
+def _loss_chunks_halved(pm, held: int) -> int:
+    """The peak with a chunked loss's chunks halved in size (twice as many): at every mark of the loss, from its first
+    start to its last high-water (the head's marks between them), the chunk's tensors halve: the temporaries the step
+    made (less ``held``, those at its first mark: each chunk's logits and their gradients) and the activations beyond
+    those the model's forward saved (what the chunk's loss saves for its backward, its log-softmax: a new-user trial's
+    16 of 23.54 MiB; with the temporaries alone 89.09 MiB was predicted where 81.45 MiB was measured)."""
+    tl = pm.timeline or []
+    rows = [i for i, r in enumerate(tl) if r.get("phase") in ("loss_start", "in_loss")]
+    if not rows:
+        return int(pm.peak_bytes) - max(0, int(pm.peak_breakdown.get("temporaries") or 0) - held) // 2
+    added, saved = [0.0] * len(tl), int(tl[rows[0]].get("activations") or 0)
+    for i in range(rows[0], rows[-1] + 1):
+        r = tl[i]
+        added[i] = -(max(0, int(r.get("temporaries") or 0) - held) + max(0, int(r.get("activations") or 0) - saved)) / 2
+    return E.peak_with_rows(pm, added)
 
 
 def _last_to_end(pm, roots: set) -> str | None:
@@ -513,6 +548,17 @@ _CHUNKED_LEVERS = (
     "torchtune's CEWithChunkedOutputLoss), which upcasts one chunk at a time but keeps every chunk's logits from the "
     f"forward to the loss's backward. {_UNMOVED} What lowers them: {_SMALLER}, or a loss fused with the head that "
     "never holds the whole micro-batch's logits (Liger Kernel's fused linear cross-entropy).")
+# a loss outside the model's forward that runs the head per chunk (E.loss_chunks: torchtitan's ChunkedLossWrapper)
+_LOSS_CHUNKED_LEVERS = (
+    "There they are the logits the output head makes for one chunk of the micro-batch's tokens (its tokens x "
+    "vocabulary), their log-softmax and their gradients: the loss computes them in {n} chunks already, code outside "
+    "the model's forward running the head (in the unit {head!r}) once per chunk and freeing each chunk's before the "
+    f"next (torchtitan's ChunkedLossWrapper does). {_UNMOVED} What lowers them: more chunks (each chunk's logits "
+    f"shrink with its tokens), or {_SMALLER}.")
+# torchtitan with a loss that is not chunked
+_TITAN_CHUNKED = (" torchtitan has such a loss: its ChunkedLossWrapper (its llama3 configs' default), set in your "
+                  "config_registry function on the Trainer.Config it returns: config.loss = "
+                  "ChunkedLossWrapper.Config(num_chunks=8).")
 _UNIT_LEVERS = (
     "There they are intermediates that the unit's operators allocate and free (where attention runs eagerly, its "
     "score matrix, batch x heads x sequence x sequence; an MLP's hidden activations between its matmuls; a "
