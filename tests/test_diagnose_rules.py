@@ -3345,6 +3345,27 @@ def test_near_capacity_spread_never_reshards_the_last_unit_of_forward():
         ("reshard.last_unit", {"resharded": ["norm, lm_head"]}) in fired, fired
 
 
+def test_temporaries_no_rule_places_leave_the_spread_rule_to_speak():
+    """Temporaries dominating a peak that lies where memory.temporaries names no lever (outside the loss and the
+    units' forward and backward): memory.near_capacity_spread was quiet as "memory.temporaries applies" while that
+    rule was quiet too, and a trial's peak at 91% (torchtitan's chunked loss, before its loss phase was read) had no
+    memory finding at all. The spread rule defers only to a memory.temporaries finding."""
+    from fsdp_doctor.report_sections import Finding, Recommendation
+
+    cap = 100 * MiB
+    mem = memory(104 * MiB, capacity=cap, sharded_params=20 * MiB, optimizer_state=30 * MiB, temporaries=54 * MiB)
+    ctx = build(units=healthy_units(), memory=mem, capacity=cap)[0]
+    ctx.earlier = []
+    assert run_rule("memory.temporaries", ctx) == []  # (its peak "backward", no place it names a lever for)
+    (f,) = run_rule("memory.near_capacity_spread", ctx)
+    assert f.severity == "critical" and f.evidence["largest_category"] == "temporaries", f.evidence
+    assert "temporaries 54.00 MiB (52%)" in f.recommendation.text and "smaller micro-batch" in f.recommendation.text
+    ctx.earlier = [Finding(code="memory.temporaries", severity="critical", title="t", evidence={},
+                           recommendation=Recommendation(text=""))]
+    rule = next(c for c in RULES if c.code == "memory.near_capacity_spread")()
+    assert rule.match(ctx) == [] and "memory.temporaries applies" in rule.why_quiet, rule.why_quiet
+
+
 def test_over_capacity_spread_over_categories_is_a_finding():
     """A new-user trial's peak at 104% of its budget, optimizer state 39% (under the 40% optim.state_dominates fires
     from), no unit kept gathered: no memory finding at all. Over capacity, where no earlier finding's fix brings the
