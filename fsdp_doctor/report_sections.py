@@ -67,6 +67,9 @@ class RunFacts(_Section):
     tokens_per_step: Optional[int] | UnsetType = UNSET
     # a Hugging Face model's attention implementation ("eager", "sdpa", ...; RunConfig.attn_implementation)
     attn_implementation: str | UnsetType = UNSET
+    # the chunks the model's output and loss are computed in (torchtune's num_output_chunks; a loss that runs the
+    # head per chunk from outside the model's forward, torchtitan's ChunkedLossWrapper: analyze.steps.loss_chunks)
+    loss_chunks: int | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
     # the units' MixedPrecisionPolicy ("params bfloat16, reduce float32"; "mixed" where units differ) and CPU
     # offload ("CPU offload" or "CPU offload, 3 of 9 units"), where any unit has one

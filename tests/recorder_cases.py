@@ -606,7 +606,9 @@ def _outcome(path: Path, rank: int) -> dict:
             "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
             "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
                       for u in run.ranks[rank].config.units],
-            "selective": [u.name for u in run.ranks[rank].config.units if u.checkpoint_selective]}
+            "selective": [u.name for u in run.ranks[rank].config.units if u.checkpoint_selective],
+            # (compare's job setting: a chunked loss's chunks)
+            "loss_chunks": rep.run.loss_chunks or None}
 
 
 def run_trainer_fixes(out: Path) -> dict:

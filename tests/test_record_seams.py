@@ -458,6 +458,8 @@ def test_a_chunked_loss_counts_one_backward_pass_per_micro_batch(tmp_path, gloo_
     assert [(s.backwards, s.synced_backwards) for s in run.ranks[0].steps] == [(micro, 1)] * 4
     facts = run_facts(run)
     assert (facts.backwards_per_step, facts.synced_backwards_per_step) == ((2, 1) if micro == 2 else (UNSET, UNSET))
+    # the head run 4 times a micro-batch from the loss: its chunks (compare's job setting)
+    assert facts.loss_chunks == 4
 
 
 def test_a_chunked_loss_is_the_loss_phase_through_every_chunk(tmp_path, gloo_one_rank):

@@ -332,3 +332,5 @@ def test_titan_chunked_loss_temporaries_fix_is_more_chunks(titan_fixes):
         assert "in 2 chunks already" in f["text"] and "Liger" not in f["text"], f["text"]
         assert "#   config.loss.num_chunks = 4" in f["code"], f["code"]
         assert after["peak"] < 0.8 * before["peak"], (after["peak"], before["peak"])
+        # read from the head's forward calls (3, then 5, of [norm, lm_head] for one pass), as compare reads them
+        assert (before["loss_chunks"], after["loss_chunks"]) == (2, 4)

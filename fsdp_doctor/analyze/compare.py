@@ -91,7 +91,8 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     # their fix on a Hugging Face model: set_attn_implementation('sdpa') (an eager Llama against its sdpa rerun read
     # "no configuration change found", its 63% shorter step the host's: a new-user trial)
     "kernels.eager_attention": ("attn_implementation",),
-    "memory.temporaries": ("attn_implementation",),
+    # ... and a chunked loss's chunks (torchtitan's --loss.num-chunks: "no configuration change found" before)
+    "memory.temporaries": ("attn_implementation", "loss_chunks"),
 }
 # The way a fix moves its setting, where the rule says one: the units checkpointed, fewer (-1) or more (+1). Its
 # prediction is checked only where B moved that way: a B checkpointing all 8 layers where A checkpointed every other
@@ -117,7 +118,7 @@ NO_FIX_FOUND = "below its threshold in B; no change of its fix found"
 # the batch's input elements at the peak differ or, where not recorded, the peak fell at the same place of the step
 BATCH_SHIFT_PCT = 20.0
 JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
-            "capacity_bytes", "attn_implementation")
+            "capacity_bytes", "attn_implementation", "loss_chunks")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from ..records import config_notes, optimizer_of_another_model
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
 from ..units import fsdp_label, same_group
-from .steps import usable_steps
+from .steps import loss_chunks, usable_steps
 
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
 
@@ -72,6 +72,8 @@ def run_facts(run: Run) -> RunFacts:
             facts.mesh = dict(cfg.mesh)
         if cfg.attn_implementation:  # (a Hugging Face model's: compare reads its change)
             facts.attn_implementation = cfg.attn_implementation
+        if chunks := loss_chunks(cfg, run.ranks):  # (compare reads its change: memory.temporaries' fix)
+            facts.loss_chunks = chunks
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
         mp, off = precision_facts(cfg.units)

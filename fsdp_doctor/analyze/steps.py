@@ -318,6 +318,38 @@ def forward_passes(s: StepRecord, modules: dict[str, int]) -> float:
     return max(s.micro_batches, min(calls, default=1))
 
 
+def calls_beyond_model(config, ranks: dict, name: str) -> list[tuple[float, float]]:
+    """Per usable step of every rank (``ranks``: a Run's), the unit ``name``'s forward calls beyond those the model's
+    forward passes make (one per module per pass: :func:`forward_passes`), and those passes: code outside the model's
+    forward called it (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper)."""
+    modules = unit_modules(config.units if config is not None else [])
+    out = []
+    for rd in ranks.values():
+        for s in usable_steps(rd.steps):
+            passes = forward_passes(s, modules)
+            out += [(u.fwd_calls - modules.get(name, 1) * passes, passes) for u in s.units if u.name == name]
+    return out
+
+
+def head_chunks(config, ranks: dict, name: str) -> Optional[int]:
+    """The chunks of each micro-batch that code outside the model's forward runs the unit ``name`` (the output head)
+    on: its calls beyond the model's per forward pass (:func:`calls_beyond_model`), and the one the model's forward
+    skips (torchtitan's ChunkedLossWrapper: the model's forward with _skip_lm_head, then lm_head and the loss once per
+    chunk of the sequence, each chunk's backward before the next); None where no such code calls it."""
+    per_pass = [x / n for x, n in calls_beyond_model(config, ranks, name) if n]
+    extra = statistics.median(per_pass) if per_pass else 0.0
+    return round(extra) + 1 if extra >= 1 else None
+
+
+def loss_chunks(config, ranks: dict) -> Optional[int]:
+    """The chunks the model's output is computed in, where it is: torchtune's num_output_chunks (inside its forward,
+    ``RunConfig.output_chunks``), or the most any unit is run in from outside it (:func:`head_chunks`)."""
+    if config is None:
+        return None
+    found = [n for u in config.units if not u.is_root and (n := head_chunks(config, ranks, u.name))]
+    return config.output_chunks or max(found, default=None)
+
+
 def device_stats(pairs: list[tuple[StepRecord, GpuTimes]], modules: dict[str, int]) -> Optional[DeviceSteps]:
     """The device's view of steady steps (``pairs``: each step's record and its ``GpuTimes``; ``modules`` as
     :func:`forward_passes` takes it), medians in ms; None without any. The idle between steps is the events'

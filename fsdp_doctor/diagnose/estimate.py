@@ -145,36 +145,20 @@ def other_fsdp_units(ctx: Context) -> int:
 
 def calls_beyond_model(ctx: Context, name: str) -> float:
     """The median forward calls per step of a unit's modules (``name``) beyond those the model's forward passes make
-    (one per module per pass: analyze.steps.forward_passes), over every rank's usable steps: code outside the
-    model's forward called them (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper); 0
-    without step records."""
-    extra = [x for x, _ in _calls_beyond(ctx, name)]
+    (analyze.steps.calls_beyond_model), over every rank's usable steps: code outside the model's forward called them
+    (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper); 0 without step records."""
+    from ..analyze.steps import calls_beyond_model as beyond
+
+    extra = [x for x, _ in beyond(ctx.config, getattr(ctx.run, "ranks", None) or {}, name)]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
 def loss_chunks(ctx: Context, name: str) -> Optional[int]:
-    """The chunks of each micro-batch that code outside the model's forward runs the unit ``name`` (the output head)
-    on: its forward calls beyond the model's (calls_beyond_model) per forward pass, and the one the model's forward
-    skips (torchtitan's ChunkedLossWrapper: the model's forward with _skip_lm_head, then lm_head and the loss once per
-    chunk of the sequence, each chunk's backward before the next); None where no such code calls it."""
-    per_pass = [x / n for x, n in _calls_beyond(ctx, name) if n]
-    extra = statistics.median(per_pass) if per_pass else 0.0
-    return round(extra) + 1 if extra >= 1 else None
+    """The chunks a loss outside the model's forward runs the unit ``name`` (the output head) on
+    (analyze.steps.head_chunks); None where no such code calls it."""
+    from ..analyze.steps import head_chunks
 
-
-def _calls_beyond(ctx: Context, name: str) -> list[tuple[float, float]]:
-    """Per usable step of every rank: the unit ``name``'s forward calls beyond the model's forward passes' (one per
-    module per pass: analyze.steps.forward_passes), and those passes."""
-    from ..analyze.steps import forward_passes, unit_modules, usable_steps
-
-    cfg = ctx.config
-    modules = unit_modules(cfg.units if cfg is not None else [])
-    out = []
-    for rd in (getattr(ctx.run, "ranks", None) or {}).values():
-        for s in usable_steps(rd.steps):
-            passes = forward_passes(s, modules)
-            out += [(u.fwd_calls - modules.get(name, 1) * passes, passes) for u in s.units if u.name == name]
-    return out
+    return head_chunks(ctx.config, getattr(ctx.run, "ranks", None) or {}, name)
 
 
 def phase_ms(ctx: Context, phase: str) -> Optional[float]:
