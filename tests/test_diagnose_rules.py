@@ -117,6 +117,11 @@ def checkpointed_stack(n, wrapper_sharded, **shard_kw):
     return model
 
 
+def _flat(code: str) -> str:
+    """A fix's comments as one text: each comment line's continuation joined to it (comments wrap at 80 columns)."""
+    return code.replace("\n# ", " ")
+
+
 def run_rule(code, ctx):
     cls = next(c for c in RULES if c.code == code)
     return cls().match(ctx)
@@ -555,8 +560,9 @@ def test_params_in_root():
     assert g.predicted["peak_bytes_after"] == 4 * MiB - int((558_080 - 279_040) * 418_560 / 558_080)
     code = g.recommendation.code
     assert "fully_shard(model.pos_emb, mesh=mesh)" in code and "fully_shard(model.norm" not in code, code
-    assert ("# norm stays in the root with the tied modules: a unit of its own would free at\n# most 512 B, <0.1% of "
-            "the 4.00 MiB peak, for 2 collectives a step of ~3.0 ms\n# each, 5.5% of the 110.0 ms step") in code, code
+    assert ("# model.norm stays in the root with the tied modules: a unit of its own would\n# free at most 512 B, "
+            "<0.1% of the 4.00 MiB peak, for 2 collectives a step of\n# ~3.0 ms each, 5.5% of the 110.0 ms step") in \
+        code, code
     assert "Wrap them as units of their own before wrapping the root (model.pos_emb; " in g.recommendation.text
     # beside a 10 MiB peak the same unit would free 4.0% of it, less than the 8.2% of the step it costs: the plan
     # keeps it in the root with the tied modules, and with nothing left to move the rule says why it is quiet
@@ -607,7 +613,7 @@ def test_params_in_root_keeps_gpt2_wpe_beside_its_tied_embedding():
     (g,) = run_rule("wrap.params_in_root", build(units=[root, *blocks], step_ms=88.475, memory=memory(5_462_824),
                                                  backend="nccl", device="cuda")[0])
     code = g.recommendation.code
-    assert "fully_shard(model.pos_emb, mesh=mesh)\n# norm stays in the root" in code, code
+    assert "fully_shard(model.pos_emb, mesh=mesh)\n# model.norm stays in the root" in code, code
     # the real GPT-2 (124M) as one unit (wrap.too_coarse's plan): wpe, 3 MiB beside a 147 MiB wte, frees 0.07% of a
     # 4 GiB peak, whatever its collectives cost: it stays in the root (the plan gave it a unit: 2% of the tied bytes)
     whole = _gpt2_root(154_389_504, 3_145_728, 6_144)[0]
@@ -617,9 +623,9 @@ def test_params_in_root_keeps_gpt2_wpe_beside_its_tied_embedding():
                         leftover_costs=S.LeftoverCosts(peak_bytes=4 << 30))
     calls = [ln.strip() for ln in code.splitlines() if "fully_shard(" in ln]
     assert calls == ["fully_shard(block, mesh=mesh)", "fully_shard(model, mesh=mesh)"], code
-    assert ("# transformer.wpe, transformer.ln_f stay in the root with the tied modules:\n# units of their own gain "
-            "less than they cost: the largest, transformer.wpe,\n# would free at most 3.00 MiB, 0.1% of the 4.00 GiB "
-            "peak (worth it from 1%)\n") in code, code
+    assert ("model.transformer.wpe, model.transformer.ln_f stay in the root with the tied modules: units of their "
+            "own gain less than they cost: the largest, model.transformer.wpe, would free at most 3.00 MiB, 0.1% "
+            "of the 4.00 GiB peak (worth it from 1%)") in _flat(code), code
 
 
 def test_params_in_root_says_a_shared_cost_once():
@@ -2431,14 +2437,14 @@ def test_snippets_from_the_module_tree():
     assert not any("model.embed" in ln or "model.head" in ln for ln in calls), calls
     assert "fully_shard([model.norm], mesh=mesh, reshard_after_forward=False)" in code or \
         "fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)" in code
-    assert "embed, head share a parameter (tied weights): they stay in the root" in code
+    assert "model.embed, model.head share a parameter (tied weights): they stay in the root" in _flat(code)
     # with the modules' sizes: a final norm of 512 B beside a tied embedding and head of 256 KiB stays in the root,
     # which is gathered for them anyway (a unit of its own cost Gemma3 19.3 ms of exposed all-gather a step on gloo)
     sized = UnitConfig(**{**msgspec.structs.asdict(tied), "own_bytes": [262_144, 512, 262_144]})
     code = S.shard_plan(S.Tree.of([*blocks, sized]), root_leftovers=True)
     assert not [ln for ln in code.splitlines() if ln.startswith("fully_shard(") and "norm" in ln], code
-    assert ("# norm stays in the root with the tied modules: a unit of its own would free at\n# most 512 B, 0.1% of "
-            "the root's 512.50 KiB (worth it from 1%)\n") in code, code
+    assert ("# model.norm stays in the root with the tied modules: a unit of its own would\n# free at most 512 B, "
+            "0.1% of the root's 512.50 KiB (worth it from 1%)\n") in code, code
     big = UnitConfig(**{**msgspec.structs.asdict(tied), "own_bytes": [262_144, 16_384, 262_144]})  # 6%: its own unit
     assert "fully_shard(model.norm, mesh=mesh, reshard_after_forward=False)" in \
         S.shard_plan(S.Tree.of([*blocks, big]), root_leftovers=True)
@@ -2467,10 +2473,11 @@ def test_snippets_from_the_module_tree():
     code = S.shard_plan(S.Tree.of([t5]), root_leftovers=True)
     assert [ln for ln in code.splitlines() if "fully_shard(" in ln] == [
         "    fully_shard(block, mesh=mesh)", "    fully_shard(block, mesh=mesh)", "fully_shard(model, mesh=mesh)"]
-    assert ("# encoder.final_layer_norm, decoder.final_layer_norm stay in the root with the\n# tied modules: units of "
-            "their own gain less than they cost: the largest,\n# encoder.final_layer_norm, would free at most 256 B, "
-            "<0.1% of the root's\n# 900.00 KiB (worth it from 1%)\n") in code, code  # (a number on its unit's line)
-    assert code.count("stay in the root with the") == 1
+    assert ("# model.encoder.final_layer_norm, model.decoder.final_layer_norm stay in the\n# root with the tied "
+            "modules: units of their own gain less than they cost: the\n# largest, model.encoder.final_layer_norm, "
+            "would free at most 256 B, <0.1% of\n# the root's 900.00 KiB (worth it from 1%)\n") in code, code  # (a number
+    # on its unit's line)
+    assert _flat(code).count("stay in the root with the") == 1
 
 
 
@@ -2689,8 +2696,8 @@ def test_plan_moves_what_a_tie_kept_from_its_ancestor():
         "fully_shard([model.bert.embeddings.position_embeddings,",  # (a module a line: it read 130 columns)
         "fully_shard(model.cls.predictions.transform, mesh=mesh,",  # (reshard_after_forward=False: next line)
         "fully_shard(model, mesh=mesh)"], code
-    assert ("# bert.embeddings.word_embeddings, cls.predictions, cls.predictions.decoder share a parameter (tied "
-            "weights): they stay in the root") in code
+    assert ("model.bert.embeddings.word_embeddings, model.cls.predictions, model.cls.predictions.decoder share a "
+            "parameter (tied weights): they stay in the root") in _flat(code)
     compile(S.complete(code), "<plan>", "exec")
 
 
@@ -4023,10 +4030,10 @@ def test_plan_keeps_tiny_modules_of_an_otherwise_empty_root_there():
                      "fully_shard(model.embed, mesh=mesh)",
                      "fully_shard([model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)",
                      "fully_shard(model, mesh=mesh)"], plan
-    assert ("# vision.embed, vision.pre_norm, vision.post_norm, projector stay in the root,\n# which then has an "
-            "all-gather and a reduce-scatter a step of its own: each a\n# unit, 4 units would add 12 collectives, "
-            "and one unit of them all would free at\n# most 260.00 KiB, 0.7% of the 36.00 MiB peak (worth it from "
-            "1%)\n") in plan, plan
+    assert ("# model.vision.embed, model.vision.pre_norm, model.vision.post_norm,\n# model.projector stay in the "
+            "root, which then has an all-gather and a\n# reduce-scatter a step of its own: each a unit, 4 units would "
+            "add 12\n# collectives, and one unit of them all would free at most 260.00 KiB, 0.7% of\n# the 36.00 MiB "
+            "peak (worth it from 1%)\n") in plan, plan
     # one such group alone: a unit, as before
     one = dict(root, own_modules=names[4:] + ["projector"], own_bytes=sizes[4:] + [132_096],
                leading_modules=["embed"])

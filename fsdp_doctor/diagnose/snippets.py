@@ -824,6 +824,7 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     g = _leftover_groups(t, root, in_block, costs)
     lead, tail, small, head_of, heads, nbytes = g.lead, g.tail, g.small, g.head_of, g.heads, g.nbytes
     stay, skip = [h for hs, _ in small for h in hs], g.skip
+    said = ", ".join(module_expr(h) for h in stay)  # (as the code names them: a Llava's model.model.vision_tower...)
     lines = _lead_note(t, root, [m for m, h in head_of.items() if not heads[h][0] and h not in stay], len(lead),
                        lead_raf) if lead and lead_raf is not None else []
     lines += [_call(group_expr(mods), kw) for mods in lead.values()]
@@ -831,19 +832,21 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
         big, why = max(small, key=lambda g: nbytes(g[0]))
         one = len(stay) == 1
         if g.anyway:
-            lines += comment(f"{', '.join(stay)} {'stays' if one else 'stay'} in the root with "
+            lines += comment(f"{said} {'stays' if one else 'stay'} in the root with "
                              + ("the tied modules: " if skip else "its own parameters: ")
                              + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
-                                f"units of their own gain less than they cost: the largest, {', '.join(big)}, {why}"))
+                                f"units of their own gain less than they cost: the largest, "
+                                f"{', '.join(module_expr(h) for h in big)}, {why}"))
         else:  # (_leftover_groups: all of them together)
-            lines += comment(f"{', '.join(stay)} stay in the root, which then has an all-gather and a reduce-scatter "
+            lines += comment(f"{said} stay in the root, which then has an all-gather and a reduce-scatter "
                              f"a step of its own: each a unit, {len(small)} units would add {3 * len(small)} "
                              f"collectives, and one unit of them all {why}")
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
     if skip:
-        lines.append(f"# {', '.join(sorted(skip))} share a parameter (tied weights): they stay in the root")
+        lines += comment(f"{', '.join(module_expr(m) for m in sorted(skip))} share a parameter (tied weights): "
+                         "they stay in the root")
     return lines
 
 
