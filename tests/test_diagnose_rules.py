@@ -2475,8 +2475,8 @@ def test_snippets_from_the_module_tree():
         "    fully_shard(block, mesh=mesh)", "    fully_shard(block, mesh=mesh)", "fully_shard(model, mesh=mesh)"]
     assert ("# model.encoder.final_layer_norm, model.decoder.final_layer_norm stay in the\n# root with the tied "
             "modules: units of their own gain less than they cost: the\n# largest, model.encoder.final_layer_norm, "
-            "would free at most 256 B, <0.1% of\n# the root's 900.00 KiB (worth it from 1%)\n") in code, code  # (a number
-    # on its unit's line)
+            "would free at most 256 B, <0.1% of\n# the root's 900.00 KiB (worth it from 1%)\n") in code, code
+    # (a number on its unit's line)
     assert _flat(code).count("stay in the root with the") == 1
 
 
