@@ -93,6 +93,54 @@ def test_optimizer_wrappers_unwrapped_and_misuse_refused_in_one_sentence():
         with pytest.raises(WatchError) as e:
             unwrap_optimizers(bad)
         assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    # an object of the user's own that holds and steps them (a Muon user's MultiOptimizer(muon, adamw) was refused,
+    # and watch() ended the run before its first step): those it holds, in a tuple, a list, a dict or alone
+    class Multi:
+        def __init__(self, *opts, **named):
+            self.opts, self.named, self.lr = opts, named, 0.1
+
+    assert unwrap_optimizers(Multi(opt, other)) == [opt, other]
+    assert unwrap_optimizers(Multi(muon=opt, adamw=other)) == [opt, other]
+    assert unwrap_optimizers(Multi(opt, adamw=opt)) == [opt]
+    with pytest.raises(WatchError):
+        unwrap_optimizers(Multi())  # (holds none: refused as before)
+
+
+def test_an_object_stepping_two_optimizers_is_watched(tmp_path, gloo_one_rank):
+    """A loop that steps Muon and AdamW through an object of its own, given to watch(): both optimizers' steps are
+    timed and their state read, one record per step."""
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+
+    class MultiOptimizer:
+        def __init__(self, *opts):
+            self.optimizers_ = list(opts)
+
+        def step(self):
+            for o in self.optimizers_:
+                o.step()
+
+        def zero_grad(self):
+            for o in self.optimizers_:
+                o.zero_grad()
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    fully_shard(m[0])
+    fully_shard(m)
+    weights = [p for p in m.parameters() if p.ndim == 2]
+    opt = MultiOptimizer(torch.optim.SGD(weights, lr=0.01),
+                         torch.optim.Adam([p for p in m.parameters() if p.ndim == 1], lr=0.01))
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path, profile=False) as doc:
+        for _ in range(4):
+            m(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            doc.step()
+    rd = fsdp_doctor.load_run(tmp_path).ranks[0]
+    assert rd.config.optimizer == "SGD+Adam" and len(rd.steps) == 4, (rd.config.optimizer, len(rd.steps))
+    assert all(s.optimizer_ms > 0 for s in rd.steps), [s.optimizer_ms for s in rd.steps]
 
 
 def test_micro_batches_and_an_optimizer_that_never_steps(tmp_path, monkeypatch, caplog):

@@ -40,6 +40,21 @@ def held_optimizers(opt) -> list | None:
     return None
 
 
+def wrapped_optimizers(obj) -> list | None:
+    """The optimizers an object of the user's own holds and steps together where it is no optimizer (a Muon user's
+    ``MultiOptimizer(muon, adamw)`` whose step() steps both: a new-user trial's was refused, and watch() ended the
+    run before its first step): each optimizer among its attributes, alone or in a list, tuple or dict, in order,
+    each once; None where it holds none (or is an optimizer, or wraps one as ``.optimizer``)."""
+    if has_step_hooks(obj) or getattr(obj, "optimizer", None) is not None or not hasattr(obj, "__dict__"):
+        return None
+    found = []
+    for v in vars(obj).values():
+        items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else [v]
+        if items and all(has_step_hooks(o) for o in items):
+            found += items
+    return list({id(o): o for o in found}.values()) or None
+
+
 def in_backward_optimizers(obj) -> list | None:
     """The per-parameter optimizers of an optimizer stepped inside the backward, given to watch() as the object that
     maps each parameter's name to its optimizer (``.optim_map``: torchtune's OptimizerInBackwardWrapper, which its

@@ -60,7 +60,8 @@ from .sinks import FailurePolicy, Sinks
 from .config_snapshot import another_models_optimizer, config_snapshot, unseen_note, untrained_rows
 from .compile_time import CompileClock, RecompileLimitTap
 from .dcp_saves import DcpSaveTap
-from .optimizers import OptimizerParts, has_step_hooks, held_optimizers, in_backward_optimizers, optimizer_reads
+from .optimizers import (OptimizerParts, has_step_hooks, held_optimizers, in_backward_optimizers, optimizer_reads,
+                         wrapped_optimizers)
 from .torchtune import Recipe, torchtune_recipe
 from .throughput import FlopCounter
 from . import fsdp2 as F2
@@ -885,7 +886,10 @@ def _post_accumulate_hooked(model: nn.Module) -> int:
 def unwrap_optimizers(optimizer) -> list:
     """The torch Optimizers whose steps watch() times: none for None, the one an optimizer or a wrapper holds
     (unwrap_optimizer), each of a list or tuple of them (Muon beside AdamW, each stepped in the loop: a new-user
-    trial's [adamw, sgd] had been refused), each once."""
+    trial's [adamw, sgd] had been refused) or of an object of the user's own that holds and steps them
+    (wrapped_optimizers), each once."""
+    if not isinstance(optimizer, (list, tuple)) and (held := wrapped_optimizers(optimizer)) is not None:
+        optimizer = held  # (an object of the user's own that steps them: its step() steps each of them)
     if not isinstance(optimizer, (list, tuple)):
         return [] if (opt := unwrap_optimizer(optimizer)) is None else [opt]
     if not optimizer:
