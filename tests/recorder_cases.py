@@ -1201,8 +1201,24 @@ def run_two_optimizers(out: Path) -> dict:
             "optimizer_steps": doctor._timer.optimizer_steps, "steps": doctor.steps_done, "state_bytes": state}
 
 
+def run_rank0_only(out: Path) -> dict:
+    """watch() entered on rank 0 only (``if rank == 0``), the other rank training unwatched: each rank's losses and
+    final shards against the loop without the doctor, and the ranks and steps the run holds. (Its entry's collective
+    met the other rank's FSDP all-gather, which crashed both: a new-user trial.)"""
+    def make(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return opt, [opt], True
+
+    base_losses, base_params, *_ = _optimizers_run(make)
+    losses, params, *_ = _optimizers_run(make, out / "rank0" if dist.get_rank() == 0 else None)
+    dist.barrier()
+    run = fsdp_doctor.load_run(out / "rank0")
+    return {"identical": losses == base_losses and same_tensors(params, base_params), "ranks": sorted(run.ranks),
+            "steps": len(run.ranks[0].steps), "world_size": run.world_size}
+
+
 def run_optimizers(out: Path) -> dict:
-    return {"in_backward": run_in_backward(out), "two": run_two_optimizers(out)}
+    return {"in_backward": run_in_backward(out), "two": run_two_optimizers(out), "rank0_only": run_rank0_only(out)}
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,

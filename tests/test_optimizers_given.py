@@ -96,3 +96,16 @@ def test_two_optimizers_stepped_in_the_loop_watched_as_a_list(launched):
         assert mr.steady_bytes["optimizer_state"] == want, (rank, mr.steady_bytes, want)
         assert all(s.optimizer_ms > 0 for s in rd.steps), [s.optimizer_ms for s in rd.steps]
     assert not [f.code for f in report.findings if f.code.startswith(("optim.", "memory."))]
+
+
+@pytest.mark.slow
+def test_watch_on_rank_0_only_leaves_the_other_rank_training(launched):
+    """``if rank == 0: watch(...)``: the doctor's entry made a collective (all_gather_object) that met the other
+    rank's FSDP all-gather, and both ranks crashed ("Received data size doesn't match expected size"). Rank 0's
+    run id now goes through the job's store: both ranks train as without the doctor, rank 0's steps are recorded, and
+    the reader says rank 1's records are missing, watch() perhaps run on some ranks only."""
+    results, out = [r["rank0_only"] for r in launched[0]], launched[1]
+    for rank, res in enumerate(results):
+        assert res["identical"] and res["ranks"] == [0] and res["world_size"] == 2 and res["steps"] == 5, (rank, res)
+    problems = fsdp_doctor.build_report(fsdp_doctor.load_run(out / "rank0")).problems
+    assert any("rank 1 is not analysed" in ln and "watch() ran on some ranks only" in ln for ln in problems), problems

@@ -527,7 +527,7 @@ def test_the_loss_phase_starts_after_a_unit_run_past_the_models_forward(tmp_path
 
 
 def _claim_on_two_ranks(dirs, monkeypatch, **kw):
-    """claim_run_dir on ranks 0 and 1 at once (two threads; exchange: all_gather_object's contract, over a barrier),
+    """claim_run_dir on ranks 0 and 1 at once (two threads; share: rank 0's value to rank 1, which waits for it),
     rank 0 slowed each time it lists a folder's streams, rank 1 starting 0.3 s late: where rank 1 does not wait for
     rank 0, it moves its stream under rank 0, between rank 0's listing and its acting."""
     import threading
@@ -538,24 +538,25 @@ def _claim_on_two_ranks(dirs, monkeypatch, **kw):
     listed = layout.streams
     monkeypatch.setattr(layout, "streams", lambda p: (listed(p), time.sleep(0.2 if threading.current_thread().name
                                                                               == "rank0" else 0))[0])
-    slots, barrier, out = [None, None], threading.Barrier(2), {}
+    lead, given, out = [None], threading.Event(), {}
 
-    def exchange_for(rank):
-        def exchange(v):
-            slots[rank] = v
-            barrier.wait()
-            got = list(slots)
-            barrier.wait()
-            return got
-        return exchange
+    def share_for(rank):  # (run_device.share_from_rank0's contract: rank 0 gives, the others wait for it)
+        def share(v):
+            if rank == 0:
+                lead[0] = v
+                given.set()
+                return v
+            assert given.wait(30)
+            return lead[0]
+        return share
 
     def run(rank):
         time.sleep(0.3 * rank)
         try:
-            out[rank] = writer.claim_run_dir(dirs[rank], rank, exchange=exchange_for(rank), **kw)
+            out[rank] = writer.claim_run_dir(dirs[rank], rank, share=share_for(rank), **kw)
         except Exception as e:  # noqa: BLE001
             out[rank] = e
-            barrier.abort()
+            given.set()
 
     threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in (0, 1)]
     for t in threads:

@@ -9,6 +9,9 @@ computes on the CPU.
 
 from __future__ import annotations
 
+import itertools
+import os
+import pickle
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -45,15 +48,15 @@ def run_device(units: Iterable) -> torch.device:
     return choose_device(backend, fsdp_compute_device(units), torch.cuda.current_device)
 
 
-def watching_ranks(units: Iterable) -> tuple[list[int] | None, list]:
-    """The global ranks that train the watched model, and the process groups the doctor gathers over to hear from
-    all of them: those of the mesh its units' FSDP meshes are cut from (a 1-D ``mesh2["shard"]``'s 2-D ``mesh2``,
-    every dim's group), where that mesh leaves ranks of the world out; (None, []) where it spans the world or cannot
-    be read: the default group, all ranks. A collective over the default group hangs watch() where only some ranks
-    train (a new-user trial: ranks 0-1 on ``DeviceMesh.from_group(new_group([0, 1]))``, ranks 2-3 waiting in a
-    barrier; killed after 120 s, nothing written)."""
+def watching_ranks(units: Iterable) -> list[int] | None:
+    """The global ranks that train the watched model: those of the mesh its units' FSDP meshes are cut from (a 1-D
+    ``mesh2["shard"]``'s 2-D ``mesh2``), where that mesh leaves ranks of the world out; None where it spans the world
+    or cannot be read. (Their run is recorded apart, numbered 0..n-1; a collective over the default group hung
+    watch() where only some ranks train: a new-user trial's ranks 0-1 on ``DeviceMesh.from_group(new_group([0,
+    1]))``, ranks 2-3 waiting in a barrier, killed after 120 s with nothing written. The doctor makes none now:
+    share_from_rank0.)"""
     if not (dist.is_available() and dist.is_initialized()):
-        return None, []
+        return None
     for u in units:
         for pg in u.param_groups:
             mesh = F2.fsdp_mesh(pg)
@@ -61,7 +64,36 @@ def watching_ranks(units: Iterable) -> tuple[list[int] | None, list]:
             if root is None:
                 continue
             ranks = sorted(int(r) for r in root.mesh.flatten().tolist())
-            if len(ranks) == dist.get_world_size():
-                return None, []
-            return ranks, [root.get_group(d) for d in range(root.ndim)]
-    return None, []
+            return None if len(ranks) == dist.get_world_size() else ranks
+    return None
+
+
+#: watch() entries of this process that shared a value from their rank 0 (every rank of a job enters watch() as
+#: often, in the same order: the n-th entry's key is the same on each)
+_SHARES = itertools.count()
+
+
+def share_from_rank0(rank: int, ranks: Optional[list[int]]) -> Callable:
+    """A function that returns rank 0's value on every rank that calls it (rank 0 gives it, the others wait for it):
+    through the job's c10d store, never a collective. ``rank``: this rank among those that train the model; ``ranks``:
+    their global ranks where they are some of the world's (run_device.watching_ranks), None for all.
+
+    A collective at watch() (all_gather_object, as before) crashed the job where only rank 0 watched (``if rank ==
+    0: watch(...)``, a new-user trial): its all-gather met the other rank's FSDP all-gather ("Received data size
+    doesn't match expected size" on gloo; on NCCL a hang or worse). The store's keys are outside the collectives'
+    sequence: rank 0 writes its value and goes on, a rank that watches reads it. The key names the elastic attempt (a
+    restarted job's store can hold the attempt before's), the ranks and this process's count of such entries."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    attempt = (os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    who = "all" if ranks is None else "-".join(map(str, ranks))
+    key = f"fsdp_doctor/lead/{attempt[0]}/{attempt[1]}/{who}/{next(_SHARES)}"
+
+    def share(value):
+        if rank == 0:
+            store.set(key, pickle.dumps(value))
+            return value
+        return pickle.loads(store.get(key))
+
+    return share

@@ -55,7 +55,7 @@ from ..store.layout import group_dir, write_probe
 from ..store.writer import RunDirTaken, claim_run_dir, write_manifest
 from .options import WatchOptions
 from .profiling import ProfilerWindows, profiler_recording, resolve_profile
-from .run_device import run_device, watching_ranks
+from .run_device import run_device, share_from_rank0, watching_ranks
 from .sinks import FailurePolicy, Sinks
 from .config_snapshot import another_models_optimizer, config_snapshot, unseen_note, untrained_rows
 from .compile_time import CompileClock, RecompileLimitTap
@@ -163,7 +163,6 @@ class Doctor:
         self._failures = FailurePolicy(self._step_aside, self._safe_write)
         self._units: list[Unit] = []
         self._world_ranks: list[int] | None = None  # the global ranks that train, where not all of them do
-        self._groups: list = []  # the process groups their values are gathered over (none: the default group)
         self._consistency: str | None = None  # the first step's consistency check ("" when it passed)
         self._sinks: Sinks | None = None  # the record stream and the live TensorBoard writer
         self._profiler: ProfilerWindows | None = None
@@ -218,7 +217,7 @@ class Doctor:
             self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             # only some ranks train the model (its mesh leaves the others out): the run is theirs, numbered 0..n-1
-            self._world_ranks, self._groups = watching_ranks(self._units)
+            self._world_ranks = watching_ranks(self._units)
             if self._world_ranks is not None:
                 self.rank, self.world_size = self._world_ranks.index(self.rank), len(self._world_ranks)
                 self._group_dir()
@@ -381,21 +380,12 @@ class Doctor:
 
     def _claim_out_dir(self) -> str:
         """A run directory holds one run: an earlier run's records there are moved aside below it (or with
-        ``overwrite`` removed: ``store.writer.claim_run_dir``), said in one line; all ranks agree on the run id
-        before any writes (one all_gather_object at entry, over the default group; where only some ranks train, one
-        per dim of their mesh, over that dim's group)."""
-        def exchange(v):
-            ranks = self._world_ranks or list(range(self.world_size))
-            held = {ranks[self.rank]: v}
-            for group in self._groups or [None]:  # each dim's gather passes on what the one before gathered
-                got = [None] * dist.get_world_size(group)
-                dist.all_gather_object(got, held, group=group)
-                held = {r: x for d in got for r, x in d.items()}
-            return [held[r] for r in ranks]
-
+        ``overwrite`` removed: ``store.writer.claim_run_dir``), said in one line; the ranks take rank 0's run id and
+        verdict before any of them writes, through the job's store (run_device.share_from_rank0: no collective, so a
+        watch() on some ranks only leaves the others' collectives alone)."""
+        share = share_from_rank0(self.rank, self._world_ranks) if self.world_size > 1 else None
         try:
-            claim = claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite,
-                                  exchange=exchange if self.world_size > 1 else None)
+            claim = claim_run_dir(self.out_dir, self.rank, overwrite=self.options.overwrite, share=share)
         except RunDirTaken as e:
             raise WatchError(f"fsdp_doctor.watch: {e}") from None
         if self.rank == 0 and claim.kept is not None:

@@ -511,7 +511,7 @@ def closing_problems(follower: "RunFollower", run: Run, going: bool = False) -> 
             continue
     for rank in missing_stream_ranks(run):
         lines.append(f"{layout.stream_name(rank)}: listed in {layout.MANIFEST_NAME} but missing: rank {rank} is not "
-                     "analysed (its records were deleted or never copied)")
+                     "analysed (its records were deleted or never copied, or watch() ran on some ranks only)")
     if not going and (said := run_end_line(run, _cut_bytes(follower), unread)):
         lines.append(said)
     return lines, replaced, unread

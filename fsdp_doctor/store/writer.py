@@ -62,7 +62,7 @@ def restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
 
 
-def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, exchange=None) -> Claim:
+def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, share=None) -> Claim:
     """Makes ``out_dir`` this run's own before anything is written (a run directory holds one run).
 
     An earlier run's files there (a manifest or a record stream) are moved aside, below it in
@@ -73,12 +73,11 @@ def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, ex
     new-user trial). Rank 0 goes first, with the shared files and every stream it sees; then each other rank with
     what is left of its own stream (one on another node's disk), into rank 0's folder. (All at once, two ranks moved
     or removed the same stream under each other: "No such file or directory" ended a 2-rank run at watch().)
-    ``exchange`` (given when there are several ranks) gathers one picklable value from every rank and returns the
-    list of all of them in rank order (``torch.distributed.all_gather_object``): the ranks agree on rank 0's run id,
-    and on any error, before any of them writes."""
+    ``share`` (given when there are several ranks) returns rank 0's value on every rank (rank 0 gives it, the others
+    wait for it: run_device.share_from_rank0): the ranks take rank 0's run id, and its error, before they write; a
+    rank's own error is its own."""
     out = Path(out_dir)
     remove = overwrite and not restarted()
-    gather = exchange or (lambda v: [v])
 
     def act(verdict: dict, mine: bool, into: Optional[str] = None) -> dict:
         try:
@@ -95,20 +94,15 @@ def claim_run_dir(out_dir: Path | str, rank: int, *, overwrite: bool = False, ex
             verdict["error"] = f"cannot prepare {out} ({e.strerror or e})"
         return verdict
 
-    def agreed(verdicts: list[dict]) -> list[dict]:
-        for v in verdicts:
-            if v["error"]:
-                raise RunDirTaken(v["error"])
-        return verdicts
-
-    first = {"error": None, "run_id": layout.new_run_id() if rank == 0 else None, "kept": None, "removed": False}
+    lead = {"error": None, "run_id": layout.new_run_id() if rank == 0 else None, "kept": None, "removed": False}
     if rank == 0:
-        first = act(first, layout.has_run(out))
-    lead = agreed(gather(first))[0]
-    rest = {"error": None, "kept": None, "removed": False}
-    if rank != 0:
-        rest = act(rest, (out / layout.stream_name(rank)).exists(), into=lead["kept"])
-    verdicts = [lead, *agreed(gather(rest))[1:]] if exchange is not None else [lead]
-    kept = next((v["kept"] for v in verdicts if v["kept"]), None)
+        lead = act(lead, layout.has_run(out))
+    lead = share(lead) if share is not None else lead
+    mine = {"error": lead["error"], "kept": None, "removed": False}
+    if rank != 0 and not mine["error"]:
+        mine = act(mine, (out / layout.stream_name(rank)).exists(), into=lead["kept"])
+    if mine["error"]:
+        raise RunDirTaken(mine["error"])
+    kept = lead["kept"] or mine["kept"]
     return Claim(lead["run_id"] or layout.new_run_id(), None if kept is None else Path(kept),
-                 any(v["removed"] for v in verdicts))
+                 lead["removed"] or mine["removed"])
