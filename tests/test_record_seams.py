@@ -1247,3 +1247,15 @@ def test_the_step_timer_times_a_unit_inside_a_compiled_frame_from_fsdps_forward_
     timer._no_grad_t0 = 0
     got = {u.name: (u.fwd_ms, u.fwd_calls, u.ag_wait_fwd_ms) for u in timer.timings().units}
     assert got == {"": (0.0, 0, 0.0), "layers.0": (2.5, 1, 0.0), "norm, lm_head": (1.5, 2, 0.0)}, got
+
+
+def test_a_rank_waits_for_rank_0s_value_a_bounded_time(gloo_one_rank, monkeypatch):
+    """The ranks take rank 0's run id through the job's store (no collective at watch()): rank 0 gives it and goes on;
+    a rank whose rank 0 never enters watch() (watch() on some ranks only) waits LEAD_WAIT_S, then its doctor steps
+    aside with one line saying why (the process group's 30 minutes held it), training going on."""
+    from fsdp_doctor.record import run_device as RD
+
+    monkeypatch.setattr(RD, "LEAD_WAIT_S", 0.3)
+    assert RD.share_from_rank0(0, None)({"run_id": "abc"}) == {"run_id": "abc"}
+    with pytest.raises(TimeoutError, match=r"rank 0 did not enter watch\(\) within 0 s \(watch\(\) on some ranks only"):
+        RD.share_from_rank0(1, None)({"run_id": None})

@@ -9,6 +9,7 @@ computes on the CPU.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 import pickle
@@ -68,6 +69,9 @@ def watching_ranks(units: Iterable) -> list[int] | None:
     return None
 
 
+#: how long a rank waits at watch() for rank 0's value (s): past it, rank 0 is taken not to watch (watch() on some
+#: ranks only) and this rank's doctor steps aside, training going on (the process group's timeout, 30 min, held it)
+LEAD_WAIT_S = 300.0
 #: watch() entries of this process that shared a value from their rank 0 (every rank of a job enters watch() as
 #: often, in the same order: the n-th entry's key is the same on each)
 _SHARES = itertools.count()
@@ -94,6 +98,11 @@ def share_from_rank0(rank: int, ranks: Optional[list[int]]) -> Callable:
         if rank == 0:
             store.set(key, pickle.dumps(value))
             return value
+        try:
+            store.wait([key], datetime.timedelta(seconds=LEAD_WAIT_S))
+        except Exception as e:  # noqa: BLE001  (c10d's timeout error; its type differs across torch releases)
+            raise TimeoutError(f"rank 0 did not enter watch() within {LEAD_WAIT_S:.0f} s (watch() on some ranks "
+                               f"only?): {type(e).__name__}") from None
         return pickle.loads(store.get(key))
 
     return share
