@@ -469,48 +469,61 @@ class TemporariesDominate(Rule):
             return self.quiet(f"the peak's temporaries ({fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of it) lie "
                               f"{at.phase or 'outside the marks'}, outside the loss and every unit's forward and "
                               "backward: no lever named for them")
-        levers = _LOSS_LEVERS if where == "loss" else _UNIT_LEVERS
-        chunks = getattr(ctx.config, "output_chunks", None) or 0
-        titan = E.torchtitan_version(ctx)
-        # the head a loss outside the model's forward runs per chunk (torchtitan's ChunkedLossWrapper)
-        head = max(((u.name, n) for u in E.non_root(E.units(ctx)) if (n := E.loss_chunks(ctx, u.name))),
-                   key=lambda x: x[1], default=None) if where == "loss" else None
-        code, fix_where, after = "", "", None
-        if where == "loss" and chunks >= 2:  # torchtune's CEWithChunkedOutputLoss already (not to be advised again)
-            levers = _CHUNKED_LEVERS.format(chunks)
-        elif head is not None:  # chunked from the loss already: more chunks, or fewer tokens
-            levers = _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
-            code = (S.titan_settings(titan, loss_num_chunks=2 * head[1]) or "") if titan is not None else ""
-            if code:  # (each chunk's logits, their log-softmax and gradients halve; the sequence must divide)
-                after, fix_where = _loss_chunks_halved(pm, held), "torchtitan"
-                levers += (f" {S.titan_says(titan)}, whose loss takes its number of chunks: {2 * head[1]} halves "
-                           "them (the training sequence length must be a multiple of it).")
-        elif where == "loss" and titan is not None:
-            levers = _LOSS_LEVERS + _TITAN_CHUNKED
+        low = _what_lowers(ctx, where, pm, held)
         sev = "critical" if E.budget_peak(ctx) >= cap else "warning"
         step = f"step {at.step}, " if at.step is not None else ""
-        # a Hugging Face model whose attention runs eagerly, and which can run scaled_dot_product_attention: its
-        # own switch (a trial's eager Llama at 1,024 tokens: peak 116.65 MiB, 95% temporaries; with sdpa 27.37 MiB)
-        cfg = ctx.config
-        impl, can = getattr(cfg, "attn_implementation", None), getattr(cfg, "attn_implementations", None)
-        if where == "unit" and impl == "eager" and (can is None or "sdpa" in can):
-            code = S.ATTN_SWITCH["sdpa"]
-            tail = ("This Hugging Face model runs its attention eagerly (attn_implementation 'eager') and can run "
-                    "scaled_dot_product_attention: the snippet switches every attention layer.")
-        else:
-            tail = "" if code else ("No code is offered: they are made by your model's operators or your loss, "
-                                    "which the doctor does not rewrite.")
         return [self.finding(
             sev, f"Temporaries hold {fmt_share(tmp / peak)} of a peak at {fmt_share(peak / cap)} of capacity, "
                  f"{'in the loss and output head' if where == 'loss' else 'inside ' + unit_label(at.unit)}",
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
              "temporaries_bytes": tmp, "temporaries_pct": round(100 * tmp / peak, 1), "held_before_bytes": held,
-             "where": where, "peak_unit": unit_label(at.unit), "peak_phase": at.phase,
-             "loss_chunks": head[1] if head else (chunks or None)},
+             "where": where, "peak_unit": unit_label(at.unit), "peak_phase": at.phase, "loss_chunks": low.chunks},
             f"At the peak ({step}{place}) the temporaries the step's operators made hold {fmt_bytes(tmp)} of "
             f"{fmt_bytes(peak)} ({fmt_share(tmp / peak)}), and the peak is {fmt_share(peak / cap)} of "
-            f"{fmt_bytes(cap)} of capacity. {levers} {tail}".rstrip(), code, where=fix_where,
-            predicted=E.predicted(E.step_ms(ctx), None, peak, after) if after is not None else None)]
+            f"{fmt_bytes(cap)} of capacity. {low.text}", low.code, where=low.where,
+            predicted=E.predicted(E.step_ms(ctx), None, peak, low.peak_after) if low.peak_after is not None else None)]
+
+
+class _Lowering(NamedTuple):
+    """What lowers a peak's temporaries (memory.temporaries): the levers in words, the fix (code, where it goes: ""
+    for none), its predicted peak (None: not predicted), and the chunks the output is computed in already."""
+
+    text: str
+    code: str = ""
+    where: str = ""
+    peak_after: int | None = None
+    chunks: int | None = None
+
+
+def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
+    """By where the temporaries lie (``where``: "loss" or "unit"): inside a repeated block, its operators' levers and,
+    for a Hugging Face model running attention eagerly that can run scaled_dot_product_attention, its own switch (a
+    trial's eager Llama at 1,024 tokens: peak 116.65 MiB, 95% temporaries; with sdpa 27.37 MiB); in the loss, the
+    logits' levers, less the chunked loss a model or loss has already (torchtune's num_output_chunks; a loss running
+    the head per chunk from outside the model's forward, torchtitan's ChunkedLossWrapper, whose chunks double on its
+    command line)."""
+    cfg = ctx.config
+    if where == "unit":
+        impl, can = getattr(cfg, "attn_implementation", None), getattr(cfg, "attn_implementations", None)
+        if impl == "eager" and (can is None or "sdpa" in can):
+            return _Lowering(f"{_UNIT_LEVERS} {_EAGER_SWITCH}", S.ATTN_SWITCH["sdpa"])
+        return _Lowering(f"{_UNIT_LEVERS} {_NO_CODE}")
+    chunks = getattr(cfg, "output_chunks", None) or 0
+    if chunks >= 2:  # torchtune's CEWithChunkedOutputLoss already (not to be advised again)
+        return _Lowering(f"{_CHUNKED_LEVERS.format(chunks)} {_NO_CODE}", chunks=chunks)
+    titan = E.torchtitan_version(ctx)
+    head = max(((u.name, n) for u in E.non_root(E.units(ctx)) if (n := E.loss_chunks(ctx, u.name))),
+               key=lambda x: x[1], default=None)
+    if head is None:
+        return _Lowering(f"{_LOSS_LEVERS}{_TITAN_CHUNKED if titan is not None else ''} {_NO_CODE}")
+    text = _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
+    code = S.titan_settings(titan, loss_num_chunks=2 * head[1]) if titan is not None else None
+    if not code:
+        return _Lowering(f"{text} {_NO_CODE}", chunks=head[1])
+    # (each chunk's logits, their log-softmax and gradients halve; the sequence must divide)
+    return _Lowering(f"{text} {S.titan_says(titan)}, whose loss takes its number of chunks: {2 * head[1]} halves them "
+                     "(the training sequence length must be a multiple of it).", code, "torchtitan",
+                     _loss_chunks_halved(pm, held), head[1])
 
 
 def _loss_chunks_halved(pm, held: int) -> int:
@@ -558,6 +571,10 @@ _LOSS_CHUNKED_LEVERS = (
     "the model's forward running the head (in the unit {head!r}) once per chunk and freeing each chunk's before the "
     f"next (torchtitan's ChunkedLossWrapper does). {_UNMOVED} What lowers them: more chunks (each chunk's logits "
     f"shrink with its tokens), or {_SMALLER}.")
+_NO_CODE = ("No code is offered: they are made by your model's operators or your loss, which the doctor does not "
+            "rewrite.")
+_EAGER_SWITCH = ("This Hugging Face model runs its attention eagerly (attn_implementation 'eager') and can run "
+                 "scaled_dot_product_attention: the snippet switches every attention layer.")
 # torchtitan with a loss that is not chunked
 _TITAN_CHUNKED = (" torchtitan has such a loss: its ChunkedLossWrapper (its llama3 configs' default), set in your "
                   "config_registry function on the Trainer.Config it returns: config.loss = "
