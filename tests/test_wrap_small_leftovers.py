@@ -48,7 +48,9 @@ def test_small_modules_of_the_root_stay_there_rather_than_units_of_their_own(tmp
     for m in _SMALL:
         assert f"fully_shard(model.{m}," not in code, code
     stays = " ".join(line.lstrip("# ") for line in code.splitlines() if line.startswith("#"))
-    assert f"{', '.join(_SMALL)} stay in the root" in stays and "4 units would add 12 collectives" in stays, code
+    # (named as the code names them: model.model.vision_tower..., where "model.vision_tower..." read beside it)
+    said = ", ".join(f"model.{m}" for m in _SMALL)
+    assert f"{said} stay in the root" in stays and "4 units would add 12 collectives" in stays, code
     assert "fully_shard(model.model.language_model.embed_tokens, mesh=mesh)" in code, code
     assert "fully_shard([model.model.language_model.norm, model.lm_head], mesh=mesh," in code, code
     assert ("(each block of model.model.vision_tower.encoder.layers, model.model.language_model.embed_tokens, "
