@@ -318,36 +318,45 @@ def forward_passes(s: StepRecord, modules: dict[str, int]) -> float:
     return max(s.micro_batches, min(calls, default=1))
 
 
-def calls_beyond_model(config, ranks: dict, name: str) -> list[tuple[float, float]]:
-    """Per usable step of every rank (``ranks``: a Run's), the unit ``name``'s forward calls beyond those the model's
-    forward passes make (one per module per pass: :func:`forward_passes`), and those passes: code outside the model's
-    forward called it (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper)."""
+def calls_beyond_model(config, ranks: dict) -> dict[str, list[tuple[float, float]]]:
+    """Per unit, per usable step of every rank (``ranks``: a Run's): its forward calls beyond those the model's forward
+    passes make (one per module per pass: :func:`forward_passes`), and those passes; in one pass over the steps. Code
+    outside the model's forward called a unit with calls beyond (a loss that runs the output head per chunk:
+    torchtitan's ChunkedLossWrapper)."""
     modules = unit_modules(config.units if config is not None else [])
-    out = []
+    out: dict[str, list[tuple[float, float]]] = {}
     for rd in ranks.values():
         for s in usable_steps(rd.steps):
             passes = forward_passes(s, modules)
-            out += [(u.fwd_calls - modules.get(name, 1) * passes, passes) for u in s.units if u.name == name]
+            for u in s.units:
+                out.setdefault(u.name, []).append((u.fwd_calls - modules.get(u.name, 1) * passes, passes))
     return out
 
 
-def head_chunks(config, ranks: dict, name: str) -> Optional[int]:
-    """The chunks of each micro-batch that code outside the model's forward runs the unit ``name`` (the output head)
-    on: its calls beyond the model's per forward pass (:func:`calls_beyond_model`), and the one the model's forward
-    skips (torchtitan's ChunkedLossWrapper: the model's forward with _skip_lm_head, then lm_head and the loss once per
-    chunk of the sequence, each chunk's backward before the next); None where no such code calls it."""
-    per_pass = [x / n for x, n in calls_beyond_model(config, ranks, name) if n]
-    extra = statistics.median(per_pass) if per_pass else 0.0
-    return round(extra) + 1 if extra >= 1 else None
+def chunked_head(config, ranks: dict) -> Optional[tuple[str, int]]:
+    """The unit that code outside the model's forward runs once per chunk of each micro-batch (the output head), and
+    those chunks: its calls beyond the model's per forward pass (:func:`calls_beyond_model`), and the one the model's
+    forward skips (torchtitan's ChunkedLossWrapper: the model's forward with _skip_lm_head, then lm_head and the loss
+    once per chunk of the sequence, each chunk's backward before the next); the unit with the most, the first of them
+    in the units' order; None where no such code calls any."""
+    if config is None:
+        return None
+    beyond, best = calls_beyond_model(config, ranks), None
+    for u in config.units:
+        per_pass = [x / n for x, n in beyond.get(u.name, []) if n]
+        extra = statistics.median(per_pass) if per_pass and not u.is_root else 0.0
+        if extra >= 1 and (best is None or round(extra) + 1 > best[1]):
+            best = (u.name, round(extra) + 1)
+    return best
 
 
 def loss_chunks(config, ranks: dict) -> Optional[int]:
     """The chunks the model's output is computed in, where it is: torchtune's num_output_chunks (inside its forward,
-    ``RunConfig.output_chunks``), or the most any unit is run in from outside it (:func:`head_chunks`)."""
+    ``RunConfig.output_chunks``), or those a loss outside it runs the head in (:func:`chunked_head`)."""
     if config is None:
         return None
-    found = [n for u in config.units if not u.is_root and (n := head_chunks(config, ranks, u.name))]
-    return config.output_chunks or max(found, default=None)
+    head = chunked_head(config, ranks)
+    return config.output_chunks or (head[1] if head else None)
 
 
 def device_stats(pairs: list[tuple[StepRecord, GpuTimes]], modules: dict[str, int]) -> Optional[DeviceSteps]:

@@ -149,16 +149,16 @@ def calls_beyond_model(ctx: Context, name: str) -> float:
     (a loss that runs the output head per chunk: torchtitan's ChunkedLossWrapper); 0 without step records."""
     from ..analyze.steps import calls_beyond_model as beyond
 
-    extra = [x for x, _ in beyond(ctx.config, getattr(ctx.run, "ranks", None) or {}, name)]
+    extra = [x for x, _ in beyond(ctx.config, getattr(ctx.run, "ranks", None) or {}).get(name, [])]
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
-def loss_chunks(ctx: Context, name: str) -> Optional[int]:
-    """The chunks a loss outside the model's forward runs the unit ``name`` (the output head) on
-    (analyze.steps.head_chunks); None where no such code calls it."""
-    from ..analyze.steps import head_chunks
+def chunked_head(ctx: Context) -> Optional[tuple[str, int]]:
+    """The unit a loss outside the model's forward runs once per chunk (the output head), and those chunks
+    (analyze.steps.chunked_head); None where no such code calls any."""
+    from ..analyze.steps import chunked_head as head
 
-    return head_chunks(ctx.config, getattr(ctx.run, "ranks", None) or {}, name)
+    return head(ctx.config, getattr(ctx.run, "ranks", None) or {})
 
 
 def phase_ms(ctx: Context, phase: str) -> Optional[float]:

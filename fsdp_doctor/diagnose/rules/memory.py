@@ -512,8 +512,7 @@ def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
     if chunks >= 2:  # torchtune's CEWithChunkedOutputLoss already (not to be advised again)
         return _Lowering(f"{_CHUNKED_LEVERS.format(chunks)} {_NO_CODE}", chunks=chunks)
     titan = E.torchtitan_version(ctx)
-    head = max(((u.name, n) for u in E.non_root(E.units(ctx)) if (n := E.loss_chunks(ctx, u.name))),
-               key=lambda x: x[1], default=None)
+    head = E.chunked_head(ctx)
     if head is None:
         return _Lowering(f"{_LOSS_LEVERS}{_TITAN_CHUNKED if titan is not None else ''} {_NO_CODE}")
     text = _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
@@ -564,7 +563,7 @@ _CHUNKED_LEVERS = (
     "torchtune's CEWithChunkedOutputLoss), which upcasts one chunk at a time but keeps every chunk's logits from the "
     f"forward to the loss's backward. {_UNMOVED} What lowers them: {_SMALLER}, or a loss fused with the head that "
     "never holds the whole micro-batch's logits (Liger Kernel's fused linear cross-entropy).")
-# a loss outside the model's forward that runs the head per chunk (E.loss_chunks: torchtitan's ChunkedLossWrapper)
+# a loss outside the model's forward that runs the head per chunk (E.chunked_head: torchtitan's ChunkedLossWrapper)
 _LOSS_CHUNKED_LEVERS = (
     "There they are the logits the output head makes for one chunk of the micro-batch's tokens (its tokens x "
     "vocabulary), their log-softmax and their gradients: the loss computes them in {n} chunks already, code outside "
