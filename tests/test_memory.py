@@ -774,7 +774,10 @@ def test_gradients_the_optimizer_does_not_free_are_counted_where_their_unit_has_
             first = timeline_rows(steps[i])[0]
             assert (first["unit"], first["phase"]) == (None, "forward_start")
             assert first["sharded_grads"] == kept[r][i], (i, first)
-        assert steps[2].peak.bytes == steps[1].peak.bytes, (steps[1].peak, steps[2].peak)
+        # equal but for the reduce-scatter buffers in flight at the peak: gloo's async reduce-scatter of the unit
+        # before may finish before or after it (one buffer or two, by the host's timing: CI saw both)
+        held = [steps[i].peak.bytes - steps[i].peak.breakdown["comm_buffers"] for i in (1, 2)]
+        assert held[1] == held[0], (steps[1].peak, steps[2].peak)
         assert steps[2].peak.breakdown["sharded_grads"] == _BLOCK_GRAD_SHARD, steps[2].peak.breakdown
         assert analyze_memory(run).per_rank[str(r)].steady_bytes["sharded_grads"] == _BLOCK_GRAD_SHARD
 
