@@ -731,6 +731,9 @@ class StepRecord(Record, tag="step"):
     # over micro-batches): FLOPs counted on one step are scaled by it where it varies (analyze/throughput.py); None:
     # not recorded (records before this field, or no training forward seen)
     input_elements: int | None = None
+    # the shape of the first tensor the step's first training forward of the model took (a batch's tokens: batch x
+    # sequence, the length a chunked loss splits); None: not recorded (records before this field, or none seen)
+    input_shape: list[int] | None = None
     # the tokens this rank trained on in the step, as the loop gave them (doctor.step(tokens=N), summed over its calls
     # in the step): tokens/s from them where they vary (packing, token budgets); None: not given
     tokens: int | None = None

@@ -4050,3 +4050,19 @@ def test_plan_keeps_tiny_modules_of_an_otherwise_empty_root_there():
         "the root's parameters are those of modules that gain less as units of their own than they cost: "
         "vision.embed, vision.pre_norm, vision.post_norm, projector, each a unit, and one unit of them all would "
         "free at most"), st.reason
+
+
+def test_more_chunks_divide_every_sequence_length():
+    """torchtitan's ChunkedLossWrapper raises unless its chunks divide the sequence ("sequence length must be divisible
+    by num_chunks"): memory.temporaries' fix doubled them whatever the length, so 8 chunks of 264 tokens became 16,
+    which a new-user trial's rerun refused. Twice as many where they divide (or no length was recorded), else the
+    fewest from 2n to 4n that divide, else the most above n that do, else none."""
+    from fsdp_doctor.diagnose.rules.memory import more_chunks
+
+    assert more_chunks(8, {256}) == more_chunks(8, set()) == more_chunks(8, {256, 512}) == 16
+    assert more_chunks(8, {264}) == 22  # 264 = 8 x 33: 11, 12 halve less; 22 and 24 at least halve
+    assert more_chunks(2, {130}) == 5  # titan_fixes' tight_chunks case
+    assert more_chunks(8, {136}) == 17
+    assert more_chunks(3, {15}) == 5  # nothing from 6 to 12 divides 15: the most below
+    assert more_chunks(8, {296}) is None  # 8 x 37: nothing from 9 to 32
+    assert more_chunks(8, {240, 264}) == 24  # one number for every length (12 and 24 divide both)

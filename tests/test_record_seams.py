@@ -504,6 +504,7 @@ def test_a_chunked_loss_counts_one_backward_pass_per_micro_batch(tmp_path, gloo_
 
     run = _watched_chunked_loss(tmp_path, 4, micro)
     assert [(s.backwards, s.synced_backwards) for s in run.ranks[0].steps] == [(micro, 1)] * 4
+    assert [s.input_shape for s in run.ranks[0].steps] == [[32, 64]] * 4  # the model's input (each step's first)
     facts = run_facts(run)
     assert (facts.backwards_per_step, facts.synced_backwards_per_step) == ((2, 1) if micro == 2 else (UNSET, UNSET))
     # the head run 4 times a micro-batch from the loss: its chunks (compare's job setting)

@@ -324,13 +324,16 @@ def test_titan_chunked_loss_temporaries_fix_is_more_chunks(titan_fixes):
     """torchtitan's chunked loss (its ChunkedLossWrapper, 2 chunks on the user's command line) over an 8,192-token
     vocabulary, each chunk's logits filling a peak 5% under the budget: memory.temporaries places the peak in the
     loss (a chunk's backward through lm_head alone leaves the loss phase open), says the loss is chunked already
-    (never advising a chunked loss) and doubles the chunks on torchtitan's command line; run so, the finding is gone
-    and the peak is the predicted one."""
+    (never advising a chunked loss) and raises the chunks on torchtitan's command line to a number that divides the
+    sequence (twice as many raised "sequence length must be divisible by num_chunks" when pasted); run so, the
+    finding is gone and the peak is the predicted one."""
     for res in titan_fixes:
-        before, after, f = _fixed(res, "tight_chunks", "memory.temporaries", "--loss.num-chunks 4")
-        assert res["tight_chunks_fixed_args"][:2] == ["--loss.num-chunks", "4"], res["tight_chunks_fixed_args"]
+        # twice the chunks, 4, would not divide the 130-token sequences (torchtitan raises): 5 chunks of 26 tokens
+        before, after, f = _fixed(res, "tight_chunks", "memory.temporaries", "--loss.num-chunks 5")
+        assert res["tight_chunks_fixed_args"][:2] == ["--loss.num-chunks", "5"], res["tight_chunks_fixed_args"]
         assert "in 2 chunks already" in f["text"] and "Liger" not in f["text"], f["text"]
-        assert "#   config.loss.num_chunks = 4" in f["code"], f["code"]
+        assert "5 divides the sequence length, 130 tokens" in f["text"], f["text"]
+        assert "#   config.loss.num_chunks = 5" in f["code"], f["code"]
         assert after["peak"] < 0.8 * before["peak"], (after["peak"], before["peak"])
-        # read from the head's forward calls (3, then 5, of [norm, lm_head] for one pass), as compare reads them
-        assert (before["loss_chunks"], after["loss_chunks"]) == (2, 4)
+        # read from the head's forward calls (3, then 6, of [norm, lm_head] for one pass), as compare reads them
+        assert (before["loss_chunks"], after["loss_chunks"]) == (2, 5)

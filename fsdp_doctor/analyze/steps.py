@@ -359,6 +359,14 @@ def loss_chunks(config, ranks: dict) -> Optional[int]:
     return config.output_chunks or (head[1] if head else None)
 
 
+def sequence_lengths(ranks: dict) -> set[int]:
+    """The lengths along the second dimension of the model's first input (a batch's tokens: batch x sequence) over
+    every usable step of every rank (``StepRecord.input_shape``): what a loss chunking the sequence must divide
+    (torchtitan's ChunkedLossWrapper); empty where none was recorded."""
+    return {int(s.input_shape[1]) for rd in ranks.values() for s in usable_steps(rd.steps)
+            if s.input_shape is not None and len(s.input_shape) >= 2}
+
+
 def device_stats(pairs: list[tuple[StepRecord, GpuTimes]], modules: dict[str, int]) -> Optional[DeviceSteps]:
     """The device's view of steady steps (``pairs``: each step's record and its ``GpuTimes``; ``modules`` as
     :func:`forward_passes` takes it), medians in ms; None without any. The idle between steps is the events'

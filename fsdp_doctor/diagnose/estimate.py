@@ -161,6 +161,13 @@ def chunked_head(ctx: Context) -> Optional[tuple[str, int]]:
     return head(ctx.config, getattr(ctx.run, "ranks", None) or {})
 
 
+def sequence_lengths(ctx: Context) -> set[int]:
+    """The model's input lengths along its second dimension, the sequence (analyze.steps.sequence_lengths)."""
+    from ..analyze.steps import sequence_lengths as lengths
+
+    return lengths(getattr(ctx.run, "ranks", None) or {})
+
+
 def phase_ms(ctx: Context, phase: str) -> Optional[float]:
     """The job's median time in one phase of the step (forward, backward, optimizer, outside, gc), or the
     median over the ranks."""

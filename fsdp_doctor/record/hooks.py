@@ -61,6 +61,11 @@ def _elements(args, kwargs) -> int:
     return sum(a.numel() for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor))
 
 
+def _first_shape(args, kwargs) -> Optional[list[int]]:
+    """The shape of the first tensor among a forward's arguments (top level); None: none."""
+    return next((list(a.shape) for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)), None)
+
+
 def _eager(fn):
     """``fn`` run as it is where Dynamo traces a frame calling it (not traced into)."""
     return torch.compiler.disable(fn)
@@ -142,6 +147,9 @@ class StepTimings:
     other_models_ms: float = 0.0
     # the elements of the tensors the model's training forwards took (0: none seen)
     input_elements: int = 0
+    # the shape of the first tensor the step's first training forward took (a batch's tokens: batch x sequence);
+    # None: none seen
+    input_shape: Optional[list[int]] = None
     # backward passes through the model (backward() calls that reached it, however many forwards each took in; where
     # the model is a unit, those that reached it: torchtitan's chunked loss calls backward() once per chunk of the
     # sequence through its output unit alone, then once through the model, one pass: StepTimer._model_backwards)
@@ -1110,6 +1118,8 @@ class StepTimer:
                 self._eval_open = None
                 self._settle_eval()  # the eval-mode forwards before this one had no backward: evaluation
                 self._input_elems += elements
+                if self._input_shape is None:  # the step's first: the length a chunked loss splits
+                    self._input_shape = _first_shape(args, kwargs)
             else:
                 self._eval_open = self._unit_figures()
             self._fwd_start = _now()
@@ -1274,6 +1284,7 @@ class StepTimer:
         self._fwd_start = self._bwd_start = self._opt_start = self._gc_start = 0
         self._first_fwd = self._opt_end = self._bwd_end = self._micro_gap_ns = 0
         self._input_elems = 0  # the elements of the training forwards' tensor arguments
+        self._input_shape: Optional[list[int]] = None  # the first one's first tensor's shape
         self._step_bwds = []
         self._opt_after_bwd = self._bwd_after_opt = False
         self._ng_pre_ns = self._ng_post_ns = 0  # no-grad forwards' time before the first forward, after the last step
@@ -1323,7 +1334,8 @@ class StepTimer:
                            last_optimizer_end_ns=self._opt_end, micro_gap_ms=_ms(self._micro_gap_ns),
                            no_grad_between_ms=_ms(self._ng_pre_ns + (self._ng_post_ns if self._opt_end else 0)),
                            backward_after_optimizer=self._bwd_after_opt, other_models_ms=_ms(self._other_ns),
-                           input_elements=self._input_elems, **self._model_backwards(),
+                           input_elements=self._input_elems, input_shape=self._input_shape,
+                           **self._model_backwards(),
                            unit_compiles={self._units[i].name: n for i, n in sorted(self._unit_compiles.items())})
 
     def _model_backwards(self) -> dict[str, int]:

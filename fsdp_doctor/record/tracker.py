@@ -688,7 +688,7 @@ class Doctor:
             graph_breaks=breaks, disable_breaks=disable_breaks,
             recompile_limits=self._limit_tap.take() if self._limit_tap is not None else [],
             unit_compiles=tm.unit_compiles or {},
-            input_elements=tm.input_elements or None, tokens=self._tokens,
+            input_elements=tm.input_elements or None, input_shape=tm.input_shape, tokens=self._tokens,
         )
         self._sinks.on_step(rec)
         if done:

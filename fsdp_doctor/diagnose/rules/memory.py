@@ -5,7 +5,7 @@ memory growing every step."""
 from __future__ import annotations
 
 import statistics
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import msgspec
 
@@ -515,30 +515,49 @@ def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
     head = E.chunked_head(ctx)
     if head is None:
         return _Lowering(f"{_LOSS_LEVERS}{_TITAN_CHUNKED if titan is not None else ''} {_NO_CODE}")
-    text = _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
-    code = S.titan_settings(titan, loss_num_chunks=2 * head[1]) if titan is not None else None
-    if not code:
-        return _Lowering(f"{text} {_NO_CODE}", chunks=head[1])
-    # (each chunk's logits, their log-softmax and gradients halve; the sequence must divide)
-    return _Lowering(f"{text} {S.titan_says(titan)}, whose loss takes its number of chunks: {2 * head[1]} halves them "
-                     "(the training sequence length must be a multiple of it).", code, "torchtitan",
-                     _loss_chunks_halved(pm, held), head[1])
+    n, text = head[1], _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
+    if titan is None or not S.titan_settings(titan, loss_num_chunks=2 * n):
+        return _Lowering(f"{text} {_NO_CODE}", chunks=n)
+    lengths = E.sequence_lengths(ctx)
+    m = more_chunks(n, lengths)
+    says, seq = f"{S.titan_says(titan)}, whose loss takes its number of chunks", "/".join(map(str, sorted(lengths)))
+    if m is None:
+        return _Lowering(f"{text} {says}, but no number from {n + 1} to {4 * n} divides the sequence length ({seq} "
+                         "tokens), as its ChunkedLossWrapper requires: no code is offered.", chunks=n)
+    size = "halves them" if m == 2 * n else f"makes them {fmt_share(n / m)} of their size"
+    fits = (f"{m} divides the sequence length, {seq} tokens, as its ChunkedLossWrapper requires" if lengths else
+            "the training sequence length must be a multiple of it")
+    return _Lowering(f"{text} {says}: {m} {size} ({fits}).", S.titan_settings(titan, loss_num_chunks=m), "torchtitan",
+                     _loss_chunks_shrunk(pm, held, n / m), n)
 
 
-def _loss_chunks_halved(pm, held: int) -> int:
-    """The peak with a chunked loss's chunks halved in size (twice as many): at every mark of the loss, from its first
-    start to its last high-water (the head's marks between them), the chunk's tensors halve: the temporaries the step
-    made (less ``held``, those at its first mark: each chunk's logits and their gradients) and the activations beyond
-    those the model's forward saved (what the chunk's loss saves for its backward, its log-softmax: a new-user trial's
-    16 of 23.54 MiB; with the temporaries alone 89.09 MiB was predicted where 81.45 MiB was measured)."""
-    tl = pm.timeline or []
+def more_chunks(n: int, lengths: set[int]) -> Optional[int]:
+    """The chunks to advise for a loss computed in ``n`` chunks of sequences ``lengths`` tokens long, a number that
+    divides every length (torchtitan's ChunkedLossWrapper raises otherwise: "sequence length must be divisible by
+    num_chunks"): twice as many where that divides them (or the lengths are not known), else the fewest from 2n to 4n
+    that do, else the most above n that do; None where no number from n + 1 to 4n does."""
+    if all(length % (2 * n) == 0 for length in lengths):
+        return 2 * n
+    fits = [m for m in range(n + 1, 4 * n + 1) if all(length % m == 0 for length in lengths)]
+    return next((m for m in fits if m >= 2 * n), fits[-1] if fits else None)
+
+
+def _loss_chunks_shrunk(pm, held: int, scale: float) -> int:
+    """The peak with a chunked loss's chunks ``scale`` of their size (n / m where n chunks become m): at every mark of
+    the loss, from its first start to its last high-water (the head's marks between them), the chunk's tensors shrink
+    so: the temporaries the step made (less ``held``, those at its first mark: each chunk's logits and their
+    gradients) and the activations beyond those the model's forward saved (what the chunk's loss saves for its
+    backward, its log-softmax: a new-user trial's 16 of 23.54 MiB; with the temporaries alone 89.09 MiB was predicted
+    where 81.45 MiB was measured)."""
+    tl, cut = pm.timeline or [], 1.0 - scale
     rows = [i for i, r in enumerate(tl) if r.get("phase") in ("loss_start", "in_loss")]
     if not rows:
-        return int(pm.peak_bytes) - max(0, int(pm.peak_breakdown.get("temporaries") or 0) - held) // 2
+        return int(pm.peak_bytes) - int(max(0, int(pm.peak_breakdown.get("temporaries") or 0) - held) * cut)
     added, saved = [0.0] * len(tl), int(tl[rows[0]].get("activations") or 0)
     for i in range(rows[0], rows[-1] + 1):
         r = tl[i]
-        added[i] = -(max(0, int(r.get("temporaries") or 0) - held) + max(0, int(r.get("activations") or 0) - saved)) / 2
+        made = max(0, int(r.get("temporaries") or 0) - held) + max(0, int(r.get("activations") or 0) - saved)
+        added[i] = -made * cut
     return E.peak_with_rows(pm, added)
 
 
