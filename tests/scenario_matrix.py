@@ -303,6 +303,9 @@ ROWS: list[Row] = [
        knobs={"prefetch_reversed": True}, profile=True),
     _r("gpt_state_tight", "gpt", "optim.state_dominates", "one short sequence per rank, budget 5% above peak",
        knobs={"batch_size": 1, "seq_len": 8, "d_model": 64, "n_layers": 8}, capacity_share=0.95),
+    # the same with wider blocks: the peak in AdamW's foreach step (the users' default on CUDA, the clients' here)
+    _r("gpt_optimizer_peak", "gpt", "optim.foreach_temporaries", "AdamW's foreach step at the peak, budget 5% above it",
+       knobs={"batch_size": 1, "seq_len": 8, "d_model": 128, "n_layers": 8}, capacity_share=0.95),
     _r("gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather",
        "FSDP's implicit prefetch on gloo, 4 micro-batches of 16 tokens", knobs=GATHER_BOUND, min_severity="info",
        gpu_gain=True),

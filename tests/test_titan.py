@@ -337,3 +337,21 @@ def test_titan_chunked_loss_temporaries_fix_is_more_chunks(titan_fixes):
         assert after["peak"] < 0.8 * before["peak"], (after["peak"], before["peak"])
         # read from the head's forward calls (3, then 6, of [norm, lm_head] for one pass), as compare reads them
         assert (before["loss_chunks"], after["loss_chunks"]) == (2, 5)
+
+
+@pytest.mark.parametrize("setting, value, field", [
+    ("optimizer_implementation", "fused", ("optimizer", "implementation")),
+    ("loss_num_chunks", 22, ("loss", "num_chunks"))])
+def test_titan_settings_command_lines_parse_as_torchtitan_reads_them(setting, value, field, monkeypatch):
+    """Each fix on torchtitan's command line (optim.foreach_temporaries' implementation, memory.temporaries' chunks)
+    is parsed by torchtitan 0.3.0's own ConfigManager after the user's arguments, last wins: the job config then
+    holds the fix's value."""
+    from titan_cases import job_config
+
+    if not (TITAN_SITE / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan is not installed in {TITAN_SITE}")
+    monkeypatch.syspath_prepend(str(TITAN_SITE))
+    code = S.titan_settings("0.3.0", **{setting: value})
+    (line,) = [ln for ln in code.splitlines() if ln.startswith("--")]
+    config = job_config(["--optimizer.implementation", "foreach", "--loss.num-chunks", "8", *line.split()])
+    assert getattr(getattr(config, field[0]), field[1]) == value, (line, config)

@@ -423,6 +423,16 @@ def stale_words(ctx: Context, cap: Optional[int] = None, under: Optional[float] 
             + (f", {fmt_share(fix.after / cap, under=under)} of capacity {fmt_bytes(cap)}" if cap else ""))
 
 
+def near_capacity(ctx: Context) -> tuple[Optional[MemoryRank], int, Optional[str], Optional[str]]:
+    """For a rule about a peak near capacity (from thresholds.NEAR_CAPACITY_SHARE on): (the peak step's memory, the
+    capacity, why the rule is skipped: no peak or no capacity, why it is quiet: the peak below that share,
+    ``below_budget``); a reason None: not so."""
+    pm, cap = peak_memory(ctx), capacity_bytes(ctx)
+    if pm is None or not cap:
+        return pm, cap or 0, no_peak_or_capacity(ctx, pm, cap), None
+    return pm, cap, None, below_budget(ctx, int(pm.peak_bytes), cap, T.NEAR_CAPACITY_SHARE)
+
+
 def below_budget(ctx: Context, peak: int, cap: int, threshold: float) -> Optional[str]:
     """Why a rule that frees memory once the peak reaches ``threshold`` of capacity is quiet: the peak below it
     (``below_share``), or above it only by what optim.before_shard's fix gives back (``stale_words``, "... (fires

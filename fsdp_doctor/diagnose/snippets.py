@@ -1372,6 +1372,21 @@ def repoint_optimizer() -> str:
             "optimizer.state.clear()  # state of the old tensors, if it has stepped")
 
 
+def fused_optimizer() -> str:
+    """The user's optimizer (torch's Adam, AdamW, SGD or Adagrad) switched to its fused implementation, every group,
+    before its first step: the flags its step reads from each group, and a step count restored from a checkpoint
+    moved to the parameter's device (the fused step wants it there, as a tensor; the foreach one keeps it on the
+    host)."""
+    return ("\n".join(comment("after building the optimizer, before its first step: its fused implementation, one "
+                              "kernel per update, no foreach intermediates")) + "\n"
+            "for group in optimizer.param_groups:\n"
+            "    group['foreach'], group['fused'] = False, True\n"
+            "    for p in group['params']:  # a step count restored from a checkpoint\n"
+            "        state = optimizer.state.get(p, {})\n"
+            "        if torch.is_tensor(state.get('step')):\n"
+            "            state['step'] = state['step'].to(p.device, torch.float32)")
+
+
 def root_mesh(config=None) -> str:
     """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters); where their
     mesh has model-parallel dims beside FSDP's (``config``: RunConfig.mesh), FSDP's dims of it."""
@@ -1619,6 +1634,8 @@ TITAN_SETTINGS = {
         },
         # (any count: its ChunkedLossWrapper's; a setting whose values are numbers is a function of the value)
         "loss_num_chunks": lambda n: (f"--loss.num-chunks {n}", f"config.loss.num_chunks = {n}"),
+        "optimizer_implementation": {
+            "fused": ("--optimizer.implementation fused", "config.optimizer.implementation = 'fused'")},
     },
 }
 

@@ -321,13 +321,11 @@ class NearCapacitySpread(Rule):
     last = True  # (over capacity it reads the earlier findings' fixes: ctx.earlier)
 
     def match(self, ctx: Context):
-        pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
-        if pm is None or not cap:
-            return self.skip(E.no_peak_or_capacity(ctx, pm, cap))
+        pm, cap, skip, quiet = E.near_capacity(ctx)  # (optim.before_shard's stale tensors aside)
+        if skip or quiet:
+            return self.skip(skip) if skip else self.quiet(quiet)
         peak = int(pm.peak_bytes)
         share = peak / cap
-        if why := E.below_budget(ctx, peak, cap, T.NEAR_CAPACITY_SHARE):  # (optim.before_shard's stale tensors aside)
-            return self.quiet(why)
         # over capacity: with optim.before_shard's fix in (its stale tensors are no lever of this rule's)
         over = E.budget_peak(ctx) >= cap
         bd = {k: v for k, v in pm.peak_breakdown.items() if v}
@@ -441,13 +439,10 @@ class TemporariesDominate(Rule):
     severities = ("warning", "critical")
 
     def match(self, ctx: Context):
-        pm, cap = E.peak_memory(ctx), E.capacity_bytes(ctx)
-        if pm is None or not cap:
-            return self.skip(E.no_peak_or_capacity(ctx, pm, cap))
-        peak = int(pm.peak_bytes)
-        if why := E.below_budget(ctx, peak, cap, T.NEAR_CAPACITY_SHARE):
-            return self.quiet(why)
-        at = pm.peak_at
+        pm, cap, skip, quiet = E.near_capacity(ctx)
+        if skip or quiet:
+            return self.skip(skip) if skip else self.quiet(quiet)
+        peak, at = int(pm.peak_bytes), pm.peak_at
         tmp, held = E.step_temporaries(pm)  # (on CUDA the workspaces and what was kept from before: not the step's)
         if tmp / peak < T.DOMINANT_CATEGORY_SHARE:
             return self.quiet(E.below_share("temporaries made in the step", tmp, peak, "the peak",
@@ -468,7 +463,8 @@ class TemporariesDominate(Rule):
         else:
             return self.quiet(f"the peak's temporaries ({fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of it) lie "
                               f"{at.phase or 'outside the marks'}, outside the loss and every unit's forward and "
-                              "backward: no lever named for them")
+                              "backward: " + ("the optimizer step's (optim.foreach_temporaries weighs them)"
+                                              if "optimizer" in (at.phase or "") else "no lever named for them"))
         low = _what_lowers(ctx, where, pm, held)
         sev = "critical" if E.budget_peak(ctx) >= cap else "warning"
         step = f"step {at.step}, " if at.step is not None else ""

@@ -355,6 +355,71 @@ class OptimizerStateDominates(Rule):
             predicted=E.predicted(step, step, peak, peak - saved))]
 
 
+# torch's optimizers with a fused implementation (fused=True: one kernel per step on CUDA and, from torch 2.4, the
+# CPU), and the marks of the optimizer step on a memory timeline
+FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
+_OPTIMIZER_PHASES = ("optimizer_start", "in_optimizer", "optimizer_end")
+# The optimizer step's own temporaries are worth a finding from this share of a peak that lies in the step.
+STEP_TEMPORARIES_SHARE_MIN = 0.10
+
+
+@register
+class ForeachTemporaries(Rule):
+    code = "optim.foreach_temporaries"
+    name = "The optimizer step's temporaries at the peak"
+    description = ("A peak near capacity lies in the optimizer step, where the foreach implementation (torch's "
+                   "default for Adam and AdamW on CUDA, DTensor parameters included) makes intermediates as large "
+                   "as a moment of the state; the fused implementation makes none.")
+    needs = ("memory",)
+    severities = ("warning", "critical")
+
+    def match(self, ctx: Context):
+        pm, cap, skip, quiet = E.near_capacity(ctx)
+        if skip or quiet:
+            return self.skip(skip) if skip else self.quiet(quiet)
+        peak, at = int(pm.peak_bytes), pm.peak_at
+        if at.phase not in _OPTIMIZER_PHASES:
+            return self.quiet(f"the peak lies {at.phase or 'outside the marks'}, not in the optimizer step")
+        opt = getattr(ctx.config, "optimizer", None) or "the optimizer"
+        tmp, held = E.step_temporaries(pm)
+        if tmp / peak < STEP_TEMPORARIES_SHARE_MIN:
+            return self.quiet(E.below_share("temporaries made in the step", tmp, peak, "the peak",
+                                            STEP_TEMPORARIES_SHARE_MIN))
+        if opt not in FUSED_OPTIMIZERS:
+            return self.quiet(f"{opt} has no fused implementation in torch (its step's temporaries: "
+                              f"{fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of the peak)")
+        if getattr(ctx.config, "unmanaged_param_bytes", None):  # (aten._fused_adamw_ "got mixed torch.Tensor and
+            # DTensor": a group holding both raises, fused as foreach)
+            return self.quiet("parameters outside every FSDP unit: a group holding them beside DTensor parameters "
+                              "cannot run fused")
+        # fused: no intermediates (a new-user trial's AdamW on the CPU: 16.01 MiB of foreach temporaries, 0 fused)
+        added = [-max(0, int(r.get("temporaries") or 0) - held) if r.get("phase") in _OPTIMIZER_PHASES else 0
+                 for r in pm.timeline or []]
+        after = E.peak_with_rows(pm, added) if pm.timeline and pm.timeline_step == at.step else peak - tmp
+        titan = E.torchtitan_version(ctx)
+        code = S.titan_settings(titan, optimizer_implementation="fused") if titan is not None else None
+        where = "torchtitan" if code else "optimizer"
+        how = (f" {S.titan_says(titan)}, whose optimizer takes its implementation: 'fused'." if code else
+               " The snippet switches every group of the optimizer you built to it, before its first step (a "
+               "step count restored from a checkpoint is moved to the parameters' device, as the fused step wants "
+               "it); or pass fused=True where you build it.")
+        sev = "critical" if E.budget_peak(ctx) >= cap else "warning"
+        return [self.finding(
+            sev, f"The optimizer step's temporaries hold {fmt_share(tmp / peak)} of a peak at "
+                 f"{fmt_share(peak / cap)} of capacity: {opt} runs unfused",
+            {"optimizer": opt, "peak_bytes": peak, "capacity_bytes": cap, "temporaries_bytes": tmp,
+             "temporaries_pct": round(100 * tmp / peak, 1), "peak_phase": at.phase},
+            f"The peak ({fmt_bytes(peak)}, {fmt_share(peak / cap)} of {fmt_bytes(cap)}) lies in {opt}'s step, where "
+            f"its operators' temporaries hold {fmt_bytes(tmp)}: its foreach implementation (torch's default for "
+            "FSDP2's DTensor parameters on CUDA) computes each update over every tensor of a group at once, making "
+            "intermediates as large as a moment of its state (the square root of the second moment, and for Adam "
+            f"with weight_decay the decayed gradients). {opt}'s fused implementation (fused=True) updates in one "
+            "kernel and makes none, with the same arithmetic (and is usually the faster on a GPU; the step time is "
+            f"not predicted).{how}",
+            code or S.fused_optimizer(), where=where,
+            predicted=E.predicted(E.step_ms(ctx), None, peak, after))]
+
+
 # Trainable parameters outside the optimizer: a warning from this share of the trainable elements on (a note below).
 UNTRAINED_WARN_SHARE = 0.10
 
