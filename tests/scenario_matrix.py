@@ -586,6 +586,10 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "ac": "block"}, capacity_share=0.65, min_severity="info", figure="checkpointed_units"),
     _g("gpu_gpt_tight_capacity", "gpt", "ac.recommended", "batch 8, budget 5% above peak",
        knobs={**GPU_SHAPE, "batch_size": 8}, capacity_share=0.95),
+    # one short sequence per rank, 8 blocks: the peak in AdamW's step, foreach on CUDA by default (DTensor
+    # parameters), its intermediate a fp32 copy of the sharded parameters; the fix runs it fused
+    _g("gpu_gpt_optimizer_peak", "gpt", "optim.foreach_temporaries", "AdamW's default foreach step at the peak, "
+       "budget 5% above it", knobs={**GPU_SHAPE, "batch_size": 1, "seq_len": 64, "n_layers": 8}, capacity_share=0.95),
     # the loss's logits near capacity (the CPU row hf_llama_big_vocab on a GPU): a 32,768-token vocabulary beside a
     # 512-wide, 2-layer HF Llama in bf16, the loss in its forward (float32 logits: 8 x 512 x 32,768 x 4 B, 1 GiB),
     # 8 x 512 tokens a rank; in words, no code
