@@ -239,11 +239,15 @@ def evidence_rows(evidence: dict, max_items: int = 8, fmt=None) -> list[tuple[st
     """(label, value) for each evidence item, as every presenter prints them (terminal, HTML, dashboard; ``fmt``:
     a presenter's own ``fmt_value(key, value)``). A list shows its first ``max_items``, and how many more: of its
     count where one stands beside it (``late_steps`` and ``late_step_count``: a long run's list is cut, and "(+42)"
-    of the cut list read beside a count of 562, a new-user trial)."""
+    of the cut list read beside a count of 562, a new-user trial). An item without a value (None: not measured on
+    this run, or not applicable, as ``read_on_straggler`` without a straggler) is left out, as "—" it only took a
+    line (the JSON keeps it)."""
     labels = evidence_labels(evidence)
     fmt = fmt or (lambda k, v: fmt_value(k, v, max_items=max(1, len(v)) if isinstance(v, list) else 8))
     rows = []
     for k, v in evidence.items():
+        if v is None:
+            continue
         if isinstance(v, list) and v:
             words = k.split("_")  # its count: late_steps' late_step_count, or a count of the same first word's
             keys = ["_".join([*words[:-1], words[-1].rstrip("s"), "count"])]

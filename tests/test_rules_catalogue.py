@@ -367,3 +367,14 @@ def test_a_list_cut_short_beside_its_count_says_how_many_of_that_count_are_left_
     assert rows["late excess ms"].endswith("… (+554)") and rows["worst units"] == "a, b, c"
     assert rows["examples"] == "0, 1, 2, 3, 4, 5, 6, 7 … (+4)"
     assert dict(evidence_rows(ev, max_items=10))["late steps"].endswith("8, 9 … (+552)")
+
+
+def test_evidence_without_a_value_takes_no_line():
+    """prefetch.exposed_allgather's evidence printed "read on straggler: —" and "free compute ms per step: —" on every
+    run without a straggler or a device timing: lines saying nothing, in the terminal, the HTML and the dashboard
+    (evidence_rows). They are left out there; the JSON keeps them, and a 0 stays a figure."""
+    from fsdp_doctor.units import evidence_rows
+
+    rows = evidence_rows({"exposed_ms_per_step": 12.5, "read_on_straggler": None, "expected_gain_us": 0,
+                          "free_compute_ms_per_step": None})
+    assert rows == [("exposed per step", "12.5 ms"), ("expected gain", "0 µs")], rows
